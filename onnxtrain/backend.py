@@ -1,0 +1,61 @@
+"""An ONNX backend (``onnx.backend.base.Backend``) over the numpy engine, for ONNX's conformance suite."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx.backend.base import Backend, BackendRep
+
+from onnxtrain.engine.plan import Plan
+
+
+class OnnxtrainRep(BackendRep):
+    """A compiled model; ``run`` takes inputs in graph-input order (or a dict)."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.plan = Plan(model)
+
+    def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
+        if isinstance(inputs, dict):
+            feeds = dict(inputs)
+        else:
+            if isinstance(inputs, np.ndarray):
+                inputs = [inputs]
+            feeds = dict(zip(self.plan.input_names, inputs))
+        return tuple(self.plan.run(feeds))
+
+
+class OnnxtrainBackend(Backend):
+    @classmethod
+    def prepare(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> OnnxtrainRep:
+        return OnnxtrainRep(model)
+
+    @classmethod
+    def supports_device(cls, device: str) -> bool:
+        return device.upper() == "CPU"
+
+    @classmethod
+    def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU",
+                  **kwargs: Any) -> tuple[np.ndarray, ...]:
+        return cls.prepare(model, device).run(inputs)
+
+    @classmethod
+    def run_node(cls, node: onnx.NodeProto, inputs: Any, device: str = "CPU",
+                 outputs_info: Any = None, **kwargs: Any) -> tuple[np.ndarray, ...]:
+        opset = kwargs.get("opset_version", onnx.defs.onnx_opset_version())
+        arrays = [np.asarray(x) for x in inputs]
+        g_in = [onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+                for n, a in zip(node.input, arrays) if n]
+        g_out = [onnx.helper.make_empty_tensor_value_info(n) for n in node.output if n]
+        graph = onnx.helper.make_graph([node], "run_node", g_in, g_out)
+        model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+        feeds = {n: a for n, a in zip(node.input, arrays) if n}
+        return tuple(Plan(model).run(feeds))
+
+
+prepare = OnnxtrainBackend.prepare
+run_model = OnnxtrainBackend.run_model
+run_node = OnnxtrainBackend.run_node
+supports_device = OnnxtrainBackend.supports_device

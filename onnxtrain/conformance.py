@@ -1,0 +1,89 @@
+"""Run ONNX's node conformance cases against the engine: ``python -m onnxtrain.conformance``.
+
+Prints ``N of M passed`` for the tier-1 and tier-2 ops of the op-coverage plan, and, with
+``--per-op`` or ``--failures``, what failed and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+from collections.abc import Iterable
+
+TIER1 = ("Abs,Add,BatchNormalization,Cast,Concat,Constant,ConstantOfShape,Conv,Div,Dropout,Equal,Erf,"
+         "Expand,Flatten,Gather,Gelu,Gemm,Greater,Identity,IsNaN,LayerNormalization,Less,Log,LogSoftmax,"
+         "MatMul,Max,MaxPool,Mod,Mul,Neg,NegativeLogLikelihoodLoss,Pow,ReduceMean,ReduceSum,Relu,Reshape,"
+         "Shape,Sigmoid,Slice,Softmax,SoftmaxCrossEntropyLoss,Split,Sqrt,Squeeze,Sub,Tanh,Transpose,"
+         "Unsqueeze,Where,ConvTranspose,ScatterElements,ScatterND,Pad,OneHot,Range,Exp,Sign,Not,And,"
+         "GreaterOrEqual,LessOrEqual,NonZero,Size,Reciprocal").split(",")
+TIER2 = ("LSTM,GRU,RNN,ReverseSequence,GlobalAveragePool,GlobalMaxPool,AveragePool,InstanceNormalization,"
+         "Resize,DepthToSpace,SpaceToDepth,Clip,LeakyRelu,PRelu,Elu,Selu,Celu,HardSigmoid,HardSwish,"
+         "Softplus,Softsign,Mish,Min,Sum,Mean,ReduceMax,ReduceMin,ReduceProd,ReduceL1,ReduceL2,"
+         "ReduceSumSquare,ReduceLogSum,ReduceLogSumExp,LpNormalization,Sin,Cos,Floor,Ceil,Round,Or,IsInf,"
+         "ArgMax,ArgMin,TopK,CumSum,Tile,Trilu,Einsum,GatherElements,GatherND,EyeLike,CastLike,If,Loop"
+         ).split(",")
+
+# Cases we do not pass, each with its reason (kept in one place; the test module reads it).
+EXPECTED_FAILURES: dict[str, str] = {}
+
+
+def load_cases(ops: Iterable[str]) -> list:
+    """Node cases whose op under test (the base case's single node) is in ``ops``."""
+    from onnx.backend.test.loader import load_model_tests
+
+    wanted = set(ops)
+    cases = load_model_tests(kind="node")
+    by_name = {c.name: c for c in cases}
+
+    def op_of(c) -> str:
+        base = by_name.get(re.sub(r"_expanded(_ver\d+)?$", "", c.name), c)
+        return base.model.graph.node[0].op_type if base.model.graph.node else ""
+
+    return [(op_of(c), c) for c in cases if op_of(c) in wanted]
+
+
+def run_case(case) -> None:
+    """Run one case; raises AssertionError/Exception when it fails."""
+    from onnx.backend.test.runner import Runner, _normalize_tensor
+
+    from onnxtrain.backend import OnnxtrainBackend
+
+    rep = OnnxtrainBackend.prepare(case.model)
+    for ins, outs in case.data_sets:
+        got = rep.run([_normalize_tensor(x) for x in ins])
+        Runner.assert_similar_outputs([_normalize_tensor(x) for x in outs], list(got), case.rtol, case.atol)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m onnxtrain.conformance", description=__doc__)
+    p.add_argument("--tier", default="1,2", help="tiers to run, e.g. 1 or 1,2")
+    p.add_argument("--ops", default="", help="comma-separated op names (overrides --tier)")
+    p.add_argument("--per-op", action="store_true", help="print passed/total per op")
+    p.add_argument("--failures", action="store_true", help="print each failure and its error")
+    a = p.parse_args(argv)
+    ops = a.ops.split(",") if a.ops else [op for t in a.tier.split(",") for op in (TIER1 if t == "1" else TIER2)]
+    per_op: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    passed = total = 0
+    for op, case in load_cases(ops):
+        total += 1
+        try:
+            run_case(case)
+            passed += 1
+            per_op[op]["pass"] += 1
+        except Exception as e:  # noqa: BLE001 - a conformance run reports every failure
+            per_op[op]["fail"] += 1
+            if a.failures:
+                msg = str(e).strip().splitlines()
+                print(f"FAIL {case.name} [{op}]: {type(e).__name__}: {msg[0][:200] if msg else ''}")
+    if a.per_op:
+        for op in sorted(per_op):
+            c = per_op[op]
+            print(f"{op:28s} {c['pass']:3d} / {c['pass'] + c['fail']:3d}")
+    print(f"{passed} of {total} passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

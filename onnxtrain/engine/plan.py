@@ -1,0 +1,270 @@
+"""Compile an ONNX graph once into a :class:`Plan`; run the plan many times.
+
+The plan is a flat list of steps ``(kernel, input slots, output slots, attrs, slots to free)``.
+Values live in a list indexed by slot; each intermediate is dropped right after its last use,
+and the plan records the peak bytes of live tensors during its last run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from onnxtrain.engine.registry import Attrs, Kernel, available_ops, find_kernel, parse_attributes
+from onnxtrain.ir.types import np_dtype_of, value_info_shape
+
+SUBGRAPH_OPS = {"If", "Loop", "Scan", "SequenceMap"}
+
+
+class EngineError(RuntimeError):
+    """A failure while compiling or running a graph; the message names the node and op."""
+
+
+class UnsupportedOpError(EngineError, NotImplementedError):
+    """The graph holds an op that has no kernel (yet)."""
+
+
+@dataclass
+class Step:
+    fn: Kernel
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    attrs: Attrs
+    free: tuple[int, ...]
+    node: onnx.NodeProto
+
+
+@dataclass
+class ProfileEvent:
+    name: str
+    op: str
+    start_ns: int
+    dur_ns: int
+    shapes: list[Any] = field(default_factory=list)
+
+
+def load_model(model: onnx.ModelProto | str | bytes | os.PathLike) -> onnx.ModelProto:
+    """A ModelProto from a proto, a path or serialized bytes; errors name the file."""
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        try:
+            m = onnx.load_from_string(bytes(model))
+        except Exception as e:
+            raise EngineError(f"could not parse the model bytes ({len(model)} bytes): {e}") from None
+        if not m.graph.node and not m.graph.output:
+            raise EngineError(f"the model bytes ({len(model)} bytes) hold no graph")
+        return m
+    path = os.fspath(model)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model file not found: {path}")
+    try:
+        return onnx.load(path)
+    except Exception as e:
+        raise EngineError(f"could not load model file {path}: {e}") from None
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return int(o.version)
+    return onnx.defs.onnx_opset_version()
+
+
+class Plan:
+    """An executable form of one ONNX graph."""
+
+    def __init__(self, model: onnx.ModelProto | str | bytes, fold_constants: bool = True):
+        model = load_model(model)
+        self.model = model
+        g = model.graph
+        self.opset = default_opset(model)
+        self.initializers: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+        init_names = set(self.initializers)
+        self.input_names = [v.name for v in g.input if v.name not in init_names]
+        self.all_input_names = [v.name for v in g.input]
+        self.output_names = [v.name for v in g.output]
+        self.input_info = {v.name: v for v in g.input}
+        self.output_info = {v.name: v for v in g.output}
+        self.input_dtypes = {v.name: np_dtype_of(v.type) for v in g.input}
+        self.input_shapes = {v.name: value_info_shape(v.type) for v in g.input}
+
+        slot: dict[str, int] = {}
+
+        def slot_of(name: str) -> int:
+            if name not in slot:
+                slot[name] = len(slot)
+            return slot[name]
+
+        for name in self.all_input_names:
+            slot_of(name)
+        for name in self.initializers:
+            slot_of(name)
+        raw_steps: list[tuple[onnx.NodeProto, Kernel, Attrs, list[int], list[int]]] = []
+        missing: list[str] = []
+        for node in g.node:
+            if node.op_type in SUBGRAPH_OPS:
+                raise UnsupportedOpError(
+                    f"node {node.name!r} ({node.op_type}): subgraph ops (If, Loop, Scan) are not supported yet")
+            fn = find_kernel(node.op_type, self.opset, node.domain)
+            if fn is None:
+                missing.append(f"{node.name!r} ({node.domain + '.' if node.domain else ''}{node.op_type})")
+                continue
+            try:
+                values = parse_attributes(node, self.opset)
+            except Exception as e:
+                raise EngineError(f"node {node.name!r} ({node.op_type}): bad attributes: {e}") from None
+            used = tuple(bool(o) for o in node.output)
+            attrs = Attrs(values, node.op_type, node.name, self.opset, len(node.output), used)
+            ins = [slot_of(n) if n else -1 for n in node.input]
+            outs = [slot_of(n) if n else -1 for n in node.output]
+            raw_steps.append((node, fn, attrs, ins, outs))
+        if missing:
+            raise UnsupportedOpError(
+                f"no kernel for node(s) {', '.join(missing)}; ops with kernels: {', '.join(available_ops())}")
+        produced = set(init_names) | set(self.all_input_names)
+        for node, *_ in raw_steps:
+            for n in node.input:
+                if n and n not in produced:
+                    raise EngineError(f"node {node.name!r} ({node.op_type}): input {n!r} is not produced "
+                                      "by any earlier node, graph input or initializer")
+            produced.update(o for o in node.output if o)
+        for n in self.output_names:
+            if n not in produced:
+                raise EngineError(f"graph output {n!r} is not produced by any node")
+        self.slot = slot
+        self.n_slots = len(slot)
+        # last use of every slot; graph outputs and initializers are never freed
+        keep = {slot[n] for n in self.output_names} | {slot[n] for n in init_names}
+        last: dict[int, int] = {}
+        for i, (_, _, _, ins, outs) in enumerate(raw_steps):
+            for s in ins:
+                if s >= 0:
+                    last[s] = i
+            for s in outs:
+                if s >= 0:
+                    last.setdefault(s, i)  # an output nobody reads dies at once
+                    last[s] = max(last[s], i)
+        frees: list[list[int]] = [[] for _ in raw_steps]
+        for s, i in last.items():
+            if s not in keep:
+                frees[i].append(s)
+        self.steps = [Step(fn, tuple(ins), tuple(outs), attrs, tuple(fr), node)
+                      for (node, fn, attrs, ins, outs), fr in zip(raw_steps, frees)]
+        self.peak_bytes = 0
+        self.profiling = False
+        self.profile: list[ProfileEvent] = []
+        self._output_slots = [slot[n] for n in self.output_names]
+        self._input_slots = [slot[n] for n in self.all_input_names]
+        self._init_values = [(slot[n], v) for n, v in self.initializers.items()]
+        self._base_bytes = sum(v.nbytes for v in self.initializers.values())
+        self._const_values: list[tuple[int, np.ndarray]] = []
+        if fold_constants:
+            self._fold_constants()
+
+    def _fold_constants(self) -> None:
+        """Evaluate Constant nodes once, at compile time (initializers stay feedable)."""
+        kept: list[Step] = []
+        folded: list[tuple[int, np.ndarray]] = []
+        for st in self.steps:
+            if st.node.op_type != "Constant":
+                kept.append(st)
+                continue
+            res = self._call(st, [])
+            folded.extend((s, np.asarray(v)) for s, v in zip(st.outputs, res))
+        self.steps = kept
+        self._const_values = folded
+        self._base_bytes += sum(v.nbytes for _, v in folded)
+
+    @staticmethod
+    def _call(st: Step, vals: list[Any]) -> Sequence[Any]:
+        try:
+            return st.fn(vals, st.attrs)
+        except EngineError:
+            raise
+        except Exception as e:
+            shapes = ", ".join(f"{n or '<none>'}: {_describe(v)}" for n, v in zip(st.node.input, vals))
+            raise EngineError(f"node {st.node.name!r} ({st.node.op_type}) failed on inputs [{shapes}]: "
+                              f"{type(e).__name__}: {e}") from e
+
+    def run(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None,
+            overrides: Mapping[str, Any] | None = None) -> list[np.ndarray]:
+        """Run the graph on ``feeds`` (name → array) and return the requested outputs."""
+        vals: list[Any] = [None] * self.n_slots
+        slot = self.slot
+        for s, v in self._init_values:
+            vals[s] = v
+        for s, v in self._const_values:
+            vals[s] = v
+        live = self._base_bytes
+        for name, v in feeds.items():
+            s = slot.get(name)
+            if s is None:
+                raise EngineError(f"unknown feed {name!r}; graph inputs: {self.all_input_names}")
+            if vals[s] is not None and name in self.initializers:
+                live -= vals[s].nbytes
+            vals[s] = v
+            live += v.nbytes
+        if overrides:
+            for name, v in overrides.items():
+                vals[slot[name]] = v
+        peak = live
+        prof = self.profiling
+        for st in self.steps:
+            args = [vals[i] if i >= 0 else None for i in st.inputs]
+            if prof:
+                t0 = time.perf_counter_ns()
+            try:
+                res = st.fn(args, st.attrs)
+            except Exception:
+                res = self._call(st, args)  # re-raises with the node named
+            if prof:
+                self.profile.append(ProfileEvent(st.node.name or st.node.op_type, st.node.op_type, t0,
+                                                 time.perf_counter_ns() - t0,
+                                                 [list(np.shape(a)) for a in args if a is not None]))
+            for s, r in zip(st.outputs, res):
+                if s >= 0:
+                    vals[s] = r
+                    live += r.nbytes
+            if live > peak:
+                peak = live
+            for s in st.free:
+                v = vals[s]
+                if v is not None:
+                    live -= v.nbytes
+                    vals[s] = None
+        self.peak_bytes = peak
+        if output_names is None:
+            return [_as_array(vals[s]) for s in self._output_slots]
+        out = []
+        for n in output_names:
+            s = slot.get(n)
+            if s is None or n not in self.output_info:
+                raise EngineError(f"unknown output {n!r}; graph outputs: {self.output_names}")
+            out.append(_as_array(vals[s]))
+        return out
+
+
+def _as_array(v: Any) -> Any:
+    return v if isinstance(v, np.ndarray) or v is None or isinstance(v, list) else np.asarray(v)
+
+
+def _describe(v: Any) -> str:
+    if v is None:
+        return "None"
+    if isinstance(v, np.ndarray) or np.isscalar(v):
+        a = np.asarray(v)
+        return f"{a.dtype}{list(a.shape)}"
+    return type(v).__name__
+
+
+def compile_model(model: onnx.ModelProto | str | bytes, **kw: Any) -> Plan:
+    """Compile ``model`` (a ModelProto, a path or bytes) into a :class:`Plan`."""
+    return Plan(model, **kw)

@@ -1,0 +1,136 @@
+"""Kernel registry: ``@kernel("Relu", since=14)`` maps an ONNX op to a numpy function.
+
+A kernel is a plain function ``fn(inputs, attrs) -> tuple of arrays``. ``inputs`` holds one
+entry per node input (``None`` for an omitted optional input); ``attrs`` is an :class:`Attrs`
+whose values were parsed once at compile time, with the defaults of the ONNX schema filled in.
+Lookup picks the kernel with the highest ``since`` that is not newer than the model's opset.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, numpy_helper
+
+Inputs = Sequence[Any]
+Outputs = Sequence[Any]
+
+
+class Attrs(dict):
+    """Parsed attributes of one node, plus what a kernel may need to know about the node."""
+
+    __slots__ = ("op", "name", "opset", "n_outputs", "output_used", "cache")
+
+    def __init__(self, values: dict[str, Any], op: str = "", name: str = "", opset: int = 0,
+                 n_outputs: int = 1, output_used: tuple[bool, ...] = (True,)):
+        super().__init__(values)
+        self.op = op
+        self.name = name
+        self.opset = opset
+        self.n_outputs = n_outputs
+        self.output_used = output_used
+        self.cache: dict[Any, Any] = {}  # per-node scratch a kernel may keep between runs
+
+
+Kernel = Callable[[Inputs, Attrs], Outputs]
+
+DEFAULT_DOMAINS = ("", "ai.onnx")
+_KERNELS: dict[str, list[tuple[int, Kernel]]] = {}
+_LOADED = False
+
+
+def kernel(op: str, since: int = 1) -> Callable[[Kernel], Kernel]:
+    """Register ``fn`` as the kernel of ``op`` for opsets ``>= since``."""
+
+    def register(fn: Kernel) -> Kernel:
+        versions = _KERNELS.setdefault(op, [])
+        if any(v == since for v, _ in versions):
+            raise ValueError(f"kernel for {op} since opset {since} registered twice")
+        versions.append((since, fn))
+        versions.sort(key=lambda v: v[0])
+        return fn
+
+    return register
+
+
+def _load_all() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    from onnxtrain.engine import kernels
+
+    for mod in pkgutil.iter_modules(kernels.__path__):
+        importlib.import_module(f"{kernels.__name__}.{mod.name}")
+    _LOADED = True
+
+
+def find_kernel(op: str, opset: int, domain: str = "") -> Kernel | None:
+    """The kernel for ``op`` at ``opset``, or None."""
+    _load_all()
+    if domain not in DEFAULT_DOMAINS:
+        return None
+    best = None
+    for since, fn in _KERNELS.get(op, ()):
+        if since <= opset:
+            best = fn
+    if best is None and op in _KERNELS:  # models older than our first version: use the oldest
+        best = _KERNELS[op][0][1]
+    return best
+
+
+def available_ops() -> list[str]:
+    """Names of every op that has a kernel."""
+    _load_all()
+    return sorted(_KERNELS)
+
+
+def attribute_value(attr: AttributeProto) -> Any:
+    """An AttributeProto as a Python value: str for strings, ndarray for tensors."""
+    t = attr.type
+    if t == AttributeProto.FLOAT:
+        return float(attr.f)
+    if t == AttributeProto.INT:
+        return int(attr.i)
+    if t == AttributeProto.STRING:
+        return attr.s.decode("utf-8")
+    if t == AttributeProto.TENSOR:
+        return numpy_helper.to_array(attr.t)
+    if t == AttributeProto.FLOATS:
+        return [float(v) for v in attr.floats]
+    if t == AttributeProto.INTS:
+        return [int(v) for v in attr.ints]
+    if t == AttributeProto.STRINGS:
+        return [s.decode("utf-8") for s in attr.strings]
+    if t == AttributeProto.SPARSE_TENSOR:
+        from onnx.reference.op_run import to_sparse_tensor  # pragma: no cover
+
+        return to_sparse_tensor(attr.sparse_tensor)
+    return onnx.helper.get_attribute_value(attr)
+
+
+def parse_attributes(node: onnx.NodeProto, opset: int) -> dict[str, Any]:
+    """Node attributes with the schema's defaults filled in (absent optional ones are None)."""
+    values: dict[str, Any] = {}
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain or "")
+    except Exception:
+        schema = None
+    if schema is not None:
+        for name, a in schema.attributes.items():
+            d = a.default_value
+            values[name] = attribute_value(d) if d.type != AttributeProto.UNDEFINED and d.name else None
+    for a in node.attribute:
+        if a.ref_attr_name:
+            raise ValueError(f"node {node.name!r} ({node.op_type}): attribute references are not supported")
+        values[a.name] = attribute_value(a)
+    return values
+
+
+def as_array(x: Any, dtype: Any = None) -> np.ndarray:
+    """A kernel result as an ndarray (numpy ufuncs return scalars for 0-d inputs)."""
+    return x if isinstance(x, np.ndarray) and dtype is None else np.asarray(x, dtype=dtype)
