@@ -14,8 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import onnx
-from onnx import AttributeProto, numpy_helper
+from onnxtrain.ir.attrs import attribute_value, parse_attributes  # noqa: F401 - re-exported
 
 Inputs = Sequence[Any]
 Outputs = Sequence[Any]
@@ -87,48 +86,6 @@ def available_ops() -> list[str]:
     """Names of every op that has a kernel."""
     _load_all()
     return sorted(_KERNELS)
-
-
-def attribute_value(attr: AttributeProto) -> Any:
-    """An AttributeProto as a Python value: str for strings, ndarray for tensors."""
-    t = attr.type
-    if t == AttributeProto.FLOAT:
-        return float(attr.f)
-    if t == AttributeProto.INT:
-        return int(attr.i)
-    if t == AttributeProto.STRING:
-        return attr.s.decode("utf-8")
-    if t == AttributeProto.TENSOR:
-        return numpy_helper.to_array(attr.t)
-    if t == AttributeProto.FLOATS:
-        return [float(v) for v in attr.floats]
-    if t == AttributeProto.INTS:
-        return [int(v) for v in attr.ints]
-    if t == AttributeProto.STRINGS:
-        return [s.decode("utf-8") for s in attr.strings]
-    if t == AttributeProto.SPARSE_TENSOR:
-        from onnx.reference.op_run import to_sparse_tensor  # pragma: no cover
-
-        return to_sparse_tensor(attr.sparse_tensor)
-    return onnx.helper.get_attribute_value(attr)
-
-
-def parse_attributes(node: onnx.NodeProto, opset: int) -> dict[str, Any]:
-    """Node attributes with the schema's defaults filled in (absent optional ones are None)."""
-    values: dict[str, Any] = {}
-    try:
-        schema = onnx.defs.get_schema(node.op_type, opset, node.domain or "")
-    except Exception:
-        schema = None
-    if schema is not None:
-        for name, a in schema.attributes.items():
-            d = a.default_value
-            values[name] = attribute_value(d) if d.type != AttributeProto.UNDEFINED and d.name else None
-    for a in node.attribute:
-        if a.ref_attr_name:
-            raise ValueError(f"node {node.name!r} ({node.op_type}): attribute references are not supported")
-        values[a.name] = attribute_value(a)
-    return values
 
 
 def as_array(x: Any, dtype: Any = None) -> np.ndarray:

@@ -1,0 +1,312 @@
+"""Reverse-mode autodiff on ONNX graphs: forward graph in, forward + backward graph out.
+
+The output uses only standard ONNX operators at one opset (17 or newer), so any ONNX runtime can
+run it. ``build_gradient_model`` is the core; ``GradientGraphBuilder`` wraps it with the API of
+onnxruntime's legacy class of that name.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.autodiff.context import GradCtx, RuleError
+from onnxtrain.autodiff.registry import find_rule, has_no_gradient, ops_with_rules
+from onnxtrain.ir.attrs import parse_attributes
+from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, NodeWriter, elem_type, model_opset, static_shape, value_types
+
+MIN_OPSET = 17
+
+
+class GradientError(ValueError):
+    """The gradient graph cannot be built; the message names the node, op or value at fault."""
+
+
+def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.ModelProto:
+    """``model`` at default-domain opset >= ``target`` (older models go through the version converter)."""
+    if model_opset(model) >= target:
+        return model
+    from onnx import version_converter
+
+    try:
+        return version_converter.convert_version(model, target)
+    except Exception as e:
+        raise GradientError(f"could not upgrade the model from opset {model_opset(model)} to {target}: {e}") from None
+
+
+class _Backward:
+    """State of one backward construction."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.opset = model_opset(model)
+        self.types = value_types(model)
+        self.names = NameGen.for_model(model)
+        self.fwd_nodes = [_copy(n) for n in model.graph.node]
+        self.producer: dict[str, tuple[int, int]] = {}
+        for k, n in enumerate(self.fwd_nodes):
+            for j, o in enumerate(n.output):
+                if o:
+                    self.producer[o] = (k, j)
+        self.backward_nodes: list[onnx.NodeProto] = []
+        self.after_node: dict[int, list[onnx.NodeProto]] = {}  # forward-side nodes (Shape) per producer
+        self.before_all: list[onnx.NodeProto] = []
+        self._shapes: dict[str, str] = {}
+
+    def ensure_output(self, node: onnx.NodeProto, i: int) -> str:
+        """Give ``node`` an output ``i`` (e.g. MaxPool's Indices, Dropout's mask) if it has none."""
+        while len(node.output) <= i:
+            node.output.append("")
+        if not node.output[i]:
+            node.output[i] = self.names(f"{node.name or node.op_type}_out{i}")
+        return node.output[i]
+
+    def shape_of(self, name: str) -> str:
+        """A ``Shape`` of ``name`` placed right after its producer in the forward pass."""
+        if name in self._shapes:
+            return self._shapes[name]
+        out = self.names(f"{name}_shape")
+        node = helper.make_node("Shape", [name], [out], name=self.names(f"{name}_Shape"))
+        where = self.producer.get(name)
+        if where is None:
+            self.before_all.append(node)
+        else:
+            self.after_node.setdefault(where[0], []).append(node)
+        self._shapes[name] = out
+        return out
+
+    def unbroadcast(self, g: GradCtx, grad: str, x: str, grad_rank: int | None) -> str:
+        xs = static_shape(self.types, x)
+        out_shape = static_shape(self.types, g.node.output[0]) if g.node.output else None
+        if grad_rank is None and out_shape is not None:
+            grad_rank = len(out_shape)
+        if xs is None or grad_rank is None:
+            return self._unbroadcast_dynamic(g, grad, x)
+        lead = grad_rank - len(xs)
+        if lead < 0:
+            raise RuleError(f"node {g.node.name!r} ({g.node.op_type}): gradient rank {grad_rank} is smaller "
+                            f"than the rank {len(xs)} of input {x!r}")
+        ys = out_shape if out_shape is not None and len(out_shape) == grad_rank else [None] * grad_rank
+        axes = list(range(lead)) + [lead + j for j, d in enumerate(xs) if d == 1 and ys[lead + j] != 1]
+        if not axes:
+            return grad
+        if any(d is None for d in xs):
+            return g.emit("Reshape", g.reduce("ReduceSum", grad, axes, keepdims=1), self.shape_of(x))
+        red = g.reduce("ReduceSum", grad, axes, keepdims=1)
+        return g.emit("Squeeze", red, g.ints(range(lead))) if lead else red
+
+    def _unbroadcast_dynamic(self, g: GradCtx, grad: str, x: str) -> str:
+        # axes where Shape(x), left-padded with ones to the gradient's rank, differs from Shape(grad)
+        sg = g.emit("Shape", grad)
+        sx = self.shape_of(x)
+        diff = g.emit("Sub", g.emit("Size", sg), g.emit("Size", sx))
+        one = numpy_helper.from_array(_np_int64_1())
+        pad = g.emit("ConstantOfShape", g.emit("Reshape", diff, g.ints([1])), value=one)
+        sxp = g.emit("Concat", pad, sx, axis=0)
+        axes = g.emit("Reshape", g.emit("NonZero", g.emit("Not", g.emit("Equal", sxp, sg))), g.ints([-1]))
+        red = g.emit("ReduceSum", grad, axes, keepdims=1, noop_with_empty_axes=1)
+        return g.emit("Reshape", red, sx)
+
+
+def _np_int64_1() -> Any:
+    import numpy as np
+
+    return np.ones(1, dtype=np.int64)
+
+
+def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
+    c = onnx.NodeProto()
+    c.CopyFrom(node)
+    return c
+
+
+def build_gradient_model(model: onnx.ModelProto | bytes | str, loss: str, wrt: Sequence[str],
+                         outputs: Sequence[str] | None = None, extra_outputs: Sequence[str] = (),
+                         other_ys: Sequence[str] = (), zero_unreachable: bool = True,
+                         grad_suffix: str = "_grad") -> onnx.ModelProto:
+    """Append the backward pass of ``loss`` with respect to ``wrt`` to ``model``.
+
+    The result outputs the loss, ``outputs`` (default: the model's outputs), ``extra_outputs``
+    (forward values such as BatchNormalization running statistics) and ``<x>_grad`` for every
+    ``x`` in ``wrt``, in that order. ``other_ys`` are further differentiated values whose incoming
+    gradients ``<y>_grad`` become graph inputs. Example::
+
+        m = build_gradient_model(onnx.load("mlp_loss.onnx"), "loss", ["fc1.weight", "fc1.bias"])
+    """
+    if isinstance(model, (bytes, bytearray)):
+        model = onnx.load_from_string(bytes(model))
+    elif isinstance(model, (str, os.PathLike)):
+        model = onnx.load(os.fspath(model))
+    model = upgrade_opset(model)
+    bw = _Backward(model)
+    g = model.graph
+    known = {v.name for v in g.input} | {t.name for t in g.initializer} | set(bw.producer)
+    for name, what in [(loss, "loss"), *((x, "x (wrt)") for x in wrt), *((y, "y") for y in other_ys)]:
+        if name not in known:
+            raise GradientError(f"{what} {name!r} is not a value of the graph; graph outputs: "
+                                f"{[o.name for o in g.output]}")
+    if len(set(wrt)) != len(wrt):
+        raise GradientError(f"wrt lists a value twice: {list(wrt)}")
+
+    for x in wrt:
+        gname = f"{x}{grad_suffix}"
+        if gname in bw.names.taken:
+            raise GradientError(f"the model already has a value named {gname!r}; cannot name the gradient of {x!r}")
+        bw.names.taken.add(gname)
+
+    # forward reachability from wrt through differentiable, float-typed edges
+    requires: set[str] = set(wrt)
+    rules: dict[int, Any] = {}
+    for k, node in enumerate(bw.fwd_nodes):
+        if has_no_gradient(node.op_type):
+            continue
+        rule = find_rule(node.op_type, bw.opset)
+        stop = rule.stop if rule else frozenset()
+        if any(n in requires and i not in stop for i, n in enumerate(node.input)):
+            rules[k] = rule
+            for o in node.output:
+                if o and _is_float(bw, o):
+                    requires.add(o)
+    ys = [loss, *other_ys]
+    # backward reachability from the ys
+    needed: set[str] = {y for y in ys if y in requires}
+    on_path: list[int] = []
+    for k in range(len(bw.fwd_nodes) - 1, -1, -1):
+        node = bw.fwd_nodes[k]
+        if k in rules and any(o in needed for o in node.output if o):
+            on_path.append(k)
+            stop = rules[k].stop if rules[k] else frozenset()
+            for i, n in enumerate(node.input):
+                if n in requires and i not in stop:
+                    needed.add(n)
+    for k in on_path:
+        if rules[k] is None:
+            node = bw.fwd_nodes[k]
+            raise GradientError(f"node {node.name!r} ({node.op_type}) lies on the path from the parameters to the "
+                                f"loss but {node.op_type} has no gradient rule; ops with rules: "
+                                f"{', '.join(ops_with_rules())}")
+
+    # seeds
+    seed_w = NodeWriter(bw.names, bw.backward_nodes, prefix="")
+    contributions: dict[str, list[str]] = {}
+    new_inputs: list[onnx.ValueInfoProto] = []
+    if loss in needed:
+        one = numpy_helper.from_array(_ones(elem_type(bw.types, loss) or TensorProto.FLOAT))
+        seed = seed_w.emit("ConstantOfShape", [bw.shape_of(loss)], [bw.names(f"{loss}{grad_suffix}")],
+                           name=bw.names(f"{loss}_grad_seed"), value=one)[0]
+        contributions[loss] = [seed]
+    for y in other_ys:
+        name = bw.names(f"{y}{grad_suffix}")
+        tp = bw.types.get(y) or helper.make_tensor_type_proto(TensorProto.FLOAT, None)
+        new_inputs.append(helper.make_value_info(name, tp))
+        contributions.setdefault(y, []).append(name)
+
+    def grad_of(name: str) -> str | None:
+        parts = contributions.get(name)
+        if not parts:
+            return None
+        if len(parts) > 1:
+            summed = seed_w.emit("Sum", parts, [bw.names(f"{name}{grad_suffix}_sum")],
+                                 name=bw.names(f"{name}_grad_Sum"))[0]
+            contributions[name] = [summed]
+        return contributions[name][0]
+
+    # the reverse walk
+    for k in on_path:
+        node = bw.fwd_nodes[k]
+        rule = rules[k]
+        dys = [grad_of(o) if o else None for o in node.output]
+        if all(d is None for d in dys):
+            continue
+        needs = [bool(n) and n in needed and i not in rule.stop for i, n in enumerate(node.input)]
+        ctx = GradCtx(bw, node, rule, parse_attributes(node, bw.opset), dys, needs)
+        try:
+            rule.fn(ctx)
+        except RuleError as e:
+            raise GradientError(f"node {node.name!r} ({node.op_type}): {e}") from None
+        for i, d in ctx.dxs.items():
+            contributions.setdefault(node.input[i], []).append(d)
+
+    # assemble: forward (with forward-side Shape nodes), seeds and backward
+    nodes: list[onnx.NodeProto] = list(bw.before_all)
+    for k, n in enumerate(bw.fwd_nodes):
+        nodes.append(n)
+        nodes.extend(bw.after_node.get(k, ()))
+    out_names = [loss] + [o for o in (outputs if outputs is not None else [o.name for o in g.output]) if o != loss]
+    out_names += [e for e in extra_outputs if e not in out_names]
+    grad_outputs: list[onnx.ValueInfoProto] = []
+    tail = NodeWriter(bw.names, bw.backward_nodes, prefix="")
+    produced_by_backward = {o for n in bw.backward_nodes for o in n.output}
+    renames: dict[str, str] = {}
+    for x in wrt:
+        gname = f"{x}{grad_suffix}"
+        d = grad_of(x)
+        if d is None:
+            if not zero_unreachable:
+                raise GradientError(f"{x!r} does not reach the loss {loss!r}")
+            zero = numpy_helper.from_array(_zeros(elem_type(bw.types, x) or TensorProto.FLOAT))
+            tail.emit("ConstantOfShape", [bw.shape_of(x)], [gname], value=zero)
+        elif d != gname:
+            if d in produced_by_backward and d not in renames and d not in (loss, *wrt):
+                renames[d] = gname  # name the last gradient node's output <x>_grad directly
+            else:
+                tail.emit("Identity", [d], [gname])
+        tp = bw.types.get(x)
+        grad_outputs.append(helper.make_value_info(gname, tp) if tp is not None
+                            else helper.make_empty_tensor_value_info(gname))
+    for n in bw.backward_nodes:
+        for seq in (n.input, n.output):
+            for j, v in enumerate(seq):
+                if v in renames:
+                    seq[j] = renames[v]
+    nodes.extend(bw.backward_nodes)
+    value_infos = {v.name: v for v in (*g.output, *g.input, *g.value_info)}
+    outs = [_vi(bw, n, value_infos.get(n)) for n in out_names] + grad_outputs
+    keep = _live_nodes(nodes, [o.name for o in outs])
+    graph = helper.make_graph(keep, g.name or "gradient_graph", list(g.input) + new_inputs, outs,
+                              initializer=list(g.initializer))
+    result = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name="onnxtrain",
+                               ir_version=model.ir_version)
+    result.functions.extend(model.functions)
+    return result
+
+
+def _vi(bw: _Backward, name: str, given: onnx.ValueInfoProto | None = None) -> onnx.ValueInfoProto:
+    """A value info for output ``name``: the model's own when it has a type, else the inferred one."""
+    if given is not None and given.type.HasField("tensor_type") and given.type.tensor_type.elem_type:
+        return given
+    tp = bw.types.get(name)
+    return helper.make_value_info(name, tp) if tp is not None else helper.make_empty_tensor_value_info(name)
+
+
+def _is_float(bw: _Backward, name: str) -> bool:
+    et = elem_type(bw.types, name)
+    return et == TensorProto.UNDEFINED or et in FLOAT_TYPES
+
+
+def _ones(et: int) -> Any:
+    import numpy as np
+
+    return np.ones(1, dtype=helper.tensor_dtype_to_np_dtype(et))
+
+
+def _zeros(et: int) -> Any:
+    import numpy as np
+
+    return np.zeros(1, dtype=helper.tensor_dtype_to_np_dtype(et))
+
+
+def _live_nodes(nodes: list[onnx.NodeProto], outputs: Iterable[str]) -> list[onnx.NodeProto]:
+    """Drop nodes none of whose outputs is needed (dead code), keeping the order."""
+    needed = set(outputs)
+    keep: list[onnx.NodeProto] = []
+    for n in reversed(nodes):
+        if any(o in needed for o in n.output if o):
+            keep.append(n)
+            needed.update(i for i in n.input if i)
+    keep.reverse()
+    return keep

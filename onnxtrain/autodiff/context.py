@@ -1,0 +1,147 @@
+"""``GradCtx``: what a gradient rule sees of one forward node, and how it emits backward nodes.
+
+Vocabulary (after ONNX Runtime's gradient builders): ``x(i)``/``y(i)`` are the forward input and
+output names, ``dy(i)`` the incoming gradient of output ``i`` (None when it has none),
+``needs_dx(i)`` says whether input ``i`` wants a gradient and ``set_dx(i, name)`` provides it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from onnxtrain.ir.builder import NodeWriter, elem_type, static_shape
+
+if TYPE_CHECKING:
+    from onnxtrain.autodiff.builder import _Backward
+    from onnxtrain.autodiff.registry import Rule
+
+
+class RuleError(RuntimeError):
+    """A gradient rule cannot handle this node (the message names the node)."""
+
+
+class GradCtx:
+    """The context of one forward node during the backward walk."""
+
+    def __init__(self, bw: _Backward, node: onnx.NodeProto, rule: Rule, attrs: dict[str, Any],
+                 dys: list[str | None], needs: list[bool]):
+        self._bw = bw
+        self.node = node
+        self.rule = rule
+        self.attrs = attrs
+        self._dys = dys
+        self._needs = needs
+        self.opset = bw.opset
+        self.w = NodeWriter(bw.names, bw.backward_nodes, prefix=f"{node.name or node.op_type}_Grad/")
+        self.dxs: dict[int, str] = {}
+        first = next((n for n in (*node.output, *node.input) if n and elem_type(bw.types, n) in _FLOATS), None)
+        self.dtype: int = elem_type(bw.types, first) if first else TensorProto.FLOAT
+
+    # ---- forward values -------------------------------------------------------------
+    def _check_use(self, key: str) -> None:
+        u = self.rule.uses
+        if key not in u and f"{key[0]}*" not in u:
+            raise RuleError(f"gradient rule of {self.node.op_type} reads {key} but does not declare it in uses=")
+
+    def x(self, i: int) -> str:
+        """Name of forward input ``i`` (declared in ``uses``)."""
+        self._check_use(f"x{i}")
+        return self.node.input[i]
+
+    def y(self, i: int) -> str:
+        """Name of forward output ``i``; adds the output to the forward node if it was omitted."""
+        self._check_use(f"y{i}")
+        return self._bw.ensure_output(self.node, i)
+
+    def has_x(self, i: int) -> bool:
+        return i < len(self.node.input) and bool(self.node.input[i])
+
+    @property
+    def n_inputs(self) -> int:
+        return len(self.node.input)
+
+    @property
+    def n_outputs(self) -> int:
+        return len(self.node.output)
+
+    def attr(self, name: str) -> Any:
+        return self.attrs.get(name)
+
+    def shape(self, name_or_index: str | int, output: bool = False) -> str:
+        """``Shape`` of a forward value, computed in the forward pass so the value itself can be freed."""
+        name = name_or_index if isinstance(name_or_index, str) else (
+            self.node.output[name_or_index] if output else self.node.input[name_or_index])
+        return self._bw.shape_of(name)
+
+    def static_shape(self, name_or_index: str | int, output: bool = False) -> list[int | None] | None:
+        name = name_or_index if isinstance(name_or_index, str) else (
+            self.node.output[name_or_index] if output else self.node.input[name_or_index])
+        return static_shape(self._bw.types, name)
+
+    def rank(self, name_or_index: str | int, output: bool = False) -> int | None:
+        s = self.static_shape(name_or_index, output)
+        return None if s is None else len(s)
+
+    def elem_type(self, name: str) -> int:
+        return elem_type(self._bw.types, name)
+
+    # ---- gradients ------------------------------------------------------------------
+    def dy(self, i: int = 0) -> str | None:
+        return self._dys[i] if i < len(self._dys) else None
+
+    def dy_or_zeros(self, i: int) -> str:
+        """The gradient of output ``i``, or zeros shaped like that output."""
+        d = self.dy(i)
+        if d is not None:
+            return d
+        self._check_use(f"y{i}")
+        return self.zeros_like(self._bw.ensure_output(self.node, i))
+
+    def needs_dx(self, i: int) -> bool:
+        return i < len(self._needs) and self._needs[i]
+
+    def set_dx(self, i: int, name: str) -> None:
+        if self.needs_dx(i):
+            self.dxs[i] = name
+
+    # ---- emitting -------------------------------------------------------------------
+    def emit(self, op: str, *inputs: str | None, outputs: int = 1, **attrs: Any) -> Any:
+        """Emit one node; returns its output name (or the list of names when ``outputs > 1``)."""
+        outs = self.w.emit(op, inputs, outputs, **attrs)
+        return outs[0] if outputs == 1 else outs
+
+    def const(self, value: Any, elem: int | None = None) -> str:
+        """A Constant of the node's float type (or ``elem``)."""
+        return self.w.const(value, self.dtype if elem is None else elem)
+
+    def ints(self, values: Sequence[int]) -> str:
+        return self.w.ints(values)
+
+    def zeros_like(self, name: str) -> str:
+        et = self.elem_type(name) or self.dtype
+        zero = onnx.numpy_helper.from_array(np.zeros(1, dtype=onnx.helper.tensor_dtype_to_np_dtype(et)))
+        return self.emit("ConstantOfShape", self._bw.shape_of(name), value=zero)
+
+    def reduce(self, op: str, name: str, axes: Sequence[int] | str | None, keepdims: int = 1) -> str:
+        """``op`` (ReduceSum, ReduceMean ...) over ``axes``, as an input or attribute per the opset."""
+        axes_as_input = op == "ReduceSum" and self.opset >= 13 or self.opset >= 18
+        if axes is None:
+            return self.emit(op, name, keepdims=keepdims)
+        if axes_as_input:
+            ax = axes if isinstance(axes, str) else self.ints(axes)
+            return self.emit(op, name, ax, keepdims=keepdims)
+        if isinstance(axes, str):
+            raise RuleError(f"{op} with dynamic axes needs opset 18 (node {self.node.name!r})")
+        return self.emit(op, name, axes=list(axes), keepdims=keepdims)
+
+    def unbroadcast(self, grad: str, i: int, grad_rank: int | None = None) -> str:
+        """Sum ``grad`` (shaped like the broadcast result) down to the shape of input ``i``."""
+        return self._bw.unbroadcast(self, grad, self.node.input[i], grad_rank)
+
+
+_FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}

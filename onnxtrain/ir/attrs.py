@@ -1,0 +1,46 @@
+"""Node attributes as Python values, with the ONNX schema's defaults filled in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx
+from onnx import AttributeProto, numpy_helper
+
+
+def attribute_value(attr: AttributeProto) -> Any:
+    """An AttributeProto as a Python value: str for strings, ndarray for tensors."""
+    t = attr.type
+    if t == AttributeProto.FLOAT:
+        return float(attr.f)
+    if t == AttributeProto.INT:
+        return int(attr.i)
+    if t == AttributeProto.STRING:
+        return attr.s.decode("utf-8")
+    if t == AttributeProto.TENSOR:
+        return numpy_helper.to_array(attr.t)
+    if t == AttributeProto.FLOATS:
+        return [float(v) for v in attr.floats]
+    if t == AttributeProto.INTS:
+        return [int(v) for v in attr.ints]
+    if t == AttributeProto.STRINGS:
+        return [s.decode("utf-8") for s in attr.strings]
+    return onnx.helper.get_attribute_value(attr)
+
+
+def parse_attributes(node: onnx.NodeProto, opset: int) -> dict[str, Any]:
+    """Node attributes with the schema's defaults filled in (absent optional ones are None)."""
+    values: dict[str, Any] = {}
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain or "")
+    except Exception:
+        schema = None
+    if schema is not None:
+        for name, a in schema.attributes.items():
+            d = a.default_value
+            values[name] = attribute_value(d) if d.type != AttributeProto.UNDEFINED and d.name else None
+    for a in node.attribute:
+        if a.ref_attr_name:
+            raise ValueError(f"node {node.name!r} ({node.op_type}): attribute references are not supported")
+        values[a.name] = attribute_value(a)
+    return values

@@ -1,0 +1,120 @@
+"""Helpers to emit ONNX nodes with unique names: a small graph writer shared by all passes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.ir.types import np_dtype
+
+FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
+
+
+class NameGen:
+    """Unique value and node names within one graph."""
+
+    def __init__(self, taken: Iterable[str] = ()):
+        self.taken: set[str] = set(taken)
+
+    def __call__(self, base: str) -> str:
+        base = base or "v"
+        if base not in self.taken:
+            self.taken.add(base)
+            return base
+        i = 1
+        while f"{base}_{i}" in self.taken:
+            i += 1
+        name = f"{base}_{i}"
+        self.taken.add(name)
+        return name
+
+    @classmethod
+    def for_model(cls, model: onnx.ModelProto) -> NameGen:
+        g = model.graph
+        names = {v.name for v in (*g.input, *g.output, *g.value_info)} | {t.name for t in g.initializer}
+        for n in g.node:
+            names.update(n.input)
+            names.update(n.output)
+            names.add(n.name)
+        return cls(names)
+
+
+class NodeWriter:
+    """Appends nodes to a list, naming their outputs uniquely under a prefix."""
+
+    def __init__(self, names: NameGen, nodes: list[onnx.NodeProto], prefix: str = ""):
+        self.names = names
+        self.nodes = nodes
+        self.prefix = prefix
+
+    def emit(self, op: str, inputs: Sequence[str | None], outputs: int | Sequence[str] = 1,
+             name: str | None = None, **attrs: Any) -> list[str]:
+        """Append one node; returns its output names."""
+        if isinstance(outputs, int):
+            outputs = [self.names(f"{self.prefix}{op}_out") for _ in range(outputs)]
+        node_name = self.names(name or f"{self.prefix}{op}")
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+        self.nodes.append(helper.make_node(op, [i or "" for i in inputs], list(outputs), name=node_name, **attrs))
+        return list(outputs)
+
+    def one(self, op: str, *inputs: str | None, **attrs: Any) -> str:
+        return self.emit(op, inputs, 1, **attrs)[0]
+
+    def const(self, value: Any, elem_type: int = TensorProto.FLOAT, base: str = "const") -> str:
+        """A Constant node holding ``value`` as a tensor of ``elem_type``."""
+        arr = np.asarray(value, dtype=np_dtype(elem_type))
+        out = self.names(f"{self.prefix}{base}")
+        tensor = numpy_helper.from_array(arr, name=out)
+        self.nodes.append(helper.make_node("Constant", [], [out], name=self.names(f"{self.prefix}Constant"),
+                                           value=tensor))
+        return out
+
+    def ints(self, values: Sequence[int], base: str = "ints") -> str:
+        """A 1-D int64 Constant."""
+        return self.const(np.asarray(list(values), dtype=np.int64), TensorProto.INT64, base)
+
+
+def model_opset(model: onnx.ModelProto) -> int:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return int(o.version)
+    return 0
+
+
+def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Type (element type and shape where known) of every value, from ONNX shape inference."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception:
+        inferred = model
+    g = inferred.graph
+    types: dict[str, onnx.TypeProto] = {}
+    for v in (*g.value_info, *g.input, *g.output):
+        types[v.name] = v.type
+    for t in g.initializer:
+        types[t.name] = helper.make_tensor_type_proto(t.data_type, list(t.dims))
+    for n in g.node:
+        if n.op_type == "Constant":
+            for a in n.attribute:
+                if a.name == "value":
+                    types.setdefault(n.output[0], helper.make_tensor_type_proto(a.t.data_type, list(a.t.dims)))
+    return types
+
+
+def elem_type(types: dict[str, onnx.TypeProto], name: str) -> int:
+    tp = types.get(name)
+    if tp is None or not tp.HasField("tensor_type"):
+        return TensorProto.UNDEFINED
+    return tp.tensor_type.elem_type
+
+
+def static_shape(types: dict[str, onnx.TypeProto], name: str) -> list[int | None] | None:
+    """Dims of ``name`` (None for a dynamic dim); None when the rank is unknown."""
+    tp = types.get(name)
+    if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else None for d in tp.tensor_type.shape.dim]
