@@ -1,0 +1,65 @@
+"""``GradientGraphBuilder``: the API of onnxruntime's legacy class, over ``build_gradient_model``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import onnx
+
+from onnxtrain.autodiff.builder import GradientError, build_gradient_model
+
+
+def _ordered(names: Iterable[str]) -> list[str]:
+    # a set has no order: sort it so the gradient outputs come out in a stable order
+    return sorted(names) if isinstance(names, (set, frozenset)) else list(names)
+
+
+class GradientGraphBuilder:
+    """Build the gradient graph of a model; the result stays standard ONNX.
+
+    ``x_node_arg_names`` are the values to differentiate with respect to (initializers or graph
+    inputs); the built model keeps the model's outputs and appends ``<x>_grad`` for each, in the
+    order given (sorted when a set is given). ``y_node_arg_names`` other than the loss get their
+    incoming gradient ``<y>_grad`` as a graph input. Example::
+
+        b = GradientGraphBuilder(model_bytes, {"loss"}, {"fc.weight", "fc.bias"}, "loss")
+        b.build()
+        b.save("with_grads.onnx")
+    """
+
+    def __init__(self, serialized_model: bytes | str | os.PathLike, y_node_arg_names: Iterable[str],
+                 x_node_arg_names: Iterable[str], loss_node_arg_name: str, options: Any = None):
+        if isinstance(serialized_model, (bytes, bytearray)):
+            self._model = onnx.load_from_string(bytes(serialized_model))
+        else:
+            self._model = onnx.load(os.fspath(serialized_model))
+        self._ys = _ordered(y_node_arg_names)
+        self._xs = _ordered(x_node_arg_names)
+        self._loss = loss_node_arg_name
+        if not self._loss:
+            if len(self._ys) != 1:
+                raise GradientError("loss_node_arg_name is empty: give exactly one y to differentiate")
+            self._loss = self._ys[0]
+        self._options = options
+        self._built: onnx.ModelProto | None = None
+
+    def build(self) -> None:
+        others = [y for y in self._ys if y != self._loss]
+        self._built = build_gradient_model(self._model, self._loss, self._xs, other_ys=others)
+
+    def _result(self) -> onnx.ModelProto:
+        if self._built is None:
+            raise RuntimeError("call build() first")
+        return self._built
+
+    def get_model(self) -> bytes:
+        """The built model (forward + backward), serialized."""
+        return self._result().SerializeToString()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the built model to ``path`` (through a temporary file, then renamed)."""
+        from onnxtrain.ir.io import save_model_atomic
+
+        save_model_atomic(self._result(), path)

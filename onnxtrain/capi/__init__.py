@@ -1,0 +1,1 @@
+"""onnxruntime-style import locations (``onnxtrain.capi._pybind_state``)."""

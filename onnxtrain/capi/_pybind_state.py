@@ -1,0 +1,24 @@
+"""The names onnxruntime exposed in ``onnxruntime.capi._pybind_state``."""
+
+from onnxtrain.autodiff.legacy import GradientGraphBuilder
+from onnxtrain.capi.options import (
+    ExecutionMode,
+    GraphOptimizationLevel,
+    RunOptions,
+    SessionOptions,
+    get_all_providers,
+    get_available_providers,
+    get_device,
+)
+from onnxtrain.capi.ortvalue import IOBinding, OrtDevice, OrtValue
+
+__all__ = ["ExecutionMode", "GradientGraphBuilder", "GraphOptimizationLevel", "IOBinding", "OrtDevice", "OrtValue",
+           "RunOptions", "SessionOptions", "get_all_providers", "get_available_providers", "get_device"]
+
+
+def __getattr__(name: str):  # the training session lives above this layer; import it lazily
+    if name in ("TrainingSession", "TrainingParameters"):
+        import onnxtrain
+
+        return getattr(onnxtrain, name)
+    raise AttributeError(name)

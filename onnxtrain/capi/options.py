@@ -1,0 +1,118 @@
+"""SessionOptions, RunOptions and execution providers, with onnxruntime's names."""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+AVAILABLE_PROVIDERS = ["CPUExecutionProvider"]
+# providers onnxruntime knows; asking for one that is not available falls back to CPU with a warning
+KNOWN_PROVIDERS = [
+    "CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider",
+    "MIGraphXExecutionProvider", "DnnlExecutionProvider", "OpenVINOExecutionProvider", "CoreMLExecutionProvider",
+    "DmlExecutionProvider", "QNNExecutionProvider", "XnnpackExecutionProvider", "AzureExecutionProvider",
+    "WebGpuExecutionProvider", "NnapiExecutionProvider", "ACLExecutionProvider", "ArmNNExecutionProvider",
+]
+
+
+class GraphOptimizationLevel(enum.IntEnum):
+    ORT_DISABLE_ALL = 0
+    ORT_ENABLE_BASIC = 1
+    ORT_ENABLE_EXTENDED = 2
+    ORT_ENABLE_ALL = 99
+
+
+class ExecutionMode(enum.IntEnum):
+    ORT_SEQUENTIAL = 0
+    ORT_PARALLEL = 1
+
+
+class SessionOptions:
+    """Options of a session (onnxruntime.SessionOptions); unknown config entries are kept, not used."""
+
+    def __init__(self) -> None:
+        self.enable_profiling = False
+        self.profile_file_prefix = "onnxruntime_profile_"
+        self.optimized_model_filepath = ""
+        self.graph_optimization_level = GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.execution_mode = ExecutionMode.ORT_SEQUENTIAL
+        self.intra_op_num_threads = 0
+        self.inter_op_num_threads = 0
+        self.log_severity_level = 2
+        self.log_verbosity_level = 0
+        self.logid = ""
+        self.enable_mem_pattern = True
+        self.enable_mem_reuse = True
+        self.enable_cpu_mem_arena = True
+        self.use_deterministic_compute = False
+        self._config: dict[str, str] = {}
+
+    def add_session_config_entry(self, key: str, value: str) -> None:
+        self._config[str(key)] = str(value)
+
+    def get_session_config_entry(self, key: str) -> str:
+        if key not in self._config:
+            raise KeyError(f"session config entry {key!r} is not set")
+        return self._config[key]
+
+    def register_custom_ops_library(self, path: str) -> None:
+        raise NotImplementedError("custom op libraries are not supported: onnxtrain runs standard ONNX ops only")
+
+
+class RunOptions:
+    """Options of one run (onnxruntime.RunOptions); ``training_mode`` is used by training sessions."""
+
+    def __init__(self) -> None:
+        self.log_severity_level = 2
+        self.log_verbosity_level = 0
+        self.logid = ""
+        self.run_tag = ""
+        self.terminate = False
+        self.only_execute_path_to_fetches = False
+        self.training_mode = True
+        self._config: dict[str, str] = {}
+
+    def add_run_config_entry(self, key: str, value: str) -> None:
+        self._config[str(key)] = str(value)
+
+    def get_run_config_entry(self, key: str) -> str:
+        return self._config[key]
+
+
+def get_available_providers() -> list[str]:
+    return list(AVAILABLE_PROVIDERS)
+
+
+def get_all_providers() -> list[str]:
+    return list(KNOWN_PROVIDERS)
+
+
+def get_device() -> str:
+    return "CPU"
+
+
+def resolve_providers(providers: Sequence[Any] | None,
+                      provider_options: Sequence[dict] | None = None) -> tuple[list[str], list[dict]]:
+    """Provider names and options, falling back to CPU for known but unavailable providers."""
+    if not providers:
+        return ["CPUExecutionProvider"], [{}]
+    names: list[str] = []
+    opts: list[dict] = []
+    given = list(provider_options) if provider_options else []
+    if given and len(given) != len(providers):
+        raise ValueError("providers and provider_options must have the same length")
+    for k, p in enumerate(providers):
+        name, o = (p[0], dict(p[1])) if isinstance(p, (tuple, list)) else (p, dict(given[k]) if given else {})
+        if name not in KNOWN_PROVIDERS:
+            raise ValueError(f"unknown provider {name!r}; valid names: {', '.join(KNOWN_PROVIDERS)}")
+        if name not in AVAILABLE_PROVIDERS:
+            warnings.warn(f"{name} is not available here; falling back to CPUExecutionProvider", stacklevel=3)
+            continue
+        names.append(name)
+        opts.append({str(k2): str(v) for k2, v in o.items()})
+    if "CPUExecutionProvider" not in names:
+        names.append("CPUExecutionProvider")
+        opts.append({})
+    return names, opts

@@ -1,0 +1,190 @@
+"""OrtValue, OrtDevice and IOBinding with onnxruntime's names: thin holders of numpy arrays."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from onnx import helper
+
+if TYPE_CHECKING:
+    from onnxtrain.inference import InferenceSession
+
+
+class OrtDevice:
+    """A device description; only the CPU exists here."""
+
+    _TYPES = {"cpu": 0, "cuda": 1, "dml": 4}
+
+    def __init__(self, device_type: int | str = 0, memory_type: int = 0, device_id: int = 0):
+        self._type = self._TYPES.get(device_type, 0) if isinstance(device_type, str) else int(device_type)
+        self._memory_type = memory_type
+        self._id = device_id
+
+    @staticmethod
+    def cpu() -> int:
+        return 0
+
+    @staticmethod
+    def cuda() -> int:
+        return 1
+
+    @staticmethod
+    def default_memory() -> int:
+        return 0
+
+    def device_id(self) -> int:
+        return self._id
+
+    def device_type(self) -> int:
+        return self._type
+
+    def memory_type(self) -> int:
+        return self._memory_type
+
+
+def _check_device(device_type: str | Any) -> None:
+    name = device_type if isinstance(device_type, str) else "cpu"
+    if name.lower() != "cpu":
+        raise ValueError(f"device {name!r} is not available: onnxtrain runs on the CPU only")
+
+
+def array_from_pointer(ptr: int, element_type: Any, shape: Sequence[int]) -> np.ndarray:
+    """A numpy view of ``prod(shape)`` elements of ``element_type`` at raw address ``ptr`` (no copy)."""
+    dtype = np.dtype(element_type)
+    count = int(np.prod(shape, dtype=np.int64))
+    if count == 0:
+        return np.empty(tuple(shape), dtype=dtype)
+    buf = (ctypes.c_char * (count * dtype.itemsize)).from_address(int(ptr))
+    return np.frombuffer(buf, dtype=dtype, count=count).reshape(tuple(shape))
+
+
+class OrtValue:
+    """A tensor value; wraps a numpy array without copying it."""
+
+    def __init__(self, array: np.ndarray):
+        self._array = array
+
+    @staticmethod
+    def ortvalue_from_numpy(numpy_obj: np.ndarray, device_type: str = "cpu", device_id: int = 0) -> OrtValue:
+        _check_device(device_type)
+        arr = np.asarray(numpy_obj)
+        return OrtValue(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr))
+
+    @staticmethod
+    def ortvalue_from_shape_and_type(shape: Sequence[int], element_type: Any, device_type: str = "cpu",
+                                     device_id: int = 0) -> OrtValue:
+        _check_device(device_type)
+        return OrtValue(np.empty(tuple(shape), dtype=np.dtype(element_type)))
+
+    def numpy(self) -> np.ndarray:
+        return self._array
+
+    def shape(self) -> list[int]:
+        return list(self._array.shape)
+
+    def data_type(self) -> str:
+        return f"tensor({_type_name(self._array.dtype)})"
+
+    def element_type(self) -> Any:
+        return self._array.dtype.type
+
+    def device_name(self) -> str:
+        return "cpu"
+
+    def data_ptr(self) -> int:
+        return int(self._array.ctypes.data)
+
+    def is_tensor(self) -> bool:
+        return True
+
+    def has_value(self) -> bool:
+        return True
+
+    def update_inplace(self, np_arr: np.ndarray) -> None:
+        np.copyto(self._array, np.asarray(np_arr).reshape(self._array.shape))
+
+    def __repr__(self) -> str:
+        return f"OrtValue({self.data_type()}, shape={self.shape()})"
+
+
+def _type_name(dtype: np.dtype) -> str:
+    name = helper.tensor_dtype_to_string(helper.np_dtype_to_tensor_dtype(dtype))
+    return {"TensorProto.FLOAT": "float", "TensorProto.DOUBLE": "double"}.get(
+        name, name.replace("TensorProto.", "").lower())
+
+
+class IOBinding:
+    """Inputs and outputs bound ahead of ``run_with_iobinding`` (numpy arrays, OrtValues or raw pointers)."""
+
+    def __init__(self, session: InferenceSession):
+        self._session = session
+        self._inputs: dict[str, np.ndarray] = {}
+        self._outputs: dict[str, np.ndarray | None] = {}
+        self._results: list[OrtValue] = []
+
+    def bind_cpu_input(self, name: str, arr_on_cpu: np.ndarray) -> None:
+        self._inputs[name] = np.asarray(arr_on_cpu)
+
+    def bind_input(self, name: str, device_type: Any = "cpu", device_id: int = 0, element_type: Any = None,
+                   shape: Sequence[int] | None = None, buffer_ptr: int | None = None) -> None:
+        """Bind input ``name`` to an array, or to a raw CPU buffer at ``buffer_ptr`` (no copy)."""
+        if isinstance(device_type, (np.ndarray, OrtValue)):  # bind_input(name, array) shorthand
+            self._inputs[name] = device_type.numpy() if isinstance(device_type, OrtValue) else device_type
+            return
+        _check_device(device_type)
+        if buffer_ptr is None or element_type is None or shape is None:
+            raise ValueError(f"bind_input({name!r}): element_type, shape and buffer_ptr are required")
+        self._inputs[name] = array_from_pointer(buffer_ptr, element_type, shape)
+
+    def bind_ortvalue_input(self, name: str, ortvalue: OrtValue) -> None:
+        self._inputs[name] = ortvalue.numpy()
+
+    def bind_output(self, name: str, device_type: Any = "cpu", device_id: int = 0, element_type: Any = None,
+                    shape: Sequence[int] | None = None, buffer_ptr: int | None = None) -> None:
+        """Bind output ``name``; with ``buffer_ptr`` the result is written into that buffer."""
+        _check_device(device_type)
+        if buffer_ptr is not None:
+            if element_type is None or shape is None:
+                raise ValueError(f"bind_output({name!r}): element_type and shape are required with buffer_ptr")
+            self._outputs[name] = array_from_pointer(buffer_ptr, element_type, shape)
+        else:
+            self._outputs[name] = None
+
+    def bind_ortvalue_output(self, name: str, ortvalue: OrtValue) -> None:
+        self._outputs[name] = ortvalue.numpy()
+
+    def get_outputs(self) -> list[OrtValue]:
+        return list(self._results)
+
+    def copy_outputs_to_cpu(self) -> list[np.ndarray]:
+        return [v.numpy().copy() for v in self._results]
+
+    def clear_binding_inputs(self) -> None:
+        self._inputs.clear()
+
+    def clear_binding_outputs(self) -> None:
+        self._outputs.clear()
+        self._results = []
+
+    def synchronize_inputs(self) -> None:
+        pass
+
+    def synchronize_outputs(self) -> None:
+        pass
+
+    def _store(self, names: Sequence[str], values: Sequence[np.ndarray]) -> None:
+        results = []
+        for n, v in zip(names, values):
+            target = self._outputs.get(n)
+            if target is not None:
+                if target.shape != np.shape(v):
+                    raise ValueError(f"output {n!r}: bound buffer has shape {list(target.shape)}, "
+                                     f"result has {list(np.shape(v))}")
+                np.copyto(target, v)
+                results.append(OrtValue(target))
+            else:
+                results.append(OrtValue(np.asarray(v)))
+        self._results = results

@@ -1,0 +1,193 @@
+"""``InferenceSession``: onnxruntime's inference API over the numpy engine."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnxtrain.capi.options import RunOptions, SessionOptions, resolve_providers
+from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
+from onnxtrain.engine.plan import Plan, load_model
+from onnxtrain.ir.types import np_dtype_of, value_info_shape
+
+
+@dataclass
+class NodeArg:
+    """Name, type string (``tensor(float)``) and shape (ints, symbolic names or None) of an input/output."""
+
+    name: str
+    type: str
+    shape: list[Any] | None
+
+    def __repr__(self) -> str:
+        return f"NodeArg(name='{self.name}', type='{self.type}', shape={self.shape})"
+
+
+@dataclass
+class ModelMetadata:
+    producer_name: str = ""
+    graph_name: str = ""
+    domain: str = ""
+    description: str = ""
+    graph_description: str = ""
+    version: int = 0
+    custom_metadata_map: dict[str, str] = field(default_factory=dict)
+
+
+def node_arg(v: onnx.ValueInfoProto) -> NodeArg:
+    dt = np_dtype_of(v.type)
+    return NodeArg(v.name, f"tensor({_type_name(dt)})" if dt is not None else "unknown", value_info_shape(v.type))
+
+
+class FeedChecker:
+    """Checks a feed dict against the graph inputs once per call: names, dtypes, ranks and fixed dims."""
+
+    def __init__(self, plan: Plan, overridable: Sequence[str]):
+        self.required = list(plan.input_names)
+        self.allowed = set(plan.input_names) | set(overridable)
+        self.specs = {n: (plan.input_dtypes.get(n), plan.input_shapes.get(n)) for n in plan.all_input_names}
+
+    def __call__(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for name, v in feeds.items():
+            if name not in self.allowed:
+                raise ValueError(f"unknown input {name!r}; the model's inputs are {self.required}")
+            a = v.numpy() if isinstance(v, OrtValue) else v
+            if not isinstance(a, np.ndarray):
+                a = np.asarray(a)
+            dtype, shape = self.specs[name]
+            if dtype is not None and a.dtype != dtype:
+                raise TypeError(f"input {name!r}: expected dtype {dtype} (tensor({_type_name(dtype)})), "
+                                f"got {a.dtype}")
+            if shape is not None:
+                if a.ndim != len(shape):
+                    raise ValueError(f"input {name!r}: expected rank {len(shape)} (shape {shape}), "
+                                     f"got rank {a.ndim} (shape {list(a.shape)})")
+                for k, (want, got) in enumerate(zip(shape, a.shape)):
+                    if isinstance(want, int) and want > 0 and want != got:
+                        raise ValueError(f"input {name!r}: dimension {k} must be {want}, got {got} "
+                                         f"(shape {list(a.shape)}, expected {shape})")
+            out[name] = a
+        missing = [n for n in self.required if n not in out]
+        if missing:
+            raise ValueError(f"missing input(s) {missing}; the model's inputs are {self.required}")
+        return out
+
+
+class InferenceSession:
+    """Runs an ONNX model with the numpy engine; the interface of ``onnxruntime.InferenceSession``.
+
+    Example::
+
+        sess = onnxtrain.InferenceSession("model.onnx")
+        logits, = sess.run(None, {"x": x})
+    """
+
+    def __init__(self, path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto,
+                 sess_options: SessionOptions | None = None, providers: Sequence[Any] | None = None,
+                 provider_options: Sequence[dict] | None = None, **kwargs: Any):
+        self._sess_options = sess_options or SessionOptions()
+        self._providers, self._provider_options = resolve_providers(providers, provider_options)
+        self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
+        self._model = load_model(path_or_bytes)
+        self._plan = Plan(self._model)
+        self._start_ns = time.time_ns()
+        self._plan.profiling = bool(self._sess_options.enable_profiling)
+        g = self._model.graph
+        inits = {t.name for t in g.initializer}
+        self._inputs = [node_arg(v) for v in g.input if v.name not in inits]
+        self._overridable = [node_arg(v) for v in g.input if v.name in inits]
+        self._outputs = [node_arg(v) for v in g.output]
+        self._check = FeedChecker(self._plan, [a.name for a in self._overridable])
+        self._fallback = True
+
+    # ---- running -------------------------------------------------------------------
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+            run_options: RunOptions | None = None) -> list[np.ndarray]:
+        feeds = self._check(input_feed)
+        return self._plan.run(feeds, list(output_names) if output_names else None)
+
+    def run_with_ort_values(self, output_names: Sequence[str] | None, input_dict_ort_values: Mapping[str, OrtValue],
+                            run_options: RunOptions | None = None) -> list[OrtValue]:
+        return [OrtValue(v) for v in self.run(output_names, input_dict_ort_values, run_options)]
+
+    def io_binding(self) -> IOBinding:
+        return IOBinding(self)
+
+    def run_with_iobinding(self, iobinding: IOBinding, run_options: RunOptions | None = None) -> None:
+        names = list(iobinding._outputs) or [o.name for o in self._outputs]
+        iobinding._store(names, self.run(names, iobinding._inputs, run_options))
+
+    # ---- introspection -------------------------------------------------------------
+    def get_inputs(self) -> list[NodeArg]:
+        return list(self._inputs)
+
+    def get_outputs(self) -> list[NodeArg]:
+        return list(self._outputs)
+
+    def get_overridable_initializers(self) -> list[NodeArg]:
+        return list(self._overridable)
+
+    def get_modelmeta(self) -> ModelMetadata:
+        m = self._model
+        return ModelMetadata(m.producer_name, m.graph.name, m.domain, m.doc_string, m.graph.doc_string,
+                             int(m.model_version), {p.key: p.value for p in m.metadata_props})
+
+    def get_providers(self) -> list[str]:
+        return list(self._providers)
+
+    def set_providers(self, providers: Sequence[Any] | None = None,
+                      provider_options: Sequence[dict] | None = None) -> None:
+        self._providers, self._provider_options = resolve_providers(providers, provider_options)
+
+    def get_provider_options(self) -> dict[str, dict[str, str]]:
+        return {p: dict(o) for p, o in zip(self._providers, self._provider_options)}
+
+    def get_session_options(self) -> SessionOptions:
+        return self._sess_options
+
+    def disable_fallback(self) -> None:
+        self._fallback = False
+
+    def enable_fallback(self) -> None:
+        self._fallback = True
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak bytes of live tensors during the last run (weights included)."""
+        return self._plan.peak_bytes
+
+    # ---- profiling -----------------------------------------------------------------
+    def get_profiling_start_time_ns(self) -> int:
+        return self._start_ns
+
+    def end_profiling(self) -> str:
+        """Write the per-node profile as a chrome-trace JSON file; returns its path ('' if not profiling)."""
+        if not self._sess_options.enable_profiling:
+            return ""
+        return write_chrome_trace(self._plan, self._sess_options.profile_file_prefix, self._start_ns)
+
+
+def write_chrome_trace(plan: Plan, prefix: str, start_ns: int) -> str:
+    """Write ``plan.profile`` as a chrome-trace file named ``<prefix><timestamp>.json``; returns the path."""
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    path = f"{prefix}{stamp}.json"
+    t0 = plan.profile[0].start_ns if plan.profile else time.perf_counter_ns()
+    events = [{"cat": "Node", "pid": os.getpid(), "tid": 0, "ph": "X", "name": f"{e.name}_kernel_time",
+               "ts": (e.start_ns - t0) / 1000.0, "dur": e.dur_ns / 1000.0,
+               "args": {"op_name": e.op, "input_type_shape": e.shapes, "provider": "CPUExecutionProvider"}}
+              for e in plan.profile]
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(events, f)
+    os.replace(tmp, path)
+    plan.profile.clear()
+    return path
