@@ -1,0 +1,79 @@
+"""Op-table rows for the recurrent ops LSTM, GRU and RNN.
+
+onnx.reference ignores ``sequence_lens``, ``clip``, ``input_forget`` and most activations, so rows
+here only use what it implements; ``tests/engine/test_rnn_features.py`` covers the rest against
+onnxruntime.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tests.op_cases import OpCase
+
+_GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+
+
+def _rnn_case(op: str, variant: str, steps: int = 3, batch: int = 2, n_in: int = 3, hid: int = 4,
+              direction: str = "forward", layout: int = 0, bias: bool = True, init: bool = True,
+              peep: bool = False, n_outputs: int = 1, opset: int = 17, **attrs: Any) -> OpCase:
+    """A row whose inputs are X, W, R[, B, sequence_lens=None, initial_h[, initial_c, P]]."""
+    g = _GATES[op]
+    dirs = 2 if direction == "bidirectional" else 1
+    x_shape = (steps, batch, n_in) if layout == 0 else (batch, steps, n_in)
+    h_shape = (dirs, batch, hid) if layout == 0 else (batch, dirs, hid)
+
+    def make(rng: np.random.Generator, dt: Any) -> list[Any]:
+        def u(*shape: int, scale: float = 1.0) -> np.ndarray:
+            return (rng.uniform(-scale, scale, shape)).astype(dt)
+
+        ins: list[Any] = [u(*x_shape), u(dirs, g * hid, n_in, scale=0.6), u(dirs, g * hid, hid, scale=0.6)]
+        if bias or init or peep:
+            ins.append(u(dirs, 2 * g * hid, scale=0.5) if bias else None)
+            ins.append(None)  # sequence_lens (onnx.reference ignores it)
+        if init or peep:
+            ins.append(u(*h_shape) if init else None)
+        if op == "LSTM" and (init or peep):
+            ins.append(u(*h_shape) if init else None)
+            if peep:
+                ins.append(u(dirs, 3 * hid, scale=0.5))
+        while ins and ins[-1] is None:
+            ins.pop()
+        return ins
+
+    present = [0, 1, 2] + ([3] if bias else []) + ([5] if init else [])
+    if op == "LSTM":
+        present += ([6] if init else []) + ([7] if peep else [])
+    a = {"direction": direction, "hidden_size": hid, **attrs}
+    if layout:
+        a["layout"] = layout
+    return OpCase(op, attrs=a, make_inputs=make, opset=opset, n_outputs=n_outputs, wrt=tuple(present),
+                  variant=variant)
+
+
+CASES = [
+    # LSTM
+    _rnn_case("LSTM", "plain", bias=False, init=False),
+    _rnn_case("LSTM", "bias_init", n_outputs=3),
+    _rnn_case("LSTM", "reverse", direction="reverse", n_outputs=3),
+    _rnn_case("LSTM", "bidir", direction="bidirectional", n_outputs=3),
+    _rnn_case("LSTM", "peepholes", peep=True, n_outputs=3),
+    _rnn_case("LSTM", "bidir_peep_noinit", direction="bidirectional", init=False, peep=True, n_outputs=2),
+    _rnn_case("LSTM", "layout1_bidir", direction="bidirectional", layout=1, n_outputs=3, opset=14),
+    _rnn_case("LSTM", "batch1_long", steps=6, batch=1, n_in=2, hid=3, n_outputs=3),
+    # GRU
+    _rnn_case("GRU", "plain", bias=False, init=False),
+    _rnn_case("GRU", "bias_init", n_outputs=2),
+    _rnn_case("GRU", "lbr", n_outputs=2, linear_before_reset=1),
+    _rnn_case("GRU", "bidir_lbr", direction="bidirectional", n_outputs=2, linear_before_reset=1),
+    _rnn_case("GRU", "reverse", direction="reverse", n_outputs=2),
+    _rnn_case("GRU", "layout1_bidir", direction="bidirectional", layout=1, n_outputs=2, opset=14),
+    # RNN
+    _rnn_case("RNN", "plain", bias=False, init=False),
+    _rnn_case("RNN", "bias_init", n_outputs=2),
+    _rnn_case("RNN", "reverse", direction="reverse", n_outputs=2),
+    _rnn_case("RNN", "bidir", direction="bidirectional", n_outputs=2),
+    _rnn_case("RNN", "layout1", layout=1, n_outputs=2, opset=14),
+]
