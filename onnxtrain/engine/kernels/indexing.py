@@ -1,0 +1,262 @@
+"""Indexing kernels: gathers, scatters (with reductions), one-hot, top-k, arg-max/min, cumulative sums."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+
+
+def _axis(axis: int, rank: int) -> int:
+    a = axis + rank if axis < 0 else axis
+    if not 0 <= a < max(rank, 1):
+        raise ValueError(f"axis {axis} is out of range for rank {rank}")
+    return a
+
+
+def _normalize(idx: np.ndarray, dim: Any, what: str) -> np.ndarray:
+    """Indices with negatives wrapped, checked against ``dim`` (an int or an array broadcasting to idx)."""
+    if idx.size == 0:
+        return idx.astype(np.int64, copy=False)
+    lo, hi = idx.min(), idx.max()
+    if np.isscalar(dim) or np.ndim(dim) == 0:
+        if lo < -dim or hi >= dim:
+            raise IndexError(f"{what}: index out of range [{-dim}, {dim - 1}] (got {lo}..{hi})")
+        return idx + dim * (idx < 0) if lo < 0 else idx
+    if (idx < -dim).any() or (idx >= dim).any():
+        raise IndexError(f"{what}: index out of range for dims {np.asarray(dim).tolist()}")
+    return idx + dim * (idx < 0) if lo < 0 else idx
+
+
+_REDUCE = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def _scatter_rows(out: np.ndarray, rows: np.ndarray, upd: np.ndarray, reduction: str) -> None:
+    """``out[rows[i]] <op>= upd[i]`` in place with duplicates combined; out is C-contiguous 2-D
+    (rows of equal length) and upd matches ``(len(rows), out.shape[1])``."""
+    if reduction == "none":
+        out[rows] = upd
+        return
+    ufunc = _REDUCE.get(reduction)
+    if ufunc is None:
+        raise ValueError(f"reduction {reduction!r} is not one of none, add, mul, max, min")
+    inner = out.shape[1]
+    # numpy's 1-D ufunc.at has a fast path: element offsets beat both row-wise ufunc.at and
+    # sort + reduceat (3-10x measured for 32-4096 rows of 2-768 elements)
+    lin = rows if inner == 1 else (rows[:, None] * inner + np.arange(inner, dtype=np.int64)).reshape(-1)
+    ufunc.at(out.reshape(-1), lin, upd.reshape(-1))
+
+
+@kernel("Gather", since=1)
+def gather(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x, idx = inputs[0], inputs[1]
+    return (np.take(x, idx, axis=_axis(attrs["axis"], x.ndim)),)
+
+
+@kernel("GatherElements", since=11)
+def gather_elements(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x, idx = inputs[0], inputs[1]
+    axis = _axis(attrs["axis"], x.ndim)
+    if idx.ndim != x.ndim:
+        raise ValueError(f"GatherElements: indices rank {idx.ndim} != data rank {x.ndim}")
+    idx = _normalize(idx, x.shape[axis], "GatherElements")
+    if any(i != d for a, (i, d) in enumerate(zip(idx.shape, x.shape)) if a != axis):
+        x = x[tuple(slice(None) if a == axis else slice(0, i) for a, i in enumerate(idx.shape))]
+    return (np.take_along_axis(x, idx, axis=axis),)
+
+
+def _element_offsets(attrs: Attrs, dshape: tuple[int, ...], ishape: tuple[int, ...], axis: int
+                     ) -> tuple[np.ndarray, int]:
+    """Flat offsets into a C-ordered tensor of ``dshape`` for every position of ``ishape`` with the
+    ``axis`` coordinate set to 0, and the element stride of ``axis``; cached per shape pair."""
+    key = ("offsets", dshape, ishape, axis)
+    hit = attrs.cache.get(key)
+    if hit is None:
+        strides = np.cumprod((dshape[1:] + (1,))[::-1])[::-1].astype(np.int64)
+        base = np.zeros(ishape, dtype=np.int64)
+        for a, n in enumerate(ishape):
+            if a != axis and n > 1:
+                shp = [1] * len(ishape)
+                shp[a] = n
+                base = base + (np.arange(n, dtype=np.int64) * strides[a]).reshape(shp)
+        hit = (base, int(strides[axis]) if len(dshape) else 1)
+        attrs.cache.clear()  # keep one shape pair
+        attrs.cache[key] = hit
+    return hit
+
+
+@kernel("ScatterElements", since=11)
+def scatter_elements(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x, idx, upd = inputs[0], inputs[1], inputs[2]
+    axis = _axis(attrs["axis"], x.ndim)
+    if idx.shape != upd.shape:
+        raise ValueError(f"ScatterElements: indices shape {idx.shape} != updates shape {upd.shape}")
+    idx = _normalize(idx, x.shape[axis], "ScatterElements")
+    base, stride = _element_offsets(attrs, x.shape, idx.shape, axis)
+    out = np.array(x, copy=True, order="C")
+    lin = (base + idx * stride).reshape(-1)
+    _scatter_rows(out.reshape(-1, 1), lin, upd.reshape(-1, 1), attrs.get("reduction") or "none")
+    return (out,)
+
+
+@kernel("Scatter", since=9)
+def scatter(inputs: Inputs, attrs: Attrs) -> Outputs:
+    """The deprecated Scatter is ScatterElements without reduction."""
+    return scatter_elements(inputs, attrs)
+
+
+def _nd_rows(dshape: tuple[int, ...], idx: np.ndarray, what: str) -> np.ndarray:
+    """Row numbers of the index tuples ``idx[..., :k]`` in ``dshape[:k]`` (negatives wrapped)."""
+    k = idx.shape[-1]
+    if k > len(dshape):
+        raise ValueError(f"{what}: index tuples of length {k} for data of rank {len(dshape)}")
+    dims = np.asarray(dshape[:k], dtype=np.int64)
+    idx = _normalize(idx, dims, what)
+    strides = np.cumprod(np.concatenate([dims[1:], [1]])[::-1])[::-1].astype(np.int64)
+    return idx.reshape(-1, k) @ strides if k else np.zeros(idx.size, dtype=np.int64)
+
+
+@kernel("ScatterND", since=11)
+def scatter_nd(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x, idx, upd = inputs[0], inputs[1], inputs[2]
+    k = idx.shape[-1]
+    rows = _nd_rows(x.shape, idx, "ScatterND")
+    want = idx.shape[:-1] + x.shape[k:]
+    if upd.shape != want:
+        raise ValueError(f"ScatterND: updates shape {upd.shape}, expected {want}")
+    out = np.array(x, copy=True, order="C")
+    if out.size == 0 or rows.size == 0:
+        return (out,)
+    inner = int(np.prod(x.shape[k:], dtype=np.int64))
+    _scatter_rows(out.reshape(-1, inner), rows, upd.reshape(-1, inner), attrs.get("reduction") or "none")
+    return (out,)
+
+
+@kernel("GatherND", since=11)
+def gather_nd(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x, idx = inputs[0], inputs[1]
+    b = attrs.get("batch_dims") or 0
+    k = idx.shape[-1]
+    if x.shape[:b] != idx.shape[:b]:
+        raise ValueError(f"GatherND: batch dims of data {x.shape[:b]} and indices {idx.shape[:b]} differ")
+    nb = int(np.prod(x.shape[:b], dtype=np.int64))
+    inner_shape = x.shape[b + k:]
+    rows = _nd_rows(x.shape[b:], idx.reshape((nb, -1, k)), "GatherND").reshape(nb, -1)
+    xr = x.reshape((nb, -1) + inner_shape)
+    out = xr[np.arange(nb)[:, None], rows]
+    return (out.reshape(idx.shape[:-1] + inner_shape),)
+
+
+@kernel("OneHot", since=9)
+def one_hot(inputs: Inputs, attrs: Attrs) -> Outputs:
+    idx, depth, values = inputs[0], inputs[1], inputs[2]
+    depth = int(np.asarray(depth).reshape(-1)[0])
+    rank = idx.ndim + 1
+    axis = _axis(attrs["axis"], rank)
+    idx = np.asarray(idx)
+    if not np.issubdtype(idx.dtype, np.integer):
+        idx = idx.astype(np.int64)  # float indices are truncated
+    idx = np.where(idx < 0, idx + depth, idx)  # still out of range afterwards: a row of off values
+    shape = [1] * rank
+    shape[axis] = depth
+    hot = np.expand_dims(idx, axis) == np.arange(depth).reshape(shape)
+    values = np.asarray(values).reshape(-1)
+    return (np.where(hot, values[1], values[0]).astype(values.dtype, copy=False),)
+
+
+@kernel("NonZero", since=9)
+def non_zero(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    if x.ndim == 0:
+        return (np.zeros((0, int(bool(x))), dtype=np.int64),)
+    return (np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1),)
+
+
+@kernel("CumSum", since=11)
+def cum_sum(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    axis = _axis(int(np.asarray(inputs[1]).reshape(-1)[0]), x.ndim)
+    rev = attrs.get("reverse")
+    y = np.flip(x, axis) if rev else x
+    cs = np.cumsum(y, axis=axis, dtype=x.dtype)
+    if attrs.get("exclusive"):
+        shifted = np.zeros_like(cs)
+        n = x.shape[axis]
+        dst = [slice(None)] * x.ndim
+        src = [slice(None)] * x.ndim
+        dst[axis], src[axis] = slice(1, n), slice(0, n - 1)
+        shifted[tuple(dst)] = cs[tuple(src)]
+        cs = shifted
+    return (np.flip(cs, axis) if rev else cs,)
+
+
+@kernel("TopK", since=1)
+def top_k(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    axis = _axis(attrs["axis"], x.ndim)
+    k = int(np.asarray(inputs[1]).reshape(-1)[0]) if len(inputs) > 1 and inputs[1] is not None else attrs["k"]
+    n = x.shape[axis]
+    if not 0 <= k <= n:
+        raise ValueError(f"TopK: k={k} is out of range for an axis of size {n}")
+    largest = attrs.get("largest", 1)
+    if largest is None or largest:
+        # descending by value, ties by ascending index: stable ascending sort of the reversed axis,
+        # read backwards
+        order = np.argsort(np.flip(x, axis), axis=axis, kind="stable")
+        order = (n - 1) - np.flip(order, axis)
+    else:
+        order = np.argsort(x, axis=axis, kind="stable")
+    sl = [slice(None)] * x.ndim
+    sl[axis] = slice(0, k)
+    idx = np.ascontiguousarray(order[tuple(sl)]).astype(np.int64, copy=False)
+    return (np.take_along_axis(x, idx, axis=axis), idx)
+
+
+def _arg(inputs: Inputs, attrs: Attrs, fn: Any) -> Outputs:
+    x = inputs[0]
+    axis = _axis(attrs["axis"], x.ndim)
+    keep = bool(attrs["keepdims"])
+    if attrs.get("select_last_index"):
+        r = (x.shape[axis] - 1) - fn(np.flip(x, axis), axis=axis, keepdims=keep)
+    else:
+        r = fn(x, axis=axis, keepdims=keep)
+    return (np.asarray(r, dtype=np.int64),)
+
+
+@kernel("ArgMax", since=1)
+def arg_max(inputs: Inputs, attrs: Attrs) -> Outputs:
+    return _arg(inputs, attrs, np.argmax)
+
+
+@kernel("ArgMin", since=1)
+def arg_min(inputs: Inputs, attrs: Attrs) -> Outputs:
+    return _arg(inputs, attrs, np.argmin)
+
+
+@kernel("Compress", since=9)
+def compress(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x, cond = inputs[0], np.asarray(inputs[1]).astype(bool, copy=False).reshape(-1)
+    axis = attrs.get("axis")
+    if axis is None:
+        return (np.compress(cond, x.reshape(-1)),)
+    return (np.compress(cond, x, axis=_axis(axis, x.ndim)),)
+
+
+@kernel("Unique", since=11)
+def unique(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    axis = attrs.get("axis")
+    ax = None if axis is None else _axis(axis, x.ndim)
+    vals, first, inverse, counts = np.unique(x, return_index=True, return_inverse=True,
+                                             return_counts=True, axis=ax)
+    inverse = inverse.reshape(-1)
+    if not attrs.get("sorted", 1):  # order of first occurrence
+        order = np.argsort(first, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        vals = np.take(vals, order, axis=ax if ax is not None else 0)
+        first, counts, inverse = first[order], counts[order], rank[inverse]
+    i64 = np.int64
+    return (vals, first.astype(i64), inverse.astype(i64), counts.astype(i64))

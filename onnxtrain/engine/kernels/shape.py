@@ -1,0 +1,354 @@
+"""Shape-manipulation kernels: reshape, transpose, concat/split, slice, pad, tile, constants, ranges."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from onnx import helper
+
+from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+
+
+def _ints(v: Any) -> list[int]:
+    """A 1-D int tensor (or list, or scalar) as a list of Python ints."""
+    return [int(v)] if np.ndim(v) == 0 else [int(i) for i in np.asarray(v).ravel().tolist()]
+
+
+def _axis(axis: int, rank: int) -> int:
+    a = axis + rank if axis < 0 else axis
+    if not 0 <= a < max(rank, 1):
+        raise ValueError(f"axis {axis} is out of range for rank {rank}")
+    return a
+
+
+def _opt_input(inputs: Inputs, i: int) -> Any:
+    return inputs[i] if len(inputs) > i else None
+
+
+def _key(v: Any) -> Any:
+    """A hashable cache key for an optional small int tensor input."""
+    return None if v is None else v.tobytes() if isinstance(v, np.ndarray) else tuple(_ints(v))
+
+
+def _memo(attrs: Attrs, key: Any, make: Callable[[], Any]) -> Any:
+    """``make()`` cached per node under ``key`` (index tuples, target shapes; at most 64 entries)."""
+    cache = attrs.cache
+    v = cache.get(key)
+    if v is None:
+        if len(cache) >= 64:
+            cache.clear()
+        v = cache[key] = make()
+    return v
+
+
+def _reshape_target(xshape: tuple[int, ...], shape: Any, allowzero: bool) -> tuple[int, ...]:
+    dims = _ints(shape)
+    if not allowzero:
+        for i, d in enumerate(dims):
+            if d == 0:
+                if i >= len(xshape):
+                    raise ValueError(f"shape {dims}: dim {i} is 0 but the input has rank {len(xshape)}")
+                dims[i] = xshape[i]
+    if dims.count(-1) > 1:
+        raise ValueError(f"shape {dims} has more than one -1")
+    return tuple(dims)
+
+
+@kernel("Reshape", since=5)
+def reshape(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x, shape = inputs[0], inputs[1]
+    target = _memo(attrs, (x.shape, _key(shape)),
+                   lambda: _reshape_target(x.shape, shape, bool(attrs.get("allowzero"))))
+    return (x.reshape(target),)
+
+
+@kernel("Transpose", since=1)
+def transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
+    perm = attrs.get("perm")
+    return (np.transpose(inputs[0], perm if perm else None),)
+
+
+@kernel("Concat", since=4)
+def concat(inputs: Inputs, attrs: Attrs) -> Outputs:
+    xs = [x for x in inputs if x is not None]
+    return (np.concatenate(xs, axis=_axis(attrs["axis"], xs[0].ndim)),)
+
+
+def _split_sizes(dim: int, split: Any, n: int) -> list[int]:
+    if split is not None:
+        sizes = _ints(split)
+        if sum(sizes) != dim:
+            raise ValueError(f"split sizes {sizes} do not add up to the dimension {dim}")
+        return sizes
+    chunk = -(-dim // n)  # ceil: every part but the last gets ceil(dim/n)
+    sizes = [min(chunk, max(dim - i * chunk, 0)) for i in range(n)]
+    return sizes
+
+
+@kernel("Split", since=2)
+def split(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    axis = _axis(attrs["axis"], x.ndim)
+    sp = _opt_input(inputs, 1)
+    if sp is None:
+        sp = attrs.get("split")  # opsets < 13 carry it as an attribute
+    n = attrs.get("num_outputs") or attrs.n_outputs
+    if sp is None and attrs.get("num_outputs") is None and x.shape[axis] % n:
+        raise ValueError(f"dimension {x.shape[axis]} does not split into {n} equal parts")
+    index = _memo(attrs, (x.shape, _key(sp)), lambda: _split_index(x.shape[axis], axis, sp, n))
+    return tuple(x[i] for i in index)
+
+
+def _split_index(dim: int, axis: int, sp: Any, n: int) -> list[tuple[slice, ...]]:
+    pre = (slice(None),) * axis
+    index, start = [], 0
+    for size in _split_sizes(dim, sp, n):
+        index.append(pre + (slice(start, start + size),))
+        start += size
+    return index
+
+
+def _slice_index(shape: tuple[int, ...], starts: list[int], ends: list[int], axes: list[int] | None,
+                 steps: list[int] | None) -> tuple[slice, ...]:
+    """The numpy index of an ONNX Slice (clamping as the spec says, which differs from Python)."""
+    rank = len(shape)
+    index = [slice(None)] * rank
+    axes = list(range(len(starts))) if axes is None else [_axis(a, rank) for a in axes]
+    steps = [1] * len(starts) if steps is None else steps
+    for a, s, e, st in zip(axes, starts, ends, steps):
+        d = shape[a]
+        if st == 0:
+            raise ValueError("Slice step cannot be 0")
+        s = s + d if s < 0 else s
+        e = e + d if e < 0 else e
+        if st > 0:
+            index[a] = slice(min(max(s, 0), d), min(max(e, 0), d), st)
+        else:
+            s = min(max(s, 0), d - 1)
+            e = min(max(e, -1), d - 1)
+            index[a] = slice(s, e if e >= 0 else None, st)
+    return tuple(index)
+
+
+@kernel("Slice", since=1)
+def slice_(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    if len(inputs) == 1:  # opset 1: attributes
+        index = _memo(attrs, x.shape, lambda: _slice_index(x.shape, attrs["starts"], attrs["ends"],
+                                                             attrs.get("axes"), None))
+        return (x[index],)
+    axes, steps = _opt_input(inputs, 3), _opt_input(inputs, 4)
+    key = (x.shape, _key(inputs[1]), _key(inputs[2]), _key(axes), _key(steps))
+    index = _memo(attrs, key, lambda: _slice_index(
+        x.shape, _ints(inputs[1]), _ints(inputs[2]), None if axes is None else _ints(axes),
+        None if steps is None else _ints(steps)))
+    return (x[index],)
+
+
+def _axes_of(inputs: Inputs, attrs: Attrs) -> list[int] | None:
+    axes = _opt_input(inputs, 1)
+    if axes is not None:
+        return _ints(axes)
+    return attrs.get("axes")  # opsets < 13
+
+
+@kernel("Squeeze", since=1)
+def squeeze(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    return (x.reshape(_memo(attrs, (x.shape, _key(_opt_input(inputs, 1))),
+                            lambda: _squeezed(x.shape, _axes_of(inputs, attrs)))),)
+
+
+def _squeezed(shape: tuple[int, ...], axes: list[int] | None) -> tuple[int, ...]:
+    if not axes:
+        return tuple(d for d in shape if d != 1)
+    drop = {_axis(a, len(shape)) for a in axes}
+    for a in drop:
+        if shape[a] != 1:
+            raise ValueError(f"cannot squeeze axis {a} of size {shape[a]} (shape {shape})")
+    return tuple(d for a, d in enumerate(shape) if a not in drop)
+
+
+@kernel("Unsqueeze", since=1)
+def unsqueeze(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    return (x.reshape(_memo(attrs, (x.shape, _key(_opt_input(inputs, 1))),
+                            lambda: _unsqueezed(x.shape, _axes_of(inputs, attrs) or []))),)
+
+
+def _unsqueezed(shape: tuple[int, ...], axes: list[int]) -> tuple[int, ...]:
+    rank = len(shape) + len(axes)
+    norm = sorted(_axis(a, rank) for a in axes)
+    if len(set(norm)) != len(norm):
+        raise ValueError(f"Unsqueeze axes {axes} repeat an axis")
+    out = list(shape)
+    for a in norm:
+        out.insert(a, 1)
+    return tuple(out)
+
+
+@kernel("Flatten", since=1)
+def flatten(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    axis = attrs["axis"]
+    axis = axis + x.ndim if axis < 0 else axis
+    if not 0 <= axis <= x.ndim:
+        raise ValueError(f"Flatten axis {attrs['axis']} is out of range for rank {x.ndim}")
+    return (x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:])),)
+
+
+@kernel("Expand", since=8)
+def expand(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    shape = _memo(attrs, (x.shape, _key(inputs[1])),
+                  lambda: np.broadcast_shapes(x.shape, tuple(_ints(inputs[1]))))
+    return (np.broadcast_to(x, shape),)  # a read-only view
+
+
+@kernel("Shape", since=1)
+def shape_(inputs: Inputs, attrs: Attrs) -> Outputs:
+    start = attrs.get("start") or 0
+    end = attrs.get("end")
+    return (np.array(inputs[0].shape[start:end], dtype=np.int64),)
+
+
+@kernel("Size", since=1)
+def size(inputs: Inputs, attrs: Attrs) -> Outputs:
+    return (np.array(np.size(inputs[0]), dtype=np.int64),)
+
+
+@kernel("Constant", since=1)
+def constant(inputs: Inputs, attrs: Attrs) -> Outputs:
+    if attrs.get("value") is not None:
+        return (np.asarray(attrs["value"]),)
+    if attrs.get("sparse_value") is not None:
+        raise NotImplementedError("Constant with sparse_value is not supported")
+    for name, dtype in (("value_float", np.float32), ("value_floats", np.float32),
+                        ("value_int", np.int64), ("value_ints", np.int64),
+                        ("value_string", object), ("value_strings", object)):
+        v = attrs.get(name)
+        if v is not None:
+            return (np.array(v, dtype=dtype),)
+    raise ValueError("Constant has none of its value attributes")
+
+
+@kernel("ConstantOfShape", since=9)
+def constant_of_shape(inputs: Inputs, attrs: Attrs) -> Outputs:
+    value = attrs.get("value")
+    if value is None:
+        value = np.zeros(1, dtype=np.float32)
+    value = np.asarray(value)
+    return (np.full(_ints(inputs[0]) if inputs[0].size else (), value.reshape(-1)[0], dtype=value.dtype),)
+
+
+@kernel("Range", since=11)
+def range_(inputs: Inputs, attrs: Attrs) -> Outputs:
+    start, limit, delta = (np.asarray(v).reshape(()) for v in inputs[:3])
+    dtype = start.dtype
+    if np.issubdtype(dtype, np.integer):
+        s, lim, d = int(start), int(limit), int(delta)
+        n = max(-(-(lim - s) // d), 0)
+        return (np.arange(n, dtype=dtype) * dtype.type(d) + dtype.type(s),)
+    n = max(int(np.ceil((float(limit) - float(start)) / float(delta))), 0)
+    return (np.arange(n, dtype=np.float64).astype(dtype) * delta + start,)
+
+
+@kernel("Tile", since=6)
+def tile(inputs: Inputs, attrs: Attrs) -> Outputs:
+    return (np.tile(inputs[0], _ints(inputs[1])),)
+
+
+def _pad(x: np.ndarray, pads: list[int], mode: str, value: Any, axes: list[int] | None) -> np.ndarray:
+    rank = x.ndim
+    axes = list(range(rank)) if axes is None else [_axis(a, rank) for a in axes]
+    if len(pads) != 2 * len(axes):
+        raise ValueError(f"Pad: {len(pads)} pads for {len(axes)} axes")
+    width = [[0, 0] for _ in range(rank)]
+    for i, a in enumerate(axes):
+        width[a] = [pads[i], pads[len(axes) + i]]
+    if any(b < 0 or e < 0 for b, e in width):  # negative pads crop
+        x = x[tuple(slice(-b if b < 0 else 0, x.shape[a] + e if e < 0 else None)
+                    for a, (b, e) in enumerate(width))]
+        width = [[max(b, 0), max(e, 0)] for b, e in width]
+    if mode == "constant":
+        out = np.full(tuple(d + b + e for d, (b, e) in zip(x.shape, width)), value, dtype=x.dtype)
+        out[tuple(slice(b, b + d) for d, (b, _) in zip(x.shape, width))] = x
+        return out
+    if mode not in ("reflect", "edge", "wrap"):
+        raise ValueError(f"Pad mode {mode!r} is not one of constant, reflect, edge, wrap")
+    return np.pad(x, width, mode=mode)
+
+
+@kernel("Pad", since=2)
+def pad(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    mode = attrs.get("mode") or "constant"
+    if len(inputs) == 1:  # opset 2: attributes
+        return (_pad(x, list(attrs["pads"]), mode, attrs.get("value") or 0.0, None),)
+    value = _opt_input(inputs, 2)
+    value = 0 if value is None else np.asarray(value).reshape(-1)[0]
+    axes = _opt_input(inputs, 3)
+    return (_pad(x, _ints(inputs[1]), mode, value, None if axes is None else _ints(axes)),)
+
+
+@kernel("DepthToSpace", since=1)
+def depth_to_space(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    bs = attrs["blocksize"]
+    n, c, h, w = x.shape
+    if c % (bs * bs):
+        raise ValueError(f"DepthToSpace: {c} channels are not divisible by blocksize² = {bs * bs}")
+    c2 = c // (bs * bs)
+    if attrs.get("mode", "DCR") == "CRD":
+        y = x.reshape(n, c2, bs, bs, h, w).transpose(0, 1, 4, 2, 5, 3)
+    else:
+        y = x.reshape(n, bs, bs, c2, h, w).transpose(0, 3, 4, 1, 5, 2)
+    return (y.reshape(n, c2, h * bs, w * bs),)
+
+
+@kernel("SpaceToDepth", since=1)
+def space_to_depth(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    bs = attrs["blocksize"]
+    n, c, h, w = x.shape
+    if h % bs or w % bs:
+        raise ValueError(f"SpaceToDepth: spatial size {h}x{w} is not divisible by blocksize {bs}")
+    y = x.reshape(n, c, h // bs, bs, w // bs, bs)
+    # the "mode" attribute only exists in opsets newer than 21; DCR is the older behaviour
+    y = y.transpose(0, 1, 3, 5, 2, 4) if attrs.get("mode") == "CRD" else y.transpose(0, 3, 5, 1, 2, 4)
+    return (y.reshape(n, c * bs * bs, h // bs, w // bs),)
+
+
+@kernel("ReverseSequence", since=10)
+def reverse_sequence(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x, lens = inputs[0], np.asarray(inputs[1], dtype=np.int64)
+    b_ax, t_ax = attrs["batch_axis"], attrs["time_axis"]
+    t = np.arange(x.shape[t_ax], dtype=np.int64)
+    # src[b, t] = lens[b] - 1 - t for t < lens[b], else t
+    src = np.where(t[None, :] < lens[:, None], lens[:, None] - 1 - t[None, :], t[None, :])
+    if b_ax > t_ax:
+        src = src.T
+    shape = [1] * x.ndim
+    shape[b_ax], shape[t_ax] = x.shape[b_ax], x.shape[t_ax]
+    return (np.take_along_axis(x, src.reshape(shape), axis=t_ax),)
+
+
+@kernel("EyeLike", since=9)
+def eye_like(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    dt = attrs.get("dtype")
+    dtype = x.dtype if dt is None else helper.tensor_dtype_to_np_dtype(dt)
+    if x.ndim != 2:
+        raise ValueError(f"EyeLike needs a 2-D input, got shape {x.shape}")
+    return (np.eye(x.shape[0], x.shape[1], k=attrs.get("k") or 0, dtype=dtype),)
+
+
+@kernel("Trilu", since=14)
+def trilu(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    k = _opt_input(inputs, 1)
+    k = 0 if k is None else int(np.asarray(k).reshape(-1)[0])
+    return ((np.triu if attrs["upper"] else np.tril)(x, k),)

@@ -1,0 +1,118 @@
+"""Shape and indexing kernels on cases the op table cannot check against onnx.reference.
+
+onnx.reference departs from the spec on a few of them (Slice clamping with negative steps,
+negative Pad amounts); onnxruntime is the oracle there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from onnxtrain.engine import compile_model
+
+
+def _model(op: str, inputs: list[Any], opset: int, n_outputs: int = 1, **attrs: Any) -> onnx.ModelProto:
+    names = [f"x{i}" if v is not None else "" for i, v in enumerate(inputs)]
+    outs = [f"y{i}" for i in range(n_outputs)]
+    g_in = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+            for n, v in zip(names, inputs) if n]
+    # onnxruntime needs an output type; only ops that keep the data type are compared with it
+    elem = helper.np_dtype_to_tensor_dtype(inputs[0].dtype)
+    g_out = [helper.make_tensor_value_info(n, elem, None) for n in outs]
+    graph = helper.make_graph([helper.make_node(op, names, outs, **attrs)], op, g_in, g_out)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def _run_both(op: str, inputs: list[Any], opset: int, n_outputs: int = 1, **attrs: Any):
+    ort = pytest.importorskip("onnxruntime")
+    model = _model(op, inputs, opset, n_outputs, **attrs)
+    feeds = {f"x{i}": v for i, v in enumerate(inputs) if v is not None}
+    ours = compile_model(model).run(feeds)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    theirs = sess.run(None, feeds)
+    return ours, theirs
+
+
+def _i64(*v: int) -> np.ndarray:
+    return np.array(v, dtype=np.int64)
+
+
+X = np.arange(30, dtype=np.float32).reshape(5, 6)
+
+
+@pytest.mark.parametrize("starts,ends,steps", [
+    ((-10,), (-20,), (-1,)),   # start below -dim with a negative step clamps to 0 (element 0 kept)
+    ((10,), (-20,), (-2,)),
+    ((-10,), (20,), (1,)),
+    ((2,), (-2**63,), (-1,)),
+    ((4,), (1,), (-3,)),
+    ((0,), (2**63 - 1,), (4,)),
+])
+def test_slice_clamping_matches_onnxruntime(starts, ends, steps) -> None:
+    ours, theirs = _run_both("Slice", [X, _i64(*starts), _i64(*ends), _i64(1), _i64(*steps)], 13)
+    np.testing.assert_array_equal(ours[0], theirs[0])
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge"])
+def test_pad_negative_amounts_matches_onnxruntime(mode: str) -> None:
+    ours, theirs = _run_both("Pad", [X, _i64(-1, 2, 1, -2)], 13, mode=mode)
+    np.testing.assert_array_equal(ours[0], theirs[0])
+
+
+def test_pad_axes_negative_amounts_matches_onnxruntime() -> None:
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    ours, theirs = _run_both("Pad", [x, _i64(1, -2), np.array(7.0, np.float32), _i64(-1)], 18)
+    np.testing.assert_array_equal(ours[0], theirs[0])
+
+
+def test_topk_ties_keep_lower_index_first() -> None:
+    x = np.array([[1, 3, 3, 2, 3, 1]], dtype=np.float32)
+    (vals, idx) = compile_model(_model("TopK", [x, _i64(4)], 13, n_outputs=2)).run({"x0": x, "x1": _i64(4)})
+    np.testing.assert_array_equal(idx, [[1, 2, 4, 3]])
+    np.testing.assert_array_equal(vals, [[3, 3, 3, 2]])
+    m = _model("TopK", [x, _i64(3)], 13, n_outputs=2, largest=0)
+    _, idx = compile_model(m).run({"x0": x, "x1": _i64(3)})
+    np.testing.assert_array_equal(idx, [[0, 5, 3]])
+
+
+def test_scatter_nd_add_large_matches_add_at() -> None:
+    rng = np.random.default_rng(1)
+    data = rng.standard_normal((50, 8)).astype(np.float32)
+    idx = rng.integers(-50, 50, (1000, 1)).astype(np.int64)
+    upd = rng.standard_normal((1000, 8)).astype(np.float32)
+    m = _model("ScatterND", [data, idx, upd], 16, reduction="add")
+    (out,) = compile_model(m).run({"x0": data, "x1": idx, "x2": upd})
+    want = data.copy()
+    np.add.at(want, idx[:, 0], upd)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op,inputs,opset,attrs", [
+    ("ScatterElements", [X, _i64(0, 1, 0).reshape(3, 1), np.ones((3, 1), np.float32)], 16,
+     {"reduction": "add"}),
+    ("ScatterND", [X, _i64(1, 1, 4).reshape(3, 1), np.ones((3, 6), np.float32)], 16, {"reduction": "mul"}),
+    ("Pad", [X, _i64(1, 1, 1, 1)], 13, {"mode": "reflect"}),
+    ("CumSum", [X, _i64(0)], 13, {"reverse": 1, "exclusive": 1}),
+])
+def test_kernels_leave_inputs_untouched(op: str, inputs: list[Any], opset: int, attrs: dict) -> None:
+    before = [v.copy() for v in inputs]
+    compile_model(_model(op, inputs, opset, **attrs)).run({f"x{i}": v for i, v in enumerate(inputs)})
+    for a, b in zip(inputs, before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_index_out_of_range_is_an_error() -> None:
+    m = _model("ScatterElements", [X, _i64(6).reshape(1, 1), np.ones((1, 1), np.float32)], 16)
+    with pytest.raises(Exception, match="out of range"):
+        compile_model(m).run({"x0": X, "x1": _i64(6).reshape(1, 1), "x2": np.ones((1, 1), np.float32)})
+
+
+def test_gather_elements_indices_smaller_than_data_matches_onnxruntime() -> None:
+    x = np.arange(24, dtype=np.float32).reshape(3, 4, 2)
+    ours, theirs = _run_both("GatherElements", [x, _i64(3, 0, -1, 2).reshape(2, 2, 1)], 13, axis=1)
+    np.testing.assert_array_equal(ours[0], theirs[0])

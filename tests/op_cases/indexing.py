@@ -1,0 +1,127 @@
+"""Op table rows for the indexing kernels (onnxtrain/engine/kernels/indexing.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.op_cases import OpCase
+
+
+def _i64(v) -> np.ndarray:
+    return np.array(v, dtype=np.int64)
+
+
+def _x(*shape: int):
+    """An input maker: one float tensor of ``shape`` followed by the fixed inputs given next."""
+
+    def with_extra(*extra):
+        return lambda rng, dt: [rng.uniform(-2, 2, shape).astype(dt), *extra]
+
+    return with_extra
+
+
+def _scatter(dshape, ishape, high):
+    """data, random (possibly negative, repeated) indices in [-high, high), updates."""
+
+    def make(rng, dt):
+        idx = rng.integers(-high, high, ishape).astype(np.int64)
+        return [rng.uniform(-2, 2, dshape).astype(dt), idx,
+                rng.uniform(-2, 2, ishape).astype(dt)]
+
+    return make
+
+
+def _scatter_nd_unique(dshape, n, ushape):
+    """ScatterND inputs with distinct index tuples over the first two axes (for reduction=none)."""
+
+    def make(rng, dt):
+        flat = rng.permutation(dshape[0] * dshape[1])[:n]
+        idx = np.stack([flat // dshape[1], flat % dshape[1] - dshape[1]], axis=-1).astype(np.int64)
+        return [rng.uniform(-2, 2, dshape).astype(dt), idx, rng.uniform(-2, 2, ushape).astype(dt)]
+
+    return make
+
+
+def _perm_indices(dshape, axis):
+    """ScatterElements inputs whose indices are a permutation along ``axis`` (no duplicates)."""
+
+    def make(rng, dt):
+        idx = np.argsort(rng.uniform(size=dshape), axis=axis).astype(np.int64)
+        return [rng.uniform(-2, 2, dshape).astype(dt), idx, rng.uniform(-2, 2, dshape).astype(dt)]
+
+    return make
+
+
+CASES = [
+    OpCase("Gather", make_inputs=_x(5, 4)(_i64([[0, 4, -1], [2, 2, -5]])), wrt=(0,)),
+    OpCase("Gather", make_inputs=_x(3, 5, 2)(_i64([4, 0, -2])), attrs={"axis": 1}, wrt=(0,),
+           variant="axis1"),
+    OpCase("Gather", make_inputs=_x(3, 5)(_i64(-1)), attrs={"axis": 1}, wrt=(0,), variant="scalar_index"),
+    OpCase("GatherElements", make_inputs=_x(3, 4)(_i64([[0, -1, 2, 2], [1, 0, -3, 1]])), wrt=(0,)),
+    OpCase("GatherElements", make_inputs=_x(2, 4, 2)(_i64([[[3, 0]], [[-1, 2]]])), attrs={"axis": 1},
+           wrt=(0,), variant="axis1"),
+    OpCase("GatherND", make_inputs=_x(3, 4, 2)(_i64([[0, 1], [2, -1], [1, 3]])), wrt=(0,)),
+    OpCase("GatherND", make_inputs=_x(3, 4, 2)(_i64([[[1], [0]], [[2], [2]]])), wrt=(0,), variant="k1"),
+    OpCase("GatherND", make_inputs=_x(2, 4, 3)(_i64([[[1, 2], [3, 0]], [[0, 0], [-1, 1]]])),
+           attrs={"batch_dims": 1}, wrt=(0,), variant="batch_dims"),
+    OpCase("ScatterElements", make_inputs=_perm_indices((3, 4), 1), attrs={"axis": 1}, wrt=(0, 2),
+           opset=16),
+    OpCase("ScatterElements", make_inputs=_scatter((4, 3), (6, 3), 4), attrs={"reduction": "add"},
+           wrt=(0, 2), opset=16, variant="add_dups"),
+    OpCase("ScatterElements", make_inputs=_scatter((2, 5, 3), (2, 4, 2), 5),
+           attrs={"axis": 1, "reduction": "mul"}, wrt=(0, 2), opset=16, variant="mul_smaller"),
+    OpCase("ScatterElements", make_inputs=_scatter((4, 3), (5, 3), 4), attrs={"reduction": "max"},
+           grad=False, opset=18, variant="max"),
+    OpCase("ScatterElements", make_inputs=_scatter((4, 3), (5, 3), 4), attrs={"reduction": "min"},
+           grad=False, opset=18, variant="min"),
+    OpCase("ScatterND", make_inputs=_scatter_nd_unique((4, 3, 2), 5, (5, 2)), wrt=(0, 2), opset=16),
+    OpCase("ScatterND", make_inputs=lambda rng, dt: [rng.uniform(-2, 2, (5, 3)).astype(dt),
+                                                     rng.integers(-5, 5, (200, 1)).astype(np.int64),
+                                                     rng.uniform(-2, 2, (200, 3)).astype(dt)],
+           attrs={"reduction": "add"}, wrt=(0, 2), opset=16, variant="add_many_dups"),
+    OpCase("ScatterND", make_inputs=lambda rng, dt: [rng.uniform(-2, 2, (4, 3)).astype(dt),
+                                                     rng.integers(-4, 4, (6, 1)).astype(np.int64),
+                                                     rng.uniform(-2, 2, (6, 3)).astype(dt)],
+           attrs={"reduction": "mul"}, wrt=(0, 2), opset=16, variant="mul"),
+    OpCase("ScatterND", make_inputs=lambda rng, dt: [rng.uniform(-2, 2, (4, 3)).astype(dt),
+                                                     rng.integers(-4, 4, (300, 2)).astype(np.int64)
+                                                     % np.array([4, 3]),
+                                                     rng.uniform(-2, 2, (300,)).astype(dt)],
+           attrs={"reduction": "max"}, grad=False, opset=18, variant="max_elements"),
+    OpCase("ScatterND", make_inputs=lambda rng, dt: [rng.uniform(-2, 2, (6, 2)).astype(dt),
+                                                     rng.integers(0, 6, (150, 1)).astype(np.int64),
+                                                     rng.uniform(-2, 2, (150, 2)).astype(dt)],
+           attrs={"reduction": "min"}, grad=False, opset=18, variant="min_rows"),
+    OpCase("OneHot", make_inputs=lambda rng, dt: [_i64([[0, 3, -1], [5, -5, 2]]), _i64(5),
+                                                  np.array([-1.0, 2.0], dtype=dt)], grad=False),
+    OpCase("OneHot", make_inputs=lambda rng, dt: [_i64([1, 0, 3]), np.array(4.0, dtype=dt),
+                                                  np.array([0.0, 1.0], dtype=dt)], attrs={"axis": 0},
+           grad=False, variant="axis0"),
+    OpCase("NonZero", make_inputs=lambda rng, dt: [(rng.uniform(size=(3, 4)) > 0.5).astype(dt)], grad=False),
+    OpCase("CumSum", make_inputs=_x(3, 4)(_i64(1)), wrt=(0,)),
+    OpCase("CumSum", make_inputs=_x(3, 4)(_i64(-2)), attrs={"exclusive": 1, "reverse": 1}, wrt=(0,),
+           variant="excl_rev"),
+    OpCase("CumSum", make_inputs=_x(2, 5)(np.array(1, dtype=np.int32)), attrs={"exclusive": 1}, wrt=(0,),
+           variant="exclusive"),
+    OpCase("TopK", make_inputs=_x(3, 6)(_i64([3])), n_outputs=2, wrt=(0,), grad_outputs=(0,)),
+    OpCase("TopK", make_inputs=lambda rng, dt: [rng.integers(0, 3, (4, 7)).astype(dt), _i64([4])],
+           attrs={"largest": 0, "axis": 1}, n_outputs=2, wrt=(0,), grad_outputs=(0,),
+           variant="smallest_ties"),
+    OpCase("TopK", make_inputs=lambda rng, dt: [rng.integers(0, 3, (6, 3)).astype(dt), _i64([4])],
+           attrs={"axis": 0}, n_outputs=2, wrt=(0,), grad_outputs=(0,), variant="largest_ties_axis0"),
+    OpCase("ArgMax", [(3, 4, 5)], attrs={"axis": 1}, grad=False),
+    OpCase("ArgMax", make_inputs=lambda rng, dt: [rng.integers(0, 3, (4, 6)).astype(dt)],
+           attrs={"axis": -1, "keepdims": 0, "select_last_index": 1}, grad=False, variant="last_index"),
+    OpCase("ArgMin", [(3, 4)], attrs={"axis": 0, "keepdims": 0}, grad=False),
+    OpCase("ArgMin", make_inputs=lambda rng, dt: [rng.integers(0, 3, (4, 6)).astype(dt)],
+           attrs={"axis": 1, "select_last_index": 1}, grad=False, variant="last_index"),
+    OpCase("Compress", make_inputs=_x(3, 4)(np.array([True, False, True])), attrs={"axis": 0}, wrt=(0,)),
+    OpCase("Compress", make_inputs=_x(3, 4)(np.array([False, True, True, False, True])), wrt=(0,),
+           variant="flat"),
+    OpCase("Compress", make_inputs=_x(3, 4)(np.array([True, False])), attrs={"axis": -1}, wrt=(0,),
+           variant="short_condition"),
+    OpCase("Unique", make_inputs=lambda rng, dt: [rng.integers(0, 4, (10,)).astype(dt)], n_outputs=4,
+           attrs={"sorted": 0}, grad=False),
+    OpCase("Unique", make_inputs=lambda rng, dt: [rng.integers(0, 2, (5, 2)).astype(dt)], n_outputs=4,
+           attrs={"axis": 0}, grad=False, variant="axis0"),
+]

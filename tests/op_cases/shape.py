@@ -1,0 +1,94 @@
+"""Op table rows for the shape-manipulation kernels (onnxtrain/engine/kernels/shape.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import numpy_helper
+
+from tests.op_cases import OpCase
+
+
+def _i64(*v: int) -> np.ndarray:
+    return np.array(v, dtype=np.int64)
+
+
+def _x(*shape: int):
+    """An input maker: one float tensor of ``shape`` (then the fixed extra inputs given later)."""
+
+    def with_extra(*extra):
+        return lambda rng, dt: [rng.uniform(-2, 2, shape).astype(dt), *extra]
+
+    return with_extra
+
+
+CASES = [
+    # Reshape: 0 copies a dim, -1 infers one; allowzero keeps a literal 0
+    OpCase("Reshape", make_inputs=_x(2, 3, 4)(_i64(4, 6)), wrt=(0,)),
+    OpCase("Reshape", make_inputs=_x(2, 3, 4)(_i64(0, -1)), wrt=(0,), variant="zero_minus1"),
+    OpCase("Reshape", make_inputs=_x(2, 3, 4)(_i64(-1)), wrt=(0,), variant="flat"),
+    OpCase("Reshape", make_inputs=_x(0, 3)(_i64(3, 0)), attrs={"allowzero": 1}, wrt=(0,),
+           variant="allowzero"),
+    OpCase("Transpose", [(2, 3, 4)]),
+    OpCase("Transpose", [(2, 3, 4, 5)], attrs={"perm": [0, 2, 3, 1]}, variant="perm"),
+    OpCase("Concat", [(2, 3), (2, 4), (2, 1)], attrs={"axis": 1}),
+    OpCase("Concat", [(2, 3), (1, 3)], attrs={"axis": -2}, variant="neg_axis"),
+    OpCase("Split", [(6, 4)], attrs={"axis": 0}, n_outputs=3, opset=13),
+    OpCase("Split", make_inputs=_x(3, 7)(_i64(2, 5)), attrs={"axis": 1}, n_outputs=2, wrt=(0,),
+           opset=13, variant="sizes"),
+    OpCase("Split", [(2, 7)], attrs={"axis": -1, "num_outputs": 3}, n_outputs=3, opset=18,
+           variant="num_outputs_uneven"),
+    OpCase("Slice", make_inputs=_x(5, 6)(_i64(1, 0), _i64(4, 6)), wrt=(0,), opset=13),
+    OpCase("Slice", make_inputs=_x(5, 6, 2)(_i64(-1, 1), _i64(-100, 5), _i64(0, 1), _i64(-2, 2)),
+           wrt=(0,), opset=13, variant="neg_steps"),
+    # a start below -dim with a negative step (clamped to 0 by the spec, empty in onnx.reference):
+    # tests/engine/test_shape_indexing.py checks it against onnxruntime
+    OpCase("Slice", make_inputs=_x(4, 6)(_i64(2), _i64(2**62), _i64(-1)), wrt=(0,), opset=13,
+           variant="huge_end"),
+    OpCase("Squeeze", make_inputs=_x(2, 1, 3, 1)(_i64(1, -1)), wrt=(0,), opset=13),
+    OpCase("Squeeze", [(1, 3, 1)], opset=13, variant="all"),
+    OpCase("Unsqueeze", make_inputs=_x(2, 3)(_i64(0, -1)), wrt=(0,), opset=13),
+    OpCase("Unsqueeze", make_inputs=_x(2, 3)(_i64(3, 1)), wrt=(0,), opset=13, variant="unsorted"),
+    OpCase("Flatten", [(2, 3, 4)], attrs={"axis": 2}),
+    OpCase("Flatten", [(2, 3, 4)], attrs={"axis": 0}, variant="axis0"),
+    OpCase("Flatten", [(2, 3, 4)], attrs={"axis": -1}, variant="neg_axis"),
+    OpCase("Expand", make_inputs=_x(3, 1)(_i64(2, 3, 4)), wrt=(0,)),
+    OpCase("Expand", make_inputs=_x(2, 3)(_i64(3)), wrt=(0,), variant="smaller_shape"),
+    OpCase("Shape", [(2, 3, 4)], grad=False),
+    OpCase("Shape", [(2, 3, 4, 5)], attrs={"start": 1, "end": -1}, grad=False, variant="start_end"),
+    OpCase("Size", [(2, 3, 4)], grad=False),
+    OpCase("Constant", attrs={"value_floats": [1.0, 2.5]}, make_inputs=lambda rng, dt: [], grad=False),
+    OpCase("Constant", attrs={"value_int": 7}, make_inputs=lambda rng, dt: [], grad=False, variant="int"),
+    OpCase("Constant", attrs={"value": numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3))},
+           make_inputs=lambda rng, dt: [], grad=False, variant="tensor"),
+    OpCase("ConstantOfShape", make_inputs=lambda rng, dt: [_i64(2, 3)], grad=False),
+    OpCase("ConstantOfShape", make_inputs=lambda rng, dt: [_i64(3)],
+           attrs={"value": numpy_helper.from_array(np.array([5], dtype=np.int32))}, grad=False,
+           variant="int32"),
+    OpCase("Range", make_inputs=lambda rng, dt: [np.array(v, dtype=dt) for v in (1.0, 4.0, 0.5)], grad=False),
+    OpCase("Range", make_inputs=lambda rng, dt: [np.array(v, dtype=np.int64) for v in (10, -3, -4)],
+           grad=False, variant="int_neg"),
+    OpCase("Tile", make_inputs=_x(2, 3)(_i64(2, 3)), wrt=(0,)),
+    OpCase("Tile", make_inputs=_x(2, 1, 3)(_i64(1, 4, 1)), wrt=(0,), variant="3d"),
+    OpCase("Pad", make_inputs=_x(2, 3)(_i64(1, 0, 2, 1), np.array(1.5)), wrt=(0,), opset=13),
+    OpCase("Pad", make_inputs=_x(3, 4)(_i64(2, 1, 1, 3)), attrs={"mode": "reflect"}, wrt=(0,), opset=13,
+           variant="reflect"),
+    OpCase("Pad", make_inputs=_x(3, 4)(_i64(2, 1, 1, 3)), attrs={"mode": "edge"}, wrt=(0,), opset=13,
+           variant="edge"),
+    OpCase("Pad", make_inputs=_x(3, 4)(_i64(2, 1, 1, 3)), attrs={"mode": "wrap"}, wrt=(0,), opset=19,
+           variant="wrap"),
+    OpCase("Pad", make_inputs=_x(2, 3, 4)(_i64(1, 2), None, _i64(-1)), wrt=(0,), opset=18,
+           variant="axes"),
+    # negative pads: onnx.reference cannot run them; see tests/engine/test_shape_indexing.py
+    OpCase("DepthToSpace", [(1, 8, 2, 3)], attrs={"blocksize": 2}),
+    OpCase("DepthToSpace", [(2, 8, 2, 2)], attrs={"blocksize": 2, "mode": "CRD"}, variant="crd"),
+    OpCase("SpaceToDepth", [(2, 2, 4, 6)], attrs={"blocksize": 2}),
+    OpCase("ReverseSequence", make_inputs=_x(4, 3, 2)(_i64(4, 1, 3)), attrs={"batch_axis": 1, "time_axis": 0},
+           wrt=(0,)),
+    OpCase("ReverseSequence", make_inputs=_x(3, 5)(_i64(2, 5, 0)), attrs={"batch_axis": 0, "time_axis": 1},
+           wrt=(0,), variant="batch_first"),
+    OpCase("EyeLike", [(3, 4)], attrs={"k": 1}, grad=False),
+    OpCase("EyeLike", [(4, 3)], attrs={"k": -1, "dtype": 7}, grad=False, variant="int64"),
+    OpCase("Trilu", [(2, 4, 5)]),
+    OpCase("Trilu", make_inputs=_x(4, 5)(np.array(-1, dtype=np.int64)), attrs={"upper": 0}, wrt=(0,),
+           variant="lower_k"),
+]
