@@ -17,9 +17,11 @@ from onnxtrain.capi.options import (
 )
 from onnxtrain.capi.ortvalue import IOBinding, OrtDevice, OrtValue
 from onnxtrain.inference import InferenceSession, ModelMetadata, NodeArg
+from onnxtrain.parameters import TrainingParameters
+from onnxtrain.session import TrainingSession
 
 __version__ = "0.1.0"
 
 __all__ = ["ExecutionMode", "GradientGraphBuilder", "GraphOptimizationLevel", "IOBinding", "InferenceSession",
-           "ModelMetadata", "NodeArg", "OrtDevice", "OrtValue", "RunOptions", "SessionOptions",
+           "ModelMetadata", "NodeArg", "OrtDevice", "OrtValue", "RunOptions", "SessionOptions", "TrainingParameters", "TrainingSession",
            "get_all_providers", "get_available_providers", "get_device"]

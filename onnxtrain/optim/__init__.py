@@ -1,0 +1,20 @@
+"""Optimizer update graphs (standard ONNX) for the legacy session, selected by name."""
+
+from __future__ import annotations
+
+from onnxtrain.optim.adam import Adam
+from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot
+from onnxtrain.optim.lamb import Lamb
+from onnxtrain.optim.sgd import SGD
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {"SGDOptimizer": SGD, "AdamOptimizer": Adam, "LambOptimizer": Lamb}
+
+
+def get_optimizer(name: str) -> Optimizer:
+    """The optimizer registered as ``name`` (SGDOptimizer, AdamOptimizer, LambOptimizer)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown training_optimizer_name {name!r}; valid names: {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[name]()
+
+
+__all__ = ["OPTIMIZERS", "Optimizer", "StateSpec", "WeightSlot", "get_optimizer"]

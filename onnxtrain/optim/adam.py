@@ -1,0 +1,85 @@
+"""AdamOptimizer of the legacy session (spec §7.3): weight-decay modes 0 (decay before) and 1 (after)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from onnx import TensorProto
+
+from onnxtrain.ir.builder import NodeWriter
+from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, fattr, iattr, scalar
+
+
+def bias_corrections(w: NodeWriter, t: str, alpha: float, beta: float, on: bool, et: int) -> tuple[str, str]:
+    """(1 − α^t, 1 − β^t) as scalars of type ``et``, or ones when bias correction is off."""
+    if not on:
+        one = scalar(w, 1.0, et)
+        return one, one
+    tf = w.one("Cast", t, to=et)
+    one = scalar(w, 1.0, et)
+    c1 = w.one("Sub", one, w.one("Pow", scalar(w, alpha, et), tf))
+    c2 = w.one("Sub", one, w.one("Pow", scalar(w, beta, et), tf))
+    return c1, c2
+
+
+def moments(w: NodeWriter, g: str, m1: str, m2: str, alpha: float, beta: float, et: int) -> tuple[str, str]:
+    """m1 = α·m1 + (1−α)·g,  m2 = β·m2 + (1−β)·g²."""
+    m1n = w.one("Add", w.one("Mul", m1, scalar(w, alpha, et)), w.one("Mul", g, scalar(w, 1 - alpha, et)))
+    m2n = w.one("Add", w.one("Mul", m2, scalar(w, beta, et)),
+                w.one("Mul", w.one("Mul", g, g), scalar(w, 1 - beta, et)))
+    return m1n, m2n
+
+
+class Adam(Optimizer):
+    name = "AdamOptimizer"
+    FLOAT_ATTRS = {"alpha": 0.9, "beta": 0.999, "lambda": 0.0, "epsilon": 1e-8, "max_norm_clip": 1.0}
+    INT_ATTRS = {"do_bias_correction": 1, "weight_decay_mode": 0}
+    uses_norm = True
+
+    def state(self, slots: list[WeightSlot], moment_dtype: Any = np.float32) -> list[StateSpec]:
+        out = []
+        for s in slots:
+            out.append(StateSpec(f"Moment_1_{s.name}", s.name, "Moment_1", np.zeros(s.shape, moment_dtype)))
+            out.append(StateSpec(f"Moment_2_{s.name}", s.name, "Moment_2", np.zeros(s.shape, moment_dtype)))
+            out.append(StateSpec(f"Update_Count_{s.name}", s.name, "Update_Count", np.ones([1], np.int64)))
+        return out
+
+    def emit(self, w: NodeWriter, slots: list[WeightSlot], lr: str, state: dict[str, str]) -> tuple[
+            dict[str, str], dict[str, str]]:
+        new_w: dict[str, str] = {}
+        new_s: dict[str, str] = {}
+        for s in slots:
+            et = s.elem_type
+            a, b = fattr(s, self, "alpha"), fattr(s, self, "beta")
+            lam, eps = fattr(s, self, "lambda"), fattr(s, self, "epsilon")
+            mode = iattr(s, self, "weight_decay_mode")
+            if mode not in (0, 1):
+                raise ValueError(f"optimizer_int_attributes_map[{s.name!r}]['weight_decay_mode'] must be 0 or 1, "
+                                 f"got {mode}")
+            t = state[f"Update_Count_{s.name}"]
+            m1, m2 = state[f"Moment_1_{s.name}"], state[f"Moment_2_{s.name}"]
+            lr_t = lr if et == TensorProto.FLOAT else w.one("Cast", lr, to=et)
+            g = s.grad if s.divisor is None else w.one("Div", s.grad, s.divisor)
+            c1, c2 = bias_corrections(w, t, a, b, bool(iattr(s, self, "do_bias_correction")), et)
+            m1n, m2n = moments(w, g, m1, m2, a, b, et)
+            if mode == 0:
+                # Δ = −lr·((m1/c1) / (sqrt(m2/c2) + ε) + λ·w)
+                denom = w.one("Add", w.one("Sqrt", w.one("Div", m2n, c2)), scalar(w, eps, et))
+                upd = w.one("Div", w.one("Div", m1n, c1), denom)
+                if lam:
+                    upd = w.one("Add", upd, w.one("Mul", s.name, scalar(w, lam, et)))
+                wn = w.one("Sub", s.name, w.one("Mul", lr_t, upd))
+            else:
+                # u = lr·sqrt(c2)/c1 · m1/(sqrt(m2)+ε);  Δ = −u − lr·λ·(w − u)
+                step = w.one("Div", w.one("Mul", lr_t, w.one("Sqrt", c2)), c1)
+                u = w.one("Mul", step, w.one("Div", m1n, w.one("Add", w.one("Sqrt", m2n), scalar(w, eps, et))))
+                wn = w.one("Sub", s.name, u)
+                if lam:
+                    decay = w.one("Mul", w.one("Mul", lr_t, scalar(w, lam, et)), w.one("Sub", s.name, u))
+                    wn = w.one("Sub", wn, decay)
+            new_w[s.name] = w.emit("Identity", [wn], [w.names(f"{s.name}_Adam_out")])[0]
+            new_s[m1] = w.emit("Identity", [m1n], [w.names(f"Moment_1_{s.name}_Out")])[0]
+            new_s[m2] = w.emit("Identity", [m2n], [w.names(f"Moment_2_{s.name}_Out")])[0]
+            new_s[t] = w.emit("Add", [t, w.ints([1])], [w.names(f"{s.grad}_Step_Out")])[0]
+        return new_w, new_s

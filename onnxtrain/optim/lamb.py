@@ -1,0 +1,76 @@
+"""LambOptimizer of the legacy session (spec §7.4): trust ratio, non-finite guards, one shared Step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from onnx import TensorProto
+
+from onnxtrain.ir.builder import NodeWriter
+from onnxtrain.optim.adam import bias_corrections, moments
+from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, fattr, iattr, scalar
+
+
+class Lamb(Optimizer):
+    name = "LambOptimizer"
+    FLOAT_ATTRS = {"alpha": 0.9, "beta": 0.999, "lambda": 0.0, "epsilon": 1e-6, "max_norm_clip": 1.0,
+                   "ratio_min": float("-inf"), "ratio_max": float("inf")}
+    INT_ATTRS = {"do_bias_correction": 0}  # the legacy builder's default, not the op schema's
+    uses_norm = True
+
+    def state(self, slots: list[WeightSlot], moment_dtype: Any = np.float32) -> list[StateSpec]:
+        out = [StateSpec("Step", "", "Step", np.ones([1], np.int64))]
+        for s in slots:
+            out.append(StateSpec(f"Moment_1_{s.name}", s.name, "Moment_1", np.zeros(s.shape, moment_dtype)))
+            out.append(StateSpec(f"Moment_2_{s.name}", s.name, "Moment_2", np.zeros(s.shape, moment_dtype)))
+        return out
+
+    def _global(self, slots: list[WeightSlot], key: str) -> Any:
+        """ratio_min/ratio_max/do_bias_correction are global: every weight that sets one must agree."""
+        given = {(s.int_attrs if key in self.INT_ATTRS else s.float_attrs).get(key) for s in slots} - {None}
+        if len(given) > 1:
+            raise ValueError(f"LambOptimizer: {key} must be the same for every weight, got {sorted(given)}")
+        return given.pop() if given else (self.INT_ATTRS.get(key, self.FLOAT_ATTRS.get(key)))
+
+    def emit(self, w: NodeWriter, slots: list[WeightSlot], lr: str, state: dict[str, str]) -> tuple[
+            dict[str, str], dict[str, str]]:
+        new_w: dict[str, str] = {}
+        new_s: dict[str, str] = {}
+        t = state["Step"]
+        rmin, rmax = float(self._global(slots, "ratio_min")), float(self._global(slots, "ratio_max"))
+        bias = bool(self._global(slots, "do_bias_correction"))
+        for s in slots:
+            et = s.elem_type
+            a, b = fattr(s, self, "alpha"), fattr(s, self, "beta")
+            lam, eps = fattr(s, self, "lambda"), fattr(s, self, "epsilon")
+            m1, m2 = state[f"Moment_1_{s.name}"], state[f"Moment_2_{s.name}"]
+            lr_t = lr if et == TensorProto.FLOAT else w.one("Cast", lr, to=et)
+            g = s.grad if s.divisor is None else w.one("Div", s.grad, s.divisor)
+            c1, c2 = bias_corrections(w, t, a, b, bias, et)
+            m1n, m2n = moments(w, g, m1, m2, a, b, et)
+            # d = λ·w + (m1/c1) / (sqrt(m2/c2) + ε); where d is not finite: d = 0 and the moments stay
+            d = w.one("Div", w.one("Div", m1n, c1),
+                      w.one("Add", w.one("Sqrt", w.one("Div", m2n, c2)), scalar(w, eps, et)))
+            if lam:
+                d = w.one("Add", d, w.one("Mul", s.name, scalar(w, lam, et)))
+            bad = w.one("Or", w.one("IsNaN", d), w.one("IsInf", d))
+            zero = scalar(w, 0.0, et)
+            d = w.one("Where", bad, zero, d)
+            m1n = w.one("Where", bad, m1, m1n)
+            m2n = w.one("Where", bad, m2, m2n)
+            # η = lr·clamp(‖w‖/‖d‖, ratio_min, ratio_max) when both norms are nonzero, else lr
+            wn2 = w.one("ReduceL2", s.name, keepdims=0)
+            dn2 = w.one("ReduceL2", d, keepdims=0)
+            ratio = w.one("Div", wn2, dn2)
+            if rmin != float("-inf") or rmax != float("inf"):
+                ratio = w.one("Clip", ratio, scalar(w, max(rmin, -3.0e38), et), scalar(w, min(rmax, 3.0e38), et))
+            both = w.one("And", w.one("Greater", wn2, zero), w.one("Greater", dn2, zero))
+            eta = w.one("Mul", lr_t, w.one("Where", both, ratio, scalar(w, 1.0, et)))
+            cand = w.one("Sub", s.name, w.one("Mul", eta, d))
+            keep = w.one("Or", w.one("IsNaN", cand), w.one("IsInf", cand))
+            new_w[s.name] = w.emit("Where", [keep, s.name, cand], [w.names(f"{s.name}_Lamb_out")])[0]
+            new_s[m1] = w.emit("Identity", [m1n], [w.names(f"Moment_1_{s.name}_Out")])[0]
+            new_s[m2] = w.emit("Identity", [m2n], [w.names(f"Moment_2_{s.name}_Out")])[0]
+        new_s[t] = w.emit("Add", [t, w.ints([1])], [w.names("Step_Out")])[0]
+        return new_w, new_s

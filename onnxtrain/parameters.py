@@ -1,0 +1,113 @@
+"""``TrainingParameters``: the bag of options the legacy ``TrainingSession`` reads once (spec §6)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+
+# option → the issue that will implement it; set to a non-default value they raise NotImplementedError
+NOT_YET: dict[str, Any] = {
+    "use_mixed_precision": False,
+    "use_fp16_moments": False,
+    "attn_dropout_recompute": False,
+    "gelu_recompute": False,
+    "transformer_layer_recompute": False,
+    "number_recompute_layers": 0,
+    "enable_adasum": False,
+    "deepspeed_zero_stage": 0,
+    "horizontal_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "num_pipeline_micro_batches": 1,
+    "pipeline_cut_info_string": "",
+    "sliced_schema": {},
+    "sliced_axes": {},
+    "sliced_tensor_names": [],
+    "use_memory_efficient_gradient": False,
+}
+
+_DEFAULTS: dict[str, Any] = {
+    "loss_output_name": "",
+    "weights_to_train": set(),
+    "weights_not_to_train": set(),
+    "immutable_weights": {},
+    "training_optimizer_name": "",
+    "lr_params_feed_name": "Learning_Rate",
+    "optimizer_attributes_map": {},
+    "optimizer_int_attributes_map": {},
+    "loss_scale": 0.0,
+    "allreduce_post_accumulation": False,
+    "world_rank": 0,
+    "world_size": 1,
+    "data_parallel_size": 1,
+    "gradient_accumulation_steps": 1,
+    "enable_grad_norm_clip": True,
+    "set_gradients_as_graph_outputs": False,
+    "propagate_cast_ops_level": 1,
+    "propagate_cast_ops_allow": [],
+    "model_after_graph_transforms_path": "",
+    "model_with_gradient_graph_path": "",
+    "model_with_training_graph_path": "",
+    # onnxtrain's own switches (not in the legacy class)
+    "legacy_cpu_adam": False,  # True: Adam ignores clipping, as onnxruntime's CPU kernel did
+    "gradient_accumulation_mode": "legacy",  # or "auto": the session counts micro-steps itself
+    **NOT_YET,
+}
+
+
+class TrainingParameters:
+    """Options of the legacy ``TrainingSession``; every property of onnxruntime's class is here.
+
+    As in onnxruntime, properties return copies: assign a whole set or dict, do not mutate in place.
+    Example::
+
+        p = TrainingParameters()
+        p.loss_output_name = "loss"
+        p.training_optimizer_name = "SGDOptimizer"
+    """
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_values", copy.deepcopy(_DEFAULTS))
+        object.__setattr__(self, "_initial_state", {})
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return copy.deepcopy(values[name])
+        raise AttributeError(f"TrainingParameters has no property {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._values:
+            raise AttributeError(f"TrainingParameters has no property {name!r}; properties: {sorted(self._values)}")
+        default = _DEFAULTS[name]
+        if isinstance(default, set):
+            if isinstance(value, str) or not hasattr(value, "__iter__"):
+                raise TypeError(f"TrainingParameters.{name} must be a set of names, got {type(value).__name__}")
+            value = set(value)
+        elif isinstance(default, bool):
+            value = bool(value)
+        elif isinstance(default, int) and not isinstance(default, bool):
+            if isinstance(value, float) and not value.is_integer():
+                raise TypeError(f"TrainingParameters.{name} must be an int, got {value!r}")
+            value = int(value)
+        elif isinstance(default, float):
+            value = float(value)
+        elif isinstance(default, str) and not isinstance(value, str):
+            raise TypeError(f"TrainingParameters.{name} must be a str, got {type(value).__name__}")
+        self._values[name] = copy.deepcopy(value)
+
+    def set_optimizer_initial_state(self, state: dict[str, dict[str, Any]]) -> None:
+        """Initial optimizer state, in the layout of ``get_optimizer_state()``."""
+        self._initial_state = {w: {k: np.array(v) for k, v in d.items()} for w, d in state.items()}
+
+    def optimizer_initial_state(self) -> dict[str, dict[str, np.ndarray]]:
+        return self._initial_state
+
+    def unsupported_options(self) -> list[str]:
+        """Options set away from their defaults that onnxtrain does not implement yet."""
+        return [k for k, d in NOT_YET.items() if self._values[k] != d]
+
+    def __repr__(self) -> str:
+        changed = {k: v for k, v in self._values.items() if v != _DEFAULTS[k]}
+        return f"TrainingParameters({changed})"

@@ -1,0 +1,227 @@
+"""The legacy ``TrainingSession``: one ``run()`` = forward + backward + optimizer update.
+
+Weights, optimizer state, accumulation buffers and BatchNormalization running statistics live in
+the session's store (numpy arrays keyed by their legacy names); the step graphs take them as
+inputs and return the new values, which are swapped into the store without copying.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnxtrain.capi.options import RunOptions, SessionOptions, resolve_providers
+from onnxtrain.engine.plan import Plan, load_model
+from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
+from onnxtrain.inference import FeedChecker, InferenceSession, NodeArg, node_arg, write_chrome_trace
+from onnxtrain.ir.io import save_model_atomic
+from onnxtrain.optim import get_optimizer
+from onnxtrain.parameters import TrainingParameters
+from onnxtrain.training_graph import TRAINING_MODE, build_step_graphs
+
+
+class TrainingSession(InferenceSession):
+    """Train an ONNX model whose graph computes its loss, with onnxruntime's legacy API.
+
+    Example::
+
+        p = TrainingParameters()
+        p.loss_output_name = "loss"
+        p.training_optimizer_name = "SGDOptimizer"
+        sess = TrainingSession(model_bytes, p)
+        loss, = sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)})
+    """
+
+    def __init__(self, path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto, parameters: TrainingParameters,
+                 sess_options: SessionOptions | None = None, providers: Sequence[Any] | None = None,
+                 provider_options: Sequence[dict] | None = None):
+        if not isinstance(path_or_bytes, (str, bytes, bytearray, os.PathLike, onnx.ModelProto)):
+            raise TypeError(f"path_or_bytes must be a path or the serialized model, got {type(path_or_bytes).__name__}")
+        if not isinstance(parameters, TrainingParameters):
+            raise TypeError(f"parameters must be a TrainingParameters, got {type(parameters).__name__}")
+        p = parameters
+        pending = p.unsupported_options()
+        if pending:
+            raise NotImplementedError(f"TrainingParameters option(s) {', '.join(pending)} are not implemented yet")
+        if p.world_size > 1 or p.data_parallel_size > 1:
+            raise NotImplementedError("world_size/data_parallel_size > 1 (MPI data parallelism) is not implemented yet")
+        if p.gradient_accumulation_mode not in ("legacy", "auto"):
+            raise ValueError(f"gradient_accumulation_mode must be 'legacy' or 'auto', got "
+                             f"{p.gradient_accumulation_mode!r}")
+        self._params = p
+        self._sess_options = sess_options or SessionOptions()
+        self._providers, self._provider_options = resolve_providers(providers, provider_options)
+        self._start_ns = time.time_ns()
+        self._fallback = True
+        model = load_model(path_or_bytes)
+        self._opt = get_optimizer(p.training_optimizer_name) if p.training_optimizer_name else None
+        g = build_step_graphs(model, p, self._opt)
+        self._graphs = g
+        self._check_attribute_maps()
+        self.loss_scale_input_name = None
+        self._store: dict[str, np.ndarray] = dict(g.initial_state)
+        self._apply_initial_optimizer_state(p.optimizer_initial_state())
+        for path, m in ((p.model_after_graph_transforms_path, g.transformed),
+                        (p.model_with_gradient_graph_path, g.gradient),
+                        (p.model_with_training_graph_path, g.full)):
+            if path:
+                save_model_atomic(m, path)
+        self._model = g.full
+        self._plans: dict[str, Plan] = {}
+        self._plan = self._get_plan("full")
+        self._plan.profiling = bool(self._sess_options.enable_profiling)
+        self._state_inputs = [i.name for i in g.full.graph.input if i.name in self._store]
+        lr = p.lr_params_feed_name
+        feed_names = set(g.user_inputs) | ({lr} if self._opt else set())
+        self._inputs = [node_arg(v) for v in g.full.graph.input if v.name in feed_names]
+        self._overridable = [NodeArg(TRAINING_MODE, "tensor(bool)", [])] if g.has_training_mode else []
+        self._outputs = [node_arg(v) for v in g.full.graph.output if v.name in set(g.user_outputs) | set(
+            g.extra_outputs)]
+        self._output_names = [o.name for o in self._outputs]
+        self._check = FeedChecker(self._plan, [TRAINING_MODE] if g.has_training_mode else [])
+        self._check.required = [n for n in self._check.required if n in feed_names]
+        self._check.allowed = feed_names | ({TRAINING_MODE} if g.has_training_mode else set())
+        self._micro_step = 0
+
+    # ---- construction helpers ---------------------------------------------------------
+    def _check_attribute_maps(self) -> None:
+        p, opt = self._params, self._opt
+        if opt is None:
+            return
+        fmap, imap = p.optimizer_attributes_map, p.optimizer_int_attributes_map
+        for w in self._graphs.trainable:
+            for label, m in (("optimizer_attributes_map", fmap), ("optimizer_int_attributes_map", imap)):
+                if m and w not in m:
+                    raise ValueError(f"{label} has no entry for trained weight {w!r} (give every trained weight "
+                                     "an entry, possibly {})")
+            opt.check_attrs(w, fmap.get(w, {}), imap.get(w, {}))
+        for label, m in (("optimizer_attributes_map", fmap), ("optimizer_int_attributes_map", imap)):
+            for w in m:
+                if w not in self._graphs.trainable:
+                    raise ValueError(f"{label}: {w!r} is not a trained weight; trained: {self._graphs.trainable}")
+
+    def _apply_initial_optimizer_state(self, initial: dict[str, dict[str, np.ndarray]]) -> None:
+        for w, d in initial.items():
+            for key, v in d.items():
+                name = key if w == "shared_optimizer_state" else f"{key}_{w}"
+                if name not in self._store:
+                    raise ValueError(f"set_optimizer_initial_state: no optimizer state {key!r} for {w!r}")
+                self._assign(name, v)
+
+    def _get_plan(self, kind: str) -> Plan:
+        if kind not in self._plans:
+            model = {"full": self._graphs.full, "accumulate": self._graphs.accumulate,
+                     "forward": self._graphs.forward}[kind]
+            self._plans[kind] = Plan(model)
+        return self._plans[kind]
+
+    # ---- running ----------------------------------------------------------------------
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+            run_options: RunOptions | None = None) -> list[np.ndarray]:
+        """Forward, backward and (when due) the optimizer update; returns the requested outputs."""
+        ro = run_options or RunOptions()
+        names = list(output_names) if output_names else list(self._output_names)
+        for n in names:
+            if n not in self._output_names:
+                raise ValueError(f"unknown output {n!r}; the session's outputs are {self._output_names}")
+        feeds = self._check(input_feed)
+        if self._graphs.has_training_mode and TRAINING_MODE not in feeds:
+            feeds[TRAINING_MODE] = np.asarray(bool(ro.training_mode))
+        kind = self._kind(names, ro)
+        plan = self._get_plan(kind)
+        if kind == "forward" and self._opt is not None:
+            feeds.pop(self._params.lr_params_feed_name, None)
+        for s in plan.all_input_names:
+            if s in self._store:
+                feeds[s] = self._store[s]
+        upd_items = [] if kind == "forward" else list(self._graphs.updates[kind].items())
+        results = plan.run(feeds, names + [o for _, o in upd_items])
+        for (state, _), v in zip(upd_items, results[len(names):]):
+            self._store[state] = v
+        if kind == "full" and self._graphs.buffers:
+            for b in self._graphs.buffers:
+                self._store[b] = np.zeros_like(self._store[b])
+        self._micro_step = 0 if kind == "full" else self._micro_step + (kind == "accumulate")
+        if self._sess_options.enable_profiling and plan is not self._plan:
+            self._plan.profile.extend(plan.profile)
+        return results[: len(names)]
+
+    def _kind(self, names: list[str], ro: RunOptions) -> str:
+        g = self._graphs
+        if ro.only_execute_path_to_fetches and all(n in g.user_outputs for n in names):
+            return "forward"
+        if g.accumulate is not None:
+            if self._params.gradient_accumulation_mode == "auto":
+                return "full" if self._micro_step + 1 >= self._params.gradient_accumulation_steps else "accumulate"
+            if ro.only_execute_path_to_fetches and GROUP_OUTPUT in names:
+                return "accumulate"
+        return "full"
+
+    def end_profiling(self) -> str:
+        if not self._sess_options.enable_profiling:
+            return ""
+        return write_chrome_trace(self._plan, self._sess_options.profile_file_prefix, self._start_ns)
+
+    # ---- state ------------------------------------------------------------------------
+    def _state_names(self) -> list[str]:
+        g = self._graphs
+        return sorted([*g.trainable, *(s.name for s in g.state_specs), *g.bn_stats])
+
+    def get_state(self) -> dict[str, np.ndarray]:
+        """Trained weights, optimizer state and BatchNormalization running statistics, by name (copies)."""
+        return {n: self._store[n].copy() for n in self._state_names()}
+
+    def _assign(self, name: str, value: Any) -> None:
+        cur = self._store[name]
+        arr = np.asarray(value)
+        if arr.shape != cur.shape:
+            raise ValueError(f"state {name!r}: expected shape {list(cur.shape)}, got {list(arr.shape)}")
+        if arr.dtype != cur.dtype:
+            raise TypeError(f"state {name!r}: expected dtype {cur.dtype}, got {arr.dtype}")
+        self._store[name] = arr.copy()
+
+    def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
+        """Copy ``state`` (as from ``get_state()``) into the session; shapes and dtypes must match."""
+        known = set(self._state_names())
+        for name, value in state.items():
+            if name not in known:
+                if strict:
+                    raise KeyError(f"load_state: {name!r} is not a state tensor of this session; known: {sorted(known)}")
+                continue
+            self._assign(name, value)
+        if strict:
+            missing = sorted(known - set(state))
+            if missing:
+                raise KeyError(f"load_state(strict=True): missing state tensor(s) {missing}")
+
+    def get_model_state(self, include_mixed_precision_weights: bool = False) -> dict[str, dict[str, np.ndarray]]:
+        out = {"full_precision": {w: self._store[w].copy() for w in self._graphs.trainable}}
+        if include_mixed_precision_weights:
+            out["mixed_precision"] = {}
+        return out
+
+    def get_optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for sp in self._graphs.state_specs:
+            key = sp.weight or "shared_optimizer_state"
+            out.setdefault(key, {})[sp.key] = self._store[sp.name].copy()
+        return out
+
+    def get_partition_info_map(self) -> dict[str, dict[str, list[int]]]:
+        return {}
+
+    def is_output_fp32_node(self, output_name: str) -> bool:
+        for n in self._graphs.full.graph.node:
+            if output_name in n.output:
+                types = {v.name: v for v in (*self._graphs.full.graph.output, *self._graphs.full.graph.value_info)}
+                v = types.get(output_name)
+                if v is None:
+                    inferred = onnx.shape_inference.infer_shapes(self._graphs.full)
+                    v = next((x for x in inferred.graph.value_info if x.name == output_name), None)
+                return v is not None and v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+        raise ValueError(f"{output_name!r} is not produced by any node of the training graph")

@@ -1,0 +1,296 @@
+"""The legacy session's graphs: forward model → gradient graph → step graph (accumulate, clip, update).
+
+Trained weights, optimizer state, accumulation buffers and BatchNormalization running statistics
+become graph inputs; their new values are graph outputs. The session keeps them in its store.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.autodiff import build_gradient_model
+from onnxtrain.autodiff.builder import upgrade_opset
+from onnxtrain.autodiff.registry import find_rule, has_no_gradient
+from onnxtrain.graph_transforms import accumulation
+from onnxtrain.graph_transforms.clipping import clip_divisor, global_norm
+from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, NodeWriter, model_opset
+from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
+from onnxtrain.parameters import TrainingParameters
+
+TRAINING_MODE = "training_mode"
+
+
+@dataclass
+class StepGraphs:
+    """What the session runs, and how its state maps onto graph inputs and outputs."""
+
+    forward: onnx.ModelProto  # user inputs + state → user outputs (evaluation)
+    full: onnx.ModelProto  # forward + backward + accumulate + update
+    accumulate: onnx.ModelProto | None  # forward + backward + accumulate only (N > 1)
+    gradient: onnx.ModelProto  # the gradient graph alone (for the dump)
+    transformed: onnx.ModelProto  # the forward model after our rewrites (for the dump)
+    trainable: list[str]
+    initial_state: dict[str, np.ndarray]  # every state tensor: weights, buffers, optimizer state, BN stats
+    state_specs: list[StateSpec] = field(default_factory=list)
+    updates: dict[str, dict[str, str]] = field(default_factory=dict)  # plan name → {state name: output}
+    buffers: list[str] = field(default_factory=list)
+    bn_stats: dict[str, str] = field(default_factory=dict)  # running-stat initializer → forward output
+    user_inputs: list[str] = field(default_factory=list)
+    user_outputs: list[str] = field(default_factory=list)
+    extra_outputs: list[str] = field(default_factory=list)  # global_gradient_norm, <x>_grad, ...
+    has_training_mode: bool = False
+
+
+def _consumers(model: onnx.ModelProto) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
+    out: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for n in model.graph.node:
+        for i, name in enumerate(n.input):
+            if name:
+                out.setdefault(name, []).append((n, i))
+    return out
+
+
+def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, list]) -> list[str]:
+    """Float initializers that reach the loss through differentiable input slots (spec §2 step 6)."""
+    opset = model_opset(model)
+    inits = {t.name: t for t in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output if o}
+    needed, found = {loss}, set()
+    for n in reversed(model.graph.node):
+        if not any(o in needed for o in n.output if o) or has_no_gradient(n.op_type):
+            continue
+        rule = find_rule(n.op_type, opset)
+        stop = rule.stop if rule else frozenset()
+        for i, name in enumerate(n.input):
+            if not name or i in stop:
+                continue
+            if name in inits:
+                t = inits[name]
+                if t.data_type not in FLOAT_TYPES:
+                    continue
+                if any(i == idx and t.data_type == TensorProto.FLOAT and not t.dims and
+                       float(numpy_helper.to_array(t)) == float(v) for idx, v in immutable.get(n.op_type, ())):
+                    continue
+                found.add(name)
+            elif name in producer:
+                needed.add(name)
+    return sorted(found)
+
+
+def select_trainable(model: onnx.ModelProto, p: TrainingParameters) -> list[str]:
+    inits = {t.name: t for t in model.graph.initializer}
+    consumers = _consumers(model)
+    wanted = p.weights_to_train
+    if wanted:
+        for w in sorted(wanted):
+            if w not in inits:
+                raise ValueError(f"weights_to_train: {w!r} is not an initializer of the model")
+        unused = sorted(w for w in wanted if w not in consumers)
+        if unused:
+            warnings.warn(f"weights_to_train: {unused} have no consumer and are not trained", stacklevel=3)
+        trainable = sorted(w for w in wanted if w in consumers and inits[w].data_type in FLOAT_TYPES)
+    else:
+        trainable = discover_trainable(model, p.loss_output_name, p.immutable_weights)
+    for w in p.weights_not_to_train:
+        if w not in inits:
+            raise ValueError(f"weights_not_to_train: {w!r} is not an initializer of the model")
+    return [w for w in trainable if w not in p.weights_not_to_train]
+
+
+def _rewire_dropout(model: onnx.ModelProto) -> bool:
+    """Point every Dropout's training_mode input at one shared bool graph input ``training_mode``."""
+    dropouts = [n for n in model.graph.node if n.op_type == "Dropout" and len(n.input) >= 3 and n.input[2]]
+    if not dropouts:
+        return False
+    for n in dropouts:
+        n.input[2] = TRAINING_MODE
+    model.graph.input.append(helper.make_tensor_value_info(TRAINING_MODE, TensorProto.BOOL, []))
+    return True
+
+
+def _bn_running_stats(model: onnx.ModelProto, names: NameGen) -> dict[str, str]:
+    """Running mean/var initializer → the forward output holding its new value (training-mode BN)."""
+    inits = {t.name for t in model.graph.initializer}
+    stats: dict[str, str] = {}
+    for n in model.graph.node:
+        if n.op_type != "BatchNormalization":
+            continue
+        tm = next((a.i for a in n.attribute if a.name == "training_mode"), 0)
+        if not tm:
+            continue
+        while len(n.output) < 3:
+            n.output.append("")
+        for k, i in ((1, 3), (2, 4)):
+            if n.input[i] in inits:
+                if not n.output[k]:
+                    n.output[k] = names(f"{n.input[i]}_updated")
+                stats[n.input[i]] = n.output[k]
+    return stats
+
+
+def _inits_to_inputs(model: onnx.ModelProto, names: list[str]) -> dict[str, np.ndarray]:
+    """Turn initializers ``names`` into graph inputs; returns their values."""
+    keep, values = [], {}
+    for t in model.graph.initializer:
+        if t.name in names:
+            values[t.name] = numpy_helper.to_array(t).copy()
+            model.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        else:
+            keep.append(t)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+    return values
+
+
+def _finish(graph_nodes: list[onnx.NodeProto], base: onnx.ModelProto, inputs: list[onnx.ValueInfoProto],
+            outputs: list[onnx.ValueInfoProto], name: str) -> onnx.ModelProto:
+    from onnxtrain.autodiff.builder import _live_nodes
+
+    keep = _live_nodes(graph_nodes, [o.name for o in outputs])
+    used = {i for n in keep for i in n.input} | {o.name for o in outputs}
+    g = helper.make_graph(keep, name, list(inputs), outputs,
+                          initializer=[t for t in base.graph.initializer if t.name in used])
+    m = helper.make_model(g, opset_imports=list(base.opset_import), producer_name="onnxtrain",
+                          ir_version=base.ir_version)
+    return m
+
+
+def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimizer | None) -> StepGraphs:
+    """Compose the forward, gradient and step graphs of a legacy training session."""
+    model = upgrade_opset(model)
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    loss = p.loss_output_name
+    if not loss:
+        raise ValueError("TrainingParameters.loss_output_name is empty: name the loss tensor of the model")
+    values = {v.name for v in m.graph.output} | {o for n in m.graph.node for o in n.output}
+    if loss not in values:
+        raise ValueError(f"loss_output_name {loss!r} is not a value of the model; outputs: "
+                         f"{[o.name for o in m.graph.output]}")
+    trainable = select_trainable(m, p)
+    if opt is not None and not trainable:
+        raise ValueError("no trainable weight reaches the loss; check weights_to_train / weights_not_to_train")
+    names = NameGen.for_model(m)
+    has_tm = _rewire_dropout(m)
+    bn = _bn_running_stats(m, names)
+    state = _inits_to_inputs(m, trainable + sorted(bn))
+    user_inputs = [v.name for v in model.graph.input if v.name not in {t.name for t in model.graph.initializer}]
+    user_outputs = [o.name for o in m.graph.output]
+    if loss not in user_outputs:
+        user_outputs.append(loss)
+    grad = build_gradient_model(m, loss, trainable, outputs=user_outputs, extra_outputs=list(bn.values()))
+    grads = {w: f"{w}_grad" for w in trainable}
+    types = {v.name: v for v in grad.graph.input}
+
+    def vi(name: str, like: str | None = None, elem: int | None = None, shape: list | None = None):
+        if like is not None:
+            src = types.get(like) or next((o for o in grad.graph.output if o.name == like), None)
+            if src is not None:
+                return helper.make_value_info(name, src.type)
+        return helper.make_tensor_value_info(name, elem if elem is not None else TensorProto.FLOAT, shape)
+
+    lr = p.lr_params_feed_name
+    steps = p.gradient_accumulation_steps
+    if steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be >= 1, got {steps}")
+    base_inputs = list(grad.graph.input)
+    out_user = [o for o in grad.graph.output if o.name in user_outputs]
+    out_bn = [vi(o, None, None, None) for o in bn.values()]
+    for k, o in enumerate(out_bn):
+        src = next((x for x in grad.graph.output if x.name == o.name), None)
+        if src is not None:
+            out_bn[k] = src
+
+    def compose(update: bool) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
+        nodes = list(grad.graph.node)
+        w = NodeWriter(NameGen([*{n for nd in nodes for n in (*nd.input, *nd.output)},
+                                *(i.name for i in base_inputs), *(t.name for t in grad.graph.initializer)]),
+                       nodes, prefix="")
+        inputs = list(base_inputs)
+        outputs = list(out_user)
+        extras: list[str] = []
+        upd: dict[str, str] = {stat: out for stat, out in bn.items()}
+        eff = dict(grads)
+        if steps > 1:
+            accs = []
+            for wt, g in grads.items():
+                buf = accumulation.buffer_name(g)
+                inputs.append(vi(buf, wt))
+                acc = accumulation.accumulate(w, g)
+                accs.append(acc)
+                eff[wt] = acc
+                if not update or opt is None:
+                    outputs.append(vi(acc, wt))
+                    upd[buf] = acc
+            barrier = accumulation.group_barrier(w, accs)
+            outputs.append(helper.make_tensor_value_info(barrier, TensorProto.BOOL, []))
+            extras.append(barrier)
+        if p.set_gradients_as_graph_outputs:
+            for wt, g in grads.items():
+                outputs.append(vi(g, wt))
+                extras.append(g)
+        if update and opt is not None:
+            if steps > 1:
+                eff = {wt: accumulation.averaged(w, a, steps, _elem(types, wt)) for wt, a in eff.items()}
+            inputs.append(helper.make_tensor_value_info(lr, TensorProto.FLOAT, [1]))
+            slots = [WeightSlot(wt, eff[wt], tuple(state[wt].shape), _elem(types, wt),
+                                dict(p.optimizer_attributes_map.get(wt, {})),
+                                dict(p.optimizer_int_attributes_map.get(wt, {}))) for wt in trainable]
+            if p.enable_grad_norm_clip:
+                norm = global_norm(w, [eff[wt] for wt in trainable])
+                outputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
+                extras.append(norm)
+                if opt.uses_norm and not p.legacy_cpu_adam:
+                    for s in slots:
+                        mnc = float(s.float_attrs.get("max_norm_clip", opt.FLOAT_ATTRS.get("max_norm_clip", 1.0)))
+                        s.divisor = clip_divisor(w, norm, mnc)
+            specs = opt.state(slots)
+            st_names = {sp.name: sp.name for sp in specs}
+            for sp in specs:
+                inputs.append(helper.make_tensor_value_info(
+                    sp.name, helper.np_dtype_to_tensor_dtype(sp.initial.dtype), list(sp.initial.shape)))
+            new_w, new_s = opt.emit(w, slots, lr, st_names)
+            for wt, o in new_w.items():
+                outputs.append(vi(o, wt))
+                upd[wt] = o
+            for sname, o in new_s.items():
+                sp = next(x for x in specs if x.name == sname)
+                outputs.append(helper.make_tensor_value_info(
+                    o, helper.np_dtype_to_tensor_dtype(sp.initial.dtype), list(sp.initial.shape)))
+                upd[sname] = o
+        outputs += out_bn
+        return _finish(w.nodes, grad, inputs, outputs, "training_graph"), upd, extras
+
+    full, full_upd, extras = compose(update=True)
+    acc_model, acc_upd = None, {}
+    if steps > 1 and opt is not None:
+        acc_model, acc_upd, _ = compose(update=False)
+    specs: list[StateSpec] = []
+    if opt is not None:
+        slots = [WeightSlot(wt, grads[wt], tuple(state[wt].shape), _elem(types, wt)) for wt in trainable]
+        specs = opt.state(slots)
+    initial = dict(state)
+    for sp in specs:
+        initial[sp.name] = sp.initial.copy()
+    buffers = [accumulation.buffer_name(g) for g in grads.values()] if steps > 1 else []
+    for b, wt in zip(buffers, trainable):
+        initial[b] = np.zeros_like(state[wt])
+    fwd = onnx.ModelProto()
+    fwd.CopyFrom(m)
+    del fwd.graph.output[:]
+    fwd.graph.output.extend([o for o in grad.graph.output if o.name in user_outputs])
+    return StepGraphs(forward=fwd, full=full, accumulate=acc_model, gradient=grad, transformed=m,
+                      trainable=trainable, initial_state=initial, state_specs=specs,
+                      updates={"full": full_upd, "accumulate": acc_upd}, buffers=buffers, bn_stats=bn,
+                      user_inputs=user_inputs, user_outputs=user_outputs, extra_outputs=extras,
+                      has_training_mode=has_tm)
+
+
+def _elem(types: dict[str, onnx.ValueInfoProto], name: str) -> int:
+    v = types.get(name)
+    return v.type.tensor_type.elem_type if v is not None else TensorProto.FLOAT
