@@ -2,31 +2,188 @@
 
 from __future__ import annotations
 
-from onnxtrain.autodiff.context import GradCtx
+import string
+
+import numpy as np
+
+from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
+
+
+def _swap_last2(g: GradCtx, name: str, rank: int) -> str:
+    """Transpose of the last two axes."""
+    return g.emit("Transpose", name, perm=[*range(rank - 2), rank - 1, rank - 2])
+
+
+@gradient("MatMul", uses=("x0", "x1"))
+def matmul_grad(g: GradCtx) -> None:
+    # Y = A·B (numpy semantics):  dA = dY·Bᵀ, dB = Aᵀ·dY on the last two axes, batch axes unbroadcast.
+    # A 1-D A is (1, K) and a 1-D B is (K, 1), the unit axis removed from Y: it is put back on dY.
+    ra, rb = g.rank(0), g.rank(1)
+    if ra is None or rb is None:
+        raise RuleError("MatMul gradient needs the ranks of both inputs (shape inference found none)")
+    dy = g.dy(0)
+    if ra == 1 and rb == 1:  # dot product: Y is a scalar
+        for i in (0, 1):
+            if g.needs_dx(i):
+                g.set_dx(i, g.emit("Mul", dy, g.x(1 - i)))
+        return
+    if ra == 2 and rb == 2:  # plain matrices: Gemm does the transposes
+        if g.needs_dx(0):
+            g.set_dx(0, g.emit("Gemm", dy, g.x(1), transB=1))
+        if g.needs_dx(1):
+            g.set_dx(1, g.emit("Gemm", g.x(0), dy, transA=1))
+        return
+    r = max(ra, rb)  # rank of dY once the unit axes of 1-D operands are back
+    if ra == 1:
+        dy = g.emit("Unsqueeze", dy, g.ints([-2]))
+    if rb == 1:
+        dy = g.emit("Unsqueeze", dy, g.ints([-1]))
+    if g.needs_dx(0):
+        # dA = dY·Bᵀ; for a 1-D B, Bᵀ is the row (1, K)
+        bt = g.emit("Unsqueeze", g.x(1), g.ints([0])) if rb == 1 else _swap_last2(g, g.x(1), rb)
+        da = g.emit("MatMul", dy, bt)  # (..., M, K)
+        if ra == 1:  # (..., 1, K) -> (K,)
+            g.set_dx(0, g.reduce("ReduceSum", da, list(range(r - 1)), keepdims=0))
+        else:
+            g.set_dx(0, _unbroadcast_batch(g, da, 0, r))
+    if g.needs_dx(1):
+        # dB = Aᵀ·dY; for a 1-D A, Aᵀ is the column (K, 1)
+        at = g.emit("Unsqueeze", g.x(0), g.ints([1])) if ra == 1 else _swap_last2(g, g.x(0), ra)
+        db = g.emit("MatMul", at, dy)  # (..., K, N)
+        if rb == 1:  # (..., K, 1) -> (K,)
+            g.set_dx(1, g.reduce("ReduceSum", db, [*range(r - 2), r - 1], keepdims=0))
+        else:
+            g.set_dx(1, _unbroadcast_batch(g, db, 1, r))
+
+
+def _unbroadcast_batch(g: GradCtx, grad: str, i: int, r: int) -> str:
+    """``grad`` (rank ``r``, batch axes of Y) summed to input ``i``'s batch shape; a no-op when they agree."""
+    xs, ys = g.static_shape(i), g.static_shape(0, output=True)
+    if xs is not None and ys is not None and len(xs) == r and len(ys) == r:
+        if all(a is not None and a == b for a, b in zip(xs[:-2], ys[:-2])):
+            return grad
+    return g.unbroadcast(grad, i, grad_rank=r)
 
 
 @gradient("Gemm", uses=("x0", "x1"))
 def gemm_grad(g: GradCtx) -> None:
-    # Y = alpha·op(A)·op(B) + beta·C;  d op(A) = alpha·dY·op(B)ᵀ, d op(B) = alpha·op(A)ᵀ·dY
+    # Y = alpha·op(A)·op(B) + beta·C;  d op(A) = alpha·dY·op(B)ᵀ, d op(B) = alpha·op(A)ᵀ·dY, dC = beta·dY
+    # (unbroadcast). The transposes and alpha go into the Gemm attributes.
     ta, tb = g.attr("transA"), g.attr("transB")
     alpha, beta = g.attr("alpha"), g.attr("beta")
     dy = g.dy(0)
-    if alpha != 1.0 and (g.needs_dx(0) or g.needs_dx(1)):
-        dy_a = g.emit("Mul", dy, g.const(alpha))
-    else:
-        dy_a = dy
+    a = None if alpha == 1.0 else alpha
     if g.needs_dx(0):
-        # dA = dY·op(B)ᵀ (transposed back when transA)
-        if ta:
-            g.set_dx(0, g.emit("Gemm", g.x(1), dy_a, transA=tb, transB=1))
-        else:
-            g.set_dx(0, g.emit("Gemm", dy_a, g.x(1), transA=0, transB=1 - tb))
+        if ta:  # A is (K, M): dA = alpha·op(B)·dYᵀ
+            g.set_dx(0, g.emit("Gemm", g.x(1), dy, transA=tb, transB=1, alpha=a))
+        else:  # dA = alpha·dY·op(B)ᵀ
+            g.set_dx(0, g.emit("Gemm", dy, g.x(1), transA=0, transB=1 - tb, alpha=a))
     if g.needs_dx(1):
-        if tb:
-            g.set_dx(1, g.emit("Gemm", dy_a, g.x(0), transA=1, transB=ta))
-        else:
-            g.set_dx(1, g.emit("Gemm", g.x(0), dy_a, transA=1 - ta, transB=0))
+        if tb:  # B is (N, K): dB = alpha·dYᵀ·op(A)
+            g.set_dx(1, g.emit("Gemm", dy, g.x(0), transA=1, transB=ta, alpha=a))
+        else:  # dB = alpha·op(A)ᵀ·dY
+            g.set_dx(1, g.emit("Gemm", g.x(0), dy, transA=1 - ta, transB=0, alpha=a))
     if g.has_x(2) and g.needs_dx(2):
         dc = dy if beta == 1.0 else g.emit("Mul", dy, g.const(beta))
         g.set_dx(2, g.unbroadcast(dc, 2, grad_rank=2))
+
+
+# ---------------------------------------------------------------- Einsum
+
+
+class _Letters:
+    """Fresh subscript letters not used by the equation."""
+
+    def __init__(self, used: str):
+        self.free = [c for c in string.ascii_letters if c not in used]
+
+    def __call__(self) -> str:
+        if not self.free:
+            raise RuleError("Einsum gradient ran out of subscript letters")
+        return self.free.pop(0)
+
+
+def _parse_einsum(g: GradCtx, equation: str) -> tuple[list[str], str, _Letters]:
+    """Explicit subscripts of every operand and of the output, '...' replaced by letters.
+
+    The ellipsis axes are right-aligned across operands (numpy broadcasting); an operand's axis of
+    size 1 that broadcasts against a larger one gets a letter of its own, so it is summed (not
+    matched) in the gradient.
+    """
+    eq = equation.replace(" ", "")
+    lhs, arrow, out = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != g.n_inputs:
+        raise RuleError(f"Einsum equation {equation!r} names {len(terms)} operands, the node has {g.n_inputs}")
+    letters = _Letters(eq)
+    if not arrow:  # implicit output: '...' then the letters seen once, sorted
+        flat = lhs.replace("...", "").replace(",", "")
+        out = ("..." if "..." in lhs else "") + "".join(sorted(c for c in set(flat) if flat.count(c) == 1))
+    if "..." not in eq:
+        return terms, out, letters
+    ell_shapes: list[list[int | None] | None] = []
+    for k, t in enumerate(terms):
+        if "..." not in t:
+            ell_shapes.append(None)
+            continue
+        s = g.static_shape(k)
+        if s is None:
+            raise RuleError(f"Einsum '...' needs the rank of operand {k} (shape inference found none)")
+        ell_shapes.append(s[: len(s) - (len(t) - 3)])
+    width = max(len(s) for s in ell_shapes if s is not None)
+    base = [letters() for _ in range(width)]
+    sizes = [[s[p - width + len(s)] for s in ell_shapes if s is not None and p - width + len(s) >= 0]
+             for p in range(width)]
+    new_terms = []
+    for t, s in zip(terms, ell_shapes):
+        if s is None:
+            new_terms.append(t)
+            continue
+        sub = []
+        for q, d in enumerate(s):
+            p = width - len(s) + q
+            broadcast = d == 1 and any(e != 1 for e in sizes[p])
+            sub.append(letters() if broadcast else base[p])
+        new_terms.append(t.replace("...", "".join(sub)))
+    return new_terms, out.replace("...", "".join(base)), letters
+
+
+@gradient("Einsum", uses=("x*",))
+def einsum_grad(g: GradCtx) -> None:
+    # operand i: Einsum(dY, other operands) with equation "out,others->sub_i"; letters summed away
+    # from operand i alone come back with Unsqueeze + Expand; a letter repeated within operand i (a
+    # diagonal) is renamed and tied to the original by an identity matrix, which puts the gradient
+    # on the diagonal.
+    terms, out, letters = _parse_einsum(g, g.attr("equation"))
+    for i, sub in enumerate(terms):
+        if not g.needs_dx(i):
+            continue
+        names = [g.x(j) for j in range(len(terms)) if j != i]
+        subs = [t for j, t in enumerate(terms) if j != i]
+        own: list[str] = []
+        for pos, c in enumerate(sub):
+            if c in own:
+                n = (g.static_shape(i) or [None] * len(sub))[pos]
+                if n is None:
+                    raise RuleError(f"Einsum gradient of a diagonal ({sub!r}) needs the static size of "
+                                    f"axis {pos} of operand {i}")
+                c2 = letters()
+                names.append(g.const(np.eye(n)))
+                subs.append(c + c2)
+                c = c2
+            own.append(c)
+        avail = set(out).union(*subs)
+        target = "".join(c for c in own if c in avail)
+        missing = [p for p, c in enumerate(own) if c not in avail]
+        if not subs and target == out:
+            grad = g.dy(0)
+        else:
+            grad = g.emit("Einsum", g.dy(0), *names, equation=f"{out},{','.join(subs)}->{target}"
+                          if subs else f"{out}->{target}")
+        if missing:
+            grad = g.emit("Unsqueeze", grad, g.ints(missing))
+            shape = g.static_shape(i)
+            if shape is None or any(shape[p] != 1 for p in missing):
+                grad = g.emit("Expand", grad, g.shape(i))
+        g.set_dx(i, grad)
