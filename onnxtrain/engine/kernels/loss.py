@@ -1,0 +1,151 @@
+"""Losses (SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss) and Dropout.
+
+Dropout draws its mask from a numpy Generator kept in the node's cache, so successive runs draw
+new masks. A node with a ``seed`` attribute seeds its own generator (the same stream as numpy's
+legacy ``np.random.seed(seed)``, which ONNX's reference cases use); the unseeded nodes draw from
+generators spawned off one module-level seed that :func:`set_dropout_seed` resets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+
+_F32 = np.dtype(np.float32)
+
+
+def _work(x: np.ndarray) -> np.ndarray:
+    return x.astype(_F32) if x.dtype.itemsize < 4 and x.dtype.kind in "fV" else x
+
+
+# ---------------------------------------------------------------- losses
+
+
+def _log_softmax_c(x: np.ndarray) -> np.ndarray:
+    """log_softmax over axis 1 (the class axis)."""
+    y = np.subtract(x, np.max(x, axis=1, keepdims=True))
+    s = np.sum(np.exp(y), axis=1, keepdims=True)
+    y -= np.log(s, out=s)
+    return y
+
+
+def _nll(logp: np.ndarray, target: np.ndarray, weight: np.ndarray | None, attrs: Attrs) -> np.ndarray:
+    """The ONNX NLL loss of log-probabilities ``logp`` (N, C, d1, ...) and class ``target`` (N, d1, ...)."""
+    if logp.ndim < 2 or target.shape != logp.shape[:1] + logp.shape[2:]:
+        raise ValueError(f"input of shape {logp.shape} (N, C, d1, ...) needs a target of shape "
+                         f"(N, d1, ...), got {target.shape}")
+    c = logp.shape[1]
+    ignore_index = attrs["ignore_index"]
+    ignored = None
+    t = target
+    if ignore_index is not None:
+        ignored = target == ignore_index
+        t = np.where(ignored, 0, target)
+    if t.size and (t.min() < 0 or t.max() >= c):
+        raise ValueError(f"target holds class indices outside [0, {c}) that are not ignore_index")
+    picked = np.take_along_axis(logp, np.expand_dims(t.astype(np.intp, copy=False), 1), axis=1)
+    loss = picked.reshape(target.shape)
+    np.negative(loss, out=loss)
+    w = None
+    if weight is not None:
+        w = weight.astype(loss.dtype, copy=False)[t]
+        if ignored is not None:
+            w[ignored] = 0
+    elif ignored is not None:
+        w = np.logical_not(ignored).astype(loss.dtype)
+    if w is not None:
+        loss *= w
+    reduction = attrs["reduction"]
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return np.asarray(np.sum(loss))
+    if reduction == "mean":
+        return np.asarray(np.sum(loss) / np.sum(w)) if w is not None else np.asarray(np.mean(loss))
+    raise ValueError(f"unknown reduction {reduction!r}; expected none, sum or mean")
+
+
+@kernel("NegativeLogLikelihoodLoss", since=12)
+def negative_log_likelihood_loss(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x, target = inputs[0], inputs[1]
+    weight = inputs[2] if len(inputs) > 2 else None
+    loss = _nll(_work(x), target, weight, attrs)
+    return (loss.astype(x.dtype, copy=False),)
+
+
+@kernel("SoftmaxCrossEntropyLoss", since=12)
+def softmax_cross_entropy_loss(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x, target = inputs[0], inputs[1]
+    weight = inputs[2] if len(inputs) > 2 else None
+    if x.ndim < 2:
+        raise ValueError(f"SoftmaxCrossEntropyLoss needs scores of shape (N, C, ...), got {x.shape}")
+    logp = _log_softmax_c(_work(x))
+    loss = _nll(logp, target, weight, attrs).astype(x.dtype, copy=False)
+    if attrs.n_outputs > 1 and attrs.output_used[1]:
+        return loss, logp.astype(x.dtype, copy=False)
+    return (loss,)
+
+
+# ---------------------------------------------------------------- dropout
+
+_unseeded: dict[str, Any] = {"seq": np.random.SeedSequence(), "epoch": 0}
+
+
+def set_dropout_seed(seed: int | None) -> None:
+    """Reseed every Dropout node that has no ``seed`` attribute (None: fresh OS entropy).
+
+    After this call the unseeded nodes draw the same masks, run after run, as after any other call
+    with the same seed (given the same graphs run in the same order).
+    """
+    _unseeded["seq"] = np.random.SeedSequence(seed)
+    _unseeded["epoch"] += 1
+
+
+def _generator(attrs: Attrs) -> np.random.Generator:
+    cache = attrs.cache
+    seed = attrs.get("seed")
+    if seed is not None:
+        gen = cache.get("rng")
+        if gen is None:
+            # numpy's legacy seeding, so masks match np.random.seed(seed) (ONNX's reference cases)
+            bits = np.random.MT19937()
+            bits.state = np.random.RandomState(int(seed) % 2**32).get_state(legacy=False)
+            gen = cache["rng"] = np.random.Generator(bits)
+        return gen
+    epoch, gen = cache.get("rng", (-1, None))
+    if epoch != _unseeded["epoch"]:
+        gen = np.random.Generator(np.random.PCG64(_unseeded["seq"].spawn(1)[0]))
+        cache["rng"] = (_unseeded["epoch"], gen)
+    return gen
+
+
+def _dropout(x: np.ndarray, ratio: float, training: bool, attrs: Attrs, mask_dtype: Any) -> Outputs:
+    want_mask = attrs.n_outputs > 1 and attrs.output_used[1]
+    if not training or ratio == 0.0:
+        return (x, np.ones(x.shape, dtype=mask_dtype)) if want_mask else (x,)
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"Dropout ratio must be in [0, 1) in training mode, got {ratio}")
+    mask = _generator(attrs).random(x.shape) >= ratio
+    y = np.multiply(x, mask)
+    y *= 1.0 / (1.0 - ratio)
+    return (y, mask.astype(mask_dtype, copy=False)) if want_mask else (y,)
+
+
+@kernel("Dropout", since=7)
+def dropout_7(inputs: Inputs, attrs: Attrs) -> Outputs:
+    """Opsets 7-11: always the inference form (identity)."""
+    x = inputs[0]
+    return _dropout(x, 0.0, False, attrs, np.bool_ if attrs.opset >= 10 else x.dtype)
+
+
+@kernel("Dropout", since=12)
+def dropout(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    r = inputs[1] if len(inputs) > 1 else None
+    t = inputs[2] if len(inputs) > 2 else None
+    ratio = 0.5 if r is None else float(r)
+    training = False if t is None else bool(t)
+    return _dropout(x, ratio, training, attrs, np.bool_)

@@ -1,0 +1,84 @@
+"""Matrix products: MatMul, Gemm and Einsum.
+
+Half-precision operands (float16, bfloat16) are multiplied in float32 and rounded back, since numpy
+has no BLAS path for them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+
+_F32 = np.dtype(np.float32)
+
+
+def _low_precision(dt: np.dtype) -> bool:
+    """True for float dtypes narrower than float32 (float16, bfloat16, float8 ...)."""
+    return dt.kind == "f" and dt.itemsize < 4 or dt.kind == "V" or dt.name.startswith(("bfloat", "float8"))
+
+
+@kernel("MatMul", since=1)
+def matmul(inputs: Inputs, attrs: Attrs) -> Outputs:
+    a, b = inputs[0], inputs[1]
+    dt = a.dtype
+    if _low_precision(dt):
+        return (np.matmul(a.astype(_F32), b.astype(_F32)).astype(dt),)
+    y = np.matmul(a, b)
+    return (y if isinstance(y, np.ndarray) else np.asarray(y, dtype=dt),)
+
+
+@kernel("Gemm", since=7)
+def gemm(inputs: Inputs, attrs: Attrs) -> Outputs:
+    a, b = inputs[0], inputs[1]
+    c = inputs[2] if len(inputs) > 2 else None
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"Gemm needs 2-D A and B, got shapes {a.shape} and {b.shape}")
+    if attrs["transA"]:
+        a = a.T
+    if attrs["transB"]:
+        b = b.T
+    dt = a.dtype
+    low = _low_precision(dt)
+    if low:
+        a, b = a.astype(_F32), b.astype(_F32)
+        c = None if c is None else c.astype(_F32)
+    alpha, beta = attrs["alpha"], attrs["beta"]
+    y = np.matmul(a, b)
+    if alpha != 1.0:
+        y *= alpha
+    if c is not None and beta != 0.0:
+        if c.dtype != y.dtype:
+            c = c.astype(y.dtype)
+        if beta == 1.0:
+            y += c  # C broadcasts one way onto (M, N); y is a fresh array
+        else:
+            y += beta * c
+    return (y.astype(dt) if low else y,)
+
+
+def _einsum_path(equation: str, operands: Inputs, cache: dict) -> list | bool:
+    """The contraction path for these operand shapes, searched once per shape combination."""
+    key = tuple(op.shape for op in operands)
+    path = cache.get(key)
+    if path is None:
+        path = np.einsum_path(equation, *operands, optimize=True)[0] if len(operands) > 1 else False
+        cache[key] = path
+    return path
+
+
+@kernel("Einsum", since=12)
+def einsum(inputs: Inputs, attrs: Attrs) -> Outputs:
+    cache = attrs.cache
+    eq = cache.get("equation")
+    if eq is None:
+        eq = cache["equation"] = "".join(attrs["equation"].split())
+        if not eq:
+            raise ValueError("Einsum needs a non-empty equation")
+    dt = inputs[0].dtype
+    ops = [x.astype(_F32) for x in inputs] if _low_precision(dt) else inputs
+    path = _einsum_path(eq, ops, cache.setdefault("paths", {}))
+    y = np.einsum(eq, *ops, optimize=path)
+    if not isinstance(y, np.ndarray) or y.dtype != dt:
+        y = np.asarray(y).astype(dt, copy=False)
+    return (y,)

@@ -1,0 +1,174 @@
+"""Reductions: ReduceSum, ReduceMean, ReduceMax/Min/Prod, ReduceL1/L2, ReduceSumSquare, ReduceLogSum(Exp).
+
+Axes are an attribute before opset 18 (ReduceSum: before 13) and an optional second input after.
+Empty ``axes`` reduce over everything unless ``noop_with_empty_axes`` is set, in which case the input
+passes through. A reduction over an empty set gives the op's identity (0 for sums, 1 for products,
+-inf for ReduceMax and the log-sums, +inf for ReduceMin).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+
+_NOOP = "noop"
+_F32 = np.dtype(np.float32)
+
+
+def _attr_axes(attrs: Attrs) -> tuple[int, ...] | None | str:
+    """Axes from the ``axes`` attribute, parsed once."""
+    cache = attrs.cache
+    if "axes" not in cache:
+        axes = attrs.get("axes")
+        if axes:
+            cache["axes"] = tuple(int(a) for a in axes)
+        else:
+            cache["axes"] = _NOOP if attrs.get("noop_with_empty_axes") else None
+    return cache["axes"]
+
+
+def _input_axes(axes: Any, attrs: Attrs) -> tuple[int, ...] | None | str:
+    """Axes from the optional ``axes`` input."""
+    if axes is None or axes.size == 0:
+        return _NOOP if attrs["noop_with_empty_axes"] else None
+    return tuple(axes.reshape(-1).tolist())
+
+
+def _work(x: np.ndarray) -> np.ndarray:
+    """float16/bfloat16 accumulate in float32."""
+    return x.astype(_F32) if x.dtype.kind in "fV" and x.dtype.itemsize < 4 else x
+
+
+def _fill(x: np.ndarray, axes: tuple[int, ...] | None, keepdims: bool, value: Any) -> np.ndarray:
+    """The result of reducing an empty set: ``value`` in the reduced shape."""
+    nd = x.ndim
+    red = set(range(nd)) if axes is None else {a % nd for a in axes} if nd else set()
+    shape = [1 if i in red else d for i, d in enumerate(x.shape) if keepdims or i not in red]
+    return np.full(shape, value, dtype=x.dtype)
+
+
+def _finish(y: Any, dt: np.dtype) -> np.ndarray:
+    if isinstance(y, np.ndarray) and y.dtype == dt:
+        return y
+    return np.asarray(y).astype(dt, copy=False)
+
+
+Reducer = Callable[[np.ndarray, Any, bool], Any]
+
+
+def _register(op: str, attr_until: int, fn: Reducer, empty: Any = None, plain: bool = True) -> None:
+    """Register ``op``: axes attribute for opsets < ``attr_until``, axes input from then on.
+
+    ``fn(x, axes, keepdims)`` does the reduction; ``empty`` (a value or a callable of the dtype)
+    is the result over an empty set, when numpy would raise or differ. With no axes and
+    ``noop_with_empty_axes``, a ``plain`` reduction passes its input through; the others still
+    apply their elementwise part (ReduceL1 gives |x|, ReduceLogSum log x), as their ONNX
+    function bodies do.
+    """
+
+    def run(x: np.ndarray, axes: Any, keepdims: bool) -> Outputs:
+        if axes is _NOOP:
+            if plain:
+                return (x,)
+            axes = ()
+        if x.size == 0 and empty is not None:
+            return (_fill(x, axes, keepdims, empty(x.dtype) if callable(empty) else empty),)
+        return (_finish(fn(x, axes, keepdims), x.dtype),)
+
+    def with_attr(inputs: Inputs, attrs: Attrs) -> Outputs:
+        return run(inputs[0], _attr_axes(attrs), bool(attrs["keepdims"]))
+
+    def with_input(inputs: Inputs, attrs: Attrs) -> Outputs:
+        axes = inputs[1] if len(inputs) > 1 else None
+        return run(inputs[0], _input_axes(axes, attrs), bool(attrs["keepdims"]))
+
+    with_attr.__name__ = f"{op.lower()}_axes_attr"
+    with_input.__name__ = f"{op.lower()}_axes_input"
+    kernel(op, since=1)(with_attr)
+    kernel(op, since=attr_until)(with_input)
+
+
+def _sum(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
+    w = _work(x)
+    return np.sum(w, axis=axes, keepdims=keepdims, dtype=w.dtype)
+
+
+def _mean(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
+    if x.dtype.kind in "iu":
+        return np.mean(x, axis=axes, keepdims=keepdims)
+    w = _work(x)
+    return np.mean(w, axis=axes, keepdims=keepdims, dtype=w.dtype)
+
+
+def _max(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
+    return np.max(x, axis=axes, keepdims=keepdims)
+
+
+def _min(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
+    return np.min(x, axis=axes, keepdims=keepdims)
+
+
+def _prod(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
+    w = _work(x)
+    return np.prod(w, axis=axes, keepdims=keepdims, dtype=w.dtype)
+
+
+def _l1(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
+    w = np.abs(_work(x))
+    return np.sum(w, axis=axes, keepdims=keepdims, dtype=w.dtype)
+
+
+def _sum_square(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
+    w = _work(x)
+    sq = np.multiply(w, w)
+    return np.sum(sq, axis=axes, keepdims=keepdims, dtype=w.dtype)
+
+
+def _l2(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
+    s = np.asarray(_sum_square(x, axes, keepdims))
+    if s.dtype.kind in "iu":
+        return np.sqrt(s)
+    return np.sqrt(s, out=s) if s.ndim else np.sqrt(s)
+
+
+def _log_sum(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
+    return np.log(_sum(x, axes, keepdims))
+
+
+def _log_sum_exp(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
+    w = _work(x)
+    m = np.max(w, axis=axes, keepdims=True)
+    if m.dtype.kind == "f":
+        m[~np.isfinite(m)] = 0  # all -inf (or an inf) in a slice: no shift
+    e = np.subtract(w, m)
+    np.exp(e, out=e)
+    s = np.sum(e, axis=axes, keepdims=True, dtype=e.dtype)
+    np.log(s, out=s)
+    s += m
+    if not keepdims:
+        s = s.reshape(()) if axes is None else np.squeeze(s, axis=axes)
+    return s
+
+
+def _dtype_min(dt: np.dtype) -> Any:
+    return False if dt.kind == "b" else np.iinfo(dt).min if dt.kind in "iu" else -np.inf
+
+
+def _dtype_max(dt: np.dtype) -> Any:
+    return True if dt.kind == "b" else np.iinfo(dt).max if dt.kind in "iu" else np.inf
+
+
+_register("ReduceSum", 13, _sum)
+_register("ReduceMean", 18, _mean)
+_register("ReduceMax", 18, _max, empty=_dtype_min)
+_register("ReduceMin", 18, _min, empty=_dtype_max)
+_register("ReduceProd", 18, _prod, empty=1)
+_register("ReduceL1", 18, _l1, plain=False)
+_register("ReduceL2", 18, _l2, plain=False)
+_register("ReduceSumSquare", 18, _sum_square, plain=False)
+_register("ReduceLogSum", 18, _log_sum, empty=-np.inf, plain=False)
+_register("ReduceLogSumExp", 18, _log_sum_exp, empty=-np.inf)

@@ -1,0 +1,112 @@
+"""Loss and Dropout kernels: seeding and mask behaviour of Dropout, losses against torch, bad targets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from onnxtrain.engine import compile_model
+from onnxtrain.engine.kernels.loss import set_dropout_seed
+from onnxtrain.engine.plan import EngineError
+
+
+def _dropout_model(n_nodes: int = 1, seed: int | None = None, ratio: float = 0.5) -> onnx.ModelProto:
+    """``n_nodes`` training-mode Dropout nodes on the same input, each with its output and mask."""
+    inits = [helper.make_tensor("r", onnx.TensorProto.FLOAT, [], [ratio]),
+             helper.make_tensor("t", onnx.TensorProto.BOOL, [], [True])]
+    extra = {} if seed is None else {"seed": seed}
+    nodes, outs = [], []
+    for i in range(n_nodes):
+        nodes.append(helper.make_node("Dropout", ["x", "r", "t"], [f"y{i}", f"m{i}"], name=f"d{i}", **extra))
+        outs += [helper.make_tensor_value_info(f"y{i}", onnx.TensorProto.FLOAT, None),
+                 helper.make_tensor_value_info(f"m{i}", onnx.TensorProto.BOOL, None)]
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, None)
+    g = helper.make_graph(nodes, "dropout", [x], outs, initializer=inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+
+
+_X = np.random.default_rng(0).uniform(1, 2, (64, 50)).astype(np.float32)
+
+
+def test_dropout_masks_differ_between_runs_and_scale_the_kept_values() -> None:
+    plan = compile_model(_dropout_model(ratio=0.25))
+    y1, m1 = plan.run({"x": _X})
+    y2, m2 = plan.run({"x": _X})
+    assert m1.dtype == np.bool_ and not np.array_equal(m1, m2)
+    assert abs(m1.mean() - 0.75) < 0.03
+    np.testing.assert_allclose(y1, np.where(m1, _X / 0.75, 0), rtol=1e-6)
+
+
+def test_set_dropout_seed_makes_unseeded_nodes_reproducible() -> None:
+    set_dropout_seed(123)
+    plan = compile_model(_dropout_model(n_nodes=2))
+    first = plan.run({"x": _X})
+    second = plan.run({"x": _X})
+    assert not np.array_equal(first[1], first[3]), "two nodes must not share a mask"
+    set_dropout_seed(123)
+    again = compile_model(_dropout_model(n_nodes=2)).run({"x": _X})
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    set_dropout_seed(123)  # also reseeds a plan that already ran
+    for a, b in zip(first, plan.run({"x": _X})):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(first[1], second[1])
+    set_dropout_seed(None)
+
+
+def test_seed_attribute_matches_numpy_legacy_seeding_and_ignores_set_dropout_seed() -> None:
+    set_dropout_seed(5)
+    a = compile_model(_dropout_model(seed=9)).run({"x": _X})
+    set_dropout_seed(6)
+    b = compile_model(_dropout_model(seed=9)).run({"x": _X})
+    np.testing.assert_array_equal(a[1], b[1])
+    np.testing.assert_array_equal(a[1], np.random.RandomState(9).uniform(0, 1, _X.shape) >= 0.5)
+    set_dropout_seed(None)
+
+
+def test_dropout_inference_is_identity_with_a_full_mask() -> None:
+    node = helper.make_node("Dropout", ["x"], ["y", "m"])
+    g = helper.make_graph([node], "d", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, None)],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None),
+                           helper.make_tensor_value_info("m", onnx.TensorProto.BOOL, None)])
+    y, m = compile_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])).run({"x": _X})
+    np.testing.assert_array_equal(y, _X)
+    assert m.dtype == np.bool_ and m.all()
+
+
+def _loss_model(op: str, inputs: list[Any], **attrs: Any) -> onnx.ModelProto:
+    names = [f"x{i}" if v is not None else "" for i, v in enumerate(inputs)]
+    g_in = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+            for n, v in zip(names, inputs) if n]
+    g = helper.make_graph([helper.make_node(op, names, ["loss"], **attrs)], op, g_in,
+                          [helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, None)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_softmax_cross_entropy_matches_torch(reduction: str, weighted: bool) -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    x = rng.normal(0, 2, (6, 4, 3)).astype(np.float32)
+    t = rng.integers(0, 4, (6, 3)).astype(np.int64)
+    t[0, :] = -100
+    w = rng.uniform(0.5, 2, 4).astype(np.float32) if weighted else None
+    inputs = [x, t] if w is None else [x, t, w]
+    (ours,) = compile_model(_loss_model("SoftmaxCrossEntropyLoss", inputs, reduction=reduction,
+                                        ignore_index=-100)).run({f"x{i}": v for i, v in enumerate(inputs)})
+    theirs = torch.nn.functional.cross_entropy(torch.from_numpy(x), torch.from_numpy(t), reduction=reduction,
+                                               weight=None if w is None else torch.from_numpy(w),
+                                               ignore_index=-100).numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_target_out_of_range_is_an_error() -> None:
+    x = np.zeros((2, 3), np.float32)
+    t = np.array([0, 3], np.int64)
+    with pytest.raises(EngineError, match="outside"):
+        compile_model(_loss_model("NegativeLogLikelihoodLoss", [x, t])).run({"x0": x, "x1": t})

@@ -1,0 +1,154 @@
+"""Matmul, reduction and normalization kernels on cases the op table cannot check against onnx.reference.
+
+onnx.reference departs from the spec for opset<13 Softmax (no flatten-to-2D) and for p=1
+LpNormalization (sums x, not |x|), and cannot run float64 MeanVarianceNormalization; onnxruntime
+is the oracle there. Also: half precision, optional outputs, momentum, and inputs left untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from onnxtrain.engine import compile_model
+
+
+def _model(op: str, inputs: list[Any], opset: int, outs: list[str] | None = None,
+           **attrs: Any) -> onnx.ModelProto:
+    names = [f"x{i}" if v is not None else "" for i, v in enumerate(inputs)]
+    outs = outs or ["y0"]
+    g_in = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+            for n, v in zip(names, inputs) if n]
+    elem = helper.np_dtype_to_tensor_dtype(inputs[0].dtype)
+    g_out = [helper.make_tensor_value_info(n, elem, None) for n in outs if n]
+    graph = helper.make_graph([helper.make_node(op, names, outs, **attrs)], op, g_in, g_out)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def _feeds(inputs: list[Any]) -> dict[str, Any]:
+    return {f"x{i}": v for i, v in enumerate(inputs) if v is not None}
+
+
+def _ours(op: str, inputs: list[Any], opset: int, outs: list[str] | None = None, **attrs: Any):
+    return compile_model(_model(op, inputs, opset, outs, **attrs)).run(_feeds(inputs))
+
+
+def _run_both(op: str, inputs: list[Any], opset: int, **attrs: Any):
+    ort = pytest.importorskip("onnxruntime")
+    model = _model(op, inputs, opset, **attrs)
+    ours = compile_model(model).run(_feeds(inputs))
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return ours, sess.run(None, _feeds(inputs))
+
+
+_rng = np.random.default_rng(7)
+
+
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+@pytest.mark.parametrize("axis", [0, 1, -2])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_softmax_before_13_flattens_to_2d(op: str, axis: int, dtype) -> None:
+    x = _rng.uniform(-3, 3, (2, 3, 4)).astype(dtype)
+    (ours,), (theirs,) = _run_both(op, [x], 11, axis=axis)
+    assert ours.dtype == dtype
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_softmax_large_and_infinite_inputs_stay_finite() -> None:
+    x = np.array([[1000.0, 1001.0, -np.inf], [-1e30, 0.0, 1e30]], dtype=np.float32)
+    (y,) = _ours("Softmax", [x], 13)
+    (ly,) = _ours("LogSoftmax", [x], 13)
+    np.testing.assert_allclose(y, [[1 / (1 + np.e), np.e / (1 + np.e), 0], [0, 0, 1]], rtol=1e-6)
+    assert np.isfinite(ly[:, :2]).all() and ly[0, 2] == -np.inf
+
+
+def test_lp_normalization_l1_uses_absolute_values() -> None:
+    x = _rng.uniform(-2, 2, (3, 4, 2)).astype(np.float32)
+    x[1] = 0  # an all-zero slice stays zero
+    (ours,), (theirs,) = _run_both("LpNormalization", [x], 13, axis=1, p=1)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+    assert not ours[1].any()
+
+
+@pytest.mark.parametrize("axes", [[0, 2, 3], [1], [2, 3]])
+def test_mean_variance_normalization_matches_onnxruntime(axes: list[int]) -> None:
+    x = _rng.uniform(-2, 2, (2, 3, 2, 4)).astype(np.float32)
+    (ours,), (theirs,) = _run_both("MeanVarianceNormalization", [x], 13, axes=axes)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_layer_normalization_optional_outputs() -> None:
+    x = _rng.uniform(-2, 2, (3, 5)).astype(np.float32)
+    w, b = np.full(5, 2.0, np.float32), np.ones(5, np.float32)
+    y, inv = _ours("LayerNormalization", [x, w, b], 17, outs=["y", "", "inv"], epsilon=1e-5)
+    expect_inv = 1 / np.sqrt(x.var(axis=1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(inv, expect_inv, rtol=1e-6)
+    np.testing.assert_allclose(y, (x - x.mean(1, keepdims=True)) * expect_inv * 2 + 1, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op, shapes, attrs", [
+    ("MatMul", [(2, 3, 8), (8, 4)], {}),
+    ("Gemm", [(3, 8), (4, 8), (4,)], {"transB": 1, "alpha": 0.5}),
+    ("Einsum", [(3, 8), (8, 4)], {"equation": "ij,jk->ik"}),
+    ("Softmax", [(3, 8)], {}),
+    ("LayerNormalization", [(3, 8), (8,), (8,)], {}),
+    ("ReduceSum", [(3, 8)], {"keepdims": 0}),
+])
+def test_float16_keeps_its_dtype_and_computes_in_float32(op: str, shapes, attrs) -> None:
+    ins32 = [_rng.uniform(-1, 1, s).astype(np.float32) for s in shapes]
+    ins16 = [a.astype(np.float16) for a in ins32]
+    opset = 17
+    (y16,) = _ours(op, ins16, opset, **attrs)
+    (y32,) = _ours(op, [a.astype(np.float32) for a in ins16], opset, **attrs)
+    assert y16.dtype == np.float16
+    np.testing.assert_allclose(y16.astype(np.float32), y32, rtol=2e-3, atol=2e-3)
+
+
+def test_batch_normalization_training_updates_running_stats() -> None:
+    x = _rng.uniform(-2, 2, (4, 3, 5)).astype(np.float32)
+    scale, bias = np.array([1.0, 2.0, 0.5], np.float32), np.array([0.0, 1.0, -1.0], np.float32)
+    mean, var = np.array([0.1, 0.2, 0.3], np.float32), np.array([1.0, 2.0, 3.0], np.float32)
+    y, rm, rv = _ours("BatchNormalization", [x, scale, bias, mean, var], 15, outs=["y", "rm", "rv"],
+                      training_mode=1, momentum=0.9, epsilon=1e-5)
+    bm, bv = x.mean(axis=(0, 2)), x.var(axis=(0, 2))
+    np.testing.assert_allclose(rm, 0.9 * mean + 0.1 * bm, rtol=1e-6)
+    np.testing.assert_allclose(rv, 0.9 * var + 0.1 * bv, rtol=1e-6)
+    expect = (x - bm[:, None]) / np.sqrt(bv[:, None] + 1e-5) * scale[:, None] + bias[:, None]
+    np.testing.assert_allclose(y, expect, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op, inputs, opset, attrs", [
+    ("Gemm", [np.ones((2, 3), np.float32), np.ones((3, 4), np.float32), np.ones((2, 4), np.float32)], 13, {}),
+    ("Gemm", [np.ones((2, 3), np.float32), np.ones((3, 4), np.float32), np.ones((4,), np.float32)], 13,
+     {"alpha": 2.0, "beta": 3.0}),
+    ("BatchNormalization", [np.ones((2, 3, 2), np.float32)] + [np.ones(3, np.float32)] * 4, 15,
+     {"training_mode": 1}),
+    ("LayerNormalization", [np.ones((2, 3), np.float32), np.ones(3, np.float32), np.ones(3, np.float32)],
+     17, {}),
+    ("ReduceLogSumExp", [np.ones((2, 3), np.float32), np.array([1], np.int64)], 18, {}),
+    ("LpNormalization", [np.ones((2, 3), np.float32)], 13, {}),
+])
+def test_kernels_leave_inputs_untouched(op: str, inputs: list[Any], opset: int, attrs: dict) -> None:
+    before = [a.copy() for a in inputs]
+    _ours(op, inputs, opset, **attrs)
+    for a, b in zip(inputs, before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_reduce_log_sum_exp_of_minus_inf_rows() -> None:
+    x = np.array([[-np.inf, -np.inf], [0.0, -np.inf], [1e4, 1e4]], dtype=np.float32)
+    (y,) = _ours("ReduceLogSumExp", [x, np.array([1], np.int64)], 18, keepdims=0)
+    np.testing.assert_allclose(y, [-np.inf, 0.0, 1e4 + np.log(2)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("op, expect", [("ReduceL1", [[1, 2]]), ("ReduceL2", [[1, 2]]),
+                                        ("ReduceSumSquare", [[1, 4]]), ("ReduceSum", [[-1, 2]]),
+                                        ("ReduceLogSumExp", [[-1, 2]])])
+def test_noop_with_empty_axes_keeps_the_elementwise_part(op: str, expect) -> None:
+    x = np.array([[-1.0, 2.0]], dtype=np.float32)
+    (y,) = _ours(op, [x, np.array([], np.int64)], 18, noop_with_empty_axes=1)
+    np.testing.assert_allclose(y, expect, rtol=1e-6)
