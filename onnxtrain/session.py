@@ -134,9 +134,9 @@ class TrainingSession(InferenceSession):
             feeds[TRAINING_MODE] = np.asarray(bool(ro.training_mode))
         kind = self._kind(names, ro)
         plan = self._get_plan(kind)
-        if kind == "forward" and self._opt is not None:
-            feeds.pop(self._params.lr_params_feed_name, None)
-        for s in plan.all_input_names:
+        plan_inputs = plan.all_input_names
+        feeds = {n: feeds[n] for n in plan_inputs if n in feeds}  # e.g. no learning rate when not updating
+        for s in plan_inputs:
             if s in self._store:
                 feeds[s] = self._store[s]
         upd_items = [] if kind == "forward" else list(self._graphs.updates[kind].items())

@@ -1,0 +1,237 @@
+"""The legacy TrainingSession: optimizers against torch and float64 references, accumulation, state."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import onnxtrain
+from onnxtrain import RunOptions, TrainingParameters, TrainingSession
+from tests.session.helpers import adam_ref, batches, lamb_ref, mlp_model, weights_of
+
+LR = np.array([0.05], np.float32)
+
+
+def params(opt: str = "SGDOptimizer", **kw) -> TrainingParameters:
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = opt
+    for k, v in kw.items():
+        setattr(p, k, v)
+    return p
+
+
+def feeds(x, y, lr=LR):
+    return {"x": x, "y": y, "Learning_Rate": lr}
+
+
+def torch_mlp(model: onnx.ModelProto):
+    torch = pytest.importorskip("torch")
+    w = weights_of(model)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    with torch.no_grad():
+        net[0].weight.copy_(torch.from_numpy(w["W1"]))
+        net[0].bias.copy_(torch.from_numpy(w["b1"]))
+        net[2].weight.copy_(torch.from_numpy(w["W2"]))
+        net[2].bias.copy_(torch.from_numpy(w["b2"]))
+    return torch, net
+
+
+def torch_state(net) -> dict[str, np.ndarray]:
+    return {"W1": net[0].weight.detach().numpy(), "b1": net[0].bias.detach().numpy(),
+            "W2": net[2].weight.detach().numpy(), "b2": net[2].bias.detach().numpy()}
+
+
+@pytest.mark.parametrize("opt", ["SGDOptimizer", "AdamOptimizer"])
+def test_matches_torch_for_20_steps(opt: str) -> None:
+    model = mlp_model()
+    torch, net = torch_mlp(model)
+    p = params(opt, enable_grad_norm_clip=False)
+    sess = TrainingSession(model.SerializeToString(), p)
+    topt = torch.optim.SGD(net.parameters(), lr=float(LR[0])) if opt == "SGDOptimizer" else \
+        torch.optim.Adam(net.parameters(), lr=float(LR[0]), betas=(0.9, 0.999), eps=1e-8)
+    for x, y in batches(20, 16):
+        ours = sess.run(["loss"], feeds(x, y))[0]
+        topt.zero_grad()
+        tl = torch.nn.functional.cross_entropy(net(torch.from_numpy(x)), torch.from_numpy(y))
+        tl.backward()
+        topt.step()
+        np.testing.assert_allclose(ours, tl.item(), rtol=1e-5)
+    state = sess.get_state()
+    for k, v in torch_state(net).items():
+        np.testing.assert_allclose(state[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def _grads(model: onnx.ModelProto, w: dict[str, np.ndarray], x, y) -> dict[str, np.ndarray]:
+    """Exact gradients from a no-optimizer session exposing them."""
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.set_gradients_as_graph_outputs = True
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for t in m.graph.initializer:
+        t.CopyFrom(onnx.numpy_helper.from_array(w[t.name].astype(np.float32), t.name))
+    s = TrainingSession(m.SerializeToString(), p)
+    names = [f"{k}_grad" for k in sorted(w)]
+    return dict(zip(sorted(w), [g.astype(np.float64) for g in s.run(names, {"x": x, "y": y})]))
+
+
+@pytest.mark.parametrize("mode,bias,lam", [(1, 1, 0.01), (1, 0, 0.0), (0, 0, 0.01)])
+def test_adam_modes_against_float64_reference(mode: int, bias: int, lam: float) -> None:
+    model = mlp_model()
+    names = ["W1", "W2", "b1", "b2"]
+    p = params("AdamOptimizer", enable_grad_norm_clip=False,
+               optimizer_attributes_map={n: {"lambda": lam} for n in names},
+               optimizer_int_attributes_map={n: {"weight_decay_mode": mode, "do_bias_correction": bias} for n in names})
+    sess = TrainingSession(model.SerializeToString(), p)
+    w = {k: v.astype(np.float64) for k, v in weights_of(model).items()}
+    m1 = {k: np.zeros_like(v) for k, v in w.items()}
+    m2 = {k: np.zeros_like(v) for k, v in w.items()}
+    for t, (x, y) in enumerate(batches(20, 16), start=1):
+        g = _grads(model, w, x, y)
+        sess.run(["loss"], feeds(x, y))
+        for k in w:
+            w[k], m1[k], m2[k] = adam_ref(w[k], g[k], m1[k], m2[k], t, float(LR[0]), lam=lam, bias=bool(bias),
+                                          mode=mode)
+    state = sess.get_state()
+    for k in w:
+        np.testing.assert_allclose(state[k], w[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert sess.get_optimizer_state()["W1"]["Update_Count"].tolist() == [21]
+
+
+def test_lamb_against_float64_reference() -> None:
+    model = mlp_model()
+    names = ["W1", "W2", "b1", "b2"]
+    p = params("LambOptimizer", enable_grad_norm_clip=False,
+               optimizer_attributes_map={n: {"lambda": 0.01, "ratio_min": 0.05, "ratio_max": 5.0} for n in names})
+    sess = TrainingSession(model.SerializeToString(), p)
+    w = {k: v.astype(np.float64) for k, v in weights_of(model).items()}
+    m1 = {k: np.zeros_like(v) for k, v in w.items()}
+    m2 = {k: np.zeros_like(v) for k, v in w.items()}
+    for t, (x, y) in enumerate(batches(20, 16), start=1):
+        g = _grads(model, w, x, y)
+        sess.run(["loss"], feeds(x, y))
+        for k in w:
+            w[k], m1[k], m2[k] = lamb_ref(w[k], g[k], m1[k], m2[k], t, float(LR[0]), lam=0.01, rmin=0.05, rmax=5.0)
+    state = sess.get_state()
+    for k in w:
+        np.testing.assert_allclose(state[k], w[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert sess.get_optimizer_state()["shared_optimizer_state"]["Step"].tolist() == [21]
+
+
+def test_clipping_limits_the_global_norm() -> None:
+    model = mlp_model()
+    x, y = batches(1, 16)[0]
+    g = _grads(model, {k: v.astype(np.float64) for k, v in weights_of(model).items()}, x, y)
+    norm = np.sqrt(sum(np.sum(v * v) for v in g.values()))
+    p = params("AdamOptimizer", optimizer_attributes_map={n: {"max_norm_clip": norm / 10} for n in g})
+    sess = TrainingSession(model.SerializeToString(), p)
+    out = sess.run(["global_gradient_norm"], feeds(x, y))[0]
+    np.testing.assert_allclose(out, norm, rtol=1e-5)
+    # the first Adam step with a clipped gradient g/s: m1 = 0.1·g/s, m2 = 0.001·(g/s)², update = lr·sign-ish
+    w0 = weights_of(model)
+    s = norm / (norm / 10)
+    for k in g:
+        w, _, _ = adam_ref(w0[k].astype(np.float64), g[k] / s, 0 * g[k], 0 * g[k], 1, float(LR[0]))
+        np.testing.assert_allclose(sess.get_state()[k], w, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+def test_accumulation_equals_one_big_batch(mode: str) -> None:
+    model = mlp_model(loss="mse")
+    data = batches(4, 8, loss="mse")
+    p = params("SGDOptimizer", gradient_accumulation_steps=4, gradient_accumulation_mode=mode)
+    acc = TrainingSession(model.SerializeToString(), p)
+    ro = RunOptions()
+    ro.only_execute_path_to_fetches = True
+    for k, (x, y) in enumerate(data):
+        if mode == "legacy" and k < 3:
+            acc.run(["loss", "Group_Accumulated_Gradients"], feeds(x, y), ro)
+        else:
+            acc.run(["loss"], feeds(x, y))
+    big = TrainingSession(model.SerializeToString(), params("SGDOptimizer"))
+    big.run(["loss"], feeds(np.concatenate([d[0] for d in data]), np.concatenate([d[1] for d in data])))
+    a, b = acc.get_state(), big.get_state()
+    for k in b:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    assert all(not np.any(v) for k, v in acc._store.items() if k.endswith("_accumulate_buffer"))
+
+
+def test_state_round_trip_is_bit_identical() -> None:
+    model = mlp_model()
+    data = batches(4, 16)
+    s1 = TrainingSession(model.SerializeToString(), params("AdamOptimizer"))
+    for x, y in data[:3]:
+        s1.run(["loss"], feeds(x, y))
+    s2 = TrainingSession(model.SerializeToString(), params("AdamOptimizer"))
+    s2.load_state(s1.get_state())
+    x, y = data[3]
+    assert s1.run(["loss"], feeds(x, y))[0].tobytes() == s2.run(["loss"], feeds(x, y))[0].tobytes()
+    with pytest.raises(KeyError, match="nope"):
+        s2.load_state({"nope": np.zeros(1)}, strict=True)
+    s2.load_state({"nope": np.zeros(1)})  # ignored when not strict
+    with pytest.raises(ValueError, match="W1"):
+        s2.load_state({"W1": np.zeros((2, 2), np.float32)})
+    with pytest.raises(TypeError, match="W1"):
+        s2.load_state({"W1": np.zeros((16, 8), np.float64)})
+
+
+def test_interface_and_errors() -> None:
+    model = mlp_model()
+    sess = TrainingSession(model.SerializeToString(), params("SGDOptimizer"))
+    assert [i.name for i in sess.get_inputs()] == ["x", "y", "Learning_Rate"]
+    assert [o.name for o in sess.get_outputs()] == ["loss", "logits", "global_gradient_norm"]
+    x, y = batches(1, 4)[0]
+    with pytest.raises(ValueError, match="Learning_Rate"):
+        sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.float32(0.1)})
+    with pytest.raises(ValueError, match="SGDOptim"):
+        TrainingSession(model.SerializeToString(), params("SGDOptim"))
+    with pytest.raises(ValueError, match="not an initializer"):
+        TrainingSession(model.SerializeToString(), params(weights_to_train={"x"}))
+    with pytest.raises(ValueError, match="no entry for trained weight 'b1'"):
+        TrainingSession(model.SerializeToString(), params(optimizer_attributes_map={"W1": {}, "W2": {}, "b2": {}}))
+    with pytest.raises(NotImplementedError, match="use_mixed_precision"):
+        TrainingSession(model.SerializeToString(), params(use_mixed_precision=True))
+    with pytest.raises(AttributeError, match="no property"):
+        params().not_a_property = 1
+
+
+def test_weights_to_train_and_not_to_train() -> None:
+    model = mlp_model()
+    x, y = batches(1, 8)[0]
+    s = TrainingSession(model.SerializeToString(), params(weights_to_train={"W2", "b2"}))
+    assert sorted(s.get_state()) == ["W2", "b2"]
+    s = TrainingSession(model.SerializeToString(), params(weights_not_to_train={"W1"}))
+    assert sorted(s.get_state()) == ["W2", "b1", "b2"]
+    before = weights_of(model)["W1"]
+    s.run(["loss"], feeds(x, y))
+    np.testing.assert_array_equal(s._plan.initializers["W1"], before)
+
+
+def test_dumps_pass_the_checker_and_run_on_onnxruntime(tmp_path) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    model = mlp_model()
+    paths = {k: str(tmp_path / f"{k}.onnx") for k in ("after", "grad", "train")}
+    p = params("AdamOptimizer", model_after_graph_transforms_path=paths["after"],
+               model_with_gradient_graph_path=paths["grad"], model_with_training_graph_path=paths["train"])
+    sess = TrainingSession(model.SerializeToString(), p)
+    for path in paths.values():
+        onnx.checker.check_model(onnx.load(path), full_check=True)
+    x, y = batches(1, 16)[0]
+    train = onnx.load(paths["train"])
+    feed = {**feeds(x, y), **{i.name: sess._store[i.name] for i in train.graph.input if i.name in sess._store}}
+    names = [o.name for o in train.graph.output]
+    want = dict(zip(names, ort.InferenceSession(train.SerializeToString()).run(None, feed)))
+    loss = sess.run(["loss"], feeds(x, y))[0]
+    np.testing.assert_allclose(loss, want["loss"], rtol=1e-6)
+    for k, v in sess.get_state().items():
+        out = sess._graphs.updates["full"][k]
+        np.testing.assert_allclose(v, want[out], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_importable_where_onnxruntime_had_it() -> None:
+    from onnxtrain.capi._pybind_state import GradientGraphBuilder, TrainingParameters as TP, TrainingSession as TS
+
+    assert TS is onnxtrain.TrainingSession and TP is onnxtrain.TrainingParameters
+    assert GradientGraphBuilder is onnxtrain.GradientGraphBuilder
