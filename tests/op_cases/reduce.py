@@ -39,3 +39,39 @@ def _rows(op: str) -> list[OpCase]:
 
 
 CASES = [row for op in _ALL for row in _rows(op)]
+
+
+# gradient rows (autodiff/rules/reduce.py)
+def _two_way_ties(shape: tuple[int, ...], largest: bool):
+    """Rows (last axis) whose max (or min) is attained exactly twice: the gradient splits evenly."""
+
+    def make(rng: np.random.Generator, dt) -> list:
+        x = rng.permutation(np.arange(np.prod(shape), dtype=np.float64)).reshape(shape) / 4 - 1
+        flat = x.reshape(-1, shape[-1])
+        for row in flat:
+            k = int(np.argmax(row) if largest else np.argmin(row))
+            row[(k + 1) % shape[-1]] = row[k]
+        return [flat.reshape(shape).astype(dt), np.array([-1], dtype=np.int64)]
+
+    return make
+
+
+def _grad_rows(op: str) -> list[OpCase]:
+    low, high = (0.5, 2.0) if op in _POSITIVE else (-2.0, 2.0)
+    new = 13 if op == "ReduceSum" else 18
+    return [
+        OpCase(op, [(3, 4)], attrs={"noop_with_empty_axes": 1}, low=low, high=high, opset=new,
+               variant="grad_noop_no_axes"),
+        OpCase(op, [(2, 3, 2, 2)], attrs={"axes": [0, 2], "keepdims": 1}, low=low, high=high,
+               opset=new - 1, variant="grad_attr_two_axes_keep"),
+        OpCase(op, make_inputs=_with_axes((2, 3, 4), (2, 0, 1), low, high), attrs={"keepdims": 0},
+               opset=new, wrt=(0,), variant="grad_all_listed_nokeep"),
+    ]
+
+
+CASES += [row for op in _ALL for row in _grad_rows(op)]
+CASES += [
+    OpCase("ReduceMax", make_inputs=_two_way_ties((3, 4), True), opset=18, wrt=(0,), variant="grad_ties"),
+    OpCase("ReduceMin", make_inputs=_two_way_ties((2, 2, 5), False), attrs={"keepdims": 0}, opset=18,
+           wrt=(0,), variant="grad_ties_nokeep"),
+]

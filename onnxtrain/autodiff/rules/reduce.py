@@ -1,40 +1,192 @@
-"""Gradient rules of the reductions (same names as engine/kernels/reduce.py)."""
+"""Gradient rules of the reductions (same names as engine/kernels/reduce.py).
+
+Every rule works on ``keep(t)``: a reduced tensor with its reduced axes re-inserted as size 1, which
+broadcasts against X. The axes come from the ``axes`` attribute (before opset 18; ReduceSum before
+13), from a constant ``axes`` input (read at build time), or from a dynamic one (used as a tensor).
+With no axes and ``noop_with_empty_axes=1`` nothing is reduced: the forward is elementwise (|x| for
+ReduceL1, log x for ReduceLogSum ...), and the same formulas with "reduce nothing" give its gradient.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+import numpy as np
+from onnx import numpy_helper
+
 from onnxtrain.autodiff.context import GradCtx
 from onnxtrain.autodiff.registry import gradient
+from onnxtrain.ir.attrs import attribute_value
 
 
-def _axes(g: GradCtx) -> list[int] | str | None:
-    """The reduced axes as a list (attribute or constant input), a dynamic name, or None for all."""
-    if g.opset >= 13 and g.node.op_type == "ReduceSum" or g.opset >= 18:
-        if not g.has_x(1):
-            return None
-        return g.node.input[1]
-    return g.attr("axes")
+def constant_value(g: GradCtx, name: str) -> np.ndarray | None:
+    """The value of ``name`` when it is a constant of the graph (initializer or Constant node), else None.
+
+    Private to the rules for now (GradCtx has no such helper): it reads the forward model.
+    """
+    if not name:
+        return None
+    bw = g._bw  # noqa: SLF001 - see docstring
+    graph = bw.model.graph
+    if any(v.name == name for v in graph.input):
+        return None  # an initializer that is also an input can be overridden
+    for t in graph.initializer:
+        if t.name == name:
+            return numpy_helper.to_array(t)
+    where = bw.producer.get(name)
+    if where is not None:
+        node = bw.fwd_nodes[where[0]]
+        if node.op_type == "Constant" and node.attribute:
+            return np.asarray(attribute_value(node.attribute[0]))
+    return None
 
 
-def expand_back(g: GradCtx, dy: str) -> str:
+@dataclass
+class _Axes:
+    """The reduced axes: a list (never empty), a dynamic int64 tensor name, or None for all axes."""
+
+    axes: list[int] | str | None
+    keepdims: bool
+    noop: bool  # statically nothing reduced (no axes and noop_with_empty_axes=1)
+    noop_attr: int  # noop_with_empty_axes, for reductions over a dynamic axes tensor
+    tensor: str | None = None  # the axes as an int64 tensor, once emitted
+
+    def as_tensor(self, g: GradCtx) -> str:
+        """The axes as an int64 tensor name (one Constant per rule)."""
+        if isinstance(self.axes, str):
+            return self.axes
+        if self.tensor is None:
+            self.tensor = g.ints(self.axes or [])
+        return self.tensor
+
+
+def _axes(g: GradCtx) -> _Axes:
+    as_input = g.opset >= 13 and g.node.op_type == "ReduceSum" or g.opset >= 18
+    noop_attr = int(g.attr("noop_with_empty_axes") or 0)
+    axes: list[int] | str | None
+    if not as_input:
+        axes = [int(a) for a in g.attr("axes") or []] or None
+    elif not g.has_x(1):
+        axes = None
+    else:
+        v = constant_value(g, g.node.input[1])
+        axes = g.node.input[1] if v is None else ([int(a) for a in v.reshape(-1)] or None)
+    keepdims = bool(g.attr("keepdims"))
+    return _Axes(axes, keepdims, axes is None and bool(noop_attr), noop_attr)
+
+
+def keep(g: GradCtx, t: str, ax: _Axes | None = None) -> str:
+    """A reduced tensor ``t`` with the reduced axes re-inserted (size 1), so that it broadcasts against X."""
+    ax = ax or _axes(g)
+    if ax.keepdims or ax.noop or ax.axes is None:
+        return t  # already keepdims-shaped, not reduced, or a scalar (all axes reduced)
+    return g.emit("Unsqueeze", t, ax.as_tensor(g))
+
+
+def expand_back(g: GradCtx, dy: str, ax: _Axes | None = None) -> str:
     """``dy`` of a reduction, broadcast back to the input's shape (reduced axes re-inserted)."""
-    axes = _axes(g)
-    if not g.attr("keepdims"):
-        if axes is None:
-            rank = g.rank(0)
-            if rank is None:
-                raise ValueError("rank of the reduced input is unknown")
-            axes = list(range(rank))
-        if isinstance(axes, str):
-            dy = g.emit("Unsqueeze", dy, axes)
-        elif axes:
-            dy = g.emit("Unsqueeze", dy, g.ints(axes))
-    return g.emit("Expand", dy, g.shape(0))
+    ax = ax or _axes(g)
+    if ax.noop:
+        return dy
+    return g.emit("Expand", keep(g, dy, ax), g.shape(0))
+
+
+def _sum_keep(g: GradCtx, t: str, ax: _Axes) -> str:
+    """ReduceSum of ``t`` (shaped like X) over the reduced axes, keepdims=1."""
+    if ax.noop:
+        return t
+    if ax.axes is None:
+        return g.emit("ReduceSum", t, keepdims=1)
+    # ReduceSum takes its axes as an input at every opset we emit (>= 13)
+    noop = ax.noop_attr if isinstance(ax.axes, str) and ax.noop_attr else None  # a dynamic tensor may be empty
+    return g.emit("ReduceSum", t, ax.as_tensor(g), keepdims=1, noop_with_empty_axes=noop)
+
+
+def _inv_count(g: GradCtx, ax: _Axes) -> str:
+    """1 / (number of elements reduced into each output element), of the node's float type."""
+    xs = g.static_shape(0)
+    if xs is not None and not isinstance(ax.axes, str):
+        red = range(len(xs)) if ax.axes is None else {a % len(xs) for a in ax.axes} if xs else ()
+        dims = [xs[a] for a in red]
+        if all(d is not None for d in dims):
+            return g.const(1.0 / max(math.prod(dims), 1))  # type: ignore[arg-type]
+    # dynamic: Size(Y) / Size(X), from the Shapes taken in the forward pass
+    size_y, size_x = (g.emit("Cast", g.emit("ReduceProd", s, keepdims=0), to=g.dtype)
+                      for s in (g.shape(0, output=True), g.shape(0)))
+    return g.emit("Div", size_y, size_x)
 
 
 @gradient("ReduceSum", stop=(1,), linear=True)
 def reduce_sum_grad(g: GradCtx) -> None:
-    axes = _axes(g)
-    if axes is not None and not isinstance(axes, str) and not axes and g.attr("noop_with_empty_axes"):
+    # dX = Expand(dY)
+    g.set_dx(0, expand_back(g, g.dy(0)))
+
+
+@gradient("ReduceMean", stop=(1,), linear=True)
+def reduce_mean_grad(g: GradCtx) -> None:
+    # dX = Expand(dY) / count (scaled before the Expand, on the small tensor)
+    ax = _axes(g)
+    if ax.noop:
         g.set_dx(0, g.dy(0))
         return
-    g.set_dx(0, expand_back(g, g.dy(0)))
+    g.set_dx(0, expand_back(g, g.emit("Mul", g.dy(0), _inv_count(g, ax)), ax))
+
+
+def _extreme_grad(g: GradCtx) -> None:
+    # dX = dY routed to the elements equal to Y; ties split evenly (like torch.amax / torch.amin)
+    ax = _axes(g)
+    mask = g.emit("Cast", g.emit("Equal", g.x(0), keep(g, g.y(0), ax)), to=g.dtype)
+    share = g.emit("Div", keep(g, g.dy(0), ax), _sum_keep(g, mask, ax))
+    g.set_dx(0, g.emit("Mul", mask, share))
+
+
+@gradient("ReduceMax", stop=(1,), uses=("x0", "y0"))
+def reduce_max_grad(g: GradCtx) -> None:
+    _extreme_grad(g)
+
+
+@gradient("ReduceMin", stop=(1,), uses=("x0", "y0"))
+def reduce_min_grad(g: GradCtx) -> None:
+    _extreme_grad(g)
+
+
+@gradient("ReduceProd", stop=(1,), uses=("x0", "y0"))
+def reduce_prod_grad(g: GradCtx) -> None:
+    # dX = dY·Y / X: exact when X has no zeros; a zero in X gives NaN/inf in its slice (an exact
+    # version would need exclusive products, e.g. two CumProd-like scans, which ONNX lacks at 17)
+    ax = _axes(g)
+    g.set_dx(0, g.emit("Div", keep(g, g.emit("Mul", g.dy(0), g.y(0)), ax), g.x(0)))
+
+
+@gradient("ReduceL1", stop=(1,), uses=("x0",))
+def reduce_l1_grad(g: GradCtx) -> None:
+    # dX = dY·Sign(X)  (0 at X == 0)
+    g.set_dx(0, g.emit("Mul", keep(g, g.dy(0)), g.emit("Sign", g.x(0))))
+
+
+@gradient("ReduceL2", stop=(1,), uses=("x0", "y0"))
+def reduce_l2_grad(g: GradCtx) -> None:
+    # dX = X·dY/Y, 0 where Y == 0 (then the whole slice of X is 0)
+    y = g.y(0)
+    safe = g.emit("Where", g.emit("Equal", y, g.const(0)), g.const(1), y)
+    g.set_dx(0, g.emit("Mul", g.x(0), keep(g, g.emit("Div", g.dy(0), safe))))
+
+
+@gradient("ReduceSumSquare", stop=(1,), uses=("x0",))
+def reduce_sum_square_grad(g: GradCtx) -> None:
+    # dX = 2·X·dY
+    g.set_dx(0, g.emit("Mul", g.x(0), keep(g, g.emit("Mul", g.dy(0), g.const(2)))))
+
+
+@gradient("ReduceLogSum", stop=(1,), uses=("y0",))
+def reduce_log_sum_grad(g: GradCtx) -> None:
+    # Y = log ΣX:  dX = dY / ΣX = dY / Exp(Y)
+    g.set_dx(0, expand_back(g, g.emit("Div", g.dy(0), g.emit("Exp", g.y(0)))))
+
+
+@gradient("ReduceLogSumExp", stop=(1,), uses=("x0", "y0"))
+def reduce_log_sum_exp_grad(g: GradCtx) -> None:
+    # dX = dY·Exp(X − Y)  (the softmax of X over the reduced axes)
+    ax = _axes(g)
+    p = g.emit("Exp", g.emit("Sub", g.x(0), keep(g, g.y(0), ax)))
+    g.set_dx(0, g.emit("Mul", p, keep(g, g.dy(0), ax)))
