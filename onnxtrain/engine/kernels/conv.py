@@ -1,0 +1,247 @@
+"""Convolution kernels: Conv (im2col on a strided view + one batched BLAS matmul) and ConvTranspose
+(matmul + col2im by strided adds, one per kernel offset).
+
+The geometry of a node (pads, output size, window strides, slices) depends only on the input shapes,
+so it is computed once per shape and kept in ``attrs.cache``. The helpers ``spatial_attrs`` and
+``same_pads`` are shared with the pooling kernels.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+
+
+def spatial_attrs(attrs: Attrs, nd: int) -> tuple[list[int], list[int]]:
+    """``strides`` and ``dilations`` of a conv/pool node for ``nd`` spatial axes (default 1)."""
+    strides = list(attrs.get("strides") or [1] * nd)
+    dilations = list(attrs.get("dilations") or [1] * nd)
+    if len(strides) != nd or len(dilations) != nd:
+        raise ValueError(f"strides {strides} / dilations {dilations} do not match {nd} spatial axes")
+    if min(strides + dilations, default=1) < 1:
+        raise ValueError(f"strides {strides} and dilations {dilations} must be >= 1")
+    return strides, dilations
+
+
+def same_pads(auto_pad: str, size: int, k_eff: int, stride: int) -> tuple[int, int]:
+    """(begin, end) pads of auto_pad SAME_UPPER/SAME_LOWER: output size is ceil(size / stride)."""
+    out = -(-size // stride)
+    total = max(0, (out - 1) * stride + k_eff - size)
+    small = total // 2
+    return (small, total - small) if auto_pad == "SAME_UPPER" else (total - small, small)
+
+
+def explicit_pads(attrs: Attrs, in_sp: Sequence[int], k: Sequence[int], strides: Sequence[int],
+                  dilations: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Begin and end pads of a Conv/pool node from ``auto_pad`` and ``pads``."""
+    nd = len(in_sp)
+    auto_pad = attrs.get("auto_pad") or "NOTSET"
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        pb, pe = zip(*(same_pads(auto_pad, in_sp[i], (k[i] - 1) * dilations[i] + 1, strides[i])
+                       for i in range(nd)), strict=True)
+        return list(pb), list(pe)
+    if auto_pad == "VALID":
+        return [0] * nd, [0] * nd
+    if auto_pad != "NOTSET":
+        raise ValueError(f"unknown auto_pad {auto_pad!r}")
+    pads = list(attrs.get("pads") or [0] * (2 * nd))
+    if len(pads) != 2 * nd:
+        raise ValueError(f"pads {pads} must have {2 * nd} values")
+    if min(pads, default=0) < 0:
+        raise ValueError(f"negative pads {pads} are not supported")
+    return pads[:nd], pads[nd:]
+
+
+def pad_input(x: np.ndarray, pb: Sequence[int], sizes: Sequence[int], fill: Any = 0) -> np.ndarray:
+    """``x`` placed at offset ``pb`` in a new (N, C, *sizes) array filled with ``fill`` (cropped to fit);
+    ``x`` itself when that is the identity."""
+    sp = x.shape[2:]
+    if tuple(sizes) == sp and not any(pb):
+        return x
+    shape = x.shape[:2] + tuple(sizes)
+    xp = np.zeros(shape, dtype=x.dtype) if fill == 0 else np.full(shape, fill, dtype=x.dtype)
+    keep = [min(n, s - b) for n, s, b in zip(sp, sizes, pb, strict=True)]
+    dst = tuple(slice(b, b + kk) for b, kk in zip(pb, keep, strict=True))
+    xp[(Ellipsis,) + dst] = x[(Ellipsis,) + tuple(slice(0, kk) for kk in keep)]
+    return xp
+
+
+# ---------------------------------------------------------------------------------------------- Conv
+
+def _conv_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> dict[str, Any]:
+    nd = len(xs) - 2
+    if nd < 1 or len(ws) != len(xs):
+        raise ValueError(f"Conv needs X (N, C, *spatial) and W (M, C/group, *kernel); got {xs} and {ws}")
+    group = int(attrs.get("group") or 1)
+    n, c = xs[:2]
+    m, cg = ws[:2]
+    k = list(ws[2:])
+    ks = attrs.get("kernel_shape")
+    if ks is not None and list(ks) != k:
+        raise ValueError(f"kernel_shape {list(ks)} does not match W's spatial shape {k}")
+    if c != cg * group or m % group:
+        raise ValueError(f"channels do not match: X has {c}, W is {ws} with group={group}")
+    strides, dil = spatial_attrs(attrs, nd)
+    pb, pe = explicit_pads(attrs, xs[2:], k, strides, dil)
+    k_eff = [(k[i] - 1) * dil[i] + 1 for i in range(nd)]
+    out = [(xs[2 + i] + pb[i] + pe[i] - k_eff[i]) // strides[i] + 1 for i in range(nd)]
+    if min(out) < 1:
+        raise ValueError(f"Conv output would be empty: input {xs}, kernel {k}, pads {pb + pe}")
+    # the padded buffer only needs to reach the last window
+    sizes = [(out[i] - 1) * strides[i] + k_eff[i] for i in range(nd)]
+    sizes = [max(sizes[i], pb[i]) for i in range(nd)]
+    return {"nd": nd, "group": group, "k": k, "strides": strides, "dil": dil, "pb": pb, "sizes": sizes,
+            "out": out, "K": int(np.prod(k)), "L": int(np.prod(out)), "m": m, "cg": cg,
+            "identity": all(v == 1 for v in k + strides) and not any(pb) and sizes == list(xs[2:])}
+
+
+def _windows(xp: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """A (N, C, *kernel, *out) strided view: element [n, c, *kk, *o] = xp[n, c, o*stride + kk*dil]."""
+    st = xp.strides
+    sp = st[2:]
+    k_strides = tuple(sp[i] * g["dil"][i] for i in range(g["nd"]))
+    o_strides = tuple(sp[i] * g["strides"][i] for i in range(g["nd"]))
+    return as_strided(xp, xp.shape[:2] + tuple(g["k"]) + tuple(g["out"]), st[:2] + k_strides + o_strides,
+                      writeable=False)
+
+
+@kernel("Conv", since=1)
+def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x, w = inputs[0], inputs[1]
+    b = inputs[2] if len(inputs) > 2 else None
+    key = (x.shape, w.shape)
+    g = attrs.cache.get(key)
+    if g is None:
+        g = attrs.cache[key] = _conv_geometry(attrs, x.shape, w.shape)
+    n, c = x.shape[:2]
+    m, cg, group, K, L = g["m"], g["cg"], g["group"], g["K"], g["L"]
+    if g["identity"]:  # 1x1 kernel, stride 1, no pad: X itself is the column matrix
+        cols = x.reshape(n, c, L)
+        cols = cols if group == 1 else cols.reshape(n, group, cg, L)
+    else:
+        xp = pad_input(x, g["pb"], g["sizes"])
+        win = _windows(xp, g)
+        if cg == 1 and group > 1:
+            return (_depthwise(win, w, b, g, n),)
+        cols = np.empty(win.shape, dtype=x.dtype)
+        np.copyto(cols, win)
+        cols = cols.reshape(n, c * K, L) if group == 1 else cols.reshape(n, group, cg * K, L)
+    if group == 1:
+        y = np.matmul(w.reshape(m, cg * K), cols)
+    else:
+        y = np.matmul(w.reshape(group, m // group, cg * K), cols)
+    y = y.reshape((n, m) + tuple(g["out"]))
+    if b is not None:
+        y += b.reshape((m,) + (1,) * g["nd"])
+    return (y,)
+
+
+def _depthwise(win: np.ndarray, w: np.ndarray, b: np.ndarray | None, g: dict[str, Any], n: int) -> np.ndarray:
+    """Conv with one input channel per group: a multiply-add per kernel offset, no im2col copy."""
+    group, m, nd = g["group"], g["m"], g["nd"]
+    mult = m // group
+    w3 = w.reshape(group, mult, g["K"])
+    y = np.zeros((n, group, mult) + tuple(g["out"]), dtype=win.dtype)
+    wshape = (1, group, mult) + (1,) * nd
+    for j, kk in enumerate(itertools.product(*(range(v) for v in g["k"]))):
+        plane = win[(slice(None), slice(None)) + kk]  # (N, C, *out)
+        y += plane[:, :, None] * w3[:, :, j].reshape(wshape)
+    y = y.reshape((n, m) + tuple(g["out"]))
+    if b is not None:
+        y += b.reshape((m,) + (1,) * nd)
+    return y
+
+
+# ------------------------------------------------------------------------------------- ConvTranspose
+
+def _convt_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> dict[str, Any]:
+    nd = len(xs) - 2
+    if nd < 1 or len(ws) != len(xs):
+        raise ValueError(f"ConvTranspose needs X (N, C, *spatial) and W (C, M/group, *kernel); "
+                         f"got {xs} and {ws}")
+    group = int(attrs.get("group") or 1)
+    c, mg = ws[:2]
+    if xs[1] != c or c % group:
+        raise ValueError(f"channels do not match: X has {xs[1]}, W is {ws} with group={group}")
+    k = list(ws[2:])
+    ks = attrs.get("kernel_shape")
+    if ks is not None and list(ks) != k:
+        raise ValueError(f"kernel_shape {list(ks)} does not match W's spatial shape {k}")
+    strides, dil = spatial_attrs(attrs, nd)
+    in_sp = xs[2:]
+    out_pad = list(attrs.get("output_padding") or [0] * nd)
+    if len(out_pad) != nd:
+        raise ValueError(f"output_padding {out_pad} must have {nd} values")
+    full = [strides[i] * (in_sp[i] - 1) + out_pad[i] + (k[i] - 1) * dil[i] + 1 for i in range(nd)]
+    auto_pad = attrs.get("auto_pad") or "NOTSET"
+    out_shape = attrs.get("output_shape")
+    if out_shape is not None:
+        out_shape = list(out_shape)[-nd:]
+    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        out_shape = [in_sp[i] * strides[i] for i in range(nd)]
+    if out_shape is not None:
+        # pads are derived from the requested size; SAME_UPPER puts the odd one at the end
+        total = [full[i] - out_shape[i] for i in range(nd)]
+        pb = [t // 2 for t in total] if auto_pad == "SAME_UPPER" else [t - t // 2 for t in total]
+        out = out_shape
+    else:
+        if auto_pad not in ("NOTSET", "VALID"):
+            raise ValueError(f"unknown auto_pad {auto_pad!r}")
+        pads = list(attrs.get("pads") or [0] * (2 * nd)) if auto_pad == "NOTSET" else [0] * (2 * nd)
+        if len(pads) != 2 * nd:
+            raise ValueError(f"pads {pads} must have {2 * nd} values")
+        pb = pads[:nd]
+        out = [full[i] - pads[i] - pads[nd + i] for i in range(nd)]
+    if min(out) < 1:
+        raise ValueError(f"ConvTranspose output would be empty: {out}")
+    # col2im plan: for each kernel offset, the input range landing inside the output, and where
+    steps = []
+    for j, kk in enumerate(itertools.product(*(range(v) for v in k))):
+        src: list[slice] = []
+        dst: list[slice] = []
+        for i in range(nd):
+            off = kk[i] * dil[i] - pb[i]  # output position of input index 0
+            lo = max(0, -(off // strides[i]))  # first input index with off + i*stride >= 0
+            hi = min(in_sp[i], (out[i] - 1 - off) // strides[i] + 1)
+            if hi <= lo:
+                break
+            start = off + lo * strides[i]
+            src.append(slice(lo, hi))
+            dst.append(slice(start, start + (hi - lo - 1) * strides[i] + 1, strides[i]))
+        else:
+            steps.append((j, tuple(src), tuple(dst)))
+    return {"nd": nd, "group": group, "k": k, "K": int(np.prod(k)), "m": mg * group, "mg": mg,
+            "cg": c // group, "out": out, "steps": steps}
+
+
+@kernel("ConvTranspose", since=1)
+def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x, w = inputs[0], inputs[1]
+    b = inputs[2] if len(inputs) > 2 else None
+    key = (x.shape, w.shape)
+    g = attrs.cache.get(key)
+    if g is None:
+        g = attrs.cache[key] = _convt_geometry(attrs, x.shape, w.shape)
+    n, c = x.shape[:2]
+    in_sp = x.shape[2:]
+    lin = int(np.prod(in_sp))
+    group, m, mg, cg, K, nd = g["group"], g["m"], g["mg"], g["cg"], g["K"], g["nd"]
+    # cols[n, m, k, l] = sum_c W[c, m, k] X[n, c, l]  (per group)
+    if group == 1:
+        cols = np.matmul(w.reshape(c, m * K).T, x.reshape(n, c, lin))
+    else:
+        wt = w.reshape(group, cg, mg * K).transpose(0, 2, 1)
+        cols = np.matmul(wt, x.reshape(n, group, cg, lin))
+    cols = cols.reshape((n, m, K) + in_sp)
+    y = np.zeros((n, m) + tuple(g["out"]), dtype=x.dtype)
+    for j, src, dst in g["steps"]:
+        y[(slice(None), slice(None)) + dst] += cols[(slice(None), slice(None), j) + src]
+    if b is not None:
+        y += b.reshape((m,) + (1,) * nd)
+    return (y,)

@@ -1,0 +1,203 @@
+"""Pooling kernels: MaxPool (with Indices), AveragePool, LpPool, their Global forms, and MaxUnpool.
+
+Windowed pools pad the input once (with -inf / the dtype's minimum for max, 0 otherwise) and combine
+one strided slice per kernel offset, so the Python loop runs over kernel positions, never pixels.
+The geometry per input shape is cached in ``attrs.cache``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from onnxtrain.engine.kernels.conv import explicit_pads, pad_input, spatial_attrs
+from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+
+
+def _pool_geometry(attrs: Attrs, xs: tuple[int, ...]) -> dict[str, Any]:
+    nd = len(xs) - 2
+    k = attrs.get("kernel_shape")
+    if k is None or len(k) != nd:
+        raise ValueError(f"kernel_shape {k} must list {nd} sizes for input shape {xs}")
+    k = list(k)
+    strides, dil = spatial_attrs(attrs, nd)
+    in_sp = xs[2:]
+    pb, pe = explicit_pads(attrs, in_sp, k, strides, dil)
+    k_eff = [(k[i] - 1) * dil[i] + 1 for i in range(nd)]
+    ceil_mode = bool(attrs.get("ceil_mode") or 0)
+    out = []
+    for i in range(nd):
+        span = in_sp[i] + pb[i] + pe[i] - k_eff[i]
+        o = (-(-span // strides[i]) if ceil_mode else span // strides[i]) + 1
+        if ceil_mode and (o - 1) * strides[i] >= in_sp[i] + pb[i]:
+            o -= 1  # the last window must start inside the input or the begin padding
+        out.append(o)
+    if min(out) < 1:
+        raise ValueError(f"pool output would be empty: input {xs}, kernel {k}, pads {pb + pe}")
+    sizes = [max((out[i] - 1) * strides[i] + k_eff[i], pb[i]) for i in range(nd)]
+    # one (kernel index, slices into the padded input) per kernel offset
+    offsets = []
+    for kk in itertools.product(*(range(v) for v in k)):
+        sl = tuple(slice(kk[i] * dil[i], kk[i] * dil[i] + (out[i] - 1) * strides[i] + 1, strides[i])
+                   for i in range(nd))
+        offsets.append((kk, (Ellipsis,) + sl))
+    return {"nd": nd, "k": k, "strides": strides, "dil": dil, "pb": pb, "pe": pe, "sizes": sizes,
+            "out": out, "offsets": offsets, "in": list(in_sp)}
+
+
+def _geometry(attrs: Attrs, x: np.ndarray) -> dict[str, Any]:
+    g = attrs.cache.get(x.shape)
+    if g is None:
+        g = attrs.cache[x.shape] = _pool_geometry(attrs, x.shape)
+    return g
+
+
+def _lowest(dtype: np.dtype) -> Any:
+    return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
+
+
+def _counts(g: dict[str, Any], include_pad: bool) -> np.ndarray:
+    """How many window elements each output position averages over, shape ``out``."""
+    total = np.ones((), dtype=np.int64)
+    for i in range(g["nd"]):
+        pos = (np.arange(g["out"][i])[:, None] * g["strides"][i]
+               + np.arange(g["k"][i])[None, :] * g["dil"][i])  # positions in padded coordinates
+        lo, hi = g["pb"][i], g["pb"][i] + g["in"][i]
+        if include_pad:  # explicit padding counts; a ceil-mode overhang beyond it does not
+            lo, hi = 0, hi + g["pe"][i]
+        total = np.multiply.outer(total, ((pos >= lo) & (pos < hi)).sum(axis=1))
+    return total
+
+
+def _window_sum(xp: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    offs = g["offsets"]
+    acc = xp[offs[0][1]].copy()
+    for _, sl in offs[1:]:
+        acc += xp[sl]
+    return acc
+
+
+@kernel("MaxPool", since=1)
+def max_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    g = _geometry(attrs, x)
+    xp = pad_input(x, g["pb"], g["sizes"], _lowest(x.dtype))
+    offs = g["offsets"]
+    want_idx = attrs.n_outputs > 1 and attrs.output_used[1]
+    y = xp[offs[0][1]].copy()
+    if not want_idx:
+        for _, sl in offs[1:]:
+            np.maximum(y, xp[sl], out=y)
+        return (y,)
+    koff, base = _index_tables(attrs, g, x.shape)
+    idx = np.full(y.shape, koff[0], dtype=np.int64)
+    for j, (_, sl) in enumerate(offs[1:], start=1):
+        v = xp[sl]
+        better = v > y  # strict: the first maximum in row-major window order wins
+        np.copyto(y, v, where=better)
+        np.copyto(idx, koff[j], where=better)
+    idx += base
+    return (y, idx)
+
+
+def _index_tables(attrs: Attrs, g: dict[str, Any], xs: tuple[int, ...]) -> tuple[list[int], np.ndarray]:
+    """Flat-index parts of MaxPool's Indices: per kernel offset, and per (n, c, output position)."""
+    key = ("idx", xs)
+    t = attrs.cache.get(key)
+    if t is not None:
+        return t
+    nd, in_sp = g["nd"], xs[2:]
+    mult = [int(np.prod(in_sp[i + 1:])) for i in range(nd)]  # row-major spatial strides
+    if int(attrs.get("storage_order") or 0) == 1:
+        mult = [int(np.prod(in_sp[:i])) for i in range(nd)]  # column-major
+    koff = [sum(kk[i] * g["dil"][i] * mult[i] for i in range(nd)) for kk, _ in g["offsets"]]
+    base = np.zeros((), dtype=np.int64)
+    for i in range(nd):
+        start = np.arange(g["out"][i], dtype=np.int64) * g["strides"][i] - g["pb"][i]
+        base = np.add.outer(base, start * mult[i])
+    nc = np.arange(xs[0] * xs[1], dtype=np.int64).reshape(xs[:2] + (1,) * nd) * int(np.prod(in_sp))
+    t = attrs.cache[key] = (koff, base + nc)
+    return t
+
+
+@kernel("AveragePool", since=1)
+def average_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    g = _geometry(attrs, x)
+    xp = pad_input(x, g["pb"], g["sizes"])
+    s = _window_sum(xp, g)
+    key = ("div", x.shape, x.dtype)
+    div = attrs.cache.get(key)
+    if div is None:
+        cnt = _counts(g, bool(attrs.get("count_include_pad") or 0))
+        div = attrs.cache[key] = (1.0 / cnt).astype(x.dtype)
+    s *= div
+    return (s,)
+
+
+@kernel("LpPool", since=1)
+def lp_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    p = float(attrs.get("p") or 2)
+    g = _geometry(attrs, x)
+    a = x * x if p == 2 else np.abs(x) ** np.asarray(p, dtype=x.dtype)
+    s = _window_sum(pad_input(a, g["pb"], g["sizes"]), g)
+    return (np.sqrt(s, out=s) if p == 2 else s ** np.asarray(1.0 / p, dtype=x.dtype),)
+
+
+def _spatial_axes(x: np.ndarray) -> tuple[int, ...]:
+    return tuple(range(2, x.ndim))
+
+
+@kernel("GlobalAveragePool", since=1)
+def global_average_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    return (np.asarray(np.mean(x, axis=_spatial_axes(x), keepdims=True), dtype=x.dtype),)
+
+
+@kernel("GlobalMaxPool", since=1)
+def global_max_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    return (np.asarray(np.max(x, axis=_spatial_axes(x), keepdims=True)),)
+
+
+@kernel("GlobalLpPool", since=2)
+def global_lp_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    p = float(attrs.get("p") or 2)
+    ax = _spatial_axes(x)
+    if p == 2:
+        s = np.sqrt(np.sum(x * x, axis=ax, keepdims=True))
+    else:
+        s = np.sum(np.abs(x) ** p, axis=ax, keepdims=True) ** (1.0 / p)
+    return (np.asarray(s, dtype=x.dtype),)
+
+
+@kernel("MaxUnpool", since=9)
+def max_unpool(inputs: Inputs, attrs: Attrs) -> Outputs:
+    # Indices address the tensor MaxPool saw (its size follows from the attributes); an explicit
+    # output_shape only pads that result at the end, as onnxruntime does.
+    x, idx = inputs[0], inputs[1]
+    nd = x.ndim - 2
+    k = list(attrs.get("kernel_shape") or [])
+    if len(k) != nd:
+        raise ValueError(f"kernel_shape {k} must list {nd} sizes")
+    strides, _ = spatial_attrs(attrs, nd)
+    pads = list(attrs.get("pads") or [0] * (2 * nd))
+    shape = x.shape[:2] + tuple((x.shape[2 + i] - 1) * strides[i] + k[i] - pads[i] - pads[nd + i]
+                                for i in range(nd))
+    y = np.zeros(int(np.prod(shape)), dtype=x.dtype)
+    y[idx.reshape(-1)] = x.reshape(-1)
+    y = y.reshape(shape)
+    if len(inputs) > 2 and inputs[2] is not None:
+        want = tuple(int(v) for v in inputs[2])
+        if want != shape:
+            if len(want) != len(shape) or want[:2] != shape[:2]:
+                raise ValueError(f"output_shape {want} does not fit input shape {x.shape}")
+            full = np.zeros(want, dtype=x.dtype)
+            keep = tuple(slice(0, min(a, b)) for a, b in zip(want, shape, strict=True))
+            full[keep] = y[keep]
+            y = full
+    return (y,)

@@ -1,0 +1,247 @@
+"""Resize (opsets 10-19) and the deprecated Upsample, as separable per-axis resampling.
+
+Each resized axis gets a small plan, built once per (shape, scales/sizes, roi) and cached: an index
+vector for nearest mode (one ``np.take``), or a dense (out, in) weight matrix for linear/cubic modes
+(one BLAS matmul), plus a mask of positions that take ``extrapolation_value`` (tf_crop_and_resize).
+Coordinates and weights are computed in float64, as the ONNX reference does, then cast to X's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+
+_DENSE_LIMIT = 1 << 22  # beyond out*in entries, gather taps instead of a dense matrix
+
+
+def _source_coords(mode: str, out_len: int, in_len: int, scale: float, roi: tuple[float, float] | None
+                   ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Source coordinate of every output index, and the mask of positions outside the roi."""
+    y = np.arange(out_len, dtype=np.float64)
+    width = scale * in_len  # the unrounded output length, as the ONNX reference uses it
+    if mode == "half_pixel":
+        return (y + 0.5) / scale - 0.5, None
+    if mode == "pytorch_half_pixel":
+        return (np.full(out_len, -0.5) if width == 1 else (y + 0.5) / scale - 0.5), None
+    if mode == "half_pixel_symmetric":
+        offset = in_len / 2 * (1 - out_len / width)
+        return offset + (y + 0.5) / scale - 0.5, None
+    if mode == "align_corners":
+        return (np.zeros(out_len) if width == 1 else y * (in_len - 1) / (width - 1)), None
+    if mode == "asymmetric":
+        return y / scale, None
+    if mode == "tf_crop_and_resize":
+        lo, hi = roi if roi is not None else (0.0, 1.0)
+        if width == 1:
+            x = np.full(out_len, (hi - lo) * (in_len - 1) / 2)
+        else:
+            x = y * (hi - lo) * (in_len - 1) / (width - 1)
+        x = x + lo * (in_len - 1)
+        return x, (x < 0) | (x > in_len - 1)
+    raise ValueError(f"unknown coordinate_transformation_mode {mode!r}")
+
+
+def _nearest_index(x: np.ndarray, nearest_mode: str, in_len: int) -> np.ndarray:
+    f = np.floor(x)
+    frac = x - f
+    if nearest_mode == "round_prefer_floor":
+        up = frac > 0.5
+    elif nearest_mode == "round_prefer_ceil":
+        up = frac >= 0.5
+    elif nearest_mode == "floor":
+        up = np.zeros(x.shape, bool)
+    elif nearest_mode == "ceil":
+        up = frac > 0
+    else:
+        raise ValueError(f"unknown nearest_mode {nearest_mode!r}")
+    return np.clip(f + up, 0, in_len - 1).astype(np.intp)
+
+
+def _cubic(d: np.ndarray, a: float) -> np.ndarray:
+    d = np.abs(d)
+    d2, d3 = d * d, d * d * d
+    near = (a + 2) * d3 - (a + 3) * d2 + 1
+    far = a * d3 - 5 * a * d2 + 8 * a * d - 4 * a
+    return np.where(d <= 1, near, np.where(d < 2, far, 0.0))
+
+
+def _taps(x: np.ndarray, in_len: int, scale: float, attrs: Attrs, mode: str
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, weights), both (out, n): the input taps of each output position, clamped to the edge."""
+    antialias = bool(attrs.get("antialias") or 0)
+    s = min(scale, 1.0) if antialias else 1.0  # antialias stretches the filter when downsampling
+    radius = 1 if mode == "linear" else 2
+    n = 2 * math.ceil(radius / s)
+    j = np.floor(x)[:, None] + (1 - n // 2) + np.arange(n)[None, :]
+    d = (j - x[:, None]) * s
+    w = np.clip(1 - np.abs(d), 0, 1) if mode == "linear" else _cubic(d, float(attrs.get("cubic_coeff_a")))
+    if antialias:
+        w = w / w.sum(axis=1, keepdims=True)
+    if attrs.get("exclude_outside"):
+        w = np.where((j < 0) | (j >= in_len), 0.0, w)
+        tot = w.sum(axis=1, keepdims=True)
+        w = w / np.where(tot == 0, 1.0, tot)
+    return np.clip(j, 0, in_len - 1).astype(np.intp), w
+
+
+def _axis_plan(attrs: Attrs, mode: str, in_len: int, out_len: int, scale: float,
+               roi: tuple[float, float] | None, dtype: np.dtype) -> tuple[Any, ...]:
+    x, outside = _source_coords(attrs["coordinate_transformation_mode"], out_len, in_len, scale, roi)
+    if mode == "nearest":
+        return ("take", _nearest_index(x, attrs["nearest_mode"], in_len), outside)
+    if mode not in ("linear", "cubic"):
+        raise ValueError(f"unknown Resize mode {mode!r}")
+    idx, w = _taps(x, in_len, scale, attrs, mode)
+    wdt = dtype if dtype.kind == "f" else np.dtype(np.float32)
+    if out_len * in_len <= _DENSE_LIMIT:
+        mat = np.zeros((out_len, in_len))
+        np.add.at(mat, (np.repeat(np.arange(out_len), idx.shape[1]), idx.ravel()), w.ravel())
+        return ("dense", mat.astype(wdt), np.ascontiguousarray(mat.T).astype(wdt), outside)
+    return ("taps", idx, w.astype(wdt), outside)
+
+
+def _apply(x: np.ndarray, axis: int, plan: tuple[Any, ...], extrapolation: float) -> np.ndarray:
+    kind = plan[0]
+    if kind == "take":
+        y = np.take(x, plan[1], axis=axis)
+    else:
+        pre = int(np.prod(x.shape[:axis]))
+        post = int(np.prod(x.shape[axis + 1:]))
+        xf = x if x.dtype.kind == "f" else x.astype(np.float32)
+        if kind == "dense":
+            mat, mat_t = plan[1], plan[2]
+            y = xf.reshape(pre, -1) @ mat_t if post == 1 else np.matmul(mat, xf.reshape(pre, -1, post))
+        else:
+            idx, w = plan[1], plan[2]
+            x3 = xf.reshape(pre, -1, post)
+            y = np.take(x3, idx[:, 0], axis=1) * w[:, 0, None]
+            for t in range(1, idx.shape[1]):
+                y += np.take(x3, idx[:, t], axis=1) * w[:, t, None]
+        y = y.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 1:])
+    outside = plan[-1]
+    if outside is not None and outside.any():
+        shape = [1] * y.ndim
+        shape[axis] = -1
+        y = np.where(outside.reshape(shape), np.asarray(extrapolation, dtype=y.dtype), y)
+    return y
+
+
+def _to_dtype(y: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if y.dtype == dtype:
+        return y
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return np.clip(np.rint(y), info.min, info.max).astype(dtype)
+    return y.astype(dtype)
+
+
+def _present(v: Any) -> bool:
+    return v is not None and np.size(v) > 0
+
+
+def _resize_plan(attrs: Attrs, xs: tuple[int, ...], dtype: np.dtype, roi: Any, scales: Any, sizes: Any
+                 ) -> list[tuple[int, tuple[Any, ...]]]:
+    r = len(xs)
+    axes = attrs.get("axes")
+    axes = list(range(r)) if axes is None else [a + r if a < 0 else a for a in axes]
+    if len(set(axes)) != len(axes) or not all(0 <= a < r for a in axes):
+        raise ValueError(f"bad axes {attrs.get('axes')} for rank {r}")
+    scale = [1.0] * r
+    out = list(xs)
+    if _present(sizes):
+        sizes = [int(v) for v in np.asarray(sizes).ravel()]
+        if len(sizes) != len(axes):
+            raise ValueError(f"sizes {sizes} must have {len(axes)} values")
+        for a, v in zip(axes, sizes, strict=True):
+            out[a] = v
+            scale[a] = v / xs[a] if xs[a] else 1.0
+        policy = attrs.get("keep_aspect_ratio_policy") or "stretch"
+        if policy != "stretch":
+            pick = {"not_larger": min, "not_smaller": max}.get(policy)
+            if pick is None:
+                raise ValueError(f"unknown keep_aspect_ratio_policy {policy!r}")
+            common = pick(scale[a] for a in axes)
+            for a in axes:
+                scale[a] = common
+                out[a] = int(common * xs[a] + 0.5)
+    elif _present(scales):
+        vals = [float(v) for v in np.asarray(scales).ravel()]
+        if len(vals) != len(axes):
+            raise ValueError(f"scales {vals} must have {len(axes)} values")
+        if min(vals) <= 0:
+            raise ValueError(f"scales {vals} must be positive")
+        for a, v in zip(axes, vals, strict=True):
+            scale[a] = v
+            out[a] = int(v * xs[a])
+    else:
+        raise ValueError("Resize needs scales or sizes")
+    rois: list[tuple[float, float] | None] = [None] * r
+    if _present(roi):
+        rv = [float(v) for v in np.asarray(roi).ravel()]
+        if len(rv) != 2 * len(axes):
+            raise ValueError(f"roi {rv} must have {2 * len(axes)} values")
+        for i, a in enumerate(axes):
+            rois[a] = (rv[i], rv[len(axes) + i])
+    plans = []
+    for a in axes:
+        trivial_roi = rois[a] is None or (math.isclose(rois[a][0], 0.0) and math.isclose(rois[a][1], 1.0))
+        if math.isclose(scale[a], 1.0) and out[a] == xs[a] and trivial_roi:
+            continue  # identity along this axis
+        if out[a] < 0:
+            raise ValueError(f"negative output size {out[a]} on axis {a}")
+        plans.append((a, _axis_plan(attrs, attrs["mode"], xs[a], out[a], scale[a], rois[a], dtype)))
+    return plans
+
+
+def _resize(attrs: Attrs, x: np.ndarray, roi: Any, scales: Any, sizes: Any) -> np.ndarray:
+    def key_of(v: Any) -> Any:
+        return None if v is None else tuple(np.asarray(v).ravel().tolist())
+
+    key = (x.shape, x.dtype, key_of(roi), key_of(scales), key_of(sizes))
+    plans = attrs.cache.get(key)
+    if plans is None:
+        plans = attrs.cache[key] = _resize_plan(attrs, x.shape, x.dtype, roi, scales, sizes)
+    y = x
+    extrap = float(attrs.get("extrapolation_value") or 0.0)
+    for axis, plan in plans:
+        y = _apply(y, axis, plan, extrap)
+    if y is x:
+        y = x.copy()
+    return _to_dtype(y, x.dtype)
+
+
+def _legacy_attrs(attrs: Attrs) -> Attrs:
+    """Attributes of Resize-10 / Upsample: asymmetric coordinates, nearest rounds down."""
+    la = attrs.cache.get("legacy")
+    if la is None:
+        la = Attrs({"mode": attrs.get("mode") or "nearest", "coordinate_transformation_mode": "asymmetric",
+                    "nearest_mode": "floor", "cubic_coeff_a": -0.75, "exclude_outside": 0,
+                    "extrapolation_value": 0.0, "antialias": 0})
+        attrs.cache["legacy"] = la
+    return la
+
+
+@kernel("Resize", since=10)
+def resize_10(inputs: Inputs, attrs: Attrs) -> Outputs:
+    return (_resize(_legacy_attrs(attrs), inputs[0], None, inputs[1], None),)
+
+
+@kernel("Resize", since=11)
+def resize(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    roi = inputs[1] if len(inputs) > 1 else None
+    scales = inputs[2] if len(inputs) > 2 else None
+    sizes = inputs[3] if len(inputs) > 3 else None
+    return (_resize(attrs, x, roi, scales, sizes),)
+
+
+@kernel("Upsample", since=7)
+def upsample(inputs: Inputs, attrs: Attrs) -> Outputs:
+    scales = inputs[1] if len(inputs) > 1 else attrs.get("scales")
+    if scales is None:
+        raise ValueError("Upsample needs scales")
+    return (_resize(_legacy_attrs(attrs), inputs[0], None, scales, None),)

@@ -1,0 +1,40 @@
+"""Op table rows for the convolution kernels (onnxtrain/engine/kernels/conv.py)."""
+
+from __future__ import annotations
+
+from tests.op_cases import OpCase
+
+CASES = [
+    OpCase("Conv", [(2, 2, 5, 5), (3, 2, 3, 3), (3,)], {"pads": [1, 1, 1, 1]}),
+    OpCase("Conv", [(1, 3, 6, 7), (2, 3, 3, 2)], {"strides": [2, 2], "pads": [1, 0, 0, 1]},
+           variant="strides_asym_pads_nobias"),
+    OpCase("Conv", [(1, 2, 7, 7), (2, 2, 3, 3), (2,)], {"dilations": [2, 1], "pads": [2, 1, 2, 1]},
+           variant="dilations"),
+    OpCase("Conv", [(2, 4, 5, 5), (6, 2, 3, 3), (6,)], {"group": 2}, variant="group2"),
+    OpCase("Conv", [(2, 3, 5, 5), (6, 1, 3, 3), (6,)], {"group": 3, "pads": [1, 1, 1, 1]},
+           variant="depthwise_mult2"),
+    OpCase("Conv", [(2, 3, 4, 4), (4, 3, 1, 1), (4,)], variant="pointwise"),
+    OpCase("Conv", [(2, 2, 9), (3, 2, 3), (3,)], {"strides": [2], "pads": [1, 2]}, variant="1d"),
+    OpCase("Conv", [(1, 2, 4, 4, 4), (2, 2, 2, 3, 2), (2,)], {"pads": [1, 0, 1, 0, 1, 0]}, variant="3d"),
+    OpCase("Conv", [(1, 2, 7, 6), (2, 2, 3, 3)], {"auto_pad": "SAME_UPPER", "strides": [2, 2]},
+           variant="same_upper"),
+    OpCase("Conv", [(1, 2, 6, 6), (2, 2, 2, 2)], {"auto_pad": "SAME_LOWER"}, variant="same_lower"),
+    OpCase("Conv", [(1, 2, 6, 5), (2, 2, 3, 3)], {"auto_pad": "VALID", "strides": [1, 2]}, variant="valid"),
+    OpCase("Conv", [(1, 1, 5, 5), (1, 1, 3, 3)], {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]},
+           variant="kernel_shape_attr"),
+    OpCase("ConvTranspose", [(2, 2, 3, 3), (2, 3, 3, 3), (3,)], variant="basic"),
+    OpCase("ConvTranspose", [(1, 2, 3, 4), (2, 2, 3, 3)], {"strides": [2, 2], "pads": [1, 1, 1, 1],
+                                                           "output_padding": [1, 0]},
+           variant="strides_pads_output_padding"),
+    OpCase("ConvTranspose", [(1, 2, 3, 3), (2, 1, 2, 2), (1,)], {"dilations": [2, 2]}, variant="dilations"),
+    OpCase("ConvTranspose", [(1, 1, 3, 3), (1, 2, 3, 3)], {"strides": [3, 2], "output_shape": [10, 8]},
+           variant="output_shape"),
+    OpCase("ConvTranspose", [(1, 1, 3, 3), (1, 2, 3, 3)], {"strides": [2, 2], "auto_pad": "SAME_UPPER"},
+           variant="same_upper"),
+    OpCase("ConvTranspose", [(1, 2, 4), (2, 2, 3), (2,)], {"strides": [2], "pads": [1, 0]}, variant="1d"),
+    OpCase("ConvTranspose", [(1, 1, 2, 3, 2), (1, 2, 2, 2, 2)], {"strides": [1, 2, 1]}, variant="3d"),
+    # no bias: onnx.reference adds the first group's bias to every group (grouped cases are checked
+    # against torch in tests/engine/test_conv_pool_resize.py)
+    OpCase("ConvTranspose", [(1, 2, 3, 3), (2, 1, 3, 3)], {"group": 2, "strides": [2, 2]},
+           variant="depthwise"),
+]

@@ -1,0 +1,65 @@
+"""Op table rows for the pooling kernels (onnxtrain/engine/kernels/pool.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.op_cases import OpCase
+
+
+def _unpool_inputs(shape, k):
+    """MaxUnpool inputs: pooled values and, per window, one random flat index inside that window."""
+
+    def make(rng, dt):
+        n, c, h, w = shape
+        x = rng.uniform(-2, 2, shape).astype(dt)
+        hi = np.arange(h)[:, None] * k + rng.integers(0, k, (n, c, h, w))
+        wi = np.arange(w)[None, :] * k + rng.integers(0, k, (n, c, h, w))
+        nc = np.arange(n * c).reshape(n, c, 1, 1)
+        return [x, ((nc * h * k + hi) * (w * k) + wi).astype(np.int64)]
+
+    return make
+
+
+_NO_REF = "onnx.reference has no GlobalLpPool; checked in tests/engine/test_conv_pool_resize.py"
+
+CASES = [
+    OpCase("MaxPool", [(2, 2, 4, 4)], {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    OpCase("MaxPool", [(1, 2, 7, 7)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+           variant="3x3s2p1"),
+    OpCase("MaxPool", [(1, 2, 6, 7)], {"kernel_shape": [3, 2], "strides": [2, 2], "ceil_mode": 1},
+           variant="ceil"),
+    OpCase("MaxPool", [(1, 1, 7, 7)], {"kernel_shape": [2, 2], "dilations": [2, 2]}, variant="dilations"),
+    OpCase("MaxPool", [(2, 3, 9)], {"kernel_shape": [3], "strides": [2], "pads": [1, 1]}, variant="1d"),
+    OpCase("MaxPool", [(1, 2, 4, 4, 4)], {"kernel_shape": [2, 2, 2], "strides": [2, 1, 2]}, variant="3d"),
+    OpCase("MaxPool", [(1, 2, 5, 5)], {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "SAME_UPPER"},
+           variant="same_upper"),
+    OpCase("MaxPool", [(2, 2, 5, 6)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+           n_outputs=2, grad_outputs=(0,), variant="indices"),
+    OpCase("MaxPool", [(1, 2, 5, 4)], {"kernel_shape": [2, 2], "strides": [1, 2], "storage_order": 1},
+           n_outputs=2, grad_outputs=(0,), variant="indices_col_major"),
+    OpCase("AveragePool", [(2, 2, 4, 4)], {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    OpCase("AveragePool", [(1, 2, 5, 5)], {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]},
+           variant="pads_exclude"),
+    OpCase("AveragePool", [(1, 2, 5, 5)], {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1],
+                                           "count_include_pad": 1}, variant="pads_include"),
+    OpCase("AveragePool", [(1, 2, 6, 7)], {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1},
+           variant="ceil"),
+    OpCase("AveragePool", [(2, 2, 8)], {"kernel_shape": [3], "strides": [2], "pads": [1, 0]}, variant="1d"),
+    OpCase("AveragePool", [(1, 1, 4, 4, 4)], {"kernel_shape": [2, 2, 2]}, variant="3d"),
+    OpCase("AveragePool", [(1, 2, 5, 5)], {"kernel_shape": [2, 2], "auto_pad": "SAME_LOWER"},
+           variant="same_lower"),
+    OpCase("AveragePool", [(1, 1, 7, 7)], {"kernel_shape": [2, 2], "dilations": [2, 2], "pads": [1, 1, 1, 1]},
+           opset=19, variant="dilations"),
+    OpCase("LpPool", [(1, 2, 5, 5)], {"kernel_shape": [2, 2]}),
+    OpCase("LpPool", [(1, 2, 6, 6)], {"kernel_shape": [3, 3], "strides": [2, 2], "p": 3}, variant="p3"),
+    OpCase("LpPool", [(2, 2, 7)], {"kernel_shape": [3], "strides": [2], "p": 1}, variant="1d_p1"),
+    OpCase("GlobalAveragePool", [(2, 3, 4, 5)]),
+    OpCase("GlobalAveragePool", [(2, 3, 4, 2, 3)], variant="3d"),
+    OpCase("GlobalMaxPool", [(2, 3, 4, 5)]),
+    OpCase("GlobalMaxPool", [(1, 4, 1, 7)], variant="thin"),  # onnx.reference handles 2-D only
+    OpCase("GlobalLpPool", [(2, 3, 4, 5)], skip=_NO_REF),
+    OpCase("GlobalLpPool", [(2, 3, 4, 5)], {"p": 3}, variant="p3", skip=_NO_REF),
+    OpCase("MaxUnpool", attrs={"kernel_shape": [2, 2], "strides": [2, 2]},
+           make_inputs=_unpool_inputs((2, 2, 2, 3), 2), wrt=(0,)),
+]
