@@ -1,0 +1,235 @@
+"""Conv, pooling and Resize kernels on cases the op table cannot check against onnx.reference.
+
+onnx.reference mishandles grouped ConvTranspose (bias and M/group > 1), has no GlobalLpPool, reduces
+GlobalMaxPool over two axes only and computes cubic weights in float32; torch and onnxruntime are the
+oracles here. Random geometries (strides, pads, dilations, groups, ceil_mode) are drawn with a fixed
+seed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from onnxtrain.engine import compile_model
+from onnxtrain.engine.plan import EngineError
+
+
+def _model(op: str, inputs: list[Any], opset: int, n_outputs: int = 1, **attrs: Any) -> onnx.ModelProto:
+    names = [f"x{i}" if v is not None else "" for i, v in enumerate(inputs)]
+    outs = [f"y{i}" for i in range(n_outputs)]
+    g_in = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+            for n, v in zip(names, inputs, strict=True) if n]
+    elem = helper.np_dtype_to_tensor_dtype(inputs[0].dtype)
+    g_out = [helper.make_tensor_value_info(n, elem if i == 0 else onnx.TensorProto.INT64, None)
+             for i, n in enumerate(outs)]
+    graph = helper.make_graph([helper.make_node(op, names, outs, **attrs)], op, g_in, g_out)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def _ours(op: str, inputs: list[Any], opset: int = 17, n_outputs: int = 1, **attrs: Any) -> list[np.ndarray]:
+    feeds = {f"x{i}": v for i, v in enumerate(inputs) if v is not None}
+    return compile_model(_model(op, inputs, opset, n_outputs, **attrs)).run(feeds)
+
+
+def _ort(op: str, inputs: list[Any], opset: int = 17, n_outputs: int = 1, **attrs: Any) -> list[np.ndarray]:
+    ort = pytest.importorskip("onnxruntime")
+    model = _model(op, inputs, opset, n_outputs, **attrs)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {f"x{i}": v for i, v in enumerate(inputs) if v is not None})
+
+
+def _conv_geometries(seed: int, n: int):
+    rng = np.random.default_rng(seed)
+    for t in range(n):
+        nd = 1 + t % 3
+        g = int(rng.choice([1, 2, 3]))
+        cg = 1 if t % 4 == 0 else int(rng.integers(1, 3))
+        mg = int(rng.integers(1, 3))
+        yield (rng, nd, g, cg, mg, [int(rng.integers(1, 4)) for _ in range(nd)],
+               [int(rng.integers(1, 3)) for _ in range(nd)], [int(rng.integers(1, 3)) for _ in range(nd)],
+               [int(rng.integers(0, 3)) for _ in range(nd)], [int(rng.integers(5, 8)) for _ in range(nd)])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_conv_and_conv_transpose_match_torch(seed: int) -> None:
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    for rng, nd, g, cg, mg, k, s, d, p, sp in _conv_geometries(seed, 9):
+        x = rng.standard_normal([2, cg * g] + sp)
+        w = rng.standard_normal([mg * g, cg] + k)
+        b = rng.standard_normal(mg * g)
+        attrs = {"group": g, "strides": s, "dilations": d, "pads": p + p}
+        (y,) = _ours("Conv", [x, w, b], **attrs)
+        conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
+        ref = conv(torch.tensor(x), torch.tensor(w), torch.tensor(b), stride=s, padding=p, dilation=d,
+                   groups=g)
+        np.testing.assert_allclose(y, ref.numpy(), rtol=1e-9, atol=1e-9, err_msg=str(attrs))
+        wt = rng.standard_normal([cg * g, mg] + k)
+        op = [int(rng.integers(0, max(s[i], d[i]))) for i in range(nd)]
+        (y,) = _ours("ConvTranspose", [x, wt, b], output_padding=op, **attrs)
+        convt = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1]
+        ref = convt(torch.tensor(x), torch.tensor(wt), torch.tensor(b), stride=s, padding=p, dilation=d,
+                    groups=g, output_padding=op)
+        np.testing.assert_allclose(y, ref.numpy(), rtol=1e-9, atol=1e-9, err_msg=f"T {attrs} {op}")
+
+
+def test_conv_float32_lenet_shapes_match_onnxruntime() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 12, 12)).astype(np.float32)
+    w = rng.standard_normal((5, 3, 5, 5)).astype(np.float32)
+    b = rng.standard_normal(5).astype(np.float32)
+    for attrs in ({"pads": [2, 2, 2, 2]}, {"strides": [2, 2]}, {"auto_pad": "SAME_LOWER", "strides": [2, 3]}):
+        (a,) = _ours("Conv", [x, w, b], **attrs)
+        (r,) = _ort("Conv", [x, w, b], **attrs)
+        assert a.dtype == np.float32
+        np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-4)
+
+
+def test_conv_does_not_mutate_inputs() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 2, 5, 5))
+    w = rng.standard_normal((2, 1, 3, 3))
+    b = rng.standard_normal(2)
+    keep = [v.copy() for v in (x, w, b)]
+    _ours("Conv", [x, w, b], group=2, pads=[1, 1, 1, 1])
+    _ours("ConvTranspose", [x, w.reshape(2, 1, 3, 3), b], group=2, strides=[2, 2])
+    for v, k in zip((x, w, b), keep, strict=True):
+        np.testing.assert_array_equal(v, k)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pools_match_torch(seed: int) -> None:
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    rng = np.random.default_rng(seed)
+    for t in range(12):
+        nd = 1 + t % 3
+        k = [int(rng.integers(1, 4)) for _ in range(nd)]
+        s = [int(rng.integers(1, 4)) for _ in range(nd)]
+        d = [int(rng.integers(1, 3)) for _ in range(nd)]
+        p = [int(rng.integers(0, k[i] // 2 + 1)) for i in range(nd)]
+        cm = int(rng.integers(0, 2))
+        x = rng.standard_normal([2, 3] + [int(rng.integers(5, 9)) for _ in range(nd)])
+        attrs = {"kernel_shape": k, "strides": s, "pads": p + p, "ceil_mode": cm}
+        y, idx = _ours("MaxPool", [x], n_outputs=2, dilations=d, **attrs)
+        pool = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[nd - 1]
+        ry, ri = pool(torch.tensor(x), k, s, p, d, ceil_mode=bool(cm), return_indices=True)
+        # torch's indices are per (n, c) plane; ONNX's run over N*C*spatial
+        plane = int(np.prod(x.shape[2:]))
+        ri = ri.numpy() + (np.arange(6) * plane).reshape((2, 3) + (1,) * nd)
+        np.testing.assert_array_equal(y, ry.numpy(), err_msg=str(attrs))
+        np.testing.assert_array_equal(idx, ri, err_msg=str(attrs))
+        for cip in (0, 1):
+            (y,) = _ours("AveragePool", [x], count_include_pad=cip, **attrs)
+            avg = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)[nd - 1]
+            ref = avg(torch.tensor(x), k, s, p, ceil_mode=bool(cm), count_include_pad=bool(cip))
+            np.testing.assert_allclose(y, ref.numpy(), rtol=1e-12, err_msg=f"{attrs} {cip}")
+
+
+def test_maxpool_indices_column_major() -> None:
+    x = np.random.default_rng(2).standard_normal((2, 3, 5, 4))
+    _, row = _ours("MaxPool", [x], n_outputs=2, kernel_shape=[2, 2])
+    _, col = _ours("MaxPool", [x], n_outputs=2, kernel_shape=[2, 2], storage_order=1)
+    nc, rest = np.divmod(row, 20)
+    h, w = np.divmod(rest, 4)
+    np.testing.assert_array_equal(col, nc * 20 + h + w * 5)
+
+
+def test_maxpool_integer_input_with_padding() -> None:
+    x = np.random.default_rng(3).integers(0, 255, (1, 2, 5, 5)).astype(np.uint8)
+    attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
+    np.testing.assert_array_equal(_ours("MaxPool", [x], **attrs)[0], _ort("MaxPool", [x], **attrs)[0])
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_lp_pools_match_onnxruntime(p: int) -> None:
+    x = np.random.default_rng(4).standard_normal((2, 3, 6, 5)).astype(np.float32)
+    np.testing.assert_allclose(_ours("GlobalLpPool", [x], p=p)[0], _ort("GlobalLpPool", [x], p=p)[0],
+                               rtol=1e-5)
+    attrs = {"kernel_shape": [3, 2], "strides": [2, 1], "p": p}
+    np.testing.assert_allclose(_ours("LpPool", [x], **attrs)[0], _ort("LpPool", [x], **attrs)[0], rtol=1e-5)
+
+
+def test_global_max_pool_3d() -> None:
+    x = np.random.default_rng(5).standard_normal((2, 3, 2, 3, 4))
+    (y,) = _ours("GlobalMaxPool", [x])
+    np.testing.assert_array_equal(y, x.max(axis=(2, 3, 4), keepdims=True))
+
+
+@pytest.mark.parametrize(("mode", "torch_mode", "ctm"), [
+    ("nearest", "nearest", "asymmetric"),
+    ("linear", "bilinear", "half_pixel"),
+    ("linear", "bilinear", "align_corners"),
+    ("cubic", "bicubic", "half_pixel"),
+    ("cubic", "bicubic", "align_corners"),
+])
+@pytest.mark.parametrize("size", [(7, 5), (3, 2), (9, 13)])
+def test_resize_matches_torch_interpolate(mode: str, torch_mode: str, ctm: str,
+                                          size: tuple[int, int]) -> None:
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(6).standard_normal((2, 3, 4, 6))
+    attrs: dict[str, Any] = {"mode": mode, "coordinate_transformation_mode": ctm}
+    if mode == "nearest":
+        attrs["nearest_mode"] = "floor"
+    sizes = np.array([2, 3, *size], dtype=np.int64)
+    (y,) = _ours("Resize", [x, None, None, sizes], opset=19, **attrs)
+    kw = {} if mode == "nearest" else {"align_corners": ctm == "align_corners"}
+    ref = torch.nn.functional.interpolate(torch.tensor(x), size=size, mode=torch_mode, **kw).numpy()
+    np.testing.assert_allclose(y, ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize(("mode", "torch_mode"), [("linear", "bilinear"), ("cubic", "bicubic")])
+def test_resize_antialias_matches_torch(mode: str, torch_mode: str) -> None:
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(7).standard_normal((1, 2, 12, 10))
+    sizes = np.array([1, 2, 5, 3], dtype=np.int64)
+    # torch's antialiased filters skip taps outside the image; its bicubic uses a = -0.5
+    attrs = {"cubic_coeff_a": -0.5} if mode == "cubic" else {}
+    (y,) = _ours("Resize", [x, None, None, sizes], opset=18, mode=mode, antialias=1,
+                  exclude_outside=1, **attrs)
+    ref = torch.nn.functional.interpolate(torch.tensor(x), size=(5, 3), mode=torch_mode, antialias=True)
+    np.testing.assert_allclose(y, ref.numpy(), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("attrs", [
+    {"mode": "linear", "antialias": 1},
+    {"mode": "cubic", "antialias": 1},
+    {"mode": "cubic", "coordinate_transformation_mode": "pytorch_half_pixel"},
+    {"mode": "nearest", "axes": [-1, -2]},
+    {"mode": "linear", "axes": [-2], "coordinate_transformation_mode": "half_pixel_symmetric"},
+])
+def test_resize_scales_match_onnxruntime(attrs: dict[str, Any]) -> None:
+    x = np.random.default_rng(8).standard_normal((1, 2, 8, 9)).astype(np.float32)
+    n_axes = len(attrs.get("axes", [0, 1, 2, 3]))
+    scales = np.array([0.6, 0.45, 1, 1][:n_axes] if n_axes < 4 else [1, 1, 0.6, 0.45], dtype=np.float32)
+    a = _ours("Resize", [x, None, scales], opset=19, **attrs)[0]
+    b = _ort("Resize", [x, None, scales], opset=19, **attrs)[0]
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_resize_integer_image() -> None:
+    x = np.random.default_rng(9).integers(0, 256, (1, 3, 4, 5)).astype(np.uint8)
+    scales = np.array([1, 1, 2, 1.5], dtype=np.float32)
+    for mode in ("nearest", "linear"):
+        a = _ours("Resize", [x, None, scales], opset=19, mode=mode)[0]
+        b = _ort("Resize", [x, None, scales], opset=19, mode=mode)[0]
+        assert a.dtype == np.uint8
+        assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
+
+
+def test_bad_attributes_name_the_node() -> None:
+    x = np.zeros((1, 2, 5, 5), np.float32)
+    w = np.zeros((3, 2, 3, 3), np.float32)
+    with pytest.raises(EngineError, match="kernel_shape"):
+        _ours("Conv", [x, w], kernel_shape=[2, 2])
+    with pytest.raises(EngineError, match="channels"):
+        _ours("Conv", [x, np.zeros((3, 1, 3, 3), np.float32)])
+    with pytest.raises(EngineError, match="empty"):
+        _ours("MaxPool", [x], kernel_shape=[7, 7])
+    with pytest.raises(EngineError, match="scales or sizes"):
+        _ours("Resize", [x], opset=19)
