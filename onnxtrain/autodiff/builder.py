@@ -56,6 +56,7 @@ class _Backward:
         self.after_node: dict[int, list[onnx.NodeProto]] = {}  # forward-side nodes (Shape) per producer
         self.before_all: list[onnx.NodeProto] = []
         self._shapes: dict[str, str] = {}
+        self.const_cache: dict[tuple, str] = {}
 
     def ensure_output(self, node: onnx.NodeProto, i: int) -> str:
         """Give ``node`` an output ``i`` (e.g. MaxPool's Indices, Dropout's mask) if it has none."""
@@ -96,6 +97,8 @@ class _Backward:
             return grad
         if any(d is None for d in xs):
             return g.emit("Reshape", g.reduce("ReduceSum", grad, axes, keepdims=1), self.shape_of(x))
+        if axes == list(range(lead)):
+            return g.reduce("ReduceSum", grad, axes, keepdims=0)
         red = g.reduce("ReduceSum", grad, axes, keepdims=1)
         return g.emit("Squeeze", red, g.ints(range(lead))) if lead else red
 
@@ -231,11 +234,6 @@ def build_gradient_model(model: onnx.ModelProto | bytes | str, loss: str, wrt: S
         for i, d in ctx.dxs.items():
             contributions.setdefault(node.input[i], []).append(d)
 
-    # assemble: forward (with forward-side Shape nodes), seeds and backward
-    nodes: list[onnx.NodeProto] = list(bw.before_all)
-    for k, n in enumerate(bw.fwd_nodes):
-        nodes.append(n)
-        nodes.extend(bw.after_node.get(k, ()))
     out_names = [loss] + [o for o in (outputs if outputs is not None else [o.name for o in g.output]) if o != loss]
     out_names += [e for e in extra_outputs if e not in out_names]
     grad_outputs: list[onnx.ValueInfoProto] = []
@@ -263,6 +261,11 @@ def build_gradient_model(model: onnx.ModelProto | bytes | str, loss: str, wrt: S
             for j, v in enumerate(seq):
                 if v in renames:
                     seq[j] = renames[v]
+    # assemble (after the zero gradients, which may add Shape nodes): forward (with forward-side Shape nodes), seeds and backward
+    nodes: list[onnx.NodeProto] = list(bw.before_all)
+    for k, n in enumerate(bw.fwd_nodes):
+        nodes.append(n)
+        nodes.extend(bw.after_node.get(k, ()))
     nodes.extend(bw.backward_nodes)
     value_infos = {v.name: v for v in (*g.output, *g.input, *g.value_info)}
     outs = [_vi(bw, n, value_infos.get(n)) for n in out_names] + grad_outputs

@@ -37,7 +37,8 @@ class GradCtx:
         self._dys = dys
         self._needs = needs
         self.opset = bw.opset
-        self.w = NodeWriter(bw.names, bw.backward_nodes, prefix=f"{node.name or node.op_type}_Grad/")
+        self.w = NodeWriter(bw.names, bw.backward_nodes, prefix=f"{node.name or node.op_type}_Grad/",
+                            const_cache=bw.const_cache)
         self.dxs: dict[int, str] = {}
         first = next((n for n in (*node.output, *node.input) if n and elem_type(bw.types, n) in _FLOATS), None)
         self.dtype: int = elem_type(bw.types, first) if first else TensorProto.FLOAT

@@ -46,10 +46,12 @@ class NameGen:
 class NodeWriter:
     """Appends nodes to a list, naming their outputs uniquely under a prefix."""
 
-    def __init__(self, names: NameGen, nodes: list[onnx.NodeProto], prefix: str = ""):
+    def __init__(self, names: NameGen, nodes: list[onnx.NodeProto], prefix: str = "",
+                 const_cache: dict[tuple, str] | None = None):
         self.names = names
         self.nodes = nodes
         self.prefix = prefix
+        self.const_cache = const_cache if const_cache is not None else {}  # one Constant per distinct value
 
     def emit(self, op: str, inputs: Sequence[str | None], outputs: int | Sequence[str] = 1,
              name: str | None = None, **attrs: Any) -> list[str]:
@@ -67,7 +69,11 @@ class NodeWriter:
     def const(self, value: Any, elem_type: int = TensorProto.FLOAT, base: str = "const") -> str:
         """A Constant node holding ``value`` as a tensor of ``elem_type``."""
         arr = np.asarray(value, dtype=np_dtype(elem_type))
+        key = (elem_type, arr.shape, arr.tobytes())
+        if key in self.const_cache:
+            return self.const_cache[key]
         out = self.names(f"{self.prefix}{base}")
+        self.const_cache[key] = out
         tensor = numpy_helper.from_array(arr, name=out)
         self.nodes.append(helper.make_node("Constant", [], [out], name=self.names(f"{self.prefix}Constant"),
                                            value=tensor))

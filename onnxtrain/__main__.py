@@ -1,0 +1,5 @@
+import sys
+
+from onnxtrain.cli import main
+
+sys.exit(main())

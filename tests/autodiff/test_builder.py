@@ -1,0 +1,119 @@
+"""GradientGraphBuilder and build_gradient_model: interface, leanness, stop-gradient, errors, CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
+
+from onnxtrain import GradientGraphBuilder
+from onnxtrain.autodiff import GradientError, build_gradient_model
+from onnxtrain.testing import gradcheck, run_engine, to_float64
+from tests.session.helpers import mlp_model
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=17):
+    g = helper.make_graph(nodes, "m", inputs, outputs, list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_builder_api_outputs_and_order(tmp_path) -> None:
+    model = mlp_model(loss="mse")
+    b = GradientGraphBuilder(model.SerializeToString(), {"loss"}, {"W2", "b1", "W1"}, "loss")
+    b.build()
+    m = onnx.load_from_string(b.get_model())
+    names = [o.name for o in m.graph.output]
+    assert names == ["loss", "logits", "W1_grad", "W2_grad", "b1_grad"]  # a set comes out sorted
+    onnx.checker.check_model(m, full_check=True)
+    b.save(tmp_path / "g.onnx")
+    assert onnx.load(str(tmp_path / "g.onnx")).graph.output[2].name == "W1_grad"
+    b2 = GradientGraphBuilder(model.SerializeToString(), ["loss"], ["b1", "W1"], "loss")
+    b2.build()
+    assert [o.name for o in onnx.load_from_string(b2.get_model()).graph.output][2:] == ["b1_grad", "W1_grad"]
+
+
+def test_gradients_match_finite_differences_on_an_mlp() -> None:
+    model = to_float64(mlp_model(loss="mse"))
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((5, 8)), "y": rng.standard_normal((5, 4))}
+    gradcheck(model, "loss", ["W1", "b1", "W2", "b2"], feeds)
+
+
+def test_value_used_twice_gets_one_sum() -> None:
+    w = numpy_helper.from_array(np.array([1.5, -2.0]), "w")
+    nodes = [helper.make_node("Mul", ["x", "w"], ["a"]), helper.make_node("Mul", ["a", "w"], ["b"]),
+             helper.make_node("Add", ["b", "w"], ["c"]), helper.make_node("ReduceSum", ["c"], ["loss"], keepdims=0)]
+    m = _model(nodes, [helper.make_tensor_value_info("x", T.DOUBLE, [2])],
+               [helper.make_tensor_value_info("loss", T.DOUBLE, [])], [w])
+    g = build_gradient_model(m, "loss", ["w"])
+    sums = [n for n in g.graph.node if n.op_type == "Sum"]
+    assert len(sums) == 1 and len(sums[0].input) == 3
+    assert not [n for n in g.graph.node if n.op_type == "Add" and "Grad" in n.name]
+    gradcheck(m, "loss", ["w"], {"x": np.array([0.3, 0.7])})
+
+
+def test_unreachable_x_gets_zero_and_integer_paths_stop() -> None:
+    w = numpy_helper.from_array(np.array([1.0, 2.0]), "w")
+    unused = numpy_helper.from_array(np.ones((3, 2)), "unused")
+    nodes = [helper.make_node("Mul", ["x", "w"], ["a"]),
+             helper.make_node("Cast", ["a"], ["ai"], to=T.INT64),  # integer: no gradient through here
+             helper.make_node("Cast", ["ai"], ["af"], to=T.DOUBLE),
+             helper.make_node("Add", ["a", "af"], ["b"]),
+             helper.make_node("Mul", ["unused", "unused"], ["dead"]),
+             helper.make_node("ReduceSum", ["b"], ["loss"], keepdims=0)]
+    m = _model(nodes, [helper.make_tensor_value_info("x", T.DOUBLE, [2])],
+               [helper.make_tensor_value_info("loss", T.DOUBLE, [])], [w, unused])
+    g = build_gradient_model(m, "loss", ["w", "unused"])
+    onnx.checker.check_model(g, full_check=True)
+    out = dict(zip([o.name for o in g.graph.output], run_engine(g, {"x": np.array([3.0, 4.0])})))
+    np.testing.assert_array_equal(out["w_grad"], [3.0, 4.0])
+    np.testing.assert_array_equal(out["unused_grad"], np.zeros((3, 2)))
+    assert not any("dead" in n.output for n in g.graph.node)  # dead nodes are removed
+
+
+def test_op_without_rule_names_node_and_op() -> None:
+    w = numpy_helper.from_array(np.ones((1, 1, 2, 2)), "w")
+    nodes = [helper.make_node("Mul", ["x", "w"], ["a"]),
+             helper.make_node("LRN", ["a"], ["b"], size=1, name="my_lrn"),
+             helper.make_node("ReduceSum", ["b"], ["loss"], keepdims=0)]
+    m = _model(nodes, [helper.make_tensor_value_info("x", T.DOUBLE, [1, 1, 2, 2])],
+               [helper.make_tensor_value_info("loss", T.DOUBLE, [])], [w])
+    with pytest.raises(GradientError, match=r"'my_lrn' \(LRN\).*ops with rules: .*Add"):
+        build_gradient_model(m, "loss", ["w"])
+
+
+def test_unknown_names_are_errors() -> None:
+    model = mlp_model(loss="mse")
+    with pytest.raises(GradientError, match="nope"):
+        build_gradient_model(model, "nope", ["W1"])
+    with pytest.raises(GradientError, match="W9"):
+        build_gradient_model(model, "loss", ["W9"])
+
+
+def test_old_opset_is_upgraded() -> None:
+    w = numpy_helper.from_array(np.array([[1.0, 2.0], [3.0, 4.0]]), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"]), helper.make_node("ReduceSum", ["a"], ["loss"], keepdims=0)]
+    m = _model(nodes, [helper.make_tensor_value_info("x", T.DOUBLE, [1, 2])],
+               [helper.make_tensor_value_info("loss", T.DOUBLE, [])], [w], opset=13)
+    g = build_gradient_model(m, "loss", ["w"])
+    assert g.opset_import[0].version >= 17
+    onnx.checker.check_model(g, full_check=True)
+    gradcheck(m, "loss", ["w"], {"x": np.array([[0.5, -1.0]])})
+
+
+def test_cli_gradient_graph(tmp_path) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(mlp_model(loss="mse"), str(path))
+    out = tmp_path / "g.onnx"
+    r = subprocess.run([sys.executable, "-m", "onnxtrain", "gradient-graph", str(path), "--loss", "loss",
+                        "--wrt", "W1,b2", "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert [o.name for o in onnx.load(str(out)).graph.output][-2:] == ["W1_grad", "b2_grad"]
+    r = subprocess.run([sys.executable, "-m", "onnxtrain", "gradient-graph", "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "--all-initializers" in r.stdout
