@@ -1,0 +1,250 @@
+"""Gradient rules of softmax and the normalizations (same names as engine/kernels/normalization.py).
+
+The standardizing normalizations (Layer, Batch, Instance, Group) share one backward: with
+xhat = (X − mean)·r over the normalized axes, r = 1/sqrt(var + eps) and gS = dY·scale,
+``dX = r·(gS − mean(gS) − xhat·mean(gS·xhat))``, dScale = Σ dY·xhat and dBias = Σ dY over the
+other axes. float16/bfloat16 graphs compute it in float32 (as the kernels and stash_type do).
+"""
+
+from __future__ import annotations
+
+from onnx import TensorProto
+
+from onnxtrain.autodiff.context import GradCtx, RuleError
+from onnxtrain.autodiff.registry import gradient
+
+_LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+def _axis(g: GradCtx, axis: int, what: str = "input") -> tuple[int, int]:
+    """(normalized axis, rank of input 0); the rank must be known."""
+    r = g.rank(0)
+    if r is None:
+        raise RuleError(f"{g.node.op_type} gradient needs the rank of the {what} (shape inference found none)")
+    if not -r <= axis < r:
+        raise RuleError(f"{g.node.op_type} axis {axis} is out of range for rank {r}")
+    return axis % r, r
+
+
+@gradient("Softmax", uses=("y0",))
+def softmax_grad(g: GradCtx) -> None:
+    # dX = Y·(dY − Σ dY·Y)  over the softmax axis (opset 13 semantics: one axis)
+    y = g.y(0)
+    s = g.reduce("ReduceSum", g.emit("Mul", g.dy(0), y), [g.attr("axis")], keepdims=1)
+    g.set_dx(0, g.emit("Mul", y, g.emit("Sub", g.dy(0), s)))
+
+
+@gradient("LogSoftmax", uses=("y0",))
+def log_softmax_grad(g: GradCtx) -> None:
+    # dX = dY − Exp(Y)·Σ dY  over the axis
+    s = g.reduce("ReduceSum", g.dy(0), [g.attr("axis")], keepdims=1)
+    g.set_dx(0, g.emit("Sub", g.dy(0), g.emit("Mul", g.emit("Exp", g.y(0)), s)))
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+def _work_type(g: GradCtx) -> int:
+    """The float type the backward computes in."""
+    return TensorProto.FLOAT if g.dtype in _LOW else g.dtype
+
+
+def _cast(g: GradCtx, name: str, to: int, frm: int | None = None) -> str:
+    """``name`` as type ``to`` (no node when it already is)."""
+    frm = g.elem_type(name) if frm is None else frm
+    return name if frm == to else g.emit("Cast", name, to=to)
+
+
+def _reduce_mean(g: GradCtx, t: str, axes: list[int]) -> str:
+    return g.reduce("ReduceMean", t, axes, keepdims=1)
+
+
+def _standardize(g: GradCtx, x: str, axes: list[int], eps: float, wt: int) -> tuple[str, str]:
+    """(xhat, r) recomputed from ``x`` over ``axes``: xhat = (x − mean)·r, r = 1/sqrt(var + eps)."""
+    d = g.emit("Sub", x, _reduce_mean(g, x, axes))
+    var = _reduce_mean(g, g.emit("Mul", d, d), axes)
+    r = g.emit("Reciprocal", g.emit("Sqrt", g.emit("Add", var, g.const(eps, wt))))
+    return g.emit("Mul", d, r), r
+
+
+def _dx(g: GradCtx, gs: str, xhat: str, r: str, axes: list[int]) -> str:
+    """dX = r·(gS − mean(gS) − xhat·mean(gS·xhat)), means over the normalized ``axes``."""
+    m1 = _reduce_mean(g, gs, axes)
+    m2 = _reduce_mean(g, g.emit("Mul", gs, xhat), axes)
+    inner = g.emit("Sub", g.emit("Sub", gs, m1), g.emit("Mul", xhat, m2))
+    return g.emit("Mul", r, inner)
+
+
+def _per_channel(g: GradCtx, v: str, rank: int) -> str:
+    """A (C,) vector shaped (C, 1, ..., 1) to broadcast against (N, C, d1, ...)."""
+    return v if rank <= 2 else g.emit("Unsqueeze", v, g.ints(range(1, rank - 1)))
+
+
+def _sum_to(g: GradCtx, t: str, axes: list[int], i: int, wt: int) -> str:
+    """ReduceSum of ``t`` over ``axes`` (keepdims=0), cast back to the type of input ``i``."""
+    return _cast(g, g.reduce("ReduceSum", t, axes, keepdims=0), g.elem_type(g.node.input[i]) or g.dtype, wt)
+
+
+# ---------------------------------------------------------------- LayerNormalization
+
+
+@gradient("LayerNormalization", uses=("x0", "x1", "y1", "y2"))
+def layer_norm_grad(g: GradCtx) -> None:
+    # over axes axis..rank−1:  xhat = (X − Mean)·InvStdDev,  gS = dY·Scale,
+    # dX = InvStdDev·(gS − mean(gS) − xhat·mean(gS·xhat));  dScale = Σ dY·xhat, dB = Σ dY over the rest.
+    # Gradients flowing into the Mean / InvStdDev outputs add dMean/n and −dInvStdDev·InvStdDev²·xhat/n.
+    axis, r = _axis(g, g.attr("axis"))
+    axes = list(range(axis, r))
+    xt = g.dtype
+    wt = _work_type(g)
+    stash = g.attr("stash_type") or TensorProto.FLOAT
+    x = _cast(g, g.x(0), wt, xt)
+    if xt == TensorProto.DOUBLE and stash != TensorProto.DOUBLE:
+        # the Mean/InvStdDev outputs are in stash_type (float32): recompute in float64 to keep its precision
+        xhat, inv = _standardize(g, x, axes, g.attr("epsilon"), wt)
+    else:
+        inv = _cast(g, g.y(2), wt, stash)
+        xhat = g.emit("Mul", g.emit("Sub", x, _cast(g, g.y(1), wt, stash)), inv)
+    dy = g.dy(0)
+    dyw = None if dy is None else _cast(g, dy, wt, xt)
+    if g.needs_dx(0):
+        parts = []
+        if dyw is not None:
+            gs = g.emit("Mul", dyw, _cast(g, g.x(1), wt, xt))
+            parts.append(_dx(g, gs, xhat, inv, axes))
+        dmean, dinv = g.dy(1), g.dy(2)
+        if dmean is not None or dinv is not None:
+            # d mean/dX = 1/n,  d InvStdDev/dX = −InvStdDev²·xhat/n
+            extra = None
+            if dinv is not None:
+                extra = g.emit("Mul", g.emit("Neg", _cast(g, dinv, wt, stash)), g.emit("Mul", inv, inv))
+                extra = g.emit("Mul", extra, xhat)
+            if dmean is not None:
+                dm = _cast(g, dmean, wt, stash)
+                extra = dm if extra is None else g.emit("Add", extra, dm)
+            extra = g.emit("Mul", extra, _inv_count(g, axis, wt))
+            if dinv is None:
+                extra = g.emit("Expand", extra, g.shape(0))
+            parts.append(extra)
+        dx = parts[0] if len(parts) == 1 else g.emit("Add", *parts)
+        g.set_dx(0, _cast(g, dx, xt, wt))
+    if dyw is None:
+        return
+    if g.needs_dx(1):
+        g.set_dx(1, _cast(g, g.unbroadcast(g.emit("Mul", dyw, xhat), 1, grad_rank=r), xt, wt))
+    if g.has_x(2) and g.needs_dx(2):
+        g.set_dx(2, g.unbroadcast(dy, 2, grad_rank=r))
+
+
+def _inv_count(g: GradCtx, axis: int, wt: int) -> str:
+    """1/n, n = the number of elements normalized together (X.shape[axis:])."""
+    xs = g.static_shape(0)
+    if xs is not None and all(d is not None for d in xs[axis:]):
+        n = 1
+        for d in xs[axis:]:
+            n *= d  # type: ignore[operator]
+        return g.const(1.0 / max(n, 1), wt)
+    tail = g.emit("Slice", g.shape(0), g.ints([axis]), g.ints([2**62]))
+    n = g.emit("Cast", g.emit("ReduceProd", tail, keepdims=0), to=wt)
+    return g.emit("Reciprocal", n)
+
+
+# ---------------------------------------------------------------- Batch / Instance / Group
+
+
+@gradient("BatchNormalization", uses=("x0", "x1", "x3", "x4"), stop=(3, 4))
+def batch_norm_grad(g: GradCtx) -> None:
+    # training_mode=1: Y uses the batch statistics, recomputed here over (N, d1, ...); the running
+    # statistics (outputs 1, 2) are state updates and carry no gradient.
+    # training_mode=0: Y = (X − mean)·scale/sqrt(var + eps) + B with the given mean/var (inputs 3, 4,
+    # which get no gradient): dX = dY·scale·rstd.
+    if g.dy(0) is None:
+        return
+    _, r = _axis(g, 0)
+    axes = [0, *range(2, r)]
+    xt, wt = g.dtype, _work_type(g)
+    dy = _cast(g, g.dy(0), wt, xt)
+    eps = g.attr("epsilon")
+    if g.attr("training_mode"):
+        xhat, rstd = _standardize(g, _cast(g, g.x(0), wt, xt), axes, eps, wt)
+        if g.needs_dx(0):
+            gs = g.emit("Mul", dy, _per_channel(g, _cast(g, g.x(1), wt, xt), r))
+            g.set_dx(0, _cast(g, _dx(g, gs, xhat, rstd, axes), xt, wt))
+    else:
+        var = _cast(g, g.x(4), wt, g.elem_type(g.x(4)))
+        rstd_c = g.emit("Reciprocal", g.emit("Sqrt", g.emit("Add", var, g.const(eps, wt))))  # (C,)
+        rstd = _per_channel(g, rstd_c, r)
+        if g.needs_dx(0):
+            a = g.emit("Mul", _cast(g, g.x(1), wt, g.elem_type(g.x(1))), rstd_c)
+            g.set_dx(0, _cast(g, g.emit("Mul", dy, _per_channel(g, a, r)), xt, wt))
+        xhat = None
+        if g.needs_dx(1):
+            mean = _per_channel(g, _cast(g, g.x(3), wt, g.elem_type(g.x(3))), r)
+            xhat = g.emit("Mul", g.emit("Sub", _cast(g, g.x(0), wt, xt), mean), rstd)
+    if g.needs_dx(1):
+        g.set_dx(1, _sum_to(g, g.emit("Mul", dy, xhat), axes, 1, wt))
+    if g.needs_dx(2):
+        g.set_dx(2, _sum_to(g, dy, axes, 2, wt))
+
+
+@gradient("InstanceNormalization", uses=("x0", "x1"))
+def instance_norm_grad(g: GradCtx) -> None:
+    # statistics per (n, c) over the spatial axes; scale/bias per channel
+    _, r = _axis(g, 0)
+    spatial = list(range(2, r))
+    xt, wt = g.dtype, _work_type(g)
+    dy = _cast(g, g.dy(0), wt, xt)
+    xhat, rstd = _standardize(g, _cast(g, g.x(0), wt, xt), spatial, g.attr("epsilon"), wt)
+    if g.needs_dx(0):
+        gs = g.emit("Mul", dy, _per_channel(g, _cast(g, g.x(1), wt, xt), r))
+        g.set_dx(0, _cast(g, _dx(g, gs, xhat, rstd, spatial), xt, wt))
+    if g.needs_dx(1):
+        g.set_dx(1, _sum_to(g, g.emit("Mul", dy, xhat), [0, *spatial], 1, wt))
+    if g.needs_dx(2):
+        g.set_dx(2, _sum_to(g, dy, [0, *spatial], 2, wt))
+
+
+@gradient("GroupNormalization", uses=("x0", "x1"))
+def group_norm_grad(g: GradCtx) -> None:
+    # X viewed as (N, G, C/G, S): statistics over (C/G, S). Scale/bias are per group at opset 18-20
+    # and per channel from 21 (stash_type: the kernels' rule, float32 for float16/bfloat16 inputs).
+    groups = g.attr("num_groups")
+    xs = g.static_shape(0)
+    c = xs[1] if xs is not None and len(xs) > 1 else None
+    if c is None:
+        raise RuleError("GroupNormalization gradient needs the static channel count of the input")
+    per_channel = g.opset >= 21
+    xt, wt = g.dtype, _work_type(g)
+    view = g.ints([0, groups, c // groups, -1])
+    x = g.emit("Reshape", _cast(g, g.x(0), wt, xt), view)
+    dy = g.emit("Reshape", _cast(g, g.dy(0), wt, xt), view)
+    xhat, rstd = _standardize(g, x, [2, 3], g.attr("epsilon"), wt)
+    if g.needs_dx(0):
+        scale = _cast(g, g.x(1), wt, xt)
+        sc = g.emit("Reshape", scale, g.ints([groups, c // groups, 1] if per_channel else [groups, 1, 1]))
+        dxg = _dx(g, g.emit("Mul", dy, sc), xhat, rstd, [2, 3])
+        g.set_dx(0, _cast(g, g.emit("Reshape", dxg, g.shape(0)), xt, wt))
+    red = [0, 3] if per_channel else [0, 2, 3]
+    for i, t in ((1, None), (2, dy)):
+        if g.needs_dx(i):
+            s = _sum_to(g, g.emit("Mul", dy, xhat) if t is None else t, red, i, wt)
+            g.set_dx(i, g.emit("Reshape", s, g.ints([-1])) if per_channel else s)
+
+
+# ---------------------------------------------------------------- LpNormalization
+
+
+@gradient("LpNormalization", uses=("x0", "y0"))
+def lp_norm_grad(g: GradCtx) -> None:
+    # Y = X/n along the axis, n = ||X||_p:  dX = (dY − s·Σ dY·Y)/n with s = ∂n/∂X = Y (p=2) or
+    # Sign(X) (p=1); an all-zero slice (n = 0, Y = 0) gets dY/1 like the kernel's n := 1.
+    p = g.attr("p")
+    if p not in (1, 2):
+        raise RuleError(f"LpNormalization gradient supports p=1 or p=2, got p={p}")
+    axis = g.attr("axis")
+    x, y = g.x(0), g.y(0)
+    n = g.reduce("ReduceL2" if p == 2 else "ReduceL1", x, [axis], keepdims=1)
+    n = g.emit("Where", g.emit("Equal", n, g.const(0)), g.const(1), n)
+    dot = g.reduce("ReduceSum", g.emit("Mul", g.dy(0), y), [axis], keepdims=1)
+    s = y if p == 2 else g.emit("Sign", x)
+    g.set_dx(0, g.emit("Div", g.emit("Sub", g.dy(0), g.emit("Mul", s, dot)), n))
