@@ -1,0 +1,270 @@
+"""Gradient rules of Conv and ConvTranspose (same names as engine/kernels/conv.py).
+
+Both are linear in each argument, so each gradient is again a (transposed) convolution:
+Conv's dX is a ConvTranspose of dY with the same W, ConvTranspose's dX a Conv of dY with the same W,
+and either op's dW a Conv in which the batch axis plays the channel axis (strides and dilations
+swapped), cropped to the kernel size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from onnxtrain.autodiff.context import GradCtx, RuleError
+from onnxtrain.autodiff.registry import gradient
+
+
+@dataclass
+class ConvGeom:
+    """Spatial geometry of one conv-like node, pads resolved from ``auto_pad``."""
+
+    nd: int
+    k: list[int]
+    strides: list[int]
+    dil: list[int]
+    pb: list[int]
+    pe: list[int]
+
+    @property
+    def k_eff(self) -> list[int]:
+        return [(k - 1) * d + 1 for k, d in zip(self.k, self.dil)]
+
+    @property
+    def pads(self) -> list[int]:
+        return self.pb + self.pe
+
+
+def spatial(g: GradCtx, i: int, output: bool = False) -> list[int | None] | None:
+    """Static spatial dims of a forward value (None when the rank is unknown)."""
+    s = g.static_shape(i, output)
+    return None if s is None else s[2:]
+
+
+def resolve_pads(g: GradCtx, nd: int, k: Sequence[int], strides: Sequence[int], dil: Sequence[int],
+                 in_sp: Sequence[int | None] | None) -> tuple[list[int], list[int]]:
+    """Begin/end pads of a Conv or pooling node (``auto_pad`` SAME_* needs static input sizes)."""
+    auto_pad = g.attr("auto_pad") or "NOTSET"
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        if in_sp is None or any(v is None for v in in_sp):
+            raise RuleError(f"auto_pad={auto_pad} needs static spatial input sizes, got {in_sp}")
+        pb, pe = [], []
+        for i in range(nd):
+            out = -(-in_sp[i] // strides[i])
+            total = max(0, (out - 1) * strides[i] + (k[i] - 1) * dil[i] + 1 - in_sp[i])
+            small = total // 2
+            b, e = (small, total - small) if auto_pad == "SAME_UPPER" else (total - small, small)
+            pb.append(b)
+            pe.append(e)
+        return pb, pe
+    if auto_pad == "VALID":
+        return [0] * nd, [0] * nd
+    pads = list(g.attr("pads") or [0] * (2 * nd))
+    return pads[:nd], pads[nd:]
+
+
+def _kernel_dims(g: GradCtx, w_index: int | None) -> list[int]:
+    ks = g.attr("kernel_shape")
+    if ks:
+        return list(ks)
+    ws = g.static_shape(w_index) if w_index is not None else None
+    if ws is None or any(v is None for v in ws[2:]):
+        raise RuleError("the kernel size is unknown (no kernel_shape attribute and no static weight shape)")
+    return list(ws[2:])
+
+
+def conv_geom(g: GradCtx, w_index: int | None = 1, transposed: bool = False) -> ConvGeom:
+    """Geometry of a Conv (or pool, ``w_index=None``) node; ConvTranspose resolves pads from its output."""
+    k = _kernel_dims(g, w_index)
+    nd = len(k)
+    strides = list(g.attr("strides") or [1] * nd)
+    dil = list(g.attr("dilations") or [1] * nd)
+    if not transposed:
+        pb, pe = resolve_pads(g, nd, k, strides, dil, spatial(g, 0))
+        return ConvGeom(nd, k, strides, dil, pb, pe)
+    # ConvTranspose: pads follow from output_shape / SAME_* when given (as in the kernel)
+    auto_pad = g.attr("auto_pad") or "NOTSET"
+    out_shape = g.attr("output_shape")
+    if out_shape is None and auto_pad not in ("SAME_UPPER", "SAME_LOWER"):
+        pads = [0] * (2 * nd) if auto_pad == "VALID" else list(g.attr("pads") or [0] * (2 * nd))
+        return ConvGeom(nd, k, strides, dil, pads[:nd], pads[nd:])
+    in_sp = spatial(g, 0)
+    if in_sp is None or any(v is None for v in in_sp):
+        raise RuleError("ConvTranspose with output_shape or auto_pad SAME needs static input sizes")
+    out_pad = list(g.attr("output_padding") or [0] * nd)
+    out = list(out_shape)[-nd:] if out_shape is not None else [in_sp[i] * strides[i] for i in range(nd)]
+    pb, pe = [], []
+    for i in range(nd):
+        total = strides[i] * (in_sp[i] - 1) + out_pad[i] + (k[i] - 1) * dil[i] + 1 - out[i]
+        b = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
+        pb.append(b)
+        pe.append(total - b)
+    if min(pb + pe) < 0:
+        raise RuleError(f"ConvTranspose output_shape {out} larger than the full output is not supported")
+    return ConvGeom(nd, k, strides, dil, pb, pe)
+
+
+def _attrs(**kw: list[int] | int | None) -> dict[str, list[int] | int]:
+    """Drop attributes equal to their defaults (all-ones strides/dilations, zero pads, group 1)."""
+    out: dict[str, list[int] | int] = {}
+    for name, v in kw.items():
+        if v is None:
+            continue
+        if isinstance(v, list):
+            default = 1 if name in ("strides", "dilations") else 0
+            if all(x == default for x in v):
+                continue
+        elif name == "group" and v == 1:
+            continue
+        out[name] = v
+    return out
+
+
+def dims_vec(g: GradCtx, parts: Sequence[int | tuple[str, int, int]]) -> str:
+    """A 1-D int64 shape tensor from ints and ``(shape_tensor, start, end)`` slices of shape tensors."""
+    if all(isinstance(p, int) for p in parts):
+        return g.ints(parts)  # type: ignore[arg-type]
+    pieces: list[str] = []
+    run: list[int] = []
+    for p in parts:
+        if isinstance(p, int):
+            run.append(p)
+            continue
+        if run:
+            pieces.append(g.ints(run))
+            run = []
+        shape, start, end = p
+        pieces.append(g.emit("Slice", shape, g.ints([start]), g.ints([end]), g.ints([0])))
+    if run:
+        pieces.append(g.ints(run))
+    return pieces[0] if len(pieces) == 1 else g.emit("Concat", *pieces, axis=0)
+
+
+def pad_end_to(g: GradCtx, t: str, shape: str, rank: int) -> str:
+    """Zero-pad the spatial end of ``t`` up to the spatial sizes in ``shape`` (dynamic sizes)."""
+    have = g.emit("Slice", g.emit("Shape", t), g.ints([2]), g.ints([rank]), g.ints([0]))
+    want = g.emit("Slice", shape, g.ints([2]), g.ints([rank]), g.ints([0]))
+    pads = g.emit("Concat", g.ints([0] * (rank + 2)), g.emit("Sub", want, have), axis=0)
+    return g.emit("Pad", t, pads)
+
+
+def transposed_back(g: GradCtx, dy: str, w: str, geo: ConvGeom, group: int, in_sp: Sequence[int | None] | None,
+                    out_sp: Sequence[int | None] | None, x_shape: str | None) -> str:
+    """``ConvTranspose(dy, w)``: the adjoint of a strided window op, cropped/padded to the input size.
+
+    output_padding restores input rows no window reached (output size = s·(O−1) + op + k_eff − pads);
+    when that would be negative (a ceil-mode pool overhangs) the end pad grows instead.
+    """
+    pb, pe = list(geo.pb), list(geo.pe)
+    static = in_sp is not None and out_sp is not None and all(v is not None for v in (*in_sp, *out_sp))
+    if static:
+        op = []
+        for i in range(geo.nd):
+            r = in_sp[i] + pb[i] + pe[i] - geo.strides[i] * (out_sp[i] - 1) - geo.k_eff[i]  # type: ignore[index,operator]
+            if r < 0:
+                pe[i] -= r
+                r = 0
+            op.append(r)
+        return g.emit("ConvTranspose", dy, w, **_attrs(strides=geo.strides, pads=pb + pe, dilations=geo.dil,
+                                                         group=group, output_padding=op))
+    if x_shape is None:
+        raise RuleError("dynamic spatial sizes need the input's shape")
+    t = g.emit("ConvTranspose", dy, w, **_attrs(strides=geo.strides, pads=pb + pe, dilations=geo.dil, group=group))
+    return pad_end_to(g, t, x_shape, geo.nd + 2)
+
+
+def weight_grad(g: GradCtx, inp: str, inp_shape: str | None, inp_sp: Sequence[int | None] | None,
+                dout: str, dout_shape: str | None, dout_sp: Sequence[int | None] | None,
+                c_in: int, c_out: int, group: int, geo: ConvGeom) -> str:
+    """dW[m, c, κ] = Σ_{n,o} dout[n, m, o]·inp[n, g(m)·C/g + c, o·s + κ·d − pb]  →  (c_out, c_in/g, k…).
+
+    A Conv whose channels are ``inp``'s batch (per group) and whose "kernel" is ``dout``: strides and
+    dilations swap roles; the result (C/g, c_out, k′…) is transposed and cropped to k.
+    """
+    nd = geo.nd
+    sp_perm = list(range(2, nd + 2))
+    cg, mg = c_in // group, c_out // group
+    if group == 1:
+        a = g.emit("Transpose", inp, perm=[1, 0, *sp_perm])  # (C, N, S…)
+        b = g.emit("Transpose", dout, perm=[1, 0, *sp_perm])  # (M, N, O…)
+    else:
+        # inp (N, C, S…) → (N, g, C/g, L) → (C/g, g, N, L) → (C/g, g·N, S…)
+        a = g.emit("Reshape", inp, g.ints([0, group, cg, -1]))
+        a = g.emit("Transpose", a, perm=[2, 1, 0, 3])
+        a = g.emit("Reshape", a, _sp_shape(g, [cg, -1], inp_sp, inp_shape, nd))
+        # dout (N, M, O…) → (N, g, M/g, L′) → (g, M/g, N, L′) → (M, N, O…)
+        b = g.emit("Reshape", dout, g.ints([0, group, mg, -1]))
+        b = g.emit("Transpose", b, perm=[1, 2, 0, 3])
+        b = g.emit("Reshape", b, _sp_shape(g, [c_out, -1], dout_sp, dout_shape, nd))
+    r = g.emit("Conv", a, b, **_attrs(strides=geo.dil, dilations=geo.strides, pads=geo.pads, group=group))
+    r = g.emit("Transpose", r, perm=[1, 0, *sp_perm])  # (M, C/g, k′…)
+    k_full = None
+    if inp_sp is not None and dout_sp is not None and all(v is not None for v in (*inp_sp, *dout_sp)):
+        k_full = [(inp_sp[i] + geo.pb[i] + geo.pe[i] - (dout_sp[i] - 1) * geo.strides[i] - 1)  # type: ignore
+                  // geo.dil[i] + 1 for i in range(nd)]
+    if k_full != geo.k:
+        r = g.emit("Slice", r, g.ints([0] * nd), g.ints(geo.k), g.ints(sp_perm))
+    return r
+
+
+def _sp_shape(g: GradCtx, lead: list[int], sp: Sequence[int | None] | None, shape: str | None, nd: int) -> str:
+    if sp is not None and all(v is not None for v in sp):
+        return g.ints([*lead, *sp])  # type: ignore[list-item]
+    if shape is None:
+        raise RuleError("dynamic spatial sizes need a shape tensor")
+    return dims_vec(g, [*lead, (shape, 2, nd + 2)])
+
+
+def _channels(g: GradCtx, w: int, axis: int, what: str) -> int:
+    ws = g.static_shape(w)
+    if ws is None or ws[axis] is None:
+        raise RuleError(f"grouped convolution needs a static {what}")
+    return ws[axis]  # type: ignore[return-value]
+
+
+def bias_grad(g: GradCtx, nd: int) -> str:
+    """dB = Σ dY over the batch and spatial axes."""
+    return g.reduce("ReduceSum", g.dy(0), [0, *range(2, nd + 2)], keepdims=0)
+
+
+@gradient("Conv", uses=("x0", "x1"))
+def conv_grad(g: GradCtx) -> None:
+    # Y = X ⋆ W (+ B):  dX = ConvTranspose(dY, W) with the same geometry; dW from weight_grad; dB = Σ dY
+    geo = conv_geom(g)
+    group = int(g.attr("group") or 1)
+    dy = g.dy(0)
+    x_sp, y_sp = spatial(g, 0), spatial(g, 0, output=True)
+    dyn = any(v is None for v in (*(x_sp or [None]), *(y_sp or [None])))
+    if g.needs_dx(0):
+        g.set_dx(0, transposed_back(g, dy, g.x(1), geo, group, x_sp, y_sp, g.shape(0) if dyn else None))
+    if g.needs_dx(1):
+        m = _channels(g, 1, 0, "weight shape") if group > 1 else 0
+        c = _channels(g, 1, 1, "weight shape") * group if group > 1 else 0
+        g.set_dx(1, weight_grad(g, g.x(0), g.shape(0) if dyn else None, x_sp, dy,
+                                g.shape(0, output=True) if dyn else None, y_sp, c, m, group, geo))
+    if g.has_x(2) and g.needs_dx(2):
+        g.set_dx(2, bias_grad(g, geo.nd))
+
+
+@gradient("ConvTranspose", uses=("x0", "x1"))
+def conv_transpose_grad(g: GradCtx) -> None:
+    # Y = ConvTranspose(X, W) is the adjoint of Conv(·, W):  dX = Conv(dY, W) with the same geometry;
+    # dW[c, m, κ] = Σ X[n, c, i]·dY[n, m, i·s + κ·d − pb]: weight_grad with the roles of X and dY swapped
+    geo = conv_geom(g, transposed=True)
+    group = int(g.attr("group") or 1)
+    dy = g.dy(0)
+    x_sp, y_sp = spatial(g, 0), spatial(g, 0, output=True)
+    dyn = any(v is None for v in (*(x_sp or [None]), *(y_sp or [None])))
+    op = list(g.attr("output_padding") or [0] * geo.nd)
+    if any(o >= s for o, s in zip(op, geo.strides)):
+        raise RuleError(f"output_padding {op} >= strides {geo.strides} is not supported")
+    if g.needs_dx(0):
+        g.set_dx(0, g.emit("Conv", dy, g.x(1), **_attrs(strides=geo.strides, pads=geo.pads, dilations=geo.dil,
+                                                          group=group)))
+    if g.needs_dx(1):
+        c = _channels(g, 1, 0, "weight shape") if group > 1 else 0
+        m = _channels(g, 1, 1, "weight shape") * group if group > 1 else 0
+        g.set_dx(1, weight_grad(g, dy, g.shape(0, output=True) if dyn else None, y_sp, g.x(0),
+                                g.shape(0) if dyn else None, x_sp, m, c, group, geo))
+    if g.has_x(2) and g.needs_dx(2):
+        g.set_dx(2, bias_grad(g, geo.nd))

@@ -1,0 +1,145 @@
+"""Gradient rules of the pooling ops (same names as engine/kernels/pool.py).
+
+Tie rule: MaxPool and GlobalMaxPool route the whole gradient of a window to one element, the first
+maximum in row-major window order (MaxPool's ``Indices``; ArgMax for GlobalMaxPool), as torch's
+max pooling does. Overlapping windows accumulate (ScatterElements with reduction="add").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, numpy_helper
+from onnx.helper import tensor_dtype_to_np_dtype
+
+from onnxtrain.autodiff.context import GradCtx, RuleError
+from onnxtrain.autodiff.registry import gradient
+from onnxtrain.autodiff.rules.conv import ConvGeom, conv_geom, spatial, transposed_back
+
+
+def _numel(g: GradCtx, shape: str) -> str:
+    """[Size(X)] as a 1-D int64 tensor (a constant when X's shape is static)."""
+    s = g.static_shape(0)
+    if s is not None and all(v is not None for v in s):
+        return g.ints([int(np.prod(s))])
+    return g.emit("ReduceProd", shape, keepdims=1)
+
+
+@gradient("MaxPool", uses=("y1",))
+def max_pool_grad(g: GradCtx) -> None:
+    # Indices hold the flat (N·C·spatial) position of each window's maximum:
+    # dX = Reshape(ScatterElements(zeros[numel], Indices, dY, reduction=add), Shape(X))
+    if int(g.attr("storage_order") or 0) != 0:
+        raise RuleError("MaxPool storage_order=1 (column-major Indices) is not supported")
+    shape = g.shape(0)
+    flat = g.ints([-1])
+    zeros = g.emit("ConstantOfShape", _numel(g, shape), value=_zero(g))
+    idx = g.emit("Reshape", g.y(1), flat)
+    acc = g.emit("ScatterElements", zeros, idx, g.emit("Reshape", g.dy(0), flat), axis=0, reduction="add")
+    g.set_dx(0, g.emit("Reshape", acc, shape))
+
+
+def _zero(g: GradCtx) -> TensorProto:
+    """A one-element zero tensor of the node's dtype (ConstantOfShape's value)."""
+    return numpy_helper.from_array(np.zeros(1, dtype=tensor_dtype_to_np_dtype(g.dtype)))
+
+
+def _pool_out(geo: ConvGeom, in_sp: list[int], ceil_mode: bool) -> list[int]:
+    """Output sizes of a pooling node (the kernel's formula: a ceil-mode window must start inside)."""
+    out = []
+    for i in range(geo.nd):
+        span = in_sp[i] + geo.pb[i] + geo.pe[i] - geo.k_eff[i]
+        o = (-(-span // geo.strides[i]) if ceil_mode else span // geo.strides[i]) + 1
+        if ceil_mode and (o - 1) * geo.strides[i] >= in_sp[i] + geo.pb[i]:
+            o -= 1
+        out.append(o)
+    return out
+
+
+def _counts(geo: ConvGeom, in_sp: list[int], out: list[int], include_pad: bool) -> np.ndarray:
+    """Divisor of each output position: window elements inside the input (or inside input + pads)."""
+    total = np.ones((), dtype=np.int64)
+    for i in range(geo.nd):
+        pos = np.arange(out[i])[:, None] * geo.strides[i] + np.arange(geo.k[i])[None, :] * geo.dil[i]
+        lo, hi = (0, geo.pb[i] + in_sp[i] + geo.pe[i]) if include_pad else (geo.pb[i], geo.pb[i] + in_sp[i])
+        total = np.multiply.outer(total, ((pos >= lo) & (pos < hi)).sum(axis=1))
+    return total
+
+
+@gradient("AveragePool", linear=True)
+def average_pool_grad(g: GradCtx) -> None:
+    # Y = S(X)/count with S the window sum; dX = Sᵀ(dY/count), Sᵀ = ConvTranspose with a ones kernel
+    geo = conv_geom(g, w_index=None)
+    in_sp, out_sp = spatial(g, 0), spatial(g, 0, output=True)
+    ceil_mode = bool(g.attr("ceil_mode") or 0)
+    include_pad = bool(g.attr("count_include_pad") or 0)
+    static = in_sp is not None and all(v is not None for v in in_sp)
+    if static:
+        out = _pool_out(geo, in_sp, ceil_mode)  # type: ignore[arg-type]
+        cnt = _counts(geo, in_sp, out, include_pad)  # type: ignore[arg-type]
+        out_sp = out
+    elif not ceil_mode and (include_pad or not any(geo.pads)):
+        cnt = np.array(int(np.prod(geo.k)))
+    else:
+        raise RuleError("AveragePool with ceil_mode or count_include_pad=0 with pads needs static spatial sizes")
+    if np.all(cnt == cnt.flat[0]):
+        inv = g.const(1.0 / float(cnt.flat[0]))
+    elif out_sp == spatial(g, 0, output=True):
+        inv = g.const((1.0 / cnt).reshape((1, 1, *cnt.shape)))
+    else:
+        # ONNX shape inference ignores the ceil-mode rule "a window must start inside the input or
+        # its begin pad" and infers a larger Y; shape the constant from dY's runtime shape instead
+        sp = g.emit("Slice", g.shape(0, output=True), g.ints([2]), g.ints([geo.nd + 2]), g.ints([0]))
+        inv = g.emit("Reshape", g.const((1.0 / cnt).reshape(-1)), g.emit("Concat", g.ints([1, 1]), sp, axis=0))
+    scaled = g.emit("Mul", g.dy(0), inv)
+    xs = g.static_shape(0)
+    c = xs[1] if xs is not None else None
+    ones = np.ones((c or 1, 1, *geo.k))
+    if c is not None:
+        # depthwise: one ones-kernel per channel
+        g.set_dx(0, transposed_back(g, scaled, g.const(ones), geo, c, in_sp, out_sp,
+                                    None if static else g.shape(0)))
+        return
+    # unknown channel count: fold channels into the batch and use one (1, 1, k…) kernel
+    shape = g.shape(0)
+    folded = g.emit("Reshape", scaled, _fold_shape(g, geo.nd))
+    d = transposed_back(g, folded, g.const(ones), geo, 1, in_sp, out_sp, None if static else _fold_x(g, shape))
+    g.set_dx(0, g.emit("Reshape", d, shape))
+
+
+def _fold_shape(g: GradCtx, nd: int) -> str:
+    """Shape (N·C, 1, O…) for dY, O taken from Y's shape."""
+    ys = g.shape(0, output=True)
+    sp = g.emit("Slice", ys, g.ints([2]), g.ints([nd + 2]), g.ints([0]))
+    return g.emit("Concat", g.ints([-1, 1]), sp, axis=0)
+
+
+def _fold_x(g: GradCtx, shape: str) -> str:
+    """X's shape with channels folded into the batch: (N·C, 1, S…)."""
+    n = g.emit("ReduceProd", g.emit("Slice", shape, g.ints([0]), g.ints([2]), g.ints([0])), keepdims=1)
+    return g.emit("Concat", n, g.ints([1]), g.emit("Slice", shape, g.ints([2]), g.ints([1 << 62]), g.ints([0])),
+                  axis=0)
+
+
+def _spatial_size(g: GradCtx) -> str:
+    """Π spatial dims of X as a scalar of the node's dtype (a constant when static)."""
+    s = g.static_shape(0)
+    if s is not None and all(v is not None for v in s[2:]):
+        return g.const(float(np.prod(s[2:])))
+    sp = g.emit("Slice", g.shape(0), g.ints([2]), g.ints([1 << 62]), g.ints([0]))
+    return g.emit("Cast", g.emit("ReduceProd", sp, keepdims=0), to=g.dtype)
+
+
+@gradient("GlobalAveragePool", linear=True)
+def global_average_pool_grad(g: GradCtx) -> None:
+    # Y = mean over the spatial axes:  dX = Expand(dY / (H·W…), Shape(X))
+    g.set_dx(0, g.emit("Expand", g.emit("Div", g.dy(0), _spatial_size(g)), g.shape(0)))
+
+
+@gradient("GlobalMaxPool", uses=("x0",))
+def global_max_pool_grad(g: GradCtx) -> None:
+    # the whole gradient goes to the first maximum of each (n, c) map (ArgMax picks the first)
+    x3 = g.emit("Reshape", g.x(0), g.ints([0, 0, -1]))
+    idx = g.emit("ArgMax", x3, axis=2, keepdims=1)
+    zeros = g.emit("ConstantOfShape", g.emit("Shape", x3), value=_zero(g))
+    d = g.emit("ScatterElements", zeros, idx, g.emit("Reshape", g.dy(0), g.ints([0, 0, 1])), axis=2)
+    g.set_dx(0, g.emit("Reshape", d, g.shape(0)))
