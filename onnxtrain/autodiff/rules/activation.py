@@ -2,10 +2,172 @@
 
 from __future__ import annotations
 
+import math
+
 from onnxtrain.autodiff.context import GradCtx
-from onnxtrain.autodiff.registry import gradient
+from onnxtrain.autodiff.registry import gradient, no_gradient
+
+no_gradient("Hardmax")  # piecewise constant: zero gradient almost everywhere
+
+
+def _mask(g: GradCtx, cond: str, dy: str) -> str:
+    """``cond ? dy : 0``."""
+    return g.emit("Where", cond, dy, g.const(0))
 
 
 @gradient("Relu", uses=("y0",))
 def relu_grad(g: GradCtx) -> None:
-    g.set_dx(0, g.emit("Where", g.emit("Greater", g.y(0), g.const(0)), g.dy(0), g.const(0)))
+    # dX = dY where Y > 0; 0 at X == 0 (torch's choice)
+    g.set_dx(0, _mask(g, g.emit("Greater", g.y(0), g.const(0)), g.dy(0)))
+
+
+@gradient("Sigmoid", uses=("y0",))
+def sigmoid_grad(g: GradCtx) -> None:
+    # dX = dY·Y·(1 - Y)
+    y = g.y(0)
+    g.set_dx(0, g.emit("Mul", g.dy(0), g.emit("Mul", y, g.emit("Sub", g.const(1), y))))
+
+
+@gradient("Tanh", uses=("y0",))
+def tanh_grad(g: GradCtx) -> None:
+    # dX = dY·(1 - Y²)
+    y = g.y(0)
+    g.set_dx(0, g.emit("Mul", g.dy(0), g.emit("Sub", g.const(1), g.emit("Mul", y, y))))
+
+
+@gradient("Gelu", since=20, uses=("x0",))
+def gelu_grad(g: GradCtx) -> None:
+    x = g.x(0)
+    x2 = g.emit("Mul", x, x)
+    if g.attr("approximate") == "tanh":
+        # Y = ½X(1 + t), t = tanh(u), u = c(X + kX³), c = √(2/π), k = 0.044715
+        # dX = dY·(½(1 + t) + ½X(1 - t²)·c(1 + 3kX²))
+        c, k = math.sqrt(2.0 / math.pi), 0.044715
+        t = g.emit("Tanh", g.emit("Mul", x, g.emit("Add", g.emit("Mul", x2, g.const(c * k)), g.const(c))))
+        du = g.emit("Add", g.emit("Mul", x2, g.const(3 * c * k)), g.const(c))
+        sech2 = g.emit("Sub", g.const(1), g.emit("Mul", t, t))
+        half_x = g.emit("Mul", x, g.const(0.5))
+        d = g.emit("Add", g.emit("Add", g.emit("Mul", t, g.const(0.5)), g.const(0.5)),
+                   g.emit("Mul", half_x, g.emit("Mul", sech2, du)))
+    else:
+        # Y = X·Φ(X): dX = dY·(Φ(X) + X·φ(X)), Φ(X) = ½(1 + erf(X/√2)), φ(X) = exp(-X²/2)/√(2π)
+        erf = g.emit("Erf", g.emit("Mul", x, g.const(math.sqrt(0.5))))
+        cdf = g.emit("Add", g.emit("Mul", erf, g.const(0.5)), g.const(0.5))
+        gauss = g.emit("Exp", g.emit("Mul", x2, g.const(-0.5)))
+        pdf = g.emit("Mul", gauss, g.const(1 / math.sqrt(2 * math.pi)))
+        d = g.emit("Add", cdf, g.emit("Mul", x, pdf))
+    g.set_dx(0, g.emit("Mul", g.dy(0), d))
+
+
+@gradient("LeakyRelu", uses=("x0",))
+def leaky_relu_grad(g: GradCtx) -> None:
+    # dX = X > 0 ? dY : alpha·dY (alpha·dY at X == 0, as torch)
+    dy = g.dy(0)
+    pos = g.emit("Greater", g.x(0), g.const(0))
+    g.set_dx(0, g.emit("Where", pos, dy, g.emit("Mul", dy, g.const(g.attr("alpha")))))
+
+
+@gradient("PRelu", uses=("x0", "x1"))
+def prelu_grad(g: GradCtx) -> None:
+    # Y = X > 0 ? X : slope·X: dX = X > 0 ? dY : slope·dY; dSlope = unbroadcast(X > 0 ? 0 : X·dY)
+    x, dy = g.x(0), g.dy(0)
+    pos = g.emit("Greater", x, g.const(0))
+    if g.needs_dx(0):
+        g.set_dx(0, g.emit("Where", pos, dy, g.emit("Mul", dy, g.x(1))))
+    if g.needs_dx(1):
+        g.set_dx(1, g.unbroadcast(g.emit("Where", pos, g.const(0), g.emit("Mul", dy, x)), 1))
+
+
+def _exp_linear_grad(g: GradCtx, alpha: float, gamma: float) -> None:
+    # Y = gamma·(X > 0 ? X : alpha·(e^X - 1)): dX = X > 0 ? gamma·dY : dY·(Y + gamma·alpha).
+    # When alpha, gamma > 0, Y > 0 exactly where X > 0, so X need not be kept.
+    y, dy = g.y(0), g.dy(0)
+    pos = g.emit("Greater", y if alpha > 0 and gamma > 0 else g.x(0), g.const(0))
+    neg = g.emit("Mul", dy, g.emit("Add", y, g.const(gamma * alpha)))
+    g.set_dx(0, g.emit("Where", pos, dy if gamma == 1.0 else g.emit("Mul", dy, g.const(gamma)), neg))
+
+
+@gradient("Elu", uses=("x0", "y0"))
+def elu_grad(g: GradCtx) -> None:
+    _exp_linear_grad(g, g.attr("alpha"), 1.0)
+
+
+@gradient("Selu", uses=("x0", "y0"))
+def selu_grad(g: GradCtx) -> None:
+    _exp_linear_grad(g, g.attr("alpha"), g.attr("gamma"))
+
+
+@gradient("Celu", uses=("y0",))
+def celu_grad(g: GradCtx) -> None:
+    # Y = max(0, X) + min(0, alpha·(e^(X/alpha) - 1)); Y ≤ 0 exactly where X ≤ 0, and there
+    # dY/dX = e^(X/alpha) = Y/alpha + 1, so dX = dY·(min(Y, 0)/alpha + 1) everywhere
+    alpha = g.attr("alpha")
+    m = g.emit("Min", g.y(0), g.const(0))
+    m = m if alpha == 1.0 else g.emit("Mul", m, g.const(1.0 / alpha))
+    g.set_dx(0, g.emit("Mul", g.dy(0), g.emit("Add", m, g.const(1))))
+
+
+@gradient("HardSigmoid", uses=("y0",))
+def hard_sigmoid_grad(g: GradCtx) -> None:
+    # Y = clip(alpha·X + beta, 0, 1): dX = alpha·dY where 0 < Y < 1 (0 at the kinks, as torch)
+    y = g.y(0)
+    inside = g.emit("And", g.emit("Greater", y, g.const(0)), g.emit("Less", y, g.const(1)))
+    g.set_dx(0, _mask(g, inside, g.emit("Mul", g.dy(0), g.const(g.attr("alpha")))))
+
+
+@gradient("HardSwish", uses=("x0",))
+def hard_swish_grad(g: GradCtx) -> None:
+    # Y = X·clip(X/6 + ½, 0, 1): dX = dY·(X ≤ -3 ? 0 : X < 3 ? X/3 + ½ : 1); at ±3 the outer
+    # piece's slope, as torch
+    x = g.x(0)
+    mid = g.emit("Add", g.emit("Mul", x, g.const(1.0 / 3.0)), g.const(0.5))
+    d = g.emit("Where", g.emit("Less", x, g.const(3)), mid, g.const(1))
+    d = g.emit("Where", g.emit("LessOrEqual", x, g.const(-3)), g.const(0), d)
+    g.set_dx(0, g.emit("Mul", g.dy(0), d))
+
+
+@gradient("Softplus", uses=("x0",))
+def softplus_grad(g: GradCtx) -> None:
+    # dX = dY·sigmoid(X)
+    g.set_dx(0, g.emit("Mul", g.dy(0), g.emit("Sigmoid", g.x(0))))
+
+
+@gradient("Softsign", uses=("x0",))
+def softsign_grad(g: GradCtx) -> None:
+    # dX = dY / (1 + |X|)²
+    s = g.emit("Add", g.emit("Abs", g.x(0)), g.const(1))
+    g.set_dx(0, g.emit("Div", g.dy(0), g.emit("Mul", s, s)))
+
+
+@gradient("Mish", uses=("x0",))
+def mish_grad(g: GradCtx) -> None:
+    # Y = X·t, t = tanh(softplus(X)): dX = dY·(t + X·sigmoid(X)·(1 - t²))
+    x = g.x(0)
+    t = g.emit("Tanh", g.emit("Softplus", x))
+    sech2 = g.emit("Sub", g.const(1), g.emit("Mul", t, t))
+    d = g.emit("Add", t, g.emit("Mul", g.emit("Mul", x, g.emit("Sigmoid", x)), sech2))
+    g.set_dx(0, g.emit("Mul", g.dy(0), d))
+
+
+@gradient("Clip", uses=("x*",), stop=(1, 2))
+def clip_grad(g: GradCtx) -> None:
+    # dX = dY where min ≤ X ≤ max (boundaries included, as torch.clamp); min and max get none
+    x = g.x(0)
+    conds = [g.emit(op, x, g.x(i)) for i, op in ((1, "GreaterOrEqual"), (2, "LessOrEqual")) if g.has_x(i)]
+    if not conds:
+        g.set_dx(0, g.dy(0))
+        return
+    g.set_dx(0, _mask(g, conds[0] if len(conds) == 1 else g.emit("And", *conds), g.dy(0)))
+
+
+@gradient("ThresholdedRelu", uses=("x0",))
+def thresholded_relu_grad(g: GradCtx) -> None:
+    # dX = dY where X > alpha
+    g.set_dx(0, _mask(g, g.emit("Greater", g.x(0), g.const(g.attr("alpha"))), g.dy(0)))
+
+
+@gradient("Shrink", uses=("x0",))
+def shrink_grad(g: GradCtx) -> None:
+    # Y = X ∓ bias where |X| > lambd, else 0: dX = dY where |X| > lambd
+    out = g.emit("Greater", g.emit("Abs", g.x(0)), g.const(g.attr("lambd")))
+    g.set_dx(0, _mask(g, out, g.dy(0)))

@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
-from onnxtrain.autodiff.context import GradCtx
-from onnxtrain.autodiff.registry import gradient
+import math
 
+from onnx import TensorProto
+
+from onnxtrain.autodiff.context import GradCtx, RuleError
+from onnxtrain.autodiff.registry import gradient, no_gradient
+
+# Piecewise-constant float ops have a zero gradient almost everywhere (torch returns zeros): stopping
+# the gradient there gives the same numbers without emitting zero tensors.
+no_gradient("Sign", "Floor", "Ceil", "Round")
+no_gradient("Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "Xor",
+            "IsNaN", "IsInf", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot")
+
+
+# ---- arithmetic -------------------------------------------------------------------------------
 
 @gradient("Add", linear=True)
 def add_grad(g: GradCtx) -> None:
     for i in (0, 1):
         if g.needs_dx(i):
             g.set_dx(i, g.unbroadcast(g.dy(0), i))
+
+
+@gradient("Sub", linear=True)
+def sub_grad(g: GradCtx) -> None:
+    # dA = dY, dB = -dY (negated after unbroadcasting, on the smaller tensor)
+    if g.needs_dx(0):
+        g.set_dx(0, g.unbroadcast(g.dy(0), 0))
+    if g.needs_dx(1):
+        g.set_dx(1, g.emit("Neg", g.unbroadcast(g.dy(0), 1)))
 
 
 @gradient("Mul", uses=("x0", "x1"))
@@ -21,6 +42,64 @@ def mul_grad(g: GradCtx) -> None:
             g.set_dx(i, g.unbroadcast(g.emit("Mul", g.dy(0), g.x(1 - i)), i))
 
 
+@gradient("Div", uses=("x1", "y0"))
+def div_grad(g: GradCtx) -> None:
+    # Y = A/B: dA = dY/B, dB = -dY·A/B² = -(dY/B)·Y
+    da = g.emit("Div", g.dy(0), g.x(1))
+    if g.needs_dx(0):
+        g.set_dx(0, g.unbroadcast(da, 0))
+    if g.needs_dx(1):
+        g.set_dx(1, g.emit("Neg", g.unbroadcast(g.emit("Mul", da, g.y(0)), 1)))
+
+
+@gradient("Pow", uses=("x0", "x1", "y0"))
+def pow_grad(g: GradCtx) -> None:
+    # Y = A^B: dA = dY·B·A^(B-1), 0 where B == 0 (as torch: the exponent B-1 is replaced there so
+    #          0·0^-1 = nan cannot occur; the Where runs on B's shape, often a scalar);
+    #          dB = dY·Y·log(A), 0 where A <= 0 (log undefined; torch gives nan for A < 0)
+    a, b = g.x(0), g.x(1)
+    ta, tb = g.elem_type(a) or g.dtype, g.elem_type(b) or g.dtype
+    bf = b if tb == ta else g.emit("Cast", b, to=ta)  # B may be an integer or another float type
+    zero, one = g.const(0), g.const(1)
+    if g.needs_dx(0):
+        e = g.emit("Sub", g.emit("Where", g.emit("Equal", bf, zero), one, bf), one)
+        da = g.emit("Mul", g.emit("Mul", g.dy(0), bf), g.emit("Pow", a, e))
+        g.set_dx(0, g.unbroadcast(da, 0))
+    if g.needs_dx(1):
+        pos = g.emit("Greater", a, zero)
+        log_a = g.emit("Log", g.emit("Where", pos, a, one))
+        db = g.unbroadcast(g.emit("Mul", g.emit("Mul", g.dy(0), g.y(0)), log_a), 1)
+        g.set_dx(1, db if tb == ta else g.emit("Cast", db, to=tb))
+
+
+@gradient("Mod", uses=("x0", "x1", "y0"))
+def mod_grad(g: GradCtx) -> None:
+    # Float Mod (fmod=1): Y = A - B·trunc(A/B), so dA = dY and dB = -dY·trunc(A/B) with
+    # trunc(A/B) = Round((A - Y)/B) (exact integers, no Trunc op in ONNX).
+    if g.needs_dx(0):
+        g.set_dx(0, g.unbroadcast(g.dy(0), 0))
+    if g.needs_dx(1):
+        q = g.emit("Round", g.emit("Div", g.emit("Sub", g.x(0), g.y(0)), g.x(1)))
+        g.set_dx(1, g.emit("Neg", g.unbroadcast(g.emit("Mul", g.dy(0), q), 1)))
+
+
+@gradient("Neg", linear=True)
+def neg_grad(g: GradCtx) -> None:
+    g.set_dx(0, g.emit("Neg", g.dy(0)))
+
+
+@gradient("Abs", uses=("x0",))
+def abs_grad(g: GradCtx) -> None:
+    # dX = dY·sign(X); 0 at X == 0 (torch's choice)
+    g.set_dx(0, g.emit("Mul", g.dy(0), g.emit("Sign", g.x(0))))
+
+
+@gradient("Reciprocal", uses=("y0",))
+def reciprocal_grad(g: GradCtx) -> None:
+    # Y = 1/X: dX = -dY·Y²
+    g.set_dx(0, g.emit("Neg", g.emit("Mul", g.dy(0), g.emit("Mul", g.y(0), g.y(0)))))
+
+
 @gradient("Sum", linear=True)
 def sum_grad(g: GradCtx) -> None:
     for i in range(g.n_inputs):
@@ -28,6 +107,161 @@ def sum_grad(g: GradCtx) -> None:
             g.set_dx(i, g.unbroadcast(g.dy(0), i))
 
 
+@gradient("Mean", linear=True)
+def mean_grad(g: GradCtx) -> None:
+    # Y = (X0 + … + Xn-1)/n: dXi = dY/n, unbroadcast
+    n = g.n_inputs
+    dy = g.dy(0) if n == 1 else g.emit("Mul", g.dy(0), g.const(1.0 / n))
+    for i in range(n):
+        if g.needs_dx(i):
+            g.set_dx(i, g.unbroadcast(dy, i))
+
+
+def _extremum_grad(g: GradCtx) -> None:
+    # Max/Min: dY goes to the inputs equal to Y; ties split it evenly (torch.maximum/minimum),
+    # dXi = unbroadcast(dY·[Xi == Y] / Σj [Xj == Y])
+    n = g.n_inputs
+    if n == 1:
+        g.set_dx(0, g.dy(0))
+        return
+    masks = [g.emit("Cast", g.emit("Equal", g.x(i), g.y(0)), to=g.dtype) for i in range(n)]
+    share = g.emit("Div", g.dy(0), g.emit("Sum", *masks))
+    for i in range(n):
+        if g.needs_dx(i):
+            g.set_dx(i, g.unbroadcast(g.emit("Mul", share, masks[i]), i))
+
+
+gradient("Max", uses=("x*", "y0"))(_extremum_grad)
+gradient("Min", uses=("x*", "y0"))(_extremum_grad)
+
+
+@gradient("Where", uses=("x0",), stop=(0,))
+def where_grad(g: GradCtx) -> None:
+    # Y = C ? A : B: dA = C ? dY : 0, dB = C ? 0 : dY (each unbroadcast); C gets none
+    zero = g.const(0)
+    if g.needs_dx(1):
+        g.set_dx(1, g.unbroadcast(g.emit("Where", g.x(0), g.dy(0), zero), 1))
+    if g.needs_dx(2):
+        g.set_dx(2, g.unbroadcast(g.emit("Where", g.x(0), zero, g.dy(0)), 2))
+
+
+# ---- casts and copies ---------------------------------------------------------------------------
+
+def _cast_back(g: GradCtx) -> None:
+    # float -> float: cast dY back to the input's type (no node when the cast was a no-op). Casts to
+    # integer/bool outputs never get here: the builder stops the gradient at non-float values.
+    x = g.node.input[0]
+    tx = g.elem_type(x)
+    if tx == TensorProto.UNDEFINED:
+        raise RuleError(f"the element type of {x!r} is unknown; cannot cast its gradient back")
+    ty = g.elem_type(g.node.output[0])
+    g.set_dx(0, g.dy(0) if tx == ty else g.emit("Cast", g.dy(0), to=tx))
+
+
+gradient("Cast", linear=True)(_cast_back)
+gradient("CastLike", linear=True, stop=(1,))(_cast_back)
+
+
 @gradient("Identity", linear=True)
 def identity_grad(g: GradCtx) -> None:
     g.set_dx(0, g.dy(0))
+
+
+# ---- exponentials and logarithms ----------------------------------------------------------------
+
+@gradient("Exp", uses=("y0",))
+def exp_grad(g: GradCtx) -> None:
+    g.set_dx(0, g.emit("Mul", g.dy(0), g.y(0)))
+
+
+@gradient("Log", uses=("x0",))
+def log_grad(g: GradCtx) -> None:
+    g.set_dx(0, g.emit("Div", g.dy(0), g.x(0)))
+
+
+@gradient("Sqrt", uses=("y0",))
+def sqrt_grad(g: GradCtx) -> None:
+    # dX = dY / (2·Y)
+    g.set_dx(0, g.emit("Div", g.emit("Mul", g.dy(0), g.const(0.5)), g.y(0)))
+
+
+@gradient("Erf", uses=("x0",))
+def erf_grad(g: GradCtx) -> None:
+    # dX = dY·(2/√π)·exp(-X²)
+    x = g.x(0)
+    e = g.emit("Exp", g.emit("Neg", g.emit("Mul", x, x)))
+    g.set_dx(0, g.emit("Mul", g.dy(0), g.emit("Mul", e, g.const(2.0 / math.sqrt(math.pi)))))
+
+
+# ---- trigonometric and hyperbolic ---------------------------------------------------------------
+
+def _one_minus_sq(g: GradCtx, v: str) -> str:
+    return g.emit("Sub", g.const(1), g.emit("Mul", v, v))
+
+
+def _one_plus_sq(g: GradCtx, v: str) -> str:
+    return g.emit("Add", g.emit("Mul", v, v), g.const(1))
+
+
+@gradient("Sin", uses=("x0",))
+def sin_grad(g: GradCtx) -> None:
+    g.set_dx(0, g.emit("Mul", g.dy(0), g.emit("Cos", g.x(0))))
+
+
+@gradient("Cos", uses=("x0",))
+def cos_grad(g: GradCtx) -> None:
+    # dX = -dY·sin(X)
+    g.set_dx(0, g.emit("Neg", g.emit("Mul", g.dy(0), g.emit("Sin", g.x(0)))))
+
+
+@gradient("Tan", uses=("y0",))
+def tan_grad(g: GradCtx) -> None:
+    # dX = dY·(1 + Y²)
+    g.set_dx(0, g.emit("Mul", g.dy(0), _one_plus_sq(g, g.y(0))))
+
+
+@gradient("Asin", uses=("x0",))
+def asin_grad(g: GradCtx) -> None:
+    # dX = dY / √(1 - X²)
+    g.set_dx(0, g.emit("Div", g.dy(0), g.emit("Sqrt", _one_minus_sq(g, g.x(0)))))
+
+
+@gradient("Acos", uses=("x0",))
+def acos_grad(g: GradCtx) -> None:
+    # dX = -dY / √(1 - X²)
+    g.set_dx(0, g.emit("Neg", g.emit("Div", g.dy(0), g.emit("Sqrt", _one_minus_sq(g, g.x(0))))))
+
+
+@gradient("Atan", uses=("x0",))
+def atan_grad(g: GradCtx) -> None:
+    # dX = dY / (1 + X²)
+    g.set_dx(0, g.emit("Div", g.dy(0), _one_plus_sq(g, g.x(0))))
+
+
+@gradient("Sinh", uses=("x0",))
+def sinh_grad(g: GradCtx) -> None:
+    g.set_dx(0, g.emit("Mul", g.dy(0), g.emit("Cosh", g.x(0))))
+
+
+@gradient("Cosh", uses=("x0",))
+def cosh_grad(g: GradCtx) -> None:
+    g.set_dx(0, g.emit("Mul", g.dy(0), g.emit("Sinh", g.x(0))))
+
+
+@gradient("Asinh", uses=("x0",))
+def asinh_grad(g: GradCtx) -> None:
+    # dX = dY / √(X² + 1)
+    g.set_dx(0, g.emit("Div", g.dy(0), g.emit("Sqrt", _one_plus_sq(g, g.x(0)))))
+
+
+@gradient("Acosh", uses=("x0",))
+def acosh_grad(g: GradCtx) -> None:
+    # dX = dY / √(X² - 1)
+    x = g.x(0)
+    g.set_dx(0, g.emit("Div", g.dy(0), g.emit("Sqrt", g.emit("Sub", g.emit("Mul", x, x), g.const(1)))))
+
+
+@gradient("Atanh", uses=("x0",))
+def atanh_grad(g: GradCtx) -> None:
+    # dX = dY / (1 - X²)
+    g.set_dx(0, g.emit("Div", g.dy(0), _one_minus_sq(g, g.x(0))))
