@@ -88,8 +88,9 @@ class OrtValue:
     def data_type(self) -> str:
         return f"tensor({_type_name(self._array.dtype)})"
 
-    def element_type(self) -> Any:
-        return self._array.dtype.type
+    def element_type(self) -> int:
+        """The ONNX element type (``TensorProto.FLOAT`` = 1, ...), as onnxruntime returns it."""
+        return int(helper.np_dtype_to_tensor_dtype(self._array.dtype))
 
     def device_name(self) -> str:
         return "cpu"

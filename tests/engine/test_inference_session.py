@@ -1,0 +1,390 @@
+"""The inference surface: InferenceSession, NodeArg, metadata, providers, OrtValue, IOBinding, profiling,
+clear errors on bad input, and the ONNX backend (run_node / run_model).
+
+Where onnxruntime has the same call, the same code runs on both and the answers are compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxtrain
+from onnxtrain import backend
+from onnxtrain.engine.plan import EngineError, UnsupportedOpError
+from onnxtrain.engine.registry import available_ops
+
+W = np.arange(6, dtype=np.float32).reshape(3, 2) / 4
+B = np.array([0.5, -1.0], np.float32)
+BIG_B = np.array([4.0, 4.1], np.float32)  # the b iobinding_roundtrip binds (elements 40, 41 of its array)
+
+
+def small_model(ir_version: int = 8) -> onnx.ModelProto:
+    """y = x @ w + b (b overridable: also a graph input), yi = int64(y), with metadata."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+             helper.make_node("Add", ["m", "b"], ["y"], name="add"),
+             helper.make_node("Cast", ["y"], ["yi"], to=TensorProto.INT64, name="cast")]
+    graph = helper.make_graph(
+        nodes, "small", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3]),
+                         helper.make_tensor_value_info("b", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2]),
+         helper.make_tensor_value_info("yi", TensorProto.INT64, None)],
+        [numpy_helper.from_array(W, "w"), numpy_helper.from_array(B, "b")], doc_string="graph doc")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=ir_version,
+                              producer_name="tests", doc_string="model doc", model_version=3,
+                              domain="ai.test")
+    helper.set_model_props(model, {"author": "me", "task": "test"})
+    return model
+
+
+@pytest.fixture(scope="module")
+def model_bytes() -> bytes:
+    return small_model().SerializeToString()
+
+
+def ort_session(data: bytes) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+
+
+def args_of(args) -> list[tuple]:
+    return [(a.name, a.type, a.shape) for a in args]
+
+
+# ---- introspection ---------------------------------------------------------------------------------------
+def test_inputs_outputs_match_onnxruntime(model_bytes: bytes) -> None:
+    ours, ref = onnxtrain.InferenceSession(model_bytes), ort_session(model_bytes)
+    assert args_of(ours.get_inputs()) == args_of(ref.get_inputs()) == [("x", "tensor(float)", ["N", 3])]
+    assert args_of(ours.get_outputs())[0] == args_of(ref.get_outputs())[0] == ("y", "tensor(float)", ["N", 2])
+    assert ours.get_outputs()[1].name == "yi" and ours.get_outputs()[1].type == "tensor(int64)"
+    assert args_of(ours.get_overridable_initializers()) == args_of(ref.get_overridable_initializers())
+    assert repr(ours.get_inputs()[0]) == "NodeArg(name='x', type='tensor(float)', shape=['N', 3])"
+
+
+def test_exported_model_node_args_match_onnxruntime() -> None:
+    pytest.importorskip("torch")
+    from tests import models
+
+    model, _, _ = models.export("recommender", training=False)
+    data = model.SerializeToString()
+    ours, ref = onnxtrain.InferenceSession(data), ort_session(data)
+    assert args_of(ours.get_inputs()) == args_of(ref.get_inputs())
+    assert args_of(ours.get_outputs()) == args_of(ref.get_outputs())
+
+
+def test_modelmeta_matches_onnxruntime(model_bytes: bytes) -> None:
+    ours = onnxtrain.InferenceSession(model_bytes).get_modelmeta()
+    ref = ort_session(model_bytes).get_modelmeta()
+    for field in ("producer_name", "graph_name", "domain", "description", "graph_description", "version",
+                  "custom_metadata_map"):
+        assert getattr(ours, field) == getattr(ref, field), field
+    assert ours.custom_metadata_map == {"author": "me", "task": "test"}
+
+
+def test_run_and_overridable_initializer(model_bytes: bytes) -> None:
+    x = np.array([[1, 2, 3], [4, 5, 6]], np.float32)
+    ours, ref = onnxtrain.InferenceSession(model_bytes), ort_session(model_bytes)
+    for feeds in ({"x": x}, {"x": x, "b": np.array([10, 20], np.float32)}):
+        got, want = ours.run(None, feeds), ref.run(None, feeds)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            np.testing.assert_allclose(g, w, rtol=1e-6)
+    (y,) = ours.run(["y"], {"x": x})
+    np.testing.assert_allclose(y, x @ W + B, rtol=1e-6)
+    yi, y2 = ours.run(["yi", "y"], {"x": x})  # outputs in the order asked for
+    assert yi.dtype == np.int64 and np.allclose(y2, y)
+
+
+def test_session_from_path_and_proto(tmp_path, model_bytes: bytes) -> None:
+    path = tmp_path / "m.onnx"
+    path.write_bytes(model_bytes)
+    x = np.ones((1, 3), np.float32)
+    a = onnxtrain.InferenceSession(str(path)).run(None, {"x": x})
+    b = onnxtrain.InferenceSession(path).run(None, {"x": x})  # os.PathLike
+    c = onnxtrain.InferenceSession(onnx.load_from_string(model_bytes)).run(None, {"x": x})
+    for u, v, w in zip(a, b, c):
+        np.testing.assert_array_equal(u, v)
+        np.testing.assert_array_equal(u, w)
+
+
+# ---- providers -------------------------------------------------------------------------------------------
+def test_default_providers(model_bytes: bytes) -> None:
+    s = onnxtrain.InferenceSession(model_bytes)
+    assert s.get_providers() == ["CPUExecutionProvider"]
+    assert s.get_provider_options() == {"CPUExecutionProvider": {}}
+    assert onnxtrain.get_available_providers() == ["CPUExecutionProvider"]
+    assert "CUDAExecutionProvider" in onnxtrain.get_all_providers()
+    assert onnxtrain.get_device() == "CPU"
+
+
+def test_unavailable_provider_falls_back_with_warning(model_bytes: bytes) -> None:
+    with pytest.warns(UserWarning, match="CUDAExecutionProvider.*CPUExecutionProvider"):
+        s = onnxtrain.InferenceSession(model_bytes,
+                                       providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert s.get_providers() == ["CPUExecutionProvider"]
+    with pytest.warns(UserWarning):
+        s = onnxtrain.InferenceSession(model_bytes, providers=[("CUDAExecutionProvider", {"device_id": 0})])
+    assert s.get_providers() == ["CPUExecutionProvider"]
+    (y, _) = s.run(None, {"x": np.ones((2, 3), np.float32)})
+    assert y.shape == (2, 2)
+
+
+def test_unknown_provider_lists_valid_names(model_bytes: bytes) -> None:
+    with pytest.raises(ValueError, match="Bogus.*CPUExecutionProvider.*CUDAExecutionProvider"):
+        onnxtrain.InferenceSession(model_bytes, providers=["BogusExecutionProvider"])
+    s = onnxtrain.InferenceSession(model_bytes)
+    with pytest.raises(ValueError, match="valid names"):
+        s.set_providers(["Nope"])
+
+
+def test_provider_options(model_bytes: bytes) -> None:
+    s = onnxtrain.InferenceSession(model_bytes, providers=[("CPUExecutionProvider", {"arena": 1})])
+    assert s.get_provider_options() == {"CPUExecutionProvider": {"arena": "1"}}
+    with pytest.raises(ValueError, match="same length"):
+        onnxtrain.InferenceSession(model_bytes, providers=["CPUExecutionProvider"], provider_options=[{}, {}])
+
+
+# ---- OrtValue --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mod", [onnxtrain, ort], ids=["onnxtrain", "onnxruntime"])
+def test_ortvalue_methods(mod) -> None:
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    v = mod.OrtValue.ortvalue_from_numpy(a)
+    assert v.shape() == [2, 3]
+    assert v.data_type() == "tensor(float)"
+    assert v.element_type() == TensorProto.FLOAT
+    assert v.device_name() == "cpu"
+    assert v.is_tensor() and v.has_value()
+    assert v.data_ptr() == a.ctypes.data  # no copy
+    np.testing.assert_array_equal(v.numpy(), a)
+    v.update_inplace(np.ones((2, 3), np.float32))
+    np.testing.assert_array_equal(a, np.ones((2, 3), np.float32))
+    e = mod.OrtValue.ortvalue_from_shape_and_type([4, 5], np.int64)
+    assert e.shape() == [4, 5] and e.data_type() == "tensor(int64)" and e.element_type() == TensorProto.INT64
+
+
+def test_ortvalue_cpu_only() -> None:
+    with pytest.raises(ValueError, match="cuda"):
+        onnxtrain.OrtValue.ortvalue_from_numpy(np.zeros(2, np.float32), "cuda", 0)
+
+
+@pytest.mark.parametrize("mod", [onnxtrain, ort], ids=["onnxtrain", "onnxruntime"])
+def test_run_with_ort_values(mod, model_bytes: bytes) -> None:
+    s = onnxtrain.InferenceSession(model_bytes) if mod is onnxtrain else ort_session(model_bytes)
+    x = np.array([[1, 0, 2]], np.float32)
+    out = s.run_with_ort_values(["y"], {"x": mod.OrtValue.ortvalue_from_numpy(x)})
+    assert len(out) == 1 and isinstance(out[0], mod.OrtValue)
+    np.testing.assert_allclose(out[0].numpy(), x @ W + B, rtol=1e-6)
+
+
+# ---- IOBinding -------------------------------------------------------------------------------------------
+def iobinding_roundtrip(mod, session) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """Two inputs at offsets inside one big array, one output bound to a preallocated buffer."""
+    big = np.arange(100, dtype=np.float32) / 10
+    out = np.full((2, 2), -1.0, np.float32)
+    binding = session.io_binding()
+    x_off, b_off = 12, 40  # in elements
+    binding.bind_input("x", "cpu", 0, np.float32, [2, 3], big.ctypes.data + x_off * 4)
+    binding.bind_input("b", "cpu", 0, np.float32, [2], big.ctypes.data + b_off * 4)
+    binding.bind_output("y", "cpu", 0, np.float32, [2, 2], out.ctypes.data)
+    session.run_with_iobinding(binding)
+    first = out.copy()
+    big[x_off:x_off + 6] = 1.0  # the binding points into big: a second run sees the new values
+    session.run_with_iobinding(binding)
+    outs = [v.numpy().copy() for v in binding.get_outputs()]
+    want_first = (np.arange(12, 18, dtype=np.float32) / 10).reshape(2, 3) @ W + BIG_B
+    np.testing.assert_allclose(first, want_first, rtol=1e-6)
+    return first, out.copy(), outs
+
+
+def test_iobinding_raw_pointers_match_onnxruntime(model_bytes: bytes) -> None:
+    a = iobinding_roundtrip(onnxtrain, onnxtrain.InferenceSession(model_bytes))
+    b = iobinding_roundtrip(ort, ort_session(model_bytes))
+    for u, v in zip(a[:2], b[:2]):
+        np.testing.assert_allclose(u, v, rtol=1e-6)
+    np.testing.assert_allclose(a[2][0], b[2][0], rtol=1e-6)
+    np.testing.assert_allclose(a[1], np.ones((2, 3), np.float32) @ W + BIG_B, rtol=1e-6)
+
+
+def test_iobinding_output_written_into_buffer(model_bytes: bytes) -> None:
+    s = onnxtrain.InferenceSession(model_bytes)
+    out = np.zeros((1, 2), np.float32)
+    binding = s.io_binding()
+    binding.bind_cpu_input("x", np.ones((1, 3), np.float32))
+    binding.bind_output("y", "cpu", 0, np.float32, [1, 2], out.ctypes.data)
+    binding.bind_output("yi")
+    s.run_with_iobinding(binding)
+    y, yi = binding.get_outputs()
+    assert np.shares_memory(y.numpy(), out)
+    np.testing.assert_allclose(out, np.ones((1, 3), np.float32) @ W + B, rtol=1e-6)
+    assert yi.numpy().dtype == np.int64
+    copies = binding.copy_outputs_to_cpu()
+    assert not np.shares_memory(copies[0], out)
+    binding.clear_binding_outputs()
+    s.run_with_iobinding(binding)  # no outputs bound: all graph outputs come back
+    assert [v.shape() for v in binding.get_outputs()] == [[1, 2], [1, 2]]
+
+
+def test_iobinding_ortvalues_and_bad_buffer(model_bytes: bytes) -> None:
+    s = onnxtrain.InferenceSession(model_bytes)
+    binding = s.io_binding()
+    binding.bind_ortvalue_input("x", onnxtrain.OrtValue.ortvalue_from_numpy(np.ones((3, 3), np.float32)))
+    target = onnxtrain.OrtValue.ortvalue_from_shape_and_type([3, 2], np.float32)
+    binding.bind_ortvalue_output("y", target)
+    s.run_with_iobinding(binding)
+    np.testing.assert_allclose(target.numpy(), np.ones((3, 3), np.float32) @ W + B, rtol=1e-6)
+    wrong = np.zeros((5, 2), np.float32)
+    binding.bind_output("y", "cpu", 0, np.float32, [5, 2], wrong.ctypes.data)
+    with pytest.raises(ValueError, match="'y'.*shape"):
+        s.run_with_iobinding(binding)
+    with pytest.raises(ValueError, match="cpu only|CPU only"):
+        binding.bind_input("x", "cuda", 0, np.float32, [1, 3], wrong.ctypes.data)
+
+
+# ---- profiling -------------------------------------------------------------------------------------------
+def test_profiling_writes_chrome_trace(tmp_path, model_bytes: bytes) -> None:
+    so = onnxtrain.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "prof_")
+    s = onnxtrain.InferenceSession(model_bytes, sess_options=so)
+    assert s.get_profiling_start_time_ns() > 0
+    runs = 3
+    for _ in range(runs):
+        s.run(None, {"x": np.ones((4, 3), np.float32)})
+    path = s.end_profiling()
+    assert path.startswith(str(tmp_path / "prof_")) and path.endswith(".json") and os.path.exists(path)
+    with open(path) as f:
+        events = json.load(f)
+    assert isinstance(events, list) and len(events) == 3 * runs  # one per node run
+    assert all(e["ph"] == "X" and e["dur"] >= 0 and "ts" in e for e in events)
+    assert [e["args"]["op_name"] for e in events[:3]] == ["MatMul", "Add", "Cast"]
+    assert events[0]["name"].startswith("mm")
+    assert events[0]["args"]["input_type_shape"] == [[4, 3], [3, 2]]
+
+
+def test_no_profiling_by_default(model_bytes: bytes) -> None:
+    s = onnxtrain.InferenceSession(model_bytes)
+    s.run(None, {"x": np.ones((1, 3), np.float32)})
+    assert s.end_profiling() == ""
+
+
+def test_session_and_run_options(model_bytes: bytes) -> None:
+    so = onnxtrain.SessionOptions()
+    so.add_session_config_entry("session.x", "1")
+    assert so.get_session_config_entry("session.x") == "1"
+    so.graph_optimization_level = onnxtrain.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.execution_mode = onnxtrain.ExecutionMode.ORT_SEQUENTIAL
+    s = onnxtrain.InferenceSession(model_bytes, sess_options=so)
+    assert s.get_session_options() is so
+    ro = onnxtrain.RunOptions()
+    ro.add_run_config_entry("k", "v")
+    assert ro.get_run_config_entry("k") == "v"
+    (y, _) = s.run(None, {"x": np.zeros((1, 3), np.float32)}, ro)
+    np.testing.assert_array_equal(y, B[None])
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+def test_malformed_bytes() -> None:
+    with pytest.raises(EngineError, match="model bytes"):
+        onnxtrain.InferenceSession(b"\x08\x07this is not an onnx model\xff\xff")
+
+
+def test_missing_file_names_path(tmp_path) -> None:
+    path = str(tmp_path / "nowhere" / "model.onnx")
+    with pytest.raises(FileNotFoundError, match="nowhere/model.onnx"):
+        onnxtrain.InferenceSession(path)
+
+
+def test_bad_feeds(model_bytes: bytes) -> None:
+    s = onnxtrain.InferenceSession(model_bytes)
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(ValueError, match=r"missing input.*'x'"):
+        s.run(None, {})
+    with pytest.raises(ValueError, match="unknown input 'z'"):
+        s.run(None, {"x": x, "z": x})
+    with pytest.raises(TypeError, match="'x'.*float32.*float64"):
+        s.run(None, {"x": x.astype(np.float64)})
+    with pytest.raises(ValueError, match="'x'.*rank 2.*rank 1"):
+        s.run(None, {"x": x[0]})
+    with pytest.raises(ValueError, match="'x'.*dimension 1 must be 3, got 4"):
+        s.run(None, {"x": np.ones((2, 4), np.float32)})
+    with pytest.raises(Exception, match="unknown output 'nope'"):
+        s.run(["nope"], {"x": x})
+
+
+def one_node_model(node: onnx.NodeProto, domain_opsets: list | None = None) -> bytes:
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
+                               for o in node.output])
+    opsets = [helper.make_opsetid("", 17)] + (domain_opsets or [])
+    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
+def test_op_without_kernel_names_node_and_op() -> None:
+    data = one_node_model(helper.make_node("Frobnicate", ["x"], ["y"], name="frob_1", domain="com.example"),
+                          [helper.make_opsetid("com.example", 1)])
+    with pytest.raises(UnsupportedOpError, match=r"frob_1.*com\.example\.Frobnicate"):
+        onnxtrain.InferenceSession(data)
+    # a standard op that has no kernel
+    have = set(available_ops())
+    op = next(o for o in ("TfIdfVectorizer", "StringNormalizer", "DFT", "STFT", "RoiAlign") if o not in have)
+    with pytest.raises(UnsupportedOpError, match=f"my_node.*{op}"):
+        onnxtrain.InferenceSession(one_node_model(helper.make_node(op, ["x"], ["y"], name="my_node")))
+
+
+def test_subgraph_op_not_supported_yet() -> None:
+    branch = helper.make_graph([helper.make_node("Identity", ["x"], ["z"])], "branch", [],
+                               [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])])
+    node = helper.make_node("If", ["c"], ["y"], name="the_if", then_branch=branch, else_branch=branch)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+                                            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(NotImplementedError, match="the_if.*If.*not supported yet"):
+        onnxtrain.InferenceSession(model)
+
+
+def test_kernel_failure_names_node() -> None:
+    node = helper.make_node("Reshape", ["x", "shape"], ["y"], name="bad_reshape")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.array([4, 4], np.int64), "shape")])
+    s = onnxtrain.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    with pytest.raises(EngineError, match="bad_reshape.*Reshape"):
+        s.run(None, {"x": np.ones(6, np.float32)})
+
+
+# ---- backend ---------------------------------------------------------------------------------------------
+def test_backend_run_node() -> None:
+    node = helper.make_node("Add", ["a", "b"], ["c"])
+    a, b = np.ones((2, 3), np.float32), np.arange(3, dtype=np.float32)
+    (c,) = backend.run_node(node, [a, b])
+    np.testing.assert_array_equal(c, a + b)
+    (m,) = backend.run_node(helper.make_node("Max", ["a", "b"], ["m"]), [a, b], opset_version=13)
+    np.testing.assert_array_equal(m, np.maximum(a, b))
+    assert backend.supports_device("CPU") and not backend.supports_device("CUDA")
+
+
+def test_backend_run_model(model_bytes: bytes) -> None:
+    model = onnx.load_from_string(model_bytes)
+    x = np.ones((2, 3), np.float32)
+    y, _ = backend.run_model(model, [x])
+    np.testing.assert_allclose(y, x @ W + B, rtol=1e-6)
+    rep = backend.prepare(model)
+    y2, _ = rep.run({"x": x})
+    np.testing.assert_array_equal(y, y2)
+    (y3, _) = rep.run(x)  # a single array is the first input
+    np.testing.assert_array_equal(y, y3)
+
+
+def test_warnings_free_construction(model_bytes: bytes) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        onnxtrain.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
