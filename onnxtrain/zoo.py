@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxtrain.ir.builder import make_model
+
 OPSET = 17
 
 
@@ -37,6 +39,6 @@ def mlp(sizes: Sequence[int], seed: int = 0, loss: bool = True) -> onnx.ModelPro
         inputs.append(helper.make_tensor_value_info("y", TensorProto.INT64, ["N"]))
         outputs.insert(0, helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
     graph = helper.make_graph(nodes, "mlp", inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="onnxtrain")
+    model = make_model(graph, OPSET, producer_name="onnxtrain")
     onnx.checker.check_model(model, full_check=True)
     return model

@@ -124,3 +124,13 @@ def static_shape(types: dict[str, onnx.TypeProto], name: str) -> list[int | None
     if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
         return None
     return [d.dim_value if d.HasField("dim_value") else None for d in tp.tensor_type.shape.dim]
+
+
+def make_model(graph: onnx.GraphProto, opset: int, **kw: Any) -> onnx.ModelProto:
+    """A model at default-domain ``opset`` with the lowest IR version that opset allows.
+
+    A low IR version keeps the file loadable by older runtimes (onnxruntime rejects IR versions
+    newer than it knows, and onnx writes its newest by default).
+    """
+    opsets = [helper.make_opsetid("", opset)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets), **kw)

@@ -13,13 +13,14 @@ from onnx import helper, numpy_helper
 
 from onnxtrain import GradientGraphBuilder
 from onnxtrain.autodiff import GradientError, build_gradient_model
+from onnxtrain.ir.builder import make_model
 from onnxtrain.testing import gradcheck, run_engine, to_float64
 from tests.session.helpers import mlp_model
 
 
 def _model(nodes, inputs, outputs, inits=(), opset=17):
     g = helper.make_graph(nodes, "m", inputs, outputs, list(inits))
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    return make_model(g, opset)
 
 
 def test_builder_api_outputs_and_order(tmp_path) -> None:

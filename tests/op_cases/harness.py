@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from onnxtrain.ir.builder import make_model
 from tests.op_cases import OpCase
 
 
@@ -20,7 +21,7 @@ def one_node_model(case: OpCase, inputs: list[Any]) -> onnx.ModelProto:
                                           np.shape(v)) for n, v in zip(in_names, inputs) if n]
     g_out = [helper.make_empty_tensor_value_info(n) for n in out_names]
     graph = helper.make_graph([node], case.id, g_in, g_out)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", case.opset)])
+    return make_model(graph, case.opset)
 
 
 def feeds_of(inputs: list[Any]) -> dict[str, Any]:

@@ -7,6 +7,8 @@ import onnx
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
+from onnxtrain.ir.builder import make_model
+
 
 def mlp_model(din: int = 8, dh: int = 16, dout: int = 4, seed: int = 0, loss: str = "sce") -> onnx.ModelProto:
     """x[N,din] → Gemm → Relu → Gemm → logits; loss = SoftmaxCrossEntropyLoss(logits, y) (or MSE)."""
@@ -27,7 +29,7 @@ def mlp_model(din: int = 8, dh: int = 16, dout: int = 4, seed: int = 0, loss: st
     g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", T.FLOAT, ["N", din]), y],
                           [helper.make_tensor_value_info("loss", T.FLOAT, []),
                            helper.make_tensor_value_info("logits", T.FLOAT, ["N", dout])], inits)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return make_model(g, 17)
 
 
 def batches(n: int, size: int, din: int = 8, dout: int = 4, seed: int = 1, loss: str = "sce"):
