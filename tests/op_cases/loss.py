@@ -73,3 +73,37 @@ CASES = [
     OpCase("Dropout", [(3, 4)], attrs={"ratio": 0.2}, n_outputs=2, grad_outputs=(0,), opset=10,
            variant="v10"),
 ]
+
+
+# gradient rows (autodiff/rules/loss.py)
+def _scores_i32(shape: tuple[int, ...], ignore: int):
+    """As ``_scores`` with weights, int32 targets."""
+
+    def make(rng: np.random.Generator, dt) -> list:
+        x, t, w = _scores(shape, weight=True, ignore=ignore)(rng, dt)
+        return [x, t.astype(np.int32), w]
+
+    return make
+
+
+CASES += [
+    OpCase("SoftmaxCrossEntropyLoss", make_inputs=_scores_i32((4, 3, 2, 2), ignore=0),
+           attrs={"ignore_index": 0}, wrt=(0,), variant="grad_i32_weight_ii_4d"),
+    OpCase("SoftmaxCrossEntropyLoss", make_inputs=_scores((5, 4), weight=True), attrs={"reduction": "sum"},
+           wrt=(0,), variant="grad_weight_sum"),
+    OpCase("SoftmaxCrossEntropyLoss", make_inputs=_scores((3, 4, 3), weight=True),
+           attrs={"reduction": "none"}, wrt=(0,), variant="grad_weight_none_3d"),
+    # the loss reads only log_prob: the LogSoftmax part of the rule alone
+    OpCase("SoftmaxCrossEntropyLoss", make_inputs=_scores((3, 4)), n_outputs=2, grad_outputs=(1,), wrt=(0,),
+           variant="grad_log_prob_only"),
+    OpCase("NegativeLogLikelihoodLoss", make_inputs=_scores_i32((5, 3, 2), ignore=2),
+           attrs={"ignore_index": 2, "reduction": "none"}, wrt=(0,), variant="grad_i32_weight_ii_none"),
+    OpCase("NegativeLogLikelihoodLoss", make_inputs=_scores((4, 3, 3), weight=True, ignore=-1),
+           attrs={"ignore_index": -1, "reduction": "sum"}, wrt=(0,), variant="grad_weight_ii_sum_3d"),
+    # seeded training Dropout: the engine draws the same mask in every fresh session (and onnx.reference
+    # the same one), so finite differences see one fixed mask; only the data output feeds the loss
+    OpCase("Dropout", make_inputs=_dropout_inputs((4, 5), 0.4, True), attrs={"seed": 3}, n_outputs=2,
+           wrt=(0,), grad_outputs=(0,), variant="grad_train_seeded"),
+    OpCase("Dropout", make_inputs=_dropout_inputs((3, 2, 4), 0.25, True), attrs={"seed": 11}, wrt=(0,),
+           variant="grad_train_seeded_no_mask"),
+]

@@ -79,7 +79,8 @@ CASES += [
     OpCase("BatchNormalization", make_inputs=_bn_inputs((2, 2, 2, 3, 2)),
            attrs={"training_mode": 1, "epsilon": 1e-3}, n_outputs=3, wrt=(0, 1, 2), grad_outputs=(0,),
            variant="grad_training_5d"),
-    OpCase("BatchNormalization", make_inputs=_bn_inputs((2, 3, 4)), wrt=(0,), variant="grad_inference_x_only"),
+    OpCase("BatchNormalization", make_inputs=_bn_inputs((2, 3, 4)), wrt=(0,),
+           variant="grad_inference_x_only"),
     OpCase("LpNormalization", [(3, 4)], attrs={"axis": 0}, variant="grad_axis0"),
     OpCase("LpNormalization", [(2, 3, 4)], attrs={"p": 1}, low=0.2, variant="grad_l1_last"),
 ]

@@ -60,16 +60,16 @@ def matmul_grad(g: GradCtx) -> None:
 def _unbroadcast_batch(g: GradCtx, grad: str, i: int, r: int) -> str:
     """``grad`` (rank ``r``, batch axes of Y) summed to input ``i``'s batch shape; a no-op when they agree."""
     xs, ys = g.static_shape(i), g.static_shape(0, output=True)
-    if xs is not None and ys is not None and len(xs) == r and len(ys) == r:
-        if all(a is not None and a == b for a, b in zip(xs[:-2], ys[:-2])):
-            return grad
+    if (xs is not None and ys is not None and len(xs) == r and len(ys) == r
+            and all(a is not None and a == b for a, b in zip(xs[:-2], ys[:-2]))):
+        return grad
     return g.unbroadcast(grad, i, grad_rank=r)
 
 
 @gradient("Gemm", uses=("x0", "x1"))
 def gemm_grad(g: GradCtx) -> None:
-    # Y = alpha·op(A)·op(B) + beta·C;  d op(A) = alpha·dY·op(B)ᵀ, d op(B) = alpha·op(A)ᵀ·dY, dC = beta·dY
-    # (unbroadcast). The transposes and alpha go into the Gemm attributes.
+    # Y = alpha·op(A)·op(B) + beta·C:  d op(A) = alpha·dY·op(B)ᵀ, d op(B) = alpha·op(A)ᵀ·dY,
+    # dC = beta·dY unbroadcast. The transposes and alpha go into the Gemm attributes.
     ta, tb = g.attr("transA"), g.attr("transB")
     alpha, beta = g.attr("alpha"), g.attr("beta")
     dy = g.dy(0)
@@ -115,7 +115,8 @@ def _parse_einsum(g: GradCtx, equation: str) -> tuple[list[str], str, _Letters]:
     lhs, arrow, out = eq.partition("->")
     terms = lhs.split(",")
     if len(terms) != g.n_inputs:
-        raise RuleError(f"Einsum equation {equation!r} names {len(terms)} operands, the node has {g.n_inputs}")
+        raise RuleError(f"Einsum equation {equation!r} names {len(terms)} operands, "
+                        f"the node has {g.n_inputs}")
     letters = _Letters(eq)
     if not arrow:  # implicit output: '...' then the letters seen once, sorted
         flat = lhs.replace("...", "").replace(",", "")

@@ -20,7 +20,8 @@ def _axis(g: GradCtx, axis: int, what: str = "input") -> tuple[int, int]:
     """(normalized axis, rank of input 0); the rank must be known."""
     r = g.rank(0)
     if r is None:
-        raise RuleError(f"{g.node.op_type} gradient needs the rank of the {what} (shape inference found none)")
+        raise RuleError(f"{g.node.op_type} gradient needs the rank of the {what} "
+                        "(shape inference found none)")
     if not -r <= axis < r:
         raise RuleError(f"{g.node.op_type} axis {axis} is out of range for rank {r}")
     return axis % r, r

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
 import numpy as np
 from onnx import numpy_helper
 
@@ -26,7 +27,7 @@ def constant_value(g: GradCtx, name: str) -> np.ndarray | None:
     """
     if not name:
         return None
-    bw = g._bw  # noqa: SLF001 - see docstring
+    bw = g._bw  # see the docstring
     graph = bw.model.graph
     if any(v.name == name for v in graph.input):
         return None  # an initializer that is also an input can be overridden
@@ -98,7 +99,8 @@ def _sum_keep(g: GradCtx, t: str, ax: _Axes) -> str:
     if ax.axes is None:
         return g.emit("ReduceSum", t, keepdims=1)
     # ReduceSum takes its axes as an input at every opset we emit (>= 13)
-    noop = ax.noop_attr if isinstance(ax.axes, str) and ax.noop_attr else None  # a dynamic tensor may be empty
+    # a dynamic axes tensor may be empty at run time: keep the node's noop_with_empty_axes
+    noop = ax.noop_attr if isinstance(ax.axes, str) and ax.noop_attr else None
     return g.emit("ReduceSum", t, ax.as_tensor(g), keepdims=1, noop_with_empty_axes=noop)
 
 
