@@ -48,6 +48,8 @@ CASES = [
            opset=15, variant="2d"),
     OpCase("BatchNormalization", make_inputs=_bn_inputs((3, 2, 5)), attrs={"training_mode": 1},
            n_outputs=3, wrt=(0, 1, 2), grad_outputs=(0,), opset=15, variant="training"),
+    OpCase("BatchNormalization", make_inputs=_bn_inputs((6, 3)), attrs={"training_mode": 1}, n_outputs=3,
+           wrt=(0, 1, 2), grad_outputs=(0,), opset=15, variant="training_2d"),
     OpCase("BatchNormalization", make_inputs=_bn_inputs((2, 4, 3, 3)),
            attrs={"training_mode": 1, "momentum": 0.8}, wrt=(0, 1, 2), opset=15, variant="training_y_only"),
     OpCase("InstanceNormalization", [(2, 3, 5), (3,), (3,)], opset=6),

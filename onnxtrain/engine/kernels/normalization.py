@@ -29,17 +29,64 @@ def _back(y: np.ndarray, dt: np.dtype) -> np.ndarray:
     return y if y.dtype == dt else y.astype(dt)
 
 
+# ---------------------------------------------------------------- row helpers
+# numpy's add/maximum.reduce along a short contiguous last axis is slow (no SIMD across rows):
+# einsum sums rows about 3x faster at the same accuracy, and halving beats maximum.reduce below
+# ~128 columns.
+
+
+def row_sum(x2: np.ndarray) -> np.ndarray:
+    """Sums of the rows of a 2-D array, shape (rows, 1)."""
+    return np.einsum("ij->i", x2)[:, None]
+
+
+def row_max(x2: np.ndarray) -> np.ndarray:
+    """Maxima of the rows of a 2-D array, shape (rows, 1)."""
+    n = x2.shape[1]
+    if n >= 128 or n == 0:
+        return np.max(x2, axis=1, keepdims=True)
+    m = x2
+    while n > 1:
+        h = n // 2
+        nxt = np.maximum(m[:, :h], m[:, h:2 * h])
+        if n % 2:
+            np.maximum(nxt[:, :1], m[:, 2 * h:], out=nxt[:, :1])
+        m, n = nxt, h
+    return m if m is not x2 else x2.copy()
+
+
+def _as_rows(x: np.ndarray, axis: int) -> np.ndarray | None:
+    """``x`` as a 2-D view whose rows run along ``axis``, when ``axis`` is the last one."""
+    if x.ndim and axis % x.ndim == x.ndim - 1 and x.flags.c_contiguous:
+        return x.reshape(-1, x.shape[-1])
+    return None
+
+
 # ---------------------------------------------------------------- softmax
 
 
-def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
+def softmax_along(x: np.ndarray, axis: int) -> np.ndarray:
+    """softmax of ``x`` along ``axis``, shifted by the maximum for stability."""
+    x2 = _as_rows(x, axis)
+    if x2 is not None:
+        y = np.subtract(x2, row_max(x2))
+        np.exp(y, out=y)
+        y /= row_sum(y)
+        return y.reshape(x.shape)
     y = np.subtract(x, np.max(x, axis=axis, keepdims=True))
     np.exp(y, out=y)
     y /= np.sum(y, axis=axis, keepdims=True)
     return y
 
 
-def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
+def log_softmax_along(x: np.ndarray, axis: int) -> np.ndarray:
+    """log(softmax(x)) along ``axis``, computed as x - max - log(sum(exp(x - max)))."""
+    x2 = _as_rows(x, axis)
+    if x2 is not None:
+        y = np.subtract(x2, row_max(x2))
+        s = row_sum(np.exp(y))
+        y -= np.log(s, out=s)
+        return y.reshape(x.shape)
     y = np.subtract(x, np.max(x, axis=axis, keepdims=True))
     s = np.sum(np.exp(y), axis=axis, keepdims=True)
     y -= np.log(s, out=s)
@@ -58,24 +105,24 @@ def _flat_2d(fn, inputs: Inputs, attrs: Attrs) -> Outputs:
 
 @kernel("Softmax", since=1)
 def softmax_2d(inputs: Inputs, attrs: Attrs) -> Outputs:
-    return _flat_2d(_softmax, inputs, attrs)
+    return _flat_2d(softmax_along, inputs, attrs)
 
 
 @kernel("Softmax", since=13)
 def softmax(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
-    return (_back(_softmax(_work(x), attrs["axis"]), x.dtype),)
+    return (_back(softmax_along(_work(x), attrs["axis"]), x.dtype),)
 
 
 @kernel("LogSoftmax", since=1)
 def log_softmax_2d(inputs: Inputs, attrs: Attrs) -> Outputs:
-    return _flat_2d(_log_softmax, inputs, attrs)
+    return _flat_2d(log_softmax_along, inputs, attrs)
 
 
 @kernel("LogSoftmax", since=13)
 def log_softmax(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
-    return (_back(_log_softmax(_work(x), attrs["axis"]), x.dtype),)
+    return (_back(log_softmax_along(_work(x), attrs["axis"]), x.dtype),)
 
 
 # ---------------------------------------------------------------- row statistics
@@ -84,11 +131,10 @@ def log_softmax(inputs: Inputs, attrs: Attrs) -> Outputs:
 def _standardize_rows(x2: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For a 2-D ``x2``: ((x - mean) * inv_std, mean, inv_std), statistics over each row (keepdims)."""
     n = x2.shape[1]
-    mean = np.add.reduce(x2, axis=1, keepdims=True)
+    mean = row_sum(x2)
     mean /= n
     d = np.subtract(x2, mean)
-    sq = np.multiply(d, d)
-    var = np.add.reduce(sq, axis=1, keepdims=True)
+    var = np.einsum("ij,ij->i", d, d)[:, None]
     var /= n
     var += eps
     inv = np.sqrt(var, out=var)
@@ -153,16 +199,25 @@ def _batch_norm_infer(x, scale, bias, mean, var, eps) -> np.ndarray:
     return _back(y, x.dtype)
 
 
+def _per_channel_sum(x3: np.ndarray, y3: np.ndarray | None = None) -> np.ndarray:
+    """Sum over axes 0 and 2 of ``x3`` (N, C, L) (of ``x3 * y3`` when given), by rows (see row_sum)."""
+    n, c, length = x3.shape
+    if length == 1:
+        return np.add.reduce(x3[:, :, 0] if y3 is None else x3[:, :, 0] * y3[:, :, 0], axis=0)
+    x2 = x3.reshape(n * c, length)
+    rows = np.einsum("ij->i", x2) if y3 is None else np.einsum("ij,ij->i", x2, y3.reshape(n * c, length))
+    return np.add.reduce(rows.reshape(n, c), axis=0)
+
+
 def _batch_norm_train(x, scale, bias, eps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Y from the batch statistics, plus the batch mean and (population) variance per channel."""
     w = _work(x)
     n, c = x.shape[0], x.shape[1]
     x3 = w.reshape(n, c, -1)
     count = x3.shape[0] * x3.shape[2]
-    mean = np.add.reduce(x3, axis=(0, 2)) / count
+    mean = _per_channel_sum(x3) / count
     d = np.subtract(x3, mean[:, None])
-    sq = np.multiply(d, d)
-    var = np.add.reduce(sq, axis=(0, 2)) / count
+    var = _per_channel_sum(d, d) / count
     a = (scale / np.sqrt(var + eps)).astype(w.dtype, copy=False)
     d *= a[:, None]
     d += bias.astype(w.dtype, copy=False)[:, None]
