@@ -1,0 +1,247 @@
+"""Activation kernels: Relu, Sigmoid, Tanh, Gelu, the Relu/Elu variants, Softplus, Mish, Clip, Hardmax.
+
+Composite formulas run in float32 for float16 and bfloat16 inputs (``_float_op``) and are rounded
+back once; the stable forms of Sigmoid and Softplus never overflow exp.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from onnxtrain.engine.kernels.elementwise import erf
+from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+
+_NATIVE = (np.dtype(np.float32), np.dtype(np.float64))
+
+FloatFn = Callable[[np.ndarray, Attrs], np.ndarray]
+
+
+def _float_op(op: str, since: int) -> Callable[[FloatFn], FloatFn]:
+    """Register ``fn(x, attrs) -> y`` for ``op``; other float types are computed in float32."""
+
+    def register(fn: FloatFn) -> FloatFn:
+        def run(inputs: Inputs, attrs: Attrs) -> Outputs:
+            x = inputs[0]
+            if x.dtype in _NATIVE:
+                return (np.asarray(fn(x, attrs)),)
+            return (np.asarray(fn(x.astype(np.float32), attrs)).astype(x.dtype),)
+
+        run.__name__ = fn.__name__
+        kernel(op, since=since)(run)
+        return fn
+
+    return register
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-x)), written with exp(-|x|) so it never overflows and keeps relative accuracy."""
+    e = np.abs(x)
+    np.negative(e, out=e)
+    np.exp(e, out=e)
+    r = e + 1
+    np.reciprocal(r, out=r)  # sigmoid(|x|)
+    e *= r  # sigmoid(-|x|) = exp(-|x|) / (1 + exp(-|x|))
+    np.copyto(r, e, where=x < 0)
+    return r
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|))."""
+    e = np.abs(x)
+    np.negative(e, out=e)
+    np.exp(e, out=e)
+    np.log1p(e, out=e)
+    e += np.maximum(x, 0)
+    return e
+
+
+@kernel("Relu", since=6)
+def relu(inputs: Inputs, attrs: Attrs) -> Outputs:
+    return (np.asarray(np.maximum(inputs[0], 0)),)
+
+
+@kernel("Tanh", since=6)
+def tanh(inputs: Inputs, attrs: Attrs) -> Outputs:
+    return (np.asarray(np.tanh(inputs[0])),)
+
+
+@_float_op("Sigmoid", since=6)
+def _sigmoid(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    return sigmoid(x)
+
+
+@_float_op("Softplus", since=1)
+def _softplus(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    return softplus(x)
+
+
+@_float_op("Softsign", since=1)
+def _softsign(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    d = np.abs(x)
+    d += 1
+    return np.divide(x, d, out=d)
+
+
+@_float_op("Mish", since=18)
+def _mish(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    y = softplus(x)
+    np.tanh(y, out=y)
+    y *= x
+    return y
+
+
+# constants as ONNX's function bodies have them (float attributes are float32)
+_GELU_C = math.sqrt(float(np.float32(2 / math.pi)))
+_GELU_C3 = float(np.float32(0.044715)) * _GELU_C
+_SIXTH = float(np.float32(1 / 6))
+
+
+@_float_op("Gelu", since=20)
+def _gelu(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    approximate = attrs["approximate"]
+    if approximate == "none":  # x/2 * (1 + erf(x/sqrt(2)))
+        y = erf(x * math.sqrt(0.5))
+    elif approximate == "tanh":  # x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))
+        y = x * x
+        y *= _GELU_C3
+        y += _GELU_C
+        y *= x
+        np.tanh(y, out=y)
+    else:
+        raise ValueError(f"Gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    y += 1
+    y *= x
+    y *= 0.5
+    return y
+
+
+@_float_op("LeakyRelu", since=6)
+def _leaky_relu(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    alpha = attrs["alpha"]
+    if 0.0 <= alpha <= 1.0:
+        return np.maximum(x, x * alpha)
+    y = x * alpha
+    np.copyto(y, x, where=x >= 0)
+    return y
+
+
+@kernel("PRelu", since=7)
+def prelu(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x, slope = inputs
+    y = np.asarray(x * slope)
+    if y.shape != x.shape:
+        raise ValueError(f"PRelu: slope of shape {slope.shape} does not broadcast to X's shape {x.shape}")
+    np.copyto(y, x, where=x >= 0)
+    return (y,)
+
+
+def _elu(x: np.ndarray, alpha: float) -> np.ndarray:
+    """alpha * (exp(x) - 1) for x < 0, x otherwise."""
+    y = np.minimum(x, 0)
+    np.expm1(y, out=y)
+    y *= alpha
+    np.copyto(y, x, where=x > 0)
+    return y
+
+
+@_float_op("Elu", since=6)
+def _elu_op(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    return _elu(x, attrs["alpha"])
+
+
+@_float_op("Selu", since=6)
+def _selu(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    y = _elu(x, attrs["alpha"])
+    y *= attrs["gamma"]
+    return y
+
+
+@_float_op("Celu", since=12)
+def _celu(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    alpha = attrs["alpha"]  # max(0, x) + min(0, alpha * (exp(x / alpha) - 1))
+    y = np.minimum(x, 0)
+    y /= alpha
+    np.expm1(y, out=y)
+    y *= alpha
+    y += np.maximum(x, 0)
+    return y
+
+
+@_float_op("HardSigmoid", since=6)
+def _hard_sigmoid(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    y = x * attrs["alpha"]
+    y += attrs["beta"]
+    np.clip(y, 0, 1, out=y)
+    return y
+
+
+@_float_op("HardSwish", since=14)
+def _hard_swish(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    y = x * _SIXTH
+    y += 0.5
+    np.clip(y, 0, 1, out=y)
+    y *= x
+    return y
+
+
+@_float_op("ThresholdedRelu", since=10)
+def _thresholded_relu(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    return np.where(x > attrs["alpha"], x, 0)
+
+
+@kernel("Shrink", since=9)
+def shrink(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    lambd, bias = attrs["lambd"], attrs["bias"]
+    y = np.where(x < -lambd, x + bias, np.where(x > lambd, x - bias, 0))
+    return (y if y.dtype == x.dtype else y.astype(x.dtype),)
+
+
+@kernel("Clip", since=6)
+def clip_6(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    lo, hi = attrs["min"], attrs["max"]
+    if x.dtype.kind == "f" and x.dtype.itemsize < 4:  # the float32 default bounds overflow float16
+        fi = np.finfo(x.dtype)
+        lo, hi = max(lo, float(fi.min)), min(hi, float(fi.max))
+    return (np.asarray(np.minimum(np.maximum(x, lo), hi)),)
+
+
+@kernel("Clip", since=11)
+def clip(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    lo = inputs[1] if len(inputs) > 1 else None
+    hi = inputs[2] if len(inputs) > 2 else None
+    y = x if lo is None else np.maximum(x, lo)
+    if hi is not None:
+        y = np.minimum(y, hi)
+    return (y if type(y) is np.ndarray else np.asarray(y),)
+
+
+def _one_hot_max(x: np.ndarray, axis: int) -> np.ndarray:
+    """1 at the first maximum along ``axis``, 0 elsewhere."""
+    if x.size == 0:
+        return np.zeros_like(x)
+    first = np.expand_dims(np.argmax(x, axis=axis), axis)
+    iota = np.arange(x.shape[axis]).reshape([-1 if d == axis else 1 for d in range(x.ndim)])
+    return (iota == first).astype(x.dtype)
+
+
+@kernel("Hardmax", since=1)
+def hardmax_1(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]  # opsets 1-11: flatten to 2-D at ``axis``, one max per row
+    axis = attrs["axis"] + (x.ndim if attrs["axis"] < 0 else 0)
+    flat = x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))
+    return (_one_hot_max(flat, 1).reshape(x.shape),)
+
+
+@kernel("Hardmax", since=13)
+def hardmax(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    axis = attrs["axis"]
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"Hardmax: axis {axis} is out of range for rank {x.ndim}")
+    return (_one_hot_max(x, axis % x.ndim),)

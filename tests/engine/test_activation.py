@@ -1,0 +1,111 @@
+"""Activation kernels: stability at large |x|, float16 handling, Clip variants, Hardmax semantics."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from onnxtrain.engine.registry import Attrs, find_kernel
+
+
+def run(op: str, *inputs, opset: int = 21, **attrs):
+    from onnx import defs
+
+    from onnxtrain.engine.registry import attribute_value
+
+    values = {n: (attribute_value(a.default_value) if a.default_value.name else None)
+              for n, a in defs.get_schema(op, opset).attributes.items()}
+    values.update(attrs)
+    return find_kernel(op, opset)(list(inputs), Attrs(values, op=op, opset=opset))[0]
+
+
+def test_sigmoid_is_stable_and_relatively_accurate() -> None:
+    x = np.array([-800.0, -50.0, -1.0, 0.0, 1.0, 50.0, 800.0])
+    with np.errstate(over="raise", invalid="raise"):
+        y = run("Sigmoid", x)
+    want = np.array([1 / (1 + math.exp(-v)) if v > -700 else 0.0 for v in x])
+    np.testing.assert_allclose(y, want, rtol=1e-15)
+    assert y[1] > 0  # exp(-50)-sized values keep their relative precision
+    y32 = run("Sigmoid", np.array([-100.0, 100.0], np.float32))
+    assert y32.dtype == np.float32 and y32[1] == 1.0
+
+
+def test_softplus_and_mish_at_large_inputs() -> None:
+    x = np.array([-1000.0, -30.0, 0.0, 30.0, 1000.0])
+    with np.errstate(over="raise"):
+        sp = run("Softplus", x)
+        mish = run("Mish", x, opset=18)
+    want = [0.0, math.log1p(math.exp(-30)), math.log(2), 30 + math.log1p(math.exp(-30)), 1000.0]
+    np.testing.assert_allclose(sp, want, rtol=1e-15)
+    np.testing.assert_allclose(mish[3:], [30.0, 1000.0])
+    assert abs(mish[0]) < 1e-300
+
+
+def test_float16_runs_in_float32() -> None:
+    x = np.linspace(-4, 4, 33).astype(np.float16)
+    for op, attrs in [("Sigmoid", {}), ("Gelu", {}), ("Gelu", {"approximate": "tanh"}), ("Softplus", {}),
+                      ("Elu", {}), ("Selu", {}), ("Mish", {}), ("HardSwish", {}), ("Celu", {})]:
+        y = run(op, x, **attrs)
+        assert y.dtype == np.float16, op
+        ref = run(op, x.astype(np.float32), **attrs).astype(np.float16)
+        np.testing.assert_array_equal(y, ref, err_msg=op)
+
+
+def test_gelu_matches_the_erf_formula() -> None:
+    x = np.linspace(-6, 6, 101)
+    want = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x])
+    # 1 + erf(x) cancels for x << 0, so the error there is absolute (as in the formula itself)
+    np.testing.assert_allclose(run("Gelu", x), want, rtol=1e-14, atol=1e-15)
+    with pytest.raises(ValueError, match="approximate"):
+        run("Gelu", x, approximate="fast")
+
+
+def test_clip_variants() -> None:
+    x = np.array([-3.0, -0.5, 0.0, 0.5, 3.0], np.float32)
+    np.testing.assert_array_equal(run("Clip", x, np.float32(-1), np.float32(1), opset=13),
+                                  [-1, -0.5, 0, 0.5, 1])
+    assert run("Clip", x, opset=13) is x
+    np.testing.assert_array_equal(run("Clip", x, None, np.array(0.25, np.float32), opset=13),
+                                  [-3, -0.5, 0, 0.25, 0.25])
+    np.testing.assert_array_equal(run("Clip", x, np.array(2, np.float32), np.array(1, np.float32), opset=13),
+                                  [1, 1, 1, 1, 1])  # min > max: everything becomes max
+    y6 = run("Clip", x.astype(np.float16), opset=6, min=-1.0)
+    assert y6.dtype == np.float16 and np.isfinite(y6).all()
+    np.testing.assert_array_equal(y6, [-1, -0.5, 0, 0.5, 3])
+    assert run("Clip", np.array(5.0, np.float32), None, np.array(1.0, np.float32), opset=13).shape == ()
+
+
+def test_prelu_and_shrink() -> None:
+    x = np.array([[-2.0, 1.0], [3.0, -4.0]], np.float32)
+    np.testing.assert_array_equal(run("PRelu", x, np.array([0.5, 0.25], np.float32)), [[-1, 1], [3, -1]])
+    with pytest.raises(ValueError, match="PRelu"):
+        run("PRelu", x[:1], np.ones((2, 2), np.float32))
+    xi = np.array([-5, -1, 0, 2, 6], np.int32)
+    y = run("Shrink", xi, lambd=1.5, bias=1.0)
+    assert y.dtype == np.int32
+    np.testing.assert_array_equal(y, [-4, 0, 0, 1, 5])
+
+
+def test_hardmax_axis_semantics() -> None:
+    x = np.array([[[1.0, 3.0], [3.0, 0.0]], [[2.0, 2.0], [0.0, 1.0]]])
+    # opset 13: along the axis only; the first maximum wins
+    np.testing.assert_array_equal(run("Hardmax", x, opset=13, axis=1),
+                                  [[[0, 1], [1, 0]], [[1, 1], [0, 0]]])
+    # opsets 1-11: flatten to [prod(shape[:axis]), prod(shape[axis:])], one 1 per row
+    np.testing.assert_array_equal(run("Hardmax", x, opset=11, axis=1),
+                                  [[[0, 1], [0, 0]], [[1, 0], [0, 0]]])
+    with pytest.raises(ValueError, match="axis"):
+        run("Hardmax", x, opset=13, axis=3)
+    assert run("Hardmax", np.zeros((0, 3)), opset=13).shape == (0, 3)
+
+
+def test_kernels_do_not_mutate_inputs() -> None:
+    rng = np.random.default_rng(0)
+    for op in ("Relu", "Sigmoid", "Tanh", "Gelu", "LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid",
+               "HardSwish", "Softplus", "Softsign", "Mish", "ThresholdedRelu", "Shrink", "Hardmax"):
+        x = rng.uniform(-3, 3, (4, 5))
+        keep = x.copy()
+        run(op, x)
+        np.testing.assert_array_equal(x, keep, err_msg=op)

@@ -1,0 +1,175 @@
+"""Elementwise kernels: accuracy of Erf and the ONNX-specific integer, Pow, Mod and Cast rules."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from onnxtrain.engine.kernels.elementwise import cast_to, erf
+from onnxtrain.engine.registry import Attrs, find_kernel
+
+
+def run(op: str, *inputs, opset: int = 21, **attrs):
+    fn = find_kernel(op, opset)
+    assert fn is not None, op
+    return fn(list(inputs), Attrs(attrs, op=op, opset=opset))[0]
+
+
+def _ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    ulp = np.spacing(np.abs(want).astype(got.dtype)).astype(np.float64)
+    return np.abs(got.astype(np.float64) - want) / ulp
+
+
+def test_erf_float64_within_a_few_ulp() -> None:
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.uniform(-7, 7, 4000), rng.normal(0, 1e-3, 500), np.linspace(-6.5, 6.5, 1301),
+                        [0.0, 1e-300, 5e-324, 0.5, 5.75, 6.0]])
+    want = np.array([math.erf(v) for v in x])
+    got = erf(x)
+    assert got.dtype == np.float64
+    ok = want != 0
+    assert _ulps(got[ok], want[ok]).max() <= 4  # math.erf itself is within 1 ulp
+    assert np.array_equal(got[~ok], want[~ok])
+
+
+def test_erf_float32_and_half_types() -> None:
+    rng = np.random.default_rng(2)
+    x = rng.uniform(-5, 5, 3000).astype(np.float32)
+    want = np.array([math.erf(v) for v in x.astype(np.float64)])
+    got = erf(x)
+    assert got.dtype == np.float32
+    assert _ulps(got[want != 0], want[want != 0]).max() <= 3
+    h = erf(x.astype(np.float16))
+    assert h.dtype == np.float16
+    np.testing.assert_allclose(h.astype(np.float64), want, atol=1e-3)
+    bf = helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16)
+    assert erf(x.astype(bf)).dtype == bf
+
+
+def test_erf_special_values_and_shapes() -> None:
+    x = np.array([np.inf, -np.inf, np.nan, -0.0, 0.0, 30.0, -30.0])
+    got = erf(x)
+    assert got[0] == 1 and got[1] == -1 and np.isnan(got[2])
+    assert np.signbit(got[3]) and not np.signbit(got[4])
+    assert got[5] == 1 and got[6] == -1
+    assert erf(np.float32(0.5)).shape == () and erf(np.zeros((2, 0, 3))).shape == (2, 0, 3)
+    y = run("Erf", np.array(0.25, np.float32))
+    assert isinstance(y, np.ndarray) and y.dtype == np.float32
+
+
+def test_results_are_arrays_for_0d_inputs() -> None:
+    a, b = np.array(3.0, np.float32), np.array(2.0, np.float32)
+    for op in ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Equal", "Less"):
+        y = run(op, a, b)
+        assert isinstance(y, np.ndarray), op
+    for op in ("Neg", "Exp", "Log", "Sqrt", "Sign", "Round", "IsNaN"):
+        assert isinstance(run(op, a), np.ndarray), op
+    assert run("Mod", a, b, fmod=1).dtype == np.float32
+
+
+def test_integer_div_truncates() -> None:
+    a = np.array([7, -7, 7, -7, 6, -6, 0], np.int32)
+    b = np.array([2, 2, -2, -2, 3, -3, 5], np.int32)
+    y = run("Div", a, b)
+    assert y.dtype == np.int32
+    np.testing.assert_array_equal(y, [3, -3, -3, 3, 2, 2, 0])
+    np.testing.assert_array_equal(run("Div", np.array([7], np.uint8), np.array([2], np.uint8)), [3])
+
+
+def test_mod_sign_rules() -> None:
+    a = np.array([-4, 7, 5, 4, -7, 8], np.int64)
+    b = np.array([3, -3, 8, -3, 3, 5], np.int64)
+    np.testing.assert_array_equal(run("Mod", a, b, fmod=0), [2, -2, 5, -2, 2, 3])  # sign of divisor
+    np.testing.assert_array_equal(run("Mod", a, b, fmod=1), [-1, 1, 5, 1, -1, 3])  # sign of dividend
+    x = np.array([-4.5, 7.5], np.float32)
+    np.testing.assert_allclose(run("Mod", x, np.array([2.0, -2.0], np.float32), fmod=1), [-0.5, 1.5])
+
+
+def test_pow_keeps_the_base_type() -> None:
+    x = np.array([1.5, 2.0, -3.0], np.float32)
+    assert run("Pow", x, np.array([2, 3, 2], np.int64)).dtype == np.float32
+    y = run("Pow", x.astype(np.float16), np.array(0.5, np.float32))
+    assert y.dtype == np.float16 and np.isnan(y[2])
+    yi = run("Pow", np.array([2, 3, 4], np.int64), np.array([0.5, 2.0, -1.0], np.float32))
+    assert yi.dtype == np.int64
+    np.testing.assert_array_equal(yi, [1, 9, 0])
+    neg = run("Pow", np.array([2, -1], np.int32), np.array([-1, -1], np.int32))
+    np.testing.assert_array_equal(neg, [0, -1])
+    np.testing.assert_array_equal(run("Pow", np.array([3], np.int32), np.array([4], np.int64)), [81])
+
+
+def test_variadic_ops_broadcast_and_keep_inputs() -> None:
+    a = np.ones((3, 1), np.float32)
+    b = np.arange(4, dtype=np.float32)
+    c = np.full((2, 1, 1), 2.0, np.float32)
+    before = [v.copy() for v in (a, b, c)]
+    np.testing.assert_allclose(run("Sum", a, b, c), a + b + c)
+    np.testing.assert_allclose(run("Mean", a, b, c), (a + b + c) / 3)
+    np.testing.assert_allclose(run("Max", a, b, c), np.maximum(np.maximum(a, b), c))
+    for v, w in zip((a, b, c), before, strict=True):
+        np.testing.assert_array_equal(v, w)
+
+
+def test_bitshift_edges() -> None:
+    x = np.array([-16, 16, 1], np.int8)
+    np.testing.assert_array_equal(run("BitShift", x, np.array([2, 9, -1], np.int8), direction="RIGHT"),
+                                  [-4, 0, 0])
+    np.testing.assert_array_equal(run("BitShift", np.array([1, 1], np.uint8), np.array([7, 8], np.uint8),
+                                      direction="LEFT"), [128, 0])
+    with pytest.raises(ValueError, match="direction"):
+        run("BitShift", x, x, direction="UP")
+
+
+def test_isinf_flags() -> None:
+    x = np.array([np.inf, -np.inf, 1.0, np.nan], np.float32)
+    assert run("IsInf", x, detect_positive=1, detect_negative=1).tolist() == [True, True, False, False]
+    assert run("IsInf", x, detect_positive=1, detect_negative=0).tolist() == [True, False, False, False]
+    assert run("IsInf", x, detect_positive=0, detect_negative=1).tolist() == [False, True, False, False]
+    assert not run("IsInf", x, detect_positive=0, detect_negative=0).any()
+
+
+def test_cast_float8_saturation() -> None:
+    x = np.array([1000.0, -1000.0, np.inf, np.nan, 0.3], np.float32)
+    e4 = cast_to(x, TensorProto.FLOAT8E4M3FN, saturate=True)
+    np.testing.assert_array_equal(e4.astype(np.float32)[:3], [448, -448, 448])
+    assert np.isnan(e4.astype(np.float32)[3])
+    e4n = cast_to(x, TensorProto.FLOAT8E4M3FN, saturate=False).astype(np.float32)
+    assert np.isnan(e4n[:3]).all()  # no infinity in e4m3fn: out of range becomes NaN
+    e5n = cast_to(x, TensorProto.FLOAT8E5M2, saturate=False).astype(np.float32)
+    assert e5n[0] == 1024 and e5n[2] == np.inf
+    y = run("Cast", x, to=TensorProto.FLOAT8E5M2, saturate=1, opset=19)
+    assert y.dtype == helper.tensor_dtype_to_np_dtype(TensorProto.FLOAT8E5M2)
+
+
+def test_cast_e8m0_rounding() -> None:
+    x = np.array([1.0, 1.5, 3.0, 0.75, 2.0**127 * 1.5], np.float32)
+
+    def as_float(m: str, sat: bool = True) -> list[float]:
+        return cast_to(x, TensorProto.FLOAT8E8M0, sat, m).astype(np.float32).tolist()
+
+    assert as_float("up")[:4] == [1.0, 2.0, 4.0, 1.0]
+    assert as_float("down")[:4] == [1.0, 1.0, 2.0, 0.5]
+    assert as_float("nearest")[:4] == [1.0, 2.0, 4.0, 1.0]
+    assert as_float("up")[4] == 2.0**127 and math.isnan(as_float("up", sat=False)[4])
+    with pytest.raises(ValueError, match="round_mode"):
+        cast_to(x, TensorProto.FLOAT8E8M0, True, "sideways")
+
+
+def test_cast_strings_bool_ints() -> None:
+    s = cast_to(np.array([1.5, -2.0], np.float32), TensorProto.STRING)
+    assert s.dtype == object and s.tolist() == ["1.5", "-2.0"]
+    back = cast_to(np.array(["1.5", "-inf"], dtype=object), TensorProto.FLOAT)
+    assert back.dtype == np.float32 and back[1] == -np.inf
+    np.testing.assert_array_equal(cast_to(np.array([0.0, -0.5, 2.0]), TensorProto.BOOL), [False, True, True])
+    np.testing.assert_array_equal(cast_to(np.array([-1.7, 2.9]), TensorProto.INT32), [-1, 2])
+    x = np.ones(3, np.float32)
+    assert cast_to(x, TensorProto.FLOAT) is x  # no copy when the type already matches
+
+
+def test_castlike_uses_the_like_type() -> None:
+    y = run("CastLike", np.array([1.25, 3.5], np.float64), np.zeros(0, np.float16), opset=19, saturate=1)
+    assert y.dtype == np.float16
+    np.testing.assert_array_equal(y, [1.25, 3.5])
