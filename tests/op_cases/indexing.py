@@ -125,3 +125,60 @@ CASES = [
     OpCase("Unique", make_inputs=lambda rng, dt: [rng.integers(0, 2, (5, 2)).astype(dt)], n_outputs=4,
            attrs={"axis": 0}, grad=False, variant="axis0"),
 ]
+
+
+def _with_zeros(make, slot: int, n_zero: int):
+    """``make``'s inputs with the first ``n_zero`` elements of input ``slot`` set to exactly 0."""
+
+    def wrapped(rng, dt):
+        vals = make(rng, dt)
+        vals[slot].reshape(-1)[:n_zero] = 0
+        return vals
+
+    return wrapped
+
+
+# gradient rows (onnxtrain/autodiff/rules/indexing.py): duplicate and negative indices, other axes
+CASES += [
+    OpCase("Gather", make_inputs=_x(3, 4)(_i64([[-1, 3, 3], [0, -1, 1]])), attrs={"axis": -1}, wrt=(0,),
+           variant="grad_last_axis_dups"),
+    OpCase("Gather", make_inputs=_x(2, 3, 4, 2)(_i64([[2, 2], [-3, 0]])), attrs={"axis": 2}, wrt=(0,),
+           opset=18, variant="grad_axis2_4d"),
+    OpCase("Gather", make_inputs=_x(4, 3)(_i64(-2)), wrt=(0,), variant="grad_scalar_axis0"),
+    OpCase("Gather", make_inputs=_x(5, 2)(np.array([1, 1, -4, 4, 1], dtype=np.int32)), wrt=(0,), opset=21,
+           variant="grad_int32_dups"),
+    OpCase("GatherElements", make_inputs=_x(2, 3)(_i64([[2, -1, 0], [1, 1, -3]])), attrs={"axis": -1}, wrt=(0,),
+           variant="grad_neg_axis_dups"),
+    OpCase("GatherND", make_inputs=_x(3, 4)(_i64([[0, 1], [0, 1], [-1, -4], [2, 3]])), wrt=(0,), opset=18,
+           variant="grad_full_dups"),
+    OpCase("GatherND", make_inputs=_x(2, 3, 4)(_i64([[[2], [2], [-1]], [[0], [1], [0]]])),
+           attrs={"batch_dims": 1}, wrt=(0,), variant="grad_batch_dims_dups"),
+    OpCase("ScatterElements", make_inputs=_perm_indices((3, 4), 0), attrs={"axis": -2}, wrt=(0, 2), opset=18,
+           variant="grad_none_axis0"),
+    OpCase("ScatterElements", make_inputs=_scatter((3, 5), (3, 6), 5), attrs={"axis": 1, "reduction": "add"},
+           wrt=(0, 2), variant="grad_add_axis1"),
+    # reduction="mul" is multilinear, so the gradient at an update of exactly 0 is checkable
+    OpCase("ScatterElements", make_inputs=_with_zeros(_scatter((3, 2), (6, 2), 3), 2, 3),
+           attrs={"reduction": "mul"}, wrt=(0, 2), variant="grad_mul_zero_updates"),
+    OpCase("ScatterND", make_inputs=lambda rng, dt: [rng.uniform(-2, 2, (3, 4)).astype(dt),
+                                                     _i64([[0, 1], [-1, 2], [1, -4]]),
+                                                     rng.uniform(-2, 2, (3,)).astype(dt)],
+           wrt=(0, 2), variant="grad_none_elements"),
+    OpCase("ScatterND", make_inputs=lambda rng, dt: [rng.uniform(-2, 2, (3, 2, 2)).astype(dt),
+                                                     _i64([[0, 1], [0, 1], [-1, 0], [2, -2]]),
+                                                     rng.uniform(-2, 2, (4, 2)).astype(dt)],
+           attrs={"reduction": "add"}, wrt=(0, 2), opset=18, variant="grad_add_k2"),
+    OpCase("ScatterND", make_inputs=_with_zeros(lambda rng, dt: [rng.uniform(-2, 2, (3, 2)).astype(dt),
+                                                                 _i64([[0], [0], [-1], [1], [0]]),
+                                                                 rng.uniform(-2, 2, (5, 2)).astype(dt)], 2, 3),
+           attrs={"reduction": "mul"}, wrt=(0, 2), variant="grad_mul_zero_updates"),
+    OpCase("TopK", make_inputs=_x(5, 3)(_i64([2])), attrs={"axis": 0}, n_outputs=2, wrt=(0,), grad_outputs=(0,),
+           variant="grad_axis0"),
+    OpCase("TopK", make_inputs=_x(2, 3, 5)(_i64([3])), attrs={"largest": 0, "axis": -1}, n_outputs=2, wrt=(0,),
+           grad_outputs=(0,), opset=18, variant="grad_smallest_3d"),
+    OpCase("CumSum", make_inputs=_x(2, 3, 4)(_i64(-1)), attrs={"reverse": 1}, wrt=(0,), variant="grad_reverse"),
+    OpCase("CumSum", make_inputs=_x(4, 3)(np.array(0, dtype=np.int32)), attrs={"exclusive": 1, "reverse": 1},
+           wrt=(0,), opset=18, variant="grad_excl_rev_axis0"),
+    OpCase("Compress", make_inputs=_x(2, 3, 4)(np.array([False, True, True, True])), attrs={"axis": 2}, wrt=(0,),
+           variant="grad_axis2"),
+]
