@@ -99,8 +99,6 @@ def conv_geom(g: GradCtx, w_index: int | None = 1, transposed: bool = False) -> 
         b = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
         pb.append(b)
         pe.append(total - b)
-    if min(pb + pe) < 0:
-        raise RuleError(f"ConvTranspose output_shape {out} larger than the full output is not supported")
     return ConvGeom(nd, k, strides, dil, pb, pe)
 
 
@@ -254,6 +252,16 @@ def conv_transpose_grad(g: GradCtx) -> None:
     group = int(g.attr("group") or 1)
     dy = g.dy(0)
     x_sp, y_sp = spatial(g, 0), spatial(g, 0, output=True)
+    if min(geo.pads) < 0:
+        # output_shape beyond the full output: the extra rows (negative pads) are zeros no input
+        # reaches, so crop them off dY and continue with the remaining non-negative pads
+        if y_sp is None or any(v is None for v in y_sp):
+            raise RuleError("ConvTranspose with negative derived pads needs static output sizes")
+        lo = [max(0, -p) for p in geo.pb]
+        hi = [o - max(0, -p) for o, p in zip(y_sp, geo.pe)]  # type: ignore[operator]
+        dy = g.emit("Slice", dy, g.ints(lo), g.ints(hi), g.ints(range(2, geo.nd + 2)))
+        y_sp = [h - b for h, b in zip(hi, lo)]
+        geo = ConvGeom(geo.nd, geo.k, geo.strides, geo.dil, [max(0, p) for p in geo.pb], [max(0, p) for p in geo.pe])
     dyn = any(v is None for v in (*(x_sp or [None]), *(y_sp or [None])))
     op = list(g.attr("output_padding") or [0] * geo.nd)
     if any(o >= s for o, s in zip(op, geo.strides)):

@@ -28,14 +28,34 @@ def _numel(g: GradCtx, shape: str) -> str:
 def max_pool_grad(g: GradCtx) -> None:
     # Indices hold the flat (N·C·spatial) position of each window's maximum:
     # dX = Reshape(ScatterElements(zeros[numel], Indices, dY, reduction=add), Shape(X))
-    if int(g.attr("storage_order") or 0) != 0:
-        raise RuleError("MaxPool storage_order=1 (column-major Indices) is not supported")
     shape = g.shape(0)
     flat = g.ints([-1])
     zeros = g.emit("ConstantOfShape", _numel(g, shape), value=_zero(g))
     idx = g.emit("Reshape", g.y(1), flat)
+    if int(g.attr("storage_order") or 0) == 1:
+        idx = _row_major(g, idx)
     acc = g.emit("ScatterElements", zeros, idx, g.emit("Reshape", g.dy(0), flat), axis=0, reduction="add")
     g.set_dx(0, g.emit("Reshape", acc, shape))
+
+
+def _row_major(g: GradCtx, idx: str) -> str:
+    """Column-major spatial Indices (storage_order=1) → row-major: split off n·c, decode, re-encode."""
+    sp = spatial(g, 0)
+    if sp is None or any(v is None for v in sp):
+        raise RuleError("MaxPool storage_order=1 needs static spatial sizes")
+    size = int(np.prod(sp))  # type: ignore[arg-type]
+
+    def i64(v: int) -> str:
+        return g.w.const(np.array(v, dtype=np.int64), TensorProto.INT64)
+
+    s = g.emit("Mod", idx, i64(size))
+    out = g.emit("Sub", idx, s)  # n·c·size
+    for i, n in enumerate(sp):
+        q = s if i == 0 else g.emit("Div", s, i64(int(np.prod(sp[:i]))))  # type: ignore[arg-type]
+        c = q if i == len(sp) - 1 else g.emit("Mod", q, i64(n))
+        stride = int(np.prod(sp[i + 1:]))  # type: ignore[arg-type]
+        out = g.emit("Add", out, c if stride == 1 else g.emit("Mul", c, i64(stride)))
+    return out
 
 
 def _zero(g: GradCtx) -> TensorProto:
@@ -91,19 +111,23 @@ def average_pool_grad(g: GradCtx) -> None:
         sp = g.emit("Slice", g.shape(0, output=True), g.ints([2]), g.ints([geo.nd + 2]), g.ints([0]))
         inv = g.emit("Reshape", g.const((1.0 / cnt).reshape(-1)), g.emit("Concat", g.ints([1, 1]), sp, axis=0))
     scaled = g.emit("Mul", g.dy(0), inv)
+    g.set_dx(0, _window_adjoint(g, scaled, geo, in_sp, out_sp, static))
+
+
+def _window_adjoint(g: GradCtx, t: str, geo: ConvGeom, in_sp: list[int | None] | None,
+                    out_sp: list[int | None] | None, static: bool) -> str:
+    """Sᵀ(t): every window's value added back onto the input positions it covers (zero padding)."""
     xs = g.static_shape(0)
     c = xs[1] if xs is not None else None
     ones = np.ones((c or 1, 1, *geo.k))
     if c is not None:
         # depthwise: one ones-kernel per channel
-        g.set_dx(0, transposed_back(g, scaled, g.const(ones), geo, c, in_sp, out_sp,
-                                    None if static else g.shape(0)))
-        return
+        return transposed_back(g, t, g.const(ones), geo, c, in_sp, out_sp, None if static else g.shape(0))
     # unknown channel count: fold channels into the batch and use one (1, 1, k…) kernel
     shape = g.shape(0)
-    folded = g.emit("Reshape", scaled, _fold_shape(g, geo.nd))
+    folded = g.emit("Reshape", t, _fold_shape(g, geo.nd))
     d = transposed_back(g, folded, g.const(ones), geo, 1, in_sp, out_sp, None if static else _fold_x(g, shape))
-    g.set_dx(0, g.emit("Reshape", d, shape))
+    return g.emit("Reshape", d, shape)
 
 
 def _fold_shape(g: GradCtx, nd: int) -> str:
@@ -129,6 +153,38 @@ def _spatial_size(g: GradCtx) -> str:
     return g.emit("Cast", g.emit("ReduceProd", sp, keepdims=0), to=g.dtype)
 
 
+def _lp_factor(g: GradCtx, p: int) -> str:
+    """∂|x|ᵖ/∂x / p = x·|x|^(p−2) (Sign(x) for p = 1)."""
+    x = g.x(0)
+    if p == 1:
+        return g.emit("Sign", x)
+    if p == 2:
+        return x
+    return g.emit("Mul", x, g.emit("Pow", g.emit("Abs", x), g.const(float(p - 2))))
+
+
+def _lp_scaled_dy(g: GradCtx, p: int) -> str:
+    """dY / Y^(p−1)."""
+    if p == 1:
+        return g.dy(0)
+    y = g.y(0) if p == 2 else g.emit("Pow", g.y(0), g.const(float(p - 1)))
+    return g.emit("Div", g.dy(0), y)
+
+
+@gradient("LpPool", uses=("x0", "y0"))
+def lp_pool_grad(g: GradCtx) -> None:
+    # Y = (Σ_window |x|ᵖ)^(1/p):  dX = x·|x|^(p−2) · Sᵀ(dY / Y^(p−1)), Sᵀ the ones-kernel ConvTranspose
+    p = int(g.attr("p") or 2)
+    geo = conv_geom(g, w_index=None)
+    in_sp = spatial(g, 0)
+    static = in_sp is not None and all(v is not None for v in in_sp)
+    if not static and bool(g.attr("ceil_mode") or 0):
+        raise RuleError("LpPool with ceil_mode needs static spatial sizes")
+    out_sp = _pool_out(geo, in_sp, bool(g.attr("ceil_mode") or 0)) if static else None  # type: ignore[arg-type]
+    back = _window_adjoint(g, _lp_scaled_dy(g, p), geo, in_sp, out_sp, static)
+    g.set_dx(0, g.emit("Mul", _lp_factor(g, p), back))
+
+
 @gradient("GlobalAveragePool", linear=True)
 def global_average_pool_grad(g: GradCtx) -> None:
     # Y = mean over the spatial axes:  dX = Expand(dY / (H·W…), Shape(X))
@@ -143,3 +199,17 @@ def global_max_pool_grad(g: GradCtx) -> None:
     zeros = g.emit("ConstantOfShape", g.emit("Shape", x3), value=_zero(g))
     d = g.emit("ScatterElements", zeros, idx, g.emit("Reshape", g.dy(0), g.ints([0, 0, 1])), axis=2)
     g.set_dx(0, g.emit("Reshape", d, g.shape(0)))
+
+
+@gradient("GlobalLpPool", uses=("x0", "y0"))
+def global_lp_pool_grad(g: GradCtx) -> None:
+    # Y = (Σ_spatial |x|ᵖ)^(1/p):  dX = x·|x|^(p−2) · dY / Y^(p−1)  (broadcast over the spatial axes)
+    p = int(g.attr("p") or 2)
+    g.set_dx(0, g.emit("Mul", _lp_factor(g, p), _lp_scaled_dy(g, p)))
+
+
+@gradient("MaxUnpool", uses=("x1",), stop=(1, 2), linear=True)
+def max_unpool_grad(g: GradCtx) -> None:
+    # Y = zeros with Y.flat[I] = X:  dX = dY.flat[I] (a Gather shaped like I, i.e. like X).
+    # Duplicate indices (never produced by MaxPool without overlap) would each receive dY there.
+    g.set_dx(0, g.emit("Gather", g.emit("Reshape", g.dy(0), g.ints([-1])), g.x(1), axis=0))

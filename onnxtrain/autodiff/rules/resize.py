@@ -29,11 +29,11 @@ def _const_value(g: GradCtx, name: str) -> np.ndarray | None:
     """The value of ``name`` when it is an initializer or a Constant node's output, else None."""
     if not name:
         return None
-    model = g._bw.model  # noqa: SLF001 - no public accessor for constant inputs yet
+    model = g._bw.model  # private: GradCtx has no accessor for constant inputs yet
     for t in model.graph.initializer:
         if t.name == name:
             return numpy_helper.to_array(t)
-    for n in g._bw.fwd_nodes:  # noqa: SLF001
+    for n in g._bw.fwd_nodes:
         if n.op_type == "Constant" and n.output[0] == name:
             for a in n.attribute:
                 if a.name == "value":

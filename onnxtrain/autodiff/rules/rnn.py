@@ -1,0 +1,403 @@
+"""Gradient rules of LSTM, GRU and RNN (same names as engine/kernels/rnn.py).
+
+No single op computes these gradients, so each rule lowers the node to its per-step equations and
+emits backprop through time, unrolled over the static sequence length:
+
+* the hidden states h_t come from the forward node's Y output (added when the model omits it), so
+  every gate is recomputed with batched MatMuls over all steps at once; only LSTM's cell state
+  (and its peephole gates) need a sequential elementwise recurrence;
+* the backward recurrence is linear in (dh, dc): its coefficients (gate derivatives) are computed
+  batched, and each step costs one concat, a few multiplies and one MatMul with R;
+* the per-step pre-activation gradients dG are concatenated and give dX, dW, dR, dB with one
+  MatMul/Einsum each.
+
+All tensors are kept as [dirs, steps, batch, features] in *walking order* (the reverse direction's
+steps reversed), so both directions of a bidirectional node step together with batched MatMuls.
+Supported: directions forward/reverse/bidirectional, layout 0/1, B, initial_h/initial_c absent or
+given, LSTM peepholes, GRU linear_before_reset 0/1, default activations. sequence_lens, clip,
+input_forget and custom activations raise RuleError.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from onnxtrain.autodiff.context import GradCtx, RuleError
+from onnxtrain.autodiff.registry import gradient
+
+_DEFAULT_ACTS = {"LSTM": ("sigmoid", "tanh", "tanh"), "GRU": ("sigmoid", "tanh"), "RNN": ("tanh",)}
+_GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+
+
+class _Unroll:
+    """Shapes, layout helpers and the shared weight-gradient tail of one recurrent node."""
+
+    def __init__(self, g: GradCtx):
+        op = g.node.op_type
+        self.g = g
+        direction = g.attr("direction") or "forward"
+        self.D = 2 if direction == "bidirectional" else 1
+        self.rev = [False, True] if self.D == 2 else [direction == "reverse"]
+        self.layout = int(g.attr("layout") or 0)
+        if g.has_x(4):
+            raise RuleError(f"{op} gradient: sequence_lens is not supported")
+        if g.attr("clip") is not None:
+            raise RuleError(f"{op} gradient: clip is not supported")
+        if op == "LSTM" and int(g.attr("input_forget") or 0):
+            raise RuleError("LSTM gradient: input_forget=1 is not supported")
+        acts = g.attr("activations")
+        if acts:
+            want = _DEFAULT_ACTS[op]
+            names = [a.lower() for a in acts]
+            if len(names) % len(want) or any(n != want[k % len(want)] for k, n in enumerate(names)):
+                raise RuleError(f"{op} gradient: activations {list(acts)} are not supported (only the defaults)")
+        xs, ws, rs = g.static_shape(0), g.static_shape(1), g.static_shape(2)
+        t = None if xs is None else xs[0 if self.layout == 0 else 1]
+        if t is None:
+            raise RuleError(f"{op} gradient needs a static sequence length (X has shape {xs})")
+        self.T = t
+        hid = g.attr("hidden_size") or (rs[2] if rs is not None else None)
+        n_in = ws[2] if ws is not None else None
+        if hid is None or n_in is None:
+            raise RuleError(f"{op} gradient needs static W/R shapes (hidden and input sizes)")
+        self.H, self.I = int(hid), int(n_in)
+        self.G = _GATES[op] * self.H
+        self.one = g.const(1.0)
+
+    # ---- small emitters ----------------------------------------------------------------------
+    def e(self, op: str, *inputs: str | None, **attrs: object) -> str:
+        return self.g.emit(op, *inputs, **attrs)
+
+    def mul(self, a: str, b: str) -> str:
+        return self.e("Mul", a, b)
+
+    def add(self, a: str | None, b: str | None) -> str | None:
+        if a is None:
+            return b
+        return a if b is None else self.e("Add", a, b)
+
+    def one_minus(self, a: str) -> str:
+        return self.e("Sub", self.one, a)
+
+    def dsig(self, s: str) -> str:
+        """σ' from σ: s·(1 − s)."""
+        return self.mul(s, self.one_minus(s))
+
+    def dtanh(self, t: str) -> str:
+        """tanh' from tanh: 1 − t²."""
+        return self.one_minus(self.mul(t, t))
+
+    def idx(self, rows: list[list[int]]) -> str:
+        return self.g.w.const(np.array(rows, dtype=np.int64), TensorProto.INT64)
+
+    def walk(self, t: int, d: int) -> int:
+        """Time index of walking step ``t`` of direction ``d``."""
+        return self.T - 1 - t if self.rev[d] else t
+
+    def split(self, a: str, sizes: list[int], axis: int) -> list[str]:
+        if len(sizes) == 1:
+            return [a]
+        return self.g.emit("Split", a, self.g.ints(sizes), axis=axis, outputs=len(sizes))
+
+    def steps(self, a: str) -> list[str]:
+        """[D, T, B, F] → T tensors [D, 1, B, F]."""
+        return self.split(a, [1] * self.T, 1)
+
+    def cat(self, parts: list[str], axis: int) -> str:
+        return parts[0] if len(parts) == 1 else self.e("Concat", *parts, axis=axis)
+
+    # ---- layouts -----------------------------------------------------------------------------
+    def walk_x(self) -> str:
+        """X → [D, T, B, I] in walking order."""
+        x = self.g.x(0)
+        if self.layout == 1:
+            x = self.e("Transpose", x, perm=[1, 0, 2])
+        if self.D == 1 and not self.rev[0]:
+            return self.e("Unsqueeze", x, self.g.ints([0]))
+        return self.e("Gather", x, self.idx([[self.walk(t, d) for t in range(self.T)] for d in range(self.D)]),
+                      axis=0)
+
+    def walk_y(self, y: str) -> str:
+        """Y (or dY), layout 0 [T, D, B, H] / layout 1 [B, T, D, H] → [D, T, B, H] in walking order."""
+        if self.layout == 1:
+            y = self.e("Transpose", y, perm=[1, 2, 0, 3])
+        if self.D == 1 and not self.rev[0]:
+            return self.e("Transpose", y, perm=[1, 0, 2, 3])
+        flat = self.e("Reshape", y, self.g.ints([self.T * self.D, -1, self.H]))
+        rows = [[self.walk(t, d) * self.D + d for t in range(self.T)] for d in range(self.D)]
+        return self.e("Gather", flat, self.idx(rows), axis=0)
+
+    def unwalk_x(self, dxw: str) -> str:
+        """[D, T, B, I] in walking order → dX in X's layout, summed over directions."""
+        if self.D == 1 and not self.rev[0]:
+            dx = self.e("Squeeze", dxw, self.g.ints([0]))
+        else:
+            flat = self.e("Reshape", dxw, self.g.ints([self.D * self.T, -1, self.I]))
+            rows = [[d * self.T + self.walk(t, d) for t in range(self.T)] for d in range(self.D)]
+            dx = self.e("Gather", flat, self.idx(rows if self.D == 2 else rows[0]), axis=0)
+            if self.D == 2:
+                dx = self.g.reduce("ReduceSum", dx, [0], keepdims=0)
+        return self.e("Transpose", dx, perm=[1, 0, 2]) if self.layout == 1 else dx
+
+    def state_in(self, name: str | None) -> str | None:
+        """A state (or its gradient) [D, B, H] (layout 1: [B, D, H]) → [D, 1, B, H]."""
+        if name is None:
+            return None
+        if self.layout == 1:
+            name = self.e("Transpose", name, perm=[1, 0, 2])
+        return self.e("Unsqueeze", name, self.g.ints([1]))
+
+    def state_out(self, s: str) -> str:
+        """[D, 1, B, H] → the layout of initial_h/initial_c."""
+        s = self.e("Squeeze", s, self.g.ints([1]))
+        return self.e("Transpose", s, perm=[1, 0, 2]) if self.layout == 1 else s
+
+    def input_state(self, i: int) -> str | None:
+        return self.state_in(self.g.x(i)) if self.g.has_x(i) else None
+
+    def shift(self, a: str, init: str | None) -> str:
+        """[D, T, B, H] → the previous step's values: init (or zeros) then a[:, :T−1]."""
+        g = self.g
+        head = g.emit("Slice", a, g.ints([0]), g.ints([self.T - 1]), g.ints([1]))
+        if init is not None:
+            return self.e("Concat", init, head, axis=1) if self.T > 1 else init
+        return self.e("Pad", head, g.ints([0, 1, 0, 0, 0, 0, 0, 0]))
+
+    def wt4(self, w: str) -> str:
+        """[D, G, K] → [D, 1, K, G] (right operand of a per-direction MatMul)."""
+        return self.e("Unsqueeze", self.e("Transpose", w, perm=[0, 2, 1]), self.g.ints([1]))
+
+    def w4(self, w: str) -> str:
+        """[D, G, K] → [D, 1, G, K]."""
+        return self.e("Unsqueeze", w, self.g.ints([1]))
+
+    def b4(self, b: str) -> str:
+        """[D, G] → [D, 1, 1, G]."""
+        return self.e("Unsqueeze", b, self.g.ints([1, 2]))
+
+    def biases(self) -> tuple[str, str] | None:
+        """(Wb, Rb), each [D, G], or None when B is absent."""
+        if not self.g.has_x(3):
+            return None
+        wb, rb = self.split(self.g.x(3), [self.G, self.G], 1)
+        return wb, rb
+
+    def dh_last(self, dhw: list[str | None]) -> str:
+        """dh at the last walking step: dY's last step plus dY_h (zeros if neither flows)."""
+        g = self.g
+        d = self.add(dhw[-1], self.state_in(g.dy(1)))
+        if d is None:
+            d = self.state_in(g.dy_or_zeros(1))
+        return d  # type: ignore[return-value]
+
+    def dy_steps(self) -> list[str | None]:
+        dy = self.g.dy(0)
+        if dy is None:
+            return [None] * self.T
+        return self.steps(self.walk_y(dy))
+
+    def finish(self, dgx: str, dgh: str, xw: str, hprev: str, dh0: str | None,
+               dr: str | None = None) -> None:
+        """dX, dW, dR, dB from the pre-activation gradients of the input (dgx) and recurrent (dgh) paths."""
+        g = self.g
+        if g.needs_dx(0):
+            g.set_dx(0, self.unwalk_x(self.e("MatMul", dgx, self.w4(g.x(1)))))  # dX_t = dG_t·W
+        if g.needs_dx(1):
+            g.set_dx(1, self.e("Einsum", dgx, xw, equation="dtbg,dtbi->dgi"))  # dW = Σ_t,b dGᵀ·x
+        if g.needs_dx(2):
+            g.set_dx(2, dr or self.e("Einsum", dgh, hprev, equation="dtbg,dtbh->dgh"))  # dR = Σ dGᵀ·h_prev
+        if g.has_x(3) and g.needs_dx(3):
+            sx = g.reduce("ReduceSum", dgx, [1, 2], keepdims=0)
+            sh = sx if dgh == dgx else g.reduce("ReduceSum", dgh, [1, 2], keepdims=0)
+            g.set_dx(3, self.e("Concat", sx, sh, axis=1))
+        if g.has_x(5) and g.needs_dx(5) and dh0 is not None:
+            g.set_dx(5, self.state_out(dh0))
+
+
+# ------------------------------------------------------------------------------------------- LSTM
+
+@gradient("LSTM", uses=("x*", "y0", "y1"), stop=(4,))
+def lstm_grad(g: GradCtx) -> None:
+    # gates (order i, o, f, c): a = x·Wᵀ + h_prev·Rᵀ + Wb + Rb;  i, o, f = σ(a_i + P_i c_prev, a_o + P_o c,
+    # a_f + P_f c_prev), c̃ = tanh(a_c);  c = f·c_prev + i·c̃;  h = o·tanh(c)
+    u = _Unroll(g)
+    H = u.H
+    xw = u.walk_x()
+    hw = u.walk_y(g.y(0))
+    h0, c0 = u.input_state(5), u.input_state(6)
+    hprev = u.shift(hw, h0)
+    a = u.e("Add", u.e("MatMul", xw, u.wt4(g.x(1))), u.e("MatMul", hprev, u.wt4(g.x(2))))
+    bias = u.biases()
+    if bias is not None:
+        a = u.e("Add", a, u.b4(u.e("Add", *bias)))
+    peep = g.has_x(7)
+    if not peep:
+        sig, a_c = u.split(a, [3 * H, H], 3)
+        i_g, o_g, f_g = u.split(u.e("Sigmoid", sig), [H, H, H], 3)
+        cc = u.e("Tanh", a_c)
+        f_s, ic_s = u.steps(f_g), u.steps(u.mul(i_g, cc))
+        cs: list[str] = []
+        c = c0
+        for t in range(u.T):
+            c = ic_s[t] if c is None else u.e("Add", u.mul(f_s[t], c), ic_s[t])
+            cs.append(c)
+    else:
+        p_i, p_o, p_f = u.split(u.b4(g.x(7)), [H, H, H], 3)
+        a_i, a_o, a_f, a_c = u.split(a, [H, H, H, H], 3)
+        cc = u.e("Tanh", a_c)
+        ai_s, ao_s, af_s, cc_s = u.steps(a_i), u.steps(a_o), u.steps(a_f), u.steps(cc)
+        cs, is_, os_, fs = [], [], [], []
+        c = c0
+        for t in range(u.T):
+            it = u.e("Sigmoid", ai_s[t] if c is None else u.e("Add", ai_s[t], u.mul(p_i, c)))
+            ft = u.e("Sigmoid", af_s[t] if c is None else u.e("Add", af_s[t], u.mul(p_f, c)))
+            ic = u.mul(it, cc_s[t])
+            c = ic if c is None else u.e("Add", u.mul(ft, c), ic)
+            os_.append(u.e("Sigmoid", u.e("Add", ao_s[t], u.mul(p_o, c))))
+            cs.append(c)
+            is_.append(it)
+            fs.append(ft)
+        i_g, o_g, f_g = u.cat(is_, 1), u.cat(os_, 1), u.cat(fs, 1)
+    c_all = u.cat(cs, 1)
+    cprev = u.shift(c_all, c0)
+    tc = u.e("Tanh", c_all)
+    # backward coefficients: dc += dh·k1;  da_o = dh·b_o;  da_i, da_f, da_c = dc·(a_i, a_f, a_c);
+    # dc_prev = dc·fc
+    k1 = u.mul(o_g, u.dtanh(tc))
+    b_o = u.mul(tc, u.dsig(o_g))
+    c_i = u.mul(cc, u.dsig(i_g))
+    c_f = u.mul(cprev, u.dsig(f_g))
+    c_c = u.mul(i_g, u.dtanh(cc))
+    fc = f_g
+    if peep:
+        k1 = u.e("Add", k1, u.mul(b_o, p_o))
+        fc = u.e("Add", f_g, u.e("Add", u.mul(c_i, p_i), u.mul(c_f, p_f)))
+    coef_s = u.steps(u.e("Concat", c_i, b_o, c_f, c_c, axis=3))
+    k1_s, fc_s = u.steps(k1), u.steps(fc)
+    r4 = u.w4(g.x(2))
+    dhw = u.dy_steps()
+    dgs: list[str] = [""] * u.T
+    rec: str | None = None
+    dc: str | None = None
+    need_dh0 = g.has_x(5) and g.needs_dx(5)
+    for t in range(u.T - 1, -1, -1):
+        dh = u.dh_last(dhw) if t == u.T - 1 else u.add(dhw[t], rec)
+        dc_in = u.state_in(g.dy(2)) if t == u.T - 1 else u.mul(dc, fc_s[t + 1])  # type: ignore[arg-type]
+        dc = u.add(u.mul(dh, k1_s[t]), dc_in)  # type: ignore[arg-type]
+        dgs[t] = u.mul(u.e("Concat", dc, dh, dc, dc, axis=3), coef_s[t])
+        if t > 0 or need_dh0:
+            rec = u.e("MatMul", dgs[t], r4)  # dh_prev = dG·R
+    dgate = u.cat(dgs, 1)
+    u.finish(dgate, dgate, xw, hprev, rec if need_dh0 else None)
+    if g.has_x(6) and g.needs_dx(6):
+        g.set_dx(6, u.state_out(u.mul(dc, fc_s[0])))  # type: ignore[arg-type]
+    if peep and g.needs_dx(7):
+        d_i, d_o, d_f, _ = u.split(dgate, [H, H, H, H], 3)
+        parts = [g.reduce("ReduceSum", u.mul(d, v), [1, 2], keepdims=0)
+                 for d, v in ((d_i, cprev), (d_o, c_all), (d_f, cprev))]
+        g.set_dx(7, u.e("Concat", *parts, axis=1))
+
+
+# -------------------------------------------------------------------------------------------- GRU
+
+@gradient("GRU", uses=("x*", "y0", "y1"), stop=(4,))
+def gru_grad(g: GradCtx) -> None:
+    # z, r = σ(x·W_zrᵀ + h_prev·R_zrᵀ + b);  h̃ = tanh(x·W_hᵀ + (r·h_prev)·R_hᵀ + b_h), or with
+    # linear_before_reset tanh(x·W_hᵀ + Wb_h + r·(h_prev·R_hᵀ + Rb_h));  h = h̃ + z·(h_prev − h̃)
+    u = _Unroll(g)
+    H = u.H
+    lbr = bool(g.attr("linear_before_reset") or 0)
+    xw = u.walk_x()
+    hw = u.walk_y(g.y(0))
+    h0 = u.input_state(5)
+    hprev = u.shift(hw, h0)
+    gx = u.e("MatMul", xw, u.wt4(g.x(1)))
+    bias = u.biases()
+    if bias is not None:
+        gx = u.e("Add", gx, u.b4(bias[0] if lbr else u.e("Add", *bias)))
+    gx_zr, gx_h = u.split(gx, [2 * H, H], 3)
+    if lbr:
+        gh = u.e("MatMul", hprev, u.wt4(g.x(2)))
+        if bias is not None:
+            gh = u.e("Add", gh, u.b4(bias[1]))
+        gh_zr, nh = u.split(gh, [2 * H, H], 3)
+        z, rg = u.split(u.e("Sigmoid", u.e("Add", gx_zr, gh_zr)), [H, H], 3)
+        hh = u.e("Tanh", u.e("Add", gx_h, u.mul(rg, nh)))
+    else:
+        r_zr, r_h = u.split(g.x(2), [2 * H, H], 1)
+        z, rg = u.split(u.e("Sigmoid", u.e("Add", gx_zr, u.e("MatMul", hprev, u.wt4(r_zr)))), [H, H], 3)
+        rh = u.mul(rg, hprev)
+        hh = u.e("Tanh", u.e("Add", gx_h, u.e("MatMul", rh, u.wt4(r_h))))
+    # dh → da_z = dh·c_z, da_h̃ = dh·c_h (pre-activation gradients), dh_prev ∋ dh·z
+    c_z = u.mul(u.e("Sub", hprev, hh), u.dsig(z))
+    c_h = u.mul(u.one_minus(z), u.dtanh(hh))
+    z_s = u.steps(z)
+    dhw = u.dy_steps()
+    need_dh0 = g.has_x(5) and g.needs_dx(5)
+    rec: str | None = None
+    dhs: list[str] = [""] * u.T
+    if lbr:
+        # a_r gets dh·c_h·nh·σ'(r); the recurrent h-path (h_prev·R_hᵀ + Rb_h) gets dh·c_h·r
+        coef = u.e("Concat", c_z, u.mul(c_h, u.mul(nh, u.dsig(rg))), u.mul(c_h, rg), axis=3)
+        coef_s = u.steps(coef)
+        r4 = u.w4(g.x(2))
+        dghs: list[str] = [""] * u.T
+        for t in range(u.T - 1, -1, -1):
+            dh = u.dh_last(dhw) if t == u.T - 1 else u.add(dhw[t], rec)
+            dhs[t] = dh  # type: ignore[assignment]
+            dghs[t] = u.mul(u.e("Concat", dh, dh, dh, axis=3), coef_s[t])
+            if t > 0 or need_dh0:
+                rec = u.e("Add", u.e("MatMul", dghs[t], r4), u.mul(dh, z_s[t]))  # type: ignore[arg-type]
+        dgh = u.cat(dghs, 1)
+        dzr, _ = u.split(dgh, [2 * H, H], 3)
+        dgx = u.e("Concat", dzr, u.mul(u.cat(dhs, 1), c_h), axis=3)
+        u.finish(dgx, dgh, xw, hprev, rec if need_dh0 else None)
+        return
+    # linear_before_reset=0: q = da_h̃·R_h is the gradient of r·h_prev; da_r = q·h_prev·σ'(r)
+    c_r = u.mul(hprev, u.dsig(rg))
+    cz_s, ch_s, cr_s, rg_s = u.steps(c_z), u.steps(c_h), u.steps(c_r), u.steps(rg)
+    r4_h, r4_zr = u.w4(r_h), u.w4(r_zr)
+    qs: list[str] = [""] * u.T
+    for t in range(u.T - 1, -1, -1):
+        dh = u.dh_last(dhw) if t == u.T - 1 else u.add(dhw[t], rec)
+        dhs[t] = dh  # type: ignore[assignment]
+        qs[t] = u.e("MatMul", u.mul(dh, ch_s[t]), r4_h)  # type: ignore[arg-type]
+        if t > 0 or need_dh0:
+            dzr_t = u.e("Concat", u.mul(dh, cz_s[t]), u.mul(qs[t], cr_s[t]), axis=3)  # type: ignore[arg-type]
+            rec = u.e("Add", u.e("Add", u.mul(dh, z_s[t]), u.mul(qs[t], rg_s[t])),  # type: ignore[arg-type]
+                      u.e("MatMul", dzr_t, r4_zr))
+    dh_all = u.cat(dhs, 1)
+    dzr = u.e("Concat", u.mul(dh_all, c_z), u.mul(u.cat(qs, 1), c_r), axis=3)
+    dah = u.mul(dh_all, c_h)
+    dgx = u.e("Concat", dzr, dah, axis=3)
+    dr = None
+    if g.needs_dx(2):
+        # R_zr sees h_prev, R_h sees r·h_prev
+        dr = u.e("Concat", u.e("Einsum", dzr, hprev, equation="dtbg,dtbh->dgh"),
+                 u.e("Einsum", dah, rh, equation="dtbg,dtbh->dgh"), axis=1)
+    u.finish(dgx, dgx, xw, hprev, rec if need_dh0 else None, dr=dr)
+
+
+# -------------------------------------------------------------------------------------------- RNN
+
+@gradient("RNN", uses=("x*", "y0", "y1"), stop=(4,))
+def rnn_grad(g: GradCtx) -> None:
+    # h = tanh(x·Wᵀ + h_prev·Rᵀ + Wb + Rb):  da = dh·(1 − h²),  dh_prev = da·R
+    u = _Unroll(g)
+    xw = u.walk_x()
+    hw = u.walk_y(g.y(0))
+    hprev = u.shift(hw, u.input_state(5))
+    a_s = u.steps(u.dtanh(hw))
+    r4 = u.w4(g.x(2))
+    dhw = u.dy_steps()
+    need_dh0 = g.has_x(5) and g.needs_dx(5)
+    rec: str | None = None
+    das: list[str] = [""] * u.T
+    for t in range(u.T - 1, -1, -1):
+        dh = u.dh_last(dhw) if t == u.T - 1 else u.add(dhw[t], rec)
+        das[t] = u.mul(dh, a_s[t])  # type: ignore[arg-type]
+        if t > 0 or need_dh0:
+            rec = u.e("MatMul", das[t], r4)
+    da = u.cat(das, 1)
+    u.finish(da, da, xw, hprev, rec if need_dh0 else None)
