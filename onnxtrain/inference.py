@@ -55,7 +55,7 @@ class FeedChecker:
         self.allowed = set(plan.input_names) | set(overridable)
         self.specs = {n: (plan.input_dtypes.get(n), plan.input_shapes.get(n)) for n in plan.all_input_names}
 
-    def __call__(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def __call__(self, feeds: Mapping[str, Any], required: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         for name, v in feeds.items():
             if name not in self.allowed:
@@ -76,7 +76,7 @@ class FeedChecker:
                         raise ValueError(f"input {name!r}: dimension {k} must be {want}, got {got} "
                                          f"(shape {list(a.shape)}, expected {shape})")
             out[name] = a
-        missing = [n for n in self.required if n not in out]
+        missing = [n for n in (self.required if required is None else required) if n not in out]
         if missing:
             raise ValueError(f"missing input(s) {missing}; the model's inputs are {self.required}")
         return out

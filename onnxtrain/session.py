@@ -129,10 +129,10 @@ class TrainingSession(InferenceSession):
         for n in names:
             if n not in self._output_names:
                 raise ValueError(f"unknown output {n!r}; the session's outputs are {self._output_names}")
-        feeds = self._check(input_feed)
+        kind = self._kind(names, ro)
+        feeds = self._check(input_feed, self._graphs.user_inputs if kind != "full" else None)
         if self._graphs.has_training_mode and TRAINING_MODE not in feeds:
             feeds[TRAINING_MODE] = np.asarray(bool(ro.training_mode))
-        kind = self._kind(names, ro)
         plan = self._get_plan(kind)
         plan_inputs = plan.all_input_names
         feeds = {n: feeds[n] for n in plan_inputs if n in feeds}  # e.g. no learning rate when not updating

@@ -12,15 +12,20 @@ from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, fattr, iattr,
 
 
 def bias_corrections(w: NodeWriter, t: str, alpha: float, beta: float, on: bool, et: int) -> tuple[str, str]:
-    """(1 − α^t, 1 − β^t) as scalars of type ``et``, or ones when bias correction is off."""
+    """(1 − α^t, 1 − β^t) as scalars of type ``et``, or ones when bias correction is off.
+
+    Computed in float64 and rounded once: 1 − 0.999^t loses five digits in float32 at small t.
+    """
     if not on:
         one = scalar(w, 1.0, et)
         return one, one
-    tf = w.one("Cast", t, to=et)
-    one = scalar(w, 1.0, et)
-    c1 = w.one("Sub", one, w.one("Pow", scalar(w, alpha, et), tf))
-    c2 = w.one("Sub", one, w.one("Pow", scalar(w, beta, et), tf))
-    return c1, c2
+    tf = w.one("Cast", t, to=TensorProto.DOUBLE)
+    one = scalar(w, 1.0, TensorProto.DOUBLE)
+    c1 = w.one("Sub", one, w.one("Pow", scalar(w, alpha, TensorProto.DOUBLE), tf))
+    c2 = w.one("Sub", one, w.one("Pow", scalar(w, beta, TensorProto.DOUBLE), tf))
+    if et == TensorProto.DOUBLE:
+        return c1, c2
+    return w.one("Cast", c1, to=et), w.one("Cast", c2, to=et)
 
 
 def moments(w: NodeWriter, g: str, m1: str, m2: str, alpha: float, beta: float, et: int) -> tuple[str, str]:

@@ -10,14 +10,15 @@ from onnx import helper, numpy_helper
 from onnxtrain.ir.builder import make_model
 
 
-def mlp_model(din: int = 8, dh: int = 16, dout: int = 4, seed: int = 0, loss: str = "sce") -> onnx.ModelProto:
-    """x[N,din] → Gemm → Relu → Gemm → logits; loss = SoftmaxCrossEntropyLoss(logits, y) (or MSE)."""
+def mlp_model(din: int = 8, dh: int = 16, dout: int = 4, seed: int = 0, loss: str = "sce",
+              act: str = "Relu") -> onnx.ModelProto:
+    """x[N,din] → Gemm → act → Gemm → logits; loss = SoftmaxCrossEntropyLoss(logits, y) (or MSE)."""
     rng = np.random.default_rng(seed)
     inits = [numpy_helper.from_array((rng.standard_normal((dh, din)) * 0.3).astype(np.float32), "W1"),
              numpy_helper.from_array((rng.standard_normal(dh) * 0.1).astype(np.float32), "b1"),
              numpy_helper.from_array((rng.standard_normal((dout, dh)) * 0.3).astype(np.float32), "W2"),
              numpy_helper.from_array((rng.standard_normal(dout) * 0.1).astype(np.float32), "b2")]
-    nodes = [helper.make_node("Gemm", ["x", "W1", "b1"], ["h"], transB=1), helper.make_node("Relu", ["h"], ["hr"]),
+    nodes = [helper.make_node("Gemm", ["x", "W1", "b1"], ["h"], transB=1), helper.make_node(act, ["h"], ["hr"]),
              helper.make_node("Gemm", ["hr", "W2", "b2"], ["logits"], transB=1)]
     if loss == "sce":
         nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"]))

