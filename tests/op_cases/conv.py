@@ -38,3 +38,22 @@ CASES = [
     OpCase("ConvTranspose", [(1, 2, 3, 3), (2, 1, 3, 3)], {"group": 2, "strides": [2, 2]},
            variant="depthwise"),
 ]
+
+# gradient-focused rows (rules in onnxtrain/autodiff/rules/conv.py); grouped, non-depthwise rows are
+# checked against torch in tests/autodiff/test_conv_vs_torch.py (onnx.reference's grouped
+# ConvTranspose, which dX uses, is only right for depthwise)
+CASES += [
+    OpCase("Conv", [(2, 2, 9, 8), (3, 2, 3, 2), (3,)], {"strides": [2, 2], "dilations": [2, 2],
+                                                         "pads": [2, 1, 1, 0]}, variant="grad_stride2_dil2"),
+    OpCase("Conv", [(2, 3, 7, 7), (3, 1, 3, 3), (3,)], {"group": 3, "strides": [2, 2], "pads": [1, 1, 1, 1]},
+           variant="grad_depthwise_stride2"),
+    OpCase("Conv", [(2, 2, 11), (3, 2, 3)], {"dilations": [3], "strides": [2], "pads": [0, 2]},
+           variant="grad_1d_dil3"),
+    OpCase("Conv", [(1, 2, 5, 6, 5), (2, 2, 2, 3, 2), (2,)], {"strides": [2, 1, 2], "pads": [1, 0, 0, 1, 1, 0]},
+           variant="grad_3d_stride"),
+    OpCase("Conv", [(2, 2, 7, 6), (2, 2, 3, 2)], {"auto_pad": "SAME_UPPER", "strides": [2, 3]},
+           variant="grad_same_upper_stride"),
+    OpCase("ConvTranspose", [(1, 2, 3, 4), (2, 3, 3, 2), (3,)], {"strides": [2, 3], "dilations": [2, 1],
+                                                                  "pads": [1, 0, 2, 1], "output_padding": [1, 2]},
+           variant="grad_stride_dil_outpad"),
+]

@@ -63,3 +63,32 @@ CASES = [
     OpCase("MaxUnpool", attrs={"kernel_shape": [2, 2], "strides": [2, 2]},
            make_inputs=_unpool_inputs((2, 2, 2, 3), 2), wrt=(0,)),
 ]
+
+
+def _distinct(*shape):
+    """Inputs without ties (a permutation of a grid), so max-pool gradients are well defined."""
+
+    def make(rng, dt):
+        n = int(np.prod(shape))
+        return [(rng.permutation(n).reshape(shape) * (4.0 / n) - 2.0).astype(dt)]
+
+    return make
+
+
+# gradient-focused rows (rules in onnxtrain/autodiff/rules/pool.py)
+CASES += [
+    OpCase("MaxPool", make_inputs=_distinct(2, 2, 9, 9), attrs={"kernel_shape": [3, 3], "strides": [2, 2],
+                                                                "pads": [1, 1, 1, 1]},
+           variant="grad_overlap_3x3s2p1"),
+    OpCase("MaxPool", make_inputs=_distinct(1, 2, 7, 8), attrs={"kernel_shape": [3, 2], "strides": [1, 2],
+                                                                "dilations": [2, 1], "ceil_mode": 1},
+           variant="grad_dil_ceil"),
+    OpCase("AveragePool", [(2, 2, 9, 9)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+           variant="grad_3x3s2p1_exclude"),
+    OpCase("AveragePool", [(1, 2, 7, 6)], {"kernel_shape": [3, 2], "strides": [2, 2], "ceil_mode": 1,
+                                           "pads": [1, 0, 0, 0], "count_include_pad": 1},
+           variant="grad_ceil_include_pad"),
+    OpCase("LpPool", [(1, 2, 7, 7)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "p": 3},
+           low=0.2, variant="grad_p3_pads"),
+    OpCase("GlobalMaxPool", make_inputs=_distinct(2, 3, 4, 5), variant="grad_distinct"),
+]

@@ -73,3 +73,12 @@ CASES = [
            make_inputs=lambda rng, dt: [rng.uniform(-2, 2, (1, 2, 2, 3)).astype(dt),
                                         np.array([1, 1, 2, 3], dtype=np.float32)]),
 ]
+
+# gradient-focused rows (rule in onnxtrain/autodiff/rules/resize.py)
+CASES += [
+    _case("grad_linear_align_corners_up", _scales((1, 2, 3, 4), [1, 1, 2, 1.5]), mode="linear",
+          coordinate_transformation_mode="align_corners"),
+    _case("grad_nearest_asymmetric_floor_down", _scales((2, 1, 6, 5), [1, 1, 0.5, 0.4]), mode="nearest",
+          coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
+    _case("grad_cubic_half_pixel_x2", _scales((1, 1, 3, 4), [1, 1, 2, 2]), mode="cubic"),
+]

@@ -7,6 +7,7 @@ onnxruntime.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -76,4 +77,16 @@ CASES = [
     _rnn_case("RNN", "reverse", direction="reverse", n_outputs=2),
     _rnn_case("RNN", "bidir", direction="bidirectional", n_outputs=2),
     _rnn_case("RNN", "layout1", layout=1, n_outputs=2, opset=14),
+]
+
+# gradient-focused rows (rules in onnxtrain/autodiff/rules/rnn.py): only some outputs feed the loss,
+# a single step, no initial state
+CASES += [
+    replace(_rnn_case("LSTM", "grad_yh_only", direction="bidirectional", n_outputs=3), grad_outputs=(1,)),
+    replace(_rnn_case("LSTM", "grad_yc_only", direction="reverse", n_outputs=3), grad_outputs=(2,)),
+    _rnn_case("LSTM", "grad_steps1_noinit", steps=1, init=False, n_outputs=3),
+    replace(_rnn_case("GRU", "grad_yh_only_lbr", n_outputs=2, linear_before_reset=1), grad_outputs=(1,)),
+    _rnn_case("GRU", "grad_steps1_noinit", steps=1, init=False, n_outputs=2),
+    _rnn_case("GRU", "grad_bidir_noinit", direction="bidirectional", init=False, n_outputs=2),
+    _rnn_case("RNN", "grad_bidir_noinit", direction="bidirectional", init=False, n_outputs=2),
 ]

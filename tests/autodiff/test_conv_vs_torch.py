@@ -1,0 +1,122 @@
+"""Conv, ConvTranspose, MaxPool and AveragePool gradient graphs against torch autograd in float64.
+
+torch is the oracle where onnx.reference cannot be (grouped ConvTranspose, which Conv's dX uses).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.autodiff import build_gradient_model
+from onnxtrain.testing import random_loss_model, run_engine
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+def _grads(op: str, inputs: list[np.ndarray], attrs: dict[str, Any]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Our gradients of loss = Σ Y·U (U fixed random) w.r.t. every input, and U."""
+    names = [f"x{i}" for i in range(len(inputs))]
+    node = helper.make_node(op, names, ["y"], **attrs)
+    g_in = [helper.make_tensor_value_info(n, TensorProto.DOUBLE, v.shape) for n, v in zip(names, inputs)]
+    graph = helper.make_graph([node], op, g_in, [helper.make_empty_tensor_value_info("y")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    feeds = dict(zip(names, inputs))
+    y = run_engine(model, feeds)[0]
+    lmodel = random_loss_model(model, [y.shape], [0])
+    u = next(t for t in lmodel.graph.initializer if t.name == "u0")
+    u_arr = numpy_helper.to_array(u)
+    gmodel = build_gradient_model(lmodel, "loss", names)
+    outs = dict(zip([o.name for o in gmodel.graph.output], run_engine(gmodel, feeds)))
+    return {n: outs[f"{n}_grad"] for n in names}, u_arr
+
+
+def _torch_grads(fn, inputs: list[np.ndarray], u: np.ndarray) -> list[np.ndarray]:
+    ts = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in inputs]
+    y = fn(*ts)
+    assert tuple(y.shape) == u.shape, (tuple(y.shape), u.shape)
+    (y * torch.tensor(u)).sum().backward()
+    return [t.grad.numpy() for t in ts]
+
+
+def _check(ours: dict[str, np.ndarray], theirs: list[np.ndarray]) -> None:
+    for i, t in enumerate(theirs):
+        np.testing.assert_allclose(ours[f"x{i}"], t, rtol=1e-10, atol=1e-12, err_msg=f"gradient of input {i}")
+
+
+CONV = [  # x shape, w shape, stride, pad, dilation, groups
+    ((2, 3, 8, 8), (4, 3, 3, 3), 1, 1, 1, 1),
+    ((2, 3, 9, 8), (4, 3, 3, 3), 2, 1, 1, 1),
+    ((2, 2, 10, 9), (3, 2, 3, 2), 1, 2, 2, 1),
+    ((2, 4, 7, 7), (6, 2, 3, 3), 2, 1, 1, 2),
+    ((2, 4, 9, 9), (4, 1, 3, 3), 2, 1, 2, 4),
+    ((1, 6, 7, 6), (9, 2, 2, 3), 2, 0, 1, 3),
+    ((2, 4, 6, 6), (8, 1, 3, 3), 1, 1, 1, 4),
+]
+
+
+@pytest.mark.parametrize("xs,ws,stride,pad,dil,groups", CONV, ids=lambda v: str(v))
+def test_conv_grad_vs_torch(xs, ws, stride, pad, dil, groups) -> None:
+    rng = np.random.default_rng(0)
+    x, w, b = rng.standard_normal(xs), rng.standard_normal(ws), rng.standard_normal(ws[0])
+    attrs = {"strides": [stride] * 2, "pads": [pad] * 4, "dilations": [dil] * 2, "group": groups}
+    ours, u = _grads("Conv", [x, w, b], attrs)
+    theirs = _torch_grads(lambda x, w, b: F.conv2d(x, w, b, stride=stride, padding=pad, dilation=dil,
+                                                   groups=groups), [x, w, b], u)
+    _check(ours, theirs)
+
+
+CONVT = [  # x shape, w shape, stride, pad, output_padding, dilation, groups
+    ((2, 3, 4, 4), (3, 2, 3, 3), 2, 1, 1, 1, 1),
+    ((2, 4, 3, 5), (4, 3, 3, 2), 2, 0, 0, 1, 2),
+    ((1, 4, 4, 4), (4, 1, 3, 3), 1, 1, 0, 2, 4),
+    ((2, 6, 3, 3), (6, 2, 2, 2), 3, 0, 2, 1, 3),
+]
+
+
+@pytest.mark.parametrize("xs,ws,stride,pad,opad,dil,groups", CONVT, ids=lambda v: str(v))
+def test_conv_transpose_grad_vs_torch(xs, ws, stride, pad, opad, dil, groups) -> None:
+    rng = np.random.default_rng(1)
+    x, w, b = rng.standard_normal(xs), rng.standard_normal(ws), rng.standard_normal(ws[1] * groups)
+    attrs = {"strides": [stride] * 2, "pads": [pad] * 4, "output_padding": [opad] * 2, "dilations": [dil] * 2,
+             "group": groups}
+    ours, u = _grads("ConvTranspose", [x, w, b], attrs)
+    theirs = _torch_grads(lambda x, w, b: F.conv_transpose2d(x, w, b, stride=stride, padding=pad,
+                                                             output_padding=opad, groups=groups, dilation=dil),
+                          [x, w, b], u)
+    _check(ours, theirs)
+
+
+POOL = [  # x shape, kernel, stride, pad, ceil_mode, dilation (max only)
+    ((2, 3, 9, 9), 3, 2, 1, 0, 1),
+    ((1, 2, 8, 7), 2, 2, 0, 1, 1),
+    ((2, 2, 7, 7), 3, 2, 1, 1, 1),
+    ((1, 2, 10, 10), 2, 3, 1, 1, 2),
+]
+
+
+@pytest.mark.parametrize("xs,k,stride,pad,ceil,dil", POOL, ids=lambda v: str(v))
+def test_max_pool_grad_vs_torch(xs, k, stride, pad, ceil, dil) -> None:
+    n = int(np.prod(xs))
+    x = (np.random.default_rng(2).permutation(n).reshape(xs) / n).astype(np.float64)  # no ties
+    attrs = {"kernel_shape": [k] * 2, "strides": [stride] * 2, "pads": [pad] * 4, "ceil_mode": ceil,
+             "dilations": [dil] * 2}
+    ours, u = _grads("MaxPool", [x], attrs)
+    theirs = _torch_grads(lambda x: F.max_pool2d(x, k, stride, pad, dilation=dil, ceil_mode=bool(ceil)), [x], u)
+    _check(ours, theirs)
+
+
+@pytest.mark.parametrize("include_pad", [0, 1])
+@pytest.mark.parametrize("xs,k,stride,pad,ceil,dil", [p for p in POOL if p[5] == 1], ids=lambda v: str(v))
+def test_average_pool_grad_vs_torch(xs, k, stride, pad, ceil, dil, include_pad) -> None:
+    x = np.random.default_rng(3).standard_normal(xs)
+    attrs = {"kernel_shape": [k] * 2, "strides": [stride] * 2, "pads": [pad] * 4, "ceil_mode": ceil,
+             "count_include_pad": include_pad}
+    ours, u = _grads("AveragePool", [x], attrs)
+    theirs = _torch_grads(lambda x: F.avg_pool2d(x, k, stride, pad, ceil_mode=bool(ceil),
+                                                 count_include_pad=bool(include_pad)), [x], u)
+    _check(ours, theirs)
