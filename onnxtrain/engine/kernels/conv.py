@@ -96,9 +96,34 @@ def _conv_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> di
     # the padded buffer only needs to reach the last window
     sizes = [(out[i] - 1) * strides[i] + k_eff[i] for i in range(nd)]
     sizes = [max(sizes[i], pb[i]) for i in range(nd)]
+    plane = int(np.prod(sizes))
+    row = plane // sizes[0]
     return {"nd": nd, "group": group, "k": k, "strides": strides, "dil": dil, "pb": pb, "sizes": sizes,
             "out": out, "K": int(np.prod(k)), "L": int(np.prod(out)), "m": m, "cg": cg,
-            "identity": all(v == 1 for v in k + strides) and not any(pb) and sizes == list(xs[2:])}
+            "identity": all(v == 1 for v in k + strides) and not any(pb) and sizes == list(xs[2:]),
+            # stride 1 on 2+ axes: im2col rows are contiguous runs of the flattened padded planes
+            "flat": nd > 1 and all(v == 1 for v in strides), "plane": plane, "row": row, "Q": out[0] * row,
+            "flat_strides": [dil[i] * plane // int(np.prod(sizes[:i + 1])) for i in range(nd)]}
+
+
+def _flat_cols(x: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """Stride-1 im2col, (N, C, *kernel, Q): each kernel offset reads Q = out[0] * row consecutive
+    elements of a flattened padded plane, so every copied run is contiguous. Columns past a row's
+    valid width are junk the caller crops; a tail of one row keeps the last run inside the buffer."""
+    n, c = x.shape[:2]
+    plane, row, sizes = g["plane"], g["row"], g["sizes"]
+    buf = np.zeros(n * c * plane + row, dtype=x.dtype)
+    xp = buf[: n * c * plane].reshape((n, c) + tuple(sizes))
+    keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], sizes, g["pb"], strict=True)]
+    xp[(Ellipsis,) + tuple(slice(b, b + v) for b, v in zip(g["pb"], keep, strict=True))] = \
+        x[(Ellipsis,) + tuple(slice(0, v) for v in keep)]
+    it = buf.itemsize
+    view = as_strided(buf, (n, c) + tuple(g["k"]) + (g["Q"],),
+                      (c * plane * it, plane * it) + tuple(v * it for v in g["flat_strides"]) + (it,),
+                      writeable=False)
+    cols = np.empty(view.shape, dtype=x.dtype)
+    np.copyto(cols, view)
+    return cols
 
 
 def _windows(xp: np.ndarray, g: dict[str, Any]) -> np.ndarray:
@@ -124,11 +149,12 @@ def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
     if g["identity"]:  # 1x1 kernel, stride 1, no pad: X itself is the column matrix
         cols = x.reshape(n, c, L)
         cols = cols if group == 1 else cols.reshape(n, group, cg, L)
+    elif g["flat"]:
+        cols, L = _flat_cols(x, g), g["Q"]
+        cols = cols.reshape(n, c * K, L) if group == 1 else cols.reshape(n, group, cg * K, L)
     else:
         xp = pad_input(x, g["pb"], g["sizes"])
         win = _windows(xp, g)
-        if cg == 1 and group > 1:
-            return (_depthwise(win, w, b, g, n),)
         cols = np.empty(win.shape, dtype=x.dtype)
         np.copyto(cols, win)
         cols = cols.reshape(n, c * K, L) if group == 1 else cols.reshape(n, group, cg * K, L)
@@ -136,26 +162,15 @@ def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
         y = np.matmul(w.reshape(m, cg * K), cols)
     else:
         y = np.matmul(w.reshape(group, m // group, cg * K), cols)
-    y = y.reshape((n, m) + tuple(g["out"]))
+    if g["flat"] and not g["identity"]:
+        # drop the columns that wrapped past the right edge of each padded row
+        y = y.reshape((n, m, g["out"][0]) + tuple(g["sizes"][1:]))
+        y = np.ascontiguousarray(y[(Ellipsis,) + tuple(slice(0, o) for o in g["out"][1:])])
+    else:
+        y = y.reshape((n, m) + tuple(g["out"]))
     if b is not None:
         y += b.reshape((m,) + (1,) * g["nd"])
     return (y,)
-
-
-def _depthwise(win: np.ndarray, w: np.ndarray, b: np.ndarray | None, g: dict[str, Any], n: int) -> np.ndarray:
-    """Conv with one input channel per group: a multiply-add per kernel offset, no im2col copy."""
-    group, m, nd = g["group"], g["m"], g["nd"]
-    mult = m // group
-    w3 = w.reshape(group, mult, g["K"])
-    y = np.zeros((n, group, mult) + tuple(g["out"]), dtype=win.dtype)
-    wshape = (1, group, mult) + (1,) * nd
-    for j, kk in enumerate(itertools.product(*(range(v) for v in g["k"]))):
-        plane = win[(slice(None), slice(None)) + kk]  # (N, C, *out)
-        y += plane[:, :, None] * w3[:, :, j].reshape(wshape)
-    y = y.reshape((n, m) + tuple(g["out"]))
-    if b is not None:
-        y += b.reshape((m,) + (1,) * nd)
-    return y
 
 
 # ------------------------------------------------------------------------------------- ConvTranspose

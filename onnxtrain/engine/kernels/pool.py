@@ -95,9 +95,9 @@ def max_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
     idx = np.full(y.shape, koff[0], dtype=np.int64)
     for j, (_, sl) in enumerate(offs[1:], start=1):
         v = xp[sl]
-        better = v > y  # strict: the first maximum in row-major window order wins
-        np.copyto(y, v, where=better)
-        np.copyto(idx, koff[j], where=better)
+        better = np.greater(v, y)  # strict: the first maximum in row-major window order wins
+        np.maximum(y, v, out=y)
+        idx += better * (koff[j] - idx)  # a select; arithmetic beats copyto(where=) several times over
     idx += base
     return (y, idx)
 
