@@ -17,7 +17,15 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import find_rule, has_no_gradient, ops_with_rules
 from onnxtrain.ir.attrs import parse_attributes
-from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, NodeWriter, elem_type, model_opset, static_shape, value_types
+from onnxtrain.ir.builder import (
+    FLOAT_TYPES,
+    NameGen,
+    NodeWriter,
+    elem_type,
+    model_opset,
+    symbolic_shape,
+    value_types,
+)
 
 MIN_OPSET = 17
 
@@ -32,10 +40,22 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
         return model
     from onnx import version_converter
 
+    # the converter only sees initializers that are also graph inputs: list them for the conversion
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    listed = {i.name for i in m.graph.input}
+    extra = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+             for t in m.graph.initializer if t.name not in listed]
+    m.graph.input.extend(extra)
     try:
-        return version_converter.convert_version(model, target)
+        out = version_converter.convert_version(m, target)
     except Exception as e:
         raise GradientError(f"could not upgrade the model from opset {model_opset(model)} to {target}: {e}") from None
+    added = {v.name for v in extra}
+    kept = [i for i in out.graph.input if i.name not in added]
+    del out.graph.input[:]
+    out.graph.input.extend(kept)
+    return out
 
 
 class _Backward:
@@ -81,8 +101,8 @@ class _Backward:
         return out
 
     def unbroadcast(self, g: GradCtx, grad: str, x: str, grad_rank: int | None) -> str:
-        xs = static_shape(self.types, x)
-        out_shape = static_shape(self.types, g.node.output[0]) if g.node.output else None
+        xs = symbolic_shape(self.types, x)
+        out_shape = symbolic_shape(self.types, g.node.output[0]) if g.node.output else None
         if grad_rank is None and out_shape is not None:
             grad_rank = len(out_shape)
         if xs is None or grad_rank is None:
@@ -92,11 +112,17 @@ class _Backward:
             raise RuleError(f"node {g.node.name!r} ({g.node.op_type}): gradient rank {grad_rank} is smaller "
                             f"than the rank {len(xs)} of input {x!r}")
         ys = out_shape if out_shape is not None and len(out_shape) == grad_rank else [None] * grad_rank
-        axes = list(range(lead)) + [lead + j for j, d in enumerate(xs) if d == 1 and ys[lead + j] != 1]
+        axes = list(range(lead))
+        for j, d in enumerate(xs):
+            dy = ys[lead + j]
+            if d == 1:
+                if dy != 1:
+                    axes.append(lead + j)
+            elif not isinstance(d, int) and d != dy:
+                # a dim we cannot see may or may not be broadcast: decide at run time
+                return self._unbroadcast_dynamic(g, grad, x)
         if not axes:
             return grad
-        if any(d is None for d in xs):
-            return g.emit("Reshape", g.reduce("ReduceSum", grad, axes, keepdims=1), self.shape_of(x))
         if axes == list(range(lead)):
             return g.reduce("ReduceSum", grad, axes, keepdims=0)
         red = g.reduce("ReduceSum", grad, axes, keepdims=1)

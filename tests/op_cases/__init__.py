@@ -32,6 +32,8 @@ class OpCase:
     atol: float = 1e-6
     variant: str = ""
     skip: str | None = None  # a reason is required to skip
+    ref_skip: str | None = None  # why onnx.reference cannot be the oracle for this row's gradient graph
+    ort_skip: str | None = None  # why onnxruntime cannot be the oracle for this row's gradient graph
 
     @property
     def id(self) -> str:
