@@ -55,6 +55,7 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     kept = [i for i in out.graph.input if i.name not in added]
     del out.graph.input[:]
     out.graph.input.extend(kept)
+    out.ir_version = max(out.ir_version, helper.find_min_ir_version_for([helper.make_opsetid("", target)]))
     return out
 
 
