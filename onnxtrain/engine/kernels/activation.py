@@ -37,14 +37,15 @@ def _float_op(op: str, since: int) -> Callable[[FloatFn], FloatFn]:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    """1 / (1 + exp(-x)), written with exp(-|x|) so it never overflows and keeps relative accuracy."""
-    e = np.abs(x)
-    np.negative(e, out=e)
-    np.exp(e, out=e)
-    r = e + 1
-    np.reciprocal(r, out=r)  # sigmoid(|x|)
-    e *= r  # sigmoid(-|x|) = exp(-|x|) / (1 + exp(-|x|))
-    np.copyto(r, e, where=x < 0)
+    """1 / (1 + exp(-x)) as exp(min(x, 0)) / (1 + exp(-|x|)): no overflow, full relative accuracy."""
+    r = np.abs(x)
+    np.negative(r, out=r)
+    np.exp(r, out=r)
+    r += 1
+    np.reciprocal(r, out=r)
+    m = np.minimum(x, 0)
+    np.exp(m, out=m)
+    r *= m
     return r
 
 
@@ -123,27 +124,28 @@ def _leaky_relu(x: np.ndarray, attrs: Attrs) -> np.ndarray:
     alpha = attrs["alpha"]
     if 0.0 <= alpha <= 1.0:
         return np.maximum(x, x * alpha)
-    y = x * alpha
-    np.copyto(y, x, where=x >= 0)
+    y = np.minimum(x, 0)
+    y *= alpha
+    y += np.maximum(x, 0)
     return y
 
 
 @kernel("PRelu", since=7)
 def prelu(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, slope = inputs
-    y = np.asarray(x * slope)
+    y = np.asarray(np.minimum(x, 0) * slope)  # slope * min(x, 0) + max(x, 0)
     if y.shape != x.shape:
         raise ValueError(f"PRelu: slope of shape {slope.shape} does not broadcast to X's shape {x.shape}")
-    np.copyto(y, x, where=x >= 0)
+    y += np.maximum(x, 0)
     return (y,)
 
 
 def _elu(x: np.ndarray, alpha: float) -> np.ndarray:
-    """alpha * (exp(x) - 1) for x < 0, x otherwise."""
+    """alpha * (exp(x) - 1) for x < 0, x otherwise: alpha * expm1(min(x, 0)) + max(x, 0)."""
     y = np.minimum(x, 0)
     np.expm1(y, out=y)
     y *= alpha
-    np.copyto(y, x, where=x > 0)
+    y += np.maximum(x, 0)
     return y
 
 
@@ -174,15 +176,16 @@ def _celu(x: np.ndarray, attrs: Attrs) -> np.ndarray:
 def _hard_sigmoid(x: np.ndarray, attrs: Attrs) -> np.ndarray:
     y = x * attrs["alpha"]
     y += attrs["beta"]
-    np.clip(y, 0, 1, out=y)
-    return y
+    np.maximum(y, 0, out=y)
+    return np.minimum(y, 1, out=y)
 
 
 @_float_op("HardSwish", since=14)
 def _hard_swish(x: np.ndarray, attrs: Attrs) -> np.ndarray:
     y = x * _SIXTH
     y += 0.5
-    np.clip(y, 0, 1, out=y)
+    np.maximum(y, 0, out=y)
+    np.minimum(y, 1, out=y)
     y *= x
     return y
 
