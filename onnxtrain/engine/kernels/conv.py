@@ -118,9 +118,8 @@ def _flat_cols(x: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     xp[(Ellipsis,) + tuple(slice(b, b + v) for b, v in zip(g["pb"], keep, strict=True))] = \
         x[(Ellipsis,) + tuple(slice(0, v) for v in keep)]
     it = buf.itemsize
-    view = as_strided(buf, (n, c) + tuple(g["k"]) + (g["Q"],),
-                      (c * plane * it, plane * it) + tuple(v * it for v in g["flat_strides"]) + (it,),
-                      writeable=False)
+    view = _view(buf, (n, c) + tuple(g["k"]) + (g["Q"],),
+                 (c * plane * it, plane * it) + tuple(v * it for v in g["flat_strides"]) + (it,))
     cols = np.empty(view.shape, dtype=x.dtype)
     np.copyto(cols, view)
     return cols
@@ -132,8 +131,16 @@ def _windows(xp: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     sp = st[2:]
     k_strides = tuple(sp[i] * g["dil"][i] for i in range(g["nd"]))
     o_strides = tuple(sp[i] * g["strides"][i] for i in range(g["nd"]))
-    return as_strided(xp, xp.shape[:2] + tuple(g["k"]) + tuple(g["out"]), st[:2] + k_strides + o_strides,
-                      writeable=False)
+    return _view(xp, xp.shape[:2] + tuple(g["k"]) + tuple(g["out"]), st[:2] + k_strides + o_strides)
+
+
+def _view(base: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
+    """A read-only strided view of ``base`` (the ndarray constructor is ~6x cheaper than as_strided)."""
+    if base.flags.c_contiguous:
+        v = np.ndarray(shape, base.dtype, base, 0, strides)
+        v.flags.writeable = False
+        return v
+    return as_strided(base, shape, strides, writeable=False)
 
 
 @kernel("Conv", since=1)
