@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import find_rule, has_no_gradient, ops_with_rules
-from onnxtrain.ir.attrs import parse_attributes
+from onnxtrain.ir.attrs import attribute_value, parse_attributes
 from onnxtrain.ir.builder import (
     FLOAT_TYPES,
     NameGen,
@@ -78,6 +78,26 @@ class _Backward:
         self.before_all: list[onnx.NodeProto] = []
         self._shapes: dict[str, str] = {}
         self.const_cache: dict[tuple, str] = {}
+        self._graph_inputs = {v.name for v in model.graph.input}
+        self._initializers = {t.name: t for t in model.graph.initializer}
+
+    def constant_value(self, name: str) -> Any:
+        """The value of ``name`` when it is fixed (an initializer that is not a graph input, or a
+        Constant node's output), else None."""
+        if not name or name in self._graph_inputs:
+            return None  # a graph input (even one with an initializer as its default) can be fed
+        if name in self._initializers:
+            return numpy_helper.to_array(self._initializers[name])
+        where = self.producer.get(name)
+        if where is not None:
+            node = self.fwd_nodes[where[0]]
+            if node.op_type == "Constant" and len(node.attribute) == 1:
+                a = node.attribute[0]
+                if a.name in ("value", "value_int", "value_ints", "value_float", "value_floats"):
+                    import numpy as np
+
+                    return np.asarray(attribute_value(a))
+        return None
 
     def ensure_output(self, node: onnx.NodeProto, i: int) -> str:
         """Give ``node`` an output ``i`` (e.g. MaxPool's Indices, Dropout's mask) if it has none."""

@@ -59,6 +59,14 @@ class GradCtx:
         self._check_use(f"y{i}")
         return self._bw.ensure_output(self.node, i)
 
+    def constant_value(self, name_or_index: str | int) -> Any:
+        """The value of a fixed input (initializer or Constant), e.g. axes or shapes, else None."""
+        if isinstance(name_or_index, int):
+            if not self.has_x(name_or_index):
+                return None
+            name_or_index = self.node.input[name_or_index]
+        return self._bw.constant_value(name_or_index)
+
     def has_x(self, i: int) -> bool:
         return i < len(self.node.input) and bool(self.node.input[i])
 

@@ -161,9 +161,11 @@ CASES = [
     OpCase("Mean", [(2, 3, 4), (3, 1)], variant="bcast"),  # onnx.reference needs the big one first
     OpCase("Where", make_inputs=_where),
     OpCase("Identity", [(3, 4)]),
-    OpCase("Cast", [(3, 4)], attrs={"to": TensorProto.FLOAT}, variant="to_float"),
+    # grad=False: a float64 → float32/16 cast cannot be checked against float64 finite differences;
+    # the Cast rule is checked by the to_double rows and by the session's float32 models
+    OpCase("Cast", [(3, 4)], attrs={"to": TensorProto.FLOAT}, variant="to_float", grad=False),
     OpCase("Cast", [(3, 4)], attrs={"to": TensorProto.DOUBLE}, variant="to_double"),
-    OpCase("Cast", [(3, 4)], attrs={"to": TensorProto.FLOAT16}, rtol=1e-3, variant="to_float16"),
+    OpCase("Cast", [(3, 4)], attrs={"to": TensorProto.FLOAT16}, rtol=1e-3, variant="to_float16", grad=False),
     OpCase("Cast", [(3, 4)], attrs={"to": TensorProto.INT32}, low=-5, high=5, grad=False, variant="to_int32"),
     OpCase("Cast", [(3, 4)], attrs={"to": TensorProto.BOOL}, grad=False, variant="to_bool"),
     OpCase("Cast", make_inputs=_ints((3, 4)), attrs={"to": TensorProto.FLOAT}, grad=False,

@@ -13,33 +13,14 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx
 from onnxtrain.autodiff.registry import gradient
-from onnxtrain.ir.attrs import attribute_value
 
 
 def constant_value(g: GradCtx, name: str) -> np.ndarray | None:
-    """The value of ``name`` when it is a constant of the graph (initializer or Constant node), else None.
-
-    Private to the rules for now (GradCtx has no such helper): it reads the forward model.
-    """
-    if not name:
-        return None
-    bw = g._bw  # see the docstring
-    graph = bw.model.graph
-    if any(v.name == name for v in graph.input):
-        return None  # an initializer that is also an input can be overridden
-    for t in graph.initializer:
-        if t.name == name:
-            return numpy_helper.to_array(t)
-    where = bw.producer.get(name)
-    if where is not None:
-        node = bw.fwd_nodes[where[0]]
-        if node.op_type == "Constant" and node.attribute:
-            return np.asarray(attribute_value(node.attribute[0]))
-    return None
+    """The value of ``name`` when it is a constant of the graph, else None (see GradCtx.constant_value)."""
+    return g.constant_value(name) if name else None
 
 
 @dataclass

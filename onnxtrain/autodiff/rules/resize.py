@@ -25,29 +25,13 @@ _COPIED = ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic_coef
            "antialias")
 
 
-def _const_value(g: GradCtx, name: str) -> np.ndarray | None:
-    """The value of ``name`` when it is an initializer or a Constant node's output, else None."""
-    if not name:
-        return None
-    model = g._bw.model  # private: GradCtx has no accessor for constant inputs yet
-    for t in model.graph.initializer:
-        if t.name == name:
-            return numpy_helper.to_array(t)
-    for n in g._bw.fwd_nodes:
-        if n.op_type == "Constant" and n.output[0] == name:
-            for a in n.attribute:
-                if a.name == "value":
-                    return numpy_helper.to_array(a.t)
-    return None
-
-
 class _Param:
     """One of roi/scales/sizes: its constant value when known, else slices of the runtime tensor."""
 
     def __init__(self, g: GradCtx, i: int):
         self.g = g
         self.name = g.node.input[i] if g.has_x(i) else ""
-        self.value = _const_value(g, self.name)
+        self.value = g.constant_value(self.name) if self.name else None
         if self.value is not None and self.value.size == 0:  # an empty scales tensor means "absent"
             self.name, self.value = "", None
         self.elem = g.elem_type(self.name) if self.name else TensorProto.UNDEFINED

@@ -15,7 +15,6 @@ from onnx import TensorProto, numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient, no_gradient
-from onnxtrain.ir.attrs import attribute_value
 from onnxtrain.ir.types import np_dtype
 
 I64 = TensorProto.INT64
@@ -25,24 +24,7 @@ _BIG = np.iinfo(np.int64).max
 # ---- helpers shared with indexing.py ---------------------------------------------------
 def const_input(g: GradCtx, i: int) -> np.ndarray | None:
     """The value of forward input ``i`` when it is fixed (an initializer or a Constant), else None."""
-    if not g.has_x(i):
-        return None
-    name = g.node.input[i]
-    bw = g._bw  # read-only look at the forward graph (GradCtx has no accessor for it)
-    graph = bw.model.graph
-    if any(v.name == name for v in graph.input):
-        return None  # a graph input (possibly with an initializer as its default) can be fed
-    for t in graph.initializer:
-        if t.name == name:
-            return numpy_helper.to_array(t)
-    where = bw.producer.get(name)
-    if where is not None:
-        node = bw.fwd_nodes[where[0]]
-        if node.op_type == "Constant" and len(node.attribute) == 1:
-            a = node.attribute[0]
-            if a.name in ("value", "value_int", "value_ints", "value_float", "value_floats"):
-                return np.asarray(attribute_value(a))
-    return None
+    return g.constant_value(i)
 
 
 def zeros(g: GradCtx, shape: str, value: float = 0.0, elem: int | None = None) -> str:
