@@ -26,7 +26,19 @@ TIER2 = ("LSTM,GRU,RNN,ReverseSequence,GlobalAveragePool,GlobalMaxPool,AveragePo
          ).split(",")
 
 # Cases we do not pass, each with its reason (kept in one place; the test module reads it).
-EXPECTED_FAILURES: dict[str, str] = {}
+_SUBGRAPHS = "subgraph ops (If, Loop, Scan) are not supported by the engine yet"
+EXPECTED_FAILURES: dict[str, str] = {
+    "test_if": _SUBGRAPHS,
+    "test_if_seq": _SUBGRAPHS + " (and sequence outputs of a branch)",
+    "test_if_opt": _SUBGRAPHS + " (and optional outputs of a branch)",
+    "test_loop11": _SUBGRAPHS,
+    "test_loop13_seq": _SUBGRAPHS + " (and sequence loop-carried values)",
+    "test_loop16_seq_none": _SUBGRAPHS + " (and optional sequence loop-carried values)",
+    "test_range_float_type_positive_delta_expanded": "the expanded (function) form of Range uses Loop",
+    "test_range_float16_type_positive_delta_expanded": "the expanded (function) form of Range uses Loop",
+    "test_range_bfloat16_type_positive_delta_expanded": "the expanded (function) form of Range uses Loop",
+    "test_range_int32_type_negative_delta_expanded": "the expanded (function) form of Range uses Loop",
+}
 
 
 def load_cases(ops: Iterable[str]) -> list:

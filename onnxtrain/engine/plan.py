@@ -7,6 +7,7 @@ and the plan records the peak bytes of live tensors during its last run.
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -197,7 +198,7 @@ class Plan:
     def run(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None,
             overrides: Mapping[str, Any] | None = None) -> list[np.ndarray]:
         """Run the graph on ``feeds`` (name → array) and return the requested outputs."""
-        vals: list[Any] = [None] * self.n_slots
+        vals: list[Any] = [None] * (self.n_slots + 1)  # the extra last slot stays None: omitted inputs
         slot = self.slot
         for s, v in self._init_values:
             vals[s] = v
@@ -211,35 +212,37 @@ class Plan:
             if vals[s] is not None and name in self.initializers:
                 live -= vals[s].nbytes
             vals[s] = v
-            live += v.nbytes
+            live += _nbytes(v)
         if overrides:
             for name, v in overrides.items():
                 vals[slot[name]] = v
-        peak = live
-        prof = self.profiling
-        for st in self.steps:
-            args = [vals[i] if i >= 0 else None for i in st.inputs]
-            if prof:
-                t0 = time.perf_counter_ns()
-            try:
-                res = st.fn(args, st.attrs)
-            except Exception:
-                res = self._call(st, args)  # re-raises with the node named
-            if prof:
-                self.profile.append(ProfileEvent(st.node.name or st.node.op_type, st.node.op_type, t0,
-                                                 time.perf_counter_ns() - t0,
-                                                 [list(np.shape(a)) for a in args if a is not None]))
-            for s, r in zip(st.outputs, res):
-                if s >= 0:
-                    vals[s] = r
-                    live += r.nbytes
-            if live > peak:
-                peak = live
-            for s in st.free:
-                v = vals[s]
-                if v is not None:
-                    live -= v.nbytes
-                    vals[s] = None
+        if self.profiling:
+            peak = self._run_profiled(vals, live)
+        else:
+            peak = live
+            for fn, get, in1, out1, outs, attrs, free, st in self._program:
+                # two or more inputs: one C-level itemgetter call builds the tuple
+                args = get(vals) if get is not None else [vals[in1]] if in1 >= 0 else []
+                try:
+                    res = fn(args, attrs)
+                except Exception:
+                    res = self._call(st, args)  # re-raises with the node named
+                if out1 >= 0:  # one output (the common case)
+                    r = vals[out1] = res[0]
+                    try:
+                        live += r.nbytes
+                    except AttributeError:
+                        live += _nbytes(r)
+                else:
+                    live += self._store(vals, outs, res)
+                if live > peak:
+                    peak = live
+                for s in free:
+                    v = vals[s]
+                    if v is not None:
+                        vals[s] = None
+                        live -= v.nbytes if type(v) is np.ndarray else _nbytes(v)
+                v = None  # a local must not keep the last freed value alive during the next step
         self.peak_bytes = peak
         if output_names is None:
             return [_as_array(vals[s]) for s in self._output_slots]
@@ -250,6 +253,64 @@ class Plan:
                 raise EngineError(f"unknown output {n!r}; graph outputs: {self.output_names}")
             out.append(_as_array(vals[s]))
         return out
+
+    @property
+    def _program(self) -> list[tuple]:
+        """The steps as flat tuples for the run loop, rebuilt when ``steps`` was replaced."""
+        cached = self.__dict__.get("_program_cache")
+        if cached is not None and cached[0] is self.steps and len(cached[1]) == len(self.steps):
+            return cached[1]
+        none_slot = self.n_slots
+        prog = []
+        for st in self.steps:
+            ins = tuple(i if i >= 0 else none_slot for i in st.inputs)
+            get = operator.itemgetter(*ins) if len(ins) >= 2 else None
+            in1 = ins[0] if len(ins) == 1 else -1
+            outs = st.outputs
+            out1 = outs[0] if len(outs) == 1 and outs[0] >= 0 else -1
+            prog.append((st.fn, get, in1, out1, outs, st.attrs, st.free, st))
+        self._program_cache = (self.steps, prog)
+        return prog
+
+    @staticmethod
+    def _store(vals: list[Any], outs: tuple[int, ...], res: Sequence[Any]) -> int:
+        """Put a multi-output step's results in their slots; returns their bytes."""
+        added = 0
+        for s, r in zip(outs, res):
+            if s >= 0:
+                vals[s] = r
+                added += _nbytes(r)
+        return added
+
+    def _run_profiled(self, vals: list[Any], live: int) -> int:
+        """The run loop with one :class:`ProfileEvent` per step; returns the peak of live bytes."""
+        peak = live
+        for fn, get, in1, _, outs, attrs, free, st in self._program:
+            args = get(vals) if get is not None else [vals[in1]] if in1 >= 0 else []
+            t0 = time.perf_counter_ns()
+            try:
+                res = fn(args, attrs)
+            except Exception:
+                res = self._call(st, args)
+            self.profile.append(ProfileEvent(st.node.name or st.node.op_type, st.node.op_type, t0,
+                                             time.perf_counter_ns() - t0,
+                                             [list(np.shape(a)) for a in args if a is not None]))
+            live += self._store(vals, outs, res)
+            peak = max(peak, live)
+            for s in free:
+                if vals[s] is not None:
+                    live -= _nbytes(vals[s])
+                    vals[s] = None
+        return peak
+
+
+def _nbytes(v: Any) -> int:
+    """Bytes held by a value: an array, a sequence of arrays (ONNX sequences), or None (empty optional)."""
+    if isinstance(v, np.ndarray):
+        return v.nbytes
+    if isinstance(v, (list, tuple)):
+        return sum(_nbytes(x) for x in v)
+    return int(getattr(v, "nbytes", 0))
 
 
 def _as_array(v: Any) -> Any:

@@ -1,0 +1,70 @@
+"""ONNX's node conformance cases for the tier-1 and tier-2 ops, one test per case.
+
+The cases come from the installed ``onnx`` package (built once per session: a few seconds). Cases we
+know we fail are listed with their reason in ``onnxtrain.conformance.EXPECTED_FAILURES`` and marked
+strict xfail here, so a case that starts passing must be taken off that list.
+The same figures from the command line: ``python -m onnxtrain.conformance`` ("N of M passed").
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+
+from onnxtrain.conformance import EXPECTED_FAILURES, TIER1, TIER2, load_cases, run_case
+
+MIN_PASS_RATE = 0.95
+
+
+@functools.cache
+def cases() -> dict[str, tuple[str, object]]:
+    """Case name → (op, case), for every tier-1 and tier-2 op (built once per process)."""
+    with warnings.catch_warnings():  # the case generators overflow and divide by zero on purpose
+        warnings.simplefilter("ignore")
+        return {c.name: (op, c) for op, c in load_cases(TIER1 + TIER2)}
+
+
+@functools.cache
+def outcome(name: str) -> str:
+    """'' when case ``name`` passes, else the error (cached: the summary reuses the per-case runs)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            run_case(cases()[name][1])
+    except Exception as e:  # noqa: BLE001 - any failure of the engine is a failed case
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _params() -> list:
+    marks = {n: pytest.mark.xfail(reason=r, strict=True) for n, r in EXPECTED_FAILURES.items()}
+    return [pytest.param(n, id=n, marks=marks.get(n, ())) for n in sorted(cases())]
+
+
+@pytest.mark.parametrize("name", _params())
+def test_case(name: str) -> None:
+    err = outcome(name)
+    assert not err, f"{name} [{cases()[name][0]}]: {err[:2000]}"
+
+
+def test_expected_failures_are_real_cases() -> None:
+    """Every entry of EXPECTED_FAILURES names a case that exists and carries a reason."""
+    unknown = sorted(set(EXPECTED_FAILURES) - set(cases()))
+    assert not unknown, f"EXPECTED_FAILURES lists cases that do not exist: {unknown}"
+    assert all(r.strip() for r in EXPECTED_FAILURES.values())
+
+
+def test_every_op_has_cases() -> None:
+    have = {op for op, _ in cases().values()}
+    missing = sorted(set(TIER1 + TIER2) - have)
+    assert not missing, f"no conformance case found for {missing}"
+
+
+def test_pass_rate() -> None:
+    names = sorted(cases())
+    failed = [n for n in names if outcome(n)]
+    rate = 1 - len(failed) / len(names)
+    summary = f"{len(names) - len(failed)} of {len(names)} passed ({rate:.1%})"
+    assert rate >= MIN_PASS_RATE, f"{summary}; failed: {failed}"
