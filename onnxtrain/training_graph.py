@@ -37,6 +37,8 @@ class StepGraphs:
     trainable: list[str]
     initial_state: dict[str, np.ndarray]  # every state tensor: weights, buffers, optimizer state, BN stats
     state_specs: list[StateSpec] = field(default_factory=list)
+    gradients_graph: onnx.ModelProto | None = None  # forward + backward (+ accumulate): gradients out
+    update_graph: onnx.ModelProto | None = None  # weights, reduced gradients, lr, state → new weights, state
     updates: dict[str, dict[str, str]] = field(default_factory=dict)  # plan name → {state name: output}
     buffers: list[str] = field(default_factory=list)
     bn_stats: dict[str, str] = field(default_factory=dict)  # running-stat initializer → forward output
@@ -73,8 +75,9 @@ def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, l
                 t = inits[name]
                 if t.data_type not in FLOAT_TYPES:
                     continue
-                if any(i == idx and t.data_type == TensorProto.FLOAT and not t.dims and
-                       float(numpy_helper.to_array(t)) == float(v) for idx, v in immutable.get(n.op_type, ())):
+                if any(i == idx and t.data_type == TensorProto.FLOAT and not t.dims
+                       and float(numpy_helper.to_array(t)) == float(v)
+                       for idx, v in immutable.get(n.op_type, ())):
                     continue
                 found.add(name)
             elif name in producer:
@@ -174,7 +177,7 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
                          f"{[o.name for o in m.graph.output]}")
     trainable = select_trainable(m, p)
     if opt is not None and not trainable:
-        raise ValueError("no trainable weight reaches the loss; check weights_to_train / weights_not_to_train")
+        raise ValueError("no trainable weight reaches the loss; check weights_to_train and weights_not_to_train")
     names = NameGen.for_model(m)
     has_tm = _rewire_dropout(m)
     bn = _bn_running_stats(m, names)
@@ -206,7 +209,49 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
         if src is not None:
             out_bn[k] = src
 
-    def compose(update: bool) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
+    def emit_update(w: NodeWriter, eff: dict[str, str], inputs: list, outputs: list, extras: list[str],
+                    upd: dict[str, str]) -> None:
+        """Global norm, clipping divisor and the optimizer over the effective gradients ``eff``."""
+        inputs.append(helper.make_tensor_value_info(lr, TensorProto.FLOAT, [1]))
+        slots = [WeightSlot(wt, eff[wt], tuple(state[wt].shape), _elem(types, wt),
+                            dict(p.optimizer_attributes_map.get(wt, {})),
+                            dict(p.optimizer_int_attributes_map.get(wt, {}))) for wt in trainable]
+        if p.enable_grad_norm_clip:
+            norm = global_norm(w, [eff[wt] for wt in trainable])
+            outputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
+            extras.append(norm)
+            if opt.uses_norm and not p.legacy_cpu_adam:
+                for s in slots:
+                    mnc = float(s.float_attrs.get("max_norm_clip", opt.FLOAT_ATTRS.get("max_norm_clip", 1.0)))
+                    s.divisor = clip_divisor(w, norm, mnc)
+        specs = opt.state(slots)
+        for sp in specs:
+            inputs.append(helper.make_tensor_value_info(
+                sp.name, helper.np_dtype_to_tensor_dtype(sp.initial.dtype), list(sp.initial.shape)))
+        new_w, new_s = opt.emit(w, slots, lr, {sp.name: sp.name for sp in specs})
+        for wt, o in new_w.items():
+            outputs.append(vi(o, wt))
+            upd[wt] = o
+        dtypes = {sp.name: sp.initial for sp in specs}
+        for sname, o in new_s.items():
+            init = dtypes[sname]
+            outputs.append(helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(init.dtype),
+                                                         list(init.shape)))
+            upd[sname] = o
+
+    def update_only() -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
+        """The update alone: inputs are the weights, their (already reduced) gradients ``<w>_grad``,
+        the learning rate and the optimizer state."""
+        nodes: list[onnx.NodeProto] = []
+        w = NodeWriter(NameGen([*trainable, *grads.values(), lr]), nodes, prefix="")
+        inputs = [types[wt] for wt in trainable] + [vi(g, wt) for wt, g in grads.items()]
+        outputs: list = []
+        extras: list[str] = []
+        upd: dict[str, str] = {}
+        emit_update(w, dict(grads), inputs, outputs, extras, upd)
+        return _finish(nodes, grad, inputs, outputs, "update_graph"), upd, extras
+
+    def compose(update: bool, expose_grads: bool = False) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
         nodes = list(grad.graph.node)
         w = NodeWriter(NameGen([*{n for nd in nodes for n in (*nd.input, *nd.output)},
                                 *(i.name for i in base_inputs), *(t.name for t in grad.graph.initializer)]),
@@ -237,32 +282,11 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
         if update and opt is not None:
             if steps > 1:
                 eff = {wt: accumulation.averaged(w, a, steps, _elem(types, wt)) for wt, a in eff.items()}
-            inputs.append(helper.make_tensor_value_info(lr, TensorProto.FLOAT, [1]))
-            slots = [WeightSlot(wt, eff[wt], tuple(state[wt].shape), _elem(types, wt),
-                                dict(p.optimizer_attributes_map.get(wt, {})),
-                                dict(p.optimizer_int_attributes_map.get(wt, {}))) for wt in trainable]
-            if p.enable_grad_norm_clip:
-                norm = global_norm(w, [eff[wt] for wt in trainable])
-                outputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
-                extras.append(norm)
-                if opt.uses_norm and not p.legacy_cpu_adam:
-                    for s in slots:
-                        mnc = float(s.float_attrs.get("max_norm_clip", opt.FLOAT_ATTRS.get("max_norm_clip", 1.0)))
-                        s.divisor = clip_divisor(w, norm, mnc)
-            specs = opt.state(slots)
-            st_names = {sp.name: sp.name for sp in specs}
-            for sp in specs:
-                inputs.append(helper.make_tensor_value_info(
-                    sp.name, helper.np_dtype_to_tensor_dtype(sp.initial.dtype), list(sp.initial.shape)))
-            new_w, new_s = opt.emit(w, slots, lr, st_names)
-            for wt, o in new_w.items():
-                outputs.append(vi(o, wt))
-                upd[wt] = o
-            for sname, o in new_s.items():
-                sp = next(x for x in specs if x.name == sname)
-                outputs.append(helper.make_tensor_value_info(
-                    o, helper.np_dtype_to_tensor_dtype(sp.initial.dtype), list(sp.initial.shape)))
-                upd[sname] = o
+            emit_update(w, eff, inputs, outputs, extras, upd)
+        elif expose_grads and steps == 1:
+            for wt, g in grads.items():
+                if not p.set_gradients_as_graph_outputs:
+                    outputs.append(vi(g, wt))
         outputs += out_bn
         return _finish(w.nodes, grad, inputs, outputs, "training_graph"), upd, extras
 
@@ -270,6 +294,9 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
     acc_model, acc_upd = None, {}
     if steps > 1 and opt is not None:
         acc_model, acc_upd, _ = compose(update=False)
+    # the same step in two halves, for data parallelism: gradients out, reduce across ranks, update
+    grads_model, grads_upd, _ = compose(update=False, expose_grads=True)
+    update_model, update_upd, _ = update_only() if opt is not None else (None, {}, [])
     specs: list[StateSpec] = []
     if opt is not None:
         slots = [WeightSlot(wt, grads[wt], tuple(state[wt].shape), _elem(types, wt)) for wt in trainable]
@@ -286,7 +313,9 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
     fwd.graph.output.extend([o for o in grad.graph.output if o.name in user_outputs])
     return StepGraphs(forward=fwd, full=full, accumulate=acc_model, gradient=grad, transformed=m,
                       trainable=trainable, initial_state=initial, state_specs=specs,
-                      updates={"full": full_upd, "accumulate": acc_upd}, buffers=buffers, bn_stats=bn,
+                      updates={"full": full_upd, "accumulate": acc_upd, "gradients": grads_upd,
+                               "update": update_upd},
+                      gradients_graph=grads_model, update_graph=update_model, buffers=buffers, bn_stats=bn,
                       user_inputs=user_inputs, user_outputs=user_outputs, extra_outputs=extras,
                       has_training_mode=has_tm)
 

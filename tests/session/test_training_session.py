@@ -237,7 +237,34 @@ def test_dumps_pass_the_checker_and_run_on_onnxruntime(tmp_path) -> None:
 
 
 def test_importable_where_onnxruntime_had_it() -> None:
-    from onnxtrain.capi._pybind_state import GradientGraphBuilder, TrainingParameters as TP, TrainingSession as TS
+    from onnxtrain.capi._pybind_state import GradientGraphBuilder
+    from onnxtrain.capi._pybind_state import TrainingParameters as TP
+    from onnxtrain.capi._pybind_state import TrainingSession as TS
 
     assert TS is onnxtrain.TrainingSession and TP is onnxtrain.TrainingParameters
     assert GradientGraphBuilder is onnxtrain.GradientGraphBuilder
+
+
+@pytest.mark.parametrize("opt", ["SGDOptimizer", "AdamOptimizer", "LambOptimizer"])
+def test_split_step_equals_fused_step(opt: str) -> None:
+    """gradients graph → update graph (the data-parallel path) gives what one fused run gives."""
+    from onnxtrain.engine import compile_model
+
+    model = mlp_model()
+    x, y = batches(1, 16)[0]
+    fused = TrainingSession(model.SerializeToString(), params(opt))
+    split = TrainingSession(model.SerializeToString(), params(opt))
+    g = split._graphs
+    for m in (g.gradients_graph, g.update_graph):
+        onnx.checker.check_model(m, full_check=True)
+    fused.run(["loss"], feeds(x, y))
+    store = split._store
+    gp = compile_model(g.gradients_graph)
+    names = [f"{w}_grad" for w in g.trainable]
+    grads = dict(zip(names, gp.run({"x": x, "y": y, **{w: store[w] for w in g.trainable}}, names)))
+    up = compile_model(g.update_graph)
+    feed = {"Learning_Rate": LR, **grads, **{n: store[n] for n in up.all_input_names if n in store}}
+    outs = g.updates["update"]
+    new = dict(zip(outs, up.run(feed, list(outs.values()))))
+    for k, v in fused.get_state().items():
+        np.testing.assert_array_equal(new[k], v, err_msg=k)
