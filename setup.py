@@ -1,6 +1,6 @@
 from setuptools import find_packages, setup
 
-TEST = ["pytest>=7", "pytest-timeout", "torch==2.13.0", "onnxruntime>=1.17", "PyYAML>=6"]
+TEST = ["pytest>=7", "pytest-timeout", "torch==2.13.0", "onnxruntime>=1.17", "flatbuffers>=23"]
 MPI = ["mpi4py>=3.1", "mpich"]
 
 setup(
@@ -10,7 +10,7 @@ setup(
     packages=find_packages(include=["onnxtrain", "onnxtrain.*"]),
     package_data={"onnxtrain": ["data/*.npz"]},
     python_requires=">=3.10",
-    install_requires=["numpy>=2", "onnx>=1.16", "protobuf>=4", "PyYAML>=6"],
+    install_requires=["numpy>=2", "onnx>=1.16", "protobuf>=4", "PyYAML>=6", "tqdm>=4", "matplotlib>=3.7"],
     extras_require={"mpi": MPI, "test": TEST, "all": MPI + TEST},
     entry_points={"console_scripts": ["onnxtrain=onnxtrain.cli:main"]},
 )
