@@ -1,0 +1,367 @@
+"""onnxruntime-training's on-device checkpoint: the ``ODTC`` version 2 FlatBuffers file.
+
+Schema (``ort_training_checkpoint.fbs``, with ``Tensor`` from ``ort.fbs``), field ids in order::
+
+    Checkpoint      { version:int32; module_state:ModuleState; optimizer_groups:[OptimizerGroup];
+                      property_bag:PropertyBag }
+    ModuleState     { requires_grad_params:[Tensor]; frozen_params:[Tensor]; is_nominal_state:bool;
+                      has_external_data:bool }
+    OptimizerGroup  { group_name:string; step:int64; initial_learning_rate:float;
+                      optimizer_states:[ParameterOptimizerState] }
+    ParameterOptimizerState { param_name:string; momentums:[Tensor] }
+    PropertyBag     { ints:[IntProperty]; floats:[FloatProperty]; strings:[StringProperty] }
+    IntProperty / FloatProperty / StringProperty { name:string; value:int64 / float / string }
+    Tensor          { name:string; doc_string:string; dims:[int64]; data_type:int32; raw_data:[ubyte];
+                      string_data:[string]; external_data_offset:int64 = -1 }
+
+Everything is written sorted by name. Above a size threshold the tensor bytes go to
+``<path>.data`` (in saved order: trainable, frozen, then optimizer moments; each tensor at an
+offset that is a multiple of its itemsize, as onnxruntime writes them) and the main file keeps
+only metadata with ``external_data_offset`` set.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO
+
+import numpy as np
+
+from onnxtrain.checkpoint.flatbuf import (
+    Bytes,
+    FlatBufferError,
+    Scalar,
+    Scalars,
+    Str,
+    Table,
+    Tables,
+    TableView,
+    encode,
+    root_table,
+)
+from onnxtrain.ir.io import write_atomic
+from onnxtrain.ir.types import np_dtype, onnx_elem_type
+
+IDENTIFIER = b"ODTC"
+VERSION = 2
+_READABLE_VERSIONS = (1, 2)
+# ONNX element types stored as raw little-endian bytes: every numeric type of whole bytes
+# (strings and the packed 2/4/6-bit types are not checkpoint parameters).
+_SUPPORTED = frozenset(range(1, 8)) | frozenset(range(9, 21)) | {24}
+
+
+@dataclass
+class OptimizerGroup:
+    """One optimizer group: completed steps, initial learning rate, per-parameter moments."""
+
+    name: str = "group0"
+    step: int = 0
+    initial_lr: float = 0.001
+    states: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # param -> {"momentum0": ..}
+
+
+@dataclass
+class Checkpoint:
+    """Training state: parameters, optimizer groups and a property bag.
+
+    In a nominal checkpoint the parameters carry names and dtypes only: saving ignores
+    their values, loading gives zero-size arrays of the right dtype.
+    """
+
+    trainable: dict[str, np.ndarray] = field(default_factory=dict)  # requires_grad params
+    frozen: dict[str, np.ndarray] = field(default_factory=dict)
+    optimizer_groups: list[OptimizerGroup] = field(default_factory=list)
+    properties: dict[str, int | float | str] = field(default_factory=dict)
+    nominal: bool = False
+
+
+# ---------------------------------------------------------------- public API
+
+def checkpoint_to_bytes(ckpt: Checkpoint) -> bytes:
+    """Serialize ``ckpt`` as one buffer, all tensor data inline."""
+    return bytes(_encode(ckpt, external=False)[0])
+
+
+def checkpoint_from_bytes(data: bytes) -> Checkpoint:
+    """Parse a checkpoint buffer; raises ValueError if it is malformed or refers to external data."""
+    try:
+        return _decode(data, None)
+    except FlatBufferError as e:
+        raise ValueError(f"Not a valid onnxruntime training checkpoint: {e}") from None
+
+
+def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike,
+                    external_threshold: int = 1800 * 2**20) -> None:
+    """Write ``ckpt`` to ``path`` atomically.
+
+    When the tensors hold more than ``external_threshold`` bytes, their data goes to
+    ``<path>.data`` (renamed into place just before the main file) and ``path`` keeps only
+    metadata; otherwise a stale ``<path>.data`` is removed.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "Cannot save checkpoint, the path is a directory", path)
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise FileNotFoundError(errno.ENOENT, "Cannot save checkpoint, its directory does not exist", path)
+    external = not ckpt.nominal and _data_bytes(ckpt) > external_threshold
+    main, arrays = _encode(ckpt, external)
+    data_path = path + ".data"
+
+    def write_main(f: IO[bytes]) -> None:
+        f.write(main)
+        if external:
+            # The main file is on disk (not yet renamed) before the data file replaces the old
+            # one, so a failure writing either leaves the previous checkpoint whole.
+            f.flush()
+            os.fsync(f.fileno())
+            write_atomic(data_path, lambda d: _write_arrays(d, arrays))
+
+    write_atomic(path, write_main)
+    if not external and os.path.isfile(data_path):
+        os.unlink(data_path)
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint file (complete or nominal, inline or with ``<path>.data``)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "Cannot load checkpoint, the path is a directory", path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "Checkpoint file not found", path) from None
+    try:
+        return _decode(data, path + ".data")
+    except (FlatBufferError, ValueError) as e:
+        raise ValueError(f"Cannot load checkpoint {path!r}: {e}") from None
+
+
+# ---------------------------------------------------------------- encoding
+
+def _as_array(value: object, what: str) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    try:
+        elem = onnx_elem_type(arr.dtype)
+    except Exception:
+        elem = None
+    if elem not in _SUPPORTED:
+        raise TypeError(f"{what}: dtype {arr.dtype} cannot be stored in a checkpoint")
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")  # keeps 0-d arrays 0-d
+
+
+def _data_bytes(ckpt: Checkpoint) -> int:
+    tensors = [*ckpt.trainable.values(), *ckpt.frozen.values()]
+    for g in ckpt.optimizer_groups:
+        tensors += [m for moments in g.states.values() for m in moments.values()]
+    return sum(np.asarray(t).nbytes for t in tensors)
+
+
+def _tensor(name: str, value: object, nominal: bool, place: Callable[[np.ndarray], int] | None,
+            what: str) -> Table:
+    if not isinstance(name, str):
+        raise TypeError(f"{what}: names must be str, got {type(name).__name__}")
+    arr = _as_array(value, f"{what} {name!r}")
+    elem = onnx_elem_type(arr.dtype)
+    if nominal:  # name and type only, as onnxruntime writes them
+        return Table(Str(name), None, Scalars("q", []), Scalar("i", elem), Bytes(b""))
+    dims = Scalars("q", arr.shape)
+    if place is not None:
+        return Table(Str(name), None, dims, Scalar("i", elem), None, None, Scalar("q", place(arr), -1))
+    return Table(Str(name), None, dims, Scalar("i", elem), Bytes(arr.reshape(-1).view(np.uint8)))
+
+
+def _property(name: str, value: object) -> tuple[int, Table]:
+    """(0 int / 1 float / 2 string, table) for one property."""
+    if not isinstance(name, str):
+        raise TypeError(f"property names must be str, got {type(name).__name__}")
+    if isinstance(value, (bool, np.bool_, int, np.integer)):
+        v = int(value)
+        if not -(2**63) <= v < 2**63:
+            raise ValueError(f"property {name!r}: {v} does not fit in int64")
+        return 0, Table(Str(name), Scalar("q", v))
+    if isinstance(value, (float, np.floating)):
+        return 1, Table(Str(name), Scalar("f", float(np.float32(value)), 0.0))
+    if isinstance(value, str):
+        return 2, Table(Str(name), Str(value))
+    raise TypeError(f"property {name!r}: type {type(value).__name__} is not int, float or str")
+
+
+def _encode(ckpt: Checkpoint, external: bool) -> tuple[bytearray, list[np.ndarray]]:
+    """The main file's bytes and, when ``external``, the arrays for ``<path>.data`` in order."""
+    arrays: list[np.ndarray] = []  # with zero-byte fillers, so each offset is a multiple of the itemsize
+    end = [0]
+
+    def place(arr: np.ndarray) -> int:
+        at = -(-end[0] // arr.itemsize) * arr.itemsize
+        if at > end[0]:
+            arrays.append(np.zeros(at - end[0], np.uint8))
+        arrays.append(arr)
+        end[0] = at + arr.nbytes
+        return at
+
+    where = place if external else None
+    dup = set(ckpt.trainable) & set(ckpt.frozen)
+    if dup:
+        raise ValueError(f"parameters both trainable and frozen: {sorted(dup)}")
+    trainable = [_tensor(n, ckpt.trainable[n], ckpt.nominal, where, "trainable parameter")
+                 for n in sorted(ckpt.trainable)]
+    frozen = [_tensor(n, ckpt.frozen[n], ckpt.nominal, where, "frozen parameter")
+              for n in sorted(ckpt.frozen)]
+    module = Table(Tables(trainable), Tables(frozen), Scalar("?", bool(ckpt.nominal), False),
+                   Scalar("?", external, False))
+
+    groups = []
+    names = [g.name for g in ckpt.optimizer_groups]
+    if len(set(names)) != len(names):
+        raise ValueError(f"optimizer group names repeat: {names}")
+    for g in sorted(ckpt.optimizer_groups, key=lambda g: g.name):
+        states = []
+        for p in sorted(g.states):
+            moments = [_tensor(m, g.states[p][m], False, where, f"optimizer state of {p!r}")
+                       for m in sorted(g.states[p])]
+            states.append(Table(Str(p), Tables(moments)))
+        groups.append(Table(Str(g.name), Scalar("q", int(g.step)),
+                            Scalar("f", float(np.float32(g.initial_lr)), 0.0), Tables(states)))
+
+    bag = None
+    if ckpt.properties:
+        by_kind: list[list[Table]] = [[], [], []]
+        for n in sorted(ckpt.properties):
+            kind, table = _property(n, ckpt.properties[n])
+            by_kind[kind].append(table)
+        bag = Table(*(Tables(t) for t in by_kind))
+
+    root = Table(Scalar("i", VERSION), module, Tables(groups), bag)
+    return encode(root, IDENTIFIER), arrays
+
+
+def _write_arrays(f: IO[bytes], arrays: list[np.ndarray]) -> None:
+    for arr in arrays:
+        f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+
+
+# ---------------------------------------------------------------- decoding
+
+class _DataFile:
+    """Reads tensors from ``<checkpoint>.data`` on demand."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path, self.file, self.size = path, None, 0
+
+    def read(self, offset: int, dtype: np.dtype, shape: tuple[int, ...], name: str) -> np.ndarray:
+        if self.path is None:
+            raise ValueError("External data is present in the checkpoint but the checkpoint path is "
+                             "not provided")
+        if self.file is None:
+            try:
+                self.file = open(self.path, "rb")  # noqa: SIM115 (kept open over reads, see close)
+            except FileNotFoundError:
+                raise FileNotFoundError(errno.ENOENT, "Checkpoint external data file not found",
+                                        self.path) from None
+            self.size = os.fstat(self.file.fileno()).st_size
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offset + nbytes > self.size:
+            raise ValueError(f"{self.path} ends before the {nbytes} bytes of tensor {name!r} at "
+                             f"offset {offset}")
+        arr = np.empty(shape, dtype)
+        self.file.seek(offset)
+        if self.file.readinto(memoryview(arr.reshape(-1).view(np.uint8))) != arr.nbytes:
+            raise ValueError(f"{self.path} ends before the {arr.nbytes} bytes of tensor {name!r} at "
+                             f"offset {offset}")
+        return arr
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def _read_tensor(t: TableView, nominal: bool, data: _DataFile) -> tuple[str, np.ndarray]:
+    name = t.string(0)
+    if name is None:
+        raise ValueError("a tensor has no name")
+    elem = t.scalar(3, "i", 0)
+    if elem not in _SUPPORTED:
+        raise ValueError(f"tensor {name!r} has unsupported data type {elem}")
+    dtype = np_dtype(elem)
+    if nominal:
+        return name, np.empty(0, dtype)
+    dims = t.scalars(2, "<i8")
+    shape = () if dims is None else tuple(int(d) for d in dims)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"tensor {name!r} has negative dims {shape}")
+    count = math.prod(shape)
+    offset = t.scalar(6, "q", -1)
+    if offset >= 0:
+        return name, data.read(offset, dtype, shape, name)
+    raw = t.bytes(4)
+    if raw is None:
+        raise ValueError(f"tensor {name!r} has neither raw data nor an external data offset")
+    if len(raw) != count * dtype.itemsize:
+        raise ValueError(f"tensor {name!r} of shape {shape} and type {dtype} has {len(raw)} data bytes, "
+                         f"expected {count * dtype.itemsize}")
+    return name, np.frombuffer(raw, dtype, count).reshape(shape).copy()
+
+
+def _read_tensors(tables: list[TableView] | None, nominal: bool, data: _DataFile,
+                  into: dict[str, np.ndarray], what: str) -> None:
+    for t in tables or []:
+        name, arr = _read_tensor(t, nominal, data)
+        if name in into:
+            raise ValueError(f"{what} {name!r} appears twice")
+        into[name] = arr
+
+
+def _decode(buf: bytes, data_path: str | None) -> Checkpoint:
+    root = root_table(buf, IDENTIFIER)
+    version = root.scalar(0, "i", 0)
+    if version not in _READABLE_VERSIONS:
+        raise ValueError(f"checkpoint version {version} is not supported (this reader knows "
+                         f"{', '.join(map(str, _READABLE_VERSIONS))})")
+    ckpt = Checkpoint()
+    data = _DataFile(data_path)
+    try:
+        module = root.table(1)
+        if module is not None:
+            ckpt.nominal = bool(module.scalar(2, "?", False))
+            _read_tensors(module.tables(0), ckpt.nominal, data, ckpt.trainable, "parameter")
+            _read_tensors(module.tables(1), ckpt.nominal, data, ckpt.frozen, "parameter")
+            both = set(ckpt.trainable) & set(ckpt.frozen)
+            if both:
+                raise ValueError(f"parameters both trainable and frozen: {sorted(both)}")
+        for g in root.tables(2) or []:
+            name = g.string(0)
+            if name is None:
+                raise ValueError("an optimizer group has no name")
+            group = OptimizerGroup(name, int(g.scalar(1, "q", 0)), float(g.scalar(2, "f", 0.0)))
+            if any(group.name == other.name for other in ckpt.optimizer_groups):
+                raise ValueError(f"optimizer group {group.name!r} appears twice")
+            for s in g.tables(3) or []:
+                param = s.string(0)
+                if param is None:
+                    raise ValueError(f"an optimizer state of group {group.name!r} has no parameter name")
+                moments: dict[str, np.ndarray] = {}
+                _read_tensors(s.tables(1), False, data, moments, f"optimizer state of {param!r}")
+                group.states[param] = moments
+            ckpt.optimizer_groups.append(group)
+    finally:
+        data.close()
+    bag = root.table(3)
+    if bag is not None:
+        props: dict[str, int | float | str] = {}
+        for kind, convert in ((0, lambda p: int(p.scalar(1, "q", 0))),
+                              (1, lambda p: float(p.scalar(1, "f", 0.0))),
+                              (2, lambda p: p.string(1) or "")):
+            for p in bag.tables(kind) or []:
+                name = p.string(0)
+                if name is None:
+                    raise ValueError("a property has no name")
+                props[name] = convert(p)
+        ckpt.properties = {n: props[n] for n in sorted(props)}
+    return ckpt
