@@ -21,6 +21,9 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes files owner-only; give the usual permissions
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
