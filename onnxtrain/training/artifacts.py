@@ -41,3 +41,405 @@ group lists the trainable parameters in checkpoint order)
 ``checkpoint``: onnxruntime-training's format via ``onnxtrain.checkpoint`` — trainable
 (requires_grad) and frozen parameters in initializer order, no optimizer group, no properties.
 """
+
+from __future__ import annotations
+
+import enum
+import inspect
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.autodiff.builder import GradientError, build_gradient_model, upgrade_opset
+from onnxtrain.ir.builder import model_opset
+from onnxtrain.ir.io import save_model_atomic
+from onnxtrain.training import onnxblock
+from onnxtrain.training.onnxblock._base import BlockError
+from onnxtrain.training.onnxblock.optim import Optimizer as OptimizerBlock
+
+MAX_PROTO_BYTES = 2147483648
+RESET = "lazy_reset_grad"
+BUFFER_SUFFIX = "_grad.accumulation.buffer"
+ACC_OUT_SUFFIX = "_grad.accumulation.out"
+
+
+class ArtifactError(BlockError):
+    """Artifacts cannot be generated; the message names the argument, parameter or value at fault.
+
+    A ``RuntimeError`` (what onnxruntime-training raises) and a ``ValueError``.
+    """
+
+
+class LossType(enum.Enum):
+    """Built-in losses (spec §1.7)."""
+
+    MSELoss = 1
+    CrossEntropyLoss = 2
+    BCEWithLogitsLoss = 3
+    L1Loss = 4
+
+
+class OptimType(enum.Enum):
+    """Built-in optimizers (spec §1.8), with their default hyper-parameters."""
+
+    AdamW = 1
+    SGD = 2
+
+
+def _loss_block(loss: LossType | onnxblock.Block | None) -> onnxblock.Block:
+    if loss is None:
+        return onnxblock.blocks.PassThrough()
+    if isinstance(loss, onnxblock.Block):
+        return loss
+    if isinstance(loss, LossType):
+        return {LossType.MSELoss: onnxblock.loss.MSELoss, LossType.CrossEntropyLoss: onnxblock.loss.CrossEntropyLoss,
+                LossType.BCEWithLogitsLoss: onnxblock.loss.BCEWithLogitsLoss,
+                LossType.L1Loss: onnxblock.loss.L1Loss}[loss]()
+    raise ArtifactError(f"Unknown loss provided {type(loss).__name__}: {loss!r}. Use a LossType, an "
+                        "onnxblock.Block (custom loss) or None (the model's first output is the loss).")
+
+
+def _optimizer_block(optimizer: Any) -> OptimizerBlock | None:
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, OptimizerBlock):
+        return optimizer
+    if optimizer is OptimType.AdamW:
+        return onnxblock.optim.AdamW()
+    if optimizer is OptimType.SGD:
+        return onnxblock.optim.SGD()
+    raise TypeError(f"Unknown optimizer provided {type(optimizer).__name__}: {optimizer!r}. Use OptimType.AdamW, "
+                    "OptimType.SGD or an onnxblock.optim.AdamW(...)/SGD(...) block.")
+
+
+def _load(model: Any) -> onnx.ModelProto:
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"model file not found: {path}")
+        return onnx.load(path)
+    if isinstance(model, onnx.ModelProto):
+        if model.ByteSize() > MAX_PROTO_BYTES:
+            raise ArtifactError("This model is larger than 2 GB; pass the path of the model file instead of the "
+                                "ModelProto.")
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        return m
+    raise ArtifactError(f"Unknown model type {type(model).__name__}: pass an onnx.ModelProto or the path of an "
+                        ".onnx file.")
+
+
+def _names(value: Any, what: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ArtifactError(f"Unknown type provided for {what}: {type(value).__name__}. Expected a list of "
+                            "tensor names.")
+    out = []
+    for v in value:
+        if not isinstance(v, str):
+            raise ArtifactError(f"{what} must hold tensor names (str), got {v!r}")
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad: Sequence[str] | None = None,
+                       frozen_params: Sequence[str] | None = None,
+                       loss: LossType | onnxblock.Block | None = None, optimizer: Any = None,
+                       artifact_directory: str | bytes | os.PathLike | None = None, prefix: str = "",
+                       ort_format: bool = False, custom_op_library: str | bytes | os.PathLike | None = None,
+                       additional_output_names: Sequence[str] | None = None, nominal_checkpoint: bool = False,
+                       loss_input_names: Sequence[str] | None = None) -> None:
+    """Write the training, eval and optimizer models and the checkpoint for ``model`` (spec §1).
+
+    ``requires_grad`` initializers become trainable parameters, ``frozen_params`` fixed ones
+    (both are graph inputs and go to the checkpoint); other initializers stay constants.
+    ``loss`` is a LossType, a custom ``onnxblock.Block`` or None (the first model output is the
+    loss). Example::
+
+        generate_artifacts(onnx.load("mlp.onnx"), requires_grad=["fc1.weight", "fc1.bias"],
+                           loss=LossType.CrossEntropyLoss, optimizer=OptimType.AdamW,
+                           artifact_directory="artifacts")
+    """
+    if ort_format:
+        raise ArtifactError("ort_format=True is not supported: onnxtrain writes standard ONNX models only "
+                            "(.onnx files run by any ONNX runtime); convert them with onnxruntime's tools if "
+                            "you need .ort files.")
+    if custom_op_library is not None:
+        raise ArtifactError(f"custom_op_library={custom_op_library!r} is not supported: onnxtrain builds "
+                            "gradients for standard ONNX ops only.")
+    base = _load(model)
+    loss_block = _loss_block(loss)
+    trainable = _names(requires_grad, "requires_grad")
+    frozen = _names(frozen_params, "frozen_params")
+    both = set(trainable) & set(frozen)
+    if both:
+        raise ArtifactError(f"A parameter cannot be frozen and require gradient computation at the same time "
+                            f"{sorted(both)}")
+    extra_outputs = _names(additional_output_names, "additional output names")
+    loss_inputs = None if loss_input_names is None else _names(loss_input_names, "loss input names")
+    opt_block = _optimizer_block(optimizer)
+    if opt_block is not None and not trainable:
+        raise ArtifactError("An optimizer was requested but no parameter requires a gradient: list the "
+                            "initializers to train in requires_grad.")
+    folder = os.getcwd() if artifact_directory is None else os.fsdecode(artifact_directory)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"artifact_directory does not exist: {folder}")
+    if not isinstance(prefix, str):
+        raise ArtifactError(f"prefix must be a str, got {type(prefix).__name__}")
+
+    training, evaluation, ckpt = build_training_models(base, trainable, frozen, loss_block, extra_outputs,
+                                                        loss_inputs)
+    from onnxtrain.checkpoint import Checkpoint, save_checkpoint
+
+    def path(name: str) -> str:
+        return os.path.join(folder, prefix + name)
+
+    save_model_atomic(training, path("training_model.onnx"))
+    save_model_atomic(evaluation, path("eval_model.onnx"))
+    save_checkpoint(Checkpoint(ckpt[0], ckpt[1], [], {}), path("checkpoint"))
+    if nominal_checkpoint:
+        save_checkpoint(Checkpoint(ckpt[0], ckpt[1], [], {}, nominal=True), path("nominal_checkpoint"))
+    if opt_block is not None:
+        params = [(n, training_input_type(training, n)) for n in ckpt[0]]
+        save_model_atomic(build_optimizer_model(opt_block, params, model_opset(training)),
+                          path("optimizer_model.onnx"))
+
+
+def training_input_type(model: onnx.ModelProto, name: str) -> onnx.TypeProto:
+    for v in model.graph.input:
+        if v.name == name:
+            return v.type
+    raise ArtifactError(f"{name!r} is not an input of the model")
+
+
+# ---- training and eval models ---------------------------------------------------------------------
+def build_training_models(base: onnx.ModelProto, trainable: list[str], frozen: list[str], loss: onnxblock.Block,
+                          extra_outputs: list[str], loss_inputs: list[str] | None
+                          ) -> tuple[onnx.ModelProto, onnx.ModelProto, tuple[dict[str, np.ndarray],
+                                                                              dict[str, np.ndarray]]]:
+    """(training model, eval model, (trainable, frozen) parameter values) — spec §1.3–1.5."""
+    m = upgrade_opset(base)
+    g = m.graph
+    inits = {t.name: t for t in g.initializer}
+    for what, names in (("requires_grad", trainable), ("frozen_params", frozen)):
+        missing = [n for n in names if n not in inits]
+        if missing:
+            raise ArtifactError(f"{what} names {missing} that are not initializers of the model; initializers: "
+                                f"{list(inits)[:20]}{' ...' if len(inits) > 20 else ''}")
+    model_outputs = [o.name for o in g.output]
+    args = model_outputs if loss_inputs is None else loss_inputs
+    with onnxblock.base(m) as acc:
+        for n in args:
+            if not acc.has_value(n):
+                raise ArtifactError(f"loss input {n!r} is not a value of the model; outputs: {model_outputs}")
+        _check_arity(loss, args)
+        result = loss(*args)
+        outs = [result] if isinstance(result, str) else list(result)
+        if not outs or not all(isinstance(o, str) for o in outs):
+            raise ArtifactError(f"the loss block must return a tensor name or a tuple of names, got {result!r}")
+        for n in extra_outputs:
+            if not acc.has_value(n):
+                raise LookupError(f"The provided name {n} is not a graph value info or a graph output.")
+        all_outs = outs + extra_outputs
+        dup = sorted({n for n in all_outs if all_outs.count(n) > 1})
+        if dup:
+            raise ArtifactError(f"graph outputs would repeat {dup}: additional_output_names must not repeat the "
+                                "loss outputs")
+        types = acc.types()
+    del g.output[:]
+    g.output.extend(_value_info(n, types) for n in all_outs)
+    params = [t.name for t in g.initializer if t.name in set(trainable) | set(frozen)]  # initializer order
+    values = {n: numpy_helper.to_array(inits[n]) for n in params}
+    kept = [t for t in g.initializer if t.name not in values]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    user_inputs = [v for v in g.input if v.name not in values]
+    del g.input[:]
+    g.input.extend(user_inputs)
+    g.input.extend(helper.make_tensor_value_info(n, inits[n].data_type, list(inits[n].dims)) for n in params)
+    ckpt = ({n: values[n] for n in params if n in trainable}, {n: values[n] for n in params if n in frozen})
+
+    evaluation = _finish(_inference_mode(m), "eval")
+    train_names = list(ckpt[0])
+    training = _with_accumulation(_gradient_model(m, all_outs, train_names, types), train_names)
+    return _finish(training, "training"), evaluation, ckpt
+
+
+def _check_arity(block: onnxblock.Block, args: list[str]) -> None:
+    """The loss block gets one positional argument per loss input (onnxruntime issue #19008)."""
+    try:
+        inspect.signature(block.build).bind(*args)
+    except TypeError as e:
+        raise ArtifactError(f"the loss block {type(block).__name__}.build() cannot take the {len(args)} loss "
+                            f"input(s) {args} ({e}); the loss receives every model output in order unless "
+                            "loss_input_names says which ones") from None
+    except ValueError:
+        pass  # no signature (builtin): let the call decide
+
+
+def _value_info(name: str, types: dict[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
+    tp = types.get(name)
+    return helper.make_value_info(name, tp) if tp is not None else helper.make_empty_tensor_value_info(name)
+
+
+def _gradient_model(m: onnx.ModelProto, outputs: list[str], trainable: list[str],
+                    types: dict[str, onnx.TypeProto]) -> onnx.ModelProto:
+    if not trainable:
+        return m
+    loss = outputs[0]
+    shape = _shape(types.get(loss))
+    if shape is not None and any(d != 1 for d in shape):
+        raise ArtifactError(f"the differentiated output {loss!r} must be a scalar (one element) but has shape "
+                            f"{shape}; give a loss (loss=LossType..., a custom block) or make the model's first "
+                            "output a scalar loss")
+    unreachable = [p for p in trainable if p not in _ancestors(m.graph, loss)]
+    try:
+        if unreachable:
+            raise GradientError("")
+        return build_gradient_model(m, loss, trainable, outputs=outputs[1:], zero_unreachable=False)
+    except GradientError as e:
+        if not unreachable:
+            if "does not reach the loss" not in str(e):
+                raise ArtifactError(f"cannot build the gradient graph: {e}") from None
+            unreachable = [p for p in trainable if f"{p!r} does not reach" in str(e)]
+        names = ", ".join(repr(p) for p in unreachable)
+        raise ArtifactError(f"Cannot compute the partial derivative for {names} as it's unreachable from the output "
+                            f"node(s) ({loss!r}): remove it from requires_grad (or freeze it).") from None
+
+
+def _shape(tp: onnx.TypeProto | None) -> list[int | str] | None:
+    if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tp.tensor_type.shape.dim]
+
+
+def _ancestors(g: onnx.GraphProto, target: str) -> set[str]:
+    """Every value ``target`` depends on (ignoring subgraph captures)."""
+    producer = {o: n for n in g.node for o in n.output if o}
+    seen = {target}
+    todo = [target]
+    while todo:
+        n = producer.get(todo.pop())
+        if n is None:
+            continue
+        for i in n.input:
+            if i and i not in seen:
+                seen.add(i)
+                todo.append(i)
+    return seen
+
+
+def _with_accumulation(m: onnx.ModelProto, trainable: list[str]) -> onnx.ModelProto:
+    """Replace each ``<p>_grad`` output by ``<p>_grad.accumulation.out`` = reset ? grad : buffer + grad."""
+    if not trainable:
+        m.graph.input.append(helper.make_tensor_value_info(RESET, TensorProto.BOOL, [1]))
+        return m
+    g = m.graph
+    by_name = {v.name: v for v in g.input}
+    grads = {f"{p}_grad" for p in trainable}
+    kept = [o for o in g.output if o.name not in grads]
+    del g.output[:]
+    g.output.extend(kept)
+    reset = f"{RESET}.scalar"
+    g.node.append(helper.make_node("Squeeze", [RESET], [reset], name="lazy_reset_grad_Squeeze"))
+    for k, p in enumerate(trainable):
+        tp = by_name[p].type
+        buf, grad, out = f"{p}{BUFFER_SUFFIX}", f"{p}_grad", f"{p}{ACC_OUT_SUFFIX}"
+        g.input.append(helper.make_value_info(buf, tp))
+        total = f"{p}_grad.accumulation.sum"
+        g.node.append(helper.make_node("Add", [buf, grad], [total], name=f"GradientAccumulator{k}_Add"))
+        # overwrite when the reset flag is set, else accumulate (onnxruntime's InPlaceAccumulatorV2)
+        g.node.append(helper.make_node("Where", [reset, grad, total], [out], name=f"GradientAccumulator{k}"))
+        g.output.append(helper.make_value_info(out, tp))
+    g.input.append(helper.make_tensor_value_info(RESET, TensorProto.BOOL, [1]))
+    return m
+
+
+def _inference_mode(m: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy with Dropout and BatchNormalization in inference mode (spec §1.3 step 5, §1.12 fixed)."""
+    e = onnx.ModelProto()
+    e.CopyFrom(m)
+    nodes: list[onnx.NodeProto] = []
+    for n in e.graph.node:
+        nodes.append(n)
+        if n.op_type == "Dropout" and len(n.input) >= 3:
+            del n.input[2:]
+        elif n.op_type == "BatchNormalization":
+            for a in n.attribute:
+                if a.name == "training_mode":
+                    a.i = 0
+            # running statistics outputs are not allowed in inference mode: they equal the inputs
+            for k in (1, 2):
+                if len(n.output) > k and n.output[k]:
+                    nodes.append(helper.make_node("Identity", [n.input[k + 2]], [n.output[k]],
+                                                  name=f"{n.name}_running_stat{k}"))
+            del n.output[1:]
+    del e.graph.node[:]
+    e.graph.node.extend(nodes)
+    return e
+
+
+def _finish(m: onnx.ModelProto, what: str) -> onnx.ModelProto:
+    """Lowest IR version the opsets allow; onnx.checker full check (an error here is a bug of ours)."""
+    opsets = list(m.opset_import)
+    out = helper.make_model(m.graph, opset_imports=opsets, producer_name="onnxtrain",
+                            ir_version=max(helper.find_min_ir_version_for(opsets, True), 3))
+    out.functions.extend(m.functions)
+    try:
+        onnx.checker.check_model(out, full_check=True)
+    except Exception as err:
+        raise ArtifactError(f"the generated {what} model fails onnx.checker: {err}") from None
+    return out
+
+
+# ---- optimizer model -------------------------------------------------------------------------------
+def build_optimizer_model(block: OptimizerBlock, params: list[tuple[str, onnx.TypeProto]],
+                          opset: int) -> onnx.ModelProto:
+    """The optimizer graph over the trainable ``params`` (name, type) — see the interface note."""
+    names = [p for p, _ in params]
+    grads = [f"{p}_grad" for p in names]
+    states = {k: [f"{p}.{k}" for p in names] for k in block.state_names}
+    taken = {"learning_rate", "step", *names, *grads, *(s for v in states.values() for s in v)}
+    if len(taken) != 2 + len(names) * (2 + len(states)):
+        raise ArtifactError(f"parameter names {names} clash with the optimizer graph's input names")
+    vtypes = dict(params)
+    for group in (grads, *states.values()):
+        vtypes.update((n, vtypes[p]) for n, p in zip(group, names))
+    with onnxblock.empty_base(opset) as acc:
+        acc.add_input("learning_rate", helper.make_tensor_type_proto(TensorProto.FLOAT, [1]))
+        acc.add_input("step", helper.make_tensor_type_proto(TensorProto.INT64, [1]))
+        for group in (names, grads, *states.values()):
+            for n in group:
+                acc.add_input(n, vtypes[n])
+        new = block("learning_rate", "step", names, grads, states)
+        model = acc.model
+    g = model.graph
+    order = [x for x in names + [s for k in block.state_names for s in states[k]] + grads if x in new]
+    rename = {new[x]: f"{x}.out" for x in order}
+    graph_inputs = {v.name for v in g.input}
+    for x in order:
+        if new[x] in graph_inputs:  # returned unchanged
+            g.node.append(helper.make_node("Identity", [new[x]], [f"{x}.out"], name=f"{x}.out_Identity"))
+    for n in g.node:
+        for j, v in enumerate(n.output):
+            if v in rename:
+                n.output[j] = rename[v]
+        for j, v in enumerate(n.input):
+            if v in rename and v not in graph_inputs:
+                n.input[j] = rename[v]
+    g.output.extend(helper.make_value_info(f"{x}.out", vtypes[x]) for x in order)
+    label = block.name or type(block).__name__
+    g.name = f"{label}_optimizer"
+    helper.set_model_props(model, {"onnxtrain.optimizer": label,
+                                   "onnxtrain.hyperparameters": json.dumps(block.hyperparameters())})
+    return _finish(model, "optimizer")
+
+
+__all__ = ["ArtifactError", "LossType", "OptimType", "generate_artifacts"]

@@ -1,0 +1,15 @@
+"""Blocks that build ONNX graphs: losses, optimizers and the pieces to write a custom loss (spec §1.9).
+
+Same surface as ``onnxruntime.training.onnxblock``: ``Block`` (subclass it, implement
+``build(*input_names)``), ``blocks`` (elementwise, reductions, constants, inputs), ``loss``
+(MSELoss, CrossEntropyLoss, BCEWithLogitsLoss, L1Loss), ``optim`` (AdamW, SGD, ClipGradNorm),
+and the context managers ``base(model)`` / ``empty_base()``. Every node is standard ONNX.
+"""
+
+from __future__ import annotations
+
+from onnxtrain.training.onnxblock import blocks, loss, optim
+from onnxtrain.training.onnxblock._base import BlockError, base, empty_base
+from onnxtrain.training.onnxblock.blocks import Block
+
+__all__ = ["Block", "BlockError", "base", "blocks", "empty_base", "loss", "optim"]

@@ -1,0 +1,168 @@
+"""The model under construction (spec §1.9): blocks append nodes, initializers and inputs to it.
+
+As in onnxruntime-training one *base* model is edited at a time, set with the context managers
+``base(model)`` or ``empty_base(opset_version)``; blocks called inside read and extend it and
+return tensor names. New values are named ``onnx::<token>::<n>`` with a counter per base, so
+one generation gives the same names in any process (read names from the model, never guess).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.ir.builder import NameGen, elem_type, model_opset, symbolic_shape, value_types
+from onnxtrain.ir.types import np_dtype
+
+DEFAULT_OPSET = 17
+
+
+class BlockError(RuntimeError, ValueError):
+    """A block cannot be built (bad argument, missing value, wrong type); the message says which."""
+
+
+class ModelBase:
+    """The model being edited plus name and type bookkeeping."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.opset = model_opset(model) or DEFAULT_OPSET
+        self.names = NameGen.for_model(model)
+        self.counter = 0
+        self.consts: dict[str, tuple[float, int]] = {}  # 0-d constants made by blocks: name -> (value, type)
+        self._types: dict[str, onnx.TypeProto] | None = None
+
+    @property
+    def graph(self) -> onnx.GraphProto:
+        return self.model.graph
+
+    # ---- names and types
+    def fresh(self, token: str) -> str:
+        """A new unique value name ``onnx::<token>::<n>``."""
+        while True:
+            self.counter += 1
+            name = f"onnx::{token}::{self.counter}"
+            if name not in self.names.taken:
+                self.names.taken.add(name)
+                return name
+
+    def types(self) -> dict[str, onnx.TypeProto]:
+        if self._types is None:
+            self._types = value_types(self.model)
+        return self._types
+
+    def elem_type(self, name: str) -> int:
+        for v in self.graph.input:  # graph inputs and initializers without shape inference
+            if v.name == name and v.type.HasField("tensor_type") and v.type.tensor_type.elem_type:
+                return v.type.tensor_type.elem_type
+        if name in self.consts:
+            return self.consts[name][1]
+        return elem_type(self.types(), name)
+
+    def shape(self, name: str) -> list[int | str | None] | None:
+        return symbolic_shape(self.types(), name)
+
+    def has_value(self, name: str) -> bool:
+        g = self.graph
+        if any(v.name == name for v in g.input) or any(t.name == name for t in g.initializer):
+            return True
+        return any(name in n.output for n in g.node)
+
+    def type_of(self, name: str) -> onnx.TypeProto:
+        tp = self.types().get(name)
+        if tp is None:
+            raise BlockError(f"{name!r} is not a value of the model (or its type is unknown)")
+        return tp
+
+    # ---- editing
+    def node(self, op: str, inputs: list[str], token: str, outputs: int = 1, **attrs: Any) -> list[str]:
+        """Append one node; its outputs get fresh ``onnx::<token>::<n>`` names."""
+        outs = [self.fresh(token) for _ in range(outputs)]
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+        self.graph.node.append(helper.make_node(op, inputs, outs, name=self.names(f"{op}_{self.counter}"),
+                                                **attrs))
+        self._types = None
+        return outs
+
+    def initializer(self, value: Any, token: str, dtype: Any = None) -> str:
+        arr = np.asarray(value, dtype=dtype)
+        name = self.fresh(token)
+        self.graph.initializer.append(numpy_helper.from_array(arr, name))
+        self._types = None
+        return name
+
+    def scalar(self, value: float, et: int = TensorProto.FLOAT) -> str:
+        """A 0-d constant initializer of element type ``et`` (shared by equal values)."""
+        for name, (v, t) in self.consts.items():
+            if v == value and t == et:
+                return name
+        name = self.initializer(np.asarray(value, dtype=np_dtype(et)), "constant")
+        self.consts[name] = (float(value), et)
+        return name
+
+    def add_input(self, name: str, tp: onnx.TypeProto) -> str:
+        if name in self.names.taken and self.has_value(name):
+            raise BlockError(f"cannot add graph input {name!r}: the model already has a value of that name")
+        self.names.taken.add(name)
+        self.graph.input.append(helper.make_value_info(name, tp))
+        self._types = None
+        return name
+
+    def float_type_of(self, name: str) -> int:
+        """Element type of ``name``; float32 when unknown."""
+        return self.elem_type(name) or TensorProto.FLOAT
+
+    def align(self, a: str, b: str) -> tuple[str, str]:
+        """Give a block-made scalar constant the element type of the other operand (float64 models)."""
+        if a in self.consts and b not in self.consts:
+            et = self.elem_type(b)
+            if et and et != self.consts[a][1]:
+                a = self.scalar(self.consts[a][0], et)
+        elif b in self.consts and a not in self.consts:
+            et = self.elem_type(a)
+            if et and et != self.consts[b][1]:
+                b = self.scalar(self.consts[b][0], et)
+        return a, b
+
+
+_STACK: list[ModelBase] = []
+
+
+def current() -> ModelBase:
+    """The base being edited; error outside ``base(...)``/``empty_base(...)``."""
+    if not _STACK:
+        raise BlockError("blocks must be called inside `with onnxblock.base(model):` or "
+                         "`with onnxblock.empty_base():` (no base model is set)")
+    return _STACK[-1]
+
+
+@contextlib.contextmanager
+def base(model: onnx.ModelProto, model_path: str | None = None) -> Iterator[ModelBase]:
+    """Edit ``model`` in place with blocks; nesting is refused as in onnxruntime-training."""
+    if _STACK:
+        raise BlockError("Base onnx model already exists. Cannot nest onnxblock.base contexts.")
+    if not isinstance(model, onnx.ModelProto):
+        raise BlockError(f"onnxblock.base expects an onnx.ModelProto, got {type(model).__name__}")
+    acc = ModelBase(model)
+    _STACK.append(acc)
+    try:
+        yield acc
+    finally:
+        _STACK.pop()
+
+
+@contextlib.contextmanager
+def empty_base(opset_version: int | None = None) -> Iterator[ModelBase]:
+    """A fresh empty model (default domain only) to build into, e.g. an optimizer graph."""
+    opset = opset_version or DEFAULT_OPSET
+    graph = helper.make_graph([], "graph", [], [])
+    opsets = [helper.make_opsetid("", opset)]
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="onnxtrain",
+                              ir_version=helper.find_min_ir_version_for(opsets))
+    with base(model) as acc:
+        yield acc

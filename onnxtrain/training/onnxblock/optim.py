@@ -1,0 +1,191 @@
+"""Optimizer blocks (spec §1.8): AdamW (Hugging Face variant, onnxruntime's "mode 1"), SGD, and
+ClipGradNorm, as standard ONNX nodes over one tensor per parameter.
+
+``generate_artifacts`` calls an optimizer block inside an empty base with the names of the
+graph inputs and gets back, for every input the step changes, the name of its new value
+(see the interface note of ``onnxtrain.training.artifacts``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from onnx import TensorProto
+
+from onnxtrain.training.onnxblock._base import BlockError, ModelBase
+from onnxtrain.training.onnxblock.blocks import Block, _acc
+
+CLIP_EPS = 1e-6
+
+
+class ClipGradNorm(Block):
+    """Scale all gradients by ``min(max_norm / (‖g‖ + 1e-6), 1)``, ‖g‖ the global L2 norm."""
+
+    def __init__(self, max_norm: float) -> None:
+        super().__init__()
+        self.max_norm = float(max_norm)
+        if not self.max_norm > 0:
+            raise BlockError(f"ClipGradNorm: max_norm must be > 0, got {max_norm}")
+
+    def build(self, *gradient_names: str) -> tuple[str, ...]:
+        acc = _acc()
+        if not gradient_names:
+            return ()
+        types = [acc.float_type_of(g) for g in gradient_names]
+        # accumulate in float64 if every gradient is float64, else in float32
+        et = TensorProto.DOUBLE if all(t == TensorProto.DOUBLE for t in types) else TensorProto.FLOAT
+        parts = []
+        for g, t in zip(gradient_names, types):
+            s = acc.node("ReduceSumSquare", [g], "reducesumsquare_output", keepdims=0)[0]
+            parts.append(s if t == et else acc.node("Cast", [s], "cast_output", to=et)[0])
+        total = parts[0] if len(parts) == 1 else acc.node("Sum", parts, "sum_output")[0]
+        norm = acc.node("Sqrt", [total], "grad_norm")[0]
+        # coef = min(max_norm / (norm + eps), 1)
+        ratio = acc.node("Div", [acc.scalar(self.max_norm, et),
+                                 acc.node("Add", [norm, acc.scalar(CLIP_EPS, et)], "add_output")[0]], "div_output")[0]
+        coef = acc.node("Min", [ratio, acc.scalar(1.0, et)], "clip_coef")[0]
+        coefs: dict[int, str] = {et: coef}
+        out = []
+        for g, t in zip(gradient_names, types):
+            if t not in coefs:
+                coefs[t] = acc.node("Cast", [coef], "cast_output", to=t)[0]
+            out.append(acc.node("Mul", [g, coefs[t]], "clipped_gradient")[0])
+        return tuple(out)
+
+
+class Optimizer(Block):
+    """Base of the optimizer blocks.
+
+    ``build(learning_rate, step, params, gradients, states)`` where ``states`` maps each name of
+    ``state_names`` to one value per parameter; returns ``{input name: new value name}``.
+    """
+
+    name = ""
+    state_names: tuple[str, ...] = ()
+
+    def __init__(self, clip_grad: ClipGradNorm | None = None) -> None:
+        super().__init__()
+        if clip_grad is not None and not isinstance(clip_grad, ClipGradNorm):
+            raise BlockError(f"clip_grad must be an onnxblock.optim.ClipGradNorm, got {type(clip_grad).__name__}")
+        self.clip_grad = clip_grad
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {"clip_grad_max_norm": None if self.clip_grad is None else self.clip_grad.max_norm}
+
+    def build(self, learning_rate: str, step: str, params: Sequence[str], gradients: Sequence[str],
+              states: dict[str, Sequence[str]]) -> dict[str, str]:
+        acc = _acc()
+        new: dict[str, str] = {}
+        grads = list(gradients)
+        if self.clip_grad is not None:
+            clipped = self.clip_grad(*grads)
+            new.update(zip(grads, clipped))
+            grads = list(clipped)
+        lr = acc.node("Squeeze", [learning_rate], "learning_rate")[0]  # [1] -> scalar: keeps param shapes
+        t = acc.node("Squeeze", [step], "step")[0]
+        shared: dict[int, dict[str, str]] = {}
+        for k, (p, g) in enumerate(zip(params, grads)):
+            et = acc.float_type_of(p)
+            if et not in shared:
+                shared[et] = self.prepare(acc, lr, t, et)
+            new.update(self.update(acc, shared[et], p, g, {key: states[key][k] for key in self.state_names}))
+        return new
+
+    def prepare(self, acc: ModelBase, lr: str, t: str, et: int) -> dict[str, str]:
+        """Scalars shared by all parameters of element type ``et``."""
+        return {"lr": _as_type(acc, lr, TensorProto.FLOAT, et)}
+
+    def update(self, acc: ModelBase, shared: dict[str, str], p: str, g: str,
+               states: dict[str, str]) -> dict[str, str]:
+        raise NotImplementedError
+
+
+def _as_type(acc: ModelBase, x: str, have: int, want: int) -> str:
+    return x if have == want else acc.node("Cast", [x], "cast_output", to=want)[0]
+
+
+class SGD(Optimizer):
+    """Plain SGD: ``p ← p − lr·g`` (no momentum, no weight decay), as onnxruntime-training's.
+
+    Declares a ``momentum0`` state (onnxruntime's first_order_moments) that it never reads.
+    """
+
+    name = "SGD"
+    state_names = ("momentum0",)
+
+    def update(self, acc: ModelBase, shared: dict[str, str], p: str, g: str,
+               states: dict[str, str]) -> dict[str, str]:
+        step = acc.node("Mul", [shared["lr"], g], "mul_output")[0]
+        return {p: acc.node("Sub", [p, step], "updated_param")[0]}
+
+
+class AdamW(Optimizer):
+    """AdamW as onnxruntime-training runs it (Hugging Face variant, spec §1.8)::
+
+        m ← β1·m + (1−β1)·g ;  v ← β2·v + (1−β2)·g²
+        lr_t = lr·sqrt(1−β2^t)/(1−β1^t)  (lr without bias correction)
+        p ← p − lr_t·m/(sqrt(v) + eps)   (eps on the uncorrected sqrt(v))
+        p ← p − lr·weight_decay·p        (decoupled, after the update)
+
+    ``t`` is the ``step`` input. The bias corrections are computed in float64.
+    """
+
+    name = "AdamW"
+    state_names = ("momentum0", "momentum1")
+
+    def __init__(self, bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.0, clip_grad: ClipGradNorm | None = None) -> None:
+        super().__init__(clip_grad)
+        if len(betas) != 2:
+            raise BlockError(f"AdamW: betas must be a pair (beta1, beta2), got {betas!r}")
+        self.bias_correction = bool(bias_correction)
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {"bias_correction": self.bias_correction, "betas": list(self.betas), "eps": self.eps,
+                "weight_decay": self.weight_decay, **super().hyperparameters()}
+
+    def prepare(self, acc: ModelBase, lr: str, t: str, et: int) -> dict[str, str]:
+        out = {"lr": _as_type(acc, lr, TensorProto.FLOAT, et)}
+        if self.bias_correction:
+            dbl = TensorProto.DOUBLE
+            td = acc.node("Cast", [t], "cast_output", to=dbl)[0]
+            one = acc.scalar(1.0, dbl)
+            c1 = acc.node("Sub", [one, acc.node("Pow", [acc.scalar(self.betas[0], dbl), td], "pow_output")[0]],
+                          "sub_output")[0]
+            c2 = acc.node("Sub", [one, acc.node("Pow", [acc.scalar(self.betas[1], dbl), td], "pow_output")[0]],
+                          "sub_output")[0]
+            lr_d = acc.node("Cast", [lr], "cast_output", to=dbl)[0]
+            lr_t = acc.node("Div", [acc.node("Mul", [lr_d, acc.node("Sqrt", [c2], "sqrt_output")[0]],
+                                             "mul_output")[0], c1], "div_output")[0]
+            out["lr_t"] = _as_type(acc, lr_t, dbl, et)
+        else:
+            out["lr_t"] = out["lr"]
+        if self.weight_decay:
+            out["decay"] = acc.node("Mul", [out["lr"], acc.scalar(self.weight_decay, et)], "mul_output")[0]
+        return out
+
+    def update(self, acc: ModelBase, shared: dict[str, str], p: str, g: str,
+               states: dict[str, str]) -> dict[str, str]:
+        et = acc.float_type_of(p)
+        b1, b2 = self.betas
+        m, v = states["momentum0"], states["momentum1"]
+        m_new = acc.node("Add", [acc.node("Mul", [m, acc.scalar(b1, et)], "mul_output")[0],
+                                 acc.node("Mul", [g, acc.scalar(1.0 - b1, et)], "mul_output")[0]], "momentum0")[0]
+        g2 = acc.node("Mul", [g, g], "mul_output")[0]
+        v_new = acc.node("Add", [acc.node("Mul", [v, acc.scalar(b2, et)], "mul_output")[0],
+                                 acc.node("Mul", [g2, acc.scalar(1.0 - b2, et)], "mul_output")[0]], "momentum1")[0]
+        denom = acc.node("Add", [acc.node("Sqrt", [v_new], "sqrt_output")[0], acc.scalar(self.eps, et)],
+                         "add_output")[0]
+        upd = acc.node("Mul", [shared["lr_t"], acc.node("Div", [m_new, denom], "div_output")[0]], "mul_output")[0]
+        p_new = acc.node("Sub", [p, upd], "sub_output" if self.weight_decay else "updated_param")[0]
+        if self.weight_decay:
+            p_new = acc.node("Sub", [p_new, acc.node("Mul", [shared["decay"], p_new], "mul_output")[0]],
+                             "updated_param")[0]
+        return {p: p_new, m: m_new, v: v_new}
+
+
+__all__ = ["AdamW", "ClipGradNorm", "Optimizer", "SGD"]
