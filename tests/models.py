@@ -290,22 +290,31 @@ def export(name: str, training: bool = True, with_loss: bool = False, batch: int
 def _export(name: str, training: bool, with_loss: bool,
             dropout: float | None) -> tuple[onnx.ModelProto, nn.Module]:
     module = build(name, dropout, with_loss)
+    model = export_module(module, example_inputs(name, 2, with_loss), "loss" if with_loss else "logits",
+                          training, batch_output=not with_loss)
+    return model, module
+
+
+def export_module(module: nn.Module, feeds: dict[str, np.ndarray], output: str, training: bool,
+                  batch_output: bool = True) -> onnx.ModelProto:
+    """Export ``module`` called on ``feeds`` (in order) with axis 0 of every input named ``batch``.
+
+    The module is left in the mode asked for and with the weights it had (tracing in training mode would
+    update BatchNorm running statistics; the graph's initializers get the values from before).
+    """
     module.train(training)
-    feeds = example_inputs(name, 2, with_loss)
     names = list(feeds)
     args = tuple(torch.from_numpy(v) for v in feeds.values())
-    out = "loss" if with_loss else "logits"
     dynamic: dict[str, Any] = {n: {0: "batch"} for n in names}
-    if not with_loss:
-        dynamic[out] = {0: "batch"}
+    if batch_output:
+        dynamic[output] = {0: "batch"}
     buf = io.BytesIO()
-    # tracing in training mode updates BatchNorm running stats: keep the seeded values in module and graph
     before = {k: v.clone() for k, v in module.state_dict().items()}
     # not under no_grad: it would pick TransformerEncoderLayer's fused fast path, which has no ONNX export
     with warnings.catch_warnings():  # tracer and BatchNorm-mutation notes are expected here
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            module, args, buf, dynamo=False, opset_version=OPSET, input_names=names, output_names=[out],
+            module, args, buf, dynamo=False, opset_version=OPSET, input_names=names, output_names=[output],
             training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL,
             do_constant_folding=False, dynamic_axes=dynamic)
     module.load_state_dict(before)
@@ -314,7 +323,7 @@ def _export(name: str, training: bool, with_loss: bool,
     for t in model.graph.initializer:
         if t.name in before:
             t.CopyFrom(numpy_helper.from_array(before[t.name].numpy(), t.name))
-    return model, module
+    return model
 
 
 def torch_forward(module: nn.Module, feeds: dict[str, np.ndarray]) -> np.ndarray:

@@ -1,0 +1,1 @@
+"""Benchmarks against peers (onnxruntime), each quoting ratios measured in the same run."""

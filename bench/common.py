@@ -1,0 +1,91 @@
+"""Timing helpers shared by the benchmarks: warm-up, interleaved peers, median of repeats, ratios.
+
+Peers are timed in turn inside each repeat (A, B, A, B, ...), so a slow spell of the machine hits all of
+them alike; the figure quoted is the median over the repeats of the mean time of one call.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def add_repo_to_path() -> None:
+    """Let ``python bench/x.py`` import ``onnxtrain`` and ``tests`` from this checkout."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+
+
+@dataclass
+class Timing:
+    """Seconds per call of one peer: median over repeats, plus the spread."""
+
+    name: str
+    median: float
+    best: float
+    worst: float
+    repeats: int
+    number: int
+
+    def __str__(self) -> str:
+        return (f"{self.name}: {fmt_time(self.median)} "
+                f"(best {fmt_time(self.best)}, {self.repeats}×{self.number})")
+
+
+def fmt_time(seconds: float) -> str:
+    """``12.3 µs`` / ``4.56 ms`` / ``1.23 s``."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
+
+
+def calibrate(fn: Callable[[], object], min_time: float = 0.05) -> int:
+    """How many calls of ``fn`` make one timed sample of at least ``min_time`` seconds."""
+    number = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        if time.perf_counter() - t0 >= min_time or number >= 1 << 20:
+            return number
+        number *= 2
+
+
+def compare(peers: Mapping[str, Callable[[], object]], repeats: int = 7, warmup: int = 2,
+            min_time: float = 0.05) -> dict[str, Timing]:
+    """Time every peer, interleaved: ``warmup`` untimed calls each, then ``repeats`` rounds.
+
+    In each round every peer runs ``number`` calls in a row (calibrated once per peer so a sample lasts
+    at least ``min_time``); a peer's figure is the median over rounds of the time per call.
+    """
+    if repeats < 5:
+        raise ValueError("use at least 5 repeats: a median of fewer is noise")
+    for fn in peers.values():
+        for _ in range(warmup):
+            fn()
+    numbers = {name: calibrate(fn, min_time) for name, fn in peers.items()}
+    samples: dict[str, list[float]] = {name: [] for name in peers}
+    for _ in range(repeats):
+        for name, fn in peers.items():
+            n = numbers[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / n)
+    return {name: Timing(name, statistics.median(s), min(s), max(s), repeats, numbers[name])
+            for name, s in samples.items()}
+
+
+def ratio_line(label: str, ours: float, theirs: float, unit: str = "", target: float | None = None) -> str:
+    """One printed result: both figures and ``ours / theirs`` (lower is better), with a target if any."""
+    r = ours / theirs
+    verdict = "" if target is None else f" (target ≤ {target:g}×: {'met' if r <= target else 'MISSED'})"
+    return f"{label}: onnxtrain {ours:.3g}{unit} vs onnxruntime {theirs:.3g}{unit} → ratio {r:.2f}×{verdict}"

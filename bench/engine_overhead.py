@@ -1,0 +1,172 @@
+"""Engine overhead against onnxruntime, in the same run.
+
+    python bench/engine_overhead.py [--repeats 7] [--quick]
+    python -m bench.engine_overhead
+
+(a) dispatch: a 2,000-node chain of alternating Add/Mul on a [4] tensor, where the arithmetic is
+    nothing and the time is the engine's per-node cost; quoted as µs per node and as a ratio.
+(b) a transformer encoder exported from torch (2 layers, d=128, 4 heads, ff 512, seq 64, batch 32):
+    forward wall time, ours / onnxruntime's.
+
+Both peers run with their defaults (onnxruntime: ORT_ENABLE_ALL graph optimizations, its own thread pool;
+numpy: its BLAS threads), except that onnxruntime's idle threads do not spin: spinning threads would keep
+the cores busy while the other peer's turn runs (on a 2-core machine that slowed numpy's BLAS tenfold).
+Figures are medians of interleaved repeats after warm-up (bench/common.py).
+Targets: ≤ 5 µs per node; transformer ≤ 1.5× onnxruntime.
+
+numpy's BLAS matters for (b): the line "BLAS:" says which OpenBLAS kernels and how many threads numpy
+uses. OpenBLAS may pick its Haswell (AVX2) kernels on CPUs with AVX-512 (e.g. AMD Zen 4); there
+``OPENBLAS_CORETYPE=SkylakeX`` (set before Python starts) doubles matmul speed. ``--blas-threads N``
+limits numpy's BLAS threads (needs threadpoolctl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script: make the checkout importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from bench.common import compare, fmt_time, ratio_line
+
+NODE_TARGET_US = 5.0
+TRANSFORMER_TARGET = 1.5
+
+
+def chain_model(n_nodes: int = 2000, size: int = 4) -> onnx.ModelProto:
+    """y = ((x + a) * m + a) * m ... with ``n_nodes`` nodes; the values stay near x."""
+    nodes = []
+    for i in range(n_nodes):
+        src = "x" if i == 0 else f"t{i - 1}"
+        dst = "y" if i == n_nodes - 1 else f"t{i}"
+        op, const = ("Add", "a") if i % 2 == 0 else ("Mul", "m")
+        nodes.append(helper.make_node(op, [src, const], [dst], name=f"n{i}"))
+    graph = helper.make_graph(
+        nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [size])],
+        [numpy_helper.from_array(np.full(size, 1e-3, np.float32), "a"),
+         numpy_helper.from_array(np.full(size, 0.999, np.float32), "m")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def ort_session(model: onnx.ModelProto):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def blas_info() -> str:
+    """numpy's BLAS library, kernel architecture and thread count (from threadpoolctl when installed)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "unknown (install threadpoolctl to see it)"
+    infos = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    if not infos:
+        return "none found"
+    i = infos[0]
+    text = (f"{i.get('internal_api')} {i.get('version')}, {i.get('architecture')} kernels, "
+            f"{i.get('num_threads')} threads")
+    if i.get("architecture") == "Haswell" and _cpu_has("avx512f"):
+        text += " (this CPU has AVX-512: try OPENBLAS_CORETYPE=SkylakeX)"
+    return text
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and f" {flag}" in line for line in f)
+    except OSError:
+        return False
+
+
+def bench_dispatch(repeats: int, n_nodes: int = 2000) -> dict[str, float]:
+    import onnxtrain
+    from onnxtrain.engine.plan import compile_model
+
+    model = chain_model(n_nodes)
+    x = np.linspace(-1, 1, 4, dtype=np.float32)
+    plan = compile_model(model)
+    sess = onnxtrain.InferenceSession(model)
+    ref = ort_session(model)
+    feeds = {"x": x}
+    np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0], rtol=1e-4, atol=1e-6)
+    t = compare({"plan": lambda: plan.run(feeds), "session": lambda: sess.run(None, feeds),
+                 "onnxruntime": lambda: ref.run(None, feeds)}, repeats=repeats)
+    per = {k: v.median / n_nodes * 1e6 for k, v in t.items()}
+    print(f"(a) dispatch, {n_nodes}-node Add/Mul chain on float32[4]")
+    labels = {"plan": "Plan.run", "session": "InferenceSession.run", "onnxruntime": "onnxruntime"}
+    for key, label in labels.items():
+        print(f"    {label:20s} {fmt_time(t[key].median)} per run = {per[key]:.2f} µs/node")
+    verdict = "met" if per["session"] <= NODE_TARGET_US else "MISSED"
+    print("    " + ratio_line("µs/node", per["session"], per["onnxruntime"]) +
+          f" (target ≤ {NODE_TARGET_US:g} µs/node: {verdict})")
+    return per
+
+
+def transformer_model(batch: int, seq: int, d: int, layers: int):
+    """The zoo's TransformerEncoder at bench size, exported in eval mode; returns (model, feeds)."""
+    import torch
+
+    from tests import models
+
+    torch.manual_seed(models.SEED)
+    module = models.TransformerEncoder(vocab=1000, seq=seq, d=d, heads=4, ff=4 * d, layers=layers,
+                                       dropout=0.0, classes=10)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 1000, (batch, seq)).astype(np.int64)
+    model = models.export_module(module, {"tokens": tokens[:2]}, "logits", training=False)
+    return model, {"tokens": tokens}
+
+
+def bench_transformer(repeats: int, batch: int = 32, seq: int = 64, d: int = 128, layers: int = 2) -> float:
+    import onnxtrain
+
+    model, feeds = transformer_model(batch, seq, d, layers)
+    sess = onnxtrain.InferenceSession(model)
+    ref = ort_session(model)
+    np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0], rtol=1e-4, atol=1e-5)
+    t = compare({"onnxtrain": lambda: sess.run(None, feeds), "onnxruntime": lambda: ref.run(None, feeds)},
+                repeats=repeats, min_time=0.2)
+    n_nodes = len(model.graph.node)
+    print(f"(b) transformer encoder forward: {layers} layers, d={d}, 4 heads, ff {4 * d}, seq {seq}, "
+          f"batch {batch} ({n_nodes} nodes)")
+    r = t["onnxtrain"].median / t["onnxruntime"].median
+    print("    " + ratio_line("ms per forward", t["onnxtrain"].median * 1e3, t["onnxruntime"].median * 1e3,
+                              target=TRANSFORMER_TARGET))
+    return r
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.engine_overhead", description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=7, help="timed rounds per peer (≥ 5)")
+    p.add_argument("--quick", action="store_true", help="a smaller transformer (a smoke test, not a figure)")
+    p.add_argument("--blas-threads", type=int, default=0, help="limit numpy's BLAS threads (threadpoolctl)")
+    a = p.parse_args(argv)
+    if a.blas_threads:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(a.blas_threads, user_api="blas")
+    import onnxruntime
+
+    print(f"numpy {np.__version__}, onnxruntime {onnxruntime.__version__}, {os.cpu_count()} CPUs")
+    print(f"BLAS: {blas_info()}")
+    bench_dispatch(a.repeats)
+    if a.quick:
+        bench_transformer(a.repeats, batch=4, seq=16, d=32, layers=1)
+    else:
+        bench_transformer(a.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
