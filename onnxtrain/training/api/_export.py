@@ -1,0 +1,107 @@
+"""``export_model_for_inferencing``: the eval graph cut to chosen outputs, parameters baked in (§3.5)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from onnxtrain.ir.builder import value_types
+from onnxtrain.ir.io import save_model_atomic
+
+# Above this many parameter bytes the exported model keeps them in ``<file>.data`` (protobuf's 2 GiB limit).
+EXTERNAL_DATA_THRESHOLD = 1800 * 2**20
+
+
+def _check_output_names(names: Sequence[str]) -> list[str]:
+    if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
+        raise TypeError(f"graph_output_names must be a list of str, got {type(names).__name__}")
+    names = list(names)
+    if not names:
+        raise ValueError("Expected a non empty vector of graph output names. Got an empty vector.")
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"graph_output_names must hold str, got {bad!r}")
+    return names
+
+
+def _check_target(path: str) -> None:
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "Cannot export the inference model, the path is a directory",
+                                path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(errno.ENOENT,
+                                "Cannot export the inference model, its directory does not exist", path)
+
+
+def export_for_inference(eval_model: onnx.ModelProto, params: Mapping[str, np.ndarray],
+                         path: str | os.PathLike, graph_output_names: Sequence[str]) -> onnx.ModelProto:
+    """Write and return ``eval_model`` with outputs ``graph_output_names`` and ``params`` as initializers.
+
+    Nodes that do not lead to the outputs are removed, inputs nobody reads (e.g. ``target``) dropped.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"inference_model_uri must be a path, got {type(path).__name__}")
+    path = os.fspath(path)
+    names = _check_output_names(graph_output_names)
+    g = eval_model.graph
+    known = {v.name for v in g.input} | {t.name for t in g.initializer}
+    known |= {o for n in g.node for o in n.output if o}
+    for n in names:
+        if n not in known:
+            raise ValueError(f"Expected graph output for inference graph {n} could not be found. Please "
+                             "regenerate the eval graph (graph outputs of the eval model: "
+                             f"{[v.name for v in g.output]}).")
+    _check_target(path)
+
+    needed = set(names)
+    kept: list[onnx.NodeProto] = []
+    for node in reversed(g.node):
+        if any(o in needed for o in node.output if o):
+            kept.append(node)
+            needed.update(i for i in node.input if i)
+    kept.reverse()
+
+    types = value_types(eval_model)
+    out = onnx.ModelProto()
+    out.CopyFrom(eval_model)
+    og = out.graph
+    del og.node[:]
+    og.node.extend(kept)
+    del og.output[:]
+    for n in names:
+        vi = onnx.ValueInfoProto(name=n)
+        if n in types:
+            vi.type.CopyFrom(types[n])
+        og.output.append(vi)
+    inputs = [v for v in g.input if v.name in needed and v.name not in params]
+    del og.input[:]
+    og.input.extend(inputs)
+    inits = [t for t in g.initializer if t.name in needed and t.name not in params]
+    inits += [numpy_helper.from_array(np.asarray(params[p]), p) for p in params if p in needed]
+    del og.initializer[:]
+    og.initializer.extend(inits)
+    value_info = [v for v in g.value_info if v.name in needed and v.name not in set(names)]
+    del og.value_info[:]
+    og.value_info.extend(value_info)
+
+    if sum(t.ByteSize() for t in og.initializer) > EXTERNAL_DATA_THRESHOLD:
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+        os.close(fd)
+        try:
+            onnx.save_model(out, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=os.path.basename(path) + ".data", size_threshold=1024)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    else:
+        save_model_atomic(out, path)
+    return out

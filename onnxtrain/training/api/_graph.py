@@ -1,0 +1,101 @@
+"""Loading the artifact models and checking user feeds against their graph inputs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnxtrain.ir.types import np_dtype_of, value_info_shape
+
+ModelLike = str | os.PathLike | bytes | onnx.ModelProto
+
+
+def load_model(uri: ModelLike, what: str) -> tuple[onnx.ModelProto, str | None]:
+    """The ModelProto of ``uri`` (path, bytes or proto) and its path (None when not from a file)."""
+    if isinstance(uri, onnx.ModelProto):
+        return uri, None
+    if isinstance(uri, (bytes, bytearray, memoryview)):
+        try:
+            return onnx.load_from_string(bytes(uri)), None
+        except Exception as e:
+            raise ValueError(f"the {what} model bytes could not be parsed: {e}") from None
+    if not isinstance(uri, (str, os.PathLike)):
+        raise TypeError(f"the {what} model must be a path, bytes or an onnx.ModelProto, "
+                        f"got {type(uri).__name__}")
+    path = os.fspath(uri)
+    if path.endswith(".ort"):
+        raise ValueError(f"{path}: ORT-format models are not supported; pass the .onnx file")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"the {what} model path is a directory: {path}")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Load model from {path} failed: the {what} model file does not exist")
+    try:
+        return onnx.load(path), path
+    except Exception as e:
+        raise ValueError(f"Load model from {path} failed: not a valid ONNX model ({e})") from None
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A user input: name, element type and dims (int, symbolic name or None; shape None = unknown rank)."""
+
+    name: str
+    dtype: np.dtype | None
+    shape: tuple[int | str | None, ...] | None
+
+    @classmethod
+    def of(cls, vi: onnx.ValueInfoProto) -> InputSpec:
+        shape = value_info_shape(vi.type)
+        return cls(vi.name, np_dtype_of(vi.type), None if shape is None else tuple(shape))
+
+    def check(self, value: Any) -> np.ndarray:
+        """``value`` as an array of the right dtype and shape; TypeError/ValueError name the input."""
+        if isinstance(value, np.ndarray):
+            arr = value
+        elif hasattr(value, "numpy") and callable(value.numpy):  # OrtValue and friends
+            arr = np.asarray(value.numpy())
+        else:  # lists and Python scalars take the declared type
+            try:
+                arr = np.asarray(value, dtype=self.dtype)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"input {self.name!r}: cannot convert {type(value).__name__} to "
+                                f"{self.dtype}: {e}") from None
+        if self.dtype is not None and arr.dtype != self.dtype:
+            raise TypeError(f"input {self.name!r}: unexpected data type. Actual: {arr.dtype}, "
+                            f"expected: {self.dtype}")
+        if self.shape is not None:
+            if arr.ndim != len(self.shape):
+                raise ValueError(f"input {self.name!r}: invalid rank. Got: {arr.ndim} (shape {arr.shape}), "
+                                 f"Expected: {len(self.shape)} ({self.describe_shape()})")
+            for i, (got, want) in enumerate(zip(arr.shape, self.shape)):
+                if isinstance(want, int) and got != want:
+                    raise ValueError(f"input {self.name!r}: invalid dimension at index {i}. Got: {got}, "
+                                     f"Expected: {want} (shape {arr.shape}, expected "
+                                     f"{self.describe_shape()})")
+        return arr
+
+    def describe_shape(self) -> str:
+        if self.shape is None:
+            return "any shape"
+        return "[" + ", ".join("?" if d is None else str(d) for d in self.shape) + "]"
+
+
+def check_user_inputs(specs: Sequence[InputSpec], inputs: Sequence[Any], what: str) -> dict[str, np.ndarray]:
+    """Feeds for ``specs`` from positional ``inputs``; the count must match."""
+    if len(inputs) != len(specs):
+        names = [s.name for s in specs]
+        raise ValueError(f"{what} expects {len(specs)} input(s) {names}, got {len(inputs)}")
+    return {s.name: s.check(v) for s, v in zip(specs, inputs)}
+
+
+def check_device(device: Any) -> None:
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a str such as 'cpu', got {type(device).__name__}")
+    kind, _, index = device.partition(":")
+    if kind.lower() != "cpu" or (index and index != "0"):
+        raise ValueError(f"Unsupported device type: {device!r}; onnxtrain runs on 'cpu' only")

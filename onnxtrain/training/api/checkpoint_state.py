@@ -1,0 +1,301 @@
+"""``CheckpointState``: the one owner of the training state (parameters, gradients, optimizer, properties).
+
+``Module`` and ``Optimizer`` are executors over it: graphs take these arrays as inputs and the
+executors swap the graphs' new arrays in. Files are onnxruntime-training's on-device checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from onnxtrain.checkpoint import Checkpoint, OptimizerGroup
+from onnxtrain.checkpoint import load_checkpoint as _load_file
+from onnxtrain.checkpoint import save_checkpoint as _save_file
+
+DEFAULT_LEARNING_RATE = float(np.float32(0.001))  # a float32 value, as onnxruntime reports it
+GROUP_NAME = "group0"
+# The current learning rate, saved with the optimizer state (onnxruntime keeps only initial_lr and step).
+LEARNING_RATE_PROPERTY = "onnxtrain.learning_rate"
+_RESERVED = (LEARNING_RATE_PROPERTY,)
+
+
+@dataclass
+class _Param:
+    """One parameter; ``data`` is None while the state is nominal (name and dtype only)."""
+
+    name: str
+    dtype: np.dtype
+    requires_grad: bool
+    data: np.ndarray | None
+    grad: np.ndarray | None = None
+
+
+@dataclass
+class _OptimizerState:
+    """Optimizer group ``group0``: completed steps, learning rates and per-parameter moments."""
+
+    step: int = 0
+    initial_lr: float = DEFAULT_LEARNING_RATE
+    lr: float = DEFAULT_LEARNING_RATE
+    moments: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    active: bool = False  # an Optimizer runs over this state (else: restored from a file, not yet used)
+
+
+def _owned(a: np.ndarray) -> np.ndarray:
+    """A writable, C-contiguous array (a copy only when needed)."""
+    return a if a.flags.writeable and a.flags.c_contiguous else np.array(a, order="C")
+
+
+def _property_value(name: str, value: Any) -> int | float | str:
+    if isinstance(value, (bool, np.bool_, int, np.integer)):
+        v = int(value)
+        if not -(2**63) <= v < 2**63:
+            raise ValueError(f"Property {name!r}: {v} does not fit in int64")
+        return v
+    if isinstance(value, (float, np.floating)):
+        with np.errstate(over="ignore"):
+            return float(np.float32(value))  # stored as float32, as onnxruntime-training does
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8")
+    raise TypeError(f"Property {name!r}: a value of type {type(value).__name__} cannot be stored; "
+                    "properties are int, float or str")
+
+
+class Parameter:
+    """A view of one parameter of a :class:`CheckpointState`.
+
+    ``data`` is the live array (edits in place change the training state; after a training or
+    optimizer step the state holds new arrays, so read ``data`` again). ``grad`` is the gradient
+    buffer, or None for frozen parameters and before any Module was built over the state.
+    """
+
+    __slots__ = ("_state", "_name")
+
+    def __init__(self, state: CheckpointState, name: str) -> None:
+        self._state, self._name = state, name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def requires_grad(self) -> bool:
+        return self._state._param(self._name).requires_grad
+
+    @property
+    def data(self) -> np.ndarray:
+        p = self._state._param(self._name)
+        if p.data is None:
+            raise ValueError(f"Cannot get parameter {self._name!r} from a nominal state. Please load the "
+                             "parameters first (Module.copy_buffer_to_parameters(buffer, "
+                             "trainable_only=False))")
+        return p.data
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        self._state._set_param(self._name, value)
+
+    @property
+    def grad(self) -> np.ndarray | None:
+        return self._state._param(self._name).grad
+
+    def __repr__(self) -> str:
+        return f"Parameter(name={self._name}, requires_grad={self.requires_grad})"
+
+
+class Parameters:
+    """Mapping-like view of the parameters: ``[name]``, ``[name] = array``, ``in``, ``len``; iteration
+    yields ``(name, Parameter)`` pairs sorted by name, as onnxruntime-training's does."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: CheckpointState) -> None:
+        self._state = state
+
+    def __getitem__(self, name: str) -> Parameter:
+        self._state._param(name)
+        return Parameter(self._state, name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._state._set_param(name, value)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._state._params
+
+    def __iter__(self) -> Iterator[tuple[str, Parameter]]:
+        for name in sorted(self._state._params):
+            yield name, Parameter(self._state, name)
+
+    def __len__(self) -> int:
+        return len(self._state._params)
+
+    def keys(self) -> list[str]:
+        return sorted(self._state._params)
+
+    def __repr__(self) -> str:
+        return f"Parameters({', '.join(repr(p) for _, p in self)})"
+
+
+class Properties:
+    """Mapping-like view of the user properties (int → int64, float → float32 on disk, str)."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: CheckpointState) -> None:
+        self._state = state
+
+    def __getitem__(self, name: str) -> int | float | str:
+        try:
+            return self._state._properties[name]
+        except KeyError:
+            raise KeyError(f"Property {name} not found.") from None
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"Property names must be str, got {type(name).__name__}")
+        if name in _RESERVED:
+            raise ValueError(f"Property name {name!r} is reserved by onnxtrain")
+        self._state._properties[name] = _property_value(name, value)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._state._properties
+
+    def __iter__(self) -> Iterator[tuple[str, int | float | str]]:
+        props = self._state._properties
+        for name in sorted(props):
+            yield name, props[name]
+
+    def __len__(self) -> int:
+        return len(self._state._properties)
+
+    def __repr__(self) -> str:
+        return f"Properties({dict(self)})"
+
+
+class CheckpointState:
+    """All training state; load with :meth:`load_checkpoint`, save with :meth:`save_checkpoint`.
+
+    Example::
+
+        state = CheckpointState.load_checkpoint("checkpoint")
+        state.properties["epoch"] = 3
+        state.parameters["fc.bias"] = np.zeros(10, np.float32)   # allowed before any Module exists
+        CheckpointState.save_checkpoint(state, "checkpoint", include_optimizer_state=True)
+    """
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError(f"Invalid argument for CheckpointState received {type(checkpoint)}; use "
+                            "CheckpointState.load_checkpoint(path)")
+        self._params: dict[str, _Param] = {}
+        for trainable, tensors in ((True, checkpoint.trainable), (False, checkpoint.frozen)):
+            for name, arr in tensors.items():
+                arr = np.asarray(arr)
+                data = None if checkpoint.nominal else _owned(arr)
+                self._params[name] = _Param(name, arr.dtype, trainable, data)
+        self._properties: dict[str, int | float | str] = {}
+        lr = None
+        for name, value in checkpoint.properties.items():
+            if name == LEARNING_RATE_PROPERTY:
+                lr = float(value) if isinstance(value, (int, float)) else None
+            else:
+                self._properties[name] = value
+        self._optimizer: _OptimizerState | None = None
+        for g in checkpoint.optimizer_groups:
+            if g.name == GROUP_NAME:
+                moments = {p: {k: _owned(np.asarray(v)) for k, v in m.items()} for p, m in g.states.items()}
+                self._optimizer = _OptimizerState(int(g.step), float(g.initial_lr),
+                                                  DEFAULT_LEARNING_RATE if lr is None else lr, moments)
+        self.path: str | None = None
+
+    # ---------------------------------------------------------------- files
+    @classmethod
+    def load_checkpoint(cls, checkpoint_uri: str | os.PathLike) -> CheckpointState:
+        """Load a complete or nominal checkpoint file."""
+        if not isinstance(checkpoint_uri, (str, os.PathLike)):
+            raise TypeError(f"checkpoint_uri must be a path, got {type(checkpoint_uri).__name__}")
+        state = cls(_load_file(checkpoint_uri))
+        state.path = os.fspath(checkpoint_uri)
+        return state
+
+    @classmethod
+    def save_checkpoint(cls, state: CheckpointState, checkpoint_uri: str | os.PathLike,
+                        include_optimizer_state: bool = False) -> None:
+        """Write ``state`` to ``checkpoint_uri`` (atomically; ``<path>.data`` beside it for large models).
+
+        The optimizer state (moments, step, initial and current learning rate) is written only with
+        ``include_optimizer_state=True`` and when the state holds one (an Optimizer was created over it,
+        or it was loaded from a file).
+        """
+        if not isinstance(state, CheckpointState):
+            raise TypeError(f"state must be a CheckpointState, got {type(state).__name__}")
+        if not isinstance(checkpoint_uri, (str, os.PathLike)):
+            raise TypeError(f"checkpoint_uri must be a path, got {type(checkpoint_uri).__name__}")
+        _save_file(state._to_checkpoint(bool(include_optimizer_state)), checkpoint_uri)
+
+    def _to_checkpoint(self, include_optimizer_state: bool) -> Checkpoint:
+        nominal = self.is_nominal
+        trainable: dict[str, np.ndarray] = {}
+        frozen: dict[str, np.ndarray] = {}
+        for p in self._params.values():
+            arr = np.empty(0, p.dtype) if p.data is None else p.data
+            (trainable if p.requires_grad else frozen)[p.name] = arr
+        props: dict[str, int | float | str] = dict(self._properties)
+        groups = []
+        opt = self._optimizer
+        if include_optimizer_state and opt is not None:
+            groups.append(OptimizerGroup(GROUP_NAME, opt.step, opt.initial_lr, opt.moments))
+            props[LEARNING_RATE_PROPERTY] = float(opt.lr)
+        return Checkpoint(trainable, frozen, groups, props, nominal=nominal)
+
+    # ---------------------------------------------------------------- views
+    @property
+    def parameters(self) -> Parameters:
+        return Parameters(self)
+
+    @property
+    def properties(self) -> Properties:
+        return Properties(self)
+
+    @property
+    def is_nominal(self) -> bool:
+        """True while some parameter has a name and dtype but no value (a nominal checkpoint)."""
+        return any(p.data is None for p in self._params.values())
+
+    def __repr__(self) -> str:
+        n_train = sum(p.requires_grad for p in self._params.values())
+        return (f"CheckpointState({n_train} trainable and {len(self._params) - n_train} frozen parameters, "
+                f"{len(self._properties)} properties{', nominal' if self.is_nominal else ''})")
+
+    # ---------------------------------------------------------------- internal, for Module/Optimizer
+    def _param(self, name: str) -> _Param:
+        try:
+            return self._params[name]
+        except (KeyError, TypeError):
+            raise KeyError(f"Parameter {name} not found.") from None
+
+    def _set_param(self, name: str, value: Any) -> None:
+        p = self._param(name)
+        arr = value.numpy() if hasattr(value, "numpy") and not isinstance(value, np.ndarray) else value
+        arr = np.asarray(arr)
+        if arr.dtype != p.dtype:
+            raise TypeError(f"Parameter {name!r}: data type mismatch. Expected: {p.dtype}, Got: {arr.dtype}")
+        if p.data is None:
+            raise ValueError(f"Cannot set parameter {name!r} of a nominal state; load all parameters with "
+                             "Module.copy_buffer_to_parameters(buffer, trainable_only=False)")
+        if arr.shape != p.data.shape:
+            raise ValueError(f"Parameter {name!r}: data shape mismatch. Expected: {p.data.shape}, "
+                             f"Got: {arr.shape}")
+        np.copyto(p.data, arr)
+
+    def _optimizer_state(self) -> _OptimizerState:
+        if self._optimizer is None:
+            self._optimizer = _OptimizerState()
+        return self._optimizer

@@ -1,0 +1,189 @@
+"""``Optimizer``: runs the optimizer model over a Module's trainable parameters (spec §4.1).
+
+The optimizer model takes ``learning_rate``, ``step`` (completed steps + 1), and per trainable
+parameter ``<p>``, ``<p>_grad`` and its moments ``<p>.momentum0`` (``<p>.momentum1``); every
+output ``X.out`` is the new value of input ``X``, swapped into the state. Gradients are never
+cleared by a step (only replaced when the model clips them in place, as onnxruntime does).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+from onnxtrain.training.api._graph import ModelLike, load_model
+from onnxtrain.training.api.checkpoint_state import _OptimizerState
+from onnxtrain.training.api.module import Module, _compile
+
+LR_INPUT = "learning_rate"
+STEP_INPUT = "step"
+GRAD_SUFFIX = "_grad"
+OUT_SUFFIX = ".out"
+
+
+def learning_rate_value(lr: Any) -> float:
+    """``lr`` as the float32 value the optimizer stores; TypeError for non-numbers."""
+    if isinstance(lr, (bool, np.bool_)) or not isinstance(lr, numbers.Real):
+        raise TypeError(f"the learning rate must be a float, got {type(lr).__name__}")
+    return float(np.float32(lr))
+
+
+class Optimizer:
+    """Updates the trainable parameters of ``module`` with the generated optimizer model.
+
+    Example::
+
+        optimizer = Optimizer("optimizer_model.onnx", module)
+        loss = module(x, y); optimizer.step(); module.lazy_reset_grad()
+    """
+
+    def __init__(self, optimizer_uri: ModelLike, module: Module) -> None:
+        if not isinstance(module, Module):
+            raise TypeError(f"module must be a Module, got {type(module).__name__}")
+        self._module = module
+        self._state = module.state
+        model, _ = load_model(optimizer_uri, "optimizer")
+        self._classify(model)
+        self._plan = _compile(model, "optimizer")
+        self.algorithm = next((p.value for p in model.metadata_props if p.key == "onnxtrain.optimizer"),
+                              "AdamW" if "momentum1" in self._moment_keys else "SGD")
+        self._opt = self._bind_state()
+
+    # ---------------------------------------------------------------- interface
+    def _classify(self, model: Any) -> None:
+        g = model.graph
+        init = {t.name for t in g.initializer}
+        inputs = [v.name for v in g.input if v.name not in init]
+        if inputs[:2] != [LR_INPUT, STEP_INPUT]:
+            raise ValueError(f"not an optimizer model: its inputs must start with {LR_INPUT!r}, "
+                             f"{STEP_INPUT!r}; got {inputs[:6]}{' ...' if len(inputs) > 6 else ''}")
+        trainable = self._module.trainable_parameter_names
+        tset = set(trainable)
+        params: list[str] = []
+        grads: dict[str, str] = {}
+        moments: dict[str, tuple[str, str]] = {}  # input name -> (param, key)
+        for n in inputs[2:]:
+            if n in tset:
+                params.append(n)
+            elif n.endswith(GRAD_SUFFIX) and n[:-len(GRAD_SUFFIX)] in tset:
+                grads[n[:-len(GRAD_SUFFIX)]] = n
+            elif "." in n and n.rsplit(".", 1)[0] in tset:
+                p, key = n.rsplit(".", 1)
+                moments[n] = (p, key)
+            elif n in self._state._params:
+                raise ValueError(f"the optimizer model updates {n!r}, which is not a trainable parameter "
+                                 f"of the module (trainable: {trainable})")
+            elif n in ("params", "gradients", "first_order_moments"):
+                raise ValueError("this optimizer model takes tensor sequences (onnxruntime-training's "
+                                 "com.microsoft optimizer); regenerate it with onnxtrain.training.artifacts")
+            else:
+                raise ValueError(f"unexpected optimizer model input {n!r}: it is no trainable parameter, "
+                                 "gradient ('<p>_grad') or moment ('<p>.momentumK') of the module")
+        missing = [p for p in trainable if p not in params or p not in grads]
+        if missing:
+            raise ValueError(f"the optimizer model does not update trainable parameter(s) {missing}")
+        self._params = list(trainable)
+        self._grads = grads
+        self._moments = moments
+        self._moment_keys = sorted({k for _, k in moments.values()})
+        for p in trainable:
+            have = sorted(k for q, k in moments.values() if q == p)
+            if have != self._moment_keys:
+                raise ValueError(f"the optimizer model gives parameter {p!r} moments {have}, others "
+                                 f"{self._moment_keys}")
+        outputs = [v.name for v in g.output]
+        bad = [o for o in outputs if not o.endswith(OUT_SUFFIX) or o[:-len(OUT_SUFFIX)] not in inputs[2:]]
+        if bad:
+            raise ValueError(f"optimizer model outputs {bad} are not '<input>.out' of a parameter, "
+                             "gradient or moment input")
+        self._outputs = outputs
+        lr_vi = next(v for v in g.input if v.name == LR_INPUT)
+        self._lr_dtype = np.float64 if lr_vi.type.tensor_type.elem_type == 11 else np.float32
+
+    def _bind_state(self) -> _OptimizerState:
+        opt = self._state._optimizer_state()
+        params = self._state._params
+        if not opt.active and opt.moments:  # restored from a checkpoint: strict, as onnxruntime
+            for p in self._params:
+                saved = opt.moments.get(p)
+                if saved is None:
+                    raise ValueError(f"Parameter {p} not found in the source optimizer checkpoint states.")
+                for key in self._moment_keys:
+                    if key not in saved:
+                        raise ValueError(f"Parameter {p}: moment {key!r} not found in the source optimizer "
+                                         f"checkpoint states (it has {sorted(saved)}).")
+                    data = params[p].data
+                    m = saved[key]
+                    if data is not None and (m.shape != data.shape or m.dtype != data.dtype):
+                        raise ValueError(f"Parameter {p}: saved moment {key!r} is {m.dtype}{list(m.shape)}, "
+                                         f"the parameter {data.dtype}{list(data.shape)}")
+        opt.active = True
+        self._allocate_moments(opt)
+        return opt
+
+    def _allocate_moments(self, opt: _OptimizerState) -> None:
+        params = self._state._params
+        for p in self._params:
+            data = params[p].data
+            if data is None:
+                continue  # nominal: allocated once the parameters are loaded
+            slot = opt.moments.setdefault(p, {})
+            for key in self._moment_keys:
+                if key not in slot:
+                    slot[key] = np.zeros_like(data)
+
+    # ---------------------------------------------------------------- public API
+    def step(self) -> None:
+        """Apply one update with the current learning rate; gradients are left as they are."""
+        opt = self._opt
+        params = self._state._params
+        self._allocate_moments(opt)
+        feeds: dict[str, Any] = {LR_INPUT: np.array([opt.lr], self._lr_dtype),
+                                 STEP_INPUT: np.array([opt.step + 1], np.int64)}
+        for p in self._params:
+            prm = params[p]
+            if prm.data is None:
+                raise ValueError("Cannot perform OptimizerStep with a nominal state. Please load the model "
+                                 "parameters first.")
+            feeds[p] = prm.data
+            feeds[self._grads[p]] = prm.grad if prm.grad is not None else np.zeros_like(prm.data)
+        for name, (p, key) in self._moments.items():
+            feeds[name] = opt.moments[p][key]
+        results = self._plan.run(feeds, self._outputs)
+        for out, value in zip(self._outputs, results):
+            target = out[:-len(OUT_SUFFIX)]
+            if target in params:
+                params[target].data = value
+            elif target in self._moments:
+                p, key = self._moments[target]
+                opt.moments[p][key] = value
+            else:  # a clipped gradient
+                params[target[:-len(GRAD_SUFFIX)]].grad = value
+        opt.step += 1
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        """Use ``learning_rate`` (stored as float32) from the next step on."""
+        self._opt.lr = learning_rate_value(learning_rate)
+
+    def get_learning_rate(self) -> float:
+        """The current learning rate (a float32 value)."""
+        return self._opt.lr
+
+    @property
+    def module(self) -> Module:
+        return self._module
+
+    @property
+    def step_count(self) -> int:
+        """Completed optimizer steps (restored from a checkpoint saved with its optimizer state)."""
+        return self._opt.step
+
+    def _set_initial_lr(self, lr: float) -> None:
+        self._opt.initial_lr = lr
+        self._opt.lr = lr
+
+    @property
+    def _initial_lr(self) -> float:
+        return self._opt.initial_lr

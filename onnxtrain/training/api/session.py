@@ -1,0 +1,180 @@
+"""``TrainingSession``: the C# ``TrainingSession`` flow (spec §5) over Module, Optimizer, LinearLRScheduler.
+
+Not to be confused with the legacy ``onnxtrain.TrainingSession`` (one ONNX model and
+``TrainingParameters``): this one runs the artifacts of ``generate_artifacts``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from onnxtrain.training.api._graph import ModelLike
+from onnxtrain.training.api.checkpoint_state import CheckpointState
+from onnxtrain.training.api.lr_scheduler import LinearLRScheduler
+from onnxtrain.training.api.module import Module
+from onnxtrain.training.api.optimizer import Optimizer, learning_rate_value
+
+
+class TrainingSession:
+    """One Module (with its eval model) and optionally one Optimizer over a :class:`CheckpointState`.
+
+    Example::
+
+        state = CheckpointState.load_checkpoint("checkpoint")
+        session = TrainingSession(state, "training_model.onnx", "eval_model.onnx", "optimizer_model.onnx")
+        session.register_linear_lr_scheduler(warmup_step_count=10, total_step_count=100,
+                                             initial_learning_rate=0.01)
+        for x, y in batches:
+            loss, = session.train_step([x, y])
+            session.optimizer_step(); session.lazy_reset_grad(); session.scheduler_step()
+        eval_loss, = session.eval_step([x, y])
+    """
+
+    def __init__(self, state: CheckpointState, train_model: ModelLike, eval_model: ModelLike | None = None,
+                 optimizer_model: ModelLike | None = None, device: str = "cpu",
+                 session_options: Any = None) -> None:
+        self._state = state
+        self._module = Module(train_model, state, eval_model, device=device, session_options=session_options)
+        self._optimizer = Optimizer(optimizer_model, self._module) if optimizer_model is not None else None
+        self._scheduler: LinearLRScheduler | None = None
+
+    # ---------------------------------------------------------------- steps
+    def _feeds(self, inputs: Sequence[Any] | Mapping[str, Any], training: bool) -> list[Any]:
+        names, _ = self._module._mode_names(training)
+        if isinstance(inputs, Mapping):
+            unknown = sorted(set(inputs) - set(names))
+            missing = [n for n in names if n not in inputs]
+            if unknown or missing:
+                raise ValueError(f"{'train' if training else 'eval'} step inputs: unknown {unknown}, missing "
+                                 f"{missing}; expected {names}")
+            return [inputs[n] for n in names]
+        if isinstance(inputs, (np.ndarray, str, bytes)) or not isinstance(inputs, Sequence):
+            raise TypeError(f"inputs must be a list of arrays (in the order {names}) or a dict by name, got "
+                            f"{type(inputs).__name__}")
+        return list(inputs)
+
+    @staticmethod
+    def _deliver(results: list[np.ndarray], outputs: Sequence[np.ndarray] | None,
+                 names: list[str]) -> list[np.ndarray]:
+        if outputs is None:
+            return results
+        if len(outputs) != len(results):
+            raise ValueError(f"{len(outputs)} output buffer(s) given, the model has {len(results)} output(s) "
+                             f"{names}")
+        for name, buf, res in zip(names, outputs, results):
+            if not isinstance(buf, np.ndarray) or buf.shape != res.shape:
+                raise ValueError(f"output buffer for {name!r} must be an array of shape {res.shape}, got "
+                                 f"{getattr(buf, 'shape', type(buf).__name__)}")
+            np.copyto(buf, res, casting="same_kind")
+        return list(outputs)
+
+    def train_step(self, inputs: Sequence[Any] | Mapping[str, Any],
+                   outputs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Forward and backward on one batch; gradients accumulate until :meth:`lazy_reset_grad`.
+
+        ``inputs``: arrays in :meth:`input_names` order (training) or a dict by name. Returns the
+        training model's outputs (loss first), or fills and returns the pre-allocated ``outputs``.
+        """
+        results = self._module._train_step(self._feeds(inputs, True))
+        return self._deliver(results, outputs, self.output_names(True))
+
+    def eval_step(self, inputs: Sequence[Any] | Mapping[str, Any],
+                  outputs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Run the eval model on one batch (gradients untouched)."""
+        results = self._module._eval_step(self._feeds(inputs, False))
+        return self._deliver(results, outputs, self.output_names(False))
+
+    def lazy_reset_grad(self) -> None:
+        """The next train step overwrites the gradients instead of adding to them."""
+        self._module.lazy_reset_grad()
+
+    def _need_optimizer(self, what: str) -> Optimizer:
+        if self._optimizer is None:
+            raise RuntimeError(f"{what} needs an optimizer model: TrainingSession(state, train_model, "
+                               "eval_model, optimizer_model)")
+        return self._optimizer
+
+    def optimizer_step(self) -> None:
+        """Update the trainable parameters with the accumulated gradients."""
+        self._need_optimizer("optimizer_step").step()
+
+    # ---------------------------------------------------------------- learning rate
+    def set_learning_rate(self, learning_rate: float) -> None:
+        """Use a constant learning rate; refused once a scheduler is registered."""
+        opt = self._need_optimizer("set_learning_rate")
+        if self._scheduler is not None:
+            raise RuntimeError("Cannot set the learning rate: a linear learning-rate scheduler is registered "
+                               "and sets it at every scheduler_step()")
+        opt.set_learning_rate(learning_rate)
+
+    def get_learning_rate(self) -> float:
+        return self._need_optimizer("get_learning_rate").get_learning_rate()
+
+    def register_linear_lr_scheduler(self, warmup_step_count: int, total_step_count: int,
+                                     initial_learning_rate: float) -> None:
+        """Register a linear warm-up/decay schedule; the lr equals ``initial_learning_rate`` until the
+        first :meth:`scheduler_step` (as the C API does)."""
+        opt = self._need_optimizer("register_linear_lr_scheduler")
+        if self._scheduler is not None:
+            raise RuntimeError("A linear learning-rate scheduler is already registered with this session")
+        lr = learning_rate_value(initial_learning_rate)
+        scheduler = LinearLRScheduler(opt, warmup_step_count, total_step_count, lr)
+        opt._set_initial_lr(lr)
+        self._scheduler = scheduler
+
+    def scheduler_step(self) -> None:
+        """Recompute the learning rate from the completed optimizer steps."""
+        if self._scheduler is None:
+            raise RuntimeError("No learning-rate scheduler is registered: call register_linear_lr_scheduler "
+                               "first")
+        self._scheduler.step()
+
+    # ---------------------------------------------------------------- parameters, export, names
+    def to_buffer(self, only_trainable: bool) -> np.ndarray:
+        """The parameters as one 1-D array (training-model input order)."""
+        return self._module.get_contiguous_parameters(bool(only_trainable)).numpy()
+
+    def from_buffer(self, buffer: Any) -> None:
+        """Load a 1-D array of either the trainable or all parameters (chosen by its length)."""
+        arr = buffer.numpy() if hasattr(buffer, "numpy") and not isinstance(buffer, np.ndarray) else buffer
+        arr = np.asarray(arr)
+        if arr.ndim != 1:
+            raise ValueError(f"Incorrect buffer size received: expected a 1-D tensor, got shape "
+                             f"{list(arr.shape)}")
+        trainable = self._module.get_parameters_size(True)
+        every = self._module.get_parameters_size(False)
+        if arr.size == trainable and not self._state.is_nominal:
+            self._module.copy_buffer_to_parameters(arr, True)
+        elif arr.size == every:
+            self._module.copy_buffer_to_parameters(arr, False)
+        else:
+            raise ValueError(f"Incorrect buffer size received: {arr.size} elements; expected {trainable} "
+                             f"(trainable parameters) or {every} (all parameters)")
+
+    def export_model_for_inferencing(self, inference_model_path: str | os.PathLike,
+                                     graph_output_names: Sequence[str]) -> None:
+        self._module.export_model_for_inferencing(inference_model_path, graph_output_names)
+
+    def input_names(self, training: bool) -> list[str]:
+        """User input names of the training (``True``) or eval graph."""
+        return self._module._mode_names(bool(training))[0]
+
+    def output_names(self, training: bool) -> list[str]:
+        """User output names of the training (``True``) or eval graph."""
+        return self._module._mode_names(bool(training))[1]
+
+    @property
+    def state(self) -> CheckpointState:
+        return self._state
+
+    @property
+    def module(self) -> Module:
+        return self._module
+
+    @property
+    def optimizer(self) -> Optimizer | None:
+        return self._optimizer
