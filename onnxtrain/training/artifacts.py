@@ -97,11 +97,16 @@ def _loss_block(loss: LossType | onnxblock.Block | None) -> onnxblock.Block:
     if isinstance(loss, onnxblock.Block):
         return loss
     if isinstance(loss, LossType):
-        return {LossType.MSELoss: onnxblock.loss.MSELoss, LossType.CrossEntropyLoss: onnxblock.loss.CrossEntropyLoss,
-                LossType.BCEWithLogitsLoss: onnxblock.loss.BCEWithLogitsLoss,
-                LossType.L1Loss: onnxblock.loss.L1Loss}[loss]()
-    raise ArtifactError(f"Unknown loss provided {type(loss).__name__}: {loss!r}. Use a LossType, an "
-                        "onnxblock.Block (custom loss) or None (the model's first output is the loss).")
+        return {
+            LossType.MSELoss: onnxblock.loss.MSELoss,
+            LossType.CrossEntropyLoss: onnxblock.loss.CrossEntropyLoss,
+            LossType.BCEWithLogitsLoss: onnxblock.loss.BCEWithLogitsLoss,
+            LossType.L1Loss: onnxblock.loss.L1Loss,
+        }[loss]()
+    raise ArtifactError(
+        f"Unknown loss provided {type(loss).__name__}: {loss!r}. Use a LossType, an "
+        "onnxblock.Block (custom loss) or None (the model's first output is the loss)."
+    )
 
 
 def _optimizer_block(optimizer: Any) -> OptimizerBlock | None:
@@ -113,8 +118,10 @@ def _optimizer_block(optimizer: Any) -> OptimizerBlock | None:
         return onnxblock.optim.AdamW()
     if optimizer is OptimType.SGD:
         return onnxblock.optim.SGD()
-    raise TypeError(f"Unknown optimizer provided {type(optimizer).__name__}: {optimizer!r}. Use OptimType.AdamW, "
-                    "OptimType.SGD or an onnxblock.optim.AdamW(...)/SGD(...) block.")
+    raise TypeError(
+        f"Unknown optimizer provided {type(optimizer).__name__}: {optimizer!r}. Use OptimType.AdamW, "
+        "OptimType.SGD or an onnxblock.optim.AdamW(...)/SGD(...) block."
+    )
 
 
 def _load(model: Any) -> onnx.ModelProto:
@@ -125,21 +132,24 @@ def _load(model: Any) -> onnx.ModelProto:
         return onnx.load(path)
     if isinstance(model, onnx.ModelProto):
         if model.ByteSize() > MAX_PROTO_BYTES:
-            raise ArtifactError("This model is larger than 2 GB; pass the path of the model file instead of the "
-                                "ModelProto.")
+            raise ArtifactError(
+                "This model is larger than 2 GB; pass the path of the model file instead of the ModelProto."
+            )
         m = onnx.ModelProto()
         m.CopyFrom(model)
         return m
-    raise ArtifactError(f"Unknown model type {type(model).__name__}: pass an onnx.ModelProto or the path of an "
-                        ".onnx file.")
+    raise ArtifactError(
+        f"Unknown model type {type(model).__name__}: pass an onnx.ModelProto or the path of an .onnx file."
+    )
 
 
 def _names(value: Any, what: str) -> list[str]:
     if value is None:
         return []
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise ArtifactError(f"Unknown type provided for {what}: {type(value).__name__}. Expected a list of "
-                            "tensor names.")
+        raise ArtifactError(
+            f"Unknown type provided for {what}: {type(value).__name__}. Expected a list of tensor names."
+        )
     out = []
     for v in value:
         if not isinstance(v, str):
@@ -149,13 +159,20 @@ def _names(value: Any, what: str) -> list[str]:
     return out
 
 
-def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad: Sequence[str] | None = None,
-                       frozen_params: Sequence[str] | None = None,
-                       loss: LossType | onnxblock.Block | None = None, optimizer: Any = None,
-                       artifact_directory: str | bytes | os.PathLike | None = None, prefix: str = "",
-                       ort_format: bool = False, custom_op_library: str | bytes | os.PathLike | None = None,
-                       additional_output_names: Sequence[str] | None = None, nominal_checkpoint: bool = False,
-                       loss_input_names: Sequence[str] | None = None) -> None:
+def generate_artifacts(
+    model: onnx.ModelProto | str | os.PathLike,
+    requires_grad: Sequence[str] | None = None,
+    frozen_params: Sequence[str] | None = None,
+    loss: LossType | onnxblock.Block | None = None,
+    optimizer: Any = None,
+    artifact_directory: str | bytes | os.PathLike | None = None,
+    prefix: str = "",
+    ort_format: bool = False,
+    custom_op_library: str | bytes | os.PathLike | None = None,
+    additional_output_names: Sequence[str] | None = None,
+    nominal_checkpoint: bool = False,
+    loss_input_names: Sequence[str] | None = None,
+) -> None:
     """Write the training, eval and optimizer models and the checkpoint for ``model`` (spec §1).
 
     ``requires_grad`` initializers become trainable parameters, ``frozen_params`` fixed ones
@@ -168,34 +185,49 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
                            artifact_directory="artifacts")
     """
     if ort_format:
-        raise ArtifactError("ort_format=True is not supported: onnxtrain writes standard ONNX models only "
-                            "(.onnx files run by any ONNX runtime); convert them with onnxruntime's tools if "
-                            "you need .ort files.")
+        raise ArtifactError(
+            "ort_format=True is not supported: onnxtrain writes standard ONNX models only "
+            "(.onnx files run by any ONNX runtime); convert them with onnxruntime's tools if "
+            "you need .ort files."
+        )
     if custom_op_library is not None:
-        raise ArtifactError(f"custom_op_library={custom_op_library!r} is not supported: onnxtrain builds "
-                            "gradients for standard ONNX ops only.")
+        raise ArtifactError(
+            f"custom_op_library={custom_op_library!r} is not supported: onnxtrain builds "
+            "gradients for standard ONNX ops only."
+        )
     base = _load(model)
     loss_block = _loss_block(loss)
     trainable = _names(requires_grad, "requires_grad")
     frozen = _names(frozen_params, "frozen_params")
     both = set(trainable) & set(frozen)
     if both:
-        raise ArtifactError(f"A parameter cannot be frozen and require gradient computation at the same time "
-                            f"{sorted(both)}")
+        raise ArtifactError(
+            f"A parameter cannot be frozen and require gradient computation at the same time {sorted(both)}"
+        )
     extra_outputs = _names(additional_output_names, "additional output names")
     loss_inputs = None if loss_input_names is None else _names(loss_input_names, "loss input names")
+    outputs = [o.name for o in base.graph.output]
+    if isinstance(loss, LossType) and loss_inputs is None and len(outputs) > 1:
+        # the reference silently takes the second output as the target
+        raise ArtifactError(
+            f"the model has {len(outputs)} outputs {outputs} but {loss.name} takes one prediction: say which "
+            "with loss_input_names=[...] (the others can be kept with additional_output_names)"
+        )
     opt_block = _optimizer_block(optimizer)
     if opt_block is not None and not trainable:
-        raise ArtifactError("An optimizer was requested but no parameter requires a gradient: list the "
-                            "initializers to train in requires_grad.")
+        raise ArtifactError(
+            "An optimizer was requested but no parameter requires a gradient: list the "
+            "initializers to train in requires_grad."
+        )
     folder = os.getcwd() if artifact_directory is None else os.fsdecode(artifact_directory)
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"artifact_directory does not exist: {folder}")
     if not isinstance(prefix, str):
         raise ArtifactError(f"prefix must be a str, got {type(prefix).__name__}")
 
-    training, evaluation, ckpt = build_training_models(base, trainable, frozen, loss_block, extra_outputs,
-                                                        loss_inputs)
+    training, evaluation, ckpt = build_training_models(
+        base, trainable, frozen, loss_block, extra_outputs, loss_inputs
+    )
     from onnxtrain.checkpoint import Checkpoint, save_checkpoint
 
     def path(name: str) -> str:
@@ -208,8 +240,9 @@ def generate_artifacts(model: onnx.ModelProto | str | os.PathLike, requires_grad
         save_checkpoint(Checkpoint(ckpt[0], ckpt[1], [], {}, nominal=True), path("nominal_checkpoint"))
     if opt_block is not None:
         params = [(n, training_input_type(training, n)) for n in ckpt[0]]
-        save_model_atomic(build_optimizer_model(opt_block, params, model_opset(training)),
-                          path("optimizer_model.onnx"))
+        save_model_atomic(
+            build_optimizer_model(opt_block, params, model_opset(training)), path("optimizer_model.onnx")
+        )
 
 
 def training_input_type(model: onnx.ModelProto, name: str) -> onnx.TypeProto:
@@ -220,10 +253,14 @@ def training_input_type(model: onnx.ModelProto, name: str) -> onnx.TypeProto:
 
 
 # ---- training and eval models ---------------------------------------------------------------------
-def build_training_models(base: onnx.ModelProto, trainable: list[str], frozen: list[str], loss: onnxblock.Block,
-                          extra_outputs: list[str], loss_inputs: list[str] | None
-                          ) -> tuple[onnx.ModelProto, onnx.ModelProto, tuple[dict[str, np.ndarray],
-                                                                              dict[str, np.ndarray]]]:
+def build_training_models(
+    base: onnx.ModelProto,
+    trainable: list[str],
+    frozen: list[str],
+    loss: onnxblock.Block,
+    extra_outputs: list[str],
+    loss_inputs: list[str] | None,
+) -> tuple[onnx.ModelProto, onnx.ModelProto, tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
     """(training model, eval model, (trainable, frozen) parameter values) — spec §1.3–1.5."""
     m = upgrade_opset(base)
     g = m.graph
@@ -231,8 +268,10 @@ def build_training_models(base: onnx.ModelProto, trainable: list[str], frozen: l
     for what, names in (("requires_grad", trainable), ("frozen_params", frozen)):
         missing = [n for n in names if n not in inits]
         if missing:
-            raise ArtifactError(f"{what} names {missing} that are not initializers of the model; initializers: "
-                                f"{list(inits)[:20]}{' ...' if len(inits) > 20 else ''}")
+            raise ArtifactError(
+                f"{what} names {missing} that are not initializers of the model; initializers: "
+                f"{list(inits)[:20]}{' ...' if len(inits) > 20 else ''}"
+            )
     model_outputs = [o.name for o in g.output]
     args = model_outputs if loss_inputs is None else loss_inputs
     with onnxblock.base(m) as acc:
@@ -243,15 +282,18 @@ def build_training_models(base: onnx.ModelProto, trainable: list[str], frozen: l
         result = loss(*args)
         outs = [result] if isinstance(result, str) else list(result)
         if not outs or not all(isinstance(o, str) for o in outs):
-            raise ArtifactError(f"the loss block must return a tensor name or a tuple of names, got {result!r}")
+            raise ArtifactError(
+                f"the loss block must return a tensor name or a tuple of names, got {result!r}"
+            )
         for n in extra_outputs:
             if not acc.has_value(n):
                 raise LookupError(f"The provided name {n} is not a graph value info or a graph output.")
         all_outs = outs + extra_outputs
         dup = sorted({n for n in all_outs if all_outs.count(n) > 1})
         if dup:
-            raise ArtifactError(f"graph outputs would repeat {dup}: additional_output_names must not repeat the "
-                                "loss outputs")
+            raise ArtifactError(
+                f"graph outputs would repeat {dup}: additional_output_names must not repeat the loss outputs"
+            )
         types = acc.types()
     del g.output[:]
     g.output.extend(_value_info(n, types) for n in all_outs)
@@ -277,9 +319,11 @@ def _check_arity(block: onnxblock.Block, args: list[str]) -> None:
     try:
         inspect.signature(block.build).bind(*args)
     except TypeError as e:
-        raise ArtifactError(f"the loss block {type(block).__name__}.build() cannot take the {len(args)} loss "
-                            f"input(s) {args} ({e}); the loss receives every model output in order unless "
-                            "loss_input_names says which ones") from None
+        raise ArtifactError(
+            f"the loss block {type(block).__name__}.build() cannot take the {len(args)} loss "
+            f"input(s) {args} ({e}); the loss receives every model output in order unless "
+            "loss_input_names says which ones"
+        ) from None
     except ValueError:
         pass  # no signature (builtin): let the call decide
 
@@ -289,16 +333,19 @@ def _value_info(name: str, types: dict[str, onnx.TypeProto]) -> onnx.ValueInfoPr
     return helper.make_value_info(name, tp) if tp is not None else helper.make_empty_tensor_value_info(name)
 
 
-def _gradient_model(m: onnx.ModelProto, outputs: list[str], trainable: list[str],
-                    types: dict[str, onnx.TypeProto]) -> onnx.ModelProto:
+def _gradient_model(
+    m: onnx.ModelProto, outputs: list[str], trainable: list[str], types: dict[str, onnx.TypeProto]
+) -> onnx.ModelProto:
     if not trainable:
         return m
     loss = outputs[0]
     shape = _shape(types.get(loss))
     if shape is not None and any(d != 1 for d in shape):
-        raise ArtifactError(f"the differentiated output {loss!r} must be a scalar (one element) but has shape "
-                            f"{shape}; give a loss (loss=LossType..., a custom block) or make the model's first "
-                            "output a scalar loss")
+        raise ArtifactError(
+            f"the differentiated output {loss!r} must be a scalar (one element) but has shape "
+            f"{shape}; give a loss (loss=LossType..., a custom block) or make the model's first "
+            "output a scalar loss"
+        )
     unreachable = [p for p in trainable if p not in _ancestors(m.graph, loss)]
     try:
         if unreachable:
@@ -310,14 +357,18 @@ def _gradient_model(m: onnx.ModelProto, outputs: list[str], trainable: list[str]
                 raise ArtifactError(f"cannot build the gradient graph: {e}") from None
             unreachable = [p for p in trainable if f"{p!r} does not reach" in str(e)]
         names = ", ".join(repr(p) for p in unreachable)
-        raise ArtifactError(f"Cannot compute the partial derivative for {names} as it's unreachable from the output "
-                            f"node(s) ({loss!r}): remove it from requires_grad (or freeze it).") from None
+        raise ArtifactError(
+            f"Cannot compute the partial derivative for {names} as it's unreachable from the output "
+            f"node(s) ({loss!r}): remove it from requires_grad (or freeze it)."
+        ) from None
 
 
 def _shape(tp: onnx.TypeProto | None) -> list[int | str] | None:
     if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
         return None
-    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tp.tensor_type.shape.dim]
+    return [
+        d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tp.tensor_type.shape.dim
+    ]
 
 
 def _ancestors(g: onnx.GraphProto, target: str) -> set[str]:
@@ -378,8 +429,11 @@ def _inference_mode(m: onnx.ModelProto) -> onnx.ModelProto:
             # running statistics outputs are not allowed in inference mode: they equal the inputs
             for k in (1, 2):
                 if len(n.output) > k and n.output[k]:
-                    nodes.append(helper.make_node("Identity", [n.input[k + 2]], [n.output[k]],
-                                                  name=f"{n.name}_running_stat{k}"))
+                    nodes.append(
+                        helper.make_node(
+                            "Identity", [n.input[k + 2]], [n.output[k]], name=f"{n.name}_running_stat{k}"
+                        )
+                    )
             del n.output[1:]
     del e.graph.node[:]
     e.graph.node.extend(nodes)
@@ -389,9 +443,14 @@ def _inference_mode(m: onnx.ModelProto) -> onnx.ModelProto:
 def _finish(m: onnx.ModelProto, what: str) -> onnx.ModelProto:
     """Lowest IR version the opsets allow; onnx.checker full check (an error here is a bug of ours)."""
     opsets = list(m.opset_import)
-    out = helper.make_model(m.graph, opset_imports=opsets, producer_name="onnxtrain",
-                            ir_version=max(helper.find_min_ir_version_for(opsets, True), 3))
+    out = helper.make_model(
+        m.graph,
+        opset_imports=opsets,
+        producer_name="onnxtrain",
+        ir_version=max(helper.find_min_ir_version_for(opsets, True), 3),
+    )
     out.functions.extend(m.functions)
+    out.metadata_props.extend(m.metadata_props)
     try:
         onnx.checker.check_model(out, full_check=True)
     except Exception as err:
@@ -400,8 +459,9 @@ def _finish(m: onnx.ModelProto, what: str) -> onnx.ModelProto:
 
 
 # ---- optimizer model -------------------------------------------------------------------------------
-def build_optimizer_model(block: OptimizerBlock, params: list[tuple[str, onnx.TypeProto]],
-                          opset: int) -> onnx.ModelProto:
+def build_optimizer_model(
+    block: OptimizerBlock, params: list[tuple[str, onnx.TypeProto]], opset: int
+) -> onnx.ModelProto:
     """The optimizer graph over the trainable ``params`` (name, type) — see the interface note."""
     names = [p for p, _ in params]
     grads = [f"{p}_grad" for p in names]
@@ -437,8 +497,10 @@ def build_optimizer_model(block: OptimizerBlock, params: list[tuple[str, onnx.Ty
     g.output.extend(helper.make_value_info(f"{x}.out", vtypes[x]) for x in order)
     label = block.name or type(block).__name__
     g.name = f"{label}_optimizer"
-    helper.set_model_props(model, {"onnxtrain.optimizer": label,
-                                   "onnxtrain.hyperparameters": json.dumps(block.hyperparameters())})
+    helper.set_model_props(
+        model,
+        {"onnxtrain.optimizer": label, "onnxtrain.hyperparameters": json.dumps(block.hyperparameters())},
+    )
     return _finish(model, "optimizer")
 
 

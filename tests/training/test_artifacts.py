@@ -20,7 +20,7 @@ from tests.models import export
 BATCH = 5
 
 
-# ---- helpers -------------------------------------------------------------------------------------------
+# ---- helpers -----------------------------------------------------------------------------------------------
 def run_engine(m: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     outs = compile_model(m).run(feeds)
     return dict(zip([o.name for o in m.graph.output], outs))
@@ -68,9 +68,12 @@ def targets(loss: LossType, rng: np.random.Generator) -> tuple[str, np.ndarray]:
 
 def torch_loss(loss: LossType, logits: torch.Tensor, target: np.ndarray) -> torch.Tensor:
     t = torch.from_numpy(target)
-    fn = {LossType.MSELoss: torch.nn.functional.mse_loss, LossType.L1Loss: torch.nn.functional.l1_loss,
-          LossType.BCEWithLogitsLoss: torch.nn.functional.binary_cross_entropy_with_logits,
-          LossType.CrossEntropyLoss: torch.nn.functional.cross_entropy}[loss]
+    fn = {
+        LossType.MSELoss: torch.nn.functional.mse_loss,
+        LossType.L1Loss: torch.nn.functional.l1_loss,
+        LossType.BCEWithLogitsLoss: torch.nn.functional.binary_cross_entropy_with_logits,
+        LossType.CrossEntropyLoss: torch.nn.functional.cross_entropy,
+    }[loss]
     return fn(logits, t)
 
 
@@ -81,8 +84,13 @@ def torch_grads(module: torch.nn.Module, x: np.ndarray, loss_fn) -> tuple[float,
     return out.item(), {n: p.grad.numpy().copy() for n, p in module.named_parameters() if p.grad is not None}
 
 
-def training_feeds(m: onnx.ModelProto, user: dict[str, np.ndarray], params: dict[str, np.ndarray],
-                   reset: bool = True, buffers: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+def training_feeds(
+    m: onnx.ModelProto,
+    user: dict[str, np.ndarray],
+    params: dict[str, np.ndarray],
+    reset: bool = True,
+    buffers: dict[str, np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
     feeds = dict(user)
     for v in m.graph.input:
         if v.name in params:
@@ -98,22 +106,28 @@ def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
 
 
-# ---- training graph per loss: loss and gradients vs torch ------------------------------------------------
+# ---- training graph per loss: loss and gradients vs torch --------------------------------------------------
 @pytest.mark.parametrize("runner", list(RUNNERS))
 @pytest.mark.parametrize("loss", list(LossType), ids=lambda lt: lt.name)
 def test_training_graph_matches_torch(mlp, tmp_path, loss, runner):
     model, x, module = mlp
     params = initializers(model)
-    generate_artifacts(model, requires_grad=list(params), loss=loss, optimizer=OptimType.AdamW,
-                       artifact_directory=tmp_path)
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "eval_model.onnx", "optimizer_model.onnx",
-                                            "training_model.onnx"]
+    generate_artifacts(
+        model, requires_grad=list(params), loss=loss, optimizer=OptimType.AdamW, artifact_directory=tmp_path
+    )
+    assert sorted(os.listdir(tmp_path)) == [
+        "checkpoint",
+        "eval_model.onnx",
+        "optimizer_model.onnx",
+        "training_model.onnx",
+    ]
     tm = load(tmp_path, "training_model.onnx")
     assert_standard(tm)
     tname, target = targets(loss, np.random.default_rng(1))
     names = list(params)
-    assert [v.name for v in tm.graph.input] == (["x", tname] + names + [f"{p}_grad.accumulation.buffer" for p in names]
-                                                + ["lazy_reset_grad"])
+    assert [v.name for v in tm.graph.input] == (
+        ["x", tname] + names + [f"{p}_grad.accumulation.buffer" for p in names] + ["lazy_reset_grad"]
+    )
     assert [v.name for v in tm.graph.output][1:] == [f"{p}_grad.accumulation.out" for p in names]
     out = RUNNERS[runner](tm, training_feeds(tm, {"x": x, tname: target}, params))
     ref_loss, ref_grads = torch_grads(module, x, lambda y: torch_loss(loss, y, target))
@@ -128,13 +142,19 @@ def test_training_graph_matches_torch(mlp, tmp_path, loss, runner):
 def test_gradient_accumulation_unless_reset(mlp, tmp_path, runner):
     model, x, _ = mlp
     params = initializers(model)
-    generate_artifacts(model, requires_grad=["net.5.weight", "net.5.bias"], loss=LossType.MSELoss,
-                       artifact_directory=tmp_path)
+    generate_artifacts(
+        model,
+        requires_grad=["net.5.weight", "net.5.bias"],
+        loss=LossType.MSELoss,
+        artifact_directory=tmp_path,
+    )
     tm = load(tmp_path, "training_model.onnx")
     target = np.random.default_rng(2).standard_normal((BATCH, 10)).astype(np.float32)
     g1 = RUNNERS[runner](tm, training_feeds(tm, {"x": x, "target": target}, params))
     bufs = {p: g1[f"{p}_grad.accumulation.out"] for p in ("net.5.weight", "net.5.bias")}
-    g2 = RUNNERS[runner](tm, training_feeds(tm, {"x": x, "target": target}, params, reset=False, buffers=bufs))
+    g2 = RUNNERS[runner](
+        tm, training_feeds(tm, {"x": x, "target": target}, params, reset=False, buffers=bufs)
+    )
     g3 = RUNNERS[runner](tm, training_feeds(tm, {"x": x, "target": target}, params, reset=True, buffers=bufs))
     for p, b in bufs.items():
         close(g2[f"{p}_grad.accumulation.out"], 2 * b)  # accumulated
@@ -146,8 +166,13 @@ def test_gradient_accumulation_unless_reset(mlp, tmp_path, runner):
 def test_eval_graph(mlp, tmp_path, runner):
     model, x, module = mlp
     params = initializers(model)
-    generate_artifacts(model, requires_grad=list(params), loss=LossType.CrossEntropyLoss,
-                       additional_output_names=["logits"], artifact_directory=tmp_path)
+    generate_artifacts(
+        model,
+        requires_grad=list(params),
+        loss=LossType.CrossEntropyLoss,
+        additional_output_names=["logits"],
+        artifact_directory=tmp_path,
+    )
     em = load(tmp_path, "eval_model.onnx")
     assert_standard(em)
     assert [v.name for v in em.graph.input] == ["x", "labels", *params]
@@ -157,7 +182,10 @@ def test_eval_graph(mlp, tmp_path, runner):
     with torch.no_grad():
         logits = module(torch.from_numpy(x))
     close(out["logits"], logits.numpy())
-    close(out[em.graph.output[0].name], torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels)).item())
+    close(
+        out[em.graph.output[0].name],
+        torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels)).item(),
+    )
 
 
 def test_eval_graph_switches_dropout_and_batchnorm_off(tmp_path):
@@ -165,8 +193,14 @@ def test_eval_graph_switches_dropout_and_batchnorm_off(tmp_path):
     params = initializers(model)
     trainable = [n for n in params if "running" not in n and "num_batches" not in n]
     frozen = [n for n in params if "running" in n]
-    generate_artifacts(model, requires_grad=trainable, frozen_params=frozen, loss=LossType.CrossEntropyLoss,
-                       additional_output_names=["logits"], artifact_directory=tmp_path)
+    generate_artifacts(
+        model,
+        requires_grad=trainable,
+        frozen_params=frozen,
+        loss=LossType.CrossEntropyLoss,
+        additional_output_names=["logits"],
+        artifact_directory=tmp_path,
+    )
     em = load(tmp_path, "eval_model.onnx")
     assert_standard(em)
     for n in em.graph.node:
@@ -185,13 +219,13 @@ def test_eval_graph_switches_dropout_and_batchnorm_off(tmp_path):
     assert_standard(tm)
 
 
-# ---- optimizer graph vs a float64 reference of spec §1.8 -----------------------------------------------------
+# ---- optimizer graph vs a float64 reference of spec §1.8 ---------------------------------------------------
 def adamw_reference(p, g, m, v, lr, t, betas=(0.9, 0.999), eps=1e-6, wd=0.0, bias_correction=True):
     p, g, m, v = (np.asarray(a, np.float64) for a in (p, g, m, v))
     b1, b2 = betas
     m = b1 * m + (1 - b1) * g
     v = b2 * v + (1 - b2) * g * g
-    lr_t = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t) if bias_correction else lr
+    lr_t = lr * np.sqrt(1 - b2**t) / (1 - b1**t) if bias_correction else lr
     p = p - lr_t * m / (np.sqrt(v) + eps)
     p = p - lr * wd * p
     return p, m, v
@@ -203,9 +237,18 @@ def clip_reference(grads, max_norm):
     return [np.asarray(g, np.float64) * coef for g in grads]
 
 
-def optimizer_feeds(om: onnx.ModelProto, params: dict[str, np.ndarray], rng: np.random.Generator, lr: float,
-                    t: int, gscale: float = 1.0) -> dict[str, np.ndarray]:
-    feeds: dict[str, np.ndarray] = {"learning_rate": np.array([lr], np.float32), "step": np.array([t], np.int64)}
+def optimizer_feeds(
+    om: onnx.ModelProto,
+    params: dict[str, np.ndarray],
+    rng: np.random.Generator,
+    lr: float,
+    t: int,
+    gscale: float = 1.0,
+) -> dict[str, np.ndarray]:
+    feeds: dict[str, np.ndarray] = {
+        "learning_rate": np.array([lr], np.float32),
+        "step": np.array([t], np.int64),
+    }
     for v in om.graph.input:
         if v.name in params:
             feeds[v.name] = params[v.name]
@@ -220,10 +263,12 @@ def optimizer_feeds(om: onnx.ModelProto, params: dict[str, np.ndarray], rng: np.
 
 ADAMW_CASES = {
     "defaults": dict(kw={}, ref={}),
-    "custom": dict(kw=dict(betas=(0.8, 0.95), eps=1e-3, weight_decay=0.1),
-                   ref=dict(betas=(0.8, 0.95), eps=1e-3, wd=0.1)),
-    "no_bias_correction": dict(kw=dict(bias_correction=False, weight_decay=0.01),
-                               ref=dict(bias_correction=False, wd=0.01)),
+    "custom": dict(
+        kw=dict(betas=(0.8, 0.95), eps=1e-3, weight_decay=0.1), ref=dict(betas=(0.8, 0.95), eps=1e-3, wd=0.1)
+    ),
+    "no_bias_correction": dict(
+        kw=dict(bias_correction=False, weight_decay=0.01), ref=dict(bias_correction=False, wd=0.01)
+    ),
 }
 
 
@@ -233,22 +278,37 @@ def test_adamw_step_matches_reference(mlp, tmp_path, case, runner):
     model, _, _ = mlp
     params = initializers(model)
     opt = OptimType.AdamW if case == "defaults" else onnxblock.optim.AdamW(**ADAMW_CASES[case]["kw"])
-    generate_artifacts(model, requires_grad=list(params), loss=LossType.MSELoss, optimizer=opt,
-                       artifact_directory=tmp_path)
+    generate_artifacts(
+        model, requires_grad=list(params), loss=LossType.MSELoss, optimizer=opt, artifact_directory=tmp_path
+    )
     om = load(tmp_path, "optimizer_model.onnx")
     assert_standard(om)
     names = list(params)
-    assert [v.name for v in om.graph.input] == (["learning_rate", "step"] + names + [f"{p}_grad" for p in names]
-                                                + [f"{p}.momentum0" for p in names]
-                                                + [f"{p}.momentum1" for p in names])
-    assert [v.name for v in om.graph.output] == ([f"{p}.out" for p in names] + [f"{p}.momentum0.out" for p in names]
-                                                 + [f"{p}.momentum1.out" for p in names])
+    assert [v.name for v in om.graph.input] == (
+        ["learning_rate", "step"]
+        + names
+        + [f"{p}_grad" for p in names]
+        + [f"{p}.momentum0" for p in names]
+        + [f"{p}.momentum1" for p in names]
+    )
+    assert [v.name for v in om.graph.output] == (
+        [f"{p}.out" for p in names]
+        + [f"{p}.momentum0.out" for p in names]
+        + [f"{p}.momentum1.out" for p in names]
+    )
     assert {p.key: p.value for p in om.metadata_props}["onnxtrain.optimizer"] == "AdamW"
     feeds = optimizer_feeds(om, params, np.random.default_rng(3), lr=0.05, t=3)
     out = RUNNERS[runner](om, feeds)
     for p in names:
-        rp, rm, rv = adamw_reference(feeds[p], feeds[f"{p}_grad"], feeds[f"{p}.momentum0"], feeds[f"{p}.momentum1"],
-                                     0.05, 3, **ADAMW_CASES[case]["ref"])
+        rp, rm, rv = adamw_reference(
+            feeds[p],
+            feeds[f"{p}_grad"],
+            feeds[f"{p}.momentum0"],
+            feeds[f"{p}.momentum1"],
+            0.05,
+            3,
+            **ADAMW_CASES[case]["ref"],
+        )
         close(out[f"{p}.out"], rp, rtol=1e-6)
         close(out[f"{p}.momentum0.out"], rm, rtol=1e-6)
         close(out[f"{p}.momentum1.out"], rv, rtol=1e-6)
@@ -258,13 +318,19 @@ def test_adamw_step_matches_reference(mlp, tmp_path, case, runner):
 def test_sgd_step_matches_reference(mlp, tmp_path, runner):
     model, _, _ = mlp
     params = initializers(model)
-    generate_artifacts(model, requires_grad=["net.3.weight", "net.5.bias"], loss=LossType.MSELoss,
-                       optimizer=OptimType.SGD, artifact_directory=tmp_path)
+    generate_artifacts(
+        model,
+        requires_grad=["net.3.weight", "net.5.bias"],
+        loss=LossType.MSELoss,
+        optimizer=OptimType.SGD,
+        artifact_directory=tmp_path,
+    )
     om = load(tmp_path, "optimizer_model.onnx")
     assert_standard(om)
     names = ["net.3.weight", "net.5.bias"]
-    assert [v.name for v in om.graph.input] == (["learning_rate", "step"] + names + [f"{p}_grad" for p in names]
-                                                + [f"{p}.momentum0" for p in names])
+    assert [v.name for v in om.graph.input] == (
+        ["learning_rate", "step"] + names + [f"{p}_grad" for p in names] + [f"{p}.momentum0" for p in names]
+    )
     assert [v.name for v in om.graph.output] == [f"{p}.out" for p in names]
     feeds = optimizer_feeds(om, params, np.random.default_rng(4), lr=0.1, t=1)
     out = RUNNERS[runner](om, feeds)
@@ -279,12 +345,13 @@ def test_clip_grad_norm(mlp, tmp_path, opt, runner):
     params = initializers(model)
     clip = onnxblock.optim.ClipGradNorm(0.5)
     block = onnxblock.optim.AdamW(clip_grad=clip) if opt == "AdamW" else onnxblock.optim.SGD(clip_grad=clip)
-    generate_artifacts(model, requires_grad=list(params), loss=LossType.MSELoss, optimizer=block,
-                       artifact_directory=tmp_path)
+    generate_artifacts(
+        model, requires_grad=list(params), loss=LossType.MSELoss, optimizer=block, artifact_directory=tmp_path
+    )
     om = load(tmp_path, "optimizer_model.onnx")
     assert_standard(om)
     names = list(params)
-    assert [v.name for v in om.graph.output][-len(names):] == [f"{p}_grad.out" for p in names]
+    assert [v.name for v in om.graph.output][-len(names) :] == [f"{p}_grad.out" for p in names]
     feeds = optimizer_feeds(om, params, np.random.default_rng(5), lr=0.01, t=2)
     out = RUNNERS[runner](om, feeds)
     clipped = clip_reference([feeds[f"{p}_grad"] for p in names], 0.5)
@@ -303,14 +370,21 @@ def test_adamw_float64_parameters(tmp_path):
     w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((3, 2)), "w")
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [x], [y], [w])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    generate_artifacts(model, requires_grad=["w"], loss=LossType.MSELoss, optimizer=OptimType.AdamW,
-                       artifact_directory=tmp_path)
+    generate_artifacts(
+        model,
+        requires_grad=["w"],
+        loss=LossType.MSELoss,
+        optimizer=OptimType.AdamW,
+        artifact_directory=tmp_path,
+    )
     om, tm = load(tmp_path, "optimizer_model.onnx"), load(tmp_path, "training_model.onnx")
     assert_standard(om)
     assert_standard(tm)
     feeds = optimizer_feeds(om, {"w": numpy_helper.to_array(w)}, np.random.default_rng(1), lr=0.01, t=5)
-    feeds = {k: (v.astype(np.float64) if v.dtype == np.float32 and k != "learning_rate" else v)
-             for k, v in feeds.items()}
+    feeds = {
+        k: (v.astype(np.float64) if v.dtype == np.float32 and k != "learning_rate" else v)
+        for k, v in feeds.items()
+    }
     out = run_engine(om, feeds)
     lr = float(np.float32(0.01))  # learning_rate is FLOAT[1]
     rp, _, _ = adamw_reference(feeds["w"], feeds["w_grad"], feeds["w.momentum0"], feeds["w.momentum1"], lr, 5)
@@ -318,21 +392,37 @@ def test_adamw_float64_parameters(tmp_path):
     close(out["w.out"], rp, rtol=1e-12)
 
 
-# ---- checkpoint, frozen parameters, classification ------------------------------------------------------------
+# ---- checkpoint, frozen parameters, classification ---------------------------------------------------------
 def test_frozen_params_and_checkpoint(mlp, tmp_path):
     model, x, module = mlp
     params = initializers(model)
     trainable, frozen = ["net.3.weight", "net.5.weight", "net.5.bias"], ["net.1.weight", "net.1.bias"]
-    generate_artifacts(model, requires_grad=trainable[::-1], frozen_params=frozen, loss=LossType.MSELoss,
-                       optimizer=OptimType.SGD, artifact_directory=tmp_path, prefix="my_", nominal_checkpoint=True)
-    assert sorted(os.listdir(tmp_path)) == ["my_checkpoint", "my_eval_model.onnx", "my_nominal_checkpoint",
-                                            "my_optimizer_model.onnx", "my_training_model.onnx"]
+    generate_artifacts(
+        model,
+        requires_grad=trainable[::-1],
+        frozen_params=frozen,
+        loss=LossType.MSELoss,
+        optimizer=OptimType.SGD,
+        artifact_directory=tmp_path,
+        prefix="my_",
+        nominal_checkpoint=True,
+    )
+    assert sorted(os.listdir(tmp_path)) == [
+        "my_checkpoint",
+        "my_eval_model.onnx",
+        "my_nominal_checkpoint",
+        "my_optimizer_model.onnx",
+        "my_training_model.onnx",
+    ]
     tm = load(tmp_path, "training_model.onnx", "my_")
     # initializer order, not the order of the lists
     params_in = ["net.1.weight", "net.1.bias", "net.3.weight", "net.5.weight", "net.5.bias"]
-    assert [v.name for v in tm.graph.input] == (["x", "target"] + params_in
-                                                + [f"{p}_grad.accumulation.buffer" for p in trainable]
-                                                + ["lazy_reset_grad"])
+    assert [v.name for v in tm.graph.input] == (
+        ["x", "target"]
+        + params_in
+        + [f"{p}_grad.accumulation.buffer" for p in trainable]
+        + ["lazy_reset_grad"]
+    )
     assert [t.name for t in tm.graph.initializer] == ["net.3.bias"]  # neither list: stays a constant
     ckpt = load_checkpoint(tmp_path / "my_checkpoint")
     assert sorted(ckpt.trainable) == sorted(trainable) and sorted(ckpt.frozen) == sorted(frozen)
@@ -352,14 +442,25 @@ def test_frozen_params_and_checkpoint(mlp, tmp_path):
 def two_output_model() -> onnx.ModelProto:
     """x[batch,4] → hidden = x·W1ᵀ + b1 → out = relu(hidden)·W2ᵀ + b2; outputs (out, hidden)."""
     rng = np.random.default_rng(7)
-    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
-             for n, s in [("W1", (8, 4)), ("b1", (8,)), ("W2", (3, 8)), ("b2", (3,))]]
-    nodes = [helper.make_node("Gemm", ["x", "W1", "b1"], ["hidden"], transB=1),
-             helper.make_node("Relu", ["hidden"], ["h"]),
-             helper.make_node("Gemm", ["h", "W2", "b2"], ["out"], transB=1)]
-    graph = helper.make_graph(nodes, "two", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 3]),
-                               helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", 8])], inits)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+        for n, s in [("W1", (8, 4)), ("b1", (8,)), ("W2", (3, 8)), ("b2", (3,))]
+    ]
+    nodes = [
+        helper.make_node("Gemm", ["x", "W1", "b1"], ["hidden"], transB=1),
+        helper.make_node("Relu", ["hidden"], ["h"]),
+        helper.make_node("Gemm", ["h", "W2", "b2"], ["out"], transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "two",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [
+            helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 3]),
+            helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", 8]),
+        ],
+        inits,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -369,15 +470,21 @@ def torch_two_output(model: onnx.ModelProto) -> tuple[dict[str, torch.Tensor], c
     def fwd(x: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = torch.from_numpy(x) @ w["W1"].T + w["b1"]
         return torch.relu(hidden) @ w["W2"].T + w["b2"], hidden
+
     return w, fwd
 
 
 @pytest.mark.parametrize("runner", list(RUNNERS))
 def test_loss_input_names_and_additional_outputs(tmp_path, runner):
     model = two_output_model()
-    generate_artifacts(model, requires_grad=["W1", "b1", "W2", "b2"], loss=LossType.MSELoss,
-                       loss_input_names=["out"], additional_output_names=["hidden", "h"],
-                       artifact_directory=tmp_path)
+    generate_artifacts(
+        model,
+        requires_grad=["W1", "b1", "W2", "b2"],
+        loss=LossType.MSELoss,
+        loss_input_names=["out"],
+        additional_output_names=["hidden", "h"],
+        artifact_directory=tmp_path,
+    )
     tm, em = load(tmp_path, "training_model.onnx"), load(tmp_path, "eval_model.onnx")
     assert [v.name for v in tm.graph.input][:2] == ["x", "target"]
     assert [v.name for v in tm.graph.output][1:3] == ["hidden", "h"]
@@ -401,7 +508,9 @@ def test_pass_through_loss(tmp_path):
     """loss=None: the model's first output is already the scalar loss and is differentiated."""
     model, feeds, module = export("mlp", training=True, with_loss=True, batch=BATCH)
     params = initializers(model)
-    generate_artifacts(model, requires_grad=list(params), optimizer=OptimType.SGD, artifact_directory=tmp_path)
+    generate_artifacts(
+        model, requires_grad=list(params), optimizer=OptimType.SGD, artifact_directory=tmp_path
+    )
     tm = load(tmp_path, "training_model.onnx")
     assert_standard(tm)
     assert tm.graph.output[0].name == "loss"
@@ -426,15 +535,22 @@ class TwoHeadLoss(onnxblock.Block):
         self.half = onnxblock.blocks.Constant(0.5)
 
     def build(self, out_name: str, hidden_name: str) -> str:
-        return self.add(self.mse(out_name, target_name="target_out"),
-                        self.mul(self.half(), self.l1(hidden_name, target_name="target_hidden")))
+        return self.add(
+            self.mse(out_name, target_name="target_out"),
+            self.mul(self.half(), self.l1(hidden_name, target_name="target_hidden")),
+        )
 
 
 @pytest.mark.parametrize("runner", list(RUNNERS))
 def test_custom_block_loss(tmp_path, runner):
     model = two_output_model()
-    generate_artifacts(model, requires_grad=["W1", "b1", "W2", "b2"], loss=TwoHeadLoss(),
-                       optimizer=OptimType.AdamW, artifact_directory=tmp_path)
+    generate_artifacts(
+        model,
+        requires_grad=["W1", "b1", "W2", "b2"],
+        loss=TwoHeadLoss(),
+        optimizer=OptimType.AdamW,
+        artifact_directory=tmp_path,
+    )
     tm = load(tmp_path, "training_model.onnx")
     assert_standard(tm)
     assert [v.name for v in tm.graph.input][:3] == ["x", "target_out", "target_hidden"]
@@ -445,11 +561,13 @@ def test_custom_block_loss(tmp_path, runner):
     t_hid = rng.standard_normal((BATCH, 8)).astype(np.float32)
     w, fwd = torch_two_output(model)
     o, h = fwd(x)
-    ref = (torch.nn.functional.mse_loss(o, torch.from_numpy(t_out))
-           + 0.5 * torch.nn.functional.l1_loss(h, torch.from_numpy(t_hid)))
+    ref = torch.nn.functional.mse_loss(o, torch.from_numpy(t_out)) + 0.5 * torch.nn.functional.l1_loss(
+        h, torch.from_numpy(t_hid)
+    )
     ref.backward()
-    out = RUNNERS[runner](tm, training_feeds(tm, {"x": x, "target_out": t_out, "target_hidden": t_hid},
-                                             initializers(model)))
+    out = RUNNERS[runner](
+        tm, training_feeds(tm, {"x": x, "target_out": t_out, "target_hidden": t_hid}, initializers(model))
+    )
     loss = out[tm.graph.output[0].name]
     assert loss.shape == ()
     close(loss, ref.item())
@@ -457,14 +575,22 @@ def test_custom_block_loss(tmp_path, runner):
         close(out[f"{n}_grad.accumulation.out"], p.grad.numpy())
 
 
-# ---- errors -----------------------------------------------------------------------------------------------------
+# ---- errors ------------------------------------------------------------------------------------------------
 def test_error_optimizer_without_trainable_parameter(mlp, tmp_path):
     model, _, _ = mlp
     with pytest.raises(ArtifactError, match="no parameter requires a gradient"):
-        generate_artifacts(model, loss=LossType.MSELoss, optimizer=OptimType.AdamW, artifact_directory=tmp_path)
+        generate_artifacts(
+            model, loss=LossType.MSELoss, optimizer=OptimType.AdamW, artifact_directory=tmp_path
+        )
     with pytest.raises(ArtifactError, match="no parameter requires a gradient"):
-        generate_artifacts(model, requires_grad=[], frozen_params=["net.1.weight"], loss=LossType.MSELoss,
-                           optimizer=OptimType.SGD, artifact_directory=tmp_path)
+        generate_artifacts(
+            model,
+            requires_grad=[],
+            frozen_params=["net.1.weight"],
+            loss=LossType.MSELoss,
+            optimizer=OptimType.SGD,
+            artifact_directory=tmp_path,
+        )
     assert os.listdir(tmp_path) == []
 
 
@@ -473,32 +599,56 @@ def test_error_non_scalar_differentiated_output(mlp, tmp_path):
     with pytest.raises(ArtifactError, match=r"'logits' must be a scalar .* shape \['batch', 10\]"):
         generate_artifacts(model, requires_grad=["net.5.bias"], artifact_directory=tmp_path)
     with pytest.raises(ArtifactError, match="must be a scalar"):
-        generate_artifacts(model, requires_grad=["net.5.bias"], loss=onnxblock.loss.MSELoss(reduction="none"),
-                           artifact_directory=tmp_path)
+        generate_artifacts(
+            model,
+            requires_grad=["net.5.bias"],
+            loss=onnxblock.loss.MSELoss(reduction="none"),
+            artifact_directory=tmp_path,
+        )
 
 
 def test_error_unreachable_parameter(tmp_path):
     model = two_output_model()
     with pytest.raises(ArtifactError, match=r"partial derivative for 'W2', 'b2' as it's unreachable"):
-        generate_artifacts(model, requires_grad=["W1", "W2", "b2"], loss=LossType.MSELoss,
-                           loss_input_names=["hidden"], artifact_directory=tmp_path)
+        generate_artifacts(
+            model,
+            requires_grad=["W1", "W2", "b2"],
+            loss=LossType.MSELoss,
+            loss_input_names=["hidden"],
+            artifact_directory=tmp_path,
+        )
 
 
 def test_error_ort_format_and_custom_op_library(mlp, tmp_path):
     model, _, _ = mlp
     with pytest.raises(ArtifactError, match="ort_format=True is not supported"):
-        generate_artifacts(model, requires_grad=["net.5.bias"], loss=LossType.MSELoss, ort_format=True,
-                           artifact_directory=tmp_path)
+        generate_artifacts(
+            model,
+            requires_grad=["net.5.bias"],
+            loss=LossType.MSELoss,
+            ort_format=True,
+            artifact_directory=tmp_path,
+        )
     with pytest.raises(ArtifactError, match="custom_op_library=.* is not supported"):
-        generate_artifacts(model, requires_grad=["net.5.bias"], loss=LossType.MSELoss,
-                           custom_op_library="libcustom.so", artifact_directory=tmp_path)
+        generate_artifacts(
+            model,
+            requires_grad=["net.5.bias"],
+            loss=LossType.MSELoss,
+            custom_op_library="libcustom.so",
+            artifact_directory=tmp_path,
+        )
 
 
 def test_error_frozen_and_trainable(mlp, tmp_path):
     model, _, _ = mlp
     with pytest.raises(RuntimeError, match=r"cannot be frozen and require gradient.*net.5.bias"):
-        generate_artifacts(model, requires_grad=["net.5.bias"], frozen_params=["net.5.bias"],
-                           loss=LossType.MSELoss, artifact_directory=tmp_path)
+        generate_artifacts(
+            model,
+            requires_grad=["net.5.bias"],
+            frozen_params=["net.5.bias"],
+            loss=LossType.MSELoss,
+            artifact_directory=tmp_path,
+        )
 
 
 def test_error_unknown_parameter_name(mlp, tmp_path):
@@ -512,34 +662,62 @@ def test_error_unknown_loss_and_optimizer_types(mlp, tmp_path):
     with pytest.raises(RuntimeError, match="Unknown loss provided"):
         generate_artifacts(model, requires_grad=["net.5.bias"], loss="mse", artifact_directory=tmp_path)
     with pytest.raises(TypeError, match="Unknown optimizer provided"):
-        generate_artifacts(model, requires_grad=["net.5.bias"], loss=LossType.MSELoss, optimizer="adamw",
-                           artifact_directory=tmp_path)
+        generate_artifacts(
+            model,
+            requires_grad=["net.5.bias"],
+            loss=LossType.MSELoss,
+            optimizer="adamw",
+            artifact_directory=tmp_path,
+        )
     with pytest.raises(RuntimeError, match="Unknown model type"):
-        generate_artifacts(42, requires_grad=["net.5.bias"], loss=LossType.MSELoss, artifact_directory=tmp_path)
+        generate_artifacts(
+            42, requires_grad=["net.5.bias"], loss=LossType.MSELoss, artifact_directory=tmp_path
+        )
 
 
 def test_error_additional_output_names(mlp, tmp_path):
     model, _, _ = mlp
     with pytest.raises(RuntimeError, match="Unknown type provided for additional output names"):
-        generate_artifacts(model, requires_grad=["net.5.bias"], loss=LossType.MSELoss,
-                           additional_output_names="logits", artifact_directory=tmp_path)
-    with pytest.raises(LookupError, match="The provided name nope is not a graph value info or a graph output"):
-        generate_artifacts(model, requires_grad=["net.5.bias"], loss=LossType.MSELoss,
-                           additional_output_names=["nope"], artifact_directory=tmp_path)
+        generate_artifacts(
+            model,
+            requires_grad=["net.5.bias"],
+            loss=LossType.MSELoss,
+            additional_output_names="logits",
+            artifact_directory=tmp_path,
+        )
+    with pytest.raises(
+        LookupError, match="The provided name nope is not a graph value info or a graph output"
+    ):
+        generate_artifacts(
+            model,
+            requires_grad=["net.5.bias"],
+            loss=LossType.MSELoss,
+            additional_output_names=["nope"],
+            artifact_directory=tmp_path,
+        )
 
 
 def test_error_missing_directory_and_model_file(mlp, tmp_path):
     model, _, _ = mlp
     with pytest.raises(FileNotFoundError, match="does_not_exist"):
-        generate_artifacts(model, requires_grad=["net.5.bias"], loss=LossType.MSELoss,
-                           artifact_directory=tmp_path / "does_not_exist" / "sub")
+        generate_artifacts(
+            model,
+            requires_grad=["net.5.bias"],
+            loss=LossType.MSELoss,
+            artifact_directory=tmp_path / "does_not_exist" / "sub",
+        )
     with pytest.raises(FileNotFoundError, match="nope.onnx"):
-        generate_artifacts(str(tmp_path / "nope.onnx"), requires_grad=["net.5.bias"], loss=LossType.MSELoss,
-                           artifact_directory=tmp_path)
+        generate_artifacts(
+            str(tmp_path / "nope.onnx"),
+            requires_grad=["net.5.bias"],
+            loss=LossType.MSELoss,
+            artifact_directory=tmp_path,
+        )
 
 
 def test_error_loss_block_arity(tmp_path):
     """A two-argument build() on a one-output model (onnxruntime issue #19008) gets a clear message."""
+
     class Two(onnxblock.Block):
         def build(self, a, b):
             return a
@@ -554,6 +732,32 @@ def test_model_from_path(mlp, tmp_path):
     onnx.save(model, tmp_path / "mlp.onnx")
     out = tmp_path / "out"
     out.mkdir()
-    generate_artifacts(str(tmp_path / "mlp.onnx"), requires_grad=["net.5.bias"], loss=LossType.L1Loss,
-                       artifact_directory=out)
+    generate_artifacts(
+        str(tmp_path / "mlp.onnx"), requires_grad=["net.5.bias"], loss=LossType.L1Loss, artifact_directory=out
+    )
     assert sorted(os.listdir(out)) == ["checkpoint", "eval_model.onnx", "training_model.onnx"]
+
+
+def test_error_builtin_loss_on_multi_output_model_needs_loss_input_names(tmp_path):
+    with pytest.raises(ArtifactError, match=r"2 outputs \['out', 'hidden'\] .* loss_input_names"):
+        generate_artifacts(two_output_model(), requires_grad=["W1"], loss=LossType.MSELoss,
+                           artifact_directory=tmp_path)
+
+
+def test_cross_entropy_on_sequence_logits_matches_torch(tmp_path):
+    """[B, T, V] logits with [B, T] labels: classes moved to axis 1 for SoftmaxCrossEntropyLoss."""
+    model, feeds, module = export("gpt_block", training=True, batch=2, dropout=0.0)
+    params = initializers(model)
+    trainable = [n for n in params if n in dict(module.named_parameters())]
+    generate_artifacts(model, requires_grad=trainable, loss=LossType.CrossEntropyLoss,
+                       optimizer=OptimType.AdamW, artifact_directory=tmp_path)
+    tm = load(tmp_path, "training_model.onnx")
+    assert_standard(tm)
+    labels = np.random.default_rng(10).integers(0, 40, (2, 10)).astype(np.int64)
+    ref_loss, ref = torch_grads(module, feeds["tokens"], lambda y: torch.nn.functional.cross_entropy(
+        y.reshape(-1, y.shape[-1]), torch.from_numpy(labels).reshape(-1)))
+    for runner in RUNNERS.values():
+        out = runner(tm, training_feeds(tm, {"tokens": feeds["tokens"], "labels": labels}, params))
+        close(out[tm.graph.output[0].name], ref_loss)
+        for p in trainable:
+            close(out[f"{p}_grad.accumulation.out"], ref[p], rtol=1e-4)

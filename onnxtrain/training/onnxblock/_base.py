@@ -84,8 +84,9 @@ class ModelBase:
         """Append one node; its outputs get fresh ``onnx::<token>::<n>`` names."""
         outs = [self.fresh(token) for _ in range(outputs)]
         attrs = {k: v for k, v in attrs.items() if v is not None}
-        self.graph.node.append(helper.make_node(op, inputs, outs, name=self.names(f"{op}_{self.counter}"),
-                                                **attrs))
+        self.graph.node.append(
+            helper.make_node(op, inputs, outs, name=self.names(f"{op}_{self.counter}"), **attrs)
+        )
         self._types = None
         return outs
 
@@ -136,8 +137,10 @@ _STACK: list[ModelBase] = []
 def current() -> ModelBase:
     """The base being edited; error outside ``base(...)``/``empty_base(...)``."""
     if not _STACK:
-        raise BlockError("blocks must be called inside `with onnxblock.base(model):` or "
-                         "`with onnxblock.empty_base():` (no base model is set)")
+        raise BlockError(
+            "blocks must be called inside `with onnxblock.base(model):` or "
+            "`with onnxblock.empty_base():` (no base model is set)"
+        )
     return _STACK[-1]
 
 
@@ -162,7 +165,11 @@ def empty_base(opset_version: int | None = None) -> Iterator[ModelBase]:
     opset = opset_version or DEFAULT_OPSET
     graph = helper.make_graph([], "graph", [], [])
     opsets = [helper.make_opsetid("", opset)]
-    model = helper.make_model(graph, opset_imports=opsets, producer_name="onnxtrain",
-                              ir_version=helper.find_min_ir_version_for(opsets))
+    model = helper.make_model(
+        graph,
+        opset_imports=opsets,
+        producer_name="onnxtrain",
+        ir_version=helper.find_min_ir_version_for(opsets),
+    )
     with base(model) as acc:
         yield acc

@@ -254,7 +254,9 @@ class ReduceAllL2(Block):
         acc = _acc()
         if not input_names:
             raise BlockError("ReduceAllL2 needs at least one input")
-        parts = [acc.node("ReduceSumSquare", [x], "reducesumsquare_output", keepdims=0)[0] for x in input_names]
+        parts = [
+            acc.node("ReduceSumSquare", [x], "reducesumsquare_output", keepdims=0)[0] for x in input_names
+        ]
         total = parts[0] if len(parts) == 1 else acc.node("Sum", parts, "sum_output")[0]
         return acc.node("Sqrt", [total], "reduceall_l2_output")[0]
 
@@ -302,7 +304,31 @@ class PassThrough(Block):
 
 
 __all__ = [
-    "Abs", "Add", "Block", "Cast", "Clip", "Constant", "Div", "Exp", "Identity", "InputLike", "Log", "Max", "Min",
-    "Mul", "Neg", "PassThrough", "Pow", "ReduceAllL2", "ReduceMean", "ReduceSum", "ReduceSumSquare", "Relu",
-    "Sigmoid", "Softplus", "Sqrt", "Sub", "Tanh",
+    "Abs",
+    "Add",
+    "Block",
+    "Cast",
+    "Clip",
+    "Constant",
+    "Div",
+    "Exp",
+    "Identity",
+    "InputLike",
+    "Log",
+    "Max",
+    "Min",
+    "Mul",
+    "Neg",
+    "PassThrough",
+    "Pow",
+    "ReduceAllL2",
+    "ReduceMean",
+    "ReduceSum",
+    "ReduceSumSquare",
+    "Relu",
+    "Sigmoid",
+    "Softplus",
+    "Sqrt",
+    "Sub",
+    "Tanh",
 ]

@@ -94,8 +94,11 @@ class BCEWithLogitsLoss(Block):
         lin = acc.node("Mul", [acc.node("Sub", [one, t], "sub_output")[0], x], "mul_output")[0]  # (1 − t)·x
         if self.pos_weight is not None:
             pw1 = _float_const(acc, self.pos_weight - 1, x, "bce.pos_weight_minus_one")
-            sp = acc.node("Mul", [acc.node("Add", [one, acc.node("Mul", [pw1, t], "mul_output")[0]],
-                                           "add_output")[0], sp], "mul_output")[0]
+            sp = acc.node(
+                "Mul",
+                [acc.node("Add", [one, acc.node("Mul", [pw1, t], "mul_output")[0]], "add_output")[0], sp],
+                "mul_output",
+            )[0]
         loss = acc.node("Add", [lin, sp], "add_output")[0]
         if self.weight is not None:
             loss = acc.node("Mul", [loss, _float_const(acc, self.weight, x, "bce.weight")], "mul_output")[0]
@@ -121,8 +124,10 @@ class CrossEntropyLoss(Block):
         shape = acc.shape(x)
         if shape is None or len(shape) < 2:
             got = "an unknown rank" if shape is None else f"shape {shape}"
-            raise BlockError(f"CrossEntropyLoss needs scores of known rank >= 2 with classes on the last axis; "
-                             f"{x!r} has {got}")
+            raise BlockError(
+                f"CrossEntropyLoss needs scores of known rank >= 2 with classes on the last axis; "
+                f"{x!r} has {got}"
+            )
         if not acc.has_value(labels_name):
             tp = helper.make_tensor_type_proto(TensorProto.INT64, None)
             for d in shape[:-1]:
@@ -133,12 +138,19 @@ class CrossEntropyLoss(Block):
                     dim.dim_param = d
             acc.add_input(labels_name, tp)
         if len(shape) > 2:  # [B, d1.., C] -> [B, C, d1..]
-            x = acc.node("Transpose", [x], "transpose_output", perm=[0, len(shape) - 1, *range(1, len(shape) - 1)])[0]
+            x = acc.node(
+                "Transpose", [x], "transpose_output", perm=[0, len(shape) - 1, *range(1, len(shape) - 1)]
+            )[0]
         inputs = [x, labels_name]
         if self.weight is not None:
             inputs.append(_float_const(acc, self.weight, x, "celoss.weight"))
-        return acc.node("SoftmaxCrossEntropyLoss", inputs, "loss", reduction=self.reduction,
-                        ignore_index=self.ignore_index)[0]
+        return acc.node(
+            "SoftmaxCrossEntropyLoss",
+            inputs,
+            "loss",
+            reduction=self.reduction,
+            ignore_index=self.ignore_index,
+        )[0]
 
 
 __all__ = ["BCEWithLogitsLoss", "CrossEntropyLoss", "L1Loss", "MSELoss"]

@@ -42,8 +42,14 @@ class ClipGradNorm(Block):
         total = parts[0] if len(parts) == 1 else acc.node("Sum", parts, "sum_output")[0]
         norm = acc.node("Sqrt", [total], "grad_norm")[0]
         # coef = min(max_norm / (norm + eps), 1)
-        ratio = acc.node("Div", [acc.scalar(self.max_norm, et),
-                                 acc.node("Add", [norm, acc.scalar(CLIP_EPS, et)], "add_output")[0]], "div_output")[0]
+        ratio = acc.node(
+            "Div",
+            [
+                acc.scalar(self.max_norm, et),
+                acc.node("Add", [norm, acc.scalar(CLIP_EPS, et)], "add_output")[0],
+            ],
+            "div_output",
+        )[0]
         coef = acc.node("Min", [ratio, acc.scalar(1.0, et)], "clip_coef")[0]
         coefs: dict[int, str] = {et: coef}
         out = []
@@ -67,14 +73,22 @@ class Optimizer(Block):
     def __init__(self, clip_grad: ClipGradNorm | None = None) -> None:
         super().__init__()
         if clip_grad is not None and not isinstance(clip_grad, ClipGradNorm):
-            raise BlockError(f"clip_grad must be an onnxblock.optim.ClipGradNorm, got {type(clip_grad).__name__}")
+            raise BlockError(
+                f"clip_grad must be an onnxblock.optim.ClipGradNorm, got {type(clip_grad).__name__}"
+            )
         self.clip_grad = clip_grad
 
     def hyperparameters(self) -> dict[str, Any]:
         return {"clip_grad_max_norm": None if self.clip_grad is None else self.clip_grad.max_norm}
 
-    def build(self, learning_rate: str, step: str, params: Sequence[str], gradients: Sequence[str],
-              states: dict[str, Sequence[str]]) -> dict[str, str]:
+    def build(
+        self,
+        learning_rate: str,
+        step: str,
+        params: Sequence[str],
+        gradients: Sequence[str],
+        states: dict[str, Sequence[str]],
+    ) -> dict[str, str]:
         acc = _acc()
         new: dict[str, str] = {}
         grads = list(gradients)
@@ -96,8 +110,9 @@ class Optimizer(Block):
         """Scalars shared by all parameters of element type ``et``."""
         return {"lr": _as_type(acc, lr, TensorProto.FLOAT, et)}
 
-    def update(self, acc: ModelBase, shared: dict[str, str], p: str, g: str,
-               states: dict[str, str]) -> dict[str, str]:
+    def update(
+        self, acc: ModelBase, shared: dict[str, str], p: str, g: str, states: dict[str, str]
+    ) -> dict[str, str]:
         raise NotImplementedError
 
 
@@ -114,8 +129,9 @@ class SGD(Optimizer):
     name = "SGD"
     state_names = ("momentum0",)
 
-    def update(self, acc: ModelBase, shared: dict[str, str], p: str, g: str,
-               states: dict[str, str]) -> dict[str, str]:
+    def update(
+        self, acc: ModelBase, shared: dict[str, str], p: str, g: str, states: dict[str, str]
+    ) -> dict[str, str]:
         step = acc.node("Mul", [shared["lr"], g], "mul_output")[0]
         return {p: acc.node("Sub", [p, step], "updated_param")[0]}
 
@@ -134,8 +150,14 @@ class AdamW(Optimizer):
     name = "AdamW"
     state_names = ("momentum0", "momentum1")
 
-    def __init__(self, bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.0, clip_grad: ClipGradNorm | None = None) -> None:
+    def __init__(
+        self,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        clip_grad: ClipGradNorm | None = None,
+    ) -> None:
         super().__init__(clip_grad)
         if len(betas) != 2:
             raise BlockError(f"AdamW: betas must be a pair (beta1, beta2), got {betas!r}")
@@ -145,8 +167,13 @@ class AdamW(Optimizer):
         self.weight_decay = float(weight_decay)
 
     def hyperparameters(self) -> dict[str, Any]:
-        return {"bias_correction": self.bias_correction, "betas": list(self.betas), "eps": self.eps,
-                "weight_decay": self.weight_decay, **super().hyperparameters()}
+        return {
+            "bias_correction": self.bias_correction,
+            "betas": list(self.betas),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            **super().hyperparameters(),
+        }
 
     def prepare(self, acc: ModelBase, lr: str, t: str, et: int) -> dict[str, str]:
         out = {"lr": _as_type(acc, lr, TensorProto.FLOAT, et)}
@@ -154,13 +181,22 @@ class AdamW(Optimizer):
             dbl = TensorProto.DOUBLE
             td = acc.node("Cast", [t], "cast_output", to=dbl)[0]
             one = acc.scalar(1.0, dbl)
-            c1 = acc.node("Sub", [one, acc.node("Pow", [acc.scalar(self.betas[0], dbl), td], "pow_output")[0]],
-                          "sub_output")[0]
-            c2 = acc.node("Sub", [one, acc.node("Pow", [acc.scalar(self.betas[1], dbl), td], "pow_output")[0]],
-                          "sub_output")[0]
+            c1 = acc.node(
+                "Sub",
+                [one, acc.node("Pow", [acc.scalar(self.betas[0], dbl), td], "pow_output")[0]],
+                "sub_output",
+            )[0]
+            c2 = acc.node(
+                "Sub",
+                [one, acc.node("Pow", [acc.scalar(self.betas[1], dbl), td], "pow_output")[0]],
+                "sub_output",
+            )[0]
             lr_d = acc.node("Cast", [lr], "cast_output", to=dbl)[0]
-            lr_t = acc.node("Div", [acc.node("Mul", [lr_d, acc.node("Sqrt", [c2], "sqrt_output")[0]],
-                                             "mul_output")[0], c1], "div_output")[0]
+            lr_t = acc.node(
+                "Div",
+                [acc.node("Mul", [lr_d, acc.node("Sqrt", [c2], "sqrt_output")[0]], "mul_output")[0], c1],
+                "div_output",
+            )[0]
             out["lr_t"] = _as_type(acc, lr_t, dbl, et)
         else:
             out["lr_t"] = out["lr"]
@@ -168,23 +204,40 @@ class AdamW(Optimizer):
             out["decay"] = acc.node("Mul", [out["lr"], acc.scalar(self.weight_decay, et)], "mul_output")[0]
         return out
 
-    def update(self, acc: ModelBase, shared: dict[str, str], p: str, g: str,
-               states: dict[str, str]) -> dict[str, str]:
+    def update(
+        self, acc: ModelBase, shared: dict[str, str], p: str, g: str, states: dict[str, str]
+    ) -> dict[str, str]:
         et = acc.float_type_of(p)
         b1, b2 = self.betas
         m, v = states["momentum0"], states["momentum1"]
-        m_new = acc.node("Add", [acc.node("Mul", [m, acc.scalar(b1, et)], "mul_output")[0],
-                                 acc.node("Mul", [g, acc.scalar(1.0 - b1, et)], "mul_output")[0]], "momentum0")[0]
+        m_new = acc.node(
+            "Add",
+            [
+                acc.node("Mul", [m, acc.scalar(b1, et)], "mul_output")[0],
+                acc.node("Mul", [g, acc.scalar(1.0 - b1, et)], "mul_output")[0],
+            ],
+            "momentum0",
+        )[0]
         g2 = acc.node("Mul", [g, g], "mul_output")[0]
-        v_new = acc.node("Add", [acc.node("Mul", [v, acc.scalar(b2, et)], "mul_output")[0],
-                                 acc.node("Mul", [g2, acc.scalar(1.0 - b2, et)], "mul_output")[0]], "momentum1")[0]
-        denom = acc.node("Add", [acc.node("Sqrt", [v_new], "sqrt_output")[0], acc.scalar(self.eps, et)],
-                         "add_output")[0]
-        upd = acc.node("Mul", [shared["lr_t"], acc.node("Div", [m_new, denom], "div_output")[0]], "mul_output")[0]
+        v_new = acc.node(
+            "Add",
+            [
+                acc.node("Mul", [v, acc.scalar(b2, et)], "mul_output")[0],
+                acc.node("Mul", [g2, acc.scalar(1.0 - b2, et)], "mul_output")[0],
+            ],
+            "momentum1",
+        )[0]
+        denom = acc.node(
+            "Add", [acc.node("Sqrt", [v_new], "sqrt_output")[0], acc.scalar(self.eps, et)], "add_output"
+        )[0]
+        upd = acc.node(
+            "Mul", [shared["lr_t"], acc.node("Div", [m_new, denom], "div_output")[0]], "mul_output"
+        )[0]
         p_new = acc.node("Sub", [p, upd], "sub_output" if self.weight_decay else "updated_param")[0]
         if self.weight_decay:
-            p_new = acc.node("Sub", [p_new, acc.node("Mul", [shared["decay"], p_new], "mul_output")[0]],
-                             "updated_param")[0]
+            p_new = acc.node(
+                "Sub", [p_new, acc.node("Mul", [shared["decay"], p_new], "mul_output")[0]], "updated_param"
+            )[0]
         return {p: p_new, m: m_new, v: v_new}
 
 
