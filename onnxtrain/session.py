@@ -14,15 +14,22 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import helper, numpy_helper
 
 from onnxtrain.capi.options import RunOptions, SessionOptions, resolve_providers
 from onnxtrain.engine.plan import Plan, load_model
+from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.inference import FeedChecker, InferenceSession, NodeArg, node_arg, write_chrome_trace
 from onnxtrain.ir.io import save_model_atomic
-from onnxtrain.optim import get_optimizer
+from onnxtrain.optim import WeightSlot, get_optimizer
+from onnxtrain.parallel import BucketReducer
+from onnxtrain.parallel import resolve as resolve_parallel
+from onnxtrain.parallel.adasum import adasum_reduce
+from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
+from onnxtrain.parallel.zero import ZeroLayout
 from onnxtrain.parameters import TrainingParameters
-from onnxtrain.training_graph import TRAINING_MODE, build_step_graphs
+from onnxtrain.training_graph import TRAINING_MODE, StepGraphs, build_step_graphs, build_update_graph
 
 
 class TrainingSession(InferenceSession):
@@ -48,8 +55,7 @@ class TrainingSession(InferenceSession):
         pending = p.unsupported_options()
         if pending:
             raise NotImplementedError(f"TrainingParameters option(s) {', '.join(pending)} are not implemented yet")
-        if p.world_size > 1 or p.data_parallel_size > 1:
-            raise NotImplementedError("world_size/data_parallel_size > 1 (MPI data parallelism) is not implemented yet")
+        self._dp = resolve_parallel(p)
         if p.gradient_accumulation_mode not in ("legacy", "auto"):
             raise ValueError(f"gradient_accumulation_mode must be 'legacy' or 'auto', got "
                              f"{p.gradient_accumulation_mode!r}")
@@ -60,11 +66,19 @@ class TrainingSession(InferenceSession):
         self._fallback = True
         model = load_model(path_or_bytes)
         self._opt = get_optimizer(p.training_optimizer_name) if p.training_optimizer_name else None
-        g = build_step_graphs(model, p, self._opt)
+        adasum = self._dp is not None and self._dp.mode == "adasum"
+        g = build_step_graphs(model, p, self._opt, force_clip=adasum)
         self._graphs = g
         self._check_attribute_maps()
         self.loss_scale_input_name = None
         self._store: dict[str, np.ndarray] = dict(g.initial_state)
+        self._specs = list(g.state_specs)
+        self._zero: ZeroLayout | None = None
+        self._extra_models: dict[str, onnx.ModelProto] = {}
+        if self._dp is not None:
+            check_same_on_all_ranks(self._dp.comm, _fingerprint(model, g, p), "model and training setup")
+            if self._opt is not None:
+                self._setup_data_parallel()
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
         for path, m in ((p.model_after_graph_transforms_path, g.transformed),
                         (p.model_with_gradient_graph_path, g.gradient),
@@ -106,17 +120,65 @@ class TrainingSession(InferenceSession):
                     raise ValueError(f"{label}: {w!r} is not a trained weight; trained: {self._graphs.trainable}")
 
     def _apply_initial_optimizer_state(self, initial: dict[str, dict[str, np.ndarray]]) -> None:
+        z = self._zero
         for w, d in initial.items():
             for key, v in d.items():
-                name = key if w == "shared_optimizer_state" else f"{key}_{w}"
-                if name not in self._store:
-                    raise ValueError(f"set_optimizer_initial_state: no optimizer state {key!r} for {w!r}")
-                self._assign(name, v)
+                if w == "shared_optimizer_state":
+                    targets = [(key, v)]
+                elif z is not None and w in z.shapes:
+                    # full-size state, sliced to this rank's pieces (spec §11.5)
+                    arr = np.asarray(v)
+                    full = arr.shape == z.shapes[w]
+                    targets = [(f"{key}_{pc.name}", z.piece_view(pc, arr) if full else arr)
+                               for pc in z.pieces if pc.weight == w]
+                else:
+                    targets = [(f"{key}_{w}", v)]
+                for name, value in targets:
+                    if name not in self._store:
+                        raise ValueError(f"set_optimizer_initial_state: no optimizer state {key!r} for {w!r}")
+                    self._assign(name, value)
+
+    def _setup_data_parallel(self) -> None:
+        """Buffers, layout and graphs for the gradient exchange (``self._dp.mode``)."""
+        g, p, dp = self._graphs, self._params, self._dp
+        steps = p.gradient_accumulation_steps
+        gupd = g.updates["gradients"]
+        self._grad_outputs = [gupd[accumulation.buffer_name(f"{w}_grad")] if steps > 1 else f"{w}_grad"
+                              for w in g.trainable]
+        self._grad_scale = 1.0 / (steps * dp.size)  # the legacy's 1/(N·D): gradients are averaged
+        weights = [self._store[w] for w in g.trainable]
+        if dp.mode == "allreduce":
+            self._reducer = BucketReducer(dp.comm, [a.shape for a in weights], [a.dtype for a in weights])
+        elif dp.mode == "zero1":
+            dtypes = {a.dtype for a in weights}
+            if len(dtypes) != 1:
+                raise NotImplementedError(f"deepspeed_zero_stage=1 needs trained weights of one dtype, got "
+                                          f"{sorted(map(str, dtypes))}")
+            dt = dtypes.pop()
+            z = self._zero = ZeroLayout({w: self._store[w].shape for w in g.trainable}, dp.size, dp.rank)
+            elem = helper.np_dtype_to_tensor_dtype(dt)
+            slots = [WeightSlot(pc.name, f"{pc.name}_grad", pc.shape, elem,
+                                dict(p.optimizer_attributes_map.get(pc.weight, {})),
+                                dict(p.optimizer_int_attributes_map.get(pc.weight, {}))) for pc in z.pieces]
+            norm = next((e for e in g.extra_outputs if e.startswith("global_gradient_norm")), None)
+            self._norm_name = norm
+            model, upd, _, specs = build_update_graph(g.gradient, slots, p, self._opt, clip=norm is not None,
+                                                      norm_input=norm)
+            self._extra_models["zero_update"] = model
+            self._zero_updates = upd
+            for sp in self._specs:  # the full state is replaced by the state of this rank's pieces
+                del self._store[sp.name]
+            self._specs = specs
+            for sp in specs:
+                self._store[sp.name] = sp.initial.copy()
+            self._zgrad = np.zeros(z.padded, dt)
+            self._zown = np.zeros(z.per_rank, dt)
 
     def _get_plan(self, kind: str) -> Plan:
         if kind not in self._plans:
             model = {"full": self._graphs.full, "accumulate": self._graphs.accumulate,
-                     "forward": self._graphs.forward}[kind]
+                     "forward": self._graphs.forward, "gradients": self._graphs.gradients_graph,
+                     "update": self._graphs.update_graph, **self._extra_models}[kind]
             self._plans[kind] = Plan(model)
         return self._plans[kind]
 
@@ -133,6 +195,8 @@ class TrainingSession(InferenceSession):
         feeds = self._check(input_feed, self._graphs.user_inputs if kind != "full" else None)
         if self._graphs.has_training_mode and TRAINING_MODE not in feeds:
             feeds[TRAINING_MODE] = np.asarray(bool(ro.training_mode))
+        if kind == "full" and self._dp is not None and self._opt is not None:
+            return self._run_data_parallel(names, feeds)
         plan = self._get_plan(kind)
         plan_inputs = plan.all_input_names
         feeds = {n: feeds[n] for n in plan_inputs if n in feeds}  # e.g. no learning rate when not updating
@@ -150,6 +214,84 @@ class TrainingSession(InferenceSession):
         if self._sess_options.enable_profiling and plan is not self._plan:
             self._plan.profile.extend(plan.profile)
         return results[: len(names)]
+
+    def _run_data_parallel(self, names: list[str], feeds: dict[str, Any]) -> list[np.ndarray]:
+        """One optimizer step across ranks: local gradients → exchange (allreduce/Adasum/ZeRO) → update."""
+        g, store, dp = self._graphs, self._store, self._dp
+        gp = self._get_plan("gradients")
+        bn_items = [(s, o) for s, o in g.updates["gradients"].items() if s in g.bn_stats]
+        local_names = [n for n in names if n in gp.output_info]
+        gfeeds = {n: feeds[n] for n in gp.all_input_names if n in feeds}
+        for s in gp.all_input_names:
+            if s in store:
+                gfeeds[s] = store[s]
+        res = gp.run(gfeeds, local_names + self._grad_outputs + [o for _, o in bn_items])
+        got = dict(zip(local_names, res))
+        grads = res[len(local_names):len(local_names) + len(self._grad_outputs)]
+        for (stat, _), v in zip(bn_items, res[len(local_names) + len(grads):]):
+            store[stat] = v
+        lr = self._params.lr_params_feed_name
+        if dp.mode == "zero1":
+            got.update(self._zero_step(grads, feeds[lr]))
+        else:
+            up = self._get_plan("update")
+            items = list(g.updates["update"].items())
+            if dp.mode == "allreduce":
+                eff = self._reducer.reduce(grads, self._grad_scale)
+            else:  # adasum: the optimizer runs on the local (accumulation-averaged) gradients
+                n = self._params.gradient_accumulation_steps
+                eff = grads if n == 1 else [gr * gr.dtype.type(1.0 / n) for gr in grads]
+            ufeeds = {lr: feeds[lr], **{f"{w}_grad": v for w, v in zip(g.trainable, eff)}}
+            for s in up.all_input_names:
+                if s in store:
+                    ufeeds[s] = store[s]
+            extra = [n for n in names if n not in got and n in up.output_info]
+            out = up.run(ufeeds, extra + [o for _, o in items])
+            got.update(zip(extra, out))
+            new = dict(zip([s for s, _ in items], out[len(extra):]))
+            if dp.mode == "adasum":
+                old = [store[w] for w in g.trainable]
+                deltas = adasum_reduce(dp.comm, [new[w] - o for w, o in zip(g.trainable, old)])
+                for w, o, d in zip(g.trainable, old, deltas):
+                    new[w] = o + d
+            store.update(new)
+        for b in g.buffers:
+            store[b] = np.zeros_like(store[b])
+        self._micro_step = 0
+        missing = [n for n in names if n not in got]
+        if missing:
+            raise ValueError(f"output(s) {missing} are not available in a data-parallel step")
+        return [got[n] for n in names]
+
+    def _zero_step(self, grads: list[np.ndarray], lr: np.ndarray) -> dict[str, np.ndarray]:
+        """ZeRO stage 1: reduce-scatter, norm over owned pieces summed across ranks, update, allgather."""
+        g, store, z, comm = self._graphs, self._store, self._zero, self._dp.comm
+        z.flatten_into(dict(zip(g.trainable, grads)), self._zgrad, self._grad_scale)
+        own = comm.reduce_scatter_(self._zgrad, self._zown,
+                                   f"ZeRO gradient reduce-scatter ({self._zgrad.nbytes} bytes)")
+        own64 = own.astype(np.float64)
+        norm = np.asarray(np.sqrt(comm.allreduce_scalar(float(np.dot(own64, own64)), "ZeRO gradient norm")),
+                          own.dtype)
+        wflat = np.zeros(z.padded, own.dtype)
+        if z.pieces:
+            up = self._get_plan("zero_update")
+            feeds: dict[str, Any] = {self._params.lr_params_feed_name: lr}
+            if self._norm_name:
+                feeds[self._norm_name] = norm.astype(np.float32)
+            for pc in z.pieces:
+                feeds[pc.name] = z.piece_view(pc, store[pc.weight])
+                feeds[f"{pc.name}_grad"] = own[z.local_slice(pc)].reshape(pc.shape)
+            for s in up.all_input_names:
+                if s in store:
+                    feeds[s] = store[s]
+            items = list(self._zero_updates.items())
+            new = dict(zip([s for s, _ in items], up.run(feeds, [o for _, o in items])))
+            for pc in z.pieces:
+                wflat[pc.offset:pc.offset + pc.stop - pc.start] = new.pop(pc.name).reshape(-1)
+            store.update(new)  # optimizer state of the owned pieces
+        comm.allgather_(wflat, f"ZeRO weight allgather ({wflat.nbytes} bytes)")
+        store.update(z.unflatten(wflat))
+        return {self._norm_name: norm.astype(np.float32)} if self._norm_name else {}
 
     def _kind(self, names: list[str], ro: RunOptions) -> str:
         g = self._graphs
@@ -170,7 +312,7 @@ class TrainingSession(InferenceSession):
     # ---- state ------------------------------------------------------------------------
     def _state_names(self) -> list[str]:
         g = self._graphs
-        return sorted([*g.trainable, *(s.name for s in g.state_specs), *g.bn_stats])
+        return sorted([*g.trainable, *(s.name for s in self._specs), *g.bn_stats])
 
     def get_state(self) -> dict[str, np.ndarray]:
         """Trained weights, optimizer state and BatchNormalization running statistics, by name (copies)."""
@@ -207,13 +349,18 @@ class TrainingSession(InferenceSession):
 
     def get_optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:
         out: dict[str, dict[str, np.ndarray]] = {}
-        for sp in self._graphs.state_specs:
+        for sp in self._specs:
             key = sp.weight or "shared_optimizer_state"
+            if self._zero is not None and key in self._zero.piece_of:
+                key = self._zero.piece_of[key].weight  # a piece's state, under its weight's name
             out.setdefault(key, {})[sp.key] = self._store[sp.name].copy()
         return out
 
     def get_partition_info_map(self) -> dict[str, dict[str, list[int]]]:
-        return {}
+        """ZeRO stage 1: ``{weight: {"original_dim": [...], "megatron_row_partition": [-1]}}`` for the
+        weights that straddle this rank's partition boundary; empty otherwise."""
+        return {} if self._zero is None else {w: {k: list(v) for k, v in d.items()}
+                                              for w, d in self._zero.partition_info.items()}
 
     def is_output_fp32_node(self, output_name: str) -> bool:
         for n in self._graphs.full.graph.node:
@@ -225,3 +372,27 @@ class TrainingSession(InferenceSession):
                     v = next((x for x in inferred.graph.value_info if x.name == output_name), None)
                 return v is not None and v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
         raise ValueError(f"{output_name!r} is not produced by any node of the training graph")
+
+
+_FINGERPRINT_OPTIONS = ("loss_output_name", "training_optimizer_name", "lr_params_feed_name",
+                        "optimizer_attributes_map", "optimizer_int_attributes_map",
+                        "gradient_accumulation_steps", "enable_grad_norm_clip", "deepspeed_zero_stage",
+                        "enable_adasum", "use_mixed_precision", "legacy_cpu_adam", "gradient_accumulation_mode")
+
+
+def _fingerprint(model: onnx.ModelProto, g: StepGraphs, p: TrainingParameters) -> dict[str, Any]:
+    """What every data-parallel rank must hold identically, field by field (cheap digests of the values)."""
+    graph = onnx.GraphProto()
+    graph.CopyFrom(model.graph)
+    del graph.initializer[:]
+    inits = {t.name: t for t in model.graph.initializer}
+    trained = set(g.trainable)
+    return {
+        "graph (nodes, inputs, outputs)": digest(graph.SerializeToString(deterministic=True)),
+        "trained weights (dtype, shape)": {w: (str(g.initial_state[w].dtype), list(g.initial_state[w].shape))
+                                           for w in g.trainable},
+        "initial values of the trained weights": {w: array_digest(g.initial_state[w]) for w in g.trainable},
+        "frozen initializers": {n: array_digest(numpy_helper.to_array(t)) for n, t in inits.items()
+                                if n not in trained},
+        "training parameters": {k: repr(getattr(p, k)) for k in _FINGERPRINT_OPTIONS},
+    }

@@ -163,8 +163,12 @@ def _finish(graph_nodes: list[onnx.NodeProto], base: onnx.ModelProto, inputs: li
     return m
 
 
-def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimizer | None) -> StepGraphs:
-    """Compose the forward, gradient and step graphs of a legacy training session."""
+def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimizer | None,
+                      force_clip: bool = False) -> StepGraphs:
+    """Compose the forward, gradient and step graphs of a legacy training session.
+
+    ``force_clip`` wires the global-norm clipping in whatever ``enable_grad_norm_clip`` says (Adasum).
+    """
     model = upgrade_opset(model)
     m = onnx.ModelProto()
     m.CopyFrom(model)
@@ -197,7 +201,6 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
                 return helper.make_value_info(name, src.type)
         return helper.make_tensor_value_info(name, elem if elem is not None else TensorProto.FLOAT, shape)
 
-    lr = p.lr_params_feed_name
     steps = p.gradient_accumulation_steps
     if steps < 1:
         raise ValueError(f"gradient_accumulation_steps must be >= 1, got {steps}")
@@ -209,47 +212,18 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
         if src is not None:
             out_bn[k] = src
 
-    def emit_update(w: NodeWriter, eff: dict[str, str], inputs: list, outputs: list, extras: list[str],
-                    upd: dict[str, str]) -> None:
-        """Global norm, clipping divisor and the optimizer over the effective gradients ``eff``."""
-        inputs.append(helper.make_tensor_value_info(lr, TensorProto.FLOAT, [1]))
-        slots = [WeightSlot(wt, eff[wt], tuple(state[wt].shape), _elem(types, wt),
-                            dict(p.optimizer_attributes_map.get(wt, {})),
-                            dict(p.optimizer_int_attributes_map.get(wt, {}))) for wt in trainable]
-        if p.enable_grad_norm_clip:
-            norm = global_norm(w, [eff[wt] for wt in trainable])
-            outputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
-            extras.append(norm)
-            if opt.uses_norm and not p.legacy_cpu_adam:
-                for s in slots:
-                    mnc = float(s.float_attrs.get("max_norm_clip", opt.FLOAT_ATTRS.get("max_norm_clip", 1.0)))
-                    s.divisor = clip_divisor(w, norm, mnc)
-        specs = opt.state(slots)
-        for sp in specs:
-            inputs.append(helper.make_tensor_value_info(
-                sp.name, helper.np_dtype_to_tensor_dtype(sp.initial.dtype), list(sp.initial.shape)))
-        new_w, new_s = opt.emit(w, slots, lr, {sp.name: sp.name for sp in specs})
-        for wt, o in new_w.items():
-            outputs.append(vi(o, wt))
-            upd[wt] = o
-        dtypes = {sp.name: sp.initial for sp in specs}
-        for sname, o in new_s.items():
-            init = dtypes[sname]
-            outputs.append(helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(init.dtype),
-                                                         list(init.shape)))
-            upd[sname] = o
+    clip = p.enable_grad_norm_clip or force_clip
+
+    def slots_for(eff: dict[str, str]) -> list[WeightSlot]:
+        return [WeightSlot(wt, eff[wt], tuple(state[wt].shape), _elem(types, wt),
+                           dict(p.optimizer_attributes_map.get(wt, {})),
+                           dict(p.optimizer_int_attributes_map.get(wt, {}))) for wt in trainable]
 
     def update_only() -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
         """The update alone: inputs are the weights, their (already reduced) gradients ``<w>_grad``,
         the learning rate and the optimizer state."""
-        nodes: list[onnx.NodeProto] = []
-        w = NodeWriter(NameGen([*trainable, *grads.values(), lr]), nodes, prefix="")
-        inputs = [types[wt] for wt in trainable] + [vi(g, wt) for wt, g in grads.items()]
-        outputs: list = []
-        extras: list[str] = []
-        upd: dict[str, str] = {}
-        emit_update(w, dict(grads), inputs, outputs, extras, upd)
-        return _finish(nodes, grad, inputs, outputs, "update_graph"), upd, extras
+        model, upd, extras, _ = build_update_graph(grad, slots_for(grads), p, opt, clip=clip)
+        return model, upd, extras
 
     def compose(update: bool, expose_grads: bool = False) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
         nodes = list(grad.graph.node)
@@ -282,7 +256,7 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
         if update and opt is not None:
             if steps > 1:
                 eff = {wt: accumulation.averaged(w, a, steps, _elem(types, wt)) for wt, a in eff.items()}
-            emit_update(w, eff, inputs, outputs, extras, upd)
+            _emit_update(w, slots_for(eff), p, opt, inputs, outputs, extras, upd, clip=clip)
         elif expose_grads and steps == 1:
             for wt, g in grads.items():
                 if not p.set_gradients_as_graph_outputs:
@@ -318,6 +292,67 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
                       gradients_graph=grads_model, update_graph=update_model, buffers=buffers, bn_stats=bn,
                       user_inputs=user_inputs, user_outputs=user_outputs, extra_outputs=extras,
                       has_training_mode=has_tm)
+
+
+def _emit_update(w: NodeWriter, slots: list[WeightSlot], p: TrainingParameters, opt: Optimizer, inputs: list,
+                 outputs: list, extras: list[str], upd: dict[str, str], clip: bool,
+                 norm_input: str | None = None) -> list[StateSpec]:
+    """Global norm, clipping divisor and the optimizer over the slots' gradients.
+
+    With ``norm_input`` the global norm is a graph input of that name (computed elsewhere, e.g. summed
+    over ZeRO partitions across ranks) instead of being computed from the slots' gradients.
+    """
+    inputs.append(helper.make_tensor_value_info(p.lr_params_feed_name, TensorProto.FLOAT, [1]))
+    if clip:
+        if norm_input is not None:
+            norm = norm_input
+            inputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
+        else:
+            norm = global_norm(w, [s.grad for s in slots])
+            outputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
+            extras.append(norm)
+        if opt.uses_norm and not p.legacy_cpu_adam:
+            for s in slots:
+                mnc = float(s.float_attrs.get("max_norm_clip", opt.FLOAT_ATTRS.get("max_norm_clip", 1.0)))
+                s.divisor = clip_divisor(w, norm, mnc)
+    specs = opt.state(slots)
+    for sp in specs:
+        inputs.append(helper.make_tensor_value_info(
+            sp.name, helper.np_dtype_to_tensor_dtype(sp.initial.dtype), list(sp.initial.shape)))
+    new_w, new_s = opt.emit(w, slots, p.lr_params_feed_name, {sp.name: sp.name for sp in specs})
+    for s in slots:
+        o = new_w[s.name]
+        outputs.append(helper.make_tensor_value_info(o, s.elem_type, list(s.shape)))
+        upd[s.name] = o
+    dtypes = {sp.name: sp.initial for sp in specs}
+    for sname, o in new_s.items():
+        init = dtypes[sname]
+        outputs.append(helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(init.dtype),
+                                                     list(init.shape)))
+        upd[sname] = o
+    return specs
+
+
+def build_update_graph(base: onnx.ModelProto, slots: list[WeightSlot], p: TrainingParameters, opt: Optimizer,
+                       clip: bool, norm_input: str | None = None) -> tuple[
+        onnx.ModelProto, dict[str, str], list[str], list[StateSpec]]:
+    """An update graph over ``slots`` (weights or ZeRO pieces): inputs are each slot's value and gradient
+    (``slot.grad``), the learning rate, the optimizer state (and ``norm_input``); returns the model,
+    state name → output, the extra outputs (global norm) and the optimizer state it keeps.
+
+    ``base`` gives the opset and IR version.
+    """
+    nodes: list[onnx.NodeProto] = []
+    lr = p.lr_params_feed_name
+    taken = [*(s.name for s in slots), *(s.grad for s in slots), lr, *([norm_input] if norm_input else [])]
+    w = NodeWriter(NameGen(taken), nodes, prefix="")
+    inputs: list = [helper.make_tensor_value_info(s.name, s.elem_type, list(s.shape)) for s in slots]
+    inputs += [helper.make_tensor_value_info(s.grad, s.elem_type, list(s.shape)) for s in slots]
+    outputs: list = []
+    extras: list[str] = []
+    upd: dict[str, str] = {}
+    specs = _emit_update(w, slots, p, opt, inputs, outputs, extras, upd, clip=clip, norm_input=norm_input)
+    return _finish(nodes, base, inputs, outputs, "update_graph"), upd, extras, specs
 
 
 def _elem(types: dict[str, onnx.ValueInfoProto], name: str) -> int:

@@ -1,0 +1,100 @@
+"""Data parallelism over MPI (mpi4py, imported only when the process runs under ``mpiexec``).
+
+* :func:`world` — rank and size of this process (``World(0, 1, 0, 1)`` without MPI);
+* :func:`shard`, :func:`shard_range`, :func:`split_batch` — each rank's part of the data;
+* :func:`allreduce_gradients` — average a list of gradient arrays across ranks, in place;
+* :func:`abort_on_error` — wrap a program's main so a failing rank ends the whole job;
+* :func:`resolve` — the data-parallel settings of a ``TrainingParameters`` (checked against MPI).
+
+The legacy ``TrainingSession`` uses all of this by itself when ``mpiexec`` starts more than one rank.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from onnxtrain.parallel.buckets import BucketReducer, allreduce_gradients
+from onnxtrain.parallel.comm import (
+    Communicator,
+    World,
+    abort_on_error,
+    get_communicator,
+    launched_by_mpi,
+    world,
+)
+from onnxtrain.parallel.data import shard, shard_range, split_batch
+
+__all__ = ["BucketReducer", "Communicator", "DataParallel", "World", "abort_on_error", "allreduce_gradients",
+           "get_communicator", "is_main_process", "launched_by_mpi", "resolve", "shard", "shard_range",
+           "split_batch", "world"]
+
+
+def is_main_process() -> bool:
+    """True on rank 0 (the rank that prints progress and writes metrics, plots and checkpoints)."""
+    return world().rank == 0
+
+
+@dataclass
+class DataParallel:
+    """What a session does across ranks: ``mode`` is ``"allreduce"``, ``"adasum"`` or ``"zero1"``."""
+
+    comm: Communicator
+    rank: int
+    size: int
+    mode: str
+
+
+def resolve(p: Any) -> DataParallel | None:
+    """Ranks and sizes for a ``TrainingParameters``: from MPI under ``mpiexec``; explicit values must agree.
+
+    Returns None when the session runs alone (one data-parallel rank).
+    """
+    if p.horizontal_parallel_size != 1:
+        raise NotImplementedError("TrainingParameters.horizontal_parallel_size > 1 (Megatron tensor "
+                                  "parallel) is not implemented; only data parallelism is")
+    if p.pipeline_parallel_size != 1:
+        raise NotImplementedError("TrainingParameters.pipeline_parallel_size > 1 (pipeline parallel) is not "
+                                  "implemented; only data parallelism is")
+    if p.deepspeed_zero_stage not in (0, 1):
+        raise NotImplementedError(f"deepspeed_zero_stage={p.deepspeed_zero_stage}: only stages 0 and 1 exist")
+    w = world()
+    if w.size > 1:
+        if p.world_size not in (1, w.size):
+            raise ValueError(f"TrainingParameters.world_size={p.world_size} but mpiexec started {w.size} "
+                             "ranks")
+        if p.world_rank != 0 and p.world_rank != w.rank:
+            raise ValueError(f"TrainingParameters.world_rank={p.world_rank} but MPI says this is rank "
+                             f"{w.rank}")
+    elif p.world_size > 1:
+        raise ValueError(f"TrainingParameters.world_size={p.world_size}, but this process was not started "
+                         f"by mpiexec (MPI world size 1); launch with: mpiexec -n {p.world_size} python "
+                         "script.py")
+    size = w.size
+    d = p.data_parallel_size
+    if d > size:
+        raise ValueError(f"TrainingParameters.data_parallel_size={d} exceeds the world size {size}")
+    if d not in (1, size):
+        warnings.warn(f"data_parallel_size={d} does not equal world_size {size} (horizontal and pipeline "
+                      f"sizes are 1); using {size}", stacklevel=3)
+    if size == 1:
+        for name in ("enable_adasum", "deepspeed_zero_stage"):
+            if getattr(p, name):
+                warnings.warn(f"TrainingParameters.{name} has no effect with one data-parallel rank",
+                              stacklevel=3)
+        return None
+    mode = "allreduce"
+    if p.deepspeed_zero_stage == 1:
+        if p.enable_adasum:
+            warnings.warn("deepspeed_zero_stage=1 and enable_adasum are both set: ZeRO is used, as in the "
+                          "legacy (Adasum is ignored)", stacklevel=3)
+        mode = "zero1"
+    elif p.enable_adasum:
+        from onnxtrain.parallel.adasum import is_power_of_two
+
+        if not is_power_of_two(size):
+            raise ValueError(f"enable_adasum needs a power-of-two number of data-parallel ranks, got {size}")
+        mode = "adasum"
+    comm = get_communicator()
+    return DataParallel(comm, comm.rank, comm.size, mode)

@@ -1,0 +1,92 @@
+"""Adasum (spec §11.3): combine per-rank update vectors pairwise, over a power-of-two number of ranks.
+
+For two vectors ``a`` and ``b`` of one tensor (dot products in float64)::
+
+    Adasum(a, b) = (1 − a·b / (2‖a‖²))·a + (1 − a·b / (2‖b‖²))·b
+
+where a coefficient stays 1 when its squared norm is below sqrt(DBL_MIN). Ranks are combined as a
+tree by recursive doubling: at level d = 1, 2, 4, … each rank swaps its current vector with rank
+``rank XOR d`` and both compute the rule with the lower rank's vector as ``a``, so every rank ends
+with bit-identical results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from onnxtrain.parallel.comm import Communicator
+
+_TINY = float(np.sqrt(np.finfo(np.float64).tiny))
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def adasum_pair(a: np.ndarray, b: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The pairwise rule applied per tensor to flat ``a`` and ``b``; tensor k starts at ``starts[k]``.
+
+    Returns a new array of ``a``'s dtype (the combination is formed in float64, then rounded once).
+    """
+    a64 = a.astype(np.float64)
+    b64 = b.astype(np.float64)
+    if a.size == 0:
+        return a.copy()
+    dot = np.add.reduceat(a64 * b64, starts)
+    na = np.add.reduceat(a64 * a64, starts)
+    nb = np.add.reduceat(b64 * b64, starts)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ca = np.where(na >= _TINY, 1.0 - dot / (2.0 * na), 1.0)
+        cb = np.where(nb >= _TINY, 1.0 - dot / (2.0 * nb), 1.0)
+    counts = np.diff(np.append(starts, a.size))
+    a64 *= np.repeat(ca, counts)
+    a64 += b64 * np.repeat(cb, counts)
+    return a64.astype(a.dtype, copy=False)
+
+
+def adasum_reduce(comm: Communicator, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Adasum of every rank's ``arrays`` (same shapes and dtypes on all ranks); new arrays, equal on all."""
+    if not is_power_of_two(comm.size):
+        raise ValueError(f"enable_adasum needs a power-of-two number of data-parallel ranks, got {comm.size}")
+    arrays = [np.asarray(a) for a in arrays]
+    out: list[np.ndarray | None] = [None] * len(arrays)
+    by_dtype: dict[str, list[int]] = {}
+    for i, a in enumerate(arrays):
+        by_dtype.setdefault(a.dtype.str, []).append(i)
+    for idx in by_dtype.values():
+        keep = [i for i in idx if arrays[i].size]
+        dt = arrays[idx[0]].dtype
+        flat = np.concatenate([arrays[i].reshape(-1) for i in keep]) if keep else np.zeros(0, dt)
+        starts = np.cumsum([0] + [arrays[i].size for i in keep[:-1]]).astype(np.int64)
+        other = np.empty_like(flat)
+        d = 1
+        while d < comm.size:
+            peer = comm.rank ^ d
+            comm.sendrecv(flat, other, peer, f"Adasum exchange with rank {peer} ({flat.nbytes} bytes)")
+            flat = adasum_pair(flat, other, starts) if comm.rank < peer else adasum_pair(other, flat, starts)
+            d *= 2
+        pos = 0
+        for i in idx:
+            n = arrays[i].size
+            out[i] = flat[pos:pos + n].reshape(arrays[i].shape) if n else arrays[i].copy()
+            pos += n
+    return out  # type: ignore[return-value]
+
+
+def adasum_reference(vectors: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+    """Float64 numpy reference: ``vectors[r]`` is rank r's list of tensors; same tree, formula per tensor."""
+    level = [[np.asarray(t, np.float64) for t in v] for v in vectors]
+    while len(level) > 1:
+        nxt = []
+        for a, b in zip(level[0::2], level[1::2]):
+            pair = []
+            for x, y in zip(a, b):
+                dot, nx, ny = float(np.vdot(x, y)), float(np.vdot(x, x)), float(np.vdot(y, y))
+                cx = 1.0 - dot / (2 * nx) if nx >= _TINY else 1.0
+                cy = 1.0 - dot / (2 * ny) if ny >= _TINY else 1.0
+                pair.append(cx * x + cy * y)
+            nxt.append(pair)
+        level = nxt
+    return level[0]

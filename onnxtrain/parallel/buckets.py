@@ -1,0 +1,92 @@
+"""Averaging gradients across ranks through a few large contiguous buffers (not one call per tensor).
+
+Tensors of one dtype are laid out back to back in one flat buffer per dtype; the buffer is reduced
+in chunks of at most ``bucket_bytes`` (one ``MPI_Allreduce`` each). Each gradient is copied in and
+scaled in the same pass (``1/(N·D)`` as in the legacy), and the reduced gradients are returned as
+views of the flat buffer, valid until the next reduction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from onnxtrain.parallel.comm import Communicator
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+class BucketReducer:
+    """Sums (and scales) a fixed list of tensors across ranks; one reducer per list of shapes/dtypes."""
+
+    def __init__(self, comm: Communicator, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[np.dtype],
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.comm = comm
+        self.signature = (tuple(tuple(s) for s in shapes), tuple(np.dtype(d).str for d in dtypes))
+        sizes: dict[str, int] = {}
+        where: list[tuple[str, int, int]] = []
+        for shape, dt in zip(shapes, dtypes):
+            key = np.dtype(dt).str
+            n = int(np.prod(shape, dtype=np.int64))
+            where.append((key, sizes.get(key, 0), n))
+            sizes[key] = sizes.get(key, 0) + n
+        self.flat = {k: np.zeros(n, np.dtype(k)) for k, n in sizes.items()}
+        self.views = [self.flat[k][o:o + n].reshape(shape) for (k, o, n), shape in zip(where, shapes)]
+        self.chunks: list[np.ndarray] = []
+        for buf in self.flat.values():
+            step = max(1, bucket_bytes // buf.itemsize)
+            self.chunks += [buf[i:i + step] for i in range(0, buf.size, step)]
+        self.nbytes = sum(b.nbytes for b in self.flat.values())
+
+    def reduce(self, arrays: Sequence[np.ndarray], scale: float = 1.0) -> list[np.ndarray]:
+        """``scale · Σ_ranks arrays[i]`` for every i, as views of the reducer's buffers."""
+        if len(arrays) != len(self.views):
+            raise ValueError(f"expected {len(self.views)} gradients, got {len(arrays)}")
+        for a, v in zip(arrays, self.views):
+            if np.shape(a) != v.shape:
+                raise ValueError(f"gradient of shape {list(np.shape(a))} where {list(v.shape)} was expected")
+            if scale == 1.0:
+                np.copyto(v, a, casting="same_kind")
+            else:
+                np.multiply(a, v.dtype.type(scale), out=v, casting="same_kind")
+        for k, c in enumerate(self.chunks):
+            self.comm.allreduce_(c, f"gradient allreduce (bucket {k + 1} of {len(self.chunks)}, "
+                                    f"{c.nbytes} bytes)")
+        return self.views
+
+
+_REDUCERS: dict[tuple, BucketReducer] = {}
+
+
+def allreduce_gradients(arrays: Sequence[np.ndarray], average: bool = True, comm: Communicator | None = None,
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[np.ndarray]:
+    """Sum (``average=True``: average) ``arrays`` across all ranks, **in place**; returns the same arrays.
+
+    Meant for training loops that hold their own gradient buffers (the on-device ``Module``): call it
+    on every rank with the same list of shapes and dtypes, after the backward pass and before the
+    optimizer step. With one process it does nothing. The exchange goes through a few flat buffers
+    that are kept between calls for the same list of shapes.
+    """
+    from onnxtrain.parallel.comm import get_communicator, world
+
+    arrays = list(arrays)
+    if comm is None:
+        if world().size == 1:
+            return arrays
+        comm = get_communicator()
+    if comm.size == 1:
+        return arrays
+    for i, a in enumerate(arrays):
+        if not isinstance(a, np.ndarray) or not a.flags.writeable:
+            raise TypeError(f"allreduce_gradients: item {i} must be a writeable numpy array, got "
+                            f"{type(a).__name__}")
+    key = (tuple(a.shape for a in arrays), tuple(a.dtype.str for a in arrays), bucket_bytes, id(comm))
+    red = _REDUCERS.get(key)
+    if red is None:
+        red = _REDUCERS[key] = BucketReducer(comm, [a.shape for a in arrays], [a.dtype for a in arrays],
+                                             bucket_bytes)
+    out = red.reduce(arrays, 1.0 / comm.size if average else 1.0)
+    for a, r in zip(arrays, out):
+        np.copyto(a, r)
+    return arrays

@@ -1,0 +1,61 @@
+"""Start-up check that every rank trains the same model the same way, with an error naming what differs."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from onnxtrain.parallel.comm import Communicator
+
+
+def digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=12).hexdigest()
+
+
+def array_digest(a: np.ndarray) -> str:
+    a = np.ascontiguousarray(a)
+    return digest(f"{a.dtype.str}{a.shape}".encode() + a.tobytes())
+
+
+def describe(value: Any, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _difference(name: str, mine: Any, theirs: Any, r: int) -> str:
+    if isinstance(mine, Mapping) and isinstance(theirs, Mapping):
+        only_a = sorted(set(mine) - set(theirs))
+        only_b = sorted(set(theirs) - set(mine))
+        changed = sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
+        parts = []
+        if only_a:
+            parts.append(f"only on rank 0: {describe(only_a)}")
+        if only_b:
+            parts.append(f"only on rank {r}: {describe(only_b)}")
+        if changed:
+            parts.append(f"different for {describe(changed)}" + (
+                f" (rank 0: {describe(mine[changed[0]], 60)}, rank {r}: {describe(theirs[changed[0]], 60)})"
+                if len(changed) == 1 else ""))
+        return f"{name}: " + "; ".join(parts)
+    return f"{name}: rank 0 has {describe(mine)}, rank {r} has {describe(theirs)}"
+
+
+def check_same_on_all_ranks(comm: Communicator, fingerprint: Mapping[str, Any], what: str = "model") -> None:
+    """Compare ``fingerprint`` (field → picklable value) with rank 0's; raise on every rank if any differs.
+
+    The error lists, for each rank that differs, the fields and how they differ.
+    """
+    if comm.size == 1:
+        return
+    everyone = comm.allgather_object(dict(fingerprint), f"start-up check of the {what} on all ranks")
+    ref = everyone[0]
+    problems = []
+    for r, fp in enumerate(everyone[1:], start=1):
+        fields = sorted(k for k in set(ref) | set(fp) if ref.get(k) != fp.get(k))
+        for k in fields:
+            problems.append(_difference(k, ref.get(k), fp.get(k), r))
+    if problems:
+        raise RuntimeError(f"the ranks do not hold the same {what}: " + " | ".join(problems))

@@ -1,0 +1,43 @@
+"""The ``mpi`` marker: tests that spawn ``mpiexec -n 2``; skipped with a reason without mpiexec/mpi4py."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_worker.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "mpi: spawns `mpiexec -n 2 python ...` (needs mpiexec and mpi4py)")
+
+
+def mpi_missing() -> str | None:
+    if shutil.which("mpiexec") is None:
+        return "mpiexec is not on PATH (pip install 'onnxtrain[mpi]' brings the mpich wheel)"
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not importable (pip install 'onnxtrain[mpi]')"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = mpi_missing()
+    if reason is None:
+        return
+    for item in items:
+        if "mpi" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def run_mpi(*args: str, n: int = 2, timeout: float = 120.0, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    """``mpiexec -n N python mpi_worker.py ARGS``; the launcher's environment variables are not inherited."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "MPI_", "PMIX_"))}
+    clean.update(env or {})
+    return subprocess.run(["mpiexec", "-n", str(n), sys.executable, WORKER, *args], capture_output=True,
+                          text=True, timeout=timeout, env=clean)

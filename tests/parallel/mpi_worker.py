@@ -1,0 +1,138 @@
+"""Run under ``mpiexec -n 2``: data-parallel sessions on half batches, Adasum on random vectors, faults.
+
+``python mpi_worker.py train OUT.npz`` trains every case of ``CASES`` and rank 0 saves the final
+weights (and per-rank optimizer-state bytes); ``adasum OUT.npz`` saves each rank's input vectors
+and the reduced result; ``raise``/``kill``/``mismatch`` exercise the failure paths.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+
+from onnxtrain import TrainingParameters, TrainingSession  # noqa: E402
+from onnxtrain.parallel import split_batch, world  # noqa: E402
+from tests.session.helpers import batches, mlp_model  # noqa: E402
+
+LR = np.array([0.05], np.float32)
+STEPS = 20
+GLOBAL_BATCH = 16
+
+CLIP = {w: {"max_norm_clip": 0.3} for w in ("W1", "W2", "b1", "b2")}  # the global norm is about 0.5..1
+# name → (optimizer, gradient accumulation steps, ZeRO stage, TrainingParameters extras)
+CASES = {
+    "sgd": ("SGDOptimizer", 1, 0, {}),
+    "adam": ("AdamOptimizer", 1, 0, {}),
+    "adam_accum": ("AdamOptimizer", 2, 0, {}),
+    "sgd_accum": ("SGDOptimizer", 3, 0, {}),
+    "lamb": ("LambOptimizer", 1, 0, {}),
+    "adam_zero": ("AdamOptimizer", 1, 1, {}),
+    "adam_zero_accum": ("AdamOptimizer", 2, 1, {}),
+    "sgd_zero": ("SGDOptimizer", 1, 1, {}),
+    "adam_clip": ("AdamOptimizer", 1, 0, {"optimizer_attributes_map": CLIP}),
+    "adam_zero_clip": ("AdamOptimizer", 1, 1, {"optimizer_attributes_map": CLIP}),
+    # Adasum of equal deltas is that delta: both ranks on the whole batch equal one process
+    "adam_adasum": ("AdamOptimizer", 1, 0, {"enable_adasum": True, "same_data": True}),
+    "sgd_adasum_accum": ("SGDOptimizer", 3, 0, {"enable_adasum": True, "same_data": True}),
+}
+DIN = 10  # W1 has 160 elements: under ZeRO over 2 ranks (128 each) it straddles the boundary
+
+
+def params(opt: str, accum: int, zero: int, extra: dict) -> TrainingParameters:
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = opt
+    p.gradient_accumulation_steps = accum
+    p.gradient_accumulation_mode = "auto"
+    p.deepspeed_zero_stage = zero
+    for k, v in extra.items():
+        setattr(p, k, v)
+    return p
+
+
+def train(case: str, rank: int | None = None, size: int | None = None) -> tuple[TrainingSession, list[float]]:
+    """``STEPS`` optimizer steps (each of ``accum`` micro-batches); this rank's part of each global batch."""
+    opt, accum, zero, extra = CASES[case]
+    extra = dict(extra)
+    if extra.pop("same_data", False):
+        rank, size = 0, 1
+    sess = TrainingSession(mlp_model(din=DIN).SerializeToString(), params(opt, accum, zero, extra))
+    norms = []
+    has_norm = "global_gradient_norm" in [o.name for o in sess.get_outputs()]
+    for i, (x, y) in enumerate(batches(STEPS * accum, GLOBAL_BATCH, din=DIN)):
+        feeds = {"x": split_batch(x, rank, size), "y": split_batch(y, rank, size), "Learning_Rate": LR}
+        update = (i + 1) % accum == 0
+        out = sess.run(["loss", "global_gradient_norm"] if update and has_norm else ["loss"], feeds)
+        if len(out) == 2:
+            norms.append(float(out[1]))
+    return sess, norms
+
+
+def reference_case(case: str) -> str:
+    """The single-process case with the same result."""
+    return case.replace("_zero", "").replace("_adasum", "")
+
+
+def main() -> None:
+    what, out = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else ""
+    w = world()
+    if what == "train":
+        saved: dict[str, np.ndarray] = {}
+        for case in CASES:
+            sess, norms = train(case)
+            opt_state = sess.get_optimizer_state()
+            opt_bytes = sum(a.nbytes for d in opt_state.values() for a in d.values())
+            print(f"rank {w.rank}: {case}: optimizer-state bytes on this rank {opt_bytes}; partitioned "
+                  f"weights {sorted(sess.get_partition_info_map())}", flush=True)
+            state = sess.get_model_state()["full_precision"]
+            everyone = sess._dp.comm.allgather_object((state, opt_bytes, norms))
+            if w.rank == 0:
+                for r, (st, nbytes, nm) in enumerate(everyone):
+                    for k, v in st.items():
+                        saved[f"{case}/{r}/{k}"] = v
+                    saved[f"{case}/{r}/optimizer_state_bytes"] = np.int64(nbytes)
+                    saved[f"{case}/{r}/norms"] = np.asarray(nm)
+        if w.rank == 0:
+            np.savez(out, **saved)
+    elif what == "adasum":
+        from onnxtrain.parallel import get_communicator
+        from onnxtrain.parallel.adasum import adasum_reduce
+
+        comm = get_communicator()
+        rng = np.random.default_rng(100 + w.rank)
+        saved = {}
+        for dt in (np.float32, np.float64):
+            mine = [rng.standard_normal(s).astype(dt) for s in ((3, 5), (7,), (0,), (4, 2, 2))]
+            mine.append(np.zeros(6, dt))  # a zero vector: its coefficient stays 1
+            res = adasum_reduce(comm, mine)
+            for r, vs in enumerate(comm.allgather_object(mine)):
+                for i, v in enumerate(vs):
+                    saved[f"{np.dtype(dt).name}/in/{r}/{i}"] = v
+            for r, vs in enumerate(comm.allgather_object(res)):
+                for i, v in enumerate(vs):
+                    saved[f"{np.dtype(dt).name}/out/{r}/{i}"] = v
+        if w.rank == 0:
+            np.savez(out, **saved)
+    elif what in ("raise", "kill"):
+        p = params("SGDOptimizer", 1, 0, {})
+        sess = TrainingSession(mlp_model().SerializeToString(), p)
+        for step, (x, y) in enumerate(batches(1000, GLOBAL_BATCH)):
+            if step == 3 and w.rank == 1:
+                if what == "kill":
+                    os.kill(os.getpid(), 9)
+                raise RuntimeError("rank 1 fails on purpose at step 3")
+            sess.run(["loss"], {"x": split_batch(x), "y": split_batch(y), "Learning_Rate": LR})
+        print("finished without noticing the failure", flush=True)
+    elif what == "mismatch":
+        model = mlp_model(dh=16 if w.rank == 0 else 12)
+        TrainingSession(model.SerializeToString(), params("AdamOptimizer", 1, 0, {}))
+    else:
+        raise SystemExit(f"unknown command {what!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Data parallelism over ``mpiexec -n 2``: same weights as one process on the whole batch, ZeRO stage 1,
+Adasum against a float64 reference, and the failure paths (a raising or killed rank, mismatched models)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from tests.parallel import mpi_worker
+from tests.parallel.conftest import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
+    out = tmp_path_factory.mktemp("mpi") / "train.npz"
+    t0 = time.perf_counter()
+    r = run_mpi("train", str(out), timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    print(f"mpiexec -n 2 train: {time.perf_counter() - t0:.1f} s\n{r.stdout}")
+    return dict(np.load(out))
+
+
+@pytest.mark.parametrize("case", list(mpi_worker.CASES))
+def test_two_ranks_half_batch_equal_one_process_whole_batch(trained: dict[str, np.ndarray],
+                                                             case: str) -> None:
+    ref, ref_norms = mpi_worker.train(mpi_worker.reference_case(case), rank=0, size=1)
+    want = ref.get_model_state()["full_precision"]
+    for r in range(2):
+        for k, v in want.items():
+            err = rel_err(trained[f"{case}/{r}/{k}"], v)
+            assert err <= 1e-6, f"{case} rank {r} {k}: relative error {err:.3g}"
+    if ref_norms:
+        np.testing.assert_allclose(trained[f"{case}/0/norms"], ref_norms, rtol=1e-5)
+
+
+def test_zero_stage1_partitions_optimizer_state(trained: dict[str, np.ndarray]) -> None:
+    ref, _ = mpi_worker.train("adam", rank=0, size=1)
+    total = sum(a.nbytes for d in ref.get_optimizer_state().values() for a in d.values())
+    per_rank = [int(trained[f"adam_zero/{r}/optimizer_state_bytes"]) for r in range(2)]
+    print(f"ZeRO-1 optimizer-state bytes per rank {per_rank} of {total} in total "
+          f"({[round(b / total, 3) for b in per_rank]})")
+    for b in per_rank:
+        assert abs(b / total - 0.5) < 0.05
+    assert all(int(trained[f"sgd_zero/{r}/optimizer_state_bytes"]) == 0 for r in range(2))
+
+
+def test_adasum_matches_float64_reference(tmp_path) -> None:
+    from onnxtrain.parallel.adasum import adasum_reference
+
+    out = tmp_path / "adasum.npz"
+    r = run_mpi("adasum", str(out), timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = np.load(out)
+    for dt, tol in (("float32", 1e-6), ("float64", 1e-13)):
+        n = len([k for k in d if k.startswith(f"{dt}/in/0/")])
+        ins = [[d[f"{dt}/in/{rank}/{i}"] for i in range(n)] for rank in range(2)]
+        want = adasum_reference(ins)
+        for i, w in enumerate(want):
+            for rank in range(2):
+                got = d[f"{dt}/out/{rank}/{i}"]
+                assert got.dtype == np.dtype(dt) and got.shape == w.shape
+                if w.size:
+                    assert rel_err(got, w) <= tol, f"{dt} tensor {i} rank {rank}: {rel_err(got, w):.3g}"
+            np.testing.assert_array_equal(d[f"{dt}/out/0/{i}"], d[f"{dt}/out/1/{i}"])
+        np.testing.assert_array_equal(want[-1], 0.0)  # two zero vectors sum to zero
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_failing_rank_ends_the_job(how: str) -> None:
+    t0 = time.perf_counter()
+    r = run_mpi(how, timeout=60, env={"ONNXTRAIN_MPI_TIMEOUT": "20"})
+    took = time.perf_counter() - t0
+    assert r.returncode != 0
+    assert took < 30, f"the job took {took:.1f} s to end"
+    assert "finished without noticing" not in r.stdout
+    if how == "raise":
+        assert "rank 1 fails on purpose" in r.stderr and "aborting all ranks" in r.stderr
+
+
+def test_mismatched_models_are_named() -> None:
+    r = run_mpi("mismatch", timeout=60)
+    assert r.returncode != 0
+    assert "do not hold the same model" in r.stderr
+    assert "trained weights (dtype, shape)" in r.stderr and "W1" in r.stderr
