@@ -145,3 +145,143 @@ def test_misuse_on_generated_artifacts(artifacts_dir, tmp_path):
         Module(os.path.join(folder, "training_model.onnx"), state).eval()(x, labels)
     with pytest.raises(ValueError, match="could not be found"):
         module.export_model_for_inferencing(str(tmp_path / "m.onnx"), ["nope"])
+
+
+# ---------------------------------------------------------------- against onnxruntime-training 1.19.2
+ORT_VENV = "/tmp/ortt/bin/python"  # a virtualenv with onnxruntime-training 1.19.2, numpy<2, onnx (no torch)
+ORT_LR, ORT_STEPS = 0.01, 10
+
+_ORT_SCRIPT = r'''
+import json, sys, types
+for name in ("onnxruntime.training.optim", "onnxruntime.training.amp"):  # they import torch; unused here
+    sys.modules[name] = types.ModuleType(name)
+import numpy as np
+import onnx
+onnx.IR_VERSION = 10  # onnxruntime 1.19 reads IR <= 10; the generator stamps onnx.IR_VERSION
+from onnxruntime.training import artifacts
+from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
+
+base, folder, data, ours10, out = sys.argv[1:6]
+LR, N = float(sys.argv[6]), int(sys.argv[7])
+model = onnx.load(base)
+artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer],
+                             loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
+                             artifact_directory=folder)
+batches = np.load(data)
+
+def session(state):
+    m = Module(folder + "/training_model.onnx", state, folder + "/eval_model.onnx")
+    o = Optimizer(folder + "/optimizer_model.onnx", m)
+    return m, o
+
+def train(m, o, steps):
+    losses = []
+    for i in steps:
+        losses.append(float(m(batches[f"x{i}"], batches[f"y{i}"]))); o.step(); m.lazy_reset_grad()
+    return losses
+
+res = {}
+state = CheckpointState.load_checkpoint(folder + "/checkpoint")
+m, o = session(state)
+o.set_learning_rate(LR)
+res["losses"] = train(m, o, range(N))
+state.properties["epoch"] = 1
+state.properties["tag"] = "ort"
+state.properties["loss"] = 0.25
+CheckpointState.save_checkpoint(state, out + "/ort10", True)
+res["losses"] += train(m, o, range(N, 2 * N))
+
+theirs = CheckpointState.load_checkpoint(ours10)
+m2, o2 = session(theirs)
+res["ours_props"] = {k: v for k, v in theirs.properties}
+np.savez(out + "/ours10_in_ort.npz", **{k: p.data for k, p in theirs.parameters})
+o2.set_learning_rate(LR)  # onnxruntime does not persist the learning rate
+res["from_ours"] = train(m2, o2, range(N, 2 * N))
+
+m3, o3 = session(CheckpointState.load_checkpoint(folder + "/checkpoint"))
+sched = LinearLRScheduler(o3, 2, 10, 0.1)
+res["lrs"] = [o3.get_learning_rate()]
+for i in range(12):
+    m3(batches[f"x{i}"], batches[f"y{i}"]); o3.step(); m3.lazy_reset_grad(); sched.step()
+    res["lrs"].append(o3.get_learning_rate())
+print(json.dumps(res))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(ORT_VENV), reason="needs onnxruntime-training 1.19.2 in /tmp/ortt")
+def test_against_onnxruntime_training(artifacts_dir, tmp_path):
+    """Same MLP, batches and AdamW settings: 20 losses agree within 1e-4; checkpoints with optimizer state
+    written by either side continue training in the other; the swapped scheduler matches its Python API."""
+    from onnxtrain.checkpoint import load_checkpoint
+    from onnxtrain.training.api.checkpoint_state import LEARNING_RATE_PROPERTY
+    from tests.models import export
+    from tests.training.test_api import TABLE_SWAPPED
+
+    model, _, _ = export("mlp", training=False)
+    base = str(tmp_path / "base.onnx")
+    with open(base, "wb") as f:
+        f.write(model.SerializeToString())
+    data = str(tmp_path / "batches.npz")
+    np.savez(data, **{f"{k}{i}": v for i in range(20) for k, v in zip("xy", batch(i))})
+    ort_dir = tmp_path / "ort_artifacts"
+    ort_dir.mkdir()
+
+    def ours(checkpoint: str) -> tuple[CheckpointState, Module, Optimizer]:
+        state = CheckpointState.load_checkpoint(checkpoint)
+        module = Module(os.path.join(artifacts_dir, "training_model.onnx"), state)
+        opt = Optimizer(os.path.join(artifacts_dir, "optimizer_model.onnx"), module)
+        opt.set_learning_rate(ORT_LR)
+        return state, module, opt
+
+    def run(module: Module, opt: Optimizer, steps: range) -> list[float]:
+        losses = []
+        for i in steps:
+            losses.append(float(module(*batch(i))[0]))
+            opt.step()
+            module.lazy_reset_grad()
+        return losses
+
+    state, module, opt = ours(os.path.join(artifacts_dir, "checkpoint"))
+    losses = run(module, opt, range(ORT_STEPS))
+    props = {"epoch": 1, "tag": "ort", "loss": 0.25}
+    for k, v in props.items():
+        state.properties[k] = v
+    ours10 = str(tmp_path / "ours10")
+    CheckpointState.save_checkpoint(state, ours10, include_optimizer_state=True)
+    losses += run(module, opt, range(ORT_STEPS, 2 * ORT_STEPS))
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    proc = subprocess.run([ORT_VENV, "-c", _ORT_SCRIPT, base, str(ort_dir), data, ours10, str(tmp_path),
+                           str(ORT_LR), str(ORT_STEPS)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    np.testing.assert_allclose(res["losses"], losses, atol=1e-4)
+    print("max |onnxruntime-training - onnxtrain| loss:", np.max(np.abs(np.subtract(res["losses"], losses))))
+    # our checkpoint in onnxruntime-training: same tensors and properties (plus our learning rate), and
+    # its Optimizer picks up our moments and step: the next 10 losses match ours
+    ours_saved = load_checkpoint(ours10)
+    seen = dict(np.load(str(tmp_path / "ours10_in_ort.npz")))
+    assert sorted(seen) == sorted(ours_saved.trainable)
+    for k, v in ours_saved.trainable.items():
+        np.testing.assert_array_equal(seen[k], v, err_msg=k)
+    assert res["ours_props"] == {**props, LEARNING_RATE_PROPERTY: pytest.approx(ORT_LR)}
+    np.testing.assert_allclose(res["from_ours"], losses[ORT_STEPS:], atol=1e-4)
+    # onnxruntime-training's checkpoint in onnxtrain
+    state2, module2, opt2 = ours(str(tmp_path / "ort10"))
+    assert dict(state2.properties) == props and opt2.step_count == ORT_STEPS
+    np.testing.assert_allclose(run(module2, opt2, range(ORT_STEPS, 2 * ORT_STEPS)), res["losses"][ORT_STEPS:],
+                               atol=1e-4)
+    # its Python LinearLRScheduler(opt, 2, 10, 0.1) is the swapped one
+    np.testing.assert_allclose(res["lrs"], TABLE_SWAPPED, rtol=1e-6, atol=1e-9)
+    state3, module3, opt3 = ours(os.path.join(artifacts_dir, "checkpoint"))
+    sched = LinearLRScheduler(opt3, 2, 10, 0.1, swap_warmup_and_total=True)
+    lrs = [opt3.get_learning_rate()]
+    for i in range(12):
+        module3(*batch(i))
+        opt3.step()
+        module3.lazy_reset_grad()
+        sched.step()
+        lrs.append(opt3.get_learning_rate())
+    assert lrs == res["lrs"]
