@@ -346,21 +346,21 @@ def _gradient_model(
             f"{shape}; give a loss (loss=LossType..., a custom block) or make the model's first "
             "output a scalar loss"
         )
-    unreachable = [p for p in trainable if p not in _ancestors(m.graph, loss)]
-    try:
-        if unreachable:
-            raise GradientError("")
-        return build_gradient_model(m, loss, trainable, outputs=outputs[1:], zero_unreachable=False)
-    except GradientError as e:
-        if not unreachable:
-            if "does not reach the loss" not in str(e):
-                raise ArtifactError(f"cannot build the gradient graph: {e}") from None
+    ancestors = _ancestors(m.graph, loss)
+    unreachable = [p for p in trainable if p not in ancestors]
+    if not unreachable:
+        try:
+            return build_gradient_model(m, loss, trainable, outputs=outputs[1:], zero_unreachable=False)
+        except GradientError as e:
+            # a parameter that reaches the loss only through non-differentiable ops (Shape, ...)
             unreachable = [p for p in trainable if f"{p!r} does not reach" in str(e)]
-        names = ", ".join(repr(p) for p in unreachable)
-        raise ArtifactError(
-            f"Cannot compute the partial derivative for {names} as it's unreachable from the output "
-            f"node(s) ({loss!r}): remove it from requires_grad (or freeze it)."
-        ) from None
+            if not unreachable:
+                raise ArtifactError(f"cannot build the gradient graph: {e}") from None
+    names = ", ".join(repr(p) for p in unreachable)
+    raise ArtifactError(
+        f"Cannot compute the partial derivative for {names} as it's unreachable from the output "
+        f"node(s) ({loss!r}): remove it from requires_grad (or freeze it)."
+    )
 
 
 def _shape(tp: onnx.TypeProto | None) -> list[int | str] | None:

@@ -740,8 +740,9 @@ def test_model_from_path(mlp, tmp_path):
 
 def test_error_builtin_loss_on_multi_output_model_needs_loss_input_names(tmp_path):
     with pytest.raises(ArtifactError, match=r"2 outputs \['out', 'hidden'\] .* loss_input_names"):
-        generate_artifacts(two_output_model(), requires_grad=["W1"], loss=LossType.MSELoss,
-                           artifact_directory=tmp_path)
+        generate_artifacts(
+            two_output_model(), requires_grad=["W1"], loss=LossType.MSELoss, artifact_directory=tmp_path
+        )
 
 
 def test_cross_entropy_on_sequence_logits_matches_torch(tmp_path):
@@ -749,15 +750,52 @@ def test_cross_entropy_on_sequence_logits_matches_torch(tmp_path):
     model, feeds, module = export("gpt_block", training=True, batch=2, dropout=0.0)
     params = initializers(model)
     trainable = [n for n in params if n in dict(module.named_parameters())]
-    generate_artifacts(model, requires_grad=trainable, loss=LossType.CrossEntropyLoss,
-                       optimizer=OptimType.AdamW, artifact_directory=tmp_path)
+    generate_artifacts(
+        model,
+        requires_grad=trainable,
+        loss=LossType.CrossEntropyLoss,
+        optimizer=OptimType.AdamW,
+        artifact_directory=tmp_path,
+    )
     tm = load(tmp_path, "training_model.onnx")
     assert_standard(tm)
     labels = np.random.default_rng(10).integers(0, 40, (2, 10)).astype(np.int64)
-    ref_loss, ref = torch_grads(module, feeds["tokens"], lambda y: torch.nn.functional.cross_entropy(
-        y.reshape(-1, y.shape[-1]), torch.from_numpy(labels).reshape(-1)))
+    ref_loss, ref = torch_grads(
+        module,
+        feeds["tokens"],
+        lambda y: torch.nn.functional.cross_entropy(
+            y.reshape(-1, y.shape[-1]), torch.from_numpy(labels).reshape(-1)
+        ),
+    )
     for runner in RUNNERS.values():
         out = runner(tm, training_feeds(tm, {"tokens": feeds["tokens"], "labels": labels}, params))
         close(out[tm.graph.output[0].name], ref_loss)
         for p in trainable:
             close(out[f"{p}_grad.accumulation.out"], ref[p], rtol=1e-4)
+
+
+def test_error_parameter_reaching_the_loss_only_through_shape(tmp_path):
+    """B is an ancestor of the loss, but only through Shape: no gradient flows, so it is named."""
+    inits = [
+        numpy_helper.from_array(np.ones((3, 2), np.float32), "W"),
+        numpy_helper.from_array(np.ones(4, np.float32), "B"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["y"]),
+        helper.make_node("ReduceSum", ["y"], ["s"], keepdims=0),
+        helper.make_node("Shape", ["B"], ["shape"]),
+        helper.make_node("Cast", ["shape"], ["shape_f"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["shape_f"], ["n"], keepdims=0),
+        helper.make_node("Add", ["s", "n"], ["loss"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ArtifactError, match=r"partial derivative for 'B' as it's unreachable"):
+        generate_artifacts(model, requires_grad=["W", "B"], artifact_directory=tmp_path)
+    generate_artifacts(model, requires_grad=["W"], frozen_params=["B"], artifact_directory=tmp_path)

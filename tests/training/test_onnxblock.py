@@ -323,3 +323,19 @@ def test_error_bad_clip_grad():
         onnxblock.optim.ClipGradNorm(0.0)
     with pytest.raises(BlockError, match="clip_grad must be an onnxblock.optim.ClipGradNorm"):
         onnxblock.optim.AdamW(clip_grad=1.0)
+
+
+def test_checkpoint_helpers(tmp_path):
+    from onnx import numpy_helper
+
+    w = numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3), "w")
+    b = numpy_helper.from_array(np.ones(3, np.float32), "b")
+    onnxblock.save_checkpoint(([w], [b]), tmp_path / "ckpt")
+    onnxblock.save_checkpoint(([w], [b]), tmp_path / "nominal", nominal_checkpoint=True)
+    model = helper.make_model(
+        helper.make_graph([], "g", [], [], [numpy_helper.from_array(np.zeros((2, 3), np.float32), "w")])
+    )
+    onnxblock.load_checkpoint_to_model(tmp_path / "ckpt", model)
+    np.testing.assert_array_equal(numpy_helper.to_array(model.graph.initializer[0]), numpy_helper.to_array(w))
+    with pytest.raises(BlockError, match="Cannot load a nominal checkpoint"):
+        onnxblock.load_checkpoint_to_model(tmp_path / "nominal", model)

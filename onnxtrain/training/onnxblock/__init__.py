@@ -3,7 +3,8 @@
 Same surface as ``onnxruntime.training.onnxblock``: ``Block`` (subclass it, implement
 ``build(*input_names)``), ``blocks`` (elementwise, reductions, constants, inputs), ``loss``
 (MSELoss, CrossEntropyLoss, BCEWithLogitsLoss, L1Loss), ``optim`` (AdamW, SGD, ClipGradNorm),
-and the context managers ``base(model)`` / ``empty_base()``. Every node is standard ONNX.
+the context managers ``base(model)`` / ``empty_base()``, and ``save_checkpoint`` /
+``load_checkpoint_to_model``. Every node is standard ONNX.
 """
 
 from __future__ import annotations
@@ -11,5 +12,16 @@ from __future__ import annotations
 from onnxtrain.training.onnxblock import blocks, loss, optim
 from onnxtrain.training.onnxblock._base import BlockError, base, empty_base
 from onnxtrain.training.onnxblock.blocks import Block
+from onnxtrain.training.onnxblock.checkpoint_utils import load_checkpoint_to_model, save_checkpoint
 
-__all__ = ["Block", "BlockError", "base", "blocks", "empty_base", "loss", "optim"]
+__all__ = [
+    "Block",
+    "BlockError",
+    "base",
+    "blocks",
+    "empty_base",
+    "load_checkpoint_to_model",
+    "loss",
+    "optim",
+    "save_checkpoint",
+]

@@ -1,0 +1,38 @@
+"""Checkpoint helpers of onnxblock (spec §1.9): write parameters as a checkpoint, load one into a model."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import onnx
+from onnx import numpy_helper
+
+from onnxtrain.checkpoint import Checkpoint, load_checkpoint
+from onnxtrain.checkpoint import save_checkpoint as _save
+from onnxtrain.training.onnxblock._base import BlockError
+
+
+def save_checkpoint(
+    parameters: tuple[Sequence[onnx.TensorProto], Sequence[onnx.TensorProto]],
+    path_to_checkpoint: str | os.PathLike,
+    nominal_checkpoint: bool = False,
+) -> None:
+    """Write ``(trainable, frozen)`` TensorProto lists as an onnxruntime-training checkpoint."""
+    if not isinstance(parameters, tuple) or len(parameters) != 2:
+        raise BlockError("parameters must be a tuple (trainable TensorProtos, frozen TensorProtos)")
+    trainable, frozen = ({t.name: numpy_helper.to_array(t) for t in group} for group in parameters)
+    _save(Checkpoint(trainable, frozen, [], {}, nominal=bool(nominal_checkpoint)), path_to_checkpoint)
+
+
+def load_checkpoint_to_model(path_to_checkpoint: str | os.PathLike, model: onnx.ModelProto) -> None:
+    """Copy the checkpoint's parameter values into ``model``'s initializers of the same names, in place."""
+    ckpt = load_checkpoint(path_to_checkpoint)
+    if ckpt.nominal:
+        raise BlockError(
+            f"Cannot load a nominal checkpoint to a model proto: {os.fspath(path_to_checkpoint)}"
+        )
+    values = {**ckpt.trainable, **ckpt.frozen}
+    for t in model.graph.initializer:
+        if t.name in values:
+            t.CopyFrom(numpy_helper.from_array(values[t.name], t.name))
