@@ -147,6 +147,47 @@ def test_misuse_on_generated_artifacts(artifacts_dir, tmp_path):
         module.export_model_for_inferencing(str(tmp_path / "m.onnx"), ["nope"])
 
 
+def test_frozen_clipped_and_nominal_generated_artifacts(tmp_path):
+    """Frozen first layer, SGD with ClipGradNorm (the clipped gradients are written back, as onnxruntime
+    does in place), and a nominal checkpoint completed from a buffer."""
+    pytest.importorskip("torch")
+    from onnxtrain.training import artifacts, onnxblock
+    from tests.models import export
+
+    model, _, _ = export("mlp", training=False)
+    params = [t.name for t in model.graph.initializer]
+    folder = str(tmp_path)
+    artifacts.generate_artifacts(model, requires_grad=params[2:], frozen_params=params[:2],
+                                 loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=folder,
+                                 optimizer=onnxblock.optim.SGD(clip_grad=onnxblock.optim.ClipGradNorm(0.01)),
+                                 nominal_checkpoint=True)
+    state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    training, evaluation = (os.path.join(folder, f"{k}_model.onnx") for k in ("training", "eval"))
+    module = Module(training, state, evaluation)
+    opt = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
+    assert module.get_parameters_size() == 64 * 32 + 32 + 32 * 10 + 10
+    assert module.get_parameters_size(False) == module.get_parameters_size() + 784 * 64 + 64
+    assert state.parameters[params[0]].grad is None and not state.parameters[params[0]].requires_grad
+    frozen = state.parameters[params[0]].data.copy()
+    module(*batch(0))
+    before = {p: state.parameters[p].data.copy() for p in params[2:]}
+    opt.step()
+    grads = {p: state.parameters[p].grad for p in params[2:]}
+    norm = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads.values()))
+    assert norm == pytest.approx(0.01, rel=1e-4)  # max_norm / (norm + 1e-6)
+    for p in params[2:]:
+        want = before[p] - np.float32(0.001) * grads[p]
+        np.testing.assert_allclose(state.parameters[p].data, want, atol=1e-8)
+    np.testing.assert_array_equal(state.parameters[params[0]].data, frozen)
+
+    nominal = CheckpointState.load_checkpoint(os.path.join(folder, "nominal_checkpoint"))
+    other = Module(training, nominal, evaluation)
+    with pytest.raises(ValueError, match="nominal"):
+        other(*batch(1))
+    other.copy_buffer_to_parameters(module.get_contiguous_parameters(), trainable_only=False)
+    assert other.eval()(*batch(1)) == module.eval()(*batch(1))
+
+
 # ---------------------------------------------------------------- against onnxruntime-training 1.19.2
 ORT_VENV = "/tmp/ortt/bin/python"  # a virtualenv with onnxruntime-training 1.19.2, numpy<2, onnx (no torch)
 ORT_LR, ORT_STEPS = 0.01, 10
