@@ -228,21 +228,23 @@ def generate_artifacts(
     training, evaluation, ckpt = build_training_models(
         base, trainable, frozen, loss_block, extra_outputs, loss_inputs
     )
+    optimizer_model = None
+    if opt_block is not None:
+        params = [(n, training_input_type(training, n)) for n in ckpt[0]]
+        optimizer_model = build_optimizer_model(opt_block, params, model_opset(training))
     from onnxtrain.checkpoint import Checkpoint, save_checkpoint
 
     def path(name: str) -> str:
         return os.path.join(folder, prefix + name)
 
+    # everything is built before the first file is written
     save_model_atomic(training, path("training_model.onnx"))
     save_model_atomic(evaluation, path("eval_model.onnx"))
     save_checkpoint(Checkpoint(ckpt[0], ckpt[1], [], {}), path("checkpoint"))
     if nominal_checkpoint:
         save_checkpoint(Checkpoint(ckpt[0], ckpt[1], [], {}, nominal=True), path("nominal_checkpoint"))
-    if opt_block is not None:
-        params = [(n, training_input_type(training, n)) for n in ckpt[0]]
-        save_model_atomic(
-            build_optimizer_model(opt_block, params, model_opset(training)), path("optimizer_model.onnx")
-        )
+    if optimizer_model is not None:
+        save_model_atomic(optimizer_model, path("optimizer_model.onnx"))
 
 
 def training_input_type(model: onnx.ModelProto, name: str) -> onnx.TypeProto:
