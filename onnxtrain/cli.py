@@ -1,12 +1,20 @@
-"""The ``onnxtrain`` command."""
+"""The ``onnxtrain`` command: ``train``, ``eval``, ``export``, ``info`` and ``gradient-graph``.
+
+Exit codes: 0 done, 1 a runtime failure (e.g. a missing checkpoint), 2 a bad config or command
+line (one line on stderr naming the key path), 130 interrupted by Ctrl-C.
+"""
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
 import sys
 
 import onnx
+
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
 def _gradient_graph(a: argparse.Namespace) -> int:
@@ -24,7 +32,8 @@ def _gradient_graph(a: argparse.Namespace) -> int:
     out = build_gradient_model(model, a.loss, wrt)
     onnx.checker.check_model(out, full_check=True)
     save_model_atomic(out, a.output)
-    print(f"wrote {a.output}: {len(out.graph.node)} nodes, gradients of {a.loss!r} w.r.t. {len(wrt)} value(s)")
+    print(f"wrote {a.output}: {len(out.graph.node)} nodes, gradients of {a.loss!r} "
+          f"w.r.t. {len(wrt)} value(s)")
     return 0
 
 
@@ -58,9 +67,84 @@ def _info(a: argparse.Namespace) -> int:
     return 0
 
 
+def _config(a: argparse.Namespace):
+    from onnxtrain.train import load_config
+
+    return load_config(a.config, a.set or ())
+
+
+def _train(a: argparse.Namespace) -> int:
+    from onnxtrain.train import Trainer
+
+    cfg = _config(a)
+    result = Trainer(cfg, a.output_dir, progress=not a.quiet).run(resume=a.resume)
+    if result.status == "interrupted":
+        return EXIT_INTERRUPTED
+    scores = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
+    print(f"trained {cfg.name} for {result.global_step} steps: {scores}")
+    print(f"outputs in {result.output_dir}: metrics.jsonl, metrics.png, {result.checkpoint}"
+          + (f", {result.exported}" if result.exported else ""))
+    return 0
+
+
+def _eval(a: argparse.Namespace) -> int:
+    from onnxtrain.train import evaluate_checkpoint
+
+    metrics = evaluate_checkpoint(_config(a), a.checkpoint)
+    print(json.dumps(metrics) if a.json else "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return 0
+
+
+def _export(a: argparse.Namespace) -> int:
+    from onnxtrain.train import export_model, load_for_inference
+
+    cfg = _config(a)
+    model, weights = load_for_inference(cfg, a.checkpoint)
+    export_model(model, cfg, weights, a.output)
+    print(f"wrote {a.output}")
+    return 0
+
+
+_SET_HELP = ("override a config value, e.g. --set training.epochs=5 --set optimizer.lr=3e-3 "
+             "(YAML syntax, checked like the file; repeatable)")
+_CKPT_HELP = "a checkpoint file, or a run folder (its latest checkpoint)"
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="the training configuration (YAML), e.g. configs/digits_mlp.yaml")
+    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help=_SET_HELP)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="onnxtrain", description="Train ONNX models with numpy.")
     sub = parser.add_subparsers(dest="command", required=True)
+    tr = sub.add_parser("train", help="train a model from a YAML config",
+                        description="Train the model a YAML config describes; writes metrics.jsonl, "
+                                    "checkpoints, metrics.png and model.onnx to the output folder. Ctrl-C "
+                                    "stops between steps (exit 130); --resume continues from the last "
+                                    "checkpoint.")
+    _add_config_args(tr)
+    tr.add_argument("--output-dir",
+                    help="where the run's files go (default: output.dir, else runs/<config name>)")
+    tr.add_argument("--resume", action="store_true",
+                    help="continue from the last checkpoint in the output folder")
+    tr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    tr.set_defaults(fn=_train)
+    ev = sub.add_parser("eval", help="eval loss and accuracy of a checkpoint",
+                        description="Score a checkpoint on the config's eval data (loss, and accuracy for "
+                                    "class labels).")
+    _add_config_args(ev)
+    ev.add_argument("--checkpoint", required=True, help=_CKPT_HELP)
+    ev.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    ev.set_defaults(fn=_eval)
+    ex = sub.add_parser("export", help="write a checkpoint as a plain inference .onnx",
+                        description="Write the config's model with a checkpoint's weights as an inference "
+                                    "model (logits output, no loss or labels, BatchNormalization/Dropout in "
+                                    "inference mode) that any ONNX runtime can load.")
+    _add_config_args(ex)
+    ex.add_argument("--checkpoint", required=True, help=_CKPT_HELP)
+    ex.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    ex.set_defaults(fn=_export)
     gg = sub.add_parser("gradient-graph", help="write the forward + backward graph of a model",
                         description="Append the backward pass of --loss to MODEL; outputs <x>_grad per x.")
     gg.add_argument("model", help="the ONNX model (with its loss in the graph)")
@@ -71,11 +155,37 @@ def main(argv: list[str] | None = None) -> int:
                      help="every float initializer that reaches the loss")
     gg.add_argument("-o", "--output", required=True, help="where to write the gradient graph")
     gg.set_defaults(fn=_gradient_graph)
-    info = sub.add_parser("info", help="inputs, outputs, parameters and op coverage of a model")
-    info.add_argument("model")
+    info = sub.add_parser("info", help="inputs, outputs, parameters and op coverage of a model",
+                          description="Inputs, outputs, parameter count and bytes, op histogram, and which "
+                                      "ops lack a kernel or a gradient rule.")
+    info.add_argument("model", help="an .onnx file")
     info.set_defaults(fn=_info)
     a = parser.parse_args(argv)
-    return a.fn(a)
+    return _guarded(a)
+
+
+def _guarded(a: argparse.Namespace) -> int:
+    """Run the subcommand; known failures become one line on stderr and an exit code."""
+    from onnxtrain.train.config import ConfigError
+
+    prog = f"onnxtrain {a.command}"
+    try:
+        return a.fn(a)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except ConfigError as e:
+        where = getattr(a, "config", None)
+        print(f"{prog}: {where + ': ' if where else ''}{e}", file=sys.stderr)
+        return EXIT_USAGE
+    except NotImplementedError as e:
+        print(f"{prog}: not implemented yet: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (FileNotFoundError, IsADirectoryError, ValueError) as e:
+        if os.environ.get("ONNXTRAIN_DEBUG"):
+            raise
+        print(f"{prog}: {e} (set ONNXTRAIN_DEBUG=1 for the traceback)", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -1,7 +1,13 @@
-"""Built-in models made with onnx.helper: forward graph plus an in-graph loss, ready to train."""
+"""Built-in models made with onnx.helper: forward graph plus an in-graph loss, ready to train.
+
+Every builder returns a checked model (``onnx.checker`` full check) with inputs ``x`` (and ``y``,
+the labels, when ``loss`` is set) and outputs ``loss`` (when ``loss`` is set) and ``logits``, whose
+class axis is 1. Weights are drawn from ``seed``, so the same arguments give the same model.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -13,6 +19,49 @@ from onnxtrain.ir.builder import make_model
 OPSET = 17
 
 
+class _Graph:
+    """Nodes and initializers of a model under construction, with unique value names."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self._count = 0
+
+    def init(self, name: str, value: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
+
+    def normal(self, name: str, shape: Sequence[int], std: float) -> str:
+        return self.init(name, (self.rng.standard_normal(shape) * std).astype(np.float32))
+
+    def const(self, name: str, value: float | Sequence[int] | np.ndarray, dtype: type = np.float32) -> str:
+        return self.init(name, np.asarray(value, dtype))
+
+    def op(self, op_type: str, inputs: Sequence[str], out: str | None = None,
+           extra_outputs: Sequence[str] = (), **attrs) -> str:
+        """Append a node; returns its (first) output name."""
+        if out is None:
+            self._count += 1
+            out = f"{op_type.lower()}_{self._count}"
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out, *extra_outputs], name=out, **attrs))
+        return out
+
+    def finish(self, name: str, inputs: list[onnx.ValueInfoProto], logits_shape: list,
+               labels_shape: list | None, logits: str) -> onnx.ModelProto:
+        outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, logits_shape)]
+        if logits != "logits":
+            self.op("Identity", [logits], "logits")
+        if labels_shape is not None:
+            self.op("SoftmaxCrossEntropyLoss", ["logits", "y"], "loss")
+            inputs = [*inputs, helper.make_tensor_value_info("y", TensorProto.INT64, labels_shape)]
+            outputs.insert(0, helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
+        graph = helper.make_graph(self.nodes, name, inputs, outputs, self.inits)
+        model = make_model(graph, OPSET, producer_name="onnxtrain")
+        onnx.checker.check_model(model, full_check=True)
+        return model
+
+
 def mlp(sizes: Sequence[int], seed: int = 0, loss: bool = True) -> onnx.ModelProto:
     """An MLP ``sizes[0] → … → sizes[-1]`` with ReLU; inputs ``x`` [N, sizes[0]] (and ``y`` int64 [N]).
 
@@ -21,24 +70,128 @@ def mlp(sizes: Sequence[int], seed: int = 0, loss: bool = True) -> onnx.ModelPro
     """
     if len(sizes) < 2:
         raise ValueError(f"mlp needs at least an input and an output size, got {list(sizes)}")
-    rng = np.random.default_rng(seed)
-    inits, nodes, h = [], [], "x"
+    g = _Graph(seed)
+    h = "x"
     for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-        w = (rng.standard_normal((b, a)) * np.sqrt(2.0 / a)).astype(np.float32)
-        inits += [numpy_helper.from_array(w, f"fc{k}.weight"), numpy_helper.from_array(np.zeros(b, np.float32),
-                                                                                        f"fc{k}.bias")]
+        g.normal(f"fc{k}.weight", (b, a), math.sqrt(2.0 / a))
+        g.const(f"fc{k}.bias", np.zeros(b))
         out = "logits" if k == len(sizes) - 2 else f"h{k}"
-        nodes.append(helper.make_node("Gemm", [h, f"fc{k}.weight", f"fc{k}.bias"], [out], transB=1, name=f"fc{k}"))
+        g.op("Gemm", [h, f"fc{k}.weight", f"fc{k}.bias"], out, transB=1)
         if out != "logits":
-            nodes.append(helper.make_node("Relu", [out], [f"{out}_relu"], name=f"relu{k}"))
-            h = f"{out}_relu"
+            h = g.op("Relu", [out], f"{out}_relu")
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", sizes[0]])]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", sizes[-1]])]
-    if loss:
-        nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"], name="loss"))
-        inputs.append(helper.make_tensor_value_info("y", TensorProto.INT64, ["N"]))
-        outputs.insert(0, helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
-    graph = helper.make_graph(nodes, "mlp", inputs, outputs, inits)
-    model = make_model(graph, OPSET, producer_name="onnxtrain")
-    onnx.checker.check_model(model, full_check=True)
-    return model
+    return g.finish("mlp", inputs, ["N", sizes[-1]], ["N"] if loss else None, "logits")
+
+
+def cnn(channels: Sequence[int] = (8, 16), classes: int = 10, image: Sequence[int] = (1, 8, 8),
+        batch_norm: bool = False, global_pool: bool = False, seed: int = 0,
+        loss: bool = True) -> onnx.ModelProto:
+    """A LeNet-style CNN for small images such as the 1×8×8 digits; input ``x`` [N, C, H, W].
+
+    Each block is Conv 3×3 (pad 1) → [BatchNormalization in training mode] → Relu → MaxPool 2×2;
+    then GlobalAveragePool (``global_pool``) or Flatten, and a Gemm to ``classes`` logits.
+    """
+    if not channels:
+        raise ValueError("cnn needs at least one convolution (channels is empty)")
+    c, hgt, wid = (int(v) for v in image)
+    g = _Graph(seed)
+    h = "x"
+    for k, out_c in enumerate(channels):
+        g.normal(f"conv{k}.weight", (out_c, c, 3, 3), math.sqrt(2.0 / (c * 9)))
+        g.const(f"conv{k}.bias", np.zeros(out_c))
+        h = g.op("Conv", [h, f"conv{k}.weight", f"conv{k}.bias"], f"conv{k}", pads=[1, 1, 1, 1],
+                 kernel_shape=[3, 3])
+        if batch_norm:
+            names = [g.const(f"bn{k}.{p}", np.full(out_c, v)) for p, v in
+                     (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0))]
+            h = g.op("BatchNormalization", [h, *names], f"bn{k}", [f"bn{k}.mean_out", f"bn{k}.var_out"],
+                     training_mode=1, momentum=0.9)
+        h = g.op("Relu", [h], f"relu{k}")
+        if hgt >= 2 and wid >= 2:
+            h = g.op("MaxPool", [h], f"pool{k}", kernel_shape=[2, 2], strides=[2, 2])
+            hgt, wid = hgt // 2, wid // 2
+        c = out_c
+    if global_pool:
+        h = g.op("Flatten", [g.op("GlobalAveragePool", [h], "gap")], "flat")
+        features = c
+    else:
+        h = g.op("Flatten", [h], "flat")
+        features = c * hgt * wid
+    g.normal("fc.weight", (classes, features), math.sqrt(1.0 / features))
+    g.const("fc.bias", np.zeros(classes))
+    g.op("Gemm", [h, "fc.weight", "fc.bias"], "logits", transB=1)
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *(int(v) for v in image)])]
+    return g.finish("cnn", inputs, ["N", classes], ["N"] if loss else None, "logits")
+
+
+def _layer_norm(g: _Graph, x: str, name: str, dim: int) -> str:
+    g.const(f"{name}.weight", np.ones(dim))
+    g.const(f"{name}.bias", np.zeros(dim))
+    return g.op("LayerNormalization", [x, f"{name}.weight", f"{name}.bias"], name, axis=-1, epsilon=1e-5)
+
+
+def _linear(g: _Graph, x: str, name: str, d_in: int, d_out: int, std: float) -> str:
+    g.normal(f"{name}.weight", (d_in, d_out), std)  # stored [in, out] so MatMul needs no transpose
+    g.const(f"{name}.bias", np.zeros(d_out))
+    return g.op("Add", [g.op("MatMul", [x, f"{name}.weight"]), f"{name}.bias"], name)
+
+
+def _attention(g: _Graph, x: str, p: str, dim: int, heads: int) -> str:
+    """Multi-head self-attention over [N, T, D] (no mask: every token sees every token)."""
+    dh = dim // heads
+    split = g.const(f"{p}.split_shape", [0, 0, heads, dh], np.int64)
+    merge = g.const(f"{p}.merge_shape", [0, 0, dim], np.int64)
+    std = math.sqrt(1.0 / dim)
+    qkv = []
+    for which in ("q", "k", "v"):
+        t = _linear(g, x, f"{p}.{which}", dim, dim, std)
+        t = g.op("Reshape", [t, split], f"{p}.{which}_heads")  # [N, T, H, Dh]
+        perm = [0, 2, 3, 1] if which == "k" else [0, 2, 1, 3]  # kᵀ: [N, H, Dh, T]; q, v: [N, H, T, Dh]
+        qkv.append(g.op("Transpose", [t], f"{p}.{which}_t", perm=perm))
+    scale = g.const(f"{p}.scale", 1.0 / math.sqrt(dh))
+    scores = g.op("Mul", [g.op("MatMul", [qkv[0], qkv[1]], f"{p}.scores"), scale], f"{p}.scaled")
+    attn = g.op("Softmax", [scores], f"{p}.attn", axis=-1)
+    ctx = g.op("Transpose", [g.op("MatMul", [attn, qkv[2]], f"{p}.ctx")], f"{p}.ctx_t", perm=[0, 2, 1, 3])
+    ctx = g.op("Reshape", [ctx, merge], f"{p}.ctx_merged")
+    return _linear(g, ctx, f"{p}.out", dim, dim, std / math.sqrt(2.0))
+
+
+def _gelu(g: _Graph, x: str, p: str) -> str:
+    """Exact GELU as 0.5·x·(1 + erf(x/√2)) (the Gelu op needs opset 20)."""
+    inv_sqrt2 = g.const(f"{p}.inv_sqrt2", 1.0 / math.sqrt(2.0))
+    one, half = g.const(f"{p}.one", 1.0), g.const(f"{p}.half", 0.5)
+    e = g.op("Add", [g.op("Erf", [g.op("Mul", [x, inv_sqrt2])]), one])
+    return g.op("Mul", [g.op("Mul", [x, half]), e], f"{p}.gelu")
+
+
+def transformer(vocab: int = 10, length: int = 8, dim: int = 32, heads: int = 4, layers: int = 1,
+                mlp_ratio: int = 4, seed: int = 0, loss: bool = True) -> onnx.ModelProto:
+    """A small pre-LN transformer encoder that labels every token; input ``x`` int64 [N, length].
+
+    Token and position embeddings (Gather), ``layers`` blocks of x + Attention(LN(x)) and
+    x + MLP(LN(x)) with a GELU MLP, a final LayerNorm and a per-token vocabulary head. ``logits``
+    are [N, vocab, length] so that SoftmaxCrossEntropyLoss (against ``y`` int64 [N, length]) and the
+    accuracy both see the classes on axis 1.
+    """
+    if dim % heads:
+        raise ValueError(f"transformer: dim {dim} is not divisible by heads {heads}")
+    g = _Graph(seed)
+    g.normal("tok_emb.weight", (vocab, dim), 0.5)
+    g.normal("pos_emb.weight", (length, dim), 0.5)
+    positions = g.const("positions", np.arange(length), np.int64)
+    tok = g.op("Gather", ["tok_emb.weight", "x"], "tok")
+    h = g.op("Add", [tok, g.op("Gather", ["pos_emb.weight", positions], "pos")], "emb")
+    for k in range(layers):
+        p = f"layer{k}"
+        h = g.op("Add", [h, _attention(g, _layer_norm(g, h, f"{p}.ln1", dim), f"{p}.attn", dim, heads)],
+                 f"{p}.res1")
+        u = _linear(g, _layer_norm(g, h, f"{p}.ln2", dim), f"{p}.fc1", dim, dim * mlp_ratio,
+                    math.sqrt(2.0 / dim))
+        u = _linear(g, _gelu(g, u, f"{p}.mlp"), f"{p}.fc2", dim * mlp_ratio, dim,
+                    math.sqrt(1.0 / (dim * mlp_ratio)))
+        h = g.op("Add", [h, u], f"{p}.res2")
+    h = _layer_norm(g, h, "ln_f", dim)
+    logits = g.op("Transpose", [_linear(g, h, "head", dim, vocab, math.sqrt(1.0 / dim))], "logits_nct",
+                  perm=[0, 2, 1])
+    inputs = [helper.make_tensor_value_info("x", TensorProto.INT64, ["N", length])]
+    return g.finish("transformer", inputs, ["N", vocab, length], ["N", length] if loss else None, logits)

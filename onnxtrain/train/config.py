@@ -1,0 +1,431 @@
+"""Training configurations: YAML files checked against typed dataclasses, with errors naming the key path.
+
+A configuration has six sections (``model``, ``data``, ``optimizer``, ``schedule``, ``training``,
+``output``); see ``configs/digits_mlp.yaml`` for a commented example. ``load_config(path, overrides)``
+reads the file, applies ``--set key.path=value`` overrides, checks every key and type, resolves
+relative file paths against the config's folder and checks that those files exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import os
+import re
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; ``str()`` is one line: ``key.path: what was expected``."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-3`` as a float (YAML 1.1 wants ``1.0e-3``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+               r"|[0-9][0-9_]*[eE][-+]?[0-9]+|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
+# ---- the schema -------------------------------------------------------------------------------
+
+@dataclass
+class ModelConfig:
+    """The model to train: a built-in builder (``mlp``, ``cnn``, ``transformer``) or an .onnx file."""
+
+    builder: Literal["mlp", "cnn", "transformer"] | None = None
+    path: str | None = None  # an .onnx file, relative to the config file
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the builder
+    logits: str = "logits"  # the output holding the logits (class axis 1): accuracy and export
+    loss: str = "loss"  # the output holding the scalar loss to minimise
+    labels: str = "y"  # the input the labels are fed to
+    add_loss: Literal["none", "cross_entropy", "mse"] = "none"  # append this loss when the model has none
+
+
+@dataclass
+class DigitsData:
+    """The bundled 8×8 digits: its fixed train split for training and test split for eval."""
+
+    source: Literal["digits"] = "digits"
+    images: bool = False  # [N, 1, 8, 8] instead of [N, 64]
+
+
+@dataclass
+class FilesData:
+    """User arrays in an .npz (named arrays) or .npy files."""
+
+    source: Literal["files"] = "files"
+    path: str | None = None  # the .npz with the training arrays (not needed when every feed is a .npy)
+    feeds: dict[str, str] = field(default_factory=dict)  # model input → array name in ``path``, or a .npy
+    eval_path: str | None = None  # an .npz with the same array names for eval; else a held-out split
+    eval_fraction: float = 0.1  # share of the training arrays held out for eval when there is no eval_path
+
+
+@dataclass
+class SequenceData:
+    """A token task generated from the seed: input ``x`` [N, length], per-token labels ``y``."""
+
+    source: Literal["sequence"] = "sequence"
+    task: Literal["reverse", "sort", "copy"] = "reverse"
+    vocab: int = 10
+    length: int = 8
+    train_size: int = 20000
+    eval_size: int = 1000
+
+
+DataConfig = DigitsData | FilesData | SequenceData
+DATA_SOURCES: dict[str, type] = {"digits": DigitsData, "files": FilesData, "sequence": SequenceData}
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer and hyper-parameters; unset ones keep the legacy optimizer's defaults."""
+
+    name: Literal["sgd", "adam", "lamb"] = "adam"
+    lr: float = 1e-3
+    betas: list[float] | None = None  # (β1, β2) of Adam/Lamb
+    eps: float | None = None
+    weight_decay: float | None = None
+    clip_grad_norm: float | None = None  # clip the global gradient norm to this (Adam/Lamb); null = off
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning rate against the optimizer step: linear warm-up, then constant, linear or cosine decay."""
+
+    kind: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    final_lr_ratio: float = 0.0  # decayed schedules end at lr × this
+
+
+@dataclass
+class TrainingConfig:
+    """How long and how to train; the last five keys are passed through to TrainingParameters."""
+
+    batch_size: int = 32
+    epochs: int | None = None  # give epochs or steps
+    steps: int | None = None  # optimizer steps; overrides epochs
+    eval_every: int | None = None  # steps between evals; null = once per epoch
+    eval_batch_size: int = 1024
+    checkpoint_every: int | None = None  # steps between checkpoints; null = once per epoch (and the end)
+    keep_checkpoints: int = 3  # keep this many most recent checkpoints (0 = all)
+    log_every: int = 10  # steps between metrics.jsonl entries
+    seed: int = 0  # model initialisation and data order
+    gradient_accumulation_steps: int = 1
+    mixed_precision: bool = False
+    data_parallel_size: int = 1
+    parameters: dict[str, Any] = field(default_factory=dict)  # any other TrainingParameters property
+
+
+@dataclass
+class OutputConfig:
+    dir: str | None = None  # default: runs/<config name>
+    plot: bool = True
+    export: bool = True
+
+
+@dataclass
+class Config:
+    """A whole training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DigitsData)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    name: str = field(default="run", metadata={"internal": True})  # the config file's stem
+    base_dir: str = field(default=".", metadata={"internal": True})  # the config file's folder
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        del d["name"], d["base_dir"]
+        return d
+
+
+# ---- checking values against the types above ------------------------------------------------
+
+_TYPE_WORDS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        text = " or ".join(_describe(a) for a in args)
+        return text + " or null" if len(args) < len(typing.get_args(tp)) else text
+    if origin in (list, Sequence, tuple):
+        return f"a list of {_describe(typing.get_args(tp)[0])[2:]}s" if typing.get_args(tp) else "a list"
+    if origin is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return _TYPE_WORDS.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def coerce(value: Any, tp: Any, path: str) -> Any:
+    """``value`` checked against the type ``tp``; raises ConfigError naming ``path``."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return coerce(value, a, path)
+            except ConfigError:
+                continue
+        raise ConfigError(path, f"expected {_describe(tp)}, got {_show(value)}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
+            raise ConfigError(path, f"expected {_describe(tp)}, got {_show(value)}")
+        return value
+    if origin in (list, Sequence, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"expected {_describe(tp)}, got {_show(value)}")
+        (item,) = typing.get_args(tp)[:1] or (Any,)
+        return [coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping, got {_show(value)}")
+        _, item = typing.get_args(tp)
+        return {str(k): coerce(v, item, f"{path}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }.get(tp)
+    if ok is None:
+        raise TypeError(f"config schema: unsupported type {tp!r} at {path}")
+    if not ok:
+        raise ConfigError(path, f"expected {_describe(tp)}, got {_show(value)}")
+    return float(value) if tp is float else value
+
+
+def _unknown(path: str, key: str, known: Sequence[str]) -> ConfigError:
+    near = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return ConfigError(f"{path}.{key}" if path else key,
+                       f"unknown key{hint}; expected one of {', '.join(known)}")
+
+
+def from_dict(cls: type, raw: Any, path: str) -> Any:
+    """An instance of dataclass ``cls`` from the mapping ``raw``; every key and value is checked."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(path, f"expected a mapping, got {_show(raw)}")
+    hints = typing.get_type_hints(cls)
+    fields = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+    kwargs = {}
+    for key, value in raw.items():
+        key = str(key)
+        if key not in fields:
+            raise _unknown(path, key, fields)
+        sub = f"{path}.{key}" if path else key
+        if cls is Config and key == "data":
+            kwargs[key] = _data_from_dict(value, sub)
+        else:
+            kwargs[key] = coerce(value, hints[key], sub)
+    return cls(**kwargs)
+
+
+def _data_from_dict(raw: Any, path: str) -> DataConfig:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(path, f"expected a mapping, got {_show(raw)}")
+    source = raw.get("source", "digits")
+    if source not in DATA_SOURCES:
+        raise ConfigError(f"{path}.source", f"expected one of {', '.join(map(repr, DATA_SOURCES))}, "
+                                            f"got {_show(source)}")
+    return from_dict(DATA_SOURCES[source], raw, path)
+
+
+# ---- overrides and the checks that need more than one key -----------------------------------
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one ``key.path=value`` (value in YAML syntax) to the raw config mapping."""
+    if "=" not in assignment:
+        raise ConfigError("", f"--set {assignment!r}: expected key.path=value")
+    key, text = assignment.split("=", 1)
+    parts = [p for p in key.strip().split(".")]
+    if not all(parts):
+        raise ConfigError("", f"--set {assignment!r}: empty key in {key!r}")
+    try:
+        value = parse_yaml(text) if text.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(key, f"--set value {text!r} is not valid YAML ({e.__class__.__name__})") from None
+    node = raw
+    for i, p in enumerate(parts[:-1]):
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(".".join(parts[:i + 1]),
+                              f"is {_show(nxt)}, not a mapping, so {key} cannot be set")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def builder_signature(name: str) -> dict[str, tuple[Any, Any]]:
+    """Builder keyword arguments that a config may set: name → (type, default)."""
+    from onnxtrain import zoo
+
+    fn: Callable = getattr(zoo, name)
+    hints = typing.get_type_hints(fn)
+    out = {}
+    for p in inspect.signature(fn).parameters.values():
+        if p.name != "loss":
+            out[p.name] = (hints.get(p.name, Any), p.default)
+    return out
+
+
+def _resolve(cfg: Config, rel: str, key: str, exts: tuple[str, ...]) -> str:
+    path = os.path.normpath(os.path.join(cfg.base_dir, os.path.expanduser(rel)))
+    if not os.path.isfile(path):
+        raise ConfigError(key, f"file not found: {path}")
+    if exts and not path.lower().endswith(exts):
+        raise ConfigError(key, f"expected a {' or '.join(exts)} file, got {rel!r}")
+    return path
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-key checks; resolves file paths (relative to the config's folder) in place."""
+    m = cfg.model
+    if (m.builder is None) == (m.path is None):
+        raise ConfigError("model", "give exactly one of builder (mlp, cnn, transformer) or path (an .onnx)")
+    if m.path is not None:
+        m.path = _resolve(cfg, m.path, "model.path", (".onnx",))
+        if m.args:
+            raise ConfigError("model.args", "builder arguments need model.builder, not model.path")
+    else:
+        sig = builder_signature(m.builder)
+        for k, v in list(m.args.items()):
+            if k not in sig:
+                raise _unknown("model.args", k, list(sig))
+            m.args[k] = coerce(v, sig[k][0], f"model.args.{k}")
+        missing = [k for k, (_, d) in sig.items() if d is inspect.Parameter.empty and k not in m.args]
+        if missing:
+            raise ConfigError(f"model.args.{missing[0]}", f"required by the {m.builder} builder")
+    d = cfg.data
+    if isinstance(d, FilesData):
+        if not d.feeds:
+            raise ConfigError("data.feeds", "give each model input its array, e.g. {x: images, y: labels}")
+        if d.path is not None:
+            d.path = _resolve(cfg, d.path, "data.path", (".npz",))
+        for k, v in d.feeds.items():
+            if v.lower().endswith(".npy"):
+                d.feeds[k] = _resolve(cfg, v, f"data.feeds.{k}", (".npy",))
+            elif d.path is None:
+                raise ConfigError(f"data.feeds.{k}",
+                                  f"{v!r} is an array name but data.path (an .npz) is not set")
+        if d.eval_path is not None:
+            d.eval_path = _resolve(cfg, d.eval_path, "data.eval_path", (".npz",))
+        if not 0.0 < d.eval_fraction < 1.0 and d.eval_path is None:
+            raise ConfigError("data.eval_fraction", f"expected a fraction in (0, 1), got {d.eval_fraction}")
+    elif isinstance(d, SequenceData):
+        for k in ("vocab", "length", "train_size", "eval_size"):
+            if getattr(d, k) < 1:
+                raise ConfigError(f"data.{k}", f"expected a positive int, got {getattr(d, k)}")
+    o = cfg.optimizer
+    if o.lr <= 0:
+        raise ConfigError("optimizer.lr", f"expected a positive number, got {o.lr}")
+    if o.betas is not None and (len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas)):
+        raise ConfigError("optimizer.betas", f"expected two numbers in [0, 1), got {o.betas}")
+    if o.name == "sgd":
+        for k in ("betas", "eps", "weight_decay", "clip_grad_norm"):
+            if getattr(o, k) is not None:
+                raise ConfigError(f"optimizer.{k}", "not supported by sgd (use adam or lamb)")
+    s = cfg.schedule
+    if s.warmup_steps < 0:
+        raise ConfigError("schedule.warmup_steps", f"expected an int >= 0, got {s.warmup_steps}")
+    if not 0.0 <= s.final_lr_ratio <= 1.0:
+        raise ConfigError("schedule.final_lr_ratio", f"expected a number in [0, 1], got {s.final_lr_ratio}")
+    t = cfg.training
+    for k in ("batch_size", "eval_batch_size", "log_every", "gradient_accumulation_steps",
+              "data_parallel_size"):
+        if getattr(t, k) < 1:
+            raise ConfigError(f"training.{k}", f"expected an int >= 1, got {getattr(t, k)}")
+    for k in ("epochs", "steps", "eval_every", "checkpoint_every"):
+        if getattr(t, k) is not None and getattr(t, k) < 1:
+            raise ConfigError(f"training.{k}", f"expected an int >= 1 or null, got {getattr(t, k)}")
+    if t.keep_checkpoints < 0:
+        raise ConfigError("training.keep_checkpoints", f"expected an int >= 0, got {t.keep_checkpoints}")
+    if t.epochs is None and t.steps is None:
+        raise ConfigError("training.epochs", "give training.epochs or training.steps")
+    from onnxtrain.parameters import TrainingParameters
+
+    probe = TrainingParameters()
+    for k, v in t.parameters.items():
+        try:
+            setattr(probe, k, v)
+        except AttributeError:
+            raise _unknown("training.parameters", k, sorted(probe._values)) from None
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"training.parameters.{k}", str(e)) from None
+    return cfg
+
+
+def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Config:
+    """Read, override, check and resolve the configuration at ``path``."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError("", f"config file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        try:
+            raw = parse_yaml(f.read())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError("", f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"{path}: expected a mapping of sections, got {_show(raw)}")
+    for o in overrides:
+        apply_override(raw, o)
+    cfg = from_dict(Config, raw, "")
+    cfg.name = os.path.splitext(os.path.basename(path))[0]
+    cfg.base_dir = os.path.dirname(os.path.abspath(path))
+    return validate(cfg)
+
+
+def config_from_dict(raw: dict[str, Any], name: str = "run", base_dir: str = ".") -> Config:
+    """A checked Config from a mapping (as a YAML file would give)."""
+    cfg = from_dict(Config, raw, "")
+    cfg.name, cfg.base_dir = name, os.path.abspath(base_dir)
+    return validate(cfg)

@@ -1,0 +1,142 @@
+"""The model of a training config: built or loaded, a loss appended when asked, and its inference form."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.ir.builder import value_types
+from onnxtrain.train.config import Config, ConfigError
+
+
+def _values(model: onnx.ModelProto) -> set[str]:
+    g = model.graph
+    produced = {o for n in g.node for o in n.output if o}
+    return {v.name for v in g.input} | {t.name for t in g.initializer} | produced
+
+
+def user_inputs(model: onnx.ModelProto) -> list[str]:
+    inits = {t.name for t in model.graph.initializer}
+    return [v.name for v in model.graph.input if v.name not in inits]
+
+
+def _append_loss(model: onnx.ModelProto, cfg: Config) -> None:
+    m = cfg.model
+    g = model.graph
+    types = value_types(model)
+    if m.labels in _values(model):
+        raise ConfigError("model.labels", f"{m.labels!r} is already a value of the model; pick a new input "
+                                          "name for the labels of the appended loss")
+    if m.add_loss == "cross_entropy":
+        g.node.append(helper.make_node("SoftmaxCrossEntropyLoss", [m.logits, m.labels], [m.loss],
+                                       name=m.loss))
+        g.input.append(helper.make_tensor_value_info(m.labels, TensorProto.INT64, None))
+    else:
+        et = types[m.logits].tensor_type.elem_type if m.logits in types else TensorProto.FLOAT
+        diff, sq = f"{m.loss}_diff", f"{m.loss}_sq"
+        g.node.extend([helper.make_node("Sub", [m.logits, m.labels], [diff], name=diff),
+                       helper.make_node("Mul", [diff, diff], [sq], name=sq),
+                       helper.make_node("ReduceMean", [sq], [m.loss], keepdims=0, name=m.loss)])
+        g.input.append(helper.make_tensor_value_info(m.labels, et, None))
+    g.output.insert(0, helper.make_tensor_value_info(m.loss, TensorProto.FLOAT, []))
+
+
+def build_model(cfg: Config) -> onnx.ModelProto:
+    """The trainable model: the builder's output (seeded by training.seed) or the .onnx file."""
+    m = cfg.model
+    if m.builder is not None:
+        from onnxtrain import zoo
+
+        args = {"seed": cfg.training.seed, **m.args}
+        try:
+            model = getattr(zoo, m.builder)(**args)
+        except (ValueError, TypeError) as e:
+            raise ConfigError("model.args", f"the {m.builder} builder refused them: {e}") from None
+    else:
+        try:
+            model = onnx.load(m.path)
+        except Exception as e:  # noqa: BLE001 - any parse failure is a bad model file
+            raise ConfigError("model.path", f"cannot read {m.path} as an ONNX model: {e}") from None
+    names = _values(model)
+    outputs = [o.name for o in model.graph.output]
+    if m.logits not in names:
+        raise ConfigError("model.logits", f"{m.logits!r} is not a value of the model; outputs: {outputs}")
+    if m.add_loss != "none":
+        if m.loss in names:
+            raise ConfigError("model.add_loss", f"the model already has a value {m.loss!r} (model.loss); "
+                                                "set add_loss: none to train it, or rename the new loss")
+        _append_loss(model, cfg)
+    elif m.loss not in names:
+        raise ConfigError("model.loss", f"{m.loss!r} is not a value of the model (outputs {outputs}); set "
+                                        "model.add_loss: cross_entropy or mse to append a loss to the logits")
+    if m.labels not in user_inputs(model):
+        raise ConfigError("model.labels",
+                          f"{m.labels!r} is not an input of the model; inputs: {user_inputs(model)}")
+    return model
+
+
+def inference_model(model: onnx.ModelProto, outputs: Sequence[str], weights: Mapping[str, np.ndarray] = {},
+                    as_inputs: Sequence[str] = ()) -> onnx.ModelProto:
+    """``model`` for inference: BatchNormalization and Dropout in inference mode, only ``outputs`` kept.
+
+    ``weights`` replace initializer values; initializers named in ``as_inputs`` become graph inputs
+    (so one compiled plan can be fed fresh weights). Nodes, inputs and initializers that no output
+    needs are dropped.
+    """
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    types = None
+    out_vis = []
+    for name in outputs:
+        vi = next((o for o in model.graph.output if o.name == name), None)
+        if vi is None:
+            types = types or value_types(model)
+            if name in types:
+                vi = helper.make_value_info(name, types[name])
+            else:
+                vi = helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+        out_vis.append(vi)
+    for n in g.node:
+        if n.op_type == "BatchNormalization":
+            for a in n.attribute:
+                if a.name == "training_mode":
+                    a.i = 0
+            del n.output[1:]
+        elif n.op_type == "Dropout" and len(n.input) > 2:
+            del n.input[2:]
+    needed = set(outputs)
+    keep = []
+    for n in reversed(g.node):
+        if any(o in needed for o in n.output):
+            keep.append(n)
+            needed.update(i for i in n.input if i)
+    keep.reverse()
+    del g.node[:]
+    g.node.extend(keep)
+    del g.output[:]
+    g.output.extend(out_vis)
+    moved = set(as_inputs)
+    listed = {v.name for v in g.input}
+    inits = []
+    for t in model.graph.initializer:
+        if t.name not in needed:
+            continue
+        if t.name in weights:
+            arr = np.asarray(weights[t.name])
+            dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+            t = numpy_helper.from_array(arr.astype(dtype, copy=False), t.name)
+        if t.name in moved:
+            if t.name not in listed:
+                g.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        else:
+            inits.append(t)
+    del g.initializer[:]
+    g.initializer.extend(inits)
+    kept_inputs = [v for v in g.input if v.name in needed and v.name not in {t.name for t in inits}]
+    del g.input[:]
+    g.input.extend(kept_inputs)
+    return m

@@ -1,0 +1,127 @@
+"""Config loading: key-path errors for unknown keys, wrong types and missing files; --set overrides."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from onnxtrain.cli import main
+from onnxtrain.train.config import ConfigError, load_config
+from tests.train.conftest import REPO, config_path
+
+MLP = {"model": {"builder": "mlp", "args": {"sizes": [64, 16, 10]}}, "training": {"epochs": 1}}
+
+
+def _error_line(capsys, argv) -> tuple[int, str]:
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return code, err[0]
+
+
+@pytest.mark.parametrize("name", ["digits_mlp", "digits_cnn", "tiny_transformer"])
+def test_shipped_configs_load(name):
+    cfg = load_config(config_path(name))
+    assert cfg.name == name
+
+
+@pytest.mark.parametrize("raw, key, words", [
+    ({**MLP, "trainig": {"epochs": 1}}, "trainig", "did you mean 'training'"),
+    ({**MLP, "training": {"epochs": 1, "batchsize": 8}}, "training.batchsize", "did you mean 'batch_size'"),
+    ({**MLP, "data": {"source": "digits", "path": "x.npz"}}, "data.path", "unknown key"),
+    ({**MLP, "model": {"builder": "mlp", "args": {"sizes": [64, 10], "hidden": 3}}}, "model.args.hidden",
+     "unknown key"),
+])
+def test_unknown_key_names_its_path(write_config, capsys, raw, key, words):
+    code, line = _error_line(capsys, ["train", write_config(raw)])
+    assert code == 2
+    assert f"{key}: " in line and words in line
+
+
+@pytest.mark.parametrize("raw, key, expected", [
+    ({**MLP, "training": {"epochs": "ten"}}, "training.epochs", "expected an int or null, got 'ten'"),
+    ({**MLP, "training": {"epochs": 1, "batch_size": 3.5}}, "training.batch_size", "expected an int"),
+    ({**MLP, "optimizer": {"lr": "fast"}}, "optimizer.lr", "expected a number"),
+    ({**MLP, "optimizer": {"name": "adagrad"}}, "optimizer.name", "expected one of 'sgd', 'adam', 'lamb'"),
+    ({**MLP, "model": {"builder": "mlp", "args": {"sizes": [64, "x", 10]}}}, "model.args.sizes[1]",
+     "expected an int"),
+    ({**MLP, "schedule": "cosine"}, "schedule", "expected a mapping"),
+    ({**MLP, "data": {"source": "digits", "images": "yes"}}, "data.images", "expected true or false"),
+])
+def test_wrong_type_names_its_path(write_config, capsys, raw, key, expected):
+    code, line = _error_line(capsys, ["train", write_config(raw)])
+    assert code == 2
+    assert f"{key}: {expected}" in line
+
+
+def test_missing_model_file_names_its_path(write_config, capsys):
+    code, line = _error_line(capsys, ["train", write_config({"model": {"path": "nope.onnx"}, "training": {
+        "epochs": 1}})])
+    assert code == 2
+    assert "model.path: file not found" in line and "nope.onnx" in line
+
+
+def test_missing_data_file_names_its_path(write_config, capsys):
+    raw = {**MLP, "data": {"source": "files", "path": "missing.npz", "feeds": {"x": "a", "y": "b"}}}
+    code, line = _error_line(capsys, ["eval", write_config(raw), "--checkpoint", "x"])
+    assert code == 2 and "data.path: file not found" in line
+
+
+def test_missing_config_file(capsys):
+    code, line = _error_line(capsys, ["train", "no/such/config.yaml"])
+    assert code == 2 and "config file not found" in line
+
+
+def test_cross_key_checks(write_config):
+    with pytest.raises(ConfigError, match=r"^model: give exactly one of builder"):
+        load_config(write_config({"model": {}, "training": {"epochs": 1}}))
+    with pytest.raises(ConfigError, match=r"^training.epochs: give training.epochs or training.steps"):
+        load_config(write_config({"model": MLP["model"]}))
+    with pytest.raises(ConfigError, match=r"^model.args.sizes: required by the mlp builder"):
+        load_config(write_config({"model": {"builder": "mlp"}, "training": {"epochs": 1}}))
+    with pytest.raises(ConfigError, match=r"^optimizer.betas: not supported by sgd"):
+        load_config(write_config({**MLP, "optimizer": {"name": "sgd", "betas": [0.9, 0.99]}}))
+    with pytest.raises(ConfigError, match=r"^training.parameters.use_fancy_mode: unknown key"):
+        load_config(write_config({**MLP, "training": {"epochs": 1, "parameters": {"use_fancy_mode": True}}}))
+
+
+def test_set_overrides_with_type_checking(write_config):
+    path = write_config(MLP)
+    cfg = load_config(path, ["training.epochs=3", "optimizer.lr=3e-3", "schedule.kind=cosine",
+                             "model.args.sizes=[64, 32, 10]", "output.dir=/tmp/x"])
+    assert cfg.training.epochs == 3 and cfg.optimizer.lr == 3e-3 and cfg.schedule.kind == "cosine"
+    assert cfg.model.args["sizes"] == [64, 32, 10] and cfg.output.dir == "/tmp/x"
+    with pytest.raises(ConfigError, match=r"^training.batch_size: expected an int, got 'many'"):
+        load_config(path, ["training.batch_size=many"])
+    with pytest.raises(ConfigError, match=r"^training.bach_size: unknown key \(did you mean 'batch_size'"):
+        load_config(path, ["training.bach_size=8"])
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        load_config(path, ["training.epochs"])
+
+
+def test_yaml_reads_exponent_floats(write_config):
+    """PyYAML reads ``1e-3`` as a string; our loader reads it as the number it looks like."""
+    path = write_config(MLP)
+    with open(path, "a") as f:
+        f.write("optimizer:\n  lr: 1e-3\n")
+    assert load_config(path).optimizer.lr == 1e-3
+
+
+def test_command_line_exit_code_and_one_line():
+    """The installed entry point: a bad --set exits 2 with one stderr line naming the key."""
+    r = subprocess.run([sys.executable, "-m", "onnxtrain", "train", config_path("digits_mlp"), "--set",
+                        "training.epochs=lots"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "training.epochs: expected an int or null, got 'lots'" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["eval", "--help"], ["export", "--help"],
+                                  ["info", "--help"], ["gradient-graph", "--help"]])
+def test_help_everywhere(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    assert "usage: onnxtrain" in capsys.readouterr().out

@@ -1,0 +1,107 @@
+"""Ctrl-C and --resume: an interrupted and resumed run ends with the weights of an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from onnxtrain.checkpoint import load_checkpoint
+from onnxtrain.cli import main
+from onnxtrain.train import Trainer, load_config
+from onnxtrain.train.loop import list_checkpoints
+from tests.train.conftest import REPO, config_path
+
+# long enough that SIGINT lands mid-run; checkpoints often, so the first one comes early
+SETS = ["training.epochs=25", "training.checkpoint_every=15", "training.eval_every=150",
+        "training.keep_checkpoints=0"]
+
+
+def _final(folder: str):
+    return load_checkpoint(list_checkpoints(folder)[-1][1])
+
+
+def _assert_same_state(a, b) -> None:
+    assert a.trainable.keys() == b.trainable.keys()
+    for k in a.trainable:
+        np.testing.assert_array_equal(a.trainable[k], b.trainable[k], err_msg=k)
+    for k in a.frozen:
+        np.testing.assert_array_equal(a.frozen[k], b.frozen[k], err_msg=k)
+    ga, gb = a.optimizer_groups[0], b.optimizer_groups[0]
+    assert ga.step == gb.step
+    for w, d in ga.states.items():
+        for k, v in d.items():
+            np.testing.assert_array_equal(v, gb.states[w][k], err_msg=f"{w}/{k}")
+    for k in ("global_step", "epoch", "epoch_position", "data_order_rng", "samples_seen"):
+        assert a.properties[k] == b.properties[k], k
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("uninterrupted"))
+    cfg = load_config(config_path("digits_mlp"), SETS)
+    Trainer(cfg, out, progress=False).run()
+    return out
+
+
+def test_sigint_then_resume_matches_uninterrupted(tmp_path, uninterrupted):
+    out = str(tmp_path)
+    argv = [sys.executable, "-m", "onnxtrain", "train", config_path("digits_mlp"), "--output-dir", out, "-q"]
+    for s in SETS:
+        argv += ["--set", s]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = os.path.join(out, "checkpoints", "step_00000015.ckpt")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(first):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no checkpoint within 120 s"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted at step" in err and "--resume" in err
+    stopped = list_checkpoints(out)
+    total = _final(uninterrupted).properties["global_step"]
+    assert stopped and stopped[-1][0] < total, "the run finished before SIGINT arrived"
+    assert not [f for f in os.listdir(os.path.join(out, "checkpoints")) if f.endswith(".tmp")]
+    load_checkpoint(stopped[-1][1])  # the last checkpoint is whole
+    sets = [a for s in SETS for a in ("--set", s)]
+    assert main(["train", config_path("digits_mlp"), "--output-dir", out, "-q", "--resume", *sets]) == 0
+    _assert_same_state(_final(out), _final(uninterrupted))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        steps = [json.loads(line)["step"] for line in f if '"loss"' in line]
+    assert steps == sorted(steps) and len(steps) == len(set(steps))  # no entries repeated by the resume
+
+
+def test_resume_mid_epoch_in_process(tmp_path, monkeypatch, uninterrupted):
+    """SIGINT raised right after the second checkpoint (step 30, mid-epoch), then resume."""
+    out = str(tmp_path)
+    cfg = load_config(config_path("digits_mlp"), SETS)
+    saves = []
+    real_save = Trainer.save
+
+    def save_then_interrupt(self, st):
+        path = real_save(self, st)
+        saves.append(path)
+        if len(saves) == 2:
+            signal.raise_signal(signal.SIGINT)
+        return path
+
+    monkeypatch.setattr(Trainer, "save", save_then_interrupt)
+    result = Trainer(cfg, out, progress=False).run()
+    assert result.status == "interrupted" and result.global_step == 30
+    monkeypatch.undo()
+    result = Trainer(load_config(config_path("digits_mlp"), SETS), out, progress=False).run(resume=True)
+    assert result.status == "finished"
+    _assert_same_state(_final(out), _final(uninterrupted))
+
+
+def test_resume_without_checkpoint_fails(tmp_path, capsys):
+    assert main(["train", config_path("digits_mlp"), "--output-dir", str(tmp_path), "-q", "--resume"]) == 1
+    assert "--resume: no checkpoint" in capsys.readouterr().err
