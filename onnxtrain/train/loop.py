@@ -437,8 +437,8 @@ class Trainer:
                         rec = {"step": s, "epoch": st.epoch, "loss": window_loss / window_n, "lr": lr,
                                "samples_per_s": window_samples / max(now - window_t, 1e-9)}
                         self._log(records, fh, rec)
-                        bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{lr:.2e}",
-                                        samples_s=f"{rec['samples_per_s']:.0f}", refresh=False)
+                        bar.set_postfix({"loss": f"{rec['loss']:.4f}", "lr": f"{lr:.2e}",
+                                         "samples/s": f"{rec['samples_per_s']:.0f}"}, refresh=False)
                         window_loss, window_n, window_t, window_samples = 0.0, 0, now, 0
                     if s % eval_every == 0 or s == self.total:
                         last_eval = self.evaluate(self.data.eval, self.weights())
@@ -447,6 +447,7 @@ class Trainer:
                             bar.write(f"step {s}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()))
                     if s % ckpt_every == 0 or s == self.total:
                         last_ckpt = self.save(st)
+                    window_t = time.perf_counter() if window_n == 0 else window_t  # samples/s: training only
         finally:
             bar.close()
         if status == "interrupted":
