@@ -327,16 +327,60 @@ class TrainingSession(InferenceSession):
             raise TypeError(f"state {name!r}: expected dtype {cur.dtype}, got {arr.dtype}")
         self._store[name] = arr.copy()
 
+    def _zero_full_names(self) -> dict[str, list[tuple[str, Any, bool]]]:
+        """ZeRO: unpartitioned state name → [(this rank's state name, piece, elementwise)]."""
+        out: dict[str, list[tuple[str, Any, bool]]] = {}
+        for sp in self._specs:
+            pc = self._zero.piece_of.get(sp.weight) if self._zero is not None else None
+            if pc is not None:
+                out.setdefault(f"{sp.key}_{pc.weight}", []).append((sp.name, pc, sp.initial.shape == pc.shape))
+        return out
+
+    def gather_state(self) -> dict[str, np.ndarray]:
+        """``get_state()`` with ZeRO-partitioned optimizer state reassembled under the unpartitioned names
+        (``Moment_1_<w>``, ...), e.g. for rank 0 to write a complete checkpoint. Under ZeRO this is a
+        collective: every rank must call it. Otherwise it equals ``get_state()``."""
+        state = self.get_state()
+        z = self._zero
+        if z is None:
+            return state
+        mine = []
+        for full, parts in self._zero_full_names().items():
+            for name, pc, elementwise in parts:
+                mine.append((full, pc.weight, pc.start, pc.stop, elementwise, state.pop(name)))
+        gathered: dict[str, np.ndarray] = {}
+        for part in self._dp.comm.allgather_object(mine, "gathering the ZeRO optimizer state"):
+            for full, w, a, b, elementwise, v in part:
+                if not elementwise:
+                    gathered.setdefault(full, v)
+                    continue
+                buf = gathered.setdefault(full, np.zeros(z.shapes[w], v.dtype))
+                buf.reshape(-1)[a:b] = v.reshape(-1)
+        state.update(gathered)
+        return dict(sorted(state.items()))
+
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
-        """Copy ``state`` (as from ``get_state()``) into the session; shapes and dtypes must match."""
+        """Copy ``state`` (as from ``get_state()``) into the session; shapes and dtypes must match.
+
+        Under ZeRO stage 1, unpartitioned optimizer state (as from ``gather_state()``) is sliced to this
+        rank's pieces, and absent names are tolerated.
+        """
         known = set(self._state_names())
+        zero_names = self._zero_full_names() if self._zero is not None else {}
         for name, value in state.items():
             if name not in known:
+                if name in zero_names:
+                    arr = np.asarray(value)
+                    for local, pc, elementwise in zero_names[name]:
+                        full = elementwise and arr.shape == self._zero.shapes[pc.weight]
+                        self._assign(local, self._zero.piece_view(pc, arr) if full else arr)
+                    continue
                 if strict:
-                    raise KeyError(f"load_state: {name!r} is not a state tensor of this session; known: {sorted(known)}")
+                    raise KeyError(f"load_state: {name!r} is not a state tensor of this session; known: "
+                                   f"{sorted(known)}")
                 continue
             self._assign(name, value)
-        if strict:
+        if strict and self._zero is None:
             missing = sorted(known - set(state))
             if missing:
                 raise KeyError(f"load_state(strict=True): missing state tensor(s) {missing}")

@@ -14,7 +14,7 @@ import numpy as np
 
 from onnxtrain.parallel.comm import Communicator
 
-DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_BUCKET_BYTES = 16 << 20
 
 
 class BucketReducer:
@@ -59,14 +59,17 @@ class BucketReducer:
 _REDUCERS: dict[tuple, BucketReducer] = {}
 
 
-def allreduce_gradients(arrays: Sequence[np.ndarray], average: bool = True, comm: Communicator | None = None,
+def allreduce_gradients(arrays: Sequence[np.ndarray], average: bool = True, inplace: bool = True,
+                        comm: Communicator | None = None,
                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[np.ndarray]:
-    """Sum (``average=True``: average) ``arrays`` across all ranks, **in place**; returns the same arrays.
+    """Average (``average=False``: sum) ``arrays`` across all ranks.
 
-    Meant for training loops that hold their own gradient buffers (the on-device ``Module``): call it
-    on every rank with the same list of shapes and dtypes, after the backward pass and before the
-    optimizer step. With one process it does nothing. The exchange goes through a few flat buffers
-    that are kept between calls for the same list of shapes.
+    ``inplace=True`` writes the result into the given arrays and returns them (they must be writeable
+    and not share memory with anything that must not change, e.g. weights); ``inplace=False`` returns
+    new arrays and leaves the inputs alone. Meant for training loops that hold their own gradients
+    (the on-device ``Module``/``Optimizer``): call it on every rank with the same list of shapes and
+    dtypes, after the backward pass and before the optimizer step. With one process it returns the
+    inputs unchanged. The exchange goes through a few flat buffers kept between calls.
     """
     from onnxtrain.parallel.comm import get_communicator, world
 
@@ -78,7 +81,7 @@ def allreduce_gradients(arrays: Sequence[np.ndarray], average: bool = True, comm
     if comm.size == 1:
         return arrays
     for i, a in enumerate(arrays):
-        if not isinstance(a, np.ndarray) or not a.flags.writeable:
+        if not isinstance(a, np.ndarray) or (inplace and not a.flags.writeable):
             raise TypeError(f"allreduce_gradients: item {i} must be a writeable numpy array, got "
                             f"{type(a).__name__}")
     key = (tuple(a.shape for a in arrays), tuple(a.dtype.str for a in arrays), bucket_bytes, id(comm))
@@ -87,6 +90,8 @@ def allreduce_gradients(arrays: Sequence[np.ndarray], average: bool = True, comm
         red = _REDUCERS[key] = BucketReducer(comm, [a.shape for a in arrays], [a.dtype for a in arrays],
                                              bucket_bytes)
     out = red.reduce(arrays, 1.0 / comm.size if average else 1.0)
+    if not inplace:
+        return [r.copy() for r in out]
     for a, r in zip(arrays, out):
         np.copyto(a, r)
     return arrays

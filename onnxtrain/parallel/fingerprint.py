@@ -35,12 +35,12 @@ def _difference(name: str, mine: Any, theirs: Any, r: int) -> str:
             parts.append(f"only on rank 0: {describe(only_a)}")
         if only_b:
             parts.append(f"only on rank {r}: {describe(only_b)}")
-        if changed:
-            parts.append(f"different for {describe(changed)}" + (
-                f" (rank 0: {describe(mine[changed[0]], 60)}, rank {r}: {describe(theirs[changed[0]], 60)})"
-                if len(changed) == 1 else ""))
-        return f"{name}: " + "; ".join(parts)
-    return f"{name}: rank 0 has {describe(mine)}, rank {r} has {describe(theirs)}"
+        for k in changed[:3]:
+            parts.append(f"{k}: rank 0 {describe(mine[k], 60)}, rank {r} {describe(theirs[k], 60)}")
+        if len(changed) > 3:
+            parts.append(f"and {len(changed) - 3} more ({describe(changed[3:])})")
+        return f"rank {r} differs from rank 0 in {name}: " + "; ".join(parts)
+    return f"rank {r} differs from rank 0 in {name}: rank 0 {describe(mine)}, rank {r} {describe(theirs)}"
 
 
 def check_same_on_all_ranks(comm: Communicator, fingerprint: Mapping[str, Any], what: str = "model") -> None:
@@ -54,7 +54,7 @@ def check_same_on_all_ranks(comm: Communicator, fingerprint: Mapping[str, Any], 
     ref = everyone[0]
     problems = []
     for r, fp in enumerate(everyone[1:], start=1):
-        fields = sorted(k for k in set(ref) | set(fp) if ref.get(k) != fp.get(k))
+        fields = [k for k in [*ref, *(k for k in fp if k not in ref)] if ref.get(k) != fp.get(k)]
         for k in fields:
             problems.append(_difference(k, ref.get(k), fp.get(k), r))
     if problems:

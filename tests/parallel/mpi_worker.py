@@ -1,8 +1,9 @@
 """Run under ``mpiexec -n 2``: data-parallel sessions on half batches, Adasum on random vectors, faults.
 
 ``python mpi_worker.py train OUT.npz`` trains every case of ``CASES`` and rank 0 saves the final
-weights (and per-rank optimizer-state bytes); ``adasum OUT.npz`` saves each rank's input vectors
-and the reduced result; ``raise``/``kill``/``mismatch`` exercise the failure paths.
+weights (and per-rank optimizer-state bytes); ``collectives OUT.npz`` saves each rank's Adasum input
+vectors and results, and what the helpers (``allreduce_gradients``, ``world``, ``shard_range``) gave;
+``raise``/``kill``/``hang`` [CKPT] and ``mismatch`` exercise the failure paths.
 """
 
 from __future__ import annotations
@@ -83,12 +84,15 @@ def main() -> None:
     if what == "train":
         saved: dict[str, np.ndarray] = {}
         for case in CASES:
+            zero = CASES[case][2]
             sess, norms = train(case)
             opt_state = sess.get_optimizer_state()
             opt_bytes = sum(a.nbytes for d in opt_state.values() for a in d.values())
             print(f"rank {w.rank}: {case}: optimizer-state bytes on this rank {opt_bytes}; partitioned "
                   f"weights {sorted(sess.get_partition_info_map())}", flush=True)
             state = sess.get_model_state()["full_precision"]
+            if zero:
+                state.update({f"gathered/{k}": v for k, v in sess.gather_state().items()})
             everyone = sess._dp.comm.allgather_object((state, opt_bytes, norms))
             if w.rank == 0:
                 for r, (st, nbytes, nm) in enumerate(everyone):
@@ -98,7 +102,7 @@ def main() -> None:
                     saved[f"{case}/{r}/norms"] = np.asarray(nm)
         if w.rank == 0:
             np.savez(out, **saved)
-    elif what == "adasum":
+    elif what == "collectives":
         from onnxtrain.parallel import get_communicator
         from onnxtrain.parallel.adasum import adasum_reduce
 
@@ -115,17 +119,46 @@ def main() -> None:
             for r, vs in enumerate(comm.allgather_object(res)):
                 for i, v in enumerate(vs):
                     saved[f"{np.dtype(dt).name}/out/{r}/{i}"] = v
+        # the helpers offered to other training loops (the on-device Module, the CLI)
+        from onnxtrain.parallel import allreduce_gradients, shard_range
+
+        grads = [np.full((3, 4), w.rank + 1.0, np.float32), np.full(5, 10.0 * (w.rank + 1), np.float64)]
+        fresh = allreduce_gradients(grads, inplace=False)
+        assert grads[0][0, 0] == w.rank + 1.0, "inplace=False changed its input"
+        same = allreduce_gradients(grads)
+        assert same[0] is grads[0]
+        for k, (a, b) in enumerate(zip(fresh, grads)):
+            saved[f"helpers/{w.rank}/avg{k}"] = a
+            saved[f"helpers/{w.rank}/inplace{k}"] = b
+        saved[f"helpers/{w.rank}/world"] = np.array(tuple(w))
+        saved[f"helpers/{w.rank}/shard"] = np.array([shard_range(9).start, shard_range(9).stop])
+        everyone = comm.allgather_object({k: v for k, v in saved.items() if k.startswith("helpers/")})
+        for d in everyone:
+            saved.update(d)
         if w.rank == 0:
             np.savez(out, **saved)
-    elif what in ("raise", "kill"):
-        p = params("SGDOptimizer", 1, 0, {})
-        sess = TrainingSession(mlp_model().SerializeToString(), p)
+    elif what in ("raise", "kill", "hang"):
+        # ZeRO-1 Adam; after every step rank 0 writes a checkpoint of the gathered state
+        from onnxtrain.checkpoint import Checkpoint, save_checkpoint
+
+        sess = TrainingSession(mlp_model().SerializeToString(), params("AdamOptimizer", 1, 1, {}))
+        if what == "hang":
+            sess._dp.comm.timeout = 3.0  # after the start-up check, which a loaded machine may slow down
         for step, (x, y) in enumerate(batches(1000, GLOBAL_BATCH)):
             if step == 3 and w.rank == 1:
                 if what == "kill":
                     os.kill(os.getpid(), 9)
+                if what == "hang":
+                    import time
+
+                    time.sleep(1000)
                 raise RuntimeError("rank 1 fails on purpose at step 3")
             sess.run(["loss"], {"x": split_batch(x), "y": split_batch(y), "Learning_Rate": LR})
+            state = sess.gather_state()
+            if w.rank == 0 and out:
+                save_checkpoint(Checkpoint(trainable={k: v for k, v in state.items()
+                                                      if not k.startswith(("Moment_", "Update_"))},
+                                           properties={"step": step + 1}), out)
         print("finished without noticing the failure", flush=True)
     elif what == "mismatch":
         model = mlp_model(dh=16 if w.rank == 0 else 12)

@@ -40,6 +40,15 @@ def test_two_ranks_half_batch_equal_one_process_whole_batch(trained: dict[str, n
             assert err <= 1e-6, f"{case} rank {r} {k}: relative error {err:.3g}"
     if ref_norms:
         np.testing.assert_allclose(trained[f"{case}/0/norms"], ref_norms, rtol=1e-5)
+    if mpi_worker.CASES[case][2]:  # ZeRO: the gathered state is the whole unpartitioned state
+        full = ref.get_state()
+        for r in range(2):
+            got = {k.split("/", 3)[3]: v for k, v in trained.items() if k.startswith(f"{case}/{r}/gathered/")}
+            assert sorted(got) == sorted(full)
+            for k, v in full.items():
+                assert got[k].shape == v.shape and got[k].dtype == v.dtype, k
+                assert rel_err(got[k], v) <= 1e-5, k
+        ref.load_state(got, strict=True)  # loads into an unpartitioned session
 
 
 def test_zero_stage1_partitions_optimizer_state(trained: dict[str, np.ndarray]) -> None:
@@ -53,13 +62,29 @@ def test_zero_stage1_partitions_optimizer_state(trained: dict[str, np.ndarray]) 
     assert all(int(trained[f"sgd_zero/{r}/optimizer_state_bytes"]) == 0 for r in range(2))
 
 
-def test_adasum_matches_float64_reference(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def collectives(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
+    out = tmp_path_factory.mktemp("mpi") / "collectives.npz"
+    r = run_mpi("collectives", str(out), timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return dict(np.load(out))
+
+
+def test_helpers_for_other_training_loops(collectives: dict[str, np.ndarray]) -> None:
+    d = collectives
+    for r in range(2):
+        np.testing.assert_array_equal(d[f"helpers/{r}/world"], [r, 2, r, 2])
+        np.testing.assert_array_equal(d[f"helpers/{r}/shard"], [4 * r, 4 * r + 4])
+        for k in ("avg", "inplace"):
+            assert d[f"helpers/{r}/{k}0"].dtype == np.float32 and d[f"helpers/{r}/{k}1"].dtype == np.float64
+            np.testing.assert_array_equal(d[f"helpers/{r}/{k}0"], 1.5)
+            np.testing.assert_array_equal(d[f"helpers/{r}/{k}1"], 15.0)
+
+
+def test_adasum_matches_float64_reference(collectives: dict[str, np.ndarray]) -> None:
     from onnxtrain.parallel.adasum import adasum_reference
 
-    out = tmp_path / "adasum.npz"
-    r = run_mpi("adasum", str(out), timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
-    d = np.load(out)
+    d = collectives
     for dt, tol in (("float32", 1e-6), ("float64", 1e-13)):
         n = len([k for k in d if k.startswith(f"{dt}/in/0/")])
         ins = [[d[f"{dt}/in/{rank}/{i}"] for i in range(n)] for rank in range(2)]
@@ -74,16 +99,25 @@ def test_adasum_matches_float64_reference(tmp_path) -> None:
         np.testing.assert_array_equal(want[-1], 0.0)  # two zero vectors sum to zero
 
 
-@pytest.mark.parametrize("how", ["raise", "kill"])
-def test_failing_rank_ends_the_job(how: str) -> None:
+@pytest.mark.parametrize("how", ["raise", "kill", "hang"])
+def test_failing_rank_ends_the_job(how: str, tmp_path) -> None:
+    from onnxtrain.checkpoint import load_checkpoint
+
+    ckpt = tmp_path / "last.ckpt"
     t0 = time.perf_counter()
-    r = run_mpi(how, timeout=60, env={"ONNXTRAIN_MPI_TIMEOUT": "20"})
+    # a hanging rank is caught by the other rank's collective timeout (set to 3 s by the worker)
+    r = run_mpi(how, str(ckpt), timeout=60, env={"ONNXTRAIN_MPI_TIMEOUT": "20"})
     took = time.perf_counter() - t0
     assert r.returncode != 0
     assert took < 30, f"the job took {took:.1f} s to end"
     assert "finished without noticing" not in r.stdout
     if how == "raise":
         assert "rank 1 fails on purpose" in r.stderr and "aborting all ranks" in r.stderr
+    if how == "hang":
+        assert "[rank 0/2]: ZeRO gradient reduce-scatter" in r.stderr
+        assert "did not complete within 3 s" in r.stderr
+    last = load_checkpoint(ckpt)  # the last checkpoint written before the failure is whole
+    assert 1 <= int(last.properties["step"]) <= 3 and sorted(last.trainable) == ["W1", "W2", "b1", "b2"]
 
 
 def test_mismatched_models_are_named() -> None:
