@@ -115,6 +115,29 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help=_SET_HELP)
 
 
+def _artifacts(a: argparse.Namespace) -> int:
+    from onnxtrain.training import artifacts
+    from onnxtrain.training_graph import discover_trainable
+
+    model = onnx.load(a.model)
+    os.makedirs(a.output, exist_ok=True)
+    split = lambda v: [n for n in (v or "").split(",") if n]  # noqa: E731 - a local one-liner
+    loss = getattr(artifacts.LossType, a.loss) if a.loss else None
+    requires = split(a.requires_grad)
+    if not requires and loss is None:
+        out = a.loss_output or model.graph.output[0].name
+        requires = discover_trainable(model, out, {})
+    elif not requires:
+        requires = [t.name for t in model.graph.initializer if t.name not in split(a.frozen)]
+    artifacts.generate_artifacts(
+        model, requires_grad=requires, frozen_params=split(a.frozen), loss=loss,
+        optimizer=getattr(artifacts.OptimType, a.optimizer) if a.optimizer else None,
+        artifact_directory=a.output, prefix=a.prefix, additional_output_names=split(a.additional_outputs) or None,
+        nominal_checkpoint=a.nominal_checkpoint)
+    print(f"wrote the training artifacts of {a.model} to {a.output} ({len(requires)} trainable parameters)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="onnxtrain", description="Train ONNX models with numpy.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +178,21 @@ def main(argv: list[str] | None = None) -> int:
                      help="every float initializer that reaches the loss")
     gg.add_argument("-o", "--output", required=True, help="where to write the gradient graph")
     gg.set_defaults(fn=_gradient_graph)
+    ar = sub.add_parser("artifacts", help="generate_artifacts: training, eval and optimizer models + checkpoint",
+                        description="Write the on-device training artifacts of MODEL (standard ONNX graphs and "
+                                    "an onnxruntime-training checkpoint).")
+    ar.add_argument("model", help="the forward ONNX model")
+    ar.add_argument("-o", "--output", required=True, help="the artifact directory")
+    ar.add_argument("--requires-grad", help="comma-separated trainable initializers (default: all but --frozen)")
+    ar.add_argument("--frozen", help="comma-separated frozen initializers")
+    ar.add_argument("--loss", choices=["MSELoss", "CrossEntropyLoss", "BCEWithLogitsLoss", "L1Loss"],
+                    help="loss appended to the model (default: the model's first output is the loss)")
+    ar.add_argument("--loss-output", help="with no --loss: the output that is the loss")
+    ar.add_argument("--optimizer", choices=["AdamW", "SGD"], help="write an optimizer model too")
+    ar.add_argument("--prefix", default="", help="prefix of the artifact file names")
+    ar.add_argument("--additional-outputs", help="comma-separated extra outputs of the training/eval models")
+    ar.add_argument("--nominal-checkpoint", action="store_true", help="also write a nominal checkpoint")
+    ar.set_defaults(fn=_artifacts)
     info = sub.add_parser("info", help="inputs, outputs, parameters and op coverage of a model",
                           description="Inputs, outputs, parameter count and bytes, op histogram, and which "
                                       "ops lack a kernel or a gradient rule.")
