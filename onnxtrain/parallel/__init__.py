@@ -74,7 +74,8 @@ def resolve(p: Any) -> DataParallel | None:
     size = w.size
     d = p.data_parallel_size
     if d > size:
-        raise ValueError(f"TrainingParameters.data_parallel_size={d} exceeds the world size {size}")
+        hint = f"; launch with: mpiexec -n {d} python script.py" if size == 1 else ""
+        raise ValueError(f"TrainingParameters.data_parallel_size={d} exceeds the world size {size}{hint}")
     if d not in (1, size):
         warnings.warn(f"data_parallel_size={d} does not equal world_size {size} (horizontal and pipeline "
                       f"sizes are 1); using {size}", stacklevel=3)
