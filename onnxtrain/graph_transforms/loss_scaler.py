@@ -1,0 +1,82 @@
+"""Host-side loss scaling for mixed precision (spec §8.4): the scale is a graph input fed on every run.
+
+``DynamicLossScaler`` has the arithmetic of onnxruntime's ``amp.loss_scaler.DynamicLossScaler``: start at
+2^16; after each optimizer step, a non-finite step halves the scale (not below ``min_loss_scale``) and
+restarts the count of clean steps; ``up_scale_window`` (2,000) clean steps in a row double it (not above
+``max_loss_scale``, 2^24). The session stays stateless about the scale. Example::
+
+    scaler = DynamicLossScaler()
+    for batch in data:
+        finite, = sess.run(["all_gradients_finite"], {**batch, "Learning_Rate": lr,
+                                                      sess.loss_scale_input_name: scaler.feed()})
+        scaler.update_loss_scale(bool(finite))
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class LossScaler:
+    """A loss scale fed to the graph as a float32 ``[1]`` array; the base class keeps it fixed (static)."""
+
+    def __init__(self, loss_scale: float = 1.0, input_name: str = "loss_scale"):
+        if not loss_scale > 0:
+            raise ValueError(f"loss_scale must be positive, got {loss_scale}")
+        self.loss_scale = float(loss_scale)
+        self.input_name = input_name
+
+    def feed(self) -> np.ndarray:
+        """The current scale as the graph input expects it: float32, shape [1]."""
+        return np.array([self.loss_scale], dtype=np.float32)
+
+    def update_loss_scale(self, is_all_finite: bool) -> None:
+        """Called after each optimizer step with its ``all_gradients_finite``; a static scale ignores it."""
+
+    def reset(self) -> None:
+        """Back to the initial state."""
+
+
+class DynamicLossScaler(LossScaler):
+    """The dynamic loss scale of onnxruntime's legacy AMP (same arguments and defaults).
+
+    Note: onnxruntime's docstring says ``automatic_update`` defaults to False while its signature defaults
+    it to True; the signature is what ran, and is kept here.
+    """
+
+    def __init__(self, automatic_update: bool = True, loss_scale: float = float(1 << 16),
+                 up_scale_window: int = 2000, min_loss_scale: float = 1.0,
+                 max_loss_scale: float = float(1 << 24), input_name: str = "loss_scale"):
+        super().__init__(loss_scale, input_name)
+        if up_scale_window < 1:
+            raise ValueError(f"up_scale_window must be >= 1, got {up_scale_window}")
+        if not 0 < min_loss_scale <= max_loss_scale:
+            raise ValueError(f"need 0 < min_loss_scale <= max_loss_scale, got {min_loss_scale}, "
+                             f"{max_loss_scale}")
+        self.automatic_update = bool(automatic_update)
+        self.initial_loss_scale = float(loss_scale)
+        self.up_scale_window = int(up_scale_window)
+        self.min_loss_scale = float(min_loss_scale)
+        self.max_loss_scale = float(max_loss_scale)
+        self.stable_steps = 0
+
+    def update_loss_scale(self, is_all_finite: bool) -> None:
+        """Halve on a non-finite step (its update was skipped); double after a window of clean ones."""
+        if not self.automatic_update:
+            return
+        if is_all_finite:
+            self.stable_steps += 1
+            if self.stable_steps >= self.up_scale_window:
+                self.loss_scale = min(self.max_loss_scale, self.loss_scale * 2)
+                self.stable_steps = 0
+        else:
+            self.loss_scale = max(self.min_loss_scale, self.loss_scale / 2)
+            self.stable_steps = 0
+
+    def reset(self) -> None:
+        self.loss_scale = self.initial_loss_scale
+        self.stable_steps = 0
+
+    def __repr__(self) -> str:
+        return (f"DynamicLossScaler(loss_scale={self.loss_scale}, stable_steps={self.stable_steps}, "
+                f"up_scale_window={self.up_scale_window})")

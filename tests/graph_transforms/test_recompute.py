@@ -1,0 +1,175 @@
+"""Recompute (spec §9): bit-identical gradients, lower peak live bytes, composability, onnxruntime."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from onnxtrain.autodiff import build_gradient_model
+from onnxtrain.engine import compile_model
+from onnxtrain.engine.kernels.loss import set_dropout_seed
+from onnxtrain.graph_transforms.mixed_precision import mixed_precision
+from onnxtrain.graph_transforms.recompute import (
+    attn_dropout_recompute,
+    checkpoint_recompute,
+    find_transformer_layers,
+    gelu_recompute,
+    recompute,
+    transformer_layer_recompute,
+)
+from tests.graph_transforms import nets
+
+STRATEGIES = {
+    "gelu": dict(gelu=True),
+    "attn_dropout": dict(attn_dropout=True),
+    "transformer_layer": dict(transformer_layer=True),
+    "all_three": dict(gelu=True, attn_dropout=True, transformer_layer=True),
+}
+
+
+def _run(model: onnx.ModelProto, feeds: dict) -> tuple[list[np.ndarray], int]:
+    set_dropout_seed(7)  # the same masks in both runs
+    plan = compile_model(model)
+    out = plan.run(feeds)
+    return out, plan.peak_bytes
+
+
+def _grad(model: onnx.ModelProto) -> onnx.ModelProto:
+    return build_gradient_model(model, "loss", nets.trained(model))
+
+
+def _assert_recomputed(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
+    onnx.checker.check_model(after, full_check=True)
+    assert all(n.domain in ("", "ai.onnx") for n in after.graph.node)
+    assert [o.name for o in after.graph.output] == [o.name for o in before.graph.output]
+    assert any(o.endswith("_recompute") for n in after.graph.node for o in n.output)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("name", ["gpt", "bert"])
+def test_bit_identical_and_smaller(name: str, strategy: str) -> None:
+    model, feeds = (nets.gpt(3, dropout=0.1), nets.gpt_feeds(8)) if name == "gpt" else (
+        nets.bert(3, dropout=0.1), nets.bert_feeds(16))
+    grad = _grad(model)
+    ref, peak0 = _run(grad, feeds)
+    out = recompute(grad, "loss", **STRATEGIES[strategy])
+    _assert_recomputed(grad, out)
+    got, peak = _run(out, feeds)
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a, b)
+    print(f"\n{name} {strategy}: peak live bytes ratio {peak / peak0:.3f}")
+    assert peak < peak0
+
+
+def test_transformer_layer_recompute_memory() -> None:
+    """A 4-layer GPT: all layers but the last recomputed; the training step's peak drops by >= 30 %."""
+    model, feeds = nets.gpt(4, seq=32, d=64), nets.gpt_feeds(16, 32)
+    grad = _grad(model)
+    layers = find_transformer_layers(grad, "loss")
+    assert len(layers) == 4
+    assert all(end == nxt for (_, end, _), (nxt, _, _) in zip(layers, layers[1:]))
+    ref, peak0 = _run(grad, feeds)
+    out = transformer_layer_recompute(grad, "loss")
+    got, peak = _run(out, feeds)
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a, b)
+    print(f"\ngpt x4 transformer_layer_recompute: peak live bytes {peak} / {peak0} = {peak / peak0:.3f}")
+    assert peak < 0.7 * peak0
+    one = transformer_layer_recompute(grad, "loss", number_recompute_layers=1)
+    _, peak1 = _run(one, feeds)
+    assert peak <= peak1 < peak0
+    with pytest.warns(UserWarning, match="number_recompute_layers"):
+        clipped = transformer_layer_recompute(grad, "loss", number_recompute_layers=9)
+    assert len(clipped.graph.node) == len(out.graph.node)
+
+
+def test_each_pass_composes() -> None:
+    model, feeds = nets.gpt(2, dropout=0.1), nets.gpt_feeds(8)
+    grad = _grad(model)
+    ref, _ = _run(grad, feeds)
+    out = attn_dropout_recompute(gelu_recompute(grad, "loss"), "loss")
+    _assert_recomputed(grad, out)
+    got, _ = _run(out, feeds)
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoints_generic() -> None:
+    """Our option: recompute every activation between given checkpoints (here each layer's input)."""
+    model, feeds = nets.gpt(3), nets.gpt_feeds(8)
+    grad = _grad(model)
+    cps = [start for start, _, _ in find_transformer_layers(grad, "loss")]
+    ref, peak0 = _run(grad, feeds)
+    out = checkpoint_recompute(grad, "loss", cps)
+    _assert_recomputed(grad, out)
+    got, peak = _run(out, feeds)
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a, b)
+    print(f"\ngpt x3 checkpoints at layer inputs: peak live bytes ratio {peak / peak0:.3f}")
+    assert peak < 0.8 * peak0
+    with pytest.raises(ValueError, match="not values"):
+        checkpoint_recompute(grad, "loss", ["nope"])
+    mlp = _grad(nets.mlp())
+    out = checkpoint_recompute(mlp, "loss", ["h0"])
+    got = compile_model(out).run(nets.mlp_feeds(32))
+    for a, b in zip(compile_model(mlp).run(nets.mlp_feeds(32)), got):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fed_training_mode() -> None:
+    """Dropouts driven by a fed training_mode (as the session wires them): rebuilt right in both modes."""
+    model = nets.gpt(2, dropout=0.1)
+    for n in model.graph.node:
+        if n.op_type == "Dropout" and len(n.input) > 2:
+            n.input[2] = "training_mode"
+    model.graph.input.append(helper.make_tensor_value_info("training_mode", TensorProto.BOOL, []))
+    grad = _grad(model)
+    out = recompute(grad, "loss", attn_dropout=True, transformer_layer=True)
+    _assert_recomputed(grad, out)
+    for mode in (True, False):
+        feeds = {**nets.gpt_feeds(4), "training_mode": np.array(mode)}
+        ref, _ = _run(grad, feeds)
+        got, _ = _run(out, feeds)
+        for a, b in zip(ref, got):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_mixed_precision_then_recompute() -> None:
+    model = nets.gpt(3, dropout=0.1)
+    feeds = {**nets.gpt_feeds(8), "loss_scale": np.array([256.0], np.float32)}
+    mp = mixed_precision(model, "loss", "float16")
+    grad = build_gradient_model(mp, "scaled_loss", nets.trained(model), outputs=["loss"])
+    ref, peak0 = _run(grad, feeds)
+    out = recompute(grad, "scaled_loss", gelu=True, attn_dropout=True, transformer_layer=True)
+    _assert_recomputed(grad, out)
+    got, peak = _run(out, feeds)
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a, b)
+    print(f"\ngpt x3 float16 + recompute: peak live bytes ratio {peak / peak0:.3f}")
+    assert peak < peak0
+
+
+def test_not_a_transformer() -> None:
+    grad = _grad(nets.mlp())
+    with pytest.warns(UserWarning, match="no transformer layer"):
+        out = transformer_layer_recompute(grad, "loss")
+    assert out.graph.node == grad.graph.node
+    assert recompute(grad, "loss", gelu=True, attn_dropout=True) is grad
+
+
+@pytest.mark.parametrize("name", ["gpt", "bert"])
+def test_onnxruntime_runs_recomputed_graph(name: str) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    model, feeds = (nets.gpt(2), nets.gpt_feeds(4)) if name == "gpt" else (nets.bert(2), nets.bert_feeds(8))
+    grad = _grad(model)
+    out = recompute(grad, "loss", gelu=True, attn_dropout=True, transformer_layer=True)
+    ours, _ = _run(out, feeds)
+    res = []
+    for m in (grad, out):
+        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        res.append(sess.run(None, feeds))
+    for a, b, c in zip(res[0], res[1], ours):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(c, b, rtol=1e-4, atol=1e-6)
