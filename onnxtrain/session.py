@@ -198,6 +198,12 @@ class TrainingSession(InferenceSession):
         if kind == "full" and self._dp is not None and self._opt is not None:
             return self._run_data_parallel(names, feeds)
         plan = self._get_plan(kind)
+        if output_names is None:  # "all outputs" of this kind of run (a micro-step has no norm yet)
+            names = [n for n in names if n in plan.output_info]
+        else:
+            missing = [n for n in names if n not in plan.output_info]
+            if missing:
+                raise ValueError(f"output(s) {missing} are not computed on a gradient-accumulation micro-step")
         plan_inputs = plan.all_input_names
         feeds = {n: feeds[n] for n in plan_inputs if n in feeds}  # e.g. no learning rate when not updating
         for s in plan_inputs:

@@ -268,3 +268,16 @@ def test_split_step_equals_fused_step(opt: str) -> None:
     new = dict(zip(outs, up.run(feed, list(outs.values()))))
     for k, v in fused.get_state().items():
         np.testing.assert_array_equal(new[k], v, err_msg=k)
+
+
+def test_all_outputs_on_accumulation_micro_steps() -> None:
+    # regression: run(None, ...) on a micro-step asked for the norm, which only the update computes
+    model = mlp_model(loss="mse")
+    p = params("AdamOptimizer", gradient_accumulation_steps=2, gradient_accumulation_mode="auto")
+    sess = TrainingSession(model.SerializeToString(), p)
+    x, y = batches(1, 4, loss="mse")[0]
+    first = sess.run(None, feeds(x, y))
+    second = sess.run(None, feeds(x, y))
+    assert len(first) < len(second)  # the update step adds global_gradient_norm
+    with pytest.raises(ValueError, match="global_gradient_norm"):
+        sess.run(["global_gradient_norm"], feeds(x, y))
