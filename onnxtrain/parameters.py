@@ -9,12 +9,7 @@ import numpy as np
 
 # option → the issue that will implement it; set to a non-default value they raise NotImplementedError
 NOT_YET: dict[str, Any] = {
-    "use_mixed_precision": False,
     "use_fp16_moments": False,
-    "attn_dropout_recompute": False,
-    "gelu_recompute": False,
-    "transformer_layer_recompute": False,
-    "number_recompute_layers": 0,
     "horizontal_parallel_size": 1,
     "pipeline_parallel_size": 1,
     "num_pipeline_micro_batches": 1,
@@ -52,6 +47,13 @@ _DEFAULTS: dict[str, Any] = {
     # onnxtrain's own switches (not in the legacy class)
     "legacy_cpu_adam": False,  # True: Adam ignores clipping, as onnxruntime's CPU kernel did
     "gradient_accumulation_mode": "legacy",  # or "auto": the session counts micro-steps itself
+    "use_mixed_precision": False,
+    "mixed_precision_dtype": "float16",  # ours: or "bfloat16" (the legacy reached bf16 only from C++)
+    "attn_dropout_recompute": False,
+    "gelu_recompute": False,
+    "transformer_layer_recompute": False,
+    "number_recompute_layers": 0,
+    "recompute_checkpoints": [],  # ours: recompute every activation between these kept tensors
     **NOT_YET,
 }
 

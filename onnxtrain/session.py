@@ -20,6 +20,7 @@ from onnxtrain.capi.options import RunOptions, SessionOptions, resolve_providers
 from onnxtrain.engine.plan import Plan, load_model
 from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
+from onnxtrain.graph_transforms.mixed_precision import half_copies
 from onnxtrain.inference import FeedChecker, InferenceSession, NodeArg, node_arg, write_chrome_trace
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import WeightSlot, get_optimizer
@@ -70,7 +71,11 @@ class TrainingSession(InferenceSession):
         g = build_step_graphs(model, p, self._opt, force_clip=adasum)
         self._graphs = g
         self._check_attribute_maps()
-        self.loss_scale_input_name = None
+        mp = g.mixed_precision
+        if mp is not None and self._dp is not None:
+            raise NotImplementedError("use_mixed_precision together with data parallelism (world_size > 1) "
+                                      "is not implemented yet")
+        self.loss_scale_input_name = mp.loss_scale if mp is not None else None
         self._store: dict[str, np.ndarray] = dict(g.initial_state)
         self._specs = list(g.state_specs)
         self._zero: ZeroLayout | None = None
@@ -92,6 +97,8 @@ class TrainingSession(InferenceSession):
         self._state_inputs = [i.name for i in g.full.graph.input if i.name in self._store]
         lr = p.lr_params_feed_name
         feed_names = set(g.user_inputs) | ({lr} if self._opt else set())
+        if self.loss_scale_input_name:
+            feed_names.add(self.loss_scale_input_name)
         self._inputs = [node_arg(v) for v in g.full.graph.input if v.name in feed_names]
         self._overridable = [NodeArg(TRAINING_MODE, "tensor(bool)", [])] if g.has_training_mode else []
         self._outputs = [node_arg(v) for v in g.full.graph.output if v.name in set(g.user_outputs) | set(
@@ -394,7 +401,8 @@ class TrainingSession(InferenceSession):
     def get_model_state(self, include_mixed_precision_weights: bool = False) -> dict[str, dict[str, np.ndarray]]:
         out = {"full_precision": {w: self._store[w].copy() for w in self._graphs.trainable}}
         if include_mixed_precision_weights:
-            out["mixed_precision"] = {}
+            mp = self._graphs.mixed_precision
+            out["mixed_precision"] = {} if mp is None else half_copies(out["full_precision"], mp.dtype)
         return out
 
     def get_optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:

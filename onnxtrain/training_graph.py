@@ -18,6 +18,14 @@ from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.autodiff.registry import find_rule, has_no_gradient
 from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.clipping import clip_divisor, global_norm
+from onnxtrain.graph_transforms.mixed_precision import (
+    ALL_FINITE,
+    MixedPrecisionInfo,
+    mixed_precision,
+    mixed_precision_info,
+    mixed_precision_update,
+)
+from onnxtrain.graph_transforms.recompute import recompute
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, NodeWriter, model_opset
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
 from onnxtrain.parameters import TrainingParameters
@@ -46,6 +54,7 @@ class StepGraphs:
     user_outputs: list[str] = field(default_factory=list)
     extra_outputs: list[str] = field(default_factory=list)  # global_gradient_norm, <x>_grad, ...
     has_training_mode: bool = False
+    mixed_precision: MixedPrecisionInfo | None = None  # the pass's record when use_mixed_precision
 
 
 def _consumers(model: onnx.ModelProto) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
@@ -190,7 +199,17 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
     user_outputs = [o.name for o in m.graph.output]
     if loss not in user_outputs:
         user_outputs.append(loss)
-    grad = build_gradient_model(m, loss, trainable, outputs=user_outputs, extra_outputs=list(bn.values()))
+    fwd_model, gloss, mp = m, loss, None
+    if p.use_mixed_precision:
+        fwd_model = mixed_precision(m, loss, p.mixed_precision_dtype)
+        mp = mixed_precision_info(fwd_model)
+        gloss = mp.scaled_loss  # backpropagation starts from loss · loss_scale
+    grad = build_gradient_model(fwd_model, gloss, trainable, outputs=user_outputs,
+                                extra_outputs=list(bn.values()))
+    grad = recompute(grad, gloss, gelu=p.gelu_recompute, attn_dropout=p.attn_dropout_recompute,
+                     transformer_layer=p.transformer_layer_recompute,
+                     number_recompute_layers=p.number_recompute_layers,
+                     checkpoints=p.recompute_checkpoints or None)
     grads = {w: f"{w}_grad" for w in trainable}
     types = {v.name: v for v in grad.graph.input}
 
@@ -222,7 +241,7 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
     def update_only() -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
         """The update alone: inputs are the weights, their (already reduced) gradients ``<w>_grad``,
         the learning rate and the optimizer state."""
-        model, upd, extras, _ = build_update_graph(grad, slots_for(grads), p, opt, clip=clip)
+        model, upd, extras, _ = build_update_graph(grad, slots_for(grads), p, opt, clip=clip, mp=mp)
         return model, upd, extras
 
     def compose(update: bool, expose_grads: bool = False) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
@@ -256,7 +275,7 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
         if update and opt is not None:
             if steps > 1:
                 eff = {wt: accumulation.averaged(w, a, steps, _elem(types, wt)) for wt, a in eff.items()}
-            _emit_update(w, slots_for(eff), p, opt, inputs, outputs, extras, upd, clip=clip)
+            _emit_update(w, slots_for(eff), p, opt, inputs, outputs, extras, upd, clip=clip, mp=mp)
         elif expose_grads and steps == 1:
             for wt, g in grads.items():
                 if not p.set_gradients_as_graph_outputs:
@@ -281,28 +300,30 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
     buffers = [accumulation.buffer_name(g) for g in grads.values()] if steps > 1 else []
     for b, wt in zip(buffers, trainable):
         initial[b] = np.zeros_like(state[wt])
-    fwd = onnx.ModelProto()
-    fwd.CopyFrom(m)
-    del fwd.graph.output[:]
-    fwd.graph.output.extend([o for o in grad.graph.output if o.name in user_outputs])
+    # evaluation: the (transformed) forward alone, without the loss scaling
+    fwd_outputs = [o for o in grad.graph.output if o.name in user_outputs]
+    fwd_inputs = [i for i in fwd_model.graph.input if mp is None or i.name != mp.loss_scale]
+    fwd = _finish(list(fwd_model.graph.node), fwd_model, fwd_inputs, fwd_outputs, fwd_model.graph.name or "forward")
     return StepGraphs(forward=fwd, full=full, accumulate=acc_model, gradient=grad, transformed=m,
                       trainable=trainable, initial_state=initial, state_specs=specs,
                       updates={"full": full_upd, "accumulate": acc_upd, "gradients": grads_upd,
                                "update": update_upd},
                       gradients_graph=grads_model, update_graph=update_model, buffers=buffers, bn_stats=bn,
                       user_inputs=user_inputs, user_outputs=user_outputs, extra_outputs=extras,
-                      has_training_mode=has_tm)
+                      has_training_mode=has_tm, mixed_precision=mp)
 
 
 def _emit_update(w: NodeWriter, slots: list[WeightSlot], p: TrainingParameters, opt: Optimizer, inputs: list,
                  outputs: list, extras: list[str], upd: dict[str, str], clip: bool,
-                 norm_input: str | None = None) -> list[StateSpec]:
+                 norm_input: str | None = None, mp: MixedPrecisionInfo | None = None) -> list[StateSpec]:
     """Global norm, clipping divisor and the optimizer over the slots' gradients.
 
     With ``norm_input`` the global norm is a graph input of that name (computed elsewhere, e.g. summed
     over ZeRO partitions across ranks) instead of being computed from the slots' gradients.
     """
     inputs.append(helper.make_tensor_value_info(p.lr_params_feed_name, TensorProto.FLOAT, [1]))
+    if mp is not None:
+        return _emit_mixed_precision_update(w, slots, p, opt, inputs, outputs, extras, upd, clip, mp)
     if clip:
         if norm_input is not None:
             norm = norm_input
@@ -320,6 +341,38 @@ def _emit_update(w: NodeWriter, slots: list[WeightSlot], p: TrainingParameters, 
         inputs.append(helper.make_tensor_value_info(
             sp.name, helper.np_dtype_to_tensor_dtype(sp.initial.dtype), list(sp.initial.shape)))
     new_w, new_s = opt.emit(w, slots, p.lr_params_feed_name, {sp.name: sp.name for sp in specs})
+    _add_update_outputs(slots, specs, new_w, new_s, outputs, upd)
+    return specs
+
+
+def _emit_mixed_precision_update(w: NodeWriter, slots: list[WeightSlot], p: TrainingParameters, opt: Optimizer,
+                                 inputs: list, outputs: list, extras: list[str], upd: dict[str, str],
+                                 clip: bool, mp: MixedPrecisionInfo) -> list[StateSpec]:
+    """The update on loss-scaled gradients: unscale (and clip), and skip it when not all are finite."""
+    if mp.loss_scale not in {i.name for i in inputs}:
+        inputs.append(helper.make_tensor_value_info(mp.loss_scale, TensorProto.FLOAT, [1]))
+    norm = global_norm(w, [s.grad for s in slots])  # loss-scaled, as the legacy reported it
+    outputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
+    extras.append(norm)
+    mnc = None
+    if clip and opt.uses_norm and not p.legacy_cpu_adam:
+        mnc = {s.name: float(s.float_attrs.get("max_norm_clip", opt.FLOAT_ATTRS.get("max_norm_clip", 1.0)))
+               for s in slots}
+    specs = opt.state(slots)
+    for sp in specs:
+        inputs.append(helper.make_tensor_value_info(
+            sp.name, helper.np_dtype_to_tensor_dtype(sp.initial.dtype), list(sp.initial.shape)))
+    new_w, new_s, flag = mixed_precision_update(w, opt, slots, p.lr_params_feed_name,
+                                                {sp.name: sp.name for sp in specs}, norm, mp.loss_scale, mnc)
+    flag = w.emit("Identity", [flag], [w.names(ALL_FINITE)])[0] if flag != ALL_FINITE else flag
+    outputs.append(helper.make_tensor_value_info(flag, TensorProto.BOOL, []))
+    extras.append(flag)
+    _add_update_outputs(slots, specs, new_w, new_s, outputs, upd)
+    return specs
+
+
+def _add_update_outputs(slots: list[WeightSlot], specs: list[StateSpec], new_w: dict[str, str],
+                        new_s: dict[str, str], outputs: list, upd: dict[str, str]) -> None:
     for s in slots:
         o = new_w[s.name]
         outputs.append(helper.make_tensor_value_info(o, s.elem_type, list(s.shape)))
@@ -330,11 +383,10 @@ def _emit_update(w: NodeWriter, slots: list[WeightSlot], p: TrainingParameters, 
         outputs.append(helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(init.dtype),
                                                      list(init.shape)))
         upd[sname] = o
-    return specs
 
 
 def build_update_graph(base: onnx.ModelProto, slots: list[WeightSlot], p: TrainingParameters, opt: Optimizer,
-                       clip: bool, norm_input: str | None = None) -> tuple[
+                       clip: bool, norm_input: str | None = None, mp: MixedPrecisionInfo | None = None) -> tuple[
         onnx.ModelProto, dict[str, str], list[str], list[StateSpec]]:
     """An update graph over ``slots`` (weights or ZeRO pieces): inputs are each slot's value and gradient
     (``slot.grad``), the learning rate, the optimizer state (and ``norm_input``); returns the model,
@@ -351,7 +403,7 @@ def build_update_graph(base: onnx.ModelProto, slots: list[WeightSlot], p: Traini
     outputs: list = []
     extras: list[str] = []
     upd: dict[str, str] = {}
-    specs = _emit_update(w, slots, p, opt, inputs, outputs, extras, upd, clip=clip, norm_input=norm_input)
+    specs = _emit_update(w, slots, p, opt, inputs, outputs, extras, upd, clip=clip, norm_input=norm_input, mp=mp)
     return _finish(nodes, base, inputs, outputs, "update_graph"), upd, extras, specs
 
 

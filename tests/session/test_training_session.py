@@ -197,8 +197,8 @@ def test_interface_and_errors() -> None:
         TrainingSession(model.SerializeToString(), params(weights_to_train={"x"}))
     with pytest.raises(ValueError, match="no entry for trained weight 'b1'"):
         TrainingSession(model.SerializeToString(), params(optimizer_attributes_map={"W1": {}, "W2": {}, "b2": {}}))
-    with pytest.raises(NotImplementedError, match="use_mixed_precision"):
-        TrainingSession(model.SerializeToString(), params(use_mixed_precision=True))
+    with pytest.raises(NotImplementedError, match="use_fp16_moments"):
+        TrainingSession(model.SerializeToString(), params(use_fp16_moments=True))
     with pytest.raises(AttributeError, match="no property"):
         params().not_a_property = 1
 

@@ -1,0 +1,82 @@
+"""Mixed precision, recompute and clipping wired into the legacy TrainingSession (issue 7)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from onnxtrain import TrainingParameters, TrainingSession
+from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler
+from tests.session.helpers import batches, mlp_model
+
+LR = np.array([0.01], np.float32)
+
+
+def params(opt: str, **kw) -> TrainingParameters:
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = opt
+    for k, v in kw.items():
+        setattr(p, k, v)
+    return p
+
+
+@pytest.mark.parametrize("opt", ["SGDOptimizer", "AdamOptimizer", "LambOptimizer"])
+def test_mixed_precision_trains_like_float32(opt: str, tmp_path) -> None:
+    model = mlp_model(dh=32)
+    path = str(tmp_path / "train.onnx")
+    mp = TrainingSession(model.SerializeToString(), params(opt, use_mixed_precision=True,
+                                                           model_with_training_graph_path=path))
+    fp = TrainingSession(model.SerializeToString(), params(opt))
+    assert mp.loss_scale_input_name == "loss_scale"
+    assert "loss_scale" in [i.name for i in mp.get_inputs()]
+    assert {"all_gradients_finite", "global_gradient_norm"} <= {o.name for o in mp.get_outputs()}
+    onnx.checker.check_model(onnx.load(path), full_check=True)
+    scaler = DynamicLossScaler()
+    for x, y in batches(30, 32):
+        loss, finite = mp.run(["loss", "all_gradients_finite"],
+                              {"x": x, "y": y, "Learning_Rate": LR, "loss_scale": scaler.feed()})
+        scaler.update_loss_scale(bool(finite))
+        want = fp.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})[0]
+        assert bool(finite)
+        assert abs(float(loss) - float(want)) < 2e-2 * abs(float(want)) + 1e-3
+    a, b = mp.get_state(), fp.get_state()
+    for k in ("W1", "W2"):
+        rel = np.linalg.norm(a[k] - b[k]) / np.linalg.norm(b[k])
+        assert rel < 2e-2, (k, rel)
+    half = mp.get_model_state(include_mixed_precision_weights=True)["mixed_precision"]
+    assert half["W1"].dtype == np.float16
+    np.testing.assert_array_equal(half["W1"], a["W1"].astype(np.float16))
+    assert mp.is_output_fp32_node("loss")
+
+
+def test_non_finite_gradients_skip_the_update() -> None:
+    model = mlp_model()
+    sess = TrainingSession(model.SerializeToString(), params("AdamOptimizer", use_mixed_precision=True))
+    before = sess.get_state()
+    x, y = batches(1, 8)[0]
+    finite = sess.run(["all_gradients_finite"], {"x": x, "y": y, "Learning_Rate": LR,
+                                                  "loss_scale": np.array([2.0 ** 40], np.float32)})[0]
+    assert not bool(finite)
+    after = sess.get_state()
+    for k in before:
+        np.testing.assert_array_equal(before[k], after[k], err_msg=k)
+    scaler = DynamicLossScaler(loss_scale=2.0 ** 40)
+    scaler.update_loss_scale(bool(finite))
+    assert scaler.loss_scale == 2.0 ** 39
+
+
+def test_recompute_gives_identical_weights() -> None:
+    model = mlp_model()
+    x, y = batches(1, 16)[0]
+    plain = TrainingSession(model.SerializeToString(), params("AdamOptimizer"))
+    recomputed = TrainingSession(model.SerializeToString(), params("AdamOptimizer", recompute_checkpoints=["x"]))
+    for _ in range(3):
+        a = plain.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})[0]
+        b = recomputed.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})[0]
+        assert a.tobytes() == b.tobytes()
+    for k, v in plain.get_state().items():
+        np.testing.assert_array_equal(recomputed.get_state()[k], v, err_msg=k)
+    names = {n.output[0] for n in recomputed._graphs.full.graph.node if n.output}
+    assert any(n.endswith("_recompute") for n in names)
