@@ -1,0 +1,57 @@
+"""Every kernel has a row in the op table, every gradient rule a gradient row, and the kernel and
+rule family files mirror each other (STYLE.md §9: `grep '"Relu"'` finds kernel, rule and test row)."""
+
+from __future__ import annotations
+
+from onnxtrain.autodiff import registry as rules
+from onnxtrain.engine import registry as kernels
+from tests.op_cases import ALL_CASES
+
+# ops without a row, each with its reason
+NO_ROW = {
+    "Constant": "no inputs: covered by the shape tests and every exported model",
+    "Scatter": "deprecated alias of ScatterElements; checked by the conformance suite",
+    "Upsample": "deprecated; checked by the conformance suite",
+    "Unique": "dynamic output shapes; tests/engine/test_shape_indexing.py",
+    "MaxUnpool": "needs MaxPool indices; tests/engine/test_conv_pool_resize.py",
+    "GlobalLpPool": "onnx.reference lacks it; tests/engine/test_conv_pool_resize.py",
+    "BitShift": "integer only; tests/engine/test_elementwise.py",
+}
+
+
+# rules without a float64 gradient row
+NO_GRAD_ROW = {"Celu": "its schema allows float32 only; checked in float32 against torch in the rule's tests"}
+# kernels with neither a rule nor a no_gradient mark yet (tier 3)
+UNDECIDED = {"MeanVarianceNormalization": "tier 3: no gradient rule yet (a path through it is a clear error)",
+             "Upsample": "deprecated: autodiff upgrades models to opset >= 17 first, which makes it a Resize"}
+
+
+def _family(fn) -> str:
+    return fn.__module__.rsplit(".", 1)[-1]
+
+
+def test_every_kernel_has_a_row() -> None:
+    with_rows = {c.op for c in ALL_CASES}
+    missing = sorted(set(kernels.available_ops()) - with_rows - set(NO_ROW))
+    assert not missing, f"kernels without an op-table row: {missing}"
+
+
+def test_every_rule_has_a_gradient_row() -> None:
+    with_grad_rows = {c.op for c in ALL_CASES if c.grad}
+    missing = sorted(set(rules.ops_with_rules()) - with_grad_rows - set(NO_ROW) - set(NO_GRAD_ROW))
+    assert not missing, f"gradient rules without a gradient row: {missing}"
+
+
+def test_every_float_kernel_has_a_rule_or_a_no_gradient_mark() -> None:
+    decided = set(rules.ops_with_rules()) | set(rules.ops_without_gradient())
+    undecided = sorted(set(kernels.available_ops()) - decided - set(UNDECIDED))
+    assert not undecided, f"kernels with neither a gradient rule nor no_gradient(...): {undecided}"
+
+
+def test_kernel_and_rule_families_mirror() -> None:
+    kernels.available_ops()
+    rules.ops_with_rules()
+    k = {op: _family(versions[-1][1]) for op, versions in kernels._KERNELS.items()}
+    r = {op: _family(versions[-1].fn) for op, versions in rules._RULES.items()}
+    moved = sorted(f"{op}: kernels/{k[op]}.py vs rules/{r[op]}.py" for op in set(k) & set(r) if k[op] != r[op])
+    assert not moved, f"ops whose kernel and rule live in differently named families: {moved}"
