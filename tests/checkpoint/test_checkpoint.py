@@ -28,9 +28,10 @@ from onnxtrain.checkpoint import (
     save_checkpoint,
 )
 from onnxtrain.checkpoint import format as fmt
+from tests.ortt import ensure_ortt
 
 NUMERIC = [t for t in range(1, 25) if t not in (8, 21, 22, 23)]  # every whole-byte non-string type
-ORT_VENV = "/tmp/ortt/bin/python"
+ORT_VENV = os.path.join(os.environ.get("ONNXTRAIN_ORTT_DIR", "/tmp/ortt"), "bin", "python")
 
 
 def _array(elem: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
@@ -632,10 +633,10 @@ _ORT_DTYPES = [1, 2, 3, 4, 5, 6, 7, 9, 11, 12, 13]  # what onnxruntime-training 
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(ORT_VENV), reason="onnxruntime-training is not installed in /tmp/ortt")
 def test_onnxruntime_training_interop(tmp_path):
     """onnxruntime-training 1.19.2 loads our files (inline, external, nominal) and re-saves them
     with optimizer state; we load its files and its re-saves."""
+    ensure_ortt()
     trainable = {f"t{e}": _array(e, (2, 3)) for e in _ORT_DTYPES} | {"scalar": _array(1, ())}
     frozen = {f"f{e}": _array(e, (4,), 5) for e in _ORT_DTYPES}
     ours = Checkpoint(trainable, frozen, [OptimizerGroup("group0", 42, 0.0125, {

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from onnxtrain.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer, TrainingSession
+from tests.ortt import ensure_ortt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, BATCH, LR, WARMUP = 100, 8, 0.01, 10
@@ -189,7 +190,8 @@ def test_frozen_clipped_and_nominal_generated_artifacts(tmp_path):
 
 
 # ---------------------------------------------------------------- against onnxruntime-training 1.19.2
-ORT_VENV = "/tmp/ortt/bin/python"  # a virtualenv with onnxruntime-training 1.19.2, numpy<2, onnx (no torch)
+# a virtualenv with onnxruntime-training 1.19.2, numpy<2, onnx (no torch); made by tests/ortt.py
+ORT_VENV = os.path.join(os.environ.get("ONNXTRAIN_ORTT_DIR", "/tmp/ortt"), "bin", "python")
 ORT_LR, ORT_STEPS = 0.01, 10
 
 _ORT_SCRIPT = r'''
@@ -250,10 +252,10 @@ print(json.dumps(res))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(ORT_VENV), reason="needs onnxruntime-training 1.19.2 in /tmp/ortt")
 def test_against_onnxruntime_training(artifacts_dir, tmp_path):
     """Same MLP, batches and AdamW settings: 20 losses agree within 1e-4; checkpoints with optimizer state
     written by either side continue training in the other; the swapped scheduler matches its Python API."""
+    ensure_ortt()
     from onnxtrain.checkpoint import load_checkpoint
     from onnxtrain.training.api.checkpoint_state import LEARNING_RATE_PROPERTY
     from tests.models import export

@@ -1,0 +1,47 @@
+"""onnxruntime-training 1.19.2 in its own virtual environment (it needs numpy < 2), made on first use.
+
+The peer tests call ``ensure_ortt()``: it creates /tmp/ortt when missing (about a minute from PyPI)
+and skips the test with the reason when that cannot be done (no network, no wheel for this Python).
+Set ONNXTRAIN_ORTT=0 to skip them without trying, ONNXTRAIN_ORTT_DIR to use another folder.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+
+import pytest
+
+VENV = os.environ.get("ONNXTRAIN_ORTT_DIR", "/tmp/ortt")
+PYTHON = os.path.join(VENV, "bin", "python")
+PACKAGES = ["onnxruntime-training==1.19.2", "numpy<2", "onnx"]
+
+
+def ensure_ortt() -> str:
+    """The venv's python, creating the venv first if needed; skips the calling test when impossible."""
+    if os.environ.get("ONNXTRAIN_ORTT", "1") == "0":
+        pytest.skip("ONNXTRAIN_ORTT=0: onnxruntime-training peer tests disabled")
+    with open("/tmp/ortt.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one installer at a time (pytest-xdist, parallel runs)
+        if not _works():
+            try:
+                if not os.path.exists(PYTHON):
+                    subprocess.run([sys.executable, "-m", "venv", VENV], check=True, timeout=120,
+                                   capture_output=True)
+                subprocess.run([PYTHON, "-m", "pip", "install", "-q", *PACKAGES], check=True, timeout=900,
+                               capture_output=True)
+            except (subprocess.SubprocessError, OSError) as e:
+                pytest.skip(f"could not install onnxruntime-training 1.19.2 into {VENV}: {e}")
+            if not _works():
+                pytest.skip(f"onnxruntime-training 1.19.2 does not import in {VENV}")
+    return PYTHON
+
+
+def _works() -> bool:
+    if not os.path.exists(PYTHON):
+        return False
+    r = subprocess.run([PYTHON, "-c", "import onnxruntime.capi._pybind_state as c; c.CheckpointState"],
+                       capture_output=True, timeout=120)
+    return r.returncode == 0
