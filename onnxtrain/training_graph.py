@@ -209,7 +209,7 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
     grad = recompute(grad, gloss, gelu=p.gelu_recompute, attn_dropout=p.attn_dropout_recompute,
                      transformer_layer=p.transformer_layer_recompute,
                      number_recompute_layers=p.number_recompute_layers,
-                     checkpoints=p.recompute_checkpoints or None)
+                     checkpoints=p.recompute_checkpoints or None, weights=[*trainable, *bn])
     grads = {w: f"{w}_grad" for w in trainable}
     types = {v.name: v for v in grad.graph.input}
 

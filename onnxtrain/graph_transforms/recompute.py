@@ -55,7 +55,8 @@ IGNORED_INPUTS = frozenset({"training_mode", "loss_scale"})  # graph inputs that
 class _Forward:
     """The forward part of a gradient graph and what is known about its values."""
 
-    def __init__(self, model: onnx.ModelProto, loss: str, forward_outputs: Iterable[str] = ()):
+    def __init__(self, model: onnx.ModelProto, loss: str, forward_outputs: Iterable[str] = (),
+                 weights: Iterable[str] = ()):
         self.model = model
         g = model.graph
         self.nodes = list(g.node)
@@ -88,6 +89,7 @@ class _Forward:
         self.graph_outputs = {o.name for o in g.output}
         self.initializers = {t.name: t for t in g.initializer}
         self.graph_inputs = {v.name for v in g.input}
+        self.weights = set(weights)  # graph inputs that hold parameters (fed from a state store), not data
         self.types = value_types(model)
 
     def data_consumers(self, v: str) -> list[onnx.NodeProto]:
@@ -118,7 +120,7 @@ class _Forward:
 
     def activations(self, ignore: Iterable[str] = ()) -> set[str]:
         """Forward values that depend on a data input (not only on weights, constants or shapes)."""
-        skip = set(IGNORED_INPUTS) | set(ignore)
+        skip = set(IGNORED_INPUTS) | set(ignore) | self.weights
         act = {v for v in self.graph_inputs if v not in self.initializers and v not in skip}
         for n in self.nodes[: self.boundary]:
             if n.op_type in ("Shape", "Size"):
@@ -162,13 +164,13 @@ class _Forward:
 # ---- the clone pass ---------------------------------------------------------------------------------------
 
 def recompute_values(model: onnx.ModelProto, loss: str, values: Iterable[str],
-                     forward_outputs: Iterable[str] = ()) -> onnx.ModelProto:
+                     forward_outputs: Iterable[str] = (), weights: Iterable[str] = ()) -> onnx.ModelProto:
     """Recompute the forward ``values`` in the backward pass instead of keeping them alive.
 
     Values that cannot be recomputed (graph outputs, non-float values, outputs of random ops other than
     a Dropout's output with a saved mask, backward values) are kept and silently skipped.
     """
-    fa = _Forward(model, loss, forward_outputs)
+    fa = _Forward(model, loss, forward_outputs, weights=weights)
     marked = {v for v in values if fa.recomputable(v)}
     names = NameGen.for_model(model)
     new_nodes: list[onnx.NodeProto] = list(fa.nodes[: fa.boundary])
@@ -536,11 +538,15 @@ def checkpoint_recompute(model: onnx.ModelProto, loss: str, checkpoints: Sequenc
 
 def recompute(model: onnx.ModelProto, loss: str, *, gelu: bool = False, attn_dropout: bool = False,
               transformer_layer: bool = False, number_recompute_layers: int = 0,
-              checkpoints: Sequence[str] | None = None) -> onnx.ModelProto:
-    """The union of the selected strategies, in one clone pass (the session's entry point)."""
+              checkpoints: Sequence[str] | None = None, weights: Iterable[str] = ()) -> onnx.ModelProto:
+    """The union of the selected strategies, in one clone pass (the session's entry point).
+
+    ``weights`` names graph inputs that hold parameters (the legacy session feeds its trained weights
+    as inputs): they are not activations.
+    """
     if not (gelu or attn_dropout or transformer_layer or checkpoints is not None):
         return model
-    fa = _Forward(model, loss)
+    fa = _Forward(model, loss, weights=weights)
     values: set[str] = set()
     if gelu:
         values |= gelu_values(fa, loss)
@@ -550,7 +556,7 @@ def recompute(model: onnx.ModelProto, loss: str, *, gelu: bool = False, attn_dro
         values |= transformer_layer_values(fa, loss, number_recompute_layers)
     if checkpoints is not None:
         values |= checkpoint_values(fa, loss, checkpoints)
-    return recompute_values(model, loss, values) if values else model
+    return recompute_values(model, loss, values, weights=weights) if values else model
 
 
 def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
