@@ -110,3 +110,24 @@ def test_cnn_adam_mode1_and_lamb_match_float64_references(opt: str) -> None:
                 t = int(before["Step"][0])
                 want = lamb_ref(w, g[n], m1, m2, t, lr, lam=0.01, rmin=0.05, rmax=5.0)[0]
             assert _rel(after[n], want) < 1e-5, (step, n, _rel(after[n], want))
+
+
+def test_dropout_follows_run_options_training_mode() -> None:
+    from onnxtrain import RunOptions
+
+    model, _, _ = models.export("lenet_bn", training=True, with_loss=True, dropout=0.5)
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "SGDOptimizer"
+    sess = TrainingSession(model.SerializeToString(), p)
+    assert [i.name for i in sess.get_overridable_initializers()] == ["training_mode"]
+    feeds = {**models.example_inputs("lenet_bn", batch=8, with_loss=True), "Learning_Rate": np.zeros(1, np.float32)}
+    ev = RunOptions()
+    ev.training_mode = False
+    ev.only_execute_path_to_fetches = True
+    a, b = (sess.run(["loss"], feeds, ev)[0] for _ in range(2))
+    assert a == b  # dropout off: deterministic
+    c, d = (sess.run(["loss"], feeds)[0] for _ in range(2))  # lr 0: weights stay, masks differ
+    assert c != d
+    e = sess.run(["loss"], {**feeds, "training_mode": np.array(False)})[0]
+    assert e == a
