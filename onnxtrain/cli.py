@@ -2,6 +2,10 @@
 
 Exit codes: 0 done, 1 a runtime failure (e.g. a missing checkpoint), 2 a bad config or command
 line (one line on stderr naming the key path), 130 interrupted by Ctrl-C.
+
+Under ``mpiexec -n N onnxtrain train CONFIG`` the ranks train data-parallel (see
+``onnxtrain.train.loop``); only rank 0 prints. A rank that fails ends the whole job (MPI_Abort)
+with its message, so that no rank waits for ever on it.
 """
 
 from __future__ import annotations
@@ -74,12 +78,16 @@ def _config(a: argparse.Namespace):
 
 
 def _train(a: argparse.Namespace) -> int:
+    from onnxtrain.parallel import is_main_process
     from onnxtrain.train import Trainer
 
     cfg = _config(a)
     result = Trainer(cfg, a.output_dir, progress=not a.quiet).run(resume=a.resume)
     if result.status == "interrupted":
+        a.stopped_together = True  # every rank stopped after the same step: no need to abort the job
         return EXIT_INTERRUPTED
+    if not is_main_process():
+        return 0
     scores = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
     print(f"trained {cfg.name} for {result.global_step} steps: {scores}")
     print(f"outputs in {result.output_dir}: metrics.jsonl, metrics.png, {result.checkpoint}"
@@ -132,8 +140,8 @@ def _artifacts(a: argparse.Namespace) -> int:
     artifacts.generate_artifacts(
         model, requires_grad=requires, frozen_params=split(a.frozen), loss=loss,
         optimizer=getattr(artifacts.OptimType, a.optimizer) if a.optimizer else None,
-        artifact_directory=a.output, prefix=a.prefix, additional_output_names=split(a.additional_outputs) or None,
-        nominal_checkpoint=a.nominal_checkpoint)
+        artifact_directory=a.output, prefix=a.prefix,
+        additional_output_names=split(a.additional_outputs) or None, nominal_checkpoint=a.nominal_checkpoint)
     print(f"wrote the training artifacts of {a.model} to {a.output} ({len(requires)} trainable parameters)")
     return 0
 
@@ -178,12 +186,14 @@ def main(argv: list[str] | None = None) -> int:
                      help="every float initializer that reaches the loss")
     gg.add_argument("-o", "--output", required=True, help="where to write the gradient graph")
     gg.set_defaults(fn=_gradient_graph)
-    ar = sub.add_parser("artifacts", help="generate_artifacts: training, eval and optimizer models + checkpoint",
-                        description="Write the on-device training artifacts of MODEL (standard ONNX graphs and "
-                                    "an onnxruntime-training checkpoint).")
+    ar = sub.add_parser("artifacts",
+                        help="generate_artifacts: training, eval and optimizer models + checkpoint",
+                        description="Write the on-device training artifacts of MODEL (standard ONNX graphs "
+                                    "and an onnxruntime-training checkpoint).")
     ar.add_argument("model", help="the forward ONNX model")
     ar.add_argument("-o", "--output", required=True, help="the artifact directory")
-    ar.add_argument("--requires-grad", help="comma-separated trainable initializers (default: all but --frozen)")
+    ar.add_argument("--requires-grad",
+                    help="comma-separated trainable initializers (default: all but --frozen)")
     ar.add_argument("--frozen", help="comma-separated frozen initializers")
     ar.add_argument("--loss", choices=["MSELoss", "CrossEntropyLoss", "BCEWithLogitsLoss", "L1Loss"],
                     help="loss appended to the model (default: the model's first output is the loss)")
@@ -199,14 +209,31 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("model", help="an .onnx file")
     info.set_defaults(fn=_info)
     a = parser.parse_args(argv)
-    return _guarded(a)
+    return _run(a)
+
+
+def _run(a: argparse.Namespace) -> int:
+    """``_guarded`` alone, or under an MPI launcher inside ``abort_on_error``: a rank that fails (or
+    exits non-zero) aborts every rank instead of leaving them in their next collective."""
+    from onnxtrain import parallel
+
+    if a.command != "train" or not parallel.launched_by_mpi() or parallel.world().size == 1:
+        return _guarded(a)
+    parallel.get_communicator()  # before anything can fail, so that a failure can abort the job
+    with parallel.abort_on_error():
+        code = _guarded(a)
+        if code and not getattr(a, "stopped_together", False):
+            raise SystemExit(code)
+    return code
 
 
 def _guarded(a: argparse.Namespace) -> int:
     """Run the subcommand; known failures become one line on stderr and an exit code."""
+    from onnxtrain.parallel import world
     from onnxtrain.train.config import ConfigError
 
-    prog = f"onnxtrain {a.command}"
+    w = world()
+    prog = f"onnxtrain {a.command}" + (f" [rank {w.rank}/{w.size}]" if w.size > 1 else "")
     try:
         return a.fn(a)
     except KeyboardInterrupt:

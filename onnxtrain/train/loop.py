@@ -7,6 +7,11 @@ inference model of the trained weights) and ``config.yaml`` (the resolved config
 Ctrl-C (SIGINT) sets a flag that the loop checks between steps: it stops there without writing
 anything, so the last complete checkpoint is what ``--resume`` continues from. A second Ctrl-C
 raises KeyboardInterrupt at once (files are still only ever replaced atomically).
+
+Under ``mpiexec -n N`` every rank runs the loop on its share of each global batch (``split_batch``:
+the batch size stays the config's, so N ranks train as one process would); gradients are averaged
+by the session. Rank 0 alone prints the progress bar and writes metrics, plots, checkpoints and the
+export; eval is sharded over the ranks; on ``--resume`` every rank reads rank 0's latest checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +32,7 @@ import onnx
 import yaml
 from onnx import helper
 
+from onnxtrain import parallel
 from onnxtrain.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from onnxtrain.engine.plan import Plan
 from onnxtrain.ir.io import save_model_atomic, write_atomic
@@ -38,7 +45,7 @@ from onnxtrain.train.schedule import learning_rate
 from onnxtrain.train.state import (
     checkpoint_to_state,
     checkpoint_weights,
-    optimizer_state_names,
+    optimizer_layout,
     session_to_checkpoint,
     trainable_names,
 )
@@ -155,10 +162,15 @@ def feed_names(cfg: Config, model: onnx.ModelProto, ds: data_mod.Dataset) -> dat
 
 
 class Evaluator:
-    """Loss and accuracy over the eval set, on an inference-mode copy of the model fed the current weights."""
+    """Loss and accuracy over the eval set, on an inference-mode copy of the model fed the current weights.
 
-    def __init__(self, cfg: Config, model: onnx.ModelProto, weight_names: list[str]):
+    With ``comm`` (several ranks) each rank scores its shard of the eval set and the sums are combined.
+    """
+
+    def __init__(self, cfg: Config, model: onnx.ModelProto, weight_names: list[str],
+                 comm: parallel.Communicator | None = None):
         self.cfg = cfg
+        self.comm = comm
         self.names = [cfg.model.loss, cfg.model.logits]
         self.weight_names = weight_names
         self.plan = Plan(inference_model(model, self.names, as_inputs=weight_names))
@@ -166,6 +178,9 @@ class Evaluator:
     def __call__(self, arrays: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> dict[str, float]:
         w = {n: weights[n] for n in self.weight_names}
         labels_name = self.cfg.model.labels
+        if self.comm is not None:
+            arrays = {k: parallel.shard(v, self.comm.rank, self.comm.size, drop_remainder=False)
+                      for k, v in arrays.items()}
         loss_sum, n, correct, count = 0.0, 0, 0, 0
         for batch in data_mod.eval_batches(arrays, self.cfg.training.eval_batch_size):
             loss, logits = self.plan.run({**batch, **w}, self.names)
@@ -176,6 +191,9 @@ class Evaluator:
             if np.issubdtype(labels.dtype, np.integer) and logits.ndim == labels.ndim + 1:
                 correct += int(np.count_nonzero(logits.argmax(axis=1) == labels))
                 count += labels.size
+        if self.comm is not None:
+            sums = self.comm.allreduce_(np.array([loss_sum, n, correct, count], np.float64), "eval sums")
+            loss_sum, n, correct, count = float(sums[0]), int(sums[1]), int(sums[2]), int(sums[3])
         out = {"eval_loss": loss_sum / max(n, 1)}
         if count:
             out["eval_accuracy"] = correct / count
@@ -290,21 +308,32 @@ class Trainer:
 
         cfg = load_config("configs/digits_mlp.yaml", ["training.epochs=5"])
         result = Trainer(cfg, "runs/try").run()
+
+    Under ``mpiexec`` every rank builds its own Trainer and calls ``run`` (see the module docstring).
     """
 
     def __init__(self, cfg: Config, out_dir: str | None = None, progress: bool = True):
         self.cfg = cfg
         self.out = output_dir(cfg, out_dir)
         self.progress = progress
+        t = cfg.training
+        w = parallel.world()
+        self.ranks = w.size
+        self.main = w.rank == 0  # prints and writes files
+        self.comm = parallel.get_communicator() if w.size > 1 else None
+        if t.batch_size % w.size:
+            raise ConfigError("training.batch_size", f"{t.batch_size} does not split evenly over the "
+                                                     f"{w.size} ranks mpiexec started (each rank takes an "
+                                                     "equal part of every batch)")
         self.model = build_model(cfg)
         self.data = feed_names(cfg, self.model, data_mod.load_data(cfg))
         self.params = training_parameters(cfg, self.model)
         self.sess = _session(cfg, self.model, self.params)
         self.trained = trainable_names(self.sess)
-        opt_names = optimizer_state_names(self.sess)
-        self.weight_names = [n for n in self.sess.get_state() if n not in opt_names]
-        self.evaluate = Evaluator(cfg, self.model, self.weight_names)
-        t = cfg.training
+        self.layout = optimizer_layout(self.sess, self.comm)
+        inits = {i.name for i in self.model.graph.initializer}
+        self.weight_names = [n for n in self.sess.get_state() if n in inits]
+        self.evaluate = Evaluator(cfg, self.model, self.weight_names, self.comm)
         self.micro = t.gradient_accumulation_steps
         self.steps_per_epoch = self.data.n_train // (t.batch_size * self.micro)
         if self.steps_per_epoch < 1:
@@ -323,10 +352,21 @@ class Trainer:
         state = self.sess.get_state()
         return {n: state[n] for n in self.weight_names}
 
+    def agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (``value`` itself when running alone)."""
+        if self.comm is None:
+            return value
+        return self.comm.allgather_object(value, "agreeing with rank 0")[0]
+
     def save(self, st: RunState) -> str:
-        ckpt = session_to_checkpoint(self.sess, self.model, self.cfg.optimizer.lr, st.global_step,
-                                     st.properties(self.lr(max(st.global_step - 1, 0)), self.cfg))
+        """Write a checkpoint (rank 0; under ZeRO every rank must call this: it gathers the state)."""
+        state = self.sess.gather_state()
         path = checkpoint_path(self.out, st.global_step)
+        if not self.main:
+            return path
+        ckpt = session_to_checkpoint(self.sess, self.model, self.cfg.optimizer.lr, st.global_step,
+                                     st.properties(self.lr(max(st.global_step - 1, 0)), self.cfg),
+                                     state, self.layout)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save_checkpoint(ckpt, path)
         keep = self.cfg.training.keep_checkpoints
@@ -338,10 +378,14 @@ class Trainer:
         return path
 
     def restore(self, ckpt: Checkpoint) -> RunState:
-        self.sess.load_state(checkpoint_to_state(ckpt, self.sess), strict=True)
+        """Put ``ckpt`` into the session (every rank calls this with the same checkpoint)."""
+        state = checkpoint_to_state(ckpt, self.sess, self.sess.gather_state(), self.layout)
+        # checkpoint_to_state names every state tensor; under ZeRO a rank's strict load_state refuses
+        # the unpartitioned state of weights that other ranks update, so it is not strict there
+        self.sess.load_state(state, strict=self.comm is None)
         st = RunState.from_properties(ckpt.properties)
         saved = ckpt.properties.get("config")
-        if isinstance(saved, str):
+        if isinstance(saved, str) and self.main:
             old, new = _flatten(json.loads(saved)), _flatten(self.cfg.to_dict())
             diff = sorted(k for k in old.keys() | new.keys()
                           if old.get(k) != new.get(k) and not k.startswith("output."))
@@ -368,28 +412,39 @@ class Trainer:
 
     def _log(self, records: list[dict[str, Any]], fh: Any, record: dict[str, Any]) -> None:
         records.append(record)
-        fh.write(json.dumps(record) + "\n")
-        fh.flush()
+        if fh is not None:  # rank 0
+            fh.write(json.dumps(record) + "\n")
+            fh.flush()
+
+    def _stop_requested(self, hit: bool) -> bool:
+        """Ctrl-C seen here, or (under mpiexec) on any rank: all ranks stop after the same step."""
+        if self.comm is None:
+            return hit
+        return self.comm.allreduce_scalar(float(hit), "agreeing on a stop request") > 0
 
     # ---- the loop ----
     def run(self, resume: bool = False) -> RunResult:
-        os.makedirs(self.out, exist_ok=True)
+        main = self.main
+        if main:
+            os.makedirs(self.out, exist_ok=True)
         rng = data_mod.order_rng(self.cfg.training.seed)
         st = RunState(epoch_rng=data_mod.rng_state_to_str(rng))
         last_ckpt = None
         if resume:
-            found = list_checkpoints(self.out)
+            found = self.agree(list_checkpoints(self.out))
             if not found:
                 raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(self.out, 'checkpoints')}")
             last_ckpt = found[-1][1]
             st = self.restore(load_checkpoint(last_ckpt))
             rng = data_mod.rng_from_str(st.epoch_rng)
-        else:
+        elif main:
             for _, old in list_checkpoints(self.out):
                 os.unlink(old)
-        records = self._start_metrics(st.global_step if resume else None)
-        text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
-        write_atomic(os.path.join(self.out, "config.yaml"), lambda f: f.write(text.encode()))
+        records: list[dict[str, Any]] = []
+        if main:
+            records = self._start_metrics(st.global_step if resume else None)
+            text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
+            write_atomic(os.path.join(self.out, "config.yaml"), lambda f: f.write(text.encode()))
         perm = rng.permutation(self.data.n_train) if st.epoch_pos else None
         t, n = self.cfg.training, self.data.n_train
         eval_every = t.eval_every or self.steps_per_epoch
@@ -400,13 +455,15 @@ class Trainer:
         name = self.params.lr_params_feed_name
         from tqdm import tqdm
 
+        show = self.progress and main
         bar = tqdm(total=self.total, initial=st.global_step, desc=self.cfg.name, unit="step",
-                   disable=not self.progress, dynamic_ncols=True, file=sys.stderr)
+                   disable=not show, dynamic_ncols=True, file=sys.stderr)
         status = "finished"
         try:
-            with open(self.metrics_path, "a", encoding="utf-8") as fh, _Interrupts() as stop:
+            with (open(self.metrics_path, "a", encoding="utf-8") if main else nullcontext()) as fh, \
+                    _Interrupts() as stop:
                 while st.global_step < self.total:
-                    if stop.hit:
+                    if self._stop_requested(stop.hit):
                         status = "interrupted"
                         break
                     lr = self.lr(st.global_step)
@@ -416,7 +473,8 @@ class Trainer:
                             st.epoch_rng = data_mod.rng_state_to_str(rng)
                             perm = rng.permutation(n)
                         idx = perm[st.epoch_pos * t.batch_size:(st.epoch_pos + 1) * t.batch_size]
-                        feeds = {k: v[idx] for k, v in self.data.train.items()}
+                        mine = parallel.split_batch(idx, size=self.ranks) if self.ranks > 1 else idx
+                        feeds = {k: v[mine] for k, v in self.data.train.items()}
                         feeds[name] = lr_feed
                         loss = self.sess.run([self.cfg.model.loss], feeds)[0]
                         window_loss += float(loss)
@@ -434,7 +492,10 @@ class Trainer:
                     bar.update(1)
                     if s % t.log_every == 0 or s == self.total:
                         now = time.perf_counter()
-                        rec = {"step": s, "epoch": st.epoch, "loss": window_loss / window_n, "lr": lr,
+                        loss = window_loss / window_n
+                        if self.comm is not None:  # each rank's loss is the mean over its equal share
+                            loss = self.comm.allreduce_scalar(loss, "averaging the logged loss") / self.ranks
+                        rec = {"step": s, "epoch": st.epoch, "loss": loss, "lr": lr,
                                "samples_per_s": window_samples / max(now - window_t, 1e-9)}
                         self._log(records, fh, rec)
                         bar.set_postfix({"loss": f"{rec['loss']:.4f}", "lr": f"{lr:.2e}",
@@ -443,7 +504,7 @@ class Trainer:
                     if s % eval_every == 0 or s == self.total:
                         last_eval = self.evaluate(self.data.eval, self.weights())
                         self._log(records, fh, {"step": s, "epoch": st.epoch, **last_eval})
-                        if self.progress:
+                        if show:
                             bar.write(f"step {s}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()))
                     if s % ckpt_every == 0 or s == self.total:
                         last_ckpt = self.save(st)
@@ -452,21 +513,24 @@ class Trainer:
             bar.close()
         if status == "interrupted":
             where = f"the last checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
-            print(f"onnxtrain: interrupted at step {st.global_step}; {where}"
-                  + ("; continue with --resume" if last_ckpt else ""), file=sys.stderr)
+            if main:
+                print(f"onnxtrain: interrupted at step {st.global_step}; {where}"
+                      + ("; continue with --resume" if last_ckpt else ""), file=sys.stderr)
             return RunResult(self.out, status, st.global_step, last_eval, last_ckpt)
-        if not any(r.get("step") == st.global_step and "eval_loss" in r for r in records):
+        # a final eval unless the last step had one (rank 0 decides: only it reads old metrics on resume)
+        if self.agree(not any(r.get("step") == st.global_step and "eval_loss" in r for r in records)):
             last_eval = self.evaluate(self.data.eval, self.weights())
-            with open(self.metrics_path, "a", encoding="utf-8") as fh:
+            with (open(self.metrics_path, "a", encoding="utf-8") if main else nullcontext()) as fh:
                 self._log(records, fh, {"step": st.global_step, "epoch": st.epoch, **last_eval})
         last_eval = next(({k: v for k, v in r.items() if k.startswith("eval_")} for r in reversed(records)
                           if "eval_loss" in r), last_eval)
         exported = None
-        if self.cfg.output.plot:
+        if self.cfg.output.plot and main:
             plot_metrics(records, os.path.join(self.out, "metrics.png"), self.cfg.name)
         if self.cfg.output.export:
             exported = os.path.join(self.out, "model.onnx")
-            export_model(self.model, self.cfg, self.weights(), exported)
+            if main:
+                export_model(self.model, self.cfg, self.weights(), exported)
         return RunResult(self.out, status, st.global_step, last_eval, last_ckpt, exported)
 
 

@@ -5,6 +5,9 @@
 * Adam/Lamb ``Moment_1``/``Moment_2`` → ``momentum0``/``momentum1`` of one optimizer group, whose
   ``step`` is the number of updates done (the session's ``Update_Count``/``Step`` minus one);
 * the trainer's run state (step, epoch, data position, data-order RNG state, …) → ``properties``.
+
+Both directions work on the *unpartitioned* state (``TrainingSession.gather_state()``), so a
+checkpoint written under ZeRO stage 1 holds the whole optimizer state and loads anywhere.
 """
 
 from __future__ import annotations
@@ -16,63 +19,103 @@ import onnx
 from onnx import numpy_helper
 
 from onnxtrain.checkpoint import Checkpoint, OptimizerGroup
+from onnxtrain.parallel import Communicator
 from onnxtrain.session import TrainingSession
 
 MOMENTS = {"Moment_1": "momentum0", "Moment_2": "momentum1"}
 COUNTERS = ("Update_Count", "Step")  # 1 before the first update
 SHARED = "shared_optimizer_state"
 
+# weight (or SHARED) → the keys of its optimizer state, over the whole model
+OptimizerLayout = dict[str, list[str]]
+
 
 def trainable_names(sess: TrainingSession) -> list[str]:
     return list(sess.get_model_state()["full_precision"])
 
 
+def optimizer_layout(sess: TrainingSession, comm: Communicator | None = None) -> OptimizerLayout:
+    """Which optimizer state each weight has. Under ZeRO stage 1 a rank holds the state of its own
+    weights only: with ``comm`` (a collective: every rank calls it) the ranks' parts are merged."""
+    mine = {w: sorted(d) for w, d in sess.get_optimizer_state().items()}
+    if comm is None or comm.size == 1:
+        return mine
+    merged: OptimizerLayout = {}
+    for part in comm.allgather_object(mine, "exchanging the optimizer state layout"):
+        for w, keys in part.items():
+            merged.setdefault(w, keys)
+    return merged
+
+
+def state_name(weight: str, key: str) -> str:
+    """The session's (unpartitioned) store name of optimizer state ``key`` of ``weight``."""
+    return key if weight == SHARED else f"{key}_{weight}"
+
+
+def layout_state_names(layout: OptimizerLayout) -> set[str]:
+    """Store names of the optimizer state of ``layout`` (``Moment_1_<w>``, ``Step``, …)."""
+    return {state_name(w, k) for w, keys in layout.items() for k in keys}
+
+
 def optimizer_state_names(sess: TrainingSession) -> set[str]:
     """Store names of the session's optimizer state (``Moment_1_<w>``, ``Step``, …)."""
-    return {k if w == SHARED else f"{k}_{w}" for w, d in sess.get_optimizer_state().items() for k in d}
+    return layout_state_names(optimizer_layout(sess))
 
 
 def session_to_checkpoint(sess: TrainingSession, model: onnx.ModelProto, initial_lr: float, steps_done: int,
-                          properties: Mapping[str, int | float | str]) -> Checkpoint:
-    """A checkpoint of ``sess`` (trained from ``model``) after ``steps_done`` optimizer steps."""
-    state = sess.get_state()
+                          properties: Mapping[str, int | float | str],
+                          state: Mapping[str, np.ndarray] | None = None,
+                          layout: OptimizerLayout | None = None) -> Checkpoint:
+    """A checkpoint of ``sess`` (trained from ``model``) after ``steps_done`` optimizer steps.
+
+    Under ZeRO stage 1 pass the unpartitioned ``state`` (``sess.gather_state()``) and the merged
+    ``layout`` (``optimizer_layout(sess, comm)``); by default both are this session's own.
+    """
+    state = sess.get_state() if state is None else state
+    layout = optimizer_layout(sess) if layout is None else layout
     trained = trainable_names(sess)
-    opt = sess.get_optimizer_state()
-    opt_names = optimizer_state_names(sess)
+    opt_names = layout_state_names(layout)
     frozen = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name not in trained}
     for name, v in state.items():  # BatchNormalization running statistics: the session's current values
         if name not in trained and name not in opt_names:
             frozen[name] = v
-    counts = {int(d[k].reshape(-1)[0]) for d in opt.values() for k in COUNTERS if k in d}
+    counts = {int(state[state_name(w, k)].reshape(-1)[0]) for w, keys in layout.items() for k in keys
+              if k in COUNTERS}
     if len(counts) > 1:
         raise ValueError(f"optimizer step counters disagree across weights: {sorted(counts)}")
     step = counts.pop() - 1 if counts else steps_done  # SGD keeps no counter
     states: dict[str, dict[str, np.ndarray]] = {}
-    for w, d in opt.items():
+    for w, keys in layout.items():
         if w == SHARED:
             continue
-        states[w] = {MOMENTS.get(k, k): v for k, v in d.items() if k not in COUNTERS}
+        states[w] = {MOMENTS.get(k, k): state[state_name(w, k)] for k in keys if k not in COUNTERS}
     group = OptimizerGroup(name="group0", step=step, initial_lr=float(initial_lr), states=states)
     return Checkpoint(trainable={w: state[w] for w in trained}, frozen=frozen, optimizer_groups=[group],
                       properties=dict(properties))
 
 
-def checkpoint_to_state(ckpt: Checkpoint, sess: TrainingSession) -> dict[str, np.ndarray]:
-    """The ``load_state`` dict that puts ``ckpt`` back into ``sess`` (every state tensor, checked)."""
-    current = sess.get_state()
-    opt = sess.get_optimizer_state()
+def checkpoint_to_state(ckpt: Checkpoint, sess: TrainingSession,
+                        current: Mapping[str, np.ndarray] | None = None,
+                        layout: OptimizerLayout | None = None) -> dict[str, np.ndarray]:
+    """The ``load_state`` dict that puts ``ckpt`` back into ``sess`` (every state tensor, checked).
+
+    Under ZeRO stage 1 pass the unpartitioned ``current`` state and merged ``layout`` as above.
+    """
+    current = sess.get_state() if current is None else current
+    layout = optimizer_layout(sess) if layout is None else layout
+    trained = trainable_names(sess)
     if not ckpt.optimizer_groups:
         raise ValueError("the checkpoint has no optimizer group")
     group = ckpt.optimizer_groups[0]
     out: dict[str, np.ndarray] = {}
-    for name in trainable_names(sess):
+    for name in trained:
         if name not in ckpt.trainable:
             raise ValueError(f"the checkpoint has no trained weight {name!r}; "
                              f"it holds {sorted(ckpt.trainable)}")
         out[name] = ckpt.trainable[name]
-    for w, d in opt.items():
-        for key in d:
-            name = key if w == SHARED else f"{key}_{w}"
+    for w, keys in layout.items():
+        for key in keys:
+            name = state_name(w, key)
             if key in COUNTERS:
                 out[name] = np.full_like(current[name], group.step + 1)
                 continue

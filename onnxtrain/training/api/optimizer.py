@@ -4,6 +4,12 @@ The optimizer model takes ``learning_rate``, ``step`` (completed steps + 1), and
 parameter ``<p>``, ``<p>_grad`` and its moments ``<p>.momentum0`` (``<p>.momentum1``); every
 output ``X.out`` is the new value of input ``X``, swapped into the state. Gradients are never
 cleared by a step (only replaced when the model clips them in place, as onnxruntime does).
+
+Under ``mpiexec -n N`` each step first averages the gradients over the ranks
+(``onnxtrain.parallel.allreduce_gradients``) and updates with the average, so N ranks that each run
+the module on an equal share of a batch (``parallel.split_batch``) step as one process on the whole
+batch would. Constructing the Optimizer is then a collective: the ranks check that they hold the
+same models, trainable parameters and values.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from onnxtrain import parallel
+from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
 from onnxtrain.training.api._graph import ModelLike, load_model
 from onnxtrain.training.api.checkpoint_state import _OptimizerState
 from onnxtrain.training.api.module import Module, _compile
@@ -50,6 +58,10 @@ class Optimizer:
         self.algorithm = next((p.value for p in model.metadata_props if p.key == "onnxtrain.optimizer"),
                               "AdamW" if "momentum1" in self._moment_keys else "SGD")
         self._opt = self._bind_state()
+        self._data_parallel = parallel.world().size > 1
+        if self._data_parallel:
+            check_same_on_all_ranks(parallel.get_communicator(), self._fingerprint(model),
+                                    "on-device training setup")
 
     # ---------------------------------------------------------------- interface
     def _classify(self, model: Any) -> None:
@@ -102,6 +114,18 @@ class Optimizer:
         lr_vi = next(v for v in g.input if v.name == LR_INPUT)
         self._lr_dtype = np.float64 if lr_vi.type.tensor_type.elem_type == 11 else np.float32
 
+    def _fingerprint(self, optimizer_model: Any) -> dict[str, Any]:
+        """What every data-parallel rank must hold identically (digests of graphs and values)."""
+        params = self._state._params
+        return {
+            "training model": digest(self._module._train_model.SerializeToString(deterministic=True)),
+            "optimizer model": digest(optimizer_model.SerializeToString(deterministic=True)),
+            "trainable parameters": self._params,
+            "parameter values": {p: "nominal" if params[p].data is None else array_digest(params[p].data)
+                                 for p in self._params},
+            "optimizer step and learning rate": (self._opt.step, self._opt.lr),
+        }
+
     def _bind_state(self) -> _OptimizerState:
         opt = self._state._optimizer_state()
         params = self._state._params
@@ -136,7 +160,10 @@ class Optimizer:
 
     # ---------------------------------------------------------------- public API
     def step(self) -> None:
-        """Apply one update with the current learning rate; gradients are left as they are."""
+        """Apply one update with the current learning rate; gradients are left as they are.
+
+        Under ``mpiexec`` the update uses the gradients averaged over the ranks (a collective: every
+        rank calls ``step`` the same number of times)."""
         opt = self._opt
         params = self._state._params
         self._allocate_moments(opt)
@@ -149,6 +176,9 @@ class Optimizer:
                                  "parameters first.")
             feeds[p] = prm.data
             feeds[self._grads[p]] = prm.grad if prm.grad is not None else np.zeros_like(prm.data)
+        if self._data_parallel:  # fresh arrays: the averages never alias weights or .grad
+            names = [self._grads[p] for p in self._params]
+            feeds.update(zip(names, parallel.allreduce_gradients([feeds[n] for n in names], inplace=False)))
         for name, (p, key) in self._moments.items():
             feeds[name] = opt.moments[p][key]
         results = self._plan.run(feeds, self._outputs)

@@ -1,0 +1,153 @@
+"""``mpiexec -n 2 onnxtrain train CONFIG``: the same weights as one process, only rank 0 prints the progress
+bar and writes files, ZeRO stage 1 checkpoints hold the whole state and resume, a bad config ends the job."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from onnxtrain.checkpoint import load_checkpoint
+
+pytestmark = pytest.mark.mpi
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = os.path.join(REPO, "configs", "digits_mlp.yaml")
+# short; a constant schedule (with its warm-up) so that a run resumed with more steps equals a whole run
+SETS = ["--set", "training.steps=20", "--set", "schedule.kind=constant", "--set", "training.eval_every=10",
+        "--set", "training.checkpoint_every=10", "--set", "training.log_every=5"]
+LAST = os.path.join("checkpoints", "step_00000020.ckpt")
+
+
+def train_cmd(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "onnxtrain", "train", CONFIG, *SETS, *extra]
+
+
+def mpiexec(args: list[str], timeout: float = 120.0) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "MPI_", "PMIX_"))}
+    clean["PYTHONPATH"] = REPO + os.pathsep + clean.get("PYTHONPATH", "")
+    t0 = time.perf_counter()
+    r = subprocess.run(["mpiexec", *args], capture_output=True, text=True, timeout=timeout, env=clean)
+    print(f"mpiexec {' '.join(args[:3])} ...: {time.perf_counter() - t0:.1f} s, exit {r.returncode}")
+    return r
+
+
+def hydra() -> bool:
+    """MPICH's launcher (the mpich wheel's): ``-wdir`` per rank and ``-prepend-rank`` are used below."""
+    r = subprocess.run(["mpiexec", "--version"], capture_output=True, text=True, timeout=30)
+    return "HYDRA" in r.stdout + r.stderr
+
+
+def by_rank(text: str) -> dict[int, str]:
+    """Output of ``mpiexec -prepend-rank``, split by the rank that wrote each chunk."""
+    out: dict[int, str] = {}
+    for m in re.finditer(r"\[(\d+)\] (.*?)(?=\[\d+\] |\Z)", text, re.S):
+        out[int(m.group(1))] = out.get(int(m.group(1)), "") + m.group(2)
+    return out
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def metrics(folder: str) -> list[dict]:
+    with open(os.path.join(folder, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def assert_same_checkpoint(path: str, ref_path: str) -> None:
+    got, ref = load_checkpoint(path), load_checkpoint(ref_path)
+    assert sorted(got.trainable) == sorted(ref.trainable)
+    for k, v in ref.trainable.items():
+        err = rel_err(got.trainable[k], v)
+        assert err <= 1e-6, f"{k}: relative error {err:.3g}"
+    g, r = got.optimizer_groups[0], ref.optimizer_groups[0]
+    assert g.step == r.step == 20
+    assert sorted(g.states) == sorted(r.states)
+    for w, d in r.states.items():
+        assert sorted(g.states[w]) == sorted(d)
+        for k, v in d.items():
+            assert rel_err(g.states[w][k], v) <= 1e-5, f"{w} {k}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same config trained by one process (no MPI)."""
+    from onnxtrain.cli import main
+
+    out = str(tmp_path_factory.mktemp("cli_ref") / "run")
+    assert main(["train", CONFIG, *SETS, "--output-dir", out, "-q"]) == 0
+    return out
+
+
+def test_two_ranks_equal_one_process_and_only_rank0_writes(reference: str, tmp_path) -> None:
+    if not hydra():
+        pytest.skip("needs MPICH's mpiexec (hydra) for -wdir per rank and -prepend-rank")
+    # each rank in its own working directory, the same relative --output-dir: what rank 1 would write
+    # lands in its own folder
+    wd = [tmp_path / "rank0", tmp_path / "rank1"]
+    for d in wd:
+        d.mkdir()
+    cmd = train_cmd("--output-dir", "run")
+    r = mpiexec(["-prepend-rank", "-n", "1", "-wdir", str(wd[0]), *cmd, ":", "-n", "1", "-wdir", str(wd[1]),
+                 *cmd])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.listdir(wd[1]) == [], "rank 1 wrote files"
+    out = str(wd[0] / "run")
+
+    def files(folder: str) -> list[str]:
+        return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+
+    assert files(out) == files(reference)
+    assert_same_checkpoint(os.path.join(out, LAST), os.path.join(reference, LAST))
+    got, want = metrics(out), metrics(reference)
+    # one record per logged step and per eval: no duplicates from a second writer
+    assert [sorted(m) for m in got] == [sorted(m) for m in want]
+    for g, w in zip(got, want):
+        assert g["step"] == w["step"]
+        for k in ("loss", "eval_loss", "eval_accuracy", "lr"):
+            if k in w:
+                assert g[k] == pytest.approx(w[k], rel=1e-5), (g, w)
+    stdout, stderr = by_rank(r.stdout), by_rank(r.stderr)
+    assert list(stdout) == [0] and stdout[0].count("trained digits_mlp for 20 steps") == 1, r.stdout
+    assert "20/20" in stderr.get(0, ""), r.stderr  # the progress bar, on rank 0 only
+    assert "step/s" not in stderr.get(1, ""), r.stderr
+
+
+def test_zero_stage1_checkpoint_holds_the_whole_state_and_resumes(reference: str, tmp_path) -> None:
+    out = str(tmp_path / "run")
+    zero = ["--set", "training.parameters.deepspeed_zero_stage=1", "--output-dir", out, "-q"]
+    r = mpiexec(["-n", "2", *train_cmd(*zero, "--set", "training.steps=10")])
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = mpiexec(["-n", "2", *train_cmd(*zero, "--resume")])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert_same_checkpoint(os.path.join(out, LAST), os.path.join(reference, LAST))
+    assert [m["step"] for m in metrics(out)] == [m["step"] for m in metrics(reference)]
+    # the checkpoint of two ZeRO ranks loads into one process
+    from onnxtrain.train import Trainer, load_config
+    from onnxtrain.train.state import trainable_names
+
+    cfg = load_config(CONFIG, [s for s in SETS if s != "--set"])
+    tr = Trainer(cfg, str(tmp_path / "one"), progress=False)
+    assert tr.restore(load_checkpoint(os.path.join(out, LAST))).global_step == 20
+    ref = load_checkpoint(os.path.join(reference, LAST))
+    state = tr.sess.get_state()
+    for w in trainable_names(tr.sess):
+        assert rel_err(state[w], ref.trainable[w]) <= 1e-6
+
+
+def test_bad_config_ends_every_rank_with_the_message(tmp_path) -> None:
+    t0 = time.perf_counter()
+    r = mpiexec(["-n", "2", *train_cmd("--set", "training.batch_size=33", "--output-dir", str(tmp_path / "x"),
+                                       "-q")], timeout=60)
+    assert r.returncode != 0
+    assert "training.batch_size: 33 does not split evenly over the 2 ranks" in r.stderr, r.stderr
+    assert time.perf_counter() - t0 < 30
+    assert not os.path.exists(tmp_path / "x" / "checkpoints")
