@@ -388,6 +388,8 @@ class TrainingSession(InferenceSession):
                         full = elementwise and arr.shape == self._zero.shapes[pc.weight]
                         self._assign(local, self._zero.piece_view(pc, arr) if full else arr)
                     continue
+                if self._zero is not None and name in self._all_optimizer_state_names():
+                    continue  # optimizer state of a weight another rank updates
                 if strict:
                     raise KeyError(f"load_state: {name!r} is not a state tensor of this session; known: "
                                    f"{sorted(known)}")
@@ -397,6 +399,13 @@ class TrainingSession(InferenceSession):
             missing = sorted(known - set(state))
             if missing:
                 raise KeyError(f"load_state(strict=True): missing state tensor(s) {missing}")
+
+    def _all_optimizer_state_names(self) -> set[str]:
+        """Names the optimizer state of every trained weight has, whichever rank holds it."""
+        if self._opt is None:
+            return set()
+        slots = [WeightSlot(w, "", (), 1) for w in self._graphs.trainable]
+        return {sp.name for sp in self._opt.state(slots)}
 
     def get_model_state(self, include_mixed_precision_weights: bool = False) -> dict[str, dict[str, np.ndarray]]:
         out = {"full_precision": {w: self._store[w].copy() for w in self._graphs.trainable}}

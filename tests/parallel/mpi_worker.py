@@ -92,7 +92,11 @@ def main() -> None:
                   f"weights {sorted(sess.get_partition_info_map())}", flush=True)
             state = sess.get_model_state()["full_precision"]
             if zero:
-                state.update({f"gathered/{k}": v for k, v in sess.gather_state().items()})
+                full = sess.gather_state()
+                state.update({f"gathered/{k}": v for k, v in full.items()})
+                # every rank takes the whole gathered state back, strictly (regression: names of the
+                # optimizer state that other ranks hold were refused)
+                sess.load_state(full, strict=True)
             everyone = sess._dp.comm.allgather_object((state, opt_bytes, norms))
             if w.rank == 0:
                 for r, (st, nbytes, nm) in enumerate(everyone):
