@@ -275,17 +275,24 @@ class RunState:
     epoch_pos: int = 0  # micro-batches of this epoch already used
     epoch_rng: str = ""  # data-order generator state that this epoch's permutation is drawn from
     samples: int = 0
+    loss_scale: float = 0.0  # mixed precision: the dynamic loss scaler's state (0: no scaler)
+    loss_scale_stable_steps: int = 0
 
     def properties(self, lr: float, cfg: Config) -> dict[str, int | float | str]:
-        return {"global_step": self.global_step, "epoch": self.epoch, "epoch_position": self.epoch_pos,
-                "data_order_rng": self.epoch_rng, "samples_seen": self.samples, "learning_rate": lr,
-                "config": json.dumps(cfg.to_dict(), sort_keys=True)}
+        props: dict[str, int | float | str] = {
+            "global_step": self.global_step, "epoch": self.epoch, "epoch_position": self.epoch_pos,
+            "data_order_rng": self.epoch_rng, "samples_seen": self.samples, "learning_rate": lr,
+            "config": json.dumps(cfg.to_dict(), sort_keys=True)}
+        if self.loss_scale:  # powers of two: exact in the checkpoint's float32
+            props.update(loss_scale=self.loss_scale, loss_scale_stable_steps=self.loss_scale_stable_steps)
+        return props
 
     @classmethod
     def from_properties(cls, props: dict[str, Any]) -> RunState:
         try:
             return cls(int(props["global_step"]), int(props["epoch"]), int(props["epoch_position"]),
-                       str(props["data_order_rng"]), int(props.get("samples_seen", 0)))
+                       str(props["data_order_rng"]), int(props.get("samples_seen", 0)),
+                       float(props.get("loss_scale", 0.0)), int(props.get("loss_scale_stable_steps", 0)))
         except KeyError as e:
             raise ValueError(f"the checkpoint has no run property {e}; was it written by onnxtrain train?"
                              ) from None
@@ -453,6 +460,13 @@ class Trainer:
         window_loss, window_n, window_t, window_samples = 0.0, 0, time.perf_counter(), 0
         lr_feed = np.zeros([1], np.float32)
         name = self.params.lr_params_feed_name
+        scaler = None
+        if self.sess.loss_scale_input_name:  # mixed precision: a dynamic loss scale, fed every run
+            from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler
+
+            scaler = DynamicLossScaler()
+            if st.loss_scale:
+                scaler.loss_scale, scaler.stable_steps = st.loss_scale, st.loss_scale_stable_steps
         from tqdm import tqdm
 
         show = self.progress and main
@@ -468,7 +482,7 @@ class Trainer:
                         break
                     lr = self.lr(st.global_step)
                     lr_feed[0] = lr
-                    for _ in range(self.micro):
+                    for micro in range(self.micro):
                         if perm is None:
                             st.epoch_rng = data_mod.rng_state_to_str(rng)
                             perm = rng.permutation(n)
@@ -476,7 +490,18 @@ class Trainer:
                         mine = parallel.split_batch(idx, size=self.ranks) if self.ranks > 1 else idx
                         feeds = {k: v[mine] for k, v in self.data.train.items()}
                         feeds[name] = lr_feed
-                        loss = self.sess.run([self.cfg.model.loss], feeds)[0]
+                        if scaler is None:
+                            loss = self.sess.run([self.cfg.model.loss], feeds)[0]
+                        else:
+                            feeds[self.sess.loss_scale_input_name] = scaler.feed()
+                            if micro < self.micro - 1:  # a micro-step has no finite check yet
+                                loss = self.sess.run([self.cfg.model.loss], feeds)[0]
+                            else:
+                                fetch = [self.cfg.model.loss, "all_gradients_finite"]
+                                loss, finite = self.sess.run(fetch, feeds)
+                                scaler.update_loss_scale(bool(finite))  # a skipped update halves the scale
+                                st.loss_scale = scaler.loss_scale
+                                st.loss_scale_stable_steps = scaler.stable_steps
                         window_loss += float(loss)
                         window_n += 1
                         window_samples += len(idx)
