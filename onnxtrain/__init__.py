@@ -22,6 +22,21 @@ from onnxtrain.session import TrainingSession
 
 __version__ = "0.1.0"
 
-__all__ = ["ExecutionMode", "GradientGraphBuilder", "GraphOptimizationLevel", "IOBinding", "InferenceSession",
-           "ModelMetadata", "NodeArg", "OrtDevice", "OrtValue", "RunOptions", "SessionOptions", "TrainingParameters", "TrainingSession",
-           "get_all_providers", "get_available_providers", "get_device"]
+__all__ = [
+    "ExecutionMode",
+    "GradientGraphBuilder",
+    "GraphOptimizationLevel",
+    "IOBinding",
+    "InferenceSession",
+    "ModelMetadata",
+    "NodeArg",
+    "OrtDevice",
+    "OrtValue",
+    "RunOptions",
+    "SessionOptions",
+    "TrainingParameters",
+    "TrainingSession",
+    "get_all_providers",
+    "get_available_providers",
+    "get_device",
+]

@@ -12,18 +12,128 @@ import re
 import sys
 from collections.abc import Iterable
 
-TIER1 = ("Abs,Add,BatchNormalization,Cast,Concat,Constant,ConstantOfShape,Conv,Div,Dropout,Equal,Erf,"
-         "Expand,Flatten,Gather,Gelu,Gemm,Greater,Identity,IsNaN,LayerNormalization,Less,Log,LogSoftmax,"
-         "MatMul,Max,MaxPool,Mod,Mul,Neg,NegativeLogLikelihoodLoss,Pow,ReduceMean,ReduceSum,Relu,Reshape,"
-         "Shape,Sigmoid,Slice,Softmax,SoftmaxCrossEntropyLoss,Split,Sqrt,Squeeze,Sub,Tanh,Transpose,"
-         "Unsqueeze,Where,ConvTranspose,ScatterElements,ScatterND,Pad,OneHot,Range,Exp,Sign,Not,And,"
-         "GreaterOrEqual,LessOrEqual,NonZero,Size,Reciprocal").split(",")
-TIER2 = ("LSTM,GRU,RNN,ReverseSequence,GlobalAveragePool,GlobalMaxPool,AveragePool,InstanceNormalization,"
-         "Resize,DepthToSpace,SpaceToDepth,Clip,LeakyRelu,PRelu,Elu,Selu,Celu,HardSigmoid,HardSwish,"
-         "Softplus,Softsign,Mish,Min,Sum,Mean,ReduceMax,ReduceMin,ReduceProd,ReduceL1,ReduceL2,"
-         "ReduceSumSquare,ReduceLogSum,ReduceLogSumExp,LpNormalization,Sin,Cos,Floor,Ceil,Round,Or,IsInf,"
-         "ArgMax,ArgMin,TopK,CumSum,Tile,Trilu,Einsum,GatherElements,GatherND,EyeLike,CastLike,If,Loop"
-         ).split(",")
+TIER1 = [
+    "Abs",
+    "Add",
+    "BatchNormalization",
+    "Cast",
+    "Concat",
+    "Constant",
+    "ConstantOfShape",
+    "Conv",
+    "Div",
+    "Dropout",
+    "Equal",
+    "Erf",
+    "Expand",
+    "Flatten",
+    "Gather",
+    "Gelu",
+    "Gemm",
+    "Greater",
+    "Identity",
+    "IsNaN",
+    "LayerNormalization",
+    "Less",
+    "Log",
+    "LogSoftmax",
+    "MatMul",
+    "Max",
+    "MaxPool",
+    "Mod",
+    "Mul",
+    "Neg",
+    "NegativeLogLikelihoodLoss",
+    "Pow",
+    "ReduceMean",
+    "ReduceSum",
+    "Relu",
+    "Reshape",
+    "Shape",
+    "Sigmoid",
+    "Slice",
+    "Softmax",
+    "SoftmaxCrossEntropyLoss",
+    "Split",
+    "Sqrt",
+    "Squeeze",
+    "Sub",
+    "Tanh",
+    "Transpose",
+    "Unsqueeze",
+    "Where",
+    "ConvTranspose",
+    "ScatterElements",
+    "ScatterND",
+    "Pad",
+    "OneHot",
+    "Range",
+    "Exp",
+    "Sign",
+    "Not",
+    "And",
+    "GreaterOrEqual",
+    "LessOrEqual",
+    "NonZero",
+    "Size",
+    "Reciprocal",
+]
+TIER2 = [
+    "LSTM",
+    "GRU",
+    "RNN",
+    "ReverseSequence",
+    "GlobalAveragePool",
+    "GlobalMaxPool",
+    "AveragePool",
+    "InstanceNormalization",
+    "Resize",
+    "DepthToSpace",
+    "SpaceToDepth",
+    "Clip",
+    "LeakyRelu",
+    "PRelu",
+    "Elu",
+    "Selu",
+    "Celu",
+    "HardSigmoid",
+    "HardSwish",
+    "Softplus",
+    "Softsign",
+    "Mish",
+    "Min",
+    "Sum",
+    "Mean",
+    "ReduceMax",
+    "ReduceMin",
+    "ReduceProd",
+    "ReduceL1",
+    "ReduceL2",
+    "ReduceSumSquare",
+    "ReduceLogSum",
+    "ReduceLogSumExp",
+    "LpNormalization",
+    "Sin",
+    "Cos",
+    "Floor",
+    "Ceil",
+    "Round",
+    "Or",
+    "IsInf",
+    "ArgMax",
+    "ArgMin",
+    "TopK",
+    "CumSum",
+    "Tile",
+    "Trilu",
+    "Einsum",
+    "GatherElements",
+    "GatherND",
+    "EyeLike",
+    "CastLike",
+    "If",
+    "Loop",
+]
 
 # Cases we do not pass, each with its reason (kept in one place; the test module reads it).
 _SUBGRAPHS = "subgraph ops (If, Loop, Scan) are not supported by the engine yet"
@@ -75,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-op", action="store_true", help="print passed/total per op")
     p.add_argument("--failures", action="store_true", help="print each failure and its error")
     a = p.parse_args(argv)
-    ops = a.ops.split(",") if a.ops else [op for t in a.tier.split(",") for op in (TIER1 if t == "1" else TIER2)]
+    ops = (
+        a.ops.split(",")
+        if a.ops
+        else [op for t in a.tier.split(",") for op in (TIER1 if t == "1" else TIER2)]
+    )
     per_op: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     passed = total = 0
     for op, case in load_cases(ops):

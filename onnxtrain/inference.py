@@ -44,7 +44,9 @@ class ModelMetadata:
 
 def node_arg(v: onnx.ValueInfoProto) -> NodeArg:
     dt = np_dtype_of(v.type)
-    return NodeArg(v.name, f"tensor({_type_name(dt)})" if dt is not None else "unknown", value_info_shape(v.type))
+    return NodeArg(
+        v.name, f"tensor({_type_name(dt)})" if dt is not None else "unknown", value_info_shape(v.type)
+    )
 
 
 class FeedChecker:
@@ -55,7 +57,9 @@ class FeedChecker:
         self.allowed = set(plan.input_names) | set(overridable)
         self.specs = {n: (plan.input_dtypes.get(n), plan.input_shapes.get(n)) for n in plan.all_input_names}
 
-    def __call__(self, feeds: Mapping[str, Any], required: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    def __call__(
+        self, feeds: Mapping[str, Any], required: Sequence[str] | None = None
+    ) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         for name, v in feeds.items():
             if name not in self.allowed:
@@ -65,16 +69,21 @@ class FeedChecker:
                 a = np.asarray(a)
             dtype, shape = self.specs[name]
             if dtype is not None and a.dtype != dtype:
-                raise TypeError(f"input {name!r}: expected dtype {dtype} (tensor({_type_name(dtype)})), "
-                                f"got {a.dtype}")
+                raise TypeError(
+                    f"input {name!r}: expected dtype {dtype} (tensor({_type_name(dtype)})), got {a.dtype}"
+                )
             if shape is not None:
                 if a.ndim != len(shape):
-                    raise ValueError(f"input {name!r}: expected rank {len(shape)} (shape {shape}), "
-                                     f"got rank {a.ndim} (shape {list(a.shape)})")
+                    raise ValueError(
+                        f"input {name!r}: expected rank {len(shape)} (shape {shape}), "
+                        f"got rank {a.ndim} (shape {list(a.shape)})"
+                    )
                 for k, (want, got) in enumerate(zip(shape, a.shape)):
                     if isinstance(want, int) and want > 0 and want != got:
-                        raise ValueError(f"input {name!r}: dimension {k} must be {want}, got {got} "
-                                         f"(shape {list(a.shape)}, expected {shape})")
+                        raise ValueError(
+                            f"input {name!r}: dimension {k} must be {want}, got {got} "
+                            f"(shape {list(a.shape)}, expected {shape})"
+                        )
             out[name] = a
         missing = [n for n in (self.required if required is None else required) if n not in out]
         if missing:
@@ -91,9 +100,14 @@ class InferenceSession:
         logits, = sess.run(None, {"x": x})
     """
 
-    def __init__(self, path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto,
-                 sess_options: SessionOptions | None = None, providers: Sequence[Any] | None = None,
-                 provider_options: Sequence[dict] | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto,
+        sess_options: SessionOptions | None = None,
+        providers: Sequence[Any] | None = None,
+        provider_options: Sequence[dict] | None = None,
+        **kwargs: Any,
+    ):
         self._sess_options = sess_options or SessionOptions()
         self._providers, self._provider_options = resolve_providers(providers, provider_options)
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
@@ -110,13 +124,21 @@ class InferenceSession:
         self._fallback = True
 
     # ---- running -------------------------------------------------------------------
-    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
-            run_options: RunOptions | None = None) -> list[np.ndarray]:
+    def run(
+        self,
+        output_names: Sequence[str] | None,
+        input_feed: Mapping[str, Any],
+        run_options: RunOptions | None = None,
+    ) -> list[np.ndarray]:
         feeds = self._check(input_feed)
         return self._plan.run(feeds, list(output_names) if output_names else None)
 
-    def run_with_ort_values(self, output_names: Sequence[str] | None, input_dict_ort_values: Mapping[str, OrtValue],
-                            run_options: RunOptions | None = None) -> list[OrtValue]:
+    def run_with_ort_values(
+        self,
+        output_names: Sequence[str] | None,
+        input_dict_ort_values: Mapping[str, OrtValue],
+        run_options: RunOptions | None = None,
+    ) -> list[OrtValue]:
         return [OrtValue(v) for v in self.run(output_names, input_dict_ort_values, run_options)]
 
     def io_binding(self) -> IOBinding:
@@ -138,14 +160,22 @@ class InferenceSession:
 
     def get_modelmeta(self) -> ModelMetadata:
         m = self._model
-        return ModelMetadata(m.producer_name, m.graph.name, m.domain, m.doc_string, m.graph.doc_string,
-                             int(m.model_version), {p.key: p.value for p in m.metadata_props})
+        return ModelMetadata(
+            m.producer_name,
+            m.graph.name,
+            m.domain,
+            m.doc_string,
+            m.graph.doc_string,
+            int(m.model_version),
+            {p.key: p.value for p in m.metadata_props},
+        )
 
     def get_providers(self) -> list[str]:
         return list(self._providers)
 
-    def set_providers(self, providers: Sequence[Any] | None = None,
-                      provider_options: Sequence[dict] | None = None) -> None:
+    def set_providers(
+        self, providers: Sequence[Any] | None = None, provider_options: Sequence[dict] | None = None
+    ) -> None:
         self._providers, self._provider_options = resolve_providers(providers, provider_options)
 
     def get_provider_options(self) -> dict[str, dict[str, str]]:
@@ -181,10 +211,19 @@ def write_chrome_trace(plan: Plan, prefix: str, start_ns: int) -> str:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     path = f"{prefix}{stamp}.json"
     t0 = plan.profile[0].start_ns if plan.profile else time.perf_counter_ns()
-    events = [{"cat": "Node", "pid": os.getpid(), "tid": 0, "ph": "X", "name": f"{e.name}_kernel_time",
-               "ts": (e.start_ns - t0) / 1000.0, "dur": e.dur_ns / 1000.0,
-               "args": {"op_name": e.op, "input_type_shape": e.shapes, "provider": "CPUExecutionProvider"}}
-              for e in plan.profile]
+    events = [
+        {
+            "cat": "Node",
+            "pid": os.getpid(),
+            "tid": 0,
+            "ph": "X",
+            "name": f"{e.name}_kernel_time",
+            "ts": (e.start_ns - t0) / 1000.0,
+            "dur": e.dur_ns / 1000.0,
+            "args": {"op_name": e.op, "input_type_shape": e.shapes, "provider": "CPUExecutionProvider"},
+        }
+        for e in plan.profile
+    ]
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(events, f)

@@ -81,11 +81,15 @@ class TrainingParameters:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in self._values:
-            raise AttributeError(f"TrainingParameters has no property {name!r}; properties: {sorted(self._values)}")
+            raise AttributeError(
+                f"TrainingParameters has no property {name!r}; properties: {sorted(self._values)}"
+            )
         default = _DEFAULTS[name]
         if isinstance(default, set):
             if isinstance(value, str) or not hasattr(value, "__iter__"):
-                raise TypeError(f"TrainingParameters.{name} must be a set of names, got {type(value).__name__}")
+                raise TypeError(
+                    f"TrainingParameters.{name} must be a set of names, got {type(value).__name__}"
+                )
             value = set(value)
         elif isinstance(default, bool):
             value = bool(value)

@@ -42,15 +42,28 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
         for a in n.attribute:
             if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT:
                 a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float64), a.t.name))
-            if n.op_type in ("Cast", "EyeLike", "RandomNormalLike", "RandomUniformLike") and a.name in (
-                    "to", "dtype") and a.i == TensorProto.FLOAT:
+            if (
+                n.op_type in ("Cast", "EyeLike", "RandomNormalLike", "RandomUniformLike")
+                and a.name in ("to", "dtype")
+                and a.i == TensorProto.FLOAT
+            ):
                 a.i = TensorProto.DOUBLE
     return m
 
 
-def gradcheck(model: onnx.ModelProto, loss: str, wrt: Sequence[str], feeds: Mapping[str, np.ndarray],
-              eps: float = 1e-6, rtol: float = 1e-5, atol: float = 1e-8, directions: int = 3,
-              full_jacobian_max: int = 64, seed: int = 0, runner: Runner = run_engine) -> dict[str, np.ndarray]:
+def gradcheck(
+    model: onnx.ModelProto,
+    loss: str,
+    wrt: Sequence[str],
+    feeds: Mapping[str, np.ndarray],
+    eps: float = 1e-6,
+    rtol: float = 1e-5,
+    atol: float = 1e-8,
+    directions: int = 3,
+    full_jacobian_max: int = 64,
+    seed: int = 0,
+    runner: Runner = run_engine,
+) -> dict[str, np.ndarray]:
     """Compare the gradients of ``loss`` w.r.t. ``wrt`` with central differences; returns the gradients.
 
     Checks ⟨∇L, v⟩ against (L(x+εv) − L(x−εv)) / 2ε along ``directions`` random directions, and
@@ -76,11 +89,14 @@ def gradcheck(model: onnx.ModelProto, loss: str, wrt: Sequence[str], feeds: Mapp
     rng = np.random.default_rng(seed)
     for k in range(directions):
         v = {n: rng.standard_normal(values[n].shape) for n in wrt}
-        fd = (f({n: values[n] + eps * v[n] for n in wrt}) - f({n: values[n] - eps * v[n] for n in wrt})) / (2 * eps)
+        fd = (f({n: values[n] + eps * v[n] for n in wrt}) - f({n: values[n] - eps * v[n] for n in wrt})) / (
+            2 * eps
+        )
         ad = sum(float(np.sum(grads[n] * v[n])) for n in wrt)
         if not np.isclose(ad, fd, rtol=rtol, atol=atol):
-            raise AssertionError(f"direction {k} (seed {seed}): autodiff ⟨∇L, v⟩ = {ad!r}, "
-                                 f"finite differences = {fd!r}")
+            raise AssertionError(
+                f"direction {k} (seed {seed}): autodiff ⟨∇L, v⟩ = {ad!r}, finite differences = {fd!r}"
+            )
     if sum(v.size for v in values.values()) <= full_jacobian_max:
         for n in wrt:
             for idx in np.ndindex(values[n].shape):
@@ -89,8 +105,9 @@ def gradcheck(model: onnx.ModelProto, loss: str, wrt: Sequence[str], feeds: Mapp
                 minus[idx] -= eps
                 fd = (f({**values, n: plus}) - f({**values, n: minus})) / (2 * eps)
                 if not np.isclose(grads[n][idx], fd, rtol=rtol, atol=atol):
-                    raise AssertionError(f"d{loss}/d{n}{list(idx)}: autodiff {grads[n][idx]!r}, "
-                                         f"finite differences {fd!r}")
+                    raise AssertionError(
+                        f"d{loss}/d{n}{list(idx)}: autodiff {grads[n][idx]!r}, finite differences {fd!r}"
+                    )
     return grads
 
 
@@ -103,8 +120,13 @@ def _loss_only(model: onnx.ModelProto, loss: str) -> onnx.ModelProto:
     return m
 
 
-def random_loss_model(node_model: onnx.ModelProto, output_shapes: Sequence[tuple[int, ...]],
-                      outputs: Sequence[int], seed: int = 0, dtype: Any = np.float64) -> onnx.ModelProto:
+def random_loss_model(
+    node_model: onnx.ModelProto,
+    output_shapes: Sequence[tuple[int, ...]],
+    outputs: Sequence[int],
+    seed: int = 0,
+    dtype: Any = np.float64,
+) -> onnx.ModelProto:
     """``node_model`` with ``loss = Σ_k ReduceSum(y_k · u_k)`` appended, u_k fixed random weights."""
     from onnx import helper
 
@@ -120,7 +142,12 @@ def random_loss_model(node_model: onnx.ModelProto, output_shapes: Sequence[tuple
         g.node.append(helper.make_node("Mul", [y, u.name], [f"yu{k}"]))
         g.node.append(helper.make_node("ReduceSum", [f"yu{k}"], [f"l{k}"], keepdims=0))
         terms.append(f"l{k}")
-    g.node.append(helper.make_node("Sum", terms, ["loss"]) if len(terms) > 1 else
-                  helper.make_node("Identity", terms, ["loss"]))
-    g.output.append(helper.make_tensor_value_info("loss", helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), []))
+    g.node.append(
+        helper.make_node("Sum", terms, ["loss"])
+        if len(terms) > 1
+        else helper.make_node("Identity", terms, ["loss"])
+    )
+    g.output.append(
+        helper.make_tensor_value_info("loss", helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), [])
+    )
     return m

@@ -84,9 +84,13 @@ def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, l
                 t = inits[name]
                 if t.data_type not in FLOAT_TYPES:
                     continue
-                if any(i == idx and t.data_type == TensorProto.FLOAT and not t.dims
-                       and float(numpy_helper.to_array(t)) == float(v)
-                       for idx, v in immutable.get(n.op_type, ())):
+                if any(
+                    i == idx
+                    and t.data_type == TensorProto.FLOAT
+                    and not t.dims
+                    and float(numpy_helper.to_array(t)) == float(v)
+                    for idx, v in immutable.get(n.op_type, ())
+                ):
                     continue
                 found.add(name)
             elif name in producer:
@@ -159,21 +163,29 @@ def _inits_to_inputs(model: onnx.ModelProto, names: list[str]) -> dict[str, np.n
     return values
 
 
-def _finish(graph_nodes: list[onnx.NodeProto], base: onnx.ModelProto, inputs: list[onnx.ValueInfoProto],
-            outputs: list[onnx.ValueInfoProto], name: str) -> onnx.ModelProto:
+def _finish(
+    graph_nodes: list[onnx.NodeProto],
+    base: onnx.ModelProto,
+    inputs: list[onnx.ValueInfoProto],
+    outputs: list[onnx.ValueInfoProto],
+    name: str,
+) -> onnx.ModelProto:
     from onnxtrain.autodiff.builder import _live_nodes
 
     keep = _live_nodes(graph_nodes, [o.name for o in outputs])
     used = {i for n in keep for i in n.input} | {o.name for o in outputs}
-    g = helper.make_graph(keep, name, list(inputs), outputs,
-                          initializer=[t for t in base.graph.initializer if t.name in used])
-    m = helper.make_model(g, opset_imports=list(base.opset_import), producer_name="onnxtrain",
-                          ir_version=base.ir_version)
+    g = helper.make_graph(
+        keep, name, list(inputs), outputs, initializer=[t for t in base.graph.initializer if t.name in used]
+    )
+    m = helper.make_model(
+        g, opset_imports=list(base.opset_import), producer_name="onnxtrain", ir_version=base.ir_version
+    )
     return m
 
 
-def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimizer | None,
-                      force_clip: bool = False) -> StepGraphs:
+def build_step_graphs(
+    model: onnx.ModelProto, p: TrainingParameters, opt: Optimizer | None, force_clip: bool = False
+) -> StepGraphs:
     """Compose the forward, gradient and step graphs of a legacy training session.
 
     ``force_clip`` wires the global-norm clipping in whatever ``enable_grad_norm_clip`` says (Adasum).
@@ -186,16 +198,22 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
         raise ValueError("TrainingParameters.loss_output_name is empty: name the loss tensor of the model")
     values = {v.name for v in m.graph.output} | {o for n in m.graph.node for o in n.output}
     if loss not in values:
-        raise ValueError(f"loss_output_name {loss!r} is not a value of the model; outputs: "
-                         f"{[o.name for o in m.graph.output]}")
+        raise ValueError(
+            f"loss_output_name {loss!r} is not a value of the model; outputs: "
+            f"{[o.name for o in m.graph.output]}"
+        )
     trainable = select_trainable(m, p)
     if opt is not None and not trainable:
-        raise ValueError("no trainable weight reaches the loss; check weights_to_train and weights_not_to_train")
+        raise ValueError(
+            "no trainable weight reaches the loss; check weights_to_train and weights_not_to_train"
+        )
     names = NameGen.for_model(m)
     has_tm = _rewire_dropout(m)
     bn = _bn_running_stats(m, names)
     state = _inits_to_inputs(m, trainable + sorted(bn))
-    user_inputs = [v.name for v in model.graph.input if v.name not in {t.name for t in model.graph.initializer}]
+    user_inputs = [
+        v.name for v in model.graph.input if v.name not in {t.name for t in model.graph.initializer}
+    ]
     user_outputs = [o.name for o in m.graph.output]
     if loss not in user_outputs:
         user_outputs.append(loss)
@@ -204,12 +222,19 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
         fwd_model = mixed_precision(m, loss, p.mixed_precision_dtype)
         mp = mixed_precision_info(fwd_model)
         gloss = mp.scaled_loss  # backpropagation starts from loss · loss_scale
-    grad = build_gradient_model(fwd_model, gloss, trainable, outputs=user_outputs,
-                                extra_outputs=list(bn.values()))
-    grad = recompute(grad, gloss, gelu=p.gelu_recompute, attn_dropout=p.attn_dropout_recompute,
-                     transformer_layer=p.transformer_layer_recompute,
-                     number_recompute_layers=p.number_recompute_layers,
-                     checkpoints=p.recompute_checkpoints or None, weights=[*trainable, *bn])
+    grad = build_gradient_model(
+        fwd_model, gloss, trainable, outputs=user_outputs, extra_outputs=list(bn.values())
+    )
+    grad = recompute(
+        grad,
+        gloss,
+        gelu=p.gelu_recompute,
+        attn_dropout=p.attn_dropout_recompute,
+        transformer_layer=p.transformer_layer_recompute,
+        number_recompute_layers=p.number_recompute_layers,
+        checkpoints=p.recompute_checkpoints or None,
+        weights=[*trainable, *bn],
+    )
     grads = {w: f"{w}_grad" for w in trainable}
     types = {v.name: v for v in grad.graph.input}
 
@@ -234,9 +259,17 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
     clip = p.enable_grad_norm_clip or force_clip
 
     def slots_for(eff: dict[str, str]) -> list[WeightSlot]:
-        return [WeightSlot(wt, eff[wt], tuple(state[wt].shape), _elem(types, wt),
-                           dict(p.optimizer_attributes_map.get(wt, {})),
-                           dict(p.optimizer_int_attributes_map.get(wt, {}))) for wt in trainable]
+        return [
+            WeightSlot(
+                wt,
+                eff[wt],
+                tuple(state[wt].shape),
+                _elem(types, wt),
+                dict(p.optimizer_attributes_map.get(wt, {})),
+                dict(p.optimizer_int_attributes_map.get(wt, {})),
+            )
+            for wt in trainable
+        ]
 
     def update_only() -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
         """The update alone: inputs are the weights, their (already reduced) gradients ``<w>_grad``,
@@ -244,11 +277,21 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
         model, upd, extras, _ = build_update_graph(grad, slots_for(grads), p, opt, clip=clip, mp=mp)
         return model, upd, extras
 
-    def compose(update: bool, expose_grads: bool = False) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
+    def compose(
+        update: bool, expose_grads: bool = False
+    ) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
         nodes = list(grad.graph.node)
-        w = NodeWriter(NameGen([*{n for nd in nodes for n in (*nd.input, *nd.output)},
-                                *(i.name for i in base_inputs), *(t.name for t in grad.graph.initializer)]),
-                       nodes, prefix="")
+        w = NodeWriter(
+            NameGen(
+                [
+                    *{n for nd in nodes for n in (*nd.input, *nd.output)},
+                    *(i.name for i in base_inputs),
+                    *(t.name for t in grad.graph.initializer),
+                ]
+            ),
+            nodes,
+            prefix="",
+        )
         inputs = list(base_inputs)
         outputs = list(out_user)
         extras: list[str] = []
@@ -303,19 +346,44 @@ def build_step_graphs(model: onnx.ModelProto, p: TrainingParameters, opt: Optimi
     # evaluation: the (transformed) forward alone, without the loss scaling
     fwd_outputs = [o for o in grad.graph.output if o.name in user_outputs]
     fwd_inputs = [i for i in fwd_model.graph.input if mp is None or i.name != mp.loss_scale]
-    fwd = _finish(list(fwd_model.graph.node), fwd_model, fwd_inputs, fwd_outputs, fwd_model.graph.name or "forward")
-    return StepGraphs(forward=fwd, full=full, accumulate=acc_model, gradient=grad, transformed=m,
-                      trainable=trainable, initial_state=initial, state_specs=specs,
-                      updates={"full": full_upd, "accumulate": acc_upd, "gradients": grads_upd,
-                               "update": update_upd},
-                      gradients_graph=grads_model, update_graph=update_model, buffers=buffers, bn_stats=bn,
-                      user_inputs=user_inputs, user_outputs=user_outputs, extra_outputs=extras,
-                      has_training_mode=has_tm, mixed_precision=mp)
+    fwd = _finish(
+        list(fwd_model.graph.node), fwd_model, fwd_inputs, fwd_outputs, fwd_model.graph.name or "forward"
+    )
+    return StepGraphs(
+        forward=fwd,
+        full=full,
+        accumulate=acc_model,
+        gradient=grad,
+        transformed=m,
+        trainable=trainable,
+        initial_state=initial,
+        state_specs=specs,
+        updates={"full": full_upd, "accumulate": acc_upd, "gradients": grads_upd, "update": update_upd},
+        gradients_graph=grads_model,
+        update_graph=update_model,
+        buffers=buffers,
+        bn_stats=bn,
+        user_inputs=user_inputs,
+        user_outputs=user_outputs,
+        extra_outputs=extras,
+        has_training_mode=has_tm,
+        mixed_precision=mp,
+    )
 
 
-def _emit_update(w: NodeWriter, slots: list[WeightSlot], p: TrainingParameters, opt: Optimizer, inputs: list,
-                 outputs: list, extras: list[str], upd: dict[str, str], clip: bool,
-                 norm_input: str | None = None, mp: MixedPrecisionInfo | None = None) -> list[StateSpec]:
+def _emit_update(
+    w: NodeWriter,
+    slots: list[WeightSlot],
+    p: TrainingParameters,
+    opt: Optimizer,
+    inputs: list,
+    outputs: list,
+    extras: list[str],
+    upd: dict[str, str],
+    clip: bool,
+    norm_input: str | None = None,
+    mp: MixedPrecisionInfo | None = None,
+) -> list[StateSpec]:
     """Global norm, clipping divisor and the optimizer over the slots' gradients.
 
     With ``norm_input`` the global norm is a graph input of that name (computed elsewhere, e.g. summed
@@ -338,16 +406,28 @@ def _emit_update(w: NodeWriter, slots: list[WeightSlot], p: TrainingParameters, 
                 s.divisor = clip_divisor(w, norm, mnc)
     specs = opt.state(slots)
     for sp in specs:
-        inputs.append(helper.make_tensor_value_info(
-            sp.name, helper.np_dtype_to_tensor_dtype(sp.initial.dtype), list(sp.initial.shape)))
+        inputs.append(
+            helper.make_tensor_value_info(
+                sp.name, helper.np_dtype_to_tensor_dtype(sp.initial.dtype), list(sp.initial.shape)
+            )
+        )
     new_w, new_s = opt.emit(w, slots, p.lr_params_feed_name, {sp.name: sp.name for sp in specs})
     _add_update_outputs(slots, specs, new_w, new_s, outputs, upd)
     return specs
 
 
-def _emit_mixed_precision_update(w: NodeWriter, slots: list[WeightSlot], p: TrainingParameters, opt: Optimizer,
-                                 inputs: list, outputs: list, extras: list[str], upd: dict[str, str],
-                                 clip: bool, mp: MixedPrecisionInfo) -> list[StateSpec]:
+def _emit_mixed_precision_update(
+    w: NodeWriter,
+    slots: list[WeightSlot],
+    p: TrainingParameters,
+    opt: Optimizer,
+    inputs: list,
+    outputs: list,
+    extras: list[str],
+    upd: dict[str, str],
+    clip: bool,
+    mp: MixedPrecisionInfo,
+) -> list[StateSpec]:
     """The update on loss-scaled gradients: unscale (and clip), and skip it when not all are finite."""
     if mp.loss_scale not in {i.name for i in inputs}:
         inputs.append(helper.make_tensor_value_info(mp.loss_scale, TensorProto.FLOAT, [1]))
@@ -356,14 +436,20 @@ def _emit_mixed_precision_update(w: NodeWriter, slots: list[WeightSlot], p: Trai
     extras.append(norm)
     mnc = None
     if clip and opt.uses_norm and not p.legacy_cpu_adam:
-        mnc = {s.name: float(s.float_attrs.get("max_norm_clip", opt.FLOAT_ATTRS.get("max_norm_clip", 1.0)))
-               for s in slots}
+        mnc = {
+            s.name: float(s.float_attrs.get("max_norm_clip", opt.FLOAT_ATTRS.get("max_norm_clip", 1.0)))
+            for s in slots
+        }
     specs = opt.state(slots)
     for sp in specs:
-        inputs.append(helper.make_tensor_value_info(
-            sp.name, helper.np_dtype_to_tensor_dtype(sp.initial.dtype), list(sp.initial.shape)))
-    new_w, new_s, flag = mixed_precision_update(w, opt, slots, p.lr_params_feed_name,
-                                                {sp.name: sp.name for sp in specs}, norm, mp.loss_scale, mnc)
+        inputs.append(
+            helper.make_tensor_value_info(
+                sp.name, helper.np_dtype_to_tensor_dtype(sp.initial.dtype), list(sp.initial.shape)
+            )
+        )
+    new_w, new_s, flag = mixed_precision_update(
+        w, opt, slots, p.lr_params_feed_name, {sp.name: sp.name for sp in specs}, norm, mp.loss_scale, mnc
+    )
     flag = w.emit("Identity", [flag], [w.names(ALL_FINITE)])[0] if flag != ALL_FINITE else flag
     outputs.append(helper.make_tensor_value_info(flag, TensorProto.BOOL, []))
     extras.append(flag)
@@ -371,8 +457,14 @@ def _emit_mixed_precision_update(w: NodeWriter, slots: list[WeightSlot], p: Trai
     return specs
 
 
-def _add_update_outputs(slots: list[WeightSlot], specs: list[StateSpec], new_w: dict[str, str],
-                        new_s: dict[str, str], outputs: list, upd: dict[str, str]) -> None:
+def _add_update_outputs(
+    slots: list[WeightSlot],
+    specs: list[StateSpec],
+    new_w: dict[str, str],
+    new_s: dict[str, str],
+    outputs: list,
+    upd: dict[str, str],
+) -> None:
     for s in slots:
         o = new_w[s.name]
         outputs.append(helper.make_tensor_value_info(o, s.elem_type, list(s.shape)))
@@ -380,14 +472,21 @@ def _add_update_outputs(slots: list[WeightSlot], specs: list[StateSpec], new_w: 
     dtypes = {sp.name: sp.initial for sp in specs}
     for sname, o in new_s.items():
         init = dtypes[sname]
-        outputs.append(helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(init.dtype),
-                                                     list(init.shape)))
+        outputs.append(
+            helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(init.dtype), list(init.shape))
+        )
         upd[sname] = o
 
 
-def build_update_graph(base: onnx.ModelProto, slots: list[WeightSlot], p: TrainingParameters, opt: Optimizer,
-                       clip: bool, norm_input: str | None = None, mp: MixedPrecisionInfo | None = None) -> tuple[
-        onnx.ModelProto, dict[str, str], list[str], list[StateSpec]]:
+def build_update_graph(
+    base: onnx.ModelProto,
+    slots: list[WeightSlot],
+    p: TrainingParameters,
+    opt: Optimizer,
+    clip: bool,
+    norm_input: str | None = None,
+    mp: MixedPrecisionInfo | None = None,
+) -> tuple[onnx.ModelProto, dict[str, str], list[str], list[StateSpec]]:
     """An update graph over ``slots`` (weights or ZeRO pieces): inputs are each slot's value and gradient
     (``slot.grad``), the learning rate, the optimizer state (and ``norm_input``); returns the model,
     state name → output, the extra outputs (global norm) and the optimizer state it keeps.
@@ -403,7 +502,9 @@ def build_update_graph(base: onnx.ModelProto, slots: list[WeightSlot], p: Traini
     outputs: list = []
     extras: list[str] = []
     upd: dict[str, str] = {}
-    specs = _emit_update(w, slots, p, opt, inputs, outputs, extras, upd, clip=clip, norm_input=norm_input, mp=mp)
+    specs = _emit_update(
+        w, slots, p, opt, inputs, outputs, extras, upd, clip=clip, norm_input=norm_input, mp=mp
+    )
     return _finish(nodes, base, inputs, outputs, "update_graph"), upd, extras, specs
 
 

@@ -44,13 +44,18 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     m = onnx.ModelProto()
     m.CopyFrom(model)
     listed = {i.name for i in m.graph.input}
-    extra = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
-             for t in m.graph.initializer if t.name not in listed]
+    extra = [
+        helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+        for t in m.graph.initializer
+        if t.name not in listed
+    ]
     m.graph.input.extend(extra)
     try:
         out = version_converter.convert_version(m, target)
     except Exception as e:
-        raise GradientError(f"could not upgrade the model from opset {model_opset(model)} to {target}: {e}") from None
+        raise GradientError(
+            f"could not upgrade the model from opset {model_opset(model)} to {target}: {e}"
+        ) from None
     added = {v.name for v in extra}
     kept = [i for i in out.graph.input if i.name not in added]
     del out.graph.input[:]
@@ -130,8 +135,10 @@ class _Backward:
             return self._unbroadcast_dynamic(g, grad, x)
         lead = grad_rank - len(xs)
         if lead < 0:
-            raise RuleError(f"node {g.node.name!r} ({g.node.op_type}): gradient rank {grad_rank} is smaller "
-                            f"than the rank {len(xs)} of input {x!r}")
+            raise RuleError(
+                f"node {g.node.name!r} ({g.node.op_type}): gradient rank {grad_rank} is smaller "
+                f"than the rank {len(xs)} of input {x!r}"
+            )
         ys = out_shape if out_shape is not None and len(out_shape) == grad_rank else [None] * grad_rank
         axes = list(range(lead))
         for j, d in enumerate(xs):
@@ -174,10 +181,16 @@ def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
     return c
 
 
-def build_gradient_model(model: onnx.ModelProto | bytes | str, loss: str, wrt: Sequence[str],
-                         outputs: Sequence[str] | None = None, extra_outputs: Sequence[str] = (),
-                         other_ys: Sequence[str] = (), zero_unreachable: bool = True,
-                         grad_suffix: str = "_grad") -> onnx.ModelProto:
+def build_gradient_model(
+    model: onnx.ModelProto | bytes | str,
+    loss: str,
+    wrt: Sequence[str],
+    outputs: Sequence[str] | None = None,
+    extra_outputs: Sequence[str] = (),
+    other_ys: Sequence[str] = (),
+    zero_unreachable: bool = True,
+    grad_suffix: str = "_grad",
+) -> onnx.ModelProto:
     """Append the backward pass of ``loss`` with respect to ``wrt`` to ``model``.
 
     The result outputs the loss, ``outputs`` (default: the model's outputs), ``extra_outputs``
@@ -197,15 +210,18 @@ def build_gradient_model(model: onnx.ModelProto | bytes | str, loss: str, wrt: S
     known = {v.name for v in g.input} | {t.name for t in g.initializer} | set(bw.producer)
     for name, what in [(loss, "loss"), *((x, "x (wrt)") for x in wrt), *((y, "y") for y in other_ys)]:
         if name not in known:
-            raise GradientError(f"{what} {name!r} is not a value of the graph; graph outputs: "
-                                f"{[o.name for o in g.output]}")
+            raise GradientError(
+                f"{what} {name!r} is not a value of the graph; graph outputs: {[o.name for o in g.output]}"
+            )
     if len(set(wrt)) != len(wrt):
         raise GradientError(f"wrt lists a value twice: {list(wrt)}")
 
     for x in wrt:
         gname = f"{x}{grad_suffix}"
         if gname in bw.names.taken:
-            raise GradientError(f"the model already has a value named {gname!r}; cannot name the gradient of {x!r}")
+            raise GradientError(
+                f"the model already has a value named {gname!r}; cannot name the gradient of {x!r}"
+            )
         bw.names.taken.add(gname)
 
     # forward reachability from wrt through differentiable, float-typed edges
@@ -236,9 +252,11 @@ def build_gradient_model(model: onnx.ModelProto | bytes | str, loss: str, wrt: S
     for k in on_path:
         if rules[k] is None:
             node = bw.fwd_nodes[k]
-            raise GradientError(f"node {node.name!r} ({node.op_type}) lies on the path from the parameters to the "
-                                f"loss but {node.op_type} has no gradient rule; ops with rules: "
-                                f"{', '.join(ops_with_rules())}")
+            raise GradientError(
+                f"node {node.name!r} ({node.op_type}) lies on the path from the parameters to the "
+                f"loss but {node.op_type} has no gradient rule; ops with rules: "
+                f"{', '.join(ops_with_rules())}"
+            )
 
     # seeds
     seed_w = NodeWriter(bw.names, bw.backward_nodes, prefix="")
@@ -246,8 +264,13 @@ def build_gradient_model(model: onnx.ModelProto | bytes | str, loss: str, wrt: S
     new_inputs: list[onnx.ValueInfoProto] = []
     if loss in needed:
         one = numpy_helper.from_array(_ones(elem_type(bw.types, loss) or TensorProto.FLOAT))
-        seed = seed_w.emit("ConstantOfShape", [bw.shape_of(loss)], [bw.names(f"{loss}{grad_suffix}")],
-                           name=bw.names(f"{loss}_grad_seed"), value=one)[0]
+        seed = seed_w.emit(
+            "ConstantOfShape",
+            [bw.shape_of(loss)],
+            [bw.names(f"{loss}{grad_suffix}")],
+            name=bw.names(f"{loss}_grad_seed"),
+            value=one,
+        )[0]
         contributions[loss] = [seed]
     for y in other_ys:
         name = bw.names(f"{y}{grad_suffix}")
@@ -260,8 +283,9 @@ def build_gradient_model(model: onnx.ModelProto | bytes | str, loss: str, wrt: S
         if not parts:
             return None
         if len(parts) > 1:
-            summed = seed_w.emit("Sum", parts, [bw.names(f"{name}{grad_suffix}_sum")],
-                                 name=bw.names(f"{name}_grad_Sum"))[0]
+            summed = seed_w.emit(
+                "Sum", parts, [bw.names(f"{name}{grad_suffix}_sum")], name=bw.names(f"{name}_grad_Sum")
+            )[0]
             contributions[name] = [summed]
         return contributions[name][0]
 
@@ -281,7 +305,9 @@ def build_gradient_model(model: onnx.ModelProto | bytes | str, loss: str, wrt: S
         for i, d in ctx.dxs.items():
             contributions.setdefault(node.input[i], []).append(d)
 
-    out_names = [loss] + [o for o in (outputs if outputs is not None else [o.name for o in g.output]) if o != loss]
+    out_names = [loss] + [
+        o for o in (outputs if outputs is not None else [o.name for o in g.output]) if o != loss
+    ]
     out_names += [e for e in extra_outputs if e not in out_names]
     grad_outputs: list[onnx.ValueInfoProto] = []
     tail = NodeWriter(bw.names, bw.backward_nodes, prefix="")
@@ -301,8 +327,11 @@ def build_gradient_model(model: onnx.ModelProto | bytes | str, loss: str, wrt: S
             else:
                 tail.emit("Identity", [d], [gname])
         tp = bw.types.get(x)
-        grad_outputs.append(helper.make_value_info(gname, tp) if tp is not None
-                            else helper.make_empty_tensor_value_info(gname))
+        grad_outputs.append(
+            helper.make_value_info(gname, tp)
+            if tp is not None
+            else helper.make_empty_tensor_value_info(gname)
+        )
     for n in bw.backward_nodes:
         for seq in (n.input, n.output):
             for j, v in enumerate(seq):
@@ -317,10 +346,12 @@ def build_gradient_model(model: onnx.ModelProto | bytes | str, loss: str, wrt: S
     value_infos = {v.name: v for v in (*g.output, *g.input, *g.value_info)}
     outs = [_vi(bw, n, value_infos.get(n)) for n in out_names] + grad_outputs
     keep = _live_nodes(nodes, [o.name for o in outs])
-    graph = helper.make_graph(keep, g.name or "gradient_graph", list(g.input) + new_inputs, outs,
-                              initializer=list(g.initializer))
-    result = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name="onnxtrain",
-                               ir_version=model.ir_version)
+    graph = helper.make_graph(
+        keep, g.name or "gradient_graph", list(g.input) + new_inputs, outs, initializer=list(g.initializer)
+    )
+    result = helper.make_model(
+        graph, opset_imports=list(model.opset_import), producer_name="onnxtrain", ir_version=model.ir_version
+    )
     result.functions.extend(model.functions)
     return result
 

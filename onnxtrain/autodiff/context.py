@@ -28,8 +28,15 @@ class RuleError(RuntimeError):
 class GradCtx:
     """The context of one forward node during the backward walk."""
 
-    def __init__(self, bw: _Backward, node: onnx.NodeProto, rule: Rule, attrs: dict[str, Any],
-                 dys: list[str | None], needs: list[bool]):
+    def __init__(
+        self,
+        bw: _Backward,
+        node: onnx.NodeProto,
+        rule: Rule,
+        attrs: dict[str, Any],
+        dys: list[str | None],
+        needs: list[bool],
+    ):
         self._bw = bw
         self.node = node
         self.rule = rule
@@ -37,17 +44,25 @@ class GradCtx:
         self._dys = dys
         self._needs = needs
         self.opset = bw.opset
-        self.w = NodeWriter(bw.names, bw.backward_nodes, prefix=f"{node.name or node.op_type}_Grad/",
-                            const_cache=bw.const_cache)
+        self.w = NodeWriter(
+            bw.names,
+            bw.backward_nodes,
+            prefix=f"{node.name or node.op_type}_Grad/",
+            const_cache=bw.const_cache,
+        )
         self.dxs: dict[int, str] = {}
-        first = next((n for n in (*node.output, *node.input) if n and elem_type(bw.types, n) in _FLOATS), None)
+        first = next(
+            (n for n in (*node.output, *node.input) if n and elem_type(bw.types, n) in _FLOATS), None
+        )
         self.dtype: int = elem_type(bw.types, first) if first else TensorProto.FLOAT
 
     # ---- forward values -------------------------------------------------------------
     def _check_use(self, key: str) -> None:
         u = self.rule.uses
         if key not in u and f"{key[0]}*" not in u:
-            raise RuleError(f"gradient rule of {self.node.op_type} reads {key} but does not declare it in uses=")
+            raise RuleError(
+                f"gradient rule of {self.node.op_type} reads {key} but does not declare it in uses="
+            )
 
     def x(self, i: int) -> str:
         """Name of forward input ``i`` (declared in ``uses``)."""
@@ -83,13 +98,19 @@ class GradCtx:
 
     def shape(self, name_or_index: str | int, output: bool = False) -> str:
         """``Shape`` of a forward value, computed in the forward pass so the value itself can be freed."""
-        name = name_or_index if isinstance(name_or_index, str) else (
-            self.node.output[name_or_index] if output else self.node.input[name_or_index])
+        name = (
+            name_or_index
+            if isinstance(name_or_index, str)
+            else (self.node.output[name_or_index] if output else self.node.input[name_or_index])
+        )
         return self._bw.shape_of(name)
 
     def static_shape(self, name_or_index: str | int, output: bool = False) -> list[int | None] | None:
-        name = name_or_index if isinstance(name_or_index, str) else (
-            self.node.output[name_or_index] if output else self.node.input[name_or_index])
+        name = (
+            name_or_index
+            if isinstance(name_or_index, str)
+            else (self.node.output[name_or_index] if output else self.node.input[name_or_index])
+        )
         return static_shape(self._bw.types, name)
 
     def rank(self, name_or_index: str | int, output: bool = False) -> int | None:

@@ -12,8 +12,19 @@ from onnxtrain.capi.options import (
 )
 from onnxtrain.capi.ortvalue import IOBinding, OrtDevice, OrtValue
 
-__all__ = ["ExecutionMode", "GradientGraphBuilder", "GraphOptimizationLevel", "IOBinding", "OrtDevice", "OrtValue",
-           "RunOptions", "SessionOptions", "get_all_providers", "get_available_providers", "get_device"]
+__all__ = [
+    "ExecutionMode",
+    "GradientGraphBuilder",
+    "GraphOptimizationLevel",
+    "IOBinding",
+    "OrtDevice",
+    "OrtValue",
+    "RunOptions",
+    "SessionOptions",
+    "get_all_providers",
+    "get_available_providers",
+    "get_device",
+]
 
 
 def __getattr__(name: str):  # the training session lives above this layer; import it lazily

@@ -10,10 +10,22 @@ from typing import Any
 AVAILABLE_PROVIDERS = ["CPUExecutionProvider"]
 # providers onnxruntime knows; asking for one that is not available falls back to CPU with a warning
 KNOWN_PROVIDERS = [
-    "CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider",
-    "MIGraphXExecutionProvider", "DnnlExecutionProvider", "OpenVINOExecutionProvider", "CoreMLExecutionProvider",
-    "DmlExecutionProvider", "QNNExecutionProvider", "XnnpackExecutionProvider", "AzureExecutionProvider",
-    "WebGpuExecutionProvider", "NnapiExecutionProvider", "ACLExecutionProvider", "ArmNNExecutionProvider",
+    "CPUExecutionProvider",
+    "CUDAExecutionProvider",
+    "TensorrtExecutionProvider",
+    "ROCMExecutionProvider",
+    "MIGraphXExecutionProvider",
+    "DnnlExecutionProvider",
+    "OpenVINOExecutionProvider",
+    "CoreMLExecutionProvider",
+    "DmlExecutionProvider",
+    "QNNExecutionProvider",
+    "XnnpackExecutionProvider",
+    "AzureExecutionProvider",
+    "WebGpuExecutionProvider",
+    "NnapiExecutionProvider",
+    "ACLExecutionProvider",
+    "ArmNNExecutionProvider",
 ]
 
 
@@ -58,7 +70,9 @@ class SessionOptions:
         return self._config[key]
 
     def register_custom_ops_library(self, path: str) -> None:
-        raise NotImplementedError("custom op libraries are not supported: onnxtrain runs standard ONNX ops only")
+        raise NotImplementedError(
+            "custom op libraries are not supported: onnxtrain runs standard ONNX ops only"
+        )
 
 
 class RunOptions:
@@ -93,8 +107,9 @@ def get_device() -> str:
     return "CPU"
 
 
-def resolve_providers(providers: Sequence[Any] | None,
-                      provider_options: Sequence[dict] | None = None) -> tuple[list[str], list[dict]]:
+def resolve_providers(
+    providers: Sequence[Any] | None, provider_options: Sequence[dict] | None = None
+) -> tuple[list[str], list[dict]]:
     """Provider names and options, falling back to CPU for known but unavailable providers."""
     if not providers:
         return ["CPUExecutionProvider"], [{}]

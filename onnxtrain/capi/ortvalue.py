@@ -74,8 +74,9 @@ class OrtValue:
         return OrtValue(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr))
 
     @staticmethod
-    def ortvalue_from_shape_and_type(shape: Sequence[int], element_type: Any, device_type: str = "cpu",
-                                     device_id: int = 0) -> OrtValue:
+    def ortvalue_from_shape_and_type(
+        shape: Sequence[int], element_type: Any, device_type: str = "cpu", device_id: int = 0
+    ) -> OrtValue:
         _check_device(device_type)
         return OrtValue(np.empty(tuple(shape), dtype=np.dtype(element_type)))
 
@@ -114,7 +115,8 @@ class OrtValue:
 def _type_name(dtype: np.dtype) -> str:
     name = helper.tensor_dtype_to_string(helper.np_dtype_to_tensor_dtype(dtype))
     return {"TensorProto.FLOAT": "float", "TensorProto.DOUBLE": "double"}.get(
-        name, name.replace("TensorProto.", "").lower())
+        name, name.replace("TensorProto.", "").lower()
+    )
 
 
 class IOBinding:
@@ -129,8 +131,15 @@ class IOBinding:
     def bind_cpu_input(self, name: str, arr_on_cpu: np.ndarray) -> None:
         self._inputs[name] = np.asarray(arr_on_cpu)
 
-    def bind_input(self, name: str, device_type: Any = "cpu", device_id: int = 0, element_type: Any = None,
-                   shape: Sequence[int] | None = None, buffer_ptr: int | None = None) -> None:
+    def bind_input(
+        self,
+        name: str,
+        device_type: Any = "cpu",
+        device_id: int = 0,
+        element_type: Any = None,
+        shape: Sequence[int] | None = None,
+        buffer_ptr: int | None = None,
+    ) -> None:
         """Bind input ``name`` to an array, or to a raw CPU buffer at ``buffer_ptr`` (no copy)."""
         if isinstance(device_type, (np.ndarray, OrtValue)):  # bind_input(name, array) shorthand
             self._inputs[name] = device_type.numpy() if isinstance(device_type, OrtValue) else device_type
@@ -143,13 +152,22 @@ class IOBinding:
     def bind_ortvalue_input(self, name: str, ortvalue: OrtValue) -> None:
         self._inputs[name] = ortvalue.numpy()
 
-    def bind_output(self, name: str, device_type: Any = "cpu", device_id: int = 0, element_type: Any = None,
-                    shape: Sequence[int] | None = None, buffer_ptr: int | None = None) -> None:
+    def bind_output(
+        self,
+        name: str,
+        device_type: Any = "cpu",
+        device_id: int = 0,
+        element_type: Any = None,
+        shape: Sequence[int] | None = None,
+        buffer_ptr: int | None = None,
+    ) -> None:
         """Bind output ``name``; with ``buffer_ptr`` the result is written into that buffer."""
         _check_device(device_type)
         if buffer_ptr is not None:
             if element_type is None or shape is None:
-                raise ValueError(f"bind_output({name!r}): element_type and shape are required with buffer_ptr")
+                raise ValueError(
+                    f"bind_output({name!r}): element_type and shape are required with buffer_ptr"
+                )
             self._outputs[name] = array_from_pointer(buffer_ptr, element_type, shape)
         else:
             self._outputs[name] = None
@@ -182,8 +200,10 @@ class IOBinding:
             target = self._outputs.get(n)
             if target is not None:
                 if target.shape != np.shape(v):
-                    raise ValueError(f"output {n!r}: bound buffer has shape {list(target.shape)}, "
-                                     f"result has {list(np.shape(v))}")
+                    raise ValueError(
+                        f"output {n!r}: bound buffer has shape {list(target.shape)}, "
+                        f"result has {list(np.shape(v))}"
+                    )
                 np.copyto(target, v)
                 results.append(OrtValue(target))
             else:

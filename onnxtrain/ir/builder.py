@@ -46,21 +46,34 @@ class NameGen:
 class NodeWriter:
     """Appends nodes to a list, naming their outputs uniquely under a prefix."""
 
-    def __init__(self, names: NameGen, nodes: list[onnx.NodeProto], prefix: str = "",
-                 const_cache: dict[tuple, str] | None = None):
+    def __init__(
+        self,
+        names: NameGen,
+        nodes: list[onnx.NodeProto],
+        prefix: str = "",
+        const_cache: dict[tuple, str] | None = None,
+    ):
         self.names = names
         self.nodes = nodes
         self.prefix = prefix
         self.const_cache = const_cache if const_cache is not None else {}  # one Constant per distinct value
 
-    def emit(self, op: str, inputs: Sequence[str | None], outputs: int | Sequence[str] = 1,
-             name: str | None = None, **attrs: Any) -> list[str]:
+    def emit(
+        self,
+        op: str,
+        inputs: Sequence[str | None],
+        outputs: int | Sequence[str] = 1,
+        name: str | None = None,
+        **attrs: Any,
+    ) -> list[str]:
         """Append one node; returns its output names."""
         if isinstance(outputs, int):
             outputs = [self.names(f"{self.prefix}{op}_out") for _ in range(outputs)]
         node_name = self.names(name or f"{self.prefix}{op}")
         attrs = {k: v for k, v in attrs.items() if v is not None}
-        self.nodes.append(helper.make_node(op, [i or "" for i in inputs], list(outputs), name=node_name, **attrs))
+        self.nodes.append(
+            helper.make_node(op, [i or "" for i in inputs], list(outputs), name=node_name, **attrs)
+        )
         return list(outputs)
 
     def one(self, op: str, *inputs: str | None, **attrs: Any) -> str:
@@ -75,8 +88,9 @@ class NodeWriter:
         out = self.names(f"{self.prefix}{base}")
         self.const_cache[key] = out
         tensor = numpy_helper.from_array(arr, name=out)
-        self.nodes.append(helper.make_node("Constant", [], [out], name=self.names(f"{self.prefix}Constant"),
-                                           value=tensor))
+        self.nodes.append(
+            helper.make_node("Constant", [], [out], name=self.names(f"{self.prefix}Constant"), value=tensor)
+        )
         return out
 
     def ints(self, values: Sequence[int], base: str = "ints") -> str:
@@ -107,7 +121,9 @@ def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
         if n.op_type == "Constant":
             for a in n.attribute:
                 if a.name == "value":
-                    types.setdefault(n.output[0], helper.make_tensor_type_proto(a.t.data_type, list(a.t.dims)))
+                    types.setdefault(
+                        n.output[0], helper.make_tensor_type_proto(a.t.data_type, list(a.t.dims))
+                    )
     return types
 
 
@@ -131,7 +147,9 @@ def symbolic_shape(types: dict[str, onnx.TypeProto], name: str) -> list[int | st
     tp = types.get(name)
     if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
         return None
-    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tp.tensor_type.shape.dim]
+    return [
+        d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tp.tensor_type.shape.dim
+    ]
 
 
 def make_model(graph: onnx.GraphProto, opset: int, **kw: Any) -> onnx.ModelProto:
@@ -141,4 +159,6 @@ def make_model(graph: onnx.GraphProto, opset: int, **kw: Any) -> onnx.ModelProto
     newer than it knows, and onnx writes its newest by default).
     """
     opsets = [helper.make_opsetid("", opset)]
-    return helper.make_model(graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets), **kw)
+    return helper.make_model(
+        graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets), **kw
+    )

@@ -41,8 +41,14 @@ def spatial(g: GradCtx, i: int, output: bool = False) -> list[int | None] | None
     return None if s is None else s[2:]
 
 
-def resolve_pads(g: GradCtx, nd: int, k: Sequence[int], strides: Sequence[int], dil: Sequence[int],
-                 in_sp: Sequence[int | None] | None) -> tuple[list[int], list[int]]:
+def resolve_pads(
+    g: GradCtx,
+    nd: int,
+    k: Sequence[int],
+    strides: Sequence[int],
+    dil: Sequence[int],
+    in_sp: Sequence[int | None] | None,
+) -> tuple[list[int], list[int]]:
     """Begin/end pads of a Conv or pooling node (``auto_pad`` SAME_* needs static input sizes)."""
     auto_pad = g.attr("auto_pad") or "NOTSET"
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
@@ -146,8 +152,16 @@ def pad_end_to(g: GradCtx, t: str, shape: str, rank: int) -> str:
     return g.emit("Pad", t, pads)
 
 
-def transposed_back(g: GradCtx, dy: str, w: str, geo: ConvGeom, group: int, in_sp: Sequence[int | None] | None,
-                    out_sp: Sequence[int | None] | None, x_shape: str | None) -> str:
+def transposed_back(
+    g: GradCtx,
+    dy: str,
+    w: str,
+    geo: ConvGeom,
+    group: int,
+    in_sp: Sequence[int | None] | None,
+    out_sp: Sequence[int | None] | None,
+    x_shape: str | None,
+) -> str:
     """``ConvTranspose(dy, w)``: the adjoint of a strided window op, cropped/padded to the input size.
 
     output_padding restores input rows no window reached (output size = s·(O−1) + op + k_eff − pads);
@@ -163,17 +177,33 @@ def transposed_back(g: GradCtx, dy: str, w: str, geo: ConvGeom, group: int, in_s
                 pe[i] -= r
                 r = 0
             op.append(r)
-        return g.emit("ConvTranspose", dy, w, **_attrs(strides=geo.strides, pads=pb + pe, dilations=geo.dil,
-                                                         group=group, output_padding=op))
+        return g.emit(
+            "ConvTranspose",
+            dy,
+            w,
+            **_attrs(strides=geo.strides, pads=pb + pe, dilations=geo.dil, group=group, output_padding=op),
+        )
     if x_shape is None:
         raise RuleError("dynamic spatial sizes need the input's shape")
-    t = g.emit("ConvTranspose", dy, w, **_attrs(strides=geo.strides, pads=pb + pe, dilations=geo.dil, group=group))
+    t = g.emit(
+        "ConvTranspose", dy, w, **_attrs(strides=geo.strides, pads=pb + pe, dilations=geo.dil, group=group)
+    )
     return pad_end_to(g, t, x_shape, geo.nd + 2)
 
 
-def weight_grad(g: GradCtx, inp: str, inp_shape: str | None, inp_sp: Sequence[int | None] | None,
-                dout: str, dout_shape: str | None, dout_sp: Sequence[int | None] | None,
-                c_in: int, c_out: int, group: int, geo: ConvGeom) -> str:
+def weight_grad(
+    g: GradCtx,
+    inp: str,
+    inp_shape: str | None,
+    inp_sp: Sequence[int | None] | None,
+    dout: str,
+    dout_shape: str | None,
+    dout_sp: Sequence[int | None] | None,
+    c_in: int,
+    c_out: int,
+    group: int,
+    geo: ConvGeom,
+) -> str:
     """dW[m, c, κ] = Σ_{n,o} dout[n, m, o]·inp[n, g(m)·C/g + c, o·s + κ·d − pb]  →  (c_out, c_in/g, k…).
 
     A Conv whose channels are ``inp``'s batch (per group) and whose "kernel" is ``dout``: strides and
@@ -198,14 +228,20 @@ def weight_grad(g: GradCtx, inp: str, inp_shape: str | None, inp_sp: Sequence[in
     r = g.emit("Transpose", r, perm=[1, 0, *sp_perm])  # (M, C/g, k′…)
     k_full = None
     if inp_sp is not None and dout_sp is not None and all(v is not None for v in (*inp_sp, *dout_sp)):
-        k_full = [(inp_sp[i] + geo.pb[i] + geo.pe[i] - (dout_sp[i] - 1) * geo.strides[i] - 1)  # type: ignore
-                  // geo.dil[i] + 1 for i in range(nd)]
+        k_full = [
+            (inp_sp[i] + geo.pb[i] + geo.pe[i] - (dout_sp[i] - 1) * geo.strides[i] - 1)  # type: ignore
+            // geo.dil[i]
+            + 1
+            for i in range(nd)
+        ]
     if k_full != geo.k:
         r = g.emit("Slice", r, g.ints([0] * nd), g.ints(geo.k), g.ints(sp_perm))
     return r
 
 
-def _sp_shape(g: GradCtx, lead: list[int], sp: Sequence[int | None] | None, shape: str | None, nd: int) -> str:
+def _sp_shape(
+    g: GradCtx, lead: list[int], sp: Sequence[int | None] | None, shape: str | None, nd: int
+) -> str:
     if sp is not None and all(v is not None for v in sp):
         return g.ints([*lead, *sp])  # type: ignore[list-item]
     if shape is None:
@@ -238,8 +274,22 @@ def conv_grad(g: GradCtx) -> None:
     if g.needs_dx(1):
         m = _channels(g, 1, 0, "weight shape") if group > 1 else 0
         c = _channels(g, 1, 1, "weight shape") * group if group > 1 else 0
-        g.set_dx(1, weight_grad(g, g.x(0), g.shape(0) if dyn else None, x_sp, dy,
-                                g.shape(0, output=True) if dyn else None, y_sp, c, m, group, geo))
+        g.set_dx(
+            1,
+            weight_grad(
+                g,
+                g.x(0),
+                g.shape(0) if dyn else None,
+                x_sp,
+                dy,
+                g.shape(0, output=True) if dyn else None,
+                y_sp,
+                c,
+                m,
+                group,
+                geo,
+            ),
+        )
     if g.has_x(2) and g.needs_dx(2):
         g.set_dx(2, bias_grad(g, geo.nd))
 
@@ -261,18 +311,41 @@ def conv_transpose_grad(g: GradCtx) -> None:
         hi = [o - max(0, -p) for o, p in zip(y_sp, geo.pe)]  # type: ignore[operator]
         dy = g.emit("Slice", dy, g.ints(lo), g.ints(hi), g.ints(range(2, geo.nd + 2)))
         y_sp = [h - b for h, b in zip(hi, lo)]
-        geo = ConvGeom(geo.nd, geo.k, geo.strides, geo.dil, [max(0, p) for p in geo.pb], [max(0, p) for p in geo.pe])
+        geo = ConvGeom(
+            geo.nd, geo.k, geo.strides, geo.dil, [max(0, p) for p in geo.pb], [max(0, p) for p in geo.pe]
+        )
     dyn = any(v is None for v in (*(x_sp or [None]), *(y_sp or [None])))
     op = list(g.attr("output_padding") or [0] * geo.nd)
     if any(o >= s for o, s in zip(op, geo.strides)):
         raise RuleError(f"output_padding {op} >= strides {geo.strides} is not supported")
     if g.needs_dx(0):
-        g.set_dx(0, g.emit("Conv", dy, g.x(1), **_attrs(strides=geo.strides, pads=geo.pads, dilations=geo.dil,
-                                                          group=group)))
+        g.set_dx(
+            0,
+            g.emit(
+                "Conv",
+                dy,
+                g.x(1),
+                **_attrs(strides=geo.strides, pads=geo.pads, dilations=geo.dil, group=group),
+            ),
+        )
     if g.needs_dx(1):
         c = _channels(g, 1, 0, "weight shape") if group > 1 else 0
         m = _channels(g, 1, 1, "weight shape") * group if group > 1 else 0
-        g.set_dx(1, weight_grad(g, dy, g.shape(0, output=True) if dyn else None, y_sp, g.x(0),
-                                g.shape(0) if dyn else None, x_sp, m, c, group, geo))
+        g.set_dx(
+            1,
+            weight_grad(
+                g,
+                dy,
+                g.shape(0, output=True) if dyn else None,
+                y_sp,
+                g.x(0),
+                g.shape(0) if dyn else None,
+                x_sp,
+                m,
+                c,
+                group,
+                geo,
+            ),
+        )
     if g.has_x(2) and g.needs_dx(2):
         g.set_dx(2, bias_grad(g, geo.nd))

@@ -53,7 +53,7 @@ def _row_major(g: GradCtx, idx: str) -> str:
     for i, n in enumerate(sp):
         q = s if i == 0 else g.emit("Div", s, i64(int(np.prod(sp[:i]))))  # type: ignore[arg-type]
         c = q if i == len(sp) - 1 else g.emit("Mod", q, i64(n))
-        stride = int(np.prod(sp[i + 1:]))  # type: ignore[arg-type]
+        stride = int(np.prod(sp[i + 1 :]))  # type: ignore[arg-type]
         out = g.emit("Add", out, c if stride == 1 else g.emit("Mul", c, i64(stride)))
     return out
 
@@ -100,7 +100,9 @@ def average_pool_grad(g: GradCtx) -> None:
     elif not ceil_mode and (include_pad or not any(geo.pads)):
         cnt = np.array(int(np.prod(geo.k)))
     else:
-        raise RuleError("AveragePool with ceil_mode or count_include_pad=0 with pads needs static spatial sizes")
+        raise RuleError(
+            "AveragePool with ceil_mode or count_include_pad=0 with pads needs static spatial sizes"
+        )
     if np.all(cnt == cnt.flat[0]):
         inv = g.const(1.0 / float(cnt.flat[0]))
     elif out_sp == spatial(g, 0, output=True):
@@ -109,13 +111,21 @@ def average_pool_grad(g: GradCtx) -> None:
         # ONNX shape inference ignores the ceil-mode rule "a window must start inside the input or
         # its begin pad" and infers a larger Y; shape the constant from dY's runtime shape instead
         sp = g.emit("Slice", g.shape(0, output=True), g.ints([2]), g.ints([geo.nd + 2]), g.ints([0]))
-        inv = g.emit("Reshape", g.const((1.0 / cnt).reshape(-1)), g.emit("Concat", g.ints([1, 1]), sp, axis=0))
+        inv = g.emit(
+            "Reshape", g.const((1.0 / cnt).reshape(-1)), g.emit("Concat", g.ints([1, 1]), sp, axis=0)
+        )
     scaled = g.emit("Mul", g.dy(0), inv)
     g.set_dx(0, _window_adjoint(g, scaled, geo, in_sp, out_sp, static))
 
 
-def _window_adjoint(g: GradCtx, t: str, geo: ConvGeom, in_sp: list[int | None] | None,
-                    out_sp: list[int | None] | None, static: bool) -> str:
+def _window_adjoint(
+    g: GradCtx,
+    t: str,
+    geo: ConvGeom,
+    in_sp: list[int | None] | None,
+    out_sp: list[int | None] | None,
+    static: bool,
+) -> str:
     """Sᵀ(t): every window's value added back onto the input positions it covers (zero padding)."""
     xs = g.static_shape(0)
     c = xs[1] if xs is not None else None
@@ -126,7 +136,9 @@ def _window_adjoint(g: GradCtx, t: str, geo: ConvGeom, in_sp: list[int | None] |
     # unknown channel count: fold channels into the batch and use one (1, 1, k…) kernel
     shape = g.shape(0)
     folded = g.emit("Reshape", t, _fold_shape(g, geo.nd))
-    d = transposed_back(g, folded, g.const(ones), geo, 1, in_sp, out_sp, None if static else _fold_x(g, shape))
+    d = transposed_back(
+        g, folded, g.const(ones), geo, 1, in_sp, out_sp, None if static else _fold_x(g, shape)
+    )
     return g.emit("Reshape", d, shape)
 
 
@@ -140,8 +152,9 @@ def _fold_shape(g: GradCtx, nd: int) -> str:
 def _fold_x(g: GradCtx, shape: str) -> str:
     """X's shape with channels folded into the batch: (N·C, 1, S…)."""
     n = g.emit("ReduceProd", g.emit("Slice", shape, g.ints([0]), g.ints([2]), g.ints([0])), keepdims=1)
-    return g.emit("Concat", n, g.ints([1]), g.emit("Slice", shape, g.ints([2]), g.ints([1 << 62]), g.ints([0])),
-                  axis=0)
+    return g.emit(
+        "Concat", n, g.ints([1]), g.emit("Slice", shape, g.ints([2]), g.ints([1 << 62]), g.ints([0])), axis=0
+    )
 
 
 def _spatial_size(g: GradCtx) -> str:

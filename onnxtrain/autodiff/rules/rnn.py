@@ -51,7 +51,9 @@ class _Unroll:
             want = _DEFAULT_ACTS[op]
             names = [a.lower() for a in acts]
             if len(names) % len(want) or any(n != want[k % len(want)] for k, n in enumerate(names)):
-                raise RuleError(f"{op} gradient: activations {list(acts)} are not supported (only the defaults)")
+                raise RuleError(
+                    f"{op} gradient: activations {list(acts)} are not supported (only the defaults)"
+                )
         xs, ws, rs = g.static_shape(0), g.static_shape(1), g.static_shape(2)
         t = None if xs is None else xs[0 if self.layout == 0 else 1]
         if t is None:
@@ -115,8 +117,9 @@ class _Unroll:
             x = self.e("Transpose", x, perm=[1, 0, 2])
         if self.D == 1 and not self.rev[0]:
             return self.e("Unsqueeze", x, self.g.ints([0]))
-        return self.e("Gather", x, self.idx([[self.walk(t, d) for t in range(self.T)] for d in range(self.D)]),
-                      axis=0)
+        return self.e(
+            "Gather", x, self.idx([[self.walk(t, d) for t in range(self.T)] for d in range(self.D)]), axis=0
+        )
 
     def walk_y(self, y: str) -> str:
         """Y (or dY), layout 0 [T, D, B, H] / layout 1 [B, T, D, H] → [D, T, B, H] in walking order."""
@@ -197,8 +200,7 @@ class _Unroll:
             return [None] * self.T
         return self.steps(self.walk_y(dy))
 
-    def finish(self, dgx: str, dgh: str, xw: str, hprev: str, dh0: str | None,
-               dr: str | None = None) -> None:
+    def finish(self, dgx: str, dgh: str, xw: str, hprev: str, dh0: str | None, dr: str | None = None) -> None:
         """dX, dW, dR, dB from the pre-activation gradients of the input (dgx) and recurrent (dgh) paths."""
         g = self.g
         if g.needs_dx(0):
@@ -216,6 +218,7 @@ class _Unroll:
 
 
 # ------------------------------------------------------------------------------------------- LSTM
+
 
 @gradient("LSTM", uses=("x*", "y0", "y1"), stop=(4,))
 def lstm_grad(g: GradCtx) -> None:
@@ -294,12 +297,15 @@ def lstm_grad(g: GradCtx) -> None:
         g.set_dx(6, u.state_out(u.mul(dc, fc_s[0])))  # type: ignore[arg-type]
     if peep and g.needs_dx(7):
         d_i, d_o, d_f, _ = u.split(dgate, [H, H, H, H], 3)
-        parts = [g.reduce("ReduceSum", u.mul(d, v), [1, 2], keepdims=0)
-                 for d, v in ((d_i, cprev), (d_o, c_all), (d_f, cprev))]
+        parts = [
+            g.reduce("ReduceSum", u.mul(d, v), [1, 2], keepdims=0)
+            for d, v in ((d_i, cprev), (d_o, c_all), (d_f, cprev))
+        ]
         g.set_dx(7, u.e("Concat", *parts, axis=1))
 
 
 # -------------------------------------------------------------------------------------------- GRU
+
 
 @gradient("GRU", uses=("x*", "y0", "y1"), stop=(4,))
 def gru_grad(g: GradCtx) -> None:
@@ -365,8 +371,11 @@ def gru_grad(g: GradCtx) -> None:
         qs[t] = u.e("MatMul", u.mul(dh, ch_s[t]), r4_h)  # type: ignore[arg-type]
         if t > 0 or need_dh0:
             dzr_t = u.e("Concat", u.mul(dh, cz_s[t]), u.mul(qs[t], cr_s[t]), axis=3)  # type: ignore[arg-type]
-            rec = u.e("Add", u.e("Add", u.mul(dh, z_s[t]), u.mul(qs[t], rg_s[t])),  # type: ignore[arg-type]
-                      u.e("MatMul", dzr_t, r4_zr))
+            rec = u.e(
+                "Add",
+                u.e("Add", u.mul(dh, z_s[t]), u.mul(qs[t], rg_s[t])),  # type: ignore[arg-type]
+                u.e("MatMul", dzr_t, r4_zr),
+            )
     dh_all = u.cat(dhs, 1)
     dzr = u.e("Concat", u.mul(dh_all, c_z), u.mul(u.cat(qs, 1), c_r), axis=3)
     dah = u.mul(dh_all, c_h)
@@ -374,12 +383,17 @@ def gru_grad(g: GradCtx) -> None:
     dr = None
     if g.needs_dx(2):
         # R_zr sees h_prev, R_h sees r·h_prev
-        dr = u.e("Concat", u.e("Einsum", dzr, hprev, equation="dtbg,dtbh->dgh"),
-                 u.e("Einsum", dah, rh, equation="dtbg,dtbh->dgh"), axis=1)
+        dr = u.e(
+            "Concat",
+            u.e("Einsum", dzr, hprev, equation="dtbg,dtbh->dgh"),
+            u.e("Einsum", dah, rh, equation="dtbg,dtbh->dgh"),
+            axis=1,
+        )
     u.finish(dgx, dgx, xw, hprev, rec if need_dh0 else None, dr=dr)
 
 
 # -------------------------------------------------------------------------------------------- RNN
+
 
 @gradient("RNN", uses=("x*", "y0", "y1"), stop=(4,))
 def rnn_grad(g: GradCtx) -> None:
