@@ -40,6 +40,34 @@ group lists the trainable parameters in checkpoint order)
 
 ``checkpoint``: onnxruntime-training's format via ``onnxtrain.checkpoint`` — trainable
 (requires_grad) and frozen parameters in initializer order, no optimizer group, no properties.
+
+onnxtrain extensions (keyword-only arguments of ``generate_artifacts``; off by default, and then
+every file is exactly what it is without them):
+
+``mixed_precision="float16" | "bfloat16"`` (spec §8, ``graph_transforms.mixed_precision``)
+    The training model's forward pass computes in the half type on the float32 parameters (the
+    master weights; each is cast in-graph to a half twin where a half op reads it), with the loss
+    region, softmax statistics, reductions and normalization statistics in float32. Its backward
+    pass is of ``loss · loss_scale``: a new input ``loss_scale`` FLOAT[1] (after the parameters),
+    so ``<p>_grad.accumulation.out`` (float32, like ``<p>``) holds loss-scaled gradients; the loss
+    output stays the unscaled float32 loss. The optimizer model takes ``loss_scale`` FLOAT[1]
+    right after ``step``; it computes the global norm N of the (accumulated) scaled gradients,
+    ``all_gradients_finite`` = isfinite(N) (BOOL scalar, its last output), divides the gradients
+    by L (with ``clip_grad``: by ``max(L, (N + L·1e-6)/max_norm)``, i.e. clipping in the
+    loss-scaled domain, spec §10), updates, and falls back to the old value of every output when
+    the flag is false (parameters, moments and gradients unchanged; the host keeps ``step``). With
+    ``clip_grad``, ``<p>_grad.out`` is the clipped gradient times L (the buffers stay loss-scaled).
+    The eval model stays float32 (evaluation and export see the master weights).
+    bfloat16 artifacts use opset 20 (bfloat16 ConstantOfShape). metadata_props of both models:
+    ``onnxtrain.loss_scaling`` = JSON ``{"dtype", "loss_scale", "all_gradients_finite"}``; the
+    training model also keeps the pass's ``onnxtrain.mixed_precision`` record.
+
+``recompute={...}`` (spec §9, ``graph_transforms.recompute``)
+    Keys ``gelu``, ``attn_dropout``, ``transformer_layer`` (bools), ``number_recompute_layers``
+    (int) and ``checkpoints`` (names of forward values to keep; every other activation is
+    recomputed). The marked forward values of the training model are recomputed right before their
+    first backward use instead of being kept alive: same interface, bit-identical results, lower
+    peak memory. metadata_props of the training model: ``onnxtrain.recompute`` = the JSON dict.
 """
 
 from __future__ import annotations
@@ -56,16 +84,23 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.builder import GradientError, build_gradient_model, upgrade_opset
+from onnxtrain.graph_transforms import mixed_precision as mp_pass
+from onnxtrain.graph_transforms.recompute import recompute as recompute_pass
 from onnxtrain.ir.builder import model_opset
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.training import onnxblock
 from onnxtrain.training.onnxblock._base import BlockError
+from onnxtrain.training.onnxblock.optim import ALL_FINITE
 from onnxtrain.training.onnxblock.optim import Optimizer as OptimizerBlock
 
 MAX_PROTO_BYTES = 2147483648
 RESET = "lazy_reset_grad"
 BUFFER_SUFFIX = "_grad.accumulation.buffer"
 ACC_OUT_SUFFIX = "_grad.accumulation.out"
+LOSS_SCALE = mp_pass.LOSS_SCALE
+LOSS_SCALING_KEY = "onnxtrain.loss_scaling"
+RECOMPUTE_KEY = "onnxtrain.recompute"
+RECOMPUTE_KEYS = ("gelu", "attn_dropout", "transformer_layer", "number_recompute_layers", "checkpoints")
 
 
 class ArtifactError(BlockError):
@@ -159,6 +194,42 @@ def _names(value: Any, what: str) -> list[str]:
     return out
 
 
+def _mixed_precision_dtype(value: Any) -> str | None:
+    if value is None:
+        return None
+    if value not in mp_pass.HALF_TYPES:
+        raise ArtifactError(
+            f"mixed_precision must be None, 'float16' or 'bfloat16', got {value!r}"
+        )
+    return str(value)
+
+
+def _recompute_options(value: Any) -> dict[str, Any] | None:
+    """The validated ``recompute`` dict (None or an empty dict: no recompute)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ArtifactError(f"recompute must be a dict with keys among {list(RECOMPUTE_KEYS)}, got "
+                            f"{type(value).__name__}")
+    unknown = sorted(set(value) - set(RECOMPUTE_KEYS))
+    if unknown:
+        raise ArtifactError(f"recompute: unknown key(s) {unknown}; known: {list(RECOMPUTE_KEYS)}")
+    out: dict[str, Any] = {}
+    for k in ("gelu", "attn_dropout", "transformer_layer"):
+        if k in value:
+            if not isinstance(value[k], (bool, np.bool_)):
+                raise ArtifactError(f"recompute[{k!r}] must be a bool, got {value[k]!r}")
+            out[k] = bool(value[k])
+    if "number_recompute_layers" in value:
+        n = value["number_recompute_layers"]
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ArtifactError(f"recompute['number_recompute_layers'] must be an int >= 0, got {n!r}")
+        out["number_recompute_layers"] = int(n)
+    if value.get("checkpoints") is not None:
+        out["checkpoints"] = _names(value["checkpoints"], "recompute['checkpoints']")
+    return out or None
+
+
 def generate_artifacts(
     model: onnx.ModelProto | str | os.PathLike,
     requires_grad: Sequence[str] | None = None,
@@ -172,6 +243,9 @@ def generate_artifacts(
     additional_output_names: Sequence[str] | None = None,
     nominal_checkpoint: bool = False,
     loss_input_names: Sequence[str] | None = None,
+    *,
+    mixed_precision: str | None = None,
+    recompute: dict[str, Any] | None = None,
 ) -> None:
     """Write the training, eval and optimizer models and the checkpoint for ``model`` (spec §1).
 
@@ -183,6 +257,12 @@ def generate_artifacts(
         generate_artifacts(onnx.load("mlp.onnx"), requires_grad=["fc1.weight", "fc1.bias"],
                            loss=LossType.CrossEntropyLoss, optimizer=OptimType.AdamW,
                            artifact_directory="artifacts")
+
+    onnxtrain extensions (keyword-only; see the module docstring): ``mixed_precision="float16"``
+    or ``"bfloat16"`` trains in half precision on float32 master weights with loss scaling (the
+    ``Module`` feeds ``loss_scale`` from its loss scaler, the ``Optimizer`` skips non-finite
+    steps); ``recompute={"transformer_layer": True}`` (or ``gelu``, ``attn_dropout``,
+    ``number_recompute_layers``, ``checkpoints=[names]``) trades compute for memory.
     """
     if ort_format:
         raise ArtifactError(
@@ -195,6 +275,8 @@ def generate_artifacts(
             f"custom_op_library={custom_op_library!r} is not supported: onnxtrain builds "
             "gradients for standard ONNX ops only."
         )
+    half = _mixed_precision_dtype(mixed_precision)
+    recompute_opts = _recompute_options(recompute)
     base = _load(model)
     loss_block = _loss_block(loss)
     trainable = _names(requires_grad, "requires_grad")
@@ -225,13 +307,17 @@ def generate_artifacts(
     if not isinstance(prefix, str):
         raise ArtifactError(f"prefix must be a str, got {type(prefix).__name__}")
 
+    if half is not None and not trainable:
+        raise ArtifactError("mixed_precision needs parameters to train: list them in requires_grad")
     training, evaluation, ckpt = build_training_models(
-        base, trainable, frozen, loss_block, extra_outputs, loss_inputs
+        base, trainable, frozen, loss_block, extra_outputs, loss_inputs,
+        mixed_precision=half, recompute=recompute_opts,
     )
     optimizer_model = None
     if opt_block is not None:
         params = [(n, training_input_type(training, n)) for n in ckpt[0]]
-        optimizer_model = build_optimizer_model(opt_block, params, model_opset(training))
+        optimizer_model = build_optimizer_model(opt_block, params, model_opset(training),
+                                                mixed_precision=half)
     from onnxtrain.checkpoint import Checkpoint, save_checkpoint
 
     def path(name: str) -> str:
@@ -262,8 +348,14 @@ def build_training_models(
     loss: onnxblock.Block,
     extra_outputs: list[str],
     loss_inputs: list[str] | None,
+    *,
+    mixed_precision: str | None = None,
+    recompute: dict[str, Any] | None = None,
 ) -> tuple[onnx.ModelProto, onnx.ModelProto, tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
-    """(training model, eval model, (trainable, frozen) parameter values) — spec §1.3–1.5."""
+    """(training model, eval model, (trainable, frozen) parameter values) — spec §1.3–1.5.
+
+    ``mixed_precision`` ("float16"/"bfloat16") and ``recompute`` (validated options) transform the
+    training model only (see the module docstring)."""
     m = upgrade_opset(base)
     g = m.graph
     inits = {t.name: t for t in g.initializer}
@@ -312,8 +404,25 @@ def build_training_models(
 
     evaluation = _finish(_inference_mode(m), "eval")
     train_names = list(ckpt[0])
-    training = _with_accumulation(_gradient_model(m, all_outs, train_names, types), train_names)
+    if mixed_precision is not None:
+        not_f32 = [p for p in train_names if inits[p].data_type != TensorProto.FLOAT]
+        if not_f32:
+            raise ArtifactError(f"mixed_precision trains float32 master weights; parameter(s) {not_f32} "
+                                "are not float32")
+    grad = _gradient_model(m, all_outs, train_names, types, mixed_precision=mixed_precision,
+                           recompute=recompute, weights=params)
+    training = _with_accumulation(grad, train_names)
+    if mixed_precision is not None:
+        _add_metadata(training, LOSS_SCALING_KEY, {"dtype": mixed_precision, "loss_scale": LOSS_SCALE})
+    if recompute is not None:
+        _add_metadata(training, RECOMPUTE_KEY, recompute)
     return _finish(training, "training"), evaluation, ckpt
+
+
+def _add_metadata(m: onnx.ModelProto, key: str, value: dict[str, Any]) -> None:
+    p = m.metadata_props.add()
+    p.key = key
+    p.value = json.dumps(value, sort_keys=True)
 
 
 def _check_arity(block: onnxblock.Block, args: list[str]) -> None:
@@ -336,9 +445,13 @@ def _value_info(name: str, types: dict[str, onnx.TypeProto]) -> onnx.ValueInfoPr
 
 
 def _gradient_model(
-    m: onnx.ModelProto, outputs: list[str], trainable: list[str], types: dict[str, onnx.TypeProto]
+    m: onnx.ModelProto, outputs: list[str], trainable: list[str], types: dict[str, onnx.TypeProto],
+    *, mixed_precision: str | None = None, recompute: dict[str, Any] | None = None,
+    weights: Sequence[str] = (),
 ) -> onnx.ModelProto:
     if not trainable:
+        if recompute is not None:
+            raise ArtifactError("recompute needs parameters to train: list them in requires_grad")
         return m
     loss = outputs[0]
     shape = _shape(types.get(loss))
@@ -352,7 +465,18 @@ def _gradient_model(
     unreachable = [p for p in trainable if p not in ancestors]
     if not unreachable:
         try:
-            return build_gradient_model(m, loss, trainable, outputs=outputs[1:], zero_unreachable=False)
+            if mixed_precision is None:
+                grad = build_gradient_model(m, loss, trainable, outputs=outputs[1:], zero_unreachable=False)
+                diff = loss
+            else:
+                fwd = mp_pass.mixed_precision(m, loss, mixed_precision)
+                diff = mp_pass.mixed_precision_info(fwd).scaled_loss  # backward of loss · loss_scale
+                grad = build_gradient_model(fwd, diff, trainable, outputs=outputs, zero_unreachable=False)
+                if mp_pass.mixed_precision_info(grad) is None:  # keep the pass's record
+                    grad.metadata_props.extend(p for p in fwd.metadata_props if p.key == mp_pass.METADATA_KEY)
+            if recompute is not None:
+                grad = recompute_pass(grad, diff, weights=weights, **recompute)
+            return grad if diff == loss else _drop_output(grad, diff)
         except GradientError as e:
             # a parameter that reaches the loss only through non-differentiable ops (Shape, ...)
             unreachable = [p for p in trainable if f"{p!r} does not reach" in str(e)]
@@ -363,6 +487,19 @@ def _gradient_model(
         f"Cannot compute the partial derivative for {names} as it's unreachable from the output "
         f"node(s) ({loss!r}): remove it from requires_grad (or freeze it)."
     )
+
+
+def _drop_output(m: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """``m`` without graph output ``name`` (and its node when nothing else reads the value)."""
+    g = m.graph
+    kept = [o for o in g.output if o.name != name]
+    del g.output[:]
+    g.output.extend(kept)
+    if not any(name in n.input for n in g.node):
+        nodes = [n for n in g.node if list(n.output) != [name]]
+        del g.node[:]
+        g.node.extend(nodes)
+    return m
 
 
 def _shape(tp: onnx.TypeProto | None) -> list[int | str] | None:
@@ -462,14 +599,22 @@ def _finish(m: onnx.ModelProto, what: str) -> onnx.ModelProto:
 
 # ---- optimizer model -------------------------------------------------------------------------------
 def build_optimizer_model(
-    block: OptimizerBlock, params: list[tuple[str, onnx.TypeProto]], opset: int
+    block: OptimizerBlock, params: list[tuple[str, onnx.TypeProto]], opset: int,
+    mixed_precision: str | None = None,
 ) -> onnx.ModelProto:
-    """The optimizer graph over the trainable ``params`` (name, type) — see the interface note."""
+    """The optimizer graph over the trainable ``params`` (name, type) — see the interface note.
+
+    ``mixed_precision`` ("float16"/"bfloat16"): loss-scaled gradients (``loss_scale`` input, guarded
+    update, ``all_gradients_finite`` output)."""
     names = [p for p, _ in params]
     grads = [f"{p}_grad" for p in names]
     states = {k: [f"{p}.{k}" for p in names] for k in block.state_names}
     taken = {"learning_rate", "step", *names, *grads, *(s for v in states.values() for s in v)}
-    if len(taken) != 2 + len(names) * (2 + len(states)):
+    fixed = 2
+    if mixed_precision is not None:
+        taken |= {LOSS_SCALE, ALL_FINITE}
+        fixed += 2
+    if len(taken) != fixed + len(names) * (2 + len(states)):
         raise ArtifactError(f"parameter names {names} clash with the optimizer graph's input names")
     vtypes = dict(params)
     for group in (grads, *states.values()):
@@ -477,14 +622,22 @@ def build_optimizer_model(
     with onnxblock.empty_base(opset) as acc:
         acc.add_input("learning_rate", helper.make_tensor_type_proto(TensorProto.FLOAT, [1]))
         acc.add_input("step", helper.make_tensor_type_proto(TensorProto.INT64, [1]))
+        if mixed_precision is not None:
+            acc.add_input(LOSS_SCALE, helper.make_tensor_type_proto(TensorProto.FLOAT, [1]))
         for group in (names, grads, *states.values()):
             for n in group:
                 acc.add_input(n, vtypes[n])
-        new = block("learning_rate", "step", names, grads, states)
+        if mixed_precision is None:
+            new = block("learning_rate", "step", names, grads, states)
+        else:
+            new = block("learning_rate", "step", names, grads, states, loss_scale=LOSS_SCALE)
         model = acc.model
     g = model.graph
+    flag = new.pop(ALL_FINITE, None)
     order = [x for x in names + [s for k in block.state_names for s in states[k]] + grads if x in new]
     rename = {new[x]: f"{x}.out" for x in order}
+    if flag is not None:
+        rename[flag] = ALL_FINITE
     graph_inputs = {v.name for v in g.input}
     for x in order:
         if new[x] in graph_inputs:  # returned unchanged
@@ -497,12 +650,17 @@ def build_optimizer_model(
             if v in rename and v not in graph_inputs:
                 n.input[j] = rename[v]
     g.output.extend(helper.make_value_info(f"{x}.out", vtypes[x]) for x in order)
+    if flag is not None:
+        g.output.append(helper.make_tensor_value_info(ALL_FINITE, TensorProto.BOOL, []))
     label = block.name or type(block).__name__
     g.name = f"{label}_optimizer"
     helper.set_model_props(
         model,
         {"onnxtrain.optimizer": label, "onnxtrain.hyperparameters": json.dumps(block.hyperparameters())},
     )
+    if mixed_precision is not None:
+        _add_metadata(model, LOSS_SCALING_KEY, {"dtype": mixed_precision, "loss_scale": LOSS_SCALE,
+                                                "all_gradients_finite": ALL_FINITE})
     return _finish(model, "optimizer")
 
 

@@ -3,10 +3,18 @@
 The training model takes the user inputs, every parameter, one gradient accumulation buffer per
 trainable parameter and ``lazy_reset_grad``; it returns the user outputs and the new buffers
 (``<p>_grad.accumulation.out``), which are swapped into the state as the parameters' ``.grad``.
+
+Mixed-precision artifacts (``generate_artifacts(..., mixed_precision="float16")``) also take
+``loss_scale``: the Module feeds it from its loss scaler (``Module(..., loss_scaler=...)``, by
+default a ``DynamicLossScaler``), so ``.grad`` holds gradients of ``loss · loss_scale``; the
+:class:`Optimizer` unscales them, skips non-finite steps and updates the scaler. The scale is taken
+on the call that starts a new accumulation (after construction or ``lazy_reset_grad``) and kept while
+gradients accumulate, so every accumulated gradient has the same scale.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import warnings
@@ -17,6 +25,8 @@ import numpy as np
 import onnx
 
 from onnxtrain.engine import Plan, UnsupportedOpError, compile_model
+from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
+from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
 from onnxtrain.training.api._export import export_for_inference
 from onnxtrain.training.api._graph import InputSpec, ModelLike, check_device, check_user_inputs, load_model
 from onnxtrain.training.api.checkpoint_state import CheckpointState
@@ -24,6 +34,16 @@ from onnxtrain.training.api.checkpoint_state import CheckpointState
 RESET_INPUT = "lazy_reset_grad"
 BUFFER_SUFFIX = "_grad.accumulation.buffer"
 ACCUMULATED_SUFFIX = "_grad.accumulation.out"
+LOSS_SCALING_KEY = "onnxtrain.loss_scaling"
+
+
+def loss_scaling(model: onnx.ModelProto) -> dict[str, str] | None:
+    """The loss-scaling record of generated mixed-precision artifacts (None: no loss scaling)."""
+    for p in model.metadata_props:
+        if p.key == LOSS_SCALING_KEY:
+            return dict(json.loads(p.value))
+    info = mixed_precision_info(model)
+    return None if info is None else {"loss_scale": info.loss_scale}
 
 
 class ContiguousBuffer(np.ndarray):
@@ -53,11 +73,14 @@ class Module:
         module = Module("training_model.onnx", state, "eval_model.onnx")
         loss = module(x, y)            # training mode: gradients accumulate in state.parameters[p].grad
         module.eval(); eval_loss = module(x, y)
+
+    ``loss_scaler`` (onnxtrain extension): the scaler feeding ``loss_scale`` to mixed-precision
+    training models (default: a new ``DynamicLossScaler()``); refused for models without loss scaling.
     """
 
     def __init__(self, train_model_uri: ModelLike, state: CheckpointState,
                  eval_model_uri: ModelLike | None = None, device: str = "cpu",
-                 session_options: Any = None) -> None:
+                 session_options: Any = None, *, loss_scaler: LossScaler | None = None) -> None:
         if not isinstance(state, CheckpointState):
             raise TypeError(f"state must be a CheckpointState, got {type(state).__name__}")
         check_device(device)
@@ -75,6 +98,17 @@ class Module:
         self._classify_training_graph()
         if self._eval_model is not None:
             self._classify_eval_graph()
+        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+            raise TypeError(f"loss_scaler must be an onnxtrain.graph_transforms.loss_scaler.LossScaler (e.g. "
+                            f"DynamicLossScaler()), got {type(loss_scaler).__name__}")
+        if self._loss_scale_input is None:
+            if loss_scaler is not None:
+                raise ValueError("loss_scaler given but the training model takes no loss scale: generate the "
+                                 "artifacts with mixed_precision='float16' (or 'bfloat16')")
+            self._loss_scaler: LossScaler | None = None
+        else:
+            self._loss_scaler = loss_scaler if loss_scaler is not None else DynamicLossScaler()
+        self._grad_loss_scale: np.ndarray | None = None  # the scale of the gradients accumulated now
         for p in self._trainable:
             param = state._params[p]
             if param.grad is None and param.data is not None:
@@ -100,7 +134,11 @@ class Module:
                 f"expected inputs '<p>{BUFFER_SUFFIX}' and outputs '<p>{ACCUMULATED_SUFFIX}' (was it "
                 "generated with these parameters in requires_grad?)")
         self._has_reset = RESET_INPUT in names
+        record = loss_scaling(self._train_model)
+        self._loss_scale_input = record["loss_scale"] if record and record["loss_scale"] in names else None
         hidden = set(self._param_order) | set(self._buffers.values()) | {RESET_INPUT}
+        if self._loss_scale_input is not None:
+            hidden.add(self._loss_scale_input)
         # buffers of parameters this state does not hold: not user inputs either
         hidden |= {n for n in names if n.endswith(BUFFER_SUFFIX)}
         self._train_inputs = [InputSpec.of(v) for v in inputs if v.name not in hidden]
@@ -192,6 +230,8 @@ class Module:
             feeds[buf] = grad
         if self._has_reset:
             feeds[RESET_INPUT] = np.array([not self._accumulate])
+        if self._loss_scale_input is not None:
+            feeds[self._loss_scale_input] = self._loss_scale_feed()
         wanted = self._train_outputs + [self._accumulated[p] for p in self._trainable]
         results = self._train_plan.run(feeds, wanted)
         n = len(self._train_outputs)
@@ -199,6 +239,23 @@ class Module:
             params[p].grad = new
         self._accumulate = True
         return results[:n]
+
+    def _loss_scale_feed(self) -> np.ndarray:
+        """The scaler's value on a call that starts an accumulation, else the scale already in use."""
+        assert self._loss_scaler is not None
+        if not self._accumulate or self._grad_loss_scale is None:
+            feed = np.asarray(self._loss_scaler.feed(), np.float32).reshape(1)
+            if not (np.isfinite(feed[0]) and feed[0] > 0):
+                raise ValueError(f"the loss scale must be a positive finite number, got {feed[0]}")
+            self._grad_loss_scale = feed
+        return self._grad_loss_scale
+
+    def _grad_loss_scale_for_step(self) -> np.ndarray:
+        """The scale of the gradients the optimizer is about to use (the scaler's value before any call)."""
+        if self._grad_loss_scale is None:
+            assert self._loss_scaler is not None
+            return np.asarray(self._loss_scaler.feed(), np.float32).reshape(1)
+        return self._grad_loss_scale
 
     def _eval_step(self, user_inputs: Sequence[Any]) -> list[np.ndarray]:
         if self._eval_plan is None:
@@ -313,6 +370,11 @@ class Module:
     def trainable_parameter_names(self) -> list[str]:
         """Trainable parameters in the training model's input order."""
         return list(self._trainable)
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The loss scaler of a mixed-precision training model (None without loss scaling)."""
+        return self._loss_scaler
 
     @property
     def has_eval_model(self) -> bool:

@@ -10,6 +10,12 @@ Under ``mpiexec -n N`` each step first averages the gradients over the ranks
 the module on an equal share of a batch (``parallel.split_batch``) step as one process on the whole
 batch would. Constructing the Optimizer is then a collective: the ranks check that they hold the
 same models, trainable parameters and values.
+
+Mixed-precision artifacts (onnxtrain extension): the optimizer model also takes ``loss_scale`` (the
+scale of the module's gradients) and outputs ``all_gradients_finite``. A step whose gradients are
+not all finite changes nothing (parameters, moments, ``step_count``); after every step the module's
+loss scaler is updated with the flag (a ``DynamicLossScaler`` halves on overflow and doubles after
+its window of clean steps), and :attr:`Optimizer.last_step_finite` tells what happened.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from onnxtrain import parallel
 from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
 from onnxtrain.training.api._graph import ModelLike, load_model
 from onnxtrain.training.api.checkpoint_state import _OptimizerState
-from onnxtrain.training.api.module import Module, _compile
+from onnxtrain.training.api.module import Module, _compile, loss_scaling
 
 LR_INPUT = "learning_rate"
 STEP_INPUT = "step"
@@ -58,6 +64,9 @@ class Optimizer:
         self.algorithm = next((p.value for p in model.metadata_props if p.key == "onnxtrain.optimizer"),
                               "AdamW" if "momentum1" in self._moment_keys else "SGD")
         self._opt = self._bind_state()
+        #: whether the last step's gradients were all finite (None before the first step;
+        #: always True without loss scaling)
+        self.last_step_finite: bool | None = None
         self._data_parallel = parallel.world().size > 1
         if self._data_parallel:
             check_same_on_all_ranks(parallel.get_communicator(), self._fingerprint(model),
@@ -71,12 +80,24 @@ class Optimizer:
         if inputs[:2] != [LR_INPUT, STEP_INPUT]:
             raise ValueError(f"not an optimizer model: its inputs must start with {LR_INPUT!r}, "
                              f"{STEP_INPUT!r}; got {inputs[:6]}{' ...' if len(inputs) > 6 else ''}")
+        record = loss_scaling(model)
+        self._loss_scale_input = record["loss_scale"] if record and record["loss_scale"] in inputs else None
+        self._finite_output = (record or {}).get("all_gradients_finite") if self._loss_scale_input else None
+        module_scaled = self._module._loss_scale_input is not None
+        if module_scaled and self._loss_scale_input is None:
+            raise ValueError("the training model computes loss-scaled gradients (mixed precision) but the "
+                             "optimizer model takes no loss_scale: use the optimizer model generated with it")
+        if self._loss_scale_input is not None and not module_scaled:
+            raise ValueError("the optimizer model expects loss-scaled gradients (mixed precision) but the "
+                             "training model takes no loss_scale: use the training model generated with it")
         trainable = self._module.trainable_parameter_names
         tset = set(trainable)
         params: list[str] = []
         grads: dict[str, str] = {}
         moments: dict[str, tuple[str, str]] = {}  # input name -> (param, key)
         for n in inputs[2:]:
+            if n == self._loss_scale_input:
+                continue
             if n in tset:
                 params.append(n)
             elif n.endswith(GRAD_SUFFIX) and n[:-len(GRAD_SUFFIX)] in tset:
@@ -106,6 +127,9 @@ class Optimizer:
                 raise ValueError(f"the optimizer model gives parameter {p!r} moments {have}, others "
                                  f"{self._moment_keys}")
         outputs = [v.name for v in g.output]
+        if self._loss_scale_input is not None and self._finite_output not in outputs:
+            raise ValueError(f"the mixed-precision optimizer model has no {self._finite_output!r} output")
+        outputs = [o for o in outputs if o != self._finite_output]
         bad = [o for o in outputs if not o.endswith(OUT_SUFFIX) or o[:-len(OUT_SUFFIX)] not in inputs[2:]]
         if bad:
             raise ValueError(f"optimizer model outputs {bad} are not '<input>.out' of a parameter, "
@@ -163,7 +187,9 @@ class Optimizer:
         """Apply one update with the current learning rate; gradients are left as they are.
 
         Under ``mpiexec`` the update uses the gradients averaged over the ranks (a collective: every
-        rank calls ``step`` the same number of times)."""
+        rank calls ``step`` the same number of times). With loss scaling, a step whose gradients are
+        not all finite is skipped (``step_count`` unchanged, :attr:`last_step_finite` False) and the
+        module's loss scaler is updated either way."""
         opt = self._opt
         params = self._state._params
         self._allocate_moments(opt)
@@ -181,7 +207,13 @@ class Optimizer:
             feeds.update(zip(names, parallel.allreduce_gradients([feeds[n] for n in names], inplace=False)))
         for name, (p, key) in self._moments.items():
             feeds[name] = opt.moments[p][key]
-        results = self._plan.run(feeds, self._outputs)
+        if self._loss_scale_input is not None:
+            feeds[self._loss_scale_input] = self._module._grad_loss_scale_for_step()
+            results = self._plan.run(feeds, [*self._outputs, self._finite_output])
+            finite = bool(np.asarray(results.pop()).reshape(-1)[0])
+        else:
+            results = self._plan.run(feeds, self._outputs)
+            finite = True
         for out, value in zip(self._outputs, results):
             target = out[:-len(OUT_SUFFIX)]
             if target in params:
@@ -191,7 +223,12 @@ class Optimizer:
                 opt.moments[p][key] = value
             else:  # a clipped gradient
                 params[target[:-len(GRAD_SUFFIX)]].grad = value
-        opt.step += 1
+        self.last_step_finite = finite
+        if finite:  # a skipped step's outputs are its inputs: only the count would change
+            opt.step += 1
+        scaler = self._module.loss_scaler
+        if self._loss_scale_input is not None and scaler is not None:
+            scaler.update_loss_scale(finite)
 
     def set_learning_rate(self, learning_rate: float) -> None:
         """Use ``learning_rate`` (stored as float32) from the next step on."""

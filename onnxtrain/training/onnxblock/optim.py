@@ -4,6 +4,15 @@ ClipGradNorm, as standard ONNX nodes over one tensor per parameter.
 ``generate_artifacts`` calls an optimizer block inside an empty base with the names of the
 graph inputs and gets back, for every input the step changes, the name of its new value
 (see the interface note of ``onnxtrain.training.artifacts``).
+
+Loss scaling (onnxtrain extension, for mixed-precision artifacts): ``build(..., loss_scale=name)``
+takes gradients of ``loss · loss_scale``. It computes their global norm N (loss-scaled domain,
+float32), the flag ``all_gradients_finite`` = isfinite(N), divides every gradient by
+``s = L`` — or, with ``clip_grad``, ``s = max(L, (N + L·1e-6) / max_norm)``, which is
+``ClipGradNorm``'s coefficient applied to the unscaled gradients (spec §10) — and guards every new
+value with ``Where(flag, new, old)``: a non-finite step leaves parameters, moments and gradients as
+they were. With ``clip_grad`` the gradients' new values are the clipped gradients times L: the
+gradient buffers stay in the loss-scaled domain, as the training model fills them.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from onnxtrain.training.onnxblock._base import BlockError, ModelBase
 from onnxtrain.training.onnxblock.blocks import Block, _acc
 
 CLIP_EPS = 1e-6
+ALL_FINITE = "all_gradients_finite"
 
 
 class ClipGradNorm(Block):
@@ -33,14 +43,7 @@ class ClipGradNorm(Block):
         if not gradient_names:
             return ()
         types = [acc.float_type_of(g) for g in gradient_names]
-        # accumulate in float64 if every gradient is float64, else in float32
-        et = TensorProto.DOUBLE if all(t == TensorProto.DOUBLE for t in types) else TensorProto.FLOAT
-        parts = []
-        for g, t in zip(gradient_names, types):
-            s = acc.node("ReduceSumSquare", [g], "reducesumsquare_output", keepdims=0)[0]
-            parts.append(s if t == et else acc.node("Cast", [s], "cast_output", to=et)[0])
-        total = parts[0] if len(parts) == 1 else acc.node("Sum", parts, "sum_output")[0]
-        norm = acc.node("Sqrt", [total], "grad_norm")[0]
+        norm, et = _global_norm(acc, gradient_names, types)
         # coef = min(max_norm / (norm + eps), 1)
         ratio = acc.node(
             "Div",
@@ -59,12 +62,34 @@ class ClipGradNorm(Block):
             out.append(acc.node("Mul", [g, coefs[t]], "clipped_gradient")[0])
         return tuple(out)
 
+    def divisor(self, acc: ModelBase, norm: str, loss_scale: str, et: int) -> str:
+        """s = max(L, (N + L·eps) / max_norm) for loss-scaled gradients of global norm N (scalars of
+        type ``et``): dividing by s unscales, then clips as ``build`` does (g·min(max_norm/(‖g‖+eps), 1))."""
+        eps_l = acc.node("Mul", [loss_scale, acc.scalar(CLIP_EPS, et)], "mul_output")[0]
+        shifted = acc.node("Add", [norm, eps_l], "add_output")[0]
+        over = acc.node("Div", [shifted, acc.scalar(self.max_norm, et)], "div_output")[0]
+        return acc.node("Max", [loss_scale, over], "grad_divisor")[0]
+
+
+def _global_norm(acc: ModelBase, grads: Sequence[str], types: Sequence[int]) -> tuple[str, int]:
+    """(‖g‖ = sqrt(Σ_tensors Σ_elements g²), its element type): float64 if every gradient is float64,
+    else float32."""
+    et = TensorProto.DOUBLE if all(t == TensorProto.DOUBLE for t in types) else TensorProto.FLOAT
+    parts = []
+    for g, t in zip(grads, types):
+        s = acc.node("ReduceSumSquare", [g], "reducesumsquare_output", keepdims=0)[0]
+        parts.append(s if t == et else acc.node("Cast", [s], "cast_output", to=et)[0])
+    total = parts[0] if len(parts) == 1 else acc.node("Sum", parts, "sum_output")[0]
+    return acc.node("Sqrt", [total], "grad_norm")[0], et
+
 
 class Optimizer(Block):
     """Base of the optimizer blocks.
 
     ``build(learning_rate, step, params, gradients, states)`` where ``states`` maps each name of
-    ``state_names`` to one value per parameter; returns ``{input name: new value name}``.
+    ``state_names`` to one value per parameter; returns ``{input name: new value name}``. With
+    ``loss_scale=`` (a float32 [1] input) the gradients are loss-scaled: see the module docstring;
+    the result then also maps ``ALL_FINITE`` to the bool scalar flag.
     """
 
     name = ""
@@ -88,11 +113,19 @@ class Optimizer(Block):
         params: Sequence[str],
         gradients: Sequence[str],
         states: dict[str, Sequence[str]],
+        loss_scale: str | None = None,
     ) -> dict[str, str]:
         acc = _acc()
         new: dict[str, str] = {}
         grads = list(gradients)
-        if self.clip_grad is not None:
+        flag = None
+        if loss_scale is not None:
+            unscaled, flag, scales = self._unscale(acc, grads, loss_scale)
+            if self.clip_grad is not None:  # clipped in place, kept loss-scaled: g·L
+                new.update((g, acc.node("Mul", [u, scales[acc.float_type_of(g)]], "clipped_gradient")[0])
+                           for g, u in zip(grads, unscaled))
+            grads = unscaled
+        elif self.clip_grad is not None:
             clipped = self.clip_grad(*grads)
             new.update(zip(grads, clipped))
             grads = list(clipped)
@@ -104,7 +137,34 @@ class Optimizer(Block):
             if et not in shared:
                 shared[et] = self.prepare(acc, lr, t, et)
             new.update(self.update(acc, shared[et], p, g, {key: states[key][k] for key in self.state_names}))
+        if flag is not None:
+            # a non-finite step changes nothing: every new value falls back to its input
+            new = {x: acc.node("Where", [flag, v, x], "if_finite")[0] for x, v in new.items()}
+            new[ALL_FINITE] = flag
         return new
+
+    def _unscale(self, acc: ModelBase, grads: list[str], loss_scale: str
+                 ) -> tuple[list[str], str, dict[int, str]]:
+        """(gradients / s, all_gradients_finite, {element type: scalar L}) for gradients of the loss
+        times ``loss_scale``."""
+        types = [acc.float_type_of(g) for g in grads]
+        norm, et = _global_norm(acc, grads, types)  # of the loss-scaled gradients
+        # isfinite(N): N is inf or NaN as soon as one gradient element is
+        bad = acc.node("Or", [acc.node("IsInf", [norm], "isinf_output")[0],
+                              acc.node("IsNaN", [norm], "isnan_output")[0]], "or_output")[0]
+        flag = acc.node("Not", [bad], "all_gradients_finite")[0]
+        scale = acc.node("Squeeze", [loss_scale], "loss_scale")[0]  # [1] -> scalar: keeps gradient shapes
+        scale = _as_type(acc, scale, TensorProto.FLOAT, et)
+        div = scale if self.clip_grad is None else self.clip_grad.divisor(acc, norm, scale, et)
+        divs: dict[int, str] = {et: div}
+        scales: dict[int, str] = {et: scale}
+        out = []
+        for g, t in zip(grads, types):
+            if t not in divs:
+                divs[t] = acc.node("Cast", [div], "cast_output", to=t)[0]
+                scales[t] = acc.node("Cast", [scale], "cast_output", to=t)[0]
+            out.append(acc.node("Div", [g, divs[t]], "unscaled_gradient")[0])
+        return out, flag, scales
 
     def prepare(self, acc: ModelBase, lr: str, t: str, et: int) -> dict[str, str]:
         """Scalars shared by all parameters of element type ``et``."""
@@ -241,4 +301,4 @@ class AdamW(Optimizer):
         return {p: p_new, m: m_new, v: v_new}
 
 
-__all__ = ["AdamW", "ClipGradNorm", "Optimizer", "SGD"]
+__all__ = ["ALL_FINITE", "AdamW", "ClipGradNorm", "Optimizer", "SGD"]
