@@ -123,6 +123,30 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help=_SET_HELP)
 
 
+def _recompute_flags(a: argparse.Namespace) -> dict | None:
+    """The --recompute choices as generate_artifacts' ``recompute`` dict (None: no recompute)."""
+    if not a.recompute:
+        return None
+    chosen = {k.strip() for k in a.recompute.split(",") if k.strip()}
+    unknown = sorted(chosen - {"gelu", "attn_dropout", "transformer_layer"})
+    if unknown:
+        raise SystemExit(f"onnxtrain artifacts: --recompute: unknown choice(s) {unknown}; "
+                         "choose among gelu, attn_dropout, transformer_layer")
+    return {k: True for k in chosen}
+
+
+def _recompute_flags(a: argparse.Namespace) -> dict | None:
+    """The --recompute choices as generate_artifacts' ``recompute`` dict (None: no recompute)."""
+    if not a.recompute:
+        return None
+    chosen = {k.strip() for k in a.recompute.split(",") if k.strip()}
+    unknown = sorted(chosen - {"gelu", "attn_dropout", "transformer_layer"})
+    if unknown:
+        raise SystemExit(f"onnxtrain artifacts: --recompute: unknown choice(s) {unknown}; "
+                         "choose among gelu, attn_dropout, transformer_layer")
+    return {k: True for k in chosen}
+
+
 def _artifacts(a: argparse.Namespace) -> int:
     from onnxtrain.training import artifacts
     from onnxtrain.training_graph import discover_trainable
@@ -141,7 +165,8 @@ def _artifacts(a: argparse.Namespace) -> int:
         model, requires_grad=requires, frozen_params=split(a.frozen), loss=loss,
         optimizer=getattr(artifacts.OptimType, a.optimizer) if a.optimizer else None,
         artifact_directory=a.output, prefix=a.prefix,
-        additional_output_names=split(a.additional_outputs) or None, nominal_checkpoint=a.nominal_checkpoint)
+        additional_output_names=split(a.additional_outputs) or None, nominal_checkpoint=a.nominal_checkpoint,
+        mixed_precision=a.mixed_precision, recompute=_recompute_flags(a))
     print(f"wrote the training artifacts of {a.model} to {a.output} ({len(requires)} trainable parameters)")
     return 0
 
@@ -202,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ar.add_argument("--prefix", default="", help="prefix of the artifact file names")
     ar.add_argument("--additional-outputs", help="comma-separated extra outputs of the training/eval models")
     ar.add_argument("--nominal-checkpoint", action="store_true", help="also write a nominal checkpoint")
+    ar.add_argument("--mixed-precision", choices=["float16", "bfloat16"],
+                    help="compute in half precision with float32 master weights and a loss_scale input")
+    ar.add_argument("--recompute", help="comma-separated: gelu, attn_dropout, transformer_layer")
     ar.set_defaults(fn=_artifacts)
     info = sub.add_parser("info", help="inputs, outputs, parameters and op coverage of a model",
                           description="Inputs, outputs, parameter count and bytes, op histogram, and which "
