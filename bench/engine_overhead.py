@@ -95,8 +95,17 @@ def bench_dispatch(repeats: int, n_nodes: int = 2000) -> dict[str, float]:
 
     model = chain_model(n_nodes)
     x = np.linspace(-1, 1, 4, dtype=np.float32)
-    plan = compile_model(model)
-    sess = onnxtrain.InferenceSession(model)
+    # per-node dispatch is the figure: without fusion, which would run the whole chain as one step
+    saved = os.environ.get("ONNXTRAIN_FUSION")
+    os.environ["ONNXTRAIN_FUSION"] = "0"
+    try:
+        plan = compile_model(model)
+        sess = onnxtrain.InferenceSession(model)
+    finally:
+        if saved is None:
+            del os.environ["ONNXTRAIN_FUSION"]
+        else:
+            os.environ["ONNXTRAIN_FUSION"] = saved
     ref = ort_session(model)
     feeds = {"x": x}
     np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0], rtol=1e-4, atol=1e-6)

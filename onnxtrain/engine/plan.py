@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from onnxtrain.engine import fusion
 from onnxtrain.engine.registry import Attrs, Kernel, available_ops, find_kernel, parse_attributes
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
@@ -82,7 +83,10 @@ def default_opset(model: onnx.ModelProto) -> int:
 class Plan:
     """An executable form of one ONNX graph."""
 
-    def __init__(self, model: onnx.ModelProto | str | bytes, fold_constants: bool = True):
+    def __init__(self, model: onnx.ModelProto | str | bytes, fold_constants: bool = True,
+                 fuse: bool | None = None):
+        """``fuse``: apply the execution-time fusions of :mod:`onnxtrain.engine.fusion` (default: on, unless
+        the environment says ``ONNXTRAIN_FUSION=0``)."""
         model = load_model(model)
         self.model = model
         g = model.graph
@@ -142,23 +146,8 @@ class Plan:
                 raise EngineError(f"graph output {n!r} is not produced by any node")
         self.slot = slot
         self.n_slots = len(slot)
-        # last use of every slot; graph outputs and initializers are never freed
-        keep = {slot[n] for n in self.output_names} | {slot[n] for n in init_names}
-        last: dict[int, int] = {}
-        for i, (_, _, _, ins, outs) in enumerate(raw_steps):
-            for s in ins:
-                if s >= 0:
-                    last[s] = i
-            for s in outs:
-                if s >= 0:
-                    last.setdefault(s, i)  # an output nobody reads dies at once
-                    last[s] = max(last[s], i)
-        frees: list[list[int]] = [[] for _ in raw_steps]
-        for s, i in last.items():
-            if s not in keep:
-                frees[i].append(s)
-        self.steps = [Step(fn, tuple(ins), tuple(outs), attrs, tuple(fr), node)
-                      for (node, fn, attrs, ins, outs), fr in zip(raw_steps, frees)]
+        self.steps = [Step(fn, tuple(ins), tuple(outs), attrs, (), node)
+                      for node, fn, attrs, ins, outs in raw_steps]
         self.peak_bytes = 0
         self.profiling = False
         self.profile: list[ProfileEvent] = []
@@ -169,6 +158,28 @@ class Plan:
         self._const_values: list[tuple[int, np.ndarray]] = []
         if fold_constants:
             self._fold_constants()
+        self.scratch = fusion.ScratchPool()  # scratch buffers of fused steps, kept across runs
+        if fusion.enabled() if fuse is None else fuse:
+            fusion.fuse(self)
+        self._assign_frees()
+
+    def _assign_frees(self) -> None:
+        """Give every step the slots whose last use it is; graph outputs and initializers are never freed."""
+        keep = set(self._output_slots) | {s for s, _ in self._init_values}
+        last: dict[int, int] = {}
+        for i, st in enumerate(self.steps):
+            for s in st.inputs:
+                if s >= 0:
+                    last[s] = i
+            for s in st.outputs:
+                if s >= 0:
+                    last[s] = max(last.get(s, i), i)  # an output nobody reads dies at once
+        frees: list[list[int]] = [[] for _ in self.steps]
+        for s, i in last.items():
+            if s not in keep:
+                frees[i].append(s)
+        self.steps = [Step(st.fn, st.inputs, st.outputs, st.attrs, tuple(fr), st.node)
+                      for st, fr in zip(self.steps, frees)]
 
     def _fold_constants(self) -> None:
         """Evaluate Constant nodes once, at compile time (initializers stay feedable)."""
@@ -243,7 +254,7 @@ class Plan:
                         vals[s] = None
                         live -= v.nbytes if type(v) is np.ndarray else _nbytes(v)
                 v = None  # a local must not keep the last freed value alive during the next step
-        self.peak_bytes = peak
+        self.peak_bytes = peak + self.scratch.nbytes
         if output_names is None:
             return [_as_array(vals[s]) for s in self._output_slots]
         out = []

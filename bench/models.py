@@ -1,0 +1,194 @@
+"""The benchmark's models (torch modules), their ONNX exports and seeded batches.
+
+Each case is a model and a batch size; ``prepare(case, folder)`` writes, for the peers to load:
+``model.onnx`` (logits output, for ``generate_artifacts``), ``model_loss.onnx`` (cross entropy in the
+graph, output ``loss``, for the legacy ``TrainingSession``), ``model.pt`` (the torch module's weights)
+and ``batches.npz`` (``x0, y0, x1, y1, ...``). Everything is exported by torch 2.13 (TorchScript
+exporter, opset 17, eval mode, dropout 0) with the weights of a fixed seed, so all peers start equal.
+
+Importing this module needs torch (the workers of the peers other than torch never import it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from bench.common import add_repo_to_path
+
+add_repo_to_path()
+from tests.models import SEED, CausalSelfAttention, TransformerEncoder, WithLoss, export_module  # noqa: E402
+
+N_BATCHES = 4  # distinct batches a worker cycles through
+
+
+class MLP(nn.Module):
+    """784-512-512-10 with ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class LeNet(nn.Module):
+    """LeNet-5 on 28×28: conv5 pad2 (6) → ReLU → maxpool2 → conv5 (16) → ReLU → maxpool2 → 120 → 84 → 10."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 6, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.head = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(16 * 5 * 5, 120),
+            nn.ReLU(),
+            nn.Linear(120, 84),
+            nn.ReLU(),
+            nn.Linear(84, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class GPT(nn.Module):
+    """GPT-style causal decoder: embeddings, ``layers`` pre-LN blocks (causal attention, tanh-GELU MLP),
+    final LayerNorm, vocabulary head; logits flattened to ``[batch·seq, vocab]`` for the loss."""
+
+    def __init__(self, vocab: int = 1000, seq: int = 64, d: int = 128, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.vocab = vocab
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(_Block(d, heads, seq) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.register_buffer("positions", torch.arange(seq), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens) + self.pos(self.positions[: tokens.shape[1]])
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.ln_f(h)).reshape(-1, self.vocab)
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int, seq: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, heads, seq, 0.0)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.fc_out = nn.Linear(4 * d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.ln1(h))
+        return h + self.fc_out(nn.functional.gelu(self.fc(self.ln2(h)), approximate="tanh"))
+
+
+class FlatCrossEntropy(nn.Module):
+    """Cross entropy with flattened labels (GPT: ``[batch, seq]`` labels, ``[batch·seq, vocab]`` logits)."""
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits, labels.reshape(-1))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark row: a model at a batch size."""
+
+    key: str
+    title: str
+    batch: int
+
+    def build(self) -> nn.Module:
+        torch.manual_seed(SEED)
+        if self.key.startswith("mlp"):
+            return MLP()
+        if self.key.startswith("cnn"):
+            return LeNet()
+        if self.key.startswith("transformer"):
+            return TransformerEncoder(
+                vocab=1000, seq=64, d=128, heads=4, ff=512, layers=2, dropout=0.0, classes=10
+            )
+        return GPT()
+
+    def batches(self, n: int = N_BATCHES, batch: int | None = None) -> dict[str, np.ndarray]:
+        """``x{i}``/``y{i}`` for i < n: inputs and integer labels from a seeded generator."""
+        b = batch or self.batch
+        rng = np.random.default_rng(0)
+        out = {}
+        for i in range(n):
+            if self.key.startswith("mlp") or self.key.startswith("cnn"):
+                x = rng.standard_normal((b, 1, 28, 28), np.float32)
+                y = rng.integers(0, 10, b)
+            elif self.key.startswith("transformer"):
+                x = rng.integers(0, 1000, (b, 64))
+                y = rng.integers(0, 10, b)
+            else:
+                x = rng.integers(0, 1000, (b, 64))
+                y = rng.integers(0, 1000, (b, 64))  # next tokens; flattened for the loss
+            out[f"x{i}"] = x
+            out[f"y{i}"] = y.astype(np.int64)
+        return out
+
+    @property
+    def input_name(self) -> str:
+        return "tokens" if self.key.startswith(("transformer", "gpt")) else "x"
+
+
+CASES = [
+    Case("mlp64", "MLP 784-512-512-10, batch 64", 64),
+    Case("mlp256", "MLP 784-512-512-10, batch 256", 256),
+    Case("cnn64", "LeNet-5 CNN 28×28, batch 64", 64),
+    Case("transformer32", "Transformer encoder 2×d128 seq64, batch 32", 32),
+    Case("gpt16", "GPT decoder 2×d128 seq64 vocab1000, batch 16", 16),
+]
+QUICK_CASES = [CASES[0], CASES[3]]
+
+
+def prepare(case: Case, folder: str) -> dict[str, str]:
+    """Export ``case`` into ``folder`` (see the module docstring); returns the paths by kind."""
+    os.makedirs(folder, exist_ok=True)
+    paths = {
+        k: os.path.join(folder, f)
+        for k, f in (
+            ("model", "model.onnx"),
+            ("loss_model", "model_loss.onnx"),
+            ("weights", "model.pt"),
+            ("batches", "batches.npz"),
+        )
+    }
+    module = case.build()
+    small = case.batches(1, batch=2)
+    x, y = small["x0"], small["y0"]
+    feeds = {case.input_name: x}
+    model = export_module(module, feeds, "logits", training=False)
+    with open(paths["model"], "wb") as f:
+        f.write(model.SerializeToString())
+    with_loss = WithLoss(module, FlatCrossEntropy())
+    loss_model = export_module(with_loss, {**feeds, "labels": y}, "loss", training=False, batch_output=False)
+    with open(paths["loss_model"], "wb") as f:
+        f.write(loss_model.SerializeToString())
+    torch.save(module.state_dict(), paths["weights"])
+    np.savez(paths["batches"], **case.batches())
+    return paths
+
+
+def n_params(case: Case) -> int:
+    return sum(math.prod(p.shape) for p in case.build().parameters())

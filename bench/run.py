@@ -1,0 +1,477 @@
+"""Training-step throughput and peak memory of onnxtrain against its peers, in the same run.
+
+    python -m bench [--quick] [--models mlp64,gpt16] [--repeats 7] [--min-time 0.5] [--results FILE]
+    python bench/run.py ...
+
+Models (exported by torch 2.13, see bench/models.py): MLP 784-512-512-10 at batch 64 and 256, LeNet-5
+CNN (64), 2-layer transformer encoder d=128 seq=64 (32), 2-layer GPT-style causal decoder (16).
+Peers, each in its own fresh process (bench/worker.py): onnxtrain's legacy ``TrainingSession`` (loss in
+the graph) and its on-device ``Module`` + ``Optimizer``, onnxruntime-training 1.19.2's on-device API (in
+the virtual environment at ``$ORTT_PYTHON``, default /tmp/ortt/bin/python) and torch eager; numpy peers
+and torch run with the inherited ``OPENBLAS_CORETYPE`` and with ``SkylakeX``. Every peer trains with
+Adam(W), lr 1e-3, weight decay 0.01, no clipping. A peer that cannot start is skipped with its error.
+
+Timing: after a warm-up, every round runs each peer in turn (the order rotates every round) for enough
+steps to last ``--min-time``; a peer's figure is the median over ``--repeats`` rounds. Memory: peak RSS
+of the peer's process (VmHWM: interpreter, imports, model, training) and, for onnxtrain, the
+engine's peak live bytes (``Plan.peak_bytes``, the largest over its plans). FLOPs: bench/flops.py;
+"% peak" is step FLOPs / step time / the best numpy float32 GEMM figure measured in this run.
+
+``--quick`` (a smoke run for CI, seconds): the MLP at batch 64 only, few short rounds, inherited BLAS
+setting only; its figures are not results and are not written to the results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+if __package__ in (None, ""):  # run as a script: make the checkout importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import ROOT  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "worker.py")
+ORTT_PYTHON = os.environ.get("ORTT_PYTHON", "/tmp/ortt/bin/python")
+FAST_BLAS = "SkylakeX"
+MiB = 1 << 20
+LABELS = {
+    "legacy": "onnxtrain TrainingSession",
+    "api": "onnxtrain Module+Optimizer",
+    "ort": "onnxruntime-training 1.19.2",
+    "torch": "torch eager",
+}
+
+
+@dataclass
+class Peer:
+    """A running worker process and its samples."""
+
+    kind: str
+    blas: str  # OPENBLAS_CORETYPE it runs with ("" for onnxruntime, which does not use OpenBLAS)
+    variant: str = ""  # "LABEL:NAME=VALUE,...": extra environment of an onnxtrain peer (A/B runs)
+    proc: subprocess.Popen | None = None
+    error: str = ""
+    number: int = 1
+    samples: list[float] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+    loss: float = math.nan
+
+    @property
+    def name(self) -> str:
+        label = self.variant.split(":", 1)[0]
+        return LABELS[self.kind] + (f" [{self.blas}]" if self.blas else "") + (f" ({label})" if label else "")
+
+    @property
+    def extra_env(self) -> dict[str, str]:
+        if not self.variant:
+            return {}
+        pairs = self.variant.split(":", 1)[1].split(",")
+        return dict(p.split("=", 1) for p in pairs if p)
+
+    def send(self, line: str) -> dict:
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"{self.name}: worker exited: {self.stderr_tail()}")
+        return json.loads(reply)
+
+    def stderr_tail(self) -> str:
+        if self.proc is None or self.proc.stderr is None:
+            return ""
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "(no stderr: still running)"
+        return self.proc.stderr.read()[-1500:].strip()
+
+
+def start(peer: Peer, folder: str) -> None:
+    env = dict(os.environ)
+    if peer.kind == "ort":
+        python = ORTT_PYTHON
+        for k in ("PYTHONPATH", "PYTHONHOME"):
+            env.pop(k, None)
+        if not os.path.exists(python):
+            peer.error = (
+                f"no onnxruntime-training environment at {python} (create it: python -m venv /tmp/ortt "
+                "&& /tmp/ortt/bin/pip install onnxruntime-training==1.19.2 'numpy<2' onnx)"
+            )
+            return
+    else:
+        python = sys.executable
+        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        if peer.blas:
+            env["OPENBLAS_CORETYPE"] = peer.blas
+        env.update(peer.extra_env)
+    peer.proc = subprocess.Popen(
+        [python, WORKER, peer.kind, folder],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=folder,
+    )
+
+
+def wait_ready(peer: Peer) -> None:
+    if peer.proc is None:
+        return
+    line = peer.proc.stdout.readline()
+    try:
+        msg = json.loads(line) if line else {"error": peer.stderr_tail()}
+    except json.JSONDecodeError:
+        msg = {"error": line.strip()}
+    if "error" in msg:
+        peer.error = msg["error"].strip().splitlines()[-1] if msg["error"].strip() else "worker failed"
+        peer.proc.kill()
+        peer.proc = None
+
+
+def gemm_peak(coretype: str, quick: bool) -> dict:
+    env = dict(os.environ)
+    if coretype:
+        env["OPENBLAS_CORETYPE"] = coretype
+    args = ["--n", "1024", "--repeats", "3"] if quick else ["--n", "2048", "--repeats", "9"]
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "gemm.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def measure(peers: list[Peer], repeats: int, warmup: int, min_time: float) -> None:
+    live = [p for p in peers if p.proc is not None]
+    for p in live:
+        p.send(f"run {warmup}")
+    for p in live:  # calibrate: steps per sample
+        t = p.send("run 1")["seconds"]
+        p.number = max(1, math.ceil(min_time / max(t, 1e-6)))
+    for r in range(repeats):
+        k = r % len(live) if live else 0
+        for p in live[k:] + live[:k]:
+            res = p.send(f"run {p.number}")
+            p.samples.append(res["seconds"] / p.number)
+            p.loss = res["loss"]
+    for p in live:
+        p.stats = p.send("stats")
+        p.proc.stdin.write("quit\n")
+        p.proc.stdin.flush()
+        p.proc.wait(timeout=30)
+
+
+@dataclass
+class Row:
+    case: str
+    peer: str
+    kind: str
+    blas: str
+    ms: float
+    samples_s: float
+    peak_frac: float
+    rss: float
+    plan: float | None
+    vs_ort: float | None = None
+    vs_torch: float | None = None
+
+
+def run_case(
+    case, folder: str, peers_wanted: list[tuple[str, str]], args, peak: float
+) -> tuple[list[Row], list[str]]:
+    import numpy as np
+    import onnx
+
+    from bench.flops import step_flops
+    from bench.models import prepare
+
+    paths = prepare(case, folder)
+    batches = np.load(paths["batches"])
+    flops = step_flops(onnx.load(paths["model"]), {case.input_name: batches["x0"]})["step"]
+    peers = [Peer(kind, blas, variant) for kind, blas, variant in peers_wanted]
+    for p in peers:
+        start(p, folder)
+    for p in peers:
+        wait_ready(p)
+    notes = [f"{case.title}: {p.name} skipped: {p.error}" for p in peers if p.error]
+    measure(peers, args.repeats, args.warmup, args.min_time)
+    rows = []
+    for p in peers:
+        if not p.samples:
+            continue
+        med = statistics.median(p.samples)
+        plan = p.stats.get("plan_peak")
+        rows.append(
+            Row(
+                case.title,
+                p.name,
+                p.kind,
+                p.blas,
+                med * 1e3,
+                case.batch / med,
+                flops / med / 1e9 / peak,
+                p.stats["rss_peak"] / MiB,
+                plan / MiB if plan else None,
+            )
+        )
+    ort = next((r for r in rows if r.kind == "ort"), None)
+    for r in rows:
+        if ort is not None:
+            r.vs_ort = r.samples_s / ort.samples_s
+        torch_same = next(
+            (t for t in rows if t.kind == "torch" and (t.blas == r.blas or r.kind == "ort")), None
+        )
+        if torch_same is not None:
+            r.vs_torch = r.samples_s / torch_same.samples_s
+    firsts = [p.stats.get("first_losses", []) for p in peers if p.samples]
+    spread = max((abs(a - b) for f in firsts for g in firsts for a, b in zip(f, g)), default=0.0)
+    notes.append(
+        f"{case.title}: {flops / 1e9:.3f} GFLOP per step; losses of the first 3 steps agree within "
+        f"{spread:.1e} across peers ("
+        + "; ".join(
+            f"{p.name}: " + ", ".join(f"{v:.5f}" for v in p.stats.get("first_losses", []))
+            for p in peers
+            if p.samples
+        )
+        + ")"
+    )
+    return rows, notes
+
+
+def table(rows: list[Row], markdown: bool) -> str:
+    head = [
+        "model",
+        "peer",
+        "ms/step",
+        "samples/s",
+        "× ORT-T",
+        "× torch",
+        "% GEMM peak",
+        "peak RSS MiB",
+        "plan peak MiB",
+    ]
+
+    def cells(r: Row) -> list[str]:
+        return [
+            r.case,
+            r.peer,
+            f"{r.ms:.2f}",
+            f"{r.samples_s:,.0f}",
+            "-" if r.vs_ort is None else f"{r.vs_ort:.2f}",
+            "-" if r.vs_torch is None else f"{r.vs_torch:.2f}",
+            f"{100 * r.peak_frac:.0f} %",
+            f"{r.rss:.0f}",
+            "-" if r.plan is None else f"{r.plan:.1f}",
+        ]
+
+    body = [cells(r) for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        lines += ["| " + " | ".join(c) + " |" for c in body]
+        return "\n".join(lines)
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    fmt = lambda c: "  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths)))  # noqa
+    out, prev = [fmt(head)], None
+    for r, c in zip(rows, body):
+        if prev is not None and r.case != prev:
+            out.append("")
+        prev = r.case
+        out.append(fmt(c))
+    return "\n".join(out)
+
+
+def versions() -> str:
+    import numpy as np
+
+    parts = [f"Python {platform.python_version()}", f"numpy {np.__version__}"]
+    try:
+        import torch
+
+        parts.append(f"torch {torch.__version__}")
+    except ImportError:
+        pass
+    return ", ".join(parts)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.models import CASES, QUICK_CASES
+
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke run (seconds); figures are not results")
+    p.add_argument("--models", default="", help=f"comma-separated subset of {[c.key for c in CASES]}")
+    p.add_argument("--peers", default="legacy,api,ort,torch", help="comma-separated subset of peers")
+    p.add_argument("--repeats", type=int, default=0, help="timed rounds (≥ 5; default 7, quick 5)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed steps per peer first (default 5, quick 2)")
+    p.add_argument("--min-time", type=float, default=0.0, help="seconds per sample (default 0.5, quick 0.03)")
+    p.add_argument(
+        "--blas",
+        default="",
+        help="OPENBLAS_CORETYPE settings for numpy/torch peers, comma-separated "
+        "('env' = as inherited); default: env,SkylakeX (quick: env)",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL:NAME=VALUE,...",
+        help="also run the onnxtrain peers with this extra environment, e.g. "
+        "'nofuse:ONNXTRAIN_FUSION=0' (an A/B comparison in the same run); repeatable",
+    )
+    p.add_argument(
+        "--results",
+        default="",
+        help="write the markdown results here (default: bench/RESULTS.md "
+        "for a full run, nothing for --quick)",
+    )
+    a = p.parse_args(argv)
+    a.repeats = a.repeats or (5 if a.quick else 7)
+    if a.repeats < 5:
+        p.error("use at least 5 repeats: a median of fewer is noise")
+    a.warmup = a.warmup or (2 if a.quick else 5)
+    a.min_time = a.min_time or (0.03 if a.quick else 0.5)
+    cases = (
+        [c for c in CASES if c.key in a.models.split(",")]
+        if a.models
+        else (QUICK_CASES[:1] if a.quick else CASES)
+    )
+    if not cases:
+        p.error(f"--models: pick from {[c.key for c in CASES]}")
+    blas_settings = [s.strip() for s in (a.blas or ("env" if a.quick else f"env,{FAST_BLAS}")).split(",")]
+    inherited = os.environ.get("OPENBLAS_CORETYPE", "")
+    blas_settings = [inherited if s == "env" else s for s in blas_settings]
+    try:
+        import torch  # noqa: F401 - the models are exported by torch
+    except ImportError:
+        print("bench: torch is not installed: the models cannot be exported; nothing measured")
+        return 0
+    kinds = [k.strip() for k in a.peers.split(",") if k.strip()]
+    wanted = []
+    for k in kinds:
+        if k == "ort":
+            wanted.append(("ort", "", ""))
+        elif k == "torch":
+            wanted += [(k, s, "") for s in dict.fromkeys(blas_settings)]
+        else:
+            wanted += [(k, s, v) for s in dict.fromkeys(blas_settings) for v in ["", *a.variant]]
+
+    t_start = time.time()
+    load0 = os.getloadavg()
+    print(
+        f"{cpu_name()}, {os.cpu_count()} CPUs; {versions()}; load average at start {load0[0]:.2f} "
+        f"(1 min), {load0[1]:.2f} (5 min)"
+    )
+    peaks = {}
+    for s in dict.fromkeys(blas_settings):
+        peaks[s] = gemm_peak(s, a.quick)
+        print(
+            f"numpy float32 GEMM {peaks[s]['n']}²: {peaks[s]['gflops']:.0f} GFLOP/s "
+            f"(OPENBLAS_CORETYPE={s or 'unset'}: {peaks[s].get('kernels', '?')} kernels, "
+            f"{peaks[s].get('threads', '?')} threads)"
+        )
+    peak = max(v["gflops"] for v in peaks.values())
+    rows: list[Row] = []
+    notes: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="onnxtrain-bench-") as tmp:
+        for case in cases:
+            r, n = run_case(case, os.path.join(tmp, case.key), wanted, a, peak)
+            rows += r
+            notes += n
+            print()
+            print(table(r, markdown=False))
+            sys.stdout.flush()
+    # a second GEMM measurement: the machine may have been busier at the start
+    for s in peaks:
+        again = gemm_peak(s, a.quick)["gflops"]
+        peaks[s]["gflops_end"] = again
+    peak_end = max(v["gflops_end"] for v in peaks.values())
+    load1 = os.getloadavg()
+    print()
+    for n in notes:
+        print(n)
+    load_line = (
+        f"load average {load0[0]:.2f} at start, {load1[0]:.2f} at end (1 min; {os.cpu_count()} CPUs: "
+        "the machine is shared, so figures are medians of interleaved rounds)"
+    )
+    print(load_line)
+    print(f"GEMM peak used for '% GEMM peak': {peak:.0f} GFLOP/s (measured again at the end: {peak_end:.0f})")
+    results = a.results or ("" if a.quick else os.path.join(HERE, "RESULTS.md"))
+    if results:
+        cmd = "python -m bench " + " ".join(
+            shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])
+        )
+        write_results(results, cmd.strip(), rows, notes, peaks, peak, load_line, time.time() - t_start)
+        print(f"results written to {results}")
+    return 0
+
+
+def write_results(
+    path: str,
+    cmd: str,
+    rows: list[Row],
+    notes: list[str],
+    peaks: dict,
+    peak: float,
+    load_line: str,
+    seconds: float,
+) -> None:
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Made by `{cmd}` on {time.strftime('%Y-%m-%d %H:%M %Z')} ({seconds / 60:.0f} min), "
+        f"{cpu_name()}, {os.cpu_count()} CPUs; {versions()}.",
+        "",
+        "Training step = forward + backward + Adam(W) update, lr 1e-3, weight decay 0.01, no clipping. "
+        "Each peer runs in its own process; figures are medians of interleaved rounds after warm-up. "
+        "`× ORT-T`: samples/s relative to onnxruntime-training 1.19.2's on-device API; `× torch`: relative "
+        "to "
+        "torch eager under the same BLAS setting; `% GEMM peak`: step FLOPs (bench/flops.py) / step time / "
+        f"{peak:.0f} GFLOP/s. Peak RSS is the whole process (interpreter, imports, model, training); plan "
+        "peak is onnxtrain's `Plan.peak_bytes`.",
+        "",
+        "numpy float32 GEMM: "
+        + "; ".join(
+            f"OPENBLAS_CORETYPE={s or 'unset'} → {v['gflops']:.0f} GFLOP/s ({v['gflops_end']:.0f} at the end)"
+            for s, v in peaks.items()
+        )
+        + ".",
+        "",
+        load_line + ".",
+        "",
+        table(rows, markdown=True),
+        "",
+        *[f"- {n}" for n in notes],
+        "",
+    ]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

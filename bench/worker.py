@@ -1,0 +1,227 @@
+"""One peer of the training benchmark in its own process, driven over stdin/stdout by ``bench/run.py``.
+
+    python bench/worker.py PEER FOLDER          # PEER: legacy | api | torch | ort
+
+The worker loads the model files that ``bench/models.prepare`` wrote in FOLDER, builds its trainer
+(AdamW-style Adam, lr 1e-3, weight decay 0.01, no clipping — the same for every peer) and answers one
+JSON line per command line:
+
+    run N   → {"seconds": wall time of N training steps, "loss": last loss}
+    stats   → {"rss_peak": bytes (VmHWM), "rss_base": bytes after imports, "plan_peak": bytes or null}
+    quit
+
+A training step is forward + backward + optimizer update (+ clearing the gradients), on the next of the
+cached batches. This file imports only the standard library, numpy and the peer's own package (onnxtrain,
+torch or onnxruntime-training), so each process's memory is its peer's alone; the ``ort`` peer runs in the
+onnxruntime-training virtual environment (numpy<2, no torch, no onnxtrain).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import types
+
+LR, WEIGHT_DECAY = 1e-3, 0.01
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss_peak() -> int:
+    """Peak RSS of this process: VmHWM (``ru_maxrss`` would include the parent's, as it survives exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _batches(folder: str):
+    import numpy as np
+
+    data = np.load(os.path.join(folder, "batches.npz"))
+    n = len(data.files) // 2
+    return [(data[f"x{i}"], data[f"y{i}"]) for i in range(n)]
+
+
+# ---- peers: each returns (step(x, y) -> loss, plan_peak() -> int | None) --------------------------------
+def legacy_peer(folder: str):
+    import numpy as np
+
+    from onnxtrain import TrainingParameters, TrainingSession
+
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "AdamOptimizer"
+    p.enable_grad_norm_clip = False
+    import onnx
+
+    model = onnx.load(os.path.join(folder, "model_loss.onnx"))
+    names = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    p.optimizer_attributes_map = {n: {"lambda": WEIGHT_DECAY, "epsilon": 1e-8} for n in names}
+    p.optimizer_int_attributes_map = {n: {"weight_decay_mode": 1} for n in names}
+    sess = TrainingSession(model.SerializeToString(), p)
+    inputs = [i.name for i in sess.get_inputs()]
+    x_name = inputs[0]
+    lr = np.array([LR], np.float32)
+
+    def step(x, y):
+        return sess.run(["loss"], {x_name: x, "labels": y, "Learning_Rate": lr})[0]
+
+    return step, lambda: max(pl.peak_bytes for pl in sess._plans.values())
+
+
+def api_peer(folder: str):
+    import onnx
+
+    from onnxtrain.training import artifacts
+    from onnxtrain.training.api import CheckpointState, Module, Optimizer
+
+    model = onnx.load(os.path.join(folder, "model.onnx"))
+    out = os.path.join(folder, "onnxtrain_artifacts")
+    os.makedirs(out, exist_ok=True)
+    params = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    artifacts.generate_artifacts(
+        model,
+        requires_grad=params,
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=artifacts.OptimType.AdamW,
+        artifact_directory=out,
+    )
+    state = CheckpointState.load_checkpoint(os.path.join(out, "checkpoint"))
+    module = Module(os.path.join(out, "training_model.onnx"), state)
+    opt = Optimizer(os.path.join(out, "optimizer_model.onnx"), module)
+    opt.set_learning_rate(LR)
+
+    def step(x, y):
+        loss = module(x, y.reshape(-1))
+        opt.step()
+        module.lazy_reset_grad()
+        return loss
+
+    return step, lambda: max(module._train_plan.peak_bytes, opt._plan.peak_bytes)
+
+
+def torch_peer(folder: str):
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench.models import CASES
+
+    key = os.path.basename(os.path.normpath(folder))
+    case = next(c for c in CASES if c.key == key)
+    module = case.build()
+    module.load_state_dict(torch.load(os.path.join(folder, "model.pt")))
+    module.train()
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+    ce = torch.nn.CrossEntropyLoss()
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = ce(module(torch.from_numpy(x)), torch.from_numpy(y).reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step, lambda: None
+
+
+def ort_peer(folder: str):
+    for name in ("onnxruntime.training.optim", "onnxruntime.training.amp"):  # they import torch; unused
+        sys.modules[name] = types.ModuleType(name)
+    import onnx
+
+    onnx.IR_VERSION = 10  # onnxruntime 1.19 reads IR <= 10; the generator stamps onnx.IR_VERSION
+    import onnxruntime as ort
+    from onnxruntime.training import artifacts
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+    model = onnx.load(os.path.join(folder, "model.onnx"))
+    model.ir_version = 10
+    out = os.path.join(folder, "ort_artifacts")
+    os.makedirs(out, exist_ok=True)
+    params = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    artifacts.generate_artifacts(
+        model,
+        requires_grad=params,
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=artifacts.OptimType.AdamW,
+        artifact_directory=out,
+    )
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads must not steal CPU
+    state = CheckpointState.load_checkpoint(os.path.join(out, "checkpoint"))
+    module = Module(os.path.join(out, "training_model.onnx"), state, session_options=so)
+    opt = Optimizer(os.path.join(out, "optimizer_model.onnx"), module)
+    opt.set_learning_rate(LR)
+
+    def step(x, y):
+        loss = module(x, y.reshape(-1))
+        opt.step()
+        module.lazy_reset_grad()
+        return loss
+
+    return step, lambda: None
+
+
+PEERS = {"legacy": legacy_peer, "api": api_peer, "torch": torch_peer, "ort": ort_peer}
+
+
+def main(argv: list[str]) -> int:
+    peer, folder = argv
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    sys.stdout = sys.stderr  # library chatter must not corrupt the protocol
+    import numpy as np
+
+    base = _rss_now()
+    try:
+        step, plan_peak = PEERS[peer](folder)
+    except Exception as e:  # the parent prints it and skips this peer
+        proto.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
+        return 1
+    batches = _batches(folder)
+    proto.write(json.dumps({"ready": True, "numpy": np.__version__}) + "\n")
+    i = 0
+    loss = None
+    first: list[float] = []  # losses of the first steps: every peer must agree on them
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            break
+        if cmd[0] == "run":
+            n = int(cmd[1])
+            t0 = time.perf_counter()
+            for _ in range(n):
+                x, y = batches[i % len(batches)]
+                loss = step(x, y)
+                i += 1
+                if len(first) < 3:
+                    first.append(float(np.asarray(loss).reshape(-1)[0]))
+            dt = time.perf_counter() - t0
+            proto.write(json.dumps({"seconds": dt, "loss": float(np.asarray(loss).reshape(-1)[0])}) + "\n")
+        elif cmd[0] == "stats":
+            proto.write(
+                json.dumps(
+                    {
+                        "rss_peak": _rss_peak(),
+                        "rss_base": base,
+                        "plan_peak": plan_peak(),
+                        "first_losses": first,
+                    }
+                )
+                + "\n"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

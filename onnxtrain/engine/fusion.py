@@ -1,0 +1,631 @@
+"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph itself stays standard ONNX.
+
+``fuse(plan)`` is called by :class:`~onnxtrain.engine.plan.Plan` after constant folding (disable with
+``Plan(model, fuse=False)`` or ``ONNXTRAIN_FUSION=0``). The passes, in order:
+
+* **common subexpressions**: a deterministic step with the same kernel, inputs and attributes as an earlier
+  one whose outputs are still in use is dropped and its consumers read the earlier outputs (Adam with
+  weight decay computes ``w − u`` twice); recomputed copies of long-freed values (checkpointing) stay;
+* **weight gradient of a batched MatMul**: ``ReduceSum(MatMul(Transpose(A), B), leading axes)`` — what the
+  gradient of ``X[..., T, K] @ W[K, N]`` is made of — becomes one 2-D GEMM ``A_flat^T @ B_flat`` instead of
+  one small GEMM per batch entry and a reduction;
+* **weight gradient of a Conv**: ``Transpose(Conv(Transpose(X), Transpose(dY)))`` (each swapping the batch
+  and channel axes) becomes one GEMM of ``dY`` with a strided im2col view of ``X``;
+* **elementwise clusters**: connected Add/Sub/Mul/Div/Sqrt/... steps (an optimizer update is ~15 of them
+  per weight) run as one step: the same ufuncs in the same order, so results are bit-identical, but values
+  used only inside the cluster are written into scratch buffers kept across runs (a pool keyed by shape
+  and dtype, shared by every cluster of the plan) instead of being allocated every time.
+
+Every fused step checks the shapes and dtypes it was specialised for and otherwise runs the original
+steps, so a fusion never changes what a graph computes beyond float summation order (the two GEMM
+rewrites) and never turns a working graph into a failing one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from onnxtrain.engine.registry import Attrs
+
+if TYPE_CHECKING:
+    from onnxtrain.engine.plan import Plan, Step
+
+RANDOM_OPS = {
+    "RandomNormal",
+    "RandomUniform",
+    "RandomNormalLike",
+    "RandomUniformLike",
+    "Bernoulli",
+    "Multinomial",
+    "Dropout",
+}
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def enabled() -> bool:
+    """False when the environment says ``ONNXTRAIN_FUSION=0`` (for A/B benchmarks)."""
+    return os.environ.get("ONNXTRAIN_FUSION", "1") not in ("0", "false", "no", "off")
+
+
+def fuse(plan: Plan) -> None:
+    """Rewrite ``plan.steps`` in place (frees are recomputed by the plan afterwards)."""
+    steps = list(plan.steps)
+    steps = eliminate_common_steps(plan, steps)
+    steps = fuse_matmul_weight_grads(plan, steps)
+    steps = fuse_conv_weight_grads(plan, steps)
+    steps = fuse_elementwise(plan, steps)
+    plan.steps = steps
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------
+def _consumers(steps: Sequence[Step]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for k, st in enumerate(steps):
+        for s in st.inputs:
+            if s >= 0:
+                out.setdefault(s, []).append(k)
+    return out
+
+
+def _producers(steps: Sequence[Step]) -> dict[int, int]:
+    return {s: k for k, st in enumerate(steps) for s in st.outputs if s >= 0}
+
+
+def _kept(plan: Plan) -> set[int]:
+    """Slots that must stay visible: graph outputs."""
+    return {plan.slot[n] for n in plan.output_names}
+
+
+def _const(plan: Plan, s: int) -> np.ndarray | None:
+    """The value of a folded Constant slot (initializers stay feedable, so they do not count)."""
+    for slot, v in plan._const_values:
+        if slot == s:
+            return v
+    return None
+
+
+def _attr_key(node: onnx.NodeProto) -> bytes:
+    return b"".join(a.SerializeToString(deterministic=True) for a in node.attribute)
+
+
+def _run_steps(plan: Plan, steps: Sequence[Step], env: dict[int, Any]) -> None:
+    """Run ``steps`` with their original kernels, reading and writing values by slot in ``env``."""
+    for st in steps:
+        args = [env.get(s) if s >= 0 else None for s in st.inputs]
+        res = plan._call(st, args)
+        for s, r in zip(st.outputs, res):
+            if s >= 0:
+                env[s] = r
+
+
+def _synthetic(
+    plan: Plan, op: str, name: str, members: Sequence[Step], ins: Sequence[int], outs: Sequence[int]
+) -> tuple[onnx.NodeProto, Attrs]:
+    names = {s: n for n, s in plan.slot.items()}
+    node = helper.make_node(
+        op,
+        [names.get(s, "") for s in ins],
+        [names.get(s, "") for s in outs],
+        name=name,
+        domain="onnxtrain.fused",
+    )
+    node.doc_string = "fused from: " + ", ".join(m.node.name or m.node.op_type for m in members)
+    attrs = Attrs({}, op, name, plan.opset, len(outs), tuple(True for _ in outs))
+    return node, attrs
+
+
+def _make_step(
+    plan: Plan,
+    op: str,
+    members: Sequence[Step],
+    ins: Sequence[int],
+    outs: Sequence[int],
+    fn: Callable[[Sequence[Any], Attrs], Sequence[Any]],
+) -> Step:
+    from onnxtrain.engine.plan import Step
+
+    name = f"{op}({members[-1].node.name or members[-1].node.op_type})"
+    node, attrs = _synthetic(plan, op, name, members, ins, outs)
+    return Step(fn, tuple(ins), tuple(outs), attrs, (), node)
+
+
+# ---- common subexpressions -------------------------------------------------------------------------------
+def eliminate_common_steps(plan: Plan, steps: list[Step]) -> list[Step]:
+    """Drop steps that repeat an earlier deterministic step on the same inputs; rewire their consumers."""
+    kept_slots = _kept(plan)
+    last_use: dict[int, int] = {}
+    for k, st in enumerate(steps):
+        for s in st.inputs:
+            last_use[s] = k
+    seen: dict[tuple, Step] = {}
+    alias: dict[int, int] = {}
+    out: list[Step] = []
+    for k, st in enumerate(steps):
+        ins = tuple(alias.get(s, s) for s in st.inputs)
+        if ins != st.inputs:
+            st = type(st)(st.fn, ins, st.outputs, st.attrs, st.free, st.node)
+        if st.node.op_type in RANDOM_OPS or not st.inputs or st.node.domain not in ("", "ai.onnx"):
+            out.append(st)
+            continue
+        key = (st.node.op_type, st.fn, ins, len(st.outputs), _attr_key(st.node))
+        first = seen.get(key)
+        # merge only when the first outputs are alive here anyway: a later copy that recomputes a value
+        # freed long ago (gradient checkpointing) is there to save memory and stays
+        if (
+            first is None
+            or any(s in kept_slots for s in st.outputs)
+            or any((a >= 0) != (b >= 0) for a, b in zip(first.outputs, st.outputs))
+            or any(last_use.get(s, -1) < k and s not in kept_slots for s in first.outputs if s >= 0)
+        ):
+            if first is None or any(last_use.get(s, -1) < k for s in first.outputs if s >= 0):
+                seen[key] = st
+            out.append(st)
+            continue
+        for a, b in zip(st.outputs, first.outputs):
+            if a >= 0:
+                alias[a] = b
+    return out
+
+
+# ---- weight gradient of a batched MatMul ---------------------------------------------------------------
+def fuse_matmul_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
+    """ReduceSum(MatMul(Transpose(A, swap last two), B), leading axes, keepdims=0) → A_flat^T @ B_flat."""
+    cons, prod, kept = _consumers(steps), _producers(steps), _kept(plan)
+    drop: set[int] = set()
+    replace: dict[int, Step] = {}
+    for k, red in enumerate(steps):
+        if (
+            red.node.op_type != "ReduceSum"
+            or len(red.inputs) < 2
+            or red.attrs.get("keepdims", 1) != 0
+            or red.attrs.get("noop_with_empty_axes", 0)
+        ):
+            continue
+        axes = _const(plan, red.inputs[1])
+        m = prod.get(red.inputs[0])
+        if axes is None or m is None or steps[m].node.op_type != "MatMul":
+            continue
+        mm = steps[m]
+        t = prod.get(mm.inputs[0])
+        if t is None or steps[t].node.op_type != "Transpose":
+            continue
+        tr = steps[t]
+        perm = list(tr.attrs.get("perm") or [])
+        nd = len(perm)
+        if (
+            nd < 3
+            or perm != [*range(nd - 2), nd - 1, nd - 2]
+            or sorted(np.asarray(axes).reshape(-1).tolist()) != list(range(nd - 2))
+        ):
+            continue
+        if (
+            cons.get(tr.outputs[0]) != [m]
+            or cons.get(mm.outputs[0]) != [k]
+            or tr.outputs[0] in kept
+            or mm.outputs[0] in kept
+        ):
+            continue
+        members = [tr, mm, red]
+        replace[k] = _make_step(
+            plan,
+            "FusedMatMulWeightGrad",
+            members,
+            (tr.inputs[0], mm.inputs[1], red.inputs[1]),
+            red.outputs,
+            _matmul_weight_grad(plan, members, nd),
+        )
+        drop.update((t, m))
+    return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
+
+
+def _matmul_weight_grad(plan: Plan, members: list[Step], nd: int) -> Callable:
+    tr, mm, red = members
+
+    def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
+        a, b, axes = inputs
+        if (
+            a.ndim == nd
+            and b.ndim == nd
+            and a.shape[:-1] == b.shape[:-1]
+            and a.dtype == b.dtype
+            and a.dtype in _FLOATS
+        ):
+            return (np.matmul(a.reshape(-1, a.shape[-1]).T, b.reshape(-1, b.shape[-1])),)
+        env = {tr.inputs[0]: a, mm.inputs[1]: b, red.inputs[1]: axes}
+        _run_steps(plan, members, env)
+        return (env[red.outputs[0]],)
+
+    return run
+
+
+# ---- weight gradient of a Conv -------------------------------------------------------------------------
+_SWAP01 = [1, 0, 2, 3]
+
+
+def fuse_conv_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
+    """Transpose(Conv(Transpose(X), Transpose(dY))) with batch/channel swaps (2-D, group 1) → one GEMM."""
+    cons, prod, kept = _consumers(steps), _producers(steps), _kept(plan)
+    drop: set[int] = set()
+    replace: dict[int, Step] = {}
+    for k, last in enumerate(steps):
+        if last.node.op_type != "Transpose" or list(last.attrs.get("perm") or []) != _SWAP01:
+            continue
+        c = prod.get(last.inputs[0])
+        if c is None or steps[c].node.op_type != "Conv":
+            continue
+        conv = steps[c]
+        at = conv.attrs
+        if len(conv.inputs) != 2 or at.get("group", 1) != 1 or (at.get("auto_pad") or "NOTSET") != "NOTSET":
+            continue
+        tx, tdy = prod.get(conv.inputs[0]), prod.get(conv.inputs[1])
+        if tx is None or tdy is None or tx == tdy:
+            continue
+        if any(
+            steps[i].node.op_type != "Transpose" or list(steps[i].attrs.get("perm") or []) != _SWAP01
+            for i in (tx, tdy)
+        ):
+            continue
+        inner = [steps[tx].outputs[0], steps[tdy].outputs[0], conv.outputs[0]]
+        if (
+            cons.get(inner[0]) != [c]
+            or cons.get(inner[1]) != [c]
+            or cons.get(inner[2]) != [k]
+            or any(s in kept for s in inner)
+        ):
+            continue
+        members = [steps[tx], steps[tdy], conv, last]
+        replace[k] = _make_step(
+            plan,
+            "FusedConvWeightGrad",
+            members,
+            (steps[tx].inputs[0], steps[tdy].inputs[0]),
+            last.outputs,
+            _conv_weight_grad(plan, members),
+        )
+        drop.update((tx, tdy, c))
+    return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
+
+
+def _conv_weight_grad(plan: Plan, members: list[Step]) -> Callable:
+    tx, tdy, conv, last = members
+    at = conv.attrs
+    strides = list(at.get("strides") or [1, 1])  # the forward conv's dilations
+    dil = list(at.get("dilations") or [1, 1])  # the forward conv's strides
+    pads = list(at.get("pads") or [0, 0, 0, 0])
+
+    def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
+        x, dy = inputs
+        if (
+            x.ndim == 4
+            and dy.ndim == 4
+            and x.shape[0] == dy.shape[0]
+            and x.dtype == dy.dtype
+            and x.dtype in _FLOATS
+            and len(strides) == 2
+            and len(dil) == 2
+            and len(pads) == 4
+        ):
+            if any(pads):
+                x = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+            n, ci, h, w = x.shape
+            oh, ow = dy.shape[2:]
+            kh = (h - dil[0] * (oh - 1) - 1) // strides[0] + 1
+            kw = (w - dil[1] * (ow - 1) - 1) // strides[1] + 1
+            if kh > 0 and kw > 0:
+                x = np.ascontiguousarray(x)
+                sn, sc, sh, sw = x.strides
+                view = np.lib.stride_tricks.as_strided(
+                    x,
+                    (n, ci, kh, kw, oh, ow),
+                    (sn, sc, sh * strides[0], sw * strides[1], sh * dil[0], sw * dil[1]),
+                    writeable=False,
+                )
+                return (np.tensordot(dy, view, axes=([0, 2, 3], [0, 4, 5])),)
+        env = {tx.inputs[0]: inputs[0], tdy.inputs[0]: inputs[1]}
+        _run_steps(plan, members, env)
+        return (env[last.outputs[0]],)
+
+    return run
+
+
+# ---- elementwise clusters ------------------------------------------------------------------------------
+# op → (ufunc, constant second operand or None); the kernels of these ops are exactly this ufunc call
+_UFUNCS: dict[str, tuple[np.ufunc, Any]] = {
+    "Add": (np.add, None),
+    "Sub": (np.subtract, None),
+    "Mul": (np.multiply, None),
+    "Div": (np.divide, None),
+    "Sqrt": (np.sqrt, None),
+    "Neg": (np.negative, None),
+    "Abs": (np.absolute, None),
+    "Exp": (np.exp, None),
+    "Log": (np.log, None),
+    "Reciprocal": (np.reciprocal, None),
+    "Tanh": (np.tanh, None),
+    "Relu": (np.maximum, 0),
+}
+# elementwise ops that may join a cluster but run through their own kernel (outputs are never pooled)
+_OTHER = {"Identity", "Cast", "Pow"}
+_QUIET = {"Div", "Sqrt", "Log", "Reciprocal"}
+MIN_POOLED = 256  # elements: smaller values are cheaper to allocate than to look up
+
+
+class ScratchPool:
+    """Scratch buffers shared by the plan's fused steps: one flat array per (dtype, index within a step),
+    sized to the largest request; a step's buffer of some shape is a view of its prefix.
+
+    Fused steps run one at a time within a run; a run that finds the pool busy (the same plan run from
+    two threads at once) runs the original steps instead. ``version`` changes whenever an array is
+    replaced by a larger one, so that steps holding views of the old one take new views.
+    """
+
+    def __init__(self) -> None:
+        self.arrays: dict[tuple, np.ndarray] = {}
+        self.lock = threading.Lock()
+        self.version = 0
+
+    def reserve(self, size: int, dtype: np.dtype, index: int) -> None:
+        a = self.arrays.get((dtype, index))
+        if a is None or a.size < size:
+            self.arrays[(dtype, index)] = np.empty(size, dtype)
+            self.version += 1
+
+    def view(self, shape: tuple[int, ...], dtype: np.dtype, index: int) -> np.ndarray:
+        size = int(np.prod(shape))
+        self.reserve(size, dtype, index)
+        return self.arrays[(dtype, index)][:size].reshape(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+def fuse_elementwise(plan: Plan, steps: list[Step]) -> list[Step]:
+    """Group connected elementwise steps into clusters of two or more and run each as one step."""
+    eligible = set(_UFUNCS) | _OTHER
+    cons, kept = _consumers(steps), _kept(plan)
+    cluster_of_slot: dict[int, int] = {}  # slot → cluster id of its producer
+    members: dict[int, list[int]] = {}  # cluster id → step indices
+    merged_into: dict[int, int] = {}
+
+    def find(c: int) -> int:
+        while c in merged_into:
+            c = merged_into[c]
+        return c
+
+    for k, st in enumerate(steps):
+        ok = (
+            st.node.op_type in eligible
+            and st.node.domain in ("", "ai.onnx")
+            and all(s >= 0 for s in st.outputs)
+        )
+        if st.node.op_type == "Relu" and len(st.inputs) != 1:
+            ok = False
+        if not ok:
+            continue
+        cands = {find(cluster_of_slot[s]) for s in st.inputs if s in cluster_of_slot}
+        legal: list[int] = []
+        for c in sorted(cands):
+            group = set(members[c])
+            # every consumer of the cluster's values that ran before this step must be inside the cluster:
+            # the fused step runs at the position of its last member
+            early = {j for i in members[c] for s in steps[i].outputs for j in cons.get(s, ()) if j < k}
+            if early <= group:
+                legal.append(c)
+        if legal:
+            # each legal cluster's early consumers lie inside it, so those of the union lie in the union
+            cid = legal[0]
+            for c in legal[1:]:
+                members[cid] += members.pop(c)
+                merged_into[c] = cid
+            members[cid].append(k)
+        else:
+            cid = k
+            members[cid] = [k]
+        for s in st.outputs:
+            cluster_of_slot[s] = cid
+    groups = [
+        sorted(v)
+        for v in members.values()
+        if len(v) >= 2 and sum(steps[i].node.op_type in _UFUNCS for i in v) >= 2
+    ]
+    if not groups:
+        return steps
+    pool = plan.scratch
+    replace: dict[int, Step] = {}
+    drop: set[int] = set()
+    for idx in groups:
+        group = set(idx)
+        mem = [steps[i] for i in idx]
+        produced = {s for st in mem for s in st.outputs}
+        ext: list[int] = []
+        for st in mem:
+            for s in st.inputs:
+                if s not in produced and s not in ext:
+                    ext.append(s)
+        escaping = [
+            s for st in mem for s in st.outputs if s in kept or any(j not in group for j in cons.get(s, ()))
+        ]
+        if not escaping:
+            continue
+        internal_only = {
+            s
+            for s in produced
+            if s not in escaping and all(steps[j].node.op_type in _UFUNCS for j in cons.get(s, ()))
+        }
+        fn = _Cluster(plan, mem, ext, escaping, internal_only, pool)
+        replace[idx[-1]] = _make_step(plan, "FusedElementwise", mem, ext, escaping, fn)
+        drop.update(idx[:-1])
+    return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
+
+
+class _Cluster:
+    """The kernel of one elementwise cluster; specialised per signature of its inputs on first use."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        members: list[Step],
+        ext: list[int],
+        escaping: list[int],
+        poolable: set[int],
+        pool: ScratchPool,
+    ):
+        self.plan = plan
+        self.members = members
+        self.ext = ext
+        self.escaping = escaping
+        self.poolable = poolable
+        self.pool = pool
+        self.quiet = any(m.node.op_type in _QUIET for m in members)
+        self.programs: dict[tuple, tuple] = {}
+
+    def __call__(self, inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
+        sig = tuple((a.shape, a.dtype) if type(a) is np.ndarray else type(a) for a in inputs)
+        prog = self.programs.get(sig)
+        if prog is None:
+            return self._trace(sig, inputs)
+        pool = self.pool
+        if not pool.lock.acquire(blocking=False):
+            return self._fallback(inputs)
+        try:
+            if prog[4] != pool.version:  # the pool grew since: take views of its new arrays
+                prog[3] = [(k, f, i, o, pool.view(*b) if k == 0 else b, e) for k, f, i, o, b, e in prog[0]]
+                prog[4] = pool.version
+            vals = list(inputs)
+            vals.extend(None for _ in range(prog[1]))
+            if self.quiet:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    self._exec(prog[3], vals)
+            else:
+                self._exec(prog[3], vals)
+            return [vals[i] for i in prog[2]]
+        finally:
+            pool.lock.release()
+
+    @staticmethod
+    def _exec(ops: list[tuple], vals: list[Any]) -> None:
+        for kind, fn, ins, outs, buf, extra in ops:
+            if kind == 0:  # a ufunc into a scratch buffer
+                if extra is None:
+                    vals[outs] = fn(*[vals[i] for i in ins], out=buf)
+                else:
+                    vals[outs] = fn(vals[ins[0]], extra, out=buf)
+            elif kind == 1:  # a ufunc into a fresh array
+                r = fn(*[vals[i] for i in ins]) if extra is None else fn(vals[ins[0]], extra)
+                vals[outs] = r if type(r) is np.ndarray else np.asarray(r)
+            elif kind == 3:  # a ufunc into the buffer of an input that dies here
+                if extra is None:
+                    vals[outs] = fn(*[vals[i] for i in ins], out=vals[buf])
+                else:
+                    vals[outs] = fn(vals[ins[0]], extra, out=vals[buf])
+            else:  # the op's own kernel
+                res = fn([vals[i] for i in ins], extra)
+                for o, r in zip(outs, res):
+                    vals[o] = r
+
+    def _fallback(self, inputs: Sequence[Any]) -> list[Any]:
+        env = dict(zip(self.ext, inputs))
+        _run_steps(self.plan, self.members, env)
+        return [env[s] for s in self.escaping]
+
+    def _trace(self, sig: tuple, inputs: Sequence[Any]) -> list[Any]:
+        """Run the original kernels once, then build the program for this input signature.
+
+        Storage: an op whose input dies there (an array made inside the cluster, same shape and dtype)
+        writes into that input (a chain of such ops is one "group" of values sharing a buffer). A group
+        holding an escaping value, or a value an own-kernel member reads (it might return it as is), is
+        a fresh array each run; other groups use scratch buffers of the pool, reused once they die.
+        """
+        env = dict(zip(self.ext, inputs))
+        _run_steps(self.plan, self.members, env)
+        local = {s: i for i, s in enumerate(self.ext)}
+        for st in self.members:
+            for s in st.outputs:
+                local[s] = len(local)
+        last_use: dict[int, int] = {}
+        for k, st in enumerate(self.members):
+            for s in st.inputs:
+                last_use[s] = k
+        escaping = set(self.escaping)
+        pinned = escaping | {s for st in self.members if st.node.op_type not in _UFUNCS for s in st.inputs}
+        # pass 1: which ops run as ufuncs, and the groups of values sharing one buffer
+        fast: list[bool] = []
+        group: dict[int, int] = {}  # value slot → group id (the slot that started the group)
+        reuse: dict[int, int] = {}  # op index → input slot whose buffer it writes into
+        for k, st in enumerate(self.members):
+            op, r = st.node.op_type, env[st.outputs[0]]
+            ok = (
+                op in _UFUNCS
+                and type(r) is np.ndarray
+                and r.ndim >= 1
+                and all(type(env.get(s)) is np.ndarray for s in st.inputs)
+            )
+            if ok and op == "Div" and any(env[s].dtype.kind != "f" for s in st.inputs):
+                ok = False
+            fast.append(ok)
+            if not ok:
+                continue
+            out = st.outputs[0]
+            for s in st.inputs:
+                v = env.get(s)
+                if (
+                    s in group
+                    and s not in pinned
+                    and last_use.get(s) == k
+                    and v.shape == r.shape
+                    and v.dtype == r.dtype
+                ):
+                    group[out] = group[s]
+                    reuse[k] = s
+                    break
+            else:
+                group[out] = out
+        members_of: dict[int, list[int]] = {}
+        for s, gid in group.items():
+            members_of.setdefault(gid, []).append(s)
+        fresh_groups = {
+            gid
+            for gid, vals in members_of.items()
+            if any(v in pinned for v in vals) or env[gid].size < MIN_POOLED
+        }
+        group_end = {gid: max(last_use.get(v, -1) for v in vals) for gid, vals in members_of.items()}
+        # pass 2: the program; pooled groups take scratch buffers by liveness
+        free_bufs: dict[tuple, list[int]] = {}
+        counts: dict[tuple, int] = {}
+        held: list[tuple[int, tuple, int]] = []  # (end op, key, index)
+        ops: list[tuple] = []
+        for k, st in enumerate(self.members):
+            ins = [local[s] for s in st.inputs]
+            if not fast[k]:
+                ops.append((2, st.fn, ins, [local[s] for s in st.outputs], None, st.attrs))
+            else:
+                ufunc, extra = _UFUNCS[st.node.op_type]
+                out = st.outputs[0]
+                gid = group[out]
+                if k in reuse:
+                    ops.append((3, ufunc, ins, local[out], local[reuse[k]], extra))
+                elif gid in fresh_groups:
+                    ops.append((1, ufunc, ins, local[out], None, extra))
+                else:
+                    r = env[out]
+                    key = r.dtype  # any shape: a view of the flat buffer
+                    lst = free_bufs.get(key)
+                    bi = lst.pop() if lst else counts.setdefault(key, 0)
+                    if not lst and bi == counts[key]:
+                        counts[key] += 1
+                    held.append((group_end[gid], key, bi))
+                    self.pool.reserve(r.size, r.dtype, bi)
+                    ops.append((0, ufunc, ins, local[out], (r.shape, r.dtype, bi), extra))
+            for item in [h for h in held if h[0] <= k]:
+                held.remove(item)
+                free_bufs.setdefault(item[1], []).append(item[2])
+        self.programs[sig] = [ops, len(local) - len(self.ext), [local[s] for s in self.escaping], None, -1]
+        return [env[s] for s in self.escaping]

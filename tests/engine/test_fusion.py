@@ -1,0 +1,267 @@
+"""Execution-time fusions (onnxtrain/engine/fusion.py): same results as the unfused plan, fewer steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain import TrainingParameters, TrainingSession
+from onnxtrain.engine.plan import EngineError, Plan
+from tests.session.helpers import batches, mlp_model
+
+F = TensorProto.FLOAT
+
+
+def model(nodes, inputs, outputs, inits=()) -> onnx.ModelProto:
+    g = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, F, None) for n in inputs],
+        [helper.make_tensor_value_info(n, F, None) for n in outputs],
+        list(inits),
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def ops(plan: Plan) -> list[str]:
+    return [st.node.op_type for st in plan.steps]
+
+
+def const(name: str, value) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(value), name))
+
+
+# ---- elementwise clusters --------------------------------------------------------------------------------
+def adam_like() -> onnx.ModelProto:
+    """An Adam-style update: moments, sqrt, division; m1n escapes twice (output and Identity)."""
+    n = [
+        const("a", np.float32(0.9)),
+        const("oma", np.float32(0.1)),
+        const("eps", np.float32(1e-8)),
+        helper.make_node("Mul", ["m", "a"], ["t0"]),
+        helper.make_node("Mul", ["g", "oma"], ["t1"]),
+        helper.make_node("Add", ["t0", "t1"], ["m_new"]),
+        helper.make_node("Mul", ["g", "g"], ["gg"]),
+        helper.make_node("Sqrt", ["gg"], ["r"]),
+        helper.make_node("Add", ["r", "eps"], ["den"]),
+        helper.make_node("Div", ["m_new", "den"], ["u"]),
+        helper.make_node("Sub", ["w", "u"], ["w_new"]),
+        helper.make_node("Identity", ["m_new"], ["m_out"]),
+    ]
+    return model(n, ["w", "g", "m"], ["w_new", "m_out", "m_new"])
+
+
+def test_cluster_is_one_step_and_bit_identical_across_runs_and_shapes() -> None:
+    fused, plain = Plan(adam_like()), Plan(adam_like(), fuse=False)
+    assert ops(fused) == ["FusedElementwise"]
+    rng = np.random.default_rng(0)
+    held = None
+    for shape in [(64, 48), (64, 48), (64, 48), (7,), (300, 5)]:
+        feeds = {k: rng.standard_normal(shape).astype(np.float32) for k in ("w", "g", "m")}
+        got, want = fused.run(feeds), plain.run(feeds)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(a, b)
+        assert got[1] is not got[0]
+        if held is None:
+            held = [a.copy() for a in got], got  # outputs of a run must survive later runs
+    copies, arrays = held
+    for c, a in zip(copies, arrays):
+        np.testing.assert_array_equal(c, a)
+
+
+def test_cluster_does_not_write_into_inputs() -> None:
+    plan = Plan(adam_like())
+    rng = np.random.default_rng(1)
+    feeds = {k: rng.standard_normal((32, 32)).astype(np.float32) for k in ("w", "g", "m")}
+    before = {k: v.copy() for k, v in feeds.items()}
+    for _ in range(3):
+        plan.run(feeds)
+    for k in feeds:
+        np.testing.assert_array_equal(feeds[k], before[k])
+
+
+def test_chain_runs_in_place_without_scratch() -> None:
+    n = [
+        helper.make_node("Add", ["x" if i == 0 else f"t{i - 1}", "x"], [f"t{i}" if i < 9 else "y"])
+        for i in range(10)
+    ]
+    plan = Plan(model(n, ["x"], ["y"]))
+    x = np.arange(2048, dtype=np.float32).reshape(32, 64)
+    for _ in range(2):
+        (y,) = plan.run({"x": x})
+        np.testing.assert_array_equal(y, x * 11)
+    assert plan.scratch.nbytes == 0  # every intermediate was written over by the next Add
+
+
+def test_outside_consumer_between_members_keeps_order() -> None:
+    """``t`` is read by a ReduceSum placed between two elementwise steps: the first may not join the second
+    if that would delay ``t`` past its reader."""
+    n = [
+        helper.make_node("Mul", ["x", "x"], ["t"]),
+        helper.make_node("Add", ["t", "x"], ["t2"]),
+        helper.make_node("ReduceSum", ["t2"], ["s"], keepdims=1),
+        helper.make_node("Sub", ["t2", "s"], ["u"]),
+        helper.make_node("Mul", ["u", "u"], ["y"]),
+    ]
+    m = model(n, ["x"], ["y"])
+    x = np.random.default_rng(2).standard_normal((4, 5)).astype(np.float32)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert len(fused.steps) == 3
+    np.testing.assert_array_equal(fused.run({"x": x})[0], plain.run({"x": x})[0])
+
+
+def test_cluster_errors_name_the_member_node() -> None:
+    n = [
+        helper.make_node("Mul", ["x", "x"], ["t"], name="square"),
+        helper.make_node("Add", ["t", "b"], ["y"], name="add_b"),
+    ]
+    plan = Plan(model(n, ["x", "b"], ["y"]))
+    with pytest.raises(EngineError, match="add_b"):
+        plan.run({"x": np.ones((3, 4), np.float32), "b": np.ones((5,), np.float32)})
+
+
+# ---- common subexpressions -------------------------------------------------------------------------------
+def test_repeated_steps_run_once() -> None:
+    n = [
+        helper.make_node("Sub", ["a", "b"], ["d1"]),
+        helper.make_node("Sub", ["a", "b"], ["d2"]),
+        helper.make_node("MatMul", ["d1", "d2"], ["y"]),
+    ]
+    m = model(n, ["a", "b"], ["y"])
+    plan = Plan(m)
+    assert ops(plan).count("Sub") == 1
+    a, b = np.eye(3, dtype=np.float32), np.ones((3, 3), np.float32)
+    np.testing.assert_array_equal(plan.run({"a": a, "b": b})[0], (a - b) @ (a - b))
+
+
+# ---- weight gradient of a batched MatMul -----------------------------------------------------------------
+def matmul_grad_model() -> onnx.ModelProto:
+    n = [
+        helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["xt", "dy"], ["p"]),
+        const("axes", np.array([0, 1], np.int64)),
+        helper.make_node("ReduceSum", ["p", "axes"], ["dw"], keepdims=0),
+    ]
+    return model(n, ["x", "dy"], ["dw"])
+
+
+def test_matmul_weight_grad_is_one_gemm() -> None:
+    fused, plain = Plan(matmul_grad_model()), Plan(matmul_grad_model(), fuse=False)
+    assert ops(fused) == ["FusedMatMulWeightGrad"]
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 7, 5)).astype(np.float32)
+    dy = rng.standard_normal((2, 3, 7, 4)).astype(np.float32)
+    np.testing.assert_allclose(
+        fused.run({"x": x, "dy": dy})[0], plain.run({"x": x, "dy": dy})[0], rtol=1e-5, atol=1e-5
+    )
+    # broadcast batch axes: not the pattern's case, the original steps run
+    dy1 = dy[:1]
+    np.testing.assert_array_equal(fused.run({"x": x, "dy": dy1})[0], plain.run({"x": x, "dy": dy1})[0])
+
+
+# ---- weight gradient of a Conv ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "strides,dilations,pads",
+    [([1, 1], [1, 1], [0, 0, 0, 0]), ([1, 1], [1, 1], [2, 2, 2, 2]), ([2, 1], [1, 2], [1, 0, 2, 1])],
+)
+def test_conv_weight_grad_matches_the_conv_form(strides, dilations, pads) -> None:
+    """dW of Conv(X, W; strides s, dilations d, pads p) as the autodiff writes it: a Conv of the transposed
+    input with the transposed output gradient, strides and dilations swapped."""
+    n = [
+        helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2, 3]),
+        helper.make_node("Transpose", ["dy"], ["dyt"], perm=[1, 0, 2, 3]),
+        helper.make_node("Conv", ["xt", "dyt"], ["c"], strides=dilations, dilations=strides, pads=pads),
+        helper.make_node("Transpose", ["c"], ["dw"], perm=[1, 0, 2, 3]),
+    ]
+    m = model(n, ["x", "dy"], ["dw"])
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert ops(fused) == ["FusedConvWeightGrad"]
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 2, 11, 10)).astype(np.float32)
+    k = (3, 3)
+    h = (11 + pads[0] + pads[2] - dilations[0] * (k[0] - 1) - 1) // strides[0] + 1
+    w = (10 + pads[1] + pads[3] - dilations[1] * (k[1] - 1) - 1) // strides[1] + 1
+    dy = rng.standard_normal((3, 4, h, w)).astype(np.float32)
+    got, want = fused.run({"x": x, "dy": dy})[0], plain.run({"x": x, "dy": dy})[0]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- whole training steps --------------------------------------------------------------------------------
+@pytest.mark.parametrize("opt", ["SGDOptimizer", "AdamOptimizer", "LambOptimizer"])
+def test_training_session_is_bit_identical_with_and_without_fusion(opt: str, monkeypatch) -> None:
+    def session() -> TrainingSession:
+        p = TrainingParameters()
+        p.loss_output_name = "loss"
+        p.training_optimizer_name = opt
+        if opt == "AdamOptimizer":
+            names = ["W1", "b1", "W2", "b2"]
+            p.optimizer_attributes_map = {n: {"lambda": 0.01} for n in names}
+            p.optimizer_int_attributes_map = {n: {"weight_decay_mode": 1} for n in names}
+        return TrainingSession(mlp_model(din=8, dh=300, dout=4).SerializeToString(), p)
+
+    fused = session()
+    monkeypatch.setenv("ONNXTRAIN_FUSION", "0")
+    plain = session()
+    assert len(fused._plan.steps) < len(plain._plan.steps)
+    lr = np.array([0.01], np.float32)
+    for x, y in batches(6, 16):
+        a = fused.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})[0]
+        b = plain.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})[0]
+        assert a == b
+    sa, sb = fused.get_state(), plain.get_state()
+    for k in sa:
+        np.testing.assert_array_equal(sa[k], sb[k], err_msg=k)
+
+
+def test_on_device_api_is_bit_identical_with_and_without_fusion(tmp_path, monkeypatch) -> None:
+    from onnxtrain.training import artifacts
+    from onnxtrain.training.api import CheckpointState, Module, Optimizer
+
+    rng = np.random.default_rng(5)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((8, 300)) * 0.3).astype(np.float32), "W1"),
+        numpy_helper.from_array(np.zeros(300, np.float32), "b1"),
+        numpy_helper.from_array((rng.standard_normal((300, 4)) * 0.3).astype(np.float32), "W2"),
+    ]
+    n = [
+        helper.make_node("MatMul", ["x", "W1"], ["h"]),
+        helper.make_node("Add", ["h", "b1"], ["hb"]),
+        helper.make_node("Relu", ["hb"], ["hr"]),
+        helper.make_node("MatMul", ["hr", "W2"], ["logits"]),
+    ]
+    g = helper.make_graph(
+        n,
+        "mlp",
+        [helper.make_tensor_value_info("x", F, ["N", 8])],
+        [helper.make_tensor_value_info("logits", F, ["N", 4])],
+        inits,
+    )
+    base = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    artifacts.generate_artifacts(
+        base,
+        requires_grad=["W1", "b1", "W2"],
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=artifacts.OptimType.AdamW,
+        artifact_directory=str(tmp_path),
+    )
+
+    def open_() -> tuple[Module, Optimizer]:
+        state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+        module = Module(str(tmp_path / "training_model.onnx"), state)
+        return module, Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
+
+    fused = open_()
+    monkeypatch.setenv("ONNXTRAIN_FUSION", "0")
+    plain = open_()
+    for x, y in batches(6, 16):
+        losses = []
+        for module, opt in (fused, plain):
+            losses.append(module(x, y))
+            opt.step()
+            module.lazy_reset_grad()
+        assert losses[0] == losses[1]
+    np.testing.assert_array_equal(fused[0].get_contiguous_parameters(), plain[0].get_contiguous_parameters())
