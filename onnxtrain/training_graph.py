@@ -402,15 +402,8 @@ def _emit_update(
             extras.append(norm)
         if opt.uses_norm and not p.legacy_cpu_adam:
             for s in slots:
-                mnc = float(s.float_attrs.get("max_norm_clip", opt.FLOAT_ATTRS.get("max_norm_clip", 1.0)))
-                s.divisor = clip_divisor(w, norm, mnc)
-    specs = opt.state(slots)
-    for sp in specs:
-        inputs.append(
-            helper.make_tensor_value_info(
-                sp.name, helper.np_dtype_to_tensor_dtype(sp.initial.dtype), list(sp.initial.shape)
-            )
-        )
+                s.divisor = clip_divisor(w, norm, _max_norm_clip(s, opt))
+    specs = _state_inputs(opt, slots, inputs)
     new_w, new_s = opt.emit(w, slots, p.lr_params_feed_name, {sp.name: sp.name for sp in specs})
     _add_update_outputs(slots, specs, new_w, new_s, outputs, upd)
     return specs
@@ -436,17 +429,8 @@ def _emit_mixed_precision_update(
     extras.append(norm)
     mnc = None
     if clip and opt.uses_norm and not p.legacy_cpu_adam:
-        mnc = {
-            s.name: float(s.float_attrs.get("max_norm_clip", opt.FLOAT_ATTRS.get("max_norm_clip", 1.0)))
-            for s in slots
-        }
-    specs = opt.state(slots)
-    for sp in specs:
-        inputs.append(
-            helper.make_tensor_value_info(
-                sp.name, helper.np_dtype_to_tensor_dtype(sp.initial.dtype), list(sp.initial.shape)
-            )
-        )
+        mnc = {s.name: _max_norm_clip(s, opt) for s in slots}
+    specs = _state_inputs(opt, slots, inputs)
     new_w, new_s, flag = mixed_precision_update(
         w, opt, slots, p.lr_params_feed_name, {sp.name: sp.name for sp in specs}, norm, mp.loss_scale, mnc
     )
@@ -454,6 +438,20 @@ def _emit_mixed_precision_update(
     outputs.append(helper.make_tensor_value_info(flag, TensorProto.BOOL, []))
     extras.append(flag)
     _add_update_outputs(slots, specs, new_w, new_s, outputs, upd)
+    return specs
+
+
+def _max_norm_clip(slot: WeightSlot, opt: Optimizer) -> float:
+    """The weight's ``max_norm_clip`` (its attribute map, else the optimizer's default, else 1.0)."""
+    return float(slot.float_attrs.get("max_norm_clip", opt.FLOAT_ATTRS.get("max_norm_clip", 1.0)))
+
+
+def _state_inputs(opt: Optimizer, slots: list[WeightSlot], inputs: list) -> list[StateSpec]:
+    """The optimizer state of ``slots``, declared as graph inputs."""
+    specs = opt.state(slots)
+    for sp in specs:
+        et = helper.np_dtype_to_tensor_dtype(sp.initial.dtype)
+        inputs.append(helper.make_tensor_value_info(sp.name, et, list(sp.initial.shape)))
     return specs
 
 
