@@ -135,18 +135,6 @@ def _recompute_flags(a: argparse.Namespace) -> dict | None:
     return {k: True for k in chosen}
 
 
-def _recompute_flags(a: argparse.Namespace) -> dict | None:
-    """The --recompute choices as generate_artifacts' ``recompute`` dict (None: no recompute)."""
-    if not a.recompute:
-        return None
-    chosen = {k.strip() for k in a.recompute.split(",") if k.strip()}
-    unknown = sorted(chosen - {"gelu", "attn_dropout", "transformer_layer"})
-    if unknown:
-        raise SystemExit(f"onnxtrain artifacts: --recompute: unknown choice(s) {unknown}; "
-                         "choose among gelu, attn_dropout, transformer_layer")
-    return {k: True for k in chosen}
-
-
 def _artifacts(a: argparse.Namespace) -> int:
     from onnxtrain.training import artifacts
     from onnxtrain.training_graph import discover_trainable

@@ -33,6 +33,18 @@ def mlp_model(din: int = 8, dh: int = 16, dout: int = 4, seed: int = 0, loss: st
     return make_model(g, 17)
 
 
+def params(opt: str = "SGDOptimizer", **kw) -> TrainingParameters:
+    """TrainingParameters with loss ``loss``, optimizer ``opt`` and the given properties."""
+    from onnxtrain import TrainingParameters
+
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = opt
+    for k, v in kw.items():
+        setattr(p, k, v)
+    return p
+
+
 def batches(n: int, size: int, din: int = 8, dout: int = 4, seed: int = 1, loss: str = "sce"):
     rng = np.random.default_rng(seed)
     out = []

@@ -15,7 +15,7 @@ def test_bundled_digits_split() -> None:
     train, test = load_digits()
     assert train.x.shape == (1438, 64) and test.x.shape == (359, 64)
     assert sorted(set(train.y.tolist())) == list(range(10))
-    assert 0.0 <= train.x.min() and train.x.max() <= 1.0
+    assert train.x.min() >= 0.0 and train.x.max() <= 1.0
 
 
 def test_mlp_reaches_95_percent_on_digits_quickly() -> None:

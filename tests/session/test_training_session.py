@@ -8,18 +8,11 @@ import pytest
 
 import onnxtrain
 from onnxtrain import RunOptions, TrainingParameters, TrainingSession
-from tests.session.helpers import adam_ref, batches, lamb_ref, mlp_model, weights_of
+from tests.session.helpers import adam_ref, batches, lamb_ref, mlp_model, params, weights_of
 
 LR = np.array([0.05], np.float32)
 
 
-def params(opt: str = "SGDOptimizer", **kw) -> TrainingParameters:
-    p = TrainingParameters()
-    p.loss_output_name = "loss"
-    p.training_optimizer_name = opt
-    for k, v in kw.items():
-        setattr(p, k, v)
-    return p
 
 
 def assert_rel(actual, desired, rel: float, name: str) -> None:

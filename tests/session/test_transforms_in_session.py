@@ -6,20 +6,13 @@ import numpy as np
 import onnx
 import pytest
 
-from onnxtrain import TrainingParameters, TrainingSession
+from onnxtrain import TrainingSession
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler
-from tests.session.helpers import batches, mlp_model
+from tests.session.helpers import batches, mlp_model, params
 
 LR = np.array([0.01], np.float32)
 
 
-def params(opt: str, **kw) -> TrainingParameters:
-    p = TrainingParameters()
-    p.loss_output_name = "loss"
-    p.training_optimizer_name = opt
-    for k, v in kw.items():
-        setattr(p, k, v)
-    return p
 
 
 @pytest.mark.parametrize("opt", ["SGDOptimizer", "AdamOptimizer", "LambOptimizer"])
