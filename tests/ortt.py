@@ -28,10 +28,15 @@ def ensure_ortt() -> str:
         if not _works():
             try:
                 if not os.path.exists(PYTHON):
-                    subprocess.run([sys.executable, "-m", "venv", VENV], check=True, timeout=120,
-                                   capture_output=True)
-                subprocess.run([PYTHON, "-m", "pip", "install", "-q", *PACKAGES], check=True, timeout=900,
-                               capture_output=True)
+                    subprocess.run(
+                        [sys.executable, "-m", "venv", VENV], check=True, timeout=120, capture_output=True
+                    )
+                subprocess.run(
+                    [PYTHON, "-m", "pip", "install", "-q", *PACKAGES],
+                    check=True,
+                    timeout=900,
+                    capture_output=True,
+                )
             except (subprocess.SubprocessError, OSError) as e:
                 pytest.skip(f"could not install onnxruntime-training 1.19.2 into {VENV}: {e}")
             if not _works():
@@ -42,6 +47,9 @@ def ensure_ortt() -> str:
 def _works() -> bool:
     if not os.path.exists(PYTHON):
         return False
-    r = subprocess.run([PYTHON, "-c", "import onnxruntime.capi._pybind_state as c; c.CheckpointState"],
-                       capture_output=True, timeout=120)
+    r = subprocess.run(
+        [PYTHON, "-c", "import onnxruntime.capi._pybind_state as c; c.CheckpointState"],
+        capture_output=True,
+        timeout=120,
+    )
     return r.returncode == 0

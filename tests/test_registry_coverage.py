@@ -22,8 +22,10 @@ NO_ROW = {
 # rules without a float64 gradient row
 NO_GRAD_ROW = {"Celu": "its schema allows float32 only; checked in float32 against torch in the rule's tests"}
 # kernels with neither a rule nor a no_gradient mark yet (tier 3)
-UNDECIDED = {"MeanVarianceNormalization": "tier 3: no gradient rule yet (a path through it is a clear error)",
-             "Upsample": "deprecated: autodiff upgrades models to opset >= 17 first, which makes it a Resize"}
+UNDECIDED = {
+    "MeanVarianceNormalization": "tier 3: no gradient rule yet (a path through it is a clear error)",
+    "Upsample": "deprecated: autodiff upgrades models to opset >= 17 first, which makes it a Resize",
+}
 
 
 def _family(fn) -> str:
@@ -53,5 +55,7 @@ def test_kernel_and_rule_families_mirror() -> None:
     rules.ops_with_rules()
     k = {op: _family(versions[-1][1]) for op, versions in kernels._KERNELS.items()}
     r = {op: _family(versions[-1].fn) for op, versions in rules._RULES.items()}
-    moved = sorted(f"{op}: kernels/{k[op]}.py vs rules/{r[op]}.py" for op in set(k) & set(r) if k[op] != r[op])
+    moved = sorted(
+        f"{op}: kernels/{k[op]}.py vs rules/{r[op]}.py" for op in set(k) & set(r) if k[op] != r[op]
+    )
     assert not moved, f"ops whose kernel and rule live in differently named families: {moved}"

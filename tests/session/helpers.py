@@ -7,29 +7,46 @@ import onnx
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
+from onnxtrain import TrainingParameters
 from onnxtrain.ir.builder import make_model
 
 
-def mlp_model(din: int = 8, dh: int = 16, dout: int = 4, seed: int = 0, loss: str = "sce",
-              act: str = "Relu") -> onnx.ModelProto:
+def mlp_model(
+    din: int = 8, dh: int = 16, dout: int = 4, seed: int = 0, loss: str = "sce", act: str = "Relu"
+) -> onnx.ModelProto:
     """x[N,din] → Gemm → act → Gemm → logits; loss = SoftmaxCrossEntropyLoss(logits, y) (or MSE)."""
     rng = np.random.default_rng(seed)
-    inits = [numpy_helper.from_array((rng.standard_normal((dh, din)) * 0.3).astype(np.float32), "W1"),
-             numpy_helper.from_array((rng.standard_normal(dh) * 0.1).astype(np.float32), "b1"),
-             numpy_helper.from_array((rng.standard_normal((dout, dh)) * 0.3).astype(np.float32), "W2"),
-             numpy_helper.from_array((rng.standard_normal(dout) * 0.1).astype(np.float32), "b2")]
-    nodes = [helper.make_node("Gemm", ["x", "W1", "b1"], ["h"], transB=1), helper.make_node(act, ["h"], ["hr"]),
-             helper.make_node("Gemm", ["hr", "W2", "b2"], ["logits"], transB=1)]
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((dh, din)) * 0.3).astype(np.float32), "W1"),
+        numpy_helper.from_array((rng.standard_normal(dh) * 0.1).astype(np.float32), "b1"),
+        numpy_helper.from_array((rng.standard_normal((dout, dh)) * 0.3).astype(np.float32), "W2"),
+        numpy_helper.from_array((rng.standard_normal(dout) * 0.1).astype(np.float32), "b2"),
+    ]
+    nodes = [
+        helper.make_node("Gemm", ["x", "W1", "b1"], ["h"], transB=1),
+        helper.make_node(act, ["h"], ["hr"]),
+        helper.make_node("Gemm", ["hr", "W2", "b2"], ["logits"], transB=1),
+    ]
     if loss == "sce":
         nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"]))
         y = helper.make_tensor_value_info("y", T.INT64, ["N"])
     else:
-        nodes += [helper.make_node("Sub", ["logits", "y"], ["d"]), helper.make_node("Mul", ["d", "d"], ["d2"]),
-                  helper.make_node("ReduceMean", ["d2"], ["loss"], keepdims=0)]
+        nodes += [
+            helper.make_node("Sub", ["logits", "y"], ["d"]),
+            helper.make_node("Mul", ["d", "d"], ["d2"]),
+            helper.make_node("ReduceMean", ["d2"], ["loss"], keepdims=0),
+        ]
         y = helper.make_tensor_value_info("y", T.FLOAT, ["N", dout])
-    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", T.FLOAT, ["N", din]), y],
-                          [helper.make_tensor_value_info("loss", T.FLOAT, []),
-                           helper.make_tensor_value_info("logits", T.FLOAT, ["N", dout])], inits)
+    g = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", T.FLOAT, ["N", din]), y],
+        [
+            helper.make_tensor_value_info("loss", T.FLOAT, []),
+            helper.make_tensor_value_info("logits", T.FLOAT, ["N", dout]),
+        ],
+        inits,
+    )
     return make_model(g, 17)
 
 
@@ -50,7 +67,11 @@ def batches(n: int, size: int, din: int = 8, dout: int = 4, seed: int = 1, loss:
     out = []
     for _ in range(n):
         x = rng.standard_normal((size, din)).astype(np.float32)
-        y = rng.integers(0, dout, size) if loss == "sce" else rng.standard_normal((size, dout)).astype(np.float32)
+        y = (
+            rng.integers(0, dout, size)
+            if loss == "sce"
+            else rng.standard_normal((size, dout)).astype(np.float32)
+        )
         out.append((x, y))
     return out
 
@@ -63,7 +84,7 @@ def adam_ref(w, g, m1, m2, t, lr, alpha=0.9, beta=0.999, lam=0.0, eps=1e-8, bias
     """Spec §7.3 in float64; returns (w, m1, m2)."""
     m1 = alpha * m1 + (1 - alpha) * g
     m2 = beta * m2 + (1 - beta) * g * g
-    c1, c2 = (1 - alpha ** t, 1 - beta ** t) if bias else (1.0, 1.0)
+    c1, c2 = (1 - alpha**t, 1 - beta**t) if bias else (1.0, 1.0)
     if mode == 0:
         w = w - lr * ((m1 / c1) / (np.sqrt(m2 / c2) + eps) + lam * w)
     else:
@@ -72,12 +93,13 @@ def adam_ref(w, g, m1, m2, t, lr, alpha=0.9, beta=0.999, lam=0.0, eps=1e-8, bias
     return w, m1, m2
 
 
-def lamb_ref(w, g, m1, m2, t, lr, alpha=0.9, beta=0.999, lam=0.0, eps=1e-6, bias=False,
-             rmin=-np.inf, rmax=np.inf):
+def lamb_ref(
+    w, g, m1, m2, t, lr, alpha=0.9, beta=0.999, lam=0.0, eps=1e-6, bias=False, rmin=-np.inf, rmax=np.inf
+):
     """Spec §7.4 in float64 for one weight; returns (w, m1, m2)."""
     m1n = alpha * m1 + (1 - alpha) * g
     m2n = beta * m2 + (1 - beta) * g * g
-    c1, c2 = (1 - alpha ** t, 1 - beta ** t) if bias else (1.0, 1.0)
+    c1, c2 = (1 - alpha**t, 1 - beta**t) if bias else (1.0, 1.0)
     d = lam * w + (m1n / c1) / (np.sqrt(m2n / c2) + eps)
     bad = ~np.isfinite(d)
     d = np.where(bad, 0, d)

@@ -7,7 +7,7 @@ import pytest
 
 from tests.session.helpers import mlp_model
 
-LEGACY_SCRIPT = '''
+LEGACY_SCRIPT = """
 import numpy as np
 from {module} import TrainingParameters, TrainingSession, RunOptions, OrtValue
 
@@ -37,7 +37,7 @@ def train(model_bytes, X, Y, batch, lr, epochs):
     fresh = TrainingSession(model_bytes, params)
     fresh.load_state(state)
     return losses, state, fresh.get_state()
-'''
+"""
 
 
 def _run(module: str):

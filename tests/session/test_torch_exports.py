@@ -29,8 +29,11 @@ def test_twenty_steps_match_torch(name: str, opt: str) -> None:
     sess = TrainingSession(model.SerializeToString(), p)
     params = dict(module.named_parameters())
     assert sorted(sess.get_model_state()["full_precision"]) == sorted(params)
-    topt = torch.optim.SGD(module.parameters(), lr=LR) if opt == "SGDOptimizer" else \
-        torch.optim.Adam(module.parameters(), lr=LR / 10)
+    topt = (
+        torch.optim.SGD(module.parameters(), lr=LR)
+        if opt == "SGDOptimizer"
+        else torch.optim.Adam(module.parameters(), lr=LR / 10)
+    )
     lr = np.array([LR if opt == "SGDOptimizer" else LR / 10], np.float32)
     module.train()
     flat: set[str] = set()  # parameters whose true gradient is 0 (a conv bias before BatchNorm)
@@ -121,7 +124,10 @@ def test_dropout_follows_run_options_training_mode() -> None:
     p.training_optimizer_name = "SGDOptimizer"
     sess = TrainingSession(model.SerializeToString(), p)
     assert [i.name for i in sess.get_overridable_initializers()] == ["training_mode"]
-    feeds = {**models.example_inputs("lenet_bn", batch=8, with_loss=True), "Learning_Rate": np.zeros(1, np.float32)}
+    feeds = {
+        **models.example_inputs("lenet_bn", batch=8, with_loss=True),
+        "Learning_Rate": np.zeros(1, np.float32),
+    }
     ev = RunOptions()
     ev.training_mode = False
     ev.only_execute_path_to_fetches = True

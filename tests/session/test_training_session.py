@@ -13,8 +13,6 @@ from tests.session.helpers import adam_ref, batches, lamb_ref, mlp_model, params
 LR = np.array([0.05], np.float32)
 
 
-
-
 def assert_rel(actual, desired, rel: float, name: str) -> None:
     """‖actual − desired‖ / ‖desired‖ ≤ rel (tensor-wise relative error, robust to single-ulp flips)."""
     err = np.linalg.norm(np.asarray(actual, np.float64) - desired) / max(np.linalg.norm(desired), 1e-30)
@@ -38,8 +36,12 @@ def torch_mlp(model: onnx.ModelProto):
 
 
 def torch_state(net) -> dict[str, np.ndarray]:
-    return {"W1": net[0].weight.detach().numpy(), "b1": net[0].bias.detach().numpy(),
-            "W2": net[2].weight.detach().numpy(), "b2": net[2].bias.detach().numpy()}
+    return {
+        "W1": net[0].weight.detach().numpy(),
+        "b1": net[0].bias.detach().numpy(),
+        "W2": net[2].weight.detach().numpy(),
+        "b2": net[2].bias.detach().numpy(),
+    }
 
 
 @pytest.mark.parametrize("opt", ["SGDOptimizer", "AdamOptimizer"])
@@ -48,8 +50,11 @@ def test_matches_torch_for_20_steps(opt: str) -> None:
     torch, net = torch_mlp(model)
     p = params(opt, enable_grad_norm_clip=False)
     sess = TrainingSession(model.SerializeToString(), p)
-    topt = torch.optim.SGD(net.parameters(), lr=float(LR[0])) if opt == "SGDOptimizer" else \
-        torch.optim.Adam(net.parameters(), lr=float(LR[0]), betas=(0.9, 0.999), eps=1e-8)
+    topt = (
+        torch.optim.SGD(net.parameters(), lr=float(LR[0]))
+        if opt == "SGDOptimizer"
+        else torch.optim.Adam(net.parameters(), lr=float(LR[0]), betas=(0.9, 0.999), eps=1e-8)
+    )
     for x, y in batches(20, 16):
         ours = sess.run(["loss"], feeds(x, y))[0]
         topt.zero_grad()
@@ -80,9 +85,14 @@ def _grads(model: onnx.ModelProto, w: dict[str, np.ndarray], x, y) -> dict[str, 
 def test_adam_modes_against_float64_reference(mode: int, bias: int, lam: float) -> None:
     model = mlp_model(act="Tanh")  # smooth: float32 and float64 trajectories cannot part at a ReLU kink
     names = ["W1", "W2", "b1", "b2"]
-    p = params("AdamOptimizer", enable_grad_norm_clip=False,
-               optimizer_attributes_map={n: {"lambda": lam} for n in names},
-               optimizer_int_attributes_map={n: {"weight_decay_mode": mode, "do_bias_correction": bias} for n in names})
+    p = params(
+        "AdamOptimizer",
+        enable_grad_norm_clip=False,
+        optimizer_attributes_map={n: {"lambda": lam} for n in names},
+        optimizer_int_attributes_map={
+            n: {"weight_decay_mode": mode, "do_bias_correction": bias} for n in names
+        },
+    )
     sess = TrainingSession(model.SerializeToString(), p)
     w = {k: v.astype(np.float64) for k, v in weights_of(model).items()}
     m1 = {k: np.zeros_like(v) for k, v in w.items()}
@@ -91,8 +101,9 @@ def test_adam_modes_against_float64_reference(mode: int, bias: int, lam: float) 
         g = _grads(model, w, x, y)
         sess.run(["loss"], feeds(x, y))
         for k in w:
-            w[k], m1[k], m2[k] = adam_ref(w[k], g[k], m1[k], m2[k], t, float(LR[0]), lam=lam, bias=bool(bias),
-                                          mode=mode)
+            w[k], m1[k], m2[k] = adam_ref(
+                w[k], g[k], m1[k], m2[k], t, float(LR[0]), lam=lam, bias=bool(bias), mode=mode
+            )
     state = sess.get_state()
     for k in w:
         assert_rel(state[k], w[k], 1e-5, k)
@@ -102,8 +113,11 @@ def test_adam_modes_against_float64_reference(mode: int, bias: int, lam: float) 
 def test_lamb_against_float64_reference() -> None:
     model = mlp_model(act="Tanh")
     names = ["W1", "W2", "b1", "b2"]
-    p = params("LambOptimizer", enable_grad_norm_clip=False,
-               optimizer_attributes_map={n: {"lambda": 0.01, "ratio_min": 0.05, "ratio_max": 5.0} for n in names})
+    p = params(
+        "LambOptimizer",
+        enable_grad_norm_clip=False,
+        optimizer_attributes_map={n: {"lambda": 0.01, "ratio_min": 0.05, "ratio_max": 5.0} for n in names},
+    )
     sess = TrainingSession(model.SerializeToString(), p)
     w = {k: v.astype(np.float64) for k, v in weights_of(model).items()}
     m1 = {k: np.zeros_like(v) for k, v in w.items()}
@@ -112,7 +126,9 @@ def test_lamb_against_float64_reference() -> None:
         g = _grads(model, w, x, y)
         sess.run(["loss"], feeds(x, y))
         for k in w:
-            w[k], m1[k], m2[k] = lamb_ref(w[k], g[k], m1[k], m2[k], t, float(LR[0]), lam=0.01, rmin=0.05, rmax=5.0)
+            w[k], m1[k], m2[k] = lamb_ref(
+                w[k], g[k], m1[k], m2[k], t, float(LR[0]), lam=0.01, rmin=0.05, rmax=5.0
+            )
     state = sess.get_state()
     for k in w:
         assert_rel(state[k], w[k], 1e-5, k)
@@ -189,7 +205,9 @@ def test_interface_and_errors() -> None:
     with pytest.raises(ValueError, match="not an initializer"):
         TrainingSession(model.SerializeToString(), params(weights_to_train={"x"}))
     with pytest.raises(ValueError, match="no entry for trained weight 'b1'"):
-        TrainingSession(model.SerializeToString(), params(optimizer_attributes_map={"W1": {}, "W2": {}, "b2": {}}))
+        TrainingSession(
+            model.SerializeToString(), params(optimizer_attributes_map={"W1": {}, "W2": {}, "b2": {}})
+        )
     with pytest.raises(NotImplementedError, match="use_fp16_moments"):
         TrainingSession(model.SerializeToString(), params(use_fp16_moments=True))
     with pytest.raises(AttributeError, match="no property"):
@@ -212,14 +230,21 @@ def test_dumps_pass_the_checker_and_run_on_onnxruntime(tmp_path) -> None:
     ort = pytest.importorskip("onnxruntime")
     model = mlp_model()
     paths = {k: str(tmp_path / f"{k}.onnx") for k in ("after", "grad", "train")}
-    p = params("AdamOptimizer", model_after_graph_transforms_path=paths["after"],
-               model_with_gradient_graph_path=paths["grad"], model_with_training_graph_path=paths["train"])
+    p = params(
+        "AdamOptimizer",
+        model_after_graph_transforms_path=paths["after"],
+        model_with_gradient_graph_path=paths["grad"],
+        model_with_training_graph_path=paths["train"],
+    )
     sess = TrainingSession(model.SerializeToString(), p)
     for path in paths.values():
         onnx.checker.check_model(onnx.load(path), full_check=True)
     x, y = batches(1, 16)[0]
     train = onnx.load(paths["train"])
-    feed = {**feeds(x, y), **{i.name: sess._store[i.name] for i in train.graph.input if i.name in sess._store}}
+    feed = {
+        **feeds(x, y),
+        **{i.name: sess._store[i.name] for i in train.graph.input if i.name in sess._store},
+    }
     names = [o.name for o in train.graph.output]
     want = dict(zip(names, ort.InferenceSession(train.SerializeToString()).run(None, feed)))
     loss = sess.run(["loss"], feeds(x, y))[0]

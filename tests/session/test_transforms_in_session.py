@@ -13,14 +13,13 @@ from tests.session.helpers import batches, mlp_model, params
 LR = np.array([0.01], np.float32)
 
 
-
-
 @pytest.mark.parametrize("opt", ["SGDOptimizer", "AdamOptimizer", "LambOptimizer"])
 def test_mixed_precision_trains_like_float32(opt: str, tmp_path) -> None:
     model = mlp_model(dh=32)
     path = str(tmp_path / "train.onnx")
-    mp = TrainingSession(model.SerializeToString(), params(opt, use_mixed_precision=True,
-                                                           model_with_training_graph_path=path))
+    mp = TrainingSession(
+        model.SerializeToString(), params(opt, use_mixed_precision=True, model_with_training_graph_path=path)
+    )
     fp = TrainingSession(model.SerializeToString(), params(opt))
     assert mp.loss_scale_input_name == "loss_scale"
     assert "loss_scale" in [i.name for i in mp.get_inputs()]
@@ -28,8 +27,10 @@ def test_mixed_precision_trains_like_float32(opt: str, tmp_path) -> None:
     onnx.checker.check_model(onnx.load(path), full_check=True)
     scaler = DynamicLossScaler()
     for x, y in batches(30, 32):
-        loss, finite = mp.run(["loss", "all_gradients_finite"],
-                              {"x": x, "y": y, "Learning_Rate": LR, "loss_scale": scaler.feed()})
+        loss, finite = mp.run(
+            ["loss", "all_gradients_finite"],
+            {"x": x, "y": y, "Learning_Rate": LR, "loss_scale": scaler.feed()},
+        )
         scaler.update_loss_scale(bool(finite))
         want = fp.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})[0]
         assert bool(finite)
@@ -49,22 +50,26 @@ def test_non_finite_gradients_skip_the_update() -> None:
     sess = TrainingSession(model.SerializeToString(), params("AdamOptimizer", use_mixed_precision=True))
     before = sess.get_state()
     x, y = batches(1, 8)[0]
-    finite = sess.run(["all_gradients_finite"], {"x": x, "y": y, "Learning_Rate": LR,
-                                                  "loss_scale": np.array([2.0 ** 40], np.float32)})[0]
+    finite = sess.run(
+        ["all_gradients_finite"],
+        {"x": x, "y": y, "Learning_Rate": LR, "loss_scale": np.array([2.0**40], np.float32)},
+    )[0]
     assert not bool(finite)
     after = sess.get_state()
     for k in before:
         np.testing.assert_array_equal(before[k], after[k], err_msg=k)
-    scaler = DynamicLossScaler(loss_scale=2.0 ** 40)
+    scaler = DynamicLossScaler(loss_scale=2.0**40)
     scaler.update_loss_scale(bool(finite))
-    assert scaler.loss_scale == 2.0 ** 39
+    assert scaler.loss_scale == 2.0**39
 
 
 def test_recompute_gives_identical_weights() -> None:
     model = mlp_model()
     x, y = batches(1, 16)[0]
     plain = TrainingSession(model.SerializeToString(), params("AdamOptimizer"))
-    recomputed = TrainingSession(model.SerializeToString(), params("AdamOptimizer", recompute_checkpoints=["x"]))
+    recomputed = TrainingSession(
+        model.SerializeToString(), params("AdamOptimizer", recompute_checkpoints=["x"])
+    )
     for _ in range(3):
         a = plain.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})[0]
         b = recomputed.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})[0]
@@ -82,13 +87,16 @@ def test_transformer_layer_recompute_on_the_exported_encoder() -> None:
     from tests import models
 
     torch.manual_seed(0)
-    module = models.WithLoss(models.TransformerEncoder(seq=16, d=32, ff=128, layers=3, dropout=0.0),
-                             torch.nn.CrossEntropyLoss())
+    module = models.WithLoss(
+        models.TransformerEncoder(seq=16, d=32, ff=128, layers=3, dropout=0.0), torch.nn.CrossEntropyLoss()
+    )
     rng = np.random.default_rng(0)
     feeds = {"tokens": rng.integers(0, 50, (16, 16)).astype(np.int64), "labels": rng.integers(0, 5, 16)}
     model = models.export_module(module, feeds, "loss", training=True, batch_output=False)
     plain = TrainingSession(model.SerializeToString(), params("AdamOptimizer"))
-    layered = TrainingSession(model.SerializeToString(), params("AdamOptimizer", transformer_layer_recompute=True))
+    layered = TrainingSession(
+        model.SerializeToString(), params("AdamOptimizer", transformer_layer_recompute=True)
+    )
     for _ in range(2):
         a = plain.run(["loss"], {**feeds, "Learning_Rate": LR})[0]
         b = layered.run(["loss"], {**feeds, "Learning_Rate": LR})[0]

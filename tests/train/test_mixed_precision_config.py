@@ -12,10 +12,23 @@ from onnxtrain.cli import main
 
 
 def _run(tmp_path, *extra: str) -> int:
-    return main(["train", os.path.join(os.path.dirname(__file__), "..", "..", "configs", "digits_mlp.yaml"),
-                 "--output-dir", str(tmp_path), "--set", "training.epochs=3", "--set", "training.eval_every=40",
-                 "--set", "training.checkpoint_every=40", "--set", "training.parameters.use_mixed_precision=true",
-                 *extra])
+    return main(
+        [
+            "train",
+            os.path.join(os.path.dirname(__file__), "..", "..", "configs", "digits_mlp.yaml"),
+            "--output-dir",
+            str(tmp_path),
+            "--set",
+            "training.epochs=3",
+            "--set",
+            "training.eval_every=40",
+            "--set",
+            "training.checkpoint_every=40",
+            "--set",
+            "training.parameters.use_mixed_precision=true",
+            *extra,
+        ]
+    )
 
 
 def test_digits_mlp_in_float16(tmp_path) -> None:
