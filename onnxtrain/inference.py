@@ -15,6 +15,8 @@ import onnx
 
 from onnxtrain.capi.options import RunOptions, SessionOptions, resolve_providers
 from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
+from onnxtrain.engine.backends import backend_of, make_plan
+from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.plan import Plan, load_model
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
@@ -109,10 +111,13 @@ class InferenceSession:
         **kwargs: Any,
     ):
         self._sess_options = sess_options or SessionOptions()
-        self._providers, self._provider_options = resolve_providers(providers, provider_options)
+        self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
+        self._providers, self._provider_options = backend_providers(self._backend, providers,
+                                                                    provider_options)
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         self._model = load_model(path_or_bytes)
-        self._plan = Plan(self._model)
+        self._plan = make_plan(self._model, self._backend, self._providers, self._sess_options,
+                               self._provider_options)
         self._start_ns = time.time_ns()
         self._plan.profiling = bool(self._sess_options.enable_profiling)
         g = self._model.graph

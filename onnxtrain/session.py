@@ -16,7 +16,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxtrain.capi.options import RunOptions, SessionOptions, resolve_providers
+from onnxtrain.capi.options import RunOptions, SessionOptions
+from onnxtrain.engine.backends import backend_of, make_plan
+from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.plan import Plan, load_model
 from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
@@ -62,7 +64,9 @@ class TrainingSession(InferenceSession):
                              f"{p.gradient_accumulation_mode!r}")
         self._params = p
         self._sess_options = sess_options or SessionOptions()
-        self._providers, self._provider_options = resolve_providers(providers, provider_options)
+        self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
+        self._providers, self._provider_options = backend_providers(self._backend, providers,
+                                                                    provider_options)
         self._start_ns = time.time_ns()
         self._fallback = True
         model = load_model(path_or_bytes)
@@ -186,7 +190,8 @@ class TrainingSession(InferenceSession):
             model = {"full": self._graphs.full, "accumulate": self._graphs.accumulate,
                      "forward": self._graphs.forward, "gradients": self._graphs.gradients_graph,
                      "update": self._graphs.update_graph, **self._extra_models}[kind]
-            self._plans[kind] = Plan(model)
+            self._plans[kind] = make_plan(model, self._backend, self._providers, self._sess_options,
+                                          self._provider_options)
         return self._plans[kind]
 
     # ---- running ----------------------------------------------------------------------

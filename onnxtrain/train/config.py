@@ -129,6 +129,7 @@ class TrainingConfig:
     keep_checkpoints: int = 3  # keep this many most recent checkpoints (0 = all)
     log_every: int = 10  # steps between metrics.jsonl entries
     seed: int = 0  # model initialisation and data order
+    backend: Literal["numpy", "onnxruntime"] = "numpy"  # what runs the graphs (onnxruntime: optional)
     gradient_accumulation_steps: int = 1
     mixed_precision: bool = False
     data_parallel_size: int = 1

@@ -33,8 +33,9 @@ import yaml
 from onnx import helper
 
 from onnxtrain import parallel
+from onnxtrain.capi.options import SessionOptions
 from onnxtrain.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from onnxtrain.engine.plan import Plan
+from onnxtrain.engine.backends import CONFIG_KEY, make_plan
 from onnxtrain.ir.io import save_model_atomic, write_atomic
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession
@@ -114,10 +115,19 @@ def training_parameters(cfg: Config, model: onnx.ModelProto) -> TrainingParamete
     return p
 
 
+def backend_options(backend: str) -> SessionOptions:
+    """Session options selecting ``backend`` (training.backend: numpy | onnxruntime)."""
+    so = SessionOptions()
+    so.add_session_config_entry(CONFIG_KEY, backend)
+    return so
+
+
 def _session(cfg: Config, model: onnx.ModelProto, p: TrainingParameters) -> TrainingSession:
     """The legacy session; a refused option becomes a ConfigError naming the config key that set it."""
     try:
-        return TrainingSession(model, p)
+        return TrainingSession(model, p, backend_options(cfg.training.backend))
+    except ImportError as e:  # training.backend: onnxruntime without the package
+        raise ConfigError("training.backend", str(e)) from None
     except (ValueError, NotImplementedError) as e:
         keys = {"use_mixed_precision": "training.mixed_precision",
                 "data_parallel_size": "training.data_parallel_size",
@@ -173,7 +183,8 @@ class Evaluator:
         self.comm = comm
         self.names = [cfg.model.loss, cfg.model.logits]
         self.weight_names = weight_names
-        self.plan = Plan(inference_model(model, self.names, as_inputs=weight_names))
+        self.plan = make_plan(inference_model(model, self.names, as_inputs=weight_names),
+                              cfg.training.backend)
 
     def __call__(self, arrays: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> dict[str, float]:
         w = {n: weights[n] for n in self.weight_names}

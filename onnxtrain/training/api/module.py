@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 
 from onnxtrain.engine import Plan, UnsupportedOpError, compile_model
+from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
 from onnxtrain.training.api._export import export_for_inference
@@ -53,8 +54,12 @@ class ContiguousBuffer(np.ndarray):
         return self.view(np.ndarray)
 
 
-def _compile(model: onnx.ModelProto, what: str) -> Plan:
+def _compile(model: onnx.ModelProto, what: str, session_options: Any = None) -> Plan:
+    """The model compiled on the backend ``session_options`` name (config entry ``onnxtrain.backend``)."""
+    backend = backend_of(session_options)
     try:
+        if backend != "numpy":
+            return make_plan(model, backend, None, session_options)
         return compile_model(model)
     except UnsupportedOpError as e:
         foreign = sorted({n.domain for n in model.graph.node if n.domain not in ("", "ai.onnx")})
@@ -89,12 +94,12 @@ class Module:
         self.training = True
         self._accumulate = False  # §3.3: the first train call after construction or a reset overwrites
         self._train_model, _ = load_model(train_model_uri, "training")
-        self._train_plan = _compile(self._train_model, "training")
+        self._train_plan = _compile(self._train_model, "training", session_options)
         self._eval_model: onnx.ModelProto | None = None
         self._eval_plan: Plan | None = None
         if eval_model_uri is not None:
             self._eval_model, _ = load_model(eval_model_uri, "eval")
-            self._eval_plan = _compile(self._eval_model, "eval")
+            self._eval_plan = _compile(self._eval_model, "eval", session_options)
         self._classify_training_graph()
         if self._eval_model is not None:
             self._classify_eval_graph()

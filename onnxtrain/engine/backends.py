@@ -1,0 +1,263 @@
+"""Execution backends: the numpy engine (default, the reference) and onnxruntime's inference package.
+
+``make_plan(model, backend)`` returns an object with the interface of :class:`~onnxtrain.engine.plan.Plan`
+(``run(feeds, output_names)``, ``input_names``, ``all_input_names``, ``output_names``, ``output_info``,
+``initializers``, ``peak_bytes``, ``profiling``/``profile``). The onnxruntime backend hands the same
+standard-ONNX graphs (training steps, optimizer updates, inference) to ``onnxruntime.InferenceSession``;
+the state stays in the caller's store as numpy arrays, bound through an IOBinding each run (no copy of
+the inputs on CPU), and the outputs come back as numpy views of onnxruntime's buffers (no copy either).
+
+A session picks its backend with the config entry ``onnxtrain.backend``::
+
+    so = onnxtrain.SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    sess = onnxtrain.TrainingSession(model, params, so)
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from onnxtrain.engine.plan import EngineError, Plan, ProfileEvent, default_opset, load_model
+from onnxtrain.ir.types import np_dtype_of, value_info_shape
+
+BACKENDS = ("numpy", "onnxruntime")
+CONFIG_KEY = "onnxtrain.backend"
+# onnxruntime's ConstantSharing merges equal initializers into one buffer; a training-mode
+# BatchNormalization then writes its running statistics into the shared buffer, corrupting the
+# initializers it was merged with (scale/bias) from the second run on. It is always disabled.
+DISABLED_OPTIMIZERS = ("ConstantSharing",)
+_INSTALL_HINT = ("the onnxruntime backend needs the onnxruntime package: pip install onnxruntime "
+                 "(or onnxruntime-gpu for CUDA)")
+
+
+def check_backend(name: str) -> str:
+    """``name`` if it is a known backend; ValueError listing the valid names otherwise."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown onnxtrain backend {name!r}; valid names: {', '.join(BACKENDS)}")
+    return name
+
+
+def backend_of(options: Any) -> str:
+    """The backend named by the session options' ``onnxtrain.backend`` entry ("numpy" when unset).
+
+    Accepts onnxtrain's or onnxruntime's ``SessionOptions`` (or None)."""
+    if options is None:
+        return "numpy"
+    getter = getattr(options, "get_session_config_entry", None)
+    if getter is None:
+        return "numpy"
+    try:
+        value = getter(CONFIG_KEY)
+    except Exception:  # onnxtrain raises KeyError for an unset entry; onnxruntime may raise or return ""
+        return "numpy"
+    return check_backend(str(value).strip() or "numpy")
+
+
+def import_onnxruntime() -> Any:
+    """The ``onnxruntime`` module; ImportError with the install command when it is missing."""
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise ImportError(f"{_INSTALL_HINT} ({e})") from e
+    return onnxruntime
+
+
+def _provider_items(providers: Sequence[Any] | None,
+                    provider_options: Sequence[dict] | None) -> list[tuple[str, dict]]:
+    """``providers`` (names or ``(name, options)`` pairs) as ``(name, options)`` pairs."""
+    if not providers:
+        return []
+    given = list(provider_options) if provider_options else []
+    if given and len(given) != len(providers):
+        raise ValueError("providers and provider_options must have the same length")
+    out = []
+    for k, p in enumerate(providers):
+        if isinstance(p, (tuple, list)):
+            out.append((str(p[0]), dict(p[1])))
+        else:
+            out.append((str(p), dict(given[k]) if given else {}))
+    return out
+
+
+def resolve_providers(backend: str, providers: Sequence[Any] | None = None,
+                      provider_options: Sequence[dict] | None = None) -> tuple[list[str], list[dict]]:
+    """Provider names and options a session of ``backend`` runs with.
+
+    numpy: onnxtrain's CPU provider (see ``onnxtrain.capi.options.resolve_providers``). onnxruntime: the
+    given providers onnxruntime reports available, in order (an unavailable one is dropped with a
+    warning), CPUExecutionProvider last; by default CUDAExecutionProvider first when it is available."""
+    if check_backend(backend) == "numpy":
+        from onnxtrain.capi.options import resolve_providers as numpy_providers
+
+        return numpy_providers(providers, provider_options)
+    ort = import_onnxruntime()
+    available = set(ort.get_available_providers())
+    items = _provider_items(providers, provider_options)
+    if not items:
+        items = [("CUDAExecutionProvider", {})] if "CUDAExecutionProvider" in available else []
+    names: list[str] = []
+    opts: list[dict] = []
+    for name, o in items:
+        if name not in available:
+            warnings.warn(f"{name} is not available in this onnxruntime ({ort.__version__}, available: "
+                          f"{', '.join(sorted(available))}); falling back to CPUExecutionProvider",
+                          stacklevel=3)
+            continue
+        if name not in names:
+            names.append(name)
+            opts.append({str(k): str(v) for k, v in o.items()})
+    if "CPUExecutionProvider" not in names:
+        names.append("CPUExecutionProvider")
+        opts.append({})
+    return names, opts
+
+
+def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
+              providers: Sequence[Any] | None = None, options: Any = None,
+              provider_options: Sequence[dict] | None = None) -> Any:
+    """A compiled graph on ``backend``: a :class:`Plan` (numpy) or an :class:`OrtPlan` (onnxruntime).
+
+    ``providers``/``provider_options`` and ``options`` (a SessionOptions: graph optimisation level,
+    thread counts) are used by the onnxruntime backend only."""
+    if check_backend(backend) == "numpy":
+        return Plan(model)
+    return OrtPlan(model, providers, options, provider_options)
+
+
+class OrtPlan:
+    """A graph run by ``onnxruntime.InferenceSession``, with the interface of :class:`Plan`."""
+
+    backend = "onnxruntime"
+
+    def __init__(self, model: onnx.ModelProto | str | bytes, providers: Sequence[Any] | None = None,
+                 options: Any = None, provider_options: Sequence[dict] | None = None):
+        ort = import_onnxruntime()
+        self._ort = ort
+        model = load_model(model)
+        self.model = model
+        g = model.graph
+        self.opset = default_opset(model)
+        self.initializers: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+        inits = set(self.initializers)
+        self.input_names = [v.name for v in g.input if v.name not in inits]
+        self.all_input_names = [v.name for v in g.input]
+        self.output_names = [v.name for v in g.output]
+        self.input_info = {v.name: v for v in g.input}
+        self.output_info = {v.name: v for v in g.output}
+        self.input_dtypes = {v.name: np_dtype_of(v.type) for v in g.input}
+        self.input_shapes = {v.name: value_info_shape(v.type) for v in g.input}
+        self.peak_bytes = 0
+        self.profiling = False
+        self.profile: list[ProfileEvent] = []
+        names, opts = resolve_providers("onnxruntime", providers, provider_options)
+        self.providers = names
+        self._device = "cuda" if names[0] == "CUDAExecutionProvider" else "cpu"
+        # tensors only go through the IOBinding; sequences/optionals take session.run
+        self._tensor_io = all(v.type.HasField("tensor_type") for v in (*g.input, *g.output))
+        self._session = self._create_session(model, options, names, opts)
+        # overridable initializers cannot be bound (onnxruntime's IOBinding knows the inputs proper only)
+        self._bindable = {i.name for i in self._session.get_inputs()}
+
+    def _session_options(self, options: Any) -> Any:
+        ort = self._ort
+        so = ort.SessionOptions()
+        level = getattr(options, "graph_optimization_level", None)
+        levels = {int(v): v for v in ort.GraphOptimizationLevel.__members__.values()}
+        so.graph_optimization_level = levels.get(int(level) if level is not None else 99,
+                                                 ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+        for key in ("intra_op_num_threads", "inter_op_num_threads"):
+            value = getattr(options, key, None)
+            if isinstance(value, int) and value > 0:
+                setattr(so, key, value)
+        severity = getattr(options, "log_severity_level", None)
+        if isinstance(severity, int):
+            so.log_severity_level = severity
+        if getattr(options, "use_deterministic_compute", False):
+            so.use_deterministic_compute = True
+        so.add_session_config_entry("session.disable_optimizers", ",".join(DISABLED_OPTIMIZERS))
+        return so
+
+    def _create_session(self, model: onnx.ModelProto, options: Any, names: list[str],
+                        opts: list[dict]) -> Any:
+        ort = self._ort
+        so = self._session_options(options)
+        kw = {"providers": names, "provider_options": opts, "disabled_optimizers": list(DISABLED_OPTIMIZERS)}
+        try:
+            return ort.InferenceSession(model.SerializeToString(), so, **kw)
+        except Exception as e:
+            if "IR version" not in str(e):
+                raise EngineError(f"onnxruntime could not load the graph {model.graph.name!r}: {e}") from None
+            first = e
+        # an IR version newer than this onnxruntime reads: the lowest one the opsets allow
+        lowered = onnx.ModelProto()
+        lowered.CopyFrom(model)
+        lowered.ir_version = onnx.helper.find_min_ir_version_for(list(model.opset_import),
+                                                                 ignore_unknown=True)
+        try:
+            return ort.InferenceSession(lowered.SerializeToString(), so, **kw)
+        except Exception as e:
+            raise EngineError(f"onnxruntime could not load the graph {model.graph.name!r} (IR version "
+                              f"{model.ir_version}: {first}; lowered to {lowered.ir_version}: {e})") from None
+
+    # ---- running ---------------------------------------------------------------------
+    def run(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None,
+            overrides: Mapping[str, Any] | None = None) -> list[np.ndarray]:
+        """Run the graph on ``feeds`` (name → array) and return the requested outputs as numpy arrays."""
+        if overrides:
+            feeds = {**feeds, **overrides}
+        names = list(self.output_names) if output_names is None else list(output_names)
+        for n in names:
+            if n not in self.output_info:
+                raise EngineError(f"unknown output {n!r}; graph outputs: {self.output_names}")
+        arrays: dict[str, Any] = {}
+        bindable = self._tensor_io
+        for name, v in feeds.items():
+            if name not in self.input_info:
+                raise EngineError(f"unknown feed {name!r}; graph inputs: {self.all_input_names}")
+            if name not in self._bindable:
+                bindable = False
+            if isinstance(v, np.ndarray):
+                if not v.flags.c_contiguous:
+                    v = np.ascontiguousarray(v)
+            elif not isinstance(v, (list, tuple)) and v is not None:
+                v = np.asarray(v)
+            if not isinstance(v, np.ndarray) or v.dtype.kind in "OUS":
+                bindable = False
+            arrays[name] = v
+        t0 = time.perf_counter_ns()
+        try:
+            out = self._run_bound(arrays, names) if bindable else self._session.run(names, arrays)
+        except Exception as e:
+            shapes = ", ".join(f"{n}: {getattr(v, 'dtype', type(v).__name__)}{list(np.shape(v))}"
+                               for n, v in arrays.items() if not isinstance(v, (list, tuple)))
+            raise EngineError(f"onnxruntime failed running graph {self.model.graph.name!r} on [{shapes}]: "
+                              f"{type(e).__name__}: {e}") from e
+        if self.profiling:
+            self.profile.append(ProfileEvent("onnxruntime_run", "onnxruntime", t0,
+                                             time.perf_counter_ns() - t0,
+                                             [list(np.shape(v)) for v in arrays.values()]))
+        self.peak_bytes = sum(getattr(v, "nbytes", 0) for v in arrays.values()) + sum(
+            getattr(v, "nbytes", 0) for v in out)
+        return out
+
+    def _run_bound(self, arrays: Mapping[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
+        """Inputs bound in place (numpy memory), outputs freshly allocated by onnxruntime each run, so an
+        output never overwrites an array the caller still holds (e.g. last step's weights)."""
+        io = self._session.io_binding()
+        for name, v in arrays.items():
+            io.bind_cpu_input(name, v)
+        for n in names:
+            io.bind_output(n, "cpu")
+        self._session.run_with_iobinding(io)
+        return [o.numpy() for o in io.get_outputs()]
+
+    def __repr__(self) -> str:
+        return f"OrtPlan({self.model.graph.name!r}, providers={self.providers})"

@@ -1,0 +1,345 @@
+"""The onnxruntime backend against the numpy engine (the reference): same losses, weights and outputs.
+
+Weights are compared as ``‖a − b‖ / ‖a‖`` per state tensor after 20 steps (float32 summation orders
+differ between the engines, so the figure is a few 1e-7 to a few 1e-6, not 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+
+from onnxtrain import InferenceSession, SessionOptions
+from onnxtrain.engine.backends import (
+    BACKENDS,
+    CONFIG_KEY,
+    OrtPlan,
+    backend_of,
+    check_backend,
+    make_plan,
+    resolve_providers,
+)
+from onnxtrain.engine.plan import Plan
+from onnxtrain.parameters import TrainingParameters
+from onnxtrain.session import TrainingSession
+from tests.session.helpers import batches, mlp_model
+
+ort = pytest.importorskip("onnxruntime")
+
+STEPS = 20
+TOL = 1e-5
+# LeNet-BN: the conv biases feeding a training-mode BatchNormalization have a zero gradient up to
+# rounding; Adam normalises that rounding noise into full-size steps, so their values (and the running
+# means that follow them) are noise-driven in any two float32 engines. They are frozen under Adam.
+LENET_PRE_BN_BIASES = {"model.features.0.bias", "model.features.4.bias"}
+
+
+def options(backend: str) -> SessionOptions:
+    so = SessionOptions()
+    so.add_session_config_entry(CONFIG_KEY, backend)
+    return so
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    a64 = np.asarray(a, np.float64)
+    norm = np.linalg.norm(a64)
+    diff = np.linalg.norm(a64 - np.asarray(b, np.float64))
+    return float(diff / norm) if norm else float(diff)
+
+
+def legacy_run(model, opt: str, backend: str, feeds: list[dict], lr: float = 0.01, **params):
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = opt
+    for k, v in params.items():
+        setattr(p, k, v)
+    sess = TrainingSession(model, p, options(backend))
+    sess.initial_state = sess.get_state()
+    losses = [float(sess.run(["loss"], {**f, "Learning_Rate": np.array([lr], np.float32)})[0]) for f in feeds]
+    return losses, sess.get_state(), sess
+
+
+def assert_same_training(model, opt: str, feeds: list[dict], **params) -> None:
+    ref_losses, ref_state, ref = legacy_run(model, opt, "numpy", feeds, **params)
+    losses, state, sess = legacy_run(model, opt, "onnxruntime", feeds, **params)
+    assert isinstance(ref._plan, Plan) and isinstance(sess._plan, OrtPlan)
+    assert sorted(state) == sorted(ref_state)
+    moved = [rel(ref.initial_state[k], ref_state[k]) for k in sess._graphs.trainable]
+    assert max(moved) > 1e-3, moved  # it trains
+    worst = max(abs(a - b) / abs(a) for a, b in zip(ref_losses, losses))
+    assert worst < TOL, (worst, ref_losses, losses)
+    errors = {k: rel(ref_state[k], state[k]) for k in ref_state}
+    assert max(errors.values()) < TOL, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+
+
+# ---- names, options, providers ------------------------------------------------------------------
+
+def test_backend_names_and_config_entry():
+    assert BACKENDS == ("numpy", "onnxruntime")
+    assert backend_of(None) == "numpy" and backend_of(SessionOptions()) == "numpy"
+    assert backend_of(options("onnxruntime")) == "onnxruntime"
+    ort_options = ort.SessionOptions()  # scripts written for onnxruntime pass its options to Module
+    assert backend_of(ort_options) == "numpy"
+    ort_options.add_session_config_entry(CONFIG_KEY, "onnxruntime")
+    assert backend_of(ort_options) == "onnxruntime"
+    with pytest.raises(ValueError, match="backend 'torch'; valid names: numpy, onnxruntime"):
+        check_backend("torch")
+    with pytest.raises(ValueError, match="valid names: numpy, onnxruntime"):
+        TrainingSession(mlp_model(), _sgd_params(), options("tensorflow"))
+    with pytest.raises(ValueError, match="valid names"):
+        InferenceSession(mlp_model(), options("bogus"))
+    assert isinstance(make_plan(mlp_model()), Plan)
+    assert isinstance(make_plan(mlp_model(), "onnxruntime"), OrtPlan)
+
+
+def _sgd_params() -> TrainingParameters:
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "SGDOptimizer"
+    return p
+
+
+def test_missing_onnxruntime_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime now raises ImportError
+    with pytest.raises(ImportError, match="pip install onnxruntime"):
+        make_plan(mlp_model(), "onnxruntime")
+    with pytest.raises(ImportError, match="onnxruntime backend needs the onnxruntime package"):
+        TrainingSession(mlp_model(), _sgd_params(), options("onnxruntime"))
+    assert isinstance(TrainingSession(mlp_model(), _sgd_params())._plan, Plan)  # numpy needs nothing
+
+
+def test_providers_cpu_fallback_and_cuda_pass_through(monkeypatch):
+    assert resolve_providers("onnxruntime") == (
+        (["CUDAExecutionProvider"] if "CUDAExecutionProvider" in ort.get_available_providers() else [])
+        + ["CPUExecutionProvider"], [{}] * (1 + ("CUDAExecutionProvider" in ort.get_available_providers())))
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    with pytest.warns(UserWarning, match="CUDAExecutionProvider is not available"):
+        names, _ = resolve_providers("onnxruntime", ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert names == ["CPUExecutionProvider"]
+    gpu = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(ort, "get_available_providers", lambda: gpu)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        names, opts = resolve_providers("onnxruntime", [("CUDAExecutionProvider", {"device_id": 0})])
+    assert names == ["CUDAExecutionProvider", "CPUExecutionProvider"] and opts == [{"device_id": "0"}, {}]
+    assert resolve_providers("onnxruntime")[0] == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+def test_session_reports_onnxruntime_providers():
+    sess = TrainingSession(mlp_model(), _sgd_params(), options("onnxruntime"),
+                           providers=["CPUExecutionProvider"])
+    assert sess.get_providers() == ["CPUExecutionProvider"]
+    assert sess._plan.providers == ["CPUExecutionProvider"]
+
+
+# ---- the legacy TrainingSession -----------------------------------------------------------------
+
+@pytest.mark.parametrize("opt", ["SGDOptimizer", "AdamOptimizer"])
+def test_legacy_mlp_20_steps_match_numpy(opt):
+    feeds = [{"x": x, "y": y} for x, y in batches(STEPS, 16)]
+    assert_same_training(mlp_model(), opt, feeds)
+
+
+@pytest.mark.parametrize("opt", ["SGDOptimizer", "AdamOptimizer"])
+def test_legacy_lenet_bn_20_steps_match_numpy(opt):
+    """Training-mode BatchNormalization (running statistics in the store) under onnxruntime's default
+    optimisation level with ConstantSharing disabled."""
+    pytest.importorskip("torch")
+    from tests import models
+
+    model, _, _ = models.export("lenet_bn", training=True, with_loss=True, dropout=0.0)
+    feeds = [models.example_inputs("lenet_bn", batch=8, with_loss=True, seed=k) for k in range(STEPS)]
+    frozen = LENET_PRE_BN_BIASES if opt == "AdamOptimizer" else set()
+    assert_same_training(model.SerializeToString(), opt, feeds, weights_not_to_train=frozen)
+
+
+def test_legacy_gradient_accumulation_and_forward_only_match_numpy():
+    from onnxtrain import RunOptions
+
+    feeds = [{"x": x, "y": y} for x, y in batches(12, 8)]
+    assert_same_training(mlp_model(), "AdamOptimizer", feeds, gradient_accumulation_steps=3,
+                         gradient_accumulation_mode="auto")
+    ro = RunOptions()
+    ro.only_execute_path_to_fetches = True
+    outs = []
+    for backend in BACKENDS:
+        sess = TrainingSession(mlp_model(), _sgd_params(), options(backend))
+        outs.append(sess.run(["logits"], {"x": feeds[0]["x"], "y": feeds[0]["y"]}, ro)[0])
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+
+
+def test_state_is_bound_not_copied_and_old_state_survives_the_next_step():
+    """The store's arrays are onnxruntime's output buffers (no copy back), bound as the next step's inputs
+    (no copy in), and a step never writes into buffers the previous step returned."""
+    feeds = [{"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)} for x, y in batches(3, 8)]
+    sess = TrainingSession(mlp_model(), _sgd_params(), options("onnxruntime"))
+    sess.run(["loss"], feeds[0])
+    w1 = sess._store["W1"]
+    assert w1.base is not None and w1.flags.writeable  # a view of onnxruntime's buffer
+    kept = w1.copy()
+    sess.run(["loss"], feeds[1])
+    np.testing.assert_array_equal(w1, kept)  # last step's weights were inputs, not outputs
+    assert not np.shares_memory(sess._store["W1"], w1)
+    x = feeds[2]["x"].copy()
+    sess.run(["loss"], feeds[2])
+    np.testing.assert_array_equal(feeds[2]["x"], x)
+
+
+def test_profiling_writes_a_trace(tmp_path):
+    so = options("onnxruntime")
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "prof_")
+    sess = TrainingSession(mlp_model(), _sgd_params(), so)
+    x, y = batches(1, 8)[0]
+    sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)})
+    with open(sess.end_profiling()) as f:
+        events = json.load(f)
+    assert events and events[0]["args"]["op_name"] == "onnxruntime"
+
+
+# ---- the on-device Module and Optimizer ---------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["SGD", "AdamW"])
+def mlp_artifacts(request, tmp_path_factory):
+    from onnxtrain.training import artifacts
+
+    folder = str(tmp_path_factory.mktemp(f"mlp_{request.param}"))
+    model = mlp_model(din=8, dh=32, dout=4)
+    artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer], loss=None,
+                                 optimizer=getattr(artifacts.OptimType, request.param),
+                                 artifact_directory=folder)
+    return folder
+
+
+def first(out) -> float:
+    """The loss: the first of the module's outputs."""
+    return float(np.asarray(out[0] if isinstance(out, tuple) else out).reshape(-1)[0])
+
+
+def ondevice_run(folder: str, backend: str):
+    from onnxtrain.training.api import CheckpointState, Module, Optimizer
+
+    state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    module = Module(os.path.join(folder, "training_model.onnx"), state,
+                    os.path.join(folder, "eval_model.onnx"), session_options=options(backend))
+    opt = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
+    opt.set_learning_rate(0.05)
+    losses = []
+    for x, y in batches(STEPS, 16):
+        losses.append(first(module(x, y)))
+        opt.step()
+        module.lazy_reset_grad()
+    module.eval()
+    x, y = batches(1, 64, seed=99)[0]
+    eval_loss = first(module(x, y))
+    params = {n: p.data.copy() for n, p in state.parameters}
+    return losses, eval_loss, params, module, opt
+
+
+def test_ondevice_module_and_optimizer_match_numpy(mlp_artifacts):
+    ref_losses, ref_eval, ref_params, _, _ = ondevice_run(mlp_artifacts, "numpy")
+    losses, eval_loss, params, module, opt = ondevice_run(mlp_artifacts, "onnxruntime")
+    assert isinstance(module._train_plan, OrtPlan) and isinstance(module._eval_plan, OrtPlan)
+    assert isinstance(opt._plan, OrtPlan)  # the optimizer follows its module's backend
+    assert ref_losses[-1] < ref_losses[0]
+    assert max(abs(a - b) / abs(a) for a, b in zip(ref_losses, losses)) < TOL
+    assert abs(eval_loss - ref_eval) / abs(ref_eval) < TOL
+    errors = {k: rel(ref_params[k], params[k]) for k in ref_params}
+    assert max(errors.values()) < TOL, errors
+
+
+# ---- InferenceSession ---------------------------------------------------------------------------
+
+def test_inference_session_outputs_equal():
+    model = mlp_model(din=8, dh=32, dout=4)
+    model.graph.input.append(onnx.helper.make_tensor_value_info("W1", onnx.TensorProto.FLOAT, [32, 8]))
+    x = batches(1, 16)[0][0]
+    ref = InferenceSession(model).run(None, {"x": x, "y": np.zeros(16, np.int64)})
+    sess = InferenceSession(model, options("onnxruntime"))
+    assert isinstance(sess._plan, OrtPlan)
+    out = sess.run(None, {"x": x, "y": np.zeros(16, np.int64)})
+    for a, b in zip(ref, out):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    w = {"W1": np.zeros((32, 8), np.float32)}  # overridable initializers are fed too
+    np.testing.assert_allclose(sess.run(["logits"], {"x": x, "y": np.zeros(16, np.int64), **w})[0],
+                               InferenceSession(model).run(["logits"], {"x": x, "y": np.zeros(16, np.int64),
+                                                                        **w})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_training_mode_batchnorm_with_initializers_is_stable_across_runs():
+    """The ConstantSharing regression: onnxruntime merges equal initializers and training-mode
+    BatchNormalization overwrites them, so outputs drift from the second run on unless it is disabled."""
+    pytest.importorskip("torch")
+    from tests import models
+
+    model, feeds, _ = models.export("lenet_bn", training=True, with_loss=False, dropout=0.0)
+    ref = InferenceSession(model).run(None, feeds)[0]
+    sess = InferenceSession(model, options("onnxruntime"))
+    for _ in range(3):
+        np.testing.assert_allclose(sess.run(None, feeds)[0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_newer_ir_version_is_lowered_for_onnxruntime():
+    model = mlp_model()
+    model.ir_version = 99  # newer than any onnxruntime reads; the opsets only need IR 8
+    plan = make_plan(model, "onnxruntime")
+    x, y = batches(1, 4)[0]
+    np.testing.assert_allclose(plan.run({"x": x, "y": y}, ["loss"])[0],
+                               Plan(mlp_model()).run({"x": x, "y": y}, ["loss"])[0], rtol=1e-6)
+    assert model.ir_version == 99  # the caller's model is left alone
+
+
+def test_unknown_feed_and_output_are_named():
+    from onnxtrain.engine.plan import EngineError
+
+    plan = make_plan(mlp_model(), "onnxruntime")
+    x, y = batches(1, 4)[0]
+    with pytest.raises(EngineError, match="unknown feed 'z'"):
+        plan.run({"x": x, "y": y, "z": x})
+    with pytest.raises(EngineError, match="unknown output 'nope'"):
+        plan.run({"x": x, "y": y}, ["nope"])
+    with pytest.raises(EngineError, match="onnxruntime failed"):
+        plan.run({"x": x[:, :3], "y": y})
+
+
+# ---- onnxtrain train ----------------------------------------------------------------------------
+
+def test_cli_digits_mlp_on_onnxruntime_reaches_the_same_accuracy(tmp_path):
+    from onnxtrain.cli import main
+    from tests.train.conftest import config_path
+
+    sets = ["--set", "training.epochs=2", "--set", "training.checkpoint_every=null",
+            "--set", "output.plot=false"]
+    scores = {}
+    for backend in BACKENDS:
+        out = str(tmp_path / backend)
+        assert main(["train", config_path("digits_mlp"), "--output-dir", out, "-q", *sets,
+                     "--set", f"training.backend={backend}"]) == 0
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        scores[backend] = [r for r in records if "eval_accuracy" in r][-1]
+    assert scores["onnxruntime"]["eval_accuracy"] == scores["numpy"]["eval_accuracy"] > 0.85
+    assert scores["onnxruntime"]["eval_loss"] == pytest.approx(scores["numpy"]["eval_loss"], rel=1e-4)
+
+
+def test_config_backend_key(tmp_path):
+    from onnxtrain.train.config import ConfigError, load_config
+    from tests.train.conftest import config_path
+
+    assert load_config(config_path("digits_mlp")).training.backend == "numpy"
+    cfg = load_config(config_path("digits_mlp"), ["training.backend=onnxruntime"])
+    assert cfg.training.backend == "onnxruntime"
+    with pytest.raises(ConfigError, match="training.backend: expected one of 'numpy', 'onnxruntime'"):
+        load_config(config_path("digits_mlp"), ["training.backend=cuda"])
+
+
+def test_onnx_models_stay_standard():
+    """The backend needs no private ops: every graph handed over is plain ONNX (checker passes)."""
+    sess = TrainingSession(mlp_model(), _sgd_params(), options("onnxruntime"))
+    onnx.checker.check_model(sess._plan.model)
