@@ -2,15 +2,17 @@
 
 Each case is a model and a batch size; ``prepare(case, folder)`` writes, for the peers to load:
 ``model.onnx`` (logits output, for ``generate_artifacts``), ``model_loss.onnx`` (cross entropy in the
-graph, output ``loss``, for the legacy ``TrainingSession``), ``model.pt`` (the torch module's weights)
-and ``batches.npz`` (``x0, y0, x1, y1, ...``). Everything is exported by torch 2.13 (TorchScript
-exporter, opset 17, eval mode, dropout 0) with the weights of a fixed seed, so all peers start equal.
+graph, output ``loss``, for the legacy ``TrainingSession``), ``model.pt`` (the torch module's weights),
+``params.json`` (the trained initializers of both graphs) and ``batches.npz`` (``x0, y0, x1, y1, ...``).
+Everything is exported by torch 2.13 (TorchScript exporter, opset 17, eval mode, dropout 0) with the
+weights of a fixed seed, so all peers start equal.
 
 Importing this module needs torch (the workers of the peers other than torch never import it).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -172,6 +174,7 @@ def prepare(case: Case, folder: str) -> dict[str, str]:
             ("loss_model", "model_loss.onnx"),
             ("weights", "model.pt"),
             ("batches", "batches.npz"),
+            ("params", "params.json"),
         )
     }
     module = case.build()
@@ -186,6 +189,18 @@ def prepare(case: Case, folder: str) -> dict[str, str]:
     with open(paths["loss_model"], "wb") as f:
         f.write(loss_model.SerializeToString())
     torch.save(module.state_dict(), paths["weights"])
+    # trained parameters by graph (buffers such as a causal mask are initializers too, but not trained)
+    names = [n for n, _ in module.named_parameters()]
+    inits = {t.name for t in model.graph.initializer}
+    loss_inits = {t.name for t in loss_model.graph.initializer}
+    with open(paths["params"], "w") as f:
+        json.dump(
+            {
+                "model": [n for n in names if n in inits],
+                "loss_model": [f"model.{n}" for n in names if f"model.{n}" in loss_inits],
+            },
+            f,
+        )
     np.savez(paths["batches"], **case.batches())
     return paths
 

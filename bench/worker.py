@@ -45,6 +45,11 @@ def _rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _params(folder: str, graph: str) -> list[str]:
+    with open(os.path.join(folder, "params.json")) as f:
+        return json.load(f)[graph]
+
+
 def _batches(folder: str):
     import numpy as np
 
@@ -66,7 +71,7 @@ def legacy_peer(folder: str):
     import onnx
 
     model = onnx.load(os.path.join(folder, "model_loss.onnx"))
-    names = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    names = _params(folder, "loss_model")
     p.optimizer_attributes_map = {n: {"lambda": WEIGHT_DECAY, "epsilon": 1e-8} for n in names}
     p.optimizer_int_attributes_map = {n: {"weight_decay_mode": 1} for n in names}
     sess = TrainingSession(model.SerializeToString(), p)
@@ -89,7 +94,7 @@ def api_peer(folder: str):
     model = onnx.load(os.path.join(folder, "model.onnx"))
     out = os.path.join(folder, "onnxtrain_artifacts")
     os.makedirs(out, exist_ok=True)
-    params = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    params = _params(folder, "model")
     artifacts.generate_artifacts(
         model,
         requires_grad=params,
@@ -147,9 +152,14 @@ def ort_peer(folder: str):
 
     model = onnx.load(os.path.join(folder, "model.onnx"))
     model.ir_version = 10
+    for i, node in enumerate(model.graph.node):
+        # its LayerNormalization gradient reads the optional Mean and InvStdDev outputs, which torch's export
+        # leaves out ("GradientBuilderBase::O ... i < node_->OutputDefs().size() was false")
+        if node.op_type == "LayerNormalization" and len(node.output) == 1:
+            node.output.extend([f"{node.output[0]}.mean{i}", f"{node.output[0]}.inv_std_dev{i}"])
     out = os.path.join(folder, "ort_artifacts")
     os.makedirs(out, exist_ok=True)
-    params = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    params = _params(folder, "model")
     artifacts.generate_artifacts(
         model,
         requires_grad=params,
