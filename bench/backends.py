@@ -1,17 +1,20 @@
 """Training-step time of the legacy TrainingSession on each backend: numpy engine vs onnxruntime.
 
-    python bench/backends.py [--batch 64] [--optimizer adam|sgd] [--repeats 7] [--quick]
+    python bench/backends.py [--batch 64] [--optimizer adam|sgd] [--repeats 7] [--threads N] [--quick]
 
 The MLP 784-512-512-10 (ReLU, softmax cross-entropy in the graph, ``onnxtrain.zoo.mlp``) trained by the
 same step graph (forward + backward + optimizer update) on both backends: the numpy engine (default) and
 ``onnxtrain.backend=onnxruntime`` (onnxruntime's inference package, state bound through IOBinding).
 Each session cycles over the same 4 seeded batches. Peers are interleaved, median of the repeats after a
 warm-up (bench/common.py); the figure quoted is onnxruntime's samples/s over the numpy engine's.
+``--threads N`` caps both: onnxruntime's intra-op threads and numpy's BLAS (through threadpoolctl); on a
+loaded machine, multi-threaded OpenBLAS slows down far more than onnxruntime, so quote both settings.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -26,13 +29,14 @@ SIZES = [784, 512, 512, 10]
 OPTIMIZERS = {"adam": "AdamOptimizer", "sgd": "SGDOptimizer"}
 
 
-def make_step(backend: str, batch: int, optimizer: str, n_batches: int = 4):
+def make_step(backend: str, batch: int, optimizer: str, threads: int = 0, n_batches: int = 4):
     """A zero-argument callable running one training step of a fresh session on ``backend``."""
     p = TrainingParameters()
     p.loss_output_name = "loss"
     p.training_optimizer_name = OPTIMIZERS[optimizer]
     so = SessionOptions()
     so.add_session_config_entry(CONFIG_KEY, backend)
+    so.intra_op_num_threads = threads
     sess = TrainingSession(zoo.mlp(SIZES, seed=0), p, so)
     rng = np.random.default_rng(1)
     lr = np.array([1e-3], np.float32)
@@ -52,17 +56,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=0, help="threads of each backend (0: their defaults)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 5 short repeats")
     a = ap.parse_args(argv)
+    limit = contextlib.nullcontext()
+    if a.threads:
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:
+            print("--threads needs threadpoolctl (pip install threadpoolctl) to cap numpy's BLAS")
+            return 1
+        limit = threadpool_limits(a.threads)
     try:
         import onnxruntime
     except ImportError:
         print("bench/backends.py: onnxruntime is not installed; skipped (pip install onnxruntime)")
         return 0
-    peers = {b: make_step(b, a.batch, a.optimizer) for b in BACKENDS}
-    t = compare(peers, repeats=5 if a.quick else a.repeats, warmup=1 if a.quick else 3,
-                min_time=0.02 if a.quick else 0.2)
-    label = f"MLP {'-'.join(map(str, SIZES))}, batch {a.batch}, {OPTIMIZERS[a.optimizer]}"
+    with limit:
+        peers = {b: make_step(b, a.batch, a.optimizer, a.threads) for b in BACKENDS}
+        t = compare(peers, repeats=5 if a.quick else a.repeats, warmup=1 if a.quick else 3,
+                    min_time=0.02 if a.quick else 0.2)
+    threads = f"{a.threads} thread(s) each" if a.threads else "default threads"
+    label = f"MLP {'-'.join(map(str, SIZES))}, batch {a.batch}, {OPTIMIZERS[a.optimizer]}, {threads}"
     print(f"{label} (onnxruntime {onnxruntime.__version__}, {os.cpu_count()} CPUs)")
     for b in BACKENDS:
         print(f"  {t[b]}  → {a.batch / t[b].median:,.0f} samples/s")
