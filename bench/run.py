@@ -188,6 +188,7 @@ class Row:
     gflops: float
     rss: float
     plan: float | None
+    variant: str = ""  # label of the A/B variant ("" for the default)
     vs_ort: float | None = None
     vs_torch: float | None = None
 
@@ -228,6 +229,7 @@ def run_case(
                 flops / med / 1e9,
                 p.stats["rss_peak"] / MiB,
                 plan / MiB if plan else None,
+                p.variant.split(":", 1)[0],
             )
         )
     ort = next((r for r in rows if r.kind == "ort"), None)
@@ -438,6 +440,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def ab_lines(rows: list[Row]) -> list[str]:
+    """Per model and variant: samples/s of each variant row over its counterpart (same peer and BLAS
+    setting; the counterpart of "a-b" is "a", of "a" the default)."""
+    out = []
+    cases = list(dict.fromkeys(r.case for r in rows))
+    labels = list(dict.fromkeys(r.variant for r in rows if r.variant))
+    for label in labels:
+        base = label.rsplit("-", 1)[0] if "-" in label else ""
+        parts = []
+        for case in cases:
+            ratios = []
+            for r in rows:
+                if r.case != case or r.variant != label:
+                    continue
+                twin = next(
+                    (
+                        t
+                        for t in rows
+                        if t.case == case and t.kind == r.kind and t.blas == r.blas and t.variant == base
+                    ),
+                    None,
+                )
+                if twin is not None:
+                    ratios.append(
+                        f"{LABELS[r.kind].split()[-1]} [{r.blas}] {twin.samples_s / r.samples_s:.2f}"
+                    )
+            if ratios:
+                parts.append(f"{case}: " + ", ".join(ratios))
+        out.append(
+            f"- `{base or 'default'}` over `{label}` (samples/s ratio, > 1: `{base or 'default'}` is "
+            "faster): " + "; ".join(parts)
+        )
+    return out
+
+
 def write_results(
     path: str,
     cmd: str,
@@ -471,9 +508,15 @@ def write_results(
         "",
         load_line + ".",
         "",
-        table(rows, markdown=True, peak=peak),
+        table([r for r in rows if not r.variant], markdown=True, peak=peak),
         "",
         *[f"- {n}" for n in notes],
+        "",
+        *(
+            ["## A/B variants (same run)", "", *ab_lines(rows), "", table(rows, markdown=True, peak=peak)]
+            if any(r.variant for r in rows)
+            else []
+        ),
         "",
     ]
     with open(path, "w") as f:
