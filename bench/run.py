@@ -17,6 +17,10 @@ of the peer's process (VmHWM: interpreter, imports, model, training) and, for on
 engine's peak live bytes (``Plan.peak_bytes``, the largest over its plans). FLOPs: bench/flops.py;
 "% peak" is step FLOPs / step time / the best numpy float32 GEMM figure measured in this run.
 
+``--variant LABEL:NAME=VALUE,...`` adds onnxtrain peers run with extra environment, interleaved with the rest
+(A/B): ``nofuse:ONNXTRAIN_FUSION=0`` (engine fusions off), ``1thread:OPENBLAS_NUM_THREADS=1``,
+``ortbackend:ONNXTRAIN_BENCH_BACKEND=onnxruntime`` (onnxtrain's onnxruntime backend).
+
 ``--quick`` (a smoke run for CI, seconds): the MLP at batch 64 only, few short rounds, inherited BLAS
 setting only; its figures are not results and are not written to the results file.
 """

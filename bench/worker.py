@@ -58,6 +58,19 @@ def _batches(folder: str):
     return [(data[f"x{i}"], data[f"y{i}"]) for i in range(n)]
 
 
+def _backend_options():
+    """onnxtrain SessionOptions naming the backend in ``$ONNXTRAIN_BENCH_BACKEND`` (None: the default, numpy);
+    e.g. ``--variant ortbackend:ONNXTRAIN_BENCH_BACKEND=onnxruntime``."""
+    backend = os.environ.get("ONNXTRAIN_BENCH_BACKEND", "")
+    if not backend:
+        return None
+    from onnxtrain import SessionOptions
+
+    so = SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", backend)
+    return so
+
+
 # ---- peers: each returns (step(x, y) -> loss, plan_peak() -> int | None) --------------------------------
 def legacy_peer(folder: str):
     import numpy as np
@@ -74,7 +87,7 @@ def legacy_peer(folder: str):
     names = _params(folder, "loss_model")
     p.optimizer_attributes_map = {n: {"lambda": WEIGHT_DECAY, "epsilon": 1e-8} for n in names}
     p.optimizer_int_attributes_map = {n: {"weight_decay_mode": 1} for n in names}
-    sess = TrainingSession(model.SerializeToString(), p)
+    sess = TrainingSession(model.SerializeToString(), p, _backend_options())
     inputs = [i.name for i in sess.get_inputs()]
     x_name = inputs[0]
     lr = np.array([LR], np.float32)
@@ -82,7 +95,7 @@ def legacy_peer(folder: str):
     def step(x, y):
         return sess.run(["loss"], {x_name: x, "labels": y, "Learning_Rate": lr})[0]
 
-    return step, lambda: max(pl.peak_bytes for pl in sess._plans.values())
+    return step, lambda: max(getattr(pl, "peak_bytes", 0) for pl in sess._plans.values()) or None
 
 
 def api_peer(folder: str):
@@ -103,7 +116,7 @@ def api_peer(folder: str):
         artifact_directory=out,
     )
     state = CheckpointState.load_checkpoint(os.path.join(out, "checkpoint"))
-    module = Module(os.path.join(out, "training_model.onnx"), state)
+    module = Module(os.path.join(out, "training_model.onnx"), state, session_options=_backend_options())
     opt = Optimizer(os.path.join(out, "optimizer_model.onnx"), module)
     opt.set_learning_rate(LR)
 
@@ -113,7 +126,12 @@ def api_peer(folder: str):
         module.lazy_reset_grad()
         return loss
 
-    return step, lambda: max(module._train_plan.peak_bytes, opt._plan.peak_bytes)
+    return (
+        step,
+        lambda: (
+            max(getattr(module._train_plan, "peak_bytes", 0), getattr(opt._plan, "peak_bytes", 0)) or None
+        ),
+    )
 
 
 def torch_peer(folder: str):
