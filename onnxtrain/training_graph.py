@@ -281,17 +281,7 @@ def build_step_graphs(
         update: bool, expose_grads: bool = False
     ) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
         nodes = list(grad.graph.node)
-        w = NodeWriter(
-            NameGen(
-                [
-                    *{n for nd in nodes for n in (*nd.input, *nd.output)},
-                    *(i.name for i in base_inputs),
-                    *(t.name for t in grad.graph.initializer),
-                ]
-            ),
-            nodes,
-            prefix="",
-        )
+        w = NodeWriter(NameGen.for_model(grad), nodes, prefix="")  # value and node names stay unique
         inputs = list(base_inputs)
         outputs = list(out_user)
         extras: list[str] = []

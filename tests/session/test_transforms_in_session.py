@@ -105,3 +105,22 @@ def test_transformer_layer_recompute_on_the_exported_encoder() -> None:
         np.testing.assert_array_equal(layered.get_state()[k], v, err_msg=k)
     ratio = layered._plan.peak_bytes / plain._plan.peak_bytes
     assert ratio < 0.85, ratio
+
+
+def test_step_graphs_have_unique_node_names() -> None:
+    # regression: the step graph could reuse a node name of the gradient graph ("Identity"),
+    # which onnxruntime refuses
+    torch = pytest.importorskip("torch")
+    from tests import models
+
+    torch.manual_seed(0)
+    module = models.WithLoss(models.TransformerEncoder(seq=8, d=16, ff=32, layers=1, dropout=0.0),
+                             torch.nn.CrossEntropyLoss())
+    rng = np.random.default_rng(0)
+    feeds = {"tokens": rng.integers(0, 50, (4, 8)).astype(np.int64), "labels": rng.integers(0, 5, 4)}
+    model = models.export_module(module, feeds, "loss", training=True, batch_output=False)
+    for opt in ("AdamOptimizer", "LambOptimizer"):
+        g = TrainingSession(model.SerializeToString(), params(opt))._graphs
+        for m in (g.full, g.gradients_graph, g.update_graph):
+            names = [n.name for n in m.graph.node]
+            assert len(names) == len(set(names)), [n for n in names if names.count(n) > 1][:5]
