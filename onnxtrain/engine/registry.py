@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
 from onnxtrain.ir.attrs import attribute_value, parse_attributes  # noqa: F401 - re-exported
 
 Inputs = Sequence[Any]

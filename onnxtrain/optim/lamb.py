@@ -9,7 +9,7 @@ from onnx import TensorProto
 
 from onnxtrain.ir.builder import NodeWriter
 from onnxtrain.optim.adam import bias_corrections, moments
-from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, fattr, iattr, scalar
+from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, fattr, scalar
 
 
 class Lamb(Optimizer):
