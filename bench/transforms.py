@@ -28,7 +28,10 @@ SETTINGS = {
     "transformer_layer_recompute": {"transformer_layer_recompute": True},
     "gelu_recompute": {"gelu_recompute": True},
     "mixed precision (float16)": {"use_mixed_precision": True},
-    "float16 + transformer_layer_recompute": {"use_mixed_precision": True, "transformer_layer_recompute": True},
+    "float16 + transformer_layer_recompute": {
+        "use_mixed_precision": True,
+        "transformer_layer_recompute": True,
+    },
 }
 
 

@@ -47,26 +47,37 @@ class TrainingSession(InferenceSession):
         loss, = sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)})
     """
 
-    def __init__(self, path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto, parameters: TrainingParameters,
-                 sess_options: SessionOptions | None = None, providers: Sequence[Any] | None = None,
-                 provider_options: Sequence[dict] | None = None):
+    def __init__(
+        self,
+        path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto,
+        parameters: TrainingParameters,
+        sess_options: SessionOptions | None = None,
+        providers: Sequence[Any] | None = None,
+        provider_options: Sequence[dict] | None = None,
+    ):
         if not isinstance(path_or_bytes, (str, bytes, bytearray, os.PathLike, onnx.ModelProto)):
-            raise TypeError(f"path_or_bytes must be a path or the serialized model, got {type(path_or_bytes).__name__}")
+            raise TypeError(
+                f"path_or_bytes must be a path or the serialized model, got {type(path_or_bytes).__name__}"
+            )
         if not isinstance(parameters, TrainingParameters):
             raise TypeError(f"parameters must be a TrainingParameters, got {type(parameters).__name__}")
         p = parameters
         pending = p.unsupported_options()
         if pending:
-            raise NotImplementedError(f"TrainingParameters option(s) {', '.join(pending)} are not implemented yet")
+            raise NotImplementedError(
+                f"TrainingParameters option(s) {', '.join(pending)} are not implemented yet"
+            )
         self._dp = resolve_parallel(p)
         if p.gradient_accumulation_mode not in ("legacy", "auto"):
-            raise ValueError(f"gradient_accumulation_mode must be 'legacy' or 'auto', got "
-                             f"{p.gradient_accumulation_mode!r}")
+            raise ValueError(
+                f"gradient_accumulation_mode must be 'legacy' or 'auto', got {p.gradient_accumulation_mode!r}"
+            )
         self._params = p
         self._sess_options = sess_options or SessionOptions()
         self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
-        self._providers, self._provider_options = backend_providers(self._backend, providers,
-                                                                    provider_options)
+        self._providers, self._provider_options = backend_providers(
+            self._backend, providers, provider_options
+        )
         self._start_ns = time.time_ns()
         self._fallback = True
         model = load_model(path_or_bytes)
@@ -77,8 +88,9 @@ class TrainingSession(InferenceSession):
         self._check_attribute_maps()
         mp = g.mixed_precision
         if mp is not None and self._dp is not None:
-            raise NotImplementedError("use_mixed_precision together with data parallelism (world_size > 1) "
-                                      "is not implemented yet")
+            raise NotImplementedError(
+                "use_mixed_precision together with data parallelism (world_size > 1) is not implemented yet"
+            )
         self.loss_scale_input_name = mp.loss_scale if mp is not None else None
         self._store: dict[str, np.ndarray] = dict(g.initial_state)
         self._specs = list(g.state_specs)
@@ -89,9 +101,11 @@ class TrainingSession(InferenceSession):
             if self._opt is not None:
                 self._setup_data_parallel()
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
-        for path, m in ((p.model_after_graph_transforms_path, g.transformed),
-                        (p.model_with_gradient_graph_path, g.gradient),
-                        (p.model_with_training_graph_path, g.full)):
+        for path, m in (
+            (p.model_after_graph_transforms_path, g.transformed),
+            (p.model_with_gradient_graph_path, g.gradient),
+            (p.model_with_training_graph_path, g.full),
+        ):
             if path:
                 save_model_atomic(m, path)
         self._model = g.full
@@ -105,8 +119,9 @@ class TrainingSession(InferenceSession):
             feed_names.add(self.loss_scale_input_name)
         self._inputs = [node_arg(v) for v in g.full.graph.input if v.name in feed_names]
         self._overridable = [NodeArg(TRAINING_MODE, "tensor(bool)", [])] if g.has_training_mode else []
-        self._outputs = [node_arg(v) for v in g.full.graph.output if v.name in set(g.user_outputs) | set(
-            g.extra_outputs)]
+        self._outputs = [
+            node_arg(v) for v in g.full.graph.output if v.name in set(g.user_outputs) | set(g.extra_outputs)
+        ]
         self._output_names = [o.name for o in self._outputs]
         self._check = FeedChecker(self._plan, [TRAINING_MODE] if g.has_training_mode else [])
         self._check.required = [n for n in self._check.required if n in feed_names]
@@ -122,13 +137,17 @@ class TrainingSession(InferenceSession):
         for w in self._graphs.trainable:
             for label, m in (("optimizer_attributes_map", fmap), ("optimizer_int_attributes_map", imap)):
                 if m and w not in m:
-                    raise ValueError(f"{label} has no entry for trained weight {w!r} (give every trained weight "
-                                     "an entry, possibly {})")
+                    raise ValueError(
+                        f"{label} has no entry for trained weight {w!r} (give every trained weight "
+                        "an entry, possibly {})"
+                    )
             opt.check_attrs(w, fmap.get(w, {}), imap.get(w, {}))
         for label, m in (("optimizer_attributes_map", fmap), ("optimizer_int_attributes_map", imap)):
             for w in m:
                 if w not in self._graphs.trainable:
-                    raise ValueError(f"{label}: {w!r} is not a trained weight; trained: {self._graphs.trainable}")
+                    raise ValueError(
+                        f"{label}: {w!r} is not a trained weight; trained: {self._graphs.trainable}"
+                    )
 
     def _apply_initial_optimizer_state(self, initial: dict[str, dict[str, np.ndarray]]) -> None:
         z = self._zero
@@ -140,8 +159,11 @@ class TrainingSession(InferenceSession):
                     # full-size state, sliced to this rank's pieces (spec §11.5)
                     arr = np.asarray(v)
                     full = arr.shape == z.shapes[w]
-                    targets = [(f"{key}_{pc.name}", z.piece_view(pc, arr) if full else arr)
-                               for pc in z.pieces if pc.weight == w]
+                    targets = [
+                        (f"{key}_{pc.name}", z.piece_view(pc, arr) if full else arr)
+                        for pc in z.pieces
+                        if pc.weight == w
+                    ]
                 else:
                     targets = [(f"{key}_{w}", v)]
                 for name, value in targets:
@@ -154,8 +176,9 @@ class TrainingSession(InferenceSession):
         g, p, dp = self._graphs, self._params, self._dp
         steps = p.gradient_accumulation_steps
         gupd = g.updates["gradients"]
-        self._grad_outputs = [gupd[accumulation.buffer_name(f"{w}_grad")] if steps > 1 else f"{w}_grad"
-                              for w in g.trainable]
+        self._grad_outputs = [
+            gupd[accumulation.buffer_name(f"{w}_grad")] if steps > 1 else f"{w}_grad" for w in g.trainable
+        ]
         self._grad_scale = 1.0 / (steps * dp.size)  # the legacy's 1/(N·D): gradients are averaged
         weights = [self._store[w] for w in g.trainable]
         if dp.mode == "allreduce":
@@ -163,18 +186,29 @@ class TrainingSession(InferenceSession):
         elif dp.mode == "zero1":
             dtypes = {a.dtype for a in weights}
             if len(dtypes) != 1:
-                raise NotImplementedError(f"deepspeed_zero_stage=1 needs trained weights of one dtype, got "
-                                          f"{sorted(map(str, dtypes))}")
+                raise NotImplementedError(
+                    f"deepspeed_zero_stage=1 needs trained weights of one dtype, got "
+                    f"{sorted(map(str, dtypes))}"
+                )
             dt = dtypes.pop()
             z = self._zero = ZeroLayout({w: self._store[w].shape for w in g.trainable}, dp.size, dp.rank)
             elem = helper.np_dtype_to_tensor_dtype(dt)
-            slots = [WeightSlot(pc.name, f"{pc.name}_grad", pc.shape, elem,
-                                dict(p.optimizer_attributes_map.get(pc.weight, {})),
-                                dict(p.optimizer_int_attributes_map.get(pc.weight, {}))) for pc in z.pieces]
+            slots = [
+                WeightSlot(
+                    pc.name,
+                    f"{pc.name}_grad",
+                    pc.shape,
+                    elem,
+                    dict(p.optimizer_attributes_map.get(pc.weight, {})),
+                    dict(p.optimizer_int_attributes_map.get(pc.weight, {})),
+                )
+                for pc in z.pieces
+            ]
             norm = next((e for e in g.extra_outputs if e.startswith("global_gradient_norm")), None)
             self._norm_name = norm
-            model, upd, _, specs = build_update_graph(g.gradient, slots, p, self._opt, clip=norm is not None,
-                                                      norm_input=norm)
+            model, upd, _, specs = build_update_graph(
+                g.gradient, slots, p, self._opt, clip=norm is not None, norm_input=norm
+            )
             self._extra_models["zero_update"] = model
             self._zero_updates = upd
             for sp in self._specs:  # the full state is replaced by the state of this rank's pieces
@@ -187,16 +221,26 @@ class TrainingSession(InferenceSession):
 
     def _get_plan(self, kind: str) -> Plan:
         if kind not in self._plans:
-            model = {"full": self._graphs.full, "accumulate": self._graphs.accumulate,
-                     "forward": self._graphs.forward, "gradients": self._graphs.gradients_graph,
-                     "update": self._graphs.update_graph, **self._extra_models}[kind]
-            self._plans[kind] = make_plan(model, self._backend, self._providers, self._sess_options,
-                                          self._provider_options)
+            model = {
+                "full": self._graphs.full,
+                "accumulate": self._graphs.accumulate,
+                "forward": self._graphs.forward,
+                "gradients": self._graphs.gradients_graph,
+                "update": self._graphs.update_graph,
+                **self._extra_models,
+            }[kind]
+            self._plans[kind] = make_plan(
+                model, self._backend, self._providers, self._sess_options, self._provider_options
+            )
         return self._plans[kind]
 
     # ---- running ----------------------------------------------------------------------
-    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
-            run_options: RunOptions | None = None) -> list[np.ndarray]:
+    def run(
+        self,
+        output_names: Sequence[str] | None,
+        input_feed: Mapping[str, Any],
+        run_options: RunOptions | None = None,
+    ) -> list[np.ndarray]:
         """Forward, backward and (when due) the optimizer update; returns the requested outputs."""
         ro = run_options or RunOptions()
         names = list(output_names) if output_names else list(self._output_names)
@@ -215,7 +259,9 @@ class TrainingSession(InferenceSession):
         else:
             missing = [n for n in names if n not in plan.output_info]
             if missing:
-                raise ValueError(f"output(s) {missing} are not computed on a gradient-accumulation micro-step")
+                raise ValueError(
+                    f"output(s) {missing} are not computed on a gradient-accumulation micro-step"
+                )
         plan_inputs = plan.all_input_names
         feeds = {n: feeds[n] for n in plan_inputs if n in feeds}  # e.g. no learning rate when not updating
         for s in plan_inputs:
@@ -223,7 +269,7 @@ class TrainingSession(InferenceSession):
                 feeds[s] = self._store[s]
         upd_items = [] if kind == "forward" else list(self._graphs.updates[kind].items())
         results = plan.run(feeds, names + [o for _, o in upd_items])
-        for (state, _), v in zip(upd_items, results[len(names):]):
+        for (state, _), v in zip(upd_items, results[len(names) :]):
             self._store[state] = v
         if kind == "full" and self._graphs.buffers:
             for b in self._graphs.buffers:
@@ -245,8 +291,8 @@ class TrainingSession(InferenceSession):
                 gfeeds[s] = store[s]
         res = gp.run(gfeeds, local_names + self._grad_outputs + [o for _, o in bn_items])
         got = dict(zip(local_names, res))
-        grads = res[len(local_names):len(local_names) + len(self._grad_outputs)]
-        for (stat, _), v in zip(bn_items, res[len(local_names) + len(grads):]):
+        grads = res[len(local_names) : len(local_names) + len(self._grad_outputs)]
+        for (stat, _), v in zip(bn_items, res[len(local_names) + len(grads) :]):
             store[stat] = v
         lr = self._params.lr_params_feed_name
         if dp.mode == "zero1":
@@ -266,7 +312,7 @@ class TrainingSession(InferenceSession):
             extra = [n for n in names if n not in got and n in up.output_info]
             out = up.run(ufeeds, extra + [o for _, o in items])
             got.update(zip(extra, out))
-            new = dict(zip([s for s, _ in items], out[len(extra):]))
+            new = dict(zip([s for s, _ in items], out[len(extra) :]))
             if dp.mode == "adasum":
                 old = [store[w] for w in g.trainable]
                 deltas = adasum_reduce(dp.comm, [new[w] - o for w, o in zip(g.trainable, old)])
@@ -285,11 +331,13 @@ class TrainingSession(InferenceSession):
         """ZeRO stage 1: reduce-scatter, norm over owned pieces summed across ranks, update, allgather."""
         g, store, z, comm = self._graphs, self._store, self._zero, self._dp.comm
         z.flatten_into(dict(zip(g.trainable, grads)), self._zgrad, self._grad_scale)
-        own = comm.reduce_scatter_(self._zgrad, self._zown,
-                                   f"ZeRO gradient reduce-scatter ({self._zgrad.nbytes} bytes)")
+        own = comm.reduce_scatter_(
+            self._zgrad, self._zown, f"ZeRO gradient reduce-scatter ({self._zgrad.nbytes} bytes)"
+        )
         own64 = own.astype(np.float64)
-        norm = np.asarray(np.sqrt(comm.allreduce_scalar(float(np.dot(own64, own64)), "ZeRO gradient norm")),
-                          own.dtype)
+        norm = np.asarray(
+            np.sqrt(comm.allreduce_scalar(float(np.dot(own64, own64)), "ZeRO gradient norm")), own.dtype
+        )
         wflat = np.zeros(z.padded, own.dtype)
         if z.pieces:
             up = self._get_plan("zero_update")
@@ -305,7 +353,7 @@ class TrainingSession(InferenceSession):
             items = list(self._zero_updates.items())
             new = dict(zip([s for s, _ in items], up.run(feeds, [o for _, o in items])))
             for pc in z.pieces:
-                wflat[pc.offset:pc.offset + pc.stop - pc.start] = new.pop(pc.name).reshape(-1)
+                wflat[pc.offset : pc.offset + pc.stop - pc.start] = new.pop(pc.name).reshape(-1)
             store.update(new)  # optimizer state of the owned pieces
         comm.allgather_(wflat, f"ZeRO weight allgather ({wflat.nbytes} bytes)")
         store.update(z.unflatten(wflat))
@@ -317,7 +365,11 @@ class TrainingSession(InferenceSession):
             return "forward"
         if g.accumulate is not None:
             if self._params.gradient_accumulation_mode == "auto":
-                return "full" if self._micro_step + 1 >= self._params.gradient_accumulation_steps else "accumulate"
+                return (
+                    "full"
+                    if self._micro_step + 1 >= self._params.gradient_accumulation_steps
+                    else "accumulate"
+                )
             if ro.only_execute_path_to_fetches and GROUP_OUTPUT in names:
                 return "accumulate"
         return "full"
@@ -351,7 +403,9 @@ class TrainingSession(InferenceSession):
         for sp in self._specs:
             pc = self._zero.piece_of.get(sp.weight) if self._zero is not None else None
             if pc is not None:
-                out.setdefault(f"{sp.key}_{pc.weight}", []).append((sp.name, pc, sp.initial.shape == pc.shape))
+                out.setdefault(f"{sp.key}_{pc.weight}", []).append(
+                    (sp.name, pc, sp.initial.shape == pc.shape)
+                )
         return out
 
     def gather_state(self) -> dict[str, np.ndarray]:
@@ -396,8 +450,9 @@ class TrainingSession(InferenceSession):
                 if self._zero is not None and name in self._all_optimizer_state_names():
                     continue  # optimizer state of a weight another rank updates
                 if strict:
-                    raise KeyError(f"load_state: {name!r} is not a state tensor of this session; known: "
-                                   f"{sorted(known)}")
+                    raise KeyError(
+                        f"load_state: {name!r} is not a state tensor of this session; known: {sorted(known)}"
+                    )
                 continue
             self._assign(name, value)
         if strict and self._zero is None:
@@ -412,7 +467,9 @@ class TrainingSession(InferenceSession):
         slots = [WeightSlot(w, "", (), 1) for w in self._graphs.trainable]
         return {sp.name for sp in self._opt.state(slots)}
 
-    def get_model_state(self, include_mixed_precision_weights: bool = False) -> dict[str, dict[str, np.ndarray]]:
+    def get_model_state(
+        self, include_mixed_precision_weights: bool = False
+    ) -> dict[str, dict[str, np.ndarray]]:
         out = {"full_precision": {w: self._store[w].copy() for w in self._graphs.trainable}}
         if include_mixed_precision_weights:
             mp = self._graphs.mixed_precision
@@ -431,13 +488,18 @@ class TrainingSession(InferenceSession):
     def get_partition_info_map(self) -> dict[str, dict[str, list[int]]]:
         """ZeRO stage 1: ``{weight: {"original_dim": [...], "megatron_row_partition": [-1]}}`` for the
         weights that straddle this rank's partition boundary; empty otherwise."""
-        return {} if self._zero is None else {w: {k: list(v) for k, v in d.items()}
-                                              for w, d in self._zero.partition_info.items()}
+        return (
+            {}
+            if self._zero is None
+            else {w: {k: list(v) for k, v in d.items()} for w, d in self._zero.partition_info.items()}
+        )
 
     def is_output_fp32_node(self, output_name: str) -> bool:
         for n in self._graphs.full.graph.node:
             if output_name in n.output:
-                types = {v.name: v for v in (*self._graphs.full.graph.output, *self._graphs.full.graph.value_info)}
+                types = {
+                    v.name: v for v in (*self._graphs.full.graph.output, *self._graphs.full.graph.value_info)
+                }
                 v = types.get(output_name)
                 if v is None:
                     inferred = onnx.shape_inference.infer_shapes(self._graphs.full)
@@ -446,10 +508,20 @@ class TrainingSession(InferenceSession):
         raise ValueError(f"{output_name!r} is not produced by any node of the training graph")
 
 
-_FINGERPRINT_OPTIONS = ("loss_output_name", "training_optimizer_name", "lr_params_feed_name",
-                        "optimizer_attributes_map", "optimizer_int_attributes_map",
-                        "gradient_accumulation_steps", "enable_grad_norm_clip", "deepspeed_zero_stage",
-                        "enable_adasum", "use_mixed_precision", "legacy_cpu_adam", "gradient_accumulation_mode")
+_FINGERPRINT_OPTIONS = (
+    "loss_output_name",
+    "training_optimizer_name",
+    "lr_params_feed_name",
+    "optimizer_attributes_map",
+    "optimizer_int_attributes_map",
+    "gradient_accumulation_steps",
+    "enable_grad_norm_clip",
+    "deepspeed_zero_stage",
+    "enable_adasum",
+    "use_mixed_precision",
+    "legacy_cpu_adam",
+    "gradient_accumulation_mode",
+)
 
 
 def _fingerprint(model: onnx.ModelProto, g: StepGraphs, p: TrainingParameters) -> dict[str, Any]:
@@ -461,10 +533,12 @@ def _fingerprint(model: onnx.ModelProto, g: StepGraphs, p: TrainingParameters) -
     trained = set(g.trainable)
     return {
         "graph (nodes, inputs, outputs)": digest(graph.SerializeToString(deterministic=True)),
-        "trained weights (dtype, shape)": {w: (str(g.initial_state[w].dtype), list(g.initial_state[w].shape))
-                                           for w in g.trainable},
+        "trained weights (dtype, shape)": {
+            w: (str(g.initial_state[w].dtype), list(g.initial_state[w].shape)) for w in g.trainable
+        },
         "initial values of the trained weights": {w: array_digest(g.initial_state[w]) for w in g.trainable},
-        "frozen initializers": {n: array_digest(numpy_helper.to_array(t)) for n, t in inits.items()
-                                if n not in trained},
+        "frozen initializers": {
+            n: array_digest(numpy_helper.to_array(t)) for n, t in inits.items() if n not in trained
+        },
         "training parameters": {k: repr(getattr(p, k)) for k in _FINGERPRINT_OPTIONS},
     }

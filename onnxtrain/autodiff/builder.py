@@ -337,7 +337,8 @@ def build_gradient_model(
             for j, v in enumerate(seq):
                 if v in renames:
                     seq[j] = renames[v]
-    # assemble (after the zero gradients, which may add Shape nodes): forward (with forward-side Shape nodes), seeds and backward
+    # assemble, after the zero gradients (they may add Shape nodes): the forward with its Shape nodes,
+    # then the seeds and the backward
     nodes: list[onnx.NodeProto] = list(bw.before_all)
     for k, n in enumerate(bw.fwd_nodes):
         nodes.append(n)

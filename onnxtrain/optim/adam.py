@@ -31,8 +31,11 @@ def bias_corrections(w: NodeWriter, t: str, alpha: float, beta: float, on: bool,
 def moments(w: NodeWriter, g: str, m1: str, m2: str, alpha: float, beta: float, et: int) -> tuple[str, str]:
     """m1 = α·m1 + (1−α)·g,  m2 = β·m2 + (1−β)·g²."""
     m1n = w.one("Add", w.one("Mul", m1, scalar(w, alpha, et)), w.one("Mul", g, scalar(w, 1 - alpha, et)))
-    m2n = w.one("Add", w.one("Mul", m2, scalar(w, beta, et)),
-                w.one("Mul", w.one("Mul", g, g), scalar(w, 1 - beta, et)))
+    m2n = w.one(
+        "Add",
+        w.one("Mul", m2, scalar(w, beta, et)),
+        w.one("Mul", w.one("Mul", g, g), scalar(w, 1 - beta, et)),
+    )
     return m1n, m2n
 
 
@@ -50,8 +53,9 @@ class Adam(Optimizer):
             out.append(StateSpec(f"Update_Count_{s.name}", s.name, "Update_Count", np.ones([1], np.int64)))
         return out
 
-    def emit(self, w: NodeWriter, slots: list[WeightSlot], lr: str, state: dict[str, str]) -> tuple[
-            dict[str, str], dict[str, str]]:
+    def emit(
+        self, w: NodeWriter, slots: list[WeightSlot], lr: str, state: dict[str, str]
+    ) -> tuple[dict[str, str], dict[str, str]]:
         new_w: dict[str, str] = {}
         new_s: dict[str, str] = {}
         for s in slots:
@@ -60,8 +64,10 @@ class Adam(Optimizer):
             lam, eps = fattr(s, self, "lambda"), fattr(s, self, "epsilon")
             mode = iattr(s, self, "weight_decay_mode")
             if mode not in (0, 1):
-                raise ValueError(f"optimizer_int_attributes_map[{s.name!r}]['weight_decay_mode'] must be 0 or 1, "
-                                 f"got {mode}")
+                raise ValueError(
+                    f"optimizer_int_attributes_map[{s.name!r}]['weight_decay_mode'] must be 0 or 1, "
+                    f"got {mode}"
+                )
             t = state[f"Update_Count_{s.name}"]
             m1, m2 = state[f"Moment_1_{s.name}"], state[f"Moment_2_{s.name}"]
             lr_t = lr if et == TensorProto.FLOAT else w.one("Cast", lr, to=et)
@@ -78,7 +84,9 @@ class Adam(Optimizer):
             else:
                 # u = lr·sqrt(c2)/c1 · m1/(sqrt(m2)+ε);  Δ = −u − lr·λ·(w − u)
                 step = w.one("Div", w.one("Mul", lr_t, w.one("Sqrt", c2)), c1)
-                u = w.one("Mul", step, w.one("Div", m1n, w.one("Add", w.one("Sqrt", m2n), scalar(w, eps, et))))
+                u = w.one(
+                    "Mul", step, w.one("Div", m1n, w.one("Add", w.one("Sqrt", m2n), scalar(w, eps, et)))
+                )
                 wn = w.one("Sub", s.name, u)
                 if lam:
                     decay = w.one("Mul", w.one("Mul", lr_t, scalar(w, lam, et)), w.one("Sub", s.name, u))

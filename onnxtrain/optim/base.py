@@ -31,7 +31,7 @@ class WeightSlot:
 
 @dataclass
 class StateSpec:
-    """A state tensor: its store name, the weight it belongs to ('' when shared), its key and initial value."""
+    """A state tensor: store name, the weight it belongs to ('' when shared), key and initial value."""
 
     name: str
     weight: str
@@ -50,18 +50,23 @@ class Optimizer:
     def check_attrs(self, weight: str, floats: dict[str, Any], ints: dict[str, Any]) -> None:
         for k in floats:
             if k not in self.FLOAT_ATTRS:
-                raise ValueError(f"optimizer_attributes_map[{weight!r}]: {self.name} has no float attribute {k!r}; "
-                                 f"known: {sorted(self.FLOAT_ATTRS)}")
+                raise ValueError(
+                    f"optimizer_attributes_map[{weight!r}]: {self.name} has no float attribute {k!r}; "
+                    f"known: {sorted(self.FLOAT_ATTRS)}"
+                )
         for k in ints:
             if k not in self.INT_ATTRS:
-                raise ValueError(f"optimizer_int_attributes_map[{weight!r}]: {self.name} has no int attribute "
-                                 f"{k!r}; known: {sorted(self.INT_ATTRS)}")
+                raise ValueError(
+                    f"optimizer_int_attributes_map[{weight!r}]: {self.name} has no int attribute "
+                    f"{k!r}; known: {sorted(self.INT_ATTRS)}"
+                )
 
     def state(self, slots: list[WeightSlot], moment_dtype: Any = np.float32) -> list[StateSpec]:
         return []
 
-    def emit(self, w: NodeWriter, slots: list[WeightSlot], lr: str, state: dict[str, str]) -> tuple[
-            dict[str, str], dict[str, str]]:
+    def emit(
+        self, w: NodeWriter, slots: list[WeightSlot], lr: str, state: dict[str, str]
+    ) -> tuple[dict[str, str], dict[str, str]]:
         """Emit the update; returns (weight → new weight value, state name → new state value)."""
         raise NotImplementedError
 

@@ -14,8 +14,15 @@ from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, fattr, scalar
 
 class Lamb(Optimizer):
     name = "LambOptimizer"
-    FLOAT_ATTRS = {"alpha": 0.9, "beta": 0.999, "lambda": 0.0, "epsilon": 1e-6, "max_norm_clip": 1.0,
-                   "ratio_min": float("-inf"), "ratio_max": float("inf")}
+    FLOAT_ATTRS = {
+        "alpha": 0.9,
+        "beta": 0.999,
+        "lambda": 0.0,
+        "epsilon": 1e-6,
+        "max_norm_clip": 1.0,
+        "ratio_min": float("-inf"),
+        "ratio_max": float("inf"),
+    }
     INT_ATTRS = {"do_bias_correction": 0}  # the legacy builder's default, not the op schema's
     uses_norm = True
 
@@ -33,8 +40,9 @@ class Lamb(Optimizer):
             raise ValueError(f"LambOptimizer: {key} must be the same for every weight, got {sorted(given)}")
         return given.pop() if given else (self.INT_ATTRS.get(key, self.FLOAT_ATTRS.get(key)))
 
-    def emit(self, w: NodeWriter, slots: list[WeightSlot], lr: str, state: dict[str, str]) -> tuple[
-            dict[str, str], dict[str, str]]:
+    def emit(
+        self, w: NodeWriter, slots: list[WeightSlot], lr: str, state: dict[str, str]
+    ) -> tuple[dict[str, str], dict[str, str]]:
         new_w: dict[str, str] = {}
         new_s: dict[str, str] = {}
         t = state["Step"]
@@ -50,8 +58,11 @@ class Lamb(Optimizer):
             c1, c2 = bias_corrections(w, t, a, b, bias, et)
             m1n, m2n = moments(w, g, m1, m2, a, b, et)
             # d = λ·w + (m1/c1) / (sqrt(m2/c2) + ε); where d is not finite: d = 0 and the moments stay
-            d = w.one("Div", w.one("Div", m1n, c1),
-                      w.one("Add", w.one("Sqrt", w.one("Div", m2n, c2)), scalar(w, eps, et)))
+            d = w.one(
+                "Div",
+                w.one("Div", m1n, c1),
+                w.one("Add", w.one("Sqrt", w.one("Div", m2n, c2)), scalar(w, eps, et)),
+            )
             if lam:
                 d = w.one("Add", d, w.one("Mul", s.name, scalar(w, lam, et)))
             bad = w.one("Or", w.one("IsNaN", d), w.one("IsInf", d))
@@ -64,7 +75,9 @@ class Lamb(Optimizer):
             dn2 = w.one("ReduceL2", d, keepdims=0)
             ratio = w.one("Div", wn2, dn2)
             if rmin != float("-inf") or rmax != float("inf"):
-                ratio = w.one("Clip", ratio, scalar(w, max(rmin, -3.0e38), et), scalar(w, min(rmax, 3.0e38), et))
+                ratio = w.one(
+                    "Clip", ratio, scalar(w, max(rmin, -3.0e38), et), scalar(w, min(rmax, 3.0e38), et)
+                )
             both = w.one("And", w.one("Greater", wn2, zero), w.one("Greater", dn2, zero))
             eta = w.one("Mul", lr_t, w.one("Where", both, ratio, scalar(w, 1.0, et)))
             cand = w.one("Sub", s.name, w.one("Mul", eta, d))

@@ -47,10 +47,18 @@ def test_gradients_match_finite_differences_on_an_mlp() -> None:
 
 def test_value_used_twice_gets_one_sum() -> None:
     w = numpy_helper.from_array(np.array([1.5, -2.0]), "w")
-    nodes = [helper.make_node("Mul", ["x", "w"], ["a"]), helper.make_node("Mul", ["a", "w"], ["b"]),
-             helper.make_node("Add", ["b", "w"], ["c"]), helper.make_node("ReduceSum", ["c"], ["loss"], keepdims=0)]
-    m = _model(nodes, [helper.make_tensor_value_info("x", T.DOUBLE, [2])],
-               [helper.make_tensor_value_info("loss", T.DOUBLE, [])], [w])
+    nodes = [
+        helper.make_node("Mul", ["x", "w"], ["a"]),
+        helper.make_node("Mul", ["a", "w"], ["b"]),
+        helper.make_node("Add", ["b", "w"], ["c"]),
+        helper.make_node("ReduceSum", ["c"], ["loss"], keepdims=0),
+    ]
+    m = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", T.DOUBLE, [2])],
+        [helper.make_tensor_value_info("loss", T.DOUBLE, [])],
+        [w],
+    )
     g = build_gradient_model(m, "loss", ["w"])
     sums = [n for n in g.graph.node if n.op_type == "Sum"]
     assert len(sums) == 1 and len(sums[0].input) == 3
@@ -61,14 +69,20 @@ def test_value_used_twice_gets_one_sum() -> None:
 def test_unreachable_x_gets_zero_and_integer_paths_stop() -> None:
     w = numpy_helper.from_array(np.array([1.0, 2.0]), "w")
     unused = numpy_helper.from_array(np.ones((3, 2)), "unused")
-    nodes = [helper.make_node("Mul", ["x", "w"], ["a"]),
-             helper.make_node("Cast", ["a"], ["ai"], to=T.INT64),  # integer: no gradient through here
-             helper.make_node("Cast", ["ai"], ["af"], to=T.DOUBLE),
-             helper.make_node("Add", ["a", "af"], ["b"]),
-             helper.make_node("Mul", ["unused", "unused"], ["dead"]),
-             helper.make_node("ReduceSum", ["b"], ["loss"], keepdims=0)]
-    m = _model(nodes, [helper.make_tensor_value_info("x", T.DOUBLE, [2])],
-               [helper.make_tensor_value_info("loss", T.DOUBLE, [])], [w, unused])
+    nodes = [
+        helper.make_node("Mul", ["x", "w"], ["a"]),
+        helper.make_node("Cast", ["a"], ["ai"], to=T.INT64),  # integer: no gradient through here
+        helper.make_node("Cast", ["ai"], ["af"], to=T.DOUBLE),
+        helper.make_node("Add", ["a", "af"], ["b"]),
+        helper.make_node("Mul", ["unused", "unused"], ["dead"]),
+        helper.make_node("ReduceSum", ["b"], ["loss"], keepdims=0),
+    ]
+    m = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", T.DOUBLE, [2])],
+        [helper.make_tensor_value_info("loss", T.DOUBLE, [])],
+        [w, unused],
+    )
     g = build_gradient_model(m, "loss", ["w", "unused"])
     onnx.checker.check_model(g, full_check=True)
     out = dict(zip([o.name for o in g.graph.output], run_engine(g, {"x": np.array([3.0, 4.0])})))
@@ -79,11 +93,17 @@ def test_unreachable_x_gets_zero_and_integer_paths_stop() -> None:
 
 def test_op_without_rule_names_node_and_op() -> None:
     w = numpy_helper.from_array(np.ones((1, 1, 2, 2)), "w")
-    nodes = [helper.make_node("Mul", ["x", "w"], ["a"]),
-             helper.make_node("LRN", ["a"], ["b"], size=1, name="my_lrn"),
-             helper.make_node("ReduceSum", ["b"], ["loss"], keepdims=0)]
-    m = _model(nodes, [helper.make_tensor_value_info("x", T.DOUBLE, [1, 1, 2, 2])],
-               [helper.make_tensor_value_info("loss", T.DOUBLE, [])], [w])
+    nodes = [
+        helper.make_node("Mul", ["x", "w"], ["a"]),
+        helper.make_node("LRN", ["a"], ["b"], size=1, name="my_lrn"),
+        helper.make_node("ReduceSum", ["b"], ["loss"], keepdims=0),
+    ]
+    m = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", T.DOUBLE, [1, 1, 2, 2])],
+        [helper.make_tensor_value_info("loss", T.DOUBLE, [])],
+        [w],
+    )
     with pytest.raises(GradientError, match=r"'my_lrn' \(LRN\).*ops with rules: .*Add"):
         build_gradient_model(m, "loss", ["w"])
 
@@ -98,9 +118,17 @@ def test_unknown_names_are_errors() -> None:
 
 def test_old_opset_is_upgraded() -> None:
     w = numpy_helper.from_array(np.array([[1.0, 2.0], [3.0, 4.0]]), "w")
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"]), helper.make_node("ReduceSum", ["a"], ["loss"], keepdims=0)]
-    m = _model(nodes, [helper.make_tensor_value_info("x", T.DOUBLE, [1, 2])],
-               [helper.make_tensor_value_info("loss", T.DOUBLE, [])], [w], opset=13)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["a"]),
+        helper.make_node("ReduceSum", ["a"], ["loss"], keepdims=0),
+    ]
+    m = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", T.DOUBLE, [1, 2])],
+        [helper.make_tensor_value_info("loss", T.DOUBLE, [])],
+        [w],
+        opset=13,
+    )
     g = build_gradient_model(m, "loss", ["w"])
     assert g.opset_import[0].version >= 17
     onnx.checker.check_model(g, full_check=True)
@@ -111,10 +139,30 @@ def test_cli_gradient_graph(tmp_path) -> None:
     path = tmp_path / "m.onnx"
     onnx.save(mlp_model(loss="mse"), str(path))
     out = tmp_path / "g.onnx"
-    r = subprocess.run([sys.executable, "-m", "onnxtrain", "gradient-graph", str(path), "--loss", "loss",
-                        "--wrt", "W1,b2", "-o", str(out)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "onnxtrain",
+            "gradient-graph",
+            str(path),
+            "--loss",
+            "loss",
+            "--wrt",
+            "W1,b2",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert [o.name for o in onnx.load(str(out)).graph.output][-2:] == ["W1_grad", "b2_grad"]
-    r = subprocess.run([sys.executable, "-m", "onnxtrain", "gradient-graph", "--help"], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "onnxtrain", "gradient-graph", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and "--all-initializers" in r.stdout

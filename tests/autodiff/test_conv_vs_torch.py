@@ -18,7 +18,9 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 
-def _grads(op: str, inputs: list[np.ndarray], attrs: dict[str, Any]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def _grads(
+    op: str, inputs: list[np.ndarray], attrs: dict[str, Any]
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Our gradients of loss = Σ Y·U (U fixed random) w.r.t. every input, and U."""
     names = [f"x{i}" for i in range(len(inputs))]
     node = helper.make_node(op, names, ["y"], **attrs)
@@ -65,8 +67,11 @@ def test_conv_grad_vs_torch(xs, ws, stride, pad, dil, groups) -> None:
     x, w, b = rng.standard_normal(xs), rng.standard_normal(ws), rng.standard_normal(ws[0])
     attrs = {"strides": [stride] * 2, "pads": [pad] * 4, "dilations": [dil] * 2, "group": groups}
     ours, u = _grads("Conv", [x, w, b], attrs)
-    theirs = _torch_grads(lambda x, w, b: F.conv2d(x, w, b, stride=stride, padding=pad, dilation=dil,
-                                                   groups=groups), [x, w, b], u)
+    theirs = _torch_grads(
+        lambda x, w, b: F.conv2d(x, w, b, stride=stride, padding=pad, dilation=dil, groups=groups),
+        [x, w, b],
+        u,
+    )
     _check(ours, theirs)
 
 
@@ -82,12 +87,21 @@ CONVT = [  # x shape, w shape, stride, pad, output_padding, dilation, groups
 def test_conv_transpose_grad_vs_torch(xs, ws, stride, pad, opad, dil, groups) -> None:
     rng = np.random.default_rng(1)
     x, w, b = rng.standard_normal(xs), rng.standard_normal(ws), rng.standard_normal(ws[1] * groups)
-    attrs = {"strides": [stride] * 2, "pads": [pad] * 4, "output_padding": [opad] * 2, "dilations": [dil] * 2,
-             "group": groups}
+    attrs = {
+        "strides": [stride] * 2,
+        "pads": [pad] * 4,
+        "output_padding": [opad] * 2,
+        "dilations": [dil] * 2,
+        "group": groups,
+    }
     ours, u = _grads("ConvTranspose", [x, w, b], attrs)
-    theirs = _torch_grads(lambda x, w, b: F.conv_transpose2d(x, w, b, stride=stride, padding=pad,
-                                                             output_padding=opad, groups=groups, dilation=dil),
-                          [x, w, b], u)
+    theirs = _torch_grads(
+        lambda x, w, b: F.conv_transpose2d(
+            x, w, b, stride=stride, padding=pad, output_padding=opad, groups=groups, dilation=dil
+        ),
+        [x, w, b],
+        u,
+    )
     _check(ours, theirs)
 
 
@@ -103,10 +117,17 @@ POOL = [  # x shape, kernel, stride, pad, ceil_mode, dilation (max only)
 def test_max_pool_grad_vs_torch(xs, k, stride, pad, ceil, dil) -> None:
     n = int(np.prod(xs))
     x = (np.random.default_rng(2).permutation(n).reshape(xs) / n).astype(np.float64)  # no ties
-    attrs = {"kernel_shape": [k] * 2, "strides": [stride] * 2, "pads": [pad] * 4, "ceil_mode": ceil,
-             "dilations": [dil] * 2}
+    attrs = {
+        "kernel_shape": [k] * 2,
+        "strides": [stride] * 2,
+        "pads": [pad] * 4,
+        "ceil_mode": ceil,
+        "dilations": [dil] * 2,
+    }
     ours, u = _grads("MaxPool", [x], attrs)
-    theirs = _torch_grads(lambda x: F.max_pool2d(x, k, stride, pad, dilation=dil, ceil_mode=bool(ceil)), [x], u)
+    theirs = _torch_grads(
+        lambda x: F.max_pool2d(x, k, stride, pad, dilation=dil, ceil_mode=bool(ceil)), [x], u
+    )
     _check(ours, theirs)
 
 
@@ -114,9 +135,17 @@ def test_max_pool_grad_vs_torch(xs, k, stride, pad, ceil, dil) -> None:
 @pytest.mark.parametrize("xs,k,stride,pad,ceil,dil", [p for p in POOL if p[5] == 1], ids=lambda v: str(v))
 def test_average_pool_grad_vs_torch(xs, k, stride, pad, ceil, dil, include_pad) -> None:
     x = np.random.default_rng(3).standard_normal(xs)
-    attrs = {"kernel_shape": [k] * 2, "strides": [stride] * 2, "pads": [pad] * 4, "ceil_mode": ceil,
-             "count_include_pad": include_pad}
+    attrs = {
+        "kernel_shape": [k] * 2,
+        "strides": [stride] * 2,
+        "pads": [pad] * 4,
+        "ceil_mode": ceil,
+        "count_include_pad": include_pad,
+    }
     ours, u = _grads("AveragePool", [x], attrs)
-    theirs = _torch_grads(lambda x: F.avg_pool2d(x, k, stride, pad, ceil_mode=bool(ceil),
-                                                 count_include_pad=bool(include_pad)), [x], u)
+    theirs = _torch_grads(
+        lambda x: F.avg_pool2d(x, k, stride, pad, ceil_mode=bool(ceil), count_include_pad=bool(include_pad)),
+        [x],
+        u,
+    )
     _check(ours, theirs)

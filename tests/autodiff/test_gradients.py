@@ -23,8 +23,11 @@ def _setup(case: OpCase):
     float_outs = [k for k, o in enumerate(outs) if np.asarray(o).dtype == np.float64]
     use = list(case.grad_outputs) if case.grad_outputs is not None else float_outs
     lmodel = random_loss_model(model, [np.shape(o) for o in outs], use)
-    wrt_idx = case.wrt if case.wrt is not None else [
-        i for i, v in enumerate(inputs) if v is not None and np.asarray(v).dtype == np.float64]
+    wrt_idx = (
+        case.wrt
+        if case.wrt is not None
+        else [i for i, v in enumerate(inputs) if v is not None and np.asarray(v).dtype == np.float64]
+    )
     wrt = [f"x{i}" for i in wrt_idx]
     return lmodel, feeds, wrt
 
@@ -62,7 +65,9 @@ def test_gradient_graph_portable(case: OpCase) -> None:
         sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime lacks float64 kernels for some ops (Tan, Elu, ...)
         if "NOT_IMPLEMENTED" in str(e):
-            pytest.skip(f"onnxruntime has no kernel for this graph in float64 (onnx.reference agreed): {e}"[:300])
+            pytest.skip(
+                f"onnxruntime has no kernel for this graph in float64 (onnx.reference agreed): {e}"[:300]
+            )
         raise
     got = sess.run(None, feeds)
     for o, a, b in zip(gmodel.graph.output, ours, got):

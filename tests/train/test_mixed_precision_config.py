@@ -33,7 +33,8 @@ def _run(tmp_path, *extra: str) -> int:
 
 def test_digits_mlp_in_float16(tmp_path) -> None:
     assert _run(tmp_path) == 0
-    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
     evals = [r for r in records if "eval_accuracy" in r]
     assert evals[-1]["eval_accuracy"] > 0.9
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)

@@ -30,8 +30,10 @@ def _work(x: np.ndarray) -> np.ndarray:
 def _nll(logp: np.ndarray, target: np.ndarray, weight: np.ndarray | None, attrs: Attrs) -> np.ndarray:
     """The ONNX NLL loss of log-probabilities ``logp`` (N, C, d1, ...) and class ``target`` (N, d1, ...)."""
     if logp.ndim < 2 or target.shape != logp.shape[:1] + logp.shape[2:]:
-        raise ValueError(f"input of shape {logp.shape} (N, C, d1, ...) needs a target of shape "
-                         f"(N, d1, ...), got {target.shape}")
+        raise ValueError(
+            f"input of shape {logp.shape} (N, C, d1, ...) needs a target of shape "
+            f"(N, d1, ...), got {target.shape}"
+        )
     c = logp.shape[1]
     ignore_index = attrs["ignore_index"]
     ignored = None

@@ -48,9 +48,9 @@ def row_max(x2: np.ndarray) -> np.ndarray:
     m = x2
     while n > 1:
         h = n // 2
-        nxt = np.maximum(m[:, :h], m[:, h:2 * h])
+        nxt = np.maximum(m[:, :h], m[:, h : 2 * h])
         if n % 2:
-            np.maximum(nxt[:, :1], m[:, 2 * h:], out=nxt[:, :1])
+            np.maximum(nxt[:, :1], m[:, 2 * h :], out=nxt[:, :1])
         m, n = nxt, h
     return m if m is not x2 else x2.copy()
 
