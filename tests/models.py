@@ -1,7 +1,8 @@
 """A zoo of small torch models, exported to ONNX once per test session.
 
 ``export(name, training=..., with_loss=..., batch=...)`` returns ``(ModelProto, example feeds,
-torch module)``. Every model is built under a fixed seed, so its weights are the same in every process; the exported graph
+torch module)``. Every model is built under a fixed seed, so its weights are the same in every process;
+the exported graph
 has a dynamic batch axis on every input. With ``with_loss=True`` the module wraps model and loss (cross
 entropy on integer labels, or BCE-with-logits for the recommender), takes the labels as a second input and
 the graph's single output is named ``loss``; otherwise it is named ``logits``.
@@ -54,8 +55,15 @@ class LeNetBN(nn.Module):
     def __init__(self, dropout: float = 0.25, classes: int = 10, size: int = 16):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 6, 5, padding=2), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(6, 12, 5, padding=2), nn.BatchNorm2d(12), nn.ReLU(), nn.MaxPool2d(2))
+            nn.Conv2d(1, 6, 5, padding=2),
+            nn.BatchNorm2d(6),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(6, 12, 5, padding=2),
+            nn.BatchNorm2d(12),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
         self.drop = nn.Dropout(dropout)
         self.fc = nn.Linear(12 * (size // 4) ** 2, classes)
 
@@ -66,14 +74,24 @@ class LeNetBN(nn.Module):
 class TransformerEncoder(nn.Module):
     """Token + position embeddings, ``layers`` TransformerEncoderLayers (GELU), mean pool, classifier."""
 
-    def __init__(self, vocab: int = 50, seq: int = 12, d: int = 32, heads: int = 4, ff: int = 64,
-                 layers: int = 1, dropout: float = 0.1, classes: int = 5):
+    def __init__(
+        self,
+        vocab: int = 50,
+        seq: int = 12,
+        d: int = 32,
+        heads: int = 4,
+        ff: int = 64,
+        layers: int = 1,
+        dropout: float = 0.1,
+        classes: int = 5,
+    ):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(seq, d)
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(d, heads, ff, dropout=dropout, activation="gelu", batch_first=True)
-            for _ in range(layers))
+            for _ in range(layers)
+        )
         self.head = nn.Linear(d, classes)
         self.register_buffer("positions", torch.arange(seq), persistent=False)
 
@@ -141,8 +159,9 @@ class ResNetBlock(nn.Module):
 
     def __init__(self, channels: int = 8, classes: int = 10):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
-                                  nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU()
+        )
         self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(channels)
         self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
@@ -204,7 +223,7 @@ class WithLoss(nn.Module):
 class Spec:
     """How to build one model and its example inputs."""
 
-    build: Callable[[float], nn.Module]          # dropout → module
+    build: Callable[[float], nn.Module]  # dropout → module
     inputs: Callable[[np.random.Generator, int], dict[str, np.ndarray]]  # (rng, batch) → feeds
     labels: Callable[[np.random.Generator, int], np.ndarray]
     loss: Callable[[], nn.Module]
@@ -237,33 +256,47 @@ class _SeqCE(nn.Module):
 MODELS: dict[str, Spec] = {
     "mlp": Spec(lambda p: MLP(), _images(1, 28), _classes(10), nn.CrossEntropyLoss, dropout=0.0),
     "lenet_bn": Spec(lambda p: LeNetBN(p), _images(1, 16), _classes(10), nn.CrossEntropyLoss, dropout=0.25),
-    "transformer_encoder": Spec(lambda p: TransformerEncoder(dropout=p), _tokens(50, 12), _classes(5),
-                                nn.CrossEntropyLoss),
-    "gpt_block": Spec(lambda p: GPTBlock(dropout=p), _tokens(40, 10),
-                      lambda rng, b: rng.integers(0, 40, (b, 10)).astype(np.int64), _ce_seq),
-    "resnet_block": Spec(lambda p: ResNetBlock(), _images(3, 8), _classes(10), nn.CrossEntropyLoss, dropout=0.0),
+    "transformer_encoder": Spec(
+        lambda p: TransformerEncoder(dropout=p), _tokens(50, 12), _classes(5), nn.CrossEntropyLoss
+    ),
+    "gpt_block": Spec(
+        lambda p: GPTBlock(dropout=p),
+        _tokens(40, 10),
+        lambda rng, b: rng.integers(0, 40, (b, 10)).astype(np.int64),
+        _ce_seq,
+    ),
+    "resnet_block": Spec(
+        lambda p: ResNetBlock(), _images(3, 8), _classes(10), nn.CrossEntropyLoss, dropout=0.0
+    ),
     "lstm_cls": Spec(lambda p: RNNClassifier("lstm"), _tokens(30, 7), _classes(4), nn.CrossEntropyLoss, 0.0),
     "gru_cls": Spec(lambda p: RNNClassifier("gru"), _tokens(30, 7), _classes(4), nn.CrossEntropyLoss, 0.0),
     "recommender": Spec(
         lambda p: Recommender(),
-        lambda rng, b: {"user": rng.integers(0, 20, b).astype(np.int64),
-                        "item": rng.integers(0, 30, b).astype(np.int64),
-                        "dense": rng.standard_normal((b, 4), np.float32)},
-        lambda rng, b: rng.integers(0, 2, b).astype(np.float32), nn.BCEWithLogitsLoss, dropout=0.0),
+        lambda rng, b: {
+            "user": rng.integers(0, 20, b).astype(np.int64),
+            "item": rng.integers(0, 30, b).astype(np.int64),
+            "dense": rng.standard_normal((b, 4), np.float32),
+        },
+        lambda rng, b: rng.integers(0, 2, b).astype(np.float32),
+        nn.BCEWithLogitsLoss,
+        dropout=0.0,
+    ),
 }
 
 NAMES = tuple(MODELS)
 
 
 def build(name: str, dropout: float | None = None, with_loss: bool = False) -> nn.Module:
-    """The torch module ``name`` with seeded weights (the same on every call), optionally wrapped with its loss."""
+    """The torch module ``name`` with seeded weights (the same on every call), optionally with its loss."""
     spec = MODELS[name]
     torch.manual_seed(SEED)
     m = spec.build(spec.dropout if dropout is None else dropout)
     return WithLoss(m, spec.loss()) if with_loss else m
 
 
-def example_inputs(name: str, batch: int = 4, with_loss: bool = False, seed: int = 0) -> dict[str, np.ndarray]:
+def example_inputs(
+    name: str, batch: int = 4, with_loss: bool = False, seed: int = 0
+) -> dict[str, np.ndarray]:
     """Feeds for ``name`` (with ``labels`` when ``with_loss``), from a seeded generator."""
     spec = MODELS[name]
     rng = np.random.default_rng(seed)
@@ -273,8 +306,9 @@ def example_inputs(name: str, batch: int = 4, with_loss: bool = False, seed: int
     return feeds
 
 
-def export(name: str, training: bool = True, with_loss: bool = False, batch: int = 4,
-           dropout: float | None = None) -> tuple[onnx.ModelProto, dict[str, np.ndarray], nn.Module]:
+def export(
+    name: str, training: bool = True, with_loss: bool = False, batch: int = 4, dropout: float | None = None
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray], nn.Module]:
     """Export model ``name`` to ONNX (opset 17, dynamic batch); returns ``(model, feeds, torch module)``.
 
     The export is cached per process: callers must not mutate the returned ModelProto (copy it first);
@@ -287,16 +321,23 @@ def export(name: str, training: bool = True, with_loss: bool = False, batch: int
 
 
 @functools.cache
-def _export(name: str, training: bool, with_loss: bool,
-            dropout: float | None) -> tuple[onnx.ModelProto, nn.Module]:
+def _export(
+    name: str, training: bool, with_loss: bool, dropout: float | None
+) -> tuple[onnx.ModelProto, nn.Module]:
     module = build(name, dropout, with_loss)
-    model = export_module(module, example_inputs(name, 2, with_loss), "loss" if with_loss else "logits",
-                          training, batch_output=not with_loss)
+    model = export_module(
+        module,
+        example_inputs(name, 2, with_loss),
+        "loss" if with_loss else "logits",
+        training,
+        batch_output=not with_loss,
+    )
     return model, module
 
 
-def export_module(module: nn.Module, feeds: dict[str, np.ndarray], output: str, training: bool,
-                  batch_output: bool = True) -> onnx.ModelProto:
+def export_module(
+    module: nn.Module, feeds: dict[str, np.ndarray], output: str, training: bool, batch_output: bool = True
+) -> onnx.ModelProto:
     """Export ``module`` called on ``feeds`` (in order) with axis 0 of every input named ``batch``.
 
     The module is left in the mode asked for and with the weights it had (tracing in training mode would
@@ -314,9 +355,17 @@ def export_module(module: nn.Module, feeds: dict[str, np.ndarray], output: str, 
     with warnings.catch_warnings():  # tracer and BatchNorm-mutation notes are expected here
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            module, args, buf, dynamo=False, opset_version=OPSET, input_names=names, output_names=[output],
+            module,
+            args,
+            buf,
+            dynamo=False,
+            opset_version=OPSET,
+            input_names=names,
+            output_names=[output],
             training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL,
-            do_constant_folding=False, dynamic_axes=dynamic)
+            do_constant_folding=False,
+            dynamic_axes=dynamic,
+        )
     module.load_state_dict(before)
     module.train(training)  # export may flip the mode back; leave it as asked
     model = onnx.load_from_string(buf.getvalue())

@@ -83,8 +83,9 @@ def default_opset(model: onnx.ModelProto) -> int:
 class Plan:
     """An executable form of one ONNX graph."""
 
-    def __init__(self, model: onnx.ModelProto | str | bytes, fold_constants: bool = True,
-                 fuse: bool | None = None):
+    def __init__(
+        self, model: onnx.ModelProto | str | bytes, fold_constants: bool = True, fuse: bool | None = None
+    ):
         """``fuse``: apply the execution-time fusions of :mod:`onnxtrain.engine.fusion` (default: on, unless
         the environment says ``ONNXTRAIN_FUSION=0``)."""
         model = load_model(model)
@@ -117,7 +118,9 @@ class Plan:
         for node in g.node:
             if node.op_type in SUBGRAPH_OPS:
                 raise UnsupportedOpError(
-                    f"node {node.name!r} ({node.op_type}): subgraph ops (If, Loop, Scan) are not supported yet")
+                    f"node {node.name!r} ({node.op_type}): subgraph ops (If, Loop, Scan) "
+                    "are not supported yet"
+                )
             fn = find_kernel(node.op_type, self.opset, node.domain)
             if fn is None:
                 missing.append(f"{node.name!r} ({node.domain + '.' if node.domain else ''}{node.op_type})")
@@ -133,21 +136,25 @@ class Plan:
             raw_steps.append((node, fn, attrs, ins, outs))
         if missing:
             raise UnsupportedOpError(
-                f"no kernel for node(s) {', '.join(missing)}; ops with kernels: {', '.join(available_ops())}")
+                f"no kernel for node(s) {', '.join(missing)}; ops with kernels: {', '.join(available_ops())}"
+            )
         produced = set(init_names) | set(self.all_input_names)
         for node, *_ in raw_steps:
             for n in node.input:
                 if n and n not in produced:
-                    raise EngineError(f"node {node.name!r} ({node.op_type}): input {n!r} is not produced "
-                                      "by any earlier node, graph input or initializer")
+                    raise EngineError(
+                        f"node {node.name!r} ({node.op_type}): input {n!r} is not produced "
+                        "by any earlier node, graph input or initializer"
+                    )
             produced.update(o for o in node.output if o)
         for n in self.output_names:
             if n not in produced:
                 raise EngineError(f"graph output {n!r} is not produced by any node")
         self.slot = slot
         self.n_slots = len(slot)
-        self.steps = [Step(fn, tuple(ins), tuple(outs), attrs, (), node)
-                      for node, fn, attrs, ins, outs in raw_steps]
+        self.steps = [
+            Step(fn, tuple(ins), tuple(outs), attrs, (), node) for node, fn, attrs, ins, outs in raw_steps
+        ]
         self.peak_bytes = 0
         self.profiling = False
         self.profile: list[ProfileEvent] = []
@@ -178,8 +185,10 @@ class Plan:
         for s, i in last.items():
             if s not in keep:
                 frees[i].append(s)
-        self.steps = [Step(st.fn, st.inputs, st.outputs, st.attrs, tuple(fr), st.node)
-                      for st, fr in zip(self.steps, frees)]
+        self.steps = [
+            Step(st.fn, st.inputs, st.outputs, st.attrs, tuple(fr), st.node)
+            for st, fr in zip(self.steps, frees)
+        ]
 
     def _fold_constants(self) -> None:
         """Evaluate Constant nodes once, at compile time (initializers stay feedable)."""
@@ -203,11 +212,17 @@ class Plan:
             raise
         except Exception as e:
             shapes = ", ".join(f"{n or '<none>'}: {_describe(v)}" for n, v in zip(st.node.input, vals))
-            raise EngineError(f"node {st.node.name!r} ({st.node.op_type}) failed on inputs [{shapes}]: "
-                              f"{type(e).__name__}: {e}") from e
+            raise EngineError(
+                f"node {st.node.name!r} ({st.node.op_type}) failed on inputs [{shapes}]: "
+                f"{type(e).__name__}: {e}"
+            ) from e
 
-    def run(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None,
-            overrides: Mapping[str, Any] | None = None) -> list[np.ndarray]:
+    def run(
+        self,
+        feeds: Mapping[str, Any],
+        output_names: Sequence[str] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> list[np.ndarray]:
         """Run the graph on ``feeds`` (name → array) and return the requested outputs."""
         vals: list[Any] = [None] * (self.n_slots + 1)  # the extra last slot stays None: omitted inputs
         slot = self.slot
@@ -303,9 +318,15 @@ class Plan:
                 res = fn(args, attrs)
             except Exception:
                 res = self._call(st, args)
-            self.profile.append(ProfileEvent(st.node.name or st.node.op_type, st.node.op_type, t0,
-                                             time.perf_counter_ns() - t0,
-                                             [list(np.shape(a)) for a in args if a is not None]))
+            self.profile.append(
+                ProfileEvent(
+                    st.node.name or st.node.op_type,
+                    st.node.op_type,
+                    t0,
+                    time.perf_counter_ns() - t0,
+                    [list(np.shape(a)) for a in args if a is not None],
+                )
+            )
             live += self._store(vals, outs, res)
             peak = max(peak, live)
             for s in free:

@@ -4,57 +4,123 @@ from __future__ import annotations
 
 from tests.op_cases import OpCase
 
+# onnx.reference cannot be the oracle of these gradient graphs
+GROUPED_CONV_TRANSPOSE = (
+    "onnx.reference mis-computes grouped ConvTranspose (op-coverage §1.4); onnxruntime and torch check it"
+)
+
 CASES = [
     OpCase("Conv", [(2, 2, 5, 5), (3, 2, 3, 3), (3,)], {"pads": [1, 1, 1, 1]}),
-    OpCase("Conv", [(1, 3, 6, 7), (2, 3, 3, 2)], {"strides": [2, 2], "pads": [1, 0, 0, 1]},
-           variant="strides_asym_pads_nobias"),
-    OpCase("Conv", [(1, 2, 7, 7), (2, 2, 3, 3), (2,)], {"dilations": [2, 1], "pads": [2, 1, 2, 1]},
-           variant="dilations"),
-    OpCase("Conv", [(2, 4, 5, 5), (6, 2, 3, 3), (6,)], {"group": 2}, variant="group2",
-           ref_skip="onnx.reference mis-computes grouped ConvTranspose (op-coverage §1.4); onnxruntime and torch check it"),
-    OpCase("Conv", [(2, 3, 5, 5), (6, 1, 3, 3), (6,)], {"group": 3, "pads": [1, 1, 1, 1]},
-           variant="depthwise_mult2", ref_skip="onnx.reference mis-computes grouped ConvTranspose (op-coverage §1.4); onnxruntime and torch check it"),
+    OpCase(
+        "Conv",
+        [(1, 3, 6, 7), (2, 3, 3, 2)],
+        {"strides": [2, 2], "pads": [1, 0, 0, 1]},
+        variant="strides_asym_pads_nobias",
+    ),
+    OpCase(
+        "Conv",
+        [(1, 2, 7, 7), (2, 2, 3, 3), (2,)],
+        {"dilations": [2, 1], "pads": [2, 1, 2, 1]},
+        variant="dilations",
+    ),
+    OpCase(
+        "Conv",
+        [(2, 4, 5, 5), (6, 2, 3, 3), (6,)],
+        {"group": 2},
+        variant="group2",
+        ref_skip=GROUPED_CONV_TRANSPOSE,
+    ),
+    OpCase(
+        "Conv",
+        [(2, 3, 5, 5), (6, 1, 3, 3), (6,)],
+        {"group": 3, "pads": [1, 1, 1, 1]},
+        variant="depthwise_mult2",
+        ref_skip=GROUPED_CONV_TRANSPOSE,
+    ),
     OpCase("Conv", [(2, 3, 4, 4), (4, 3, 1, 1), (4,)], variant="pointwise"),
     OpCase("Conv", [(2, 2, 9), (3, 2, 3), (3,)], {"strides": [2], "pads": [1, 2]}, variant="1d"),
     OpCase("Conv", [(1, 2, 4, 4, 4), (2, 2, 2, 3, 2), (2,)], {"pads": [1, 0, 1, 0, 1, 0]}, variant="3d"),
-    OpCase("Conv", [(1, 2, 7, 6), (2, 2, 3, 3)], {"auto_pad": "SAME_UPPER", "strides": [2, 2]},
-           variant="same_upper"),
+    OpCase(
+        "Conv",
+        [(1, 2, 7, 6), (2, 2, 3, 3)],
+        {"auto_pad": "SAME_UPPER", "strides": [2, 2]},
+        variant="same_upper",
+    ),
     OpCase("Conv", [(1, 2, 6, 6), (2, 2, 2, 2)], {"auto_pad": "SAME_LOWER"}, variant="same_lower"),
     OpCase("Conv", [(1, 2, 6, 5), (2, 2, 3, 3)], {"auto_pad": "VALID", "strides": [1, 2]}, variant="valid"),
-    OpCase("Conv", [(1, 1, 5, 5), (1, 1, 3, 3)], {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]},
-           variant="kernel_shape_attr"),
+    OpCase(
+        "Conv",
+        [(1, 1, 5, 5), (1, 1, 3, 3)],
+        {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]},
+        variant="kernel_shape_attr",
+    ),
     OpCase("ConvTranspose", [(2, 2, 3, 3), (2, 3, 3, 3), (3,)], variant="basic"),
-    OpCase("ConvTranspose", [(1, 2, 3, 4), (2, 2, 3, 3)], {"strides": [2, 2], "pads": [1, 1, 1, 1],
-                                                           "output_padding": [1, 0]},
-           variant="strides_pads_output_padding"),
+    OpCase(
+        "ConvTranspose",
+        [(1, 2, 3, 4), (2, 2, 3, 3)],
+        {"strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 0]},
+        variant="strides_pads_output_padding",
+    ),
     OpCase("ConvTranspose", [(1, 2, 3, 3), (2, 1, 2, 2), (1,)], {"dilations": [2, 2]}, variant="dilations"),
-    OpCase("ConvTranspose", [(1, 1, 3, 3), (1, 2, 3, 3)], {"strides": [3, 2], "output_shape": [10, 8]},
-           variant="output_shape"),
-    OpCase("ConvTranspose", [(1, 1, 3, 3), (1, 2, 3, 3)], {"strides": [2, 2], "auto_pad": "SAME_UPPER"},
-           variant="same_upper"),
+    OpCase(
+        "ConvTranspose",
+        [(1, 1, 3, 3), (1, 2, 3, 3)],
+        {"strides": [3, 2], "output_shape": [10, 8]},
+        variant="output_shape",
+    ),
+    OpCase(
+        "ConvTranspose",
+        [(1, 1, 3, 3), (1, 2, 3, 3)],
+        {"strides": [2, 2], "auto_pad": "SAME_UPPER"},
+        variant="same_upper",
+    ),
     OpCase("ConvTranspose", [(1, 2, 4), (2, 2, 3), (2,)], {"strides": [2], "pads": [1, 0]}, variant="1d"),
     OpCase("ConvTranspose", [(1, 1, 2, 3, 2), (1, 2, 2, 2, 2)], {"strides": [1, 2, 1]}, variant="3d"),
     # no bias: onnx.reference adds the first group's bias to every group (grouped cases are checked
     # against torch in tests/engine/test_conv_pool_resize.py)
-    OpCase("ConvTranspose", [(1, 2, 3, 3), (2, 1, 3, 3)], {"group": 2, "strides": [2, 2]},
-           variant="depthwise"),
+    OpCase(
+        "ConvTranspose", [(1, 2, 3, 3), (2, 1, 3, 3)], {"group": 2, "strides": [2, 2]}, variant="depthwise"
+    ),
 ]
 
 # gradient-focused rows (rules in onnxtrain/autodiff/rules/conv.py); grouped, non-depthwise rows are
 # checked against torch in tests/autodiff/test_conv_vs_torch.py (onnx.reference's grouped
 # ConvTranspose, which dX uses, is only right for depthwise)
 CASES += [
-    OpCase("Conv", [(2, 2, 9, 8), (3, 2, 3, 2), (3,)], {"strides": [2, 2], "dilations": [2, 2],
-                                                         "pads": [2, 1, 1, 0]}, variant="grad_stride2_dil2"),
-    OpCase("Conv", [(2, 3, 7, 7), (3, 1, 3, 3), (3,)], {"group": 3, "strides": [2, 2], "pads": [1, 1, 1, 1]},
-           variant="grad_depthwise_stride2"),
-    OpCase("Conv", [(2, 2, 11), (3, 2, 3)], {"dilations": [3], "strides": [2], "pads": [0, 2]},
-           variant="grad_1d_dil3"),
-    OpCase("Conv", [(1, 2, 5, 6, 5), (2, 2, 2, 3, 2), (2,)], {"strides": [2, 1, 2], "pads": [1, 0, 0, 1, 1, 0]},
-           variant="grad_3d_stride"),
-    OpCase("Conv", [(2, 2, 7, 6), (2, 2, 3, 2)], {"auto_pad": "SAME_UPPER", "strides": [2, 3]},
-           variant="grad_same_upper_stride"),
-    OpCase("ConvTranspose", [(1, 2, 3, 4), (2, 3, 3, 2), (3,)], {"strides": [2, 3], "dilations": [2, 1],
-                                                                  "pads": [1, 0, 2, 1], "output_padding": [1, 2]},
-           variant="grad_stride_dil_outpad"),
+    OpCase(
+        "Conv",
+        [(2, 2, 9, 8), (3, 2, 3, 2), (3,)],
+        {"strides": [2, 2], "dilations": [2, 2], "pads": [2, 1, 1, 0]},
+        variant="grad_stride2_dil2",
+    ),
+    OpCase(
+        "Conv",
+        [(2, 3, 7, 7), (3, 1, 3, 3), (3,)],
+        {"group": 3, "strides": [2, 2], "pads": [1, 1, 1, 1]},
+        variant="grad_depthwise_stride2",
+    ),
+    OpCase(
+        "Conv",
+        [(2, 2, 11), (3, 2, 3)],
+        {"dilations": [3], "strides": [2], "pads": [0, 2]},
+        variant="grad_1d_dil3",
+    ),
+    OpCase(
+        "Conv",
+        [(1, 2, 5, 6, 5), (2, 2, 2, 3, 2), (2,)],
+        {"strides": [2, 1, 2], "pads": [1, 0, 0, 1, 1, 0]},
+        variant="grad_3d_stride",
+    ),
+    OpCase(
+        "Conv",
+        [(2, 2, 7, 6), (2, 2, 3, 2)],
+        {"auto_pad": "SAME_UPPER", "strides": [2, 3]},
+        variant="grad_same_upper_stride",
+    ),
+    OpCase(
+        "ConvTranspose",
+        [(1, 2, 3, 4), (2, 3, 3, 2), (3,)],
+        {"strides": [2, 3], "dilations": [2, 1], "pads": [1, 0, 2, 1], "output_padding": [1, 2]},
+        variant="grad_stride_dil_outpad",
+    ),
 ]

@@ -39,39 +39,98 @@ def _dropout_inputs(shape: tuple[int, ...], ratio: float | None, training: bool 
 def _loss_rows(op: str) -> list[OpCase]:
     return [
         OpCase(op, make_inputs=_scores((4, 5)), wrt=(0,), opset=13),
-        OpCase(op, make_inputs=_scores((4, 5)), attrs={"reduction": "sum"}, wrt=(0,), opset=13,
-               variant="sum"),
-        OpCase(op, make_inputs=_scores((3, 4, 2)), attrs={"reduction": "none"}, wrt=(0,), opset=13,
-               variant="none_3d"),
+        OpCase(
+            op, make_inputs=_scores((4, 5)), attrs={"reduction": "sum"}, wrt=(0,), opset=13, variant="sum"
+        ),
+        OpCase(
+            op,
+            make_inputs=_scores((3, 4, 2)),
+            attrs={"reduction": "none"},
+            wrt=(0,),
+            opset=13,
+            variant="none_3d",
+        ),
         OpCase(op, make_inputs=_scores((3, 4, 2, 2), weight=True), wrt=(0,), opset=13, variant="weight_4d"),
-        OpCase(op, make_inputs=_scores((6, 3), weight=True, ignore=1), attrs={"ignore_index": 1},
-               wrt=(0,), opset=13, variant="weight_ii"),
-        OpCase(op, make_inputs=_scores((6, 3, 2), ignore=-7), attrs={"ignore_index": -7}, wrt=(0,),
-               opset=13, variant="negative_ii"),
-        OpCase(op, make_inputs=_scores((6, 3), ignore=9), attrs={"ignore_index": 9, "reduction": "sum"},
-               wrt=(0,), opset=13, variant="high_ii_sum"),
+        OpCase(
+            op,
+            make_inputs=_scores((6, 3), weight=True, ignore=1),
+            attrs={"ignore_index": 1},
+            wrt=(0,),
+            opset=13,
+            variant="weight_ii",
+        ),
+        OpCase(
+            op,
+            make_inputs=_scores((6, 3, 2), ignore=-7),
+            attrs={"ignore_index": -7},
+            wrt=(0,),
+            opset=13,
+            variant="negative_ii",
+        ),
+        OpCase(
+            op,
+            make_inputs=_scores((6, 3), ignore=9),
+            attrs={"ignore_index": 9, "reduction": "sum"},
+            wrt=(0,),
+            opset=13,
+            variant="high_ii_sum",
+        ),
     ]
 
 
 CASES = [
     *_loss_rows("SoftmaxCrossEntropyLoss"),
     *_loss_rows("NegativeLogLikelihoodLoss"),
-    OpCase("SoftmaxCrossEntropyLoss", make_inputs=_scores((4, 5, 2)), n_outputs=2, wrt=(0,), opset=13,
-           variant="log_prob"),
-    OpCase("SoftmaxCrossEntropyLoss", make_inputs=_scores((4, 5), weight=True, ignore=2),
-           attrs={"ignore_index": 2, "reduction": "none"}, n_outputs=2, wrt=(0,), opset=13,
-           variant="log_prob_none_ii"),
+    OpCase(
+        "SoftmaxCrossEntropyLoss",
+        make_inputs=_scores((4, 5, 2)),
+        n_outputs=2,
+        wrt=(0,),
+        opset=13,
+        variant="log_prob",
+    ),
+    OpCase(
+        "SoftmaxCrossEntropyLoss",
+        make_inputs=_scores((4, 5), weight=True, ignore=2),
+        attrs={"ignore_index": 2, "reduction": "none"},
+        n_outputs=2,
+        wrt=(0,),
+        opset=13,
+        variant="log_prob_none_ii",
+    ),
     OpCase("Dropout", make_inputs=_dropout_inputs((3, 4), None, None), opset=13),
-    OpCase("Dropout", make_inputs=_dropout_inputs((3, 4), 0.3, False), n_outputs=2, wrt=(0,),
-           grad_outputs=(0,), opset=13, variant="inference_mask"),
-    OpCase("Dropout", make_inputs=_dropout_inputs((3, 4), 0.0, True), n_outputs=2, wrt=(0,),
-           grad_outputs=(0,), opset=13, variant="train_ratio0"),
+    OpCase(
+        "Dropout",
+        make_inputs=_dropout_inputs((3, 4), 0.3, False),
+        n_outputs=2,
+        wrt=(0,),
+        grad_outputs=(0,),
+        opset=13,
+        variant="inference_mask",
+    ),
+    OpCase(
+        "Dropout",
+        make_inputs=_dropout_inputs((3, 4), 0.0, True),
+        n_outputs=2,
+        wrt=(0,),
+        grad_outputs=(0,),
+        opset=13,
+        variant="train_ratio0",
+    ),
     # seeded: the first run draws the same mask as onnx.reference (numpy's legacy seeding); later
     # runs draw new masks, so a finite-difference check cannot use this row
-    OpCase("Dropout", make_inputs=_dropout_inputs((4, 5), 0.4, True), attrs={"seed": 3}, n_outputs=2,
-           grad=False, opset=13, variant="train_seeded"),
-    OpCase("Dropout", [(3, 4)], attrs={"ratio": 0.2}, n_outputs=2, grad_outputs=(0,), opset=10,
-           variant="v10"),
+    OpCase(
+        "Dropout",
+        make_inputs=_dropout_inputs((4, 5), 0.4, True),
+        attrs={"seed": 3},
+        n_outputs=2,
+        grad=False,
+        opset=13,
+        variant="train_seeded",
+    ),
+    OpCase(
+        "Dropout", [(3, 4)], attrs={"ratio": 0.2}, n_outputs=2, grad_outputs=(0,), opset=10, variant="v10"
+    ),
 ]
 
 
@@ -87,23 +146,68 @@ def _scores_i32(shape: tuple[int, ...], ignore: int):
 
 
 CASES += [
-    OpCase("SoftmaxCrossEntropyLoss", make_inputs=_scores_i32((4, 3, 2, 2), ignore=0),
-           attrs={"ignore_index": 0}, wrt=(0,), variant="grad_i32_weight_ii_4d"),
-    OpCase("SoftmaxCrossEntropyLoss", make_inputs=_scores((5, 4), weight=True), attrs={"reduction": "sum"},
-           wrt=(0,), variant="grad_weight_sum"),
-    OpCase("SoftmaxCrossEntropyLoss", make_inputs=_scores((3, 4, 3), weight=True),
-           attrs={"reduction": "none"}, wrt=(0,), variant="grad_weight_none_3d"),
+    OpCase(
+        "SoftmaxCrossEntropyLoss",
+        make_inputs=_scores_i32((4, 3, 2, 2), ignore=0),
+        attrs={"ignore_index": 0},
+        wrt=(0,),
+        variant="grad_i32_weight_ii_4d",
+    ),
+    OpCase(
+        "SoftmaxCrossEntropyLoss",
+        make_inputs=_scores((5, 4), weight=True),
+        attrs={"reduction": "sum"},
+        wrt=(0,),
+        variant="grad_weight_sum",
+    ),
+    OpCase(
+        "SoftmaxCrossEntropyLoss",
+        make_inputs=_scores((3, 4, 3), weight=True),
+        attrs={"reduction": "none"},
+        wrt=(0,),
+        variant="grad_weight_none_3d",
+    ),
     # the loss reads only log_prob: the LogSoftmax part of the rule alone
-    OpCase("SoftmaxCrossEntropyLoss", make_inputs=_scores((3, 4)), n_outputs=2, grad_outputs=(1,), wrt=(0,),
-           variant="grad_log_prob_only"),
-    OpCase("NegativeLogLikelihoodLoss", make_inputs=_scores_i32((5, 3, 2), ignore=2),
-           attrs={"ignore_index": 2, "reduction": "none"}, wrt=(0,), variant="grad_i32_weight_ii_none"),
-    OpCase("NegativeLogLikelihoodLoss", make_inputs=_scores((4, 3, 3), weight=True, ignore=-1),
-           attrs={"ignore_index": -1, "reduction": "sum"}, wrt=(0,), variant="grad_weight_ii_sum_3d"),
+    OpCase(
+        "SoftmaxCrossEntropyLoss",
+        make_inputs=_scores((3, 4)),
+        n_outputs=2,
+        grad_outputs=(1,),
+        wrt=(0,),
+        variant="grad_log_prob_only",
+    ),
+    OpCase(
+        "NegativeLogLikelihoodLoss",
+        make_inputs=_scores_i32((5, 3, 2), ignore=2),
+        attrs={"ignore_index": 2, "reduction": "none"},
+        wrt=(0,),
+        variant="grad_i32_weight_ii_none",
+    ),
+    OpCase(
+        "NegativeLogLikelihoodLoss",
+        make_inputs=_scores((4, 3, 3), weight=True, ignore=-1),
+        attrs={"ignore_index": -1, "reduction": "sum"},
+        wrt=(0,),
+        variant="grad_weight_ii_sum_3d",
+    ),
     # seeded training Dropout: the engine draws the same mask in every fresh session (and onnx.reference
     # the same one), so finite differences see one fixed mask; only the data output feeds the loss
-    OpCase("Dropout", make_inputs=_dropout_inputs((4, 5), 0.4, True), attrs={"seed": 3}, n_outputs=2,
-           wrt=(0,), grad_outputs=(0,), variant="grad_train_seeded", ort_skip="onnxruntime draws its own dropout mask"),
-    OpCase("Dropout", make_inputs=_dropout_inputs((3, 2, 4), 0.25, True), attrs={"seed": 11}, wrt=(0,),
-           variant="grad_train_seeded_no_mask", ort_skip="onnxruntime draws its own dropout mask"),
+    OpCase(
+        "Dropout",
+        make_inputs=_dropout_inputs((4, 5), 0.4, True),
+        attrs={"seed": 3},
+        n_outputs=2,
+        wrt=(0,),
+        grad_outputs=(0,),
+        variant="grad_train_seeded",
+        ort_skip="onnxruntime draws its own dropout mask",
+    ),
+    OpCase(
+        "Dropout",
+        make_inputs=_dropout_inputs((3, 2, 4), 0.25, True),
+        attrs={"seed": 11},
+        wrt=(0,),
+        variant="grad_train_seeded_no_mask",
+        ort_skip="onnxruntime draws its own dropout mask",
+    ),
 ]
