@@ -1,7 +1,8 @@
 from setuptools import find_packages, setup
 
-TEST = ["pytest>=7", "pytest-timeout", "torch==2.13.0", "onnxruntime>=1.17", "flatbuffers>=23"]
 MPI = ["mpi4py>=3.1", "mpich"]
+# the oracles and tools the tests use (the MPI tests spawn the mpich wheel's mpiexec)
+TEST = ["pytest>=7", "pytest-timeout", "torch==2.13.0", "onnxruntime>=1.17", "flatbuffers>=23", *MPI]
 
 setup(
     name="onnxtrain",
