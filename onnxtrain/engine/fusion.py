@@ -14,7 +14,9 @@
 * **elementwise clusters**: connected Add/Sub/Mul/Div/Sqrt/... steps (an optimizer update is ~15 of them
   per weight) run as one step: the same ufuncs in the same order, so results are bit-identical, but values
   used only inside the cluster are written into scratch buffers kept across runs (a pool keyed by shape
-  and dtype, shared by every cluster of the plan) instead of being allocated every time.
+  and dtype, shared by every cluster of the plan) instead of being allocated every time. A cluster over
+  large arrays of one shape runs block by block over their flattened elements (cache blocking, see
+  :class:`_Blocked`), with block-sized scratch buffers.
 
 Every fused step checks the shapes and dtypes it was specialised for and otherwise runs the original
 steps, so a fusion never changes what a graph computes beyond float summation order (the two GEMM
@@ -355,6 +357,14 @@ _UFUNCS: dict[str, tuple[np.ufunc, Any]] = {
 _OTHER = {"Identity", "Cast", "Pow"}
 _QUIET = {"Div", "Sqrt", "Log", "Reciprocal"}
 MIN_POOLED = 256  # elements: smaller values are cheaper to allocate than to look up
+# cache blocking: a cluster whose ufuncs work on arrays of one shape (or size-1 broadcasts) runs its program
+# over slices of about BLOCK_BYTES of working set (all the arrays the blocked ops touch) when the whole
+# working set is at least BLOCK_MIN_BYTES. Measured on a Zen 4 (1 MiB L2, 32 MiB L3) with the Adam update
+# (15 ufuncs): 1.03-1.08× at 0.26-0.4 M parameters, 1.25× at 2 M, 1.45× at 4 M; blocks small enough for L2
+# lose to the per-slice Python overhead (15 ufunc calls per slice).
+BLOCK_MIN_BYTES = 8 << 20
+BLOCK_BYTES = 4 << 20
+_BLOCK_ALIGN = 64
 
 
 class ScratchPool:
@@ -496,9 +506,20 @@ class _Cluster:
         if not pool.lock.acquire(blocking=False):
             return self._fallback(inputs)
         try:
+            blocked = prog[5]
             if prog[4] != pool.version:  # the pool grew since: take views of its new arrays
-                prog[3] = [(k, f, i, o, pool.view(*b) if k == 0 else b, e) for k, f, i, o, b, e in prog[0]]
+                if blocked is None:
+                    prog[3] = [
+                        (k, f, i, o, pool.view(*b) if k == 0 else b, e) for k, f, i, o, b, e in prog[0]
+                    ]
+                else:
+                    blocked.take_views(pool)
                 prog[4] = pool.version
+            if blocked is not None:
+                if self.quiet:
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        return blocked.run(inputs)
+                return blocked.run(inputs)
             vals = list(inputs)
             vals.extend(None for _ in range(prog[1]))
             if self.quiet:
@@ -554,25 +575,21 @@ class _Cluster:
         for k, st in enumerate(self.members):
             for s in st.inputs:
                 last_use[s] = k
+        fast = [_runs_as_ufunc(st, env) for st in self.members]
+        blocked = _Blocked.build(self, env, local, fast, last_use)
+        if blocked is not None:
+            blocked.take_views(self.pool)
+            self.programs[sig] = [None, 0, None, None, self.pool.version, blocked]
+            return [env[s] for s in self.escaping]
         escaping = set(self.escaping)
         pinned = escaping | {s for st in self.members if st.node.op_type not in _UFUNCS for s in st.inputs}
         # pass 1: which ops run as ufuncs, and the groups of values sharing one buffer
-        fast: list[bool] = []
         group: dict[int, int] = {}  # value slot → group id (the slot that started the group)
         reuse: dict[int, int] = {}  # op index → input slot whose buffer it writes into
         for k, st in enumerate(self.members):
-            op, r = st.node.op_type, env[st.outputs[0]]
-            ok = (
-                op in _UFUNCS
-                and type(r) is np.ndarray
-                and r.ndim >= 1
-                and all(type(env.get(s)) is np.ndarray for s in st.inputs)
-            )
-            if ok and op == "Div" and any(env[s].dtype.kind != "f" for s in st.inputs):
-                ok = False
-            fast.append(ok)
-            if not ok:
+            if not fast[k]:
                 continue
+            r = env[st.outputs[0]]
             out = st.outputs[0]
             for s in st.inputs:
                 v = env.get(s)
@@ -627,5 +644,255 @@ class _Cluster:
             for item in [h for h in held if h[0] <= k]:
                 held.remove(item)
                 free_bufs.setdefault(item[1], []).append(item[2])
-        self.programs[sig] = [ops, len(local) - len(self.ext), [local[s] for s in self.escaping], None, -1]
+        self.programs[sig] = [
+            ops,
+            len(local) - len(self.ext),
+            [local[s] for s in self.escaping],
+            None,
+            -1,
+            None,
+        ]
         return [env[s] for s in self.escaping]
+
+
+def _runs_as_ufunc(st: Step, env: dict[int, Any]) -> bool:
+    """True when the traced run shows a member is exactly its ufunc called on arrays, giving an array."""
+    op, r = st.node.op_type, env.get(st.outputs[0])
+    if op not in _UFUNCS or type(r) is not np.ndarray or r.ndim < 1:
+        return False
+    if not all(type(env.get(s)) is np.ndarray for s in st.inputs):
+        return False
+    return not (op == "Div" and any(env[s].dtype.kind != "f" for s in st.inputs))
+
+
+class _Blocked:
+    """A cluster's program run over contiguous blocks of its flattened arrays (cache blocking).
+
+    The members split into three phases, run in this order: ``pre``, ops on small values only (step counts,
+    bias corrections), run once; the blocked ufuncs, whose operands all have the cluster's shape or are
+    size-1 broadcasts, run slice by slice: the same ufuncs in the same order on every element, so results
+    are bit-identical, while a block's temporaries stay in cache; ``post``, own-kernel members and whatever
+    reads their outputs, on whole arrays. Blocked values that escape the cluster or that ``post`` reads are
+    whole arrays allocated once per run and written slice by slice; the others live in block-sized scratch
+    buffers of the pool (an op whose input dies there writes into that input's buffer).
+    """
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+        self.full_views: list[tuple[int, np.ndarray]] = []
+        self.tail_views: list[tuple[int, np.ndarray]] = []
+
+    @classmethod
+    def build(
+        cls,
+        cl: _Cluster,
+        env: dict[int, Any],
+        local: dict[int, int],
+        fast: list[bool],
+        last_use: dict[int, int],
+    ) -> _Blocked | None:
+        """The blocked program for the traced values ``env``, or None when blocking does not apply."""
+        members = cl.members
+        full: tuple[int, ...] | None = None
+        n = 0
+        for st in members:
+            for s in st.outputs:
+                v = env.get(s)
+                if type(v) is np.ndarray and v.size > n:
+                    full, n = v.shape, v.size
+        if full is None or n < 2 * _BLOCK_ALIGN:
+            return None
+
+        def whole(s: int) -> bool:
+            v = env.get(s)
+            return type(v) is np.ndarray and v.shape == full
+
+        def one(s: int) -> bool:
+            v = env.get(s)
+            return type(v) is np.ndarray and v.size == 1 and v.ndim <= len(full)
+
+        # phases: x (cluster input), p (pre), m (blocked), e (post)
+        phase = {s: "x" for s in cl.ext}
+        kinds: list[str] = []
+        for k, st in enumerate(members):
+            src = [phase[s] for s in st.inputs]
+            if all(p in "xp" for p in src) and not any(whole(s) for s in (*st.inputs, *st.outputs)):
+                ph = "p"
+            elif (
+                fast[k]
+                and "e" not in src
+                and whole(st.outputs[0])
+                and all(whole(s) or (one(s) and phase[s] in "xp") for s in st.inputs)
+            ):
+                ph = "m"
+            else:
+                ph = "e"
+            kinds.append(ph)
+            for s in st.outputs:
+                phase[s] = ph
+        blocked_ops = [k for k, ph in enumerate(kinds) if ph == "m"]
+        if len(blocked_ops) < 2:
+            return None
+        escaping = set(cl.escaping)
+        readers: dict[int, list[int]] = {}
+        for k, st in enumerate(members):
+            for s in st.inputs:
+                readers.setdefault(s, []).append(k)
+        wholes = [
+            members[k].outputs[0]
+            for k in blocked_ops
+            if members[k].outputs[0] in escaping
+            or any(kinds[j] != "m" for j in readers.get(members[k].outputs[0], ()))
+        ]
+        whole_set = set(wholes)
+        # block values: chains of ops whose input dies there share that input's buffer; a chain that dies
+        # into a whole value runs in that value's slice ("sinks" into it) and needs no scratch buffer
+        root: dict[int, int] = {}
+        sink: dict[int, int] = {}  # chain root → the whole value whose slice it uses
+        for k in blocked_ops:
+            out = members[k].outputs[0]
+            dt = env[out].dtype
+            for s in members[k].inputs:
+                if s in root and last_use.get(s) == k and env[s].dtype == dt and root[s] not in sink:
+                    if out in whole_set:
+                        sink[root[s]] = out
+                    else:
+                        root[out] = root[s]
+                    break
+            else:
+                if out not in whole_set:
+                    root[out] = out
+        end: dict[int, int] = {}
+        for v, r in root.items():
+            end[r] = max(end.get(r, -1), last_use.get(v, -1))
+        # scratch buffers of the pool by liveness, block-sized
+        free: dict[np.dtype, list[int]] = {}
+        counts: dict[np.dtype, int] = {}
+        held: list[tuple[int, np.dtype, int]] = []
+        scratch: list[tuple[int, np.dtype, int]] = []
+        for k in blocked_ops:
+            out = members[k].outputs[0]
+            if root.get(out) == out and out not in sink:
+                dt = env[out].dtype
+                lst = free.get(dt)
+                if lst:
+                    bi = lst.pop()
+                else:
+                    bi = counts.get(dt, 0)
+                    counts[dt] = bi + 1
+                held.append((end[out], dt, bi))
+                scratch.append((local[out], dt, bi))
+            for item in [h for h in held if h[0] <= k]:
+                held.remove(item)
+                free.setdefault(item[1], []).append(item[2])
+
+        def slot(s: int) -> int:
+            if s not in root:
+                return local[s]
+            return local[sink.get(root[s], root[s])]
+
+        n_slots = len(local)
+        consts: list[tuple[int, Any]] = []
+        ops: list[tuple] = []
+        for k in blocked_ops:
+            st = members[k]
+            ufunc, extra = _UFUNCS[st.node.op_type]
+            ins = [slot(s) for s in st.inputs]
+            if extra is not None:
+                consts.append((n_slots + len(consts), extra))
+                ins.append(consts[-1][0])
+            ops.append((ufunc, ins[0], ins[1] if len(ins) > 1 else -1, slot(st.outputs[0])))
+
+        def program(phase_name: str) -> list[tuple]:
+            out = []
+            for k, st in enumerate(members):
+                if kinds[k] != phase_name:
+                    continue
+                ins = [local[s] for s in st.inputs]
+                if fast[k]:
+                    out.append(
+                        (
+                            1,
+                            _UFUNCS[st.node.op_type][0],
+                            ins,
+                            local[st.outputs[0]],
+                            None,
+                            _UFUNCS[st.node.op_type][1],
+                        )
+                    )
+                else:
+                    out.append((2, st.fn, ins, [local[s] for s in st.outputs], None, st.attrs))
+            return out
+
+        m_inputs = {s for k in blocked_ops for s in members[k].inputs}
+        whole_in = sorted(local[s] for s in m_inputs if whole(s) and phase[s] == "x")
+        whole_out = [(local[s], full, env[s].dtype) for s in wholes]
+        per_elem = sum(env[s].itemsize for s in m_inputs if whole(s) and phase[s] == "x")
+        per_elem += sum(env[s].itemsize for s in wholes) + sum(dt.itemsize for _, dt, _ in scratch)
+        if n * per_elem < BLOCK_MIN_BYTES:
+            return None
+        # a multiple of _BLOCK_ALIGN elements: every slice starts as aligned as the whole array
+        block = max(BLOCK_BYTES // per_elem // _BLOCK_ALIGN, 1) * _BLOCK_ALIGN
+        if block >= n:
+            return None
+        return cls(
+            n=n,
+            block=block,
+            tail=n % block,
+            n_vals=len(local),
+            n_new=len(local) - len(cl.ext),
+            n_bv=n_slots + len(consts),
+            consts=consts,
+            small=sorted(local[s] for s in m_inputs if not whole(s)),
+            whole_in=whole_in,
+            whole_out=whole_out,
+            flat_slots=whole_in + [w[0] for w in whole_out],
+            scratch=scratch,
+            ops=ops,
+            pre=program("p"),
+            post=program("e"),
+            out_idx=[local[s] for s in cl.escaping],
+        )
+
+    def take_views(self, pool: ScratchPool) -> None:
+        """(Re)take this program's views of the pool's arrays: one full block and one tail per buffer."""
+        self.full_views = [(i, pool.view((self.block,), dt, bi)) for i, dt, bi in self.scratch]
+        self.tail_views = (
+            [(i, pool.view((self.tail,), dt, bi)) for i, dt, bi in self.scratch] if self.tail else []
+        )
+
+    def run(self, inputs: Sequence[Any]) -> list[Any]:
+        vals = list(inputs)
+        vals.extend(None for _ in range(self.n_new))
+        if self.pre:
+            _Cluster._exec(self.pre, vals)
+        bv: list[Any] = [None] * self.n_bv
+        for i, c in self.consts:
+            bv[i] = c
+        for i in self.small:
+            v = vals[i]
+            bv[i] = v if v.ndim <= 1 else v.reshape(1)
+        flats = [vals[i].reshape(-1) for i in self.whole_in]
+        for i, shape, dt in self.whole_out:
+            a = vals[i] = np.empty(shape, dt)
+            flats.append(a.reshape(-1))
+        slots = list(zip(self.flat_slots, flats))
+        for i, v in self.full_views:
+            bv[i] = v
+        n, block, ops = self.n, self.block, self.ops
+        for lo in range(0, n, block):
+            hi = lo + block
+            if hi > n:
+                hi = n
+                for i, v in self.tail_views:
+                    bv[i] = v
+            for i, f in slots:
+                bv[i] = f[lo:hi]
+            for fn, a, b, o in ops:
+                if b < 0:
+                    fn(bv[a], out=bv[o])
+                else:
+                    fn(bv[a], bv[b], out=bv[o])
+        if self.post:
+            _Cluster._exec(self.post, vals)
+        return [vals[i] for i in self.out_idx]

@@ -123,6 +123,106 @@ def test_cluster_errors_name_the_member_node() -> None:
         plan.run({"x": np.ones((3, 4), np.float32), "b": np.ones((5,), np.float32)})
 
 
+def blockable() -> onnx.ModelProto:
+    """Scalar-only members (Cast, Pow: own kernels), blocked ufuncs with a (1, 1) broadcast operand and
+    transcendental ones, an Identity of a blocked value and a ufunc reading that Identity (whole arrays)."""
+    n = [
+        const("beta", np.float32(0.9)),
+        const("one", np.float32(1.0)),
+        helper.make_node("Cast", ["t"], ["tf"], to=F),
+        helper.make_node("Pow", ["beta", "tf"], ["bp"]),
+        helper.make_node("Sub", ["one", "bp"], ["bc"]),
+        helper.make_node("Mul", ["g", "s"], ["gs"]),
+        helper.make_node("Tanh", ["gs"], ["th"]),
+        helper.make_node("Exp", ["m"], ["e"]),
+        helper.make_node("Add", ["th", "e"], ["a"]),
+        helper.make_node("Log", ["a"], ["la"]),
+        helper.make_node("Relu", ["w"], ["r"]),
+        helper.make_node("Mul", ["la", "r"], ["lr"]),
+        helper.make_node("Div", ["lr", "bc"], ["u"]),
+        helper.make_node("Sqrt", ["e"], ["se"]),
+        helper.make_node("Add", ["u", "se"], ["u2"]),
+        helper.make_node("Sub", ["w", "u2"], ["w_new"]),
+        helper.make_node("Identity", ["a"], ["a_out"]),
+        helper.make_node("Mul", ["a_out", "bc"], ["y"]),
+    ]
+    g = helper.make_graph(
+        n,
+        "g",
+        [helper.make_tensor_value_info(k, F, None) for k in ("w", "g", "m", "s")]
+        + [helper.make_tensor_value_info("t", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info(k, F, None) for k in ("w_new", "a_out", "y", "bc")],
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_blocked_cluster_is_bit_identical_and_keeps_block_sized_scratch(monkeypatch) -> None:
+    from onnxtrain.engine import fusion
+
+    monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
+    monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)  # 64-element blocks: many blocks and a short tail
+    fused, plain = Plan(blockable()), Plan(blockable(), fuse=False)
+    assert ops(fused) == ["FusedElementwise"]
+    cluster = fused.steps[0].fn
+    rng = np.random.default_rng(6)
+    held = None
+    for shape, s_shape, transposed in [
+        ((300, 7), (1, 1), False),
+        ((300, 7), (1, 1), False),
+        ((50, 41), (), True),  # a non-contiguous input
+        ((30,), (1,), False),  # below two blocks: not blocked
+        ((20, 9), (9,), False),  # a broadcast that is not size 1: not blocked
+    ]:
+        feeds = {k: rng.standard_normal(shape).astype(np.float32) for k in ("w", "g", "m")}
+        if transposed:
+            feeds["w"] = np.ascontiguousarray(feeds["w"].T).T
+        feeds["s"] = rng.standard_normal(s_shape).astype(np.float32)
+        feeds["t"] = np.array(3, np.int64)
+        got, want = fused.run(feeds), plain.run(feeds)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(a, b)
+        if held is None:
+            held = [a.copy() for a in got], got
+    copies, arrays = held
+    for c, a in zip(copies, arrays):
+        np.testing.assert_array_equal(c, a)  # outputs of a run survive later runs
+    blocked = [p[5] for p in cluster.programs.values() if p[5] is not None]
+    assert len(blocked) == 2  # (300, 7) and (50, 41)
+    assert all(b.block <= 128 and b.tail and len(b.pre) == 3 and len(b.post) == 2 for b in blocked)
+    # a plan that only ran blocked: its scratch pool (counted in peak_bytes) holds block-sized buffers
+    only = Plan(blockable())
+    only.run(feeds_of((300, 7), rng))
+    (prog,) = only.steps[0].fn.programs.values()
+    n_bufs = len({(dt, i) for _, dt, i in prog[5].scratch})  # value groups share buffers by liveness
+    assert 0 < n_bufs <= 2
+    assert only.scratch.nbytes == n_bufs * prog[5].block * 4
+    assert only.peak_bytes >= only.scratch.nbytes
+
+
+def feeds_of(shape: tuple[int, ...], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    feeds = {k: rng.standard_normal(shape).astype(np.float32) for k in ("w", "g", "m")}
+    return {**feeds, "s": np.full((1, 1), 0.5, np.float32), "t": np.array(3, np.int64)}
+
+
+def test_blocked_cluster_does_not_write_into_inputs(monkeypatch) -> None:
+    from onnxtrain.engine import fusion
+
+    monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
+    monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)
+    plan = Plan(adam_like())
+    rng = np.random.default_rng(7)
+    feeds = {k: rng.standard_normal((64, 33)).astype(np.float32) for k in ("w", "g", "m")}
+    before = {k: v.copy() for k, v in feeds.items()}
+    want = Plan(adam_like(), fuse=False).run(feeds)
+    for _ in range(3):
+        for a, b in zip(plan.run(feeds), want):
+            np.testing.assert_array_equal(a, b)
+    assert any(p[5] is not None for p in plan.steps[0].fn.programs.values())
+    for k in feeds:
+        np.testing.assert_array_equal(feeds[k], before[k])
+
+
 # ---- common subexpressions -------------------------------------------------------------------------------
 def test_repeated_steps_run_once() -> None:
     n = [
