@@ -114,8 +114,11 @@ def test_failing_rank_ends_the_job(how: str, tmp_path) -> None:
     if how == "raise":
         assert "rank 1 fails on purpose" in r.stderr and "aborting all ranks" in r.stderr
     if how == "hang":
-        assert "[rank 0/2]: ZeRO gradient reduce-scatter" in r.stderr
-        assert "did not complete within 3 s" in r.stderr
+        # the watchdog aborts with code 3 after printing what it waited for; on MPI_Abort, mpiexec may
+        # drop a rank's last stderr lines (seen in CI), so the code alone also shows it was the watchdog
+        assert r.returncode == 3 or "did not complete within 3 s" in r.stderr, (r.returncode, r.stderr)
+        if "did not complete" in r.stderr:
+            assert "[rank 0/2]: ZeRO gradient reduce-scatter" in r.stderr
     last = load_checkpoint(ckpt)  # the last checkpoint written before the failure is whole
     assert 1 <= int(last.properties["step"]) <= 3 and sorted(last.trainable) == ["W1", "W2", "b1", "b2"]
 
