@@ -49,6 +49,32 @@ def test_erf_float32_and_half_types() -> None:
     assert erf(x.astype(bf)).dtype == bf
 
 
+def test_erf_float32_dense_and_branch_edges() -> None:
+    """The float32 form: many points, the neighbours of its branch point (1) and cap (4), several blocks."""
+    rng = np.random.default_rng(3)
+    edges = np.concatenate([np.float32(e) + np.arange(-300, 300, dtype=np.float32) * np.spacing(np.float32(e))
+                            for e in (1.0, 4.0, 3.9)])
+    x = np.concatenate([rng.uniform(-5, 5, 150_000), rng.normal(0, 1e-3, 5000), edges, -edges,
+                        [1e-38, 1e-45, 0.5, 3.92]]).astype(np.float32)
+    want = np.array([math.erf(v) for v in x.astype(np.float64)])
+    got = erf(x)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    ok = want != 0
+    assert _ulps(got[ok], want[ok]).max() <= 3
+    assert np.array_equal(erf(x[::3]), got[::3])  # strided input
+    assert np.array_equal(erf(x[:150_000].reshape(-1, 5)).reshape(-1), got[:150_000])
+
+
+def test_erf_float32_special_values() -> None:
+    x = np.array([np.inf, -np.inf, np.nan, -0.0, 0.0, 30.0, -30.0, 3e38, -3e38], np.float32)
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        got = erf(x)
+    assert got[0] == 1 and got[1] == -1 and np.isnan(got[2])
+    assert np.signbit(got[3]) and not np.signbit(got[4]) and got[3] == 0 and got[4] == 0
+    assert list(got[5:]) == [1, -1, 1, -1]
+    assert erf(np.float32(-0.5)).shape == () and erf(np.zeros((2, 0, 3), np.float32)).shape == (2, 0, 3)
+
+
 def test_erf_special_values_and_shapes() -> None:
     x = np.array([np.inf, -np.inf, np.nan, -0.0, 0.0, 30.0, -30.0])
     got = erf(x)
