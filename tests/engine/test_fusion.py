@@ -1,4 +1,4 @@
-"""Execution-time fusions (onnxtrain/engine/fusion.py): same results as the unfused plan, fewer steps."""
+"""Execution-time fusions (onnxtrain/engine/fusion/): same results as the unfused plan, fewer steps."""
 
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def blockable() -> onnx.ModelProto:
 
 
 def test_blocked_cluster_is_bit_identical_and_keeps_block_sized_scratch(monkeypatch) -> None:
-    from onnxtrain.engine import fusion
+    from onnxtrain.engine.fusion import elementwise as fusion
 
     monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
     monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)  # 64-element blocks: many blocks and a short tail
@@ -206,7 +206,7 @@ def feeds_of(shape: tuple[int, ...], rng: np.random.Generator) -> dict[str, np.n
 
 
 def test_blocked_cluster_does_not_write_into_inputs(monkeypatch) -> None:
-    from onnxtrain.engine import fusion
+    from onnxtrain.engine.fusion import elementwise as fusion
 
     monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
     monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)

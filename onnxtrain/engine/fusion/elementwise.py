@@ -1,341 +1,18 @@
-"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph itself stays standard ONNX.
-
-``fuse(plan)`` is called by :class:`~onnxtrain.engine.plan.Plan` after constant folding (disable with
-``Plan(model, fuse=False)`` or ``ONNXTRAIN_FUSION=0``). The passes, in order:
-
-* **common subexpressions**: a deterministic step with the same kernel, inputs and attributes as an earlier
-  one whose outputs are still in use is dropped and its consumers read the earlier outputs (Adam with
-  weight decay computes ``w − u`` twice); recomputed copies of long-freed values (checkpointing) stay;
-* **weight gradient of a batched MatMul**: ``ReduceSum(MatMul(Transpose(A), B), leading axes)`` — what the
-  gradient of ``X[..., T, K] @ W[K, N]`` is made of — becomes one 2-D GEMM ``A_flat^T @ B_flat`` instead of
-  one small GEMM per batch entry and a reduction;
-* **weight gradient of a Conv**: ``Transpose(Conv(Transpose(X), Transpose(dY)))`` (each swapping the batch
-  and channel axes) becomes one GEMM of ``dY`` with a strided im2col view of ``X``;
-* **elementwise clusters**: connected Add/Sub/Mul/Div/Sqrt/... steps (an optimizer update is ~15 of them
-  per weight) run as one step: the same ufuncs in the same order, so results are bit-identical, but values
-  used only inside the cluster are written into scratch buffers kept across runs (a pool keyed by shape
-  and dtype, shared by every cluster of the plan) instead of being allocated every time. A cluster over
-  large arrays of one shape runs block by block over their flattened elements (cache blocking, see
-  :class:`_Blocked`), with block-sized scratch buffers.
-
-Every fused step checks the shapes and dtypes it was specialised for and otherwise runs the original
-steps, so a fusion never changes what a graph computes beyond float summation order (the two GEMM
-rewrites) and never turns a working graph into a failing one.
-"""
+"""Elementwise clusters: one step per connected chain of ufuncs, with pooled and cache-blocked scratch."""
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
-from onnx import helper
 
+from onnxtrain.engine.fusion.common import consumers, make_step, protected_slots, run_steps
 from onnxtrain.engine.registry import Attrs
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
-
-RANDOM_OPS = {
-    "RandomNormal",
-    "RandomUniform",
-    "RandomNormalLike",
-    "RandomUniformLike",
-    "Bernoulli",
-    "Multinomial",
-    "Dropout",
-}
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-def enabled() -> bool:
-    """False when the environment says ``ONNXTRAIN_FUSION=0`` (for A/B benchmarks)."""
-    return os.environ.get("ONNXTRAIN_FUSION", "1") not in ("0", "false", "no", "off")
-
-
-def fuse(plan: Plan) -> None:
-    """Rewrite ``plan.steps`` in place (frees are recomputed by the plan afterwards)."""
-    steps = list(plan.steps)
-    steps = eliminate_common_steps(plan, steps)
-    steps = fuse_matmul_weight_grads(plan, steps)
-    steps = fuse_conv_weight_grads(plan, steps)
-    steps = fuse_elementwise(plan, steps)
-    plan.steps = steps
-
-
-# ---- helpers ---------------------------------------------------------------------------------------------
-def _consumers(steps: Sequence[Step]) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for k, st in enumerate(steps):
-        for s in st.inputs:
-            if s >= 0:
-                out.setdefault(s, []).append(k)
-    return out
-
-
-def _producers(steps: Sequence[Step]) -> dict[int, int]:
-    return {s: k for k, st in enumerate(steps) for s in st.outputs if s >= 0}
-
-
-def _kept(plan: Plan) -> set[int]:
-    """Slots that must stay visible: graph outputs."""
-    return {plan.slot[n] for n in plan.output_names}
-
-
-def _const(plan: Plan, s: int) -> np.ndarray | None:
-    """The value of a folded Constant slot (initializers stay feedable, so they do not count)."""
-    for slot, v in plan._const_values:
-        if slot == s:
-            return v
-    return None
-
-
-def _attr_key(node: onnx.NodeProto) -> bytes:
-    return b"".join(a.SerializeToString(deterministic=True) for a in node.attribute)
-
-
-def _run_steps(plan: Plan, steps: Sequence[Step], env: dict[int, Any]) -> None:
-    """Run ``steps`` with their original kernels, reading and writing values by slot in ``env``."""
-    for st in steps:
-        args = [env.get(s) if s >= 0 else None for s in st.inputs]
-        res = plan._call(st, args)
-        for s, r in zip(st.outputs, res):
-            if s >= 0:
-                env[s] = r
-
-
-def _synthetic(
-    plan: Plan, op: str, name: str, members: Sequence[Step], ins: Sequence[int], outs: Sequence[int]
-) -> tuple[onnx.NodeProto, Attrs]:
-    names = {s: n for n, s in plan.slot.items()}
-    node = helper.make_node(
-        op,
-        [names.get(s, "") for s in ins],
-        [names.get(s, "") for s in outs],
-        name=name,
-        domain="onnxtrain.fused",
-    )
-    node.doc_string = "fused from: " + ", ".join(m.node.name or m.node.op_type for m in members)
-    attrs = Attrs({}, op, name, plan.opset, len(outs), tuple(True for _ in outs))
-    return node, attrs
-
-
-def _make_step(
-    plan: Plan,
-    op: str,
-    members: Sequence[Step],
-    ins: Sequence[int],
-    outs: Sequence[int],
-    fn: Callable[[Sequence[Any], Attrs], Sequence[Any]],
-) -> Step:
-    from onnxtrain.engine.plan import Step
-
-    name = f"{op}({members[-1].node.name or members[-1].node.op_type})"
-    node, attrs = _synthetic(plan, op, name, members, ins, outs)
-    return Step(fn, tuple(ins), tuple(outs), attrs, (), node)
-
-
-# ---- common subexpressions -------------------------------------------------------------------------------
-def eliminate_common_steps(plan: Plan, steps: list[Step]) -> list[Step]:
-    """Drop steps that repeat an earlier deterministic step on the same inputs; rewire their consumers."""
-    kept_slots = _kept(plan)
-    last_use: dict[int, int] = {}
-    for k, st in enumerate(steps):
-        for s in st.inputs:
-            last_use[s] = k
-    seen: dict[tuple, Step] = {}
-    alias: dict[int, int] = {}
-    out: list[Step] = []
-    for k, st in enumerate(steps):
-        ins = tuple(alias.get(s, s) for s in st.inputs)
-        if ins != st.inputs:
-            st = type(st)(st.fn, ins, st.outputs, st.attrs, st.free, st.node)
-        if st.node.op_type in RANDOM_OPS or not st.inputs or st.node.domain not in ("", "ai.onnx"):
-            out.append(st)
-            continue
-        key = (st.node.op_type, st.fn, ins, len(st.outputs), _attr_key(st.node))
-        first = seen.get(key)
-        # merge only when the first outputs are alive here anyway: a later copy that recomputes a value
-        # freed long ago (gradient checkpointing) is there to save memory and stays
-        if (
-            first is None
-            or any(s in kept_slots for s in st.outputs)
-            or any((a >= 0) != (b >= 0) for a, b in zip(first.outputs, st.outputs))
-            or any(last_use.get(s, -1) < k and s not in kept_slots for s in first.outputs if s >= 0)
-        ):
-            if first is None or any(last_use.get(s, -1) < k for s in first.outputs if s >= 0):
-                seen[key] = st
-            out.append(st)
-            continue
-        for a, b in zip(st.outputs, first.outputs):
-            if a >= 0:
-                alias[a] = b
-    return out
-
-
-# ---- weight gradient of a batched MatMul ---------------------------------------------------------------
-def fuse_matmul_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
-    """ReduceSum(MatMul(Transpose(A, swap last two), B), leading axes, keepdims=0) → A_flat^T @ B_flat."""
-    cons, prod, kept = _consumers(steps), _producers(steps), _kept(plan)
-    drop: set[int] = set()
-    replace: dict[int, Step] = {}
-    for k, red in enumerate(steps):
-        if (
-            red.node.op_type != "ReduceSum"
-            or len(red.inputs) < 2
-            or red.attrs.get("keepdims", 1) != 0
-            or red.attrs.get("noop_with_empty_axes", 0)
-        ):
-            continue
-        axes = _const(plan, red.inputs[1])
-        m = prod.get(red.inputs[0])
-        if axes is None or m is None or steps[m].node.op_type != "MatMul":
-            continue
-        mm = steps[m]
-        t = prod.get(mm.inputs[0])
-        if t is None or steps[t].node.op_type != "Transpose":
-            continue
-        tr = steps[t]
-        perm = list(tr.attrs.get("perm") or [])
-        nd = len(perm)
-        if (
-            nd < 3
-            or perm != [*range(nd - 2), nd - 1, nd - 2]
-            or sorted(np.asarray(axes).reshape(-1).tolist()) != list(range(nd - 2))
-        ):
-            continue
-        if (
-            cons.get(tr.outputs[0]) != [m]
-            or cons.get(mm.outputs[0]) != [k]
-            or tr.outputs[0] in kept
-            or mm.outputs[0] in kept
-        ):
-            continue
-        members = [tr, mm, red]
-        replace[k] = _make_step(
-            plan,
-            "FusedMatMulWeightGrad",
-            members,
-            (tr.inputs[0], mm.inputs[1], red.inputs[1]),
-            red.outputs,
-            _matmul_weight_grad(plan, members, nd),
-        )
-        drop.update((t, m))
-    return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
-
-
-def _matmul_weight_grad(plan: Plan, members: list[Step], nd: int) -> Callable:
-    tr, mm, red = members
-
-    def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
-        a, b, axes = inputs
-        if (
-            a.ndim == nd
-            and b.ndim == nd
-            and a.shape[:-1] == b.shape[:-1]
-            and a.dtype == b.dtype
-            and a.dtype in _FLOATS
-        ):
-            return (np.matmul(a.reshape(-1, a.shape[-1]).T, b.reshape(-1, b.shape[-1])),)
-        env = {tr.inputs[0]: a, mm.inputs[1]: b, red.inputs[1]: axes}
-        _run_steps(plan, members, env)
-        return (env[red.outputs[0]],)
-
-    return run
-
-
-# ---- weight gradient of a Conv -------------------------------------------------------------------------
-_SWAP01 = [1, 0, 2, 3]
-
-
-def fuse_conv_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
-    """Transpose(Conv(Transpose(X), Transpose(dY))) with batch/channel swaps (2-D, group 1) → one GEMM."""
-    cons, prod, kept = _consumers(steps), _producers(steps), _kept(plan)
-    drop: set[int] = set()
-    replace: dict[int, Step] = {}
-    for k, last in enumerate(steps):
-        if last.node.op_type != "Transpose" or list(last.attrs.get("perm") or []) != _SWAP01:
-            continue
-        c = prod.get(last.inputs[0])
-        if c is None or steps[c].node.op_type != "Conv":
-            continue
-        conv = steps[c]
-        at = conv.attrs
-        if len(conv.inputs) != 2 or at.get("group", 1) != 1 or (at.get("auto_pad") or "NOTSET") != "NOTSET":
-            continue
-        tx, tdy = prod.get(conv.inputs[0]), prod.get(conv.inputs[1])
-        if tx is None or tdy is None or tx == tdy:
-            continue
-        if any(
-            steps[i].node.op_type != "Transpose" or list(steps[i].attrs.get("perm") or []) != _SWAP01
-            for i in (tx, tdy)
-        ):
-            continue
-        inner = [steps[tx].outputs[0], steps[tdy].outputs[0], conv.outputs[0]]
-        if (
-            cons.get(inner[0]) != [c]
-            or cons.get(inner[1]) != [c]
-            or cons.get(inner[2]) != [k]
-            or any(s in kept for s in inner)
-        ):
-            continue
-        members = [steps[tx], steps[tdy], conv, last]
-        replace[k] = _make_step(
-            plan,
-            "FusedConvWeightGrad",
-            members,
-            (steps[tx].inputs[0], steps[tdy].inputs[0]),
-            last.outputs,
-            _conv_weight_grad(plan, members),
-        )
-        drop.update((tx, tdy, c))
-    return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
-
-
-def _conv_weight_grad(plan: Plan, members: list[Step]) -> Callable:
-    tx, tdy, conv, last = members
-    at = conv.attrs
-    strides = list(at.get("strides") or [1, 1])  # the forward conv's dilations
-    dil = list(at.get("dilations") or [1, 1])  # the forward conv's strides
-    pads = list(at.get("pads") or [0, 0, 0, 0])
-
-    def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
-        x, dy = inputs
-        if (
-            x.ndim == 4
-            and dy.ndim == 4
-            and x.shape[0] == dy.shape[0]
-            and x.dtype == dy.dtype
-            and x.dtype in _FLOATS
-            and len(strides) == 2
-            and len(dil) == 2
-            and len(pads) == 4
-        ):
-            if any(pads):
-                x = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
-            n, ci, h, w = x.shape
-            oh, ow = dy.shape[2:]
-            kh = (h - dil[0] * (oh - 1) - 1) // strides[0] + 1
-            kw = (w - dil[1] * (ow - 1) - 1) // strides[1] + 1
-            if kh > 0 and kw > 0:
-                x = np.ascontiguousarray(x)
-                sn, sc, sh, sw = x.strides
-                view = np.lib.stride_tricks.as_strided(
-                    x,
-                    (n, ci, kh, kw, oh, ow),
-                    (sn, sc, sh * strides[0], sw * strides[1], sh * dil[0], sw * dil[1]),
-                    writeable=False,
-                )
-                return (np.tensordot(dy, view, axes=([0, 2, 3], [0, 4, 5])),)
-        env = {tx.inputs[0]: inputs[0], tdy.inputs[0]: inputs[1]}
-        _run_steps(plan, members, env)
-        return (env[last.outputs[0]],)
-
-    return run
-
 
 # ---- elementwise clusters ------------------------------------------------------------------------------
 # op → (ufunc, constant second operand or None); the kernels of these ops are exactly this ufunc call
@@ -400,7 +77,7 @@ class ScratchPool:
 def fuse_elementwise(plan: Plan, steps: list[Step]) -> list[Step]:
     """Group connected elementwise steps into clusters of two or more and run each as one step."""
     eligible = set(_UFUNCS) | _OTHER
-    cons, kept = _consumers(steps), _kept(plan)
+    cons, kept = consumers(steps), protected_slots(plan)
     cluster_of_slot: dict[int, int] = {}  # slot → cluster id of its producer
     members: dict[int, list[int]] = {}  # cluster id → step indices
     merged_into: dict[int, int] = {}
@@ -471,7 +148,7 @@ def fuse_elementwise(plan: Plan, steps: list[Step]) -> list[Step]:
             if s not in escaping and all(steps[j].node.op_type in _UFUNCS for j in cons.get(s, ()))
         }
         fn = _Cluster(plan, mem, ext, escaping, internal_only, pool)
-        replace[idx[-1]] = _make_step(plan, "FusedElementwise", mem, ext, escaping, fn)
+        replace[idx[-1]] = make_step(plan, "FusedElementwise", mem, ext, escaping, fn)
         drop.update(idx[:-1])
     return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
 
@@ -554,7 +231,7 @@ class _Cluster:
 
     def _fallback(self, inputs: Sequence[Any]) -> list[Any]:
         env = dict(zip(self.ext, inputs))
-        _run_steps(self.plan, self.members, env)
+        run_steps(self.plan, self.members, env)
         return [env[s] for s in self.escaping]
 
     def _trace(self, sig: tuple, inputs: Sequence[Any]) -> list[Any]:
@@ -566,7 +243,7 @@ class _Cluster:
         a fresh array each run; other groups use scratch buffers of the pool, reused once they die.
         """
         env = dict(zip(self.ext, inputs))
-        _run_steps(self.plan, self.members, env)
+        run_steps(self.plan, self.members, env)
         local = {s: i for i, s in enumerate(self.ext)}
         for st in self.members:
             for s in st.outputs:

@@ -1,0 +1,53 @@
+"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph itself stays standard ONNX.
+
+``fuse(plan)`` is called by :class:`~onnxtrain.engine.plan.Plan` after constant folding (disable with
+``Plan(model, fuse=False)`` or ``ONNXTRAIN_FUSION=0``). The passes, in order:
+
+* **common subexpressions**: a deterministic step with the same kernel, inputs and attributes as an earlier
+  one whose outputs are still in use is dropped and its consumers read the earlier outputs (Adam with
+  weight decay computes ``w − u`` twice); recomputed copies of long-freed values (checkpointing) stay;
+* **weight gradient of a batched MatMul**: ``ReduceSum(MatMul(Transpose(A), B), leading axes)`` — what the
+  gradient of ``X[..., T, K] @ W[K, N]`` is made of — becomes one 2-D GEMM ``A_flat^T @ B_flat`` instead of
+  one small GEMM per batch entry and a reduction;
+* **weight gradient of a Conv**: ``Transpose(Conv(Transpose(X), Transpose(dY)))`` (each swapping the batch
+  and channel axes) becomes one GEMM of ``dY`` with a strided im2col view of ``X``;
+* **elementwise clusters**: connected Add/Sub/Mul/Div/Sqrt/... steps (an optimizer update is ~15 of them
+  per weight) run as one step: the same ufuncs in the same order, so results are bit-identical, but values
+  used only inside the cluster are written into scratch buffers kept across runs (a pool keyed by shape
+  and dtype, shared by every cluster of the plan) instead of being allocated every time. A cluster over
+  large arrays of one shape runs block by block over their flattened elements (cache blocking, see
+  :class:`_Blocked`), with block-sized scratch buffers.
+
+Every fused step checks the shapes and dtypes it was specialised for and otherwise runs the original
+steps, so a fusion never changes what a graph computes beyond float summation order (the two GEMM
+rewrites) and never turns a working graph into a failing one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from onnxtrain.engine.fusion.cse import eliminate_common_steps
+from onnxtrain.engine.fusion.elementwise import ScratchPool, fuse_elementwise
+from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_weight_grads
+
+if TYPE_CHECKING:
+    from onnxtrain.engine.plan import Plan
+
+__all__ = ["ScratchPool", "enabled", "fuse"]
+
+
+def enabled() -> bool:
+    """False when the environment says ``ONNXTRAIN_FUSION=0`` (for A/B benchmarks)."""
+    return os.environ.get("ONNXTRAIN_FUSION", "1") not in ("0", "false", "no", "off")
+
+
+def fuse(plan: Plan) -> None:
+    """Rewrite ``plan.steps`` in place (frees are recomputed by the plan afterwards)."""
+    steps = list(plan.steps)
+    steps = eliminate_common_steps(plan, steps)
+    steps = fuse_matmul_weight_grads(plan, steps)
+    steps = fuse_conv_weight_grads(plan, steps)
+    steps = fuse_elementwise(plan, steps)
+    plan.steps = steps

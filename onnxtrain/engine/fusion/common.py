@@ -1,0 +1,101 @@
+"""What the fusion passes share: step maps, constants, running and making steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from onnxtrain.engine.registry import Attrs
+
+if TYPE_CHECKING:
+    from onnxtrain.engine.plan import Plan, Step
+
+RANDOM_OPS = {
+    "RandomNormal",
+    "RandomUniform",
+    "RandomNormalLike",
+    "RandomUniformLike",
+    "Bernoulli",
+    "Multinomial",
+    "Dropout",
+}
+FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------
+def consumers(steps: Sequence[Step]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for k, st in enumerate(steps):
+        for s in st.inputs:
+            if s >= 0:
+                out.setdefault(s, []).append(k)
+    return out
+
+
+def producers(steps: Sequence[Step]) -> dict[int, int]:
+    return {s: k for k, st in enumerate(steps) for s in st.outputs if s >= 0}
+
+
+def protected_slots(plan: Plan) -> set[int]:
+    """Slots that must stay visible: graph outputs."""
+    return {plan.slot[n] for n in plan.output_names}
+
+
+def constant_of(plan: Plan, s: int) -> np.ndarray | None:
+    """The value of a folded Constant slot (initializers stay feedable, so they do not count)."""
+    for slot, v in plan._const_values:
+        if slot == s:
+            return v
+    return None
+
+
+def attr_key(node: onnx.NodeProto) -> bytes:
+    return b"".join(a.SerializeToString(deterministic=True) for a in node.attribute)
+
+
+def run_steps(plan: Plan, steps: Sequence[Step], env: dict[int, Any]) -> None:
+    """Run ``steps`` with their original kernels, reading and writing values by slot in ``env``."""
+    for st in steps:
+        args = [env.get(s) if s >= 0 else None for s in st.inputs]
+        res = plan._call(st, args)
+        for s, r in zip(st.outputs, res):
+            if s >= 0:
+                env[s] = r
+
+
+def synthetic_step(
+    plan: Plan, op: str, name: str, members: Sequence[Step], ins: Sequence[int], outs: Sequence[int]
+) -> tuple[onnx.NodeProto, Attrs]:
+    names = {s: n for n, s in plan.slot.items()}
+    node = helper.make_node(
+        op,
+        [names.get(s, "") for s in ins],
+        [names.get(s, "") for s in outs],
+        name=name,
+        domain="onnxtrain.fused",
+    )
+    node.doc_string = "fused from: " + ", ".join(m.node.name or m.node.op_type for m in members)
+    attrs = Attrs({}, op, name, plan.opset, len(outs), tuple(True for _ in outs))
+    return node, attrs
+
+
+def make_step(
+    plan: Plan,
+    op: str,
+    members: Sequence[Step],
+    ins: Sequence[int],
+    outs: Sequence[int],
+    fn: Callable[[Sequence[Any], Attrs], Sequence[Any]],
+) -> Step:
+    from onnxtrain.engine.plan import Step
+
+    name = f"{op}({members[-1].node.name or members[-1].node.op_type})"
+    node, attrs = synthetic_step(plan, op, name, members, ins, outs)
+    return Step(fn, tuple(ins), tuple(outs), attrs, (), node)
+
+
+# ---- common subexpressions -------------------------------------------------------------------------------

@@ -1,0 +1,183 @@
+"""Weight gradients of batched MatMul and of Conv as one GEMM each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from onnxtrain.engine.fusion.common import (
+    FLOATS,
+    constant_of,
+    consumers,
+    make_step,
+    producers,
+    protected_slots,
+    run_steps,
+)
+from onnxtrain.engine.registry import Attrs
+
+if TYPE_CHECKING:
+    from onnxtrain.engine.plan import Plan, Step
+
+
+# ---- weight gradient of a batched MatMul ---------------------------------------------------------------
+def fuse_matmul_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
+    """ReduceSum(MatMul(Transpose(A, swap last two), B), leading axes, keepdims=0) → A_flat^T @ B_flat."""
+    cons, prod, kept = consumers(steps), producers(steps), protected_slots(plan)
+    drop: set[int] = set()
+    replace: dict[int, Step] = {}
+    for k, red in enumerate(steps):
+        if (
+            red.node.op_type != "ReduceSum"
+            or len(red.inputs) < 2
+            or red.attrs.get("keepdims", 1) != 0
+            or red.attrs.get("noop_with_empty_axes", 0)
+        ):
+            continue
+        axes = constant_of(plan, red.inputs[1])
+        m = prod.get(red.inputs[0])
+        if axes is None or m is None or steps[m].node.op_type != "MatMul":
+            continue
+        mm = steps[m]
+        t = prod.get(mm.inputs[0])
+        if t is None or steps[t].node.op_type != "Transpose":
+            continue
+        tr = steps[t]
+        perm = list(tr.attrs.get("perm") or [])
+        nd = len(perm)
+        if (
+            nd < 3
+            or perm != [*range(nd - 2), nd - 1, nd - 2]
+            or sorted(np.asarray(axes).reshape(-1).tolist()) != list(range(nd - 2))
+        ):
+            continue
+        if (
+            cons.get(tr.outputs[0]) != [m]
+            or cons.get(mm.outputs[0]) != [k]
+            or tr.outputs[0] in kept
+            or mm.outputs[0] in kept
+        ):
+            continue
+        members = [tr, mm, red]
+        replace[k] = make_step(
+            plan,
+            "FusedMatMulWeightGrad",
+            members,
+            (tr.inputs[0], mm.inputs[1], red.inputs[1]),
+            red.outputs,
+            _matmul_weight_grad(plan, members, nd),
+        )
+        drop.update((t, m))
+    return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
+
+
+def _matmul_weight_grad(plan: Plan, members: list[Step], nd: int) -> Callable:
+    tr, mm, red = members
+
+    def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
+        a, b, axes = inputs
+        if (
+            a.ndim == nd
+            and b.ndim == nd
+            and a.shape[:-1] == b.shape[:-1]
+            and a.dtype == b.dtype
+            and a.dtype in FLOATS
+        ):
+            return (np.matmul(a.reshape(-1, a.shape[-1]).T, b.reshape(-1, b.shape[-1])),)
+        env = {tr.inputs[0]: a, mm.inputs[1]: b, red.inputs[1]: axes}
+        run_steps(plan, members, env)
+        return (env[red.outputs[0]],)
+
+    return run
+
+
+# ---- weight gradient of a Conv -------------------------------------------------------------------------
+_SWAP01 = [1, 0, 2, 3]
+
+
+def fuse_conv_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
+    """Transpose(Conv(Transpose(X), Transpose(dY))) with batch/channel swaps (2-D, group 1) → one GEMM."""
+    cons, prod, kept = consumers(steps), producers(steps), protected_slots(plan)
+    drop: set[int] = set()
+    replace: dict[int, Step] = {}
+    for k, last in enumerate(steps):
+        if last.node.op_type != "Transpose" or list(last.attrs.get("perm") or []) != _SWAP01:
+            continue
+        c = prod.get(last.inputs[0])
+        if c is None or steps[c].node.op_type != "Conv":
+            continue
+        conv = steps[c]
+        at = conv.attrs
+        if len(conv.inputs) != 2 or at.get("group", 1) != 1 or (at.get("auto_pad") or "NOTSET") != "NOTSET":
+            continue
+        tx, tdy = prod.get(conv.inputs[0]), prod.get(conv.inputs[1])
+        if tx is None or tdy is None or tx == tdy:
+            continue
+        if any(
+            steps[i].node.op_type != "Transpose" or list(steps[i].attrs.get("perm") or []) != _SWAP01
+            for i in (tx, tdy)
+        ):
+            continue
+        inner = [steps[tx].outputs[0], steps[tdy].outputs[0], conv.outputs[0]]
+        if (
+            cons.get(inner[0]) != [c]
+            or cons.get(inner[1]) != [c]
+            or cons.get(inner[2]) != [k]
+            or any(s in kept for s in inner)
+        ):
+            continue
+        members = [steps[tx], steps[tdy], conv, last]
+        replace[k] = make_step(
+            plan,
+            "FusedConvWeightGrad",
+            members,
+            (steps[tx].inputs[0], steps[tdy].inputs[0]),
+            last.outputs,
+            _conv_weight_grad(plan, members),
+        )
+        drop.update((tx, tdy, c))
+    return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
+
+
+def _conv_weight_grad(plan: Plan, members: list[Step]) -> Callable:
+    tx, tdy, conv, last = members
+    at = conv.attrs
+    strides = list(at.get("strides") or [1, 1])  # the forward conv's dilations
+    dil = list(at.get("dilations") or [1, 1])  # the forward conv's strides
+    pads = list(at.get("pads") or [0, 0, 0, 0])
+
+    def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
+        x, dy = inputs
+        if (
+            x.ndim == 4
+            and dy.ndim == 4
+            and x.shape[0] == dy.shape[0]
+            and x.dtype == dy.dtype
+            and x.dtype in FLOATS
+            and len(strides) == 2
+            and len(dil) == 2
+            and len(pads) == 4
+        ):
+            if any(pads):
+                x = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+            n, ci, h, w = x.shape
+            oh, ow = dy.shape[2:]
+            kh = (h - dil[0] * (oh - 1) - 1) // strides[0] + 1
+            kw = (w - dil[1] * (ow - 1) - 1) // strides[1] + 1
+            if kh > 0 and kw > 0:
+                x = np.ascontiguousarray(x)
+                sn, sc, sh, sw = x.strides
+                view = np.lib.stride_tricks.as_strided(
+                    x,
+                    (n, ci, kh, kw, oh, ow),
+                    (sn, sc, sh * strides[0], sw * strides[1], sh * dil[0], sw * dil[1]),
+                    writeable=False,
+                )
+                return (np.tensordot(dy, view, axes=([0, 2, 3], [0, 4, 5])),)
+        env = {tx.inputs[0]: inputs[0], tdy.inputs[0]: inputs[1]}
+        run_steps(plan, members, env)
+        return (env[last.outputs[0]],)
+
+    return run
