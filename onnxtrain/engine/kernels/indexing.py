@@ -52,7 +52,13 @@ def _scatter_rows(out: np.ndarray, rows: np.ndarray, upd: np.ndarray, reduction:
 @kernel("Gather", since=1)
 def gather(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, idx = inputs[0], inputs[1]
-    return (np.take(x, idx, axis=_axis(attrs["axis"], x.ndim)),)
+    axis = _axis(attrs["axis"], x.ndim)
+    if idx.ndim == 0 and isinstance(x, np.ndarray):  # one index (e.g. q, k, v of a fused projection): a view
+        i = int(idx)
+        if not -x.shape[axis] <= i < x.shape[axis]:
+            raise IndexError(f"Gather: index {i} is out of range for axis {axis} of size {x.shape[axis]}")
+        return (x[(slice(None),) * axis + (i,)],)
+    return (np.take(x, idx, axis=axis),)
 
 
 @kernel("GatherElements", since=11)
