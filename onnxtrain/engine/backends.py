@@ -126,9 +126,11 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
     """A compiled graph on ``backend``: a :class:`Plan` (numpy) or an :class:`OrtPlan` (onnxruntime).
 
     ``providers``/``provider_options`` and ``options`` (a SessionOptions: graph optimisation level,
-    thread counts) are used by the onnxruntime backend only."""
+    thread counts) are used by the onnxruntime backend only. With ``options.enable_profiling`` the numpy
+    plan is not fused, so the profile has one event per node of the graph."""
     if check_backend(backend) == "numpy":
-        return Plan(model)
+        profiling = bool(getattr(options, "enable_profiling", False))
+        return Plan(model, fuse=False) if profiling else Plan(model)
     return OrtPlan(model, providers, options, provider_options)
 
 

@@ -365,3 +365,24 @@ def test_on_device_api_is_bit_identical_with_and_without_fusion(tmp_path, monkey
             module.lazy_reset_grad()
         assert losses[0] == losses[1]
     np.testing.assert_array_equal(fused[0].get_contiguous_parameters(), plain[0].get_contiguous_parameters())
+
+
+def test_matmul_bias_add_runs_in_place_and_is_bit_identical() -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxtrain.ir.builder import make_model
+
+    rng = np.random.default_rng(3)
+    w = numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Add", ["b", "p"], ["y"])]
+    g = helper.make_graph(nodes, "mm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 5, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 5, 8])], [w, b])
+    model = make_model(g, 17)
+    fused, plain = Plan(model), Plan(model, fuse=False)
+    assert ops(fused) == ["FusedMatMulAdd"]
+    x = rng.standard_normal((4, 5, 16)).astype(np.float32)
+    a1, a2 = fused.run({"x": x})[0], fused.run({"x": x})[0]
+    want = plain.run({"x": x})[0]
+    assert a1.tobytes() == want.tobytes() and a2.tobytes() == want.tobytes()
+    assert not np.shares_memory(a1, a2)  # a fresh product every run

@@ -11,6 +11,8 @@
   one small GEMM per batch entry and a reduction;
 * **weight gradient of a Conv**: ``Transpose(Conv(Transpose(X), Transpose(dY)))`` (each swapping the batch
   and channel axes) becomes one GEMM of ``dY`` with a strided im2col view of ``X``;
+* **MatMul + bias**: an ``Add`` of a MatMul's product (that nothing else reads) adds into the product
+  in place instead of allocating a second array (after the clusters, which may take the Add instead);
 * **elementwise clusters**: connected Add/Sub/Mul/Div/Sqrt/... steps (an optimizer update is ~15 of them
   per weight) run as one step: the same ufuncs in the same order, so results are bit-identical, but values
   used only inside the cluster are written into scratch buffers kept across runs (a pool keyed by shape
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from onnxtrain.engine.fusion.cse import eliminate_common_steps
 from onnxtrain.engine.fusion.elementwise import ScratchPool, fuse_elementwise
-from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_weight_grads
+from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_bias, fuse_matmul_weight_grads
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan
@@ -50,4 +52,5 @@ def fuse(plan: Plan) -> None:
     steps = fuse_matmul_weight_grads(plan, steps)
     steps = fuse_conv_weight_grads(plan, steps)
     steps = fuse_elementwise(plan, steps)
+    steps = fuse_matmul_bias(plan, steps)
     plan.steps = steps

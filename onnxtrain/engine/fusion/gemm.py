@@ -181,3 +181,60 @@ def _conv_weight_grad(plan: Plan, members: list[Step]) -> Callable:
         return (env[last.outputs[0]],)
 
     return run
+
+
+# ---- MatMul followed by a bias Add -----------------------------------------------------------------------
+def fuse_matmul_bias(plan: Plan, steps: list[Step]) -> list[Step]:
+    """Add(MatMul(A, B), bias) → the product with the bias added in place (no second output array).
+
+    Runs after the elementwise clusters, so only Adds no cluster took are rewritten. Addition commutes
+    exactly in IEEE arithmetic, so the result is bit-identical whichever side the product was on.
+    """
+    cons, prod, kept = consumers(steps), producers(steps), protected_slots(plan)
+    drop: set[int] = set()
+    replace: dict[int, Step] = {}
+    for k, add in enumerate(steps):
+        if add.node.op_type != "Add" or len(add.inputs) != 2:
+            continue
+        for side in (0, 1):
+            m = prod.get(add.inputs[side])
+            if m is None or m in drop or steps[m].node.op_type != "MatMul":
+                continue
+            mm = steps[m]
+            if cons.get(mm.outputs[0]) != [k] or mm.outputs[0] in kept:
+                continue
+            members = [mm, add]
+            replace[k] = make_step(
+                plan,
+                "FusedMatMulAdd",
+                members,
+                (*mm.inputs, add.inputs[1 - side]),
+                add.outputs,
+                _matmul_add(plan, members),
+            )
+            drop.add(m)
+            break
+    return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
+
+
+def _matmul_add(plan: Plan, members: list[Step]) -> Callable:
+    mm, add = members
+
+    def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
+        a, b, bias = inputs
+        y = plan._call(mm, [a, b])[0]
+        if (
+            type(y) is np.ndarray
+            and type(bias) is np.ndarray
+            and y.flags.writeable
+            and y.dtype == np.result_type(y, bias)
+            and np.broadcast_shapes(y.shape, bias.shape) == y.shape
+            and not np.may_share_memory(y, a)
+            and not np.may_share_memory(y, b)
+            and not np.may_share_memory(y, bias)
+        ):
+            np.add(y, bias, out=y)  # the product is ours: add the bias into it
+            return (y,)
+        return plan._call(add, [y, bias])
+
+    return run
