@@ -23,10 +23,8 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
-from onnxtrain.engine.plan import EngineError, Plan, ProfileEvent, default_opset, load_model
-from onnxtrain.ir.types import np_dtype_of, value_info_shape
+from onnxtrain.engine.plan import EngineError, GraphInterface, Plan, ProfileEvent
 
 BACKENDS = ("numpy", "onnxruntime")
 CONFIG_KEY = "onnxtrain.backend"
@@ -134,7 +132,7 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
     return OrtPlan(model, providers, options, provider_options)
 
 
-class OrtPlan:
+class OrtPlan(GraphInterface):
     """A graph run by ``onnxruntime.InferenceSession``, with the interface of :class:`Plan`."""
 
     backend = "onnxruntime"
@@ -143,19 +141,8 @@ class OrtPlan:
                  options: Any = None, provider_options: Sequence[dict] | None = None):
         ort = import_onnxruntime()
         self._ort = ort
-        model = load_model(model)
-        self.model = model
+        model = self._read_interface(model)
         g = model.graph
-        self.opset = default_opset(model)
-        self.initializers: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in g.initializer}
-        inits = set(self.initializers)
-        self.input_names = [v.name for v in g.input if v.name not in inits]
-        self.all_input_names = [v.name for v in g.input]
-        self.output_names = [v.name for v in g.output]
-        self.input_info = {v.name: v for v in g.input}
-        self.output_info = {v.name: v for v in g.output}
-        self.input_dtypes = {v.name: np_dtype_of(v.type) for v in g.input}
-        self.input_shapes = {v.name: value_info_shape(v.type) for v in g.input}
         self.peak_bytes = 0
         self.profiling = False
         self.profile: list[ProfileEvent] = []

@@ -80,7 +80,27 @@ def default_opset(model: onnx.ModelProto) -> int:
     return onnx.defs.onnx_opset_version()
 
 
-class Plan:
+class GraphInterface:
+    """What every plan exposes of its model: opset, initializers, input and output names and types."""
+
+    def _read_interface(self, model: onnx.ModelProto | str | bytes | os.PathLike) -> onnx.ModelProto:
+        model = load_model(model)
+        self.model = model
+        g = model.graph
+        self.opset = default_opset(model)
+        self.initializers: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+        inits = set(self.initializers)
+        self.input_names = [v.name for v in g.input if v.name not in inits]
+        self.all_input_names = [v.name for v in g.input]
+        self.output_names = [v.name for v in g.output]
+        self.input_info = {v.name: v for v in g.input}
+        self.output_info = {v.name: v for v in g.output}
+        self.input_dtypes = {v.name: np_dtype_of(v.type) for v in g.input}
+        self.input_shapes = {v.name: value_info_shape(v.type) for v in g.input}
+        return model
+
+
+class Plan(GraphInterface):
     """An executable form of one ONNX graph."""
 
     def __init__(
@@ -88,19 +108,9 @@ class Plan:
     ):
         """``fuse``: apply the execution-time fusions of :mod:`onnxtrain.engine.fusion` (default: on, unless
         the environment says ``ONNXTRAIN_FUSION=0``)."""
-        model = load_model(model)
-        self.model = model
+        model = self._read_interface(model)
         g = model.graph
-        self.opset = default_opset(model)
-        self.initializers: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in g.initializer}
         init_names = set(self.initializers)
-        self.input_names = [v.name for v in g.input if v.name not in init_names]
-        self.all_input_names = [v.name for v in g.input]
-        self.output_names = [v.name for v in g.output]
-        self.input_info = {v.name: v for v in g.input}
-        self.output_info = {v.name: v for v in g.output}
-        self.input_dtypes = {v.name: np_dtype_of(v.type) for v in g.input}
-        self.input_shapes = {v.name: value_info_shape(v.type) for v in g.input}
 
         slot: dict[str, int] = {}
 
