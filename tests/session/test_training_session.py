@@ -81,6 +81,24 @@ def _grads(model: onnx.ModelProto, w: dict[str, np.ndarray], x, y) -> dict[str, 
     return dict(zip(sorted(w), [g.astype(np.float64) for g in s.run(names, {"x": x, "y": y})]))
 
 
+def _follow_reference(model: onnx.ModelProto, p: TrainingParameters, update) -> TrainingSession:
+    """20 steps of the session next to ``update(w, g, m1, m2, t) -> (w, m1, m2)`` in float64 (each
+    reference step uses the exact gradient at the reference weights); the weights must agree."""
+    sess = TrainingSession(model.SerializeToString(), p)
+    w = {k: v.astype(np.float64) for k, v in weights_of(model).items()}
+    m1 = {k: np.zeros_like(v) for k, v in w.items()}
+    m2 = {k: np.zeros_like(v) for k, v in w.items()}
+    for t, (x, y) in enumerate(batches(20, 16), start=1):
+        g = _grads(model, w, x, y)
+        sess.run(["loss"], feeds(x, y))
+        for k in w:
+            w[k], m1[k], m2[k] = update(w[k], g[k], m1[k], m2[k], t)
+    state = sess.get_state()
+    for k in w:
+        assert_rel(state[k], w[k], 1e-5, k)
+    return sess
+
+
 @pytest.mark.parametrize("mode,bias,lam", [(1, 1, 0.01), (1, 0, 0.0), (0, 0, 0.01)])
 def test_adam_modes_against_float64_reference(mode: int, bias: int, lam: float) -> None:
     model = mlp_model(act="Tanh")  # smooth: float32 and float64 trajectories cannot part at a ReLU kink
@@ -93,20 +111,11 @@ def test_adam_modes_against_float64_reference(mode: int, bias: int, lam: float) 
             n: {"weight_decay_mode": mode, "do_bias_correction": bias} for n in names
         },
     )
-    sess = TrainingSession(model.SerializeToString(), p)
-    w = {k: v.astype(np.float64) for k, v in weights_of(model).items()}
-    m1 = {k: np.zeros_like(v) for k, v in w.items()}
-    m2 = {k: np.zeros_like(v) for k, v in w.items()}
-    for t, (x, y) in enumerate(batches(20, 16), start=1):
-        g = _grads(model, w, x, y)
-        sess.run(["loss"], feeds(x, y))
-        for k in w:
-            w[k], m1[k], m2[k] = adam_ref(
-                w[k], g[k], m1[k], m2[k], t, float(LR[0]), lam=lam, bias=bool(bias), mode=mode
-            )
-    state = sess.get_state()
-    for k in w:
-        assert_rel(state[k], w[k], 1e-5, k)
+    sess = _follow_reference(
+        model,
+        p,
+        lambda w, g, m1, m2, t: adam_ref(w, g, m1, m2, t, float(LR[0]), lam=lam, bias=bool(bias), mode=mode),
+    )
     assert sess.get_optimizer_state()["W1"]["Update_Count"].tolist() == [21]
 
 
@@ -118,20 +127,11 @@ def test_lamb_against_float64_reference() -> None:
         enable_grad_norm_clip=False,
         optimizer_attributes_map={n: {"lambda": 0.01, "ratio_min": 0.05, "ratio_max": 5.0} for n in names},
     )
-    sess = TrainingSession(model.SerializeToString(), p)
-    w = {k: v.astype(np.float64) for k, v in weights_of(model).items()}
-    m1 = {k: np.zeros_like(v) for k, v in w.items()}
-    m2 = {k: np.zeros_like(v) for k, v in w.items()}
-    for t, (x, y) in enumerate(batches(20, 16), start=1):
-        g = _grads(model, w, x, y)
-        sess.run(["loss"], feeds(x, y))
-        for k in w:
-            w[k], m1[k], m2[k] = lamb_ref(
-                w[k], g[k], m1[k], m2[k], t, float(LR[0]), lam=0.01, rmin=0.05, rmax=5.0
-            )
-    state = sess.get_state()
-    for k in w:
-        assert_rel(state[k], w[k], 1e-5, k)
+    sess = _follow_reference(
+        model,
+        p,
+        lambda w, g, m1, m2, t: lamb_ref(w, g, m1, m2, t, float(LR[0]), lam=0.01, rmin=0.05, rmax=5.0),
+    )
     assert sess.get_optimizer_state()["shared_optimizer_state"]["Step"].tolist() == [21]
 
 
