@@ -249,3 +249,18 @@ def lp_norm_grad(g: GradCtx) -> None:
     dot = g.reduce("ReduceSum", g.emit("Mul", g.dy(0), y), [axis], keepdims=1)
     s = y if p == 2 else g.emit("Sign", x)
     g.set_dx(0, g.emit("Div", g.emit("Sub", g.dy(0), g.emit("Mul", s, dot)), n))
+
+
+@gradient("MeanVarianceNormalization", uses=("x0",))
+def mean_variance_norm_grad(g: GradCtx) -> None:
+    # Y = xc / (s + ε), xc = X − mean(X), s = sqrt(mean(xc²)), ε = 1e-9 (the schema's function body):
+    # dX = (dY − mean(dY)) / (s + ε) − xc · mean(dY·xc) / (s · (s + ε)²)   over the normalised axes
+    axes = [int(a) for a in g.attr("axes")]
+    xc = g.emit("Sub", g.x(0), _reduce_mean(g, g.x(0), axes))
+    s = g.emit("Sqrt", _reduce_mean(g, g.emit("Mul", xc, xc), axes))
+    d = g.emit("Add", s, g.const(1e-9))
+    dy = g.dy(0)
+    first = g.emit("Div", g.emit("Sub", dy, _reduce_mean(g, dy, axes)), d)
+    second = g.emit("Div", g.emit("Mul", xc, _reduce_mean(g, g.emit("Mul", dy, xc), axes)),
+                    g.emit("Mul", s, g.emit("Mul", d, d)))
+    g.set_dx(0, g.emit("Sub", first, second))
