@@ -1,0 +1,225 @@
+"""Data parallelism of the legacy session over MPI: gradient exchange (allreduce, Adasum), ZeRO stage 1.
+
+``DataParallelSteps`` holds the session methods that only a run under ``mpiexec`` with several ranks uses;
+:class:`onnxtrain.session.TrainingSession` mixes it in. The exchange itself lives in
+:mod:`onnxtrain.parallel`; this module composes it with the session's step graphs and state store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from onnxtrain.graph_transforms import accumulation
+from onnxtrain.optim import WeightSlot
+from onnxtrain.parallel import BucketReducer
+from onnxtrain.parallel.adasum import adasum_reduce
+from onnxtrain.parallel.fingerprint import array_digest, digest
+from onnxtrain.parallel.zero import ZeroLayout
+from onnxtrain.parameters import TrainingParameters
+from onnxtrain.training_graph import StepGraphs, build_update_graph
+
+
+class DataParallelSteps:
+    """The data-parallel part of ``TrainingSession`` (state: ``_dp``, ``_zero``, ``_store``, ``_graphs``)."""
+
+    def _setup_data_parallel(self) -> None:
+        """Buffers, layout and graphs for the gradient exchange (``self._dp.mode``)."""
+        g, p, dp = self._graphs, self._params, self._dp
+        steps = p.gradient_accumulation_steps
+        gupd = g.updates["gradients"]
+        self._grad_outputs = [
+            gupd[accumulation.buffer_name(f"{w}_grad")] if steps > 1 else f"{w}_grad" for w in g.trainable
+        ]
+        self._grad_scale = 1.0 / (steps * dp.size)  # the legacy's 1/(N·D): gradients are averaged
+        weights = [self._store[w] for w in g.trainable]
+        if dp.mode == "allreduce":
+            self._reducer = BucketReducer(dp.comm, [a.shape for a in weights], [a.dtype for a in weights])
+        elif dp.mode == "zero1":
+            dtypes = {a.dtype for a in weights}
+            if len(dtypes) != 1:
+                raise NotImplementedError(
+                    f"deepspeed_zero_stage=1 needs trained weights of one dtype, got "
+                    f"{sorted(map(str, dtypes))}"
+                )
+            dt = dtypes.pop()
+            z = self._zero = ZeroLayout({w: self._store[w].shape for w in g.trainable}, dp.size, dp.rank)
+            elem = helper.np_dtype_to_tensor_dtype(dt)
+            slots = [
+                WeightSlot(
+                    pc.name,
+                    f"{pc.name}_grad",
+                    pc.shape,
+                    elem,
+                    dict(p.optimizer_attributes_map.get(pc.weight, {})),
+                    dict(p.optimizer_int_attributes_map.get(pc.weight, {})),
+                )
+                for pc in z.pieces
+            ]
+            norm = next((e for e in g.extra_outputs if e.startswith("global_gradient_norm")), None)
+            self._norm_name = norm
+            model, upd, _, specs = build_update_graph(
+                g.gradient, slots, p, self._opt, clip=norm is not None, norm_input=norm
+            )
+            self._extra_models["zero_update"] = model
+            self._zero_updates = upd
+            for sp in self._specs:  # the full state is replaced by the state of this rank's pieces
+                del self._store[sp.name]
+            self._specs = specs
+            for sp in specs:
+                self._store[sp.name] = sp.initial.copy()
+            self._zgrad = np.zeros(z.padded, dt)
+            self._zown = np.zeros(z.per_rank, dt)
+
+    def _run_data_parallel(self, names: list[str], feeds: dict[str, Any]) -> list[np.ndarray]:
+        """One optimizer step across ranks: local gradients → exchange (allreduce/Adasum/ZeRO) → update."""
+        g, store, dp = self._graphs, self._store, self._dp
+        gp = self._get_plan("gradients")
+        bn_items = [(s, o) for s, o in g.updates["gradients"].items() if s in g.bn_stats]
+        local_names = [n for n in names if n in gp.output_info]
+        gfeeds = {n: feeds[n] for n in gp.all_input_names if n in feeds}
+        for s in gp.all_input_names:
+            if s in store:
+                gfeeds[s] = store[s]
+        res = gp.run(gfeeds, local_names + self._grad_outputs + [o for _, o in bn_items])
+        got = dict(zip(local_names, res))
+        grads = res[len(local_names) : len(local_names) + len(self._grad_outputs)]
+        for (stat, _), v in zip(bn_items, res[len(local_names) + len(grads) :]):
+            store[stat] = v
+        lr = self._params.lr_params_feed_name
+        if dp.mode == "zero1":
+            got.update(self._zero_step(grads, feeds[lr]))
+        else:
+            up = self._get_plan("update")
+            items = list(g.updates["update"].items())
+            if dp.mode == "allreduce":
+                eff = self._reducer.reduce(grads, self._grad_scale)
+            else:  # adasum: the optimizer runs on the local (accumulation-averaged) gradients
+                n = self._params.gradient_accumulation_steps
+                eff = grads if n == 1 else [gr * gr.dtype.type(1.0 / n) for gr in grads]
+            ufeeds = {lr: feeds[lr], **{f"{w}_grad": v for w, v in zip(g.trainable, eff)}}
+            for s in up.all_input_names:
+                if s in store:
+                    ufeeds[s] = store[s]
+            extra = [n for n in names if n not in got and n in up.output_info]
+            out = up.run(ufeeds, extra + [o for _, o in items])
+            got.update(zip(extra, out))
+            new = dict(zip([s for s, _ in items], out[len(extra) :]))
+            if dp.mode == "adasum":
+                old = [store[w] for w in g.trainable]
+                deltas = adasum_reduce(dp.comm, [new[w] - o for w, o in zip(g.trainable, old)])
+                for w, o, d in zip(g.trainable, old, deltas):
+                    new[w] = o + d
+            store.update(new)
+        for b in g.buffers:
+            store[b] = np.zeros_like(store[b])
+        self._micro_step = 0
+        missing = [n for n in names if n not in got]
+        if missing:
+            raise ValueError(f"output(s) {missing} are not available in a data-parallel step")
+        return [got[n] for n in names]
+
+    def _zero_step(self, grads: list[np.ndarray], lr: np.ndarray) -> dict[str, np.ndarray]:
+        """ZeRO stage 1: reduce-scatter, norm over owned pieces summed across ranks, update, allgather."""
+        g, store, z, comm = self._graphs, self._store, self._zero, self._dp.comm
+        z.flatten_into(dict(zip(g.trainable, grads)), self._zgrad, self._grad_scale)
+        own = comm.reduce_scatter_(
+            self._zgrad, self._zown, f"ZeRO gradient reduce-scatter ({self._zgrad.nbytes} bytes)"
+        )
+        own64 = own.astype(np.float64)
+        norm = np.asarray(
+            np.sqrt(comm.allreduce_scalar(float(np.dot(own64, own64)), "ZeRO gradient norm")), own.dtype
+        )
+        wflat = np.zeros(z.padded, own.dtype)
+        if z.pieces:
+            up = self._get_plan("zero_update")
+            feeds: dict[str, Any] = {self._params.lr_params_feed_name: lr}
+            if self._norm_name:
+                feeds[self._norm_name] = norm.astype(np.float32)
+            for pc in z.pieces:
+                feeds[pc.name] = z.piece_view(pc, store[pc.weight])
+                feeds[f"{pc.name}_grad"] = own[z.local_slice(pc)].reshape(pc.shape)
+            for s in up.all_input_names:
+                if s in store:
+                    feeds[s] = store[s]
+            items = list(self._zero_updates.items())
+            new = dict(zip([s for s, _ in items], up.run(feeds, [o for _, o in items])))
+            for pc in z.pieces:
+                wflat[pc.offset : pc.offset + pc.stop - pc.start] = new.pop(pc.name).reshape(-1)
+            store.update(new)  # optimizer state of the owned pieces
+        comm.allgather_(wflat, f"ZeRO weight allgather ({wflat.nbytes} bytes)")
+        store.update(z.unflatten(wflat))
+        return {self._norm_name: norm.astype(np.float32)} if self._norm_name else {}
+
+    def _zero_full_names(self) -> dict[str, list[tuple[str, Any, bool]]]:
+        """ZeRO: unpartitioned state name → [(this rank's state name, piece, elementwise)]."""
+        out: dict[str, list[tuple[str, Any, bool]]] = {}
+        for sp in self._specs:
+            pc = self._zero.piece_of.get(sp.weight) if self._zero is not None else None
+            if pc is not None:
+                out.setdefault(f"{sp.key}_{pc.weight}", []).append(
+                    (sp.name, pc, sp.initial.shape == pc.shape)
+                )
+        return out
+
+    def gather_state(self) -> dict[str, np.ndarray]:
+        """``get_state()`` with ZeRO-partitioned optimizer state reassembled under the unpartitioned names
+        (``Moment_1_<w>``, ...), e.g. for rank 0 to write a complete checkpoint. Under ZeRO this is a
+        collective: every rank must call it. Otherwise it equals ``get_state()``."""
+        state = self.get_state()
+        z = self._zero
+        if z is None:
+            return state
+        mine = []
+        for full, parts in self._zero_full_names().items():
+            for name, pc, elementwise in parts:
+                mine.append((full, pc.weight, pc.start, pc.stop, elementwise, state.pop(name)))
+        gathered: dict[str, np.ndarray] = {}
+        for part in self._dp.comm.allgather_object(mine, "gathering the ZeRO optimizer state"):
+            for full, w, a, b, elementwise, v in part:
+                if not elementwise:
+                    gathered.setdefault(full, v)
+                    continue
+                buf = gathered.setdefault(full, np.zeros(z.shapes[w], v.dtype))
+                buf.reshape(-1)[a:b] = v.reshape(-1)
+        state.update(gathered)
+        return dict(sorted(state.items()))
+
+
+_FINGERPRINT_OPTIONS = (
+    "loss_output_name",
+    "training_optimizer_name",
+    "lr_params_feed_name",
+    "optimizer_attributes_map",
+    "optimizer_int_attributes_map",
+    "gradient_accumulation_steps",
+    "enable_grad_norm_clip",
+    "deepspeed_zero_stage",
+    "enable_adasum",
+    "use_mixed_precision",
+    "legacy_cpu_adam",
+    "gradient_accumulation_mode",
+)
+
+
+def fingerprint(model: onnx.ModelProto, g: StepGraphs, p: TrainingParameters) -> dict[str, Any]:
+    """What every data-parallel rank must hold identically, field by field (cheap digests of the values)."""
+    graph = onnx.GraphProto()
+    graph.CopyFrom(model.graph)
+    del graph.initializer[:]
+    inits = {t.name: t for t in model.graph.initializer}
+    trained = set(g.trainable)
+    return {
+        "graph (nodes, inputs, outputs)": digest(graph.SerializeToString(deterministic=True)),
+        "trained weights (dtype, shape)": {
+            w: (str(g.initial_state[w].dtype), list(g.initial_state[w].shape)) for w in g.trainable
+        },
+        "initial values of the trained weights": {w: array_digest(g.initial_state[w]) for w in g.trainable},
+        "frozen initializers": {
+            n: array_digest(numpy_helper.to_array(t)) for n, t in inits.items() if n not in trained
+        },
+        "training parameters": {k: repr(getattr(p, k)) for k in _FINGERPRINT_OPTIONS},
+    }
