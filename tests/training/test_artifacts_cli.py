@@ -11,30 +11,22 @@ import onnx
 from onnxtrain.zoo import mlp
 
 
-def test_artifacts_command(tmp_path) -> None:
+def onnxtrain_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "onnxtrain", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def artifacts(tmp_path, *options: str) -> tuple[subprocess.CompletedProcess, object]:
+    """``onnxtrain artifacts`` on a small MLP with ``options``; returns the result and the output folder."""
     path = tmp_path / "m.onnx"
     onnx.save(mlp([8, 16, 4], loss=False), str(path))
     out = tmp_path / "art"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "onnxtrain",
-            "artifacts",
-            str(path),
-            "-o",
-            str(out),
-            "--loss",
-            "CrossEntropyLoss",
-            "--optimizer",
-            "AdamW",
-            "--frozen",
-            "fc0.bias",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return onnxtrain_cli("artifacts", str(path), "-o", str(out), *options), out
+
+
+def test_artifacts_command(tmp_path) -> None:
+    r, out = artifacts(tmp_path, "--loss", "CrossEntropyLoss", "--optimizer", "AdamW", "--frozen", "fc0.bias")
     assert r.returncode == 0, r.stderr
     names = set(os.listdir(out))
     assert {"training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint"} <= names
@@ -44,43 +36,16 @@ def test_artifacts_command(tmp_path) -> None:
 
     ck = load_checkpoint(str(out / "checkpoint"))
     assert "fc0.bias" in ck.frozen and "fc0.weight" in ck.trainable
-    r = subprocess.run(
-        [sys.executable, "-m", "onnxtrain", "artifacts", "--help"], capture_output=True, text=True, timeout=60
-    )
+    r = onnxtrain_cli("artifacts", "--help")
     assert r.returncode == 0 and "--optimizer" in r.stdout
 
 
 def test_artifacts_command_with_transforms(tmp_path) -> None:
-    path = tmp_path / "m.onnx"
-    onnx.save(mlp([8, 16, 4], loss=False), str(path))
-    out = tmp_path / "art"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "onnxtrain",
-            "artifacts",
-            str(path),
-            "-o",
-            str(out),
-            "--loss",
-            "CrossEntropyLoss",
-            "--optimizer",
-            "AdamW",
-            "--mixed-precision",
-            "float16",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    r, out = artifacts(
+        tmp_path, "--loss", "CrossEntropyLoss", "--optimizer", "AdamW", "--mixed-precision", "float16"
     )
     assert r.returncode == 0, r.stderr
     names = [i.name for i in onnx.load(str(out / "training_model.onnx")).graph.input]
     assert "loss_scale" in names
-    r = subprocess.run(
-        [sys.executable, "-m", "onnxtrain", "artifacts", str(path), "-o", str(out), "--recompute", "nope"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r, _ = artifacts(tmp_path, "--recompute", "nope")
     assert r.returncode != 0 and "nope" in r.stderr
