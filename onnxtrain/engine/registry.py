@@ -36,6 +36,13 @@ class Attrs(dict):
         self.output_used = output_used
         self.cache: dict[Any, Any] = {}  # per-node scratch a kernel may keep between runs
 
+    def cached(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``cache[key]``, made by ``make()`` on first use (e.g. geometry per input shape)."""
+        value = self.cache.get(key)
+        if value is None:
+            value = self.cache[key] = make()
+        return value
+
 
 Kernel = Callable[[Inputs, Attrs], Outputs]
 

@@ -147,10 +147,7 @@ def _view(base: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...]) ->
 def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
-    key = (x.shape, w.shape)
-    g = attrs.cache.get(key)
-    if g is None:
-        g = attrs.cache[key] = _conv_geometry(attrs, x.shape, w.shape)
+    g = attrs.cached((x.shape, w.shape), lambda: _conv_geometry(attrs, x.shape, w.shape))
     n, c = x.shape[:2]
     m, cg, group, K, L = g["m"], g["cg"], g["group"], g["K"], g["L"]
     if g["identity"]:  # 1x1 kernel, stride 1, no pad: X itself is the column matrix
@@ -246,10 +243,7 @@ def _convt_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> d
 def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
-    key = (x.shape, w.shape)
-    g = attrs.cache.get(key)
-    if g is None:
-        g = attrs.cache[key] = _convt_geometry(attrs, x.shape, w.shape)
+    g = attrs.cached((x.shape, w.shape), lambda: _convt_geometry(attrs, x.shape, w.shape))
     n, c = x.shape[:2]
     in_sp = x.shape[2:]
     lin = int(np.prod(in_sp))
