@@ -22,7 +22,9 @@ NO_ROW = {
 # rules without a float64 gradient row
 NO_GRAD_ROW = {
     "Celu": "its schema allows float32 only; checked in float32 against torch in the rule's tests",
-    "MeanVarianceNormalization": "onnx.reference cannot run its float64 forward; tests/autodiff/test_mvn_grad.py",
+    "MeanVarianceNormalization": (
+        "onnx.reference cannot run its float64 forward; tests/autodiff/test_mvn_grad.py"
+    ),
 }
 # kernels with neither a rule nor a no_gradient mark yet (tier 3)
 UNDECIDED = {

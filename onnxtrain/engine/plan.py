@@ -19,6 +19,7 @@ import onnx
 from onnx import numpy_helper
 
 from onnxtrain.engine import fusion
+from onnxtrain.engine.allocator import tune_allocator
 from onnxtrain.engine.registry import Attrs, Kernel, available_ops, find_kernel, parse_attributes
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
@@ -108,6 +109,7 @@ class Plan(GraphInterface):
     ):
         """``fuse``: apply the execution-time fusions of :mod:`onnxtrain.engine.fusion` (default: on, unless
         the environment says ``ONNXTRAIN_FUSION=0``)."""
+        tune_allocator()
         model = self._read_interface(model)
         g = model.graph
         init_names = set(self.initializers)

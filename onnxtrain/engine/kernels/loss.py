@@ -135,10 +135,8 @@ def _dropout(x: np.ndarray, ratio: float, training: bool, attrs: Attrs, mask_dty
     if not 0.0 <= ratio < 1.0:
         raise ValueError(f"Dropout ratio must be in [0, 1) in training mode, got {ratio}")
     gen = _generator(attrs)
-    if attrs.get("seed") is None:
-        mask = _keep_mask(gen, x.shape, ratio)
-    else:  # uniform doubles, as np.random.seed(seed) + np.random.uniform draws them
-        mask = gen.random(x.shape) >= ratio
+    # with a seed: uniform doubles, as np.random.seed(seed) + np.random.uniform draws them
+    mask = _keep_mask(gen, x.shape, ratio) if attrs.get("seed") is None else gen.random(x.shape) >= ratio
     y = np.multiply(x, 1.0 / (1.0 - ratio), dtype=x.dtype)
     y *= mask
     return (y, mask.astype(mask_dtype, copy=False)) if want_mask else (y,)

@@ -273,10 +273,8 @@ def _group_norm(inputs: Inputs, attrs: Attrs, per_channel: bool) -> Outputs:
     n, c = x.shape[0], x.shape[1]
     if g is None or g <= 0 or c % g:
         raise ValueError(f"GroupNormalization: num_groups={g} must divide the {c} channels")
-    if per_channel:
-        sdt = _stash_dtype(x, attrs.get("stash_type"))
-    else:
-        sdt = _F32 if _is_low(x.dtype) else x.dtype
+    low = _F32 if _is_low(x.dtype) else x.dtype
+    sdt = _stash_dtype(x, attrs.get("stash_type")) if per_channel else low
     y, _, _ = _standardize_rows(x.reshape(n * g, -1).astype(sdt, copy=False), attrs["epsilon"])
     groups = c if per_channel else g  # opset 18: one scale/bias per group; 21: per channel
     y = y.reshape(n, groups, -1)
