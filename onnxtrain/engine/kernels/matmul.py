@@ -24,8 +24,9 @@ def matmul(inputs: Inputs, attrs: Attrs) -> Outputs:
     dt = a.dtype
     if _low_precision(dt):
         return (np.matmul(a.astype(_F32), b.astype(_F32)).astype(dt),)
-    if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
-        # (..., K) @ (K, N) as one 2-D GEMM: faster than numpy's loop over the batch
+    if a.ndim > 2 and b.ndim == 2 and a.size:
+        # (..., K) @ (K, N) as one 2-D GEMM: faster than numpy's loop of small GEMMs over the batch, even
+        # when ``a`` is a strided view (attention's transposes) that the reshape must copy
         return (np.matmul(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[1]),)
     y = np.matmul(a, b)
     return (y if isinstance(y, np.ndarray) else np.asarray(y, dtype=dt),)
