@@ -40,6 +40,7 @@ CASES += [
     OpCase("MatMul", [(4,), (4, 3)], variant="grad_vec_mat"),
     OpCase("MatMul", [(3, 4), (4,)], variant="grad_mat_vec"),
     OpCase("MatMul", [(3, 1), (1, 4)], variant="grad_outer"),
+    OpCase("MatMul", [(2, 3, 2, 4), (4, 5)], variant="grad_rank4_rhs2d"),  # dB as one Gemm over the batch
     OpCase("Gemm", [(4, 3), (4, 5), (1, 5)], attrs={"transA": 1}, variant="grad_transA_row_c"),
     OpCase("Gemm", [(3, 4), (5, 4), (5,)], attrs={"transB": 1, "alpha": 2.0}, variant="grad_transB_vec_c"),
     OpCase("Gemm", [(4, 3), (5, 4), ()], attrs={"transA": 1, "transB": 1, "alpha": 0.7, "beta": -0.5},

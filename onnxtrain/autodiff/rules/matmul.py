@@ -47,6 +47,8 @@ def matmul_grad(g: GradCtx) -> None:
             g.set_dx(0, g.reduce("ReduceSum", da, list(range(r - 1)), keepdims=0))
         else:
             g.set_dx(0, _unbroadcast_batch(g, da, 0, r))
+    if g.needs_dx(1) and ra > 2 and rb == 2 and _weight_grad_as_gemm(g):
+        return
     if g.needs_dx(1):
         # dB = Aᵀ·dY; for a 1-D A, Aᵀ is the column (K, 1)
         at = g.emit("Unsqueeze", g.x(0), g.ints([1])) if ra == 1 else _swap_last2(g, g.x(0), ra)
@@ -55,6 +57,19 @@ def matmul_grad(g: GradCtx) -> None:
             g.set_dx(1, g.reduce("ReduceSum", db, [*range(r - 2), r - 1], keepdims=0))
         else:
             g.set_dx(1, _unbroadcast_batch(g, db, 1, r))
+
+
+def _weight_grad_as_gemm(g: GradCtx) -> bool:
+    """dB of A[..., K] · B[K, N] as one GEMM over the flattened batch, Aᵀ[K, ΣM] · dY[ΣM, N], instead of a
+    batch of products and a ReduceSum (a runtime runs that as many small GEMMs). Needs K and N."""
+    kn = g.static_shape(1)
+    if kn is None or len(kn) != 2 or not all(isinstance(d, int) and d > 0 for d in kn):
+        return False
+    k, n = kn
+    a2 = g.emit("Reshape", g.x(0), g.ints([-1, k]))
+    dy2 = g.emit("Reshape", g.dy(0), g.ints([-1, n]))
+    g.set_dx(1, g.emit("Gemm", a2, dy2, transA=1))
+    return True
 
 
 def _unbroadcast_batch(g: GradCtx, grad: str, i: int, r: int) -> str:
