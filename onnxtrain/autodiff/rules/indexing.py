@@ -8,6 +8,7 @@ ScatterElements/ScatterND accept negative indices, so they need no normalising);
 from __future__ import annotations
 
 import numpy as np
+import onnx
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient, no_gradient
@@ -17,6 +18,8 @@ from onnxtrain.autodiff.rules.shape import as_int64, route_back, zeros
 @gradient("Gather", uses=("x1",), stop=(1,), linear=True)
 def gather_grad(g: GradCtx) -> None:
     # dData = ScatterND(zeros, idx[..., None], dY, add) with the gathered axis moved to the front
+    if _scalar_index_grad(g):
+        return
     dy, idx = g.dy(0), as_int64(g, g.x(1))
     axis = g.attr("axis")
     r, q = g.rank(0), g.rank(1)
@@ -36,6 +39,42 @@ def gather_grad(g: GradCtx) -> None:
     dyt = dy if yperm == sorted(yperm) else g.emit("Transpose", dy, perm=yperm)
     s = g.emit("ScatterND", zt, nd, dyt, reduction="add")
     g.set_dx(0, g.emit("Transpose", s, perm=[int(p) for p in np.argsort(dperm)]))
+
+
+def _scalar_index_grad(g: GradCtx) -> bool:
+    """A constant scalar index (q, k and v taken from one projection): dY padded with zeros back to the
+    data's shape, one Pad instead of zeros + ScatterND. The axis size and the rank may be dynamic (a
+    negative axis needs the rank)."""
+    i, r, axis = g.constant_value(1), g.rank(0), g.attr("axis")
+    if i is None or np.ndim(i) != 0 or r is None and axis < 0:
+        return False
+    i = int(i)
+    a = axis % r if r is not None else axis
+    shape = g.static_shape(0)
+    n = shape[a] if shape is not None and isinstance(shape[a], int) else None
+    if n is not None:
+        if not -n <= i < n:
+            return False
+        i %= n
+    # pads: begin[a] = i (n + i for a negative index), end[a] = n - 1 - i (-1 - i); 0 on the other axes
+    if n is not None:
+        begin, end = g.ints([i]), g.ints([n - 1 - i])
+    else:
+        size = g.emit("Gather", g.shape(0), g.ints([a]))
+        if i >= 0:
+            begin, end = g.ints([i]), g.emit("Sub", size, g.ints([i + 1]))
+        else:
+            begin, end = g.emit("Add", size, g.ints([i])), g.ints([-1 - i])
+    if r is not None:
+        tail = g.ints([0] * (r - 1 - a))
+    else:
+        rank = g.emit("Shape", g.shape(0))
+        zero = onnx.numpy_helper.from_array(np.zeros(1, np.int64))
+        tail = g.emit("ConstantOfShape", g.emit("Sub", rank, g.ints([a + 1])), value=zero)
+    lead = [g.ints([0] * a)] if a else []
+    pads = g.emit("Concat", *lead, begin, tail, *lead, end, tail, axis=0)
+    g.set_dx(0, g.emit("Pad", g.emit("Unsqueeze", g.dy(0), g.ints([a])), pads))
+    return True
 
 
 @gradient("GatherElements", uses=("x1",), stop=(1,), linear=True)
