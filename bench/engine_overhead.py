@@ -15,15 +15,17 @@ Figures are medians of interleaved repeats after warm-up (bench/common.py).
 Targets: ≤ 5 µs per node; transformer ≤ 1.5× onnxruntime.
 
 numpy's BLAS matters for (b): the line "BLAS:" says which OpenBLAS kernels and how many threads numpy
-uses. OpenBLAS may pick its Haswell (AVX2) kernels on CPUs with AVX-512 (e.g. AMD Zen 4); there
-``OPENBLAS_CORETYPE=SkylakeX`` (set before Python starts) doubles matmul speed. ``--blas-threads N``
-limits numpy's BLAS threads (needs threadpoolctl).
+uses. Some machines pin OpenBLAS to its Haswell (AVX2) kernels with ``OPENBLAS_CORETYPE`` (and
+``OPENBLAS_L2_SIZE``), for older OpenBLAS builds; on a CPU with AVX-512 that halves numpy's matmul speed.
+``--native-blas`` runs the benchmark with both unset, so that OpenBLAS picks its kernels (the "BLAS:" line
+shows which). ``--blas-threads N`` limits numpy's BLAS threads (needs threadpoolctl).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 
 if __package__ in (None, ""):  # run as a script: make the checkout importable
@@ -160,7 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per peer (≥ 5)")
     p.add_argument("--quick", action="store_true", help="a smaller transformer (a smoke test, not a figure)")
     p.add_argument("--blas-threads", type=int, default=0, help="limit numpy's BLAS threads (threadpoolctl)")
+    p.add_argument("--native-blas", action="store_true",
+                   help="run without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE (OpenBLAS picks its kernels)")
     a = p.parse_args(argv)
+    pinned = [k for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ]
+    if a.native_blas and pinned:
+        # both unset together, in this command alone (the machine sets them for older OpenBLAS builds)
+        env = {k: v for k, v in os.environ.items() if k not in pinned}
+        args = [x for x in (sys.argv[1:] if argv is None else argv) if x != "--native-blas"]
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        cmd = [sys.executable, "-m", "bench.engine_overhead", *args]
+        return subprocess.run(cmd, env=env, cwd=here).returncode
     if a.blas_threads:
         from threadpoolctl import threadpool_limits
 
