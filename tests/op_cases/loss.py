@@ -167,6 +167,14 @@ CASES += [
         wrt=(0,),
         variant="grad_weight_none_3d",
     ),
+    # before opset 16 (no ScatterElements reduction) the rule subtracts a one-hot tensor
+    OpCase(
+        "SoftmaxCrossEntropyLoss",
+        make_inputs=_scores((5, 4), weight=True),
+        opset=13,
+        wrt=(0,),
+        variant="grad_opset13_one_hot",
+    ),
     # the loss reads only log_prob: the LogSoftmax part of the rule alone
     OpCase(
         "SoftmaxCrossEntropyLoss",

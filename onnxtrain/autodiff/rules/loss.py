@@ -79,6 +79,16 @@ def _is_label(g: GradCtx, lab: str) -> str:
     return g.emit("Equal", g.emit("Unsqueeze", lab, g.ints([1])), iota)
 
 
+def _minus_one_hot(g: GradCtx, p: str, lab: str) -> str:
+    """``p − OneHot(lab)`` over the class axis 1: from opset 16 a ScatterElements adding −1 at each
+    sample's label (the same values as the subtraction, without building the one-hot tensor)."""
+    if g.opset < 16:
+        return g.emit("Sub", p, g.emit("Cast", _is_label(g, lab), to=g.dtype))
+    idx = g.emit("Unsqueeze", lab, g.ints([1]))
+    minus_one = g.emit("Expand", g.const(-1.0), g.emit("Shape", idx))
+    return g.emit("ScatterElements", p, idx, minus_one, axis=1, reduction="add")
+
+
 def _per_sample(g: GradCtx) -> bool:
     return g.has_x(2) or g.attr("ignore_index") is not None or g.attr("reduction") == "none"
 
@@ -92,8 +102,7 @@ def softmax_cross_entropy_grad(g: GradCtx) -> None:
     parts = []
     if g.dy(0) is not None:
         lab, f = _class_factor(g)
-        one_hot = g.emit("Cast", _is_label(g, lab), to=g.dtype)
-        parts.append(_spread(g, g.emit("Sub", p, one_hot), f, _per_sample(g)))
+        parts.append(_spread(g, _minus_one_hot(g, p, lab), f, _per_sample(g)))
     dlp = g.dy(1)
     if dlp is not None:
         s = g.reduce("ReduceSum", dlp, [1], keepdims=1)
