@@ -79,7 +79,7 @@ def blas_info() -> str:
     text = (f"{i.get('internal_api')} {i.get('version')}, {i.get('architecture')} kernels, "
             f"{i.get('num_threads')} threads")
     if i.get("architecture") == "Haswell" and _cpu_has("avx512f"):
-        text += " (this CPU has AVX-512: try OPENBLAS_CORETYPE=SkylakeX)"
+        text += " (this CPU has AVX-512: try --native-blas)"
     return text
 
 

@@ -8,8 +8,10 @@ CNN (64), 2-layer transformer encoder d=128 seq=64 (32), 2-layer GPT-style causa
 Peers, each in its own fresh process (bench/worker.py): onnxtrain's legacy ``TrainingSession`` (loss in
 the graph) and its on-device ``Module`` + ``Optimizer``, onnxruntime-training 1.19.2's on-device API (in
 the virtual environment at ``$ORTT_PYTHON``, default /tmp/ortt/bin/python) and torch eager; numpy peers
-and torch run with the inherited ``OPENBLAS_CORETYPE`` and with ``SkylakeX``. Every peer trains with
-Adam(W), lr 1e-3, weight decay 0.01, no clipping. A peer that cannot start is skipped with its error.
+and torch run with the inherited ``OPENBLAS_CORETYPE`` and, where the environment pins it, also with it and
+``OPENBLAS_L2_SIZE`` unset ("native": OpenBLAS picks the kernels for this CPU, shown on the GEMM line).
+Every peer trains with Adam(W), lr 1e-3, weight decay 0.01, no clipping. A peer that cannot start is
+skipped with its error.
 
 Timing: after a warm-up, every round runs each peer in turn (the order rotates every round) for enough
 steps to last ``--min-time``; a peer's figure is the median over ``--repeats`` rounds. Memory: peak RSS
@@ -48,7 +50,7 @@ from bench.common import ROOT  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "worker.py")
 ORTT_PYTHON = os.environ.get("ORTT_PYTHON", "/tmp/ortt/bin/python")
-FAST_BLAS = "SkylakeX"
+NATIVE_BLAS = "native"
 MiB = 1 << 20
 LABELS = {
     "legacy": "onnxtrain TrainingSession",
@@ -118,8 +120,7 @@ def start(peer: Peer, folder: str) -> None:
     else:
         python = sys.executable
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        if peer.blas:
-            env["OPENBLAS_CORETYPE"] = peer.blas
+        set_blas(env, peer.blas)
         env.update(peer.extra_env)
     peer.proc = subprocess.Popen(
         [python, WORKER, peer.kind, folder],
@@ -146,10 +147,19 @@ def wait_ready(peer: Peer) -> None:
         peer.proc = None
 
 
+def set_blas(env: dict[str, str], setting: str) -> None:
+    """Apply a --blas setting to a peer's environment: NATIVE_BLAS unsets OPENBLAS_CORETYPE and
+    OPENBLAS_L2_SIZE together (OpenBLAS then picks its kernels for this CPU); a name forces those kernels."""
+    if setting == NATIVE_BLAS:
+        env.pop("OPENBLAS_CORETYPE", None)
+        env.pop("OPENBLAS_L2_SIZE", None)
+    elif setting:
+        env["OPENBLAS_CORETYPE"] = setting
+
+
 def gemm_peak(coretype: str, quick: bool) -> dict:
     env = dict(os.environ)
-    if coretype:
-        env["OPENBLAS_CORETYPE"] = coretype
+    set_blas(env, coretype)
     args = ["--n", "1024", "--repeats", "3"] if quick else ["--n", "2048", "--repeats", "9"]
     out = subprocess.run(
         [sys.executable, os.path.join(HERE, "gemm.py"), *args],
@@ -339,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--blas",
         default="",
-        help="OPENBLAS_CORETYPE settings for numpy/torch peers, comma-separated "
-        "('env' = as inherited); default: env,SkylakeX (quick: env)",
+        help="OPENBLAS_CORETYPE settings for numpy/torch peers, comma-separated ('env' = as inherited, "
+        f"'{NATIVE_BLAS}' = OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset); default: env,{NATIVE_BLAS} "
+        "(quick: env)",
     )
     p.add_argument(
         "--variant",
@@ -369,9 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not cases:
         p.error(f"--models: pick from {[c.key for c in CASES]}")
-    blas_settings = [s.strip() for s in (a.blas or ("env" if a.quick else f"env,{FAST_BLAS}")).split(",")]
+    blas_settings = [s.strip() for s in (a.blas or ("env" if a.quick else f"env,{NATIVE_BLAS}")).split(",")]
     inherited = os.environ.get("OPENBLAS_CORETYPE", "")
-    blas_settings = [inherited if s == "env" else s for s in blas_settings]
+    pinned = any(k in os.environ for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"))
+    blas_settings = [inherited if s == "env" or s == NATIVE_BLAS and not pinned else s for s in blas_settings]
     try:
         import torch  # noqa: F401 - the models are exported by torch
     except ImportError:
