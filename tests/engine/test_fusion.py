@@ -223,6 +223,42 @@ def test_blocked_cluster_does_not_write_into_inputs(monkeypatch) -> None:
         np.testing.assert_array_equal(feeds[k], before[k])
 
 
+def gelu_chain() -> onnx.ModelProto:
+    """torch's exported exact GELU: x/√2 → Erf → +1 → ·x → ·0.5, after a bias Add."""
+    n = [
+        const("r2", np.float32(np.sqrt(2.0))),
+        const("one", np.float32(1.0)),
+        const("half", np.float32(0.5)),
+        helper.make_node("Add", ["x", "b"], ["h"]),
+        helper.make_node("Div", ["h", "r2"], ["d"]),
+        helper.make_node("Erf", ["d"], ["e"]),
+        helper.make_node("Add", ["e", "one"], ["p"]),
+        helper.make_node("Mul", ["h", "p"], ["q"]),
+        helper.make_node("Mul", ["q", "half"], ["y"]),
+    ]
+    return model(n, ["x", "b"], ["y"])
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_gelu_chain_with_erf_is_one_cluster_and_bit_identical(monkeypatch, blocked) -> None:
+    from onnxtrain.engine.fusion import elementwise as fusion
+
+    if blocked:
+        monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
+        monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)
+    fused, plain = Plan(gelu_chain()), Plan(gelu_chain(), fuse=False)
+    assert ops(fused) == ["FusedElementwise"]
+    rng = np.random.default_rng(3)
+    for shape in [(64, 48), (64, 48), (7, 5)]:
+        feeds = {"x": (3 * rng.standard_normal(shape)).astype(np.float32),
+                 "b": rng.standard_normal(1).astype(np.float32)}  # size 1: the blocks take it whole
+        feeds["x"][0, :2] = [np.nan, np.inf]
+        got, want = fused.run(feeds)[0], plain.run(feeds)[0]
+        assert got.tobytes() == want.tobytes()
+    programs = fused.steps[0].fn.programs.values()
+    assert any(p[5] is not None for p in programs) == blocked
+
+
 # ---- common subexpressions -------------------------------------------------------------------------------
 def test_repeated_steps_run_once() -> None:
     n = [
