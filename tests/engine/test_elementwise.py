@@ -239,3 +239,18 @@ def test_where_falls_back_for_other_types() -> None:
     assert list(select(c, a, b)) == ["x", "q"]
     z = np.array([1 + 2j, 3j])
     assert (select(c, z, z[::-1]) == np.where(c, z, z[::-1])).all()
+
+
+def test_erf_into_writes_in_place_and_falls_back_for_strided_outputs() -> None:
+    from onnxtrain.engine.kernels.elementwise import erf_into
+
+    x = np.linspace(-5, 5, 70001, dtype=np.float32).reshape(7, 10001)
+    want = erf(x)
+    y = x.copy()
+    assert erf_into(y, y) is y and y.tobytes() == want.tobytes()  # out may be the input itself
+    out = np.empty((10001, 7), np.float32).T  # not C-contiguous
+    assert erf_into(x, out) is out and np.array_equal(out, want)
+    assert erf_into(x).tobytes() == want.tobytes()
+    x64 = x.astype(np.float64)
+    out64 = np.empty_like(x64)
+    assert erf_into(x64, out64) is out64 and np.array_equal(out64, erf(x64))

@@ -9,21 +9,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from onnxtrain.engine.fusion.common import consumers, make_step, protected_slots, run_steps
-from onnxtrain.engine.kernels.elementwise import erf
+from onnxtrain.engine.kernels.elementwise import erf_into
 from onnxtrain.engine.registry import Attrs
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
 
 # ---- elementwise clusters ------------------------------------------------------------------------------
-def _erf(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Erf with a ufunc's signature (the GELU chain Div → Erf → Add → Mul fuses into one cluster)."""
-    y = erf(x)
-    if out is None:
-        return y
-    np.copyto(out, y)
-    return out
-
 
 # op → (ufunc, constant second operand or None); the kernels of these ops are exactly this ufunc call
 _UFUNCS: dict[str, tuple[np.ufunc, Any]] = {
@@ -39,7 +31,7 @@ _UFUNCS: dict[str, tuple[np.ufunc, Any]] = {
     "Reciprocal": (np.reciprocal, None),
     "Tanh": (np.tanh, None),
     "Relu": (np.maximum, 0),
-    "Erf": (_erf, None),
+    "Erf": (erf_into, None),  # not a ufunc, but called as one: the exported GELU chain is one cluster
 }
 # elementwise ops that may join a cluster but run through their own kernel (outputs are never pooled)
 _OTHER = {"Identity", "Cast", "Pow"}

@@ -261,17 +261,28 @@ def _erf32_block(x: np.ndarray, out: np.ndarray, d: np.ndarray, t: np.ndarray, a
     np.subtract(a, out, out=out)
 
 
-def _erf32(x: np.ndarray) -> np.ndarray:
+def _erf32(x: np.ndarray, into: np.ndarray | None = None) -> np.ndarray:
+    """erf of float32 ``x``, into the C-contiguous float32 array ``into`` when given (it may be ``x``)."""
     ta, tb = _erf32_tables()
     flat = x.reshape(-1)
-    out = np.empty(flat.shape, np.float32)
+    out = np.empty(flat.shape, np.float32) if into is None else into.reshape(-1)
     n = min(flat.size, _ERF32_BLOCK)
     scratch = np.empty((3, n), np.float32)
     idx = np.empty(n, np.intp)
     for i in range(0, flat.size, _ERF32_BLOCK):
         j = min(i + _ERF32_BLOCK, flat.size)
         _erf32_block(flat[i:j], out[i:j], *scratch[:, :j - i], idx[:j - i], ta, tb)
-    return out.reshape(x.shape)
+    return out.reshape(x.shape) if into is None else into
+
+
+def erf_into(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """erf with a ufunc's signature: into ``out`` (same shape and dtype as ``x``, may be ``x``) when given."""
+    if out is None:
+        return erf(x)
+    if x.dtype == out.dtype == np.float32 and out.flags.c_contiguous and x.shape == out.shape:
+        return _erf32(x, out)
+    np.copyto(out, erf(x))
+    return out
 
 
 _ERF_T = {np.dtype(np.float64): _ERF_F64.T.copy()}
