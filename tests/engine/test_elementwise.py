@@ -233,6 +233,14 @@ def test_where_by_bit_masks_is_np_where_bit_for_bit(dtype, shapes) -> None:
     assert got.tobytes() == want.tobytes()
 
 
+@pytest.mark.parametrize("flag", [True, False])
+def test_where_with_one_flag_picks_a_whole_input(flag) -> None:
+    a, b = np.arange(6.0).reshape(2, 3), np.full((1, 3), -1.0)
+    for c in (np.array(flag), np.array([[flag]])):
+        got, want = select(c, a, b), np.where(c, a, b)
+        assert got.shape == want.shape and np.array_equal(got, want)
+
+
 def test_where_falls_back_for_other_types() -> None:
     c = np.array([True, False])
     a, b = np.array(["x", "y"]), np.array(["p", "q"])

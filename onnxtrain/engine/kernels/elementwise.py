@@ -374,6 +374,10 @@ _SELECT_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 def select(c: np.ndarray, a: Any, b: Any) -> np.ndarray:
     """``np.where(c, a, b)`` for a bool ``c`` and same-dtype ``a`` and ``b``, by bit masks."""
     a, b = np.asarray(a), np.asarray(b)
+    if c.size == 1 and c.dtype == np.bool_ and a.dtype == b.dtype:  # one flag picks a whole input
+        picked = a if c.reshape(-1)[0] else b
+        shape = np.broadcast_shapes(c.shape, a.shape, b.shape)
+        return picked if picked.shape == shape else np.broadcast_to(picked, shape).copy()
     it = _SELECT_INT.get(a.dtype.itemsize)
     if it is None or a.dtype != b.dtype or a.dtype.kind not in "fiub" or c.dtype != np.bool_:
         return np.where(c, a, b)
