@@ -82,15 +82,16 @@ class Adam(Optimizer):
                     upd = w.one("Add", upd, w.one("Mul", s.name, scalar(w, lam, et)))
                 wn = w.one("Sub", s.name, w.one("Mul", lr_t, upd))
             else:
-                # u = lr·sqrt(c2)/c1 · m1/(sqrt(m2)+ε);  Δ = −u − lr·λ·(w − u)
+                # u = lr·sqrt(c2)/c1 · m1/(sqrt(m2)+ε);  w' = (w − u) − lr·λ·(w − u) = (w − u)·(1 − lr·λ),
+                # the factor a scalar: one pass over the weight instead of two
                 step = w.one("Div", w.one("Mul", lr_t, w.one("Sqrt", c2)), c1)
                 u = w.one(
                     "Mul", step, w.one("Div", m1n, w.one("Add", w.one("Sqrt", m2n), scalar(w, eps, et)))
                 )
                 wn = w.one("Sub", s.name, u)
                 if lam:
-                    decay = w.one("Mul", w.one("Mul", lr_t, scalar(w, lam, et)), w.one("Sub", s.name, u))
-                    wn = w.one("Sub", wn, decay)
+                    keep = w.one("Sub", scalar(w, 1.0, et), w.one("Mul", lr_t, scalar(w, lam, et)))
+                    wn = w.one("Mul", wn, keep)
             new_w[s.name] = w.emit("Identity", [wn], [w.names(f"{s.name}_Adam_out")])[0]
             new_s[m1] = w.emit("Identity", [m1n], [w.names(f"Moment_1_{s.name}_Out")])[0]
             new_s[m2] = w.emit("Identity", [m2n], [w.names(f"Moment_2_{s.name}_Out")])[0]
