@@ -260,8 +260,9 @@ class AdamW(Optimizer):
             out["lr_t"] = _as_type(acc, lr_t, dbl, et)
         else:
             out["lr_t"] = out["lr"]
-        if self.weight_decay:
-            out["decay"] = acc.node("Mul", [out["lr"], acc.scalar(self.weight_decay, et)], "mul_output")[0]
+        if self.weight_decay:  # p·(1 − lr·λ): a scalar factor, one pass over each parameter
+            decay = acc.node("Mul", [out["lr"], acc.scalar(self.weight_decay, et)], "mul_output")[0]
+            out["keep"] = acc.node("Sub", [acc.scalar(1.0, et), decay], "sub_output")[0]
         return out
 
     def update(
@@ -295,9 +296,7 @@ class AdamW(Optimizer):
         )[0]
         p_new = acc.node("Sub", [p, upd], "sub_output" if self.weight_decay else "updated_param")[0]
         if self.weight_decay:
-            p_new = acc.node(
-                "Sub", [p_new, acc.node("Mul", [shared["decay"], p_new], "mul_output")[0]], "updated_param"
-            )[0]
+            p_new = acc.node("Mul", [p_new, shared["keep"]], "updated_param")[0]
         return {p: p_new, m: m_new, v: v_new}
 
 
