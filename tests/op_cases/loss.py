@@ -167,7 +167,7 @@ CASES += [
         wrt=(0,),
         variant="grad_weight_none_3d",
     ),
-    # before opset 16 (no ScatterElements reduction) the rule subtracts a one-hot tensor
+    # an opset-13 model: the gradient graph is upgraded to opset 17 first
     OpCase(
         "SoftmaxCrossEntropyLoss",
         make_inputs=_scores((5, 4), weight=True),

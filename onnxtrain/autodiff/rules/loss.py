@@ -80,10 +80,9 @@ def _is_label(g: GradCtx, lab: str) -> str:
 
 
 def _minus_one_hot(g: GradCtx, p: str, lab: str) -> str:
-    """``p − OneHot(lab)`` over the class axis 1: from opset 16 a ScatterElements adding −1 at each
-    sample's label (the same values as the subtraction, without building the one-hot tensor)."""
-    if g.opset < 16:
-        return g.emit("Sub", p, g.emit("Cast", _is_label(g, lab), to=g.dtype))
+    """``p − OneHot(lab)`` over the class axis 1, as a ScatterElements adding −1 at each sample's label
+    (the same values as the subtraction, without building the one-hot tensor; gradient graphs are at
+    opset ≥ 17, where ScatterElements has reductions)."""
     idx = g.emit("Unsqueeze", lab, g.ints([1]))
     minus_one = g.emit("Expand", g.const(-1.0), g.emit("Shape", idx))
     return g.emit("ScatterElements", p, idx, minus_one, axis=1, reduction="add")
