@@ -124,12 +124,29 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
     """A compiled graph on ``backend``: a :class:`Plan` (numpy) or an :class:`OrtPlan` (onnxruntime).
 
     ``providers``/``provider_options`` and ``options`` (a SessionOptions: graph optimisation level,
-    thread counts) are used by the onnxruntime backend only. With ``options.enable_profiling`` the numpy
-    plan is not fused, so the profile has one event per node of the graph."""
+    thread counts) go to the onnxruntime backend. The numpy plan is not fused with
+    ``options.enable_profiling`` (one profile event per node of the graph) or with
+    ``graph_optimization_level`` ``ORT_DISABLE_ALL``; thread counts do not apply to it (a warning says so)."""
     if check_backend(backend) == "numpy":
-        profiling = bool(getattr(options, "enable_profiling", False))
-        return Plan(model, fuse=False) if profiling else Plan(model)
+        return Plan(model, fuse=_numpy_fuse(options))
     return OrtPlan(model, providers, options, provider_options)
+
+
+def _numpy_fuse(options: Any) -> bool | None:
+    """The numpy plan's ``fuse`` for these SessionOptions (None: the default); warns about thread counts,
+    which the numpy engine has no use for."""
+    threads = [k for k in ("intra_op_num_threads", "inter_op_num_threads")
+               if isinstance(getattr(options, k, 0), int) and getattr(options, k, 0) > 0]
+    if threads:
+        warnings.warn(
+            f"SessionOptions.{' and '.join(threads)} has no effect on the numpy engine, which runs each "
+            "graph on the calling thread (numpy's BLAS threads follow OPENBLAS_NUM_THREADS)",
+            stacklevel=4,
+        )
+    if getattr(options, "enable_profiling", False):
+        return False
+    level = getattr(options, "graph_optimization_level", None)
+    return False if level is not None and int(level) == 0 else None  # ORT_DISABLE_ALL
 
 
 class OrtPlan(GraphInterface):

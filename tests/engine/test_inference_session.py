@@ -388,3 +388,35 @@ def test_warnings_free_construction(model_bytes: bytes) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         onnxtrain.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
+
+
+def _chain_model() -> onnx.ModelProto:
+    nodes = [helper.make_node("Add", ["x", "x"], ["a"]), helper.make_node("Mul", ["a", "x"], ["y"])]
+    g = helper.make_graph(
+        nodes, "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_disable_all_optimizations_runs_the_numpy_plan_unfused() -> None:
+    x = np.arange(4, dtype=np.float32)
+    so = onnxtrain.SessionOptions()
+    so.graph_optimization_level = onnxtrain.GraphOptimizationLevel.ORT_DISABLE_ALL
+    plain = onnxtrain.InferenceSession(_chain_model().SerializeToString(), so)
+    fused = onnxtrain.InferenceSession(_chain_model().SerializeToString())
+    assert [s.node.op_type for s in plain._plan.steps] == ["Add", "Mul"]
+    assert [s.node.op_type for s in fused._plan.steps] == ["FusedElementwise"]
+    np.testing.assert_array_equal(plain.run(None, {"x": x})[0], (x + x) * x)
+    np.testing.assert_array_equal(fused.run(None, {"x": x})[0], (x + x) * x)
+
+
+def test_thread_counts_warn_that_the_numpy_engine_ignores_them() -> None:
+    so = onnxtrain.SessionOptions()
+    so.intra_op_num_threads = 2
+    with pytest.warns(UserWarning, match="intra_op_num_threads has no effect on the numpy engine"):
+        onnxtrain.InferenceSession(_chain_model().SerializeToString(), so)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        onnxtrain.InferenceSession(_chain_model().SerializeToString(), onnxtrain.SessionOptions())
