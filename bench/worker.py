@@ -68,6 +68,8 @@ def _backend_options():
 
     so = SessionOptions()
     so.add_session_config_entry("onnxtrain.backend", backend)
+    # as for the onnxruntime-training peer: idle onnxruntime threads must not spin (it favours whoever spins)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return so
 
 

@@ -188,7 +188,15 @@ class OrtPlan(GraphInterface):
             so.log_severity_level = severity
         if getattr(options, "use_deterministic_compute", False):
             so.use_deterministic_compute = True
-        so.add_session_config_entry("session.disable_optimizers", ",".join(DISABLED_OPTIMIZERS))
+        # the caller's session config entries go to onnxruntime (ours, "onnxtrain.*", stay here); the
+        # optimizers we must disable are added to any the caller disables
+        config = dict(getattr(options, "_config", {}) or {})
+        disabled = [x for x in config.pop("session.disable_optimizers", "").split(",") if x]
+        for key, value in config.items():
+            if not key.startswith("onnxtrain."):
+                so.add_session_config_entry(key, value)
+        disabled += [x for x in DISABLED_OPTIMIZERS if x not in disabled]
+        so.add_session_config_entry("session.disable_optimizers", ",".join(disabled))
         return so
 
     def _create_session(self, model: onnx.ModelProto, options: Any, names: list[str],

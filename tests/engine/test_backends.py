@@ -343,3 +343,18 @@ def test_onnx_models_stay_standard():
     """The backend needs no private ops: every graph handed over is plain ONNX (checker passes)."""
     sess = TrainingSession(mlp_model(), _sgd_params(), options("onnxruntime"))
     onnx.checker.check_model(sess._plan.model)
+
+
+def test_session_config_entries_reach_onnxruntime():
+    so = SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.add_session_config_entry("session.disable_optimizers", "GeluFusion")
+    sess = InferenceSession(mlp_model().SerializeToString(), so)
+    ort_options = sess._plan._session.get_session_options()
+    assert ort_options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    # the caller's disabled optimizers and ours (ConstantSharing) both
+    disabled = ort_options.get_session_config_entry("session.disable_optimizers").split(",")
+    assert set(disabled) == {"GeluFusion", "ConstantSharing"}
+    with pytest.raises(RuntimeError, match="does not have configuration"):
+        ort_options.get_session_config_entry("onnxtrain.backend")  # ours stays ours

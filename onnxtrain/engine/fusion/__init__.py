@@ -14,9 +14,10 @@
 * **MatMul + bias**: an ``Add`` of a MatMul's product (that nothing else reads) adds into the product
   in place instead of allocating a second array (after the clusters, which may take the Add instead);
 * **elementwise clusters**: connected Add/Sub/Mul/Div/Sqrt/Erf/... steps (an optimizer update is ~13 of
-  them per weight, torch's exported GELU five) run as one step: the same ufuncs in the same order, so results are bit-identical, but values
-  used only inside the cluster are written into scratch buffers kept across runs (a pool keyed by shape
-  and dtype, shared by every cluster of the plan) instead of being allocated every time. A cluster over
+  them per weight, torch's exported GELU five) run as one step: the same ufuncs in the same order, so
+  results are bit-identical, but values used only inside the cluster are written into scratch buffers
+  kept across runs (a pool keyed by shape and dtype, shared by every cluster of the plan) instead of
+  being allocated every time. A cluster over
   large arrays of one shape runs block by block over their flattened elements (cache blocking, see
   :class:`_Blocked`), with block-sized scratch buffers.
 
