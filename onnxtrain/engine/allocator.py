@@ -13,6 +13,7 @@ peak RSS) is unchanged, only the pages are kept between runs.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 
@@ -25,26 +26,20 @@ MMAP_THRESHOLD = 256 << 20  # larger blocks still get their own mapping
 TRIM_THRESHOLD = 512 << 20  # free memory kept at the heap's top before it goes back to the kernel
 TOP_PAD = 16 << 20  # extra heap grown at once, fewer brk calls
 
-_state: dict[str, bool] = {}
-
-
+@functools.cache
 def tune_allocator() -> bool:
     """Apply the thresholds once per process (glibc only); True when they are in effect."""
-    if "tuned" in _state:
-        return _state["tuned"]
-    tuned = False
-    if os.environ.get("ONNXTRAIN_ALLOCATOR", "").lower() != "system" and platform.libc_ver()[0] == "glibc":
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-            tuned = all(
-                libc.mallopt(param, value) == 1
-                for param, value in (
-                    (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
-                    (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-                    (M_TOP_PAD, TOP_PAD),
-                )
+    if os.environ.get("ONNXTRAIN_ALLOCATOR", "").lower() == "system" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return all(
+            libc.mallopt(param, value) == 1
+            for param, value in (
+                (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+                (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+                (M_TOP_PAD, TOP_PAD),
             )
-        except (OSError, AttributeError):
-            tuned = False
-    _state["tuned"] = tuned
-    return tuned
+        )
+    except (OSError, AttributeError):
+        return False

@@ -52,12 +52,11 @@ def _scalar_index_grad(g: GradCtx) -> bool:
     a = axis % r if r is not None else axis
     shape = g.static_shape(0)
     n = shape[a] if shape is not None and isinstance(shape[a], int) else None
+    # pads: begin[a] = i (n + i for a negative index), end[a] = n - 1 - i (-1 - i); 0 on the other axes
     if n is not None:
         if not -n <= i < n:
             return False
         i %= n
-    # pads: begin[a] = i (n + i for a negative index), end[a] = n - 1 - i (-1 - i); 0 on the other axes
-    if n is not None:
         begin, end = g.ints([i]), g.ints([n - 1 - i])
     else:
         size = g.emit("Gather", g.shape(0), g.ints([a]))

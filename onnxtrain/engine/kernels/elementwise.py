@@ -374,14 +374,16 @@ _SELECT_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 def select(c: np.ndarray, a: Any, b: Any) -> np.ndarray:
     """``np.where(c, a, b)`` for a bool ``c`` and same-dtype ``a`` and ``b``, by bit masks."""
     a, b = np.asarray(a), np.asarray(b)
-    if c.size == 1 and c.dtype == np.bool_ and a.dtype == b.dtype:  # one flag picks a whole input
+    if c.dtype != np.bool_ or a.dtype != b.dtype:
+        return np.where(c, a, b)
+    shape = np.broadcast_shapes(c.shape, a.shape, b.shape)
+    if c.size == 1:  # one flag picks a whole input
         picked = a if c.reshape(-1)[0] else b
-        shape = np.broadcast_shapes(c.shape, a.shape, b.shape)
         return picked if picked.shape == shape else np.broadcast_to(picked, shape).copy()
     it = _SELECT_INT.get(a.dtype.itemsize)
-    if it is None or a.dtype != b.dtype or a.dtype.kind not in "fiub" or c.dtype != np.bool_:
+    if it is None or a.dtype.kind not in "fiub":
         return np.where(c, a, b)
-    out = np.empty(np.broadcast_shapes(c.shape, a.shape, b.shape), a.dtype)
+    out = np.empty(shape, a.dtype)
     m = np.negative(c.view(np.int8), dtype=it, out=np.empty(c.shape, it))
     av, bv, ov = a.view(it), b.view(it), out.view(it)
     if b.size == 1 and not bv.any():  # where(c, a, 0): one AND
