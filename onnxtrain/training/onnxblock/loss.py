@@ -42,32 +42,35 @@ def _float_const(acc: ModelBase, value: Any, like: str, token: str) -> str:
     return acc.initializer(arr, token)
 
 
-class MSELoss(Block):
+class _PointwiseLoss(Block):
+    """``reduce(f(x - target))`` for an elementwise ``f`` given by :meth:`_of_difference`."""
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        self.reduction = _check_reduction(reduction)
+
+    def build(self, loss_input_name: str, target_name: str = "target") -> str:
+        acc = _acc()
+        target = InputLike(loss_input_name)(target_name)
+        d = acc.node("Sub", [loss_input_name, target], "sub_output")[0]
+        return _reduce(acc, self._of_difference(acc, d), self.reduction)
+
+    def _of_difference(self, acc: ModelBase, d: str) -> str:
+        raise NotImplementedError
+
+
+class MSELoss(_PointwiseLoss):
     """``reduce((x - target)²)``."""
 
-    def __init__(self, reduction: str = "mean") -> None:
-        super().__init__()
-        self.reduction = _check_reduction(reduction)
-
-    def build(self, loss_input_name: str, target_name: str = "target") -> str:
-        acc = _acc()
-        target = InputLike(loss_input_name)(target_name)
-        d = acc.node("Sub", [loss_input_name, target], "sub_output")[0]
-        return _reduce(acc, acc.node("Mul", [d, d], "mul_output")[0], self.reduction)  # (x - t)²
+    def _of_difference(self, acc: ModelBase, d: str) -> str:
+        return acc.node("Mul", [d, d], "mul_output")[0]
 
 
-class L1Loss(Block):
+class L1Loss(_PointwiseLoss):
     """``reduce(|x - target|)``."""
 
-    def __init__(self, reduction: str = "mean") -> None:
-        super().__init__()
-        self.reduction = _check_reduction(reduction)
-
-    def build(self, loss_input_name: str, target_name: str = "target") -> str:
-        acc = _acc()
-        target = InputLike(loss_input_name)(target_name)
-        d = acc.node("Sub", [loss_input_name, target], "sub_output")[0]
-        return _reduce(acc, acc.node("Abs", [d], "abs_output")[0], self.reduction)
+    def _of_difference(self, acc: ModelBase, d: str) -> str:
+        return acc.node("Abs", [d], "abs_output")[0]
 
 
 class BCEWithLogitsLoss(Block):
