@@ -100,26 +100,22 @@ def legacy_peer(folder: str):
     return step, lambda: max(getattr(pl, "peak_bytes", 0) for pl in sess._plans.values()) or None
 
 
-def api_peer(folder: str):
-    import onnx
-
-    from onnxtrain.training import artifacts
-    from onnxtrain.training.api import CheckpointState, Module, Optimizer
-
-    model = onnx.load(os.path.join(folder, "model.onnx"))
-    out = os.path.join(folder, "onnxtrain_artifacts")
+def _on_device_step(artifacts, api, model, folder: str, subdir: str, session_options):
+    """Artifacts (cross-entropy, AdamW) in ``folder/subdir``, then a Module + Optimizer of ``api``: the same
+    calls for onnxtrain and onnxruntime-training, whose on-device APIs share their names. Returns
+    (step(x, y) -> loss, module, optimizer)."""
+    out = os.path.join(folder, subdir)
     os.makedirs(out, exist_ok=True)
-    params = _params(folder, "model")
     artifacts.generate_artifacts(
         model,
-        requires_grad=params,
+        requires_grad=_params(folder, "model"),
         loss=artifacts.LossType.CrossEntropyLoss,
         optimizer=artifacts.OptimType.AdamW,
         artifact_directory=out,
     )
-    state = CheckpointState.load_checkpoint(os.path.join(out, "checkpoint"))
-    module = Module(os.path.join(out, "training_model.onnx"), state, session_options=_backend_options())
-    opt = Optimizer(os.path.join(out, "optimizer_model.onnx"), module)
+    state = api.CheckpointState.load_checkpoint(os.path.join(out, "checkpoint"))
+    module = api.Module(os.path.join(out, "training_model.onnx"), state, session_options=session_options)
+    opt = api.Optimizer(os.path.join(out, "optimizer_model.onnx"), module)
     opt.set_learning_rate(LR)
 
     def step(x, y):
@@ -128,6 +124,17 @@ def api_peer(folder: str):
         module.lazy_reset_grad()
         return loss
 
+    return step, module, opt
+
+
+def api_peer(folder: str):
+    import onnx
+
+    from onnxtrain.training import api, artifacts
+
+    model = onnx.load(os.path.join(folder, "model.onnx"))
+    options = _backend_options()
+    step, module, opt = _on_device_step(artifacts, api, model, folder, "onnxtrain_artifacts", options)
     return (
         step,
         lambda: (
@@ -167,8 +174,7 @@ def ort_peer(folder: str):
 
     onnx.IR_VERSION = 10  # onnxruntime 1.19 reads IR <= 10; the generator stamps onnx.IR_VERSION
     import onnxruntime as ort
-    from onnxruntime.training import artifacts
-    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+    from onnxruntime.training import api, artifacts
 
     model = onnx.load(os.path.join(folder, "model.onnx"))
     model.ir_version = 10
@@ -177,29 +183,9 @@ def ort_peer(folder: str):
         # leaves out ("GradientBuilderBase::O ... i < node_->OutputDefs().size() was false")
         if node.op_type == "LayerNormalization" and len(node.output) == 1:
             node.output.extend([f"{node.output[0]}.mean{i}", f"{node.output[0]}.inv_std_dev{i}"])
-    out = os.path.join(folder, "ort_artifacts")
-    os.makedirs(out, exist_ok=True)
-    params = _params(folder, "model")
-    artifacts.generate_artifacts(
-        model,
-        requires_grad=params,
-        loss=artifacts.LossType.CrossEntropyLoss,
-        optimizer=artifacts.OptimType.AdamW,
-        artifact_directory=out,
-    )
     so = ort.SessionOptions()
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads must not steal CPU
-    state = CheckpointState.load_checkpoint(os.path.join(out, "checkpoint"))
-    module = Module(os.path.join(out, "training_model.onnx"), state, session_options=so)
-    opt = Optimizer(os.path.join(out, "optimizer_model.onnx"), module)
-    opt.set_learning_rate(LR)
-
-    def step(x, y):
-        loss = module(x, y.reshape(-1))
-        opt.step()
-        module.lazy_reset_grad()
-        return loss
-
+    step, _, _ = _on_device_step(artifacts, api, model, folder, "ort_artifacts", so)
     return step, lambda: None
 
 
