@@ -43,7 +43,8 @@ def _scatter_rows(out: np.ndarray, rows: np.ndarray, upd: np.ndarray, reduction:
     if ufunc is None:
         raise ValueError(f"reduction {reduction!r} is not one of none, add, mul, max, min")
     inner = out.shape[1]
-    if inner >= 16 and (rows.size == 1 or np.unique(rows).size == rows.size):
+    # more updates than rows means duplicates: no sort to find out (an embedding's gradient)
+    if inner >= 16 and rows.size <= out.shape[0] and (rows.size == 1 or np.unique(rows).size == rows.size):
         # no duplicates (a scalar-index Gather's gradient): whole rows at once, far faster than ufunc.at
         out[rows] = ufunc(out[rows], upd)
         return
