@@ -422,3 +422,88 @@ def test_matmul_bias_add_runs_in_place_and_is_bit_identical() -> None:
     want = plain.run({"x": x})[0]
     assert a1.tobytes() == want.tobytes() and a2.tobytes() == want.tobytes()
     assert not np.shares_memory(a1, a2)  # a fresh product every run
+
+
+# ---- shape arithmetic: folded or memoised ------------------------------------------------------------------
+def dynamic_reshape(extra_inits=()) -> onnx.ModelProto:
+    """y = Reshape(x, [N, 2, 3]) with N read from x's shape at run time, as torch exports it."""
+    n = [
+        const("zero", np.array(0, np.int64)),
+        const("axes", np.array([0], np.int64)),
+        const("tail", np.array([2, 3], np.int64)),
+        helper.make_node("Unsqueeze", ["tail", "axes"], ["tail2"]),  # constants only: folded
+        helper.make_node("Squeeze", ["tail2", "axes"], ["tail1"]),
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "zero"], ["n"]),
+        helper.make_node("Unsqueeze", ["n", "axes"], ["n1"]),
+        helper.make_node("Concat", ["n1", "tail1"], ["shape"], axis=0),
+        helper.make_node("Reshape", ["x", "shape"], ["y"]),
+    ]
+    return model(n, ["x"], ["y"], extra_inits)
+
+
+def test_shape_steps_are_memoised_and_constant_steps_folded() -> None:
+    from onnxtrain.engine.fusion.shapes import is_memoized
+
+    p = Plan(dynamic_reshape())
+    kinds = {st.node.op_type: is_memoized(st) for st in p.steps}
+    assert "Unsqueeze" in kinds and "Squeeze" not in kinds  # the constant pair was folded at compile time
+    assert kinds == {"Shape": True, "Gather": True, "Unsqueeze": True, "Concat": True, "Reshape": False}
+    rng = np.random.default_rng(0)
+    for batch in (4, 7, 4, 1, 7):  # revisits a shape seen before: the remembered result must be the right one
+        x = rng.standard_normal((batch, 6)).astype(np.float32)
+        (y,) = p.run({"x": x})
+        np.testing.assert_array_equal(y, x.reshape(batch, 2, 3))
+    concat = next(st for st in p.steps if st.node.op_type == "Concat")
+    held = [outs for _, outs in concat.fn.entries.values()]
+    assert len(held) == 3 and all(not o[0].flags.writeable for o in held)  # read-only: cannot be corrupted
+
+
+def test_shape_memo_leaves_graph_outputs_large_results_and_random_ops_alone() -> None:
+    from onnxtrain.engine.fusion import shapes
+    from onnxtrain.engine.fusion.shapes import is_memoized
+
+    n = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("ConstantOfShape", ["s"], ["zeros"], value=helper.make_tensor("v", F, [1], [2.0])),
+        const("ratio", np.float32(0.5)),
+        const("train", np.array(True)),
+        helper.make_node("Dropout", ["zeros", "ratio", "train"], ["drop"], seed=1),
+        helper.make_node("Add", ["drop", "x"], ["r"]),
+        helper.make_node("Add", ["zeros", "x"], ["y"]),
+        helper.make_node("Shape", ["y"], ["sy"]),
+    ]
+    g = helper.make_graph(
+        n, "g", [helper.make_tensor_value_info("x", F, None)],
+        [helper.make_tensor_value_info("y", F, None), helper.make_tensor_value_info("r", F, None),
+         helper.make_tensor_value_info("sy", TensorProto.INT64, None)],
+    )
+    p = Plan(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), fuse=True)
+    memo = {st.node.output[0]: is_memoized(st) for st in p.steps}
+    assert memo == {"s": True, "zeros": True, "drop": False, "r": False, "y": False, "sy": False}
+    big = np.ones(shapes.MAX_ELEMENTS + 1, np.float32)
+    for x in (np.ones(3, np.float32), big, big):
+        y, r, sy = p.run({"x": x})
+        np.testing.assert_array_equal(y, x + 2)
+        assert set(np.unique(r - x).tolist()) <= {0.0, 4.0}
+        assert sy.flags.writeable and sy.tolist() == [x.size]
+    fill = next(st for st in p.steps if st.node.op_type == "ConstantOfShape")
+    assert [o[0].size for _, o in fill.fn.entries.values()] == [3]  # the large result was not kept
+
+
+def test_shape_memo_follows_a_fed_integer_initializer() -> None:
+    inits = [numpy_helper.from_array(np.array([2, 3], np.int64), "tail")]
+    n = [
+        const("zero", np.array(0, np.int64)),
+        const("axes", np.array([0], np.int64)),
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "zero"], ["n"]),
+        helper.make_node("Unsqueeze", ["n", "axes"], ["n1"]),
+        helper.make_node("Concat", ["n1", "tail"], ["shape"], axis=0),
+        helper.make_node("Reshape", ["x", "shape"], ["y"]),
+    ]
+    p = Plan(model(n, ["x"], ["y"], inits))
+    x = np.arange(12, dtype=np.float32).reshape(2, 6)
+    assert p.run({"x": x})[0].shape == (2, 2, 3)
+    assert p.run({"x": x, "tail": np.array([3, 2], np.int64)})[0].shape == (2, 3, 2)
+    assert p.run({"x": x})[0].shape == (2, 2, 3)

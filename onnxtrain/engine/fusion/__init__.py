@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from onnxtrain.engine.fusion.cse import eliminate_common_steps
 from onnxtrain.engine.fusion.elementwise import ScratchPool, fuse_elementwise
 from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_bias, fuse_matmul_weight_grads
+from onnxtrain.engine.fusion.shapes import memoize_shape_steps
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan
@@ -50,6 +51,7 @@ def fuse(plan: Plan) -> None:
     """Rewrite ``plan.steps`` in place (frees are recomputed by the plan afterwards)."""
     steps = list(plan.steps)
     steps = eliminate_common_steps(plan, steps)
+    steps = memoize_shape_steps(plan, steps)
     steps = fuse_matmul_weight_grads(plan, steps)
     steps = fuse_conv_weight_grads(plan, steps)
     steps = fuse_elementwise(plan, steps)

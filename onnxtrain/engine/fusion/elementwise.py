@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from onnxtrain.engine.fusion.common import consumers, make_step, protected_slots, run_steps
+from onnxtrain.engine.fusion.shapes import is_memoized
 from onnxtrain.engine.kernels.elementwise import erf_into
 from onnxtrain.engine.registry import Attrs
 
@@ -95,6 +96,7 @@ def fuse_elementwise(plan: Plan, steps: list[Step]) -> list[Step]:
             st.node.op_type in eligible
             and st.node.domain in ("", "ai.onnx")
             and all(s >= 0 for s in st.outputs)
+            and not is_memoized(st)
         )
         if st.node.op_type == "Relu" and len(st.inputs) != 1:
             ok = False

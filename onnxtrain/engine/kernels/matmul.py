@@ -28,6 +28,11 @@ def matmul(inputs: Inputs, attrs: Attrs) -> Outputs:
         # (..., K) @ (K, N) as one 2-D GEMM: faster than numpy's loop of small GEMMs over the batch, even
         # when ``a`` is a strided view (attention's transposes) that the reshape must copy
         return (np.matmul(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[1]),)
+    if b.ndim > 2 and b.strides[-1] == b.itemsize and b.strides[-2] != b.shape[-1] * b.itemsize:
+        # a batch of B matrices whose rows lie far apart (attention's V, a transposed view of (S, B, H, d)):
+        # one copy makes the small GEMMs 1.7x faster (measured: 320 -> 192 us for P @ V, copy included);
+        # transposed B views (K^T) are faster left as they are
+        b = np.ascontiguousarray(b)
     y = np.matmul(a, b)
     return (y if isinstance(y, np.ndarray) else np.asarray(y, dtype=dt),)
 
