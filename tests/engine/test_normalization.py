@@ -165,3 +165,31 @@ def test_row_max_is_numpy_max_for_every_width() -> None:
         got, want = row_max(x), x.max(axis=1, keepdims=True)
         assert got.shape == want.shape
         assert np.array_equal(got, want, equal_nan=True), n
+    wide, strided = rng.standard_normal((9, 1000)), rng.standard_normal((9, 300))[:, ::2]
+    for x in (wide, strided, np.full((3, 70), -np.inf)):
+        assert np.array_equal(row_max(x), x.max(axis=1, keepdims=True))
+
+
+def _softmax64(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x.astype(np.float64) - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def test_softmax_without_shift_is_within_a_few_ulp_and_falls_back_when_exp_could_overflow() -> None:
+    from onnxtrain.engine.kernels.normalization import softmax_along
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((512, 64)) * 5).astype(np.float32)  # |x| < 80: exp(x) without a shift
+    ref = _softmax64(x)
+    ulp = np.abs(softmax_along(x, -1) - ref) / np.spacing(ref.astype(np.float32))
+    assert ulp.max() <= 8
+    # one row past exp's range, a masked row, a NaN row: the shifted path, as numpy would compute it
+    x[3, :4] = 200.0
+    x[4, 10:] = -np.inf
+    x[5, 7] = np.nan
+    y = softmax_along(x, -1)
+    np.testing.assert_allclose(y[np.r_[:5, 6:512]], _softmax64(x)[np.r_[:5, 6:512]], rtol=2e-6, atol=1e-30)
+    assert np.isnan(y[5]).all() and (y[4, 10:] == 0).all() and np.isclose(y[3, :4], 0.25).all()
+    for axis in (0, 1):  # a non-last axis takes the general path
+        np.testing.assert_allclose(softmax_along(x[6:, :], axis), np.moveaxis(_softmax64(np.moveaxis(
+            x[6:, :], axis, -1)), -1, axis), rtol=2e-6, atol=1e-30)
