@@ -28,6 +28,44 @@ def bias_corrections(w: NodeWriter, t: str, alpha: float, beta: float, on: bool,
     return w.one("Cast", c1, to=et), w.one("Cast", c2, to=et)
 
 
+def shared_bias_corrections(
+    w: NodeWriter, items: list[tuple[str, float, float, bool]], et: int
+) -> list[tuple[str, str]]:
+    """:func:`bias_corrections` for many weights at once: ``items`` are (count, α, β, on) per weight.
+
+    The counts of the weights with correction on are concatenated and the scalar math runs once on the
+    vector (its values are those of the per-weight form), then a Split hands each weight its pair: a
+    dozen nodes in all instead of seven per weight, which on small models is much of the update's time.
+    """
+    on = [i for i, (_, _, _, flag) in enumerate(items) if flag]
+    out = [bias_corrections(w, t, a, b, False, et) for t, a, b, _ in items]
+    if len(on) == 1:
+        t, a, b, _ = items[on[0]]
+        out[on[0]] = bias_corrections(w, t, a, b, True, et)
+    elif on:
+        dbl = TensorProto.DOUBLE
+        tf = w.one("Cast", w.one("Concat", *[items[i][0] for i in on], axis=0), to=dbl)
+        one = scalar(w, 1.0, dbl)
+        pairs = []
+        for k in (1, 2):  # α for the first moment, β for the second
+            base = w.const(np.array([items[i][k] for i in on]), dbl)
+            c = w.one("Sub", one, w.one("Pow", base, tf))
+            if et != dbl:
+                c = w.one("Cast", c, to=et)
+            pairs.append(w.emit("Split", [c, w.ints([1] * len(on))], len(on), axis=0))
+        for i, c1, c2 in zip(on, *pairs):
+            out[i] = (c1, c2)
+    return out
+
+
+def next_counts(w: NodeWriter, counts: list[str], names: list[str]) -> list[str]:
+    """count + 1 for each of ``counts`` (int64 [1] tensors), as one Add on their concatenation."""
+    if len(counts) == 1:
+        return w.emit("Add", [counts[0], w.ints([1])], names)
+    stepped = w.one("Add", w.one("Concat", *counts, axis=0), w.ints([1]))
+    return w.emit("Split", [stepped, w.ints([1] * len(counts))], names, axis=0)  # sizes given: any opset
+
+
 def moments(w: NodeWriter, g: str, m1: str, m2: str, alpha: float, beta: float, et: int) -> tuple[str, str]:
     """m1 = α·m1 + (1−α)·g,  m2 = β·m2 + (1−β)·g²."""
     m1n = w.one("Add", w.one("Mul", m1, scalar(w, alpha, et)), w.one("Mul", g, scalar(w, 1 - alpha, et)))
@@ -58,6 +96,16 @@ class Adam(Optimizer):
     ) -> tuple[dict[str, str], dict[str, str]]:
         new_w: dict[str, str] = {}
         new_s: dict[str, str] = {}
+        counts = [state[f"Update_Count_{s.name}"] for s in slots]
+        corrections: dict[str, tuple[str, str]] = {}
+        for et in dict.fromkeys(s.elem_type for s in slots):
+            group = [s for s in slots if s.elem_type == et]
+            items = [
+                (state[f"Update_Count_{s.name}"], fattr(s, self, "alpha"), fattr(s, self, "beta"),
+                 bool(iattr(s, self, "do_bias_correction")))
+                for s in group
+            ]
+            corrections.update(zip((s.name for s in group), shared_bias_corrections(w, items, et)))
         for s in slots:
             et = s.elem_type
             a, b = fattr(s, self, "alpha"), fattr(s, self, "beta")
@@ -68,11 +116,10 @@ class Adam(Optimizer):
                     f"optimizer_int_attributes_map[{s.name!r}]['weight_decay_mode'] must be 0 or 1, "
                     f"got {mode}"
                 )
-            t = state[f"Update_Count_{s.name}"]
             m1, m2 = state[f"Moment_1_{s.name}"], state[f"Moment_2_{s.name}"]
             lr_t = lr if et == TensorProto.FLOAT else w.one("Cast", lr, to=et)
             g = s.grad if s.divisor is None else w.one("Div", s.grad, s.divisor)
-            c1, c2 = bias_corrections(w, t, a, b, bool(iattr(s, self, "do_bias_correction")), et)
+            c1, c2 = corrections[s.name]
             m1n, m2n = moments(w, g, m1, m2, a, b, et)
             if mode == 0:
                 # Δ = −lr·((m1/c1) / (sqrt(m2/c2) + ε) + λ·w)
@@ -95,5 +142,6 @@ class Adam(Optimizer):
             new_w[s.name] = w.emit("Identity", [wn], [w.names(f"{s.name}_Adam_out")])[0]
             new_s[m1] = w.emit("Identity", [m1n], [w.names(f"Moment_1_{s.name}_Out")])[0]
             new_s[m2] = w.emit("Identity", [m2n], [w.names(f"Moment_2_{s.name}_Out")])[0]
-            new_s[t] = w.emit("Add", [t, w.ints([1])], [w.names(f"{s.grad}_Step_Out")])[0]
+        stepped = next_counts(w, counts, [w.names(f"{s.grad}_Step_Out") for s in slots])
+        new_s.update(zip(counts, stepped))
         return new_w, new_s

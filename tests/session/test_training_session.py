@@ -119,6 +119,35 @@ def test_adam_modes_against_float64_reference(mode: int, bias: int, lam: float) 
     assert sess.get_optimizer_state()["W1"]["Update_Count"].tolist() == [21]
 
 
+def test_adam_per_weight_attributes_and_counts_against_float64_reference() -> None:
+    """The bias corrections of all weights are computed as one vector: each weight must still get its own
+    α, β, do_bias_correction and Update_Count."""
+    model = mlp_model(act="Tanh")
+    attrs = {  # alpha, beta, do_bias_correction, first Update_Count
+        "W1": (0.8, 0.99, 1, 4), "W2": (0.9, 0.999, 0, 1), "b1": (0.95, 0.9, 1, 1), "b2": (0.9, 0.98, 1, 9)
+    }
+    p = params(
+        "AdamOptimizer",
+        enable_grad_norm_clip=False,
+        optimizer_attributes_map={n: {"alpha": a, "beta": b} for n, (a, b, _, _) in attrs.items()},
+        optimizer_int_attributes_map={n: {"do_bias_correction": c} for n, (_, _, c, _) in attrs.items()},
+    )
+    sess = TrainingSession(model.SerializeToString(), p)
+    sess.load_state({f"Update_Count_{n}": np.array([t0], np.int64) for n, (_, _, _, t0) in attrs.items()})
+    w = {k: v.astype(np.float64) for k, v in weights_of(model).items()}
+    m1 = {k: np.zeros_like(v) for k, v in w.items()}
+    m2 = {k: np.zeros_like(v) for k, v in w.items()}
+    for step, (x, y) in enumerate(batches(6, 16)):
+        g = _grads(model, w, x, y)
+        sess.run(["loss"], feeds(x, y))
+        for k, (a, b, c, t0) in attrs.items():
+            w[k], m1[k], m2[k] = adam_ref(w[k], g[k], m1[k], m2[k], t0 + step, float(LR[0]), a, b, bias=c > 0)
+    state = sess.get_state()
+    for k, (_, _, _, t0) in attrs.items():
+        assert_rel(state[k], w[k], 1e-5, k)
+        assert state[f"Update_Count_{k}"].tolist() == [t0 + 6]
+
+
 def test_lamb_against_float64_reference() -> None:
     model = mlp_model(act="Tanh")
     names = ["W1", "W2", "b1", "b2"]
