@@ -1,5 +1,6 @@
 """Batched MatMul on the strided views attention makes (Transpose of a seq-first tensor), against
-onnx.reference: the kernel copies row-strided B operands and leaves transposed ones as they are."""
+onnx.reference: the kernel copies B first when its rows lie a page or more apart and leaves other
+layouts (nearer rows, transposed B) as they are; the values must not depend on the path."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
+from onnxtrain.engine.kernels import matmul as mm
 from onnxtrain.engine.plan import Plan
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("perm_b", [(1, 2, 0, 3), (1, 2, 3, 0)], ids=["rows-strided", "transposed"])
-def test_batched_matmul_on_transposed_views(perm_b, dtype) -> None:
+@pytest.mark.parametrize("batch,heads", [(3, 2), (8, 16)], ids=["near", "far"])
+def test_batched_matmul_on_transposed_views(batch, heads, perm_b, dtype) -> None:
     et = TensorProto.FLOAT if dtype == np.float32 else TensorProto.DOUBLE
     nodes = [
         helper.make_node("Transpose", ["a"], ["at"], perm=[1, 2, 0, 3]),  # (S, B, H, d) -> (B, H, S, d)
@@ -26,8 +29,12 @@ def test_batched_matmul_on_transposed_views(perm_b, dtype) -> None:
     )
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((16, 3, 2, 8)).astype(dtype)
-    b = rng.standard_normal((16, 3, 2, 8) if perm_b == (1, 2, 3, 0) else (8, 3, 2, 16)).astype(dtype)
+    s, d = 16, 8
+    a = rng.standard_normal((s, batch, heads, d)).astype(dtype)
+    b_shape = (s, batch, heads, d) if perm_b == (1, 2, 3, 0) else (d, batch, heads, s)
+    b = rng.standard_normal(b_shape).astype(dtype)
+    row_bytes = b.strides[0] if perm_b == (1, 2, 0, 3) else b.itemsize
+    assert (row_bytes >= mm._FAR_ROWS) == (perm_b == (1, 2, 0, 3) and batch == 8)  # both paths are covered
     (ours,) = Plan(m).run({"a": a, "b": b})
     (ref,) = ReferenceEvaluator(m).run(None, {"a": a, "b": b})
     assert ours.shape == ref.shape
