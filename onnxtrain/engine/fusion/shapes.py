@@ -2,7 +2,7 @@
 
 An exported model with a dynamic batch recomputes its reshape targets on every run: ``Shape`` of a value,
 then ``Gather``/``Unsqueeze``/``Concat``/``Mul``... on tiny int64 tensors (the transformer of the bench has
-~150 such steps, a training graph more). Their results depend only on the shapes read, so each such step
+~140 such steps). Their results depend only on the shapes read, so each such step
 is folded or keeps its last results:
 
 * a step whose inputs are all folded constants is run once, at compile time, and becomes a constant;
@@ -91,12 +91,13 @@ def _fold(plan: Plan, st: Step) -> bool:
         res = st.fn([const[s] if s >= 0 else None for s in st.inputs], st.attrs)
     except Exception:
         return False  # left in the plan: the run reports the failure with the node named
-    if not all(isinstance(r, np.ndarray) for s, r in zip(st.outputs, res) if s >= 0):
+    outs = [(s, np.array(r) if isinstance(r, np.generic) else r) for s, r in zip(st.outputs, res) if s >= 0]
+    if not all(isinstance(r, np.ndarray) for _, r in outs):
         return False
-    for s, r in zip(st.outputs, res):
-        if s >= 0:
-            plan._const_values.append((s, r))
-            plan._base_bytes += r.nbytes
+    for s, r in outs:
+        r.flags.writeable = False  # shared by every run from now on
+        plan._const_values.append((s, r))
+        plan._base_bytes += r.nbytes
     return True
 
 
