@@ -171,7 +171,7 @@ def test_blocked_cluster_is_bit_identical_and_keeps_block_sized_scratch(monkeypa
         ((300, 7), (1, 1), False),
         ((50, 41), (), True),  # a non-contiguous input
         ((30,), (1,), False),  # below two blocks: not blocked
-        ((20, 9), (9,), False),  # a broadcast that is not size 1: not blocked
+        ((20, 9), (9,), False),  # a broadcast that is not size 1: that op runs first, on whole arrays
     ]:
         feeds = {k: rng.standard_normal(shape).astype(np.float32) for k in ("w", "g", "m")}
         if transposed:
@@ -187,17 +187,62 @@ def test_blocked_cluster_is_bit_identical_and_keeps_block_sized_scratch(monkeypa
     copies, arrays = held
     for c, a in zip(copies, arrays):
         np.testing.assert_array_equal(c, a)  # outputs of a run survive later runs
-    blocked = [p[5] for p in cluster.programs.values() if p[5] is not None]
-    assert len(blocked) == 2  # (300, 7) and (50, 41)
-    assert all(b.block <= 128 and b.tail and len(b.pre) == 3 and len(b.post) == 2 for b in blocked)
+    blocked = {b.segments[0].n: b for p in cluster.programs.values() if (b := p[5]) is not None}
+    assert sorted(blocked) == [180, 2050, 2100]  # (20, 9), (50, 41) and (300, 7)
+    for n, b in blocked.items():
+        (seg,) = b.segments
+        assert seg.block <= 128 and seg.tail and len(b.post) == 2
+        assert len(b.pre) == (4 if n == 180 else 3)  # + the (20, 9) * (9,) Mul
     # a plan that only ran blocked: its scratch pool (counted in peak_bytes) holds block-sized buffers
     only = Plan(blockable())
     only.run(feeds_of((300, 7), rng))
     (prog,) = only.steps[0].fn.programs.values()
-    n_bufs = len({(dt, i) for _, dt, i in prog[5].scratch})  # value groups share buffers by liveness
+    (seg,) = prog[5].segments
+    n_bufs = len({(dt, i) for _, dt, i in seg.scratch})  # value groups share buffers by liveness
     assert 0 < n_bufs <= 2
-    assert only.scratch.nbytes == n_bufs * prog[5].block * 4
+    assert only.scratch.nbytes == n_bufs * seg.block * 4
     assert only.peak_bytes >= only.scratch.nbytes
+
+
+def two_weight_update() -> onnx.ModelProto:
+    """An optimizer graph over two weights of different shapes, tied together by one shared step size
+    computed in the graph (as the on-device AdamW's): one cluster, one blocked segment per weight."""
+    n = [
+        const("half", np.float32(0.5)),
+        const("eps", np.float32(1e-8)),
+        helper.make_node("Mul", ["lr", "half"], ["step"]),
+        helper.make_node("Sqrt", ["step"], ["root"]),
+    ]
+    for w in ("a", "b"):
+        n += [
+            helper.make_node("Mul", [f"g_{w}", f"g_{w}"], [f"gg_{w}"]),
+            helper.make_node("Sqrt", [f"gg_{w}"], [f"r_{w}"]),
+            helper.make_node("Add", [f"r_{w}", "eps"], [f"d_{w}"]),
+            helper.make_node("Div", [f"g_{w}", f"d_{w}"], [f"u_{w}"]),
+            helper.make_node("Mul", [f"u_{w}", "root"], [f"s_{w}"]),
+            helper.make_node("Sub", [f"w_{w}", f"s_{w}"], [f"new_{w}"]),
+        ]
+    return model(n, ["lr", "w_a", "g_a", "w_b", "g_b"], ["new_a", "new_b"])
+
+
+def test_cluster_over_weights_of_several_shapes_blocks_each_shape(monkeypatch) -> None:
+    from onnxtrain.engine.fusion import elementwise as fusion
+
+    monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 4096)
+    monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)
+    fused, plain = Plan(two_weight_update()), Plan(two_weight_update(), fuse=False)
+    assert ops(fused) == ["FusedElementwise"]
+    rng = np.random.default_rng(11)
+    feeds = {"lr": np.array([0.01], np.float32)}
+    for w, shape in (("a", (96, 40)), ("b", (10,))):  # a: blocked; b: too small, one block
+        feeds[f"w_{w}"], feeds[f"g_{w}"] = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    for _ in range(2):
+        for got, want in zip(fused.run(feeds), plain.run(feeds)):
+            assert got.tobytes() == want.tobytes()
+    (prog,) = fused.steps[0].fn.programs.values()
+    segs = {seg.n: seg for seg in prog[5].segments}
+    assert sorted(segs) == [10, 3840] and segs[10].block == 10 and segs[3840].block < 3840
+    assert len(prog[5].pre) == 2  # the shared step size, once
 
 
 def feeds_of(shape: tuple[int, ...], rng: np.random.Generator) -> dict[str, np.ndarray]:

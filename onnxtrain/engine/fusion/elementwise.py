@@ -350,13 +350,119 @@ def _runs_as_ufunc(st: Step, env: dict[int, Any]) -> bool:
 class _Blocked:
     """A cluster's program run over contiguous blocks of its flattened arrays (cache blocking).
 
-    The members split into three phases, run in this order: ``pre``, ops on small values only (step counts,
-    bias corrections), run once; the blocked ufuncs, whose operands all have the cluster's shape or are
-    size-1 broadcasts, run slice by slice: the same ufuncs in the same order on every element, so results
-    are bit-identical, while a block's temporaries stay in cache; ``post``, own-kernel members and whatever
-    reads their outputs, on whole arrays. Blocked values that escape the cluster or that ``post`` reads are
-    whole arrays allocated once per run and written slice by slice; the others live in block-sized scratch
-    buffers of the pool (an op whose input dies there writes into that input's buffer).
+    The members split into three phases, run in this order: ``pre``, ops whose inputs are cluster inputs or
+    other ``pre`` values only (step counts, bias corrections), run once on whole values; the blocked ufuncs,
+    whose operands all have the op's output shape or are size-1 values of the first phase, run slice by
+    slice: the same ufuncs in the same order on every element, so results are bit-identical, while a
+    block's temporaries stay in cache; ``post``, own-kernel members and whatever reads their outputs, on
+    whole arrays. The blocked ufuncs form one :class:`_Segment` per shape (an optimizer graph updating
+    several weights at once, tied together by a shared learning rate, has one per weight), run one after
+    the other; a segment too small to gain from blocking runs as one block.
+    """
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    @classmethod
+    def build(
+        cls,
+        cl: _Cluster,
+        env: dict[int, Any],
+        local: dict[int, int],
+        fast: list[bool],
+        last_use: dict[int, int],
+    ) -> _Blocked | None:
+        """The blocked program for the traced values ``env``, or None when blocking does not apply."""
+        members = cl.members
+
+        def shape_of(s: int) -> tuple[int, ...] | None:
+            v = env.get(s)
+            return v.shape if type(v) is np.ndarray and v.size > 1 else None
+
+        def one(s: int, shape: tuple[int, ...]) -> bool:
+            v = env.get(s)
+            return type(v) is np.ndarray and v.size == 1 and v.ndim <= len(shape)
+
+        # phases: x (cluster input), p (pre), m (blocked, in the segment of its output's shape), e (post)
+        phase = {s: "x" for s in cl.ext}
+        kinds: list[str] = []
+        for k, st in enumerate(members):
+            src = [phase[s] for s in st.inputs]
+            shape = shape_of(st.outputs[0]) if fast[k] else None
+            if (
+                shape is not None
+                and "e" not in src
+                and all(
+                    (shape_of(s) == shape and phase[s] in "xpm") or (one(s, shape) and phase[s] in "xp")
+                    for s in st.inputs
+                )
+            ):
+                ph = "m"
+            elif all(p in "xp" for p in src):
+                ph = "p"
+            else:
+                ph = "e"
+            kinds.append(ph)
+            for s in st.outputs:
+                phase[s] = ph
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for k, ph in enumerate(kinds):
+            if ph == "m":
+                by_shape.setdefault(env[members[k].outputs[0]].shape, []).append(k)
+        readers: dict[int, list[int]] = {}
+        for k, st in enumerate(members):
+            for s in st.inputs:
+                readers.setdefault(s, []).append(k)
+        segments = [
+            _Segment.build(cl, env, local, last_use, kinds, readers, phase, shape, ops)
+            for shape, ops in by_shape.items()
+        ]
+        if not any(seg.block < seg.n for seg in segments):
+            return None
+
+        def program(phase_name: str) -> list[tuple]:
+            out = []
+            for k, st in enumerate(members):
+                if kinds[k] != phase_name:
+                    continue
+                ins = [local[s] for s in st.inputs]
+                if fast[k]:
+                    ufunc, extra = _UFUNCS[st.node.op_type]
+                    out.append((1, ufunc, ins, local[st.outputs[0]], None, extra))
+                else:
+                    out.append((2, st.fn, ins, [local[s] for s in st.outputs], None, st.attrs))
+            return out
+
+        return cls(
+            segments=segments,
+            n_new=len(local) - len(cl.ext),
+            pre=program("p"),
+            post=program("e"),
+            out_idx=[local[s] for s in cl.escaping],
+        )
+
+    def take_views(self, pool: ScratchPool) -> None:
+        for seg in self.segments:
+            seg.take_views(pool)
+
+    def run(self, inputs: Sequence[Any]) -> list[Any]:
+        vals = list(inputs)
+        vals.extend(None for _ in range(self.n_new))
+        if self.pre:
+            _Cluster._exec(self.pre, vals)
+        for seg in self.segments:
+            seg.run(vals)
+        if self.post:
+            _Cluster._exec(self.post, vals)
+        return [vals[i] for i in self.out_idx]
+
+
+class _Segment:
+    """The blocked ufuncs of one shape, run over slices of ``block`` of its ``n`` flattened elements.
+
+    Blocked values that escape the cluster or that other phases read are whole arrays allocated once per run
+    and written slice by slice; the others live in block-sized scratch buffers of the pool (an op whose
+    input dies there writes into that input's buffer). Segments run one at a time, so they share buffers.
     """
 
     def __init__(self, **fields: Any) -> None:
@@ -370,62 +476,24 @@ class _Blocked:
         cl: _Cluster,
         env: dict[int, Any],
         local: dict[int, int],
-        fast: list[bool],
         last_use: dict[int, int],
-    ) -> _Blocked | None:
-        """The blocked program for the traced values ``env``, or None when blocking does not apply."""
+        kinds: list[str],
+        readers: dict[int, list[int]],
+        phase: dict[int, str],
+        full: tuple[int, ...],
+        blocked_ops: list[int],
+    ) -> _Segment:
         members = cl.members
-        full: tuple[int, ...] | None = None
-        n = 0
-        for st in members:
-            for s in st.outputs:
-                v = env.get(s)
-                if type(v) is np.ndarray and v.size > n:
-                    full, n = v.shape, v.size
-        if full is None or n < 2 * _BLOCK_ALIGN:
-            return None
+        n = int(np.prod(full))
+        mine = set(blocked_ops)
 
         def whole(s: int) -> bool:
             v = env.get(s)
             return type(v) is np.ndarray and v.shape == full
 
-        def one(s: int) -> bool:
-            v = env.get(s)
-            return type(v) is np.ndarray and v.size == 1 and v.ndim <= len(full)
-
-        # phases: x (cluster input), p (pre), m (blocked), e (post)
-        phase = {s: "x" for s in cl.ext}
-        kinds: list[str] = []
-        for k, st in enumerate(members):
-            src = [phase[s] for s in st.inputs]
-            if all(p in "xp" for p in src) and not any(whole(s) for s in (*st.inputs, *st.outputs)):
-                ph = "p"
-            elif (
-                fast[k]
-                and "e" not in src
-                and whole(st.outputs[0])
-                and all(whole(s) or (one(s) and phase[s] in "xp") for s in st.inputs)
-            ):
-                ph = "m"
-            else:
-                ph = "e"
-            kinds.append(ph)
-            for s in st.outputs:
-                phase[s] = ph
-        blocked_ops = [k for k, ph in enumerate(kinds) if ph == "m"]
-        if len(blocked_ops) < 2:
-            return None
         escaping = set(cl.escaping)
-        readers: dict[int, list[int]] = {}
-        for k, st in enumerate(members):
-            for s in st.inputs:
-                readers.setdefault(s, []).append(k)
-        wholes = [
-            members[k].outputs[0]
-            for k in blocked_ops
-            if members[k].outputs[0] in escaping
-            or any(kinds[j] != "m" for j in readers.get(members[k].outputs[0], ()))
-        ]
+        outs = [members[k].outputs[0] for k in blocked_ops]
+        wholes = [o for o in outs if o in escaping or any(j not in mine for j in readers.get(o, ()))]
         whole_set = set(wholes)
         # block values: chains of ops whose input dies there share that input's buffer; a chain that dies
         # into a whole value runs in that value's slice ("sinks" into it) and needs no scratch buffer
@@ -484,45 +552,19 @@ class _Blocked:
                 consts.append((n_slots + len(consts), extra))
                 ins.append(consts[-1][0])
             ops.append((ufunc, ins[0], ins[1] if len(ins) > 1 else -1, slot(st.outputs[0])))
-
-        def program(phase_name: str) -> list[tuple]:
-            out = []
-            for k, st in enumerate(members):
-                if kinds[k] != phase_name:
-                    continue
-                ins = [local[s] for s in st.inputs]
-                if fast[k]:
-                    out.append(
-                        (
-                            1,
-                            _UFUNCS[st.node.op_type][0],
-                            ins,
-                            local[st.outputs[0]],
-                            None,
-                            _UFUNCS[st.node.op_type][1],
-                        )
-                    )
-                else:
-                    out.append((2, st.fn, ins, [local[s] for s in st.outputs], None, st.attrs))
-            return out
-
         m_inputs = {s for k in blocked_ops for s in members[k].inputs}
-        whole_in = sorted(local[s] for s in m_inputs if whole(s) and phase[s] == "x")
+        whole_in = sorted(local[s] for s in m_inputs if whole(s) and phase[s] in "xp")
         whole_out = [(local[s], full, env[s].dtype) for s in wholes]
-        per_elem = sum(env[s].itemsize for s in m_inputs if whole(s) and phase[s] == "x")
+        per_elem = sum(env[s].itemsize for s in m_inputs if whole(s) and phase[s] in "xp")
         per_elem += sum(env[s].itemsize for s in wholes) + sum(dt.itemsize for _, dt, _ in scratch)
-        if n * per_elem < BLOCK_MIN_BYTES:
-            return None
-        # a multiple of _BLOCK_ALIGN elements: every slice starts as aligned as the whole array
-        block = max(BLOCK_BYTES // per_elem // _BLOCK_ALIGN, 1) * _BLOCK_ALIGN
-        if block >= n:
-            return None
+        block = n
+        if len(ops) >= 2 and n >= 2 * _BLOCK_ALIGN and n * per_elem >= BLOCK_MIN_BYTES:
+            # a multiple of _BLOCK_ALIGN elements: every slice starts as aligned as the whole array
+            block = min(max(BLOCK_BYTES // max(per_elem, 1) // _BLOCK_ALIGN, 1) * _BLOCK_ALIGN, n)
         return cls(
             n=n,
             block=block,
             tail=n % block,
-            n_vals=len(local),
-            n_new=len(local) - len(cl.ext),
             n_bv=n_slots + len(consts),
             consts=consts,
             small=sorted(local[s] for s in m_inputs if not whole(s)),
@@ -531,23 +573,16 @@ class _Blocked:
             flat_slots=whole_in + [w[0] for w in whole_out],
             scratch=scratch,
             ops=ops,
-            pre=program("p"),
-            post=program("e"),
-            out_idx=[local[s] for s in cl.escaping],
         )
 
     def take_views(self, pool: ScratchPool) -> None:
-        """(Re)take this program's views of the pool's arrays: one full block and one tail per buffer."""
+        """(Re)take this segment's views of the pool's arrays: one full block and one tail per buffer."""
         self.full_views = [(i, pool.view((self.block,), dt, bi)) for i, dt, bi in self.scratch]
         self.tail_views = (
             [(i, pool.view((self.tail,), dt, bi)) for i, dt, bi in self.scratch] if self.tail else []
         )
 
-    def run(self, inputs: Sequence[Any]) -> list[Any]:
-        vals = list(inputs)
-        vals.extend(None for _ in range(self.n_new))
-        if self.pre:
-            _Cluster._exec(self.pre, vals)
+    def run(self, vals: list[Any]) -> None:
         bv: list[Any] = [None] * self.n_bv
         for i, c in self.consts:
             bv[i] = c
@@ -575,6 +610,3 @@ class _Blocked:
                     fn(bv[a], out=bv[o])
                 else:
                     fn(bv[a], bv[b], out=bv[o])
-        if self.post:
-            _Cluster._exec(self.post, vals)
-        return [vals[i] for i in self.out_idx]
