@@ -17,9 +17,9 @@
   them per weight, torch's exported GELU five) run as one step: the same ufuncs in the same order, so
   results are bit-identical, but values used only inside the cluster are written into scratch buffers
   kept across runs (a pool keyed by shape and dtype, shared by every cluster of the plan) instead of
-  being allocated every time. A cluster over
-  large arrays of one shape runs block by block over their flattened elements (cache blocking, see
-  :class:`_Blocked`), with block-sized scratch buffers.
+  being allocated every time. The ufuncs of a cluster over large arrays run block by block over their
+  flattened elements, one shape after the other (cache blocking, see
+  :class:`~onnxtrain.engine.fusion.elementwise._Blocked`), with block-sized scratch buffers.
 
 Every fused step checks the shapes and dtypes it was specialised for and otherwise runs the original
 steps, so a fusion never changes what a graph computes beyond float summation order (the two GEMM
