@@ -348,9 +348,14 @@ def test_matmul_weight_grad_is_one_gemm() -> None:
     "strides,dilations,pads",
     [([1, 1], [1, 1], [0, 0, 0, 0]), ([1, 1], [1, 1], [2, 2, 2, 2]), ([2, 1], [1, 2], [1, 0, 2, 1])],
 )
-def test_conv_weight_grad_matches_the_conv_form(strides, dilations, pads) -> None:
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-gemm", "per-sample-gemms"])
+def test_conv_weight_grad_matches_the_conv_form(strides, dilations, pads, chunked, monkeypatch) -> None:
     """dW of Conv(X, W; strides s, dilations d, pads p) as the autodiff writes it: a Conv of the transposed
     input with the transposed output gradient, strides and dilations swapped."""
+    from onnxtrain.engine.fusion import gemm
+
+    if chunked:
+        monkeypatch.setattr(gemm, "COLS_BYTES", 1)  # one sample per GEMM, the partial products summed
     n = [
         helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2, 3]),
         helper.make_node("Transpose", ["dy"], ["dyt"], perm=[1, 0, 2, 3]),
