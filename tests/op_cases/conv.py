@@ -74,6 +74,14 @@ CASES = [
         {"strides": [2, 2], "auto_pad": "SAME_UPPER"},
         variant="same_upper",
     ),
+    # stride 1 in 2-D takes the flattened-rows col2im: pads, per-axis dilation, SAME
+    OpCase(
+        "ConvTranspose",
+        [(2, 3, 5, 6), (3, 2, 3, 2), (2,)],
+        {"pads": [1, 0, 2, 1], "dilations": [1, 2]},
+        variant="stride1_pads_dil",
+    ),
+    OpCase("ConvTranspose", [(1, 2, 4, 4), (2, 2, 3, 3)], {"auto_pad": "SAME_LOWER"}, variant="stride1_same"),
     OpCase("ConvTranspose", [(1, 2, 4), (2, 2, 3), (2,)], {"strides": [2], "pads": [1, 0]}, variant="1d"),
     OpCase("ConvTranspose", [(1, 1, 2, 3, 2), (1, 2, 2, 2, 2)], {"strides": [1, 2, 1]}, variant="3d"),
     # no bias: onnx.reference adds the first group's bias to every group (grouped cases are checked

@@ -235,8 +235,36 @@ def _convt_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> d
             dst.append(slice(start, start + (hi - lo - 1) * strides[i] + 1, strides[i]))
         else:
             steps.append((j, tuple(src), tuple(dst)))
+    # stride 1 in 2-D: col2im by whole flattened rows (see _col2im_flat) when the output lies on the canvas
+    flat = (nd == 2 and strides == [1, 1] and group == 1 and all(pb[i] >= 0 and pb[i] + out[i] <= full[i]
+                                                                for i in range(nd)))
     return {"nd": nd, "group": group, "k": k, "K": int(np.prod(k)), "m": mg * group, "mg": mg,
-            "cg": c // group, "out": out, "steps": steps}
+            "cg": c // group, "out": out, "steps": steps, "flat": flat, "full": full, "pb": pb, "dil": dil}
+
+
+def _conv_transpose_flat(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """Stride-1 2-D ConvTranspose with col2im over flattened rows.
+
+    X's rows are padded with zeros to the canvas width Wf, so that each kernel offset's contribution is one
+    contiguous run of the flattened canvas, shifted by ki*dil*Wf + kj*dil: K adds of long runs instead of
+    K * N * M * H adds of short rows (LeNet's conv2 input gradient: 1.19 -> 0.5 ms). The padded columns
+    carry zeros, so the parts of a run that wrap past a row's end add nothing.
+    """
+    n, c, ih, iw = x.shape
+    kw, (dh, dw), m = g["k"][1], g["dil"], g["m"]
+    hf, wf = g["full"]
+    xp = np.zeros((n, c, ih, wf), x.dtype)
+    xp[..., :iw] = x
+    run = ih * wf
+    cols = np.matmul(w.reshape(c, m * g["K"]).T, xp.reshape(n, c, run)).reshape(n, m, g["K"], run)
+    canvas = np.zeros((n, m, hf * wf + (kw - 1) * dw), x.dtype)
+    for j in range(g["K"]):
+        ki, kj = divmod(j, kw)
+        off = ki * dh * wf + kj * dw
+        canvas[:, :, off:off + run] += cols[:, :, j]
+    (p0, p1), (o0, o1) = g["pb"], g["out"]
+    y = canvas[:, :, :hf * wf].reshape(n, m, hf, wf)[:, :, p0:p0 + o0, p1:p1 + o1]
+    return np.ascontiguousarray(y)
 
 
 @kernel("ConvTranspose", since=1)
@@ -248,6 +276,11 @@ def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
     in_sp = x.shape[2:]
     lin = int(np.prod(in_sp))
     group, m, mg, cg, K, nd = g["group"], g["m"], g["mg"], g["cg"], g["K"], g["nd"]
+    if g["flat"]:
+        y = _conv_transpose_flat(x, w, g)
+        if b is not None:
+            y += b.reshape((m,) + (1,) * nd)
+        return (y,)
     # cols[n, m, k, l] = sum_c W[c, m, k] X[n, c, l]  (per group)
     if group == 1:
         cols = np.matmul(w.reshape(c, m * K).T, x.reshape(n, c, lin))
