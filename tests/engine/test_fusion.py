@@ -557,3 +557,26 @@ def test_shape_memo_follows_a_fed_integer_initializer() -> None:
     assert p.run({"x": x})[0].shape == (2, 2, 3)
     assert p.run({"x": x, "tail": np.array([3, 2], np.int64)})[0].shape == (2, 3, 2)
     assert p.run({"x": x})[0].shape == (2, 2, 3)
+
+
+# ---- Sum as a chain of Adds ------------------------------------------------------------------------------
+def test_sum_of_gradient_contributions_joins_their_cluster_bit_identically() -> None:
+    """The gradient of a tensor used three times is a Sum of three products: with the Sum as Adds, the
+    products and their sum are one cluster; broadcasting and a two-input Sum keep the Sum kernel's order."""
+    n = [
+        helper.make_node("Mul", ["g", "a"], ["p1"]),
+        helper.make_node("Mul", ["g", "b"], ["p2"]),
+        helper.make_node("Mul", ["p1", "b"], ["p3"]),
+        helper.make_node("Sum", ["p1", "p2", "p3", "row"], ["dx"]),  # row broadcasts onto (N, C)
+        helper.make_node("Sum", ["dx", "a"], ["y"]),
+    ]
+    m = model(n, ["g", "a", "b", "row"], ["y"])
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert ops(fused) == ["FusedElementwise"] and "Sum" in ops(plain)
+    rng = np.random.default_rng(5)
+    feeds = {k: rng.standard_normal((6, 7)).astype(np.float32) for k in ("g", "a", "b")}
+    feeds["row"] = rng.standard_normal(7).astype(np.float32)
+    assert fused.run(feeds)[0].tobytes() == plain.run(feeds)[0].tobytes()
+    feeds["row"] = rng.standard_normal((3, 1, 7)).astype(np.float32)  # now Sum broadcasts to (3, 6, 7)
+    got, want = fused.run(feeds)[0], plain.run(feeds)[0]
+    assert got.shape == (3, 6, 7) and got.tobytes() == want.tobytes()

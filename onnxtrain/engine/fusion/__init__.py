@@ -13,6 +13,8 @@
   and channel axes) becomes one GEMM of ``dY`` with a strided im2col view of ``X``;
 * **MatMul + bias**: an ``Add`` of a MatMul's product (that nothing else reads) adds into the product
   in place instead of allocating a second array (after the clusters, which may take the Add instead);
+* **Sum as Adds**: a ``Sum`` becomes a chain of ``Add`` steps in the kernel's order (bit-identical), so that
+  summing a tensor's gradient contributions joins the cluster that computes them;
 * **elementwise clusters**: connected Add/Sub/Mul/Div/Sqrt/Erf/... steps (an optimizer update is ~13 of
   them per weight, torch's exported GELU five) run as one step: the same ufuncs in the same order, so
   results are bit-identical, but values used only inside the cluster are written into scratch buffers
@@ -32,7 +34,7 @@ import os
 from typing import TYPE_CHECKING
 
 from onnxtrain.engine.fusion.cse import eliminate_common_steps
-from onnxtrain.engine.fusion.elementwise import ScratchPool, fuse_elementwise
+from onnxtrain.engine.fusion.elementwise import ScratchPool, expand_sums, fuse_elementwise
 from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_bias, fuse_matmul_weight_grads
 from onnxtrain.engine.fusion.shapes import memoize_shape_steps
 
@@ -54,6 +56,7 @@ def fuse(plan: Plan) -> None:
     steps = memoize_shape_steps(plan, steps)
     steps = fuse_matmul_weight_grads(plan, steps)
     steps = fuse_conv_weight_grads(plan, steps)
+    steps = expand_sums(plan, steps)
     steps = fuse_elementwise(plan, steps)
     steps = fuse_matmul_bias(plan, steps)
     plan.steps = steps

@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from onnx import helper
 
 from onnxtrain.engine.fusion.common import consumers, make_step, protected_slots, run_steps
 from onnxtrain.engine.fusion.shapes import is_memoized
 from onnxtrain.engine.kernels.elementwise import erf_into
-from onnxtrain.engine.registry import Attrs
+from onnxtrain.engine.registry import Attrs, find_kernel
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
@@ -76,6 +77,41 @@ class ScratchPool:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
+
+
+def expand_sums(plan: Plan, steps: list[Step]) -> list[Step]:
+    """Rewrite each ``Sum`` of two or more inputs as a chain of ``Add`` steps, in the Sum kernel's order
+    ((a + b) + c) + ..., so bit-identical: the Adds can join the elementwise cluster of the values they sum
+    (the gradient contributions of a tensor used several times, e.g. in the exported tanh GELU), which
+    then need not be written out whole to be summed by a separate step."""
+    from onnxtrain.engine.plan import Step
+
+    add = find_kernel("Add", plan.opset, "")
+    out: list[Step] = []
+    for st in steps:
+        ins = st.inputs
+        if st.node.op_type != "Sum" or st.node.domain not in ("", "ai.onnx") or len(ins) < 2 or min(ins) < 0:
+            out.append(st)
+            continue
+        acc = ins[0]
+        for i, s in enumerate(ins[1:], start=1):
+            last = i == len(ins) - 1
+            if last:
+                dst = st.outputs[0]
+            else:
+                name = f"{st.node.output[0]}/partial_sum_{i}"
+                while name in plan.slot:
+                    name += "_"
+                dst = plan.slot[name] = plan.n_slots
+                plan.n_slots += 1
+            names = {v: k for k, v in plan.slot.items() if v in (acc, s, dst)}
+            node = helper.make_node(
+                "Add", [names[acc], names[s]], [names[dst]], name=f"{st.node.name or 'Sum'}/add_{i}"
+            )
+            attrs = Attrs({}, "Add", node.name, plan.opset, 1, (True,))
+            out.append(Step(add, (acc, s), (dst,), attrs, (), node))
+            acc = dst
+    return out
 
 
 def fuse_elementwise(plan: Plan, steps: list[Step]) -> list[Step]:
