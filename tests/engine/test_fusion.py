@@ -580,3 +580,21 @@ def test_sum_of_gradient_contributions_joins_their_cluster_bit_identically() -> 
     feeds["row"] = rng.standard_normal((3, 1, 7)).astype(np.float32)  # now Sum broadcasts to (3, 6, 7)
     got, want = fused.run(feeds)[0], plain.run(feeds)[0]
     assert got.shape == (3, 6, 7) and got.tobytes() == want.tobytes()
+
+
+def test_first_run_of_a_cluster_needs_no_more_memory_than_later_runs() -> None:
+    """The first run traces the cluster with the original kernels; values that die inside it are dropped as
+    they die, so the first step's memory peak (a process's peak RSS) is that of the later ones."""
+    import tracemalloc
+
+    n = [helper.make_node("Mul", ["x", "x"], ["t0"])]
+    n += [helper.make_node("Add" if i % 2 else "Mul", [f"t{i}", "x"], [f"t{i + 1}"]) for i in range(10)]
+    plan = Plan(model(n, ["x"], ["t10"]))
+    x = np.full(1 << 18, 0.5, np.float32)  # 1 MiB per value
+    peaks = []
+    for _ in range(2):
+        tracemalloc.start()
+        plan.run({"x": x})
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert peaks[0] <= peaks[1] + 2 * x.nbytes, peaks  # not eleven values held at once

@@ -275,6 +275,24 @@ class _Cluster:
         run_steps(self.plan, self.members, env)
         return [env[s] for s in self.escaping]
 
+    def _traced_run(self, inputs: Sequence[Any]) -> dict[int, Any]:
+        """Run the original kernels, keeping every value's shape and dtype but not the memory of those that
+        died inside the cluster (a zero-stride stand-in replaces them): the first run, which traces, must
+        not need more memory than the later ones."""
+        env = dict(zip(self.ext, inputs))
+        last: dict[int, int] = {}
+        for k, st in enumerate(self.members):
+            for s in st.inputs:
+                last[s] = k
+        keep = set(self.escaping) | set(self.ext)
+        for k, st in enumerate(self.members):
+            run_steps(self.plan, [st], env)
+            for s in st.inputs:
+                v = env.get(s)
+                if last.get(s) == k and s not in keep and type(v) is np.ndarray and v.size > 1:
+                    env[s] = np.broadcast_to(np.zeros((), v.dtype), v.shape)
+        return env
+
     def _trace(self, sig: tuple, inputs: Sequence[Any]) -> list[Any]:
         """Run the original kernels once, then build the program for this input signature.
 
@@ -283,8 +301,7 @@ class _Cluster:
         holding an escaping value, or a value an own-kernel member reads (it might return it as is), is
         a fresh array each run; other groups use scratch buffers of the pool, reused once they die.
         """
-        env = dict(zip(self.ext, inputs))
-        run_steps(self.plan, self.members, env)
+        env = self._traced_run(inputs)
         local = {s: i for i, s in enumerate(self.ext)}
         for st in self.members:
             for s in st.outputs:
