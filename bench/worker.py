@@ -70,6 +70,9 @@ def _backend_options():
     so.add_session_config_entry("onnxtrain.backend", backend)
     # as for the onnxruntime-training peer: idle onnxruntime threads must not spin (it favours whoever spins)
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # a training step runs one shape: onnxruntime's memory pattern (a block planned for all of a run's
+    # tensors) only raises the peak (GPT: 219 -> 183 MiB without it, at the same speed)
+    so.enable_mem_pattern = False
     return so
 
 

@@ -183,6 +183,12 @@ class OrtPlan(GraphInterface):
             value = getattr(options, key, None)
             if isinstance(value, int) and value > 0:
                 setattr(so, key, value)
+        # onnxruntime's memory planning, as the caller set it (training graphs run one shape per step, so
+        # enable_mem_pattern=False lowers the peak without slowing the step: see the README)
+        for key in ("enable_mem_pattern", "enable_mem_reuse", "enable_cpu_mem_arena"):
+            value = getattr(options, key, None)
+            if isinstance(value, bool):
+                setattr(so, key, value)
         severity = getattr(options, "log_severity_level", None)
         if isinstance(severity, int):
             so.log_severity_level = severity

@@ -358,3 +358,15 @@ def test_session_config_entries_reach_onnxruntime():
     assert set(disabled) == {"GeluFusion", "ConstantSharing"}
     with pytest.raises(RuntimeError, match="does not have configuration"):
         ort_options.get_session_config_entry("onnxtrain.backend")  # ours stays ours
+
+
+@pytest.mark.parametrize("flag", ["enable_mem_pattern", "enable_mem_reuse", "enable_cpu_mem_arena"])
+def test_memory_options_reach_onnxruntime(flag):
+    so = SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    assert getattr(so, flag) is True  # onnxruntime's default
+    setattr(so, flag, False)
+    sess = InferenceSession(mlp_model().SerializeToString(), so)
+    assert getattr(sess._plan._session.get_session_options(), flag) is False
+    assert getattr(InferenceSession(mlp_model().SerializeToString(), options("onnxruntime"))._plan._session
+                   .get_session_options(), flag) is True
