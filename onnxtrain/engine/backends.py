@@ -133,14 +133,23 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
 
 
 def _numpy_fuse(options: Any) -> bool | None:
-    """The numpy plan's ``fuse`` for these SessionOptions (None: the default); warns about thread counts,
-    which the numpy engine has no use for."""
+    """The numpy plan's ``fuse`` for these SessionOptions (None: the default); warns about thread counts and
+    onnxruntime's memory options, which the numpy engine has no use for."""
     threads = [k for k in ("intra_op_num_threads", "inter_op_num_threads")
                if isinstance(getattr(options, k, 0), int) and getattr(options, k, 0) > 0]
     if threads:
         warnings.warn(
             f"SessionOptions.{' and '.join(threads)} has no effect on the numpy engine, which runs each "
             "graph on the calling thread (numpy's BLAS threads follow OPENBLAS_NUM_THREADS)",
+            stacklevel=4,
+        )
+    memory = [k for k in ("enable_mem_pattern", "enable_mem_reuse", "enable_cpu_mem_arena")
+              if getattr(options, k, True) is False]
+    if memory:
+        warnings.warn(
+            f"SessionOptions.{' and '.join(memory)} = False has no effect on the numpy engine, which plans "
+            "its own memory (each value freed after its last use; ONNXTRAIN_ALLOCATOR=system returns freed "
+            "memory to the system)",
             stacklevel=4,
         )
     if getattr(options, "enable_profiling", False):

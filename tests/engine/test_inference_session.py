@@ -420,3 +420,11 @@ def test_thread_counts_warn_that_the_numpy_engine_ignores_them() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         onnxtrain.InferenceSession(_chain_model().SerializeToString(), onnxtrain.SessionOptions())
+
+
+def test_onnxruntime_memory_options_warn_on_the_numpy_engine() -> None:
+    so = onnxtrain.SessionOptions()
+    so.enable_mem_pattern = False
+    so.enable_cpu_mem_arena = False
+    with pytest.warns(UserWarning, match="enable_mem_pattern and enable_cpu_mem_arena = False has no effect"):
+        onnxtrain.InferenceSession(_chain_model().SerializeToString(), so)
