@@ -172,7 +172,7 @@ def _finish(
 ) -> onnx.ModelProto:
     from onnxtrain.autodiff.builder import _live_nodes
 
-    keep = _live_nodes(graph_nodes, [o.name for o in outputs])
+    keep = _fold_output_identities(_live_nodes(graph_nodes, [o.name for o in outputs]), outputs)
     used = {i for n in keep for i in n.input} | {o.name for o in outputs}
     g = helper.make_graph(
         keep, name, list(inputs), outputs, initializer=[t for t in base.graph.initializer if t.name in used]
@@ -181,6 +181,41 @@ def _finish(
         g, opset_imports=list(base.opset_import), producer_name="onnxtrain", ir_version=base.ir_version
     )
     return m
+
+
+def _fold_output_identities(
+    nodes: list[onnx.NodeProto], outputs: list[onnx.ValueInfoProto]
+) -> list[onnx.NodeProto]:
+    """Drop each ``Identity`` that only names a graph output (``w_Adam_out = Identity(t)``): the node making
+    ``t`` writes the output under its name instead. A runtime that cannot alias a graph output (onnxruntime)
+    would otherwise copy every new weight and moment once more per step (MLP: 0.29 ms of a 2.2 ms step)."""
+    out_names = {o.name for o in outputs}
+    made = {o for n in nodes for o in n.output if o}
+    renamed: dict[str, str] = {}
+    drop: set[int] = set()
+    for k, n in enumerate(nodes):
+        if n.op_type != "Identity" or n.domain not in ("", "ai.onnx") or len(n.input) != 1:
+            continue
+        x, y = n.input[0], n.output[0]
+        if y in out_names and x in made and x not in out_names and x not in renamed:
+            renamed[x] = y
+            drop.add(k)
+    if not renamed:
+        return nodes
+    out = []
+    for k, n in enumerate(nodes):
+        if k in drop:
+            continue
+        if any(v in renamed for v in (*n.input, *n.output)):
+            m = onnx.NodeProto()
+            m.CopyFrom(n)  # the caller's nodes are shared with other graphs: never edit them in place
+            for i, v in enumerate(m.input):
+                m.input[i] = renamed.get(v, v)
+            for i, v in enumerate(m.output):
+                m.output[i] = renamed.get(v, v)
+            n = m
+        out.append(n)
+    return out
 
 
 def build_step_graphs(

@@ -328,3 +328,21 @@ def test_all_outputs_on_accumulation_micro_steps() -> None:
     assert len(first) < len(second)  # the update step adds global_gradient_norm
     with pytest.raises(ValueError, match="global_gradient_norm"):
         sess.run(["global_gradient_norm"], feeds(x, y))
+
+
+def test_update_outputs_are_written_by_the_nodes_computing_them() -> None:
+    """No Identity merely names a new weight or moment: a runtime that cannot alias graph outputs would
+    copy each of them once more per step. The state still arrives under its names, with its values."""
+    model = mlp_model(act="Tanh")
+    p = params("AdamOptimizer", enable_grad_norm_clip=False)
+    sess = TrainingSession(model.SerializeToString(), p)
+    g = sess._graphs.full.graph
+    outputs = {o.name for o in g.output}
+    made = {o for n in g.node for o in n.output}
+    naming = [
+        n.name for n in g.node if n.op_type == "Identity" and n.output[0] in outputs and n.input[0] in made
+    ]
+    assert not naming, naming
+    assert {"W1_Adam_out", "Moment_1_W1_Out", "Moment_2_W1_Out"} <= outputs
+    onnx.checker.check_model(sess._graphs.full, full_check=True)
+    _follow_reference(model, p, lambda w, g_, m1, m2, t: adam_ref(w, g_, m1, m2, t, float(LR[0])))
