@@ -87,6 +87,7 @@ def expand_sums(plan: Plan, steps: list[Step]) -> list[Step]:
     from onnxtrain.engine.plan import Step
 
     add = find_kernel("Add", plan.opset, "")
+    name_of = {v: k for k, v in plan.slot.items()}
     out: list[Step] = []
     for st in steps:
         ins = st.inputs
@@ -95,18 +96,17 @@ def expand_sums(plan: Plan, steps: list[Step]) -> list[Step]:
             continue
         acc = ins[0]
         for i, s in enumerate(ins[1:], start=1):
-            last = i == len(ins) - 1
-            if last:
+            if i == len(ins) - 1:
                 dst = st.outputs[0]
             else:
                 name = f"{st.node.output[0]}/partial_sum_{i}"
                 while name in plan.slot:
                     name += "_"
                 dst = plan.slot[name] = plan.n_slots
+                name_of[dst] = name
                 plan.n_slots += 1
-            names = {v: k for k, v in plan.slot.items() if v in (acc, s, dst)}
             node = helper.make_node(
-                "Add", [names[acc], names[s]], [names[dst]], name=f"{st.node.name or 'Sum'}/add_{i}"
+                "Add", [name_of[acc], name_of[s]], [name_of[dst]], name=f"{st.node.name or 'Sum'}/add_{i}"
             )
             attrs = Attrs({}, "Add", node.name, plan.opset, 1, (True,))
             out.append(Step(add, (acc, s), (dst,), attrs, (), node))
