@@ -126,11 +126,16 @@ def test_adam_per_weight_attributes_and_counts_against_float64_reference() -> No
     attrs = {  # alpha, beta, do_bias_correction, first Update_Count
         "W1": (0.8, 0.99, 1, 4), "W2": (0.9, 0.999, 0, 1), "b1": (0.95, 0.9, 1, 1), "b2": (0.9, 0.98, 1, 9)
     }
+    modes = {"W1": 1, "W2": 0, "b1": 0, "b2": 1}  # weight decay mode 1 takes its step size from the vector
     p = params(
         "AdamOptimizer",
         enable_grad_norm_clip=False,
-        optimizer_attributes_map={n: {"alpha": a, "beta": b} for n, (a, b, _, _) in attrs.items()},
-        optimizer_int_attributes_map={n: {"do_bias_correction": c} for n, (_, _, c, _) in attrs.items()},
+        optimizer_attributes_map={
+            n: {"alpha": a, "beta": b, "lambda": 0.01} for n, (a, b, _, _) in attrs.items()
+        },
+        optimizer_int_attributes_map={
+            n: {"do_bias_correction": c, "weight_decay_mode": modes[n]} for n, (_, _, c, _) in attrs.items()
+        },
     )
     sess = TrainingSession(model.SerializeToString(), p)
     sess.load_state({f"Update_Count_{n}": np.array([t0], np.int64) for n, (_, _, _, t0) in attrs.items()})
@@ -141,7 +146,9 @@ def test_adam_per_weight_attributes_and_counts_against_float64_reference() -> No
         g = _grads(model, w, x, y)
         sess.run(["loss"], feeds(x, y))
         for k, (a, b, c, t0) in attrs.items():
-            w[k], m1[k], m2[k] = adam_ref(w[k], g[k], m1[k], m2[k], t0 + step, float(LR[0]), a, b, bias=c > 0)
+            w[k], m1[k], m2[k] = adam_ref(
+                w[k], g[k], m1[k], m2[k], t0 + step, float(LR[0]), a, b, lam=0.01, bias=c > 0, mode=modes[k]
+            )
     state = sess.get_state()
     for k, (_, _, _, t0) in attrs.items():
         assert_rel(state[k], w[k], 1e-5, k)
