@@ -192,6 +192,8 @@ def _weight_grad_gemm(dy: np.ndarray, view: np.ndarray) -> np.ndarray:
     tensordot whose transposing copy of all the columns is the slow part)."""
     n, ci, kh, kw, oh, ow = view.shape
     co = dy.shape[1]
+    if n == 0:
+        return np.zeros((co, ci, kh, kw), dy.dtype)
     per_sample = ci * kh * kw * oh * ow * view.itemsize
     chunk = max(1, min(n, COLS_BYTES // max(per_sample, 1)))
     out = None
