@@ -339,11 +339,12 @@ def build_gradient_model(
                     seq[j] = renames[v]
     # assemble, after the zero gradients (they may add Shape nodes): the forward with its Shape nodes,
     # then the seeds and the backward
+    backward = _fold_transposed_gemms(bw.backward_nodes, set(out_names) | {o.name for o in grad_outputs})
     nodes: list[onnx.NodeProto] = list(bw.before_all)
     for k, n in enumerate(bw.fwd_nodes):
         nodes.append(n)
         nodes.extend(bw.after_node.get(k, ()))
-    nodes.extend(bw.backward_nodes)
+    nodes.extend(backward)
     value_infos = {v.name: v for v in (*g.output, *g.input, *g.value_info)}
     outs = [_vi(bw, n, value_infos.get(n)) for n in out_names] + grad_outputs
     keep = _live_nodes(nodes, [o.name for o in outs])
@@ -380,6 +381,40 @@ def _zeros(et: int) -> Any:
     import numpy as np
 
     return np.zeros(1, dtype=helper.tensor_dtype_to_np_dtype(et))
+
+
+def _fold_transposed_gemms(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
+    """``Transpose(Gemm(A, B), perm=[1, 0])``, the product read nowhere else, becomes one Gemm of the swapped
+    operands: (op(A)·op(B))ᵀ = op(B)ᵀ·op(A)ᵀ. The weight gradient of a Linear exported as
+    ``MatMul(x, Transpose(W))`` is such a pair: a runtime that runs Transpose as a copy (onnxruntime) saves
+    the copy, and the gradient comes out contiguous."""
+    uses: dict[str, int] = {}
+    for n in nodes:
+        for i in n.input:
+            uses[i] = uses.get(i, 0) + 1
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    replace: dict[int, onnx.NodeProto] = {}
+    drop: set[int] = set()
+    for k, t in enumerate(nodes):
+        if t.op_type != "Transpose" or t.domain not in ("", "ai.onnx"):
+            continue
+        perm = next((list(a.ints) for a in t.attribute if a.name == "perm"), None)
+        x = t.input[0]
+        j = producer.get(x)
+        if perm != [1, 0] or j is None or j in replace or uses.get(x) != 1 or x in outputs:
+            continue
+        gm = nodes[j]
+        if gm.op_type != "Gemm" or gm.domain not in ("", "ai.onnx") or (len(gm.input) > 2 and gm.input[2]):
+            continue
+        at = {a.name: attribute_value(a) for a in gm.attribute}
+        alpha = float(at.get("alpha", 1.0))
+        extra = {} if alpha == 1.0 else {"alpha": alpha}
+        replace[j] = helper.make_node(
+            "Gemm", [gm.input[1], gm.input[0]], [t.output[0]], name=gm.name,
+            transA=1 - int(at.get("transB", 0)), transB=1 - int(at.get("transA", 0)), **extra,
+        )
+        drop.add(k)
+    return [replace.get(k, n) for k, n in enumerate(nodes) if k not in drop]
 
 
 def _live_nodes(nodes: list[onnx.NodeProto], outputs: Iterable[str]) -> list[onnx.NodeProto]:
