@@ -166,3 +166,28 @@ def test_cli_gradient_graph(tmp_path) -> None:
         timeout=120,
     )
     assert r.returncode == 0 and "--all-initializers" in r.stdout
+
+
+def test_linear_weight_gradient_is_one_gemm_without_a_transpose() -> None:
+    """torch exports Linear as MatMul(x, Transpose(W)): dW is Gemm(dY, x) directly, not the transpose of
+    Gemm(x, dY), and its values match finite differences."""
+    w = numpy_helper.from_array(np.arange(12.0).reshape(3, 4) / 10, "W")  # (out, in) as torch keeps it
+    nodes = [
+        helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "Wt"], ["h"]),
+        helper.make_node("Tanh", ["h"], ["t"]),
+        helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0),
+    ]
+    m = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", T.DOUBLE, [2, 5, 4])],
+        [helper.make_tensor_value_info("loss", T.DOUBLE, [])],
+        [w],
+    )
+    g = build_gradient_model(m, "loss", ["W"])
+    onnx.checker.check_model(g, full_check=True)
+    made_by = {o: n for n in g.graph.node for o in n.output}
+    assert made_by["W_grad"].op_type == "Gemm"
+    transposed = [n for n in g.graph.node if n.op_type == "Transpose" and n.input[0] in made_by]
+    assert not any(made_by[n.input[0]].op_type == "Gemm" for n in transposed)
+    gradcheck(m, "loss", ["W"], {"x": np.random.default_rng(1).standard_normal((2, 5, 4))})
