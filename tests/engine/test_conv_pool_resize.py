@@ -233,3 +233,14 @@ def test_bad_attributes_name_the_node() -> None:
         _ours("MaxPool", [x], kernel_shape=[7, 7])
     with pytest.raises(EngineError, match="scales or sizes"):
         _ours("Resize", [x], opset=19)
+
+
+@pytest.mark.parametrize("k", [2, 17], ids=["uint8-codes", "uint16-codes"])  # 4 and 289 kernel offsets
+def test_maxpool_indices_with_ties_match_torch(k: int) -> None:
+    """Many equal values per window: the first maximum in row-major window order wins, as in torch."""
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(5).integers(0, 3, (2, 3, 40, 40)).astype(np.float32)
+    y, idx = _ours("MaxPool", [x], n_outputs=2, kernel_shape=[k, k], strides=[3, 3])
+    ry, ri = torch.nn.functional.max_pool2d(torch.tensor(x), k, 3, return_indices=True)
+    np.testing.assert_array_equal(y, ry.numpy())
+    np.testing.assert_array_equal(idx, ri.numpy() + (np.arange(6) * 1600).reshape(2, 3, 1, 1))
