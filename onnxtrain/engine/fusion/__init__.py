@@ -6,13 +6,14 @@
 * **common subexpressions**: a deterministic step with the same kernel, inputs and attributes as an earlier
   one whose outputs are still in use is dropped and its consumers read the earlier outputs (Adam with
   weight decay computes ``w − u`` twice); recomputed copies of long-freed values (checkpointing) stay;
+* **shape arithmetic** (:mod:`~onnxtrain.engine.fusion.shapes`): a step of constants only is run once, now,
+  and becomes a constant; steps computing from ``Shape``/``Size`` results keep their (read-only) results
+  per input shape;
 * **weight gradient of a batched MatMul**: ``ReduceSum(MatMul(Transpose(A), B), leading axes)`` — what the
   gradient of ``X[..., T, K] @ W[K, N]`` is made of — becomes one 2-D GEMM ``A_flat^T @ B_flat`` instead of
   one small GEMM per batch entry and a reduction;
 * **weight gradient of a Conv**: ``Transpose(Conv(Transpose(X), Transpose(dY)))`` (each swapping the batch
   and channel axes) becomes one GEMM of ``dY`` with a strided im2col view of ``X``;
-* **MatMul + bias**: an ``Add`` of a MatMul's product (that nothing else reads) adds into the product
-  in place instead of allocating a second array (after the clusters, which may take the Add instead);
 * **Sum as Adds**: a ``Sum`` becomes a chain of ``Add`` steps in the kernel's order (bit-identical), so that
   summing a tensor's gradient contributions joins the cluster that computes them;
 * **elementwise clusters**: connected Add/Sub/Mul/Div/Sqrt/Erf/... steps (an optimizer update is ~13 of
@@ -21,7 +22,9 @@
   kept across runs (a pool keyed by shape and dtype, shared by every cluster of the plan) instead of
   being allocated every time. The ufuncs of a cluster over large arrays run block by block over their
   flattened elements, one shape after the other (cache blocking, see
-  :class:`~onnxtrain.engine.fusion.elementwise._Blocked`), with block-sized scratch buffers.
+  :class:`~onnxtrain.engine.fusion.elementwise._Blocked`), with block-sized scratch buffers;
+* **MatMul + bias**: an ``Add`` of a MatMul's product (that nothing else reads) adds into the product
+  in place instead of allocating a second array (after the clusters, which may take the Add instead).
 
 Every fused step checks the shapes and dtypes it was specialised for and otherwise runs the original
 steps, so a fusion never changes what a graph computes beyond float summation order (the two GEMM
