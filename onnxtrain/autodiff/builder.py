@@ -15,6 +15,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
+from onnxtrain.autodiff.patterns import emit_tanh_gelu_grad, find_tanh_gelus
 from onnxtrain.autodiff.registry import find_rule, has_no_gradient, ops_with_rules
 from onnxtrain.ir.attrs import attribute_value, parse_attributes
 from onnxtrain.ir.builder import (
@@ -289,12 +290,21 @@ def build_gradient_model(
             contributions[name] = [summed]
         return contributions[name][0]
 
-    # the reverse walk
+    # the reverse walk; a matched tanh GELU gets its gradient in one piece at its last node (its inner
+    # values, read nowhere else, then receive no gradient and their nodes are skipped)
+    gelus = find_tanh_gelus(bw) if os.environ.get("ONNXTRAIN_GELU_GRAD", "1") != "0" else {}
     for k in on_path:
         node = bw.fwd_nodes[k]
         rule = rules[k]
         dys = [grad_of(o) if o else None for o in node.output]
         if all(d is None for d in dys):
+            continue
+        gelu = gelus.get(k)
+        if gelu is not None and gelu.x in needed:
+            et = elem_type(bw.types, gelu.x) or TensorProto.FLOAT
+            dx = emit_tanh_gelu_grad(NodeWriter(bw.names, bw.backward_nodes, prefix=f"{node.name}_Grad/"),
+                                     gelu, dys[0], et)
+            contributions.setdefault(gelu.x, []).append(dx)
             continue
         needs = [bool(n) and n in needed and i not in rule.stop for i, n in enumerate(node.input)]
         ctx = GradCtx(bw, node, rule, parse_attributes(node, bw.opset), dys, needs)

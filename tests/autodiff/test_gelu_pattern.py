@@ -1,0 +1,85 @@
+"""The tanh GELU as torch exports it gets its gradient in one piece (onnxtrain/autodiff/patterns.py): the
+values must equal torch autograd and finite differences, and a pattern whose inner values are read
+elsewhere must fall back to the node-by-node rules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
+
+from onnxtrain.autodiff import build_gradient_model
+from onnxtrain.ir.builder import make_model
+from onnxtrain.testing import gradcheck, run_engine
+
+C1, C2 = 0.044715, float(np.sqrt(2 / np.pi))
+
+
+def gelu_model(leak_inner: bool = False):
+    """loss = sum(w · gelu_tanh(x · s)), the GELU node for node as torch.onnx.export writes it."""
+    consts = {"c1": C1, "c2": C2, "one": 1.0, "half": 0.5}
+    nodes = [helper.make_node("Constant", [], [k], value=numpy_helper.from_array(np.array(v), k))
+             for k, v in consts.items()]
+    nodes += [
+        helper.make_node("Mul", ["x", "s"], ["h"]),
+        helper.make_node("Mul", ["h", "h"], ["h2"]),
+        helper.make_node("Mul", ["h", "h2"], ["h3"]),
+        helper.make_node("Mul", ["c1", "h3"], ["a"]),
+        helper.make_node("Add", ["h", "a"], ["b"]),
+        helper.make_node("Mul", ["c2", "b"], ["e"]),
+        helper.make_node("Tanh", ["e"], ["t"]),
+        helper.make_node("Add", ["one", "t"], ["p"]),
+        helper.make_node("Mul", ["h", "p"], ["q"]),
+        helper.make_node("Mul", ["half", "q"], ["y"]),
+        helper.make_node("Mul", ["y", "w"], ["yw"]),
+    ]
+    loss_in = "yw"
+    if leak_inner:  # t also feeds the loss: the pattern must not swallow its gradient
+        nodes.append(helper.make_node("Add", ["yw", "t"], ["yt"]))
+        loss_in = "yt"
+    nodes.append(helper.make_node("ReduceSum", [loss_in], ["loss"], keepdims=0))
+    g = helper.make_graph(
+        nodes, "gelu",
+        [helper.make_tensor_value_info("x", T.DOUBLE, [4, 6])],
+        [helper.make_tensor_value_info("loss", T.DOUBLE, [])],
+        [numpy_helper.from_array(np.linspace(0.5, 1.5, 6), "s"),
+         numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 6)), "w")],
+    )
+    return make_model(g, 17)
+
+
+@pytest.mark.parametrize("leak", [False, True], ids=["matched", "inner-value-read-elsewhere"])
+def test_tanh_gelu_gradient_matches_finite_differences(leak: bool) -> None:
+    m = gelu_model(leak)
+    g = build_gradient_model(m, "loss", ["s", "x"])
+    # matched: h = x·s gets one gradient term, not a Sum of the four products that read it
+    assert ("Sum" in {n.op_type for n in g.graph.node}) == leak
+    x = np.random.default_rng(1).standard_normal((4, 6)) * 2
+    gradcheck(m, "loss", ["s", "x"], {"x": x})
+
+
+def test_tanh_gelu_gradient_matches_torch_and_is_shorter() -> None:
+    torch = pytest.importorskip("torch")
+    m = gelu_model()
+    g = build_gradient_model(m, "loss", ["x"])
+    x = np.random.default_rng(2).standard_normal((4, 6)) * 3
+    dx = run_engine(g, {"x": x})[-1]
+    assert g.graph.output[-1].name == "x_grad"
+    tx = torch.tensor(x, requires_grad=True)
+    s = torch.tensor(np.linspace(0.5, 1.5, 6))
+    w = torch.tensor(np.random.default_rng(0).standard_normal((4, 6)))
+    (w * torch.nn.functional.gelu(tx * s, approximate="tanh")).sum().backward()
+    np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-12, atol=1e-12)
+    import os
+
+    os.environ["ONNXTRAIN_GELU_GRAD"] = "0"
+    try:
+        plain = build_gradient_model(m, "loss", ["x"])
+    finally:
+        del os.environ["ONNXTRAIN_GELU_GRAD"]
+    def work(model) -> int:  # nodes that compute (Constants are free)
+        return sum(n.op_type != "Constant" for n in model.graph.node)
+
+    assert work(g) <= work(plain) - 3
+    assert "Sum" not in {n.op_type for n in g.graph.node} and "Sum" in {n.op_type for n in plain.graph.node}
