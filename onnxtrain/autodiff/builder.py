@@ -15,7 +15,13 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
-from onnxtrain.autodiff.patterns import emit_tanh_gelu_grad, find_tanh_gelus
+from onnxtrain.autodiff.patterns import (
+    ErfGelu,
+    emit_erf_gelu_grad,
+    emit_tanh_gelu_grad,
+    find_erf_gelus,
+    find_tanh_gelus,
+)
 from onnxtrain.autodiff.registry import find_rule, has_no_gradient, ops_with_rules
 from onnxtrain.ir.attrs import attribute_value, parse_attributes
 from onnxtrain.ir.builder import (
@@ -290,9 +296,11 @@ def build_gradient_model(
             contributions[name] = [summed]
         return contributions[name][0]
 
-    # the reverse walk; a matched tanh GELU gets its gradient in one piece at its last node (its inner
-    # values, read nowhere else, then receive no gradient and their nodes are skipped)
-    gelus = find_tanh_gelus(bw) if os.environ.get("ONNXTRAIN_GELU_GRAD", "1") != "0" else {}
+    # the reverse walk; a matched GELU (tanh or exact) gets its gradient in one piece at its last node (its
+    # inner values, read nowhere else, then receive no gradient and their nodes are skipped)
+    gelus: dict[int, Any] = {}
+    if os.environ.get("ONNXTRAIN_GELU_GRAD", "1") != "0":
+        gelus = {**find_tanh_gelus(bw), **find_erf_gelus(bw)}
     for k in on_path:
         node = bw.fwd_nodes[k]
         rule = rules[k]
@@ -302,8 +310,9 @@ def build_gradient_model(
         gelu = gelus.get(k)
         if gelu is not None and gelu.x in needed:
             et = elem_type(bw.types, gelu.x) or TensorProto.FLOAT
-            dx = emit_tanh_gelu_grad(NodeWriter(bw.names, bw.backward_nodes, prefix=f"{node.name}_Grad/"),
-                                     gelu, dys[0], et)
+            w = NodeWriter(bw.names, bw.backward_nodes, prefix=f"{node.name}_Grad/")
+            emit = emit_erf_gelu_grad if isinstance(gelu, ErfGelu) else emit_tanh_gelu_grad
+            dx = emit(w, gelu, dys[0], et)
             contributions.setdefault(gelu.x, []).append(dx)
             continue
         needs = [bool(n) and n in needed and i not in rule.stop for i, n in enumerate(node.input)]

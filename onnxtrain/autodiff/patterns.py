@@ -8,7 +8,12 @@ terms. Written out,
 
 is ten elementwise ops that reuse the forward's t, x² and c3 + t: about a third fewer passes over the
 activation, for any runtime (onnxruntime-training fuses the pattern into a GeluGrad kernel instead).
-``ONNXTRAIN_GELU_GRAD=0`` turns the pattern off (for A/B comparisons).
+The exact GELU, ``y = c4 · x · (1 + erf(x / s))``, likewise:
+
+    dy/dx = c4 · ((1 + erf(u)) + x · exp(−u²) · 2 / (s·√π)),   u = x / s
+
+in eight ops instead of ten and a Sum of two. ``ONNXTRAIN_GELU_GRAD=0`` turns both patterns off (for A/B
+comparisons).
 """
 
 from __future__ import annotations
@@ -130,4 +135,66 @@ def emit_tanh_gelu_grad(w: NodeWriter, m: TanhGelu, dy: str, et: int) -> str:
     r = w.one("Add", one, w.one("Mul", m.square, w.const(np.asarray(3.0 * m.c1), et)))  # 1 + 3·c1·x²
     u = w.one("Mul", w.one("Mul", m.x, s), w.one("Mul", r, w.const(np.asarray(m.c2), et)))
     v = w.one("Add", m.shifted, u)
+    return w.one("Mul", dy, w.one("Mul", v, w.const(np.asarray(m.c4), et)))
+
+
+@dataclass
+class ErfGelu:
+    """One matched exact GELU: its input, u = x / s and 1 + erf(u) from the forward, and its constants."""
+
+    x: str
+    scaled: str  # u
+    shifted: str  # 1 + erf(u)
+    slope: float  # 2 / (s·√π), the factor of exp(−u²)
+    c4: float
+    nodes: frozenset[int]
+
+
+def find_erf_gelus(bw: _Backward) -> dict[int, ErfGelu]:
+    """The exact GELUs ``Mul(Mul(x, Add(Erf(Div(x, s)), 1)), c4)`` of the forward graph, keyed by the index
+    of the node making y."""
+    consumers: dict[str, list[int]] = {}
+    for k, n in enumerate(bw.fwd_nodes):
+        for i in n.input:
+            consumers.setdefault(i, []).append(k)
+    outputs = {o.name for o in bw.model.graph.output}
+
+    def only_reader(name: str) -> tuple[int, Any] | tuple[None, None]:
+        readers = consumers.get(name, [])
+        if len(readers) != 1 or name in outputs:
+            return None, None
+        return readers[0], bw.fwd_nodes[readers[0]]
+
+    found: dict[int, ErfGelu] = {}
+    for k1, erf in enumerate(bw.fwd_nodes):
+        if erf.op_type != "Erf" or len(erf.input) != 1 or erf.input[0] not in bw.producer:
+            continue
+        k0 = bw.producer[erf.input[0]][0]
+        div = bw.fwd_nodes[k0]
+        if div.op_type != "Div" or len(div.input) != 2:
+            continue
+        x, s = div.input[0], _scalar(bw, div.input[1])
+        if s is None or s == 0 or _scalar(bw, x) is not None or only_reader(div.output[0])[0] != k1:
+            continue
+        k2, n2 = only_reader(erf.output[0])
+        m2 = _split(bw, n2, "Add")  # p = erf(u) + 1
+        if m2 is None or m2[0] != 1.0:
+            continue
+        k3, n3 = only_reader(n2.output[0])
+        if n3 is None or n3.op_type != "Mul" or sorted(n3.input) != sorted([x, n2.output[0]]):
+            continue
+        k4, n4 = only_reader(n3.output[0])
+        m4 = _split(bw, n4, "Mul")  # y = c4 · q
+        if m4 is None:
+            continue
+        found[k4] = ErfGelu(x, div.output[0], n2.output[0], 2.0 / (s * float(np.sqrt(np.pi))), m4[0],
+                            frozenset({k0, k1, k2, k3, k4}))
+    return found
+
+
+def emit_erf_gelu_grad(w: NodeWriter, m: ErfGelu, dy: str, et: int) -> str:
+    """dx of a matched exact GELU, given dy."""
+    bell = w.one("Exp", w.one("Neg", w.one("Mul", m.scaled, m.scaled)))  # exp(−u²)
+    t = w.one("Mul", w.one("Mul", m.x, bell), w.const(np.asarray(m.slope), et))
+    v = w.one("Add", m.shifted, t)
     return w.one("Mul", dy, w.one("Mul", v, w.const(np.asarray(m.c4), et)))

@@ -83,3 +83,49 @@ def test_tanh_gelu_gradient_matches_torch_and_is_shorter() -> None:
 
     assert work(g) <= work(plain) - 3
     assert "Sum" not in {n.op_type for n in g.graph.node} and "Sum" in {n.op_type for n in plain.graph.node}
+
+
+def erf_gelu_model(leak_inner: bool = False):
+    """loss = sum(w · gelu(x · s)), the exact GELU as torch.onnx.export writes it: Div, Erf, Add, Mul, Mul."""
+    consts = {"r2": float(np.sqrt(2.0)), "one": 1.0, "half": 0.5}
+    nodes = [helper.make_node("Constant", [], [k], value=numpy_helper.from_array(np.array(v), k))
+             for k, v in consts.items()]
+    nodes += [
+        helper.make_node("Mul", ["x", "s"], ["h"]),
+        helper.make_node("Div", ["h", "r2"], ["u"]),
+        helper.make_node("Erf", ["u"], ["e"]),
+        helper.make_node("Add", ["e", "one"], ["p"]),
+        helper.make_node("Mul", ["h", "p"], ["q"]),
+        helper.make_node("Mul", ["q", "half"], ["y"]),
+        helper.make_node("Mul", ["y", "w"], ["yw"]),
+    ]
+    loss_in = "yw"
+    if leak_inner:  # erf(u) also feeds the loss
+        nodes.append(helper.make_node("Add", ["yw", "e"], ["ye"]))
+        loss_in = "ye"
+    nodes.append(helper.make_node("ReduceSum", [loss_in], ["loss"], keepdims=0))
+    g = helper.make_graph(
+        nodes, "gelu_erf",
+        [helper.make_tensor_value_info("x", T.DOUBLE, [4, 6])],
+        [helper.make_tensor_value_info("loss", T.DOUBLE, [])],
+        [numpy_helper.from_array(np.linspace(0.5, 1.5, 6), "s"),
+         numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 6)), "w")],
+    )
+    return make_model(g, 17)
+
+
+@pytest.mark.parametrize("leak", [False, True], ids=["matched", "inner-value-read-elsewhere"])
+def test_exact_gelu_gradient_matches_torch_and_finite_differences(leak: bool) -> None:
+    torch = pytest.importorskip("torch")
+    m = erf_gelu_model(leak)
+    g = build_gradient_model(m, "loss", ["s", "x"])
+    assert ("Sum" in {n.op_type for n in g.graph.node}) == leak  # matched: h gets one gradient term
+    x = np.random.default_rng(3).standard_normal((4, 6)) * 3
+    gradcheck(m, "loss", ["s", "x"], {"x": x})
+    if not leak:
+        dx = run_engine(g, {"x": x})[-1]
+        tx = torch.tensor(x, requires_grad=True)
+        s = torch.tensor(np.linspace(0.5, 1.5, 6))
+        w = torch.tensor(np.random.default_rng(0).standard_normal((4, 6)))
+        (w * torch.nn.functional.gelu(tx * s)).sum().backward()
+        np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-12, atol=1e-12)
