@@ -63,24 +63,49 @@ def _split(bw: _Backward, node: Any, op: str) -> tuple[float, str] | None:
     return None
 
 
+class _Readers:
+    """Who makes and who reads each value of the forward graph."""
+
+    def __init__(self, bw: _Backward):
+        self.bw = bw
+        self.consumers: dict[str, list[int]] = {}
+        for k, n in enumerate(bw.fwd_nodes):
+            for i in n.input:
+                self.consumers.setdefault(i, []).append(k)
+        self.outputs = {o.name for o in bw.model.graph.output}
+
+    def made_by(self, name: str) -> tuple[int, Any] | tuple[None, None]:
+        where = self.bw.producer.get(name)
+        return (where[0], self.bw.fwd_nodes[where[0]]) if where else (None, None)
+
+    def only_reader(self, name: str) -> tuple[int, Any] | tuple[None, None]:
+        """The one node reading ``name`` (None when there are several, or it is a graph output)."""
+        readers = self.consumers.get(name, [])
+        if len(readers) != 1 or name in self.outputs:
+            return None, None
+        return readers[0], self.bw.fwd_nodes[readers[0]]
+
+    def gelu_tail(self, v: str, x: str) -> tuple[list[int], str, float] | None:
+        """Both GELUs end ``y = c4 · (x · (v + 1))``, each value read once: (the three nodes' indices,
+        the name of v + 1, c4), or None."""
+        kp, np_ = self.only_reader(v)
+        mp = _split(self.bw, np_, "Add")  # p = v + 1
+        if mp is None or mp[0] != 1.0:
+            return None
+        kq, nq = self.only_reader(np_.output[0])
+        if nq is None or nq.op_type != "Mul" or sorted(nq.input) != sorted([x, np_.output[0]]):
+            return None
+        ky, ny = self.only_reader(nq.output[0])
+        my = _split(self.bw, ny, "Mul")  # y = c4 · q
+        if my is None:
+            return None
+        return [kp, kq, ky], np_.output[0], my[0]
+
+
 def find_tanh_gelus(bw: _Backward) -> dict[int, TanhGelu]:
     """The tanh GELUs of the forward graph, keyed by the index of the node making y (the last one)."""
-    consumers: dict[str, list[int]] = {}
-    for k, n in enumerate(bw.fwd_nodes):
-        for i in n.input:
-            consumers.setdefault(i, []).append(k)
-    outputs = {o.name for o in bw.model.graph.output}
-
-    def made_by(name: str) -> tuple[int, Any] | tuple[None, None]:
-        where = bw.producer.get(name)
-        return (where[0], bw.fwd_nodes[where[0]]) if where else (None, None)
-
-    def only_reader(name: str) -> tuple[int, Any] | tuple[None, None]:
-        readers = consumers.get(name, [])
-        if len(readers) != 1 or name in outputs:
-            return None, None
-        return readers[0], bw.fwd_nodes[readers[0]]
-
+    g = _Readers(bw)
+    made_by, only_reader, consumers, outputs = g.made_by, g.only_reader, g.consumers, g.outputs
     found: dict[int, TanhGelu] = {}
     for k5, tanh in enumerate(bw.fwd_nodes):
         if tanh.op_type != "Tanh" or len(tanh.input) != 1:
@@ -106,23 +131,16 @@ def find_tanh_gelus(bw: _Backward) -> dict[int, TanhGelu]:
             k0, n0 = made_by(a)
             if n0 is None or n0.op_type != "Mul" or list(n0.input) != [x, x]:
                 continue
-            k6, n6 = only_reader(tanh.output[0])
-            m6 = _split(bw, n6, "Add")  # p = c3 + t
-            if m6 is None or m6[0] != 1.0:
-                continue
-            k7, n7 = only_reader(n6.output[0])
-            if n7 is None or n7.op_type != "Mul" or sorted(n7.input) != sorted([x, n6.output[0]]):
-                continue
-            k8, n8 = only_reader(n7.output[0])
-            m8 = _split(bw, n8, "Mul")  # y = c4 · q
-            if m8 is None:
+            tail = g.gelu_tail(tanh.output[0], x)  # p = 1 + t, q = x · p, y = c4 · q
+            if tail is None:
                 continue
             inner = [n0.output[0], n1.output[0], n2.output[0], n3.output[0], n4.output[0], tanh.output[0]]
             if any(only_reader(v)[0] is None for v in inner[1:]):
                 continue  # an inner value read elsewhere: its own gradient would be lost
             if consumers.get(n0.output[0]) != [k1] or n0.output[0] in outputs:
                 continue  # x·x read elsewhere too
-            found[k8] = TanhGelu(x, n0.output[0], tanh.output[0], n6.output[0], c1, c2, m8[0],
+            (k6, k7, k8), shifted, c4 = tail
+            found[k8] = TanhGelu(x, n0.output[0], tanh.output[0], shifted, c1, c2, c4,
                                  frozenset({k0, k1, k2, k3, k4, k5, k6, k7, k8}))
             break
     return found
@@ -153,18 +171,8 @@ class ErfGelu:
 def find_erf_gelus(bw: _Backward) -> dict[int, ErfGelu]:
     """The exact GELUs ``Mul(Mul(x, Add(Erf(Div(x, s)), 1)), c4)`` of the forward graph, keyed by the index
     of the node making y."""
-    consumers: dict[str, list[int]] = {}
-    for k, n in enumerate(bw.fwd_nodes):
-        for i in n.input:
-            consumers.setdefault(i, []).append(k)
-    outputs = {o.name for o in bw.model.graph.output}
-
-    def only_reader(name: str) -> tuple[int, Any] | tuple[None, None]:
-        readers = consumers.get(name, [])
-        if len(readers) != 1 or name in outputs:
-            return None, None
-        return readers[0], bw.fwd_nodes[readers[0]]
-
+    g = _Readers(bw)
+    only_reader = g.only_reader
     found: dict[int, ErfGelu] = {}
     for k1, erf in enumerate(bw.fwd_nodes):
         if erf.op_type != "Erf" or len(erf.input) != 1 or erf.input[0] not in bw.producer:
@@ -176,18 +184,11 @@ def find_erf_gelus(bw: _Backward) -> dict[int, ErfGelu]:
         x, s = div.input[0], _scalar(bw, div.input[1])
         if s is None or s == 0 or _scalar(bw, x) is not None or only_reader(div.output[0])[0] != k1:
             continue
-        k2, n2 = only_reader(erf.output[0])
-        m2 = _split(bw, n2, "Add")  # p = erf(u) + 1
-        if m2 is None or m2[0] != 1.0:
+        tail = g.gelu_tail(erf.output[0], x)  # p = erf(u) + 1, q = x · p, y = c4 · q
+        if tail is None:
             continue
-        k3, n3 = only_reader(n2.output[0])
-        if n3 is None or n3.op_type != "Mul" or sorted(n3.input) != sorted([x, n2.output[0]]):
-            continue
-        k4, n4 = only_reader(n3.output[0])
-        m4 = _split(bw, n4, "Mul")  # y = c4 · q
-        if m4 is None:
-            continue
-        found[k4] = ErfGelu(x, div.output[0], n2.output[0], 2.0 / (s * float(np.sqrt(np.pi))), m4[0],
+        (k2, k3, k4), shifted, c4 = tail
+        found[k4] = ErfGelu(x, div.output[0], shifted, 2.0 / (s * float(np.sqrt(np.pi))), c4,
                             frozenset({k0, k1, k2, k3, k4}))
     return found
 

@@ -16,13 +16,30 @@ from onnxtrain.testing import gradcheck, run_engine
 C1, C2 = 0.044715, float(np.sqrt(2 / np.pi))
 
 
-def gelu_model(leak_inner: bool = False):
-    """loss = sum(w · gelu_tanh(x · s)), the GELU node for node as torch.onnx.export writes it."""
-    consts = {"c1": C1, "c2": C2, "one": 1.0, "half": 0.5}
+def _loss_model(name: str, consts: dict[str, float], gelu: list, leak: str | None):
+    """loss = sum(w · y) around the GELU ``gelu`` (nodes from h = x·s to y), the GELU node for node as
+    torch.onnx.export writes it; ``leak``, an inner value that also feeds the loss (no pattern then)."""
     nodes = [helper.make_node("Constant", [], [k], value=numpy_helper.from_array(np.array(v), k))
              for k, v in consts.items()]
-    nodes += [
-        helper.make_node("Mul", ["x", "s"], ["h"]),
+    nodes += [helper.make_node("Mul", ["x", "s"], ["h"]), *gelu, helper.make_node("Mul", ["y", "w"], ["yw"])]
+    loss_in = "yw"
+    if leak:
+        nodes.append(helper.make_node("Add", ["yw", leak], ["leak"]))
+        loss_in = "leak"
+    nodes.append(helper.make_node("ReduceSum", [loss_in], ["loss"], keepdims=0))
+    g = helper.make_graph(
+        nodes, name,
+        [helper.make_tensor_value_info("x", T.DOUBLE, [4, 6])],
+        [helper.make_tensor_value_info("loss", T.DOUBLE, [])],
+        [numpy_helper.from_array(np.linspace(0.5, 1.5, 6), "s"),
+         numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 6)), "w")],
+    )
+    return make_model(g, 17)
+
+
+def gelu_model(leak_inner: bool = False):
+    """The tanh GELU, y = 0.5·h·(1 + tanh(c2·(h + c1·h³)))."""
+    return _loss_model("gelu", {"c1": C1, "c2": C2, "one": 1.0, "half": 0.5}, [
         helper.make_node("Mul", ["h", "h"], ["h2"]),
         helper.make_node("Mul", ["h", "h2"], ["h3"]),
         helper.make_node("Mul", ["c1", "h3"], ["a"]),
@@ -32,21 +49,7 @@ def gelu_model(leak_inner: bool = False):
         helper.make_node("Add", ["one", "t"], ["p"]),
         helper.make_node("Mul", ["h", "p"], ["q"]),
         helper.make_node("Mul", ["half", "q"], ["y"]),
-        helper.make_node("Mul", ["y", "w"], ["yw"]),
-    ]
-    loss_in = "yw"
-    if leak_inner:  # t also feeds the loss: the pattern must not swallow its gradient
-        nodes.append(helper.make_node("Add", ["yw", "t"], ["yt"]))
-        loss_in = "yt"
-    nodes.append(helper.make_node("ReduceSum", [loss_in], ["loss"], keepdims=0))
-    g = helper.make_graph(
-        nodes, "gelu",
-        [helper.make_tensor_value_info("x", T.DOUBLE, [4, 6])],
-        [helper.make_tensor_value_info("loss", T.DOUBLE, [])],
-        [numpy_helper.from_array(np.linspace(0.5, 1.5, 6), "s"),
-         numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 6)), "w")],
-    )
-    return make_model(g, 17)
+    ], "t" if leak_inner else None)
 
 
 @pytest.mark.parametrize("leak", [False, True], ids=["matched", "inner-value-read-elsewhere"])
@@ -86,32 +89,14 @@ def test_tanh_gelu_gradient_matches_torch_and_is_shorter() -> None:
 
 
 def erf_gelu_model(leak_inner: bool = False):
-    """loss = sum(w · gelu(x · s)), the exact GELU as torch.onnx.export writes it: Div, Erf, Add, Mul, Mul."""
-    consts = {"r2": float(np.sqrt(2.0)), "one": 1.0, "half": 0.5}
-    nodes = [helper.make_node("Constant", [], [k], value=numpy_helper.from_array(np.array(v), k))
-             for k, v in consts.items()]
-    nodes += [
-        helper.make_node("Mul", ["x", "s"], ["h"]),
+    """The exact GELU, y = (h·(erf(h/√2) + 1))·0.5: Div, Erf, Add, Mul, Mul."""
+    return _loss_model("gelu_erf", {"r2": float(np.sqrt(2.0)), "one": 1.0, "half": 0.5}, [
         helper.make_node("Div", ["h", "r2"], ["u"]),
         helper.make_node("Erf", ["u"], ["e"]),
         helper.make_node("Add", ["e", "one"], ["p"]),
         helper.make_node("Mul", ["h", "p"], ["q"]),
         helper.make_node("Mul", ["q", "half"], ["y"]),
-        helper.make_node("Mul", ["y", "w"], ["yw"]),
-    ]
-    loss_in = "yw"
-    if leak_inner:  # erf(u) also feeds the loss
-        nodes.append(helper.make_node("Add", ["yw", "e"], ["ye"]))
-        loss_in = "ye"
-    nodes.append(helper.make_node("ReduceSum", [loss_in], ["loss"], keepdims=0))
-    g = helper.make_graph(
-        nodes, "gelu_erf",
-        [helper.make_tensor_value_info("x", T.DOUBLE, [4, 6])],
-        [helper.make_tensor_value_info("loss", T.DOUBLE, [])],
-        [numpy_helper.from_array(np.linspace(0.5, 1.5, 6), "s"),
-         numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 6)), "w")],
-    )
-    return make_model(g, 17)
+    ], "e" if leak_inner else None)
 
 
 @pytest.mark.parametrize("leak", [False, True], ids=["matched", "inner-value-read-elsewhere"])
