@@ -15,13 +15,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
-from onnxtrain.autodiff.patterns import (
-    ErfGelu,
-    emit_erf_gelu_grad,
-    emit_tanh_gelu_grad,
-    find_erf_gelus,
-    find_tanh_gelus,
-)
+from onnxtrain.autodiff.patterns import find_erf_gelus, find_tanh_gelus
 from onnxtrain.autodiff.registry import find_rule, has_no_gradient, ops_with_rules
 from onnxtrain.ir.attrs import attribute_value, parse_attributes
 from onnxtrain.ir.builder import (
@@ -310,9 +304,7 @@ def build_gradient_model(
         gelu = gelus.get(k)
         if gelu is not None and gelu.x in needed:
             et = elem_type(bw.types, gelu.x) or TensorProto.FLOAT
-            w = NodeWriter(bw.names, bw.backward_nodes, prefix=f"{node.name}_Grad/")
-            emit = emit_erf_gelu_grad if isinstance(gelu, ErfGelu) else emit_tanh_gelu_grad
-            dx = emit(w, gelu, dys[0], et)
+            dx = gelu.grad(NodeWriter(bw.names, bw.backward_nodes, prefix=f"{node.name}_Grad/"), dys[0], et)
             contributions.setdefault(gelu.x, []).append(dx)
             continue
         needs = [bool(n) and n in needed and i not in rule.stop for i, n in enumerate(node.input)]

@@ -40,7 +40,16 @@ class TanhGelu:
     c1: float
     c2: float
     c4: float
-    nodes: frozenset[int]  # forward node indices of the pattern
+
+    def grad(self, w: NodeWriter, dy: str, et: int) -> str:
+        """dx, given dy."""
+        one = w.const(np.asarray(1.0), et)
+        s = w.one("Sub", one, w.one("Mul", self.tanh, self.tanh))  # 1 − t²
+        cube = w.const(np.asarray(3.0 * self.c1), et)
+        r = w.one("Add", one, w.one("Mul", self.square, cube))  # 1 + 3·c1·x²
+        u = w.one("Mul", w.one("Mul", self.x, s), w.one("Mul", r, w.const(np.asarray(self.c2), et)))
+        v = w.one("Add", self.shifted, u)
+        return w.one("Mul", dy, w.one("Mul", v, w.const(np.asarray(self.c4), et)))
 
 
 def _scalar(bw: _Backward, name: str) -> float | None:
@@ -105,55 +114,42 @@ class _Readers:
 def find_tanh_gelus(bw: _Backward) -> dict[int, TanhGelu]:
     """The tanh GELUs of the forward graph, keyed by the index of the node making y (the last one)."""
     g = _Readers(bw)
-    made_by, only_reader, consumers, outputs = g.made_by, g.only_reader, g.consumers, g.outputs
+    made_by, only_reader = g.made_by, g.only_reader
     found: dict[int, TanhGelu] = {}
-    for k5, tanh in enumerate(bw.fwd_nodes):
+    for tanh in bw.fwd_nodes:
         if tanh.op_type != "Tanh" or len(tanh.input) != 1:
             continue
-        k4, n4 = made_by(tanh.input[0])
+        _, n4 = made_by(tanh.input[0])
         m4 = _split(bw, n4, "Mul")  # e = c2 · d
         if m4 is None:
             continue
         c2, d = m4
-        k3, n3 = made_by(d)
+        _, n3 = made_by(d)
         if n3 is None or n3.op_type != "Add" or len(n3.input) != 2:
             continue
         for x, c in (tuple(n3.input), tuple(reversed(n3.input))):  # d = x + c
-            k2, n2 = made_by(c)
+            _, n2 = made_by(c)
             m2 = _split(bw, n2, "Mul")  # c = c1 · b
             if m2 is None:
                 continue
             c1, b = m2
-            k1, n1 = made_by(b)
+            _, n1 = made_by(b)
             if n1 is None or n1.op_type != "Mul" or len(n1.input) != 2 or x not in n1.input:
                 continue
             a = n1.input[1] if n1.input[0] == x else n1.input[0]  # b = x · a
-            k0, n0 = made_by(a)
+            _, n0 = made_by(a)
             if n0 is None or n0.op_type != "Mul" or list(n0.input) != [x, x]:
                 continue
             tail = g.gelu_tail(tanh.output[0], x)  # p = 1 + t, q = x · p, y = c4 · q
             if tail is None:
                 continue
             inner = [n0.output[0], n1.output[0], n2.output[0], n3.output[0], n4.output[0], tanh.output[0]]
-            if any(only_reader(v)[0] is None for v in inner[1:]):
+            if any(only_reader(v)[0] is None for v in inner):
                 continue  # an inner value read elsewhere: its own gradient would be lost
-            if consumers.get(n0.output[0]) != [k1] or n0.output[0] in outputs:
-                continue  # x·x read elsewhere too
-            (k6, k7, k8), shifted, c4 = tail
-            found[k8] = TanhGelu(x, n0.output[0], tanh.output[0], shifted, c1, c2, c4,
-                                 frozenset({k0, k1, k2, k3, k4, k5, k6, k7, k8}))
+            (_, _, k_y), shifted, c4 = tail
+            found[k_y] = TanhGelu(x, n0.output[0], tanh.output[0], shifted, c1, c2, c4)
             break
     return found
-
-
-def emit_tanh_gelu_grad(w: NodeWriter, m: TanhGelu, dy: str, et: int) -> str:
-    """dx of a matched tanh GELU, given dy."""
-    one = w.const(np.asarray(1.0), et)
-    s = w.one("Sub", one, w.one("Mul", m.tanh, m.tanh))  # 1 − t²
-    r = w.one("Add", one, w.one("Mul", m.square, w.const(np.asarray(3.0 * m.c1), et)))  # 1 + 3·c1·x²
-    u = w.one("Mul", w.one("Mul", m.x, s), w.one("Mul", r, w.const(np.asarray(m.c2), et)))
-    v = w.one("Add", m.shifted, u)
-    return w.one("Mul", dy, w.one("Mul", v, w.const(np.asarray(m.c4), et)))
 
 
 @dataclass
@@ -165,37 +161,32 @@ class ErfGelu:
     shifted: str  # 1 + erf(u)
     slope: float  # 2 / (s·√π), the factor of exp(−u²)
     c4: float
-    nodes: frozenset[int]
+
+    def grad(self, w: NodeWriter, dy: str, et: int) -> str:
+        """dx, given dy."""
+        bell = w.one("Exp", w.one("Neg", w.one("Mul", self.scaled, self.scaled)))  # exp(−u²)
+        t = w.one("Mul", w.one("Mul", self.x, bell), w.const(np.asarray(self.slope), et))
+        v = w.one("Add", self.shifted, t)
+        return w.one("Mul", dy, w.one("Mul", v, w.const(np.asarray(self.c4), et)))
 
 
 def find_erf_gelus(bw: _Backward) -> dict[int, ErfGelu]:
     """The exact GELUs ``Mul(Mul(x, Add(Erf(Div(x, s)), 1)), c4)`` of the forward graph, keyed by the index
     of the node making y."""
     g = _Readers(bw)
-    only_reader = g.only_reader
     found: dict[int, ErfGelu] = {}
     for k1, erf in enumerate(bw.fwd_nodes):
-        if erf.op_type != "Erf" or len(erf.input) != 1 or erf.input[0] not in bw.producer:
+        if erf.op_type != "Erf" or len(erf.input) != 1:
             continue
-        k0 = bw.producer[erf.input[0]][0]
-        div = bw.fwd_nodes[k0]
-        if div.op_type != "Div" or len(div.input) != 2:
+        _, div = g.made_by(erf.input[0])
+        if div is None or div.op_type != "Div" or len(div.input) != 2:
             continue
         x, s = div.input[0], _scalar(bw, div.input[1])
-        if s is None or s == 0 or _scalar(bw, x) is not None or only_reader(div.output[0])[0] != k1:
+        if s is None or s == 0 or _scalar(bw, x) is not None or g.only_reader(div.output[0])[0] != k1:
             continue
         tail = g.gelu_tail(erf.output[0], x)  # p = erf(u) + 1, q = x · p, y = c4 · q
         if tail is None:
             continue
-        (k2, k3, k4), shifted, c4 = tail
-        found[k4] = ErfGelu(x, div.output[0], shifted, 2.0 / (s * float(np.sqrt(np.pi))), c4,
-                            frozenset({k0, k1, k2, k3, k4}))
+        (_, _, k_y), shifted, c4 = tail
+        found[k_y] = ErfGelu(x, div.output[0], shifted, 2.0 / (s * float(np.sqrt(np.pi))), c4)
     return found
-
-
-def emit_erf_gelu_grad(w: NodeWriter, m: ErfGelu, dy: str, et: int) -> str:
-    """dx of a matched exact GELU, given dy."""
-    bell = w.one("Exp", w.one("Neg", w.one("Mul", m.scaled, m.scaled)))  # exp(−u²)
-    t = w.one("Mul", w.one("Mul", m.x, bell), w.const(np.asarray(m.slope), et))
-    v = w.one("Add", m.shifted, t)
-    return w.one("Mul", dy, w.one("Mul", v, w.const(np.asarray(m.c4), et)))

@@ -84,11 +84,11 @@ class FromShapes(_Memo):
         return self._remember(key, tuple(inputs), self.fn(inputs, attrs))
 
 
-def _fold(plan: Plan, st: Step) -> bool:
-    """Run a step whose inputs are all constants now and make its outputs constants; False if it fails."""
-    const = dict(plan._const_values)
+def _fold(plan: Plan, st: Step, consts: dict[int, np.ndarray]) -> bool:
+    """Run a step whose inputs are all constants (``consts``: slot → value) now and make its outputs
+    constants of the plan and of ``consts``; False if it fails."""
     try:
-        res = st.fn([const[s] if s >= 0 else None for s in st.inputs], st.attrs)
+        res = st.fn([consts[s] if s >= 0 else None for s in st.inputs], st.attrs)
     except Exception:
         return False  # left in the plan: the run reports the failure with the node named
     outs = [(s, np.array(r) if isinstance(r, np.generic) else r) for s, r in zip(st.outputs, res) if s >= 0]
@@ -98,13 +98,14 @@ def _fold(plan: Plan, st: Step) -> bool:
         r.flags.writeable = False  # shared by every run from now on
         plan._const_values.append((s, r))
         plan._base_bytes += r.nbytes
+        consts[s] = r
     return True
 
 
 def memoize_shape_steps(plan: Plan, steps: list[Step]) -> list[Step]:
     """Fold steps of constants; wrap the kernels of shape-computing steps in :class:`ShapeOf` /
     :class:`FromShapes`."""
-    consts = {s for s, _ in plan._const_values}
+    consts = dict(plan._const_values)
     fixed = {plan.slot[n] for n, v in plan.initializers.items() if v.dtype.kind in "iub" and v.size <= 64}
     derived: set[int] = set()  # slots whose value depends only on shapes read by a SOURCES step
     kept = protected_slots(plan)
@@ -115,8 +116,7 @@ def memoize_shape_steps(plan: Plan, steps: list[Step]) -> list[Step]:
         wrapper: type[_Memo] | None = None
         if st.node.domain not in ("", "ai.onnx") or op in RANDOM_OPS or any(s in kept for s in st.outputs):
             wrapper = None
-        elif ins and all(s in consts for s in ins) and _fold(plan, st):
-            consts.update(s for s in st.outputs if s >= 0)
+        elif ins and all(s in consts for s in ins) and _fold(plan, st, consts):
             continue
         elif op in SOURCES and ins:
             wrapper = ShapeOf

@@ -92,16 +92,18 @@ def softmax_along(x: np.ndarray, axis: int) -> np.ndarray:
     safe = _exp_is_safe(x, n)
     x2 = _as_rows(x, axis)
     if x2 is not None:
-        y = np.exp(x2) if safe else np.subtract(x2, row_max(x2))
-        if not safe:
-            np.exp(y, out=y)
+        y = np.exp(x2) if safe else _exp_shifted(x2, row_max(x2))
         y /= row_sum(y)
         return y.reshape(x.shape)
-    y = np.exp(x) if safe else np.subtract(x, np.max(x, axis=axis, keepdims=True))
-    if not safe:
-        np.exp(y, out=y)
+    y = np.exp(x) if safe else _exp_shifted(x, np.max(x, axis=axis, keepdims=True))
     y /= np.sum(y, axis=axis, keepdims=True)
     return y
+
+
+def _exp_shifted(x: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """exp(x - m) in one new array."""
+    y = np.subtract(x, m)
+    return np.exp(y, out=y)
 
 
 def log_softmax_along(x: np.ndarray, axis: int) -> np.ndarray:
