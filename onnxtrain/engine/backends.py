@@ -126,21 +126,30 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
     ``providers``/``provider_options`` and ``options`` (a SessionOptions: graph optimisation level,
     thread counts) go to the onnxruntime backend. The numpy plan is not fused with
     ``options.enable_profiling`` (one profile event per node of the graph) or with
-    ``graph_optimization_level`` ``ORT_DISABLE_ALL``; thread counts do not apply to it (a warning says so)."""
+    ``graph_optimization_level`` ``ORT_DISABLE_ALL``; it splits kernels over
+    ``options.intra_op_num_threads`` threads (0: the default width), and runs its nodes one at a time
+    whatever ``inter_op_num_threads`` says (a warning says so)."""
     if check_backend(backend) == "numpy":
-        return Plan(model, fuse=_numpy_fuse(options))
+        return Plan(model, fuse=_numpy_fuse(options), threads=_intra_op_threads(options))
     return OrtPlan(model, providers, options, provider_options)
 
 
+def _intra_op_threads(options: Any) -> int | None:
+    """``options.intra_op_num_threads`` when set above 0 (None: the plan's default)."""
+    n = getattr(options, "intra_op_num_threads", 0)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"SessionOptions.intra_op_num_threads must be an integer >= 0, got {n!r}")
+    return n or None
+
+
 def _numpy_fuse(options: Any) -> bool | None:
-    """The numpy plan's ``fuse`` for these SessionOptions (None: the default); warns about thread counts and
-    onnxruntime's memory options, which the numpy engine has no use for."""
-    threads = [k for k in ("intra_op_num_threads", "inter_op_num_threads")
-               if isinstance(getattr(options, k, 0), int) and getattr(options, k, 0) > 0]
-    if threads:
+    """The numpy plan's ``fuse`` for these SessionOptions (None: the default); warns about
+    ``inter_op_num_threads`` and onnxruntime's memory options, which the numpy engine has no use for."""
+    inter = getattr(options, "inter_op_num_threads", 0)
+    if isinstance(inter, int) and inter > 1:
         warnings.warn(
-            f"SessionOptions.{' and '.join(threads)} has no effect on the numpy engine, which runs each "
-            "graph on the calling thread (numpy's BLAS threads follow OPENBLAS_NUM_THREADS)",
+            "SessionOptions.inter_op_num_threads has no effect on the numpy engine, which runs a graph's "
+            "nodes one at a time (intra_op_num_threads sets how many threads each node may use)",
             stacklevel=4,
         )
     memory = [k for k in ("enable_mem_pattern", "enable_mem_reuse", "enable_cpu_mem_arena")

@@ -20,6 +20,8 @@ from onnx import numpy_helper
 
 from onnxtrain.engine import fusion
 from onnxtrain.engine.allocator import tune_allocator
+from onnxtrain.engine.blas import shorten_blas_spin
+from onnxtrain.engine.parallel import default_width, running_with
 from onnxtrain.engine.registry import Attrs, Kernel, available_ops, find_kernel, parse_attributes
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
@@ -105,10 +107,20 @@ class Plan(GraphInterface):
     """An executable form of one ONNX graph."""
 
     def __init__(
-        self, model: onnx.ModelProto | str | bytes, fold_constants: bool = True, fuse: bool | None = None
+        self,
+        model: onnx.ModelProto | str | bytes,
+        fold_constants: bool = True,
+        fuse: bool | None = None,
+        threads: int | None = None,
     ):
         """``fuse``: apply the execution-time fusions of :mod:`onnxtrain.engine.fusion` (default: on, unless
-        the environment says ``ONNXTRAIN_FUSION=0``)."""
+        the environment says ``ONNXTRAIN_FUSION=0``). ``threads``: how many threads a kernel may split its
+        work over (default: :func:`~onnxtrain.engine.parallel.default_width`)."""
+        if threads is not None and (not isinstance(threads, int) or threads < 0):
+            raise ValueError(f"threads must be a non-negative integer (0: the default), got {threads!r}")
+        self.threads = threads or default_width()
+        if self.threads > 1:
+            shorten_blas_spin()  # else OpenBLAS's idle threads hold the cores this plan's threads need
         tune_allocator()
         model = self._read_interface(model)
         g = model.graph
@@ -254,6 +266,22 @@ class Plan(GraphInterface):
         if overrides:
             for name, v in overrides.items():
                 vals[slot[name]] = v
+        with running_with(self.threads):
+            peak = self._run_steps(vals, live)
+        self.peak_bytes = peak + self.scratch.nbytes
+        if output_names is None:
+            return [_as_array(vals[s]) for s in self._output_slots]
+        out = []
+        for n in output_names:
+            s = slot.get(n)
+            if s is None or n not in self.output_info:
+                raise EngineError(f"unknown output {n!r}; graph outputs: {self.output_names}")
+            out.append(_as_array(vals[s]))
+        return out
+
+    def _run_steps(self, vals: list[Any], live: int) -> int:
+        """Run every step on the slots ``vals``, freeing values after their last use; returns the peak of
+        live bytes."""
         if self.profiling:
             peak = self._run_profiled(vals, live)
         else:
@@ -281,16 +309,7 @@ class Plan(GraphInterface):
                         vals[s] = None
                         live -= v.nbytes if type(v) is np.ndarray else _nbytes(v)
                 v = None  # a local must not keep the last freed value alive during the next step
-        self.peak_bytes = peak + self.scratch.nbytes
-        if output_names is None:
-            return [_as_array(vals[s]) for s in self._output_slots]
-        out = []
-        for n in output_names:
-            s = slot.get(n)
-            if s is None or n not in self.output_info:
-                raise EngineError(f"unknown output {n!r}; graph outputs: {self.output_names}")
-            out.append(_as_array(vals[s]))
-        return out
+        return peak
 
     @property
     def _program(self) -> list[tuple]:

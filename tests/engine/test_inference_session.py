@@ -412,14 +412,20 @@ def test_disable_all_optimizations_runs_the_numpy_plan_unfused() -> None:
     np.testing.assert_array_equal(fused.run(None, {"x": x})[0], (x + x) * x)
 
 
-def test_thread_counts_warn_that_the_numpy_engine_ignores_them() -> None:
+def test_intra_op_threads_set_the_plans_width_and_inter_op_threads_warn() -> None:
     so = onnxtrain.SessionOptions()
-    so.intra_op_num_threads = 2
-    with pytest.warns(UserWarning, match="intra_op_num_threads has no effect on the numpy engine"):
-        onnxtrain.InferenceSession(_chain_model().SerializeToString(), so)
+    so.intra_op_num_threads = 3
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        onnxtrain.InferenceSession(_chain_model().SerializeToString(), onnxtrain.SessionOptions())
+        assert onnxtrain.InferenceSession(_chain_model().SerializeToString(), so)._plan.threads == 3
+        default = onnxtrain.InferenceSession(_chain_model().SerializeToString(), onnxtrain.SessionOptions())
+    assert default._plan.threads >= 1
+    so.inter_op_num_threads = 2
+    with pytest.warns(UserWarning, match="inter_op_num_threads has no effect on the numpy engine"):
+        onnxtrain.InferenceSession(_chain_model().SerializeToString(), so)
+    so.inter_op_num_threads, so.intra_op_num_threads = 0, -1
+    with pytest.raises(ValueError, match="intra_op_num_threads must be an integer >= 0, got -1"):
+        onnxtrain.InferenceSession(_chain_model().SerializeToString(), so)
 
 
 def test_onnxruntime_memory_options_warn_on_the_numpy_engine() -> None:

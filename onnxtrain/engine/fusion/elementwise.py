@@ -12,6 +12,7 @@ from onnx import helper
 from onnxtrain.engine.fusion.common import consumers, make_step, protected_slots, run_steps
 from onnxtrain.engine.fusion.shapes import is_memoized
 from onnxtrain.engine.kernels.elementwise import erf_into
+from onnxtrain.engine.parallel import parallel_for, split, width
 from onnxtrain.engine.registry import Attrs, find_kernel
 
 if TYPE_CHECKING:
@@ -47,6 +48,9 @@ MIN_POOLED = 256  # elements: smaller values are cheaper to allocate than to loo
 BLOCK_MIN_BYTES = 8 << 20
 BLOCK_BYTES = 4 << 20
 _BLOCK_ALIGN = 64
+# a segment of at least PAR_MIN_WORK element-ops (elements × ufuncs) splits its elements over the run's
+# threads (:mod:`onnxtrain.engine.parallel`): below it, waking a thread costs more than it saves
+PAR_MIN_WORK = 1 << 20
 
 
 class ScratchPool:
@@ -470,7 +474,7 @@ class _Blocked:
             _Segment.build(cl, env, local, last_use, kinds, readers, phase, shape, ops)
             for shape, ops in by_shape.items()
         ]
-        if not any(seg.block < seg.n for seg in segments):
+        if not any(seg.block < seg.n or seg.par for seg in segments):
             return None
 
         def program(phase_name: str) -> list[tuple]:
@@ -520,8 +524,8 @@ class _Segment:
 
     def __init__(self, **fields: Any) -> None:
         self.__dict__.update(fields)
-        self.full_views: list[tuple[int, np.ndarray]] = []
-        self.tail_views: list[tuple[int, np.ndarray]] = []
+        self.pool: ScratchPool | None = None
+        self.views: dict[int, tuple[int, list[tuple[int, np.ndarray]]]] = {}  # thread → (block, views)
 
     @classmethod
     def build(
@@ -617,7 +621,7 @@ class _Segment:
         return cls(
             n=n,
             block=block,
-            tail=n % block,
+            par=n >= 2 * _BLOCK_ALIGN and n * len(ops) >= PAR_MIN_WORK,
             n_bv=n_slots + len(consts),
             consts=consts,
             small=sorted(local[s] for s in m_inputs if not whole(s)),
@@ -629,11 +633,19 @@ class _Segment:
         )
 
     def take_views(self, pool: ScratchPool) -> None:
-        """(Re)take this segment's views of the pool's arrays: one full block and one tail per buffer."""
-        self.full_views = [(i, pool.view((self.block,), dt, bi)) for i, dt, bi in self.scratch]
-        self.tail_views = (
-            [(i, pool.view((self.tail,), dt, bi)) for i, dt, bi in self.scratch] if self.tail else []
-        )
+        """(Re)take the serial run's views of the pool's arrays (a split run takes its other threads')."""
+        self.pool = pool
+        self.views = {}
+        self._views(0, self.block)
+
+    def _views(self, thread: int, block: int) -> list[tuple[int, np.ndarray]]:
+        """Block-sized views of ``thread``'s scratch buffers (thread 0 shares the pool's with other steps)."""
+        got = self.views.get(thread)
+        if got is None or got[0] != block:
+            pool = self.pool
+            keys = [(i, dt, bi if thread == 0 else (bi, thread)) for i, dt, bi in self.scratch]
+            got = self.views[thread] = (block, [(i, pool.view((block,), dt, k)) for i, dt, k in keys])
+        return got[1]
 
     def run(self, vals: list[Any]) -> None:
         bv: list[Any] = [None] * self.n_bv
@@ -647,15 +659,41 @@ class _Segment:
             a = vals[i] = np.empty(shape, dt)
             flats.append(a.reshape(-1))
         slots = list(zip(self.flat_slots, flats))
-        for i, v in self.full_views:
+        n = self.n
+        parts = width() if self.par else 1
+        if parts <= 1:
+            self._run_range(bv, slots, 0, n, self.block, self._views(0, self.block))
+            return
+        ranges = split(n, parts, _BLOCK_ALIGN)
+        block = min(self.block, ranges[0][1])
+        views = [self._views(t, block) for t in range(len(ranges))]  # taken here: the pool is not thread-safe
+        errors = np.geterr()  # numpy's error state is per thread: the parts run under the caller's
+
+        def part(t: int) -> None:
+            with np.errstate(**errors):
+                self._run_range(list(bv), slots, *ranges[t], block, views[t])
+
+        parallel_for(len(ranges), part)
+
+    def _run_range(
+        self,
+        bv: list[Any],
+        slots: list[tuple[int, np.ndarray]],
+        start: int,
+        stop: int,
+        block: int,
+        views: list[tuple[int, np.ndarray]],
+    ) -> None:
+        """The segment's ufuncs over elements [start, stop), ``block`` at a time, in the scratch ``views``."""
+        for i, v in views:
             bv[i] = v
-        n, block, ops = self.n, self.block, self.ops
-        for lo in range(0, n, block):
+        ops = self.ops
+        for lo in range(start, stop, block):
             hi = lo + block
-            if hi > n:
-                hi = n
-                for i, v in self.tail_views:
-                    bv[i] = v
+            if hi > stop:
+                hi = stop
+                for i, v in views:
+                    bv[i] = v[:hi - lo]
             for i, f in slots:
                 bv[i] = f[lo:hi]
             for fn, a, b, o in ops:

@@ -1,0 +1,54 @@
+"""numpy's OpenBLAS and the engine's threads.
+
+After each call, OpenBLAS's idle threads busy-wait for about 2**28 cycles (0.1 s) before they sleep, so in
+a training step, where a GEMM comes every few milliseconds, they hold the other cores all the time, and the
+engine's own threads (:mod:`onnxtrain.engine.parallel`) get half a core each. An engine that runs threads of
+its own therefore shortens that wait, once per process, to :data:`SPIN_LOG2`: long enough to cover
+back-to-back GEMMs, short enough to free the core for the next elementwise kernel. OpenBLAS reads the wait
+from ``OPENBLAS_THREAD_TIMEOUT`` when it starts its threads; they are stopped here and restart with the new
+value on the next call. A process that sets ``OPENBLAS_THREAD_TIMEOUT`` itself keeps its own value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+SPIN_LOG2 = 14  # 2**14 cycles: about 6 µs at 2.6 GHz
+_ENV = ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
+_lock = threading.Lock()
+_done: list[bool] = []
+
+
+def _loaded_openblas() -> list[str]:
+    """Paths of the OpenBLAS libraries mapped into this process (Linux only; else none)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "openblas" in line and ".so" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.isabs(p))
+
+
+def shorten_blas_spin() -> bool:
+    """Make numpy's OpenBLAS threads sleep after :data:`SPIN_LOG2` cycles idle instead of about 0.1 s.
+    Done once per process; returns whether the value now applies (False: not OpenBLAS with a pthreads
+    server, or the process chose its own ``OPENBLAS_THREAD_TIMEOUT``)."""
+    with _lock:
+        if _done:
+            return _done[0]
+        applied = False
+        if not any(k in os.environ for k in _ENV):
+            for path in _loaded_openblas():
+                try:
+                    lib = ctypes.CDLL(path)
+                    read_env, shutdown = lib.openblas_read_env, lib.blas_thread_shutdown_
+                except (OSError, AttributeError):
+                    continue
+                os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(SPIN_LOG2)
+                read_env()  # OpenBLAS keeps its environment in variables read at load time
+                shutdown()  # the threads restart on the next threaded call, reading the new wait
+                applied = True
+        _done.append(applied)
+        return applied

@@ -1,0 +1,137 @@
+"""Intra-op parallelism: worker threads that a kernel splits its work over.
+
+numpy releases the GIL inside ufunc loops, ``take`` and BLAS calls, so threads working on disjoint slices
+of the same arrays run at the same time. A plan sets the width of its runs (``SessionOptions``'s
+``intra_op_num_threads``, by default the CPUs this process may use); a kernel asks :func:`width` how many
+parts are worth making and hands them to :func:`parallel_for`. Work is split only along independent
+elements or rows, with each element computed by the same operations in the same order as in a serial
+run, so results do not depend on the width.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+_local = threading.local()
+
+
+def default_width() -> int:
+    """``ONNXTRAIN_NUM_THREADS`` when set, else the number of CPUs this process may run on."""
+    env = os.environ.get("ONNXTRAIN_NUM_THREADS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"ONNXTRAIN_NUM_THREADS must be a positive integer, got {env!r}") from None
+        if n < 1:
+            raise ValueError(f"ONNXTRAIN_NUM_THREADS must be a positive integer, got {env!r}")
+        return n
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def width() -> int:
+    """How many threads the kernel running on this thread may use (1 outside a plan's run)."""
+    return getattr(_local, "width", 1)
+
+
+@contextmanager
+def running_with(n: int) -> Iterator[None]:
+    """Kernels called on this thread inside the block may use ``n`` threads."""
+    before = getattr(_local, "width", 1)
+    _local.width = n
+    try:
+        yield
+    finally:
+        _local.width = before
+
+
+class _Job:
+    """``fn(0) … fn(n - 1)``, claimed one index at a time by whichever thread is free."""
+
+    __slots__ = ("fn", "n", "next", "done", "lock", "finished", "error")
+
+    def __init__(self, fn: Callable[[int], None], n: int):
+        self.fn, self.n = fn, n
+        self.next = self.done = 0
+        self.lock = threading.Lock()
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+
+    def work(self) -> None:
+        while True:
+            with self.lock:
+                i = self.next
+                if i >= self.n:
+                    return
+                self.next = i + 1
+            try:
+                self.fn(i)
+            except BaseException as e:  # re-raised on the calling thread
+                if self.error is None:
+                    self.error = e
+            with self.lock:
+                self.done += 1
+                if self.done == self.n:
+                    self.finished.set()
+
+
+class _Workers:
+    """Daemon threads that run the jobs put in their queue; grown on demand, shared by all plans."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def ensure(self, n: int) -> None:
+        with self.lock:
+            while self.count < n:
+                t = threading.Thread(target=self._loop, name=f"onnxtrain-worker-{self.count}", daemon=True)
+                t.start()
+                self.count += 1
+
+    def _loop(self) -> None:
+        _local.width = 1  # a part never splits again
+        while True:
+            self.jobs.get().work()
+
+
+_workers = _Workers()
+
+
+def parallel_for(n: int, fn: Callable[[int], None]) -> None:
+    """Call ``fn(i)`` for i in range(n), over up to :func:`width` threads (this one included); the first
+    exception any call raised is raised here once all calls have ended."""
+    before = width()
+    threads = min(before, n)
+    if threads <= 1:
+        for i in range(n):
+            fn(i)
+        return
+    job = _Job(fn, n)
+    _workers.ensure(threads - 1)
+    for _ in range(threads - 1):
+        _workers.jobs.put(job)
+    _local.width = 1  # a part never splits again
+    try:
+        job.work()
+    finally:
+        _local.width = before
+    job.finished.wait()
+    if job.error is not None:
+        raise job.error
+
+
+def split(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """``[0, n)`` as up to ``parts`` contiguous ranges of nearly equal length whose starts are multiples of
+    ``align``."""
+    step = -(-n // parts)
+    step = -(-step // align) * align
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]

@@ -1,0 +1,173 @@
+"""Intra-op threads: the worker pool, a plan's width, and kernels split over threads giving the same bits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from onnxtrain.engine import parallel
+from onnxtrain.engine.plan import Plan
+
+
+def test_parallel_for_runs_every_index_once_over_several_threads() -> None:
+    seen: list[tuple[int, int]] = []
+    lock = threading.Lock()
+    started = threading.Barrier(2, timeout=10)
+
+    def fn(i: int) -> None:
+        if i < 2:
+            started.wait()  # both threads must be in here at once: the job really runs on two
+        with lock:
+            seen.append((i, threading.get_ident()))
+
+    with parallel.running_with(2):
+        parallel.parallel_for(9, fn)
+        assert parallel.width() == 2  # restored after the job
+    assert sorted(i for i, _ in seen) == list(range(9))
+    assert len({t for _, t in seen}) == 2
+    assert parallel.width() == 1
+
+
+def test_parallel_for_raises_the_error_of_a_part_and_parts_do_not_split_again() -> None:
+    widths: list[int] = []
+
+    def fn(i: int) -> None:
+        widths.append(parallel.width())
+        if i == 3:
+            raise KeyError("part 3")
+
+    with parallel.running_with(2), pytest.raises(KeyError, match="part 3"):
+        parallel.parallel_for(6, fn)
+    assert len(widths) == 6 and set(widths) == {1}
+    with parallel.running_with(2):  # the pool still works after a failed job
+        out = np.zeros(4)
+        parallel.parallel_for(4, lambda i: out.__setitem__(i, i))
+    np.testing.assert_array_equal(out, [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("n,parts,align", [(10, 2, 1), (1000, 3, 64), (5, 8, 1), (130, 2, 64), (1, 2, 64)])
+def test_split_covers_the_range_with_aligned_starts(n: int, parts: int, align: int) -> None:
+    ranges = parallel.split(n, parts, align)
+    assert len(ranges) <= parts
+    assert ranges[0][0] == 0 and ranges[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(lo % align == 0 and hi > lo for lo, hi in ranges)
+
+
+def test_default_width_reads_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("ONNXTRAIN_NUM_THREADS", "3")
+    assert parallel.default_width() == 3
+    assert Plan(_gelu_model()).threads == 3
+    assert Plan(_gelu_model(), threads=1).threads == 1
+    for bad in ("0", "two"):
+        monkeypatch.setenv("ONNXTRAIN_NUM_THREADS", bad)
+        with pytest.raises(
+            ValueError, match=f"ONNXTRAIN_NUM_THREADS must be a positive integer, got '{bad}'"
+        ):
+            parallel.default_width()
+    with pytest.raises(ValueError, match="threads must be a non-negative integer"):
+        Plan(_gelu_model(), threads=-2)
+
+
+def _gelu_model() -> onnx.ModelProto:
+    """torch's exported exact GELU after a bias: one elementwise cluster with Erf in it."""
+    f = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Add", ["h", "bias"], ["x"]),
+        helper.make_node("Div", ["x", "root2"], ["xs"]),
+        helper.make_node("Erf", ["xs"], ["e"]),
+        helper.make_node("Add", ["e", "one"], ["e1"]),
+        helper.make_node("Mul", ["x", "e1"], ["m"]),
+        helper.make_node("Mul", ["m", "half"], ["y"]),
+    ]
+    inits = [
+        helper.make_tensor("root2", f, [], [1.4142135381698608]),
+        helper.make_tensor("one", f, [], [1.0]),
+        helper.make_tensor("half", f, [], [0.5]),
+    ]
+    g = helper.make_graph(
+        nodes,
+        "gelu",
+        [helper.make_tensor_value_info("h", f, None), helper.make_tensor_value_info("bias", f, None)],
+        [helper.make_tensor_value_info("y", f, None)],
+        inits,
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_cluster_split_over_threads_gives_the_same_bits(monkeypatch) -> None:
+    from onnxtrain.engine.fusion import elementwise as fusion
+
+    monkeypatch.setattr(fusion, "PAR_MIN_WORK", 0)
+    monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
+    monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)  # several blocks per part, and a short tail
+    rng = np.random.default_rng(3)
+    serial, split, plain = (
+        Plan(_gelu_model(), threads=1),
+        Plan(_gelu_model(), threads=2),
+        Plan(_gelu_model(), fuse=False),
+    )
+    assert [s.node.op_type for s in split.steps] == ["FusedElementwise"]
+    for shape in [(37, 50), (37, 50), (4, 1000), (3,)]:
+        feeds = {
+            "h": (3 * rng.standard_normal(shape)).astype(np.float32),
+            "bias": rng.standard_normal(shape[-1:]).astype(np.float32),
+        }
+        want = plain.run(feeds)[0]
+        np.testing.assert_array_equal(serial.run(feeds)[0], want)
+        np.testing.assert_array_equal(split.run(feeds)[0], want)
+    (seg,) = next(p[5] for p in split.steps[0].fn.programs.values() if p[5] is not None).segments
+    assert seg.par and len(seg.views) == 2  # both threads took scratch views of their own
+
+
+def test_shortened_blas_spin_frees_the_cores_after_a_gemm() -> None:
+    code = textwrap.dedent("""
+        import time, numpy as np
+        from onnxtrain.engine.blas import shorten_blas_spin
+        a = np.ones((1024, 1024), np.float32)
+        def idle_cpu():
+            a @ a
+            c = time.process_time()
+            time.sleep(0.3)
+            return time.process_time() - c
+        before = idle_cpu()
+        print(shorten_blas_spin(), before, idle_cpu())
+    """)
+    env = {k: v for k, v in __import__("os").environ.items() if "THREAD_TIMEOUT" not in k}
+    env["OPENBLAS_NUM_THREADS"] = "2"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    applied, before, after = out.stdout.split()
+    if applied != "True":
+        pytest.skip("numpy's BLAS is not an OpenBLAS with a pthreads server")
+    assert float(before) > 0.05  # OpenBLAS's idle thread spun through most of the 0.3 s
+    assert float(after) < 0.03
+
+
+def test_split_parts_keep_the_callers_numpy_error_state(monkeypatch) -> None:
+    from onnxtrain.engine.fusion import elementwise as fusion
+
+    monkeypatch.setattr(fusion, "PAR_MIN_WORK", 0)
+    f = TensorProto.FLOAT
+    g = helper.make_graph(
+        [helper.make_node("Log", ["x"], ["l"]), helper.make_node("Div", ["l", "x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", f, None)],
+        [helper.make_tensor_value_info("y", f, None)],
+    )
+    plan = Plan(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), threads=2)
+    x = np.zeros(1 << 22, np.float32)  # log(0) / 0 everywhere, which the engine runs quietly; parts of
+    # milliseconds each, so the worker takes one
+    with warnings.catch_warnings(), np.errstate(all="raise"):
+        warnings.simplefilter("error")
+        for _ in range(2):  # the tracing run, then the split one
+            y = plan.run({"x": x})[0]
+    assert np.isneginf(y).all()
