@@ -16,7 +16,10 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import numpy as np
+
 _local = threading.local()
+MIN_ROWS_WORK = 1 << 16  # elements per part of a row-wise kernel: below, waking a thread costs more
 
 
 def default_width() -> int:
@@ -107,15 +110,22 @@ _workers = _Workers()
 
 
 def parallel_for(n: int, fn: Callable[[int], None]) -> None:
-    """Call ``fn(i)`` for i in range(n), over up to :func:`width` threads (this one included); the first
-    exception any call raised is raised here once all calls have ended."""
+    """Call ``fn(i)`` for i in range(n), over up to :func:`width` threads (this one included), each under
+    this thread's numpy error state; the first exception any call raised is raised here once all calls
+    have ended."""
     before = width()
     threads = min(before, n)
     if threads <= 1:
         for i in range(n):
             fn(i)
         return
-    job = _Job(fn, n)
+    errors = np.geterr()  # numpy's error state is per thread
+
+    def call(i: int) -> None:
+        with np.errstate(**errors):
+            fn(i)
+
+    job = _Job(call, n)
     _workers.ensure(threads - 1)
     for _ in range(threads - 1):
         _workers.jobs.put(job)
@@ -127,6 +137,18 @@ def parallel_for(n: int, fn: Callable[[int], None]) -> None:
     job.finished.wait()
     if job.error is not None:
         raise job.error
+
+
+def for_rows(rows: int, work: int, fn: Callable[[int, int], None]) -> None:
+    """Call ``fn(lo, hi)`` on ranges of ``rows`` independent rows covering them all, one range per thread
+    when ``work`` (elements, or any measure proportional to the time) makes parts of :data:`MIN_ROWS_WORK`
+    or more, else ``fn(0, rows)`` here."""
+    parts = min(width(), rows, work // MIN_ROWS_WORK)
+    if parts <= 1:
+        fn(0, rows)
+        return
+    ranges = split(rows, parts)
+    parallel_for(len(ranges), lambda i: fn(*ranges[i]))
 
 
 def split(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:

@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
 
 from onnxtrain.engine import parallel
 from onnxtrain.engine.plan import Plan
@@ -171,3 +172,56 @@ def test_split_parts_keep_the_callers_numpy_error_state(monkeypatch) -> None:
         for _ in range(2):  # the tracing run, then the split one
             y = plan.run({"x": x})[0]
     assert np.isneginf(y).all()
+
+
+def _attention_model() -> onnx.ModelProto:
+    """Attention's kernels that split over threads: batched MatMuls, Softmax, LayerNormalization."""
+    f = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("MatMul", ["q", "k"], ["s"]),
+        helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v"], ["o"]),
+        helper.make_node("LayerNormalization", ["o", "gamma", "beta"], ["y", "mean", "inv"], axis=-1),
+    ]
+    g = helper.make_graph(
+        nodes,
+        "attention",
+        [helper.make_tensor_value_info(k, f, None) for k in ("q", "k", "v", "gamma", "beta")],
+        [helper.make_tensor_value_info(k, f, None) for k in ("s", "p", "o", "y", "mean", "inv")],
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("scale", [1.0, 40.0])  # softmax without and with the shift by the row maximum
+def test_row_and_batch_kernels_split_over_threads_give_the_same_bits(monkeypatch, scale: float) -> None:
+    from onnxtrain.engine.kernels import matmul
+
+    monkeypatch.setattr(parallel, "MIN_ROWS_WORK", 64)
+    monkeypatch.setattr(matmul, "_MIN_PART_MACS", 64)
+    calls: list[int] = []
+    real = parallel.parallel_for
+
+    def counting(n: int, fn) -> None:
+        calls.append(n)
+        real(n, fn)
+
+    monkeypatch.setattr(parallel, "parallel_for", counting)
+    monkeypatch.setattr(matmul, "parallel_for", counting)  # for_rows calls parallel's own
+    rng = np.random.default_rng(5)
+    feeds = {
+        "q": (scale * rng.standard_normal((3, 2, 7, 5))).astype(np.float32),
+        "k": rng.standard_normal((2, 5, 7)).astype(np.float32),  # broadcast over the first batch axis
+        "v": rng.standard_normal((3, 2, 7, 6)).astype(np.float32),
+        "gamma": rng.standard_normal(6).astype(np.float32),
+        "beta": rng.standard_normal(6).astype(np.float32),
+    }
+    serial = Plan(_attention_model(), threads=1).run(feeds)
+    assert not calls
+    split = Plan(_attention_model(), threads=2).run(feeds)
+    assert len(calls) == 4  # two MatMuls, Softmax and LayerNormalization
+    for a, b in zip(serial, split):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    ref = ReferenceEvaluator(_attention_model()).run(None, feeds)
+    for a, b in zip(split, ref):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)

@@ -667,11 +667,9 @@ class _Segment:
         ranges = split(n, parts, _BLOCK_ALIGN)
         block = min(self.block, ranges[0][1])
         views = [self._views(t, block) for t in range(len(ranges))]  # taken here: the pool is not thread-safe
-        errors = np.geterr()  # numpy's error state is per thread: the parts run under the caller's
 
         def part(t: int) -> None:
-            with np.errstate(**errors):
-                self._run_range(list(bv), slots, *ranges[t], block, views[t])
+            self._run_range(list(bv), slots, *ranges[t], block, views[t])
 
         parallel_for(len(ranges), part)
 

@@ -11,6 +11,7 @@ import math
 import numpy as np
 from onnx import helper
 
+from onnxtrain.engine.parallel import for_rows
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 _F32 = np.dtype(np.float32)
@@ -92,9 +93,19 @@ def softmax_along(x: np.ndarray, axis: int) -> np.ndarray:
     safe = _exp_is_safe(x, n)
     x2 = _as_rows(x, axis)
     if x2 is not None:
-        y = np.exp(x2) if safe else _exp_shifted(x2, row_max(x2))
-        y /= row_sum(y)
-        return y.reshape(x.shape)
+        y2 = np.empty_like(x2)
+
+        def rows(lo: int, hi: int) -> None:
+            xb, yb = x2[lo:hi], y2[lo:hi]
+            if safe:
+                np.exp(xb, out=yb)
+            else:
+                np.subtract(xb, row_max(xb), out=yb)
+                np.exp(yb, out=yb)
+            yb /= row_sum(yb)
+
+        for_rows(x2.shape[0], x2.size, rows)
+        return y2.reshape(x.shape)
     y = np.exp(x) if safe else _exp_shifted(x, np.max(x, axis=axis, keepdims=True))
     y /= np.sum(y, axis=axis, keepdims=True)
     return y
@@ -159,19 +170,28 @@ def log_softmax(inputs: Inputs, attrs: Attrs) -> Outputs:
 # ---------------------------------------------------------------- row statistics
 
 
-def _standardize_rows(x2: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For a 2-D ``x2``: ((x - mean) * inv_std, mean, inv_std), statistics over each row (keepdims)."""
+def _standardize_rows(x2: np.ndarray, eps: float, d: np.ndarray, mean: np.ndarray, inv: np.ndarray) -> None:
+    """For a 2-D ``x2``: ``d`` = (x - mean) * inv_std, with ``mean`` and ``inv`` (rows, 1) the statistics
+    of each row."""
     n = x2.shape[1]
-    mean = row_sum(x2)
+    np.einsum("ij->i", x2, out=mean[:, 0])
     mean /= n
-    d = np.subtract(x2, mean)
-    var = np.einsum("ij,ij->i", d, d)[:, None]
+    np.subtract(x2, mean, out=d)
+    var = inv
+    np.einsum("ij,ij->i", d, d, out=var[:, 0])
     var /= n
     var += eps
-    inv = np.sqrt(var, out=var)
+    np.sqrt(var, out=inv)
     np.reciprocal(inv, out=inv)
     d *= inv
-    return d, mean, inv
+
+
+def _standardized(x2: np.ndarray, eps: float) -> np.ndarray:
+    """(x - mean) * inv_std over each row of the 2-D ``x2``, as a new array."""
+    d = np.empty(x2.shape, x2.dtype)
+    stats = np.empty((2, x2.shape[0], 1), x2.dtype)
+    _standardize_rows(x2, eps, d, stats[0], stats[1])
+    return d
 
 
 def _stash_dtype(x: np.ndarray, stash_type: int | None) -> np.dtype:
@@ -198,10 +218,21 @@ def layer_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
     cols = math.prod(inner)
     sdt = _stash_dtype(x, attrs.get("stash_type"))
     x2 = x.reshape(-1, cols).astype(sdt, copy=False)
-    y, mean, inv = _standardize_rows(x2, attrs["epsilon"])
-    y *= _as_flat(scale, inner, cols)
-    if bias is not None:
-        y += _as_flat(bias, inner, cols)
+    n_rows = x2.shape[0]
+    y = np.empty(x2.shape, sdt)
+    mean, inv = np.empty((n_rows, 1), sdt), np.empty((n_rows, 1), sdt)
+    gamma = _as_flat(scale, inner, cols)
+    beta = None if bias is None else _as_flat(bias, inner, cols)
+    eps = attrs["epsilon"]
+
+    def rows(lo: int, hi: int) -> None:
+        yb = y[lo:hi]
+        _standardize_rows(x2[lo:hi], eps, yb, mean[lo:hi], inv[lo:hi])
+        yb *= gamma
+        if beta is not None:
+            yb += beta
+
+    for_rows(n_rows, x2.size, rows)
     outs: list[np.ndarray | None] = [_back(y.reshape(x.shape), x.dtype)]
     if attrs.n_outputs > 1:
         stat_shape = x.shape[:axis] + (1,) * (nd - axis)
@@ -291,7 +322,7 @@ def instance_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, scale, bias = inputs[0], inputs[1], inputs[2]
     n, c = x.shape[0], x.shape[1]
     w = _work(x)
-    y, _, _ = _standardize_rows(w.reshape(n * c, -1), attrs["epsilon"])
+    y = _standardized(w.reshape(n * c, -1), attrs["epsilon"])
     y = y.reshape(n, c, -1)
     y *= scale.astype(y.dtype, copy=False)[:, None]
     y += bias.astype(y.dtype, copy=False)[:, None]
@@ -306,7 +337,7 @@ def _group_norm(inputs: Inputs, attrs: Attrs, per_channel: bool) -> Outputs:
         raise ValueError(f"GroupNormalization: num_groups={g} must divide the {c} channels")
     low = _F32 if _is_low(x.dtype) else x.dtype
     sdt = _stash_dtype(x, attrs.get("stash_type")) if per_channel else low
-    y, _, _ = _standardize_rows(x.reshape(n * g, -1).astype(sdt, copy=False), attrs["epsilon"])
+    y = _standardized(x.reshape(n * g, -1).astype(sdt, copy=False), attrs["epsilon"])
     groups = c if per_channel else g  # opset 18: one scale/bias per group; 21: per channel
     y = y.reshape(n, groups, -1)
     y *= scale.astype(sdt, copy=False)[:, None]
