@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from onnxtrain.engine.blas import shorten_blas_spin
+
 _local = threading.local()
 MIN_ROWS_WORK = 1 << 16  # elements per part of a row-wise kernel: below, waking a thread costs more
 
@@ -119,6 +121,8 @@ def parallel_for(n: int, fn: Callable[[int], None]) -> None:
         for i in range(n):
             fn(i)
         return
+    shorten_blas_spin()  # once per process, when a kernel first splits: else OpenBLAS's idle threads
+    # hold the cores (a process whose kernels never split, a small CNN say, keeps OpenBLAS's long wait)
     errors = np.geterr()  # numpy's error state is per thread
 
     def call(i: int) -> None:

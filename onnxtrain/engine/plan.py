@@ -20,7 +20,6 @@ from onnx import numpy_helper
 
 from onnxtrain.engine import fusion
 from onnxtrain.engine.allocator import tune_allocator
-from onnxtrain.engine.blas import shorten_blas_spin
 from onnxtrain.engine.parallel import default_width, running_with
 from onnxtrain.engine.registry import Attrs, Kernel, available_ops, find_kernel, parse_attributes
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
@@ -119,8 +118,6 @@ class Plan(GraphInterface):
         if threads is not None and (not isinstance(threads, int) or threads < 0):
             raise ValueError(f"threads must be a non-negative integer (0: the default), got {threads!r}")
         self.threads = threads or default_width()
-        if self.threads > 1:
-            shorten_blas_spin()  # else OpenBLAS's idle threads hold the cores this plan's threads need
         tune_allocator()
         model = self._read_interface(model)
         g = model.graph

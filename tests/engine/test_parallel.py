@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from onnxtrain.engine import parallel
+from onnxtrain.engine import blas, parallel
 from onnxtrain.engine.plan import Plan
 
 
@@ -129,8 +130,18 @@ def test_a_cluster_split_over_threads_gives_the_same_bits(monkeypatch) -> None:
     assert seg.par and len(seg.views) == 2  # both threads took scratch views of their own
 
 
+def _python(code: str) -> list[str]:
+    """Run ``code`` in a fresh interpreter without a THREAD_TIMEOUT of its own; its printed words."""
+    env = {k: v for k, v in os.environ.items() if "THREAD_TIMEOUT" not in k}
+    env["OPENBLAS_NUM_THREADS"] = "2"
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
 def test_shortened_blas_spin_frees_the_cores_after_a_gemm() -> None:
-    code = textwrap.dedent("""
+    applied, before, after = _python("""
         import time, numpy as np
         from onnxtrain.engine.blas import shorten_blas_spin
         a = np.ones((1024, 1024), np.float32)
@@ -142,15 +153,24 @@ def test_shortened_blas_spin_frees_the_cores_after_a_gemm() -> None:
         before = idle_cpu()
         print(shorten_blas_spin(), before, idle_cpu())
     """)
-    env = {k: v for k, v in __import__("os").environ.items() if "THREAD_TIMEOUT" not in k}
-    env["OPENBLAS_NUM_THREADS"] = "2"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 0, out.stderr
-    applied, before, after = out.stdout.split()
     if applied != "True":
         pytest.skip("numpy's BLAS is not an OpenBLAS with a pthreads server")
     assert float(before) > 0.05  # OpenBLAS's idle thread spun through most of the 0.3 s
     assert float(after) < 0.03
+
+
+def test_the_blas_spin_is_shortened_when_a_kernel_first_splits() -> None:
+    small, split, timeout = _python("""
+        import os, numpy as np
+        from onnxtrain.engine import blas, parallel
+        with parallel.running_with(2):
+            parallel.parallel_for(1, lambda i: None)  # one part: runs here, nothing splits
+            small = list(blas._done)
+            parallel.parallel_for(2, lambda i: None)
+        print(small, blas._done, os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
+    """)
+    assert small == "[]" and split in ("[True]", "[False]")
+    assert timeout == (str(blas.SPIN_LOG2) if split == "[True]" else "None")
 
 
 def test_split_parts_keep_the_callers_numpy_error_state(monkeypatch) -> None:
