@@ -6,18 +6,12 @@ has no BLAS path for them.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from onnxtrain.engine.parallel import parallel_for, split, width
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 _F32 = np.dtype(np.float32)
 _FAR_ROWS = 4096  # bytes between B's rows from which a batched MatMul copies B first
-# a batch of small products splits over the run's threads from this many multiply-adds per part (OpenBLAS
-# runs products this small on one thread; attention's are 64x32x64)
-_MIN_PART_MACS = 1 << 22
 
 
 def _low_precision(dt: np.dtype) -> bool:
@@ -40,36 +34,8 @@ def matmul(inputs: Inputs, attrs: Attrs) -> Outputs:
         # tensor): one copy first makes the small GEMMs faster (measured in the exported transformer's
         # forward: 320 -> 192 us for P @ V, copy included); closer rows and transposed B are left as they are
         b = np.ascontiguousarray(b)
-    if a.ndim > 2 and b.ndim > 2 and width() > 1:
-        y = _batched_split(a, b)
-        if y is not None:
-            return (y,)
     y = np.matmul(a, b)
     return (y if isinstance(y, np.ndarray) else np.asarray(y, dtype=dt),)
-
-
-def _batched_split(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
-    """A batch of matrix products split along the batch over the run's threads (each product is the same
-    BLAS call as in one matmul), or None when the batch is too small to split."""
-    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    if k != b.shape[-2]:
-        return None  # numpy's own error
-    count = batch[0]  # split along the first batch axis: slices of it are views, broadcast or not
-    parts = min(width(), count, math.prod(batch) * m * n * k // _MIN_PART_MACS)
-    if parts <= 1:
-        return None
-    a = np.broadcast_to(a, batch + a.shape[-2:])
-    b = np.broadcast_to(b, batch + b.shape[-2:])
-    y = np.empty(batch + (m, n), np.result_type(a, b))
-    ranges = split(count, parts)
-
-    def part(i: int) -> None:
-        lo, hi = ranges[i]
-        np.matmul(a[lo:hi], b[lo:hi], out=y[lo:hi])
-
-    parallel_for(len(ranges), part)
-    return y
 
 
 @kernel("Gemm", since=7)

@@ -170,28 +170,19 @@ def log_softmax(inputs: Inputs, attrs: Attrs) -> Outputs:
 # ---------------------------------------------------------------- row statistics
 
 
-def _standardize_rows(x2: np.ndarray, eps: float, d: np.ndarray, mean: np.ndarray, inv: np.ndarray) -> None:
-    """For a 2-D ``x2``: ``d`` = (x - mean) * inv_std, with ``mean`` and ``inv`` (rows, 1) the statistics
-    of each row."""
+def _standardize_rows(x2: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For a 2-D ``x2``: ((x - mean) * inv_std, mean, inv_std), statistics over each row (keepdims)."""
     n = x2.shape[1]
-    np.einsum("ij->i", x2, out=mean[:, 0])
+    mean = row_sum(x2)
     mean /= n
-    np.subtract(x2, mean, out=d)
-    var = inv
-    np.einsum("ij,ij->i", d, d, out=var[:, 0])
+    d = np.subtract(x2, mean)
+    var = np.einsum("ij,ij->i", d, d)[:, None]
     var /= n
     var += eps
-    np.sqrt(var, out=inv)
+    inv = np.sqrt(var, out=var)
     np.reciprocal(inv, out=inv)
     d *= inv
-
-
-def _standardized(x2: np.ndarray, eps: float) -> np.ndarray:
-    """(x - mean) * inv_std over each row of the 2-D ``x2``, as a new array."""
-    d = np.empty(x2.shape, x2.dtype)
-    stats = np.empty((2, x2.shape[0], 1), x2.dtype)
-    _standardize_rows(x2, eps, d, stats[0], stats[1])
-    return d
+    return d, mean, inv
 
 
 def _stash_dtype(x: np.ndarray, stash_type: int | None) -> np.dtype:
@@ -218,21 +209,10 @@ def layer_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
     cols = math.prod(inner)
     sdt = _stash_dtype(x, attrs.get("stash_type"))
     x2 = x.reshape(-1, cols).astype(sdt, copy=False)
-    n_rows = x2.shape[0]
-    y = np.empty(x2.shape, sdt)
-    mean, inv = np.empty((n_rows, 1), sdt), np.empty((n_rows, 1), sdt)
-    gamma = _as_flat(scale, inner, cols)
-    beta = None if bias is None else _as_flat(bias, inner, cols)
-    eps = attrs["epsilon"]
-
-    def rows(lo: int, hi: int) -> None:
-        yb = y[lo:hi]
-        _standardize_rows(x2[lo:hi], eps, yb, mean[lo:hi], inv[lo:hi])
-        yb *= gamma
-        if beta is not None:
-            yb += beta
-
-    for_rows(n_rows, x2.size, rows)
+    y, mean, inv = _standardize_rows(x2, attrs["epsilon"])
+    y *= _as_flat(scale, inner, cols)
+    if bias is not None:
+        y += _as_flat(bias, inner, cols)
     outs: list[np.ndarray | None] = [_back(y.reshape(x.shape), x.dtype)]
     if attrs.n_outputs > 1:
         stat_shape = x.shape[:axis] + (1,) * (nd - axis)
@@ -322,7 +302,7 @@ def instance_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, scale, bias = inputs[0], inputs[1], inputs[2]
     n, c = x.shape[0], x.shape[1]
     w = _work(x)
-    y = _standardized(w.reshape(n * c, -1), attrs["epsilon"])
+    y, _, _ = _standardize_rows(w.reshape(n * c, -1), attrs["epsilon"])
     y = y.reshape(n, c, -1)
     y *= scale.astype(y.dtype, copy=False)[:, None]
     y += bias.astype(y.dtype, copy=False)[:, None]
@@ -337,7 +317,7 @@ def _group_norm(inputs: Inputs, attrs: Attrs, per_channel: bool) -> Outputs:
         raise ValueError(f"GroupNormalization: num_groups={g} must divide the {c} channels")
     low = _F32 if _is_low(x.dtype) else x.dtype
     sdt = _stash_dtype(x, attrs.get("stash_type")) if per_channel else low
-    y = _standardized(x.reshape(n * g, -1).astype(sdt, copy=False), attrs["epsilon"])
+    y, _, _ = _standardize_rows(x.reshape(n * g, -1).astype(sdt, copy=False), attrs["epsilon"])
     groups = c if per_channel else g  # opset 18: one scale/bias per group; 21: per channel
     y = y.reshape(n, groups, -1)
     y *= scale.astype(sdt, copy=False)[:, None]
