@@ -25,7 +25,9 @@ MIN_ROWS_WORK = 1 << 17  # elements per part of a row-wise kernel: below, waking
 
 
 def default_width() -> int:
-    """``ONNXTRAIN_NUM_THREADS`` when set, else the number of CPUs this process may run on."""
+    """``ONNXTRAIN_NUM_THREADS`` when set, else the CPUs this process may run on, shared out among the
+    ranks of an MPI job on this host (``MPI_LOCALNRANKS`` of MPICH, ``OMPI_COMM_WORLD_LOCAL_SIZE`` of
+    Open MPI)."""
     env = os.environ.get("ONNXTRAIN_NUM_THREADS", "").strip()
     if env:
         try:
@@ -36,9 +38,14 @@ def default_width() -> int:
             raise ValueError(f"ONNXTRAIN_NUM_THREADS must be a positive integer, got {env!r}")
         return n
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    for key in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        ranks = os.environ.get(key, "")
+        if ranks.isdigit() and int(ranks) > 0:
+            return max(1, cpus // int(ranks))
+    return cpus
 
 
 def width() -> int:
@@ -109,6 +116,16 @@ class _Workers:
 
 
 _workers = _Workers()
+
+
+def _forget_workers() -> None:
+    """In a forked child: the parent's worker threads do not exist there."""
+    global _workers
+    _workers = _Workers()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_workers)
 
 
 def parallel_for(n: int, fn: Callable[[int], None]) -> None:

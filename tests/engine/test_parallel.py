@@ -241,3 +241,33 @@ def test_softmax_split_by_rows_gives_the_same_bits(monkeypatch, scale: float) ->
     ref = ReferenceEvaluator(_attention_model()).run(None, feeds)
     for a, b in zip(split, ref):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_mpi_ranks_on_one_host_share_its_cpus(monkeypatch) -> None:
+    monkeypatch.delenv("ONNXTRAIN_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv("MPI_LOCALNRANKS", raising=False)
+    assert parallel.default_width() == 8
+    monkeypatch.setenv("MPI_LOCALNRANKS", "3")
+    assert parallel.default_width() == 2
+    monkeypatch.setenv("MPI_LOCALNRANKS", "16")
+    assert parallel.default_width() == 1
+
+
+def test_a_forked_child_splits_with_workers_of_its_own() -> None:
+    (out,) = _python("""
+        import os
+        import numpy as np
+        from onnxtrain.engine import parallel
+        with parallel.running_with(2):
+            parallel.parallel_for(2, lambda i: None)  # the parent's worker exists now
+            pid = os.fork()
+            if pid == 0:
+                seen = []
+                parallel.parallel_for(4, seen.append)
+                os._exit(0 if sorted(seen) == [0, 1, 2, 3] and parallel._workers.count == 1 else 3)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status))
+    """)
+    assert out == "0"
