@@ -21,7 +21,7 @@ import numpy as np
 from onnxtrain.engine.blas import shorten_blas_spin
 
 _local = threading.local()
-MIN_ROWS_WORK = 1 << 17  # elements per part of a row-wise kernel: below, waking a thread costs more
+MIN_ROWS_WORK = 1 << 18  # elements per part of a row-wise kernel: below, splitting costs more than it saves
 
 
 def default_width() -> int:

@@ -48,9 +48,13 @@ MIN_POOLED = 256  # elements: smaller values are cheaper to allocate than to loo
 BLOCK_MIN_BYTES = 8 << 20
 BLOCK_BYTES = 4 << 20
 _BLOCK_ALIGN = 64
-# a segment of at least PAR_MIN_WORK element-ops (elements × ufuncs) splits its elements over the run's
-# threads (:mod:`onnxtrain.engine.parallel`): below it, waking a thread costs more than it saves
-PAR_MIN_WORK = 1 << 20
+# a segment of at least PAR_MIN_WORK element-ops (elements × ufuncs, an Erf counting ERF_COST) splits its
+# elements over the run's threads (:mod:`onnxtrain.engine.parallel`). Measured on 2 cores (bench/, one thread
+# against two in the same run): the exported GELU of the transformer (1 M elements × 13) gained 0.5 ms of
+# 2.3; the Adam update of the MLP's weights (0.4 M × 13) lost, as splitting at all makes OpenBLAS's threads
+# sleep between GEMMs (onnxtrain/engine/blas.py), which the MLP's GEMMs pay for in waking them
+PAR_MIN_WORK = 8 << 20
+ERF_COST = 8  # an Erf costs about as much as eight plain ufuncs (two gathers and nine passes)
 
 
 class ScratchPool:
@@ -618,10 +622,11 @@ class _Segment:
         if len(ops) >= 2 and n >= 2 * _BLOCK_ALIGN and n * per_elem >= BLOCK_MIN_BYTES:
             # a multiple of _BLOCK_ALIGN elements: every slice starts as aligned as the whole array
             block = min(max(BLOCK_BYTES // max(per_elem, 1) // _BLOCK_ALIGN, 1) * _BLOCK_ALIGN, n)
+        cost = sum(ERF_COST if f is erf_into else 1 for f, *_ in ops)  # per element
         return cls(
             n=n,
             block=block,
-            par=n >= 2 * _BLOCK_ALIGN and n * len(ops) >= PAR_MIN_WORK,
+            par=n >= 2 * _BLOCK_ALIGN and n * cost >= PAR_MIN_WORK,
             n_bv=n_slots + len(consts),
             consts=consts,
             small=sorted(local[s] for s in m_inputs if not whole(s)),
