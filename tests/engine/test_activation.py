@@ -109,3 +109,24 @@ def test_kernels_do_not_mutate_inputs() -> None:
         keep = x.copy()
         run(op, x)
         np.testing.assert_array_equal(x, keep, err_msg=op)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int8, np.int32, np.int64])
+def test_relu_against_an_array_of_zeros_gives_the_bits_of_the_scalar_form(dtype) -> None:
+    from onnxtrain.engine.kernels.filled import filled, relu_into
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((37, 53)) * 50).astype(dtype)
+    if np.dtype(dtype).kind == "f":
+        x.flat[:5] = [np.nan, -0.0, 0.0, np.inf, -np.inf]
+    want = np.maximum(x, dtype(0))
+    got = relu_into(x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # the same bits, -0.0 and NaN too
+    out = np.empty_like(x)
+    assert relu_into(x[::2, ::3], out=out[::2, ::3]) is not None
+    strided = np.ascontiguousarray(out[::2, ::3])
+    np.testing.assert_array_equal(strided.view(np.uint8), np.maximum(x[::2, ::3], dtype(0)).view(np.uint8))
+    zeros = filled(0, np.dtype(dtype), (4, 5))
+    assert not zeros.flags.writeable and zeros.shape == (4, 5) and not zeros.any()
+    assert np.shares_memory(zeros, filled(0, np.dtype(dtype), (20,)))  # one buffer per dtype, reused

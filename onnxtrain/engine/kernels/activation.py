@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from onnxtrain.engine.kernels.elementwise import erf
+from onnxtrain.engine.kernels.filled import relu_into
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 _NATIVE = (np.dtype(np.float32), np.dtype(np.float64))
@@ -61,7 +62,7 @@ def softplus(x: np.ndarray) -> np.ndarray:
 
 @kernel("Relu", since=6)
 def relu(inputs: Inputs, attrs: Attrs) -> Outputs:
-    return (np.asarray(np.maximum(inputs[0], 0)),)
+    return (np.asarray(relu_into(inputs[0])),)
 
 
 @kernel("Tanh", since=6)

@@ -246,7 +246,7 @@ def _erf32_tables() -> tuple[np.ndarray, np.ndarray]:
 def _erf32_block(x: np.ndarray, out: np.ndarray, d: np.ndarray, t: np.ndarray, a: np.ndarray,
                  idx: np.ndarray, ta: np.ndarray, tb: np.ndarray) -> None:
     """erf of the 1-d float32 block ``x`` into ``out``; d, t, a (float32) and idx (intp) are scratch."""
-    np.clip(x, _F32_MINUS_FOUR, _F32_FOUR, out=d)  # NaN stays NaN
+    np.clip(x, _F32_MINUS_FOUR, _F32_FOUR, out=d)  # NaN stays NaN (clip beat min/max against arrays here)
     bits = d.view(np.uint32)
     np.right_shift(bits, _ERF32_SHIFT, out=idx)
     # mode="wrap" is the fastest take here; only a negative NaN's slot is past the end, and it stays NaN
