@@ -16,7 +16,9 @@ _FAR_ROWS = 4096  # bytes between B's rows from which a batched MatMul copies B 
 
 def _low_precision(dt: np.dtype) -> bool:
     """True for float dtypes narrower than float32 (float16, bfloat16, float8 ...)."""
-    return dt.kind == "f" and dt.itemsize < 4 or dt.kind == "V" or dt.name.startswith(("bfloat", "float8"))
+    if dt.kind == "f":  # first: ``dt.name`` is a Python-level property, slow for a check made every call
+        return dt.itemsize < 4
+    return dt.kind == "V" or dt.name.startswith(("bfloat", "float8"))
 
 
 @kernel("MatMul", since=1)
