@@ -175,6 +175,8 @@ def for_rows(rows: int, work: int, fn: Callable[[int, int], None]) -> None:
 def split(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
     """``[0, n)`` as up to ``parts`` contiguous ranges of nearly equal length whose starts are multiples of
     ``align``."""
-    step = -(-n // parts)
+    if n <= 0:
+        return []
+    step = -(-n // max(parts, 1))
     step = -(-step // align) * align
     return [(lo, min(lo + step, n)) for lo in range(0, n, step)]

@@ -64,6 +64,10 @@ def test_split_covers_the_range_with_aligned_starts(n: int, parts: int, align: i
     assert all(lo % align == 0 and hi > lo for lo, hi in ranges)
 
 
+def test_split_of_nothing_is_no_ranges() -> None:
+    assert parallel.split(0, 2) == [] and parallel.split(5, 0) == [(0, 5)]
+
+
 def test_default_width_reads_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("ONNXTRAIN_NUM_THREADS", "3")
     assert parallel.default_width() == 3
