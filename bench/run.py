@@ -171,6 +171,12 @@ def gemm_peak(coretype: str, quick: bool) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+# pause between two peers' turns: numpy's OpenBLAS threads busy-wait about 0.1 s after their last call
+# (measured: 0.104 s of CPU in a 0.3 s sleep after one GEMM; torch's threads 0.009 s), which would take a
+# core from whichever peer runs next
+SETTLE_S = 0.15
+
+
 def measure(peers: list[Peer], repeats: int, warmup: int, min_time: float) -> None:
     live = [p for p in peers if p.proc is not None]
     for p in live:
@@ -181,6 +187,7 @@ def measure(peers: list[Peer], repeats: int, warmup: int, min_time: float) -> No
     for r in range(repeats):
         k = r % len(live) if live else 0
         for p in live[k:] + live[:k]:
+            time.sleep(SETTLE_S)
             res = p.send(f"run {p.number}")
             p.samples.append(res["seconds"] / p.number)
             p.loss = res["loss"]
