@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -130,3 +131,18 @@ def test_relu_against_an_array_of_zeros_gives_the_bits_of_the_scalar_form(dtype)
     zeros = filled(0, np.dtype(dtype), (4, 5))
     assert not zeros.flags.writeable and zeros.shape == (4, 5) and not zeros.any()
     assert np.shares_memory(zeros, filled(0, np.dtype(dtype), (20,)))  # one buffer per dtype, reused
+
+
+def test_the_cached_zeros_take_no_resident_memory() -> None:
+    from onnxtrain.engine.kernels.filled import filled
+
+    def resident_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("no /proc/self/statm here")
+    before = resident_mib()
+    zeros = filled(0, np.dtype(np.float64), (8 << 20,))  # 64 MiB of zeros, every page read below
+    assert float(zeros.sum()) == 0.0
+    assert resident_mib() - before < 8

@@ -3,13 +3,14 @@
 numpy's ``maximum`` and ``minimum`` (and so ``clip``) take a slow loop when one operand is a scalar: on
 float32, ``np.maximum(x, 0)`` ran 5x slower than ``np.maximum(x, zeros)`` with an array of zeros (10.9 against
 2.1 µs for 32 K values). Kernels that clamp against a constant therefore pass an array of it, a view of one
-cached read-only buffer per (value, dtype) grown to the largest size asked for. The ufunc is the same, so
-the results are the same bits.
+cached read-only buffer per (value, dtype) grown to the largest size asked for (zeros are an untouched
+anonymous mapping, which takes no resident memory). The ufunc is the same, so the results are the same bits.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 from typing import Any
 
@@ -28,10 +29,16 @@ def filled(value: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         with _lock:
             buf = _buffers.get(key)
             if buf is None or buf.size < n:
-                buf = np.full(max(n, 1024), value, dtype)
+                buf = _zeros(max(n, 1024), key[1]) if value == 0 else np.full(max(n, 1024), value, dtype)
                 buf.flags.writeable = False
                 _buffers[key] = buf
     return buf[:n].reshape(shape)
+
+
+def _zeros(n: int, dtype: np.dtype) -> np.ndarray:
+    """``n`` zeros in an anonymous mapping that is never written: every page reads as the kernel's one
+    shared zero page, so the buffer costs no resident memory however large it grows."""
+    return np.frombuffer(mmap.mmap(-1, n * dtype.itemsize, flags=mmap.MAP_PRIVATE), dtype, count=n)
 
 
 def relu_into(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
