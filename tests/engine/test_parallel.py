@@ -275,3 +275,35 @@ def test_a_forked_child_splits_with_workers_of_its_own() -> None:
         print(os.waitstatus_to_exitcode(status))
     """)
     assert out == "0"
+
+
+def test_plans_run_from_several_threads_at_once_split_correctly(monkeypatch) -> None:
+    from onnxtrain.engine.fusion import elementwise as fusion
+
+    monkeypatch.setattr(fusion, "PAR_MIN_WORK", 0)
+    monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
+    monkeypatch.setattr(fusion, "BLOCK_BYTES", 8192)
+    rng = np.random.default_rng(9)
+    feeds = [
+        {"h": (3 * rng.standard_normal((64, 300))).astype(np.float32),
+         "bias": rng.standard_normal(300).astype(np.float32)}
+        for _ in range(4)
+    ]
+    want = [Plan(_gelu_model(), fuse=False).run(f)[0] for f in feeds]
+    shared, own = Plan(_gelu_model(), threads=2), [Plan(_gelu_model(), threads=2) for _ in feeds]
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            for _ in range(20):  # the shared plan's pool is busy at times: those runs take the plain steps
+                for plan in (shared, own[i]):
+                    np.testing.assert_array_equal(plan.run(feeds[i])[0], want[i])
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(feeds))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[0]
