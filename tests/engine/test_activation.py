@@ -146,3 +146,12 @@ def test_the_cached_zeros_take_no_resident_memory() -> None:
     zeros = filled(0, np.dtype(np.float64), (8 << 20,))  # 64 MiB of zeros, every page read below
     assert float(zeros.sum()) == 0.0
     assert resident_mib() - before < 8
+
+
+def test_filled_keeps_minus_zero_apart_from_zero() -> None:
+    from onnxtrain.engine.kernels.filled import filled
+
+    f32 = np.dtype(np.float32)
+    minus, plus = filled(-0.0, f32, (3,)), filled(0.0, f32, (3,))  # equal and of one hash as keys
+    assert np.signbit(minus).all() and not np.signbit(plus).any()
+    assert np.isnan(filled(np.nan, np.dtype(np.float64), (4,))).all()
