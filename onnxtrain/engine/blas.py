@@ -37,13 +37,24 @@ def _loaded_openblas() -> list[str]:
     return sorted(p for p in paths if os.path.isabs(p))
 
 
+def _others_running() -> bool:
+    """True when a Python thread other than this one and the engine's own (named ``onnxtrain-*``) is
+    alive: it might be inside a BLAS call, which stopping OpenBLAS's threads would leave waiting forever."""
+    me = threading.current_thread()
+    return any(t is not me and not t.name.startswith("onnxtrain-") for t in threading.enumerate())
+
+
 def shorten_blas_spin() -> bool:
     """Make numpy's OpenBLAS threads sleep after :data:`SPIN_LOG2` cycles idle instead of about 0.1 s.
     Done once per process; returns whether the value now applies (False: not OpenBLAS with a pthreads
-    server, or the process chose its own ``OPENBLAS_THREAD_TIMEOUT``)."""
+    server, or the process chose its own ``OPENBLAS_THREAD_TIMEOUT``). While other Python threads are
+    alive it does nothing and is tried again on the next call. The variable, once set, is inherited by
+    child processes."""
     with _lock:
         if _done:
             return _done[0]
+        if _others_running():
+            return False
         applied = False
         if not any(k in os.environ for k in _ENV):
             for path in _loaded_openblas():

@@ -163,6 +163,21 @@ def test_shortened_blas_spin_frees_the_cores_after_a_gemm() -> None:
     assert float(after) < 0.03
 
 
+def test_the_blas_spin_waits_while_other_python_threads_run() -> None:
+    waiting, later = _python("""
+        import threading
+        from onnxtrain.engine import blas
+        stop = threading.Event()
+        other = threading.Thread(target=stop.wait)  # a user's thread: it might be inside a GEMM
+        other.start()
+        first = blas.shorten_blas_spin(), list(blas._done)
+        stop.set()
+        other.join()
+        print(first == (False, []), blas.shorten_blas_spin() == bool(blas._done[0]))
+    """)
+    assert waiting == "True" and later == "True"
+
+
 def test_the_blas_spin_is_shortened_when_a_kernel_first_splits() -> None:
     small, split, timeout = _python("""
         import os, numpy as np
