@@ -9,20 +9,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import TrainingParameters, TrainingSession
 from onnxtrain.engine.plan import EngineError, Plan
+from tests.engine.graphs import model
 from tests.session.helpers import batches, mlp_model
 
 F = TensorProto.FLOAT
-
-
-def model(nodes, inputs, outputs, inits=()) -> onnx.ModelProto:
-    g = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info(n, F, None) for n in inputs],
-        [helper.make_tensor_value_info(n, F, None) for n in outputs],
-        list(inits),
-    )
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def ops(plan: Plan) -> list[str]:

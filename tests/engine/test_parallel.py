@@ -17,6 +17,7 @@ from onnx.reference import ReferenceEvaluator
 
 from onnxtrain.engine import blas, parallel
 from onnxtrain.engine.plan import Plan
+from tests.engine.graphs import model
 
 
 def test_parallel_for_runs_every_index_once_over_several_threads() -> None:
@@ -99,14 +100,7 @@ def _gelu_model() -> onnx.ModelProto:
         helper.make_tensor("one", f, [], [1.0]),
         helper.make_tensor("half", f, [], [0.5]),
     ]
-    g = helper.make_graph(
-        nodes,
-        "gelu",
-        [helper.make_tensor_value_info("h", f, None), helper.make_tensor_value_info("bias", f, None)],
-        [helper.make_tensor_value_info("y", f, None)],
-        inits,
-    )
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return model(nodes, ["h", "bias"], ["y"], inits)
 
 
 def test_a_cluster_split_over_threads_gives_the_same_bits(monkeypatch) -> None:
@@ -196,14 +190,8 @@ def test_split_parts_keep_the_callers_numpy_error_state(monkeypatch) -> None:
     from onnxtrain.engine.fusion import elementwise as fusion
 
     monkeypatch.setattr(fusion, "PAR_MIN_WORK", 0)
-    f = TensorProto.FLOAT
-    g = helper.make_graph(
-        [helper.make_node("Log", ["x"], ["l"]), helper.make_node("Div", ["l", "x"], ["y"])],
-        "g",
-        [helper.make_tensor_value_info("x", f, None)],
-        [helper.make_tensor_value_info("y", f, None)],
-    )
-    plan = Plan(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), threads=2)
+    nodes = [helper.make_node("Log", ["x"], ["l"]), helper.make_node("Div", ["l", "x"], ["y"])]
+    plan = Plan(model(nodes, ["x"], ["y"]), threads=2)
     x = np.zeros(1 << 22, np.float32)  # log(0) / 0 everywhere, which the engine runs quietly; parts of
     # milliseconds each, so the worker takes one
     with warnings.catch_warnings(), np.errstate(all="raise"):
@@ -215,20 +203,13 @@ def test_split_parts_keep_the_callers_numpy_error_state(monkeypatch) -> None:
 
 def _attention_model() -> onnx.ModelProto:
     """Attention's kernels: batched MatMuls, Softmax (which splits by rows) and LayerNormalization."""
-    f = TensorProto.FLOAT
     nodes = [
         helper.make_node("MatMul", ["q", "k"], ["s"]),
         helper.make_node("Softmax", ["s"], ["p"], axis=-1),
         helper.make_node("MatMul", ["p", "v"], ["o"]),
         helper.make_node("LayerNormalization", ["o", "gamma", "beta"], ["y", "mean", "inv"], axis=-1),
     ]
-    g = helper.make_graph(
-        nodes,
-        "attention",
-        [helper.make_tensor_value_info(k, f, None) for k in ("q", "k", "v", "gamma", "beta")],
-        [helper.make_tensor_value_info(k, f, None) for k in ("s", "p", "o", "y", "mean", "inv")],
-    )
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return model(nodes, ["q", "k", "v", "gamma", "beta"], ["s", "p", "o", "y", "mean", "inv"])
 
 
 @pytest.mark.parametrize("scale", [1.0, 40.0])  # softmax without and with the shift by the row maximum
