@@ -100,8 +100,7 @@ def softmax_along(x: np.ndarray, axis: int) -> np.ndarray:
             if safe:
                 np.exp(xb, out=yb)
             else:
-                np.subtract(xb, row_max(xb), out=yb)
-                np.exp(yb, out=yb)
+                _exp_shifted(xb, row_max(xb), out=yb)
             yb /= row_sum(yb)
 
         for_rows(x2.shape[0], x2.size, rows)
@@ -111,9 +110,9 @@ def softmax_along(x: np.ndarray, axis: int) -> np.ndarray:
     return y
 
 
-def _exp_shifted(x: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """exp(x - m) in one new array."""
-    y = np.subtract(x, m)
+def _exp_shifted(x: np.ndarray, m: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """exp(x - m) in one array: ``out`` when given, else a new one."""
+    y = np.subtract(x, m, out=out)
     return np.exp(y, out=y)
 
 
