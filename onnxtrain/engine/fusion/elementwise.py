@@ -284,15 +284,19 @@ class _Cluster:
         run_steps(self.plan, self.members, env)
         return [env[s] for s in self.escaping]
 
-    def _traced_run(self, inputs: Sequence[Any]) -> dict[int, Any]:
-        """Run the original kernels, keeping every value's shape and dtype but not the memory of those that
-        died inside the cluster (a zero-stride stand-in replaces them): the first run, which traces, must
-        not need more memory than the later ones."""
-        env = dict(zip(self.ext, inputs))
+    def _last_uses(self) -> dict[int, int]:
+        """Each value read inside the cluster → the index of the last member reading it."""
         last: dict[int, int] = {}
         for k, st in enumerate(self.members):
             for s in st.inputs:
                 last[s] = k
+        return last
+
+    def _traced_run(self, inputs: Sequence[Any], last: dict[int, int]) -> dict[int, Any]:
+        """Run the original kernels, keeping every value's shape and dtype but not the memory of those that
+        died inside the cluster (``last``: :meth:`_last_uses`; a zero-stride stand-in replaces them): the
+        first run, which traces, must not need more memory than the later ones."""
+        env = dict(zip(self.ext, inputs))
         keep = set(self.escaping) | set(self.ext)
         for k, st in enumerate(self.members):
             run_steps(self.plan, [st], env)
@@ -310,15 +314,12 @@ class _Cluster:
         holding an escaping value, or a value an own-kernel member reads (it might return it as is), is
         a fresh array each run; other groups use scratch buffers of the pool, reused once they die.
         """
-        env = self._traced_run(inputs)
+        last_use = self._last_uses()
+        env = self._traced_run(inputs, last_use)
         local = {s: i for i, s in enumerate(self.ext)}
         for st in self.members:
             for s in st.outputs:
                 local[s] = len(local)
-        last_use: dict[int, int] = {}
-        for k, st in enumerate(self.members):
-            for s in st.inputs:
-                last_use[s] = k
         fast = [_runs_as_ufunc(st, env) for st in self.members]
         blocked = _Blocked.build(self, env, local, fast, last_use)
         if blocked is not None:
