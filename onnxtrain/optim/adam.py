@@ -59,11 +59,16 @@ def shared_bias_corrections(
         c1s, c2s = (w.emit("Split", [c, sizes], len(on), axis=0) for c in vectors)
         steps: list[str | None] = [None] * len(on)
         if lr is not None:
-            step = w.one("Div", w.one("Mul", lr, w.one("Sqrt", vectors[1])), vectors[0])
+            step = step_size(w, lr, vectors[0], vectors[1])
             steps = list(w.emit("Split", [step, sizes], len(on), axis=0))
         for i, c1, c2, st in zip(on, c1s, c2s, steps):
             out[i] = (c1, c2, st)
     return out
+
+
+def step_size(w: NodeWriter, lr: str, c1: str, c2: str) -> str:
+    """Adam's bias-corrected step lr·sqrt(c2)/c1 (on scalars or on vectors of them)."""
+    return w.one("Div", w.one("Mul", lr, w.one("Sqrt", c2)), c1)
 
 
 def next_counts(w: NodeWriter, counts: list[str], names: list[str]) -> list[str]:
@@ -142,7 +147,7 @@ class Adam(Optimizer):
             else:
                 # u = lr·sqrt(c2)/c1 · m1/(sqrt(m2)+ε);  w' = (w − u) − lr·λ·(w − u) = (w − u)·(1 − lr·λ),
                 # the factor a scalar: one pass over the weight instead of two
-                step = shared_step or w.one("Div", w.one("Mul", lr_t, w.one("Sqrt", c2)), c1)
+                step = shared_step or step_size(w, lr_t, c1, c2)
                 u = w.one(
                     "Mul", step, w.one("Div", m1n, w.one("Add", w.one("Sqrt", m2n), scalar(w, eps, et)))
                 )
