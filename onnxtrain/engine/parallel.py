@@ -132,8 +132,7 @@ def parallel_for(n: int, fn: Callable[[int], None]) -> None:
     """Call ``fn(i)`` for i in range(n), over up to :func:`width` threads (this one included), each under
     this thread's numpy error state; the first exception any call raised is raised here once all calls
     have ended."""
-    before = width()
-    threads = min(before, n)
+    threads = min(width(), n)
     if threads <= 1:
         for i in range(n):
             fn(i)
@@ -150,11 +149,8 @@ def parallel_for(n: int, fn: Callable[[int], None]) -> None:
     _workers.ensure(threads - 1)
     for _ in range(threads - 1):
         _workers.jobs.put(job)
-    _local.width = 1  # a part never splits again
-    try:
+    with running_with(1):  # a part never splits again
         job.work()
-    finally:
-        _local.width = before
     job.finished.wait()
     if job.error is not None:
         raise job.error
