@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -84,6 +85,28 @@ def test_erf_float32_special_values() -> None:
     assert list(got[5:11]) == [1, -1, 1, -1, 1, -1]
     assert list(got[12:]) == [np.float32(1e-45), np.float32(-1e-45)]  # 2/sqrt(pi) * x, rounded
     assert erf(np.float32(-0.5)).shape == () and erf(np.zeros((2, 0, 3), np.float32)).shape == (2, 0, 3)
+
+
+def test_erf_float32_from_several_threads_at_once() -> None:
+    """Each thread keeps its own scratch: calls running at the same time do not mix their blocks."""
+    rng = np.random.default_rng(4)
+    xs = [rng.normal(0, 2, 300_000).astype(np.float32) * (k + 1) for k in range(4)]
+    want = [erf(x) for x in xs]
+    got: list[list[np.ndarray]] = [[] for _ in xs]
+
+    def work(k: int) -> None:
+        for _ in range(5):
+            got[k].append(erf(xs[k]))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k, w in enumerate(want):
+        assert len(got[k]) == 5 and all(np.array_equal(g, w) for g in got[k])
+    ref = np.array([math.erf(v) for v in xs[0][:2000].astype(np.float64)])
+    assert _ulps(want[0][:2000][ref != 0], ref[ref != 0]).max() <= 1.5
 
 
 def test_erf_special_values_and_shapes() -> None:
