@@ -217,7 +217,10 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             if s in self._store:
                 feeds[s] = self._store[s]
         upd_items = [] if kind == "forward" else list(self._graphs.updates[kind].items())
-        results = plan.run(feeds, names + [o for _, o in upd_items])
+        # the old state arrays are the session's own (get_state and load_state copy), and each is replaced by
+        # its update below: the plan may write the new values into them
+        donate = [s for s, _ in upd_items if s in feeds]
+        results = plan.run(feeds, names + [o for _, o in upd_items], donate=donate)
         for (state, _), v in zip(upd_items, results[len(names) :]):
             self._store[state] = v
         if kind == "full" and self._graphs.buffers:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -247,8 +247,13 @@ class OrtPlan(GraphInterface):
 
     # ---- running ---------------------------------------------------------------------
     def run(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None,
-            overrides: Mapping[str, Any] | None = None) -> list[np.ndarray]:
-        """Run the graph on ``feeds`` (name → array) and return the requested outputs as numpy arrays."""
+            overrides: Mapping[str, Any] | None = None, donate: Collection[str] = ()) -> list[np.ndarray]:
+        """Run the graph on ``feeds`` (name → array) and return the requested outputs as numpy arrays.
+        ``donate`` is accepted for the numpy plan's signature; onnxruntime allocates its own outputs."""
+        if donate:
+            missing = [n for n in donate if n not in feeds]
+            if missing:
+                raise ValueError(f"donated name(s) {missing} are not among the feeds {sorted(feeds)}")
         if overrides:
             feeds = {**feeds, **overrides}
         names = list(self.output_names) if output_names is None else list(output_names)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from onnx import numpy_helper
 
 from onnxtrain.engine import fusion
 from onnxtrain.engine.allocator import tune_allocator
+from onnxtrain.engine.donation import donated_slots, donating, reusable_inputs
 from onnxtrain.engine.parallel import default_width, running_with
 from onnxtrain.engine.registry import Attrs, Kernel, available_ops, find_kernel, parse_attributes
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
@@ -190,6 +191,7 @@ class Plan(GraphInterface):
         if fusion.enabled() if fuse is None else fuse:
             fusion.fuse(self)
         self._assign_frees()
+        self._reusable = self._offer_reuse()
 
     def _assign_frees(self) -> None:
         """Give every step the slots whose last use it is; graph outputs and initializers are never freed."""
@@ -210,6 +212,15 @@ class Plan(GraphInterface):
             Step(st.fn, st.inputs, st.outputs, st.attrs, tuple(fr), st.node)
             for st, fr in zip(self.steps, frees)
         ]
+
+    def _offer_reuse(self) -> frozenset[int]:
+        """Tell the steps that can write into donated inputs which ones they may take; returns them all."""
+        taken: set[int] = set()
+        for i, slots in reusable_inputs(self).items():
+            allow = getattr(self.steps[i].fn, "allow_reuse", None)
+            if allow is not None:
+                taken.update(allow(slots))
+        return frozenset(taken)
 
     def _fold_constants(self) -> None:
         """Evaluate Constant nodes once, at compile time (initializers stay feedable)."""
@@ -243,8 +254,12 @@ class Plan(GraphInterface):
         feeds: Mapping[str, Any],
         output_names: Sequence[str] | None = None,
         overrides: Mapping[str, Any] | None = None,
+        donate: Collection[str] = (),
     ) -> list[np.ndarray]:
-        """Run the graph on ``feeds`` (name → array) and return the requested outputs."""
+        """Run the graph on ``feeds`` (name → array) and return the requested outputs.
+
+        ``donate`` names feeds the caller will not use again: their arrays may be overwritten (and come
+        back as outputs) when that is safe; see :mod:`onnxtrain.engine.donation`."""
         vals: list[Any] = [None] * (self.n_slots + 1)  # the extra last slot stays None: omitted inputs
         slot = self.slot
         for s, v in self._init_values:
@@ -263,8 +278,13 @@ class Plan(GraphInterface):
         if overrides:
             for name, v in overrides.items():
                 vals[slot[name]] = v
+        reuse = donated_slots(self, feeds, donate) & self._reusable if donate else None
         with running_with(self.threads):
-            peak = self._run_steps(vals, live)
+            if reuse:
+                with donating(reuse):
+                    peak = self._run_steps(vals, live)
+            else:
+                peak = self._run_steps(vals, live)
         self.peak_bytes = peak + self.scratch.nbytes
         if output_names is None:
             return [_as_array(vals[s]) for s in self._output_slots]

@@ -188,8 +188,10 @@ def test_blocked_cluster_is_bit_identical_and_keeps_block_sized_scratch(monkeypa
     only.run(feeds_of((300, 7), rng))
     (prog,) = only.steps[0].fn.programs.values()
     (seg,) = prog[5].segments
-    n_bufs = len({(dt, i) for _, dt, i in seg.scratch})  # value groups share buffers by liveness
-    assert 0 < n_bufs <= 2
+    # value groups share buffers by liveness; the chain computing w's step keeps a buffer of its own rather
+    # than running in w's output slice before w is read, so that the output can take w's memory when donated
+    n_bufs = len({(dt, i) for _, dt, i in seg.scratch})
+    assert 0 < n_bufs <= 3
     assert only.scratch.nbytes == n_bufs * seg.block * 4
     assert only.peak_bytes >= only.scratch.nbytes
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from onnx import helper
 
+from onnxtrain.engine.donation import donated_now
 from onnxtrain.engine.fusion.common import consumers, make_step, protected_slots, run_steps
 from onnxtrain.engine.fusion.shapes import is_memoized
 from onnxtrain.engine.kernels.elementwise import erf_into
@@ -222,6 +223,13 @@ class _Cluster:
         self.poolable = poolable
         self.pool = pool
         self.quiet = any(m.node.op_type in _QUIET for m in members)
+        # outputs are new arrays (or donated inputs' memory) unless an Identity or Cast hands an input through
+        passed = set(ext)
+        for m in members:
+            if m.node.op_type in ("Identity", "Cast") and passed.intersection(m.inputs):
+                passed.update(m.outputs)
+        self.fresh_outputs = not passed.intersection(escaping)
+        self.reusable: frozenset[int] = frozenset()
         self.programs: dict[tuple, tuple] = {}
 
     def __call__(self, inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
@@ -243,10 +251,11 @@ class _Cluster:
                     blocked.take_views(pool)
                 prog[4] = pool.version
             if blocked is not None:
+                donated = donated_now() & self.reusable if self.reusable else None
                 if self.quiet:
                     with np.errstate(divide="ignore", invalid="ignore"):
-                        return blocked.run(inputs)
-                return blocked.run(inputs)
+                        return blocked.run(inputs, donated)
+                return blocked.run(inputs, donated)
             vals = list(inputs)
             vals.extend(None for _ in range(prog[1]))
             if self.quiet:
@@ -278,6 +287,12 @@ class _Cluster:
                 res = fn([vals[i] for i in ins], extra)
                 for o, r in zip(outs, res):
                     vals[o] = r
+
+    def allow_reuse(self, slots: frozenset[int]) -> frozenset[int]:
+        """Let the cluster write its outputs into the graph inputs ``slots`` when a run donates them (the plan
+        found nothing reads them after this step); returns the ones among its inputs."""
+        self.reusable = frozenset(slots) & frozenset(self.ext)
+        return self.reusable
 
     def _fallback(self, inputs: Sequence[Any]) -> list[Any]:
         env = dict(zip(self.ext, inputs))
@@ -508,13 +523,13 @@ class _Blocked:
         for seg in self.segments:
             seg.take_views(pool)
 
-    def run(self, inputs: Sequence[Any]) -> list[Any]:
+    def run(self, inputs: Sequence[Any], donated: frozenset[int] | None = None) -> list[Any]:
         vals = list(inputs)
         vals.extend(None for _ in range(self.n_new))
         if self.pre:
             _Cluster._exec(self.pre, vals)
         for seg in self.segments:
-            seg.run(vals)
+            seg.run(vals, donated)
         if self.post:
             _Cluster._exec(self.post, vals)
         return [vals[i] for i in self.out_idx]
@@ -558,9 +573,28 @@ class _Segment:
         outs = [members[k].outputs[0] for k in blocked_ops]
         wholes = [o for o in outs if o in escaping or any(j not in mine for j in readers.get(o, ()))]
         whole_set = set(wholes)
+        # donation (onnxtrain/engine/donation.py): a whole output may be written into a cluster input of its
+        # dtype that only this segment reads, if its slice is first written no earlier than the input's last
+        # read. Each output claims the input read last before it is computed (an update's old value: w in
+        # w' = w − u), and no chain sinks into it (below) before that read
+        pos = {k: i for i, k in enumerate(blocked_ops)}
+        last_read: dict[int, int] = {}
+        for s in {s for k in blocked_ops for s in members[k].inputs} & cl.reusable:
+            rd = readers.get(s, ())
+            if whole(s) and all(j in mine for j in rd):
+                last_read[s] = max(pos[j] for j in rd)
+        claim: dict[int, int] = {}
+        for k in blocked_ops:
+            o = members[k].outputs[0]
+            if o in whole_set:
+                free_in = [s for s in last_read if s not in claim.values()
+                           and env[s].dtype == env[o].dtype and last_read[s] <= pos[k]]
+                if free_in:
+                    claim[o] = max(free_in, key=lambda s: (last_read[s], s))
         # block values: chains of ops whose input dies there share that input's buffer; a chain that dies
         # into a whole value runs in that value's slice ("sinks" into it) and needs no scratch buffer
         root: dict[int, int] = {}
+        root_at: dict[int, int] = {}  # chain root → position of the op that starts the chain
         sink: dict[int, int] = {}  # chain root → the whole value whose slice it uses
         for k in blocked_ops:
             out = members[k].outputs[0]
@@ -568,6 +602,8 @@ class _Segment:
             for s in members[k].inputs:
                 if s in root and last_use.get(s) == k and env[s].dtype == dt and root[s] not in sink:
                     if out in whole_set:
+                        if out in claim and root_at[root[s]] < last_read[claim[out]]:
+                            continue  # would write the output's slice before its claimed input is read
                         sink[root[s]] = out
                     else:
                         root[out] = root[s]
@@ -575,6 +611,7 @@ class _Segment:
             else:
                 if out not in whole_set:
                     root[out] = out
+                    root_at[out] = pos[k]
         end: dict[int, int] = {}
         for v, r in root.items():
             end[r] = max(end.get(r, -1), last_use.get(v, -1))
@@ -625,7 +662,17 @@ class _Segment:
             # a multiple of _BLOCK_ALIGN elements: every slice starts as aligned as the whole array
             block = min(max(BLOCK_BYTES // max(per_elem, 1) // _BLOCK_ALIGN, 1) * _BLOCK_ALIGN, n)
         cost = sum(ERF_COST if f is erf_into else 1 for f, *_ in ops)  # per element
+        # each whole output's donation candidates, its claimed input first: inputs whose every read comes no
+        # later than the first write into the output's slice (then each block reads an input's slice before
+        # it writes the same slice)
+        reuse: list[list[tuple[int, int]]] = []
+        for o in wholes:
+            first = min(i for i, op in enumerate(ops) if op[3] == local[o])
+            ok = [s for s in last_read if env[s].dtype == env[o].dtype and last_read[s] <= first]
+            ok.sort(key=lambda s: (s != claim.get(o), s))
+            reuse.append([(local[s], s) for s in ok])
         return cls(
+            reuse=reuse,
             n=n,
             block=block,
             par=n >= 2 * _BLOCK_ALIGN and n * cost >= PAR_MIN_WORK,
@@ -654,7 +701,7 @@ class _Segment:
             got = self.views[thread] = (block, [(i, pool.view((block,), dt, k)) for i, dt, k in keys])
         return got[1]
 
-    def run(self, vals: list[Any]) -> None:
+    def run(self, vals: list[Any], donated: frozenset[int] | None = None) -> None:
         bv: list[Any] = [None] * self.n_bv
         for i, c in self.consts:
             bv[i] = c
@@ -662,8 +709,18 @@ class _Segment:
             v = vals[i]
             bv[i] = v if v.ndim <= 1 else v.reshape(1)
         flats = [vals[i].reshape(-1) for i in self.whole_in]
-        for i, shape, dt in self.whole_out:
-            a = vals[i] = np.empty(shape, dt)
+        taken: list[int] = []
+        for (i, shape, dt), reuse in zip(self.whole_out, self.reuse):
+            a = None
+            if donated:
+                for j, ext in reuse:
+                    if ext in donated and j not in taken:
+                        a = vals[j]
+                        taken.append(j)
+                        break
+            if a is None:
+                a = np.empty(shape, dt)
+            vals[i] = a
             flats.append(a.reshape(-1))
         slots = list(zip(self.flat_slots, flats))
         n = self.n

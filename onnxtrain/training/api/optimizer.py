@@ -37,6 +37,17 @@ GRAD_SUFFIX = "_grad"
 OUT_SUFFIX = ".out"
 
 
+def _into(current: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """The array to keep for a weight whose update is ``value``: the current one, holding the new values
+    (so that arrays handed out as Parameter.data see the update), unless it cannot take them."""
+    if value is current:
+        return current
+    if current.flags.writeable and current.shape == value.shape and current.dtype == value.dtype:
+        np.copyto(current, value)
+        return current
+    return value
+
+
 def learning_rate_value(lr: Any) -> float:
     """``lr`` as the float32 value the optimizer stores; TypeError for non-numbers."""
     if isinstance(lr, (bool, np.bool_)) or not isinstance(lr, numbers.Real):
@@ -207,17 +218,20 @@ class Optimizer:
             feeds.update(zip(names, parallel.allreduce_gradients([feeds[n] for n in names], inplace=False)))
         for name, (p, key) in self._moments.items():
             feeds[name] = opt.moments[p][key]
+        # weights and moments are replaced by their updates: the plan may write the new values into them,
+        # which is also what keeps a Parameter's .data aliasing the live weights, as onnxruntime's does
+        donate = [*self._params, *self._moments]
         if self._loss_scale_input is not None:
             feeds[self._loss_scale_input] = self._module._grad_loss_scale_for_step()
-            results = self._plan.run(feeds, [*self._outputs, self._finite_output])
+            results = self._plan.run(feeds, [*self._outputs, self._finite_output], donate=donate)
             finite = bool(np.asarray(results.pop()).reshape(-1)[0])
         else:
-            results = self._plan.run(feeds, self._outputs)
+            results = self._plan.run(feeds, self._outputs, donate=donate)
             finite = True
         for out, value in zip(self._outputs, results):
             target = out[:-len(OUT_SUFFIX)]
             if target in params:
-                params[target].data = value
+                params[target].data = _into(params[target].data, value)
             elif target in self._moments:
                 p, key = self._moments[target]
                 opt.moments[p][key] = value

@@ -1,0 +1,210 @@
+"""Donated feeds: a blocked elementwise step writes its outputs into inputs the caller gave up, only when
+nothing reads their old contents afterwards, and with the same bits as into fresh arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper
+from onnx.reference import ReferenceEvaluator
+
+import onnxtrain.engine.fusion.elementwise as fe
+from onnxtrain import TrainingParameters, TrainingSession
+from onnxtrain.engine.parallel import running_with
+from onnxtrain.engine.plan import Plan
+from tests.engine.graphs import model
+from tests.session.helpers import batches, mlp_model
+
+N = 50_000
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch) -> None:
+    """Block every cluster, in slices of a few thousand elements (so several blocks run in order)."""
+    monkeypatch.setattr(fe, "BLOCK_MIN_BYTES", 0)
+    monkeypatch.setattr(fe, "BLOCK_BYTES", 1 << 16)
+
+
+def momentum_model(extra_nodes=(), extra_outputs=()):
+    """M' = 0.9·M + 0.1·G,  W' = W − 0.01·M' (one cluster)."""
+    consts = (("a", 0.9), ("b", 0.1), ("lr", 0.01))
+    c = [helper.make_node("Constant", [], [n], value_float=v) for n, v in consts]
+    nodes = c + [
+        helper.make_node("Mul", ["M", "a"], ["ma"]),
+        helper.make_node("Mul", ["G", "b"], ["gb"]),
+        helper.make_node("Add", ["ma", "gb"], ["M_new"]),
+        helper.make_node("Mul", ["M_new", "lr"], ["step"]),
+        helper.make_node("Sub", ["W", "step"], ["W_new"]),
+        *extra_nodes,
+    ]
+    return model(nodes, ["W", "M", "G"], ["W_new", "M_new", *extra_outputs])
+
+
+def feeds(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(N).astype(np.float32) for k in ("W", "M", "G")}
+
+
+def reference(m, f) -> list[np.ndarray]:
+    return ReferenceEvaluator(m).run(None, f)
+
+
+def test_donated_inputs_take_the_outputs_with_the_same_bits() -> None:
+    m = momentum_model()
+    plan = Plan(m)
+    f = feeds()
+    want = [a.copy() for a in plan.run({k: v.copy() for k, v in f.items()})]
+    for a, r in zip(want, reference(m, f)):
+        np.testing.assert_array_equal(a, r)
+    given = {k: v.copy() for k, v in f.items()}
+    w_new, m_new = plan.run(given, donate=["W", "M"])
+    assert w_new is given["W"] and m_new is given["M"]  # written into the donated arrays
+    np.testing.assert_array_equal(w_new, want[0])
+    np.testing.assert_array_equal(m_new, want[1])
+    np.testing.assert_array_equal(given["G"], f["G"])  # not donated: untouched
+    # without donation the feeds stay as they were
+    kept = {k: v.copy() for k, v in f.items()}
+    out = plan.run(kept)
+    assert not any(np.shares_memory(o, v) for o in out for v in kept.values())
+    for k in kept:
+        np.testing.assert_array_equal(kept[k], f[k])
+
+
+def test_split_over_threads_with_donation(monkeypatch) -> None:
+    monkeypatch.setattr(fe, "PAR_MIN_WORK", 0)
+    plan = Plan(momentum_model(), threads=2)
+    f = feeds(1)
+    want = reference(momentum_model(), f)
+    given = {k: v.copy() for k, v in f.items()}
+    with running_with(2):
+        plan.run(feeds(9))  # the first run traces the cluster, with the original kernels
+        out = plan.run(given, donate=["W", "M"])
+    assert out[0] is given["W"]
+    for a, r in zip(out, want):
+        np.testing.assert_array_equal(a, r)
+
+
+@pytest.mark.parametrize(
+    "extra_nodes, extra_outputs",
+    [
+        ([helper.make_node("Identity", ["W"], ["W_old"])], ["W_old"]),  # a view of W is a graph output
+        ([helper.make_node("Constant", [], ["shape"], value_ints=[N // 2, 2]),
+          helper.make_node("Reshape", ["W", "shape"], ["W2"]), helper.make_node("ReduceSum", ["W2"], ["s"])],
+         ["s"]),  # read after the update
+    ],
+)
+def test_an_input_read_after_the_update_is_not_overwritten(extra_nodes, extra_outputs) -> None:
+    m = momentum_model(extra_nodes, extra_outputs)
+    plan = Plan(m)
+    f = feeds(2)
+    want = reference(m, f)
+    plan.run(feeds(9))
+    given = {k: v.copy() for k, v in f.items()}
+    out = plan.run(given, donate=["W", "M"])
+    assert not np.shares_memory(out[0], given["W"])
+    np.testing.assert_array_equal(given["W"], f["W"])
+    assert out[1] is given["M"]  # M is still free to take
+    for a, r in zip(out, want):
+        np.testing.assert_allclose(a, r, rtol=1e-5)
+
+
+def test_an_input_read_after_an_output_is_written_is_not_taken_by_that_output() -> None:
+    """Y1 = 2·X is written before X + Y1 reads X again: Y1 must not go into X's memory; Y2 may."""
+    two = helper.make_node("Constant", [], ["two"], value_float=2.0)
+    nodes = [two, helper.make_node("Mul", ["X", "two"], ["Y1"]), helper.make_node("Add", ["X", "Y1"], ["Y2"])]
+    m = model(nodes, ["X"], ["Y1", "Y2"])
+    x = np.random.default_rng(3).standard_normal(N).astype(np.float32)
+    given = {"X": x.copy()}
+    plan = Plan(m)
+    plan.run({"X": x.copy()})
+    y1, y2 = plan.run(given, donate=["X"])
+    assert y2 is given["X"] and not np.shares_memory(y1, given["X"])
+    np.testing.assert_array_equal(y1, x * np.float32(2))
+    np.testing.assert_array_equal(y2, x + x * np.float32(2))
+
+
+def test_arrays_the_caller_may_still_see_are_never_taken() -> None:
+    plan = Plan(momentum_model())
+    plan.run(feeds(9))
+    f = feeds(4)
+    want = reference(momentum_model(), f)
+    same = f["W"].copy()
+    cases = [
+        {"W": same, "M": same, "G": f["G"]},  # one array under two names
+        {"W": f["W"][::-1].copy()[::-1], "M": f["M"].copy(), "G": f["G"]},  # not C-contiguous
+        {"W": np.concatenate([f["W"], f["W"]])[:N], "M": f["M"].copy(), "G": f["G"]},  # a view
+    ]
+    ro = f["W"].copy()
+    ro.flags.writeable = False
+    cases.append({"W": ro, "M": f["M"].copy(), "G": f["G"]})
+    for given in cases:
+        before = {k: v.copy() for k, v in given.items()}
+        out = plan.run(given, donate=["W"])
+        assert not np.shares_memory(out[0], given["W"])
+        np.testing.assert_array_equal(given["W"], before["W"])
+    np.testing.assert_array_equal(plan.run(cases[-1])[0], want[0])
+
+
+def test_donating_a_name_that_is_not_fed_is_an_error() -> None:
+    with pytest.raises(ValueError, match="'V'"):
+        Plan(momentum_model()).run(feeds(), donate=["V"])
+
+
+def test_training_session_with_donation_matches_one_without(monkeypatch) -> None:
+    def session() -> TrainingSession:
+        p = TrainingParameters()
+        p.loss_output_name = "loss"
+        p.training_optimizer_name = "AdamOptimizer"
+        return TrainingSession(mlp_model(din=8, dh=300, dout=4).SerializeToString(), p)
+
+    donating, plain = session(), session()
+    monkeypatch.setattr(plain._plan, "_reusable", frozenset())
+    assert donating._plan._reusable  # the Adam updates may take their weights and moments
+    lr = np.array([0.01], np.float32)
+    held = snapshot = None
+    for i, (x, y) in enumerate(batches(4, 16)):
+        a = donating.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})[0]
+        b = plain.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})[0]
+        assert a == b
+        if i == 0:  # the first run traced the clusters; from the second on, updates go in place
+            held, snapshot = donating._store["W1"], donating.get_state()
+    assert donating._store["W1"] is held
+    sa, sb = donating.get_state(), plain.get_state()
+    for k in sa:
+        np.testing.assert_array_equal(sa[k], sb[k], err_msg=k)
+    assert not np.array_equal(snapshot["W1"], sa["W1"])  # get_state() gave a copy: it kept its values
+    assert not np.shares_memory(snapshot["W1"], held)
+
+
+def test_on_device_weights_keep_their_arrays_across_steps(tmp_path) -> None:
+    """Parameter.data aliases the live weights (as onnxruntime's): an array taken before the optimizer steps
+    holds the trained values after them, whether the update went in place (large weights) or was copied."""
+    from onnx import TensorProto, numpy_helper
+
+    from onnxtrain.training import artifacts
+    from onnxtrain.training.api import CheckpointState, Module, Optimizer
+
+    rng = np.random.default_rng(7)
+    inits = [numpy_helper.from_array((rng.standard_normal((8, 300)) * 0.3).astype(np.float32), "W1"),
+             numpy_helper.from_array(np.zeros(4, np.float32), "b2"),
+             numpy_helper.from_array((rng.standard_normal((300, 4)) * 0.3).astype(np.float32), "W2")]
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Relu", ["h"], ["hr"]),
+             helper.make_node("MatMul", ["hr", "W2"], ["o"]),
+             helper.make_node("Add", ["o", "b2"], ["logits"])]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", d]) for n, d in (("x", 8), ("logits", 4))]
+    g = helper.make_graph(nodes, "mlp", io[:1], io[1:], inits)
+    artifacts.generate_artifacts(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]),
+                                 requires_grad=["W1", "W2", "b2"], loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=str(tmp_path))
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    module = Module(str(tmp_path / "training_model.onnx"), state)
+    opt = Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
+    held = {n: state.parameters[n].data for n in ("W1", "W2", "b2")}
+    first = {n: a.copy() for n, a in held.items()}
+    for x, y in batches(3, 16):
+        module(x, y.astype(np.int64))
+        opt.step()
+        module.lazy_reset_grad()
+    for n, a in held.items():
+        assert state.parameters[n].data is a, n
+        assert not np.array_equal(a, first[n]), n  # trained, in the array taken before
