@@ -150,25 +150,51 @@ def test_donating_a_name_that_is_not_fed_is_an_error() -> None:
         Plan(momentum_model()).run(feeds(), donate=["V"])
 
 
-def test_training_session_with_donation_matches_one_without(monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "opt, extra",
+    [
+        ("AdamOptimizer", {}),
+        ("AdamOptimizer", {"gradient_accumulation_steps": 2}),  # micro-steps, then updates in place
+        ("AdamOptimizer", {"use_mixed_precision": True}),  # a step with non-finite gradients changes nothing
+    ],
+)
+@pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
+def test_training_session_with_donation_matches_one_without(opt: str, extra: dict) -> None:
     def session() -> TrainingSession:
         p = TrainingParameters()
         p.loss_output_name = "loss"
-        p.training_optimizer_name = "AdamOptimizer"
+        p.training_optimizer_name = opt
+        for k, v in extra.items():
+            setattr(p, k, v)
         return TrainingSession(mlp_model(din=8, dh=300, dout=4).SerializeToString(), p)
 
     donating, plain = session(), session()
-    monkeypatch.setattr(plain._plan, "_reusable", frozenset())
-    assert donating._plan._reusable  # the Adam updates may take their weights and moments
-    lr = np.array([0.01], np.float32)
+    for sess in (donating, plain):
+        sess._get_plan("full")
+        if "gradient_accumulation_steps" in extra:
+            sess._get_plan("accumulate")
+    for p in plain._plans.values():
+        p._reusable = frozenset()
+    mixed = extra.get("use_mixed_precision")
+    full = donating._plans["full"]
+    # the update may take the weights and moments, except with loss scaling, where a skipped step
+    # selects the old values after computing the new ones
+    assert (full.slot["W1"] in full._reusable) != bool(mixed)
+    feeds = {"Learning_Rate": np.array([0.01], np.float32)}
     held = snapshot = None
-    for i, (x, y) in enumerate(batches(4, 16)):
-        a = donating.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})[0]
-        b = plain.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})[0]
+    for i, (x, y) in enumerate(batches(7, 16)):
+        if mixed:  # step 4 overflows: its update is skipped
+            feeds["loss_scale"] = np.array([2.0**40 if i == 4 else 128.0], np.float32)
+        before = donating.get_state()
+        a = donating.run(["loss"], {"x": x, "y": y, **feeds})[0]
+        b = plain.run(["loss"], {"x": x, "y": y, **feeds})[0]
         assert a == b
-        if i == 0:  # the first run traced the clusters; from the second on, updates go in place
+        if mixed and i == 4:
+            after = donating.get_state()
+            assert all(np.array_equal(before[k], after[k]) for k in before)
+        if i == 1:  # the first runs traced the clusters; from then on, updates go in place
             held, snapshot = donating._store["W1"], donating.get_state()
-    assert donating._store["W1"] is held
+    assert (donating._store["W1"] is held) != bool(mixed)
     sa, sb = donating.get_state(), plain.get_state()
     for k in sa:
         np.testing.assert_array_equal(sa[k], sb[k], err_msg=k)
