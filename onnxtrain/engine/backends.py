@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxtrain.engine.donation import check_fed
 from onnxtrain.engine.plan import EngineError, GraphInterface, Plan, ProfileEvent
 
 BACKENDS = ("numpy", "onnxruntime")
@@ -250,10 +251,7 @@ class OrtPlan(GraphInterface):
             overrides: Mapping[str, Any] | None = None, donate: Collection[str] = ()) -> list[np.ndarray]:
         """Run the graph on ``feeds`` (name → array) and return the requested outputs as numpy arrays.
         ``donate`` is accepted for the numpy plan's signature; onnxruntime allocates its own outputs."""
-        if donate:
-            missing = [n for n in donate if n not in feeds]
-            if missing:
-                raise ValueError(f"donated name(s) {missing} are not among the feeds {sorted(feeds)}")
+        check_fed(feeds, donate)
         if overrides:
             feeds = {**feeds, **overrides}
         names = list(self.output_names) if output_names is None else list(output_names)

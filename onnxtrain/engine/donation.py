@@ -73,12 +73,17 @@ def reusable_inputs(plan: Plan) -> dict[int, frozenset[int]]:
     return {i: frozenset(v) for i, v in found.items()}
 
 
-def donated_slots(plan: Plan, feeds: Mapping[str, Any], donate: Collection[str]) -> frozenset[int]:
-    """The slots of ``donate`` (feed names) whose arrays the run may overwrite: writeable, C-contiguous
-    arrays owning their memory, fed under one name only and not the base of another feed."""
+def check_fed(feeds: Mapping[str, Any], donate: Collection[str]) -> None:
+    """Raise ValueError naming the donated names that are not feeds of the run."""
     missing = [n for n in donate if n not in feeds]
     if missing:
         raise ValueError(f"donated name(s) {missing} are not among the feeds {sorted(feeds)}")
+
+
+def donated_slots(plan: Plan, feeds: Mapping[str, Any], donate: Collection[str]) -> frozenset[int]:
+    """The slots of ``donate`` (feed names) whose arrays the run may overwrite: writeable, C-contiguous
+    arrays owning their memory, fed under one name only and not the base of another feed."""
+    check_fed(feeds, donate)
     ids: dict[int, int] = {}
     bases: set[int] = set()
     for v in feeds.values():

@@ -234,3 +234,19 @@ def test_on_device_weights_keep_their_arrays_across_steps(tmp_path) -> None:
     for n, a in held.items():
         assert state.parameters[n].data is a, n
         assert not np.array_equal(a, first[n]), n  # trained, in the array taken before
+
+
+def test_the_onnxruntime_backend_takes_donate_and_keeps_the_feeds() -> None:
+    pytest.importorskip("onnxruntime")
+    from onnxtrain.engine.backends import make_plan
+
+    plan = make_plan(momentum_model(), "onnxruntime")
+    f = feeds(5)
+    given = {k: v.copy() for k, v in f.items()}
+    out = plan.run(given, donate=["W", "M"])
+    for a, r in zip(out, reference(momentum_model(), f)):
+        np.testing.assert_allclose(a, r, rtol=1e-6)
+    for k in f:
+        np.testing.assert_array_equal(given[k], f[k])  # onnxruntime writes its own outputs
+    with pytest.raises(ValueError, match="'V'"):
+        plan.run(given, donate=["V"])
