@@ -39,3 +39,27 @@ def test_batched_matmul_on_transposed_views(batch, heads, perm_b, dtype) -> None
     (ref,) = ReferenceEvaluator(m).run(None, {"a": a, "b": b})
     assert ours.shape == ref.shape
     np.testing.assert_allclose(ours, ref, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows", [1, 32, 128, 129, 256])  # up to mm._FEW_ROWS = 128: as (B·Aᵀ)ᵀ
+@pytest.mark.parametrize("bias_shape", [None, (64,), (1, 64), "full", ()])
+def test_gemm_with_transposed_b_over_few_rows(rows: int, bias_shape, dtype) -> None:
+    """A·Bᵀ with few rows is computed as (B·Aᵀ)ᵀ (``mm._FEW_ROWS``); the output is C-contiguous and agrees
+    with onnx.reference, whatever the bias, alpha and beta."""
+    et = TensorProto.FLOAT if dtype == np.float32 else TensorProto.DOUBLE
+    inputs = ["a", "b"] + ([] if bias_shape is None else ["c"])
+    g = helper.make_graph(
+        [helper.make_node("Gemm", inputs, ["y"], transB=1, alpha=0.5, beta=2.0)], "g",
+        [helper.make_tensor_value_info(n, et, None) for n in inputs],
+        [helper.make_tensor_value_info("y", et, None)],
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    rng = np.random.default_rng(rows)
+    feeds = {k: rng.standard_normal(shape).astype(dtype) for k, shape in (("a", (rows, 96)), ("b", (64, 96)))}
+    if bias_shape is not None:
+        feeds["c"] = rng.standard_normal((rows, 64) if bias_shape == "full" else bias_shape).astype(dtype)
+    (ours,) = Plan(m).run(feeds)
+    (ref,) = ReferenceEvaluator(m).run(None, feeds)
+    assert ours.shape == (rows, 64) and ours.dtype == dtype and ours.flags.c_contiguous
+    np.testing.assert_allclose(ours, ref, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)

@@ -40,6 +40,28 @@ def matmul(inputs: Inputs, attrs: Attrs) -> Outputs:
     return (y if isinstance(y, np.ndarray) else np.asarray(y, dtype=dt),)
 
 
+# A·Bᵀ with few rows of A (a Linear layer's forward at a small batch) is faster as (B·Aᵀ)ᵀ: OpenBLAS, given
+# the long side first, packs the weight once. Measured, float32 Gemm with bias, (M, K) · (N, K)ᵀ, M ≤ 128:
+# 64×784·512: 186 → 164 µs (native kernels), 286 → 259 µs (Haswell); 32×784·512: 174 → 96 µs; from
+# M = 256 on it is slower (514 → 530 µs), and for a narrow B (N = 10) the copy back costs more than it saves
+_FEW_ROWS = 128
+_WIDE_B = 64
+
+
+def _product(a: np.ndarray, b: np.ndarray, transposed_b: bool) -> np.ndarray:
+    """a @ b as a C-contiguous array; ``transposed_b``: b is the transpose of a C-contiguous matrix."""
+    if (
+        transposed_b
+        and a.shape[0] <= _FEW_ROWS
+        and b.shape[1] >= _WIDE_B
+        and a.dtype == b.dtype
+        and a.dtype.kind == "f"
+        and a.dtype.itemsize >= 4
+    ):
+        return np.ascontiguousarray(np.matmul(b.T, a.T).T)
+    return np.matmul(a, b)
+
+
 @kernel("Gemm", since=7)
 def gemm(inputs: Inputs, attrs: Attrs) -> Outputs:
     a, b = inputs[0], inputs[1]
@@ -48,6 +70,7 @@ def gemm(inputs: Inputs, attrs: Attrs) -> Outputs:
         raise ValueError(f"Gemm needs 2-D A and B, got shapes {a.shape} and {b.shape}")
     if attrs["transA"]:
         a = a.T
+    transposed_b = bool(attrs["transB"]) and b.flags.c_contiguous
     if attrs["transB"]:
         b = b.T
     dt = a.dtype
@@ -55,8 +78,9 @@ def gemm(inputs: Inputs, attrs: Attrs) -> Outputs:
     if low:
         a, b = a.astype(_F32), b.astype(_F32)
         c = None if c is None else c.astype(_F32)
+        transposed_b = False
     alpha, beta = attrs["alpha"], attrs["beta"]
-    y = np.matmul(a, b)
+    y = _product(a, b, transposed_b)
     if alpha != 1.0:
         y *= alpha
     if c is not None and beta != 0.0:
