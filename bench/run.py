@@ -14,7 +14,9 @@ Every peer trains with Adam(W), lr 1e-3, weight decay 0.01, no clipping. A peer 
 skipped with its error.
 
 Timing: after a warm-up, every round runs each peer in turn (the order rotates every round) for enough
-steps to last ``--min-time``; a peer's figure is the median over ``--repeats`` rounds. Memory: peak RSS
+steps to last ``--min-time``; a peer's figure is the median over ``--repeats`` rounds. The notes also give,
+for each peer, the middle half of its round-by-round ratios to onnxruntime-training (the two ran in the same
+round, under nearly the same load): how far a ratio moves with the machine's load. Memory: peak RSS
 of the peer's process (VmHWM: interpreter, imports, model, training) and, for onnxtrain, the
 engine's peak live bytes (``Plan.peak_bytes``, the largest over its plans). FLOPs: bench/flops.py;
 "% peak" is step FLOPs / step time / the best numpy float32 GEMM figure measured in this run.
@@ -214,6 +216,18 @@ class Row:
     vs_torch: float | None = None
 
 
+def round_ratios(reference: list[float], samples: list[float]) -> tuple[float, float, float]:
+    """Quartiles (25 %, 50 %, 75 %) of the per-round speed ratios reference time / peer time: the peers of
+    a round ran one after the other, so each ratio saw nearly the same machine load."""
+    if len(reference) != len(samples) or not samples:
+        raise ValueError(f"need rounds of both peers, got {len(reference)} and {len(samples)}")
+    ratios = sorted(r / s for r, s in zip(reference, samples))
+    if len(ratios) == 1:
+        return ratios[0], ratios[0], ratios[0]
+    q = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q[0], q[1], q[2]
+
+
 def run_case(
     case, folder: str, peers_wanted: list[tuple[str, str, str]], args
 ) -> tuple[list[Row], list[str]]:
@@ -262,6 +276,15 @@ def run_case(
         )
         if torch_same is not None:
             r.vs_torch = r.samples_s / torch_same.samples_s
+    ort_peer = next((p for p in peers if p.kind == "ort" and p.samples), None)
+    spreads = []
+    for p in peers:
+        if ort_peer is not None and p is not ort_peer and len(p.samples) == len(ort_peer.samples):
+            lo, _, hi = round_ratios(ort_peer.samples, p.samples)
+            spreads.append(f"{p.name}: {lo:.2f}–{hi:.2f}")
+    if spreads:
+        head = f"{case.title}: × ORT-T round by round, the middle half of the rounds: "
+        notes.append(head + "; ".join(spreads))
     firsts = [p.stats.get("first_losses", []) for p in peers if p.samples]
     spread = max((abs(a - b) for f in firsts for g in firsts for a, b in zip(f, g)), default=0.0)
     notes.append(
