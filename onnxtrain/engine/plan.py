@@ -279,6 +279,8 @@ class Plan(GraphInterface):
             for name, v in overrides.items():
                 vals[slot[name]] = v
         reuse = donated_slots(self, feeds, donate) & self._reusable if donate else None
+        if reuse and overrides:  # an override replaces the fed array: that one was not donated
+            reuse = reuse - {slot[n] for n in overrides}
         with running_with(self.threads):
             if reuse:
                 with donating(reuse):

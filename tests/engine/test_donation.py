@@ -145,6 +145,18 @@ def test_arrays_the_caller_may_still_see_are_never_taken() -> None:
     np.testing.assert_array_equal(plan.run(cases[-1])[0], want[0])
 
 
+def test_an_override_of_a_donated_feed_is_not_overwritten() -> None:
+    plan = Plan(momentum_model())
+    plan.run(feeds(9))
+    f = feeds(6)
+    given = {k: v.copy() for k, v in f.items()}
+    override = {"W": f["W"].copy()}
+    out = plan.run(given, donate=["W", "M"], overrides=override)
+    np.testing.assert_array_equal(override["W"], f["W"])
+    np.testing.assert_array_equal(out[0], reference(momentum_model(), f)[0])
+    assert out[1] is given["M"]
+
+
 def test_donating_a_name_that_is_not_fed_is_an_error() -> None:
     with pytest.raises(ValueError, match="'V'"):
         Plan(momentum_model()).run(feeds(), donate=["V"])
