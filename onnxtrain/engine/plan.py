@@ -278,9 +278,10 @@ class Plan(GraphInterface):
         if overrides:
             for name, v in overrides.items():
                 vals[slot[name]] = v
-        reuse = donated_slots(self, feeds, donate) & self._reusable if donate else None
-        if reuse and overrides:  # an override replaces the fed array: that one was not donated
-            reuse = reuse - {slot[n] for n in overrides}
+        reuse = None
+        if donate:  # only a donated array the run really reads (an override may have replaced it)
+            given = donated_slots(self, feeds, donate)
+            reuse = frozenset(s for s, a in given.items() if s in self._reusable and vals[s] is a)
         with running_with(self.threads):
             if reuse:
                 with donating(reuse):
