@@ -12,7 +12,7 @@ import onnxtrain.engine.fusion.elementwise as fe
 from onnxtrain import TrainingParameters, TrainingSession
 from onnxtrain.engine.parallel import running_with
 from onnxtrain.engine.plan import Plan
-from tests.engine.graphs import model
+from tests.engine.graphs import model, on_device_mlp
 from tests.session.helpers import batches, mlp_model
 
 N = 50_000
@@ -217,27 +217,8 @@ def test_training_session_with_donation_matches_one_without(opt: str, extra: dic
 def test_on_device_weights_keep_their_arrays_across_steps(tmp_path) -> None:
     """Parameter.data aliases the live weights (as onnxruntime's): an array taken before the optimizer steps
     holds the trained values after them, whether the update went in place (large weights) or was copied."""
-    from onnx import TensorProto, numpy_helper
-
-    from onnxtrain.training import artifacts
-    from onnxtrain.training.api import CheckpointState, Module, Optimizer
-
-    rng = np.random.default_rng(7)
-    inits = [numpy_helper.from_array((rng.standard_normal((8, 300)) * 0.3).astype(np.float32), "W1"),
-             numpy_helper.from_array(np.zeros(4, np.float32), "b2"),
-             numpy_helper.from_array((rng.standard_normal((300, 4)) * 0.3).astype(np.float32), "W2")]
-    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Relu", ["h"], ["hr"]),
-             helper.make_node("MatMul", ["hr", "W2"], ["o"]),
-             helper.make_node("Add", ["o", "b2"], ["logits"])]
-    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", d]) for n, d in (("x", 8), ("logits", 4))]
-    g = helper.make_graph(nodes, "mlp", io[:1], io[1:], inits)
-    artifacts.generate_artifacts(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]),
-                                 requires_grad=["W1", "W2", "b2"], loss=artifacts.LossType.CrossEntropyLoss,
-                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=str(tmp_path))
-    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
-    module = Module(str(tmp_path / "training_model.onnx"), state)
-    opt = Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
-    held = {n: state.parameters[n].data for n in ("W1", "W2", "b2")}
+    state, module, opt = on_device_mlp(tmp_path)()
+    held = {n: state.parameters[n].data for n in ("W1", "b1", "W2")}
     first = {n: a.copy() for n, a in held.items()}
     for x, y in batches(3, 16):
         module(x, y.astype(np.int64))

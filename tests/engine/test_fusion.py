@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import TrainingParameters, TrainingSession
 from onnxtrain.engine.plan import EngineError, Plan
-from tests.engine.graphs import model
+from tests.engine.graphs import model, on_device_mlp
 from tests.session.helpers import batches, mlp_model
 
 F = TensorProto.FLOAT
@@ -396,45 +396,10 @@ def test_training_session_is_bit_identical_with_and_without_fusion(opt: str, mon
 
 
 def test_on_device_api_is_bit_identical_with_and_without_fusion(tmp_path, monkeypatch) -> None:
-    from onnxtrain.training import artifacts
-    from onnxtrain.training.api import CheckpointState, Module, Optimizer
-
-    rng = np.random.default_rng(5)
-    inits = [
-        numpy_helper.from_array((rng.standard_normal((8, 300)) * 0.3).astype(np.float32), "W1"),
-        numpy_helper.from_array(np.zeros(300, np.float32), "b1"),
-        numpy_helper.from_array((rng.standard_normal((300, 4)) * 0.3).astype(np.float32), "W2"),
-    ]
-    n = [
-        helper.make_node("MatMul", ["x", "W1"], ["h"]),
-        helper.make_node("Add", ["h", "b1"], ["hb"]),
-        helper.make_node("Relu", ["hb"], ["hr"]),
-        helper.make_node("MatMul", ["hr", "W2"], ["logits"]),
-    ]
-    g = helper.make_graph(
-        n,
-        "mlp",
-        [helper.make_tensor_value_info("x", F, ["N", 8])],
-        [helper.make_tensor_value_info("logits", F, ["N", 4])],
-        inits,
-    )
-    base = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    artifacts.generate_artifacts(
-        base,
-        requires_grad=["W1", "b1", "W2"],
-        loss=artifacts.LossType.CrossEntropyLoss,
-        optimizer=artifacts.OptimType.AdamW,
-        artifact_directory=str(tmp_path),
-    )
-
-    def open_() -> tuple[Module, Optimizer]:
-        state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
-        module = Module(str(tmp_path / "training_model.onnx"), state)
-        return module, Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
-
-    fused = open_()
+    open_ = on_device_mlp(tmp_path)
+    fused = open_()[1:]
     monkeypatch.setenv("ONNXTRAIN_FUSION", "0")
-    plain = open_()
+    plain = open_()[1:]
     for x, y in batches(6, 16):
         losses = []
         for module, opt in (fused, plain):
