@@ -25,6 +25,11 @@ engine's peak live bytes (``Plan.peak_bytes``, the largest over its plans). FLOP
 (A/B): ``nofuse:ONNXTRAIN_FUSION=0`` (engine fusions off), ``1thread:OPENBLAS_NUM_THREADS=1``,
 ``ortbackend:ONNXTRAIN_BENCH_BACKEND=onnxruntime`` (onnxtrain's onnxruntime backend).
 
+onnxruntime runs with its default threading (idle intra-op threads spin a while before they sleep), in the
+onnxruntime-training peer and in onnxtrain's onnxruntime backend alike; ``--ort-spin off`` sets
+``session.intra_op.allow_spinning = 0`` in both (``ONNXTRAIN_BENCH_ORT_SPIN=0`` in their environment).
+Spinning threads do not reach the next peer's turn: every turn starts after a pause (``SETTLE_S``).
+
 ``--quick`` (a smoke run for CI, seconds): the MLP at batch 64 only, few short rounds, inherited BLAS
 setting only; its figures are not results and are not written to the results file.
 """
@@ -177,6 +182,7 @@ def gemm_peak(coretype: str, quick: bool) -> dict:
 # (measured: 0.104 s of CPU in a 0.3 s sleep after one GEMM; torch's threads 0.009 s), which would take a
 # core from whichever peer runs next
 SETTLE_S = 0.15
+ORT_SPIN_ENV = "ONNXTRAIN_BENCH_ORT_SPIN"  # "0": onnxruntime's intra-op threads do not spin (--ort-spin off)
 
 
 def measure(peers: list[Peer], repeats: int, warmup: int, min_time: float) -> None:
@@ -392,12 +398,21 @@ def main(argv: list[str] | None = None) -> int:
         "'nofuse:ONNXTRAIN_FUSION=0' (an A/B comparison in the same run); repeatable",
     )
     p.add_argument(
+        "--ort-spin",
+        choices=("on", "off"),
+        default="on",
+        help="onnxruntime's idle intra-op threads spin before they sleep: 'on' (onnxruntime's default) or "
+        "'off' (session.intra_op.allow_spinning = 0), for the onnxruntime-training peer and onnxtrain's "
+        "onnxruntime backend alike",
+    )
+    p.add_argument(
         "--results",
         default="",
         help="write the markdown results here (default: bench/RESULTS.md "
         "for a full run, nothing for --quick)",
     )
     a = p.parse_args(argv)
+    os.environ[ORT_SPIN_ENV] = "1" if a.ort_spin == "on" else "0"  # the peers' processes inherit it
     a.repeats = a.repeats or (5 if a.quick else 7)
     if a.repeats < 5:
         p.error("use at least 5 repeats: a median of fewer is noise")
@@ -543,7 +558,10 @@ def write_results(
         "to "
         "torch eager under the same BLAS setting; `% GEMM peak`: step FLOPs (bench/flops.py) / step time / "
         f"{peak:.0f} GFLOP/s. Peak RSS is the whole process (interpreter, imports, model, training); plan "
-        "peak is onnxtrain's `Plan.peak_bytes`.",
+        "peak is onnxtrain's `Plan.peak_bytes`. onnxruntime's idle threads "
+        + ("spin before they sleep (its default)" if os.environ.get(ORT_SPIN_ENV, "1") != "0"
+           else "do not spin (`--ort-spin off`)")
+        + ", in onnxruntime-training and in onnxtrain's onnxruntime backend alike.",
         "",
         "numpy float32 GEMM: "
         + "; ".join(

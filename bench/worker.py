@@ -58,6 +58,13 @@ def _batches(folder: str):
     return [(data[f"x{i}"], data[f"y{i}"]) for i in range(n)]
 
 
+def _ort_spin(so) -> None:
+    """``--ort-spin off`` (``ONNXTRAIN_BENCH_ORT_SPIN=0``): onnxruntime's idle intra-op threads sleep at once
+    instead of spinning a while (its default), set the same way for both onnxruntime peers."""
+    if os.environ.get("ONNXTRAIN_BENCH_ORT_SPIN", "1") == "0":
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+
+
 def _backend_options():
     """onnxtrain SessionOptions naming the backend in ``$ONNXTRAIN_BENCH_BACKEND`` (None: the default, numpy);
     e.g. ``--variant ortbackend:ONNXTRAIN_BENCH_BACKEND=onnxruntime``."""
@@ -68,8 +75,7 @@ def _backend_options():
 
     so = SessionOptions()
     so.add_session_config_entry("onnxtrain.backend", backend)
-    # as for the onnxruntime-training peer: idle onnxruntime threads must not spin (it favours whoever spins)
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    _ort_spin(so)
     # a training step runs one shape: onnxruntime's memory pattern (a block planned for all of a run's
     # tensors) only raises the peak (GPT: 219 -> 183 MiB without it, at the same speed)
     so.enable_mem_pattern = False
@@ -187,7 +193,7 @@ def ort_peer(folder: str):
         if node.op_type == "LayerNormalization" and len(node.output) == 1:
             node.output.extend([f"{node.output[0]}.mean{i}", f"{node.output[0]}.inv_std_dev{i}"])
     so = ort.SessionOptions()
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads must not steal CPU
+    _ort_spin(so)
     step, _, _ = _on_device_step(artifacts, api, model, folder, "ort_artifacts", so)
     return step, lambda: None
 
