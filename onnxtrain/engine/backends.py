@@ -33,6 +33,7 @@ CONFIG_KEY = "onnxtrain.backend"
 # BatchNormalization then writes its running statistics into the shared buffer, corrupting the
 # initializers it was merged with (scale/bias) from the second run on. It is always disabled.
 DISABLED_OPTIMIZERS = ("ConstantSharing",)
+SPIN_KEY = "session.intra_op.allow_spinning"
 _INSTALL_HINT = ("the onnxruntime backend needs the onnxruntime package: pip install onnxruntime "
                  "(or onnxruntime-gpu for CUDA)")
 
@@ -121,18 +122,20 @@ def resolve_providers(backend: str, providers: Sequence[Any] | None = None,
 
 def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
               providers: Sequence[Any] | None = None, options: Any = None,
-              provider_options: Sequence[dict] | None = None) -> Any:
+              provider_options: Sequence[dict] | None = None, follower: bool = False) -> Any:
     """A compiled graph on ``backend``: a :class:`Plan` (numpy) or an :class:`OrtPlan` (onnxruntime).
 
     ``providers``/``provider_options`` and ``options`` (a SessionOptions: graph optimisation level,
-    thread counts) go to the onnxruntime backend. The numpy plan is not fused with
+    thread counts) go to the onnxruntime backend. ``follower``: the graph runs right after another
+    onnxruntime graph of the same caller (an optimizer after its training graph), so its idle threads
+    sleep at once instead of spinning (see :class:`OrtPlan`). The numpy plan is not fused with
     ``options.enable_profiling`` (one profile event per node of the graph) or with
     ``graph_optimization_level`` ``ORT_DISABLE_ALL``; it splits kernels over
     ``options.intra_op_num_threads`` threads (0: the default width), and runs its nodes one at a time
     whatever ``inter_op_num_threads`` says (a warning says so)."""
     if check_backend(backend) == "numpy":
         return Plan(model, fuse=_numpy_fuse(options), threads=_intra_op_threads(options))
-    return OrtPlan(model, providers, options, provider_options)
+    return OrtPlan(model, providers, options, provider_options, follower=follower)
 
 
 def _intra_op_threads(options: Any) -> int | None:
@@ -169,14 +172,23 @@ def _numpy_fuse(options: Any) -> bool | None:
 
 
 class OrtPlan(GraphInterface):
-    """A graph run by ``onnxruntime.InferenceSession``, with the interface of :class:`Plan`."""
+    """A graph run by ``onnxruntime.InferenceSession``, with the interface of :class:`Plan`.
+
+    Each onnxruntime session has its own intra-op threads, which by default spin a while after each
+    parallel section before they sleep. Two sessions run in turn (a training graph, then its optimizer)
+    would each keep a core spinning while the other works; a ``follower`` plan's threads therefore sleep at
+    once (``session.intra_op.allow_spinning = 0``) unless the caller's options set that entry. Measured on 2
+    cores with the on-device API: GPT step 33-39 ms with both spinning, 21-26 ms with the optimizer not
+    spinning (the legacy session, one graph: 24 ms)."""
 
     backend = "onnxruntime"
 
     def __init__(self, model: onnx.ModelProto | str | bytes, providers: Sequence[Any] | None = None,
-                 options: Any = None, provider_options: Sequence[dict] | None = None):
+                 options: Any = None, provider_options: Sequence[dict] | None = None,
+                 follower: bool = False):
         ort = import_onnxruntime()
         self._ort = ort
+        self._follower = follower
         model = self._read_interface(model)
         g = model.graph
         self.peak_bytes = 0
@@ -220,6 +232,8 @@ class OrtPlan(GraphInterface):
         for key, value in config.items():
             if not key.startswith("onnxtrain."):
                 so.add_session_config_entry(key, value)
+        if self._follower and SPIN_KEY not in config:
+            so.add_session_config_entry(SPIN_KEY, "0")
         disabled += [x for x in DISABLED_OPTIMIZERS if x not in disabled]
         so.add_session_config_entry("session.disable_optimizers", ",".join(disabled))
         return so

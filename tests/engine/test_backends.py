@@ -19,6 +19,7 @@ from onnxtrain import InferenceSession, SessionOptions
 from onnxtrain.engine.backends import (
     BACKENDS,
     CONFIG_KEY,
+    SPIN_KEY,
     OrtPlan,
     backend_of,
     check_backend,
@@ -358,6 +359,35 @@ def test_session_config_entries_reach_onnxruntime():
     assert set(disabled) == {"GeluFusion", "ConstantSharing"}
     with pytest.raises(RuntimeError, match="does not have configuration"):
         ort_options.get_session_config_entry("onnxtrain.backend")  # ours stays ours
+
+
+def _spinning(plan: OrtPlan) -> str | None:
+    """The plan's onnxruntime session's allow_spinning entry (None: unset, onnxruntime's default: spin)."""
+    try:
+        return plan._session.get_session_options().get_session_config_entry(SPIN_KEY)
+    except RuntimeError:  # "does not have configuration": unset
+        return None
+
+
+def test_optimizer_threads_do_not_spin_after_the_training_graph(mlp_artifacts):
+    """On onnxruntime the optimizer's session runs right after the training model's: only the training
+    model's threads spin (two spinning pools on 2 cores took each other's cores), unless the caller says."""
+    from onnxtrain.training.api import CheckpointState, Module, Optimizer
+
+    def pair(so):
+        state = CheckpointState.load_checkpoint(os.path.join(mlp_artifacts, "checkpoint"))
+        module = Module(os.path.join(mlp_artifacts, "training_model.onnx"), state, session_options=so)
+        return module, Optimizer(os.path.join(mlp_artifacts, "optimizer_model.onnx"), module)
+
+    module, opt = pair(options("onnxruntime"))
+    assert _spinning(module._train_plan) is None and _spinning(opt._plan) == "0"
+    so = options("onnxruntime")
+    so.add_session_config_entry(SPIN_KEY, "1")  # the caller's choice stands, for both
+    module, opt = pair(so)
+    assert _spinning(module._train_plan) == "1" and _spinning(opt._plan) == "1"
+    # a standalone plan keeps onnxruntime's default; a follower plan made directly says so too
+    assert _spinning(make_plan(mlp_model(), "onnxruntime")) is None
+    assert _spinning(make_plan(mlp_model(), "onnxruntime", follower=True)) == "0"
 
 
 @pytest.mark.parametrize("flag", ["enable_mem_pattern", "enable_mem_reuse", "enable_cpu_mem_arena"])

@@ -54,12 +54,13 @@ class ContiguousBuffer(np.ndarray):
         return self.view(np.ndarray)
 
 
-def _compile(model: onnx.ModelProto, what: str, session_options: Any = None) -> Plan:
-    """The model compiled on the backend ``session_options`` name (config entry ``onnxtrain.backend``)."""
+def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, follower: bool = False) -> Plan:
+    """The model compiled on the backend ``session_options`` name (config entry ``onnxtrain.backend``);
+    ``follower``: it runs right after the training model (see ``make_plan``)."""
     backend = backend_of(session_options)
     try:
         if backend != "numpy":
-            return make_plan(model, backend, None, session_options)
+            return make_plan(model, backend, None, session_options, follower=follower)
         return compile_model(model)
     except UnsupportedOpError as e:
         foreign = sorted({n.domain for n in model.graph.node if n.domain not in ("", "ai.onnx")})

@@ -71,7 +71,8 @@ class Optimizer:
         self._state = module.state
         model, _ = load_model(optimizer_uri, "optimizer")
         self._classify(model)
-        self._plan = _compile(model, "optimizer", module._session_options)  # the module's backend
+        # the module's backend; on onnxruntime, its threads leave the spinning to the training model's
+        self._plan = _compile(model, "optimizer", module._session_options, follower=True)
         self.algorithm = next((p.value for p in model.metadata_props if p.key == "onnxtrain.optimizer"),
                               "AdamW" if "momentum1" in self._moment_keys else "SGD")
         self._opt = self._bind_state()
