@@ -555,3 +555,72 @@ def test_first_run_of_a_cluster_needs_no_more_memory_than_later_runs() -> None:
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
     assert peaks[0] <= peaks[1] + 2 * x.nbytes, peaks  # not eleven values held at once
+
+
+# ---- lazy selects ----------------------------------------------------------------------------------------
+def select_model(lazy_side: int, op: str = "Add") -> onnx.ModelProto:
+    """out = Where(c, x, op(b, x)) (lazy_side 2) or Where(c, op(b, x), x) (lazy_side 1); c a bool input."""
+    lazy = helper.make_node(op, ["b", "x"], ["y"])
+    pair = ["x", "y"] if lazy_side == 2 else ["y", "x"]
+    nodes = [lazy, helper.make_node("Where", ["c", *pair], ["out"])]
+    g = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("c", TensorProto.BOOL, None),
+         helper.make_tensor_value_info("x", F, None), helper.make_tensor_value_info("b", F, None)],
+        [helper.make_tensor_value_info("out", F, None)],
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("side", [1, 2])
+@pytest.mark.parametrize("op", ["Add", "Mul"])
+def test_where_on_one_flag_runs_only_the_branch_it_returns(side: int, op: str) -> None:
+    from onnx.reference import ReferenceEvaluator
+
+    m = select_model(side, op)
+    fused, ref = Plan(m), ReferenceEvaluator(m)
+    assert ops(fused) == ["LazySelect"]
+    rng = np.random.default_rng(3)
+    x, b = rng.standard_normal((5, 6)).astype(np.float32), rng.standard_normal((5, 6)).astype(np.float32)
+    cases = [
+        np.array([True]), np.array(False), np.array([[False]]),
+        np.array([True, False, True, True, False, False]),  # not one element: both branches, as unfused
+    ]
+    for c in cases:
+        for bb in (b, b[0], rng.standard_normal((2, 5, 6)).astype(np.float32)):  # b may broadcast x up
+            feeds = {"c": c, "x": x, "b": bb}
+            got = fused.run(feeds)[0]
+            want = ref.run(None, feeds)[0]
+            assert got.shape == want.shape and got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
+    # a flag that picks x returns x itself: the branch was not computed
+    picks_x = np.array([side == 2])
+    assert fused.run({"c": picks_x, "x": x, "b": b})[0] is x
+
+
+def test_select_branch_that_is_read_elsewhere_is_not_made_lazy() -> None:
+    m = select_model(2)
+    m.graph.output.append(helper.make_tensor_value_info("y", F, None))
+    assert "LazySelect" not in ops(Plan(m))
+
+
+def test_on_device_gradient_accumulation_is_bit_identical_unfused(tmp_path, monkeypatch) -> None:
+    """The accumulator Where(reset, g, buffer + g) is a lazy select: over accumulating and resetting calls
+    the gradients and the weights are the unfused plan's, bit for bit."""
+    open_ = on_device_mlp(tmp_path)
+    fused = open_()[1:]
+    assert "LazySelect" in ops(fused[0]._train_plan)
+    monkeypatch.setenv("ONNXTRAIN_FUSION", "0")
+    plain = open_()[1:]
+    assert "LazySelect" not in ops(plain[0]._train_plan)
+    data = batches(6, 16)
+    for k, (x, y) in enumerate(data):
+        for module, opt in (fused, plain):
+            module(x, y)
+            if k % 3 == 2:  # two calls accumulate into the third's gradients, then a step and a reset
+                opt.step()
+                module.lazy_reset_grad()
+        grads = [{n: p.grad.copy() for n, p in m.state.parameters} for m, _ in (fused, plain)]
+        for n in grads[0]:
+            np.testing.assert_array_equal(grads[0][n], grads[1][n])
+    np.testing.assert_array_equal(fused[0].get_contiguous_parameters(), plain[0].get_contiguous_parameters())

@@ -16,6 +16,9 @@
   and channel axes) becomes one GEMM of ``dY`` with a strided im2col view of ``X``;
 * **Sum as Adds**: a ``Sum`` becomes a chain of ``Add`` steps in the kernel's order (bit-identical), so that
   summing a tensor's gradient contributions joins the cluster that computes them;
+* **lazy selects** (:mod:`~onnxtrain.engine.fusion.select`): ``Where(c, x, a + b)`` with a one-element ``c``
+  runs the Add (Sub, Mul, Div) only when ``c`` picks it and otherwise returns ``x`` itself: the on-device
+  gradient accumulator ``Where(reset, g, buffer + g)`` costs nothing on a step that resets;
 * **elementwise clusters**: connected Add/Sub/Mul/Div/Sqrt/Erf/... steps (an optimizer update is ~13 of
   them per weight, torch's exported GELU five) run as one step: the same ufuncs in the same order, so
   results are bit-identical, but values used only inside the cluster are written into scratch buffers
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING
 from onnxtrain.engine.fusion.cse import eliminate_common_steps
 from onnxtrain.engine.fusion.elementwise import ScratchPool, expand_sums, fuse_elementwise
 from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_bias, fuse_matmul_weight_grads
+from onnxtrain.engine.fusion.select import fuse_lazy_selects
 from onnxtrain.engine.fusion.shapes import memoize_shape_steps
 
 if TYPE_CHECKING:
@@ -60,6 +64,7 @@ def fuse(plan: Plan) -> None:
     steps = fuse_matmul_weight_grads(plan, steps)
     steps = fuse_conv_weight_grads(plan, steps)
     steps = expand_sums(plan, steps)
+    steps = fuse_lazy_selects(plan, steps)
     steps = fuse_elementwise(plan, steps)
     steps = fuse_matmul_bias(plan, steps)
     plan.steps = steps
