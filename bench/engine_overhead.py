@@ -9,8 +9,10 @@
     forward wall time, ours / onnxruntime's.
 
 Both peers run with their defaults (onnxruntime: ORT_ENABLE_ALL graph optimizations, its own thread pool;
-numpy: its BLAS threads), except that onnxruntime's idle threads do not spin: spinning threads would keep
-the cores busy while the other peer's turn runs (on a 2-core machine that slowed numpy's BLAS tenfold).
+numpy: its BLAS threads), except that in this process onnxruntime's idle threads do not spin: spinning
+threads would keep the cores busy while the other peer's turn runs (on a 2-core machine that slowed numpy's
+BLAS tenfold). (b) is therefore also measured against onnxruntime at its default threading in a process
+of its own, the turns of the two processes interleaved with a pause between them (as in bench/run.py).
 Figures are medians of interleaved repeats after warm-up (bench/common.py).
 Targets: ≤ 5 µs per node; transformer ≤ 1.5× onnxruntime.
 
@@ -27,6 +29,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 
 if __package__ in (None, ""):  # run as a script: make the checkout importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -154,7 +157,76 @@ def bench_transformer(repeats: int, batch: int = 32, seq: int = 64, d: int = 128
     r = t["onnxtrain"].median / t["onnxruntime"].median
     print("    " + ratio_line("ms per forward", t["onnxtrain"].median * 1e3, t["onnxruntime"].median * 1e3,
                               target=TRANSFORMER_TARGET))
+    ours, theirs = against_default_onnxruntime(model, feeds, lambda: sess.run(None, feeds), repeats)
+    print("    against onnxruntime at its default threading (idle threads spin), in its own process:")
+    print("    " + ratio_line("ms per forward", ours * 1e3, theirs * 1e3, target=TRANSFORMER_TARGET))
     return r
+
+
+# onnxruntime at its default threading, in a process of its own: "N" on stdin runs N forwards, and the
+# seconds they took come back on stdout
+_ORT_CHILD = """
+import sys, time
+import numpy as np, onnxruntime as ort
+so = ort.SessionOptions()
+so.log_severity_level = 3
+sess = ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
+feeds = dict(np.load(sys.argv[2]))
+for line in sys.stdin:
+    n = int(line)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        sess.run(None, feeds)
+    print(time.perf_counter() - t0, flush=True)
+"""
+SETTLE_S = 0.15  # between two turns: numpy's OpenBLAS threads busy-wait about 0.1 s after their last call
+
+
+def against_default_onnxruntime(model: onnx.ModelProto, feeds: dict[str, np.ndarray], ours, repeats: int,
+                                min_time: float = 0.2) -> tuple[float, float]:
+    """Median seconds per call of ``ours()`` and of onnxruntime with its default threading in a child
+    process, over ``repeats`` interleaved rounds."""
+    import math
+    import statistics
+    import tempfile
+
+    from bench.common import calibrate
+
+    with tempfile.TemporaryDirectory(prefix="onnxtrain-eo-") as tmp:
+        path, data = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "feeds.npz")
+        onnx.save(model, path)
+        np.savez(data, **feeds)
+        child = subprocess.Popen([sys.executable, "-c", _ORT_CHILD, path, data], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        assert child.stdin is not None and child.stdout is not None
+
+        def theirs(n: int) -> float:
+            child.stdin.write(f"{n}\n")
+            child.stdin.flush()
+            line = child.stdout.readline()
+            if not line:
+                raise RuntimeError("the onnxruntime child process ended early")
+            return float(line)
+
+        try:
+            theirs(3)
+            for _ in range(3):
+                ours()
+            n_ours = calibrate(ours, min_time)
+            n_theirs = max(1, math.ceil(min_time / max(theirs(1), 1e-6)))
+            a, b = [], []
+            for _ in range(repeats):
+                time.sleep(SETTLE_S)
+                t0 = time.perf_counter()
+                for _ in range(n_ours):
+                    ours()
+                a.append((time.perf_counter() - t0) / n_ours)
+                time.sleep(SETTLE_S)
+                b.append(theirs(n_theirs) / n_theirs)
+        finally:
+            child.stdin.close()
+            child.wait(timeout=30)
+    return statistics.median(a), statistics.median(b)
 
 
 def main(argv: list[str] | None = None) -> int:
