@@ -89,14 +89,14 @@ from onnxtrain.graph_transforms.recompute import recompute as recompute_pass
 from onnxtrain.ir.builder import model_opset
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.training import onnxblock
+from onnxtrain.training.api._accumulation import ACCUMULATED_SUFFIX as ACC_OUT_SUFFIX
+from onnxtrain.training.api._accumulation import BUFFER_SUFFIX
+from onnxtrain.training.api._accumulation import RESET_INPUT as RESET
 from onnxtrain.training.onnxblock._base import BlockError
 from onnxtrain.training.onnxblock.optim import ALL_FINITE
 from onnxtrain.training.onnxblock.optim import Optimizer as OptimizerBlock
 
 MAX_PROTO_BYTES = 2147483648
-RESET = "lazy_reset_grad"
-BUFFER_SUFFIX = "_grad.accumulation.buffer"
-ACC_OUT_SUFFIX = "_grad.accumulation.out"
 LOSS_SCALE = mp_pass.LOSS_SCALE
 LOSS_SCALING_KEY = "onnxtrain.loss_scaling"
 RECOMPUTE_KEY = "onnxtrain.recompute"

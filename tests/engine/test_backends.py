@@ -361,6 +361,40 @@ def test_session_config_entries_reach_onnxruntime():
         ort_options.get_session_config_entry("onnxtrain.backend")  # ours stays ours
 
 
+def test_ondevice_steps_that_overwrite_run_without_the_accumulators(mlp_artifacts):
+    """On onnxruntime a step after lazy_reset_grad() runs the training model without its accumulators
+    (onnxruntime would compute them anyway); accumulating steps compile and run the full model. Both match
+    the numpy engine over a mix of the two."""
+    from onnxtrain.training.api import CheckpointState, Module, Optimizer
+
+    runs = {}
+    for backend in ("numpy", "onnxruntime"):
+        state = CheckpointState.load_checkpoint(os.path.join(mlp_artifacts, "checkpoint"))
+        module = Module(os.path.join(mlp_artifacts, "training_model.onnx"), state,
+                        session_options=options(backend))
+        opt = Optimizer(os.path.join(mlp_artifacts, "optimizer_model.onnx"), module)
+        if backend == "onnxruntime":
+            assert isinstance(module._overwrite_plan, OrtPlan) and module._full_plan is None
+            names = {i.name for i in module._overwrite_plan.model.graph.input}
+            assert "lazy_reset_grad" not in names
+        losses, grads = [], []
+        for k, (x, y) in enumerate(batches(9, 16)):
+            losses.append(first(module(x, y)))
+            grads.append({n: p.grad.copy() for n, p in state.parameters})
+            if backend == "onnxruntime" and k == 0:
+                assert module._full_plan is None  # nothing accumulated yet
+            if k % 3 == 2:  # two calls accumulate into the third's gradients
+                opt.step()
+                module.lazy_reset_grad()
+        runs[backend] = losses, grads, {n: p.data.copy() for n, p in state.parameters}
+    assert isinstance(module._full_plan, OrtPlan)
+    (ref_losses, ref_grads, ref_params), (losses, grads, params) = runs["numpy"], runs["onnxruntime"]
+    assert max(abs(a - b) / abs(a) for a, b in zip(ref_losses, losses)) < TOL
+    for want, got in zip(ref_grads, grads):
+        assert max(rel(want[n], got[n]) for n in want) < TOL
+    assert max(rel(ref_params[n], params[n]) for n in ref_params) < TOL
+
+
 def _spinning(plan: OrtPlan) -> str | None:
     """The plan's onnxruntime session's allow_spinning entry (None: unset, onnxruntime's default: spin)."""
     try:

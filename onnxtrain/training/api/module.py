@@ -28,13 +28,16 @@ from onnxtrain.engine import Plan, UnsupportedOpError, compile_model
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
+from onnxtrain.training.api._accumulation import (
+    ACCUMULATED_SUFFIX,
+    BUFFER_SUFFIX,
+    RESET_INPUT,
+    overwrite_variant,
+)
 from onnxtrain.training.api._export import export_for_inference
 from onnxtrain.training.api._graph import InputSpec, ModelLike, check_device, check_user_inputs, load_model
 from onnxtrain.training.api.checkpoint_state import CheckpointState
 
-RESET_INPUT = "lazy_reset_grad"
-BUFFER_SUFFIX = "_grad.accumulation.buffer"
-ACCUMULATED_SUFFIX = "_grad.accumulation.out"
 LOSS_SCALING_KEY = "onnxtrain.loss_scaling"
 
 
@@ -95,7 +98,9 @@ class Module:
         self.training = True
         self._accumulate = False  # §3.3: the first train call after construction or a reset overwrites
         self._train_model, _ = load_model(train_model_uri, "training")
-        self._train_plan = _compile(self._train_model, "training", session_options)
+        # on onnxruntime the training model is compiled once it is known whether it has an overwriting variant
+        numpy_backend = backend_of(session_options) == "numpy"
+        self._full_plan = _compile(self._train_model, "training", session_options) if numpy_backend else None
         self._eval_model: onnx.ModelProto | None = None
         self._eval_plan: Plan | None = None
         if eval_model_uri is not None:
@@ -119,6 +124,22 @@ class Module:
             param = state._params[p]
             if param.grad is None and param.data is not None:
                 param.grad = np.zeros_like(param.data)
+        # onnxruntime runs the accumulators even on a step that overwrites the gradients: such steps run a
+        # variant without them; the accumulating model is compiled on the first step that accumulates
+        self._overwrite_plan: Plan | None = None
+        if not numpy_backend:
+            variant = overwrite_variant(self._train_model, self._trainable) if self._has_reset else None
+            if variant is not None:
+                self._overwrite_plan = _compile(variant, "training", session_options)
+            else:
+                self._full_plan = _compile(self._train_model, "training", session_options)
+
+    @property
+    def _train_plan(self) -> Plan:
+        """The training model's plan (with the gradient accumulators), compiled when first needed."""
+        if self._full_plan is None:
+            self._full_plan = _compile(self._train_model, "training", self._session_options)
+        return self._full_plan
 
     # ---------------------------------------------------------------- graph interface
     def _classify_training_graph(self) -> None:
@@ -229,17 +250,21 @@ class Module:
         feeds = check_user_inputs(self._train_inputs, user_inputs, "the training model")
         feeds.update(self._param_feeds(self._param_order, "TrainStep"))
         params = self._state._params
-        for p, buf in self._buffers.items():
-            grad = params[p].grad
-            if grad is None:  # the state was nominal when this Module was built
-                grad = params[p].grad = np.zeros_like(feeds[p])
-            feeds[buf] = grad
-        if self._has_reset:
-            feeds[RESET_INPUT] = np.array([not self._accumulate])
+        overwrite = self._overwrite_plan is not None and not self._accumulate
+        if not overwrite:
+            for p, buf in self._buffers.items():
+                grad = params[p].grad
+                if grad is None:  # the state was nominal when this Module was built
+                    grad = params[p].grad = np.zeros_like(feeds[p])
+                feeds[buf] = grad
+            if self._has_reset:
+                feeds[RESET_INPUT] = np.array([not self._accumulate])
         if self._loss_scale_input is not None:
             feeds[self._loss_scale_input] = self._loss_scale_feed()
         wanted = self._train_outputs + [self._accumulated[p] for p in self._trainable]
-        results = self._train_plan.run(feeds, wanted)
+        plan = self._overwrite_plan if overwrite else self._train_plan
+        assert plan is not None
+        results = plan.run(feeds, wanted)
         n = len(self._train_outputs)
         for p, new in zip(self._trainable, results[n:]):
             params[p].grad = new
