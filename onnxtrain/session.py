@@ -178,8 +178,11 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                 "update": self._graphs.update_graph,
                 **self._extra_models,
             }[kind]
+            # the onnxruntime backend may write an updated state tensor into the donated old one
+            updates = {o: state for state, o in self._graphs.updates.get(kind, {}).items()}
             self._plans[kind] = make_plan(
-                model, self._backend, self._providers, self._sess_options, self._provider_options
+                model, self._backend, self._providers, self._sess_options, self._provider_options,
+                updates=updates,
             )
         return self._plans[kind]
 

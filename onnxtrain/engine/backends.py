@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 
 from onnxtrain.engine.donation import check_fed
+from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.plan import EngineError, GraphInterface, Plan, ProfileEvent
 
 BACKENDS = ("numpy", "onnxruntime")
@@ -122,20 +123,23 @@ def resolve_providers(backend: str, providers: Sequence[Any] | None = None,
 
 def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
               providers: Sequence[Any] | None = None, options: Any = None,
-              provider_options: Sequence[dict] | None = None, follower: bool = False) -> Any:
+              provider_options: Sequence[dict] | None = None, follower: bool = False,
+              updates: Mapping[str, str] | None = None) -> Any:
     """A compiled graph on ``backend``: a :class:`Plan` (numpy) or an :class:`OrtPlan` (onnxruntime).
 
     ``providers``/``provider_options`` and ``options`` (a SessionOptions: graph optimisation level,
     thread counts) go to the onnxruntime backend. ``follower``: the graph runs right after another
     onnxruntime graph of the same caller (an optimizer after its training graph), so its idle threads
-    sleep at once instead of spinning (see :class:`OrtPlan`). The numpy plan is not fused with
-    ``options.enable_profiling`` (one profile event per node of the graph) or with
-    ``graph_optimization_level`` ``ORT_DISABLE_ALL``; it splits kernels over
+    sleep at once instead of spinning (see :class:`OrtPlan`). ``updates`` (output name → the input it
+    replaces, e.g. a weight's update → the weight): onnxruntime writes such an output into the input's
+    array when that input is donated to the run and the graph allows it (the numpy plan finds its own).
+    The numpy plan is not fused with ``options.enable_profiling`` (one profile event per node of the
+    graph) or with ``graph_optimization_level`` ``ORT_DISABLE_ALL``; it splits kernels over
     ``options.intra_op_num_threads`` threads (0: the default width), and runs its nodes one at a time
     whatever ``inter_op_num_threads`` says (a warning says so)."""
     if check_backend(backend) == "numpy":
         return Plan(model, fuse=_numpy_fuse(options), threads=_intra_op_threads(options))
-    return OrtPlan(model, providers, options, provider_options, follower=follower)
+    return OrtPlan(model, providers, options, provider_options, follower=follower, updates=updates)
 
 
 def _intra_op_threads(options: Any) -> int | None:
@@ -185,7 +189,7 @@ class OrtPlan(GraphInterface):
 
     def __init__(self, model: onnx.ModelProto | str | bytes, providers: Sequence[Any] | None = None,
                  options: Any = None, provider_options: Sequence[dict] | None = None,
-                 follower: bool = False):
+                 follower: bool = False, updates: Mapping[str, str] | None = None):
         ort = import_onnxruntime()
         self._ort = ort
         self._follower = follower
@@ -202,6 +206,8 @@ class OrtPlan(GraphInterface):
         self._session = self._create_session(model, options, names, opts)
         # overridable initializers cannot be bound (onnxruntime's IOBinding knows the inputs proper only)
         self._bindable = {i.name for i in self._session.get_inputs()}
+        # output → the input whose array it may be written into, when that input is donated (CPU only)
+        self._inplace = safe_updates(model, updates) if updates and self._device == "cpu" else {}
 
     def _session_options(self, options: Any) -> Any:
         ort = self._ort
@@ -264,7 +270,8 @@ class OrtPlan(GraphInterface):
     def run(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None,
             overrides: Mapping[str, Any] | None = None, donate: Collection[str] = ()) -> list[np.ndarray]:
         """Run the graph on ``feeds`` (name → array) and return the requested outputs as numpy arrays.
-        ``donate`` is accepted for the numpy plan's signature; onnxruntime allocates its own outputs."""
+        ``donate``: feeds the run may overwrite; an output paired with one of them by ``updates`` comes back
+        in that very array when the graph allows it (see :mod:`onnxtrain.engine.ort_inplace`)."""
         check_fed(feeds, donate)
         if overrides:
             feeds = {**feeds, **overrides}
@@ -287,9 +294,10 @@ class OrtPlan(GraphInterface):
             if not isinstance(v, np.ndarray) or v.dtype.kind in "OUS":
                 bindable = False
             arrays[name] = v
+        into = self._donated_outputs(arrays, names, donate) if bindable and donate and self._inplace else {}
         t0 = time.perf_counter_ns()
         try:
-            out = self._run_bound(arrays, names) if bindable else self._session.run(names, arrays)
+            out = self._run_bound(arrays, names, into) if bindable else self._session.run(names, arrays)
         except Exception as e:
             shapes = ", ".join(f"{n}: {getattr(v, 'dtype', type(v).__name__)}{list(np.shape(v))}"
                                for n, v in arrays.items() if not isinstance(v, (list, tuple)))
@@ -303,16 +311,46 @@ class OrtPlan(GraphInterface):
             getattr(v, "nbytes", 0) for v in out)
         return out
 
-    def _run_bound(self, arrays: Mapping[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
-        """Inputs bound in place (numpy memory), outputs freshly allocated by onnxruntime each run, so an
-        output never overwrites an array the caller still holds (e.g. last step's weights)."""
+    def _donated_outputs(self, arrays: Mapping[str, np.ndarray], names: list[str],
+                         donate: Collection[str]) -> dict[str, np.ndarray]:
+        """Requested outputs → the donated input arrays they are written into: inputs paired with them
+        by ``updates`` that the graph allows to be overwritten, and arrays the caller alone gave
+        (writeable, C-contiguous, owning their memory, of the declared shape, fed under one name, no other
+        feed's base)."""
+        counts: dict[int, int] = {}
+        bases = set()
+        for v in arrays.values():
+            counts[id(v)] = counts.get(id(v), 0) + 1
+            if type(v) is np.ndarray and v.base is not None:
+                bases.add(id(v.base))
+        donated = set(donate)
+        into = {}
+        for o in names:
+            x = self._inplace.get(o)
+            v = arrays.get(x) if x in donated else None
+            if (type(v) is np.ndarray and v.base is None and v.flags.writeable and v.flags.c_contiguous
+                    and counts[id(v)] == 1 and id(v) not in bases
+                    and list(v.shape) == self.input_shapes.get(x) and v.dtype == self.input_dtypes.get(x)):
+                into[o] = v
+        return into
+
+    def _run_bound(self, arrays: Mapping[str, np.ndarray], names: list[str],
+                   into: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
+        """Inputs bound in place (numpy memory); an output of ``into`` is written into the donated array given
+        there, the others are freshly allocated by onnxruntime each run, so that they never overwrite an array
+        the caller still holds (e.g. last step's weights)."""
         io = self._session.io_binding()
         for name, v in arrays.items():
             io.bind_cpu_input(name, v)
+        into = into or {}
         for n in names:
-            io.bind_output(n, "cpu")
+            v = into.get(n)
+            if v is None:
+                io.bind_output(n, "cpu")
+            else:
+                io.bind_output(n, "cpu", 0, v.dtype, list(v.shape), v.ctypes.data)
         self._session.run_with_iobinding(io)
-        return [o.numpy() for o in io.get_outputs()]
+        return [into[n] if n in into else o.numpy() for n, o in zip(names, io.get_outputs())]
 
     def __repr__(self) -> str:
         return f"OrtPlan({self.model.graph.name!r}, providers={self.providers})"

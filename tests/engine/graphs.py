@@ -26,7 +26,8 @@ def model(nodes, inputs, outputs, inits=()) -> onnx.ModelProto:
 
 def on_device_mlp(folder: Path) -> Callable[[], tuple[Any, Any, Any]]:
     """Writes the on-device training artifacts of x·W1 + b1 → ReLU → ·W2 (8 → 300 → 4, cross-entropy,
-    AdamW) into ``folder``; returns a function opening them as (state, Module, Optimizer)."""
+    AdamW) into ``folder``; returns a function opening them as (state, Module, Optimizer), with the given
+    session options if any."""
     from onnxtrain.training import artifacts
     from onnxtrain.training.api import CheckpointState, Module, Optimizer
 
@@ -53,9 +54,9 @@ def on_device_mlp(folder: Path) -> Callable[[], tuple[Any, Any, Any]]:
         artifact_directory=str(folder),
     )
 
-    def open_() -> tuple[Any, Any, Any]:
+    def open_(session_options: Any = None) -> tuple[Any, Any, Any]:
         state = CheckpointState.load_checkpoint(str(folder / "checkpoint"))
-        module = Module(str(folder / "training_model.onnx"), state)
+        module = Module(str(folder / "training_model.onnx"), state, session_options=session_options)
         return state, module, Optimizer(str(folder / "optimizer_model.onnx"), module)
 
     return open_

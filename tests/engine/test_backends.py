@@ -175,21 +175,29 @@ def test_legacy_gradient_accumulation_and_forward_only_match_numpy():
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6, atol=1e-6)
 
 
-def test_state_is_bound_not_copied_and_old_state_survives_the_next_step():
-    """The store's arrays are onnxruntime's output buffers (no copy back), bound as the next step's inputs
-    (no copy in), and a step never writes into buffers the previous step returned."""
+def test_state_is_bound_not_copied_and_arrays_held_elsewhere_survive_the_next_step():
+    """The store's arrays are bound as the next step's inputs (no copy in). A weight whose old value nothing
+    reads once its update can be computed (the first layer's: no input gradient) is updated in its own
+    array; the second layer's, which the backward pass still reads, comes back in onnxruntime's buffer (no
+    copy back), and the array of the step before keeps its values. Feeds and get_state() copies are never
+    written."""
     feeds = [{"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)} for x, y in batches(3, 8)]
     sess = TrainingSession(mlp_model(), _sgd_params(), options("onnxruntime"))
+    plan = sess._plans["full"]
+    # the biases' and W1's old values are only read on the way to their updates; W2's by the backward pass
+    assert sorted(plan._inplace.values()) == ["W1", "b1", "b2"]
     sess.run(["loss"], feeds[0])
-    w1 = sess._store["W1"]
-    assert w1.base is not None and w1.flags.writeable  # a view of onnxruntime's buffer
-    kept = w1.copy()
+    w1, w2 = sess._store["W1"], sess._store["W2"]
+    assert w2.base is not None  # a view of onnxruntime's buffer
+    state = sess.get_state()
+    kept1, kept2 = w1.copy(), w2.copy()
+    x = feeds[1]["x"].copy()
     sess.run(["loss"], feeds[1])
-    np.testing.assert_array_equal(w1, kept)  # last step's weights were inputs, not outputs
-    assert not np.shares_memory(sess._store["W1"], w1)
-    x = feeds[2]["x"].copy()
-    sess.run(["loss"], feeds[2])
-    np.testing.assert_array_equal(feeds[2]["x"], x)
+    assert sess._store["W1"] is w1 and not np.array_equal(w1, kept1)  # updated in place
+    np.testing.assert_array_equal(w2, kept2)  # last step's W2 was an input, not an output
+    assert not np.shares_memory(sess._store["W2"], w2)
+    np.testing.assert_array_equal(feeds[1]["x"], x)
+    np.testing.assert_array_equal(state["W1"], kept1)
 
 
 def test_profiling_writes_a_trace(tmp_path):

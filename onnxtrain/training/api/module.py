@@ -57,13 +57,15 @@ class ContiguousBuffer(np.ndarray):
         return self.view(np.ndarray)
 
 
-def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, follower: bool = False) -> Plan:
+def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, follower: bool = False,
+             updates: dict[str, str] | None = None) -> Plan:
     """The model compiled on the backend ``session_options`` name (config entry ``onnxtrain.backend``);
-    ``follower``: it runs right after the training model (see ``make_plan``)."""
+    ``follower``: it runs right after the training model; ``updates``: output → the input it replaces
+    (see ``make_plan``)."""
     backend = backend_of(session_options)
     try:
         if backend != "numpy":
-            return make_plan(model, backend, None, session_options, follower=follower)
+            return make_plan(model, backend, None, session_options, follower=follower, updates=updates)
         return compile_model(model)
     except UnsupportedOpError as e:
         foreign = sorted({n.domain for n in model.graph.node if n.domain not in ("", "ai.onnx")})

@@ -71,8 +71,11 @@ class Optimizer:
         self._state = module.state
         model, _ = load_model(optimizer_uri, "optimizer")
         self._classify(model)
-        # the module's backend; on onnxruntime, its threads leave the spinning to the training model's
-        self._plan = _compile(model, "optimizer", module._session_options, follower=True)
+        # the module's backend; on onnxruntime, its threads leave the spinning to the training model's, and a
+        # weight's or moment's update may be written into the old array (the numpy plan finds that itself)
+        replaced = set(self._params) | set(self._moments)
+        updates = {o: o[:-len(OUT_SUFFIX)] for o in self._outputs if o[:-len(OUT_SUFFIX)] in replaced}
+        self._plan = _compile(model, "optimizer", module._session_options, follower=True, updates=updates)
         self.algorithm = next((p.value for p in model.metadata_props if p.key == "onnxtrain.optimizer"),
                               "AdamW" if "momentum1" in self._moment_keys else "SGD")
         self._opt = self._bind_state()

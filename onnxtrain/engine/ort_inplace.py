@@ -1,0 +1,82 @@
+"""Which outputs of a graph onnxruntime may write straight into a donated input's array.
+
+The numpy engine decides this on its own steps (:mod:`onnxtrain.engine.donation`). onnxruntime runs the
+nodes in an order of its choosing, so here the condition is on the graph alone: output ``o`` may be bound
+to the buffer of input ``x`` when ``o`` is made by an elementwise node, both have the same static shape and
+type, and every node that reads ``x``, or a value that might share its memory, is an ancestor of the
+node making ``o`` (it has run before ``o`` is written in any order onnxruntime may pick) or is that node
+itself (which reads each element before writing it, index by index). An optimizer update ``m' = β·m + …``
+qualifies; a weight that the backward pass still reads after its new value could be computed does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import onnx
+
+from onnxtrain.ir.types import value_info_shape
+
+# nodes whose output is a new buffer, element i computed from the inputs' elements i (after broadcasting)
+ELEMENTWISE = frozenset({
+    "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Pow", "Where",
+    "Max", "Min", "Clip", "Relu", "Sigmoid", "Tanh", "Sign", "Floor", "Ceil", "Cast",
+})
+# nodes whose output is a new buffer in any case (other nodes may hand out a view of an input)
+FRESH = ELEMENTWISE | frozenset({"MatMul", "Gemm", "Conv", "ReduceSum", "ReduceMean", "Concat", "Softmax"})
+
+
+def safe_updates(model: onnx.ModelProto, updates: Mapping[str, str]) -> dict[str, str]:
+    """The pairs of ``updates`` (output name → the graph input it replaces) whose output onnxruntime may
+    write into the input's array (see the module docstring); the others are left out."""
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    outputs = {o.name: o for o in g.output}
+    inputs = {v.name: v for v in g.input if v.name not in inits and v.name not in outputs}
+    producer: dict[str, int] = {}
+    for k, n in enumerate(g.node):
+        for o in n.output:
+            if o:
+                producer[o] = k
+    # the inputs each value might share memory with (through nodes outside FRESH)
+    roots: dict[str, frozenset[str]] = {x: frozenset((x,)) for x in inputs}
+    for n in g.node:
+        src = frozenset().union(*(roots.get(i, frozenset()) for i in n.input)) if n.op_type not in FRESH \
+            else frozenset()
+        for o in n.output:
+            if o:
+                roots[o] = src
+    readers: dict[str, set[int]] = {x: set() for x in inputs}
+    for k, n in enumerate(g.node):
+        for i in n.input:
+            for x in roots.get(i, ()):
+                readers[x].add(k)
+    escaping = {x for o in outputs for x in roots.get(o, ()) if o != x}  # an output that may be a view
+
+    def ancestors(k: int) -> set[int]:
+        todo, seen = [k], set()
+        while todo:
+            for i in g.node[todo.pop()].input:
+                p = producer.get(i)
+                if p is not None and p not in seen:
+                    seen.add(p)
+                    todo.append(p)
+        return seen
+
+    safe: dict[str, str] = {}
+    for o, x in updates.items():
+        k, info, xi = producer.get(o), outputs.get(o), inputs.get(x)
+        if k is None or info is None or xi is None or x in escaping or x in safe.values():
+            continue
+        shape = value_info_shape(info.type)
+        static = shape is not None and all(isinstance(d, int) for d in shape)
+        if (g.node[k].op_type not in ELEMENTWISE or not static or xi.type != info.type
+                or value_info_shape(xi.type) != shape):
+            continue
+        before = ancestors(k)
+        if any(r != k and r not in before for r in readers[x]):
+            continue  # a node that may run after o is written still reads x
+        if k in readers[x] and any(i != x and x in roots.get(i, ()) for i in g.node[k].input):
+            continue  # the producer reads x through a view of another shape
+        safe[o] = x
+    return safe

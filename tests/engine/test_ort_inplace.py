@@ -1,0 +1,102 @@
+"""onnxruntime backend: outputs written into donated inputs (onnxtrain/engine/ort_inplace.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from onnxtrain.engine.backends import make_plan
+from onnxtrain.engine.ort_inplace import safe_updates
+
+pytest.importorskip("onnxruntime")
+F = TensorProto.FLOAT
+
+
+def graph(nodes, inputs, outputs, shape=(4, 3)) -> onnx.ModelProto:
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, F, list(shape)) for n in inputs],
+                          [helper.make_tensor_value_info(n, F, list(shape)) for n in outputs])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def momentum() -> onnx.ModelProto:
+    """m' = m·0.9 + g; w' = w − m'; also y = w·2, which reads the old w after nothing in particular."""
+    c = helper.make_node("Constant", [], ["k"], value=helper.make_tensor("k", F, [], [0.9]))
+    nodes = [c, helper.make_node("Mul", ["m", "k"], ["mk"]), helper.make_node("Add", ["mk", "g"], ["m_new"]),
+             helper.make_node("Sub", ["w", "m_new"], ["w_new"]), helper.make_node("Add", ["w", "w"], ["y"])]
+    return graph(nodes, ["w", "m", "g"], ["w_new", "m_new", "y"])
+
+
+def test_pairs_whose_old_value_is_read_elsewhere_are_refused() -> None:
+    m = momentum()
+    # m is only read on the way to m'; w is read by y = w + w, which may run after w' is written
+    assert safe_updates(m, {"m_new": "m", "w_new": "w"}) == {"m_new": "m"}
+    # g's only reader makes m', so m' may take g's array, y may not; an input serves one output at most
+    assert safe_updates(m, {"y": "g", "m_new": "g"}) == {"m_new": "g"}
+    assert safe_updates(m, {"m_new": "g", "w_new": "g"}) == {"m_new": "g"}
+    assert safe_updates(m, {"nope": "m", "m_new": "nope"}) == {}
+
+
+def test_views_of_the_input_count_as_readers() -> None:
+    c = helper.make_node("Constant", [], ["s"], value=helper.make_tensor("s", TensorProto.INT64, [1], [-1]))
+    nodes = [c, helper.make_node("Reshape", ["x", "s"], ["flat"]),
+             helper.make_node("Neg", ["flat"], ["nf"]), helper.make_node("Add", ["x", "x"], ["x_new"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [4, 3])],
+                          [helper.make_tensor_value_info("x_new", F, [4, 3]),
+                           helper.make_tensor_value_info("nf", F, [12])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    assert safe_updates(m, {"x_new": "x"}) == {}  # Neg reads x through the Reshape's possible view
+    # a graph output that may be a view of x keeps x alive after the run
+    nodes = [helper.make_node("Identity", ["x"], ["same"]), helper.make_node("Add", ["x", "x"], ["x_new"])]
+    esc = graph(nodes, ["x"], ["x_new", "same"])
+    assert safe_updates(esc, {"x_new": "x"}) == {}
+
+
+def test_donated_inputs_receive_their_updates_with_the_right_values() -> None:
+    m = momentum()
+    plan = make_plan(m, "onnxruntime", updates={"m_new": "m", "w_new": "w"})
+    rng = np.random.default_rng(0)
+    w, mo, g = (rng.standard_normal((4, 3)).astype(np.float32) for _ in range(3))
+    want_m, want_w = mo * np.float32(0.9) + g, w - (mo * np.float32(0.9) + g)
+    held = mo.copy()
+    out = plan.run({"w": w, "m": mo, "g": g}, ["w_new", "m_new", "y"], donate=["w", "m"])
+    assert out[1] is mo  # written into the donated moment
+    np.testing.assert_allclose(out[1], want_m, rtol=1e-6)
+    np.testing.assert_allclose(out[0], want_w, rtol=1e-6)
+    assert out[0] is not w and not np.shares_memory(out[0], w)  # refused pair: a fresh output
+    # not donated, or a view, or fed under two names: never written
+    for feeds, donate in [({"w": w, "m": held, "g": g}, []),
+                          ({"w": w, "m": np.ascontiguousarray(held[None])[0], "g": g}, ["m"]),
+                          ({"w": w, "m": held, "g": held}, ["m"])]:
+        before = feeds["m"].copy()
+        got = plan.run(feeds, ["m_new"], donate=donate)[0]
+        assert got is not feeds["m"]
+        np.testing.assert_array_equal(feeds["m"], before)
+
+
+def test_optimizer_updates_parameters_in_their_arrays(tmp_path) -> None:
+    """The on-device AdamW graph: every weight and moment update is written into its array, so
+    Parameter.data keeps aliasing the live weights with no copy, and the values are the numpy engine's."""
+    from onnxtrain import SessionOptions
+    from tests.engine.graphs import on_device_mlp
+    from tests.session.helpers import batches
+
+    so = SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    open_ = on_device_mlp(tmp_path)
+    runs = []
+    for options in (None, so):
+        state, module, opt = open_(options)
+        arrays = {n: p.data for n, p in state.parameters}
+        for x, y in batches(4, 16):
+            module(np.asarray(x, np.float32), np.asarray(y) % 4)
+            opt.step()
+            module.lazy_reset_grad()
+        assert all(p.data is arrays[n] for n, p in state.parameters)  # aliasing kept
+        runs.append({n: p.data.copy() for n, p in state.parameters})
+    assert set(opt._plan._inplace.values()) == set(opt._params) | set(opt._moments)
+    for n in runs[0]:
+        np.testing.assert_allclose(runs[1][n], runs[0][n], rtol=1e-5, atol=1e-6)
