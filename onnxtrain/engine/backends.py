@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxtrain.engine.donation import check_fed
+from onnxtrain.engine.donation import check_fed, donatable
 from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.plan import EngineError, GraphInterface, Plan, ProfileEvent
 
@@ -314,23 +314,15 @@ class OrtPlan(GraphInterface):
     def _donated_outputs(self, arrays: Mapping[str, np.ndarray], names: list[str],
                          donate: Collection[str]) -> dict[str, np.ndarray]:
         """Requested outputs → the donated input arrays they are written into: inputs paired with them
-        by ``updates`` that the graph allows to be overwritten, and arrays the caller alone gave
-        (writeable, C-contiguous, owning their memory, of the declared shape, fed under one name, no other
-        feed's base)."""
-        counts: dict[int, int] = {}
-        bases = set()
-        for v in arrays.values():
-            counts[id(v)] = counts.get(id(v), 0) + 1
-            if type(v) is np.ndarray and v.base is not None:
-                bases.add(id(v.base))
-        donated = set(donate)
+        by ``updates`` that the graph allows to be overwritten, whose arrays the run may overwrite
+        (``donation.donatable``) and have the declared shape and type."""
+        given = donatable(arrays, donate)
         into = {}
         for o in names:
             x = self._inplace.get(o)
-            v = arrays.get(x) if x in donated else None
-            if (type(v) is np.ndarray and v.base is None and v.flags.writeable and v.flags.c_contiguous
-                    and counts[id(v)] == 1 and id(v) not in bases
-                    and list(v.shape) == self.input_shapes.get(x) and v.dtype == self.input_dtypes.get(x)):
+            v = given.get(x) if x is not None else None
+            if v is not None and list(v.shape) == self.input_shapes.get(x) \
+                    and v.dtype == self.input_dtypes.get(x):
                 into[o] = v
         return into
 

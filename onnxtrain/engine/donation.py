@@ -80,9 +80,9 @@ def check_fed(feeds: Mapping[str, Any], donate: Collection[str]) -> None:
         raise ValueError(f"donated name(s) {missing} are not among the feeds {sorted(feeds)}")
 
 
-def donated_slots(plan: Plan, feeds: Mapping[str, Any], donate: Collection[str]) -> dict[int, np.ndarray]:
-    """The slots of ``donate`` (feed names) whose arrays the run may overwrite, with those arrays: writeable,
-    C-contiguous arrays owning their memory, fed under one name only and not the base of another feed."""
+def donatable(feeds: Mapping[str, Any], donate: Collection[str]) -> dict[str, np.ndarray]:
+    """The feeds of ``donate`` whose arrays a run may overwrite: writeable, C-contiguous arrays owning their
+    memory, fed under one name only and not the base of another feed."""
     check_fed(feeds, donate)
     ids: dict[int, int] = {}
     bases: set[int] = set()
@@ -90,7 +90,7 @@ def donated_slots(plan: Plan, feeds: Mapping[str, Any], donate: Collection[str])
         ids[id(v)] = ids.get(id(v), 0) + 1
         if type(v) is np.ndarray and v.base is not None:
             bases.add(id(v.base))
-    out: dict[int, np.ndarray] = {}
+    out: dict[str, np.ndarray] = {}
     for name in donate:
         v = feeds[name]
         if (
@@ -101,8 +101,14 @@ def donated_slots(plan: Plan, feeds: Mapping[str, Any], donate: Collection[str])
             and ids[id(v)] == 1
             and id(v) not in bases
         ):
-            out[plan.slot[name]] = v
+            out[name] = v
     return out
+
+
+def donated_slots(plan: Plan, feeds: Mapping[str, Any], donate: Collection[str]) -> dict[int, np.ndarray]:
+    """The slots of ``donate`` (feed names) whose arrays the run may overwrite (:func:`donatable`), with
+    those arrays."""
+    return {plan.slot[name]: v for name, v in donatable(feeds, donate).items()}
 
 
 @contextmanager
