@@ -13,17 +13,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from onnxtrain.ir.types import value_info_shape
 
-# nodes whose output is a new buffer, element i computed from the inputs' elements i (after broadcasting)
+# nodes whose output is a new buffer, element i computed from the inputs' elements i (after broadcasting).
+# Not Cast, Max, Min, Clip...: onnxruntime's graph optimizers remove some of them when they do nothing (a
+# Cast to the same type, a one-input Max), and their consumers then read the input itself
 ELEMENTWISE = frozenset({
     "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Pow", "Where",
-    "Max", "Min", "Clip", "Relu", "Sigmoid", "Tanh", "Sign", "Floor", "Ceil", "Cast",
+    "Relu", "Sigmoid", "Tanh", "Sign", "Floor", "Ceil",
 })
 # nodes whose output is a new buffer in any case (other nodes may hand out a view of an input)
-FRESH = ELEMENTWISE | frozenset({"MatMul", "Gemm", "Conv", "ReduceSum", "ReduceMean", "Concat", "Softmax"})
+FRESH = ELEMENTWISE | frozenset({"MatMul", "Gemm", "Conv", "Softmax"})
+# x + 0, x - 0, x · 1, x / 1 and x ^ 1 with a constant operand: onnxruntime's NoopElimination removes them
+NEUTRAL = {"Add": 0.0, "Sub": 0.0, "Mul": 1.0, "Div": 1.0, "Pow": 1.0}
 
 
 def safe_updates(model: onnx.ModelProto, updates: Mapping[str, str]) -> dict[str, str]:
@@ -38,11 +44,12 @@ def safe_updates(model: onnx.ModelProto, updates: Mapping[str, str]) -> dict[str
         for o in n.output:
             if o:
                 producer[o] = k
-    # the inputs each value might share memory with (through nodes outside FRESH)
+    consts = _constants(model)
+    # the inputs each value might share memory with (through nodes outside FRESH, or that do nothing)
     roots: dict[str, frozenset[str]] = {x: frozenset((x,)) for x in inputs}
     for n in g.node:
-        src = frozenset().union(*(roots.get(i, frozenset()) for i in n.input)) if n.op_type not in FRESH \
-            else frozenset()
+        aliasing = n.op_type not in FRESH or _does_nothing(n, consts)
+        src = frozenset().union(*(roots.get(i, frozenset()) for i in n.input)) if aliasing else frozenset()
         for o in n.output:
             if o:
                 roots[o] = src
@@ -80,3 +87,25 @@ def safe_updates(model: onnx.ModelProto, updates: Mapping[str, str]) -> dict[str
             continue  # the producer reads x through a view of another shape
         safe[o] = x
     return safe
+
+
+def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """Values of the initializers and Constant nodes that are operands of :data:`NEUTRAL` ops, by name."""
+    g = model.graph
+    wanted = {i for n in g.node if n.op_type in NEUTRAL for i in n.input}
+    out = {t.name: numpy_helper.to_array(t) for t in g.initializer if t.name in wanted}
+    for n in g.node:
+        if n.op_type == "Constant" and n.output and n.output[0] in wanted:
+            value = next((a.t for a in n.attribute if a.name == "value"), None)
+            if value is not None:
+                out[n.output[0]] = numpy_helper.to_array(value)
+    return out
+
+
+def _does_nothing(node: onnx.NodeProto, consts: Mapping[str, np.ndarray]) -> bool:
+    """True for ``x op c`` with a constant ``c`` all of the op's neutral value (see :data:`NEUTRAL`)."""
+    neutral = NEUTRAL.get(node.op_type)
+    if neutral is None or len(node.input) != 2:
+        return False
+    sides = node.input[1:] if node.op_type in ("Sub", "Div", "Pow") else node.input
+    return any(i in consts and consts[i].size and bool(np.all(consts[i] == neutral)) for i in sides)

@@ -55,6 +55,21 @@ def test_views_of_the_input_count_as_readers() -> None:
     assert safe_updates(esc, {"x_new": "x"}) == {}
 
 
+def test_ops_that_onnxruntime_may_remove_count_as_views() -> None:
+    """t = f(x); x' = t·2; late = −t. When f is x·2, t is a new tensor and x's only reader is on the way to
+    x'. When f is x·1 or a Cast to the same type, onnxruntime may remove it: late then reads x itself, and
+    may run after x' is written."""
+    one = helper.make_node("Constant", [], ["one"], value=helper.make_tensor("one", F, [], [1.0]))
+    two = helper.make_node("Constant", [], ["two"], value=helper.make_tensor("two", F, [], [2.0]))
+    for first, safe in ((helper.make_node("Mul", ["x", "two"], ["t"]), True),
+                        (helper.make_node("Mul", ["x", "one"], ["t"]), False),
+                        (helper.make_node("Cast", ["x"], ["t"], to=F), False)):
+        nodes = [one, two, first, helper.make_node("Neg", ["t"], ["late"]),
+                 helper.make_node("Mul", ["t", "two"], ["x_new"])]
+        got = safe_updates(graph(nodes, ["x"], ["x_new", "late"]), {"x_new": "x"})
+        assert got == ({"x_new": "x"} if safe else {}), first
+
+
 def test_donated_inputs_receive_their_updates_with_the_right_values() -> None:
     m = momentum()
     plan = make_plan(m, "onnxruntime", updates={"m_new": "m", "w_new": "w"})
