@@ -1,7 +1,8 @@
 """Run under ``mpiexec -n 2``: data-parallel sessions on half batches, Adasum on random vectors, faults.
 
-``python mpi_worker.py train OUT.npz`` trains every case of ``CASES`` and rank 0 saves the final
-weights (and per-rank optimizer-state bytes); ``collectives OUT.npz`` saves each rank's Adasum input
+``python mpi_worker.py train OUT.npz [CASE,...]`` trains every case of ``CASES`` (or those named) and rank
+0 saves the final weights (and per-rank optimizer-state bytes), on the backend ``$ONNXTRAIN_TEST_BACKEND``
+names (default numpy); ``collectives OUT.npz`` saves each rank's Adasum input
 vectors and results, and what the helpers (``allreduce_gradients``, ``world``, ``shard_range``) gave;
 ``raise``/``kill``/``hang`` [CKPT] and ``mismatch`` exercise the failure paths.
 """
@@ -15,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import numpy as np  # noqa: E402
 
-from onnxtrain import TrainingParameters, TrainingSession  # noqa: E402
+from onnxtrain import SessionOptions, TrainingParameters, TrainingSession  # noqa: E402
 from onnxtrain.parallel import split_batch, world  # noqa: E402
 from tests.session.helpers import batches, mlp_model  # noqa: E402
 
@@ -55,13 +56,24 @@ def params(opt: str, accum: int, zero: int, extra: dict) -> TrainingParameters:
     return p
 
 
+def _session_options() -> SessionOptions | None:
+    """Session options naming the backend in ``$ONNXTRAIN_TEST_BACKEND`` (None: the numpy engine)."""
+    backend = os.environ.get("ONNXTRAIN_TEST_BACKEND", "")
+    if not backend:
+        return None
+    so = SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", backend)
+    return so
+
+
 def train(case: str, rank: int | None = None, size: int | None = None) -> tuple[TrainingSession, list[float]]:
     """``STEPS`` optimizer steps (each of ``accum`` micro-batches); this rank's part of each global batch."""
     opt, accum, zero, extra = CASES[case]
     extra = dict(extra)
     if extra.pop("same_data", False):
         rank, size = 0, 1
-    sess = TrainingSession(mlp_model(din=DIN).SerializeToString(), params(opt, accum, zero, extra))
+    sess = TrainingSession(mlp_model(din=DIN).SerializeToString(), params(opt, accum, zero, extra),
+                           _session_options())
     norms = []
     has_norm = "global_gradient_norm" in [o.name for o in sess.get_outputs()]
     for i, (x, y) in enumerate(batches(STEPS * accum, GLOBAL_BATCH, din=DIN)):
@@ -83,7 +95,8 @@ def main() -> None:
     w = world()
     if what == "train":
         saved: dict[str, np.ndarray] = {}
-        for case in CASES:
+        cases = sys.argv[3].split(",") if len(sys.argv) > 3 else list(CASES)
+        for case in cases:
             zero = CASES[case][2]
             sess, norms = train(case)
             opt_state = sess.get_optimizer_state()

@@ -51,6 +51,27 @@ def test_two_ranks_half_batch_equal_one_process_whole_batch(trained: dict[str, n
         ref.load_state(got, strict=True)  # loads into an unpartitioned session
 
 
+ORT_CASES = ("adam", "adam_accum", "adam_zero", "sgd_accum")
+
+
+def test_onnxruntime_backend_two_ranks_equal_the_numpy_engine_in_one_process(tmp_path) -> None:
+    """The same data-parallel runs on the onnxruntime backend (its updates written in place where the graph
+    allows, its gradient and update graphs run in turn): the weights of one numpy process on the whole
+    batch, within 1e-5."""
+    pytest.importorskip("onnxruntime")
+    out = tmp_path / "train_ort.npz"
+    r = run_mpi("train", str(out), ",".join(ORT_CASES), timeout=240,
+                env={"ONNXTRAIN_TEST_BACKEND": "onnxruntime"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    trained = dict(np.load(out))
+    for case in ORT_CASES:
+        ref, _ = mpi_worker.train(mpi_worker.reference_case(case), rank=0, size=1)
+        for r_ in range(2):
+            for k, v in ref.get_model_state()["full_precision"].items():
+                err = rel_err(trained[f"{case}/{r_}/{k}"], v)
+                assert err <= 1e-5, f"{case} rank {r_} {k}: relative error {err:.3g}"
+
+
 def test_zero_stage1_partitions_optimizer_state(trained: dict[str, np.ndarray]) -> None:
     ref, _ = mpi_worker.train("adam", rank=0, size=1)
     total = sum(a.nbytes for d in ref.get_optimizer_state().values() for a in d.values())
