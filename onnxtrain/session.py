@@ -31,6 +31,9 @@ from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session_parallel import DataParallelSteps, fingerprint
 from onnxtrain.training_graph import TRAINING_MODE, build_step_graphs
 
+# plans run right after another of the same session, whose onnxruntime threads therefore do not spin
+FOLLOWER_PLANS = ("accumulate", "update")
+
 
 class TrainingSession(DataParallelSteps, InferenceSession):
     """Train an ONNX model whose graph computes its loss, with onnxruntime's legacy API.
@@ -178,11 +181,13 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                 "update": self._graphs.update_graph,
                 **self._extra_models,
             }[kind]
-            # the onnxruntime backend may write an updated state tensor into the donated old one
+            # the onnxruntime backend may write an updated state tensor into the donated old one; the graphs
+            # that run in turn with "full" or "gradients" leave the spinning threads to those (measured, MLP
+            # with 2 accumulation steps: 3.46 ms per micro-step with both spinning, 1.76 ms like this)
             updates = {o: state for state, o in self._graphs.updates.get(kind, {}).items()}
             self._plans[kind] = make_plan(
                 model, self._backend, self._providers, self._sess_options, self._provider_options,
-                updates=updates,
+                follower=kind in FOLLOWER_PLANS, updates=updates,
             )
         return self._plans[kind]
 

@@ -403,6 +403,19 @@ def test_ondevice_steps_that_overwrite_run_without_the_accumulators(mlp_artifact
     assert max(rel(ref_params[n], params[n]) for n in ref_params) < TOL
 
 
+def test_legacy_accumulation_plan_threads_do_not_spin():
+    """With gradient accumulation the session runs two onnxruntime graphs in turn: the accumulating one's
+    threads sleep at once, the full step's spin as onnxruntime's do by default."""
+    p = _sgd_params()
+    p.gradient_accumulation_steps = 2
+    p.gradient_accumulation_mode = "auto"
+    sess = TrainingSession(mlp_model(), p, options("onnxruntime"))
+    lr = np.array([0.1], np.float32)
+    for x, y in batches(2, 8):
+        sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})
+    assert _spinning(sess._plans["full"]) is None and _spinning(sess._plans["accumulate"]) == "0"
+
+
 def _spinning(plan: OrtPlan) -> str | None:
     """The plan's onnxruntime session's allow_spinning entry (None: unset, onnxruntime's default: spin)."""
     try:
