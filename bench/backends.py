@@ -9,6 +9,9 @@ Each session cycles over the same 4 seeded batches. Peers are interleaved, media
 warm-up (bench/common.py); the figure quoted is onnxruntime's samples/s over the numpy engine's.
 ``--threads N`` caps both: onnxruntime's intra-op threads and numpy's BLAS (through threadpoolctl); on a
 loaded machine, multi-threaded OpenBLAS slows down far more than onnxruntime, so quote both settings.
+Both backends share this process, so onnxruntime's idle threads do not spin here (spinning, they took the
+cores from numpy's BLAS: numpy step 11.4 ms instead of about 2.5); ``python -m bench`` runs each backend in
+a process of its own, with onnxruntime's default threading.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def make_step(backend: str, batch: int, optimizer: str, threads: int = 0, n_batc
     p.training_optimizer_name = OPTIMIZERS[optimizer]
     so = SessionOptions()
     so.add_session_config_entry(CONFIG_KEY, backend)
+    if backend == "onnxruntime":  # in this process its idle threads would spin while numpy's BLAS works
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.intra_op_num_threads = threads
     sess = TrainingSession(zoo.mlp(SIZES, seed=0), p, so)
     rng = np.random.default_rng(1)
