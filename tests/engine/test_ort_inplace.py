@@ -92,12 +92,22 @@ def test_donated_inputs_receive_their_updates_with_the_right_values() -> None:
         np.testing.assert_array_equal(feeds["m"], before)
 
 
-def test_optimizer_updates_parameters_in_their_arrays(tmp_path) -> None:
+def test_optimizer_updates_parameters_in_their_arrays(tmp_path, monkeypatch) -> None:
     """The on-device AdamW graph: every weight and moment update is written into its array, so
     Parameter.data keeps aliasing the live weights with no copy, and the values are the numpy engine's."""
+    import onnxtrain.training.api.optimizer as optimizer_module
     from onnxtrain import SessionOptions
     from tests.engine.graphs import on_device_mlp
     from tests.session.helpers import batches
+
+    copied = []  # each weight update that came back in a new array and had to be copied into the old one
+    into = optimizer_module._into
+
+    def recording(current: np.ndarray, value: np.ndarray) -> np.ndarray:
+        copied.append(value is not current)
+        return into(current, value)
+
+    monkeypatch.setattr(optimizer_module, "_into", recording)
 
     so = SessionOptions()
     so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
@@ -113,5 +123,6 @@ def test_optimizer_updates_parameters_in_their_arrays(tmp_path) -> None:
         assert all(p.data is arrays[n] for n, p in state.parameters)  # aliasing kept
         runs.append({n: p.data.copy() for n, p in state.parameters})
     assert set(opt._plan._inplace.values()) == set(opt._params) | set(opt._moments)
+    assert len(copied) == 2 * 4 * 3 and not any(copied[-12:])  # onnxruntime's run: no copies
     for n in runs[0]:
         np.testing.assert_allclose(runs[1][n], runs[0][n], rtol=1e-5, atol=1e-6)
