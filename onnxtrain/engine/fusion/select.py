@@ -53,20 +53,16 @@ def _lazy_select(plan: Plan, branch: Step, where: Step, side: int) -> Callable:
 
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         c, other, a, b = inputs
-        if type(c) is np.ndarray and c.size == 1 and c.dtype == np.bool_ and all(
-            type(v) is np.ndarray for v in (other, a, b)
-        ):
-            lazy_shape = np.broadcast_shapes(a.shape, b.shape)
-            shape = np.broadcast_shapes(c.shape, other.shape, lazy_shape)
-            if bool(c.reshape(())) == (side == 1):
-                y = plan._call(branch, [a, b])[0]
-                if type(y) is np.ndarray and y.shape == shape and y.dtype == other.dtype:
-                    return (y,)
-                pair = (y, other) if side == 1 else (other, y)
-                return plan._call(where, [c, *pair])
-            if other.shape == shape and other.dtype == np.result_type(a, b):
+        flag = type(c) is np.ndarray and c.size == 1 and c.dtype == np.bool_ and all(
+            type(v) is np.ndarray for v in (other, a, b))
+        if flag:
+            shape = np.broadcast_shapes(c.shape, other.shape, np.broadcast_shapes(a.shape, b.shape))
+            lazy_chosen = bool(c.reshape(())) == (side == 1)
+            if not lazy_chosen and other.shape == shape and other.dtype == np.result_type(a, b):
                 return (other,)  # the chosen tensor itself, as an unfused Where's copy of it would be
         y = plan._call(branch, [a, b])[0]
+        if flag and lazy_chosen and type(y) is np.ndarray and y.shape == shape and y.dtype == other.dtype:
+            return (y,)
         pair = (y, other) if side == 1 else (other, y)
         return plan._call(where, [c, *pair])
 
