@@ -53,6 +53,7 @@ if __package__ in (None, ""):  # run as a script: make the checkout importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import ROOT  # noqa: E402
+from bench.worker import ORT_SPIN_ENV  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "worker.py")
@@ -182,7 +183,6 @@ def gemm_peak(coretype: str, quick: bool) -> dict:
 # (measured: 0.104 s of CPU in a 0.3 s sleep after one GEMM; torch's threads 0.009 s), which would take a
 # core from whichever peer runs next
 SETTLE_S = 0.15
-ORT_SPIN_ENV = "ONNXTRAIN_BENCH_ORT_SPIN"  # "0": onnxruntime's intra-op threads do not spin (--ort-spin off)
 
 
 def measure(peers: list[Peer], repeats: int, warmup: int, min_time: float) -> None:

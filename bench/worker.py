@@ -58,10 +58,13 @@ def _batches(folder: str):
     return [(data[f"x{i}"], data[f"y{i}"]) for i in range(n)]
 
 
+ORT_SPIN_ENV = "ONNXTRAIN_BENCH_ORT_SPIN"  # "0": onnxruntime's intra-op threads do not spin (--ort-spin off)
+
+
 def _ort_spin(so) -> None:
     """``--ort-spin off`` (``ONNXTRAIN_BENCH_ORT_SPIN=0``): onnxruntime's idle intra-op threads sleep at once
     instead of spinning a while (its default), set the same way for both onnxruntime peers."""
-    if os.environ.get("ONNXTRAIN_BENCH_ORT_SPIN", "1") == "0":
+    if os.environ.get(ORT_SPIN_ENV, "1") == "0":
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
 
 
