@@ -169,6 +169,13 @@ def _numpy_fuse(options: Any) -> bool | None:
             "memory to the system)",
             stacklevel=4,
         )
+    order = getattr(options, "execution_order", None)
+    if order is not None and str(getattr(order, "name", order)).upper() not in ("DEFAULT", "0"):
+        warnings.warn(
+            f"SessionOptions.execution_order = {order!r} has no effect on the numpy engine, which runs the "
+            "nodes in the graph's order",
+            stacklevel=4,
+        )
     if getattr(options, "enable_profiling", False):
         return False
     level = getattr(options, "graph_optimization_level", None)
@@ -231,6 +238,7 @@ class OrtPlan(GraphInterface):
             so.log_severity_level = severity
         if getattr(options, "use_deterministic_compute", False):
             so.use_deterministic_compute = True
+        so.execution_order = self._execution_order(options)
         # the caller's session config entries go to onnxruntime (ours, "onnxtrain.*", stay here); the
         # optimizers we must disable are added to any the caller disables
         config = dict(getattr(options, "_config", {}) or {})
@@ -243,6 +251,30 @@ class OrtPlan(GraphInterface):
         disabled += [x for x in DISABLED_OPTIMIZERS if x not in disabled]
         so.add_session_config_entry("session.disable_optimizers", ",".join(disabled))
         return so
+
+    def _execution_order(self, options: Any) -> Any:
+        """The options' ``execution_order`` when they carry one (onnxruntime's ``SessionOptions`` always
+        do), else ``PRIORITY_BASED``: onnxruntime then runs the nodes in the graph's own order (by node
+        index), which onnxtrain writes forward, backward, update. onnxruntime's ``DEFAULT`` order, a
+        depth-first walk back from the outputs, keeps more activations alive in a training graph:
+        measured peak RSS of the transformer step 195-199 → 168-171 MiB, GPT 168-173 → 155-161 MiB, the
+        MLP and CNN within 4 MiB either way, step times unchanged."""
+        ort = self._ort
+        value = getattr(options, "execution_order", None)
+        if value is None:
+            return ort.ExecutionOrder.PRIORITY_BASED
+        if isinstance(value, ort.ExecutionOrder):
+            return value
+        members = ort.ExecutionOrder.__members__
+        key = getattr(value, "name", value)  # a name, or an enum of onnxtrain's or another's by its name
+        if isinstance(key, str):
+            order = members.get(key.upper())
+        else:
+            order = {int(v): v for v in members.values()}.get(value) if isinstance(value, int) else None
+        if order is None:
+            raise ValueError(f"SessionOptions.execution_order: unknown value {value!r}; valid: "
+                             f"{', '.join(ort.ExecutionOrder.__members__)}")
+        return order
 
     def _create_session(self, model: onnx.ModelProto, options: Any, names: list[str],
                         opts: list[dict]) -> Any:

@@ -455,3 +455,38 @@ def test_memory_options_reach_onnxruntime(flag):
     assert getattr(sess._plan._session.get_session_options(), flag) is False
     assert getattr(InferenceSession(mlp_model().SerializeToString(), options("onnxruntime"))._plan._session
                    .get_session_options(), flag) is True
+
+
+def _order(plan: OrtPlan) -> str:
+    return plan._session.get_session_options().execution_order.name
+
+
+def test_execution_order_keeps_the_graph_order_unless_the_options_say():
+    """onnxruntime runs onnxtrain's graphs in their own node order (PRIORITY_BASED: by node index) unless
+    the options name an order; a name, an int or onnxruntime's enum are taken, anything else is an error."""
+    assert _order(make_plan(mlp_model(), "onnxruntime")) == "PRIORITY_BASED"
+    assert _order(InferenceSession(mlp_model().SerializeToString(), options("onnxruntime"))._plan) \
+        == "PRIORITY_BASED"
+    for given in ("default", 0, ort.ExecutionOrder.DEFAULT):
+        so = options("onnxruntime")
+        so.execution_order = given
+        assert _order(make_plan(mlp_model(), "onnxruntime", options=so)) == "DEFAULT"
+    so = options("onnxruntime")
+    so.execution_order = "depth_first"
+    with pytest.raises(ValueError, match="execution_order: unknown value 'depth_first'; valid: DEFAULT"):
+        make_plan(mlp_model(), "onnxruntime", options=so)
+    # onnxruntime's own SessionOptions always carry an order: theirs is taken as it is
+    ort_so = ort.SessionOptions()
+    ort_so.add_session_config_entry(CONFIG_KEY, "onnxruntime")
+    assert _order(make_plan(mlp_model(), "onnxruntime", options=ort_so)) == "DEFAULT"
+
+
+def test_execution_order_warns_on_the_numpy_engine():
+    so = SessionOptions()
+    so.execution_order = "PRIORITY_BASED"
+    with pytest.warns(UserWarning, match="execution_order = 'PRIORITY_BASED' has no effect on the numpy"):
+        InferenceSession(mlp_model().SerializeToString(), so)
+    so.execution_order = "DEFAULT"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        InferenceSession(mlp_model().SerializeToString(), so)
