@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -19,20 +20,24 @@ F = torch.nn.functional
 
 
 def _grads(
-    op: str, inputs: list[np.ndarray], attrs: dict[str, Any]
+    op: str, inputs: list[np.ndarray], attrs: dict[str, Any], keep: list | None = None
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Our gradients of loss = Σ Y·U (U fixed random) w.r.t. every input, and U."""
+    """Our gradients of loss = Σ Y·U (U fixed random) w.r.t. every input, and U; ``keep`` receives the
+    gradient model and its feeds."""
     names = [f"x{i}" for i in range(len(inputs))]
     node = helper.make_node(op, names, ["y"], **attrs)
-    g_in = [helper.make_tensor_value_info(n, TensorProto.DOUBLE, v.shape) for n, v in zip(names, inputs)]
+    elem = helper.np_dtype_to_tensor_dtype(inputs[0].dtype)
+    g_in = [helper.make_tensor_value_info(n, elem, v.shape) for n, v in zip(names, inputs)]
     graph = helper.make_graph([node], op, g_in, [helper.make_empty_tensor_value_info("y")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     feeds = dict(zip(names, inputs))
     y = run_engine(model, feeds)[0]
-    lmodel = random_loss_model(model, [y.shape], [0])
+    lmodel = random_loss_model(model, [y.shape], [0], dtype=inputs[0].dtype)
     u = next(t for t in lmodel.graph.initializer if t.name == "u0")
     u_arr = numpy_helper.to_array(u)
     gmodel = build_gradient_model(lmodel, "loss", names)
+    if keep is not None:
+        keep.extend((gmodel, feeds))
     outs = dict(zip([o.name for o in gmodel.graph.output], run_engine(gmodel, feeds)))
     return {n: outs[f"{n}_grad"] for n in names}, u_arr
 
@@ -149,3 +154,37 @@ def test_average_pool_grad_vs_torch(xs, k, stride, pad, ceil, dil, include_pad) 
         u,
     )
     _check(ours, theirs)
+
+
+UNPOOL = [  # x shape, kernel, stride, pad, ceil_mode; True: windows never overlap and MaxUnpool fits X
+    ((2, 3, 8, 8), 2, 2, 0, 0, True),
+    ((1, 2, 6, 6), 2, 2, 1, 0, True),
+    ((1, 2, 8, 8), 2, 3, 0, 0, True),
+    ((1, 2, 9, 9), 2, 2, 0, 0, False),  # the last row and column are in no window
+    ((1, 2, 9, 9), 2, 2, 0, 1, False),  # ceil mode: the last window hangs over
+    ((1, 2, 9, 9), 3, 2, 0, 0, False),  # overlapping windows
+]
+
+
+@pytest.mark.parametrize("xs,k,stride,pad,ceil,unpools", UNPOOL, ids=lambda v: str(v))
+def test_max_pool_grad_float32_by_max_unpool_vs_torch(xs, k, stride, pad, ceil, unpools) -> None:
+    """In float32, the gradient of a MaxPool whose windows never overlap is one MaxUnpool of dY at the
+    Indices; the other cases keep the ScatterElements form. Both match torch (and onnxruntime runs them:
+    tests/engine/test_backends.py trains LeNet)."""
+    n = int(np.prod(xs))
+    x = (np.random.default_rng(4).permutation(n).reshape(xs) / n).astype(np.float32)  # no ties
+    attrs = {"kernel_shape": [k] * 2, "strides": [stride] * 2, "pads": [pad] * 4, "ceil_mode": ceil}
+    kept: list = []
+    ours, u = _grads("MaxPool", [x], attrs, kept)
+    gmodel, feeds = kept
+    ops = [n.op_type for n in gmodel.graph.node]
+    assert ("MaxUnpool" in ops, "ScatterElements" in ops) == (unpools, not unpools), ops
+    theirs = _torch_grads(
+        lambda x: F.max_pool2d(x, k, stride, pad, ceil_mode=bool(ceil)), [x.astype(np.float64)], u
+    )
+    np.testing.assert_allclose(ours["x0"], theirs[0], rtol=1e-6, atol=1e-7)
+    ort = pytest.importorskip("onnxruntime")
+    onnx.checker.check_model(gmodel, full_check=True)
+    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    np.testing.assert_array_equal(out["x0_grad"], ours["x0"])
