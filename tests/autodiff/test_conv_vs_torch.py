@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from onnxtrain.autodiff import build_gradient_model
 from onnxtrain.testing import random_loss_model, run_engine
