@@ -26,6 +26,7 @@ import onnx
 
 from onnxtrain.engine.donation import check_fed, donatable
 from onnxtrain.engine.ort_inplace import safe_updates
+from onnxtrain.engine.ort_rewrites import rewrite_for_onnxruntime
 from onnxtrain.engine.plan import EngineError, GraphInterface, Plan, ProfileEvent
 
 BACKENDS = ("numpy", "onnxruntime")
@@ -210,7 +211,11 @@ class OrtPlan(GraphInterface):
         self._device = "cuda" if names[0] == "CUDAExecutionProvider" else "cpu"
         # tensors only go through the IOBinding; sequences/optionals take session.run
         self._tensor_io = all(v.type.HasField("tensor_type") for v in (*g.input, *g.output))
-        self._session = self._create_session(model, options, names, opts)
+        # onnxtrain's own rewrites (onnxtrain/engine/ort_rewrites.py), unless optimisations are off
+        level = getattr(options, "graph_optimization_level", None)
+        self.onnxruntime_model = model if level is not None and int(level) == 0 \
+            else rewrite_for_onnxruntime(model)
+        self._session = self._create_session(self.onnxruntime_model, options, names, opts)
         # overridable initializers cannot be bound (onnxruntime's IOBinding knows the inputs proper only)
         self._bindable = {i.name for i in self._session.get_inputs()}
         # output → the input whose array it may be written into, when that input is donated (CPU only)

@@ -1,0 +1,138 @@
+"""Rewrites of a graph before onnxruntime runs it: standard ONNX in, standard ONNX out, the same values.
+
+MaxPool's ``Indices`` output takes onnxruntime's plain loop over the windows instead of its vectorised
+pooling (LeNet's first pool at batch 64: 508 µs with Indices, 35 µs without). Where the windows tile the
+input exactly (kernel = strides, no pads or dilation, spatial sizes divisible by the kernel), the Indices
+are the first maximum of each window in row-major window order, which is what ``ArgMax`` over the
+window's elements returns; so the pool keeps only ``Y`` and the Indices are rebuilt as
+
+    window = Reshape(Transpose(Reshape(X, [N, C, H/kh, kh, W/kw, kw]), [0, 1, 2, 4, 3, 5]), [..., kh·kw])
+    Indices = Gather(offset, ArgMax(window, -1)) + base[c, i, j] + n·C·H·W
+
+with ``offset[a]`` the flat offset of window element ``a`` in X (``(a // kw)·W + a % kw``) and ``base`` the
+flat position of each window's first element. onnxruntime's integer Div and Mod are slow (406 µs for
+LeNet's 75 K indices), hence the table. Measured on LeNet's pools: 508 → 230 µs and 345 → 80 µs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.ir.builder import static_shape, value_types
+
+_FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
+
+
+def rewrite_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with the rewrites above applied (a copy), or ``model`` itself when none applies."""
+    pools = [k for k, n in enumerate(model.graph.node)
+             if n.op_type == "MaxPool" and n.domain in ("", "ai.onnx") and len(n.output) > 1 and n.output[1]]
+    if not pools:
+        return model
+    types = value_types(model)
+    plans = {k: p for k in pools if (p := _tiling(model.graph.node[k], types)) is not None}
+    if not plans:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    taken = {v for n in g.node for v in (*n.input, *n.output, n.name)} | {t.name for t in g.initializer}
+    taken |= {v.name for v in (*g.input, *g.output)}
+    nodes: list[onnx.NodeProto] = []
+    for k, n in enumerate(g.node):
+        if k not in plans:
+            nodes.append(n)
+            continue
+        new, inits = _argmax_indices(n, *plans[k], _Names(n.output[1], taken))
+        nodes.extend(new)
+        g.initializer.extend(inits)
+    del g.node[:]
+    g.node.extend(nodes)
+    return out
+
+
+class _Names:
+    """Fresh value names derived from ``stem``, avoiding every name in ``taken`` (which they join)."""
+
+    def __init__(self, stem: str, taken: set[str]) -> None:
+        self.stem, self.taken = stem, taken
+
+    def __call__(self, what: str) -> str:
+        name, i = f"{self.stem}/argmax_{what}", 0
+        while name in self.taken:
+            i += 1
+            name = f"{self.stem}/argmax_{what}_{i}"
+        self.taken.add(name)
+        return name
+
+
+def _tiling(node: onnx.NodeProto, types: dict) -> tuple[int, int, int, int, int, int] | None:
+    """(C, H, W, kh, kw, elem) when ``node`` pools exactly tiling 2-D windows of a static C·H·W input."""
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    k = list(a.get("kernel_shape", []))
+    if len(k) != 2 or list(a.get("strides", [1, 1])) != k:
+        return None
+    if any(a.get("pads", [0] * 4)) or any(d != 1 for d in a.get("dilations", [1, 1])):
+        return None
+    auto = a.get("auto_pad", b"NOTSET")
+    auto = auto.decode() if isinstance(auto, bytes) else auto
+    if auto not in ("NOTSET", "VALID") or a.get("ceil_mode", 0) or a.get("storage_order", 0):
+        return None
+    shape = static_shape(types, node.input[0])
+    tp = types.get(node.input[0])
+    if shape is None or len(shape) != 4 or any(d is None for d in shape[1:]) or tp is None:
+        return None
+    elem = tp.tensor_type.elem_type
+    _, c, h, w = shape
+    if elem not in _FLOATS or h % k[0] or w % k[1]:  # type: ignore[operator]
+        return None
+    return int(c), int(h), int(w), int(k[0]), int(k[1]), int(elem)  # type: ignore[arg-type]
+
+
+def _argmax_indices(node: onnx.NodeProto, c: int, h: int, w: int, kh: int, kw: int, elem: int,
+                    name: _Names) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """The MaxPool without its Indices, and the nodes computing the Indices by ArgMax (module docstring)."""
+    x, idx = node.input[0], node.output[1]
+    pool = onnx.NodeProto()
+    pool.CopyFrom(node)
+    del pool.output[1:]
+    hk, wk = h // kh, w // kw
+    a = np.arange(kh * kw)
+    base = (np.arange(c)[:, None, None] * h + np.arange(hk)[None, :, None] * kh) * w \
+        + np.arange(wk)[None, None, :] * kw
+    consts = {
+        "split": np.array([-1, c, hk, kh, wk, kw], np.int64),
+        "windows": np.array([-1, c, hk, wk, kh * kw], np.int64),
+        "offset": (a // kw * w + a % kw).astype(np.int64),
+        "base": base.astype(np.int64),
+        "zero": np.array(0, np.int64),
+        "one": np.array(1, np.int64),
+        "image": np.array(c * h * w, np.int64),
+        "axes": np.array([1, 2, 3], np.int64),
+    }
+    v = {key: name(key) for key in consts}
+    inits = [numpy_helper.from_array(arr, v[key]) for key, arr in consts.items()]
+    t = {key: name(key) for key in ("x6", "xt", "x5", "arg", "off", "pos", "shape", "n", "images", "first",
+                                     "first4")}
+
+    def make(op: str, ins: list[str], out: str, **attrs: object) -> onnx.NodeProto:
+        return helper.make_node(op, ins, [out], name=name(op), **attrs)
+
+    nodes = [
+        pool,
+        make("Reshape", [x, v["split"]], t["x6"]),
+        make("Transpose", [t["x6"]], t["xt"], perm=[0, 1, 2, 4, 3, 5]),
+        make("Reshape", [t["xt"], v["windows"]], t["x5"]),
+        make("ArgMax", [t["x5"]], t["arg"], axis=-1, keepdims=0),
+        make("Gather", [v["offset"], t["arg"]], t["off"]),
+        make("Add", [t["off"], v["base"]], t["pos"]),
+        make("Shape", [x], t["shape"], end=1),
+        make("Squeeze", [t["shape"]], t["n"]),
+        make("Range", [v["zero"], t["n"], v["one"]], t["images"]),
+        make("Mul", [t["images"], v["image"]], t["first"]),
+        make("Unsqueeze", [t["first"], v["axes"]], t["first4"]),
+        make("Add", [t["pos"], t["first4"]], idx),
+    ]
+    return nodes, inits

@@ -1,0 +1,110 @@
+"""Graph rewrites for onnxruntime (onnxtrain/engine/ort_rewrites.py): same values as the graph given,
+computed by onnxruntime itself on both graphs."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from onnxtrain.engine.backends import make_plan
+from onnxtrain.engine.ort_rewrites import rewrite_for_onnxruntime
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def pool_model(c: int = 3, h: int = 8, w: int = 8, elem: int = TensorProto.FLOAT, **attrs) -> onnx.ModelProto:
+    """X (dynamic batch) → MaxPool → (Y, Indices), both graph outputs."""
+    attrs = {"kernel_shape": [2, 2], "strides": [2, 2], **attrs}
+    node = helper.make_node("MaxPool", ["x"], ["y", "i"], name="pool", **attrs)
+    g = helper.make_graph([node], "pool", [helper.make_tensor_value_info("x", elem, ["N", c, h, w])],
+                          [helper.make_tensor_value_info("y", elem, None),
+                           helper.make_tensor_value_info("i", TensorProto.INT64, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def run(model: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})
+
+
+@pytest.mark.parametrize("shape,kernel,elem", [
+    ((4, 3, 8, 8), [2, 2], TensorProto.FLOAT),
+    ((1, 6, 28, 28), [2, 2], TensorProto.FLOAT),
+    ((3, 2, 9, 6), [3, 2], TensorProto.FLOAT),
+    ((2, 2, 6, 6), [3, 3], TensorProto.DOUBLE),
+])
+def test_tiling_max_pool_indices_by_argmax_equal_onnxruntimes_own(shape, kernel, elem) -> None:
+    """Windows that tile the input: the Indices come from ArgMax, equal to MaxPool's own (ties included:
+    the first maximum in row-major window order), for several batch sizes of one graph."""
+    model = pool_model(*shape[1:], elem=elem, kernel_shape=kernel, strides=kernel)
+    new = rewrite_for_onnxruntime(model)
+    onnx.checker.check_model(new, full_check=True)
+    ops = [n.op_type for n in new.graph.node]
+    assert "ArgMax" in ops and len(new.graph.node[0].output) == 1, ops
+    rng = np.random.default_rng(0)
+    for batch in (shape[0], 1, 5):
+        x = np.maximum(rng.standard_normal((batch, *shape[1:])), 0)  # ReLU'd: windows of tied zeros
+        x = x.astype(helper.tensor_dtype_to_np_dtype(elem))
+        want, got = run(model, x), run(new, x)
+        for a, b in zip(want, got):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("attrs,size", [
+    ({"kernel_shape": [3, 3], "strides": [2, 2]}, 9),  # overlapping windows
+    ({"pads": [1, 1, 1, 1]}, 8),
+    ({}, 9),  # the last row and column are in no window
+    ({"ceil_mode": 1}, 9),
+    ({"dilations": [2, 2], "strides": [2, 2]}, 8),
+    ({"storage_order": 1}, 8),
+    ({"auto_pad": "SAME_UPPER"}, 8),
+])
+def test_other_pools_are_left_alone(attrs, size) -> None:
+    model = pool_model(h=size, w=size, **attrs)
+    assert rewrite_for_onnxruntime(model) is model
+
+
+def test_pools_without_indices_or_static_sizes_are_left_alone() -> None:
+    no_indices = pool_model()
+    del no_indices.graph.node[0].output[1:]
+    del no_indices.graph.output[1:]
+    assert rewrite_for_onnxruntime(no_indices) is no_indices
+    dynamic = pool_model()
+    dynamic.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "H"
+    del dynamic.graph.value_info[:]
+    assert rewrite_for_onnxruntime(dynamic) is dynamic
+
+
+def test_new_names_do_not_clash_with_the_graphs() -> None:
+    model = pool_model()
+    clash = helper.make_node("Identity", ["x"], ["i/argmax_split"], name="Transpose")
+    model.graph.node.append(clash)
+    out = helper.make_tensor_value_info("i/argmax_split", TensorProto.FLOAT, ["N", 3, 8, 8])
+    model.graph.output.append(out)
+    new = rewrite_for_onnxruntime(model)
+    onnx.checker.check_model(new, full_check=True)
+    values = [o for n in new.graph.node for o in n.output] + [t.name for t in new.graph.initializer]
+    assert len(values) == len(set(values))
+    names = [n.name for n in new.graph.node]
+    assert len(names) == len(set(names))
+    x = np.random.default_rng(1).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    for a, b in zip(run(model, x), run(new, x)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_onnxruntime_plan_runs_the_rewritten_graph_unless_optimisations_are_off() -> None:
+    from onnxtrain import SessionOptions
+
+    model = pool_model()
+    plan = make_plan(model, "onnxruntime")
+    assert "ArgMax" in [n.op_type for n in plan.onnxruntime_model.graph.node]
+    assert plan.model is model  # the interface stays the graph given
+    so = SessionOptions()
+    so.graph_optimization_level = 0  # ORT_DISABLE_ALL
+    assert make_plan(model, "onnxruntime", options=so).onnxruntime_model is model
+    x = np.random.default_rng(2).standard_normal((3, 3, 8, 8)).astype(np.float32)
+    for a, b in zip(plan.run({"x": x}), run(model, x)):
+        np.testing.assert_array_equal(a, b)
