@@ -218,8 +218,10 @@ class OrtPlan(GraphInterface):
         self._session = self._create_session(self.onnxruntime_model, options, names, opts)
         # overridable initializers cannot be bound (onnxruntime's IOBinding knows the inputs proper only)
         self._bindable = {i.name for i in self._session.get_inputs()}
-        # output → the input whose array it may be written into, when that input is donated (CPU only)
-        self._inplace = safe_updates(model, updates) if updates and self._device == "cpu" else {}
+        # output → the input whose array it may be written into, when that input is donated (CPU only);
+        # judged on the graph onnxruntime runs, whose rewrites may add readers of an input
+        self._inplace = (safe_updates(self.onnxruntime_model, updates)
+                         if updates and self._device == "cpu" else {})
 
     def _session_options(self, options: Any) -> Any:
         ort = self._ort

@@ -108,3 +108,15 @@ def test_the_onnxruntime_plan_runs_the_rewritten_graph_unless_optimisations_are_
     x = np.random.default_rng(2).standard_normal((3, 3, 8, 8)).astype(np.float32)
     for a, b in zip(plan.run({"x": x}), run(model, x)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_unused_indices_are_dropped() -> None:
+    """Indices nothing reads (and no graph output): the pool simply runs without them, whatever the
+    windows."""
+    model = pool_model(kernel_shape=[3, 3], strides=[2, 2], h=9, w=9)
+    del model.graph.output[1:]
+    new = rewrite_for_onnxruntime(model)
+    onnx.checker.check_model(new, full_check=True)
+    assert [n.op_type for n in new.graph.node] == ["MaxPool"] and list(new.graph.node[0].output) == ["y"]
+    x = np.random.default_rng(3).standard_normal((2, 3, 9, 9)).astype(np.float32)
+    np.testing.assert_array_equal(run(model, x)[0], run(new, x)[0])
