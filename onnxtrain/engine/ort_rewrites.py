@@ -21,9 +21,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain.ir.builder import static_shape, value_types
+from onnxtrain.ir.builder import model_opset, static_shape, value_types
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
+_MIN_OPSET = 11  # Range
 
 
 def rewrite_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -34,7 +35,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     read = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
     unused = {k for k in pools if model.graph.node[k].output[1] not in read}
-    tiled = [k for k in pools if k not in unused]
+    tiled = [k for k in pools if k not in unused] if model_opset(model) >= _MIN_OPSET else []
     types = value_types(model) if tiled else {}
     plans = {k: p for k in tiled if (p := _tiling(model.graph.node[k], types)) is not None}
     if not plans and not unused:
@@ -51,7 +52,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
         if k not in plans:
             nodes.append(n)
             continue
-        new, inits = _argmax_indices(n, *plans[k], _Names(n.output[1], taken))
+        new, inits = _argmax_indices(n, *plans[k], name=_Names(n.output[1], taken))
         nodes.extend(new)
         g.initializer.extend(inits)
     del g.node[:]
@@ -74,8 +75,8 @@ class _Names:
         return name
 
 
-def _tiling(node: onnx.NodeProto, types: dict) -> tuple[int, int, int, int, int, int] | None:
-    """(C, H, W, kh, kw, elem) when ``node`` pools exactly tiling 2-D windows of a static C·H·W input."""
+def _tiling(node: onnx.NodeProto, types: dict) -> tuple[int, int, int, int, int] | None:
+    """(C, H, W, kh, kw) when ``node`` pools exactly tiling 2-D windows of a static float C·H·W input."""
     a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
     k = list(a.get("kernel_shape", []))
     if len(k) != 2 or list(a.get("strides", [1, 1])) != k:
@@ -90,14 +91,13 @@ def _tiling(node: onnx.NodeProto, types: dict) -> tuple[int, int, int, int, int,
     tp = types.get(node.input[0])
     if shape is None or len(shape) != 4 or any(d is None for d in shape[1:]) or tp is None:
         return None
-    elem = tp.tensor_type.elem_type
     _, c, h, w = shape
-    if elem not in _FLOATS or h % k[0] or w % k[1]:  # type: ignore[operator]
+    if tp.tensor_type.elem_type not in _FLOATS or h % k[0] or w % k[1]:  # type: ignore[operator]
         return None
-    return int(c), int(h), int(w), int(k[0]), int(k[1]), int(elem)  # type: ignore[arg-type]
+    return int(c), int(h), int(w), int(k[0]), int(k[1])  # type: ignore[arg-type]
 
 
-def _argmax_indices(node: onnx.NodeProto, c: int, h: int, w: int, kh: int, kw: int, elem: int,
+def _argmax_indices(node: onnx.NodeProto, c: int, h: int, w: int, kh: int, kw: int,
                     name: _Names) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """The MaxPool without its Indices, and the nodes computing the Indices by ArgMax (module docstring)."""
     x, idx = node.input[0], node.output[1]
@@ -116,12 +116,13 @@ def _argmax_indices(node: onnx.NodeProto, c: int, h: int, w: int, kh: int, kw: i
         "zero": np.array(0, np.int64),
         "one": np.array(1, np.int64),
         "image": np.array(c * h * w, np.int64),
-        "axes": np.array([1, 2, 3], np.int64),
+        "column": np.array([-1, 1, 1, 1], np.int64),
     }
     v = {key: name(key) for key in consts}
     inits = [numpy_helper.from_array(arr, v[key]) for key, arr in consts.items()]
     t = {key: name(key) for key in ("x6", "xt", "x5", "arg", "off", "pos", "shape", "n", "images", "first",
                                      "first4")}
+    # opset 11 onwards: Shape without start/end, Gather of a scalar index, Reshape rather than Unsqueeze
 
     def make(op: str, ins: list[str], out: str, **attrs: object) -> onnx.NodeProto:
         return helper.make_node(op, ins, [out], name=name(op), **attrs)
@@ -134,11 +135,11 @@ def _argmax_indices(node: onnx.NodeProto, c: int, h: int, w: int, kh: int, kw: i
         make("ArgMax", [t["x5"]], t["arg"], axis=-1, keepdims=0),
         make("Gather", [v["offset"], t["arg"]], t["off"]),
         make("Add", [t["off"], v["base"]], t["pos"]),
-        make("Shape", [x], t["shape"], end=1),
-        make("Squeeze", [t["shape"]], t["n"]),
+        make("Shape", [x], t["shape"]),
+        make("Gather", [t["shape"], v["zero"]], t["n"], axis=0),
         make("Range", [v["zero"], t["n"], v["one"]], t["images"]),
         make("Mul", [t["images"], v["image"]], t["first"]),
-        make("Unsqueeze", [t["first"], v["axes"]], t["first4"]),
+        make("Reshape", [t["first"], v["column"]], t["first4"]),
         make("Add", [t["pos"], t["first4"]], idx),
     ]
     return nodes, inits
