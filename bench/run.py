@@ -16,7 +16,8 @@ skipped with its error.
 Timing: after a warm-up, every round runs each peer in turn (the order rotates every round) for enough
 steps to last ``--min-time``; a peer's figure is the median over ``--repeats`` rounds. The notes also give,
 for each peer, the middle half of its round-by-round ratios to onnxruntime-training (the two ran in the same
-round, under nearly the same load): how far a ratio moves with the machine's load. Memory: peak RSS
+round, under nearly the same load): how far a ratio moves with the machine's load, and for the on-device
+peers the time their ``Optimizer.step`` takes per step (the update, timed inside the step). Memory: peak RSS
 of the peer's process (VmHWM: interpreter, imports, model, training) and, for onnxtrain, the
 engine's peak live bytes (``Plan.peak_bytes``, the largest over its plans). FLOPs: bench/flops.py;
 "% peak" is step FLOPs / step time / the best numpy float32 GEMM figure measured in this run.
@@ -79,6 +80,7 @@ class Peer:
     error: str = ""
     number: int = 1
     samples: list[float] = field(default_factory=list)
+    update_samples: list[float] = field(default_factory=list)  # on-device peers: Optimizer.step per step
     stats: dict = field(default_factory=dict)
     loss: float = math.nan
 
@@ -198,6 +200,8 @@ def measure(peers: list[Peer], repeats: int, warmup: int, min_time: float) -> No
             time.sleep(SETTLE_S)
             res = p.send(f"run {p.number}")
             p.samples.append(res["seconds"] / p.number)
+            if "update_seconds" in res:
+                p.update_samples.append(res["update_seconds"] / p.number)
             p.loss = res["loss"]
     for p in live:
         p.stats = p.send("stats")
@@ -291,6 +295,9 @@ def run_case(
     if spreads:
         head = f"{case.title}: × ORT-T round by round, the middle half of the rounds: "
         notes.append(head + "; ".join(spreads))
+    updates = update_split(peers)
+    if updates:
+        notes.append(f"{case.title}: {updates}")
     firsts = [p.stats.get("first_losses", []) for p in peers if p.samples]
     spread = max((abs(a - b) for f in firsts for g in firsts for a, b in zip(f, g)), default=0.0)
     notes.append(
@@ -304,6 +311,17 @@ def run_case(
         + ")"
     )
     return rows, notes
+
+
+def update_split(peers: list[Peer]) -> str:
+    """How much of each on-device peer's step is ``Optimizer.step`` (medians over the rounds), or ""."""
+    parts = [
+        f"{p.name}: {statistics.median(p.update_samples) * 1e3:.2f} of "
+        f"{statistics.median(p.samples) * 1e3:.2f} ms"
+        for p in peers
+        if p.update_samples and p.samples
+    ]
+    return "time in Optimizer.step per step (the update), medians: " + "; ".join(parts) if parts else ""
 
 
 def table(rows: list[Row], markdown: bool, peak: float) -> str:

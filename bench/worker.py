@@ -115,7 +115,8 @@ def legacy_peer(folder: str):
 def _on_device_step(artifacts, api, model, folder: str, subdir: str, session_options):
     """Artifacts (cross-entropy, AdamW) in ``folder/subdir``, then a Module + Optimizer of ``api``: the same
     calls for onnxtrain and onnxruntime-training, whose on-device APIs share their names. Returns
-    (step(x, y) -> loss, module, optimizer)."""
+    (step(x, y) -> loss, module, optimizer); ``step.update_seconds[0]`` adds up the time in
+    ``Optimizer.step``."""
     out = os.path.join(folder, subdir)
     os.makedirs(out, exist_ok=True)
     artifacts.generate_artifacts(
@@ -130,12 +131,17 @@ def _on_device_step(artifacts, api, model, folder: str, subdir: str, session_opt
     opt = api.Optimizer(os.path.join(out, "optimizer_model.onnx"), module)
     opt.set_learning_rate(LR)
 
+    spent = [0.0]  # seconds in Optimizer.step, read by the worker loop ("update_seconds")
+
     def step(x, y):
         loss = module(x, y.reshape(-1))
+        t0 = time.perf_counter()
         opt.step()
+        spent[0] += time.perf_counter() - t0
         module.lazy_reset_grad()
         return loss
 
+    step.update_seconds = spent
     return step, module, opt
 
 
@@ -220,6 +226,7 @@ def main(argv: list[str]) -> int:
     proto.write(json.dumps({"ready": True, "numpy": np.__version__}) + "\n")
     i = 0
     loss = None
+    update = getattr(step, "update_seconds", None)  # on-device peers: time in Optimizer.step
     first: list[float] = []  # losses of the first steps: every peer must agree on them
     for line in sys.stdin:
         cmd = line.split()
@@ -227,6 +234,7 @@ def main(argv: list[str]) -> int:
             break
         if cmd[0] == "run":
             n = int(cmd[1])
+            before = update[0] if update is not None else 0.0
             t0 = time.perf_counter()
             for _ in range(n):
                 x, y = batches[i % len(batches)]
@@ -235,7 +243,10 @@ def main(argv: list[str]) -> int:
                 if len(first) < 3:
                     first.append(float(np.asarray(loss).reshape(-1)[0]))
             dt = time.perf_counter() - t0
-            proto.write(json.dumps({"seconds": dt, "loss": float(np.asarray(loss).reshape(-1)[0])}) + "\n")
+            reply = {"seconds": dt, "loss": float(np.asarray(loss).reshape(-1)[0])}
+            if update is not None:
+                reply["update_seconds"] = update[0] - before
+            proto.write(json.dumps(reply) + "\n")
         elif cmd[0] == "stats":
             proto.write(
                 json.dumps(
