@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain.ir.builder import model_opset, static_shape, value_types
+from onnxtrain.ir.builder import NameGen, model_opset, static_shape, value_types
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
 _MIN_OPSET = 11  # Range
@@ -43,8 +43,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
-    taken = {v for n in g.node for v in (*n.input, *n.output, n.name)} | {t.name for t in g.initializer}
-    taken |= {v.name for v in (*g.input, *g.output)}
+    names = NameGen.for_model(out)
     nodes: list[onnx.NodeProto] = []
     for k, n in enumerate(g.node):
         if k in unused:
@@ -52,27 +51,12 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
         if k not in plans:
             nodes.append(n)
             continue
-        new, inits = _argmax_indices(n, *plans[k], name=_Names(n.output[1], taken))
+        new, inits = _argmax_indices(n, *plans[k], names=names)
         nodes.extend(new)
         g.initializer.extend(inits)
     del g.node[:]
     g.node.extend(nodes)
     return out
-
-
-class _Names:
-    """Fresh value names derived from ``stem``, avoiding every name in ``taken`` (which they join)."""
-
-    def __init__(self, stem: str, taken: set[str]) -> None:
-        self.stem, self.taken = stem, taken
-
-    def __call__(self, what: str) -> str:
-        name, i = f"{self.stem}/argmax_{what}", 0
-        while name in self.taken:
-            i += 1
-            name = f"{self.stem}/argmax_{what}_{i}"
-        self.taken.add(name)
-        return name
 
 
 def _tiling(node: onnx.NodeProto, types: dict) -> tuple[int, int, int, int, int] | None:
@@ -98,9 +82,14 @@ def _tiling(node: onnx.NodeProto, types: dict) -> tuple[int, int, int, int, int]
 
 
 def _argmax_indices(node: onnx.NodeProto, c: int, h: int, w: int, kh: int, kw: int,
-                    name: _Names) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
-    """The MaxPool without its Indices, and the nodes computing the Indices by ArgMax (module docstring)."""
+                    names: NameGen) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """The MaxPool without its Indices, and the nodes computing the Indices by ArgMax (module docstring);
+    new value and node names come from ``names``, derived from the Indices' name."""
     x, idx = node.input[0], node.output[1]
+
+    def name(what: str) -> str:
+        return names(f"{idx}/argmax_{what}")
+
     pool = onnx.NodeProto()
     pool.CopyFrom(node)
     del pool.output[1:]
