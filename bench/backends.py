@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench.common import compare, fmt_time  # noqa: E402 - run from a checkout
 from onnxtrain import SessionOptions, TrainingParameters, TrainingSession, zoo  # noqa: E402
-from onnxtrain.engine.backends import BACKENDS, CONFIG_KEY  # noqa: E402
+from onnxtrain.engine.backends import BACKENDS, CONFIG_KEY, SPIN_KEY  # noqa: E402
 
 SIZES = [784, 512, 512, 10]
 OPTIMIZERS = {"adam": "AdamOptimizer", "sgd": "SGDOptimizer"}
@@ -40,7 +40,7 @@ def make_step(backend: str, batch: int, optimizer: str, threads: int = 0, n_batc
     so = SessionOptions()
     so.add_session_config_entry(CONFIG_KEY, backend)
     if backend == "onnxruntime":  # in this process its idle threads would spin while numpy's BLAS works
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.add_session_config_entry(SPIN_KEY, "0")
     so.intra_op_num_threads = threads
     sess = TrainingSession(zoo.mlp(SIZES, seed=0), p, so)
     rng = np.random.default_rng(1)

@@ -179,8 +179,13 @@ def _numpy_fuse(options: Any) -> bool | None:
         )
     if getattr(options, "enable_profiling", False):
         return False
+    return False if _optimizations_off(options) else None
+
+
+def _optimizations_off(options: Any) -> bool:
+    """True when the options' ``graph_optimization_level`` is ``ORT_DISABLE_ALL`` (0)."""
     level = getattr(options, "graph_optimization_level", None)
-    return False if level is not None and int(level) == 0 else None  # ORT_DISABLE_ALL
+    return level is not None and int(level) == 0
 
 
 class OrtPlan(GraphInterface):
@@ -212,9 +217,7 @@ class OrtPlan(GraphInterface):
         # tensors only go through the IOBinding; sequences/optionals take session.run
         self._tensor_io = all(v.type.HasField("tensor_type") for v in (*g.input, *g.output))
         # onnxtrain's own rewrites (onnxtrain/engine/ort_rewrites.py), unless optimisations are off
-        level = getattr(options, "graph_optimization_level", None)
-        self.onnxruntime_model = model if level is not None and int(level) == 0 \
-            else rewrite_for_onnxruntime(model)
+        self.onnxruntime_model = model if _optimizations_off(options) else rewrite_for_onnxruntime(model)
         self._session = self._create_session(self.onnxruntime_model, options, names, opts)
         # overridable initializers cannot be bound (onnxruntime's IOBinding knows the inputs proper only)
         self._bindable = {i.name for i in self._session.get_inputs()}
@@ -280,7 +283,7 @@ class OrtPlan(GraphInterface):
             order = {int(v): v for v in members.values()}.get(value) if isinstance(value, int) else None
         if order is None:
             raise ValueError(f"SessionOptions.execution_order: unknown value {value!r}; valid: "
-                             f"{', '.join(ort.ExecutionOrder.__members__)}")
+                             f"{', '.join(members)}")
         return order
 
     def _create_session(self, model: onnx.ModelProto, options: Any, names: list[str],
