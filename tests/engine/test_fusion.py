@@ -624,3 +624,97 @@ def test_on_device_gradient_accumulation_is_bit_identical_unfused(tmp_path, monk
         for n in grads[0]:
             np.testing.assert_array_equal(grads[0][n], grads[1][n])
     np.testing.assert_array_equal(fused[0].get_contiguous_parameters(), plain[0].get_contiguous_parameters())
+
+
+# ---- masked softmax --------------------------------------------------------------------------------------
+def masked_softmax_model(fill: float, fill_side: int = 1, dtype: int = F, axis: int = -1,
+                         where_is_output: bool = False) -> onnx.ModelProto:
+    """out = Softmax(Where(c, fill, x)) (fill_side 1) or Softmax(Where(c, x, fill)) (fill_side 2)."""
+    np_dt = helper.tensor_dtype_to_np_dtype(dtype)
+    pair = ["fill", "x"] if fill_side == 1 else ["x", "fill"]
+    nodes = [
+        helper.make_node("Constant", [], ["fill"], value=numpy_helper.from_array(np.array(fill, np_dt), "fill")),
+        helper.make_node("Where", ["c", *pair], ["masked"]),
+        helper.make_node("Softmax", ["masked"], ["out"], axis=axis),
+    ]
+    outs = [helper.make_tensor_value_info("out", dtype, None)]
+    if where_is_output:
+        outs.append(helper.make_tensor_value_info("masked", dtype, None))
+    g = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("c", TensorProto.BOOL, None), helper.make_tensor_value_info("x", dtype, None)],
+        outs,
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def causal(s: int, fill_side: int) -> np.ndarray:
+    """The (1, 1, s, s) mask whose true entries are where ``fill_side`` puts the fill: above the diagonal."""
+    above = np.triu(np.ones((s, s), bool), 1).reshape(1, 1, s, s)
+    return above if fill_side == 1 else ~above
+
+
+@pytest.mark.parametrize("fill_side", [1, 2])
+@pytest.mark.parametrize("fill", [-np.inf, "lowest"])
+@pytest.mark.parametrize("dtype", [F, TensorProto.DOUBLE])
+def test_causal_masked_softmax_is_one_step_matching_unfused_and_onnxruntime(fill_side, fill, dtype) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    np_dt = helper.tensor_dtype_to_np_dtype(dtype)
+    value = float(np.finfo(np_dt).min) if fill == "lowest" else fill
+    m = masked_softmax_model(value, fill_side, dtype)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert ops(fused) == ["MaskedSoftmax"]
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(11)
+    c = causal(16, fill_side)
+    for shape in [(3, 2, 16, 16), (1, 4, 16, 16)]:
+        feeds = {"c": c, "x": (rng.standard_normal(shape) * 3).astype(np_dt)}
+        got = fused.run(feeds)[0]
+        assert got.dtype == np_dt and got.shape == shape
+        masked = np.broadcast_to(causal(16, 1), shape)
+        assert (got[masked] == 0).all()  # exactly 0, as unfused
+        tol = dict(rtol=1e-6, atol=1e-7) if np_dt == np.float32 else dict(rtol=1e-14, atol=1e-15)
+        np.testing.assert_allclose(got, plain.run(feeds)[0], **tol)
+        np.testing.assert_allclose(got, sess.run(None, feeds)[0], **tol)
+
+
+def test_masked_softmax_with_unsafe_scores_or_another_axis_runs_the_original_steps() -> None:
+    rng = np.random.default_rng(12)
+    c = causal(8, 1)
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    x[1, 2, 5, 3] = 500.0  # exp overflows: the shifted softmax is needed
+    x[0, 0, 7, 7] = np.nan
+    for axis in (-1, 1):
+        m = masked_softmax_model(-np.inf, axis=axis)
+        fused, plain = Plan(m), Plan(m, fuse=False)
+        assert ops(fused) == ["MaskedSoftmax"]
+        for feeds in ({"c": c, "x": x}, {"c": c, "x": x[:, :, :, :1].copy()}):
+            with np.errstate(invalid="ignore"):  # the NaN score, and rows with every score masked
+                got, want = fused.run(feeds)[0], plain.run(feeds)[0]
+            np.testing.assert_array_equal(got, want)
+
+
+def test_masked_softmax_per_sample_masks_and_split_rows_match_unfused() -> None:
+    """A mask per sample (B, 1, S, S), a fully masked row (NaN, as unfused), and rows split over threads."""
+    from onnxtrain.engine.parallel import running_with
+
+    m = masked_softmax_model(-np.inf)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    rng = np.random.default_rng(13)
+    for shape in [(3, 2, 8, 8), (8, 4, 128, 128)]:  # the second is large enough to split
+        b, _, s, _ = shape
+        c = rng.random((b, 1, s, s)) < 0.3
+        c[0, 0, 2, :] = True  # every score of one row masked
+        feeds = {"c": c, "x": rng.standard_normal(shape).astype(np.float32)}
+        with np.errstate(invalid="ignore"):  # 0 / 0 in the masked row
+            want = plain.run(feeds)[0]
+            with running_with(2):
+                got = fused.run(feeds)[0]
+        assert np.isnan(got[0, :, 2]).all() and np.isnan(want[0, :, 2]).all()
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        assert (got[np.broadcast_to(c, shape)] == 0)[~np.isnan(got[np.broadcast_to(c, shape)])].all()
+
+
+def test_where_that_is_not_a_softmax_mask_is_left_alone() -> None:
+    assert "MaskedSoftmax" not in ops(Plan(masked_softmax_model(-5.0)))  # exp(-5) is not 0
+    assert "MaskedSoftmax" not in ops(Plan(masked_softmax_model(-np.inf, where_is_output=True)))

@@ -16,6 +16,9 @@
   and channel axes) becomes one GEMM of ``dY`` with a strided im2col view of ``X``;
 * **Sum as Adds**: a ``Sum`` becomes a chain of ``Add`` steps in the kernel's order (bit-identical), so that
   summing a tensor's gradient contributions joins the cluster that computes them;
+* **masked softmax** (:mod:`~onnxtrain.engine.fusion.masked_softmax`): ``Softmax(Where(mask, -inf, scores))``
+  (causal attention) takes exp of the scores themselves and zeroes the masked entries, without building the
+  masked copy or shifting by the row maxima;
 * **lazy selects** (:mod:`~onnxtrain.engine.fusion.select`): ``Where(c, x, a + b)`` with a one-element ``c``
   runs the Add (Sub, Mul, Div) only when ``c`` picks it and otherwise returns ``x`` itself: the on-device
   gradient accumulator ``Where(reset, g, buffer + g)`` costs nothing on a step that resets;
@@ -42,6 +45,7 @@ from typing import TYPE_CHECKING
 from onnxtrain.engine.fusion.cse import eliminate_common_steps
 from onnxtrain.engine.fusion.elementwise import ScratchPool, expand_sums, fuse_elementwise
 from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_bias, fuse_matmul_weight_grads
+from onnxtrain.engine.fusion.masked_softmax import fuse_masked_softmax
 from onnxtrain.engine.fusion.select import fuse_lazy_selects
 from onnxtrain.engine.fusion.shapes import memoize_shape_steps
 
@@ -64,6 +68,7 @@ def fuse(plan: Plan) -> None:
     steps = fuse_matmul_weight_grads(plan, steps)
     steps = fuse_conv_weight_grads(plan, steps)
     steps = expand_sums(plan, steps)
+    steps = fuse_masked_softmax(plan, steps)
     steps = fuse_lazy_selects(plan, steps)
     steps = fuse_elementwise(plan, steps)
     steps = fuse_matmul_bias(plan, steps)

@@ -80,7 +80,7 @@ def _as_rows(x: np.ndarray, axis: int) -> np.ndarray | None:
 _EXP_HI, _EXP_LO = 80.0, -80.0  # e^80 ~ 5.5e34 < float32's max 3.4e38; e^-80 ~ 1.8e-35 > its min normal
 
 
-def _exp_is_safe(x: np.ndarray, n: int) -> bool:
+def exp_is_safe(x: np.ndarray, n: int) -> bool:
     """True when every exp(x) is a normal float32 and no sum of ``n`` of them overflows: then softmax
     needs no shift by the row maximum (NaN and infinities answer False)."""
     return bool(x.size) and float(x.max()) <= _EXP_HI - math.log(n) and float(x.min()) >= _EXP_LO
@@ -90,7 +90,7 @@ def softmax_along(x: np.ndarray, axis: int) -> np.ndarray:
     """softmax of ``x`` along ``axis``: exp(x) / sum(exp(x)) when no exp can overflow or underflow (then no
     rounding of x - max enters, and the row maxima are not needed), otherwise shifted by the row maximum."""
     n = x.shape[axis] if x.ndim else 1
-    safe = _exp_is_safe(x, n)
+    safe = exp_is_safe(x, n)
     x2 = _as_rows(x, axis)
     if x2 is not None:
         y2 = np.empty_like(x2)
