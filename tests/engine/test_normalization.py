@@ -193,3 +193,30 @@ def test_softmax_without_shift_is_within_a_few_ulp_and_falls_back_when_exp_could
     for axis in (0, 1):  # a non-last axis takes the general path
         np.testing.assert_allclose(softmax_along(x[6:, :], axis), np.moveaxis(_softmax64(np.moveaxis(
             x[6:, :], axis, -1)), -1, axis), rtol=2e-6, atol=1e-30)
+
+
+def test_softmax_of_masked_scores_skips_the_shift_and_keeps_masked_entries_at_zero(monkeypatch) -> None:
+    """-inf entries (a causal mask) have exp exactly 0, so they do not force the shifted path; finite but
+    very low entries (-90, whose exp would be subnormal) still do, as does a row with every entry masked."""
+    from onnxtrain.engine.kernels import normalization as nz
+
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((8, 64, 64)) * 3).astype(np.float32)
+    masked = np.triu(np.ones((64, 64), bool), 1)
+    x[:, masked] = -np.inf
+    assert nz.exp_is_safe(x, 64)
+    shifted, original = [], nz._exp_shifted
+    monkeypatch.setattr(nz, "_exp_shifted", lambda *a, **k: shifted.append(1) or original(*a, **k))
+    y = nz.softmax_along(x, -1)
+    assert not shifted
+    assert (y[:, masked] == 0).all()
+    ulp = np.abs(y - _softmax64(x)) / np.spacing(_softmax64(x).astype(np.float32))
+    assert ulp[:, ~masked].max() <= 8
+    low = x.copy()
+    low[2, 5, 0] = -90.0
+    assert not nz.exp_is_safe(low, 64)
+    all_masked = x.copy()
+    all_masked[0, 0, :] = -np.inf
+    with np.errstate(invalid="ignore"):
+        assert np.isnan(nz.softmax_along(all_masked, -1)[0, 0]).all()
+

@@ -1,15 +1,14 @@
 """A Softmax over a Where that masks scores with -inf (causal attention) as one step that never builds the
 masked tensor.
 
-A causal decoder exports ``Softmax(Where(mask, -inf, scores))``. Unfused, the Where writes a copy of the
-scores, and the -inf entries force the softmax onto its slower shifted path (row maxima, then ``x - max``).
-Fused, the step takes ``exp`` of the scores themselves when no exp of them can overflow or underflow (the
-test :func:`~onnxtrain.engine.kernels.normalization.softmax_along` makes), multiplies the masked entries
-by 0 and the others by 1 (exact), and divides by the row sums. The masked entries come out as exactly 0,
-as they do unfused, because the fill is one whose exp is 0 even after the shift; the others are the
-unshifted softmax of the unmasked scores, which differs from the shifted one by rounding only (as the
-unfused Softmax's own safe path does). Measured on the GPT decoder's attention (16 × 4 × 64 × 64 scores):
-409 → 183 µs for the pair.
+A causal decoder exports ``Softmax(Where(mask, -inf, scores))``. Unfused, the Where writes a masked copy of
+the scores, and the Softmax takes exp of it without the shift by the row maxima when the test
+:func:`~onnxtrain.engine.kernels.normalization.exp_is_safe` allows (-inf entries, whose exp is exactly 0,
+are let through). Fused, the step makes the same test on the scores themselves (which covers the masked
+copy), takes their exp, multiplies the masked entries by 0 and the others by 1, and divides by the row
+sums: the same numbers in the same order, so the same bits, without the masked copy. A fill whose exp
+stays 0 even after the shift (the dtype's lowest, say) qualifies as -inf does. Measured on the GPT
+decoder's attention (16 × 4 × 64 × 64 scores): 409 → 183 µs for the pair.
 
 Whenever the inputs are not what the step was made for (scores that are not safe, a softmax axis that is
 not the last, a mask that would broadcast the scores to a larger shape) it runs the two original steps.
@@ -37,15 +36,10 @@ from onnxtrain.engine.registry import Attrs
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
 
-# the shifted softmax computes exp(fill - row max), and a row the fused step handles has its maximum at
-# or above the lower bound of the safe test, so a fill whose exp stays 0 after adding this bound's size
-# gives exactly 0 on both paths
-_SHIFT_BOUND = 80.0
-
 
 def fuse_masked_softmax(plan: Plan, steps: list[Step]) -> list[Step]:
-    """``Softmax(Where(c, fill, x))`` or ``Softmax(Where(c, x, fill))`` with ``fill`` a constant scalar whose
-    exp is 0 (-inf, the dtype's lowest ...) and the Where read by the Softmax alone → one step."""
+    """``Softmax(Where(c, -inf, x))`` or ``Softmax(Where(c, x, -inf))``, the -inf a constant scalar and the
+    Where read by the Softmax alone → one step."""
     cons, prod, kept = consumers(steps), producers(steps), protected_slots(plan)
     drop: set[int] = set()
     replace: dict[int, Step] = {}
@@ -61,7 +55,7 @@ def fuse_masked_softmax(plan: Plan, steps: list[Step]) -> list[Step]:
             continue
         for side in (1, 2):  # side: the Where input holding the fill
             fill = constant_of(plan, where.inputs[side])
-            if fill is not None and _zero_after_shift(fill):
+            if fill is not None and _is_minus_inf(fill):
                 replace[k] = make_step(plan, "MaskedSoftmax", [where, soft], where.inputs, soft.outputs,
                                        _masked_softmax(plan, where, soft, side, fill.dtype))
                 drop.add(m)
@@ -69,14 +63,9 @@ def fuse_masked_softmax(plan: Plan, steps: list[Step]) -> list[Step]:
     return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
 
 
-def _zero_after_shift(fill: np.ndarray) -> bool:
-    """True for a float32/float64 scalar whose exp, even after the shifted softmax adds up to
-    :data:`_SHIFT_BOUND` to it, is exactly 0 in its dtype."""
-    if fill.size != 1 or fill.dtype not in FLOATS:
-        return False
-    v = fill.reshape(())
-    with np.errstate(all="ignore"):
-        return bool(np.exp(v + v.dtype.type(_SHIFT_BOUND)) == 0)
+def _is_minus_inf(fill: np.ndarray) -> bool:
+    """True for a float32 or float64 scalar -inf."""
+    return fill.size == 1 and fill.dtype in FLOATS and bool(fill.reshape(()) == -np.inf)
 
 
 def _broadcasts_onto(small: tuple[int, ...], shape: tuple[int, ...]) -> bool:

@@ -81,9 +81,15 @@ _EXP_HI, _EXP_LO = 80.0, -80.0  # e^80 ~ 5.5e34 < float32's max 3.4e38; e^-80 ~ 
 
 
 def exp_is_safe(x: np.ndarray, n: int) -> bool:
-    """True when every exp(x) is a normal float32 and no sum of ``n`` of them overflows: then softmax
-    needs no shift by the row maximum (NaN and infinities answer False)."""
-    return bool(x.size) and float(x.max()) <= _EXP_HI - math.log(n) and float(x.min()) >= _EXP_LO
+    """True when the exp of every entry of ``x`` is a normal float32 or exactly 0 (the entry is -inf, as in
+    a masked attention score) and no sum of ``n`` of them overflows: then softmax needs no shift by the row
+    maximum. NaN and +inf answer False."""
+    if not x.size or not float(x.max()) <= _EXP_HI - math.log(n):
+        return False
+    low = float(x.min())
+    if low == -math.inf:  # masked entries: the others decide
+        low = float(np.min(x, where=x > -np.inf, initial=np.inf))
+    return low >= _EXP_LO
 
 
 def softmax_along(x: np.ndarray, axis: int) -> np.ndarray:
