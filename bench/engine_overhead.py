@@ -6,7 +6,8 @@
 (a) dispatch: a 2,000-node chain of alternating Add/Mul on a [4] tensor, where the arithmetic is
     nothing and the time is the engine's per-node cost; quoted as µs per node and as a ratio.
 (b) a transformer encoder exported from torch (2 layers, d=128, 4 heads, ff 512, seq 64, batch 32):
-    forward wall time, ours / onnxruntime's.
+    forward wall time, ours / onnxruntime's. ``--breakdown`` adds where the time goes: both engines'
+    profiles, kernel time per group of ops (bench/op_breakdown.py).
 
 Both peers run with their defaults (onnxruntime: ORT_ENABLE_ALL graph optimizations, its own thread pool;
 numpy: its BLAS threads), except that in this process onnxruntime's idle threads do not spin: spinning
@@ -142,7 +143,8 @@ def transformer_model(batch: int, seq: int, d: int, layers: int):
     return model, {"tokens": tokens}
 
 
-def bench_transformer(repeats: int, batch: int = 32, seq: int = 64, d: int = 128, layers: int = 2) -> float:
+def bench_transformer(repeats: int, batch: int = 32, seq: int = 64, d: int = 128, layers: int = 2,
+                      breakdown: bool = False) -> float:
     import onnxtrain
 
     model, feeds = transformer_model(batch, seq, d, layers)
@@ -160,6 +162,12 @@ def bench_transformer(repeats: int, batch: int = 32, seq: int = 64, d: int = 128
     ours, theirs = against_default_onnxruntime(model, feeds, lambda: sess.run(None, feeds), repeats)
     print("    against onnxruntime at its default threading (idle threads spin), in its own process:")
     print("    " + ratio_line("ms per forward", ours * 1e3, theirs * 1e3, target=TRANSFORMER_TARGET))
+    if breakdown:
+        from bench.op_breakdown import breakdown as by_group
+        from bench.op_breakdown import table
+
+        print("    where the time goes (profiled, same process, onnxruntime at its default threading):")
+        print("\n".join(table(by_group(model, feeds))))
     return r
 
 
@@ -236,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per peer (≥ 5)")
     p.add_argument("--quick", action="store_true", help="a smaller transformer (a smoke test, not a figure)")
     p.add_argument("--blas-threads", type=int, default=0, help="limit numpy's BLAS threads (threadpoolctl)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also print the transformer's kernel time per group of ops, for both engines")
     p.add_argument("--native-blas", action="store_true",
                    help="run without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE (OpenBLAS picks its kernels)")
     a = p.parse_args(argv)
@@ -257,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"BLAS: {blas_info()}")
     bench_dispatch(a.repeats)
     if a.quick:
-        bench_transformer(a.repeats, batch=4, seq=16, d=32, layers=1)
+        bench_transformer(a.repeats, batch=4, seq=16, d=32, layers=1, breakdown=a.breakdown)
     else:
-        bench_transformer(a.repeats)
+        bench_transformer(a.repeats, breakdown=a.breakdown)
     return 0
 
 
