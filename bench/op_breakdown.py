@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,6 +36,7 @@ GROUPS: dict[str, frozenset[str]] = {
     }),
 }
 OTHER = "other"
+SETTLE_S = 0.3  # seconds between the two engines' profiles
 
 
 def group_of(op: str) -> str:
@@ -85,6 +87,7 @@ def breakdown(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], runs: int
     data = model.SerializeToString()
     ours = _profiled(lambda so: onnxtrain.InferenceSession(data, so), onnxtrain.SessionOptions(), feeds,
                      runs, warmup)
+    time.sleep(SETTLE_S)  # numpy's OpenBLAS threads busy-wait for a while after their last call
     theirs = _profiled(lambda so: ort.InferenceSession(data, so, providers=["CPUExecutionProvider"]),
                        ort.SessionOptions(), feeds, runs, warmup)
     return {"onnxtrain": ours, "onnxruntime": theirs}
