@@ -220,3 +220,24 @@ def test_softmax_of_masked_scores_skips_the_shift_and_keeps_masked_entries_at_ze
     with np.errstate(invalid="ignore"):
         assert np.isnan(nz.softmax_along(all_masked, -1)[0, 0]).all()
 
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_layer_norm_statistics_are_of_the_stash_type_and_match_onnxruntime(dtype) -> None:
+    """Mean and InvStdDev come out in stash_type (float32 by default) whatever the input's type, as the spec
+    and onnxruntime have them (a float64 input is still normalized in float64)."""
+    ort = pytest.importorskip("onnxruntime")
+    x = (_rng.standard_normal((7, 45, 24)) * 3 + 1).astype(dtype)
+    scale, bias = _rng.standard_normal(24).astype(dtype), _rng.standard_normal(24).astype(dtype)
+    model = _model("LayerNormalization", [x, scale, bias], 17, ["y0", "mean", "inv"], axis=-1)
+    for o in model.graph.output[1:]:
+        o.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    feeds = _feeds([x, scale, bias])
+    ours = compile_model(model).run(feeds)
+    assert ours[0].dtype == dtype and ours[1].dtype == ours[2].dtype == np.float32
+    if dtype != np.float16:  # onnxruntime's CPU LayerNormalization takes float and double
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        for a, b in zip(ours, sess.run(None, feeds)):
+            assert a.dtype == b.dtype
+            tol = 1e-12 if a.dtype == np.float64 else 1e-5
+            np.testing.assert_allclose(a, b, rtol=tol, atol=tol)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from onnx import helper
+from onnx import TensorProto, helper
 
 from onnxtrain.engine.parallel import for_rows
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
@@ -220,11 +220,13 @@ def layer_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
         y += _as_flat(bias, inner, cols)
     outs: list[np.ndarray | None] = [_back(y.reshape(x.shape), x.dtype)]
     if attrs.n_outputs > 1:
+        # Mean and InvStdDev are of the stash type (float32 by default) even when computed wider
+        st = np.dtype(helper.tensor_dtype_to_np_dtype(attrs.get("stash_type") or TensorProto.FLOAT))
         stat_shape = x.shape[:axis] + (1,) * (nd - axis)
         used = attrs.output_used
-        outs.append(mean.reshape(stat_shape) if used[1] else None)
+        outs.append(_back(mean.reshape(stat_shape), st) if used[1] else None)
         if attrs.n_outputs > 2:
-            outs.append(inv.reshape(stat_shape) if used[2] else None)
+            outs.append(_back(inv.reshape(stat_shape), st) if used[2] else None)
     return outs
 
 
