@@ -719,3 +719,98 @@ def test_where_that_is_not_a_softmax_mask_is_left_alone() -> None:
     # finite but as low as it gets: the unfused softmax shifts, so the fused one could not match its bits
     assert "MaskedSoftmax" not in ops(Plan(masked_softmax_model(float(np.finfo(np.float32).min))))
     assert "MaskedSoftmax" not in ops(Plan(masked_softmax_model(-np.inf, where_is_output=True)))
+
+
+# ---- Sum of padded pieces --------------------------------------------------------------------------------
+def padded_sum_model(order: tuple[int, ...] = (0, 1, 2), axis: int = 0,
+                     fed_pads: bool = False) -> onnx.ModelProto:
+    """out = Sum(Pad(p_i, pads_i)) over pieces p0, p1, p2 of shape (1, 4, 5) moved to the axis; the pads put
+    piece i at index i of ``axis`` (length 3) unless fed at run time (inputs pads0..pads2)."""
+    nodes, ins = [], []
+    for i in range(3):
+        if not fed_pads:
+            pads = np.zeros(6, np.int64)
+            pads[axis], pads[3 + axis] = i, 2 - i
+            nodes.append(const(f"pads{i}", pads))
+        else:
+            ins.append(helper.make_tensor_value_info(f"pads{i}", TensorProto.INT64, [6]))
+        nodes.append(helper.make_node("Pad", [f"p{i}", f"pads{i}"], [f"padded{i}"]))
+    nodes.append(helper.make_node("Sum", [f"padded{i}" for i in order], ["out"]))
+    inputs = [helper.make_tensor_value_info(f"p{i}", F, None) for i in range(3)] + ins
+    g = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("out", F, None)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def pieces(axis: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    shape = [3, 4, 5]
+    shape[axis] = 1
+    feeds = {f"p{i}": rng.standard_normal(shape).astype(np.float32) for i in range(3)}
+    feeds["p1"].reshape(-1)[:3] = -0.0  # the Sum's additions of zeros turn -0.0 into +0.0
+    return feeds
+
+
+def assert_same_bits(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("axis", [0, 2])
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)])
+def test_sum_of_pads_tiling_an_axis_is_one_step_with_the_same_bits(axis: int, order) -> None:
+    m = padded_sum_model(order, axis)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert ops(fused) == ["PadsConcat"]
+    feeds = pieces(axis, np.random.default_rng(21))
+    got = fused.run(feeds)[0]
+    assert_same_bits(got, plain.run(feeds)[0])
+    assert not np.signbit(got[got == 0]).any()
+
+
+def test_sum_of_pads_that_do_not_tile_runs_the_original_steps() -> None:
+    m = padded_sum_model(fed_pads=True)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert ops(fused) == ["PadsConcat"]
+    feeds = pieces(0, np.random.default_rng(22))
+
+    def pads(*per_piece: tuple[int, ...]) -> dict[str, np.ndarray]:
+        return {f"pads{i}": np.array(p, np.int64) for i, p in enumerate(per_piece)}
+
+    for ps in [
+        pads((0, 0, 0, 2, 0, 0), (1, 0, 0, 1, 0, 0), (2, 0, 0, 0, 0, 0)),  # tiles: concatenated
+        pads((0, 0, 0, 3, 0, 0), (1, 0, 0, 2, 0, 0), (2, 0, 0, 1, 0, 0)),  # a gap at the end
+        pads((0, 0, 0, 2, 0, 0), (0, 0, 0, 2, 0, 0), (2, 0, 0, 0, 0, 0)),  # two pieces overlap
+        pads((0, 0, 0, 2, 1, 0), (1, 0, 0, 1, 1, 0), (2, 0, 0, 0, 1, 0)),  # a second axis padded too
+    ]:
+        f = {**feeds, **ps}
+        assert_same_bits(fused.run(f)[0], plain.run(f)[0])
+
+
+def test_pads_read_elsewhere_are_left_alone() -> None:
+    m = padded_sum_model()
+    m.graph.output.append(helper.make_tensor_value_info("padded1", F, None))
+    assert "PadsConcat" not in ops(Plan(m))
+
+
+@pytest.mark.parametrize("name", ["transformer_encoder", "gpt_block"])
+def test_torch_attention_training_is_bit_identical_with_and_without_fusion(name: str, monkeypatch) -> None:
+    """The exported attentions' fusions (the q, k, v gradients joined by PadsConcat, the causal
+    MaskedSoftmax) leave a legacy training run's losses and weights bit for bit as unfused."""
+    from tests import models
+
+    model, feeds, _ = models.export(name, training=True, with_loss=True, dropout=0.0)
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "AdamOptimizer"
+    fused = TrainingSession(model.SerializeToString(), p)
+    monkeypatch.setenv("ONNXTRAIN_FUSION", "0")
+    plain = TrainingSession(model.SerializeToString(), p)
+    expected = {"transformer_encoder": "PadsConcat", "gpt_block": "MaskedSoftmax"}[name]
+    assert expected in ops(fused._plan) and expected not in ops(plain._plan)
+    lr = np.array([1e-3], np.float32)
+    for _ in range(3):
+        a = fused.run(["loss"], {**feeds, "Learning_Rate": lr})[0]
+        b = plain.run(["loss"], {**feeds, "Learning_Rate": lr})[0]
+        assert a == b
+    sa, sb = fused.get_state(), plain.get_state()
+    for k in sa:
+        np.testing.assert_array_equal(sa[k], sb[k], err_msg=k)

@@ -1,4 +1,4 @@
-"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph itself stays standard ONNX.
+r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph itself stays standard ONNX.
 
 ``fuse(plan)`` is called by :class:`~onnxtrain.engine.plan.Plan` after constant folding (disable with
 ``Plan(model, fuse=False)`` or ``ONNXTRAIN_FUSION=0``). The passes, in order:
@@ -14,6 +14,9 @@
   one small GEMM per batch entry and a reduction;
 * **weight gradient of a Conv**: ``Transpose(Conv(Transpose(X), Transpose(dY)))`` (each swapping the batch
   and channel axes) becomes one GEMM of ``dY`` with a strided im2col view of ``X``;
+* **padded pieces as a Concat** (:mod:`~onnxtrain.engine.fusion.pads`): a ``Sum`` of zero ``Pad``\ s that
+  place their pieces side by side along one axis (the gradients of q, k and v gathered from one
+  projection) concatenates the pieces, checked at run time; the same bits;
 * **Sum as Adds**: a ``Sum`` becomes a chain of ``Add`` steps in the kernel's order (bit-identical), so that
   summing a tensor's gradient contributions joins the cluster that computes them;
 * **masked softmax** (:mod:`~onnxtrain.engine.fusion.masked_softmax`): ``Softmax(Where(mask, -inf, scores))``
@@ -46,6 +49,7 @@ from onnxtrain.engine.fusion.cse import eliminate_common_steps
 from onnxtrain.engine.fusion.elementwise import ScratchPool, expand_sums, fuse_elementwise
 from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_bias, fuse_matmul_weight_grads
 from onnxtrain.engine.fusion.masked_softmax import fuse_masked_softmax
+from onnxtrain.engine.fusion.pads import fuse_pad_sums
 from onnxtrain.engine.fusion.select import fuse_lazy_selects
 from onnxtrain.engine.fusion.shapes import memoize_shape_steps
 
@@ -67,6 +71,7 @@ def fuse(plan: Plan) -> None:
     steps = memoize_shape_steps(plan, steps)
     steps = fuse_matmul_weight_grads(plan, steps)
     steps = fuse_conv_weight_grads(plan, steps)
+    steps = fuse_pad_sums(plan, steps)
     steps = expand_sums(plan, steps)
     steps = fuse_masked_softmax(plan, steps)
     steps = fuse_lazy_selects(plan, steps)
