@@ -31,12 +31,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class TanhGelu:
-    """One matched tanh GELU: its input, the forward values its gradient reuses, and its constants."""
+    """One matched tanh GELU: its input, the forward value its gradient reuses (t), and its constants.
+
+    x² and 1 + t are computed again, by the forward's own operations (same bits), rather than kept from
+    the forward: a runtime then holds two activations per GELU until the backward instead of four.
+    """
 
     x: str
-    square: str  # x·x
     tanh: str  # t
-    shifted: str  # c3 + t
     c1: float
     c2: float
     c4: float
@@ -46,17 +48,21 @@ class TanhGelu:
         one = w.const(np.asarray(1.0), et)
         s = w.one("Sub", one, w.one("Mul", self.tanh, self.tanh))  # 1 − t²
         cube = w.const(np.asarray(3.0 * self.c1), et)
-        r = w.one("Add", one, w.one("Mul", self.square, cube))  # 1 + 3·c1·x²
+        r = w.one("Add", one, w.one("Mul", w.one("Mul", self.x, self.x), cube))  # 1 + 3·c1·x²
         u = w.one("Mul", w.one("Mul", self.x, s), w.one("Mul", r, w.const(np.asarray(self.c2), et)))
-        v = w.one("Add", self.shifted, u)
+        v = w.one("Add", w.one("Add", self.tanh, one), u)  # (1 + t) + u
         return w.one("Mul", dy, w.one("Mul", v, w.const(np.asarray(self.c4), et)))
 
 
 def _scalar(bw: _Backward, name: str) -> float | None:
+    """The value of a one-element float constant (bfloat16 included), else None."""
     v = bw.constant_value(name)
-    if v is None or np.size(v) != 1 or np.asarray(v).dtype.kind != "f":
+    if v is None or np.size(v) != 1:
         return None
-    return float(np.asarray(v).reshape(()))
+    a = np.asarray(v)
+    if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+        return None
+    return float(a.reshape(()).astype(np.float64))
 
 
 def _split(bw: _Backward, node: Any, op: str) -> tuple[float, str] | None:
@@ -146,25 +152,27 @@ def find_tanh_gelus(bw: _Backward) -> dict[int, TanhGelu]:
             inner = [n0.output[0], n1.output[0], n2.output[0], n3.output[0], n4.output[0], tanh.output[0]]
             if any(only_reader(v)[0] is None for v in inner):
                 continue  # an inner value read elsewhere: its own gradient would be lost
-            (_, _, k_y), shifted, c4 = tail
-            found[k_y] = TanhGelu(x, n0.output[0], tanh.output[0], shifted, c1, c2, c4)
+            (_, _, k_y), _, c4 = tail
+            found[k_y] = TanhGelu(x, tanh.output[0], c1, c2, c4)
             break
     return found
 
 
 @dataclass
 class ErfGelu:
-    """One matched exact GELU: its input, u = x / s and 1 + erf(u) from the forward, and its constants."""
+    """One matched exact GELU: its input, 1 + erf(u) from the forward, and its constants. u = x / s is
+    computed again by the forward's own Div (same bits) rather than kept from the forward."""
 
     x: str
-    scaled: str  # u
+    divisor: str  # s, the forward Div's constant operand
     shifted: str  # 1 + erf(u)
     slope: float  # 2 / (s·√π), the factor of exp(−u²)
     c4: float
 
     def grad(self, w: NodeWriter, dy: str, et: int) -> str:
         """dx, given dy."""
-        bell = w.one("Exp", w.one("Neg", w.one("Mul", self.scaled, self.scaled)))  # exp(−u²)
+        scaled = w.one("Div", self.x, self.divisor)  # u
+        bell = w.one("Exp", w.one("Neg", w.one("Mul", scaled, scaled)))  # exp(−u²)
         t = w.one("Mul", w.one("Mul", self.x, bell), w.const(np.asarray(self.slope), et))
         v = w.one("Add", self.shifted, t)
         return w.one("Mul", dy, w.one("Mul", v, w.const(np.asarray(self.c4), et)))
@@ -188,5 +196,5 @@ def find_erf_gelus(bw: _Backward) -> dict[int, ErfGelu]:
         if tail is None:
             continue
         (_, _, k_y), shifted, c4 = tail
-        found[k_y] = ErfGelu(x, div.output[0], shifted, 2.0 / (s * float(np.sqrt(np.pi))), c4)
+        found[k_y] = ErfGelu(x, div.input[1], shifted, 2.0 / (s * float(np.sqrt(np.pi))), c4)
     return found
