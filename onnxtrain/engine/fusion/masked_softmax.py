@@ -6,9 +6,10 @@ the scores, and the Softmax takes exp of it without the shift by the row maxima 
 :func:`~onnxtrain.engine.kernels.normalization.exp_is_safe` allows (-inf entries, whose exp is exactly 0,
 are let through). Fused, the step makes the same test on the scores themselves (which covers the masked
 copy), takes their exp, multiplies the masked entries by 0 and the others by 1, and divides by the row
-sums: the same numbers in the same order, so the same bits, without the masked copy. A fill whose exp
-stays 0 even after the shift (the dtype's lowest, say) qualifies as -inf does. Measured on the GPT
-decoder's attention (16 × 4 × 64 × 64 scores): 409 → 183 µs for the pair.
+sums: the same numbers in the same order, so the same bits, without the masked copy. Only -inf qualifies
+as the fill: a finite one (the dtype's lowest, say) sends the unfused Softmax onto its shifted path, whose
+bits the fused step would not reproduce. Measured on the GPT decoder's attention (16 × 4 × 64 × 64
+scores): 409 → 183 µs for the pair.
 
 Whenever the inputs are not what the step was made for (scores that are not safe, a softmax axis that is
 not the last, a mask that would broadcast the scores to a larger shape) it runs the two original steps.

@@ -1,4 +1,4 @@
-"""A Sum of zero-padded tensors that tile one axis, as a Concat.
+"""A Sum of zero-padded tensors that tile one axis, as the pieces written side by side.
 
 The gradient of a Gather at a constant index (q, k and v taken from one projection) is the output
 gradient padded with zeros back to the data's shape, and a tensor gathered at every index of an axis gets
@@ -73,9 +73,9 @@ def _tiles(xs: Sequence[np.ndarray], pads: Sequence[Any]) -> tuple[list[np.ndarr
     """The pieces in axis order and the axis, when ``pads`` place the float arrays ``xs`` side by side along
     one axis, covering it with no gap or overlap, and pad no other axis; else None."""
     x0 = xs[0]
-    r = x0.ndim
-    if x0.dtype not in FLOATS or r == 0:
+    if type(x0) is not np.ndarray or x0.dtype not in FLOATS or x0.ndim == 0:
         return None
+    r = x0.ndim
     placed: list[tuple[int, np.ndarray]] = []
     axis = None
     size = None
