@@ -145,11 +145,13 @@ def test_reduce_log_sum_exp_of_minus_inf_rows() -> None:
     np.testing.assert_allclose(y, [-np.inf, 0.0, 1e4 + np.log(2)], rtol=1e-6)
 
 
-@pytest.mark.parametrize("axes, keepdims", [([0, 1], 1), ([1, 0], 0), ([0], 0), ([-3, -2], 1), ([0, 2], 0)])
+@pytest.mark.parametrize("axes, keepdims", [([0, 1], 1), ([1, 0], 0), ([0], 0), ([-3, -2], 1), ([0, 2], 0),
+                                            ([2], 1), ([-1], 0)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_reduce_sum_over_leading_axes_matches_float64_sums(axes, keepdims, dtype) -> None:
-    """Bias gradients (a sum over the leading axes, a BLAS product with ones) against exact sums, with the
-    shapes of numpy's; other axes and small inputs go through numpy's reduction, as accurately."""
+def test_reduce_sum_over_leading_or_last_axes_matches_float64_sums(axes, keepdims, dtype) -> None:
+    """Bias gradients (a sum over the leading axes) and row sums (the last axis), BLAS products with ones,
+    against exact sums, with the shapes of numpy's; other axes and small inputs go through numpy's
+    reduction or einsum, as accurately."""
     x = (_rng.standard_normal((24, 64, 40)) + 0.5).astype(dtype)
     (y,) = _ours("ReduceSum", [x, np.array(axes, np.int64)], 13, keepdims=keepdims)
     exact = x.astype(np.float64).sum(axis=tuple(axes), keepdims=bool(keepdims))

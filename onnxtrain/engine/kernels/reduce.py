@@ -93,19 +93,24 @@ def _register(op: str, attr_until: int, fn: Reducer, empty: Any = None, plain: b
     kernel(op, since=attr_until)(with_input)
 
 
+_BLAS_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+COLUMN_SUM_MIN = 1 << 14  # elements: below, numpy's own reduction is as fast as a BLAS call
+
+
 def _last_axis_sum(w: np.ndarray, axes: Any, keepdims: bool) -> np.ndarray | None:
-    """Float sum over just the last axis of a contiguous array, by einsum (about 3x faster than
-    np.sum on short rows, as accurate); None when that does not apply."""
+    """Float sum over just the last axis of a contiguous array: a BLAS product with ones for float32/64
+    (2048 × 128 in the transformer's LayerNorm gradients: the step's ReduceSums and ReduceMeans 2.1 → 1.7
+    ms, medians of five profiles), else einsum (about 3x faster than np.sum on short rows, as accurate);
+    None when that does not apply."""
     nd = w.ndim
     if (nd < 2 or axes is None or len(axes) != 1 or axes[0] % nd != nd - 1 or w.dtype.kind != "f"
             or not w.flags.c_contiguous):
         return None
-    y = np.einsum("...i->...", w)
+    if w.dtype in _BLAS_FLOATS and w.size >= COLUMN_SUM_MIN:
+        y = (w.reshape(-1, w.shape[-1]) @ np.ones(w.shape[-1], w.dtype)).reshape(w.shape[:-1])
+    else:
+        y = np.einsum("...i->...", w)
     return y[..., None] if keepdims else y
-
-
-_BLAS_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-COLUMN_SUM_MIN = 1 << 14  # elements: below, numpy's own reduction is as fast as a BLAS call
 
 
 def _leading_axes_sum(w: np.ndarray, axes: Any, keepdims: bool) -> np.ndarray | None:
