@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import helper
 
 from onnxtrain.engine.parallel import for_rows
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
@@ -190,9 +190,14 @@ def _standardize_rows(x2: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarra
     return d, mean, inv
 
 
+def _stash_type(stash_type: int | None) -> np.dtype:
+    """The numpy dtype of a ``stash_type`` attribute (float32 when absent)."""
+    return np.dtype(helper.tensor_dtype_to_np_dtype(stash_type)) if stash_type else _F32
+
+
 def _stash_dtype(x: np.ndarray, stash_type: int | None) -> np.dtype:
     """The dtype statistics are computed in: the stash type, or the input's when that is wider."""
-    st = np.dtype(helper.tensor_dtype_to_np_dtype(stash_type)) if stash_type else _F32
+    st = _stash_type(stash_type)
     return x.dtype if x.dtype.kind == "f" and x.dtype.itemsize >= st.itemsize else st
 
 
@@ -221,7 +226,7 @@ def layer_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
     outs: list[np.ndarray | None] = [_back(y.reshape(x.shape), x.dtype)]
     if attrs.n_outputs > 1:
         # Mean and InvStdDev are of the stash type (float32 by default) even when computed wider
-        st = np.dtype(helper.tensor_dtype_to_np_dtype(attrs.get("stash_type") or TensorProto.FLOAT))
+        st = _stash_type(attrs.get("stash_type"))
         stat_shape = x.shape[:axis] + (1,) * (nd - axis)
         used = attrs.output_used
         outs.append(_back(mean.reshape(stat_shape), st) if used[1] else None)
