@@ -94,7 +94,7 @@ def _register(op: str, attr_until: int, fn: Reducer, empty: Any = None, plain: b
 
 
 _BLAS_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-COLUMN_SUM_MIN = 1 << 14  # elements: below, numpy's own reduction is as fast as a BLAS call
+BLAS_SUM_MIN = 1 << 14  # elements: below, a sum by numpy (or einsum) is as fast as one by BLAS
 
 
 def _last_axis_sum(w: np.ndarray, axes: Any, keepdims: bool) -> np.ndarray | None:
@@ -106,7 +106,7 @@ def _last_axis_sum(w: np.ndarray, axes: Any, keepdims: bool) -> np.ndarray | Non
     if (nd < 2 or axes is None or len(axes) != 1 or axes[0] % nd != nd - 1 or w.dtype.kind != "f"
             or not w.flags.c_contiguous):
         return None
-    if w.dtype in _BLAS_FLOATS and w.size >= COLUMN_SUM_MIN:
+    if w.dtype in _BLAS_FLOATS and w.size >= BLAS_SUM_MIN:
         y = (w.reshape(-1, w.shape[-1]) @ np.ones(w.shape[-1], w.dtype)).reshape(w.shape[:-1])
     else:
         y = np.einsum("...i->...", w)
@@ -120,7 +120,7 @@ def _leading_axes_sum(w: np.ndarray, axes: Any, keepdims: bool) -> np.ndarray | 
     not apply."""
     nd = w.ndim
     if (axes is None or not axes or nd < 2 or w.dtype not in _BLAS_FLOATS or not w.flags.c_contiguous
-            or w.size < COLUMN_SUM_MIN):
+            or w.size < BLAS_SUM_MIN):
         return None
     lead = sorted(a % nd for a in axes)
     k = len(lead)
