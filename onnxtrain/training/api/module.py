@@ -100,9 +100,6 @@ class Module:
         self.training = True
         self._accumulate = False  # §3.3: the first train call after construction or a reset overwrites
         self._train_model, _ = load_model(train_model_uri, "training")
-        # on onnxruntime the training model is compiled once it is known whether it has an overwriting variant
-        numpy_backend = backend_of(session_options) == "numpy"
-        self._full_plan = _compile(self._train_model, "training", session_options) if numpy_backend else None
         self._eval_model: onnx.ModelProto | None = None
         self._eval_plan: Plan | None = None
         if eval_model_uri is not None:
@@ -126,15 +123,17 @@ class Module:
             param = state._params[p]
             if param.grad is None and param.data is not None:
                 param.grad = np.zeros_like(param.data)
-        # onnxruntime runs the accumulators even on a step that overwrites the gradients: such steps run a
-        # variant without them; the accumulating model is compiled on the first step that accumulates
+        # onnxruntime runs the accumulators even on a step that overwrites the gradients: there such steps run
+        # a variant without them, and the accumulating model is compiled on the first step that accumulates
+        variant = None
+        if self._has_reset and backend_of(session_options) != "numpy":
+            variant = overwrite_variant(self._train_model, self._trainable)
         self._overwrite_plan: Plan | None = None
-        if not numpy_backend:
-            variant = overwrite_variant(self._train_model, self._trainable) if self._has_reset else None
-            if variant is not None:
-                self._overwrite_plan = _compile(variant, "training", session_options)
-            else:
-                self._full_plan = _compile(self._train_model, "training", session_options)
+        self._full_plan: Plan | None = None
+        if variant is not None:
+            self._overwrite_plan = _compile(variant, "training", session_options)
+        else:
+            self._full_plan = _compile(self._train_model, "training", session_options)
 
     @property
     def _train_plan(self) -> Plan:
