@@ -17,6 +17,7 @@ from onnxtrain.capi.options import RunOptions, SessionOptions, resolve_providers
 from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
+from onnxtrain.engine.batch_split import BatchSplitter, enabled_by
 from onnxtrain.engine.plan import Plan, load_model
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
@@ -127,6 +128,10 @@ class InferenceSession:
         self._outputs = [node_arg(v) for v in g.output]
         self._check = FeedChecker(self._plan, [a.name for a in self._overridable])
         self._fallback = True
+        # the numpy engine may run the two halves of a batch at once (onnxtrain/engine/batch_split.py)
+        self._splitter = (BatchSplitter.for_plan(self._plan)
+                          if isinstance(self._plan, Plan) and enabled_by(self._sess_options)
+                          else None)
 
     # ---- running -------------------------------------------------------------------
     def run(
@@ -136,7 +141,10 @@ class InferenceSession:
         run_options: RunOptions | None = None,
     ) -> list[np.ndarray]:
         feeds = self._check(input_feed)
-        return self._plan.run(feeds, list(output_names) if output_names else None)
+        names = list(output_names) if output_names else None
+        if self._splitter is not None:
+            return self._splitter.run(feeds, names)
+        return self._plan.run(feeds, names)
 
     def run_with_ort_values(
         self,

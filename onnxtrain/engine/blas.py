@@ -13,6 +13,9 @@ Measured on 2 cores (medians of 5 runs of each training step): the transformer e
 threads and a wait of 2**18 cycles (2**14: 36.5 ms). Waking OpenBLAS's sleeping thread costs each GEMM
 after a gap, which is why a workload with many GEMMs and no kernel big enough to split (LeNet: 4.85 →
 5.1-5.4 ms when shortened) keeps the long wait.
+
+:func:`single_threaded_blas` sets OpenBLAS's thread count to one for a while, for callers that make BLAS
+calls on two threads of their own at once (:mod:`onnxtrain.engine.batch_split`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 SPIN_LOG2 = 18  # 2**18 cycles: about 0.1 ms at 2.6 GHz
 _ENV = ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
@@ -37,11 +43,17 @@ def _loaded_openblas() -> list[str]:
     return sorted(p for p in paths if os.path.isabs(p))
 
 
+# modules whose threads never call numpy: tqdm's monitor thread, alive while a progress bar is
+_QUIET_THREAD_MODULES = ("tqdm.",)
+
+
 def _others_running() -> bool:
-    """True when a Python thread other than this one and the engine's own (named ``onnxtrain-*``) is
-    alive: it might be inside a BLAS call, which stopping OpenBLAS's threads would leave waiting forever."""
+    """True when a Python thread other than this one, the engine's own (named ``onnxtrain-*``) and those of
+    :data:`_QUIET_THREAD_MODULES` is alive: it might be inside a BLAS call, which stopping OpenBLAS's threads
+    would leave waiting forever (and changing their number, running on a count it did not start with)."""
     me = threading.current_thread()
-    return any(t is not me and not t.name.startswith("onnxtrain-") for t in threading.enumerate())
+    return any(t is not me and not t.name.startswith("onnxtrain-")
+               and not type(t).__module__.startswith(_QUIET_THREAD_MODULES) for t in threading.enumerate())
 
 
 def shorten_blas_spin() -> bool:
@@ -69,3 +81,54 @@ def shorten_blas_spin() -> bool:
                 applied = True
         _done.append(applied)
         return applied
+
+
+def _thread_count_functions() -> tuple[Any, Any] | None:
+    """OpenBLAS's (set, get) thread-count functions, under the names numpy's bundled build exports, or None
+    when numpy's BLAS is not an OpenBLAS with them."""
+    if _COUNT_FUNCTIONS:
+        return _COUNT_FUNCTIONS[0]
+    found = None
+    for path in _loaded_openblas():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix, suffix in (("scipy_openblas", "64_"), ("openblas", ""), ("scipy_openblas", "")):
+            setter = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+            getter = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+            if setter is not None and getter is not None:
+                setter.argtypes, setter.restype, getter.restype = [ctypes.c_int], None, ctypes.c_int
+                found = (setter, getter)
+                break
+        if found:
+            break
+    _COUNT_FUNCTIONS.append(found)
+    return found
+
+
+_COUNT_FUNCTIONS: list[tuple[Any, Any] | None] = []
+
+
+def can_pin_blas_threads() -> bool:
+    """True when :func:`single_threaded_blas` can make numpy's BLAS run on the calling thread alone (an
+    OpenBLAS whose thread count can be set, and no Python thread outside the engine's that might be inside
+    a BLAS call)."""
+    return _thread_count_functions() is not None and not _others_running()
+
+
+@contextmanager
+def single_threaded_blas() -> Iterator[None]:
+    """Inside the block, each BLAS call runs on the thread that makes it (OpenBLAS's thread count set to 1,
+    restored after): for callers that run two BLAS calls at once on threads of their own. Requires
+    :func:`can_pin_blas_threads`."""
+    functions = _thread_count_functions()
+    if functions is None:
+        raise RuntimeError("numpy's BLAS thread count cannot be set here (not OpenBLAS)")
+    setter, getter = functions
+    before = getter()
+    setter(1)
+    try:
+        yield
+    finally:
+        setter(before)

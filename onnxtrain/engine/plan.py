@@ -188,7 +188,8 @@ class Plan(GraphInterface):
         if fold_constants:
             self._fold_constants()
         self.scratch = fusion.ScratchPool()  # scratch buffers of fused steps, kept across runs
-        if fusion.enabled() if fuse is None else fuse:
+        self.fused = fusion.enabled() if fuse is None else bool(fuse)
+        if self.fused:
             fusion.fuse(self)
         self._assign_frees()
         self._reusable = self._offer_reuse()

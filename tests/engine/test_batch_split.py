@@ -1,0 +1,158 @@
+"""Inference on the two halves of a batch at once (onnxtrain/engine/batch_split.py): used only when checked to
+give the whole run's bits, and never for models that mix the samples of a batch."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxtrain
+from onnxtrain.engine import batch_split, blas
+from onnxtrain.engine.batch_split import batch_axes
+from tests import models
+
+F = TensorProto.FLOAT
+
+
+@pytest.fixture
+def no_minimum(monkeypatch):
+    """Split runs of any size (the models here are far below the real minimum)."""
+    monkeypatch.setattr(batch_split, "MIN_ACTIVATION_BYTES", 0)
+
+
+def session(model: onnx.ModelProto, split: str | None = None, threads: int = 0) -> onnxtrain.InferenceSession:
+    so = onnxtrain.SessionOptions()
+    so.intra_op_num_threads = threads
+    if split is not None:
+        so.add_session_config_entry("onnxtrain.batch_split", split)
+    return onnxtrain.InferenceSession(model, so)
+
+
+def batch_model(nodes, inits=(), out_dims=("batch", 3)) -> onnx.ModelProto:
+    """x: float[batch, 3] → y (declared ``out_dims``)."""
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["batch", 3])],
+                          [helper.make_tensor_value_info("y", F, list(out_dims))], list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_blas_thread_count_can_be_pinned_and_is_restored():
+    assert blas.can_pin_blas_threads(), "numpy's BLAS is not an OpenBLAS whose thread count can be set"
+    setter, getter = blas._thread_count_functions()
+    before = getter()
+    with blas.single_threaded_blas():
+        assert getter() == 1
+    assert getter() == before
+
+
+def test_batch_axes_come_from_the_declared_symbol():
+    model, _, _ = models.export("transformer_encoder", training=False)
+    assert batch_axes(model) == ({"tokens": 0}, {"logits": 0})
+    # batch on axis 1 of the input and 0 of the output; the sequence length is symbolic too
+    g = helper.make_graph([helper.make_node("Transpose", ["x"], ["y"], perm=[1, 0])], "g",
+                          [helper.make_tensor_value_info("x", F, ["seq", "batch"])],
+                          [helper.make_tensor_value_info("y", F, ["batch", "seq"])])
+    assert batch_axes(helper.make_model(g)) == ({"x": 1}, {"y": 0})
+    relu = [helper.make_node("Relu", ["x"], ["y"])]
+    assert batch_axes(batch_model(relu, out_dims=(4, 3))) is None  # the output has no batch axis
+    g = helper.make_graph(relu, "g", [helper.make_tensor_value_info("x", F, [4, 3])],
+                          [helper.make_tensor_value_info("y", F, [4, 3])])
+    assert batch_axes(helper.make_model(g)) is None  # nothing symbolic
+
+
+@pytest.mark.parametrize("name,batch", [("transformer_encoder", 6), ("gpt_block", 5), ("lenet_bn", 4),
+                                        ("mlp", 7)])
+def test_halves_agree_with_the_whole_run(no_minimum, name, batch):
+    model, _, _ = models.export(name, training=False)
+    feeds = models.example_inputs(name, batch, seed=3)
+    split, whole = session(model), session(model, split="0")
+    assert whole._splitter is None
+    want = whole.run(None, feeds)[0]
+    runs = [split.run(None, feeds)[0] for _ in range(3)]  # whole, then the halves checked; halves; halves
+    assert split._splitter.verdicts == {batch: True} and split._splitter.split_runs == 2
+    np.testing.assert_array_equal(runs[0], want)  # the check's run returns the whole run's outputs
+    np.testing.assert_array_equal(runs[1], runs[2])
+    assert runs[2].shape == want.shape and runs[2].dtype == want.dtype
+    atol = 1e-5 * float(np.abs(want).max())  # products of other sizes round differently
+    np.testing.assert_allclose(runs[2], want, rtol=1e-5, atol=atol)
+    half = batch // 2
+    first = session(model, split="0").run(None, {k: v[:half] for k, v in feeds.items()})[0]
+    np.testing.assert_allclose(runs[2][:half], first, rtol=1e-5, atol=atol)  # a half is a batch of its own
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(runs[-1], ref.run(None, feeds)[0], rtol=1e-5, atol=atol)
+    assert split.peak_bytes > 0
+
+
+def test_a_model_that_mixes_the_samples_keeps_running_whole(no_minimum):
+    # y = x - mean over the batch: each half would subtract its own mean
+    nodes = [helper.make_node("ReduceMean", ["x"], ["m"], axes=[0], keepdims=1),
+             helper.make_node("Sub", ["x", "m"], ["y"])]
+    sess = session(batch_model(nodes))
+    x = np.random.default_rng(0).standard_normal((6, 3)).astype(np.float32)
+    want = x - x.mean(axis=0, keepdims=True)
+    for _ in range(4):
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-6, atol=1e-6)
+    assert sess._splitter.verdicts == {6: False} and sess._splitter.split_runs == 0
+
+
+def test_a_model_that_fails_on_half_a_batch_keeps_running_whole(no_minimum):
+    shape = numpy_helper.from_array(np.array([4, -1], np.int64), "shape")
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["y"])]
+    sess = session(batch_model(nodes, [shape]))
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    for _ in range(3):
+        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x)  # [4, -1] of [2, 3] has no shape
+    assert sess._splitter.verdicts == {4: False}
+
+
+def test_each_batch_size_is_checked_and_a_batch_of_one_is_not_split(no_minimum):
+    sess = session(batch_model([helper.make_node("Relu", ["x"], ["y"])]))
+    rng = np.random.default_rng(1)
+    for n in (1, 1, 1, 8, 8, 8, 3, 3):
+        x = rng.standard_normal((n, 3)).astype(np.float32)
+        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], np.maximum(x, 0))
+    assert sess._splitter.verdicts == {8: True, 3: True} and sess._splitter.split_runs == 3
+
+
+def test_short_runs_one_thread_or_the_config_entry_keep_it_whole():
+    relu = batch_model([helper.make_node("Relu", ["x"], ["y"])])
+    x = np.ones((8, 3), np.float32)
+    sess = session(relu)
+    for _ in range(3):
+        sess.run(None, {"x": x})
+    assert sess._splitter.verdicts == {8: False}  # far below MIN_ACTIVATION_BYTES
+    assert session(relu, threads=1)._splitter is None
+    assert session(relu, split="0")._splitter is None
+    assert session(relu, split="1")._splitter is not None
+    with pytest.raises(ValueError, match="onnxtrain.batch_split"):
+        session(relu, split="yes")
+
+
+def test_no_split_while_another_python_thread_may_be_inside_blas(no_minimum):
+    sess = session(batch_model([helper.make_node("Relu", ["x"], ["y"])]))
+    x = np.ones((8, 3), np.float32)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, name="user-thread")
+    other.start()
+    try:
+        for _ in range(3):
+            sess.run(None, {"x": x})
+    finally:
+        stop.set()
+        other.join()
+    assert sess._splitter.verdicts == {}
+
+
+
+def test_a_progress_bars_monitor_thread_does_not_count_as_a_blas_caller():
+    from tqdm import tqdm
+
+    with open(os.devnull, "w") as sink, tqdm(total=1, disable=False, file=sink) as bar:
+        assert tqdm.monitor is not None and tqdm.monitor.is_alive()
+        assert blas.can_pin_blas_threads()
+        bar.update(1)
