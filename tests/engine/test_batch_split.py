@@ -66,7 +66,7 @@ def test_batch_axes_come_from_the_declared_symbol():
 
 
 @pytest.mark.parametrize("name,batch", [("transformer_encoder", 6), ("gpt_block", 5), ("lenet_bn", 4),
-                                        ("mlp", 7)])
+                                        ("mlp", 7), ("recommender", 6), ("lstm_cls", 4)])
 def test_halves_agree_with_the_whole_run(no_minimum, name, batch):
     model, _, _ = models.export(name, training=False)
     feeds = models.example_inputs(name, batch, seed=3)
@@ -86,6 +86,19 @@ def test_halves_agree_with_the_whole_run(no_minimum, name, batch):
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(runs[-1], ref.run(None, feeds)[0], rtol=1e-5, atol=atol)
     assert split.peak_bytes > 0
+
+
+def test_the_batch_axis_may_be_any_axis(no_minimum):
+    g = helper.make_graph([helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0]),
+                           helper.make_node("Softmax", ["t"], ["y"], axis=1)], "g",
+                          [helper.make_tensor_value_info("x", F, ["seq", "batch"])],
+                          [helper.make_tensor_value_info("y", F, ["batch", "seq"])])
+    sess = session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    x = np.random.default_rng(2).standard_normal((5, 6)).astype(np.float32)
+    e = np.exp(x.T - x.T.max(axis=1, keepdims=True))
+    for _ in range(3):
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], e / e.sum(axis=1, keepdims=True), rtol=1e-6)
+    assert sess._splitter.verdicts == {6: True} and sess._splitter.split_runs == 2
 
 
 def test_a_model_that_mixes_the_samples_keeps_running_whole(no_minimum):
