@@ -146,6 +146,16 @@ def test_short_runs_one_thread_or_the_config_entry_keep_it_whole():
         session(relu, split="yes")
 
 
+def test_a_profiled_session_runs_whole(no_minimum, tmp_path):
+    so = onnxtrain.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "prof")
+    sess = onnxtrain.InferenceSession(batch_model([helper.make_node("Relu", ["x"], ["y"])]), so)
+    for _ in range(3):
+        sess.run(None, {"x": np.ones((8, 3), np.float32)})
+    assert sess._splitter.verdicts == {} and sess._splitter.split_runs == 0
+
+
 def test_no_split_while_another_python_thread_may_be_inside_blas(no_minimum):
     sess = session(batch_model([helper.make_node("Relu", ["x"], ["y"])]))
     x = np.ones((8, 3), np.float32)
