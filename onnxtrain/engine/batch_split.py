@@ -161,13 +161,9 @@ class BatchSplitter:
     def _half_plans(self) -> tuple[Plan, Plan]:
         """Two single-threaded plans of the model, sharing the whole plan's initializer arrays."""
         if self.halves is None:
-            made = []
-            for _ in range(2):
-                p = Plan(self.plan.model, fuse=self.plan.fused, threads=1)
-                by_slot = {p.slot[n]: self.plan.initializers[n] for n in p.initializers}
-                p._init_values = [(s, by_slot.get(s, v)) for s, v in p._init_values]
-                p.initializers = dict(self.plan.initializers)
-                made.append(p)
+            whole = self.plan
+            made = [Plan(whole.model, fuse=whole.fused, threads=1, initializers=whole.initializers)
+                    for _ in range(2)]
             self.halves = (made[0], made[1])
         return self.halves
 

@@ -86,12 +86,18 @@ def default_opset(model: onnx.ModelProto) -> int:
 class GraphInterface:
     """What every plan exposes of its model: opset, initializers, input and output names and types."""
 
-    def _read_interface(self, model: onnx.ModelProto | str | bytes | os.PathLike) -> onnx.ModelProto:
+    def _read_interface(self, model: onnx.ModelProto | str | bytes | os.PathLike,
+                        initializers: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
+        """Read the model's interface; ``initializers``: arrays to take for the model's initializers of those
+        names instead of converting them (another plan's of the same model)."""
         model = load_model(model)
         self.model = model
         g = model.graph
         self.opset = default_opset(model)
-        self.initializers: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+        given = initializers or {}
+        self.initializers: dict[str, np.ndarray] = {
+            t.name: given[t.name] if t.name in given else numpy_helper.to_array(t) for t in g.initializer
+        }
         inits = set(self.initializers)
         self.input_names = [v.name for v in g.input if v.name not in inits]
         self.all_input_names = [v.name for v in g.input]
@@ -112,15 +118,17 @@ class Plan(GraphInterface):
         fold_constants: bool = True,
         fuse: bool | None = None,
         threads: int | None = None,
+        initializers: Mapping[str, np.ndarray] | None = None,
     ):
         """``fuse``: apply the execution-time fusions of :mod:`onnxtrain.engine.fusion` (default: on, unless
         the environment says ``ONNXTRAIN_FUSION=0``). ``threads``: how many threads a kernel may split its
-        work over (default: :func:`~onnxtrain.engine.parallel.default_width`)."""
+        work over (default: :func:`~onnxtrain.engine.parallel.default_width`). ``initializers``: arrays to
+        use for the model's initializers of those names (shared with another plan of the same model)."""
         if threads is not None and (not isinstance(threads, int) or threads < 0):
             raise ValueError(f"threads must be a non-negative integer (0: the default), got {threads!r}")
         self.threads = threads or default_width()
         tune_allocator()
-        model = self._read_interface(model)
+        model = self._read_interface(model, initializers)
         g = model.graph
         init_names = set(self.initializers)
 

@@ -86,6 +86,8 @@ def test_halves_agree_with_the_whole_run(no_minimum, name, batch):
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(runs[-1], ref.run(None, feeds)[0], rtol=1e-5, atol=atol)
     assert split.peak_bytes > 0
+    for half in split._splitter.halves:  # the weights are the whole plan's arrays, not copies
+        assert all(half.initializers[n] is v for n, v in split._plan.initializers.items())
 
 
 def test_the_batch_axis_may_be_any_axis(no_minimum):
