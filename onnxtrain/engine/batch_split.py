@@ -42,12 +42,14 @@ MAX_VERDICTS = 64  # batch sizes whose check is remembered
 
 
 def enabled_by(options: Any) -> bool:
-    """Whether the session options allow the split: their ``onnxtrain.batch_split`` entry, "1" when unset."""
+    """Whether the session options allow the split: their ``onnxtrain.batch_split`` entry, "1" when unset.
+    Accepts onnxtrain's or onnxruntime's ``SessionOptions`` (or None)."""
     getter = getattr(options, "get_session_config_entry", None)
     try:
-        value = str(getter(CONFIG_KEY)).strip() if getter is not None else "1"
-    except KeyError:
-        value = "1"
+        value = str(getter(CONFIG_KEY)).strip() if getter is not None else ""
+    except Exception:  # onnxtrain raises KeyError for an unset entry, onnxruntime a RuntimeError
+        value = ""
+    value = value or "1"
     if value not in ("0", "1"):
         raise ValueError(f"session config entry {CONFIG_KEY!r} must be \"0\" or \"1\", got {value!r}")
     return value == "1"

@@ -146,6 +146,10 @@ def test_short_runs_one_thread_or_the_config_entry_keep_it_whole():
     assert session(relu, split="1")._splitter is not None
     with pytest.raises(ValueError, match="onnxtrain.batch_split"):
         session(relu, split="yes")
+    theirs = ort.SessionOptions()  # onnxruntime's options are accepted too
+    assert onnxtrain.InferenceSession(relu, theirs)._splitter is not None
+    theirs.add_session_config_entry("onnxtrain.batch_split", "0")
+    assert onnxtrain.InferenceSession(relu, theirs)._splitter is None
 
 
 def test_a_profiled_session_runs_whole(no_minimum, tmp_path):
