@@ -6,8 +6,9 @@
 (a) dispatch: a 2,000-node chain of alternating Add/Mul on a [4] tensor, where the arithmetic is
     nothing and the time is the engine's per-node cost; quoted as µs per node and as a ratio.
 (b) a transformer encoder exported from torch (2 layers, d=128, 4 heads, ff 512, seq 64, batch 32):
-    forward wall time, ours / onnxruntime's. ``--breakdown`` adds where the time goes: both engines'
-    profiles, kernel time per group of ops (bench/op_breakdown.py).
+    forward wall time, ours / onnxruntime's; also ours with the batch split off (two halves of the batch
+    at once, onnxtrain/engine/batch_split.py), in the same interleaved rounds. ``--breakdown`` adds where
+    the time goes: both engines' profiles, kernel time per group of ops (bench/op_breakdown.py).
 
 Both peers run with their defaults (onnxruntime: ORT_ENABLE_ALL graph optimizations, its own thread pool;
 numpy: its BLAS threads), except that in this process onnxruntime's idle threads do not spin: spinning
@@ -149,16 +150,22 @@ def bench_transformer(repeats: int, batch: int = 32, seq: int = 64, d: int = 128
 
     model, feeds = transformer_model(batch, seq, d, layers)
     sess = onnxtrain.InferenceSession(model)
+    off = onnxtrain.SessionOptions()  # the same engine, the batch split off (onnxtrain/engine/batch_split.py)
+    off.add_session_config_entry("onnxtrain.batch_split", "0")
+    whole = onnxtrain.InferenceSession(model, off)
     ref = ort_session(model)
     np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0], rtol=1e-4, atol=1e-5)
-    t = compare({"onnxtrain": lambda: sess.run(None, feeds), "onnxruntime": lambda: ref.run(None, feeds)},
-                repeats=repeats, min_time=0.2)
+    t = compare({"onnxtrain": lambda: sess.run(None, feeds), "onnxruntime": lambda: ref.run(None, feeds),
+                 "whole": lambda: whole.run(None, feeds)}, repeats=repeats, min_time=0.2)
     n_nodes = len(model.graph.node)
     print(f"(b) transformer encoder forward: {layers} layers, d={d}, 4 heads, ff {4 * d}, seq {seq}, "
           f"batch {batch} ({n_nodes} nodes)")
     r = t["onnxtrain"].median / t["onnxruntime"].median
     print("    " + ratio_line("ms per forward", t["onnxtrain"].median * 1e3, t["onnxruntime"].median * 1e3,
                               target=TRANSFORMER_TARGET))
+    split = "on" if sess._splitter is not None and sess._splitter.split_runs else "not used"
+    print(f"    onnxtrain with the batch split off: {t['whole'].median * 1e3:.3g} ms per forward "
+          f"(the split was {split} above)")
     ours, theirs = against_default_onnxruntime(model, feeds, lambda: sess.run(None, feeds), repeats)
     print("    against onnxruntime at its default threading (idle threads spin), in its own process:")
     print("    " + ratio_line("ms per forward", ours * 1e3, theirs * 1e3, target=TRANSFORMER_TARGET))
