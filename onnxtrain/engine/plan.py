@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from onnxtrain.engine import fusion
 from onnxtrain.engine.allocator import tune_allocator
@@ -95,9 +95,17 @@ class GraphInterface:
         g = model.graph
         self.opset = default_opset(model)
         given = initializers or {}
-        self.initializers: dict[str, np.ndarray] = {
-            t.name: given[t.name] if t.name in given else numpy_helper.to_array(t) for t in g.initializer
-        }
+        self.initializers: dict[str, np.ndarray] = {}
+        for t in g.initializer:
+            v = given.get(t.name)
+            if v is None:
+                v = numpy_helper.to_array(t)
+            else:
+                dt = helper.tensor_dtype_to_np_dtype(t.data_type)
+                if list(v.shape) != list(t.dims) or v.dtype != dt:
+                    raise EngineError(f"initializer {t.name!r}: the array given for it is {v.dtype}"
+                                      f"{list(v.shape)}, the model's is {dt}{list(t.dims)}")
+            self.initializers[t.name] = v
         inits = set(self.initializers)
         self.input_names = [v.name for v in g.input if v.name not in inits]
         self.all_input_names = [v.name for v in g.input]

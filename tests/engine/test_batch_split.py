@@ -185,3 +185,22 @@ def test_a_progress_bars_monitor_thread_does_not_count_as_a_blas_caller():
         assert tqdm.monitor is not None and tqdm.monitor.is_alive()
         assert blas.can_pin_blas_threads()
         bar.update(1)
+
+
+def test_a_plan_takes_given_initializer_arrays_and_checks_them():
+    from onnxtrain.engine.plan import EngineError, Plan
+
+    w = numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(3, 2), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", F, ["batch", 3])],
+                          [helper.make_tensor_value_info("y", F, ["batch", 2])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    mine = np.ones((3, 2), np.float32)
+    p = Plan(m, initializers={"w": mine})
+    assert p.initializers["w"] is mine
+    got = p.run({"x": np.ones((2, 3), np.float32)})[0]
+    np.testing.assert_array_equal(got, np.full((2, 2), 3, np.float32))
+    with pytest.raises(EngineError, match="initializer 'w'.*float64\\[3, 2\\].*float32\\[3, 2\\]"):
+        Plan(m, initializers={"w": np.ones((3, 2))})
+    with pytest.raises(EngineError, match="initializer 'w'.*\\[2, 3\\]"):
+        Plan(m, initializers={"w": np.ones((2, 3), np.float32)})
