@@ -204,3 +204,22 @@ def test_a_plan_takes_given_initializer_arrays_and_checks_them():
         Plan(m, initializers={"w": np.ones((3, 2))})
     with pytest.raises(EngineError, match="initializer 'w'.*\\[2, 3\\]"):
         Plan(m, initializers={"w": np.ones((2, 3), np.float32)})
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_halves_of_other_float_types(no_minimum, dtype):
+    rng = np.random.default_rng(4)
+    t = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    w = numpy_helper.from_array(rng.standard_normal((16, 8)).astype(dtype), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Tanh", ["h"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", t, ["batch", 16])],
+                          [helper.make_tensor_value_info("y", t, ["batch", 8])], [w])
+    sess = session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    x = rng.standard_normal((10, 16)).astype(dtype)
+    want = np.tanh(x.astype(np.float64) @ numpy_helper.to_array(w).astype(np.float64))
+    for _ in range(3):
+        got = sess.run(None, {"x": x})[0]
+        assert got.dtype == dtype
+        atol = 1e-2 if dtype == np.float16 else 1e-12
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=0, atol=atol)
+    assert sess._splitter.verdicts == {10: True} and sess._splitter.split_runs == 2
