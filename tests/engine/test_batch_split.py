@@ -24,6 +24,7 @@ F = TensorProto.FLOAT
 def no_minimum(monkeypatch):
     """Split runs of any size (the models here are far below the real minimum)."""
     monkeypatch.setattr(batch_split, "MIN_ACTIVATION_BYTES", 0)
+    monkeypatch.setattr(batch_split, "ACTIVATIONS_PER_WEIGHT", 0.0)
 
 
 def session(model: onnx.ModelProto, split: str | None = None, threads: int = 0) -> onnxtrain.InferenceSession:
