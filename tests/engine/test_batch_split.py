@@ -224,3 +224,15 @@ def test_halves_of_other_float_types(no_minimum, dtype):
         atol = 1e-2 if dtype == np.float16 else 1e-12
         np.testing.assert_allclose(got.astype(np.float64), want, rtol=0, atol=atol)
     assert sess._splitter.verdicts == {10: True} and sess._splitter.split_runs == 2
+
+
+def test_a_run_whose_weights_outweigh_its_activations_keeps_running_whole(monkeypatch):
+    monkeypatch.setattr(batch_split, "MIN_ACTIVATION_BYTES", 0)
+    w = numpy_helper.from_array(np.ones((256, 256), np.float32), "w")  # 256 KiB of weights
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", F, ["batch", 256])],
+                          [helper.make_tensor_value_info("y", F, ["batch", 256])], [w])
+    sess = session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    for n in (8, 8, 1024, 1024, 1024):  # 8 KiB of rows: whole; 1 MiB in and out: split
+        sess.run(None, {"x": np.ones((n, 256), np.float32)})
+    assert sess._splitter.verdicts == {8: False, 1024: True} and sess._splitter.split_runs == 2
