@@ -81,9 +81,9 @@ def check_fed(feeds: Mapping[str, Any], donate: Collection[str]) -> None:
 
 
 def donatable(feeds: Mapping[str, Any], donate: Collection[str]) -> dict[str, np.ndarray]:
-    """The feeds of ``donate`` whose arrays a run may overwrite: writeable, C-contiguous arrays owning their
-    memory, fed under one name only and not the base of another feed."""
-    check_fed(feeds, donate)
+    """The feeds of ``donate`` (all of them feeds: see :func:`check_fed`) whose arrays a run may overwrite:
+    writeable, C-contiguous arrays owning their memory, fed under one name only and not the base of another
+    feed."""
     ids: dict[int, int] = {}
     bases: set[int] = set()
     for v in feeds.values():
@@ -108,6 +108,7 @@ def donatable(feeds: Mapping[str, Any], donate: Collection[str]) -> dict[str, np
 def donated_slots(plan: Plan, feeds: Mapping[str, Any], donate: Collection[str]) -> dict[int, np.ndarray]:
     """The slots of ``donate`` (feed names) whose arrays the run may overwrite (:func:`donatable`), with
     those arrays."""
+    check_fed(feeds, donate)
     return {plan.slot[name]: v for name, v in donatable(feeds, donate).items()}
 
 
