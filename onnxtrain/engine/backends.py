@@ -47,20 +47,21 @@ def check_backend(name: str) -> str:
     return name
 
 
-def backend_of(options: Any) -> str:
-    """The backend named by the session options' ``onnxtrain.backend`` entry ("numpy" when unset).
-
-    Accepts onnxtrain's or onnxruntime's ``SessionOptions`` (or None)."""
-    if options is None:
-        return "numpy"
+def session_config_entry(options: Any, key: str) -> str:
+    """The session options' config entry ``key``, stripped ("" when unset). Accepts onnxtrain's or
+    onnxruntime's ``SessionOptions`` (or None)."""
     getter = getattr(options, "get_session_config_entry", None)
     if getter is None:
-        return "numpy"
+        return ""
     try:
-        value = getter(CONFIG_KEY)
-    except Exception:  # onnxtrain raises KeyError for an unset entry; onnxruntime may raise or return ""
-        return "numpy"
-    return check_backend(str(value).strip() or "numpy")
+        return str(getter(key)).strip()
+    except Exception:  # unset: KeyError from onnxtrain, RuntimeError (or "") from onnxruntime
+        return ""
+
+
+def backend_of(options: Any) -> str:
+    """The backend named by the session options' ``onnxtrain.backend`` entry ("numpy" when unset)."""
+    return check_backend(session_config_entry(options, CONFIG_KEY) or "numpy")
 
 
 def import_onnxruntime() -> Any:

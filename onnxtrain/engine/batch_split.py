@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxtrain.engine.backends import session_config_entry
 from onnxtrain.engine.blas import can_pin_blas_threads, single_threaded_blas
 from onnxtrain.engine.parallel import parallel_for, running_with
 from onnxtrain.engine.plan import Plan
@@ -46,14 +47,9 @@ MAX_VERDICTS = 64  # batch sizes whose check is remembered
 
 
 def enabled_by(options: Any) -> bool:
-    """Whether the session options allow the split: their ``onnxtrain.batch_split`` entry, "1" when unset.
-    Accepts onnxtrain's or onnxruntime's ``SessionOptions`` (or None)."""
-    getter = getattr(options, "get_session_config_entry", None)
-    try:
-        value = str(getter(CONFIG_KEY)).strip() if getter is not None else ""
-    except Exception:  # onnxtrain raises KeyError for an unset entry, onnxruntime a RuntimeError
-        value = ""
-    value = value or "1"
+    """Whether the session options (onnxtrain's or onnxruntime's, or None) allow the split: their
+    ``onnxtrain.batch_split`` entry, "1" when unset."""
+    value = session_config_entry(options, CONFIG_KEY) or "1"
     if value not in ("0", "1"):
         raise ValueError(f"session config entry {CONFIG_KEY!r} must be \"0\" or \"1\", got {value!r}")
     return value == "1"
@@ -98,6 +94,7 @@ class BatchSplitter:
         self.halves: tuple[Plan, Plan] | None = None
         self.verdicts: dict[int, bool] = {}  # batch size → whether its halves agree with its whole run
         self.split_runs = 0  # runs answered by the halves
+        self.weight_bytes = sum(v.nbytes for v in plan.initializers.values())  # shared by the halves
 
     @classmethod
     def for_plan(cls, plan: Plan) -> BatchSplitter | None:
@@ -120,8 +117,7 @@ class BatchSplitter:
         whole = self.plan.run(feeds, output_names)
         if verdict is None and len(self.verdicts) < MAX_VERDICTS:
             activations = self.plan.peak_bytes - self.plan._base_bytes
-            weights = sum(v.nbytes for v in self.plan.initializers.values())
-            if activations < max(MIN_ACTIVATION_BYTES, ACTIVATIONS_PER_WEIGHT * weights):
+            if activations < max(MIN_ACTIVATION_BYTES, ACTIVATIONS_PER_WEIGHT * self.weight_bytes):
                 self.verdicts[batch] = False  # too little work, or too much of it on the weights, to gain
             elif can_pin_blas_threads():
                 try:
@@ -163,8 +159,8 @@ class BatchSplitter:
         with single_threaded_blas(), running_with(2):
             parallel_for(2, half)
         names = list(output_names) if output_names is not None else self.plan.output_names
-        shared = sum(v.nbytes for v in self.plan.initializers.values())  # counted by both halves
-        self.plan.peak_bytes = halves[0].peak_bytes + halves[1].peak_bytes - shared
+        # both halves count the shared weights
+        self.plan.peak_bytes = halves[0].peak_bytes + halves[1].peak_bytes - self.weight_bytes
         return [np.concatenate([a, b], axis=self.output_axes[n]) for n, a, b in zip(names, *results)]
 
     def _half_plans(self) -> tuple[Plan, Plan]:

@@ -21,6 +21,7 @@ calls on two threads of their own at once (:mod:`onnxtrain.engine.batch_split`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -83,12 +84,10 @@ def shorten_blas_spin() -> bool:
         return applied
 
 
+@functools.cache
 def _thread_count_functions() -> tuple[Any, Any] | None:
     """OpenBLAS's (set, get) thread-count functions, under the names numpy's bundled build exports, or None
     when numpy's BLAS is not an OpenBLAS with them."""
-    if _COUNT_FUNCTIONS:
-        return _COUNT_FUNCTIONS[0]
-    found = None
     for path in _loaded_openblas():
         try:
             lib = ctypes.CDLL(path)
@@ -99,15 +98,8 @@ def _thread_count_functions() -> tuple[Any, Any] | None:
             getter = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
             if setter is not None and getter is not None:
                 setter.argtypes, setter.restype, getter.restype = [ctypes.c_int], None, ctypes.c_int
-                found = (setter, getter)
-                break
-        if found:
-            break
-    _COUNT_FUNCTIONS.append(found)
-    return found
-
-
-_COUNT_FUNCTIONS: list[tuple[Any, Any] | None] = []
+                return setter, getter
+    return None
 
 
 def can_pin_blas_threads() -> bool:
