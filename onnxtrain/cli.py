@@ -45,7 +45,7 @@ def _info(a: argparse.Namespace) -> int:
     from onnx import numpy_helper
 
     from onnxtrain.autodiff.registry import find_rule, has_no_gradient
-    from onnxtrain.engine.registry import find_kernel
+    from onnxtrain.engine.registry import has_kernel
     from onnxtrain.inference import node_arg
     from onnxtrain.ir.builder import model_opset
 
@@ -63,8 +63,9 @@ def _info(a: argparse.Namespace) -> int:
     print(f"  parameters: {sum(x.size for x in arrays):,} in {len(arrays)} initializers, "
           f"{sum(x.nbytes for x in arrays):,} bytes")
     hist = collections.Counter(n.op_type for n in g.node)
+    domains = {n.op_type: n.domain for n in g.node}
     print("  ops: " + ", ".join(f"{op}×{c}" for op, c in sorted(hist.items())))
-    no_kernel = sorted(op for op in hist if find_kernel(op, opset) is None)
+    no_kernel = sorted(op for op in hist if not has_kernel(op, opset, domains[op]))
     no_rule = sorted(op for op in hist if find_rule(op, max(opset, 17)) is None and not has_no_gradient(op))
     print(f"  ops without a kernel: {', '.join(no_kernel) or 'none'}")
     print(f"  ops without a gradient rule: {', '.join(no_rule) or 'none'}")

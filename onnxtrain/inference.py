@@ -45,11 +45,21 @@ class ModelMetadata:
     custom_metadata_map: dict[str, str] = field(default_factory=dict)
 
 
+def type_string(tp: onnx.TypeProto) -> str:
+    """onnxruntime's name of a type: ``tensor(float)``, ``seq(tensor(int64))``, ``optional(...)``."""
+    kind = tp.WhichOneof("value")
+    if kind == "tensor_type":
+        dt = np_dtype_of(tp)
+        return f"tensor({_type_name(dt)})" if dt is not None else "unknown"
+    if kind == "sequence_type":
+        return f"seq({type_string(tp.sequence_type.elem_type)})"
+    if kind == "optional_type":
+        return f"optional({type_string(tp.optional_type.elem_type)})"
+    return "unknown"
+
+
 def node_arg(v: onnx.ValueInfoProto) -> NodeArg:
-    dt = np_dtype_of(v.type)
-    return NodeArg(
-        v.name, f"tensor({_type_name(dt)})" if dt is not None else "unknown", value_info_shape(v.type)
-    )
+    return NodeArg(v.name, type_string(v.type), value_info_shape(v.type))
 
 
 class FeedChecker:
@@ -59,6 +69,9 @@ class FeedChecker:
         self.required = list(plan.input_names)
         self.allowed = set(plan.input_names) | set(overridable)
         self.specs = {n: (plan.input_dtypes.get(n), plan.input_shapes.get(n)) for n in plan.all_input_names}
+        # sequence- and optional-typed inputs: name → "seq" or "optional"; fed as lists (or None) as they are
+        self.containers = {n: kind for n, v in plan.input_info.items()
+                           if (kind := _container_kind(v.type)) is not None}
 
     def __call__(
         self, feeds: Mapping[str, Any], required: Sequence[str] | None = None
@@ -67,6 +80,10 @@ class FeedChecker:
         for name, v in feeds.items():
             if name not in self.allowed:
                 raise ValueError(f"unknown input {name!r}; the model's inputs are {self.required}")
+            kind = self.containers.get(name)
+            if kind is not None:
+                out[name] = _container_feed(name, kind, v)
+                continue
             a = v.numpy() if isinstance(v, OrtValue) else v
             if not isinstance(a, np.ndarray):
                 a = np.asarray(a)
@@ -92,6 +109,24 @@ class FeedChecker:
         if missing:
             raise ValueError(f"missing input(s) {missing}; the model's inputs are {self.required}")
         return out
+
+
+def _container_kind(tp: onnx.TypeProto) -> str | None:
+    kind = tp.WhichOneof("value")
+    return {"sequence_type": "seq", "optional_type": "optional"}.get(kind or "")
+
+
+def _container_feed(name: str, kind: str, v: Any) -> Any:
+    """A feed for a sequence input (a list or tuple of arrays) or an optional one (None, or its value)."""
+    if v is None:
+        if kind == "optional":
+            return None
+        raise TypeError(f"input {name!r}: expected a sequence (a list of arrays), got None")
+    if isinstance(v, (list, tuple)):
+        return [x.numpy() if isinstance(x, OrtValue) else np.asarray(x) for x in v]
+    if kind == "seq":
+        raise TypeError(f"input {name!r}: expected a sequence (a list of arrays), got {type(v).__name__}")
+    return v.numpy() if isinstance(v, OrtValue) else np.asarray(v)
 
 
 class InferenceSession:

@@ -27,6 +27,7 @@ from onnxtrain.graph_transforms.mixed_precision import (
 )
 from onnxtrain.graph_transforms.recompute import recompute
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, NodeWriter, model_opset
+from onnxtrain.ir.graphs import node_reads
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
 from onnxtrain.parameters import TrainingParameters
 
@@ -173,7 +174,7 @@ def _finish(
     from onnxtrain.autodiff.builder import _live_nodes
 
     keep = _fold_output_identities(_live_nodes(graph_nodes, [o.name for o in outputs]), outputs)
-    used = {i for n in keep for i in n.input} | {o.name for o in outputs}
+    used = {i for n in keep for i in node_reads(n)} | {o.name for o in outputs}
     g = helper.make_graph(
         keep, name, list(inputs), outputs, initializer=[t for t in base.graph.initializer if t.name in used]
     )

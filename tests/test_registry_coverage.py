@@ -17,6 +17,12 @@ NO_ROW = {
     "GlobalLpPool": "onnx.reference lacks it; tests/engine/test_conv_pool_resize.py",
     "BitShift": "integer only; tests/engine/test_elementwise.py",
 }
+# sequence and optional values are lists and None, which the op table's rows (arrays) cannot hold
+SEQUENCE_OPS = ("SequenceEmpty", "SequenceConstruct", "SequenceInsert", "SequenceAt", "SequenceErase",
+                "SequenceLength", "ConcatFromSequence", "SplitToSequence", "Optional", "OptionalHasElement",
+                "OptionalGetElement")
+NO_ROW.update({op: "sequence/optional values; tests/engine/test_control_flow.py and the conformance suite"
+               for op in SEQUENCE_OPS})
 
 
 # rules without a float64 gradient row
@@ -31,6 +37,9 @@ UNDECIDED = {
     "MeanVarianceNormalization": "tier 3: no gradient rule yet (a path through it is a clear error)",
     "Upsample": "deprecated: autodiff upgrades models to opset >= 17 first, which makes it a Resize",
 }
+UNDECIDED.update({op: "tier 3: no gradient through sequences or optionals yet (a path through one is a "
+                      "clear error)" for op in SEQUENCE_OPS
+                  if op not in ("SequenceEmpty", "SequenceLength", "OptionalHasElement")})
 
 
 def _family(fn) -> str:

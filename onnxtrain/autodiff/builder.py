@@ -27,6 +27,7 @@ from onnxtrain.ir.builder import (
     symbolic_shape,
     value_types,
 )
+from onnxtrain.ir.graphs import body_reads, node_reads
 
 MIN_OPSET = 17
 
@@ -233,7 +234,9 @@ def build_gradient_model(
             continue
         rule = find_rule(node.op_type, bw.opset)
         stop = rule.stop if rule else frozenset()
-        if any(n in requires and i not in stop for i, n in enumerate(node.input)):
+        if any(n in requires and i not in stop for i, n in enumerate(node.input)) or any(
+            n in requires for n in body_reads(node)
+        ):
             rules[k] = rule
             for o in node.output:
                 if o and _is_float(bw, o):
@@ -401,7 +404,7 @@ def _fold_transposed_gemms(nodes: list[onnx.NodeProto], outputs: set[str]) -> li
     the copy, and the gradient comes out contiguous."""
     uses: dict[str, int] = {}
     for n in nodes:
-        for i in n.input:
+        for i in node_reads(n):
             uses[i] = uses.get(i, 0) + 1
     producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
     replace: dict[int, onnx.NodeProto] = {}
@@ -435,6 +438,6 @@ def _live_nodes(nodes: list[onnx.NodeProto], outputs: Iterable[str]) -> list[onn
     for n in reversed(nodes):
         if any(o in needed for o in n.output if o):
             keep.append(n)
-            needed.update(i for i in n.input if i)
+            needed.update(node_reads(n))
     keep.reverse()
     return keep

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from onnxtrain.ir.graphs import node_reads
 from onnxtrain.ir.types import value_info_shape
 
 # nodes whose output is a new buffer, element i computed from the inputs' elements i (after broadcasting).
@@ -49,13 +50,14 @@ def safe_updates(model: onnx.ModelProto, updates: Mapping[str, str]) -> dict[str
     roots: dict[str, frozenset[str]] = {x: frozenset((x,)) for x in inputs}
     for n in g.node:
         aliasing = n.op_type not in FRESH or _does_nothing(n, consts)
-        src = frozenset().union(*(roots.get(i, frozenset()) for i in n.input)) if aliasing else frozenset()
+        reads = node_reads(n)
+        src = frozenset().union(*(roots.get(i, frozenset()) for i in reads)) if aliasing else frozenset()
         for o in n.output:
             if o:
                 roots[o] = src
     readers: dict[str, set[int]] = {x: set() for x in inputs}
     for k, n in enumerate(g.node):
-        for i in n.input:
+        for i in node_reads(n):
             for x in roots.get(i, ()):
                 readers[x].add(k)
     escaping = {x for o in outputs for x in roots.get(o, ()) if o != x}  # an output that may be a view

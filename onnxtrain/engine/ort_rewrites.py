@@ -22,6 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.builder import NameGen, model_opset, static_shape, value_types
+from onnxtrain.ir.graphs import node_reads
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
 _MIN_OPSET = 11  # Range
@@ -33,7 +34,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
              if n.op_type == "MaxPool" and n.domain in ("", "ai.onnx") and len(n.output) > 1 and n.output[1]]
     if not pools:
         return model
-    read = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+    read = {i for n in model.graph.node for i in node_reads(n)} | {o.name for o in model.graph.output}
     unused = {k for k in pools if model.graph.node[k].output[1] not in read}
     tiled = [k for k in pools if k not in unused] if model_opset(model) >= _MIN_OPSET else []
     types = value_types(model) if tiled else {}

@@ -20,12 +20,19 @@ from onnx import helper, numpy_helper
 
 from onnxtrain.engine import fusion
 from onnxtrain.engine.allocator import tune_allocator
+from onnxtrain.engine.control_flow import compile_control_flow
 from onnxtrain.engine.donation import donated_slots, donating, reusable_inputs
 from onnxtrain.engine.parallel import default_width, running_with
-from onnxtrain.engine.registry import Attrs, Kernel, available_ops, find_kernel, parse_attributes
+from onnxtrain.engine.registry import (
+    DEFAULT_DOMAINS,
+    SUBGRAPH_OPS,
+    Attrs,
+    Kernel,
+    available_ops,
+    find_kernel,
+    parse_attributes,
+)
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
-
-SUBGRAPH_OPS = {"If", "Loop", "Scan", "SequenceMap"}
 
 
 class EngineError(RuntimeError):
@@ -153,13 +160,13 @@ class Plan(GraphInterface):
             slot_of(name)
         raw_steps: list[tuple[onnx.NodeProto, Kernel, Attrs, list[int], list[int]]] = []
         missing: list[str] = []
-        for node in g.node:
-            if node.op_type in SUBGRAPH_OPS:
-                raise UnsupportedOpError(
-                    f"node {node.name!r} ({node.op_type}): subgraph ops (If, Loop, Scan) "
-                    "are not supported yet"
-                )
-            fn = find_kernel(node.op_type, self.opset, node.domain)
+        captures: dict[int, list[str]] = {}  # node index → outer values its bodies read
+        for k, node in enumerate(g.node):
+            if node.op_type in SUBGRAPH_OPS and node.domain in DEFAULT_DOMAINS:
+                fn = compile_control_flow(node, model, self.opset, self.threads)
+                captures[k] = fn.captures
+            else:
+                fn = find_kernel(node.op_type, self.opset, node.domain)
             if fn is None:
                 missing.append(f"{node.name!r} ({node.domain + '.' if node.domain else ''}{node.op_type})")
                 continue
@@ -169,7 +176,7 @@ class Plan(GraphInterface):
                 raise EngineError(f"node {node.name!r} ({node.op_type}): bad attributes: {e}") from None
             used = tuple(bool(o) for o in node.output)
             attrs = Attrs(values, node.op_type, node.name, self.opset, len(node.output), used)
-            ins = [slot_of(n) if n else -1 for n in node.input]
+            ins = [slot_of(n) if n else -1 for n in (*node.input, *captures.get(k, ()))]
             outs = [slot_of(n) if n else -1 for n in node.output]
             raw_steps.append((node, fn, attrs, ins, outs))
         if missing:
@@ -177,11 +184,13 @@ class Plan(GraphInterface):
                 f"no kernel for node(s) {', '.join(missing)}; ops with kernels: {', '.join(available_ops())}"
             )
         produced = set(init_names) | set(self.all_input_names)
-        for node, *_ in raw_steps:
-            for n in node.input:
-                if n and n not in produced:
+        name_of = {s: n for n, s in slot.items()}
+        for node, _, _, ins, _ in raw_steps:
+            for n in (name_of[s] for s in ins if s >= 0):
+                if n not in produced:
+                    what = "input" if n in node.input else "value read by its body"
                     raise EngineError(
-                        f"node {node.name!r} ({node.op_type}): input {n!r} is not produced "
+                        f"node {node.name!r} ({node.op_type}): {what} {n!r} is not produced "
                         "by any earlier node, graph input or initializer"
                     )
             produced.update(o for o in node.output if o)

@@ -47,6 +47,7 @@ class Attrs(dict):
 Kernel = Callable[[Inputs, Attrs], Outputs]
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
+SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})  # kernels made per node from their bodies
 _KERNELS: dict[str, list[tuple[int, Kernel]]] = {}
 _LOADED = False
 
@@ -88,6 +89,11 @@ def find_kernel(op: str, opset: int, domain: str = "") -> Kernel | None:
     if best is None and op in _KERNELS:  # models older than our first version: use the oldest
         best = _KERNELS[op][0][1]
     return best
+
+
+def has_kernel(op: str, opset: int, domain: str = "") -> bool:
+    """Whether the engine runs ``op``: a registered kernel, or a control-flow op (compiled per node)."""
+    return find_kernel(op, opset, domain) is not None or (op in SUBGRAPH_OPS and domain in DEFAULT_DOMAINS)
 
 
 def available_ops() -> list[str]:

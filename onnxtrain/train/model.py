@@ -9,6 +9,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.builder import value_types
+from onnxtrain.ir.graphs import node_reads
 from onnxtrain.train.config import Config, ConfigError
 
 
@@ -113,7 +114,7 @@ def inference_model(model: onnx.ModelProto, outputs: Sequence[str], weights: Map
     for n in reversed(g.node):
         if any(o in needed for o in n.output):
             keep.append(n)
-            needed.update(i for i in n.input if i)
+            needed.update(node_reads(n))
     keep.reverse()
     del g.node[:]
     g.node.extend(keep)

@@ -87,6 +87,7 @@ from onnxtrain.autodiff.builder import GradientError, build_gradient_model, upgr
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute as recompute_pass
 from onnxtrain.ir.builder import model_opset
+from onnxtrain.ir.graphs import node_reads
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.training import onnxblock
 from onnxtrain.training.api._accumulation import ACCUMULATED_SUFFIX as ACC_OUT_SUFFIX
@@ -495,7 +496,7 @@ def _drop_output(m: onnx.ModelProto, name: str) -> onnx.ModelProto:
     kept = [o for o in g.output if o.name != name]
     del g.output[:]
     g.output.extend(kept)
-    if not any(name in n.input for n in g.node):
+    if not any(name in node_reads(n) for n in g.node):
         nodes = [n for n in g.node if list(n.output) != [name]]
         del g.node[:]
         g.node.extend(nodes)
@@ -511,7 +512,7 @@ def _shape(tp: onnx.TypeProto | None) -> list[int | str] | None:
 
 
 def _ancestors(g: onnx.GraphProto, target: str) -> set[str]:
-    """Every value ``target`` depends on (ignoring subgraph captures)."""
+    """Every value ``target`` depends on (what control-flow bodies read included)."""
     producer = {o: n for n in g.node for o in n.output if o}
     seen = {target}
     todo = [target]
@@ -519,8 +520,8 @@ def _ancestors(g: onnx.GraphProto, target: str) -> set[str]:
         n = producer.get(todo.pop())
         if n is None:
             continue
-        for i in n.input:
-            if i and i not in seen:
+        for i in node_reads(n):
+            if i not in seen:
                 seen.add(i)
                 todo.append(i)
     return seen

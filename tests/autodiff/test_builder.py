@@ -108,6 +108,48 @@ def test_op_without_rule_names_node_and_op() -> None:
         build_gradient_model(m, "loss", ["w"])
 
 
+def _if_model(loss_through_if: bool) -> onnx.ModelProto:
+    """w is read only inside an If's branches; the loss goes through the If or only through v."""
+    branch = {
+        name: helper.make_graph([helper.make_node(op, ["x", "w"], [name])], name, [],
+                                [helper.make_tensor_value_info(name, T.DOUBLE, [2])])
+        for name, op in (("then_out", "Mul"), ("else_out", "Add"))
+    }
+    nodes = [
+        helper.make_node("If", ["c"], ["y"], name="branch", then_branch=branch["then_out"],
+                         else_branch=branch["else_out"]),
+        helper.make_node("Mul", ["x", "v"], ["z"]),
+        helper.make_node("Add", ["y", "z"] if loss_through_if else ["z", "z"], ["s"]),
+        helper.make_node("ReduceSum", ["s"], ["loss"], keepdims=0),
+    ]
+    inits = [numpy_helper.from_array(np.array([1.5, -2.0]), n) for n in ("w", "v")]
+    return _model(nodes, [helper.make_tensor_value_info("x", T.DOUBLE, [2]),
+                          helper.make_tensor_value_info("c", T.BOOL, [])],
+                  [helper.make_tensor_value_info("loss", T.DOUBLE, []),
+                   helper.make_tensor_value_info("y", T.DOUBLE, [2])], inits)
+
+
+def test_a_weight_read_inside_a_branch_is_on_the_path() -> None:
+    """A value that reaches the loss through an If's body (not an input of the node) is no zero gradient
+    but a clear error: If has no gradient rule yet."""
+    with pytest.raises(GradientError, match=r"'branch' \(If\) lies on the path .* no gradient rule"):
+        build_gradient_model(_if_model(True), "loss", ["w"])
+
+
+def test_a_branch_off_the_path_keeps_what_it_reads() -> None:
+    """The If is not on the path of v's gradient; the gradient model still runs it (y is an output) and
+    keeps the initializer w that only its branches read."""
+    m = build_gradient_model(_if_model(False), "loss", ["v"])
+    onnx.checker.check_model(m, full_check=True)
+    assert "w" in {t.name for t in m.graph.initializer}
+    x = np.array([0.5, 3.0])
+    for c in (True, False):
+        outs = run_engine(m, {"x": x, "c": np.array(c)})
+        got = dict(zip([o.name for o in m.graph.output], outs))
+        np.testing.assert_allclose(got["v_grad"], 2 * x)  # loss = sum(2·x·v)
+        np.testing.assert_allclose(got["y"], x * [1.5, -2.0] if c else x + [1.5, -2.0])
+
+
 def test_unknown_names_are_errors() -> None:
     model = mlp_model(loss="mse")
     with pytest.raises(GradientError, match="nope"):

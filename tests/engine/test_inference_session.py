@@ -339,18 +339,6 @@ def test_op_without_kernel_names_node_and_op() -> None:
         onnxtrain.InferenceSession(one_node_model(helper.make_node(op, ["x"], ["y"], name="my_node")))
 
 
-def test_subgraph_op_not_supported_yet() -> None:
-    branch = helper.make_graph([helper.make_node("Identity", ["x"], ["z"])], "branch", [],
-                               [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])])
-    node = helper.make_node("If", ["c"], ["y"], name="the_if", then_branch=branch, else_branch=branch)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
-                                            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    with pytest.raises(NotImplementedError, match="the_if.*If.*not supported yet"):
-        onnxtrain.InferenceSession(model)
-
-
 def test_kernel_failure_names_node() -> None:
     node = helper.make_node("Reshape", ["x", "shape"], ["y"], name="bad_reshape")
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6])],

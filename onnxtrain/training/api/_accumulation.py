@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import onnx
 
+from onnxtrain.ir.graphs import node_reads
+
 RESET_INPUT = "lazy_reset_grad"
 BUFFER_SUFFIX = "_grad.accumulation.buffer"
 ACCUMULATED_SUFFIX = "_grad.accumulation.out"
@@ -44,7 +46,7 @@ def overwrite_variant(model: onnx.ModelProto, trainable: Sequence[str]) -> onnx.
         drop |= {index[id(where)], index[id(add)], index[id(squeeze)]}
         rename[grad] = out
     kept = [n for k, n in enumerate(g.node) if k not in drop]
-    used = {i for n in kept for i in n.input}
+    used = {i for n in kept for i in node_reads(n)}
     if RESET_INPUT in used or any(p + BUFFER_SUFFIX in used for p in trainable) or \
             any(t in rename for t in (o.name for o in g.output)):
         return None  # the flag, a buffer or a raw gradient is read elsewhere: not the generated pattern

@@ -1,0 +1,227 @@
+"""Control-flow ops: If, Loop, Scan (opset 9 and later) and SequenceMap. Each body graph is compiled once
+into a plan of its own; the values a body reads from enclosing graphs ("captures") become extra inputs of
+the node's step, so the outer plan keeps them alive until the node has run and frees them after."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, helper
+
+from onnxtrain.engine.registry import Attrs, Inputs, Outputs
+from onnxtrain.ir.graphs import captured_names
+from onnxtrain.ir.types import np_dtype_of, value_info_shape
+
+if TYPE_CHECKING:
+    from onnxtrain.engine.plan import Plan
+
+
+class Body:
+    """One body graph compiled into a plan whose inputs are the body's own, then its captures."""
+
+    def __init__(self, graph: onnx.GraphProto, model: onnx.ModelProto, threads: int, where: str):
+        from onnxtrain.engine.plan import EngineError, Plan
+
+        self.where = where
+        self.captures = captured_names(graph)
+        body = onnx.GraphProto()
+        body.CopyFrom(graph)
+        body.input.extend(onnx.ValueInfoProto(name=n) for n in self.captures)
+        wrapper = helper.make_model(body, opset_imports=model.opset_import, ir_version=model.ir_version)
+        try:
+            self.plan: Plan = Plan(wrapper, threads=threads)
+        except EngineError as e:
+            raise type(e)(f"{where}: {e}") from None
+        self.input_names = [v.name for v in graph.input]
+        self.outputs = list(graph.output)
+
+    def run(self, values: Sequence[Any], captured: dict[str, Any], step: str = "") -> list[Any]:
+        """Outputs of the body for its inputs ``values`` (in order) and the captured values by name."""
+        from onnxtrain.engine.plan import EngineError
+
+        if len(values) != len(self.input_names):
+            raise EngineError(f"{self.where}: the body takes {len(self.input_names)} inputs, "
+                              f"given {len(values)}")
+        feeds = {n: captured[n] for n in self.captures}  # a node's other bodies may read other values
+        feeds.update(zip(self.input_names, values))
+        try:
+            return self.plan.run(feeds)
+        except EngineError as e:
+            raise EngineError(f"{self.where}{step}: {e}") from None
+
+    def empty_output(self, k: int) -> np.ndarray:
+        """An empty stack of body output ``k`` (a scan output of a loop that ran no iteration)."""
+        tp = self.outputs[k].type
+        dtype = np_dtype_of(tp) or np.dtype(np.float32)
+        dims = value_info_shape(tp)
+        inner = tuple(d if isinstance(d, int) and d >= 0 else 0 for d in dims) if dims is not None else ()
+        return np.zeros((0, *inner), dtype)
+
+
+class ControlFlow:
+    """The kernel of one control-flow node: ``inputs`` are the node's inputs, then its captures."""
+
+    def __init__(self, node: onnx.NodeProto, bodies: dict[str, Body], n_inputs: int):
+        self.node = node
+        self.bodies = bodies
+        self.n_inputs = n_inputs
+        self.captures: list[str] = []
+        for b in bodies.values():
+            self.captures.extend(n for n in b.captures if n not in self.captures)
+
+    def split(self, inputs: Inputs) -> tuple[Sequence[Any], dict[str, Any]]:
+        """The node's own inputs, and the captured values by name."""
+        return inputs[:self.n_inputs], dict(zip(self.captures, inputs[self.n_inputs:]))
+
+    def __call__(self, inputs: Inputs, attrs: Attrs) -> Outputs:
+        raise NotImplementedError
+
+
+def _scalar(v: Any, what: str) -> Any:
+    a = np.asarray(v)
+    if a.size != 1:
+        raise ValueError(f"{what} must hold a single value, got shape {list(a.shape)}")
+    return a.reshape(-1)[0]
+
+
+class If(ControlFlow):
+    def __call__(self, inputs: Inputs, attrs: Attrs) -> Outputs:
+        (cond,), captured = self.split(inputs)
+        if cond is None:
+            raise ValueError("the condition input is missing")
+        branch = self.bodies["then_branch" if bool(_scalar(cond, "the condition")) else "else_branch"]
+        return branch.run((), captured)
+
+
+class Loop(ControlFlow):
+    def __call__(self, inputs: Inputs, attrs: Attrs) -> Outputs:
+        own, captured = self.split(inputs)
+        trip, cond, carried = own[0], own[1], list(own[2:])
+        body = self.bodies["body"]
+        n_scan = len(body.outputs) - 1 - len(carried)
+        if n_scan < 0:
+            raise ValueError(f"the body has {len(body.outputs)} outputs, fewer than 1 + {len(carried)} "
+                             "loop-carried values")
+        limit = None if trip is None else int(_scalar(trip, "the trip count M"))
+        go = True if cond is None else bool(_scalar(cond, "the condition"))
+        scans: list[list[Any]] = [[] for _ in range(n_scan)]
+        i = 0
+        while (limit is None or i < limit) and go:
+            res = body.run([np.array(i, np.int64), np.array(go), *carried], captured, f", iteration {i}")
+            if cond is not None:
+                go = bool(_scalar(res[0], f"the body's condition output (iteration {i})"))
+            carried = list(res[1:1 + len(carried)])
+            for lst, v in zip(scans, res[1 + len(carried):]):
+                lst.append(v)
+            i += 1
+        first = 1 + len(carried)
+        return (*carried, *(_stack(lst, 0, i, lambda k=k: body.empty_output(first + k))
+                            for k, lst in enumerate(scans)))
+
+
+class Scan(ControlFlow):
+    def __call__(self, inputs: Inputs, attrs: Attrs) -> Outputs:
+        own, captured = self.split(inputs)
+        body = self.bodies["body"]
+        m = attrs["num_scan_inputs"]
+        n = len(own) - m
+        states, xs = list(own[:n]), own[n:]
+        in_axes = attrs.get("scan_input_axes") or [0] * m
+        in_dirs = attrs.get("scan_input_directions") or [0] * m
+        k_out = len(body.outputs) - n
+        out_axes = attrs.get("scan_output_axes") or [0] * k_out
+        out_dirs = attrs.get("scan_output_directions") or [0] * k_out
+        if not (len(in_axes) == len(in_dirs) == m and len(out_axes) == len(out_dirs) == k_out):
+            raise ValueError(f"scan_input_axes/directions need {m} entries and scan_output_axes/directions"
+                             f" {k_out}; got {len(in_axes)}/{len(in_dirs)}, {len(out_axes)}/{len(out_dirs)}")
+        axes = []
+        for x, a in zip(xs, in_axes):
+            if not -x.ndim <= a < x.ndim:
+                raise ValueError(f"scan input axis {a} is out of range for rank {x.ndim}")
+            axes.append(a % x.ndim)
+        lengths = {x.shape[a] for x, a in zip(xs, axes)}
+        if len(lengths) > 1:
+            raise ValueError(f"scan inputs differ in length along their scan axes: {sorted(lengths)}")
+        steps = lengths.pop() if lengths else 0
+        outs: list[list[Any]] = [[] for _ in range(k_out)]
+        for t in range(steps):
+            slices = [np.take(x, steps - 1 - t if d else t, axis=a) for x, a, d in zip(xs, axes, in_dirs)]
+            res = body.run([*states, *slices], captured, f", step {t}")
+            states = list(res[:n])
+            for lst, v in zip(outs, res[n:]):
+                lst.append(v)
+        stacked = []
+        for k, (lst, a, d) in enumerate(zip(outs, out_axes, out_dirs)):
+            stacked.append(_stack(lst[::-1] if d else lst, a, steps, lambda k=k: body.empty_output(n + k)))
+        return (*states, *stacked)
+
+
+class SequenceMap(ControlFlow):
+    def __call__(self, inputs: Inputs, attrs: Attrs) -> Outputs:
+        own, captured = self.split(inputs)
+        body = self.bodies["body"]
+        if not isinstance(own[0], list):
+            raise TypeError(f"the first input must be a sequence, got {type(own[0]).__name__}")
+        count = len(own[0])
+        for j, v in enumerate(own[1:], start=1):
+            if isinstance(v, list) and len(v) != count:
+                raise ValueError(f"input {j} is a sequence of {len(v)} values, the first input's has {count}")
+        outs: list[list[Any]] = [[] for _ in body.outputs]
+        for i in range(count):
+            values = [v[i] if isinstance(v, list) else v for v in own]
+            for lst, r in zip(outs, body.run(values, captured, f", element {i}")):
+                lst.append(r)
+        return tuple(outs)
+
+
+def _stack(values: list[Any], axis: int, count: int, empty: Callable[[], np.ndarray]) -> np.ndarray:
+    """Per-iteration values stacked along a new ``axis`` (negative: from the end of the result)."""
+    if not count:
+        return empty()
+    shapes = {np.shape(v) for v in values}
+    if len(shapes) > 1:
+        raise ValueError(f"a scan output changes shape between iterations: {sorted(shapes)}")
+    rank = np.ndim(values[0]) + 1
+    if not -rank <= axis < rank:
+        raise ValueError(f"scan output axis {axis} is out of range for rank {rank}")
+    return np.stack(values, axis=axis)
+
+
+_KINDS: dict[str, tuple[type[ControlFlow], tuple[str, ...]]] = {
+    "If": (If, ("then_branch", "else_branch")),
+    "Loop": (Loop, ("body",)),
+    "Scan": (Scan, ("body",)),
+    "SequenceMap": (SequenceMap, ("body",)),
+}
+
+
+def compile_control_flow(node: onnx.NodeProto, model: onnx.ModelProto, opset: int,
+                         threads: int) -> ControlFlow:
+    """The kernel of a control-flow node, its bodies compiled; its ``captures`` name the outer values to
+    pass after the node's inputs."""
+    from onnxtrain.engine.plan import EngineError, UnsupportedOpError
+
+    where = f"node {node.name!r} ({node.op_type})"
+    if node.op_type not in _KINDS:
+        raise UnsupportedOpError(f"{where}: not a control-flow op ({', '.join(_KINDS)} are)")
+    if node.op_type == "Scan" and opset < 9:
+        raise UnsupportedOpError(f"{where}: Scan before opset 9 (with a batch axis) is not supported")
+    kind, names = _KINDS[node.op_type]
+    graphs = {a.name: a.g for a in node.attribute if a.type == AttributeProto.GRAPH}
+    missing = [n for n in names if n not in graphs]
+    if missing:
+        raise EngineError(f"{where}: attribute(s) {missing} missing")
+    bodies = {n: Body(graphs[n], model, threads, f"{where}, {n}") for n in names}
+    n_out = len(node.output)
+    for n, b in bodies.items():
+        given = len(b.outputs) - (1 if node.op_type == "Loop" else 0)
+        if given != n_out:
+            after = " after its condition" if kind is Loop else ""
+            raise EngineError(f"{where}: {n} has {given} outputs{after}, the node {n_out}")
+    if node.op_type == "Loop" and len(bodies["body"].input_names) != len(node.input):
+        raise EngineError(f"{where}: the body takes {len(bodies['body'].input_names)} inputs; the node has "
+                         f"{len(node.input)} (M, cond and the loop-carried values)")
+    return kind(node, bodies, len(node.input))

@@ -1,0 +1,53 @@
+"""Graph structure that node inputs alone do not show: the values a control-flow node's bodies read from
+the graphs around them ("captures"). Passes that prune or follow dependencies read :func:`node_reads`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import onnx
+from onnx import AttributeProto
+
+
+def subgraphs(node: onnx.NodeProto) -> Iterable[onnx.GraphProto]:
+    """The graphs held by a node's attributes (If's branches, Loop's and Scan's bodies)."""
+    for a in node.attribute:
+        if a.type == AttributeProto.GRAPH:
+            yield a.g
+        elif a.type == AttributeProto.GRAPHS:
+            yield from a.graphs
+
+
+def captured_names(graph: onnx.GraphProto) -> list[str]:
+    """Names ``graph`` reads but does not define (inputs, initializers, node outputs), nested graphs
+    included, in order of first use: what it captures from the graphs around it."""
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    defined |= {t.values.name for t in graph.sparse_initializer}
+    out: list[str] = []
+
+    def use(name: str) -> None:
+        if name and name not in defined and name not in out:
+            out.append(name)
+
+    for node in graph.node:
+        for name in node_reads(node):
+            use(name)
+        defined.update(o for o in node.output if o)
+    for v in graph.output:
+        use(v.name)
+    return out
+
+
+def body_reads(node: onnx.NodeProto) -> list[str]:
+    """The values of enclosing graphs that a node's bodies read (none for a node without a body)."""
+    reads: list[str] = []
+    for g in subgraphs(node):
+        reads.extend(n for n in captured_names(g) if n not in reads)
+    return reads
+
+
+def node_reads(node: onnx.NodeProto) -> list[str]:
+    """Every value a node reads: its inputs (omitted ones skipped), then what its bodies capture."""
+    reads = [n for n in node.input if n]
+    reads.extend(n for n in body_reads(node) if n not in reads)
+    return reads
