@@ -19,6 +19,15 @@ if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan
 
 
+def nbytes(v: Any) -> int:
+    """Bytes held by a value: an array, a sequence of arrays, or None (an empty optional)."""
+    if isinstance(v, np.ndarray):
+        return v.nbytes
+    if isinstance(v, (list, tuple)):
+        return sum(map(nbytes, v))
+    return int(getattr(v, "nbytes", 0))
+
+
 class Body:
     """One body graph compiled into a plan whose inputs are the body's own, then its captures."""
 
@@ -37,6 +46,7 @@ class Body:
             raise type(e)(f"{where}: {e}") from None
         self.input_names = [v.name for v in graph.input]
         self.outputs = list(graph.output)
+        self.peak_extra = 0  # bytes: see run
 
     def run(self, values: Sequence[Any], captured: dict[str, Any], step: str = "") -> list[Any]:
         """Outputs of the body for its inputs ``values`` (in order) and the captured values by name."""
@@ -48,9 +58,12 @@ class Body:
         feeds = {n: captured[n] for n in self.captures}  # a node's other bodies may read other values
         feeds.update(zip(self.input_names, values))
         try:
-            return self.plan.run(feeds)
+            out = self.plan.run(feeds)
         except EngineError as e:
             raise EngineError(f"{self.where}{step}: {e}") from None
+        # what the run held beyond its inputs (those are counted where they live)
+        self.peak_extra = max(self.peak_extra, self.plan.peak_bytes - sum(map(nbytes, feeds.values())))
+        return out
 
     def empty_output(self, k: int) -> np.ndarray:
         """An empty stack of body output ``k`` (a scan output of a loop that ran no iteration)."""
@@ -72,12 +85,22 @@ class ControlFlow:
         for b in bodies.values():
             self.captures.extend(n for n in b.captures if n not in self.captures)
 
+    @property
+    def extra_bytes(self) -> int:
+        """The most bytes a body run of the last call held beyond its inputs (for the plan's peak)."""
+        return max(b.peak_extra for b in self.bodies.values())
+
+    def __call__(self, inputs: Inputs, attrs: Attrs) -> Outputs:
+        for b in self.bodies.values():
+            b.peak_extra = 0
+        return self.compute(inputs, attrs)
+
+    def compute(self, inputs: Inputs, attrs: Attrs) -> Outputs:
+        raise NotImplementedError
+
     def split(self, inputs: Inputs) -> tuple[Sequence[Any], dict[str, Any]]:
         """The node's own inputs, and the captured values by name."""
         return inputs[:self.n_inputs], dict(zip(self.captures, inputs[self.n_inputs:]))
-
-    def __call__(self, inputs: Inputs, attrs: Attrs) -> Outputs:
-        raise NotImplementedError
 
 
 def _scalar(v: Any, what: str) -> Any:
@@ -88,7 +111,7 @@ def _scalar(v: Any, what: str) -> Any:
 
 
 class If(ControlFlow):
-    def __call__(self, inputs: Inputs, attrs: Attrs) -> Outputs:
+    def compute(self, inputs: Inputs, attrs: Attrs) -> Outputs:
         (cond,), captured = self.split(inputs)
         if cond is None:
             raise ValueError("the condition input is missing")
@@ -97,7 +120,7 @@ class If(ControlFlow):
 
 
 class Loop(ControlFlow):
-    def __call__(self, inputs: Inputs, attrs: Attrs) -> Outputs:
+    def compute(self, inputs: Inputs, attrs: Attrs) -> Outputs:
         own, captured = self.split(inputs)
         trip, cond, carried = own[0], own[1], list(own[2:])
         body = self.bodies["body"]
@@ -123,7 +146,7 @@ class Loop(ControlFlow):
 
 
 class Scan(ControlFlow):
-    def __call__(self, inputs: Inputs, attrs: Attrs) -> Outputs:
+    def compute(self, inputs: Inputs, attrs: Attrs) -> Outputs:
         own, captured = self.split(inputs)
         body = self.bodies["body"]
         m = attrs["num_scan_inputs"]
@@ -160,7 +183,7 @@ class Scan(ControlFlow):
 
 
 class SequenceMap(ControlFlow):
-    def __call__(self, inputs: Inputs, attrs: Attrs) -> Outputs:
+    def compute(self, inputs: Inputs, attrs: Attrs) -> Outputs:
         own, captured = self.split(inputs)
         body = self.bodies["body"]
         if not isinstance(own[0], list):

@@ -20,7 +20,7 @@ from onnx import helper, numpy_helper
 
 from onnxtrain.engine import fusion
 from onnxtrain.engine.allocator import tune_allocator
-from onnxtrain.engine.control_flow import compile_control_flow
+from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow, nbytes
 from onnxtrain.engine.donation import donated_slots, donating, reusable_inputs
 from onnxtrain.engine.parallel import default_width, running_with
 from onnxtrain.engine.registry import (
@@ -218,6 +218,7 @@ class Plan(GraphInterface):
             fusion.fuse(self)
         self._assign_frees()
         self._reusable = self._offer_reuse()
+        self._bodies = any(isinstance(st.fn, ControlFlow) for st in self.steps)
 
     def _assign_frees(self) -> None:
         """Give every step the slots whose last use it is; graph outputs and initializers are never freed."""
@@ -300,7 +301,7 @@ class Plan(GraphInterface):
             if vals[s] is not None and name in self.initializers:
                 live -= vals[s].nbytes
             vals[s] = v
-            live += _nbytes(v)
+            live += nbytes(v)
         if overrides:
             for name, v in overrides.items():
                 vals[slot[name]] = v
@@ -328,8 +329,8 @@ class Plan(GraphInterface):
     def _run_steps(self, vals: list[Any], live: int) -> int:
         """Run every step on the slots ``vals``, freeing values after their last use; returns the peak of
         live bytes."""
-        if self.profiling:
-            peak = self._run_profiled(vals, live)
+        if self.profiling or self._bodies:
+            peak = self._run_watched(vals, live)
         else:
             peak = live
             for fn, get, in1, out1, outs, attrs, free, st in self._program:
@@ -344,7 +345,7 @@ class Plan(GraphInterface):
                     try:
                         live += r.nbytes
                     except AttributeError:
-                        live += _nbytes(r)
+                        live += nbytes(r)
                 else:
                     live += self._store(vals, outs, res)
                 if live > peak:
@@ -353,7 +354,7 @@ class Plan(GraphInterface):
                     v = vals[s]
                     if v is not None:
                         vals[s] = None
-                        live -= v.nbytes if type(v) is np.ndarray else _nbytes(v)
+                        live -= v.nbytes if type(v) is np.ndarray else nbytes(v)
                 v = None  # a local must not keep the last freed value alive during the next step
         return peak
 
@@ -382,11 +383,12 @@ class Plan(GraphInterface):
         for s, r in zip(outs, res):
             if s >= 0:
                 vals[s] = r
-                added += _nbytes(r)
+                added += nbytes(r)
         return added
 
-    def _run_profiled(self, vals: list[Any], live: int) -> int:
-        """The run loop with one :class:`ProfileEvent` per step; returns the peak of live bytes."""
+    def _run_watched(self, vals: list[Any], live: int) -> int:
+        """The run loop with one :class:`ProfileEvent` per step when profiling, and the bytes a control-flow
+        step's bodies held during it counted in the peak; returns the peak of live bytes."""
         peak = live
         for fn, get, in1, _, outs, attrs, free, st in self._program:
             args = get(vals) if get is not None else [vals[in1]] if in1 >= 0 else []
@@ -395,31 +397,27 @@ class Plan(GraphInterface):
                 res = fn(args, attrs)
             except Exception:
                 res = self._call(st, args)
-            self.profile.append(
-                ProfileEvent(
-                    st.node.name or st.node.op_type,
-                    st.node.op_type,
-                    t0,
-                    time.perf_counter_ns() - t0,
-                    [list(np.shape(a)) for a in args if a is not None],
+            if self.profiling:
+                self.profile.append(
+                    ProfileEvent(
+                        st.node.name or st.node.op_type,
+                        st.node.op_type,
+                        t0,
+                        time.perf_counter_ns() - t0,
+                        [list(np.shape(a)) for a in args if a is not None],
+                    )
                 )
-            )
+            if isinstance(fn, ControlFlow):
+                peak = max(peak, live + fn.extra_bytes)
             live += self._store(vals, outs, res)
             peak = max(peak, live)
             for s in free:
                 if vals[s] is not None:
-                    live -= _nbytes(vals[s])
+                    live -= nbytes(vals[s])
                     vals[s] = None
         return peak
 
 
-def _nbytes(v: Any) -> int:
-    """Bytes held by a value: an array, a sequence of arrays (ONNX sequences), or None (empty optional)."""
-    if isinstance(v, np.ndarray):
-        return v.nbytes
-    if isinstance(v, (list, tuple)):
-        return sum(_nbytes(x) for x in v)
-    return int(getattr(v, "nbytes", 0))
 
 
 def _as_array(v: Any) -> Any:

@@ -398,6 +398,33 @@ def test_values_read_by_a_body_live_until_the_node_and_no_longer() -> None:
         np.testing.assert_allclose(got, oracles(model, {"x": x, "c": np.array(c)})[0][0], rtol=1e-6)
 
 
+def test_peak_bytes_count_what_a_body_holds() -> None:
+    """Each iteration makes a 4 MB temporary and keeps only its sum: the plan's peak includes it once."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Expand", ["one", "shape"], ["big"]),
+            helper.make_node("ReduceSum", ["big"], ["part"], keepdims=0),
+            helper.make_node("Add", ["acc", "part"], ["acc_out"]),
+        ],
+        "body",
+        [tensor("i", I64, []), tensor("c", B, []), tensor("acc", F, [])],
+        [tensor("c", B, []), tensor("acc_out", F, [])],
+    )
+    loop = helper.make_node("Loop", ["n", "", "zero"], ["total"], body=body)
+    inits = [
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+        numpy_helper.from_array(np.array([1 << 20], np.int64), "shape"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+    ]
+    model = model_of([loop], [tensor("n", I64, [])], [tensor("total", F, [])], inits)
+    plan = Plan(model)
+    (total,) = plan.run({"n": np.array(3, np.int64)})
+    assert total == 3 * (1 << 20)
+    assert 4 << 20 <= plan.peak_bytes < 5 << 20
+    plan.run({"n": np.array(0, np.int64)})
+    assert plan.peak_bytes < 1 << 10
+
+
 # ---- errors ----------------------------------------------------------------------------------------------
 def if_model(then_nodes, cond_shape=(), out="t", extra_inputs=()) -> onnx.ModelProto:
     then_g = helper.make_graph(then_nodes, "then", [], [tensor(out, F, None)])

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from onnxtrain.engine.fusion.common import RANDOM_OPS, protected_slots
-from onnxtrain.engine.registry import Attrs, Kernel
+from onnxtrain.engine.registry import SUBGRAPH_OPS, Attrs, Kernel
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
@@ -114,7 +114,9 @@ def memoize_shape_steps(plan: Plan, steps: list[Step]) -> list[Step]:
         op = st.node.op_type
         ins = [s for s in st.inputs if s >= 0]
         wrapper: type[_Memo] | None = None
-        if st.node.domain not in ("", "ai.onnx") or op in RANDOM_OPS or any(s in kept for s in st.outputs):
+        # a body may hold random ops: control flow is neither folded nor memoised
+        opaque = op in RANDOM_OPS or op in SUBGRAPH_OPS
+        if st.node.domain not in ("", "ai.onnx") or opaque or any(s in kept for s in st.outputs):
             wrapper = None
         elif ins and all(s in consts for s in ins) and _fold(plan, st, consts):
             continue
