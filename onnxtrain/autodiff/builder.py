@@ -253,6 +253,7 @@ def build_gradient_model(
             for i, n in enumerate(node.input):
                 if n in requires and i not in stop:
                     needed.add(n)
+            needed.update(n for n in body_reads(node) if n in requires)
     for k in on_path:
         if rules[k] is None:
             node = bw.fwd_nodes[k]
@@ -312,12 +313,15 @@ def build_gradient_model(
             continue
         needs = [bool(n) and n in needed and i not in rule.stop for i, n in enumerate(node.input)]
         ctx = GradCtx(bw, node, rule, parse_attributes(node, bw.opset), dys, needs)
+        ctx.body_wrt = [n for n in body_reads(node) if n in needed]
         try:
             rule.fn(ctx)
         except RuleError as e:
             raise GradientError(f"node {node.name!r} ({node.op_type}): {e}") from None
         for i, d in ctx.dxs.items():
             contributions.setdefault(node.input[i], []).append(d)
+        for n, d in ctx.body_dxs.items():
+            contributions.setdefault(n, []).append(d)
 
     out_names = [loss] + [
         o for o in (outputs if outputs is not None else [o.name for o in g.output]) if o != loss

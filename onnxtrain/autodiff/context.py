@@ -51,6 +51,9 @@ class GradCtx:
             const_cache=bw.const_cache,
         )
         self.dxs: dict[int, str] = {}
+        # a control-flow node: the outer values its bodies read that want a gradient, and those gradients
+        self.body_wrt: list[str] = []
+        self.body_dxs: dict[str, str] = {}
         first = next(
             (n for n in (*node.output, *node.input) if n and elem_type(bw.types, n) in _FLOATS), None
         )

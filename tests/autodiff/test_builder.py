@@ -111,29 +111,73 @@ def test_op_without_rule_names_node_and_op() -> None:
 def _if_model(loss_through_if: bool) -> onnx.ModelProto:
     """w is read only inside an If's branches; the loss goes through the If or only through v."""
     branch = {
-        name: helper.make_graph([helper.make_node(op, ["x", "w"], [name])], name, [],
-                                [helper.make_tensor_value_info(name, T.DOUBLE, [2])])
+        name: helper.make_graph(
+            [helper.make_node(op, ["x", "w"], [name])],
+            name,
+            [],
+            [helper.make_tensor_value_info(name, T.DOUBLE, [2])],
+        )
         for name, op in (("then_out", "Mul"), ("else_out", "Add"))
     }
     nodes = [
-        helper.make_node("If", ["c"], ["y"], name="branch", then_branch=branch["then_out"],
-                         else_branch=branch["else_out"]),
+        helper.make_node(
+            "If", ["c"], ["y"], name="branch", then_branch=branch["then_out"], else_branch=branch["else_out"]
+        ),
         helper.make_node("Mul", ["x", "v"], ["z"]),
         helper.make_node("Add", ["y", "z"] if loss_through_if else ["z", "z"], ["s"]),
         helper.make_node("ReduceSum", ["s"], ["loss"], keepdims=0),
     ]
     inits = [numpy_helper.from_array(np.array([1.5, -2.0]), n) for n in ("w", "v")]
-    return _model(nodes, [helper.make_tensor_value_info("x", T.DOUBLE, [2]),
-                          helper.make_tensor_value_info("c", T.BOOL, [])],
-                  [helper.make_tensor_value_info("loss", T.DOUBLE, []),
-                   helper.make_tensor_value_info("y", T.DOUBLE, [2])], inits)
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", T.DOUBLE, [2]), helper.make_tensor_value_info("c", T.BOOL, [])],
+        [
+            helper.make_tensor_value_info("loss", T.DOUBLE, []),
+            helper.make_tensor_value_info("y", T.DOUBLE, [2]),
+        ],
+        inits,
+    )
 
 
-def test_a_weight_read_inside_a_branch_is_on_the_path() -> None:
-    """A value that reaches the loss through an If's body (not an input of the node) is no zero gradient
-    but a clear error: If has no gradient rule yet."""
-    with pytest.raises(GradientError, match=r"'branch' \(If\) lies on the path .* no gradient rule"):
-        build_gradient_model(_if_model(True), "loss", ["w"])
+@pytest.mark.parametrize("cond", [True, False])
+def test_gradient_through_if_branches(cond: bool) -> None:
+    """w is read only inside the branches (then: x·w, else: x + w): its gradient flows through the If's
+    gradient If, checked against central differences in float64 for both branches."""
+    m = _if_model(True)
+    feeds = {"x": np.array([0.5, 3.0]), "c": np.array(cond)}
+    grads = gradcheck(m, "loss", ["w", "v"], feeds)
+    np.testing.assert_allclose(grads["w"], feeds["x"] if cond else np.ones(2))
+    g = build_gradient_model(m, "loss", ["w"])
+    onnx.checker.check_model(g, full_check=True)
+    assert [n.op_type for n in g.graph.node].count("If") == 2
+
+
+def test_loop_on_the_path_is_an_error() -> None:
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["acc", "w"], ["acc2"]), helper.make_node("Identity", ["c"], ["c2"])],
+        "body",
+        [
+            helper.make_tensor_value_info("i", T.INT64, []),
+            helper.make_tensor_value_info("c", T.BOOL, []),
+            helper.make_tensor_value_info("acc", T.DOUBLE, [2]),
+        ],
+        [
+            helper.make_tensor_value_info("c2", T.BOOL, []),
+            helper.make_tensor_value_info("acc2", T.DOUBLE, [2]),
+        ],
+    )
+    nodes = [
+        helper.make_node("Loop", ["n", "", "x"], ["y"], name="the_loop", body=body),
+        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
+    ]
+    m = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", T.DOUBLE, [2]), helper.make_tensor_value_info("n", T.INT64, [])],
+        [helper.make_tensor_value_info("loss", T.DOUBLE, [])],
+        [numpy_helper.from_array(np.array([1.5, -2.0]), "w")],
+    )
+    with pytest.raises(GradientError, match=r"'the_loop' \(Loop\) lies on the path .* no gradient rule"):
+        build_gradient_model(m, "loss", ["w"])
 
 
 def test_a_branch_off_the_path_keeps_what_it_reads() -> None:

@@ -1,0 +1,171 @@
+"""Gradients through If (onnxtrain/autodiff/rules/control_flow.py): against torch autograd on a scripted
+model and against central differences on nested branches; the gradient graphs run in onnxruntime too."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
+from torch import nn
+
+from onnxtrain.autodiff import build_gradient_model
+from onnxtrain.testing import gradcheck, run_engine
+
+
+class Branchy(nn.Module):
+    """A data-dependent branch whose two sides read different weights, and one weight read by both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(4, 3)
+        self.c = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum() > 0:  # noqa: SIM108 - scripted: an if statement exports as an If node
+            y = torch.tanh(self.b(x)) * h
+        else:
+            y = h * h - self.c(x)
+        return (y * y).mean()
+
+
+def export_scripted(module: nn.Module, x: torch.Tensor) -> onnx.ModelProto:
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            torch.jit.script(module),
+            (x,),
+            buf,
+            dynamo=False,
+            opset_version=17,
+            input_names=["x"],
+            output_names=["loss"],
+            dynamic_axes={"x": {0: "batch"}},
+        )
+    return onnx.load_from_string(buf.getvalue())
+
+
+@pytest.mark.parametrize("shift", [3.0, -3.0])
+def test_if_gradient_matches_torch(shift: float) -> None:
+    torch.manual_seed(0)
+    module = Branchy()
+    # along the direction that raises sum(a(x)) or lowers it, for the branch to take
+    toward = module.a.weight.detach().sum(0)
+    x = (shift * toward / toward.norm() + 0.1 * torch.randn(5, 4)).float()
+    model = export_scripted(module, x)
+    assert "If" in {n.op_type for n in model.graph.node}
+    names = {t.name for t in model.graph.initializer}
+    params = dict(module.named_parameters())
+    wrt = sorted(n for n in params if n in names)
+    assert len(wrt) == 6, f"initializers {sorted(names)}"
+    gmodel = build_gradient_model(model, "loss", wrt)
+    onnx.checker.check_model(gmodel, full_check=True)
+    out_names = [o.name for o in gmodel.graph.output]
+    got = dict(zip(out_names, run_engine(gmodel, {"x": x.numpy()})))
+    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
+    from_ort = dict(zip(out_names, sess.run(None, {"x": x.numpy()})))
+    loss = module(x)
+    loss.backward()
+    took_then = bool(module.a(x).sum() > 0)
+    assert took_then == (shift > 0)
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5)
+    for n in wrt:
+        grad = params[n].grad
+        want = (
+            np.zeros(params[n].shape, np.float32) if grad is None else grad.numpy()
+        )  # None: the idle branch
+        np.testing.assert_allclose(got[f"{n}_grad"], want, rtol=1e-4, atol=1e-6, err_msg=n)
+        np.testing.assert_allclose(from_ort[f"{n}_grad"], want, rtol=1e-4, atol=1e-6, err_msg=n)
+    # the weight of the branch not taken gets zeros
+    idle = "c" if took_then else "b"
+    assert not got[f"{idle}.weight_grad"].any()
+
+
+def nested_model() -> onnx.ModelProto:
+    """y = If(c1){ If(c2){ x·w·u } else { x + w } } else { w·w·x (a branch output read twice) } ;
+    loss = sum(y · v): u is read only by the inner If, w at both depths."""
+    d = T.DOUBLE
+
+    def vi(name: str) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, d, [3])
+
+    inner_then = helper.make_graph(
+        [helper.make_node("Mul", ["x", "w"], ["p"]), helper.make_node("Mul", ["p", "u"], ["it"])],
+        "inner_then",
+        [],
+        [vi("it")],
+    )
+    inner_else = helper.make_graph(
+        [helper.make_node("Add", ["x", "w"], ["ie"])], "inner_else", [], [vi("ie")]
+    )
+    outer_then = helper.make_graph(
+        [helper.make_node("If", ["c2"], ["ot"], then_branch=inner_then, else_branch=inner_else)],
+        "outer_then",
+        [],
+        [vi("ot")],
+    )
+    outer_else = helper.make_graph(
+        [helper.make_node("Mul", ["w", "w"], ["ww"]), helper.make_node("Mul", ["ww", "x"], ["oe"])],
+        "outer_else",
+        [],
+        [vi("oe")],
+    )
+    nodes = [
+        helper.make_node("If", ["c1"], ["y"], name="outer", then_branch=outer_then, else_branch=outer_else),
+        helper.make_node("Mul", ["y", "v"], ["yv"]),
+        helper.make_node("ReduceSum", ["yv"], ["loss"], keepdims=0),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(a), n)
+        for n, a in (("w", [1.5, -2.0, 0.25]), ("u", [0.5, 2.0, -1.0]), ("v", [1.0, -3.0, 2.0]))
+    ]
+    g = helper.make_graph(
+        nodes,
+        "g",
+        [
+            vi("x"),
+            helper.make_tensor_value_info("c1", T.BOOL, []),
+            helper.make_tensor_value_info("c2", T.BOOL, []),
+        ],
+        [helper.make_tensor_value_info("loss", d, [])],
+        inits,
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8  # onnxruntime's inference package reads it
+    return m
+
+
+@pytest.mark.parametrize("c1, c2", [(True, True), (True, False), (False, True)])
+def test_nested_if_gradients(c1: bool, c2: bool) -> None:
+    model = nested_model()
+    feeds = {"x": np.array([0.5, -1.0, 2.0]), "c1": np.array(c1), "c2": np.array(c2)}
+    grads = gradcheck(model, "loss", ["w", "u", "v", "x"], feeds)
+    x, w, u, v = (
+        feeds["x"],
+        np.array([1.5, -2.0, 0.25]),
+        np.array([0.5, 2.0, -1.0]),
+        np.array([1.0, -3.0, 2.0]),
+    )
+    if c1 and c2:
+        want_w, want_u = x * u * v, x * w * v
+    elif c1:
+        want_w, want_u = v, np.zeros(3)
+    else:
+        want_w, want_u = 2 * w * x * v, np.zeros(3)
+    np.testing.assert_allclose(grads["w"], want_w, rtol=1e-12)
+    np.testing.assert_allclose(grads["u"], want_u, rtol=1e-12)
+    gmodel = build_gradient_model(model, "loss", ["w", "u"])
+    onnx.checker.check_model(gmodel, full_check=True)
+    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, feeds)))
+    np.testing.assert_allclose(got["w_grad"], want_w, rtol=1e-12)
+    np.testing.assert_allclose(got["u_grad"], want_u, rtol=1e-12)
