@@ -152,34 +152,6 @@ def test_gradient_through_if_branches(cond: bool) -> None:
     assert [n.op_type for n in g.graph.node].count("If") == 2
 
 
-def test_loop_on_the_path_is_an_error() -> None:
-    body = helper.make_graph(
-        [helper.make_node("Mul", ["acc", "w"], ["acc2"]), helper.make_node("Identity", ["c"], ["c2"])],
-        "body",
-        [
-            helper.make_tensor_value_info("i", T.INT64, []),
-            helper.make_tensor_value_info("c", T.BOOL, []),
-            helper.make_tensor_value_info("acc", T.DOUBLE, [2]),
-        ],
-        [
-            helper.make_tensor_value_info("c2", T.BOOL, []),
-            helper.make_tensor_value_info("acc2", T.DOUBLE, [2]),
-        ],
-    )
-    nodes = [
-        helper.make_node("Loop", ["n", "", "x"], ["y"], name="the_loop", body=body),
-        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
-    ]
-    m = _model(
-        nodes,
-        [helper.make_tensor_value_info("x", T.DOUBLE, [2]), helper.make_tensor_value_info("n", T.INT64, [])],
-        [helper.make_tensor_value_info("loss", T.DOUBLE, [])],
-        [numpy_helper.from_array(np.array([1.5, -2.0]), "w")],
-    )
-    with pytest.raises(GradientError, match=r"'the_loop' \(Loop\) lies on the path .* no gradient rule"):
-        build_gradient_model(m, "loss", ["w"])
-
-
 def test_a_branch_off_the_path_keeps_what_it_reads() -> None:
     """The If is not on the path of v's gradient; the gradient model still runs it (y is an output) and
     keeps the initializer w that only its branches read."""

@@ -169,3 +169,146 @@ def test_nested_if_gradients(c1: bool, c2: bool) -> None:
     got = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, feeds)))
     np.testing.assert_allclose(got["w_grad"], want_w, rtol=1e-12)
     np.testing.assert_allclose(got["u_grad"], want_u, rtol=1e-12)
+
+
+# ---- Loop --------------------------------------------------------------------------------------------------
+def loop_model(with_cond: bool) -> onnx.ModelProto:
+    """acc ← acc·w + i·u for i < n (and, with_cond, while sum(acc) < limit), with a scan output acc·v;
+    loss = sum(final acc) + sum(scan): w, u and v are read only inside the body."""
+    d = T.DOUBLE
+    body = helper.make_graph(
+        [
+            helper.make_node("Cast", ["i"], ["fi"], to=d),
+            helper.make_node("Mul", ["acc", "w"], ["aw"]),
+            helper.make_node("Mul", ["fi", "u"], ["iu"]),
+            helper.make_node("Add", ["aw", "iu"], ["acc2"]),
+            helper.make_node("Mul", ["acc2", "v"], ["s"]),
+            helper.make_node("ReduceSum", ["acc2"], ["total"], keepdims=0),
+            helper.make_node("Less", ["total", "limit"], ["go"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", T.INT64, []),
+            helper.make_tensor_value_info("c", T.BOOL, []),
+            helper.make_tensor_value_info("acc", d, [3]),
+        ],
+        [
+            helper.make_tensor_value_info("go", T.BOOL, []),
+            helper.make_tensor_value_info("acc2", d, [3]),
+            helper.make_tensor_value_info("s", d, [3]),
+        ],
+    )
+    nodes = [
+        helper.make_node(
+            "Loop", ["n", "c0" if with_cond else "", "x"], ["y", "scan"], name="the_loop", body=body
+        ),
+        helper.make_node("ReduceSum", ["y"], ["ly"], keepdims=0),
+        helper.make_node("ReduceSum", ["scan"], ["ls"], keepdims=0),
+        helper.make_node("Add", ["ly", "ls"], ["loss"]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(a), name)
+        for name, a in (
+            ("w", [1.1, -0.9, 0.5]),
+            ("u", [0.3, 0.2, -0.4]),
+            ("v", [1.0, 2.0, -1.5]),
+            ("limit", 1.5),
+        )
+    ]
+    g = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", d, [3]),
+            helper.make_tensor_value_info("n", T.INT64, []),
+            helper.make_tensor_value_info("c0", T.BOOL, []),
+        ],
+        [helper.make_tensor_value_info("loss", d, [])],
+        inits,
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def loop_reference(x, n, w, u, v, limit, with_cond):
+    """The same loop in torch, float64: (loss, iterations run)."""
+    acc, total, steps = x, 0.0, 0
+    for i in range(n):
+        acc = acc * w + i * u
+        total = total + (acc * v).sum()
+        steps += 1
+        if with_cond and not bool(acc.sum() < limit):
+            break
+    return acc.sum() + total, steps
+
+
+@pytest.mark.parametrize("n, with_cond", [(0, False), (1, False), (4, False), (6, True)])
+def test_loop_gradients_match_torch(n: int, with_cond: bool) -> None:
+    model = loop_model(with_cond)
+    feeds = {"x": np.array([0.5, 1.0, -2.0]), "n": np.array(n, np.int64), "c0": np.array(True)}
+    names = ["w", "u", "v", "x"]
+    grads = gradcheck(model, "loss", names, feeds)
+    inits = {
+        t.name: torch.tensor(numpy_helper.to_array(t), requires_grad=True) for t in model.graph.initializer
+    }
+    x = torch.tensor(feeds["x"], requires_grad=True)
+    loss, steps = loop_reference(x, n, inits["w"], inits["u"], inits["v"], inits["limit"], with_cond)
+    if with_cond:
+        assert 0 < steps < n  # the condition stopped the loop early
+    loss.backward()
+    want = {"w": inits["w"].grad, "u": inits["u"].grad, "v": inits["v"].grad, "x": x.grad}
+    for name in names:
+        w = np.zeros(3) if want[name] is None else want[name].numpy()
+        np.testing.assert_allclose(grads[name], w, rtol=1e-10, atol=1e-12, err_msg=name)
+    gmodel = build_gradient_model(model, "loss", names)
+    onnx.checker.check_model(gmodel, full_check=True)
+    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, feeds)))
+    for name in names:
+        np.testing.assert_allclose(got[f"{name}_grad"], grads[name], rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_embedding_bag_trains() -> None:
+    """nn.EmbeddingBag exports as a Loop over the bags: the embedding's gradient matches torch's."""
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(10, 3, mode="mean")
+    ids = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9])
+    offsets = torch.tensor([0, 3, 6])
+
+    class Loss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bag = bag
+
+        def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+            return (self.bag(ids, offsets) ** 2).sum()
+
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            Loss(),
+            (ids, offsets),
+            buf,
+            dynamo=False,
+            opset_version=17,
+            input_names=["ids", "offsets"],
+            output_names=["loss"],
+            dynamic_axes={"ids": {0: "n"}, "offsets": {0: "b"}},
+        )
+    model = onnx.load_from_string(buf.getvalue())
+    assert "Loop" in {nd.op_type for nd in model.graph.node}
+    (weight,) = [t.name for t in model.graph.initializer if tuple(t.dims) == (10, 3)]
+    gmodel = build_gradient_model(model, "loss", [weight])
+    onnx.checker.check_model(gmodel, full_check=True)
+    loss = Loss()(ids, offsets)
+    loss.backward()
+    for offs in ([0, 3, 6], [0, 1]):
+        feeds = {"ids": ids.numpy(), "offsets": np.array(offs, np.int64)}
+        got = dict(zip([o.name for o in gmodel.graph.output], run_engine(gmodel, feeds)))
+        bag.zero_grad()
+        want_loss = Loss()(ids, torch.tensor(offs))
+        want_loss.backward()
+        np.testing.assert_allclose(got["loss"], want_loss.item(), rtol=1e-5)
+        np.testing.assert_allclose(got[f"{weight}_grad"], bag.weight.grad.numpy(), rtol=1e-5, atol=1e-6)
