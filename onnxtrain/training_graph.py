@@ -27,7 +27,7 @@ from onnxtrain.graph_transforms.mixed_precision import (
 )
 from onnxtrain.graph_transforms.recompute import recompute
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, NodeWriter, model_opset
-from onnxtrain.ir.graphs import node_reads
+from onnxtrain.ir.graphs import body_reads, node_reads
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
 from onnxtrain.parameters import TrainingParameters
 
@@ -61,10 +61,14 @@ class StepGraphs:
 def _consumers(model: onnx.ModelProto) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
     out: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for n in model.graph.node:
-        for i, name in enumerate(n.input):
-            if name:
-                out.setdefault(name, []).append((n, i))
+        for i, name in _reads(n):
+            out.setdefault(name, []).append((n, i))
     return out
+
+
+def _reads(n: onnx.NodeProto) -> list[tuple[int, str]]:
+    """(input slot, name) of each value ``n`` reads; slot -1 for values its bodies read from outside."""
+    return [(i, name) for i, name in enumerate(n.input) if name] + [(-1, name) for name in body_reads(n)]
 
 
 def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, list]) -> list[str]:
@@ -78,8 +82,8 @@ def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, l
             continue
         rule = find_rule(n.op_type, opset)
         stop = rule.stop if rule else frozenset()
-        for i, name in enumerate(n.input):
-            if not name or i in stop:
+        for i, name in _reads(n):
+            if i in stop:
                 continue
             if name in inits:
                 t = inits[name]

@@ -137,3 +137,57 @@ def test_dropout_follows_run_options_training_mode() -> None:
     assert c != d
     e = sess.run(["loss"], {**feeds, "training_mode": np.array(False)})[0]
     assert e == a
+
+
+class _Recommender(torch.nn.Module):
+    """Mean-pooled embedding bags (exported as a Loop over the bags) and a linear head, MSE loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(20, 8, mode="mean")
+        self.fc = torch.nn.Linear(8, 1)
+
+    def forward(self, ids, offsets, target):
+        return ((self.fc(self.bag(ids, offsets)).squeeze(-1) - target) ** 2).mean()
+
+
+def test_embedding_bag_loop_trains_like_torch() -> None:
+    """The bag's weight is read only inside the exported Loop's body: it is found trainable and its
+    updates equal torch's over 10 SGD steps."""
+    import io
+    import warnings
+
+    import onnx
+
+    torch.manual_seed(0)
+    module = _Recommender()
+    def feeds(step: int) -> dict[str, np.ndarray]:
+        r = np.random.default_rng(step)
+        return {"ids": r.integers(0, 20, 12), "offsets": np.array([0, 3, 7, 9]),
+                "target": r.standard_normal(4).astype(np.float32)}
+
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, tuple(torch.from_numpy(v) for v in feeds(0).values()), buf, dynamo=False,
+                          opset_version=17, input_names=["ids", "offsets", "target"], output_names=["loss"],
+                          dynamic_axes={"ids": {0: "n"}, "offsets": {0: "b"}, "target": {0: "b"}},
+                          do_constant_folding=False, training=torch.onnx.TrainingMode.TRAINING)
+    model = onnx.load_from_string(buf.getvalue())
+    assert "Loop" in {n.op_type for n in model.graph.node}
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "SGDOptimizer"
+    sess = TrainingSession(model.SerializeToString(), p)
+    assert sorted(sess.get_model_state()["full_precision"]) == ["bag.weight", "fc.bias", "fc.weight"]
+    topt = torch.optim.SGD(module.parameters(), lr=LR)
+    for step in range(10):
+        f = feeds(step)
+        ours = sess.run(["loss"], {**f, "Learning_Rate": np.array([LR], np.float32)})[0]
+        topt.zero_grad()
+        theirs = module(*(torch.from_numpy(v) for v in f.values()))
+        theirs.backward()
+        topt.step()
+        assert _rel(ours, theirs.item()) < 1e-5, (step, ours, theirs.item())
+    state = sess.get_state()
+    assert _rel(state["bag.weight"], module.bag.weight.detach().numpy()) < 1e-5
