@@ -196,6 +196,7 @@ def _fold_output_identities(
     would otherwise copy every new weight and moment once more per step (MLP: 0.29 ms of a 2.2 ms step)."""
     out_names = {o.name for o in outputs}
     made = {o for n in nodes for o in n.output if o}
+    made -= {name for n in nodes for name in body_reads(n)}  # a body reads it by that name: kept
     renamed: dict[str, str] = {}
     drop: set[int] = set()
     for k, n in enumerate(nodes):
