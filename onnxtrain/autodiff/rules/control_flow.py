@@ -67,18 +67,8 @@ def loop_grad(g: GradCtx) -> None:
     forward = onnx.GraphProto()
     forward.CopyFrom(body)
     label = node.name or "Loop"
-    # 1. the forward loop stacks each iteration's carried inputs and its number
-    stash_pre = bw.names(f"{label}_stash") + "/"
-    stashed = []
-    for j, src in [*((j, formal[2 + j]) for j in range(n)), (None, formal[0])]:
-        out = stash_pre + (f"v{j}" if j is not None else "iteration")
-        tp = carried_types[j] if j is not None else helper.make_tensor_type_proto(TensorProto.INT64, [])
-        body.node.append(helper.make_node("Identity", [src], [out]))
-        body.output.append(helper.make_value_info(out, tp))
-        node.output.append(bw.names(f"{label}_stash_{'v' + str(j) if j is not None else 'iterations'}"))
-        stashed.append(node.output[-1])
-    bw.names.taken.update(o.name for o in body.output)
-    # 2. the backward loop's body: iteration t of it redoes forward iteration idx = T - 1 - t
+    stashed = _stash_iterations(g, body, carried_types, label)
+    # the backward loop's body: its iteration t redoes forward iteration idx = T - 1 - t
     pre = bw.names(f"{label}_Grad_body") + "/"
     t, cond = pre + "t", pre + "cond"
     total = g.emit("Size", stashed[-1])
@@ -126,6 +116,27 @@ def loop_grad(g: GradCtx) -> None:
     for j, d in zip(floats, outs):
         g.set_dx(2 + j, d)
     g.body_dxs.update(zip(wanted, outs[len(floats) :]))
+
+
+def _stash_iterations(
+    g: GradCtx, body: onnx.GraphProto, carried_types: list[onnx.TypeProto], label: str
+) -> list[str]:
+    """Make the forward Loop also output, stacked over its iterations, each iteration's loop-carried
+    inputs and then its iteration number; returns the names of those new outputs of the node."""
+    bw, formal = g._bw, [v.name for v in body.input]
+    pre = bw.names(f"{label}_stash") + "/"
+    stashed = []
+    int_scalar = helper.make_tensor_type_proto(TensorProto.INT64, [])
+    for j, src in [*enumerate(formal[2:]), (None, formal[0])]:
+        tag = f"v{j}" if j is not None else "iteration"
+        body.node.append(helper.make_node("Identity", [src], [pre + tag]))
+        body.output.append(
+            helper.make_value_info(pre + tag, carried_types[j] if j is not None else int_scalar)
+        )
+        g.node.output.append(bw.names(f"{label}_stash_{tag}"))
+        stashed.append(g.node.output[-1])
+    bw.names.taken.update(o.name for o in body.output)
+    return stashed
 
 
 def _carried_type(g: GradCtx, body: onnx.GraphProto, j: int) -> onnx.TypeProto:
