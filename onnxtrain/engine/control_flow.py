@@ -31,7 +31,7 @@ def nbytes(v: Any) -> int:
 class Body:
     """One body graph compiled into a plan whose inputs are the body's own, then its captures."""
 
-    def __init__(self, graph: onnx.GraphProto, model: onnx.ModelProto, threads: int, where: str):
+    def __init__(self, graph: onnx.GraphProto, model: onnx.ModelProto, threads: int, fuse: bool, where: str):
         from onnxtrain.engine.plan import EngineError, Plan
 
         self.where = where
@@ -41,7 +41,7 @@ class Body:
         body.input.extend(onnx.ValueInfoProto(name=n) for n in self.captures)
         wrapper = helper.make_model(body, opset_imports=model.opset_import, ir_version=model.ir_version)
         try:
-            self.plan: Plan = Plan(wrapper, threads=threads)
+            self.plan: Plan = Plan(wrapper, threads=threads, fuse=fuse)
         except EngineError as e:
             raise type(e)(f"{where}: {e}") from None
         self.input_names = [v.name for v in graph.input]
@@ -221,10 +221,10 @@ _KINDS: dict[str, tuple[type[ControlFlow], tuple[str, ...]]] = {
 }
 
 
-def compile_control_flow(node: onnx.NodeProto, model: onnx.ModelProto, opset: int,
-                         threads: int) -> ControlFlow:
-    """The kernel of a control-flow node, its bodies compiled; its ``captures`` name the outer values to
-    pass after the node's inputs."""
+def compile_control_flow(node: onnx.NodeProto, model: onnx.ModelProto, opset: int, threads: int,
+                         fuse: bool) -> ControlFlow:
+    """The kernel of a control-flow node, its bodies compiled (with the plan's ``threads`` and ``fuse``);
+    its ``captures`` name the outer values to pass after the node's inputs."""
     from onnxtrain.engine.plan import EngineError, UnsupportedOpError
 
     where = f"node {node.name!r} ({node.op_type})"
@@ -237,7 +237,7 @@ def compile_control_flow(node: onnx.NodeProto, model: onnx.ModelProto, opset: in
     missing = [n for n in names if n not in graphs]
     if missing:
         raise EngineError(f"{where}: attribute(s) {missing} missing")
-    bodies = {n: Body(graphs[n], model, threads, f"{where}, {n}") for n in names}
+    bodies = {n: Body(graphs[n], model, threads, fuse, f"{where}, {n}") for n in names}
     n_out = len(node.output)
     for n, b in bodies.items():
         given = len(b.outputs) - (1 if node.op_type == "Loop" else 0)

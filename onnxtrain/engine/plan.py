@@ -142,6 +142,7 @@ class Plan(GraphInterface):
         if threads is not None and (not isinstance(threads, int) or threads < 0):
             raise ValueError(f"threads must be a non-negative integer (0: the default), got {threads!r}")
         self.threads = threads or default_width()
+        self.fused = fusion.enabled() if fuse is None else bool(fuse)
         tune_allocator()
         model = self._read_interface(model, initializers)
         g = model.graph
@@ -163,7 +164,7 @@ class Plan(GraphInterface):
         captures: dict[int, list[str]] = {}  # node index → outer values its bodies read
         for k, node in enumerate(g.node):
             if node.op_type in SUBGRAPH_OPS and node.domain in DEFAULT_DOMAINS:
-                fn = compile_control_flow(node, model, self.opset, self.threads)
+                fn = compile_control_flow(node, model, self.opset, self.threads, self.fused)
                 captures[k] = fn.captures
             else:
                 fn = find_kernel(node.op_type, self.opset, node.domain)
@@ -213,7 +214,6 @@ class Plan(GraphInterface):
         if fold_constants:
             self._fold_constants()
         self.scratch = fusion.ScratchPool()  # scratch buffers of fused steps, kept across runs
-        self.fused = fusion.enabled() if fuse is None else bool(fuse)
         if self.fused:
             fusion.fuse(self)
         self._assign_frees()
@@ -392,6 +392,9 @@ class Plan(GraphInterface):
         peak = live
         for fn, get, in1, _, outs, attrs, free, st in self._program:
             args = get(vals) if get is not None else [vals[in1]] if in1 >= 0 else []
+            bodies = fn.bodies.values() if isinstance(fn, ControlFlow) else ()
+            for b in bodies:
+                b.plan.profiling = self.profiling
             t0 = time.perf_counter_ns()
             try:
                 res = fn(args, attrs)
@@ -407,7 +410,12 @@ class Plan(GraphInterface):
                         [list(np.shape(a)) for a in args if a is not None],
                     )
                 )
-            if isinstance(fn, ControlFlow):
+                for b in bodies:  # the body's nodes, named under this node
+                    for e in b.plan.profile:
+                        e.name = f"{st.node.name or st.node.op_type}/{e.name}"
+                    self.profile.extend(b.plan.profile)
+                    b.plan.profile.clear()
+            if bodies:
                 peak = max(peak, live + fn.extra_bytes)
             live += self._store(vals, outs, res)
             peak = max(peak, live)

@@ -5,6 +5,7 @@ liveness and errors."""
 from __future__ import annotations
 
 import io
+import json
 import warnings
 
 import numpy as np
@@ -423,6 +424,28 @@ def test_peak_bytes_count_what_a_body_holds() -> None:
     assert 4 << 20 <= plan.peak_bytes < 5 << 20
     plan.run({"n": np.array(0, np.int64)})
     assert plan.peak_bytes < 1 << 10
+
+
+def test_profiling_traces_the_nodes_of_bodies(tmp_path) -> None:
+    """Each body node run is an event named under its control-flow node (nested bodies too)."""
+    so = onnxtrain.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "trace_")
+    sess = onnxtrain.InferenceSession(nested_model(), so)
+    feeds = {
+        "x0": np.ones(3, np.float32),
+        "n": np.array(3, np.int64),
+        "cond": np.array(True),
+        "w": np.ones(3, np.float32),
+        "bias": np.ones(3, np.float32),
+        "limit": np.array(1e9, np.float32),
+    }
+    sess.run(None, feeds)
+    with open(sess.end_profiling()) as f:
+        names = [e["name"].removesuffix("_kernel_time") for e in json.load(f)]
+    assert names.count("outer_loop") == 1 and names.count("outer_loop/choose") == 3
+    # iterations 0 and 2 take the then branch (Mul), iteration 1 the else branch (Add)
+    assert names.count("outer_loop/choose/Mul") == 2 and names.count("outer_loop/choose/Add") == 1
 
 
 # ---- errors ----------------------------------------------------------------------------------------------
