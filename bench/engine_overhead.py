@@ -9,6 +9,8 @@
     forward wall time, ours / onnxruntime's; also ours with the batch split off (two halves of the batch
     at once, onnxtrain/engine/batch_split.py), in the same interleaved rounds. ``--breakdown`` adds where
     the time goes: both engines' profiles, kernel time per group of ops (bench/op_breakdown.py).
+(c) control flow: nn.EmbeddingBag exported from torch as a Loop with one iteration per bag (256 bags);
+    µs per iteration, ours / onnxruntime's (no target: a figure to track).
 
 Both peers run with their defaults (onnxruntime: ORT_ENABLE_ALL graph optimizations, its own thread pool;
 numpy: its BLAS threads), except that in this process onnxruntime's idle threads do not spin: spinning
@@ -127,6 +129,42 @@ def bench_dispatch(repeats: int, n_nodes: int = 2000) -> dict[str, float]:
     print("    " + ratio_line("µs/node", per["session"], per["onnxruntime"]) +
           f" (target ≤ {NODE_TARGET_US:g} µs/node: {verdict})")
     return per
+
+
+def embedding_bag_model(bags: int, per_bag: int = 8, rows: int = 1000, dim: int = 32):
+    """torch's nn.EmbeddingBag (mean) exported with TorchScript: a Loop with one iteration per bag."""
+    import io
+    import warnings
+
+    import torch
+
+    torch.manual_seed(0)
+    bag = torch.nn.EmbeddingBag(rows, dim, mode="mean")
+    ids = torch.randint(0, rows, (bags * per_bag,))
+    offsets = torch.arange(0, bags * per_bag, per_bag)
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(bag, (ids, offsets), buf, dynamo=False, opset_version=17,
+                          input_names=["ids", "offsets"], output_names=["y"],
+                          dynamic_axes={"ids": {0: "n"}, "offsets": {0: "b"}})
+    return onnx.load_from_string(buf.getvalue()), {"ids": ids.numpy(), "offsets": offsets.numpy()}
+
+
+def bench_control_flow(repeats: int, bags: int = 256) -> float:
+    """(c) a Loop's cost per iteration: nn.EmbeddingBag's exported loop, one iteration per bag."""
+    import onnxtrain
+
+    model, feeds = embedding_bag_model(bags)
+    sess = onnxtrain.InferenceSession(model)
+    ref = ort_session(model)
+    np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0], rtol=1e-5, atol=1e-6)
+    t = compare({"onnxtrain": lambda: sess.run(None, feeds), "onnxruntime": lambda: ref.run(None, feeds)},
+                repeats=repeats)
+    ours, theirs = (t[k].median / bags * 1e6 for k in ("onnxtrain", "onnxruntime"))
+    print(f"(c) control flow: nn.EmbeddingBag exported as a Loop over {bags} bags (7 nodes per iteration)")
+    print("    " + ratio_line("µs per iteration", ours, theirs))
+    return ours / theirs
 
 
 def transformer_model(batch: int, seq: int, d: int, layers: int):
@@ -275,8 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     bench_dispatch(a.repeats)
     if a.quick:
         bench_transformer(a.repeats, batch=4, seq=16, d=32, layers=1, breakdown=a.breakdown)
+        bench_control_flow(a.repeats, bags=16)
     else:
         bench_transformer(a.repeats, breakdown=a.breakdown)
+        bench_control_flow(a.repeats)
     return 0
 
 

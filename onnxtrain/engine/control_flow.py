@@ -48,21 +48,26 @@ class Body:
         self.outputs = list(graph.output)
         self.peak_extra = 0  # bytes: see run
 
-    def run(self, values: Sequence[Any], captured: dict[str, Any], step: str = "") -> list[Any]:
-        """Outputs of the body for its inputs ``values`` (in order) and the captured values by name."""
+    def take(self, captured: dict[str, Any]) -> list[Any]:
+        """The values this body captures, in its order, from all of its node's captures by name."""
+        return [captured[n] for n in self.captures]
+
+    def run(self, values: Sequence[Any], captured: Sequence[Any], step: str = "",
+            index: int = -1) -> list[Any]:
+        """Outputs of the body for its inputs ``values`` and its captured values (:meth:`take`), both in
+        order; an error names ``step`` (e.g. "iteration") and ``index`` when given."""
         from onnxtrain.engine.plan import EngineError
 
         if len(values) != len(self.input_names):
             raise EngineError(f"{self.where}: the body takes {len(self.input_names)} inputs, "
                               f"given {len(values)}")
-        feeds = {n: captured[n] for n in self.captures}  # a node's other bodies may read other values
-        feeds.update(zip(self.input_names, values))
-        try:
-            out = self.plan.run(feeds)
+        plan = self.plan
+        try:  # the plan's inputs: the body's own, then its captures
+            out = plan.run_inputs([*values, *captured])
         except EngineError as e:
-            raise EngineError(f"{self.where}{step}: {e}") from None
+            raise EngineError(f"{self.where}{f', {step} {index}' if step else ''}: {e}") from None
         # what the run held beyond its inputs (those are counted where they live)
-        self.peak_extra = max(self.peak_extra, self.plan.peak_bytes - sum(map(nbytes, feeds.values())))
+        self.peak_extra = max(self.peak_extra, plan.peak_bytes - plan.input_bytes)
         return out
 
     def empty_output(self, k: int) -> np.ndarray:
@@ -103,10 +108,15 @@ class ControlFlow:
         return inputs[:self.n_inputs], dict(zip(self.captures, inputs[self.n_inputs:]))
 
 
-def _scalar(v: Any, what: str) -> Any:
+_TRUE = np.array(True)  # a Loop body's condition input (read-only, shared by all iterations)
+_TRUE.flags.writeable = False
+
+
+def _scalar(v: Any, what: str, iteration: int = -1) -> Any:
     a = np.asarray(v)
     if a.size != 1:
-        raise ValueError(f"{what} must hold a single value, got shape {list(a.shape)}")
+        at = f" (iteration {iteration})" if iteration >= 0 else ""
+        raise ValueError(f"{what}{at} must hold a single value, got shape {list(a.shape)}")
     return a.reshape(-1)[0]
 
 
@@ -116,7 +126,7 @@ class If(ControlFlow):
         if cond is None:
             raise ValueError("the condition input is missing")
         branch = self.bodies["then_branch" if bool(_scalar(cond, "the condition")) else "else_branch"]
-        return branch.run((), captured)
+        return branch.run((), branch.take(captured))
 
 
 class Loop(ControlFlow):
@@ -124,6 +134,7 @@ class Loop(ControlFlow):
         own, captured = self.split(inputs)
         trip, cond, carried = own[0], own[1], list(own[2:])
         body = self.bodies["body"]
+        captured = body.take(captured)
         n_scan = len(body.outputs) - 1 - len(carried)
         if n_scan < 0:
             raise ValueError(f"the body has {len(body.outputs)} outputs, fewer than 1 + {len(carried)} "
@@ -133,9 +144,9 @@ class Loop(ControlFlow):
         scans: list[list[Any]] = [[] for _ in range(n_scan)]
         i = 0
         while (limit is None or i < limit) and go:
-            res = body.run([np.array(i, np.int64), np.array(go), *carried], captured, f", iteration {i}")
+            res = body.run([np.array(i, np.int64), _TRUE, *carried], captured, "iteration", i)
             if cond is not None:
-                go = bool(_scalar(res[0], f"the body's condition output (iteration {i})"))
+                go = bool(_scalar(res[0], "the body's condition output", i))
             carried = list(res[1:1 + len(carried)])
             for lst, v in zip(scans, res[1 + len(carried):]):
                 lst.append(v)
@@ -149,6 +160,7 @@ class Scan(ControlFlow):
     def compute(self, inputs: Inputs, attrs: Attrs) -> Outputs:
         own, captured = self.split(inputs)
         body = self.bodies["body"]
+        captured = body.take(captured)
         m = attrs["num_scan_inputs"]
         n = len(own) - m
         states, xs = list(own[:n]), own[n:]
@@ -172,7 +184,7 @@ class Scan(ControlFlow):
         outs: list[list[Any]] = [[] for _ in range(k_out)]
         for t in range(steps):
             slices = [np.take(x, steps - 1 - t if d else t, axis=a) for x, a, d in zip(xs, axes, in_dirs)]
-            res = body.run([*states, *slices], captured, f", step {t}")
+            res = body.run([*states, *slices], captured, "step", t)
             states = list(res[:n])
             for lst, v in zip(outs, res[n:]):
                 lst.append(v)
@@ -186,6 +198,7 @@ class SequenceMap(ControlFlow):
     def compute(self, inputs: Inputs, attrs: Attrs) -> Outputs:
         own, captured = self.split(inputs)
         body = self.bodies["body"]
+        captured = body.take(captured)
         if not isinstance(own[0], list):
             raise TypeError(f"the first input must be a sequence, got {type(own[0]).__name__}")
         count = len(own[0])
@@ -195,7 +208,7 @@ class SequenceMap(ControlFlow):
         outs: list[list[Any]] = [[] for _ in body.outputs]
         for i in range(count):
             values = [v[i] if isinstance(v, list) else v for v in own]
-            for lst, r in zip(outs, body.run(values, captured, f", element {i}")):
+            for lst, r in zip(outs, body.run(values, captured, "element", i)):
                 lst.append(r)
         return tuple(outs)
 

