@@ -429,7 +429,7 @@ class Plan(GraphInterface):
                         st.node.op_type,
                         t0,
                         time.perf_counter_ns() - t0,
-                        [list(np.shape(a)) for a in args if a is not None],
+                        [_traced_shape(a) for a in args if a is not None],
                     )
                 )
                 for b in bodies:  # the body's nodes, named under this node
@@ -448,6 +448,11 @@ class Plan(GraphInterface):
         return peak
 
 
+
+
+def _traced_shape(v: Any) -> list[int]:
+    """A value's shape for a profile event (a sequence: its length)."""
+    return [len(v)] if isinstance(v, list) else list(np.shape(v))
 
 
 def _as_array(v: Any) -> Any:

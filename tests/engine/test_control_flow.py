@@ -267,7 +267,7 @@ def test_scan_directions_and_axes(in_dir: int, out_dir: int, in_axis: int, out_a
         assert_same(g, b)
 
 
-def test_sequences_and_sequence_map() -> None:
+def test_sequences_and_sequence_map(tmp_path) -> None:
     """SplitToSequence → SequenceMap (a body reading an outer value) → SequenceInsert/Erase/At/Length →
     ConcatFromSequence, with a sequence input and a sequence output."""
     body = helper.make_graph(
@@ -334,6 +334,17 @@ def test_sequences_and_sequence_map() -> None:
         assert_same(g, b)
     with pytest.raises(TypeError, match="'given'.*sequence"):
         sess.run(None, {**feeds, "given": feeds["x"]})
+    # profiling a run whose values include ragged sequences (a sequence's "shape" is its length)
+    so = onnxtrain.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "seq_")
+    profiled = onnxtrain.InferenceSession(model, so)
+    for g, a in zip(profiled.run(None, feeds), got):
+        assert_same(g, a)
+    with open(profiled.end_profiling()) as f:
+        names = [e["name"] for e in json.load(f)]
+    assert len(names) == len(model.graph.node) + 2 * 2  # and the map's two body nodes for each part
+    assert names.count("SequenceMap/ReduceSum_kernel_time") == 2
 
 
 def test_optional_values() -> None:
