@@ -312,3 +312,27 @@ def test_embedding_bag_trains() -> None:
         want_loss.backward()
         np.testing.assert_allclose(got["loss"], want_loss.item(), rtol=1e-5)
         np.testing.assert_allclose(got[f"{weight}_grad"], bag.weight.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_if_inside_loop_gradients() -> None:
+    """A Loop whose body holds an If whose branches read values of the body and of the main graph: the
+    Loop's backward body differentiates the If through its own rule (central differences, float64)."""
+    from onnxtrain.testing import to_float64
+    from tests.engine.test_control_flow import nested_model
+
+    model = nested_model()
+    g = model.graph
+    g.node.extend([
+        helper.make_node("ReduceSum", ["y"], ["ly"], keepdims=0),
+        helper.make_node("ReduceSum", ["scan"], ["ls"], keepdims=0),
+        helper.make_node("Add", ["ly", "ls"], ["loss"]),
+    ])
+    g.output.append(helper.make_tensor_value_info("loss", T.FLOAT, []))
+    feeds = {"x0": np.array([-1.0, -2.0, -0.5]), "n": np.array(5, np.int64), "cond": np.array(True),
+             "w": np.array([1.5, 2.0, 1.25]), "bias": np.array([0.5, -1.0, 2.0]), "limit": np.array(1e9)}
+    grads = gradcheck(to_float64(model), "loss", ["w", "bias", "x0"], feeds)
+    # five iterations: acc_0 = -x0·w, acc_1 = acc_0 + bias, acc_2 = acc_1·w, acc_3 = acc_2 + bias,
+    # acc_4 = acc_3·w; loss = sum of every acc_i (the scan) + sum(acc_4) (y). d acc_i / d bias: 0, 1, w,
+    # w + 1, w² + w, so d loss / d bias = (2 + 3w + w²) + (w² + w)
+    w = feeds["w"]
+    np.testing.assert_allclose(grads["bias"], 2 + 4 * w + 2 * w * w, rtol=1e-9)
