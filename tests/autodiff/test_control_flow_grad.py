@@ -322,17 +322,92 @@ def test_if_inside_loop_gradients() -> None:
 
     model = nested_model()
     g = model.graph
-    g.node.extend([
-        helper.make_node("ReduceSum", ["y"], ["ly"], keepdims=0),
-        helper.make_node("ReduceSum", ["scan"], ["ls"], keepdims=0),
-        helper.make_node("Add", ["ly", "ls"], ["loss"]),
-    ])
+    g.node.extend(
+        [
+            helper.make_node("ReduceSum", ["y"], ["ly"], keepdims=0),
+            helper.make_node("ReduceSum", ["scan"], ["ls"], keepdims=0),
+            helper.make_node("Add", ["ly", "ls"], ["loss"]),
+        ]
+    )
     g.output.append(helper.make_tensor_value_info("loss", T.FLOAT, []))
-    feeds = {"x0": np.array([-1.0, -2.0, -0.5]), "n": np.array(5, np.int64), "cond": np.array(True),
-             "w": np.array([1.5, 2.0, 1.25]), "bias": np.array([0.5, -1.0, 2.0]), "limit": np.array(1e9)}
+    feeds = {
+        "x0": np.array([-1.0, -2.0, -0.5]),
+        "n": np.array(5, np.int64),
+        "cond": np.array(True),
+        "w": np.array([1.5, 2.0, 1.25]),
+        "bias": np.array([0.5, -1.0, 2.0]),
+        "limit": np.array(1e9),
+    }
     grads = gradcheck(to_float64(model), "loss", ["w", "bias", "x0"], feeds)
     # five iterations: acc_0 = -x0·w, acc_1 = acc_0 + bias, acc_2 = acc_1·w, acc_3 = acc_2 + bias,
     # acc_4 = acc_3·w; loss = sum of every acc_i (the scan) + sum(acc_4) (y). d acc_i / d bias: 0, 1, w,
     # w + 1, w² + w, so d loss / d bias = (2 + 3w + w²) + (w² + w)
     w = feeds["w"]
     np.testing.assert_allclose(grads["bias"], 2 + 4 * w + 2 * w * w, rtol=1e-9)
+
+
+# ---- Scan --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "in_dir, out_dir, in_axis, out_axis", [(0, 0, 0, 0), (1, 0, 1, 0), (0, 1, 1, -1), (1, 1, -1, 1)]
+)
+def test_scan_gradients(in_dir: int, out_dir: int, in_axis: int, out_axis: int) -> None:
+    """A running product-sum over a scan axis (state ← state·scale + x_t, output state·v): gradients of the
+    initial state, the scanned input and the outer values the body reads, over axes and directions,
+    against central differences in float64, and the gradient graph run in onnxruntime."""
+    d = T.DOUBLE
+    body = helper.make_graph(
+        [
+            helper.make_node("Mul", ["s_in", "scale"], ["ss"]),
+            helper.make_node("Add", ["ss", "x_t"], ["s_out"]),
+            helper.make_node("Mul", ["s_out", "v"], ["y_t"]),
+        ],
+        "body",
+        [helper.make_tensor_value_info("s_in", d, [2]), helper.make_tensor_value_info("x_t", d, [2])],
+        [helper.make_tensor_value_info("s_out", d, [2]), helper.make_tensor_value_info("y_t", d, [2])],
+    )
+    node = helper.make_node(
+        "Scan",
+        ["s0", "xs"],
+        ["s", "ys"],
+        name="the_scan",
+        num_scan_inputs=1,
+        body=body,
+        scan_input_directions=[in_dir],
+        scan_output_directions=[out_dir],
+        scan_input_axes=[in_axis],
+        scan_output_axes=[out_axis],
+    )
+    xs_shape = [4, 2] if in_axis == 0 else [2, 4]
+    ys_shape = [4, 2] if out_axis == 0 else [2, 4]
+    weights = numpy_helper.from_array(np.arange(8.0).reshape(ys_shape) / 7 - 0.5, "weights")
+    nodes = [
+        node,
+        helper.make_node("Mul", ["ys", "weights"], ["wy"]),
+        helper.make_node("ReduceSum", ["wy"], ["l1"], keepdims=0),
+        helper.make_node("ReduceSum", ["s"], ["l2"], keepdims=0),
+        helper.make_node("Add", ["l1", "l2"], ["loss"]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array([0.9, -1.1]), "scale"),
+        numpy_helper.from_array(np.array([1.5, 0.5]), "v"),
+        weights,
+    ]
+    g = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("s0", d, [2]), helper.make_tensor_value_info("xs", d, xs_shape)],
+        [helper.make_tensor_value_info("loss", d, [])],
+        inits,
+    )
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    rng = np.random.default_rng(3)
+    feeds = {"s0": rng.standard_normal(2), "xs": rng.standard_normal(xs_shape)}
+    names = ["s0", "xs", "scale", "v"]
+    grads = gradcheck(model, "loss", names, feeds)
+    gmodel = build_gradient_model(model, "loss", names)
+    onnx.checker.check_model(gmodel, full_check=True)
+    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, feeds)))
+    for n in names:
+        np.testing.assert_allclose(got[f"{n}_grad"], grads[n], rtol=1e-10, atol=1e-12, err_msg=n)

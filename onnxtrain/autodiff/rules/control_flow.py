@@ -1,14 +1,18 @@
-"""Gradients of If and Loop. Both recompute the forward body inside the backward one and run the body's
-own backward pass there (built by the gradient builder on the body as a graph of its own), so nothing
-but a Loop's per-iteration inputs needs keeping.
+"""Gradients of If, Loop and Scan. Each recomputes the forward body inside the backward one and runs the
+body's own backward pass there (built by the gradient builder on the body as a graph of its own), so
+nothing but the per-iteration state of a Loop or Scan needs keeping.
 
 * If: a second If on the same condition; each branch outputs a gradient for every outer value that either
   forward branch reads and that wants one (zeros for those it does not read).
 * Loop: the forward Loop also stacks each iteration's loop-carried inputs (and its iteration number); a
   backward Loop runs as many iterations, last first, and carries the gradients of the loop-carried values
   and, summed over the iterations, those of the outer values the body reads.
+* Scan (opset 9 and later): the same, the forward Scan stacking its states; the backward Loop also reads
+  each iteration's elements of the scanned inputs and of the incoming output gradients along their axes
+  and directions, and stacks the gradients of the scanned elements, which are then put back in the scan
+  input's order and axis.
 
-Scan and SequenceMap have no rule yet."""
+SequenceMap has no rule yet."""
 
 from __future__ import annotations
 
@@ -52,102 +56,214 @@ def if_grad(g: GradCtx) -> None:
 
 @gradient("Loop", uses=("x*",), stop=(0, 1))
 def loop_grad(g: GradCtx) -> None:
-    node, bw = g.node, g._bw
-    attr = next(a for a in node.attribute if a.name == "body")
-    body = attr.g
+    node = g.node
+    body = next(a for a in node.attribute if a.name == "body").g
     n = len(node.input) - 2
     formal = [v.name for v in body.input]
-    carried_types = [_carried_type(g, body, j) for j in range(n)]
-    if any(not tp.HasField("tensor_type") for tp in carried_types):
-        raise RuleError("loop-carried sequences or optionals have no gradient yet")
+    carried_types = [_carried_type(g, body, 2 + j, node.input[2 + j]) for j in range(n)]
     floats = [j for j in range(n) if carried_types[j].tensor_type.elem_type in FLOAT_TYPES]
-    wanted = g.body_wrt
-    if not wanted and not any(g.needs_dx(2 + j) for j in floats):
+    if not g.body_wrt and not any(g.needs_dx(2 + j) for j in floats):
         return
     forward = onnx.GraphProto()
     forward.CopyFrom(body)
     label = node.name or "Loop"
-    stashed = _stash_iterations(g, body, carried_types, label)
-    # the backward loop's body: its iteration t redoes forward iteration idx = T - 1 - t
-    pre = bw.names(f"{label}_Grad_body") + "/"
-    t, cond = pre + "t", pre + "cond"
-    total = g.emit("Size", stashed[-1])
-    head = [
-        helper.make_node("Constant", [], [pre + "one"], value=numpy_helper.from_array(np.array(1, np.int64))),
-        helper.make_node("Constant", [], [pre + "true"], value=numpy_helper.from_array(np.array(True))),
-        helper.make_node("Sub", [total, pre + "one"], [pre + "last"]),
-        helper.make_node("Sub", [pre + "last", t], [pre + "idx"]),
-    ]
-    bind = {formal[0]: pre + "idx", formal[1]: pre + "true"}
+    stashed = _stash(g, body, [(formal[2 + j], carried_types[j]) for j in range(n)], label, iterations=True)
+    back = _ReverseLoop(g, label, g.emit("Size", stashed[-1]))
+    back.bind(formal[0], back.idx)
+    back.bind(formal[1], back.true)
     for j in range(n):
-        bind[formal[2 + j]] = pre + f"v{j}"
-        head.append(helper.make_node("Gather", [stashed[j], pre + "idx"], [pre + f"v{j}"], axis=0))
-    acc_v = {j: pre + f"dv{j}" for j in floats}
-    acc_c = {c: pre + f"dc{m}" for m, c in enumerate(wanted)}
-    dys = {forward.output[1 + j].name: acc_v[j] for j in floats}
-    for q, o in enumerate(forward.output[1 + n :]):
-        d = g.dy(n + q)
-        if d is not None:
-            head.append(helper.make_node("Gather", [d, pre + "idx"], [pre + f"ds{q}"], axis=0))
-            dys[o.name] = pre + f"ds{q}"
-    if len(dys) != len(floats) + sum(g.dy(n + q) is not None for q in range(len(forward.output) - 1 - n)):
-        raise RuleError("the body outputs one value twice")
-    bw.names.taken.update(bind.values())
-    wrt = [formal[2 + j] for j in floats] + wanted
-    nodes, inits, grads = _differentiate(g, forward, wrt, dys, bind, f"{label}_Grad")
-    outputs = [helper.make_tensor_value_info(pre + "cond_out", TensorProto.BOOL, [])]
-    tail = [helper.make_node("Identity", [cond], [pre + "cond_out"])]
+        back.bind(formal[2 + j], back.gather(stashed[j], back.idx, 0))
     for j in floats:
-        outputs.append(_value_info(grads[formal[2 + j]], carried_types[j]))
-    for m, c in enumerate(wanted):
-        tail.append(helper.make_node("Add", [acc_c[c], grads[c]], [pre + f"dc{m}_out"]))
-        outputs.append(_value_info(pre + f"dc{m}_out", bw.types.get(c)))
-    inputs = [
-        helper.make_tensor_value_info(t, TensorProto.INT64, []),
-        helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
-    ]
-    inputs += [_value_info(acc_v[j], carried_types[j]) for j in floats]
-    inputs += [_value_info(acc_c[c], bw.types.get(c)) for c in wanted]
-    back = helper.make_graph(head + nodes + tail, f"{label}_grad_body", inputs, outputs, initializer=inits)
-    starts = [g.dy(j) or g.zeros_like(node.input[2 + j]) for j in floats]
-    starts += [g.zeros_like(c) for c in wanted]
-    outs = g.emit("Loop", total, "", *starts, body=back, outputs=len(starts))
-    outs = outs if isinstance(outs, list) else [outs]
-    for j, d in zip(floats, outs):
-        g.set_dx(2 + j, d)
-    g.body_dxs.update(zip(wanted, outs[len(floats) :]))
-
-
-def _stash_iterations(
-    g: GradCtx, body: onnx.GraphProto, carried_types: list[onnx.TypeProto], label: str
-) -> list[str]:
-    """Make the forward Loop also output, stacked over its iterations, each iteration's loop-carried
-    inputs and then its iteration number; returns the names of those new outputs of the node."""
-    bw, formal = g._bw, [v.name for v in body.input]
-    pre = bw.names(f"{label}_stash") + "/"
-    stashed = []
-    int_scalar = helper.make_tensor_type_proto(TensorProto.INT64, [])
-    for j, src in [*enumerate(formal[2:]), (None, formal[0])]:
-        tag = f"v{j}" if j is not None else "iteration"
-        body.node.append(helper.make_node("Identity", [src], [pre + tag]))
-        body.output.append(
-            helper.make_value_info(pre + tag, carried_types[j] if j is not None else int_scalar)
+        back.carry(
+            formal[2 + j],
+            forward.output[1 + j].name,
+            carried_types[j],
+            g.dy(j) or g.zeros_like(node.input[2 + j]),
         )
+    for q, o in enumerate(forward.output[1 + n :]):
+        if g.dy(n + q) is not None:
+            back.incoming(o.name, back.gather(g.dy(n + q), back.idx, 0))
+    dxs, _ = back.emit(forward, [])
+    for j, d in zip(floats, dxs):
+        g.set_dx(2 + j, d)
+
+
+@gradient("Scan", since=9, uses=("x*",))
+def scan_grad(g: GradCtx) -> None:
+    node = g.node
+    body = next(a for a in node.attribute if a.name == "body").g
+    m = g.attr("num_scan_inputs")
+    n = len(node.input) - m
+    k = len(body.output) - n
+    formal = [v.name for v in body.input]
+    in_axes = list(g.attr("scan_input_axes") or [0] * m)
+    in_dirs = list(g.attr("scan_input_directions") or [0] * m)
+    out_axes = list(g.attr("scan_output_axes") or [0] * k)
+    out_dirs = list(g.attr("scan_output_directions") or [0] * k)
+    state_types = [_carried_type(g, body, j, node.input[j]) for j in range(n)]
+    floats = [j for j in range(n) if state_types[j].tensor_type.elem_type in FLOAT_TYPES]
+    sliced = [q for q in range(m) if g.needs_dx(n + q)]
+    if not g.body_wrt and not sliced and not any(g.needs_dx(j) for j in floats):
+        return
+    ranks = [g.rank(node.input[n + q]) for q in range(m)]
+    if any(r is None for r in ranks) or any(g.rank(o, output=True) is None for o in range(n, n + k)):
+        raise RuleError("the ranks of the scan inputs and outputs must be known")
+    forward = onnx.GraphProto()
+    forward.CopyFrom(body)
+    label = node.name or "Scan"
+    stashed = _stash(g, body, [(formal[j], state_types[j]) for j in range(n)], label, iterations=False)
+    for attr_name, count in (("scan_output_axes", n), ("scan_output_directions", n)):
+        a = next((a for a in node.attribute if a.name == attr_name), None)
+        if a is not None:
+            a.ints.extend([0] * count)
+    axis0 = in_axes[0] % ranks[0]
+    total = g.emit(
+        "Gather", g.emit("Shape", node.input[n]), g.const(np.array(axis0, np.int64), TensorProto.INT64)
+    )
+    back = _ReverseLoop(g, label, total)
+    for j in range(n):
+        back.bind(formal[j], back.gather(stashed[j], back.idx, 0))
+    for q in range(m):
+        pos = back.idx if not in_dirs[q] else back.mirror
+        back.bind(formal[n + q], back.gather(node.input[n + q], pos, in_axes[q] % ranks[q]))
+    for j in floats:
+        back.carry(formal[j], forward.output[j].name, state_types[j], g.dy(j) or g.zeros_like(node.input[j]))
+    for o in range(k):
+        if g.dy(n + o) is not None:
+            pos = back.idx if not out_dirs[o] else back.mirror
+            rank = g.rank(n + o, output=True)
+            back.incoming(forward.output[n + o].name, back.gather(g.dy(n + o), pos, out_axes[o] % rank))
+    dxs, stacks = back.emit(forward, [formal[n + q] for q in sliced])
+    for j, d in zip(floats, dxs):
+        g.set_dx(j, d)
+    for q, stack in zip(sliced, stacks):
+        # stacked in the backward loop's order (forward step T - 1 - t at t): the scan input's element
+        # order is the reverse of that for a forward scan; then the stacking axis moves to the scan axis
+        if not in_dirs[q]:
+            stack = g.emit("Slice", stack, g.ints([-1]), g.ints([-(2**62)]), g.ints([0]), g.ints([-1]))
+        axis = in_axes[q] % ranks[q]
+        if axis:
+            perm = list(range(1, ranks[q]))
+            perm.insert(axis, 0)
+            stack = g.emit("Transpose", stack, perm=perm)
+        g.set_dx(n + q, stack)
+
+
+class _ReverseLoop:
+    """A backward Loop over the forward iterations, last first: its iteration t redoes forward iteration
+    idx = T - 1 - t (``mirror`` is t itself), recomputing the body from the values bound to its formal
+    inputs, and runs the body's backward pass."""
+
+    def __init__(self, g: GradCtx, label: str, total: str):
+        self.g, self.total = g, total
+        bw = g._bw
+        self.pre = pre = bw.names(f"{label}_Grad_body") + "/"
+        self.label = label
+        self.t, self.cond = pre + "t", pre + "cond"
+        self.idx, self.mirror, self.true = pre + "idx", self.t, pre + "true"
+        self.head = [
+            helper.make_node(
+                "Constant", [], [pre + "one"], value=numpy_helper.from_array(np.array(1, np.int64))
+            ),
+            helper.make_node("Constant", [], [self.true], value=numpy_helper.from_array(np.array(True))),
+            helper.make_node("Sub", [total, pre + "one"], [pre + "last"]),
+            helper.make_node("Sub", [pre + "last", self.t], [self.idx]),
+        ]
+        self.binding: dict[str, str] = {}
+        self.carried: list[tuple[str, str, onnx.TypeProto, str]] = []  # formal input, output, type, start
+        self.dys: dict[str, str] = {}
+
+    def gather(self, source: str, position: str, axis: int) -> str:
+        """``source``'s element ``position`` along ``axis``, inside the backward body."""
+        out = f"{self.pre}g{len(self.head)}"
+        self.head.append(helper.make_node("Gather", [source, position], [out], axis=axis))
+        return out
+
+    def bind(self, formal: str, value: str) -> None:
+        self.binding[formal] = value
+
+    def carry(self, formal: str, output: str, tp: onnx.TypeProto, start: str) -> None:
+        """A gradient carried from iteration to iteration: that of body output ``output`` coming in, that of
+        formal input ``formal`` going out; ``start``: its value before the last forward iteration."""
+        self.carried.append((formal, output, tp, start))
+
+    def incoming(self, output: str, grad: str) -> None:
+        """The gradient of a per-iteration body output, as computed in the backward body."""
+        self.dys[output] = grad
+
+    def emit(self, forward: onnx.GraphProto, stacked: list[str]) -> tuple[list[str], list[str]]:
+        """Emit the backward Loop; returns the gradients of the carried values' starts, and the gradients of
+        the formal inputs ``stacked`` stacked over the backward iterations. The gradients of the outer values
+        the body reads (``g.body_wrt``) are summed over the iterations and handed to the builder."""
+        g, pre, bw = self.g, self.pre, self.g._bw
+        wanted = g.body_wrt
+        acc = {formal: f"{pre}d{i}" for i, (formal, *_) in enumerate(self.carried)}
+        acc_c = {c: f"{pre}dc{i}" for i, c in enumerate(wanted)}
+        dys = {output: acc[formal] for formal, output, _, _ in self.carried}
+        if len(dys) != len(self.carried) or set(dys) & set(self.dys):
+            raise RuleError("the body outputs one value twice")
+        dys.update(self.dys)
+        bw.names.taken.update(self.binding.values())
+        wrt = [*acc, *(f for f in stacked if f not in acc), *wanted]
+        nodes, inits, grads = _differentiate(g, forward, wrt, dys, self.binding, f"{self.label}_Grad")
+        outputs = [helper.make_tensor_value_info(pre + "cond_out", TensorProto.BOOL, [])]
+        tail = [helper.make_node("Identity", [self.cond], [pre + "cond_out"])]
+        outputs += [_value_info(grads[formal], tp) for formal, _, tp, _ in self.carried]
+        for i, c in enumerate(wanted):
+            tail.append(helper.make_node("Add", [acc_c[c], grads[c]], [f"{pre}dc{i}_out"]))
+            outputs.append(_value_info(f"{pre}dc{i}_out", bw.types.get(c)))
+        for i, f in enumerate(stacked):  # a fresh name: the same gradient may also be a carried output
+            tail.append(helper.make_node("Identity", [grads[f]], [f"{pre}ds{i}_out"]))
+            outputs.append(helper.make_empty_tensor_value_info(f"{pre}ds{i}_out"))
+        inputs = [
+            helper.make_tensor_value_info(self.t, TensorProto.INT64, []),
+            helper.make_tensor_value_info(self.cond, TensorProto.BOOL, []),
+        ]
+        inputs += [_value_info(acc[formal], tp) for formal, _, tp, _ in self.carried]
+        inputs += [_value_info(acc_c[c], bw.types.get(c)) for c in wanted]
+        body = helper.make_graph(
+            self.head + nodes + tail, f"{self.label}_grad_body", inputs, outputs, initializer=inits
+        )
+        starts = [start for *_, start in self.carried] + [g.zeros_like(c) for c in wanted]
+        n_out = len(starts) + len(stacked)
+        outs = g.emit("Loop", self.total, "", *starts, body=body, outputs=n_out)
+        outs = outs if isinstance(outs, list) else [outs]
+        n = len(self.carried)
+        g.body_dxs.update(zip(wanted, outs[n : n + len(wanted)]))
+        return outs[:n], outs[n + len(wanted) :]
+
+
+def _stash(
+    g: GradCtx, body: onnx.GraphProto, values: list[tuple[str, onnx.TypeProto]], label: str, iterations: bool
+) -> list[str]:
+    """Make the forward Loop or Scan also output, stacked over its iterations, each formal input of
+    ``values`` (name, type) and, with ``iterations``, the iteration number; returns the new outputs' names."""
+    bw = g._bw
+    pre = bw.names(f"{label}_stash") + "/"
+    wanted = [(f"v{j}", name, tp) for j, (name, tp) in enumerate(values)]
+    if iterations:
+        wanted.append(("iteration", body.input[0].name, helper.make_tensor_type_proto(TensorProto.INT64, [])))
+    stashed = []
+    for tag, src, tp in wanted:
+        body.node.append(helper.make_node("Identity", [src], [pre + tag]))
+        body.output.append(helper.make_value_info(pre + tag, tp))
         g.node.output.append(bw.names(f"{label}_stash_{tag}"))
         stashed.append(g.node.output[-1])
     bw.names.taken.update(o.name for o in body.output)
     return stashed
 
 
-def _carried_type(g: GradCtx, body: onnx.GraphProto, j: int) -> onnx.TypeProto:
-    """The type of loop-carried value ``j``: as the body declares it, else as the graph knows its start."""
-    tp = body.input[2 + j].type
-    if tp.WhichOneof("value") is not None and (not tp.HasField("tensor_type") or tp.tensor_type.elem_type):
-        return tp
-    known = g._bw.types.get(g.node.input[2 + j])
-    if known is None:
-        raise RuleError(f"the type of loop-carried value {j} ({body.input[2 + j].name!r}) is unknown")
-    return known
+def _carried_type(g: GradCtx, body: onnx.GraphProto, i: int, start: str) -> onnx.TypeProto:
+    """The tensor type of body input ``i``, a value carried across iterations: as the body declares it,
+    else as the graph knows its start value ``start``."""
+    tp = body.input[i].type
+    if tp.WhichOneof("value") is None or (tp.HasField("tensor_type") and not tp.tensor_type.elem_type):
+        tp = g._bw.types.get(start)
+        if tp is None:
+            raise RuleError(f"the type of the carried value {body.input[i].name!r} is unknown")
+    if not tp.HasField("tensor_type"):
+        raise RuleError(f"carried sequences or optionals ({body.input[i].name!r}) have no gradient yet")
+    return tp
 
 
 def _differentiate(
