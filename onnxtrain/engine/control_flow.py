@@ -215,8 +215,9 @@ class SequenceMap(ControlFlow):
 
 def _stack(values: list[Any], axis: int, count: int, empty: Callable[[], np.ndarray]) -> np.ndarray:
     """Per-iteration values stacked along a new ``axis`` (negative: from the end of the result)."""
-    if not count:
-        return empty()
+    if not count:  # an empty stack (along axis 0 of the body output's declared shape) moved to ``axis``
+        out = empty()
+        return np.moveaxis(out, 0, axis) if -out.ndim <= axis < out.ndim else out
     shapes = {np.shape(v) for v in values}
     if len(shapes) > 1:
         raise ValueError(f"a scan output changes shape between iterations: {sorted(shapes)}")

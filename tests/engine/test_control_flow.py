@@ -267,6 +267,38 @@ def test_scan_directions_and_axes(in_dir: int, out_dir: int, in_axis: int, out_a
         assert_same(g, b)
 
 
+def test_scan_of_no_steps() -> None:
+    """A scan input of length 0 along its axis: the states pass through, and each scan output is an empty
+    stack along its own axis (onnxruntime 1.31 crashes on this case: checked by its shape alone)."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Add", ["s_in", "x_t"], ["s_out"]),
+            helper.make_node("Identity", ["s_out"], ["y_t"]),
+        ],
+        "body",
+        [tensor("s_in", F, [2]), tensor("x_t", F, [2])],
+        [tensor("s_out", F, [2]), tensor("y_t", F, [2])],
+    )
+    node = helper.make_node(
+        "Scan",
+        ["s0", "xs"],
+        ["s", "ys"],
+        num_scan_inputs=1,
+        body=body,
+        scan_input_axes=[1],
+        scan_output_axes=[1],
+    )
+    model = model_of(
+        [node],
+        [tensor("s0", F, [2]), tensor("xs", F, [2, "t"])],
+        [tensor("s", F, [2]), tensor("ys", F, [2, "t"])],
+    )
+    s0 = np.array([1.0, 2.0], np.float32)
+    s, ys = onnxtrain.InferenceSession(model).run(None, {"s0": s0, "xs": np.zeros((2, 0), np.float32)})
+    np.testing.assert_array_equal(s, s0)
+    assert ys.shape == (2, 0) and ys.dtype == np.float32
+
+
 def test_sequences_and_sequence_map(tmp_path) -> None:
     """SplitToSequence → SequenceMap (a body reading an outer value) → SequenceInsert/Erase/At/Length →
     ConcatFromSequence, with a sequence input and a sequence output."""
