@@ -24,8 +24,8 @@ NO_ROW = {
 SEQUENCE_OPS = ("SequenceEmpty", "SequenceConstruct", "SequenceInsert", "SequenceAt", "SequenceErase",
                 "SequenceLength", "ConcatFromSequence", "SplitToSequence", "Optional", "OptionalHasElement",
                 "OptionalGetElement")
-NO_ROW.update({op: "sequence/optional values; tests/engine/test_control_flow.py and the conformance suite"
-               for op in SEQUENCE_OPS})
+NO_ROW.update({op: "sequence/optional values; tests/engine/test_control_flow.py, the conformance suite and "
+                   "(gradients) tests/autodiff/test_control_flow_grad.py" for op in SEQUENCE_OPS})
 
 
 # rules without a float64 gradient row
@@ -42,7 +42,8 @@ UNDECIDED = {
 }
 UNDECIDED.update({op: "tier 3: no gradient through sequences or optionals yet (a path through one is a "
                       "clear error)" for op in SEQUENCE_OPS
-                  if op not in ("SequenceEmpty", "SequenceLength", "OptionalHasElement")})
+                  if op not in ("SequenceEmpty", "SequenceLength", "OptionalHasElement", "SequenceConstruct",
+                                "ConcatFromSequence")})
 
 
 def _family(fn) -> str:

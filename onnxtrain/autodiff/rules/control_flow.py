@@ -60,32 +60,71 @@ def loop_grad(g: GradCtx) -> None:
     body = next(a for a in node.attribute if a.name == "body").g
     n = len(node.input) - 2
     formal = [v.name for v in body.input]
-    carried_types = [_carried_type(g, body, 2 + j, node.input[2 + j]) for j in range(n)]
-    floats = [j for j in range(n) if carried_types[j].tensor_type.elem_type in FLOAT_TYPES]
+    appends = _appended_sequences(g, body, n)  # carried j → the tensor each iteration appends to it
+    tensors = [j for j in range(n) if j not in appends]
+    types = {j: _carried_type(g, body, 2 + j, node.input[2 + j]) for j in tensors}
+    floats = [j for j in tensors if types[j].tensor_type.elem_type in FLOAT_TYPES]
     if not g.body_wrt and not any(g.needs_dx(2 + j) for j in floats):
         return
     forward = onnx.GraphProto()
     forward.CopyFrom(body)
+    for j, v in appends.items():  # differentiate the appended tensor, not the sequence
+        del forward.node[[k for k, nd in enumerate(forward.node) if body.output[1 + j].name in nd.output][0]]
+        forward.output[1 + j].CopyFrom(helper.make_empty_tensor_value_info(v))
     label = node.name or "Loop"
-    stashed = _stash(g, body, [(formal[2 + j], carried_types[j]) for j in range(n)], label, iterations=True)
+    stashed = _stash(g, body, [(formal[2 + j], types[j]) for j in tensors], label, iterations=True)
     back = _ReverseLoop(g, label, g.emit("Size", stashed[-1]))
     back.bind(formal[0], back.idx)
     back.bind(formal[1], back.true)
-    for j in range(n):
-        back.bind(formal[2 + j], back.gather(stashed[j], back.idx, 0))
+    for j, st in zip(tensors, stashed):
+        back.bind(formal[2 + j], back.gather(st, back.idx, 0))
     for j in floats:
         back.carry(
-            formal[2 + j],
-            forward.output[1 + j].name,
-            carried_types[j],
-            g.dy(j) or g.zeros_like(node.input[2 + j]),
+            formal[2 + j], forward.output[1 + j].name, types[j], g.dy(j) or g.zeros_like(node.input[2 + j])
         )
+    for j, v in appends.items():
+        if g.dy(j) is not None:  # the element this iteration appended, after the initial sequence's
+            at = back.add(g.emit("SequenceLength", node.input[2 + j]), back.idx)
+            back.incoming(v, back.element(g.dy(j), at))
     for q, o in enumerate(forward.output[1 + n :]):
         if g.dy(n + q) is not None:
             back.incoming(o.name, back.gather(g.dy(n + q), back.idx, 0))
     dxs, _ = back.emit(forward, [])
     for j, d in zip(floats, dxs):
         g.set_dx(2 + j, d)
+
+
+def _appended_sequences(g: GradCtx, body: onnx.GraphProto, n: int) -> dict[int, str]:
+    """Loop-carried sequences that each iteration appends one tensor to and does nothing else with (a
+    TorchScript list's ``append``): carried index → the appended tensor. Any other carried sequence is a
+    RuleError, as is one whose start wants a gradient."""
+    out = {}
+    for j in range(n):
+        tp = body.input[2 + j].type
+        if tp.WhichOneof("value") is None:
+            tp = g._bw.types.get(g.node.input[2 + j], tp)
+        if tp.WhichOneof("value") in (None, "tensor_type"):
+            continue
+        seq_in, seq_out = body.input[2 + j].name, body.output[1 + j].name
+        made = [nd for nd in body.node if seq_out in nd.output]
+        readers = [nd for nd in body.node if seq_in in node_reads(nd) or seq_out in node_reads(nd)]
+        ins = list(made[0].input) if made else []
+        if (
+            len(made) != 1
+            or made[0].op_type != "SequenceInsert"
+            or readers != made
+            or not (len(ins) == 2 or len(ins) == 3 and not ins[2])
+            or ins[0] != seq_in
+            or [o.name for o in body.output].count(seq_out) != 1
+        ):
+            raise RuleError(
+                f"loop-carried sequence {seq_in!r} has no gradient: only a sequence each iteration "
+                "appends one tensor to (SequenceInsert at the end) and does nothing else with has one"
+            )
+        if g.needs_dx(2 + j):
+            raise RuleError(f"the start of loop-carried sequence {seq_in!r} has no gradient yet")
+        out[j] = ins[1]
+    return out
 
 
 @gradient("Scan", since=9, uses=("x*",))
@@ -179,6 +218,18 @@ class _ReverseLoop:
         self.head.append(helper.make_node("Gather", [source, position], [out], axis=axis))
         return out
 
+    def add(self, a: str, b: str) -> str:
+        """``a + b``, inside the backward body."""
+        out = f"{self.pre}a{len(self.head)}"
+        self.head.append(helper.make_node("Add", [a, b], [out]))
+        return out
+
+    def element(self, sequence: str, position: str) -> str:
+        """Element ``position`` of ``sequence``, inside the backward body."""
+        out = f"{self.pre}e{len(self.head)}"
+        self.head.append(helper.make_node("SequenceAt", [sequence, position], [out]))
+        return out
+
     def bind(self, formal: str, value: str) -> None:
         self.binding[formal] = value
 
@@ -188,8 +239,9 @@ class _ReverseLoop:
         self.carried.append((formal, output, tp, start))
 
     def incoming(self, output: str, grad: str) -> None:
-        """The gradient of a per-iteration body output, as computed in the backward body."""
-        self.dys[output] = grad
+        """The gradient of a per-iteration body output, as computed in the backward body (summed with one
+        given before for the same value)."""
+        self.dys[output] = self.add(self.dys[output], grad) if output in self.dys else grad
 
     def emit(self, forward: onnx.GraphProto, stacked: list[str]) -> tuple[list[str], list[str]]:
         """Emit the backward Loop; returns the gradients of the carried values' starts, and the gradients of
@@ -200,9 +252,10 @@ class _ReverseLoop:
         acc = {formal: f"{pre}d{i}" for i, (formal, *_) in enumerate(self.carried)}
         acc_c = {c: f"{pre}dc{i}" for i, c in enumerate(wanted)}
         dys = {output: acc[formal] for formal, output, _, _ in self.carried}
-        if len(dys) != len(self.carried) or set(dys) & set(self.dys):
-            raise RuleError("the body outputs one value twice")
-        dys.update(self.dys)
+        if len(dys) != len(self.carried):
+            raise RuleError("the body outputs one loop-carried value twice")
+        for output, grad in self.dys.items():  # also carried (a carried value appended to a list): summed
+            dys[output] = self.add(dys[output], grad) if output in dys else grad
         bw.names.taken.update(self.binding.values())
         wrt = [*acc, *(f for f in stacked if f not in acc), *wanted]
         nodes, inits, grads = _differentiate(g, forward, wrt, dys, self.binding, f"{self.label}_Grad")
