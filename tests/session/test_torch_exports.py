@@ -191,3 +191,28 @@ def test_embedding_bag_loop_trains_like_torch() -> None:
         assert _rel(ours, theirs.item()) < 1e-5, (step, ours, theirs.item())
     state = sess.get_state()
     assert _rel(state["bag.weight"], module.bag.weight.detach().numpy()) < 1e-5
+
+
+def test_scripted_list_rnn_trains_like_torch() -> None:
+    """A scripted loop that collects its states in a list (a Loop carrying a sequence, then a stack):
+    the legacy session finds all four weights and its SGD steps equal torch's."""
+    from tests.autodiff.test_control_flow_grad import ListRNN, export_scripted
+
+    torch.manual_seed(0)
+    module = ListRNN()
+    model = export_scripted(module, torch.randn(5, 2, 4))
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "SGDOptimizer"
+    sess = TrainingSession(model.SerializeToString(), p)
+    assert sorted(sess.get_model_state()["full_precision"]) == sorted(n for n, _ in module.named_parameters())
+    topt = torch.optim.SGD(module.parameters(), lr=LR)
+    rng = np.random.default_rng(0)
+    for step in range(10):
+        x = rng.standard_normal((int(rng.integers(1, 6)), 2, 4)).astype(np.float32)
+        ours = sess.run(["loss"], {"x": x, "Learning_Rate": np.array([LR], np.float32)})[0]
+        topt.zero_grad()
+        theirs = module(torch.from_numpy(x))
+        theirs.backward()
+        topt.step()
+        assert _rel(ours, theirs.item()) < 1e-5, (step, ours, theirs.item())

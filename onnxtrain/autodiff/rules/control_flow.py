@@ -6,7 +6,9 @@ nothing but the per-iteration state of a Loop or Scan needs keeping.
   forward branch reads and that wants one (zeros for those it does not read).
 * Loop: the forward Loop also stacks each iteration's loop-carried inputs (and its iteration number); a
   backward Loop runs as many iterations, last first, and carries the gradients of the loop-carried values
-  and, summed over the iterations, those of the outer values the body reads.
+  and, summed over the iterations, those of the outer values the body reads. A carried sequence that each
+  iteration only appends to (a TorchScript list) is differentiated through the appended tensors, each
+  taking its element of the sequence's gradient.
 * Scan (opset 9 and later): the same, the forward Scan stacking its states; the backward Loop also reads
   each iteration's elements of the scanned inputs and of the incoming output gradients along their axes
   and directions, and stacks the gradients of the scanned elements, which are then put back in the scan
