@@ -62,14 +62,29 @@ def _info(a: argparse.Namespace) -> int:
     arrays = [numpy_helper.to_array(t) for t in g.initializer]
     print(f"  parameters: {sum(x.size for x in arrays):,} in {len(arrays)} initializers, "
           f"{sum(x.nbytes for x in arrays):,} bytes")
-    hist = collections.Counter(n.op_type for n in g.node)
-    domains = {n.op_type: n.domain for n in g.node}
-    print("  ops: " + ", ".join(f"{op}×{c}" for op, c in sorted(hist.items())))
+    nodes = _all_nodes(g)
+    hist = collections.Counter(n.op_type for n in nodes)
+    domains = {n.op_type: n.domain for n in nodes}
+    inside = len(nodes) - len(g.node)
+    label = f"ops (with the {inside} nodes inside control-flow bodies)" if inside else "ops"
+    print(f"  {label}: " + ", ".join(f"{op}×{c}" for op, c in sorted(hist.items())))
     no_kernel = sorted(op for op in hist if not has_kernel(op, opset, domains[op]))
     no_rule = sorted(op for op in hist if find_rule(op, max(opset, 17)) is None and not has_no_gradient(op))
     print(f"  ops without a kernel: {', '.join(no_kernel) or 'none'}")
     print(f"  ops without a gradient rule: {', '.join(no_rule) or 'none'}")
     return 0
+
+
+def _all_nodes(g: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The graph's nodes and, after each, those of its bodies (nested ones too)."""
+    from onnxtrain.ir.graphs import subgraphs
+
+    out = []
+    for n in g.node:
+        out.append(n)
+        for sub in subgraphs(n):
+            out.extend(_all_nodes(sub))
+    return out
 
 
 def _config(a: argparse.Namespace):

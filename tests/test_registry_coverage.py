@@ -42,8 +42,7 @@ UNDECIDED = {
 }
 UNDECIDED.update({op: "tier 3: no gradient through sequences or optionals yet (a path through one is a "
                       "clear error)" for op in SEQUENCE_OPS
-                  if op not in ("SequenceEmpty", "SequenceLength", "OptionalHasElement", "SequenceConstruct",
-                                "ConcatFromSequence")})
+                  if op in ("SequenceErase", "Optional", "OptionalGetElement")})
 
 
 def _family(fn) -> str:

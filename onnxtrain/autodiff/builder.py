@@ -288,9 +288,13 @@ def build_gradient_model(
         if not parts:
             return None
         if len(parts) > 1:
-            summed = seed_w.emit(
-                "Sum", parts, [bw.names(f"{name}{grad_suffix}_sum")], name=bw.names(f"{name}_grad_Sum")
-            )[0]
+            tp = bw.types.get(name)
+            if tp is not None and tp.HasField("sequence_type"):  # element by element
+                summed = _sum_sequences(bw, seed_w, parts, f"{name}{grad_suffix}")
+            else:
+                summed = seed_w.emit(
+                    "Sum", parts, [bw.names(f"{name}{grad_suffix}_sum")], name=bw.names(f"{name}_grad_Sum")
+                )[0]
             contributions[name] = [summed]
         return contributions[name][0]
 
@@ -382,6 +386,20 @@ def _vi(bw: _Backward, name: str, given: onnx.ValueInfoProto | None = None) -> o
         return given
     tp = bw.types.get(name)
     return helper.make_value_info(name, tp) if tp is not None else helper.make_empty_tensor_value_info(name)
+
+
+def _sum_sequences(bw: _Backward, w: NodeWriter, parts: list[str], base: str) -> str:
+    """The element-wise sum of sequences of equal lengths (gradient contributions to one sequence), as a
+    SequenceMap whose body adds one element of each."""
+    elements = [bw.names(f"{base}_part{i}") for i in range(len(parts))]
+    total = bw.names(f"{base}_element")
+    body = helper.make_graph(
+        [helper.make_node("Sum", elements, [total])],
+        f"{base}_sum",
+        [helper.make_empty_tensor_value_info(e) for e in elements],
+        [helper.make_empty_tensor_value_info(total)],
+    )
+    return w.emit("SequenceMap", parts, [bw.names(f"{base}_sum")], name=bw.names(f"{base}_Sum"), body=body)[0]
 
 
 def _is_float(bw: _Backward, name: str) -> bool:

@@ -519,3 +519,50 @@ def test_a_loop_sequence_read_back_has_no_gradient() -> None:
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises(GradientError, match=r"the_loop.*Loop.*'s_in' has no gradient"):
         build_gradient_model(model, "loss", ["w"])
+
+
+@pytest.mark.parametrize("position", [1, -1, None])
+def test_sequence_ops_gradients(position: int | None) -> None:
+    """SplitToSequence → SequenceAt (a negative position) and SequenceInsert (at a position, or appended)
+    → ConcatFromSequence: the split sequence gets two gradient contributions, summed element by element.
+    Against central differences in float64."""
+    d = T.DOUBLE
+    pos_in = ["p"] if position is not None else []
+    nodes = [
+        helper.make_node("SplitToSequence", ["x"], ["s"], axis=0),
+        helper.make_node("SequenceAt", ["s", "last"], ["a"]),
+        helper.make_node("SequenceInsert", ["s", "y", *pos_in], ["s2"]),
+        helper.make_node("ConcatFromSequence", ["s2"], ["c"], axis=0),
+        helper.make_node("Mul", ["c", "w"], ["cw"]),
+        helper.make_node("Mul", ["a", "a"], ["aa"]),
+        helper.make_node("ReduceSum", ["cw"], ["l1"], keepdims=0),
+        helper.make_node("ReduceSum", ["aa"], ["l2"], keepdims=0),
+        helper.make_node("Add", ["l1", "l2"], ["loss"]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(-1, np.int64), "last"),
+        numpy_helper.from_array(np.arange(15.0).reshape(5, 3) / 7 - 1, "w"),
+    ]
+    if position is not None:
+        inits.append(numpy_helper.from_array(np.array(position, np.int64), "p"))
+    g = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", d, [4, 3]), helper.make_tensor_value_info("y", d, [1, 3])],
+        [helper.make_tensor_value_info("loss", d, [])],
+        inits,
+    )
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    rng = np.random.default_rng(7)
+    feeds = {"x": rng.standard_normal((4, 3)), "y": rng.standard_normal((1, 3))}
+    grads = gradcheck(model, "loss", ["x", "y"], feeds)
+    w = np.arange(15.0).reshape(5, 3) / 7 - 1
+    row = {1: 1, -1: 3, None: 4}[position]  # where y lands in the concatenation
+    np.testing.assert_allclose(grads["y"][0], w[row], rtol=1e-12)
+    gmodel = build_gradient_model(model, "loss", ["x", "y"])
+    onnx.checker.check_model(gmodel, full_check=True)
+    gmodel.ir_version = 8
+    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, feeds)))
+    for n in ("x", "y"):
+        np.testing.assert_allclose(got[f"{n}_grad"], grads[n], rtol=1e-12, atol=1e-14, err_msg=n)

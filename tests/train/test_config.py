@@ -125,3 +125,28 @@ def test_help_everywhere(capsys, argv):
         main(argv)
     assert e.value.code == 0
     assert "usage: onnxtrain" in capsys.readouterr().out
+
+
+def test_info_counts_the_nodes_of_bodies(capsys, tmp_path):
+    """`onnxtrain info` walks control-flow bodies: their ops are counted and checked for kernels and rules."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    f = TensorProto.FLOAT
+    then_g = helper.make_graph([helper.make_node("Frobnicate", ["x"], ["t"], domain="com.example")], "t", [],
+                               [helper.make_tensor_value_info("t", f, [2])])
+    else_g = helper.make_graph([helper.make_node("Tanh", ["x"], ["e"])], "e", [],
+                               [helper.make_tensor_value_info("e", f, [2])])
+    g = helper.make_graph([helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)], "g",
+                          [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+                           helper.make_tensor_value_info("x", f, [2])],
+                          [helper.make_tensor_value_info("y", f, [2])])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)]
+    m = helper.make_model(g, opset_imports=opsets)
+    path = tmp_path / "branchy.onnx"
+    onnx.save(m, path)
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "ops (with the 2 nodes inside control-flow bodies): Frobnicate×1, If×1, Tanh×1" in out
+    assert "ops without a kernel: Frobnicate" in out
+    assert "ops without a gradient rule: Frobnicate" in out

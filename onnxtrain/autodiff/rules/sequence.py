@@ -1,11 +1,11 @@
 """Gradient rules of the sequence ops (same names as engine/kernels/sequence.py). A sequence's gradient is
 a sequence of its elements' gradients.
 
-``SequenceConstruct`` and ``ConcatFromSequence`` have rules: with a loop that appends to a sequence
-(``SequenceInsert`` at the end, handled by the Loop rule), they cover TorchScript's list-and-stack
-patterns (``outs.append(h)`` ... ``torch.stack(outs)`` or ``torch.cat(outs)``). Lengths, presence flags
-and empty sequences never carry a gradient; the other sequence ops have no rule yet, so a loss reached
-through one is a clear error."""
+Building and reading sequences have rules (``SequenceConstruct``, ``SequenceInsert``, ``SequenceAt``,
+``SplitToSequence``, ``ConcatFromSequence``); with the Loop rule's handling of a sequence appended to at
+each iteration they cover TorchScript's list patterns (``outs.append(h)`` ... ``torch.stack(outs)``,
+``x.unbind(0)``, ``outs[i]``). Lengths, presence flags and empty sequences never carry a gradient;
+``SequenceErase`` and the optional ops have no rule yet, so a loss reached through one is a clear error."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from onnx import TensorProto, helper
 
 from onnxtrain.autodiff.context import GradCtx
 from onnxtrain.autodiff.registry import gradient, no_gradient
+
+I64 = TensorProto.INT64
 
 no_gradient("SequenceEmpty", "SequenceLength", "OptionalHasElement")
 
@@ -50,3 +52,62 @@ def concat_from_sequence_grad(g: GradCtx) -> None:
     )
     sizes = g.emit("ConcatFromSequence", g.emit("SequenceMap", g.x(0), body=body), axis=0)
     g.set_dx(0, g.emit("SplitToSequence", dy, sizes, axis=axis))
+
+
+@gradient("SequenceInsert", uses=("x2",))
+def sequence_insert_grad(g: GradCtx) -> None:
+    dseq = g.dy(0)
+    # the inserted tensor's gradient is the element at its position; the rest is the sequence's
+    pos = g.x(2) if g.has_x(2) else g.const(np.array(-1, np.int64), I64)
+    if not g.has_x(2):  # appended: the last element
+        g.set_dx(1, g.emit("SequenceAt", dseq, pos))
+        g.set_dx(0, g.emit("SequenceErase", dseq, pos))
+        return
+    at = _position(g, dseq, pos, after_insert=True)
+    g.set_dx(1, g.emit("SequenceAt", dseq, at))
+    g.set_dx(0, g.emit("SequenceErase", dseq, at))
+
+
+@gradient("SequenceAt", uses=("x0", "x1"))
+def sequence_at_grad(g: GradCtx) -> None:
+    # zeros for every element, then dY in place of the one read
+    seq, dy = g.x(0), g.dy(0)
+    names = g._bw.names
+    e, shape, zero = (names(f"{g.node.name or 'SequenceAt'}_Grad/{s}") for s in ("element", "shape", "zeros"))
+    body = helper.make_graph(
+        [
+            helper.make_node("Shape", [e], [shape]),
+            helper.make_node(
+                "ConstantOfShape",
+                [shape],
+                [zero],
+                value=helper.make_tensor("v", g.elem_type(dy) or g.dtype, [1], [0]),
+            ),
+        ],
+        "zeros_like_element",
+        [helper.make_empty_tensor_value_info(e)],
+        [helper.make_empty_tensor_value_info(zero)],
+    )
+    zeros = g.emit("SequenceMap", seq, body=body)
+    at = _position(g, seq, g.x(1), after_insert=False)
+    g.set_dx(0, g.emit("SequenceInsert", g.emit("SequenceErase", zeros, at), dy, at))
+
+
+@gradient("SplitToSequence", stop=(1,))
+def split_to_sequence_grad(g: GradCtx) -> None:
+    dseq, axis = g.dy(0), g.attr("axis") or 0
+    if not g.has_x(1) and g.attr("keepdims") == 0:  # size-1 pieces with the axis squeezed: a stack
+        g.set_dx(0, g.emit("ConcatFromSequence", dseq, axis=axis, new_axis=1))
+    else:
+        g.set_dx(0, g.emit("ConcatFromSequence", dseq, axis=axis))
+
+
+def _position(g: GradCtx, seq: str, pos: str, after_insert: bool) -> str:
+    """``pos`` as a non-negative index into ``seq`` (for an insert, into the sequence after it, whose
+    length is one more: a negative position counts from the end of the sequence it was inserted into)."""
+    length = g.emit("SequenceLength", seq)
+    if after_insert:
+        length = g.emit("Sub", length, g.const(np.array(1, np.int64), I64))
+    p = g.emit("Cast", pos, to=I64)
+    wrapped = g.emit("Add", p, length)
+    return g.emit("Where", g.emit("Less", p, g.const(np.array(0, np.int64), I64)), wrapped, p)
