@@ -25,7 +25,7 @@ def sequence_construct_grad(g: GradCtx) -> None:
     dseq = g.dy(0)
     for i in range(g.n_inputs):
         if g.needs_dx(i):
-            g.set_dx(i, g.emit("SequenceAt", dseq, g.const(np.array(i, np.int64), TensorProto.INT64)))
+            g.set_dx(i, g.emit("SequenceAt", dseq, g.const(np.array(i, np.int64), I64)))
 
 
 @gradient("ConcatFromSequence", uses=("x0",))
@@ -42,13 +42,11 @@ def concat_from_sequence_grad(g: GradCtx) -> None:
     body = helper.make_graph(
         [
             helper.make_node("Shape", [e], [shape]),
-            helper.make_node(
-                "Gather", [shape, g.const(np.array([axis], np.int64), TensorProto.INT64)], [one]
-            ),
+            helper.make_node("Gather", [shape, g.const(np.array([axis], np.int64), I64)], [one]),
         ],
         "element_size",
         [helper.make_empty_tensor_value_info(e)],
-        [helper.make_tensor_value_info(one, TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info(one, I64, [1])],
     )
     sizes = g.emit("ConcatFromSequence", g.emit("SequenceMap", g.x(0), body=body), axis=0)
     g.set_dx(0, g.emit("SplitToSequence", dy, sizes, axis=axis))
