@@ -302,6 +302,11 @@ def test_embedding_bag_trains() -> None:
     (weight,) = [t.name for t in model.graph.initializer if tuple(t.dims) == (10, 3)]
     gmodel = build_gradient_model(model, "loss", [weight])
     onnx.checker.check_model(gmodel, full_check=True)
+    # each backward iteration scatters its bag's rows straight into the table's gradient accumulator
+    back = [nd for nd in gmodel.graph.node if nd.op_type == "Loop" and "Grad" in nd.name]
+    body = back[0].attribute[0].g
+    accumulators = {v.name for v in body.input[2:]}
+    assert any(nd.op_type == "ScatterND" and nd.input[0] in accumulators for nd in body.node)
     loss = Loss()(ids, offsets)
     loss.backward()
     for offs in ([0, 3, 6], [0, 1]):
