@@ -40,9 +40,6 @@ UNDECIDED = {
     "MeanVarianceNormalization": "tier 3: no gradient rule yet (a path through it is a clear error)",
     "Upsample": "deprecated: autodiff upgrades models to opset >= 17 first, which makes it a Resize",
 }
-UNDECIDED.update({op: "tier 3: no gradient through sequences or optionals yet (a path through one is a "
-                      "clear error)" for op in SEQUENCE_OPS
-                  if op in ("SequenceErase", "Optional", "OptionalGetElement")})
 
 
 def _family(fn) -> str:

@@ -571,3 +571,40 @@ def test_sequence_ops_gradients(position: int | None) -> None:
     got = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, feeds)))
     for n in ("x", "y"):
         np.testing.assert_allclose(got[f"{n}_grad"], grads[n], rtol=1e-12, atol=1e-14, err_msg=n)
+
+
+@pytest.mark.parametrize("position", [0, -2, None])
+def test_sequence_erase_and_optional_gradients(position: int | None) -> None:
+    """SequenceErase (the erased element gets no gradient) and an optional wrapped and unwrapped, against
+    central differences in float64 and in onnxruntime."""
+    d = T.DOUBLE
+    pos_in = ["p"] if position is not None else []
+    nodes = [
+        helper.make_node("SplitToSequence", ["x"], ["s"], axis=0),
+        helper.make_node("SequenceErase", ["s", *pos_in], ["s2"]),
+        helper.make_node("ConcatFromSequence", ["s2"], ["c"], axis=0),
+        helper.make_node("Optional", ["c"], ["o"]),
+        helper.make_node("OptionalGetElement", ["o"], ["c2"]),
+        helper.make_node("Mul", ["c2", "c2"], ["cc"]),
+        helper.make_node("ReduceSum", ["cc"], ["loss"], keepdims=0),
+    ]
+    inits = [numpy_helper.from_array(np.array(position, np.int64), "p")] if position is not None else []
+    g = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", d, [4, 3])],
+        [helper.make_tensor_value_info("loss", d, [])],
+        inits,
+    )
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    x = np.random.default_rng(9).standard_normal((4, 3))
+    grads = gradcheck(model, "loss", ["x"], {"x": x})
+    want = 2 * x
+    want[{0: 0, -2: 2, None: 3}[position]] = 0  # the erased row
+    np.testing.assert_allclose(grads["x"], want, rtol=1e-12)
+    gmodel = build_gradient_model(model, "loss", ["x"])
+    onnx.checker.check_model(gmodel, full_check=True)
+    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, {"x": x})))
+    np.testing.assert_allclose(got["x_grad"], want, rtol=1e-12)

@@ -4,8 +4,9 @@ a sequence of its elements' gradients.
 Building and reading sequences have rules (``SequenceConstruct``, ``SequenceInsert``, ``SequenceAt``,
 ``SplitToSequence``, ``ConcatFromSequence``); with the Loop rule's handling of a sequence appended to at
 each iteration they cover TorchScript's list patterns (``outs.append(h)`` ... ``torch.stack(outs)``,
-``x.unbind(0)``, ``outs[i]``). Lengths, presence flags and empty sequences never carry a gradient;
-``SequenceErase`` and the optional ops have no rule yet, so a loss reached through one is a clear error."""
+``x.unbind(0)``, ``outs[i]``). ``SequenceErase`` puts zeros back; an optional's gradient is an optional
+(``Optional`` and ``OptionalGetElement`` swap). Lengths, presence flags and empty sequences never carry a
+gradient."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def sequence_at_grad(g: GradCtx) -> None:
                 "ConstantOfShape",
                 [shape],
                 [zero],
-                value=helper.make_tensor("v", g.elem_type(dy) or g.dtype, [1], [0]),
+                value=helper.make_tensor("v", _element_type(g, seq), [1], [0]),
             ),
         ],
         "zeros_like_element",
@@ -100,6 +101,16 @@ def split_to_sequence_grad(g: GradCtx) -> None:
         g.set_dx(0, g.emit("ConcatFromSequence", dseq, axis=axis))
 
 
+def _element_type(g: GradCtx, seq: str) -> int:
+    """The element type of sequence ``seq`` (the node's float type when the graph does not say)."""
+    tp = g._bw.types.get(seq)
+    if tp is not None and tp.HasField("sequence_type"):
+        elem = tp.sequence_type.elem_type
+        if elem.HasField("tensor_type") and elem.tensor_type.elem_type:
+            return elem.tensor_type.elem_type
+    return g.dtype
+
+
 def _position(g: GradCtx, seq: str, pos: str, after_insert: bool) -> str:
     """``pos`` as a non-negative index into ``seq`` (for an insert, into the sequence after it, whose
     length is one more: a negative position counts from the end of the sequence it was inserted into)."""
@@ -109,3 +120,30 @@ def _position(g: GradCtx, seq: str, pos: str, after_insert: bool) -> str:
     p = g.emit("Cast", pos, to=I64)
     wrapped = g.emit("Add", p, length)
     return g.emit("Where", g.emit("Less", p, g.const(np.array(0, np.int64), I64)), wrapped, p)
+
+
+@gradient("SequenceErase", uses=("x0", "x1"))
+def sequence_erase_grad(g: GradCtx) -> None:
+    # the sequence's gradient with zeros put back where the erased element was
+    seq = g.x(0)
+    pos = g.x(1) if g.has_x(1) else g.const(np.array(-1, np.int64), I64)
+    at = _position(g, seq, pos, after_insert=False)
+    erased = g.emit("SequenceAt", seq, at)
+    zeros = g.emit(
+        "ConstantOfShape",
+        g.emit("Shape", erased),
+        value=helper.make_tensor("v", _element_type(g, seq), [1], [0]),
+    )
+
+    g.set_dx(0, g.emit("SequenceInsert", g.dy(0), zeros, at))
+
+
+@gradient("Optional")
+def optional_grad(g: GradCtx) -> None:
+    if g.needs_dx(0):
+        g.set_dx(0, g.emit("OptionalGetElement", g.dy(0)))
+
+
+@gradient("OptionalGetElement")
+def optional_get_element_grad(g: GradCtx) -> None:
+    g.set_dx(0, g.emit("Optional", g.dy(0)))
