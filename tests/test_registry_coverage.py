@@ -19,6 +19,7 @@ NO_ROW = {
     "If": "branches, not arrays: tests/autodiff/test_control_flow_grad.py, tests/engine/test_control_flow.py",
     "Loop": "a body, not arrays: tests/autodiff/test_control_flow_grad.py, tests/engine/test_control_flow.py",
     "Scan": "a body, not arrays: tests/autodiff/test_control_flow_grad.py, tests/engine/test_control_flow.py",
+    "SequenceMap": "a body over sequences: tests/autodiff/test_control_flow_grad.py",
 }
 # sequence and optional values are lists and None, which the op table's rows (arrays) cannot hold
 SEQUENCE_OPS = ("SequenceEmpty", "SequenceConstruct", "SequenceInsert", "SequenceAt", "SequenceErase",

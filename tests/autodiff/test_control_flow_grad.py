@@ -608,3 +608,44 @@ def test_sequence_erase_and_optional_gradients(position: int | None) -> None:
     sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
     got = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, {"x": x})))
     np.testing.assert_allclose(got["x_grad"], want, rtol=1e-12)
+
+
+def test_sequence_map_gradients() -> None:
+    """SequenceMap over a sequence and a tensor, its body reading an outer value too: gradients of the
+    split input, the tensor input and the outer value, against central differences and in onnxruntime."""
+    d = T.DOUBLE
+    body = helper.make_graph(
+        [
+            helper.make_node("Mul", ["e", "t"], ["et"]),
+            helper.make_node("Mul", ["et", "w"], ["etw"]),
+            helper.make_node("Tanh", ["etw"], ["out"]),
+        ],
+        "body",
+        [helper.make_empty_tensor_value_info("e"), helper.make_empty_tensor_value_info("t")],
+        [helper.make_empty_tensor_value_info("out")],
+    )
+    nodes = [
+        helper.make_node("SplitToSequence", ["x"], ["s"], axis=0),
+        helper.make_node("SequenceMap", ["s", "t"], ["m"], body=body),
+        helper.make_node("ConcatFromSequence", ["m"], ["c"], axis=0),
+        helper.make_node("Mul", ["c", "c"], ["cc"]),
+        helper.make_node("ReduceSum", ["cc"], ["loss"], keepdims=0),
+    ]
+    g = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", d, [4, 3]), helper.make_tensor_value_info("t", d, [1, 3])],
+        [helper.make_tensor_value_info("loss", d, [])],
+        [numpy_helper.from_array(np.array([0.5, -1.0, 2.0]), "w")],
+    )
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    rng = np.random.default_rng(11)
+    feeds = {"x": rng.standard_normal((4, 3)), "t": rng.standard_normal((1, 3))}
+    grads = gradcheck(model, "loss", ["x", "t", "w"], feeds)
+    gmodel = build_gradient_model(model, "loss", ["x", "t", "w"])
+    onnx.checker.check_model(gmodel, full_check=True)
+    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, feeds)))
+    for n in ("x", "t", "w"):
+        np.testing.assert_allclose(got[f"{n}_grad"], grads[n], rtol=1e-12, atol=1e-14, err_msg=n)

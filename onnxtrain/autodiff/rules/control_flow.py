@@ -1,6 +1,6 @@
-"""Gradients of If, Loop and Scan. Each recomputes the forward body inside the backward one and runs the
-body's own backward pass there (built by the gradient builder on the body as a graph of its own), so
-nothing but the per-iteration state of a Loop or Scan needs keeping.
+"""Gradients of If, Loop, Scan and SequenceMap. Each recomputes the forward body inside the backward one
+and runs the body's own backward pass there (built by the gradient builder on the body as a graph of its
+own), so nothing but the per-iteration state of a Loop or Scan needs keeping.
 
 * If: a second If on the same condition; each branch outputs a gradient for every outer value that either
   forward branch reads and that wants one (zeros for those it does not read).
@@ -13,8 +13,9 @@ nothing but the per-iteration state of a Loop or Scan needs keeping.
   each iteration's elements of the scanned inputs and of the incoming output gradients along their axes
   and directions, and stacks the gradients of the scanned elements, which are then put back in the scan
   input's order and axis.
-
-SequenceMap has no rule yet."""
+* SequenceMap: a backward SequenceMap over the same inputs and the outputs' gradients, whose body redoes
+  one element's forward and backward; a tensor input's gradient, and an outer value's, sum over the
+  elements."""
 
 from __future__ import annotations
 
@@ -190,6 +191,66 @@ def scan_grad(g: GradCtx) -> None:
         g.set_dx(n + q, stack)
 
 
+@gradient("SequenceMap", uses=("x*",))
+def sequence_map_grad(g: GradCtx) -> None:
+    """A backward SequenceMap over the same inputs and the outputs' gradients: its body recomputes the
+    forward body on one element and runs the body's backward pass. A sequence input's gradient is the
+    sequence it outputs; a tensor input's, and an outer value's, the sum over the elements."""
+    node, bw = g.node, g._bw
+    body = next(a for a in node.attribute if a.name == "body").g
+    formal = [v.name for v in body.input]
+    is_seq = [_is_sequence(g, name) for name in node.input]
+    wanted_in = [j for j in range(len(node.input)) if g.needs_dx(j)]
+    wanted = g.body_wrt
+    if not wanted_in and not wanted:
+        return
+    label = node.name or "SequenceMap"
+    pre = bw.names(f"{label}_Grad_body") + "/"
+    bind = {f: f"{pre}x{j}" for j, f in enumerate(formal)}
+    dys, grads_in = {}, []
+    for k, o in enumerate(body.output):
+        if g.dy(k) is not None:
+            dys[o.name] = f"{pre}dy{k}"
+            grads_in.append((k, g.dy(k)))
+    bw.names.taken.update(bind.values())
+    bw.names.taken.update(dys.values())
+    wrt = [formal[j] for j in wanted_in] + wanted
+    elem_types = {}  # a body's element inputs: the element type of the sequence mapped over
+    for f, name, seq in zip(formal, node.input, is_seq):
+        tp = bw.types.get(name)
+        if tp is not None:
+            elem_types[f] = tp.sequence_type.elem_type if seq else tp
+    nodes, inits, grads = _differentiate(g, body, wrt, dys, bind, f"{label}_Grad", elem_types)
+    outs = [f"{pre}d{i}_out" for i in range(len(wrt))]
+    tail = [helper.make_node("Identity", [grads[w]], [o]) for w, o in zip(wrt, outs)]
+    inputs = [helper.make_empty_tensor_value_info(bind[f]) for f in formal]
+    inputs += [helper.make_empty_tensor_value_info(dys[body.output[k].name]) for k, _ in grads_in]
+    back = helper.make_graph(
+        nodes + tail,
+        f"{label}_grad_body",
+        inputs,
+        [helper.make_empty_tensor_value_info(o) for o in outs],
+        initializer=inits,
+    )
+    # the gradients of the outputs are sequences like the inputs: mapped over together
+    results = g.emit("SequenceMap", *node.input, *(d for _, d in grads_in), body=back, outputs=len(outs))
+    results = results if isinstance(results, list) else [results]
+    for i, j in enumerate(wanted_in):  # per element; a tensor input's gradient sums them
+        g.set_dx(j, results[i] if is_seq[j] else _sum_elements(g, results[i]))
+    for c, r in zip(wanted, results[len(wanted_in) :]):
+        g.body_dxs[c] = _sum_elements(g, r)
+
+
+def _sum_elements(g: GradCtx, seq: str) -> str:
+    """The sum of a sequence's tensors (all of one shape)."""
+    return g.reduce("ReduceSum", g.emit("ConcatFromSequence", seq, axis=0, new_axis=1), [0], keepdims=0)
+
+
+def _is_sequence(g: GradCtx, name: str) -> bool:
+    tp = g._bw.types.get(name)
+    return tp is not None and tp.HasField("sequence_type")
+
+
 class _ReverseLoop:
     """A backward Loop over the forward iterations, last first: its iteration t redoes forward iteration
     idx = T - 1 - t (``mirror`` is t itself), recomputing the body from the values bound to its formal
@@ -361,17 +422,21 @@ def _differentiate(
     dys: dict[str, str],
     bind: dict[str, str],
     label: str,
+    formal_types: dict[str, onnx.TypeProto] | None = None,
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], dict[str, str]]:
     """Recompute body ``graph`` and run its backward pass: the nodes and initializers that compute the
     gradients of ``wrt`` (its formal inputs or outer values it reads), given the incoming gradients
     ``dys`` (body output → the value holding its gradient); returns them and each gradient's name.
-    ``bind`` names the values that stand for the body's formal inputs; every other name the nodes define
-    gets a prefix unique in the model."""
+    ``bind`` names the values that stand for the body's formal inputs (``formal_types``: their types, for
+    a body that does not declare them); every other name the nodes define gets a prefix unique in the
+    model."""
     from onnxtrain.autodiff.builder import _live_nodes, build_gradient_model
 
     bw = g._bw
     outer = captured_names(graph)
-    inputs = [*graph.input, *(_value_info(c, bw.types.get(c)) for c in outer)]
+    typed = formal_types or {}
+    formal = [_value_info(v.name, typed[v.name]) if v.name in typed else v for v in graph.input]
+    inputs = [*formal, *(_value_info(c, bw.types.get(c)) for c in outer)]
     stand_in = helper.make_node(
         "Constant", [], [_NO_LOSS], value=numpy_helper.from_array(np.zeros((), np.float32))
     )
