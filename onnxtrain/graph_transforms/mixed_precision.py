@@ -41,6 +41,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.graph_transforms.clipping import global_norm
 from onnxtrain.ir.builder import NameGen, NodeWriter, elem_type, model_opset, value_types
+from onnxtrain.ir.graphs import body_reads, rename_body_reads, subgraphs
 from onnxtrain.ir.types import np_dtype
 
 HALF_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -134,10 +135,6 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
     src = onnx.ModelProto()
     src.CopyFrom(model)
     g = src.graph
-    for n in g.node:
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
-            raise ValueError(f"mixed_precision: node {n.name!r} ({n.op_type}) has a subgraph; control flow "
-                             "is not supported by this pass")
     opset = model_opset(src)
     types = value_types(src)
     half_set = frozenset(HALF_OPS if half_ops is None else half_ops)
@@ -196,6 +193,19 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
             for o in node.output:
                 if orig.get(o) == TensorProto.FLOAT:
                     kind[o] = _WEAK
+            nodes.append(node)
+            continue
+        if any(True for _ in subgraphs(node)):
+            # control flow runs in float32: its inputs, and the outer values its bodies read, are cast back
+            for i, v in enumerate(node.input):
+                if v and orig.get(v) == TensorProto.FLOAT and phys.get(v) != TensorProto.FLOAT:
+                    node.input[i] = as_type(v, TensorProto.FLOAT)
+            reads = {c: as_type(c, TensorProto.FLOAT) for c in body_reads(node)
+                     if orig.get(c) == TensorProto.FLOAT and phys.get(c) != TensorProto.FLOAT}
+            rename_body_reads(node, reads)
+            for o in node.output:
+                if o and orig.get(o) == TensorProto.FLOAT:
+                    kind[o] = _F32
             nodes.append(node)
             continue
         schema = _schema(node, opset)

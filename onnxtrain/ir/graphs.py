@@ -51,3 +51,15 @@ def node_reads(node: onnx.NodeProto) -> list[str]:
     reads = [n for n in node.input if n]
     reads.extend(n for n in body_reads(node) if n not in reads)
     return reads
+
+
+def rename_body_reads(node: onnx.NodeProto, names: dict[str, str]) -> None:
+    """Make ``node``'s bodies read outer value ``names[n]`` wherever they read ``n`` (nested bodies too)."""
+    if not names:
+        return
+    for g in subgraphs(node):
+        for inner in g.node:
+            inner.input[:] = [names.get(n, n) for n in inner.input]
+            rename_body_reads(inner, names)
+        for v in g.output:
+            v.name = names.get(v.name, v.name)

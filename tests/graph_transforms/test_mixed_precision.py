@@ -236,3 +236,38 @@ def test_dynamic_loss_scaler_arithmetic() -> None:
     assert off.loss_scale == 2.0 ** 16
     hi.reset()
     assert hi.loss_scale == 2.0 ** 24 and hi.stable_steps == 0
+
+
+@pytest.mark.parametrize("name", ["branch", "list_rnn"])
+def test_control_flow_runs_in_float32(name: str) -> None:
+    """Models with an If (branches reading half activations of the main graph) or a Loop: the bodies run in
+    float32, the values they read are cast back, and the gradients match float32's."""
+    torch = pytest.importorskip("torch")
+    from tests.autodiff.test_control_flow_grad import Branchy, ListRNN, export_scripted
+
+    torch.manual_seed(0)
+    module, shape = (Branchy(), (6, 4)) if name == "branch" else (ListRNN(), (5, 2, 4))
+    x = torch.randn(*shape)
+    if name == "branch":  # along the direction that raises sum(a(x)): x and -x take different branches
+        toward = module.a.weight.detach().sum(0)
+        x = 0.1 * x + 3.0 * toward / toward.norm()
+    model = export_scripted(module, x)
+    weights = [t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT]
+    mp = mixed_precision(model, "loss", "float16")
+    onnx.checker.check_model(mp, full_check=True)
+    info = mixed_precision_info(mp)
+    g16 = gradient_checks(build_gradient_model(mp, info.scaled_loss, weights, outputs=["loss"]),
+                          [f"{w}_grad" for w in weights])
+    onnx.checker.check_model(g16, full_check=True)
+    g32 = build_gradient_model(model, "loss", weights)
+    for sign in (1.0, -1.0):  # both branches of the If
+        feeds = {"x": (sign * x).numpy()}
+        ref, _ = _run(g32, feeds)
+        got, _ = _run(g16, {**feeds, "loss_scale": np.array([64.0], np.float32)})
+        if name == "branch":
+            with torch.no_grad():
+                assert bool(module.a(torch.from_numpy(feeds["x"])).sum() > 0) == (sign > 0)
+        assert abs(float(got["loss"]) - float(ref["loss"])) < 5e-3 * max(1.0, abs(float(ref["loss"])))
+        for w in weights:
+            a, b = ref[f"{w}_grad"], got[f"{w}_grad"] / 64
+            assert np.linalg.norm(b - a) / max(np.linalg.norm(a), 1e-6) < TOL["float16"], w
