@@ -160,6 +160,20 @@ def test_legacy_lenet_bn_20_steps_match_numpy(opt):
     assert_same_training(model.SerializeToString(), opt, feeds, weights_not_to_train=frozen)
 
 
+def test_control_flow_models_train_the_same_on_both_backends():
+    """A scripted list RNN (a Loop carrying a sequence) trains to the same losses and weights on onnxruntime
+    as on the numpy engine: the backward Loop, the sequence ops and the stashed iterations run there too."""
+    torch = pytest.importorskip("torch")
+    from tests.autodiff.test_control_flow_grad import ListRNN, export_scripted
+
+    torch.manual_seed(0)
+    model = export_scripted(ListRNN(), torch.randn(5, 2, 4))
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 6, STEPS)
+    feeds = [{"x": rng.standard_normal((int(n), 2, 4)).astype(np.float32)} for n in lengths]
+    assert_same_training(model.SerializeToString(), "SGDOptimizer", feeds)
+
+
 def test_legacy_gradient_accumulation_and_forward_only_match_numpy():
     from onnxtrain import RunOptions
 
