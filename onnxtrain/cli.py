@@ -48,6 +48,7 @@ def _info(a: argparse.Namespace) -> int:
     from onnxtrain.engine.registry import has_kernel
     from onnxtrain.inference import node_arg
     from onnxtrain.ir.builder import model_opset
+    from onnxtrain.ir.graphs import walk_graphs
 
     model = onnx.load(a.model)
     g = model.graph
@@ -62,7 +63,7 @@ def _info(a: argparse.Namespace) -> int:
     arrays = [numpy_helper.to_array(t) for t in g.initializer]
     print(f"  parameters: {sum(x.size for x in arrays):,} in {len(arrays)} initializers, "
           f"{sum(x.nbytes for x in arrays):,} bytes")
-    nodes = _all_nodes(g)
+    nodes = [n for sub in walk_graphs(g) for n in sub.node]
     hist = collections.Counter(n.op_type for n in nodes)
     domains = {n.op_type: n.domain for n in nodes}
     inside = len(nodes) - len(g.node)
@@ -73,18 +74,6 @@ def _info(a: argparse.Namespace) -> int:
     print(f"  ops without a kernel: {', '.join(no_kernel) or 'none'}")
     print(f"  ops without a gradient rule: {', '.join(no_rule) or 'none'}")
     return 0
-
-
-def _all_nodes(g: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """The graph's nodes and, after each, those of its bodies (nested ones too)."""
-    from onnxtrain.ir.graphs import subgraphs
-
-    out = []
-    for n in g.node:
-        out.append(n)
-        for sub in subgraphs(n):
-            out.extend(_all_nodes(sub))
-    return out
 
 
 def _config(a: argparse.Namespace):

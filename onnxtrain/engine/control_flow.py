@@ -19,15 +19,6 @@ if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan
 
 
-def nbytes(v: Any) -> int:
-    """Bytes held by a value: an array, a sequence of arrays, or None (an empty optional)."""
-    if isinstance(v, np.ndarray):
-        return v.nbytes
-    if isinstance(v, (list, tuple)):
-        return sum(map(nbytes, v))
-    return int(getattr(v, "nbytes", 0))
-
-
 class Body:
     """One body graph compiled into a plan whose inputs are the body's own, then its captures."""
 

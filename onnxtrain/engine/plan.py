@@ -20,7 +20,7 @@ from onnx import helper, numpy_helper
 
 from onnxtrain.engine import fusion
 from onnxtrain.engine.allocator import tune_allocator
-from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow, nbytes
+from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow
 from onnxtrain.engine.donation import donated_slots, donating, reusable_inputs
 from onnxtrain.engine.parallel import default_width, running_with, width
 from onnxtrain.engine.registry import (
@@ -287,12 +287,8 @@ class Plan(GraphInterface):
 
         ``donate`` names feeds the caller will not use again: their arrays may be overwritten (and come
         back as outputs) when that is safe; see :mod:`onnxtrain.engine.donation`."""
-        vals: list[Any] = [None] * (self.n_slots + 1)  # the extra last slot stays None: omitted inputs
+        vals = self._new_slots()
         slot = self.slot
-        for s, v in self._init_values:
-            vals[s] = v
-        for s, v in self._const_values:
-            vals[s] = v
         live = self._base_bytes
         for name, v in feeds.items():
             s = slot.get(name)
@@ -326,15 +322,21 @@ class Plan(GraphInterface):
             out.append(_as_array(vals[s]))
         return out
 
-    def run_inputs(self, values: Sequence[Any]) -> list[Any]:
-        """Run on all graph inputs given in order (``all_input_names``), without checking them: for callers
-        that made the graph themselves (control-flow bodies, once per iteration). ``input_bytes`` holds
-        their bytes afterwards."""
+    def _new_slots(self) -> list[Any]:
+        """A run's value slots holding the initializers and folded constants; the extra last slot stays
+        None (omitted inputs)."""
         vals: list[Any] = [None] * (self.n_slots + 1)
         for s, v in self._init_values:
             vals[s] = v
         for s, v in self._const_values:
             vals[s] = v
+        return vals
+
+    def run_inputs(self, values: Sequence[Any]) -> list[Any]:
+        """Run on all graph inputs given in order (``all_input_names``), without checking them: for callers
+        that made the graph themselves (control-flow bodies, once per iteration). ``input_bytes`` holds
+        their bytes afterwards."""
+        vals = self._new_slots()
         given = 0
         for s, v in zip(self._input_slots, values):
             vals[s] = v
@@ -448,6 +450,15 @@ class Plan(GraphInterface):
         return peak
 
 
+
+
+def nbytes(v: Any) -> int:
+    """Bytes held by a value: an array, a sequence of arrays, or None (an empty optional)."""
+    if isinstance(v, np.ndarray):
+        return v.nbytes
+    if isinstance(v, (list, tuple)):
+        return sum(map(nbytes, v))
+    return int(getattr(v, "nbytes", 0))
 
 
 def _traced_shape(v: Any) -> list[int]:

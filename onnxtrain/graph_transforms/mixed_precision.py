@@ -41,7 +41,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.graph_transforms.clipping import global_norm
 from onnxtrain.ir.builder import NameGen, NodeWriter, elem_type, model_opset, value_types
-from onnxtrain.ir.graphs import body_reads, rename_body_reads, subgraphs
+from onnxtrain.ir.graphs import body_reads, rename_values, subgraphs
 from onnxtrain.ir.types import np_dtype
 
 HALF_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -202,7 +202,7 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
                     node.input[i] = as_type(v, TensorProto.FLOAT)
             reads = {c: as_type(c, TensorProto.FLOAT) for c in body_reads(node)
                      if orig.get(c) == TensorProto.FLOAT and phys.get(c) != TensorProto.FLOAT}
-            rename_body_reads(node, reads)
+            rename_values(node, reads)  # its inputs already read the casts
             for o in node.output:
                 if o and orig.get(o) == TensorProto.FLOAT:
                     kind[o] = _F32

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain.ir.graphs import subgraphs
+from onnxtrain.ir.graphs import walk_graphs
 from onnxtrain.ir.types import np_dtype
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
@@ -38,15 +38,12 @@ class NameGen:
         """The names of ``model``, those inside control-flow bodies included (a body may not define a
         name its graph defines)."""
         names: set[str] = set()
-        todo = [model.graph]
-        while todo:
-            g = todo.pop()
+        for g in walk_graphs(model.graph):
             names |= {v.name for v in (*g.input, *g.output, *g.value_info)} | {t.name for t in g.initializer}
             for n in g.node:
                 names.update(n.input)
                 names.update(n.output)
                 names.add(n.name)
-                todo.extend(subgraphs(n))
         return cls(names)
 
 

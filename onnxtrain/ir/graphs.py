@@ -3,7 +3,7 @@ the graphs around them ("captures"). Passes that prune or follow dependencies re
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import onnx
 from onnx import AttributeProto
@@ -53,13 +53,23 @@ def node_reads(node: onnx.NodeProto) -> list[str]:
     return reads
 
 
-def rename_body_reads(node: onnx.NodeProto, names: dict[str, str]) -> None:
-    """Make ``node``'s bodies read outer value ``names[n]`` wherever they read ``n`` (nested bodies too)."""
+def walk_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every body nested in its nodes."""
+    yield graph
+    for node in graph.node:
+        for g in subgraphs(node):
+            yield from walk_graphs(g)
+
+
+def rename_values(node: onnx.NodeProto, names: dict[str, str]) -> None:
+    """Rename, in place, the values ``node`` reads or makes and those its bodies (nested ones too) read,
+    make or output, by ``names``."""
     if not names:
         return
+    node.input[:] = [names.get(n, n) for n in node.input]
+    node.output[:] = [names.get(n, n) for n in node.output]
     for g in subgraphs(node):
         for inner in g.node:
-            inner.input[:] = [names.get(n, n) for n in inner.input]
-            rename_body_reads(inner, names)
+            rename_values(inner, names)
         for v in g.output:
             v.name = names.get(v.name, v.name)

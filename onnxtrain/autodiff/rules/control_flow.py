@@ -26,7 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
 from onnxtrain.ir.builder import FLOAT_TYPES, elem_type
-from onnxtrain.ir.graphs import captured_names, node_reads, subgraphs
+from onnxtrain.ir.graphs import captured_names, node_reads, rename_values
 
 _NO_LOSS = "onnxtrain_body_no_loss"  # a constant stand-in for the loss of a body's gradient model
 
@@ -488,18 +488,8 @@ def _renamed(node: onnx.NodeProto, rename: dict[str, str]) -> onnx.NodeProto:
     """A copy of ``node`` with its value names (in nested bodies too) renamed."""
     out = onnx.NodeProto()
     out.CopyFrom(node)
-    _rename_in(out, rename)
+    rename_values(out, rename)
     return out
-
-
-def _rename_in(node: onnx.NodeProto, rename: dict[str, str]) -> None:
-    node.input[:] = [rename.get(n, n) for n in node.input]
-    node.output[:] = [rename.get(n, n) for n in node.output]
-    for sub in subgraphs(node):
-        for n in sub.node:
-            _rename_in(n, rename)
-        for v in sub.output:
-            v.name = rename.get(v.name, v.name)
 
 
 def _renamed_tensor(t: onnx.TensorProto, rename: dict[str, str]) -> onnx.TensorProto:

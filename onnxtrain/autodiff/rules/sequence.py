@@ -15,6 +15,7 @@ from onnx import TensorProto, helper
 
 from onnxtrain.autodiff.context import GradCtx
 from onnxtrain.autodiff.registry import gradient, no_gradient
+from onnxtrain.autodiff.rules.shape import zeros
 
 I64 = TensorProto.INT64
 
@@ -129,13 +130,8 @@ def sequence_erase_grad(g: GradCtx) -> None:
     pos = g.x(1) if g.has_x(1) else g.const(np.array(-1, np.int64), I64)
     at = _position(g, seq, pos, after_insert=False)
     erased = g.emit("SequenceAt", seq, at)
-    zeros = g.emit(
-        "ConstantOfShape",
-        g.emit("Shape", erased),
-        value=helper.make_tensor("v", _element_type(g, seq), [1], [0]),
-    )
-
-    g.set_dx(0, g.emit("SequenceInsert", g.dy(0), zeros, at))
+    filler = zeros(g, g.emit("Shape", erased), elem=_element_type(g, seq))
+    g.set_dx(0, g.emit("SequenceInsert", g.dy(0), filler, at))
 
 
 @gradient("Optional")
