@@ -375,6 +375,23 @@ def export_module(
     return model
 
 
+def export_torchscript(module: nn.Module, args: tuple, inputs: list[str], outputs: list[str], dynamic: dict,
+                       script: bool = False, training: bool = False) -> onnx.ModelProto:
+    """Export ``module`` with torch's TorchScript exporter, the one that writes control flow: ``script``
+    compiles it first (an ``if`` or ``for`` on data becomes an If or a Loop); ``training`` keeps training
+    mode and skips constant folding, for a model to train."""
+    buf = io.BytesIO()
+    extra: dict[str, Any] = (
+        {"training": torch.onnx.TrainingMode.TRAINING, "do_constant_folding": False} if training else {}
+    )
+    with warnings.catch_warnings():  # TorchScript's deprecation and tracer notes are expected here
+        warnings.simplefilter("ignore")
+        torch.onnx.export(torch.jit.script(module) if script else module, args, buf, dynamo=False,
+                          opset_version=OPSET, input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
+                          **extra)
+    return onnx.load_from_string(buf.getvalue())
+
+
 def torch_forward(module: nn.Module, feeds: dict[str, np.ndarray]) -> np.ndarray:
     """Run ``module`` on numpy feeds (in feed order) and return a numpy result."""
     with torch.no_grad():

@@ -3,9 +3,6 @@ model and against central differences on nested branches; the gradient graphs ru
 
 from __future__ import annotations
 
-import io
-import warnings
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -17,6 +14,7 @@ from torch import nn
 
 from onnxtrain.autodiff import GradientError, build_gradient_model
 from onnxtrain.testing import gradcheck, run_engine
+from tests import models
 
 
 class Branchy(nn.Module):
@@ -38,20 +36,7 @@ class Branchy(nn.Module):
 
 
 def export_scripted(module: nn.Module, x: torch.Tensor) -> onnx.ModelProto:
-    buf = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            torch.jit.script(module),
-            (x,),
-            buf,
-            dynamo=False,
-            opset_version=17,
-            input_names=["x"],
-            output_names=["loss"],
-            dynamic_axes={"x": {0: "batch"}},
-        )
-    return onnx.load_from_string(buf.getvalue())
+    return models.export_torchscript(module, (x,), ["x"], ["loss"], {"x": {0: "batch"}}, script=True)
 
 
 @pytest.mark.parametrize("shift", [3.0, -3.0])
@@ -284,20 +269,8 @@ def test_embedding_bag_trains() -> None:
         def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
             return (self.bag(ids, offsets) ** 2).sum()
 
-    buf = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            Loss(),
-            (ids, offsets),
-            buf,
-            dynamo=False,
-            opset_version=17,
-            input_names=["ids", "offsets"],
-            output_names=["loss"],
-            dynamic_axes={"ids": {0: "n"}, "offsets": {0: "b"}},
-        )
-    model = onnx.load_from_string(buf.getvalue())
+    model = models.export_torchscript(Loss(), (ids, offsets), ["ids", "offsets"], ["loss"],
+                                      {"ids": {0: "n"}, "offsets": {0: "b"}})
     assert "Loop" in {nd.op_type for nd in model.graph.node}
     (weight,) = [t.name for t in model.graph.initializer if tuple(t.dims) == (10, 3)]
     gmodel = build_gradient_model(model, "loss", [weight])

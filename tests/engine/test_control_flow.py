@@ -4,9 +4,7 @@ liveness and errors."""
 
 from __future__ import annotations
 
-import io
 import json
-import warnings
 
 import numpy as np
 import onnx
@@ -19,6 +17,7 @@ from torch import nn
 
 import onnxtrain
 from onnxtrain.engine import EngineError, Plan, UnsupportedOpError
+from tests import models
 
 F, I64, B = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 
@@ -53,20 +52,7 @@ def assert_same(got, want, rtol: float = 1e-6) -> None:
 
 
 def export(module: nn.Module, args: tuple, names: list[str], dynamic: dict) -> onnx.ModelProto:
-    buf = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            module,
-            args,
-            buf,
-            dynamo=False,
-            opset_version=17,
-            input_names=names,
-            output_names=["y"],
-            dynamic_axes=dynamic,
-        )
-    return onnx.load_from_string(buf.getvalue())
+    return models.export_torchscript(module, args, names, ["y"], dynamic)
 
 
 # ---- models exported by torch --------------------------------------------------------------------------

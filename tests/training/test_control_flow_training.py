@@ -4,9 +4,6 @@ weights only a branch reads and runs in onnxruntime."""
 
 from __future__ import annotations
 
-import io
-import warnings
-
 import numpy as np
 import onnx
 import pytest
@@ -16,6 +13,7 @@ from onnxtrain.training.api import CheckpointState, Module, Optimizer
 
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
+models = pytest.importorskip("tests.models")
 LR = 0.02
 
 
@@ -38,22 +36,8 @@ def test_branchy_model_trains_like_torch_and_exports(tmp_path) -> None:
     torch.manual_seed(0)
     net = Branchy()
     x = torch.randn(8, 4)
-    buf = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            torch.jit.script(net),
-            (x,),
-            buf,
-            dynamo=False,
-            opset_version=17,
-            input_names=["x"],
-            output_names=["y"],
-            dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}},
-            training=torch.onnx.TrainingMode.TRAINING,
-            do_constant_folding=False,
-        )
-    model = onnx.load_from_string(buf.getvalue())
+    model = models.export_torchscript(net, (x,), ["x"], ["y"], {"x": {0: "batch"}, "y": {0: "batch"}},
+                                      script=True, training=True)
     assert "If" in {n.op_type for n in model.graph.node}
     params = [t.name for t in model.graph.initializer]
     artifacts.generate_artifacts(
