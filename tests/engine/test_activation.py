@@ -29,8 +29,11 @@ def test_sigmoid_is_stable_and_relatively_accurate() -> None:
     want = np.array([1 / (1 + math.exp(-v)) if v > -700 else 0.0 for v in x])
     np.testing.assert_allclose(y, want, rtol=1e-15)
     assert y[1] > 0  # exp(-50)-sized values keep their relative precision
-    y32 = run("Sigmoid", np.array([-100.0, 100.0], np.float32))
-    assert y32.dtype == np.float32 and y32[1] == 1.0
+    with np.errstate(over="raise", invalid="raise"):
+        y32 = run("Sigmoid", np.array([-100.0, -87.0, -20.0, 100.0], np.float32))
+    assert y32.dtype == np.float32 and y32[3] == 1.0
+    assert y32[0] == 0.0  # exp(100) overflows float32: the exact value, 3.7e-44, is subnormal
+    np.testing.assert_allclose(y32[1:3], [1 / (1 + math.exp(87.0)), 1 / (1 + math.exp(20.0))], rtol=3e-7)
 
 
 def test_softplus_and_mish_at_large_inputs() -> None:

@@ -63,3 +63,61 @@ def test_gemm_with_transposed_b_over_few_rows(rows: int, bias_shape, dtype) -> N
     (ref,) = ReferenceEvaluator(m).run(None, feeds)
     assert ours.shape == (rows, 64) and ours.dtype == dtype and ours.flags.c_contiguous
     np.testing.assert_allclose(ours, ref, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "a_shape,b_shape,transposed_b",
+    [((1, 50, 3, 4), (1, 1, 4, 5), False), ((1, 50, 3, 4), (1, 1, 4, 5), True),
+     ((2, 3, 4), (1, 1, 4, 5), False), ((6, 3, 4), (1, 4, 5), True), ((2, 6, 3, 4), (2, 1, 4, 5), False)],
+    ids=["rnn-grad", "rnn-grad-transposed", "b-has-more-dims", "3d", "b-batch-not-one"],
+)
+def test_matmul_with_b_of_unit_batch_dims_is_one_gemm(a_shape, b_shape, transposed_b) -> None:
+    """A B whose batch dims are all 1 multiplies every matrix of A: one 2-D GEMM over A's rows, with the
+    broadcast output shape; a B with a real batch keeps numpy's batched path. Against float64 numpy."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((*a_shape[:-1], a_shape[-1] + 3)).astype(np.float32)[..., :a_shape[-1]]  # strided
+    b = rng.standard_normal(b_shape).astype(np.float32)
+    if transposed_b:  # the transpose of a C-contiguous weight, as an RNN gradient's W·ᵀ is
+        b = np.ascontiguousarray(b.swapaxes(-1, -2)).swapaxes(-1, -2)
+    (y,) = mm.matmul([a, b], None)
+    want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    assert y.shape == want.shape and y.dtype == np.float32
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "equation,shapes",
+    [
+        ("dtbg,dtbi->dgi", [(1, 5, 3, 8), (1, 5, 3, 4)]),  # an RNN gradient's dW
+        ("dtbg,dtbi->dgi", [(2, 5, 3, 8), (2, 5, 3, 4)]),  # both directions: a batch of 2
+        ("bij,bjk->bik", [(4, 3, 5), (4, 5, 2)]),
+        ("ij,jk->ki", [(3, 5), (5, 2)]),  # output transposed
+        ("abc,cd->dba", [(2, 3, 4), (4, 5)]),
+        ("ijk,jl->il", [(3, 4, 5), (4, 2)]),  # k only in A and not kept: summed first
+        ("ij,jkl->ik", [(3, 4), (4, 2, 6)]),  # l only in B
+        ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)]),  # attention scores
+        ("...ij,...jk->...ik", [(2, 3, 4), (2, 4, 5)]),  # ellipsis: numpy's einsum
+        ("ij,ij->ij", [(3, 4), (3, 4)]),  # nothing summed: numpy's einsum
+        ("ii,ij->j", [(3, 3), (3, 4)]),  # repeated subscript: numpy's einsum
+        ("ij,jk", [(3, 4), (4, 5)]),  # implicit output: numpy's einsum
+    ],
+)
+def test_einsum_as_batched_matmul_matches_numpy(equation, shapes) -> None:
+    """Two-operand contractions run as one (batched) BLAS product; the rest as np.einsum. Against float64
+    np.einsum, with strided float32 operands, and twice (the plan is cached per shape)."""
+    rng = np.random.default_rng(2)
+    ops = [np.asfortranarray(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Einsum", ["a", "b"], ["y"], equation=equation)], "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("a", "b")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    plan = Plan(model)
+    want = np.einsum(equation, *(o.astype(np.float64) for o in ops))
+    for _ in range(2):
+        (y,) = plan.run({"a": ops[0], "b": ops[1]})
+        assert y.shape == want.shape and y.dtype == np.float32
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    lowered = mm._Contraction.of(equation, *ops)
+    assert (lowered is not None) == (equation.count(",") == 1 and "->" in equation and "." not in equation
+                                     and equation not in ("ij,ij->ij", "ii,ij->j"))

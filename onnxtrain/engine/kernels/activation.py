@@ -1,7 +1,8 @@
 """Activation kernels: Relu, Sigmoid, Tanh, Gelu, the Relu/Elu variants, Softplus, Mish, Clip, Hardmax.
 
 Composite formulas run in float32 for float16 and bfloat16 inputs (``_float_op``) and are rounded
-back once; the stable forms of Sigmoid and Softplus never overflow exp.
+back once; Softplus never overflows exp, and Sigmoid's exp overflows only where the result is below
+the normal floats (it is then 0).
 """
 
 from __future__ import annotations
@@ -37,17 +38,23 @@ def _float_op(op: str, since: int) -> Callable[[FloatFn], FloatFn]:
     return register
 
 
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    """1 / (1 + exp(-x)) as exp(min(x, 0)) / (1 + exp(-|x|)): no overflow, full relative accuracy."""
-    r = np.abs(x)
-    np.negative(r, out=r)
+def logistic(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-x)), computed as written: relatively accurate wherever the result is a normal float.
+    Where exp(-x) overflows (x < -88.7 in float32, -709.8 in float64) the result is 0, the exact value
+    being subnormal or less, as in onnx.reference; callers turn numpy's overflow warning off. Four
+    passes; the overflow-free form exp(min(x, 0)) / (1 + exp(-|x|)) took seven, 2.3x the time (the LSTM
+    gradient's gates, 614K values: 986 → 416 µs)."""
+    r = np.negative(x)
     np.exp(r, out=r)
     r += 1
     np.reciprocal(r, out=r)
-    m = np.minimum(x, 0)
-    np.exp(m, out=m)
-    r *= m
     return r
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """:func:`logistic` with numpy's overflow warning off."""
+    with np.errstate(over="ignore"):
+        return logistic(x)
 
 
 def softplus(x: np.ndarray) -> np.ndarray:

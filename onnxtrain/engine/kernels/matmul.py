@@ -27,10 +27,14 @@ def matmul(inputs: Inputs, attrs: Attrs) -> Outputs:
     dt = a.dtype
     if _low_precision(dt):
         return (np.matmul(a.astype(_F32), b.astype(_F32)).astype(dt),)
-    if a.ndim > 2 and b.ndim == 2 and a.size:
+    if a.ndim > 2 and b.ndim >= 2 and a.size and b.shape[:-2] == (1,) * (b.ndim - 2):
         # (..., K) @ (K, N) as one 2-D GEMM: faster than numpy's loop of small GEMMs over the batch, even
-        # when ``a`` is a strided view (attention's transposes) that the reshape must copy
-        return (np.matmul(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[1]),)
+        # when ``a`` is a strided view (attention's transposes) that the reshape must copy. A B of batch
+        # dims all 1 (an RNN gradient's per-direction weights, [1, 1, K, N]) is such a matrix too: numpy
+        # would loop over A's batch (LSTM backward, 50 steps × 32 rows: 1.29 ms → 0.52 ms)
+        lead = a.shape[:-2] if b.ndim == 2 else np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        y = np.matmul(a.reshape(-1, a.shape[-1]), b.reshape(b.shape[-2:]))
+        return (y.reshape(*lead, a.shape[-2], b.shape[-1]),)
     if b.ndim > 2 and b.strides[-1] == b.itemsize and b.strides[-2] >= _FAR_ROWS:
         # a batch of B matrices with each row on its own page (attention's V as a view of a (S, B, H, d)
         # tensor): one copy first makes the small GEMMs faster (measured in the exported transformer's
@@ -93,14 +97,78 @@ def gemm(inputs: Inputs, attrs: Attrs) -> Outputs:
     return (y.astype(dt) if low else y,)
 
 
-def _einsum_path(equation: str, operands: Inputs, cache: dict) -> list | bool:
-    """The contraction path for these operand shapes, searched once per shape combination."""
-    key = tuple(op.shape for op in operands)
-    path = cache.get(key)
-    if path is None:
-        path = np.einsum_path(equation, *operands, optimize=True)[0] if len(operands) > 1 else False
-        cache[key] = path
-    return path
+class _Contraction:
+    """A two-operand einsum as one (batched) matrix product: the subscripts in both operands and the output
+    are the batch, those in both operands only are summed over by the product, and each operand's own
+    subscripts are its rows or columns (summed first when the output drops them). np.einsum runs such a
+    contraction in its own loops when a batch subscript is present; BLAS is 1.4-1.7x faster (the LSTM
+    gradient's ``dtbg,dtbi->dgi`` over 50 steps × 32 rows: 739 → 524 µs, 521 → 312 µs on a strided x)."""
+
+    __slots__ = ("a_sum", "b_sum", "a_perm", "b_perm", "a_shape", "b_shape", "y_shape", "y_perm")
+
+    def __init__(self, sa: str, sb: str, out: str, size: dict[str, int]):
+        batch = [c for c in out if c in sa and c in sb]
+        left = [c for c in out if c in sa and c not in sb]
+        right = [c for c in out if c in sb and c not in sa]
+        summed = [c for c in sa if c in sb and c not in out]
+        self.a_sum = tuple(i for i, c in enumerate(sa) if c not in sb and c not in out)
+        self.b_sum = tuple(i for i, c in enumerate(sb) if c not in sa and c not in out)
+        ka = [c for i, c in enumerate(sa) if i not in self.a_sum]
+        kb = [c for i, c in enumerate(sb) if i not in self.b_sum]
+        self.a_perm = [ka.index(c) for c in batch + left + summed]
+        self.b_perm = [kb.index(c) for c in batch + summed + right]
+
+        def prod(cs: list[str]) -> int:
+            return int(np.prod([size[c] for c in cs], dtype=np.int64))
+
+        self.a_shape = (prod(batch), prod(left), prod(summed))
+        self.b_shape = (prod(batch), prod(summed), prod(right))
+        order = batch + left + right
+        self.y_shape = [size[c] for c in order]
+        self.y_perm = [order.index(c) for c in out]
+
+    @classmethod
+    def of(cls, equation: str, a: np.ndarray, b: np.ndarray) -> _Contraction | None:
+        """The contraction for an explicit two-operand ``equation`` over float operands, or None (ellipsis,
+        a repeated subscript, nothing summed over, sizes that differ: np.einsum's business)."""
+        lhs, arrow, out = equation.partition("->")
+        terms = lhs.split(",")
+        if not arrow or "." in equation or len(terms) != 2 or a.dtype.kind != "f" or b.dtype.kind != "f":
+            return None
+        sa, sb = terms
+        if any(len(set(s)) != len(s) for s in (sa, sb, out)) or (len(sa), len(sb)) != (a.ndim, b.ndim):
+            return None
+        size: dict[str, int] = {}
+        for s, shape in ((sa, a.shape), (sb, b.shape)):
+            for c, n in zip(s, shape):
+                if size.setdefault(c, n) != n:
+                    return None
+        if any(c not in size for c in out) or not any(c in sb and c not in out for c in sa):
+            return None
+        return cls(sa, sb, out, size)
+
+    def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        if self.a_sum:
+            a = a.sum(axis=self.a_sum)
+        if self.b_sum:
+            b = b.sum(axis=self.b_sum)
+        a = a.transpose(self.a_perm).reshape(self.a_shape)
+        b = b.transpose(self.b_perm).reshape(self.b_shape)
+        y = np.matmul(a[0], b[0]) if self.a_shape[0] == 1 else np.matmul(a, b)
+        return y.reshape(self.y_shape).transpose(self.y_perm)
+
+
+def _einsum_plan(equation: str, operands: Inputs, cache: dict) -> _Contraction | list | bool:
+    """How to run the einsum for these operand shapes, decided once per shape combination: a
+    :class:`_Contraction`, else numpy's contraction path."""
+    key = tuple(op.shape for op in operands) + tuple(op.dtype for op in operands)
+    plan = cache.get(key)
+    if plan is None:
+        plan = _Contraction.of(equation, *operands) if len(operands) == 2 else None
+        if plan is None:
+            plan = np.einsum_path(equation, *operands, optimize=True)[0] if len(operands) > 1 else False
+        cache[key] = plan
+    return plan
 
 
 @kernel("Einsum", since=12)
@@ -113,8 +181,8 @@ def einsum(inputs: Inputs, attrs: Attrs) -> Outputs:
             raise ValueError("Einsum needs a non-empty equation")
     dt = inputs[0].dtype
     ops = [x.astype(_F32) for x in inputs] if _low_precision(dt) else inputs
-    path = _einsum_path(eq, ops, cache.setdefault("paths", {}))
-    y = np.einsum(eq, *ops, optimize=path)
+    plan = _einsum_plan(eq, ops, cache.setdefault("paths", {}))
+    y = plan(*ops) if isinstance(plan, _Contraction) else np.einsum(eq, *ops, optimize=plan)
     if not isinstance(y, np.ndarray) or y.dtype != dt:
         y = np.asarray(y).astype(dt, copy=False)
     return (y,)

@@ -13,21 +13,25 @@ from typing import Any
 
 import numpy as np
 
-from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+from onnxtrain.engine.kernels.activation import logistic
+from onnxtrain.engine.registry import Attrs, Inputs, Kernel, Outputs, kernel
 
 Act = Callable[[np.ndarray], np.ndarray]
 
 
+def _quiet(fn: Kernel) -> Kernel:
+    """``fn`` with numpy's overflow warning off: exp in the logistic gate overflows to inf for very
+    negative inputs, which gives the gate its limit 0 (one errstate per node, not per time step)."""
+
+    def run(inputs: Inputs, attrs: Attrs) -> Outputs:
+        with np.errstate(over="ignore"):
+            return fn(inputs, attrs)
+
+    run.__name__, run.__doc__ = fn.__name__, fn.__doc__
+    return run
+
+
 # --- activation functions -------------------------------------------------------------------------
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    # tanh form: no overflow warnings for large |x|; in place on one temporary
-    y = np.multiply(x, 0.5)
-    np.tanh(y, out=y)
-    y *= 0.5
-    y += 0.5
-    return y
-
 
 def _relu(x: np.ndarray) -> np.ndarray:
     return np.maximum(x, 0)
@@ -44,7 +48,7 @@ def _softplus(x: np.ndarray) -> np.ndarray:
 def _make_act(name: str, alpha: float, beta: float) -> Act:
     """The activation ``name`` with its (already resolved) alpha and beta."""
     if name == "sigmoid":
-        return _sigmoid
+        return logistic  # the kernels run with overflow warnings off (_quiet)
     if name == "tanh":
         return np.tanh
     if name == "relu":
@@ -247,6 +251,7 @@ def _clip(x: np.ndarray, c: float | None) -> np.ndarray:
 # --- LSTM -----------------------------------------------------------------------------------------
 
 @kernel("LSTM", since=7)
+@_quiet
 def lstm(inputs: Inputs, attrs: Attrs) -> Outputs:
     """LSTM with gate order i, o, f, c; peepholes P = (i, o, f); optional coupled input/forget."""
     s = _setup(attrs, ("Sigmoid", "Tanh", "Tanh"))
@@ -300,6 +305,7 @@ def lstm(inputs: Inputs, attrs: Attrs) -> Outputs:
 # --- GRU ------------------------------------------------------------------------------------------
 
 @kernel("GRU", since=7)
+@_quiet
 def gru(inputs: Inputs, attrs: Attrs) -> Outputs:
     """GRU with gate order z, r, h; ``linear_before_reset`` applies the reset after R_h."""
     s = _setup(attrs, ("Sigmoid", "Tanh"))
@@ -342,6 +348,7 @@ def gru(inputs: Inputs, attrs: Attrs) -> Outputs:
 # --- RNN ------------------------------------------------------------------------------------------
 
 @kernel("RNN", since=7)
+@_quiet
 def rnn(inputs: Inputs, attrs: Attrs) -> Outputs:
     """Simple RNN: H_t = f(X_t·Wᵀ + H_{t-1}·Rᵀ + Wb + Rb)."""
     s = _setup(attrs, ("Tanh",))
