@@ -11,7 +11,9 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, helper
 
+from onnxtrain.engine.bag_loops import BagPooling
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs
+from onnxtrain.ir.bag_loops import match_bag_loop
 from onnxtrain.ir.graphs import captured_names
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
@@ -121,10 +123,17 @@ class If(ControlFlow):
 
 
 class Loop(ControlFlow):
+    pool: BagPooling | None = None  # set when the body pools bags (onnxtrain.engine.bag_loops)
+
     def compute(self, inputs: Inputs, attrs: Attrs) -> Outputs:
         own, captured = self.split(inputs)
         trip, cond, carried = own[0], own[1], list(own[2:])
         body = self.bodies["body"]
+        if self.pool is not None:
+            pooled = self.pool(trip, cond, captured)
+            if pooled is not None:
+                body.peak_extra = self.pool.last_bytes
+                return (pooled,)
         captured = body.take(captured)
         n_scan = len(body.outputs) - 1 - len(carried)
         if n_scan < 0:
@@ -252,4 +261,8 @@ def compile_control_flow(node: onnx.NodeProto, model: onnx.ModelProto, opset: in
     if node.op_type == "Loop" and len(bodies["body"].input_names) != len(node.input):
         raise EngineError(f"{where}: the body takes {len(bodies['body'].input_names)} inputs; the node has "
                          f"{len(node.input)} (M, cond and the loop-carried values)")
-    return kind(node, bodies, len(node.input))
+    flow = kind(node, bodies, len(node.input))
+    if fuse and isinstance(flow, Loop):
+        bag = match_bag_loop(node)
+        flow.pool = BagPooling(bag) if bag is not None else None
+    return flow

@@ -254,10 +254,14 @@ def test_loop_gradients_match_torch(n: int, with_cond: bool) -> None:
         np.testing.assert_allclose(got[f"{name}_grad"], grads[name], rtol=1e-10, atol=1e-12, err_msg=name)
 
 
-def test_embedding_bag_trains() -> None:
-    """nn.EmbeddingBag exports as a Loop over the bags: the embedding's gradient matches torch's."""
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_trains(mode: str) -> None:
+    """nn.EmbeddingBag exports as a Loop over the bags: the embedding's gradient matches torch's. For sum
+    and mean there is no backward loop (onnxtrain.ir.bag_loops): one ScatterND adds every id position's
+    share into the table; max keeps the backward Loop, whose iterations scatter their bag's rows straight
+    into the table's gradient accumulator. The gradient graph also runs in onnxruntime."""
     torch.manual_seed(0)
-    bag = nn.EmbeddingBag(10, 3, mode="mean")
+    bag = nn.EmbeddingBag(10, 3, mode=mode)
     ids = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9])
     offsets = torch.tensor([0, 3, 6])
 
@@ -275,14 +279,17 @@ def test_embedding_bag_trains() -> None:
     (weight,) = [t.name for t in model.graph.initializer if tuple(t.dims) == (10, 3)]
     gmodel = build_gradient_model(model, "loss", [weight])
     onnx.checker.check_model(gmodel, full_check=True)
-    # each backward iteration scatters its bag's rows straight into the table's gradient accumulator
     back = [nd for nd in gmodel.graph.node if nd.op_type == "Loop" and "Grad" in nd.name]
-    body = back[0].attribute[0].g
-    accumulators = {v.name for v in body.input[2:]}
-    assert any(nd.op_type == "ScatterND" and nd.input[0] in accumulators for nd in body.node)
-    loss = Loss()(ids, offsets)
-    loss.backward()
-    for offs in ([0, 3, 6], [0, 1]):
+    if mode == "max":
+        body = back[0].attribute[0].g
+        accumulators = {v.name for v in body.input[2:]}
+        assert any(nd.op_type == "ScatterND" and nd.input[0] in accumulators for nd in body.node)
+    else:
+        assert not back
+        assert [nd.op_type for nd in gmodel.graph.node].count("ScatterND") == 1
+    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
+    layouts = [[0, 3, 6], [0, 1], [0, 3, 3, 6], [0, 8]] if mode == "sum" else [[0, 3, 6], [0, 1], [0, 7]]
+    for offs in layouts:
         feeds = {"ids": ids.numpy(), "offsets": np.array(offs, np.int64)}
         got = dict(zip([o.name for o in gmodel.graph.output], run_engine(gmodel, feeds)))
         bag.zero_grad()
@@ -290,6 +297,13 @@ def test_embedding_bag_trains() -> None:
         want_loss.backward()
         np.testing.assert_allclose(got["loss"], want_loss.item(), rtol=1e-5)
         np.testing.assert_allclose(got[f"{weight}_grad"], bag.weight.grad.numpy(), rtol=1e-5, atol=1e-6)
+        theirs = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, feeds)))
+        np.testing.assert_allclose(theirs[f"{weight}_grad"], got[f"{weight}_grad"], rtol=1e-5, atol=1e-6)
+    if mode != "max":  # bags out of order (torch refuses them): the loop pools them, the gradient is NaN
+        feeds = {"ids": ids.numpy(), "offsets": np.array([0, 5, 3], np.int64)}
+        with np.errstate(invalid="ignore"):  # the mean of the reversed, empty bag is 0 / 0
+            got = dict(zip([o.name for o in gmodel.graph.output], run_engine(gmodel, feeds)))
+        assert np.isfinite(got["loss"]) == (mode == "sum") and np.isnan(got[f"{weight}_grad"]).all()
 
 
 def test_if_inside_loop_gradients() -> None:
