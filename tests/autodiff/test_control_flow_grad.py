@@ -306,6 +306,48 @@ def test_embedding_bag_trains(mode: str) -> None:
         assert np.isfinite(got["loss"]) == (mode == "sum") and np.isnan(got[f"{weight}_grad"]).all()
 
 
+@pytest.mark.parametrize("variant", ["include_last_offset", "per_sample_weights", "2d_input"])
+def test_embedding_bag_variants_train(variant: str) -> None:
+    """The other EmbeddingBag exports: offsets with the last one included and a 2-D input (no offsets)
+    still pool bags (onnxtrain.ir.bag_loops); per-sample weights scale the rows inside the body, which
+    keeps the backward Loop. The table's gradient matches torch's either way."""
+    from onnxtrain.ir.bag_loops import match_bag_loop
+
+    torch.manual_seed(0)
+    ids = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9])
+    if variant == "include_last_offset":
+        bag = nn.EmbeddingBag(10, 3, mode="sum", include_last_offset=True)
+        args, names, call = (ids, torch.tensor([0, 3, 8])), ["ids", "offsets"], lambda b, i, o: b(i, o)
+    elif variant == "per_sample_weights":
+        bag = nn.EmbeddingBag(10, 3, mode="sum")
+        args, names = (ids, torch.tensor([0, 3]), torch.rand(8)), ["ids", "offsets", "w"]
+        call = lambda b, i, o, w: b(i, o, per_sample_weights=w)  # noqa: E731
+    else:
+        bag = nn.EmbeddingBag(10, 3, mode="mean")
+        args, names, call = (ids.reshape(2, 4),), ["ids"], lambda b, i: b(i)
+
+    class Loss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bag = bag
+
+        def forward(self, *a: torch.Tensor) -> torch.Tensor:
+            return (call(self.bag, *a) ** 2).sum()
+
+    model = models.export_torchscript(Loss(), args, names, ["loss"], {n: {0: "n"} for n in names})
+    (loop,) = [nd for nd in model.graph.node if nd.op_type == "Loop"]
+    assert (match_bag_loop(loop) is None) == (variant == "per_sample_weights")
+    (weight,) = [t.name for t in model.graph.initializer if tuple(t.dims) == (10, 3)]
+    gmodel = build_gradient_model(model, "loss", [weight])
+    onnx.checker.check_model(gmodel, full_check=True)
+    got = dict(zip([o.name for o in gmodel.graph.output], run_engine(gmodel, {n: a.numpy() for n, a in
+                                                                               zip(names, args)})))
+    loss = Loss()(*args)
+    loss.backward()
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-6)
+    np.testing.assert_allclose(got[f"{weight}_grad"], bag.weight.grad.numpy(), rtol=1e-6, atol=1e-7)
+
+
 def test_if_inside_loop_gradients() -> None:
     """A Loop whose body holds an If whose branches read values of the body and of the main graph: the
     Loop's backward body differentiates the If through its own rule (central differences, float64)."""
