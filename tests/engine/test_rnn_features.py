@@ -64,6 +64,7 @@ def _to_layout1(inputs: list[Any]) -> list[Any]:
 
 LENS = [None, [5, 2, 4], [1, 5, 3]]
 VARIANTS = [
+    ("LSTM", {}, False),  # plain: the gate-major loop (full lengths; the layout-1 run takes the general one)
     ("LSTM", {}, True),
     ("LSTM", {"clip": 0.6}, True),
     ("LSTM", {"input_forget": 1}, False),
@@ -107,6 +108,28 @@ def test_matches_onnxruntime(op: str, attrs: dict, peep: bool, direction: str, l
     np.testing.assert_allclose(ours1[0], ours[0].transpose(2, 0, 1, 3), rtol=1e-6, atol=1e-6)
     for a1, a0 in zip(ours1[1:], ours[1:]):
         np.testing.assert_allclose(a1, a0.transpose(1, 0, 2), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("op,attrs", [("LSTM", {}), ("GRU", {}), ("GRU", {"linear_before_reset": 1})])
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+def test_gate_major_loop_equals_the_general_one(op: str, attrs: dict, direction: str, monkeypatch) -> None:
+    """Plain LSTM/GRU nodes (layout 0, default activations, no clip, peepholes or partial lengths) run the
+    loop on transposed states; the general loop gives the same outputs, to the bit here."""
+    from onnxtrain.engine.kernels import rnn
+
+    dirs = 2 if direction == "bidirectional" else 1
+    ins = _inputs(op, dirs, None, False)
+    outs = ["y0", "y1", "y2"] if op == "LSTM" else ["y0", "y1"]
+    model = _model(op, {**attrs, "direction": direction}, ins, outs)
+    taken: list[bool] = []
+    real = rnn._plain
+    monkeypatch.setattr(rnn, "_plain", lambda *a: taken.append(real(*a)) or taken[-1])
+    fast = compile_model(model).run(_feeds(ins))
+    monkeypatch.setattr(rnn, "_plain", lambda *a: False)
+    general = compile_model(model).run(_feeds(ins))
+    assert taken == [True]
+    for a, b in zip(fast, general):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_different_activations_per_direction() -> None:
