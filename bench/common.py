@@ -60,11 +60,13 @@ def calibrate(fn: Callable[[], object], min_time: float = 0.05) -> int:
 
 
 def compare(peers: Mapping[str, Callable[[], object]], repeats: int = 7, warmup: int = 2,
-            min_time: float = 0.05) -> dict[str, Timing]:
+            min_time: float = 0.05, pause: float = 0.0) -> dict[str, Timing]:
     """Time every peer, interleaved: ``warmup`` untimed calls each, then ``repeats`` rounds.
 
     In each round every peer runs ``number`` calls in a row (calibrated once per peer so a sample lasts
-    at least ``min_time``); a peer's figure is the median over rounds of the time per call.
+    at least ``min_time``); a peer's figure is the median over rounds of the time per call. ``pause``
+    seconds pass before each turn: peers in one process whose idle threads busy-wait after their last
+    call (OpenBLAS's, about 0.1 s) would otherwise take a core from the next peer's turn.
     """
     if repeats < 5:
         raise ValueError("use at least 5 repeats: a median of fewer is noise")
@@ -76,6 +78,8 @@ def compare(peers: Mapping[str, Callable[[], object]], repeats: int = 7, warmup:
     for _ in range(repeats):
         for name, fn in peers.items():
             n = numbers[name]
+            if pause:
+                time.sleep(pause)
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
