@@ -347,7 +347,7 @@ def _transposed_state(v: np.ndarray) -> np.ndarray:
 def _lstm_gate_major(inputs: Inputs, s: _Setup, attrs: Attrs) -> Outputs:
     """The plain LSTM's loop on states kept transposed, [dirs, hidden, batch]: the gates R·hᵀ come out
     [dirs, 4·hidden, batch], so each gate is a contiguous block and every step runs in place in buffers
-    made once (50 steps of batch 32, hidden 128: 3.2 → 2.2 ms against the batch-major loop above)."""
+    made once (50 steps of batch 32, hidden 128: 2.9 → 2.1 ms against the batch-major loop above)."""
     seq = _Seq(inputs, s, 4, 4, gate_major=True)
     n, dirs, batch = seq.hid, seq.n_dirs, seq.batch
     h = _transposed_state(seq.initial(inputs[5] if len(inputs) > 5 else None, s))
