@@ -248,23 +248,26 @@ def _conv_transpose_flat(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.
     X's rows are padded with zeros to the canvas width Wf, so that each kernel offset's contribution is one
     contiguous run of the flattened canvas, shifted by ki*dil*Wf + kj*dil: K adds of long runs instead of
     K * N * M * H adds of short rows (LeNet's conv2 input gradient: 1.19 -> 0.74 ms). The padded columns
-    carry zeros, so the parts of a run that wrap past a row's end add nothing.
+    carry zeros, so the parts of a run that wrap past a row's end add nothing. Channels lead (X as
+    [C, N, ...], the canvas as [M, N, ...]): the contributions are one GEMM for the whole batch, whose rows
+    (offset, output channel) make each offset's block contiguous (0.74 -> 0.58 ms).
     """
     n, c, ih, iw = x.shape
-    kw, (dh, dw), m = g["k"][1], g["dil"], g["m"]
+    kw, (dh, dw), m, k = g["k"][1], g["dil"], g["m"], g["K"]
     hf, wf = g["full"]
-    xp = np.zeros((n, c, ih, wf), x.dtype)
-    xp[..., :iw] = x
+    xp = np.zeros((c, n, ih, wf), x.dtype)
+    xp[..., :iw] = x.transpose(1, 0, 2, 3)
     run = ih * wf
-    cols = np.matmul(w.reshape(c, m * g["K"]).T, xp.reshape(n, c, run)).reshape(n, m, g["K"], run)
-    canvas = np.zeros((n, m, hf * wf + (kw - 1) * dw), x.dtype)
-    for j in range(g["K"]):
+    wk = w.reshape(c, m, k).transpose(2, 1, 0).reshape(k * m, c)  # rows: (kernel offset, output channel)
+    cols = np.matmul(wk, xp.reshape(c, n * run)).reshape(k, m, n, run)
+    canvas = np.zeros((m, n, hf * wf + (kw - 1) * dw), x.dtype)
+    for j in range(k):
         ki, kj = divmod(j, kw)
         off = ki * dh * wf + kj * dw
-        canvas[:, :, off:off + run] += cols[:, :, j]
+        canvas[:, :, off:off + run] += cols[j]
     (p0, p1), (o0, o1) = g["pb"], g["out"]
-    y = canvas[:, :, :hf * wf].reshape(n, m, hf, wf)[:, :, p0:p0 + o0, p1:p1 + o1]
-    return np.ascontiguousarray(y)
+    y = canvas[:, :, :hf * wf].reshape(m, n, hf, wf)[:, :, p0:p0 + o0, p1:p1 + o1]
+    return np.ascontiguousarray(y.transpose(1, 0, 2, 3))
 
 
 @kernel("ConvTranspose", since=1)
