@@ -341,13 +341,20 @@ def test_matmul_weight_grad_is_one_gemm() -> None:
     [([1, 1], [1, 1], [0, 0, 0, 0]), ([1, 1], [1, 1], [2, 2, 2, 2]), ([2, 1], [1, 2], [1, 0, 2, 1])],
 )
 @pytest.mark.parametrize("chunked", [False, True], ids=["one-gemm", "per-sample-gemms"])
-def test_conv_weight_grad_matches_the_conv_form(strides, dilations, pads, chunked, monkeypatch) -> None:
+@pytest.mark.parametrize("channels", [2, 8], ids=["im2col", "patches"])
+def test_conv_weight_grad_matches_the_conv_form(strides, dilations, pads, chunked, channels,
+                                                monkeypatch) -> None:
     """dW of Conv(X, W; strides s, dilations d, pads p) as the autodiff writes it: a Conv of the transposed
-    input with the transposed output gradient, strides and dilations swapped."""
+    input with the transposed output gradient, strides and dilations swapped. Two input channels take the
+    im2col GEMMs, eight the channels-last patches."""
     from onnxtrain.engine.fusion import gemm
 
     if chunked:
         monkeypatch.setattr(gemm, "COLS_BYTES", 1)  # one sample per GEMM, the partial products summed
+        monkeypatch.setattr(gemm, "PATCH_POSITIONS", 1)
+    calls: list[int] = []
+    real = gemm._weight_grad_patches
+    monkeypatch.setattr(gemm, "_weight_grad_patches", lambda *a: calls.append(1) or real(*a))
     n = [
         helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2, 3]),
         helper.make_node("Transpose", ["dy"], ["dyt"], perm=[1, 0, 2, 3]),
@@ -358,7 +365,7 @@ def test_conv_weight_grad_matches_the_conv_form(strides, dilations, pads, chunke
     fused, plain = Plan(m), Plan(m, fuse=False)
     assert ops(fused) == ["FusedConvWeightGrad"]
     rng = np.random.default_rng(4)
-    x = rng.standard_normal((3, 2, 11, 10)).astype(np.float32)
+    x = rng.standard_normal((3, channels, 11, 10)).astype(np.float32)
     k = (3, 3)
     h = (11 + pads[0] + pads[2] - dilations[0] * (k[0] - 1) - 1) // strides[0] + 1
     w = (10 + pads[1] + pads[3] - dilations[1] * (k[1] - 1) - 1) // strides[1] + 1
@@ -366,6 +373,7 @@ def test_conv_weight_grad_matches_the_conv_form(strides, dilations, pads, chunke
     got, want = fused.run({"x": x, "dy": dy})[0], plain.run({"x": x, "dy": dy})[0]
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == (channels >= gemm.PATCHES_MIN_CHANNELS)
 
 
 # ---- whole training steps --------------------------------------------------------------------------------

@@ -166,6 +166,8 @@ def _conv_weight_grad(plan: Plan, members: list[Step]) -> Callable:
             oh, ow = dy.shape[2:]
             kh = (h - dil[0] * (oh - 1) - 1) // strides[0] + 1
             kw = (w - dil[1] * (ow - 1) - 1) // strides[1] + 1
+            if kh > 0 and kw > 0 and ci >= PATCHES_MIN_CHANNELS:
+                return (_weight_grad_patches(x, dy, kh, kw, strides, dil),)
             if kh > 0 and kw > 0:
                 x = np.ascontiguousarray(x)
                 sn, sc, sh, sw = x.strides
@@ -184,6 +186,41 @@ def _conv_weight_grad(plan: Plan, members: list[Step]) -> Callable:
 
 
 COLS_BYTES = 512 << 10  # im2col columns per GEMM of a Conv weight gradient: a few samples, cache-sized
+# From this many input channels on, a Conv weight gradient takes its columns from the input laid out
+# channels last (_weight_grad_patches): each copied run is a kernel row's kw·c consecutive values instead
+# of an output row. Measured on 2 cores against the im2col GEMMs: LeNet's conv2 (64×6×14², 16 outputs, 5×5)
+# 1035 → 529 µs, 1.5-1.7x on three shapes of 16-32 channels, as fast at 26×26 outputs, slower at 1-3
+# channels; the same accuracy (RMS error against float64 within 5 %).
+PATCHES_MIN_CHANNELS = 6
+PATCH_POSITIONS = 8192  # output positions per GEMM (a chunk of samples)
+
+
+def _weight_grad_patches(x: np.ndarray, dy: np.ndarray, kh: int, kw: int, strides: list[int],
+                         dil: list[int]) -> np.ndarray:
+    """dW[o, c, i, j] = sum over n, y, x of dy[n, o, y, x] * x[n, c, i·s + y·d, j·s' + x·d'] (``strides``
+    s are the forward conv's dilations, ``dil`` d its strides) as GEMMs of the output gradient, [o,
+    positions], with the patches of x, [positions, (i, j, c)], over chunks of samples."""
+    n, ci = x.shape[:2]
+    co, oh, ow = dy.shape[1:]
+    xt = np.ascontiguousarray(x.transpose(0, 2, 3, 1))  # channels last
+    dyt = np.ascontiguousarray(dy.transpose(1, 0, 2, 3))  # [o, n, y, x]
+    sn, sh, sw, sc = xt.strides
+    chunk = max(1, min(n, PATCH_POSITIONS // max(oh * ow, 1)))
+    patches = np.empty((chunk, oh, ow, kh, kw, ci), x.dtype)
+    out = None
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        view = np.lib.stride_tricks.as_strided(
+            xt[lo:hi], (hi - lo, oh, ow, kh, kw, ci),
+            (sn, sh * dil[0], sw * dil[1], sh * strides[0], sw * strides[1], sc), writeable=False)
+        p = patches[:hi - lo]
+        np.copyto(p, view)
+        part = dyt[:, lo:hi].reshape(co, -1) @ p.reshape(-1, kh * kw * ci)
+        if out is None:
+            out = part
+        else:
+            out += part
+    return np.ascontiguousarray(out.reshape(co, kh, kw, ci).transpose(0, 3, 1, 2))
 
 
 def _weight_grad_gemm(dy: np.ndarray, view: np.ndarray) -> np.ndarray:
