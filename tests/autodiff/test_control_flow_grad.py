@@ -35,6 +35,17 @@ class Branchy(nn.Module):
         return (y * y).mean()
 
 
+def engine_outputs(gmodel: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
+    """The gradient model's outputs by name, run on onnxtrain's engine."""
+    return dict(zip([o.name for o in gmodel.graph.output], run_engine(gmodel, feeds)))
+
+
+def ort_outputs(gmodel: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
+    """The gradient model's outputs by name, run on onnxruntime's inference package."""
+    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in gmodel.graph.output], sess.run(None, feeds)))
+
+
 def export_scripted(module: nn.Module, x: torch.Tensor) -> onnx.ModelProto:
     return models.export_torchscript(module, (x,), ["x"], ["loss"], {"x": {0: "batch"}}, script=True)
 
@@ -54,10 +65,8 @@ def test_if_gradient_matches_torch(shift: float) -> None:
     assert len(wrt) == 6, f"initializers {sorted(names)}"
     gmodel = build_gradient_model(model, "loss", wrt)
     onnx.checker.check_model(gmodel, full_check=True)
-    out_names = [o.name for o in gmodel.graph.output]
-    got = dict(zip(out_names, run_engine(gmodel, {"x": x.numpy()})))
-    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
-    from_ort = dict(zip(out_names, sess.run(None, {"x": x.numpy()})))
+    got = engine_outputs(gmodel, {"x": x.numpy()})
+    from_ort = ort_outputs(gmodel, {"x": x.numpy()})
     loss = module(x)
     loss.backward()
     took_then = bool(module.a(x).sum() > 0)
@@ -150,8 +159,7 @@ def test_nested_if_gradients(c1: bool, c2: bool) -> None:
     np.testing.assert_allclose(grads["u"], want_u, rtol=1e-12)
     gmodel = build_gradient_model(model, "loss", ["w", "u"])
     onnx.checker.check_model(gmodel, full_check=True)
-    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
-    got = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, feeds)))
+    got = ort_outputs(gmodel, feeds)
     np.testing.assert_allclose(got["w_grad"], want_w, rtol=1e-12)
     np.testing.assert_allclose(got["u_grad"], want_u, rtol=1e-12)
 
@@ -248,8 +256,7 @@ def test_loop_gradients_match_torch(n: int, with_cond: bool) -> None:
         np.testing.assert_allclose(grads[name], w, rtol=1e-10, atol=1e-12, err_msg=name)
     gmodel = build_gradient_model(model, "loss", names)
     onnx.checker.check_model(gmodel, full_check=True)
-    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
-    got = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, feeds)))
+    got = ort_outputs(gmodel, feeds)
     for name in names:
         np.testing.assert_allclose(got[f"{name}_grad"], grads[name], rtol=1e-10, atol=1e-12, err_msg=name)
 
@@ -287,22 +294,21 @@ def test_embedding_bag_trains(mode: str) -> None:
     else:
         assert not back
         assert [nd.op_type for nd in gmodel.graph.node].count("ScatterND") == 1
-    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
     layouts = [[0, 3, 6], [0, 1], [0, 3, 3, 6], [0, 8]] if mode == "sum" else [[0, 3, 6], [0, 1], [0, 7]]
     for offs in layouts:
         feeds = {"ids": ids.numpy(), "offsets": np.array(offs, np.int64)}
-        got = dict(zip([o.name for o in gmodel.graph.output], run_engine(gmodel, feeds)))
+        got = engine_outputs(gmodel, feeds)
         bag.zero_grad()
         want_loss = Loss()(ids, torch.tensor(offs))
         want_loss.backward()
         np.testing.assert_allclose(got["loss"], want_loss.item(), rtol=1e-5)
         np.testing.assert_allclose(got[f"{weight}_grad"], bag.weight.grad.numpy(), rtol=1e-5, atol=1e-6)
-        theirs = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, feeds)))
+        theirs = ort_outputs(gmodel, feeds)
         np.testing.assert_allclose(theirs[f"{weight}_grad"], got[f"{weight}_grad"], rtol=1e-5, atol=1e-6)
     if mode != "max":  # bags out of order (torch refuses them): the loop pools them, the gradient is NaN
         feeds = {"ids": ids.numpy(), "offsets": np.array([0, 5, 3], np.int64)}
         with np.errstate(invalid="ignore"):  # the mean of the reversed, empty bag is 0 / 0
-            got = dict(zip([o.name for o in gmodel.graph.output], run_engine(gmodel, feeds)))
+            got = engine_outputs(gmodel, feeds)
         assert np.isfinite(got["loss"]) == (mode == "sum") and np.isnan(got[f"{weight}_grad"]).all()
 
 
@@ -340,8 +346,7 @@ def test_embedding_bag_variants_train(variant: str) -> None:
     (weight,) = [t.name for t in model.graph.initializer if tuple(t.dims) == (10, 3)]
     gmodel = build_gradient_model(model, "loss", [weight])
     onnx.checker.check_model(gmodel, full_check=True)
-    got = dict(zip([o.name for o in gmodel.graph.output], run_engine(gmodel, {n: a.numpy() for n, a in
-                                                                               zip(names, args)})))
+    got = engine_outputs(gmodel, {n: a.numpy() for n, a in zip(names, args)})
     loss = Loss()(*args)
     loss.backward()
     np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-6)
@@ -441,8 +446,7 @@ def test_scan_gradients(in_dir: int, out_dir: int, in_axis: int, out_axis: int) 
     grads = gradcheck(model, "loss", names, feeds)
     gmodel = build_gradient_model(model, "loss", names)
     onnx.checker.check_model(gmodel, full_check=True)
-    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
-    got = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, feeds)))
+    got = ort_outputs(gmodel, feeds)
     for n in names:
         np.testing.assert_allclose(got[f"{n}_grad"], grads[n], rtol=1e-10, atol=1e-12, err_msg=n)
 
@@ -478,12 +482,10 @@ def test_list_append_loop_matches_torch() -> None:
     gmodel = build_gradient_model(model, "loss", names)
     onnx.checker.check_model(gmodel, full_check=True)
     gmodel.ir_version = 8
-    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
-    out_names = [o.name for o in gmodel.graph.output]
     for steps in (1, 3, 5):
         x = torch.randn(steps, 2, 4)
-        got = dict(zip(out_names, run_engine(gmodel, {"x": x.numpy()})))
-        from_ort = dict(zip(out_names, sess.run(None, {"x": x.numpy()})))
+        got = engine_outputs(gmodel, {"x": x.numpy()})
+        from_ort = ort_outputs(gmodel, {"x": x.numpy()})
         module.zero_grad()
         loss = module(x)
         loss.backward()
@@ -596,8 +598,7 @@ def test_sequence_ops_gradients(position: int | None) -> None:
     gmodel = build_gradient_model(model, "loss", ["x", "y"])
     onnx.checker.check_model(gmodel, full_check=True)
     gmodel.ir_version = 8
-    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
-    got = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, feeds)))
+    got = ort_outputs(gmodel, feeds)
     for n in ("x", "y"):
         np.testing.assert_allclose(got[f"{n}_grad"], grads[n], rtol=1e-12, atol=1e-14, err_msg=n)
 
@@ -634,8 +635,7 @@ def test_sequence_erase_and_optional_gradients(position: int | None) -> None:
     np.testing.assert_allclose(grads["x"], want, rtol=1e-12)
     gmodel = build_gradient_model(model, "loss", ["x"])
     onnx.checker.check_model(gmodel, full_check=True)
-    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
-    got = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, {"x": x})))
+    got = ort_outputs(gmodel, {"x": x})
     np.testing.assert_allclose(got["x_grad"], want, rtol=1e-12)
 
 
@@ -674,7 +674,6 @@ def test_sequence_map_gradients() -> None:
     grads = gradcheck(model, "loss", ["x", "t", "w"], feeds)
     gmodel = build_gradient_model(model, "loss", ["x", "t", "w"])
     onnx.checker.check_model(gmodel, full_check=True)
-    sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
-    got = dict(zip([o.name for o in gmodel.graph.output], sess.run(None, feeds)))
+    got = ort_outputs(gmodel, feeds)
     for n in ("x", "t", "w"):
         np.testing.assert_allclose(got[f"{n}_grad"], grads[n], rtol=1e-12, atol=1e-14, err_msg=n)
