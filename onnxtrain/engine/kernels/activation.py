@@ -38,13 +38,13 @@ def _float_op(op: str, since: int) -> Callable[[FloatFn], FloatFn]:
     return register
 
 
-def logistic(x: np.ndarray) -> np.ndarray:
+def logistic(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """1 / (1 + exp(-x)), computed as written: relatively accurate wherever the result is a normal float.
     Where exp(-x) overflows (x < -88.7 in float32, -709.8 in float64) the result is 0, the exact value
     being subnormal or less, as in onnx.reference; callers turn numpy's overflow warning off. Four
     passes; the overflow-free form exp(min(x, 0)) / (1 + exp(-|x|)) took seven, 2.3x the time (the LSTM
-    gradient's gates, 614K values: 986 → 416 µs)."""
-    r = np.negative(x)
+    gradient's gates, 614K values: 986 → 416 µs). Into ``out`` when given (it may be ``x``)."""
+    r = np.negative(x, out=out)
     np.exp(r, out=r)
     r += 1
     np.reciprocal(r, out=r)

@@ -331,14 +331,6 @@ def _plain(inputs: Inputs, s: _Setup, activations: list[list[Act]]) -> bool:
             and (lens is None or bool(np.all(np.asarray(lens) == x.shape[0]))))
 
 
-def _logistic_in_place(a: np.ndarray) -> None:
-    """``a`` = activation.logistic(a), the same operations in place."""
-    np.negative(a, out=a)
-    np.exp(a, out=a)
-    a += 1
-    np.reciprocal(a, out=a)
-
-
 def _transposed_state(v: np.ndarray) -> np.ndarray:
     """An initial state [dirs, batch, hidden] as a new C-contiguous [dirs, hidden, batch] array."""
     return np.array(v.transpose(0, 2, 1), order="C")
@@ -360,7 +352,7 @@ def _lstm_gate_major(inputs: Inputs, s: _Setup, attrs: Attrs) -> Outputs:
     for t in range(seq.n_steps):
         np.matmul(r, h, out=g)
         g += seq.xw[:, :, t]
-        _logistic_in_place(sig)
+        logistic(sig, out=sig)
         np.tanh(gc, out=gc)
         c *= gf
         np.multiply(gi, gc, out=tmp)
@@ -436,14 +428,14 @@ def _gru_gate_major(inputs: Inputs, s: _Setup, attrs: Attrs) -> Outputs:
         if lbr:  # hh = xw_h + r·(h·R_hᵀ + Rb_h)
             np.matmul(r_w, h, out=g)
             zr += xw[:, :2 * n]
-            _logistic_in_place(zr)
+            logistic(zr, out=zr)
             if rb_h is not None:
                 hh += rb_h
             hh *= r
         else:  # hh = xw_h + (r·h)·R_hᵀ
             zr[...] = np.matmul(r_w[:, :2 * n], h)
             zr += xw[:, :2 * n]
-            _logistic_in_place(zr)
+            logistic(zr, out=zr)
             np.multiply(r, h, out=rh)
             hh[...] = np.matmul(r_w[:, 2 * n:], rh)
         hh += xw[:, 2 * n:]
