@@ -110,3 +110,58 @@ def test_target_out_of_range_is_an_error() -> None:
     t = np.array([0, 3], np.int64)
     with pytest.raises(EngineError, match="outside"):
         compile_model(_loss_model("NegativeLogLikelihoodLoss", [x, t])).run({"x0": x, "x1": t})
+
+
+def _general_sce(x: np.ndarray, t: np.ndarray, reduction: str) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's general path (log_softmax_along + _nll), which the 2-D path must match bit for bit."""
+    from onnxtrain.engine.kernels.loss import _nll
+    from onnxtrain.engine.kernels.normalization import log_softmax_along
+    from onnxtrain.engine.registry import Attrs
+
+    logp = log_softmax_along(x, 1)
+    return _nll(logp, t, None, Attrs({"reduction": reduction, "ignore_index": None})), logp
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 3), (256, 10), (64, 300)])
+def test_softmax_cross_entropy_2d_rows_match_the_general_path_and_float64(
+    dtype: type, reduction: str, shape: tuple[int, int]
+) -> None:
+    rng = np.random.default_rng(sum(shape))
+    x = rng.normal(0, 4, shape).astype(dtype)
+    x[0, 0] = 60.0  # a confident row
+    t = rng.integers(0, shape[1], shape[0]).astype(np.int64)
+    model = _loss_model("SoftmaxCrossEntropyLoss", [x, t], reduction=reduction)
+    model.graph.node[0].output.append("logp")
+    model.graph.output.append(helper.make_tensor_value_info("logp", onnx.TensorProto.FLOAT, None))
+    loss, logp = compile_model(model).run({"x0": x, "x1": t})
+    ref_loss, ref_logp = _general_sce(x, t, reduction)
+    np.testing.assert_array_equal(logp, ref_logp)
+    np.testing.assert_array_equal(loss, ref_loss)
+    assert loss.dtype == logp.dtype == dtype
+    # and the values, against float64 written out
+    x64 = x.astype(np.float64)
+    lp = x64 - x64.max(1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(1, keepdims=True))
+    per = -lp[np.arange(shape[0]), t]
+    want = {"none": per, "sum": per.sum(), "mean": per.mean()}[reduction]
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(logp, lp, rtol=tol, atol=tol)
+    np.testing.assert_allclose(loss, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("bad", [-1, 3])
+def test_softmax_cross_entropy_2d_target_out_of_range_is_an_error(bad: int) -> None:
+    x = np.zeros((2, 3), np.float32)
+    t = np.array([0, bad], np.int64)
+    with pytest.raises(EngineError, match="outside"):
+        compile_model(_loss_model("SoftmaxCrossEntropyLoss", [x, t])).run({"x0": x, "x1": t})
+
+
+def test_softmax_cross_entropy_2d_nan_scores_give_nan() -> None:
+    x = np.array([[0.0, np.nan, 1.0], [1.0, 2.0, 3.0]], np.float32)
+    t = np.array([0, 2], np.int64)
+    (loss,) = compile_model(_loss_model("SoftmaxCrossEntropyLoss", [x, t], reduction="none")).run(
+        {"x0": x, "x1": t})
+    assert np.isnan(loss[0]) and np.isfinite(loss[1])
