@@ -33,7 +33,9 @@ r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph it
   flattened elements, one shape after the other (cache blocking, see
   :class:`~onnxtrain.engine.fusion.elementwise._Blocked`), with block-sized scratch buffers;
 * **MatMul + bias**: an ``Add`` of a MatMul's product (that nothing else reads) adds into the product
-  in place instead of allocating a second array (after the clusters, which may take the Add instead).
+  in place instead of allocating a second array (after the clusters, which may take the Add instead);
+* **activations in place** (:mod:`~onnxtrain.engine.fusion.inplace`): a ``Relu``, or a ReLU gradient
+  ``Where(mask, dX, 0)``, of a product that nothing else reads writes into the product.
 
 Every fused step checks the shapes and dtypes it was specialised for and otherwise runs the original
 steps, so a fusion never changes what a graph computes beyond float summation order (the two GEMM
@@ -48,6 +50,7 @@ from typing import TYPE_CHECKING
 from onnxtrain.engine.fusion.cse import eliminate_common_steps
 from onnxtrain.engine.fusion.elementwise import ScratchPool, expand_sums, fuse_elementwise
 from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_bias, fuse_matmul_weight_grads
+from onnxtrain.engine.fusion.inplace import fuse_inplace_activations
 from onnxtrain.engine.fusion.masked_softmax import fuse_masked_softmax
 from onnxtrain.engine.fusion.pads import fuse_pad_sums
 from onnxtrain.engine.fusion.select import fuse_lazy_selects
@@ -77,4 +80,5 @@ def fuse(plan: Plan) -> None:
     steps = fuse_lazy_selects(plan, steps)
     steps = fuse_elementwise(plan, steps)
     steps = fuse_matmul_bias(plan, steps)
+    steps = fuse_inplace_activations(plan, steps)
     plan.steps = steps

@@ -1,0 +1,98 @@
+"""Activations written over a product nothing else reads (onnxtrain/engine/fusion/inplace.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from onnxtrain.engine.plan import Plan
+from tests.engine.graphs import model
+
+
+def ops(plan: Plan) -> list[str]:
+    return [st.node.op_type for st in plan.steps]
+
+
+def relu_layer_and_grad(fill: float = 0.0, extra_reader: bool = False) -> onnx.ModelProto:
+    """h = Relu(Gemm(x, w, b)); dx = Where(h > 0, dy @ v, fill): a layer and the form of its ReLU gradient."""
+    zero = numpy_helper.from_array(np.float32(0), "zero")
+    nodes = [
+        helper.make_node("Constant", [], ["fill"], value=numpy_helper.from_array(np.float32(fill), "fill")),
+        helper.make_node("Gemm", ["x", "w", "b"], ["z"], transB=1),
+        helper.make_node("Relu", ["z"], ["h"]),
+        helper.make_node("Greater", ["h", "zero"], ["mask"]),
+        helper.make_node("MatMul", ["dy", "v"], ["d"]),
+        helper.make_node("Where", ["mask", "d", "fill"], ["dx"]),
+    ]
+    outputs = ["h", "dx"]
+    if extra_reader:  # the products are read a second time: neither may be overwritten
+        nodes += [helper.make_node("Neg", ["z"], ["nz"]), helper.make_node("Neg", ["d"], ["nd"])]
+        outputs += ["nz", "nd"]
+    return model(nodes, ["x", "w", "b", "dy", "v"], outputs, [zero])
+
+
+def feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    f = {
+        "x": rng.standard_normal((32, 24)).astype(np.float32),
+        "w": rng.standard_normal((40, 24)).astype(np.float32),
+        "b": rng.standard_normal(40).astype(np.float32),
+        "dy": rng.standard_normal((32, 16)).astype(np.float32),
+        "v": rng.standard_normal((16, 40)).astype(np.float32),
+    }
+    f["x"][0, :] = np.nan  # a NaN row: Relu keeps NaN, and NaN > 0 is false so its gradient is +0.0
+    f["dy"][1, :] = -0.0
+    return f
+
+
+def test_relu_and_relu_gradient_write_into_their_products_bit_identically() -> None:
+    m = relu_layer_and_grad()
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert "InplaceRelu" in ops(fused) and "InplaceWhere" in ops(fused)
+    assert "Relu" not in ops(fused) and "Where" not in ops(fused)
+    rng = np.random.default_rng(0)
+    f = feeds(rng)
+    first = fused.run(f)
+    second = fused.run(f)
+    want = plain.run(f)
+    for a, b, w in zip(first, second, want):
+        assert a.dtype == w.dtype and a.shape == w.shape
+        assert a.tobytes() == w.tobytes() and b.tobytes() == w.tobytes()
+        assert not np.shares_memory(a, b)  # each run writes into that run's fresh product
+    assert np.isnan(first[0][0]).all()
+    assert (first[1] == 0).sum() > 0 and not np.signbit(first[1][first[1] == 0]).any()
+
+
+@pytest.mark.parametrize("fill", [-0.0, 1.0])
+def test_where_with_another_fill_is_left_alone(fill: float) -> None:
+    plan = Plan(relu_layer_and_grad(fill=fill))
+    assert "Where" in ops(plan) and "InplaceWhere" not in ops(plan)
+    f = feeds(np.random.default_rng(1))
+    np.testing.assert_array_equal(plan.run(f)[1], Plan(relu_layer_and_grad(fill=fill), fuse=False).run(f)[1])
+
+
+def test_products_read_elsewhere_are_not_overwritten() -> None:
+    m = relu_layer_and_grad(extra_reader=True)
+    plan = Plan(m)
+    assert "Relu" in ops(plan) and "Where" in ops(plan)
+    f = feeds(np.random.default_rng(2))
+    h, dx, nz, nd = plan.run(f)
+    want = Plan(m, fuse=False).run(f)
+    for a, w in zip((h, dx, nz, nd), want):
+        np.testing.assert_array_equal(a, w)
+
+
+def test_where_whose_fill_is_an_initializer_is_left_alone() -> None:
+    """An initializer may be fed another value at run time: only a folded constant zero qualifies."""
+    m = relu_layer_and_grad()
+    del m.graph.node[0]
+    m.graph.initializer.append(numpy_helper.from_array(np.float32(0), "fill"))
+    assert "InplaceWhere" not in ops(Plan(m))
+
+
+def test_relu_of_a_graph_input_leaves_the_input_alone() -> None:
+    plan = Plan(model([helper.make_node("Relu", ["x"], ["y"])], ["x"], ["y"]))
+    assert ops(plan) == ["Relu"]
+    x = np.array([-1.0, 2.0], np.float32)
+    assert plan.run({"x": x})[0].tolist() == [0.0, 2.0] and x.tolist() == [-1.0, 2.0]
