@@ -51,6 +51,19 @@ def _perm_indices(dshape, axis):
     return make
 
 
+def _one_per_row(rows, cols, negative=False):
+    """ScatterElements inputs with one index per row along axis 1 (a cross-entropy gradient's form);
+    ``negative``: one index counted from the end."""
+
+    def make(rng, dt):
+        idx = rng.integers(0, cols, (rows, 1)).astype(np.int64)
+        if negative:
+            idx[1, 0] = -1
+        return [rng.uniform(-2, 2, (rows, cols)).astype(dt), idx, rng.uniform(-2, 2, (rows, 1)).astype(dt)]
+
+    return make
+
+
 CASES = [
     OpCase("Gather", make_inputs=_x(5, 4)(_i64([[0, 4, -1], [2, 2, -5]])), wrt=(0,)),
     OpCase("Gather", make_inputs=_x(3, 5, 2)(_i64([4, 0, -2])), attrs={"axis": 1}, wrt=(0,), variant="axis1"),
@@ -104,6 +117,19 @@ CASES = [
         grad=False,
         opset=18,
         variant="min",
+    ),
+    *(
+        OpCase(
+            "ScatterElements",
+            make_inputs=_one_per_row(6, 5, negative=neg),
+            attrs={"axis": 1, "reduction": red},
+            wrt=(0, 2) if red in ("none", "add", "mul") else None,
+            grad=red in ("none", "add", "mul"),
+            opset=18,
+            variant=f"one_per_row_{red}" + ("_negative" if neg else ""),
+        )
+        for red, neg in (("none", False), ("add", False), ("mul", False), ("max", False), ("min", False),
+                         ("add", True))
     ),
     OpCase("ScatterND", make_inputs=_scatter_nd_unique((4, 3, 2), 5, (5, 2)), wrt=(0, 2), opset=16),
     OpCase(

@@ -104,12 +104,57 @@ def scatter_elements(inputs: Inputs, attrs: Attrs) -> Outputs:
     axis = _axis(attrs["axis"], x.ndim)
     if idx.shape != upd.shape:
         raise ValueError(f"ScatterElements: indices shape {idx.shape} != updates shape {upd.shape}")
+    reduction = attrs.get("reduction") or "none"
+    if x.ndim == 2 and axis == 1 and idx.shape == (x.shape[0], 1) and x.size and upd.dtype == x.dtype:
+        out = _one_per_row(x, idx.reshape(-1), upd.reshape(-1), reduction)
+        if out is not None:
+            return (out,)
     idx = _normalize(idx, x.shape[axis], "ScatterElements")
     base, stride = _element_offsets(attrs, x.shape, idx.shape, axis)
     out = np.array(x, copy=True, order="C")
     lin = (base + idx * stride).reshape(-1)
-    _scatter_rows(out.reshape(-1, 1), lin, upd.reshape(-1, 1), attrs.get("reduction") or "none")
+    _scatter_rows(out.reshape(-1, 1), lin, upd.reshape(-1, 1), reduction)
     return (out,)
+
+
+_UNSIGNED = {np.dtype(t): np.dtype(t.replace("int", "uint")) for t in ("int8", "int16", "int32", "int64")}
+
+
+def row_starts(rows: int, width: int) -> np.ndarray:
+    """The flat offsets ``0, width, 2·width, …`` of the rows of a C-contiguous (rows, width) array
+    (read-only, cached for the last 64 shapes)."""
+    starts = _ROW_STARTS.get((rows, width))
+    if starts is None:
+        if len(_ROW_STARTS) >= 64:
+            _ROW_STARTS.clear()
+        starts = _ROW_STARTS[(rows, width)] = np.arange(0, rows * width, width)
+        starts.flags.writeable = False
+    return starts
+
+
+_ROW_STARTS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def in_range(idx: np.ndarray, n: int) -> bool:
+    """True when every integer in ``idx`` (non-empty) lies in [0, n): one maximum over the indices read as
+    unsigned, where negatives become huge."""
+    unsigned = idx.dtype if idx.dtype.kind == "u" else _UNSIGNED.get(idx.dtype)
+    return unsigned is not None and int(np.maximum.reduce(idx.view(unsigned), axis=None)) < n
+
+
+def _one_per_row(x: np.ndarray, col: np.ndarray, upd: np.ndarray, reduction: str) -> np.ndarray | None:
+    """ScatterElements along the last axis of a 2-D ``x`` with one index per row (the −1 at each label of
+    a cross-entropy gradient): the positions are distinct, so one fancy-indexed update gives what
+    ``ufunc.at`` does, in four numpy calls; None (the general path) for indices that need wrapping or are
+    out of range, and for an unknown reduction."""
+    ufunc = _REDUCE.get(reduction)
+    if (ufunc is None and reduction != "none") or not in_range(col, x.shape[1]):
+        return None
+    out = np.array(x, copy=True, order="C")
+    flat = out.reshape(-1)
+    pos = row_starts(*x.shape) + col
+    flat[pos] = upd if ufunc is None else ufunc(flat[pos], upd)
+    return out
 
 
 @kernel("Scatter", since=9)
