@@ -156,7 +156,7 @@ def api_peer(folder: str):
     return (
         step,
         lambda: (
-            max(getattr(module._train_plan, "peak_bytes", 0), getattr(opt._plan, "peak_bytes", 0)) or None
+            max(getattr(module._step_plan, "peak_bytes", 0), getattr(opt._plan, "peak_bytes", 0)) or None
         ),
     )
 

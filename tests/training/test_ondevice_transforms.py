@@ -334,7 +334,7 @@ def _train_peak(folder: str, steps: int) -> tuple[CheckpointState, int]:
     peak = 0
     for i in range(steps):
         module(*tokens_batch(i))
-        peak = max(peak, module._train_plan.peak_bytes)
+        peak = max(peak, module._step_plan.peak_bytes)
         opt.step()
         module.lazy_reset_grad()
     return state, peak
