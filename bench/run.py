@@ -441,8 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.models
         else (QUICK_CASES[:1] if a.quick else CASES)
     )
-    if not cases:
-        p.error(f"--models: pick from {[c.key for c in CASES]}")
+    unknown_models = [m for m in a.models.split(",") if m and m not in {c.key for c in CASES}]
+    if not cases or unknown_models:
+        p.error(f"--models: unknown model(s) {unknown_models}; pick from {[c.key for c in CASES]}")
     blas_settings = [s.strip() for s in (a.blas or ("env" if a.quick else f"env,{NATIVE_BLAS}")).split(",")]
     inherited = os.environ.get("OPENBLAS_CORETYPE", "")
     pinned = any(k in os.environ for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"))
@@ -453,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         print("bench: torch is not installed: the models cannot be exported; nothing measured")
         return 0
     kinds = [k.strip() for k in a.peers.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in LABELS]
+    if unknown or not kinds:
+        p.error(f"--peers: unknown peer(s) {unknown}; pick from {sorted(LABELS)}")
     wanted = []
     for k in kinds:
         if k == "ort":
