@@ -123,10 +123,10 @@ class Module:
             param = state._params[p]
             if param.grad is None and param.data is not None:
                 param.grad = np.zeros_like(param.data)
-        # a step that overwrites the gradients (the usual one, after lazy_reset_grad) runs a variant without the
-        # accumulators, and the accumulating model is compiled on the first step that accumulates: onnxruntime
-        # would run the accumulators anyway, and the numpy engine, which skips them, still pays for six
-        # selects out of cache (MLP 784-512-512-10: 35 µs a step)
+        # a step that overwrites the gradients (the usual one, after lazy_reset_grad) runs a variant without
+        # the accumulators, and the accumulating model is compiled on the first step that accumulates:
+        # onnxruntime would run the accumulators anyway, and the numpy engine, which skips them, still pays
+        # for six selects out of cache (MLP 784-512-512-10: 35 µs a step)
         variant = None
         if self._has_reset:
             variant = overwrite_variant(self._train_model, self._trainable)
