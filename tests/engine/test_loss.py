@@ -112,31 +112,34 @@ def test_target_out_of_range_is_an_error() -> None:
         compile_model(_loss_model("NegativeLogLikelihoodLoss", [x, t])).run({"x0": x, "x1": t})
 
 
-def _general_sce(x: np.ndarray, t: np.ndarray, reduction: str) -> tuple[np.ndarray, np.ndarray]:
+def _general_sce(x: np.ndarray, t: np.ndarray, reduction: str, ignore_index: int | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """The kernel's general path (log_softmax_along + _nll), which the 2-D path must match bit for bit."""
     from onnxtrain.engine.kernels.loss import _nll
     from onnxtrain.engine.kernels.normalization import log_softmax_along
     from onnxtrain.engine.registry import Attrs
 
     logp = log_softmax_along(x, 1)
-    return _nll(logp, t, None, Attrs({"reduction": reduction, "ignore_index": None})), logp
+    return _nll(logp, t, None, Attrs({"reduction": reduction, "ignore_index": ignore_index})), logp
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("shape", [(1, 1), (7, 3), (256, 10), (64, 300)])
+@pytest.mark.parametrize("ignore_index", [None, -100])
 def test_softmax_cross_entropy_2d_rows_match_the_general_path_and_float64(
-    dtype: type, reduction: str, shape: tuple[int, int]
+    dtype: type, reduction: str, shape: tuple[int, int], ignore_index: int | None
 ) -> None:
     rng = np.random.default_rng(sum(shape))
     x = rng.normal(0, 4, shape).astype(dtype)
     x[0, 0] = 60.0  # a confident row
     t = rng.integers(0, shape[1], shape[0]).astype(np.int64)
-    model = _loss_model("SoftmaxCrossEntropyLoss", [x, t], reduction=reduction)
+    extra = {} if ignore_index is None else {"ignore_index": ignore_index}  # named, but no target is it
+    model = _loss_model("SoftmaxCrossEntropyLoss", [x, t], reduction=reduction, **extra)
     model.graph.node[0].output.append("logp")
     model.graph.output.append(helper.make_tensor_value_info("logp", onnx.TensorProto.FLOAT, None))
     loss, logp = compile_model(model).run({"x0": x, "x1": t})
-    ref_loss, ref_logp = _general_sce(x, t, reduction)
+    ref_loss, ref_logp = _general_sce(x, t, reduction, ignore_index)
     np.testing.assert_array_equal(logp, ref_logp)
     np.testing.assert_array_equal(loss, ref_loss)
     assert loss.dtype == logp.dtype == dtype
@@ -165,3 +168,14 @@ def test_softmax_cross_entropy_2d_nan_scores_give_nan() -> None:
     (loss,) = compile_model(_loss_model("SoftmaxCrossEntropyLoss", [x, t], reduction="none")).run(
         {"x0": x, "x1": t})
     assert np.isnan(loss[0]) and np.isfinite(loss[1])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_softmax_cross_entropy_2d_with_ignored_targets_matches_the_general_path(reduction: str) -> None:
+    rng = np.random.default_rng(5)
+    x = rng.normal(0, 2, (9, 4)).astype(np.float32)
+    t = rng.integers(0, 4, 9).astype(np.int64)
+    t[[2, 5]] = -100
+    model = _loss_model("SoftmaxCrossEntropyLoss", [x, t], reduction=reduction, ignore_index=-100)
+    (loss,) = compile_model(model).run({"x0": x, "x1": t})
+    np.testing.assert_array_equal(loss, _general_sce(x, t, reduction, -100)[0])
