@@ -243,3 +243,39 @@ def test_the_onnxruntime_backend_takes_donate_and_keeps_the_feeds() -> None:
         np.testing.assert_array_equal(given[k], f[k])  # onnxruntime writes its own outputs
     with pytest.raises(ValueError, match="'V'"):
         plan.run(given, donate=["V"])
+
+
+def test_an_update_splits_over_threads_from_a_lower_threshold(monkeypatch) -> None:
+    """A segment that may write into donated inputs (an optimizer update) splits from UPDATE_PAR_MIN_WORK,
+    any other from PAR_MIN_WORK; both give the reference's bits."""
+    work = N * 4  # elements × ufuncs of the momentum update, about
+    monkeypatch.setattr(fe, "UPDATE_PAR_MIN_WORK", work // 2)
+    monkeypatch.setattr(fe, "PAR_MIN_WORK", work * 4)
+    monkeypatch.setattr(fe, "BLOCK_MIN_BYTES", 0)  # blocked, so that the cluster runs as segments
+
+    def split_of(plan: Plan) -> bool:
+        (prog,) = [p for p in plan.steps[-1].fn.programs.values() if p[5] is not None]
+        return any(seg.par for seg in prog[5].segments)
+
+    f = feeds(3)
+    want = reference(momentum_model(), f)
+    # the update itself: W and M are graph inputs it may write into
+    update = Plan(momentum_model(), threads=2)
+    # the same arithmetic on values another step made (a Transpose of each input): nothing to donate
+    m = momentum_model()
+    for node in m.graph.node:
+        names = [f"{n}_t" if n in ("W", "M", "G") else n for n in node.input]
+        del node.input[:]
+        node.input.extend(names)
+    nodes = [helper.make_node("Transpose", [n], [f"{n}_t"]) for n in ("W", "M", "G")] + list(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    other = Plan(m, threads=2)
+    assert [st.node.op_type for st in other.steps][-1] == "FusedElementwise"
+    with running_with(2):
+        for plan, split in ((update, True), (other, False)):
+            plan.run(feeds(9))  # the first run traces the cluster
+            out = plan.run({k: v.copy() for k, v in f.items()}, donate=["W", "M"])
+            assert split_of(plan) == split
+            for a, r in zip(out, want):
+                np.testing.assert_array_equal(a, r)
