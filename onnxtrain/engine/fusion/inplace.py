@@ -3,7 +3,7 @@
 ``Relu(MatMul/Gemm(...))`` and the ReLU gradient ``Where(mask, dX, 0)`` with ``dX`` a fresh product each read
 an array that dies at that step: the step writes its result into that array instead of a new one. Writing
 into memory that is already in cache, with no allocation, halves these steps in a training step (MLP
-784-512-512-10 at batch 256: Relu 26-33 → 12 µs, the ReLU gradient 48-53 → 25 µs, each). The values are
+784-512-512-10 at batch 256: Relu 26-33 → 15-20 µs, the ReLU gradient 48-53 → 28-32 µs, each). The values are
 the same bits: the same ufuncs, only the output buffer changes. At run time the step checks that the array
 is its own to write (writeable, the output's shape and dtype, not sharing memory with the other inputs);
 otherwise it runs the original kernel.
