@@ -1,0 +1,73 @@
+"""The README's Python examples run as written, given the names they assume (a model, its data)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tests.session.helpers import mlp_model
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def block(marker: str) -> str:
+    """The ```python block of the README that contains ``marker``."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
+    found = [b for b in blocks if marker in b]
+    assert len(found) == 1, f"{len(found)} README python blocks contain {marker!r}"
+    return found[0]
+
+
+def batch(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    return rng.standard_normal((6, 8)).astype(np.float32), rng.integers(0, 4, 6).astype(np.int64)
+
+
+def test_legacy_session_example(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    onnx.save(mlp_model(), "model_with_loss.onnx")
+    x, y = batch(np.random.default_rng(0))
+    env: dict = {"x": x, "y": y}
+    exec(block('ort.TrainingSession("model_with_loss.onnx", p)'), env)  # noqa: S102 - the README's code
+    assert np.isfinite(env["loss"]) and env["state"]
+
+
+def test_gradient_graph_builder_example(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array(rng.standard_normal((3, 4)).astype(np.float32), "fc1.weight"),
+             numpy_helper.from_array(rng.standard_normal(3).astype(np.float32), "fc1.bias")]
+    nodes = [helper.make_node("Gemm", ["x", "fc1.weight", "fc1.bias"], ["h"], transB=1),
+             helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "fc", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    exec(block("GradientGraphBuilder(model_bytes"), {"model_bytes": model.SerializeToString()})  # noqa: S102
+    outputs = [o.name for o in onnx.load("model_with_grads.onnx").graph.output]
+    assert {"fc1.weight_grad", "fc1.bias_grad"} <= set(outputs)
+
+
+def test_on_device_example(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    model = mlp_model()
+    # the inference model: the training model's graph without its loss node
+    del model.graph.node[-1]
+    del model.graph.input[1]
+    del model.graph.output[0]
+    rng = np.random.default_rng(2)
+    batches = [batch(rng) for _ in range(3)]
+    env: dict = {"model": model, "params": ["W1", "b1", "W2", "b2"], "batches": batches}
+    exec(block("artifacts.generate_artifacts(model"), env)  # noqa: S102 - the README's code
+    assert np.ndim(env["loss"]) == 0 and np.isfinite(env["loss"])
+    assert os.path.exists("model.onnx") and os.path.exists("ckpt")
+    assert [o.name for o in onnx.load("model.onnx").graph.output] == ["logits"]
+
+
+@pytest.mark.parametrize("marker", ["from onnxtrain import TrainingParameters, TrainingSession, RunOptions"])
+def test_migration_imports_resolve(marker: str) -> None:
+    exec(block(marker).replace("from onnxruntime import", "# from onnxruntime import"), {})  # noqa: S102
