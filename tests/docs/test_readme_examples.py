@@ -71,3 +71,42 @@ def test_on_device_example(tmp_path, monkeypatch) -> None:
 @pytest.mark.parametrize("marker", ["from onnxtrain import TrainingParameters, TrainingSession, RunOptions"])
 def test_migration_imports_resolve(marker: str) -> None:
     exec(block(marker).replace("from onnxruntime import", "# from onnxruntime import"), {})  # noqa: S102
+
+
+def test_mixed_precision_example(tmp_path, monkeypatch) -> None:
+    """The mixed-precision block continues the legacy session's (``ort``, ``p``, ``lr`` from there)."""
+    monkeypatch.chdir(tmp_path)
+    onnx.save(mlp_model(), "model_with_loss.onnx")
+    x, y = batch(np.random.default_rng(3))
+    env: dict = {"x": x, "y": y, "model_bytes": mlp_model().SerializeToString()}
+    exec(block('ort.TrainingSession("model_with_loss.onnx", p)'), env)  # noqa: S102 - the README's code
+    exec(block("p.use_mixed_precision = True"), env)  # noqa: S102
+    assert np.isfinite(env["loss"]) and bool(env["finite"])
+
+
+def test_onnxruntime_backend_example() -> None:
+    pytest.importorskip("onnxruntime")
+    import onnxtrain
+    from tests.session.helpers import params
+
+    code = block('add_session_config_entry("onnxtrain.backend", "onnxruntime")')
+    env: dict = {"onnxtrain": onnxtrain, "model_bytes": mlp_model().SerializeToString(), "p": params()}
+    exec(code, env)  # noqa: S102 - the README's code
+    x, y = batch(np.random.default_rng(4))
+    (loss,) = env["sess"].run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)})
+    assert np.isfinite(loss)
+
+
+def test_inference_example(tmp_path, monkeypatch) -> None:
+    import onnxtrain
+
+    monkeypatch.chdir(tmp_path)
+    model = mlp_model()
+    del model.graph.node[-1]
+    del model.graph.input[1]
+    del model.graph.output[0]
+    onnx.save(model, "model.onnx")
+    x, _ = batch(np.random.default_rng(5))
+    env: dict = {"onnxtrain": onnxtrain, "x": x}
+    exec(block('onnxtrain.InferenceSession("model.onnx"'), env)  # noqa: S102 - the README's code
+    assert env["logits"].shape == (6, 4) and env["sess"].peak_bytes > 0
