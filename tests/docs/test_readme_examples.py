@@ -24,16 +24,36 @@ def block(marker: str) -> str:
     return found[0]
 
 
+def inference_model() -> onnx.ModelProto:
+    """The test MLP without its loss: x → logits."""
+    model = mlp_model()
+    del model.graph.node[-1]
+    del model.graph.input[1]
+    del model.graph.output[0]
+    return model
+
+
 def batch(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     return rng.standard_normal((6, 8)).astype(np.float32), rng.integers(0, 4, 6).astype(np.int64)
 
 
+def run_example(marker: str, files: dict[str, onnx.ModelProto] | None = None, **names) -> dict:
+    """Save ``files`` in the working directory, run the README block holding ``marker`` with ``names``
+    defined, and return its namespace."""
+    for path, model in (files or {}).items():
+        onnx.save(model, path)
+    env = dict(names)
+    exec(block(marker), env)  # noqa: S102 - the README's own code
+    return env
+
+
+LEGACY = 'ort.TrainingSession("model_with_loss.onnx", p)'
+
+
 def test_legacy_session_example(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    onnx.save(mlp_model(), "model_with_loss.onnx")
     x, y = batch(np.random.default_rng(0))
-    env: dict = {"x": x, "y": y}
-    exec(block('ort.TrainingSession("model_with_loss.onnx", p)'), env)  # noqa: S102 - the README's code
+    env = run_example(LEGACY, {"model_with_loss.onnx": mlp_model()}, x=x, y=y)
     assert np.isfinite(env["loss"]) and env["state"]
 
 
@@ -47,22 +67,16 @@ def test_gradient_graph_builder_example(tmp_path, monkeypatch) -> None:
     g = helper.make_graph(nodes, "fc", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
                           [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    exec(block("GradientGraphBuilder(model_bytes"), {"model_bytes": model.SerializeToString()})  # noqa: S102
+    run_example("GradientGraphBuilder(model_bytes", model_bytes=model.SerializeToString())
     outputs = [o.name for o in onnx.load("model_with_grads.onnx").graph.output]
     assert {"fc1.weight_grad", "fc1.bias_grad"} <= set(outputs)
 
 
 def test_on_device_example(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    model = mlp_model()
-    # the inference model: the training model's graph without its loss node
-    del model.graph.node[-1]
-    del model.graph.input[1]
-    del model.graph.output[0]
     rng = np.random.default_rng(2)
-    batches = [batch(rng) for _ in range(3)]
-    env: dict = {"model": model, "params": ["W1", "b1", "W2", "b2"], "batches": batches}
-    exec(block("artifacts.generate_artifacts(model"), env)  # noqa: S102 - the README's code
+    env = run_example("artifacts.generate_artifacts(model", model=inference_model(),
+                      params=["W1", "b1", "W2", "b2"], batches=[batch(rng) for _ in range(3)])
     assert np.ndim(env["loss"]) == 0 and np.isfinite(env["loss"])
     assert os.path.exists("model.onnx") and os.path.exists("ckpt")
     assert [o.name for o in onnx.load("model.onnx").graph.output] == ["logits"]
@@ -76,11 +90,10 @@ def test_migration_imports_resolve(marker: str) -> None:
 def test_mixed_precision_example(tmp_path, monkeypatch) -> None:
     """The mixed-precision block continues the legacy session's (``ort``, ``p``, ``lr`` from there)."""
     monkeypatch.chdir(tmp_path)
-    onnx.save(mlp_model(), "model_with_loss.onnx")
     x, y = batch(np.random.default_rng(3))
-    env: dict = {"x": x, "y": y, "model_bytes": mlp_model().SerializeToString()}
-    exec(block('ort.TrainingSession("model_with_loss.onnx", p)'), env)  # noqa: S102 - the README's code
-    exec(block("p.use_mixed_precision = True"), env)  # noqa: S102
+    env = run_example(LEGACY, {"model_with_loss.onnx": mlp_model()}, x=x, y=y,
+                      model_bytes=mlp_model().SerializeToString())
+    exec(block("p.use_mixed_precision = True"), env)  # noqa: S102 - the README's code
     assert np.isfinite(env["loss"]) and bool(env["finite"])
 
 
@@ -89,9 +102,8 @@ def test_onnxruntime_backend_example() -> None:
     import onnxtrain
     from tests.session.helpers import params
 
-    code = block('add_session_config_entry("onnxtrain.backend", "onnxruntime")')
-    env: dict = {"onnxtrain": onnxtrain, "model_bytes": mlp_model().SerializeToString(), "p": params()}
-    exec(code, env)  # noqa: S102 - the README's code
+    env = run_example('add_session_config_entry("onnxtrain.backend", "onnxruntime")', onnxtrain=onnxtrain,
+                      model_bytes=mlp_model().SerializeToString(), p=params())
     x, y = batch(np.random.default_rng(4))
     (loss,) = env["sess"].run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)})
     assert np.isfinite(loss)
@@ -101,12 +113,7 @@ def test_inference_example(tmp_path, monkeypatch) -> None:
     import onnxtrain
 
     monkeypatch.chdir(tmp_path)
-    model = mlp_model()
-    del model.graph.node[-1]
-    del model.graph.input[1]
-    del model.graph.output[0]
-    onnx.save(model, "model.onnx")
     x, _ = batch(np.random.default_rng(5))
-    env: dict = {"onnxtrain": onnxtrain, "x": x}
-    exec(block('onnxtrain.InferenceSession("model.onnx"'), env)  # noqa: S102 - the README's code
+    env = run_example('onnxtrain.InferenceSession("model.onnx"', {"model.onnx": inference_model()},
+                      onnxtrain=onnxtrain, x=x)
     assert env["logits"].shape == (6, 4) and env["sess"].peak_bytes > 0
