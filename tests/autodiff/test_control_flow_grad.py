@@ -15,6 +15,7 @@ from torch import nn
 from onnxtrain.autodiff import GradientError, build_gradient_model
 from onnxtrain.testing import gradcheck, run_engine
 from tests import models
+from tests.engine.graphs import scan_over_pairs
 
 
 class Branchy(nn.Module):
@@ -394,23 +395,14 @@ def test_scan_gradients(in_dir: int, out_dir: int, in_axis: int, out_axis: int) 
     initial state, the scanned input and the outer values the body reads, over axes and directions,
     against central differences in float64, and the gradient graph run in onnxruntime."""
     d = T.DOUBLE
-    body = helper.make_graph(
+    node = scan_over_pairs(
         [
             helper.make_node("Mul", ["s_in", "scale"], ["ss"]),
             helper.make_node("Add", ["ss", "x_t"], ["s_out"]),
             helper.make_node("Mul", ["s_out", "v"], ["y_t"]),
         ],
-        "body",
-        [helper.make_tensor_value_info("s_in", d, [2]), helper.make_tensor_value_info("x_t", d, [2])],
-        [helper.make_tensor_value_info("s_out", d, [2]), helper.make_tensor_value_info("y_t", d, [2])],
-    )
-    node = helper.make_node(
-        "Scan",
-        ["s0", "xs"],
-        ["s", "ys"],
+        d,
         name="the_scan",
-        num_scan_inputs=1,
-        body=body,
         scan_input_directions=[in_dir],
         scan_output_directions=[out_dir],
         scan_input_axes=[in_axis],

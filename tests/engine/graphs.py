@@ -60,3 +60,15 @@ def on_device_mlp(folder: Path) -> Callable[[], tuple[Any, Any, Any]]:
         return state, module, Optimizer(str(folder / "optimizer_model.onnx"), module)
 
     return open_
+
+
+def scan_over_pairs(body_nodes: list[onnx.NodeProto], elem: int = TensorProto.FLOAT, **attrs: Any
+                    ) -> onnx.NodeProto:
+    """A one-input Scan node ``s, ys = Scan(s0, xs)`` whose body maps a 2-element state ``s_in`` and step
+    ``x_t`` to ``s_out`` and ``y_t`` (both of 2 elements, type ``elem``) with ``body_nodes``; ``attrs``
+    are the node's other attributes (directions, axes, name)."""
+    def vi(name: str) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, elem, [2])
+
+    body = helper.make_graph(body_nodes, "body", [vi("s_in"), vi("x_t")], [vi("s_out"), vi("y_t")])
+    return helper.make_node("Scan", ["s0", "xs"], ["s", "ys"], num_scan_inputs=1, body=body, **attrs)

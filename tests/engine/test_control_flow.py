@@ -18,6 +18,7 @@ from torch import nn
 import onnxtrain
 from onnxtrain.engine import EngineError, Plan, UnsupportedOpError
 from tests import models
+from tests.engine.graphs import scan_over_pairs
 
 F, I64, B = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 
@@ -207,21 +208,11 @@ def test_loop_without_trip_count_is_a_while_loop() -> None:
 )
 def test_scan_directions_and_axes(in_dir: int, out_dir: int, in_axis: int, out_axis: int) -> None:
     """A running sum over a scan axis, the scanned input also read from the main graph (a capture)."""
-    body = helper.make_graph(
+    node = scan_over_pairs(
         [
             helper.make_node("Add", ["s_in", "x_t"], ["s_out"]),
             helper.make_node("Mul", ["s_out", "scale"], ["y_t"]),
         ],
-        "body",
-        [tensor("s_in", F, [2]), tensor("x_t", F, [2])],
-        [tensor("s_out", F, [2]), tensor("y_t", F, [2])],
-    )
-    node = helper.make_node(
-        "Scan",
-        ["s0", "xs"],
-        ["s", "ys"],
-        num_scan_inputs=1,
-        body=body,
         scan_input_directions=[in_dir],
         scan_output_directions=[out_dir],
         scan_input_axes=[in_axis],
@@ -256,21 +247,11 @@ def test_scan_directions_and_axes(in_dir: int, out_dir: int, in_axis: int, out_a
 def test_scan_of_no_steps() -> None:
     """A scan input of length 0 along its axis: the states pass through, and each scan output is an empty
     stack along its own axis (onnxruntime 1.31 crashes on this case: checked by its shape alone)."""
-    body = helper.make_graph(
+    node = scan_over_pairs(
         [
             helper.make_node("Add", ["s_in", "x_t"], ["s_out"]),
             helper.make_node("Identity", ["s_out"], ["y_t"]),
         ],
-        "body",
-        [tensor("s_in", F, [2]), tensor("x_t", F, [2])],
-        [tensor("s_out", F, [2]), tensor("y_t", F, [2])],
-    )
-    node = helper.make_node(
-        "Scan",
-        ["s0", "xs"],
-        ["s", "ys"],
-        num_scan_inputs=1,
-        body=body,
         scan_input_axes=[1],
         scan_output_axes=[1],
     )
