@@ -18,14 +18,12 @@ import numpy as np
 
 from onnxtrain.engine.donation import FRESH_OPS
 from onnxtrain.engine.fusion.common import constant_of, consumers, make_step, producers, protected_slots
+from onnxtrain.engine.kernels.elementwise import BITS_INT
 from onnxtrain.engine.kernels.filled import relu_into
 from onnxtrain.engine.registry import Attrs
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
-
-_FLAG_INT = {2: np.int16, 4: np.int32, 8: np.int64}  # float itemsize → the integer type of its bits
-
 
 def fuse_inplace_activations(plan: Plan, steps: list[Step]) -> list[Step]:
     """Rewrite each Relu, and each ``Where(c, x, 0)``, whose data input is a product (a step of
@@ -74,7 +72,7 @@ def _relu_over(plan: Plan, st: Step) -> Callable:
 def _where_zero_over(plan: Plan, st: Step) -> Callable:
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         c, x, zero = inputs
-        it = _FLAG_INT.get(x.dtype.itemsize) if type(x) is np.ndarray else None
+        it = BITS_INT.get(x.dtype.itemsize) if type(x) is np.ndarray else None
         if (
             it is not None
             and _own(x)
@@ -85,7 +83,9 @@ def _where_zero_over(plan: Plan, st: Step) -> Callable:
             and zero.dtype == x.dtype
             and not np.may_share_memory(c, x)
         ):
-            bits = x.view(it)  # where(c, x, +0.0): x's bits times the 0/1 flags, exactly x or +0.0
+            # where(c, x, +0.0) as the Where kernel's select computes it, inlined: its general checks cost
+            # 15-25 µs more here, out of cache in a training step
+            bits = x.view(it)
             np.multiply(bits, c.view(np.int8), out=bits, dtype=it)
             return (x,)
         return plan._call(st, list(inputs))
