@@ -8,7 +8,7 @@ import pytest
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
-import onnxtrain.engine.fusion.elementwise as fe
+import onnxtrain.engine.fusion.blocked as fe
 from onnxtrain import TrainingParameters, TrainingSession
 from onnxtrain.engine.parallel import running_with
 from onnxtrain.engine.plan import Plan

@@ -147,7 +147,7 @@ def blockable() -> onnx.ModelProto:
 
 
 def test_blocked_cluster_is_bit_identical_and_keeps_block_sized_scratch(monkeypatch) -> None:
-    from onnxtrain.engine.fusion import elementwise as fusion
+    from onnxtrain.engine.fusion import blocked as fusion
 
     monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
     monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)  # 64-element blocks: many blocks and a short tail
@@ -218,7 +218,7 @@ def two_weight_update() -> onnx.ModelProto:
 
 
 def test_cluster_over_weights_of_several_shapes_blocks_each_shape(monkeypatch) -> None:
-    from onnxtrain.engine.fusion import elementwise as fusion
+    from onnxtrain.engine.fusion import blocked as fusion
 
     monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 4096)
     monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)
@@ -243,7 +243,7 @@ def feeds_of(shape: tuple[int, ...], rng: np.random.Generator) -> dict[str, np.n
 
 
 def test_blocked_cluster_does_not_write_into_inputs(monkeypatch) -> None:
-    from onnxtrain.engine.fusion import elementwise as fusion
+    from onnxtrain.engine.fusion import blocked as fusion
 
     monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
     monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)
@@ -278,7 +278,7 @@ def gelu_chain() -> onnx.ModelProto:
 
 @pytest.mark.parametrize("blocked", [False, True])
 def test_gelu_chain_with_erf_is_one_cluster_and_bit_identical(monkeypatch, blocked) -> None:
-    from onnxtrain.engine.fusion import elementwise as fusion
+    from onnxtrain.engine.fusion import blocked as fusion
 
     if blocked:
         monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)

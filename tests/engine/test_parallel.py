@@ -104,7 +104,7 @@ def _gelu_model() -> onnx.ModelProto:
 
 
 def test_a_cluster_split_over_threads_gives_the_same_bits(monkeypatch) -> None:
-    from onnxtrain.engine.fusion import elementwise as fusion
+    from onnxtrain.engine.fusion import blocked as fusion
 
     monkeypatch.setattr(fusion, "PAR_MIN_WORK", 0)
     monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
@@ -187,7 +187,7 @@ def test_the_blas_spin_is_shortened_when_a_kernel_first_splits() -> None:
 
 
 def test_split_parts_keep_the_callers_numpy_error_state(monkeypatch) -> None:
-    from onnxtrain.engine.fusion import elementwise as fusion
+    from onnxtrain.engine.fusion import blocked as fusion
 
     monkeypatch.setattr(fusion, "PAR_MIN_WORK", 0)
     nodes = [helper.make_node("Log", ["x"], ["l"]), helper.make_node("Div", ["l", "x"], ["y"])]
@@ -274,7 +274,7 @@ def test_a_forked_child_splits_with_workers_of_its_own() -> None:
 
 
 def test_plans_run_from_several_threads_at_once_split_correctly(monkeypatch) -> None:
-    from onnxtrain.engine.fusion import elementwise as fusion
+    from onnxtrain.engine.fusion import blocked as fusion
 
     monkeypatch.setattr(fusion, "PAR_MIN_WORK", 0)
     monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)

@@ -31,7 +31,7 @@ r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph it
   kept across runs (a pool keyed by shape and dtype, shared by every cluster of the plan) instead of
   being allocated every time. The ufuncs of a cluster over large arrays run block by block over their
   flattened elements, one shape after the other (cache blocking, see
-  :class:`~onnxtrain.engine.fusion.elementwise._Blocked`), with block-sized scratch buffers;
+  :mod:`~onnxtrain.engine.fusion.blocked`), with block-sized scratch buffers;
 * **MatMul + bias**: an ``Add`` of a MatMul's product (that nothing else reads) adds into the product
   in place instead of allocating a second array (after the clusters, which may take the Add instead);
 * **activations in place** (:mod:`~onnxtrain.engine.fusion.inplace`): a ``Relu``, or a ReLU gradient
@@ -47,8 +47,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from onnxtrain.engine.fusion.blocked import ScratchPool
 from onnxtrain.engine.fusion.cse import eliminate_common_steps
-from onnxtrain.engine.fusion.elementwise import ScratchPool, expand_sums, fuse_elementwise
+from onnxtrain.engine.fusion.elementwise import expand_sums, fuse_elementwise
 from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_bias, fuse_matmul_weight_grads
 from onnxtrain.engine.fusion.inplace import fuse_inplace_activations
 from onnxtrain.engine.fusion.masked_softmax import fuse_masked_softmax

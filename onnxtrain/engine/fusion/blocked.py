@@ -1,0 +1,413 @@
+"""Cache-blocked elementwise clusters: a cluster's ufuncs run slice by slice over its flattened arrays,
+with block-sized scratch buffers, split over threads when the work is large enough."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from onnxtrain.engine.fusion.ufuncs import UFUNCS, compile_program
+from onnxtrain.engine.kernels.elementwise import erf_into
+from onnxtrain.engine.parallel import parallel_for, split, width
+
+if TYPE_CHECKING:
+    from onnxtrain.engine.fusion.elementwise import Cluster
+
+# cache blocking: a cluster whose ufuncs work on arrays of one shape (or size-1 broadcasts) runs its program
+# over slices of about BLOCK_BYTES of working set (all the arrays the blocked ops touch) when the whole
+# working set is at least BLOCK_MIN_BYTES. Measured on a Zen 4 (1 MiB L2, 32 MiB L3) with the Adam update
+# (15 ufuncs): 1.03-1.08× at 0.26-0.4 M parameters, 1.25× at 2 M, 1.45× at 4 M; blocks small enough for L2
+# lose to the per-slice Python overhead (15 ufunc calls per slice).
+BLOCK_MIN_BYTES = 8 << 20
+BLOCK_BYTES = 4 << 20
+_BLOCK_ALIGN = 64
+# a segment of at least PAR_MIN_WORK element-ops (elements × ufuncs, an Erf counting ERF_COST) splits its
+# elements over the run's threads (:mod:`onnxtrain.engine.parallel`). Measured on 2 cores (bench/, one thread
+# against two in the same run): the exported GELU of the transformer (1 M elements × 13) gained 0.5 ms of
+# 2.3; the Adam update of the MLP's weights (0.4 M × 13) lost, as splitting at all makes OpenBLAS's threads
+# sleep between GEMMs (onnxtrain/engine/blas.py), which the MLP's GEMMs pay for in waking them
+PAR_MIN_WORK = 8 << 20
+# an optimizer update's segment (one that may write into donated weights or moments) splits from
+# UPDATE_PAR_MIN_WORK: in the on-device Optimizer.step, which starts after OpenBLAS's threads have stopped
+# busy-waiting, splitting the MLP's two weight updates (0.4 M and 0.26 M parameters × 12) took the step
+# 1.88-2.00 → 1.78-1.85 ms (batch 64; Optimizer.step 0.95-1.03 → 0.80-0.83 ms; four interleaved processes
+# each)
+UPDATE_PAR_MIN_WORK = 3 << 20
+ERF_COST = 8  # an Erf costs about as much as eight plain ufuncs (two gathers and nine passes)
+
+
+class ScratchPool:
+    """Scratch buffers shared by the plan's fused steps: one flat array per (dtype, index within a step),
+    sized to the largest request; a step's buffer of some shape is a view of its prefix.
+
+    Fused steps run one at a time within a run; a run that finds the pool busy (the same plan run from
+    two threads at once) runs the original steps instead. ``version`` changes whenever an array is
+    replaced by a larger one, so that steps holding views of the old one take new views.
+    """
+
+    def __init__(self) -> None:
+        self.arrays: dict[tuple, np.ndarray] = {}
+        self.lock = threading.Lock()
+        self.version = 0
+
+    def reserve(self, size: int, dtype: np.dtype, index: int) -> None:
+        a = self.arrays.get((dtype, index))
+        if a is None or a.size < size:
+            self.arrays[(dtype, index)] = np.empty(size, dtype)
+            self.version += 1
+
+    def view(self, shape: tuple[int, ...], dtype: np.dtype, index: int) -> np.ndarray:
+        size = int(np.prod(shape))
+        self.reserve(size, dtype, index)
+        return self.arrays[(dtype, index)][:size].reshape(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+
+class Blocked:
+    """A cluster's program run over contiguous blocks of its flattened arrays (cache blocking).
+
+    The members split into three phases, run in this order: ``pre``, ops whose inputs are cluster inputs or
+    other ``pre`` values only (step counts, bias corrections), run once on whole values; the blocked ufuncs,
+    whose operands all have the op's output shape or are size-1 values of the first phase, run slice by
+    slice: the same ufuncs in the same order on every element, so results are bit-identical, while a
+    block's temporaries stay in cache; ``post``, own-kernel members and whatever reads their outputs, on
+    whole arrays. The blocked ufuncs form one :class:`Segment` per shape (an optimizer graph updating
+    several weights at once, tied together by a shared learning rate, has one per weight), run one after
+    the other; a segment too small to gain from blocking runs as one block.
+    """
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    @classmethod
+    def build(
+        cls,
+        cl: Cluster,
+        env: dict[int, Any],
+        local: dict[int, int],
+        fast: list[bool],
+        last_use: dict[int, int],
+    ) -> Blocked | None:
+        """The blocked program for the traced values ``env``, or None when blocking does not apply."""
+        members = cl.members
+
+        def shape_of(s: int) -> tuple[int, ...] | None:
+            v = env.get(s)
+            return v.shape if type(v) is np.ndarray and v.size > 1 else None
+
+        def one(s: int, shape: tuple[int, ...]) -> bool:
+            v = env.get(s)
+            return type(v) is np.ndarray and v.size == 1 and v.ndim <= len(shape)
+
+        # phases: x (cluster input), p (pre), m (blocked, in the segment of its output's shape), e (post)
+        phase = {s: "x" for s in cl.ext}
+        kinds: list[str] = []
+        for k, st in enumerate(members):
+            src = [phase[s] for s in st.inputs]
+            shape = shape_of(st.outputs[0]) if fast[k] else None
+            if (
+                shape is not None
+                and "e" not in src
+                and all(
+                    (shape_of(s) == shape and phase[s] in "xpm") or (one(s, shape) and phase[s] in "xp")
+                    for s in st.inputs
+                )
+            ):
+                ph = "m"
+            elif all(p in "xp" for p in src):
+                ph = "p"
+            else:
+                ph = "e"
+            kinds.append(ph)
+            for s in st.outputs:
+                phase[s] = ph
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for k, ph in enumerate(kinds):
+            if ph == "m":
+                by_shape.setdefault(env[members[k].outputs[0]].shape, []).append(k)
+        readers: dict[int, list[int]] = {}
+        for k, st in enumerate(members):
+            for s in st.inputs:
+                readers.setdefault(s, []).append(k)
+        segments = [
+            Segment.build(cl, env, local, last_use, kinds, readers, phase, shape, ops)
+            for shape, ops in by_shape.items()
+        ]
+        if not any(seg.block < seg.n or seg.par for seg in segments):
+            return None
+
+        def program(phase_name: str) -> list[tuple]:
+            out = []
+            for k, st in enumerate(members):
+                if kinds[k] != phase_name:
+                    continue
+                ins = [local[s] for s in st.inputs]
+                if fast[k]:
+                    ufunc, extra = UFUNCS[st.node.op_type]
+                    out.append((1, ufunc, ins, local[st.outputs[0]], None, extra))
+                else:
+                    out.append((2, st.fn, ins, [local[s] for s in st.outputs], None, st.attrs))
+            return out
+
+        pre, post = program("p"), program("e")
+        return cls(
+            segments=segments,
+            n_new=len(local) - len(cl.ext),
+            pre=pre,  # the op tuples, run as the generated functions below
+            post=post,
+            run_pre=compile_program(pre) if pre else None,
+            run_post=compile_program(post) if post else None,
+            out_idx=[local[s] for s in cl.escaping],
+        )
+
+    def take_views(self, pool: ScratchPool) -> None:
+        for seg in self.segments:
+            seg.take_views(pool)
+
+    def run(self, inputs: Sequence[Any], donated: frozenset[int] | None = None) -> list[Any]:
+        vals = list(inputs)
+        vals.extend(None for _ in range(self.n_new))
+        if self.run_pre is not None:
+            self.run_pre(vals)
+        for seg in self.segments:
+            seg.run(vals, donated)
+        if self.run_post is not None:
+            self.run_post(vals)
+        return [vals[i] for i in self.out_idx]
+
+
+class Segment:
+    """The blocked ufuncs of one shape, run over slices of ``block`` of its ``n`` flattened elements.
+
+    Blocked values that escape the cluster or that other phases read are whole arrays allocated once per run
+    and written slice by slice; the others live in block-sized scratch buffers of the pool (an op whose
+    input dies there writes into that input's buffer). Segments run one at a time, so they share buffers.
+    """
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+        self.pool: ScratchPool | None = None
+        self.views: dict[int, tuple[int, list[tuple[int, np.ndarray]]]] = {}  # thread → (block, views)
+
+    @classmethod
+    def build(
+        cls,
+        cl: Cluster,
+        env: dict[int, Any],
+        local: dict[int, int],
+        last_use: dict[int, int],
+        kinds: list[str],
+        readers: dict[int, list[int]],
+        phase: dict[int, str],
+        full: tuple[int, ...],
+        blocked_ops: list[int],
+    ) -> Segment:
+        members = cl.members
+        n = int(np.prod(full))
+        mine = set(blocked_ops)
+
+        def whole(s: int) -> bool:
+            v = env.get(s)
+            return type(v) is np.ndarray and v.shape == full
+
+        escaping = set(cl.escaping)
+        outs = [members[k].outputs[0] for k in blocked_ops]
+        wholes = [o for o in outs if o in escaping or any(j not in mine for j in readers.get(o, ()))]
+        whole_set = set(wholes)
+        # donation (onnxtrain/engine/donation.py): a whole output may be written into a cluster input of its
+        # dtype that only this segment reads, if its slice is first written no earlier than the input's last
+        # read. Each output claims the input read last before it is computed (an update's old value: w in
+        # w' = w − u), and no chain sinks into it (below) before that read
+        pos = {k: i for i, k in enumerate(blocked_ops)}
+        last_read: dict[int, int] = {}
+        for s in {s for k in blocked_ops for s in members[k].inputs} & cl.reusable:
+            rd = readers.get(s, ())
+            if whole(s) and all(j in mine for j in rd):
+                last_read[s] = max(pos[j] for j in rd)
+        claim: dict[int, int] = {}
+        for k in blocked_ops:
+            o = members[k].outputs[0]
+            if o in whole_set:
+                free_in = [s for s in last_read if s not in claim.values()
+                           and env[s].dtype == env[o].dtype and last_read[s] <= pos[k]]
+                if free_in:
+                    claim[o] = max(free_in, key=lambda s: (last_read[s], s))
+        # block values: chains of ops whose input dies there share that input's buffer; a chain that dies
+        # into a whole value runs in that value's slice ("sinks" into it) and needs no scratch buffer
+        root: dict[int, int] = {}
+        root_at: dict[int, int] = {}  # chain root → position of the op that starts the chain
+        sink: dict[int, int] = {}  # chain root → the whole value whose slice it uses
+        for k in blocked_ops:
+            out = members[k].outputs[0]
+            dt = env[out].dtype
+            for s in members[k].inputs:
+                if s in root and last_use.get(s) == k and env[s].dtype == dt and root[s] not in sink:
+                    if out in whole_set:
+                        if out in claim and root_at[root[s]] < last_read[claim[out]]:
+                            continue  # would write the output's slice before its claimed input is read
+                        sink[root[s]] = out
+                    else:
+                        root[out] = root[s]
+                    break
+            else:
+                if out not in whole_set:
+                    root[out] = out
+                    root_at[out] = pos[k]
+        end: dict[int, int] = {}
+        for v, r in root.items():
+            end[r] = max(end.get(r, -1), last_use.get(v, -1))
+        # scratch buffers of the pool by liveness, block-sized
+        free: dict[np.dtype, list[int]] = {}
+        counts: dict[np.dtype, int] = {}
+        held: list[tuple[int, np.dtype, int]] = []
+        scratch: list[tuple[int, np.dtype, int]] = []
+        for k in blocked_ops:
+            out = members[k].outputs[0]
+            if root.get(out) == out and out not in sink:
+                dt = env[out].dtype
+                lst = free.get(dt)
+                if lst:
+                    bi = lst.pop()
+                else:
+                    bi = counts.get(dt, 0)
+                    counts[dt] = bi + 1
+                held.append((end[out], dt, bi))
+                scratch.append((local[out], dt, bi))
+            for item in [h for h in held if h[0] <= k]:
+                held.remove(item)
+                free.setdefault(item[1], []).append(item[2])
+
+        def slot(s: int) -> int:
+            if s not in root:
+                return local[s]
+            return local[sink.get(root[s], root[s])]
+
+        n_slots = len(local)
+        consts: list[tuple[int, Any]] = []
+        ops: list[tuple] = []
+        for k in blocked_ops:
+            st = members[k]
+            ufunc, extra = UFUNCS[st.node.op_type]
+            ins = [slot(s) for s in st.inputs]
+            if extra is not None:
+                consts.append((n_slots + len(consts), extra))
+                ins.append(consts[-1][0])
+            ops.append((ufunc, ins[0], ins[1] if len(ins) > 1 else -1, slot(st.outputs[0])))
+        m_inputs = {s for k in blocked_ops for s in members[k].inputs}
+        whole_in = sorted(local[s] for s in m_inputs if whole(s) and phase[s] in "xp")
+        whole_out = [(local[s], full, env[s].dtype) for s in wholes]
+        per_elem = sum(env[s].itemsize for s in m_inputs if whole(s) and phase[s] in "xp")
+        per_elem += sum(env[s].itemsize for s in wholes) + sum(dt.itemsize for _, dt, _ in scratch)
+        block = n
+        if len(ops) >= 2 and n >= 2 * _BLOCK_ALIGN and n * per_elem >= BLOCK_MIN_BYTES:
+            # a multiple of _BLOCK_ALIGN elements: every slice starts as aligned as the whole array
+            block = min(max(BLOCK_BYTES // max(per_elem, 1) // _BLOCK_ALIGN, 1) * _BLOCK_ALIGN, n)
+        cost = sum(ERF_COST if f is erf_into else 1 for f, *_ in ops)  # per element
+        # each whole output's donation candidates, its claimed input first: inputs whose every read comes no
+        # later than the first write into the output's slice (then each block reads an input's slice before
+        # it writes the same slice)
+        reuse: list[list[tuple[int, int]]] = []
+        for o in wholes:
+            first = min(i for i, op in enumerate(ops) if op[3] == local[o])
+            ok = [s for s in last_read if env[s].dtype == env[o].dtype and last_read[s] <= first]
+            ok.sort(key=lambda s: (s != claim.get(o), s))
+            reuse.append([(local[s], s) for s in ok])
+        return cls(
+            reuse=reuse,
+            n=n,
+            block=block,
+            par=n >= 2 * _BLOCK_ALIGN and n * cost >= (UPDATE_PAR_MIN_WORK if any(reuse) else PAR_MIN_WORK),
+            n_bv=n_slots + len(consts),
+            consts=consts,
+            small=sorted(local[s] for s in m_inputs if not whole(s)),
+            whole_in=whole_in,
+            whole_out=whole_out,
+            flat_slots=whole_in + [w[0] for w in whole_out],
+            scratch=scratch,
+            ops=ops,
+        )
+
+    def take_views(self, pool: ScratchPool) -> None:
+        """(Re)take the serial run's views of the pool's arrays (a split run takes its other threads')."""
+        self.pool = pool
+        self.views = {}
+        self._views(0, self.block)
+
+    def _views(self, thread: int, block: int) -> list[tuple[int, np.ndarray]]:
+        """Block-sized views of ``thread``'s scratch buffers (thread 0 shares the pool's with other steps)."""
+        got = self.views.get(thread)
+        if got is None or got[0] != block:
+            pool = self.pool
+            keys = [(i, dt, bi if thread == 0 else (bi, thread)) for i, dt, bi in self.scratch]
+            got = self.views[thread] = (block, [(i, pool.view((block,), dt, k)) for i, dt, k in keys])
+        return got[1]
+
+    def run(self, vals: list[Any], donated: frozenset[int] | None = None) -> None:
+        bv: list[Any] = [None] * self.n_bv
+        for i, c in self.consts:
+            bv[i] = c
+        for i in self.small:
+            v = vals[i]
+            bv[i] = v if v.ndim <= 1 else v.reshape(1)
+        flats = [vals[i].reshape(-1) for i in self.whole_in]
+        taken: list[int] = []
+        for (i, shape, dt), reuse in zip(self.whole_out, self.reuse):
+            a = None
+            if donated:
+                for j, ext in reuse:
+                    if ext in donated and j not in taken:
+                        a = vals[j]
+                        taken.append(j)
+                        break
+            if a is None:
+                a = np.empty(shape, dt)
+            vals[i] = a
+            flats.append(a.reshape(-1))
+        slots = list(zip(self.flat_slots, flats))
+        n = self.n
+        parts = width() if self.par else 1
+        if parts <= 1:
+            self._run_range(bv, slots, 0, n, self.block, self._views(0, self.block))
+            return
+        ranges = split(n, parts, _BLOCK_ALIGN)
+        block = min(self.block, ranges[0][1])
+        views = [self._views(t, block) for t in range(len(ranges))]  # taken here: the pool is not thread-safe
+
+        def part(t: int) -> None:
+            self._run_range(list(bv), slots, *ranges[t], block, views[t])
+
+        parallel_for(len(ranges), part)
+
+    def _run_range(
+        self,
+        bv: list[Any],
+        slots: list[tuple[int, np.ndarray]],
+        start: int,
+        stop: int,
+        block: int,
+        views: list[tuple[int, np.ndarray]],
+    ) -> None:
+        """The segment's ufuncs over elements [start, stop), ``block`` at a time, in the scratch ``views``."""
+        for i, v in views:
+            bv[i] = v
+        ops = self.ops
+        for lo in range(start, stop, block):
+            hi = lo + block
+            if hi > stop:
+                hi = stop
+                for i, v in views:
+                    bv[i] = v[:hi - lo]
+            for i, f in slots:
+                bv[i] = f[lo:hi]
+            for fn, a, b, o in ops:
+                if b < 0:
+                    fn(bv[a], out=bv[o])
+                else:
+                    fn(bv[a], bv[b], out=bv[o])
