@@ -439,6 +439,57 @@ def test_matmul_bias_add_runs_in_place_and_is_bit_identical() -> None:
     assert not np.shares_memory(a1, a2)  # a fresh product every run
 
 
+def linear_gelu(bias_shape: list[int], product_read_elsewhere: bool = False) -> onnx.ModelProto:
+    """x·W + b, then torch's exported exact GELU (x/√2 → Erf → +1 → ·x → ·0.5); W an initializer, b an input
+    of the given declared shape; optionally the product is a graph output too."""
+    rng = np.random.default_rng(5)
+    w = numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w")
+    nodes = [
+        const("r2", np.float32(np.sqrt(2.0))),
+        const("one", np.float32(1.0)),
+        const("half", np.float32(0.5)),
+        helper.make_node("MatMul", ["x", "w"], ["p"]),
+        helper.make_node("Add", ["p", "b"], ["h"]),
+        helper.make_node("Div", ["h", "r2"], ["d"]),
+        helper.make_node("Erf", ["d"], ["e"]),
+        helper.make_node("Add", ["e", "one"], ["q"]),
+        helper.make_node("Mul", ["h", "q"], ["m"]),
+        helper.make_node("Mul", ["m", "half"], ["y"]),
+    ]
+    outs = [helper.make_tensor_value_info("y", F, None)]
+    if product_read_elsewhere:
+        outs.append(helper.make_tensor_value_info("p", F, None))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["n", 16]),
+                                       helper.make_tensor_value_info("b", F, bias_shape)], outs, [w])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_bias_add_of_a_product_stays_out_of_the_cluster_and_adds_in_place() -> None:
+    """A Linear layer's bias Add is left to the MatMul, which adds it into its product; the GELU after it is
+    one cluster; the bits are those of the unfused graph."""
+    fused, plain = Plan(linear_gelu([8])), Plan(linear_gelu([8]), fuse=False)
+    assert ops(fused) == ["FusedMatMulAdd", "FusedElementwise"]
+    rng = np.random.default_rng(6)
+    for rows in (64, 3):
+        feeds = {"x": (2 * rng.standard_normal((rows, 16))).astype(np.float32),
+                 "b": rng.standard_normal(8).astype(np.float32)}
+        assert fused.run(feeds)[0].tobytes() == plain.run(feeds)[0].tobytes()
+
+
+@pytest.mark.parametrize("bias_shape, elsewhere", [([64, 8], False), (None, False), ([8], True)])
+def test_add_of_a_product_joins_the_cluster_unless_it_is_a_bias(bias_shape, elsewhere) -> None:
+    """A same-shape operand (a residual), one of unknown rank, or a product that is read elsewhere keep the
+    Add in the cluster, as before."""
+    m = linear_gelu(bias_shape, product_read_elsewhere=elsewhere)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert ops(fused) == ["MatMul", "FusedElementwise"]
+    rng = np.random.default_rng(7)
+    feeds = {"x": rng.standard_normal((64, 16)).astype(np.float32),
+             "b": rng.standard_normal([64, 8] if bias_shape is None else bias_shape).astype(np.float32)}
+    for got, want in zip(fused.run(feeds), plain.run(feeds)):
+        assert got.tobytes() == want.tobytes()
+
+
 # ---- shape arithmetic: folded or memoised ------------------------------------------------------------------
 def dynamic_reshape(extra_inits=()) -> onnx.ModelProto:
     """y = Reshape(x, [N, 2, 3]) with N read from x's shape at run time, as torch exports it."""

@@ -33,7 +33,8 @@ r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph it
   flattened elements, one shape after the other (cache blocking, see
   :mod:`~onnxtrain.engine.fusion.blocked`), with block-sized scratch buffers;
 * **MatMul + bias**: an ``Add`` of a MatMul's product (that nothing else reads) adds into the product
-  in place instead of allocating a second array (after the clusters, which may take the Add instead);
+  in place instead of allocating a second array. It runs after the clusters, which leave out such an Add
+  when its other operand is a declared vector (a Linear layer's bias) and may take any other;
 * **activations in place** (:mod:`~onnxtrain.engine.fusion.inplace`): a ``Relu``, or a ReLU gradient
   ``Where(mask, dX, 0)``, of a product that nothing else reads writes into the product.
 

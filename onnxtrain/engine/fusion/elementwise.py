@@ -11,7 +11,7 @@ from onnx import helper
 
 from onnxtrain.engine.donation import donated_now
 from onnxtrain.engine.fusion.blocked import Blocked, ScratchPool
-from onnxtrain.engine.fusion.common import consumers, make_step, protected_slots, run_steps
+from onnxtrain.engine.fusion.common import consumers, make_step, producers, protected_slots, run_steps
 from onnxtrain.engine.fusion.shapes import is_memoized
 from onnxtrain.engine.fusion.ufuncs import OWN_KERNEL_OPS, QUIET_OPS, UFUNCS, compile_program, runs_as_ufunc
 from onnxtrain.engine.registry import Attrs, find_kernel
@@ -61,6 +61,7 @@ def fuse_elementwise(plan: Plan, steps: list[Step]) -> list[Step]:
     """Group connected elementwise steps into clusters of two or more and run each as one step."""
     eligible = set(UFUNCS) | OWN_KERNEL_OPS
     cons, kept = consumers(steps), protected_slots(plan)
+    bias_adds = _matmul_bias_adds(plan, steps, cons, kept)
     cluster_of_slot: dict[int, int] = {}  # slot → cluster id of its producer
     members: dict[int, list[int]] = {}  # cluster id → step indices
     merged_into: dict[int, int] = {}
@@ -77,7 +78,7 @@ def fuse_elementwise(plan: Plan, steps: list[Step]) -> list[Step]:
             and all(s >= 0 for s in st.outputs)
             and not is_memoized(st)
         )
-        if st.node.op_type == "Relu" and len(st.inputs) != 1:
+        if (st.node.op_type == "Relu" and len(st.inputs) != 1) or k in bias_adds:
             ok = False
         if not ok:
             continue
@@ -135,6 +136,27 @@ def fuse_elementwise(plan: Plan, steps: list[Step]) -> list[Step]:
         replace[idx[-1]] = make_step(plan, "FusedElementwise", mem, ext, escaping, fn)
         drop.update(idx[:-1])
     return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
+
+
+def _matmul_bias_adds(plan: Plan, steps: list[Step], cons: dict[int, list[int]], kept: set[int]) -> set[int]:
+    """The steps ``Add(MatMul(A, B), bias)``, nothing else reading the product and the bias a declared vector
+    (a Linear layer's bias): left out of clusters, they add the bias into the product in place
+    (:func:`onnxtrain.engine.fusion.gemm.fuse_matmul_bias`), which costs less than a cluster's pass writing a
+    new array: the exported GELU's first op, 0.5 M values, took 88 µs of the cluster's 1.04 ms, and the
+    transformer's forward went 10.02 → 9.61 ms (legacy training step 36.0 → 35.4 ms), the same bits."""
+    prod = producers(steps)
+    vectors = {plan.slot[n] for n, v in plan.initializers.items() if v.ndim <= 1}
+    vectors |= {plan.slot[n] for n, dims in plan.input_shapes.items() if dims is not None and len(dims) <= 1}
+    out = set()
+    for k, st in enumerate(steps):
+        if st.node.op_type != "Add" or len(st.inputs) != 2:
+            continue
+        for side in (0, 1):
+            m = prod.get(st.inputs[side])
+            if (m is not None and steps[m].node.op_type == "MatMul" and cons.get(st.inputs[side]) == [k]
+                    and st.inputs[side] not in kept and st.inputs[1 - side] in vectors):
+                out.add(k)
+    return out
 
 
 class Cluster:
