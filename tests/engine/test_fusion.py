@@ -260,20 +260,23 @@ def test_blocked_cluster_does_not_write_into_inputs(monkeypatch) -> None:
         np.testing.assert_array_equal(feeds[k], before[k])
 
 
-def gelu_chain() -> onnx.ModelProto:
-    """torch's exported exact GELU: x/√2 → Erf → +1 → ·x → ·0.5, after a bias Add."""
-    n = [
+def gelu_nodes(h: str, y: str) -> list[onnx.NodeProto]:
+    """torch's exported exact GELU of ``h`` into ``y``: h/√2 → Erf → +1 → ·h → ·0.5."""
+    return [
         const("r2", np.float32(np.sqrt(2.0))),
         const("one", np.float32(1.0)),
         const("half", np.float32(0.5)),
-        helper.make_node("Add", ["x", "b"], ["h"]),
-        helper.make_node("Div", ["h", "r2"], ["d"]),
+        helper.make_node("Div", [h, "r2"], ["d"]),
         helper.make_node("Erf", ["d"], ["e"]),
-        helper.make_node("Add", ["e", "one"], ["p"]),
-        helper.make_node("Mul", ["h", "p"], ["q"]),
-        helper.make_node("Mul", ["q", "half"], ["y"]),
+        helper.make_node("Add", ["e", "one"], ["p1"]),
+        helper.make_node("Mul", [h, "p1"], ["q"]),
+        helper.make_node("Mul", ["q", "half"], [y]),
     ]
-    return model(n, ["x", "b"], ["y"])
+
+
+def gelu_chain() -> onnx.ModelProto:
+    """The exported exact GELU after a bias Add."""
+    return model([helper.make_node("Add", ["x", "b"], ["h"]), *gelu_nodes("h", "y")], ["x", "b"], ["y"])
 
 
 @pytest.mark.parametrize("blocked", [False, True])
@@ -440,22 +443,12 @@ def test_matmul_bias_add_runs_in_place_and_is_bit_identical() -> None:
 
 
 def linear_gelu(bias_shape: list[int], product_read_elsewhere: bool = False) -> onnx.ModelProto:
-    """x·W + b, then torch's exported exact GELU (x/√2 → Erf → +1 → ·x → ·0.5); W an initializer, b an input
-    of the given declared shape; optionally the product is a graph output too."""
+    """x·W + b, then the exported exact GELU; W an initializer, b an input of the given declared shape;
+    optionally the product is a graph output too."""
     rng = np.random.default_rng(5)
     w = numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w")
-    nodes = [
-        const("r2", np.float32(np.sqrt(2.0))),
-        const("one", np.float32(1.0)),
-        const("half", np.float32(0.5)),
-        helper.make_node("MatMul", ["x", "w"], ["p"]),
-        helper.make_node("Add", ["p", "b"], ["h"]),
-        helper.make_node("Div", ["h", "r2"], ["d"]),
-        helper.make_node("Erf", ["d"], ["e"]),
-        helper.make_node("Add", ["e", "one"], ["q"]),
-        helper.make_node("Mul", ["h", "q"], ["m"]),
-        helper.make_node("Mul", ["m", "half"], ["y"]),
-    ]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Add", ["p", "b"], ["h"]),
+             *gelu_nodes("h", "y")]
     outs = [helper.make_tensor_value_info("y", F, None)]
     if product_read_elsewhere:
         outs.append(helper.make_tensor_value_info("p", F, None))
