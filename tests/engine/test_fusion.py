@@ -469,10 +469,11 @@ def test_bias_add_of_a_product_stays_out_of_the_cluster_and_adds_in_place() -> N
         assert fused.run(feeds)[0].tobytes() == plain.run(feeds)[0].tobytes()
 
 
-@pytest.mark.parametrize("bias_shape, elsewhere", [([64, 8], False), (None, False), ([8], True)])
+@pytest.mark.parametrize("bias_shape, elsewhere", [([64, 8], False), (None, False), ([1], False), ([], False),
+                                                   ([8], True)])
 def test_add_of_a_product_joins_the_cluster_unless_it_is_a_bias(bias_shape, elsewhere) -> None:
-    """A same-shape operand (a residual), one of unknown rank, or a product that is read elsewhere keep the
-    Add in the cluster, as before."""
+    """A same-shape operand (a residual), one of unknown rank, one element, or a product that is read
+    elsewhere keep the Add in the cluster, as before."""
     m = linear_gelu(bias_shape, product_read_elsewhere=elsewhere)
     fused, plain = Plan(m), Plan(m, fuse=False)
     assert ops(fused) == ["MatMul", "FusedElementwise"]

@@ -140,13 +140,16 @@ def fuse_elementwise(plan: Plan, steps: list[Step]) -> list[Step]:
 
 def _matmul_bias_adds(plan: Plan, steps: list[Step], cons: dict[int, list[int]], kept: set[int]) -> set[int]:
     """The steps ``Add(MatMul(A, B), bias)``, nothing else reading the product and the bias a declared vector
-    (a Linear layer's bias): left out of clusters, they add the bias into the product in place
-    (:func:`onnxtrain.engine.fusion.gemm.fuse_matmul_bias`), which costs less than a cluster's pass writing a
-    new array: the exported GELU's first op, 0.5 M values, took 88 µs of the cluster's 1.04 ms, and the
-    transformer's forward went 10.02 → 9.61 ms (legacy training step 36.0 → 35.4 ms), the same bits."""
+    of more than one element (a Linear layer's bias): left out of clusters, they add the bias into the
+    product in place (:func:`onnxtrain.engine.fusion.gemm.fuse_matmul_bias`), which costs less than a
+    cluster's pass writing a new array: the exported GELU's first op, 0.5 M values, took 88 µs of the
+    cluster's 1.04 ms, and the transformer's forward went 10.02 → 9.61 ms (legacy training step 36.0 → 35.4
+    ms), the same bits."""
     prod = producers(steps)
-    vectors = {plan.slot[n] for n, v in plan.initializers.items() if v.ndim <= 1}
-    vectors |= {plan.slot[n] for n, dims in plan.input_shapes.items() if dims is not None and len(dims) <= 1}
+    # one element (a scalar) would join a cluster's cache-blocked loop instead: those stay in clusters
+    vectors = {plan.slot[n] for n, v in plan.initializers.items() if v.ndim == 1 and v.size > 1}
+    vectors |= {plan.slot[n] for n, dims in plan.input_shapes.items() if dims is not None and len(dims) == 1
+                and dims[0] != 1}
     out = set()
     for k, st in enumerate(steps):
         if st.node.op_type != "Add" or len(st.inputs) != 2:
