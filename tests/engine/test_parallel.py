@@ -128,6 +128,36 @@ def test_a_cluster_split_over_threads_gives_the_same_bits(monkeypatch) -> None:
     assert seg.par and len(seg.views) == 2  # both threads took scratch views of their own
 
 
+def test_split_segments_of_one_cluster_run_as_one_job_with_the_same_bits(monkeypatch) -> None:
+    """An update over two weights (one cluster, a segment per weight), both segments split: the threads take
+    their piece of each in one job, and the bits are those of one thread and of the unfused graph."""
+    from onnxtrain.engine.fusion import blocked as fusion
+    from tests.engine.test_fusion import two_weight_update
+
+    monkeypatch.setattr(fusion, "PAR_MIN_WORK", 0)
+    monkeypatch.setattr(fusion, "UPDATE_PAR_MIN_WORK", 0)  # the new weights may be written into the old
+    monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
+    monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)
+    jobs = []
+    real = fusion.parallel_for
+    monkeypatch.setattr(fusion, "parallel_for", lambda n, fn: (jobs.append(n), real(n, fn)))
+    rng = np.random.default_rng(12)
+    feeds = {"lr": np.array([0.01], np.float32)}
+    for w, shape in (("a", (96, 40)), ("b", (300, 7))):
+        feeds[f"w_{w}"], feeds[f"g_{w}"] = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    serial, split, plain = (Plan(two_weight_update(), threads=1), Plan(two_weight_update(), threads=2),
+                            Plan(two_weight_update(), fuse=False))
+    want = plain.run(feeds)
+    for plan in (serial, split, split):
+        for got, ref in zip(plan.run(feeds), want):
+            assert got.tobytes() == ref.tobytes()
+    (prog,) = split.steps[0].fn.programs.values()
+    assert len(prog[5].segments) == 2 and all(seg.par for seg in prog[5].segments)
+    jobs.clear()
+    split.run(feeds)
+    assert jobs == [2]  # one job of two pieces for both segments, not one per segment
+
+
 def _python(code: str) -> list[str]:
     """Run ``code`` in a fresh interpreter without a THREAD_TIMEOUT of its own; its printed words."""
     env = {k: v for k, v in os.environ.items() if "THREAD_TIMEOUT" not in k}
