@@ -27,8 +27,9 @@ GROUPS: dict[str, frozenset[str]] = {
     "softmax": frozenset({"Softmax", "MaskedSoftmax", "LogSoftmax", "BiasSoftmax"}),
     "layer norm": frozenset({"LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization"}),
     "elementwise": frozenset({
-        "FusedElementwise", "LazySelect", "BiasGelu", "FastGelu", "Gelu", "BiasAdd", "Add", "Sub", "Mul",
-        "Div", "Erf", "Tanh", "Sqrt", "Pow", "Exp", "Log", "Relu", "Neg", "Where", "Cast", "Equal", "Not",
+        "FusedElementwise", "FusedElementwiseGroup", "LazySelect", "BiasGelu", "FastGelu", "Gelu", "BiasAdd",
+        "Add", "Sub", "Mul", "Div", "Erf", "Tanh", "Sqrt", "Pow", "Exp", "Log", "Relu", "Neg", "Where",
+        "Cast", "Equal", "Not",
     }),
     "layout and shapes": frozenset({
         "Reshape", "Transpose", "Concat", "Split", "Slice", "Gather", "Unsqueeze", "Squeeze", "Shape",

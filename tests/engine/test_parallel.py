@@ -158,6 +158,73 @@ def test_split_segments_of_one_cluster_run_as_one_job_with_the_same_bits(monkeyp
     assert jobs == [2]  # one job of two pieces for both segments, not one per segment
 
 
+def sibling_updates() -> onnx.ModelProto:
+    """Two weights updated by chains that share no computed value (a legacy optimizer graph's per-weight
+    updates, each with its own step size input): two clusters side by side."""
+    n = []
+    for w in ("a", "b"):
+        n += [
+            helper.make_node("Mul", [f"g_{w}", f"g_{w}"], [f"gg_{w}"]),
+            helper.make_node("Add", [f"gg_{w}", "eps"], [f"d_{w}"]),
+            helper.make_node("Div", [f"g_{w}", f"d_{w}"], [f"u_{w}"]),
+            helper.make_node("Mul", [f"u_{w}", f"lr_{w}"], [f"s_{w}"]),
+            helper.make_node("Sub", [f"w_{w}", f"s_{w}"], [f"new_{w}"]),
+        ]
+    inits = [helper.make_tensor("eps", TensorProto.FLOAT, [], [1e-3])]
+    return model(n, ["lr_a", "w_a", "g_a", "lr_b", "w_b", "g_b"], ["new_a", "new_b"], inits)
+
+
+def test_sibling_clusters_run_as_one_step_and_their_split_pieces_as_one_job(monkeypatch) -> None:
+    from onnxtrain.engine.fusion import blocked as fusion
+
+    for limit in ("PAR_MIN_WORK", "UPDATE_PAR_MIN_WORK", "BLOCK_MIN_BYTES"):
+        monkeypatch.setattr(fusion, limit, 0)
+    monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)
+    jobs = []
+    real = fusion.parallel_for
+    monkeypatch.setattr(fusion, "parallel_for", lambda n, fn: (jobs.append(n), real(n, fn)))
+    rng = np.random.default_rng(13)
+    feeds = {}
+    for w, shape in (("a", (96, 40)), ("b", (300, 7))):
+        feeds[f"lr_{w}"] = np.array([0.01], np.float32)
+        feeds[f"w_{w}"], feeds[f"g_{w}"] = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    serial, split, plain = (Plan(sibling_updates(), threads=1), Plan(sibling_updates(), threads=2),
+                            Plan(sibling_updates(), fuse=False))
+    assert [st.node.op_type for st in split.steps] == ["FusedElementwiseGroup"]
+    want = plain.run(feeds)
+    for plan in (serial, split, split):
+        for got, ref in zip(plan.run(feeds), want):
+            assert got.tobytes() == ref.tobytes()
+    jobs.clear()
+    split.run(feeds)
+    assert jobs == [2]  # both clusters' split segments in one job of two pieces
+
+
+def test_an_input_two_sibling_clusters_read_is_donated_to_neither(monkeypatch) -> None:
+    """A donated input that both clusters of a group read must reach the second one unchanged (blocked
+    clusters write into donated inputs they alone read)."""
+    from onnxtrain.engine.fusion import blocked as fusion
+
+    monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
+    monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)
+    n = [
+        helper.make_node("Mul", ["x", "two"], ["p"]), helper.make_node("Mul", ["p", "two"], ["ya"]),
+        helper.make_node("Add", ["x", "two"], ["q"]), helper.make_node("Add", ["q", "two"], ["yb"]),
+    ]
+    inits = [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])]
+    m = model(n, ["x"], ["ya", "yb"], inits)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert [st.node.op_type for st in fused.steps] == ["FusedElementwiseGroup"]
+    x = np.arange(1000, dtype=np.float32)
+    want = plain.run({"x": x.copy()})
+    for _ in range(2):
+        given = x.copy()
+        got = fused.run({"x": given}, donate=["x"])
+        for a, b in zip(got, want):
+            assert a.tobytes() == b.tobytes()
+        assert not any(np.shares_memory(a, given) for a in got)
+
+
 def _python(code: str) -> list[str]:
     """Run ``code`` in a fresh interpreter without a THREAD_TIMEOUT of its own; its printed words."""
     env = {k: v for k, v in os.environ.items() if "THREAD_TIMEOUT" not in k}

@@ -32,6 +32,9 @@ r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph it
   being allocated every time. The ufuncs of a cluster over large arrays run block by block over their
   flattened elements, one shape after the other (cache blocking, see
   :mod:`~onnxtrain.engine.fusion.blocked`), with block-sized scratch buffers;
+* **sibling clusters**: consecutive clusters none of which reads another's outputs (a legacy optimizer
+  graph's per-weight updates) run as one step, their split segments' pieces as one job on the threads
+  (:func:`~onnxtrain.engine.fusion.blocked.run_group`);
 * **MatMul + bias**: an ``Add`` of a MatMul's product (that nothing else reads) adds into the product
   in place instead of allocating a second array. It runs after the clusters, which leave out such an Add
   when its other operand is a declared vector (a Linear layer's bias) and may take any other;
@@ -50,7 +53,7 @@ from typing import TYPE_CHECKING
 
 from onnxtrain.engine.fusion.blocked import ScratchPool
 from onnxtrain.engine.fusion.cse import eliminate_common_steps
-from onnxtrain.engine.fusion.elementwise import expand_sums, fuse_elementwise
+from onnxtrain.engine.fusion.elementwise import expand_sums, fuse_elementwise, group_sibling_clusters
 from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_bias, fuse_matmul_weight_grads
 from onnxtrain.engine.fusion.inplace import fuse_inplace_activations
 from onnxtrain.engine.fusion.masked_softmax import fuse_masked_softmax
@@ -81,6 +84,7 @@ def fuse(plan: Plan) -> None:
     steps = fuse_masked_softmax(plan, steps)
     steps = fuse_lazy_selects(plan, steps)
     steps = fuse_elementwise(plan, steps)
+    steps = group_sibling_clusters(plan, steps)
     steps = fuse_matmul_bias(plan, steps)
     steps = fuse_inplace_activations(plan, steps)
     plan.steps = steps

@@ -3,6 +3,7 @@ large arrays: :mod:`onnxtrain.engine.fusion.blocked`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -10,7 +11,7 @@ import numpy as np
 from onnx import helper
 
 from onnxtrain.engine.donation import donated_now
-from onnxtrain.engine.fusion.blocked import Blocked, ScratchPool
+from onnxtrain.engine.fusion.blocked import Blocked, ScratchPool, run_group
 from onnxtrain.engine.fusion.common import consumers, make_step, producers, protected_slots, run_steps
 from onnxtrain.engine.fusion.shapes import is_memoized
 from onnxtrain.engine.fusion.ufuncs import OWN_KERNEL_OPS, QUIET_OPS, UFUNCS, compile_program, runs_as_ufunc
@@ -350,3 +351,63 @@ class Cluster:
             None,
         ]
         return [env[s] for s in self.escaping]
+
+
+# ---- groups of sibling clusters ---------------------------------------------------------------------------
+def group_sibling_clusters(plan: Plan, steps: list[Step]) -> list[Step]:
+    """Consecutive cluster steps none of which reads another's outputs (the per-weight updates of a legacy
+    optimizer graph) become one step, so that their split segments run as one job (:func:`run_group`)."""
+    out: list[Step] = []
+    run: list[Step] = []
+
+    def flush() -> None:
+        if len(run) >= 2:
+            ins = list(dict.fromkeys(s for st in run for s in st.inputs))
+            outs = [s for st in run for s in st.outputs]
+            members = list(run)
+            fn = ClusterGroup(plan, members, ins)
+            out.append(make_step(plan, "FusedElementwiseGroup", members, ins, outs, fn))
+        else:
+            out.extend(run)
+        run.clear()
+
+    for st in steps:
+        if not isinstance(st.fn, Cluster):
+            flush()
+            out.append(st)
+            continue
+        produced = {s for m in run for s in m.outputs}
+        if produced.intersection(st.inputs):
+            flush()
+        run.append(st)
+    flush()
+    return out
+
+
+class ClusterGroup:
+    """The kernel of a group of sibling clusters: each member on its inputs, in order, their split segments'
+    pieces together at the end; the members' outputs in order."""
+
+    def __init__(self, plan: Plan, members: list[Step], ins: list[int]):
+        self.plan = plan
+        self.members = members
+        self.positions = [[ins.index(s) for s in m.inputs] for m in members]
+        self.quiet = any(m.fn.quiet for m in members)
+        self.fresh_outputs = all(m.fn.fresh_outputs for m in members)
+
+    def allow_reuse(self, slots: frozenset[int]) -> frozenset[int]:
+        """Donated inputs each member may write into: those it reads and no other member does (a later member
+        must still find an input as it was)."""
+        taken: set[int] = set()
+        for m in self.members:
+            others = {s for o in self.members if o is not m for s in o.inputs}
+            taken.update(m.fn.allow_reuse(frozenset(slots) - others))
+        return frozenset(taken)
+
+    def __call__(self, inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
+        calls = [functools.partial(m.fn, [inputs[i] for i in pos], m.attrs)
+                 for m, pos in zip(self.members, self.positions)]
+        results = run_group(self.plan.scratch, calls, self.quiet)
+        if results is None:  # the pool is busy (the plan runs on another thread too): each member alone
+            results = [c() for c in calls]
+        return [r for res in results for r in res]
