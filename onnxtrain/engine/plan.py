@@ -371,7 +371,7 @@ class Plan(GraphInterface):
                     except AttributeError:
                         live += nbytes(r)
                 else:
-                    live += self._store(vals, outs, res)
+                    live += self._store(vals, outs, res) - self._free_written(vals, free, res)
                 if live > peak:
                     peak = live
                 for s in free:
@@ -410,6 +410,18 @@ class Plan(GraphInterface):
                 added += nbytes(r)
         return added
 
+    @staticmethod
+    def _free_written(vals: list[Any], free: tuple[int, ...], res: Sequence[Any]) -> int:
+        """Free now the inputs of a multi-output step that one of its results was written into (a donated
+        weight updated in place): that memory is the result's from here on, not new. Returns their bytes."""
+        freed = 0
+        for s in free:
+            v = vals[s]
+            if v is not None and any(v is r for r in res):
+                vals[s] = None
+                freed += nbytes(v)
+        return freed
+
     def _run_watched(self, vals: list[Any], live: int) -> int:
         """The run loop with one :class:`ProfileEvent` per step when profiling, and the bytes a control-flow
         step's bodies held during it counted in the peak; returns the peak of live bytes."""
@@ -441,7 +453,7 @@ class Plan(GraphInterface):
                     b.plan.profile.clear()
             if bodies:
                 peak = max(peak, live + fn.extra_bytes)
-            live += self._store(vals, outs, res)
+            live += self._store(vals, outs, res) - self._free_written(vals, free, res)
             peak = max(peak, live)
             for s in free:
                 if vals[s] is not None:

@@ -279,3 +279,17 @@ def test_an_update_splits_over_threads_from_a_lower_threshold(monkeypatch) -> No
             assert split_of(plan) == split
             for a, r in zip(out, want):
                 np.testing.assert_array_equal(a, r)
+
+
+def test_peak_counts_an_update_written_into_its_donated_inputs_once() -> None:
+    """The new W and M written into the donated W and M are not new memory: the run's peak is the feeds'
+    bytes; into fresh arrays it is the feeds' and the two results' (the folded constants aside)."""
+    plan = Plan(momentum_model())
+    rng = np.random.default_rng(5)
+    feeds = {k: rng.standard_normal(N).astype(np.float32) for k in ("W", "M", "G")}
+    plan.run({k: v.copy() for k, v in feeds.items()})  # the first run traces the cluster
+    for donate, arrays in ((["W", "M"], 3), ([], 5), (["W", "M"], 3)):
+        fresh = {k: v.copy() for k, v in feeds.items()}
+        w_new, _ = plan.run(fresh, donate=donate)
+        assert np.shares_memory(w_new, fresh["W"]) == bool(donate)
+        assert 0 <= plan.peak_bytes - plan.scratch.nbytes - arrays * N * 4 < 64
