@@ -210,20 +210,18 @@ class Blocked:
         if self.run_pre is not None:
             self.run_pre(vals)
         threads = width()
-        together = [seg for seg in self.segments if seg.par] if threads > 1 else []
-        deferred = getattr(_group, "work", None) if self.run_post is None else None
-        if len(together) < 2 and deferred is None:
-            together = []
+        split = [seg for seg in self.segments if seg.par] if threads > 1 else []
         for seg in self.segments:
-            if seg not in together:
+            if seg not in split:
                 seg.run(vals, donated)
-        if together:
+        if split:
             # the split segments as one job: each thread runs its piece of every segment in turn, so the
             # threads wake and meet once instead of once per segment (a thread's scratch serves its pieces).
             # The MLP's on-device update (two split weights): Optimizer.step 0.81 → 0.73 ms at batch 64, 1.25
             # → 1.16 ms at 256 (medians of 12 interleaved rounds). Inside a group of clusters the pieces wait
             # for the group's one job (nothing reads these outputs before the group ends)
-            work = [seg.split_work(*seg.prepare(vals, donated), threads) for seg in together]
+            work = [seg.split_work(*seg.prepare(vals, donated), threads) for seg in split]
+            deferred = getattr(_group, "work", None) if self.run_post is None else None
             if deferred is not None:
                 deferred.extend(work)
             else:
@@ -400,13 +398,9 @@ class Segment:
         return got[1]
 
     def run(self, vals: list[Any], donated: frozenset[int] | None = None) -> None:
+        """The whole segment on this thread (a split one runs as pieces: :meth:`split_work`)."""
         bv, slots = self.prepare(vals, donated)
-        parts = width() if self.par else 1
-        if parts <= 1:
-            self._run_range(bv, slots, 0, self.n, self.block, self._views(0, self.block))
-            return
-        work = self.split_work(bv, slots, parts)
-        parallel_for(len(work), lambda t: work[t]())
+        self._run_range(bv, slots, 0, self.n, self.block, self._views(0, self.block))
 
     def prepare(self, vals: list[Any], donated: frozenset[int] | None) -> tuple[list[Any], list[tuple]]:
         """The run's block-value slots and its whole arrays (the outputs allocated, or donated inputs)."""
