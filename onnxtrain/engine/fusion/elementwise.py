@@ -13,6 +13,7 @@ from onnx import helper
 from onnxtrain.engine.donation import donated_now
 from onnxtrain.engine.fusion.blocked import Blocked, ScratchPool, run_group
 from onnxtrain.engine.fusion.common import consumers, make_step, producers, protected_slots, run_steps
+from onnxtrain.engine.fusion.gemm import matmul_product_side
 from onnxtrain.engine.fusion.shapes import is_memoized
 from onnxtrain.engine.fusion.ufuncs import OWN_KERNEL_OPS, QUIET_OPS, UFUNCS, compile_program, runs_as_ufunc
 from onnxtrain.engine.registry import Attrs, find_kernel
@@ -153,13 +154,9 @@ def _matmul_bias_adds(plan: Plan, steps: list[Step], cons: dict[int, list[int]],
                 and dims[0] != 1}
     out = set()
     for k, st in enumerate(steps):
-        if st.node.op_type != "Add" or len(st.inputs) != 2:
-            continue
-        for side in (0, 1):
-            m = prod.get(st.inputs[side])
-            if (m is not None and steps[m].node.op_type == "MatMul" and cons.get(st.inputs[side]) == [k]
-                    and st.inputs[side] not in kept and st.inputs[1 - side] in vectors):
-                out.add(k)
+        side = matmul_product_side(steps, k, prod, cons, kept)
+        if side is not None and st.inputs[1 - side] in vectors:
+            out.add(k)
     return out
 
 

@@ -257,27 +257,39 @@ def fuse_matmul_bias(plan: Plan, steps: list[Step]) -> list[Step]:
     drop: set[int] = set()
     replace: dict[int, Step] = {}
     for k, add in enumerate(steps):
-        if add.node.op_type != "Add" or len(add.inputs) != 2:
+        side = matmul_product_side(steps, k, prod, cons, kept)
+        if side is None:
             continue
-        for side in (0, 1):
-            m = prod.get(add.inputs[side])
-            if m is None or m in drop or steps[m].node.op_type != "MatMul":
-                continue
-            mm = steps[m]
-            if cons.get(mm.outputs[0]) != [k] or mm.outputs[0] in kept:
-                continue
-            members = [mm, add]
-            replace[k] = make_step(
-                plan,
-                "FusedMatMulAdd",
-                members,
-                (*mm.inputs, add.inputs[1 - side]),
-                add.outputs,
-                _matmul_add(plan, members),
-            )
-            drop.add(m)
-            break
+        m = prod[add.inputs[side]]  # read by this Add alone: no earlier Add took it
+        mm = steps[m]
+        members = [mm, add]
+        replace[k] = make_step(
+            plan,
+            "FusedMatMulAdd",
+            members,
+            (*mm.inputs, add.inputs[1 - side]),
+            add.outputs,
+            _matmul_add(plan, members),
+        )
+        drop.add(m)
     return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
+
+
+def matmul_product_side(
+    steps: list[Step], k: int, prod: dict[int, int], cons: dict[int, list[int]], kept: set[int]
+) -> int | None:
+    """For a two-input ``Add`` at ``steps[k]``: the side (0 or 1) that is a MatMul's product read by that Add
+    alone and not kept (a graph output), which :func:`fuse_matmul_bias` adds the other side into; else
+    None."""
+    add = steps[k]
+    if add.node.op_type != "Add" or len(add.inputs) != 2:
+        return None
+    for side in (0, 1):
+        s = add.inputs[side]
+        m = prod.get(s)
+        if m is not None and steps[m].node.op_type == "MatMul" and cons.get(s) == [k] and s not in kept:
+            return side
+    return None
 
 
 def _matmul_add(plan: Plan, members: list[Step]) -> Callable:
