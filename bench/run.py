@@ -185,15 +185,28 @@ def gemm_peak(coretype: str, quick: bool) -> dict:
 # (measured: 0.104 s of CPU in a 0.3 s sleep after one GEMM; torch's threads 0.009 s), which would take a
 # core from whichever peer runs next
 SETTLE_S = 0.15
+# calibration times a run of at least this many seconds: one step alone can take 10× its usual time (the
+# first steps after a pause, when threads wake), and a sample sized from it held a dozen steps instead of
+# hundreds (the legacy MLP at batch 64: 13 steps per sample, 3.0-4.1 ms per step against 1.9-2.1)
+CALIBRATE_S = 0.1
+
+
+def calibrate(p: Peer, min_time: float) -> int:
+    """Steps per sample for ``p``: enough for ``min_time`` seconds, from a timed run of growing length."""
+    n = 1
+    while True:
+        t = p.send(f"run {n}")["seconds"]
+        if t >= CALIBRATE_S or n >= 1 << 16:
+            return max(1, math.ceil(min_time * n / max(t, 1e-9)))
+        n = min(1 << 16, max(2 * n, math.ceil(1.5 * n * CALIBRATE_S / max(t, 1e-9))))
 
 
 def measure(peers: list[Peer], repeats: int, warmup: int, min_time: float) -> None:
     live = [p for p in peers if p.proc is not None]
     for p in live:
         p.send(f"run {warmup}")
-    for p in live:  # calibrate: steps per sample
-        t = p.send("run 1")["seconds"]
-        p.number = max(1, math.ceil(min_time / max(t, 1e-6)))
+    for p in live:
+        p.number = calibrate(p, min_time)
     for r in range(repeats):
         k = r % len(live) if live else 0
         for p in live[k:] + live[:k]:

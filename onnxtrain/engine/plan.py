@@ -415,9 +415,10 @@ class Plan(GraphInterface):
         """Free now the inputs of a multi-output step that one of its results was written into (a donated
         weight updated in place): that memory is the result's from here on, not new. Returns their bytes."""
         freed = 0
+        written = {id(r) for r in res}
         for s in free:
             v = vals[s]
-            if v is not None and any(v is r for r in res):
+            if v is not None and id(v) in written:
                 vals[s] = None
                 freed += nbytes(v)
         return freed
