@@ -236,12 +236,18 @@ def test_castlike_uses_the_like_type() -> None:
 
 
 SELECT_SHAPES = [((5, 7), (5, 7), (5, 7)), ((5, 7), (5, 7), ()), ((5, 7), (), (5, 7)), ((1, 7), (5, 1), (7,)),
-                 ((2, 1, 3), (4, 3), ()), ((), (3,), (3,)), ((0, 3), (0, 3), ())]
+                 ((2, 1, 3), (4, 3), ()), ((), (3,), (3,)), ((0, 3), (0, 3), ()),
+                 ((96, 100), (96, 100), (96, 100)), ((96, 100), (100,), ())]  # past SELECT_MASK_MIN
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int64, np.int32, np.uint8, bool])
 @pytest.mark.parametrize("shapes", SELECT_SHAPES)
-def test_where_by_bit_masks_is_np_where_bit_for_bit(dtype, shapes) -> None:
+@pytest.mark.parametrize("mask_min", [0, None])  # bit masks at every size; the default (np.where below it)
+def test_where_by_bit_masks_is_np_where_bit_for_bit(monkeypatch, dtype, shapes, mask_min) -> None:
+    from onnxtrain.engine.kernels import elementwise
+
+    if mask_min is not None:
+        monkeypatch.setattr(elementwise, "SELECT_MASK_MIN", mask_min)
     rng = np.random.default_rng(0)
     cs, as_, bs = shapes
     c = rng.random(cs) < 0.5
@@ -257,7 +263,10 @@ def test_where_by_bit_masks_is_np_where_bit_for_bit(dtype, shapes) -> None:
 
 
 @pytest.mark.parametrize("flag", [True, False])
-def test_where_with_one_flag_picks_a_whole_input(flag) -> None:
+def test_where_with_one_flag_picks_a_whole_input(monkeypatch, flag) -> None:
+    from onnxtrain.engine.kernels import elementwise
+
+    monkeypatch.setattr(elementwise, "SELECT_MASK_MIN", 0)
     a, b = np.arange(6.0).reshape(2, 3), np.full((1, 3), -1.0)
     for c in (np.array(flag), np.array([[flag]])):
         got, want = select(c, a, b), np.where(c, a, b)
