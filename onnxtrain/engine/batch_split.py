@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxtrain.engine.affinity import placed
 from onnxtrain.engine.backends import session_config_entry
 from onnxtrain.engine.blas import can_pin_blas_threads, single_threaded_blas
 from onnxtrain.engine.parallel import parallel_for, running_with
@@ -156,7 +157,7 @@ class BatchSplitter:
         def half(i: int) -> None:
             results[i] = halves[i].run(parts[i], output_names)
 
-        with single_threaded_blas(), running_with(2):
+        with single_threaded_blas(), running_with(2), placed(2):  # this thread on one CPU, the worker another
             parallel_for(2, half)
         names = list(output_names) if output_names is not None else self.plan.output_names
         # both halves count the shared weights

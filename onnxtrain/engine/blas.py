@@ -28,6 +28,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
+from onnxtrain.engine import affinity
+
 SPIN_LOG2 = 18  # 2**18 cycles: about 0.1 ms at 2.6 GHz
 _ENV = ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
 _lock = threading.Lock()
@@ -78,10 +82,20 @@ def shorten_blas_spin() -> bool:
                     continue
                 os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(SPIN_LOG2)
                 read_env()  # OpenBLAS keeps its environment in variables read at load time
+                before = affinity.thread_ids()
                 shutdown()  # the threads restart on the next threaded call, reading the new wait
+                _restart_threads()
+                # the threads that just started are OpenBLAS's helpers: each gets a CPU of its own
+                affinity.place_blas_helpers(sorted(affinity.thread_ids() - before))
                 applied = True
         _done.append(applied)
         return applied
+
+
+def _restart_threads() -> None:
+    """One GEMM large enough for OpenBLAS to split it over its threads, which starts them."""
+    a = np.ones((128, 128), np.float32)
+    np.matmul(a, a)
 
 
 @functools.cache

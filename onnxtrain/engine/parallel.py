@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from onnxtrain.engine import affinity
 from onnxtrain.engine.blas import shorten_blas_spin
 
 _local = threading.local()
@@ -105,12 +106,14 @@ class _Workers:
     def ensure(self, n: int) -> None:
         with self.lock:
             while self.count < n:
-                t = threading.Thread(target=self._loop, name=f"onnxtrain-worker-{self.count}", daemon=True)
+                name = f"onnxtrain-worker-{self.count}"
+                t = threading.Thread(target=self._loop, args=(self.count,), name=name, daemon=True)
                 t.start()
                 self.count += 1
 
-    def _loop(self) -> None:
+    def _loop(self, index: int) -> None:
         _local.width = 1  # a part never splits again
+        affinity.place_worker(index)
         while True:
             self.jobs.get().work()
 

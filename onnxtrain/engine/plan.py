@@ -19,6 +19,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxtrain.engine import fusion
+from onnxtrain.engine.affinity import placed
 from onnxtrain.engine.allocator import tune_allocator
 from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow
 from onnxtrain.engine.donation import donated_slots, donating, reusable_inputs
@@ -305,7 +306,7 @@ class Plan(GraphInterface):
         if donate:  # only a donated array the run really reads (an override may have replaced it)
             given = donated_slots(self, feeds, donate)
             reuse = frozenset(s for s, a in given.items() if s in self._reusable and vals[s] is a)
-        with running_with(self.threads):
+        with running_with(self.threads), placed(self.threads):
             if reuse:
                 with donating(reuse):
                     peak = self._run_steps(vals, live)
