@@ -4,8 +4,9 @@ numpy's OpenBLAS hands part of each GEMM to helper threads and spins on the call
 done. Once its idle wait is shortened (:mod:`onnxtrain.engine.blas`) the helpers sleep between GEMMs, and
 after an idle spell the scheduler may wake a helper on the CPU where the calling thread is spinning: the
 GEMM then waits for a scheduler tick or a migration. Measured on a 2-CPU VM: single training steps of
-16-40 ms instead of 2 in the first steps after each 0.15 s pause, and the bench's MLP at batch 64 (samples
-of 0.5 s after such a pause) at 0.62× onnxruntime-training; with the threads placed, 0.69-0.71×.
+16-40 ms instead of 2 in the first steps after each 0.15 s pause; in the bench, whose samples follow such
+a pause, the legacy MLP at batch 64 went from 0.64× to 0.69× onnxruntime-training with the threads placed
+(an A/B run; bench/HISTORY.md, "Threads").
 
 The placement applies only when the process may use exactly the CPUs the run uses (no share of a host
 among MPI ranks, no smaller ``ONNXTRAIN_NUM_THREADS``), the calling thread has not been pinned by its
