@@ -105,15 +105,26 @@ def placed(width: int) -> Iterator[None]:
         yield
         return
     try:
-        before = os.sched_getaffinity(0)
-        if before != set(cpus):  # its owner placed this thread: leave it there
-            yield
-            return
-        os.sched_setaffinity(0, {cpus[0]})
+        before = _placed_first(cpus)
         try:
             yield
         finally:
-            os.sched_setaffinity(0, before)
+            if before is not None:
+                with suppress(OSError):  # a CPU set that can no longer be had: the thread stays placed
+                    os.sched_setaffinity(0, before)
     finally:
         with _lock:
             _pinned_runs[0] = 0
+
+
+def _placed_first(cpus: tuple[int, ...]) -> set[int] | None:
+    """Put the calling thread on ``cpus[0]``; its CPU set before, or None when it was left where it is (its
+    owner placed it, or the system refused)."""
+    try:
+        before = os.sched_getaffinity(0)
+        if before != set(cpus):  # its owner placed this thread: leave it there
+            return None
+        os.sched_setaffinity(0, {cpus[0]})
+    except OSError:
+        return None
+    return before
