@@ -50,9 +50,10 @@ def helper_cpu(index: int) -> int | None:
 
 
 def place_worker(index: int) -> None:
-    """Put the calling engine worker thread on its CPU (when placement applies here)."""
+    """Put the calling engine worker thread on its CPU, when placement applies here and OpenBLAS's helpers
+    have been placed (the runs are placed only then)."""
     cpu = helper_cpu(index)
-    if cpu is not None:
+    if cpu is not None and _helpers:
         with suppress(OSError):
             os.sched_setaffinity(0, {cpu})
 
