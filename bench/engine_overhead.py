@@ -31,6 +31,7 @@ shows which). ``--blas-threads N`` limits numpy's BLAS threads (needs threadpool
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -243,13 +244,24 @@ for line in sys.stdin:
 SETTLE_S = 0.15  # between two turns: numpy's OpenBLAS threads busy-wait about 0.1 s after their last call
 
 
+def _calibrate_child(run, min_time: float, at_least: float = 0.1) -> int:
+    """Calls per turn of the child (``run(n)`` → seconds for n calls): enough for ``min_time``, sized from a
+    timed run of at least ``at_least`` seconds (one call right after a pause can take several times its
+    usual time, and a turn sized from it would hold too few calls)."""
+    n = 1
+    while True:
+        t = run(n)
+        if t >= at_least or n >= 1 << 16:
+            return max(1, math.ceil(min_time * n / max(t, 1e-9)))
+        n = min(1 << 16, max(2 * n, math.ceil(1.5 * n * at_least / max(t, 1e-9))))
+
+
 def against_default_onnxruntime(model: onnx.ModelProto, feeds: dict[str, np.ndarray], ours, repeats: int,
                                 min_time: float = 1.0) -> tuple[float, float]:
     """Median seconds per call of ``ours()`` and of onnxruntime with its default threading in a child
     process, over ``repeats`` interleaved rounds. Turns last ``min_time``: a forward right after the pause
     between turns is slower (measured here: 13.3 ms in back-to-back turns of 14 forwards, 14.7-15.8 ms
     with 0.15 s of idle before each), so short turns would add that to both peers' figures."""
-    import math
     import statistics
     import tempfile
 
@@ -276,7 +288,7 @@ def against_default_onnxruntime(model: onnx.ModelProto, feeds: dict[str, np.ndar
             for _ in range(3):
                 ours()
             n_ours = calibrate(ours, min_time)
-            n_theirs = max(1, math.ceil(min_time / max(theirs(1), 1e-6)))
+            n_theirs = _calibrate_child(theirs, min_time)
             a, b = [], []
             for _ in range(repeats):
                 time.sleep(SETTLE_S)

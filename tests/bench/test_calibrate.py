@@ -37,3 +37,18 @@ def test_steady_peer_gets_min_time_worth_of_steps() -> None:
     assert calibrate(peer, 0.5) == math.ceil(0.5 / 0.01)
     slow = FakePeer(step=0.3, first=0.3)  # one step longer than CALIBRATE_S: one run of one step
     assert calibrate(slow, 0.5) == 2 and slow.runs == [1]
+
+
+def test_the_onnxruntime_child_is_sized_from_a_timed_run_too() -> None:
+    from bench.engine_overhead import _calibrate_child
+
+    runs: list[int] = []
+
+    def child(n: int) -> float:  # 6 ms a call, the first call after the pause 30 ms
+        first = 0.024 if not runs else 0.0
+        runs.append(n)
+        return 0.006 * n + first
+
+    n = _calibrate_child(child, 1.0)
+    assert 160 <= n <= 170  # about 1 s of 6 ms calls; sized from the first call alone it was 34
+    assert runs[0] == 1 and len(runs) <= 4
