@@ -6,6 +6,7 @@ them alike; the figure quoted is the median over the repeats of the mean time of
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -45,6 +46,24 @@ def fmt_time(seconds: float) -> str:
     if seconds < 1:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds:.2f} s"
+
+
+# a peer in another process is sized from a timed run of at least this many seconds: one call alone can take
+# 10× its usual time (the first calls after a pause, when threads wake), and a sample sized from it held a
+# dozen calls instead of hundreds (the legacy MLP at batch 64: 13 steps per sample, 3.0-4.1 ms per step
+# against 1.9-2.1)
+CALIBRATE_S = 0.1
+
+
+def calls_per_sample(run: Callable[[int], float], min_time: float) -> int:
+    """Calls for a sample of ``min_time`` seconds, where ``run(n)`` makes n calls (in another process, say)
+    and returns their seconds: sized from a timed run of growing length, until it lasts CALIBRATE_S."""
+    n = 1
+    while True:
+        t = run(n)
+        if t >= CALIBRATE_S or n >= 1 << 16:
+            return max(1, math.ceil(min_time * n / max(t, 1e-9)))
+        n = min(1 << 16, max(2 * n, math.ceil(1.5 * n * CALIBRATE_S / max(t, 1e-9))))
 
 
 def calibrate(fn: Callable[[], object], min_time: float = 0.05) -> int:

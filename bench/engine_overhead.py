@@ -31,7 +31,6 @@ shows which). ``--blas-threads N`` limits numpy's BLAS threads (needs threadpool
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import subprocess
 import sys
@@ -44,7 +43,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from bench.common import compare, fmt_time, ratio_line
+from bench.common import calls_per_sample, compare, fmt_time, ratio_line
 
 NODE_TARGET_US = 5.0
 TRANSFORMER_TARGET = 1.5
@@ -244,18 +243,6 @@ for line in sys.stdin:
 SETTLE_S = 0.15  # between two turns: numpy's OpenBLAS threads busy-wait about 0.1 s after their last call
 
 
-def _calibrate_child(run, min_time: float, at_least: float = 0.1) -> int:
-    """Calls per turn of the child (``run(n)`` → seconds for n calls): enough for ``min_time``, sized from a
-    timed run of at least ``at_least`` seconds (one call right after a pause can take several times its
-    usual time, and a turn sized from it would hold too few calls)."""
-    n = 1
-    while True:
-        t = run(n)
-        if t >= at_least or n >= 1 << 16:
-            return max(1, math.ceil(min_time * n / max(t, 1e-9)))
-        n = min(1 << 16, max(2 * n, math.ceil(1.5 * n * at_least / max(t, 1e-9))))
-
-
 def against_default_onnxruntime(model: onnx.ModelProto, feeds: dict[str, np.ndarray], ours, repeats: int,
                                 min_time: float = 1.0) -> tuple[float, float]:
     """Median seconds per call of ``ours()`` and of onnxruntime with its default threading in a child
@@ -288,7 +275,7 @@ def against_default_onnxruntime(model: onnx.ModelProto, feeds: dict[str, np.ndar
             for _ in range(3):
                 ours()
             n_ours = calibrate(ours, min_time)
-            n_theirs = _calibrate_child(theirs, min_time)
+            n_theirs = calls_per_sample(theirs, min_time)
             a, b = [], []
             for _ in range(repeats):
                 time.sleep(SETTLE_S)

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):  # run as a script: make the checkout importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import ROOT  # noqa: E402
+from bench.common import ROOT, calls_per_sample  # noqa: E402
 from bench.worker import ORT_SPIN_ENV  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -185,20 +185,9 @@ def gemm_peak(coretype: str, quick: bool) -> dict:
 # (measured: 0.104 s of CPU in a 0.3 s sleep after one GEMM; torch's threads 0.009 s), which would take a
 # core from whichever peer runs next
 SETTLE_S = 0.15
-# calibration times a run of at least this many seconds: one step alone can take 10× its usual time (the
-# first steps after a pause, when threads wake), and a sample sized from it held a dozen steps instead of
-# hundreds (the legacy MLP at batch 64: 13 steps per sample, 3.0-4.1 ms per step against 1.9-2.1)
-CALIBRATE_S = 0.1
-
-
 def calibrate(p: Peer, min_time: float) -> int:
     """Steps per sample for ``p``: enough for ``min_time`` seconds, from a timed run of growing length."""
-    n = 1
-    while True:
-        t = p.send(f"run {n}")["seconds"]
-        if t >= CALIBRATE_S or n >= 1 << 16:
-            return max(1, math.ceil(min_time * n / max(t, 1e-9)))
-        n = min(1 << 16, max(2 * n, math.ceil(1.5 * n * CALIBRATE_S / max(t, 1e-9))))
+    return calls_per_sample(lambda n: p.send(f"run {n}")["seconds"], min_time)
 
 
 def measure(peers: list[Peer], repeats: int, warmup: int, min_time: float) -> None:

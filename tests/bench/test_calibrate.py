@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from bench.run import CALIBRATE_S, Peer, calibrate
+from bench.common import CALIBRATE_S
+from bench.run import Peer, calibrate
 
 
 class FakePeer(Peer):
@@ -40,7 +41,7 @@ def test_steady_peer_gets_min_time_worth_of_steps() -> None:
 
 
 def test_the_onnxruntime_child_is_sized_from_a_timed_run_too() -> None:
-    from bench.engine_overhead import _calibrate_child
+    from bench.common import calls_per_sample
 
     runs: list[int] = []
 
@@ -49,6 +50,6 @@ def test_the_onnxruntime_child_is_sized_from_a_timed_run_too() -> None:
         runs.append(n)
         return 0.006 * n + first
 
-    n = _calibrate_child(child, 1.0)
+    n = calls_per_sample(child, 1.0)
     assert 160 <= n <= 170  # about 1 s of 6 ms calls; sized from the first call alone it was 34
     assert runs[0] == 1 and len(runs) <= 4
