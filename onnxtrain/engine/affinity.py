@@ -66,17 +66,18 @@ def thread_ids() -> set[int]:
         return set()
 
 
-def place_blas_helpers(tids: list[int]) -> bool:
+def place_blas_helpers(tids: set[int]) -> bool:
     """Put OpenBLAS's helper threads ``tids`` on their CPUs; True when all of them were placed."""
     if len(_cpus()) < 2 or not tids:
         return False
+    ordered = sorted(tids)
     try:
-        for i, tid in enumerate(sorted(tids)):
+        for i, tid in enumerate(ordered):
             os.sched_setaffinity(tid, {helper_cpu(i)})
     except OSError:
         return False
     with _lock:
-        _helpers[:] = sorted(tids)
+        _helpers[:] = ordered
     return True
 
 

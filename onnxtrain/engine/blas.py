@@ -84,10 +84,10 @@ def shorten_blas_spin() -> bool:
                 os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(SPIN_LOG2)
                 read_env()  # OpenBLAS keeps its environment in variables read at load time
                 before = affinity.thread_ids()
-                shutdown()  # the threads restart on the next threaded call, reading the new wait
-                _restart_threads()
+                shutdown()
+                _restart_threads()  # they start again reading the new wait
                 # the threads that just started are OpenBLAS's helpers: each gets a CPU of its own
-                affinity.place_blas_helpers(sorted(affinity.thread_ids() - before))
+                affinity.place_blas_helpers(affinity.thread_ids() - before)
                 applied = True
         _done.append(applied)
         return applied

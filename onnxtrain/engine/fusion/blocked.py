@@ -71,7 +71,6 @@ class ScratchPool:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-
 _group = threading.local()  # .work: the split pieces that a group's clusters leave to the group's one job
 
 

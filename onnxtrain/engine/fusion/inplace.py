@@ -25,6 +25,7 @@ from onnxtrain.engine.registry import Attrs
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
 
+
 def fuse_inplace_activations(plan: Plan, steps: list[Step]) -> list[Step]:
     """Rewrite each Relu, and each ``Where(c, x, 0)``, whose data input is a product (a step of
     :data:`~onnxtrain.engine.donation.FRESH_OPS`) read by that step alone, to write into that input."""
