@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -20,6 +21,7 @@ from onnxtrain.engine.backends import (
     BACKENDS,
     CONFIG_KEY,
     SPIN_KEY,
+    STOP_KEY,
     OrtPlan,
     backend_of,
     check_backend,
@@ -417,9 +419,10 @@ def test_ondevice_steps_that_overwrite_run_without_the_accumulators(mlp_artifact
     assert max(rel(ref_params[n], params[n]) for n in ref_params) < TOL
 
 
-def test_legacy_accumulation_plan_threads_do_not_spin():
+def test_legacy_accumulation_plan_threads_stop_spinning_after_their_run():
     """With gradient accumulation the session runs two onnxruntime graphs in turn: the accumulating one's
-    threads sleep at once, the full step's spin as onnxruntime's do by default."""
+    threads spin during its run and stop when it ends, the full step's spin on as onnxruntime's do by
+    default."""
     p = _sgd_params()
     p.gradient_accumulation_steps = 2
     p.gradient_accumulation_mode = "auto"
@@ -427,20 +430,23 @@ def test_legacy_accumulation_plan_threads_do_not_spin():
     lr = np.array([0.1], np.float32)
     for x, y in batches(2, 8):
         sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})
-    assert _spinning(sess._plans["full"]) is None and _spinning(sess._plans["accumulate"]) == "0"
+    full, accumulate = sess._plans["full"], sess._plans["accumulate"]
+    assert _entry(full, SPIN_KEY) is None and _entry(full, STOP_KEY) is None
+    assert _entry(accumulate, SPIN_KEY) is None and _entry(accumulate, STOP_KEY) == "1"
 
 
-def _spinning(plan: OrtPlan) -> str | None:
-    """The plan's onnxruntime session's allow_spinning entry (None: unset, onnxruntime's default: spin)."""
+def _entry(plan: OrtPlan, key: str) -> str | None:
+    """The plan's onnxruntime session's config entry ``key`` (None: unset, onnxruntime's default)."""
     try:
-        return plan._session.get_session_options().get_session_config_entry(SPIN_KEY)
+        return plan._session.get_session_options().get_session_config_entry(key)
     except RuntimeError:  # "does not have configuration": unset
         return None
 
 
-def test_optimizer_threads_do_not_spin_after_the_training_graph(mlp_artifacts):
-    """On onnxruntime the optimizer's session runs right after the training model's: only the training
-    model's threads spin (two spinning pools on 2 cores took each other's cores), unless the caller says."""
+def test_optimizer_threads_stop_spinning_after_its_run(mlp_artifacts):
+    """On onnxruntime the optimizer's session runs right after the training model's: its threads spin during
+    its run and stop when it ends, so they do not take the training model's cores (two pools spinning on
+    after their runs took each other's cores on 2 cores), unless the caller says."""
     from onnxtrain.training.api import CheckpointState, Module, Optimizer
 
     def pair(so):
@@ -449,14 +455,33 @@ def test_optimizer_threads_do_not_spin_after_the_training_graph(mlp_artifacts):
         return module, Optimizer(os.path.join(mlp_artifacts, "optimizer_model.onnx"), module)
 
     module, opt = pair(options("onnxruntime"))
-    assert _spinning(module._train_plan) is None and _spinning(opt._plan) == "0"
+    assert _entry(module._train_plan, STOP_KEY) is None and _entry(opt._plan, STOP_KEY) == "1"
+    assert _entry(module._train_plan, SPIN_KEY) is None and _entry(opt._plan, SPIN_KEY) is None
     so = options("onnxruntime")
-    so.add_session_config_entry(SPIN_KEY, "1")  # the caller's choice stands, for both
+    so.add_session_config_entry(STOP_KEY, "0")  # the caller's choice stands, for both
+    so.add_session_config_entry(SPIN_KEY, "1")
     module, opt = pair(so)
-    assert _spinning(module._train_plan) == "1" and _spinning(opt._plan) == "1"
+    for plan in (module._train_plan, opt._plan):
+        assert _entry(plan, STOP_KEY) == "0" and _entry(plan, SPIN_KEY) == "1"
     # a standalone plan keeps onnxruntime's default; a follower plan made directly says so too
-    assert _spinning(make_plan(mlp_model(), "onnxruntime")) is None
-    assert _spinning(make_plan(mlp_model(), "onnxruntime", follower=True)) == "0"
+    assert _entry(make_plan(mlp_model(), "onnxruntime"), STOP_KEY) is None
+    assert _entry(make_plan(mlp_model(), "onnxruntime", follower=True), STOP_KEY) == "1"
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="onnxruntime starts intra-op threads on 2 CPUs or more")
+def test_follower_threads_use_no_cpu_once_its_run_ends():
+    """Right after a run a standalone plan's threads spin on (CPU time while the caller sleeps); a follower's
+    use next to none."""
+    x, y = np.ones((256, 256), np.float32), np.zeros(256, np.int64)
+    used = {}
+    for follower in (False, True):
+        plan = make_plan(mlp_model(din=256, dh=512), "onnxruntime", follower=follower)
+        for _ in range(3):
+            plan.run({"x": x, "y": y}, ["loss"])
+        start = time.process_time()
+        time.sleep(0.2)
+        used[follower] = time.process_time() - start
+    assert used[False] > 0.005 and used[True] < 0.003, used
 
 
 @pytest.mark.parametrize("flag", ["enable_mem_pattern", "enable_mem_reuse", "enable_cpu_mem_arena"])

@@ -71,8 +71,9 @@ class Optimizer:
         self._state = module.state
         model, _ = load_model(optimizer_uri, "optimizer")
         self._classify(model)
-        # the module's backend; on onnxruntime, its threads leave the spinning to the training model's, and a
-        # weight's or moment's update may be written into the old array (the numpy plan finds that itself)
+        # the module's backend; on onnxruntime, its threads stop spinning when its run ends (the training
+        # model's run next), and a weight's or moment's update may be written into the old array (the numpy
+        # plan finds that itself)
         replaced = set(self._params) | set(self._moments)
         updates = {o: o[:-len(OUT_SUFFIX)] for o in self._outputs if o[:-len(OUT_SUFFIX)] in replaced}
         self._plan = _compile(model, "optimizer", module._session_options, follower=True, updates=updates)
