@@ -2,7 +2,8 @@
 
 The plan is a flat list of steps ``(kernel, input slots, output slots, attrs, slots to free)``.
 Values live in a list indexed by slot; each intermediate is dropped right after its last use,
-and the plan records the peak bytes of live tensors during its last run.
+and the plan records the peak bytes of live tensors during its last run. A run raises no numpy
+floating-point warning: its kernels' infs and NaNs are their IEEE results, as in other ONNX runtimes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ from onnxtrain.engine.registry import (
     parse_attributes,
 )
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
+
+
+def _quiet() -> np.errstate:
+    """numpy's floating-point warnings off for a run: the kernels give IEEE results (an overflow's inf, a
+    NaN from inf - inf) silently, as other ONNX runtimes do, instead of numpy's RuntimeWarnings (mixed
+    precision training overflows on purpose, until its loss scale comes down)."""
+    return np.errstate(all="ignore")
 
 
 class EngineError(RuntimeError):
@@ -306,7 +314,7 @@ class Plan(GraphInterface):
         if donate:  # only a donated array the run really reads (an override may have replaced it)
             given = donated_slots(self, feeds, donate)
             reuse = frozenset(s for s, a in given.items() if s in self._reusable and vals[s] is a)
-        with running_with(self.threads), placed(self.threads):
+        with running_with(self.threads), placed(self.threads), _quiet():
             if reuse:
                 with donating(reuse):
                     peak = self._run_steps(vals, live)
@@ -346,7 +354,7 @@ class Plan(GraphInterface):
         if width() == self.threads:  # a body inside a run of its outer plan: already set
             peak = self._run_steps(vals, self._base_bytes + given)
         else:
-            with running_with(self.threads):
+            with running_with(self.threads), _quiet():
                 peak = self._run_steps(vals, self._base_bytes + given)
         self.peak_bytes = peak + self.scratch.nbytes
         return [_as_array(vals[s]) for s in self._output_slots]

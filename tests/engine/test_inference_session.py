@@ -422,3 +422,32 @@ def test_onnxruntime_memory_options_warn_on_the_numpy_engine() -> None:
     so.enable_cpu_mem_arena = False
     with pytest.warns(UserWarning, match="enable_mem_pattern and enable_cpu_mem_arena = False has no effect"):
         onnxtrain.InferenceSession(_chain_model().SerializeToString(), so)
+
+
+def test_non_finite_results_are_silent_and_match_onnxruntime():
+    """Overflow, log(0), inf - inf and inf * 0 give their IEEE results without numpy's RuntimeWarnings, as in
+    onnxruntime: a float16 Cast past 65504, Log of 0, a MatMul of inf by 0, Div by 0, ReduceLogSumExp of an
+    all -inf row."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16, name="to_half"),
+             helper.make_node("Log", ["x"], ["log"], name="log"),
+             helper.make_node("MatMul", ["x", "z"], ["mm"], name="mm"),
+             helper.make_node("Div", ["x", "z"], ["div"], name="div"),
+             helper.make_node("ReduceLogSumExp", ["w"], ["lse"], axes=[1], keepdims=0, name="lse")]
+    graph = helper.make_graph(
+        nodes, "non_finite", [helper.make_tensor_value_info(n, f, [2, 2]) for n in ("x", "z", "w")],
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT16, [2, 2]),
+         helper.make_tensor_value_info("log", f, [2, 2]), helper.make_tensor_value_info("mm", f, [2, 2]),
+         helper.make_tensor_value_info("div", f, [2, 2]), helper.make_tensor_value_info("lse", f, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    feeds = {"x": np.array([[1e6, 0.0], [-np.inf, np.inf]], np.float32), "z": np.zeros((2, 2), np.float32),
+             "w": np.array([[-np.inf, -np.inf], [0.0, 1.0]], np.float32)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = onnxtrain.InferenceSession(model.SerializeToString()).run(None, feeds)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = ref.run(None, feeds)
+    assert np.isinf(got[0][0, 0]) and np.isinf(got[1][0, 1]) and np.isnan(got[2]).any()
+    assert got[4][0] == -np.inf and np.isfinite(got[4][1])
+    for name, a, b in zip(("h", "log", "mm", "div", "lse"), got, want):
+        np.testing.assert_array_equal(a, b, err_msg=name)
