@@ -30,8 +30,8 @@ def cases() -> dict[str, tuple[str, object]]:
 def outcome(name: str) -> str:
     """'' when case ``name`` passes, else the error (cached: the summary reuses the per-case runs)."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
+        with warnings.catch_warnings():  # a run gives its infs and NaNs silently: a warning fails the case
+            warnings.simplefilter("error", RuntimeWarning)
             run_case(cases()[name][1])
     except Exception as e:  # noqa: BLE001 - any failure of the engine is a failed case
         return f"{type(e).__name__}: {e}"
