@@ -16,6 +16,7 @@ A session picks its backend with the config entry ``onnxtrain.backend``::
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Collection, Mapping, Sequence
@@ -230,6 +231,9 @@ class OrtPlan(GraphInterface):
         # judged on the graph onnxruntime runs, whose rewrites may add readers of an input
         self._inplace = (safe_updates(self.onnxruntime_model, updates)
                          if updates and self._device == "cpu" else {})
+        # the IOBinding kept from run to run (see _run_bound), and the lock of the run using it
+        self._kept: _KeptBinding | None = None
+        self._kept_lock = threading.Lock()
 
     def _session_options(self, options: Any) -> Any:
         ort = self._ort
@@ -377,19 +381,57 @@ class OrtPlan(GraphInterface):
                    into: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
         """Inputs bound in place (numpy memory); an output of ``into`` is written into the donated array given
         there, the others are freshly allocated by onnxruntime each run, so that they never overwrite an array
-        the caller still holds (e.g. last step's weights)."""
-        io = self._session.io_binding()
-        for name, v in arrays.items():
-            io.bind_cpu_input(name, v)
+        the caller still holds (e.g. last step's weights).
+
+        The binding is kept from one run to the next: an input (or an output of ``into``) is bound again only
+        when its array is another object, or has another shape or dtype, since onnxruntime reads a bound
+        array's memory when it runs (each step's weights and moments are the same arrays, updated in place).
+        Outputs left to onnxruntime are bound afresh each run: a kept one would be overwritten by the next.
+        A run while another thread runs this plan binds everything on a binding of its own."""
         into = into or {}
+        if not self._kept_lock.acquire(blocking=False):
+            return self._bind_and_run(_KeptBinding(self._session.io_binding(), names), arrays, names, into)
+        try:
+            kept = self._kept
+            if kept is None or kept.names != names or kept.inputs.keys() != arrays.keys():
+                kept = self._kept = _KeptBinding(self._session.io_binding(), names)
+            return self._bind_and_run(kept, arrays, names, into)
+        finally:
+            self._kept_lock.release()
+
+    def _bind_and_run(self, kept: _KeptBinding, arrays: Mapping[str, np.ndarray], names: list[str],
+                      into: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        io, held_in, held_out = kept.io, kept.inputs, kept.outputs
+        for name, v in arrays.items():
+            h = held_in.get(name)
+            if h is None or h[0] is not v or h[1] != v.shape or h[2] != v.dtype:
+                io.bind_cpu_input(name, v)
+                held_in[name] = (v, v.shape, v.dtype)
         for n in names:
             v = into.get(n)
             if v is None:
                 io.bind_output(n, "cpu")
-            else:
+                held_out.pop(n, None)
+                continue
+            h = held_out.get(n)
+            if h is None or h[0] is not v or h[1] != v.shape or h[2] != v.dtype:
                 io.bind_output(n, "cpu", 0, v.dtype, list(v.shape), v.ctypes.data)
+                held_out[n] = (v, v.shape, v.dtype)
         self._session.run_with_iobinding(io)
         return [into[n] if n in into else o.numpy() for n, o in zip(names, io.get_outputs())]
 
     def __repr__(self) -> str:
         return f"OrtPlan({self.model.graph.name!r}, providers={self.providers})"
+
+
+class _KeptBinding:
+    """An onnxruntime IOBinding for one list of output names, with the arrays bound to it (input or output
+    name → (array, shape, dtype)); holding the arrays keeps alive the memory onnxruntime reads."""
+
+    __slots__ = ("io", "names", "inputs", "outputs")
+
+    def __init__(self, io: Any, names: list[str]):
+        self.io = io
+        self.names = list(names)
+        self.inputs: dict[str, tuple] = {}
+        self.outputs: dict[str, tuple] = {}

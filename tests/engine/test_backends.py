@@ -529,3 +529,65 @@ def test_execution_order_warns_on_the_numpy_engine():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         InferenceSession(mlp_model().SerializeToString(), so)
+
+
+def _scale_model() -> onnx.ModelProto:
+    """y = x * w, z = x + 1 (x: [N, 2], w: [2])."""
+    f, h = onnx.TensorProto.FLOAT, onnx.helper
+    graph = h.make_graph(
+        [h.make_node("Mul", ["x", "w"], ["y"]), h.make_node("Add", ["x", "one"], ["z"])],
+        "scale", [h.make_tensor_value_info("x", f, ["N", 2]), h.make_tensor_value_info("w", f, [2])],
+        [h.make_tensor_value_info("y", f, ["N", 2]), h.make_tensor_value_info("z", f, ["N", 2])],
+        [onnx.numpy_helper.from_array(np.ones(1, np.float32), "one")])
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+
+
+def test_kept_binding_reads_each_runs_arrays():
+    """The onnxruntime plan keeps its IOBinding between runs: an array changed in place is read as it is now,
+    a new array or shape is bound again, and an earlier run's outputs are not overwritten by a later run."""
+    plan = make_plan(_scale_model(), "onnxruntime")
+    x, w = np.arange(4, dtype=np.float32).reshape(2, 2), np.array([2, 3], np.float32)
+    y1, z1 = plan.run({"x": x, "w": w})
+    w *= 10  # the same array, new values
+    x2 = x + 1
+    y2, z2 = plan.run({"x": x2, "w": w})
+    np.testing.assert_array_equal(y2, x2 * w)
+    np.testing.assert_array_equal(z2, x2 + 1)
+    np.testing.assert_array_equal(y1, x * [2, 3])  # the first run's results stand
+    np.testing.assert_array_equal(z1, x + 1)
+    x3, w3 = np.ones((3, 2), np.float32), np.array([-1, 4], np.float32)  # another shape, another w
+    y3, _ = plan.run({"x": x3, "w": w3})
+    np.testing.assert_array_equal(y3, x3 * w3)
+    y4, = plan.run({"x": x3, "w": w3}, ["y"])  # other outputs asked for
+    np.testing.assert_array_equal(y4, y3)
+    x3[0] = 7  # x3 changed in place since it was bound
+    y5, z5 = plan.run({"x": x3, "w": w3})
+    np.testing.assert_array_equal(y5, x3 * w3)
+    np.testing.assert_array_equal(z5, x3 + 1)
+
+
+def test_kept_binding_with_runs_from_two_threads():
+    """Two threads running one onnxruntime plan at once each get their own inputs' results."""
+    import threading
+
+    plan = make_plan(_scale_model(), "onnxruntime")
+    errors = []
+
+    def work(k: int) -> None:
+        rng = np.random.default_rng(k)
+        try:
+            for _ in range(200):
+                x = rng.standard_normal((8, 2)).astype(np.float32)
+                w = rng.standard_normal(2).astype(np.float32)
+                y, z = plan.run({"x": x, "w": w})
+                np.testing.assert_array_equal(y, x * w)
+                np.testing.assert_array_equal(z, x + 1)
+        except AssertionError as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
