@@ -34,6 +34,8 @@ from onnxtrain.training_graph import TRAINING_MODE, build_step_graphs
 # plans run right after another of the same session, whose onnxruntime threads therefore stop spinning when
 # their run ends
 FOLLOWER_PLANS = ("accumulate", "update")
+# plans run once per training step on the same weights and moments: onnxruntime's binding is kept between runs
+STEP_PLANS = ("full", "accumulate", "gradients", "update", "zero_update")
 
 
 class TrainingSession(DataParallelSteps, InferenceSession):
@@ -190,7 +192,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             updates = {o: state for state, o in self._graphs.updates.get(kind, {}).items()}
             self._plans[kind] = make_plan(
                 model, self._backend, self._providers, self._sess_options, self._provider_options,
-                follower=kind in FOLLOWER_PLANS, updates=updates,
+                follower=kind in FOLLOWER_PLANS, updates=updates, keep_binding=kind in STEP_PLANS,
             )
         return self._plans[kind]
 

@@ -128,7 +128,7 @@ def resolve_providers(backend: str, providers: Sequence[Any] | None = None,
 def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
               providers: Sequence[Any] | None = None, options: Any = None,
               provider_options: Sequence[dict] | None = None, follower: bool = False,
-              updates: Mapping[str, str] | None = None) -> Any:
+              updates: Mapping[str, str] | None = None, keep_binding: bool = False) -> Any:
     """A compiled graph on ``backend``: a :class:`Plan` (numpy) or an :class:`OrtPlan` (onnxruntime).
 
     ``providers``/``provider_options`` and ``options`` (a SessionOptions: graph optimisation level,
@@ -137,13 +137,16 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
     spinning as soon as its run ends (see :class:`OrtPlan`). ``updates`` (output name → the input it
     replaces, e.g. a weight's update → the weight): onnxruntime writes such an output into the input's
     array when that input is donated to the run and the graph allows it (the numpy plan finds its own).
+    ``keep_binding``: the graph is run again and again on mostly the same arrays (a training step's weights
+    and moments), so onnxruntime's IOBinding is kept between runs (see :meth:`OrtPlan._run_bound`).
     The numpy plan is not fused with ``options.enable_profiling`` (one profile event per node of the
     graph) or with ``graph_optimization_level`` ``ORT_DISABLE_ALL``; it splits kernels over
     ``options.intra_op_num_threads`` threads (0: the default width), and runs its nodes one at a time
     whatever ``inter_op_num_threads`` says (a warning says so)."""
     if check_backend(backend) == "numpy":
         return Plan(model, fuse=_numpy_fuse(options), threads=_intra_op_threads(options))
-    return OrtPlan(model, providers, options, provider_options, follower=follower, updates=updates)
+    return OrtPlan(model, providers, options, provider_options, follower=follower, updates=updates,
+                   keep_binding=keep_binding)
 
 
 def _intra_op_threads(options: Any) -> int | None:
@@ -208,7 +211,8 @@ class OrtPlan(GraphInterface):
 
     def __init__(self, model: onnx.ModelProto | str | bytes, providers: Sequence[Any] | None = None,
                  options: Any = None, provider_options: Sequence[dict] | None = None,
-                 follower: bool = False, updates: Mapping[str, str] | None = None):
+                 follower: bool = False, updates: Mapping[str, str] | None = None,
+                 keep_binding: bool = False):
         ort = import_onnxruntime()
         self._ort = ort
         self._follower = follower
@@ -232,6 +236,7 @@ class OrtPlan(GraphInterface):
         self._inplace = (safe_updates(self.onnxruntime_model, updates)
                          if updates and self._device == "cpu" else {})
         # the IOBinding kept from run to run (see _run_bound), and the lock of the run using it
+        self._keep_binding = keep_binding
         self._kept: _KeptBinding | None = None
         self._kept_lock = threading.Lock()
 
@@ -387,9 +392,11 @@ class OrtPlan(GraphInterface):
         when its array is another object, or has another shape or dtype, since onnxruntime reads a bound
         array's memory when it runs (each step's weights and moments are the same arrays, updated in place).
         Outputs left to onnxruntime are bound afresh each run: a kept one would be overwritten by the next.
-        A run while another thread runs this plan binds everything on a binding of its own."""
+        The binding holds its arrays until they are replaced, so only plans made with ``keep_binding`` keep
+        it (an inference session must not hold on to the last batch); a run while another thread runs this
+        plan binds everything on a binding of its own, too."""
         into = into or {}
-        if not self._kept_lock.acquire(blocking=False):
+        if not self._keep_binding or not self._kept_lock.acquire(blocking=False):
             return self._bind_and_run(_KeptBinding(self._session.io_binding(), names), arrays, names, into)
         try:
             kept = self._kept

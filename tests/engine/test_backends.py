@@ -545,7 +545,7 @@ def _scale_model() -> onnx.ModelProto:
 def test_kept_binding_reads_each_runs_arrays():
     """The onnxruntime plan keeps its IOBinding between runs: an array changed in place is read as it is now,
     a new array or shape is bound again, and an earlier run's outputs are not overwritten by a later run."""
-    plan = make_plan(_scale_model(), "onnxruntime")
+    plan = make_plan(_scale_model(), "onnxruntime", keep_binding=True)
     x, w = np.arange(4, dtype=np.float32).reshape(2, 2), np.array([2, 3], np.float32)
     y1, z1 = plan.run({"x": x, "w": w})
     w *= 10  # the same array, new values
@@ -570,7 +570,7 @@ def test_kept_binding_with_runs_from_two_threads():
     """Two threads running one onnxruntime plan at once each get their own inputs' results."""
     import threading
 
-    plan = make_plan(_scale_model(), "onnxruntime")
+    plan = make_plan(_scale_model(), "onnxruntime", keep_binding=True)
     errors = []
 
     def work(k: int) -> None:
@@ -591,3 +591,31 @@ def test_kept_binding_with_runs_from_two_threads():
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_only_training_plans_keep_their_binding(mlp_artifacts):
+    """Training steps and optimizer updates keep onnxruntime's binding (and so their last arrays); an
+    inference session lets go of its last batch once the run is over."""
+    import gc
+    import weakref
+
+    from onnxtrain.training.api import CheckpointState, Module, Optimizer
+
+    sess = TrainingSession(mlp_model(), _sgd_params(), options("onnxruntime"))
+    sess.run(["loss"], {"x": np.ones((4, 8), np.float32), "y": np.zeros(4, np.int64),
+                        "Learning_Rate": np.array([0.1], np.float32)})
+    assert sess._plans["full"]._keep_binding
+    state = CheckpointState.load_checkpoint(os.path.join(mlp_artifacts, "checkpoint"))
+    module = Module(os.path.join(mlp_artifacts, "training_model.onnx"), state,
+                    os.path.join(mlp_artifacts, "eval_model.onnx"), session_options=options("onnxruntime"))
+    opt = Optimizer(os.path.join(mlp_artifacts, "optimizer_model.onnx"), module)
+    assert module._train_plan._keep_binding and opt._plan._keep_binding
+    assert not module._eval_plan._keep_binding
+    inference = InferenceSession(mlp_model().SerializeToString(), options("onnxruntime"))
+    assert not inference._plan._keep_binding
+    x = np.ones((4, 8), np.float32)
+    inference.run(None, {"x": x, "y": np.zeros(4, np.int64)})
+    gone = weakref.ref(x)
+    del x
+    gc.collect()
+    assert gone() is None

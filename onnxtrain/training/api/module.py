@@ -61,11 +61,12 @@ def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, fol
              updates: dict[str, str] | None = None) -> Plan:
     """The model compiled on the backend ``session_options`` name (config entry ``onnxtrain.backend``);
     ``follower``: it runs right after the training model; ``updates``: output → the input it replaces
-    (see ``make_plan``)."""
+    (see ``make_plan``). The training and optimizer models keep onnxruntime's binding between runs."""
     backend = backend_of(session_options)
     try:
         if backend != "numpy":
-            return make_plan(model, backend, None, session_options, follower=follower, updates=updates)
+            return make_plan(model, backend, None, session_options, follower=follower, updates=updates,
+                             keep_binding=what in ("training", "optimizer"))
         return compile_model(model)
     except UnsupportedOpError as e:
         foreign = sorted({n.domain for n in model.graph.node if n.domain not in ("", "ai.onnx")})
