@@ -481,7 +481,7 @@ def test_follower_threads_use_no_cpu_once_its_run_ends():
         start = time.process_time()
         time.sleep(0.2)
         used[follower] = time.process_time() - start
-    assert used[False] > 0.005 and used[True] < 0.003, used
+    assert used[True] < 0.003 and used[False] > 0.002, used  # the second: spinning shows in the measure
 
 
 @pytest.mark.parametrize("flag", ["enable_mem_pattern", "enable_mem_reuse", "enable_cpu_mem_arena"])
