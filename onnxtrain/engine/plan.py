@@ -472,8 +472,6 @@ class Plan(GraphInterface):
         return peak
 
 
-
-
 def nbytes(v: Any) -> int:
     """Bytes held by a value: an array, a sequence of arrays, or None (an empty optional)."""
     if isinstance(v, np.ndarray):
