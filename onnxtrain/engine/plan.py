@@ -40,7 +40,8 @@ from onnxtrain.ir.types import np_dtype_of, value_info_shape
 def _quiet() -> np.errstate:
     """numpy's floating-point warnings off for a run: the kernels give IEEE results (an overflow's inf, a
     NaN from inf - inf) silently, as other ONNX runtimes do, instead of numpy's RuntimeWarnings (mixed
-    precision training overflows on purpose, until its loss scale comes down)."""
+    precision training overflows on purpose, until its loss scale comes down). The fused clusters rely on it,
+    and the engine's worker threads take it over from the run's thread (``parallel_for``)."""
     return np.errstate(all="ignore")
 
 

@@ -79,7 +79,7 @@ def run_pieces(work: list[list[Callable[[], None]]]) -> None:
     parallel_for(max(len(w) for w in work), lambda t: [w[t]() for w in work if t < len(w)])
 
 
-def run_group(pool: ScratchPool, members: Sequence[Callable[[], Any]], quiet: bool) -> list[Any] | None:
+def run_group(pool: ScratchPool, members: Sequence[Callable[[], Any]]) -> list[Any] | None:
     """Call ``members`` (clusters of one plan, none reading another's outputs) in turn, holding the pool, with
     their split segments' pieces run together at the end as one job; None (nothing run) when the pool is
     busy."""
@@ -92,11 +92,7 @@ def run_group(pool: ScratchPool, members: Sequence[Callable[[], Any]], quiet: bo
         finally:
             _group.work = None
         if work:
-            if quiet:
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    run_pieces(work)
-            else:
-                run_pieces(work)
+            run_pieces(work)
         return results
     finally:
         pool.lock.release()

@@ -15,7 +15,7 @@ from onnxtrain.engine.fusion.blocked import Blocked, ScratchPool, run_group
 from onnxtrain.engine.fusion.common import consumers, make_step, producers, protected_slots, run_steps
 from onnxtrain.engine.fusion.gemm import matmul_product_side
 from onnxtrain.engine.fusion.shapes import is_memoized
-from onnxtrain.engine.fusion.ufuncs import OWN_KERNEL_OPS, QUIET_OPS, UFUNCS, compile_program, runs_as_ufunc
+from onnxtrain.engine.fusion.ufuncs import OWN_KERNEL_OPS, UFUNCS, compile_program, runs_as_ufunc
 from onnxtrain.engine.registry import Attrs, find_kernel
 
 if TYPE_CHECKING:
@@ -178,7 +178,6 @@ class Cluster:
         self.escaping = escaping
         self.poolable = poolable
         self.pool = pool
-        self.quiet = any(m.node.op_type in QUIET_OPS for m in members)
         # outputs are new arrays (or donated inputs' memory) unless an Identity or Cast hands an input through
         passed = set(ext)
         for m in members:
@@ -208,17 +207,10 @@ class Cluster:
                 prog[4] = pool.version
             if blocked is not None:
                 donated = donated_now() & self.reusable if self.reusable else None
-                if self.quiet:
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        return blocked.run(inputs, donated)
                 return blocked.run(inputs, donated)
             vals = list(inputs)
             vals.extend(None for _ in range(prog[1]))
-            if self.quiet:
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    prog[3](vals)
-            else:
-                prog[3](vals)
+            prog[3](vals)
             return [vals[i] for i in prog[2]]
         finally:
             pool.lock.release()
@@ -389,7 +381,6 @@ class ClusterGroup:
         self.plan = plan
         self.members = members
         self.positions = [[ins.index(s) for s in m.inputs] for m in members]
-        self.quiet = any(m.fn.quiet for m in members)
         self.fresh_outputs = all(m.fn.fresh_outputs for m in members)
 
     def allow_reuse(self, slots: frozenset[int]) -> frozenset[int]:
@@ -404,7 +395,7 @@ class ClusterGroup:
     def __call__(self, inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         calls = [functools.partial(m.fn, [inputs[i] for i in pos], m.attrs)
                  for m, pos in zip(self.members, self.positions)]
-        results = run_group(self.plan.scratch, calls, self.quiet)
+        results = run_group(self.plan.scratch, calls)
         if results is None:  # the pool is busy (the plan runs on another thread too): each member alone
             results = [c() for c in calls]
         return [r for res in results for r in res]

@@ -31,7 +31,6 @@ UFUNCS: dict[str, tuple[np.ufunc, Any]] = {
 }
 # elementwise ops that may join a cluster but run through their own kernel (outputs are never pooled)
 OWN_KERNEL_OPS = {"Identity", "Cast", "Pow"}
-QUIET_OPS = {"Div", "Sqrt", "Log", "Reciprocal"}
 
 
 def compile_program(ops: list[tuple]) -> Callable[[list[Any]], None]:
