@@ -410,8 +410,7 @@ class OrtPlan(GraphInterface):
                       into: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         io, held_in, held_out = kept.io, kept.inputs, kept.outputs
         for name, v in arrays.items():
-            h = held_in.get(name)
-            if h is None or h[0] is not v or h[1] != v.shape or h[2] != v.dtype:
+            if not _still_bound(held_in.get(name), v):
                 io.bind_cpu_input(name, v)
                 held_in[name] = (v, v.shape, v.dtype)
         for n in names:
@@ -420,8 +419,7 @@ class OrtPlan(GraphInterface):
                 io.bind_output(n, "cpu")
                 held_out.pop(n, None)
                 continue
-            h = held_out.get(n)
-            if h is None or h[0] is not v or h[1] != v.shape or h[2] != v.dtype:
+            if not _still_bound(held_out.get(n), v):
                 io.bind_output(n, "cpu", 0, v.dtype, list(v.shape), v.ctypes.data)
                 held_out[n] = (v, v.shape, v.dtype)
         self._session.run_with_iobinding(io)
@@ -444,3 +442,8 @@ class _KeptBinding:
         self.names = list(names)
         self.inputs: dict[str, tuple] = {}
         self.outputs: dict[str, tuple] = {}
+
+
+def _still_bound(held: tuple | None, v: np.ndarray) -> bool:
+    """Whether ``held`` (the array, shape and dtype bound last) is ``v`` as it is now."""
+    return held is not None and held[0] is v and held[1] == v.shape and held[2] == v.dtype
