@@ -185,6 +185,8 @@ def gemm_peak(coretype: str, quick: bool) -> dict:
 # (measured: 0.104 s of CPU in a 0.3 s sleep after one GEMM; torch's threads 0.009 s), which would take a
 # core from whichever peer runs next
 SETTLE_S = 0.15
+
+
 def calibrate(p: Peer, min_time: float) -> int:
     """Steps per sample for ``p``: enough for ``min_time`` seconds, from a timed run of growing length."""
     return calls_per_sample(lambda n: p.send(f"run {n}")["seconds"], min_time)
