@@ -7,7 +7,9 @@ TEST = ["pytest>=7", "pytest-timeout", "torch==2.13.0", "onnxruntime>=1.17", "fl
 setup(
     name="onnxtrain",
     version="0.1.0",
-    description="Train ONNX models with numpy: legacy TrainingSession, autodiff to standard ONNX, on-device API",
+    description=(
+        "Train ONNX models with numpy: legacy TrainingSession, autodiff to standard ONNX, on-device API"
+    ),
     packages=find_packages(include=["onnxtrain", "onnxtrain.*"]),
     package_data={"onnxtrain": ["data/*.npz"]},
     python_requires=">=3.10",

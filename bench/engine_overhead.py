@@ -37,6 +37,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the checkout importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -201,10 +202,16 @@ def bench_transformer(repeats: int, batch: int = 32, seq: int = 64, d: int = 128
     off = onnxtrain.SessionOptions()  # the same engine, the batch split off (onnxtrain/engine/batch_split.py)
     off.add_session_config_entry("onnxtrain.batch_split", "0")
     whole = onnxtrain.InferenceSession(model, off)
+    forked = onnxtrain.SessionOptions()  # the second half in a child process (engine/half_process.py)
+    forked.add_session_config_entry("onnxtrain.batch_split", "process")
+    proc = onnxtrain.InferenceSession(model, forked)
     ref = ort_session(model)
-    np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0], rtol=1e-4, atol=1e-5)
+    want = ref.run(None, feeds)[0]
+    for s in (sess, proc):
+        np.testing.assert_allclose(s.run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)
     t = compare({"onnxtrain": lambda: sess.run(None, feeds), "onnxruntime": lambda: ref.run(None, feeds),
-                 "whole": lambda: whole.run(None, feeds)}, repeats=repeats, min_time=0.2)
+                 "whole": lambda: whole.run(None, feeds), "process": lambda: proc.run(None, feeds)},
+                repeats=repeats, min_time=0.2)
     n_nodes = len(model.graph.node)
     print(f"(b) transformer encoder forward: {layers} layers, d={d}, 4 heads, ff {4 * d}, seq {seq}, "
           f"batch {batch} ({n_nodes} nodes)")
@@ -214,9 +221,18 @@ def bench_transformer(repeats: int, batch: int = 32, seq: int = 64, d: int = 128
     split = "on" if sess._splitter is not None and sess._splitter.split_runs else "not used"
     print(f"    onnxtrain with the batch split off: {t['whole'].median * 1e3:.3g} ms per forward "
           f"(the split was {split} above)")
-    ours, theirs = against_default_onnxruntime(model, feeds, lambda: sess.run(None, feeds), repeats)
+    used = ("the second half in a child process" if proc._splitter is not None and proc._splitter.split_runs
+            else "not split")
+    print(f"    onnxtrain.batch_split = process ({used}):")
+    print("    " + ratio_line("ms per forward", t["process"].median * 1e3, t["onnxruntime"].median * 1e3,
+                              target=TRANSFORMER_TARGET))
+    ours, theirs = against_default_onnxruntime(
+        model, feeds, {"threads": lambda: sess.run(None, feeds), "process": lambda: proc.run(None, feeds)},
+        repeats)
     print("    against onnxruntime at its default threading (idle threads spin), in its own process:")
-    print("    " + ratio_line("ms per forward", ours * 1e3, theirs * 1e3, target=TRANSFORMER_TARGET))
+    for key in ("threads", "process"):
+        print(f"    {key:8s}" + ratio_line("ms per forward", ours[key] * 1e3, theirs * 1e3,
+                                           target=TRANSFORMER_TARGET))
     if breakdown:
         from bench.op_breakdown import breakdown as by_group
         from bench.op_breakdown import table
@@ -245,12 +261,14 @@ for line in sys.stdin:
 SETTLE_S = 0.15  # between two turns: numpy's OpenBLAS threads busy-wait about 0.1 s after their last call
 
 
-def against_default_onnxruntime(model: onnx.ModelProto, feeds: dict[str, np.ndarray], ours, repeats: int,
-                                min_time: float = 1.0) -> tuple[float, float]:
-    """Median seconds per call of ``ours()`` and of onnxruntime with its default threading in a child
-    process, over ``repeats`` interleaved rounds. Turns last ``min_time``: a forward right after the pause
-    between turns is slower (measured here: 13.3 ms in back-to-back turns of 14 forwards, 14.7-15.8 ms
-    with 0.15 s of idle before each), so short turns would add that to both peers' figures."""
+def against_default_onnxruntime(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
+                                ours: dict[str, Any], repeats: int,
+                                min_time: float = 1.0) -> tuple[dict[str, float], float]:
+    """Median seconds per call of each of ``ours`` (name → callable) and of onnxruntime with its default
+    threading in a child process, over ``repeats`` interleaved rounds. Turns last ``min_time``: a forward
+    right after the pause between turns is slower (measured here: 13.3 ms in back-to-back turns of 14
+    forwards, 14.7-15.8 ms with 0.15 s of idle before each), so short turns would add that to both
+    peers' figures."""
     import statistics
     import tempfile
 
@@ -274,23 +292,26 @@ def against_default_onnxruntime(model: onnx.ModelProto, feeds: dict[str, np.ndar
 
         try:
             theirs(3)
-            for _ in range(3):
-                ours()
-            n_ours = calibrate(ours, min_time)
+            for fn in ours.values():
+                for _ in range(3):
+                    fn()
+            n_ours = {k: calibrate(fn, min_time) for k, fn in ours.items()}
             n_theirs = calls_per_sample(theirs, min_time)
-            a, b = [], []
+            a: dict[str, list[float]] = {k: [] for k in ours}
+            b = []
             for _ in range(repeats):
-                time.sleep(SETTLE_S)
-                t0 = time.perf_counter()
-                for _ in range(n_ours):
-                    ours()
-                a.append((time.perf_counter() - t0) / n_ours)
+                for k, fn in ours.items():
+                    time.sleep(SETTLE_S)
+                    t0 = time.perf_counter()
+                    for _ in range(n_ours[k]):
+                        fn()
+                    a[k].append((time.perf_counter() - t0) / n_ours[k])
                 time.sleep(SETTLE_S)
                 b.append(theirs(n_theirs) / n_theirs)
         finally:
             child.stdin.close()
             child.wait(timeout=30)
-    return statistics.median(a), statistics.median(b)
+    return {k: statistics.median(v) for k, v in a.items()}, statistics.median(b)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from onnxtrain.capi.options import RunOptions, SessionOptions, resolve_providers
 from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
-from onnxtrain.engine.batch_split import BatchSplitter, enabled_by
+from onnxtrain.engine.batch_split import BatchSplitter, mode_of
 from onnxtrain.engine.plan import Plan, load_model
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
@@ -164,8 +164,9 @@ class InferenceSession:
         self._check = FeedChecker(self._plan, [a.name for a in self._overridable])
         self._fallback = True
         # the numpy engine may run the two halves of a batch at once (onnxtrain/engine/batch_split.py)
-        self._splitter = (BatchSplitter.for_plan(self._plan)
-                          if isinstance(self._plan, Plan) and enabled_by(self._sess_options)
+        split = mode_of(self._sess_options)
+        self._splitter = (BatchSplitter.for_plan(self._plan, split)
+                          if isinstance(self._plan, Plan) and split != "off"
                           else None)
 
     # ---- running -------------------------------------------------------------------

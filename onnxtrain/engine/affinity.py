@@ -81,6 +81,11 @@ def place_blas_helpers(tids: set[int]) -> bool:
     return True
 
 
+def helpers_placed() -> bool:
+    """Whether OpenBLAS's helper threads were given CPUs of their own here."""
+    return bool(_helpers)
+
+
 def forget() -> None:
     """In a forked child: the parent's helper threads do not exist there."""
     _helpers.clear()

@@ -18,23 +18,33 @@ timing: only on the live activations of its whole run (:data:`MIN_ACTIVATION_BYT
 (:func:`onnxtrain.engine.blas.single_threaded_blas`). The session config entry ``onnxtrain.batch_split =
 0`` turns it off. The halves share the whole plan's weights; their activations, scratch and the second
 thread's BLAS buffers cost memory (the transformer's session: +15 MiB of peak RSS).
+
+With ``onnxtrain.batch_split = process`` the second half runs in a forked child process instead of a
+thread (:mod:`onnxtrain.engine.half_process`): two threads share one GIL, two processes do not. The child
+is made on the first split run, shares the weights' pages, and ends with the session. Where a process
+cannot fork (no ``fork()``, an MPI rank) the halves run on threads, with a warning.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from typing import Any
 
 import numpy as np
 import onnx
 
+from onnxtrain.engine import half_process
 from onnxtrain.engine.affinity import placed
 from onnxtrain.engine.backends import session_config_entry
 from onnxtrain.engine.blas import can_pin_blas_threads, single_threaded_blas
+from onnxtrain.engine.half_process import HalfProcess
 from onnxtrain.engine.parallel import parallel_for, running_with
 from onnxtrain.engine.plan import Plan
 
-CONFIG_KEY = "onnxtrain.batch_split"  # session config entry: "0" turns the split off ("1", the default: on)
+CONFIG_KEY = "onnxtrain.batch_split"  # session config entry: "0" off, "1" (the default) threads, "process"
+MODES = {"0": "off", "1": "threads", "process": "process"}
 MIN_ACTIVATION_BYTES = 1 << 20  # a run whose live activations peak lower is not split (too little work to
 # gain from it: two dispatch loops and a handoff cost more); the peak depends on the batch size alone, so
 # whether a batch size splits does not depend on timing
@@ -47,13 +57,14 @@ RTOL = {2: 1e-2, 4: 1e-4, 8: 1e-4}
 MAX_VERDICTS = 64  # batch sizes whose check is remembered
 
 
-def enabled_by(options: Any) -> bool:
-    """Whether the session options (onnxtrain's or onnxruntime's, or None) allow the split: their
-    ``onnxtrain.batch_split`` entry, "1" when unset."""
+def mode_of(options: Any) -> str:
+    """How the session options (onnxtrain's or onnxruntime's, or None) run the halves: "off", "threads"
+    or "process", from their ``onnxtrain.batch_split`` entry ("1", threads, when unset)."""
     value = session_config_entry(options, CONFIG_KEY) or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"session config entry {CONFIG_KEY!r} must be \"0\" or \"1\", got {value!r}")
-    return value == "1"
+    if value not in MODES:
+        raise ValueError(f"session config entry {CONFIG_KEY!r} must be one of "
+                         f"{', '.join(repr(k) for k in MODES)}, got {value!r}")
+    return MODES[value]
 
 
 def batch_axes(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]] | None:
@@ -89,8 +100,10 @@ class BatchSplitter:
     """Runs ``plan``'s inference on the two halves of a batch in two threads when that is checked to give
     the plan's own outputs (see the module docstring)."""
 
-    def __init__(self, plan: Plan, axes: tuple[dict[str, int], dict[str, int]]):
+    def __init__(self, plan: Plan, axes: tuple[dict[str, int], dict[str, int]], mode: str = "threads"):
         self.plan = plan
+        self.mode = mode  # "threads" or "process": where the second half runs
+        self.child: HalfProcess | None = None
         self.input_axes, self.output_axes = axes
         self.halves: tuple[Plan, Plan] | None = None
         self.verdicts: dict[int, bool] = {}  # batch size → whether its halves agree with its whole run
@@ -98,13 +111,16 @@ class BatchSplitter:
         self.weight_bytes = sum(v.nbytes for v in plan.initializers.values())  # shared by the halves
 
     @classmethod
-    def for_plan(cls, plan: Plan) -> BatchSplitter | None:
-        """A splitter for ``plan``, or None when its model declares no batch dimension or it runs on one
-        thread."""
+    def for_plan(cls, plan: Plan, mode: str = "threads") -> BatchSplitter | None:
+        """A splitter for ``plan`` running its second half as ``mode`` says ("threads" or "process"), or
+        None when its model declares no batch dimension or it runs on one thread."""
         axes = batch_axes(plan.model)
         if axes is None or plan.threads < 2:
             return None
-        return cls(plan, axes)
+        if mode == "process" and (why := half_process.available()) is not None:
+            warnings.warn(f"{CONFIG_KEY} = process: {why}; the halves run on threads", stacklevel=3)
+            mode = "threads"
+        return cls(plan, axes, mode)
 
     def run(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None) -> list[Any]:
         """The plan's outputs for ``feeds``: from the two halves when allowed, else from one whole run."""
@@ -152,17 +168,46 @@ class BatchSplitter:
             parts[0][name] = np.ascontiguousarray(v[tuple(index)])
             index[axis] = slice(cut, batch)
             parts[1][name] = np.ascontiguousarray(v[tuple(index)])
-        results: list[list[Any]] = [[], []]
+        results: list[list[Any]]
+        if self.mode == "process":
+            results, second_peak = self._run_with_child(halves, parts, output_names)
+        else:
+            results = [[], []]
 
-        def half(i: int) -> None:
-            results[i] = halves[i].run(parts[i], output_names)
+            def half(i: int) -> None:
+                results[i] = halves[i].run(parts[i], output_names)
 
-        with single_threaded_blas(), running_with(2), placed(2):  # this thread on one CPU, the worker another
-            parallel_for(2, half)
+            # this thread on one CPU, the worker on another
+            with single_threaded_blas(), running_with(2), placed(2):
+                parallel_for(2, half)
+            second_peak = halves[1].peak_bytes
         names = list(output_names) if output_names is not None else self.plan.output_names
         # both halves count the shared weights
-        self.plan.peak_bytes = halves[0].peak_bytes + halves[1].peak_bytes - self.weight_bytes
+        self.plan.peak_bytes = halves[0].peak_bytes + second_peak - self.weight_bytes
         return [np.concatenate([a, b], axis=self.output_axes[n]) for n, a, b in zip(names, *results)]
+
+    def _run_with_child(self, halves: tuple[Plan, Plan], parts: list[dict[str, Any]],
+                        output_names: Sequence[str] | None) -> tuple[list[list[Any]], int]:
+        """The first half here, the second in the child process (forked on first use); both halves'
+        outputs and the child's peak live bytes."""
+        if self.child is None or not self.child.alive:
+            self.child = HalfProcess(halves[1])
+        child = self.child
+        child.submit(parts[1], output_names)
+        try:
+            with single_threaded_blas(), placed(2):
+                mine = halves[0].run(parts[0], output_names)
+        except BaseException:
+            with suppress(Exception):  # the child's reply is read, so that the pipe is clean for the next run
+                child.result()
+            raise
+        return [mine, child.result()], child.peak_bytes
+
+    def close(self) -> None:
+        """End the child process, if one runs the second half."""
+        if self.child is not None:
+            self.child.close()
+            self.child = None
 
     def _half_plans(self) -> tuple[Plan, Plan]:
         """Two single-threaded plans of the model, sharing the whole plan's initializer arrays."""

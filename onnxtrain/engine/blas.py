@@ -93,6 +93,17 @@ def shorten_blas_spin() -> bool:
         return applied
 
 
+def place_helpers_after_fork() -> None:
+    """After this process forked: start OpenBLAS's helper threads again and place them, when the engine had
+    placed them. OpenBLAS stops its threads before a fork (its own fork handler), and the ones its next call
+    would start could run on any CPU, the run's calling thread's included."""
+    if not affinity.helpers_placed():
+        return
+    before = affinity.thread_ids()
+    _restart_threads()
+    affinity.place_blas_helpers(affinity.thread_ids() - before)
+
+
 def _restart_threads() -> None:
     """One GEMM large enough for OpenBLAS to split it over its threads, which starts them."""
     a = np.ones((128, 128), np.float32)
