@@ -135,6 +135,15 @@ def can_pin_blas_threads() -> bool:
     return _thread_count_functions() is not None and not _others_running()
 
 
+def single_threaded_blas_for_good() -> bool:
+    """Set OpenBLAS's thread count to one for the rest of the process (a batch split's child process);
+    False when numpy's BLAS is not an OpenBLAS whose count can be set."""
+    functions = _thread_count_functions()
+    if functions is not None:
+        functions[0](1)
+    return functions is not None
+
+
 @contextmanager
 def single_threaded_blas() -> Iterator[None]:
     """Inside the block, each BLAS call runs on the thread that makes it (OpenBLAS's thread count set to 1,

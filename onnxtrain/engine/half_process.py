@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain.engine import affinity
-from onnxtrain.engine.blas import place_helpers_after_fork, single_threaded_blas
+from onnxtrain.engine.blas import place_helpers_after_fork, single_threaded_blas_for_good
 
 try:
     import fcntl
@@ -82,7 +82,8 @@ class HalfProcess:
         self._lock.acquire()
         try:
             _send(self._requests, (dict(feeds), None if output_names is None else list(output_names)))
-        except BaseException:
+        except BaseException:  # a request cut short would be read as garbage: this child is done
+            self.close()
             self._lock.release()
             raise
 
@@ -156,7 +157,8 @@ def _recv(fd: int) -> Any:
 def _stop(pid: int, requests: int, replies: int) -> None:
     """Tell the child to end, close the pipes, and reap it (killed if it has not ended within
     :data:`STOP_SECONDS`: a reply too big for the pipe that nobody reads any more, say)."""
-    with suppress(OSError):
+    with suppress(OSError):  # BlockingIOError too: a pipe full of a request cut short takes no more
+        os.set_blocking(requests, False)
         _send(requests, None)
     for fd in (requests, replies):
         with suppress(OSError):
@@ -175,8 +177,7 @@ def _serve(plan: Plan, requests: int, replies: int) -> None:
     """The child's loop: run each request on ``plan`` and reply, until told to stop or the parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _close_other_fds({0, 1, 2, requests, replies})
-    with suppress(RuntimeError):  # the parent runs the other half on the other core
-        single_threaded_blas().__enter__()  # for the child's whole life
+    single_threaded_blas_for_good()  # the parent runs the other half on the other core
     cpu = affinity.helper_cpu(0)
     if cpu is not None:
         with suppress(OSError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 
 import numpy as np
 import onnxruntime as ort
@@ -116,3 +117,30 @@ def test_the_config_entry_and_where_a_process_cannot_fork(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py.MPI", object())  # an MPI rank must not fork
     with pytest.warns(UserWarning, match="MPI process must not fork; the halves run on threads"):
         assert session(relu, split="process")._splitter.mode == "threads"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs /proc/PID/schedstat")
+def test_the_child_makes_its_products_on_its_own_thread(no_minimum):  # noqa: F811
+    """The child's BLAS runs on one thread (the parent's half has the other core): OpenBLAS's helper
+    threads, which it starts in the child all the same, get no work."""
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 512])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 512])], [w])
+    sess = session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), split="process")
+    x = np.random.default_rng(1).standard_normal((512, 512)).astype(np.float32)
+    want = x.astype(np.float64) @ numpy_helper.to_array(w).astype(np.float64)
+    for _ in range(3):
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-4, atol=1e-3)
+    pid = sess._splitter.child.pid
+    helpers = [t for t in os.listdir(f"/proc/{pid}/task") if t != str(pid)]
+
+    def helpers_cpu_ns() -> int:
+        return sum(int(open(f"/proc/{pid}/task/{t}/schedstat").read().split()[0]) for t in helpers)
+
+    time.sleep(0.3)  # a helper that has just started spins a while before it sleeps
+    before = helpers_cpu_ns()
+    for _ in range(20):  # 20 halves of 256 x 512 x 512: about 13 ms of a helper's CPU if it took half
+        sess.run(None, {"x": x})
+    assert helpers_cpu_ns() - before < 2_000_000
+    assert sess._splitter.split_runs == 22
