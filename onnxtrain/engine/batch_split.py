@@ -39,7 +39,6 @@ from onnxtrain.engine import half_process
 from onnxtrain.engine.affinity import placed
 from onnxtrain.engine.backends import session_config_entry
 from onnxtrain.engine.blas import can_pin_blas_threads, single_threaded_blas
-from onnxtrain.engine.half_process import HalfProcess
 from onnxtrain.engine.parallel import parallel_for, running_with
 from onnxtrain.engine.plan import Plan
 
@@ -97,13 +96,13 @@ def batch_axes(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]] 
 
 
 class BatchSplitter:
-    """Runs ``plan``'s inference on the two halves of a batch in two threads when that is checked to give
-    the plan's own outputs (see the module docstring)."""
+    """Runs ``plan``'s inference on the two halves of a batch at once, in two threads or in this thread and
+    a child process, when that is checked to give the plan's own outputs (see the module docstring)."""
 
     def __init__(self, plan: Plan, axes: tuple[dict[str, int], dict[str, int]], mode: str = "threads"):
         self.plan = plan
         self.mode = mode  # "threads" or "process": where the second half runs
-        self.child: HalfProcess | None = None
+        self.child: half_process.HalfProcess | None = None
         self.input_axes, self.output_axes = axes
         self.halves: tuple[Plan, Plan] | None = None
         self.verdicts: dict[int, bool] = {}  # batch size → whether its halves agree with its whole run
@@ -191,7 +190,7 @@ class BatchSplitter:
         """The first half here, the second in the child process (forked on first use); both halves'
         outputs and the child's peak live bytes."""
         if self.child is None or not self.child.alive:
-            self.child = HalfProcess(halves[1])
+            self.child = half_process.HalfProcess(halves[1])
         child = self.child
         child.submit(parts[1], output_names)
         try:
