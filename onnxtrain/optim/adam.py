@@ -111,16 +111,16 @@ class Adam(Optimizer):
         new_s: dict[str, str] = {}
         counts = [state[f"Update_Count_{s.name}"] for s in slots]
         corrections: dict[str, tuple[str, str, str | None]] = {}
-        groups: dict[tuple[int, bool], list[WeightSlot]] = {}  # by type; mode 1 also shares its step size
+        groups: dict[int, list[WeightSlot]] = {}  # by type, each sharing one vector of step sizes
         for s in slots:
-            groups.setdefault((s.elem_type, iattr(s, self, "weight_decay_mode") == 1), []).append(s)
-        for (et, after), group in groups.items():
+            groups.setdefault(s.elem_type, []).append(s)
+        for et, group in groups.items():
             items = [
                 (state[f"Update_Count_{s.name}"], fattr(s, self, "alpha"), fattr(s, self, "beta"),
                  bool(iattr(s, self, "do_bias_correction")))
                 for s in group
             ]
-            lr_et = None if not after else lr if et == TensorProto.FLOAT else w.one("Cast", lr, to=et)
+            lr_et = lr if et == TensorProto.FLOAT else w.one("Cast", lr, to=et)
             corrections.update(zip((s.name for s in group), shared_bias_corrections(w, items, et, lr_et)))
         for s in slots:
             et = s.elem_type
@@ -137,23 +137,24 @@ class Adam(Optimizer):
             g = s.grad if s.divisor is None else w.one("Div", s.grad, s.divisor)
             c1, c2, shared_step = corrections[s.name]
             m1n, m2n = moments(w, g, m1, m2, a, b, et)
+            step = shared_step or step_size(w, lr_t, c1, c2)
+            keep = (w.one("Sub", scalar(w, 1.0, et), w.one("Mul", lr_t, scalar(w, lam, et)))
+                    if lam else None)  # 1 − lr·λ
             if mode == 0:
-                # Δ = −lr·((m1/c1) / (sqrt(m2/c2) + ε) + λ·w)
-                denom = w.one("Add", w.one("Sqrt", w.one("Div", m2n, c2)), scalar(w, eps, et))
-                upd = w.one("Div", w.one("Div", m1n, c1), denom)
-                if lam:
-                    upd = w.one("Add", upd, w.one("Mul", s.name, scalar(w, lam, et)))
-                wn = w.one("Sub", s.name, w.one("Mul", lr_t, upd))
+                # Δ = −lr·((m1/c1) / (sqrt(m2/c2) + ε) + λ·w), computed as
+                # w' = w·(1 − lr·λ) − lr·sqrt(c2)/c1 · m1/(sqrt(m2) + ε·sqrt(c2)): the same value, with the
+                # bias corrections in scalars, two passes over the weight fewer than the form above
+                eps_t = w.one("Mul", w.one("Sqrt", c2), scalar(w, eps, et))
+                u = w.one("Mul", step, w.one("Div", m1n, w.one("Add", w.one("Sqrt", m2n), eps_t)))
+                wn = w.one("Sub", s.name if keep is None else w.one("Mul", s.name, keep), u)
             else:
                 # u = lr·sqrt(c2)/c1 · m1/(sqrt(m2)+ε);  w' = (w − u) − lr·λ·(w − u) = (w − u)·(1 − lr·λ),
                 # the factor a scalar: one pass over the weight instead of two
-                step = shared_step or step_size(w, lr_t, c1, c2)
                 u = w.one(
                     "Mul", step, w.one("Div", m1n, w.one("Add", w.one("Sqrt", m2n), scalar(w, eps, et)))
                 )
                 wn = w.one("Sub", s.name, u)
-                if lam:
-                    keep = w.one("Sub", scalar(w, 1.0, et), w.one("Mul", lr_t, scalar(w, lam, et)))
+                if keep is not None:
                     wn = w.one("Mul", wn, keep)
             new_w[s.name] = w.emit("Identity", [wn], [w.names(f"{s.name}_Adam_out")])[0]
             new_s[m1] = w.emit("Identity", [m1n], [w.names(f"Moment_1_{s.name}_Out")])[0]
