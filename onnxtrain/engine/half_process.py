@@ -76,6 +76,7 @@ class HalfProcess:
         self.peak_bytes = 0  # the child's plan's peak live bytes in its last run
         self._lock = threading.Lock()
         self._stop = weakref.finalize(self, _stop, pid, self._requests, self._replies)
+        _live.add(self)
 
     def submit(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None) -> None:
         """Start a run of the child's plan on ``feeds``; :meth:`result` waits for it."""
@@ -111,6 +112,25 @@ class HalfProcess:
     def close(self) -> None:
         """Stop the child and wait for it to end."""
         self._stop()
+
+
+_live: weakref.WeakSet[HalfProcess] = weakref.WeakSet()  # this process's children, for :func:`_forget`
+
+
+def _forget() -> None:
+    """In a process forked from this one (the user's own fork, a multiprocessing worker): the children
+    belong to the parent. Close the copies of their pipes, without telling them to stop, so that a session
+    used here forks a child of its own and the parent's keeps running undisturbed."""
+    for child in list(_live):
+        child._stop.detach()
+        for fd in (child._requests, child._replies):
+            with suppress(OSError):
+                os.close(fd)
+    _live.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget)
 
 
 def _pipe() -> tuple[int, int]:

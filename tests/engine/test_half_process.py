@@ -144,3 +144,28 @@ def test_the_child_makes_its_products_on_its_own_thread(no_minimum):  # noqa: F8
         sess.run(None, {"x": x})
     assert helpers_cpu_ns() - before < 2_000_000
     assert sess._splitter.split_runs == 22
+
+
+def test_a_forked_process_gets_a_child_of_its_own(no_minimum):  # noqa: F811
+    """The user's own fork (a multiprocessing worker, say) must neither stop the parent's child nor talk to
+    it: the session there forks a child of its own."""
+    sess = session(batch_model([helper.make_node("Relu", ["x"], ["y"])]), split="process")
+    x = np.linspace(-1, 1, 24, dtype=np.float32).reshape(8, 3)
+    for _ in range(2):
+        sess.run(None, {"x": x})
+    first = sess._splitter.child.pid
+    pid = os.fork()
+    if pid == 0:  # the test's fork: exit status 0 only if its runs are right and on a child of its own
+        ok = False
+        try:
+            y = sess.run(None, {"x": -x})[0]
+            ok = (np.array_equal(y, np.maximum(-x, 0)) and sess._splitter.child.pid != first
+                  and sess._splitter.split_runs == 2)
+            del sess
+            gc.collect()
+        finally:
+            os._exit(0 if ok else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert not _gone(first) and sess._splitter.child.pid == first
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], np.maximum(x, 0))
+    assert sess._splitter.split_runs == 2
