@@ -188,19 +188,30 @@ class BatchSplitter:
     def _run_with_child(self, halves: tuple[Plan, Plan], parts: list[dict[str, Any]],
                         output_names: Sequence[str] | None) -> tuple[list[list[Any]], int]:
         """The first half here, the second in the child process (forked on first use); both halves'
-        outputs and the child's peak live bytes."""
+        outputs and the second half's peak live bytes. If the child has ended (killed, out of memory),
+        its half runs here, with a warning, and the next split run forks a new child."""
         if self.child is None or not self.child.alive:
             self.child = half_process.HalfProcess(halves[1])
-        child = self.child
-        child.submit(parts[1], output_names)
+        child: half_process.HalfProcess | None = self.child
+        try:
+            child.submit(parts[1], output_names)
+        except half_process.ChildEnded as e:
+            child = _child_ended(e)
         try:
             with single_threaded_blas(), placed(2):
                 mine = halves[0].run(parts[0], output_names)
         except BaseException:
-            with suppress(Exception):  # the child's reply is read, so that the pipe is clean for the next run
-                child.result()
+            if child is not None:
+                with suppress(Exception):  # the reply is read, so that the pipe is clean for the next run
+                    child.result()
             raise
-        return [mine, child.result()], child.peak_bytes
+        if child is not None:
+            try:
+                return [mine, child.result()], child.peak_bytes
+            except half_process.ChildEnded as e:
+                _child_ended(e)
+        with single_threaded_blas():
+            return [mine, halves[1].run(parts[1], output_names)], halves[1].peak_bytes
 
     def close(self) -> None:
         """End the child process, if one runs the second half."""
@@ -216,6 +227,10 @@ class BatchSplitter:
                     for _ in range(2)]
             self.halves = (made[0], made[1])
         return self.halves
+
+
+def _child_ended(e: Exception) -> None:
+    warnings.warn(f"{e}; its half of this batch runs here", RuntimeWarning, stacklevel=4)
 
 
 def _agree(whole: Any, half: Any) -> bool:

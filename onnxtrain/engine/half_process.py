@@ -55,6 +55,10 @@ def available() -> str | None:
     return None
 
 
+class ChildEnded(RuntimeError):
+    """The child process ended before it replied (killed, out of memory)."""
+
+
 class HalfProcess:
     """A forked child that runs ``plan`` on the feeds it is sent, one request at a time."""
 
@@ -83,9 +87,11 @@ class HalfProcess:
         self._lock.acquire()
         try:
             _send(self._requests, (dict(feeds), None if output_names is None else list(output_names)))
-        except BaseException:  # a request cut short would be read as garbage: this child is done
+        except BaseException as e:  # a request cut short would be read as garbage: this child is done
             self.close()
             self._lock.release()
+            if isinstance(e, BrokenPipeError):
+                raise ChildEnded(f"the batch split's child process (pid {self.pid}) ended") from None
             raise
 
     def result(self) -> list[Any]:
@@ -94,7 +100,7 @@ class HalfProcess:
             reply = _recv(self._replies)
         except EOFError:
             self.close()
-            raise RuntimeError(f"the batch split's child process (pid {self.pid}) ended") from None
+            raise ChildEnded(f"the batch split's child process (pid {self.pid}) ended") from None
         except BaseException:  # e.g. Ctrl-C while waiting: its reply would be read as the next run's
             self.close()
             raise

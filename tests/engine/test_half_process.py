@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 import time
 
@@ -27,6 +28,11 @@ def _gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2]
 
 
 @pytest.mark.parametrize("name,batch", [("transformer_encoder", 6), ("lstm_cls", 4)])
@@ -169,3 +175,20 @@ def test_a_forked_process_gets_a_child_of_its_own(no_minimum):  # noqa: F811
     assert not _gone(first) and sess._splitter.child.pid == first
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], np.maximum(x, 0))
     assert sess._splitter.split_runs == 2
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_a_child_that_died_is_replaced_and_its_half_runs_here(no_minimum):  # noqa: F811
+    sess = session(batch_model([helper.make_node("Relu", ["x"], ["y"])]), split="process")
+    x = np.linspace(-1, 1, 24, dtype=np.float32).reshape(8, 3)
+    for _ in range(2):
+        sess.run(None, {"x": x})
+    first = sess._splitter.child.pid
+    os.kill(first, signal.SIGKILL)
+    while _state(first) != "Z":  # dead, not yet reaped
+        time.sleep(0.001)
+    with pytest.warns(RuntimeWarning, match=rf"child process \(pid {first}\) ended; its half"):
+        np.testing.assert_array_equal(sess.run(None, {"x": -x})[0], np.maximum(-x, 0))
+    assert _gone(first)  # reaped
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], np.maximum(x, 0))
+    assert sess._splitter.child.pid != first and sess._splitter.split_runs == 3
