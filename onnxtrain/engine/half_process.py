@@ -34,12 +34,12 @@ import numpy as np
 
 from onnxtrain.engine import affinity
 from onnxtrain.engine.blas import place_helpers_after_fork, single_threaded_blas_for_good
+from onnxtrain.engine.plan import Plan
 
 try:
     import fcntl
 except ImportError:  # not on Windows, which has no fork() either
     fcntl = None  # type: ignore[assignment]
-from onnxtrain.engine.plan import Plan
 
 _PIPE_BYTES = 1 << 20  # pipe capacity asked for (Linux's default limit): a reply this size is one write
 _LENGTHS = struct.Struct("<QQ")  # bytes of the pickle, number of out-of-band buffers

@@ -140,19 +140,15 @@ class Adam(Optimizer):
             step = shared_step or step_size(w, lr_t, c1, c2)
             keep = (w.one("Sub", scalar(w, 1.0, et), w.one("Mul", lr_t, scalar(w, lam, et)))
                     if lam else None)  # 1 − lr·λ
+            # u = lr·sqrt(c2)/c1 · m1/(sqrt(m2) + ε'), the bias corrections in scalars. Mode 0's
+            # Δ = −lr·((m1/c1) / (sqrt(m2/c2) + ε) + λ·w) is w' = w·(1 − lr·λ) − u with ε' = ε·sqrt(c2): the
+            # same value, two passes over the weight fewer than that form. Mode 1 (ε' = ε):
+            # w' = (w − u) − lr·λ·(w − u) = (w − u)·(1 − lr·λ), the factor a scalar: one pass instead of two
+            eps_t = scalar(w, eps, et) if mode == 1 else w.one("Mul", w.one("Sqrt", c2), scalar(w, eps, et))
+            u = w.one("Mul", step, w.one("Div", m1n, w.one("Add", w.one("Sqrt", m2n), eps_t)))
             if mode == 0:
-                # Δ = −lr·((m1/c1) / (sqrt(m2/c2) + ε) + λ·w), computed as
-                # w' = w·(1 − lr·λ) − lr·sqrt(c2)/c1 · m1/(sqrt(m2) + ε·sqrt(c2)): the same value, with the
-                # bias corrections in scalars, two passes over the weight fewer than the form above
-                eps_t = w.one("Mul", w.one("Sqrt", c2), scalar(w, eps, et))
-                u = w.one("Mul", step, w.one("Div", m1n, w.one("Add", w.one("Sqrt", m2n), eps_t)))
                 wn = w.one("Sub", s.name if keep is None else w.one("Mul", s.name, keep), u)
             else:
-                # u = lr·sqrt(c2)/c1 · m1/(sqrt(m2)+ε);  w' = (w − u) − lr·λ·(w − u) = (w − u)·(1 − lr·λ),
-                # the factor a scalar: one pass over the weight instead of two
-                u = w.one(
-                    "Mul", step, w.one("Div", m1n, w.one("Add", w.one("Sqrt", m2n), scalar(w, eps, et)))
-                )
                 wn = w.one("Sub", s.name, u)
                 if keep is not None:
                     wn = w.one("Mul", wn, keep)
