@@ -196,7 +196,8 @@ class BatchSplitter:
         try:
             child.submit(parts[1], output_names)
         except half_process.ChildEnded as e:
-            child = _child_ended(e)
+            _child_ended(e)
+            child = None
         try:
             with single_threaded_blas(), placed(2):
                 mine = halves[0].run(parts[0], output_names)

@@ -91,7 +91,7 @@ class HalfProcess:
             self.close()
             self._lock.release()
             if isinstance(e, BrokenPipeError):
-                raise ChildEnded(f"the batch split's child process (pid {self.pid}) ended") from None
+                raise self._ended() from None
             raise
 
     def result(self) -> list[Any]:
@@ -100,7 +100,7 @@ class HalfProcess:
             reply = _recv(self._replies)
         except EOFError:
             self.close()
-            raise ChildEnded(f"the batch split's child process (pid {self.pid}) ended") from None
+            raise self._ended() from None
         except BaseException:  # e.g. Ctrl-C while waiting: its reply would be read as the next run's
             self.close()
             raise
@@ -110,6 +110,9 @@ class HalfProcess:
         if tag == "error":
             raise RuntimeError(f"in the batch split's child process: {value}")
         return value
+
+    def _ended(self) -> ChildEnded:
+        return ChildEnded(f"the batch split's child process (pid {self.pid}) ended")
 
     @property
     def alive(self) -> bool:
