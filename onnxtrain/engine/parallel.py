@@ -159,15 +159,15 @@ def parallel_for(n: int, fn: Callable[[int], None]) -> None:
         raise job.error
 
 
-def for_rows(rows: int, work: int, fn: Callable[[int, int], None]) -> None:
+def for_rows(rows: int, work: int, fn: Callable[[int, int], None], align: int = 1) -> None:
     """Call ``fn(lo, hi)`` on ranges of ``rows`` independent rows covering them all, one range per thread
     when ``work`` (elements, or any measure proportional to the time) makes parts of :data:`MIN_ROWS_WORK`
-    or more, else ``fn(0, rows)`` here."""
+    or more, else ``fn(0, rows)`` here. Ranges start at multiples of ``align``."""
     parts = min(width(), rows, work // MIN_ROWS_WORK)
     if parts <= 1:
         fn(0, rows)
         return
-    ranges = split(rows, parts)
+    ranges = split(rows, parts, align)
     parallel_for(len(ranges), lambda i: fn(*ranges[i]))
 
 

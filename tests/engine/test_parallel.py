@@ -400,3 +400,62 @@ def test_plans_run_from_several_threads_at_once_split_correctly(monkeypatch) -> 
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors[0]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_softmax_cross_entropy_split_by_rows_gives_the_same_bits(monkeypatch, reduction: str) -> None:
+    monkeypatch.setattr(parallel, "MIN_ROWS_WORK", 16)
+    calls: list[int] = []
+    real = parallel.parallel_for
+    monkeypatch.setattr(parallel, "parallel_for", lambda n, fn: (calls.append(n), real(n, fn)))
+    node = helper.make_node("SoftmaxCrossEntropyLoss", ["x", "y"], ["loss", "logp"], reduction=reduction,
+                            ignore_index=-100)  # as torch exports it
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [node], "sce",
+        [helper.make_tensor_value_info("x", f, [45, 300]),
+         helper.make_tensor_value_info("y", TensorProto.INT64, [45])],
+        [helper.make_tensor_value_info("loss", f, [] if reduction == "mean" else [45]),
+         helper.make_tensor_value_info("logp", f, [45, 300])])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(m, full_check=True)
+    rng = np.random.default_rng(8)
+    feeds = {"x": (4 * rng.standard_normal((45, 300))).astype(np.float32),
+             "y": rng.integers(0, 300, 45).astype(np.int64)}
+    serial = Plan(m, threads=1).run(feeds)
+    assert not calls
+    split = Plan(m, threads=2).run(feeds)
+    assert calls == [2]  # the rows in two parts
+    for a, b in zip(serial, split):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(split, ReferenceEvaluator(m).run(None, feeds)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_large_transcendental_ops_split_over_threads_with_the_same_bits(monkeypatch) -> None:
+    """Exp and Log of 300,000 values run in two parts (Log quiet on its zeros and negatives in both parts);
+    a small input stays in one piece."""
+    calls: list[int] = []
+    real = parallel.parallel_for
+    monkeypatch.setattr(parallel, "parallel_for", lambda n, fn: (calls.append(n), real(n, fn)))
+    nodes = [helper.make_node("Exp", ["x"], ["e"]), helper.make_node("Log", ["x"], ["l"])]
+    m = model(nodes, ["x"], ["e", "l"])
+    rng = np.random.default_rng(9)
+    x = (4 * rng.standard_normal((600, 500))).astype(np.float32)
+    x[0, :3] = [0.0, -1.0, np.inf]
+    serial = Plan(m, threads=1, fuse=False).run({"x": x})
+    assert not calls
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # log(0) and log(-1) stay quiet in the worker's part too
+        split = Plan(m, threads=2, fuse=False).run({"x": x})
+    assert calls == [2, 2]
+    for a, b in zip(serial, split):
+        np.testing.assert_array_equal(a, b)
+    with np.errstate(all="ignore"):  # the reference's log(0) and log(-1)
+        ref = ReferenceEvaluator(m).run(None, {"x": x})
+    np.testing.assert_allclose(split[0], ref[0], rtol=1e-6)
+    np.testing.assert_allclose(split[1], ref[1], rtol=1e-6)
+    calls.clear()
+    Plan(m, threads=2, fuse=False).run({"x": x[:100]})
+    assert not calls

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto, helper
 
+from onnxtrain.engine.parallel import MIN_ROWS_WORK, for_rows, width
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 try:  # the ufunc np.clip calls, without np.clip's Python layers (1.8 → 0.5 µs a call on a small block)
@@ -63,14 +64,38 @@ def _binary(fn: Callable[..., Any]) -> Callable[[Inputs, Attrs], Outputs]:
     return run
 
 
-def _unary(fn: Callable[..., Any], quiet: bool) -> Callable[[Inputs, Attrs], Outputs]:
+# transcendental ufuncs: a value costs several plain ufuncs' (float32 exp about 0.33 ns here, an add 0.07), so
+# a large input is split over the run's threads, each value computed by the same ufunc (the same bits).
+# The bench GPT decoder's loss gradient starts with an Exp of its (1,024, 1,000) log-probabilities: 0.74-0.87
+# ms of its step on one thread
+_COSTLY = frozenset({"Exp", "Log", "Sin", "Cos", "Tan", "Atan", "Sinh", "Cosh", "Asinh", "Asin", "Acos",
+                     "Acosh", "Atanh"})
+COSTLY_WORK = 4  # one value's work, in plain ufunc values (``parallel.MIN_ROWS_WORK`` is in those)
+_SPLIT_MIN = 2 * MIN_ROWS_WORK // COSTLY_WORK  # fewer values stay in one piece, with no extra calls
+
+
+def _split_ufunc(fn: Callable[..., Any], x: np.ndarray) -> np.ndarray:
+    """``fn(x)`` for a C-contiguous float ``x``, its values split over the run's threads when many."""
+    y = np.empty_like(x)
+    xf, yf = x.reshape(-1), y.reshape(-1)
+    for_rows(xf.size, xf.size * COSTLY_WORK, lambda lo, hi: fn(xf[lo:hi], out=yf[lo:hi]), align=64)
+    return y
+
+
+def _unary(fn: Callable[..., Any], quiet: bool, costly: bool = False) -> Callable[[Inputs, Attrs], Outputs]:
+    def call(x: Any) -> Any:
+        if (costly and type(x) is np.ndarray and x.size >= _SPLIT_MIN and x.dtype.kind == "f"
+                and x.flags.c_contiguous and width() > 1):
+            return _split_ufunc(fn, x)
+        return fn(x)
+
     def run(inputs: Inputs, attrs: Attrs) -> Outputs:
-        r = fn(inputs[0])
+        r = call(inputs[0])
         return (r if type(r) is np.ndarray else np.asarray(r),)
 
     def run_quiet(inputs: Inputs, attrs: Attrs) -> Outputs:
         with np.errstate(divide="ignore", invalid="ignore"):
-            r = fn(inputs[0])
+            r = call(inputs[0])
         return (r if type(r) is np.ndarray else np.asarray(r),)
 
     return run_quiet if quiet else run
@@ -79,9 +104,9 @@ def _unary(fn: Callable[..., Any], quiet: bool) -> Callable[[Inputs, Attrs], Out
 for _op, _since, _fn in _BINARY:
     kernel(_op, since=_since)(_binary(_fn))
 for _op, _since, _fn in _UNARY:
-    kernel(_op, since=_since)(_unary(_fn, quiet=False))
+    kernel(_op, since=_since)(_unary(_fn, quiet=False, costly=_op in _COSTLY))
 for _op, _since, _fn in _UNARY_QUIET:
-    kernel(_op, since=_since)(_unary(_fn, quiet=True))
+    kernel(_op, since=_since)(_unary(_fn, quiet=True, costly=_op in _COSTLY))
 
 
 # --- arithmetic with ONNX-specific rules -----------------------------------------------------------
