@@ -96,3 +96,55 @@ def test_relu_of_a_graph_input_leaves_the_input_alone() -> None:
     assert ops(plan) == ["Relu"]
     x = np.array([-1.0, 2.0], np.float32)
     assert plan.run({"x": x})[0].tolist() == [0.0, 2.0] and x.tolist() == [-1.0, 2.0]
+
+
+def cross_entropy_grad(extra_reader: bool = False, axis: int = 1) -> onnx.ModelProto:
+    """dz = (ScatterElements(Exp(logp), labels, −1) · scale): the form of a cross-entropy gradient."""
+    f, i64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
+    nodes = [
+        helper.make_node("Exp", ["logp"], ["p"]),
+        helper.make_node("ScatterElements", ["p", "labels", "minus"], ["d"], axis=axis),
+        helper.make_node("Mul", ["d", "scale"], ["dz"]),
+    ]
+    outputs = [helper.make_tensor_value_info("dz", f, [16, 30])]
+    if extra_reader:  # the probabilities are read again: the scatter must not overwrite them
+        nodes.append(helper.make_node("Neg", ["p"], ["np"]))
+        outputs.append(helper.make_tensor_value_info("np", f, [16, 30]))
+    idx_shape = [16, 1] if axis == 1 else [1, 30]
+    graph = helper.make_graph(
+        nodes, "ce_grad",
+        [helper.make_tensor_value_info("logp", f, [16, 30]),
+         helper.make_tensor_value_info("labels", i64, idx_shape),
+         helper.make_tensor_value_info("minus", f, idx_shape),
+         helper.make_tensor_value_info("scale", f, [])],
+        outputs)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+@pytest.mark.parametrize("axis", [1, 0])
+def test_cross_entropy_gradient_scatters_into_the_exp_bit_identically(axis: int) -> None:
+    from onnx.reference import ReferenceEvaluator
+
+    rng = np.random.default_rng(4)
+    n = 16 if axis == 1 else 30
+    idx_shape = (16, 1) if axis == 1 else (1, 30)
+    f = {"logp": rng.standard_normal((16, 30)).astype(np.float32) - 3,
+         "labels": rng.integers(0, 30 if axis == 1 else 16, n).reshape(idx_shape).astype(np.int64),
+         "minus": np.full(idx_shape, -1.0, np.float32), "scale": np.float32(1 / 16)}
+    m = cross_entropy_grad(axis=axis)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert "InplaceScatterElements" in ops(fused) and "ScatterElements" not in ops(fused)
+    want = plain.run(f)[0]
+    for _ in range(2):
+        got = fused.run(f)[0]
+        assert got.tobytes() == want.tobytes()
+    np.testing.assert_allclose(want, ReferenceEvaluator(m).run(None, f)[0], rtol=1e-6, atol=1e-7)
+    # read again after the scatter: the Exp's array stays as it was
+    m2 = cross_entropy_grad(extra_reader=True, axis=axis)
+    fused2 = Plan(m2)
+    assert "ScatterElements" in ops(fused2) and "InplaceScatterElements" not in ops(fused2)
+    got, neg_p = fused2.run(f)
+    assert got.tobytes() == want.tobytes()
+    np.testing.assert_array_equal(neg_p, -np.exp(f["logp"]))

@@ -100,18 +100,23 @@ def _element_offsets(attrs: Attrs, dshape: tuple[int, ...], ishape: tuple[int, .
 
 @kernel("ScatterElements", since=11)
 def scatter_elements(inputs: Inputs, attrs: Attrs) -> Outputs:
+    return scatter_elements_into(inputs, attrs, False)
+
+
+def scatter_elements_into(inputs: Inputs, attrs: Attrs, inplace: bool) -> Outputs:
+    """ScatterElements; ``inplace``: the data array is the caller's to overwrite, and the result is it."""
     x, idx, upd = inputs[0], inputs[1], inputs[2]
     axis = _axis(attrs["axis"], x.ndim)
     if idx.shape != upd.shape:
         raise ValueError(f"ScatterElements: indices shape {idx.shape} != updates shape {upd.shape}")
     reduction = attrs.get("reduction") or "none"
     if x.ndim == 2 and axis == 1 and idx.shape == (x.shape[0], 1) and x.size and upd.dtype == x.dtype:
-        out = _one_per_row(x, idx.reshape(-1), upd.reshape(-1), reduction)
+        out = _one_per_row(x, idx.reshape(-1), upd.reshape(-1), reduction, inplace)
         if out is not None:
             return (out,)
     idx = _normalize(idx, x.shape[axis], "ScatterElements")
     base, stride = _element_offsets(attrs, x.shape, idx.shape, axis)
-    out = np.array(x, copy=True, order="C")
+    out = x if inplace else np.array(x, copy=True, order="C")
     lin = (base + idx * stride).reshape(-1)
     _scatter_rows(out.reshape(-1, 1), lin, upd.reshape(-1, 1), reduction)
     return (out,)
@@ -142,15 +147,16 @@ def in_range(idx: np.ndarray, n: int) -> bool:
     return unsigned is not None and int(np.maximum.reduce(idx.view(unsigned), axis=None)) < n
 
 
-def _one_per_row(x: np.ndarray, col: np.ndarray, upd: np.ndarray, reduction: str) -> np.ndarray | None:
+def _one_per_row(x: np.ndarray, col: np.ndarray, upd: np.ndarray, reduction: str,
+                 inplace: bool = False) -> np.ndarray | None:
     """ScatterElements along the last axis of a 2-D ``x`` with one index per row (the −1 at each label of
     a cross-entropy gradient): the positions are distinct, so one fancy-indexed update gives what
     ``ufunc.at`` does, in four numpy calls; None (the general path) for indices that need wrapping or are
-    out of range, and for an unknown reduction."""
+    out of range, and for an unknown reduction. ``inplace``: into ``x`` itself."""
     ufunc = _REDUCE.get(reduction)
     if (ufunc is None and reduction != "none") or not in_range(col, x.shape[1]):
         return None
-    out = np.array(x, copy=True, order="C")
+    out = x if inplace else np.array(x, copy=True, order="C")
     flat = out.reshape(-1)
     pos = row_starts(*x.shape) + col
     flat[pos] = upd if ufunc is None else ufunc(flat[pos], upd)
