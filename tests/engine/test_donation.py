@@ -293,3 +293,31 @@ def test_peak_counts_an_update_written_into_its_donated_inputs_once() -> None:
         w_new, _ = plan.run(fresh, donate=donate)
         assert np.shares_memory(w_new, fresh["W"]) == bool(donate)
         assert 0 <= plan.peak_bytes - plan.scratch.nbytes - arrays * N * 4 < 64
+
+
+def test_an_update_with_no_need_of_blocks_or_threads_still_writes_into_donated_inputs(monkeypatch) -> None:
+    """Small weights (a transformer's biases and norms): the cluster runs its whole-array program when
+    nothing is donated, and a blocked program of its own, writing into the arrays, when the run donates."""
+    monkeypatch.setattr(fe, "BLOCK_MIN_BYTES", 1 << 40)  # no segment needs blocks
+    monkeypatch.setattr(fe, "PAR_MIN_WORK", 1 << 40)
+    monkeypatch.setattr(fe, "UPDATE_PAR_MIN_WORK", 1 << 40)  # nor threads
+    m = momentum_model()
+    plan = Plan(m, threads=2)
+    f = feeds(7)
+    want = reference(m, f)
+    kept = {k: v.copy() for k, v in f.items()}
+    out = plan.run(kept)
+    assert not any(np.shares_memory(o, v) for o in out for v in kept.values())
+    (prog,) = plan.steps[-1].fn.programs.values()
+    assert prog[5] is None and prog[6] is not None and prog[6].for_donation
+    for _ in range(2):
+        given = {k: v.copy() for k, v in f.items()}
+        w_new, m_new = plan.run(given, donate=["W", "M"])
+        assert w_new is given["W"] and m_new is given["M"]
+        np.testing.assert_array_equal(w_new, want[0])
+        np.testing.assert_array_equal(m_new, want[1])
+        np.testing.assert_array_equal(given["G"], f["G"])
+    for o, r in zip(plan.run(kept), want):  # and without donation again: new arrays, the same bits
+        np.testing.assert_array_equal(o, r)
+    for k in kept:
+        np.testing.assert_array_equal(kept[k], f[k])

@@ -208,6 +208,14 @@ class Cluster:
             if blocked is not None:
                 donated = donated_now() & self.reusable if self.reusable else None
                 return blocked.run(inputs, donated)
+            if prog[6] is not None and self.reusable:
+                donated = donated_now() & self.reusable
+                if donated:  # the blocked program writes into them; its scratch is taken on first use
+                    donating = prog[6]
+                    if donating.views_version != pool.version:
+                        donating.take_views(pool)
+                        donating.views_version = pool.version
+                    return donating.run(inputs, donated)
             vals = list(inputs)
             vals.extend(None for _ in range(prog[1]))
             prog[3](vals)
@@ -264,9 +272,9 @@ class Cluster:
                 local[s] = len(local)
         fast = [runs_as_ufunc(st, env) for st in self.members]
         blocked = Blocked.build(self, env, local, fast, last_use)
-        if blocked is not None:
+        if blocked is not None and not blocked.for_donation:
             blocked.take_views(self.pool)
-            self.programs[sig] = [None, 0, None, None, self.pool.version, blocked]
+            self.programs[sig] = [None, 0, None, None, self.pool.version, blocked, None]
             return [env[s] for s in self.escaping]
         escaping = set(self.escaping)
         pinned = escaping | {s for st in self.members if st.node.op_type not in UFUNCS for s in st.inputs}
@@ -338,6 +346,7 @@ class Cluster:
             None,
             -1,
             None,
+            blocked,  # None, or the blocked program for runs that donate (Blocked.for_donation)
         ]
         return [env[s] for s in self.escaping]
 
