@@ -301,6 +301,7 @@ def test_an_update_with_no_need_of_blocks_or_threads_still_writes_into_donated_i
     monkeypatch.setattr(fe, "BLOCK_MIN_BYTES", 1 << 40)  # no segment needs blocks
     monkeypatch.setattr(fe, "PAR_MIN_WORK", 1 << 40)
     monkeypatch.setattr(fe, "UPDATE_PAR_MIN_WORK", 1 << 40)  # nor threads
+    monkeypatch.setattr(fe, "DONATE_MIN", N)  # the model's 50,000 values are enough
     m = momentum_model()
     plan = Plan(m, threads=2)
     f = feeds(7)
@@ -321,3 +322,11 @@ def test_an_update_with_no_need_of_blocks_or_threads_still_writes_into_donated_i
         np.testing.assert_array_equal(o, r)
     for k in kept:
         np.testing.assert_array_equal(kept[k], f[k])
+    # below DONATE_MIN values the whole-array program runs, donation or not
+    monkeypatch.setattr(fe, "DONATE_MIN", N + 1)
+    small = Plan(m, threads=2)
+    given = {k: v.copy() for k, v in f.items()}
+    w_new, _ = small.run(given, donate=["W", "M"])
+    (prog,) = small.steps[-1].fn.programs.values()
+    assert prog[5] is None and prog[6] is None and w_new is not given["W"]
+    np.testing.assert_array_equal(w_new, want[0])

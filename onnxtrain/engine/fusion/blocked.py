@@ -37,6 +37,11 @@ PAR_MIN_WORK = 8 << 20
 # 1.88-2.00 → 1.78-1.85 ms (batch 64; Optimizer.step 0.95-1.03 → 0.80-0.83 ms; four interleaved processes
 # each)
 UPDATE_PAR_MIN_WORK = 3 << 20
+# an update too small for blocks or threads gets a program writing into its donated arrays from this many
+# values in all: below, the per-segment calls of the blocked program cost more than the copies they save
+# (LeNet's update, 61 K values: Optimizer.step 300 -> 310-426 µs with it; the transformer's, 0.4 M values:
+# 1.47 -> 1.16 ms)
+DONATE_MIN = 1 << 17
 ERF_COST = 8  # an Erf costs about as much as eight plain ufuncs (two gathers and nine passes)
 
 
@@ -174,7 +179,8 @@ class Blocked:
         # then copy into its weights). The transformer's on-device update (no segment big enough to split):
         # Optimizer.step 2.42-2.56 -> 1.50-2.14 ms alone
         needed = any(seg.block < seg.n or seg.par for seg in segments)
-        if not needed and not any(any(seg.reuse) for seg in segments):
+        if not needed and (not any(any(seg.reuse) for seg in segments)
+                           or sum(seg.n for seg in segments) < DONATE_MIN):
             return None
 
         def program(phase_name: str) -> list[tuple]:
@@ -232,6 +238,20 @@ class Blocked:
         if self.run_post is not None:
             self.run_post(vals)
         return [vals[i] for i in self.out_idx]
+
+
+def compile_ops(ops: list[tuple]) -> Callable[[list[Any]], None]:
+    """A segment's ``(ufunc, a, b, out)`` ops (``b`` -1 for one operand) as one generated function of the
+    block-value slots: one line per op, no per-op unpacking (a small weight's update runs in one block)."""
+    lines = ["def run(v):"]
+    for j, (_, a, b, o) in enumerate(ops):
+        args = f"v[{a}]" if b < 0 else f"v[{a}], v[{b}]"
+        lines.append(f"    F[{j}]({args}, out=v[{o}])")
+    if len(lines) == 1:
+        lines.append("    pass")
+    namespace: dict[str, Any] = {"F": [op[0] for op in ops]}
+    exec("\n".join(lines), namespace)  # noqa: S102 - source made above from integers only
+    return namespace["run"]
 
 
 class Segment:
@@ -383,6 +403,7 @@ class Segment:
             flat_slots=whole_in + [w[0] for w in whole_out],
             scratch=scratch,
             ops=ops,
+            run_whole=compile_ops(ops),
         )
 
     def take_views(self, pool: ScratchPool) -> None:
@@ -449,6 +470,14 @@ class Segment:
         """The segment's ufuncs over elements [start, stop), ``block`` at a time, in the scratch ``views``."""
         for i, v in views:
             bv[i] = v
+        if start == 0 and stop == self.n <= block:  # one block: the generated straight-line program
+            if block > stop:
+                for i, v in views:
+                    bv[i] = v[:stop]
+            for i, f in slots:
+                bv[i] = f
+            self.run_whole(bv)
+            return
         ops = self.ops
         for lo in range(start, stop, block):
             hi = lo + block
