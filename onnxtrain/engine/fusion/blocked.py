@@ -240,20 +240,6 @@ class Blocked:
         return [vals[i] for i in self.out_idx]
 
 
-def compile_ops(ops: list[tuple]) -> Callable[[list[Any]], None]:
-    """A segment's ``(ufunc, a, b, out)`` ops (``b`` -1 for one operand) as one generated function of the
-    block-value slots: one line per op, no per-op unpacking (a small weight's update runs in one block)."""
-    lines = ["def run(v):"]
-    for j, (_, a, b, o) in enumerate(ops):
-        args = f"v[{a}]" if b < 0 else f"v[{a}], v[{b}]"
-        lines.append(f"    F[{j}]({args}, out=v[{o}])")
-    if len(lines) == 1:
-        lines.append("    pass")
-    namespace: dict[str, Any] = {"F": [op[0] for op in ops]}
-    exec("\n".join(lines), namespace)  # noqa: S102 - source made above from integers only
-    return namespace["run"]
-
-
 class Segment:
     """The blocked ufuncs of one shape, run over slices of ``block`` of its ``n`` flattened elements.
 
@@ -403,7 +389,9 @@ class Segment:
             flat_slots=whole_in + [w[0] for w in whole_out],
             scratch=scratch,
             ops=ops,
-            run_whole=compile_ops(ops),
+            # the one-block run as a generated straight-line program (a small weight's update), each op
+            # writing into its output slot's buffer
+            run_whole=compile_program([(3, f, [a] if b < 0 else [a, b], o, o, None) for f, a, b, o in ops]),
         )
 
     def take_views(self, pool: ScratchPool) -> None:
@@ -470,10 +458,7 @@ class Segment:
         """The segment's ufuncs over elements [start, stop), ``block`` at a time, in the scratch ``views``."""
         for i, v in views:
             bv[i] = v
-        if start == 0 and stop == self.n <= block:  # one block: the generated straight-line program
-            if block > stop:
-                for i, v in views:
-                    bv[i] = v[:stop]
+        if start == 0 and stop == self.n == block:  # one block: the generated straight-line program
             for i, f in slots:
                 bv[i] = f
             self.run_whole(bv)

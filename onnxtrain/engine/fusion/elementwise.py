@@ -205,17 +205,15 @@ class Cluster:
                 else:
                     blocked.take_views(pool)
                 prog[4] = pool.version
+            donated = donated_now() & self.reusable if self.reusable else None
+            if blocked is None and donated and prog[6] is not None:
+                # the blocked program that writes into them; its scratch is taken on first use
+                blocked = prog[6]
+                if blocked.views_version != pool.version:
+                    blocked.take_views(pool)
+                    blocked.views_version = pool.version
             if blocked is not None:
-                donated = donated_now() & self.reusable if self.reusable else None
                 return blocked.run(inputs, donated)
-            if prog[6] is not None and self.reusable:
-                donated = donated_now() & self.reusable
-                if donated:  # the blocked program writes into them; its scratch is taken on first use
-                    donating = prog[6]
-                    if donating.views_version != pool.version:
-                        donating.take_views(pool)
-                        donating.views_version = pool.version
-                    return donating.run(inputs, donated)
             vals = list(inputs)
             vals.extend(None for _ in range(prog[1]))
             prog[3](vals)
