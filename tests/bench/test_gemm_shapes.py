@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -55,7 +56,9 @@ def test_a_case_model_computes_its_product() -> None:
         a = feeds["a"].T if case.trans_a else feeds["a"]
         b = feeds["b"].T if case.trans_b else feeds["b"]
         want = a.astype(np.float64) @ b + (feeds["c"] if case.bias else 0)
-        got = ReferenceEvaluator(gemm_shapes.gemm_model(case)).run(None, feeds)[0]
+        m = gemm_shapes.gemm_model(case)
+        onnx.checker.check_model(m, full_check=True)
+        got = ReferenceEvaluator(m).run(None, feeds)[0]
         assert got.shape == case.out
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
