@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-# option → the issue that will implement it; set to a non-default value they raise NotImplementedError
+# options onnxtrain does not implement (model parallelism, the memory-efficient LayerNorm gradient):
+# set to anything but their default, they make the session raise NotImplementedError
 NOT_YET: dict[str, Any] = {
-    "use_fp16_moments": False,
     "horizontal_parallel_size": 1,
     "pipeline_parallel_size": 1,
     "num_pipeline_micro_batches": 1,
@@ -38,6 +38,7 @@ _DEFAULTS: dict[str, Any] = {
     "deepspeed_zero_stage": 0,
     "gradient_accumulation_steps": 1,
     "enable_grad_norm_clip": True,
+    "use_fp16_moments": False,
     "set_gradients_as_graph_outputs": False,
     "propagate_cast_ops_level": 1,
     "propagate_cast_ops_allow": [],

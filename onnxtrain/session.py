@@ -84,7 +84,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         self._start_ns = time.time_ns()
         self._fallback = True
         model = load_model(path_or_bytes)
-        self._opt = get_optimizer(p.training_optimizer_name) if p.training_optimizer_name else None
+        self._opt = (get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
+                     if p.training_optimizer_name else None)
         adasum = self._dp is not None and self._dp.mode == "adasum"
         g = build_step_graphs(model, p, self._opt, force_clip=adasum)
         self._graphs = g

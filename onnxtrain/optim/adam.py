@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from onnx import TensorProto
 
@@ -96,11 +94,10 @@ class Adam(Optimizer):
     INT_ATTRS = {"do_bias_correction": 1, "weight_decay_mode": 0}
     uses_norm = True
 
-    def state(self, slots: list[WeightSlot], moment_dtype: Any = np.float32) -> list[StateSpec]:
+    def state(self, slots: list[WeightSlot]) -> list[StateSpec]:
         out = []
         for s in slots:
-            out.append(StateSpec(f"Moment_1_{s.name}", s.name, "Moment_1", np.zeros(s.shape, moment_dtype)))
-            out.append(StateSpec(f"Moment_2_{s.name}", s.name, "Moment_2", np.zeros(s.shape, moment_dtype)))
+            out += self.moment_specs(s)
             out.append(StateSpec(f"Update_Count_{s.name}", s.name, "Update_Count", np.ones([1], np.int64)))
         return out
 
@@ -133,10 +130,11 @@ class Adam(Optimizer):
                     f"got {mode}"
                 )
             m1, m2 = state[f"Moment_1_{s.name}"], state[f"Moment_2_{s.name}"]
+            m1v, m2v = self.load_moment(w, m1, et), self.load_moment(w, m2, et)
             lr_t = lr if et == TensorProto.FLOAT else w.one("Cast", lr, to=et)
             g = s.grad if s.divisor is None else w.one("Div", s.grad, s.divisor)
             c1, c2, shared_step = corrections[s.name]
-            m1n, m2n = moments(w, g, m1, m2, a, b, et)
+            m1n, m2n = moments(w, g, m1v, m2v, a, b, et)
             step = shared_step or step_size(w, lr_t, c1, c2)
             keep = (w.one("Sub", scalar(w, 1.0, et), w.one("Mul", lr_t, scalar(w, lam, et)))
                     if lam else None)  # 1 − lr·λ
@@ -153,8 +151,8 @@ class Adam(Optimizer):
                 if keep is not None:
                     wn = w.one("Mul", wn, keep)
             new_w[s.name] = w.emit("Identity", [wn], [w.names(f"{s.name}_Adam_out")])[0]
-            new_s[m1] = w.emit("Identity", [m1n], [w.names(f"Moment_1_{s.name}_Out")])[0]
-            new_s[m2] = w.emit("Identity", [m2n], [w.names(f"Moment_2_{s.name}_Out")])[0]
+            new_s[m1] = self.store_moment(w, m1n, w.names(f"Moment_1_{s.name}_Out"), et)
+            new_s[m2] = self.store_moment(w, m2n, w.names(f"Moment_2_{s.name}_Out"), et)
         stepped = next_counts(w, counts, [w.names(f"{s.grad}_Step_Out") for s in slots])
         new_s.update(zip(counts, stepped))
         return new_w, new_s

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from onnxtrain.ir.builder import NodeWriter
 
@@ -47,6 +47,31 @@ class Optimizer:
     INT_ATTRS: dict[str, int] = {}
     uses_norm = False  # whether the global gradient norm (clipping) is wired into the update
 
+    def __init__(self, moment_dtype: Any = np.float32) -> None:
+        """``moment_dtype``: the dtype its moments are kept in (float16 with ``use_fp16_moments``; the
+        update's arithmetic stays in the weight's type, with casts on load and store, spec §8.5)."""
+        self.moment_dtype = np.dtype(moment_dtype)
+        if self.moment_dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
+            raise ValueError(f"optimizer moments are kept in float32 or float16, not {self.moment_dtype}")
+
+    def load_moment(self, w: NodeWriter, name: str, elem_type: int) -> str:
+        """A kept moment as a value of the weight's type ``elem_type`` (a Cast when stored narrower)."""
+        if helper.np_dtype_to_tensor_dtype(self.moment_dtype) == elem_type:
+            return name
+        return w.one("Cast", name, to=elem_type)
+
+    def moment_specs(self, s: WeightSlot) -> list[StateSpec]:
+        """Zeroed first and second moments of weight ``s``, in the type they are kept in."""
+        return [StateSpec(f"{key}_{s.name}", s.name, key, np.zeros(s.shape, self.moment_dtype))
+                for key in ("Moment_1", "Moment_2")]
+
+    def store_moment(self, w: NodeWriter, value: str, out: str, elem_type: int) -> str:
+        """The new moment ``value`` (of type ``elem_type``) as graph value ``out``, in its kept type."""
+        to = helper.np_dtype_to_tensor_dtype(self.moment_dtype)
+        if to == elem_type:
+            return w.emit("Identity", [value], [out])[0]
+        return w.emit("Cast", [value], [out], to=to)[0]
+
     def check_attrs(self, weight: str, floats: dict[str, Any], ints: dict[str, Any]) -> None:
         for k in floats:
             if k not in self.FLOAT_ATTRS:
@@ -61,7 +86,7 @@ class Optimizer:
                     f"{k!r}; known: {sorted(self.INT_ATTRS)}"
                 )
 
-    def state(self, slots: list[WeightSlot], moment_dtype: Any = np.float32) -> list[StateSpec]:
+    def state(self, slots: list[WeightSlot]) -> list[StateSpec]:
         return []
 
     def emit(

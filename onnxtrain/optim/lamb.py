@@ -26,11 +26,10 @@ class Lamb(Optimizer):
     INT_ATTRS = {"do_bias_correction": 0}  # the legacy builder's default, not the op schema's
     uses_norm = True
 
-    def state(self, slots: list[WeightSlot], moment_dtype: Any = np.float32) -> list[StateSpec]:
+    def state(self, slots: list[WeightSlot]) -> list[StateSpec]:
         out = [StateSpec("Step", "", "Step", np.ones([1], np.int64))]
         for s in slots:
-            out.append(StateSpec(f"Moment_1_{s.name}", s.name, "Moment_1", np.zeros(s.shape, moment_dtype)))
-            out.append(StateSpec(f"Moment_2_{s.name}", s.name, "Moment_2", np.zeros(s.shape, moment_dtype)))
+            out += self.moment_specs(s)
         return out
 
     def _global(self, slots: list[WeightSlot], key: str) -> Any:
@@ -53,10 +52,11 @@ class Lamb(Optimizer):
             a, b = fattr(s, self, "alpha"), fattr(s, self, "beta")
             lam, eps = fattr(s, self, "lambda"), fattr(s, self, "epsilon")
             m1, m2 = state[f"Moment_1_{s.name}"], state[f"Moment_2_{s.name}"]
+            m1v, m2v = self.load_moment(w, m1, et), self.load_moment(w, m2, et)
             lr_t = lr if et == TensorProto.FLOAT else w.one("Cast", lr, to=et)
             g = s.grad if s.divisor is None else w.one("Div", s.grad, s.divisor)
             c1, c2 = bias_corrections(w, t, a, b, bias, et)
-            m1n, m2n = moments(w, g, m1, m2, a, b, et)
+            m1n, m2n = moments(w, g, m1v, m2v, a, b, et)
             # d = λ·w + (m1/c1) / (sqrt(m2/c2) + ε); where d is not finite: d = 0 and the moments stay
             d = w.one(
                 "Div",
@@ -68,8 +68,8 @@ class Lamb(Optimizer):
             bad = w.one("Or", w.one("IsNaN", d), w.one("IsInf", d))
             zero = scalar(w, 0.0, et)
             d = w.one("Where", bad, zero, d)
-            m1n = w.one("Where", bad, m1, m1n)
-            m2n = w.one("Where", bad, m2, m2n)
+            m1n = w.one("Where", bad, m1v, m1n)
+            m2n = w.one("Where", bad, m2v, m2n)
             # η = lr·clamp(‖w‖/‖d‖, ratio_min, ratio_max) when both norms are nonzero, else lr
             wn2 = w.one("ReduceL2", s.name, keepdims=0)
             dn2 = w.one("ReduceL2", d, keepdims=0)
@@ -83,7 +83,7 @@ class Lamb(Optimizer):
             cand = w.one("Sub", s.name, w.one("Mul", eta, d))
             keep = w.one("Or", w.one("IsNaN", cand), w.one("IsInf", cand))
             new_w[s.name] = w.emit("Where", [keep, s.name, cand], [w.names(f"{s.name}_Lamb_out")])[0]
-            new_s[m1] = w.emit("Identity", [m1n], [w.names(f"Moment_1_{s.name}_Out")])[0]
-            new_s[m2] = w.emit("Identity", [m2n], [w.names(f"Moment_2_{s.name}_Out")])[0]
+            new_s[m1] = self.store_moment(w, m1n, w.names(f"Moment_1_{s.name}_Out"), et)
+            new_s[m2] = self.store_moment(w, m2n, w.names(f"Moment_2_{s.name}_Out"), et)
         new_s[t] = w.emit("Add", [t, w.ints([1])], [w.names("Step_Out")])[0]
         return new_w, new_s

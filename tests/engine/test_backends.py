@@ -149,6 +149,13 @@ def test_legacy_mlp_20_steps_match_numpy(opt):
     assert_same_training(mlp_model(), opt, feeds)
 
 
+@pytest.mark.parametrize("opt", ["AdamOptimizer", "LambOptimizer"])
+def test_legacy_fp16_moments_20_steps_match_numpy(opt):
+    """Moments kept in float16 (a Cast on load and on store in the update graph)."""
+    feeds = [{"x": x, "y": y} for x, y in batches(STEPS, 16)]
+    assert_same_training(mlp_model(), opt, feeds, use_fp16_moments=True)
+
+
 @pytest.mark.parametrize("opt", ["SGDOptimizer", "AdamOptimizer"])
 def test_legacy_lenet_bn_20_steps_match_numpy(opt):
     """Training-mode BatchNormalization (running statistics in the store) under onnxruntime's default

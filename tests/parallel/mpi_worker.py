@@ -40,6 +40,10 @@ CASES = {
     # Adasum of equal deltas is that delta: both ranks on the whole batch equal one process
     "adam_adasum": ("AdamOptimizer", 1, 0, {"enable_adasum": True, "same_data": True}),
     "sgd_adasum_accum": ("SGDOptimizer", 3, 0, {"enable_adasum": True, "same_data": True}),
+    # float16 moments, partitioned: both ranks on the whole batch, so that no float16 rounding of a moment can
+    # part from one process's over a last-bit difference of the reduced gradient
+    "adam_fp16m": ("AdamOptimizer", 1, 0, {"use_fp16_moments": True, "same_data": True}),
+    "adam_zero_fp16m": ("AdamOptimizer", 1, 1, {"use_fp16_moments": True, "same_data": True}),
 }
 DIN = 10  # W1 has 160 elements: under ZeRO over 2 ranks (128 each) it straddles the boundary
 
