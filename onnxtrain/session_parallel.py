@@ -104,6 +104,8 @@ class DataParallelSteps:
             for s in up.all_input_names:
                 if s in store:
                     ufeeds[s] = store[s]
+                elif s not in ufeeds and s in feeds:  # the loss scale of a mixed-precision update
+                    ufeeds[s] = feeds[s]
             extra = [n for n in names if n not in got and n in up.output_info]
             out = up.run(ufeeds, extra + [o for _, o in items])
             got.update(zip(extra, out))
@@ -200,6 +202,8 @@ _FINGERPRINT_OPTIONS = (
     "deepspeed_zero_stage",
     "enable_adasum",
     "use_mixed_precision",
+    "use_fp16_moments",
+    "mixed_precision_dtype",
     "legacy_cpu_adam",
     "gradient_accumulation_mode",
 )

@@ -4,7 +4,7 @@
 0 saves the final weights (and per-rank optimizer-state bytes), on the backend ``$ONNXTRAIN_TEST_BACKEND``
 names (default numpy); ``collectives OUT.npz`` saves each rank's Adasum input
 vectors and results, and what the helpers (``allreduce_gradients``, ``world``, ``shard_range``) gave;
-``raise``/``kill``/``hang`` [CKPT] and ``mismatch`` exercise the failure paths.
+``raise``/``kill``/``hang`` [CKPT], ``mismatch`` and ``unsupported`` exercise the failure paths.
 """
 
 from __future__ import annotations
@@ -44,7 +44,17 @@ CASES = {
     # part from one process's over a last-bit difference of the reduced gradient
     "adam_fp16m": ("AdamOptimizer", 1, 0, {"use_fp16_moments": True, "same_data": True}),
     "adam_zero_fp16m": ("AdamOptimizer", 1, 1, {"use_fp16_moments": True, "same_data": True}),
+    # mixed precision over plain allreduce: the loss scale reaches the update; with a scale that overflows
+    # float16, every rank skips every update alike
+    "adam_mp": ("AdamOptimizer", 1, 0, {"use_mixed_precision": True}),
+    "adam_mp_accum": ("AdamOptimizer", 2, 0, {"use_mixed_precision": True}),
+    "lamb_mp": ("LambOptimizer", 1, 0, {"use_mixed_precision": True}),
+    "adam_mp_overflow": ("AdamOptimizer", 1, 0, {"use_mixed_precision": True, "loss_scale_feed": 1e30}),
 }
+# mixed precision rounds each rank's products to float16, so one process on the whole batch is not the
+# reference: one process accumulating the ranks' halves as micro-batches is (the same float16 gradients,
+# summed in float32 and averaged alike)
+HALVES = {"adam_mp", "adam_mp_accum", "lamb_mp", "adam_mp_overflow"}
 DIN = 10  # W1 has 160 elements: under ZeRO over 2 ranks (128 each) it straddles the boundary
 
 
@@ -70,18 +80,31 @@ def _session_options() -> SessionOptions | None:
     return so
 
 
-def train(case: str, rank: int | None = None, size: int | None = None) -> tuple[TrainingSession, list[float]]:
-    """``STEPS`` optimizer steps (each of ``accum`` micro-batches); this rank's part of each global batch."""
+def train(case: str, rank: int | None = None, size: int | None = None,
+          halves: bool = False) -> tuple[TrainingSession, list[float]]:
+    """``STEPS`` optimizer steps (each of ``accum`` micro-batches); this rank's part of each global batch.
+    ``halves``: one process taking, for each step, rank 0's micro-batches then rank 1's, as accumulation."""
     opt, accum, zero, extra = CASES[case]
     extra = dict(extra)
     if extra.pop("same_data", False):
         rank, size = 0, 1
+    scale = np.array([extra.pop("loss_scale_feed", 1024.0)], np.float32)
+    global_batches = batches(STEPS * accum, GLOBAL_BATCH, din=DIN)
+    if halves:
+        parts = [(r, global_batches[i * accum + j])
+                 for i in range(STEPS) for r in (0, 1) for j in range(accum)]
+        accum *= 2
+    else:
+        parts = [(rank, b) for b in global_batches]
     sess = TrainingSession(mlp_model(din=DIN).SerializeToString(), params(opt, accum, zero, extra),
                            _session_options())
     norms = []
     has_norm = "global_gradient_norm" in [o.name for o in sess.get_outputs()]
-    for i, (x, y) in enumerate(batches(STEPS * accum, GLOBAL_BATCH, din=DIN)):
-        feeds = {"x": split_batch(x, rank, size), "y": split_batch(y, rank, size), "Learning_Rate": LR}
+    for i, (part, (x, y)) in enumerate(parts):
+        n = 2 if halves else size
+        feeds = {"x": split_batch(x, part, n), "y": split_batch(y, part, n), "Learning_Rate": LR}
+        if sess.loss_scale_input_name:
+            feeds[sess.loss_scale_input_name] = scale
         update = (i + 1) % accum == 0
         out = sess.run(["loss", "global_gradient_norm"] if update and has_norm else ["loss"], feeds)
         if len(out) == 2:
@@ -184,6 +207,13 @@ def main() -> None:
     elif what == "mismatch":
         model = mlp_model(dh=16 if w.rank == 0 else 12)
         TrainingSession(model.SerializeToString(), params("AdamOptimizer", 1, 0, {}))
+    elif what == "unsupported":  # mixed precision with Adasum and with ZeRO: each refused, naming the option
+        for extra, zero in (({"enable_adasum": True}, 0), ({}, 1)):
+            try:
+                TrainingSession(mlp_model().SerializeToString(),
+                                params("AdamOptimizer", 1, zero, {"use_mixed_precision": True, **extra}))
+            except NotImplementedError as e:
+                print(f"rank {w.rank}: refused: {e}", flush=True)
     else:
         raise SystemExit(f"unknown command {what!r}")
 
