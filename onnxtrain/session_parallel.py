@@ -14,6 +14,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxtrain.graph_transforms import accumulation
+from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE
 from onnxtrain.optim import WeightSlot
 from onnxtrain.parallel import BucketReducer
 from onnxtrain.parallel.adasum import adasum_reduce
@@ -61,9 +62,12 @@ class DataParallelSteps:
             ]
             norm = next((e for e in g.extra_outputs if e.startswith("global_gradient_norm")), None)
             self._norm_name = norm
-            model, upd, _, specs = build_update_graph(
-                g.gradient, slots, p, self._opt, clip=norm is not None, norm_input=norm
+            mp = g.mixed_precision  # its update always reads the norm: the all-finite flag comes from it
+            model, upd, extras, specs = build_update_graph(
+                g.gradient, slots, p, self._opt, clip=p.enable_grad_norm_clip if mp else norm is not None,
+                norm_input=norm, mp=mp,
             )
+            self._zero_extras = extras  # the mixed-precision update's all_gradients_finite
             self._extra_models["zero_update"] = model
             self._zero_updates = upd
             for sp in self._specs:  # the full state is replaced by the state of this rank's pieces
@@ -91,7 +95,8 @@ class DataParallelSteps:
             store[stat] = v
         lr = self._params.lr_params_feed_name
         if dp.mode == "zero1":
-            got.update(self._zero_step(grads, feeds[lr]))
+            scale = self.loss_scale_input_name
+            got.update(self._zero_step(grads, feeds[lr], feeds[scale] if scale else None))
         else:
             up = self._get_plan("update")
             items = list(g.updates["update"].items())
@@ -124,9 +129,12 @@ class DataParallelSteps:
             raise ValueError(f"output(s) {missing} are not available in a data-parallel step")
         return [got[n] for n in names]
 
-    def _zero_step(self, grads: list[np.ndarray], lr: np.ndarray) -> dict[str, np.ndarray]:
-        """ZeRO stage 1: reduce-scatter, norm over owned pieces summed across ranks, update, allgather."""
+    def _zero_step(self, grads: list[np.ndarray], lr: np.ndarray,
+                   loss_scale: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """ZeRO stage 1: reduce-scatter, norm over owned pieces summed across ranks, update, allgather.
+        Under mixed precision every rank finds the same norm, so all skip or apply their pieces alike."""
         g, store, z, comm = self._graphs, self._store, self._zero, self._dp.comm
+        got: dict[str, np.ndarray] = {}
         z.flatten_into(dict(zip(g.trainable, grads)), self._zgrad, self._grad_scale)
         own = comm.reduce_scatter_(
             self._zgrad, self._zown, f"ZeRO gradient reduce-scatter ({self._zgrad.nbytes} bytes)"
@@ -141,6 +149,9 @@ class DataParallelSteps:
             feeds: dict[str, Any] = {self._params.lr_params_feed_name: lr}
             if self._norm_name:
                 feeds[self._norm_name] = norm.astype(np.float32)
+            scale = self.loss_scale_input_name
+            if scale:
+                feeds[scale] = loss_scale
             for pc in z.pieces:
                 feeds[pc.name] = z.piece_view(pc, store[pc.weight])
                 feeds[f"{pc.name}_grad"] = own[z.local_slice(pc)].reshape(pc.shape)
@@ -148,13 +159,19 @@ class DataParallelSteps:
                 if s in store:
                     feeds[s] = store[s]
             items = list(self._zero_updates.items())
-            new = dict(zip([s for s, _ in items], up.run(feeds, [o for _, o in items])))
+            out = up.run(feeds, [o for _, o in items] + self._zero_extras)
+            new = dict(zip([s for s, _ in items], out))
+            got.update(zip(self._zero_extras, out[len(items):]))
             for pc in z.pieces:
                 wflat[pc.offset : pc.offset + pc.stop - pc.start] = new.pop(pc.name).reshape(-1)
             store.update(new)  # optimizer state of the owned pieces
         comm.allgather_(wflat, f"ZeRO weight allgather ({wflat.nbytes} bytes)")
         store.update(z.unflatten(wflat))
-        return {self._norm_name: norm.astype(np.float32)} if self._norm_name else {}
+        if self._norm_name:
+            got[self._norm_name] = norm.astype(np.float32)
+        if self.loss_scale_input_name and not z.pieces:  # a rank that owns nothing still says it
+            got[ALL_FINITE] = np.asarray(bool(np.isfinite(norm)))
+        return got
 
     def _zero_full_names(self) -> dict[str, list[tuple[str, Any, bool]]]:
         """ZeRO: unpartitioned state name → [(this rank's state name, piece, elementwise)]."""

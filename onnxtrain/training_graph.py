@@ -422,7 +422,9 @@ def _emit_update(
     """
     inputs.append(helper.make_tensor_value_info(p.lr_params_feed_name, TensorProto.FLOAT, [1]))
     if mp is not None:
-        return _emit_mixed_precision_update(w, slots, p, opt, inputs, outputs, extras, upd, clip, mp)
+        return _emit_mixed_precision_update(
+            w, slots, p, opt, inputs, outputs, extras, upd, clip, mp, norm_input
+        )
     if clip:
         if norm_input is not None:
             norm = norm_input
@@ -451,13 +453,19 @@ def _emit_mixed_precision_update(
     upd: dict[str, str],
     clip: bool,
     mp: MixedPrecisionInfo,
+    norm_input: str | None = None,
 ) -> list[StateSpec]:
-    """The update on loss-scaled gradients: unscale (and clip), and skip it when not all are finite."""
+    """The update on loss-scaled gradients: unscale (and clip), and skip it when not all are finite. With
+    ``norm_input`` the (loss-scaled) global norm is that graph input, e.g. summed over ZeRO's ranks."""
     if mp.loss_scale not in {i.name for i in inputs}:
         inputs.append(helper.make_tensor_value_info(mp.loss_scale, TensorProto.FLOAT, [1]))
-    norm = global_norm(w, [s.grad for s in slots])  # loss-scaled, as the legacy reported it
-    outputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
-    extras.append(norm)
+    if norm_input is not None:
+        norm = norm_input
+        inputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
+    else:
+        norm = global_norm(w, [s.grad for s in slots])  # loss-scaled, as the legacy reported it
+        outputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
+        extras.append(norm)
     mnc = None
     if clip and opt.uses_norm and not p.legacy_cpu_adam:
         mnc = {s.name: _max_norm_clip(s, opt) for s in slots}

@@ -45,7 +45,7 @@ def test_two_ranks_half_batch_equal_one_process_whole_batch(trained: dict[str, n
     if ref_norms:
         np.testing.assert_allclose(trained[f"{case}/0/norms"], ref_norms, rtol=1e-5)
     initial = weights_of(mlp_model(din=mpi_worker.DIN))
-    if case == "adam_mp_overflow":  # float16 overflows at this loss scale: every rank skipped every update
+    if case.endswith("_mp_overflow"):  # float16 overflows at this loss scale: every rank skipped every update
         assert not np.isfinite(trained[f"{case}/0/norms"]).any()
         for k, v in initial.items():
             np.testing.assert_array_equal(trained[f"{case}/1/{k}"], v, err_msg=k)
@@ -163,9 +163,8 @@ def test_mismatched_models_are_named() -> None:
     assert "trained weights (dtype, shape)" in r.stderr and "W1" in r.stderr
 
 
-def test_mixed_precision_with_adasum_or_zero_is_refused_by_name() -> None:
+def test_mixed_precision_with_adasum_is_refused_by_name() -> None:
     r = run_mpi("unsupported", timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     for rank in (0, 1):
         assert f"rank {rank}: refused: use_mixed_precision together with enable_adasum" in r.stdout
-        assert f"rank {rank}: refused: use_mixed_precision together with deepspeed_zero_stage=1" in r.stdout
