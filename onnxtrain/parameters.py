@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-# options onnxtrain does not implement (model parallelism, the memory-efficient LayerNorm gradient):
+# options onnxtrain does not implement (model parallelism):
 # set to anything but their default, they make the session raise NotImplementedError
 NOT_YET: dict[str, Any] = {
     "horizontal_parallel_size": 1,
@@ -17,7 +17,6 @@ NOT_YET: dict[str, Any] = {
     "sliced_schema": {},
     "sliced_axes": {},
     "sliced_tensor_names": [],
-    "use_memory_efficient_gradient": False,
 }
 
 _DEFAULTS: dict[str, Any] = {
@@ -39,6 +38,7 @@ _DEFAULTS: dict[str, Any] = {
     "gradient_accumulation_steps": 1,
     "enable_grad_norm_clip": True,
     "use_fp16_moments": False,
+    "use_memory_efficient_gradient": False,
     "set_gradients_as_graph_outputs": False,
     "propagate_cast_ops_level": 1,
     "propagate_cast_ops_allow": [],

@@ -220,6 +220,7 @@ _FINGERPRINT_OPTIONS = (
     "enable_adasum",
     "use_mixed_precision",
     "use_fp16_moments",
+    "use_memory_efficient_gradient",
     "mixed_precision_dtype",
     "legacy_cpu_adam",
     "gradient_accumulation_mode",

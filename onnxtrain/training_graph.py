@@ -264,7 +264,8 @@ def build_step_graphs(
         mp = mixed_precision_info(fwd_model)
         gloss = mp.scaled_loss  # backpropagation starts from loss · loss_scale
     grad = build_gradient_model(
-        fwd_model, gloss, trainable, outputs=user_outputs, extra_outputs=list(bn.values())
+        fwd_model, gloss, trainable, outputs=user_outputs, extra_outputs=list(bn.values()),
+        memory_efficient=p.use_memory_efficient_gradient,
     )
     grad = recompute(
         grad,

@@ -16,7 +16,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.patterns import find_erf_gelus, find_tanh_gelus
-from onnxtrain.autodiff.registry import find_rule, has_no_gradient, ops_with_rules
+from onnxtrain.autodiff.registry import find_rule, find_variant, has_no_gradient, ops_with_rules
+from onnxtrain.autodiff.rules.normalization import FROM_OUTPUT
 from onnxtrain.ir.attrs import attribute_value, parse_attributes
 from onnxtrain.ir.builder import (
     FLOAT_TYPES,
@@ -192,13 +193,17 @@ def build_gradient_model(
     other_ys: Sequence[str] = (),
     zero_unreachable: bool = True,
     grad_suffix: str = "_grad",
+    memory_efficient: bool = False,
 ) -> onnx.ModelProto:
     """Append the backward pass of ``loss`` with respect to ``wrt`` to ``model``.
 
     The result outputs the loss, ``outputs`` (default: the model's outputs), ``extra_outputs``
     (forward values such as BatchNormalization running statistics) and ``<x>_grad`` for every
     ``x`` in ``wrt``, in that order. ``other_ys`` are further differentiated values whose incoming
-    gradients ``<y>_grad`` become graph inputs. Example::
+    gradients ``<y>_grad`` become graph inputs. ``memory_efficient`` (the legacy
+    ``use_memory_efficient_gradient``): a LayerNormalization whose input nothing else keeps for the
+    backward pass takes its gradient from its output instead, so that the input is freed after the
+    forward (:func:`~onnxtrain.autodiff.rules.normalization.layer_norm_grad_from_output`). Example::
 
         m = build_gradient_model(onnx.load("mlp_loss.onnx"), "loss", ["fc1.weight", "fc1.bias"])
     """
@@ -263,6 +268,12 @@ def build_gradient_model(
                 f"{', '.join(ops_with_rules())}"
             )
 
+    gelus: dict[int, Any] = {}
+    if os.environ.get("ONNXTRAIN_GELU_GRAD", "1") != "0":
+        gelus = {**find_tanh_gelus(bw), **find_erf_gelus(bw)}
+    if memory_efficient:
+        _layer_norms_from_output(bw, rules, on_path, gelus)
+
     # seeds
     seed_w = NodeWriter(bw.names, bw.backward_nodes, prefix="")
     contributions: dict[str, list[str]] = {}
@@ -300,9 +311,6 @@ def build_gradient_model(
 
     # the reverse walk; a matched GELU (tanh or exact) gets its gradient in one piece at its last node (its
     # inner values, read nowhere else, then receive no gradient and their nodes are skipped)
-    gelus: dict[int, Any] = {}
-    if os.environ.get("ONNXTRAIN_GELU_GRAD", "1") != "0":
-        gelus = {**find_tanh_gelus(bw), **find_erf_gelus(bw)}
     for k in on_path:
         node = bw.fwd_nodes[k]
         rule = rules[k]
@@ -378,6 +386,40 @@ def build_gradient_model(
     )
     result.functions.extend(model.functions)
     return result
+
+
+_SINGLE_OR_HALF = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+def _layer_norms_from_output(bw: _Backward, rules: dict[int, Any], on_path: list[int],
+                             gelus: dict[int, Any]) -> None:
+    """Give the LayerNormalizations on the path whose input no other gradient rule reads, and which is no
+    graph input, initializer or output, the rule that reads their output instead (in ``rules``)."""
+    variant = find_variant("LayerNormalization", FROM_OUTPUT)
+    g = bw.model.graph
+    kept = {v.name for v in g.input} | {t.name for t in g.initializer} | {o.name for o in g.output}
+    kept.update(m.x for m in gelus.values())
+    readers: dict[str, set[int]] = {}
+    for k in on_path:
+        rule, node = rules[k], bw.fwd_nodes[k]
+        if rule is None:
+            continue
+        for key in rule.uses:
+            names = node.input if key[0] == "x" else node.output
+            picked = names if key[1:] == "*" else names[int(key[1:]):int(key[1:]) + 1]
+            for n in picked:
+                if n:
+                    readers.setdefault(n, set()).add(k)
+    for k in on_path:
+        node = bw.fwd_nodes[k]
+        if node.op_type != "LayerNormalization" or rules[k] is None:
+            continue
+        x = node.input[0]
+        # a float64 input keeps the standard rule: InvStdDev is float32 (its only valid stash type), which
+        # that rule then recomputes in float64 from the input
+        if x in kept or readers.get(x, set()) - {k} or elem_type(bw.types, x) not in _SINGLE_OR_HALF:
+            continue
+        rules[k] = variant
 
 
 def _vi(bw: _Backward, name: str, given: onnx.ValueInfoProto | None = None) -> onnx.ValueInfoProto:

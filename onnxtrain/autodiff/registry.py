@@ -31,15 +31,22 @@ class Rule:
 
 
 _RULES: dict[str, list[Rule]] = {}
+_VARIANTS: dict[tuple[str, str], Rule] = {}  # (op, variant) → a rule the builder picks on request
 _NO_GRADIENT: set[str] = set()
 _LOADED = False
 
 
 def gradient(op: str, since: int = 1, uses: Iterable[str] = (), stop: Iterable[int] = (),
-             linear: bool = False) -> Callable[[RuleFn], RuleFn]:
-    """Register ``fn`` as the gradient rule of ``op`` for opsets ``>= since``."""
+             linear: bool = False, variant: str = "") -> Callable[[RuleFn], RuleFn]:
+    """Register ``fn`` as the gradient rule of ``op`` for opsets ``>= since``; with ``variant``, as an
+    alternative rule that the builder uses only where asked to (:func:`find_variant`)."""
 
     def register(fn: RuleFn) -> RuleFn:
+        if variant:
+            if (op, variant) in _VARIANTS:
+                raise ValueError(f"gradient rule variant {variant!r} of {op} registered twice")
+            _VARIANTS[(op, variant)] = Rule(op, since, fn, frozenset(uses), frozenset(stop), linear)
+            return fn
         rules = _RULES.setdefault(op, [])
         if any(r.since == since for r in rules):
             raise ValueError(f"gradient rule for {op} since opset {since} registered twice")
@@ -77,6 +84,12 @@ def find_rule(op: str, opset: int) -> Rule | None:
         if r.since <= opset:
             best = r
     return best
+
+
+def find_variant(op: str, variant: str) -> Rule | None:
+    """The alternative rule ``variant`` of ``op``, or None."""
+    _load_all()
+    return _VARIANTS.get((op, variant))
 
 
 def has_no_gradient(op: str) -> bool:

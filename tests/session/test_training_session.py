@@ -244,8 +244,8 @@ def test_interface_and_errors() -> None:
         TrainingSession(
             model.SerializeToString(), params(optimizer_attributes_map={"W1": {}, "W2": {}, "b2": {}})
         )
-    with pytest.raises(NotImplementedError, match="use_memory_efficient_gradient"):
-        TrainingSession(model.SerializeToString(), params(use_memory_efficient_gradient=True))
+    with pytest.raises(NotImplementedError, match="horizontal_parallel_size"):
+        TrainingSession(model.SerializeToString(), params(horizontal_parallel_size=2))
     with pytest.raises(AttributeError, match="no property"):
         params().not_a_property = 1
 

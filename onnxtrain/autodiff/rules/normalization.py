@@ -89,23 +89,49 @@ def _sum_to(g: GradCtx, t: str, axes: list[int], i: int, wt: int) -> str:
 # ---------------------------------------------------------------- LayerNormalization
 
 
+FROM_OUTPUT = "from_output"  # the variant of use_memory_efficient_gradient
+
+
 @gradient("LayerNormalization", uses=("x0", "x1", "y1", "y2"))
 def layer_norm_grad(g: GradCtx) -> None:
     # over axes axis..rank−1:  xhat = (X − Mean)·InvStdDev,  gS = dY·Scale,
     # dX = InvStdDev·(gS − mean(gS) − xhat·mean(gS·xhat));  dScale = Σ dY·xhat, dB = Σ dY over the rest.
     # Gradients flowing into the Mean / InvStdDev outputs add dMean/n and −dInvStdDev·InvStdDev²·xhat/n.
     axis, r = _axis(g, g.attr("axis"))
-    axes = list(range(axis, r))
-    xt = g.dtype
-    wt = _work_type(g)
+    xt, wt = g.dtype, _work_type(g)
     stash = g.attr("stash_type") or TensorProto.FLOAT
     x = _cast(g, g.x(0), wt, xt)
     if xt == TensorProto.DOUBLE and stash != TensorProto.DOUBLE:
         # the Mean/InvStdDev outputs are in stash_type (float32): recompute in float64 to keep its precision
-        xhat, inv = _standardize(g, x, axes, g.attr("epsilon"), wt)
+        xhat, inv = _standardize(g, x, list(range(axis, r)), g.attr("epsilon"), wt)
     else:
         inv = _cast(g, g.y(2), wt, stash)
         xhat = g.emit("Mul", g.emit("Sub", x, _cast(g, g.y(1), wt, stash)), inv)
+    _layer_norm_backward(g, xhat, inv, axis, r)
+
+
+@gradient("LayerNormalization", uses=("y0", "x1", "x2", "y2"), variant=FROM_OUTPUT)
+def layer_norm_grad_from_output(g: GradCtx) -> None:
+    # use_memory_efficient_gradient: xhat = (Y − B)/Scale, read off the output, so that the input need not
+    # be kept for the backward pass (onnxruntime's InvertibleLayerNormalizationGrad). The same gradient up
+    # to rounding; a Scale with zeros gives non-finite values. The builder picks this rule only where no
+    # other rule keeps the input
+    axis, r = _axis(g, g.attr("axis"))
+    xt, wt = g.dtype, _work_type(g)
+    stash = g.attr("stash_type") or TensorProto.FLOAT
+    y = _cast(g, g.y(0), wt, xt)
+    if g.has_x(2):
+        y = g.emit("Sub", y, _cast(g, g.x(2), wt, xt))
+    xhat = g.emit("Div", y, _cast(g, g.x(1), wt, xt))
+    _layer_norm_backward(g, xhat, _cast(g, g.y(2), wt, stash), axis, r)
+
+
+def _layer_norm_backward(g: GradCtx, xhat: str, inv: str, axis: int, r: int) -> None:
+    """The gradients of a LayerNormalization given its standardized input ``xhat`` and ``inv`` (its
+    InvStdDev), both in the work type."""
+    axes = list(range(axis, r))
+    xt, wt = g.dtype, _work_type(g)
+    stash = g.attr("stash_type") or TensorProto.FLOAT
     dy = g.dy(0)
     dyw = None if dy is None else _cast(g, dy, wt, xt)
     if g.needs_dx(0):
