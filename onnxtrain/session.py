@@ -91,11 +91,6 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         self._graphs = g
         self._check_attribute_maps()
         mp = g.mixed_precision
-        if mp is not None and self._dp is not None and self._dp.mode == "adasum":
-            raise NotImplementedError(
-                "use_mixed_precision together with enable_adasum is not implemented yet (allreduce and ZeRO "
-                "stage 1 are)"
-            )
         self.loss_scale_input_name = mp.loss_scale if mp is not None else None
         self._store: dict[str, np.ndarray] = dict(g.initial_state)
         self._specs = list(g.state_specs)

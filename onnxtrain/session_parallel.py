@@ -112,10 +112,20 @@ class DataParallelSteps:
                 elif s not in ufeeds and s in feeds:  # the loss scale of a mixed-precision update
                     ufeeds[s] = feeds[s]
             extra = [n for n in names if n not in got and n in up.output_info]
+            local_flag = dp.mode == "adasum" and ALL_FINITE in up.output_info  # mixed precision
+            if local_flag and ALL_FINITE not in extra:
+                extra.append(ALL_FINITE)
             out = up.run(ufeeds, extra + [o for _, o in items])
             got.update(zip(extra, out))
             new = dict(zip([s for s, _ in items], out[len(extra) :]))
-            if dp.mode == "adasum":
+            if local_flag:
+                # each rank checked its own gradients: the update is applied only when every rank's were
+                # finite, else every rank keeps its weights and optimizer state
+                finite = dp.comm.allreduce_scalar(float(bool(got[ALL_FINITE])), "Adasum all-finite check")
+                got[ALL_FINITE] = np.asarray(finite == dp.size)
+                if finite != dp.size:
+                    new = {}
+            if dp.mode == "adasum" and new:
                 old = [store[w] for w in g.trainable]
                 deltas = adasum_reduce(dp.comm, [new[w] - o for w, o in zip(g.trainable, old)])
                 for w, o, d in zip(g.trainable, old, deltas):

@@ -42,13 +42,14 @@ def test_two_ranks_half_batch_equal_one_process_whole_batch(trained: dict[str, n
         for k, v in want.items():
             err = rel_err(trained[f"{case}/{r}/{k}"], v)
             assert err <= 1e-6, f"{case} rank {r} {k}: relative error {err:.3g}"
-    if ref_norms:
+    if ref_norms and case != "adam_adasum_mp_overflow":  # there rank 0's own gradients are finite
         np.testing.assert_allclose(trained[f"{case}/0/norms"], ref_norms, rtol=1e-5)
     initial = weights_of(mlp_model(din=mpi_worker.DIN))
     if case.endswith("_mp_overflow"):  # float16 overflows at this loss scale: every rank skipped every update
-        assert not np.isfinite(trained[f"{case}/0/norms"]).any()
-        for k, v in initial.items():
-            np.testing.assert_array_equal(trained[f"{case}/1/{k}"], v, err_msg=k)
+        assert not np.isfinite(trained[f"{case}/1/norms"]).any()
+        for r in range(2):
+            for k, v in initial.items():
+                np.testing.assert_array_equal(trained[f"{case}/{r}/{k}"], v, err_msg=f"rank {r} {k}")
     elif case in mpi_worker.HALVES:  # it trains
         moved = [rel_err(trained[f"{case}/0/{k}"], v) for k, v in initial.items()]
         assert min(moved) > 1e-3, moved
@@ -162,9 +163,3 @@ def test_mismatched_models_are_named() -> None:
     assert "do not hold the same model" in r.stderr
     assert "trained weights (dtype, shape)" in r.stderr and "W1" in r.stderr
 
-
-def test_mixed_precision_with_adasum_is_refused_by_name() -> None:
-    r = run_mpi("unsupported", timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
-    for rank in (0, 1):
-        assert f"rank {rank}: refused: use_mixed_precision together with enable_adasum" in r.stdout
