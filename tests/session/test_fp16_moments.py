@@ -8,7 +8,7 @@ import pytest
 
 from onnxtrain import TrainingSession
 from tests.session.helpers import adam_ref, batches, lamb_ref, mlp_model, params, weights_of
-from tests.session.test_training_session import LR, _grads, assert_rel, feeds
+from tests.session.test_training_session import LR, assert_rel, feeds, follow
 
 NAMES = ["W1", "W2", "b1", "b2"]
 F16, F32 = np.float16, np.float32
@@ -22,17 +22,7 @@ def _half(x: np.ndarray) -> np.ndarray:
 def _follow(p, update) -> TrainingSession:
     """12 steps of a session with float16 moments next to a float64 reference that rounds its moments to
     float16 after each step, the update itself using the unrounded ones; weights and moments must agree."""
-    model = mlp_model(act="Tanh")
-    sess = TrainingSession(model.SerializeToString(), p)
-    w = {k: v.astype(np.float64) for k, v in weights_of(model).items()}
-    m1 = {k: np.zeros_like(v) for k, v in w.items()}
-    m2 = {k: np.zeros_like(v) for k, v in w.items()}
-    for t, (x, y) in enumerate(batches(12, 16), start=1):
-        g = _grads(model, w, x, y)
-        sess.run(["loss"], feeds(x, y))
-        for k in w:
-            w[k], a, b = update(w[k], g[k], m1[k], m2[k], t)
-            m1[k], m2[k] = _half(a), _half(b)
+    sess, w, m1, m2 = follow(mlp_model(act="Tanh"), p, update, steps=12, keep=_half)
     state = sess.get_state()
     for k in w:
         assert state[f"Moment_1_{k}"].dtype == F16 and state[f"Moment_2_{k}"].dtype == F16

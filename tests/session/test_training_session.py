@@ -81,18 +81,28 @@ def _grads(model: onnx.ModelProto, w: dict[str, np.ndarray], x, y) -> dict[str, 
     return dict(zip(sorted(w), [g.astype(np.float64) for g in s.run(names, {"x": x, "y": y})]))
 
 
-def _follow_reference(model: onnx.ModelProto, p: TrainingParameters, update) -> TrainingSession:
-    """20 steps of the session next to ``update(w, g, m1, m2, t) -> (w, m1, m2)`` in float64 (each
-    reference step uses the exact gradient at the reference weights); the weights must agree."""
+def follow(model: onnx.ModelProto, p: TrainingParameters, update, steps: int = 20,
+           keep=lambda m: m) -> tuple[TrainingSession, dict, dict, dict]:
+    """``steps`` steps of the session next to ``update(w, g, m1, m2, t) -> (w, m1, m2)`` in float64 (each
+    reference step uses the exact gradient at the reference weights; ``keep`` is applied to the moments
+    the reference stores). Returns the session and the reference weights and moments."""
     sess = TrainingSession(model.SerializeToString(), p)
     w = {k: v.astype(np.float64) for k, v in weights_of(model).items()}
     m1 = {k: np.zeros_like(v) for k, v in w.items()}
     m2 = {k: np.zeros_like(v) for k, v in w.items()}
-    for t, (x, y) in enumerate(batches(20, 16), start=1):
+    for t, (x, y) in enumerate(batches(steps, 16), start=1):
         g = _grads(model, w, x, y)
         sess.run(["loss"], feeds(x, y))
         for k in w:
-            w[k], m1[k], m2[k] = update(w[k], g[k], m1[k], m2[k], t)
+            w[k], a, b = update(w[k], g[k], m1[k], m2[k], t)
+            m1[k], m2[k] = keep(a), keep(b)
+    return sess, w, m1, m2
+
+
+def _follow_reference(model: onnx.ModelProto, p: TrainingParameters, update) -> TrainingSession:
+    """20 steps of the session next to the float64 reference ``update`` (:func:`follow`); the weights must
+    agree."""
+    sess, w, _, _ = follow(model, p, update)
     state = sess.get_state()
     for k in w:
         assert_rel(state[k], w[k], 1e-5, k)
