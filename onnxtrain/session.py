@@ -25,6 +25,7 @@ from onnxtrain.inference import FeedChecker, InferenceSession, NodeArg, node_arg
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import resolve as resolve_parallel
+from onnxtrain.parallel.adasum import ALL_DELTAS_FINITE
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.zero import ZeroLayout
 from onnxtrain.parameters import TrainingParameters
@@ -122,6 +123,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         self._outputs = [
             node_arg(v) for v in g.full.graph.output if v.name in set(g.user_outputs) | set(g.extra_outputs)
         ]
+        if self._dp is not None and self._dp.mode == "adasum" and mp is not None and self._opt is not None:
+            self._outputs.append(NodeArg(ALL_DELTAS_FINITE, "tensor(bool)", []))  # made by the exchange
         self._output_names = [o.name for o in self._outputs]
         self._check = FeedChecker(self._plan, [TRAINING_MODE] if g.has_training_mode else [])
         self._check.required = [n for n in self._check.required if n in feed_names]

@@ -17,7 +17,7 @@ from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE
 from onnxtrain.optim import WeightSlot
 from onnxtrain.parallel import BucketReducer
-from onnxtrain.parallel.adasum import adasum_reduce
+from onnxtrain.parallel.adasum import ALL_DELTAS_FINITE, adasum_reduce
 from onnxtrain.parallel.fingerprint import array_digest, digest
 from onnxtrain.parallel.zero import ZeroLayout
 from onnxtrain.parameters import TrainingParameters
@@ -125,11 +125,18 @@ class DataParallelSteps:
                 got[ALL_FINITE] = np.asarray(finite == dp.size)
                 if finite != dp.size:
                     new = {}
+            if local_flag:
+                got[ALL_DELTAS_FINITE] = np.asarray(False)
             if dp.mode == "adasum" and new:
                 old = [store[w] for w in g.trainable]
                 deltas = adasum_reduce(dp.comm, [new[w] - o for w, o in zip(g.trainable, old)])
+                # under mixed precision the combined deltas (the same on every rank) reach the weights only
+                # when they are all finite, as the legacy graph's adasum_all_deltas_finite gated them
+                apply = not local_flag or all(bool(np.isfinite(d).all()) for d in deltas)
+                if local_flag:
+                    got[ALL_DELTAS_FINITE] = np.asarray(apply)
                 for w, o, d in zip(g.trainable, old, deltas):
-                    new[w] = o + d
+                    new[w] = o + d if apply else o
             store.update(new)
         for b in g.buffers:
             store[b] = np.zeros_like(store[b])

@@ -115,16 +115,22 @@ def train(case: str, rank: int | None = None, size: int | None = None,
     sess = TrainingSession(mlp_model(din=DIN).SerializeToString(), params(opt, accum, zero, extra),
                            _session_options())
     norms = []
-    has_norm = "global_gradient_norm" in [o.name for o in sess.get_outputs()]
+    outputs = [o.name for o in sess.get_outputs()]
+    wanted = [n for n in ("global_gradient_norm", "all_gradients_finite", "adasum_all_deltas_finite")
+              if n in outputs]
+    flags: dict[str, list[bool]] = {n: [] for n in wanted[1:]}
     for i, (part, (x, y)) in enumerate(parts):
         n = 2 if halves else size
         feeds = {"x": split_batch(x, part, n), "y": split_batch(y, part, n), "Learning_Rate": LR}
         if sess.loss_scale_input_name:
             feeds[sess.loss_scale_input_name] = scale
         update = (i + 1) % accum == 0
-        out = sess.run(["loss", "global_gradient_norm"] if update and has_norm else ["loss"], feeds)
-        if len(out) == 2:
+        out = sess.run(["loss", *wanted] if update else ["loss"], feeds)
+        if len(out) > 1:
             norms.append(float(out[1]))
+            for name, v in zip(wanted[1:], out[2:]):
+                flags[name].append(bool(v))
+    sess.test_flags = flags  # the mixed-precision flags of each update, for the tests
     return sess, norms
 
 
@@ -153,13 +159,15 @@ def main() -> None:
                 # every rank takes the whole gathered state back, strictly (regression: names of the
                 # optimizer state that other ranks hold were refused)
                 sess.load_state(full, strict=True)
-            everyone = sess._dp.comm.allgather_object((state, opt_bytes, norms))
+            everyone = sess._dp.comm.allgather_object((state, opt_bytes, norms, sess.test_flags))
             if w.rank == 0:
-                for r, (st, nbytes, nm) in enumerate(everyone):
+                for r, (st, nbytes, nm, fl) in enumerate(everyone):
                     for k, v in st.items():
                         saved[f"{case}/{r}/{k}"] = v
                     saved[f"{case}/{r}/optimizer_state_bytes"] = np.int64(nbytes)
                     saved[f"{case}/{r}/norms"] = np.asarray(nm)
+                    for name, values in fl.items():
+                        saved[f"{case}/{r}/flags/{name}"] = np.asarray(values)
         if w.rank == 0:
             np.savez(out, **saved)
     elif what == "collectives":

@@ -44,6 +44,14 @@ def test_two_ranks_half_batch_equal_one_process_whole_batch(trained: dict[str, n
             assert err <= 1e-6, f"{case} rank {r} {k}: relative error {err:.3g}"
     if ref_norms and case != "adam_adasum_mp_overflow":  # there rank 0's own gradients are finite
         np.testing.assert_allclose(trained[f"{case}/0/norms"], ref_norms, rtol=1e-5)
+    if mpi_worker.CASES[case][3].get("use_mixed_precision"):  # every rank reports the same verdicts
+        overflow = case.endswith("_mp_overflow")
+        flags = ["all_gradients_finite"] + (["adasum_all_deltas_finite"] if "adasum" in case else [])
+        for name in flags:
+            for r in range(2):
+                got = trained[f"{case}/{r}/flags/{name}"]
+                assert got.shape == (mpi_worker.STEPS,), (name, r)
+                assert not got.any() if overflow else got.all(), (name, r, got)
     initial = weights_of(mlp_model(din=mpi_worker.DIN))
     if case.endswith("_mp_overflow"):  # float16 overflows at this loss scale: every rank skipped every update
         assert not np.isfinite(trained[f"{case}/1/norms"]).any()
