@@ -105,3 +105,19 @@ def test_resume_mid_epoch_in_process(tmp_path, monkeypatch, uninterrupted):
 def test_resume_without_checkpoint_fails(tmp_path, capsys):
     assert main(["train", config_path("digits_mlp"), "--output-dir", str(tmp_path), "-q", "--resume"]) == 1
     assert "--resume: no checkpoint" in capsys.readouterr().err
+
+
+def test_resume_with_fp16_moments(tmp_path):
+    """Float16 moments (use_fp16_moments) go into the checkpoint as float16 and come back bit for bit."""
+    sets = ["training.steps=40", "training.checkpoint_every=20", "training.eval_every=1000",
+            "optimizer.eps=1.0e-4", "training.parameters.use_fp16_moments=true"]
+    whole, halves = str(tmp_path / "whole"), str(tmp_path / "halves")
+    Trainer(load_config(config_path("digits_mlp"), sets), whole, progress=False).run()
+    first = [s if s != "training.steps=40" else "training.steps=20" for s in sets]
+    Trainer(load_config(config_path("digits_mlp"), first), halves, progress=False).run()
+    Trainer(load_config(config_path("digits_mlp"), sets), halves, progress=False).run(resume=True)
+    a, b = _final(halves), _final(whole)
+    states = a.optimizer_groups[0].states.values()
+    moments = [v for d in states for k, v in d.items() if k.startswith("momentum")]
+    assert moments and all(np.asarray(v).dtype == np.float16 for v in moments)
+    _assert_same_state(a, b)
