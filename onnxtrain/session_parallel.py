@@ -118,25 +118,8 @@ class DataParallelSteps:
             out = up.run(ufeeds, extra + [o for _, o in items])
             got.update(zip(extra, out))
             new = dict(zip([s for s, _ in items], out[len(extra) :]))
-            if local_flag:
-                # each rank checked its own gradients: the update is applied only when every rank's were
-                # finite, else every rank keeps its weights and optimizer state
-                finite = dp.comm.allreduce_scalar(float(bool(got[ALL_FINITE])), "Adasum all-finite check")
-                got[ALL_FINITE] = np.asarray(finite == dp.size)
-                if finite != dp.size:
-                    new = {}
-            if local_flag:
-                got[ALL_DELTAS_FINITE] = np.asarray(False)
-            if dp.mode == "adasum" and new:
-                old = [store[w] for w in g.trainable]
-                deltas = adasum_reduce(dp.comm, [new[w] - o for w, o in zip(g.trainable, old)])
-                # under mixed precision the combined deltas (the same on every rank) reach the weights only
-                # when they are all finite, as the legacy graph's adasum_all_deltas_finite gated them
-                apply = not local_flag or all(bool(np.isfinite(d).all()) for d in deltas)
-                if local_flag:
-                    got[ALL_DELTAS_FINITE] = np.asarray(apply)
-                for w, o, d in zip(g.trainable, old, deltas):
-                    new[w] = o + d if apply else o
+            if dp.mode == "adasum":
+                new = self._adasum_combine(new, got, local_flag)
             store.update(new)
         for b in g.buffers:
             store[b] = np.zeros_like(store[b])
@@ -145,6 +128,29 @@ class DataParallelSteps:
         if missing:
             raise ValueError(f"output(s) {missing} are not available in a data-parallel step")
         return [got[n] for n in names]
+
+    def _adasum_combine(self, new: dict[str, np.ndarray], got: dict[str, np.ndarray],
+                        mixed_precision: bool) -> dict[str, np.ndarray]:
+        """This rank's locally updated state ``new`` with the weights replaced by the old weights plus the
+        Adasum of every rank's delta. Under mixed precision (``got`` holds this rank's all-finite flag) the
+        update is applied only when every rank's gradients were finite, else every rank keeps its weights
+        and optimizer state (an empty dict), and the combined deltas reach the weights only when they are
+        finite, as the legacy graph's ``adasum_all_deltas_finite`` gated them."""
+        g, store, dp = self._graphs, self._store, self._dp
+        if mixed_precision:
+            finite = dp.comm.allreduce_scalar(float(bool(got[ALL_FINITE])), "Adasum all-finite check")
+            got[ALL_FINITE] = np.asarray(finite == dp.size)
+            got[ALL_DELTAS_FINITE] = np.asarray(False)
+            if finite != dp.size:
+                return {}
+        old = [store[w] for w in g.trainable]
+        deltas = adasum_reduce(dp.comm, [new[w] - o for w, o in zip(g.trainable, old)])
+        apply = not mixed_precision or all(bool(np.isfinite(d).all()) for d in deltas)  # alike on every rank
+        if mixed_precision:
+            got[ALL_DELTAS_FINITE] = np.asarray(apply)
+        for w, o, d in zip(g.trainable, old, deltas):
+            new[w] = o + d if apply else o
+        return new
 
     def _zero_step(self, grads: list[np.ndarray], lr: np.ndarray,
                    loss_scale: np.ndarray | None = None) -> dict[str, np.ndarray]:

@@ -19,9 +19,8 @@ import numpy as np
 from onnxtrain.parallel.comm import Communicator
 
 _TINY = float(np.sqrt(np.finfo(np.float64).tiny))
-
-
 ALL_DELTAS_FINITE = "adasum_all_deltas_finite"  # the legacy output of Adasum under mixed precision
+
 
 def is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
