@@ -75,3 +75,28 @@ CASES += [
     OpCase("ReduceMin", make_inputs=_two_way_ties((2, 2, 5), False), attrs={"axes": [2], "keepdims": 0},
            variant="grad_ties_nokeep"),
 ]
+
+
+def _with_zeros(shape: tuple[int, ...]):
+    """Rows (last axis) with no zero, one zero and two zeros, in turn: the product's gradient is the
+    product of the other elements, 0 for every element of a row with two zeros."""
+
+    def make(rng: np.random.Generator, dt) -> list:
+        x = rng.uniform(-2.0, 2.0, shape)
+        flat = x.reshape(-1, shape[-1])
+        for i, row in enumerate(flat):
+            row[rng.permutation(shape[-1])[: i % 3]] = 0.0
+        return [flat.reshape(shape).astype(dt)]
+
+    return make
+
+
+CASES += [
+    OpCase("ReduceProd", make_inputs=_with_zeros((3, 2, 5)), attrs={"axes": [-1]}, opset=17,
+           variant="grad_zeros"),
+    OpCase("ReduceProd", make_inputs=_with_zeros((6, 4)), attrs={"keepdims": 0}, opset=17,
+           variant="grad_zeros_all"),
+    OpCase("ReduceProd", make_inputs=_with_zeros((3, 4)), attrs={"noop_with_empty_axes": 1}, opset=18,
+           variant="grad_zeros_noop"),
+]
+

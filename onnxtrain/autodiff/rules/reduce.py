@@ -133,12 +133,28 @@ def reduce_min_grad(g: GradCtx) -> None:
     _extreme_grad(g)
 
 
-@gradient("ReduceProd", stop=(1,), uses=("x0", "y0"))
+@gradient("ReduceProd", stop=(1,), uses=("x0",))
 def reduce_prod_grad(g: GradCtx) -> None:
-    # dX = dY·Y / X: exact when X has no zeros; a zero in X gives NaN/inf in its slice (an exact
-    # version would need exclusive products, e.g. two CumProd-like scans, which ONNX lacks at 17)
+    # dX_i = dY · (product of the slice's other elements). With P the product of the slice's nonzero
+    # elements and Z its number of zeros: P / X_i where Z = 0; for a zero X_i, P where Z = 1 and 0 where
+    # Z > 1; for a nonzero X_i in a slice with a zero, 0. (ONNX has no exclusive product scan.)
     ax = _axes(g)
-    g.set_dx(0, g.emit("Div", keep(g, g.emit("Mul", g.dy(0), g.y(0)), ax), g.x(0)))
+    x = g.x(0)
+    zero = g.emit("Equal", x, g.const(0))
+    nonzero = g.emit("Where", zero, g.const(1), x)
+    if ax.noop:
+        prod = nonzero
+    elif isinstance(ax.axes, str):  # dynamic axes, which may be empty at run time
+        prod = g.emit("ReduceProd", nonzero, ax.axes, keepdims=1, noop_with_empty_axes=ax.noop_attr or None)
+    else:
+        prod = g.reduce("ReduceProd", nonzero, ax.axes, keepdims=1)
+    zeros = _sum_keep(g, g.emit("Cast", zero, to=g.dtype), ax)
+    others = g.emit(
+        "Where", zero,
+        g.emit("Where", g.emit("Equal", zeros, g.const(1)), prod, g.const(0)),
+        g.emit("Where", g.emit("Equal", zeros, g.const(0)), g.emit("Div", prod, nonzero), g.const(0)),
+    )
+    g.set_dx(0, g.emit("Mul", keep(g, g.dy(0), ax), others))
 
 
 @gradient("ReduceL1", stop=(1,), uses=("x0",))
