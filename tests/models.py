@@ -178,13 +178,17 @@ class ResNetBlock(nn.Module):
 
 
 class RNNClassifier(nn.Module):
-    """Embedding → 2-layer bidirectional batch-first LSTM or GRU → last time step → Linear."""
+    """Embedding → 2-layer bidirectional batch-first LSTM, GRU or ReLU RNN → last time step → Linear."""
 
     def __init__(self, cell: str = "lstm", vocab: int = 30, d: int = 16, hidden: int = 12, classes: int = 4):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
-        rnn = nn.LSTM if cell == "lstm" else nn.GRU
-        self.rnn = rnn(d, hidden, num_layers=2, bidirectional=True, batch_first=True)
+        if cell == "rnn_relu":  # exported as an ONNX RNN with activations ["Relu", "Relu"]
+            self.rnn = nn.RNN(d, hidden, num_layers=2, bidirectional=True, batch_first=True,
+                              nonlinearity="relu")
+        else:
+            rnn = nn.LSTM if cell == "lstm" else nn.GRU
+            self.rnn = rnn(d, hidden, num_layers=2, bidirectional=True, batch_first=True)
         self.fc = nn.Linear(2 * hidden, classes)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -270,6 +274,8 @@ MODELS: dict[str, Spec] = {
     ),
     "lstm_cls": Spec(lambda p: RNNClassifier("lstm"), _tokens(30, 7), _classes(4), nn.CrossEntropyLoss, 0.0),
     "gru_cls": Spec(lambda p: RNNClassifier("gru"), _tokens(30, 7), _classes(4), nn.CrossEntropyLoss, 0.0),
+    "rnn_relu_cls": Spec(lambda p: RNNClassifier("rnn_relu"), _tokens(30, 7), _classes(4),
+                         nn.CrossEntropyLoss, 0.0),
     "recommender": Spec(
         lambda p: Recommender(),
         lambda rng, b: {

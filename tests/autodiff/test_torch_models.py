@@ -34,7 +34,7 @@ torch = pytest.importorskip("torch")
 models = pytest.importorskip("tests.models")
 
 NAMES = ("mlp", "lenet_bn", "resnet_block", "transformer_encoder", "gpt_block", "lstm_cls", "gru_cls",
-         "recommender")
+         "rnn_relu_cls", "recommender")
 RTOL = 1e-4
 ELEM_ATOL = 1e-6  # × max|torch gradient| of the tensor
 # parameters whose exact gradient is 0 but torch's is roundoff: conv biases feeding a training-mode
@@ -132,15 +132,18 @@ def test_gradient_graph_portable(name: str) -> None:
     ours = _run(gmodel, feeds)
     ours_grads = {p: ours[f"{p}_grad"] for p in wrt}
     names = [o.name for o in gmodel.graph.output]
-    ref = dict(zip(names, ReferenceEvaluator(gmodel).run(None, feeds)))
-    _assert_close(name, ref, ours_grads, "onnx.reference vs engine")
+    ref = None
+    if name != "rnn_relu_cls":  # onnx.reference's RNN knows only the default activations
+        ref = dict(zip(names, ReferenceEvaluator(gmodel).run(None, feeds)))
+        _assert_close(name, ref, ours_grads, "onnx.reference vs engine")
     # ConstantSharing: see the module docstring (onnxruntime#29790)
     sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"],
                                 disabled_optimizers=["ConstantSharing"])
     got = dict(zip(names, sess.run(None, feeds)))
     _assert_close(name, got, ours_grads, "onnxruntime vs engine")
     np.testing.assert_allclose(got["loss"], ours["loss"], rtol=1e-5)
-    np.testing.assert_allclose(ref["loss"], ours["loss"], rtol=1e-5)
+    if ref is not None:
+        np.testing.assert_allclose(ref["loss"], ours["loss"], rtol=1e-5)
 
 
 def test_batchnorm_running_stats_not_differentiated() -> None:

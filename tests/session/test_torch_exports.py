@@ -18,8 +18,10 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-@pytest.mark.parametrize("name", ["mlp", "lenet_bn"])
-@pytest.mark.parametrize("opt", ["SGDOptimizer", "AdamOptimizer"])
+@pytest.mark.parametrize("name,opt", [
+    (n, o) for n in ("mlp", "lenet_bn") for o in ("SGDOptimizer", "AdamOptimizer")
+] + [("rnn_relu_cls", "SGDOptimizer")])  # Adam's first steps turn the RNN's near-zero gradients' float noise
+#                                          into full-size steps: compared with SGD only
 def test_twenty_steps_match_torch(name: str, opt: str) -> None:
     """Each of 20 steps: the loss and the updated weights equal torch's from the same weights.
 
@@ -67,7 +69,9 @@ def test_twenty_steps_match_torch(name: str, opt: str) -> None:
             if opt == "AdamOptimizer" and k in flat:
                 continue
             assert _rel(state[k], v.detach().numpy()) < 1e-5, (step, k)
-    assert len(flat) <= (2 if name == "lenet_bn" else 0), flat
+    # lenet_bn: conv biases before BatchNorm; rnn_relu_cls: the second layer's reverse W_hh, whose only step
+    # the classifier reads starts from h0 = 0
+    assert len(flat) <= {"lenet_bn": 2, "rnn_relu_cls": 1}.get(name, 0), flat
     if name == "lenet_bn":  # running statistics were written back (ONNX uses the biased variance)
         bn_means = [k for k in state if k.endswith("running_mean")]
         assert bn_means and all(np.any(state[k] != 0) for k in bn_means)

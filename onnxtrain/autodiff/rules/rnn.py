@@ -14,8 +14,9 @@ emits backprop through time, unrolled over the static sequence length:
 All tensors are kept as [dirs, steps, batch, features] in *walking order* (the reverse direction's
 steps reversed), so both directions of a bidirectional node step together with batched MatMuls.
 Supported: directions forward/reverse/bidirectional, layout 0/1, B, initial_h/initial_c absent or
-given, LSTM peepholes, GRU linear_before_reset 0/1, default activations. sequence_lens, clip,
-input_forget and custom activations raise RuleError.
+given, LSTM peepholes, GRU linear_before_reset 0/1, clip (0 gradient where it cut a gate's input), RNN
+with any activation, LSTM and GRU with the default ones. sequence_lens, input_forget and other LSTM/GRU
+activations raise RuleError.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from onnx import TensorProto
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
+from onnxtrain.engine.kernels.rnn import _ACT_PARAMS, activation_specs
 
 _DEFAULT_ACTS = {"LSTM": ("sigmoid", "tanh", "tanh"), "GRU": ("sigmoid", "tanh"), "RNN": ("tanh",)}
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
@@ -42,18 +44,23 @@ class _Unroll:
         self.layout = int(g.attr("layout") or 0)
         if g.has_x(4):
             raise RuleError(f"{op} gradient: sequence_lens is not supported")
-        if g.attr("clip") is not None:
-            raise RuleError(f"{op} gradient: clip is not supported")
+        clip = g.attr("clip")
+        self.clip = None if clip is None else float(clip)
         if op == "LSTM" and int(g.attr("input_forget") or 0):
             raise RuleError("LSTM gradient: input_forget=1 is not supported")
-        acts = g.attr("activations")
-        if acts:
-            want = _DEFAULT_ACTS[op]
-            names = [a.lower() for a in acts]
-            if len(names) % len(want) or any(n != want[k % len(want)] for k, n in enumerate(names)):
-                raise RuleError(
-                    f"{op} gradient: activations {list(acts)} are not supported (only the defaults)"
-                )
+        try:
+            specs = activation_specs(op, g.attr("activations"), g.attr("activation_alpha"),
+                                     g.attr("activation_beta"), _DEFAULT_ACTS[op], self.D)
+        except ValueError as e:
+            raise RuleError(str(e)) from None
+        n = len(_DEFAULT_ACTS[op])
+        if specs[:n] != specs[n:] and self.D == 2:
+            raise RuleError(f"{op} gradient: different activations per direction are not supported")
+        self.acts = specs[:n]
+        defaults = [(name, *(float(v or 0.0) for v in _ACT_PARAMS[name])) for name in _DEFAULT_ACTS[op]]
+        if op != "RNN" and self.acts != defaults:
+            raise RuleError(f"{op} gradient: activations {g.attr('activations')} are not supported "
+                            "(only the defaults)")
         xs, ws, rs = g.static_shape(0), g.static_shape(1), g.static_shape(2)
         t = None if xs is None else xs[0 if self.layout == 0 else 1]
         if t is None:
@@ -90,6 +97,50 @@ class _Unroll:
         """tanh' from tanh: 1 − t²."""
         return self.one_minus(self.mul(t, t))
 
+
+    def clipped(self, pre: str) -> tuple[str, str | None]:
+        """(pre-activation clipped to [−clip, clip], the 0/1 mask where it was not cut), or (pre, None)."""
+        if self.clip is None:
+            return pre, None
+        c = self.g.const(self.clip)
+        inside = self.e("LessOrEqual", self.e("Abs", pre), c)
+        return self.e("Clip", pre, self.e("Neg", c), c), self.e("Cast", inside, to=self.g.dtype)
+
+    def masked(self, coef: str, mask: str | None) -> str:
+        return coef if mask is None else self.mul(coef, mask)
+
+    def dact(self, spec: tuple[str, float, float], x: str, y: str) -> str:
+        """The derivative of activation ``spec`` at ``x``, where ``y`` is its value there."""
+        name, a, b = spec
+        g = self.g
+        zero = g.const(0)
+        if name == "sigmoid":
+            return self.dsig(y)
+        if name == "tanh":
+            return self.dtanh(y)
+        if name == "relu":
+            return self.e("Cast", self.e("Greater", x, zero), to=g.dtype)
+        if name == "softsign":
+            d = self.e("Add", self.one, self.e("Abs", x))
+            return self.e("Reciprocal", self.mul(d, d))
+        if name == "softplus":
+            return self.e("Sigmoid", x)
+        if name == "hardsigmoid":
+            z = self.e("Add", self.mul(x, g.const(a)), g.const(b))
+            inside = self.e("And", self.e("Greater", z, zero), self.e("Less", z, self.one))
+            return self.e("Where", inside, g.const(a), zero)
+        if name == "leakyrelu":
+            return self.e("Where", self.e("GreaterOrEqual", x, zero), self.one, g.const(a))
+        if name == "thresholdedrelu":
+            return self.e("Cast", self.e("Greater", x, g.const(a)), to=g.dtype)
+        if name == "scaledtanh":
+            t = self.e("Tanh", self.mul(x, g.const(b)))
+            return self.mul(g.const(a * b), self.dtanh(t))
+        if name == "affine":
+            return self.e("Expand", g.const(a), self.e("Shape", x))
+        if name == "elu":
+            return self.e("Where", self.e("GreaterOrEqual", x, zero), self.one, self.e("Add", y, g.const(a)))
+        raise RuleError(f"{g.node.op_type} gradient: activation {name!r} has no derivative here")
     def idx(self, rows: list[list[int]]) -> str:
         return self.g.w.const(np.array(rows, dtype=np.int64), TensorProto.INT64)
 
@@ -235,7 +286,11 @@ def lstm_grad(g: GradCtx) -> None:
     if bias is not None:
         a = u.e("Add", a, u.b4(u.e("Add", *bias)))
     peep = g.has_x(7)
+    m_i = m_o = m_f = m_c = None  # with clip: 0/1 where each gate's input was not cut
     if not peep:
+        a, mask = u.clipped(a)
+        if mask is not None:
+            m_i, m_o, m_f, m_c = u.split(mask, [H, H, H, H], 3)
         sig, a_c = u.split(a, [3 * H, H], 3)
         i_g, o_g, f_g = u.split(u.e("Sigmoid", sig), [H, H, H], 3)
         cc = u.e("Tanh", a_c)
@@ -248,30 +303,39 @@ def lstm_grad(g: GradCtx) -> None:
     else:
         p_i, p_o, p_f = u.split(u.b4(g.x(7)), [H, H, H], 3)
         a_i, a_o, a_f, a_c = u.split(a, [H, H, H, H], 3)
+        a_c, m_c = u.clipped(a_c)
         cc = u.e("Tanh", a_c)
         ai_s, ao_s, af_s, cc_s = u.steps(a_i), u.steps(a_o), u.steps(a_f), u.steps(cc)
         cs, is_, os_, fs = [], [], [], []
+        pres: dict[str, list[str]] = {"i": [], "o": [], "f": []}  # gate inputs, for the clip masks
         c = c0
         for t in range(u.T):
-            it = u.e("Sigmoid", ai_s[t] if c is None else u.e("Add", ai_s[t], u.mul(p_i, c)))
-            ft = u.e("Sigmoid", af_s[t] if c is None else u.e("Add", af_s[t], u.mul(p_f, c)))
+            pre_i = ai_s[t] if c is None else u.e("Add", ai_s[t], u.mul(p_i, c))
+            pre_f = af_s[t] if c is None else u.e("Add", af_s[t], u.mul(p_f, c))
+            it = u.e("Sigmoid", u.clipped(pre_i)[0])
+            ft = u.e("Sigmoid", u.clipped(pre_f)[0])
             ic = u.mul(it, cc_s[t])
             c = ic if c is None else u.e("Add", u.mul(ft, c), ic)
-            os_.append(u.e("Sigmoid", u.e("Add", ao_s[t], u.mul(p_o, c))))
+            pre_o = u.e("Add", ao_s[t], u.mul(p_o, c))
+            os_.append(u.e("Sigmoid", u.clipped(pre_o)[0]))
             cs.append(c)
             is_.append(it)
             fs.append(ft)
+            for k, v in (("i", pre_i), ("o", pre_o), ("f", pre_f)):
+                pres[k].append(v)
         i_g, o_g, f_g = u.cat(is_, 1), u.cat(os_, 1), u.cat(fs, 1)
+        if u.clip is not None:
+            m_i, m_o, m_f = (u.clipped(u.cat(pres[k], 1))[1] for k in "iof")
     c_all = u.cat(cs, 1)
     cprev = u.shift(c_all, c0)
     tc = u.e("Tanh", c_all)
     # backward coefficients: dc += dh·k1;  da_o = dh·b_o;  da_i, da_f, da_c = dc·(a_i, a_f, a_c);
     # dc_prev = dc·fc
     k1 = u.mul(o_g, u.dtanh(tc))
-    b_o = u.mul(tc, u.dsig(o_g))
-    c_i = u.mul(cc, u.dsig(i_g))
-    c_f = u.mul(cprev, u.dsig(f_g))
-    c_c = u.mul(i_g, u.dtanh(cc))
+    b_o = u.masked(u.mul(tc, u.dsig(o_g)), m_o)
+    c_i = u.masked(u.mul(cc, u.dsig(i_g)), m_i)
+    c_f = u.masked(u.mul(cprev, u.dsig(f_g)), m_f)
+    c_c = u.masked(u.mul(i_g, u.dtanh(cc)), m_c)
     fc = f_g
     if peep:
         k1 = u.e("Add", k1, u.mul(b_o, p_o))
@@ -328,16 +392,21 @@ def gru_grad(g: GradCtx) -> None:
         if bias is not None:
             gh = u.e("Add", gh, u.b4(bias[1]))
         gh_zr, nh = u.split(gh, [2 * H, H], 3)
-        z, rg = u.split(u.e("Sigmoid", u.e("Add", gx_zr, gh_zr)), [H, H], 3)
-        hh = u.e("Tanh", u.e("Add", gx_h, u.mul(rg, nh)))
+        pre_zr, m_zr = u.clipped(u.e("Add", gx_zr, gh_zr))
+        z, rg = u.split(u.e("Sigmoid", pre_zr), [H, H], 3)
+        pre_h, m_h = u.clipped(u.e("Add", gx_h, u.mul(rg, nh)))
     else:
         r_zr, r_h = u.split(g.x(2), [2 * H, H], 1)
-        z, rg = u.split(u.e("Sigmoid", u.e("Add", gx_zr, u.e("MatMul", hprev, u.wt4(r_zr)))), [H, H], 3)
+        pre_zr, m_zr = u.clipped(u.e("Add", gx_zr, u.e("MatMul", hprev, u.wt4(r_zr))))
+        z, rg = u.split(u.e("Sigmoid", pre_zr), [H, H], 3)
         rh = u.mul(rg, hprev)
-        hh = u.e("Tanh", u.e("Add", gx_h, u.e("MatMul", rh, u.wt4(r_h))))
+        pre_h, m_h = u.clipped(u.e("Add", gx_h, u.e("MatMul", rh, u.wt4(r_h))))
+    hh = u.e("Tanh", pre_h)
+    m_z, m_r = u.split(m_zr, [H, H], 3) if m_zr is not None else (None, None)
     # dh → da_z = dh·c_z, da_h̃ = dh·c_h (pre-activation gradients), dh_prev ∋ dh·z
-    c_z = u.mul(u.e("Sub", hprev, hh), u.dsig(z))
-    c_h = u.mul(u.one_minus(z), u.dtanh(hh))
+    c_z = u.masked(u.mul(u.e("Sub", hprev, hh), u.dsig(z)), m_z)
+    c_h = u.masked(u.mul(u.one_minus(z), u.dtanh(hh)), m_h)
+    dsig_r = u.masked(u.dsig(rg), m_r)
     z_s = u.steps(z)
     dhw = u.dy_steps()
     need_dh0 = g.has_x(5) and g.needs_dx(5)
@@ -345,7 +414,7 @@ def gru_grad(g: GradCtx) -> None:
     dhs: list[str] = [""] * u.T
     if lbr:
         # a_r gets dh·c_h·nh·σ'(r); the recurrent h-path (h_prev·R_hᵀ + Rb_h) gets dh·c_h·r
-        coef = u.e("Concat", c_z, u.mul(c_h, u.mul(nh, u.dsig(rg))), u.mul(c_h, rg), axis=3)
+        coef = u.e("Concat", c_z, u.mul(c_h, u.mul(nh, dsig_r)), u.mul(c_h, rg), axis=3)
         coef_s = u.steps(coef)
         r4 = u.w4(g.x(2))
         dghs: list[str] = [""] * u.T
@@ -361,7 +430,7 @@ def gru_grad(g: GradCtx) -> None:
         u.finish(dgx, dgh, xw, hprev, rec if need_dh0 else None)
         return
     # linear_before_reset=0: q = da_h̃·R_h is the gradient of r·h_prev; da_r = q·h_prev·σ'(r)
-    c_r = u.mul(hprev, u.dsig(rg))
+    c_r = u.mul(hprev, dsig_r)
     cz_s, ch_s, cr_s, rg_s = u.steps(c_z), u.steps(c_h), u.steps(c_r), u.steps(rg)
     r4_h, r4_zr = u.w4(r_h), u.w4(r_zr)
     qs: list[str] = [""] * u.T
@@ -398,11 +467,22 @@ def gru_grad(g: GradCtx) -> None:
 @gradient("RNN", uses=("x*", "y0", "y1"), stop=(4,))
 def rnn_grad(g: GradCtx) -> None:
     # h = tanh(x·Wᵀ + h_prev·Rᵀ + Wb + Rb):  da = dh·(1 − h²),  dh_prev = da·R
+    # any activation f: h = f(a), da = dh·f'(a) (and 0 where clip cut a)
     u = _Unroll(g)
     xw = u.walk_x()
     hw = u.walk_y(g.y(0))
     hprev = u.shift(hw, u.input_state(5))
-    a_s = u.steps(u.dtanh(hw))
+    spec = u.acts[0]
+    if spec[0] == "tanh" and u.clip is None:
+        dact = u.dtanh(hw)
+    else:
+        a = u.e("Add", u.e("MatMul", xw, u.wt4(g.x(1))), u.e("MatMul", hprev, u.wt4(g.x(2))))
+        bias = u.biases()
+        if bias is not None:
+            a = u.e("Add", a, u.b4(u.e("Add", *bias)))
+        a, mask = u.clipped(a)
+        dact = u.masked(u.dact(spec, a, hw), mask)
+    a_s = u.steps(dact)
     r4 = u.w4(g.x(2))
     dhw = u.dy_steps()
     need_dh0 = g.has_x(5) and g.needs_dx(5)

@@ -80,38 +80,45 @@ _ACT_PARAMS: dict[str, tuple[float | None, float | None]] = {
 }
 
 
-def _activations(attrs: Attrs, defaults: tuple[str, ...], n_dirs: int) -> list[list[Act]]:
-    """Per direction, the activation callables (f, g[, h]) the node asks for.
+def activation_specs(op: str, names: list[str] | None, alphas: list[float] | None, betas: list[float] | None,
+                     defaults: tuple[str, ...], n_dirs: int) -> list[tuple[str, float, float]]:
+    """(name, alpha, beta) of every activation a recurrent node applies, direction after direction.
 
     ``activation_alpha``/``activation_beta`` are consumed in order by the functions that take an
     alpha (resp. beta); functions left without a value use the default of the matching ONNX op.
     """
-    names = attrs.get("activations") or list(defaults) * n_dirs
+    names = list(names or list(defaults) * n_dirs)
     n = len(defaults)
     if len(names) == n and n_dirs == 2:
-        names = list(names) * 2
+        names = names * 2
     elif len(names) == 2 * n and n_dirs == 1:  # RNN's schema default lists both directions
         names = names[:n]
     if len(names) != n * n_dirs:
-        raise ValueError(f"{attrs.op}: expected {n * n_dirs} activations for {n_dirs} direction(s), "
+        raise ValueError(f"{op}: expected {n * n_dirs} activations for {n_dirs} direction(s), "
                          f"got {len(names)}: {names}")
-    alphas = list(attrs.get("activation_alpha") or [])
-    betas = list(attrs.get("activation_beta") or [])
-    fns: list[Act] = []
-    keys: list[tuple[Any, ...]] = []
+    alphas, betas = list(alphas or []), list(betas or [])
+    specs = []
     for name in names:
         key = name.lower()
         if key not in _ACT_PARAMS:
-            raise ValueError(f"{attrs.op}: unsupported activation function {name!r}")
+            raise ValueError(f"{op}: unsupported activation function {name!r}")
         a, b = _ACT_PARAMS[key]
         if a is not None and alphas:
             a = alphas.pop(0)
         if b is not None and betas:
             b = betas.pop(0)
-        fns.append(_make_act(key, a or 0.0, b or 0.0))
-        keys.append((key, a, b))
+        specs.append((key, float(a or 0.0), float(b or 0.0)))
+    return specs
+
+
+def _activations(attrs: Attrs, defaults: tuple[str, ...], n_dirs: int) -> list[list[Act]]:
+    """Per direction, the activation callables (f, g[, h]) the node asks for."""
+    specs = activation_specs(attrs.op, attrs.get("activations"), attrs.get("activation_alpha"),
+                             attrs.get("activation_beta"), defaults, n_dirs)
+    n = len(defaults)
+    fns = [_make_act(*spec) for spec in specs]
     per_dir = [fns[d * n:(d + 1) * n] for d in range(n_dirs)]
-    if n_dirs == 2 and keys[:n] == keys[n:]:
+    if n_dirs == 2 and specs[:n] == specs[n:]:
         return [per_dir[0]]  # same functions for both directions: apply once to the stacked state
     return per_dir
 

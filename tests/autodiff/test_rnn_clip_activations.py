@@ -1,0 +1,77 @@
+"""Gradients of recurrent nodes with ``clip`` (LSTM, GRU, RNN) and with RNN's other activations, against
+central differences in float64 of the engine's forward (whose clip and activations
+tests/engine/test_rnn_features.py checks against onnxruntime). onnx.reference ignores both, so these rows
+live here rather than in the op table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+
+from onnxtrain.autodiff import build_gradient_model
+from onnxtrain.autodiff.builder import GradientError
+from onnxtrain.testing import gradcheck, random_loss_model, run_engine
+from tests.op_cases.harness import feeds_of, one_node_model
+from tests.op_cases.rnn import _rnn_case
+
+ROWS: list[tuple[str, str, dict[str, Any]]] = [
+    ("RNN", "relu", {"activations": ["Relu"]}),
+    ("RNN", "leakyrelu_bidir", {"direction": "bidirectional", "activations": ["LeakyRelu", "LeakyRelu"],
+                                "activation_alpha": [0.1, 0.1], "n_outputs": 2}),
+    ("RNN", "sigmoid_clip", {"activations": ["Sigmoid"], "clip": 0.5, "n_outputs": 2}),
+    ("RNN", "tanh_clip_reverse", {"direction": "reverse", "clip": 0.4, "n_outputs": 2}),
+    ("RNN", "hardsigmoid", {"activations": ["HardSigmoid"], "activation_alpha": [0.3],
+                            "activation_beta": [0.4]}),
+    ("RNN", "elu", {"activations": ["Elu"], "activation_alpha": [0.7]}),
+    ("RNN", "softsign", {"activations": ["Softsign"]}),
+    ("RNN", "softplus", {"activations": ["Softplus"], "n_outputs": 2}),
+    ("RNN", "scaledtanh", {"activations": ["ScaledTanh"], "activation_alpha": [1.5],
+                           "activation_beta": [0.8]}),
+    ("RNN", "affine", {"activations": ["Affine"], "activation_alpha": [0.7], "activation_beta": [0.1]}),
+    ("RNN", "thresholdedrelu", {"activations": ["ThresholdedRelu"], "activation_alpha": [0.2]}),
+    ("LSTM", "clip", {"clip": 0.4, "n_outputs": 3}),
+    ("LSTM", "clip_peep_bidir", {"clip": 0.4, "peep": True, "direction": "bidirectional", "n_outputs": 3}),
+    ("GRU", "clip", {"clip": 0.4, "n_outputs": 2}),
+    ("GRU", "clip_lbr_reverse", {"clip": 0.4, "linear_before_reset": 1, "direction": "reverse",
+                                 "n_outputs": 2}),
+]
+
+
+def _setup(op: str, variant: str, kw: dict[str, Any]):
+    case = _rnn_case(op, variant, **kw)
+    inputs = case.inputs(np.float64)
+    model = one_node_model(case, inputs)
+    feeds = feeds_of(inputs)
+    outs = run_engine(model, feeds)
+    lmodel = random_loss_model(model, [np.shape(o) for o in outs], list(range(len(outs))))
+    return lmodel, feeds, [f"x{i}" for i in case.wrt]
+
+
+@pytest.mark.parametrize("op,variant,kw", ROWS, ids=[f"{r[0]}-{r[1]}" for r in ROWS])
+def test_gradient_matches_central_differences(op: str, variant: str, kw: dict[str, Any]) -> None:
+    lmodel, feeds, wrt = _setup(op, variant, kw)
+    gmodel = build_gradient_model(lmodel, "loss", wrt, outputs=["loss"])
+    onnx.checker.check_model(gmodel, full_check=True)
+    gradcheck(lmodel, "loss", wrt, feeds, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("op,variant,kw", [r for r in ROWS if "clip" in r[2]],
+                         ids=[f"{r[0]}-{r[1]}" for r in ROWS if "clip" in r[2]])
+def test_the_clip_cuts_some_gate_inputs(op: str, variant: str, kw: dict[str, Any]) -> None:
+    """The rows exercise the clip: without it the forward outputs differ."""
+    lmodel, feeds, _ = _setup(op, variant, kw)
+    loose, _, _ = _setup(op, variant, {**kw, "clip": 1e9})
+    assert not np.allclose(run_engine(lmodel, feeds)[0], run_engine(loose, feeds)[0])
+
+
+def test_unsupported_features_are_named() -> None:
+    lmodel, feeds, wrt = _setup("LSTM", "acts", {"activations": ["Sigmoid", "Relu", "Tanh"]})
+    with pytest.raises(GradientError, match="activations"):
+        build_gradient_model(lmodel, "loss", wrt)
+    lmodel, feeds, wrt = _setup("RNN", "bidir_acts", {"direction": "bidirectional",
+                                                      "activations": ["Relu", "Tanh"]})
+    with pytest.raises(GradientError, match="different activations per direction"):
+        build_gradient_model(lmodel, "loss", wrt)
