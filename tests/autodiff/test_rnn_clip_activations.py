@@ -1,4 +1,4 @@
-"""Gradients of recurrent nodes with ``clip`` (LSTM, GRU, RNN) and with RNN's other activations, against
+"""Gradients of recurrent nodes with ``clip`` and with activations other than the defaults, against
 central differences in float64 of the engine's forward (whose clip and activations
 tests/engine/test_rnn_features.py checks against onnxruntime). onnx.reference ignores both, so these rows
 live here rather than in the op table."""
@@ -32,6 +32,15 @@ ROWS: list[tuple[str, str, dict[str, Any]]] = [
                            "activation_beta": [0.8]}),
     ("RNN", "affine", {"activations": ["Affine"], "activation_alpha": [0.7], "activation_beta": [0.1]}),
     ("RNN", "thresholdedrelu", {"activations": ["ThresholdedRelu"], "activation_alpha": [0.2]}),
+    ("LSTM", "acts", {"activations": ["HardSigmoid", "LeakyRelu", "ScaledTanh"], "n_outputs": 3,
+                      "activation_alpha": [0.3, 0.05, 0.8], "activation_beta": [0.4, 1.2]}),
+    ("LSTM", "acts_peep_clip", {"activations": ["Sigmoid", "Softsign", "Elu"], "activation_alpha": [0.9],
+                                "peep": True, "clip": 0.6, "n_outputs": 3}),
+    ("LSTM", "relu_cell_bidir", {"activations": ["Sigmoid", "Relu", "Relu"] * 2,
+                                 "direction": "bidirectional", "n_outputs": 3}),
+    ("GRU", "acts", {"activations": ["Sigmoid", "Elu"], "activation_alpha": [0.7], "n_outputs": 2}),
+    ("GRU", "acts_lbr", {"activations": ["HardSigmoid", "Softplus"], "linear_before_reset": 1,
+                         "n_outputs": 2}),
     ("LSTM", "clip", {"clip": 0.4, "n_outputs": 3}),
     ("LSTM", "clip_peep_bidir", {"clip": 0.4, "peep": True, "direction": "bidirectional", "n_outputs": 3}),
     ("GRU", "clip", {"clip": 0.4, "n_outputs": 2}),
@@ -68,10 +77,10 @@ def test_the_clip_cuts_some_gate_inputs(op: str, variant: str, kw: dict[str, Any
 
 
 def test_unsupported_features_are_named() -> None:
-    lmodel, feeds, wrt = _setup("LSTM", "acts", {"activations": ["Sigmoid", "Relu", "Tanh"]})
-    with pytest.raises(GradientError, match="activations"):
-        build_gradient_model(lmodel, "loss", wrt)
     lmodel, feeds, wrt = _setup("RNN", "bidir_acts", {"direction": "bidirectional",
                                                       "activations": ["Relu", "Tanh"]})
     with pytest.raises(GradientError, match="different activations per direction"):
+        build_gradient_model(lmodel, "loss", wrt)
+    lmodel, feeds, wrt = _setup("LSTM", "coupled", {"input_forget": 1})
+    with pytest.raises(GradientError, match="input_forget"):
         build_gradient_model(lmodel, "loss", wrt)

@@ -14,9 +14,9 @@ emits backprop through time, unrolled over the static sequence length:
 All tensors are kept as [dirs, steps, batch, features] in *walking order* (the reverse direction's
 steps reversed), so both directions of a bidirectional node step together with batched MatMuls.
 Supported: directions forward/reverse/bidirectional, layout 0/1, B, initial_h/initial_c absent or
-given, LSTM peepholes, GRU linear_before_reset 0/1, clip (0 gradient where it cut a gate's input), RNN
-with any activation, LSTM and GRU with the default ones. sequence_lens, input_forget and other LSTM/GRU
-activations raise RuleError.
+given, LSTM peepholes, GRU linear_before_reset 0/1, clip (0 gradient where it cut a gate's input), any of
+ONNX's activations (the same in both directions). sequence_lens, input_forget and activations that differ
+between the directions raise RuleError.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from onnx import TensorProto
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
-from onnxtrain.engine.kernels.rnn import _ACT_PARAMS, activation_specs
+from onnxtrain.engine.kernels.rnn import activation_specs
 
 _DEFAULT_ACTS = {"LSTM": ("sigmoid", "tanh", "tanh"), "GRU": ("sigmoid", "tanh"), "RNN": ("tanh",)}
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
@@ -56,11 +56,7 @@ class _Unroll:
         n = len(_DEFAULT_ACTS[op])
         if specs[:n] != specs[n:] and self.D == 2:
             raise RuleError(f"{op} gradient: different activations per direction are not supported")
-        self.acts = specs[:n]
-        defaults = [(name, *(float(v or 0.0) for v in _ACT_PARAMS[name])) for name in _DEFAULT_ACTS[op]]
-        if op != "RNN" and self.acts != defaults:
-            raise RuleError(f"{op} gradient: activations {g.attr('activations')} are not supported "
-                            "(only the defaults)")
+        self.acts = specs[:n]  # (f, g[, h]) as (name, alpha, beta)
         xs, ws, rs = g.static_shape(0), g.static_shape(1), g.static_shape(2)
         t = None if xs is None else xs[0 if self.layout == 0 else 1]
         if t is None:
@@ -108,6 +104,29 @@ class _Unroll:
 
     def masked(self, coef: str, mask: str | None) -> str:
         return coef if mask is None else self.mul(coef, mask)
+
+    def act(self, spec: tuple[str, float, float], x: str) -> str:
+        """Activation ``spec`` (name, alpha, beta) of ``x`` in standard ONNX ops, as the kernel has it."""
+        name, a, b = spec
+        g = self.g
+        simple = {"sigmoid": "Sigmoid", "tanh": "Tanh", "relu": "Relu", "softsign": "Softsign",
+                  "softplus": "Softplus"}
+        if name in simple:
+            return self.e(simple[name], x)
+        if name == "hardsigmoid":
+            return self.e("HardSigmoid", x, alpha=a, beta=b)
+        if name == "leakyrelu":
+            return self.e("Where", self.e("GreaterOrEqual", x, g.const(0)), x, self.mul(x, g.const(a)))
+        if name == "thresholdedrelu":
+            return self.e("Where", self.e("Greater", x, g.const(a)), x, g.const(0))
+        if name == "scaledtanh":
+            return self.mul(g.const(a), self.e("Tanh", self.mul(x, g.const(b))))
+        if name == "affine":
+            return self.e("Add", self.mul(x, g.const(a)), g.const(b))
+        if name == "elu":
+            neg = self.mul(g.const(a), self.e("Sub", self.e("Exp", self.e("Min", x, g.const(0))), self.one))
+            return self.e("Where", self.e("GreaterOrEqual", x, g.const(0)), x, neg)
+        raise RuleError(f"{g.node.op_type} gradient: activation {name!r} is not supported")
 
     def dact(self, spec: tuple[str, float, float], x: str, y: str) -> str:
         """The derivative of activation ``spec`` at ``x``, where ``y`` is its value there."""
@@ -277,6 +296,7 @@ def lstm_grad(g: GradCtx) -> None:
     # a_f + P_f c_prev), c̃ = tanh(a_c);  c = f·c_prev + i·c̃;  h = o·tanh(c)
     u = _Unroll(g)
     H = u.H
+    fa, ga, ha = u.acts  # the gates', the cell input's and the cell output's activations (σ, tanh, tanh)
     xw = u.walk_x()
     hw = u.walk_y(g.y(0))
     h0, c0 = u.input_state(5), u.input_state(6)
@@ -292,8 +312,9 @@ def lstm_grad(g: GradCtx) -> None:
         if mask is not None:
             m_i, m_o, m_f, m_c = u.split(mask, [H, H, H, H], 3)
         sig, a_c = u.split(a, [3 * H, H], 3)
-        i_g, o_g, f_g = u.split(u.e("Sigmoid", sig), [H, H, H], 3)
-        cc = u.e("Tanh", a_c)
+        a_i, a_o, a_f = u.split(sig, [H, H, H], 3)
+        i_g, o_g, f_g = u.split(u.act(fa, sig), [H, H, H], 3)
+        cc = u.act(ga, a_c)
         f_s, ic_s = u.steps(f_g), u.steps(u.mul(i_g, cc))
         cs: list[str] = []
         c = c0
@@ -304,38 +325,38 @@ def lstm_grad(g: GradCtx) -> None:
         p_i, p_o, p_f = u.split(u.b4(g.x(7)), [H, H, H], 3)
         a_i, a_o, a_f, a_c = u.split(a, [H, H, H, H], 3)
         a_c, m_c = u.clipped(a_c)
-        cc = u.e("Tanh", a_c)
+        cc = u.act(ga, a_c)
         ai_s, ao_s, af_s, cc_s = u.steps(a_i), u.steps(a_o), u.steps(a_f), u.steps(cc)
         cs, is_, os_, fs = [], [], [], []
-        pres: dict[str, list[str]] = {"i": [], "o": [], "f": []}  # gate inputs, for the clip masks
+        raw: dict[str, list[str]] = {"i": [], "o": [], "f": []}  # the gates' inputs per step, unclipped
         c = c0
         for t in range(u.T):
             pre_i = ai_s[t] if c is None else u.e("Add", ai_s[t], u.mul(p_i, c))
             pre_f = af_s[t] if c is None else u.e("Add", af_s[t], u.mul(p_f, c))
-            it = u.e("Sigmoid", u.clipped(pre_i)[0])
-            ft = u.e("Sigmoid", u.clipped(pre_f)[0])
+            it = u.act(fa, u.clipped(pre_i)[0])
+            ft = u.act(fa, u.clipped(pre_f)[0])
             ic = u.mul(it, cc_s[t])
             c = ic if c is None else u.e("Add", u.mul(ft, c), ic)
             pre_o = u.e("Add", ao_s[t], u.mul(p_o, c))
-            os_.append(u.e("Sigmoid", u.clipped(pre_o)[0]))
+            os_.append(u.act(fa, u.clipped(pre_o)[0]))
             cs.append(c)
             is_.append(it)
             fs.append(ft)
             for k, v in (("i", pre_i), ("o", pre_o), ("f", pre_f)):
-                pres[k].append(v)
+                raw[k].append(v)
         i_g, o_g, f_g = u.cat(is_, 1), u.cat(os_, 1), u.cat(fs, 1)
-        if u.clip is not None:
-            m_i, m_o, m_f = (u.clipped(u.cat(pres[k], 1))[1] for k in "iof")
+        cut = {k: u.clipped(u.cat(raw[k], 1)) for k in "iof"}
+        (a_i, m_i), (a_o, m_o), (a_f, m_f) = (cut[k] for k in "iof")
     c_all = u.cat(cs, 1)
     cprev = u.shift(c_all, c0)
-    tc = u.e("Tanh", c_all)
+    tc = u.act(ha, c_all)
     # backward coefficients: dc += dh·k1;  da_o = dh·b_o;  da_i, da_f, da_c = dc·(a_i, a_f, a_c);
     # dc_prev = dc·fc
-    k1 = u.mul(o_g, u.dtanh(tc))
-    b_o = u.masked(u.mul(tc, u.dsig(o_g)), m_o)
-    c_i = u.masked(u.mul(cc, u.dsig(i_g)), m_i)
-    c_f = u.masked(u.mul(cprev, u.dsig(f_g)), m_f)
-    c_c = u.masked(u.mul(i_g, u.dtanh(cc)), m_c)
+    k1 = u.mul(o_g, u.dact(ha, c_all, tc))
+    b_o = u.masked(u.mul(tc, u.dact(fa, a_o, o_g)), m_o)
+    c_i = u.masked(u.mul(cc, u.dact(fa, a_i, i_g)), m_i)
+    c_f = u.masked(u.mul(cprev, u.dact(fa, a_f, f_g)), m_f)
+    c_c = u.masked(u.mul(i_g, u.dact(ga, a_c, cc)), m_c)
     fc = f_g
     if peep:
         k1 = u.e("Add", k1, u.mul(b_o, p_o))
@@ -377,6 +398,7 @@ def gru_grad(g: GradCtx) -> None:
     # linear_before_reset tanh(x·W_hᵀ + Wb_h + r·(h_prev·R_hᵀ + Rb_h));  h = h̃ + z·(h_prev − h̃)
     u = _Unroll(g)
     H = u.H
+    fa, ga = u.acts  # the gates' and the candidate's activations (σ, tanh)
     lbr = bool(g.attr("linear_before_reset") or 0)
     xw = u.walk_x()
     hw = u.walk_y(g.y(0))
@@ -393,20 +415,21 @@ def gru_grad(g: GradCtx) -> None:
             gh = u.e("Add", gh, u.b4(bias[1]))
         gh_zr, nh = u.split(gh, [2 * H, H], 3)
         pre_zr, m_zr = u.clipped(u.e("Add", gx_zr, gh_zr))
-        z, rg = u.split(u.e("Sigmoid", pre_zr), [H, H], 3)
+        z, rg = u.split(u.act(fa, pre_zr), [H, H], 3)
         pre_h, m_h = u.clipped(u.e("Add", gx_h, u.mul(rg, nh)))
     else:
         r_zr, r_h = u.split(g.x(2), [2 * H, H], 1)
         pre_zr, m_zr = u.clipped(u.e("Add", gx_zr, u.e("MatMul", hprev, u.wt4(r_zr))))
-        z, rg = u.split(u.e("Sigmoid", pre_zr), [H, H], 3)
+        z, rg = u.split(u.act(fa, pre_zr), [H, H], 3)
         rh = u.mul(rg, hprev)
         pre_h, m_h = u.clipped(u.e("Add", gx_h, u.e("MatMul", rh, u.wt4(r_h))))
-    hh = u.e("Tanh", pre_h)
+    hh = u.act(ga, pre_h)
     m_z, m_r = u.split(m_zr, [H, H], 3) if m_zr is not None else (None, None)
+    pre_z, pre_r = u.split(pre_zr, [H, H], 3)
     # dh → da_z = dh·c_z, da_h̃ = dh·c_h (pre-activation gradients), dh_prev ∋ dh·z
-    c_z = u.masked(u.mul(u.e("Sub", hprev, hh), u.dsig(z)), m_z)
-    c_h = u.masked(u.mul(u.one_minus(z), u.dtanh(hh)), m_h)
-    dsig_r = u.masked(u.dsig(rg), m_r)
+    c_z = u.masked(u.mul(u.e("Sub", hprev, hh), u.dact(fa, pre_z, z)), m_z)
+    c_h = u.masked(u.mul(u.one_minus(z), u.dact(ga, pre_h, hh)), m_h)
+    dsig_r = u.masked(u.dact(fa, pre_r, rg), m_r)
     z_s = u.steps(z)
     dhw = u.dy_steps()
     need_dh0 = g.has_x(5) and g.needs_dx(5)
