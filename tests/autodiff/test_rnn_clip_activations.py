@@ -14,6 +14,7 @@ import pytest
 from onnxtrain.autodiff import build_gradient_model
 from onnxtrain.autodiff.builder import GradientError
 from onnxtrain.testing import gradcheck, random_loss_model, run_engine
+from tests.op_cases import OpCase
 from tests.op_cases.harness import feeds_of, one_node_model
 from tests.op_cases.rnn import _rnn_case
 
@@ -84,3 +85,64 @@ def test_unsupported_features_are_named() -> None:
     lmodel, feeds, wrt = _setup("LSTM", "coupled", {"input_forget": 1})
     with pytest.raises(GradientError, match="input_forget"):
         build_gradient_model(lmodel, "loss", wrt)
+
+
+# ---- sequence_lens: steps past a sample's length give zeros in Y and leave its state as it was
+
+def _lens_case(op: str, variant: str, lens: list[int], direction: str = "forward", layout: int = 0,
+               peep: bool = False, **attrs: Any) -> tuple[OpCase, list[int]]:
+    """A row X, W, R, B, sequence_lens, initial_h[, initial_c[, P]] with the given per-sample lengths."""
+    g = {"LSTM": 4, "GRU": 3, "RNN": 1}[op]
+    steps, batch, n_in, hid = max(lens) + 1, len(lens), 3, 4
+    dirs = 2 if direction == "bidirectional" else 1
+    x_shape = (steps, batch, n_in) if layout == 0 else (batch, steps, n_in)
+    h_shape = (dirs, batch, hid) if layout == 0 else (batch, dirs, hid)
+
+    def make(rng: np.random.Generator, dt: Any) -> list[Any]:
+        def u(*shape: int, scale: float = 1.0) -> np.ndarray:
+            return rng.uniform(-scale, scale, shape).astype(dt)
+
+        ins = [u(*x_shape), u(dirs, g * hid, n_in, scale=0.6), u(dirs, g * hid, hid, scale=0.6),
+               u(dirs, 2 * g * hid, scale=0.5), np.array(lens, np.int32), u(*h_shape)]
+        if op == "LSTM":
+            ins.append(u(*h_shape))
+            if peep:
+                ins.append(u(dirs, 3 * hid, scale=0.5))
+        return ins
+
+    wrt = [0, 1, 2, 3, 5] + ([6] if op == "LSTM" else []) + ([7] if peep else [])
+    n_out = 3 if op == "LSTM" else 2
+    a = {"direction": direction, "hidden_size": hid, "layout": layout, **attrs}
+    return OpCase(op, attrs=a, make_inputs=make, n_outputs=n_out, wrt=tuple(wrt), variant=variant,
+                  opset=14 if layout else 17), wrt
+
+
+LENS_ROWS = [
+    ("RNN", "lens", [3, 1, 0, 2], {}),
+    ("RNN", "lens_bidir_relu", [2, 3, 1], {"direction": "bidirectional", "activations": ["Relu", "Relu"]}),
+    ("LSTM", "lens", [3, 1, 0, 2], {}),
+    ("LSTM", "lens_reverse", [1, 3, 2], {"direction": "reverse"}),
+    ("LSTM", "lens_bidir_peep_clip", [3, 2, 0], {"direction": "bidirectional", "peep": True, "clip": 0.6}),
+    ("LSTM", "lens_layout1_bidir", [2, 3], {"direction": "bidirectional", "layout": 1}),
+    ("GRU", "lens", [3, 1, 0, 2], {}),
+    ("GRU", "lens_bidir_lbr", [1, 3, 2], {"direction": "bidirectional", "linear_before_reset": 1}),
+    ("GRU", "lens_reverse", [2, 0, 3], {"direction": "reverse"}),
+]
+
+
+@pytest.mark.parametrize("op,variant,lens,kw", LENS_ROWS, ids=[f"{r[0]}-{r[1]}" for r in LENS_ROWS])
+def test_sequence_lens_gradient_matches_central_differences(op: str, variant: str, lens: list[int],
+                                                            kw: dict[str, Any]) -> None:
+    case, wrt_idx = _lens_case(op, variant, lens, **kw)
+    inputs = case.inputs(np.float64)
+    model = one_node_model(case, inputs)
+    feeds = feeds_of(inputs)
+    outs = run_engine(model, feeds)
+    y = outs[0] if case.attrs["layout"] == 0 else np.transpose(outs[0], (1, 2, 0, 3))
+    for b, n in enumerate(lens):  # the forward really ends each sequence at its length
+        assert not y[n:, :, b].any() and (n == 0 or y[:n, :, b].any())
+    lmodel = random_loss_model(model, [np.shape(o) for o in outs], list(range(len(outs))))
+    wrt = [f"x{i}" for i in wrt_idx]
+    gmodel = build_gradient_model(lmodel, "loss", wrt, outputs=["loss"])
+    onnx.checker.check_model(gmodel, full_check=True)
+    gradcheck(lmodel, "loss", wrt, feeds, rtol=1e-5, atol=1e-7)

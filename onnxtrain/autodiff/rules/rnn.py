@@ -15,8 +15,9 @@ All tensors are kept as [dirs, steps, batch, features] in *walking order* (the r
 steps reversed), so both directions of a bidirectional node step together with batched MatMuls.
 Supported: directions forward/reverse/bidirectional, layout 0/1, B, initial_h/initial_c absent or
 given, LSTM peepholes, GRU linear_before_reset 0/1, clip (0 gradient where it cut a gate's input), any of
-ONNX's activations (the same in both directions). sequence_lens, input_forget and activations that differ
-between the directions raise RuleError.
+ONNX's activations (the same in both directions), sequence_lens (the valid steps are a prefix of each
+sample's walk: the backward zeroes the new states' gradients past it and passes the state's own through).
+input_forget and activations that differ between the directions raise RuleError.
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ class _Unroll:
         self.D = 2 if direction == "bidirectional" else 1
         self.rev = [False, True] if self.D == 2 else [direction == "reverse"]
         self.layout = int(g.attr("layout") or 0)
-        if g.has_x(4):
-            raise RuleError(f"{op} gradient: sequence_lens is not supported")
+        self.lens = g.x(4) if g.has_x(4) else None  # sequence_lens: per-sample lengths, or None
+        self._valid: str | None = None
+        self._rev: str | None = None
+        self._m: list[str] | None = None
+        self._keep: list[str] | None = None
         clip = g.attr("clip")
         self.clip = None if clip is None else float(clip)
         if op == "LSTM" and int(g.attr("input_forget") or 0):
@@ -179,12 +183,58 @@ class _Unroll:
     def cat(self, parts: list[str], axis: int) -> str:
         return parts[0] if len(parts) == 1 else self.e("Concat", *parts, axis=axis)
 
+    # ---- sequence_lens -----------------------------------------------------------------------
+    # With lengths, walking step t of sample b is valid while t < len_b (the reverse direction walks each
+    # sequence backwards within its own length, as the kernel does), and the state is frozen after it.
+    # The valid steps are a prefix of the walk, so recomputing the forward unmasked gives their values;
+    # the backward masks the new states' gradients and passes the state's own past the frozen steps.
+    def _lengths(self) -> tuple[str, str]:
+        """(valid [T, B] bool, rev [T, B] int64: each sequence's time index at a reverse walking step)."""
+        if self._valid is None or self._rev is None:
+            g = self.g
+            lens = self.e("Unsqueeze", self.e("Cast", self.lens, to=TensorProto.INT64), g.ints([0]))  # [1, B]
+            t = g.w.const(np.arange(self.T, dtype=np.int64).reshape(-1, 1), TensorProto.INT64)  # [T, 1]
+            self._valid = self.e("Less", t, lens)
+            back = self.e("Sub", self.e("Sub", lens, g.ints([1])), t)
+            self._rev = self.e("Where", self._valid, back, self.e("Expand", t, self.e("Shape", self._valid)))
+        return self._valid, self._rev
+
+    def _masks(self) -> tuple[list[str], list[str]]:
+        """Per walking step, the [1, 1, B, 1] float masks of valid steps and of frozen ones."""
+        if self._m is None or self._keep is None:
+            valid, _ = self._lengths()
+            m = self.e("Unsqueeze", self.e("Cast", valid, to=self.g.dtype), self.g.ints([0, 3]))
+            self._m, self._keep = self.steps(m), self.steps(self.one_minus(m))
+        return self._m, self._keep
+
+    def valid(self, a: str | None, t: int) -> str | None:
+        """``a`` zeroed at the samples whose sequence has ended before walking step ``t``."""
+        return a if a is None or self.lens is None else self.mul(a, self._masks()[0][t])
+
+    def frozen(self, ds: str | None, t: int) -> str | None:
+        """The part of the state gradient ``ds`` (after step ``t``) that passes to the state before it:
+        all of it where step ``t`` is past the sample's length, none elsewhere."""
+        return None if ds is None or self.lens is None else self.mul(ds, self._masks()[1][t])
+
+    def flip(self, a: str) -> str:
+        """``a`` [T, B, F] reversed in time, each sequence within its own length (its own inverse)."""
+        _, rev = self._lengths()
+        idx = self.e("Expand", self.e("Unsqueeze", rev, self.g.ints([2])), self.e("Shape", a))
+        return self.e("GatherElements", a, idx, axis=0)
+
+    def _walked(self, per_dir: list[str]) -> str:
+        """[T, B, F] per direction (in time order) → [D, T, B, F] in walking order, with lengths."""
+        walked = [self.flip(p) if r else p for p, r in zip(per_dir, self.rev)]
+        return self.cat([self.e("Unsqueeze", p, self.g.ints([0])) for p in walked], 0)
+
     # ---- layouts -----------------------------------------------------------------------------
     def walk_x(self) -> str:
         """X → [D, T, B, I] in walking order."""
         x = self.g.x(0)
         if self.layout == 1:
             x = self.e("Transpose", x, perm=[1, 0, 2])
+        if self.lens is not None:
+            return self._walked([x] * self.D)
         if self.D == 1 and not self.rev[0]:
             return self.e("Unsqueeze", x, self.g.ints([0]))
         return self.e(
@@ -195,6 +245,9 @@ class _Unroll:
         """Y (or dY), layout 0 [T, D, B, H] / layout 1 [B, T, D, H] → [D, T, B, H] in walking order."""
         if self.layout == 1:
             y = self.e("Transpose", y, perm=[1, 2, 0, 3])
+        if self.lens is not None:
+            parts = self.split(y, [1] * self.D, 1)
+            return self._walked([self.e("Squeeze", p, self.g.ints([1])) for p in parts])
         if self.D == 1 and not self.rev[0]:
             return self.e("Transpose", y, perm=[1, 0, 2, 3])
         flat = self.e("Reshape", y, self.g.ints([self.T * self.D, -1, self.H]))
@@ -203,6 +256,11 @@ class _Unroll:
 
     def unwalk_x(self, dxw: str) -> str:
         """[D, T, B, I] in walking order → dX in X's layout, summed over directions."""
+        if self.lens is not None:
+            parts = [self.e("Squeeze", p, self.g.ints([0])) for p in self.split(dxw, [1] * self.D, 0)]
+            parts = [self.flip(p) if r else p for p, r in zip(parts, self.rev)]
+            dx = parts[0] if self.D == 1 else self.e("Add", *parts)
+            return self.e("Transpose", dx, perm=[1, 0, 2]) if self.layout == 1 else dx
         if self.D == 1 and not self.rev[0]:
             dx = self.e("Squeeze", dxw, self.g.ints([0]))
         else:
@@ -256,13 +314,18 @@ class _Unroll:
         wb, rb = self.split(self.g.x(3), [self.G, self.G], 1)
         return wb, rb
 
-    def dh_last(self, dhw: list[str | None]) -> str:
-        """dh at the last walking step: dY's last step plus dY_h (zeros if neither flows)."""
-        g = self.g
-        d = self.add(dhw[-1], self.state_in(g.dy(1)))
+    def state_grad(self, t: int, rec: str | None, ds: str | None) -> str | None:
+        """The gradient on the hidden state after walking step ``t``: dY_h at the last step, else what step
+        t + 1 sent back (``rec``) plus what passed its frozen samples (``ds``, the one after step t + 1)."""
+        return self.state_in(self.g.dy(1)) if t == self.T - 1 else self.add(rec, self.frozen(ds, t + 1))
+
+    def new_state_grad(self, t: int, dy: str | None, ds: str | None) -> str:
+        """The gradient on step ``t``'s new state: its output's and the state's (zeros if neither flows),
+        zeroed where the sample's sequence has ended."""
+        d = self.add(dy, ds)
         if d is None:
-            d = self.state_in(g.dy_or_zeros(1))
-        return d  # type: ignore[return-value]
+            d = self.state_in(self.g.dy_or_zeros(1))
+        return self.valid(d, t)  # type: ignore[return-value]
 
     def dy_steps(self) -> list[str | None]:
         dy = self.g.dy(0)
@@ -369,17 +432,20 @@ def lstm_grad(g: GradCtx) -> None:
     rec: str | None = None
     dc: str | None = None
     need_dh0 = g.has_x(5) and g.needs_dx(5)
+    ds: str | None = None  # gradient on the hidden state after the step
+    dcs: str | None = None  # and on the cell state
     for t in range(u.T - 1, -1, -1):
-        dh = u.dh_last(dhw) if t == u.T - 1 else u.add(dhw[t], rec)
-        dc_in = u.state_in(g.dy(2)) if t == u.T - 1 else u.mul(dc, fc_s[t + 1])  # type: ignore[arg-type]
-        dc = u.add(u.mul(dh, k1_s[t]), dc_in)  # type: ignore[arg-type]
+        ds = u.state_grad(t, rec, ds)
+        dh = u.new_state_grad(t, dhw[t], ds)
+        dcs = u.state_in(g.dy(2)) if t == u.T - 1 else u.add(u.mul(dc, fc_s[t + 1]), u.frozen(dcs, t + 1))  # type: ignore[arg-type]
+        dc = u.add(u.mul(dh, k1_s[t]), u.valid(dcs, t))
         dgs[t] = u.mul(u.e("Concat", dc, dh, dc, dc, axis=3), coef_s[t])
         if t > 0 or need_dh0:
             rec = u.e("MatMul", dgs[t], r4)  # dh_prev = dG·R
     dgate = u.cat(dgs, 1)
-    u.finish(dgate, dgate, xw, hprev, rec if need_dh0 else None)
+    u.finish(dgate, dgate, xw, hprev, u.add(rec, u.frozen(ds, 0)) if need_dh0 else None)
     if g.has_x(6) and g.needs_dx(6):
-        g.set_dx(6, u.state_out(u.mul(dc, fc_s[0])))  # type: ignore[arg-type]
+        g.set_dx(6, u.state_out(u.add(u.mul(dc, fc_s[0]), u.frozen(dcs, 0))))  # type: ignore[arg-type]
     if peep and g.needs_dx(7):
         d_i, d_o, d_f, _ = u.split(dgate, [H, H, H, H], 3)
         parts = [
@@ -441,31 +507,35 @@ def gru_grad(g: GradCtx) -> None:
         coef_s = u.steps(coef)
         r4 = u.w4(g.x(2))
         dghs: list[str] = [""] * u.T
+        ds: str | None = None
         for t in range(u.T - 1, -1, -1):
-            dh = u.dh_last(dhw) if t == u.T - 1 else u.add(dhw[t], rec)
-            dhs[t] = dh  # type: ignore[assignment]
+            ds = u.state_grad(t, rec, ds)
+            dh = u.new_state_grad(t, dhw[t], ds)
+            dhs[t] = dh
             dghs[t] = u.mul(u.e("Concat", dh, dh, dh, axis=3), coef_s[t])
             if t > 0 or need_dh0:
-                rec = u.e("Add", u.e("MatMul", dghs[t], r4), u.mul(dh, z_s[t]))  # type: ignore[arg-type]
+                rec = u.e("Add", u.e("MatMul", dghs[t], r4), u.mul(dh, z_s[t]))
         dgh = u.cat(dghs, 1)
         dzr, _ = u.split(dgh, [2 * H, H], 3)
         dgx = u.e("Concat", dzr, u.mul(u.cat(dhs, 1), c_h), axis=3)
-        u.finish(dgx, dgh, xw, hprev, rec if need_dh0 else None)
+        u.finish(dgx, dgh, xw, hprev, u.add(rec, u.frozen(ds, 0)) if need_dh0 else None)
         return
     # linear_before_reset=0: q = da_h̃·R_h is the gradient of r·h_prev; da_r = q·h_prev·σ'(r)
     c_r = u.mul(hprev, dsig_r)
     cz_s, ch_s, cr_s, rg_s = u.steps(c_z), u.steps(c_h), u.steps(c_r), u.steps(rg)
     r4_h, r4_zr = u.w4(r_h), u.w4(r_zr)
     qs: list[str] = [""] * u.T
+    ds_: str | None = None
     for t in range(u.T - 1, -1, -1):
-        dh = u.dh_last(dhw) if t == u.T - 1 else u.add(dhw[t], rec)
-        dhs[t] = dh  # type: ignore[assignment]
-        qs[t] = u.e("MatMul", u.mul(dh, ch_s[t]), r4_h)  # type: ignore[arg-type]
+        ds_ = u.state_grad(t, rec, ds_)
+        dh = u.new_state_grad(t, dhw[t], ds_)
+        dhs[t] = dh
+        qs[t] = u.e("MatMul", u.mul(dh, ch_s[t]), r4_h)
         if t > 0 or need_dh0:
-            dzr_t = u.e("Concat", u.mul(dh, cz_s[t]), u.mul(qs[t], cr_s[t]), axis=3)  # type: ignore[arg-type]
+            dzr_t = u.e("Concat", u.mul(dh, cz_s[t]), u.mul(qs[t], cr_s[t]), axis=3)
             rec = u.e(
                 "Add",
-                u.e("Add", u.mul(dh, z_s[t]), u.mul(qs[t], rg_s[t])),  # type: ignore[arg-type]
+                u.e("Add", u.mul(dh, z_s[t]), u.mul(qs[t], rg_s[t])),
                 u.e("MatMul", dzr_t, r4_zr),
             )
     dh_all = u.cat(dhs, 1)
@@ -481,7 +551,7 @@ def gru_grad(g: GradCtx) -> None:
             u.e("Einsum", dah, rh, equation="dtbg,dtbh->dgh"),
             axis=1,
         )
-    u.finish(dgx, dgx, xw, hprev, rec if need_dh0 else None, dr=dr)
+    u.finish(dgx, dgx, xw, hprev, u.add(rec, u.frozen(ds_, 0)) if need_dh0 else None, dr=dr)
 
 
 # -------------------------------------------------------------------------------------------- RNN
@@ -511,10 +581,11 @@ def rnn_grad(g: GradCtx) -> None:
     need_dh0 = g.has_x(5) and g.needs_dx(5)
     rec: str | None = None
     das: list[str] = [""] * u.T
+    ds: str | None = None
     for t in range(u.T - 1, -1, -1):
-        dh = u.dh_last(dhw) if t == u.T - 1 else u.add(dhw[t], rec)
-        das[t] = u.mul(dh, a_s[t])  # type: ignore[arg-type]
+        ds = u.state_grad(t, rec, ds)
+        das[t] = u.mul(u.new_state_grad(t, dhw[t], ds), a_s[t])
         if t > 0 or need_dh0:
             rec = u.e("MatMul", das[t], r4)
     da = u.cat(das, 1)
-    u.finish(da, da, xw, hprev, rec if need_dh0 else None)
+    u.finish(da, da, xw, hprev, u.add(rec, u.frozen(ds, 0)) if need_dh0 else None)
