@@ -42,6 +42,9 @@ ROWS: list[tuple[str, str, dict[str, Any]]] = [
     ("GRU", "acts", {"activations": ["Sigmoid", "Elu"], "activation_alpha": [0.7], "n_outputs": 2}),
     ("GRU", "acts_lbr", {"activations": ["HardSigmoid", "Softplus"], "linear_before_reset": 1,
                          "n_outputs": 2}),
+    ("LSTM", "input_forget", {"input_forget": 1, "n_outputs": 3}),
+    ("LSTM", "input_forget_peep_clip_bidir", {"input_forget": 1, "peep": True, "clip": 0.6,
+                                              "direction": "bidirectional", "n_outputs": 3}),
     ("LSTM", "clip", {"clip": 0.4, "n_outputs": 3}),
     ("LSTM", "clip_peep_bidir", {"clip": 0.4, "peep": True, "direction": "bidirectional", "n_outputs": 3}),
     ("GRU", "clip", {"clip": 0.4, "n_outputs": 2}),
@@ -82,9 +85,6 @@ def test_unsupported_features_are_named() -> None:
                                                       "activations": ["Relu", "Tanh"]})
     with pytest.raises(GradientError, match="different activations per direction"):
         build_gradient_model(lmodel, "loss", wrt)
-    lmodel, feeds, wrt = _setup("LSTM", "coupled", {"input_forget": 1})
-    with pytest.raises(GradientError, match="input_forget"):
-        build_gradient_model(lmodel, "loss", wrt)
 
 
 # ---- sequence_lens: steps past a sample's length give zeros in Y and leave its state as it was
@@ -124,6 +124,7 @@ LENS_ROWS = [
     ("LSTM", "lens_reverse", [1, 3, 2], {"direction": "reverse"}),
     ("LSTM", "lens_bidir_peep_clip", [3, 2, 0], {"direction": "bidirectional", "peep": True, "clip": 0.6}),
     ("LSTM", "lens_layout1_bidir", [2, 3], {"direction": "bidirectional", "layout": 1}),
+    ("LSTM", "lens_input_forget", [3, 0, 2], {"input_forget": 1}),
     ("GRU", "lens", [3, 1, 0, 2], {}),
     ("GRU", "lens_bidir_lbr", [1, 3, 2], {"direction": "bidirectional", "linear_before_reset": 1}),
     ("GRU", "lens_reverse", [2, 0, 3], {"direction": "reverse"}),

@@ -17,7 +17,7 @@ Supported: directions forward/reverse/bidirectional, layout 0/1, B, initial_h/in
 given, LSTM peepholes, GRU linear_before_reset 0/1, clip (0 gradient where it cut a gate's input), any of
 ONNX's activations (the same in both directions), sequence_lens (the valid steps are a prefix of each
 sample's walk: the backward zeroes the new states' gradients past it and passes the state's own through).
-input_forget and activations that differ between the directions raise RuleError.
+input_forget (f = 1 − i). Activations that differ between the directions raise RuleError.
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ class _Unroll:
         self._keep: list[str] | None = None
         clip = g.attr("clip")
         self.clip = None if clip is None else float(clip)
-        if op == "LSTM" and int(g.attr("input_forget") or 0):
-            raise RuleError("LSTM gradient: input_forget=1 is not supported")
         try:
             specs = activation_specs(op, g.attr("activations"), g.attr("activation_alpha"),
                                      g.attr("activation_beta"), _DEFAULT_ACTS[op], self.D)
@@ -360,6 +358,7 @@ def lstm_grad(g: GradCtx) -> None:
     u = _Unroll(g)
     H = u.H
     fa, ga, ha = u.acts  # the gates', the cell input's and the cell output's activations (σ, tanh, tanh)
+    couple = bool(g.attr("input_forget"))  # f = 1 − i: the forget gate's own input is not used
     xw = u.walk_x()
     hw = u.walk_y(g.y(0))
     h0, c0 = u.input_state(5), u.input_state(6)
@@ -377,6 +376,8 @@ def lstm_grad(g: GradCtx) -> None:
         sig, a_c = u.split(a, [3 * H, H], 3)
         a_i, a_o, a_f = u.split(sig, [H, H, H], 3)
         i_g, o_g, f_g = u.split(u.act(fa, sig), [H, H, H], 3)
+        if couple:
+            f_g = u.one_minus(i_g)
         cc = u.act(ga, a_c)
         f_s, ic_s = u.steps(f_g), u.steps(u.mul(i_g, cc))
         cs: list[str] = []
@@ -397,7 +398,7 @@ def lstm_grad(g: GradCtx) -> None:
             pre_i = ai_s[t] if c is None else u.e("Add", ai_s[t], u.mul(p_i, c))
             pre_f = af_s[t] if c is None else u.e("Add", af_s[t], u.mul(p_f, c))
             it = u.act(fa, u.clipped(pre_i)[0])
-            ft = u.act(fa, u.clipped(pre_f)[0])
+            ft = u.one_minus(it) if couple else u.act(fa, u.clipped(pre_f)[0])
             ic = u.mul(it, cc_s[t])
             c = ic if c is None else u.e("Add", u.mul(ft, c), ic)
             pre_o = u.e("Add", ao_s[t], u.mul(p_o, c))
@@ -417,8 +418,12 @@ def lstm_grad(g: GradCtx) -> None:
     # dc_prev = dc·fc
     k1 = u.mul(o_g, u.dact(ha, c_all, tc))
     b_o = u.masked(u.mul(tc, u.dact(fa, a_o, o_g)), m_o)
-    c_i = u.masked(u.mul(cc, u.dact(fa, a_i, i_g)), m_i)
-    c_f = u.masked(u.mul(cprev, u.dact(fa, a_f, f_g)), m_f)
+    if couple:  # c = (1 − i)·c_prev + i·c̃: i's input gets (c̃ − c_prev)·i', f's none
+        c_i = u.masked(u.mul(u.e("Sub", cc, cprev), u.dact(fa, a_i, i_g)), m_i)
+        c_f = u.e("Expand", g.const(0), u.e("Shape", c_i))
+    else:
+        c_i = u.masked(u.mul(cc, u.dact(fa, a_i, i_g)), m_i)
+        c_f = u.masked(u.mul(cprev, u.dact(fa, a_f, f_g)), m_f)
     c_c = u.masked(u.mul(i_g, u.dact(ga, a_c, cc)), m_c)
     fc = f_g
     if peep:
