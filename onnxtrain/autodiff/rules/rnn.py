@@ -15,9 +15,9 @@ All tensors are kept as [dirs, steps, batch, features] in *walking order* (the r
 steps reversed), so both directions of a bidirectional node step together with batched MatMuls.
 Supported: directions forward/reverse/bidirectional, layout 0/1, B, initial_h/initial_c absent or
 given, LSTM peepholes, GRU linear_before_reset 0/1, clip (0 gradient where it cut a gate's input), any of
-ONNX's activations (the same in both directions), sequence_lens (the valid steps are a prefix of each
+ONNX's activations (each direction its own), sequence_lens (the valid steps are a prefix of each
 sample's walk: the backward zeroes the new states' gradients past it and passes the state's own through).
-input_forget (f = 1 − i). Activations that differ between the directions raise RuleError.
+input_forget (f = 1 − i).
 """
 
 from __future__ import annotations
@@ -56,9 +56,8 @@ class _Unroll:
         except ValueError as e:
             raise RuleError(str(e)) from None
         n = len(_DEFAULT_ACTS[op])
-        if specs[:n] != specs[n:] and self.D == 2:
-            raise RuleError(f"{op} gradient: different activations per direction are not supported")
-        self.acts = specs[:n]  # (f, g[, h]) as (name, alpha, beta)
+        # (f, g[, h]), each as its (name, alpha, beta) per direction
+        self.acts = [tuple(specs[d * n + k] for d in range(self.D)) for k in range(n)]
         xs, ws, rs = g.static_shape(0), g.static_shape(1), g.static_shape(2)
         t = None if xs is None else xs[0 if self.layout == 0 else 1]
         if t is None:
@@ -107,7 +106,22 @@ class _Unroll:
     def masked(self, coef: str, mask: str | None) -> str:
         return coef if mask is None else self.mul(coef, mask)
 
-    def act(self, spec: tuple[str, float, float], x: str) -> str:
+    def _per_direction(self, fn, specs: tuple, *values: str) -> str:
+        """``fn(spec, *values)`` with each direction's spec on its slice [d] of ``values`` [D, ...]."""
+        if len(set(specs)) == 1:
+            return fn(specs[0], *values)
+        parts = [self.split(v, [1] * self.D, 0) for v in values]
+        return self.cat([fn(sp, *(p[d] for p in parts)) for d, sp in enumerate(specs)], 0)
+
+    def act(self, specs: tuple, x: str) -> str:
+        """Activation ``specs`` (per direction: name, alpha, beta) of ``x`` [D, ...]."""
+        return self._per_direction(self._act, specs, x)
+
+    def dact(self, specs: tuple, x: str, y: str) -> str:
+        """The derivative of activation ``specs`` (per direction) at ``x``, where ``y`` is its value there."""
+        return self._per_direction(self._dact, specs, x, y)
+
+    def _act(self, spec: tuple[str, float, float], x: str) -> str:
         """Activation ``spec`` (name, alpha, beta) of ``x`` in standard ONNX ops, as the kernel has it."""
         name, a, b = spec
         g = self.g
@@ -130,7 +144,7 @@ class _Unroll:
             return self.e("Where", self.e("GreaterOrEqual", x, g.const(0)), x, neg)
         raise RuleError(f"{g.node.op_type} gradient: activation {name!r} is not supported")
 
-    def dact(self, spec: tuple[str, float, float], x: str, y: str) -> str:
+    def _dact(self, spec: tuple[str, float, float], x: str, y: str) -> str:
         """The derivative of activation ``spec`` at ``x``, where ``y`` is its value there."""
         name, a, b = spec
         g = self.g
@@ -571,7 +585,7 @@ def rnn_grad(g: GradCtx) -> None:
     hw = u.walk_y(g.y(0))
     hprev = u.shift(hw, u.input_state(5))
     spec = u.acts[0]
-    if spec[0] == "tanh" and u.clip is None:
+    if all(sp[0] == "tanh" for sp in spec) and u.clip is None:
         dact = u.dtanh(hw)
     else:
         a = u.e("Add", u.e("MatMul", xw, u.wt4(g.x(1))), u.e("MatMul", hprev, u.wt4(g.x(2))))
