@@ -14,10 +14,10 @@ emits backprop through time, unrolled over the static sequence length:
 All tensors are kept as [dirs, steps, batch, features] in *walking order* (the reverse direction's
 steps reversed), so both directions of a bidirectional node step together with batched MatMuls.
 Supported: directions forward/reverse/bidirectional, layout 0/1, B, initial_h/initial_c absent or
-given, LSTM peepholes, GRU linear_before_reset 0/1, clip (0 gradient where it cut a gate's input), any of
-ONNX's activations (each direction its own), sequence_lens (the valid steps are a prefix of each
-sample's walk: the backward zeroes the new states' gradients past it and passes the state's own through).
-input_forget (f = 1 − i).
+given, LSTM peepholes and input_forget (f = 1 − i), GRU linear_before_reset 0/1, clip (0 gradient where
+it cut a gate's input), any of ONNX's activations (each direction its own), and sequence_lens (the valid
+steps are a prefix of each sample's walk: the backward zeroes the new states' gradients past it and
+passes the state's own gradient through).
 """
 
 from __future__ import annotations
