@@ -93,34 +93,12 @@ class DataParallelSteps:
         grads = res[len(local_names) : len(local_names) + len(self._grad_outputs)]
         for (stat, _), v in zip(bn_items, res[len(local_names) + len(grads) :]):
             store[stat] = v
-        lr = self._params.lr_params_feed_name
         if dp.mode == "zero1":
             scale = self.loss_scale_input_name
-            got.update(self._zero_step(grads, feeds[lr], feeds[scale] if scale else None))
+            lr = feeds[self._params.lr_params_feed_name]
+            got.update(self._zero_step(grads, lr, feeds[scale] if scale else None))
         else:
-            up = self._get_plan("update")
-            items = list(g.updates["update"].items())
-            if dp.mode == "allreduce":
-                eff = self._reducer.reduce(grads, self._grad_scale)
-            else:  # adasum: the optimizer runs on the local (accumulation-averaged) gradients
-                n = self._params.gradient_accumulation_steps
-                eff = grads if n == 1 else [gr * gr.dtype.type(1.0 / n) for gr in grads]
-            ufeeds = {lr: feeds[lr], **{f"{w}_grad": v for w, v in zip(g.trainable, eff)}}
-            for s in up.all_input_names:
-                if s in store:
-                    ufeeds[s] = store[s]
-                elif s not in ufeeds and s in feeds:  # the loss scale of a mixed-precision update
-                    ufeeds[s] = feeds[s]
-            extra = [n for n in names if n not in got and n in up.output_info]
-            local_flag = dp.mode == "adasum" and ALL_FINITE in up.output_info  # mixed precision
-            if local_flag and ALL_FINITE not in extra:
-                extra.append(ALL_FINITE)
-            out = up.run(ufeeds, extra + [o for _, o in items])
-            got.update(zip(extra, out))
-            new = dict(zip([s for s, _ in items], out[len(extra) :]))
-            if dp.mode == "adasum":
-                new = self._adasum_combine(new, got, local_flag)
-            store.update(new)
+            self._exchange_and_update(grads, feeds, [n for n in names if n not in got], got)
         for b in g.buffers:
             store[b] = np.zeros_like(store[b])
         self._micro_step = 0
@@ -128,6 +106,36 @@ class DataParallelSteps:
         if missing:
             raise ValueError(f"output(s) {missing} are not available in a data-parallel step")
         return [got[n] for n in names]
+
+    def _exchange_and_update(self, grads: list[np.ndarray], feeds: dict[str, Any], wanted: list[str],
+                             got: dict[str, np.ndarray]) -> None:
+        """Allreduce: reduce the gradients, then update; Adasum: update locally, then combine the deltas.
+        The update graph's outputs among ``wanted`` go into ``got``."""
+        g, store, dp = self._graphs, self._store, self._dp
+        up = self._get_plan("update")
+        items = list(g.updates["update"].items())
+        if dp.mode == "allreduce":
+            eff = self._reducer.reduce(grads, self._grad_scale)
+        else:  # adasum: the optimizer runs on the local (accumulation-averaged) gradients
+            n = self._params.gradient_accumulation_steps
+            eff = grads if n == 1 else [gr * gr.dtype.type(1.0 / n) for gr in grads]
+        lr = self._params.lr_params_feed_name
+        ufeeds = {lr: feeds[lr], **{f"{w}_grad": v for w, v in zip(g.trainable, eff)}}
+        for s in up.all_input_names:
+            if s in store:
+                ufeeds[s] = store[s]
+            elif s not in ufeeds and s in feeds:  # the loss scale of a mixed-precision update
+                ufeeds[s] = feeds[s]
+        extra = [n for n in wanted if n in up.output_info]
+        local_flag = dp.mode == "adasum" and ALL_FINITE in up.output_info  # mixed precision
+        if local_flag and ALL_FINITE not in extra:
+            extra.append(ALL_FINITE)
+        out = up.run(ufeeds, extra + [o for _, o in items])
+        got.update(zip(extra, out))
+        new = dict(zip([s for s, _ in items], out[len(extra) :]))
+        if dp.mode == "adasum":
+            new = self._adasum_combine(new, got, local_flag)
+        store.update(new)
 
     def _adasum_combine(self, new: dict[str, np.ndarray], got: dict[str, np.ndarray],
                         mixed_precision: bool) -> dict[str, np.ndarray]:
