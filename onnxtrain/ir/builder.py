@@ -109,17 +109,49 @@ def model_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
+_DATA_KEPT = 1024  # initializers of at most this many elements keep their values for shape inference
+
+
+def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` without the values of its large float initializers (graph inputs of the same type instead):
+    the same shapes for ONNX shape inference, whose data propagation only reads small integer tensors, for
+    a fraction of the memory (inference copies the whole model, and on a 0.67 M-parameter MLP the copies
+    left about 10 MiB of resident memory behind)."""
+    src = model.graph
+    big = [t for t in src.initializer
+           if t.data_type in FLOAT_TYPES and int(np.prod(t.dims, dtype=np.int64)) > _DATA_KEPT]
+    if not big:
+        return model
+    skip = {t.name for t in big}
+    declared = {v.name for v in src.input}
+    m = onnx.ModelProto()
+    m.ir_version, m.producer_name = model.ir_version, model.producer_name
+    m.opset_import.extend(model.opset_import)
+    m.functions.extend(model.functions)
+    g = m.graph
+    g.name = src.name
+    g.node.extend(src.node)
+    g.input.extend(v for v in src.input)
+    g.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                   for t in big if t.name not in declared)
+    g.output.extend(src.output)
+    g.value_info.extend(src.value_info)
+    g.initializer.extend(t for t in src.initializer if t.name not in skip)
+    g.sparse_initializer.extend(src.sparse_initializer)
+    return m
+
+
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """Type (element type and shape where known) of every value, from ONNX shape inference."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(_skeleton(model), strict_mode=False, data_prop=True)
     except Exception:
         inferred = model
     g = inferred.graph
     types: dict[str, onnx.TypeProto] = {}
     for v in (*g.value_info, *g.input, *g.output):
         types[v.name] = v.type
-    for t in g.initializer:
+    for t in model.graph.initializer:
         types[t.name] = helper.make_tensor_type_proto(t.data_type, list(t.dims))
     for n in g.node:
         if n.op_type == "Constant":

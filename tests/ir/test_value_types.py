@@ -1,0 +1,54 @@
+"""``value_types``: the types ONNX shape inference gives, without handing it the values of large weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.ir import builder
+from onnxtrain.ir.builder import value_types
+
+
+def _model() -> onnx.ModelProto:
+    """x [B, 64] → MatMul with a 64×256 weight (large) → + bias (small) → Reshape to a shape computed from a
+    small int64 initializer → ReduceSum: a shape that data propagation must follow."""
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((64, 256)).astype(np.float32), "W"),
+        numpy_helper.from_array(np.zeros(256, np.float32), "b"),
+        numpy_helper.from_array(np.array([-1, 16, 16], np.int64), "shape"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"]),
+        helper.make_node("Add", ["h", "b"], ["a"]),
+        helper.make_node("Reshape", ["a", "shape"], ["r"]),
+        helper.make_node("ReduceSum", ["r"], ["y"], keepdims=0),
+    ]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_types_equal_plain_shape_inference_and_weights_stay_out(monkeypatch) -> None:
+    model = _model()
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    want = {v.name: v.type for v in (*inferred.graph.value_info, *inferred.graph.output)}
+    seen = []
+    real = onnx.shape_inference.infer_shapes
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes",
+                        lambda m, **kw: (seen.append(m), real(m, **kw))[1])
+    got = value_types(model)
+    for name, tp in want.items():
+        assert got[name] == tp, name
+    assert list(got["r"].tensor_type.shape.dim)[1].dim_value == 16  # the int64 shape was followed
+    w = got["W"].tensor_type
+    assert w.elem_type == TensorProto.FLOAT and [d.dim_value for d in w.shape.dim] == [64, 256]
+    (passed,) = seen
+    assert [t.name for t in passed.graph.initializer] == ["b", "shape"]  # W (16 K values): an input
+    assert passed.ByteSize() < model.ByteSize() // 10
+    assert len(model.graph.initializer) == 3 and len(model.graph.input) == 1  # the caller's: untouched
+    monkeypatch.setattr(builder, "_DATA_KEPT", 1 << 20)  # every initializer small: the model goes as is
+    seen.clear()
+    value_types(model)
+    assert seen[0] is model
