@@ -33,7 +33,7 @@ def _gradient_graph(a: argparse.Namespace) -> int:
         wrt = [w for w in a.wrt.split(",") if w]
     else:
         raise SystemExit("onnxtrain gradient-graph: give --wrt a,b or --all-initializers")
-    out = build_gradient_model(model, a.loss, wrt)
+    out = build_gradient_model(model, a.loss, wrt, memory_efficient=a.memory_efficient)
     onnx.checker.check_model(out, full_check=True)
     save_model_atomic(out, a.output)
     print(f"wrote {a.output}: {len(out.graph.node)} nodes, gradients of {a.loss!r} "
@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     grp.add_argument("--wrt", help="comma-separated values to differentiate with respect to")
     grp.add_argument("--all-initializers", action="store_true",
                      help="every float initializer that reaches the loss")
+    gg.add_argument("--memory-efficient", action="store_true",
+                    help="LayerNormalization gradients from the output where the input is kept for nothing "
+                         "else (use_memory_efficient_gradient)")
     gg.add_argument("-o", "--output", required=True, help="where to write the gradient graph")
     gg.set_defaults(fn=_gradient_graph)
     ar = sub.add_parser("artifacts",

@@ -135,3 +135,17 @@ def test_legacy_session_option_trains_like_the_default() -> None:
     a, b = (s.get_state() for s in sessions)
     for k in a:
         np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_cli_gradient_graph_memory_efficient(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    path, out = tmp_path / "m.onnx", tmp_path / "g.onnx"
+    model = _stack(2)
+    onnx.save(model, str(path))
+    r = subprocess.run([sys.executable, "-m", "onnxtrain", "gradient-graph", str(path), "--loss", "loss",
+                        "--wrt", "W0,W1", "--memory-efficient", "-o", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert not {"a0", "a1"} & _backward_reads(onnx.load(str(out)), model)
