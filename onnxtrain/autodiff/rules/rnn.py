@@ -26,7 +26,6 @@ from onnxtrain.autodiff.context import GradCtx
 from onnxtrain.autodiff.registry import gradient
 from onnxtrain.autodiff.rules.rnn_unroll import Unroll
 
-
 # ------------------------------------------------------------------------------------------- LSTM
 
 
