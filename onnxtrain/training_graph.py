@@ -427,13 +427,7 @@ def _emit_update(
             w, slots, p, opt, inputs, outputs, extras, upd, clip, mp, norm_input
         )
     if clip:
-        if norm_input is not None:
-            norm = norm_input
-            inputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
-        else:
-            norm = global_norm(w, [s.grad for s in slots])
-            outputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
-            extras.append(norm)
+        norm = _update_norm(w, slots, norm_input, inputs, outputs, extras)
         if opt.uses_norm and not p.legacy_cpu_adam:
             for s in slots:
                 s.divisor = clip_divisor(w, norm, _max_norm_clip(s, opt))
@@ -460,13 +454,7 @@ def _emit_mixed_precision_update(
     ``norm_input`` the (loss-scaled) global norm is that graph input, e.g. summed over ZeRO's ranks."""
     if mp.loss_scale not in {i.name for i in inputs}:
         inputs.append(helper.make_tensor_value_info(mp.loss_scale, TensorProto.FLOAT, [1]))
-    if norm_input is not None:
-        norm = norm_input
-        inputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
-    else:
-        norm = global_norm(w, [s.grad for s in slots])  # loss-scaled, as the legacy reported it
-        outputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
-        extras.append(norm)
+    norm = _update_norm(w, slots, norm_input, inputs, outputs, extras)  # loss-scaled, as the legacy reported
     mnc = None
     if clip and opt.uses_norm and not p.legacy_cpu_adam:
         mnc = {s.name: _max_norm_clip(s, opt) for s in slots}
@@ -479,6 +467,19 @@ def _emit_mixed_precision_update(
     extras.append(flag)
     _add_update_outputs(slots, specs, new_w, new_s, outputs, upd)
     return specs
+
+
+def _update_norm(w: NodeWriter, slots: list[WeightSlot], norm_input: str | None, inputs: list, outputs: list,
+                 extras: list[str]) -> str:
+    """The global gradient norm an update reads: the graph input ``norm_input`` when given, else computed
+    from the slots' gradients and output as an extra."""
+    if norm_input is not None:
+        inputs.append(helper.make_tensor_value_info(norm_input, TensorProto.FLOAT, []))
+        return norm_input
+    norm = global_norm(w, [s.grad for s in slots])
+    outputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
+    extras.append(norm)
+    return norm
 
 
 def _max_norm_clip(slot: WeightSlot, opt: Optimizer) -> float:
