@@ -70,25 +70,26 @@ def lstm_grad(g: GradCtx) -> None:
         cc = u.act(ga, a_c)
         ai_s, ao_s, af_s, cc_s = u.steps(a_i), u.steps(a_o), u.steps(a_f), u.steps(cc)
         cs, is_, os_, fs = [], [], [], []
-        raw: dict[str, list[str]] = {"i": [], "o": [], "f": []}  # the gates' inputs per step, unclipped
+        cut: dict[str, list[tuple[str, str | None]]] = {"i": [], "o": [], "f": []}  # (input, mask) per step
         c = c0
         for t in range(u.T):
-            pre_i = ai_s[t] if c is None else u.e("Add", ai_s[t], u.mul(p_i, c))
-            pre_f = af_s[t] if c is None else u.e("Add", af_s[t], u.mul(p_f, c))
-            it = u.act(fa, u.clipped(pre_i)[0])
-            ft = u.one_minus(it) if couple else u.act(fa, u.clipped(pre_f)[0])
+            cut["i"].append(u.clipped(ai_s[t] if c is None else u.e("Add", ai_s[t], u.mul(p_i, c))))
+            cut["f"].append(u.clipped(af_s[t] if c is None else u.e("Add", af_s[t], u.mul(p_f, c))))
+            it = u.act(fa, cut["i"][t][0])
+            ft = u.one_minus(it) if couple else u.act(fa, cut["f"][t][0])
             ic = u.mul(it, cc_s[t])
             c = ic if c is None else u.e("Add", u.mul(ft, c), ic)
-            pre_o = u.e("Add", ao_s[t], u.mul(p_o, c))
-            os_.append(u.act(fa, u.clipped(pre_o)[0]))
+            cut["o"].append(u.clipped(u.e("Add", ao_s[t], u.mul(p_o, c))))
+            os_.append(u.act(fa, cut["o"][t][0]))
             cs.append(c)
             is_.append(it)
             fs.append(ft)
-            for k, v in (("i", pre_i), ("o", pre_o), ("f", pre_f)):
-                raw[k].append(v)
         i_g, o_g, f_g = u.cat(is_, 1), u.cat(os_, 1), u.cat(fs, 1)
-        cut = {k: u.clipped(u.cat(raw[k], 1)) for k in "iof"}
-        (a_i, m_i), (a_o, m_o), (a_f, m_f) = (cut[k] for k in "iof")
+        # the gates' (clipped) inputs and clip masks over all steps
+        (a_i, m_i), (a_o, m_o), (a_f, m_f) = (
+            (u.cat([v for v, _ in cut[k]], 1), None if u.clip is None else u.cat([m for _, m in cut[k]], 1))
+            for k in "iof"
+        )
     c_all = u.cat(cs, 1)
     cprev = u.shift(c_all, c0)
     tc = u.act(ha, c_all)

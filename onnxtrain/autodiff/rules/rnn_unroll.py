@@ -12,6 +12,11 @@ from onnxtrain.engine.kernels.rnn import activation_specs
 
 _DEFAULT_ACTS = {"LSTM": ("sigmoid", "tanh", "tanh"), "GRU": ("sigmoid", "tanh"), "RNN": ("tanh",)}
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+# activations that are ONNX ops of their own with no attribute
+_ONNX_ACTS = {"sigmoid": "Sigmoid", "tanh": "Tanh", "relu": "Relu", "softsign": "Softsign",
+              "softplus": "Softplus"}
+# those whose ONNX op takes the activation's alpha
+_ONNX_ALPHA_ACTS = {"leakyrelu": "LeakyRelu", "thresholdedrelu": "ThresholdedRelu", "elu": "Elu"}
 
 
 class Unroll:
@@ -106,23 +111,16 @@ class Unroll:
         """Activation ``spec`` (name, alpha, beta) of ``x`` in standard ONNX ops, as the kernel has it."""
         name, a, b = spec
         g = self.g
-        simple = {"sigmoid": "Sigmoid", "tanh": "Tanh", "relu": "Relu", "softsign": "Softsign",
-                  "softplus": "Softplus"}
-        if name in simple:
-            return self.e(simple[name], x)
+        if name in _ONNX_ACTS:
+            return self.e(_ONNX_ACTS[name], x)
         if name == "hardsigmoid":
             return self.e("HardSigmoid", x, alpha=a, beta=b)
-        if name == "leakyrelu":
-            return self.e("Where", self.e("GreaterOrEqual", x, g.const(0)), x, self.mul(x, g.const(a)))
-        if name == "thresholdedrelu":
-            return self.e("Where", self.e("Greater", x, g.const(a)), x, g.const(0))
+        if name in _ONNX_ALPHA_ACTS:
+            return self.e(_ONNX_ALPHA_ACTS[name], x, alpha=a)
         if name == "scaledtanh":
             return self.mul(g.const(a), self.e("Tanh", self.mul(x, g.const(b))))
         if name == "affine":
             return self.e("Add", self.mul(x, g.const(a)), g.const(b))
-        if name == "elu":
-            neg = self.mul(g.const(a), self.e("Sub", self.e("Exp", self.e("Min", x, g.const(0))), self.one))
-            return self.e("Where", self.e("GreaterOrEqual", x, g.const(0)), x, neg)
         raise RuleError(f"{g.node.op_type} gradient: activation {name!r} is not supported")
 
     def _dact(self, spec: tuple[str, float, float], x: str, y: str) -> str:
