@@ -84,6 +84,11 @@ def test_gradients_match_torch_and_the_standard_rule(bias: bool) -> None:
     got = dict(zip(names, compile_model(lean).run({"x": x})))
     std = dict(zip(names, compile_model(plain).run({"x": x})))
     want = _torch_grads(model, x, layers, bias)
+    ort = pytest.importorskip("onnxruntime")  # another runtime runs the graph to the same numbers
+    sess = ort.InferenceSession(lean.SerializeToString(), providers=["CPUExecutionProvider"])
+    theirs = sess.run(None, {"x": x})
+    for name, a in zip(names, theirs):
+        np.testing.assert_allclose(got[name], a, rtol=1e-5, atol=1e-6, err_msg=name)
     for n in wrt:
         scale = np.abs(want[n]).max()
         np.testing.assert_allclose(got[f"{n}_grad"], want[n], rtol=1e-4, atol=1e-5 * scale, err_msg=n)
