@@ -62,7 +62,7 @@ def _to_layout1(inputs: list[Any]) -> list[Any]:
     return out
 
 
-LENS = [None, [5, 2, 4], [1, 5, 3]]
+LENS = [None, [5, 2, 4], [1, 5, 3], [0, 5, 2]]  # the last: a sequence of length 0 (zero final states)
 VARIANTS = [
     ("LSTM", {}, False),  # plain: the gate-major loop (full lengths; the layout-1 run takes the general one)
     ("LSTM", {}, True),
@@ -79,7 +79,7 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("lens", LENS, ids=["full", "lens_a", "lens_b"])
+@pytest.mark.parametrize("lens", LENS, ids=["full", "lens_a", "lens_b", "lens_empty"])
 @pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
 @pytest.mark.parametrize("op,attrs,peep", VARIANTS, ids=lambda v: v if isinstance(v, str) else None)
 def test_matches_onnxruntime(op: str, attrs: dict, peep: bool, direction: str, lens) -> None:

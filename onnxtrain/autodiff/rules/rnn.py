@@ -17,7 +17,8 @@ Supported: directions forward/reverse/bidirectional, layout 0/1, B, initial_h/in
 given, LSTM peepholes and input_forget (f = 1 − i), GRU linear_before_reset 0/1, clip (0 gradient where
 it cut a gate's input), any of ONNX's activations (each direction its own), and sequence_lens (the valid
 steps are a prefix of each sample's walk: the backward zeroes the new states' gradients past it and
-passes the state's own gradient through).
+passes the state's own gradient through; a sequence of length 0 has zero final states, so their
+gradients stop there).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def lstm_grad(g: GradCtx) -> None:
     for t in range(u.T - 1, -1, -1):
         ds = u.state_grad(t, rec, ds)
         dh = u.new_state_grad(t, dhw[t], ds)
-        dcs = u.state_in(g.dy(2)) if t == u.T - 1 else u.add(u.mul(dc, fc_s[t + 1]), u.frozen(dcs, t + 1))  # type: ignore[arg-type]
+        dcs = u.final_grad(2) if t == u.T - 1 else u.add(u.mul(dc, fc_s[t + 1]), u.frozen(dcs, t + 1))  # type: ignore[arg-type]
         dc = u.add(u.mul(dh, k1_s[t]), u.valid(dcs, t))
         dgs[t] = u.mul(u.e("Concat", dc, dh, dc, dc, axis=3), coef_s[t])
         if t > 0 or need_dh0:

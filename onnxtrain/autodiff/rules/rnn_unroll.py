@@ -275,6 +275,16 @@ class Unroll:
         s = self.e("Squeeze", s, self.g.ints([1]))
         return self.e("Transpose", s, perm=[1, 0, 2]) if self.layout == 1 else s
 
+    def final_grad(self, k: int) -> str | None:
+        """The gradient of final-state output ``k`` as [D, 1, B, H], zeroed at the sequences of length 0 (the
+        kernel gives them zero final states, whatever the initial ones)."""
+        d = self.state_in(self.g.dy(k))
+        if d is None or self.lens is None:
+            return d
+        lens = self.e("Cast", self.lens, to=TensorProto.INT64)
+        some = self.e("Cast", self.e("Greater", lens, self.g.ints([0])), to=self.g.dtype)
+        return self.mul(d, self.e("Unsqueeze", some, self.g.ints([0, 1, 3])))
+
     def input_state(self, i: int) -> str | None:
         return self.state_in(self.g.x(i)) if self.g.has_x(i) else None
 
@@ -308,7 +318,7 @@ class Unroll:
     def state_grad(self, t: int, rec: str | None, ds: str | None) -> str | None:
         """The gradient on the hidden state after walking step ``t``: dY_h at the last step, else what step
         t + 1 sent back (``rec``) plus what passed its frozen samples (``ds``, the one after step t + 1)."""
-        return self.state_in(self.g.dy(1)) if t == self.T - 1 else self.add(rec, self.frozen(ds, t + 1))
+        return self.final_grad(1) if t == self.T - 1 else self.add(rec, self.frozen(ds, t + 1))
 
     def new_state_grad(self, t: int, dy: str | None, ds: str | None) -> str:
         """The gradient on step ``t``'s new state: its output's and the state's (zeros if neither flows),

@@ -3,7 +3,8 @@
 All three share one driver. The input projection ``X·Wᵀ + biases`` is one matmul over every time step
 and both directions; the loop over time steps then runs both directions at once with batched matmuls
 (the reverse direction walks a time-reversed copy of the projection, reversed per sequence when
-``sequence_lens`` is given). Steps past a sequence's length keep the state and give zero outputs.
+``sequence_lens`` is given). Steps past a sequence's length keep the state and give zero outputs; a
+sequence of length 0 gives zero final states, as onnxruntime's kernels do (the ONNX spec does not say).
 """
 
 from __future__ import annotations
@@ -196,6 +197,7 @@ class _Seq:
             bias[:, :nb] += b[:, gh:gh + nb]
         self.mask: np.ndarray | None = None  # [steps, 1, batch, 1] bool, where a step is valid
         self.rev_idx: np.ndarray | None = None  # [steps, batch] per-sequence reversal, own inverse
+        self.empty: np.ndarray | None = None  # [batch] bool, sequences of length 0 (when there are any)
         if gate_major:
             # rows: gates; columns: (step, sample)
             xw = np.matmul(w.reshape(n_dirs * gh, n_in), x.reshape(-1, n_in).T)
@@ -225,6 +227,8 @@ class _Seq:
                 valid = t < lens[None, :]
                 self.mask = valid[:, None, :, None]
                 self.rev_idx = np.where(valid, lens[None, :] - 1 - t, t)
+                if not lens.all():
+                    self.empty = lens == 0
         for d in s.reverse:
             xw[:, d] = self.flip(xw[:, d])
         self.xw = xw
@@ -260,6 +264,8 @@ class _Seq:
             out.append(None)
         for k, f in enumerate(finals, start=1):
             if k < len(used) and used[k]:
+                if self.empty is not None:
+                    f = np.where(self.empty[None, :, None], 0, f)
                 out.append(f if s.layout == 0 else np.ascontiguousarray(f.transpose(1, 0, 2)))
             else:
                 out.append(None)
