@@ -33,6 +33,17 @@ from onnxtrain.ir.graphs import body_reads, node_reads
 MIN_OPSET = 17
 
 
+def _all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The graph's nodes and, recursively, those of its control-flow bodies."""
+    out = []
+    for n in graph.node:
+        out.append(n)
+        for a in n.attribute:
+            for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                out.extend(_all_nodes(g))
+    return out
+
+
 class GradientError(ValueError):
     """The gradient graph cannot be built; the message names the node, op or value at fault."""
 
@@ -41,6 +52,12 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     """``model`` at default-domain opset >= ``target`` (older models go through the version converter)."""
     if model_opset(model) >= target:
         return model
+    old_scans = [n.name or n.op_type for n in _all_nodes(model.graph)
+                 if n.op_type == "Scan" and n.domain in ("", "ai.onnx")]
+    if old_scans and model_opset(model) < 9:
+        # onnx's converter drops Scan-8's batch axis from the declared shapes without squeezing the data
+        raise GradientError(f"Scan node(s) {old_scans} of opset {model_opset(model)} (with a batch axis): "
+                            "gradients need opset 9 or later; re-export the model at a newer opset")
     from onnx import version_converter
 
     # the converter only sees initializers that are also graph inputs: list them for the conversion

@@ -1,6 +1,7 @@
-"""Control-flow ops: If, Loop, Scan (opset 9 and later) and SequenceMap. Each body graph is compiled once
-into a plan of its own; the values a body reads from enclosing graphs ("captures") become extra inputs of
-the node's step, so the outer plan keeps them alive until the node has run and frees them after."""
+"""Control-flow ops: If, Loop, Scan (and its batched opset-8 form) and SequenceMap. Each body graph is
+compiled once into a plan of its own; the values a body reads from enclosing graphs ("captures") become
+extra inputs of the node's step, so the outer plan keeps them alive until the node has run and frees them
+after."""
 
 from __future__ import annotations
 
@@ -159,16 +160,22 @@ class Loop(ControlFlow):
 class Scan(ControlFlow):
     def compute(self, inputs: Inputs, attrs: Attrs) -> Outputs:
         own, captured = self.split(inputs)
-        body = self.bodies["body"]
-        captured = body.take(captured)
         m = attrs["num_scan_inputs"]
         n = len(own) - m
-        states, xs = list(own[:n]), own[n:]
-        in_axes = attrs.get("scan_input_axes") or [0] * m
-        in_dirs = attrs.get("scan_input_directions") or [0] * m
+        k_out = len(self.bodies["body"].outputs) - n
+        return self.scan(own[:n], own[n:], captured, attrs.get("scan_input_axes") or [0] * m,
+                         attrs.get("scan_input_directions") or [0] * m,
+                         attrs.get("scan_output_axes") or [0] * k_out,
+                         attrs.get("scan_output_directions") or [0] * k_out)
+
+    def scan(self, states: Sequence[Any], xs: Sequence[Any], captured: dict[str, Any], in_axes: list[int],
+             in_dirs: list[int], out_axes: list[int], out_dirs: list[int]) -> list[Any]:
+        """The final states, then the stacked scan outputs, of the body run along the scan inputs."""
+        body = self.bodies["body"]
+        captured = body.take(captured)
+        m, n = len(xs), len(states)
+        states = list(states)
         k_out = len(body.outputs) - n
-        out_axes = attrs.get("scan_output_axes") or [0] * k_out
-        out_dirs = attrs.get("scan_output_directions") or [0] * k_out
         if not (len(in_axes) == len(in_dirs) == m and len(out_axes) == len(out_dirs) == k_out):
             raise ValueError(f"scan_input_axes/directions need {m} entries and scan_output_axes/directions"
                              f" {k_out}; got {len(in_axes)}/{len(in_dirs)}, {len(out_axes)}/{len(out_dirs)}")
@@ -191,7 +198,51 @@ class Scan(ControlFlow):
         stacked = []
         for k, (lst, a, d) in enumerate(zip(outs, out_axes, out_dirs)):
             stacked.append(_stack(lst[::-1] if d else lst, a, steps, lambda k=k: body.empty_output(n + k)))
-        return (*states, *stacked)
+        return [*states, *stacked]
+
+
+class Scan8(Scan):
+    """Scan before opset 9: every state and scan input has a leading batch axis (the scan inputs' second
+    axis is the sequence), an optional first input gives each batch entry's sequence length, and scan
+    outputs are (batch, sequence, ...) with zeros past an entry's length."""
+
+    def compute(self, inputs: Inputs, attrs: Attrs) -> Outputs:
+        own, captured = self.split(inputs)
+        lens, own = own[0], own[1:]
+        m = attrs["num_scan_inputs"]
+        n = len(own) - m
+        states, xs = own[:n], own[n:]
+        dirs = list(attrs.get("directions") or [0] * m)
+        if len(dirs) != m:
+            raise ValueError(f"directions needs {m} entries, got {len(dirs)}")
+        batch = {v.shape[0] for v in (*states, *xs) if np.ndim(v)}
+        if len(batch) != 1 or any(np.ndim(v) == 0 for v in (*states, *xs)):
+            raise ValueError(f"states and scan inputs need one common batch axis, got sizes {sorted(batch)}")
+        b = batch.pop()
+        longest = xs[0].shape[1] if xs and xs[0].ndim > 1 else 0
+        if lens is None:
+            lens = np.full(b, longest, np.int64)
+        lens = np.asarray(lens).reshape(-1)
+        if lens.shape != (b,) or lens.min(initial=0) < 0 or lens.max(initial=0) > longest:
+            raise ValueError(f"sequence_lens {lens.tolist()} must give {b} lengths in [0, {longest}]")
+        k_out = len(self.bodies["body"].outputs) - n
+        per_entry = []
+        for i in range(b):
+            t = int(lens[i])
+            per_entry.append(self.scan([s[i] for s in states], [x[i, :t] for x in xs], captured,
+                                       [0] * m, dirs, [0] * k_out, [0] * k_out))
+        body = self.bodies["body"]
+        if not b:  # an empty batch: the states as given, empty scan outputs
+            empty = [body.empty_output(k) for k in range(n, n + k_out)]
+            return [*states, *(np.zeros((0, longest, *e.shape[1:]), e.dtype) for e in empty)]
+        results: list[Any] = [np.stack([r[k] for r in per_entry]) for k in range(n)]
+        for k in range(n, n + k_out):
+            first = next((r[k] for r in per_entry if r[k].shape[0]), per_entry[0][k])
+            out = np.zeros((b, longest, *first.shape[1:]), first.dtype)
+            for i, r in enumerate(per_entry):
+                out[i, :r[k].shape[0]] = r[k]
+            results.append(out)
+        return results
 
 
 class SequenceMap(ControlFlow):
@@ -244,9 +295,9 @@ def compile_control_flow(node: onnx.NodeProto, model: onnx.ModelProto, opset: in
     where = f"node {node.name!r} ({node.op_type})"
     if node.op_type not in _KINDS:
         raise UnsupportedOpError(f"{where}: not a control-flow op ({', '.join(_KINDS)} are)")
-    if node.op_type == "Scan" and opset < 9:
-        raise UnsupportedOpError(f"{where}: Scan before opset 9 (with a batch axis) is not supported")
     kind, names = _KINDS[node.op_type]
+    if kind is Scan and opset < 9:
+        kind = Scan8
     graphs = {a.name: a.g for a in node.attribute if a.type == AttributeProto.GRAPH}
     missing = [n for n in names if n not in graphs]
     if missing:

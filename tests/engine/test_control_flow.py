@@ -513,16 +513,51 @@ def test_errors_name_the_node() -> None:
         Plan(m)
 
 
-def test_scan_of_opset_8_is_a_clear_error() -> None:
+def test_scan_of_opset_8_matches_onnxruntime() -> None:
+    # opset 8: a batch axis on states and scan inputs, per-entry sequence_lens, a reversed scan input;
+    # scan outputs are zero past an entry's length
     body = helper.make_graph(
-        [helper.make_node("Add", ["s", "x"], ["s2"])],
+        [helper.make_node("Mul", ["x", "w"], ["xw"]), helper.make_node("Add", ["s", "xw"], ["s2"]),
+         helper.make_node("Sub", ["s2", "x"], ["o"])],
         "b",
-        [tensor("s", F, [1, 2]), tensor("x", F, [1, 2])],
-        [tensor("s2", F, [1, 2])],
+        [tensor("s", F, [2]), tensor("x", F, [2]), tensor("w", F, [2])],
+        [tensor("s2", F, [2]), tensor("o", F, [2])],
     )
-    node = helper.make_node("Scan", ["", "s0", "xs"], ["s"], name="old_scan", num_scan_inputs=1, body=body)
-    g = helper.make_graph(
-        [node], "g", [tensor("s0", F, [1, 2]), tensor("xs", F, [1, 3, 2])], [tensor("s", F, None)]
-    )
-    with pytest.raises(UnsupportedOpError, match="old_scan.*Scan before opset 9"):
-        Plan(helper.make_model(g, opset_imports=[helper.make_opsetid("", 8)]))
+    node = helper.make_node("Scan", ["lens", "s0", "xs", "ws"], ["s", "os"], num_scan_inputs=2,
+                            directions=[0, 1], body=body)
+    m = model_of([node], [tensor("lens", I64, [3]), tensor("s0", F, [3, 2]), tensor("xs", F, [3, 4, 2]),
+                          tensor("ws", F, [3, 4, 2])], [tensor("s", F, [3, 2]), tensor("os", F, [3, 4, 2])],
+                 opset=8)
+    rng = np.random.default_rng(0)
+    feeds = {"s0": rng.standard_normal((3, 2)).astype(np.float32),
+             "xs": rng.standard_normal((3, 4, 2)).astype(np.float32),
+             "ws": rng.standard_normal((3, 4, 2)).astype(np.float32)}
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    for lens in ([4, 2, 1], [4, 4, 4]):
+        f = {**feeds, "lens": np.array(lens, np.int64)}
+        for ours, theirs in zip(Plan(m).run(f), sess.run(None, f)):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+    # sequence_lens omitted: every entry runs the whole sequence
+    node.input[0] = ""
+    m_all = model_of([node], list(m.graph.input)[1:], list(m.graph.output), opset=8)
+    np.testing.assert_allclose(Plan(m_all).run(feeds)[1],
+                               sess.run(None, {**feeds, "lens": np.array([4, 4, 4], np.int64)})[1],
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_gradient_through_a_scan_of_opset_8_is_a_clear_error() -> None:
+    """onnx's version converter drops Scan-8's batch axis from the declared shapes without squeezing the
+    data, so the gradient builder refuses such models by name instead of building a wrong graph."""
+    from onnxtrain.autodiff import build_gradient_model
+    from onnxtrain.autodiff.builder import GradientError
+
+    body = helper.make_graph(
+        [helper.make_node("Add", ["s", "x"], ["s2"]), helper.make_node("Identity", ["s2"], ["o"])],
+        "b", [tensor("s", F, [2]), tensor("x", F, [2])], [tensor("s2", F, [2]), tensor("o", F, [2])])
+    node = helper.make_node("Scan", ["", "s0", "xs"], ["s", "os"], num_scan_inputs=1, body=body,
+                            name="scan8")
+    red = helper.make_node("ReduceSum", ["os"], ["loss"], keepdims=0)
+    m = model_of([node, red], [tensor("s0", F, [1, 2]), tensor("xs", F, [1, 3, 2])],
+                 [tensor("loss", F, []), tensor("s", F, [1, 2])], opset=8)
+    with pytest.raises(GradientError, match="scan8.*opset 9"):
+        build_gradient_model(m, "loss", ["xs"])

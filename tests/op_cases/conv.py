@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from tests.op_cases import OpCase
 
 # onnx.reference cannot be the oracle of these gradient graphs
@@ -131,4 +133,25 @@ CASES += [
         {"strides": [2, 3], "dilations": [2, 1], "pads": [1, 0, 2, 1], "output_padding": [1, 2]},
         variant="grad_stride_dil_outpad",
     ),
+]
+
+
+def _col2im(n: int, c: int, image: tuple[int, ...], block: tuple[int, ...], blocks: int):
+    """Col2Im inputs: X (n, c·prod(block), blocks), image_shape and block_shape (int64)."""
+
+    def make(rng: np.random.Generator, dt) -> list:
+        x = rng.uniform(-2, 2, (n, c * int(np.prod(block)), blocks)).astype(dt)
+        return [x, np.array(image, np.int64), np.array(block, np.int64)]
+
+    return make
+
+
+# Col2Im (N-D); the 2-D rows are also checked against torch's fold in tests/engine/test_conv_pool_resize.py
+CASES += [
+    OpCase("Col2Im", make_inputs=_col2im(2, 2, (4, 5), (2, 2), 12), wrt=(0,), opset=18),
+    OpCase("Col2Im", make_inputs=_col2im(1, 3, (5, 6), (2, 3), 6), attrs={"strides": [2, 2],
+           "pads": [1, 0, 0, 1], "dilations": [1, 2]}, wrt=(0,), opset=18, variant="strides_pads_dil"),
+    OpCase("Col2Im", make_inputs=_col2im(2, 1, (7,), (3,), 3), attrs={"strides": [2], "pads": [1, 0]},
+           wrt=(0,), opset=18, variant="1d"),
+    OpCase("Col2Im", make_inputs=_col2im(1, 2, (3, 4, 3), (2, 2, 2), 12), wrt=(0,), opset=18, variant="3d"),
 ]

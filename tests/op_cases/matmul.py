@@ -56,3 +56,12 @@ CASES += [
     OpCase("Einsum", [(3, 3)], attrs={"equation": "ii"}, variant="grad_trace"),
     OpCase("Einsum", [(3, 3, 2)], attrs={"equation": "iij->ji"}, variant="grad_diag_batch"),
 ]
+
+# Det: batched; its gradient is dY·cof(X), the cofactors as determinants of the minors
+CASES += [
+    OpCase("Det", [(3, 3)], opset=11),
+    OpCase("Det", [(2, 3, 4, 4)], opset=11, variant="batch_4x4"),
+    OpCase("Det", [(2, 2)], variant="grad_2x2"),
+    OpCase("Det", [(3, 1, 1)], variant="grad_1x1"),
+    OpCase("Det", [(2, 5, 5)], variant="grad_batch_5x5"),
+]

@@ -93,3 +93,14 @@ CASES += [
 CASES += [
     OpCase("InstanceNormalization", [(2, 3, 2, 3), (3,), (3,)], attrs={"epsilon": 1e-3}, variant="grad_v17"),
 ]
+
+# LRN: onnx.reference's LRN loops over the batch axis where it means the channels, so it is only right when
+# N == C (tests/engine/test_normalization.py checks other shapes and the gradient against torch)
+CASES += [
+    OpCase("LRN", [(3, 3, 2, 2)], attrs={"size": 3}, opset=13),
+    OpCase("LRN", [(4, 4, 3, 2)], attrs={"size": 2, "alpha": 0.5, "beta": 0.6, "bias": 2.0}, opset=13,
+           variant="even_size"),
+    OpCase("LRN", [(5, 5, 2, 1)], attrs={"size": 4, "alpha": 1.5, "beta": 1.2, "bias": 0.5}, opset=13,
+           variant="wide_window"),
+    OpCase("LRN", [(2, 2, 3, 3)], attrs={"size": 1, "alpha": 0.8}, opset=13, variant="size1"),
+]

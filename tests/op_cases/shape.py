@@ -295,3 +295,12 @@ CASES += [
         variant="grad_lower_tall",
     ),
 ]
+
+# CenterCropPad: crops and pads (odd differences put the extra element at the end), with and without axes
+CASES += [
+    OpCase("CenterCropPad", make_inputs=_x(5, 4, 3)(_i64(3, 7, 3)), wrt=(0,), opset=18),
+    OpCase("CenterCropPad", make_inputs=_x(2, 6, 5)(_i64(3, 8)), attrs={"axes": [1, -1]}, wrt=(0,),
+           opset=18, variant="axes_crop_pad_odd"),
+    OpCase("CenterCropPad", make_inputs=_x(3, 4, 2)(_i64(6, 1)), attrs={"axes": [2, 0]}, wrt=(0,),
+           opset=18, variant="axes_unordered"),
+]

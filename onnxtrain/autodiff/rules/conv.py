@@ -1,15 +1,17 @@
-"""Gradient rules of Conv and ConvTranspose (same names as engine/kernels/conv.py).
+"""Gradient rules of Conv, ConvTranspose and Col2Im (same names as engine/kernels/conv.py).
 
 Both are linear in each argument, so each gradient is again a (transposed) convolution:
 Conv's dX is a ConvTranspose of dY with the same W, ConvTranspose's dX a Conv of dY with the same W,
 and either op's dW a Conv in which the batch axis plays the channel axis (strides and dilations
-swapped), cropped to the kernel size.
+swapped), cropped to the kernel size. Col2Im's adjoint is im2col: a Conv of dY with one-hot kernels.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
@@ -349,3 +351,27 @@ def conv_transpose_grad(g: GradCtx) -> None:
         )
     if g.has_x(2) and g.needs_dx(2):
         g.set_dx(2, bias_grad(g, geo.nd))
+
+
+@gradient("Col2Im", uses=("x1", "x2"), stop=(1, 2), linear=True)
+def col2im_grad(g: GradCtx) -> None:
+    # Y[n, c, p] sums X[n, c·K + k, l] over the (block offset k, block l) landing on p, so dX is the im2col
+    # of dY: dX[n, c·K + k, l] = dY_padded[n, c, l·s + k·d]. With the channels moved into the batch, that
+    # is a Conv of dY (N·C, 1, *image) with K one-hot kernels W[k, 0, κ] = [κ = k], reshaped to X's shape
+    image, block = g.constant_value(1), g.constant_value(2)
+    if image is not None:
+        shape = g.ints([-1, 1, *np.asarray(image).reshape(-1).tolist()])
+    else:
+        shape = g.emit("Concat", g.ints([-1, 1]), g.x(1), axis=0)
+    dy = g.emit("Reshape", g.dy(0), shape)
+    if block is not None:
+        b = [int(v) for v in np.asarray(block).reshape(-1)]
+        k = int(np.prod(b))
+        w = g.const(np.eye(k).reshape(k, 1, *b))
+    else:
+        k = g.emit("ReduceProd", g.x(2), keepdims=1)  # (1,)
+        eye = g.emit("EyeLike", g.emit("ConstantOfShape", g.emit("Concat", k, k, axis=0)), dtype=g.dtype)
+        w = g.emit("Reshape", eye, g.emit("Concat", k, g.ints([1]), g.x(2), axis=0))
+    cols = g.emit("Conv", dy, w, **_attrs(strides=g.attr("strides"), pads=g.attr("pads"),
+                                          dilations=g.attr("dilations")))
+    g.set_dx(0, g.emit("Reshape", cols, g.shape(0)))

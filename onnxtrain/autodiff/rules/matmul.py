@@ -1,10 +1,11 @@
-"""Gradient rules of MatMul, Gemm and Einsum (same names as engine/kernels/matmul.py)."""
+"""Gradient rules of MatMul, Gemm, Einsum and Det (same names as engine/kernels/matmul.py)."""
 
 from __future__ import annotations
 
 import string
 
 import numpy as np
+from onnx import TensorProto
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
@@ -203,3 +204,27 @@ def einsum_grad(g: GradCtx) -> None:
             if shape is None or any(shape[p] != 1 for p in missing):
                 grad = g.emit("Expand", grad, g.shape(i))
         g.set_dx(i, grad)
+
+
+@gradient("Det", uses=("x0",))
+def det_grad(g: GradCtx) -> None:
+    # Y = det(X):  dX = dY·cof(X), the cofactor matrix cof(X)[i, j] = (−1)^(i+j)·det(X without row i and
+    # column j), which equals det(X)·inv(X)ᵀ where X is invertible and stays right where it is not.
+    # The n² minors come from two Gathers of X and one batched Det (n must be static)
+    xs = g.static_shape(0)
+    if xs is None or len(xs) < 2 or xs[-1] is None:
+        raise RuleError("Det gradient needs the rank and the static matrix size of its input")
+    r, n = len(xs), int(xs[-1])  # type: ignore[arg-type]
+    dy = g.emit("Unsqueeze", g.dy(0), g.ints([-2, -1]))  # (..., 1, 1)
+    if n == 1:
+        g.set_dx(0, g.emit("Expand", dy, g.shape(0)))
+        return
+    keep = np.array([[k for k in range(n) if k != i] for i in range(n)], np.int64)  # (n, n − 1)
+    idx = g.const(keep, TensorProto.INT64)
+    rows = g.emit("Gather", g.x(0), idx, axis=r - 2)  # (..., i, n − 1, n)
+    minors = g.emit("Gather", rows, idx, axis=r)  # (..., i, n − 1, j, n − 1)
+    # (..., i, j, n − 1, n − 1)
+    minors = g.emit("Transpose", minors, perm=[*range(r - 2), r - 2, r, r - 1, r + 1])
+    sign = np.fromfunction(lambda i, j: (-1.0) ** (i + j), (n, n))
+    cof = g.emit("Mul", g.emit("Det", minors), g.const(sign))
+    g.set_dx(0, g.emit("Mul", dy, cof))

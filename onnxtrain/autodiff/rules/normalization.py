@@ -290,3 +290,41 @@ def mean_variance_norm_grad(g: GradCtx) -> None:
     second = g.emit("Div", g.emit("Mul", xc, _reduce_mean(g, g.emit("Mul", dy, xc), axes)),
                     g.emit("Mul", s, g.emit("Mul", d, d)))
     g.set_dx(0, g.emit("Sub", first, second))
+
+
+# ---------------------------------------------------------------- LRN
+
+
+def _channel_window_sum(g: GradCtx, t: str, before: int, after: int) -> str:
+    """out[:, c] = Σ t[:, c − before … c + after] along axis 1 (zero outside the channels), ``t`` of the
+    input's rank: Pad, then one Slice per window offset (LRN windows are a few channels wide)."""
+    width = before + after
+    if width == 0:
+        return t
+    r = g.rank(0)
+    if r is None:
+        raise RuleError("LRN gradient needs the rank of its input")
+    pads = [0] * (2 * r)
+    pads[1], pads[r + 1] = before, after
+    padded = g.emit("Pad", t, g.ints(pads))
+    # offset k keeps padded[:, k : k + C], i.e. up to k − width from the end
+    parts = [g.emit("Slice", padded, g.ints([k]), g.ints([k - width if k < width else 2**62]), g.ints([1]))
+             for k in range(width + 1)]
+    return g.emit("Sum", *parts)
+
+
+@gradient("LRN", uses=("x0",))
+def lrn_grad(g: GradCtx) -> None:
+    # Y = X·D^−β, D = bias + (α/n)·S, S[c] = Σ X[i]² over the window i ∈ [c − (n−1)//2, c + n//2]:
+    # dX = dY·D^−β − (2αβ/n)·X·S′(dY·X·D^−β/D), where S′ sums over the mirrored window
+    # i ∈ [c − n//2, c + (n−1)//2] (the channels whose window holds c)
+    size, alpha, beta = g.attr("size"), g.attr("alpha"), g.attr("beta")
+    x = g.x(0)
+    s = _channel_window_sum(g, g.emit("Mul", x, x), (size - 1) // 2, size // 2)
+    d = g.emit("Add", g.emit("Mul", s, g.const(alpha / size)), g.const(g.attr("bias")))
+    p = g.emit("Pow", d, g.const(-beta))  # D^−β
+    dy = g.dy(0)
+    u = g.emit("Div", g.emit("Mul", g.emit("Mul", dy, x), p), d)
+    back = _channel_window_sum(g, u, size // 2, (size - 1) // 2)
+    cross = g.emit("Mul", g.emit("Mul", x, back), g.const(2 * alpha * beta / size))
+    g.set_dx(0, g.emit("Sub", g.emit("Mul", dy, p), cross))

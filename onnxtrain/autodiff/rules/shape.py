@@ -303,3 +303,20 @@ def trilu_grad(g: GradCtx) -> None:
     # the same triangular mask applied to dY
     g.set_dx(0, g.emit("Trilu", g.dy(0), *_inputs(g, (1,)), upper=g.attr("upper")))
 
+
+
+@gradient("CenterCropPad", stop=(1,), linear=True)
+def center_crop_pad_grad(g: GradCtx) -> None:
+    # a crop keeps X[b : b + t] with b = (d − t)//2 and a pad puts X at Y[b : b + d] with b = (t − d)//2:
+    # either way dX is dY center-cropped/padded back to X's sizes, whose offsets are the same b
+    axes = g.attr("axes")
+    xs = g.static_shape(0)
+    rank = len(xs) if xs is not None else g.rank(0)
+    idx = list(range(rank)) if axes is None and rank is not None else None if axes is None else list(axes)
+    if idx is None:
+        raise RuleError("CenterCropPad gradient without axes needs the rank of its input")
+    if xs is not None and all(xs[a] is not None for a in idx):
+        target = g.ints([xs[a] for a in idx])  # type: ignore[misc]
+    else:
+        target = g.emit("Gather", g.shape(0), g.ints(idx), axis=0)
+    g.set_dx(0, g.emit("CenterCropPad", g.dy(0), target, **({} if axes is None else {"axes": idx})))

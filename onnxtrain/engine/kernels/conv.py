@@ -1,5 +1,5 @@
-"""Convolution kernels: Conv (im2col on a strided view + one batched BLAS matmul) and ConvTranspose
-(matmul + col2im by strided adds, one per kernel offset).
+"""Convolution kernels: Conv (im2col on a strided view + one batched BLAS matmul), ConvTranspose
+(matmul + col2im by strided adds, one per kernel offset) and Col2Im (the same strided adds).
 
 The geometry of a node (pads, output size, window strides, slices) depends only on the input shapes,
 so it is computed once per shape and kept in ``attrs.cache``. The helpers ``spatial_attrs`` and
@@ -297,3 +297,52 @@ def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
     if b is not None:
         y += b.reshape((m,) + (1,) * nd)
     return (y,)
+
+
+# -------------------------------------------------------------------------------------------- Col2Im
+
+def _col2im_geometry(attrs: Attrs, xs: tuple[int, ...], image: list[int], block: list[int]) -> dict[str, Any]:
+    nd = len(image)
+    if nd < 1 or len(block) != nd:
+        raise ValueError(f"Col2Im: image_shape {image} and block_shape {block} must be non-empty and of "
+                         "equal length")
+    if len(xs) != 3:
+        raise ValueError(f"Col2Im: the input must be (N, C * prod(block_shape), L), got shape {list(xs)}")
+    if min(block) < 1 or min(image) < 0:
+        raise ValueError(f"Col2Im: bad block_shape {block} or image_shape {image}")
+    strides, dil = spatial_attrs(attrs, nd)
+    pads = list(attrs.get("pads") or [0] * (2 * nd))
+    if len(pads) != 2 * nd or min(pads) < 0:
+        raise ValueError(f"Col2Im: pads {pads} must be {2 * nd} non-negative values")
+    K = int(np.prod(block))
+    if xs[1] % K:
+        raise ValueError(f"Col2Im: input channels {xs[1]} are not a multiple of prod(block_shape) = {K}")
+    padded = [image[i] + pads[i] + pads[nd + i] for i in range(nd)]
+    grid = [(padded[i] - (block[i] - 1) * dil[i] - 1) // strides[i] + 1 for i in range(nd)]
+    if min(grid) < 1 or int(np.prod(grid)) != xs[2]:
+        raise ValueError(f"Col2Im: the input has {xs[2]} blocks, image_shape {image}, block_shape {block}, "
+                         f"pads, strides and dilations give {grid}")
+    # for each block offset, where its grid of values lands in the padded image
+    steps = []
+    for j, kk in enumerate(itertools.product(*(range(v) for v in block))):
+        dst = tuple(slice(kk[i] * dil[i], kk[i] * dil[i] + (grid[i] - 1) * strides[i] + 1, strides[i])
+                    for i in range(nd))
+        steps.append((j, dst))
+    crop = tuple(slice(pads[i], pads[i] + image[i]) for i in range(nd))
+    return {"c": xs[1] // K, "K": K, "grid": grid, "padded": padded, "steps": steps, "crop": crop}
+
+
+@kernel("Col2Im", since=18)
+def col2im(inputs: Inputs, attrs: Attrs) -> Outputs:
+    # Y[n, c, p] = sum over (block offset k, block l) that put X[n, c*K + k, l] at padded position p
+    x = inputs[0]
+    image = [int(v) for v in np.asarray(inputs[1]).reshape(-1)]
+    block = [int(v) for v in np.asarray(inputs[2]).reshape(-1)]
+    g = attrs.cached((x.shape, tuple(image), tuple(block)),
+                     lambda: _col2im_geometry(attrs, x.shape, image, block))
+    n, c, K = x.shape[0], g["c"], g["K"]
+    cols = x.reshape((n, c, K, *g["grid"]))
+    y = np.zeros((n, c, *g["padded"]), dtype=x.dtype)
+    for j, dst in g["steps"]:
+        y[(slice(None), slice(None)) + dst] += cols[:, :, j]
+    return (np.ascontiguousarray(y[(Ellipsis,) + g["crop"]]),)

@@ -1,4 +1,4 @@
-"""Matrix products: MatMul, Gemm and Einsum.
+"""Matrix products: MatMul, Gemm and Einsum; the determinant (Det).
 
 Half-precision operands (float16, bfloat16) are multiplied in float32 and rounded back, since numpy
 has no BLAS path for them.
@@ -186,3 +186,13 @@ def einsum(inputs: Inputs, attrs: Attrs) -> Outputs:
     if not isinstance(y, np.ndarray) or y.dtype != dt:
         y = np.asarray(y).astype(dt, copy=False)
     return (y,)
+
+
+@kernel("Det", since=11)
+def det(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    if x.ndim < 2 or x.shape[-1] != x.shape[-2]:
+        raise ValueError(f"Det needs square matrices (..., M, M), got shape {list(x.shape)}")
+    if _low_precision(x.dtype):
+        return (np.asarray(np.linalg.det(x.astype(_F32))).astype(x.dtype),)
+    return (np.asarray(np.linalg.det(x), dtype=x.dtype),)

@@ -1,4 +1,4 @@
-"""Softmax, LogSoftmax and the normalizations (Layer, Batch, Instance, Group, Lp, MeanVariance).
+"""Softmax, LogSoftmax and the normalizations (Layer, Batch, Instance, Group, Lp, MeanVariance, LRN).
 
 Statistics of float16/bfloat16 inputs are computed in float32 (LayerNormalization's and
 GroupNormalization's ``stash_type``); outputs keep the input dtype.
@@ -375,3 +375,32 @@ def mean_variance_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
     std += 1e-9  # the epsilon of the ONNX function body
     d /= std
     return (_back(d, x.dtype),)
+
+
+# ---------------------------------------------------------------- local response
+
+
+def _channel_window_sum(x: np.ndarray, before: int, after: int) -> np.ndarray:
+    """out[:, c] = sum of x[:, c - before : c + after + 1] along axis 1, clipped to the channels."""
+    c = x.shape[1]
+    padded = np.zeros((x.shape[0], c + before + after, *x.shape[2:]), dtype=x.dtype)
+    padded[:, before:before + c] = x
+    out = padded[:, :c].copy()
+    for k in range(1, before + after + 1):
+        out += padded[:, k:k + c]
+    return out
+
+
+@kernel("LRN", since=1)
+def lrn(inputs: Inputs, attrs: Attrs) -> Outputs:
+    # Y = X / (bias + alpha/size * S)^beta, S[c] = sum of X[i]^2 over i in [c - (size-1)//2, c + size//2]
+    x = inputs[0]
+    size = attrs.get("size")
+    if size is None or size < 1:
+        raise ValueError(f"LRN: size must be a positive integer, got {size}")
+    if x.ndim < 2:
+        raise ValueError(f"LRN: the input must be (N, C, ...), got shape {list(x.shape)}")
+    w = _work(x)
+    s = _channel_window_sum(w * w, (size - 1) // 2, size // 2)
+    d = s * (attrs["alpha"] / size) + attrs["bias"]
+    return (_back(w / d ** attrs["beta"], x.dtype),)

@@ -352,3 +352,40 @@ def trilu(inputs: Inputs, attrs: Attrs) -> Outputs:
     k = _opt_input(inputs, 1)
     k = 0 if k is None else int(np.asarray(k).reshape(-1)[0])
     return ((np.triu if attrs["upper"] else np.tril)(x, k),)
+
+
+def _center_crop_pad_plan(shape: tuple[int, ...], target: list[int], axes: list[int] | None
+                          ) -> tuple[tuple[int, ...], tuple[slice, ...], tuple[slice, ...]]:
+    """(output shape, slices of the input kept, slices of the output they fill)."""
+    rank = len(shape)
+    axes = list(range(rank)) if axes is None else [_axis(a, rank) for a in axes]
+    if len(target) != len(axes) or len(set(axes)) != len(axes):
+        raise ValueError(f"CenterCropPad: shape {target} must give one size per axis of {axes} "
+                         "(distinct axes)")
+    out = list(shape)
+    src = [slice(None)] * rank
+    dst = [slice(None)] * rank
+    for a, t in zip(axes, target):
+        d = shape[a]
+        if t < 0:
+            raise ValueError(f"CenterCropPad: negative size {t} in shape {target}")
+        out[a] = t
+        if t < d:  # crop: keep the centre, one more element off the end when the difference is odd
+            b = (d - t) // 2
+            src[a] = slice(b, b + t)
+        elif t > d:  # pad: the input goes in the centre, one more zero at the end when odd
+            b = (t - d) // 2
+            dst[a] = slice(b, b + d)
+    return tuple(out), tuple(src), tuple(dst)
+
+
+@kernel("CenterCropPad", since=18)
+def center_crop_pad(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x = inputs[0]
+    axes = attrs.get("axes")
+    out, src, dst = _memo(attrs, (x.shape, _key(inputs[1])),
+                          lambda: _center_crop_pad_plan(x.shape, _ints(inputs[1]),
+                                                        None if axes is None else list(axes)))
+    y = np.zeros(out, dtype=x.dtype)
+    y[dst] = x[src]
+    return (y,)
