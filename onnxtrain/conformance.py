@@ -1,6 +1,6 @@
 """Run ONNX's node conformance cases against the engine: ``python -m onnxtrain.conformance``.
 
-Prints ``N of M passed`` for the tier-1 and tier-2 ops of the op-coverage plan, and, with
+Prints ``N of M passed`` for the ops of the op-coverage plan (tiers 1 to 3), and, with
 ``--per-op`` or ``--failures``, what failed and why.
 """
 
@@ -215,8 +215,17 @@ TIER3 = [
 ]
 TIERS = {"1": TIER1, "2": TIER2, "3": TIER3}
 
-# Cases we do not pass, each with its reason (kept in one place; the test module reads it). None today.
-EXPECTED_FAILURES: dict[str, str] = {}
+# Cases we do not pass, each with its reason (kept in one place; the test module reads it)
+_RANDOM = ("compares exact random draws (numpy's legacy global RandomState); ONNX fixes no sampling "
+           "algorithm, and the runner reseeds the engine first so that a chance match cannot occur")
+_CODECS = ("no image codecs: the dependencies are numpy, onnx, protobuf and mpi4py; the plan refuses the op "
+           "by name")
+EXPECTED_FAILURES: dict[str, str] = {
+    **{f"test_bernoulli{v}{e}": _RANDOM for v in ("", "_double", "_seed") for e in ("", "_expanded")},
+    **{f"test_image_decoder_decode_{f}": _CODECS
+       for f in ("jpeg_rgb", "jpeg_grayscale", "jpeg_bgr", "jpeg2k_rgb", "bmp_rgb", "png_rgb", "tiff_rgb",
+                 "webp_rgb", "pnm_rgb")},
+}
 
 
 def load_cases(ops: Iterable[str]) -> list:
@@ -239,6 +248,7 @@ def run_case(case) -> None:
     from onnx.backend.test.runner import Runner, _normalize_tensor
 
     from onnxtrain.backend import OnnxtrainBackend
+    from onnxtrain.engine.kernels.random import set_random_seed
 
     def similar(want: list, got: list) -> None:
         # onnx's runner compares sequence elements as if each were a list of outputs (a 0-d one fails):
@@ -254,15 +264,19 @@ def run_case(case) -> None:
             else:
                 Runner.assert_similar_outputs([w], [g], case.rtol, case.atol)
 
-    rep = OnnxtrainBackend.prepare(case.model)
-    for ins, outs in case.data_sets:
-        got = rep.run([_normalize_tensor(x) for x in ins])
-        similar([_normalize_tensor(x) for x in outs], list(got))
+    set_random_seed(0)  # unseeded random ops draw the same values each time (see EXPECTED_FAILURES)
+    try:
+        rep = OnnxtrainBackend.prepare(case.model)
+        for ins, outs in case.data_sets:
+            got = rep.run([_normalize_tensor(x) for x in ins])
+            similar([_normalize_tensor(x) for x in outs], list(got))
+    finally:
+        set_random_seed(None)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m onnxtrain.conformance", description=__doc__)
-    p.add_argument("--tier", default="1,2", help="tiers to run, e.g. 1 or 1,2")
+    p.add_argument("--tier", default="1,2,3", help="tiers to run, e.g. 1 or 1,2")
     p.add_argument("--ops", default="", help="comma-separated op names (overrides --tier)")
     p.add_argument("--per-op", action="store_true", help="print passed/total per op")
     p.add_argument("--failures", action="store_true", help="print each failure and its error")

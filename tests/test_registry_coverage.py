@@ -21,6 +21,11 @@ NO_ROW = {
     "Scan": "a body, not arrays: tests/autodiff/test_control_flow_grad.py, tests/engine/test_control_flow.py",
     "SequenceMap": "a body over sequences: tests/autodiff/test_control_flow_grad.py",
 }
+NO_ROW.update({op: "string outputs; tests/engine/test_text.py (onnxruntime) and the conformance suite"
+               for op in ("StringConcat", "StringNormalizer", "StringSplit")})
+NO_ROW.update({op: "random outputs; statistical tests in tests/engine/test_random.py"
+               for op in ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
+                          "Bernoulli", "Multinomial")})
 # sequence and optional values are lists and None, which the op table's rows (arrays) cannot hold
 SEQUENCE_OPS = ("SequenceEmpty", "SequenceConstruct", "SequenceInsert", "SequenceAt", "SequenceErase",
                 "SequenceLength", "ConcatFromSequence", "SplitToSequence", "Optional", "OptionalHasElement",

@@ -95,7 +95,7 @@ def test_op_without_rule_names_node_and_op() -> None:
     w = numpy_helper.from_array(np.ones((1, 1, 2, 2)), "w")
     nodes = [
         helper.make_node("Mul", ["x", "w"], ["a"]),
-        helper.make_node("LRN", ["a"], ["b"], size=1, name="my_lrn"),
+        helper.make_node("MyNorm", ["a"], ["b"], name="my_norm", domain="my.ops"),  # a custom op: no rule
         helper.make_node("ReduceSum", ["b"], ["loss"], keepdims=0),
     ]
     m = _model(
@@ -104,7 +104,9 @@ def test_op_without_rule_names_node_and_op() -> None:
         [helper.make_tensor_value_info("loss", T.DOUBLE, [])],
         [w],
     )
-    with pytest.raises(GradientError, match=r"'my_lrn' \(LRN\).*ops with rules: .*Add"):
+    m.opset_import.append(helper.make_opsetid("my.ops", 1))
+    m.graph.value_info.append(helper.make_tensor_value_info("b", T.DOUBLE, [1, 1, 2, 2]))
+    with pytest.raises(GradientError, match=r"'my_norm' \(MyNorm\).*ops with rules: .*Add"):
         build_gradient_model(m, "loss", ["w"])
 
 

@@ -3,9 +3,10 @@
 Dropout draws its mask from a numpy Generator kept in the node's cache, so successive runs draw
 new masks. A node with a ``seed`` attribute seeds its own generator and draws uniform doubles,
 the same stream as numpy's legacy ``np.random.seed(seed)`` that ONNX's reference cases use. The
-unseeded nodes (the usual case in training) draw from generators spawned off one module-level
-seed that :func:`set_dropout_seed` resets, and use 8 or 16 random bits per element, which is
-several times faster (the drop probability is then ``ratio`` rounded to a multiple of 1/65536).
+unseeded nodes (the usual case in training) draw from generators spawned off the random ops'
+module-level seed, which :func:`set_dropout_seed` (:func:`onnxtrain.engine.kernels.random.set_random_seed`)
+resets, and use 8 or 16 random bits per element, which is several times faster (the drop probability is
+then ``ratio`` rounded to a multiple of 1/65536).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from onnxtrain.engine.kernels.indexing import in_range, row_starts
 from onnxtrain.engine.kernels.normalization import log_softmax_along, row_sum
+from onnxtrain.engine.kernels.random import set_random_seed, unseeded_generator
 from onnxtrain.engine.parallel import for_rows
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
@@ -140,34 +142,21 @@ def softmax_cross_entropy_loss(inputs: Inputs, attrs: Attrs) -> Outputs:
 
 # ---------------------------------------------------------------- dropout
 
-_unseeded: dict[str, Any] = {"seq": np.random.SeedSequence(), "epoch": 0}
-
-
-def set_dropout_seed(seed: int | None) -> None:
-    """Reseed every Dropout node that has no ``seed`` attribute (None: fresh OS entropy).
-
-    After this call the unseeded nodes draw the same masks, run after run, as after any other call
-    with the same seed (given the same graphs run in the same order).
-    """
-    _unseeded["seq"] = np.random.SeedSequence(seed)
-    _unseeded["epoch"] += 1
+# unseeded Dropout nodes draw from the random ops' seed sequence: one call reseeds both
+set_dropout_seed = set_random_seed
 
 
 def _generator(attrs: Attrs) -> np.random.Generator:
     cache = attrs.cache
     seed = attrs.get("seed")
-    if seed is not None:
-        gen = cache.get("rng")
-        if gen is None:
-            # numpy's legacy seeding, so masks match np.random.seed(seed) (ONNX's reference cases)
-            bits = np.random.MT19937()
-            bits.state = np.random.RandomState(int(seed) % 2**32).get_state(legacy=False)
-            gen = cache["rng"] = np.random.Generator(bits)
-        return gen
-    epoch, gen = cache.get("rng", (-1, None))
-    if epoch != _unseeded["epoch"]:
-        gen = np.random.Generator(np.random.PCG64(_unseeded["seq"].spawn(1)[0]))
-        cache["rng"] = (_unseeded["epoch"], gen)
+    if seed is None:
+        return unseeded_generator(cache)
+    gen = cache.get("rng")
+    if gen is None:
+        # numpy's legacy seeding, so masks match np.random.seed(seed) (ONNX's reference cases)
+        bits = np.random.MT19937()
+        bits.state = np.random.RandomState(int(seed) % 2**32).get_state(legacy=False)
+        gen = cache["rng"] = np.random.Generator(bits)
     return gen
 
 
