@@ -18,6 +18,7 @@ from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.patterns import find_erf_gelus, find_tanh_gelus
 from onnxtrain.autodiff.registry import find_rule, find_variant, has_no_gradient, ops_with_rules
 from onnxtrain.autodiff.rules.normalization import FROM_OUTPUT
+from onnxtrain.autodiff.rules.quantize import find_fake_quants
 from onnxtrain.ir.attrs import attribute_value, parse_attributes
 from onnxtrain.ir.builder import (
     FLOAT_TYPES,
@@ -251,7 +252,16 @@ def build_gradient_model(
     # forward reachability from wrt through differentiable, float-typed edges
     requires: set[str] = set(wrt)
     rules: dict[int, Any] = {}
+    # QuantizeLinear -> DequantizeLinear pairs (quantization-aware training): their integer edge carries the
+    # straight-through estimator from the DequantizeLinear's output to the QuantizeLinear's input
+    fakes = find_fake_quants(bw)
     for k, node in enumerate(bw.fwd_nodes):
+        fake = fakes.get(k)
+        if fake is not None:
+            if fake.x in requires:
+                rules[k] = fake
+                requires.add(node.output[0])
+            continue
         if has_no_gradient(node.op_type):
             continue
         rule = find_rule(node.op_type, bw.opset)
@@ -271,6 +281,8 @@ def build_gradient_model(
         node = bw.fwd_nodes[k]
         if k in rules and any(o in needed for o in node.output if o):
             on_path.append(k)
+            if k in fakes:
+                needed.add(fakes[k].x)
             stop = rules[k].stop if rules[k] else frozenset()
             for i, n in enumerate(node.input):
                 if n in requires and i not in stop:
@@ -288,6 +300,7 @@ def build_gradient_model(
     gelus: dict[int, Any] = {}
     if os.environ.get("ONNXTRAIN_GELU_GRAD", "1") != "0":
         gelus = {**find_tanh_gelus(bw), **find_erf_gelus(bw)}
+    gelus.update(fakes)  # these too get their gradient in one piece, at their last node
     if memory_efficient:
         _layer_norms_from_output(bw, rules, on_path, gelus)
 
