@@ -1,0 +1,174 @@
+"""GridSample, AffineGrid and DeformConv kernels on cases the op table cannot check against onnx.reference.
+
+onnx.reference knows only the opset-20 GridSample mode names, computes coordinates in float32 and
+clamps cubic coordinates beyond a border (torch and onnxruntime clamp only the taps); torch (float64)
+and onnxruntime are the oracles here, on plain random grids reaching beyond the image.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from onnxtrain.engine import compile_model
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+def _model(op: str, inputs: list[Any], opset: int, **attrs: Any) -> onnx.ModelProto:
+    names = [f"x{i}" if v is not None else "" for i, v in enumerate(inputs)]
+    g_in = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+            for n, v in zip(names, inputs, strict=True) if n]
+    graph = helper.make_graph([helper.make_node(op, names, ["y"], **attrs)], op, g_in,
+                              [helper.make_empty_tensor_value_info("y")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+
+
+def _feeds(inputs: list[Any]) -> dict[str, Any]:
+    return {f"x{i}": v for i, v in enumerate(inputs) if v is not None}
+
+
+def _ours(op: str, inputs: list[Any], opset: int, **attrs: Any) -> np.ndarray:
+    return compile_model(_model(op, inputs, opset, **attrs)).run(_feeds(inputs))[0]
+
+
+def _ort(op: str, inputs: list[Any], opset: int, **attrs: Any) -> np.ndarray:
+    ort = pytest.importorskip("onnxruntime")
+    sess = ort.InferenceSession(_model(op, inputs, opset, **attrs).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    return sess.run(None, _feeds(inputs))[0]
+
+
+_TORCH_MODE = {"bilinear": "bilinear", "linear": "bilinear", "nearest": "nearest", "bicubic": "bicubic",
+               "cubic": "bicubic"}
+_CONFIGS = [(m, p, a) for m in ("bilinear", "nearest", "bicubic") for p in ("zeros", "border", "reflection")
+            for a in (0, 1)]
+
+
+@pytest.mark.parametrize("mode, padding, align", _CONFIGS, ids=[f"{m}-{p}-ac{a}" for m, p, a in _CONFIGS])
+def test_grid_sample_2d_matches_torch_and_ort(mode: str, padding: str, align: int) -> None:
+    rng = np.random.default_rng(len(mode) + len(padding) + align)
+    x = rng.standard_normal((2, 3, 5, 7))
+    grid = rng.uniform(-3, 3, (2, 4, 6, 2))  # reflects up to twice
+    attrs = {"mode": mode, "padding_mode": padding, "align_corners": align}
+    want = F.grid_sample(torch.tensor(x), torch.tensor(grid), mode=_TORCH_MODE[mode], padding_mode=padding,
+                         align_corners=bool(align)).numpy()
+    for opset, name in ((16, mode), (20, {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode))):
+        got = _ours("GridSample", [x, grid], opset, **{**attrs, "mode": name})
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"opset {opset}")
+    # onnxruntime has float32 kernels at opset 16
+    x32, g32 = x.astype(np.float32), grid.astype(np.float32)
+    np.testing.assert_allclose(_ours("GridSample", [x32, g32], 16, **attrs),
+                               _ort("GridSample", [x32, g32], 16, **attrs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["linear", "nearest"])
+@pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
+def test_grid_sample_3d_matches_torch(mode: str, padding: str) -> None:
+    rng = np.random.default_rng(len(padding))
+    x = rng.standard_normal((2, 2, 4, 3, 5))
+    grid = rng.uniform(-2.5, 2.5, (2, 3, 2, 4, 3))
+    for align in (0, 1):
+        got = _ours("GridSample", [x, grid], 20, mode=mode, padding_mode=padding, align_corners=align)
+        want = F.grid_sample(torch.tensor(x), torch.tensor(grid), mode=_TORCH_MODE[mode],
+                             padding_mode=padding, align_corners=bool(align)).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"align_corners={align}")
+
+
+def test_grid_sample_cubic_3d_matches_1d_composition() -> None:
+    """Tri-cubic sampling on a grid constant along two axes equals bicubic sampling of X summed with the
+    weights of those axes: with the points on pixel centres there (weight 1 on one pixel), it is 2-D
+    bicubic of one slice, which torch checks."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 2, 3, 5, 6))
+    g2 = rng.uniform(-1.5, 1.5, (1, 4, 3, 2))
+    depth = np.full((1, 4, 3, 1), 0.0)  # align_corners=1: the centre slice, index 1 of 3
+    grid = np.concatenate([g2, depth], axis=-1)[:, None]  # (1, 1, 4, 3, 3)
+    got = _ours("GridSample", [x, grid], 20, mode="cubic", padding_mode="border", align_corners=1)
+    want = F.grid_sample(torch.tensor(x[:, :, 1]), torch.tensor(g2), mode="bicubic", padding_mode="border",
+                         align_corners=True).numpy()
+    np.testing.assert_allclose(got[:, :, 0], want, rtol=1e-12, atol=1e-12)
+
+
+def test_grid_sample_mixed_dtypes_and_empty() -> None:
+    rng = np.random.default_rng(1)
+    x, grid = rng.standard_normal((1, 2, 4, 4)).astype(np.float32), rng.uniform(-1, 1, (1, 3, 2, 2))
+    want = F.grid_sample(torch.tensor(x, dtype=torch.float64), torch.tensor(grid), align_corners=False)
+    got = _ours("GridSample", [x, grid], 20)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+    assert _ours("GridSample", [x, grid[:, :0]], 20).shape == (1, 2, 0, 2)
+
+
+@pytest.mark.parametrize("bad, attrs, opset, match", [
+    ("grid_rank", {}, 20, "grid"),
+    ("grid_last", {}, 20, "grid"),
+    ("five_d", {}, 16, "4-D"),
+    ("mode", {"mode": "bilinear"}, 20, "mode"),
+])
+def test_grid_sample_errors(bad: str, attrs: dict[str, Any], opset: int, match: str) -> None:
+    x = np.zeros((1, 1, 3, 3, 3) if bad == "five_d" else (1, 1, 3, 3), dtype=np.float32)
+    grid = {"grid_rank": np.zeros((1, 2, 2), np.float32), "grid_last": np.zeros((1, 2, 2, 3), np.float32),
+            "five_d": np.zeros((1, 2, 2, 2, 3), np.float32), "mode": np.zeros((1, 2, 2, 2), np.float32)}[bad]
+    with pytest.raises(Exception, match=match) as info:
+        _ours("GridSample", [x, grid], opset, **attrs)
+    assert "GridSample" in str(info.value)
+
+
+@pytest.mark.parametrize("size", [(2, 3, 4, 5), (1, 1, 1, 6), (2, 2, 3, 4, 5), (1, 1, 3, 1, 2)], ids=str)
+def test_affine_grid_matches_torch(size: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(sum(size))
+    theta = rng.standard_normal((size[0], len(size) - 2, len(size) - 1))
+    for align in (0, 1):
+        if align and 1 in size[2:]:
+            continue  # torch puts a unit axis's point at 0 here, onnx.reference and the engine at -1
+        got = _ours("AffineGrid", [theta, np.array(size, dtype=np.int64)], 20, align_corners=align)
+        want = F.affine_grid(torch.tensor(theta), list(size), align_corners=bool(align)).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"align_corners={align}")
+
+
+_DEFORM = [  # group, offset_group, strides, pads, dilations, mask, bias
+    (1, 1, [1, 1], [0, 0, 0, 0], [1, 1], False, False),
+    (2, 2, [2, 1], [1, 0, 1, 2], [1, 2], True, True),
+    (1, 3, [1, 1], [1, 1, 1, 1], [2, 1], True, False),
+    (3, 1, [1, 2], [2, 1, 0, 1], [1, 1], False, True),
+]
+
+
+@pytest.mark.parametrize("group, og, strides, pads, dil, mask, bias", _DEFORM)
+def test_deform_conv_matches_ort(group, og, strides, pads, dil, mask, bias) -> None:
+    rng = np.random.default_rng(group * 10 + og)
+    n, c, h, w, m, k = 2, 6, 6, 7, 6, (3, 2)
+    out = [(h + pads[0] + pads[2] - (k[0] - 1) * dil[0] - 1) // strides[0] + 1,
+           (w + pads[1] + pads[3] - (k[1] - 1) * dil[1] - 1) // strides[1] + 1]
+    inputs = [rng.standard_normal((n, c, h, w)), rng.standard_normal((m, c // group, *k)),
+              rng.uniform(-3, 3, (n, og * 6 * 2, *out)), rng.standard_normal(m) if bias else None]
+    if mask:
+        inputs.append(rng.uniform(0, 1, (n, og * 6, *out)))
+    attrs = {"group": group, "offset_group": og, "strides": strides, "pads": pads, "dilations": dil}
+    got, want = _ours("DeformConv", inputs, 19, **attrs), _ort("DeformConv", inputs, 19, **attrs)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_deform_conv_zero_offsets_is_conv() -> None:
+    """With zero offsets and no mask DeformConv is Conv (torch's conv2d the oracle)."""
+    rng = np.random.default_rng(2)
+    x, w, b = rng.standard_normal((2, 4, 6, 5)), rng.standard_normal((6, 2, 3, 3)), rng.standard_normal(6)
+    off = np.zeros((2, 2 * 9 * 2, 3, 3))
+    got = _ours("DeformConv", [x, w, off, b], 19, group=2, offset_group=2, strides=[2, 1], pads=[1, 0, 0, 0],
+                dilations=[1, 1])
+    want = F.conv2d(F.pad(torch.tensor(x), (0, 0, 1, 0)), torch.tensor(w), torch.tensor(b), stride=(2, 1),
+                    groups=2).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_deform_conv_bad_offset_shape() -> None:
+    x, w = np.zeros((1, 2, 4, 4), np.float32), np.zeros((2, 2, 2, 2), np.float32)
+    with pytest.raises(Exception, match="offset") as info:
+        _ours("DeformConv", [x, w, np.zeros((1, 4, 3, 3), np.float32)], 19)
+    assert "DeformConv" in str(info.value)
