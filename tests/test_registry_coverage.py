@@ -41,9 +41,8 @@ NO_GRAD_ROW = {
         "onnx.reference cannot run its float64 forward; tests/autodiff/test_mvn_grad.py"
     ),
 }
-# kernels with neither a rule nor a no_gradient mark yet (tier 3)
+# kernels with neither a rule nor a no_gradient mark
 UNDECIDED = {
-    "MeanVarianceNormalization": "tier 3: no gradient rule yet (a path through it is a clear error)",
     "Upsample": "deprecated: autodiff upgrades models to opset >= 17 first, which makes it a Resize",
 }
 

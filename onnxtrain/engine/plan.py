@@ -179,7 +179,8 @@ class Plan(GraphInterface):
             else:
                 fn = find_kernel(node.op_type, self.opset, node.domain)
             if fn is None:
-                missing.append(f"{node.name!r} ({node.domain + '.' if node.domain else ''}{node.op_type})")
+                label = repr(node.name) if node.name else f"#{k} (unnamed)"
+                missing.append(f"{label} ({node.domain + '.' if node.domain else ''}{node.op_type})")
                 continue
             try:
                 values = parse_attributes(node, self.opset)
