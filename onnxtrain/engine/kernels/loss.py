@@ -17,7 +17,7 @@ import numpy as np
 
 from onnxtrain.engine.kernels.indexing import in_range, row_starts
 from onnxtrain.engine.kernels.normalization import log_softmax_along, row_sum
-from onnxtrain.engine.kernels.random import set_random_seed, unseeded_generator
+from onnxtrain.engine.kernels.random import node_generator, set_random_seed
 from onnxtrain.engine.parallel import for_rows
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
@@ -146,18 +146,15 @@ def softmax_cross_entropy_loss(inputs: Inputs, attrs: Attrs) -> Outputs:
 set_dropout_seed = set_random_seed
 
 
+def _legacy_seeded(seed: float) -> np.random.Generator:
+    """numpy's legacy seeding, so that masks match np.random.seed(seed) (ONNX's reference cases)."""
+    bits = np.random.MT19937()
+    bits.state = np.random.RandomState(int(seed) % 2**32).get_state(legacy=False)
+    return np.random.Generator(bits)
+
+
 def _generator(attrs: Attrs) -> np.random.Generator:
-    cache = attrs.cache
-    seed = attrs.get("seed")
-    if seed is None:
-        return unseeded_generator(cache)
-    gen = cache.get("rng")
-    if gen is None:
-        # numpy's legacy seeding, so masks match np.random.seed(seed) (ONNX's reference cases)
-        bits = np.random.MT19937()
-        bits.state = np.random.RandomState(int(seed) % 2**32).get_state(legacy=False)
-        gen = cache["rng"] = np.random.Generator(bits)
-    return gen
+    return node_generator(attrs, _legacy_seeded)
 
 
 def _keep_mask(gen: np.random.Generator, shape: tuple[int, ...], ratio: float) -> np.ndarray:

@@ -12,6 +12,7 @@ seed. The plan never folds, memoises or merges these steps (``RANDOM_OPS`` in ``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,17 +44,25 @@ def unseeded_generator(cache: dict[Any, Any]) -> np.random.Generator:
     return gen
 
 
-def _generator(attrs: Attrs) -> np.random.Generator:
-    """The node's generator: seeded once from its ``seed`` attribute, else :func:`unseeded_generator`."""
-    cache = attrs.cache
+def node_generator(attrs: Attrs, from_seed: Callable[[float], np.random.Generator]) -> np.random.Generator:
+    """A random node's generator: made once by ``from_seed`` from its ``seed`` attribute and kept in the
+    node's cache, else :func:`unseeded_generator`."""
     seed = attrs.get("seed")
     if seed is None:
-        return unseeded_generator(cache)
-    gen = cache.get("rng")
-    if gen is None:  # the float's bits, so that 0.5 and 0.25 are different seeds
-        bits = int(np.array(float(seed), np.float64).view(np.uint64))
-        gen = cache["rng"] = np.random.default_rng(bits)
+        return unseeded_generator(attrs.cache)
+    gen = attrs.cache.get("rng")
+    if gen is None:
+        gen = attrs.cache["rng"] = from_seed(seed)
     return gen
+
+
+def _from_float_bits(seed: float) -> np.random.Generator:
+    """A generator seeded by the float's bits, so that 0.5 and 0.25 are different seeds."""
+    return np.random.default_rng(int(np.array(float(seed), np.float64).view(np.uint64)))
+
+
+def _generator(attrs: Attrs) -> np.random.Generator:
+    return node_generator(attrs, _from_float_bits)
 
 
 def _is_float(dt: np.dtype) -> bool:
