@@ -5,9 +5,10 @@ onnxruntime's mixed-precision transformer did), so the backward pass is generate
 
 * Each op is classed like an autocast policy. Compute-bound ops (``HALF_OPS``: MatMul, Gemm, Conv, ...)
   run in the half type. ``FP32_OPS`` (softmax/log-softmax, reductions, losses, batch/instance/group
-  norms, Exp/Log/Pow, recurrent ops) run in float32: their float inputs are cast up. Every other op
-  follows its inputs: float32 if one of them is float32, else half. LayerNormalization follows its
-  input with ``stash_type=1``, so its Mean/InvStdDev statistics are float32 whatever the input type.
+  norms, Exp/Log/Pow, recurrent ops, LRN, DFT/STFT, Det, steep trigonometric functions) run in float32:
+  their float inputs are cast up. Every other op follows its inputs: float32 if one of them is float32,
+  else half. LayerNormalization follows its input with ``stash_type=1``, so its Mean/InvStdDev
+  statistics are float32 whatever the input type.
 * Float32 initializers and float32 graph inputs (the trained weights once the session made them
   inputs) stay float32 — the master copies. A consumer that runs in half reads a twin ``<w>_fp16``
   (``<w>_bf16``) made by a ``Cast`` placed right before the first such consumer. The twin is computed
@@ -61,6 +62,8 @@ FP32_OPS = frozenset({
     "ReduceProd", "CumSum", "BatchNormalization", "InstanceNormalization", "GroupNormalization",
     "LpNormalization", "MeanVarianceNormalization", "LpPool", "GlobalLpPool",
     "Exp", "Log", "Pow", "Reciprocal", "Softplus", "RNN", "LSTM", "GRU",
+    # sums of many terms or steep functions, as in torch's autocast float32 list
+    "LRN", "DFT", "STFT", "Det", "Acos", "Asin", "Cosh", "Sinh", "Tan",
 })
 
 #: lookups of a float32 master table stay float32 (their rows are cast like weights)

@@ -106,6 +106,44 @@ def test_fp32_regions() -> None:
     assert [d.dim_value for d in ls.type.tensor_type.shape.dim] == [1]
 
 
+FP32_CASES = [  # op, its attributes, input shape (after a MatMul by a square weight on the last axis)
+    ("LRN", {"size": 3}, [2, 3, 4, 4]),
+    ("DFT", {"axis": 1}, [2, 4, 1]),
+    ("STFT", {}, [2, 16, 1]),
+    ("Det", {}, [2, 3, 3]),
+    ("Tan", {}, [2, 3]),
+    ("Cosh", {}, [2, 3]),
+]
+
+
+@pytest.mark.parametrize("op,attrs,shape", FP32_CASES, ids=[c[0] for c in FP32_CASES])
+def test_ops_of_the_fp32_list_read_float32_after_a_half_matmul(op: str, attrs: dict,
+                                                               shape: list[int]) -> None:
+    """An op of the float32 list fed by a half-precision MatMul gets its input cast back to float32."""
+    from onnx import helper, numpy_helper
+
+    from onnxtrain.ir.builder import make_model
+
+    w = numpy_helper.from_array(np.eye(shape[-1], dtype=np.float32), "w")
+    extra = []
+    inputs = ["h"]
+    if op == "STFT":
+        extra = [numpy_helper.from_array(np.array(4, np.int64), "step"),
+                 numpy_helper.from_array(np.ones(8, np.float32), "window")]
+        inputs = ["h", "step", "window"]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node(op, inputs, ["y"], **attrs),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, op, [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w, *extra])
+    mp = mixed_precision(make_model(g, 17), "loss", "float16")
+    types = {v.name: v.type.tensor_type.elem_type
+             for v in onnx.shape_inference.infer_shapes(mp).graph.value_info}
+    node = next(n for n in mp.graph.node if n.op_type == op)
+    matmul = next(n for n in mp.graph.node if n.op_type == "MatMul")
+    assert types[matmul.output[0]] == TensorProto.FLOAT16
+    assert types[node.input[0]] == TensorProto.FLOAT and types[node.output[0]] == TensorProto.FLOAT
+
+
 def test_half_copies_equal_graph_twins() -> None:
     model = nets.mlp((16, 8, 4))
     weights = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
