@@ -14,7 +14,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff import build_gradient_model
-from onnxtrain.autodiff.builder import upgrade_opset
+from onnxtrain.autodiff.builder import fake_quant_inputs, upgrade_opset
 from onnxtrain.autodiff.registry import find_rule, has_no_gradient
 from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.clipping import clip_divisor, global_norm
@@ -76,13 +76,17 @@ def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, l
     opset = model_opset(model)
     inits = {t.name: t for t in model.graph.initializer}
     producer = {o: n for n in model.graph.node for o in n.output if o}
+    fake_quant = fake_quant_inputs(model)  # a pair's output passes the gradient to the pair's input
     needed, found = {loss}, set()
     for n in reversed(model.graph.node):
-        if not any(o in needed for o in n.output if o) or has_no_gradient(n.op_type):
+        if not any(o in needed for o in n.output if o):
             continue
-        rule = find_rule(n.op_type, opset)
+        through = fake_quant.get(n.output[0]) if n.op_type == "DequantizeLinear" else None
+        if through is None and has_no_gradient(n.op_type):
+            continue
+        rule = None if through else find_rule(n.op_type, opset)
         stop = rule.stop if rule else frozenset()
-        for i, name in _reads(n):
+        for i, name in [(0, through)] if through else _reads(n):
             if i in stop:
                 continue
             if name in inits:

@@ -210,6 +210,45 @@ class Recommender(nn.Module):
         return self.mlp(h).squeeze(1)
 
 
+class SpatialTransformer(nn.Module):
+    """A localisation net predicts an affine theta per image; the sampling grid is the base grid times
+    thetaᵀ; ``grid_sample`` (ONNX GridSample) resamples the image for a small conv classifier."""
+
+    def __init__(self, size: int = 10, classes: int = 5):
+        super().__init__()
+        self.loc = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(),
+                                 nn.Linear(4 * (size - 2) ** 2, 6))
+        ys, xs = torch.meshgrid(torch.linspace(-1, 1, size), torch.linspace(-1, 1, size), indexing="ij")
+        self.register_buffer("base", torch.stack([xs, ys, torch.ones_like(xs)], -1).reshape(-1, 3))
+        self.head = nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                                  nn.Linear(6 * size * size, classes))
+        self.size = size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        theta = self.loc(x).reshape(-1, 2, 3)
+        grid = (self.base @ theta.transpose(1, 2)).reshape(-1, self.size, self.size, 2)
+        return self.head(nn.functional.grid_sample(x, grid, align_corners=False))
+
+
+class FakeQuantMLP(nn.Module):
+    """Quantization-aware training as torch exports it: fake-quantized input (int8), first-layer weight
+    (int8, per output channel) and hidden activation (uint8), each a QuantizeLinear → DequantizeLinear
+    pair in ONNX."""
+
+    def __init__(self, d_in: int = 16, hidden: int = 12, classes: int = 4):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+        self.register_buffer("w_scale", torch.full((hidden,), 0.02))
+        self.register_buffer("w_zero", torch.zeros(hidden, dtype=torch.int32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.fake_quantize_per_tensor_affine(x, 0.05, 0, -128, 127)
+        w = torch.fake_quantize_per_channel_affine(self.fc1.weight, self.w_scale, self.w_zero, 0, -128, 127)
+        h = nn.functional.relu(nn.functional.linear(x, w, self.fc1.bias))
+        return self.fc2(torch.fake_quantize_per_tensor_affine(h, 0.05, 0, 0, 255))
+
+
 class WithLoss(nn.Module):
     """``model`` followed by its loss; the labels are the last forward argument."""
 
@@ -276,6 +315,11 @@ MODELS: dict[str, Spec] = {
     "gru_cls": Spec(lambda p: RNNClassifier("gru"), _tokens(30, 7), _classes(4), nn.CrossEntropyLoss, 0.0),
     "rnn_relu_cls": Spec(lambda p: RNNClassifier("rnn_relu"), _tokens(30, 7), _classes(4),
                          nn.CrossEntropyLoss, 0.0),
+    "spatial_transformer": Spec(lambda p: SpatialTransformer(), _images(1, 10), _classes(5),
+                                nn.CrossEntropyLoss, 0.0),
+    "fake_quant_mlp": Spec(lambda p: FakeQuantMLP(),
+                           lambda rng, b: {"x": rng.standard_normal((b, 16), np.float32)}, _classes(4),
+                           nn.CrossEntropyLoss, 0.0),
     "recommender": Spec(
         lambda p: Recommender(),
         lambda rng, b: {

@@ -85,6 +85,15 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     return out
 
 
+def fake_quant_inputs(model: onnx.ModelProto) -> dict[str, str]:
+    """Each DequantizeLinear output of a QuantizeLinear -> DequantizeLinear pair that carries the
+    straight-through estimator (quantization-aware training) → the QuantizeLinear's float input."""
+    if not any(n.op_type == "DequantizeLinear" for n in model.graph.node):
+        return {}
+    bw = _Backward(model)
+    return {bw.fwd_nodes[k].output[0]: fq.x for k, fq in find_fake_quants(bw).items()}
+
+
 class _Backward:
     """State of one backward construction."""
 
