@@ -22,6 +22,19 @@ from onnxtrain.session import TrainingSession
 
 __version__ = "0.1.0"
 
+
+def set_seed(seed: int) -> None:
+    """Seed the random draws of nodes without a ``seed`` attribute (Dropout, RandomNormal(Like),
+    RandomUniform(Like), Bernoulli, Multinomial), as ``onnxruntime.set_seed`` does: the same graphs run in
+    the same order then draw the same values."""
+    import numbers
+
+    from onnxtrain.engine.kernels.random import set_random_seed
+
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"set_seed: the seed must be an int, got {type(seed).__name__}")
+    set_random_seed(int(seed) % 2**64)
+
 __all__ = [
     "ExecutionMode",
     "GradientGraphBuilder",
@@ -39,4 +52,5 @@ __all__ = [
     "get_all_providers",
     "get_available_providers",
     "get_device",
+    "set_seed",
 ]

@@ -3,22 +3,27 @@
 Same surface as ``onnxruntime.training.onnxblock``: ``Block`` (subclass it, implement
 ``build(*input_names)``), ``blocks`` (elementwise, reductions, constants, inputs), ``loss``
 (MSELoss, CrossEntropyLoss, BCEWithLogitsLoss, L1Loss), ``optim`` (AdamW, SGD, ClipGradNorm),
-the context managers ``base(model)`` / ``empty_base()``, and ``save_checkpoint`` /
-``load_checkpoint_to_model``. Every node is standard ONNX.
+``TrainingBlock`` and ``ForwardBlock`` (whole models from the base: ``to_model_proto()``,
+``parameters()``), the context managers ``base(model)`` / ``empty_base()`` / ``custom_op_library(path)``,
+and ``save_checkpoint`` / ``load_checkpoint_to_model``. Every node is standard ONNX.
 """
 
 from __future__ import annotations
 
 from onnxtrain.training.onnxblock import blocks, loss, optim
-from onnxtrain.training.onnxblock._base import BlockError, base, empty_base
+from onnxtrain.training.onnxblock._base import BlockError, base, custom_op_library, empty_base
 from onnxtrain.training.onnxblock.blocks import Block
 from onnxtrain.training.onnxblock.checkpoint_utils import load_checkpoint_to_model, save_checkpoint
+from onnxtrain.training.onnxblock.model_blocks import ForwardBlock, TrainingBlock
 
 __all__ = [
     "Block",
     "BlockError",
+    "ForwardBlock",
+    "TrainingBlock",
     "base",
     "blocks",
+    "custom_op_library",
     "empty_base",
     "load_checkpoint_to_model",
     "loss",

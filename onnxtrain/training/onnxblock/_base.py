@@ -9,6 +9,7 @@ one generation gives the same names in any process (read names from the model, n
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -160,6 +161,18 @@ def base(model: onnx.ModelProto, model_path: str | None = None) -> Iterator[Mode
 
 
 @contextlib.contextmanager
+def detached() -> Iterator[ModelBase]:
+    """The current base, taken off the stack for the block: a block that builds whole models with bases of
+    its own (a TrainingBlock, an optimizer's full model) runs them inside, then the base is set again."""
+    acc = current()
+    _STACK.pop()
+    try:
+        yield acc
+    finally:
+        _STACK.append(acc)
+
+
+@contextlib.contextmanager
 def empty_base(opset_version: int | None = None) -> Iterator[ModelBase]:
     """A fresh empty model (default domain only) to build into, e.g. an optimizer graph."""
     opset = opset_version or DEFAULT_OPSET
@@ -173,3 +186,15 @@ def empty_base(opset_version: int | None = None) -> Iterator[ModelBase]:
     )
     with base(model) as acc:
         yield acc
+
+
+@contextlib.contextmanager
+def custom_op_library(custom_op_library_path: str | os.PathLike) -> Iterator[None]:
+    """onnxruntime-training registers a custom-op library for gradient building here; onnxtrain builds
+    gradients of standard ONNX ops only, so it refuses (a missing file is named first)."""
+    path = os.fspath(custom_op_library_path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"custom_op_library: {path} does not exist")
+    raise BlockError(f"custom_op_library({path!r}) is not supported: onnxtrain builds gradients for standard "
+                     "ONNX ops only")
+    yield  # pragma: no cover - never reached

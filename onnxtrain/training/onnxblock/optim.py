@@ -106,6 +106,39 @@ class Optimizer(Block):
     def hyperparameters(self) -> dict[str, Any]:
         return {"clip_grad_max_norm": None if self.clip_grad is None else self.clip_grad.max_norm}
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``block(parameters)`` inside ``onnxblock.empty_base()``, with the ``(trainable, frozen)``
+        TensorProto lists of ``TrainingBlock.parameters()``, builds the whole optimizer model (the one
+        ``generate_artifacts`` writes) into the base and returns its output names; ``to_model_proto()``
+        gives it. Other calls build the update nodes into the base (``build``)."""
+        if len(args) == 1 and not kwargs and _is_parameters(args[0]):
+            return self._build_model(args[0])
+        return super().__call__(*args, **kwargs)
+
+    def _build_model(self, parameters: Any) -> list[str]:
+        from onnx import helper
+
+        from onnxtrain.training.artifacts import build_optimizer_model  # it imports this package
+        from onnxtrain.training.onnxblock._base import detached
+        from onnxtrain.training.onnxblock.model_blocks import _reset
+
+        trainable = list(parameters[0])
+        if not trainable:
+            raise BlockError("the optimizer has no parameter to update: parameters()[0] is empty")
+        params = [(t.name, helper.make_tensor_type_proto(t.data_type, list(t.dims))) for t in trainable]
+        with detached() as acc:
+            model = build_optimizer_model(self, params, acc.opset)
+            _reset(acc, model)
+        self._model = model
+        return [o.name for o in model.graph.output]
+
+    def to_model_proto(self) -> Any:
+        """The optimizer model built by ``block(parameters)``; RuntimeError before."""
+        model = getattr(self, "_model", None)
+        if model is None:
+            raise BlockError("Please build the forward models first before trying to retrieve it.")
+        return model
+
     def build(
         self,
         learning_rate: str,
@@ -174,6 +207,15 @@ class Optimizer(Block):
         self, acc: ModelBase, shared: dict[str, str], p: str, g: str, states: dict[str, str]
     ) -> dict[str, str]:
         raise NotImplementedError
+
+
+def _is_parameters(v: Any) -> bool:
+    """Whether ``v`` is a ``(trainable, frozen)`` pair of TensorProto lists (``TrainingBlock.parameters()``
+    gives one)."""
+    import onnx
+
+    return (isinstance(v, tuple) and len(v) == 2 and all(isinstance(g, (list, tuple)) for g in v)
+            and all(isinstance(t, onnx.TensorProto) for g in v for t in g))
 
 
 def _as_type(acc: ModelBase, x: str, have: int, want: int) -> str:
