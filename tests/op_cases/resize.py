@@ -64,9 +64,10 @@ CASES = [
            skip="onnx.reference normalises antialias cubic weights in float32; checked against torch in "
                 "tests/engine/test_conv_pool_resize.py"),
     _case("axes_not_larger", _sizes((1, 1, 4, 6), [6, 6]), mode="linear", axes=[2, 3],
-          keep_aspect_ratio_policy="not_larger", opset=18, grad=False),  # no rule for this policy yet
+          keep_aspect_ratio_policy="not_larger", opset=18, grad=False),  # sizes fed: see below
     _case("axes_not_smaller", _sizes((1, 1, 4, 6), [6, 6]), mode="nearest", axes=[3, 2],
-          keep_aspect_ratio_policy="not_smaller", opset=18, grad=False),  # no rule for this policy yet
+          keep_aspect_ratio_policy="not_smaller", opset=18, grad=False),  # sizes fed: see below
+    # (a keep_aspect_ratio_policy gradient needs constant sizes: tests/autodiff/test_resize_keep_aspect.py)
     _case("single_axis_scales", _scales((2, 2, 3, 4), [2.5]), mode="linear", axes=[3], opset=18),
     _case("opset13", _scales((1, 2, 3, 3), [1, 1, 2, 2]), mode="linear", opset=13),
     OpCase("Upsample", attrs={"mode": "nearest"}, opset=9, wrt=(0,),

@@ -67,7 +67,8 @@ def resize_grad(g: GradCtx) -> None:
     policy = g.attr("keep_aspect_ratio_policy") or "stretch"
     roi, scales, sizes = _Param(g, 1), _Param(g, 2), _Param(g, 3)
     if sizes and policy != "stretch":
-        raise RuleError(f"keep_aspect_ratio_policy={policy!r} is not supported")
+        _keep_aspect_ratio_grad(g, xs, roi, sizes)
+        return
     if ctm == "tf_half_pixel_for_nn" and (g.attr("nearest_mode") or "round_prefer_floor") in ("ceil",
                                                                                               "round_prefer_ceil"):
         raise RuleError("tf_half_pixel_for_nn with a ceil nearest_mode is not supported")
@@ -119,4 +120,33 @@ def resize_grad(g: GradCtx) -> None:
             letters = "abcdefghijklmnopqrstuvwxy"[:r]
             out = letters[:a] + "z" + letters[a + 1:]
             d = g.emit("Einsum", d, m, equation=f"{letters},z{letters[a]}->{out}")
+    g.set_dx(0, d)
+
+
+def _keep_aspect_ratio_grad(g: GradCtx, xs: list[int | None], roi: _Param, sizes: _Param) -> None:
+    """dX for a Resize whose ``sizes`` keep the aspect ratio: every resized axis uses one common scale and
+    its own rounded size, which no Resize of an identity reproduces (scales give floor(n·s) rows). With a
+    static X and constant sizes (and roi), each axis's matrix comes from the kernel's own plan, as a
+    constant: dX = dY ×_a M_a along each resized axis."""
+    from onnxtrain.engine.kernels.resize import axis_matrices
+    from onnxtrain.engine.registry import Attrs
+
+    if any(v is None for v in xs) or sizes.value is None or (roi and roi.value is None):
+        raise RuleError("a Resize with keep_aspect_ratio_policy needs a static input shape and constant "
+                        "sizes (and roi) for its gradient")
+    dt = np.dtype(tensor_dtype_to_np_dtype(g.dtype))
+    attrs = Attrs(dict(g.attrs), "Resize", g.node.name, g.opset)
+    r = len(xs)
+    d = g.dy(0)
+    shape = tuple(int(v) for v in xs)  # type: ignore[arg-type]
+    for a, mat in axis_matrices(attrs, shape, dt, roi.value, sizes.value):
+        if a == r - 1:
+            d = g.emit("MatMul", d, g.const(mat))  # (…, m)·(m, n)
+        elif a == r - 2:
+            d = g.emit("MatMul", g.const(np.ascontiguousarray(mat.T)), d)  # (n, m)·(…, m, W)
+        else:
+            letters = "abcdefghijklmnopqrstuvwxy"[:r]
+            out = letters[:a] + "z" + letters[a + 1:]
+            d = g.emit("Einsum", d, g.const(np.ascontiguousarray(mat.T)),
+                       equation=f"{letters},z{letters[a]}->{out}")
     g.set_dx(0, d)

@@ -197,6 +197,30 @@ def _resize_plan(attrs: Attrs, xs: tuple[int, ...], dtype: np.dtype, roi: Any, s
     return plans
 
 
+def axis_matrices(attrs: Attrs, xs: tuple[int, ...], dtype: np.dtype, roi: Any, sizes: Any
+                  ) -> list[tuple[int, np.ndarray]]:
+    """Per resized axis, the (out, in) matrix of the node's resize along it (rows of extrapolated outputs
+    are zero): Y = X ×_axis M for each, in turn. For gradients of resizes with constant sizes."""
+    out = []
+    for axis, plan in _resize_plan(attrs, xs, dtype, roi, None, sizes):
+        kind, n = plan[0], xs[axis]
+        if kind == "dense":
+            mat = np.array(plan[1], dtype=dtype)
+        else:
+            idx = plan[1]
+            rows = idx.shape[0]
+            mat = np.zeros((rows, n), dtype)
+            if kind == "take":
+                mat[np.arange(rows), idx] = 1
+            else:
+                np.add.at(mat, (np.repeat(np.arange(rows), idx.shape[1]), idx.ravel()), plan[2].ravel())
+        outside = plan[-1]
+        if outside is not None:
+            mat[np.asarray(outside)] = 0
+        out.append((axis, mat))
+    return out
+
+
 def _resize(attrs: Attrs, x: np.ndarray, roi: Any, scales: Any, sizes: Any) -> np.ndarray:
     def key_of(v: Any) -> Any:
         return None if v is None else tuple(np.asarray(v).ravel().tolist())
