@@ -249,6 +249,25 @@ class FakeQuantMLP(nn.Module):
         return self.fc2(torch.fake_quantize_per_tensor_affine(h, 0.05, 0, 0, 255))
 
 
+class SpectrogramClassifier(nn.Module):
+    """A learnable filter on the waveform (Conv1d), then ``torch.stft`` (ONNX STFT) with a Hann window,
+    log power, and a linear classifier: the gradient reaches the filter through STFT."""
+
+    def __init__(self, samples: int = 80, n_fft: int = 16, hop: int = 8, classes: int = 3):
+        super().__init__()
+        self.filt = nn.Conv1d(1, 1, 5, padding=2)
+        self.register_buffer("window", torch.hann_window(n_fft))
+        frames = (samples - n_fft) // hop + 1
+        self.fc = nn.Linear((n_fft // 2 + 1) * frames, classes)
+        self.n_fft, self.hop = n_fft, hop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.filt(x.unsqueeze(1)).squeeze(1)
+        s = torch.stft(w, n_fft=self.n_fft, hop_length=self.hop, window=self.window, center=False,
+                       return_complex=False, onesided=True)
+        return self.fc(torch.log((s ** 2).sum(-1) + 1e-3).flatten(1))
+
+
 class WithLoss(nn.Module):
     """``model`` followed by its loss; the labels are the last forward argument."""
 
@@ -320,6 +339,9 @@ MODELS: dict[str, Spec] = {
     "fake_quant_mlp": Spec(lambda p: FakeQuantMLP(),
                            lambda rng, b: {"x": rng.standard_normal((b, 16), np.float32)}, _classes(4),
                            nn.CrossEntropyLoss, 0.0),
+    "spectrogram_cls": Spec(lambda p: SpectrogramClassifier(),
+                            lambda rng, b: {"x": rng.standard_normal((b, 80), np.float32)}, _classes(3),
+                            nn.CrossEntropyLoss, 0.0),
     "recommender": Spec(
         lambda p: Recommender(),
         lambda rng, b: {

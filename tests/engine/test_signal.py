@@ -99,6 +99,22 @@ def test_stft_gradient_with_fixed_sizes(complex_signal: bool) -> None:
     assert "Range" not in {n.op_type for n in gmodel.graph.node}  # frame positions are a constant
 
 
+def test_stft_of_a_rank_2_signal_is_a_real_signal() -> None:
+    """torch exports ``torch.stft`` with a [batch, length] signal, which onnxruntime reads as real: the same
+    values as the [batch, length, 1] form, and a gradient of that shape (central differences)."""
+    rng = np.random.default_rng(2)
+    x = rng.uniform(-2, 2, (2, 13))
+    window = rng.uniform(0.5, 1.5, 5)
+    # onesided given: onnx's shape inference reads a missing one as 0, against its schema's default of 1
+    flat, feeds = _model("STFT", x, [_i64(3), window, _i64(5)], 17, feed_window=True, onesided=1)
+    real, feeds3 = _model("STFT", x[..., None], [_i64(3), window, _i64(5)], 17, feed_window=True, onesided=1)
+    np.testing.assert_array_equal(run_engine(flat, feeds)[0], run_engine(real, feeds3)[0])
+    _check_gradient(flat, feeds, ["x0", "x2"])
+    x32, w32 = x.astype(np.float32), window.astype(np.float32)
+    np.testing.assert_allclose(_run_op("STFT", [x32, _i64(3), w32], "ours"),
+                               _run_op("STFT", [x32, _i64(3), w32], "onnxruntime"), rtol=1e-5, atol=1e-5)
+
+
 def _run_op(op: str, inputs: list[np.ndarray], runner: str, **attrs: Any) -> np.ndarray:
     names = [f"x{i}" for i in range(len(inputs))]
     g_in = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)

@@ -17,7 +17,7 @@ from tests import models
 RTOL, ATOL = 1e-5, 2e-6
 BATCHES = (3, 8)
 ALL = ["mlp", "lenet_bn", "transformer_encoder", "gpt_block", "resnet_block", "lstm_cls", "gru_cls",
-       "recommender", "spatial_transformer", "fake_quant_mlp"]
+       "recommender", "spatial_transformer", "fake_quant_mlp", "spectrogram_cls"]
 
 
 def ort_session(model) -> ort.InferenceSession:

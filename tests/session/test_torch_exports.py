@@ -20,7 +20,8 @@ def _rel(a, b) -> float:
 
 @pytest.mark.parametrize("name,opt", [
     (n, o) for n in ("mlp", "lenet_bn") for o in ("SGDOptimizer", "AdamOptimizer")
-] + [(n, "SGDOptimizer") for n in ("rnn_relu_cls", "spatial_transformer", "fake_quant_mlp")])
+] + [(n, "SGDOptimizer") for n in ("rnn_relu_cls", "spatial_transformer", "fake_quant_mlp",
+                                               "spectrogram_cls")])
 # (Adam's first steps turn the RNN's near-zero gradients' float noise into full-size steps: SGD only)
 def test_twenty_steps_match_torch(name: str, opt: str) -> None:
     """Each of 20 steps: the loss and the updated weights equal torch's from the same weights.

@@ -198,23 +198,33 @@ def _frame_index(g: GradCtx, frames: Dim, length: Dim, step: Dim) -> str:
 @gradient("STFT", uses=("x0", "x1", "x2", "x3"), stop=(1, 3))
 def stft_grad(g: GradCtx) -> None:
     # frames[b, f, t] = signal[b, f·step + t]·window[t]; Y = DFT of each frame (one-sided or not)
+    # a signal of rank 2 is [batch, length], real (torch's export; onnxruntime reads it so)
     length = _frame_length(g)
     s = g.static_shape(0)
-    real = bool(s) and s[-1] == 1
+    flat_signal = g.rank(0) == 2
+    real = flat_signal or (bool(s) and s[-1] == 1)
     r = emit_dft(g, _conj(g, g.dy(0)), 2, length)
-    d_frames = like_input(g, 0, r if real else _conj(g, r))  # [batch, frames, length, 1 or 2]
+    if flat_signal:  # [batch, frames, length]: the real half, without its axis
+        d_frames = g.emit("Squeeze", g.emit("Slice", r, g.ints([0]), g.ints([1]), g.ints([-1])), g.ints([-1]))
+    else:
+        d_frames = like_input(g, 0, r if real else _conj(g, r))  # [batch, frames, length, 1 or 2]
     idx = _frame_index(g, _size(g, 0, 1, output=True), length, _int_input(g, 1))
     window = g.has_x(2)
     if g.needs_dx(0):  # overlap-add of the windowed frame gradients
-        upd = g.emit("Mul", d_frames, g.emit("Reshape", g.x(2), g.ints([-1, 1]))) if window else d_frames
-        if s is not None and s[-1] is not None:
+        w_shape = g.ints([-1] if flat_signal else [-1, 1])
+        upd = g.emit("Mul", d_frames, g.emit("Reshape", g.x(2), w_shape)) if window else d_frames
+        if flat_signal:
+            flat = g.ints([0, -1])
+        elif s is not None and s[-1] is not None:
             flat = g.ints([0, -1, int(s[-1])])  # type: ignore[arg-type]
         else:
             last = g.emit("Slice", g.shape(0), g.ints([2]), g.ints([3]))
             flat = g.emit("Concat", g.ints([0, -1]), last, axis=0)
         upd = g.emit("Reshape", upd, flat)
-        where = g.emit("Expand", g.emit("Reshape", idx, g.ints([1, -1, 1])), g.emit("Shape", upd))
+        i_shape = g.ints([1, -1] if flat_signal else [1, -1, 1])
+        where = g.emit("Expand", g.emit("Reshape", idx, i_shape), g.emit("Shape", upd))
         g.set_dx(0, g.emit("ScatterElements", zeros(g, g.shape(0)), where, upd, axis=1, reduction="add"))
     if window and g.needs_dx(2):
         frames = g.emit("Gather", g.x(0), idx, axis=1)
-        g.set_dx(2, g.reduce("ReduceSum", g.emit("Mul", d_frames, frames), [0, 1, 3], keepdims=0))
+        axes = [0, 1] if flat_signal else [0, 1, 3]
+        g.set_dx(2, g.reduce("ReduceSum", g.emit("Mul", d_frames, frames), axes, keepdims=0))

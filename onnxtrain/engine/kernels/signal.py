@@ -104,8 +104,11 @@ def stft_sizes(signal_length: int, frame_step: int, window_length: int | None,
 @kernel("STFT", since=17)
 def stft(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
+    if x.ndim == 2:  # [batch, length], as torch exports a real signal and onnxruntime reads it
+        x = x[..., None]
     if x.ndim != 3:
-        raise ValueError(f"STFT: signal must have rank 3 [batch, length, 1 or 2], got shape {x.shape}")
+        raise ValueError(f"STFT: signal must have rank 3 [batch, length, 1 or 2] (or 2, a real signal), "
+                         f"got shape {x.shape}")
     z = _as_complex(x, "STFT", "signal")
     step = _scalar(inputs[1], "STFT", "frame_step")
     window = inputs[2] if len(inputs) > 2 else None
