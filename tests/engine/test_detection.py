@@ -151,6 +151,34 @@ def test_max_roi_pool_gradient_numeric_and_portable() -> None:
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def _max_roi_pool_half_inputs() -> list[np.ndarray]:
+    """Float16 inputs whose corners times 0.3 land within float16 rounding of a half (k / 0.6)."""
+    rng = np.random.default_rng(4)
+    x = rng.uniform(-2, 2, (2, 2, 9, 10)).astype(np.float16)
+    corners = rng.integers(-3, 20, (12, 4)) / 0.6
+    batch = rng.integers(0, 2, (12, 1))
+    return [x, np.concatenate([batch, corners], axis=1).astype(np.float16)]
+
+
+def test_max_roi_pool_float16_scales_in_float32() -> None:
+    # 1.667 (float16) * 0.3 is 0.5001 in float32 but 0.4998 with the scale rounded to float16 (0.2998): the
+    # corners must round as the exact product does (oracle: the loops, in Python floats)
+    x, rois = _max_roi_pool_half_inputs()
+    model, feeds = _case("MaxRoiPool", [x, rois], pooled_shape=[3, 2], spatial_scale=0.3)
+    np.testing.assert_array_equal(run_ours(model, feeds)[0], _max_roi_pool_loops(x, rois, (3, 2), 0.3))
+
+
+def test_max_roi_pool_float16_gradient_uses_the_kernel_windows() -> None:
+    x, rois = _max_roi_pool_half_inputs()
+    model, feeds = _case("MaxRoiPool", [x, rois], pooled_shape=[3, 2], spatial_scale=0.3)
+    lmodel = random_loss_model(model, [run_engine(model, feeds)[0].shape], [0], dtype=np.float16)
+    gmodel = build_gradient_model(lmodel, "loss", ["x0"])
+    outs = dict(zip([o.name for o in gmodel.graph.output], run_engine(gmodel, feeds), strict=True))
+    u = onnx.numpy_helper.to_array(next(t for t in lmodel.graph.initializer if t.name == "u0"))
+    want = _max_roi_pool_grad_loops(x.astype(np.float32), rois, (3, 2), 0.3, u.astype(np.float32))
+    np.testing.assert_allclose(outs["x0_grad"].astype(np.float32), want, rtol=0, atol=1e-2)
+
+
 # ---- RoiAlign -------------------------------------------------------------------------------------
 
 
@@ -193,6 +221,47 @@ def test_roi_align_gradient_full_jacobian(mode, ratio) -> None:
     model, feeds = _case("RoiAlign", [x, rois, b], opset=16, output_height=2, output_width=3,
                          sampling_ratio=ratio, spatial_scale=0.5, mode=mode)
     gradcheck(_loss_model(model, feeds), "loss", ["x0"], feeds, rtol=1e-6, atol=1e-9, full_jacobian_max=64)
+
+
+def _roi_align_half_cases() -> list[tuple[list[np.ndarray], dict[str, Any]]]:
+    """Float16 inputs whose sample positions reach 10-20 pixels, where float16 steps by 1/64 to 1/32."""
+    rng = np.random.default_rng(21)
+    cases = []
+    configs = [("avg", "half_pixel", 0, 1.0), ("avg", "output_half_pixel", 2, 0.5),
+               ("max", "half_pixel", 3, 1.0), ("max", "output_half_pixel", 0, 0.5)]
+    for k, (mode, ctm, ratio, scale) in enumerate(configs):
+        x, rois, b = _roi_align_inputs(rng, (2, 3, 11, 12), 6, np.float16, scale)
+        attrs = {"output_height": 3 + k, "output_width": 5 - k, "sampling_ratio": ratio,
+                 "spatial_scale": scale, "mode": mode, "coordinate_transformation_mode": ctm}
+        cases.append(([x, rois, b], attrs))
+    return cases
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_roi_align_float16_matches_onnxruntime(k: int) -> None:
+    # float16 box geometry would put the samples up to 1/32 pixel off and flip taps and validity tests:
+    # the kernel computes it in float32, as onnxruntime does
+    inputs, attrs = _roi_align_half_cases()[k]
+    model, feeds = _case("RoiAlign", inputs, opset=16, **attrs)
+    got, want = run_ours(model, feeds)[0], _ort(model, feeds)[0]
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_roi_align_float16_gradient_matches_float32(k: int) -> None:
+    # the float16 gradient graph works in float32 like the kernel; oracle: the float32 model's gradient graph
+    # on onnxruntime (the float32 rule is checked against central differences above)
+    inputs, attrs = _roi_align_half_cases()[k]
+    grads = []
+    for dt, runner in ((np.float16, run_engine), (np.float32, _ort)):
+        model, feeds = _case("RoiAlign", [inputs[0].astype(dt), inputs[1].astype(dt), inputs[2]], opset=16,
+                             **attrs)
+        lmodel = random_loss_model(model, [run_engine(model, feeds)[0].shape], [0], dtype=dt)
+        gmodel = build_gradient_model(lmodel, "loss", ["x0"])
+        outs = dict(zip([o.name for o in gmodel.graph.output], runner(gmodel, feeds), strict=True))
+        grads.append(outs["x0_grad"].astype(np.float32))
+    np.testing.assert_allclose(grads[0], grads[1], rtol=0, atol=5e-3)
 
 
 def test_roi_align_rejects_bad_batch_index() -> None:

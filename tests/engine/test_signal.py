@@ -169,3 +169,15 @@ def test_stft_matches_torch(onesided: int) -> None:
     spec = torch.stft(torch.from_numpy(x), n_fft=12, hop_length=5, window=torch.from_numpy(window),
                       center=False, onesided=bool(onesided), return_complex=True).transpose(1, 2).numpy()
     np.testing.assert_allclose(got, np.stack([spec.real, spec.imag], axis=-1), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("op", ["HannWindow", "HammingWindow", "BlackmanWindow"])
+@pytest.mark.parametrize("size, periodic", [(2, 1), (7, 0), (9, 0), (8, 1)])
+def test_integer_windows_keep_their_peak(op: str, size: int, periodic: int) -> None:
+    # the peak is exactly 1; computed as 1 - 1e-16 (Blackman), the cast to an integer type must not make it 0
+    inputs = [_i64(size)]
+    attrs = {"periodic": periodic, "output_datatype": TensorProto.INT32}
+    got = _run_op(op, inputs, "ours", **attrs)
+    want = _run_op(op, inputs, "onnxruntime", **attrs)
+    assert got.dtype == want.dtype == np.int32
+    np.testing.assert_array_equal(got, want)

@@ -5,6 +5,9 @@ RoiAlign and MaxRoiPool differentiate w.r.t. the feature map only; boxes and bat
 formulas. Samples per box vary with the box size (RoiAlign's adaptive ``sampling_ratio=0``, MaxRoiPool's
 windows), so the rules pad every box to the largest count and mask the padding.
 
+Float16 and bfloat16 graphs compute the geometry (and RoiAlign's whole backward) in float32, as the
+kernels do.
+
 Tie rule for the max modes: a bin's whole gradient goes to its first maximal candidate (MaxRoiPool: in
 row-major window order; RoiAlign max: in (row sample, row tap, column sample, column tap) order).
 """
@@ -131,10 +134,10 @@ class _Axis:
         return g.reduce("ReduceSum", w, [2, 3], keepdims=0)
 
 
-def _roi_axes(g: GradCtx) -> tuple[_Axis, _Axis]:
+def _roi_axes(g: GradCtx, rois: str) -> tuple[_Axis, _Axis]:
     half = (g.attr("coordinate_transformation_mode") or "output_half_pixel") == "half_pixel"
     scale = float(g.attr("spatial_scale") if g.attr("spatial_scale") is not None else 1.0)
-    s = g.emit("Sub", g.emit("Mul", g.x(1), g.const(scale)), g.const(0.5 if half else 0.0))
+    s = g.emit("Sub", g.emit("Mul", rois, g.const(scale)), g.const(0.5 if half else 0.0))
     x1, y1, x2, y2 = (_column(g, s, k) for k in range(4))
     rh, rw = g.emit("Sub", y2, y1), g.emit("Sub", x2, x1)
     if not half:  # malformed boxes become 1x1
@@ -145,19 +148,29 @@ def _roi_axes(g: GradCtx) -> tuple[_Axis, _Axis]:
 
 @gradient("RoiAlign", uses=("x0", "x1", "x2"), stop=(1, 2))
 def roi_align_grad(g: GradCtx) -> None:
-    ay, ax = _roi_axes(g)
-    if (g.attr("mode") or "avg") == "avg":
-        g.set_dx(0, _roi_align_avg_dx(g, ay, ax))
-    else:
-        g.set_dx(0, _roi_align_max_dx(g, ay, ax))
+    # float16 and bfloat16 work in float32, as the kernel does: their sample positions are too coarse
+    low = g.dtype if g.dtype in (TensorProto.FLOAT16, TensorProto.BFLOAT16) else None
+    if low is not None:
+        g.dtype = TensorProto.FLOAT
+    try:
+        up = (lambda t: g.emit("Cast", t, to=TensorProto.FLOAT)) if low is not None else (lambda t: t)
+        ay, ax = _roi_axes(g, up(g.x(1)))
+        if (g.attr("mode") or "avg") == "avg":
+            dx = _roi_align_avg_dx(g, ay, ax, up(g.dy(0)))
+        else:
+            dx = _roi_align_max_dx(g, ay, ax, up(g.x(0)), up(g.dy(0)))
+    finally:
+        if low is not None:
+            g.dtype = low
+    g.set_dx(0, dx if low is None else g.emit("Cast", dx, to=low))
 
 
-def _roi_align_avg_dx(g: GradCtx, ay: _Axis, ax: _Axis) -> str:
+def _roi_align_avg_dx(g: GradCtx, ay: _Axis, ax: _Axis, dy: str) -> str:
     # Y[r] = My[r] · X[b_r] · Mx[r]ᵀ / count_r, so dX[n] = Σ_{r: b_r = n} My[r]ᵀ · dY[r] · Mx[r] / count_r,
     # done as one batched product over (r, p): (N, 1, H, R·P) @ (C, R·P, W), never (R, C, H, W)
     count = g.emit("Max", g.emit("Mul", ay.grid, ax.grid), g.const(1.0))
     my = g.emit("Div", ay.matrix(g), g.emit("Reshape", count, g.ints([-1, 1, 1])))  # (R, P, H)
-    t = g.emit("MatMul", g.dy(0), g.emit("Unsqueeze", ax.matrix(g), g.ints([1])))  # (R, C, P, W)
+    t = g.emit("MatMul", dy, g.emit("Unsqueeze", ax.matrix(g), g.ints([1])))  # (R, C, P, W)
     b = g.emit("Unsqueeze", g.x(2), g.ints([1]))
     owner = g.emit("Cast", g.emit("Equal", b, _range(g, _dim(g, 0))), to=g.dtype)  # (R, N)
     a = g.emit("Mul", g.emit("Unsqueeze", owner, g.ints([2, 3])), g.emit("Unsqueeze", my, g.ints([1])))
@@ -168,7 +181,7 @@ def _roi_align_avg_dx(g: GradCtx, ay: _Axis, ax: _Axis) -> str:
     return g.emit("MatMul", g.emit("Unsqueeze", a, g.ints([1])), t)
 
 
-def _roi_align_max_dx(g: GradCtx, ay: _Axis, ax: _Axis) -> str:
+def _roi_align_max_dx(g: GradCtx, ay: _Axis, ax: _Axis, x: str, dy: str) -> str:
     # every (sample, tap) value w·X[pos] is a candidate, laid out (R, C, P, Q, Gy, 2, Gx, 2); the bin's
     # gradient goes to the first maximum, scaled by its weight
     ey, ex = [1, 3, 6, 7], [1, 2, 4, 5]
@@ -176,7 +189,7 @@ def _roi_align_max_dx(g: GradCtx, ay: _Axis, ax: _Axis) -> str:
     offsets = g.emit("Add", g.emit("Unsqueeze", ypart, g.ints(ey)), g.emit("Unsqueeze", ax.pos, g.ints(ex)))
     idx = g.emit("Add", g.emit("Reshape", _plane_base(g, g.x(2)), g.ints([0, 0, 1, 1, 1, 1, 1, 1])), offsets)
     wts = g.emit("Mul", g.emit("Unsqueeze", ay.w, g.ints(ey)), g.emit("Unsqueeze", ax.w, g.ints(ex)))
-    vals = g.emit("Mul", g.emit("Gather", g.emit("Reshape", g.x(0), g.ints([-1])), idx, axis=0), wts)
+    vals = g.emit("Mul", g.emit("Gather", g.emit("Reshape", x, g.ints([-1])), idx, axis=0), wts)
     five = g.ints([0, 0, 0, 0, -1])
     exists = _exists(g, ay, ax)
     valid = None
@@ -186,7 +199,7 @@ def _roi_align_max_dx(g: GradCtx, ay: _Axis, ax: _Axis) -> str:
     # a box without samples (all padding): its ArgMax points at padding, whose weights _Axis made 0
     w_all = g.emit("Expand", g.emit("Reshape", wts, five), g.emit("Shape", g.emit("Reshape", idx, five)))
     chosen = g.emit("GatherElements", w_all, am, axis=4)
-    return _scatter_into_x(g, target, g.emit("Mul", g.emit("Unsqueeze", g.dy(0), g.ints([-1])), chosen))
+    return _scatter_into_x(g, target, g.emit("Mul", g.emit("Unsqueeze", dy, g.ints([-1])), chosen))
 
 
 def _exists(g: GradCtx, ay: _Axis, ax: _Axis) -> str | None:
@@ -231,8 +244,13 @@ def max_roi_pool_grad(g: GradCtx) -> None:
     rois = g.x(1)
     ph, pw = (int(v) for v in g.attr("pooled_shape"))
     scale = float(g.attr("spatial_scale") if g.attr("spatial_scale") is not None else 1.0)
-    v = g.emit("Mul", g.emit("Slice", rois, g.ints([1]), g.ints([5]), g.ints([1])), g.const(scale))
-    rounded = g.emit("Mul", g.emit("Sign", v), g.emit("Floor", g.emit("Add", g.emit("Abs", v), g.const(0.5))))
+    corner = g.emit("Slice", rois, g.ints([1]), g.ints([5]), g.ints([1]))
+    fdt = TensorProto.FLOAT if g.dtype in (TensorProto.FLOAT16, TensorProto.BFLOAT16) else g.dtype
+    if fdt != g.dtype:  # the kernel scales float16 corners in float32
+        corner = g.emit("Cast", corner, to=fdt)
+    v = g.emit("Mul", corner, g.const(scale, fdt))
+    half_up = g.emit("Floor", g.emit("Add", g.emit("Abs", v), g.const(0.5, fdt)))
+    rounded = g.emit("Mul", g.emit("Sign", v), half_up)
     corners = g.emit("Cast", rounded, to=TensorProto.INT64)  # half away from zero, like C's round
     x1, y1, x2, y2 = (_column(g, corners, k) for k in range(4))
     rows, in_r, full_r = _windows(g, y1, y2, ph, 2)

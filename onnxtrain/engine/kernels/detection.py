@@ -77,15 +77,17 @@ def roi_align(inputs: Inputs, attrs: Attrs) -> Outputs:
         raise ValueError(f"RoiAlign: mode must be 'avg' or 'max', got {mode!r}")
     ph, pw = int(attrs["output_height"]), int(attrs["output_width"])
     n, c, h, w = x.shape
-    dt = x.dtype
-    y = np.zeros((rois.shape[0], c, ph, pw), dtype=dt)
+    # float16 and bfloat16 compute in float32 (as onnxruntime does): float16 sample positions are off by up
+    # to 1/64 pixel at 20 pixels, and the bilinear weights and the validity test with them
+    dt = np.dtype(np.float32) if x.dtype.itemsize < 4 else x.dtype
+    y = np.zeros((rois.shape[0], c, ph, pw), dtype=x.dtype)
     for r in range(rois.shape[0]):
         sh, sw, bh, bw, gh, gw = _roi_geometry(rois[r].astype(dt), attrs, dt, (ph, pw))
         if gh <= 0 or gw <= 0:
             continue  # no samples: the output stays 0
         ypos, wy = _axis_samples(sh, bh, gh, ph, h, dt)
         xpos, wx = _axis_samples(sw, bw, gw, pw, w, dt)
-        xb = x[batch[r]]
+        xb = x[batch[r]].astype(dt, copy=False)
         if mode == "avg":
             my, y0 = _band_matrix(ypos, wy)
             mx, x0 = _band_matrix(xpos, wx)
@@ -131,6 +133,10 @@ def max_roi_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
         raise ValueError(f"MaxRoiPool: pooled_shape must be two positive sizes, got {pooled}")
     ph, pw = int(pooled[0]), int(pooled[1])
     n, c, h, w = x.shape
+    # float16 corners scale in float32: a float16 scale (0.2998 for 0.3) moves the rounding of corners
+    # near a half
+    if rois.dtype.itemsize < 4:
+        rois = rois.astype(np.float32)
     scale = rois.dtype.type(attrs["spatial_scale"])
     y = np.zeros((rois.shape[0], c, ph, pw), dtype=x.dtype)
     for r in range(rois.shape[0]):
