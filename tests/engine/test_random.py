@@ -120,6 +120,34 @@ def test_like_ops_take_shape_and_dtype_from_the_input_unless_told(op: str) -> No
         _run(_one(op, x), x)
 
 
+_HALF_ROW = np.full((1, 4), 0.5, np.float32)
+
+
+@pytest.mark.parametrize("op, x, attrs, msg", [
+    ("RandomNormal", None, {"shape": [2], "dtype": T.UNDEFINED}, "dtype 0 is not a known tensor element"),
+    ("RandomUniform", None, {"shape": [2], "dtype": 999}, "dtype 999 is not a known tensor element type"),
+    ("RandomUniformLike", _HALF_ROW, {"dtype": 999}, "dtype 999 is not"),
+    ("Bernoulli", _HALF_ROW, {"dtype": 999}, "dtype 999 is not a known"),
+    ("Bernoulli", _HALF_ROW, {"dtype": T.STRING}, "dtype must be a bool, integer or float type"),
+    ("Bernoulli", _HALF_ROW, {"dtype": T.COMPLEX64}, "dtype must be a bool, integer or float type"),
+    ("Multinomial", _HALF_ROW, {"dtype": T.UNDEFINED}, "dtype 0 is not a known tensor element type"),
+], ids=["normal_undefined", "uniform_unknown", "uniform_like_unknown", "bernoulli_unknown",
+        "bernoulli_string", "bernoulli_complex", "multinomial_undefined"])
+def test_bad_dtype_attributes_are_refused_by_name(op: str, x: np.ndarray | None, attrs: dict[str, Any],
+                                                  msg: str) -> None:
+    """The dtype attribute outside the op's type constraint (onnxruntime refuses these models too) is
+    named, with the op, in the error: not a bare KeyError nor an object or complex output."""
+    with pytest.raises(EngineError, match=f"{op}: {msg}"):
+        _run(_one(op, x, **attrs), x)
+
+
+def test_bernoulli_undefined_dtype_means_the_input_type() -> None:
+    """dtype UNDEFINED (0) on Bernoulli reads as unset, as on the *Like forms: the input's type."""
+    p = np.full((2, 3), 0.5, np.float64)
+    (y,) = _run(_one("Bernoulli", p, dtype=T.UNDEFINED), p)
+    assert y.dtype == np.float64 and y.shape == p.shape
+
+
 _P = np.array([0.0, 0.02, 0.3, 0.5, 0.77, 0.99, 1.0])
 
 

@@ -172,3 +172,72 @@ def test_deform_conv_bad_offset_shape() -> None:
     with pytest.raises(Exception, match="offset") as info:
         _ours("DeformConv", [x, w, np.zeros((1, 4, 3, 3), np.float32)], 19)
     assert "DeformConv" in str(info.value)
+
+
+@pytest.mark.parametrize("padding, align", [("zeros", 0), ("zeros", 1), ("border", 0), ("border", 1),
+                                            ("reflection", 0)])
+@pytest.mark.parametrize("xdt, gdt", [(np.float16, np.float16), (np.float16, np.float32),
+                                      (np.float32, np.float64)], ids=["f16-f16", "f16-f32", "f32-f64"])
+def test_grid_sample_2d_linear_fast_path_rounds_like_the_generic_sampler(padding, align, xdt, gdt) -> None:
+    """2-D linear sampling (its own fast path) of an X narrower than the coordinates weighs each tap in the
+    coordinates' precision and rounds once to X's dtype, as the N-D sampler does: the same values as a
+    5-D GridSample of X with a unit depth axis sampled at its centre (weight exactly 1 there)."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 3, 5, 6)).astype(xdt)
+    grid = rng.uniform(-1.6, 1.6, (2, 4, 7, 2)).astype(gdt)
+    attrs = {"mode": "linear", "padding_mode": padding, "align_corners": align}
+    got = _ours("GridSample", [x, grid], 20, **attrs)
+    depth = np.zeros((2, 1, 4, 7, 1), gdt)  # the centre of a one-slice depth axis with either align_corners
+    want = _ours("GridSample", [x[:, :, None], np.concatenate([grid[:, None], depth], axis=-1)], 20, **attrs)
+    assert got.dtype == xdt
+    np.testing.assert_array_equal(got, want[:, :, 0])
+    ref = F.grid_sample(torch.tensor(x.astype(np.float64)), torch.tensor(grid.astype(np.float64)),
+                        padding_mode=padding, align_corners=bool(align)).numpy()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=4 * np.finfo(xdt).eps * np.abs(x).max())
+
+
+_X, _W, _OFF = np.zeros((1, 2, 4, 4)), np.zeros((2, 2, 2, 2)), np.zeros((1, 8, 3, 3))
+
+
+@pytest.mark.parametrize("op, inputs, attrs, match", [
+    ("DeformConv", [_X, _W, _OFF], {"group": 0}, "group=0"),
+    ("DeformConv", [_X, _W, _OFF], {"offset_group": 0}, "offset_group=0"),
+    ("DeformConv", [_X, _W, _OFF], {"strides": [0, 1]}, r"strides \[0, 1\]"),
+    ("DeformConv", [_X, _W, _OFF], {"dilations": [1, 0]}, r"dilations \[1, 0\]"),
+    ("DeformConv", [_X, _W, _OFF, np.zeros(3)], {}, r"bias B \(3,\) must be \(2,\)"),
+    ("AffineGrid", [np.zeros((1, 2, 3)), np.array([1, 1, -3, 3])], {}, r"size \[1, 1, -3, 3\]"),
+], ids=["group0", "offset_group0", "stride0", "dilation0", "bias_shape", "affine_negative_size"])
+def test_bad_attributes_and_inputs_are_refused_by_name(op, inputs, attrs, match) -> None:
+    """Attributes and inputs the spec (and onnxruntime) refuse: an error naming the op and the value, not a
+    ZeroDivisionError or numpy's reshape error, nor group=0 read as 1."""
+    opset = 19 if op == "DeformConv" else 20
+    with pytest.raises(Exception, match=f"{op}: .*{match}"):
+        _ours(op, inputs, opset, **attrs)
+
+
+@pytest.mark.parametrize("padding", ["zeros", "border"])
+def test_grid_sample_non_finite_coordinates(padding: str) -> None:
+    """A NaN grid value has no tap to read (the framed fast path would index out of range): that point is
+    NaN. An infinite one is NaN with zeros padding, as in torch, and clamped to the edge with border
+    padding, as in torch. Every other point is what torch gives (float64)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 3, 5, 6))
+    grid = rng.uniform(-1, 1, (2, 4, 4, 2))
+    bad = grid.copy()
+    bad[0, 1, 2, 0], bad[1, 3, 0, 1] = np.nan, np.inf
+    got = _ours("GridSample", [x, bad], 16, mode="bilinear", padding_mode=padding)
+
+    def torch_gs(g: np.ndarray) -> np.ndarray:
+        return torch.nn.functional.grid_sample(torch.from_numpy(x), torch.from_numpy(g), mode="bilinear",
+                                               padding_mode=padding, align_corners=False).numpy()
+
+    assert np.isnan(got[0, :, 1, 2]).all()
+    inf_point = torch_gs(bad)[1, :, 3, 0]
+    if padding == "zeros":
+        assert np.isnan(got[1, :, 3, 0]).all() and np.isnan(inf_point).all()
+    else:
+        np.testing.assert_allclose(got[1, :, 3, 0], inf_point, rtol=1e-10)
+    keep = np.ones(got.shape, bool)
+    keep[0, :, 1, 2] = keep[1, :, 3, 0] = False
+    np.testing.assert_allclose(got[keep], torch_gs(grid)[keep], rtol=1e-10, atol=1e-12)

@@ -216,7 +216,7 @@ def det_grad(g: GradCtx) -> None:
         raise RuleError("Det gradient needs the rank and the static matrix size of its input")
     r, n = len(xs), int(xs[-1])  # type: ignore[arg-type]
     dy = g.emit("Unsqueeze", g.dy(0), g.ints([-2, -1]))  # (..., 1, 1)
-    if n == 1:
+    if n <= 1:  # d det/dX is 1 for 1×1 matrices; 0×0 ones (det 1) have an empty gradient
         g.set_dx(0, g.emit("Expand", dy, g.shape(0)))
         return
     keep = np.array([[k for k in range(n) if k != i] for i in range(n)], np.int64)  # (n, n − 1)

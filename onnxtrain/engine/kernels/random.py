@@ -80,10 +80,21 @@ def _float_dtype(attrs: Attrs, like: np.ndarray | None = None) -> np.dtype:
             raise ValueError(f"{attrs.op}: the input is {dt} and no dtype attribute is given; "
                              "the output must be a float type")
         return dt
-    dt = np.dtype(helper.tensor_dtype_to_np_dtype(code))
+    dt = _dtype_attr(attrs, code)
     if not _is_float(dt):
         raise ValueError(f"{attrs.op}: dtype must be a float type, got {dt}")
     return dt
+
+
+def _dtype_attr(attrs: Attrs, code: int) -> np.dtype:
+    """The numpy dtype of a ``dtype`` attribute's TensorProto code; an unknown or UNDEFINED code is refused
+    by name (not a bare KeyError)."""
+    try:
+        if code == TensorProto.UNDEFINED:
+            raise KeyError(code)
+        return np.dtype(helper.tensor_dtype_to_np_dtype(code))
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{attrs.op}: dtype {code} is not a known tensor element type") from None
 
 
 def _shape(attrs: Attrs) -> tuple[int, ...]:
@@ -141,7 +152,9 @@ def bernoulli(inputs: Inputs, attrs: Attrs) -> Outputs:
     if not _is_float(p.dtype):
         raise ValueError(f"Bernoulli: the input holds probabilities and must be a float type, got {p.dtype}")
     code = attrs.get("dtype")
-    dt = p.dtype if code is None else np.dtype(helper.tensor_dtype_to_np_dtype(code))
+    dt = p.dtype if code is None or code == TensorProto.UNDEFINED else _dtype_attr(attrs, code)
+    if dt.kind not in "biuf" and not _is_float(dt):  # T2: the integer, float and bool types
+        raise ValueError(f"Bernoulli: dtype must be a bool, integer or float type, got {dt}")
     p64 = p.astype(np.float64, copy=False)
     if p.size and not ((p64 >= 0).all() and (p64 <= 1).all()):  # NaN fails both
         raise ValueError("Bernoulli: every input probability must be in [0, 1]")
@@ -158,7 +171,7 @@ def multinomial(inputs: Inputs, attrs: Attrs) -> Outputs:
     n = attrs["sample_size"]
     if n < 0:
         raise ValueError(f"Multinomial: sample_size must be >= 0, got {n}")
-    dt = np.dtype(helper.tensor_dtype_to_np_dtype(attrs["dtype"]))
+    dt = _dtype_attr(attrs, attrs["dtype"])
     if dt not in (np.dtype(np.int32), np.dtype(np.int64)):
         raise ValueError(f"Multinomial: dtype must be int32 or int64, got {dt}")
     batch, classes = x.shape

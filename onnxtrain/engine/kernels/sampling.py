@@ -127,8 +127,9 @@ def _bilinear(x: np.ndarray, u: np.ndarray, padding: str) -> np.ndarray:
     pixels, which is what border and half-pixel reflection read there), so that every point's four taps
     are one base index plus fixed offsets, with no per-tap masks. Zeros padding first clips coordinates to
     [-1, size], where all their taps read the frame. The weights are those of ``TAPS["linear"]``, combined
-    and summed in :func:`sample`'s order (the same bits). 32×3×64×64 from a 64×64 grid: the sampling 10.2 →
-    4.6 ms, the whole GridSample 12.2 → 6.9 ms (onnxruntime 2.4–3.1 ms)."""
+    and summed in :func:`sample`'s order, each product in the weights' dtype (the same bits, but that a
+    point with no tap inside under zeros padding is +0 here and may be -0 there). 32×3×64×64 from a 64×64
+    grid: the sampling 10.2 → 4.6 ms, the whole GridSample 12.2 → 6.9 ms (onnxruntime 2.4–3.1 ms)."""
     b, c, h, w = x.shape
     hp, wp = h + 3, w + 3
     rows = np.zeros((b, hp, wp, c), x.dtype) if padding == "zeros" else np.empty((b, hp, wp, c), x.dtype)
@@ -149,7 +150,7 @@ def _bilinear(x: np.ndarray, u: np.ndarray, padding: str) -> np.ndarray:
     y = None
     for off, weight in ((0, wy0 * wx0), (1, wy0 * wx1), (wp, wy1 * wx0), (wp + 1, wy1 * wx1)):
         v = rows.take(base + off if off else base, axis=0)
-        v *= weight[:, :, None].astype(v.dtype, copy=False)
+        v *= weight[:, :, None]  # in the weights' (coordinates') precision, rounded once to X's dtype
         if y is None:
             y = v
         else:
@@ -163,6 +164,13 @@ def sample(x: np.ndarray, u: np.ndarray, mode: str, padding: str, align_corners:
     ``u`` has already been moved by ``adjust_coords``; here each tap index is padded on its own:
     zeros drops taps outside the image, border clamps them, reflection reflects them. Arrays stay
     (B, P)-shaped: the loops run over the k taps per axis and their k**r combinations."""
+    finite = np.isfinite(u).all(axis=-1)  # (B, P): a NaN or infinite coordinate has no tap to read
+    if not finite.all():
+        y = sample(x, np.where(finite[..., None], u, 0), mode, padding, align_corners)
+        if y.dtype.kind != "f":
+            y = y.astype(np.float64)
+        y.transpose(0, 2, 1)[~finite] = np.nan  # such a point is NaN
+        return y
     if (mode == "linear" and x.ndim == 4 and x.dtype.kind == "f"
             and (padding in ("zeros", "border") or (padding == "reflection" and not align_corners))):
         return _bilinear(x, u, padding)
@@ -252,6 +260,8 @@ def affine_grid(inputs: Inputs, attrs: Attrs) -> Outputs:
                          "or (N, 3, 4) with 5 sizes")
     if size[0] != theta.shape[0]:
         raise ValueError(f"AffineGrid: size's batch {size[0]} differs from theta's {theta.shape[0]}")
+    if min(size) < 0:
+        raise ValueError(f"AffineGrid: size {size} has a negative entry")
     align = bool(attrs.get("align_corners") or 0)
     base = attrs.cached((tuple(size[2:]), theta.dtype), lambda: base_grid(size[2:], align, theta.dtype))
     grid = np.matmul(base, theta.transpose(0, 2, 1))  # (N, P, r)
@@ -270,8 +280,13 @@ def deform_geometry(attrs: dict[str, Any], xs: tuple[int, ...], ws: tuple[int, .
     pads = list(attrs.get("pads") or [0] * (2 * r))
     if len(strides) != r or len(dil) != r or len(pads) != 2 * r:
         raise ValueError(f"DeformConv: strides {strides}, dilations {dil} or pads {pads} do not fit {r} axes")
+    if min(strides) < 1 or min(dil) < 1 or min(pads) < 0:
+        raise ValueError(f"DeformConv: strides {strides} and dilations {dil} must be >= 1, pads {pads} >= 0")
     out = [(xs[2 + a] + pads[a] + pads[r + a] - (k[a] - 1) * dil[a] - 1) // strides[a] + 1 for a in range(r)]
-    group, og = int(attrs.get("group") or 1), int(attrs.get("offset_group") or 1)
+    group, og = attrs.get("group"), attrs.get("offset_group")
+    group, og = int(1 if group is None else group), int(1 if og is None else og)
+    if group < 1 or og < 1:
+        raise ValueError(f"DeformConv: group={group} and offset_group={og} must be >= 1")
     c, m = xs[1], ws[0]
     if c != ws[1] * group or m % group or c % og:
         raise ValueError(f"DeformConv: channels do not match: X {xs}, W {ws}, group={group}, "
@@ -297,6 +312,8 @@ def deform_conv(inputs: Inputs, attrs: Attrs) -> Outputs:
         raise ValueError(f"DeformConv: offset {offset.shape} must be (N, {og * kk * r}, *{geo['out']})")
     if mask is not None and mask.shape != (n, og * kk, *geo["out"]):
         raise ValueError(f"DeformConv: mask {mask.shape} must be (N, {og * kk}, *{geo['out']})")
+    if bias is not None and bias.shape != (m,):
+        raise ValueError(f"DeformConv: bias B {bias.shape} must be ({m},), one per output channel")
     ct = np.promote_types(offset.dtype, np.float32)
     u = offset.reshape(n * og, kk, r, p).transpose(0, 1, 3, 2) + geo["base"].astype(ct)
     cols = sample(x.reshape(n * og, c // og, *x.shape[2:]), u.reshape(n * og, kk * p, r), "linear", "zeros",
