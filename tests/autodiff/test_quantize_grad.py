@@ -128,3 +128,78 @@ def test_unmatched_pairs_carry_no_gradient(case: str) -> None:
                        q_attrs={"block_size": 2})
     with pytest.raises(GradientError, match="does not reach the loss"):
         build_gradient_model(m, "loss", ["x"], zero_unreachable=False)
+
+
+def _run_ort(g: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    ort = pytest.importorskip("onnxruntime")
+    sess = ort.InferenceSession(g.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)[-1]
+
+
+def _torch_dx(x: np.ndarray, w: np.ndarray, scale: np.ndarray, zp: np.ndarray, lo: int, hi: int,
+              axis: int | None) -> np.ndarray:
+    """d/dx of sum(fake_quantize(x) * w) by torch's fake quantizers."""
+    torch = pytest.importorskip("torch")
+    tx = torch.tensor(x.astype(np.float32), requires_grad=True)
+    if axis is None:
+        y = torch.fake_quantize_per_tensor_affine(tx, float(scale), int(zp), lo, hi)
+    else:
+        y = torch.fake_quantize_per_channel_affine(tx, torch.from_numpy(scale.astype(np.float32)),
+                                                   torch.from_numpy(zp.astype(np.int32)), axis, lo, hi)
+    (y * torch.from_numpy(w.astype(np.float32))).sum().backward()
+    return tx.grad.numpy()
+
+
+def _pair_model(x_type: int, scale: np.ndarray, zp: np.ndarray, w: np.ndarray, opset: int,
+                q_attrs: dict | None = None, d_attrs: dict | None = None) -> onnx.ModelProto:
+    """loss = sum(DequantizeLinear(QuantizeLinear(x)) * w), the product in x's type."""
+    y_type = (d_attrs or {}).get("output_dtype") or helper.np_dtype_to_tensor_dtype(scale.dtype)
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["q"], **(q_attrs or {})),
+             helper.make_node("DequantizeLinear", ["q", "s", "zp"], ["y"], **(d_attrs or {}))]
+    y = "y"
+    if y_type != x_type:
+        nodes.append(helper.make_node("Cast", ["y"], ["yc"], to=x_type))
+        y = "yc"
+    nodes += [helper.make_node("Mul", [y, "w"], ["yw"]),
+              helper.make_node("ReduceSum", ["yw"], ["loss"], keepdims=0)]
+    inits = [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zp, "zp"),
+             numpy_helper.from_array(w, "w")]
+    g = helper.make_graph(nodes, "pair", [helper.make_tensor_value_info("x", x_type, list(w.shape))],
+                          [helper.make_tensor_value_info("loss", x_type, [])], inits)
+    return make_model(g, opset)
+
+
+def test_int4_per_axis_gradient_runs_on_onnxruntime() -> None:
+    """The 4-bit zero point is broadcast after its Cast (onnxruntime has no 4-bit Unsqueeze)."""
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    scale = np.asarray([0.5, 1.0, 2.0, 0.25], np.float32)
+    zp = np.asarray([1, 0, -3, 7]).astype(tensor_dtype_to_np_dtype(T.INT4))
+    x = _x(scale, zp.astype(np.int8), -8, 7, axis=0)
+    w = RNG.standard_normal(x.shape).astype(np.float32)
+    g = build_gradient_model(_pair_model(T.FLOAT, scale, zp, w, 21, {"axis": 0}, {"axis": 0}), "loss", ["x"])
+    onnx.checker.check_model(g, full_check=True)
+    want = _torch_dx(x, w, scale, zp.astype(np.int8), -8, 7, axis=0)
+    np.testing.assert_array_equal(run_engine(g, {"x": x})[-1], want)
+    np.testing.assert_array_equal(_run_ort(g, {"x": x}), want)
+
+
+@pytest.mark.parametrize("x_type,scale_dt,y_type", [
+    (T.FLOAT, np.float16, None),  # x and the scale of other types (opset 23)
+    (T.FLOAT16, np.float32, None),
+    (T.FLOAT, np.float32, T.FLOAT16),  # DequantizeLinear's output_dtype other than x's type
+])
+def test_mixed_types_gradient_has_x_type(x_type: int, scale_dt, y_type: int | None) -> None:
+    """dx has x's type whatever the pair's scale and output types; every value is exact in float16."""
+    xdt = helper.tensor_dtype_to_np_dtype(x_type)
+    scale, zp = np.asarray(0.5, scale_dt), np.asarray(-3, np.int8)
+    x = _x(scale.astype(np.float32), zp, -128, 127).astype(xdt)
+    w = (RNG.integers(-64, 64, x.shape) / 8).astype(xdt)
+    m = _pair_model(x_type, scale, zp, w, 23, d_attrs={"output_dtype": y_type} if y_type else None)
+    g = build_gradient_model(m, "loss", ["x"])
+    onnx.checker.check_model(g, full_check=True)
+    dx = run_engine(g, {"x": x})[-1]
+    assert dx.dtype == xdt
+    want = _torch_dx(x, w, scale, zp, -128, 127, axis=None)
+    np.testing.assert_array_equal(dx.astype(np.float32), want)
+    np.testing.assert_array_equal(_run_ort(g, {"x": x}).astype(np.float32), want)

@@ -167,3 +167,19 @@ def test_per_axis_length_mismatch_is_named() -> None:
     x, s, zp = np.ones((4, 3), np.uint8), np.ones(4, np.float32), np.zeros(4, np.uint8)
     with pytest.raises(EngineError, match="DequantizeLinear: per-axis x_scale has 4 values"):
         _ours("DequantizeLinear", [x, s, zp], 21, axis=1)
+
+
+# ---- a 1-D b: the per-row scales of a meet the result's rows (the column axis is dropped) --------------
+
+def test_qlinear_matmul_vector_b_with_per_row_scale() -> None:
+    a, b = _u8(4, 6), _u8(6)
+    a_scale = RNG.uniform(0.005, 0.02, 4).astype(np.float32)
+    a_zp = _u8(4)
+    rest = [np.asarray(0.01, np.float32), np.asarray(7, np.uint8), np.asarray(0.05, np.float32),
+            np.asarray(120, np.uint8)]
+    ours = _ours("QLinearMatMul", [a, a_scale, a_zp, b, *rest], 21)[0]
+    # the same product with b as a (6, 1) matrix and the row vectors as (4, 1) columns
+    ref = _reference("QLinearMatMul", [a, a_scale.reshape(4, 1), a_zp.reshape(4, 1), b.reshape(6, 1), *rest],
+                     21)[0]
+    assert ours.shape == (4,)
+    np.testing.assert_array_equal(ours, ref[:, 0])

@@ -40,6 +40,7 @@ _RANGES: dict[int, tuple[int, int]] = {
     _T.UINT8: (0, 255), _T.INT8: (-128, 127), _T.UINT16: (0, 65535), _T.INT16: (-32768, 32767),
     _T.UINT4: (0, 15), _T.INT4: (-8, 7),
 }
+_FLOATS = frozenset({_T.FLOAT, _T.FLOAT16, _T.BFLOAT16, _T.DOUBLE})
 for _name, _lo, _hi in (("UINT2", 0, 3), ("INT2", -2, 1)):  # newer onnx only
     if hasattr(_T, _name):
         _RANGES[getattr(_T, _name)] = (_lo, _hi)
@@ -61,22 +62,29 @@ class FakeQuant:
     lo: int
     hi: int
     unsqueeze: list[int]  # axes making a 1-D (per-axis) scale broadcast against x
+    div_type: int = 0  # the type x / scale is computed in (the forward's); 0: scale_type
+    y_type: int = 0  # the DequantizeLinear's output type (dy's); 0: x_type
     stop: frozenset[int] = field(default=frozenset({0, 1, 2}))
     uses: frozenset[str] = field(default=frozenset())
 
     def grad(self, w: NodeWriter, dy: str, et: int) -> str:
         """dx, given dy: dy where x quantizes inside the type's range (boundaries included), else 0."""
-        s, zp = self.scale, self.zero_point
+        ct = self.div_type or self.scale_type
+        s = self.scale if ct == self.scale_type else w.one("Cast", self.scale, to=ct)
+        # the zero point is cast first: a 4-bit one has no Unsqueeze in onnxruntime
+        zp = w.one("Cast", self.zero_point, to=ct) if self.zero_point else ""
         if self.unsqueeze:
             axes = w.ints(self.unsqueeze)
             s = w.one("Unsqueeze", s, axes)
             zp = w.one("Unsqueeze", zp, axes) if zp else zp
-        x = self.x if self.x_type == self.scale_type else w.one("Cast", self.x, to=self.scale_type)
+        x = self.x if self.x_type == ct else w.one("Cast", self.x, to=ct)
         v = w.one("Round", w.one("Div", x, s))  # as the forward: divided in the scale's type, half to even
         if zp:
-            v = w.one("Add", v, w.one("Cast", zp, to=self.scale_type))
-        inside = w.one("And", w.one("GreaterOrEqual", v, w.const(np.asarray(self.lo), self.scale_type)),
-                       w.one("LessOrEqual", v, w.const(np.asarray(self.hi), self.scale_type)))
+            v = w.one("Add", v, zp)
+        inside = w.one("And", w.one("GreaterOrEqual", v, w.const(np.asarray(self.lo), ct)),
+                       w.one("LessOrEqual", v, w.const(np.asarray(self.hi), ct)))
+        if self.y_type and self.y_type != et:  # a DequantizeLinear output_dtype other than x's type
+            dy = w.one("Cast", dy, to=et)
         return w.one("Where", inside, dy, w.const(np.asarray(0.0), et))
 
 
@@ -114,7 +122,13 @@ def _fake_quant(bw: _Backward, q: object, d: object) -> FakeQuant | None:
     elif len(s_shape) > 1:
         return None
     lo, hi = _RANGES[to]
-    return FakeQuant(x, scale, zp, s_type, x_type, lo, hi, unsqueeze)
+    # the forward divides in the precision attribute's type, else the scale's, a float8e8m0 or int32 scale
+    # in float32 (engine/kernels/quantize.py)
+    div = qa.get("precision") or s_type
+    if div not in _FLOATS:
+        div = _T.FLOAT
+    y_type = da.get("output_dtype") or s_type
+    return FakeQuant(x, scale, zp, s_type, x_type, lo, hi, unsqueeze, div_type=div, y_type=y_type)
 
 
 def find_fake_quants(bw: _Backward) -> dict[int, FakeQuant]:

@@ -124,7 +124,8 @@ def dynamic_quantize_linear(inputs: Inputs, attrs: Attrs) -> Outputs:
     f = np.float32
     hi = f(max(0.0, float(x.max()))) if x.size else f(0)
     lo = f(min(0.0, float(x.min()))) if x.size else f(0)
-    # an all-zero x has no range: scale 1/255 then, as onnxruntime does, so zero maps to zero
+    # an all-zero x has no range: scale 1/255 then, as onnx.reference does (onnxruntime 1.32 says 1.0),
+    # so zero maps to zero
     scale = f((hi - lo) if hi != lo else f(1)) / f(255)
     zp = np.rint(np.clip(f(0) - lo / scale, 0, 255))
     y = np.clip(np.rint(x / scale) + zp, 0, 255).astype(np.uint8)
@@ -167,10 +168,16 @@ def matmul_integer(inputs: Inputs, attrs: Attrs) -> Outputs:
 @kernel("QLinearMatMul", since=10)
 def qlinear_matmul(inputs: Inputs, attrs: Attrs) -> Outputs:
     a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp = inputs[:8]
+    # a 1-D b is a (K, 1) matrix whose column axis leaves the result: the per-row scales of a must still
+    # meet the result's rows, so the product is formed with that axis and it is dropped at the end
+    vec = b.ndim == 1
+    if vec:
+        b = b.reshape(-1, 1)
     acc = np.matmul(_wide(a) - _wide(_rows(a_zp, a.ndim)), _wide(b) - _wide(b_zp))
     m = _multiplier(_rows(a_scale, a.ndim), b_scale, y_scale)
     dt = y_zp.dtype if y_zp is not None else a.dtype
-    return (saturate_to(acc * m + _wide(y_zp), np.dtype(dt)),)
+    y = saturate_to(acc * m + _wide(y_zp), np.dtype(dt))
+    return (y[..., 0] if vec else y,)
 
 
 def _conv_integer(inputs: Inputs, attrs: Attrs, x_zp: np.ndarray | None,
