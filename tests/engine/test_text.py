@@ -104,6 +104,19 @@ def test_string_normalizer_matches_onnxruntime(x: np.ndarray, attrs: dict[str, A
     _check("StringNormalizer", [x], {**attrs, "locale": "C.UTF-8"}, opset=10)
 
 
+@pytest.mark.parametrize("action", ["LOWER", "UPPER"])
+def test_string_normalizer_maps_case_as_onnxruntime_on_every_code_point(action: str) -> None:
+    """Unicode's simple case mapping (towlower/towupper): İ lowers to i and ᾀ uppers to ᾈ, though
+    Python's full mapping makes several code points of each."""
+    x = np.array([chr(c) for c in range(0x80, 0x2000)] + ["İstanbul", "ᾳδη", "Straße"], dtype=object)
+    _check("StringNormalizer", [x], {"case_change_action": action, "locale": "C.UTF-8"}, opset=10)
+
+
+def test_string_normalizer_stopwords_use_the_simple_case_mapping() -> None:
+    x = _s("İ", "ᾀ", "x")
+    _check("StringNormalizer", [x], {"stopwords": ["i", "ᾈ"], "locale": "C.UTF-8"}, opset=10)
+
+
 @pytest.mark.parametrize("x, attrs, msg", [
     (_s("a", "b", "c", "d").reshape(2, 2), {}, r"\[C\] or \[1, C\]"),
     (_s("a"), {"case_change_action": "TITLE"}, "case_change_action"),
@@ -158,7 +171,25 @@ def test_regex_full_match_agrees_with_re2(pattern: str) -> None:
     _check("RegexFullMatch", [_TEXTS.reshape(4, 4)], {"pattern": pattern})
 
 
-@pytest.mark.parametrize("pattern", [r"(a", r"\p{L}+", r"a\z", r"[[:alpha:]]+", r"(?<word>\w+)"])
+_RE2_TEXTS = _s("é", "É", "K", "k", "\u212a", "ſ", "s", "Ω", "ω", "ǅ", "\x0b", " \t", "a\x0b", "", "a", "aaa",
+                "a{,3}", "a\n", "a.b", "axb", "ab", "a b", "_1", "x^", "]", "-", "Ks", "3é")
+
+
+@pytest.mark.parametrize("pattern", [
+    r"(?i)é", r"(?i)[a-z]+", r"(?i)\w+", r"(?i)\W", r"(?i)[^k]", r"(?i)ω", r"(?i)ǆ", r"(?i)\B\B.",
+    r"(?i).\b.", r"\s", r"\S+", r"a\s", r"[\s\d]+", r"a{,3}", r"a{2,}", r"a$\n", r"(?m)a$\n", r"\B",
+    r"[[:alpha:]]+", r"[[:^space:]^x]+", r"[^\W\d]+", r"[\W\d]+", r"[^[:^alpha:]\d]+", r"\x{e9}", r"\Qa.b\E",
+    r"a\z", r"(?<n>a)b", r"[]x^-]+", r"(?i)[[:upper:]][^\W\d]?",
+], ids=str)
+def test_regex_full_match_reads_re2_semantics(pattern: str) -> None:
+    """What Python's re reads otherwise: RE2's Unicode case folding under (?i) with ASCII classes (which
+    do fold: the Kelvin sign is \\w there, but not at a \\b), \\s without \\v, a literal {,3}, $ at the very
+    end only, \\B on the empty string, POSIX classes, complemented classes inside brackets, \\x{..},
+    \\Q..\\E, \\z and (?<name>...)."""
+    _check("RegexFullMatch", [_RE2_TEXTS], {"pattern": pattern})
+
+
+@pytest.mark.parametrize("pattern", [r"(a", r"\p{L}+", r"[\pL]", r"a\Z", r"\C"])
 def test_regex_full_match_refuses_what_python_cannot_compile(pattern: str) -> None:
     x = _s("abc")
     with pytest.raises(EngineError, match="RegexFullMatch: pattern") as e:

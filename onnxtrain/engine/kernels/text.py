@@ -5,18 +5,19 @@ one); the kernels also take numpy unicode arrays and ``bytes`` elements (read as
 return object arrays. Where the ONNX spec leaves a detail open, the kernels do what onnxruntime does:
 
 * StringSplit: an empty string has no substrings (count 0), with or without a delimiter;
-* StringNormalizer: upper/lower case is mapped one code point at a time (Unicode's mapping, whatever
-  the ``locale`` attribute says); a character whose mapping is several characters (``ß`` → ``SS``)
-  stays as it is, as with C's ``towupper``;
+* StringNormalizer: upper/lower case is mapped one code point at a time by Unicode's simple case mapping
+  (C's ``towupper``/``towlower`` in a UTF-8 locale), whatever the ``locale`` attribute says: ``İ`` → ``i``,
+  ``ᾀ`` → ``ᾈ``, and a character that has only a several-character mapping (``ß`` → ``SS``) stays as it is;
 * TfIdfVectorizer: ``weights[i]`` weighs the i-th n-gram of the pool (spec and onnxruntime; onnx's
   reference implementation reads it per output coordinate instead). N-grams mapped to the same output
   coordinate add up: their counts (TF), weighted counts (TFIDF), or, in IDF mode, the weight of each one
   present (the spec's counts truncated to 1; onnxruntime keeps the weight of the last one its scan meets).
 
-RegexFullMatch patterns are RE2 syntax by the spec and run on Python's ``re`` in ASCII mode, which
-gives ``\\d``, ``\\w``, ``\\s`` and ``\\b`` RE2's ASCII meaning; case-insensitive matching then folds ASCII
-letters only. A pattern Python cannot compile (RE2's ``\\p{L}`` classes, ``\\z``, ``(?<name>...)``) or
-whose meaning would silently differ (a POSIX class ``[[:alpha:]]``) is refused with an error.
+RegexFullMatch patterns are RE2 syntax by the spec; they are translated to Python's ``re`` (Unicode mode,
+whose case-insensitive matching folds like RE2's but for the Turkish dotted and dotless i) with RE2's
+meaning: ``\\d``, ``\\w``, ``\\s``, ``\\b`` and the POSIX classes ``[[:alpha:]]`` are ASCII, ``$`` matches at
+the end of the text only, ``a{,3}`` is literal, and ``\\z``, ``\\x{...}``, ``\\Q...\\E`` and ``(?<name>...)``
+are read. A pattern with what Python cannot run (``\\p{L}`` classes, ``\\C``) is refused with an error.
 """
 
 from __future__ import annotations
@@ -68,19 +69,29 @@ def string_concat(inputs: Inputs, attrs: Attrs) -> Outputs:
 # ---------------------------------------------------------------- StringNormalizer
 
 
-def _per_code_point(change: Callable[[str], str]) -> Callable[[str], str]:
-    """``change`` applied one code point at a time, keeping those it would turn into several."""
+def _per_code_point(change: Callable[[str], str], simple: Callable[[str], str]) -> Callable[[str], str]:
+    """Unicode's simple (one code point to one) case mapping, one code point at a time: ``change`` (Python's
+    full mapping) where it gives one code point, else ``simple(c)`` if that is one code point, else ``c``."""
+
+    def one(c: str) -> str:
+        m = change(c)
+        if len(m) == 1:
+            return m
+        m = simple(c)
+        return m if len(m) == 1 else c
 
     def run(s: str) -> str:
         if s.isascii():
             return change(s)
-        return "".join(c if len(m := change(c)) != 1 else m for c in s)
+        return "".join(map(one, s))
 
     return run
 
 
-_LOWER = _per_code_point(str.lower)
-_UPPER = _per_code_point(str.upper)
+# the code points whose full mapping is several but whose simple mapping is one: U+0130 (İ) lowers to
+# "i"; the Greek letters with ypogegrammeni (ᾀ, ᾳ, ...) upper to their one-code-point title case (ᾈ, ᾼ)
+_LOWER = _per_code_point(str.lower, lambda c: "i" if c == "\u0130" else c)
+_UPPER = _per_code_point(str.upper, str.title)
 
 
 @kernel("StringNormalizer", since=10)
@@ -132,24 +143,151 @@ def string_split(inputs: Inputs, attrs: Attrs) -> Outputs:
 # ---------------------------------------------------------------- RegexFullMatch
 
 
+# RE2's Perl and POSIX classes are ASCII: as Python class items ("" for none), and complemented
+_PERL = {"d": "0-9", "w": "0-9A-Za-z_", "s": "\\t\\n\\f\\r "}
+_POSIX = {"alnum": "0-9A-Za-z", "alpha": "A-Za-z", "ascii": "\\x00-\\x7f", "blank": "\\t ",
+          "cntrl": "\\x00-\\x1f\\x7f", "digit": "0-9", "graph": "!-~", "lower": "a-z", "print": " -~",
+          "punct": "!-/:-@\\[-`{-~", "space": "\\t\\n\\v\\f\\r ", "upper": "A-Z", "word": "0-9A-Za-z_",
+          "xdigit": "0-9A-Fa-f"}
+_W = "[0-9A-Za-z_]"  # a word boundary's classes do not fold case (the Kelvin sign is no word character)
+_BOUNDARY = {"b": f"(?-i:(?<={_W})(?!{_W})|(?<!{_W})(?={_W}))",
+             "B": f"(?-i:(?<={_W})(?={_W})|(?<!{_W})(?!{_W}))"}
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _hex_escape(p: str, i: int) -> tuple[str, int]:
+    """RE2's ``\\x{HHHH}`` at ``p[i]`` (the ``x``): the code point escaped for Python, and the index
+    past it."""
+    close = p.find("}", i)
+    try:
+        return re.escape(chr(int(p[i + 2 : close], 16))), close + 1
+    except ValueError:
+        raise _Unsupported(f"bad escape {p[i - 1 : close + 1]!r}") from None
+
+
+def _class(p: str, i: int) -> tuple[str, int]:
+    """The bracket expression starting at ``p[i] == "["`` as Python syntax, and the index past it. A Perl or
+    POSIX class complemented inside it (``[^\\W]``, ``[[:^alpha:]]``) becomes lookarounds."""
+    i += 1
+    negated = p.startswith("^", i)
+    i += negated
+    items, outside = [], []  # outside: the class item lists of complemented members
+    first = True
+    while True:
+        if i >= len(p):
+            raise _Unsupported("missing ]")
+        c = p[i]
+        if c == "]" and not first:
+            i += 1
+            break
+        first = False
+        if c == "[" and p.startswith("[:", i):
+            close = p.find(":]", i + 2)
+            name = p[i + 2 : close] if close > 0 else ""
+            neg = name.startswith("^")
+            if name.lstrip("^") not in _POSIX:
+                raise _Unsupported(f"unknown POSIX class {p[i : close + 2]!r}")
+            (outside if neg else items).append(_POSIX[name.lstrip("^")])
+            i = close + 2
+        elif c == "\\" and i + 1 < len(p):
+            e = p[i + 1]
+            if e in "dws":
+                items.append(_PERL[e])
+            elif e in "DWS":
+                outside.append(_PERL[e.lower()])
+            elif e == "x" and p.startswith("{", i + 2):
+                esc, i = _hex_escape(p, i + 1)
+                items.append(esc)
+                continue
+            elif e in "pPQEC":
+                raise _Unsupported(f"\\{e} in a character class")
+            else:
+                items.append(p[i : i + 2])
+            i += 2
+        else:
+            items.append("\\" + c if c in "[]^&~|" else c)  # literal wherever the items are put
+            i += 1
+    body = "".join(items)
+    if not outside:
+        return f"[{'^' if negated else ''}{body}]", i
+    if negated:  # in none of the items and in every complemented member's class
+        return "(?:" + "".join([f"(?![{body}])" if body else "", *(f"(?=[{o}])" for o in outside[1:]),
+                                f"[{outside[0]}]"]) + ")", i
+    return "(?:" + "|".join(([f"[{body}]"] if body else []) + [f"[^{o}]" for o in outside]) + ")", i
+
+
+def _translate_re2(p: str) -> str:
+    """An RE2 pattern as a Python ``re`` pattern of the same meaning (compiled in Unicode mode, whose case
+    folding is close to RE2's): ASCII Perl, POSIX and word-boundary classes, ``$`` at the end of the text
+    only (unless a multi-line flag is set), ``\\z``, ``\\x{...}``, ``\\Q...\\E``, ``(?<name>``, and ``{``
+    that starts no repetition (``a{,3}``) as a literal."""
+    multiline = re.search(r"\(\?[a-zA-Z]*m", p) is not None
+    out: list[str] = []
+    i = 0
+    while i < len(p):
+        c = p[i]
+        if c == "\\" and i + 1 < len(p):
+            e = p[i + 1]
+            if e in "dDwWsS":
+                out.append(f"[{'^' if e.isupper() else ''}{_PERL[e.lower()]}]")
+            elif e in "bB":
+                out.append(_BOUNDARY[e])
+            elif e == "z":
+                out.append("\\Z")
+            elif e == "x" and p.startswith("{", i + 2):
+                esc, i = _hex_escape(p, i + 1)
+                out.append(esc)
+                continue
+            elif e == "Q":
+                close = p.find("\\E", i + 2)
+                close = len(p) if close < 0 else close
+                out.append(re.escape(p[i + 2 : close]))
+                i = close + 2
+                continue
+            elif e in "pPCZ":
+                raise _Unsupported(f"\\{e}")
+            else:
+                out.append(p[i : i + 2])
+            i += 2
+        elif c == "[":
+            cls, i = _class(p, i)
+            out.append(cls)
+        elif c == "$" and not multiline:
+            out.append("\\Z")
+            i += 1
+        elif c == "{" and not re.match(r"\{\d+(,\d*)?\}", p[i:]):
+            out.append("\\{")
+            i += 1
+        elif p.startswith("(?<", i) and i + 3 < len(p) and p[i + 3] not in "=!":
+            out.append("(?P<")
+            i += 3
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
 def compile_re2(pattern: str | None) -> re.Pattern[str]:
-    """An RE2 ``pattern`` as a Python regex (ASCII classes), or ValueError naming what Python lacks."""
+    """An RE2 ``pattern`` as a Python regex, or ValueError naming what Python lacks."""
     if pattern is None:
         raise ValueError("RegexFullMatch: the pattern attribute is required")
+    unsupported = ("RE2-only constructs such as \\p{L} or \\C are not supported (nor \\Z, which RE2 lacks)")
     with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)  # re warns on "[[" (an RE2 POSIX class)
+        warnings.simplefilter("error", FutureWarning)  # re warns on "[[" or "--" in a class
         try:
-            return re.compile(pattern, re.ASCII)
+            return re.compile(_translate_re2(pattern))
         except FutureWarning as w:
             raise ValueError(
                 f"RegexFullMatch: pattern {pattern!r} would mean something else to Python's re than to RE2 "
-                f"({w}); POSIX classes such as [[:alpha:]] are not supported"
+                f"({w})"
             ) from None
-        except re.error as e:
+        except (re.error, _Unsupported) as e:
             raise ValueError(
                 f"RegexFullMatch: pattern {pattern!r} cannot be compiled by Python's re, which runs the "
-                f"op's RE2 syntax ({e}); RE2-only constructs such as \\p{{L}}, \\z or (?<name>...) are "
-                "not supported"
+                f"op's RE2 syntax ({e}); {unsupported}"
             ) from None
 
 
