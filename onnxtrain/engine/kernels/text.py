@@ -13,22 +13,17 @@ return object arrays. Where the ONNX spec leaves a detail open, the kernels do w
   coordinate add up: their counts (TF), weighted counts (TFIDF), or, in IDF mode, the weight of each one
   present (the spec's counts truncated to 1; onnxruntime keeps the weight of the last one its scan meets).
 
-RegexFullMatch patterns are RE2 syntax by the spec; they are translated to Python's ``re`` (Unicode mode,
-whose case-insensitive matching folds like RE2's but for the Turkish dotted and dotless i) with RE2's
-meaning: ``\\d``, ``\\w``, ``\\s``, ``\\b`` and the POSIX classes ``[[:alpha:]]`` are ASCII, ``$`` matches at
-the end of the text only, ``a{,3}`` is literal, and ``\\z``, ``\\x{...}``, ``\\Q...\\E`` and ``(?<name>...)``
-are read. A pattern with what Python cannot run (``\\p{L}`` classes, ``\\C``) is refused with an error.
+RegexFullMatch patterns are RE2 syntax by the spec: :mod:`onnxtrain.engine.re2` runs them with RE2's meaning.
 """
 
 from __future__ import annotations
 
-import re
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from onnxtrain.engine.re2 import compile_re2
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 
@@ -141,154 +136,6 @@ def string_split(inputs: Inputs, attrs: Attrs) -> Outputs:
 
 
 # ---------------------------------------------------------------- RegexFullMatch
-
-
-# RE2's Perl and POSIX classes are ASCII: as Python class items ("" for none), and complemented
-_PERL = {"d": "0-9", "w": "0-9A-Za-z_", "s": "\\t\\n\\f\\r "}
-_POSIX = {"alnum": "0-9A-Za-z", "alpha": "A-Za-z", "ascii": "\\x00-\\x7f", "blank": "\\t ",
-          "cntrl": "\\x00-\\x1f\\x7f", "digit": "0-9", "graph": "!-~", "lower": "a-z", "print": " -~",
-          "punct": "!-/:-@\\[-`{-~", "space": "\\t\\n\\v\\f\\r ", "upper": "A-Z", "word": "0-9A-Za-z_",
-          "xdigit": "0-9A-Fa-f"}
-_W = "[0-9A-Za-z_]"  # a word boundary's classes do not fold case (the Kelvin sign is no word character)
-_BOUNDARY = {"b": f"(?-i:(?<={_W})(?!{_W})|(?<!{_W})(?={_W}))",
-             "B": f"(?-i:(?<={_W})(?={_W})|(?<!{_W})(?!{_W}))"}
-
-
-class _Unsupported(Exception):
-    pass
-
-
-def _hex_escape(p: str, i: int) -> tuple[str, int]:
-    """RE2's ``\\x{HHHH}`` at ``p[i]`` (the ``x``): the code point escaped for Python, and the index
-    past it."""
-    close = p.find("}", i)
-    try:
-        return re.escape(chr(int(p[i + 2 : close], 16))), close + 1
-    except ValueError:
-        raise _Unsupported(f"bad escape {p[i - 1 : close + 1]!r}") from None
-
-
-def _class(p: str, i: int) -> tuple[str, int]:
-    """The bracket expression starting at ``p[i] == "["`` as Python syntax, and the index past it. A Perl or
-    POSIX class complemented inside it (``[^\\W]``, ``[[:^alpha:]]``) becomes lookarounds."""
-    i += 1
-    negated = p.startswith("^", i)
-    i += negated
-    items, outside = [], []  # outside: the class item lists of complemented members
-    first = True
-    while True:
-        if i >= len(p):
-            raise _Unsupported("missing ]")
-        c = p[i]
-        if c == "]" and not first:
-            i += 1
-            break
-        first = False
-        if c == "[" and p.startswith("[:", i):
-            close = p.find(":]", i + 2)
-            name = p[i + 2 : close] if close > 0 else ""
-            neg = name.startswith("^")
-            if name.lstrip("^") not in _POSIX:
-                raise _Unsupported(f"unknown POSIX class {p[i : close + 2]!r}")
-            (outside if neg else items).append(_POSIX[name.lstrip("^")])
-            i = close + 2
-        elif c == "\\" and i + 1 < len(p):
-            e = p[i + 1]
-            if e in "dws":
-                items.append(_PERL[e])
-            elif e in "DWS":
-                outside.append(_PERL[e.lower()])
-            elif e == "x" and p.startswith("{", i + 2):
-                esc, i = _hex_escape(p, i + 1)
-                items.append(esc)
-                continue
-            elif e in "pPQEC":
-                raise _Unsupported(f"\\{e} in a character class")
-            else:
-                items.append(p[i : i + 2])
-            i += 2
-        else:
-            items.append("\\" + c if c in "[]^&~|" else c)  # literal wherever the items are put
-            i += 1
-    body = "".join(items)
-    if not outside:
-        return f"[{'^' if negated else ''}{body}]", i
-    if negated:  # in none of the items and in every complemented member's class
-        return "(?:" + "".join([f"(?![{body}])" if body else "", *(f"(?=[{o}])" for o in outside[1:]),
-                                f"[{outside[0]}]"]) + ")", i
-    return "(?:" + "|".join(([f"[{body}]"] if body else []) + [f"[^{o}]" for o in outside]) + ")", i
-
-
-def _translate_re2(p: str) -> str:
-    """An RE2 pattern as a Python ``re`` pattern of the same meaning (compiled in Unicode mode, whose case
-    folding is close to RE2's): ASCII Perl, POSIX and word-boundary classes, ``$`` at the end of the text
-    only (unless a multi-line flag is set), ``\\z``, ``\\x{...}``, ``\\Q...\\E``, ``(?<name>``, and ``{``
-    that starts no repetition (``a{,3}``) as a literal."""
-    multiline = re.search(r"\(\?[a-zA-Z]*m", p) is not None
-    out: list[str] = []
-    i = 0
-    while i < len(p):
-        c = p[i]
-        if c == "\\" and i + 1 < len(p):
-            e = p[i + 1]
-            if e in "dDwWsS":
-                out.append(f"[{'^' if e.isupper() else ''}{_PERL[e.lower()]}]")
-            elif e in "bB":
-                out.append(_BOUNDARY[e])
-            elif e == "z":
-                out.append("\\Z")
-            elif e == "x" and p.startswith("{", i + 2):
-                esc, i = _hex_escape(p, i + 1)
-                out.append(esc)
-                continue
-            elif e == "Q":
-                close = p.find("\\E", i + 2)
-                close = len(p) if close < 0 else close
-                out.append(re.escape(p[i + 2 : close]))
-                i = close + 2
-                continue
-            elif e in "pPCZ":
-                raise _Unsupported(f"\\{e}")
-            else:
-                out.append(p[i : i + 2])
-            i += 2
-        elif c == "[":
-            cls, i = _class(p, i)
-            out.append(cls)
-        elif c == "$" and not multiline:
-            out.append("\\Z")
-            i += 1
-        elif c == "{" and not re.match(r"\{\d+(,\d*)?\}", p[i:]):
-            out.append("\\{")
-            i += 1
-        elif p.startswith("(?<", i) and i + 3 < len(p) and p[i + 3] not in "=!":
-            out.append("(?P<")
-            i += 3
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
-
-
-def compile_re2(pattern: str | None) -> re.Pattern[str]:
-    """An RE2 ``pattern`` as a Python regex, or ValueError naming what Python lacks."""
-    if pattern is None:
-        raise ValueError("RegexFullMatch: the pattern attribute is required")
-    unsupported = ("RE2-only constructs such as \\p{L} or \\C are not supported (nor \\Z, which RE2 lacks)")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)  # re warns on "[[" or "--" in a class
-        try:
-            return re.compile(_translate_re2(pattern))
-        except FutureWarning as w:
-            raise ValueError(
-                f"RegexFullMatch: pattern {pattern!r} would mean something else to Python's re than to RE2 "
-                f"({w})"
-            ) from None
-        except (re.error, _Unsupported) as e:
-            raise ValueError(
-                f"RegexFullMatch: pattern {pattern!r} cannot be compiled by Python's re, which runs the "
-                f"op's RE2 syntax ({e}); {unsupported}"
-            ) from None
 
 
 @kernel("RegexFullMatch", since=20)
