@@ -462,10 +462,17 @@ def _layer_norms_from_output(bw: _Backward, rules: dict[int, Any], on_path: list
 
 
 def _vi(bw: _Backward, name: str, given: onnx.ValueInfoProto | None = None) -> onnx.ValueInfoProto:
-    """A value info for output ``name``: the model's own when it has a type, else the inferred one."""
-    if given is not None and given.type.HasField("tensor_type") and given.type.tensor_type.elem_type:
-        return given
+    """A value info for output ``name``: the model's own when it has a type, else the inferred one. A given
+    tensor type without a shape (which onnx.checker refuses on a graph output) takes the inferred shape."""
     tp = bw.types.get(name)
+    if given is not None and given.type.HasField("tensor_type") and given.type.tensor_type.elem_type:
+        tt = given.type.tensor_type
+        if tt.HasField("shape") or tp is None or not tp.tensor_type.HasField("shape"):
+            return given
+        out = onnx.ValueInfoProto()
+        out.CopyFrom(given)
+        out.type.tensor_type.shape.CopyFrom(tp.tensor_type.shape)
+        return out
     return helper.make_value_info(name, tp) if tp is not None else helper.make_empty_tensor_value_info(name)
 
 

@@ -251,3 +251,18 @@ def test_linear_weight_gradient_is_one_gemm_without_a_transpose() -> None:
     transposed = [n for n in g.graph.node if n.op_type == "Transpose" and n.input[0] in made_by]
     assert not any(made_by[n.input[0]].op_type == "Gemm" for n in transposed)
     gradcheck(m, "loss", ["W"], {"x": np.random.default_rng(1).standard_normal((2, 5, 4))})
+
+
+def test_a_forward_output_declared_without_shape_takes_the_inferred_one() -> None:
+    """onnx.checker refuses a graph output whose tensor type has no shape: the gradient model gives the
+    forward output kept among its outputs the shape inference finds."""
+    w = numpy_helper.from_array(np.ones((2, 3)), "w")
+    nodes = [helper.make_node("Mul", ["x", "w"], ["y"]),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    outputs = [helper.make_tensor_value_info("y", T.DOUBLE, None),
+               helper.make_tensor_value_info("loss", T.DOUBLE, [])]
+    m = _model(nodes, [helper.make_tensor_value_info("x", T.DOUBLE, [2, 3])], outputs, [w])
+    g = build_gradient_model(m, "loss", ["w"])
+    y = next(o for o in g.graph.output if o.name == "y")
+    assert [d.dim_value for d in y.type.tensor_type.shape.dim] == [2, 3]
+    onnx.checker.check_model(g, full_check=True)
