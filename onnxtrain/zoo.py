@@ -124,6 +124,39 @@ def cnn(channels: Sequence[int] = (8, 16), classes: int = 10, image: Sequence[in
     return g.finish("cnn", inputs, ["N", classes], ["N"] if loss else None, "logits")
 
 
+def spatial_transformer(channels: Sequence[int] = (8, 16), classes: int = 10,
+                        image: Sequence[int] = (1, 8, 8), hidden: int = 32, seed: int = 0,
+                        loss: bool = True) -> onnx.ModelProto:
+    """A spatial transformer network: a small localisation net (Gemm → Relu → Gemm) predicts an affine
+    transform per image, starting at the identity; the image is resampled along the transformed grid
+    (``GridSample``, bilinear) and classified by :func:`cnn`'s blocks. Input ``x`` [N, C, H, W]."""
+    c, hgt, wid = (int(v) for v in image)
+    g = _Graph(seed)
+    flat = g.op("Flatten", ["x"], "loc_flat")
+    g.normal("loc0.weight", (hidden, c * hgt * wid), math.sqrt(2.0 / (c * hgt * wid)))
+    g.const("loc0.bias", np.zeros(hidden))
+    h = g.op("Relu", [g.op("Gemm", [flat, "loc0.weight", "loc0.bias"], "loc0", transB=1)], "loc0_relu")
+    g.const("loc1.weight", np.zeros((6, hidden)))  # the identity transform to start with
+    g.const("loc1.bias", [1.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+    theta = g.op("Reshape", [g.op("Gemm", [h, "loc1.weight", "loc1.bias"], "loc1", transB=1),
+                             g.const("theta_shape", [-1, 2, 3], np.int64)], "theta")
+    # the sampling grid: base (x, y, 1) per output pixel (align_corners=0 centres) times thetaᵀ
+    ys, xs = ((np.arange(n) * 2 + 1) / n - 1 for n in (hgt, wid))
+    base = np.stack([np.tile(xs, hgt), np.repeat(ys, wid), np.ones(hgt * wid)], 1)
+    grid = g.op("MatMul", [g.const("base_grid", base), g.op("Transpose", [theta], "theta_t", perm=[0, 2, 1])],
+                "grid_flat")
+    grid = g.op("Reshape", [grid, g.const("grid_shape", [-1, hgt, wid, 2], np.int64)], "grid")
+    g.op("GridSample", ["x", grid], "warped", mode="bilinear", align_corners=0)
+    head = cnn(channels, classes, image, seed=seed + 1, loss=False)
+    rename = {"x": "warped"}
+    for n in head.graph.node:
+        n.input[:] = [rename.get(i, i) for i in n.input]
+        g.nodes.append(n)
+    g.inits.extend(head.graph.initializer)
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", c, hgt, wid])]
+    return g.finish("spatial_transformer", inputs, ["N", classes], ["N"] if loss else None, "logits")
+
+
 def _layer_norm(g: _Graph, x: str, name: str, dim: int) -> str:
     g.const(f"{name}.weight", np.ones(dim))
     g.const(f"{name}.bias", np.zeros(dim))

@@ -49,9 +49,10 @@ def parse_yaml(text: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    """The model to train: a built-in builder (``mlp``, ``cnn``, ``transformer``) or an .onnx file."""
+    """The model to train: a built-in builder (``mlp``, ``cnn``, ``transformer``, ``spatial_transformer``)
+    or an .onnx file."""
 
-    builder: Literal["mlp", "cnn", "transformer"] | None = None
+    builder: Literal["mlp", "cnn", "transformer", "spatial_transformer"] | None = None
     path: str | None = None  # an .onnx file, relative to the config file
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the builder
     logits: str = "logits"  # the output holding the logits (class axis 1): accuracy and export

@@ -21,7 +21,7 @@ def _error_line(capsys, argv) -> tuple[int, str]:
     return code, err[0]
 
 
-@pytest.mark.parametrize("name", ["digits_mlp", "digits_cnn", "tiny_transformer"])
+@pytest.mark.parametrize("name", ["digits_mlp", "digits_cnn", "digits_stn", "tiny_transformer"])
 def test_shipped_configs_load(name):
     cfg = load_config(config_path(name))
     assert cfg.name == name

@@ -65,6 +65,19 @@ def test_digits_cnn_shortened_and_export_matches_onnxruntime(tmp_path):
                                                                           abs=1.5 / len(test.y))
 
 
+def test_digits_stn_shortened_and_export_matches_onnxruntime(tmp_path):
+    """The spatial transformer config (GridSample on a learned affine grid) trains, and its exported
+    inference model gives onnxruntime the same accuracy."""
+    cfg = load_config(config_path("digits_stn"), ["training.epochs=3", "training.eval_every=null"])
+    result = Trainer(cfg, str(tmp_path), progress=False).run()
+    assert result.metrics["eval_accuracy"] > 0.85
+    model = onnx.load(result.exported)
+    assert "GridSample" in {n.op_type for n in model.graph.node}
+    _, test = load_digits(images=True)
+    assert _ort_accuracy(result.exported, test.x, test.y) == pytest.approx(result.metrics["eval_accuracy"],
+                                                                          abs=1.5 / len(test.y))
+
+
 def test_eval_and_export_commands(tmp_path, capsys):
     out = str(tmp_path / "run")
     sets = ["--set", "training.epochs=2", "--set", "training.checkpoint_every=30"]

@@ -22,6 +22,8 @@ CASES = {
                    lambda r: r.random((3, 1, 8, 8), np.float32), (3,), 5),
     "transformer": (lambda: zoo.transformer(vocab=7, length=5, dim=8, heads=2, layers=2),
                     lambda r: r.integers(0, 7, (3, 5)), (3, 5), 7),
+    "spatial_transformer": (lambda: zoo.spatial_transformer(channels=(3,), classes=5, hidden=6),
+                            lambda r: r.random((3, 1, 8, 8), np.float32), (3,), 5),
 }
 
 
@@ -70,10 +72,20 @@ def _to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
     return m
 
 
-@pytest.mark.parametrize("name", ["cnn_bn_gap", "transformer"])
+def _off_centre(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The spatial transformer with a transform near, not at, the identity: at the identity every sample
+    lands on a pixel centre, where bilinear weights have a kink that central differences average over."""
+    for t in model.graph.initializer:
+        if t.name == "loc1.bias":
+            t.CopyFrom(numpy_helper.from_array(np.array([1.02, 0.01, 0.013, -0.007, 0.98, 0.021], np.float32),
+                                               t.name))
+    return model
+
+
+@pytest.mark.parametrize("name", ["cnn_bn_gap", "transformer", "spatial_transformer"])
 def test_gradients_match_central_differences(name):
     build, make_x, label_shape, classes = CASES[name]
-    model = _to_float64(build())
+    model = _to_float64(_off_centre(build()))
     rng = np.random.default_rng(1)
     x = make_x(rng)
     feeds = {"x": x.astype(np.float64) if x.dtype == np.float32 else x,
@@ -81,3 +93,12 @@ def test_gradients_match_central_differences(name):
     wrt = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.DOUBLE and t.dims
            and "running" not in t.name]
     gradcheck(model, "loss", wrt, feeds, rtol=1e-4, atol=1e-6)
+
+
+def test_spatial_transformer_starts_at_the_identity():
+    """The localisation net's last layer starts at the identity transform: the warped image is the input,
+    so the network starts as its CNN head does (the same head weights, drawn from seed + 1)."""
+    stn, head = zoo.spatial_transformer(seed=4, loss=False), zoo.cnn(seed=5, loss=False)
+    x = np.random.default_rng(2).random((4, 1, 8, 8), np.float32)
+    np.testing.assert_allclose(compile_model(stn).run({"x": x})[0], compile_model(head).run({"x": x})[0],
+                               rtol=1e-6, atol=1e-6)
