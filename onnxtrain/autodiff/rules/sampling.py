@@ -188,12 +188,17 @@ def grid_sample_grad(g: GradCtx) -> None:
     align = bool(g.attr("align_corners") or 0)
     sizes = _static_sizes(g, "GridSample")
     r = len(sizes)
-    dt = g.elem_type(g.x(1)) or g.dtype
+    gdt = g.elem_type(g.x(1)) or g.dtype
+    # coordinates in float32 at least, as the kernel computes them (a float16 grid's pixel positions
+    # would be 1/64 pixel off at 32 pixels)
+    dt = TensorProto.FLOAT if gdt in (TensorProto.FLOAT16, TensorProto.BFLOAT16) else gdt
     xdt = g.elem_type(g.x(0)) or g.dtype
     sz = np.asarray(sizes, dtype=np.float64)
     scale, shift = unnormalize(sz, align)
     rev = g.ints(list(range(r - 1, -1, -1)))  # grid lists the last spatial axis first
     u = g.emit("Gather", g.emit("Reshape", g.x(1), g.ints([0, -1, r])), rev, axis=2)
+    if dt != gdt:
+        u = g.emit("Cast", u, to=dt)
     u = g.emit("Add", g.emit("Mul", u, _c(g, scale, dt)), _c(g, shift, dt))
     if mode == "nearest":
         u = g.emit("Round", u)
@@ -226,6 +231,8 @@ def grid_sample_grad(g: GradCtx) -> None:
         if slope is not None:
             du = g.emit("Mul", du, slope)
         du = g.emit("Mul", du, _c(g, scale, dt))
+        if dt != gdt:
+            du = g.emit("Cast", du, to=gdt)
         g.set_dx(1, g.emit("Reshape", g.emit("Gather", du, rev, axis=2), g.shape(1)))
 
 
