@@ -179,6 +179,47 @@ def test_input_like_and_pass_through():
     assert m.graph.input[1].type == m.graph.input[0].type
 
 
+def test_linear_is_a_gemm_over_new_normal_parameters():
+    """onnxruntime's Linear block: W of (in, out) and b drawn from numpy's global normal generator."""
+    np.random.seed(3)
+    w_want, b_want = np.random.randn(4, 3).astype(np.float32), np.random.randn(3).astype(np.float32)
+    np.random.seed(3)
+    (y,) = run(lambda: onnxblock.blocks.Linear(4, 3, alpha=0.5, beta=2.0)("x"), {"x": X})
+    np.testing.assert_allclose(y, 0.5 * X @ w_want + 2.0 * b_want, rtol=1e-5, atol=1e-6)
+    (y,) = run(lambda: onnxblock.blocks.Linear(4, 2, bias=False)("x"), {"x": X})
+    assert y.shape == (3, 2)
+    with pytest.raises(BlockError, match="in_features"):
+        onnxblock.blocks.Linear(0, 2)
+
+
+def test_sequence_construct():
+    m, outs = build(lambda: onnxblock.blocks.SequenceConstruct()("x", "y"), {"x": X, "y": Y})
+    (seq,) = compile_model(m).run({"x": X, "y": Y})
+    assert isinstance(seq, list) and len(seq) == 2
+    np.testing.assert_array_equal(seq[0], X)
+    np.testing.assert_array_equal(seq[1], Y)
+
+
+def test_label_encoder_writes_the_ml_node_and_the_engine_refuses_it_by_name():
+    ort = pytest.importorskip("onnxruntime")
+    m = base_model({"x": (TensorProto.INT64, [4])})
+    with onnxblock.base(m):
+        out = onnxblock.blocks.LabelEncoder(keys_int64s=[1, 2, 3], values_floats=[0.5, 1.5, 2.5],
+                                            default_float=-1.0)("x")
+    m.graph.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, [4]))
+    onnx.checker.check_model(m, full_check=True)
+    x = np.array([3, 1, 7, 2], np.int64)
+    got = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(got[0], [2.5, 0.5, -1.0, 1.5])
+    with pytest.raises(Exception, match="LabelEncoder"):
+        compile_model(m)
+
+
+def test_onnxruntime_names_of_the_optimizer_blocks():
+    assert onnxblock.optim.AdamWOptimizer is onnxblock.optim.AdamW
+    assert onnxblock.optim.SGDOptimizer is onnxblock.optim.SGD
+
+
 # ---- losses vs torch ---------------------------------------------------------------------------------------
 LOGITS = (3 * RNG.standard_normal((6, 5))).astype(np.float32)
 TARGET = RNG.standard_normal((6, 5)).astype(np.float32)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+import numpy as np
 import onnx
 from onnx import TensorProto
 
@@ -303,6 +304,70 @@ class PassThrough(Block):
         return input_names[0] if len(input_names) == 1 else tuple(input_names)
 
 
+class SequenceConstruct(Block):
+    """A sequence of the given tensors (``SequenceConstruct``)."""
+
+    def build(self, *input_names: str) -> str:
+        if not input_names:
+            raise BlockError("SequenceConstruct needs at least one tensor")
+        return _acc().node("SequenceConstruct", list(input_names), "sequenceconstruct_output")[0]
+
+
+# ---- layers -----------------------------------------------------------------------------------------
+class Linear(Block):
+    """``Gemm(x, W, b, alpha, beta)`` with new float32 parameters drawn from numpy's global normal
+    generator (seed it with ``np.random.seed`` for the same draws): W of shape ``(in_features,
+    out_features)`` (not torch's layout) and, with ``bias``, b of ``(out_features,)``, as onnxruntime's
+    block makes them."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, alpha: float = 1.0,
+                 beta: float = 1.0) -> None:
+        super().__init__()
+        if in_features < 1 or out_features < 1:
+            raise BlockError(f"Linear: in_features and out_features must be >= 1, got {in_features}, "
+                             f"{out_features}")
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.bias, self.alpha, self.beta = bool(bias), float(alpha), float(beta)
+
+    def build(self, input_name: str) -> str:
+        acc = _acc()
+        inputs = [input_name,
+                  acc.initializer(np.random.randn(self.in_features, self.out_features), "linear.weight",
+                                  np.float32)]
+        if self.bias:
+            inputs.append(acc.initializer(np.random.randn(self.out_features), "linear.bias", np.float32))
+        return acc.node("Gemm", inputs, "linear.output", alpha=self.alpha, beta=self.beta)[0]
+
+
+class LabelEncoder(Block):
+    """``ai.onnx.ml.LabelEncoder``: maps keys (floats, int64s or strings) to values. The block writes the node
+    (and the ``ai.onnx.ml`` opset) as onnxruntime's does; the numpy engine has no kernel for it, so a model
+    that runs it fails by name."""
+
+    def __init__(self, default_float: float = 0.0, default_int64: int = -1, default_string: str = "_Unused",
+                 keys_floats: list[float] | None = None, keys_int64s: list[int] | None = None,
+                 keys_strings: list[str] | None = None, values_floats: list[float] | None = None,
+                 values_int64s: list[int] | None = None, values_strings: list[str] | None = None) -> None:
+        super().__init__()
+        self.attrs: dict[str, Any] = {"default_float": default_float, "default_int64": default_int64,
+                                      "default_string": default_string}
+        for name, value in (("keys_floats", keys_floats), ("keys_int64s", keys_int64s),
+                            ("keys_strings", keys_strings), ("values_floats", values_floats),
+                            ("values_int64s", values_int64s), ("values_strings", values_strings)):
+            if value is not None:
+                self.attrs[name] = list(value)
+
+    def build(self, input_name: str) -> str:
+        acc = _acc()
+        if not any(o.domain == "ai.onnx.ml" for o in acc.model.opset_import):
+            acc.model.opset_import.append(onnx.helper.make_opsetid("ai.onnx.ml", 2))
+        out = acc.fresh("label_encoder.output")
+        acc.graph.node.append(onnx.helper.make_node("LabelEncoder", [input_name], [out],
+                                                    name=acc.names("LabelEncoder"), domain="ai.onnx.ml",
+                                                    **self.attrs))
+        return out
+
+
 __all__ = [
     "Abs",
     "Add",
@@ -314,6 +379,8 @@ __all__ = [
     "Exp",
     "Identity",
     "InputLike",
+    "LabelEncoder",
+    "Linear",
     "Log",
     "Max",
     "Min",
@@ -326,6 +393,7 @@ __all__ = [
     "ReduceSum",
     "ReduceSumSquare",
     "Relu",
+    "SequenceConstruct",
     "Sigmoid",
     "Softplus",
     "Sqrt",

@@ -343,3 +343,8 @@ class AdamW(Optimizer):
 
 
 __all__ = ["ALL_FINITE", "AdamW", "ClipGradNorm", "Optimizer", "SGD"]
+
+
+# onnxruntime's names of the blocks under AdamW and SGD (there, its com.microsoft optimizer nodes)
+AdamWOptimizer = AdamW
+SGDOptimizer = SGD
