@@ -29,20 +29,9 @@ from onnxtrain.ir.builder import (
     symbolic_shape,
     value_types,
 )
-from onnxtrain.ir.graphs import body_reads, node_reads
+from onnxtrain.ir.graphs import body_reads, node_reads, walk_graphs
 
 MIN_OPSET = 17
-
-
-def _all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """The graph's nodes and, recursively, those of its control-flow bodies."""
-    out = []
-    for n in graph.node:
-        out.append(n)
-        for a in n.attribute:
-            for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                out.extend(_all_nodes(g))
-    return out
 
 
 class GradientError(ValueError):
@@ -53,7 +42,7 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     """``model`` at default-domain opset >= ``target`` (older models go through the version converter)."""
     if model_opset(model) >= target:
         return model
-    old_scans = [n.name or n.op_type for n in _all_nodes(model.graph)
+    old_scans = [n.name or n.op_type for g in walk_graphs(model.graph) for n in g.node
                  if n.op_type == "Scan" and n.domain in ("", "ai.onnx")]
     if old_scans and model_opset(model) < 9:
         # onnx's converter drops Scan-8's batch axis from the declared shapes without squeezing the data
