@@ -93,7 +93,7 @@ from onnxtrain.training import onnxblock
 from onnxtrain.training.api._accumulation import ACCUMULATED_SUFFIX as ACC_OUT_SUFFIX
 from onnxtrain.training.api._accumulation import BUFFER_SUFFIX
 from onnxtrain.training.api._accumulation import RESET_INPUT as RESET
-from onnxtrain.training.onnxblock._base import BlockError
+from onnxtrain.training.onnxblock._base import BlockError, value_info
 from onnxtrain.training.onnxblock.optim import ALL_FINITE
 from onnxtrain.training.onnxblock.optim import Optimizer as OptimizerBlock
 
@@ -391,7 +391,7 @@ def build_training_models(
             )
         types = acc.types()
     del g.output[:]
-    g.output.extend(_value_info(n, types) for n in all_outs)
+    g.output.extend(value_info(n, types) for n in all_outs)
     params = [t.name for t in g.initializer if t.name in set(trainable) | set(frozen)]  # initializer order
     values = {n: numpy_helper.to_array(inits[n]) for n in params}
     kept = [t for t in g.initializer if t.name not in values]
@@ -438,11 +438,6 @@ def _check_arity(block: onnxblock.Block, args: list[str]) -> None:
         ) from None
     except ValueError:
         pass  # no signature (builtin): let the call decide
-
-
-def _value_info(name: str, types: dict[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
-    tp = types.get(name)
-    return helper.make_value_info(name, tp) if tp is not None else helper.make_empty_tensor_value_info(name)
 
 
 def _gradient_model(

@@ -38,6 +38,11 @@ class ModelBase:
         self.consts: dict[str, tuple[float, int]] = {}  # 0-d constants made by blocks: name -> (value, type)
         self._types: dict[str, onnx.TypeProto] | None = None
 
+    def replace(self, model: onnx.ModelProto) -> None:
+        """Hold ``model`` from now on (a copy into the edited proto; names and types looked up afresh)."""
+        self.model.CopyFrom(model)
+        self.__init__(self.model)  # type: ignore[misc]
+
     @property
     def graph(self) -> onnx.GraphProto:
         return self.model.graph
@@ -130,6 +135,12 @@ class ModelBase:
             if et and et != self.consts[b][1]:
                 b = self.scalar(self.consts[b][0], et)
         return a, b
+
+
+def value_info(name: str, types: dict[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
+    """A graph output's value info: its type from ``types`` when known, else an empty one."""
+    tp = types.get(name)
+    return helper.make_value_info(name, tp) if tp is not None else helper.make_empty_tensor_value_info(name)
 
 
 _STACK: list[ModelBase] = []

@@ -28,12 +28,12 @@ from typing import Any
 
 import onnx
 
-from onnxtrain.training.onnxblock._base import BlockError, ModelBase, detached
+from onnxtrain.training.onnxblock._base import BlockError, detached, value_info
 from onnxtrain.training.onnxblock.blocks import Block
 
 _NOT_BUILT_PARAMS = "Please build the training model first before trying to retrieve the parameters."
 _NOT_BUILT_MODELS = "Please build the training and eval models first before trying to retrieve them."
-_NOT_BUILT_FORWARD = "Please build the forward models first before trying to retrieve it."
+NOT_BUILT_FORWARD = "Please build the forward models first before trying to retrieve it."
 
 
 def _output_names(result: Any, block: Block) -> list[str]:
@@ -42,12 +42,6 @@ def _output_names(result: Any, block: Block) -> list[str]:
         raise BlockError(f"{type(block).__name__}.build() must return a tensor name or a tuple of names, "
                          f"got {result!r}")
     return names
-
-
-def _reset(acc: ModelBase, model: onnx.ModelProto) -> None:
-    """The base now holds ``model`` (its names and types are looked up afresh)."""
-    acc.model.CopyFrom(model)
-    acc.__init__(acc.model)
 
 
 class ForwardBlock(Block):
@@ -73,19 +67,17 @@ class ForwardBlock(Block):
                     raise BlockError(f"{type(self).__name__}.build() returned {n!r}, which is not a value of "
                                      "the model")
                 if n not in have:
-                    tp = types.get(n)
-                    acc.graph.output.append(onnx.helper.make_value_info(n, tp) if tp is not None
-                                            else onnx.helper.make_empty_tensor_value_info(n))
+                    acc.graph.output.append(value_info(n, types))
             model = onnx.ModelProto()
             model.CopyFrom(acc.model)
-            _reset(acc, model)
+            acc.replace(model)
         self._model = model
         return result
 
     def to_model_proto(self) -> onnx.ModelProto:
         """The model built by the last call; RuntimeError before any."""
         if self._model is None:
-            raise BlockError(_NOT_BUILT_FORWARD)
+            raise BlockError(NOT_BUILT_FORWARD)
         return self._model
 
 
@@ -149,7 +141,7 @@ class TrainingBlock(Block):
             names = [a for a in args if isinstance(a, str) and acc.has_value(a)]
             training, evaluation, (trainable, frozen) = build_training_models(
                 base, list(self._requires_grad), list(self._frozen), _Build(), [], names)
-            _reset(acc, training)
+            acc.replace(training)
         _output_names(result[0], self)
         self._parameters = ([onnx.numpy_helper.from_array(v, n) for n, v in trainable.items()],
                             [onnx.numpy_helper.from_array(v, n) for n, v in frozen.items()])

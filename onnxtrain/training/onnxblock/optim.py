@@ -20,10 +20,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from onnx import TensorProto
+import onnx
+from onnx import TensorProto, helper
 
-from onnxtrain.training.onnxblock._base import BlockError, ModelBase
+from onnxtrain.training.onnxblock._base import BlockError, ModelBase, detached
 from onnxtrain.training.onnxblock.blocks import Block, _acc
+from onnxtrain.training.onnxblock.model_blocks import NOT_BUILT_FORWARD
 
 CLIP_EPS = 1e-6
 ALL_FINITE = "all_gradients_finite"
@@ -116,11 +118,7 @@ class Optimizer(Block):
         return super().__call__(*args, **kwargs)
 
     def _build_model(self, parameters: Any) -> list[str]:
-        from onnx import helper
-
         from onnxtrain.training.artifacts import build_optimizer_model  # it imports this package
-        from onnxtrain.training.onnxblock._base import detached
-        from onnxtrain.training.onnxblock.model_blocks import _reset
 
         trainable = list(parameters[0])
         if not trainable:
@@ -128,7 +126,7 @@ class Optimizer(Block):
         params = [(t.name, helper.make_tensor_type_proto(t.data_type, list(t.dims))) for t in trainable]
         with detached() as acc:
             model = build_optimizer_model(self, params, acc.opset)
-            _reset(acc, model)
+            acc.replace(model)
         self._model = model
         return [o.name for o in model.graph.output]
 
@@ -136,7 +134,7 @@ class Optimizer(Block):
         """The optimizer model built by ``block(parameters)``; RuntimeError before."""
         model = getattr(self, "_model", None)
         if model is None:
-            raise BlockError("Please build the forward models first before trying to retrieve it.")
+            raise BlockError(NOT_BUILT_FORWARD)
         return model
 
     def build(
@@ -212,8 +210,6 @@ class Optimizer(Block):
 def _is_parameters(v: Any) -> bool:
     """Whether ``v`` is a ``(trainable, frozen)`` pair of TensorProto lists (``TrainingBlock.parameters()``
     gives one)."""
-    import onnx
-
     return (isinstance(v, tuple) and len(v) == 2 and all(isinstance(g, (list, tuple)) for g in v)
             and all(isinstance(t, onnx.TensorProto) for g in v for t in g))
 
