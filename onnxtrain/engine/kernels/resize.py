@@ -98,10 +98,17 @@ def _axis_plan(attrs: Attrs, mode: str, in_len: int, out_len: int, scale: float,
     idx, w = _taps(x, in_len, scale, attrs, mode)
     wdt = dtype if dtype.kind == "f" else np.dtype(np.float32)
     if out_len * in_len <= _DENSE_LIMIT:
-        mat = np.zeros((out_len, in_len))
-        np.add.at(mat, (np.repeat(np.arange(out_len), idx.shape[1]), idx.ravel()), w.ravel())
+        mat = _tap_matrix(idx, w, in_len)
         return ("dense", mat.astype(wdt), np.ascontiguousarray(mat.T).astype(wdt), outside)
     return ("taps", idx, w.astype(wdt), outside)
+
+
+def _tap_matrix(idx: np.ndarray, w: np.ndarray, in_len: int) -> np.ndarray:
+    """The (out, in) float64 matrix whose row i holds the weights ``w[i]`` at the taps ``idx[i]``
+    (repeated taps add up)."""
+    mat = np.zeros((idx.shape[0], in_len))
+    np.add.at(mat, (np.repeat(np.arange(idx.shape[0]), idx.shape[1]), idx.ravel()), w.ravel())
+    return mat
 
 
 def _apply(x: np.ndarray, axis: int, plan: tuple[Any, ...], extrapolation: float) -> np.ndarray:
@@ -206,14 +213,11 @@ def axis_matrices(attrs: Attrs, xs: tuple[int, ...], dtype: np.dtype, roi: Any, 
         kind, n = plan[0], xs[axis]
         if kind == "dense":
             mat = np.array(plan[1], dtype=dtype)
+        elif kind == "take":
+            mat = np.zeros((plan[1].shape[0], n), dtype)
+            mat[np.arange(mat.shape[0]), plan[1]] = 1
         else:
-            idx = plan[1]
-            rows = idx.shape[0]
-            mat = np.zeros((rows, n), dtype)
-            if kind == "take":
-                mat[np.arange(rows), idx] = 1
-            else:
-                np.add.at(mat, (np.repeat(np.arange(rows), idx.shape[1]), idx.ravel()), plan[2].ravel())
+            mat = _tap_matrix(plan[1], plan[2], n).astype(dtype)
         outside = plan[-1]
         if outside is not None:
             mat[np.asarray(outside)] = 0
