@@ -91,11 +91,19 @@ def cnn(channels: Sequence[int] = (8, 16), classes: int = 10, image: Sequence[in
     Each block is Conv 3×3 (pad 1) → [BatchNormalization in training mode] → Relu → MaxPool 2×2;
     then GlobalAveragePool (``global_pool``) or Flatten, and a Gemm to ``classes`` logits.
     """
+    g = _Graph(seed)
+    _conv_classifier(g, "x", channels, classes, image, batch_norm, global_pool)
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *(int(v) for v in image)])]
+    return g.finish("cnn", inputs, ["N", classes], ["N"] if loss else None, "logits")
+
+
+def _conv_classifier(g: _Graph, x: str, channels: Sequence[int], classes: int, image: Sequence[int],
+                     batch_norm: bool = False, global_pool: bool = False) -> None:
+    """:func:`cnn`'s blocks and Gemm on ``x`` (an image of shape ``image``), ending in ``logits``."""
     if not channels:
         raise ValueError("cnn needs at least one convolution (channels is empty)")
     c, hgt, wid = (int(v) for v in image)
-    g = _Graph(seed)
-    h = "x"
+    h = x
     for k, out_c in enumerate(channels):
         g.normal(f"conv{k}.weight", (out_c, c, 3, 3), math.sqrt(2.0 / (c * 9)))
         g.const(f"conv{k}.bias", np.zeros(out_c))
@@ -120,8 +128,6 @@ def cnn(channels: Sequence[int] = (8, 16), classes: int = 10, image: Sequence[in
     g.normal("fc.weight", (classes, features), math.sqrt(1.0 / features))
     g.const("fc.bias", np.zeros(classes))
     g.op("Gemm", [h, "fc.weight", "fc.bias"], "logits", transB=1)
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *(int(v) for v in image)])]
-    return g.finish("cnn", inputs, ["N", classes], ["N"] if loss else None, "logits")
 
 
 def spatial_transformer(channels: Sequence[int] = (8, 16), classes: int = 10,
@@ -147,12 +153,10 @@ def spatial_transformer(channels: Sequence[int] = (8, 16), classes: int = 10,
                 "grid_flat")
     grid = g.op("Reshape", [grid, g.const("grid_shape", [-1, hgt, wid, 2], np.int64)], "grid")
     g.op("GridSample", ["x", grid], "warped", mode="bilinear", align_corners=0)
-    head = cnn(channels, classes, image, seed=seed + 1, loss=False)
-    rename = {"x": "warped"}
-    for n in head.graph.node:
-        n.input[:] = [rename.get(i, i) for i in n.input]
-        g.nodes.append(n)
-    g.inits.extend(head.graph.initializer)
+    head = _Graph(seed + 1)  # the weights of cnn(seed=seed + 1)
+    _conv_classifier(head, "warped", channels, classes, image)
+    g.nodes.extend(head.nodes)
+    g.inits.extend(head.inits)
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", c, hgt, wid])]
     return g.finish("spatial_transformer", inputs, ["N", classes], ["N"] if loss else None, "logits")
 
