@@ -7,10 +7,13 @@ from typing import Any
 
 import numpy as np
 
-# options onnxtrain does not implement (model parallelism):
+# options onnxtrain does not implement (tensor parallelism):
 # set to anything but their default, they make the session raise NotImplementedError
 NOT_YET: dict[str, Any] = {
     "horizontal_parallel_size": 1,
+}
+# the pipeline's options (onnxtrain/session_pipeline.py); the others mean nothing without stages
+PIPELINE: dict[str, Any] = {
     "pipeline_parallel_size": 1,
     "num_pipeline_micro_batches": 1,
     "pipeline_cut_info_string": "",
@@ -56,6 +59,7 @@ _DEFAULTS: dict[str, Any] = {
     "number_recompute_layers": 0,
     "recompute_checkpoints": [],  # ours: recompute every activation between these kept tensors
     **NOT_YET,
+    **PIPELINE,
 }
 
 
@@ -110,6 +114,10 @@ class TrainingParameters:
 
     def optimizer_initial_state(self) -> dict[str, dict[str, np.ndarray]]:
         return self._initial_state
+
+    def pipeline_only_options(self) -> list[str]:
+        """Pipeline options set away from their defaults (they act only with ``pipeline_parallel_size > 1``)."""
+        return [k for k, d in PIPELINE.items() if k != "pipeline_parallel_size" and self._values[k] != d]
 
     def unsupported_options(self) -> list[str]:
         """Options set away from their defaults that onnxtrain does not implement yet."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,6 +40,16 @@ FOLLOWER_PLANS = ("accumulate", "update")
 STEP_PLANS = ("full", "accumulate", "gradients", "update", "zero_update")
 
 
+def check_arguments(path_or_bytes: Any, parameters: Any) -> None:
+    """TypeError unless the session's first two arguments are a model and a ``TrainingParameters``."""
+    if not isinstance(path_or_bytes, (str, bytes, bytearray, os.PathLike, onnx.ModelProto)):
+        raise TypeError(
+            f"path_or_bytes must be a path or the serialized model, got {type(path_or_bytes).__name__}"
+        )
+    if not isinstance(parameters, TrainingParameters):
+        raise TypeError(f"parameters must be a TrainingParameters, got {type(parameters).__name__}")
+
+
 class TrainingSession(DataParallelSteps, InferenceSession):
     """Train an ONNX model whose graph computes its loss, with onnxruntime's legacy API.
 
@@ -51,6 +62,16 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         loss, = sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)})
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> TrainingSession:
+        """A :class:`~onnxtrain.session_pipeline.PipelineTrainingSession` when the parameters ask for
+        pipeline stages (``pipeline_parallel_size > 1``)."""
+        params = args[1] if len(args) > 1 else kwargs.get("parameters")
+        if cls is TrainingSession and isinstance(params, TrainingParameters) and params.pipeline_parallel_size > 1:
+            from onnxtrain.session_pipeline import PipelineTrainingSession
+
+            cls = PipelineTrainingSession
+        return super().__new__(cls)
+
     def __init__(
         self,
         path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto,
@@ -59,18 +80,17 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         providers: Sequence[Any] | None = None,
         provider_options: Sequence[dict] | None = None,
     ):
-        if not isinstance(path_or_bytes, (str, bytes, bytearray, os.PathLike, onnx.ModelProto)):
-            raise TypeError(
-                f"path_or_bytes must be a path or the serialized model, got {type(path_or_bytes).__name__}"
-            )
-        if not isinstance(parameters, TrainingParameters):
-            raise TypeError(f"parameters must be a TrainingParameters, got {type(parameters).__name__}")
+        check_arguments(path_or_bytes, parameters)
         p = parameters
         pending = p.unsupported_options()
         if pending:
             raise NotImplementedError(
                 f"TrainingParameters option(s) {', '.join(pending)} are not implemented yet"
             )
+        idle = p.pipeline_only_options()
+        if idle:
+            warnings.warn(f"TrainingParameters option(s) {', '.join(idle)} have no effect with "
+                          "pipeline_parallel_size=1", stacklevel=2)
         self._dp = resolve_parallel(p)
         if p.gradient_accumulation_mode not in ("legacy", "auto"):
             raise ValueError(

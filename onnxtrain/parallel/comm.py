@@ -187,6 +187,15 @@ class Communicator:
             self.comm.Sendrecv(send, peer, 0, recv, peer, 0)
         return recv
 
+    def isend_object(self, obj: Any, dest: int, tag: int, what: str = "send") -> _Request:
+        """Start sending ``obj`` (pickled) to rank ``dest``; ``wait()`` on the result runs under the watchdog."""
+        return _Request(self, self.comm.isend(obj, dest=dest, tag=tag), what)
+
+    def recv_object(self, source: int, tag: int, what: str = "receive") -> Any:
+        """The object rank ``source`` sends with ``tag`` (under the watchdog)."""
+        with self.guarded(what):
+            return self.comm.recv(source=source, tag=tag)
+
     def allgather_object(self, obj: Any, what: str = "allgather") -> list[Any]:
         with self.guarded(what):
             return self.comm.allgather(obj)
@@ -198,6 +207,17 @@ class Communicator:
     def barrier(self, what: str = "barrier") -> None:
         with self.guarded(what):
             self.comm.Barrier()
+
+
+class _Request:
+    """A pending send: ``wait()`` completes it under the communicator's watchdog."""
+
+    def __init__(self, comm: Communicator, request: Any, what: str):
+        self._comm, self._request, self._what = comm, request, what
+
+    def wait(self) -> None:
+        with self._comm.guarded(self._what):
+            self._request.wait()
 
 
 def install_abort_on_exception(comm: Communicator) -> None:

@@ -1,0 +1,152 @@
+"""Pipeline parallelism: the legacy ``pipeline_cut_info_string``, and the stages it cuts a graph into.
+
+The string lists the cuts in order, separated by ``,``; cut ``i`` separates stage ``i`` from stage ``i + 1``.
+A cut lists edges separated by ``:``. An edge is a tensor name (every consumer of the tensor goes to the
+later stage) or ``tensor-consumer1/consumer2`` (only those consumers do; a consumer node is named by one of
+its outputs, as onnxruntime's parser took it). ``"12"`` cuts a graph in two at tensor ``12``;
+``"11,15"`` in three.
+
+A node's stage is the highest stage of its inputs, plus one across a cut edge. A node that reads only graph
+inputs, initializers or other such nodes (a ``Constant``, a label's preprocessing), and from which no cut
+tensor is computed, joins the earliest stage that reads it. :func:`partition` checks that every stage has nodes, that each cut's tensors are computed in
+the stage the cut ends and that the loss is computed in the last stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx
+
+
+@dataclass(frozen=True)
+class CutEdge:
+    """A tensor cut between two stages; ``consumers`` (names of their outputs) limits the cut to them."""
+
+    tensor: str
+    consumers: tuple[str, ...] = ()
+
+
+@dataclass
+class Partition:
+    """Stage of each node (by index) and the tensors each stage hands to the next."""
+
+    stages: int
+    stage_of: list[int]
+    sends: list[list[str]] = field(default_factory=list)  # sends[s]: tensors stage s passes to stage s + 1
+
+    def nodes(self, model: onnx.ModelProto, stage: int) -> list[onnx.NodeProto]:
+        return [n for n, s in zip(model.graph.node, self.stage_of) if s == stage]
+
+    def received(self, stage: int) -> list[str]:
+        return self.sends[stage - 1] if stage > 0 else []
+
+
+def parse_cut_info(text: str, stages: int) -> list[list[CutEdge]]:
+    """The cuts of ``pipeline_cut_info_string``; there must be ``stages - 1`` of them."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"pipeline_parallel_size={stages} needs pipeline_cut_info_string (the tensors where "
+                         "one stage ends, e.g. '12' for two stages or '11,15' for three), got {text!r}")
+    cuts: list[list[CutEdge]] = []
+    for i, group in enumerate(text.split(",")):
+        edges = []
+        for item in group.split(":"):
+            parts = item.strip().split("-")
+            if len(parts) > 2 or not parts[0] or (len(parts) == 2 and not parts[1]):
+                raise ValueError(f"pipeline_cut_info_string: cut {i} has a malformed edge {item!r} (write "
+                                 "'tensor' or 'tensor-consumer1/consumer2')")
+            consumers = tuple(c.strip() for c in parts[1].split("/")) if len(parts) == 2 else ()
+            if any(not c for c in consumers):
+                raise ValueError(f"pipeline_cut_info_string: cut {i}: empty consumer name in {item!r}")
+            edges.append(CutEdge(parts[0].strip(), consumers))
+        cuts.append(edges)
+    if len(cuts) != stages - 1:
+        raise ValueError(f"pipeline_cut_info_string {text!r} has {len(cuts)} cut(s), but "
+                         f"pipeline_parallel_size={stages} needs {stages - 1}")
+    return cuts
+
+
+def partition(model: onnx.ModelProto, cuts: list[list[CutEdge]], loss: str) -> Partition:
+    """Assign every node of ``model`` (topologically sorted, as ONNX requires) to a stage."""
+    nodes = list(model.graph.node)
+    stages = len(cuts) + 1
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    readers: dict[str, list[int]] = {}
+    for k, n in enumerate(nodes):
+        for i in dict.fromkeys(x for x in n.input if x):
+            readers.setdefault(i, []).append(k)
+    cut_at: dict[tuple[str, int], int] = {}  # (tensor, reading node) → the cut it crosses
+    for c, edges in enumerate(cuts):
+        for e in edges:
+            if e.tensor not in producer:
+                where = "a graph input or initializer (every stage reads those)" if e.tensor in _sources(
+                    model) else "not a tensor of the graph"
+                raise ValueError(f"pipeline_cut_info_string: cut {c}: {e.tensor!r} is {where}")
+            targets = readers.get(e.tensor, [])
+            if e.consumers:
+                chosen = []
+                for name in e.consumers:
+                    k = producer.get(name)
+                    if k is None or k not in targets:
+                        raise ValueError(f"pipeline_cut_info_string: cut {c}: no node with output {name!r} "
+                                         f"reads {e.tensor!r}")
+                    chosen.append(k)
+                targets = chosen
+            if not targets:
+                raise ValueError(f"pipeline_cut_info_string: cut {c}: nothing reads {e.tensor!r}")
+            for k in targets:
+                cut_at[(e.tensor, k)] = c
+    stage_of = [0] * len(nodes)
+    free = [True] * len(nodes)  # reads no tensor a node computed, apart from other free nodes'
+    for k, n in enumerate(nodes):
+        for i in n.input:
+            p = producer.get(i)
+            if p is None:
+                continue
+            c = cut_at.get((i, k))
+            stage_of[k] = max(stage_of[k], stage_of[p] if c is None else c + 1)
+            if c is not None or not free[p]:
+                free[k] = False
+    feeds_cut = set()  # the nodes the cut tensors are computed from: they stay where the cuts put them
+    todo = [producer[e.tensor] for edges in cuts for e in edges]
+    while todo:
+        k = todo.pop()
+        if k not in feeds_cut:
+            feeds_cut.add(k)
+            todo.extend(producer[i] for i in nodes[k].input if i in producer)
+    for k in reversed(range(len(nodes))):  # other free nodes join their earliest reader
+        if free[k] and k not in feeds_cut:
+            later = [stage_of[r] for o in nodes[k].output if o for r in readers.get(o, [])]
+            if later:
+                stage_of[k] = min(later)
+    for c, edges in enumerate(cuts):
+        for e in edges:
+            s = stage_of[producer[e.tensor]]
+            if s != c:
+                raise ValueError(f"pipeline_cut_info_string: cut {c} separates stage {c} from stage {c + 1}, "
+                                 f"but {e.tensor!r} is computed in stage {s} (list the cuts in graph order)")
+    used = set(stage_of)
+    empty = [s for s in range(stages) if s not in used]
+    if empty:
+        raise ValueError(f"pipeline_cut_info_string: stage(s) {empty} of {stages} get no node")
+    if loss not in producer:
+        raise ValueError(f"pipeline parallel: the loss {loss!r} must be computed by a node of the graph")
+    if stage_of[producer[loss]] != stages - 1:
+        raise ValueError(f"pipeline parallel: the loss {loss!r} is computed in stage "
+                         f"{stage_of[producer[loss]]}, not in the last stage ({stages - 1}): add a cut after it "
+                         "or fewer stages")
+    part = Partition(stages, stage_of)
+    for s in range(stages - 1):
+        crossing = []
+        for k, n in enumerate(nodes):
+            if stage_of[k] > s:
+                continue
+            for o in n.output:
+                if o and any(stage_of[r] > s for r in readers.get(o, [])):
+                    crossing.append(o)
+        part.sends.append(crossing)
+    return part
+
+
+def _sources(model: onnx.ModelProto) -> set[str]:
+    return {v.name for v in model.graph.input} | {t.name for t in model.graph.initializer}

@@ -1,0 +1,563 @@
+"""The legacy ``TrainingSession`` with ``pipeline_parallel_size > 1``: one stage of the model per MPI rank.
+
+``TrainingSession(model, params)`` returns a :class:`PipelineTrainingSession` when the parameters ask for
+stages; launch the script with ``mpiexec -n <stages>``. Rank ``s`` keeps the nodes of stage ``s``
+(:mod:`onnxtrain.parallel.pipeline`), their trained weights and their optimizer state, and runs three plain
+ONNX graphs of its own:
+
+* ``forward`` (every stage but the last): the stage's inputs → the tensors the next stage reads;
+* ``backward``: the stage's forward again, then its backward pass, seeded by the gradients of the tensors it
+  sent (the last stage starts from the loss) → its weights' gradients and those of the tensors it received;
+* ``update``: the optimizer over its weights, with the gradient norm of the whole model as an input.
+
+A ``run()`` cuts the batch into ``num_pipeline_micro_batches`` micro-batches (along ``sliced_axes``, default
+axis 0, for the inputs in ``sliced_tensor_names``, default all), runs every micro-batch forward through the
+stages, then backward in the same order (each stage re-runs its forward, GPipe's re-materialisation, so that
+no activation is kept between the two passes), averages the gradients over the micro-batches, sums the
+squared gradient norms over the stages and updates. The weights move exactly as one process's do with
+``gradient_accumulation_steps = num_pipeline_micro_batches`` on the same micro-batches. Every rank returns
+the outputs of the last micro-batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.autodiff.builder import build_gradient_model, upgrade_opset
+from onnxtrain.capi.options import RunOptions, SessionOptions
+from onnxtrain.engine.backends import backend_of, make_plan
+from onnxtrain.engine.backends import resolve_providers as backend_providers
+from onnxtrain.engine.plan import load_model
+from onnxtrain.inference import NodeArg, node_arg
+from onnxtrain.ir.builder import value_types
+from onnxtrain.ir.graphs import node_reads
+from onnxtrain.ir.io import save_model_atomic
+from onnxtrain.optim import WeightSlot, get_optimizer
+from onnxtrain.parallel import get_communicator, world
+from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
+from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
+from onnxtrain.parameters import TrainingParameters
+from onnxtrain.session import TrainingSession, check_arguments
+from onnxtrain.training_graph import TRAINING_MODE, _inits_to_inputs, build_update_graph, select_trainable
+
+NORM = "global_gradient_norm"
+_RANDOM_OPS = ("Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli",
+               "Multinomial")
+# options a pipelined session cannot honour yet: name → its default
+_REFUSED = {
+    "use_mixed_precision": False,
+    "gradient_accumulation_steps": 1,
+    "deepspeed_zero_stage": 0,
+    "enable_adasum": False,
+    "set_gradients_as_graph_outputs": False,
+    "gelu_recompute": False,
+    "attn_dropout_recompute": False,
+    "transformer_layer_recompute": False,
+    "number_recompute_layers": 0,
+    "recompute_checkpoints": [],
+}
+
+
+class PipelineTrainingSession(TrainingSession):
+    """One pipeline stage of a legacy training session (see the module docstring)."""
+
+    def __init__(
+        self,
+        path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto,
+        parameters: TrainingParameters,
+        sess_options: SessionOptions | None = None,
+        providers: Sequence[Any] | None = None,
+        provider_options: Sequence[dict] | None = None,
+    ):
+        check_arguments(path_or_bytes, parameters)
+        p = parameters
+        self._check_options(p)
+        self._micro = p.num_pipeline_micro_batches
+        if isinstance(self._micro, bool) or not isinstance(self._micro, int) or self._micro < 1:
+            raise ValueError(f"num_pipeline_micro_batches must be an int >= 1, got {self._micro!r}")
+        model = upgrade_opset(load_model(path_or_bytes))
+        self._part = partition(model, parse_cut_info(p.pipeline_cut_info_string, p.pipeline_parallel_size),
+                               p.loss_output_name)
+        _check_stage_nodes(model, self._part)
+        size = world().size
+        if size != p.pipeline_parallel_size:
+            raise ValueError(f"pipeline_parallel_size={p.pipeline_parallel_size} needs as many MPI ranks, one per "
+                             f"stage, but there are {size}; launch with: mpiexec -n {p.pipeline_parallel_size} "
+                             "python script.py (data and horizontal parallelism do not combine with stages yet)")
+        self._params = p
+        self._sess_options = sess_options or SessionOptions()
+        self._backend = backend_of(self._sess_options)
+        self._providers, self._provider_options = backend_providers(self._backend, providers, provider_options)
+        self._fallback = True
+        self._dp = None
+        self._zero = None
+        self.loss_scale_input_name = None
+        self._comm = get_communicator()
+        self._stage = self._comm.rank
+        self._opt = get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
+        check_same_on_all_ranks(self._comm, _fingerprint(model, p), "model and pipeline setup")
+        self._build_stage(model, select_trainable(model, p))
+        self._interface(model)
+        self._check_attribute_maps()
+
+    # ---- construction ------------------------------------------------------------------
+    @staticmethod
+    def _check_options(p: TrainingParameters) -> None:
+        pending = [k for k in p.unsupported_options() if k == "horizontal_parallel_size"]
+        if pending:
+            raise NotImplementedError("TrainingParameters.horizontal_parallel_size > 1 (Megatron tensor parallel) "
+                                      "is not implemented")
+        refused = [k for k, d in _REFUSED.items() if getattr(p, k) != d]
+        if refused:
+            raise NotImplementedError(f"TrainingParameters option(s) {', '.join(refused)} do not combine with "
+                                      "pipeline_parallel_size > 1 yet (the micro-batches are the gradient "
+                                      "accumulation)")
+        if p.data_parallel_size not in (1, p.pipeline_parallel_size) or p.world_size not in (
+                1, p.pipeline_parallel_size):
+            raise NotImplementedError("data parallelism does not combine with pipeline_parallel_size > 1 yet: "
+                                      "leave data_parallel_size at 1 and world_size at the number of stages")
+        if not p.training_optimizer_name:
+            raise ValueError("pipeline_parallel_size > 1 needs an optimizer (training_optimizer_name)")
+        if not p.loss_output_name:
+            raise ValueError("TrainingParameters.loss_output_name is empty: name the loss tensor of the model")
+
+    def _build_stage(self, model: onnx.ModelProto, all_trainable: list[str]) -> None:
+        p, part, s = self._params, self._part, self._stage
+        last = s == part.stages - 1
+        nodes = [_copy(n) for n in part.nodes(model, s)]
+        g = model.graph
+        types = value_types(model)
+        reads = {i for n in nodes for i in _reads(n)}
+        produced = {o for n in nodes for o in n.output if o}
+        inits = {t.name: t for t in g.initializer}
+        self._trainable = [w for w in all_trainable if w in reads]
+        received = part.received(s)
+        self._received = [r for r in received if r in reads]
+        self._sends = part.sends[s] if not last else []
+        self._user_inputs = [v.name for v in g.input if v.name not in inits]
+        sliced = set(p.sliced_tensor_names) or set(self._user_inputs)
+        unknown = sorted(set(p.sliced_tensor_names) - set(self._user_inputs))
+        if unknown:
+            raise ValueError(f"sliced_tensor_names: {unknown} are not inputs of the model; inputs: "
+                             f"{self._user_inputs}")
+        self._sliced = {n: int(p.sliced_axes.get(n, 0)) for n in self._user_inputs if n in sliced}
+        inputs = []
+        for v in g.input:
+            if v.name in reads and v.name not in inits:
+                inputs.append(self._micro_input(v))
+        for r in self._received:
+            inputs.append(_boundary_input(r, types))
+        has_tm = any(n.op_type == "Dropout" and len(n.input) >= 3 and n.input[2] for n in nodes)
+        if has_tm:
+            for n in nodes:
+                if n.op_type == "Dropout" and len(n.input) >= 3 and n.input[2]:
+                    n.input[2] = TRAINING_MODE
+            inputs.append(helper.make_tensor_value_info(TRAINING_MODE, TensorProto.BOOL, []))
+        self._has_training_mode = has_tm
+        user_outputs = [o.name for o in g.output if o.name in produced]
+        if last and p.loss_output_name not in user_outputs:
+            user_outputs.append(p.loss_output_name)
+        self._stage_outputs = user_outputs
+        floats = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
+        self._seeded = [t for t in self._sends if t in produced and _elem(types, t) in floats]
+        self._diff_received = [r for r in self._received if _elem(types, r) in floats]
+        stage_inits = [inits[i] for i in sorted(reads & set(inits))]
+        base = helper.make_model(
+            helper.make_graph(nodes, f"{g.name or 'model'}_stage{s}", inputs,
+                              [_boundary_output(o, types) for o in dict.fromkeys(
+                                  [*(t for t in self._sends if t in produced), *user_outputs])],
+                              initializer=stage_inits),
+            opset_imports=list(model.opset_import), ir_version=model.ir_version)
+        self._graphs_by_kind: dict[str, onnx.ModelProto] = {}
+        fwd = onnx.ModelProto()
+        fwd.CopyFrom(base)
+        _weights_to_inputs(fwd, self._trainable)
+        self._graphs_by_kind["forward"] = fwd
+        if not last:
+            loss = f"pipeline_stage{s}_loss"
+            bw = onnx.ModelProto()
+            bw.CopyFrom(base)
+            bw.graph.node.append(helper.make_node("Constant", [], [loss],
+                                                  value=numpy_helper.from_array(np.array(0, np.float32))))
+            backward = build_gradient_model(bw, loss, [*self._trainable, *self._diff_received], outputs=[],
+                                            other_ys=self._seeded)
+        else:
+            backward = build_gradient_model(base, p.loss_output_name, [*self._trainable, *self._diff_received],
+                                            outputs=user_outputs)
+        self._initial = _weights_to_inputs(backward, self._trainable)
+        self._graphs_by_kind["backward"] = backward
+        self._store: dict[str, np.ndarray] = dict(self._initial)
+        self._specs = []
+        self._update_outputs: dict[str, str] = {}
+        if self._trainable:
+            slots = [WeightSlot(w, f"{w}_grad", tuple(self._initial[w].shape), inits[w].data_type,
+                                dict(p.optimizer_attributes_map.get(w, {})),
+                                dict(p.optimizer_int_attributes_map.get(w, {})))
+                     for w in self._trainable]
+            clip = p.enable_grad_norm_clip
+            update, upd, _, specs = build_update_graph(backward, slots, p, self._opt, clip=clip,
+                                                       norm_input=NORM if clip else None)
+            self._graphs_by_kind["update"] = update
+            self._update_outputs = upd
+            self._specs = specs
+            for sp in specs:
+                self._store[sp.name] = sp.initial.copy()
+        self._apply_initial_optimizer_state(p.optimizer_initial_state())
+        for path, m in ((p.model_with_gradient_graph_path, backward),
+                        (p.model_with_training_graph_path, backward),
+                        (p.model_after_graph_transforms_path, base)):
+            if path:
+                root, ext = os.path.splitext(path)
+                save_model_atomic(m, f"{root}.stage{s}{ext or '.onnx'}")
+        self._plans: dict[str, Any] = {}
+
+    def _micro_input(self, v: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+        """A user input as one micro-batch of it: ``sliced_schema``'s shape, else the sliced axis unnamed."""
+        out = onnx.ValueInfoProto()
+        out.CopyFrom(v)
+        p = self._params
+        if v.name in p.sliced_schema:
+            shape = [int(d) for d in p.sliced_schema[v.name]]
+            del out.type.tensor_type.shape.dim[:]
+            for d in shape:
+                out.type.tensor_type.shape.dim.add().dim_value = d
+        elif v.name in self._sliced and self._micro > 1 and out.type.tensor_type.HasField("shape"):
+            dims = out.type.tensor_type.shape.dim
+            axis = self._sliced[v.name]
+            if not -len(dims) <= axis < len(dims):
+                raise ValueError(f"sliced_axes[{v.name!r}] = {axis} is out of range for its rank {len(dims)}")
+            dims[axis].Clear()
+            dims[axis].dim_param = "micro_batch"
+        return out
+
+    def _interface(self, model: onnx.ModelProto) -> None:
+        p, g = self._params, model.graph
+        inits = {t.name for t in g.initializer}
+        self._model = model
+        self._inputs = [node_arg(v) for v in g.input if v.name not in inits]
+        self._inputs.append(NodeArg(p.lr_params_feed_name, "tensor(float)", [1]))
+        self._overridable = []
+        self._outputs = [node_arg(o) for o in g.output]
+        if p.loss_output_name not in {o.name for o in g.output}:
+            self._outputs.append(NodeArg(p.loss_output_name, "tensor(float)", []))
+        self._output_names = [o.name for o in self._outputs]
+        self._dtypes = {v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
+                        for v in g.input if v.name not in inits and v.type.HasField("tensor_type")}
+
+    def _get_plan(self, kind: str) -> Any:
+        if kind not in self._plans:
+            updates = {o: s for s, o in self._update_outputs.items()} if kind == "update" else None
+            self._plans[kind] = make_plan(self._graphs_by_kind[kind], self._backend, self._providers,
+                                          self._sess_options, self._provider_options, updates=updates,
+                                          keep_binding=kind == "update")
+        return self._plans[kind]
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (0 = the first)."""
+        return self._stage
+
+    # ---- running ------------------------------------------------------------------------
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+            run_options: RunOptions | None = None) -> list[np.ndarray]:
+        """One optimizer step over all micro-batches (or, with ``training_mode`` False, a forward pass);
+        a collective: every rank calls it with the same feeds. Returns the last micro-batch's outputs."""
+        ro = run_options or RunOptions()
+        names = list(output_names) if output_names else list(self._output_names)
+        for n in names:
+            if n not in self._output_names:
+                raise ValueError(f"unknown output {n!r}; the session's outputs are {self._output_names}")
+        feeds = self._checked(input_feed)
+        # as the single-process session: a run updates unless it asks for the forward's outputs alone;
+        # ``training_mode`` (run options, or fed) switches Dropout in the last stage
+        dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode)))
+        if ro.only_execute_path_to_fetches:
+            mine = self._forward(feeds, dropout)
+        else:
+            if self._params.lr_params_feed_name not in feeds:
+                raise ValueError(f"missing input {self._params.lr_params_feed_name!r} (the learning rate)")
+            mine = self._train_step(feeds, dropout)
+        got: dict[str, np.ndarray] = {}
+        for part in self._comm.allgather_object({n: v for n, v in mine.items() if n in names},
+                                                "gathering the pipeline's outputs"):
+            got.update(part)
+        return [got[n] for n in names]
+
+    def _checked(self, input_feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        allowed = set(self._user_inputs) | {self._params.lr_params_feed_name, TRAINING_MODE}
+        out: dict[str, np.ndarray] = {}
+        for name, v in input_feed.items():
+            if name not in allowed:
+                raise ValueError(f"unknown input {name!r}; the model's inputs are {self._user_inputs}")
+            a = np.asarray(v.numpy() if hasattr(v, "numpy") and not isinstance(v, np.ndarray) else v)
+            want = np.dtype(bool) if name == TRAINING_MODE else self._dtypes.get(name)
+            if want is not None and a.dtype != want:
+                raise TypeError(f"input {name!r}: expected dtype {want}, got {a.dtype}")
+            out[name] = a
+        missing = [n for n in self._user_inputs if n not in out]
+        if missing:
+            raise ValueError(f"missing input(s) {missing}; the model's inputs are {self._user_inputs}")
+        return out
+
+    def _micro_feeds(self, feeds: dict[str, np.ndarray], count: int) -> list[dict[str, np.ndarray]]:
+        """``feeds`` cut into ``count`` micro-batches (the sliced inputs; the others go to every one)."""
+        parts: list[dict[str, np.ndarray]] = [dict(feeds) for _ in range(count)]
+        if count == 1:
+            return parts
+        for name, axis in self._sliced.items():
+            a = feeds[name]
+            if a.ndim == 0 or a.shape[axis] % count:
+                raise ValueError(f"input {name!r}: its axis {axis} (shape {list(a.shape)}) does not divide into "
+                                 f"num_pipeline_micro_batches={count} equal micro-batches")
+            for k, piece in enumerate(np.split(a, count, axis=axis)):
+                parts[k][name] = np.ascontiguousarray(piece)
+        return parts
+
+    def _stage_feeds(self, kind: str, feeds: dict[str, np.ndarray], received: dict[str, np.ndarray],
+                     training: bool, extra: Mapping[str, np.ndarray] = {}) -> dict[str, Any]:
+        plan = self._get_plan(kind)
+        out: dict[str, Any] = {}
+        for n in plan.all_input_names:
+            if n in feeds:
+                out[n] = feeds[n]
+            elif n in received:
+                out[n] = received[n]
+            elif n in self._store:
+                out[n] = self._store[n]
+            elif n in extra:
+                out[n] = extra[n]
+            elif n == TRAINING_MODE:
+                out[n] = np.asarray(training)
+        return out
+
+    def _forward(self, feeds: dict[str, np.ndarray], training: bool, tag: int = 0,
+                 pending: list | None = None) -> dict[str, np.ndarray]:
+        """This stage's forward on one (micro-)batch: receive from the stage before, run, send to the stage
+        after. Returns the tensors received (under ``"received"``) and this stage's user outputs."""
+        s = self._stage
+        received = self._comm.recv_object(s - 1, tag, f"stage {s} receiving its inputs") if s > 0 else {}
+        plan = self._get_plan("forward")
+        names = list(plan.output_names)
+        out = dict(zip(names, plan.run(self._stage_feeds("forward", feeds, received, training), names)))
+        if s < self._part.stages - 1:
+            send = {t: out[t] if t in out else received[t] for t in self._sends}
+            req = self._comm.isend_object(send, s + 1, tag, f"stage {s} sending its outputs")
+            if pending is None:
+                req.wait()
+            else:
+                pending.append(req)
+        return {"received": received, **{n: out[n] for n in self._stage_outputs}}
+
+    def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:
+        s, last, m = self._stage, self._stage == self._part.stages - 1, self._micro
+        micro = self._micro_feeds(feeds, m)
+        pending: list = []
+        kept: list[dict[str, np.ndarray]] = []  # per micro-batch: the tensors received, and outputs
+        acc: dict[str, np.ndarray] = {}
+        outputs: dict[str, np.ndarray] = {}
+        plan = self._get_plan("backward")
+        grads = [f"{w}_grad" for w in self._trainable]
+        rgrads = [f"{r}_grad" for r in self._diff_received]
+        if not last:
+            for k in range(m):
+                kept.append(self._forward(micro[k], dropout, tag=2 * k, pending=pending))
+        for k in range(m):
+            if last:
+                received = (self._comm.recv_object(s - 1, 2 * k, f"stage {s} receiving its inputs")
+                            if s > 0 else {})
+                seeds: dict[str, np.ndarray] = {}
+                wanted = [*self._stage_outputs, *grads, *rgrads]
+            else:
+                received = kept[k]["received"]
+                seeds = self._comm.recv_object(s + 1, 2 * k + 1, f"stage {s} receiving its output gradients")
+                wanted = [*grads, *rgrads]
+            extra = {f"{t}_grad": seeds[t] for t in self._seeded}
+            res = dict(zip(wanted, plan.run(self._stage_feeds("backward", micro[k], received, dropout, extra),
+                                            wanted)))
+            for gname in grads:
+                acc[gname] = res[gname] if k == 0 else acc[gname] + res[gname]
+            if s > 0:
+                back = {r: res[f"{r}_grad"] for r in self._diff_received}
+                for t in self._sends:  # passed through this stage: its gradient goes on back
+                    if t in seeds and t in self._part.received(s):
+                        back[t] = back[t] + seeds[t] if t in back else seeds[t]
+                pending.append(self._comm.isend_object(back, s - 1, 2 * k + 1,
+                                                       f"stage {s} sending its input gradients"))
+            outputs = {n: res[n] for n in self._stage_outputs} if last else {
+                n: kept[k][n] for n in self._stage_outputs}
+        for r in pending:
+            r.wait()
+        self._update(acc, feeds[self._params.lr_params_feed_name])
+        return outputs
+
+    def _update(self, acc: dict[str, np.ndarray], lr: np.ndarray) -> None:
+        """Average the accumulated gradients, take the global norm over all stages, run the optimizer."""
+        m, p = self._micro, self._params
+        eff = {g: (a * np.asarray(1.0 / m, a.dtype) if m > 1 else a) for g, a in acc.items()}
+        norm = None
+        if p.enable_grad_norm_clip:
+            local = sum(float(np.dot(v.reshape(-1).astype(np.float64), v.reshape(-1).astype(np.float64)))
+                        for v in eff.values())
+            norm = np.asarray(np.sqrt(self._comm.allreduce_scalar(local, "pipeline gradient norm")), np.float32)
+        if not self._trainable:
+            return
+        plan = self._get_plan("update")
+        given: dict[str, Any] = {p.lr_params_feed_name: np.asarray(lr, np.float32).reshape(1), **eff}
+        if norm is not None:
+            given[NORM] = norm
+        feeds = {n: self._store[n] if n in self._store else given[n] for n in plan.all_input_names}
+        items = list(self._update_outputs.items())
+        out = plan.run(feeds, [o for _, o in items], donate=[s for s, _ in items if s in feeds])
+        for (state, _), v in zip(items, out):
+            self._store[state] = v
+
+    # ---- state --------------------------------------------------------------------------
+    def _state_names(self) -> list[str]:
+        return sorted([*self._trainable, *(sp.name for sp in self._specs)])
+
+    def gather_state(self) -> dict[str, np.ndarray]:
+        """Every stage's weights and optimizer state, on every rank (a collective), e.g. for rank 0 to write a
+        complete checkpoint that :meth:`load_state` of any stage accepts."""
+        state: dict[str, np.ndarray] = {}
+        for part in self._comm.allgather_object(self.get_state(), "gathering the pipeline's state"):
+            for k, v in part.items():
+                state.setdefault(k, v)
+        return dict(sorted(state.items()))
+
+    def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
+        """Copy this stage's names of ``state`` (as from ``get_state()`` or ``gather_state()``) into the session;
+        names of other stages are skipped. ``strict``: this stage's names must all be there."""
+        known = set(self._state_names())
+        for name, value in state.items():
+            if name in known:
+                self._assign(name, value)
+        if strict:
+            missing = sorted(known - set(state))
+            if missing:
+                raise KeyError(f"load_state(strict=True): missing state tensor(s) {missing} of stage {self._stage}")
+
+    def _all_optimizer_state_names(self) -> set[str]:
+        return {sp.name for sp in self._specs}
+
+    def get_model_state(self, include_mixed_precision_weights: bool = False) -> dict[str, dict[str, np.ndarray]]:
+        out = {"full_precision": {w: self._store[w].copy() for w in self._trainable}}
+        if include_mixed_precision_weights:
+            out["mixed_precision"] = {}
+        return out
+
+    def get_partition_info_map(self) -> dict[str, dict[str, list[int]]]:
+        return {}
+
+    def is_output_fp32_node(self, output_name: str) -> bool:
+        types = value_types(self._model)
+        if output_name not in {o for n in self._model.graph.node for o in n.output}:
+            raise ValueError(f"{output_name!r} is not produced by any node of the training graph")
+        return _elem(types, output_name) == TensorProto.FLOAT
+
+    def end_profiling(self) -> str:
+        return ""
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((getattr(pl, "peak_bytes", 0) for pl in self._plans.values()), default=0)
+
+    def _check_attribute_maps(self) -> None:
+        p, opt = self._params, self._opt
+        for w in self._trainable:
+            for label, mp in (("optimizer_attributes_map", p.optimizer_attributes_map),
+                              ("optimizer_int_attributes_map", p.optimizer_int_attributes_map)):
+                if mp and w not in mp:
+                    raise ValueError(f"{label} has no entry for trained weight {w!r} (give every trained weight "
+                                     "an entry, possibly {})")
+            opt.check_attrs(w, p.optimizer_attributes_map.get(w, {}), p.optimizer_int_attributes_map.get(w, {}))
+
+    def _apply_initial_optimizer_state(self, initial: dict[str, dict[str, np.ndarray]]) -> None:
+        names = {sp.name for sp in self._specs}
+        for w, d in initial.items():
+            if w != "shared_optimizer_state" and w not in self._trainable:
+                continue  # another stage's weight
+            for key, v in d.items():
+                name = key if w == "shared_optimizer_state" else f"{key}_{w}"
+                if name not in names:
+                    raise ValueError(f"set_optimizer_initial_state: no optimizer state {key!r} for {w!r}")
+                self._assign(name, v)
+
+
+def _check_stage_nodes(model: onnx.ModelProto, part: Partition) -> None:
+    """NotImplementedError naming a node a stage cannot run: a random node before the last stage (whose
+    forward runs twice per micro-batch and would draw other values), a training-mode BatchNormalization."""
+    for n, s in zip(model.graph.node, part.stage_of):
+        name = n.name or n.output[0]
+        if n.op_type in _RANDOM_OPS and not _inert_dropout(n) and s < part.stages - 1:
+            raise NotImplementedError(
+                f"pipeline stage {s} has the random node {name!r} ({n.op_type}): a stage before the last runs "
+                "its forward twice per micro-batch, which would draw different values; move it to the last "
+                "stage or cut before it")
+        if n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute):
+            raise NotImplementedError(f"pipeline stage {s}: training-mode BatchNormalization {name!r} (running "
+                                      "statistics) is not supported with pipeline_parallel_size > 1")
+
+
+def _fingerprint(model: onnx.ModelProto, p: TrainingParameters) -> dict[str, Any]:
+    graph = onnx.GraphProto()
+    graph.CopyFrom(model.graph)
+    del graph.initializer[:]
+    return {
+        "graph (nodes, inputs, outputs)": digest(graph.SerializeToString(deterministic=True)),
+        "initializers": {t.name: array_digest(numpy_helper.to_array(t)) for t in model.graph.initializer},
+        "pipeline options": repr([getattr(p, k) for k in ("pipeline_parallel_size", "pipeline_cut_info_string",
+                                                          "num_pipeline_micro_batches", "loss_output_name",
+                                                          "training_optimizer_name", "enable_grad_norm_clip")]),
+    }
+
+
+def _copy(n: onnx.NodeProto) -> onnx.NodeProto:
+    c = onnx.NodeProto()
+    c.CopyFrom(n)
+    return c
+
+
+def _reads(n: onnx.NodeProto) -> list[str]:
+    return [i for i in node_reads(n) if i]
+
+
+def _inert_dropout(n: onnx.NodeProto) -> bool:
+    """A Dropout that never drops: ratio 0, or no training_mode input (inference mode)."""
+    if n.op_type != "Dropout":
+        return False
+    return len(n.input) < 3 or not n.input[2]
+
+
+def _elem(types: Mapping[str, onnx.TypeProto], name: str) -> int:
+    t = types.get(name)
+    return t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else 0
+
+
+def _boundary_input(name: str, types: Mapping[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
+    """A tensor received from the previous stage: its element type and rank, every dimension unnamed (a
+    micro-batch's shape differs from the batch's)."""
+    t = types.get(name)
+    if t is None or not t.HasField("tensor_type") or not t.tensor_type.elem_type:
+        raise ValueError(f"pipeline parallel: the type of {name!r}, which crosses a stage boundary, is unknown "
+                         "(ONNX shape inference could not find it)")
+    rank = len(t.tensor_type.shape.dim) if t.tensor_type.HasField("shape") else None
+    return helper.make_tensor_value_info(name, t.tensor_type.elem_type, [None] * rank if rank is not None else None)
+
+
+def _boundary_output(name: str, types: Mapping[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
+    return _boundary_input(name, types)
+
+
+def _weights_to_inputs(model: onnx.ModelProto, names: list[str]) -> dict[str, np.ndarray]:
+    return _inits_to_inputs(model, names)
+
+
+def partition_of(session: PipelineTrainingSession) -> Partition:
+    """The stage partition of a pipelined session (for tests and tools)."""
+    return session._part

@@ -1,0 +1,118 @@
+"""Run under ``mpiexec -n STAGES``: legacy sessions cut into pipeline stages, one per rank.
+
+``python pipeline_worker.py OUT.npz CASE[,CASE...]`` trains each case of ``CASES`` whose stage count equals
+the number of ranks for ``STEPS`` steps, on the backend ``$ONNXTRAIN_TEST_BACKEND`` names (default numpy),
+after checking every stage graph with ``onnx.checker`` (full check); rank 0 saves, per case, the loss of every step, the state
+``gather_state()`` assembles and the logits of a forward-only run (``<case>/losses``, ``<case>/state/<name>``,
+``<case>/logits``). ``tests/parallel/test_pipeline.py`` compares them with one process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+from onnx import TensorProto as T  # noqa: E402
+from onnx import helper, numpy_helper  # noqa: E402
+
+from onnxtrain import RunOptions, SessionOptions, TrainingParameters, TrainingSession  # noqa: E402
+from onnxtrain.parallel import world  # noqa: E402
+from tests.session.helpers import batches, mlp_model  # noqa: E402
+
+LR = np.array([0.05], np.float32)
+STEPS = 6
+BATCH = 16
+CLIP = {"max_norm_clip": 0.3}  # below the global norm of these models' gradients: clipping acts
+
+
+def skip_model(seed: int = 3) -> onnx.ModelProto:
+    """x → Gemm → Relu (r1) → Gemm → Relu (r2) → r1 + r2 → Gemm · scale → loss: cut at ``r1,r2`` into three
+    stages, r1 passes through the middle stage, which also reads it; ``scale`` is a Constant the last stage
+    takes."""
+    rng = np.random.default_rng(seed)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n)
+             for n, s in (("W1", (16, 8)), ("b1", (16,)), ("W2", (16, 16)), ("b2", (16,)), ("W3", (4, 16)),
+                          ("b3", (4,)))]
+    nodes = [
+        helper.make_node("Gemm", ["x", "W1", "b1"], ["h1"], transB=1),
+        helper.make_node("Relu", ["h1"], ["r1"]),
+        helper.make_node("Gemm", ["r1", "W2", "b2"], ["h2"], transB=1),
+        helper.make_node("Relu", ["h2"], ["r2"]),
+        helper.make_node("Add", ["r1", "r2"], ["s"]),
+        helper.make_node("Gemm", ["s", "W3", "b3"], ["z"], transB=1),
+        helper.make_node("Constant", [], ["scale"], value=numpy_helper.from_array(np.float32(0.7))),
+        helper.make_node("Mul", ["z", "scale"], ["logits"]),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"]),
+    ]
+    g = helper.make_graph(nodes, "skip", [helper.make_tensor_value_info("x", T.FLOAT, ["N", 8]),
+                                          helper.make_tensor_value_info("y", T.INT64, ["N"])],
+                          [helper.make_tensor_value_info("loss", T.FLOAT, []),
+                           helper.make_tensor_value_info("logits", T.FLOAT, ["N", 4])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+# name → (model, stages, cut, micro-batches, optimizer, clip attributes)
+CASES = {
+    "adam2": (mlp_model, 2, "hr", 2, "AdamOptimizer", False),
+    "adam2_clip_m4": (mlp_model, 2, "hr", 4, "AdamOptimizer", True),
+    "sgd2_consumer_cut": (mlp_model, 2, "hr-logits", 2, "SGDOptimizer", False),
+    "lamb2_clip": (mlp_model, 2, "h", 2, "LambOptimizer", True),
+    "adam3_skip_clip": (skip_model, 3, "r1,r2", 2, "AdamOptimizer", True),
+    "lamb3_skip_m4": (skip_model, 3, "r1,r2", 4, "LambOptimizer", False),
+}
+
+
+def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingParameters:
+    """The case's options: pipelined, or one process accumulating the same micro-batches."""
+    _, stages, cut, micro, opt, clip = CASES[case]
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = opt
+    if clip:
+        p.optimizer_attributes_map = {t.name: dict(CLIP) for t in model.graph.initializer}
+    if pipelined:
+        p.pipeline_parallel_size = stages
+        p.pipeline_cut_info_string = cut
+        p.num_pipeline_micro_batches = micro
+    else:
+        p.gradient_accumulation_steps = micro
+        p.gradient_accumulation_mode = "auto"
+    return p
+
+
+def main(out: str, cases: list[str]) -> None:
+    saved: dict[str, np.ndarray] = {}
+    for case in cases:
+        build, stages, *_ = CASES[case]
+        if stages != world().size:
+            continue
+        model = build()
+        so = SessionOptions()
+        backend = os.environ.get("ONNXTRAIN_TEST_BACKEND", "")
+        if backend:
+            so.add_session_config_entry("onnxtrain.backend", backend)
+        sess = TrainingSession(model.SerializeToString(), parameters(case, model, True), so)
+        for graph in sess._graphs_by_kind.values():  # every graph a stage runs is standard, checked ONNX
+            onnx.checker.check_model(graph, full_check=True)
+        losses = []
+        for x, y in batches(STEPS, BATCH):
+            (loss,) = sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})
+            losses.append(float(loss))
+        x, _ = batches(1, BATCH, seed=9)[0]
+        ro = RunOptions()
+        ro.only_execute_path_to_fetches = True
+        (logits,) = sess.run(["logits"], {"x": x, "y": np.zeros(BATCH, np.int64)}, ro)
+        state = sess.gather_state()
+        saved[f"{case}/losses"] = np.array(losses)
+        saved[f"{case}/logits"] = logits
+        saved.update({f"{case}/state/{k}": v for k, v in state.items()})
+    if world().rank == 0:
+        np.savez(out, **saved)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2].split(","))

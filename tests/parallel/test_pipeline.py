@@ -1,0 +1,165 @@
+"""Pipeline parallelism of the legacy session: stages over ``mpiexec`` train exactly as one process that
+accumulates the same micro-batches; the cut string's parsing and the stage partition; the errors."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from onnxtrain import RunOptions, TrainingParameters, TrainingSession
+from onnxtrain.parallel.pipeline import CutEdge, parse_cut_info, partition
+from tests.parallel.conftest import run_mpi
+from tests.parallel.pipeline_worker import BATCH, CASES, LR, STEPS, parameters, skip_model
+from tests.session.helpers import batches, mlp_model
+
+PIPELINE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pipeline_worker.py")
+TWO = ["adam2", "adam2_clip_m4", "sgd2_consumer_cut", "lamb2_clip"]
+THREE = ["adam3_skip_clip", "lamb3_skip_m4"]
+
+
+def one_process(case: str) -> tuple[list[float], dict[str, np.ndarray], np.ndarray]:
+    """The reference: one session accumulating the case's micro-batches (losses of each step's last one)."""
+    build, _, _, micro, *_ = CASES[case]
+    model = build()
+    sess = TrainingSession(model.SerializeToString(), parameters(case, model, False))
+    losses = []
+    for x, y in batches(STEPS, BATCH):
+        for xs, ys in zip(np.split(x, micro), np.split(y, micro)):
+            (loss,) = sess.run(["loss"], {"x": xs, "y": ys, "Learning_Rate": LR})
+        losses.append(float(loss))
+    x, _ = batches(1, BATCH, seed=9)[0]
+    ro = RunOptions()
+    ro.only_execute_path_to_fetches = True
+    (logits,) = sess.run(["logits"], {"x": x, "y": np.zeros(BATCH, np.int64)}, ro)
+    return losses, sess.get_state(), logits
+
+
+def pipelined(tmp_path, cases: list[str], n: int, env: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+    out = tmp_path / f"pipeline{n}.npz"
+    r = run_mpi(str(out), ",".join(cases), n=n, timeout=240, env=env, worker=PIPELINE_WORKER)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return dict(np.load(out))
+
+
+def compare(got: dict[str, np.ndarray], case: str, tol: float) -> None:
+    losses, state, logits = one_process(case)
+    np.testing.assert_allclose(got[f"{case}/losses"], losses, rtol=tol, atol=0, err_msg=case)
+    assert sorted(k.split("/", 2)[2] for k in got if k.startswith(f"{case}/state/")) == sorted(state), case
+    for k, v in state.items():
+        np.testing.assert_allclose(got[f"{case}/state/{k}"], v, rtol=tol, atol=tol * float(np.abs(v).max()),
+                                   err_msg=f"{case}: {k}")
+    np.testing.assert_allclose(got[f"{case}/logits"], logits, rtol=tol, atol=tol, err_msg=case)
+
+
+@pytest.mark.mpi
+def test_two_stages_train_as_one_process_accumulating_the_micro_batches(tmp_path) -> None:
+    got = pipelined(tmp_path, TWO, 2)
+    for case in TWO:
+        # the same graphs on the same micro-batches: bit for bit, but for the global norm, which the
+        # stages sum in float64 (LAMB reads it: a last-bit difference)
+        compare(got, case, 1e-6)
+    assert np.array_equal(got["adam2/losses"], one_process("adam2")[0])
+
+
+@pytest.mark.mpi
+def test_three_stages_with_a_tensor_passed_through_the_middle_stage(tmp_path) -> None:
+    got = pipelined(tmp_path, THREE, 3)
+    for case in THREE:
+        compare(got, case, 1e-6)
+
+
+@pytest.mark.mpi
+def test_onnxruntime_backend_stages_equal_the_numpy_engine_in_one_process(tmp_path) -> None:
+    pytest.importorskip("onnxruntime")
+    got = pipelined(tmp_path, ["adam2_clip_m4"], 2, env={"ONNXTRAIN_TEST_BACKEND": "onnxruntime"})
+    compare(got, "adam2_clip_m4", 1e-5)
+
+
+# ---- the cut string and the partition (one process) ------------------------------------------------------
+def test_cut_string_grammar() -> None:
+    assert parse_cut_info("12", 2) == [[CutEdge("12")]]
+    assert parse_cut_info("a:b-c/d,e", 3) == [[CutEdge("a"), CutEdge("b", ("c", "d"))], [CutEdge("e")]]
+    with pytest.raises(ValueError, match="has 1 cut"):
+        parse_cut_info("a", 3)
+    with pytest.raises(ValueError, match="needs pipeline_cut_info_string"):
+        parse_cut_info("", 2)
+    with pytest.raises(ValueError, match="malformed edge 'a-'"):
+        parse_cut_info("a-", 2)
+
+
+def test_partition_places_nodes_and_lists_what_crosses() -> None:
+    m = skip_model()
+    part = partition(m, parse_cut_info("r1,r2", 3), "loss")
+    by_name = {n.output[0]: s for n, s in zip(m.graph.node, part.stage_of)}
+    assert by_name == {"h1": 0, "r1": 0, "h2": 1, "r2": 1, "s": 2, "z": 2, "scale": 2, "logits": 2, "loss": 2}
+    assert part.sends == [["r1"], ["r1", "r2"]]  # r1 goes on through stage 1 to the Add of stage 2
+    # a consumer-limited edge: only the named reader moves on
+    m2 = mlp_model()
+    part2 = partition(m2, parse_cut_info("hr-logits", 2), "loss")
+    assert part2.stage_of == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("cut, match", [
+    ("nope", "'nope' is not a tensor of the graph"),
+    ("x", "'x' is a graph input or initializer"),
+    ("hr-h", "no node with output 'h' reads 'hr'"),
+    ("loss", "nothing reads 'loss'"),
+])
+def test_partition_names_a_bad_cut(cut: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        partition(mlp_model(), parse_cut_info(cut, 2), "loss")
+
+
+def test_partition_refuses_cuts_out_of_order_and_a_loss_outside_the_last_stage() -> None:
+    with pytest.raises(ValueError, match="cut 0 separates stage 0 from stage 1, but 'r2' is computed in stage 2"):
+        partition(skip_model(), parse_cut_info("r2,r1", 3), "loss")
+    # the loss in stage 0 of a model whose logits are read after a cut
+    with pytest.raises(ValueError, match="stage\\(s\\) \\[1\\] of 2 get no node|not in the last stage"):
+        partition(mlp_model(), parse_cut_info("logits", 2), "logits")
+
+
+def test_pipeline_session_errors_in_one_process() -> None:
+    model = mlp_model().SerializeToString()
+
+    def params(**kw) -> TrainingParameters:
+        p = TrainingParameters()
+        p.loss_output_name = "loss"
+        p.training_optimizer_name = "AdamOptimizer"
+        p.pipeline_parallel_size = 2
+        p.pipeline_cut_info_string = "hr"
+        for k, v in kw.items():
+            setattr(p, k, v)
+        return p
+
+    with pytest.raises(ValueError, match="launch with: mpiexec -n 2"):
+        TrainingSession(model, params())
+    with pytest.raises(NotImplementedError, match="use_mixed_precision do not combine"):
+        TrainingSession(model, params(use_mixed_precision=True))
+    with pytest.raises(ValueError, match="needs an optimizer"):
+        TrainingSession(model, params(training_optimizer_name=""))
+    p = params(pipeline_parallel_size=1, num_pipeline_micro_batches=4)
+    with pytest.warns(UserWarning, match="num_pipeline_micro_batches, pipeline_cut_info_string have no effect"):
+        TrainingSession(model, p)
+
+
+def test_random_nodes_before_the_last_stage_are_refused() -> None:
+    m = mlp_model()
+    g = m.graph
+    g.node[1].output[0] = "hr0"
+    g.node.insert(2, helper.make_node("Dropout", ["hr0", "ratio", "tm"], ["hr"], name="drop"))
+    g.initializer.append(onnx.numpy_helper.from_array(np.array(0.1, np.float32), "ratio"))
+    g.initializer.append(onnx.numpy_helper.from_array(np.array(True), "tm"))
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "SGDOptimizer"
+    p.pipeline_parallel_size = 2
+    p.pipeline_cut_info_string = "hr"
+    with pytest.raises(NotImplementedError, match="stage 0 has the random node 'drop' \\(Dropout\\)"):
+        TrainingSession(m.SerializeToString(), p)
+    p.pipeline_cut_info_string = "hr0"  # the Dropout in the last stage: no refusal (then MPI is needed)
+    with pytest.raises(ValueError, match="launch with: mpiexec -n 2"):
+        TrainingSession(m.SerializeToString(), p)
