@@ -116,7 +116,7 @@ class TrainingParameters:
         return self._initial_state
 
     def pipeline_only_options(self) -> list[str]:
-        """Pipeline options set away from their defaults (they act only with ``pipeline_parallel_size > 1``)."""
+        """Pipeline options set away from their defaults (they act only with more than one stage)."""
         return [k for k, d in PIPELINE.items() if k != "pipeline_parallel_size" and self._values[k] != d]
 
     def unsupported_options(self) -> list[str]:

@@ -66,7 +66,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         """A :class:`~onnxtrain.session_pipeline.PipelineTrainingSession` when the parameters ask for
         pipeline stages (``pipeline_parallel_size > 1``)."""
         params = args[1] if len(args) > 1 else kwargs.get("parameters")
-        if cls is TrainingSession and isinstance(params, TrainingParameters) and params.pipeline_parallel_size > 1:
+        pipelined = isinstance(params, TrainingParameters) and params.pipeline_parallel_size > 1
+        if cls is TrainingSession and pipelined:
             from onnxtrain.session_pipeline import PipelineTrainingSession
 
             cls = PipelineTrainingSession

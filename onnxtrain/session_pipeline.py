@@ -22,6 +22,7 @@ the outputs of the last micro-batch.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,8 +48,15 @@ from onnxtrain.session import TrainingSession, check_arguments
 from onnxtrain.training_graph import TRAINING_MODE, _inits_to_inputs, build_update_graph, select_trainable
 
 NORM = "global_gradient_norm"
-_RANDOM_OPS = ("Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli",
-               "Multinomial")
+_RANDOM_OPS = (
+    "Dropout",
+    "RandomNormal",
+    "RandomNormalLike",
+    "RandomUniform",
+    "RandomUniformLike",
+    "Bernoulli",
+    "Multinomial",
+)
 # options a pipelined session cannot honour yet: name → its default
 _REFUSED = {
     "use_mixed_precision": False,
@@ -82,18 +90,27 @@ class PipelineTrainingSession(TrainingSession):
         if isinstance(self._micro, bool) or not isinstance(self._micro, int) or self._micro < 1:
             raise ValueError(f"num_pipeline_micro_batches must be an int >= 1, got {self._micro!r}")
         model = upgrade_opset(load_model(path_or_bytes))
-        self._part = partition(model, parse_cut_info(p.pipeline_cut_info_string, p.pipeline_parallel_size),
-                               p.loss_output_name)
+        self._part = partition(
+            model, parse_cut_info(p.pipeline_cut_info_string, p.pipeline_parallel_size), p.loss_output_name
+        )
         _check_stage_nodes(model, self._part)
         size = world().size
         if size != p.pipeline_parallel_size:
-            raise ValueError(f"pipeline_parallel_size={p.pipeline_parallel_size} needs as many MPI ranks, one per "
-                             f"stage, but there are {size}; launch with: mpiexec -n {p.pipeline_parallel_size} "
-                             "python script.py (data and horizontal parallelism do not combine with stages yet)")
+            raise ValueError(
+                f"pipeline_parallel_size={p.pipeline_parallel_size} needs as many MPI ranks, one per "
+                f"stage, but there are {size}; launch with: mpiexec -n {p.pipeline_parallel_size} "
+                "python script.py (data and horizontal parallelism do not combine with stages yet)"
+            )
         self._params = p
         self._sess_options = sess_options or SessionOptions()
+        if self._sess_options.enable_profiling:
+            warnings.warn(
+                "SessionOptions.enable_profiling: a pipelined session records no profile yet", stacklevel=3
+            )
         self._backend = backend_of(self._sess_options)
-        self._providers, self._provider_options = backend_providers(self._backend, providers, provider_options)
+        self._providers, self._provider_options = backend_providers(
+            self._backend, providers, provider_options
+        )
         self._fallback = True
         self._dp = None
         self._zero = None
@@ -111,21 +128,31 @@ class PipelineTrainingSession(TrainingSession):
     def _check_options(p: TrainingParameters) -> None:
         pending = [k for k in p.unsupported_options() if k == "horizontal_parallel_size"]
         if pending:
-            raise NotImplementedError("TrainingParameters.horizontal_parallel_size > 1 (Megatron tensor parallel) "
-                                      "is not implemented")
+            raise NotImplementedError(
+                "TrainingParameters.horizontal_parallel_size > 1 (Megatron tensor parallel) "
+                "is not implemented"
+            )
         refused = [k for k, d in _REFUSED.items() if getattr(p, k) != d]
         if refused:
-            raise NotImplementedError(f"TrainingParameters option(s) {', '.join(refused)} do not combine with "
-                                      "pipeline_parallel_size > 1 yet (the micro-batches are the gradient "
-                                      "accumulation)")
+            raise NotImplementedError(
+                f"TrainingParameters option(s) {', '.join(refused)} do not combine with "
+                "pipeline_parallel_size > 1 yet (the micro-batches are the gradient "
+                "accumulation)"
+            )
         if p.data_parallel_size not in (1, p.pipeline_parallel_size) or p.world_size not in (
-                1, p.pipeline_parallel_size):
-            raise NotImplementedError("data parallelism does not combine with pipeline_parallel_size > 1 yet: "
-                                      "leave data_parallel_size at 1 and world_size at the number of stages")
+            1,
+            p.pipeline_parallel_size,
+        ):
+            raise NotImplementedError(
+                "data parallelism does not combine with pipeline_parallel_size > 1 yet: "
+                "leave data_parallel_size at 1 and world_size at the number of stages"
+            )
         if not p.training_optimizer_name:
             raise ValueError("pipeline_parallel_size > 1 needs an optimizer (training_optimizer_name)")
         if not p.loss_output_name:
-            raise ValueError("TrainingParameters.loss_output_name is empty: name the loss tensor of the model")
+            raise ValueError(
+                "TrainingParameters.loss_output_name is empty: name the loss tensor of the model"
+            )
 
     def _build_stage(self, model: onnx.ModelProto, all_trainable: list[str]) -> None:
         p, part, s = self._params, self._part, self._stage
@@ -144,22 +171,22 @@ class PipelineTrainingSession(TrainingSession):
         sliced = set(p.sliced_tensor_names) or set(self._user_inputs)
         unknown = sorted(set(p.sliced_tensor_names) - set(self._user_inputs))
         if unknown:
-            raise ValueError(f"sliced_tensor_names: {unknown} are not inputs of the model; inputs: "
-                             f"{self._user_inputs}")
+            raise ValueError(
+                f"sliced_tensor_names: {unknown} are not inputs of the model; inputs: {self._user_inputs}"
+            )
         self._sliced = {n: int(p.sliced_axes.get(n, 0)) for n in self._user_inputs if n in sliced}
         inputs = []
         for v in g.input:
             if v.name in reads and v.name not in inits:
                 inputs.append(self._micro_input(v))
         for r in self._received:
-            inputs.append(_boundary_input(r, types))
+            inputs.append(_boundary_value(r, types))
         has_tm = any(n.op_type == "Dropout" and len(n.input) >= 3 and n.input[2] for n in nodes)
         if has_tm:
             for n in nodes:
                 if n.op_type == "Dropout" and len(n.input) >= 3 and n.input[2]:
                     n.input[2] = TRAINING_MODE
             inputs.append(helper.make_tensor_value_info(TRAINING_MODE, TensorProto.BOOL, []))
-        self._has_training_mode = has_tm
         user_outputs = [o.name for o in g.output if o.name in produced]
         if last and p.loss_output_name not in user_outputs:
             user_outputs.append(p.loss_output_name)
@@ -169,11 +196,24 @@ class PipelineTrainingSession(TrainingSession):
         self._diff_received = [r for r in self._received if _elem(types, r) in floats]
         stage_inits = [inits[i] for i in sorted(reads & set(inits))]
         base = helper.make_model(
-            helper.make_graph(nodes, f"{g.name or 'model'}_stage{s}", inputs,
-                              [_boundary_output(o, types) for o in dict.fromkeys(
-                                  [*(t for t in self._sends if t in produced), *user_outputs])],
-                              initializer=stage_inits),
-            opset_imports=list(model.opset_import), ir_version=model.ir_version)
+            helper.make_graph(
+                nodes,
+                f"{g.name or 'model'}_stage{s}",
+                inputs,
+                [
+                    _boundary_value(o, types)
+                    for o in dict.fromkeys([*(t for t in self._sends if t in produced), *user_outputs])
+                ],
+                initializer=stage_inits,
+            ),
+            opset_imports=list(model.opset_import),
+            ir_version=model.ir_version,
+        )
+        self._build_graphs(base, {w: inits[w].data_type for w in self._trainable})
+
+    def _build_graphs(self, base: onnx.ModelProto, elem_types: dict[str, int]) -> None:
+        """The stage's forward, backward and update graphs from its nodes (``base``); its initial state."""
+        p, s, last = self._params, self._stage, self._stage == self._part.stages - 1
         self._graphs_by_kind: dict[str, onnx.ModelProto] = {}
         fwd = onnx.ModelProto()
         fwd.CopyFrom(base)
@@ -183,35 +223,53 @@ class PipelineTrainingSession(TrainingSession):
             loss = f"pipeline_stage{s}_loss"
             bw = onnx.ModelProto()
             bw.CopyFrom(base)
-            bw.graph.node.append(helper.make_node("Constant", [], [loss],
-                                                  value=numpy_helper.from_array(np.array(0, np.float32))))
-            backward = build_gradient_model(bw, loss, [*self._trainable, *self._diff_received], outputs=[],
-                                            other_ys=self._seeded)
+            bw.graph.node.append(
+                helper.make_node(
+                    "Constant", [], [loss], value=numpy_helper.from_array(np.array(0, np.float32))
+                )
+            )
+            backward = build_gradient_model(
+                bw, loss, [*self._trainable, *self._diff_received], outputs=[], other_ys=self._seeded
+            )
         else:
-            backward = build_gradient_model(base, p.loss_output_name, [*self._trainable, *self._diff_received],
-                                            outputs=user_outputs)
+            backward = build_gradient_model(
+                base,
+                p.loss_output_name,
+                [*self._trainable, *self._diff_received],
+                outputs=self._stage_outputs,
+            )
         self._initial = _weights_to_inputs(backward, self._trainable)
         self._graphs_by_kind["backward"] = backward
         self._store: dict[str, np.ndarray] = dict(self._initial)
         self._specs = []
         self._update_outputs: dict[str, str] = {}
         if self._trainable:
-            slots = [WeightSlot(w, f"{w}_grad", tuple(self._initial[w].shape), inits[w].data_type,
-                                dict(p.optimizer_attributes_map.get(w, {})),
-                                dict(p.optimizer_int_attributes_map.get(w, {})))
-                     for w in self._trainable]
+            slots = [
+                WeightSlot(
+                    w,
+                    f"{w}_grad",
+                    tuple(self._initial[w].shape),
+                    elem_types[w],
+                    dict(p.optimizer_attributes_map.get(w, {})),
+                    dict(p.optimizer_int_attributes_map.get(w, {})),
+                )
+                for w in self._trainable
+            ]
             clip = p.enable_grad_norm_clip
-            update, upd, _, specs = build_update_graph(backward, slots, p, self._opt, clip=clip,
-                                                       norm_input=NORM if clip else None)
+            update, upd, _, specs = build_update_graph(
+                backward, slots, p, self._opt, clip=clip, norm_input=NORM if clip else None
+            )
             self._graphs_by_kind["update"] = update
             self._update_outputs = upd
             self._specs = specs
             for sp in specs:
                 self._store[sp.name] = sp.initial.copy()
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
-        for path, m in ((p.model_with_gradient_graph_path, backward),
-                        (p.model_with_training_graph_path, backward),
-                        (p.model_after_graph_transforms_path, base)):
+        for path, m in (
+            (p.model_with_gradient_graph_path, backward),
+            (p.model_with_training_graph_path, backward),
+            (p.model_after_graph_transforms_path, base),
+        ):
             if path:
                 root, ext = os.path.splitext(path)
                 save_model_atomic(m, f"{root}.stage{s}{ext or '.onnx'}")
@@ -247,15 +305,24 @@ class PipelineTrainingSession(TrainingSession):
         if p.loss_output_name not in {o.name for o in g.output}:
             self._outputs.append(NodeArg(p.loss_output_name, "tensor(float)", []))
         self._output_names = [o.name for o in self._outputs]
-        self._dtypes = {v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
-                        for v in g.input if v.name not in inits and v.type.HasField("tensor_type")}
+        self._dtypes = {
+            v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
+            for v in g.input
+            if v.name not in inits and v.type.HasField("tensor_type")
+        }
 
     def _get_plan(self, kind: str) -> Any:
         if kind not in self._plans:
             updates = {o: s for s, o in self._update_outputs.items()} if kind == "update" else None
-            self._plans[kind] = make_plan(self._graphs_by_kind[kind], self._backend, self._providers,
-                                          self._sess_options, self._provider_options, updates=updates,
-                                          keep_binding=kind == "update")
+            self._plans[kind] = make_plan(
+                self._graphs_by_kind[kind],
+                self._backend,
+                self._providers,
+                self._sess_options,
+                self._provider_options,
+                updates=updates,
+                keep_binding=kind == "update",
+            )
         return self._plans[kind]
 
     @property
@@ -264,8 +331,12 @@ class PipelineTrainingSession(TrainingSession):
         return self._stage
 
     # ---- running ------------------------------------------------------------------------
-    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
-            run_options: RunOptions | None = None) -> list[np.ndarray]:
+    def run(
+        self,
+        output_names: Sequence[str] | None,
+        input_feed: Mapping[str, Any],
+        run_options: RunOptions | None = None,
+    ) -> list[np.ndarray]:
         """One optimizer step over all micro-batches (or, with ``training_mode`` False, a forward pass);
         a collective: every rank calls it with the same feeds. Returns the last micro-batch's outputs."""
         ro = run_options or RunOptions()
@@ -284,8 +355,9 @@ class PipelineTrainingSession(TrainingSession):
                 raise ValueError(f"missing input {self._params.lr_params_feed_name!r} (the learning rate)")
             mine = self._train_step(feeds, dropout)
         got: dict[str, np.ndarray] = {}
-        for part in self._comm.allgather_object({n: v for n, v in mine.items() if n in names},
-                                                "gathering the pipeline's outputs"):
+        for part in self._comm.allgather_object(
+            {n: v for n, v in mine.items() if n in names}, "gathering the pipeline's outputs"
+        ):
             got.update(part)
         return [got[n] for n in names]
 
@@ -313,15 +385,24 @@ class PipelineTrainingSession(TrainingSession):
         for name, axis in self._sliced.items():
             a = feeds[name]
             if a.ndim == 0 or a.shape[axis] % count:
-                raise ValueError(f"input {name!r}: its axis {axis} (shape {list(a.shape)}) does not divide into "
-                                 f"num_pipeline_micro_batches={count} equal micro-batches")
+                raise ValueError(
+                    f"input {name!r}: its axis {axis} (shape {list(a.shape)}) does not divide into "
+                    f"num_pipeline_micro_batches={count} equal micro-batches"
+                )
             for k, piece in enumerate(np.split(a, count, axis=axis)):
                 parts[k][name] = np.ascontiguousarray(piece)
         return parts
 
-    def _stage_feeds(self, kind: str, feeds: dict[str, np.ndarray], received: dict[str, np.ndarray],
-                     training: bool, extra: Mapping[str, np.ndarray] = {}) -> dict[str, Any]:
+    def _stage_feeds(
+        self,
+        kind: str,
+        feeds: dict[str, np.ndarray],
+        received: dict[str, np.ndarray],
+        training: bool,
+        extra: Mapping[str, np.ndarray] | None = None,
+    ) -> dict[str, Any]:
         plan = self._get_plan(kind)
+        extra = extra or {}
         out: dict[str, Any] = {}
         for n in plan.all_input_names:
             if n in feeds:
@@ -336,8 +417,9 @@ class PipelineTrainingSession(TrainingSession):
                 out[n] = np.asarray(training)
         return out
 
-    def _forward(self, feeds: dict[str, np.ndarray], training: bool, tag: int = 0,
-                 pending: list | None = None) -> dict[str, np.ndarray]:
+    def _forward(
+        self, feeds: dict[str, np.ndarray], training: bool, tag: int = 0, pending: list | None = None
+    ) -> dict[str, np.ndarray]:
         """This stage's forward on one (micro-)batch: receive from the stage before, run, send to the stage
         after. Returns the tensors received (under ``"received"``) and this stage's user outputs."""
         s = self._stage
@@ -369,8 +451,9 @@ class PipelineTrainingSession(TrainingSession):
                 kept.append(self._forward(micro[k], dropout, tag=2 * k, pending=pending))
         for k in range(m):
             if last:
-                received = (self._comm.recv_object(s - 1, 2 * k, f"stage {s} receiving its inputs")
-                            if s > 0 else {})
+                received = (
+                    self._comm.recv_object(s - 1, 2 * k, f"stage {s} receiving its inputs") if s > 0 else {}
+                )
                 seeds: dict[str, np.ndarray] = {}
                 wanted = [*self._stage_outputs, *grads, *rgrads]
             else:
@@ -378,8 +461,12 @@ class PipelineTrainingSession(TrainingSession):
                 seeds = self._comm.recv_object(s + 1, 2 * k + 1, f"stage {s} receiving its output gradients")
                 wanted = [*grads, *rgrads]
             extra = {f"{t}_grad": seeds[t] for t in self._seeded}
-            res = dict(zip(wanted, plan.run(self._stage_feeds("backward", micro[k], received, dropout, extra),
-                                            wanted)))
+            res = dict(
+                zip(
+                    wanted,
+                    plan.run(self._stage_feeds("backward", micro[k], received, dropout, extra), wanted),
+                )
+            )
             for gname in grads:
                 acc[gname] = res[gname] if k == 0 else acc[gname] + res[gname]
             if s > 0:
@@ -387,10 +474,14 @@ class PipelineTrainingSession(TrainingSession):
                 for t in self._sends:  # passed through this stage: its gradient goes on back
                     if t in seeds and t in self._part.received(s):
                         back[t] = back[t] + seeds[t] if t in back else seeds[t]
-                pending.append(self._comm.isend_object(back, s - 1, 2 * k + 1,
-                                                       f"stage {s} sending its input gradients"))
-            outputs = {n: res[n] for n in self._stage_outputs} if last else {
-                n: kept[k][n] for n in self._stage_outputs}
+                pending.append(
+                    self._comm.isend_object(back, s - 1, 2 * k + 1, f"stage {s} sending its input gradients")
+                )
+            outputs = (
+                {n: res[n] for n in self._stage_outputs}
+                if last
+                else {n: kept[k][n] for n in self._stage_outputs}
+            )
         for r in pending:
             r.wait()
         self._update(acc, feeds[self._params.lr_params_feed_name])
@@ -402,9 +493,13 @@ class PipelineTrainingSession(TrainingSession):
         eff = {g: (a * np.asarray(1.0 / m, a.dtype) if m > 1 else a) for g, a in acc.items()}
         norm = None
         if p.enable_grad_norm_clip:
-            local = sum(float(np.dot(v.reshape(-1).astype(np.float64), v.reshape(-1).astype(np.float64)))
-                        for v in eff.values())
-            norm = np.asarray(np.sqrt(self._comm.allreduce_scalar(local, "pipeline gradient norm")), np.float32)
+            local = sum(
+                float(np.dot(v.reshape(-1).astype(np.float64), v.reshape(-1).astype(np.float64)))
+                for v in eff.values()
+            )
+            norm = np.asarray(
+                np.sqrt(self._comm.allreduce_scalar(local, "pipeline gradient norm")), np.float32
+            )
         if not self._trainable:
             return
         plan = self._get_plan("update")
@@ -431,7 +526,7 @@ class PipelineTrainingSession(TrainingSession):
         return dict(sorted(state.items()))
 
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
-        """Copy this stage's names of ``state`` (as from ``get_state()`` or ``gather_state()``) into the session;
+        """Copy this stage's names of ``state`` (from ``get_state()`` or ``gather_state()``) into the session;
         names of other stages are skipped. ``strict``: this stage's names must all be there."""
         known = set(self._state_names())
         for name, value in state.items():
@@ -440,12 +535,16 @@ class PipelineTrainingSession(TrainingSession):
         if strict:
             missing = sorted(known - set(state))
             if missing:
-                raise KeyError(f"load_state(strict=True): missing state tensor(s) {missing} of stage {self._stage}")
+                raise KeyError(
+                    f"load_state(strict=True): missing state tensor(s) {missing} of stage {self._stage}"
+                )
 
     def _all_optimizer_state_names(self) -> set[str]:
         return {sp.name for sp in self._specs}
 
-    def get_model_state(self, include_mixed_precision_weights: bool = False) -> dict[str, dict[str, np.ndarray]]:
+    def get_model_state(
+        self, include_mixed_precision_weights: bool = False
+    ) -> dict[str, dict[str, np.ndarray]]:
         out = {"full_precision": {w: self._store[w].copy() for w in self._trainable}}
         if include_mixed_precision_weights:
             out["mixed_precision"] = {}
@@ -470,12 +569,18 @@ class PipelineTrainingSession(TrainingSession):
     def _check_attribute_maps(self) -> None:
         p, opt = self._params, self._opt
         for w in self._trainable:
-            for label, mp in (("optimizer_attributes_map", p.optimizer_attributes_map),
-                              ("optimizer_int_attributes_map", p.optimizer_int_attributes_map)):
+            for label, mp in (
+                ("optimizer_attributes_map", p.optimizer_attributes_map),
+                ("optimizer_int_attributes_map", p.optimizer_int_attributes_map),
+            ):
                 if mp and w not in mp:
-                    raise ValueError(f"{label} has no entry for trained weight {w!r} (give every trained weight "
-                                     "an entry, possibly {})")
-            opt.check_attrs(w, p.optimizer_attributes_map.get(w, {}), p.optimizer_int_attributes_map.get(w, {}))
+                    raise ValueError(
+                        f"{label} has no entry for trained weight {w!r} (give every trained weight "
+                        "an entry, possibly {})"
+                    )
+            opt.check_attrs(
+                w, p.optimizer_attributes_map.get(w, {}), p.optimizer_int_attributes_map.get(w, {})
+            )
 
     def _apply_initial_optimizer_state(self, initial: dict[str, dict[str, np.ndarray]]) -> None:
         names = {sp.name for sp in self._specs}
@@ -496,12 +601,16 @@ def _check_stage_nodes(model: onnx.ModelProto, part: Partition) -> None:
         name = n.name or n.output[0]
         if n.op_type in _RANDOM_OPS and not _inert_dropout(n) and s < part.stages - 1:
             raise NotImplementedError(
-                f"pipeline stage {s} has the random node {name!r} ({n.op_type}): a stage before the last runs "
+                f"pipeline stage {s} has the random node {name!r} ({n.op_type}): a stage before the last "
+                "runs "
                 "its forward twice per micro-batch, which would draw different values; move it to the last "
-                "stage or cut before it")
+                "stage or cut before it"
+            )
         if n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute):
-            raise NotImplementedError(f"pipeline stage {s}: training-mode BatchNormalization {name!r} (running "
-                                      "statistics) is not supported with pipeline_parallel_size > 1")
+            raise NotImplementedError(
+                f"pipeline stage {s}: training-mode BatchNormalization {name!r} (running "
+                "statistics) is not supported with pipeline_parallel_size > 1"
+            )
 
 
 def _fingerprint(model: onnx.ModelProto, p: TrainingParameters) -> dict[str, Any]:
@@ -511,9 +620,19 @@ def _fingerprint(model: onnx.ModelProto, p: TrainingParameters) -> dict[str, Any
     return {
         "graph (nodes, inputs, outputs)": digest(graph.SerializeToString(deterministic=True)),
         "initializers": {t.name: array_digest(numpy_helper.to_array(t)) for t in model.graph.initializer},
-        "pipeline options": repr([getattr(p, k) for k in ("pipeline_parallel_size", "pipeline_cut_info_string",
-                                                          "num_pipeline_micro_batches", "loss_output_name",
-                                                          "training_optimizer_name", "enable_grad_norm_clip")]),
+        "pipeline options": repr(
+            [
+                getattr(p, k)
+                for k in (
+                    "pipeline_parallel_size",
+                    "pipeline_cut_info_string",
+                    "num_pipeline_micro_batches",
+                    "loss_output_name",
+                    "training_optimizer_name",
+                    "enable_grad_norm_clip",
+                )
+            ]
+        ),
     }
 
 
@@ -539,25 +658,20 @@ def _elem(types: Mapping[str, onnx.TypeProto], name: str) -> int:
     return t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else 0
 
 
-def _boundary_input(name: str, types: Mapping[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
-    """A tensor received from the previous stage: its element type and rank, every dimension unnamed (a
-    micro-batch's shape differs from the batch's)."""
+def _boundary_value(name: str, types: Mapping[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
+    """A stage graph's input or output: its element type and rank, every dimension unnamed (a micro-batch's
+    shape differs from the batch's)."""
     t = types.get(name)
     if t is None or not t.HasField("tensor_type") or not t.tensor_type.elem_type:
-        raise ValueError(f"pipeline parallel: the type of {name!r}, which crosses a stage boundary, is unknown "
-                         "(ONNX shape inference could not find it)")
+        raise ValueError(
+            f"pipeline parallel: the type of {name!r}, which crosses a stage boundary, is unknown "
+            "(ONNX shape inference could not find it)"
+        )
     rank = len(t.tensor_type.shape.dim) if t.tensor_type.HasField("shape") else None
-    return helper.make_tensor_value_info(name, t.tensor_type.elem_type, [None] * rank if rank is not None else None)
-
-
-def _boundary_output(name: str, types: Mapping[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
-    return _boundary_input(name, types)
+    return helper.make_tensor_value_info(
+        name, t.tensor_type.elem_type, [None] * rank if rank is not None else None
+    )
 
 
 def _weights_to_inputs(model: onnx.ModelProto, names: list[str]) -> dict[str, np.ndarray]:
     return _inits_to_inputs(model, names)
-
-
-def partition_of(session: PipelineTrainingSession) -> Partition:
-    """The stage partition of a pipelined session (for tests and tools)."""
-    return session._part

@@ -188,7 +188,8 @@ class Communicator:
         return recv
 
     def isend_object(self, obj: Any, dest: int, tag: int, what: str = "send") -> _Request:
-        """Start sending ``obj`` (pickled) to rank ``dest``; ``wait()`` on the result runs under the watchdog."""
+        """Start sending ``obj`` (pickled) to rank ``dest``; the result's ``wait()`` runs under the
+        watchdog."""
         return _Request(self, self.comm.isend(obj, dest=dest, tag=tag), what)
 
     def recv_object(self, source: int, tag: int, what: str = "receive") -> Any:

@@ -8,8 +8,9 @@ its outputs, as onnxruntime's parser took it). ``"12"`` cuts a graph in two at t
 
 A node's stage is the highest stage of its inputs, plus one across a cut edge. A node that reads only graph
 inputs, initializers or other such nodes (a ``Constant``, a label's preprocessing), and from which no cut
-tensor is computed, joins the earliest stage that reads it. :func:`partition` checks that every stage has nodes, that each cut's tensors are computed in
-the stage the cut ends and that the loss is computed in the last stage.
+tensor is computed, joins the earliest stage that reads it. :func:`partition` checks that every stage has
+nodes, that each cut's tensors are computed in the stage the cut ends and that the loss is computed in the
+last stage.
 """
 
 from __future__ import annotations
@@ -45,24 +46,30 @@ class Partition:
 def parse_cut_info(text: str, stages: int) -> list[list[CutEdge]]:
     """The cuts of ``pipeline_cut_info_string``; there must be ``stages - 1`` of them."""
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"pipeline_parallel_size={stages} needs pipeline_cut_info_string (the tensors where "
-                         "one stage ends, e.g. '12' for two stages or '11,15' for three), got {text!r}")
+        raise ValueError(
+            f"pipeline_parallel_size={stages} needs pipeline_cut_info_string (the tensors where "
+            "one stage ends, e.g. '12' for two stages or '11,15' for three), got {text!r}"
+        )
     cuts: list[list[CutEdge]] = []
     for i, group in enumerate(text.split(",")):
         edges = []
         for item in group.split(":"):
             parts = item.strip().split("-")
             if len(parts) > 2 or not parts[0] or (len(parts) == 2 and not parts[1]):
-                raise ValueError(f"pipeline_cut_info_string: cut {i} has a malformed edge {item!r} (write "
-                                 "'tensor' or 'tensor-consumer1/consumer2')")
+                raise ValueError(
+                    f"pipeline_cut_info_string: cut {i} has a malformed edge {item!r} (write "
+                    "'tensor' or 'tensor-consumer1/consumer2')"
+                )
             consumers = tuple(c.strip() for c in parts[1].split("/")) if len(parts) == 2 else ()
             if any(not c for c in consumers):
                 raise ValueError(f"pipeline_cut_info_string: cut {i}: empty consumer name in {item!r}")
             edges.append(CutEdge(parts[0].strip(), consumers))
         cuts.append(edges)
     if len(cuts) != stages - 1:
-        raise ValueError(f"pipeline_cut_info_string {text!r} has {len(cuts)} cut(s), but "
-                         f"pipeline_parallel_size={stages} needs {stages - 1}")
+        raise ValueError(
+            f"pipeline_cut_info_string {text!r} has {len(cuts)} cut(s), but "
+            f"pipeline_parallel_size={stages} needs {stages - 1}"
+        )
     return cuts
 
 
@@ -79,8 +86,11 @@ def partition(model: onnx.ModelProto, cuts: list[list[CutEdge]], loss: str) -> P
     for c, edges in enumerate(cuts):
         for e in edges:
             if e.tensor not in producer:
-                where = "a graph input or initializer (every stage reads those)" if e.tensor in _sources(
-                    model) else "not a tensor of the graph"
+                where = (
+                    "a graph input or initializer (every stage reads those)"
+                    if e.tensor in _sources(model)
+                    else "not a tensor of the graph"
+                )
                 raise ValueError(f"pipeline_cut_info_string: cut {c}: {e.tensor!r} is {where}")
             targets = readers.get(e.tensor, [])
             if e.consumers:
@@ -88,8 +98,10 @@ def partition(model: onnx.ModelProto, cuts: list[list[CutEdge]], loss: str) -> P
                 for name in e.consumers:
                     k = producer.get(name)
                     if k is None or k not in targets:
-                        raise ValueError(f"pipeline_cut_info_string: cut {c}: no node with output {name!r} "
-                                         f"reads {e.tensor!r}")
+                        raise ValueError(
+                            f"pipeline_cut_info_string: cut {c}: no node with output {name!r} "
+                            f"reads {e.tensor!r}"
+                        )
                     chosen.append(k)
                 targets = chosen
             if not targets:
@@ -123,8 +135,10 @@ def partition(model: onnx.ModelProto, cuts: list[list[CutEdge]], loss: str) -> P
         for e in edges:
             s = stage_of[producer[e.tensor]]
             if s != c:
-                raise ValueError(f"pipeline_cut_info_string: cut {c} separates stage {c} from stage {c + 1}, "
-                                 f"but {e.tensor!r} is computed in stage {s} (list the cuts in graph order)")
+                raise ValueError(
+                    f"pipeline_cut_info_string: cut {c} separates stage {c} from stage {c + 1}, "
+                    f"but {e.tensor!r} is computed in stage {s} (list the cuts in graph order)"
+                )
     used = set(stage_of)
     empty = [s for s in range(stages) if s not in used]
     if empty:
@@ -132,9 +146,11 @@ def partition(model: onnx.ModelProto, cuts: list[list[CutEdge]], loss: str) -> P
     if loss not in producer:
         raise ValueError(f"pipeline parallel: the loss {loss!r} must be computed by a node of the graph")
     if stage_of[producer[loss]] != stages - 1:
-        raise ValueError(f"pipeline parallel: the loss {loss!r} is computed in stage "
-                         f"{stage_of[producer[loss]]}, not in the last stage ({stages - 1}): add a cut after it "
-                         "or fewer stages")
+        raise ValueError(
+            f"pipeline parallel: the loss {loss!r} is computed in stage "
+            f"{stage_of[producer[loss]]}, not in the last stage ({stages - 1}): add a cut after it "
+            "or fewer stages"
+        )
     part = Partition(stages, stage_of)
     for s in range(stages - 1):
         crossing = []

@@ -2,9 +2,10 @@
 
 ``python pipeline_worker.py OUT.npz CASE[,CASE...]`` trains each case of ``CASES`` whose stage count equals
 the number of ranks for ``STEPS`` steps, on the backend ``$ONNXTRAIN_TEST_BACKEND`` names (default numpy),
-after checking every stage graph with ``onnx.checker`` (full check); rank 0 saves, per case, the loss of every step, the state
-``gather_state()`` assembles and the logits of a forward-only run (``<case>/losses``, ``<case>/state/<name>``,
-``<case>/logits``). ``tests/parallel/test_pipeline.py`` compares them with one process.
+after checking every stage graph with ``onnx.checker`` (full check); rank 0 saves, per case, the loss of
+every step, the state ``gather_state()`` assembles and the logits of a forward-only run (``<case>/losses``,
+``<case>/state/<name>``, ``<case>/logits``). ``tests/parallel/test_pipeline.py`` compares them with one
+process.
 """
 
 from __future__ import annotations
@@ -34,9 +35,17 @@ def skip_model(seed: int = 3) -> onnx.ModelProto:
     stages, r1 passes through the middle stage, which also reads it; ``scale`` is a Constant the last stage
     takes."""
     rng = np.random.default_rng(seed)
-    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n)
-             for n, s in (("W1", (16, 8)), ("b1", (16,)), ("W2", (16, 16)), ("b2", (16,)), ("W3", (4, 16)),
-                          ("b3", (4,)))]
+    inits = [
+        numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n)
+        for n, s in (
+            ("W1", (16, 8)),
+            ("b1", (16,)),
+            ("W2", (16, 16)),
+            ("b2", (16,)),
+            ("W3", (4, 16)),
+            ("b3", (4,)),
+        )
+    ]
     nodes = [
         helper.make_node("Gemm", ["x", "W1", "b1"], ["h1"], transB=1),
         helper.make_node("Relu", ["h1"], ["r1"]),
@@ -48,16 +57,27 @@ def skip_model(seed: int = 3) -> onnx.ModelProto:
         helper.make_node("Mul", ["z", "scale"], ["logits"]),
         helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"]),
     ]
-    g = helper.make_graph(nodes, "skip", [helper.make_tensor_value_info("x", T.FLOAT, ["N", 8]),
-                                          helper.make_tensor_value_info("y", T.INT64, ["N"])],
-                          [helper.make_tensor_value_info("loss", T.FLOAT, []),
-                           helper.make_tensor_value_info("logits", T.FLOAT, ["N", 4])], inits)
+    g = helper.make_graph(
+        nodes,
+        "skip",
+        [
+            helper.make_tensor_value_info("x", T.FLOAT, ["N", 8]),
+            helper.make_tensor_value_info("y", T.INT64, ["N"]),
+        ],
+        [
+            helper.make_tensor_value_info("loss", T.FLOAT, []),
+            helper.make_tensor_value_info("logits", T.FLOAT, ["N", 4]),
+        ],
+        inits,
+    )
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
 # name → (model, stages, cut, micro-batches, optimizer, clip attributes)
 CASES = {
     "adam2": (mlp_model, 2, "hr", 2, "AdamOptimizer", False),
+    # halfway, gather_state() into a new session's load_state(strict=True), as a resumed run does
+    "adam2_resumed": (mlp_model, 2, "hr", 2, "AdamOptimizer", False),
     "adam2_clip_m4": (mlp_model, 2, "hr", 4, "AdamOptimizer", True),
     "sgd2_consumer_cut": (mlp_model, 2, "hr-logits", 2, "SGDOptimizer", False),
     "lamb2_clip": (mlp_model, 2, "h", 2, "LambOptimizer", True),
@@ -99,7 +119,11 @@ def main(out: str, cases: list[str]) -> None:
         for graph in sess._graphs_by_kind.values():  # every graph a stage runs is standard, checked ONNX
             onnx.checker.check_model(graph, full_check=True)
         losses = []
-        for x, y in batches(STEPS, BATCH):
+        for step, (x, y) in enumerate(batches(STEPS, BATCH)):
+            if case.endswith("_resumed") and step == STEPS // 2:
+                state = sess.gather_state()
+                sess = TrainingSession(model.SerializeToString(), parameters(case, model, True), so)
+                sess.load_state(state, strict=True)
             (loss,) = sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})
             losses.append(float(loss))
         x, _ = batches(1, BATCH, seed=9)[0]
