@@ -119,7 +119,10 @@ class PipelineTrainingSession(TrainingSession):
         self._stage = self._comm.rank
         self._opt = get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
         check_same_on_all_ranks(self._comm, _fingerprint(model, p), "model and pipeline setup")
-        self._build_stage(model, select_trainable(model, p))
+        trainable = select_trainable(model, p)
+        self._shared = _shared_weights(model, self._part, trainable)
+        self._shapes = {t.name: tuple(t.dims) for t in model.graph.initializer if t.name in self._shared}
+        self._build_stage(model, trainable)
         self._interface(model)
         self._check_attribute_maps()
 
@@ -491,11 +494,18 @@ class PipelineTrainingSession(TrainingSession):
         """Average the accumulated gradients, take the global norm over all stages, run the optimizer."""
         m, p = self._micro, self._params
         eff = {g: (a * np.asarray(1.0 / m, a.dtype) if m > 1 else a) for g, a in acc.items()}
+        if self._shared:
+            self._sum_shared(eff)
         norm = None
         if p.enable_grad_norm_clip:
+            counted = [  # a weight several stages hold counts once, on the first of them
+                v
+                for g, v in eff.items()
+                if self._shared.get(g[: -len("_grad")], (self._stage,))[0] == self._stage
+            ]
             local = sum(
                 float(np.dot(v.reshape(-1).astype(np.float64), v.reshape(-1).astype(np.float64)))
-                for v in eff.values()
+                for v in counted
             )
             norm = np.asarray(
                 np.sqrt(self._comm.allreduce_scalar(local, "pipeline gradient norm")), np.float32
@@ -511,6 +521,25 @@ class PipelineTrainingSession(TrainingSession):
         out = plan.run(feeds, [o for _, o in items], donate=[s for s, _ in items if s in feeds])
         for (state, _), v in zip(items, out):
             self._store[state] = v
+
+    def _sum_shared(self, eff: dict[str, np.ndarray]) -> None:
+        """A trained weight read in several stages (tied weights) takes the sum of their gradients, on every
+        one of them, so that their copies stay equal: one collective over all of them (float64 sums)."""
+        sizes = {w: int(np.prod(self._shapes[w])) for w in self._shared}
+        flat = np.zeros(sum(sizes.values()), np.float64)
+        at = 0
+        for w, n in sizes.items():
+            g = eff.get(f"{w}_grad")
+            if g is not None:
+                flat[at : at + n] = g.reshape(-1)
+            at += n
+        self._comm.allreduce_(flat, "pipeline: gradients of weights read in several stages")
+        at = 0
+        for w, n in sizes.items():
+            g = eff.get(f"{w}_grad")
+            if g is not None:
+                eff[f"{w}_grad"] = flat[at : at + n].reshape(g.shape).astype(g.dtype)
+            at += n
 
     # ---- state --------------------------------------------------------------------------
     def _state_names(self) -> list[str]:
@@ -611,6 +640,19 @@ def _check_stage_nodes(model: onnx.ModelProto, part: Partition) -> None:
                 f"pipeline stage {s}: training-mode BatchNormalization {name!r} (running "
                 "statistics) is not supported with pipeline_parallel_size > 1"
             )
+
+
+def _shared_weights(
+    model: onnx.ModelProto, part: Partition, trainable: list[str]
+) -> dict[str, tuple[int, ...]]:
+    """Trained weights read in more than one stage → the stages reading them, in order."""
+    stages: dict[str, set[int]] = {}
+    wanted = set(trainable)
+    for k, n in enumerate(model.graph.node):
+        for i in node_reads(n):
+            if i in wanted:
+                stages.setdefault(i, set()).update(part.runs(k))
+    return {w: tuple(sorted(v)) for w, v in sorted(stages.items()) if len(v) > 1}
 
 
 def _fingerprint(model: onnx.ModelProto, p: TrainingParameters) -> dict[str, Any]:

@@ -7,8 +7,9 @@ its outputs, as onnxruntime's parser took it). ``"12"`` cuts a graph in two at t
 ``"11,15"`` in three.
 
 A node's stage is the highest stage of its inputs, plus one across a cut edge. A node that reads only graph
-inputs, initializers or other such nodes (a ``Constant``, a label's preprocessing), and from which no cut
-tensor is computed, joins the earliest stage that reads it. :func:`partition` checks that every stage has
+inputs, initializers or other such nodes (a ``Constant``, an ``Identity`` of a weight, a label's
+preprocessing), from which no cut tensor is computed and which draws no random values, runs in every stage
+that reads it instead of being sent. :func:`partition` checks that every stage has
 nodes, that each cut's tensors are computed in the stage the cut ends and that the loss is computed in the
 last stage.
 """
@@ -33,11 +34,16 @@ class Partition:
     """Stage of each node (by index) and the tensors each stage hands to the next."""
 
     stages: int
-    stage_of: list[int]
+    stage_of: list[int]  # the first stage running each node
+    copies: dict[int, set[int]] = field(default_factory=dict)  # node → the other stages running a copy of it
     sends: list[list[str]] = field(default_factory=list)  # sends[s]: tensors stage s passes to stage s + 1
 
+    def runs(self, k: int) -> set[int]:
+        """The stages that run node ``k``."""
+        return {self.stage_of[k], *self.copies.get(k, ())}
+
     def nodes(self, model: onnx.ModelProto, stage: int) -> list[onnx.NodeProto]:
-        return [n for n, s in zip(model.graph.node, self.stage_of) if s == stage]
+        return [n for k, n in enumerate(model.graph.node) if stage in self.runs(k)]
 
     def received(self, stage: int) -> list[str]:
         return self.sends[stage - 1] if stage > 0 else []
@@ -126,11 +132,19 @@ def partition(model: onnx.ModelProto, cuts: list[list[CutEdge]], loss: str) -> P
         if k not in feeds_cut:
             feeds_cut.add(k)
             todo.extend(producer[i] for i in nodes[k].input if i in producer)
-    for k in reversed(range(len(nodes))):  # other free nodes join their earliest reader
-        if free[k] and k not in feeds_cut:
-            later = [stage_of[r] for o in nodes[k].output if o for r in readers.get(o, [])]
-            if later:
-                stage_of[k] = min(later)
+    # a free node runs in every stage that reads it other than across a cut (where its tensor is sent),
+    # and, when a cut tensor is computed from it, in the stage its inputs put it
+    floating = [k for k in range(len(nodes)) if free[k] and nodes[k].op_type not in _RANDOM]
+    needed: dict[int, set[int]] = {}
+    for k in reversed(floating):
+        stages_k = {stage_of[k]} if k in feeds_cut else set()
+        for o in nodes[k].output:
+            for r in readers.get(o, []) if o else []:
+                if (o, r) not in cut_at:
+                    stages_k |= needed.get(r, {stage_of[r]})
+        if stages_k:
+            needed[k] = stages_k
+            stage_of[k] = min(stages_k)
     for c, edges in enumerate(cuts):
         for e in edges:
             s = stage_of[producer[e.tensor]]
@@ -151,17 +165,28 @@ def partition(model: onnx.ModelProto, cuts: list[list[CutEdge]], loss: str) -> P
             f"{stage_of[producer[loss]]}, not in the last stage ({stages - 1}): add a cut after it "
             "or fewer stages"
         )
-    part = Partition(stages, stage_of)
-    for s in range(stages - 1):
-        crossing = []
-        for k, n in enumerate(nodes):
-            if stage_of[k] > s:
-                continue
-            for o in n.output:
-                if o and any(stage_of[r] > s for r in readers.get(o, [])):
-                    crossing.append(o)
-        part.sends.append(crossing)
+    part = Partition(stages, stage_of, copies={k: v - {stage_of[k]} for k, v in needed.items() if len(v) > 1})
+    sends: list[dict[str, None]] = [{} for _ in range(stages - 1)]
+    for k, n in enumerate(nodes):
+        runs = part.runs(k)
+        for o in n.output:
+            for t in {t for r in readers.get(o, []) if o for t in part.runs(r)} - runs:
+                before = [p for p in runs if p < t]
+                for b in range(max(before), t) if before else ():
+                    sends[b][o] = None
+    part.sends = [list(x) for x in sends]
     return part
+
+
+_RANDOM = (
+    "RandomNormal",
+    "RandomNormalLike",
+    "RandomUniform",
+    "RandomUniformLike",
+    "Bernoulli",
+    "Multinomial",
+    "Dropout",
+)
 
 
 def _sources(model: onnx.ModelProto) -> set[str]:

@@ -73,6 +73,44 @@ def skip_model(seed: int = 3) -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def tied_model(seed: int = 5) -> onnx.ModelProto:
+    """A GPT-style tied projection: logits = tanh(x·E + b)·Eᵀ, cut at ``t``. E is read in both stages (the
+    ``Transpose`` of it, a node of initializers only, runs in the second), and so is one ``Constant`` shape
+    (``Reshape`` on both sides of the cut): the stages sum E's gradients and each makes the shape itself."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((8, 16)) * 0.3).astype(np.float32), "E"),
+        numpy_helper.from_array((rng.standard_normal(16) * 0.1).astype(np.float32), "b"),
+    ]
+    nodes = [
+        helper.make_node(
+            "Constant", [], ["shape"], value=numpy_helper.from_array(np.array([-1, 16], np.int64))
+        ),
+        helper.make_node("MatMul", ["x", "E"], ["h0"]),
+        helper.make_node("Reshape", ["h0", "shape"], ["h1"]),
+        helper.make_node("Add", ["h1", "b"], ["h"]),
+        helper.make_node("Tanh", ["h"], ["t"]),
+        helper.make_node("Reshape", ["t", "shape"], ["t2"]),
+        helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
+        helper.make_node("MatMul", ["t2", "Et"], ["logits"]),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"]),
+    ]
+    g = helper.make_graph(
+        nodes,
+        "tied",
+        [
+            helper.make_tensor_value_info("x", T.FLOAT, ["N", 8]),
+            helper.make_tensor_value_info("y", T.INT64, ["N"]),
+        ],
+        [
+            helper.make_tensor_value_info("loss", T.FLOAT, []),
+            helper.make_tensor_value_info("logits", T.FLOAT, ["N", 8]),
+        ],
+        inits,
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
 # name → (model, stages, cut, micro-batches, optimizer, clip attributes)
 CASES = {
     "adam2": (mlp_model, 2, "hr", 2, "AdamOptimizer", False),
@@ -81,6 +119,7 @@ CASES = {
     "adam2_clip_m4": (mlp_model, 2, "hr", 4, "AdamOptimizer", True),
     "sgd2_consumer_cut": (mlp_model, 2, "hr-logits", 2, "SGDOptimizer", False),
     "lamb2_clip": (mlp_model, 2, "h", 2, "LambOptimizer", True),
+    "adam2_tied_clip": (tied_model, 2, "t", 2, "AdamOptimizer", True),
     "adam3_skip_clip": (skip_model, 3, "r1,r2", 2, "AdamOptimizer", True),
     "lamb3_skip_m4": (skip_model, 3, "r1,r2", 4, "LambOptimizer", False),
 }

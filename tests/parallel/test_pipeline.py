@@ -13,11 +13,11 @@ from onnx import helper
 from onnxtrain import RunOptions, TrainingParameters, TrainingSession
 from onnxtrain.parallel.pipeline import CutEdge, parse_cut_info, partition
 from tests.parallel.conftest import run_mpi
-from tests.parallel.pipeline_worker import BATCH, CASES, LR, STEPS, parameters, skip_model
+from tests.parallel.pipeline_worker import BATCH, CASES, LR, STEPS, parameters, skip_model, tied_model
 from tests.session.helpers import batches, mlp_model
 
 PIPELINE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pipeline_worker.py")
-TWO = ["adam2", "adam2_resumed", "adam2_clip_m4", "sgd2_consumer_cut", "lamb2_clip"]
+TWO = ["adam2", "adam2_resumed", "adam2_clip_m4", "sgd2_consumer_cut", "lamb2_clip", "adam2_tied_clip"]
 THREE = ["adam3_skip_clip", "lamb3_skip_m4"]
 
 
@@ -98,10 +98,23 @@ def test_partition_places_nodes_and_lists_what_crosses() -> None:
     by_name = {n.output[0]: s for n, s in zip(m.graph.node, part.stage_of)}
     assert by_name == {"h1": 0, "r1": 0, "h2": 1, "r2": 1, "s": 2, "z": 2, "scale": 2, "logits": 2, "loss": 2}
     assert part.sends == [["r1"], ["r1", "r2"]]  # r1 goes on through stage 1 to the Add of stage 2
+    assert part.copies == {}
     # a consumer-limited edge: only the named reader moves on
     m2 = mlp_model()
     part2 = partition(m2, parse_cut_info("hr-logits", 2), "loss")
     assert part2.stage_of == [0, 0, 1, 1]
+    # nodes of constants and weights alone run in every stage that reads them; only activations cross
+    m3 = tied_model()
+    part3 = partition(m3, parse_cut_info("t", 2), "loss")
+    names = [n.output[0] for n in m3.graph.node]
+    assert [names[k] for k, n in enumerate(m3.graph.node) if 1 in part3.runs(k)] == [
+        "shape",
+        "t2",
+        "Et",
+        "logits",
+        "loss",
+    ]
+    assert part3.runs(names.index("shape")) == {0, 1} and part3.sends == [["t"]]
 
 
 @pytest.mark.parametrize(
