@@ -626,14 +626,17 @@ class PipelineTrainingSession(TrainingSession):
 def _check_stage_nodes(model: onnx.ModelProto, part: Partition) -> None:
     """NotImplementedError naming a node a stage cannot run: a random node before the last stage (whose
     forward runs twice per micro-batch and would draw other values), a training-mode BatchNormalization."""
+    constants = {t.name: t for t in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            constants[n.output[0]] = n.attribute[0].t
     for n, s in zip(model.graph.node, part.stage_of):
         name = n.name or n.output[0]
-        if n.op_type in _RANDOM_OPS and not _inert_dropout(n) and s < part.stages - 1:
+        if n.op_type in _RANDOM_OPS and not _inert_dropout(n, constants) and s < part.stages - 1:
             raise NotImplementedError(
                 f"pipeline stage {s} has the random node {name!r} ({n.op_type}): a stage before the last "
-                "runs "
-                "its forward twice per micro-batch, which would draw different values; move it to the last "
-                "stage or cut before it"
+                "runs its forward twice per micro-batch, which would draw different values; move it to the "
+                "last stage or cut before it"
             )
         if n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute):
             raise NotImplementedError(
@@ -688,11 +691,14 @@ def _reads(n: onnx.NodeProto) -> list[str]:
     return [i for i in node_reads(n) if i]
 
 
-def _inert_dropout(n: onnx.NodeProto) -> bool:
-    """A Dropout that never drops: ratio 0, or no training_mode input (inference mode)."""
+def _inert_dropout(n: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]) -> bool:
+    """A Dropout that never drops: no training_mode input (inference mode), or a constant ratio of 0."""
     if n.op_type != "Dropout":
         return False
-    return len(n.input) < 3 or not n.input[2]
+    if len(n.input) < 3 or not n.input[2]:
+        return True
+    ratio = constants.get(n.input[1]) if len(n.input) > 1 and n.input[1] else None
+    return ratio is not None and float(numpy_helper.to_array(ratio).reshape(-1)[0]) == 0.0
 
 
 def _elem(types: Mapping[str, onnx.TypeProto], name: str) -> int:

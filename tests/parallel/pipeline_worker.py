@@ -3,9 +3,9 @@
 ``python pipeline_worker.py OUT.npz CASE[,CASE...]`` trains each case of ``CASES`` whose stage count equals
 the number of ranks for ``STEPS`` steps, on the backend ``$ONNXTRAIN_TEST_BACKEND`` names (default numpy),
 after checking every stage graph with ``onnx.checker`` (full check); rank 0 saves, per case, the loss of
-every step, the state ``gather_state()`` assembles and the logits of a forward-only run (``<case>/losses``,
-``<case>/state/<name>``, ``<case>/logits``). ``tests/parallel/test_pipeline.py`` compares them with one
-process.
+every step, the state ``gather_state()`` assembles and the logits (or loss) of a forward-only run
+(``<case>/losses``, ``<case>/state/<name>``, ``<case>/eval``). ``tests/parallel/test_pipeline.py`` compares
+them with one process.
 """
 
 from __future__ import annotations
@@ -120,6 +120,17 @@ CASES = {
     "sgd2_consumer_cut": (mlp_model, 2, "hr-logits", 2, "SGDOptimizer", False),
     "lamb2_clip": (mlp_model, 2, "h", 2, "LambOptimizer", True),
     "adam2_tied_clip": (tied_model, 2, "t", 2, "AdamOptimizer", True),
+    # torch's export of a transformer encoder layer (tests/models.py, dropout 0), written by the test to
+    # $PIPELINE_TORCH_MODEL, cut after its attention; SGD, as Adam turns the attention key bias's gradient,
+    # zero but for rounding, into whole steps
+    "sgd2_torch_transformer": (
+        lambda: onnx.load(os.environ["PIPELINE_TORCH_MODEL"]),
+        2,
+        "/model/layers.0/norm1/LayerNormalization_output_0",
+        2,
+        "SGDOptimizer",
+        False,
+    ),
     "adam3_skip_clip": (skip_model, 3, "r1,r2", 2, "AdamOptimizer", True),
     "lamb3_skip_m4": (skip_model, 3, "r1,r2", 4, "LambOptimizer", False),
 }
@@ -143,6 +154,25 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
     return p
 
 
+def case_feeds(case: str, steps: int, seed: int = 1) -> list[dict[str, np.ndarray]]:
+    """The feeds of ``steps`` batches for a case's model (its ``x``/``y``, or the torch model's tokens)."""
+    if "torch" in case:
+        rng = np.random.default_rng(seed)
+        return [
+            {
+                "tokens": rng.integers(0, 50, (BATCH, 12)).astype(np.int64),
+                "labels": rng.integers(0, 5, BATCH).astype(np.int64),
+            }
+            for _ in range(steps)
+        ]
+    return [{"x": x, "y": y} for x, y in batches(steps, BATCH, seed=seed)]
+
+
+def eval_output(case: str) -> str | None:
+    """The output a forward-only run fetches (None: the model has none but its loss)."""
+    return None if "torch" in case else "logits"
+
+
 def main(out: str, cases: list[str]) -> None:
     saved: dict[str, np.ndarray] = {}
     for case in cases:
@@ -158,20 +188,19 @@ def main(out: str, cases: list[str]) -> None:
         for graph in sess._graphs_by_kind.values():  # every graph a stage runs is standard, checked ONNX
             onnx.checker.check_model(graph, full_check=True)
         losses = []
-        for step, (x, y) in enumerate(batches(STEPS, BATCH)):
+        for step, feeds in enumerate(case_feeds(case, STEPS)):
             if case.endswith("_resumed") and step == STEPS // 2:
                 state = sess.gather_state()
                 sess = TrainingSession(model.SerializeToString(), parameters(case, model, True), so)
                 sess.load_state(state, strict=True)
-            (loss,) = sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})
+            (loss,) = sess.run(["loss"], {**feeds, "Learning_Rate": LR})
             losses.append(float(loss))
-        x, _ = batches(1, BATCH, seed=9)[0]
         ro = RunOptions()
         ro.only_execute_path_to_fetches = True
-        (logits,) = sess.run(["logits"], {"x": x, "y": np.zeros(BATCH, np.int64)}, ro)
+        fetch = eval_output(case) or "loss"
+        (saved[f"{case}/eval"],) = sess.run([fetch], case_feeds(case, 1, seed=9)[0], ro)
         state = sess.gather_state()
         saved[f"{case}/losses"] = np.array(losses)
-        saved[f"{case}/logits"] = logits
         saved.update({f"{case}/state/{k}": v for k, v in state.items()})
     if world().rank == 0:
         np.savez(out, **saved)

@@ -13,8 +13,17 @@ from onnx import helper
 from onnxtrain import RunOptions, TrainingParameters, TrainingSession
 from onnxtrain.parallel.pipeline import CutEdge, parse_cut_info, partition
 from tests.parallel.conftest import run_mpi
-from tests.parallel.pipeline_worker import BATCH, CASES, LR, STEPS, parameters, skip_model, tied_model
-from tests.session.helpers import batches, mlp_model
+from tests.parallel.pipeline_worker import (
+    CASES,
+    LR,
+    STEPS,
+    case_feeds,
+    eval_output,
+    parameters,
+    skip_model,
+    tied_model,
+)
+from tests.session.helpers import mlp_model
 
 PIPELINE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pipeline_worker.py")
 TWO = ["adam2", "adam2_resumed", "adam2_clip_m4", "sgd2_consumer_cut", "lamb2_clip", "adam2_tied_clip"]
@@ -22,20 +31,21 @@ THREE = ["adam3_skip_clip", "lamb3_skip_m4"]
 
 
 def one_process(case: str) -> tuple[list[float], dict[str, np.ndarray], np.ndarray]:
-    """The reference: one session accumulating the case's micro-batches (losses of each step's last one)."""
+    """The reference: one session accumulating the case's micro-batches (losses of each step's last one),
+    and its forward-only output on another batch."""
     build, _, _, micro, *_ = CASES[case]
     model = build()
     sess = TrainingSession(model.SerializeToString(), parameters(case, model, False))
     losses = []
-    for x, y in batches(STEPS, BATCH):
-        for xs, ys in zip(np.split(x, micro), np.split(y, micro)):
-            (loss,) = sess.run(["loss"], {"x": xs, "y": ys, "Learning_Rate": LR})
+    for feeds in case_feeds(case, STEPS):
+        for k in range(micro):
+            part = {n: np.split(v, micro)[k] for n, v in feeds.items()}
+            (loss,) = sess.run(["loss"], {**part, "Learning_Rate": LR})
         losses.append(float(loss))
-    x, _ = batches(1, BATCH, seed=9)[0]
     ro = RunOptions()
     ro.only_execute_path_to_fetches = True
-    (logits,) = sess.run(["logits"], {"x": x, "y": np.zeros(BATCH, np.int64)}, ro)
-    return losses, sess.get_state(), logits
+    (out,) = sess.run([eval_output(case) or "loss"], case_feeds(case, 1, seed=9)[0], ro)
+    return losses, sess.get_state(), out
 
 
 def pipelined(tmp_path, cases: list[str], n: int, env: dict[str, str] | None = None) -> dict[str, np.ndarray]:
@@ -46,14 +56,14 @@ def pipelined(tmp_path, cases: list[str], n: int, env: dict[str, str] | None = N
 
 
 def compare(got: dict[str, np.ndarray], case: str, tol: float) -> None:
-    losses, state, logits = one_process(case)
+    losses, state, out = one_process(case)
     np.testing.assert_allclose(got[f"{case}/losses"], losses, rtol=tol, atol=0, err_msg=case)
     assert sorted(k.split("/", 2)[2] for k in got if k.startswith(f"{case}/state/")) == sorted(state), case
     for k, v in state.items():
         np.testing.assert_allclose(
             got[f"{case}/state/{k}"], v, rtol=tol, atol=tol * float(np.abs(v).max()), err_msg=f"{case}: {k}"
         )
-    np.testing.assert_allclose(got[f"{case}/logits"], logits, rtol=tol, atol=tol, err_msg=case)
+    np.testing.assert_allclose(got[f"{case}/eval"], out, rtol=tol, atol=tol, err_msg=case)
 
 
 @pytest.mark.mpi
@@ -71,6 +81,25 @@ def test_three_stages_with_a_tensor_passed_through_the_middle_stage(tmp_path) ->
     got = pipelined(tmp_path, THREE, 3)
     for case in THREE:
         compare(got, case, 1e-6)
+
+
+@pytest.mark.mpi
+def test_torch_exported_transformer_cut_after_its_attention(tmp_path) -> None:
+    """torch's export shares initializers through Identity nodes and constants between layers: the shared
+    weights' gradients are summed over the stages, the constants computed on both sides of the cut."""
+    pytest.importorskip("torch")
+    from tests.models import export
+
+    model, _, _ = export("transformer_encoder", training=True, with_loss=True, dropout=0.0)
+    path = tmp_path / "transformer.onnx"
+    onnx.save(model, path)
+    env = {"PIPELINE_TORCH_MODEL": str(path)}
+    got = pipelined(tmp_path, ["sgd2_torch_transformer"], 2, env=env)
+    os.environ["PIPELINE_TORCH_MODEL"] = str(path)
+    try:
+        compare(got, "sgd2_torch_transformer", 1e-6)
+    finally:
+        del os.environ["PIPELINE_TORCH_MODEL"]
 
 
 @pytest.mark.mpi
