@@ -40,7 +40,7 @@ from onnxtrain.ir.builder import value_types
 from onnxtrain.ir.graphs import node_reads
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import WeightSlot, get_optimizer
-from onnxtrain.parallel import get_communicator, world
+from onnxtrain.parallel import BucketReducer, get_communicator, world
 from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
 from onnxtrain.parameters import TrainingParameters
@@ -94,13 +94,7 @@ class PipelineTrainingSession(TrainingSession):
             model, parse_cut_info(p.pipeline_cut_info_string, p.pipeline_parallel_size), p.loss_output_name
         )
         _check_stage_nodes(model, self._part)
-        size = world().size
-        if size != p.pipeline_parallel_size:
-            raise ValueError(
-                f"pipeline_parallel_size={p.pipeline_parallel_size} needs as many MPI ranks, one per "
-                f"stage, but there are {size}; launch with: mpiexec -n {p.pipeline_parallel_size} "
-                "python script.py (data and horizontal parallelism do not combine with stages yet)"
-            )
+        self._layout(p)
         self._params = p
         self._sess_options = sess_options or SessionOptions()
         if self._sess_options.enable_profiling:
@@ -115,10 +109,22 @@ class PipelineTrainingSession(TrainingSession):
         self._dp = None
         self._zero = None
         self.loss_scale_input_name = None
-        self._comm = get_communicator()
-        self._stage = self._comm.rank
+        world_comm = get_communicator()
+        check_same_on_all_ranks(world_comm, _fingerprint(model, p), "model and pipeline setup")
+        # rank = stage · D + replica, as the legacy layout (data-parallel index fastest)
+        replica, stage = world_comm.rank % self._replicas, world_comm.rank // self._replicas
+        self._comm = (
+            world_comm.split(replica, stage, "forming the pipelines") if self._replicas > 1 else world_comm
+        )
+        self._data = (
+            world_comm.split(stage, replica, "forming the data-parallel groups")
+            if self._replicas > 1
+            else None
+        )
+        self._stage = stage
+        self.data_parallel_rank = replica
+        self._reducer: BucketReducer | None = None
         self._opt = get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
-        check_same_on_all_ranks(self._comm, _fingerprint(model, p), "model and pipeline setup")
         trainable = select_trainable(model, p)
         self._shared = _shared_weights(model, self._part, trainable)
         self._shapes = {t.name: tuple(t.dims) for t in model.graph.initializer if t.name in self._shared}
@@ -127,6 +133,28 @@ class PipelineTrainingSession(TrainingSession):
         self._check_attribute_maps()
 
     # ---- construction ------------------------------------------------------------------
+    def _layout(self, p: TrainingParameters) -> None:
+        """Stages × data-parallel replicas from the MPI world size (``data_parallel_size`` recomputed with a
+        warning when it does not fit, as the legacy session did)."""
+        size, stages = world().size, p.pipeline_parallel_size
+        if size < stages or size % stages:
+            raise ValueError(
+                f"pipeline_parallel_size={stages} needs a multiple of {stages} MPI ranks (one per stage and "
+                f"data-parallel replica), but there are {size}; launch with: mpiexec -n {stages} python "
+                "script.py"
+            )
+        if p.world_size not in (1, size):
+            raise ValueError(f"TrainingParameters.world_size={p.world_size} but mpiexec started {size} ranks")
+        replicas = size // stages
+        if p.data_parallel_size != replicas:
+            warnings.warn(
+                f"data_parallel_size={p.data_parallel_size} times pipeline_parallel_size={stages} is not the "
+                f"world size {size}: using data_parallel_size={replicas}",
+                stacklevel=4,
+            )
+        self._replicas = replicas
+        self.data_parallel_size = replicas
+
     @staticmethod
     def _check_options(p: TrainingParameters) -> None:
         pending = [k for k in p.unsupported_options() if k == "horizontal_parallel_size"]
@@ -141,14 +169,6 @@ class PipelineTrainingSession(TrainingSession):
                 f"TrainingParameters option(s) {', '.join(refused)} do not combine with "
                 "pipeline_parallel_size > 1 yet (the micro-batches are the gradient "
                 "accumulation)"
-            )
-        if p.data_parallel_size not in (1, p.pipeline_parallel_size) or p.world_size not in (
-            1,
-            p.pipeline_parallel_size,
-        ):
-            raise NotImplementedError(
-                "data parallelism does not combine with pipeline_parallel_size > 1 yet: "
-                "leave data_parallel_size at 1 and world_size at the number of stages"
             )
         if not p.training_optimizer_name:
             raise ValueError("pipeline_parallel_size > 1 needs an optimizer (training_optimizer_name)")
@@ -494,6 +514,12 @@ class PipelineTrainingSession(TrainingSession):
         """Average the accumulated gradients, take the global norm over all stages, run the optimizer."""
         m, p = self._micro, self._params
         eff = {g: (a * np.asarray(1.0 / m, a.dtype) if m > 1 else a) for g, a in acc.items()}
+        if self._data is not None and eff:  # the replicas' average
+            if self._reducer is None:
+                self._reducer = BucketReducer(
+                    self._data, [a.shape for a in eff.values()], [a.dtype for a in eff.values()]
+                )
+            eff = dict(zip(eff, self._reducer.reduce(list(eff.values()), 1.0 / self._replicas)))
         if self._shared:
             self._sum_shared(eff)
         norm = None

@@ -21,13 +21,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 # environment variables that MPI launchers set in every rank: (size variable, rank variable)
-_LAUNCHER_VARS = (("PMI_SIZE", "PMI_RANK"),  # MPICH / hydra, Intel MPI
-                  ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),  # Open MPI
-                  ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"),  # MVAPICH
-                  ("PMIX_SIZE", "PMIX_RANK"))
-_LOCAL_VARS = (("MPI_LOCALNRANKS", "MPI_LOCALRANKID"),
-               ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-               ("MV2_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"))
+_LAUNCHER_VARS = (
+    ("PMI_SIZE", "PMI_RANK"),  # MPICH / hydra, Intel MPI
+    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),  # Open MPI
+    ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"),  # MVAPICH
+    ("PMIX_SIZE", "PMIX_RANK"),
+)
+_LOCAL_VARS = (
+    ("MPI_LOCALNRANKS", "MPI_LOCALRANKID"),
+    ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("MV2_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"),
+)
 
 DEFAULT_TIMEOUT = 600.0
 # seconds an aborting rank waits between printing its error and MPI_Abort: the launcher forwards the output
@@ -98,9 +102,11 @@ def _import_mpi() -> Any:
     try:
         from mpi4py import MPI
     except ImportError as e:
-        raise ImportError("data parallelism needs mpi4py and an MPI library: pip install 'onnxtrain[mpi]' "
-                          "(mpi4py + the mpich wheel), or mpi4py built against your cluster's MPI "
-                          f"({e})") from e
+        raise ImportError(
+            "data parallelism needs mpi4py and an MPI library: pip install 'onnxtrain[mpi]' "
+            "(mpi4py + the mpich wheel), or mpi4py built against your cluster's MPI "
+            f"({e})"
+        ) from e
     return MPI
 
 
@@ -115,9 +121,10 @@ def _timeout_from_env() -> float:
 class Communicator:
     """Collectives over an mpi4py communicator, on numpy buffers, each one under the watchdog."""
 
-    def __init__(self, comm: Any, timeout: float | None = None):
+    def __init__(self, comm: Any, timeout: float | None = None, parent: Communicator | None = None):
         self.MPI = _import_mpi()
         self.comm = comm
+        self._parent = parent  # a group split off it: faults abort the parent's whole job
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         env = _env_world()
@@ -128,12 +135,15 @@ class Communicator:
         self._what = ""
         self._aborting = False
         if self.size > 1:
-            install_abort_on_exception(self)
+            install_abort_on_exception(parent or self)
             threading.Thread(target=self._watch, name="onnxtrain-mpi-watchdog", daemon=True).start()
 
     # ---- faults ----------------------------------------------------------------------
     def abort(self, message: str, code: int = 1) -> None:
         """Print ``message`` (prefixed by the rank) and end every rank of the job with ``code``."""
+        if self._parent is not None:
+            self._parent.abort(message, code)
+            return
         if self._aborting:
             return
         self._aborting = True
@@ -150,8 +160,11 @@ class Communicator:
             time.sleep(0.5 if self.timeout <= 0 else min(1.0, max(0.05, self.timeout / 20)))
             d = self._deadline
             if d and self.timeout > 0 and time.monotonic() > d:
-                self.abort(f"{self._what} did not complete within {self.timeout:g} s (another rank died, "
-                           "raised or runs different code; set ONNXTRAIN_MPI_TIMEOUT to change the limit)", 3)
+                self.abort(
+                    f"{self._what} did not complete within {self.timeout:g} s (another rank died, "
+                    "raised or runs different code; set ONNXTRAIN_MPI_TIMEOUT to change the limit)",
+                    3,
+                )
 
     @contextmanager
     def guarded(self, what: str) -> Iterator[None]:
@@ -162,6 +175,13 @@ class Communicator:
             yield
         finally:
             self._deadline = 0.0
+
+    def split(self, color: int, key: int, what: str = "splitting the ranks") -> Communicator:
+        """The ranks that pass the same ``color``, ordered by ``key`` (a collective); its faults abort the
+        whole job."""
+        with self.guarded(what):
+            sub = self.comm.Split(color, key)
+        return Communicator(sub, self.timeout, parent=self)
 
     # ---- collectives -----------------------------------------------------------------
     def allreduce_(self, buf: np.ndarray, what: str = "allreduce") -> np.ndarray:

@@ -132,8 +132,13 @@ CASES = {
         False,
     ),
     "adam3_skip_clip": (skip_model, 3, "r1,r2", 2, "AdamOptimizer", True),
+    # two stages × two data-parallel replicas (mpiexec -n 4): each pipeline gets half of every batch
+    "adam2x2_tied_clip": (tied_model, 2, "t", 2, "AdamOptimizer", True),
     "lamb3_skip_m4": (skip_model, 3, "r1,r2", 4, "LambOptimizer", False),
 }
+
+
+REPLICAS = {"adam2x2_tied_clip": 2}  # data-parallel replicas of the pipeline (default 1)
 
 
 def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingParameters:
@@ -144,12 +149,14 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
     p.training_optimizer_name = opt
     if clip:
         p.optimizer_attributes_map = {t.name: dict(CLIP) for t in model.graph.initializer}
+    replicas = REPLICAS.get(case, 1)
     if pipelined:
         p.pipeline_parallel_size = stages
         p.pipeline_cut_info_string = cut
         p.num_pipeline_micro_batches = micro
+        p.data_parallel_size = replicas
     else:
-        p.gradient_accumulation_steps = micro
+        p.gradient_accumulation_steps = micro * replicas
         p.gradient_accumulation_mode = "auto"
     return p
 
@@ -177,7 +184,8 @@ def main(out: str, cases: list[str]) -> None:
     saved: dict[str, np.ndarray] = {}
     for case in cases:
         build, stages, *_ = CASES[case]
-        if stages != world().size:
+        replicas = REPLICAS.get(case, 1)
+        if stages * replicas != world().size:
             continue
         model = build()
         so = SessionOptions()
@@ -193,7 +201,8 @@ def main(out: str, cases: list[str]) -> None:
                 state = sess.gather_state()
                 sess = TrainingSession(model.SerializeToString(), parameters(case, model, True), so)
                 sess.load_state(state, strict=True)
-            (loss,) = sess.run(["loss"], {**feeds, "Learning_Rate": LR})
+            mine = {n: np.split(v, replicas)[sess.data_parallel_rank] for n, v in feeds.items()}
+            (loss,) = sess.run(["loss"], {**mine, "Learning_Rate": LR})
             losses.append(float(loss))
         ro = RunOptions()
         ro.only_execute_path_to_fetches = True

@@ -16,6 +16,7 @@ from tests.parallel.conftest import run_mpi
 from tests.parallel.pipeline_worker import (
     CASES,
     LR,
+    REPLICAS,
     STEPS,
     case_feeds,
     eval_output,
@@ -37,11 +38,14 @@ def one_process(case: str) -> tuple[list[float], dict[str, np.ndarray], np.ndarr
     model = build()
     sess = TrainingSession(model.SerializeToString(), parameters(case, model, False))
     losses = []
+    replicas = REPLICAS.get(case, 1)
     for feeds in case_feeds(case, STEPS):
-        for k in range(micro):
-            part = {n: np.split(v, micro)[k] for n, v in feeds.items()}
-            (loss,) = sess.run(["loss"], {**part, "Learning_Rate": LR})
-        losses.append(float(loss))
+        for r in range(replicas):  # each replica's part of the batch, micro-batch by micro-batch
+            for k in range(micro):
+                part = {n: np.split(np.split(v, replicas)[r], micro)[k] for n, v in feeds.items()}
+                (loss,) = sess.run(["loss"], {**part, "Learning_Rate": LR})
+                if r == 0 and k == micro - 1:
+                    losses.append(float(loss))  # rank 0's: the last micro-batch of the first replica
     ro = RunOptions()
     ro.only_execute_path_to_fetches = True
     (out,) = sess.run([eval_output(case) or "loss"], case_feeds(case, 1, seed=9)[0], ro)
@@ -81,6 +85,14 @@ def test_three_stages_with_a_tensor_passed_through_the_middle_stage(tmp_path) ->
     got = pipelined(tmp_path, THREE, 3)
     for case in THREE:
         compare(got, case, 1e-6)
+
+
+@pytest.mark.mpi
+def test_two_stages_times_two_data_parallel_replicas(tmp_path) -> None:
+    """mpiexec -n 4: each pipeline on half of every batch; the replicas average their gradients, as one
+    process accumulating all four micro-batches does."""
+    got = pipelined(tmp_path, ["adam2x2_tied_clip"], 4)
+    compare(got, "adam2x2_tied_clip", 1e-6)
 
 
 @pytest.mark.mpi
