@@ -1,22 +1,23 @@
 """The legacy ``TrainingSession`` with ``pipeline_parallel_size > 1``: one stage of the model per MPI rank.
 
 ``TrainingSession(model, params)`` returns a :class:`PipelineTrainingSession` when the parameters ask for
-stages; launch the script with ``mpiexec -n <stages>``. Rank ``s`` keeps the nodes of stage ``s``
-(:mod:`onnxtrain.parallel.pipeline`), their trained weights and their optimizer state, and runs three plain
-ONNX graphs of its own:
+stages; launch the script with ``mpiexec -n <stages × replicas>``. The rank ``stage · D + replica`` keeps
+the nodes of its stage (:mod:`onnxtrain.parallel.pipeline`), their trained weights and their optimizer
+state, and runs three plain ONNX graphs of its own:
 
-* ``forward`` (every stage but the last): the stage's inputs → the tensors the next stage reads;
+* ``forward``: the stage's inputs → the tensors the next stage reads (and the stage's user outputs);
 * ``backward``: the stage's forward again, then its backward pass, seeded by the gradients of the tensors it
   sent (the last stage starts from the loss) → its weights' gradients and those of the tensors it received;
 * ``update``: the optimizer over its weights, with the gradient norm of the whole model as an input.
 
 A ``run()`` cuts the batch into ``num_pipeline_micro_batches`` micro-batches (along ``sliced_axes``, default
 axis 0, for the inputs in ``sliced_tensor_names``, default all), runs every micro-batch forward through the
-stages, then backward in the same order (each stage re-runs its forward, GPipe's re-materialisation, so that
-no activation is kept between the two passes), averages the gradients over the micro-batches, sums the
-squared gradient norms over the stages and updates. The weights move exactly as one process's do with
-``gradient_accumulation_steps = num_pipeline_micro_batches`` on the same micro-batches. Every rank returns
-the outputs of the last micro-batch.
+stages, then backward in the same order (each stage before the last re-runs its forward, GPipe's
+re-materialisation, so that no activation is kept between the two passes), averages the gradients over the
+micro-batches and the data-parallel replicas, sums those of weights several stages read, sums the squared
+gradient norms over the stages and updates. The weights move as one process's do with
+``gradient_accumulation_steps = micro-batches × replicas`` on the same micro-batches. Every rank returns
+the outputs of its pipeline's last micro-batch.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.plan import load_model
+from onnxtrain.graph_transforms.mixed_precision import (
+    ALL_FINITE,
+    MixedPrecisionInfo,
+    half_copies,
+    mixed_precision,
+    mixed_precision_info,
+)
 from onnxtrain.inference import NodeArg, node_arg
 from onnxtrain.ir.builder import value_types
 from onnxtrain.ir.graphs import node_reads
@@ -59,7 +67,6 @@ _RANDOM_OPS = (
 )
 # options a pipelined session cannot honour yet: name → its default
 _REFUSED = {
-    "use_mixed_precision": False,
     "gradient_accumulation_steps": 1,
     "deepspeed_zero_stage": 0,
     "enable_adasum": False,
@@ -90,6 +97,13 @@ class PipelineTrainingSession(TrainingSession):
         if isinstance(self._micro, bool) or not isinstance(self._micro, int) or self._micro < 1:
             raise ValueError(f"num_pipeline_micro_batches must be an int >= 1, got {self._micro!r}")
         model = upgrade_opset(load_model(path_or_bytes))
+        self._mp: MixedPrecisionInfo | None = None
+        if p.use_mixed_precision:  # the whole model first: its casts of the weights run where they are read
+            model = mixed_precision(model, p.loss_output_name, p.mixed_precision_dtype)
+            self._mp = mixed_precision_info(model)
+            outputs = [o for o in model.graph.output if o.name != self._mp.scaled_loss]  # not a user output
+            del model.graph.output[:]
+            model.graph.output.extend(outputs)
         self._part = partition(
             model, parse_cut_info(p.pipeline_cut_info_string, p.pipeline_parallel_size), p.loss_output_name
         )
@@ -108,7 +122,7 @@ class PipelineTrainingSession(TrainingSession):
         self._fallback = True
         self._dp = None
         self._zero = None
-        self.loss_scale_input_name = None
+        self.loss_scale_input_name = self._mp.loss_scale if self._mp is not None else None
         world_comm = get_communicator()
         check_same_on_all_ranks(world_comm, _fingerprint(model, p), "model and pipeline setup")
         # rank = stage · D + replica, as the legacy layout (data-parallel index fastest)
@@ -191,7 +205,7 @@ class PipelineTrainingSession(TrainingSession):
         self._received = [r for r in received if r in reads]
         self._sends = part.sends[s] if not last else []
         self._user_inputs = [v.name for v in g.input if v.name not in inits]
-        sliced = set(p.sliced_tensor_names) or set(self._user_inputs)
+        sliced = set(p.sliced_tensor_names) or set(self._user_inputs) - {self.loss_scale_input_name}
         unknown = sorted(set(p.sliced_tensor_names) - set(self._user_inputs))
         if unknown:
             raise ValueError(
@@ -257,7 +271,7 @@ class PipelineTrainingSession(TrainingSession):
         else:
             backward = build_gradient_model(
                 base,
-                p.loss_output_name,
+                self._mp.scaled_loss if self._mp is not None else p.loss_output_name,
                 [*self._trainable, *self._diff_received],
                 outputs=self._stage_outputs,
             )
@@ -266,6 +280,7 @@ class PipelineTrainingSession(TrainingSession):
         self._store: dict[str, np.ndarray] = dict(self._initial)
         self._specs = []
         self._update_outputs: dict[str, str] = {}
+        self._update_extras: list[str] = []
         if self._trainable:
             slots = [
                 WeightSlot(
@@ -279,9 +294,12 @@ class PipelineTrainingSession(TrainingSession):
                 for w in self._trainable
             ]
             clip = p.enable_grad_norm_clip
-            update, upd, _, specs = build_update_graph(
-                backward, slots, p, self._opt, clip=clip, norm_input=NORM if clip else None
+            # mixed precision always reads the norm: whether every gradient is finite comes from it
+            norm = NORM if clip or self._mp is not None else None
+            update, upd, extras, specs = build_update_graph(
+                backward, slots, p, self._opt, clip=clip, norm_input=norm, mp=self._mp
             )
+            self._update_extras = extras  # mixed precision: all_gradients_finite
             self._graphs_by_kind["update"] = update
             self._update_outputs = upd
             self._specs = specs
@@ -327,6 +345,8 @@ class PipelineTrainingSession(TrainingSession):
         self._outputs = [node_arg(o) for o in g.output]
         if p.loss_output_name not in {o.name for o in g.output}:
             self._outputs.append(NodeArg(p.loss_output_name, "tensor(float)", []))
+        if self._mp is not None:
+            self._outputs.append(NodeArg(ALL_FINITE, "tensor(bool)", []))
         self._output_names = [o.name for o in self._outputs]
         self._dtypes = {
             v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
@@ -507,11 +527,12 @@ class PipelineTrainingSession(TrainingSession):
             )
         for r in pending:
             r.wait()
-        self._update(acc, feeds[self._params.lr_params_feed_name])
+        outputs.update(self._update(acc, feeds))
         return outputs
 
-    def _update(self, acc: dict[str, np.ndarray], lr: np.ndarray) -> None:
-        """Average the accumulated gradients, take the global norm over all stages, run the optimizer."""
+    def _update(self, acc: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Average the accumulated gradients, take the global norm over all stages, run the optimizer.
+        Returns ``all_gradients_finite`` under mixed precision (the same on every stage: from the norm)."""
         m, p = self._micro, self._params
         eff = {g: (a * np.asarray(1.0 / m, a.dtype) if m > 1 else a) for g, a in acc.items()}
         if self._data is not None and eff:  # the replicas' average
@@ -523,7 +544,7 @@ class PipelineTrainingSession(TrainingSession):
         if self._shared:
             self._sum_shared(eff)
         norm = None
-        if p.enable_grad_norm_clip:
+        if p.enable_grad_norm_clip or self._mp is not None:
             counted = [  # a weight several stages hold counts once, on the first of them
                 v
                 for g, v in eff.items()
@@ -536,17 +557,20 @@ class PipelineTrainingSession(TrainingSession):
             norm = np.asarray(
                 np.sqrt(self._comm.allreduce_scalar(local, "pipeline gradient norm")), np.float32
             )
+        finite = {} if self._mp is None else {ALL_FINITE: np.asarray(bool(np.isfinite(norm)))}
         if not self._trainable:
-            return
+            return finite
         plan = self._get_plan("update")
-        given: dict[str, Any] = {p.lr_params_feed_name: np.asarray(lr, np.float32).reshape(1), **eff}
+        lr = np.asarray(feeds[p.lr_params_feed_name], np.float32).reshape(1)
+        given: dict[str, Any] = {**feeds, p.lr_params_feed_name: lr, **eff}
         if norm is not None:
             given[NORM] = norm
-        feeds = {n: self._store[n] if n in self._store else given[n] for n in plan.all_input_names}
+        ufeeds = {n: self._store[n] if n in self._store else given[n] for n in plan.all_input_names}
         items = list(self._update_outputs.items())
-        out = plan.run(feeds, [o for _, o in items], donate=[s for s, _ in items if s in feeds])
+        out = plan.run(ufeeds, [o for _, o in items], donate=[s for s, _ in items if s in ufeeds])
         for (state, _), v in zip(items, out):
             self._store[state] = v
+        return finite
 
     def _sum_shared(self, eff: dict[str, np.ndarray]) -> None:
         """A trained weight read in several stages (tied weights) takes the sum of their gradients, on every
@@ -602,7 +626,8 @@ class PipelineTrainingSession(TrainingSession):
     ) -> dict[str, dict[str, np.ndarray]]:
         out = {"full_precision": {w: self._store[w].copy() for w in self._trainable}}
         if include_mixed_precision_weights:
-            out["mixed_precision"] = {}
+            mp = self._mp
+            out["mixed_precision"] = {} if mp is None else half_copies(out["full_precision"], mp.dtype)
         return out
 
     def get_partition_info_map(self) -> dict[str, dict[str, list[int]]]:

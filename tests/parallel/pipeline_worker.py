@@ -135,10 +135,12 @@ CASES = {
     # two stages × two data-parallel replicas (mpiexec -n 4): each pipeline gets half of every batch
     "adam2x2_tied_clip": (tied_model, 2, "t", 2, "AdamOptimizer", True),
     "lamb3_skip_m4": (skip_model, 3, "r1,r2", 4, "LambOptimizer", False),
+    # mixed precision: float16 activations cross the cut; a loss scale that overflows skips every update
+    "adam2_mp_clip": (mlp_model, 2, "hr", 2, "AdamOptimizer", True),
+    "lamb2_mp_overflow": (mlp_model, 2, "hr", 2, "LambOptimizer", False),
 }
-
-
 REPLICAS = {"adam2x2_tied_clip": 2}  # data-parallel replicas of the pipeline (default 1)
+LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30}  # the mixed-precision cases' loss scale
 
 
 def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingParameters:
@@ -150,6 +152,7 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
     if clip:
         p.optimizer_attributes_map = {t.name: dict(CLIP) for t in model.graph.initializer}
     replicas = REPLICAS.get(case, 1)
+    p.use_mixed_precision = case in LOSS_SCALE
     if pipelined:
         p.pipeline_parallel_size = stages
         p.pipeline_cut_info_string = cut
@@ -173,6 +176,11 @@ def case_feeds(case: str, steps: int, seed: int = 1) -> list[dict[str, np.ndarra
             for _ in range(steps)
         ]
     return [{"x": x, "y": y} for x, y in batches(steps, BATCH, seed=seed)]
+
+
+def scale_feed(case: str) -> dict[str, np.ndarray]:
+    """The loss scale a mixed-precision case feeds (under the pass's input name), else nothing."""
+    return {"loss_scale": np.array([LOSS_SCALE[case]], np.float32)} if case in LOSS_SCALE else {}
 
 
 def eval_output(case: str) -> str | None:
@@ -202,12 +210,14 @@ def main(out: str, cases: list[str]) -> None:
                 sess = TrainingSession(model.SerializeToString(), parameters(case, model, True), so)
                 sess.load_state(state, strict=True)
             mine = {n: np.split(v, replicas)[sess.data_parallel_rank] for n, v in feeds.items()}
-            (loss,) = sess.run(["loss"], {**mine, "Learning_Rate": LR})
+            (loss,) = sess.run(["loss"], {**mine, **scale_feed(case), "Learning_Rate": LR})
             losses.append(float(loss))
         ro = RunOptions()
         ro.only_execute_path_to_fetches = True
         fetch = eval_output(case) or "loss"
-        (saved[f"{case}/eval"],) = sess.run([fetch], case_feeds(case, 1, seed=9)[0], ro)
+        (saved[f"{case}/eval"],) = sess.run(
+            [fetch], {**case_feeds(case, 1, seed=9)[0], **scale_feed(case)}, ro
+        )
         state = sess.gather_state()
         saved[f"{case}/losses"] = np.array(losses)
         saved.update({f"{case}/state/{k}": v for k, v in state.items()})

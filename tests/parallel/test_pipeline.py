@@ -21,13 +21,23 @@ from tests.parallel.pipeline_worker import (
     case_feeds,
     eval_output,
     parameters,
+    scale_feed,
     skip_model,
     tied_model,
 )
 from tests.session.helpers import mlp_model
 
 PIPELINE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pipeline_worker.py")
-TWO = ["adam2", "adam2_resumed", "adam2_clip_m4", "sgd2_consumer_cut", "lamb2_clip", "adam2_tied_clip"]
+TWO = [
+    "adam2",
+    "adam2_resumed",
+    "adam2_clip_m4",
+    "sgd2_consumer_cut",
+    "lamb2_clip",
+    "adam2_tied_clip",
+    "adam2_mp_clip",
+    "lamb2_mp_overflow",
+]
 THREE = ["adam3_skip_clip", "lamb3_skip_m4"]
 
 
@@ -43,12 +53,13 @@ def one_process(case: str) -> tuple[list[float], dict[str, np.ndarray], np.ndarr
         for r in range(replicas):  # each replica's part of the batch, micro-batch by micro-batch
             for k in range(micro):
                 part = {n: np.split(np.split(v, replicas)[r], micro)[k] for n, v in feeds.items()}
-                (loss,) = sess.run(["loss"], {**part, "Learning_Rate": LR})
+                (loss,) = sess.run(["loss"], {**part, **scale_feed(case), "Learning_Rate": LR})
                 if r == 0 and k == micro - 1:
                     losses.append(float(loss))  # rank 0's: the last micro-batch of the first replica
     ro = RunOptions()
     ro.only_execute_path_to_fetches = True
-    (out,) = sess.run([eval_output(case) or "loss"], case_feeds(case, 1, seed=9)[0], ro)
+    feeds = {**case_feeds(case, 1, seed=9)[0], **scale_feed(case)}
+    (out,) = sess.run([eval_output(case) or "loss"], feeds, ro)
     return losses, sess.get_state(), out
 
 
@@ -197,8 +208,8 @@ def test_pipeline_session_errors_in_one_process() -> None:
 
     with pytest.raises(ValueError, match="launch with: mpiexec -n 2"):
         TrainingSession(model, params())
-    with pytest.raises(NotImplementedError, match="use_mixed_precision do not combine"):
-        TrainingSession(model, params(use_mixed_precision=True))
+    with pytest.raises(NotImplementedError, match="deepspeed_zero_stage do not combine"):
+        TrainingSession(model, params(deepspeed_zero_stage=1))
     with pytest.raises(ValueError, match="needs an optimizer"):
         TrainingSession(model, params(training_optimizer_name=""))
     p = params(pipeline_parallel_size=1, num_pipeline_micro_batches=4)
