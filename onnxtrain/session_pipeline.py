@@ -6,18 +6,19 @@ the nodes of its stage (:mod:`onnxtrain.parallel.pipeline`), their trained weigh
 state, and runs three plain ONNX graphs of its own:
 
 * ``forward``: the stage's inputs → the tensors the next stage reads (and the stage's user outputs);
-* ``backward``: the stage's forward again, then its backward pass, seeded by the gradients of the tensors it
-  sent (the last stage starts from the loss) → its weights' gradients and those of the tensors it received;
+  ``forward_train`` returns the activations its backward reads as well;
+* ``backward``: seeded by the gradients of the tensors the stage sent, it reads those activations
+  (:mod:`onnxtrain.autodiff.split`) → its weights' gradients and those of the tensors it received; the last
+  stage's backward runs its forward too, from the loss;
 * ``update``: the optimizer over its weights, with the gradient norm of the whole model as an input.
 
 A ``run()`` cuts the batch into ``num_pipeline_micro_batches`` micro-batches (along ``sliced_axes``, default
 axis 0, for the inputs in ``sliced_tensor_names``, default all), runs every micro-batch forward through the
-stages, then backward in the same order (each stage before the last re-runs its forward, GPipe's
-re-materialisation, so that no activation is kept between the two passes), averages the gradients over the
-micro-batches and the data-parallel replicas, sums those of weights several stages read, sums the squared
-gradient norms over the stages and updates. The weights move as one process's do with
-``gradient_accumulation_steps = micro-batches × replicas`` on the same micro-batches. Every rank returns
-the outputs of its pipeline's last micro-batch.
+stages, then backward in the same order (GPipe's schedule; each stage keeps a micro-batch's activations
+until its backward), averages the gradients over the micro-batches and the data-parallel replicas, sums
+those of weights several stages read, sums the squared gradient norms over the stages and updates. The
+weights move as one process's do with ``gradient_accumulation_steps = micro-batches × replicas`` on the
+same micro-batches. Every rank returns the outputs of its pipeline's last micro-batch.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.builder import build_gradient_model, upgrade_opset
+from onnxtrain.autodiff.split import split_gradient_model
 from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
@@ -56,15 +58,6 @@ from onnxtrain.session import TrainingSession, check_arguments
 from onnxtrain.training_graph import TRAINING_MODE, _inits_to_inputs, build_update_graph, select_trainable
 
 NORM = "global_gradient_norm"
-_RANDOM_OPS = (
-    "Dropout",
-    "RandomNormal",
-    "RandomNormalLike",
-    "RandomUniform",
-    "RandomUniformLike",
-    "Bernoulli",
-    "Multinomial",
-)
 # options a pipelined session cannot honour yet: name → its default
 _REFUSED = {
     "gradient_accumulation_steps": 1,
@@ -265,9 +258,16 @@ class PipelineTrainingSession(TrainingSession):
                     "Constant", [], [loss], value=numpy_helper.from_array(np.array(0, np.float32))
                 )
             )
-            backward = build_gradient_model(
-                bw, loss, [*self._trainable, *self._diff_received], outputs=[], other_ys=self._seeded
+            full = build_gradient_model(
+                bw,
+                loss,
+                [*self._trainable, *self._diff_received],
+                outputs=[o.name for o in base.graph.output],
+                other_ys=self._seeded,
             )
+            self._initial = _weights_to_inputs(full, self._trainable)
+            forward_train, backward, self._saved = split_gradient_model(full, bw)
+            self._graphs_by_kind["forward_train"] = forward_train
         else:
             backward = build_gradient_model(
                 base,
@@ -275,7 +275,8 @@ class PipelineTrainingSession(TrainingSession):
                 [*self._trainable, *self._diff_received],
                 outputs=self._stage_outputs,
             )
-        self._initial = _weights_to_inputs(backward, self._trainable)
+            self._initial = _weights_to_inputs(backward, self._trainable)
+            self._saved = []
         self._graphs_by_kind["backward"] = backward
         self._store: dict[str, np.ndarray] = dict(self._initial)
         self._specs = []
@@ -461,15 +462,21 @@ class PipelineTrainingSession(TrainingSession):
         return out
 
     def _forward(
-        self, feeds: dict[str, np.ndarray], training: bool, tag: int = 0, pending: list | None = None
-    ) -> dict[str, np.ndarray]:
+        self,
+        feeds: dict[str, np.ndarray],
+        training: bool,
+        tag: int = 0,
+        pending: list | None = None,
+        kind: str = "forward",
+    ) -> dict[str, Any]:
         """This stage's forward on one (micro-)batch: receive from the stage before, run, send to the stage
-        after. Returns the tensors received (under ``"received"``) and this stage's user outputs."""
+        after. Returns the tensors received (under ``"received"``), the activations the backward graph reads
+        (``"saved"``, with ``kind="forward_train"``) and this stage's user outputs."""
         s = self._stage
         received = self._comm.recv_object(s - 1, tag, f"stage {s} receiving its inputs") if s > 0 else {}
-        plan = self._get_plan("forward")
+        plan = self._get_plan(kind)
         names = list(plan.output_names)
-        out = dict(zip(names, plan.run(self._stage_feeds("forward", feeds, received, training), names)))
+        out = dict(zip(names, plan.run(self._stage_feeds(kind, feeds, received, training), names)))
         if s < self._part.stages - 1:
             send = {t: out[t] if t in out else received[t] for t in self._sends}
             req = self._comm.isend_object(send, s + 1, tag, f"stage {s} sending its outputs")
@@ -477,7 +484,8 @@ class PipelineTrainingSession(TrainingSession):
                 req.wait()
             else:
                 pending.append(req)
-        return {"received": received, **{n: out[n] for n in self._stage_outputs}}
+        saved = {n: out[n] for n in self._saved} if kind == "forward_train" else {}
+        return {"received": received, "saved": saved, **{n: out[n] for n in self._stage_outputs}}
 
     def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:
         s, last, m = self._stage, self._stage == self._part.stages - 1, self._micro
@@ -491,7 +499,7 @@ class PipelineTrainingSession(TrainingSession):
         rgrads = [f"{r}_grad" for r in self._diff_received]
         if not last:
             for k in range(m):
-                kept.append(self._forward(micro[k], dropout, tag=2 * k, pending=pending))
+                kept.append(self._forward(micro[k], dropout, 2 * k, pending, "forward_train"))
         for k in range(m):
             if last:
                 received = (
@@ -504,6 +512,8 @@ class PipelineTrainingSession(TrainingSession):
                 seeds = self._comm.recv_object(s + 1, 2 * k + 1, f"stage {s} receiving its output gradients")
                 wanted = [*grads, *rgrads]
             extra = {f"{t}_grad": seeds[t] for t in self._seeded}
+            if not last:
+                extra.update(kept[k].pop("saved"))  # freed once this micro-batch's backward has run
             res = dict(
                 zip(
                     wanted,
@@ -675,23 +685,11 @@ class PipelineTrainingSession(TrainingSession):
 
 
 def _check_stage_nodes(model: onnx.ModelProto, part: Partition) -> None:
-    """NotImplementedError naming a node a stage cannot run: a random node before the last stage (whose
-    forward runs twice per micro-batch and would draw other values), a training-mode BatchNormalization."""
-    constants = {t.name: t for t in model.graph.initializer}
-    for n in model.graph.node:
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
-            constants[n.output[0]] = n.attribute[0].t
+    """NotImplementedError naming a training-mode BatchNormalization (its running statistics)."""
     for n, s in zip(model.graph.node, part.stage_of):
-        name = n.name or n.output[0]
-        if n.op_type in _RANDOM_OPS and not _inert_dropout(n, constants) and s < part.stages - 1:
-            raise NotImplementedError(
-                f"pipeline stage {s} has the random node {name!r} ({n.op_type}): a stage before the last "
-                "runs its forward twice per micro-batch, which would draw different values; move it to the "
-                "last stage or cut before it"
-            )
         if n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute):
             raise NotImplementedError(
-                f"pipeline stage {s}: training-mode BatchNormalization {name!r} (running "
+                f"pipeline stage {s}: training-mode BatchNormalization {n.name or n.output[0]!r} (running "
                 "statistics) is not supported with pipeline_parallel_size > 1"
             )
 
@@ -740,16 +738,6 @@ def _copy(n: onnx.NodeProto) -> onnx.NodeProto:
 
 def _reads(n: onnx.NodeProto) -> list[str]:
     return [i for i in node_reads(n) if i]
-
-
-def _inert_dropout(n: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]) -> bool:
-    """A Dropout that never drops: no training_mode input (inference mode), or a constant ratio of 0."""
-    if n.op_type != "Dropout":
-        return False
-    if len(n.input) < 3 or not n.input[2]:
-        return True
-    ratio = constants.get(n.input[1]) if len(n.input) > 1 and n.input[1] else None
-    return ratio is not None and float(numpy_helper.to_array(ratio).reshape(-1)[0]) == 0.0
 
 
 def _elem(types: Mapping[str, onnx.TypeProto], name: str) -> int:

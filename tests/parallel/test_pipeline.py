@@ -8,7 +8,6 @@ import os
 import numpy as np
 import onnx
 import pytest
-from onnx import helper
 
 from onnxtrain import RunOptions, TrainingParameters, TrainingSession
 from onnxtrain.parallel.pipeline import CutEdge, parse_cut_info, partition
@@ -217,22 +216,3 @@ def test_pipeline_session_errors_in_one_process() -> None:
         UserWarning, match="num_pipeline_micro_batches, pipeline_cut_info_string have no effect"
     ):
         TrainingSession(model, p)
-
-
-def test_random_nodes_before_the_last_stage_are_refused() -> None:
-    m = mlp_model()
-    g = m.graph
-    g.node[1].output[0] = "hr0"
-    g.node.insert(2, helper.make_node("Dropout", ["hr0", "ratio", "tm"], ["hr"], name="drop"))
-    g.initializer.append(onnx.numpy_helper.from_array(np.array(0.1, np.float32), "ratio"))
-    g.initializer.append(onnx.numpy_helper.from_array(np.array(True), "tm"))
-    p = TrainingParameters()
-    p.loss_output_name = "loss"
-    p.training_optimizer_name = "SGDOptimizer"
-    p.pipeline_parallel_size = 2
-    p.pipeline_cut_info_string = "hr"
-    with pytest.raises(NotImplementedError, match="stage 0 has the random node 'drop' \\(Dropout\\)"):
-        TrainingSession(m.SerializeToString(), p)
-    p.pipeline_cut_info_string = "hr0"  # the Dropout in the last stage: no refusal (then MPI is needed)
-    with pytest.raises(ValueError, match="launch with: mpiexec -n 2"):
-        TrainingSession(m.SerializeToString(), p)
