@@ -111,6 +111,18 @@ def tied_model(seed: int = 5) -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def dropout_model() -> onnx.ModelProto:
+    """``mlp_model`` with a seeded Dropout after its first layer, in the first stage: the stage's forward
+    draws the mask once and its backward reads it; with one micro-batch it draws as one process does."""
+    m = mlp_model()
+    g = m.graph
+    g.node[1].output[0] = "hr0"
+    g.node.insert(2, helper.make_node("Dropout", ["hr0", "ratio", "train"], ["hr"], seed=7))
+    g.initializer.append(numpy_helper.from_array(np.array(0.3, np.float32), "ratio"))
+    g.initializer.append(numpy_helper.from_array(np.array(True), "train"))
+    return m
+
+
 # name → (model, stages, cut, micro-batches, optimizer, clip attributes)
 CASES = {
     "adam2": (mlp_model, 2, "hr", 2, "AdamOptimizer", False),
@@ -120,6 +132,7 @@ CASES = {
     "sgd2_consumer_cut": (mlp_model, 2, "hr-logits", 2, "SGDOptimizer", False),
     "lamb2_clip": (mlp_model, 2, "h", 2, "LambOptimizer", True),
     "adam2_tied_clip": (tied_model, 2, "t", 2, "AdamOptimizer", True),
+    "adam2_dropout_m1": (dropout_model, 2, "hr", 1, "AdamOptimizer", True),
     # torch's export of a transformer encoder layer (tests/models.py, dropout 0), written by the test to
     # $PIPELINE_TORCH_MODEL, cut after its attention; SGD, as Adam turns the attention key bias's gradient,
     # zero but for rounding, into whole steps
@@ -150,7 +163,7 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
     p.loss_output_name = "loss"
     p.training_optimizer_name = opt
     if clip:
-        p.optimizer_attributes_map = {t.name: dict(CLIP) for t in model.graph.initializer}
+        p.optimizer_attributes_map = {t.name: dict(CLIP) for t in model.graph.initializer if t.dims}
     replicas = REPLICAS.get(case, 1)
     p.use_mixed_precision = case in LOSS_SCALE
     if pipelined:

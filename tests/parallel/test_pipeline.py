@@ -36,6 +36,7 @@ TWO = [
     "adam2_tied_clip",
     "adam2_mp_clip",
     "lamb2_mp_overflow",
+    "adam2_dropout_m1",
 ]
 THREE = ["adam3_skip_clip", "lamb3_skip_m4"]
 
