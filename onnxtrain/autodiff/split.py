@@ -19,7 +19,7 @@ import onnx
 from onnx import helper
 
 from onnxtrain.ir.builder import value_types
-from onnxtrain.ir.graphs import node_reads
+from onnxtrain.ir.graphs import RANDOM_OPS, node_reads
 
 
 def split_gradient_model(
@@ -57,7 +57,7 @@ def split_gradient_model(
             break
         for x in unranked:
             k = producer[x]
-            if fwd_nodes[k].op_type in _RANDOM:
+            if fwd_nodes[k].op_type in RANDOM_OPS:
                 raise ValueError(
                     f"split_gradient_model: the random node {fwd_nodes[k].name or x!r} makes {x!r}, "
                     "whose rank is unknown: it can neither be saved nor drawn again"
@@ -84,15 +84,6 @@ def split_gradient_model(
     return forward, backward, saved
 
 
-_RANDOM = (
-    "Dropout",
-    "RandomNormal",
-    "RandomNormalLike",
-    "RandomUniform",
-    "RandomUniformLike",
-    "Bernoulli",
-    "Multinomial",
-)
 
 
 def _rank(types: dict[str, onnx.TypeProto], name: str) -> int | None:

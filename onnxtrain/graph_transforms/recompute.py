@@ -42,9 +42,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.registry import find_rule
 from onnxtrain.ir.attrs import attribute_value
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, elem_type, model_opset, value_types
+from onnxtrain.ir.graphs import RANDOM_OPS
 
-RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
-                        "Bernoulli", "Multinomial"})
 GELU_OPS = frozenset({"Erf", "Tanh"})
 _GELU_BODY = frozenset({"Add", "Mul", "Div", "Sub", "Erf", "Tanh", "Pow", "Sqrt", "Neg", "Cast", "Constant"})
 ACTIVATIONS = frozenset({"Gelu", "Erf", "Tanh", "Relu", "Sigmoid", "Elu", "Selu", "LeakyRelu", "Softplus",

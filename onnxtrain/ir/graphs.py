@@ -8,6 +8,10 @@ from collections.abc import Iterable, Iterator
 import onnx
 from onnx import AttributeProto
 
+# ops that draw random values: a run of them cannot be repeated or shared (recompute, CSE, pipeline stages)
+RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                        "Bernoulli", "Multinomial"})
+
 
 def subgraphs(node: onnx.NodeProto) -> Iterable[onnx.GraphProto]:
     """The graphs held by a node's attributes (If's branches, Loop's and Scan's bodies)."""

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from onnxtrain.ir.graphs import RANDOM_OPS
+
 
 @dataclass(frozen=True)
 class CutEdge:
@@ -134,7 +136,7 @@ def partition(model: onnx.ModelProto, cuts: list[list[CutEdge]], loss: str) -> P
             todo.extend(producer[i] for i in nodes[k].input if i in producer)
     # a free node runs in every stage that reads it other than across a cut (where its tensor is sent),
     # and, when a cut tensor is computed from it, in the stage its inputs put it
-    floating = [k for k in range(len(nodes)) if free[k] and nodes[k].op_type not in _RANDOM]
+    floating = [k for k in range(len(nodes)) if free[k] and nodes[k].op_type not in RANDOM_OPS]
     needed: dict[int, set[int]] = {}
     for k in reversed(floating):
         stages_k = {stage_of[k]} if k in feeds_cut else set()
@@ -178,15 +180,6 @@ def partition(model: onnx.ModelProto, cuts: list[list[CutEdge]], loss: str) -> P
     return part
 
 
-_RANDOM = (
-    "RandomNormal",
-    "RandomNormalLike",
-    "RandomUniform",
-    "RandomUniformLike",
-    "Bernoulli",
-    "Multinomial",
-    "Dropout",
-)
 
 
 def _sources(model: onnx.ModelProto) -> set[str]:

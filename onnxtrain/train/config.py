@@ -399,6 +399,10 @@ def validate(cfg: Config) -> Config:
             raise _unknown("training.parameters", k, sorted(probe._values)) from None
         except (TypeError, ValueError) as e:
             raise ConfigError(f"training.parameters.{k}", str(e)) from None
+    if probe.pipeline_parallel_size != 1:
+        raise ConfigError("training.parameters.pipeline_parallel_size",
+                          "the main job splits batches over its ranks for data parallelism only; pipeline "
+                          "stages are for scripts using the TrainingSession API (see the README)")
     return cfg
 
 

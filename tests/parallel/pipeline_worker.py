@@ -30,6 +30,24 @@ BATCH = 16
 CLIP = {"max_norm_clip": 0.3}  # below the global norm of these models' gradients: clipping acts
 
 
+def _classifier(nodes: list, name: str, classes: int, inits: list) -> onnx.ModelProto:
+    """A model of ``nodes`` from ``x`` [N, 8] and labels ``y`` [N] to ``loss`` and ``logits`` [N, classes]."""
+    g = helper.make_graph(
+        nodes,
+        name,
+        [
+            helper.make_tensor_value_info("x", T.FLOAT, ["N", 8]),
+            helper.make_tensor_value_info("y", T.INT64, ["N"]),
+        ],
+        [
+            helper.make_tensor_value_info("loss", T.FLOAT, []),
+            helper.make_tensor_value_info("logits", T.FLOAT, ["N", classes]),
+        ],
+        inits,
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def skip_model(seed: int = 3) -> onnx.ModelProto:
     """x → Gemm → Relu (r1) → Gemm → Relu (r2) → r1 + r2 → Gemm · scale → loss: cut at ``r1,r2`` into three
     stages, r1 passes through the middle stage, which also reads it; ``scale`` is a Constant the last stage
@@ -57,20 +75,7 @@ def skip_model(seed: int = 3) -> onnx.ModelProto:
         helper.make_node("Mul", ["z", "scale"], ["logits"]),
         helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"]),
     ]
-    g = helper.make_graph(
-        nodes,
-        "skip",
-        [
-            helper.make_tensor_value_info("x", T.FLOAT, ["N", 8]),
-            helper.make_tensor_value_info("y", T.INT64, ["N"]),
-        ],
-        [
-            helper.make_tensor_value_info("loss", T.FLOAT, []),
-            helper.make_tensor_value_info("logits", T.FLOAT, ["N", 4]),
-        ],
-        inits,
-    )
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return _classifier(nodes, "skip", 4, inits)
 
 
 def tied_model(seed: int = 5) -> onnx.ModelProto:
@@ -95,20 +100,7 @@ def tied_model(seed: int = 5) -> onnx.ModelProto:
         helper.make_node("MatMul", ["t2", "Et"], ["logits"]),
         helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"]),
     ]
-    g = helper.make_graph(
-        nodes,
-        "tied",
-        [
-            helper.make_tensor_value_info("x", T.FLOAT, ["N", 8]),
-            helper.make_tensor_value_info("y", T.INT64, ["N"]),
-        ],
-        [
-            helper.make_tensor_value_info("loss", T.FLOAT, []),
-            helper.make_tensor_value_info("logits", T.FLOAT, ["N", 8]),
-        ],
-        inits,
-    )
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return _classifier(nodes, "tied", 8, inits)
 
 
 def dropout_model() -> onnx.ModelProto:

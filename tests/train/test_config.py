@@ -85,6 +85,9 @@ def test_cross_key_checks(write_config):
         load_config(write_config({**MLP, "optimizer": {"name": "sgd", "betas": [0.9, 0.99]}}))
     with pytest.raises(ConfigError, match=r"^training.parameters.use_fancy_mode: unknown key"):
         load_config(write_config({**MLP, "training": {"epochs": 1, "parameters": {"use_fancy_mode": True}}}))
+    stages = {"pipeline_parallel_size": 2, "pipeline_cut_info_string": "h"}
+    with pytest.raises(ConfigError, match=r"^training.parameters.pipeline_parallel_size: the main job splits"):
+        load_config(write_config({**MLP, "training": {"epochs": 1, "parameters": stages}}))
 
 
 def test_set_overrides_with_type_checking(write_config):

@@ -14,15 +14,6 @@ from onnxtrain.engine.registry import Attrs
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
 
-RANDOM_OPS = {
-    "RandomNormal",
-    "RandomUniform",
-    "RandomNormalLike",
-    "RandomUniformLike",
-    "Bernoulli",
-    "Multinomial",
-    "Dropout",
-}
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 

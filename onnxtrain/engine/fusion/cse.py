@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from onnxtrain.engine.fusion.common import RANDOM_OPS, attr_key, protected_slots
+from onnxtrain.engine.fusion.common import attr_key, protected_slots
+from onnxtrain.ir.graphs import RANDOM_OPS
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step

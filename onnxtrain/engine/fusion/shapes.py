@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from onnxtrain.engine.fusion.common import RANDOM_OPS, protected_slots
+from onnxtrain.engine.fusion.common import protected_slots
 from onnxtrain.engine.registry import SUBGRAPH_OPS, Attrs, Kernel
+from onnxtrain.ir.graphs import RANDOM_OPS
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
