@@ -32,8 +32,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain.autodiff.builder import build_gradient_model, upgrade_opset
-from onnxtrain.autodiff.split import split_gradient_model
+from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
@@ -49,15 +48,15 @@ from onnxtrain.inference import NodeArg, node_arg
 from onnxtrain.ir.builder import value_types
 from onnxtrain.ir.graphs import node_reads
 from onnxtrain.ir.io import save_model_atomic
-from onnxtrain.optim import WeightSlot, get_optimizer
+from onnxtrain.optim import get_optimizer
 from onnxtrain.parallel import BucketReducer, get_communicator, world
 from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
+from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession, check_arguments
-from onnxtrain.training_graph import TRAINING_MODE, _inits_to_inputs, build_update_graph, select_trainable
+from onnxtrain.training_graph import TRAINING_MODE, select_trainable
 
-NORM = "global_gradient_norm"
 # options a pipelined session cannot honour yet: name → its default
 _REFUSED = {
     "gradient_accumulation_steps": 1,
@@ -184,19 +183,9 @@ class PipelineTrainingSession(TrainingSession):
                 "TrainingParameters.loss_output_name is empty: name the loss tensor of the model"
             )
 
-    def _build_stage(self, model: onnx.ModelProto, all_trainable: list[str]) -> None:
-        p, part, s = self._params, self._part, self._stage
-        last = s == part.stages - 1
-        nodes = [_copy(n) for n in part.nodes(model, s)]
-        g = model.graph
-        types = value_types(model)
-        reads = {i for n in nodes for i in _reads(n)}
-        produced = {o for n in nodes for o in n.output if o}
-        inits = {t.name: t for t in g.initializer}
-        self._trainable = [w for w in all_trainable if w in reads]
-        received = part.received(s)
-        self._received = [r for r in received if r in reads]
-        self._sends = part.sends[s] if not last else []
+    def _build_stage(self, model: onnx.ModelProto, trainable: list[str]) -> None:
+        p, g = self._params, model.graph
+        inits = {t.name for t in g.initializer}
         self._user_inputs = [v.name for v in g.input if v.name not in inits]
         sliced = set(p.sliced_tensor_names) or set(self._user_inputs) - {self.loss_scale_input_name}
         unknown = sorted(set(p.sliced_tensor_names) - set(self._user_inputs))
@@ -205,116 +194,20 @@ class PipelineTrainingSession(TrainingSession):
                 f"sliced_tensor_names: {unknown} are not inputs of the model; inputs: {self._user_inputs}"
             )
         self._sliced = {n: int(p.sliced_axes.get(n, 0)) for n in self._user_inputs if n in sliced}
-        inputs = []
-        for v in g.input:
-            if v.name in reads and v.name not in inits:
-                inputs.append(self._micro_input(v))
-        for r in self._received:
-            inputs.append(_boundary_value(r, types))
-        has_tm = any(n.op_type == "Dropout" and len(n.input) >= 3 and n.input[2] for n in nodes)
-        if has_tm:
-            for n in nodes:
-                if n.op_type == "Dropout" and len(n.input) >= 3 and n.input[2]:
-                    n.input[2] = TRAINING_MODE
-            inputs.append(helper.make_tensor_value_info(TRAINING_MODE, TensorProto.BOOL, []))
-        user_outputs = [o.name for o in g.output if o.name in produced]
-        if last and p.loss_output_name not in user_outputs:
-            user_outputs.append(p.loss_output_name)
-        self._stage_outputs = user_outputs
-        floats = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
-        self._seeded = [t for t in self._sends if t in produced and _elem(types, t) in floats]
-        self._diff_received = [r for r in self._received if _elem(types, r) in floats]
-        stage_inits = [inits[i] for i in sorted(reads & set(inits))]
-        base = helper.make_model(
-            helper.make_graph(
-                nodes,
-                f"{g.name or 'model'}_stage{s}",
-                inputs,
-                [
-                    _boundary_value(o, types)
-                    for o in dict.fromkeys([*(t for t in self._sends if t in produced), *user_outputs])
-                ],
-                initializer=stage_inits,
-            ),
-            opset_imports=list(model.opset_import),
-            ir_version=model.ir_version,
+        sg = self._sg = build_stage_graphs(
+            model, self._part, self._stage, trainable, p, self._opt, self._mp, self._micro_input
         )
-        self._build_graphs(base, {w: inits[w].data_type for w in self._trainable})
-
-    def _build_graphs(self, base: onnx.ModelProto, elem_types: dict[str, int]) -> None:
-        """The stage's forward, backward and update graphs from its nodes (``base``); its initial state."""
-        p, s, last = self._params, self._stage, self._stage == self._part.stages - 1
-        self._graphs_by_kind: dict[str, onnx.ModelProto] = {}
-        fwd = onnx.ModelProto()
-        fwd.CopyFrom(base)
-        _weights_to_inputs(fwd, self._trainable)
-        self._graphs_by_kind["forward"] = fwd
-        if not last:
-            loss = f"pipeline_stage{s}_loss"
-            bw = onnx.ModelProto()
-            bw.CopyFrom(base)
-            bw.graph.node.append(
-                helper.make_node(
-                    "Constant", [], [loss], value=numpy_helper.from_array(np.array(0, np.float32))
-                )
-            )
-            full = build_gradient_model(
-                bw,
-                loss,
-                [*self._trainable, *self._diff_received],
-                outputs=[o.name for o in base.graph.output],
-                other_ys=self._seeded,
-            )
-            self._initial = _weights_to_inputs(full, self._trainable)
-            forward_train, backward, self._saved = split_gradient_model(full, bw)
-            self._graphs_by_kind["forward_train"] = forward_train
-        else:
-            backward = build_gradient_model(
-                base,
-                self._mp.scaled_loss if self._mp is not None else p.loss_output_name,
-                [*self._trainable, *self._diff_received],
-                outputs=self._stage_outputs,
-            )
-            self._initial = _weights_to_inputs(backward, self._trainable)
-            self._saved = []
-        self._graphs_by_kind["backward"] = backward
-        self._store: dict[str, np.ndarray] = dict(self._initial)
-        self._specs = []
-        self._update_outputs: dict[str, str] = {}
-        self._update_extras: list[str] = []
-        if self._trainable:
-            slots = [
-                WeightSlot(
-                    w,
-                    f"{w}_grad",
-                    tuple(self._initial[w].shape),
-                    elem_types[w],
-                    dict(p.optimizer_attributes_map.get(w, {})),
-                    dict(p.optimizer_int_attributes_map.get(w, {})),
-                )
-                for w in self._trainable
-            ]
-            clip = p.enable_grad_norm_clip
-            # mixed precision always reads the norm: whether every gradient is finite comes from it
-            norm = NORM if clip or self._mp is not None else None
-            update, upd, extras, specs = build_update_graph(
-                backward, slots, p, self._opt, clip=clip, norm_input=norm, mp=self._mp
-            )
-            self._update_extras = extras  # mixed precision: all_gradients_finite
-            self._graphs_by_kind["update"] = update
-            self._update_outputs = upd
-            self._specs = specs
-            for sp in specs:
-                self._store[sp.name] = sp.initial.copy()
+        self._store: dict[str, np.ndarray] = dict(sg.initial)
+        self._specs = sg.specs
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
-        for path, m in (
-            (p.model_with_gradient_graph_path, backward),
-            (p.model_with_training_graph_path, backward),
-            (p.model_after_graph_transforms_path, base),
+        for path, kind in (
+            (p.model_with_gradient_graph_path, "backward"),
+            (p.model_with_training_graph_path, "backward"),
+            (p.model_after_graph_transforms_path, "stage"),
         ):
             if path:
                 root, ext = os.path.splitext(path)
-                save_model_atomic(m, f"{root}.stage{s}{ext or '.onnx'}")
+                save_model_atomic(sg.graphs[kind], f"{root}.stage{self._stage}{ext or '.onnx'}")
         self._plans: dict[str, Any] = {}
 
     def _micro_input(self, v: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
@@ -357,9 +250,9 @@ class PipelineTrainingSession(TrainingSession):
 
     def _get_plan(self, kind: str) -> Any:
         if kind not in self._plans:
-            updates = {o: s for s, o in self._update_outputs.items()} if kind == "update" else None
+            updates = {o: s for s, o in self._sg.update_outputs.items()} if kind == "update" else None
             self._plans[kind] = make_plan(
-                self._graphs_by_kind[kind],
+                self._sg.graphs[kind],
                 self._backend,
                 self._providers,
                 self._sess_options,
@@ -478,14 +371,14 @@ class PipelineTrainingSession(TrainingSession):
         names = list(plan.output_names)
         out = dict(zip(names, plan.run(self._stage_feeds(kind, feeds, received, training), names)))
         if s < self._part.stages - 1:
-            send = {t: out[t] if t in out else received[t] for t in self._sends}
+            send = {t: out[t] if t in out else received[t] for t in self._sg.sends}
             req = self._comm.isend_object(send, s + 1, tag, f"stage {s} sending its outputs")
             if pending is None:
                 req.wait()
             else:
                 pending.append(req)
-        saved = {n: out[n] for n in self._saved} if kind == "forward_train" else {}
-        return {"received": received, "saved": saved, **{n: out[n] for n in self._stage_outputs}}
+        saved = {n: out[n] for n in self._sg.saved} if kind == "forward_train" else {}
+        return {"received": received, "saved": saved, **{n: out[n] for n in self._sg.outputs}}
 
     def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:
         s, last, m = self._stage, self._stage == self._part.stages - 1, self._micro
@@ -495,8 +388,8 @@ class PipelineTrainingSession(TrainingSession):
         acc: dict[str, np.ndarray] = {}
         outputs: dict[str, np.ndarray] = {}
         plan = self._get_plan("backward")
-        grads = [f"{w}_grad" for w in self._trainable]
-        rgrads = [f"{r}_grad" for r in self._diff_received]
+        grads = [f"{w}_grad" for w in self._sg.trainable]
+        rgrads = [f"{r}_grad" for r in self._sg.diff_received]
         if not last:
             for k in range(m):
                 kept.append(self._forward(micro[k], dropout, 2 * k, pending, "forward_train"))
@@ -506,12 +399,12 @@ class PipelineTrainingSession(TrainingSession):
                     self._comm.recv_object(s - 1, 2 * k, f"stage {s} receiving its inputs") if s > 0 else {}
                 )
                 seeds: dict[str, np.ndarray] = {}
-                wanted = [*self._stage_outputs, *grads, *rgrads]
+                wanted = [*self._sg.outputs, *grads, *rgrads]
             else:
                 received = kept[k]["received"]
                 seeds = self._comm.recv_object(s + 1, 2 * k + 1, f"stage {s} receiving its output gradients")
                 wanted = [*grads, *rgrads]
-            extra = {f"{t}_grad": seeds[t] for t in self._seeded}
+            extra = {f"{t}_grad": seeds[t] for t in self._sg.seeded}
             if not last:
                 extra.update(kept[k].pop("saved"))  # freed once this micro-batch's backward has run
             res = dict(
@@ -523,17 +416,15 @@ class PipelineTrainingSession(TrainingSession):
             for gname in grads:
                 acc[gname] = res[gname] if k == 0 else acc[gname] + res[gname]
             if s > 0:
-                back = {r: res[f"{r}_grad"] for r in self._diff_received}
-                for t in self._sends:  # passed through this stage: its gradient goes on back
+                back = {r: res[f"{r}_grad"] for r in self._sg.diff_received}
+                for t in self._sg.sends:  # passed through this stage: its gradient goes on back
                     if t in seeds and t in self._part.received(s):
                         back[t] = back[t] + seeds[t] if t in back else seeds[t]
                 pending.append(
                     self._comm.isend_object(back, s - 1, 2 * k + 1, f"stage {s} sending its input gradients")
                 )
             outputs = (
-                {n: res[n] for n in self._stage_outputs}
-                if last
-                else {n: kept[k][n] for n in self._stage_outputs}
+                {n: res[n] for n in self._sg.outputs} if last else {n: kept[k][n] for n in self._sg.outputs}
             )
         for r in pending:
             r.wait()
@@ -568,7 +459,7 @@ class PipelineTrainingSession(TrainingSession):
                 np.sqrt(self._comm.allreduce_scalar(local, "pipeline gradient norm")), np.float32
             )
         finite = {} if self._mp is None else {ALL_FINITE: np.asarray(bool(np.isfinite(norm)))}
-        if not self._trainable:
+        if not self._sg.trainable:
             return finite
         plan = self._get_plan("update")
         lr = np.asarray(feeds[p.lr_params_feed_name], np.float32).reshape(1)
@@ -576,7 +467,7 @@ class PipelineTrainingSession(TrainingSession):
         if norm is not None:
             given[NORM] = norm
         ufeeds = {n: self._store[n] if n in self._store else given[n] for n in plan.all_input_names}
-        items = list(self._update_outputs.items())
+        items = list(self._sg.update_outputs.items())
         out = plan.run(ufeeds, [o for _, o in items], donate=[s for s, _ in items if s in ufeeds])
         for (state, _), v in zip(items, out):
             self._store[state] = v
@@ -603,7 +494,7 @@ class PipelineTrainingSession(TrainingSession):
 
     # ---- state --------------------------------------------------------------------------
     def _state_names(self) -> list[str]:
-        return sorted([*self._trainable, *(sp.name for sp in self._specs)])
+        return sorted([*self._sg.trainable, *(sp.name for sp in self._specs)])
 
     def gather_state(self) -> dict[str, np.ndarray]:
         """Every stage's weights and optimizer state, on every rank (a collective), e.g. for rank 0 to write a
@@ -634,7 +525,7 @@ class PipelineTrainingSession(TrainingSession):
     def get_model_state(
         self, include_mixed_precision_weights: bool = False
     ) -> dict[str, dict[str, np.ndarray]]:
-        out = {"full_precision": {w: self._store[w].copy() for w in self._trainable}}
+        out = {"full_precision": {w: self._store[w].copy() for w in self._sg.trainable}}
         if include_mixed_precision_weights:
             mp = self._mp
             out["mixed_precision"] = {} if mp is None else half_copies(out["full_precision"], mp.dtype)
@@ -658,7 +549,7 @@ class PipelineTrainingSession(TrainingSession):
 
     def _check_attribute_maps(self) -> None:
         p, opt = self._params, self._opt
-        for w in self._trainable:
+        for w in self._sg.trainable:
             for label, mp in (
                 ("optimizer_attributes_map", p.optimizer_attributes_map),
                 ("optimizer_int_attributes_map", p.optimizer_int_attributes_map),
@@ -675,7 +566,7 @@ class PipelineTrainingSession(TrainingSession):
     def _apply_initial_optimizer_state(self, initial: dict[str, dict[str, np.ndarray]]) -> None:
         names = {sp.name for sp in self._specs}
         for w, d in initial.items():
-            if w != "shared_optimizer_state" and w not in self._trainable:
+            if w != "shared_optimizer_state" and w not in self._sg.trainable:
                 continue  # another stage's weight
             for key, v in d.items():
                 name = key if w == "shared_optimizer_state" else f"{key}_{w}"
@@ -730,35 +621,6 @@ def _fingerprint(model: onnx.ModelProto, p: TrainingParameters) -> dict[str, Any
     }
 
 
-def _copy(n: onnx.NodeProto) -> onnx.NodeProto:
-    c = onnx.NodeProto()
-    c.CopyFrom(n)
-    return c
-
-
-def _reads(n: onnx.NodeProto) -> list[str]:
-    return [i for i in node_reads(n) if i]
-
-
 def _elem(types: Mapping[str, onnx.TypeProto], name: str) -> int:
     t = types.get(name)
     return t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else 0
-
-
-def _boundary_value(name: str, types: Mapping[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
-    """A stage graph's input or output: its element type and rank, every dimension unnamed (a micro-batch's
-    shape differs from the batch's)."""
-    t = types.get(name)
-    if t is None or not t.HasField("tensor_type") or not t.tensor_type.elem_type:
-        raise ValueError(
-            f"pipeline parallel: the type of {name!r}, which crosses a stage boundary, is unknown "
-            "(ONNX shape inference could not find it)"
-        )
-    rank = len(t.tensor_type.shape.dim) if t.tensor_type.HasField("shape") else None
-    return helper.make_tensor_value_info(
-        name, t.tensor_type.elem_type, [None] * rank if rank is not None else None
-    )
-
-
-def _weights_to_inputs(model: onnx.ModelProto, names: list[str]) -> dict[str, np.ndarray]:
-    return _inits_to_inputs(model, names)

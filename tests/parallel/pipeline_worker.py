@@ -206,7 +206,7 @@ def main(out: str, cases: list[str]) -> None:
         if backend:
             so.add_session_config_entry("onnxtrain.backend", backend)
         sess = TrainingSession(model.SerializeToString(), parameters(case, model, True), so)
-        for graph in sess._graphs_by_kind.values():  # every graph a stage runs is standard, checked ONNX
+        for graph in sess._sg.graphs.values():  # every graph a stage runs is standard, checked ONNX
             onnx.checker.check_model(graph, full_check=True)
         losses = []
         for step, feeds in enumerate(case_feeds(case, STEPS)):

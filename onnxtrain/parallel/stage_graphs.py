@@ -1,0 +1,185 @@
+"""The plain ONNX graphs one stage of a cut model runs, and what it exchanges with its neighbours.
+
+For stage ``s`` of a :class:`~onnxtrain.parallel.pipeline.Partition` (:func:`build_stage_graphs`):
+
+* ``forward``: the stage's inputs (graph inputs it reads, tensors received from the stage before, its
+  trained weights) → the tensors later stages read and the user outputs it computes;
+* ``forward_train`` (every stage but the last): the same, plus the activations its backward reads
+  (:func:`~onnxtrain.autodiff.split.split_gradient_model`);
+* ``backward``: those activations and the gradients of what the stage sent (``<t>_grad``, the seeds) → its
+  weights' gradients and those of the float tensors it received; the last stage's backward also runs its
+  forward, from the loss (the scaled loss under mixed precision);
+* ``update`` (when the stage trains weights): the optimizer over them, reading the whole model's gradient
+  norm as the input ``global_gradient_norm`` when it clips or checks for overflow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.autodiff.builder import build_gradient_model
+from onnxtrain.autodiff.split import split_gradient_model
+from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo
+from onnxtrain.ir.builder import value_types
+from onnxtrain.ir.graphs import node_reads
+from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
+from onnxtrain.parallel.pipeline import Partition
+from onnxtrain.parameters import TrainingParameters
+from onnxtrain.training_graph import TRAINING_MODE, _inits_to_inputs, build_update_graph
+
+NORM = "global_gradient_norm"
+_FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+@dataclass
+class StageGraphs:
+    """One stage's graphs (by kind: see the module docstring) and its interface."""
+
+    stage: int
+    last: bool
+    graphs: dict[str, onnx.ModelProto]
+    trainable: list[str]  # trained weights the stage reads (graph inputs of its graphs)
+    received: list[str]  # tensors of the stage before that the stage reads
+    diff_received: list[str]  # the float ones: their gradients go back
+    sends: list[str]  # tensors the next stage receives (some only passed through)
+    seeded: list[str]  # the float tensors of ``sends`` computed here: their gradients seed the backward
+    saved: list[str]  # activations ``forward_train`` returns for ``backward``
+    outputs: list[str]  # user outputs computed here (the last stage: with the loss)
+    initial: dict[str, np.ndarray]  # weights and optimizer state
+    specs: list[StateSpec] = field(default_factory=list)
+    update_outputs: dict[str, str] = field(default_factory=dict)  # state name → the update's output
+
+    @property
+    def base(self) -> onnx.ModelProto:
+        """The stage's nodes as a model (weights as initializers)."""
+        return self.graphs["stage"]
+
+
+def build_stage_graphs(
+    model: onnx.ModelProto,
+    part: Partition,
+    stage: int,
+    trainable: list[str],
+    params: TrainingParameters,
+    opt: Optimizer,
+    mp: MixedPrecisionInfo | None = None,
+    declare_input: Callable[[onnx.ValueInfoProto], onnx.ValueInfoProto] = lambda v: v,
+) -> StageGraphs:
+    """Stage ``stage``'s graphs and initial state; ``trainable`` lists the whole model's trained weights and
+    ``declare_input`` rewrites a user input's declaration (a micro-batch's shape)."""
+    last = stage == part.stages - 1
+    nodes = [_copy(n) for n in part.nodes(model, stage)]
+    g = model.graph
+    types = value_types(model)
+    reads = {i for n in nodes for i in node_reads(n) if i}
+    produced = {o for n in nodes for o in n.output if o}
+    inits = {t.name: t for t in g.initializer}
+    mine = [w for w in trainable if w in reads]
+    received = [r for r in part.received(stage) if r in reads]
+    sends = [] if last else list(part.sends[stage])
+    inputs = [declare_input(v) for v in g.input if v.name in reads and v.name not in inits]
+    inputs += [boundary_value(r, types) for r in received]
+    dropouts = [n for n in nodes if n.op_type == "Dropout" and len(n.input) >= 3 and n.input[2]]
+    for n in dropouts:  # one training_mode input, as the single-process session has
+        n.input[2] = TRAINING_MODE
+    if dropouts:
+        inputs.append(helper.make_tensor_value_info(TRAINING_MODE, TensorProto.BOOL, []))
+    outputs = [o.name for o in g.output if o.name in produced]
+    if last and params.loss_output_name not in outputs:
+        outputs.append(params.loss_output_name)
+    seeded = [t for t in sends if t in produced and _elem(types, t) in _FLOATS]
+    diff_received = [r for r in received if _elem(types, r) in _FLOATS]
+    declared = dict.fromkeys([*(t for t in sends if t in produced), *outputs])
+    base = helper.make_model(
+        helper.make_graph(
+            nodes,
+            f"{g.name or 'model'}_stage{stage}",
+            inputs,
+            [boundary_value(o, types) for o in declared],
+            initializer=[inits[i] for i in sorted(reads & set(inits))],
+        ),
+        opset_imports=list(model.opset_import),
+        ir_version=model.ir_version,
+    )
+    graphs = {"stage": base, "forward": _with_weights_as_inputs(base, mine)[0]}
+    wrt = [*mine, *diff_received]
+    if not last:
+        # a loss that does not depend on anything: the backward starts from the seeds alone
+        loss = f"pipeline_stage{stage}_loss"
+        bw = onnx.ModelProto()
+        bw.CopyFrom(base)
+        zero = numpy_helper.from_array(np.array(0, np.float32))
+        bw.graph.node.append(helper.make_node("Constant", [], [loss], value=zero))
+        full = build_gradient_model(bw, loss, wrt, outputs=list(declared), other_ys=seeded)
+        full, initial = _with_weights_as_inputs(full, mine)
+        graphs["forward_train"], graphs["backward"], saved = split_gradient_model(full, bw)
+    else:
+        loss = mp.scaled_loss if mp is not None else params.loss_output_name
+        graphs["backward"], initial = _with_weights_as_inputs(
+            build_gradient_model(base, loss, wrt, outputs=outputs), mine
+        )
+        saved = []
+    sg = StageGraphs(
+        stage, last, graphs, mine, received, diff_received, sends, seeded, saved, outputs, initial
+    )
+    if mine:
+        slots = [
+            WeightSlot(
+                w,
+                f"{w}_grad",
+                tuple(initial[w].shape),
+                inits[w].data_type,
+                dict(params.optimizer_attributes_map.get(w, {})),
+                dict(params.optimizer_int_attributes_map.get(w, {})),
+            )
+            for w in mine
+        ]
+        clip = params.enable_grad_norm_clip
+        # mixed precision always reads the norm: whether every gradient is finite comes from it
+        norm = NORM if clip or mp is not None else None
+        graphs["update"], sg.update_outputs, _, sg.specs = build_update_graph(
+            graphs["backward"], slots, params, opt, clip=clip, norm_input=norm, mp=mp
+        )
+        for sp in sg.specs:
+            initial[sp.name] = sp.initial.copy()
+    return sg
+
+
+def boundary_value(name: str, types: Mapping[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
+    """A stage graph's input or output: its element type and rank, every dimension unnamed (a micro-batch's
+    shape differs from the batch's)."""
+    t = types.get(name)
+    if t is None or not t.HasField("tensor_type") or not t.tensor_type.elem_type:
+        raise ValueError(
+            f"pipeline parallel: the type of {name!r}, which crosses a stage boundary, is unknown "
+            "(ONNX shape inference could not find it)"
+        )
+    rank = len(t.tensor_type.shape.dim) if t.tensor_type.HasField("shape") else None
+    return helper.make_tensor_value_info(
+        name, t.tensor_type.elem_type, [None] * rank if rank is not None else None
+    )
+
+
+def _with_weights_as_inputs(
+    model: onnx.ModelProto, weights: list[str]
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """A copy of ``model`` whose initializers ``weights`` are graph inputs, and their values."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out, _inits_to_inputs(out, weights)
+
+
+def _copy(n: onnx.NodeProto) -> onnx.NodeProto:
+    c = onnx.NodeProto()
+    c.CopyFrom(n)
+    return c
+
+
+def _elem(types: Mapping[str, onnx.TypeProto], name: str) -> int:
+    t = types.get(name)
+    return t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else 0
