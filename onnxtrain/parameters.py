@@ -7,11 +7,9 @@ from typing import Any
 
 import numpy as np
 
-# options onnxtrain does not implement (tensor parallelism):
-# set to anything but their default, they make the session raise NotImplementedError
-NOT_YET: dict[str, Any] = {
-    "horizontal_parallel_size": 1,
-}
+# options onnxtrain does not implement: set to anything but their default, they make the session raise
+# NotImplementedError
+NOT_YET: dict[str, Any] = {}
 # the pipeline's options (onnxtrain/session_pipeline.py); the others mean nothing without stages
 PIPELINE: dict[str, Any] = {
     "pipeline_parallel_size": 1,
@@ -58,6 +56,7 @@ _DEFAULTS: dict[str, Any] = {
     "transformer_layer_recompute": False,
     "number_recompute_layers": 0,
     "recompute_checkpoints": [],  # ours: recompute every activation between these kept tensors
+    "horizontal_parallel_size": 1,
     **NOT_YET,
     **PIPELINE,
 }

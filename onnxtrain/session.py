@@ -64,13 +64,19 @@ class TrainingSession(DataParallelSteps, InferenceSession):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> TrainingSession:
         """A :class:`~onnxtrain.session_pipeline.PipelineTrainingSession` when the parameters ask for
-        pipeline stages (``pipeline_parallel_size > 1``)."""
+        pipeline stages (``pipeline_parallel_size > 1``), a
+        :class:`~onnxtrain.session_horizontal.HorizontalTrainingSession` for split layers
+        (``horizontal_parallel_size > 1``)."""
         params = args[1] if len(args) > 1 else kwargs.get("parameters")
-        pipelined = isinstance(params, TrainingParameters) and params.pipeline_parallel_size > 1
-        if cls is TrainingSession and pipelined:
-            from onnxtrain.session_pipeline import PipelineTrainingSession
+        if cls is TrainingSession and isinstance(params, TrainingParameters):
+            if params.pipeline_parallel_size > 1:
+                from onnxtrain.session_pipeline import PipelineTrainingSession
 
-            cls = PipelineTrainingSession
+                cls = PipelineTrainingSession
+            elif params.horizontal_parallel_size > 1:
+                from onnxtrain.session_horizontal import HorizontalTrainingSession
+
+                cls = HorizontalTrainingSession
         return super().__new__(cls)
 
     def __init__(

@@ -52,13 +52,14 @@ from onnxtrain.optim import get_optimizer
 from onnxtrain.parallel import BucketReducer, get_communicator, world
 from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
-from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs
+from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stage_nodes
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession, check_arguments
 from onnxtrain.training_graph import TRAINING_MODE, select_trainable
 
 # options a pipelined session cannot honour yet: name → its default
 _REFUSED = {
+    "horizontal_parallel_size": 1,
     "gradient_accumulation_steps": 1,
     "deepspeed_zero_stage": 0,
     "enable_adasum": False,
@@ -99,7 +100,7 @@ class PipelineTrainingSession(TrainingSession):
         self._part = partition(
             model, parse_cut_info(p.pipeline_cut_info_string, p.pipeline_parallel_size), p.loss_output_name
         )
-        _check_stage_nodes(model, self._part)
+        check_stage_nodes(model, self._part)
         self._layout(p)
         self._params = p
         self._sess_options = sess_options or SessionOptions()
@@ -163,12 +164,6 @@ class PipelineTrainingSession(TrainingSession):
 
     @staticmethod
     def _check_options(p: TrainingParameters) -> None:
-        pending = [k for k in p.unsupported_options() if k == "horizontal_parallel_size"]
-        if pending:
-            raise NotImplementedError(
-                "TrainingParameters.horizontal_parallel_size > 1 (Megatron tensor parallel) "
-                "is not implemented"
-            )
         refused = [k for k, d in _REFUSED.items() if getattr(p, k) != d]
         if refused:
             raise NotImplementedError(
@@ -573,16 +568,6 @@ class PipelineTrainingSession(TrainingSession):
                 if name not in names:
                     raise ValueError(f"set_optimizer_initial_state: no optimizer state {key!r} for {w!r}")
                 self._assign(name, v)
-
-
-def _check_stage_nodes(model: onnx.ModelProto, part: Partition) -> None:
-    """NotImplementedError naming a training-mode BatchNormalization (its running statistics)."""
-    for n, s in zip(model.graph.node, part.stage_of):
-        if n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute):
-            raise NotImplementedError(
-                f"pipeline stage {s}: training-mode BatchNormalization {n.name or n.output[0]!r} (running "
-                "statistics) is not supported with pipeline_parallel_size > 1"
-            )
 
 
 def _shared_weights(

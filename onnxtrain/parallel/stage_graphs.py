@@ -69,9 +69,11 @@ def build_stage_graphs(
     opt: Optimizer,
     mp: MixedPrecisionInfo | None = None,
     declare_input: Callable[[onnx.ValueInfoProto], onnx.ValueInfoProto] = lambda v: v,
+    with_update: bool = True,
 ) -> StageGraphs:
-    """Stage ``stage``'s graphs and initial state; ``trainable`` lists the whole model's trained weights and
-    ``declare_input`` rewrites a user input's declaration (a micro-batch's shape)."""
+    """Stage ``stage``'s graphs and initial state; ``trainable`` lists the whole model's trained weights,
+    ``declare_input`` rewrites a user input's declaration (a micro-batch's shape) and ``with_update=False``
+    leaves the optimizer to the caller."""
     last = stage == part.stages - 1
     nodes = [_copy(n) for n in part.nodes(model, stage)]
     g = model.graph
@@ -127,7 +129,7 @@ def build_stage_graphs(
     sg = StageGraphs(
         stage, last, graphs, mine, received, diff_received, sends, seeded, saved, outputs, initial
     )
-    if mine:
+    if mine and with_update:
         slots = [
             WeightSlot(
                 w,
@@ -183,3 +185,13 @@ def _copy(n: onnx.NodeProto) -> onnx.NodeProto:
 def _elem(types: Mapping[str, onnx.TypeProto], name: str) -> int:
     t = types.get(name)
     return t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else 0
+
+
+def check_stage_nodes(model: onnx.ModelProto, part: Partition) -> None:
+    """NotImplementedError naming a training-mode BatchNormalization (its running statistics)."""
+    for n, s in zip(model.graph.node, part.stage_of):
+        if n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute):
+            raise NotImplementedError(
+                f"stage {s}: training-mode BatchNormalization {n.name or n.output[0]!r} (running statistics) "
+                "is not supported when a model is cut into stages (pipeline or horizontal parallelism)"
+            )

@@ -1,0 +1,444 @@
+"""The legacy ``TrainingSession`` with ``horizontal_parallel_size > 1``: Megatron's split MLP blocks over MPI.
+
+``TrainingSession(model, params)`` returns a :class:`HorizontalTrainingSession` when the parameters ask for
+``horizontal_parallel_size = H``; launch the script with ``mpiexec -n H``, every rank with the same feeds.
+Each rank keeps its share of every split block's weights (:mod:`onnxtrain.parallel.megatron`) and the other
+weights whole. The model is cut around each block into pieces of plain ONNX graphs
+(:mod:`onnxtrain.parallel.stage_graphs`), run in turn in one process: forward, the ranks summing a block's
+output (``MegatronG``); backward from the loss, the ranks summing the gradient at a block's input
+(``MegatronF``). The gradient norm sums the shares' squares over the ranks; one update graph moves every
+weight of the rank. The weights move as one process's do, within float32 rounding of the split sums.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from onnxtrain.autodiff.builder import upgrade_opset
+from onnxtrain.capi.options import RunOptions, SessionOptions
+from onnxtrain.engine.backends import backend_of, make_plan
+from onnxtrain.engine.backends import resolve_providers as backend_providers
+from onnxtrain.engine.plan import load_model
+from onnxtrain.inference import NodeArg, node_arg
+from onnxtrain.optim import WeightSlot, get_optimizer
+from onnxtrain.parallel import get_communicator, world
+from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
+from onnxtrain.parallel.megatron import find_mlp_blocks, shard_blocks
+from onnxtrain.parallel.pipeline import partition
+from onnxtrain.parallel.stage_graphs import NORM, StageGraphs, build_stage_graphs, check_stage_nodes
+from onnxtrain.parameters import TrainingParameters
+from onnxtrain.session import TrainingSession, check_arguments
+from onnxtrain.training_graph import TRAINING_MODE, build_update_graph, select_trainable
+
+# options a horizontally split session cannot honour yet: name → its default
+_REFUSED = {
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "use_mixed_precision": False,
+    "gradient_accumulation_steps": 1,
+    "deepspeed_zero_stage": 0,
+    "enable_adasum": False,
+    "set_gradients_as_graph_outputs": False,
+    "gelu_recompute": False,
+    "attn_dropout_recompute": False,
+    "transformer_layer_recompute": False,
+    "number_recompute_layers": 0,
+    "recompute_checkpoints": [],
+}
+
+
+class HorizontalTrainingSession(TrainingSession):
+    """One rank's share of a horizontally split legacy training session (see the module docstring)."""
+
+    def __init__(
+        self,
+        path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto,
+        parameters: TrainingParameters,
+        sess_options: SessionOptions | None = None,
+        providers: Sequence[Any] | None = None,
+        provider_options: Sequence[dict] | None = None,
+    ):
+        check_arguments(path_or_bytes, parameters)
+        p = parameters
+        refused = [k for k, d in _REFUSED.items() if getattr(p, k) != d] + p.pipeline_only_options()
+        if refused:
+            raise NotImplementedError(
+                f"TrainingParameters option(s) {', '.join(refused)} do not combine with "
+                "horizontal_parallel_size > 1 yet"
+            )
+        if not p.training_optimizer_name:
+            raise ValueError("horizontal_parallel_size > 1 needs an optimizer (training_optimizer_name)")
+        size = world().size
+        if size != p.horizontal_parallel_size:
+            raise ValueError(
+                f"horizontal_parallel_size={p.horizontal_parallel_size} needs as many MPI ranks, but there "
+                f"are {size}; launch with: mpiexec -n {p.horizontal_parallel_size} python script.py"
+            )
+        self._params = p
+        self._sess_options = sess_options or SessionOptions()
+        self._backend = backend_of(self._sess_options)
+        self._providers, self._provider_options = backend_providers(
+            self._backend, providers, provider_options
+        )
+        self._fallback = True
+        self._dp = None
+        self._zero = None
+        self.loss_scale_input_name = None
+        model = upgrade_opset(load_model(path_or_bytes))
+        self._comm = get_communicator()
+        check_same_on_all_ranks(self._comm, _fingerprint(model, p), "model and horizontal-parallel setup")
+        self._opt = get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
+        trainable = select_trainable(model, p)
+        blocks = find_mlp_blocks(model, trainable, size)
+        if not blocks:
+            warnings.warn(
+                f"horizontal_parallel_size={size}: no MLP block of the model splits over {size} ranks (see "
+                "the README); every rank computes the whole model",
+                stacklevel=3,
+            )
+        self._blocks = blocks
+        sharded, cuts, self._split = shard_blocks(model, blocks, self._comm.rank, size)
+        self._cut_tensors = [c[0].tensor for c in cuts]  # F, G, F, G, ...: after piece 2k an F, 2k+1 a G
+        part = partition(sharded, cuts, p.loss_output_name)
+        check_stage_nodes(sharded, part)
+        self._trainable = [self._split[w][0] if w in self._split else w for w in trainable]
+        self._pieces: list[StageGraphs] = [
+            build_stage_graphs(sharded, part, s, self._trainable, p, self._opt, with_update=False)
+            for s in range(part.stages)
+        ]
+        self._store: dict[str, np.ndarray] = {}
+        for sg in self._pieces:
+            self._store.update(sg.initial)
+        self._build_update(sharded)
+        self._apply_initial_optimizer_state(p.optimizer_initial_state())
+        self._plans: dict[tuple[int, str], Any] = {}
+        self._interface(model)
+        self._check_attribute_maps()
+
+    # ---- construction ----------------------------------------------------------------
+    def _build_update(self, sharded: onnx.ModelProto) -> None:
+        p = self._params
+        inits = {t.name: t for t in sharded.graph.initializer}
+        slots = [
+            WeightSlot(
+                w,
+                f"{w}_grad",
+                tuple(self._store[w].shape),
+                inits[w].data_type,
+                dict(p.optimizer_attributes_map.get(self._original(w), {})),
+                dict(p.optimizer_int_attributes_map.get(self._original(w), {})),
+            )
+            for w in self._trainable
+        ]
+        clip = p.enable_grad_norm_clip
+        self._update_graph, self._update_outputs, _, self._specs = build_update_graph(
+            sharded, slots, p, self._opt, clip=clip, norm_input=NORM if clip else None
+        )
+        for sp in self._specs:
+            self._store[sp.name] = sp.initial.copy()
+
+    def _original(self, name: str) -> str:
+        """The full weight's name of a share (or the name itself)."""
+        return self._shares.get(name, name)
+
+    @property
+    def _shares(self) -> dict[str, str]:
+        return {share: w for w, (share, _, _) in self._split.items()}
+
+    def _interface(self, model: onnx.ModelProto) -> None:
+        p, g = self._params, model.graph
+        inits = {t.name for t in g.initializer}
+        self._model = model
+        self._user_inputs = [v.name for v in g.input if v.name not in inits]
+        self._inputs = [node_arg(v) for v in g.input if v.name not in inits]
+        self._inputs.append(NodeArg(p.lr_params_feed_name, "tensor(float)", [1]))
+        self._overridable = []
+        self._outputs = [node_arg(o) for o in g.output]
+        if p.loss_output_name not in {o.name for o in g.output}:
+            self._outputs.append(NodeArg(p.loss_output_name, "tensor(float)", []))
+        self._output_names = [o.name for o in self._outputs]
+
+    def _plan(self, piece: int, kind: str) -> Any:
+        key = (piece, kind)
+        if key not in self._plans:
+            if piece < 0:
+                updates = {o: s for s, o in self._update_outputs.items()}
+                model = self._update_graph
+            else:
+                updates, model = None, self._pieces[piece].graphs[kind]
+            self._plans[key] = make_plan(
+                model,
+                self._backend,
+                self._providers,
+                self._sess_options,
+                self._provider_options,
+                updates=updates,
+                keep_binding=piece < 0,
+            )
+        return self._plans[key]
+
+    # ---- running -------------------------------------------------------------------------
+    def run(
+        self,
+        output_names: Sequence[str] | None,
+        input_feed: Mapping[str, Any],
+        run_options: RunOptions | None = None,
+    ) -> list[np.ndarray]:
+        """Forward, backward and update (a collective: every rank calls it with the same feeds)."""
+        ro = run_options or RunOptions()
+        names = list(output_names) if output_names else list(self._output_names)
+        for n in names:
+            if n not in self._output_names:
+                raise ValueError(f"unknown output {n!r}; the session's outputs are {self._output_names}")
+        lr_name = self._params.lr_params_feed_name
+        allowed = {*self._user_inputs, lr_name, TRAINING_MODE}
+        feeds = {}
+        for k, v in input_feed.items():
+            if k not in allowed:
+                raise ValueError(f"unknown input {k!r}; the model's inputs are {self._user_inputs}")
+            feeds[k] = np.asarray(v.numpy() if hasattr(v, "numpy") and not isinstance(v, np.ndarray) else v)
+        missing = [n for n in self._user_inputs if n not in feeds]
+        if missing:
+            raise ValueError(f"missing input(s) {missing}; the model's inputs are {self._user_inputs}")
+        dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode)))
+        if ro.only_execute_path_to_fetches:
+            values = self._forward(feeds, dropout, "forward")[0]
+        else:
+            if lr_name not in feeds:
+                raise ValueError(f"missing input {lr_name!r} (the learning rate)")
+            values = self._train_step(feeds, dropout)
+        return [values[n] for n in names]
+
+    def _feeds(self, piece: int, kind: str, values: Mapping[str, Any], dropout: bool) -> dict[str, Any]:
+        plan = self._plan(piece, kind)
+        out: dict[str, Any] = {}
+        for n in plan.all_input_names:
+            if n in values:
+                out[n] = values[n]
+            elif n in self._store:
+                out[n] = self._store[n]
+            elif n == TRAINING_MODE:
+                out[n] = np.asarray(dropout)
+        return out
+
+    def _forward(
+        self, feeds: dict[str, np.ndarray], dropout: bool, kind: str
+    ) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
+        """Every piece but the last (all of them for ``kind="forward"``) forward, a G sum after each block.
+        Returns the values computed and, per piece, the activations its backward reads."""
+        values: dict[str, np.ndarray] = dict(feeds)
+        saved = []
+        count = len(self._pieces) if kind == "forward" else len(self._pieces) - 1
+        for s in range(count):
+            plan = self._plan(s, kind if s < len(self._pieces) - 1 else "forward")
+            names = list(plan.output_names)
+            out = dict(zip(names, plan.run(self._feeds(s, kind, values, dropout), names)))
+            saved.append({n: out.pop(n) for n in self._pieces[s].saved if n in out})
+            values.update(out)
+            if s % 2 == 1 and s < len(self._cut_tensors):  # after a block: its output is the ranks' sum
+                t = self._cut_tensors[s]
+                values[t] = self._comm.allreduce_(np.array(values[t]), f"MegatronG: the sum of {t!r}")
+        return values, saved
+
+    def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:
+        values, saved = self._forward(feeds, dropout, "forward_train")
+        last = len(self._pieces) - 1
+        grads: dict[str, np.ndarray] = {}  # tensor → its gradient so far (weights included)
+        for s in range(last, -1, -1):
+            sg = self._pieces[s]
+            if s < last and s % 2 == 0 and s < len(self._cut_tensors):  # before a block: the ranks' sum
+                t = self._cut_tensors[s]
+                if t in grads:
+                    grads[t] = self._comm.allreduce_(np.array(grads[t]), f"MegatronF: the gradient of {t!r}")
+            given = {**values, **(saved[s] if s < last else {})}
+            for t in sg.seeded:
+                given[f"{t}_grad"] = grads[t] if t in grads else np.zeros_like(values[t])
+            wanted = [
+                *(sg.outputs if s == last else ()),
+                *(f"{x}_grad" for x in (*sg.trainable, *sg.diff_received)),
+            ]
+            plan = self._plan(s, "backward")
+            res = dict(zip(wanted, plan.run(self._feeds(s, "backward", given, dropout), wanted)))
+            if s == last:
+                values.update({n: res[n] for n in sg.outputs})
+            for x in (*sg.trainable, *sg.diff_received):
+                g = res[f"{x}_grad"]
+                grads[x] = grads[x] + g if x in grads else g
+        self._update({w: grads[w] for w in self._trainable}, values[self._params.lr_params_feed_name])
+        return values
+
+    def _update(self, grads: dict[str, np.ndarray], lr: np.ndarray) -> None:
+        p = self._params
+        given: dict[str, Any] = {p.lr_params_feed_name: np.asarray(lr, np.float32).reshape(1)}
+        given.update({f"{w}_grad": g for w, g in grads.items()})
+        if p.enable_grad_norm_clip:
+
+            def sq(v: np.ndarray) -> float:
+                v64 = v.reshape(-1).astype(np.float64)
+                return float(np.dot(v64, v64))
+
+            shares = self._shares
+            whole = sum(sq(g) for w, g in grads.items() if w not in shares)  # the same on every rank
+            split = self._comm.allreduce_scalar(
+                sum(sq(g) for w, g in grads.items() if w in shares), "the gradient norm of the split weights"
+            )
+            given[NORM] = np.asarray(np.sqrt(whole + split), np.float32)
+        plan = self._plan(-1, "update")
+        feeds = {n: self._store[n] if n in self._store else given[n] for n in plan.all_input_names}
+        items = list(self._update_outputs.items())
+        out = plan.run(feeds, [o for _, o in items], donate=[s for s, _ in items if s in feeds])
+        for (state, _), v in zip(items, out):
+            self._store[state] = v
+
+    # ---- state ---------------------------------------------------------------------------
+    def _state_names(self) -> list[str]:
+        return sorted([*self._trainable, *(sp.name for sp in self._specs)])
+
+    def _full_name(self, name: str) -> tuple[str, str | None]:
+        """A state name with the full weight's name, and that weight when ``name`` belongs to a share."""
+        sp = next((sp for sp in self._specs if sp.name == name), None)
+        w = sp.weight if sp is not None else name
+        orig = self._shares.get(w)
+        if orig is None:
+            return name, None
+        return (orig if sp is None else f"{sp.key}_{orig}"), orig
+
+    def gather_state(self) -> dict[str, np.ndarray]:
+        """The state of the whole model under one process's names: each split weight (and its optimizer
+        state) put together from every rank's share. A collective."""
+        mine = self.get_state()
+        parts = self._comm.allgather_object(mine, "gathering the split weights")
+        out: dict[str, np.ndarray] = {}
+        for name, value in mine.items():
+            full, orig = self._full_name(name)
+            if orig is None or value.shape != self._store[self._split[orig][0]].shape:
+                out[full] = value
+                continue
+            axis = self._split[orig][1]
+            local = self._split[orig][0]
+            out[full] = np.concatenate(
+                [
+                    part[
+                        name.replace(local, f"{orig}_{'row' if self._split[orig][2] else 'column'}_rank_{r}")
+                    ]
+                    for r, part in enumerate(parts)
+                ],
+                axis=axis,
+            )
+        return dict(sorted(out.items()))
+
+    def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
+        """This rank's names of ``state``, or the whole model's (as from ``gather_state()``), whose split
+        weights and optimizer state are cut to this rank's share."""
+        size, rank = self._comm.size, self._comm.rank
+        seen = set()
+        for name in self._state_names():
+            full, orig = self._full_name(name)
+            if name in state:
+                self._assign(name, state[name])
+            elif full in state:
+                value = np.asarray(state[full])
+                if orig is not None and value.shape != self._store[name].shape:
+                    axis = self._split[orig][1]
+                    share = value.shape[axis] // size
+                    value = np.take(value, np.arange(rank * share, (rank + 1) * share), axis=axis)
+                self._assign(name, value)
+            else:
+                continue
+            seen.add(name)
+        if strict:
+            missing = sorted(set(self._state_names()) - seen)
+            if missing:
+                raise KeyError(f"load_state(strict=True): missing state tensor(s) {missing}")
+
+    def get_partition_info_map(self) -> dict[str, dict[str, list[int]]]:
+        """For each split weight: its full shape and ``megatron_row_partition`` (0 columns, 1 rows)."""
+        inits = {t.name: t for t in self._model.graph.initializer}
+        return {
+            w: {"original_dim": list(inits[w].dims), "megatron_row_partition": [row]}
+            for w, (_, _, row) in self._split.items()
+        }
+
+    def get_model_state(
+        self, include_mixed_precision_weights: bool = False
+    ) -> dict[str, dict[str, np.ndarray]]:
+        out = {"full_precision": {w: self._store[w].copy() for w in self._trainable}}
+        if include_mixed_precision_weights:
+            out["mixed_precision"] = {}
+        return out
+
+    def _all_optimizer_state_names(self) -> set[str]:
+        return {sp.name for sp in self._specs}
+
+    def is_output_fp32_node(self, output_name: str) -> bool:
+        return _fp32(self._model, output_name)
+
+    def end_profiling(self) -> str:
+        return ""
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((getattr(pl, "peak_bytes", 0) for pl in self._plans.values()), default=0)
+
+    def _check_attribute_maps(self) -> None:
+        p, opt = self._params, self._opt
+        for w in self._trainable:
+            w = self._original(w)
+            for label, mp in (
+                ("optimizer_attributes_map", p.optimizer_attributes_map),
+                ("optimizer_int_attributes_map", p.optimizer_int_attributes_map),
+            ):
+                if mp and w not in mp:
+                    raise ValueError(
+                        f"{label} has no entry for trained weight {w!r} (give every trained weight an entry, "
+                        "possibly {})"
+                    )
+            opt.check_attrs(
+                w, p.optimizer_attributes_map.get(w, {}), p.optimizer_int_attributes_map.get(w, {})
+            )
+
+    def _apply_initial_optimizer_state(self, initial: dict[str, dict[str, np.ndarray]]) -> None:
+        state = {}
+        for w, d in initial.items():
+            for key, v in d.items():
+                state[key if w == "shared_optimizer_state" else f"{key}_{w}"] = v
+        self.load_state(state)
+
+
+def _fp32(model: onnx.ModelProto, output_name: str) -> bool:
+    from onnxtrain.ir.builder import value_types
+
+    if output_name not in {o for n in model.graph.node for o in n.output}:
+        raise ValueError(f"{output_name!r} is not produced by any node of the training graph")
+    t = value_types(model).get(output_name)
+    return t is not None and t.HasField("tensor_type") and t.tensor_type.elem_type == TensorProto.FLOAT
+
+
+def _fingerprint(model: onnx.ModelProto, p: TrainingParameters) -> dict[str, Any]:
+    graph = onnx.GraphProto()
+    graph.CopyFrom(model.graph)
+    del graph.initializer[:]
+    from onnx import numpy_helper
+
+    return {
+        "graph (nodes, inputs, outputs)": digest(graph.SerializeToString(deterministic=True)),
+        "initializers": {t.name: array_digest(numpy_helper.to_array(t)) for t in model.graph.initializer},
+        "horizontal options": repr(
+            [
+                getattr(p, k)
+                for k in (
+                    "horizontal_parallel_size",
+                    "loss_output_name",
+                    "training_optimizer_name",
+                    "enable_grad_norm_clip",
+                )
+            ]
+        ),
+    }
