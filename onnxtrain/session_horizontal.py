@@ -264,6 +264,8 @@ class HorizontalTrainingSession(TrainingSession):
                 *(sg.outputs if s == last else ()),
                 *(f"{x}_grad" for x in (*sg.trainable, *sg.diff_received)),
             ]
+            if not wanted:  # a piece with no weight and nothing to pass back (the Identity before a block)
+                continue
             plan = self._plan(s, "backward")
             res = dict(zip(wanted, plan.run(self._feeds(s, "backward", given, dropout), wanted)))
             if s == last:

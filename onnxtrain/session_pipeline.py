@@ -382,7 +382,6 @@ class PipelineTrainingSession(TrainingSession):
         kept: list[dict[str, np.ndarray]] = []  # per micro-batch: the tensors received, and outputs
         acc: dict[str, np.ndarray] = {}
         outputs: dict[str, np.ndarray] = {}
-        plan = self._get_plan("backward")
         grads = [f"{w}_grad" for w in self._sg.trainable]
         rgrads = [f"{r}_grad" for r in self._sg.diff_received]
         if not last:
@@ -402,11 +401,17 @@ class PipelineTrainingSession(TrainingSession):
             extra = {f"{t}_grad": seeds[t] for t in self._sg.seeded}
             if not last:
                 extra.update(kept[k].pop("saved"))  # freed once this micro-batch's backward has run
-            res = dict(
-                zip(
-                    wanted,
-                    plan.run(self._stage_feeds("backward", micro[k], received, dropout, extra), wanted),
+            res = (  # a first stage without weights has nothing to compute or pass back
+                dict(
+                    zip(
+                        wanted,
+                        self._get_plan("backward").run(
+                            self._stage_feeds("backward", micro[k], received, dropout, extra), wanted
+                        ),
+                    )
                 )
+                if wanted
+                else {}
             )
             for gname in grads:
                 acc[gname] = res[gname] if k == 0 else acc[gname] + res[gname]

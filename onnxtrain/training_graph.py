@@ -437,7 +437,7 @@ def _emit_update(
                 s.divisor = clip_divisor(w, norm, _max_norm_clip(s, opt))
     specs = _state_inputs(opt, slots, inputs)
     new_w, new_s = opt.emit(w, slots, p.lr_params_feed_name, {sp.name: sp.name for sp in specs})
-    _add_update_outputs(slots, specs, new_w, new_s, outputs, upd)
+    _add_update_outputs(w, slots, specs, new_w, new_s, outputs, upd)
     return specs
 
 
@@ -469,7 +469,7 @@ def _emit_mixed_precision_update(
     flag = w.emit("Identity", [flag], [w.names(ALL_FINITE)])[0] if flag != ALL_FINITE else flag
     outputs.append(helper.make_tensor_value_info(flag, TensorProto.BOOL, []))
     extras.append(flag)
-    _add_update_outputs(slots, specs, new_w, new_s, outputs, upd)
+    _add_update_outputs(w, slots, specs, new_w, new_s, outputs, upd)
     return specs
 
 
@@ -501,6 +501,7 @@ def _state_inputs(opt: Optimizer, slots: list[WeightSlot], inputs: list) -> list
 
 
 def _add_update_outputs(
+    w: NodeWriter,
     slots: list[WeightSlot],
     specs: list[StateSpec],
     new_w: dict[str, str],
@@ -508,13 +509,19 @@ def _add_update_outputs(
     outputs: list,
     upd: dict[str, str],
 ) -> None:
+    """Declare the new weights and state as outputs. A scalar weight's update broadcasts against the [1]
+    learning rate and norms: it goes back to its empty shape (else it would grow to [1] at the first step)."""
     for s in slots:
         o = new_w[s.name]
+        if not s.shape:
+            o = w.one("Reshape", o, w.ints([]))
         outputs.append(helper.make_tensor_value_info(o, s.elem_type, list(s.shape)))
         upd[s.name] = o
     dtypes = {sp.name: sp.initial for sp in specs}
     for sname, o in new_s.items():
         init = dtypes[sname]
+        if not init.shape:
+            o = w.one("Reshape", o, w.ints([]))
         outputs.append(
             helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(init.dtype), list(init.shape))
         )

@@ -80,13 +80,18 @@ def find_mlp_blocks(model: onnx.ModelProto, trainable: list[str], size: int) -> 
     for k, n in enumerate(nodes):
         for i in dict.fromkeys(x for x in node_reads(n) if x):
             readers.setdefault(i, []).append(k)
-    scalars = {t.name: numpy_helper.to_array(t) for t in g.initializer if int(np.prod(t.dims)) == 1}
+    wanted = set(trainable)
+    # constants an activation may read: one value, not trained (a trained one would need its gradient summed)
+    scalars = {
+        t.name: numpy_helper.to_array(t)
+        for t in g.initializer
+        if int(np.prod(t.dims)) == 1 and t.name not in wanted
+    }
     for n in nodes:
         value = n.attribute[0].t if n.op_type == "Constant" and n.attribute[0].name == "value" else None
         if value is not None and int(np.prod(value.dims)) == 1:
             scalars[n.output[0]] = numpy_helper.to_array(value)
     outputs = {o.name for o in g.output}
-    wanted = set(trainable)
 
     def weight(name: str, rank: int) -> bool:
         return name in wanted and len(inits[name].dims) == rank and len(readers.get(name, [])) == 1

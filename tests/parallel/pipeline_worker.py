@@ -1,4 +1,4 @@
-"""Run under ``mpiexec -n STAGES``: legacy sessions cut into pipeline stages, one per rank.
+"""Run under ``mpiexec -n N``: legacy sessions cut into pipeline stages, or with split MLP blocks.
 
 ``python pipeline_worker.py OUT.npz CASE[,CASE...]`` trains each case of ``CASES`` whose stage count equals
 the number of ranks for ``STEPS`` steps, on the backend ``$ONNXTRAIN_TEST_BACKEND`` names (default numpy),
@@ -115,6 +115,45 @@ def dropout_model() -> onnx.ModelProto:
     return m
 
 
+def gelu_blocks_model(seed: int = 11) -> onnx.ModelProto:
+    """Two MLP blocks as torch exports them (MatMul + bias Add, the erf GELU chain; then Tanh), with a
+    residual around the first: both split over two ranks."""
+    rng = np.random.default_rng(seed)
+    shapes = (
+        ("W1", (8, 16)),
+        ("b1", (16,)),
+        ("W2", (16, 8)),
+        ("b2", (8,)),
+        ("W3", (8, 16)),
+        ("W4", (16, 4)),
+        ("b4", (4,)),
+    )
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n) for n, s in shapes]
+    consts = [  # Constant nodes, as torch writes them: not trained
+        helper.make_node("Constant", [], [n], value=numpy_helper.from_array(np.float32(v)))
+        for n, v in (("sqrt2", 1.4142135), ("one", 1.0), ("half", 0.5))
+    ]
+    nodes = [
+        *consts,
+        helper.make_node("MatMul", ["x", "W1"], ["m1"]),
+        helper.make_node("Add", ["m1", "b1"], ["a1"]),
+        helper.make_node("Div", ["a1", "sqrt2"], ["d1"]),
+        helper.make_node("Erf", ["d1"], ["e1"]),
+        helper.make_node("Add", ["e1", "one"], ["p1"]),
+        helper.make_node("Mul", ["a1", "p1"], ["q1"]),
+        helper.make_node("Mul", ["q1", "half"], ["g1"]),
+        helper.make_node("MatMul", ["g1", "W2"], ["m2"]),
+        helper.make_node("Add", ["m2", "b2"], ["o1"]),
+        helper.make_node("Add", ["o1", "x"], ["r1"]),
+        helper.make_node("MatMul", ["r1", "W3"], ["m3"]),
+        helper.make_node("Tanh", ["m3"], ["t3"]),
+        helper.make_node("MatMul", ["t3", "W4"], ["m4"]),
+        helper.make_node("Add", ["m4", "b4"], ["logits"]),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"]),
+    ]
+    return _classifier(nodes, "gelu_blocks", 4, inits)
+
+
 # name → (model, stages, cut, micro-batches, optimizer, clip attributes)
 CASES = {
     "adam2": (mlp_model, 2, "hr", 2, "AdamOptimizer", False),
@@ -144,12 +183,21 @@ CASES = {
     "adam2_mp_clip": (mlp_model, 2, "hr", 2, "AdamOptimizer", True),
     "lamb2_mp_overflow": (mlp_model, 2, "hr", 2, "LambOptimizer", False),
 }
+# horizontal (Megatron) parallelism over two ranks: one stage, the MLP blocks split
+CASES.update(
+    {
+        "adam_h2_clip": (mlp_model, 1, "", 1, "AdamOptimizer", True),
+        "adam_h2_gelu_blocks": (gelu_blocks_model, 1, "", 1, "AdamOptimizer", True),
+        "sgd_h2_torch_transformer": CASES["sgd2_torch_transformer"][:1] + (1, "", 1, "SGDOptimizer", False),
+    }
+)
+HORIZONTAL = {"adam_h2_clip": 2, "adam_h2_gelu_blocks": 2, "sgd_h2_torch_transformer": 2}
 REPLICAS = {"adam2x2_tied_clip": 2}  # data-parallel replicas of the pipeline (default 1)
 LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30}  # the mixed-precision cases' loss scale
 
 
 def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingParameters:
-    """The case's options: pipelined, or one process accumulating the same micro-batches."""
+    """The case's options: distributed (``pipelined``), or one process accumulating the same micro-batches."""
     _, stages, cut, micro, opt, clip = CASES[case]
     p = TrainingParameters()
     p.loss_output_name = "loss"
@@ -158,7 +206,9 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
         p.optimizer_attributes_map = {t.name: dict(CLIP) for t in model.graph.initializer if t.dims}
     replicas = REPLICAS.get(case, 1)
     p.use_mixed_precision = case in LOSS_SCALE
-    if pipelined:
+    if pipelined and case in HORIZONTAL:
+        p.horizontal_parallel_size = HORIZONTAL[case]
+    elif pipelined:
         p.pipeline_parallel_size = stages
         p.pipeline_cut_info_string = cut
         p.num_pipeline_micro_batches = micro
@@ -198,7 +248,7 @@ def main(out: str, cases: list[str]) -> None:
     for case in cases:
         build, stages, *_ = CASES[case]
         replicas = REPLICAS.get(case, 1)
-        if stages * replicas != world().size:
+        if stages * replicas * HORIZONTAL.get(case, 1) != world().size:
             continue
         model = build()
         so = SessionOptions()
@@ -206,7 +256,12 @@ def main(out: str, cases: list[str]) -> None:
         if backend:
             so.add_session_config_entry("onnxtrain.backend", backend)
         sess = TrainingSession(model.SerializeToString(), parameters(case, model, True), so)
-        for graph in sess._sg.graphs.values():  # every graph a stage runs is standard, checked ONNX
+        graphs = (
+            [g for sg in sess._pieces for g in sg.graphs.values()] + [sess._update_graph]
+            if case in HORIZONTAL
+            else list(sess._sg.graphs.values())
+        )
+        for graph in graphs:  # every graph a rank runs is standard, checked ONNX
             onnx.checker.check_model(graph, full_check=True)
         losses = []
         for step, feeds in enumerate(case_feeds(case, STEPS)):
@@ -214,7 +269,9 @@ def main(out: str, cases: list[str]) -> None:
                 state = sess.gather_state()
                 sess = TrainingSession(model.SerializeToString(), parameters(case, model, True), so)
                 sess.load_state(state, strict=True)
-            mine = {n: np.split(v, replicas)[sess.data_parallel_rank] for n, v in feeds.items()}
+            mine = {
+                n: np.split(v, replicas)[getattr(sess, "data_parallel_rank", 0)] for n, v in feeds.items()
+            }
             (loss,) = sess.run(["loss"], {**mine, **scale_feed(case), "Learning_Rate": LR})
             losses.append(float(loss))
         ro = RunOptions()

@@ -86,7 +86,7 @@ def test_cross_key_checks(write_config):
     with pytest.raises(ConfigError, match=r"^training.parameters.use_fancy_mode: unknown key"):
         load_config(write_config({**MLP, "training": {"epochs": 1, "parameters": {"use_fancy_mode": True}}}))
     stages = {"pipeline_parallel_size": 2, "pipeline_cut_info_string": "h"}
-    with pytest.raises(ConfigError, match=r"^training.parameters.pipeline_parallel_size: the main job splits"):
+    with pytest.raises(ConfigError, match=r"^training.parameters.pipeline_parallel_size: the main job"):
         load_config(write_config({**MLP, "training": {"epochs": 1, "parameters": stages}}))
 
 

@@ -1,0 +1,113 @@
+"""Horizontal (Megatron) parallelism of the legacy session: MLP blocks split over ``mpiexec -n 2`` train as
+one process does (within float32 rounding of the split sums); which blocks split; the errors."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+
+from onnxtrain import TrainingParameters, TrainingSession
+from onnxtrain.parallel.megatron import find_mlp_blocks, shard_blocks
+from onnxtrain.parallel.pipeline import partition
+from tests.parallel.pipeline_worker import gelu_blocks_model, tied_model
+from tests.parallel.test_pipeline import compare, pipelined
+from tests.session.helpers import mlp_model
+
+
+@pytest.mark.mpi
+def test_split_blocks_train_as_one_process(tmp_path) -> None:
+    got = pipelined(tmp_path, ["adam_h2_clip", "adam_h2_gelu_blocks"], 2)
+    # rank r holds columns/rows [8r, 8r + 8) of the 16 hidden units; the sums of the two halves round
+    # differently from one product over all 16
+    compare(got, "adam_h2_clip", 2e-6)
+    compare(got, "adam_h2_gelu_blocks", 2e-6)
+
+
+@pytest.mark.mpi
+def test_torch_exported_transformer_feed_forward_split(tmp_path) -> None:
+    pytest.importorskip("torch")
+    from tests.models import export
+
+    model, _, _ = export("transformer_encoder", training=True, with_loss=True, dropout=0.0)
+    path = tmp_path / "transformer.onnx"
+    onnx.save(model, path)
+    got = pipelined(tmp_path, ["sgd_h2_torch_transformer"], 2, env={"PIPELINE_TORCH_MODEL": str(path)})
+    os.environ["PIPELINE_TORCH_MODEL"] = str(path)
+    try:
+        compare(got, "sgd_h2_torch_transformer", 2e-6)
+    finally:
+        del os.environ["PIPELINE_TORCH_MODEL"]
+
+
+@pytest.mark.mpi
+def test_onnxruntime_backend_split_blocks(tmp_path) -> None:
+    pytest.importorskip("onnxruntime")
+    got = pipelined(tmp_path, ["adam_h2_clip"], 2, env={"ONNXTRAIN_TEST_BACKEND": "onnxruntime"})
+    compare(got, "adam_h2_clip", 1e-5)
+
+
+# ---- which blocks split (one process) ---------------------------------------------------------------------
+def test_blocks_found_and_their_shares() -> None:
+    m = mlp_model()  # Gemm(transB) → Relu → Gemm(transB), hidden 16
+    (b,) = find_mlp_blocks(m, ["W1", "b1", "W2", "b2"], 2)
+    assert (b.w1, b.w1_axis, b.b1, b.w2, b.w2_axis, b.hidden) == ("W1", 0, "b1", "W2", 1, 16)
+    sharded, cuts, split = shard_blocks(m, [b], 1, 2)
+    assert split == {
+        "W1": ("W1_column_rank_1", 0, 0),
+        "b1": ("b1_column_rank_1", 0, 0),
+        "W2": ("W2_row_rank_1", 1, 1),
+    }
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in sharded.graph.initializer}
+    full = {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
+    assert np.array_equal(inits["W1_column_rank_1"], full["W1"][8:]) and np.array_equal(
+        inits["W2_row_rank_1"], full["W2"][:, 8:]
+    )
+    assert [c[0].tensor for c in cuts] == ["x_megatron_f0", "logits_megatron_g0"]
+    # the second Gemm's bias is added after the ranks' sum, once
+    assert [n.op_type for n in sharded.graph.node] == [
+        "Identity",
+        "Gemm",
+        "Relu",
+        "Gemm",
+        "Add",
+        "SoftmaxCrossEntropyLoss",
+    ]
+    assert partition(sharded, cuts, "loss").stage_of == [0, 1, 1, 1, 2, 2]
+    onnx.checker.check_model(sharded, full_check=True)
+
+
+def test_which_blocks_do_not_split() -> None:
+    weights = ["W1", "b1", "W2", "b2"]
+    assert find_mlp_blocks(mlp_model(), weights, 3) == []  # 16 hidden units over 3 ranks
+    assert find_mlp_blocks(mlp_model(), ["W1", "b1", "b2"], 2) == []  # W2 not trained
+    assert find_mlp_blocks(tied_model(), ["E", "b"], 2) == []  # E is read twice
+    two = find_mlp_blocks(gelu_blocks_model(), ["W1", "b1", "W2", "b2", "W3", "W4", "b4"], 2)
+    assert [(b.w1, b.b1, b.w2) for b in two] == [("W1", "b1", "W2"), ("W3", None, "W4")]
+    # a trained scalar in the activation (its gradient would be each rank's part): that block stays whole
+    m = gelu_blocks_model()
+    m.graph.initializer.append(onnx.numpy_helper.from_array(np.float32(0.5), "gain"))
+    next(n for n in m.graph.node if n.output[0] == "g1").input[1] = "gain"
+    one = find_mlp_blocks(m, ["W1", "b1", "W2", "b2", "W3", "W4", "b4", "gain"], 2)
+    assert [b.w1 for b in one] == ["W3"]
+
+
+def test_horizontal_session_errors_in_one_process() -> None:
+    def params(**kw) -> TrainingParameters:
+        p = TrainingParameters()
+        p.loss_output_name = "loss"
+        p.training_optimizer_name = "AdamOptimizer"
+        p.horizontal_parallel_size = 2
+        for k, v in kw.items():
+            setattr(p, k, v)
+        return p
+
+    model = mlp_model().SerializeToString()
+    with pytest.raises(ValueError, match="launch with: mpiexec -n 2"):
+        TrainingSession(model, params())
+    with pytest.raises(NotImplementedError, match="use_mixed_precision do not combine"):
+        TrainingSession(model, params(use_mixed_precision=True))
+    with pytest.raises(NotImplementedError, match="horizontal_parallel_size do not combine"):
+        TrainingSession(model, params(pipeline_parallel_size=2, pipeline_cut_info_string="hr"))
