@@ -19,22 +19,19 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto
 
 from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.capi.options import RunOptions, SessionOptions
-from onnxtrain.engine.backends import backend_of, make_plan
-from onnxtrain.engine.backends import resolve_providers as backend_providers
+from onnxtrain.engine.backends import make_plan
 from onnxtrain.engine.plan import load_model
-from onnxtrain.inference import NodeArg, node_arg
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import get_communicator, world
-from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
+from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.megatron import find_mlp_blocks, shard_blocks
 from onnxtrain.parallel.pipeline import partition
 from onnxtrain.parallel.stage_graphs import NORM, StageGraphs, build_stage_graphs, check_stage_nodes
-from onnxtrain.parameters import TrainingParameters
-from onnxtrain.session import TrainingSession, check_arguments
+from onnxtrain.parameters import PIPELINE, TrainingParameters
+from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint
 from onnxtrain.training_graph import TRAINING_MODE, build_update_graph, select_trainable
 
 # options a horizontally split session cannot honour yet: name → its default
@@ -45,17 +42,21 @@ _REFUSED = {
     "gradient_accumulation_steps": 1,
     "deepspeed_zero_stage": 0,
     "enable_adasum": False,
-    "set_gradients_as_graph_outputs": False,
-    "gelu_recompute": False,
-    "attn_dropout_recompute": False,
-    "transformer_layer_recompute": False,
-    "number_recompute_layers": 0,
-    "recompute_checkpoints": [],
+    **{k: d for k, d in PIPELINE.items() if k != "pipeline_parallel_size"},
+    **RECOMPUTE,
 }
+_OPTIONS = (
+    "horizontal_parallel_size",
+    "loss_output_name",
+    "training_optimizer_name",
+    "enable_grad_norm_clip",
+)
 
 
-class HorizontalTrainingSession(TrainingSession):
+class HorizontalTrainingSession(CutModelSession):
     """One rank's share of a horizontally split legacy training session (see the module docstring)."""
+
+    what = "horizontal_parallel_size > 1"
 
     def __init__(
         self,
@@ -65,35 +66,19 @@ class HorizontalTrainingSession(TrainingSession):
         providers: Sequence[Any] | None = None,
         provider_options: Sequence[dict] | None = None,
     ):
-        check_arguments(path_or_bytes, parameters)
+        self._setup(path_or_bytes, parameters, _REFUSED, sess_options, providers, provider_options)
         p = parameters
-        refused = [k for k, d in _REFUSED.items() if getattr(p, k) != d] + p.pipeline_only_options()
-        if refused:
-            raise NotImplementedError(
-                f"TrainingParameters option(s) {', '.join(refused)} do not combine with "
-                "horizontal_parallel_size > 1 yet"
-            )
-        if not p.training_optimizer_name:
-            raise ValueError("horizontal_parallel_size > 1 needs an optimizer (training_optimizer_name)")
         size = world().size
         if size != p.horizontal_parallel_size:
             raise ValueError(
                 f"horizontal_parallel_size={p.horizontal_parallel_size} needs as many MPI ranks, but there "
                 f"are {size}; launch with: mpiexec -n {p.horizontal_parallel_size} python script.py"
             )
-        self._params = p
-        self._sess_options = sess_options or SessionOptions()
-        self._backend = backend_of(self._sess_options)
-        self._providers, self._provider_options = backend_providers(
-            self._backend, providers, provider_options
-        )
-        self._fallback = True
-        self._dp = None
-        self._zero = None
-        self.loss_scale_input_name = None
         model = upgrade_opset(load_model(path_or_bytes))
         self._comm = get_communicator()
-        check_same_on_all_ranks(self._comm, _fingerprint(model, p), "model and horizontal-parallel setup")
+        check_same_on_all_ranks(
+            self._comm, model_fingerprint(model, p, _OPTIONS), "model and horizontal setup"
+        )
         self._opt = get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
         trainable = select_trainable(model, p)
         blocks = find_mlp_blocks(model, trainable, size)
@@ -118,7 +103,6 @@ class HorizontalTrainingSession(TrainingSession):
             self._store.update(sg.initial)
         self._build_update(sharded)
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
-        self._plans: dict[tuple[int, str], Any] = {}
         self._interface(model)
         self._check_attribute_maps()
 
@@ -145,25 +129,14 @@ class HorizontalTrainingSession(TrainingSession):
             self._store[sp.name] = sp.initial.copy()
 
     def _original(self, name: str) -> str:
-        """The full weight's name of a share (or the name itself)."""
         return self._shares.get(name, name)
+
+    def _trained(self) -> list[str]:
+        return self._trainable
 
     @property
     def _shares(self) -> dict[str, str]:
         return {share: w for w, (share, _, _) in self._split.items()}
-
-    def _interface(self, model: onnx.ModelProto) -> None:
-        p, g = self._params, model.graph
-        inits = {t.name for t in g.initializer}
-        self._model = model
-        self._user_inputs = [v.name for v in g.input if v.name not in inits]
-        self._inputs = [node_arg(v) for v in g.input if v.name not in inits]
-        self._inputs.append(NodeArg(p.lr_params_feed_name, "tensor(float)", [1]))
-        self._overridable = []
-        self._outputs = [node_arg(o) for o in g.output]
-        if p.loss_output_name not in {o.name for o in g.output}:
-            self._outputs.append(NodeArg(p.loss_output_name, "tensor(float)", []))
-        self._output_names = [o.name for o in self._outputs]
 
     def _plan(self, piece: int, kind: str) -> Any:
         key = (piece, kind)
@@ -193,20 +166,9 @@ class HorizontalTrainingSession(TrainingSession):
     ) -> list[np.ndarray]:
         """Forward, backward and update (a collective: every rank calls it with the same feeds)."""
         ro = run_options or RunOptions()
-        names = list(output_names) if output_names else list(self._output_names)
-        for n in names:
-            if n not in self._output_names:
-                raise ValueError(f"unknown output {n!r}; the session's outputs are {self._output_names}")
+        names = self._output_list(output_names)
         lr_name = self._params.lr_params_feed_name
-        allowed = {*self._user_inputs, lr_name, TRAINING_MODE}
-        feeds = {}
-        for k, v in input_feed.items():
-            if k not in allowed:
-                raise ValueError(f"unknown input {k!r}; the model's inputs are {self._user_inputs}")
-            feeds[k] = np.asarray(v.numpy() if hasattr(v, "numpy") and not isinstance(v, np.ndarray) else v)
-        missing = [n for n in self._user_inputs if n not in feeds]
-        if missing:
-            raise ValueError(f"missing input(s) {missing}; the model's inputs are {self._user_inputs}")
+        feeds = self._checked(input_feed)
         dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode)))
         if ro.only_execute_path_to_fetches:
             values = self._forward(feeds, dropout, "forward")[0]
@@ -300,9 +262,6 @@ class HorizontalTrainingSession(TrainingSession):
             self._store[state] = v
 
     # ---- state ---------------------------------------------------------------------------
-    def _state_names(self) -> list[str]:
-        return sorted([*self._trainable, *(sp.name for sp in self._specs)])
-
     def _full_name(self, name: str) -> tuple[str, str | None]:
         """A state name with the full weight's name, and that weight when ``name`` belongs to a share."""
         sp = next((sp for sp in self._specs if sp.name == name), None)
@@ -368,79 +327,9 @@ class HorizontalTrainingSession(TrainingSession):
             for w, (_, _, row) in self._split.items()
         }
 
-    def get_model_state(
-        self, include_mixed_precision_weights: bool = False
-    ) -> dict[str, dict[str, np.ndarray]]:
-        out = {"full_precision": {w: self._store[w].copy() for w in self._trainable}}
-        if include_mixed_precision_weights:
-            out["mixed_precision"] = {}
-        return out
-
-    def _all_optimizer_state_names(self) -> set[str]:
-        return {sp.name for sp in self._specs}
-
-    def is_output_fp32_node(self, output_name: str) -> bool:
-        return _fp32(self._model, output_name)
-
-    def end_profiling(self) -> str:
-        return ""
-
-    @property
-    def peak_bytes(self) -> int:
-        return max((getattr(pl, "peak_bytes", 0) for pl in self._plans.values()), default=0)
-
-    def _check_attribute_maps(self) -> None:
-        p, opt = self._params, self._opt
-        for w in self._trainable:
-            w = self._original(w)
-            for label, mp in (
-                ("optimizer_attributes_map", p.optimizer_attributes_map),
-                ("optimizer_int_attributes_map", p.optimizer_int_attributes_map),
-            ):
-                if mp and w not in mp:
-                    raise ValueError(
-                        f"{label} has no entry for trained weight {w!r} (give every trained weight an entry, "
-                        "possibly {})"
-                    )
-            opt.check_attrs(
-                w, p.optimizer_attributes_map.get(w, {}), p.optimizer_int_attributes_map.get(w, {})
-            )
-
     def _apply_initial_optimizer_state(self, initial: dict[str, dict[str, np.ndarray]]) -> None:
         state = {}
         for w, d in initial.items():
             for key, v in d.items():
                 state[key if w == "shared_optimizer_state" else f"{key}_{w}"] = v
         self.load_state(state)
-
-
-def _fp32(model: onnx.ModelProto, output_name: str) -> bool:
-    from onnxtrain.ir.builder import value_types
-
-    if output_name not in {o for n in model.graph.node for o in n.output}:
-        raise ValueError(f"{output_name!r} is not produced by any node of the training graph")
-    t = value_types(model).get(output_name)
-    return t is not None and t.HasField("tensor_type") and t.tensor_type.elem_type == TensorProto.FLOAT
-
-
-def _fingerprint(model: onnx.ModelProto, p: TrainingParameters) -> dict[str, Any]:
-    graph = onnx.GraphProto()
-    graph.CopyFrom(model.graph)
-    del graph.initializer[:]
-    from onnx import numpy_helper
-
-    return {
-        "graph (nodes, inputs, outputs)": digest(graph.SerializeToString(deterministic=True)),
-        "initializers": {t.name: array_digest(numpy_helper.to_array(t)) for t in model.graph.initializer},
-        "horizontal options": repr(
-            [
-                getattr(p, k)
-                for k in (
-                    "horizontal_parallel_size",
-                    "loss_output_name",
-                    "training_optimizer_name",
-                    "enable_grad_norm_clip",
-                )
-            ]
-        ),
-    }

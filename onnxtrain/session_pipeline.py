@@ -30,50 +30,50 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.capi.options import RunOptions, SessionOptions
-from onnxtrain.engine.backends import backend_of, make_plan
-from onnxtrain.engine.backends import resolve_providers as backend_providers
+from onnxtrain.engine.backends import make_plan
 from onnxtrain.engine.plan import load_model
 from onnxtrain.graph_transforms.mixed_precision import (
     ALL_FINITE,
-    MixedPrecisionInfo,
-    half_copies,
     mixed_precision,
     mixed_precision_info,
 )
-from onnxtrain.inference import NodeArg, node_arg
-from onnxtrain.ir.builder import value_types
 from onnxtrain.ir.graphs import node_reads
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import get_optimizer
 from onnxtrain.parallel import BucketReducer, get_communicator, world
-from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
+from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stage_nodes
 from onnxtrain.parameters import TrainingParameters
-from onnxtrain.session import TrainingSession, check_arguments
+from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint
 from onnxtrain.training_graph import TRAINING_MODE, select_trainable
 
 # options a pipelined session cannot honour yet: name → its default
 _REFUSED = {
     "horizontal_parallel_size": 1,
-    "gradient_accumulation_steps": 1,
+    "gradient_accumulation_steps": 1,  # the micro-batches are the gradient accumulation
     "deepspeed_zero_stage": 0,
     "enable_adasum": False,
-    "set_gradients_as_graph_outputs": False,
-    "gelu_recompute": False,
-    "attn_dropout_recompute": False,
-    "transformer_layer_recompute": False,
-    "number_recompute_layers": 0,
-    "recompute_checkpoints": [],
+    **RECOMPUTE,
 }
+_OPTIONS = (
+    "pipeline_parallel_size",
+    "pipeline_cut_info_string",
+    "num_pipeline_micro_batches",
+    "loss_output_name",
+    "training_optimizer_name",
+    "enable_grad_norm_clip",
+    "use_mixed_precision",
+)
 
 
-class PipelineTrainingSession(TrainingSession):
+class PipelineTrainingSession(CutModelSession):
     """One pipeline stage of a legacy training session (see the module docstring)."""
+
+    what = "pipeline_parallel_size > 1"
 
     def __init__(
         self,
@@ -83,14 +83,12 @@ class PipelineTrainingSession(TrainingSession):
         providers: Sequence[Any] | None = None,
         provider_options: Sequence[dict] | None = None,
     ):
-        check_arguments(path_or_bytes, parameters)
+        self._setup(path_or_bytes, parameters, _REFUSED, sess_options, providers, provider_options)
         p = parameters
-        self._check_options(p)
         self._micro = p.num_pipeline_micro_batches
         if isinstance(self._micro, bool) or not isinstance(self._micro, int) or self._micro < 1:
             raise ValueError(f"num_pipeline_micro_batches must be an int >= 1, got {self._micro!r}")
         model = upgrade_opset(load_model(path_or_bytes))
-        self._mp: MixedPrecisionInfo | None = None
         if p.use_mixed_precision:  # the whole model first: its casts of the weights run where they are read
             model = mixed_precision(model, p.loss_output_name, p.mixed_precision_dtype)
             self._mp = mixed_precision_info(model)
@@ -102,22 +100,13 @@ class PipelineTrainingSession(TrainingSession):
         )
         check_stage_nodes(model, self._part)
         self._layout(p)
-        self._params = p
-        self._sess_options = sess_options or SessionOptions()
         if self._sess_options.enable_profiling:
             warnings.warn(
                 "SessionOptions.enable_profiling: a pipelined session records no profile yet", stacklevel=3
             )
-        self._backend = backend_of(self._sess_options)
-        self._providers, self._provider_options = backend_providers(
-            self._backend, providers, provider_options
-        )
-        self._fallback = True
-        self._dp = None
-        self._zero = None
         self.loss_scale_input_name = self._mp.loss_scale if self._mp is not None else None
         world_comm = get_communicator()
-        check_same_on_all_ranks(world_comm, _fingerprint(model, p), "model and pipeline setup")
+        check_same_on_all_ranks(world_comm, model_fingerprint(model, p, _OPTIONS), "model and pipeline setup")
         # rank = stage · D + replica, as the legacy layout (data-parallel index fastest)
         replica, stage = world_comm.rank % self._replicas, world_comm.rank // self._replicas
         self._comm = (
@@ -161,22 +150,6 @@ class PipelineTrainingSession(TrainingSession):
             )
         self._replicas = replicas
         self.data_parallel_size = replicas
-
-    @staticmethod
-    def _check_options(p: TrainingParameters) -> None:
-        refused = [k for k, d in _REFUSED.items() if getattr(p, k) != d]
-        if refused:
-            raise NotImplementedError(
-                f"TrainingParameters option(s) {', '.join(refused)} do not combine with "
-                "pipeline_parallel_size > 1 yet (the micro-batches are the gradient "
-                "accumulation)"
-            )
-        if not p.training_optimizer_name:
-            raise ValueError("pipeline_parallel_size > 1 needs an optimizer (training_optimizer_name)")
-        if not p.loss_output_name:
-            raise ValueError(
-                "TrainingParameters.loss_output_name is empty: name the loss tensor of the model"
-            )
 
     def _build_stage(self, model: onnx.ModelProto, trainable: list[str]) -> None:
         p, g = self._params, model.graph
@@ -224,25 +197,6 @@ class PipelineTrainingSession(TrainingSession):
             dims[axis].dim_param = "micro_batch"
         return out
 
-    def _interface(self, model: onnx.ModelProto) -> None:
-        p, g = self._params, model.graph
-        inits = {t.name for t in g.initializer}
-        self._model = model
-        self._inputs = [node_arg(v) for v in g.input if v.name not in inits]
-        self._inputs.append(NodeArg(p.lr_params_feed_name, "tensor(float)", [1]))
-        self._overridable = []
-        self._outputs = [node_arg(o) for o in g.output]
-        if p.loss_output_name not in {o.name for o in g.output}:
-            self._outputs.append(NodeArg(p.loss_output_name, "tensor(float)", []))
-        if self._mp is not None:
-            self._outputs.append(NodeArg(ALL_FINITE, "tensor(bool)", []))
-        self._output_names = [o.name for o in self._outputs]
-        self._dtypes = {
-            v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
-            for v in g.input
-            if v.name not in inits and v.type.HasField("tensor_type")
-        }
-
     def _get_plan(self, kind: str) -> Any:
         if kind not in self._plans:
             updates = {o: s for s, o in self._sg.update_outputs.items()} if kind == "update" else None
@@ -272,10 +226,7 @@ class PipelineTrainingSession(TrainingSession):
         """One optimizer step over all micro-batches (or, with ``training_mode`` False, a forward pass);
         a collective: every rank calls it with the same feeds. Returns the last micro-batch's outputs."""
         ro = run_options or RunOptions()
-        names = list(output_names) if output_names else list(self._output_names)
-        for n in names:
-            if n not in self._output_names:
-                raise ValueError(f"unknown output {n!r}; the session's outputs are {self._output_names}")
+        names = self._output_list(output_names)
         feeds = self._checked(input_feed)
         # as the single-process session: a run updates unless it asks for the forward's outputs alone;
         # ``training_mode`` (run options, or fed) switches Dropout in the last stage
@@ -292,22 +243,6 @@ class PipelineTrainingSession(TrainingSession):
         ):
             got.update(part)
         return [got[n] for n in names]
-
-    def _checked(self, input_feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        allowed = set(self._user_inputs) | {self._params.lr_params_feed_name, TRAINING_MODE}
-        out: dict[str, np.ndarray] = {}
-        for name, v in input_feed.items():
-            if name not in allowed:
-                raise ValueError(f"unknown input {name!r}; the model's inputs are {self._user_inputs}")
-            a = np.asarray(v.numpy() if hasattr(v, "numpy") and not isinstance(v, np.ndarray) else v)
-            want = np.dtype(bool) if name == TRAINING_MODE else self._dtypes.get(name)
-            if want is not None and a.dtype != want:
-                raise TypeError(f"input {name!r}: expected dtype {want}, got {a.dtype}")
-            out[name] = a
-        missing = [n for n in self._user_inputs if n not in out]
-        if missing:
-            raise ValueError(f"missing input(s) {missing}; the model's inputs are {self._user_inputs}")
-        return out
 
     def _micro_feeds(self, feeds: dict[str, np.ndarray], count: int) -> list[dict[str, np.ndarray]]:
         """``feeds`` cut into ``count`` micro-batches (the sliced inputs; the others go to every one)."""
@@ -493,9 +428,6 @@ class PipelineTrainingSession(TrainingSession):
             at += n
 
     # ---- state --------------------------------------------------------------------------
-    def _state_names(self) -> list[str]:
-        return sorted([*self._sg.trainable, *(sp.name for sp in self._specs)])
-
     def gather_state(self) -> dict[str, np.ndarray]:
         """Every stage's weights and optimizer state, on every rank (a collective), e.g. for rank 0 to write a
         complete checkpoint that :meth:`load_state` of any stage accepts."""
@@ -519,49 +451,11 @@ class PipelineTrainingSession(TrainingSession):
                     f"load_state(strict=True): missing state tensor(s) {missing} of stage {self._stage}"
                 )
 
-    def _all_optimizer_state_names(self) -> set[str]:
-        return {sp.name for sp in self._specs}
-
-    def get_model_state(
-        self, include_mixed_precision_weights: bool = False
-    ) -> dict[str, dict[str, np.ndarray]]:
-        out = {"full_precision": {w: self._store[w].copy() for w in self._sg.trainable}}
-        if include_mixed_precision_weights:
-            mp = self._mp
-            out["mixed_precision"] = {} if mp is None else half_copies(out["full_precision"], mp.dtype)
-        return out
-
     def get_partition_info_map(self) -> dict[str, dict[str, list[int]]]:
         return {}
 
-    def is_output_fp32_node(self, output_name: str) -> bool:
-        types = value_types(self._model)
-        if output_name not in {o for n in self._model.graph.node for o in n.output}:
-            raise ValueError(f"{output_name!r} is not produced by any node of the training graph")
-        return _elem(types, output_name) == TensorProto.FLOAT
-
-    def end_profiling(self) -> str:
-        return ""
-
-    @property
-    def peak_bytes(self) -> int:
-        return max((getattr(pl, "peak_bytes", 0) for pl in self._plans.values()), default=0)
-
-    def _check_attribute_maps(self) -> None:
-        p, opt = self._params, self._opt
-        for w in self._sg.trainable:
-            for label, mp in (
-                ("optimizer_attributes_map", p.optimizer_attributes_map),
-                ("optimizer_int_attributes_map", p.optimizer_int_attributes_map),
-            ):
-                if mp and w not in mp:
-                    raise ValueError(
-                        f"{label} has no entry for trained weight {w!r} (give every trained weight "
-                        "an entry, possibly {})"
-                    )
-            opt.check_attrs(
-                w, p.optimizer_attributes_map.get(w, {}), p.optimizer_int_attributes_map.get(w, {})
-            )
+    def _trained(self) -> list[str]:
+        return self._sg.trainable
 
     def _apply_initial_optimizer_state(self, initial: dict[str, dict[str, np.ndarray]]) -> None:
         names = {sp.name for sp in self._specs}
@@ -586,31 +480,3 @@ def _shared_weights(
             if i in wanted:
                 stages.setdefault(i, set()).update(part.runs(k))
     return {w: tuple(sorted(v)) for w, v in sorted(stages.items()) if len(v) > 1}
-
-
-def _fingerprint(model: onnx.ModelProto, p: TrainingParameters) -> dict[str, Any]:
-    graph = onnx.GraphProto()
-    graph.CopyFrom(model.graph)
-    del graph.initializer[:]
-    return {
-        "graph (nodes, inputs, outputs)": digest(graph.SerializeToString(deterministic=True)),
-        "initializers": {t.name: array_digest(numpy_helper.to_array(t)) for t in model.graph.initializer},
-        "pipeline options": repr(
-            [
-                getattr(p, k)
-                for k in (
-                    "pipeline_parallel_size",
-                    "pipeline_cut_info_string",
-                    "num_pipeline_micro_batches",
-                    "loss_output_name",
-                    "training_optimizer_name",
-                    "enable_grad_norm_clip",
-                )
-            ]
-        ),
-    }
-
-
-def _elem(types: Mapping[str, onnx.TypeProto], name: str) -> int:
-    t = types.get(name)
-    return t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else 0

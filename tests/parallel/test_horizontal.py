@@ -3,8 +3,6 @@ one process does (within float32 rounding of the split sums); which blocks split
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import onnx
 import pytest
@@ -13,7 +11,7 @@ from onnxtrain import TrainingParameters, TrainingSession
 from onnxtrain.parallel.megatron import find_mlp_blocks, shard_blocks
 from onnxtrain.parallel.pipeline import partition
 from tests.parallel.pipeline_worker import gelu_blocks_model, tied_model
-from tests.parallel.test_pipeline import compare, pipelined
+from tests.parallel.test_pipeline import compare, pipelined, torch_transformer_case
 from tests.session.helpers import mlp_model
 
 
@@ -27,19 +25,8 @@ def test_split_blocks_train_as_one_process(tmp_path) -> None:
 
 
 @pytest.mark.mpi
-def test_torch_exported_transformer_feed_forward_split(tmp_path) -> None:
-    pytest.importorskip("torch")
-    from tests.models import export
-
-    model, _, _ = export("transformer_encoder", training=True, with_loss=True, dropout=0.0)
-    path = tmp_path / "transformer.onnx"
-    onnx.save(model, path)
-    got = pipelined(tmp_path, ["sgd_h2_torch_transformer"], 2, env={"PIPELINE_TORCH_MODEL": str(path)})
-    os.environ["PIPELINE_TORCH_MODEL"] = str(path)
-    try:
-        compare(got, "sgd_h2_torch_transformer", 2e-6)
-    finally:
-        del os.environ["PIPELINE_TORCH_MODEL"]
+def test_torch_exported_transformer_feed_forward_split(tmp_path, monkeypatch) -> None:
+    torch_transformer_case(tmp_path, monkeypatch, "sgd_h2_torch_transformer", 2e-6)
 
 
 @pytest.mark.mpi

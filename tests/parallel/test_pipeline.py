@@ -106,23 +106,24 @@ def test_two_stages_times_two_data_parallel_replicas(tmp_path) -> None:
     compare(got, "adam2x2_tied_clip", 1e-6)
 
 
-@pytest.mark.mpi
-def test_torch_exported_transformer_cut_after_its_attention(tmp_path) -> None:
-    """torch's export shares initializers through Identity nodes and constants between layers: the shared
-    weights' gradients are summed over the stages, the constants computed on both sides of the cut."""
+def torch_transformer_case(tmp_path, monkeypatch, case: str, tol: float) -> None:
+    """Run ``case`` on torch's export of a transformer encoder layer (dropout 0) and compare with one
+    process (the worker and the reference read the model from ``$PIPELINE_TORCH_MODEL``)."""
     pytest.importorskip("torch")
     from tests.models import export
 
     model, _, _ = export("transformer_encoder", training=True, with_loss=True, dropout=0.0)
     path = tmp_path / "transformer.onnx"
     onnx.save(model, path)
-    env = {"PIPELINE_TORCH_MODEL": str(path)}
-    got = pipelined(tmp_path, ["sgd2_torch_transformer"], 2, env=env)
-    os.environ["PIPELINE_TORCH_MODEL"] = str(path)
-    try:
-        compare(got, "sgd2_torch_transformer", 1e-6)
-    finally:
-        del os.environ["PIPELINE_TORCH_MODEL"]
+    monkeypatch.setenv("PIPELINE_TORCH_MODEL", str(path))
+    compare(pipelined(tmp_path, [case], 2, env={"PIPELINE_TORCH_MODEL": str(path)}), case, tol)
+
+
+@pytest.mark.mpi
+def test_torch_exported_transformer_cut_after_its_attention(tmp_path, monkeypatch) -> None:
+    """torch's export shares initializers through Identity nodes and constants between layers: the shared
+    weights' gradients are summed over the stages, the constants computed on both sides of the cut."""
+    torch_transformer_case(tmp_path, monkeypatch, "sgd2_torch_transformer", 1e-6)
 
 
 @pytest.mark.mpi

@@ -1,0 +1,194 @@
+"""What the legacy sessions that cut a model over MPI ranks share (pipeline stages, split layers).
+
+:class:`CutModelSession` keeps the legacy ``TrainingSession`` surface for a rank that holds a part of the
+model: the session options and backend, the model's interface (its inputs, the learning rate, its outputs),
+the feed checks, the optimizer attribute checks and the introspection methods. The subclasses
+(:mod:`onnxtrain.session_pipeline`, :mod:`onnxtrain.session_horizontal`) build their graphs and run them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.capi.options import SessionOptions
+from onnxtrain.engine.backends import backend_of
+from onnxtrain.engine.backends import resolve_providers as backend_providers
+from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE
+from onnxtrain.inference import NodeArg, node_arg
+from onnxtrain.ir.builder import value_types
+from onnxtrain.parallel.fingerprint import array_digest, digest
+from onnxtrain.parameters import TrainingParameters
+from onnxtrain.session import TrainingSession, check_arguments
+from onnxtrain.training_graph import TRAINING_MODE
+
+# options no cut session honours yet: name → its default (each subclass adds its own)
+RECOMPUTE = {
+    "set_gradients_as_graph_outputs": False,
+    "gelu_recompute": False,
+    "attn_dropout_recompute": False,
+    "transformer_layer_recompute": False,
+    "number_recompute_layers": 0,
+    "recompute_checkpoints": [],
+}
+
+
+class CutModelSession(TrainingSession):
+    """A legacy training session whose rank holds a part of the model (see the module docstring)."""
+
+    what = "this parallelism"  # names the mode in errors
+
+    def _setup(
+        self,
+        path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto,
+        parameters: TrainingParameters,
+        refused: Mapping[str, Any],
+        sess_options: SessionOptions | None,
+        providers: Sequence[Any] | None,
+        provider_options: Sequence[dict] | None,
+    ) -> None:
+        """Check the arguments and the options ``refused`` (name → default); keep options and backend."""
+        check_arguments(path_or_bytes, parameters)
+        p = parameters
+        bad = [k for k, d in refused.items() if getattr(p, k) != d]
+        if bad:
+            raise NotImplementedError(
+                f"TrainingParameters option(s) {', '.join(bad)} do not combine with {self.what} yet"
+            )
+        if not p.training_optimizer_name:
+            raise ValueError(f"{self.what} needs an optimizer (training_optimizer_name)")
+        if not p.loss_output_name:
+            raise ValueError(
+                "TrainingParameters.loss_output_name is empty: name the loss tensor of the model"
+            )
+        self._params = p
+        self._sess_options = sess_options or SessionOptions()
+        self._backend = backend_of(self._sess_options)
+        self._providers, self._provider_options = backend_providers(
+            self._backend, providers, provider_options
+        )
+        self._fallback = True
+        self._dp = None
+        self._zero = None
+        self.loss_scale_input_name = None
+        self._mp = None
+        self._plans: dict[Any, Any] = {}
+
+    def _interface(self, model: onnx.ModelProto) -> None:
+        """The whole model's inputs (and the learning rate) and outputs, as one process's session has."""
+        p, g = self._params, model.graph
+        inits = {t.name for t in g.initializer}
+        self._model = model
+        self._user_inputs = [v.name for v in g.input if v.name not in inits]
+        self._inputs = [node_arg(v) for v in g.input if v.name not in inits]
+        self._inputs.append(NodeArg(p.lr_params_feed_name, "tensor(float)", [1]))
+        self._overridable = []
+        self._outputs = [node_arg(o) for o in g.output]
+        if p.loss_output_name not in {o.name for o in g.output}:
+            self._outputs.append(NodeArg(p.loss_output_name, "tensor(float)", []))
+        if self._mp is not None:
+            self._outputs.append(NodeArg(ALL_FINITE, "tensor(bool)", []))
+        self._output_names = [o.name for o in self._outputs]
+        self._dtypes = {
+            v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
+            for v in g.input
+            if v.name not in inits and v.type.HasField("tensor_type")
+        }
+
+    def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
+        names = list(output_names) if output_names else list(self._output_names)
+        for n in names:
+            if n not in self._output_names:
+                raise ValueError(f"unknown output {n!r}; the session's outputs are {self._output_names}")
+        return names
+
+    def _checked(self, input_feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """The feeds as arrays, checked by name and dtype (all the model's inputs are required)."""
+        allowed = set(self._user_inputs) | {self._params.lr_params_feed_name, TRAINING_MODE}
+        out: dict[str, np.ndarray] = {}
+        for name, v in input_feed.items():
+            if name not in allowed:
+                raise ValueError(f"unknown input {name!r}; the model's inputs are {self._user_inputs}")
+            a = np.asarray(v.numpy() if hasattr(v, "numpy") and not isinstance(v, np.ndarray) else v)
+            want = np.dtype(bool) if name == TRAINING_MODE else self._dtypes.get(name)
+            if want is not None and a.dtype != want:
+                raise TypeError(f"input {name!r}: expected dtype {want}, got {a.dtype}")
+            out[name] = a
+        missing = [n for n in self._user_inputs if n not in out]
+        if missing:
+            raise ValueError(f"missing input(s) {missing}; the model's inputs are {self._user_inputs}")
+        return out
+
+    def _original(self, name: str) -> str:
+        """The model's name of a weight this rank holds under another (a split weight's share)."""
+        return name
+
+    def _check_attribute_maps(self) -> None:
+        p, opt = self._params, self._opt
+        for held in self._trained():
+            w = self._original(held)
+            for label, m in (
+                ("optimizer_attributes_map", p.optimizer_attributes_map),
+                ("optimizer_int_attributes_map", p.optimizer_int_attributes_map),
+            ):
+                if m and w not in m:
+                    raise ValueError(
+                        f"{label} has no entry for trained weight {w!r} (give every trained weight an entry, "
+                        "possibly {})"
+                    )
+            opt.check_attrs(
+                w, p.optimizer_attributes_map.get(w, {}), p.optimizer_int_attributes_map.get(w, {})
+            )
+
+    def _trained(self) -> list[str]:
+        """The trained weights this rank holds (by the names it holds them under)."""
+        raise NotImplementedError
+
+    def _state_names(self) -> list[str]:
+        return sorted([*self._trained(), *(sp.name for sp in self._specs)])
+
+    def _all_optimizer_state_names(self) -> set[str]:
+        return {sp.name for sp in self._specs}
+
+    def get_model_state(
+        self, include_mixed_precision_weights: bool = False
+    ) -> dict[str, dict[str, np.ndarray]]:
+        from onnxtrain.graph_transforms.mixed_precision import half_copies
+
+        out = {"full_precision": {w: self._store[w].copy() for w in self._trained()}}
+        if include_mixed_precision_weights:
+            mp = self._mp
+            out["mixed_precision"] = {} if mp is None else half_copies(out["full_precision"], mp.dtype)
+        return out
+
+    def is_output_fp32_node(self, output_name: str) -> bool:
+        if output_name not in {o for n in self._model.graph.node for o in n.output}:
+            raise ValueError(f"{output_name!r} is not produced by any node of the training graph")
+        t = value_types(self._model).get(output_name)
+        return t is not None and t.HasField("tensor_type") and t.tensor_type.elem_type == TensorProto.FLOAT
+
+    def end_profiling(self) -> str:
+        return ""
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((getattr(pl, "peak_bytes", 0) for pl in self._plans.values()), default=0)
+
+
+def model_fingerprint(
+    model: onnx.ModelProto, p: TrainingParameters, options: Sequence[str]
+) -> dict[str, Any]:
+    """What every rank must hold identically: the graph, the initializers and ``options`` (digests)."""
+    graph = onnx.GraphProto()
+    graph.CopyFrom(model.graph)
+    del graph.initializer[:]
+    return {
+        "graph (nodes, inputs, outputs)": digest(graph.SerializeToString(deterministic=True)),
+        "initializers": {t.name: array_digest(numpy_helper.to_array(t)) for t in model.graph.initializer},
+        "training parameters": repr([getattr(p, k) for k in options]),
+    }
