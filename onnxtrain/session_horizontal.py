@@ -91,7 +91,13 @@ class HorizontalTrainingSession(CutModelSession):
         self._blocks = blocks
         sharded, cuts, self._split = shard_blocks(model, blocks, self._comm.rank, size)
         self._cut_tensors = [c[0].tensor for c in cuts]  # F, G, F, G, ...: after piece 2k an F, 2k+1 a G
-        part = partition(sharded, cuts, p.loss_output_name)
+        try:
+            part = partition(sharded, cuts, p.loss_output_name)
+        except ValueError as e:  # the blocks side by side, or the loss inside one
+            raise NotImplementedError(
+                f"horizontal parallelism splits MLP blocks that follow one another, with the loss after the "
+                f"last: {', '.join(b.w1 for b in blocks)} do not ({e})"
+            ) from None
         check_stage_nodes(sharded, part)
         self._trainable = [self._split[w][0] if w in self._split else w for w in trainable]
         self._pieces: list[StageGraphs] = [

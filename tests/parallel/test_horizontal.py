@@ -98,3 +98,42 @@ def test_horizontal_session_errors_in_one_process() -> None:
         TrainingSession(model, params(use_mixed_precision=True))
     with pytest.raises(NotImplementedError, match="horizontal_parallel_size do not combine"):
         TrainingSession(model, params(pipeline_parallel_size=2, pipeline_cut_info_string="hr"))
+
+
+def test_blocks_side_by_side_cannot_be_cut_in_turn() -> None:
+    """Two blocks reading the same input: the pieces between the cuts cannot run one after the other (the
+    session turns this into a NotImplementedError naming the blocks)."""
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    rng = np.random.default_rng(0)
+    inits = [
+        onnx.numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n)
+        for n, s in (("W1", (8, 16)), ("W2", (16, 4)), ("W3", (8, 16)), ("W4", (16, 4)))
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["a"]),
+        helper.make_node("Relu", ["a"], ["ar"]),
+        helper.make_node("MatMul", ["ar", "W2"], ["la"]),
+        helper.make_node("MatMul", ["x", "W3"], ["b"]),
+        helper.make_node("Relu", ["b"], ["br"]),
+        helper.make_node("MatMul", ["br", "W4"], ["lb"]),
+        helper.make_node("Add", ["la", "lb"], ["logits"]),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"]),
+    ]
+    g = helper.make_graph(
+        nodes,
+        "heads",
+        [
+            helper.make_tensor_value_info("x", T.FLOAT, ["N", 8]),
+            helper.make_tensor_value_info("y", T.INT64, ["N"]),
+        ],
+        [helper.make_tensor_value_info("loss", T.FLOAT, [])],
+        inits,
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    blocks = find_mlp_blocks(m, ["W1", "W2", "W3", "W4"], 2)
+    assert [b.w1 for b in blocks] == ["W1", "W3"]
+    sharded, cuts, _ = shard_blocks(m, blocks, 0, 2)
+    with pytest.raises(ValueError, match="cut 2 separates stage 2 from stage 3"):
+        partition(sharded, cuts, "loss")
