@@ -37,7 +37,7 @@ def torch_run(model: onnx.ModelProto, opt_name: str, steps: list, lr: float) -> 
         loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(y))
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, {k: v.detach().numpy() for k, v in w.items()}
 
 
