@@ -14,14 +14,21 @@ from onnxtrain.engine.ort_rewrites import rewrite_for_onnxruntime
 ort = pytest.importorskip("onnxruntime")
 
 
-def pool_model(c: int = 3, h: int = 8, w: int = 8, elem: int = TensorProto.FLOAT, opset: int = 17,
-               **attrs) -> onnx.ModelProto:
+def pool_model(
+    c: int = 3, h: int = 8, w: int = 8, elem: int = TensorProto.FLOAT, opset: int = 17, **attrs
+) -> onnx.ModelProto:
     """X (dynamic batch) → MaxPool → (Y, Indices), both graph outputs."""
     attrs = {"kernel_shape": [2, 2], "strides": [2, 2], **attrs}
     node = helper.make_node("MaxPool", ["x"], ["y", "i"], name="pool", **attrs)
-    g = helper.make_graph([node], "pool", [helper.make_tensor_value_info("x", elem, ["N", c, h, w])],
-                          [helper.make_tensor_value_info("y", elem, None),
-                           helper.make_tensor_value_info("i", TensorProto.INT64, None)])
+    g = helper.make_graph(
+        [node],
+        "pool",
+        [helper.make_tensor_value_info("x", elem, ["N", c, h, w])],
+        [
+            helper.make_tensor_value_info("y", elem, None),
+            helper.make_tensor_value_info("i", TensorProto.INT64, None),
+        ],
+    )
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
     return onnx.shape_inference.infer_shapes(model)
 
@@ -31,12 +38,15 @@ def run(model: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
     return sess.run(None, {"x": x})
 
 
-@pytest.mark.parametrize("shape,kernel,elem,opset", [
-    ((4, 3, 8, 8), [2, 2], TensorProto.FLOAT, 17),
-    ((1, 6, 28, 28), [2, 2], TensorProto.FLOAT, 13),
-    ((3, 2, 9, 6), [3, 2], TensorProto.FLOAT, 11),
-    ((2, 2, 6, 6), [3, 3], TensorProto.DOUBLE, 21),
-])
+@pytest.mark.parametrize(
+    "shape,kernel,elem,opset",
+    [
+        ((4, 3, 8, 8), [2, 2], TensorProto.FLOAT, 17),
+        ((1, 6, 28, 28), [2, 2], TensorProto.FLOAT, 13),
+        ((3, 2, 9, 6), [3, 2], TensorProto.FLOAT, 11),
+        ((2, 2, 6, 6), [3, 3], TensorProto.DOUBLE, 21),
+    ],
+)
 def test_tiling_max_pool_indices_by_argmax_equal_onnxruntimes_own(shape, kernel, elem, opset) -> None:
     """Windows that tile the input: the Indices come from ArgMax, equal to MaxPool's own (ties included:
     the first maximum in row-major window order), for several batch sizes of one graph, at opsets 11-21."""
@@ -54,16 +64,19 @@ def test_tiling_max_pool_indices_by_argmax_equal_onnxruntimes_own(shape, kernel,
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("attrs,size", [
-    ({"kernel_shape": [3, 3], "strides": [2, 2]}, 9),  # overlapping windows
-    ({"pads": [1, 1, 1, 1]}, 8),
-    ({}, 9),  # the last row and column are in no window
-    ({"ceil_mode": 1}, 9),
-    ({"dilations": [2, 2], "strides": [2, 2]}, 8),
-    ({"storage_order": 1}, 8),
-    ({"auto_pad": "SAME_UPPER"}, 8),
-    ({"opset": 10}, 8),  # no Range before opset 11
-])
+@pytest.mark.parametrize(
+    "attrs,size",
+    [
+        ({"kernel_shape": [3, 3], "strides": [2, 2]}, 9),  # overlapping windows
+        ({"pads": [1, 1, 1, 1]}, 8),
+        ({}, 9),  # the last row and column are in no window
+        ({"ceil_mode": 1}, 9),
+        ({"dilations": [2, 2], "strides": [2, 2]}, 8),
+        ({"storage_order": 1}, 8),
+        ({"auto_pad": "SAME_UPPER"}, 8),
+        ({"opset": 10}, 8),  # no Range before opset 11
+    ],
+)
 def test_other_pools_are_left_alone(attrs, size) -> None:
     model = pool_model(h=size, w=size, **attrs)
     assert rewrite_for_onnxruntime(model) is model
@@ -122,3 +135,65 @@ def test_unused_indices_are_dropped() -> None:
     assert [n.op_type for n in new.graph.node] == ["MaxPool"] and list(new.graph.node[0].output) == ["y"]
     x = np.random.default_rng(3).standard_normal((2, 3, 9, 9)).astype(np.float32)
     np.testing.assert_array_equal(run(model, x)[0], run(new, x)[0])
+
+
+def where_model(
+    elem: int = TensorProto.FLOAT, zero: float = 0.0, zero_first: bool = False
+) -> onnx.ModelProto:
+    """dx = Where(x > 0, dy, 0) (or Where(x <= 0, 0, dy)): the ReLU gradient, zero a constant initializer."""
+    np_t = helper.tensor_dtype_to_np_dtype(elem)
+    cmp = helper.make_node("LessOrEqual" if zero_first else "Greater", ["x", "z"], ["m"])
+    where = helper.make_node("Where", ["m", "z", "dy"] if zero_first else ["m", "dy", "z"], ["dx"], name="w")
+    g = helper.make_graph(
+        [cmp, where],
+        "relu_grad",
+        [
+            helper.make_tensor_value_info("x", elem, ["N", 5]),
+            helper.make_tensor_value_info("dy", elem, ["N", 5]),
+        ],
+        [helper.make_tensor_value_info("dx", elem, ["N", 5])],
+        [onnx.numpy_helper.from_array(np.array(zero, np_t), "z")],
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+@pytest.mark.parametrize(
+    "elem,zero_first",
+    [
+        (TensorProto.FLOAT, False),
+        (TensorProto.FLOAT, True),
+        (TensorProto.DOUBLE, False),
+        (TensorProto.FLOAT16, False),
+    ],
+)
+def test_where_with_a_zero_becomes_a_mask_multiply(elem: int, zero_first: bool) -> None:
+    model = where_model(elem, zero_first=zero_first)
+    new = rewrite_for_onnxruntime(model)
+    onnx.checker.check_model(new, full_check=True)
+    ops = [n.op_type for n in new.graph.node]
+    assert "Where" not in ops and ops[-1] == "Mul" and ("Not" in ops) == zero_first, ops
+    rng = np.random.default_rng(3)
+    np_t = helper.tensor_dtype_to_np_dtype(elem)
+    x = rng.standard_normal((7, 5)).astype(np_t)
+    x[0] = 0  # the boundary: x = 0 is masked by Greater
+    dy = rng.standard_normal((7, 5)).astype(np_t)
+    feeds = {"x": x, "dy": dy}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )[0]
+    got = ort.InferenceSession(new.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[
+        0
+    ]
+    np.testing.assert_array_equal(got, want)  # -0 where a negative dy is masked: equal to +0
+    # the documented difference: a masked infinite value becomes NaN (0·inf) where Where gives 0
+    dy[1, 0], x[1, 0] = np.inf, -1
+    got = ort.InferenceSession(new.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[
+        0
+    ]
+    assert np.isnan(got[1, 0])
+
+
+def test_where_with_another_constant_stays() -> None:
+    for zero in (1.0, -0.0):
+        model = where_model(zero=zero)
+        assert rewrite_for_onnxruntime(model) is model
