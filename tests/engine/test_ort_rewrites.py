@@ -45,6 +45,7 @@ def run(model: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
         ((1, 6, 28, 28), [2, 2], TensorProto.FLOAT, 13),
         ((3, 2, 9, 6), [3, 2], TensorProto.FLOAT, 11),
         ((2, 2, 6, 6), [3, 3], TensorProto.DOUBLE, 21),
+        ((2, 2, 8, 6), [4, 2], TensorProto.FLOAT, 17),  # four rows: the offset from the table
     ],
 )
 def test_tiling_max_pool_indices_by_argmax_equal_onnxruntimes_own(shape, kernel, elem, opset) -> None:
