@@ -7,11 +7,12 @@ are the first maximum of each window in row-major window order, which is what ``
 window's elements returns; so the pool keeps only ``Y`` and the Indices are rebuilt as
 
     window = Reshape(Transpose(Reshape(X, [N, C, H/kh, kh, W/kw, kw]), [0, 1, 2, 4, 3, 5]), [..., kh·kw])
-    Indices = Gather(offset, ArgMax(window, -1)) + base[c, i, j] + n·C·H·W
+    Indices = offset(ArgMax(window, -1)) + base[c, i, j] + n·C·H·W
 
-with ``offset[a]`` the flat offset of window element ``a`` in X (``(a // kw)·W + a % kw``) and ``base`` the
-flat position of each window's first element. onnxruntime's integer Div and Mod are slow (406 µs for
-LeNet's 75 K indices), hence the table. Measured on LeNet's pools: 508 → 230 µs and 345 → 80 µs.
+with ``offset(a)`` the flat offset of window element ``a`` in X (``a + (a // kw)·(W − kw)``, the row
+``a // kw`` found by comparisons: onnxruntime's integer Div is slow, and so is a Gather from a table of
+the offsets; see :func:`_window_offset`) and ``base`` the flat position of each window's first element.
+Measured on LeNet's pools: 508 → 230 µs and 345 → 80 µs with the table.
 Indices that nothing reads are simply dropped, whatever the windows.
 
 ``Where(mask, x, 0)`` with a constant zero (the ReLU gradient, masked gradients) takes onnxruntime's generic
