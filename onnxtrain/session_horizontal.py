@@ -90,6 +90,7 @@ class HorizontalTrainingSession(CutModelSession):
             )
         self._blocks = blocks
         sharded, cuts, self._split = shard_blocks(model, blocks, self._comm.rank, size)
+        self._shares = {share: w for w, (share, _, _) in self._split.items()}  # share's name → the weight's
         self._cut_tensors = [c[0].tensor for c in cuts]  # F, G, F, G, ...: after piece 2k an F, 2k+1 a G
         try:
             part = partition(sharded, cuts, p.loss_output_name)
@@ -140,9 +141,6 @@ class HorizontalTrainingSession(CutModelSession):
     def _trained(self) -> list[str]:
         return self._trainable
 
-    @property
-    def _shares(self) -> dict[str, str]:
-        return {share: w for w, (share, _, _) in self._split.items()}
 
     def _plan(self, piece: int, kind: str) -> Any:
         key = (piece, kind)
