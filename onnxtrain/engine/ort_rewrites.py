@@ -78,8 +78,13 @@ def _mask_multiplies(model: onnx.ModelProto) -> onnx.ModelProto:
         nodes.append(
             helper.make_node("Mul", [x, as_float], list(n.output), name=n.name or names("Where_Mul"))
         )
+    # the zeros only the Wheres read go too (onnxruntime warns of unused initializers and constants)
+    read = {i for n in nodes for i in node_reads(n)} | {o.name for o in out.graph.output}
+    nodes = [n for n in nodes if not (n.op_type == "Constant" and n.output[0] in zeros - read)]
     del out.graph.node[:]
     out.graph.node.extend(nodes)
+    for t in [t for t in out.graph.initializer if t.name in zeros - read]:
+        out.graph.initializer.remove(t)
     return out
 
 

@@ -198,3 +198,22 @@ def test_where_with_another_constant_stays() -> None:
     for zero in (1.0, -0.0):
         model = where_model(zero=zero)
         assert rewrite_for_onnxruntime(model) is model
+
+
+def test_a_zero_only_the_where_read_goes_with_it() -> None:
+    """The Constant zero of a gradient's Where is read by nothing once it is a Mul: it goes too (onnxruntime
+    would warn that it removes an unused initializer)."""
+    zero = helper.make_node("Constant", [], ["zero"], value=onnx.numpy_helper.from_array(np.float32(0)))
+    cmp = helper.make_node("Greater", ["x", "x0"], ["m"])
+    where = helper.make_node("Where", ["m", "dy", "zero"], ["dx"])
+    g = helper.make_graph(
+        [zero, cmp, where],
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3]) for n in ("x", "x0", "dy")],
+        [helper.make_tensor_value_info("dx", TensorProto.FLOAT, [3])],
+    )
+    new = rewrite_for_onnxruntime(
+        helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    )
+    assert [n.op_type for n in new.graph.node] == ["Greater", "Cast", "Mul"]
+    onnx.checker.check_model(new, full_check=True)
