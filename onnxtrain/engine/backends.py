@@ -28,6 +28,7 @@ import onnx
 from onnxtrain.engine.donation import check_fed, donatable
 from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.ort_rewrites import rewrite_for_onnxruntime
+from onnxtrain.engine.parallel import default_width, local_ranks
 from onnxtrain.engine.plan import EngineError, GraphInterface, Plan, ProfileEvent
 
 BACKENDS = ("numpy", "onnxruntime")
@@ -251,6 +252,10 @@ class OrtPlan(GraphInterface):
             value = getattr(options, key, None)
             if isinstance(value, int) and value > 0:
                 setattr(so, key, value)
+        intra = getattr(options, "intra_op_num_threads", None)
+        if not (isinstance(intra, int) and intra > 0) and local_ranks() > 1:
+            # MPI ranks sharing a host: each takes its share of the CPUs, as the numpy engine and its BLAS do
+            so.intra_op_num_threads = default_width()
         # onnxruntime's memory planning, as the caller set it (training graphs run one shape per step, so
         # enable_mem_pattern=False lowers the peak without slowing the step: see the README)
         for key in ("enable_mem_pattern", "enable_mem_reuse", "enable_cpu_mem_arena"):

@@ -42,11 +42,16 @@ def default_width() -> int:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
         cpus = os.cpu_count() or 1
+    return max(1, cpus // local_ranks())
+
+
+def local_ranks() -> int:
+    """How many ranks of an MPI job run on this host (1 outside one)."""
     for key in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
         ranks = os.environ.get(key, "")
         if ranks.isdigit() and int(ranks) > 0:
-            return max(1, cpus // int(ranks))
-    return cpus
+            return int(ranks)
+    return 1
 
 
 def width() -> int:

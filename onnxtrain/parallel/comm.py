@@ -95,6 +95,9 @@ def get_communicator() -> Communicator:
     with _LOCK:
         if _COMM is None:
             _COMM = Communicator(_import_mpi().COMM_WORLD)
+            from onnxtrain.engine.blas import share_blas_threads_among_ranks
+
+            share_blas_threads_among_ranks()  # ranks sharing a host must not each take every CPU
         return _COMM
 
 

@@ -227,6 +227,14 @@ def main() -> None:
             saved[f"helpers/{w.rank}/avg{k}"] = a
             saved[f"helpers/{w.rank}/inplace{k}"] = b
         saved[f"helpers/{w.rank}/world"] = np.array(tuple(w))
+        # the ranks share the host's CPUs: OpenBLAS's thread count and the engine's width are each rank's
+        from onnxtrain.engine.blas import _thread_count_functions
+        from onnxtrain.engine.parallel import default_width
+
+        functions = _thread_count_functions()
+        saved[f"helpers/{w.rank}/threads"] = np.array(
+            [functions[1]() if functions else -1, default_width(), len(os.sched_getaffinity(0))]
+        )
         saved[f"helpers/{w.rank}/shard"] = np.array([shard_range(9).start, shard_range(9).stop])
         everyone = comm.allgather_object({k: v for k, v in saved.items() if k.startswith("helpers/")})
         for d in everyone:

@@ -3,6 +3,7 @@ Adasum against a float64 reference, and the failure paths (a raising or killed r
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -126,6 +127,12 @@ def test_helpers_for_other_training_loops(collectives: dict[str, np.ndarray]) ->
     d = collectives
     for r in range(2):
         np.testing.assert_array_equal(d[f"helpers/{r}/world"], [r, 2, r, 2])
+        # two ranks on this host: each rank's OpenBLAS and engine get half of its CPUs (at least one), not
+        # all of them (oversubscribed, a data-parallel MLP step took 100 ms against 10)
+        blas, width, cpus = d[f"helpers/{r}/threads"]
+        chosen = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")  # then kept
+        assert width == max(1, cpus // 2), (width, cpus)
+        assert blas in (int(chosen) if chosen else width, -1), (blas, width, cpus)
         np.testing.assert_array_equal(d[f"helpers/{r}/shard"], [4 * r, 4 * r + 4])
         for k in ("avg", "inplace"):
             assert d[f"helpers/{r}/{k}0"].dtype == np.float32 and d[f"helpers/{r}/{k}1"].dtype == np.float64
