@@ -119,11 +119,8 @@ def _float_of(types: dict, node: onnx.NodeProto) -> int | None:
 
 def _pool_indices(model: onnx.ModelProto) -> onnx.ModelProto:
     """MaxPool's Indices by ArgMax where the windows tile the input, dropped where nothing reads them."""
-    pools = [
-        k
-        for k, n in enumerate(model.graph.node)
-        if n.op_type == "MaxPool" and n.domain in ("", "ai.onnx") and len(n.output) > 1 and n.output[1]
-    ]
+    pools = [k for k, n in enumerate(model.graph.node)
+             if n.op_type == "MaxPool" and n.domain in ("", "ai.onnx") and len(n.output) > 1 and n.output[1]]
     if not pools:
         return model
     read = {i for n in model.graph.node for i in node_reads(n)} | {o.name for o in model.graph.output}
@@ -174,9 +171,8 @@ def _tiling(node: onnx.NodeProto, types: dict) -> tuple[int, int, int, int, int]
     return int(c), int(h), int(w), int(k[0]), int(k[1])  # type: ignore[arg-type]
 
 
-def _argmax_indices(
-    node: onnx.NodeProto, c: int, h: int, w: int, kh: int, kw: int, names: NameGen
-) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+def _argmax_indices(node: onnx.NodeProto, c: int, h: int, w: int, kh: int, kw: int,
+                    names: NameGen) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """The MaxPool without its Indices, and the nodes computing the Indices by ArgMax (module docstring);
     new value and node names come from ``names``, derived from the Indices' name."""
     x, idx = node.input[0], node.output[1]
@@ -189,9 +185,8 @@ def _argmax_indices(
     del pool.output[1:]
     hk, wk = h // kh, w // kw
     a = np.arange(kh * kw)
-    base = (np.arange(c)[:, None, None] * h + np.arange(hk)[None, :, None] * kh) * w + np.arange(wk)[
-        None, None, :
-    ] * kw
+    base = (np.arange(c)[:, None, None] * h + np.arange(hk)[None, :, None] * kh) * w \
+        + np.arange(wk)[None, None, :] * kw
     consts = {
         "split": np.array([-1, c, hk, kh, wk, kw], np.int64),
         "windows": np.array([-1, c, hk, wk, kh * kw], np.int64),
@@ -206,10 +201,8 @@ def _argmax_indices(
     }
     v = {key: name(key) for key in consts}
     inits = [numpy_helper.from_array(arr, v[key]) for key, arr in consts.items()]
-    t = {
-        key: name(key)
-        for key in ("x6", "xt", "x5", "arg", "off", "pos", "shape", "n", "images", "first", "first4")
-    }
+    t = {key: name(key) for key in ("x6", "xt", "x5", "arg", "off", "pos", "shape", "n", "images", "first",
+                                     "first4")}
     t.update({f"{k}{j}": name(f"{k}{j}") for j in range(1, kh) for k in ("past", "rows", "skip", "off")})
     # opset 11 onwards: Shape without start/end, Gather of a scalar index, Reshape rather than Unsqueeze
 

@@ -21,17 +21,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 # environment variables that MPI launchers set in every rank: (size variable, rank variable)
-_LAUNCHER_VARS = (
-    ("PMI_SIZE", "PMI_RANK"),  # MPICH / hydra, Intel MPI
-    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),  # Open MPI
-    ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"),  # MVAPICH
-    ("PMIX_SIZE", "PMIX_RANK"),
-)
-_LOCAL_VARS = (
-    ("MPI_LOCALNRANKS", "MPI_LOCALRANKID"),
-    ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ("MV2_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"),
-)
+_LAUNCHER_VARS = (("PMI_SIZE", "PMI_RANK"),  # MPICH / hydra, Intel MPI
+                  ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),  # Open MPI
+                  ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"),  # MVAPICH
+                  ("PMIX_SIZE", "PMIX_RANK"))
+_LOCAL_VARS = (("MPI_LOCALNRANKS", "MPI_LOCALRANKID"),
+               ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+               ("MV2_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"))
 
 DEFAULT_TIMEOUT = 600.0
 # seconds an aborting rank waits between printing its error and MPI_Abort: the launcher forwards the output
@@ -105,11 +101,9 @@ def _import_mpi() -> Any:
     try:
         from mpi4py import MPI
     except ImportError as e:
-        raise ImportError(
-            "data parallelism needs mpi4py and an MPI library: pip install 'onnxtrain[mpi]' "
-            "(mpi4py + the mpich wheel), or mpi4py built against your cluster's MPI "
-            f"({e})"
-        ) from e
+        raise ImportError("data parallelism needs mpi4py and an MPI library: pip install 'onnxtrain[mpi]' "
+                          "(mpi4py + the mpich wheel), or mpi4py built against your cluster's MPI "
+                          f"({e})") from e
     return MPI
 
 
@@ -163,11 +157,8 @@ class Communicator:
             time.sleep(0.5 if self.timeout <= 0 else min(1.0, max(0.05, self.timeout / 20)))
             d = self._deadline
             if d and self.timeout > 0 and time.monotonic() > d:
-                self.abort(
-                    f"{self._what} did not complete within {self.timeout:g} s (another rank died, "
-                    "raised or runs different code; set ONNXTRAIN_MPI_TIMEOUT to change the limit)",
-                    3,
-                )
+                self.abort(f"{self._what} did not complete within {self.timeout:g} s (another rank died, "
+                           "raised or runs different code; set ONNXTRAIN_MPI_TIMEOUT to change the limit)", 3)
 
     @contextmanager
     def guarded(self, what: str) -> Iterator[None]:

@@ -14,21 +14,14 @@ from onnxtrain.engine.ort_rewrites import rewrite_for_onnxruntime
 ort = pytest.importorskip("onnxruntime")
 
 
-def pool_model(
-    c: int = 3, h: int = 8, w: int = 8, elem: int = TensorProto.FLOAT, opset: int = 17, **attrs
-) -> onnx.ModelProto:
+def pool_model(c: int = 3, h: int = 8, w: int = 8, elem: int = TensorProto.FLOAT, opset: int = 17,
+               **attrs) -> onnx.ModelProto:
     """X (dynamic batch) → MaxPool → (Y, Indices), both graph outputs."""
     attrs = {"kernel_shape": [2, 2], "strides": [2, 2], **attrs}
     node = helper.make_node("MaxPool", ["x"], ["y", "i"], name="pool", **attrs)
-    g = helper.make_graph(
-        [node],
-        "pool",
-        [helper.make_tensor_value_info("x", elem, ["N", c, h, w])],
-        [
-            helper.make_tensor_value_info("y", elem, None),
-            helper.make_tensor_value_info("i", TensorProto.INT64, None),
-        ],
-    )
+    g = helper.make_graph([node], "pool", [helper.make_tensor_value_info("x", elem, ["N", c, h, w])],
+                          [helper.make_tensor_value_info("y", elem, None),
+                           helper.make_tensor_value_info("i", TensorProto.INT64, None)])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
     return onnx.shape_inference.infer_shapes(model)
 
@@ -38,16 +31,13 @@ def run(model: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
     return sess.run(None, {"x": x})
 
 
-@pytest.mark.parametrize(
-    "shape,kernel,elem,opset",
-    [
-        ((4, 3, 8, 8), [2, 2], TensorProto.FLOAT, 17),
-        ((1, 6, 28, 28), [2, 2], TensorProto.FLOAT, 13),
-        ((3, 2, 9, 6), [3, 2], TensorProto.FLOAT, 11),
-        ((2, 2, 6, 6), [3, 3], TensorProto.DOUBLE, 21),
-        ((2, 2, 8, 6), [4, 2], TensorProto.FLOAT, 17),  # four rows: the offset from the table
-    ],
-)
+@pytest.mark.parametrize("shape,kernel,elem,opset", [
+    ((4, 3, 8, 8), [2, 2], TensorProto.FLOAT, 17),
+    ((1, 6, 28, 28), [2, 2], TensorProto.FLOAT, 13),
+    ((3, 2, 9, 6), [3, 2], TensorProto.FLOAT, 11),
+    ((2, 2, 6, 6), [3, 3], TensorProto.DOUBLE, 21),
+    ((2, 2, 8, 6), [4, 2], TensorProto.FLOAT, 17),  # four rows: the offset from the table
+])
 def test_tiling_max_pool_indices_by_argmax_equal_onnxruntimes_own(shape, kernel, elem, opset) -> None:
     """Windows that tile the input: the Indices come from ArgMax, equal to MaxPool's own (ties included:
     the first maximum in row-major window order), for several batch sizes of one graph, at opsets 11-21."""
@@ -65,19 +55,16 @@ def test_tiling_max_pool_indices_by_argmax_equal_onnxruntimes_own(shape, kernel,
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize(
-    "attrs,size",
-    [
-        ({"kernel_shape": [3, 3], "strides": [2, 2]}, 9),  # overlapping windows
-        ({"pads": [1, 1, 1, 1]}, 8),
-        ({}, 9),  # the last row and column are in no window
-        ({"ceil_mode": 1}, 9),
-        ({"dilations": [2, 2], "strides": [2, 2]}, 8),
-        ({"storage_order": 1}, 8),
-        ({"auto_pad": "SAME_UPPER"}, 8),
-        ({"opset": 10}, 8),  # no Range before opset 11
-    ],
-)
+@pytest.mark.parametrize("attrs,size", [
+    ({"kernel_shape": [3, 3], "strides": [2, 2]}, 9),  # overlapping windows
+    ({"pads": [1, 1, 1, 1]}, 8),
+    ({}, 9),  # the last row and column are in no window
+    ({"ceil_mode": 1}, 9),
+    ({"dilations": [2, 2], "strides": [2, 2]}, 8),
+    ({"storage_order": 1}, 8),
+    ({"auto_pad": "SAME_UPPER"}, 8),
+    ({"opset": 10}, 8),  # no Range before opset 11
+])
 def test_other_pools_are_left_alone(attrs, size) -> None:
     model = pool_model(h=size, w=size, **attrs)
     assert rewrite_for_onnxruntime(model) is model

@@ -34,17 +34,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
-def run_mpi(
-    *args: str, n: int = 2, timeout: float = 120.0, env: dict[str, str] | None = None, worker: str = WORKER
-) -> subprocess.CompletedProcess:
+def run_mpi(*args: str, n: int = 2, timeout: float = 120.0, env: dict[str, str] | None = None,
+            worker: str = WORKER) -> subprocess.CompletedProcess:
     """``mpiexec -n N python WORKER ARGS`` (default ``mpi_worker.py``); the launcher's environment variables
     are not inherited."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "MPI_", "PMIX_"))}
     clean.update(env or {})
-    return subprocess.run(
-        ["mpiexec", "-n", str(n), sys.executable, worker, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=clean,
-    )
+    return subprocess.run(["mpiexec", "-n", str(n), sys.executable, worker, *args], capture_output=True,
+                          text=True, timeout=timeout, env=clean)

@@ -51,41 +51,22 @@ CASES = {
     "lamb_mp": ("LambOptimizer", 1, 0, {"use_mixed_precision": True}),
     "adam_mp_overflow": ("AdamOptimizer", 1, 0, {"use_mixed_precision": True, "loss_scale_feed": 1e30}),
     "adam_zero_mp": ("AdamOptimizer", 1, 1, {"use_mixed_precision": True}),
-    "adam_zero_mp_clip": (
-        "AdamOptimizer",
-        1,
-        1,
-        {"use_mixed_precision": True, "optimizer_attributes_map": CLIP},
-    ),
+    "adam_zero_mp_clip": ("AdamOptimizer", 1, 1,
+                          {"use_mixed_precision": True, "optimizer_attributes_map": CLIP}),
     "adam_zero_mp_overflow": ("AdamOptimizer", 1, 1, {"use_mixed_precision": True, "loss_scale_feed": 1e30}),
     # Adasum of equal deltas is that delta: both ranks on the whole batch equal one process; with a scale
     # that overflows on rank 1 only, both ranks skip every update
-    "adam_adasum_mp": (
-        "AdamOptimizer",
-        1,
-        0,
-        {"use_mixed_precision": True, "enable_adasum": True, "same_data": True},
-    ),
-    "adam_adasum_mp_overflow": (
-        "AdamOptimizer",
-        1,
-        0,
-        {
-            "use_mixed_precision": True,
-            "enable_adasum": True,
-            "same_data": True,
-            "loss_scale_feed": (1024.0, 1e30),
-        },
-    ),
+    "adam_adasum_mp": ("AdamOptimizer", 1, 0,
+                       {"use_mixed_precision": True, "enable_adasum": True, "same_data": True}),
+    "adam_adasum_mp_overflow": ("AdamOptimizer", 1, 0,
+                                {"use_mixed_precision": True, "enable_adasum": True, "same_data": True,
+                                 "loss_scale_feed": (1024.0, 1e30)}),
 }
 # mixed precision rounds each rank's products to float16, so one process on the whole batch is not the
 # reference: one process accumulating the ranks' halves as micro-batches is (the same float16 gradients,
 # summed in float32 and averaged alike)
-HALVES = {
-    c
-    for c, (_, _, _, extra) in CASES.items()
-    if extra.get("use_mixed_precision") and not extra.get("same_data")
-}
+HALVES = {c for c, (_, _, _, extra) in CASES.items()
+          if extra.get("use_mixed_precision") and not extra.get("same_data")}
 DIN = 10  # W1 has 160 elements: under ZeRO over 2 ranks (128 each) it straddles the boundary
 
 
@@ -111,9 +92,8 @@ def _session_options() -> SessionOptions | None:
     return so
 
 
-def train(
-    case: str, rank: int | None = None, size: int | None = None, halves: bool = False
-) -> tuple[TrainingSession, list[float]]:
+def train(case: str, rank: int | None = None, size: int | None = None,
+          halves: bool = False) -> tuple[TrainingSession, list[float]]:
     """``STEPS`` optimizer steps (each of ``accum`` micro-batches); this rank's part of each global batch.
     ``halves``: one process taking, for each step, rank 0's micro-batches then rank 1's, as accumulation."""
     opt, accum, zero, extra = CASES[case]
@@ -126,23 +106,18 @@ def train(
         rank, size = 0, 1
     global_batches = batches(STEPS * accum, GLOBAL_BATCH, din=DIN)
     if halves:
-        parts = [
-            (r, global_batches[i * accum + j]) for i in range(STEPS) for r in (0, 1) for j in range(accum)
-        ]
+        parts = [(r, global_batches[i * accum + j])
+                 for i in range(STEPS) for r in (0, 1) for j in range(accum)]
         accum *= 2
         zero = 0
     else:
         parts = [(rank, b) for b in global_batches]
-    sess = TrainingSession(
-        mlp_model(din=DIN).SerializeToString(), params(opt, accum, zero, extra), _session_options()
-    )
+    sess = TrainingSession(mlp_model(din=DIN).SerializeToString(), params(opt, accum, zero, extra),
+                           _session_options())
     norms = []
     outputs = [o.name for o in sess.get_outputs()]
-    wanted = [
-        n
-        for n in ("global_gradient_norm", "all_gradients_finite", "adasum_all_deltas_finite")
-        if n in outputs
-    ]
+    wanted = [n for n in ("global_gradient_norm", "all_gradients_finite", "adasum_all_deltas_finite")
+              if n in outputs]
     flags: dict[str, list[bool]] = {n: [] for n in wanted[1:]}
     for i, (part, (x, y)) in enumerate(parts):
         n = 2 if halves else size
@@ -175,11 +150,8 @@ def main() -> None:
             sess, norms = train(case)
             opt_state = sess.get_optimizer_state()
             opt_bytes = sum(a.nbytes for d in opt_state.values() for a in d.values())
-            print(
-                f"rank {w.rank}: {case}: optimizer-state bytes on this rank {opt_bytes}; partitioned "
-                f"weights {sorted(sess.get_partition_info_map())}",
-                flush=True,
-            )
+            print(f"rank {w.rank}: {case}: optimizer-state bytes on this rank {opt_bytes}; partitioned "
+                  f"weights {sorted(sess.get_partition_info_map())}", flush=True)
             state = sess.get_model_state()["full_precision"]
             if zero:
                 full = sess.gather_state()
@@ -260,15 +232,9 @@ def main() -> None:
             sess.run(["loss"], {"x": split_batch(x), "y": split_batch(y), "Learning_Rate": LR})
             state = sess.gather_state()
             if w.rank == 0 and out:
-                save_checkpoint(
-                    Checkpoint(
-                        trainable={
-                            k: v for k, v in state.items() if not k.startswith(("Moment_", "Update_"))
-                        },
-                        properties={"step": step + 1},
-                    ),
-                    out,
-                )
+                save_checkpoint(Checkpoint(trainable={k: v for k, v in state.items()
+                                                      if not k.startswith(("Moment_", "Update_"))},
+                                           properties={"step": step + 1}), out)
         print("finished without noticing the failure", flush=True)
     elif what == "mismatch":
         model = mlp_model(dh=16 if w.rank == 0 else 12)

@@ -20,18 +20,8 @@ pytestmark = pytest.mark.mpi
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(REPO, "configs", "digits_mlp.yaml")
 # short; a constant schedule (with its warm-up) so that a run resumed with more steps equals a whole run
-SETS = [
-    "--set",
-    "training.steps=20",
-    "--set",
-    "schedule.kind=constant",
-    "--set",
-    "training.eval_every=10",
-    "--set",
-    "training.checkpoint_every=10",
-    "--set",
-    "training.log_every=5",
-]
+SETS = ["--set", "training.steps=20", "--set", "schedule.kind=constant", "--set", "training.eval_every=10",
+        "--set", "training.checkpoint_every=10", "--set", "training.log_every=5"]
 LAST = os.path.join("checkpoints", "step_00000020.ckpt")
 
 
@@ -106,9 +96,8 @@ def test_two_ranks_equal_one_process_and_only_rank0_writes(reference: str, tmp_p
     for d in wd:
         d.mkdir()
     cmd = train_cmd("--output-dir", "run")
-    r = mpiexec(
-        ["-prepend-rank", "-n", "1", "-wdir", str(wd[0]), *cmd, ":", "-n", "1", "-wdir", str(wd[1]), *cmd]
-    )
+    r = mpiexec(["-prepend-rank", "-n", "1", "-wdir", str(wd[0]), *cmd, ":", "-n", "1", "-wdir", str(wd[1]),
+                 *cmd])
     assert r.returncode == 0, r.stdout + r.stderr
     assert os.listdir(wd[1]) == [], "rank 1 wrote files"
     out = str(wd[0] / "run")
@@ -156,10 +145,8 @@ def test_zero_stage1_checkpoint_holds_the_whole_state_and_resumes(reference: str
 
 def test_bad_config_ends_every_rank_with_the_message(tmp_path) -> None:
     t0 = time.perf_counter()
-    r = mpiexec(
-        ["-n", "2", *train_cmd("--set", "training.batch_size=33", "--output-dir", str(tmp_path / "x"), "-q")],
-        timeout=60,
-    )
+    r = mpiexec(["-n", "2", *train_cmd("--set", "training.batch_size=33", "--output-dir", str(tmp_path / "x"),
+                                       "-q")], timeout=60)
     assert r.returncode != 0
     assert "training.batch_size: 33 does not split evenly over the 2 ranks" in r.stderr, r.stderr
     assert time.perf_counter() - t0 < 30

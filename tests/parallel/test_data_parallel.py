@@ -32,9 +32,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("case", list(mpi_worker.CASES))
-def test_two_ranks_half_batch_equal_one_process_whole_batch(
-    trained: dict[str, np.ndarray], case: str
-) -> None:
+def test_two_ranks_half_batch_equal_one_process_whole_batch(trained: dict[str, np.ndarray],
+                                                             case: str) -> None:
     if case in mpi_worker.HALVES:
         ref, ref_norms = mpi_worker.train(case, halves=True)
     else:
@@ -84,9 +83,8 @@ def test_onnxruntime_backend_two_ranks_equal_the_numpy_engine_in_one_process(tmp
     the reference is one onnxruntime-backend process accumulating the ranks' halves."""
     pytest.importorskip("onnxruntime")
     out = tmp_path / "train_ort.npz"
-    r = run_mpi(
-        "train", str(out), ",".join(ORT_CASES), timeout=240, env={"ONNXTRAIN_TEST_BACKEND": "onnxruntime"}
-    )
+    r = run_mpi("train", str(out), ",".join(ORT_CASES), timeout=240,
+                env={"ONNXTRAIN_TEST_BACKEND": "onnxruntime"})
     assert r.returncode == 0, r.stdout + r.stderr
     trained = dict(np.load(out))
     for case in ORT_CASES:
@@ -106,10 +104,8 @@ def test_zero_stage1_partitions_optimizer_state(trained: dict[str, np.ndarray]) 
     ref, _ = mpi_worker.train("adam", rank=0, size=1)
     total = sum(a.nbytes for d in ref.get_optimizer_state().values() for a in d.values())
     per_rank = [int(trained[f"adam_zero/{r}/optimizer_state_bytes"]) for r in range(2)]
-    print(
-        f"ZeRO-1 optimizer-state bytes per rank {per_rank} of {total} in total "
-        f"({[round(b / total, 3) for b in per_rank]})"
-    )
+    print(f"ZeRO-1 optimizer-state bytes per rank {per_rank} of {total} in total "
+          f"({[round(b / total, 3) for b in per_rank]})")
     for b in per_rank:
         assert abs(b / total - 0.5) < 0.05
     assert all(int(trained[f"sgd_zero/{r}/optimizer_state_bytes"]) == 0 for r in range(2))
@@ -187,3 +183,4 @@ def test_mismatched_models_are_named() -> None:
     assert r.returncode != 0
     assert "do not hold the same model" in r.stderr
     assert "trained weights (dtype, shape)" in r.stderr and "W1" in r.stderr
+

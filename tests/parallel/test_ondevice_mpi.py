@@ -85,13 +85,9 @@ def artifacts_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     model = zoo.mlp([DIN, 16, CLASSES], seed=3, loss=False)
     folder = str(tmp_path_factory.mktemp("ondevice_mpi"))
-    artifacts.generate_artifacts(
-        model,
-        requires_grad=[t.name for t in model.graph.initializer],
-        loss=artifacts.LossType.CrossEntropyLoss,
-        optimizer=artifacts.OptimType.AdamW,
-        artifact_directory=folder,
-    )
+    artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer],
+                                 loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=folder)
     return folder
 
 
@@ -102,13 +98,8 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_two_ranks_half_batch_equal_one_process_whole_batch(artifacts_dir: str, tmp_path) -> None:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "MPI_", "PMIX_"))}
-    r = subprocess.run(
-        ["mpiexec", "-n", "2", sys.executable, os.path.abspath(__file__), artifacts_dir, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=clean,
-    )
+    r = subprocess.run(["mpiexec", "-n", "2", sys.executable, os.path.abspath(__file__), artifacts_dir,
+                        str(tmp_path)], capture_output=True, text=True, timeout=120, env=clean)
     assert r.returncode == 0, r.stdout + r.stderr
     state, module, opt = open_artifacts(artifacts_dir)
     ref_losses = train(module, opt, lambda a: a)
