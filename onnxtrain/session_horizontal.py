@@ -1,7 +1,8 @@
 """The legacy ``TrainingSession`` with ``horizontal_parallel_size > 1``: Megatron's split MLP blocks over MPI.
 
 ``TrainingSession(model, params)`` returns a :class:`HorizontalTrainingSession` when the parameters ask for
-``horizontal_parallel_size = H``; launch the script with ``mpiexec -n H``, every rank with the same feeds.
+``horizontal_parallel_size = H``; launch the script with ``mpiexec -n H`` (or ``H·D`` for D data-parallel
+replicas, rank = replica · H + share), every rank of a replica with the same feeds.
 Each rank keeps its share of every split block's weights (:mod:`onnxtrain.parallel.megatron`) and the other
 weights whole. The model is cut around each block into pieces of plain ONNX graphs
 (:mod:`onnxtrain.parallel.stage_graphs`), run in turn in one process: forward, the ranks summing a block's
@@ -25,7 +26,7 @@ from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.backends import make_plan
 from onnxtrain.engine.plan import load_model
 from onnxtrain.optim import WeightSlot, get_optimizer
-from onnxtrain.parallel import get_communicator, world
+from onnxtrain.parallel import BucketReducer, get_communicator, world
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.megatron import find_mlp_blocks, shard_blocks
 from onnxtrain.parallel.pipeline import partition
@@ -37,7 +38,6 @@ from onnxtrain.training_graph import TRAINING_MODE, build_update_graph, select_t
 # options a horizontally split session cannot honour yet: name → its default
 _REFUSED = {
     "pipeline_parallel_size": 1,
-    "data_parallel_size": 1,
     "use_mixed_precision": False,
     "gradient_accumulation_steps": 1,
     "deepspeed_zero_stage": 0,
@@ -68,17 +68,37 @@ class HorizontalTrainingSession(CutModelSession):
     ):
         self._setup(path_or_bytes, parameters, _REFUSED, sess_options, providers, provider_options)
         p = parameters
-        size = world().size
-        if size != p.horizontal_parallel_size:
+        size, h = world().size, p.horizontal_parallel_size
+        if size < h or size % h:
             raise ValueError(
-                f"horizontal_parallel_size={p.horizontal_parallel_size} needs as many MPI ranks, but there "
-                f"are {size}; launch with: mpiexec -n {p.horizontal_parallel_size} python script.py"
+                f"horizontal_parallel_size={h} needs a multiple of {h} MPI ranks (the split times the "
+                f"data-parallel replicas), but there are {size}; launch with: mpiexec -n {h} python "
+                "script.py"
             )
+        replicas = size // h
+        if p.data_parallel_size != replicas:
+            warnings.warn(
+                f"data_parallel_size={p.data_parallel_size} times horizontal_parallel_size={h} is not the "
+                f"world size {size}: using data_parallel_size={replicas}",
+                stacklevel=3,
+            )
+        self.data_parallel_size = replicas
         model = upgrade_opset(load_model(path_or_bytes))
-        self._comm = get_communicator()
+        world_comm = get_communicator()
         check_same_on_all_ranks(
-            self._comm, model_fingerprint(model, p, _OPTIONS), "model and horizontal setup"
+            world_comm, model_fingerprint(model, p, _OPTIONS), "model and horizontal setup"
         )
+        # rank = replica · H + share, as the legacy layout (the horizontal index fastest)
+        share, replica = world_comm.rank % h, world_comm.rank // h
+        self.data_parallel_rank = replica
+        self._comm = (
+            world_comm.split(replica, share, "forming the split groups") if replicas > 1 else world_comm
+        )
+        self._data = (
+            world_comm.split(share, replica, "forming the data-parallel groups") if replicas > 1 else None
+        )
+        self._reducer: BucketReducer | None = None
+        size = h
         self._opt = get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
         trainable = select_trainable(model, p)
         blocks = find_mlp_blocks(model, trainable, size)
@@ -140,7 +160,6 @@ class HorizontalTrainingSession(CutModelSession):
 
     def _trained(self) -> list[str]:
         return self._trainable
-
 
     def _plan(self, piece: int, kind: str) -> Any:
         key = (piece, kind)
@@ -244,6 +263,14 @@ class HorizontalTrainingSession(CutModelSession):
 
     def _update(self, grads: dict[str, np.ndarray], lr: np.ndarray) -> None:
         p = self._params
+        if self._data is not None:  # the replicas' average (each holds the same shares of the split weights)
+            if self._reducer is None:
+                self._reducer = BucketReducer(
+                    self._data, [g.shape for g in grads.values()], [g.dtype for g in grads.values()]
+                )
+            grads = dict(
+                zip(grads, self._reducer.reduce(list(grads.values()), 1.0 / self.data_parallel_size))
+            )
         given: dict[str, Any] = {p.lr_params_feed_name: np.asarray(lr, np.float32).reshape(1)}
         given.update({f"{w}_grad": g for w, g in grads.items()})
         if p.enable_grad_norm_clip:

@@ -191,8 +191,14 @@ CASES.update(
         "sgd_h2_torch_transformer": CASES["sgd2_torch_transformer"][:1] + (1, "", 1, "SGDOptimizer", False),
     }
 )
-HORIZONTAL = {"adam_h2_clip": 2, "adam_h2_gelu_blocks": 2, "sgd_h2_torch_transformer": 2}
-REPLICAS = {"adam2x2_tied_clip": 2}  # data-parallel replicas of the pipeline (default 1)
+CASES["adam_h2x2_gelu_blocks"] = CASES["adam_h2_gelu_blocks"]  # the split × two data-parallel replicas
+HORIZONTAL = {
+    "adam_h2_clip": 2,
+    "adam_h2_gelu_blocks": 2,
+    "sgd_h2_torch_transformer": 2,
+    "adam_h2x2_gelu_blocks": 2,
+}
+REPLICAS = {"adam2x2_tied_clip": 2, "adam_h2x2_gelu_blocks": 2}  # data-parallel replicas (default 1)
 LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30}  # the mixed-precision cases' loss scale
 
 
@@ -208,6 +214,7 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
     p.use_mixed_precision = case in LOSS_SCALE
     if pipelined and case in HORIZONTAL:
         p.horizontal_parallel_size = HORIZONTAL[case]
+        p.data_parallel_size = replicas
     elif pipelined:
         p.pipeline_parallel_size = stages
         p.pipeline_cut_info_string = cut

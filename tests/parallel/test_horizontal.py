@@ -25,6 +25,13 @@ def test_split_blocks_train_as_one_process(tmp_path) -> None:
 
 
 @pytest.mark.mpi
+def test_split_blocks_times_two_data_parallel_replicas(tmp_path) -> None:
+    """mpiexec -n 4: two replicas of the two-way split, each on half of every batch (rank = replica · 2 +
+    share); the replicas average their gradients, as one process accumulating both halves does."""
+    compare(pipelined(tmp_path, ["adam_h2x2_gelu_blocks"], 4), "adam_h2x2_gelu_blocks", 2e-6)
+
+
+@pytest.mark.mpi
 def test_torch_exported_transformer_feed_forward_split(tmp_path, monkeypatch) -> None:
     torch_transformer_case(tmp_path, monkeypatch, "sgd_h2_torch_transformer", 2e-6)
 

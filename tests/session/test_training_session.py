@@ -254,7 +254,7 @@ def test_interface_and_errors() -> None:
         TrainingSession(
             model.SerializeToString(), params(optimizer_attributes_map={"W1": {}, "W2": {}, "b2": {}})
         )
-    with pytest.raises(ValueError, match="horizontal_parallel_size=2 needs as many MPI ranks"):
+    with pytest.raises(ValueError, match="horizontal_parallel_size=2 needs a multiple of 2 MPI ranks"):
         TrainingSession(model.SerializeToString(), params(horizontal_parallel_size=2))
     with pytest.raises(AttributeError, match="no property"):
         params().not_a_property = 1
