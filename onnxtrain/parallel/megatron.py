@@ -98,8 +98,9 @@ def find_mlp_blocks(model: onnx.ModelProto, trainable: list[str], size: int) -> 
 
     made_by = {o: n for n in nodes for o in n.output if o}
     blocks = []
+    taken: set[int] = set()  # products already in a block: an MLP's middle layer ends one block, opens none
     for k, n in enumerate(nodes):
-        first = _product(n, weight, made_by)
+        first = _product(n, weight, made_by) if k not in taken else None
         if first is None:
             continue
         w1, w1_axis = first
@@ -129,6 +130,7 @@ def find_mlp_blocks(model: onnx.ModelProto, trainable: list[str], size: int) -> 
         if int(inits[w2].dims[w2_axis]) != f or f % size or f < size:
             continue
         blocks.append(MlpBlock(n.input[0], k, second, w1, w1_axis, b1, w2, w2_axis, f))
+        taken.update((k, second))
     return blocks
 
 

@@ -73,6 +73,42 @@ def test_blocks_found_and_their_shares() -> None:
     onnx.checker.check_model(sharded, full_check=True)
 
 
+def test_a_product_belongs_to_one_block() -> None:
+    """Three layers (784 → 512 → 512 → 10 as torch exports them): the middle product ends the first block and
+    opens no second one (the blocks would overlap)."""
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    rng = np.random.default_rng(0)
+    inits = [
+        onnx.numpy_helper.from_array((rng.standard_normal(s) * 0.1).astype(np.float32), n)
+        for n, s in (("W1", (16, 8)), ("W2", (16, 16)), ("W3", (4, 16)))
+    ]
+    nodes = [
+        helper.make_node("Gemm", ["x", "W1"], ["a"], transB=1),
+        helper.make_node("Relu", ["a"], ["ar"]),
+        helper.make_node("Gemm", ["ar", "W2"], ["b"], transB=1),
+        helper.make_node("Relu", ["b"], ["br"]),
+        helper.make_node("Gemm", ["br", "W3"], ["logits"], transB=1),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"]),
+    ]
+    g = helper.make_graph(
+        nodes,
+        "mlp3",
+        [
+            helper.make_tensor_value_info("x", T.FLOAT, ["N", 8]),
+            helper.make_tensor_value_info("y", T.INT64, ["N"]),
+        ],
+        [helper.make_tensor_value_info("loss", T.FLOAT, [])],
+        inits,
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    blocks = find_mlp_blocks(m, ["W1", "W2", "W3"], 2)
+    assert [(b.w1, b.w2) for b in blocks] == [("W1", "W2")]
+    sharded, cuts, _ = shard_blocks(m, blocks, 1, 2)
+    assert partition(sharded, cuts, "loss").stages == 3
+
+
 def test_which_blocks_do_not_split() -> None:
     weights = ["W1", "b1", "W2", "b2"]
     assert find_mlp_blocks(mlp_model(), weights, 3) == []  # 16 hidden units over 3 ranks
