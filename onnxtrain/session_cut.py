@@ -9,6 +9,7 @@ the feed checks, the optimizer attribute checks and the introspection methods. T
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE
 from onnxtrain.inference import NodeArg, node_arg
 from onnxtrain.ir.builder import value_types
+from onnxtrain.parallel import BucketReducer, Communicator, world
 from onnxtrain.parallel.fingerprint import array_digest, digest
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession, check_arguments
@@ -78,6 +80,48 @@ class CutModelSession(TrainingSession):
         self.loss_scale_input_name = None
         self._mp = None
         self._plans: dict[Any, Any] = {}
+        self._data = None
+        self.data_parallel_size, self.data_parallel_rank = 1, 0
+
+    def _replicas(self, p: TrainingParameters, parts: int, option: str) -> int:
+        """How many data-parallel replicas of ``parts`` ranks the MPI world holds (``data_parallel_size``
+        recomputed with a warning when it does not fit, as the legacy session did)."""
+        size = world().size
+        if size < parts or size % parts:
+            raise ValueError(
+                f"{option}={parts} needs a multiple of {parts} MPI ranks (times the data-parallel replicas), "
+                f"but there are {size}; launch with: mpiexec -n {parts} python script.py"
+            )
+        if p.world_size not in (1, size):
+            raise ValueError(f"TrainingParameters.world_size={p.world_size} but mpiexec started {size} ranks")
+        replicas = size // parts
+        if p.data_parallel_size != replicas:
+            warnings.warn(
+                f"data_parallel_size={p.data_parallel_size} times {option}={parts} is not the world size "
+                f"{size}: using data_parallel_size={replicas}",
+                stacklevel=4,
+            )
+        self.data_parallel_size = replicas
+        return replicas
+
+    def _groups(self, comm: Communicator, part: int, replica: int, what: str) -> None:
+        """``self._comm``: the ranks of this rank's replica (ordered by ``part``); ``self._data``: the ranks
+        holding the same part in every replica (None with one replica)."""
+        self.data_parallel_rank = replica
+        self._reducer: BucketReducer | None = None
+        many = self.data_parallel_size > 1
+        self._comm = comm.split(replica, part, f"forming the {what}") if many else comm
+        self._data = comm.split(part, replica, "forming the data-parallel groups") if many else None
+
+    def _replicas_average(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``grads`` averaged over the data-parallel replicas (each holds the same part of the model)."""
+        if self._data is None or not grads:
+            return grads
+        if self._reducer is None:
+            self._reducer = BucketReducer(
+                self._data, [g.shape for g in grads.values()], [g.dtype for g in grads.values()]
+            )
+        return dict(zip(grads, self._reducer.reduce(list(grads.values()), 1.0 / self.data_parallel_size)))
 
     def _interface(self, model: onnx.ModelProto) -> None:
         """The whole model's inputs (and the learning rate) and outputs, as one process's session has."""

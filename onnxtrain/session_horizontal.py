@@ -26,7 +26,7 @@ from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.backends import make_plan
 from onnxtrain.engine.plan import load_model
 from onnxtrain.optim import WeightSlot, get_optimizer
-from onnxtrain.parallel import BucketReducer, get_communicator, world
+from onnxtrain.parallel import get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.megatron import find_mlp_blocks, shard_blocks
 from onnxtrain.parallel.pipeline import partition
@@ -68,48 +68,26 @@ class HorizontalTrainingSession(CutModelSession):
     ):
         self._setup(path_or_bytes, parameters, _REFUSED, sess_options, providers, provider_options)
         p = parameters
-        size, h = world().size, p.horizontal_parallel_size
-        if size < h or size % h:
-            raise ValueError(
-                f"horizontal_parallel_size={h} needs a multiple of {h} MPI ranks (the split times the "
-                f"data-parallel replicas), but there are {size}; launch with: mpiexec -n {h} python "
-                "script.py"
-            )
-        replicas = size // h
-        if p.data_parallel_size != replicas:
-            warnings.warn(
-                f"data_parallel_size={p.data_parallel_size} times horizontal_parallel_size={h} is not the "
-                f"world size {size}: using data_parallel_size={replicas}",
-                stacklevel=3,
-            )
-        self.data_parallel_size = replicas
+        h = p.horizontal_parallel_size
+        self._replicas(p, h, "horizontal_parallel_size")
         model = upgrade_opset(load_model(path_or_bytes))
         world_comm = get_communicator()
         check_same_on_all_ranks(
             world_comm, model_fingerprint(model, p, _OPTIONS), "model and horizontal setup"
         )
         # rank = replica · H + share, as the legacy layout (the horizontal index fastest)
-        share, replica = world_comm.rank % h, world_comm.rank // h
-        self.data_parallel_rank = replica
-        self._comm = (
-            world_comm.split(replica, share, "forming the split groups") if replicas > 1 else world_comm
-        )
-        self._data = (
-            world_comm.split(share, replica, "forming the data-parallel groups") if replicas > 1 else None
-        )
-        self._reducer: BucketReducer | None = None
-        size = h
+        self._groups(world_comm, world_comm.rank % h, world_comm.rank // h, "split groups")
         self._opt = get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
         trainable = select_trainable(model, p)
-        blocks = find_mlp_blocks(model, trainable, size)
+        blocks = find_mlp_blocks(model, trainable, h)
         if not blocks:
             warnings.warn(
-                f"horizontal_parallel_size={size}: no MLP block of the model splits over {size} ranks (see "
+                f"horizontal_parallel_size={h}: no MLP block of the model splits over {h} ranks (see "
                 "the README); every rank computes the whole model",
                 stacklevel=3,
             )
         self._blocks = blocks
-        sharded, cuts, self._split = shard_blocks(model, blocks, self._comm.rank, size)
+        sharded, cuts, self._split = shard_blocks(model, blocks, self._comm.rank, h)
         self._shares = {share: w for w, (share, _, _) in self._split.items()}  # share's name → the weight's
         self._cut_tensors = [c[0].tensor for c in cuts]  # F, G, F, G, ...: after piece 2k an F, 2k+1 a G
         try:
@@ -263,14 +241,7 @@ class HorizontalTrainingSession(CutModelSession):
 
     def _update(self, grads: dict[str, np.ndarray], lr: np.ndarray) -> None:
         p = self._params
-        if self._data is not None:  # the replicas' average (each holds the same shares of the split weights)
-            if self._reducer is None:
-                self._reducer = BucketReducer(
-                    self._data, [g.shape for g in grads.values()], [g.dtype for g in grads.values()]
-                )
-            grads = dict(
-                zip(grads, self._reducer.reduce(list(grads.values()), 1.0 / self.data_parallel_size))
-            )
+        grads = self._replicas_average(grads)
         given: dict[str, Any] = {p.lr_params_feed_name: np.asarray(lr, np.float32).reshape(1)}
         given.update({f"{w}_grad": g for w, g in grads.items()})
         if p.enable_grad_norm_clip:

@@ -43,7 +43,7 @@ from onnxtrain.graph_transforms.mixed_precision import (
 from onnxtrain.ir.graphs import node_reads
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import get_optimizer
-from onnxtrain.parallel import BucketReducer, get_communicator, world
+from onnxtrain.parallel import get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stage_nodes
@@ -99,7 +99,7 @@ class PipelineTrainingSession(CutModelSession):
             model, parse_cut_info(p.pipeline_cut_info_string, p.pipeline_parallel_size), p.loss_output_name
         )
         check_stage_nodes(model, self._part)
-        self._layout(p)
+        replicas = self._replicas(p, p.pipeline_parallel_size, "pipeline_parallel_size")
         if self._sess_options.enable_profiling:
             warnings.warn(
                 "SessionOptions.enable_profiling: a pipelined session records no profile yet", stacklevel=3
@@ -108,18 +108,9 @@ class PipelineTrainingSession(CutModelSession):
         world_comm = get_communicator()
         check_same_on_all_ranks(world_comm, model_fingerprint(model, p, _OPTIONS), "model and pipeline setup")
         # rank = stage · D + replica, as the legacy layout (data-parallel index fastest)
-        replica, stage = world_comm.rank % self._replicas, world_comm.rank // self._replicas
-        self._comm = (
-            world_comm.split(replica, stage, "forming the pipelines") if self._replicas > 1 else world_comm
-        )
-        self._data = (
-            world_comm.split(stage, replica, "forming the data-parallel groups")
-            if self._replicas > 1
-            else None
-        )
+        replica, stage = world_comm.rank % replicas, world_comm.rank // replicas
+        self._groups(world_comm, stage, replica, "pipelines")
         self._stage = stage
-        self.data_parallel_rank = replica
-        self._reducer: BucketReducer | None = None
         self._opt = get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
         trainable = select_trainable(model, p)
         self._shared = _shared_weights(model, self._part, trainable)
@@ -129,28 +120,6 @@ class PipelineTrainingSession(CutModelSession):
         self._check_attribute_maps()
 
     # ---- construction ------------------------------------------------------------------
-    def _layout(self, p: TrainingParameters) -> None:
-        """Stages × data-parallel replicas from the MPI world size (``data_parallel_size`` recomputed with a
-        warning when it does not fit, as the legacy session did)."""
-        size, stages = world().size, p.pipeline_parallel_size
-        if size < stages or size % stages:
-            raise ValueError(
-                f"pipeline_parallel_size={stages} needs a multiple of {stages} MPI ranks (one per stage and "
-                f"data-parallel replica), but there are {size}; launch with: mpiexec -n {stages} python "
-                "script.py"
-            )
-        if p.world_size not in (1, size):
-            raise ValueError(f"TrainingParameters.world_size={p.world_size} but mpiexec started {size} ranks")
-        replicas = size // stages
-        if p.data_parallel_size != replicas:
-            warnings.warn(
-                f"data_parallel_size={p.data_parallel_size} times pipeline_parallel_size={stages} is not the "
-                f"world size {size}: using data_parallel_size={replicas}",
-                stacklevel=4,
-            )
-        self._replicas = replicas
-        self.data_parallel_size = replicas
-
     def _build_stage(self, model: onnx.ModelProto, trainable: list[str]) -> None:
         p, g = self._params, model.graph
         inits = {t.name for t in g.initializer}
@@ -371,12 +340,7 @@ class PipelineTrainingSession(CutModelSession):
         Returns ``all_gradients_finite`` under mixed precision (the same on every stage: from the norm)."""
         m, p = self._micro, self._params
         eff = {g: (a * np.asarray(1.0 / m, a.dtype) if m > 1 else a) for g, a in acc.items()}
-        if self._data is not None and eff:  # the replicas' average
-            if self._reducer is None:
-                self._reducer = BucketReducer(
-                    self._data, [a.shape for a in eff.values()], [a.dtype for a in eff.values()]
-                )
-            eff = dict(zip(eff, self._reducer.reduce(list(eff.values()), 1.0 / self._replicas)))
+        eff = self._replicas_average(eff)
         if self._shared:
             self._sum_shared(eff)
         norm = None
