@@ -8,10 +8,9 @@ its outputs, as onnxruntime's parser took it). ``"12"`` cuts a graph in two at t
 
 A node's stage is the highest stage of its inputs, plus one across a cut edge. A node that reads only graph
 inputs, initializers or other such nodes (a ``Constant``, an ``Identity`` of a weight, a label's
-preprocessing), from which no cut tensor is computed and which draws no random values, runs in every stage
-that reads it instead of being sent. :func:`partition` checks that every stage has
-nodes, that each cut's tensors are computed in the stage the cut ends and that the loss is computed in the
-last stage.
+preprocessing) and draws no random values runs in every stage that reads it other than across a cut,
+instead of its values being sent. :func:`partition` checks that every stage has nodes, that each cut's
+tensors are computed in the stage the cut ends and that the loss is computed in the last stage.
 """
 
 from __future__ import annotations
