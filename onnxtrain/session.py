@@ -217,11 +217,25 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             # with the accumulating graph's never spinning; its micro-step alone, stopping after its run
             # against never spinning: 0.94-1.19 against 1.13-1.30 ms)
             updates = {o: state for state, o in self._graphs.updates.get(kind, {}).items()}
-            self._plans[kind] = make_plan(
-                model, self._backend, self._providers, self._sess_options, self._provider_options,
-                follower=kind in FOLLOWER_PLANS, updates=updates, keep_binding=kind in STEP_PLANS,
+            self._plans[kind] = self._new_plan(
+                model, updates, keep_binding=kind in STEP_PLANS, follower=kind in FOLLOWER_PLANS
             )
         return self._plans[kind]
+
+    def _new_plan(self, model: onnx.ModelProto, updates: Mapping[str, str] | None, keep_binding: bool,
+                  follower: bool = False) -> Plan:
+        """A plan of ``model`` on the session's backend, providers and options (``updates``: output → the
+        state input it may be written into)."""
+        return make_plan(model, self._backend, self._providers, self._sess_options, self._provider_options,
+                         follower=follower, updates=updates, keep_binding=keep_binding)
+
+    def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
+        """The outputs asked for (all of the session's when None); ValueError naming an unknown one."""
+        names = list(output_names) if output_names else list(self._output_names)
+        for n in names:
+            if n not in self._output_names:
+                raise ValueError(f"unknown output {n!r}; the session's outputs are {self._output_names}")
+        return names
 
     # ---- running ----------------------------------------------------------------------
     def run(
@@ -232,10 +246,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
     ) -> list[np.ndarray]:
         """Forward, backward and (when due) the optimizer update; returns the requested outputs."""
         ro = run_options or RunOptions()
-        names = list(output_names) if output_names else list(self._output_names)
-        for n in names:
-            if n not in self._output_names:
-                raise ValueError(f"unknown output {n!r}; the session's outputs are {self._output_names}")
+        names = self._output_list(output_names)
         kind = self._kind(names, ro)
         feeds = self._check(input_feed, self._graphs.user_inputs if kind != "full" else None)
         if self._graphs.has_training_mode and TRAINING_MODE not in feeds:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -144,12 +144,28 @@ class CutModelSession(TrainingSession):
             if v.name not in inits and v.type.HasField("tensor_type")
         }
 
-    def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
-        names = list(output_names) if output_names else list(self._output_names)
-        for n in names:
-            if n not in self._output_names:
-                raise ValueError(f"unknown output {n!r}; the session's outputs are {self._output_names}")
-        return names
+    def _plan_feeds(self, plan: Any, sources: Sequence[Mapping[str, Any]], training: bool) -> dict[str, Any]:
+        """The inputs of ``plan``: each from the first of ``sources`` that has it, else this rank's state,
+        else the Dropout switch ``training``."""
+        out: dict[str, Any] = {}
+        for n in plan.all_input_names:
+            source = next((src for src in sources if n in src), None)
+            if source is not None:
+                out[n] = source[n]
+            elif n in self._store:
+                out[n] = self._store[n]
+            elif n == TRAINING_MODE:
+                out[n] = np.asarray(training)
+        return out
+
+    def _run_update(self, plan: Any, outputs: Mapping[str, str], given: Mapping[str, Any]) -> None:
+        """Run an update graph on this rank's state and ``given`` (gradients, learning rate, norm); the new
+        state (``outputs``: state name → output) replaces the old, written into it where the plan can."""
+        feeds = {n: self._store[n] if n in self._store else given[n] for n in plan.all_input_names}
+        items = list(outputs.items())
+        out = plan.run(feeds, [o for _, o in items], donate=[s for s, _ in items if s in feeds])
+        for (state, _), v in zip(items, out):
+            self._store[state] = v
 
     def _checked(self, input_feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """The feeds as arrays, checked by name and dtype (all the model's inputs are required)."""
@@ -222,6 +238,15 @@ class CutModelSession(TrainingSession):
     @property
     def peak_bytes(self) -> int:
         return max((getattr(pl, "peak_bytes", 0) for pl in self._plans.values()), default=0)
+
+
+def squared_sum(arrays: Iterable[np.ndarray]) -> float:
+    """Σ x² over every value of ``arrays``, in float64 (a share of a global gradient norm)."""
+    total = 0.0
+    for a in arrays:
+        v = a.reshape(-1).astype(np.float64)
+        total += float(np.dot(v, v))
+    return total
 
 
 def model_fingerprint(

@@ -23,16 +23,15 @@ import onnx
 
 from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.capi.options import RunOptions, SessionOptions
-from onnxtrain.engine.backends import make_plan
 from onnxtrain.engine.plan import load_model
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
-from onnxtrain.parallel.megatron import find_mlp_blocks, shard_blocks
+from onnxtrain.parallel.megatron import find_mlp_blocks, shard_blocks, share_name, take_share
 from onnxtrain.parallel.pipeline import partition
 from onnxtrain.parallel.stage_graphs import NORM, StageGraphs, build_stage_graphs, check_stage_nodes
 from onnxtrain.parameters import PIPELINE, TrainingParameters
-from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint
+from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint, squared_sum
 from onnxtrain.training_graph import TRAINING_MODE, build_update_graph, select_trainable
 
 # options a horizontally split session cannot honour yet: name → its default
@@ -132,6 +131,7 @@ class HorizontalTrainingSession(CutModelSession):
         )
         for sp in self._specs:
             self._store[sp.name] = sp.initial.copy()
+        self._spec_of = {sp.name: sp for sp in self._specs}
 
     def _original(self, name: str) -> str:
         return self._shares.get(name, name)
@@ -147,15 +147,7 @@ class HorizontalTrainingSession(CutModelSession):
                 model = self._update_graph
             else:
                 updates, model = None, self._pieces[piece].graphs[kind]
-            self._plans[key] = make_plan(
-                model,
-                self._backend,
-                self._providers,
-                self._sess_options,
-                self._provider_options,
-                updates=updates,
-                keep_binding=piece < 0,
-            )
+            self._plans[key] = self._new_plan(model, updates, keep_binding=piece < 0)
         return self._plans[key]
 
     # ---- running -------------------------------------------------------------------------
@@ -180,16 +172,7 @@ class HorizontalTrainingSession(CutModelSession):
         return [values[n] for n in names]
 
     def _feeds(self, piece: int, kind: str, values: Mapping[str, Any], dropout: bool) -> dict[str, Any]:
-        plan = self._plan(piece, kind)
-        out: dict[str, Any] = {}
-        for n in plan.all_input_names:
-            if n in values:
-                out[n] = values[n]
-            elif n in self._store:
-                out[n] = self._store[n]
-            elif n == TRAINING_MODE:
-                out[n] = np.asarray(dropout)
-        return out
+        return self._plan_feeds(self._plan(piece, kind), (values,), dropout)
 
     def _forward(
         self, feeds: dict[str, np.ndarray], dropout: bool, kind: str
@@ -245,28 +228,18 @@ class HorizontalTrainingSession(CutModelSession):
         given: dict[str, Any] = {p.lr_params_feed_name: np.asarray(lr, np.float32).reshape(1)}
         given.update({f"{w}_grad": g for w, g in grads.items()})
         if p.enable_grad_norm_clip:
-
-            def sq(v: np.ndarray) -> float:
-                v64 = v.reshape(-1).astype(np.float64)
-                return float(np.dot(v64, v64))
-
-            shares = self._shares
-            whole = sum(sq(g) for w, g in grads.items() if w not in shares)  # the same on every rank
+            whole = squared_sum(g for w, g in grads.items() if w not in self._shares)  # alike on every rank
             split = self._comm.allreduce_scalar(
-                sum(sq(g) for w, g in grads.items() if w in shares), "the gradient norm of the split weights"
+                squared_sum(g for w, g in grads.items() if w in self._shares),
+                "the gradient norm of the split weights",
             )
             given[NORM] = np.asarray(np.sqrt(whole + split), np.float32)
-        plan = self._plan(-1, "update")
-        feeds = {n: self._store[n] if n in self._store else given[n] for n in plan.all_input_names}
-        items = list(self._update_outputs.items())
-        out = plan.run(feeds, [o for _, o in items], donate=[s for s, _ in items if s in feeds])
-        for (state, _), v in zip(items, out):
-            self._store[state] = v
+        self._run_update(self._plan(-1, "update"), self._update_outputs, given)
 
     # ---- state ---------------------------------------------------------------------------
     def _full_name(self, name: str) -> tuple[str, str | None]:
         """A state name with the full weight's name, and that weight when ``name`` belongs to a share."""
-        sp = next((sp for sp in self._specs if sp.name == name), None)
+        sp = self._spec_of.get(name)
         w = sp.weight if sp is not None else name
         orig = self._shares.get(w)
         if orig is None:
@@ -284,17 +257,9 @@ class HorizontalTrainingSession(CutModelSession):
             if orig is None or value.shape != self._store[self._split[orig][0]].shape:
                 out[full] = value
                 continue
-            axis = self._split[orig][1]
-            local = self._split[orig][0]
-            out[full] = np.concatenate(
-                [
-                    part[
-                        name.replace(local, f"{orig}_{'row' if self._split[orig][2] else 'column'}_rank_{r}")
-                    ]
-                    for r, part in enumerate(parts)
-                ],
-                axis=axis,
-            )
+            local, axis, row = self._split[orig]
+            shares = [part[name.replace(local, share_name(orig, row, r))] for r, part in enumerate(parts)]
+            out[full] = np.concatenate(shares, axis=axis)
         return dict(sorted(out.items()))
 
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
@@ -309,9 +274,7 @@ class HorizontalTrainingSession(CutModelSession):
             elif full in state:
                 value = np.asarray(state[full])
                 if orig is not None and value.shape != self._store[name].shape:
-                    axis = self._split[orig][1]
-                    share = value.shape[axis] // size
-                    value = np.take(value, np.arange(rank * share, (rank + 1) * share), axis=axis)
+                    value = take_share(value, self._split[orig][1], rank, size)
                 self._assign(name, value)
             else:
                 continue

@@ -33,7 +33,6 @@ import onnx
 
 from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.capi.options import RunOptions, SessionOptions
-from onnxtrain.engine.backends import make_plan
 from onnxtrain.engine.plan import load_model
 from onnxtrain.graph_transforms.mixed_precision import (
     ALL_FINITE,
@@ -48,7 +47,7 @@ from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stage_nodes
 from onnxtrain.parameters import TrainingParameters
-from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint
+from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint, squared_sum
 from onnxtrain.training_graph import TRAINING_MODE, select_trainable
 
 # options a pipelined session cannot honour yet: name → its default
@@ -169,15 +168,7 @@ class PipelineTrainingSession(CutModelSession):
     def _get_plan(self, kind: str) -> Any:
         if kind not in self._plans:
             updates = {o: s for s, o in self._sg.update_outputs.items()} if kind == "update" else None
-            self._plans[kind] = make_plan(
-                self._sg.graphs[kind],
-                self._backend,
-                self._providers,
-                self._sess_options,
-                self._provider_options,
-                updates=updates,
-                keep_binding=kind == "update",
-            )
+            self._plans[kind] = self._new_plan(self._sg.graphs[kind], updates, keep_binding=kind == "update")
         return self._plans[kind]
 
     @property
@@ -237,21 +228,7 @@ class PipelineTrainingSession(CutModelSession):
         training: bool,
         extra: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, Any]:
-        plan = self._get_plan(kind)
-        extra = extra or {}
-        out: dict[str, Any] = {}
-        for n in plan.all_input_names:
-            if n in feeds:
-                out[n] = feeds[n]
-            elif n in received:
-                out[n] = received[n]
-            elif n in self._store:
-                out[n] = self._store[n]
-            elif n in extra:
-                out[n] = extra[n]
-            elif n == TRAINING_MODE:
-                out[n] = np.asarray(training)
-        return out
+        return self._plan_feeds(self._get_plan(kind), (feeds, received, extra or {}), training)
 
     def _forward(
         self,
@@ -350,10 +327,7 @@ class PipelineTrainingSession(CutModelSession):
                 for g, v in eff.items()
                 if self._shared.get(g[: -len("_grad")], (self._stage,))[0] == self._stage
             ]
-            local = sum(
-                float(np.dot(v.reshape(-1).astype(np.float64), v.reshape(-1).astype(np.float64)))
-                for v in counted
-            )
+            local = squared_sum(counted)
             norm = np.asarray(
                 np.sqrt(self._comm.allreduce_scalar(local, "pipeline gradient norm")), np.float32
             )
@@ -365,11 +339,7 @@ class PipelineTrainingSession(CutModelSession):
         given: dict[str, Any] = {**feeds, p.lr_params_feed_name: lr, **eff}
         if norm is not None:
             given[NORM] = norm
-        ufeeds = {n: self._store[n] if n in self._store else given[n] for n in plan.all_input_names}
-        items = list(self._sg.update_outputs.items())
-        out = plan.run(ufeeds, [o for _, o in items], donate=[s for s, _ in items if s in ufeeds])
-        for (state, _), v in zip(items, out):
-            self._store[state] = v
+        self._run_update(plan, self._sg.update_outputs, given)
         return finite
 
     def _sum_shared(self, eff: dict[str, np.ndarray]) -> None:

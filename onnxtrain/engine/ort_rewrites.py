@@ -23,6 +23,8 @@ masked ``x`` is not finite (0·inf is NaN where Where gives 0) or negative (−0
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -36,10 +38,18 @@ _MIN_OPSET = 11  # Range
 
 def rewrite_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with the rewrites above applied (a copy), or ``model`` itself when none applies."""
-    return _mask_multiplies(_pool_indices(model))
+    types: dict = {}  # value types of ``model``, inferred once, when a rewrite needs them (the rewrites
+    # keep the types of the values they read)
+
+    def typed() -> dict:
+        if not types:
+            types.update(value_types(model))
+        return types
+
+    return _mask_multiplies(_pool_indices(model, typed), typed)
 
 
-def _mask_multiplies(model: onnx.ModelProto) -> onnx.ModelProto:
+def _mask_multiplies(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
     """Each ``Where(mask, x, 0)`` (or ``Where(mask, 0, x)``, the mask negated) of a float ``x`` as a Mul."""
     zeros = _zero_scalars(model)
     found = [
@@ -52,7 +62,7 @@ def _mask_multiplies(model: onnx.ModelProto) -> onnx.ModelProto:
     ]
     if not found:
         return model
-    types = value_types(model)
+    types = typed()
     found = [k for k in found if _float_of(types, model.graph.node[k]) is not None]
     if not found:
         return model
@@ -117,7 +127,7 @@ def _float_of(types: dict, node: onnx.NodeProto) -> int | None:
     return et if ok else None
 
 
-def _pool_indices(model: onnx.ModelProto) -> onnx.ModelProto:
+def _pool_indices(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
     """MaxPool's Indices by ArgMax where the windows tile the input, dropped where nothing reads them."""
     pools = [k for k, n in enumerate(model.graph.node)
              if n.op_type == "MaxPool" and n.domain in ("", "ai.onnx") and len(n.output) > 1 and n.output[1]]
@@ -126,7 +136,7 @@ def _pool_indices(model: onnx.ModelProto) -> onnx.ModelProto:
     read = {i for n in model.graph.node for i in node_reads(n)} | {o.name for o in model.graph.output}
     unused = {k for k in pools if model.graph.node[k].output[1] not in read}
     tiled = [k for k in pools if k not in unused] if model_opset(model) >= _MIN_OPSET else []
-    types = value_types(model) if tiled else {}
+    types = typed() if tiled else {}
     plans = {k: p for k in tiled if (p := _tiling(model.graph.node[k], types)) is not None}
     if not plans and not unused:
         return model

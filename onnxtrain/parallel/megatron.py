@@ -150,10 +150,8 @@ def shard_blocks(
     cuts: list[list[CutEdge]] = []
     for b_index, b in enumerate(blocks):
         for w, axis, row in ((b.w1, b.w1_axis, 0), *(((b.b1, 0, 0),) if b.b1 else ()), (b.w2, b.w2_axis, 1)):
-            name = f"{w}_{'row' if row else 'column'}_rank_{rank}"
-            full = numpy_helper.to_array(inits[w])
-            share = full.shape[axis] // size
-            part = np.take(full, np.arange(rank * share, (rank + 1) * share), axis=axis)
+            name = share_name(w, row, rank)
+            part = take_share(numpy_helper.to_array(inits[w]), axis, rank, size)
             inits[w].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(part), name))
             split[w] = (name, axis, row)
         first, second = g.node[b.first], g.node[b.second]
@@ -180,6 +178,17 @@ def shard_blocks(
     del g.node[:]
     g.node.extend(nodes)
     return out, cuts, split
+
+
+def share_name(weight: str, row: int, rank: int) -> str:
+    """onnxruntime's name of rank ``rank``'s share of a split weight (``row``: 1 rows, 0 columns)."""
+    return f"{weight}_{'row' if row else 'column'}_rank_{rank}"
+
+
+def take_share(full: np.ndarray, axis: int, rank: int, size: int) -> np.ndarray:
+    """Rank ``rank``'s share of ``full`` split along ``axis`` into ``size`` equal parts."""
+    share = full.shape[axis] // size
+    return np.take(full, np.arange(rank * share, (rank + 1) * share), axis=axis)
 
 
 def _product(n: onnx.NodeProto, weight, made_by: dict[str, onnx.NodeProto]) -> tuple[str, int] | None:
