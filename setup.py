@@ -13,7 +13,9 @@ setup(
     packages=find_packages(include=["onnxtrain", "onnxtrain.*"]),
     package_data={"onnxtrain": ["data/*.npz"]},
     python_requires=">=3.10",
-    install_requires=["numpy>=2", "onnx>=1.16", "protobuf>=4", "PyYAML>=6", "tqdm>=4", "matplotlib>=3.7"],
+    # typing_extensions >= 4.16: older ones import asyncio (and ssl) for onnx.helper's deprecated functions
+    install_requires=["numpy>=2", "onnx>=1.16", "protobuf>=4", "PyYAML>=6", "tqdm>=4", "matplotlib>=3.7",
+                      "typing_extensions>=4.16"],
     extras_require={"mpi": MPI, "test": TEST, "all": MPI + TEST},
     entry_points={"console_scripts": ["onnxtrain=onnxtrain.cli:main"]},
 )

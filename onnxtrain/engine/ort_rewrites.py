@@ -210,7 +210,6 @@ def _argmax_indices(node: onnx.NodeProto, c: int, h: int, w: int, kh: int, kw: i
         **{f"row{j}": np.array(j * kw - 1, np.int64) for j in range(1, kh)},  # a ≥ j·kw: a > j·kw − 1
     }
     v = {key: name(key) for key in consts}
-    inits = [numpy_helper.from_array(arr, v[key]) for key, arr in consts.items()]
     t = {key: name(key) for key in ("x6", "xt", "x5", "arg", "off", "pos", "shape", "n", "images", "first",
                                      "first4")}
     t.update({f"{k}{j}": name(f"{k}{j}") for j in range(1, kh) for k in ("past", "rows", "skip", "off")})
@@ -234,7 +233,10 @@ def _argmax_indices(node: onnx.NodeProto, c: int, h: int, w: int, kh: int, kw: i
         make("Reshape", [t["first"], v["column"]], t["first4"]),
         make("Add", [t["pos"], t["first4"]], idx),
     ]
-    return nodes, inits
+    # the constants the nodes read (onnxruntime warns of unused initializers: the table, when comparisons
+    # find the offsets)
+    read = {i for n in nodes for i in n.input}
+    return nodes, [numpy_helper.from_array(arr, v[key]) for key, arr in consts.items() if v[key] in read]
 
 
 # windows of up to this many rows find an element's offset by comparisons; taller ones gather it from a table

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +11,8 @@ from onnxtrain.parallel.comm import Communicator
 
 
 def digest(data: bytes) -> str:
+    import hashlib  # here, not at the top: hashlib maps OpenSSL's libcrypto (3.6 MiB), which one process never needs
+
     return hashlib.blake2b(data, digest_size=12).hexdigest()
 
 

@@ -20,6 +20,7 @@ from onnxtrain import InferenceSession, SessionOptions
 from onnxtrain.engine.backends import (
     BACKENDS,
     CONFIG_KEY,
+    ENV_ALLOCATORS_KEY,
     SPIN_KEY,
     STOP_KEY,
     OrtPlan,
@@ -626,3 +627,29 @@ def test_only_training_plans_keep_their_binding(mlp_artifacts):
     del x
     gc.collect()
     assert gone() is None
+
+
+def test_backend_sessions_share_one_cpu_arena():
+    """The backend's CPU sessions use the arena registered once in onnxruntime's environment (one pool for a
+    step's graphs), unless the caller says otherwise or turns the arena off; training is unchanged (the
+    20-step comparisons above run with it)."""
+    assert _entry(make_plan(mlp_model(), "onnxruntime"), ENV_ALLOCATORS_KEY) == "1"
+    so = options("onnxruntime")
+    so.add_session_config_entry(ENV_ALLOCATORS_KEY, "0")
+    assert _entry(make_plan(mlp_model(), "onnxruntime", options=so), ENV_ALLOCATORS_KEY) == "0"
+    so = options("onnxruntime")
+    so.enable_cpu_mem_arena = False
+    assert _entry(make_plan(mlp_model(), "onnxruntime", options=so), ENV_ALLOCATORS_KEY) is None
+    sess = TrainingSession(mlp_model(), _sgd_params(), options("onnxruntime"))
+    assert _entry(sess._plan, ENV_ALLOCATORS_KEY) == "1"
+
+
+def test_importing_onnxtrain_loads_no_network_or_crypto_modules():
+    """``import onnxtrain`` (and onnx with it) maps neither OpenSSL (hashlib, ssl) nor asyncio: 3.6 MiB of
+    libcrypto, and 6.3 MiB that typing_extensions < 4.16 pulled in through onnx.helper's deprecations."""
+    import subprocess
+
+    code = ("import sys, onnxtrain; "
+            "print(sorted(m for m in ('asyncio', 'ssl', '_ssl', '_hashlib', 'hashlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

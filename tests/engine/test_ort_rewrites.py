@@ -46,6 +46,8 @@ def test_tiling_max_pool_indices_by_argmax_equal_onnxruntimes_own(shape, kernel,
     onnx.checker.check_model(new, full_check=True)
     ops = [n.op_type for n in new.graph.node]
     assert "ArgMax" in ops and len(new.graph.node[0].output) == 1, ops
+    read = {i for n in new.graph.node for i in n.input}
+    assert [t.name for t in new.graph.initializer if t.name not in read] == []  # onnxruntime would warn
     rng = np.random.default_rng(0)
     for batch in (shape[0], 1, 5):
         x = np.maximum(rng.standard_normal((batch, *shape[1:])), 0)  # ReLU'd: windows of tied zeros

@@ -319,6 +319,7 @@ def test_split_step_equals_fused_step(opt: str) -> None:
     fused = TrainingSession(model.SerializeToString(), params(opt))
     split = TrainingSession(model.SerializeToString(), params(opt))
     g = split._graphs
+    assert g._halves is None and "update" not in g.updates  # one process: built only when asked for
     for m in (g.gradients_graph, g.update_graph):
         onnx.checker.check_model(m, full_check=True)
     fused.run(["loss"], feeds(x, y))
