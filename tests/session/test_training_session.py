@@ -335,6 +335,23 @@ def test_split_step_equals_fused_step(opt: str) -> None:
         np.testing.assert_array_equal(new[k], v, err_msg=k)
 
 
+def test_optimizer_state_is_held_once() -> None:
+    """The optimizer's initial state arrays are the session's state (no second copy kept in the specs), and
+    training them leaves the Adam moments zero-initialised as torch's are (first step: m1 = 0.1·g)."""
+    sess = TrainingSession(mlp_model().SerializeToString(), params("AdamOptimizer"))
+    g = sess._graphs
+    assert g.state_specs and all(sp.initial is g.initial_state[sp.name] for sp in g.state_specs)
+    assert all(not np.any(sp.initial) for sp in g.state_specs if sp.key.startswith("Moment"))
+    x, y = batches(1, 16)[0]
+    p = params("AdamOptimizer")
+    p.set_gradients_as_graph_outputs = True
+    probe = TrainingSession(mlp_model().SerializeToString(), p)
+    grads = dict(zip([o.name for o in probe.get_outputs()], probe.run(None, feeds(x, y))))
+    sess.run(["loss"], feeds(x, y))
+    for w, moments in sess.get_optimizer_state().items():
+        np.testing.assert_allclose(moments["Moment_1"], 0.1 * grads[f"{w}_grad"], rtol=1e-6, atol=1e-9)
+
+
 def test_all_outputs_on_accumulation_micro_steps() -> None:
     # regression: run(None, ...) on a micro-step asked for the norm, which only the update computes
     model = mlp_model(loss="mse")
