@@ -30,6 +30,7 @@ from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.ort_rewrites import rewrite_for_onnxruntime
 from onnxtrain.engine.parallel import default_width, local_ranks
 from onnxtrain.engine.plan import EngineError, GraphInterface, Plan, ProfileEvent
+from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
 BACKENDS = ("numpy", "onnxruntime")
 CONFIG_KEY = "onnxtrain.backend"
@@ -355,10 +356,14 @@ class OrtPlan(GraphInterface):
 
     # ---- running ---------------------------------------------------------------------
     def run(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None,
-            overrides: Mapping[str, Any] | None = None, donate: Collection[str] = ()) -> list[np.ndarray]:
+            overrides: Mapping[str, Any] | None = None, donate: Collection[str] = (),
+            reuse: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
         """Run the graph on ``feeds`` (name → array) and return the requested outputs as numpy arrays.
         ``donate``: feeds the run may overwrite; an output paired with one of them by ``updates`` comes back
-        in that very array when the graph allows it (see :mod:`onnxtrain.engine.ort_inplace`)."""
+        in that very array when the graph allows it (see :mod:`onnxtrain.engine.ort_inplace`). ``reuse``:
+        output name → an array the caller is done with; the output is written into it (and comes back in
+        it) when it has the output's static shape and type, so that a step's outputs (gradients) stay in
+        the same memory from step to step instead of onnxruntime's arena holding two generations of them."""
         check_fed(feeds, donate)
         if overrides:
             feeds = {**feeds, **overrides}
@@ -382,6 +387,8 @@ class OrtPlan(GraphInterface):
                 bindable = False
             arrays[name] = v
         into = self._donated_outputs(arrays, names, donate) if bindable and donate and self._inplace else {}
+        if reuse and bindable and self._device == "cpu":
+            into.update(self._reused_outputs(reuse, names, into, arrays))
         t0 = time.perf_counter_ns()
         try:
             out = self._run_bound(arrays, names, into) if bindable else self._session.run(names, arrays)
@@ -412,6 +419,24 @@ class OrtPlan(GraphInterface):
                     and v.dtype == self.input_dtypes.get(x):
                 into[o] = v
         return into
+
+    def _reused_outputs(self, reuse: Mapping[str, np.ndarray], names: list[str],
+                        taken: Mapping[str, np.ndarray], inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """The entries of ``reuse`` that outputs ``names`` can be written into: a writeable C-contiguous
+        array of the output's static shape and type, neither given to another output nor fed as an input
+        (a view of a fed array is the caller's mistake: ``reuse`` says the array's contents are free)."""
+        used = {id(v) for v in (*taken.values(), *inputs.values())}
+        out = {}
+        for o in names:
+            v = reuse.get(o)
+            if (o in taken or not isinstance(v, np.ndarray) or id(v) in used or not v.flags.c_contiguous
+                    or not v.flags.writeable):
+                continue
+            t = self.output_info[o].type
+            if v.dtype == np_dtype_of(t) and list(v.shape) == value_info_shape(t):
+                out[o] = v
+                used.add(id(v))
+        return out
 
     def _run_bound(self, arrays: Mapping[str, np.ndarray], names: list[str],
                    into: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:

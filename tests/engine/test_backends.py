@@ -287,6 +287,61 @@ def test_ondevice_module_and_optimizer_match_numpy(mlp_artifacts):
     assert max(errors.values()) < TOL, errors
 
 
+def test_ondevice_gradients_stay_in_their_arrays_on_onnxruntime(mlp_artifacts):
+    """On onnxruntime a step after lazy_reset_grad writes the new gradients into the old ones' arrays (as
+    an accumulating step does), with the numpy engine's values."""
+    from onnxtrain.training.api import CheckpointState, Module
+
+    def module(backend: str) -> tuple[Module, CheckpointState]:
+        state = CheckpointState.load_checkpoint(os.path.join(mlp_artifacts, "checkpoint"))
+        return Module(os.path.join(mlp_artifacts, "training_model.onnx"), state,
+                      session_options=options(backend)), state
+
+    (ref, ref_state), (mod, state) = module("numpy"), module("onnxruntime")
+    for k, (x, y) in enumerate(batches(3, 16)):
+        ref.lazy_reset_grad()
+        mod.lazy_reset_grad()
+        before = {n: p.grad for n, p in state.parameters}
+        ref(x, y)
+        mod(x, y)
+        for n, p in state.parameters:
+            if k:  # the first step finds the zeros made with the state
+                assert p.grad is before[n], n
+            np.testing.assert_allclose(p.grad, ref_state.parameters[n].grad, rtol=1e-5, atol=1e-6, err_msg=n)
+
+
+def test_reuse_writes_outputs_into_the_arrays_given_when_they_fit():
+    """OrtPlan.run(reuse=...): an output of static shape and type comes back in the array given, with the
+    values of a plain run; arrays of another shape or type, not contiguous, read-only or fed as an input,
+    and outputs of dynamic shape, are left alone."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    graph = h.make_graph(
+        [h.make_node("Add", ["a", "b"], ["c"]), h.make_node("Mul", ["a", "b"], ["d"])], "reuse",
+        [h.make_tensor_value_info("a", T.FLOAT, [4, 3]), h.make_tensor_value_info("b", T.FLOAT, [4, 3])],
+        [h.make_tensor_value_info("c", T.FLOAT, [4, 3]), h.make_tensor_value_info("d", T.FLOAT, ["N", 3])])
+    plan = make_plan(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), "onnxruntime")
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((4, 3)).astype(np.float32) for _ in range(2))
+    buf = np.full((4, 3), np.nan, np.float32)
+    got = plan.run({"a": a, "b": b}, ["c", "d"], reuse={"c": buf})
+    assert got[0] is buf
+    np.testing.assert_array_equal(buf, a + b)
+    np.testing.assert_array_equal(got[1], a * b)
+    readonly = np.zeros((4, 3), np.float32)
+    readonly.flags.writeable = False
+    a_before = a.copy()
+    for name, bad in [("c", np.zeros((3, 4), np.float32)), ("c", np.zeros((4, 3), np.float64)),
+                      ("c", np.zeros((3, 4), np.float32).T), ("c", readonly), ("c", a),
+                      ("d", np.zeros((4, 3), np.float32))]:
+        kept = bad.copy()
+        got = plan.run({"a": a, "b": b}, ["c", "d"], reuse={name: bad})
+        assert got[0] is not bad and got[1] is not bad, (name, bad.shape, bad.dtype)
+        np.testing.assert_array_equal(bad, kept)
+        np.testing.assert_array_equal(got[0], a_before + b)
+
+
 # ---- InferenceSession ---------------------------------------------------------------------------
 
 def test_inference_session_outputs_equal():
