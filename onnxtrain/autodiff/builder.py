@@ -165,7 +165,8 @@ class _Backward:
             if d == 1:
                 if dy != 1:
                     axes.append(lead + j)
-            elif not isinstance(d, int) and d != dy:
+            elif (not isinstance(d, int) and (d is None or d != dy)
+                  and not self._kept_by_others(g, x, lead + j, grad_rank, d)):
                 # a dim we cannot see may or may not be broadcast: decide at run time
                 return self._unbroadcast_dynamic(g, grad, x)
         if not axes:
@@ -174,6 +175,33 @@ class _Backward:
             return g.reduce("ReduceSum", grad, axes, keepdims=0)
         red = g.reduce("ReduceSum", grad, axes, keepdims=1)
         return g.emit("Squeeze", red, g.ints(range(lead))) if lead else red
+
+    def _kept_by_others(self, g: GradCtx, x: str, axis: int, rank: int, d: str | None) -> bool:
+        """Whether the node's output has input ``x``'s (unknown) dim ``d`` on ``axis`` of its ``rank`` axes,
+        seen from its other inputs: each has no dim there, a 1, or the same named dim, so that ``x`` is not
+        broadcast along it (an attention mask beside its scores, a bias beside its activations). For
+        MatMul, only its batch axes broadcast; the last two are the operand's own."""
+        op = g.node.op_type
+        if op not in BROADCASTING_OPS and op != "MatMul":
+            return False
+        if op == "MatMul" and axis >= rank - 2:
+            return True
+        seen_x = False
+        for name in g.node.input:
+            if not name:
+                continue
+            if name == x and not seen_x:
+                seen_x = True
+                continue
+            other = symbolic_shape(self.types, name)
+            if other is None or (op == "MatMul" and len(other) < 2):
+                return False
+            k = axis - (rank - len(other))
+            if k < 0 or (op == "MatMul" and k >= len(other) - 2):
+                continue
+            if other[k] != 1 and (d is None or other[k] != d):
+                return False
+        return True
 
     def _unbroadcast_dynamic(self, g: GradCtx, grad: str, x: str) -> str:
         # axes where Shape(x), left-padded with ones to the gradient's rank, differs from Shape(grad)
@@ -186,6 +214,10 @@ class _Backward:
         axes = g.emit("Reshape", g.emit("NonZero", g.emit("Not", g.emit("Equal", sxp, sg))), g.ints([-1]))
         red = g.emit("ReduceSum", grad, axes, keepdims=1, noop_with_empty_axes=1)
         return g.emit("Reshape", red, sx)
+
+
+# ops whose inputs all broadcast against one another (numpy style) to make the output
+BROADCASTING_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min", "Sum", "Mean", "PRelu"})
 
 
 def _np_int64_1() -> Any:

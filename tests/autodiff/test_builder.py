@@ -266,3 +266,59 @@ def test_a_forward_output_declared_without_shape_takes_the_inferred_one() -> Non
     y = next(o for o in g.graph.output if o.name == "y")
     assert [d.dim_value for d in y.type.tensor_type.shape.dim] == [2, 3]
     onnx.checker.check_model(g, full_check=True)
+
+
+
+def _reshaped(name: str, rank: int) -> tuple[list, list]:
+    """``name`` reshaped by a shape fed at run time: a value of rank ``rank`` whose dims the builder cannot
+    see; returns (nodes, graph inputs)."""
+    return [helper.make_node("Reshape", [f"{name}_in", f"{name}_shape"], [name])], [
+        helper.make_tensor_value_info(f"{name}_in", T.DOUBLE, [f"{name}_size"]),
+        helper.make_tensor_value_info(f"{name}_shape", T.INT64, [rank]),
+    ]
+
+
+def _tanh_sum(value: str) -> list:
+    return [helper.make_node("Tanh", [value], ["t"]), helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0)]
+
+
+LOSS = helper.make_tensor_value_info("loss", T.DOUBLE, [])
+
+
+def test_two_inputs_of_unknown_dims_are_summed_back_at_run_time() -> None:
+    """Add(x, y) with every dim unknown: y of shape [1, 5] beside x of [3, 5] gets a [1, 5] gradient summed
+    over the rows (the builder cannot assume the dims agree), matching finite differences."""
+    nx, ix = _reshaped("x", 2)
+    ny, iy = _reshaped("y", 2)
+    m = _model([*nx, *ny, helper.make_node("Add", ["x", "y"], ["s"]), *_tanh_sum("s")], [*ix, *iy], [LOSS])
+    rng = np.random.default_rng(0)
+    feeds = {"x_in": rng.standard_normal(15), "x_shape": np.array([3, 5]),
+             "y_in": rng.standard_normal(5), "y_shape": np.array([1, 5])}
+    g = build_gradient_model(m, "loss", ["x_in", "y_in"])
+    onnx.checker.check_model(g, full_check=True)
+    grads = dict(zip([o.name for o in g.graph.output], run_engine(g, feeds)))
+    assert grads["y_in_grad"].shape == (5,)
+    gradcheck(m, "loss", ["x_in", "y_in"], feeds)
+
+
+def test_broadcast_partners_of_size_one_need_no_run_time_check() -> None:
+    """x of unknown dims plus a [1, 1] bias, and attention's scores Q·Kᵀ whose inner dims are unknown: the
+    other inputs show x is not broadcast, so its gradient needs no run-time shape comparison (NonZero)."""
+    nx, ix = _reshaped("x", 2)
+    bias = numpy_helper.from_array(np.array([[0.5]]), "b")
+    m = _model([*nx, helper.make_node("Add", ["x", "b"], ["s"]), *_tanh_sum("s")], ix, [LOSS], [bias])
+    feeds = {"x_in": np.random.default_rng(1).standard_normal(12), "x_shape": np.array([3, 4])}
+    g = build_gradient_model(m, "loss", ["x_in", "b"])
+    onnx.checker.check_model(g, full_check=True)
+    assert "NonZero" not in {n.op_type for n in g.graph.node}
+    gradcheck(m, "loss", ["x_in", "b"], feeds)
+    # Q [n, 2, 3, kq] · K [n, 2, kk, 3]: kq and kk differ in name (both 4 at run time)
+    q = helper.make_tensor_value_info("q", T.DOUBLE, ["n", 2, 3, "kq"])
+    k = helper.make_tensor_value_info("k", T.DOUBLE, ["n", 2, "kk", 3])
+    m = _model([helper.make_node("MatMul", ["q", "k"], ["a"]), *_tanh_sum("a")], [q, k], [LOSS])
+    rng = np.random.default_rng(2)
+    feeds = {"q": rng.standard_normal((2, 2, 3, 4)), "k": rng.standard_normal((2, 2, 4, 3))}
+    g = build_gradient_model(m, "loss", ["q", "k"])
+    onnx.checker.check_model(g, full_check=True)
+    assert "NonZero" not in {n.op_type for n in g.graph.node}
+    gradcheck(m, "loss", ["q", "k"], feeds)
