@@ -19,6 +19,12 @@ Indices that nothing reads are simply dropped, whatever the windows.
 broadcasting loop, about 4 ns a value: LeNet's first ReLU gradient, 301,056 values, 1,192 µs. It becomes
 ``Mul(x, Cast(mask))`` (98 µs for the Greater, Cast and Mul together). The values are the same but where a
 masked ``x`` is not finite (0·inf is NaN where Where gives 0) or negative (−0 instead of +0).
+
+``Where(mask, -inf, x)`` with a constant infinite fill (an attention mask) takes the same slow loop over the
+scores: 386 and 247 µs for the GPT decoder's two [16, 4, 64, 64] masks. It becomes
+``Add(x, Where(mask, -inf, 0))``, whose Where runs on the mask's own shape ([1, 1, 64, 64]) and whose Add
+broadcasts fast: 91 + 14 and 38 + 14 µs (kernel times, profiled steps). The values are the same where x
+is finite; a masked x that is NaN or the opposite infinity gives NaN, and an unmasked −0 gives +0.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
             types.update(value_types(model))
         return types
 
-    return _mask_multiplies(_pool_indices(model, typed), typed)
+    return _infinite_fills(_mask_multiplies(_pool_indices(model, typed), typed))
 
 
 def _mask_multiplies(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
@@ -98,9 +104,48 @@ def _mask_multiplies(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.
     return out
 
 
+def _infinite_fills(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Each ``Where(mask, ±inf, x)`` (or ``Where(mask, x, ±inf)``) as ``Add(x, Where(mask, ±inf, 0))``."""
+    fills = _scalars(model, lambda v: bool(np.isinf(v)))
+    found = [k for k, n in enumerate(model.graph.node)
+             if n.op_type == "Where" and n.domain in ("", "ai.onnx") and len(n.input) == 3
+             and (n.input[1] in fills) != (n.input[2] in fills)]
+    if not found:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    names = NameGen.for_model(out)
+    zeros: dict[int, str] = {}  # element type → its zero scalar
+    nodes: list[onnx.NodeProto] = []
+    for k, n in enumerate(out.graph.node):
+        if k not in found:
+            nodes.append(n)
+            continue
+        mask, a, b = n.input
+        fill, x = (a, b) if a in fills else (b, a)
+        et = fills[fill]
+        if et not in zeros:
+            zeros[et] = names("zero")
+            out.graph.initializer.append(
+                numpy_helper.from_array(np.zeros((), helper.tensor_dtype_to_np_dtype(et)), zeros[et]))
+        added = names(f"{n.output[0]}/fill")
+        branches = [fill, zeros[et]] if a == fill else [zeros[et], fill]
+        nodes.append(helper.make_node("Where", [mask, *branches], [added], name=names(f"{n.name or 'Where'}_Fill")))
+        nodes.append(helper.make_node("Add", [x, added], list(n.output), name=n.name or names("Where_Add")))
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
 def _zero_scalars(model: onnx.ModelProto) -> set[str]:
     """Names of constant float scalars of value +0 (initializers and Constant outputs)."""
-    out = set()
+    return set(_scalars(model, lambda v: v == 0 and not np.signbit(v)))
+
+
+def _scalars(model: onnx.ModelProto, keep: Callable[[np.generic], bool]) -> dict[str, int]:
+    """Constant float scalars (initializers and Constant outputs, one value) whose value ``keep`` accepts:
+    name → element type."""
+    out = {}
     tensors = [(t.name, t) for t in model.graph.initializer]
     tensors += [
         (n.output[0], a.t)
@@ -111,9 +156,8 @@ def _zero_scalars(model: onnx.ModelProto) -> set[str]:
     ]
     for name, t in tensors:
         if t.data_type in (*_FLOATS, TensorProto.FLOAT16) and int(np.prod(t.dims)) == 1:
-            v = numpy_helper.to_array(t).reshape(-1)[0]
-            if v == 0 and not np.signbit(v):
-                out.add(name)
+            if keep(numpy_helper.to_array(t).reshape(-1)[0]):
+                out[name] = t.data_type
     return out
 
 

@@ -206,3 +206,60 @@ def test_a_zero_only_the_where_read_goes_with_it() -> None:
     )
     assert [n.op_type for n in new.graph.node] == ["Greater", "Cast", "Mul"]
     onnx.checker.check_model(new, full_check=True)
+
+
+def causal_model(elem: int, fill: float, fill_first: bool) -> onnx.ModelProto:
+    """scores [N, H, T, T] masked by a causal mask [1, 1, T, T] made at run time (the strict upper triangle
+    of a fed block of ones): Where with a constant infinite fill, as torch exports attention masks."""
+    np_t = helper.tensor_dtype_to_np_dtype(elem)
+    nodes = [
+        helper.make_node("Constant", [], ["k"], value=onnx.numpy_helper.from_array(np.array(fill, np_t))),
+        helper.make_node("Trilu", ["ones", "one"], ["upper"], upper=1),
+        helper.make_node("Cast", ["upper"], ["blocked"], to=TensorProto.BOOL),
+        helper.make_node("Not", ["blocked"], ["keep"]),
+        helper.make_node("Where", ["blocked", "k", "s"] if fill_first else ["keep", "s", "k"], ["y"]),
+    ]
+    g = helper.make_graph(
+        nodes, "causal",
+        [helper.make_tensor_value_info("s", elem, ["N", 2, "T", "T"]),
+         helper.make_tensor_value_info("ones", elem, [1, 1, "T", "T"])],
+        [helper.make_tensor_value_info("y", elem, ["N", 2, "T", "T"])],
+        [onnx.numpy_helper.from_array(np.array(1, np.int64), "one")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+@pytest.mark.parametrize("elem,fill,fill_first", [
+    (TensorProto.FLOAT, -np.inf, False),
+    (TensorProto.FLOAT, -np.inf, True),
+    (TensorProto.DOUBLE, np.inf, False),
+    (TensorProto.FLOAT16, -np.inf, True),
+])
+def test_where_with_an_infinite_fill_becomes_an_add(elem: int, fill: float, fill_first: bool) -> None:
+    """Where(mask, -inf, x) runs as Add(x, Where(mask, -inf, 0)): the Where on the mask's shape only, the
+    values onnxruntime gives for the original graph (finite x), for several sequence lengths."""
+    model = causal_model(elem, fill, fill_first)
+    new = rewrite_for_onnxruntime(model)
+    onnx.checker.check_model(new, full_check=True)
+    assert [n.op_type for n in new.graph.node][-2:] == ["Where", "Add"]
+    read = {i for n in new.graph.node for i in n.input}
+    assert [t.name for t in new.graph.initializer if t.name not in read] == []
+    np_t = helper.tensor_dtype_to_np_dtype(elem)
+    rng = np.random.default_rng(4)
+    for t in (1, 5, 8):
+        feeds = {"s": rng.standard_normal((3, 2, t, t)).astype(np_t), "ones": np.ones((1, 1, t, t), np_t)}
+        want = run_feeds(model, feeds)
+        got = run_feeds(new, feeds)
+        np.testing.assert_array_equal(got, want)
+        assert np.isinf(want).any() or t == 1
+    # the documented difference: a masked NaN stays NaN where Where gives the fill
+    feeds["s"][0, 0, 0, -1] = np.nan
+    assert np.isnan(run_feeds(new, feeds)[0, 0, 0, -1]) and np.isinf(run_feeds(model, feeds)[0, 0, 0, -1])
+
+
+def test_where_with_a_finite_fill_stays() -> None:
+    model = causal_model(TensorProto.FLOAT, -1e9, False)
+    assert [n.op_type for n in rewrite_for_onnxruntime(model).graph.node][-1] == "Where"
+
+
+def run_feeds(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
