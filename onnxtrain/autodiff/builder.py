@@ -217,7 +217,9 @@ class _Backward:
 
 
 # ops whose inputs all broadcast against one another (numpy style) to make the output
-BROADCASTING_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min", "Sum", "Mean", "PRelu"})
+BROADCASTING_OPS = frozenset({
+    "Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min", "Sum", "Mean", "PRelu",
+})
 
 
 def _np_int64_1() -> Any:

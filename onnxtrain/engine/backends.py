@@ -210,7 +210,8 @@ def shared_cpu_arena(ort: Any) -> bool:
     with _arena_lock:
         if not _arena:
             try:
-                cpu = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+                cpu = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                        ort.OrtMemType.DEFAULT)
                 # max memory 0 (no limit), extend strategy 1 (kSameAsRequested), defaults for the rest
                 ort.create_and_register_allocator(cpu, ort.OrtArenaCfg(0, 1, -1, -1))
                 _arena.append(True)

@@ -29,7 +29,7 @@ is finite; a masked x that is NaN or the opposite infinity gives NaN, and an unm
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 import onnx
@@ -58,45 +58,33 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
 def _mask_multiplies(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
     """Each ``Where(mask, x, 0)`` (or ``Where(mask, 0, x)``, the mask negated) of a float ``x`` as a Mul."""
     zeros = _zero_scalars(model)
-    found = [
-        k
-        for k, n in enumerate(model.graph.node)
-        if n.op_type == "Where"
-        and n.domain in ("", "ai.onnx")
-        and len(n.input) == 3
-        and (n.input[1] in zeros) != (n.input[2] in zeros)
-    ]
+    found = _wheres_with_one_branch_in(model, zeros)
     if not found:
         return model
     types = typed()
     found = [k for k in found if _float_of(types, model.graph.node[k]) is not None]
     if not found:
         return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    names = NameGen.for_model(out)
-    nodes: list[onnx.NodeProto] = []
-    for k, n in enumerate(out.graph.node):
-        if k not in found:
-            nodes.append(n)
-            continue
+
+    def as_mul(n: onnx.NodeProto, names: NameGen, _: onnx.ModelProto) -> list[onnx.NodeProto]:
         mask, a, b = n.input
         x, keep = (a, mask) if b in zeros else (b, None)
+        nodes = []
         if keep is None:  # Where(mask, 0, x): x where the mask is false
             keep = names(f"{n.output[0]}/kept")
             nodes.append(helper.make_node("Not", [mask], [keep], name=names(f"{n.name or 'Where'}_Not")))
         as_float = names(f"{n.output[0]}/mask")
-        nodes.append(
-            helper.make_node(
-                "Cast", [keep], [as_float], name=names(f"{n.name or 'Where'}_Cast"), to=_float_of(types, n)
-            )
-        )
-        nodes.append(
-            helper.make_node("Mul", [x, as_float], list(n.output), name=n.name or names("Where_Mul"))
-        )
+        return [
+            *nodes,
+            helper.make_node("Cast", [keep], [as_float], name=names(f"{n.name or 'Where'}_Cast"),
+                             to=_float_of(types, n)),
+            helper.make_node("Mul", [x, as_float], list(n.output), name=n.name or names("Where_Mul")),
+        ]
+
+    out = _with_nodes_replaced(model, found, as_mul)
     # the zeros only the Wheres read go too (onnxruntime warns of unused initializers and constants)
-    read = {i for n in nodes for i in node_reads(n)} | {o.name for o in out.graph.output}
-    nodes = [n for n in nodes if not (n.op_type == "Constant" and n.output[0] in zeros - read)]
+    read = {i for n in out.graph.node for i in node_reads(n)} | {o.name for o in out.graph.output}
+    nodes = [n for n in out.graph.node if not (n.op_type == "Constant" and n.output[0] in zeros - read)]
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     for t in [t for t in out.graph.initializer if t.name in zeros - read]:
@@ -107,20 +95,12 @@ def _mask_multiplies(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.
 def _infinite_fills(model: onnx.ModelProto) -> onnx.ModelProto:
     """Each ``Where(mask, ±inf, x)`` (or ``Where(mask, x, ±inf)``) as ``Add(x, Where(mask, ±inf, 0))``."""
     fills = _scalars(model, lambda v: bool(np.isinf(v)))
-    found = [k for k, n in enumerate(model.graph.node)
-             if n.op_type == "Where" and n.domain in ("", "ai.onnx") and len(n.input) == 3
-             and (n.input[1] in fills) != (n.input[2] in fills)]
+    found = _wheres_with_one_branch_in(model, fills)
     if not found:
         return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    names = NameGen.for_model(out)
     zeros: dict[int, str] = {}  # element type → its zero scalar
-    nodes: list[onnx.NodeProto] = []
-    for k, n in enumerate(out.graph.node):
-        if k not in found:
-            nodes.append(n)
-            continue
+
+    def as_add(n: onnx.NodeProto, names: NameGen, out: onnx.ModelProto) -> list[onnx.NodeProto]:
         mask, a, b = n.input
         fill, x = (a, b) if a in fills else (b, a)
         et = fills[fill]
@@ -130,8 +110,33 @@ def _infinite_fills(model: onnx.ModelProto) -> onnx.ModelProto:
                 numpy_helper.from_array(np.zeros((), helper.tensor_dtype_to_np_dtype(et)), zeros[et]))
         added = names(f"{n.output[0]}/fill")
         branches = [fill, zeros[et]] if a == fill else [zeros[et], fill]
-        nodes.append(helper.make_node("Where", [mask, *branches], [added], name=names(f"{n.name or 'Where'}_Fill")))
-        nodes.append(helper.make_node("Add", [x, added], list(n.output), name=n.name or names("Where_Add")))
+        return [
+            helper.make_node("Where", [mask, *branches], [added], name=names(f"{n.name or 'Where'}_Fill")),
+            helper.make_node("Add", [x, added], list(n.output), name=n.name or names("Where_Add")),
+        ]
+
+    return _with_nodes_replaced(model, found, as_add)
+
+
+def _wheres_with_one_branch_in(model: onnx.ModelProto, consts: Collection[str]) -> list[int]:
+    """Indices of the Where nodes exactly one of whose two branches is named in ``consts``."""
+    return [k for k, n in enumerate(model.graph.node)
+            if n.op_type == "Where" and n.domain in ("", "ai.onnx") and len(n.input) == 3
+            and (n.input[1] in consts) != (n.input[2] in consts)]
+
+
+def _with_nodes_replaced(
+    model: onnx.ModelProto, found: Collection[int],
+    replace: Callable[[onnx.NodeProto, NameGen, onnx.ModelProto], list[onnx.NodeProto]],
+) -> onnx.ModelProto:
+    """A copy of ``model`` in which each node whose index is in ``found`` is replaced by the nodes
+    ``replace(node, names, copy)`` returns (new names from ``names``; it may add initializers to the copy)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    names = NameGen.for_model(out)
+    nodes: list[onnx.NodeProto] = []
+    for k, n in enumerate(out.graph.node):
+        nodes.extend(replace(n, names, out) if k in found else [n])
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     return out
@@ -155,9 +160,9 @@ def _scalars(model: onnx.ModelProto, keep: Callable[[np.generic], bool]) -> dict
         if a.name == "value"
     ]
     for name, t in tensors:
-        if t.data_type in (*_FLOATS, TensorProto.FLOAT16) and int(np.prod(t.dims)) == 1:
-            if keep(numpy_helper.to_array(t).reshape(-1)[0]):
-                out[name] = t.data_type
+        if (t.data_type in (*_FLOATS, TensorProto.FLOAT16) and int(np.prod(t.dims)) == 1
+                and keep(numpy_helper.to_array(t).reshape(-1)[0])):
+            out[name] = t.data_type
     return out
 
 

@@ -11,7 +11,8 @@ from onnxtrain.parallel.comm import Communicator
 
 
 def digest(data: bytes) -> str:
-    import hashlib  # here, not at the top: hashlib maps OpenSSL's libcrypto (3.6 MiB), which one process never needs
+    # imported here, not at the top: hashlib maps OpenSSL's libcrypto (3.6 MiB), which one process never needs
+    import hashlib
 
     return hashlib.blake2b(data, digest_size=12).hexdigest()
 

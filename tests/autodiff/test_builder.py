@@ -279,7 +279,8 @@ def _reshaped(name: str, rank: int) -> tuple[list, list]:
 
 
 def _tanh_sum(value: str) -> list:
-    return [helper.make_node("Tanh", [value], ["t"]), helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0)]
+    return [helper.make_node("Tanh", [value], ["t"]),
+            helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0)]
 
 
 LOSS = helper.make_tensor_value_info("loss", T.DOUBLE, [])

@@ -706,5 +706,6 @@ def test_importing_onnxtrain_loads_no_network_or_crypto_modules():
 
     code = ("import sys, onnxtrain; "
             "print(sorted(m for m in ('asyncio', 'ssl', '_ssl', '_hashlib', 'hashlib') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

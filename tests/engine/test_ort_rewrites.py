@@ -262,4 +262,5 @@ def test_where_with_a_finite_fill_stays() -> None:
 
 
 def run_feeds(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)[0]
