@@ -26,7 +26,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench.common import compare, fmt_time  # noqa: E402 - run from a checkout
 from onnxtrain import SessionOptions, TrainingParameters, TrainingSession, zoo  # noqa: E402
-from onnxtrain.engine.backends import BACKENDS, CONFIG_KEY, SPIN_KEY  # noqa: E402
+from onnxtrain.engine.backends import BACKENDS, CONFIG_KEY  # noqa: E402
+from onnxtrain.engine.ort_plan import SPIN_KEY  # noqa: E402
 
 SIZES = [784, 512, 512, 10]
 OPTIMIZERS = {"adam": "AdamOptimizer", "sgd": "SGDOptimizer"}

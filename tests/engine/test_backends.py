@@ -20,15 +20,12 @@ from onnxtrain import InferenceSession, SessionOptions
 from onnxtrain.engine.backends import (
     BACKENDS,
     CONFIG_KEY,
-    ENV_ALLOCATORS_KEY,
-    SPIN_KEY,
-    STOP_KEY,
-    OrtPlan,
     backend_of,
     check_backend,
     make_plan,
     resolve_providers,
 )
+from onnxtrain.engine.ort_plan import ENV_ALLOCATORS_KEY, SPIN_KEY, STOP_KEY, OrtPlan
 from onnxtrain.engine.plan import Plan
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession
