@@ -696,6 +696,22 @@ def test_backend_sessions_share_one_cpu_arena():
     assert _entry(sess._plan, ENV_ALLOCATORS_KEY) == "1"
 
 
+def test_sessions_keep_their_own_arena_when_onnxruntime_refuses_the_shared_one(monkeypatch):
+    """When onnxruntime will not register the shared arena (say the process registered its own), sessions
+    are made without asking for it, and still train."""
+    from onnxtrain.engine import ort_plan
+
+    def refuse(*_args):
+        raise RuntimeError("an allocator is already registered")
+
+    monkeypatch.setattr(ort_plan, "_arena", [])
+    monkeypatch.setattr(ort, "create_and_register_allocator", refuse)
+    sess = TrainingSession(mlp_model(), _sgd_params(), options("onnxruntime"))
+    assert _entry(sess._plan, ENV_ALLOCATORS_KEY) is None
+    x, y = batches(1, 8)[0]
+    assert np.isfinite(sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)})[0])
+
+
 def test_importing_onnxtrain_loads_no_network_or_crypto_modules():
     """``import onnxtrain`` (and onnx with it) maps neither OpenSSL (hashlib, ssl) nor asyncio: 3.6 MiB of
     libcrypto, and 6.3 MiB that typing_extensions < 4.16 pulled in through onnx.helper's deprecations."""
