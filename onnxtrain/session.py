@@ -36,10 +36,10 @@ from onnxtrain.training_graph import TRAINING_MODE, build_step_graphs
 # plans run right after another of the same session, whose onnxruntime threads therefore stop spinning when
 # their run ends
 FOLLOWER_PLANS = ("accumulate", "update")
-# plans run once per training step on the same weights and moments: onnxruntime's binding is kept between runs
 # plan name → the StepGraphs attribute holding its graph (the halves are built on first use)
 PLAN_GRAPHS = {"full": "full", "accumulate": "accumulate", "forward": "forward",
                "gradients": "gradients_graph", "update": "update_graph"}
+# plans run once per training step on the same weights and moments: onnxruntime's binding is kept between runs
 STEP_PLANS = ("full", "accumulate", "gradients", "update", "zero_update")
 
 
