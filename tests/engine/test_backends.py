@@ -167,6 +167,24 @@ def test_legacy_lenet_bn_20_steps_match_numpy(opt):
     assert_same_training(model.SerializeToString(), opt, feeds, weights_not_to_train=frozen)
 
 
+def test_legacy_gpt_block_20_steps_match_numpy():
+    """A causal-attention block (its mask a Where with -inf, which the backend runs as an Add of the masked
+    fill) and a tanh-GELU MLP: the same losses and weights on both backends."""
+    pytest.importorskip("torch")
+    from tests import models
+
+    model, _, _ = models.export("gpt_block", training=True, with_loss=True, dropout=0.0)
+    feeds = [models.example_inputs("gpt_block", batch=4, with_loss=True, seed=k) for k in range(STEPS)]
+    losses, _, sess = legacy_run(model.SerializeToString(), "AdamOptimizer", "onnxruntime", feeds[:1],
+                                 lr=0.001)
+    where_fills = [n for n in sess._plan.onnxruntime_model.graph.node if n.name.endswith("_Fill")]
+    assert where_fills, "the attention mask's Where was not rewritten"
+    # the key part of the qkv bias shifts each row of scores by a constant, which softmax ignores: its
+    # gradient is rounding noise, which Adam scales to full-size steps (as LeNet's pre-BN biases above)
+    assert_same_training(model.SerializeToString(), "AdamOptimizer", feeds,
+                         weights_not_to_train={"model.attn.qkv.bias"})
+
+
 def test_control_flow_models_train_the_same_on_both_backends():
     """A scripted list RNN (a Loop carrying a sequence) trains to the same losses and weights on onnxruntime
     as on the numpy engine: the backward Loop, the sequence ops and the stashed iterations run there too."""
