@@ -9,6 +9,10 @@ weights whole. The model is cut around each block into pieces of plain ONNX grap
 output (``MegatronG``); backward from the loss, the ranks summing the gradient at a block's input
 (``MegatronF``). The gradient norm sums the shares' squares over the ranks; one update graph moves every
 weight of the rank. The weights move as one process's do, within float32 rounding of the split sums.
+With ``gradient_accumulation_steps = N`` the rank adds up its gradients over N runs and updates with their
+mean on the N-th, as one process does: the session counts the runs (``gradient_accumulation_mode =
+"auto"``), or a run fetching ``Group_Accumulated_Gradients`` with ``only_execute_path_to_fetches`` is a
+micro-step ("legacy"). A state gathered in between holds the weights, not the partial sums.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import onnx
 from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.plan import load_model
+from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
+from onnxtrain.inference import NodeArg
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
@@ -38,7 +44,6 @@ from onnxtrain.training_graph import TRAINING_MODE, build_update_graph, select_t
 _REFUSED = {
     "pipeline_parallel_size": 1,
     "use_mixed_precision": False,
-    "gradient_accumulation_steps": 1,
     "deepspeed_zero_stage": 0,
     "enable_adasum": False,
     **{k: d for k, d in PIPELINE.items() if k != "pipeline_parallel_size"},
@@ -46,6 +51,7 @@ _REFUSED = {
 }
 _OPTIONS = (
     "horizontal_parallel_size",
+    "gradient_accumulation_steps",
     "loss_output_name",
     "training_optimizer_name",
     "enable_grad_norm_clip",
@@ -108,6 +114,11 @@ class HorizontalTrainingSession(CutModelSession):
         self._build_update(sharded)
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
         self._interface(model)
+        if p.gradient_accumulation_steps > 1:
+            self._outputs.append(NodeArg(GROUP_OUTPUT, "tensor(bool)", []))
+            self._output_names.append(GROUP_OUTPUT)
+        self._summed: dict[str, np.ndarray] = {}  # the gradients of this accumulation's micro-steps so far
+        self._micro_step = 0
         self._check_attribute_maps()
 
     # ---- construction ----------------------------------------------------------------
@@ -160,15 +171,25 @@ class HorizontalTrainingSession(CutModelSession):
         """Forward, backward and update (a collective: every rank calls it with the same feeds)."""
         ro = run_options or RunOptions()
         names = self._output_list(output_names)
-        lr_name = self._params.lr_params_feed_name
+        p = self._params
         feeds = self._checked(input_feed)
         dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode)))
-        if ro.only_execute_path_to_fetches:
+        steps = p.gradient_accumulation_steps
+        if p.gradient_accumulation_mode == "auto":
+            micro = steps > 1 and not ro.only_execute_path_to_fetches and self._micro_step + 1 < steps
+        else:  # the legacy contract: the caller marks a micro-step by fetching the group output
+            micro = steps > 1 and ro.only_execute_path_to_fetches and GROUP_OUTPUT in names
+        if ro.only_execute_path_to_fetches and not micro:
             values = self._forward(feeds, dropout, "forward")[0]
         else:
-            if lr_name not in feeds:
-                raise ValueError(f"missing input {lr_name!r} (the learning rate)")
-            values = self._train_step(feeds, dropout)
+            if not micro and p.lr_params_feed_name not in feeds:
+                raise ValueError(f"missing input {p.lr_params_feed_name!r} (the learning rate)")
+            values = self._train_step(feeds, dropout, update=not micro)
+        if GROUP_OUTPUT in names:
+            values[GROUP_OUTPUT] = np.asarray(True)  # its value means nothing: it marks a micro-step
+        missing = [n for n in names if n not in values]
+        if missing:
+            raise ValueError(f"output(s) {missing} are not computed on a forward-only run")
         return [values[n] for n in names]
 
     def _feeds(self, piece: int, kind: str, values: Mapping[str, Any], dropout: bool) -> dict[str, Any]:
@@ -193,7 +214,8 @@ class HorizontalTrainingSession(CutModelSession):
                 values[t] = self._comm.allreduce_(np.array(values[t]), f"MegatronG: the sum of {t!r}")
         return values, saved
 
-    def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:
+    def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool,
+                    update: bool = True) -> dict[str, np.ndarray]:
         values, saved = self._forward(feeds, dropout, "forward_train")
         last = len(self._pieces) - 1
         grads: dict[str, np.ndarray] = {}  # tensor → its gradient so far (weights included)
@@ -219,8 +241,30 @@ class HorizontalTrainingSession(CutModelSession):
             for x in (*sg.trainable, *sg.diff_received):
                 g = res[f"{x}_grad"]
                 grads[x] = grads[x] + g if x in grads else g
-        self._update({w: grads[w] for w in self._trainable}, values[self._params.lr_params_feed_name])
+        grads = {w: grads[w] for w in self._trainable}
+        steps = self._params.gradient_accumulation_steps
+        if steps > 1:
+            grads = self._accumulated(grads, update)
+            if not update:
+                return values
+        self._update(grads, values[self._params.lr_params_feed_name])
         return values
+
+    def _accumulated(self, grads: dict[str, np.ndarray], last: bool) -> dict[str, np.ndarray]:
+        """Add a micro-step's gradients to the sums; on the ``last`` one, the sums' mean (times 1/N, as the
+        one-process graph scales them), and the sums start again."""
+        for w, g in grads.items():
+            if w in self._summed:
+                np.add(self._summed[w], g, out=self._summed[w])
+            else:
+                self._summed[w] = np.array(g, copy=True)
+        self._micro_step += 1
+        if not last:
+            return {}
+        n = self._params.gradient_accumulation_steps
+        out = {w: s * s.dtype.type(1.0 / n) for w, s in self._summed.items()}
+        self._summed, self._micro_step = {}, 0
+        return out
 
     def _update(self, grads: dict[str, np.ndarray], lr: np.ndarray) -> None:
         p = self._params

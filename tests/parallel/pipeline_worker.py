@@ -192,13 +192,21 @@ CASES.update(
     }
 )
 CASES["adam_h2x2_gelu_blocks"] = CASES["adam_h2_gelu_blocks"]  # the split × two data-parallel replicas
+# gradient accumulation over each batch's two halves, counted by the session or marked by the caller
+CASES["adam_h2_acc2_clip"] = (mlp_model, 1, "", 2, "AdamOptimizer", True)
+CASES["adam_h2_acc2_legacy"] = (gelu_blocks_model, 1, "", 2, "AdamOptimizer", False)
+CASES["adam_h2x2_acc2_clip"] = CASES["adam_h2_acc2_clip"]  # and two data-parallel replicas
 HORIZONTAL = {
     "adam_h2_clip": 2,
     "adam_h2_gelu_blocks": 2,
     "sgd_h2_torch_transformer": 2,
     "adam_h2x2_gelu_blocks": 2,
+    "adam_h2_acc2_clip": 2,
+    "adam_h2_acc2_legacy": 2,
+    "adam_h2x2_acc2_clip": 2,
 }
-REPLICAS = {"adam2x2_tied_clip": 2, "adam_h2x2_gelu_blocks": 2}  # data-parallel replicas (default 1)
+# data-parallel replicas (default 1)
+REPLICAS = {"adam2x2_tied_clip": 2, "adam_h2x2_gelu_blocks": 2, "adam_h2x2_acc2_clip": 2}
 LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30}  # the mixed-precision cases' loss scale
 
 
@@ -215,6 +223,9 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
     if pipelined and case in HORIZONTAL:
         p.horizontal_parallel_size = HORIZONTAL[case]
         p.data_parallel_size = replicas
+        if micro > 1:  # the split session accumulates the micro-batches itself, one run each
+            p.gradient_accumulation_steps = micro
+            p.gradient_accumulation_mode = "legacy" if case.endswith("_legacy") else "auto"
     elif pipelined:
         p.pipeline_parallel_size = stages
         p.pipeline_cut_info_string = cut
@@ -279,7 +290,15 @@ def main(out: str, cases: list[str]) -> None:
             mine = {
                 n: np.split(v, replicas)[getattr(sess, "data_parallel_rank", 0)] for n, v in feeds.items()
             }
-            (loss,) = sess.run(["loss"], {**mine, **scale_feed(case), "Learning_Rate": LR})
+            micro = CASES[case][3] if case in HORIZONTAL else 1
+            for k in range(micro):  # a horizontal case's micro-batches: one run each
+                part = {n: np.split(v, micro)[k] for n, v in mine.items()}
+                ro = RunOptions()
+                fetch = ["loss"]
+                if k < micro - 1 and case.endswith("_legacy"):  # the caller marks the micro-step
+                    ro.only_execute_path_to_fetches = True
+                    fetch.append("Group_Accumulated_Gradients")
+                loss = sess.run(fetch, {**part, **scale_feed(case), "Learning_Rate": LR}, ro)[0]
             losses.append(float(loss))
         ro = RunOptions()
         ro.only_execute_path_to_fetches = True

@@ -25,10 +25,21 @@ def test_split_blocks_train_as_one_process(tmp_path) -> None:
 
 
 @pytest.mark.mpi
+def test_split_blocks_accumulate_gradients_as_one_process(tmp_path) -> None:
+    """gradient_accumulation_steps=2 over the split: the micro-steps counted by the session ("auto") or
+    marked by fetching Group_Accumulated_Gradients ("legacy"), each batch's two halves one run each."""
+    got = pipelined(tmp_path, ["adam_h2_acc2_clip", "adam_h2_acc2_legacy"], 2)
+    compare(got, "adam_h2_acc2_clip", 2e-6)
+    compare(got, "adam_h2_acc2_legacy", 2e-6)
+
+
+@pytest.mark.mpi
 def test_split_blocks_times_two_data_parallel_replicas(tmp_path) -> None:
     """mpiexec -n 4: two replicas of the two-way split, each on half of every batch (rank = replica · 2 +
     share); the replicas average their gradients, as one process accumulating both halves does."""
-    compare(pipelined(tmp_path, ["adam_h2x2_gelu_blocks"], 4), "adam_h2x2_gelu_blocks", 2e-6)
+    got = pipelined(tmp_path, ["adam_h2x2_gelu_blocks", "adam_h2x2_acc2_clip"], 4)
+    compare(got, "adam_h2x2_gelu_blocks", 2e-6)
+    compare(got, "adam_h2x2_acc2_clip", 2e-6)  # with gradient accumulation as well
 
 
 @pytest.mark.mpi
