@@ -17,9 +17,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain.capi.options import SessionOptions
+from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.backends import backend_of
 from onnxtrain.engine.backends import resolve_providers as backend_providers
+from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE
 from onnxtrain.inference import NodeArg, node_arg
 from onnxtrain.ir.builder import value_types
@@ -156,6 +157,40 @@ class CutModelSession(TrainingSession):
                 out[n] = self._store[n]
             elif n == TRAINING_MODE:
                 out[n] = np.asarray(training)
+        return out
+
+    # ---- gradient accumulation over runs ------------------------------------------------------------
+    def _setup_accumulation(self) -> None:
+        """With ``gradient_accumulation_steps`` > 1, the group output a legacy caller fetches to mark a
+        micro-step; and the sums of the micro-steps' gradients (none yet)."""
+        if self._params.gradient_accumulation_steps > 1:
+            self._outputs.append(NodeArg(GROUP_OUTPUT, "tensor(bool)", []))
+            self._output_names.append(GROUP_OUTPUT)
+        self._summed: dict[str, np.ndarray] = {}
+        self._micro_step = 0
+
+    def _is_micro_step(self, names: Sequence[str], ro: RunOptions) -> bool:
+        """Whether a training run only adds its gradients (no update): counted by the session
+        (``gradient_accumulation_mode = "auto"``), or marked by the caller fetching the group output with
+        ``only_execute_path_to_fetches`` ("legacy"), as one process's session decides."""
+        p = self._params
+        steps = p.gradient_accumulation_steps
+        if steps == 1:
+            return False
+        if p.gradient_accumulation_mode == "auto":
+            return not ro.only_execute_path_to_fetches and self._micro_step + 1 < steps
+        return bool(ro.only_execute_path_to_fetches) and GROUP_OUTPUT in names
+
+    def _add_gradient(self, name: str, g: np.ndarray) -> None:
+        """Add ``g`` to the running sum of ``name``'s gradient, in the order one process's buffer adds."""
+        if name in self._summed:
+            np.add(self._summed[name], g, out=self._summed[name])
+        else:
+            self._summed[name] = np.array(g, copy=True)
+
+    def _take_sums(self) -> dict[str, np.ndarray]:
+        """The gradient sums of the accumulation that ends; the next one starts from nothing."""
+        out, self._summed, self._micro_step = self._summed, {}, 0
         return out
 
     def _run_update(self, plan: Any, outputs: Mapping[str, str], given: Mapping[str, Any]) -> None:

@@ -29,7 +29,6 @@ from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.plan import load_model
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
-from onnxtrain.inference import NodeArg
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
@@ -114,11 +113,7 @@ class HorizontalTrainingSession(CutModelSession):
         self._build_update(sharded)
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
         self._interface(model)
-        if p.gradient_accumulation_steps > 1:
-            self._outputs.append(NodeArg(GROUP_OUTPUT, "tensor(bool)", []))
-            self._output_names.append(GROUP_OUTPUT)
-        self._summed: dict[str, np.ndarray] = {}  # the gradients of this accumulation's micro-steps so far
-        self._micro_step = 0
+        self._setup_accumulation()
         self._check_attribute_maps()
 
     # ---- construction ----------------------------------------------------------------
@@ -174,11 +169,7 @@ class HorizontalTrainingSession(CutModelSession):
         p = self._params
         feeds = self._checked(input_feed)
         dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode)))
-        steps = p.gradient_accumulation_steps
-        if p.gradient_accumulation_mode == "auto":
-            micro = steps > 1 and not ro.only_execute_path_to_fetches and self._micro_step + 1 < steps
-        else:  # the legacy contract: the caller marks a micro-step by fetching the group output
-            micro = steps > 1 and ro.only_execute_path_to_fetches and GROUP_OUTPUT in names
+        micro = self._is_micro_step(names, ro)
         if ro.only_execute_path_to_fetches and not micro:
             values = self._forward(feeds, dropout, "forward")[0]
         else:
@@ -242,29 +233,17 @@ class HorizontalTrainingSession(CutModelSession):
                 g = res[f"{x}_grad"]
                 grads[x] = grads[x] + g if x in grads else g
         grads = {w: grads[w] for w in self._trainable}
-        steps = self._params.gradient_accumulation_steps
-        if steps > 1:
-            grads = self._accumulated(grads, update)
+        n = self._params.gradient_accumulation_steps
+        if n > 1:
+            for w, g in grads.items():
+                self._add_gradient(w, g)
+            self._micro_step += 1
             if not update:
                 return values
+            # the mean: the sums times 1/N, as one process's graph scales its buffers
+            grads = {w: s * s.dtype.type(1.0 / n) for w, s in self._take_sums().items()}
         self._update(grads, values[self._params.lr_params_feed_name])
         return values
-
-    def _accumulated(self, grads: dict[str, np.ndarray], last: bool) -> dict[str, np.ndarray]:
-        """Add a micro-step's gradients to the sums; on the ``last`` one, the sums' mean (times 1/N, as the
-        one-process graph scales them), and the sums start again."""
-        for w, g in grads.items():
-            if w in self._summed:
-                np.add(self._summed[w], g, out=self._summed[w])
-            else:
-                self._summed[w] = np.array(g, copy=True)
-        self._micro_step += 1
-        if not last:
-            return {}
-        n = self._params.gradient_accumulation_steps
-        out = {w: s * s.dtype.type(1.0 / n) for w, s in self._summed.items()}
-        self._summed, self._micro_step = {}, 0
-        return out
 
     def _update(self, grads: dict[str, np.ndarray], lr: np.ndarray) -> None:
         p = self._params

@@ -19,6 +19,9 @@ until its backward), averages the gradients over the micro-batches and the data-
 those of weights several stages read, sums the squared gradient norms over the stages and updates. The
 weights move as one process's do with ``gradient_accumulation_steps = micro-batches × replicas`` on the
 same micro-batches. Every rank returns the outputs of its pipeline's last micro-batch.
+With ``gradient_accumulation_steps = N`` the gradients add up over N runs as well, and the N-th run updates
+with the mean over all N × micro-batches (micro-steps counted by the session, or marked by the caller as in
+one process's session).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import onnx
 from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.plan import load_model
+from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.mixed_precision import (
     ALL_FINITE,
     mixed_precision,
@@ -53,7 +57,6 @@ from onnxtrain.training_graph import TRAINING_MODE, select_trainable
 # options a pipelined session cannot honour yet: name → its default
 _REFUSED = {
     "horizontal_parallel_size": 1,
-    "gradient_accumulation_steps": 1,  # the micro-batches are the gradient accumulation
     "deepspeed_zero_stage": 0,
     "enable_adasum": False,
     **RECOMPUTE,
@@ -62,6 +65,7 @@ _OPTIONS = (
     "pipeline_parallel_size",
     "pipeline_cut_info_string",
     "num_pipeline_micro_batches",
+    "gradient_accumulation_steps",
     "loss_output_name",
     "training_optimizer_name",
     "enable_grad_norm_clip",
@@ -116,6 +120,7 @@ class PipelineTrainingSession(CutModelSession):
         self._shapes = {t.name: tuple(t.dims) for t in model.graph.initializer if t.name in self._shared}
         self._build_stage(model, trainable)
         self._interface(model)
+        self._setup_accumulation()
         self._check_attribute_maps()
 
     # ---- construction ------------------------------------------------------------------
@@ -191,17 +196,23 @@ class PipelineTrainingSession(CutModelSession):
         # as the single-process session: a run updates unless it asks for the forward's outputs alone;
         # ``training_mode`` (run options, or fed) switches Dropout in the last stage
         dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode)))
-        if ro.only_execute_path_to_fetches:
+        micro = self._is_micro_step(names, ro)
+        if ro.only_execute_path_to_fetches and not micro:
             mine = self._forward(feeds, dropout)
         else:
-            if self._params.lr_params_feed_name not in feeds:
+            if not micro and self._params.lr_params_feed_name not in feeds:
                 raise ValueError(f"missing input {self._params.lr_params_feed_name!r} (the learning rate)")
-            mine = self._train_step(feeds, dropout)
+            mine = self._train_step(feeds, dropout, update=not micro)
         got: dict[str, np.ndarray] = {}
         for part in self._comm.allgather_object(
             {n: v for n, v in mine.items() if n in names}, "gathering the pipeline's outputs"
         ):
             got.update(part)
+        if GROUP_OUTPUT in names:
+            got[GROUP_OUTPUT] = np.asarray(True)  # its value means nothing: it marks a micro-step
+        missing = [n for n in names if n not in got]
+        if missing:
+            raise ValueError(f"output(s) {missing} are not computed on this run (a forward or a micro-step)")
         return [got[n] for n in names]
 
     def _micro_feeds(self, feeds: dict[str, np.ndarray], count: int) -> list[dict[str, np.ndarray]]:
@@ -256,12 +267,12 @@ class PipelineTrainingSession(CutModelSession):
         saved = {n: out[n] for n in self._sg.saved} if kind == "forward_train" else {}
         return {"received": received, "saved": saved, **{n: out[n] for n in self._sg.outputs}}
 
-    def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:
+    def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool,
+                    update: bool = True) -> dict[str, np.ndarray]:
         s, last, m = self._stage, self._stage == self._part.stages - 1, self._micro
         micro = self._micro_feeds(feeds, m)
         pending: list = []
         kept: list[dict[str, np.ndarray]] = []  # per micro-batch: the tensors received, and outputs
-        acc: dict[str, np.ndarray] = {}
         outputs: dict[str, np.ndarray] = {}
         grads = [f"{w}_grad" for w in self._sg.trainable]
         rgrads = [f"{r}_grad" for r in self._sg.diff_received]
@@ -294,8 +305,8 @@ class PipelineTrainingSession(CutModelSession):
                 if wanted
                 else {}
             )
-            for gname in grads:
-                acc[gname] = res[gname] if k == 0 else acc[gname] + res[gname]
+            for gname in grads:  # summed over the micro-batches, and over the runs of an accumulation
+                self._add_gradient(gname, res[gname])
             if s > 0:
                 back = {r: res[f"{r}_grad"] for r in self._sg.diff_received}
                 for t in self._sg.sends:  # passed through this stage: its gradient goes on back
@@ -309,13 +320,16 @@ class PipelineTrainingSession(CutModelSession):
             )
         for r in pending:
             r.wait()
-        outputs.update(self._update(acc, feeds))
+        self._micro_step += 1
+        if update:
+            outputs.update(self._update(self._take_sums(), feeds))
         return outputs
 
     def _update(self, acc: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Average the accumulated gradients, take the global norm over all stages, run the optimizer.
         Returns ``all_gradients_finite`` under mixed precision (the same on every stage: from the norm)."""
-        m, p = self._micro, self._params
+        p = self._params
+        m = self._micro * p.gradient_accumulation_steps  # the micro-batches the sums hold
         eff = {g: (a * np.asarray(1.0 / m, a.dtype) if m > 1 else a) for g, a in acc.items()}
         eff = self._replicas_average(eff)
         if self._shared:

@@ -183,6 +183,10 @@ CASES = {
     "adam2_mp_clip": (mlp_model, 2, "hr", 2, "AdamOptimizer", True),
     "lamb2_mp_overflow": (mlp_model, 2, "hr", 2, "LambOptimizer", False),
 }
+# gradient accumulation over two runs on top of the micro-batches, counted or marked by the caller
+CASES["adam2_acc2_clip"] = (mlp_model, 2, "hr", 2, "AdamOptimizer", True)
+CASES["sgd2_acc2_legacy"] = (mlp_model, 2, "hr", 2, "SGDOptimizer", False)
+ACCUMULATE = {"adam2_acc2_clip": 2, "sgd2_acc2_legacy": 2}  # runs per update (default 1)
 # horizontal (Megatron) parallelism over two ranks: one stage, the MLP blocks split
 CASES.update(
     {
@@ -231,8 +235,11 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
         p.pipeline_cut_info_string = cut
         p.num_pipeline_micro_batches = micro
         p.data_parallel_size = replicas
+        if case in ACCUMULATE:
+            p.gradient_accumulation_steps = ACCUMULATE[case]
+            p.gradient_accumulation_mode = "legacy" if case.endswith("_legacy") else "auto"
     else:
-        p.gradient_accumulation_steps = micro * replicas
+        p.gradient_accumulation_steps = micro * replicas * ACCUMULATE.get(case, 1)
         p.gradient_accumulation_mode = "auto"
     return p
 
@@ -290,12 +297,14 @@ def main(out: str, cases: list[str]) -> None:
             mine = {
                 n: np.split(v, replicas)[getattr(sess, "data_parallel_rank", 0)] for n, v in feeds.items()
             }
+            # a horizontal case's micro-batches are runs of their own; a pipeline's, cuts of one run
             micro = CASES[case][3] if case in HORIZONTAL else 1
-            for k in range(micro):  # a horizontal case's micro-batches: one run each
+            runs = micro if case in HORIZONTAL else ACCUMULATE.get(case, 1)  # runs per update
+            for k in range(micro):
                 part = {n: np.split(v, micro)[k] for n, v in mine.items()}
                 ro = RunOptions()
                 fetch = ["loss"]
-                if k < micro - 1 and case.endswith("_legacy"):  # the caller marks the micro-step
+                if case.endswith("_legacy") and (step * micro + k) % runs < runs - 1:  # a marked micro-step
                     ro.only_execute_path_to_fetches = True
                     fetch.append("Group_Accumulated_Gradients")
                 loss = sess.run(fetch, {**part, **scale_feed(case), "Learning_Rate": LR}, ro)[0]

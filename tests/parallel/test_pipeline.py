@@ -82,6 +82,16 @@ def compare(got: dict[str, np.ndarray], case: str, tol: float) -> None:
 
 
 @pytest.mark.mpi
+def test_two_stages_accumulate_gradients_over_runs(tmp_path) -> None:
+    """gradient_accumulation_steps=2 on top of two micro-batches: the update every second run, with the mean
+    over the four micro-batches, as one process accumulating them; micro-steps counted by the session or
+    marked by fetching Group_Accumulated_Gradients."""
+    got = pipelined(tmp_path, ["adam2_acc2_clip", "sgd2_acc2_legacy"], 2)
+    compare(got, "adam2_acc2_clip", 1e-6)
+    compare(got, "sgd2_acc2_legacy", 1e-6)
+
+
+@pytest.mark.mpi
 def test_two_stages_train_as_one_process_accumulating_the_micro_batches(tmp_path) -> None:
     got = pipelined(tmp_path, TWO, 2)
     for case in TWO:
