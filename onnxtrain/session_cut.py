@@ -159,6 +159,51 @@ class CutModelSession(TrainingSession):
                 out[n] = np.asarray(training)
         return out
 
+    # ---- running -------------------------------------------------------------------------
+    def run(
+        self,
+        output_names: Sequence[str] | None,
+        input_feed: Mapping[str, Any],
+        run_options: RunOptions | None = None,
+    ) -> list[np.ndarray]:
+        """Forward, backward and update (or a micro-step's forward and backward, or with
+        ``only_execute_path_to_fetches`` a forward pass); a collective: every rank calls it with the same
+        feeds (a replica's ranks, with data parallelism)."""
+        ro = run_options or RunOptions()
+        names = self._output_list(output_names)
+        feeds = self._checked(input_feed)
+        # as the single-process session: a run updates unless it asks for the forward's outputs alone or is
+        # a micro-step; ``training_mode`` (run options, or fed) switches Dropout
+        dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode)))
+        micro = self._is_micro_step(names, ro)
+        if ro.only_execute_path_to_fetches and not micro:
+            values = self._forward_only(feeds, dropout)
+        else:
+            lr = self._params.lr_params_feed_name
+            if not micro and lr not in feeds:
+                raise ValueError(f"missing input {lr!r} (the learning rate)")
+            values = self._train_step(feeds, dropout, update=not micro)
+        got = self._gathered(values, names)
+        if GROUP_OUTPUT in names:
+            got[GROUP_OUTPUT] = np.asarray(True)  # its value means nothing: it marks a micro-step
+        missing = [n for n in names if n not in got]
+        if missing:
+            raise ValueError(f"output(s) {missing} are not computed on this run (a forward or a micro-step)")
+        return [got[n] for n in names]
+
+    def _forward_only(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:
+        """The model's forward alone on this rank's part: the values the run may return."""
+        raise NotImplementedError
+
+    def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool, update: bool) -> dict[str, np.ndarray]:
+        """Forward and backward on this rank's part, its gradients added up, then (``update``) the
+        optimizer: the values the run may return."""
+        raise NotImplementedError
+
+    def _gathered(self, values: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+        """The run's outputs from this rank's ``values`` (every rank holds them all unless overridden)."""
+        return values
+
     # ---- gradient accumulation over runs ------------------------------------------------------------
     def _setup_accumulation(self) -> None:
         """With ``gradient_accumulation_steps`` > 1, the group output a legacy caller fetches to mark a

@@ -26,9 +26,8 @@ import numpy as np
 import onnx
 
 from onnxtrain.autodiff.builder import upgrade_opset
-from onnxtrain.capi.options import RunOptions, SessionOptions
+from onnxtrain.capi.options import SessionOptions
 from onnxtrain.engine.plan import load_model
-from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
@@ -37,7 +36,7 @@ from onnxtrain.parallel.pipeline import partition
 from onnxtrain.parallel.stage_graphs import NORM, StageGraphs, build_stage_graphs, check_stage_nodes
 from onnxtrain.parameters import PIPELINE, TrainingParameters
 from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint, squared_sum
-from onnxtrain.training_graph import TRAINING_MODE, build_update_graph, select_trainable
+from onnxtrain.training_graph import build_update_graph, select_trainable
 
 # options a horizontally split session cannot honour yet: name → its default
 _REFUSED = {
@@ -157,31 +156,8 @@ class HorizontalTrainingSession(CutModelSession):
         return self._plans[key]
 
     # ---- running -------------------------------------------------------------------------
-    def run(
-        self,
-        output_names: Sequence[str] | None,
-        input_feed: Mapping[str, Any],
-        run_options: RunOptions | None = None,
-    ) -> list[np.ndarray]:
-        """Forward, backward and update (a collective: every rank calls it with the same feeds)."""
-        ro = run_options or RunOptions()
-        names = self._output_list(output_names)
-        p = self._params
-        feeds = self._checked(input_feed)
-        dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode)))
-        micro = self._is_micro_step(names, ro)
-        if ro.only_execute_path_to_fetches and not micro:
-            values = self._forward(feeds, dropout, "forward")[0]
-        else:
-            if not micro and p.lr_params_feed_name not in feeds:
-                raise ValueError(f"missing input {p.lr_params_feed_name!r} (the learning rate)")
-            values = self._train_step(feeds, dropout, update=not micro)
-        if GROUP_OUTPUT in names:
-            values[GROUP_OUTPUT] = np.asarray(True)  # its value means nothing: it marks a micro-step
-        missing = [n for n in names if n not in values]
-        if missing:
-            raise ValueError(f"output(s) {missing} are not computed on a forward-only run")
-        return [values[n] for n in names]
+    def _forward_only(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:
+        return self._forward(feeds, dropout, "forward")[0]
 
     def _feeds(self, piece: int, kind: str, values: Mapping[str, Any], dropout: bool) -> dict[str, Any]:
         return self._plan_feeds(self._plan(piece, kind), (values,), dropout)
@@ -205,8 +181,7 @@ class HorizontalTrainingSession(CutModelSession):
                 values[t] = self._comm.allreduce_(np.array(values[t]), f"MegatronG: the sum of {t!r}")
         return values, saved
 
-    def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool,
-                    update: bool = True) -> dict[str, np.ndarray]:
+    def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool, update: bool) -> dict[str, np.ndarray]:
         values, saved = self._forward(feeds, dropout, "forward_train")
         last = len(self._pieces) - 1
         grads: dict[str, np.ndarray] = {}  # tensor → its gradient so far (weights included)

@@ -35,9 +35,8 @@ import numpy as np
 import onnx
 
 from onnxtrain.autodiff.builder import upgrade_opset
-from onnxtrain.capi.options import RunOptions, SessionOptions
+from onnxtrain.capi.options import SessionOptions
 from onnxtrain.engine.plan import load_model
-from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.mixed_precision import (
     ALL_FINITE,
     mixed_precision,
@@ -52,7 +51,7 @@ from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stage_nodes
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint, squared_sum
-from onnxtrain.training_graph import TRAINING_MODE, select_trainable
+from onnxtrain.training_graph import select_trainable
 
 # options a pipelined session cannot honour yet: name → its default
 _REFUSED = {
@@ -182,38 +181,17 @@ class PipelineTrainingSession(CutModelSession):
         return self._stage
 
     # ---- running ------------------------------------------------------------------------
-    def run(
-        self,
-        output_names: Sequence[str] | None,
-        input_feed: Mapping[str, Any],
-        run_options: RunOptions | None = None,
-    ) -> list[np.ndarray]:
-        """One optimizer step over all micro-batches (or, with ``training_mode`` False, a forward pass);
-        a collective: every rank calls it with the same feeds. Returns the last micro-batch's outputs."""
-        ro = run_options or RunOptions()
-        names = self._output_list(output_names)
-        feeds = self._checked(input_feed)
-        # as the single-process session: a run updates unless it asks for the forward's outputs alone;
-        # ``training_mode`` (run options, or fed) switches Dropout in the last stage
-        dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode)))
-        micro = self._is_micro_step(names, ro)
-        if ro.only_execute_path_to_fetches and not micro:
-            mine = self._forward(feeds, dropout)
-        else:
-            if not micro and self._params.lr_params_feed_name not in feeds:
-                raise ValueError(f"missing input {self._params.lr_params_feed_name!r} (the learning rate)")
-            mine = self._train_step(feeds, dropout, update=not micro)
+    def _forward_only(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:
+        return self._forward(feeds, dropout)
+
+    def _gathered(self, mine: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+        """The outputs ``names`` of the whole pipeline: each stage gives those it computed."""
         got: dict[str, np.ndarray] = {}
         for part in self._comm.allgather_object(
             {n: v for n, v in mine.items() if n in names}, "gathering the pipeline's outputs"
         ):
             got.update(part)
-        if GROUP_OUTPUT in names:
-            got[GROUP_OUTPUT] = np.asarray(True)  # its value means nothing: it marks a micro-step
-        missing = [n for n in names if n not in got]
-        if missing:
-            raise ValueError(f"output(s) {missing} are not computed on this run (a forward or a micro-step)")
-        return [got[n] for n in names]
+        return got
 
     def _micro_feeds(self, feeds: dict[str, np.ndarray], count: int) -> list[dict[str, np.ndarray]]:
         """``feeds`` cut into ``count`` micro-batches (the sliced inputs; the others go to every one)."""
@@ -267,8 +245,7 @@ class PipelineTrainingSession(CutModelSession):
         saved = {n: out[n] for n in self._sg.saved} if kind == "forward_train" else {}
         return {"received": received, "saved": saved, **{n: out[n] for n in self._sg.outputs}}
 
-    def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool,
-                    update: bool = True) -> dict[str, np.ndarray]:
+    def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool, update: bool) -> dict[str, np.ndarray]:
         s, last, m = self._stage, self._stage == self._part.stages - 1, self._micro
         micro = self._micro_feeds(feeds, m)
         pending: list = []
