@@ -18,7 +18,6 @@ from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.ort_rewrites import rewrite_for_onnxruntime
 from onnxtrain.engine.parallel import default_width, local_ranks
 from onnxtrain.engine.plan import EngineError, GraphInterface, ProfileEvent
-from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
 # onnxruntime's ConstantSharing merges equal initializers into one buffer; a training-mode
 # BatchNormalization then writes its running statistics into the shared buffer, corrupting the
@@ -264,8 +263,7 @@ class OrtPlan(GraphInterface):
             if (o in taken or not isinstance(v, np.ndarray) or id(v) in used or not v.flags.c_contiguous
                     or not v.flags.writeable):
                 continue
-            t = self.output_info[o].type
-            if v.dtype == np_dtype_of(t) and list(v.shape) == value_info_shape(t):
+            if v.dtype == self.output_dtypes[o] and list(v.shape) == self.output_shapes[o]:
                 out[o] = v
                 used.add(id(v))
         return out

@@ -131,6 +131,8 @@ class GraphInterface:
         self.output_info = {v.name: v for v in g.output}
         self.input_dtypes = {v.name: np_dtype_of(v.type) for v in g.input}
         self.input_shapes = {v.name: value_info_shape(v.type) for v in g.input}
+        self.output_dtypes = {v.name: np_dtype_of(v.type) for v in g.output}
+        self.output_shapes = {v.name: value_info_shape(v.type) for v in g.output}
         return model
 
 
