@@ -233,10 +233,11 @@ class CutModelSession(TrainingSession):
         else:
             self._summed[name] = np.array(g, copy=True)
 
-    def _take_sums(self) -> dict[str, np.ndarray]:
-        """The gradient sums of the accumulation that ends; the next one starts from nothing."""
-        out, self._summed, self._micro_step = self._summed, {}, 0
-        return out
+    def _take_means(self, count: int) -> dict[str, np.ndarray]:
+        """The means of the accumulation that ends, over the ``count`` gradients its sums hold (the sums
+        times 1/count, as one process's graph scales its buffers); the next one starts from nothing."""
+        sums, self._summed, self._micro_step = self._summed, {}, 0
+        return {g: s * s.dtype.type(1.0 / count) for g, s in sums.items()} if count > 1 else sums
 
     def _run_update(self, plan: Any, outputs: Mapping[str, str], given: Mapping[str, Any]) -> None:
         """Run an update graph on this rank's state and ``given`` (gradients, learning rate, norm); the new

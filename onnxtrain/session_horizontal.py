@@ -215,8 +215,7 @@ class HorizontalTrainingSession(CutModelSession):
             self._micro_step += 1
             if not update:
                 return values
-            # the mean: the sums times 1/N, as one process's graph scales its buffers
-            grads = {w: s * s.dtype.type(1.0 / n) for w, s in self._take_sums().items()}
+            grads = self._take_means(n)
         self._update(grads, values[self._params.lr_params_feed_name])
         return values
 

@@ -298,17 +298,17 @@ class PipelineTrainingSession(CutModelSession):
         for r in pending:
             r.wait()
         self._micro_step += 1
-        if update:
-            outputs.update(self._update(self._take_sums(), feeds))
+        if update:  # the means over the micro-batches of the accumulation's runs
+            count = self._micro * self._params.gradient_accumulation_steps
+            outputs.update(self._update(self._take_means(count), feeds))
         return outputs
 
-    def _update(self, acc: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Average the accumulated gradients, take the global norm over all stages, run the optimizer.
-        Returns ``all_gradients_finite`` under mixed precision (the same on every stage: from the norm)."""
+    def _update(self, means: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Average the gradients' means over the replicas, take the global norm over all stages, run the
+        optimizer. Returns ``all_gradients_finite`` under mixed precision (the same on every stage: from the
+        norm)."""
         p = self._params
-        m = self._micro * p.gradient_accumulation_steps  # the micro-batches the sums hold
-        eff = {g: (a * np.asarray(1.0 / m, a.dtype) if m > 1 else a) for g, a in acc.items()}
-        eff = self._replicas_average(eff)
+        eff = self._replicas_average(means)
         if self._shared:
             self._sum_shared(eff)
         norm = None
