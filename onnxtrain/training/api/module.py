@@ -37,6 +37,7 @@ from onnxtrain.training.api._accumulation import (
 from onnxtrain.training.api._export import export_for_inference
 from onnxtrain.training.api._graph import InputSpec, ModelLike, check_device, check_user_inputs, load_model
 from onnxtrain.training.api.checkpoint_state import CheckpointState
+from onnxtrain.training.ort_artifacts import translate_training_model
 
 LOSS_SCALING_KEY = "onnxtrain.loss_scaling"
 
@@ -100,11 +101,12 @@ class Module:
         self._session_options = session_options
         self.training = True
         self._accumulate = False  # §3.3: the first train call after construction or a reset overwrites
-        self._train_model, _ = load_model(train_model_uri, "training")
+        # artifacts of onnxruntime-training: their private operators rewritten as standard ONNX
+        self._train_model = translate_training_model(load_model(train_model_uri, "training")[0])
         self._eval_model: onnx.ModelProto | None = None
         self._eval_plan: Plan | None = None
         if eval_model_uri is not None:
-            self._eval_model, _ = load_model(eval_model_uri, "eval")
+            self._eval_model = translate_training_model(load_model(eval_model_uri, "eval")[0])
             self._eval_plan = _compile(self._eval_model, "eval", session_options)
         self._classify_training_graph()
         if self._eval_model is not None:

@@ -30,6 +30,7 @@ from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks
 from onnxtrain.training.api._graph import ModelLike, load_model
 from onnxtrain.training.api.checkpoint_state import _OptimizerState
 from onnxtrain.training.api.module import Module, _compile, loss_scaling
+from onnxtrain.training.ort_artifacts import translate_optimizer_model
 
 LR_INPUT = "learning_rate"
 STEP_INPUT = "step"
@@ -70,6 +71,7 @@ class Optimizer:
         self._module = module
         self._state = module.state
         model, _ = load_model(optimizer_uri, "optimizer")
+        model = translate_optimizer_model(model, module._train_model)  # onnxruntime-training's, if it is
         self._classify(model)
         # the module's backend; on onnxruntime, its threads stop spinning when its run ends (the training
         # model's run next), and a weight's or moment's update may be written into the old array (the numpy
