@@ -342,30 +342,40 @@ def _fused_matmul(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
         )
 
 
-def _erf_gelu(emit: Emit, s: str, output: str | None = None) -> str:
+def _float_type(ctx: _Context, name: str) -> Any:
+    """The numpy dtype of float value ``name`` (float32 when the types do not tell)."""
+    t = ctx.types.get(name)
+    et = t.tensor_type.elem_type if t is not None and t.tensor_type.elem_type else TensorProto.FLOAT
+    return helper.tensor_dtype_to_np_dtype(et)
+
+
+def _erf_gelu(emit: Emit, s: str, dt: Any, output: str | None = None) -> str:
     """0.5·s·(1 + erf(s/√2))"""
-    e = emit("Erf", emit("Mul", s, _const(emit, 1 / math.sqrt(2))))
-    return emit("Mul", emit("Mul", s, _const(emit, 0.5)), emit("Add", e, _const(emit, 1.0)), output=output)
+    e = emit("Erf", emit("Mul", s, _const(emit, 1 / math.sqrt(2), dt)))
+    return emit(
+        "Mul", emit("Mul", s, _const(emit, 0.5, dt)), emit("Add", e, _const(emit, 1.0, dt)), output=output
+    )
 
 
 def _bias_gelu(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
     s = emit("Add", node.input[0], node.input[1]) if len(node.input) > 1 and node.input[1] else node.input[0]
-    _erf_gelu(emit, s, node.output[0])
+    _erf_gelu(emit, s, _float_type(ctx, node.input[0]), node.output[0])
 
 
 def _gelu_grad(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
     # dX = dY·(Φ(s) + s·φ(s)), s = X (+ B)
     dy, x = node.input[0], node.input[1]
+    dt = _float_type(ctx, x)
     s = emit("Add", x, node.input[2]) if len(node.input) > 2 and node.input[2] else x
     cdf = emit(
         "Mul",
-        _const(emit, 0.5),
-        emit("Add", emit("Erf", emit("Mul", s, _const(emit, 1 / math.sqrt(2)))), _const(emit, 1.0)),
+        _const(emit, 0.5, dt),
+        emit("Add", emit("Erf", emit("Mul", s, _const(emit, 1 / math.sqrt(2), dt))), _const(emit, 1.0, dt)),
     )
     pdf = emit(
         "Mul",
-        emit("Exp", emit("Mul", emit("Mul", s, s), _const(emit, -0.5))),
-        _const(emit, 1 / math.sqrt(2 * math.pi)),
+        emit("Exp", emit("Mul", emit("Mul", s, s), _const(emit, -0.5, dt))),
+        _const(emit, 1 / math.sqrt(2 * math.pi), dt),
     )
     emit("Mul", dy, emit("Add", cdf, emit("Mul", s, pdf)), output=node.output[0])
 
