@@ -363,7 +363,12 @@ def test_single_gradient_operators_against_their_definitions(op):
     ]
     node = helper.make_node(op, names, ["dx"], name="g", domain="com.microsoft", **attrs)
     model = helper.make_model(
-        helper.make_graph([node], "g", vis, [helper.make_tensor_value_info("dx", TensorProto.DOUBLE, _X.shape)]),
+        helper.make_graph(
+            [node],
+            "g",
+            vis,
+            [helper.make_tensor_value_info("dx", TensorProto.DOUBLE, _X.shape)],
+        ),
         opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
     )
     translated = translate_training_model(model)
