@@ -23,6 +23,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxtrain.ir.builder import elem_type, static_shape, value_types
+
 MS = "com.microsoft"
 ACCUMULATED_SUFFIX = "_grad.accumulation.out"
 BUFFER_SUFFIX = "_grad.accumulation.buffer"
@@ -57,7 +59,6 @@ class _Grad:
     outputs: tuple[int, ...]
     like: dict[str, str] = field(default_factory=dict)  # role without a value -> role whose type it has
     attrs: tuple[str, ...] | None = None  # attributes passed on (None: all)
-    opset: int = 0  # the forward op's opset, when it is not the model's
 
 
 _GRADS: dict[str, _Grad] = {
@@ -104,7 +105,6 @@ _GRADS: dict[str, _Grad] = {
 class _Context:
     """The model being translated: value types, producers and fresh names."""
 
-    model: onnx.ModelProto
     opset: int
     types: dict[str, onnx.TypeProto]
     producer: dict[str, onnx.NodeProto]
@@ -119,17 +119,6 @@ class _Context:
             if name not in self.taken:
                 self.taken.add(name)
                 return name
-
-
-def _value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:  # an inconsistent partial graph: keep what the model declares
-        inferred = model
-    g = inferred.graph
-    return {v.name: v.type for v in (*g.value_info, *g.input, *g.output) if v.type.WhichOneof("value")} | {
-        t.name: helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in g.initializer
-    }
 
 
 def _node_label(node: onnx.NodeProto) -> str:
@@ -210,7 +199,7 @@ def _grad_by_rule(node: onnx.NodeProto, spec: _Grad, ctx: _Context) -> list[onnx
     ]
     mini = helper.make_model(
         helper.make_graph([fwd], "grad", inputs, outputs, initializer=inits),
-        opset_imports=[helper.make_opsetid("", spec.opset or ctx.opset)],
+        opset_imports=[helper.make_opsetid("", ctx.opset)],
     )
     other_ys = [y for y in ys if f"d{y}" in ort]
     grad = build_gradient_model(mini, "__loss", [f"x{i}" for i in wanted], other_ys=other_ys)
@@ -222,21 +211,17 @@ def _grad_by_rule(node: onnx.NodeProto, spec: _Grad, ctx: _Context) -> list[onnx
     for role, name in ort.items():
         if not role.startswith(("d", "shape_")):
             rename[role] = name
+    # the gradient model holds only what its outputs need: all but the forward node itself, whose outputs
+    # the onnxruntime model has (a value known by its shape takes that shape instead of a Shape node)
     out: list[onnx.NodeProto] = []
-    needed = set(node.output) - {""}
-    for n in reversed(list(grad.graph.node)):
+    for n in grad.graph.node:
         if n.name == "fwd":
             continue
-        n_out = [rename.get(o) or o for o in n.output]
-        if not any(o in needed for o in n_out):
-            continue
-        if n.op_type == "Shape" and n.input[0][1:].isdigit() and n.input[0] in shape_of:
+        if n.op_type == "Shape" and n.input[0] in shape_of:
             out.append(helper.make_node("Identity", [shape_of[n.input[0]]], [n.output[0]]))
         else:
             out.append(onnx.NodeProto())
             out[-1].CopyFrom(n)
-        needed.update(i for i in out[-1].input if i)
-    out.reverse()
     # every other value gets a name of its own in the model; the forward values must exist there
     inner = {o for n in out for o in n.output} - set(rename)
     local = {v: ctx.fresh(f"{node.name or node.op_type}/{v}") for v in inner}
@@ -295,10 +280,8 @@ def _const(emit: Emit, value: Any, dtype: Any = np.float32) -> str:
 
 
 def _rank(ctx: _Context, name: str) -> int | None:
-    t = ctx.types.get(name)
-    if t is None or not t.tensor_type.HasField("shape"):
-        return None
-    return len(t.tensor_type.shape.dim)
+    dims = static_shape(ctx.types, name)
+    return None if dims is None else len(dims)
 
 
 def _fused_matmul(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
@@ -329,24 +312,20 @@ def _fused_matmul(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
             output=None if alpha != 1.0 else out,
         )
     if alpha != 1.0:
-        et = (
-            ctx.types[node.input[0]].tensor_type.elem_type
-            if node.input[0] in ctx.types
-            else TensorProto.FLOAT
-        )
-        emit("Mul", y, _const(emit, alpha, helper.tensor_dtype_to_np_dtype(et)), output=out)
+        emit("Mul", y, _const(emit, alpha, _float_type(ctx, node.input[0])), output=out)
     ranks = [r for _, _, _, r in ops]
-    if None not in ranks and node.input[0] in ctx.types:
-        ctx.types[out] = helper.make_tensor_type_proto(
-            ctx.types[node.input[0]].tensor_type.elem_type, [None] * max(ranks)
-        )
+    if None not in ranks:
+        ctx.types[out] = helper.make_tensor_type_proto(_elem_type(ctx, node.input[0]), [None] * max(ranks))
+
+
+def _elem_type(ctx: _Context, name: str) -> int:
+    """The element type of float value ``name`` (float32 when the types do not tell)."""
+    return elem_type(ctx.types, name) or TensorProto.FLOAT
 
 
 def _float_type(ctx: _Context, name: str) -> Any:
     """The numpy dtype of float value ``name`` (float32 when the types do not tell)."""
-    t = ctx.types.get(name)
-    et = t.tensor_type.elem_type if t is not None and t.tensor_type.elem_type else TensorProto.FLOAT
-    return helper.tensor_dtype_to_np_dtype(et)
+    return helper.tensor_dtype_to_np_dtype(_elem_type(ctx, name))
 
 
 def _erf_gelu(emit: Emit, s: str, dt: Any, output: str | None = None) -> str:
@@ -393,8 +372,7 @@ def _concat_training(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
 def _scale(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
     down = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "scale_down"), 0)
     x = node.input[0]
-    et = ctx.types[x].tensor_type.elem_type if x in ctx.types else TensorProto.FLOAT
-    s = emit("Cast", node.input[1], to=et)
+    s = emit("Cast", node.input[1], to=_elem_type(ctx, x))
     emit("Div" if down else "Mul", x, s, output=node.output[0])
 
 
@@ -449,9 +427,8 @@ def translate_training_model(model: onnx.ModelProto) -> onnx.ModelProto:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     g = model.graph
     ctx = _Context(
-        model,
         opset,
-        _value_types(model),
+        value_types(model),
         {o: n for n in g.node for o in n.output if o},
         {t.name: numpy_helper.to_array(t) for t in g.initializer},
         {v.name for v in (*g.input, *g.output, *g.value_info)}
