@@ -37,10 +37,15 @@ class TranslationError(ValueError):
 def is_onnxruntime_training_model(model: onnx.ModelProto) -> bool:
     """Whether ``model`` holds operators that only onnxruntime-training runs (its ``com.microsoft``
     gradient and optimizer kernels, or ``MaxPoolGrad``, which it registers in the default domain)."""
-    return any(
-        n.domain == MS or (n.op_type == "MaxPoolGrad" and n.domain in ("", "ai.onnx"))
-        for n in model.graph.node
-    )
+    return any(_is_foreign(n) for n in model.graph.node)
+
+
+# onnxruntime registers these gradient operators in the default domain
+_DEFAULT_DOMAIN = frozenset({"MaxPoolGrad", "AveragePoolGrad"})
+
+
+def _is_foreign(node: onnx.NodeProto) -> bool:
+    return node.domain == MS or (node.op_type in _DEFAULT_DOMAIN and node.domain in ("", "ai.onnx"))
 
 
 # ---------------------------------------------------------------- gradient operators, through our rules
@@ -98,6 +103,25 @@ _GRADS: dict[str, _Grad] = {
         {"x2": "x1", "x3": "x1", "x4": "x1"},
         ("epsilon",),
     ),
+    "AveragePoolGrad": _Grad("AveragePool", 1, 1, ("dy0",), (0,)),
+    "ConvTransposeGrad": _Grad("ConvTranspose", 3, 1, ("dy0", "x0", "x1"), (0, 1, 2)),
+    "DivGrad": _Grad("Div", 2, 1, ("dy0", "x0", "x1"), (0, 1)),
+    "GatherElementsGrad": _Grad(
+        "GatherElements", 2, 1, ("dy0", "shape_x0", "x1"), (0,), {"x0": "dy0"}, ("axis",)
+    ),
+    "ResizeGrad": _Grad("Resize", 4, 1, ("dy0", "x0", "x1", "x2", "x3"), (0,)),
+    "SliceGrad": _Grad("Slice", 5, 1, ("dy0", "shape_x0", "x1", "x2", "x3", "x4"), (0,), {"x0": "dy0"}, ()),
+    # the recurrent gradients also take the forward's saved gates, which onnxtrain's rules recompute
+    "LSTMGrad": _Grad(
+        "LSTM",
+        8,
+        3,
+        ("x0", "x1", "x2", "x4", "x5", "x6", "y0", "", "", "dy0", "dy1", "dy2"),
+        (0, 1, 2, 3, 5, 6),
+    ),
+    "GRUGrad": _Grad(
+        "GRU", 6, 2, ("x0", "x1", "x2", "x3", "x4", "x5", "y0", "", "dy0", "dy1"), (0, 1, 2, 3, 5)
+    ),
 }
 
 
@@ -110,6 +134,8 @@ class _Context:
     producer: dict[str, onnx.NodeProto]
     constants: dict[str, np.ndarray]
     taken: set[str]
+    # a recurrent training node's all-hidden-states output -> the translated node's inputs and outputs
+    recurrent: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict)
     counter: list[int] = field(default_factory=lambda: [0])
 
     def fresh(self, base: str) -> str:
@@ -145,6 +171,20 @@ def _grad_by_rule(node: onnx.NodeProto, spec: _Grad, ctx: _Context) -> list[onnx
                 f"{_node_label(node)}: its saved mean does not come from a BatchNormalization"
             )
         ort["x2"], ort["x3"], ort["x4"] = src.input[2], src.input[3], src.input[4]
+    if spec.forward == "AveragePool":  # the gradient takes only dY: find the forward node for X
+        ort["x0"] = _average_pool_input(node, ctx)
+    if spec.forward in ("LSTM", "GRU"):  # every forward value from the training node's translation
+        saved = ctx.recurrent.get(ort.get("y0", ""))
+        if saved is None:
+            raise TranslationError(
+                f"{_node_label(node)}: its hidden states do not come from an {spec.forward}Training node"
+            )
+        fwd_in, fwd_out = saved
+        for i, name in enumerate(fwd_in):
+            ort.pop(f"x{i}", None)
+            if name:
+                ort[f"x{i}"] = name
+        ort["y1"] = fwd_out[1]
     shape_of = {r[len("shape_") :]: n for r, n in ort.items() if r.startswith("shape_")}
     wanted = [spec.outputs[k] for k, o in enumerate(node.output) if k < len(spec.outputs) and o]
     # the forward node's inputs: the first, those the node gives or whose gradient it asks for (optional
@@ -212,10 +252,19 @@ def _grad_by_rule(node: onnx.NodeProto, spec: _Grad, ctx: _Context) -> list[onnx
         if not role.startswith(("d", "shape_")):
             rename[role] = name
     # the gradient model holds only what its outputs need: all but the forward node itself, whose outputs
-    # the onnxruntime model has (a value known by its shape takes that shape instead of a Shape node)
+    # the onnxruntime model has (a value known by its shape takes that shape instead of a Shape node);
+    # when the rule reads a forward output the node does not take, the forward node runs again
+    read = {v for n in grad.graph.node if n.name != "fwd" for v in n.input}
+    recompute = any(y in read and y not in ort for y in ys)
     out: list[onnx.NodeProto] = []
     for n in grad.graph.node:
         if n.name == "fwd":
+            if recompute:
+                out.append(onnx.NodeProto())
+                out[-1].CopyFrom(n)
+                for j, y in enumerate(n.output):  # its own copies, even of outputs the model has
+                    if y in ort:
+                        out[-1].output[j] = f"{y}.again"
             continue
         if n.op_type == "Shape" and n.input[0] in shape_of:
             out.append(helper.make_node("Identity", [shape_of[n.input[0]]], [n.output[0]]))
@@ -258,21 +307,39 @@ def _grad_by_rule(node: onnx.NodeProto, spec: _Grad, ctx: _Context) -> list[onnx
     return out
 
 
+def _average_pool_input(node: onnx.NodeProto, ctx: _Context) -> str:
+    """The input of the forward AveragePool that ``node`` (an AveragePoolGrad, which takes only dY) is
+    the gradient of: the one whose output's gradient is its dY (onnxruntime names a gradient after its
+    value), else the only AveragePool with the same attributes."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    pools = {
+        id(n): n
+        for n in ctx.producer.values()
+        if n.op_type == "AveragePool" and n.domain in ("", "ai.onnx")
+    }.values()
+    alike = [n for n in pools if {a.name: helper.get_attribute_value(a) for a in n.attribute} == attrs]
+    named = [n for n in alike if node.input[0].startswith(f"{n.output[0]}_grad")]
+    if len(named) == 1:
+        return named[0].input[0]
+    if len(alike) == 1:
+        return alike[0].input[0]
+    raise TranslationError(f"{_node_label(node)}: cannot tell which AveragePool it is the gradient of")
+
+
 # ---------------------------------------------------------------- other operators, by hand
-Emit = Callable[..., str]
+class Emit:
+    """Appends standard nodes standing in for one onnxruntime node to ``nodes``, with fresh names."""
 
+    def __init__(self, node: onnx.NodeProto, ctx: _Context, nodes: list[onnx.NodeProto]) -> None:
+        self.base, self.ctx, self.nodes = node.name or node.op_type, ctx, nodes
 
-def _writer(node: onnx.NodeProto, ctx: _Context, out: list[onnx.NodeProto]) -> Emit:
-    def emit(op: str, *inputs: str, output: str | None = None, **attrs: Any) -> str:
-        o = output or ctx.fresh(f"{node.name or node.op_type}/{op}")
-        out.append(
-            helper.make_node(
-                op, list(inputs), [o], name=ctx.fresh(f"{node.name or node.op_type}/{op}"), **attrs
-            )
+    def __call__(self, op: str, *inputs: str, output: str | None = None, **attrs: Any) -> str:
+        """One single-output node; returns its output's name."""
+        o = output or self.ctx.fresh(f"{self.base}/{op}")
+        self.nodes.append(
+            helper.make_node(op, list(inputs), [o], name=self.ctx.fresh(f"{self.base}/{op}"), **attrs)
         )
         return o
-
-    return emit
 
 
 def _const(emit: Emit, value: Any, dtype: Any = np.float32) -> str:
@@ -369,6 +436,65 @@ def _concat_training(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
         emit("Concat", *lengths, axis=0, output=node.output[1])
 
 
+def _split_training(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
+    axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+    x, split = node.input[0], node.input[1] if len(node.input) > 1 else ""
+    outputs = list(node.output)
+    name = ctx.fresh(node.name or "Split")
+    if ctx.opset >= 13:
+        extra = {} if split or ctx.opset < 18 else {"num_outputs": len(outputs)}
+        ins = [x, split] if split else [x]
+        emit.nodes.append(helper.make_node("Split", ins, outputs, name, axis=axis, **extra))
+    elif not split or split in ctx.constants:
+        extra = {"split": [int(v) for v in ctx.constants[split]]} if split else {}
+        emit.nodes.append(helper.make_node("Split", [x], outputs, name, axis=axis, **extra))
+    else:
+        raise TranslationError(f"{_node_label(node)}: split sizes known only at run time need opset 13")
+
+
+def _quick_gelu(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
+    # y = x·σ(αx)
+    x = node.input[0]
+    emit("Mul", x, emit("Sigmoid", _alpha_times(node, ctx, emit, x)), output=node.output[0])
+
+
+def _quick_gelu_grad(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
+    # dx = dy·σ(αx)·(1 + αx·(1 − σ(αx)))
+    dy, x = node.input[0], node.input[1]
+    dt = _float_type(ctx, x)
+    ax = _alpha_times(node, ctx, emit, x)
+    s = emit("Sigmoid", ax)
+    one = _const(emit, 1.0, dt)
+    inner = emit("Add", one, emit("Mul", ax, emit("Sub", one, s)))
+    emit("Mul", emit("Mul", dy, s), inner, output=node.output[0])
+
+
+def _alpha_times(node: onnx.NodeProto, ctx: _Context, emit: Emit, x: str) -> str:
+    alpha = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "alpha"), 1.702)
+    return x if alpha == 1.0 else emit("Mul", x, _const(emit, alpha, _float_type(ctx, x)))
+
+
+def _leaky_relu_grad(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
+    # dx = dy where y > 0, α·dy elsewhere (onnxruntime's definition, from the output)
+    dy, y = node.input[0], node.input[1]
+    dt = _float_type(ctx, y)
+    alpha = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "alpha"), 0.01)
+    positive = emit("Greater", y, _const(emit, 0.0, dt))
+    emit("Where", positive, dy, emit("Mul", dy, _const(emit, alpha, dt)), output=node.output[0])
+
+
+def _recurrent_training(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
+    # LSTMTraining / GRUTraining: the standard node; the gates they also save are left to the gradient
+    op = node.op_type[: -len("Training")]
+    n_in, n_out = (7, 3) if op == "LSTM" else (6, 2)
+    inputs = list(node.input[:n_in])
+    outputs = [o or ctx.fresh(f"{node.name or op}/Y{k}") for k, o in enumerate(node.output[:n_out])]
+    outputs += [ctx.fresh(f"{node.name or op}/Y{k}") for k in range(len(outputs), n_out)]
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    emit.nodes.append(helper.make_node(op, inputs, outputs, ctx.fresh(node.name or op), **attrs))
+    ctx.recurrent[outputs[0]] = (inputs, outputs)
+
+
 def _scale(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
     down = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "scale_down"), 0)
     x = node.input[0]
@@ -416,6 +542,12 @@ _BY_HAND: dict[str, Callable[[onnx.NodeProto, _Context, Emit], None]] = {
     "ConcatTraining": _concat_training,
     "Scale": _scale,
     "InPlaceAccumulatorV2": _accumulator,
+    "SplitTraining": _split_training,
+    "QuickGelu": _quick_gelu,
+    "QuickGeluGrad": _quick_gelu_grad,
+    "LeakyReluGrad": _leaky_relu_grad,
+    "LSTMTraining": _recurrent_training,
+    "GRUTraining": _recurrent_training,
 }
 
 
@@ -441,12 +573,12 @@ def translate_training_model(model: onnx.ModelProto) -> onnx.ModelProto:
             ctx.constants[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
     nodes: list[onnx.NodeProto] = []
     for node in g.node:
-        foreign = node.domain == MS or (node.op_type == "MaxPoolGrad" and node.domain in ("", "ai.onnx"))
+        foreign = _is_foreign(node)
         if node.domain == MS and node.op_type == "BatchNormInternal":
             extra = [o for o in node.output[3:] if o]
             if extra:  # saved mean / inverse std: only the gradient reads them, and it is translated too
                 ctx.producer.update({o: _bn_stand_in(node) for o in extra})
-            nodes.extend(_batch_norm_internal(node, ctx, _writer(node, ctx, nodes)))
+            nodes.extend(_batch_norm_internal(node, ctx, Emit(node, ctx, nodes)))
             continue
         if not foreign:
             nodes.append(node)
@@ -462,7 +594,7 @@ def translate_training_model(model: onnx.ModelProto) -> onnx.ModelProto:
                 f"translation here (translated: {', '.join(_translated())}); "
                 "regenerate the artifacts with onnxtrain.training.artifacts.generate_artifacts"
             )
-        by_hand(node, ctx, _writer(node, ctx, nodes))
+        by_hand(node, ctx, Emit(node, ctx, nodes))
     result = onnx.ModelProto()
     result.CopyFrom(model)
     del result.graph.node[:]

@@ -1,0 +1,272 @@
+"""More of onnxruntime-training's private operators, met in the artifacts of common layers.
+
+onnxruntime-training 1.19.2 (its own virtual environment, tests/ortt.py) generates the artifacts of small
+torch models built to produce them: SiLU (its QuickGelu fusion), LeakyReLU, slicing and concatenation,
+a division, top-k, average pooling, LSTM and GRU layers. Where it can train them on CPU, onnxtrain must
+reach its losses and weights; where it cannot (its ResizeGrad and ConvTransposeGrad run only on CUDA, its
+LSTMGrad only one way), onnxtrain trains the translated files with plain SGD and must reach the losses of
+the same torch model trained by torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from onnxtrain.training.api import CheckpointState, Module, Optimizer
+from onnxtrain.training.ort_artifacts import translate_training_model
+from tests.ortt import ensure_ortt
+
+torch = pytest.importorskip("torch")
+nn, F = torch.nn, torch.nn.functional
+
+STEPS = 6
+
+
+class ActMix(nn.Module):
+    """SiLU, LeakyReLU, a slice, a concatenation, a division and top-k."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(12, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = F.leaky_relu(self.b(F.silu(self.a(x))), 0.1)
+        h = torch.cat([h[:, 2:10], x], -1)
+        h = h / h.norm(dim=-1, keepdim=True)
+        return h.topk(4, -1)[0]
+
+
+class PoolNet(nn.Module):
+    """Average pooling with and without padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 6, 3), nn.Conv2d(6, 4, 3)
+
+    def forward(self, x):
+        return F.avg_pool2d(self.c2(F.avg_pool2d(self.c1(x), 3, 2, 1)), 2)
+
+
+class Recurrent(nn.Module):
+    """An LSTM or GRU layer (either direction or both) and a linear head."""
+
+    def __init__(self, kind: str, bidirectional: bool = False) -> None:
+        super().__init__()
+        cls = nn.LSTM if kind == "lstm" else nn.GRU
+        self.rnn = cls(8, 12, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(24 if bidirectional else 12, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+class UpNet(nn.Module):
+    """A transposed convolution, nearest and bilinear upsampling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t, self.c = nn.ConvTranspose2d(3, 5, 3, stride=2), nn.Conv2d(5, 2, 3)
+
+    def forward(self, x):
+        h = F.interpolate(self.t(x), scale_factor=2, mode="nearest")
+        return F.interpolate(self.c(h), scale_factor=2, mode="bilinear")
+
+
+# case: (module, input shape, trained by onnxruntime-training (else by torch, with SGD))
+CASES = {
+    "act_mix": (ActMix, (4, 12), True),
+    "pool": (PoolNet, (2, 3, 13, 13), True),
+    "lstm": (lambda: Recurrent("lstm"), (2, 5, 8), True),
+    "gru": (lambda: Recurrent("gru"), (2, 5, 8), True),
+    "upsample": (UpNet, (2, 3, 5, 5), False),
+    "lstm_bidirectional": (lambda: Recurrent("lstm", True), (2, 5, 8), False),
+}
+LR = {True: 1e-2, False: 0.1}
+
+_ORT_SCRIPT = r"""
+import json, sys, types
+for name in ("onnxruntime.training.optim", "onnxruntime.training.amp"):  # they import torch; unused here
+    sys.modules[name] = types.ModuleType(name)
+import numpy as np
+import onnx
+onnx.IR_VERSION = 10  # onnxruntime 1.19 reads IR <= 10; the generator stamps onnx.IR_VERSION
+from onnxruntime.training import artifacts
+from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+res = {}
+for name, (base, folder, data, train, lr, steps) in json.loads(sys.argv[1]).items():
+    model = onnx.load(base)
+    model.ir_version = 10
+    artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer],
+                                 loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.AdamW if train else artifacts.OptimType.SGD,
+                                 artifact_directory=folder)
+    if not train:
+        continue
+    batch = np.load(data)
+    state = CheckpointState.load_checkpoint(folder + "/checkpoint")
+    m = Module(folder + "/training_model.onnx", state)
+    o = Optimizer(folder + "/optimizer_model.onnx", m)
+    o.set_learning_rate(lr)
+    losses = []
+    for i in range(steps):
+        losses.append(float(m(batch["x"], batch["target"]))); o.step(); m.lazy_reset_grad()
+    np.savez(folder + "/final.npz", **{k: p.data for k, p in state.parameters})
+    res[name] = losses
+print(json.dumps(res))
+"""
+
+
+def _torch_losses(module, batch: dict[str, np.ndarray]) -> list[float]:
+    """The losses of ``module`` trained by torch with plain SGD on the MSE loss."""
+    opt = torch.optim.SGD(module.parameters(), lr=LR[False])
+    x, target = torch.from_numpy(batch["x"]), torch.from_numpy(batch["target"])
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = F.mse_loss(module(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[str, dict[str, np.ndarray], list[float]]]:
+    """Each case's artifact folder (generated by onnxruntime-training), its batch and the reference
+    losses: onnxruntime-training's own, or torch's."""
+    python = ensure_ortt()
+    root = tmp_path_factory.mktemp("ort_layers")
+    cases, batches, modules = {}, {}, {}
+    for name, (make, shape, train) in CASES.items():
+        torch.manual_seed(0)
+        module = make().train()
+        x = torch.from_numpy(np.random.default_rng(1).standard_normal(shape).astype(np.float32))
+        with torch.no_grad():
+            target = np.random.default_rng(2).standard_normal(module(x).shape).astype(np.float32)
+        folder = root / name
+        (folder / "artifacts").mkdir(parents=True)
+        base = str(folder / "base.onnx")
+        torch.onnx.export(
+            module,
+            (x,),
+            base,
+            dynamo=False,
+            opset_version=17,
+            input_names=["x"],
+            output_names=["y"],
+            training=torch.onnx.TrainingMode.TRAINING,
+            do_constant_folding=False,
+        )
+        batches[name] = {"x": x.numpy(), "target": target}
+        np.savez(folder / "batch.npz", **batches[name])
+        modules[name] = module
+        cases[name] = (base, str(folder / "artifacts"), str(folder / "batch.npz"), train, LR[train], STEPS)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    proc = subprocess.run(
+        [python, "-c", _ORT_SCRIPT, json.dumps(cases)], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {
+        name: (
+            cases[name][1],
+            batches[name],
+            theirs[name] if CASES[name][2] else _torch_losses(modules[name], batches[name]),
+        )
+        for name in CASES
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_layer_artifacts_train_like_the_reference(runs, name):
+    folder, batch, want = runs[name]
+    translated = translate_training_model(onnx.load(os.path.join(folder, "training_model.onnx")))
+    onnx.checker.check_model(translated, full_check=True)
+    assert all(n.domain in ("", "ai.onnx") for n in translated.graph.node)
+    state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    module = Module(os.path.join(folder, "training_model.onnx"), state)
+    opt = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
+    opt.set_learning_rate(LR[CASES[name][2]])
+    got = []
+    for _ in range(STEPS):
+        got.append(float(np.asarray(module(batch["x"], batch["target"])).reshape(-1)[0]))
+        opt.step()
+        module.lazy_reset_grad()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert got[-1] < got[0]
+    if CASES[name][2]:
+        final = np.load(os.path.join(folder, "final.npz"))
+        for k, p in state.parameters:
+            np.testing.assert_allclose(p.data, final[k], atol=1e-4, rtol=1e-3, err_msg=k)
+
+
+@pytest.mark.slow
+def test_the_layers_produce_the_newly_translated_operators(runs):
+    seen = set()
+    for folder, _, _ in runs.values():
+        model = onnx.load(os.path.join(folder, "training_model.onnx"))
+        seen |= {
+            n.op_type for n in model.graph.node if n.domain == "com.microsoft" or n.op_type.endswith("Grad")
+        }
+    assert {
+        "AveragePoolGrad",
+        "ConvTransposeGrad",
+        "DivGrad",
+        "GatherElementsGrad",
+        "GRUGrad",
+        "GRUTraining",
+        "LeakyReluGrad",
+        "LSTMGrad",
+        "LSTMTraining",
+        "QuickGelu",
+        "QuickGeluGrad",
+        "ResizeGrad",
+        "SliceGrad",
+        "SplitTraining",
+    } <= seen
+
+
+def test_quick_gelu_with_its_default_alpha_against_finite_differences():
+    """QuickGelu's α other than SiLU's 1: x·σ(1.702x) and its gradient."""
+    from onnxtrain.engine import compile_model
+
+    rng = np.random.default_rng(3)
+    x, dy = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+
+    def model(op: str, inputs: list[str]) -> onnx.ModelProto:
+        vis = [helper.make_tensor_value_info(n, TensorProto.DOUBLE, [3, 4]) for n in inputs]
+        node = helper.make_node(op, inputs, ["out"], name="q", domain="com.microsoft", alpha=1.702)
+        return helper.make_model(
+            helper.make_graph(
+                [node], "q", vis, [helper.make_tensor_value_info("out", TensorProto.DOUBLE, [3, 4])]
+            ),
+            opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+        )
+
+    alpha = float(np.float32(1.702))  # a float attribute
+
+    def f(v: np.ndarray) -> np.ndarray:
+        return v / (1 + np.exp(-alpha * v))
+
+    fwd, bwd = (
+        translate_training_model(model(*a)) for a in (("QuickGelu", ["x"]), ("QuickGeluGrad", ["dy", "x"]))
+    )
+    for m in (fwd, bwd):
+        onnx.checker.check_model(m, full_check=True)
+    np.testing.assert_allclose(compile_model(fwd).run({"x": x})[0], f(x), rtol=1e-12)
+    h = 1e-6
+    np.testing.assert_allclose(
+        compile_model(bwd).run({"dy": dy, "x": x})[0],
+        dy * (f(x + h) - f(x - h)) / (2 * h),
+        rtol=1e-7,
+        atol=1e-9,
+    )
