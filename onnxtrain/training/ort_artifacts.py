@@ -40,8 +40,8 @@ def is_onnxruntime_training_model(model: onnx.ModelProto) -> bool:
     return any(_is_foreign(n) for n in model.graph.node)
 
 
-# onnxruntime registers these gradient operators in the default domain
-_DEFAULT_DOMAIN = frozenset({"MaxPoolGrad", "AveragePoolGrad"})
+# onnxruntime registers these operators of its own in the default domain
+_DEFAULT_DOMAIN = frozenset({"MaxPoolGrad", "AveragePoolGrad", "SimplifiedLayerNormalization"})
 
 
 def _is_foreign(node: onnx.NodeProto) -> bool:
@@ -436,6 +436,86 @@ def _concat_training(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
         emit("Concat", *lengths, axis=0, output=node.output[1])
 
 
+def _fast_gelu(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
+    # y = 0.5·s·(1 + tanh(s·(a + b·s²))), s = x (+ bias), a = √(2/π), b = 0.044715·a
+    x = node.input[0]
+    dt = _float_type(ctx, x)
+    s = emit("Add", x, node.input[1]) if len(node.input) > 1 and node.input[1] else x
+    t = emit("Tanh", _tanh_argument(emit, s, dt))
+    half_s = emit("Mul", s, _const(emit, 0.5, dt))
+    emit("Mul", half_s, emit("Add", t, _const(emit, 1.0, dt)), output=node.output[0])
+
+
+def _fast_gelu_grad(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
+    # dx = dy·(0.5·(1 + t) + 0.5·s·(1 − t²)·(a + 3b·s²)), t = tanh(s·(a + b·s²))
+    dy, x = node.input[0], node.input[1]
+    dt = _float_type(ctx, x)
+    s = emit("Add", x, node.input[2]) if len(node.input) > 2 and node.input[2] else x
+    t = emit("Tanh", _tanh_argument(emit, s, dt))
+    one, half = _const(emit, 1.0, dt), _const(emit, 0.5, dt)
+    a = math.sqrt(2 / math.pi)
+    s3b = emit("Mul", emit("Mul", s, s), _const(emit, 3 * 0.044715 * a, dt))
+    slope = emit("Add", _const(emit, a, dt), s3b)
+    inner = emit("Mul", emit("Mul", s, emit("Sub", one, emit("Mul", t, t))), slope)
+    emit("Mul", dy, emit("Mul", half, emit("Add", emit("Add", one, t), inner)), output=node.output[0])
+
+
+def _tanh_argument(emit: Emit, s: str, dt: Any) -> str:
+    """s·(a + b·s²) of the tanh GELU."""
+    a = math.sqrt(2 / math.pi)
+    poly = emit("Add", _const(emit, a, dt), emit("Mul", emit("Mul", s, s), _const(emit, 0.044715 * a, dt)))
+    return emit("Mul", s, poly)
+
+
+def _norm_axes(node: onnx.NodeProto, ctx: _Context) -> list[int]:
+    """The normalised axes of a (Simplified)LayerNormalization: from ``axis`` to the last."""
+    axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), -1)
+    if axis < 0:
+        return list(range(axis, 0))
+    rank = _rank(ctx, node.input[0])
+    if rank is None:
+        raise TranslationError(f"{_node_label(node)}: axis {axis} with an input of unknown rank")
+    return list(range(axis, rank))
+
+
+def _reduce(emit: Emit, ctx: _Context, op: str, x: str, axes: list[int], keepdims: int) -> str:
+    if ctx.opset >= 18 or (op == "ReduceSum" and ctx.opset >= 13):
+        return emit(op, x, _const(emit, axes, np.int64), keepdims=keepdims)
+    return emit(op, x, axes=axes, keepdims=keepdims)
+
+
+def _simplified_layer_norm(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
+    # y = x·r·scale, r = 1/√(mean(x²) + ε) over the normalised axes (saved as the second output)
+    x, scale = node.input[0], node.input[1]
+    dt = _float_type(ctx, x)
+    eps = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "epsilon"), 1e-5)
+    mean_sq = _reduce(emit, ctx, "ReduceMean", emit("Mul", x, x), _norm_axes(node, ctx), 1)
+    saved = node.output[1] if len(node.output) > 1 and node.output[1] else None
+    r = emit("Reciprocal", emit("Sqrt", emit("Add", mean_sq, _const(emit, eps, dt))), output=saved)
+    emit("Mul", emit("Mul", x, r), scale, output=node.output[0])
+
+
+def _simplified_layer_norm_grad(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
+    # x̂ = x·r, g = dy·scale: dx = r·(g − x̂·mean(g·x̂)), dscale = dy·x̂ summed over the other axes
+    dy, x, scale, r = node.input[:4]
+    xhat = emit("Mul", x, r)
+    g = emit("Mul", dy, scale)
+    mean_gx = _reduce(emit, ctx, "ReduceMean", emit("Mul", g, xhat), _norm_axes(node, ctx), 1)
+    emit("Mul", r, emit("Sub", g, emit("Mul", xhat, mean_gx)), output=node.output[0])
+    if len(node.output) > 1 and node.output[1]:
+        rows = emit("Concat", _const(emit, [-1], np.int64), emit("Shape", scale), axis=0)
+        flat = emit("Reshape", emit("Mul", dy, xhat), rows)
+        emit.nodes.append(
+            helper.make_node(
+                "ReduceSum",
+                [flat, _const(emit, [0], np.int64)],
+                [node.output[1]],
+                ctx.fresh(f"{emit.base}/ReduceSum"),
+                keepdims=0,
+            )
+        )
+
+
 def _split_training(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
     axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
     x, split = node.input[0], node.input[1] if len(node.input) > 1 else ""
@@ -546,6 +626,10 @@ _BY_HAND: dict[str, Callable[[onnx.NodeProto, _Context, Emit], None]] = {
     "QuickGelu": _quick_gelu,
     "QuickGeluGrad": _quick_gelu_grad,
     "LeakyReluGrad": _leaky_relu_grad,
+    "FastGelu": _fast_gelu,
+    "FastGeluGrad": _fast_gelu_grad,
+    "SimplifiedLayerNormalization": _simplified_layer_norm,
+    "SimplifiedLayerNormalizationGrad": _simplified_layer_norm_grad,
     "LSTMTraining": _recurrent_training,
     "GRUTraining": _recurrent_training,
 }

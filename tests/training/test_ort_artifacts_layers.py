@@ -67,6 +67,21 @@ class Recurrent(nn.Module):
         return self.head(self.rnn(x)[0])
 
 
+class RMSNormGelu(nn.Module):
+    """RMS normalisation and the tanh GELU written out, as GPT-style code does (its fusions of them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(12, 16), nn.Linear(16, 5)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.scale
+        h = 0.5 * h * (1 + torch.tanh(0.7978845608 * (h + 0.044715 * h**3)))
+        return self.b(h)
+
+
 class UpNet(nn.Module):
     """A transposed convolution, nearest and bilinear upsampling."""
 
@@ -83,6 +98,7 @@ class UpNet(nn.Module):
 CASES = {
     "act_mix": (ActMix, (4, 12), True),
     "pool": (PoolNet, (2, 3, 13, 13), True),
+    "rms_gelu": (RMSNormGelu, (3, 4, 12), True),
     "lstm": (lambda: Recurrent("lstm"), (2, 5, 8), True),
     "gru": (lambda: Recurrent("gru"), (2, 5, 8), True),
     "upsample": (UpNet, (2, 3, 5, 5), False),
@@ -215,12 +231,14 @@ def test_the_layers_produce_the_newly_translated_operators(runs):
     for folder, _, _ in runs.values():
         model = onnx.load(os.path.join(folder, "training_model.onnx"))
         seen |= {
-            n.op_type for n in model.graph.node if n.domain == "com.microsoft" or n.op_type.endswith("Grad")
+            n.op_type for n in model.graph.node if n.domain == "com.microsoft" or not onnx.defs.has(n.op_type)
         }
     assert {
         "AveragePoolGrad",
         "ConvTransposeGrad",
         "DivGrad",
+        "FastGelu",
+        "FastGeluGrad",
         "GatherElementsGrad",
         "GRUGrad",
         "GRUTraining",
@@ -230,43 +248,60 @@ def test_the_layers_produce_the_newly_translated_operators(runs):
         "QuickGelu",
         "QuickGeluGrad",
         "ResizeGrad",
+        "SimplifiedLayerNormalization",
+        "SimplifiedLayerNormalizationGrad",
         "SliceGrad",
         "SplitTraining",
     } <= seen
 
 
-def test_quick_gelu_with_its_default_alpha_against_finite_differences():
-    """QuickGelu's α other than SiLU's 1: x·σ(1.702x) and its gradient."""
+_ALPHA = float(np.float32(1.702))  # QuickGelu's default α, a float attribute
+_A = np.sqrt(2 / np.pi)
+_BIAS = np.linspace(-0.5, 0.5, 4)
+GELUS = {
+    # forward op, its gradient op, extra inputs, attributes, the function of x
+    "QuickGelu": (
+        "QuickGelu",
+        "QuickGeluGrad",
+        [],
+        {"alpha": 1.702},
+        lambda v: v / (1 + np.exp(-_ALPHA * v)),
+    ),
+    "FastGelu_bias": (
+        "FastGelu",
+        "FastGeluGrad",
+        [_BIAS],
+        {},
+        lambda v: 0.5 * (v + _BIAS) * (1 + np.tanh(_A * ((v + _BIAS) + 0.044715 * (v + _BIAS) ** 3))),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GELUS))
+def test_gelu_fusions_against_their_definitions(case):
+    """The forward fusions against their formulas, their gradients against finite differences."""
     from onnxtrain.engine import compile_model
 
+    op, grad_op, extra, attrs, f = GELUS[case]
     rng = np.random.default_rng(3)
     x, dy = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
 
-    def model(op: str, inputs: list[str]) -> onnx.ModelProto:
-        vis = [helper.make_tensor_value_info(n, TensorProto.DOUBLE, [3, 4]) for n in inputs]
-        node = helper.make_node(op, inputs, ["out"], name="q", domain="com.microsoft", alpha=1.702)
-        return helper.make_model(
+    def run(op_type: str, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        vis = [helper.make_tensor_value_info(n, TensorProto.DOUBLE, list(v.shape)) for n, v in feeds.items()]
+        node = helper.make_node(op_type, list(feeds), ["out"], name="g", domain="com.microsoft", **attrs)
+        model = helper.make_model(
             helper.make_graph(
-                [node], "q", vis, [helper.make_tensor_value_info("out", TensorProto.DOUBLE, [3, 4])]
+                [node], "g", vis, [helper.make_tensor_value_info("out", TensorProto.DOUBLE, [3, 4])]
             ),
             opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
         )
+        translated = translate_training_model(model)
+        onnx.checker.check_model(translated, full_check=True)
+        return compile_model(translated).run(feeds)[0]
 
-    alpha = float(np.float32(1.702))  # a float attribute
-
-    def f(v: np.ndarray) -> np.ndarray:
-        return v / (1 + np.exp(-alpha * v))
-
-    fwd, bwd = (
-        translate_training_model(model(*a)) for a in (("QuickGelu", ["x"]), ("QuickGeluGrad", ["dy", "x"]))
-    )
-    for m in (fwd, bwd):
-        onnx.checker.check_model(m, full_check=True)
-    np.testing.assert_allclose(compile_model(fwd).run({"x": x})[0], f(x), rtol=1e-12)
+    bias = {"bias": extra[0]} if extra else {}
+    np.testing.assert_allclose(run(op, {"x": x, **bias}), f(x), rtol=1e-12)
     h = 1e-6
     np.testing.assert_allclose(
-        compile_model(bwd).run({"dy": dy, "x": x})[0],
-        dy * (f(x + h) - f(x - h)) / (2 * h),
-        rtol=1e-7,
-        atol=1e-9,
+        run(grad_op, {"dy": dy, "x": x, **bias}), dy * (f(x + h) - f(x - h)) / (2 * h), rtol=1e-7, atol=1e-9
     )
