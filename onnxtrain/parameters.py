@@ -96,20 +96,34 @@ class TrainingParameters:
                 )
             value = set(value)
         elif isinstance(default, bool):
+            # as the legacy binding: a bool or an integer, not a string ("False" would be true)
+            if not isinstance(value, (bool, int, np.bool_, np.integer)):
+                raise TypeError(f"TrainingParameters.{name} must be a bool, got {type(value).__name__}")
             value = bool(value)
-        elif isinstance(default, int) and not isinstance(default, bool):
-            if isinstance(value, float) and not value.is_integer():
+        elif isinstance(default, int):
+            if isinstance(value, (str, bytes)) or not isinstance(value, (int, float, np.number)):
+                raise TypeError(f"TrainingParameters.{name} must be an int, got {type(value).__name__}")
+            if isinstance(value, (float, np.floating)) and not float(value).is_integer():
                 raise TypeError(f"TrainingParameters.{name} must be an int, got {value!r}")
             value = int(value)
         elif isinstance(default, float):
+            if isinstance(value, (str, bytes)) or not isinstance(value, (int, float, np.number)):
+                raise TypeError(f"TrainingParameters.{name} must be a float, got {type(value).__name__}")
             value = float(value)
         elif isinstance(default, str) and not isinstance(value, str):
             raise TypeError(f"TrainingParameters.{name} must be a str, got {type(value).__name__}")
+        elif isinstance(default, dict) and not isinstance(value, dict):
+            raise TypeError(f"TrainingParameters.{name} must be a dict, got {type(value).__name__}")
+        elif isinstance(default, list) and (isinstance(value, str) or not hasattr(value, "__iter__")):
+            raise TypeError(f"TrainingParameters.{name} must be a list, got {type(value).__name__}")
         self._values[name] = copy.deepcopy(value)
 
     def set_optimizer_initial_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Initial optimizer state, in the layout of ``get_optimizer_state()``."""
-        self._initial_state = {w: {k: np.array(v) for k, v in d.items()} for w, d in state.items()}
+        if not isinstance(state, dict) or not all(isinstance(d, dict) for d in state.values()):
+            raise TypeError("set_optimizer_initial_state takes {weight name: {state name: array}}")
+        initial = {w: {k: np.array(v) for k, v in d.items()} for w, d in state.items()}
+        object.__setattr__(self, "_initial_state", initial)
 
     def optimizer_initial_state(self) -> dict[str, dict[str, np.ndarray]]:
         return self._initial_state

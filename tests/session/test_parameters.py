@@ -1,0 +1,88 @@
+"""TrainingParameters: option types as the legacy binding checked them, and the initial optimizer state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnxtrain import TrainingParameters, TrainingSession
+from tests.session.helpers import batches, mlp_model, params
+
+LR = np.array([0.05], np.float32)
+
+
+@pytest.mark.parametrize("opt", ["AdamOptimizer", "LambOptimizer"])
+def test_initial_optimizer_state_resumes_a_run_bit_for_bit(opt: str) -> None:
+    """A session started from another's weights and optimizer state (``set_optimizer_initial_state``)
+    continues exactly as the other one does."""
+    model = mlp_model(act="Tanh")
+    data = batches(8, 16)
+    first = TrainingSession(model.SerializeToString(), params(opt))
+    for x, y in data[:4]:
+        first.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})
+    p = params(opt)
+    p.set_optimizer_initial_state(first.get_optimizer_state())
+    weights = {k: first.get_state()[k] for k in ("W1", "b1", "W2", "b2")}  # without the moments
+    resumed = TrainingSession(model.SerializeToString(), p)
+    resumed.load_state(weights, strict=False)
+    assert resumed.get_optimizer_state().keys() == first.get_optimizer_state().keys()
+    for x, y in data[4:]:
+        a = first.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})[0]
+        b = resumed.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})[0]
+        assert a == b
+    for k, v in first.get_state().items():
+        np.testing.assert_array_equal(resumed.get_state()[k], v, err_msg=k)
+    # without the initial state, the moments restart from zero and the runs part
+    fresh = TrainingSession(model.SerializeToString(), params(opt))
+    fresh.load_state(weights, strict=False)
+    x, y = data[4]
+    fresh.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})
+    again = TrainingSession(model.SerializeToString(), p)
+    again.load_state(weights, strict=False)
+    again.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})
+    assert not np.array_equal(fresh.get_state()["W1"], again.get_state()["W1"])
+
+
+def test_initial_optimizer_state_is_checked_by_name() -> None:
+    model = mlp_model()
+    p = params("AdamOptimizer")
+    p.set_optimizer_initial_state({"W1": {"Moment_3": np.zeros((16, 8), np.float32)}})
+    with pytest.raises(ValueError, match="Moment_3"):
+        TrainingSession(model.SerializeToString(), p)
+    with pytest.raises(TypeError, match="set_optimizer_initial_state"):
+        p.set_optimizer_initial_state({"W1": np.zeros(3)})
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("enable_grad_norm_clip", "False"),
+        ("use_mixed_precision", "no"),
+        ("set_gradients_as_graph_outputs", [1]),
+        ("gradient_accumulation_steps", "4"),
+        ("gradient_accumulation_steps", 2.5),
+        ("loss_scale", "1024"),
+        ("optimizer_attributes_map", ["W1"]),
+        ("immutable_weights", "W1"),
+        ("weights_to_train", "W1"),
+        ("propagate_cast_ops_allow", "Relu"),
+        ("loss_output_name", 3),
+    ],
+)
+def test_options_of_the_wrong_type_are_refused_by_name(name: str, value) -> None:
+    p = TrainingParameters()
+    with pytest.raises(TypeError, match=name):
+        setattr(p, name, value)
+
+
+def test_options_take_what_the_legacy_binding_took() -> None:
+    p = TrainingParameters()
+    p.enable_grad_norm_clip = 0
+    p.use_mixed_precision = np.bool_(True)
+    p.gradient_accumulation_steps = np.int64(4)
+    p.world_size = 2.0
+    p.loss_scale = 128
+    p.weights_to_train = ["W1", "W2"]
+    assert (p.enable_grad_norm_clip, p.use_mixed_precision) == (False, True)
+    assert (p.gradient_accumulation_steps, p.world_size, p.loss_scale) == (4, 2, 128.0)
+    assert p.weights_to_train == {"W1", "W2"}
