@@ -23,6 +23,7 @@ from onnxtrain.engine.plan import Plan, load_model
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.mixed_precision import half_copies
 from onnxtrain.inference import FeedChecker, InferenceSession, NodeArg, node_arg, write_chrome_trace
+from onnxtrain.ir.graphs import model_for_outputs
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import resolve as resolve_parallel
@@ -218,6 +219,13 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             )
         return self._plans[kind]
 
+    def _path_plan(self, names: list[str]) -> Plan:
+        """The plan of only what the step computes on the way to ``names`` (no update, no state written)."""
+        key = "path:" + "\0".join(sorted(names))
+        if key not in self._plans:
+            self._plans[key] = self._new_plan(model_for_outputs(self._graphs.full, names), None, False)
+        return self._plans[key]
+
     def _new_plan(self, model: onnx.ModelProto, updates: Mapping[str, str] | None, keep_binding: bool,
                   follower: bool = False) -> Plan:
         """A plan of ``model`` on the session's backend, providers and options (``updates``: output → the
@@ -249,7 +257,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             feeds[TRAINING_MODE] = np.asarray(bool(ro.training_mode))
         if kind == "full" and self._dp is not None and self._opt is not None:
             return self._run_data_parallel(names, feeds)
-        plan = self._get_plan(kind)
+        plan = self._path_plan(names) if kind == "gradients" else self._get_plan(kind)
         if output_names is None:  # "all outputs" of this kind of run (a micro-step has no norm yet)
             names = [n for n in names if n in plan.output_info]
         else:
@@ -263,7 +271,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         for s in plan_inputs:
             if s in self._store:
                 feeds[s] = self._store[s]
-        upd_items = [] if kind == "forward" else list(self._graphs.updates[kind].items())
+        upd_items = [] if kind in ("forward", "gradients") else list(self._graphs.updates[kind].items())
         # the old state arrays are the session's own (get_state and load_state copy), and each is replaced by
         # its update below: the plan may write the new values into them
         donate = [s for s, _ in upd_items if s in feeds]
@@ -273,7 +281,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         if kind == "full" and self._graphs.buffers:
             for b in self._graphs.buffers:
                 self._store[b] = np.zeros_like(self._store[b])
-        self._micro_step = 0 if kind == "full" else self._micro_step + (kind == "accumulate")
+        if kind != "gradients":
+            self._micro_step = 0 if kind == "full" else self._micro_step + (kind == "accumulate")
         if self._sess_options.enable_profiling and plan is not self._plan:
             self._plan.profile.extend(plan.profile)
         return results[: len(names)]
@@ -291,7 +300,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                 )
             if ro.only_execute_path_to_fetches and GROUP_OUTPUT in names:
                 return "accumulate"
-        return "full"
+        # gradients, their norm, the finiteness flag: the path to them stops before the optimizer
+        return "gradients" if ro.only_execute_path_to_fetches and self._opt is not None else "full"
 
     def end_profiling(self) -> str:
         if not self._sess_options.enable_profiling:

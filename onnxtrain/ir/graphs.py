@@ -77,3 +77,29 @@ def rename_values(node: onnx.NodeProto, names: dict[str, str]) -> None:
             rename_values(inner, names)
         for v in g.output:
             v.name = names.get(v.name, v.name)
+
+
+def model_for_outputs(model: onnx.ModelProto, outputs: Iterable[str]) -> onnx.ModelProto:
+    """A copy of ``model`` computing only ``outputs`` (graph outputs of it): the nodes, inputs and
+    initializers on their path, nothing else."""
+    wanted = list(outputs)
+    needed = set(wanted)
+    nodes = []
+    for node in reversed(model.graph.node):
+        if any(o in needed for o in node.output if o):
+            nodes.append(node)
+            needed.update(node_reads(node))
+    g = model.graph
+    out_info = {v.name: v for v in g.output}
+    graph = onnx.helper.make_graph(
+        list(reversed(nodes)),
+        g.name,
+        [v for v in g.input if v.name in needed],
+        [out_info[n] for n in wanted],
+        initializer=[t for t in g.initializer if t.name in needed],
+        value_info=[v for v in g.value_info if v.name in needed],
+    )
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    result.graph.CopyFrom(graph)
+    return result

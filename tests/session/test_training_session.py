@@ -381,3 +381,27 @@ def test_update_outputs_are_written_by_the_nodes_computing_them() -> None:
     assert {"W1_Adam_out", "Moment_1_W1_Out", "Moment_2_W1_Out"} <= outputs
     onnx.checker.check_model(sess._graphs.full, full_check=True)
     _follow_reference(model, p, lambda w, g_, m1, m2, t: adam_ref(w, g_, m1, m2, t, float(LR[0])))
+
+
+def test_path_to_fetched_gradients_stops_before_the_optimizer() -> None:
+    """``only_execute_path_to_fetches`` with gradients and their norm fetched: torch's gradients, no
+    learning rate needed, and the weights and optimizer state untouched (the optimizer is not on the path)."""
+    model = mlp_model()
+    torch, net = torch_mlp(model)
+    p = params("AdamOptimizer", set_gradients_as_graph_outputs=True)
+    sess = TrainingSession(model.SerializeToString(), p)
+    before = sess.get_state()
+    ro = RunOptions()
+    ro.only_execute_path_to_fetches = True
+    (x, y), = batches(1, 16)
+    names = ["W1_grad", "b1_grad", "W2_grad", "b2_grad"]
+    *grads, norm = sess.run([*names, "global_gradient_norm"], {"x": x, "y": y}, ro)
+    torch.nn.functional.cross_entropy(net(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+    want = [net[0].weight.grad, net[0].bias.grad, net[2].weight.grad, net[2].bias.grad]
+    for name, g, w in zip(names, grads, want):
+        np.testing.assert_allclose(g, w.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+    np.testing.assert_allclose(norm, np.sqrt(sum(float((w.double() ** 2).sum()) for w in want)), rtol=1e-5)
+    for k, v in sess.get_state().items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+    sess.run(["loss"], feeds(x, y))  # a step as usual afterwards
+    assert not np.array_equal(sess.get_state()["W1"], before["W1"])
