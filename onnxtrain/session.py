@@ -121,7 +121,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         adasum = self._dp is not None and self._dp.mode == "adasum"
         g = build_step_graphs(model, p, self._opt, force_clip=adasum)
         self._graphs = g
-        self._check_attribute_maps()
+        self._check_attribute_maps({t.name for t in model.graph.initializer})
         mp = g.mixed_precision
         self.loss_scale_input_name = mp.loss_scale if mp is not None else None
         self._store: dict[str, np.ndarray] = dict(g.initial_state)
@@ -163,7 +163,9 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         self._micro_step = 0
 
     # ---- construction helpers ---------------------------------------------------------
-    def _check_attribute_maps(self) -> None:
+    def _check_attribute_maps(self, initializers: set[str]) -> None:
+        """Every trained weight has its entries; entries of other initializers are ignored (as onnxruntime
+        did: scripts fill the maps for every weight they asked for), of unknown names an error."""
         p, opt = self._params, self._opt
         if opt is None:
             return
@@ -178,9 +180,10 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             opt.check_attrs(w, fmap.get(w, {}), imap.get(w, {}))
         for label, m in (("optimizer_attributes_map", fmap), ("optimizer_int_attributes_map", imap)):
             for w in m:
-                if w not in self._graphs.trainable:
+                if w not in self._graphs.trainable and w not in initializers:
                     raise ValueError(
-                        f"{label}: {w!r} is not a trained weight; trained: {self._graphs.trainable}"
+                        f"{label}: {w!r} is not an initializer of the model; "
+                        f"trained: {self._graphs.trainable}"
                     )
 
     def _apply_initial_optimizer_state(self, initial: dict[str, dict[str, np.ndarray]]) -> None:

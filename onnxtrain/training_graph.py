@@ -97,6 +97,11 @@ def _reads(n: onnx.NodeProto) -> list[tuple[int, str]]:
     return [(i, name) for i, name in enumerate(n.input) if name] + [(-1, name) for name in body_reads(n)]
 
 
+# slots onnxruntime's builder never differentiates although onnxtrain's rule can (spec §12.3): discovery
+# skips them, so a constant exponent kept as an initializer is not trained; listed in weights_to_train, it is
+_DISCOVERY_STOP = {"Pow": frozenset({1})}
+
+
 def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, list]) -> list[str]:
     """Float initializers that reach the loss through differentiable input slots (spec §2 step 6)."""
     opset = model_opset(model)
@@ -111,7 +116,7 @@ def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, l
         if through is None and has_no_gradient(n.op_type):
             continue
         rule = None if through else find_rule(n.op_type, opset)
-        stop = rule.stop if rule else frozenset()
+        stop = (rule.stop if rule else frozenset()) | _DISCOVERY_STOP.get(n.op_type, frozenset())
         for i, name in [(0, through)] if through else _reads(n):
             if i in stop:
                 continue
@@ -144,7 +149,16 @@ def select_trainable(model: onnx.ModelProto, p: TrainingParameters) -> list[str]
         unused = sorted(w for w in wanted if w not in consumers)
         if unused:
             warnings.warn(f"weights_to_train: {unused} have no consumer and are not trained", stacklevel=3)
-        trainable = sorted(w for w in wanted if w in consumers and inits[w].data_type in FLOAT_TYPES)
+        uses = [(w, n.op_type, i) for w in wanted for n, i in consumers.get(w, ())]
+        stats = sorted({w for w, op, i in uses if op == "BatchNormalization" and i > 2})
+        if stats:  # updated by the forward pass; an optimizer step would overwrite the update
+            warnings.warn(
+                f"weights_to_train: {stats} are BatchNormalization running statistics and are not trained",
+                stacklevel=3,
+            )
+        trainable = sorted(
+            w for w in wanted if w in consumers and inits[w].data_type in FLOAT_TYPES and w not in stats
+        )
     else:
         trainable = discover_trainable(model, p.loss_output_name, p.immutable_weights)
     for w in p.weights_not_to_train:

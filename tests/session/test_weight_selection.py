@@ -1,0 +1,127 @@
+"""Which initializers the legacy session trains: discovery's stop slots, running statistics listed as
+weights, and the attribute maps of weights that end up untrained."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
+
+from onnxtrain import TrainingSession
+from onnxtrain.ir.builder import make_model
+from tests.session.helpers import params
+
+LR = np.array([0.05], np.float32)
+
+
+def _bn_pow_model() -> bytes:
+    """x → Gemm → BatchNormalization (training mode) → (· − t)^two → mean; ``two`` an initializer."""
+    rng = np.random.default_rng(0)
+    inits = {
+        "W": rng.standard_normal((3, 4)).astype(np.float32),
+        "b": np.zeros(4, np.float32),
+        "scale": np.ones(4, np.float32),
+        "beta": np.zeros(4, np.float32),
+        "mean": np.zeros(4, np.float32),
+        "var": np.ones(4, np.float32),
+        "two": np.array(2.0, np.float32),
+    }
+    nodes = [
+        helper.make_node("Gemm", ["x", "W", "b"], ["h"]),
+        helper.make_node(
+            "BatchNormalization",
+            ["h", "scale", "beta", "mean", "var"],
+            ["n", "mean_out", "var_out"],
+            training_mode=1,
+        ),
+        helper.make_node("Sub", ["n", "t"], ["d"]),
+        helper.make_node("Pow", ["d", "two"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0),
+    ]
+    g = helper.make_graph(
+        nodes,
+        "bn_pow",
+        [
+            helper.make_tensor_value_info("x", T.FLOAT, ["N", 3]),
+            helper.make_tensor_value_info("t", T.FLOAT, ["N", 4]),
+        ],
+        [helper.make_tensor_value_info("loss", T.FLOAT, [])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    return make_model(g, 17).SerializeToString()
+
+
+def _feeds(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.standard_normal((8, 3)).astype(np.float32),
+        "t": rng.standard_normal((8, 4)).astype(np.float32),
+        "Learning_Rate": LR,
+    }
+
+
+def test_discovery_skips_the_exponent_of_pow_but_a_listed_one_trains() -> None:
+    """onnxruntime's builder never differentiates Pow's exponent (spec §12.3): discovery leaves an
+    exponent initializer alone; listed in weights_to_train, it gets its gradient d(a^b)/db = a^b·ln a
+    (0 where a ≤ 0, where the logarithm is undefined)."""
+    auto = TrainingSession(_bn_pow_model(), params("SGDOptimizer"))
+    assert auto._graphs.trainable == ["W", "b", "beta", "scale"]
+    for i in range(5):
+        auto.run(["loss"], _feeds(i))
+    assert "two" not in auto.get_state()
+    p = params("SGDOptimizer", weights_to_train={"W", "two"}, set_gradients_as_graph_outputs=True)
+    listed = TrainingSession(_bn_pow_model(), p)
+    feeds = _feeds(0)
+    (g,) = listed.run(["two_grad"], feeds)
+    # the reference in float64: d = BN(xW + b) − t with batch statistics
+    h = feeds["x"].astype(np.float64) @ np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    n = (h - h.mean(0)) / np.sqrt(h.var(0) + 1e-5)
+    d = n - feeds["t"]
+    positive = np.where(d > 0, d, 1.0)
+    np.testing.assert_allclose(g, np.mean(np.where(d > 0, positive**2 * np.log(positive), 0.0)), rtol=1e-4)
+
+
+def test_running_statistics_listed_as_weights_are_updated_not_trained() -> None:
+    """Frontends list every initializer: the BatchNormalization running statistics among them are left
+    out with a warning and keep their forward-pass update, exactly as without the list."""
+    everything = {"W", "b", "scale", "beta", "mean", "var"}
+    p = params(
+        "AdamOptimizer", weights_to_train=everything, optimizer_attributes_map={w: {} for w in everything}
+    )
+    with pytest.warns(UserWarning, match=r"\['mean', 'var'\] are BatchNormalization running statistics"):
+        listed = TrainingSession(_bn_pow_model(), p)
+    auto = TrainingSession(_bn_pow_model(), params("AdamOptimizer"))
+    assert listed._graphs.trainable == auto._graphs.trainable
+    for i in range(3):
+        listed.run(["loss"], _feeds(i))
+        auto.run(["loss"], _feeds(i))
+    for k in ("mean", "var", "W"):
+        np.testing.assert_array_equal(listed.get_state()[k], auto.get_state()[k], err_msg=k)
+    assert not np.array_equal(auto.get_state()["var"], np.ones(4, np.float32))
+    # the first step's running mean: 0.9·0 + 0.1·(batch mean of xW + b), ONNX's momentum convention
+    first = TrainingSession(_bn_pow_model(), params("AdamOptimizer"))
+    first.run(["loss"], _feeds(0))
+    h = _feeds(0)["x"] @ np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    np.testing.assert_allclose(first.get_state()["mean"], 0.1 * h.mean(0), rtol=1e-5)
+
+
+def test_attribute_maps_may_name_untrained_initializers_but_not_unknown_names() -> None:
+    """As in onnxruntime, the maps are read for the trained weights only: entries for initializers that are
+    not trained (excluded, unused) are ignored; a name that is no initializer is an error naming it."""
+    names = ["W", "b", "scale", "beta", "two"]
+    p = params(
+        "AdamOptimizer",
+        weights_not_to_train={"b"},
+        optimizer_attributes_map={n: {"lambda": 0.0} for n in names},
+        optimizer_int_attributes_map={n: {} for n in names},
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sess = TrainingSession(_bn_pow_model(), p)
+    assert "b" not in sess._graphs.trainable
+    p.optimizer_attributes_map = {**{n: {} for n in names}, "Wx": {}}
+    with pytest.raises(ValueError, match="'Wx' is not an initializer"):
+        TrainingSession(_bn_pow_model(), p)
