@@ -58,6 +58,60 @@ class ContiguousBuffer(np.ndarray):
         return self.view(np.ndarray)
 
 
+def _expose_running_stats(model: onnx.ModelProto, state: CheckpointState
+                          ) -> tuple[onnx.ModelProto, dict[str, str], set[str]]:
+    """``model`` with the new running statistics of its training-mode BatchNormalization nodes as graph
+    outputs, {frozen parameter: the output holding its new value} and the outputs added (not user outputs).
+
+    Such a node (torch's export in training mode, or onnxruntime-training's ``BatchNormInternal`` once
+    translated) returns ``running_mean · momentum + batch_mean · (1 − momentum)`` and the same for the
+    variance (the batch's biased variance, as ONNX defines it); the training step writes them back into
+    the state, as onnxruntime-training does, so that eval mode and the exported model use them. The model
+    is copied before it is changed (it may be the caller's proto)."""
+    params = state._params
+    inputs = {v.name: v for v in model.graph.input}
+    found: list[tuple[int, int, str]] = []  # (node index, output index, parameter)
+    for k, n in enumerate(model.graph.node):
+        if n.op_type != "BatchNormalization" or n.domain not in ("", "ai.onnx"):
+            continue
+        if not any(a.name == "training_mode" and a.i for a in n.attribute):
+            continue
+        for out_index, in_index in ((1, 3), (2, 4)):
+            name = n.input[in_index] if len(n.input) > in_index else ""
+            p = params.get(name)
+            if p is not None and not p.requires_grad and name in inputs:
+                found.append((k, out_index, name))
+    if not found:
+        return model, {}, set()
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    taken = {o for n in g.node for o in n.output} | set(inputs) | {t.name for t in g.initializer}
+    graph_outputs = {v.name for v in g.output}
+    stats: dict[str, str] = {}
+    added: set[str] = set()
+    for k, out_index, name in found:
+        node = g.node[k]
+        while len(node.output) <= out_index:
+            node.output.append("")
+        if not node.output[out_index]:
+            fresh, i = f"{name}.running_update", 0
+            while fresh in taken:
+                i += 1
+                fresh = f"{name}.running_update_{i}"
+            taken.add(fresh)
+            node.output[out_index] = fresh
+        result = node.output[out_index]
+        if result not in graph_outputs:
+            vi = g.output.add()
+            vi.CopyFrom(inputs[name])
+            vi.name = result
+            graph_outputs.add(result)
+            added.add(result)
+        stats[name] = result
+    return out, stats, added
+
+
 def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, follower: bool = False,
              updates: dict[str, str] | None = None) -> Plan:
     """The model compiled on the backend ``session_options`` name (config entry ``onnxtrain.backend``);
@@ -103,6 +157,9 @@ class Module:
         self._accumulate = False  # §3.3: the first train call after construction or a reset overwrites
         # artifacts of onnxruntime-training: their private operators rewritten as standard ONNX
         self._train_model = translate_training_model(load_model(train_model_uri, "training")[0])
+        # BatchNormalization running statistics the training step updates (frozen parameter -> output)
+        self._train_model, self._running_stats, self._added_outputs = _expose_running_stats(
+            self._train_model, state)
         self._eval_model: onnx.ModelProto | None = None
         self._eval_plan: Plan | None = None
         if eval_model_uri is not None:
@@ -184,7 +241,8 @@ class Module:
         # buffers of parameters this state does not hold: not user inputs either
         hidden |= {n for n in names if n.endswith(BUFFER_SUFFIX)}
         self._train_inputs = [InputSpec.of(v) for v in inputs if v.name not in hidden]
-        self._train_outputs = [n for n in outputs if not n.endswith(ACCUMULATED_SUFFIX)]
+        self._train_outputs = [n for n in outputs if not n.endswith(ACCUMULATED_SUFFIX)
+                               and n not in self._added_outputs]
         for spec in self._train_inputs:
             if spec.name + BUFFER_SUFFIX in names:
                 warnings.warn(f"training model input {spec.name!r} looks like a trainable parameter but the "
@@ -277,6 +335,7 @@ class Module:
         if self._loss_scale_input is not None:
             feeds[self._loss_scale_input] = self._loss_scale_feed()
         wanted = self._train_outputs + [self._accumulated[p] for p in self._trainable]
+        wanted += self._running_stats.values()
         plan = self._overwrite_plan if overwrite else self._train_plan
         assert plan is not None
         if overwrite and getattr(plan, "backend", None) == "onnxruntime":
@@ -289,8 +348,10 @@ class Module:
             results = plan.run(feeds, wanted)
         self._last_step_plan = plan
         n = len(self._train_outputs)
-        for p, new in zip(self._trainable, results[n:]):
+        for p, new in zip(self._trainable, results[n:n + len(self._trainable)]):
             params[p].grad = new
+        for stat, new in zip(self._running_stats, results[n + len(self._trainable):]):
+            np.copyto(params[stat].data, new)  # in place: held .data arrays see the new statistics
         self._accumulate = True
         return results[:n]
 
