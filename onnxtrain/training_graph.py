@@ -15,7 +15,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff import build_gradient_model
-from onnxtrain.autodiff.builder import fake_quant_inputs, upgrade_opset
+from onnxtrain.autodiff.builder import GradientError, fake_quant_inputs, upgrade_opset
 from onnxtrain.autodiff.registry import find_rule, has_no_gradient
 from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.clipping import clip_divisor, global_norm
@@ -312,10 +312,15 @@ def build_step_graphs(
         fwd_model = mixed_precision(m, loss, p.mixed_precision_dtype)
         mp = mixed_precision_info(fwd_model)
         gloss = mp.scaled_loss  # backpropagation starts from loss · loss_scale
-    grad = build_gradient_model(
-        fwd_model, gloss, trainable, outputs=user_outputs, extra_outputs=list(bn.values()),
-        memory_efficient=p.use_memory_efficient_gradient,
-    )
+    try:  # a weight the loss does not depend on: an error, as in onnxruntime (not a zero gradient)
+        grad = build_gradient_model(
+            fwd_model, gloss, trainable, outputs=user_outputs, extra_outputs=list(bn.values()),
+            memory_efficient=p.use_memory_efficient_gradient, zero_unreachable=False,
+        )
+    except GradientError as e:
+        if "does not reach" in str(e):
+            raise ValueError(f"weights_to_train: {e}") from None
+        raise
     grad = recompute(
         grad,
         gloss,

@@ -244,6 +244,7 @@ def build_gradient_model(
     zero_unreachable: bool = True,
     grad_suffix: str = "_grad",
     memory_efficient: bool = False,
+    seed_loss: bool = True,
 ) -> onnx.ModelProto:
     """Append the backward pass of ``loss`` with respect to ``wrt`` to ``model``.
 
@@ -253,7 +254,9 @@ def build_gradient_model(
     gradients ``<y>_grad`` become graph inputs. ``memory_efficient`` (the legacy
     ``use_memory_efficient_gradient``): a LayerNormalization whose input nothing else keeps for the
     backward pass takes its gradient from its output instead, so that the input is freed after the
-    forward (:func:`~onnxtrain.autodiff.rules.normalization.layer_norm_grad_from_output`). Example::
+    forward (:func:`~onnxtrain.autodiff.rules.normalization.layer_norm_grad_from_output`). With
+    ``seed_loss=False`` the loss too takes its incoming gradient ``<loss>_grad`` as a graph input
+    instead of ones. Example::
 
         m = build_gradient_model(onnx.load("mlp_loss.onnx"), "loss", ["fc1.weight", "fc1.bias"])
     """
@@ -340,7 +343,12 @@ def build_gradient_model(
     seed_w = NodeWriter(bw.names, bw.backward_nodes, prefix="")
     contributions: dict[str, list[str]] = {}
     new_inputs: list[onnx.ValueInfoProto] = []
-    if loss in needed:
+    if loss in needed and not seed_loss:
+        name = bw.names(f"{loss}{grad_suffix}")
+        tp = bw.types.get(loss) or helper.make_tensor_type_proto(TensorProto.FLOAT, None)
+        new_inputs.append(helper.make_value_info(name, tp))
+        contributions[loss] = [name]
+    elif loss in needed:
         one = numpy_helper.from_array(_ones(elem_type(bw.types, loss) or TensorProto.FLOAT))
         seed = seed_w.emit(
             "ConstantOfShape",
@@ -410,7 +418,7 @@ def build_gradient_model(
         d = grad_of(x)
         if d is None:
             if not zero_unreachable:
-                raise GradientError(f"{x!r} does not reach the loss {loss!r}")
+                raise GradientError(f"{x!r} does not reach {loss!r}: no gradient flows back to it")
             zero = numpy_helper.from_array(_zeros(elem_type(bw.types, x) or TensorProto.FLOAT))
             tail.emit("ConstantOfShape", [bw.shape_of(x)], [gname], value=zero)
         elif d != gname:

@@ -21,8 +21,10 @@ class GradientGraphBuilder:
 
     ``x_node_arg_names`` are the values to differentiate with respect to (initializers or graph
     inputs); the built model keeps the model's outputs and appends ``<x>_grad`` for each, in the
-    order given (sorted when a set is given). ``y_node_arg_names`` other than the loss get their
-    incoming gradient ``<y>_grad`` as a graph input. Example::
+    order given (sorted when a set is given). The backward pass starts from ``y_node_arg_names``:
+    the one named ``loss_node_arg_name`` is seeded with ones, the others get their incoming gradient
+    ``<y>_grad`` as a graph input (all of them when the loss name is empty or names no y, as
+    onnxruntime seeded only a y of that name). An ``x`` the ys do not depend on is an error. Example::
 
         b = GradientGraphBuilder(model_bytes, {"loss"}, {"fc.weight", "fc.bias"}, "loss")
         b.build()
@@ -37,17 +39,19 @@ class GradientGraphBuilder:
             self._model = onnx.load(os.fspath(serialized_model))
         self._ys = _ordered(y_node_arg_names)
         self._xs = _ordered(x_node_arg_names)
+        if not self._ys:
+            raise GradientError("y_node_arg_names is empty: give the values to differentiate")
         self._loss = loss_node_arg_name
-        if not self._loss:
-            if len(self._ys) != 1:
-                raise GradientError("loss_node_arg_name is empty: give exactly one y to differentiate")
-            self._loss = self._ys[0]
         self._options = options
         self._built: onnx.ModelProto | None = None
 
     def build(self) -> None:
-        others = [y for y in self._ys if y != self._loss]
-        self._built = build_gradient_model(self._model, self._loss, self._xs, other_ys=others)
+        seeded = self._loss in self._ys
+        first = self._loss if seeded else self._ys[0]
+        others = [y for y in self._ys if y != first]
+        self._built = build_gradient_model(
+            self._model, first, self._xs, other_ys=others, zero_unreachable=False, seed_loss=seeded
+        )
 
     def _result(self) -> onnx.ModelProto:
         if self._built is None:

@@ -323,3 +323,39 @@ def test_broadcast_partners_of_size_one_need_no_run_time_check() -> None:
     onnx.checker.check_model(g, full_check=True)
     assert "NonZero" not in {n.op_type for n in g.graph.node}
     gradcheck(m, "loss", ["q", "k"], feeds)
+
+
+@pytest.mark.parametrize("loss_name", ["", "loss", "not_in_graph"])
+def test_builder_seeds_only_a_y_named_as_the_loss(loss_name: str) -> None:
+    """onnxruntime seeded ``<loss>_grad`` with ones only for a y of that name: with y = the logits and the
+    loss name empty, another value or absent, ``logits_grad`` is a graph input and the gradients are the
+    vector-Jacobian products of the fed ``logits_grad`` (none from the loss)."""
+    model = mlp_model(loss="mse", act="Tanh")
+    b = GradientGraphBuilder(model.SerializeToString(), {"logits"}, ["W2", "b2"], loss_name)
+    b.build()
+    m = onnx.load_from_string(b.get_model())
+    onnx.checker.check_model(m, full_check=True)
+    assert "logits_grad" in [i.name for i in m.graph.input]
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((5, 8)).astype(np.float32)
+    y = rng.standard_normal((5, 4)).astype(np.float32)
+    g = rng.standard_normal((5, 4)).astype(np.float32)
+    out = dict(zip([o.name for o in m.graph.output], run_engine(m, {"x": x, "y": y, "logits_grad": g})))
+    w = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in model.graph.initializer}
+    hidden = np.tanh(x.astype(np.float64) @ w["W1"].T + w["b1"])
+    np.testing.assert_allclose(out["W2_grad"], g.T.astype(np.float64) @ hidden, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["b2_grad"], g.sum(0), rtol=1e-5, atol=1e-6)
+    zero = dict(zip([o.name for o in m.graph.output], run_engine(m, {"x": x, "y": y, "logits_grad": 0 * g})))
+    assert not zero["W2_grad"].any()
+
+
+def test_builder_refuses_an_x_the_ys_do_not_depend_on() -> None:
+    model = mlp_model(loss="mse")
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros(3, np.float32), "unused"))
+    b = GradientGraphBuilder(model.SerializeToString(), {"loss"}, ["W1", "unused"], "loss")
+    with pytest.raises(GradientError, match="'unused' does not reach 'loss'"):
+        b.build()
+    b = GradientGraphBuilder(model.SerializeToString(), {"logits"}, ["W1"], "loss")  # y must exist
+    b.build()
+    with pytest.raises(GradientError, match="y_node_arg_names is empty"):
+        GradientGraphBuilder(model.SerializeToString(), set(), ["W1"], "loss")

@@ -125,3 +125,17 @@ def test_attribute_maps_may_name_untrained_initializers_but_not_unknown_names() 
     p.optimizer_attributes_map = {**{n: {} for n in names}, "Wx": {}}
     with pytest.raises(ValueError, match="'Wx' is not an initializer"):
         TrainingSession(_bn_pow_model(), p)
+
+
+def test_a_listed_weight_the_loss_does_not_depend_on_is_an_error() -> None:
+    """As in onnxruntime (no gradient to compute), rather than "training" it on zeros."""
+    from tests.session.helpers import mlp_model
+
+    model = mlp_model()
+    model.graph.initializer.append(numpy_helper.from_array(np.ones(4, np.float32), "V"))
+    model.graph.node.append(helper.make_node("Mul", ["logits", "V"], ["side"]))
+    model.graph.output.append(helper.make_tensor_value_info("side", T.FLOAT, ["N", 4]))
+    with pytest.raises(ValueError, match="weights_to_train: 'V' does not reach 'loss'"):
+        TrainingSession(model.SerializeToString(), params("SGDOptimizer", weights_to_train={"W1", "V"}))
+    sess = TrainingSession(model.SerializeToString(), params("SGDOptimizer"))  # discovery leaves V out
+    assert "V" not in sess._graphs.trainable
