@@ -9,6 +9,7 @@ from onnxtrain.autodiff.legacy import GradientGraphBuilder
 from onnxtrain.capi.options import (
     ExecutionMode,
     GraphOptimizationLevel,
+    PropagateCastOpsStrategy,
     RunOptions,
     SessionOptions,
     get_all_providers,
@@ -45,6 +46,7 @@ __all__ = [
     "NodeArg",
     "OrtDevice",
     "OrtValue",
+    "PropagateCastOpsStrategy",
     "RunOptions",
     "SessionOptions",
     "TrainingParameters",

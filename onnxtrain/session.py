@@ -306,6 +306,9 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         # gradients, their norm, the finiteness flag: the path to them stops before the optimizer
         return "gradients" if ro.only_execute_path_to_fetches and self._opt is not None else "full"
 
+    def finalize(self) -> None:
+        """The legacy binding's shutdown hook (MPI on Windows); onnxtrain's communicator needs none."""
+
     def end_profiling(self) -> str:
         if not self._sess_options.enable_profiling:
             return ""

@@ -4,6 +4,7 @@ from onnxtrain.autodiff.legacy import GradientGraphBuilder
 from onnxtrain.capi.options import (
     ExecutionMode,
     GraphOptimizationLevel,
+    PropagateCastOpsStrategy,
     RunOptions,
     SessionOptions,
     get_all_providers,
@@ -19,6 +20,7 @@ __all__ = [
     "IOBinding",
     "OrtDevice",
     "OrtValue",
+    "PropagateCastOpsStrategy",
     "RunOptions",
     "SessionOptions",
     "get_all_providers",

@@ -41,6 +41,17 @@ class ExecutionMode(enum.IntEnum):
     ORT_PARALLEL = 1
 
 
+class PropagateCastOpsStrategy(enum.IntFlag):
+    """The legacy binding's cast-propagation strategies (flags that combine with ``|``). Its
+    TrainingParameters never exposed a field taking them: onnxtrain's mixed-precision pass follows
+    ``propagate_cast_ops_level`` and ``propagate_cast_ops_allow``."""
+
+    NONE = 0
+    INSERT_AND_REDUCE = 1
+    FLOOD_FILL = 2
+    REMOVE_INPUT_OUTPUT_UP_DOWN_CASTS = 4
+
+
 class SessionOptions:
     """Options of a session (onnxruntime.SessionOptions); unknown config entries are kept, not used."""
 

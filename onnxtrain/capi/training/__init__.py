@@ -1,0 +1,1 @@
+"""Where onnxruntime kept its Python wrapper of the legacy session (``onnxruntime.capi.training``)."""
