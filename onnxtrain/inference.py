@@ -45,6 +45,19 @@ class ModelMetadata:
     custom_metadata_map: dict[str, str] = field(default_factory=dict)
 
 
+def metadata_of(m: onnx.ModelProto) -> ModelMetadata:
+    """The metadata onnxruntime reports for model ``m``."""
+    return ModelMetadata(
+        m.producer_name,
+        m.graph.name,
+        m.domain,
+        m.doc_string,
+        m.graph.doc_string,
+        int(m.model_version),
+        {p.key: p.value for p in m.metadata_props},
+    )
+
+
 def type_string(tp: onnx.TypeProto) -> str:
     """onnxruntime's name of a type: ``tensor(float)``, ``seq(tensor(int64))``, ``optional(...)``."""
     kind = tp.WhichOneof("value")
@@ -208,16 +221,7 @@ class InferenceSession:
         return list(self._overridable)
 
     def get_modelmeta(self) -> ModelMetadata:
-        m = self._model
-        return ModelMetadata(
-            m.producer_name,
-            m.graph.name,
-            m.domain,
-            m.doc_string,
-            m.graph.doc_string,
-            int(m.model_version),
-            {p.key: p.value for p in m.metadata_props},
-        )
+        return metadata_of(self._model)
 
     def get_providers(self) -> list[str]:
         return list(self._providers)

@@ -22,7 +22,15 @@ from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.plan import Plan, load_model
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.mixed_precision import half_copies
-from onnxtrain.inference import FeedChecker, InferenceSession, NodeArg, node_arg, write_chrome_trace
+from onnxtrain.inference import (
+    FeedChecker,
+    InferenceSession,
+    ModelMetadata,
+    NodeArg,
+    metadata_of,
+    node_arg,
+    write_chrome_trace,
+)
 from onnxtrain.ir.graphs import model_for_outputs
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import WeightSlot, get_optimizer
@@ -116,6 +124,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         self._start_ns = time.time_ns()
         self._fallback = True
         model = load_model(path_or_bytes)
+        self._user_meta = metadata_of(model)  # what get_modelmeta reports: the user's model, not the step's
         self._opt = (get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
                      if p.training_optimizer_name else None)
         adasum = self._dp is not None and self._dp.mode == "adasum"
@@ -305,6 +314,9 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                 return "accumulate"
         # gradients, their norm, the finiteness flag: the path to them stops before the optimizer
         return "gradients" if ro.only_execute_path_to_fetches and self._opt is not None else "full"
+
+    def get_modelmeta(self) -> ModelMetadata:
+        return self._user_meta
 
     def finalize(self) -> None:
         """The legacy binding's shutdown hook (MPI on Windows); onnxtrain's communicator needs none."""

@@ -414,3 +414,15 @@ def test_path_to_fetched_gradients_stops_before_the_optimizer() -> None:
         np.testing.assert_array_equal(v, before[k], err_msg=k)
     sess.run(["loss"], feeds(x, y))  # a step as usual afterwards
     assert not np.array_equal(sess.get_state()["W1"], before["W1"])
+
+
+def test_modelmeta_is_the_users_model() -> None:
+    """get_modelmeta describes the model given, as InferenceSession's does, not the generated step graph."""
+    model = mlp_model()
+    model.producer_name, model.model_version, model.doc_string = "my-exporter", 7, "an mlp"
+    onnx.helper.set_model_props(model, {"author": "me"})
+    meta = TrainingSession(model.SerializeToString(), params()).get_modelmeta()
+    want = onnxtrain.InferenceSession(model.SerializeToString()).get_modelmeta()
+    assert meta == want
+    assert (meta.producer_name, meta.graph_name, meta.version) == ("my-exporter", "mlp", 7)
+    assert meta.custom_metadata_map == {"author": "me"} and meta.description == "an mlp"
