@@ -344,6 +344,11 @@ def build_step_graphs(
     steps = p.gradient_accumulation_steps
     if steps < 1:
         raise ValueError(f"gradient_accumulation_steps must be >= 1, got {steps}")
+    if steps > 1 and opt is None:  # spec §4.4: nothing would read the accumulated gradients
+        raise ValueError(
+            f"gradient_accumulation_steps={steps} needs an optimizer (training_optimizer_name); without "
+            "one, fetch the gradients (set_gradients_as_graph_outputs) and sum them yourself"
+        )
     base_inputs = list(grad.graph.input)
     out_user = [o for o in grad.graph.output if o.name in user_outputs]
     out_bn = [vi(o, None, None, None) for o in bn.values()]

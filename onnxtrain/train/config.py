@@ -389,21 +389,74 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("training.keep_checkpoints", f"expected an int >= 0, got {t.keep_checkpoints}")
     if t.epochs is None and t.steps is None:
         raise ConfigError("training.epochs", "give training.epochs or training.steps")
+    _check_parameters(cfg)
+    return cfg
+
+
+# TrainingParameters properties that the config sets through its own keys: under training.parameters they
+# would silently override those keys (and the saved config.yaml would not say what ran)
+OWN_KEYS: dict[str, str] = {
+    "loss_output_name": "use model.loss",
+    "training_optimizer_name": "use optimizer.name",
+    "lr_params_feed_name": "the trainer feeds the learning rate itself (optimizer.lr and schedule)",
+    "gradient_accumulation_steps": "use training.gradient_accumulation_steps (the trainer counts optimizer "
+                                   "steps, not micro-batches, only through that key)",
+    "gradient_accumulation_mode": "the trainer sets it; use training.gradient_accumulation_steps",
+    "data_parallel_size": "use training.data_parallel_size",
+    "enable_grad_norm_clip": "use optimizer.clip_grad_norm",
+}
+# optimizer attributes that the optimizer section sets
+OWN_ATTRIBUTES: dict[str, str] = {
+    "alpha": "optimizer.betas", "beta": "optimizer.betas", "epsilon": "optimizer.eps",
+    "lambda": "optimizer.weight_decay", "max_norm_clip": "optimizer.clip_grad_norm",
+}
+_SCALARS = (bool, int, float, str)
+
+
+def _check_parameters(cfg: Config) -> None:
+    """training.parameters: known TrainingParameters properties of the right type, none that another key of
+    the config sets; ``use_mixed_precision`` is moved to training.mixed_precision (the same switch)."""
+    from onnxtrain.graph_transforms.mixed_precision import HALF_TYPES
     from onnxtrain.parameters import TrainingParameters
 
+    t = cfg.training
     probe = TrainingParameters()
     for k, v in t.parameters.items():
+        path = f"training.parameters.{k}"
+        if k not in probe._values:
+            raise _unknown("training.parameters", k, sorted(probe._values))
+        if k in OWN_KEYS:
+            raise ConfigError(path, f"set by the config itself: {OWN_KEYS[k]}")
+        default = getattr(probe, k)
+        if type(default) in _SCALARS:  # as strict as the config's own keys: no "false" or 1 for a bool
+            v = coerce(v, type(default), path)
         try:
             setattr(probe, k, v)
-        except AttributeError:
-            raise _unknown("training.parameters", k, sorted(probe._values)) from None
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"training.parameters.{k}", str(e)) from None
+            raise ConfigError(path, str(e)) from None
+    if "use_mixed_precision" in t.parameters:
+        if t.mixed_precision and not probe.use_mixed_precision:
+            raise ConfigError("training.parameters.use_mixed_precision",
+                              "false contradicts training.mixed_precision: true (give only "
+                              "training.mixed_precision)")
+        t.mixed_precision = probe.use_mixed_precision
+        del t.parameters["use_mixed_precision"]
+    if probe.mixed_precision_dtype not in HALF_TYPES:
+        raise ConfigError("training.parameters.mixed_precision_dtype",
+                          f"expected one of {', '.join(map(repr, HALF_TYPES))}, "
+                          f"got {_show(probe.mixed_precision_dtype)}")
+    for w, attrs in probe.optimizer_attributes_map.items():
+        if not isinstance(attrs, dict):
+            raise ConfigError(f"training.parameters.optimizer_attributes_map.{w}",
+                              f"expected a mapping of attribute names to numbers, got {_show(attrs)}")
+        for a in attrs:
+            if a in OWN_ATTRIBUTES:
+                raise ConfigError(f"training.parameters.optimizer_attributes_map.{w}.{a}",
+                                  f"set by the config itself: use {OWN_ATTRIBUTES[a]}")
     if probe.pipeline_parallel_size != 1:
         raise ConfigError("training.parameters.pipeline_parallel_size",
                           "the main job splits batches over its ranks for data parallelism only; pipeline "
                           "stages are for scripts using the TrainingSession API (see the README)")
-    return cfg
 
 
 def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Config:

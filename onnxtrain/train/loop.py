@@ -108,10 +108,12 @@ def training_parameters(cfg: Config, model: onnx.ModelProto) -> TrainingParamete
                        ("epsilon", o.eps), ("lambda", o.weight_decay), ("max_norm_clip", o.clip_grad_norm)):
         if value is not None:
             attrs[key] = float(value)
-    if attrs:
+    if attrs:  # added to the other attributes training.parameters.optimizer_attributes_map may give
         known = get_optimizer(p.training_optimizer_name).FLOAT_ATTRS
         attrs = {k: v for k, v in attrs.items() if k in known}
-        p.optimizer_attributes_map = {w: dict(attrs) for w in select_trainable(model, p)}
+        given = p.optimizer_attributes_map
+        p.optimizer_attributes_map = {**given, **{w: {**given.get(w, {}), **attrs}
+                                                  for w in select_trainable(model, p)}}
     return p
 
 

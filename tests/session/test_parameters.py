@@ -86,3 +86,12 @@ def test_options_take_what_the_legacy_binding_took() -> None:
     assert (p.enable_grad_norm_clip, p.use_mixed_precision) == (False, True)
     assert (p.gradient_accumulation_steps, p.world_size, p.loss_scale) == (4, 2, 128.0)
     assert p.weights_to_train == {"W1", "W2"}
+
+
+def test_accumulation_without_an_optimizer_is_refused() -> None:
+    """Spec §4.4: with no optimizer nothing reads the accumulated gradients; an error, not a no-op."""
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.gradient_accumulation_steps = 2
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2 needs an optimizer"):
+        TrainingSession(mlp_model().SerializeToString(), p)
