@@ -87,7 +87,7 @@ def _train(a: argparse.Namespace) -> int:
     from onnxtrain.train import Trainer
 
     cfg = _config(a)
-    result = Trainer(cfg, a.output_dir, progress=not a.quiet).run(resume=a.resume)
+    result = Trainer(cfg, a.output_dir, progress=not a.quiet).run(resume=a.resume, overwrite=a.overwrite)
     if result.status == "interrupted":
         a.stopped_together = True  # every rank stopped after the same step: no need to abort the job
         return EXIT_INTERRUPTED
@@ -175,8 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_config_args(tr)
     tr.add_argument("--output-dir",
                     help="where the run's files go (default: output.dir, else runs/<config name>)")
-    tr.add_argument("--resume", action="store_true",
-                    help="continue from the last checkpoint in the output folder")
+    resume = tr.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true",
+                        help="continue from the last checkpoint in the output folder")
+    resume.add_argument("--overwrite", action="store_true",
+                        help="start over in an output folder that holds checkpoints of an earlier run, "
+                             "deleting them (without it such a folder is refused)")
     tr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     tr.set_defaults(fn=_train)
     ev = sub.add_parser("eval", help="eval loss and accuracy of a checkpoint",

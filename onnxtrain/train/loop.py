@@ -290,6 +290,10 @@ class RunState:
     samples: int = 0
     loss_scale: float = 0.0  # mixed precision: the dynamic loss scaler's state (0: no scaler)
     loss_scale_stable_steps: int = 0
+    # this rank's losses since the last metrics.jsonl entry (their sum and count): saved with the
+    # checkpoint so that the first entry after --resume averages the same steps as without a stop
+    window_loss: float = 0.0
+    window_n: int = 0
 
     def properties(self, lr: float, cfg: Config) -> dict[str, int | float | str]:
         props: dict[str, int | float | str] = {
@@ -339,6 +343,7 @@ class Trainer:
         t = cfg.training
         w = parallel.world()
         self.ranks = w.size
+        self.rank = w.rank
         self.main = w.rank == 0  # prints and writes files
         self.comm = parallel.get_communicator() if w.size > 1 else None
         if t.batch_size % w.size:
@@ -381,12 +386,13 @@ class Trainer:
     def save(self, st: RunState) -> str:
         """Write a checkpoint (rank 0; under ZeRO every rank must call this: it gathers the state)."""
         state = self.sess.gather_state()
+        windows = self._log_windows(st)
         path = checkpoint_path(self.out, st.global_step)
         if not self.main:
             return path
+        props = {**st.properties(self.lr(max(st.global_step - 1, 0)), self.cfg), "log_windows": windows}
         ckpt = session_to_checkpoint(self.sess, self.model, self.cfg.optimizer.lr, st.global_step,
-                                     st.properties(self.lr(max(st.global_step - 1, 0)), self.cfg),
-                                     state, self.layout)
+                                     props, state, self.layout)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save_checkpoint(ckpt, path)
         keep = self.cfg.training.keep_checkpoints
@@ -397,6 +403,12 @@ class Trainer:
                         os.unlink(f)
         return path
 
+    def _log_windows(self, st: RunState) -> str:
+        """Every rank's partial log window as JSON (floats written exactly), for the checkpoint."""
+        mine = [st.window_loss, st.window_n]
+        windows = [mine] if self.comm is None else self.comm.allgather_object(mine, "log windows")
+        return json.dumps(windows)
+
     def restore(self, ckpt: Checkpoint) -> RunState:
         """Put ``ckpt`` into the session (every rank calls this with the same checkpoint)."""
         state = checkpoint_to_state(ckpt, self.sess, self.sess.gather_state(), self.layout)
@@ -404,11 +416,16 @@ class Trainer:
         # the unpartitioned state of weights that other ranks update, so it is not strict there
         self.sess.load_state(state, strict=self.comm is None)
         st = RunState.from_properties(ckpt.properties)
+        windows = ckpt.properties.get("log_windows")
+        if isinstance(windows, str):  # written by the same number of ranks: each takes its own back
+            windows = json.loads(windows)
+            if len(windows) == self.ranks:
+                st.window_loss, st.window_n = float(windows[self.rank][0]), int(windows[self.rank][1])
         saved = ckpt.properties.get("config")
         if isinstance(saved, str) and self.main:
             old, new = _flatten(json.loads(saved)), _flatten(self.cfg.to_dict())
             diff = sorted(k for k in old.keys() | new.keys()
-                          if old.get(k) != new.get(k) and not k.startswith("output."))
+                          if old.get(k) != new.get(k) and not _cannot_change_weights(k))
             if diff:
                 print(f"onnxtrain: warning: resuming with a changed config ({', '.join(diff)}); the run will "
                       "not match an uninterrupted one", file=sys.stderr)
@@ -443,8 +460,17 @@ class Trainer:
         return self.comm.allreduce_scalar(float(hit), "agreeing on a stop request") > 0
 
     # ---- the loop ----
-    def run(self, resume: bool = False) -> RunResult:
+    def run(self, resume: bool = False, overwrite: bool = True) -> RunResult:
+        """Train; ``resume`` continues from the output folder's latest checkpoint. Without it, the
+        folder's old checkpoints are deleted when ``overwrite`` (the CLI's --overwrite; the command
+        line refuses by default), else a ConfigError says that the folder holds a run."""
         main = self.main
+        if not resume and not overwrite:
+            old = self.agree(list_checkpoints(self.out))
+            if old:
+                raise ConfigError("", f"{self.out} already holds checkpoints of a run (the latest: step "
+                                      f"{old[-1][0]}); pass --resume to continue it, --overwrite to start "
+                                      "over (deleting them), or choose another --output-dir")
         if main:
             os.makedirs(self.out, exist_ok=True)
         rng = data_mod.order_rng(self.cfg.training.seed)
@@ -470,7 +496,7 @@ class Trainer:
         eval_every = t.eval_every or self.steps_per_epoch
         ckpt_every = t.checkpoint_every or self.steps_per_epoch
         last_eval: dict[str, float] = {}
-        window_loss, window_n, window_t, window_samples = 0.0, 0, time.perf_counter(), 0
+        window_t, window_samples = time.perf_counter(), 0  # the loss window itself is in st
         lr_feed = np.zeros([1], np.float32)
         name = self.params.lr_params_feed_name
         scaler = None
@@ -515,8 +541,8 @@ class Trainer:
                                 scaler.update_loss_scale(bool(finite))  # a skipped update halves the scale
                                 st.loss_scale = scaler.loss_scale
                                 st.loss_scale_stable_steps = scaler.stable_steps
-                        window_loss += float(loss)
-                        window_n += 1
+                        st.window_loss += float(loss)
+                        st.window_n += 1
                         window_samples += len(idx)
                         st.epoch_pos += 1
                         st.samples += len(idx)
@@ -530,7 +556,7 @@ class Trainer:
                     bar.update(1)
                     if s % t.log_every == 0 or s == self.total:
                         now = time.perf_counter()
-                        loss = window_loss / window_n
+                        loss = st.window_loss / st.window_n
                         if self.comm is not None:  # each rank's loss is the mean over its equal share
                             loss = self.comm.allreduce_scalar(loss, "averaging the logged loss") / self.ranks
                         rec = {"step": s, "epoch": st.epoch, "loss": loss, "lr": lr,
@@ -538,7 +564,7 @@ class Trainer:
                         self._log(records, fh, rec)
                         bar.set_postfix({"loss": f"{rec['loss']:.4f}", "lr": f"{lr:.2e}",
                                          "samples/s": f"{rec['samples_per_s']:.0f}"}, refresh=False)
-                        window_loss, window_n, window_t, window_samples = 0.0, 0, now, 0
+                        st.window_loss, st.window_n, window_t, window_samples = 0.0, 0, now, 0
                     if s % eval_every == 0 or s == self.total:
                         last_eval = self.evaluate(self.data.eval, self.weights())
                         self._log(records, fh, {"step": s, "epoch": st.epoch, **last_eval})
@@ -546,7 +572,8 @@ class Trainer:
                             bar.write(f"step {s}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()))
                     if s % ckpt_every == 0 or s == self.total:
                         last_ckpt = self.save(st)
-                    window_t = time.perf_counter() if window_n == 0 else window_t  # samples/s: training only
+                    if window_samples == 0:  # samples/s counts training time only
+                        window_t = time.perf_counter()
         finally:
             bar.close()
         if status == "interrupted":
@@ -570,6 +597,16 @@ class Trainer:
             if main:
                 export_model(self.model, self.cfg, self.weights(), exported)
         return RunResult(self.out, status, st.global_step, last_eval, last_ckpt, exported)
+
+
+# config keys that only say when to log, eval or checkpoint and where outputs go: changing them before a
+# --resume leaves the weights as in an uninterrupted run
+WEIGHT_NEUTRAL_KEYS = frozenset({"training.keep_checkpoints", "training.checkpoint_every",
+                                 "training.log_every", "training.eval_every", "training.eval_batch_size"})
+
+
+def _cannot_change_weights(key: str) -> bool:
+    return key in WEIGHT_NEUTRAL_KEYS or key.startswith("output.")
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

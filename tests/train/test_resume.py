@@ -15,6 +15,7 @@ import pytest
 from onnxtrain.checkpoint import load_checkpoint
 from onnxtrain.cli import main
 from onnxtrain.train import Trainer, load_config
+from onnxtrain.train.config import ConfigError
 from onnxtrain.train.loop import list_checkpoints
 from tests.train.conftest import REPO, config_path
 
@@ -121,3 +122,73 @@ def test_resume_with_fp16_moments(tmp_path):
     moments = [v for d in states for k, v in d.items() if k.startswith("momentum")]
     assert moments and all(np.asarray(v).dtype == np.float16 for v in moments)
     _assert_same_state(a, b)
+
+
+def test_resume_mid_log_window_matches_uninterrupted_metrics_and_weights(tmp_path, monkeypatch):
+    """A checkpoint between two metrics.jsonl entries (step 15 of log_every 10), with gradient accumulation:
+    the resumed run writes the same records (but samples/s) and ends with the same weights."""
+    sets = ["training.steps=40", "training.gradient_accumulation_steps=2", "training.checkpoint_every=15",
+            "training.log_every=10", "training.eval_every=20", "training.keep_checkpoints=0"]
+    whole, halves = str(tmp_path / "whole"), str(tmp_path / "halves")
+    Trainer(load_config(config_path("digits_mlp"), sets), whole, progress=False).run()
+    real_save = Trainer.save
+
+    def save_then_interrupt(self, st):
+        path = real_save(self, st)
+        signal.raise_signal(signal.SIGINT)
+        return path
+
+    monkeypatch.setattr(Trainer, "save", save_then_interrupt)
+    first = Trainer(load_config(config_path("digits_mlp"), sets), halves, progress=False).run()
+    assert first.status == "interrupted" and first.global_step == 15
+    monkeypatch.undo()
+    Trainer(load_config(config_path("digits_mlp"), sets), halves, progress=False).run(resume=True)
+    _assert_same_state(_final(halves), _final(whole))
+
+    def records(folder):
+        with open(os.path.join(folder, "metrics.jsonl")) as f:
+            return [{k: v for k, v in json.loads(line).items() if k != "samples_per_s"} for line in f]
+
+    assert [r["step"] for r in records(whole) if "loss" in r] == [10, 20, 30, 40]
+    assert records(halves) == records(whole)
+
+
+def test_resume_warns_only_about_keys_that_change_the_weights(tmp_path, capsys):
+    out = str(tmp_path)
+    sets = ["training.steps=6", "training.checkpoint_every=3"]
+    Trainer(load_config(config_path("digits_mlp"), sets), out, progress=False).run()
+    capsys.readouterr()
+    neutral = sets + ["training.keep_checkpoints=1", "training.log_every=2", "training.eval_every=2",
+                      "training.checkpoint_every=2", "training.eval_batch_size=100", "output.plot=false"]
+    Trainer(load_config(config_path("digits_mlp"), neutral), out, progress=False).run(resume=True)
+    assert "warning" not in capsys.readouterr().err
+    Trainer(load_config(config_path("digits_mlp"), [*sets, "optimizer.lr=0.01"]), out,
+            progress=False).run(resume=True)
+    err = capsys.readouterr().err
+    assert "warning: resuming with a changed config (optimizer.lr)" in err, err
+
+
+def test_fresh_run_refuses_a_folder_with_checkpoints(tmp_path, capsys):
+    """Without --resume, a folder holding checkpoints is refused (exit 2) instead of emptied; --overwrite
+    starts over."""
+    out = str(tmp_path)
+    argv = ["train", config_path("digits_mlp"), "--output-dir", out, "-q", "--set", "training.steps=4",
+            "--set", "training.checkpoint_every=2", "--set", "training.keep_checkpoints=0"]
+    assert main(argv) == 0
+    before = list_checkpoints(out)
+    assert [s for s, _ in before] == [2, 4]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds checkpoints" in err[0]
+    assert "--resume" in err[0] and "--overwrite" in err[0] and "--output-dir" in err[0]
+    assert list_checkpoints(out) == before
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        Trainer(load_config(config_path("digits_mlp"), ["training.steps=4"]), out, progress=False).run(
+            overwrite=False)
+    argv[argv.index("training.steps=4")] = "training.steps=2"
+    assert main([*argv, "--overwrite"]) == 0
+    assert [s for s, _ in list_checkpoints(out)] == [2]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--overwrite", "--resume"])
+    assert e.value.code == 2
