@@ -332,8 +332,21 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         return sorted([*g.trainable, *(s.name for s in self._specs), *g.bn_stats])
 
     def get_state(self) -> dict[str, np.ndarray]:
-        """Trained weights, optimizer state and BatchNormalization running statistics, by name (copies)."""
-        return {n: self._store[n].copy() for n in self._state_names()}
+        """Trained weights, optimizer state and BatchNormalization running statistics, by name (copies);
+        under mixed precision also the trained weights' half twins (``<w>_fp16``), as onnxruntime's."""
+        state = {n: self._store[n].copy() for n in self._state_names()}
+        state.update(self._half_twins())
+        return dict(sorted(state.items()))
+
+    def _half_twins(self) -> dict[str, np.ndarray]:
+        """The half copies of the trained weights under mixed precision, by their twins' names: the
+        graph makes them from the masters each step, so they are derived state."""
+        mp = self._graphs.mixed_precision
+        if mp is None:
+            return {}
+        masters = {w: self._store[w] for w in self._graphs.trainable if w in mp.twins and w in self._store}
+        copies = half_copies(masters, mp.dtype)
+        return {mp.twins[w]: v for w, v in copies.items()}
 
     def _assign(self, name: str, value: Any) -> None:
         cur = self._store[name]
@@ -352,7 +365,15 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         """
         known = set(self._state_names())
         zero_names = self._zero_full_names() if self._zero is not None else {}
+        twins = self._half_twins()
         for name, value in state.items():
+            if name in twins:  # derived from the masters (loaded too): checked, not stored
+                arr = np.asarray(value)
+                if arr.shape != twins[name].shape:
+                    raise ValueError(
+                        f"state {name!r}: expected shape {list(twins[name].shape)}, got {list(arr.shape)}"
+                    )
+                continue
             if name not in known:
                 if name in zero_names:
                     arr = np.asarray(value)

@@ -406,6 +406,15 @@ def build_step_graphs(
             for wt, g in grads.items():
                 outputs.append(vi(g, wt))
                 extras.append(g)
+            if mp is not None:  # onnxruntime's name and type: the gradient of the half twin
+                for wt, g in grads.items():
+                    if wt in mp.twins:
+                        half = w.emit("Cast", [g], [f"{mp.twins[wt]}_grad"], to=mp.dtype)[0]
+                        info = vi(g, wt)
+                        info.name = half
+                        info.type.tensor_type.elem_type = mp.dtype
+                        outputs.append(info)
+                        extras.append(half)
         if update and opt is not None:
             if steps > 1:
                 eff = {wt: accumulation.averaged(w, a, steps, _elem(types, wt)) for wt, a in eff.items()}

@@ -1,0 +1,50 @@
+"""Mixed precision under onnxruntime's names: the half twins in the state dict, their gradients as outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnxtrain import TrainingSession
+from tests.session.helpers import batches, mlp_model, params
+
+LR = np.array([0.05], np.float32)
+
+
+def _session(**kw) -> TrainingSession:
+    return TrainingSession(
+        mlp_model().SerializeToString(), params("AdamOptimizer", use_mixed_precision=True, **kw)
+    )
+
+
+def test_state_holds_the_half_twins_and_loads_them_strictly() -> None:
+    sess = _session()
+    ((x, y),) = batches(1, 16)
+    sess.run(
+        ["loss"],
+        {"x": x, "y": y, "Learning_Rate": LR, sess.loss_scale_input_name: np.array([1.0], np.float32)},
+    )
+    state = sess.get_state()
+    for w in ("W1", "b1", "W2", "b2"):
+        assert state[f"{w}_fp16"].dtype == np.float16
+        np.testing.assert_array_equal(state[f"{w}_fp16"], state[w].astype(np.float16))
+    assert list(state) == sorted(state)
+    other = _session()
+    other.load_state(state, strict=True)  # a legacy-shaped state dict, twins included
+    np.testing.assert_array_equal(other.get_state()["W1_fp16"], state["W1_fp16"])
+    with pytest.raises(ValueError, match="W1_fp16"):
+        other.load_state({"W1_fp16": np.zeros((2, 2), np.float16)})
+
+
+def test_gradients_are_also_output_under_the_twins_names() -> None:
+    """``<w>_fp16_grad`` (float16), as onnxruntime named the gradient of the half twin; the float32
+    ``<w>_grad`` holds the same values."""
+    sess = _session(set_gradients_as_graph_outputs=True)
+    names = [o.name for o in sess.get_outputs()]
+    assert {"W1_fp16_grad", "b2_fp16_grad", "W1_grad"} <= set(names)
+    ((x, y),) = batches(1, 16)
+    feeds = {"x": x, "y": y, "Learning_Rate": LR, sess.loss_scale_input_name: np.array([8.0], np.float32)}
+    half, full = sess.run(["W1_fp16_grad", "W1_grad"], feeds)
+    assert half.dtype == np.float16 and full.dtype == np.float32
+    np.testing.assert_array_equal(half, full.astype(np.float16))
+    assert np.abs(full).max() > 0
