@@ -1,7 +1,9 @@
-"""The ``onnxtrain`` command: ``train``, ``eval``, ``export``, ``info`` and ``gradient-graph``.
+"""The ``onnxtrain`` command: ``train``, ``eval``, ``export``, ``info``, ``gradient-graph`` and ``artifacts``.
 
-Exit codes: 0 done, 1 a runtime failure (e.g. a missing checkpoint), 2 a bad config or command
-line (one line on stderr naming the key path), 130 interrupted by Ctrl-C.
+Exit codes: 0 done, 1 a runtime failure (e.g. a missing checkpoint, a file that is not an ONNX model,
+a graph node that fails to run), 2 a bad config or command line (one line on stderr naming the key
+path or option), 130 interrupted by Ctrl-C. Failures print one line; ``ONNXTRAIN_DEBUG=1`` shows the
+traceback instead.
 
 Under ``mpiexec -n N onnxtrain train CONFIG`` the ranks train data-parallel (see
 ``onnxtrain.train.loop``); only rank 0 prints. A rank that fails ends the whole job (MPI_Abort)
@@ -21,18 +23,49 @@ import onnx
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
+class UsageError(Exception):
+    """A bad command-line argument found after parsing: one line on stderr, exit code 2."""
+
+
+def _load(path: str) -> onnx.ModelProto:
+    """``onnx.load`` with a one-line error for a file that is not an ONNX model."""
+    from google.protobuf.message import DecodeError
+
+    try:
+        return onnx.load(path)
+    except DecodeError as e:
+        raise ValueError(f"{path} is not an ONNX model (protobuf: {e})") from None
+
+
+def _differentiable(model: onnx.ModelProto) -> list[str]:
+    """The graph inputs and initializers of float type: what --wrt usually names."""
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+              onnx.TensorProto.BFLOAT16}
+    g = model.graph
+    names = [v.name for v in g.input if v.type.tensor_type.elem_type in floats]
+    return names + [t.name for t in g.initializer if t.data_type in floats and t.name not in names]
+
+
 def _gradient_graph(a: argparse.Namespace) -> int:
     from onnxtrain.autodiff import build_gradient_model
     from onnxtrain.ir.io import save_model_atomic
     from onnxtrain.training_graph import discover_trainable
 
-    model = onnx.load(a.model)
+    model = _load(a.model)
     if a.all_initializers:
         wrt = discover_trainable(model, a.loss, {})
-    elif a.wrt:
+    else:  # argparse requires one of the two
         wrt = [w for w in a.wrt.split(",") if w]
-    else:
-        raise SystemExit("onnxtrain gradient-graph: give --wrt a,b or --all-initializers")
+        g = model.graph
+        values = ({v.name for v in g.input} | {t.name for t in g.initializer}
+                  | {o for n in g.node for o in n.output})
+        unknown = [w for w in wrt if w not in values]
+        if unknown or not wrt:
+            cands = _differentiable(model)
+            shown = ", ".join(cands[:20]) + (f", ... ({len(cands)} in all)" if len(cands) > 20 else "")
+            what = f"{unknown[0]!r} is not a value of {a.model}" if unknown else "no value given"
+            raise UsageError(f"--wrt: {what}; its float inputs and initializers are: {shown or 'none'} "
+                             "(any intermediate value of the graph works too)")
     out = build_gradient_model(model, a.loss, wrt, memory_efficient=a.memory_efficient)
     onnx.checker.check_model(out, full_check=True)
     save_model_atomic(out, a.output)
@@ -50,7 +83,7 @@ def _info(a: argparse.Namespace) -> int:
     from onnxtrain.ir.builder import model_opset
     from onnxtrain.ir.graphs import walk_graphs
 
-    model = onnx.load(a.model)
+    model = _load(a.model)
     g = model.graph
     inits = {t.name for t in g.initializer}
     opset = model_opset(model)
@@ -135,7 +168,7 @@ def _recompute_flags(a: argparse.Namespace) -> dict | None:
     chosen = {k.strip() for k in a.recompute.split(",") if k.strip()}
     unknown = sorted(chosen - {"gelu", "attn_dropout", "transformer_layer"})
     if unknown:
-        raise SystemExit(f"onnxtrain artifacts: --recompute: unknown choice(s) {unknown}; "
+        raise UsageError(f"--recompute: unknown choice(s) {', '.join(unknown)}; "
                          "choose among gelu, attn_dropout, transformer_layer")
     return {k: True for k in chosen}
 
@@ -144,7 +177,7 @@ def _artifacts(a: argparse.Namespace) -> int:
     from onnxtrain.training import artifacts
     from onnxtrain.training_graph import discover_trainable
 
-    model = onnx.load(a.model)
+    model = _load(a.model)
     os.makedirs(a.output, exist_ok=True)
     split = lambda v: [n for n in (v or "").split(",") if n]  # noqa: E731 - a local one-liner
     loss = getattr(artifacts.LossType, a.loss) if a.loss else None
@@ -202,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                         description="Append the backward pass of --loss to MODEL; outputs <x>_grad per x.")
     gg.add_argument("model", help="the ONNX model (with its loss in the graph)")
     gg.add_argument("--loss", required=True, help="name of the loss value")
-    grp = gg.add_mutually_exclusive_group()
+    grp = gg.add_mutually_exclusive_group(required=True)
     grp.add_argument("--wrt", help="comma-separated values to differentiate with respect to")
     grp.add_argument("--all-initializers", action="store_true",
                      help="every float initializer that reaches the loss")
@@ -257,6 +290,7 @@ def _run(a: argparse.Namespace) -> int:
 
 def _guarded(a: argparse.Namespace) -> int:
     """Run the subcommand; known failures become one line on stderr and an exit code."""
+    from onnxtrain.engine.plan import EngineError
     from onnxtrain.parallel import world
     from onnxtrain.train.config import ConfigError
 
@@ -271,9 +305,18 @@ def _guarded(a: argparse.Namespace) -> int:
         where = getattr(a, "config", None)
         print(f"{prog}: {where + ': ' if where else ''}{e}", file=sys.stderr)
         return EXIT_USAGE
+    except UsageError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except NotImplementedError as e:
         print(f"{prog}: not implemented yet: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except EngineError as e:  # a graph that fails to compile or run, often from a config mistake
+        if os.environ.get("ONNXTRAIN_DEBUG"):
+            raise
+        text = " ".join(str(e).split("\n"))
+        print(f"{prog}: {text} (set ONNXTRAIN_DEBUG=1 for the traceback)", file=sys.stderr)
+        return EXIT_ERROR
     except (FileNotFoundError, IsADirectoryError, ValueError) as e:
         if os.environ.get("ONNXTRAIN_DEBUG"):
             raise

@@ -61,6 +61,9 @@ class ModelConfig:
     add_loss: Literal["none", "cross_entropy", "mse"] = "none"  # append this loss when the model has none
 
 
+BUILDERS: tuple[str, ...] = ("mlp", "cnn", "transformer", "spatial_transformer")  # onnxtrain.zoo
+
+
 @dataclass
 class DigitsData:
     """The bundled 8×8 digits: its fixed train split for training and test split for eval."""
@@ -177,7 +180,12 @@ def _describe(tp: Any) -> str:
         text = " or ".join(_describe(a) for a in args)
         return text + " or null" if len(args) < len(typing.get_args(tp)) else text
     if origin in (list, Sequence, tuple):
-        return f"a list of {_describe(typing.get_args(tp)[0])[2:]}s" if typing.get_args(tp) else "a list"
+        if not typing.get_args(tp):
+            return "a list"
+        item = _describe(typing.get_args(tp)[0])
+        if item.startswith(("a ", "an ")):  # "an int" → "a list of ints"
+            return f"a list of {item.split(' ', 1)[1]}s"
+        return f"a list, each {item}"
     if origin is dict:
         return "a mapping"
     if dataclasses.is_dataclass(tp):
@@ -329,7 +337,8 @@ def validate(cfg: Config) -> Config:
     """Cross-key checks; resolves file paths (relative to the config's folder) in place."""
     m = cfg.model
     if (m.builder is None) == (m.path is None):
-        raise ConfigError("model", "give exactly one of builder (mlp, cnn, transformer) or path (an .onnx)")
+        builders = ", ".join(BUILDERS)
+        raise ConfigError("model", f"give exactly one of builder ({builders}) or path (an .onnx)")
     if m.path is not None:
         m.path = _resolve(cfg, m.path, "model.path", (".onnx",))
         if m.args:

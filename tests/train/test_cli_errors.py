@@ -1,0 +1,97 @@
+"""Command-line failures: one line on stderr (the traceback only with ONNXTRAIN_DEBUG=1), exit code 2 for a
+bad command line or config, 1 for a failure while running; and the wording of a few messages."""
+
+from __future__ import annotations
+
+import os
+import re
+import typing
+
+import onnx
+import pytest
+
+from onnxtrain import zoo
+from onnxtrain.cli import main
+from onnxtrain.engine.plan import EngineError
+from onnxtrain.train.config import ConfigError, ModelConfig, coerce, load_config
+from tests.train.conftest import config_path
+
+
+def _error_line(capsys, argv) -> tuple[int, str]:
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return code, err[0]
+
+
+@pytest.fixture
+def mlp_with_loss(tmp_path) -> str:
+    path = str(tmp_path / "mlp.onnx")
+    onnx.save(zoo.mlp([4, 3, 2]), path)
+    return path
+
+
+def test_engine_error_from_a_config_mistake_is_one_line(tmp_path, capsys, monkeypatch):
+    """Three classes for ten digit labels: the loss node fails; its message names the node."""
+    monkeypatch.delenv("ONNXTRAIN_DEBUG", raising=False)
+    argv = ["train", config_path("digits_mlp"), "-q", "--output-dir", str(tmp_path), "--set",
+            "model.args.sizes=[64,10,3]", "--set", "training.steps=2"]
+    code, line = _error_line(capsys, argv)
+    assert code == 1
+    assert "node 'loss' (SoftmaxCrossEntropyLoss) failed" in line and "ONNXTRAIN_DEBUG=1" in line, line
+    monkeypatch.setenv("ONNXTRAIN_DEBUG", "1")
+    with pytest.raises(EngineError):
+        main([*argv, "--overwrite"])
+
+
+def test_info_on_a_file_that_is_not_onnx(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("ONNXTRAIN_DEBUG", raising=False)
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model\xff\xff")
+    code, line = _error_line(capsys, ["info", str(bad)])
+    assert code == 1 and f"{bad} is not an ONNX model" in line, line
+
+
+def test_gradient_graph_wrt_errors(mlp_with_loss, tmp_path, capsys):
+    out = str(tmp_path / "g.onnx")
+    code, line = _error_line(capsys, ["gradient-graph", mlp_with_loss, "--loss", "loss", "--wrt", "nope",
+                                      "-o", out])
+    assert code == 2
+    # what one can differentiate with respect to, not the graph outputs
+    assert "--wrt: 'nope' is not a value of" in line and "fc0.weight" in line and "x" in line, line
+    assert "graph outputs" not in line and "'logits'" not in line
+    with pytest.raises(SystemExit) as e:  # neither --wrt nor --all-initializers: argparse's usage error
+        main(["gradient-graph", mlp_with_loss, "--loss", "loss", "-o", out])
+    assert e.value.code == 2
+    assert "--wrt" in capsys.readouterr().err
+    assert main(["gradient-graph", mlp_with_loss, "--loss", "loss", "--wrt", "fc0.weight", "-o", out]) == 0
+    assert os.path.isfile(out)
+
+
+def test_artifacts_unknown_recompute_choice_exits_2(mlp_with_loss, tmp_path, capsys):
+    code, line = _error_line(capsys, ["artifacts", mlp_with_loss, "-o", str(tmp_path / "art"), "--recompute",
+                                      "gelu,bogus"])
+    assert code == 2 and "--recompute: unknown choice(s) bogus; choose among" in line, line
+
+
+def test_list_type_wording():
+    with pytest.raises(ConfigError) as e:
+        coerce("x", list[int], "model.args.sizes")
+    assert str(e.value) == "model.args.sizes: expected a list of ints, got 'x'"
+    with pytest.raises(ConfigError) as e:
+        coerce(3, list[float], "optimizer.betas")
+    assert str(e.value) == "optimizer.betas: expected a list of numbers, got 3"
+
+
+def test_builder_lists_name_every_builder(write_config):
+    from onnxtrain.train.config import BUILDERS
+
+    literal = typing.get_args(typing.get_type_hints(ModelConfig)["builder"])[0]
+    assert typing.get_args(literal) == BUILDERS
+    assert all(callable(getattr(zoo, b)) for b in BUILDERS)
+    with pytest.raises(ConfigError) as e:
+        load_config(write_config({"model": {}, "training": {"epochs": 1}}))
+    assert f"builder ({', '.join(BUILDERS)})" in str(e.value)
+    with open(config_path("digits_mlp"), encoding="utf-8") as f:
+        comment = next(line for line in f if re.match(r"\s*builder:", line))
+    assert all(b in comment for b in BUILDERS), comment
