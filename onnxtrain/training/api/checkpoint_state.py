@@ -7,7 +7,8 @@ executors swap the graphs' new arrays in. Files are onnxruntime-training's on-de
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,49 @@ class _Param:
     requires_grad: bool
     data: np.ndarray | None
     grad: np.ndarray | None = None
+
+
+def _grad_refs(p: _Param) -> int:
+    return sys.getrefcount(p.grad)
+
+
+# the references to a gradient array that only the state holds, counted as _grad_refs counts them
+_ALONE = _grad_refs(_Param("probe", np.dtype(np.float32), True, None, np.zeros(1, np.float32)))
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def replace_grads(params: Sequence[_Param], new: Sequence[np.ndarray]) -> None:
+    """Make ``new[i]`` the gradient of ``params[i]``, keeping held ``.grad`` arrays live.
+
+    ``Parameter.grad`` is a view of the gradient buffer, as in onnxruntime: an array taken earlier must see
+    the next training call's gradient, and edits of it must reach the optimizer. When something besides the
+    state references the current array (the caller's ``.grad``, a view of it, a torch tensor over it), the
+    new values are copied into it; otherwise nobody can see the old array and the new one simply takes its
+    place, which costs nothing (the usual training loop, where no copy of the MLP's 669 K gradient values
+    is made). The caller must hold no reference to the current arrays itself. Results that share memory
+    with each other are copied first, so that no two parameters ever share a buffer."""
+    roots: set[int] = set()
+    for p, value in zip(params, new):
+        root = _root(value)
+        if id(root) in roots:
+            value = value.copy()
+            root = value
+        roots.add(id(root))
+        if p.grad is None or p.grad is value:
+            p.grad = value
+            continue
+        if _grad_refs(p) > _ALONE:
+            held = p.grad
+            assert held is not None
+            if held.shape == value.shape and held.dtype == value.dtype and held.flags.writeable:
+                np.copyto(held, value)
+                continue
+        p.grad = value
 
 
 @dataclass
@@ -71,9 +115,10 @@ def _property_value(name: str, value: Any) -> int | float | str:
 class Parameter:
     """A view of one parameter of a :class:`CheckpointState`.
 
-    ``data`` is the live array (edits in place change the training state; after a training or
-    optimizer step the state holds new arrays, so read ``data`` again). ``grad`` is the gradient
-    buffer, or None for frozen parameters and before any Module was built over the state.
+    ``data`` is the live array: edits in place change the training state, and an array taken earlier
+    sees the optimizer's updates. ``grad`` is the gradient buffer, or None for frozen parameters and
+    before any Module was built over the state; an array taken earlier sees later training calls (new or
+    accumulated gradients), and edits in place reach the optimizer, as onnxruntime's do.
     """
 
     __slots__ = ("_state", "_name")

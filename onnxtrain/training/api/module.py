@@ -2,7 +2,9 @@
 
 The training model takes the user inputs, every parameter, one gradient accumulation buffer per
 trainable parameter and ``lazy_reset_grad``; it returns the user outputs and the new buffers
-(``<p>_grad.accumulation.out``), which are swapped into the state as the parameters' ``.grad``.
+(``<p>_grad.accumulation.out``), which become the parameters' ``.grad`` (written into the arrays held
+``.grad`` values refer to: ``checkpoint_state.replace_grads``). The new running statistics of
+training-mode BatchNormalization nodes are written into their (frozen) parameters.
 
 Mixed-precision artifacts (``generate_artifacts(..., mixed_precision="float16")``) also take
 ``loss_scale``: the Module feeds it from its loss scaler (``Module(..., loss_scaler=...)``, by
@@ -36,7 +38,7 @@ from onnxtrain.training.api._accumulation import (
 )
 from onnxtrain.training.api._export import export_for_inference
 from onnxtrain.training.api._graph import InputSpec, ModelLike, check_device, check_user_inputs, load_model
-from onnxtrain.training.api.checkpoint_state import CheckpointState
+from onnxtrain.training.api.checkpoint_state import CheckpointState, replace_grads
 from onnxtrain.training.ort_artifacts import translate_training_model
 
 LOSS_SCALING_KEY = "onnxtrain.loss_scaling"
@@ -326,10 +328,9 @@ class Module:
         overwrite = self._overwrite_plan is not None and not self._accumulate
         if not overwrite:
             for p, buf in self._buffers.items():
-                grad = params[p].grad
-                if grad is None:  # the state was nominal when this Module was built
-                    grad = params[p].grad = np.zeros_like(feeds[p])
-                feeds[buf] = grad
+                if params[p].grad is None:  # the state was nominal when this Module was built
+                    params[p].grad = np.zeros_like(feeds[p])
+                feeds[buf] = params[p].grad
             if self._has_reset:
                 feeds[RESET_INPUT] = np.array([not self._accumulate])
         if self._loss_scale_input is not None:
@@ -344,12 +345,13 @@ class Module:
             # MiB, of the MLP 103.2 -> 99.0)
             old = {self._accumulated[p]: params[p].grad for p in self._trainable}
             results = plan.run(feeds, wanted, reuse={k: v for k, v in old.items() if v is not None})
+            del old
         else:
             results = plan.run(feeds, wanted)
+        feeds.clear()  # (it references the gradient buffers, which replace_grads must see unshared)
         self._last_step_plan = plan
         n = len(self._train_outputs)
-        for p, new in zip(self._trainable, results[n:n + len(self._trainable)]):
-            params[p].grad = new
+        replace_grads([params[p] for p in self._trainable], results[n:n + len(self._trainable)])
         for stat, new in zip(self._running_stats, results[n + len(self._trainable):]):
             np.copyto(params[stat].data, new)  # in place: held .data arrays see the new statistics
         self._accumulate = True

@@ -28,7 +28,7 @@ import numpy as np
 from onnxtrain import parallel
 from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
 from onnxtrain.training.api._graph import ModelLike, load_model
-from onnxtrain.training.api.checkpoint_state import _OptimizerState
+from onnxtrain.training.api.checkpoint_state import _OptimizerState, replace_grads
 from onnxtrain.training.api.module import Module, _compile, loss_scaling
 from onnxtrain.training.ort_artifacts import translate_optimizer_model
 
@@ -235,6 +235,8 @@ class Optimizer:
         else:
             results = self._plan.run(feeds, self._outputs, donate=donate)
             finite = True
+        feeds.clear()  # (it references the gradients, which replace_grads must see unshared)
+        clipped: list[tuple[Any, np.ndarray]] = []
         for out, value in zip(self._outputs, results):
             target = out[:-len(OUT_SUFFIX)]
             if target in params:
@@ -243,7 +245,9 @@ class Optimizer:
                 p, key = self._moments[target]
                 opt.moments[p][key] = value
             else:  # a clipped gradient
-                params[target[:-len(GRAD_SUFFIX)]].grad = value
+                clipped.append((params[target[:-len(GRAD_SUFFIX)]], value))
+        if clipped:
+            replace_grads([p for p, _ in clipped], [v for _, v in clipped])
         self.last_step_finite = finite
         if finite:  # a skipped step's outputs are its inputs: only the count would change
             opt.step += 1
