@@ -191,7 +191,7 @@ class Module:
         # for six selects out of cache (MLP 784-512-512-10: 35 µs a step)
         variant = None
         if self._has_reset:
-            variant = overwrite_variant(self._train_model, self._trainable)
+            variant = overwrite_variant(self._train_model, self._trainable + self._unheld_trainable)
         self._overwrite_plan: Plan | None = None
         self._full_plan: Plan | None = None
         self._last_step_plan: Plan | None = None
@@ -245,11 +245,33 @@ class Module:
         self._train_inputs = [InputSpec.of(v) for v in inputs if v.name not in hidden]
         self._train_outputs = [n for n in outputs if not n.endswith(ACCUMULATED_SUFFIX)
                                and n not in self._added_outputs]
-        for spec in self._train_inputs:
-            if spec.name + BUFFER_SUFFIX in names:
-                warnings.warn(f"training model input {spec.name!r} looks like a trainable parameter but the "
-                              "checkpoint does not hold it; it is treated as a user input", stacklevel=3)
+        # parameters of the model the checkpoint lacks: user inputs, as in onnxruntime-training (§3.1), whose
+        # gradient buffers the Module feeds with zeros and whose gradients it drops
+        self._unheld_trainable = [s.name for s in self._train_inputs if s.name + BUFFER_SUFFIX in names
+                                  and s.name + ACCUMULATED_SUFFIX in outputs]
+        self._warn_unheld(inputs, names, "training")
         self._check_param_shapes(self._train_model, "training")
+
+    def _warn_unheld(self, inputs: Sequence[onnx.ValueInfoProto], names: set[str], what: str) -> None:
+        """Warn about graph inputs that are parameters of the model but not of the checkpoint: those with a
+        gradient buffer, and those among the parameter inputs (generated models list the user inputs first,
+        then the parameters in initializer order, then the buffers)."""
+        params = self._state._params
+        order = [v.name for v in inputs]
+        at = [i for i, n in enumerate(order) if n in params or n.endswith(BUFFER_SUFFIX) or n == RESET_INPUT]
+        first = at[0] if at else len(order)
+        trainable = [n for n in order if n not in params and n + BUFFER_SUFFIX in names]
+        frozen = [n for n in order[first:] if n not in params and n not in trainable
+                  and not n.endswith(BUFFER_SUFFIX) and n not in (RESET_INPUT, self._loss_scale_input)]
+        where = f"the checkpoint {self._state.path!r}" if self._state.path else "the checkpoint state"
+        if trainable:
+            warnings.warn(f"the {what} model trains parameter(s) {trainable} that {where} does not hold: "
+                          "they are user inputs of the Module (pass their values after the other inputs; "
+                          "their gradients are not kept, and an Optimizer cannot update them)", stacklevel=4)
+        if frozen:
+            warnings.warn(f"the {what} model reads parameter(s) {frozen} that {where} does not hold: they "
+                          "are user inputs of the Module (pass their values after the other inputs)",
+                          stacklevel=4)
 
     def _classify_eval_graph(self) -> None:
         assert self._eval_model is not None
@@ -259,6 +281,9 @@ class Module:
         self._eval_params = [v.name for v in inputs if v.name in self._state._params]
         hidden = set(self._eval_params) | {RESET_INPUT}
         self._eval_inputs = [InputSpec.of(v) for v in inputs if v.name not in hidden]
+        if self._eval_params:  # (what the training model lacks was reported already)
+            training = {s.name for s in self._train_inputs}
+            self._warn_unheld([v for v in inputs if v.name not in training], {v.name for v in inputs}, "eval")
         self._eval_outputs = [v.name for v in g.output]
         self._check_param_shapes(self._eval_model, "eval")
 
@@ -331,6 +356,8 @@ class Module:
                 if params[p].grad is None:  # the state was nominal when this Module was built
                     params[p].grad = np.zeros_like(feeds[p])
                 feeds[buf] = params[p].grad
+            for p in self._unheld_trainable:  # a user input: its gradient is dropped
+                feeds[p + BUFFER_SUFFIX] = np.zeros_like(feeds[p])
             if self._has_reset:
                 feeds[RESET_INPUT] = np.array([not self._accumulate])
         if self._loss_scale_input is not None:
