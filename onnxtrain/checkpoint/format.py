@@ -14,7 +14,9 @@ Schema (``ort_training_checkpoint.fbs``, with ``Tensor`` from ``ort.fbs``), fiel
     Tensor          { name:string; doc_string:string; dims:[int64]; data_type:int32; raw_data:[ubyte];
                       string_data:[string]; external_data_offset:int64 = -1 }
 
-Everything is written sorted by name. Above a size threshold the tensor bytes go to
+Everything is written sorted by name, as onnxruntime-training saves a state, except that the generator
+of artifacts keeps the parameters in the model's initializer order, as its generator does
+(``save_checkpoint(..., sort_parameters=False)``). Above a size threshold the tensor bytes go to
 ``<path>.data`` (in saved order: trainable, frozen, then optimizer moments; each tensor at an
 offset that is a multiple of its itemsize, as onnxruntime writes them) and the main file keeps
 only metadata with ``external_data_offset`` set.
@@ -95,8 +97,12 @@ def checkpoint_from_bytes(data: bytes) -> Checkpoint:
 
 
 def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike,
-                    external_threshold: int = 1800 * 2**20) -> None:
+                    external_threshold: int = 1800 * 2**20, *, sort_parameters: bool = True) -> None:
     """Write ``ckpt`` to ``path`` atomically.
+
+    The parameters are written sorted by name (as onnxruntime-training saves a state), or with
+    ``sort_parameters=False`` in the order of ``ckpt.trainable`` and ``ckpt.frozen`` (as its artifact
+    generator writes them: the model's initializer order).
 
     When the tensors hold more than ``external_threshold`` bytes, their data goes to
     ``<path>.data`` (renamed into place just before the main file) and ``path`` keeps only
@@ -108,7 +114,7 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike,
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise FileNotFoundError(errno.ENOENT, "Cannot save checkpoint, its directory does not exist", path)
     external = not ckpt.nominal and _data_bytes(ckpt) > external_threshold
-    main, arrays = _encode(ckpt, external)
+    main, arrays = _encode(ckpt, external, sort_parameters)
     data_path = path + ".data"
 
     def write_main(f: IO[bytes]) -> None:
@@ -193,8 +199,10 @@ def _property(name: str, value: object) -> tuple[int, Table]:
     raise TypeError(f"property {name!r}: type {type(value).__name__} is not int, float or str")
 
 
-def _encode(ckpt: Checkpoint, external: bool) -> tuple[bytearray, list[np.ndarray]]:
-    """The main file's bytes and, when ``external``, the arrays for ``<path>.data`` in order."""
+def _encode(ckpt: Checkpoint, external: bool, sort_parameters: bool = True
+            ) -> tuple[bytearray, list[np.ndarray]]:
+    """The main file's bytes and, when ``external``, the arrays for ``<path>.data`` in order; the
+    parameters sorted by name, or in the dicts' order with ``sort_parameters=False``."""
     arrays: list[np.ndarray] = []  # with zero-byte fillers, so each offset is a multiple of the itemsize
     end = [0]
 
@@ -210,10 +218,11 @@ def _encode(ckpt: Checkpoint, external: bool) -> tuple[bytearray, list[np.ndarra
     dup = set(ckpt.trainable) & set(ckpt.frozen)
     if dup:
         raise ValueError(f"parameters both trainable and frozen: {sorted(dup)}")
+    order = sorted if sort_parameters else list
     trainable = [_tensor(n, ckpt.trainable[n], ckpt.nominal, where, "trainable parameter")
-                 for n in sorted(ckpt.trainable)]
+                 for n in order(ckpt.trainable)]
     frozen = [_tensor(n, ckpt.frozen[n], ckpt.nominal, where, "frozen parameter")
-              for n in sorted(ckpt.frozen)]
+              for n in order(ckpt.frozen)]
     module = Table(Tables(trainable), Tables(frozen), Scalar("?", bool(ckpt.nominal), False),
                    Scalar("?", external, False))
 

@@ -327,9 +327,11 @@ def generate_artifacts(
     # everything is built before the first file is written
     save_model_atomic(training, path("training_model.onnx"))
     save_model_atomic(evaluation, path("eval_model.onnx"))
-    save_checkpoint(Checkpoint(ckpt[0], ckpt[1], [], {}), path("checkpoint"))
+    # the parameters in the model's initializer order, as onnxruntime-training's generator writes them (§1.2)
+    save_checkpoint(Checkpoint(ckpt[0], ckpt[1], [], {}), path("checkpoint"), sort_parameters=False)
     if nominal_checkpoint:
-        save_checkpoint(Checkpoint(ckpt[0], ckpt[1], [], {}, nominal=True), path("nominal_checkpoint"))
+        save_checkpoint(Checkpoint(ckpt[0], ckpt[1], [], {}, nominal=True), path("nominal_checkpoint"),
+                        sort_parameters=False)
     if optimizer_model is not None:
         save_model_atomic(optimizer_model, path("optimizer_model.onnx"))
 
