@@ -53,11 +53,49 @@ def loss_scaling(model: onnx.ModelProto) -> dict[str, str] | None:
     return None if info is None else {"loss_scale": info.loss_scale}
 
 
+class _Shape(tuple):
+    """A shape tuple that can also be called, as onnxruntime's ``OrtValue.shape()``: a list of the dims."""
+
+    __slots__ = ()
+
+    def __call__(self) -> list[int]:
+        return list(self)
+
+
 class ContiguousBuffer(np.ndarray):
-    """A 1-D numpy array of parameters; ``.numpy()`` is kept for scripts written for onnxruntime."""
+    """A 1-D numpy array of parameters that also answers the calls scripts written for onnxruntime make on
+    the ``OrtValue`` it returns: ``.numpy()``, ``.shape()`` (a list; ``.shape`` stays numpy's tuple),
+    ``.data_type()`` (``'tensor(float)'``), ``.element_type()`` (the ONNX type number), ``.device_name()``,
+    ``.is_tensor()``, ``.has_value()``, ``.data_ptr()``."""
+
+    @property  # type: ignore[override]
+    def shape(self) -> _Shape:
+        return _Shape(np.ndarray.shape.__get__(self))
+
+    @shape.setter
+    def shape(self, value: Any) -> None:
+        np.ndarray.shape.__set__(self, value)
 
     def numpy(self) -> np.ndarray:
         return self.view(np.ndarray)
+
+    def element_type(self) -> int:
+        return int(onnx.helper.np_dtype_to_tensor_dtype(self.dtype))
+
+    def data_type(self) -> str:
+        return f"tensor({onnx.TensorProto.DataType.Name(self.element_type()).lower()})"
+
+    def device_name(self) -> str:
+        return "Cpu"
+
+    def is_tensor(self) -> bool:
+        return True
+
+    def has_value(self) -> bool:
+        return True
+
+    def data_ptr(self) -> int:
+        return int(self.ctypes.data)
 
 
 def _expose_running_stats(model: onnx.ModelProto, state: CheckpointState

@@ -1,0 +1,91 @@
+"""Module.get_contiguous_parameters() answers the OrtValue calls of scripts written for onnxruntime-training.
+
+Oracle: onnxruntime-training 1.19.2 (tests/ortt.py) on artifacts it generates: what ``.shape()``,
+``.data_type()``, ``.element_type()``, ``.device_name()``, ``.is_tensor()``, ``.has_value()`` and
+``.numpy()`` give there. The numpy side keeps working: ``.shape`` is still the tuple.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.training.api import CheckpointState, Module
+from tests.ortt import ensure_ortt
+
+
+def _model() -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    shapes = {"fc1.weight": (4, 8), "fc1.bias": (8,), "fc2.weight": (8, 3), "fc2.bias": (3,)}
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n) for n, s in shapes.items()]
+    nodes = [helper.make_node("MatMul", ["input", "fc1.weight"], ["a"]),
+             helper.make_node("Add", ["a", "fc1.bias"], ["b"]), helper.make_node("Relu", ["b"], ["c"]),
+             helper.make_node("MatMul", ["c", "fc2.weight"], ["d"]),
+             helper.make_node("Add", ["d", "fc2.bias"], ["output"])]
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["b", 4])],
+                          [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["b", 3])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m
+
+
+_ORT_SCRIPT = r"""
+import json, sys, types
+for name in ("onnxruntime.training.optim", "onnxruntime.training.amp"):  # they import torch; unused here
+    sys.modules[name] = types.ModuleType(name)
+import onnx
+onnx.IR_VERSION = 10
+from onnxruntime.training import artifacts
+from onnxruntime.training.api import CheckpointState, Module
+base, folder = json.loads(sys.argv[1])
+artifacts.generate_artifacts(onnx.load(base), requires_grad=["fc2.weight", "fc2.bias"],
+                             frozen_params=["fc1.weight", "fc1.bias"], loss=artifacts.LossType.MSELoss,
+                             artifact_directory=folder)
+""" + r"""
+state = CheckpointState.load_checkpoint(folder + "/checkpoint")
+m = Module(folder + "/training_model.onnx", state)
+out = {}
+for trainable_only in (False, True):
+    b = m.get_contiguous_parameters(trainable_only)
+    out[str(trainable_only)] = [b.shape(), b.data_type(), b.element_type(), b.device_name(), b.is_tensor(),
+                                b.has_value(), b.numpy().tolist()]
+print(json.dumps(out))
+"""
+
+
+def test_contiguous_buffer_answers_ortvalue_calls(tmp_path):
+    python = ensure_ortt()
+    base = str(tmp_path / "mlp.onnx")
+    onnx.save(_model(), base)
+    folder = str(tmp_path / "art")
+    os.makedirs(folder)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    proc = subprocess.run([python, "-c", _ORT_SCRIPT, json.dumps([base, folder])], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = json.loads(proc.stdout.strip().splitlines()[-1])
+    state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    m = Module(os.path.join(folder, "training_model.onnx"), state)
+    for trainable_only in (False, True):
+        b = m.get_contiguous_parameters(trainable_only)
+        shape, data_type, element_type, device, is_tensor, has_value, values = ref[str(trainable_only)]
+        assert b.shape() == shape
+        assert b.data_type() == data_type
+        assert b.element_type() == element_type
+        assert b.device_name().lower() == device.lower()
+        assert b.is_tensor() is is_tensor and b.has_value() is has_value
+        np.testing.assert_array_equal(b.numpy(), np.array(values, np.float32))
+        # what numpy code did with it keeps working
+        assert b.shape == (len(values),) and isinstance(b.shape, tuple)
+        assert b.reshape(1, -1).shape == (1, len(values))
+        assert type(b.numpy()) is np.ndarray
+        assert b.data_ptr() == b.numpy().ctypes.data
+        np.testing.assert_allclose(b * 2, np.array(values, np.float32) * 2)
+    b = m.get_contiguous_parameters()
+    m.copy_buffer_to_parameters(b * 0, trainable_only=False)
+    assert not state.parameters["fc1.weight"].data.any()
