@@ -90,7 +90,23 @@ def check_user_inputs(specs: Sequence[InputSpec], inputs: Sequence[Any], what: s
     if len(inputs) != len(specs):
         names = [s.name for s in specs]
         raise ValueError(f"{what} expects {len(specs)} input(s) {names}, got {len(inputs)}")
-    return {s.name: s.check(v) for s, v in zip(specs, inputs)}
+    feeds = {s.name: s.check(v) for s, v in zip(specs, inputs)}
+    # one symbolic dimension (the batch of the inputs and of the labels) is one size in every input
+    seen: dict[str, tuple[str, int, int]] = {}
+    for s in specs:
+        if s.shape is None:
+            continue
+        for i, d in enumerate(s.shape):
+            if not isinstance(d, str) or not d:
+                continue
+            size = feeds[s.name].shape[i]
+            first = seen.setdefault(d, (s.name, i, size))
+            if first[2] != size:
+                name, at, other = first
+                raise ValueError(f"{what}: inputs {name!r} and {s.name!r} share dimension {d!r} (index {at} "
+                                 f"of {name!r}, {i} of {s.name!r}) but have sizes {other} and {size} (shapes "
+                                 f"{list(feeds[name].shape)} and {list(feeds[s.name].shape)})")
+    return feeds
 
 
 def check_device(device: Any) -> None:
