@@ -341,7 +341,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
     def _half_twins(self) -> dict[str, np.ndarray]:
         """The half copies of the trained weights under mixed precision, by their twins' names: the
         graph makes them from the masters each step, so they are derived state."""
-        mp = self._graphs.mixed_precision
+        graphs = getattr(self, "_graphs", None)  # the horizontal and pipeline sessions have their own
+        mp = graphs.mixed_precision if graphs is not None else None
         if mp is None:
             return {}
         masters = {w: self._store[w] for w in self._graphs.trainable if w in mp.twins and w in self._store}

@@ -72,6 +72,9 @@ def pipelined(tmp_path, cases: list[str], n: int, env: dict[str, str] | None = N
 
 def compare(got: dict[str, np.ndarray], case: str, tol: float) -> None:
     losses, state, out = one_process(case)
+    # the half twins (<w>_fp16) of a one-process mixed-precision state are derived from the masters; the
+    # pipeline's gathered state does not list them
+    state = {k: v for k, v in state.items() if not k.endswith(("_fp16", "_bf16"))}
     np.testing.assert_allclose(got[f"{case}/losses"], losses, rtol=tol, atol=0, err_msg=case)
     assert sorted(k.split("/", 2)[2] for k in got if k.startswith(f"{case}/state/")) == sorted(state), case
     for k, v in state.items():
