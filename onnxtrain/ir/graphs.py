@@ -79,20 +79,27 @@ def rename_values(node: onnx.NodeProto, names: dict[str, str]) -> None:
             v.name = names.get(v.name, v.name)
 
 
+def path_to(nodes: Iterable[onnx.NodeProto], outputs: Iterable[str]) -> tuple[list[onnx.NodeProto], set[str]]:
+    """The nodes (in order) that ``outputs`` depend on, and every value they and ``outputs`` read."""
+    needed = set(outputs)
+    kept = []
+    for node in reversed(list(nodes)):
+        if any(o in needed for o in node.output if o):
+            kept.append(node)
+            needed.update(node_reads(node))
+    kept.reverse()
+    return kept, needed
+
+
 def model_for_outputs(model: onnx.ModelProto, outputs: Iterable[str]) -> onnx.ModelProto:
     """A copy of ``model`` computing only ``outputs`` (graph outputs of it): the nodes, inputs and
     initializers on their path, nothing else."""
     wanted = list(outputs)
-    needed = set(wanted)
-    nodes = []
-    for node in reversed(model.graph.node):
-        if any(o in needed for o in node.output if o):
-            nodes.append(node)
-            needed.update(node_reads(node))
     g = model.graph
+    nodes, needed = path_to(g.node, wanted)
     out_info = {v.name: v for v in g.output}
     graph = onnx.helper.make_graph(
-        list(reversed(nodes)),
+        nodes,
         g.name,
         [v for v in g.input if v.name in needed],
         [out_info[n] for n in wanted],

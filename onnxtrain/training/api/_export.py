@@ -12,7 +12,7 @@ import onnx
 from onnx import numpy_helper
 
 from onnxtrain.ir.builder import value_types
-from onnxtrain.ir.graphs import node_reads
+from onnxtrain.ir.graphs import path_to
 from onnxtrain.ir.io import save_model_atomic
 
 # Above this many parameter bytes the exported model keeps them in ``<file>.data`` (protobuf's 2 GiB limit).
@@ -61,13 +61,7 @@ def export_for_inference(eval_model: onnx.ModelProto, params: Mapping[str, np.nd
                              f"{[v.name for v in g.output]}).")
     _check_target(path)
 
-    needed = set(names)
-    kept: list[onnx.NodeProto] = []
-    for node in reversed(g.node):
-        if any(o in needed for o in node.output if o):
-            kept.append(node)
-            needed.update(node_reads(node))
-    kept.reverse()
+    kept, needed = path_to(g.node, names)
 
     types = value_types(eval_model)
     out = onnx.ModelProto()
