@@ -53,3 +53,15 @@ def _works() -> bool:
         timeout=120,
     )
     return r.returncode == 0
+
+
+# The first lines of every script run in the venv: onnxruntime.training's optim and amp modules import
+# torch (not installed there, not used by the scripts), and onnxruntime 1.19 reads models of IR <= 10
+# while the generator stamps onnx's own IR version.
+PREAMBLE = r"""
+import json, sys, types
+for name in ("onnxruntime.training.optim", "onnxruntime.training.amp"):
+    sys.modules[name] = types.ModuleType(name)
+import onnx
+onnx.IR_VERSION = 10
+"""

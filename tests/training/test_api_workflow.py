@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from onnxtrain.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer, TrainingSession
-from tests.ortt import ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, BATCH, LR, WARMUP = 100, 8, 0.01, 10
@@ -194,13 +194,8 @@ def test_frozen_clipped_and_nominal_generated_artifacts(tmp_path):
 ORT_VENV = os.path.join(os.environ.get("ONNXTRAIN_ORTT_DIR", "/tmp/ortt"), "bin", "python")
 ORT_LR, ORT_STEPS = 0.01, 10
 
-_ORT_SCRIPT = r'''
-import json, sys, types
-for name in ("onnxruntime.training.optim", "onnxruntime.training.amp"):  # they import torch; unused here
-    sys.modules[name] = types.ModuleType(name)
+_ORT_SCRIPT = PREAMBLE + r'''
 import numpy as np
-import onnx
-onnx.IR_VERSION = 10  # onnxruntime 1.19 reads IR <= 10; the generator stamps onnx.IR_VERSION
 from onnxruntime.training import artifacts
 from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 

@@ -20,7 +20,7 @@ import pytest
 
 from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState, Module, Optimizer
-from tests.ortt import ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt
 
 torch = pytest.importorskip("torch")
 
@@ -163,13 +163,8 @@ def test_user_outputs_unchanged_and_accumulation(exported):
     assert all(not np.array_equal(a, b) for a, b in zip(seen, seen[1:]))
 
 
-_ORT_SCRIPT = r"""
-import json, sys, types
-for name in ("onnxruntime.training.optim", "onnxruntime.training.amp"):  # they import torch; unused here
-    sys.modules[name] = types.ModuleType(name)
+_ORT_SCRIPT = PREAMBLE + r"""
 import numpy as np
-import onnx
-onnx.IR_VERSION = 10  # onnxruntime 1.19 reads IR <= 10
 from onnxruntime.training import artifacts
 from onnxruntime.training.api import CheckpointState, Module, Optimizer
 

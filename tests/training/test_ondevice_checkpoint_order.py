@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.checkpoint import load_checkpoint
 from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState
-from tests.ortt import ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt
 
 np = pytest.importorskip("numpy")
 
@@ -47,12 +47,7 @@ def _model() -> onnx.ModelProto:
     return m
 
 
-_ORT_SCRIPT = r"""
-import json, sys, types
-for name in ("onnxruntime.training.optim", "onnxruntime.training.amp"):  # they import torch; unused here
-    sys.modules[name] = types.ModuleType(name)
-import onnx
-onnx.IR_VERSION = 10
+_ORT_SCRIPT = PREAMBLE + r"""
 from onnxruntime.training import artifacts
 base, folder, trainable, frozen = json.loads(sys.argv[1])
 artifacts.generate_artifacts(onnx.load(base), requires_grad=trainable, frozen_params=frozen,

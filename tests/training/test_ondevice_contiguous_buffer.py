@@ -16,7 +16,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.training.api import CheckpointState, Module
-from tests.ortt import ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt
 
 
 def _model() -> onnx.ModelProto:
@@ -34,12 +34,7 @@ def _model() -> onnx.ModelProto:
     return m
 
 
-_ORT_SCRIPT = r"""
-import json, sys, types
-for name in ("onnxruntime.training.optim", "onnxruntime.training.amp"):  # they import torch; unused here
-    sys.modules[name] = types.ModuleType(name)
-import onnx
-onnx.IR_VERSION = 10
+_ORT_SCRIPT = PREAMBLE + r"""
 from onnxruntime.training import artifacts
 from onnxruntime.training.api import CheckpointState, Module
 base, folder = json.loads(sys.argv[1])

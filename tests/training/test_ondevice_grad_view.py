@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from onnxtrain.training.api import CheckpointState, Module, Optimizer
-from tests.ortt import ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt
 
 torch = pytest.importorskip("torch")
 
@@ -55,13 +55,8 @@ def _scenario(Module, Optimizer, CheckpointState, folder, extra_holders=None, se
     return out
 
 
-_ORT_SCRIPT = r"""
-import json, sys, types
-for name in ("onnxruntime.training.optim", "onnxruntime.training.amp"):  # they import torch; unused here
-    sys.modules[name] = types.ModuleType(name)
+_ORT_SCRIPT = PREAMBLE + r"""
 import numpy as np
-import onnx
-onnx.IR_VERSION = 10  # onnxruntime 1.19 reads IR <= 10
 from onnxruntime.training import artifacts, onnxblock
 from onnxruntime.training.api import CheckpointState, Module, Optimizer
 

@@ -21,7 +21,7 @@ import pytest
 from onnxtrain.checkpoint import load_checkpoint, save_checkpoint
 from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState, Module
-from tests.ortt import ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt
 
 torch = pytest.importorskip("torch")
 
@@ -92,10 +92,7 @@ def _scenario(Module, CheckpointState, folder):
     return out
 
 
-_ORT_SCRIPT = r"""
-import json, sys, types
-for name in ("onnxruntime.training.optim", "onnxruntime.training.amp"):  # they import torch; unused here
-    sys.modules[name] = types.ModuleType(name)
+_ORT_SCRIPT = PREAMBLE + r"""
 import numpy as np
 from onnxruntime.training.api import CheckpointState, Module
 folders, helper = json.loads(sys.argv[1])

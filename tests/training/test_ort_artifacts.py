@@ -24,7 +24,7 @@ from onnxtrain.training.ort_artifacts import (
     translate_optimizer_model,
     translate_training_model,
 )
-from tests.ortt import ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt
 
 STEPS, BATCH = 12, 8
 
@@ -38,13 +38,8 @@ CASES = {
     "transformer_ce_adamw": ("transformer_encoder", False, "CrossEntropyLoss", "AdamW", 1e-3),
 }
 
-_ORT_SCRIPT = r"""
-import json, sys, types
-for name in ("onnxruntime.training.optim", "onnxruntime.training.amp"):  # they import torch; unused here
-    sys.modules[name] = types.ModuleType(name)
+_ORT_SCRIPT = PREAMBLE + r"""
 import numpy as np
-import onnx
-onnx.IR_VERSION = 10  # onnxruntime 1.19 reads IR <= 10; the generator stamps onnx.IR_VERSION
 from onnxruntime.training import artifacts
 from onnxruntime.training.api import CheckpointState, Module, Optimizer
 

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 
 from onnxtrain.training.api import CheckpointState, Module, Optimizer
 from onnxtrain.training.ort_artifacts import translate_training_model
-from tests.ortt import ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt
 
 torch = pytest.importorskip("torch")
 nn, F = torch.nn, torch.nn.functional
@@ -106,13 +106,8 @@ CASES = {
 }
 LR = {True: 1e-2, False: 0.1}
 
-_ORT_SCRIPT = r"""
-import json, sys, types
-for name in ("onnxruntime.training.optim", "onnxruntime.training.amp"):  # they import torch; unused here
-    sys.modules[name] = types.ModuleType(name)
+_ORT_SCRIPT = PREAMBLE + r"""
 import numpy as np
-import onnx
-onnx.IR_VERSION = 10  # onnxruntime 1.19 reads IR <= 10; the generator stamps onnx.IR_VERSION
 from onnxruntime.training import artifacts
 from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
