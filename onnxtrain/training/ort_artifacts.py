@@ -351,22 +351,41 @@ def _rank(ctx: _Context, name: str) -> int | None:
     return None if dims is None else len(dims)
 
 
+def _operand_perm(rank: int, trans_batch: bool, trans: bool) -> list[int]:
+    """FusedMatMul's view of an operand: with ``transBatch`` its first axis moves behind the other batch
+    axes (to the row position), then with ``trans`` the last two axes swap."""
+    perm = list(range(rank))
+    if trans_batch:
+        perm = perm[1 : rank - 1] + [0, rank - 1]
+    if trans:
+        perm[-2], perm[-1] = perm[-1], perm[-2]
+    return perm
+
+
 def _fused_matmul(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
     a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
-    if a.get("transBatchA", 0) or a.get("transBatchB", 0):
-        raise TranslationError(f"{_node_label(node)}: transBatchA/transBatchB are not translated")
-    ops = []
-    for name, flag, sub in (
-        (node.input[0], a.get("transA", 0), "ji"),
-        (node.input[1], a.get("transB", 0), "kj"),
-    ):
-        ops.append((name, bool(flag), sub, _rank(ctx, name)))
+    ops = [
+        (node.input[0], bool(a.get("transA", 0)), bool(a.get("transBatchA", 0))),
+        (node.input[1], bool(a.get("transB", 0)), bool(a.get("transBatchB", 0))),
+    ]
+    ranks = [_rank(ctx, name) for name, _, _ in ops]
+    if any(b for _, _, b in ops):
+        if None in ranks:
+            unknown = node.input[ranks.index(None)]
+            raise TranslationError(
+                f"{_node_label(node)}: transBatch needs the rank of {unknown!r}, which the types do not give"
+            )
+        if ranks[0] != ranks[1] or ranks[0] < 3:
+            raise TranslationError(
+                f"{_node_label(node)}: transBatch needs inputs of one rank >= 3, not {ranks[0]}, {ranks[1]}"
+            )
     alpha = float(a.get("alpha", 1.0))
     out = node.output[0]
-    if all(not t or (r is not None and r >= 2) for _, t, _, r in ops):
+    if all(not (t or b) or (r is not None and r >= 2) for (_, t, b), r in zip(ops, ranks)):
         args = []
-        for name, t, _, r in ops:
-            args.append(emit("Transpose", name, perm=[*range(r - 2), r - 1, r - 2]) if t else name)
+        for (name, t, b), r in zip(ops, ranks):
+            perm = _operand_perm(r, b, t) if (t or b) else None
+            args.append(emit("Transpose", name, perm=perm) if perm and perm != sorted(perm) else name)
         y = emit("MatMul", *args, output=None if alpha != 1.0 else out)
     else:  # a rank the types do not tell: Einsum's ellipsis takes any
         sa = "...ji" if ops[0][1] else "...ij"
@@ -380,7 +399,6 @@ def _fused_matmul(node: onnx.NodeProto, ctx: _Context, emit: Emit) -> None:
         )
     if alpha != 1.0:
         emit("Mul", y, _const(emit, alpha, _float_type(ctx, node.input[0])), output=out)
-    ranks = [r for _, _, _, r in ops]
     if None not in ranks:
         ctx.types[out] = helper.make_tensor_type_proto(_elem_type(ctx, node.input[0]), [None] * max(ranks))
 

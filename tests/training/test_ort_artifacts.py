@@ -8,6 +8,7 @@ the onnxruntime backend (plain inference package) with the numpy engine's losses
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -370,3 +371,65 @@ def test_single_gradient_operators_against_their_definitions(op):
     onnx.checker.check_model(translated, full_check=True)
     (got,) = compile_model(translated).run(feeds)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)
+
+
+def _fused_matmul_model(shapes, typed_rank: bool, **attrs) -> onnx.ModelProto:
+    ins = [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s) if typed_rank else None)
+        for n, s in zip("AB", shapes)
+    ]
+    node = helper.make_node("FusedMatMul", ["A", "B"], ["Y"], name="fmm", domain="com.microsoft", **attrs)
+    return helper.make_model(
+        helper.make_graph(
+            [node], "g", ins, [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None] * len(shapes[0]))]
+        ),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+    )
+
+
+def _stored_shape(logical: tuple[int, ...], trans_batch: int, trans: int) -> list[int]:
+    """The shape an operand must have so that FusedMatMul's view of it is ``logical``."""
+    r = len(logical)
+    perm = list(range(r))
+    if trans_batch and r >= 3:  # (rank 2 with transBatch is refused)
+        perm = perm[1 : r - 1] + [0, r - 1]
+    if trans:
+        perm[-2], perm[-1] = perm[-1], perm[-2]
+    stored = [0] * r
+    for i, p in enumerate(perm):
+        stored[p] = logical[i]
+    return stored
+
+
+@pytest.mark.parametrize("rank", [2, 3, 4])
+@pytest.mark.parametrize("flags", list(itertools.product((0, 1), repeat=4)))
+def test_fused_matmul_with_batch_transposes_matches_onnxruntime(rank, flags):
+    """Every transA/transB/transBatchA/transBatchB combination, translated to standard ONNX, gives
+    onnxruntime's own com.microsoft.FusedMatMul result."""
+    ort = pytest.importorskip("onnxruntime")
+    from onnxtrain.engine import compile_model
+
+    ta, tb, ba, bb = flags
+    batch = (2, 3)[: rank - 2]
+    rng = np.random.default_rng(rank * 16 + ta * 8 + tb * 4 + ba * 2 + bb)
+    A = rng.standard_normal(_stored_shape((*batch, 4, 5), ba, ta)).astype(np.float32)
+    B = rng.standard_normal(_stored_shape((*batch, 5, 6), bb, tb)).astype(np.float32)
+    attrs = dict(alpha=0.5, transA=ta, transB=tb, transBatchA=ba, transBatchB=bb)
+    model = _fused_matmul_model((A.shape, B.shape), True, **attrs)
+    if rank == 2 and (ba or bb):  # onnxruntime's kernel refuses these; so does the translation
+        with pytest.raises(TranslationError, match=r"'fmm'.*one rank >= 3, not 2, 2"):
+            translate_training_model(model)
+        return
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (want,) = sess.run(None, {"A": A, "B": B})
+    standard = translate_training_model(model)
+    onnx.checker.check_model(standard, full_check=True)
+    assert all(n.domain in ("", "ai.onnx") for n in standard.graph.node)
+    (got,) = compile_model(standard).run({"A": A, "B": B})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_matmul_batch_transpose_needs_the_rank():
+    model = _fused_matmul_model(((2, 4, 5), (2, 5, 6)), False, transBatchA=1)
+    with pytest.raises(TranslationError, match=r"'fmm'.*transBatch needs the rank of 'A'"):
+        translate_training_model(model)
