@@ -21,7 +21,7 @@ from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.plan import Plan, load_model
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
-from onnxtrain.graph_transforms.mixed_precision import half_copies
+from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo, half_copies
 from onnxtrain.inference import (
     FeedChecker,
     InferenceSession,
@@ -338,16 +338,35 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         state.update(self._half_twins())
         return dict(sorted(state.items()))
 
+    def _mixed_precision(self) -> MixedPrecisionInfo | None:
+        """What the mixed-precision pass did to the model (None without it)."""
+        return self._graphs.mixed_precision
+
+    def _trained(self) -> list[str]:
+        """The trained weights this session holds (by the names it holds them under)."""
+        return self._graphs.trainable
+
     def _half_twins(self) -> dict[str, np.ndarray]:
         """The half copies of the trained weights under mixed precision, by their twins' names: the
         graph makes them from the masters each step, so they are derived state."""
-        graphs = getattr(self, "_graphs", None)  # the horizontal and pipeline sessions have their own
-        mp = graphs.mixed_precision if graphs is not None else None
+        mp = self._mixed_precision()
         if mp is None:
             return {}
-        masters = {w: self._store[w] for w in self._graphs.trainable if w in mp.twins and w in self._store}
+        masters = {w: self._store[w] for w in self._trained() if w in mp.twins and w in self._store}
         copies = half_copies(masters, mp.dtype)
         return {mp.twins[w]: v for w, v in copies.items()}
+
+    @staticmethod
+    def _is_twin(name: str, value: Any, twins: Mapping[str, np.ndarray]) -> bool:
+        """Whether ``name`` is one of the half ``twins`` (derived from the masters: checked, not loaded);
+        ValueError when its shape is not the twin's."""
+        if name not in twins:
+            return False
+        arr = np.asarray(value)
+        if arr.shape != twins[name].shape:
+            want = list(twins[name].shape)
+            raise ValueError(f"state {name!r}: expected shape {want}, got {list(arr.shape)}")
+        return True
 
     def _assign(self, name: str, value: Any) -> None:
         cur = self._store[name]
@@ -368,12 +387,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         zero_names = self._zero_full_names() if self._zero is not None else {}
         twins = self._half_twins()
         for name, value in state.items():
-            if name in twins:  # derived from the masters (loaded too): checked, not stored
-                arr = np.asarray(value)
-                if arr.shape != twins[name].shape:
-                    raise ValueError(
-                        f"state {name!r}: expected shape {list(twins[name].shape)}, got {list(arr.shape)}"
-                    )
+            if self._is_twin(name, value, twins):  # derived from the masters (loaded too)
                 continue
             if name not in known:
                 if name in zero_names:

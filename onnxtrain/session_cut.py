@@ -21,7 +21,7 @@ from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.backends import backend_of
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
-from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE
+from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo
 from onnxtrain.inference import NodeArg, node_arg
 from onnxtrain.ir.builder import value_types
 from onnxtrain.parallel import BucketReducer, Communicator, world
@@ -292,6 +292,9 @@ class CutModelSession(TrainingSession):
 
     def _state_names(self) -> list[str]:
         return sorted([*self._trained(), *(sp.name for sp in self._specs)])
+
+    def _mixed_precision(self) -> MixedPrecisionInfo | None:
+        return self._mp
 
     def _all_optimizer_state_names(self) -> set[str]:
         return {sp.name for sp in self._specs}

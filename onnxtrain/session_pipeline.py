@@ -364,9 +364,13 @@ class PipelineTrainingSession(CutModelSession):
 
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
         """Copy this stage's names of ``state`` (from ``get_state()`` or ``gather_state()``) into the session;
-        names of other stages are skipped. ``strict``: this stage's names must all be there."""
+        names of other stages are skipped, and so are the half twins (``<w>_fp16``) under mixed precision,
+        once their shapes are checked. ``strict``: this stage's names (not the twins) must all be there."""
         known = set(self._state_names())
+        twins = self._half_twins()
         for name, value in state.items():
+            if self._is_twin(name, value, twins):  # this stage's half twins: derived from the masters
+                continue
             if name in known:
                 self._assign(name, value)
         if strict:

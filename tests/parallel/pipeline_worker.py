@@ -182,6 +182,7 @@ CASES = {
     # mixed precision: float16 activations cross the cut; a loss scale that overflows skips every update
     "adam2_mp_clip": (mlp_model, 2, "hr", 2, "AdamOptimizer", True),
     "lamb2_mp_overflow": (mlp_model, 2, "hr", 2, "LambOptimizer", False),
+    "adam2_mp_resumed": (mlp_model, 2, "hr", 2, "AdamOptimizer", True),  # its half twins loaded midway
 }
 # gradient accumulation over two runs on top of the micro-batches, counted or marked by the caller
 CASES["adam2_acc2_clip"] = (mlp_model, 2, "hr", 2, "AdamOptimizer", True)
@@ -211,7 +212,8 @@ HORIZONTAL = {
 }
 # data-parallel replicas (default 1)
 REPLICAS = {"adam2x2_tied_clip": 2, "adam_h2x2_gelu_blocks": 2, "adam_h2x2_acc2_clip": 2}
-LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30}  # the mixed-precision cases' loss scale
+# the mixed-precision cases' loss scale
+LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30, "adam2_mp_resumed": 256.0}
 
 
 def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingParameters:

@@ -72,12 +72,12 @@ def pipelined(tmp_path, cases: list[str], n: int, env: dict[str, str] | None = N
 
 def compare(got: dict[str, np.ndarray], case: str, tol: float) -> None:
     losses, state, out = one_process(case)
-    # the half twins (<w>_fp16) of a one-process mixed-precision state are derived from the masters; the
-    # pipeline's gathered state does not list them
-    state = {k: v for k, v in state.items() if not k.endswith(("_fp16", "_bf16"))}
     np.testing.assert_allclose(got[f"{case}/losses"], losses, rtol=tol, atol=0, err_msg=case)
     assert sorted(k.split("/", 2)[2] for k in got if k.startswith(f"{case}/state/")) == sorted(state), case
+    twins = {k for k in state if k.endswith(("_fp16", "_bf16"))}  # derived: the masters' casts, tested apart
     for k, v in state.items():
+        if k in twins:
+            continue
         np.testing.assert_allclose(
             got[f"{case}/state/{k}"], v, rtol=tol, atol=tol * float(np.abs(v).max()), err_msg=f"{case}: {k}"
         )
@@ -231,3 +231,20 @@ def test_pipeline_session_errors_in_one_process() -> None:
         UserWarning, match="num_pipeline_micro_batches, pipeline_cut_info_string have no effect"
     ):
         TrainingSession(model, p)
+
+
+
+@pytest.mark.mpi
+def test_mixed_precision_state_lists_the_half_twins(tmp_path) -> None:
+    """Under mixed precision the gathered state holds every trained weight's half twin (``<w>_fp16``), as one
+    process's does: the float32 master cast to float16. The resumed case loads such a state strictly (each
+    stage checks and skips the twins) and trains on as one process."""
+    case = "adam2_mp_resumed"
+    got = pipelined(tmp_path, [case], 2)
+    compare(got, case, 1e-6)
+    state = {k.split("/", 2)[2]: v for k, v in got.items() if k.startswith(f"{case}/state/")}
+    weights = [t.name for t in mlp_model().graph.initializer]
+    assert weights
+    for w in weights:
+        assert state[f"{w}_fp16"].dtype == np.float16, w
+        np.testing.assert_array_equal(state[f"{w}_fp16"], state[w].astype(np.float16), err_msg=w)
