@@ -15,7 +15,8 @@ Schema (``ort_training_checkpoint.fbs``, with ``Tensor`` from ``ort.fbs``), fiel
                       string_data:[string]; external_data_offset:int64 = -1 }
 
 Everything is written sorted by name, as onnxruntime-training saves a state, except that the generator
-of artifacts keeps the parameters in the model's initializer order, as its generator does
+of artifacts keeps the parameters in the model's initializer order, as its generator does, and
+``onnxblock.save_checkpoint`` in the order of its lists, as its namesake does
 (``save_checkpoint(..., sort_parameters=False)``). Above a size threshold the tensor bytes go to
 ``<path>.data`` (in saved order: trainable, frozen, then optimizer moments; each tensor at an
 offset that is a multiple of its itemsize, as onnxruntime writes them) and the main file keeps
@@ -102,7 +103,8 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike,
 
     The parameters are written sorted by name (as onnxruntime-training saves a state), or with
     ``sort_parameters=False`` in the order of ``ckpt.trainable`` and ``ckpt.frozen`` (as its artifact
-    generator writes them: the model's initializer order).
+    generator writes them, the model's initializer order, and its ``onnxblock.save_checkpoint`` the
+    order of the lists it is given).
 
     When the tensors hold more than ``external_threshold`` bytes, their data goes to
     ``<path>.data`` (renamed into place just before the main file) and ``path`` keeps only

@@ -18,11 +18,15 @@ def save_checkpoint(
     path_to_checkpoint: str | os.PathLike,
     nominal_checkpoint: bool = False,
 ) -> None:
-    """Write ``(trainable, frozen)`` TensorProto lists as an onnxruntime-training checkpoint."""
+    """Write ``(trainable, frozen)`` TensorProto lists as an onnxruntime-training checkpoint.
+
+    The parameters keep the order of the lists, as onnxruntime-training's ``onnxblock.save_checkpoint``
+    writes them (it sorts nothing; only ``CheckpointState.save_checkpoint`` writes names sorted)."""
     if not isinstance(parameters, tuple) or len(parameters) != 2:
         raise BlockError("parameters must be a tuple (trainable TensorProtos, frozen TensorProtos)")
     trainable, frozen = ({t.name: numpy_helper.to_array(t) for t in group} for group in parameters)
-    _save(Checkpoint(trainable, frozen, [], {}, nominal=bool(nominal_checkpoint)), path_to_checkpoint)
+    _save(Checkpoint(trainable, frozen, [], {}, nominal=bool(nominal_checkpoint)), path_to_checkpoint,
+          sort_parameters=False)
 
 
 def load_checkpoint_to_model(path_to_checkpoint: str | os.PathLike, model: onnx.ModelProto) -> None:

@@ -214,6 +214,18 @@ def _is_parameters(v: Any) -> bool:
             and all(isinstance(t, onnx.TensorProto) for g in v for t in g))
 
 
+def _moving_average(acc: ModelBase, old: str, new: str, beta: float, et: int, token: str) -> str:
+    """``old · β + new · (1 − β)``, the update of each of AdamW's two moments."""
+    return acc.node(
+        "Add",
+        [
+            acc.node("Mul", [old, acc.scalar(beta, et)], "mul_output")[0],
+            acc.node("Mul", [new, acc.scalar(1.0 - beta, et)], "mul_output")[0],
+        ],
+        token,
+    )[0]
+
+
 def _as_type(acc: ModelBase, x: str, have: int, want: int) -> str:
     return x if have == want else acc.node("Cast", [x], "cast_output", to=want)[0]
 
@@ -309,23 +321,9 @@ class AdamW(Optimizer):
         et = acc.float_type_of(p)
         b1, b2 = self.betas
         m, v = states["momentum0"], states["momentum1"]
-        m_new = acc.node(
-            "Add",
-            [
-                acc.node("Mul", [m, acc.scalar(b1, et)], "mul_output")[0],
-                acc.node("Mul", [g, acc.scalar(1.0 - b1, et)], "mul_output")[0],
-            ],
-            "momentum0",
-        )[0]
+        m_new = _moving_average(acc, m, g, b1, et, "momentum0")
         g2 = acc.node("Mul", [g, g], "mul_output")[0]
-        v_new = acc.node(
-            "Add",
-            [
-                acc.node("Mul", [v, acc.scalar(b2, et)], "mul_output")[0],
-                acc.node("Mul", [g2, acc.scalar(1.0 - b2, et)], "mul_output")[0],
-            ],
-            "momentum1",
-        )[0]
+        v_new = _moving_average(acc, v, g2, b2, et, "momentum1")
         denom = acc.node(
             "Add", [acc.node("Sqrt", [v_new], "sqrt_output")[0], acc.scalar(self.eps, et)], "add_output"
         )[0]
