@@ -492,52 +492,32 @@ def _emit_update(
     """Global norm, clipping divisor and the optimizer over the slots' gradients.
 
     With ``norm_input`` the global norm is a graph input of that name (computed elsewhere, e.g. summed
-    over ZeRO partitions across ranks) instead of being computed from the slots' gradients.
+    over ZeRO partitions across ranks) instead of being computed from the slots' gradients. With ``mp`` the
+    gradients are loss-scaled: the update unscales them (and clips), and is skipped when not all are finite.
     """
     inputs.append(helper.make_tensor_value_info(p.lr_params_feed_name, TensorProto.FLOAT, [1]))
-    if mp is not None:
-        return _emit_mixed_precision_update(
-            w, slots, p, opt, inputs, outputs, extras, upd, clip, mp, norm_input
-        )
-    if clip:
-        norm = _update_norm(w, slots, norm_input, inputs, outputs, extras)
-        if opt.uses_norm and not p.legacy_cpu_adam:
-            for s in slots:
-                s.divisor = clip_divisor(w, norm, _max_norm_clip(s, opt))
-    specs = _state_inputs(opt, slots, inputs)
-    new_w, new_s = opt.emit(w, slots, p.lr_params_feed_name, {sp.name: sp.name for sp in specs})
-    _add_update_outputs(w, slots, specs, new_w, new_s, outputs, upd)
-    return specs
-
-
-def _emit_mixed_precision_update(
-    w: NodeWriter,
-    slots: list[WeightSlot],
-    p: TrainingParameters,
-    opt: Optimizer,
-    inputs: list,
-    outputs: list,
-    extras: list[str],
-    upd: dict[str, str],
-    clip: bool,
-    mp: MixedPrecisionInfo,
-    norm_input: str | None = None,
-) -> list[StateSpec]:
-    """The update on loss-scaled gradients: unscale (and clip), and skip it when not all are finite. With
-    ``norm_input`` the (loss-scaled) global norm is that graph input, e.g. summed over ZeRO's ranks."""
-    if mp.loss_scale not in {i.name for i in inputs}:
+    if mp is not None and mp.loss_scale not in {i.name for i in inputs}:
         inputs.append(helper.make_tensor_value_info(mp.loss_scale, TensorProto.FLOAT, [1]))
-    norm = _update_norm(w, slots, norm_input, inputs, outputs, extras)  # loss-scaled, as the legacy reported
+    norm = None
+    if clip or mp is not None:  # under mixed precision loss-scaled, as the legacy reported
+        norm = _update_norm(w, slots, norm_input, inputs, outputs, extras)
     mnc = None
     if clip and opt.uses_norm and not p.legacy_cpu_adam:
         mnc = {s.name: _max_norm_clip(s, opt) for s in slots}
+    if mp is None and mnc is not None:
+        for s in slots:
+            s.divisor = clip_divisor(w, norm, mnc[s.name])
     specs = _state_inputs(opt, slots, inputs)
-    new_w, new_s, flag = mixed_precision_update(
-        w, opt, slots, p.lr_params_feed_name, {sp.name: sp.name for sp in specs}, norm, mp.loss_scale, mnc
-    )
-    flag = w.emit("Identity", [flag], [w.names(ALL_FINITE)])[0] if flag != ALL_FINITE else flag
-    outputs.append(helper.make_tensor_value_info(flag, TensorProto.BOOL, []))
-    extras.append(flag)
+    state = {sp.name: sp.name for sp in specs}
+    if mp is None:
+        new_w, new_s = opt.emit(w, slots, p.lr_params_feed_name, state)
+    else:
+        new_w, new_s, flag = mixed_precision_update(
+            w, opt, slots, p.lr_params_feed_name, state, norm, mp.loss_scale, mnc
+        )
+        flag = w.emit("Identity", [flag], [w.names(ALL_FINITE)])[0] if flag != ALL_FINITE else flag
+        outputs.append(helper.make_tensor_value_info(flag, TensorProto.BOOL, []))
+        extras.append(flag)
     _add_update_outputs(w, slots, specs, new_w, new_s, outputs, upd)
     return specs
 
