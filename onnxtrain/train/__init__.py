@@ -7,15 +7,9 @@ checkpoints and exports; ``evaluate_checkpoint`` and ``load_for_inference`` serv
 from __future__ import annotations
 
 from onnxtrain.train.config import Config, ConfigError, config_from_dict, load_config
-from onnxtrain.train.loop import (
-    EXIT_INTERRUPTED,
-    RunResult,
-    Trainer,
-    evaluate_checkpoint,
-    export_model,
-    find_checkpoint,
-    load_for_inference,
-)
+from onnxtrain.train.evaluate import evaluate_checkpoint, load_for_inference
+from onnxtrain.train.loop import EXIT_INTERRUPTED, RunResult, Trainer
+from onnxtrain.train.outputs import export_model, find_checkpoint
 
 __all__ = [
     "EXIT_INTERRUPTED", "Config", "ConfigError", "RunResult", "Trainer", "config_from_dict",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -28,231 +27,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import onnx
 import yaml
-from onnx import helper
 
 from onnxtrain import parallel
-from onnxtrain.capi.options import SessionOptions
 from onnxtrain.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from onnxtrain.engine.backends import CONFIG_KEY, make_plan
-from onnxtrain.ir.io import save_model_atomic, write_atomic
-from onnxtrain.parameters import TrainingParameters
-from onnxtrain.session import TrainingSession
+from onnxtrain.ir.io import write_atomic
 from onnxtrain.train import data as data_mod
-from onnxtrain.train.config import Config, ConfigError, FilesData
-from onnxtrain.train.model import build_model, inference_model, user_inputs
+from onnxtrain.train.config import Config, ConfigError
+from onnxtrain.train.evaluate import Evaluator
+from onnxtrain.train.model import build_model
+from onnxtrain.train.outputs import checkpoint_path, export_model, list_checkpoints, output_dir, plot_metrics
 from onnxtrain.train.schedule import learning_rate
+from onnxtrain.train.session import feed_names, make_session, training_parameters
 from onnxtrain.train.state import (
     checkpoint_to_state,
-    checkpoint_weights,
     optimizer_layout,
     session_to_checkpoint,
     trainable_names,
 )
 
 EXIT_INTERRUPTED = 130
-OPTIMIZERS = {"sgd": "SGDOptimizer", "adam": "AdamOptimizer", "lamb": "LambOptimizer"}
-_CKPT = re.compile(r"^step_(\d+)\.ckpt$")
-
-
-# ---- pieces that eval/export share with training ----------------------------------------------
-
-def output_dir(cfg: Config, override: str | None = None) -> str:
-    return override or cfg.output.dir or os.path.join("runs", cfg.name)
-
-
-def checkpoint_path(folder: str, step: int) -> str:
-    return os.path.join(folder, "checkpoints", f"step_{step:08d}.ckpt")
-
-
-def list_checkpoints(folder: str) -> list[tuple[int, str]]:
-    """(step, path) of the complete checkpoints of a run folder, oldest first."""
-    d = os.path.join(folder, "checkpoints")
-    if not os.path.isdir(d):
-        return []
-    found = [(int(m.group(1)), os.path.join(d, f)) for f in os.listdir(d) if (m := _CKPT.match(f))]
-    return sorted(found)
-
-
-def find_checkpoint(path: str) -> str:
-    """``path`` if it is a checkpoint file, else the latest checkpoint of the run folder ``path``."""
-    if os.path.isfile(path):
-        return path
-    if os.path.isdir(path):
-        found = list_checkpoints(path)
-        if found:
-            return found[-1][1]
-        raise FileNotFoundError(f"no checkpoint in {os.path.join(path, 'checkpoints')}")
-    raise FileNotFoundError(f"checkpoint not found: {path}")
-
-
-def training_parameters(cfg: Config, model: onnx.ModelProto) -> TrainingParameters:
-    """The legacy session's options for ``cfg``."""
-    from onnxtrain.optim import get_optimizer
-    from onnxtrain.training_graph import select_trainable
-
-    t, o = cfg.training, cfg.optimizer
-    p = TrainingParameters()
-    p.loss_output_name = cfg.model.loss
-    p.training_optimizer_name = OPTIMIZERS[o.name]
-    p.gradient_accumulation_steps = t.gradient_accumulation_steps
-    p.gradient_accumulation_mode = "auto"
-    p.use_mixed_precision = t.mixed_precision
-    p.data_parallel_size = t.data_parallel_size
-    p.enable_grad_norm_clip = o.clip_grad_norm is not None
-    for k, v in t.parameters.items():
-        setattr(p, k, v)
-    attrs: dict[str, float] = {}
-    for key, value in (("alpha", o.betas[0] if o.betas else None), ("beta", o.betas[1] if o.betas else None),
-                       ("epsilon", o.eps), ("lambda", o.weight_decay), ("max_norm_clip", o.clip_grad_norm)):
-        if value is not None:
-            attrs[key] = float(value)
-    if attrs:  # added to the other attributes training.parameters.optimizer_attributes_map may give
-        known = get_optimizer(p.training_optimizer_name).FLOAT_ATTRS
-        attrs = {k: v for k, v in attrs.items() if k in known}
-        given = p.optimizer_attributes_map
-        p.optimizer_attributes_map = {**given, **{w: {**given.get(w, {}), **attrs}
-                                                  for w in select_trainable(model, p)}}
-    return p
-
-
-def backend_options(backend: str) -> SessionOptions:
-    """Session options selecting ``backend`` (training.backend: numpy | onnxruntime)."""
-    so = SessionOptions()
-    so.add_session_config_entry(CONFIG_KEY, backend)
-    return so
-
-
-def _session(cfg: Config, model: onnx.ModelProto, p: TrainingParameters) -> TrainingSession:
-    """The legacy session; a refused option becomes a ConfigError naming the config key that set it."""
-    try:
-        return TrainingSession(model, p, backend_options(cfg.training.backend))
-    except ImportError as e:  # training.backend: onnxruntime without the package
-        raise ConfigError("training.backend", str(e)) from None
-    except (ValueError, NotImplementedError) as e:
-        keys = {"use_mixed_precision": "training.mixed_precision",
-                "data_parallel_size": "training.data_parallel_size",
-                "gradient_accumulation_steps": "training.gradient_accumulation_steps",
-                **{k: f"training.parameters.{k}" for k in cfg.training.parameters}}
-        hit = next((key for prop, key in keys.items() if prop in str(e)), None)
-        if hit is None:
-            raise
-        prefix = "not implemented yet: " if isinstance(e, NotImplementedError) else ""
-        raise ConfigError(hit, prefix + str(e)) from None
-
-
-def feed_names(cfg: Config, model: onnx.ModelProto, ds: data_mod.Dataset) -> data_mod.Dataset:
-    """``ds`` keyed by the model's input names and cast to their element types."""
-    inputs = user_inputs(model)
-    label = cfg.model.labels
-    if isinstance(cfg.data, FilesData):
-        for k in cfg.data.feeds:
-            if k not in inputs:
-                raise ConfigError(f"data.feeds.{k}", f"{k!r} is not an input of the model; inputs: {inputs}")
-        rename = {k: k for k in cfg.data.feeds}
-    else:
-        others = [i for i in inputs if i != label]
-        if len(others) != 1:
-            raise ConfigError("data.source", f"{cfg.data.source} data feeds one input and the labels, but "
-                                             f"the model has inputs {inputs}; use source: files with feeds")
-        rename = {"x": others[0], "y": label}
-    missing = [i for i in inputs if i not in rename.values()]
-    if missing:
-        raise ConfigError("data.feeds", f"no array for model input(s) {missing}")
-    types = {v.name: v.type.tensor_type.elem_type for v in model.graph.input}
-
-    def convert(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = {}
-        for k, v in arrays.items():
-            name = rename[k]
-            dt = helper.tensor_dtype_to_np_dtype(types[name]) if types.get(name) else v.dtype
-            out[name] = np.ascontiguousarray(v, dtype=dt)
-        return out
-
-    return data_mod.Dataset(convert(ds.train), convert(ds.eval))
-
-
-class Evaluator:
-    """Loss and accuracy over the eval set, on an inference-mode copy of the model fed the current weights.
-
-    With ``comm`` (several ranks) each rank scores its shard of the eval set and the sums are combined.
-    """
-
-    def __init__(self, cfg: Config, model: onnx.ModelProto, weight_names: list[str],
-                 comm: parallel.Communicator | None = None):
-        self.cfg = cfg
-        self.comm = comm
-        self.names = [cfg.model.loss, cfg.model.logits]
-        self.weight_names = weight_names
-        self.plan = make_plan(inference_model(model, self.names, as_inputs=weight_names),
-                              cfg.training.backend)
-
-    def __call__(self, arrays: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> dict[str, float]:
-        w = {n: weights[n] for n in self.weight_names}
-        labels_name = self.cfg.model.labels
-        if self.comm is not None:
-            arrays = {k: parallel.shard(v, self.comm.rank, self.comm.size, drop_remainder=False)
-                      for k, v in arrays.items()}
-        loss_sum, n, correct, count = 0.0, 0, 0, 0
-        for batch in data_mod.eval_batches(arrays, self.cfg.training.eval_batch_size):
-            loss, logits = self.plan.run({**batch, **w}, self.names)
-            labels = batch[labels_name]
-            k = len(labels)
-            loss_sum += float(loss) * k
-            n += k
-            if np.issubdtype(labels.dtype, np.integer) and logits.ndim == labels.ndim + 1:
-                correct += int(np.count_nonzero(logits.argmax(axis=1) == labels))
-                count += labels.size
-        if self.comm is not None:
-            sums = self.comm.allreduce_(np.array([loss_sum, n, correct, count], np.float64), "eval sums")
-            loss_sum, n, correct, count = float(sums[0]), int(sums[1]), int(sums[2]), int(sums[3])
-        out = {"eval_loss": loss_sum / max(n, 1)}
-        if count:
-            out["eval_accuracy"] = correct / count
-        return out
-
-
-def export_model(model: onnx.ModelProto, cfg: Config, weights: dict[str, np.ndarray], path: str) -> None:
-    """Write the plain inference model (logits only, trained weights as initializers) to ``path``."""
-    m = inference_model(model, [cfg.model.logits], weights=weights)
-    m.producer_name = "onnxtrain"
-    onnx.checker.check_model(m, full_check=True)
-    save_model_atomic(m, path)
-
-
-def plot_metrics(records: list[dict[str, Any]], path: str, title: str) -> None:
-    """Train/eval loss and eval accuracy against step, as a PNG (matplotlib, Agg backend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    ev = [r for r in records if "eval_loss" in r]
-    acc = [(r["step"], r["eval_accuracy"]) for r in ev if "eval_accuracy" in r]
-    fig, axes = plt.subplots(1, 2 if acc else 1, figsize=(10 if acc else 5.5, 4), squeeze=False)
-    ax = axes[0][0]
-    if train:
-        ax.plot(*zip(*train), label="train loss", lw=1)
-    if ev:
-        ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="eval loss", ms=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    if train and min(v for _, v in train) > 0:
-        ax.set_yscale("log")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    if acc:
-        ax = axes[0][1]
-        ax.plot(*zip(*acc), "o-", color="tab:green", ms=3)
-        ax.set_xlabel("step")
-        ax.set_ylabel("eval accuracy")
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=100))
-    plt.close(fig)
 
 
 class _Interrupts:
@@ -353,7 +147,7 @@ class Trainer:
         self.model = build_model(cfg)
         self.data = feed_names(cfg, self.model, data_mod.load_data(cfg))
         self.params = training_parameters(cfg, self.model)
-        self.sess = _session(cfg, self.model, self.params)
+        self.sess = make_session(cfg, self.model, self.params)
         self.trained = trainable_names(self.sess)
         self.layout = optimizer_layout(self.sess, self.comm)
         inits = {i.name for i in self.model.graph.initializer}
@@ -618,25 +412,3 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
-
-
-def load_for_inference(cfg: Config, checkpoint: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """The config's model and the weights of ``checkpoint`` (a file or a run folder)."""
-    path = find_checkpoint(checkpoint)
-    ckpt = load_checkpoint(path)
-    model = build_model(cfg)
-    weights = checkpoint_weights(ckpt)
-    inits = {t.name for t in model.graph.initializer}
-    missing = sorted(set(ckpt.trainable) - inits)
-    if missing:
-        raise ValueError(f"checkpoint {path} does not fit the config's model: "
-                         f"no initializer(s) {missing[:5]}")
-    return model, weights
-
-
-def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:
-    """Eval loss and accuracy of ``checkpoint`` on the config's eval data."""
-    model, weights = load_for_inference(cfg, checkpoint)
-    data = feed_names(cfg, model, data_mod.load_data(cfg))
-    names = [t.name for t in model.graph.initializer if t.name in weights]
-    return Evaluator(cfg, model, names)(data.eval, weights)

@@ -7,8 +7,8 @@ import pytest
 
 from onnxtrain.cli import main
 from onnxtrain.train.config import ConfigError, load_config
-from onnxtrain.train.loop import training_parameters
 from onnxtrain.train.model import build_model
+from onnxtrain.train.session import training_parameters
 from tests.train.conftest import config_path
 
 MLP = {"model": {"builder": "mlp", "args": {"sizes": [64, 16, 10]}}, "training": {"steps": 2}}

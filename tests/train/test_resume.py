@@ -16,7 +16,7 @@ from onnxtrain.checkpoint import load_checkpoint
 from onnxtrain.cli import main
 from onnxtrain.train import Trainer, load_config
 from onnxtrain.train.config import ConfigError
-from onnxtrain.train.loop import list_checkpoints
+from onnxtrain.train.outputs import list_checkpoints
 from tests.train.conftest import REPO, config_path
 
 # long enough that SIGINT lands mid-run; checkpoints often, so the first one comes early

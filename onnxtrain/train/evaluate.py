@@ -1,0 +1,78 @@
+"""Eval loss and accuracy: during a run (sharded over MPI ranks) and of a saved checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from onnxtrain import parallel
+from onnxtrain.checkpoint import load_checkpoint
+from onnxtrain.engine.backends import make_plan
+from onnxtrain.train import data as data_mod
+from onnxtrain.train.config import Config
+from onnxtrain.train.model import build_model, inference_model
+from onnxtrain.train.outputs import find_checkpoint
+from onnxtrain.train.session import feed_names
+from onnxtrain.train.state import checkpoint_weights
+
+
+class Evaluator:
+    """Loss and accuracy over the eval set, on an inference-mode copy of the model fed the current weights.
+
+    With ``comm`` (several ranks) each rank scores its shard of the eval set and the sums are combined.
+    """
+
+    def __init__(self, cfg: Config, model: onnx.ModelProto, weight_names: list[str],
+                 comm: parallel.Communicator | None = None):
+        self.cfg = cfg
+        self.comm = comm
+        self.names = [cfg.model.loss, cfg.model.logits]
+        self.weight_names = weight_names
+        self.plan = make_plan(inference_model(model, self.names, as_inputs=weight_names),
+                              cfg.training.backend)
+
+    def __call__(self, arrays: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> dict[str, float]:
+        w = {n: weights[n] for n in self.weight_names}
+        labels_name = self.cfg.model.labels
+        if self.comm is not None:
+            arrays = {k: parallel.shard(v, self.comm.rank, self.comm.size, drop_remainder=False)
+                      for k, v in arrays.items()}
+        loss_sum, n, correct, count = 0.0, 0, 0, 0
+        for batch in data_mod.eval_batches(arrays, self.cfg.training.eval_batch_size):
+            loss, logits = self.plan.run({**batch, **w}, self.names)
+            labels = batch[labels_name]
+            k = len(labels)
+            loss_sum += float(loss) * k
+            n += k
+            if np.issubdtype(labels.dtype, np.integer) and logits.ndim == labels.ndim + 1:
+                correct += int(np.count_nonzero(logits.argmax(axis=1) == labels))
+                count += labels.size
+        if self.comm is not None:
+            sums = self.comm.allreduce_(np.array([loss_sum, n, correct, count], np.float64), "eval sums")
+            loss_sum, n, correct, count = float(sums[0]), int(sums[1]), int(sums[2]), int(sums[3])
+        out = {"eval_loss": loss_sum / max(n, 1)}
+        if count:
+            out["eval_accuracy"] = correct / count
+        return out
+
+
+def load_for_inference(cfg: Config, checkpoint: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The config's model and the weights of ``checkpoint`` (a file or a run folder)."""
+    path = find_checkpoint(checkpoint)
+    ckpt = load_checkpoint(path)
+    model = build_model(cfg)
+    weights = checkpoint_weights(ckpt)
+    inits = {t.name for t in model.graph.initializer}
+    missing = sorted(set(ckpt.trainable) - inits)
+    if missing:
+        raise ValueError(f"checkpoint {path} does not fit the config's model: "
+                         f"no initializer(s) {missing[:5]}")
+    return model, weights
+
+
+def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:
+    """Eval loss and accuracy of ``checkpoint`` on the config's eval data."""
+    model, weights = load_for_inference(cfg, checkpoint)
+    data = feed_names(cfg, model, data_mod.load_data(cfg))
+    names = [t.name for t in model.graph.initializer if t.name in weights]
+    return Evaluator(cfg, model, names)(data.eval, weights)

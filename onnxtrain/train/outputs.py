@@ -1,0 +1,87 @@
+"""A run folder's files: where checkpoints go and which are there, the metrics plot, the exported model."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnxtrain.ir.io import save_model_atomic, write_atomic
+from onnxtrain.train.config import Config
+from onnxtrain.train.model import inference_model
+
+_CKPT = re.compile(r"^step_(\d+)\.ckpt$")
+
+
+def output_dir(cfg: Config, override: str | None = None) -> str:
+    return override or cfg.output.dir or os.path.join("runs", cfg.name)
+
+
+def checkpoint_path(folder: str, step: int) -> str:
+    return os.path.join(folder, "checkpoints", f"step_{step:08d}.ckpt")
+
+
+def list_checkpoints(folder: str) -> list[tuple[int, str]]:
+    """(step, path) of the complete checkpoints of a run folder, oldest first."""
+    d = os.path.join(folder, "checkpoints")
+    if not os.path.isdir(d):
+        return []
+    found = [(int(m.group(1)), os.path.join(d, f)) for f in os.listdir(d) if (m := _CKPT.match(f))]
+    return sorted(found)
+
+
+def find_checkpoint(path: str) -> str:
+    """``path`` if it is a checkpoint file, else the latest checkpoint of the run folder ``path``."""
+    if os.path.isfile(path):
+        return path
+    if os.path.isdir(path):
+        found = list_checkpoints(path)
+        if found:
+            return found[-1][1]
+        raise FileNotFoundError(f"no checkpoint in {os.path.join(path, 'checkpoints')}")
+    raise FileNotFoundError(f"checkpoint not found: {path}")
+
+
+def export_model(model: onnx.ModelProto, cfg: Config, weights: dict[str, np.ndarray], path: str) -> None:
+    """Write the plain inference model (logits only, trained weights as initializers) to ``path``."""
+    m = inference_model(model, [cfg.model.logits], weights=weights)
+    m.producer_name = "onnxtrain"
+    onnx.checker.check_model(m, full_check=True)
+    save_model_atomic(m, path)
+
+
+def plot_metrics(records: list[dict[str, Any]], path: str, title: str) -> None:
+    """Train/eval loss and eval accuracy against step, as a PNG (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    ev = [r for r in records if "eval_loss" in r]
+    acc = [(r["step"], r["eval_accuracy"]) for r in ev if "eval_accuracy" in r]
+    fig, axes = plt.subplots(1, 2 if acc else 1, figsize=(10 if acc else 5.5, 4), squeeze=False)
+    ax = axes[0][0]
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1)
+    if ev:
+        ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="eval loss", ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    if train and min(v for _, v in train) > 0:
+        ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    if acc:
+        ax = axes[0][1]
+        ax.plot(*zip(*acc), "o-", color="tab:green", ms=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel("eval accuracy")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    plt.close(fig)
