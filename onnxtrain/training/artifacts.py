@@ -87,7 +87,7 @@ from onnxtrain.autodiff.builder import GradientError, build_gradient_model, upgr
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute as recompute_pass
 from onnxtrain.ir.builder import model_opset
-from onnxtrain.ir.graphs import node_reads
+from onnxtrain.ir.graphs import node_reads, path_to
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.training import onnxblock
 from onnxtrain.training.api._accumulation import ACCUMULATED_SUFFIX as ACC_OUT_SUFFIX
@@ -459,7 +459,7 @@ def _gradient_model(
             f"{shape}; give a loss (loss=LossType..., a custom block) or make the model's first "
             "output a scalar loss"
         )
-    ancestors = _ancestors(m.graph, loss)
+    _, ancestors = path_to(m.graph.node, [loss])
     unreachable = [p for p in trainable if p not in ancestors]
     if not unreachable:
         try:
@@ -506,22 +506,6 @@ def _shape(tp: onnx.TypeProto | None) -> list[int | str] | None:
     return [
         d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tp.tensor_type.shape.dim
     ]
-
-
-def _ancestors(g: onnx.GraphProto, target: str) -> set[str]:
-    """Every value ``target`` depends on (what control-flow bodies read included)."""
-    producer = {o: n for n in g.node for o in n.output if o}
-    seen = {target}
-    todo = [target]
-    while todo:
-        n = producer.get(todo.pop())
-        if n is None:
-            continue
-        for i in node_reads(n):
-            if i not in seen:
-                seen.add(i)
-                todo.append(i)
-    return seen
 
 
 def _with_accumulation(m: onnx.ModelProto, trainable: list[str]) -> onnx.ModelProto:
