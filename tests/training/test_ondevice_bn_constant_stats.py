@@ -25,32 +25,16 @@ from tests.ortt import PREAMBLE, ensure_ortt
 
 torch = pytest.importorskip("torch")
 
-from tests.training.test_ondevice_bn_running_stats import _CNN, _batch  # noqa: E402
+from tests.training.bn_cnn import STATS, batch, export_cnn  # noqa: E402
 
 STEPS, LR = 4, 0.1
-STATS = ("bn.running_mean", "bn.running_var")
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """(folder, the torch net with the exported values, the exported model in training mode)."""
-    torch.manual_seed(0)
-    net = _CNN()
-    with torch.no_grad():  # statistics away from the defaults, so that an update shows
-        net.bn.running_mean.uniform_(-0.5, 0.5)
-        net.bn.running_var.uniform_(0.5, 2.0)
     folder = tmp_path_factory.mktemp("bn_const")
-    path = str(folder / "cnn.onnx")
-    net.train()
-    torch.onnx.export(net, torch.randn(2, 1, 8, 8), path, input_names=["input"], output_names=["output"],
-                      dynamic_axes={"input": {0: "b"}}, dynamo=False, opset_version=17,
-                      training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
-    model = onnx.load(path)
-    with torch.no_grad():  # the export ran the net in training mode: back to the exported values
-        sd = net.state_dict()
-        for t in model.graph.initializer:
-            if t.name in sd:
-                sd[t.name].copy_(torch.from_numpy(onnx.numpy_helper.to_array(t).copy()))
+    net, model = export_cnn(folder)
     return folder, net, model
 
 
@@ -71,7 +55,7 @@ def _train(folder: str) -> tuple[CheckpointState, Module, list[float]]:
     opt.set_learning_rate(LR)
     losses = []
     for i in range(STEPS):
-        losses.append(float(module(*_batch(i))))
+        losses.append(float(module(*batch(i))))
         opt.step()
         module.lazy_reset_grad()
     return state, module, losses
@@ -113,7 +97,7 @@ def test_constant_running_stats_untouched_like_onnxruntime_training(exported):
     os.makedirs(theirs, exist_ok=True)
     os.makedirs(ours, exist_ok=True)
     data = str(folder / "batches.npz")
-    np.savez(data, **{f"{k}{i}": v for i in range(STEPS) for k, v in zip("xy", _batch(i))})
+    np.savez(data, **{f"{k}{i}": v for i in range(STEPS) for k, v in zip("xy", batch(i))})
     ort_saved = str(folder / "ort_saved.ckpt")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     proc = subprocess.run([python, "-c", _ORT_SCRIPT, json.dumps([str(folder / "cnn.onnx"), theirs, trainable,
@@ -167,7 +151,7 @@ def test_constant_running_stats_untouched_like_onnxruntime_training(exported):
         for s in STATS:
             sd[s].copy_(torch.from_numpy(original[s]))
     net.eval()
-    x, y = _batch(99)
+    x, y = batch(99)
     want = torch.nn.functional.cross_entropy(net(torch.tensor(x)), torch.tensor(y)).item()
     module.eval()
     assert float(module(x, y)) == pytest.approx(want, rel=1e-5, abs=1e-6)

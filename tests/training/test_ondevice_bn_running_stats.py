@@ -24,47 +24,16 @@ from tests.ortt import PREAMBLE, ensure_ortt
 
 torch = pytest.importorskip("torch")
 
-STEPS, BATCH, LR = 4, 6, 0.1
-STATS = ("bn.running_mean", "bn.running_var")
+from tests.training.bn_cnn import BATCH, STATS, batch, export_cnn  # noqa: E402
 
-
-class _CNN(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = torch.nn.Conv2d(1, 4, 3)
-        self.bn = torch.nn.BatchNorm2d(4)
-        self.fc = torch.nn.Linear(4 * 3 * 3, 3)
-
-    def forward(self, x):
-        h = torch.nn.functional.max_pool2d(torch.relu(self.bn(self.conv(x))), 2)
-        return self.fc(torch.flatten(h, 1))
-
-
-def _batch(i: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(10 + i)
-    return rng.standard_normal((BATCH, 1, 8, 8)).astype(np.float32) * 2 + 0.5, rng.integers(0, 3, BATCH)
+STEPS, LR = 4, 0.1
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """(folder, the torch net with the exported values, the exported model in training mode)."""
-    torch.manual_seed(0)
-    net = _CNN()
-    with torch.no_grad():  # statistics away from the defaults, so that a stale value shows
-        net.bn.running_mean.uniform_(-0.5, 0.5)
-        net.bn.running_var.uniform_(0.5, 2.0)
     folder = tmp_path_factory.mktemp("bn_stats")
-    path = str(folder / "cnn.onnx")
-    net.train()
-    torch.onnx.export(net, torch.randn(2, 1, 8, 8), path, input_names=["input"], output_names=["output"],
-                      dynamic_axes={"input": {0: "b"}}, dynamo=False, opset_version=17,
-                      training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
-    model = onnx.load(path)
-    with torch.no_grad():  # the export ran the net in training mode: back to the exported values
-        sd = net.state_dict()
-        for t in model.graph.initializer:
-            if t.name in sd:
-                sd[t.name].copy_(torch.from_numpy(onnx.numpy_helper.to_array(t).copy()))
+    net, model = export_cnn(folder)
     return folder, net, model
 
 
@@ -94,7 +63,7 @@ def _train_onnxtrain(folder: str, steps: int = STEPS) -> tuple[CheckpointState, 
     held = {s: state.parameters[s].data for s in STATS}
     history = []
     for i in range(steps):
-        module(*_batch(i))
+        module(*batch(i))
         opt.step()
         module.lazy_reset_grad()
         history.append({s: state.parameters[s].data.copy() for s in STATS})
@@ -116,7 +85,7 @@ def test_running_stats_follow_torch(exported):
     n = BATCH * 6 * 6  # values per channel that BatchNorm2d averages
     rv = torch.tensor(before["bn.running_var"])
     for i in range(STEPS):
-        x, y = _batch(i)
+        x, y = batch(i)
         old_var = net.bn.running_var.clone()
         sgd.zero_grad()
         torch.nn.functional.cross_entropy(net(torch.tensor(x)), torch.tensor(y)).backward()
@@ -133,7 +102,7 @@ def test_running_stats_follow_torch(exported):
     with torch.no_grad():
         net.bn.running_var.copy_(torch.tensor(state.parameters["bn.running_var"].data))
     net.eval()
-    x, y = _batch(99)
+    x, y = batch(99)
     want = torch.nn.functional.cross_entropy(net(torch.tensor(x)), torch.tensor(y)).item()
     module.eval()
     assert float(module(x, y)) == pytest.approx(want, rel=1e-5, abs=1e-6)
@@ -158,7 +127,7 @@ def test_user_outputs_unchanged_and_accumulation(exported):
                                      .graph.output if not o.name.endswith("_grad.accumulation.out")]
     seen = [state.parameters["bn.running_mean"].data.copy()]
     for i in range(3):  # no reset: accumulating calls
-        module(*_batch(i))
+        module(*batch(i))
         seen.append(state.parameters["bn.running_mean"].data.copy())
     assert all(not np.array_equal(a, b) for a, b in zip(seen, seen[1:]))
 
@@ -203,7 +172,7 @@ def test_running_stats_match_onnxruntime_training(exported):
     theirs = str(folder / "ort")
     os.makedirs(theirs, exist_ok=True)
     data = str(folder / "batches.npz")
-    np.savez(data, **{f"{k}{i}": v for i in range(STEPS) for k, v in zip("xy", _batch(i))})
+    np.savez(data, **{f"{k}{i}": v for i in range(STEPS) for k, v in zip("xy", batch(i))})
     base = str(folder / "cnn.onnx")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     proc = subprocess.run([python, "-c", _ORT_SCRIPT, json.dumps([base, theirs, [theirs], data,
