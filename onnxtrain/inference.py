@@ -189,6 +189,13 @@ class InferenceSession:
         input_feed: Mapping[str, Any],
         run_options: RunOptions | None = None,
     ) -> list[np.ndarray]:
+        """The outputs ``output_names`` (all when None) of a run on ``input_feed``: the session's ``_run``."""
+        return self._run(output_names, input_feed, run_options or RunOptions())
+
+    def _run(
+        self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], ro: RunOptions
+    ) -> list[np.ndarray]:
+        """The model's outputs on the checked feeds (the run options change nothing in inference)."""
         feeds = self._check(input_feed)
         names = list(output_names) if output_names else None
         if self._splitter is not None:

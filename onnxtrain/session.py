@@ -100,7 +100,19 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         provider_options: Sequence[dict] | None = None,
     ):
         check_arguments(path_or_bytes, parameters)
-        p = parameters
+        self._params = parameters
+        self._sess_options = sess_options or SessionOptions()
+        self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
+        self._providers, self._provider_options = backend_providers(
+            self._backend, providers, provider_options
+        )
+        self._fallback = True
+        self._build(path_or_bytes)
+
+    def _build(self, path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto) -> None:
+        """The session's graphs and state from the model (the options and backend are kept): one process's,
+        or one replica's under data parallelism; the sessions that cut the model build their own."""
+        p = self._params
         pending = p.unsupported_options()
         if pending:
             raise NotImplementedError(
@@ -109,20 +121,13 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         idle = p.pipeline_only_options()
         if idle:
             warnings.warn(f"TrainingParameters option(s) {', '.join(idle)} have no effect with "
-                          "pipeline_parallel_size=1", stacklevel=2)
+                          "pipeline_parallel_size=1", stacklevel=3)
         self._dp = resolve_parallel(p)
         if p.gradient_accumulation_mode not in ("legacy", "auto"):
             raise ValueError(
                 f"gradient_accumulation_mode must be 'legacy' or 'auto', got {p.gradient_accumulation_mode!r}"
             )
-        self._params = p
-        self._sess_options = sess_options or SessionOptions()
-        self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
-        self._providers, self._provider_options = backend_providers(
-            self._backend, providers, provider_options
-        )
         self._start_ns = time.time_ns()
-        self._fallback = True
         model = load_model(path_or_bytes)
         self._user_meta = metadata_of(model)  # what get_modelmeta reports: the user's model, not the step's
         self._opt = (get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
@@ -254,14 +259,10 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         return names
 
     # ---- running ----------------------------------------------------------------------
-    def run(
-        self,
-        output_names: Sequence[str] | None,
-        input_feed: Mapping[str, Any],
-        run_options: RunOptions | None = None,
+    def _run(
+        self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], ro: RunOptions
     ) -> list[np.ndarray]:
         """Forward, backward and (when due) the optimizer update; returns the requested outputs."""
-        ro = run_options or RunOptions()
         names = self._output_list(output_names)
         kind = self._kind(names, ro)
         feeds = self._check(input_feed, self._graphs.user_inputs if kind != "full" else None)

@@ -8,7 +8,6 @@ the feed checks, the optimizer attribute checks and the introspection methods. T
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -17,9 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain.capi.options import RunOptions, SessionOptions
-from onnxtrain.engine.backends import backend_of
-from onnxtrain.engine.backends import resolve_providers as backend_providers
+from onnxtrain.capi.options import RunOptions
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo
 from onnxtrain.inference import NodeArg, node_arg
@@ -27,7 +24,7 @@ from onnxtrain.ir.builder import value_types
 from onnxtrain.parallel import BucketReducer, Communicator, world
 from onnxtrain.parallel.fingerprint import array_digest, digest
 from onnxtrain.parameters import TrainingParameters
-from onnxtrain.session import TrainingSession, check_arguments
+from onnxtrain.session import TrainingSession
 from onnxtrain.training_graph import TRAINING_MODE
 
 # options no cut session honours yet: name → its default (each subclass adds its own)
@@ -46,18 +43,10 @@ class CutModelSession(TrainingSession):
 
     what = "this parallelism"  # names the mode in errors
 
-    def _setup(
-        self,
-        path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto,
-        parameters: TrainingParameters,
-        refused: Mapping[str, Any],
-        sess_options: SessionOptions | None,
-        providers: Sequence[Any] | None,
-        provider_options: Sequence[dict] | None,
-    ) -> None:
-        """Check the arguments and the options ``refused`` (name → default); keep options and backend."""
-        check_arguments(path_or_bytes, parameters)
-        p = parameters
+    def _setup(self, refused: Mapping[str, Any]) -> None:
+        """Check the options ``refused`` (name → default) and those every cut session needs; the defaults
+        of what the subclasses build."""
+        p = self._params
         bad = [k for k, d in refused.items() if getattr(p, k) != d]
         if bad:
             raise NotImplementedError(
@@ -69,13 +58,6 @@ class CutModelSession(TrainingSession):
             raise ValueError(
                 "TrainingParameters.loss_output_name is empty: name the loss tensor of the model"
             )
-        self._params = p
-        self._sess_options = sess_options or SessionOptions()
-        self._backend = backend_of(self._sess_options)
-        self._providers, self._provider_options = backend_providers(
-            self._backend, providers, provider_options
-        )
-        self._fallback = True
         self._dp = None
         self._zero = None
         self.loss_scale_input_name = None
@@ -100,7 +82,7 @@ class CutModelSession(TrainingSession):
             warnings.warn(
                 f"data_parallel_size={p.data_parallel_size} times {option}={parts} is not the world size "
                 f"{size}: using data_parallel_size={replicas}",
-                stacklevel=4,
+                stacklevel=5,
             )
         self.data_parallel_size = replicas
         return replicas
@@ -160,16 +142,12 @@ class CutModelSession(TrainingSession):
         return out
 
     # ---- running -------------------------------------------------------------------------
-    def run(
-        self,
-        output_names: Sequence[str] | None,
-        input_feed: Mapping[str, Any],
-        run_options: RunOptions | None = None,
+    def _run(
+        self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], ro: RunOptions
     ) -> list[np.ndarray]:
         """Forward, backward and update (or a micro-step's forward and backward, or with
         ``only_execute_path_to_fetches`` a forward pass); a collective: every rank calls it with the same
         feeds (a replica's ranks, with data parallelism)."""
-        ro = run_options or RunOptions()
         names = self._output_list(output_names)
         feeds = self._checked(input_feed)
         # as the single-process session: a run updates unless it asks for the forward's outputs alone or is

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import onnx
 
 from onnxtrain.autodiff.builder import upgrade_opset
-from onnxtrain.capi.options import SessionOptions
 from onnxtrain.engine.plan import load_model
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import get_communicator
@@ -34,7 +33,7 @@ from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.megatron import find_mlp_blocks, shard_blocks, share_name, take_share
 from onnxtrain.parallel.pipeline import partition
 from onnxtrain.parallel.stage_graphs import NORM, StageGraphs, build_stage_graphs, check_stage_nodes
-from onnxtrain.parameters import PIPELINE, TrainingParameters
+from onnxtrain.parameters import PIPELINE
 from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint, squared_sum
 from onnxtrain.training_graph import build_update_graph, select_trainable
 
@@ -61,16 +60,9 @@ class HorizontalTrainingSession(CutModelSession):
 
     what = "horizontal_parallel_size > 1"
 
-    def __init__(
-        self,
-        path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto,
-        parameters: TrainingParameters,
-        sess_options: SessionOptions | None = None,
-        providers: Sequence[Any] | None = None,
-        provider_options: Sequence[dict] | None = None,
-    ):
-        self._setup(path_or_bytes, parameters, _REFUSED, sess_options, providers, provider_options)
-        p = parameters
+    def _build(self, path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto) -> None:
+        self._setup(_REFUSED)
+        p = self._params
         h = p.horizontal_parallel_size
         self._replicas(p, h, "horizontal_parallel_size")
         model = upgrade_opset(load_model(path_or_bytes))
@@ -87,7 +79,7 @@ class HorizontalTrainingSession(CutModelSession):
             warnings.warn(
                 f"horizontal_parallel_size={h}: no MLP block of the model splits over {h} ranks (see "
                 "the README); every rank computes the whole model",
-                stacklevel=3,
+                stacklevel=4,
             )
         self._blocks = blocks
         sharded, cuts, self._split = shard_blocks(model, blocks, self._comm.rank, h)

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import onnx
 
 from onnxtrain.autodiff.builder import upgrade_opset
-from onnxtrain.capi.options import SessionOptions
 from onnxtrain.engine.plan import load_model
 from onnxtrain.graph_transforms.mixed_precision import (
     ALL_FINITE,
@@ -49,7 +48,6 @@ from onnxtrain.parallel import get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stage_nodes
-from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint, squared_sum
 from onnxtrain.training_graph import select_trainable
 
@@ -77,16 +75,9 @@ class PipelineTrainingSession(CutModelSession):
 
     what = "pipeline_parallel_size > 1"
 
-    def __init__(
-        self,
-        path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto,
-        parameters: TrainingParameters,
-        sess_options: SessionOptions | None = None,
-        providers: Sequence[Any] | None = None,
-        provider_options: Sequence[dict] | None = None,
-    ):
-        self._setup(path_or_bytes, parameters, _REFUSED, sess_options, providers, provider_options)
-        p = parameters
+    def _build(self, path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto) -> None:
+        self._setup(_REFUSED)
+        p = self._params
         self._micro = p.num_pipeline_micro_batches
         if isinstance(self._micro, bool) or not isinstance(self._micro, int) or self._micro < 1:
             raise ValueError(f"num_pipeline_micro_batches must be an int >= 1, got {self._micro!r}")
@@ -104,7 +95,7 @@ class PipelineTrainingSession(CutModelSession):
         replicas = self._replicas(p, p.pipeline_parallel_size, "pipeline_parallel_size")
         if self._sess_options.enable_profiling:
             warnings.warn(
-                "SessionOptions.enable_profiling: a pipelined session records no profile yet", stacklevel=3
+                "SessionOptions.enable_profiling: a pipelined session records no profile yet", stacklevel=4
             )
         self.loss_scale_input_name = self._mp.loss_scale if self._mp is not None else None
         world_comm = get_communicator()
