@@ -19,6 +19,11 @@ until its backward), averages the gradients over the micro-batches and the data-
 those of weights several stages read, sums the squared gradient norms over the stages and updates. The
 weights move as one process's do with ``gradient_accumulation_steps = micro-batches × replicas`` on the
 same micro-batches. Every rank returns the outputs of its pipeline's last micro-batch.
+With replicas, ``deepspeed_zero_stage=1`` shards each stage's optimizer state over the stage's replicas
+(each updates its ZeRO pieces, :mod:`onnxtrain.parallel.zero`, then the group all-gathers the weights), and
+``enable_adasum`` makes each replica update with its own gradients (its pipeline's norm) and the stage's
+replicas combine the weight deltas by Adasum (:mod:`onnxtrain.parallel.adasum`), as the data-parallel
+session does.
 With ``gradient_accumulation_steps = N`` the gradients add up over N runs as well, and the N-th run updates
 with the mean over all N × micro-batches (micro-steps counted by the session, or marked by the caller as in
 one process's session).
@@ -43,19 +48,19 @@ from onnxtrain.graph_transforms.mixed_precision import (
 )
 from onnxtrain.ir.graphs import node_reads
 from onnxtrain.ir.io import save_model_atomic
-from onnxtrain.optim import get_optimizer
+from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import get_communicator
+from onnxtrain.parallel.adasum import adasum_reduce, is_power_of_two
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stage_nodes
+from onnxtrain.parallel.zero import ZeroLayout, gather_zero_state
 from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint, squared_sum
-from onnxtrain.training_graph import select_trainable
+from onnxtrain.training_graph import build_update_graph, select_trainable
 
 # options a pipelined session cannot honour yet: name → its default
 _REFUSED = {
     "horizontal_parallel_size": 1,
-    "deepspeed_zero_stage": 0,
-    "enable_adasum": False,
     **RECOMPUTE,
 }
 _OPTIONS = (
@@ -67,6 +72,8 @@ _OPTIONS = (
     "training_optimizer_name",
     "enable_grad_norm_clip",
     "use_mixed_precision",
+    "deepspeed_zero_stage",
+    "enable_adasum",
 )
 
 
@@ -93,6 +100,7 @@ class PipelineTrainingSession(CutModelSession):
         )
         check_stage_nodes(model, self._part)
         replicas = self._replicas(p, p.pipeline_parallel_size, "pipeline_parallel_size")
+        self._mode = _exchange_mode(p, replicas)
         if self._sess_options.enable_profiling:
             warnings.warn(
                 "SessionOptions.enable_profiling: a pipelined session records no profile yet", stacklevel=4
@@ -109,6 +117,7 @@ class PipelineTrainingSession(CutModelSession):
         self._shared = _shared_weights(model, self._part, trainable)
         self._shapes = {t.name: tuple(t.dims) for t in model.graph.initializer if t.name in self._shared}
         self._build_stage(model, trainable)
+        self._setup_zero()
         self._interface(model)
         self._setup_accumulation()
         self._check_attribute_maps()
@@ -162,8 +171,10 @@ class PipelineTrainingSession(CutModelSession):
 
     def _get_plan(self, kind: str) -> Any:
         if kind not in self._plans:
-            updates = {o: s for s, o in self._sg.update_outputs.items()} if kind == "update" else None
-            self._plans[kind] = self._new_plan(self._sg.graphs[kind], updates, keep_binding=kind == "update")
+            outputs = {"update": self._sg.update_outputs, "zero_update": getattr(self, "_zero_updates", {})}
+            upd = kind in outputs
+            updates = {o: s for s, o in outputs[kind].items()} if upd else None
+            self._plans[kind] = self._new_plan(self._sg.graphs[kind], updates, keep_binding=upd)
         return self._plans[kind]
 
     @property
@@ -299,7 +310,8 @@ class PipelineTrainingSession(CutModelSession):
         optimizer. Returns ``all_gradients_finite`` under mixed precision (the same on every stage: from the
         norm)."""
         p = self._params
-        eff = self._replicas_average(means)
+        # Adasum: each replica updates with its own gradients (and its own pipeline's norm)
+        eff = means if self._mode == "adasum" else self._replicas_average(means)
         if self._shared:
             self._sum_shared(eff)
         norm = None
@@ -316,13 +328,87 @@ class PipelineTrainingSession(CutModelSession):
         finite = {} if self._mp is None else {ALL_FINITE: np.asarray(bool(np.isfinite(norm)))}
         if not self._sg.trainable:
             return finite
-        plan = self._get_plan("update")
         lr = np.asarray(feeds[p.lr_params_feed_name], np.float32).reshape(1)
         given: dict[str, Any] = {**feeds, p.lr_params_feed_name: lr, **eff}
         if norm is not None:
             given[NORM] = norm
-        self._run_update(plan, self._sg.update_outputs, given)
+        if self._mode == "zero1":
+            self._zero_update(given)
+            return finite
+        old = {w: self._store[w].copy() for w in self._sg.trainable} if self._mode == "adasum" else {}
+        self._run_update(self._get_plan("update"), self._sg.update_outputs, given)
+        if old:  # Adasum: the old weights plus the combination of the stage's replicas' deltas
+            names = list(old)
+            deltas = adasum_reduce(self._data, [self._store[w] - old[w] for w in names])
+            for w, d in zip(names, deltas):
+                self._store[w] = old[w] + d
         return finite
+
+    # ---- ZeRO stage 1 within the stage's replicas -----------------------------------------
+    def _setup_zero(self) -> None:
+        """Under ZeRO stage 1: this replica's pieces of the stage's trained weights, their update graph, and
+        their optimizer state (sliced from the whole state, so a given initial state carries over)."""
+        if self._mode != "zero1" or not self._sg.trainable:
+            return
+        p, sg, store = self._params, self._sg, self._store
+        weights = {w: store[w] for w in sg.trainable}
+        dtypes = {a.dtype for a in weights.values()}
+        if len(dtypes) != 1:
+            raise NotImplementedError(
+                f"deepspeed_zero_stage=1 needs trained weights of one dtype, got {sorted(map(str, dtypes))}"
+            )
+        self._zdtype = dtypes.pop()
+        z = self._zero = ZeroLayout(
+            {w: a.shape for w, a in weights.items()}, self.data_parallel_size, self.data_parallel_rank
+        )
+        elem = onnx.helper.np_dtype_to_tensor_dtype(self._zdtype)
+        slots = [
+            WeightSlot(
+                pc.name,
+                f"{pc.name}_grad",
+                pc.shape,
+                elem,
+                dict(p.optimizer_attributes_map.get(pc.weight, {})),
+                dict(p.optimizer_int_attributes_map.get(pc.weight, {})),
+            )
+            for pc in z.pieces
+        ]
+        self._full_state_names = {sp.name for sp in self._specs}
+        whole = {sp.name: store.pop(sp.name) for sp in self._specs}
+        if slots:
+            clip = p.enable_grad_norm_clip
+            self._sg.graphs["zero_update"], self._zero_updates, _, specs = build_update_graph(
+                sg.graphs["backward"], slots, p, self._opt, clip=clip, norm_input=NORM if clip else None
+            )
+        else:
+            self._zero_updates, specs = {}, []
+        self._specs = specs
+        for sp in specs:
+            pc = z.piece_of.get(sp.weight)
+            full = whole.get(f"{sp.key}_{pc.weight}" if pc is not None else sp.name)
+            if full is None:
+                store[sp.name] = sp.initial.copy()
+            elif pc is not None and sp.initial.shape == pc.shape and full.shape == z.shapes[pc.weight]:
+                store[sp.name] = np.array(z.piece_view(pc, full)).reshape(pc.shape)
+            else:
+                store[sp.name] = np.array(full)
+
+    def _zero_update(self, given: dict[str, Any]) -> None:
+        """Update this replica's pieces with the replicas' mean gradients, then all-gather the weights."""
+        z, store = self._zero, self._store
+        wflat = np.zeros(z.padded, self._zdtype)
+        if z.pieces:
+            feeds = dict(given)
+            for pc in z.pieces:
+                w = store[pc.weight]
+                feeds[pc.name] = w if pc.whole else np.array(z.piece_view(pc, w))
+                feeds[f"{pc.name}_grad"] = z.piece_view(pc, given[f"{pc.weight}_grad"]).reshape(pc.shape)
+            self._run_update(self._get_plan("zero_update"), self._zero_updates, feeds)
+            for pc in z.pieces:
+                value = store[pc.name] if pc.whole else store.pop(pc.name)
+                wflat[pc.offset : pc.offset + pc.stop - pc.start] = value.reshape(-1)
+        self._data.allgather_(wflat, f"ZeRO weight allgather of stage {self._stage} ({wflat.nbytes} bytes)")
+        store.update({w: v.copy() for w, v in z.unflatten(wflat).items()})
 
     def _sum_shared(self, eff: dict[str, np.ndarray]) -> None:
         """A trained weight read in several stages (tied weights) takes the sum of their gradients, on every
@@ -346,9 +432,13 @@ class PipelineTrainingSession(CutModelSession):
     # ---- state --------------------------------------------------------------------------
     def gather_state(self) -> dict[str, np.ndarray]:
         """Every stage's weights and optimizer state, on every rank (a collective), e.g. for rank 0 to write a
-        complete checkpoint that :meth:`load_state` of any stage accepts."""
+        complete checkpoint that :meth:`load_state` of any stage accepts. Under ZeRO each stage's optimizer
+        state is first reassembled over its replicas, under the unpartitioned names."""
+        mine = self.get_state()
+        if self._zero is not None:
+            mine = gather_zero_state(self._data, self._zero, mine, self._zero_full_names())
         state: dict[str, np.ndarray] = {}
-        for part in self._comm.allgather_object(self.get_state(), "gathering the pipeline's state"):
+        for part in self._comm.allgather_object(mine, "gathering the pipeline's state"):
             for k, v in part.items():
                 state.setdefault(k, v)
         return dict(sorted(state.items()))
@@ -359,20 +449,35 @@ class PipelineTrainingSession(CutModelSession):
         once their shapes are checked. ``strict``: this stage's names (not the twins) must all be there."""
         known = set(self._state_names())
         twins = self._half_twins()
+        zero_names = self._zero_full_names() if self._zero is not None else {}
+        covered: set[str] = set()  # this rank's names loaded from unpartitioned ZeRO state
         for name, value in state.items():
             if self._is_twin(name, value, twins):  # this stage's half twins: derived from the masters
                 continue
             if name in known:
                 self._assign(name, value)
+            elif name in zero_names:  # ZeRO: the whole state of a weight, sliced to this replica's pieces
+                arr = np.asarray(value)
+                for local, pc, elementwise in zero_names[name]:
+                    full = elementwise and arr.shape == self._zero.shapes[pc.weight]
+                    self._assign(local, self._zero.piece_view(pc, arr) if full else arr)
+                    covered.add(local)
         if strict:
-            missing = sorted(known - set(state))
+            missing = sorted(known - set(state) - covered)
             if missing:
                 raise KeyError(
                     f"load_state(strict=True): missing state tensor(s) {missing} of stage {self._stage}"
                 )
 
     def get_partition_info_map(self) -> dict[str, dict[str, list[int]]]:
-        return {}
+        z = self._zero
+        if z is None:
+            return {}
+        return {w: {k: list(v) for k, v in d.items()} for w, d in z.partition_info.items()}
+
+    def _all_optimizer_state_names(self) -> set[str]:
+        """This stage's optimizer state names, whichever replica holds them under ZeRO."""
+        return {sp.name for sp in self._specs} | getattr(self, "_full_state_names", set())
 
     def _trained(self) -> list[str]:
         return self._sg.trainable
@@ -387,6 +492,42 @@ class PipelineTrainingSession(CutModelSession):
                 if name not in names:
                     raise ValueError(f"set_optimizer_initial_state: no optimizer state {key!r} for {w!r}")
                 self._assign(name, v)
+
+
+def _exchange_mode(p: Any, replicas: int) -> str | None:
+    """How a stage's replicas combine their updates, as :func:`onnxtrain.parallel.resolve_parallel` decides
+    for the data-parallel session: "allreduce", "zero1", "adasum", or None with one replica."""
+    if p.deepspeed_zero_stage not in (0, 1):
+        raise NotImplementedError(f"deepspeed_zero_stage={p.deepspeed_zero_stage}: only stages 0 and 1 exist")
+    if replicas == 1:
+        for name in ("enable_adasum", "deepspeed_zero_stage"):
+            if getattr(p, name):
+                warnings.warn(
+                    f"TrainingParameters.{name} has no effect with one data-parallel replica", stacklevel=5
+                )
+        return None
+    mode = "allreduce"
+    if p.deepspeed_zero_stage == 1:
+        if p.enable_adasum:
+            warnings.warn(
+                "deepspeed_zero_stage=1 and enable_adasum are both set: ZeRO is used, as in the legacy "
+                "(Adasum is ignored)",
+                stacklevel=5,
+            )
+        mode = "zero1"
+    elif p.enable_adasum:
+        if not is_power_of_two(replicas):
+            raise ValueError(
+                f"enable_adasum needs a power-of-two number of data-parallel replicas, got {replicas}"
+            )
+        mode = "adasum"
+    if mode != "allreduce" and p.use_mixed_precision:
+        raise NotImplementedError(
+            f"TrainingParameters option(s) use_mixed_precision and "
+            f"{'deepspeed_zero_stage' if mode == 'zero1' else 'enable_adasum'} do not combine with "
+            "pipeline_parallel_size > 1 yet"
+        )
+    return mode
 
 
 def _shared_weights(

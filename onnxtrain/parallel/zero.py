@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -101,6 +102,32 @@ class ZeroLayout:
     def local_slice(self, p: Piece) -> slice:
         """Where the piece lives inside this rank's owned block (0 .. per_rank)."""
         return slice(p.offset - self.lo, p.offset - self.lo + (p.stop - p.start))
+
+
+def gather_zero_state(
+    comm: Any,
+    layout: ZeroLayout,
+    state: dict[str, np.ndarray],
+    full_names: dict[str, list[tuple[str, Piece, bool]]],
+) -> dict[str, np.ndarray]:
+    """``state`` (a rank's ``get_state()``) with its pieces' optimizer state replaced by the unpartitioned
+    state reassembled over ``comm`` (a collective over the ZeRO group); ``full_names``: unpartitioned name →
+    [(this rank's name, piece, elementwise)]."""
+    state = dict(state)
+    mine = []
+    for full, parts in full_names.items():
+        for name, pc, elementwise in parts:
+            mine.append((full, pc.weight, pc.start, pc.stop, elementwise, state.pop(name)))
+    gathered: dict[str, np.ndarray] = {}
+    for part in comm.allgather_object(mine, "gathering the ZeRO optimizer state"):
+        for full, w, a, b, elementwise, v in part:
+            if not elementwise:
+                gathered.setdefault(full, v)
+                continue
+            buf = gathered.setdefault(full, np.zeros(layout.shapes[w], v.dtype))
+            buf.reshape(-1)[a:b] = v.reshape(-1)
+    state.update(gathered)
+    return dict(sorted(state.items()))
 
 
 def state_bytes(arrays: Sequence[np.ndarray]) -> int:

@@ -210,8 +210,16 @@ HORIZONTAL = {
     "adam_h2_acc2_legacy": 2,
     "adam_h2x2_acc2_clip": 2,
 }
+# two stages × two replicas with ZeRO stage 1 in each stage, or Adasum, and the same pipeline without
+CASES["adam2x2_clip"] = (mlp_model, 2, "hr", 2, "AdamOptimizer", True)
+CASES["adam2x2_zero_clip"] = CASES["adam2x2_clip"]
+CASES["adam2x2_tied_zero_resumed"] = (tied_model, 2, "t", 2, "AdamOptimizer", True)
+CASES["adam2x2_adasum_clip"] = CASES["adam2x2_clip"]
+ZERO = {"adam2x2_zero_clip", "adam2x2_tied_zero_resumed"}
+ADASUM = {"adam2x2_adasum_clip"}
 # data-parallel replicas (default 1)
 REPLICAS = {"adam2x2_tied_clip": 2, "adam_h2x2_gelu_blocks": 2, "adam_h2x2_acc2_clip": 2}
+REPLICAS.update({c: 2 for c in ("adam2x2_clip", *ZERO, *ADASUM)})
 # the mixed-precision cases' loss scale
 LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30, "adam2_mp_resumed": 256.0}
 
@@ -237,6 +245,8 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
         p.pipeline_cut_info_string = cut
         p.num_pipeline_micro_batches = micro
         p.data_parallel_size = replicas
+        p.deepspeed_zero_stage = int(case in ZERO)
+        p.enable_adasum = case in ADASUM
         if case in ACCUMULATE:
             p.gradient_accumulation_steps = ACCUMULATE[case]
             p.gradient_accumulation_mode = "legacy" if case.endswith("_legacy") else "auto"

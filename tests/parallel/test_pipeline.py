@@ -10,6 +10,7 @@ import onnx
 import pytest
 
 from onnxtrain import RunOptions, TrainingParameters, TrainingSession
+from onnxtrain.parallel.adasum import adasum_reference
 from onnxtrain.parallel.pipeline import CutEdge, parse_cut_info, partition
 from tests.parallel.conftest import run_mpi
 from tests.parallel.pipeline_worker import (
@@ -119,6 +120,69 @@ def test_two_stages_times_two_data_parallel_replicas(tmp_path) -> None:
     compare(got, "adam2x2_tied_clip", 1e-6)
 
 
+@pytest.mark.mpi
+def test_zero_and_adasum_within_each_stage_of_two_by_two(tmp_path) -> None:
+    """mpiexec -n 4, two stages × two replicas. ZeRO stage 1 shards each stage's Adam state over its two
+    replicas: the same weights as the pipeline without it (and one process), its gathered state the
+    unsharded one, also when resumed from it halfway (tied weights). Adasum: each replica updates with its
+    own gradients, the stage's replicas combine the deltas; checked against one process per replica whose
+    deltas the float64 formula (``adasum_reference``) combines."""
+    zero = ["adam2x2_zero_clip", "adam2x2_tied_zero_resumed"]
+    got = pipelined(tmp_path, ["adam2x2_clip", *zero, "adam2x2_adasum_clip"], 4)
+    for case in zero:
+        compare(got, case, 1e-6)
+    plain = {k.split("/", 1)[1]: v for k, v in got.items() if k.startswith("adam2x2_clip/")}
+    sharded = {k.split("/", 1)[1]: v for k, v in got.items() if k.startswith("adam2x2_zero_clip/")}
+    assert sorted(plain) == sorted(sharded)
+    for k, v in plain.items():
+        np.testing.assert_allclose(sharded[k], v, rtol=1e-7, atol=1e-8, err_msg=k)
+    losses, state = adasum_oracle("adam2x2_adasum_clip")
+    case = "adam2x2_adasum_clip"
+    np.testing.assert_allclose(got[f"{case}/losses"], losses, rtol=1e-5, err_msg=case)
+    assert sorted(k.split("/", 2)[2] for k in got if k.startswith(f"{case}/state/")) == sorted(state)
+    for k, v in state.items():
+        np.testing.assert_allclose(got[f"{case}/state/{k}"], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    # Adasum is not the mean: the pipeline without it ends elsewhere
+    assert not np.allclose(got[f"{case}/state/W1"], got["adam2x2_clip/state/W1"], rtol=1e-4, atol=0)
+
+
+def adasum_oracle(case: str) -> tuple[list[float], dict[str, np.ndarray]]:
+    """One process per replica (accumulating its micro-batches only, clipping by its own gradients' norm,
+    keeping its own Adam state); after each step the replicas' weight deltas are combined by
+    ``adasum_reference`` (float64) and both take the old weights plus it. Returns replica 0's losses and
+    state."""
+    build, _, _, micro, *_ = CASES[case]
+    model = build()
+    replicas = REPLICAS[case]
+    sessions = [
+        TrainingSession(model.SerializeToString(), _per_replica(case, model)) for _ in range(replicas)
+    ]
+    names = [t.name for t in model.graph.initializer]
+    losses = []
+    for feeds in case_feeds(case, STEPS):
+        old = sessions[0].get_state()
+        deltas = []
+        for r, sess in enumerate(sessions):
+            for k in range(micro):
+                part = {n: np.split(np.split(v, replicas)[r], micro)[k] for n, v in feeds.items()}
+                (loss,) = sess.run(["loss"], {**part, "Learning_Rate": LR})
+                if r == 0 and k == micro - 1:
+                    losses.append(float(loss))
+            new = sess.get_state()
+            deltas.append([new[w].astype(np.float64) - old[w] for w in names])
+        combined = adasum_reference(deltas)
+        weights = {w: (old[w] + d).astype(old[w].dtype) for w, d in zip(names, combined)}
+        for sess in sessions:
+            sess.load_state(weights)
+    return losses, sessions[0].get_state()
+
+
+def _per_replica(case: str, model: onnx.ModelProto) -> TrainingParameters:
+    p = parameters(case, model, False)
+    p.gradient_accumulation_steps = CASES[case][3]
+    return p
+
+
 def torch_transformer_case(tmp_path, monkeypatch, case: str, tol: float) -> None:
     """Run ``case`` on torch's export of a transformer encoder layer (dropout 0) and compare with one
     process (the worker and the reference read the model from ``$PIPELINE_TORCH_MODEL``)."""
@@ -222,8 +286,8 @@ def test_pipeline_session_errors_in_one_process() -> None:
 
     with pytest.raises(ValueError, match="launch with: mpiexec -n 2"):
         TrainingSession(model, params())
-    with pytest.raises(NotImplementedError, match="deepspeed_zero_stage do not combine"):
-        TrainingSession(model, params(deepspeed_zero_stage=1))
+    with pytest.raises(NotImplementedError, match="gelu_recompute do not combine"):
+        TrainingSession(model, params(gelu_recompute=True))
     with pytest.raises(ValueError, match="needs an optimizer"):
         TrainingSession(model, params(training_optimizer_name=""))
     p = params(pipeline_parallel_size=1, num_pipeline_micro_batches=4)
