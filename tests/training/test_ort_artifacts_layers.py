@@ -2,7 +2,8 @@
 
 onnxruntime-training 1.19.2 (its own virtual environment, tests/ortt.py) generates the artifacts of small
 torch models built to produce them: SiLU (its QuickGelu fusion), LeakyReLU, slicing and concatenation,
-a division, top-k, average pooling, LSTM and GRU layers. Where it can train them on CPU, onnxtrain must
+a division, top-k, average pooling, LSTM and GRU layers, and (written with onnx.helper) softmaxes
+before opset 13 and a GatherND. Where it can train them on CPU, onnxtrain must
 reach its losses and weights; where it cannot (its ResizeGrad and ConvTransposeGrad run only on CUDA, its
 LSTMGrad only one way), onnxtrain trains the translated files with plain SGD and must reach the losses of
 the same torch model trained by torch.
@@ -94,7 +95,37 @@ class UpNet(nn.Module):
         return F.interpolate(self.c(h), scale_factor=2, mode="bilinear")
 
 
-# case: (module, input shape, trained by onnxruntime-training (else by torch, with SGD))
+def softmax_gather_nd(opset: int) -> onnx.ModelProto:
+    """A Softmax over axis 1 (before opset 13, over axes 1 and 2 together: onnxruntime-training then writes
+    its pre-13 SoftmaxGrad and LogSoftmaxGrad), a LogSoftmax over the last axis and, from opset 16, a
+    GatherND of (row, column) pairs."""
+    rng = np.random.default_rng(3)
+    inits = [
+        onnx.numpy_helper.from_array((rng.standard_normal((6, 8)) * 0.4).astype(np.float32), "W"),
+        onnx.numpy_helper.from_array((rng.standard_normal(8) * 0.1).astype(np.float32), "b"),
+        onnx.numpy_helper.from_array(np.array([[0, 1], [2, 0], [1, 3], [2, 0]], np.int64), "pairs"),
+    ]
+    gather = opset >= 16
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["xw"]),
+        helper.make_node("Add", ["xw", "b"], ["h"]),
+        helper.make_node("Softmax", ["h"], ["s"], axis=1),
+        helper.make_node("LogSoftmax", ["h"], ["ls"], axis=2),
+        helper.make_node("Add", ["s", "ls"], ["a" if gather else "y"]),
+    ]
+    if gather:  # (2, 0) twice: the gradient adds both
+        nodes.append(helper.make_node("GatherND", ["a", "pairs"], ["y"]))
+    graph = helper.make_graph(
+        nodes,
+        f"opset{opset}",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8] if gather else [3, 4, 8])],
+        inits if gather else inits[:2],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+# case: (module or ONNX model, input shape, trained by onnxruntime-training (else by torch, with SGD))
 CASES = {
     "act_mix": (ActMix, (4, 12), True),
     "pool": (PoolNet, (2, 3, 13, 13), True),
@@ -103,6 +134,8 @@ CASES = {
     "gru": (lambda: Recurrent("gru"), (2, 5, 8), True),
     "upsample": (UpNet, (2, 3, 5, 5), False),
     "lstm_bidirectional": (lambda: Recurrent("lstm", True), (2, 5, 8), False),
+    "opset12_softmax": (lambda: softmax_gather_nd(12), (3, 4, 6), True),
+    "gather_nd": (lambda: softmax_gather_nd(17), (3, 4, 6), True),
 }
 LR = {True: 1e-2, False: 0.1}
 
@@ -115,7 +148,8 @@ res = {}
 for name, (base, folder, data, train, lr, steps) in json.loads(sys.argv[1]).items():
     model = onnx.load(base)
     model.ir_version = 10
-    artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer],
+    floats = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    artifacts.generate_artifacts(model, requires_grad=floats,
                                  loss=artifacts.LossType.MSELoss,
                                  optimizer=artifacts.OptimType.AdamW if train else artifacts.OptimType.SGD,
                                  artifact_directory=folder)
@@ -158,27 +192,33 @@ def runs(tmp_path_factory) -> dict[str, tuple[str, dict[str, np.ndarray], list[f
     cases, batches, modules = {}, {}, {}
     for name, (make, shape, train) in CASES.items():
         torch.manual_seed(0)
-        module = make().train()
+        made = make()
         x = torch.from_numpy(np.random.default_rng(1).standard_normal(shape).astype(np.float32))
-        with torch.no_grad():
-            target = np.random.default_rng(2).standard_normal(module(x).shape).astype(np.float32)
         folder = root / name
         (folder / "artifacts").mkdir(parents=True)
         base = str(folder / "base.onnx")
-        torch.onnx.export(
-            module,
-            (x,),
-            base,
-            dynamo=False,
-            opset_version=17,
-            input_names=["x"],
-            output_names=["y"],
-            training=torch.onnx.TrainingMode.TRAINING,
-            do_constant_folding=False,
-        )
+        if isinstance(made, onnx.ModelProto):  # written by hand: its output shape from its declaration
+            dims = [d.dim_value for d in made.graph.output[0].type.tensor_type.shape.dim]
+            target = np.random.default_rng(2).standard_normal(dims).astype(np.float32)
+            onnx.save(made, base)
+        else:
+            module = made.train()
+            with torch.no_grad():
+                target = np.random.default_rng(2).standard_normal(module(x).shape).astype(np.float32)
+            torch.onnx.export(
+                module,
+                (x,),
+                base,
+                dynamo=False,
+                opset_version=17,
+                input_names=["x"],
+                output_names=["y"],
+                training=torch.onnx.TrainingMode.TRAINING,
+                do_constant_folding=False,
+            )
+            modules[name] = module
         batches[name] = {"x": x.numpy(), "target": target}
         np.savez(folder / "batch.npz", **batches[name])
-        modules[name] = module
         cases[name] = (base, str(folder / "artifacts"), str(folder / "batch.npz"), train, LR[train], STEPS)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     proc = subprocess.run(
@@ -235,9 +275,11 @@ def test_the_layers_produce_the_newly_translated_operators(runs):
         "FastGelu",
         "FastGeluGrad",
         "GatherElementsGrad",
+        "GatherNDGrad",
         "GRUGrad",
         "GRUTraining",
         "LeakyReluGrad",
+        "LogSoftmaxGrad",
         "LSTMGrad",
         "LSTMTraining",
         "QuickGelu",
@@ -246,6 +288,7 @@ def test_the_layers_produce_the_newly_translated_operators(runs):
         "SimplifiedLayerNormalization",
         "SimplifiedLayerNormalizationGrad",
         "SliceGrad",
+        "SoftmaxGrad",
         "SplitTraining",
     } <= seen
 
@@ -300,3 +343,23 @@ def test_gelu_fusions_against_their_definitions(case):
     np.testing.assert_allclose(
         run(grad_op, {"dy": dy, "x": x, **bias}), dy * (f(x + h) - f(x - h)) / (2 * h), rtol=1e-7, atol=1e-9
     )
+
+
+def test_gather_nd_gradient_before_opset_16_is_refused_by_name():
+    """Its standard form is a ScatterND that adds (opset 16); an older model is refused, naming the node."""
+    from onnxtrain.training.ort_artifacts import TranslationError
+
+    node = helper.make_node(
+        "GatherNDGrad", ["shape", "idx", "dy"], ["dx"], name="gnd_grad", domain="com.microsoft"
+    )
+    ins = [
+        helper.make_tensor_value_info("shape", TensorProto.INT64, [3]),
+        helper.make_tensor_value_info("idx", TensorProto.INT64, [4, 2]),
+        helper.make_tensor_value_info("dy", TensorProto.FLOAT, [4, 8]),
+    ]
+    model = helper.make_model(
+        helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("dx", TensorProto.FLOAT, None)]),
+        opset_imports=[helper.make_opsetid("", 12), helper.make_opsetid("com.microsoft", 1)],
+    )
+    with pytest.raises(TranslationError, match=r"'gnd_grad'.*needs opset 16 and the model has opset 12"):
+        translate_training_model(model)

@@ -166,6 +166,20 @@ def _reduce(emit: Emit, ctx: Context, op: str, x: str, axes: list[int], keepdims
     return emit(op, x, axes=axes, keepdims=keepdims)
 
 
+def _softmax_grad_before_13(node: onnx.NodeProto, ctx: Context, emit: Emit) -> None:
+    """``SoftmaxGrad`` / ``LogSoftmaxGrad`` (dY, Y) of a model before opset 13, whose (Log)Softmax normalises
+    the input flattened to 2-D at its axis: the gradient over the rows of that view, reshaped back."""
+    axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 1)
+    dy = emit("Flatten", node.input[0], axis=axis)
+    y = emit("Flatten", node.input[1], axis=axis)
+    if node.op_type == "SoftmaxGrad":  # dX = Y·(dY − Σ dY·Y)
+        s = _reduce(emit, ctx, "ReduceSum", emit("Mul", dy, y), [1], 1)
+        dx = emit("Mul", y, emit("Sub", dy, s))
+    else:  # dX = dY − exp(Y)·Σ dY
+        dx = emit("Sub", dy, emit("Mul", emit("Exp", y), _reduce(emit, ctx, "ReduceSum", dy, [1], 1)))
+    emit("Reshape", dx, emit("Shape", node.input[0]), output=node.output[0])
+
+
 def _simplified_layer_norm(node: onnx.NodeProto, ctx: Context, emit: Emit) -> None:
     # y = x·r·scale, r = 1/√(mean(x²) + ε) over the normalised axes (saved as the second output)
     x, scale = node.input[0], node.input[1]
@@ -310,6 +324,8 @@ BY_HAND: dict[str, Callable[[onnx.NodeProto, Context, Emit], None]] = {
     "LeakyReluGrad": _leaky_relu_grad,
     "FastGelu": _fast_gelu,
     "FastGeluGrad": _fast_gelu_grad,
+    "SoftmaxGrad": _softmax_grad_before_13,
+    "LogSoftmaxGrad": _softmax_grad_before_13,
     "SimplifiedLayerNormalization": _simplified_layer_norm,
     "SimplifiedLayerNormalizationGrad": _simplified_layer_norm_grad,
     "LSTMTraining": _recurrent_training,

@@ -25,6 +25,7 @@ class Grad:
     outputs: tuple[int, ...]
     like: dict[str, str] = field(default_factory=dict)  # role without a value -> role whose type it has
     attrs: tuple[str, ...] | None = None  # attributes passed on (None: all)
+    min_opset: int = 0  # the opset the rule's standard nodes need (e.g. ScatterND's reduction: 16)
 
 
 GRADS: dict[str, Grad] = {
@@ -55,6 +56,9 @@ GRADS: dict[str, Grad] = {
     ),
     "DropoutGrad": Grad("Dropout", 3, 2, ("dy0", "y1", "x1", "x2"), (0,), {"x0": "dy0"}, ()),
     "GatherGrad": Grad("Gather", 2, 1, ("shape_x0", "x1", "dy0"), (0,), {"x0": "dy0"}, ("axis",)),
+    "GatherNDGrad": Grad(
+        "GatherND", 2, 1, ("shape_x0", "x1", "dy0"), (0,), {"x0": "dy0"}, ("batch_dims",), min_opset=16
+    ),
     "BatchNormalizationGrad": Grad(
         "BatchNormalization",
         5,
@@ -90,6 +94,11 @@ def grad_by_rule(node: onnx.NodeProto, spec: Grad, ctx: Context) -> list[onnx.No
     """The standard nodes of onnxtrain's gradient rule of ``spec.forward`` standing in for ``node``."""
     from onnxtrain.autodiff import build_gradient_model
 
+    if ctx.opset < spec.min_opset:
+        raise TranslationError(
+            f"{node_label(node)}: its standard form needs opset {spec.min_opset} and the model has opset "
+            f"{ctx.opset}; export the model at opset {spec.min_opset} or later"
+        )
     ort: dict[str, str] = {}  # role -> the onnxruntime value that plays it
     for role, name in zip(spec.inputs, node.input):
         if role and name:
