@@ -19,7 +19,7 @@ from onnxtrain.optim import WeightSlot
 from onnxtrain.parallel import BucketReducer
 from onnxtrain.parallel.adasum import ALL_DELTAS_FINITE, adasum_reduce
 from onnxtrain.parallel.fingerprint import array_digest, digest
-from onnxtrain.parallel.zero import ZeroLayout
+from onnxtrain.parallel.zero import ZeroLayout, gather_zero_state
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.training_graph import StepGraphs, build_update_graph
 
@@ -224,20 +224,7 @@ class DataParallelSteps:
         z = self._zero
         if z is None:
             return state
-        mine = []
-        for full, parts in self._zero_full_names().items():
-            for name, pc, elementwise in parts:
-                mine.append((full, pc.weight, pc.start, pc.stop, elementwise, state.pop(name)))
-        gathered: dict[str, np.ndarray] = {}
-        for part in self._dp.comm.allgather_object(mine, "gathering the ZeRO optimizer state"):
-            for full, w, a, b, elementwise, v in part:
-                if not elementwise:
-                    gathered.setdefault(full, v)
-                    continue
-                buf = gathered.setdefault(full, np.zeros(z.shapes[w], v.dtype))
-                buf.reshape(-1)[a:b] = v.reshape(-1)
-        state.update(gathered)
-        return dict(sorted(state.items()))
+        return gather_zero_state(self._dp.comm, z, state, self._zero_full_names())
 
 
 _FINGERPRINT_OPTIONS = (
