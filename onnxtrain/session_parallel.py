@@ -11,15 +11,14 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
 from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE
-from onnxtrain.optim import WeightSlot
 from onnxtrain.parallel import BucketReducer
 from onnxtrain.parallel.adasum import ALL_DELTAS_FINITE, adasum_reduce
 from onnxtrain.parallel.fingerprint import array_digest, digest
-from onnxtrain.parallel.zero import ZeroLayout, gather_zero_state
+from onnxtrain.parallel.zero import gather_zero_state, zero_update_slots
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.training_graph import StepGraphs, build_update_graph
 
@@ -41,26 +40,8 @@ class DataParallelSteps:
         if dp.mode == "allreduce":
             self._reducer = BucketReducer(dp.comm, [a.shape for a in weights], [a.dtype for a in weights])
         elif dp.mode == "zero1":
-            dtypes = {a.dtype for a in weights}
-            if len(dtypes) != 1:
-                raise NotImplementedError(
-                    f"deepspeed_zero_stage=1 needs trained weights of one dtype, got "
-                    f"{sorted(map(str, dtypes))}"
-                )
-            dt = dtypes.pop()
-            z = self._zero = ZeroLayout({w: self._store[w].shape for w in g.trainable}, dp.size, dp.rank)
-            elem = helper.np_dtype_to_tensor_dtype(dt)
-            slots = [
-                WeightSlot(
-                    pc.name,
-                    f"{pc.name}_grad",
-                    pc.shape,
-                    elem,
-                    dict(p.optimizer_attributes_map.get(pc.weight, {})),
-                    dict(p.optimizer_int_attributes_map.get(pc.weight, {})),
-                )
-                for pc in z.pieces
-            ]
+            z, dt, slots = zero_update_slots({w: self._store[w] for w in g.trainable}, dp.size, dp.rank, p)
+            self._zero = z
             norm = next((e for e in g.extra_outputs if e.startswith("global_gradient_norm")), None)
             self._norm_name = norm
             mp = g.mixed_precision  # its update always reads the norm: the all-finite flag comes from it

@@ -48,13 +48,13 @@ from onnxtrain.graph_transforms.mixed_precision import (
 )
 from onnxtrain.ir.graphs import node_reads
 from onnxtrain.ir.io import save_model_atomic
-from onnxtrain.optim import WeightSlot, get_optimizer
+from onnxtrain.optim import get_optimizer
 from onnxtrain.parallel import get_communicator
 from onnxtrain.parallel.adasum import adasum_reduce, is_power_of_two
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stage_nodes
-from onnxtrain.parallel.zero import ZeroLayout, gather_zero_state
+from onnxtrain.parallel.zero import gather_zero_state, zero_update_slots
 from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint, squared_sum
 from onnxtrain.training_graph import build_update_graph, select_trainable
 
@@ -352,27 +352,10 @@ class PipelineTrainingSession(CutModelSession):
             return
         p, sg, store = self._params, self._sg, self._store
         weights = {w: store[w] for w in sg.trainable}
-        dtypes = {a.dtype for a in weights.values()}
-        if len(dtypes) != 1:
-            raise NotImplementedError(
-                f"deepspeed_zero_stage=1 needs trained weights of one dtype, got {sorted(map(str, dtypes))}"
-            )
-        self._zdtype = dtypes.pop()
-        z = self._zero = ZeroLayout(
-            {w: a.shape for w, a in weights.items()}, self.data_parallel_size, self.data_parallel_rank
+        z, self._zdtype, slots = zero_update_slots(
+            weights, self.data_parallel_size, self.data_parallel_rank, p
         )
-        elem = onnx.helper.np_dtype_to_tensor_dtype(self._zdtype)
-        slots = [
-            WeightSlot(
-                pc.name,
-                f"{pc.name}_grad",
-                pc.shape,
-                elem,
-                dict(p.optimizer_attributes_map.get(pc.weight, {})),
-                dict(p.optimizer_int_attributes_map.get(pc.weight, {})),
-            )
-            for pc in z.pieces
-        ]
+        self._zero = z
         self._full_state_names = {sp.name for sp in self._specs}
         whole = {sp.name: store.pop(sp.name) for sp in self._specs}
         if slots:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import onnx
 
 ALIGN_PER_RANK = 32
 
@@ -128,6 +129,36 @@ def gather_zero_state(
             buf.reshape(-1)[a:b] = v.reshape(-1)
     state.update(gathered)
     return dict(sorted(state.items()))
+
+
+def zero_update_slots(
+    weights: dict[str, np.ndarray], size: int, rank: int, params: Any
+) -> tuple[ZeroLayout, np.dtype, list[Any]]:
+    """The ZeRO-1 layout of the trained ``weights`` over ``size`` ranks, their one dtype, and the update
+    slots (``WeightSlot``) of rank ``rank``'s pieces with each weight's optimizer attributes from
+    ``params`` (the legacy TrainingParameters)."""
+    from onnxtrain.optim import WeightSlot
+
+    dtypes = {a.dtype for a in weights.values()}
+    if len(dtypes) != 1:
+        raise NotImplementedError(
+            f"deepspeed_zero_stage=1 needs trained weights of one dtype, got {sorted(map(str, dtypes))}"
+        )
+    dtype = dtypes.pop()
+    layout = ZeroLayout({w: a.shape for w, a in weights.items()}, size, rank)
+    elem = onnx.helper.np_dtype_to_tensor_dtype(dtype)
+    slots = [
+        WeightSlot(
+            pc.name,
+            f"{pc.name}_grad",
+            pc.shape,
+            elem,
+            dict(params.optimizer_attributes_map.get(pc.weight, {})),
+            dict(params.optimizer_int_attributes_map.get(pc.weight, {})),
+        )
+        for pc in layout.pieces
+    ]
+    return layout, dtype, slots
 
 
 def state_bytes(arrays: Sequence[np.ndarray]) -> int:
