@@ -25,17 +25,7 @@ from tests.ortt import PREAMBLE, ensure_ortt
 
 torch = pytest.importorskip("torch")
 
-
-def _mlp(folder):
-    torch.manual_seed(0)
-    net = torch.nn.Sequential()
-    net.add_module("fc1", torch.nn.Linear(4, 8))
-    net.add_module("relu", torch.nn.ReLU())
-    net.add_module("fc2", torch.nn.Linear(8, 3))
-    path = str(folder / "mlp.onnx")
-    torch.onnx.export(net, torch.randn(2, 4), path, input_names=["input"], output_names=["output"],
-                      dynamic_axes={"input": {0: "batch"}}, dynamo=False, opset_version=17)
-    return onnx.load(path), net
+from tests.training.torch_mlp import export_mlp  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +33,7 @@ def cases(tmp_path_factory):
     """Folders of onnxtrain's artifacts with a partial checkpoint: one lacking trainable parameters, one
     lacking a frozen parameter."""
     root = tmp_path_factory.mktemp("partial")
-    model, net = _mlp(root)
+    _, model, net = export_mlp(root)
     out = {}
     for name, trainable, frozen, keep in (
         ("trainable", ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"], [], {"fc2.weight"}),
