@@ -347,26 +347,30 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         """The trained weights this session holds (by the names it holds them under)."""
         return self._graphs.trainable
 
-    def _half_twins(self) -> dict[str, np.ndarray]:
-        """The half copies of the trained weights under mixed precision, by their twins' names: the
-        graph makes them from the masters each step, so they are derived state."""
+    def _twin_masters(self) -> dict[str, str]:
+        """Under mixed precision, each trained weight's half twin (``<w>_fp16``) → the weight; else empty."""
         mp = self._mixed_precision()
         if mp is None:
             return {}
-        masters = {w: self._store[w] for w in self._trained() if w in mp.twins and w in self._store}
-        copies = half_copies(masters, mp.dtype)
-        return {mp.twins[w]: v for w, v in copies.items()}
+        return {mp.twins[w]: w for w in self._trained() if w in mp.twins and w in self._store}
 
-    @staticmethod
-    def _is_twin(name: str, value: Any, twins: Mapping[str, np.ndarray]) -> bool:
-        """Whether ``name`` is one of the half ``twins`` (derived from the masters: checked, not loaded);
-        ValueError when its shape is not the twin's."""
-        if name not in twins:
+    def _half_twins(self) -> dict[str, np.ndarray]:
+        """The half copies of the trained weights under mixed precision, by their twins' names: the
+        graph makes them from the masters each step, so they are derived state."""
+        masters = self._twin_masters()
+        if not masters:
+            return {}
+        copies = half_copies({w: self._store[w] for w in masters.values()}, self._mixed_precision().dtype)
+        return {t: copies[w] for t, w in masters.items()}
+
+    def _is_twin(self, name: str, value: Any, masters: Mapping[str, str]) -> bool:
+        """Whether ``name`` is one of the half twins (``masters``: twin → weight; derived from the weights:
+        checked, not loaded); ValueError when its shape is not its weight's."""
+        if name not in masters:
             return False
-        arr = np.asarray(value)
-        if arr.shape != twins[name].shape:
-            want = list(twins[name].shape)
-            raise ValueError(f"state {name!r}: expected shape {want}, got {list(arr.shape)}")
+        arr, want = np.asarray(value), self._store[masters[name]].shape
+        if arr.shape != want:
+            raise ValueError(f"state {name!r}: expected shape {list(want)}, got {list(arr.shape)}")
         return True
 
     def _assign(self, name: str, value: Any) -> None:
@@ -386,7 +390,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         """
         known = set(self._state_names())
         zero_names = self._zero_full_names() if self._zero is not None else {}
-        twins = self._half_twins()
+        twins = self._twin_masters()
         for name, value in state.items():
             if self._is_twin(name, value, twins):  # derived from the masters (loaded too)
                 continue

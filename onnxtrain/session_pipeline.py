@@ -431,7 +431,7 @@ class PipelineTrainingSession(CutModelSession):
         names of other stages are skipped, and so are the half twins (``<w>_fp16``) under mixed precision,
         once their shapes are checked. ``strict``: this stage's names (not the twins) must all be there."""
         known = set(self._state_names())
-        twins = self._half_twins()
+        twins = self._twin_masters()
         zero_names = self._zero_full_names() if self._zero is not None else {}
         covered: set[str] = set()  # this rank's names loaded from unpartitioned ZeRO state
         for name, value in state.items():
