@@ -49,8 +49,8 @@ from onnxtrain.graph_transforms.mixed_precision import (
 from onnxtrain.ir.graphs import node_reads
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import get_optimizer
-from onnxtrain.parallel import get_communicator
-from onnxtrain.parallel.adasum import adasum_reduce, is_power_of_two
+from onnxtrain.parallel import exchange_mode, get_communicator
+from onnxtrain.parallel.adasum import adasum_reduce
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stage_nodes
@@ -478,33 +478,12 @@ class PipelineTrainingSession(CutModelSession):
 
 
 def _exchange_mode(p: Any, replicas: int) -> str | None:
-    """How a stage's replicas combine their updates, as :func:`onnxtrain.parallel.resolve_parallel` decides
-    for the data-parallel session: "allreduce", "zero1", "adasum", or None with one replica."""
+    """How a stage's replicas combine their updates (:func:`onnxtrain.parallel.exchange_mode`, as for the
+    data-parallel session); ZeRO and Adasum refuse mixed precision here yet."""
     if p.deepspeed_zero_stage not in (0, 1):
         raise NotImplementedError(f"deepspeed_zero_stage={p.deepspeed_zero_stage}: only stages 0 and 1 exist")
-    if replicas == 1:
-        for name in ("enable_adasum", "deepspeed_zero_stage"):
-            if getattr(p, name):
-                warnings.warn(
-                    f"TrainingParameters.{name} has no effect with one data-parallel replica", stacklevel=5
-                )
-        return None
-    mode = "allreduce"
-    if p.deepspeed_zero_stage == 1:
-        if p.enable_adasum:
-            warnings.warn(
-                "deepspeed_zero_stage=1 and enable_adasum are both set: ZeRO is used, as in the legacy "
-                "(Adasum is ignored)",
-                stacklevel=5,
-            )
-        mode = "zero1"
-    elif p.enable_adasum:
-        if not is_power_of_two(replicas):
-            raise ValueError(
-                f"enable_adasum needs a power-of-two number of data-parallel replicas, got {replicas}"
-            )
-        mode = "adasum"
-    if mode != "allreduce" and p.use_mixed_precision:
+    mode = exchange_mode(p, replicas, "data-parallel replica", stacklevel=6)
+    if mode in ("zero1", "adasum") and p.use_mixed_precision:
         raise NotImplementedError(
             f"TrainingParameters option(s) use_mixed_precision and "
             f"{'deepspeed_zero_stage' if mode == 'zero1' else 'enable_adasum'} do not combine with "

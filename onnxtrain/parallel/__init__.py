@@ -46,6 +46,31 @@ class DataParallel:
     mode: str
 
 
+def exchange_mode(p: Any, replicas: int, what: str, stacklevel: int) -> str | None:
+    """How ``replicas`` copies of a model (``what`` names one in messages) combine their updates under
+    ``TrainingParameters`` ``p``: "allreduce", "zero1" or "adasum"; None for one, with a warning for each
+    exchange option that then does nothing. ``stacklevel`` points the warnings at the user's call."""
+    if replicas == 1:
+        for name in ("enable_adasum", "deepspeed_zero_stage"):
+            if getattr(p, name):
+                warnings.warn(
+                    f"TrainingParameters.{name} has no effect with one {what}", stacklevel=stacklevel
+                )
+        return None
+    if p.deepspeed_zero_stage == 1:
+        if p.enable_adasum:
+            warnings.warn("deepspeed_zero_stage=1 and enable_adasum are both set: ZeRO is used, as in the "
+                          "legacy (Adasum is ignored)", stacklevel=stacklevel)
+        return "zero1"
+    if p.enable_adasum:
+        from onnxtrain.parallel.adasum import is_power_of_two
+
+        if not is_power_of_two(replicas):
+            raise ValueError(f"enable_adasum needs a power-of-two number of {what}s, got {replicas}")
+        return "adasum"
+    return "allreduce"
+
+
 def resolve(p: Any) -> DataParallel | None:
     """Ranks and sizes for a ``TrainingParameters``: from MPI under ``mpiexec``; explicit values must agree.
 
@@ -79,23 +104,8 @@ def resolve(p: Any) -> DataParallel | None:
     if d not in (1, size):
         warnings.warn(f"data_parallel_size={d} does not equal world_size {size} (horizontal and pipeline "
                       f"sizes are 1); using {size}", stacklevel=3)
-    if size == 1:
-        for name in ("enable_adasum", "deepspeed_zero_stage"):
-            if getattr(p, name):
-                warnings.warn(f"TrainingParameters.{name} has no effect with one data-parallel rank",
-                              stacklevel=3)
+    mode = exchange_mode(p, size, "data-parallel rank", stacklevel=4)
+    if mode is None:
         return None
-    mode = "allreduce"
-    if p.deepspeed_zero_stage == 1:
-        if p.enable_adasum:
-            warnings.warn("deepspeed_zero_stage=1 and enable_adasum are both set: ZeRO is used, as in the "
-                          "legacy (Adasum is ignored)", stacklevel=3)
-        mode = "zero1"
-    elif p.enable_adasum:
-        from onnxtrain.parallel.adasum import is_power_of_two
-
-        if not is_power_of_two(size):
-            raise ValueError(f"enable_adasum needs a power-of-two number of data-parallel ranks, got {size}")
-        mode = "adasum"
     comm = get_communicator()
     return DataParallel(comm, comm.rank, comm.size, mode)
