@@ -82,7 +82,7 @@ class CutModelSession(TrainingSession):
             warnings.warn(
                 f"data_parallel_size={p.data_parallel_size} times {option}={parts} is not the world size "
                 f"{size}: using data_parallel_size={replicas}",
-                stacklevel=5,
+                stacklevel=4,
             )
         self.data_parallel_size = replicas
         return replicas

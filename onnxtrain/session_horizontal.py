@@ -79,7 +79,7 @@ class HorizontalTrainingSession(CutModelSession):
             warnings.warn(
                 f"horizontal_parallel_size={h}: no MLP block of the model splits over {h} ranks (see "
                 "the README); every rank computes the whole model",
-                stacklevel=4,
+                stacklevel=3,
             )
         self._blocks = blocks
         sharded, cuts, self._split = shard_blocks(model, blocks, self._comm.rank, h)

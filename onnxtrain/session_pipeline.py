@@ -103,7 +103,7 @@ class PipelineTrainingSession(CutModelSession):
         self._mode = _exchange_mode(p, replicas)
         if self._sess_options.enable_profiling:
             warnings.warn(
-                "SessionOptions.enable_profiling: a pipelined session records no profile yet", stacklevel=4
+                "SessionOptions.enable_profiling: a pipelined session records no profile yet", stacklevel=3
             )
         self.loss_scale_input_name = self._mp.loss_scale if self._mp is not None else None
         world_comm = get_communicator()
@@ -482,7 +482,7 @@ def _exchange_mode(p: Any, replicas: int) -> str | None:
     data-parallel session); ZeRO and Adasum refuse mixed precision here yet."""
     if p.deepspeed_zero_stage not in (0, 1):
         raise NotImplementedError(f"deepspeed_zero_stage={p.deepspeed_zero_stage}: only stages 0 and 1 exist")
-    mode = exchange_mode(p, replicas, "data-parallel replica", stacklevel=6)
+    mode = exchange_mode(p, replicas, "data-parallel replica", stacklevel=5)
     if mode in ("zero1", "adasum") and p.use_mixed_precision:
         raise NotImplementedError(
             f"TrainingParameters option(s) use_mixed_precision and "

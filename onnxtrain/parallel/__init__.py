@@ -73,6 +73,7 @@ def exchange_mode(p: Any, replicas: int, what: str, stacklevel: int) -> str | No
 
 def resolve(p: Any) -> DataParallel | None:
     """Ranks and sizes for a ``TrainingParameters``: from MPI under ``mpiexec``; explicit values must agree.
+    Its warnings point at the caller of ``TrainingSession(...)``, two frames above this function's caller.
 
     Returns None when the session runs alone (one data-parallel rank).
     """
@@ -103,8 +104,8 @@ def resolve(p: Any) -> DataParallel | None:
         raise ValueError(f"TrainingParameters.data_parallel_size={d} exceeds the world size {size}{hint}")
     if d not in (1, size):
         warnings.warn(f"data_parallel_size={d} does not equal world_size {size} (horizontal and pipeline "
-                      f"sizes are 1); using {size}", stacklevel=3)
-    mode = exchange_mode(p, size, "data-parallel rank", stacklevel=4)
+                      f"sizes are 1); using {size}", stacklevel=4)
+    mode = exchange_mode(p, size, "data-parallel rank", stacklevel=5)
     if mode is None:
         return None
     comm = get_communicator()

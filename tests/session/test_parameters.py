@@ -95,3 +95,12 @@ def test_accumulation_without_an_optimizer_is_refused() -> None:
     p.gradient_accumulation_steps = 2
     with pytest.raises(ValueError, match="gradient_accumulation_steps=2 needs an optimizer"):
         TrainingSession(mlp_model().SerializeToString(), p)
+
+
+@pytest.mark.parametrize("name", ["enable_adasum", "deepspeed_zero_stage"])
+def test_exchange_options_alone_warn_at_the_callers_line(name: str) -> None:
+    """With one rank, Adasum and ZeRO do nothing: the warning says so and points at the script's line."""
+    p = params(**{name: True if name == "enable_adasum" else 1})
+    with pytest.warns(UserWarning, match=f"{name} has no effect with one data-parallel rank") as got:
+        TrainingSession(mlp_model().SerializeToString(), p)
+    assert [w.filename for w in got if name in str(w.message)] == [__file__]
