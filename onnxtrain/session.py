@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,6 +40,7 @@ from onnxtrain.parallel.zero import ZeroLayout
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session_parallel import DataParallelSteps, fingerprint
 from onnxtrain.training_graph import TRAINING_MODE, build_step_graphs
+from onnxtrain.user_warning import warn
 
 # plans run right after another of the same session, whose onnxruntime threads therefore stop spinning when
 # their run ends
@@ -120,8 +120,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             )
         idle = p.pipeline_only_options()
         if idle:
-            warnings.warn(f"TrainingParameters option(s) {', '.join(idle)} have no effect with "
-                          "pipeline_parallel_size=1", stacklevel=3)
+            warn(f"TrainingParameters option(s) {', '.join(idle)} have no effect with "
+                 "pipeline_parallel_size=1")
         self._dp = resolve_parallel(p)
         if p.gradient_accumulation_mode not in ("legacy", "auto"):
             raise ValueError(

@@ -8,7 +8,6 @@ the feed checks, the optimizer attribute checks and the introspection methods. T
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +25,7 @@ from onnxtrain.parallel.fingerprint import array_digest, digest
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession
 from onnxtrain.training_graph import TRAINING_MODE
+from onnxtrain.user_warning import warn
 
 # options no cut session honours yet: name → its default (each subclass adds its own)
 RECOMPUTE = {
@@ -79,10 +79,9 @@ class CutModelSession(TrainingSession):
             raise ValueError(f"TrainingParameters.world_size={p.world_size} but mpiexec started {size} ranks")
         replicas = size // parts
         if p.data_parallel_size != replicas:
-            warnings.warn(
+            warn(
                 f"data_parallel_size={p.data_parallel_size} times {option}={parts} is not the world size "
-                f"{size}: using data_parallel_size={replicas}",
-                stacklevel=4,
+                f"{size}: using data_parallel_size={replicas}"
             )
         self.data_parallel_size = replicas
         return replicas

@@ -18,7 +18,6 @@ micro-step ("legacy"). A state gathered in between holds the weights, not the pa
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +35,7 @@ from onnxtrain.parallel.stage_graphs import NORM, StageGraphs, build_stage_graph
 from onnxtrain.parameters import PIPELINE
 from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint, squared_sum
 from onnxtrain.training_graph import build_update_graph, select_trainable
+from onnxtrain.user_warning import warn
 
 # options a horizontally split session cannot honour yet: name → its default
 _REFUSED = {
@@ -76,10 +76,9 @@ class HorizontalTrainingSession(CutModelSession):
         trainable = select_trainable(model, p)
         blocks = find_mlp_blocks(model, trainable, h)
         if not blocks:
-            warnings.warn(
+            warn(
                 f"horizontal_parallel_size={h}: no MLP block of the model splits over {h} ranks (see "
-                "the README); every rank computes the whole model",
-                stacklevel=3,
+                "the README); every rank computes the whole model"
             )
         self._blocks = blocks
         sharded, cuts, self._split = shard_blocks(model, blocks, self._comm.rank, h)

@@ -32,7 +32,6 @@ one process's session).
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,6 +56,7 @@ from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stag
 from onnxtrain.parallel.zero import gather_zero_state, zero_update_slots
 from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint, squared_sum
 from onnxtrain.training_graph import build_update_graph, select_trainable
+from onnxtrain.user_warning import warn
 
 # options a pipelined session cannot honour yet: name → its default
 _REFUSED = {
@@ -102,9 +102,8 @@ class PipelineTrainingSession(CutModelSession):
         replicas = self._replicas(p, p.pipeline_parallel_size, "pipeline_parallel_size")
         self._mode = _exchange_mode(p, replicas)
         if self._sess_options.enable_profiling:
-            warnings.warn(
-                "SessionOptions.enable_profiling: a pipelined session records no profile yet", stacklevel=3
-            )
+            warn(
+                "SessionOptions.enable_profiling: a pipelined session records no profile yet")
         self.loss_scale_input_name = self._mp.loss_scale if self._mp is not None else None
         world_comm = get_communicator()
         check_same_on_all_ranks(world_comm, model_fingerprint(model, p, _OPTIONS), "model and pipeline setup")
@@ -482,7 +481,7 @@ def _exchange_mode(p: Any, replicas: int) -> str | None:
     data-parallel session); ZeRO and Adasum refuse mixed precision here yet."""
     if p.deepspeed_zero_stage not in (0, 1):
         raise NotImplementedError(f"deepspeed_zero_stage={p.deepspeed_zero_stage}: only stages 0 and 1 exist")
-    mode = exchange_mode(p, replicas, "data-parallel replica", stacklevel=5)
+    mode = exchange_mode(p, replicas, "data-parallel replica")
     if mode in ("zero1", "adasum") and p.use_mixed_precision:
         raise NotImplementedError(
             f"TrainingParameters option(s) use_mixed_precision and "

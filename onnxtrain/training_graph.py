@@ -6,7 +6,6 @@ become graph inputs; their new values are graph outputs. The session keeps them 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, NodeWriter, model_opset
 from onnxtrain.ir.graphs import body_reads, node_reads
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
 from onnxtrain.parameters import TrainingParameters
+from onnxtrain.user_warning import warn
 
 TRAINING_MODE = "training_mode"
 
@@ -148,13 +148,12 @@ def select_trainable(model: onnx.ModelProto, p: TrainingParameters) -> list[str]
                 raise ValueError(f"weights_to_train: {w!r} is not an initializer of the model")
         unused = sorted(w for w in wanted if w not in consumers)
         if unused:
-            warnings.warn(f"weights_to_train: {unused} have no consumer and are not trained", stacklevel=3)
+            warn(f"weights_to_train: {unused} have no consumer and are not trained")
         uses = [(w, n.op_type, i) for w in wanted for n, i in consumers.get(w, ())]
         stats = sorted({w for w, op, i in uses if op == "BatchNormalization" and i > 2})
         if stats:  # updated by the forward pass; an optimizer step would overwrite the update
-            warnings.warn(
-                f"weights_to_train: {stats} are BatchNormalization running statistics and are not trained",
-                stacklevel=3,
+            warn(
+                f"weights_to_train: {stats} are BatchNormalization running statistics and are not trained"
             )
         trainable = sorted(
             w for w in wanted if w in consumers and inits[w].data_type in FLOAT_TYPES and w not in stats

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
-import warnings
 from collections.abc import Sequence
 from typing import Any
+
+from onnxtrain.user_warning import warn
 
 AVAILABLE_PROVIDERS = ["CPUExecutionProvider"]
 # providers onnxruntime knows; asking for one that is not available falls back to CPU with a warning
@@ -134,7 +135,7 @@ def resolve_providers(
         if name not in KNOWN_PROVIDERS:
             raise ValueError(f"unknown provider {name!r}; valid names: {', '.join(KNOWN_PROVIDERS)}")
         if name not in AVAILABLE_PROVIDERS:
-            warnings.warn(f"{name} is not available here; falling back to CPUExecutionProvider", stacklevel=3)
+            warn(f"{name} is not available here; falling back to CPUExecutionProvider")
             continue
         names.append(name)
         opts.append({str(k2): str(v) for k2, v in o.items()})

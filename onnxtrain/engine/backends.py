@@ -17,13 +17,13 @@ A session picks its backend with the config entry ``onnxtrain.backend``::
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import onnx
 
 from onnxtrain.engine.plan import Plan
+from onnxtrain.user_warning import warn
 
 BACKENDS = ("numpy", "onnxruntime")
 CONFIG_KEY = "onnxtrain.backend"
@@ -101,9 +101,8 @@ def resolve_providers(backend: str, providers: Sequence[Any] | None = None,
     opts: list[dict] = []
     for name, o in items:
         if name not in available:
-            warnings.warn(f"{name} is not available in this onnxruntime ({ort.__version__}, available: "
-                          f"{', '.join(sorted(available))}); falling back to CPUExecutionProvider",
-                          stacklevel=3)
+            warn(f"{name} is not available in this onnxruntime ({ort.__version__}, available: "
+                 f"{', '.join(sorted(available))}); falling back to CPUExecutionProvider")
             continue
         if name not in names:
             names.append(name)
@@ -153,26 +152,23 @@ def _numpy_fuse(options: Any) -> bool | None:
     ``inter_op_num_threads`` and onnxruntime's memory options, which the numpy engine has no use for."""
     inter = getattr(options, "inter_op_num_threads", 0)
     if isinstance(inter, int) and inter > 1:
-        warnings.warn(
+        warn(
             "SessionOptions.inter_op_num_threads has no effect on the numpy engine, which runs a graph's "
-            "nodes one at a time (intra_op_num_threads sets how many threads each node may use)",
-            stacklevel=4,
+            "nodes one at a time (intra_op_num_threads sets how many threads each node may use)"
         )
     memory = [k for k in ("enable_mem_pattern", "enable_mem_reuse", "enable_cpu_mem_arena")
               if getattr(options, k, True) is False]
     if memory:
-        warnings.warn(
+        warn(
             f"SessionOptions.{' and '.join(memory)} = False has no effect on the numpy engine, which plans "
             "its own memory (each value freed after its last use; ONNXTRAIN_ALLOCATOR=system returns freed "
-            "memory to the system)",
-            stacklevel=4,
+            "memory to the system)"
         )
     order = getattr(options, "execution_order", None)
     if order is not None and str(getattr(order, "name", order)).upper() not in ("DEFAULT", "0"):
-        warnings.warn(
+        warn(
             f"SessionOptions.execution_order = {order!r} has no effect on the numpy engine, which runs the "
-            "nodes in the graph's order",
-            stacklevel=4,
+            "nodes in the graph's order"
         )
     if getattr(options, "enable_profiling", False):
         return False

@@ -27,7 +27,6 @@ cannot fork (no ``fork()``, an MPI rank) the halves run on threads, with a warni
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from typing import Any
@@ -41,6 +40,7 @@ from onnxtrain.engine.backends import session_config_entry
 from onnxtrain.engine.blas import can_pin_blas_threads, single_threaded_blas
 from onnxtrain.engine.parallel import parallel_for, running_with
 from onnxtrain.engine.plan import Plan
+from onnxtrain.user_warning import warn
 
 CONFIG_KEY = "onnxtrain.batch_split"  # session config entry: "0" off, "1" (the default) threads, "process"
 MODES = {"0": "off", "1": "threads", "process": "process"}
@@ -117,7 +117,7 @@ class BatchSplitter:
         if axes is None or plan.threads < 2:
             return None
         if mode == "process" and (why := half_process.available()) is not None:
-            warnings.warn(f"{CONFIG_KEY} = process: {why}; the halves run on threads", stacklevel=3)
+            warn(f"{CONFIG_KEY} = process: {why}; the halves run on threads")
             mode = "threads"
         return cls(plan, axes, mode)
 
@@ -231,7 +231,7 @@ class BatchSplitter:
 
 
 def _child_ended(e: Exception) -> None:
-    warnings.warn(f"{e}; its half of this batch runs here", RuntimeWarning, stacklevel=4)
+    warn(f"{e}; its half of this batch runs here", RuntimeWarning)
 
 
 def _agree(whole: Any, half: Any) -> bool:

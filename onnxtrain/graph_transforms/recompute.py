@@ -31,7 +31,6 @@ part of the graph is everything up to the last node the loss needs.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -43,6 +42,7 @@ from onnxtrain.autodiff.registry import find_rule
 from onnxtrain.ir.attrs import attribute_value
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, elem_type, model_opset, value_types
 from onnxtrain.ir.graphs import RANDOM_OPS
+from onnxtrain.user_warning import warn
 
 GELU_OPS = frozenset({"Erf", "Tanh"})
 _GELU_BODY = frozenset({"Add", "Mul", "Div", "Sub", "Erf", "Tanh", "Pow", "Sqrt", "Neg", "Cast", "Constant"})
@@ -469,8 +469,8 @@ def find_transformer_layers(model: onnx.ModelProto, loss: str) -> list[tuple[str
         nxt = starts[a + 1] if a + 1 < len(starts) else len(kinds)
         mlp = [j for j in range(i + 1, nxt) if kinds[j] == "mlp"]
         if not mlp:
-            warnings.warn("transformer_layer_recompute: an attention block without an MLP block after it; "
-                          "no layer is recomputed", stacklevel=3)
+            warn("transformer_layer_recompute: an attention block without an MLP block after it; "
+                 "no layer is recomputed")
             return []
         end = nxt if a + 1 < len(starts) else mlp[0] + 1
         while a + 1 == len(starts) and end < len(kinds) and kinds[end] == "norm":
@@ -487,8 +487,7 @@ def transformer_layer_values(model: onnx.ModelProto, loss: str, number_recompute
     """Activations of the first ``number_recompute_layers`` layers (0: all layers but the last)."""
     layers = find_transformer_layers(model, loss)
     if not layers:
-        warnings.warn("transformer_layer_recompute: no transformer layer found; nothing is recomputed",
-                      stacklevel=2)
+        warn("transformer_layer_recompute: no transformer layer found; nothing is recomputed")
         return set()
     n, most = int(number_recompute_layers), len(layers) - 1
     if n < 0:
@@ -496,8 +495,8 @@ def transformer_layer_values(model: onnx.ModelProto, loss: str, number_recompute
     if n == 0:
         n = most
     elif n > most:
-        warnings.warn(f"number_recompute_layers={n} is more than the {len(layers)} layers minus one; "
-                      f"recomputing {most}", stacklevel=2)
+        warn(f"number_recompute_layers={n} is more than the {len(layers)} layers minus one; "
+             f"recomputing {most}")
         n = most
     out: set[str] = set()
     for _, _, inside in layers[:n]:

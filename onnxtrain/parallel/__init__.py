@@ -11,7 +11,6 @@ The legacy ``TrainingSession`` uses all of this by itself when ``mpiexec`` start
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ from onnxtrain.parallel.comm import (
     world,
 )
 from onnxtrain.parallel.data import shard, shard_range, split_batch
+from onnxtrain.user_warning import warn
 
 __all__ = ["BucketReducer", "Communicator", "DataParallel", "World", "abort_on_error", "allreduce_gradients",
            "get_communicator", "is_main_process", "launched_by_mpi", "resolve", "shard", "shard_range",
@@ -46,21 +46,19 @@ class DataParallel:
     mode: str
 
 
-def exchange_mode(p: Any, replicas: int, what: str, stacklevel: int) -> str | None:
+def exchange_mode(p: Any, replicas: int, what: str) -> str | None:
     """How ``replicas`` copies of a model (``what`` names one in messages) combine their updates under
     ``TrainingParameters`` ``p``: "allreduce", "zero1" or "adasum"; None for one, with a warning for each
-    exchange option that then does nothing. ``stacklevel`` points the warnings at the user's call."""
+    exchange option that then does nothing."""
     if replicas == 1:
         for name in ("enable_adasum", "deepspeed_zero_stage"):
             if getattr(p, name):
-                warnings.warn(
-                    f"TrainingParameters.{name} has no effect with one {what}", stacklevel=stacklevel
-                )
+                warn(f"TrainingParameters.{name} has no effect with one {what}")
         return None
     if p.deepspeed_zero_stage == 1:
         if p.enable_adasum:
-            warnings.warn("deepspeed_zero_stage=1 and enable_adasum are both set: ZeRO is used, as in the "
-                          "legacy (Adasum is ignored)", stacklevel=stacklevel)
+            warn("deepspeed_zero_stage=1 and enable_adasum are both set: ZeRO is used, as in the "
+                 "legacy (Adasum is ignored)")
         return "zero1"
     if p.enable_adasum:
         from onnxtrain.parallel.adasum import is_power_of_two
@@ -103,9 +101,9 @@ def resolve(p: Any) -> DataParallel | None:
         hint = f"; launch with: mpiexec -n {d} python script.py" if size == 1 else ""
         raise ValueError(f"TrainingParameters.data_parallel_size={d} exceeds the world size {size}{hint}")
     if d not in (1, size):
-        warnings.warn(f"data_parallel_size={d} does not equal world_size {size} (horizontal and pipeline "
-                      f"sizes are 1); using {size}", stacklevel=4)
-    mode = exchange_mode(p, size, "data-parallel rank", stacklevel=5)
+        warn(f"data_parallel_size={d} does not equal world_size {size} (horizontal and pipeline "
+             f"sizes are 1); using {size}")
+    mode = exchange_mode(p, size, "data-parallel rank")
     if mode is None:
         return None
     comm = get_communicator()

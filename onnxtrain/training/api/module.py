@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +39,7 @@ from onnxtrain.training.api._export import export_for_inference
 from onnxtrain.training.api._graph import InputSpec, ModelLike, check_device, check_user_inputs, load_model
 from onnxtrain.training.api.checkpoint_state import CheckpointState, replace_grads
 from onnxtrain.training.ort_artifacts import translate_training_model
+from onnxtrain.user_warning import warn
 
 LOSS_SCALING_KEY = "onnxtrain.loss_scaling"
 
@@ -303,13 +303,12 @@ class Module:
                   and not n.endswith(BUFFER_SUFFIX) and n not in (RESET_INPUT, self._loss_scale_input)]
         where = f"the checkpoint {self._state.path!r}" if self._state.path else "the checkpoint state"
         if trainable:
-            warnings.warn(f"the {what} model trains parameter(s) {trainable} that {where} does not hold: "
-                          "they are user inputs of the Module (pass their values after the other inputs; "
-                          "their gradients are not kept, and an Optimizer cannot update them)", stacklevel=4)
+            warn(f"the {what} model trains parameter(s) {trainable} that {where} does not hold: "
+                 "they are user inputs of the Module (pass their values after the other inputs; "
+                 "their gradients are not kept, and an Optimizer cannot update them)")
         if frozen:
-            warnings.warn(f"the {what} model reads parameter(s) {frozen} that {where} does not hold: they "
-                          "are user inputs of the Module (pass their values after the other inputs)",
-                          stacklevel=4)
+            warn(f"the {what} model reads parameter(s) {frozen} that {where} does not hold: they "
+                 "are user inputs of the Module (pass their values after the other inputs)")
 
     def _classify_eval_graph(self) -> None:
         assert self._eval_model is not None
