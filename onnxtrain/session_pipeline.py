@@ -102,8 +102,7 @@ class PipelineTrainingSession(CutModelSession):
         replicas = self._replicas(p, p.pipeline_parallel_size, "pipeline_parallel_size")
         self._mode = _exchange_mode(p, replicas)
         if self._sess_options.enable_profiling:
-            warn(
-                "SessionOptions.enable_profiling: a pipelined session records no profile yet")
+            warn("SessionOptions.enable_profiling: a pipelined session records no profile yet")
         self.loss_scale_input_name = self._mp.loss_scale if self._mp is not None else None
         world_comm = get_communicator()
         check_same_on_all_ranks(world_comm, model_fingerprint(model, p, _OPTIONS), "model and pipeline setup")
@@ -334,14 +333,31 @@ class PipelineTrainingSession(CutModelSession):
         if self._mode == "zero1":
             self._zero_update(given)
             return finite
-        old = {w: self._store[w].copy() for w in self._sg.trainable} if self._mode == "adasum" else {}
-        self._run_update(self._get_plan("update"), self._sg.update_outputs, given)
-        if old:  # Adasum: the old weights plus the combination of the stage's replicas' deltas
-            names = list(old)
-            deltas = adasum_reduce(self._data, [self._store[w] - old[w] for w in names])
-            for w, d in zip(names, deltas):
-                self._store[w] = old[w] + d
+        if self._mode == "adasum":
+            self._adasum_update(given, finite)
+        else:
+            self._run_update(self._get_plan("update"), self._sg.update_outputs, given)
         return finite
+
+    def _adasum_update(self, given: dict[str, Any], finite: dict[str, np.ndarray]) -> None:
+        """Adasum: each replica updates with its own gradients, then the stage's weights become the old ones
+        plus the combination of its replicas' deltas. Under mixed precision (``finite`` holds this replica's
+        flag) nothing is updated unless every replica's gradients were finite, and the combined deltas reach
+        the weights only when they are all finite (on every stage), as the legacy's data-parallel Adasum."""
+        if self._mp is not None:
+            count = self._data.allreduce_scalar(float(finite[ALL_FINITE]), "Adasum all-finite check")
+            finite[ALL_FINITE] = np.asarray(count == self.data_parallel_size)
+            if not finite[ALL_FINITE]:
+                return
+        old = {w: self._store[w].copy() for w in self._sg.trainable}
+        self._run_update(self._get_plan("update"), self._sg.update_outputs, given)
+        deltas = adasum_reduce(self._data, [self._store[w] - old[w] for w in old])
+        apply = True
+        if self._mp is not None:  # alike on a stage's replicas; agreed over the stages
+            ok = float(all(bool(np.isfinite(d).all()) for d in deltas))
+            apply = self._comm.allreduce_scalar(ok, "Adasum deltas-finite check") == self._comm.size
+        for (w, o), d in zip(old.items(), deltas):
+            self._store[w] = o + d if apply else o
 
     # ---- ZeRO stage 1 within the stage's replicas -----------------------------------------
     def _setup_zero(self) -> None:
@@ -359,8 +375,9 @@ class PipelineTrainingSession(CutModelSession):
         whole = {sp.name: store.pop(sp.name) for sp in self._specs}
         if slots:
             clip = p.enable_grad_norm_clip
+            norm = NORM if clip or self._mp is not None else None  # mixed precision's finite flag: the norm
             self._sg.graphs["zero_update"], self._zero_updates, _, specs = build_update_graph(
-                sg.graphs["backward"], slots, p, self._opt, clip=clip, norm_input=NORM if clip else None
+                sg.graphs["backward"], slots, p, self._opt, clip=clip, norm_input=norm, mp=self._mp
             )
         else:
             self._zero_updates, specs = {}, []
@@ -478,17 +495,10 @@ class PipelineTrainingSession(CutModelSession):
 
 def _exchange_mode(p: Any, replicas: int) -> str | None:
     """How a stage's replicas combine their updates (:func:`onnxtrain.parallel.exchange_mode`, as for the
-    data-parallel session); ZeRO and Adasum refuse mixed precision here yet."""
+    data-parallel session)."""
     if p.deepspeed_zero_stage not in (0, 1):
         raise NotImplementedError(f"deepspeed_zero_stage={p.deepspeed_zero_stage}: only stages 0 and 1 exist")
-    mode = exchange_mode(p, replicas, "data-parallel replica")
-    if mode in ("zero1", "adasum") and p.use_mixed_precision:
-        raise NotImplementedError(
-            f"TrainingParameters option(s) use_mixed_precision and "
-            f"{'deepspeed_zero_stage' if mode == 'zero1' else 'enable_adasum'} do not combine with "
-            "pipeline_parallel_size > 1 yet"
-        )
-    return mode
+    return exchange_mode(p, replicas, "data-parallel replica")
 
 
 def _shared_weights(

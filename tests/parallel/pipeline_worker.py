@@ -215,13 +215,21 @@ CASES["adam2x2_clip"] = (mlp_model, 2, "hr", 2, "AdamOptimizer", True)
 CASES["adam2x2_zero_clip"] = CASES["adam2x2_clip"]
 CASES["adam2x2_tied_zero_resumed"] = (tied_model, 2, "t", 2, "AdamOptimizer", True)
 CASES["adam2x2_adasum_clip"] = CASES["adam2x2_clip"]
-ZERO = {"adam2x2_zero_clip", "adam2x2_tied_zero_resumed"}
-ADASUM = {"adam2x2_adasum_clip"}
+# and under mixed precision: a loss scale that trains (against the pipeline without ZeRO and one process) or
+# overflows (every replica skips every update)
+CASES["adam2x2_mp_clip"] = CASES["adam2x2_clip"]
+CASES["adam2x2_mp_zero_clip"] = CASES["adam2x2_clip"]
+CASES["adam2x2_mp_zero_overflow"] = (mlp_model, 2, "hr", 2, "AdamOptimizer", False)
+CASES["adam2x2_mp_adasum_clip"] = CASES["adam2x2_clip"]
+CASES["adam2x2_mp_adasum_overflow"] = CASES["adam2x2_mp_zero_overflow"]
+ZERO = {"adam2x2_zero_clip", "adam2x2_tied_zero_resumed", "adam2x2_mp_zero_clip", "adam2x2_mp_zero_overflow"}
+ADASUM = {"adam2x2_adasum_clip", "adam2x2_mp_adasum_clip", "adam2x2_mp_adasum_overflow"}
 # data-parallel replicas (default 1)
 REPLICAS = {"adam2x2_tied_clip": 2, "adam_h2x2_gelu_blocks": 2, "adam_h2x2_acc2_clip": 2}
-REPLICAS.update({c: 2 for c in ("adam2x2_clip", *ZERO, *ADASUM)})
+REPLICAS.update({c: 2 for c in ("adam2x2_clip", "adam2x2_mp_clip", *ZERO, *ADASUM)})
 # the mixed-precision cases' loss scale
 LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30, "adam2_mp_resumed": 256.0}
+LOSS_SCALE.update({c: 1e30 if c.endswith("_overflow") else 256.0 for c in CASES if "x2_mp_" in c})
 
 
 def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingParameters:

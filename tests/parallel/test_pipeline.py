@@ -8,6 +8,7 @@ import os
 import numpy as np
 import onnx
 import pytest
+from onnx import numpy_helper
 
 from onnxtrain import RunOptions, TrainingParameters, TrainingSession
 from onnxtrain.parallel.adasum import adasum_reference
@@ -146,6 +147,33 @@ def test_zero_and_adasum_within_each_stage_of_two_by_two(tmp_path) -> None:
     assert not np.allclose(got[f"{case}/state/W1"], got["adam2x2_clip/state/W1"], rtol=1e-4, atol=0)
 
 
+@pytest.mark.mpi
+def test_zero_and_adasum_under_mixed_precision(tmp_path) -> None:
+    """mpiexec -n 4, two stages × two replicas, mixed precision (float16 activations cross the cut). ZeRO:
+    the same weights as the pipeline without it and as one process. Adasum: as one process per replica
+    combined by the float64 formula. With a loss scale that overflows, every replica of every stage skips
+    every update, with ZeRO or Adasum: the state stays the initial one, as one process keeps it."""
+    cases = ["adam2x2_mp_clip", "adam2x2_mp_zero_clip", "adam2x2_mp_zero_overflow", "adam2x2_mp_adasum_clip",
+             "adam2x2_mp_adasum_overflow"]
+    got = pipelined(tmp_path, cases, 4)
+    for case in ("adam2x2_mp_clip", "adam2x2_mp_zero_clip", "adam2x2_mp_zero_overflow",
+                 "adam2x2_mp_adasum_overflow"):
+        compare(got, case, 1e-6)
+    first = {t.name: numpy_helper.to_array(t) for t in mlp_model().graph.initializer}
+    for case in ("adam2x2_mp_zero_overflow", "adam2x2_mp_adasum_overflow"):
+        for w, v in first.items():
+            np.testing.assert_array_equal(got[f"{case}/state/{w}"], v, err_msg=f"{case}: {w}")
+    for k in (k for k in got if k.startswith("adam2x2_mp_clip/state/")):
+        np.testing.assert_allclose(got[k.replace("_mp_clip", "_mp_zero_clip")], got[k], rtol=1e-7, atol=1e-8,
+                                   err_msg=k)
+    case = "adam2x2_mp_adasum_clip"
+    losses, state = adasum_oracle(case)
+    np.testing.assert_allclose(got[f"{case}/losses"], losses, rtol=1e-5, err_msg=case)
+    for k, v in state.items():
+        np.testing.assert_allclose(got[f"{case}/state/{k}"], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    assert not np.allclose(got[f"{case}/state/W1"], got["adam2x2_mp_clip/state/W1"], rtol=1e-4, atol=0)
+
+
 def adasum_oracle(case: str) -> tuple[list[float], dict[str, np.ndarray]]:
     """One process per replica (accumulating its micro-batches only, clipping by its own gradients' norm,
     keeping its own Adam state); after each step the replicas' weight deltas are combined by
@@ -165,7 +193,7 @@ def adasum_oracle(case: str) -> tuple[list[float], dict[str, np.ndarray]]:
         for r, sess in enumerate(sessions):
             for k in range(micro):
                 part = {n: np.split(np.split(v, replicas)[r], micro)[k] for n, v in feeds.items()}
-                (loss,) = sess.run(["loss"], {**part, "Learning_Rate": LR})
+                (loss,) = sess.run(["loss"], {**part, **scale_feed(case), "Learning_Rate": LR})
                 if r == 0 and k == micro - 1:
                     losses.append(float(loss))
             new = sess.get_state()
