@@ -222,14 +222,19 @@ CASES["adam2x2_mp_zero_clip"] = CASES["adam2x2_clip"]
 CASES["adam2x2_mp_zero_overflow"] = (mlp_model, 2, "hr", 2, "AdamOptimizer", False)
 CASES["adam2x2_mp_adasum_clip"] = CASES["adam2x2_clip"]
 CASES["adam2x2_mp_adasum_overflow"] = CASES["adam2x2_mp_zero_overflow"]
+# the second replica's inputs overflow float16 (its half of every batch times 1e5): no replica updates
+CASES["adam2x2_mp_adasum_half_overflow"] = CASES["adam2x2_clip"]
 ZERO = {"adam2x2_zero_clip", "adam2x2_tied_zero_resumed", "adam2x2_mp_zero_clip", "adam2x2_mp_zero_overflow"}
-ADASUM = {"adam2x2_adasum_clip", "adam2x2_mp_adasum_clip", "adam2x2_mp_adasum_overflow"}
+ADASUM = {"adam2x2_adasum_clip", "adam2x2_mp_adasum_clip", "adam2x2_mp_adasum_overflow",
+          "adam2x2_mp_adasum_half_overflow"}
 # data-parallel replicas (default 1)
 REPLICAS = {"adam2x2_tied_clip": 2, "adam_h2x2_gelu_blocks": 2, "adam_h2x2_acc2_clip": 2}
 REPLICAS.update({c: 2 for c in ("adam2x2_clip", "adam2x2_mp_clip", *ZERO, *ADASUM)})
 # the mixed-precision cases' loss scale
 LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30, "adam2_mp_resumed": 256.0}
-LOSS_SCALE.update({c: 1e30 if c.endswith("_overflow") else 256.0 for c in CASES if "x2_mp_" in c})
+LOSS_SCALE.update(  # the half overflow's comes from its inputs, not its scale
+    {c: 1e30 if c.endswith("_overflow") and "_half_" not in c else 256.0 for c in CASES if "x2_mp_" in c}
+)
 
 
 def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingParameters:
@@ -275,7 +280,11 @@ def case_feeds(case: str, steps: int, seed: int = 1) -> list[dict[str, np.ndarra
             }
             for _ in range(steps)
         ]
-    return [{"x": x, "y": y} for x, y in batches(steps, BATCH, seed=seed)]
+    out = [{"x": x, "y": y} for x, y in batches(steps, BATCH, seed=seed)]
+    if case.endswith("_half_overflow"):
+        for feeds in out:
+            feeds["x"][BATCH // 2 :] *= 1e5
+    return out
 
 
 def scale_feed(case: str) -> dict[str, np.ndarray]:
