@@ -25,17 +25,9 @@ from tests.ortt import PREAMBLE, ensure_ortt
 
 torch = pytest.importorskip("torch")
 
-from tests.training.bn_cnn import STATS, batch, export_cnn  # noqa: E402
+from tests.training.bn_cnn import STATS, batch  # noqa: E402
 
 STEPS, LR = 4, 0.1
-
-
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """(folder, the torch net with the exported values, the exported model in training mode)."""
-    folder = tmp_path_factory.mktemp("bn_const")
-    net, model = export_cnn(folder)
-    return folder, net, model
 
 
 def _trainable(model: onnx.ModelProto) -> list[str]:
@@ -88,9 +80,9 @@ print(json.dumps({"generated": generated, "losses": losses,
 
 
 @pytest.mark.slow
-def test_constant_running_stats_untouched_like_onnxruntime_training(exported):
+def test_constant_running_stats_untouched_like_onnxruntime_training(bn_cnn_exported):
     python = ensure_ortt()
-    folder, net, model = exported
+    folder, net, model = bn_cnn_exported
     original = _stats_of(model)
     trainable = _trainable(model)
     theirs, ours = str(folder / "ort"), str(folder / "ot")

@@ -24,17 +24,9 @@ from tests.ortt import PREAMBLE, ensure_ortt
 
 torch = pytest.importorskip("torch")
 
-from tests.training.bn_cnn import BATCH, STATS, batch, export_cnn  # noqa: E402
+from tests.training.bn_cnn import BATCH, STATS, batch  # noqa: E402
 
 STEPS, LR = 4, 0.1
-
-
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """(folder, the torch net with the exported values, the exported model in training mode)."""
-    folder = tmp_path_factory.mktemp("bn_stats")
-    net, model = export_cnn(folder)
-    return folder, net, model
 
 
 def _names(model: onnx.ModelProto) -> tuple[list[str], list[str]]:
@@ -72,10 +64,10 @@ def _train_onnxtrain(folder: str, steps: int = STEPS) -> tuple[CheckpointState, 
     return state, module, history
 
 
-def test_running_stats_follow_torch(exported):
+def test_running_stats_follow_torch(bn_cnn_exported):
     """onnxtrain's own artifacts: after each Module + SGD step the state's running mean is torch's, and the
     running variance torch's with the biased batch variance; eval mode and the export use them."""
-    folder, net, model = exported
+    folder, net, model = bn_cnn_exported
     out = _onnxtrain_artifacts(folder, model)
     before = {s: CheckpointState.load_checkpoint(os.path.join(out, "checkpoint")).parameters[s].data.copy()
               for s in STATS}
@@ -117,9 +109,9 @@ def test_running_stats_follow_torch(exported):
                                   state.parameters["bn.running_mean"].data)
 
 
-def test_user_outputs_unchanged_and_accumulation(exported):
+def test_user_outputs_unchanged_and_accumulation(bn_cnn_exported):
     """The statistics are no user output; each training call updates them, also while accumulating."""
-    folder, _, model = exported
+    folder, _, model = bn_cnn_exported
     out = _onnxtrain_artifacts(folder, model)
     state = CheckpointState.load_checkpoint(os.path.join(out, "checkpoint"))
     module = Module(os.path.join(out, "training_model.onnx"), state)
@@ -162,12 +154,12 @@ print(json.dumps(res))
 
 
 @pytest.mark.slow
-def test_running_stats_match_onnxruntime_training(exported):
+def test_running_stats_match_onnxruntime_training(bn_cnn_exported):
     """onnxruntime-training generates and trains the artifacts; onnxtrain trains the same files, and its own
     artifacts of the same model, to the same running statistics after every step and the same parameters
     (onnxruntime-training cannot run onnxtrain's standard-ONNX optimizer model)."""
     python = ensure_ortt()
-    folder, _, model = exported
+    folder, _, model = bn_cnn_exported
     ours = _onnxtrain_artifacts(folder, model)
     theirs = str(folder / "ort")
     os.makedirs(theirs, exist_ok=True)
