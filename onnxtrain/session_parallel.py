@@ -16,7 +16,7 @@ from onnx import numpy_helper
 from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE
 from onnxtrain.parallel import BucketReducer
-from onnxtrain.parallel.adasum import ALL_DELTAS_FINITE, adasum_reduce
+from onnxtrain.parallel.adasum import ALL_DELTAS_FINITE, adasum_step, every_rank_finite
 from onnxtrain.parallel.fingerprint import array_digest, digest
 from onnxtrain.parallel.zero import gather_zero_state, zero_update_slots
 from onnxtrain.parameters import TrainingParameters
@@ -128,18 +128,16 @@ class DataParallelSteps:
         finite, as the legacy graph's ``adasum_all_deltas_finite`` gated them."""
         g, store, dp = self._graphs, self._store, self._dp
         if mixed_precision:
-            finite = dp.comm.allreduce_scalar(float(bool(got[ALL_FINITE])), "Adasum all-finite check")
-            got[ALL_FINITE] = np.asarray(finite == dp.size)
+            every = every_rank_finite(dp.comm, got[ALL_FINITE], "Adasum all-finite check")
+            got[ALL_FINITE] = np.asarray(every)
             got[ALL_DELTAS_FINITE] = np.asarray(False)
-            if finite != dp.size:
+            if not got[ALL_FINITE]:
                 return {}
-        old = [store[w] for w in g.trainable]
-        deltas = adasum_reduce(dp.comm, [new[w] - o for w, o in zip(g.trainable, old)])
-        apply = not mixed_precision or all(bool(np.isfinite(d).all()) for d in deltas)  # alike on every rank
+        weights, apply = adasum_step(dp.comm, [store[w] for w in g.trainable], [new[w] for w in g.trainable],
+                                     mixed_precision)
         if mixed_precision:
             got[ALL_DELTAS_FINITE] = np.asarray(apply)
-        for w, o, d in zip(g.trainable, old, deltas):
-            new[w] = o + d if apply else o
+        new.update(zip(g.trainable, weights))
         return new
 
     def _zero_step(self, grads: list[np.ndarray], lr: np.ndarray,

@@ -49,7 +49,7 @@ from onnxtrain.ir.graphs import node_reads
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import get_optimizer
 from onnxtrain.parallel import exchange_mode, get_communicator
-from onnxtrain.parallel.adasum import adasum_reduce
+from onnxtrain.parallel.adasum import adasum_step, every_rank_finite
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stage_nodes
@@ -344,20 +344,21 @@ class PipelineTrainingSession(CutModelSession):
         plus the combination of its replicas' deltas. Under mixed precision (``finite`` holds this replica's
         flag) nothing is updated unless every replica's gradients were finite, and the combined deltas reach
         the weights only when they are all finite (on every stage), as the legacy's data-parallel Adasum."""
-        if self._mp is not None:
-            count = self._data.allreduce_scalar(float(finite[ALL_FINITE]), "Adasum all-finite check")
-            finite[ALL_FINITE] = np.asarray(count == self.data_parallel_size)
+        gated = self._mp is not None
+        if gated:
+            finite[ALL_FINITE] = np.asarray(
+                every_rank_finite(self._data, finite[ALL_FINITE], "Adasum all-finite check")
+            )
             if not finite[ALL_FINITE]:
                 return
-        old = {w: self._store[w].copy() for w in self._sg.trainable}
+        names = self._sg.trainable
+        old = [self._store[w].copy() for w in names]
         self._run_update(self._get_plan("update"), self._sg.update_outputs, given)
-        deltas = adasum_reduce(self._data, [self._store[w] - old[w] for w in old])
-        apply = True
-        if self._mp is not None:  # alike on a stage's replicas; agreed over the stages
-            ok = float(all(bool(np.isfinite(d).all()) for d in deltas))
-            apply = self._comm.allreduce_scalar(ok, "Adasum deltas-finite check") == self._comm.size
-        for (w, o), d in zip(old.items(), deltas):
-            self._store[w] = o + d if apply else o
+        weights, _ = adasum_step(  # the deltas' check agreed over the stages
+            self._data, old, [self._store[w] for w in names], gated,
+            lambda ok: every_rank_finite(self._comm, ok, "Adasum deltas-finite check"),
+        )
+        self._store.update(zip(names, weights))
 
     # ---- ZeRO stage 1 within the stage's replicas -----------------------------------------
     def _setup_zero(self) -> None:

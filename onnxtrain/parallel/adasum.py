@@ -12,7 +12,7 @@ with bit-identical results.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -74,6 +74,29 @@ def adasum_reduce(comm: Communicator, arrays: Sequence[np.ndarray]) -> list[np.n
             out[i] = flat[pos:pos + n].reshape(arrays[i].shape) if n else arrays[i].copy()
             pos += n
     return out  # type: ignore[return-value]
+
+
+def every_rank_finite(comm: Communicator, finite: bool, what: str) -> bool:
+    """Whether ``finite`` holds on every rank of ``comm`` (a collective; ``what`` names it in errors)."""
+    return comm.allreduce_scalar(float(bool(finite)), what) == comm.size
+
+
+def adasum_step(
+    comm: Communicator,
+    old: Sequence[np.ndarray],
+    new: Sequence[np.ndarray],
+    gated: bool,
+    agree: Callable[[bool], bool] | None = None,
+) -> tuple[list[np.ndarray], bool]:
+    """The weights after an Adasum step: ``old`` plus the Adasum over ``comm`` of every rank's delta
+    ``new - old``. ``gated`` (mixed precision): the combined deltas are applied only when all are finite,
+    a decision ``agree`` makes common to other ranks too, else ``old`` is kept. Returns the weights and
+    whether the deltas were applied."""
+    deltas = adasum_reduce(comm, [n - o for n, o in zip(new, old)])
+    apply = not gated or all(bool(np.isfinite(d).all()) for d in deltas)  # alike on comm's ranks
+    if gated and agree is not None:
+        apply = agree(apply)
+    return [o + d if apply else o for o, d in zip(old, deltas)], apply
 
 
 def adasum_reference(vectors: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
