@@ -64,4 +64,15 @@ for name in ("onnxruntime.training.optim", "onnxruntime.training.amp"):
     sys.modules[name] = types.ModuleType(name)
 import onnx
 onnx.IR_VERSION = 10
+
+
+# the checkpoint state, Module and Optimizer (learning rate lr) of the artifacts in folder; the Module
+# without the eval model, which onnxruntime-training fails to load for a training-mode BatchNorm
+def open_artifacts(folder, lr):
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+    state = CheckpointState.load_checkpoint(folder + "/checkpoint")
+    m = Module(folder + "/training_model.onnx", state)
+    o = Optimizer(folder + "/optimizer_model.onnx", m)
+    o.set_learning_rate(lr)
+    return state, m, o
 """

@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 import pytest
 
+from onnxtrain.training.api import CheckpointState, Module, Optimizer
+
 torch = pytest.importorskip("torch")
 
 BATCH = 6
@@ -51,3 +53,15 @@ def export_cnn(folder: str | os.PathLike) -> tuple[CNN, onnx.ModelProto]:
             if t.name in sd:
                 sd[t.name].copy_(torch.from_numpy(onnx.numpy_helper.to_array(t).copy()))
     return net, model
+
+
+def open_artifacts(folder: str | os.PathLike, lr: float) -> tuple[CheckpointState, Module, Optimizer]:
+    """The checkpoint state, Module (with the eval model when the folder has one) and Optimizer (learning
+    rate ``lr``) of the artifacts in ``folder``."""
+    state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    eval_path = os.path.join(folder, "eval_model.onnx")
+    module = Module(os.path.join(folder, "training_model.onnx"), state,
+                    eval_path if os.path.exists(eval_path) else None)
+    opt = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
+    opt.set_learning_rate(lr)
+    return state, module, opt

@@ -20,12 +20,12 @@ import onnx
 import pytest
 
 from onnxtrain.training import artifacts
-from onnxtrain.training.api import CheckpointState, Module, Optimizer
+from onnxtrain.training.api import CheckpointState, Module
 from tests.ortt import PREAMBLE, ensure_ortt
 
 torch = pytest.importorskip("torch")
 
-from tests.training.bn_cnn import STATS, batch  # noqa: E402
+from tests.training.bn_cnn import STATS, batch, open_artifacts  # noqa: E402
 
 STEPS, LR = 4, 0.1
 
@@ -39,12 +39,7 @@ def _stats_of(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 
 def _train(folder: str) -> tuple[CheckpointState, Module, list[float]]:
-    state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
-    eval_path = os.path.join(folder, "eval_model.onnx")
-    module = Module(os.path.join(folder, "training_model.onnx"), state,
-                    eval_path if os.path.exists(eval_path) else None)
-    opt = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
-    opt.set_learning_rate(LR)
+    state, module, opt = open_artifacts(folder, LR)
     losses = []
     for i in range(STEPS):
         losses.append(float(module(*batch(i))))
@@ -56,7 +51,7 @@ def _train(folder: str) -> tuple[CheckpointState, Module, list[float]]:
 _ORT_SCRIPT = PREAMBLE + r"""
 import numpy as np
 from onnxruntime.training import artifacts
-from onnxruntime.training.api import CheckpointState, Module, Optimizer
+from onnxruntime.training.api import CheckpointState
 
 base, folder, trainable, data, steps, lr, saved = json.loads(sys.argv[1])
 model = onnx.load(base)
@@ -65,11 +60,8 @@ artifacts.generate_artifacts(model, requires_grad=trainable, frozen_params=[],
                              loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.SGD,
                              artifact_directory=folder)
 batches = np.load(data)
-state = CheckpointState.load_checkpoint(folder + "/checkpoint")
+state, m, o = open_artifacts(folder, lr)
 generated = [k for k, _ in state.parameters]
-m = Module(folder + "/training_model.onnx", state)  # (its eval model does not load: BN with 3 outputs)
-o = Optimizer(folder + "/optimizer_model.onnx", m)
-o.set_learning_rate(lr)
 losses = []
 for i in range(steps):
     losses.append(float(m(batches[f"x{i}"], batches[f"y{i}"]))); o.step(); m.lazy_reset_grad()

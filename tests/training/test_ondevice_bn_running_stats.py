@@ -19,12 +19,12 @@ import onnx
 import pytest
 
 from onnxtrain.training import artifacts
-from onnxtrain.training.api import CheckpointState, Module, Optimizer
+from onnxtrain.training.api import CheckpointState, Module
 from tests.ortt import PREAMBLE, ensure_ortt
 
 torch = pytest.importorskip("torch")
 
-from tests.training.bn_cnn import BATCH, STATS, batch  # noqa: E402
+from tests.training.bn_cnn import BATCH, STATS, batch, open_artifacts  # noqa: E402
 
 STEPS, LR = 4, 0.1
 
@@ -46,12 +46,7 @@ def _onnxtrain_artifacts(folder, model) -> str:
 
 
 def _train_onnxtrain(folder: str, steps: int = STEPS) -> tuple[CheckpointState, Module, list[dict]]:
-    state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
-    eval_path = os.path.join(folder, "eval_model.onnx")
-    module = Module(os.path.join(folder, "training_model.onnx"), state,
-                    eval_path if os.path.exists(eval_path) else None)
-    opt = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
-    opt.set_learning_rate(LR)
+    state, module, opt = open_artifacts(folder, LR)
     held = {s: state.parameters[s].data for s in STATS}
     history = []
     for i in range(steps):
@@ -127,7 +122,6 @@ def test_user_outputs_unchanged_and_accumulation(bn_cnn_exported):
 _ORT_SCRIPT = PREAMBLE + r"""
 import numpy as np
 from onnxruntime.training import artifacts
-from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
 base, generate_into, run_dirs, data, steps, lr = json.loads(sys.argv[1])
 model = onnx.load(base)
@@ -140,10 +134,7 @@ artifacts.generate_artifacts(model, requires_grad=[n for n in inits if "running"
 batches = np.load(data)
 res = {}
 for folder in run_dirs:
-    state = CheckpointState.load_checkpoint(folder + "/checkpoint")
-    m = Module(folder + "/training_model.onnx", state)
-    o = Optimizer(folder + "/optimizer_model.onnx", m)
-    o.set_learning_rate(lr)
+    state, m, o = open_artifacts(folder, lr)
     hist = []
     for i in range(steps):
         m(batches[f"x{i}"], batches[f"y{i}"]); o.step(); m.lazy_reset_grad()

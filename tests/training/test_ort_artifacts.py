@@ -42,7 +42,6 @@ CASES = {
 _ORT_SCRIPT = PREAMBLE + r"""
 import numpy as np
 from onnxruntime.training import artifacts
-from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
 cases = json.loads(sys.argv[1])
 res = {}
@@ -58,10 +57,7 @@ for name, (base, folder, data, loss, optim, lr, steps) in cases.items():
                                  loss=getattr(artifacts.LossType, loss),
                                  optimizer=getattr(artifacts.OptimType, optim), artifact_directory=folder)
     batches = np.load(data)
-    state = CheckpointState.load_checkpoint(folder + "/checkpoint")
-    m = Module(folder + "/training_model.onnx", state)  # (its eval model of a training-mode BN fails to load)
-    o = Optimizer(folder + "/optimizer_model.onnx", m)
-    o.set_learning_rate(lr)
+    state, m, o = open_artifacts(folder, lr)
     losses = []
     for i in range(steps):
         feeds = [batches[k] for k in sorted(batches.files) if k.endswith(f"_{i}")]

@@ -142,7 +142,6 @@ LR = {True: 1e-2, False: 0.1}
 _ORT_SCRIPT = PREAMBLE + r"""
 import numpy as np
 from onnxruntime.training import artifacts
-from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
 res = {}
 for name, (base, folder, data, train, lr, steps) in json.loads(sys.argv[1]).items():
@@ -156,10 +155,7 @@ for name, (base, folder, data, train, lr, steps) in json.loads(sys.argv[1]).item
     if not train:
         continue
     batch = np.load(data)
-    state = CheckpointState.load_checkpoint(folder + "/checkpoint")
-    m = Module(folder + "/training_model.onnx", state)
-    o = Optimizer(folder + "/optimizer_model.onnx", m)
-    o.set_learning_rate(lr)
+    state, m, o = open_artifacts(folder, lr)
     losses = []
     for i in range(steps):
         losses.append(float(m(batch["x"], batch["target"]))); o.step(); m.lazy_reset_grad()
