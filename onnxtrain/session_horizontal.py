@@ -1,14 +1,16 @@
-"""The legacy ``TrainingSession`` with ``horizontal_parallel_size > 1``: Megatron's split MLP blocks over MPI.
+"""The legacy ``TrainingSession`` with ``horizontal_parallel_size > 1``: Megatron's split MLP and attention
+blocks over MPI.
 
 ``TrainingSession(model, params)`` returns a :class:`HorizontalTrainingSession` when the parameters ask for
 ``horizontal_parallel_size = H``; launch the script with ``mpiexec -n H`` (or ``H·D`` for D data-parallel
 replicas, rank = replica · H + share), every rank of a replica with the same feeds.
-Each rank keeps its share of every split block's weights (:mod:`onnxtrain.parallel.megatron`) and the other
-weights whole. The model is cut around each block into pieces of plain ONNX graphs
-(:mod:`onnxtrain.parallel.stage_graphs`), run in turn in one process: forward, the ranks summing a block's
-output (``MegatronG``); backward from the loss, the ranks summing the gradient at a block's input
-(``MegatronF``). The gradient norm sums the shares' squares over the ranks; one update graph moves every
-weight of the rank. The weights move as one process's do, within float32 rounding of the split sums.
+Each rank keeps its share of every split block's weights (:mod:`onnxtrain.parallel.megatron`; its heads of
+each attention block by :mod:`onnxtrain.parallel.megatron_attention`) and the other weights whole. The model
+is cut around each block into pieces of plain ONNX graphs (:mod:`onnxtrain.parallel.stage_graphs`), run in
+turn in one process: forward, the ranks summing a block's output (``MegatronG``); backward from the loss, the
+ranks summing the gradient at a block's input (``MegatronF``). The gradient norm sums the shares' squares over
+the ranks; one update graph moves every weight of the rank. The weights move as one process's do, within
+float32 rounding of the split sums.
 With ``gradient_accumulation_steps = N`` the rank adds up its gradients over N runs and updates with their
 mean on the N-th, as one process does: the session counts the runs (``gradient_accumulation_mode =
 "auto"``), or a run fetching ``Group_Accumulated_Gradients`` with ``only_execute_path_to_fetches`` is a
@@ -29,7 +31,8 @@ from onnxtrain.engine.plan import load_model
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
-from onnxtrain.parallel.megatron import find_mlp_blocks, shard_blocks, share_name, take_share
+from onnxtrain.parallel.megatron import find_mlp_blocks, join_shares, shard_blocks, share_name, take_share
+from onnxtrain.parallel.megatron_attention import find_attention_blocks
 from onnxtrain.parallel.pipeline import partition
 from onnxtrain.parallel.stage_graphs import NORM, StageGraphs, build_stage_graphs, check_stage_nodes
 from onnxtrain.parameters import PIPELINE
@@ -74,22 +77,26 @@ class HorizontalTrainingSession(CutModelSession):
         self._groups(world_comm, world_comm.rank % h, world_comm.rank // h, "split groups")
         self._opt = get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
         trainable = select_trainable(model, p)
-        blocks = find_mlp_blocks(model, trainable, h)
+        blocks: list = find_mlp_blocks(model, trainable, h)
+        taken = {k for b in blocks for k in (*b.entries, b.second)}
+        blocks = sorted(
+            [*blocks, *find_attention_blocks(model, trainable, h, taken)], key=lambda b: min(b.entries)
+        )
         if not blocks:
             warn(
-                f"horizontal_parallel_size={h}: no MLP block of the model splits over {h} ranks (see "
-                "the README); every rank computes the whole model"
+                f"horizontal_parallel_size={h}: no MLP or attention block of the model splits over {h} "
+                "ranks (see the README); every rank computes the whole model"
             )
         self._blocks = blocks
         sharded, cuts, self._split = shard_blocks(model, blocks, self._comm.rank, h)
-        self._shares = {share: w for w, (share, _, _) in self._split.items()}  # share's name → the weight's
+        self._shares = {sw.share: w for w, sw in self._split.items()}  # share's name → the weight's
         self._cut_tensors = [c[0].tensor for c in cuts]  # F, G, F, G, ...: after piece 2k an F, 2k+1 a G
         try:
             part = partition(sharded, cuts, p.loss_output_name)
         except ValueError as e:  # the blocks side by side, or the loss inside one
             raise NotImplementedError(
-                f"horizontal parallelism splits MLP blocks that follow one another, with the loss after the "
-                f"last: {', '.join(b.w1 for b in blocks)} do not ({e})"
+                f"horizontal parallelism splits blocks that follow one another, with the loss after the "
+                f"last: {', '.join(b.columns[0][0] for b in blocks)} do not ({e})"
             ) from None
         check_stage_nodes(sharded, part)
         self._trainable = [self._split[w][0] if w in self._split else w for w in trainable]
@@ -165,7 +172,7 @@ class HorizontalTrainingSession(CutModelSession):
             plan = self._plan(s, kind if s < len(self._pieces) - 1 else "forward")
             names = list(plan.output_names)
             out = dict(zip(names, plan.run(self._feeds(s, kind, values, dropout), names)))
-            saved.append({n: out.pop(n) for n in self._pieces[s].saved if n in out})
+            saved.append({n: out[n] for n in self._pieces[s].saved if n in out})  # later pieces may read them
             values.update(out)
             if s % 2 == 1 and s < len(self._cut_tensors):  # after a block: its output is the ranks' sum
                 t = self._cut_tensors[s]
@@ -242,12 +249,15 @@ class HorizontalTrainingSession(CutModelSession):
         out: dict[str, np.ndarray] = {}
         for name, value in mine.items():
             full, orig = self._full_name(name)
-            if orig is None or value.shape != self._store[self._split[orig][0]].shape:
+            if orig is None or value.shape != self._store[self._split[orig].share].shape:
                 out[full] = value
                 continue
-            local, axis, row = self._split[orig]
-            shares = [part[name.replace(local, share_name(orig, row, r))] for r, part in enumerate(parts)]
-            out[full] = np.concatenate(shares, axis=axis)
+            sw = self._split[orig]
+            shares = [
+                part[name.replace(sw.share, share_name(orig, sw.row, r))]
+                for r, part in enumerate(parts)
+            ]
+            out[full] = join_shares(shares, sw.axis, sw.segments)
         return dict(sorted(out.items()))
 
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
@@ -262,7 +272,8 @@ class HorizontalTrainingSession(CutModelSession):
             elif full in state:
                 value = np.asarray(state[full])
                 if orig is not None and value.shape != self._store[name].shape:
-                    value = take_share(value, self._split[orig][1], rank, size)
+                    sw = self._split[orig]
+                    value = take_share(value, sw.axis, rank, size, sw.segments)
                 self._assign(name, value)
             else:
                 continue
@@ -276,8 +287,8 @@ class HorizontalTrainingSession(CutModelSession):
         """For each split weight: its full shape and ``megatron_row_partition`` (0 columns, 1 rows)."""
         inits = {t.name: t for t in self._model.graph.initializer}
         return {
-            w: {"original_dim": list(inits[w].dims), "megatron_row_partition": [row]}
-            for w, (_, _, row) in self._split.items()
+            w: {"original_dim": list(inits[w].dims), "megatron_row_partition": [sw.row]}
+            for w, sw in self._split.items()
         }
 
     def _apply_initial_optimizer_state(self, initial: dict[str, dict[str, np.ndarray]]) -> None:

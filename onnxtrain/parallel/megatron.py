@@ -15,7 +15,9 @@ input (F), the second product's output (G). :mod:`onnxtrain.session_horizontal` 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
@@ -24,7 +26,7 @@ from onnx import helper, numpy_helper
 from onnxtrain.ir.graphs import node_reads
 from onnxtrain.parallel.pipeline import CutEdge
 
-_ELEMENTWISE = frozenset(
+ELEMENTWISE = frozenset(
     {
         "Relu",
         "Gelu",
@@ -56,6 +58,19 @@ _ELEMENTWISE = frozenset(
 )
 
 
+Share = tuple[str, int, tuple[int, ...]]  # a split weight: (name, split axis, its segments' sizes)
+
+
+class SplitWeight(NamedTuple):
+    """A weight split over the ranks: this rank's share's name, the split axis, 0 columns / 1 rows, and the
+    sizes of the axis's segments (a fused QKV weight's three), each split on its own."""
+
+    share: str
+    axis: int
+    row: int
+    segments: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class MlpBlock:
     """Where one split block sits in the graph."""
@@ -70,94 +85,148 @@ class MlpBlock:
     w2_axis: int  # W2's input-feature axis
     hidden: int  # f
 
+    @property
+    def entries(self) -> tuple[int, ...]:
+        """The products reading the block's input."""
+        return (self.first,)
 
-def find_mlp_blocks(model: onnx.ModelProto, trainable: list[str], size: int) -> list[MlpBlock]:
-    """The blocks of ``model`` that split over ``size`` ranks, in graph order."""
-    g = model.graph
-    nodes = list(g.node)
-    inits = {t.name: t for t in g.initializer}
-    readers: dict[str, list[int]] = {}
-    for k, n in enumerate(nodes):
-        for i in dict.fromkeys(x for x in node_reads(n) if x):
-            readers.setdefault(i, []).append(k)
-    wanted = set(trainable)
-    # constants an activation may read: one value, not trained (a trained one would need its gradient summed)
-    scalars = {
-        t.name: numpy_helper.to_array(t)
-        for t in g.initializer
-        if int(np.prod(t.dims)) == 1 and t.name not in wanted
-    }
-    for n in nodes:
-        value = n.attribute[0].t if n.op_type == "Constant" and n.attribute[0].name == "value" else None
-        if value is not None and int(np.prod(value.dims)) == 1:
-            scalars[n.output[0]] = numpy_helper.to_array(value)
-    outputs = {o.name for o in g.output}
+    @property
+    def columns(self) -> tuple[Share, ...]:
+        """The weights split by output features."""
+        seg = (self.hidden,)
+        return ((self.w1, self.w1_axis, seg), *(((self.b1, 0, seg),) if self.b1 else ()))
 
-    def weight(name: str, rank: int) -> bool:
-        return name in wanted and len(inits[name].dims) == rank and len(readers.get(name, [])) == 1
+    @property
+    def rows(self) -> Share:
+        """The second product's weight, split by input features."""
+        return (self.w2, self.w2_axis, (self.hidden,))
 
-    made_by = {o: n for n in nodes for o in n.output if o}
-    blocks = []
-    taken: set[int] = set()  # products already in a block: an MLP's middle layer ends one block, opens none
-    for k, n in enumerate(nodes):
-        first = _product(n, weight, made_by) if k not in taken else None
-        if first is None:
-            continue
-        w1, w1_axis = first
-        f = int(inits[w1].dims[w1_axis])
-        start, b1 = n.output[0], _gemm_bias(n, f, weight, inits)
-        if b1 == "?":  # a Gemm bias that is not a trained [f] vector read here alone
-            continue
-        reads = readers.get(start, [])
-        if b1 is None and n.op_type == "MatMul" and len(reads) == 1:
-            add = nodes[reads[0]]
+    reshapes: tuple[tuple[int, int, int], ...] = ()  # (Reshape node, axis of its output, full size there)
+    splits: tuple[int, ...] = ()  # Split nodes whose sizes are cut to a share
+
+
+class GraphIndex:
+    """Who reads and makes each value of ``model``, its initializers, and the scalar constants."""
+
+    def __init__(self, model: onnx.ModelProto, trainable: list[str]):
+        g = self.graph = model.graph
+        self.nodes = list(g.node)
+        self.inits = {t.name: t for t in g.initializer}
+        self.readers: dict[str, list[int]] = {}
+        for k, n in enumerate(self.nodes):
+            for i in dict.fromkeys(x for x in node_reads(n) if x):
+                self.readers.setdefault(i, []).append(k)
+        self.wanted = set(trainable)
+        # constants an activation may read: one value, not trained (a trained one would need its gradient
+        # summed)
+        self.scalars = {
+            t.name: numpy_helper.to_array(t)
+            for t in g.initializer
+            if int(np.prod(t.dims)) == 1 and t.name not in self.wanted
+        }
+        for n in self.nodes:
+            value = n.attribute[0].t if n.op_type == "Constant" and n.attribute[0].name == "value" else None
+            if value is not None and int(np.prod(value.dims)) == 1:
+                self.scalars[n.output[0]] = numpy_helper.to_array(value)
+        self.outputs = {o.name for o in g.output}
+        self.made_by = {o: n for n in self.nodes for o in n.output if o}
+
+    def weight(self, name: str, rank: int) -> bool:
+        """``name`` is a trained weight of ``rank`` dimensions read by one node."""
+        return (
+            name in self.wanted
+            and name in self.inits
+            and len(self.inits[name].dims) == rank
+            and len(self.readers.get(name, [])) == 1
+        )
+
+    def product(self, k: int) -> tuple[str, int] | None:
+        return product_weight(self.nodes[k], self.weight, self.made_by)
+
+    def start(self, k: int, f: int) -> tuple[str, str | None] | None:
+        """The value a product's output features start from (after its bias) and that bias; None when the
+        product has a bias that cannot split with it."""
+        n = self.nodes[k]
+        start, bias = n.output[0], gemm_bias(n, f, self.weight, self.inits)
+        if bias == "?":  # a Gemm bias that is not a trained [f] vector read here alone
+            return None
+        reads = self.readers.get(start, [])
+        if bias is None and n.op_type == "MatMul" and len(reads) == 1:
+            add = self.nodes[reads[0]]
             other = [i for i in add.input if i != start]
             if (
                 add.op_type == "Add"
                 and len(other) == 1
-                and weight(other[0], 1)
-                and inits[other[0]].dims[0] == f
+                and self.weight(other[0], 1)
+                and self.inits[other[0]].dims[0] == f
             ):
-                b1, start = other[0], add.output[0]
-        second = _region_exit(nodes, readers, start, scalars, outputs)
+                bias, start = other[0], add.output[0]
+        return start, bias
+
+
+def find_mlp_blocks(model: onnx.ModelProto, trainable: list[str], size: int) -> list[MlpBlock]:
+    """The blocks of ``model`` that split over ``size`` ranks, in graph order."""
+    ix = GraphIndex(model, trainable)
+    nodes, inits = ix.nodes, ix.inits
+    blocks = []
+    taken: set[int] = set()  # products already in a block: an MLP's middle layer ends one block, opens none
+    for k in range(len(nodes)):
+        first = ix.product(k) if k not in taken else None
+        if first is None:
+            continue
+        w1, w1_axis = first
+        f = int(inits[w1].dims[w1_axis])
+        opened = ix.start(k, f)
+        if opened is None:
+            continue
+        start, b1 = opened
+        second = _region_exit(nodes, ix.readers, start, ix.scalars, ix.outputs)
         if second is None:
             continue
-        prod = _product(nodes[second], weight, made_by)
-        if prod is None or nodes[second].input[0] not in _region_values(nodes, readers, start, second):
+        prod = ix.product(second)
+        if prod is None or nodes[second].input[0] not in _region_values(nodes, ix.readers, start, second):
             continue
         w2, w2_out = prod
         w2_axis = 1 - w2_out
         if int(inits[w2].dims[w2_axis]) != f or f % size or f < size:
             continue
-        blocks.append(MlpBlock(n.input[0], k, second, w1, w1_axis, b1, w2, w2_axis, f))
+        blocks.append(MlpBlock(nodes[k].input[0], k, second, w1, w1_axis, b1, w2, w2_axis, f))
         taken.update((k, second))
     return blocks
 
 
 def shard_blocks(
-    model: onnx.ModelProto, blocks: list[MlpBlock], rank: int, size: int
-) -> tuple[onnx.ModelProto, list[list[CutEdge]], dict[str, tuple[str, int, int]]]:
+    model: onnx.ModelProto, blocks: Sequence[Any], rank: int, size: int
+) -> tuple[onnx.ModelProto, list[list[CutEdge]], dict[str, SplitWeight]]:
     """Rank ``rank``'s model: each block's weights cut to its share, an ``Identity`` before each block (the F
-    cut), the second product's bias moved after its output (the G cut). Returns the model, the cuts in graph
-    order (F, G, F, G, ...) and, for each split weight, ``(shard name, split axis, 0 column / 1 row)``."""
+    cut), the second product's bias moved after its output (the G cut), an attention block's head counts
+    cut to the rank's heads. Returns the model, the cuts in graph order (F, G, F, G, ...) and the split
+    weights. ``blocks``: :class:`MlpBlock` s and attention blocks, in graph order."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
     inits = {t.name: t for t in g.initializer}
-    split: dict[str, tuple[str, int, int]] = {}
+    split: dict[str, SplitWeight] = {}
     before: dict[int, list[onnx.NodeProto]] = {}
     after: dict[int, list[onnx.NodeProto]] = {}
     cuts: list[list[CutEdge]] = []
     for b_index, b in enumerate(blocks):
-        for w, axis, row in ((b.w1, b.w1_axis, 0), *(((b.b1, 0, 0),) if b.b1 else ()), (b.w2, b.w2_axis, 1)):
+        for (w, axis, segments), row in (*((c, 0) for c in b.columns), (b.rows, 1)):
             name = share_name(w, row, rank)
-            part = take_share(numpy_helper.to_array(inits[w]), axis, rank, size)
+            part = take_share(numpy_helper.to_array(inits[w]), axis, rank, size, segments)
             inits[w].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(part), name))
-            split[w] = (name, axis, row)
-        first, second = g.node[b.first], g.node[b.second]
+            split[w] = SplitWeight(name, axis, row, segments)
+        second = g.node[b.second]
         entry = f"{b.x}_megatron_f{b_index}"
-        before[b.first] = [helper.make_node("Identity", [b.x], [entry], name=f"MegatronF_{b_index}")]
-        first.input[0] = entry
+        before.setdefault(min(b.entries), []).append(
+            helper.make_node("Identity", [b.x], [entry], name=f"MegatronF_{b_index}")
+        )
+        for k in b.entries:
+            g.node[k].input[0] = entry
+        for k in b.splits:
+            _shrink_split(g, g.node[k], size)
+        for k, axis, full in b.reshapes:
+            before.setdefault(k, []).extend(_shrink_reshape(g, g.node[k], axis, full // size))
         partial = second.output[0]
         if second.op_type == "Gemm" and len(second.input) > 2 and second.input[2]:
             partial = f"{second.output[0]}_megatron_g{b_index}"
@@ -173,11 +242,50 @@ def shard_blocks(
     for k, n in enumerate(g.node):
         for j, i in enumerate(n.input):  # the split weights under their shares' names
             if i in split:
-                n.input[j] = split[i][0]
+                n.input[j] = split[i].share
         nodes += [*before.get(k, ()), n, *after.get(k, ())]
     del g.node[:]
     g.node.extend(nodes)
     return out, cuts, split
+
+
+def _shrink_split(g: onnx.GraphProto, n: onnx.NodeProto, size: int) -> None:
+    """A Split of a fused product's output: each part's size cut to a share."""
+    for a in n.attribute:
+        if a.name == "split":
+            a.ints[:] = [v // size for v in a.ints]
+    if len(n.input) > 1 and n.input[1]:
+        sizes = constant_value(g, n.input[1]) // size
+        name = f"{n.output[0]}_megatron_sizes"
+        g.initializer.append(numpy_helper.from_array(sizes.astype(np.int64), name))
+        n.input[1] = name
+
+
+def _shrink_reshape(g: onnx.GraphProto, n: onnx.NodeProto, axis: int, share: int) -> list[onnx.NodeProto]:
+    """A Reshape whose output's ``axis`` holds the heads (or their features): that entry of its shape set to
+    the rank's share, whether the shape is a constant or computed at run time."""
+    base = n.output[0]
+    where, value, shape = f"{base}_megatron_axis", f"{base}_megatron_share", f"{base}_megatron_shape"
+    g.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([axis], np.int64), where),
+            numpy_helper.from_array(np.array([share], np.int64), value),
+        ]
+    )
+    node = helper.make_node("ScatterElements", [n.input[1], where, value], [shape], name=f"{base}_megatron")
+    n.input[1] = shape
+    return [node]
+
+
+def constant_value(g: onnx.GraphProto, name: str) -> np.ndarray:
+    """The value of initializer or ``Constant`` output ``name``."""
+    for t in g.initializer:
+        if t.name == name:
+            return numpy_helper.to_array(t)
+    for n in g.node:
+        if n.op_type == "Constant" and n.output[0] == name:
+            return numpy_helper.to_array(n.attribute[0].t)
+    raise KeyError(name)
 
 
 def share_name(weight: str, row: int, rank: int) -> str:
@@ -185,13 +293,29 @@ def share_name(weight: str, row: int, rank: int) -> str:
     return f"{weight}_{'row' if row else 'column'}_rank_{rank}"
 
 
-def take_share(full: np.ndarray, axis: int, rank: int, size: int) -> np.ndarray:
-    """Rank ``rank``'s share of ``full`` split along ``axis`` into ``size`` equal parts."""
-    share = full.shape[axis] // size
-    return np.take(full, np.arange(rank * share, (rank + 1) * share), axis=axis)
+def take_share(
+    full: np.ndarray, axis: int, rank: int, size: int, segments: Sequence[int] = ()
+) -> np.ndarray:
+    """Rank ``rank``'s share of ``full`` split along ``axis`` into ``size`` equal parts (of each segment in
+    turn, when ``segments`` lists more than one)."""
+    bounds = np.cumsum([0, *(segments or (full.shape[axis],))])
+    picked = [
+        np.arange(lo + rank * ((hi - lo) // size), lo + (rank + 1) * ((hi - lo) // size))
+        for lo, hi in zip(bounds[:-1], bounds[1:])
+    ]
+    return np.take(full, np.concatenate(picked), axis=axis)
 
 
-def _product(n: onnx.NodeProto, weight, made_by: dict[str, onnx.NodeProto]) -> tuple[str, int] | None:
+def join_shares(shares: Sequence[np.ndarray], axis: int, segments: Sequence[int] = ()) -> np.ndarray:
+    """The whole weight from every rank's share (:func:`take_share` undone)."""
+    if len(segments) <= 1:
+        return np.concatenate(shares, axis=axis)
+    size = len(shares)
+    pieces = [np.split(s, np.cumsum([v // size for v in segments])[:-1], axis=axis) for s in shares]
+    return np.concatenate([p[j] for j in range(len(segments)) for p in pieces], axis=axis)
+
+
+def product_weight(n: onnx.NodeProto, weight, made_by: dict[str, onnx.NodeProto]) -> tuple[str, int] | None:
     """(weight, its output-feature axis) of a product by a trained 2-D weight: ``MatMul(x, W)``,
     ``MatMul(x, Transpose(W))`` (torch's export of ``nn.Linear``) or a plain ``Gemm(x, W[, C])`` (no
     transposed x, unit alpha and beta)."""
@@ -211,7 +335,7 @@ def _product(n: onnx.NodeProto, weight, made_by: dict[str, onnx.NodeProto]) -> t
     return None
 
 
-def _gemm_bias(n: onnx.NodeProto, f: int, weight, inits: dict[str, onnx.TensorProto]) -> str | None:
+def gemm_bias(n: onnx.NodeProto, f: int, weight, inits: dict[str, onnx.TensorProto]) -> str | None:
     if n.op_type == "Gemm" and len(n.input) > 2 and n.input[2]:
         c = n.input[2]
         return c if weight(c, 1) and inits[c].dims[0] == f else "?"
@@ -251,7 +375,7 @@ def _region_exit(
             n = nodes[r]
             if n.op_type in ("MatMul", "Gemm") and n.input[0] == v:
                 exits.add(r)
-            elif n.op_type not in _ELEMENTWISE or n.op_type == "Dropout" and not _keeps_all(n, scalars):
+            elif n.op_type not in ELEMENTWISE or n.op_type == "Dropout" and not keeps_all(n, scalars):
                 return None
             elif r not in inside:
                 inside.add(r)
@@ -264,7 +388,7 @@ def _region_exit(
     return exits.pop() if len(exits) == 1 else None
 
 
-def _keeps_all(n: onnx.NodeProto, scalars: dict[str, np.ndarray]) -> bool:
+def keeps_all(n: onnx.NodeProto, scalars: dict[str, np.ndarray]) -> bool:
     """A Dropout that keeps everything (inference mode, or a constant ratio of 0): its ranks' shares need no
     common mask."""
     if len(n.input) < 3 or not n.input[2]:

@@ -194,6 +194,8 @@ CASES.update(
         "adam_h2_clip": (mlp_model, 1, "", 1, "AdamOptimizer", True),
         "adam_h2_gelu_blocks": (gelu_blocks_model, 1, "", 1, "AdamOptimizer", True),
         "sgd_h2_torch_transformer": CASES["sgd2_torch_transformer"][:1] + (1, "", 1, "SGDOptimizer", False),
+        # torch's export of a GPT block (tests/models.py, dropout 0): the fused QKV attention's heads split
+        "sgd_h2_torch_gpt": CASES["sgd2_torch_transformer"][:1] + (1, "", 1, "SGDOptimizer", False),
     }
 )
 CASES["adam_h2x2_gelu_blocks"] = CASES["adam_h2_gelu_blocks"]  # the split × two data-parallel replicas
@@ -205,6 +207,7 @@ HORIZONTAL = {
     "adam_h2_clip": 2,
     "adam_h2_gelu_blocks": 2,
     "sgd_h2_torch_transformer": 2,
+    "sgd_h2_torch_gpt": 2,
     "adam_h2x2_gelu_blocks": 2,
     "adam_h2_acc2_clip": 2,
     "adam_h2_acc2_legacy": 2,
@@ -271,6 +274,15 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
 
 def case_feeds(case: str, steps: int, seed: int = 1) -> list[dict[str, np.ndarray]]:
     """The feeds of ``steps`` batches for a case's model (its ``x``/``y``, or the torch model's tokens)."""
+    if "torch_gpt" in case:  # 10 tokens of 40, a label per token
+        rng = np.random.default_rng(seed)
+        return [
+            {
+                "tokens": rng.integers(0, 40, (BATCH, 10)).astype(np.int64),
+                "labels": rng.integers(0, 40, (BATCH, 10)).astype(np.int64),
+            }
+            for _ in range(steps)
+        ]
     if "torch" in case:
         rng = np.random.default_rng(seed)
         return [

@@ -7,9 +7,11 @@ import numpy as np
 import onnx
 import pytest
 
-from onnxtrain import TrainingParameters, TrainingSession
-from onnxtrain.parallel.megatron import find_mlp_blocks, shard_blocks
+from onnxtrain import TrainingParameters, TrainingSession, zoo
+from onnxtrain.parallel.megatron import find_mlp_blocks, join_shares, shard_blocks, take_share
+from onnxtrain.parallel.megatron_attention import find_attention_blocks
 from onnxtrain.parallel.pipeline import partition
+from onnxtrain.training_graph import select_trainable
 from tests.parallel.pipeline_worker import gelu_blocks_model, tied_model
 from tests.parallel.test_pipeline import compare, pipelined, torch_transformer_case
 from tests.session.helpers import mlp_model
@@ -48,6 +50,19 @@ def test_torch_exported_transformer_feed_forward_split(tmp_path, monkeypatch) ->
 
 
 @pytest.mark.mpi
+def test_torch_exported_gpt_attention_heads_split(tmp_path, monkeypatch) -> None:
+    """The GPT block's fused QKV attention (shapes computed from Shape at run time, a causal mask) and its MLP
+    split over two ranks, two heads each: SGD steps as one process takes them."""
+    torch_transformer_case(tmp_path, monkeypatch, "sgd_h2_torch_gpt", 2e-6, name="gpt_block")
+
+
+@pytest.mark.mpi
+def test_onnxruntime_backend_split_attention(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("onnxruntime")
+    torch_transformer_case(tmp_path, monkeypatch, "sgd_h2_torch_gpt", 1e-5, "gpt_block", "onnxruntime")
+
+
+@pytest.mark.mpi
 def test_onnxruntime_backend_split_blocks(tmp_path) -> None:
     pytest.importorskip("onnxruntime")
     got = pipelined(tmp_path, ["adam_h2_clip"], 2, env={"ONNXTRAIN_TEST_BACKEND": "onnxruntime"})
@@ -61,9 +76,9 @@ def test_blocks_found_and_their_shares() -> None:
     assert (b.w1, b.w1_axis, b.b1, b.w2, b.w2_axis, b.hidden) == ("W1", 0, "b1", "W2", 1, 16)
     sharded, cuts, split = shard_blocks(m, [b], 1, 2)
     assert split == {
-        "W1": ("W1_column_rank_1", 0, 0),
-        "b1": ("b1_column_rank_1", 0, 0),
-        "W2": ("W2_row_rank_1", 1, 1),
+        "W1": ("W1_column_rank_1", 0, 0, (16,)),
+        "b1": ("b1_column_rank_1", 0, 0, (16,)),
+        "W2": ("W2_row_rank_1", 1, 1, (16,)),
     }
     inits = {t.name: onnx.numpy_helper.to_array(t) for t in sharded.graph.initializer}
     full = {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
@@ -191,3 +206,93 @@ def test_blocks_side_by_side_cannot_be_cut_in_turn() -> None:
     sharded, cuts, _ = shard_blocks(m, blocks, 0, 2)
     with pytest.raises(ValueError, match="cut 2 separates stage 2 from stage 3"):
         partition(sharded, cuts, "loss")
+
+
+# ---- attention heads (one process) -------------------------------------------------------------------------
+def _split_blocks(model: onnx.ModelProto, trainable: list[str], size: int) -> list:
+    mlp = find_mlp_blocks(model, trainable, size)
+    taken = {k for b in mlp for k in (*b.entries, b.second)}
+    return sorted([*mlp, *find_attention_blocks(model, trainable, size, taken)], key=lambda b: min(b.entries))
+
+
+def _zoo_transformer() -> tuple[onnx.ModelProto, list[str], dict[str, np.ndarray]]:
+    """onnxtrain's transformer: separate Q, K and V products, constant head shapes ([0, 0, 4, 8])."""
+    m = zoo.transformer(dim=32, heads=4, length=8)
+    p = TrainingParameters()
+    p.loss_output_name = "loss"  # its scalar constants are initializers: trained unless left out
+    p.weights_not_to_train = {f"layer0.{c}" for c in ("attn.scale", "mlp.half", "mlp.inv_sqrt2", "mlp.one")}
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.integers(0, 10, (3, 8)), "y": rng.integers(0, 10, (3, 8))}
+    return m, select_trainable(m, p), feeds
+
+
+def _gpt() -> tuple[onnx.ModelProto, list[str], dict[str, np.ndarray]]:
+    """torch's export of a GPT block: a fused QKV product, head shapes computed from Shape, a causal mask."""
+    pytest.importorskip("torch")
+    from tests.models import export
+
+    m, feeds, _ = export("gpt_block", training=True, with_loss=True, dropout=0.0)
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    return m, select_trainable(m, p), feeds
+
+
+@pytest.mark.parametrize("which", [_zoo_transformer, _gpt])
+def test_attention_shares_sum_to_the_whole(which) -> None:
+    """Each rank's share of the attention (its two heads of four) run by onnx.reference: the two partial
+    output projections add up to the unsplit model's; the sharded graphs pass the full checker."""
+    from onnx.reference import ReferenceEvaluator
+
+    model, trainable, feeds = which()
+    blocks = _split_blocks(model, trainable, 2)
+    assert [type(b).__name__ for b in blocks] == ["AttentionBlock", "MlpBlock"]
+    attn = blocks[0]
+    assert len(attn.reshapes) == 4  # the three head splits and the merge
+    partial = model.graph.node[attn.second].output[0]
+
+    def value(m: onnx.ModelProto) -> np.ndarray:
+        probe = onnx.ModelProto()
+        probe.CopyFrom(m)
+        probe.graph.output.append(onnx.helper.make_empty_tensor_value_info(partial))
+        return ReferenceEvaluator(probe).run([partial], feeds)[0]
+
+    shares = []
+    for rank in range(2):
+        sharded, cuts, _ = shard_blocks(model, blocks, rank, 2)
+        onnx.checker.check_model(sharded, full_check=True)
+        assert cuts[1][0].tensor == partial
+        shares.append(value(sharded))
+    whole = value(model)
+    assert shares[0].shape == whole.shape
+    assert not np.allclose(shares[0], whole, atol=1e-3)  # a share alone is not the whole
+    np.testing.assert_allclose(shares[0] + shares[1], whole, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_qkv_shares_take_each_part() -> None:
+    """A fused QKV weight [3·d, d] (torch's layout): rank r keeps rows r of each of the three parts, and the
+    shares join back in order."""
+    full = np.arange(12 * 2, dtype=np.float32).reshape(12, 2)
+    share = take_share(full, 0, 1, 2, (4, 4, 4))
+    np.testing.assert_array_equal(share, full[[2, 3, 6, 7, 10, 11]])
+    back = join_shares([take_share(full, 0, r, 2, (4, 4, 4)) for r in range(2)], 0, (4, 4, 4))
+    np.testing.assert_array_equal(back, full)
+
+
+def test_which_attention_does_not_split() -> None:
+    model, trainable, _ = _zoo_transformer()
+    assert find_attention_blocks(model, trainable, 3) == []  # 4 heads over 3 ranks
+    assert find_attention_blocks(model, trainable, 8) == []  # fewer heads than ranks
+    # a trained scale inside the attention (its gradient would be each rank's part)
+    assert find_attention_blocks(model, [*trainable, "layer0.attn.scale"], 2) == []
+    pytest.importorskip("torch")
+    from tests.models import export
+
+    # torch's nn.MultiheadAttention folds the heads into the batch axis ([T, N·heads, d/heads]): kept whole
+    m, _, _ = export("transformer_encoder", training=True, with_loss=True, dropout=0.0)
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    assert find_attention_blocks(m, select_trainable(m, p), 2) == []
+    # attention dropout that drops: the ranks' masks would differ from one process's
+    m, _, _ = export("gpt_block", training=True, with_loss=True, dropout=0.1)
+    blocks = find_attention_blocks(m, select_trainable(m, p), 2)
+    assert blocks == []

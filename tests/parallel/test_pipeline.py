@@ -213,17 +213,21 @@ def _per_replica(case: str, model: onnx.ModelProto) -> TrainingParameters:
     return p
 
 
-def torch_transformer_case(tmp_path, monkeypatch, case: str, tol: float) -> None:
-    """Run ``case`` on torch's export of a transformer encoder layer (dropout 0) and compare with one
-    process (the worker and the reference read the model from ``$PIPELINE_TORCH_MODEL``)."""
+def torch_transformer_case(
+    tmp_path, monkeypatch, case: str, tol: float, name: str = "transformer_encoder", backend: str = ""
+) -> None:
+    """Run ``case`` on torch's export of model ``name`` (a transformer encoder layer by default; dropout 0)
+    and compare with one process of the numpy engine (the worker and the reference read the model from
+    ``$PIPELINE_TORCH_MODEL``; the workers run on ``backend``, default numpy)."""
     pytest.importorskip("torch")
     from tests.models import export
 
-    model, _, _ = export("transformer_encoder", training=True, with_loss=True, dropout=0.0)
-    path = tmp_path / "transformer.onnx"
+    model, _, _ = export(name, training=True, with_loss=True, dropout=0.0)
+    path = tmp_path / f"{name}.onnx"
     onnx.save(model, path)
     monkeypatch.setenv("PIPELINE_TORCH_MODEL", str(path))
-    compare(pipelined(tmp_path, [case], 2, env={"PIPELINE_TORCH_MODEL": str(path)}), case, tol)
+    env = {"PIPELINE_TORCH_MODEL": str(path), **({"ONNXTRAIN_TEST_BACKEND": backend} if backend else {})}
+    compare(pipelined(tmp_path, [case], 2, env=env), case, tol)
 
 
 @pytest.mark.mpi

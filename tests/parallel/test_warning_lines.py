@@ -56,7 +56,7 @@ def test_cut_session_warnings_point_at_the_script(tmp_path):
         "SessionOptions.enable_profiling: a pipelined session": "PIPELINE",
         "data_parallel_size=2 times pipeline_parallel_size=2": "PIPELINE",
         "TrainingParameters.enable_adasum has no effect": "PIPELINE",
-        "horizontal_parallel_size=2: no MLP block": "HORIZONTAL",
+        "horizontal_parallel_size=2: no MLP or attention block": "HORIZONTAL",
     }
     for rank in range(2):
         got = json.loads((tmp_path / f"build_sessions.py.{rank}.json").read_text())
