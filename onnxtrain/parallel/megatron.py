@@ -15,7 +15,7 @@ input (F), the second product's output (G). :mod:`onnxtrain.session_horizontal` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -180,7 +180,7 @@ def find_mlp_blocks(model: onnx.ModelProto, trainable: list[str], size: int) -> 
         if opened is None:
             continue
         start, b1 = opened
-        second = _region_exit(nodes, ix.readers, start, ix.scalars, ix.outputs)
+        second = _region_exit(ix, start)
         if second is None:
             continue
         prod = ix.product(second)
@@ -357,33 +357,48 @@ def _region_values(
     return values
 
 
-def _region_exit(
-    nodes: list[onnx.NodeProto],
-    readers: dict[str, list[int]],
-    start: str,
-    scalars: dict[str, np.ndarray],
-    outputs: set[str],
-) -> int | None:
-    """The one product the activation starting at ``start`` flows into, if everything between is elementwise
-    on scalar constants and read nowhere else; else None."""
-    values, todo, exits, inside = {start}, [start], set(), set()
+def walk_block(
+    ix: GraphIndex, starts: Iterable[str], is_exit: Callable[[int, str], bool], admit: Callable[[int], bool]
+) -> tuple[set[int], set[int], set[str]] | None:
+    """Every node reading the values from ``starts`` on, up to the nodes ``is_exit(node, value)`` picks:
+    ``(inside, exits, values)``; None when a value is a graph output or a node inside is not ``admit``-ted."""
+    values = set(starts)
+    todo, exits, inside = list(values), set(), set()
     while todo:
         v = todo.pop()
-        if v in outputs:
+        if v in ix.outputs:
             return None
-        for r in readers.get(v, []):
-            n = nodes[r]
-            if n.op_type in ("MatMul", "Gemm") and n.input[0] == v:
+        for r in ix.readers.get(v, []):
+            if is_exit(r, v):
                 exits.add(r)
-            elif n.op_type not in ELEMENTWISE or n.op_type == "Dropout" and not keeps_all(n, scalars):
+            elif not admit(r):
                 return None
             elif r not in inside:
                 inside.add(r)
-                for o in n.output:
+                for o in ix.nodes[r].output:
                     if o and o not in values:
                         values.add(o)
                         todo.append(o)
-    if any(not all(i in values or i in scalars or not i for i in nodes[r].input) for r in inside):
+    return inside, exits, values
+
+
+def _region_exit(ix: GraphIndex, start: str) -> int | None:
+    """The one product the activation starting at ``start`` flows into, if everything between is elementwise
+    on scalar constants and read nowhere else; else None."""
+    nodes = ix.nodes
+
+    def admit(r: int) -> bool:
+        n = nodes[r]
+        return n.op_type in ELEMENTWISE and not (n.op_type == "Dropout" and not keeps_all(n, ix.scalars))
+
+    def is_exit(r: int, v: str) -> bool:
+        return nodes[r].op_type in ("MatMul", "Gemm") and nodes[r].input[0] == v
+
+    walked = walk_block(ix, [start], is_exit, admit)
+    if walked is None:
+        return None
+    inside, exits, values = walked
+    if any(not all(i in values or i in ix.scalars or not i for i in nodes[r].input) for r in inside):
         return None  # the activation reads something besides itself and constants
     return exits.pop() if len(exits) == 1 else None
 

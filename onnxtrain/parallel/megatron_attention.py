@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnxtrain.parallel.megatron import ELEMENTWISE, GraphIndex, Share, constant_value, keeps_all
+from onnxtrain.parallel.megatron import ELEMENTWISE, GraphIndex, Share, constant_value, keeps_all, walk_block
 
 _BROADCAST = ELEMENTWISE | {"Where", "Max", "Min"}
 _PROBE_DIM = 3  # the size of every free dimension (batch, ...) in the forward run that finds the shapes
@@ -130,23 +130,16 @@ def _attention(
         if any(s % size or s < size for s in segments):
             return None
         columns += [(w, w_axis, segments), *(((bias, 0, segments),) if bias else ())]
+
     # the block's nodes: every reader of its values up to the output projection
-    todo, exits = list(axis), set()
-    seen = set(axis)
-    while todo:
-        v = todo.pop()
-        if v in ix.outputs:
-            return None
-        for r in ix.readers.get(v, []):
-            n = nodes[r]
-            if n.op_type in ("MatMul", "Gemm") and n.input[0] == v and ix.product(r) is not None:
-                exits.add(r)
-            elif r not in inside:
-                inside.add(r)
-                for o in n.output:
-                    if o and o not in seen:
-                        seen.add(o)
-                        todo.append(o)
+    def is_exit(r: int, v: str) -> bool:
+        return nodes[r].op_type in ("MatMul", "Gemm") and nodes[r].input[0] == v and ix.product(r) is not None
+
+    walked = walk_block(ix, list(axis), is_exit, lambda r: True)
+    if walked is None:
+        return None
+    found, exits, _ = walked
+    inside |= found
     if len(exits) != 1:
         return None
     (second,) = exits
