@@ -99,7 +99,7 @@ class HorizontalTrainingSession(CutModelSession):
                 f"last: {', '.join(b.columns[0][0] for b in blocks)} do not ({e})"
             ) from None
         check_stage_nodes(sharded, part)
-        self._trainable = [self._split[w][0] if w in self._split else w for w in trainable]
+        self._trainable = [self._split[w].share if w in self._split else w for w in trainable]
         self._pieces: list[StageGraphs] = [
             build_stage_graphs(sharded, part, s, self._trainable, p, self._opt, with_update=False)
             for s in range(part.stages)

@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from onnxtrain.ir.attrs import attribute_value
 from onnxtrain.ir.graphs import node_reads
 from onnxtrain.parallel.pipeline import CutEdge
 
@@ -180,11 +181,12 @@ def find_mlp_blocks(model: onnx.ModelProto, trainable: list[str], size: int) -> 
         if opened is None:
             continue
         start, b1 = opened
-        second = _region_exit(ix, start)
-        if second is None:
+        region = _region_exit(ix, start)
+        if region is None:
             continue
+        second, values = region
         prod = ix.product(second)
-        if prod is None or nodes[second].input[0] not in _region_values(nodes, ix.readers, start, second):
+        if prod is None or nodes[second].input[0] not in values:
             continue
         w2, w2_out = prod
         w2_axis = 1 - w2_out
@@ -284,7 +286,7 @@ def constant_value(g: onnx.GraphProto, name: str) -> np.ndarray:
             return numpy_helper.to_array(t)
     for n in g.node:
         if n.op_type == "Constant" and n.output[0] == name:
-            return numpy_helper.to_array(n.attribute[0].t)
+            return np.asarray(attribute_value(n.attribute[0]))
     raise KeyError(name)
 
 
@@ -342,21 +344,6 @@ def gemm_bias(n: onnx.NodeProto, f: int, weight, inits: dict[str, onnx.TensorPro
     return None
 
 
-def _region_values(
-    nodes: list[onnx.NodeProto], readers: dict[str, list[int]], start: str, stop: int
-) -> set[str]:
-    values, todo = {start}, [start]
-    while todo:
-        v = todo.pop()
-        for r in readers.get(v, []):
-            if r != stop:
-                for o in nodes[r].output:
-                    if o and o not in values:
-                        values.add(o)
-                        todo.append(o)
-    return values
-
-
 def walk_block(
     ix: GraphIndex, starts: Iterable[str], is_exit: Callable[[int, str], bool], admit: Callable[[int], bool]
 ) -> tuple[set[int], set[int], set[str]] | None:
@@ -382,9 +369,9 @@ def walk_block(
     return inside, exits, values
 
 
-def _region_exit(ix: GraphIndex, start: str) -> int | None:
-    """The one product the activation starting at ``start`` flows into, if everything between is elementwise
-    on scalar constants and read nowhere else; else None."""
+def _region_exit(ix: GraphIndex, start: str) -> tuple[int, set[str]] | None:
+    """The one product the activation starting at ``start`` flows into, and the activation's values, if
+    everything between is elementwise on scalar constants and read nowhere else; else None."""
     nodes = ix.nodes
 
     def admit(r: int) -> bool:
@@ -400,7 +387,7 @@ def _region_exit(ix: GraphIndex, start: str) -> int | None:
     inside, exits, values = walked
     if any(not all(i in values or i in ix.scalars or not i for i in nodes[r].input) for r in inside):
         return None  # the activation reads something besides itself and constants
-    return exits.pop() if len(exits) == 1 else None
+    return (exits.pop(), values) if len(exits) == 1 else None
 
 
 def keeps_all(n: onnx.NodeProto, scalars: dict[str, np.ndarray]) -> bool:

@@ -18,6 +18,7 @@ forward run at a small batch; anything else leaves the attention whole on every 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import onnx
@@ -52,7 +53,8 @@ def find_attention_blocks(
     for k, n in enumerate(ix.nodes):
         if k not in taken and ix.product(k) is not None:
             groups.setdefault(n.input[0], []).append(k)
-    if not groups:
+    groups = {x: entries for x, entries in groups.items() if _reaches_reshape(ix, entries)}
+    if not groups:  # no heads anywhere: spare the forward run
         return []
     shapes = probe_shapes(model)
     if shapes is None:
@@ -60,10 +62,22 @@ def find_attention_blocks(
     blocks = []
     for x, entries in groups.items():
         b = _attention(ix, shapes, x, entries, size)
-        if b is not None and b.second not in taken:
+        if b is not None and taken.isdisjoint((*b.entries, b.second)):
             blocks.append(b)
             taken = {*taken, *b.entries, b.second}
     return sorted(blocks, key=lambda b: min(b.entries))
+
+
+def _is_exit(ix: GraphIndex, r: int, v: str) -> bool:
+    """Node ``r`` is a product of ``v`` by a trained weight: where an attention block ends."""
+    n = ix.nodes[r]
+    return n.op_type in ("MatMul", "Gemm") and n.input[0] == v and ix.product(r) is not None
+
+
+def _reaches_reshape(ix: GraphIndex, entries: list[int]) -> bool:
+    """The products ``entries`` flow into a ``Reshape`` before the next product: heads, possibly."""
+    walked = walk_block(ix, [ix.nodes[k].output[0] for k in entries], partial(_is_exit, ix), lambda r: True)
+    return walked is not None and any(ix.nodes[r].op_type == "Reshape" for r in walked[0])
 
 
 def probe_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]] | None:
@@ -132,10 +146,7 @@ def _attention(
         columns += [(w, w_axis, segments), *(((bias, 0, segments),) if bias else ())]
 
     # the block's nodes: every reader of its values up to the output projection
-    def is_exit(r: int, v: str) -> bool:
-        return nodes[r].op_type in ("MatMul", "Gemm") and nodes[r].input[0] == v and ix.product(r) is not None
-
-    walked = walk_block(ix, list(axis), is_exit, lambda r: True)
+    walked = walk_block(ix, list(axis), partial(_is_exit, ix), lambda r: True)
     if walked is None:
         return None
     found, exits, _ = walked
@@ -145,8 +156,7 @@ def _attention(
     (second,) = exits
     reshapes = []
     for r in sorted(inside - set(splits)):
-        got = _heads_axis(ix, shapes, r, axis, size)
-        if got is None:
+        if not _heads_axis(ix, shapes, r, axis, size):
             return None
         if nodes[r].op_type == "Reshape":
             k = axis[nodes[r].output[0]]
@@ -183,19 +193,19 @@ def _split_sizes(ix: GraphIndex, k: int, f: int, last: int) -> tuple[int, ...] |
 
 def _heads_axis(
     ix: GraphIndex, shapes: dict[str, tuple[int, ...]], r: int, axis: dict[str, int], size: int
-) -> bool | None:
-    """Follow the heads' axis through node ``r`` (its outputs' axes into ``axis``); None when the node does
+) -> bool:
+    """Follow the heads' axis through node ``r`` (its outputs' axes into ``axis``); False when the node does
     not keep the heads apart."""
     n = ix.nodes[r]
     if any(o not in shapes for o in n.output if o):
-        return None
+        return False
     ins = [i for i in n.input if i in axis]
     out = n.output[0]
     ro = len(shapes[out])
     attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
     if n.op_type == "Reshape":
         if ins != [n.input[0]]:
-            return None
+            return False
         src, a = shapes[n.input[0]], axis[n.input[0]]
         inner = int(np.prod(src[a:]))
         dst = shapes[out]
@@ -208,7 +218,7 @@ def _heads_axis(
             None,
         )
         if k is None or src[a] % size:
-            return None
+            return False
         axis[out] = k
         return True
     if n.op_type == "Transpose":
@@ -217,33 +227,33 @@ def _heads_axis(
         return True
     if n.op_type == "MatMul":
         if len(ins) != 2:
-            return None
+            return False
         aligned = {ro - len(shapes[i]) + axis[i] for i in ins}
         if len(aligned) != 1 or next(iter(aligned)) >= ro - 2:
-            return None
+            return False
         axis[out] = aligned.pop()
         return True
     if n.op_type in ("Softmax", "LogSoftmax"):
         a = axis[n.input[0]]
         if attrs.get("axis", -1) % ro == a:
-            return None
+            return False
         axis[out] = a
         return True
     if n.op_type not in _BROADCAST or n.op_type == "Dropout" and not keeps_all(n, ix.scalars):
-        return None
+        return False
     aligned = {ro - len(shapes[i]) + axis[i] for i in ins}
     if len(aligned) != 1:
-        return None
+        return False
     a = aligned.pop()
     for i in n.input:
         if not i or i in axis:
             continue
         if i in ix.wanted or i not in shapes:
-            return None  # a trained input would need its gradient summed over the ranks
+            return False  # a trained input would need its gradient summed over the ranks
         s = shapes[i]
         p = a - (ro - len(s))
         if p >= 0 and s[p] != 1:
-            return None  # it varies along the heads
+            return False  # it varies along the heads
     for o in n.output:
         if o:
             axis[o] = a
