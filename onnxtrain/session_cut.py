@@ -24,6 +24,7 @@ from onnxtrain.parallel import BucketReducer, Communicator, world
 from onnxtrain.parallel.fingerprint import array_digest, digest
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession
+from onnxtrain.session_exchange import ReplicaExchange
 from onnxtrain.training_graph import TRAINING_MODE
 from onnxtrain.user_warning import warn
 
@@ -38,7 +39,7 @@ RECOMPUTE = {
 }
 
 
-class CutModelSession(TrainingSession):
+class CutModelSession(ReplicaExchange, TrainingSession):
     """A legacy training session whose rank holds a part of the model (see the module docstring)."""
 
     what = "this parallelism"  # names the mode in errors

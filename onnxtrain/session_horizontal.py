@@ -15,6 +15,9 @@ With ``gradient_accumulation_steps = N`` the rank adds up its gradients over N r
 mean on the N-th, as one process does: the session counts the runs (``gradient_accumulation_mode =
 "auto"``), or a run fetching ``Group_Accumulated_Gradients`` with ``only_execute_path_to_fetches`` is a
 micro-step ("legacy"). A state gathered in between holds the weights, not the partial sums.
+With replicas, ``deepspeed_zero_stage=1`` shards each rank's optimizer state over the replicas holding the
+same share, and ``enable_adasum`` combines the replicas' weight deltas by Adasum, the dot products of a split
+weight summed over its shares (:mod:`onnxtrain.session_exchange`).
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ import onnx
 from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.engine.plan import load_model
 from onnxtrain.optim import WeightSlot, get_optimizer
-from onnxtrain.parallel import get_communicator
+from onnxtrain.parallel import exchange_mode, get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.megatron import find_mlp_blocks, join_shares, shard_blocks, share_name, take_share
 from onnxtrain.parallel.megatron_attention import find_attention_blocks
 from onnxtrain.parallel.pipeline import partition
 from onnxtrain.parallel.stage_graphs import NORM, StageGraphs, build_stage_graphs, check_stage_nodes
+from onnxtrain.parallel.zero import gather_zero_state
 from onnxtrain.parameters import PIPELINE
 from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint, squared_sum
 from onnxtrain.training_graph import build_update_graph, select_trainable
@@ -44,8 +48,6 @@ from onnxtrain.user_warning import warn
 _REFUSED = {
     "pipeline_parallel_size": 1,
     "use_mixed_precision": False,
-    "deepspeed_zero_stage": 0,
-    "enable_adasum": False,
     **{k: d for k, d in PIPELINE.items() if k != "pipeline_parallel_size"},
     **RECOMPUTE,
 }
@@ -55,6 +57,8 @@ _OPTIONS = (
     "loss_output_name",
     "training_optimizer_name",
     "enable_grad_norm_clip",
+    "deepspeed_zero_stage",
+    "enable_adasum",
 )
 
 
@@ -67,7 +71,8 @@ class HorizontalTrainingSession(CutModelSession):
         self._setup(_REFUSED)
         p = self._params
         h = p.horizontal_parallel_size
-        self._replicas(p, h, "horizontal_parallel_size")
+        replicas = self._replicas(p, h, "horizontal_parallel_size")
+        self._mode = exchange_mode(p, replicas, "data-parallel replica")
         model = upgrade_opset(load_model(path_or_bytes))
         world_comm = get_communicator()
         check_same_on_all_ranks(
@@ -109,6 +114,7 @@ class HorizontalTrainingSession(CutModelSession):
             self._store.update(sg.initial)
         self._build_update(sharded)
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
+        self._zero_graph = self._setup_zero(sharded)
         self._interface(model)
         self._setup_accumulation()
         self._check_attribute_maps()
@@ -146,12 +152,18 @@ class HorizontalTrainingSession(CutModelSession):
         key = (piece, kind)
         if key not in self._plans:
             if piece < 0:
-                updates = {o: s for s, o in self._update_outputs.items()}
-                model = self._update_graph
+                updates = {o: s for s, o in self._update_plan_outputs(kind).items()}
+                model = self._update_graph if kind == "update" else self._zero_graph
             else:
                 updates, model = None, self._pieces[piece].graphs[kind]
             self._plans[key] = self._new_plan(model, updates, keep_binding=piece < 0)
         return self._plans[key]
+
+    def _update_plan_outputs(self, kind: str) -> dict[str, str]:
+        return self._update_outputs if kind == "update" else self._zero_updates
+
+    def _update_plan(self, kind: str) -> tuple[Any, dict[str, str]]:
+        return self._plan(-1, kind), self._update_plan_outputs(kind)
 
     # ---- running -------------------------------------------------------------------------
     def _forward_only(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:
@@ -219,7 +231,8 @@ class HorizontalTrainingSession(CutModelSession):
 
     def _update(self, grads: dict[str, np.ndarray], lr: np.ndarray) -> None:
         p = self._params
-        grads = self._replicas_average(grads)
+        if self._mode != "adasum":  # Adasum: each replica updates with its own gradients
+            grads = self._replicas_average(grads)
         given: dict[str, Any] = {p.lr_params_feed_name: np.asarray(lr, np.float32).reshape(1)}
         given.update({f"{w}_grad": g for w, g in grads.items()})
         if p.enable_grad_norm_clip:
@@ -229,7 +242,12 @@ class HorizontalTrainingSession(CutModelSession):
                 "the gradient norm of the split weights",
             )
             given[NORM] = np.asarray(np.sqrt(whole + split), np.float32)
-        self._run_update(self._plan(-1, "update"), self._update_outputs, given)
+        if self._mode == "zero1":
+            self._zero_update(given)
+        elif self._mode == "adasum":
+            self._adasum_update(given, {}, self._shares)
+        else:
+            self._run_update(*self._update_plan("update"), given)
 
     # ---- state ---------------------------------------------------------------------------
     def _full_name(self, name: str) -> tuple[str, str | None]:
@@ -243,8 +261,11 @@ class HorizontalTrainingSession(CutModelSession):
 
     def gather_state(self) -> dict[str, np.ndarray]:
         """The state of the whole model under one process's names: each split weight (and its optimizer
-        state) put together from every rank's share. A collective."""
+        state) put together from every rank's share, the optimizer state under ZeRO first reassembled over
+        the replicas. A collective."""
         mine = self.get_state()
+        if self._zero is not None:
+            mine = gather_zero_state(self._data, self._zero, mine, self._zero_full_names())
         parts = self._comm.allgather_object(mine, "gathering the split weights")
         out: dict[str, np.ndarray] = {}
         for name, value in mine.items():
@@ -262,35 +283,48 @@ class HorizontalTrainingSession(CutModelSession):
 
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
         """This rank's names of ``state``, or the whole model's (as from ``gather_state()``), whose split
-        weights and optimizer state are cut to this rank's share."""
+        weights and optimizer state are cut to this rank's share (and under ZeRO, to this replica's pieces).
+        ``strict``: every state tensor this rank holds must be given."""
         size, rank = self._comm.size, self._comm.rank
-        seen = set()
-        for name in self._state_names():
+        zero_names = self._zero_full_names() if self._zero is not None else {}
+        held = set(self._state_names())
+        loaded: set[str] = set()
+        for name in sorted(held | set(self._spec_of)):  # the optimizer state also unpartitioned by ZeRO
             full, orig = self._full_name(name)
             if name in state:
-                self._assign(name, state[name])
+                value = np.asarray(state[name])
             elif full in state:
                 value = np.asarray(state[full])
-                if orig is not None and value.shape != self._store[name].shape:
+                shape = self._store[name].shape if name in self._store else self._spec_of[name].initial.shape
+                if orig is not None and value.shape != shape:
                     sw = self._split[orig]
                     value = take_share(value, sw.axis, rank, size, sw.segments)
-                self._assign(name, value)
             else:
                 continue
-            seen.add(name)
+            if name in held:
+                self._assign(name, value)
+                loaded.add(name)
+            for local, pc, elementwise in zero_names.get(name, ()):  # ZeRO: this replica's pieces of it
+                whole = elementwise and value.shape == self._zero.shapes[pc.weight]
+                self._assign(local, self._zero.piece_view(pc, value) if whole else value)
+                loaded.add(local)
         if strict:
-            missing = sorted(set(self._state_names()) - seen)
+            missing = sorted(held - loaded)
             if missing:
                 raise KeyError(f"load_state(strict=True): missing state tensor(s) {missing}")
 
     def get_partition_info_map(self) -> dict[str, dict[str, list[int]]]:
-        """For each split weight: its full shape and ``megatron_row_partition`` (0 columns, 1 rows)."""
+        """For each split weight: its full shape and ``megatron_row_partition`` (0 columns, 1 rows); under
+        ZeRO, each weight's pieces as well (under this rank's names)."""
         inits = {t.name: t for t in self._model.graph.initializer}
-        return {
+        out = {
             w: {"original_dim": list(inits[w].dims), "megatron_row_partition": [sw.row]}
             for w, sw in self._split.items()
         }
-
+        if self._zero is not None:
+            for w, d in self._zero.partition_info.items():
+                out.setdefault(w, {}).update({k: list(v) for k, v in d.items()})
+        return out
     def _apply_initial_optimizer_state(self, initial: dict[str, dict[str, np.ndarray]]) -> None:
         state = {}
         for w, d in initial.items():

@@ -49,13 +49,12 @@ from onnxtrain.ir.graphs import node_reads
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import get_optimizer
 from onnxtrain.parallel import exchange_mode, get_communicator
-from onnxtrain.parallel.adasum import adasum_step, every_rank_finite
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stage_nodes
-from onnxtrain.parallel.zero import gather_zero_state, zero_update_slots
+from onnxtrain.parallel.zero import gather_zero_state
 from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint, squared_sum
-from onnxtrain.training_graph import build_update_graph, select_trainable
+from onnxtrain.training_graph import select_trainable
 from onnxtrain.user_warning import warn
 
 # options a pipelined session cannot honour yet: name → its default
@@ -115,7 +114,9 @@ class PipelineTrainingSession(CutModelSession):
         self._shared = _shared_weights(model, self._part, trainable)
         self._shapes = {t.name: tuple(t.dims) for t in model.graph.initializer if t.name in self._shared}
         self._build_stage(model, trainable)
-        self._setup_zero()
+        zero_graph = self._setup_zero(self._sg.graphs["backward"])
+        if zero_graph is not None:
+            self._sg.graphs["zero_update"] = zero_graph
         self._interface(model)
         self._setup_accumulation()
         self._check_attribute_maps()
@@ -169,11 +170,18 @@ class PipelineTrainingSession(CutModelSession):
 
     def _get_plan(self, kind: str) -> Any:
         if kind not in self._plans:
-            outputs = {"update": self._sg.update_outputs, "zero_update": getattr(self, "_zero_updates", {})}
-            upd = kind in outputs
-            updates = {o: s for s, o in outputs[kind].items()} if upd else None
+            outputs = self._update_outputs_of(kind)
+            upd = outputs is not None
+            updates = {o: s for s, o in outputs.items()} if upd else None
             self._plans[kind] = self._new_plan(self._sg.graphs[kind], updates, keep_binding=upd)
         return self._plans[kind]
+
+    def _update_outputs_of(self, kind: str) -> dict[str, str] | None:
+        """An update graph's outputs (state name → output); None for the other graphs."""
+        return {"update": self._sg.update_outputs, "zero_update": self._zero_updates}.get(kind)
+
+    def _update_plan(self, kind: str) -> tuple[Any, dict[str, str]]:
+        return self._get_plan(kind), self._update_outputs_of(kind)
 
     @property
     def stage(self) -> int:
@@ -336,79 +344,8 @@ class PipelineTrainingSession(CutModelSession):
         if self._mode == "adasum":
             self._adasum_update(given, finite)
         else:
-            self._run_update(self._get_plan("update"), self._sg.update_outputs, given)
+            self._run_update(*self._update_plan("update"), given)
         return finite
-
-    def _adasum_update(self, given: dict[str, Any], finite: dict[str, np.ndarray]) -> None:
-        """Adasum: each replica updates with its own gradients, then the stage's weights become the old ones
-        plus the combination of its replicas' deltas. Under mixed precision (``finite`` holds this replica's
-        flag) nothing is updated unless every replica's gradients were finite, and the combined deltas reach
-        the weights only when they are all finite (on every stage), as the legacy's data-parallel Adasum."""
-        gated = self._mp is not None
-        if gated:
-            finite[ALL_FINITE] = np.asarray(
-                every_rank_finite(self._data, finite[ALL_FINITE], "Adasum all-finite check")
-            )
-            if not finite[ALL_FINITE]:
-                return
-        names = self._sg.trainable
-        old = [self._store[w].copy() for w in names]
-        self._run_update(self._get_plan("update"), self._sg.update_outputs, given)
-        weights, _ = adasum_step(  # the deltas' check agreed over the stages
-            self._data, old, [self._store[w] for w in names], gated,
-            lambda ok: every_rank_finite(self._comm, ok, "Adasum deltas-finite check"),
-        )
-        self._store.update(zip(names, weights))
-
-    # ---- ZeRO stage 1 within the stage's replicas -----------------------------------------
-    def _setup_zero(self) -> None:
-        """Under ZeRO stage 1: this replica's pieces of the stage's trained weights, their update graph, and
-        their optimizer state (sliced from the whole state, so a given initial state carries over)."""
-        if self._mode != "zero1" or not self._sg.trainable:
-            return
-        p, sg, store = self._params, self._sg, self._store
-        weights = {w: store[w] for w in sg.trainable}
-        z, self._zdtype, slots = zero_update_slots(
-            weights, self.data_parallel_size, self.data_parallel_rank, p
-        )
-        self._zero = z
-        self._full_state_names = {sp.name for sp in self._specs}
-        whole = {sp.name: store.pop(sp.name) for sp in self._specs}
-        if slots:
-            clip = p.enable_grad_norm_clip
-            norm = NORM if clip or self._mp is not None else None  # mixed precision's finite flag: the norm
-            self._sg.graphs["zero_update"], self._zero_updates, _, specs = build_update_graph(
-                sg.graphs["backward"], slots, p, self._opt, clip=clip, norm_input=norm, mp=self._mp
-            )
-        else:
-            self._zero_updates, specs = {}, []
-        self._specs = specs
-        for sp in specs:
-            pc = z.piece_of.get(sp.weight)
-            full = whole.get(f"{sp.key}_{pc.weight}" if pc is not None else sp.name)
-            if full is None:
-                store[sp.name] = sp.initial.copy()
-            elif pc is not None and sp.initial.shape == pc.shape and full.shape == z.shapes[pc.weight]:
-                store[sp.name] = np.array(z.piece_view(pc, full)).reshape(pc.shape)
-            else:
-                store[sp.name] = np.array(full)
-
-    def _zero_update(self, given: dict[str, Any]) -> None:
-        """Update this replica's pieces with the replicas' mean gradients, then all-gather the weights."""
-        z, store = self._zero, self._store
-        wflat = np.zeros(z.padded, self._zdtype)
-        if z.pieces:
-            feeds = dict(given)
-            for pc in z.pieces:
-                w = store[pc.weight]
-                feeds[pc.name] = w if pc.whole else np.array(z.piece_view(pc, w))
-                feeds[f"{pc.name}_grad"] = z.piece_view(pc, given[f"{pc.weight}_grad"]).reshape(pc.shape)
-            self._run_update(self._get_plan("zero_update"), self._zero_updates, feeds)
-            for pc in z.pieces:
-                value = store[pc.name] if pc.whole else store.pop(pc.name)
-                wflat[pc.offset : pc.offset + pc.stop - pc.start] = value.reshape(-1)
-        self._data.allgather_(wflat, f"ZeRO weight allgather of stage {self._stage} ({wflat.nbytes} bytes)")
-        store.update({w: v.copy() for w, v in z.unflatten(wflat).items()})
 
     def _sum_shared(self, eff: dict[str, np.ndarray]) -> None:
         """A trained weight read in several stages (tied weights) takes the sum of their gradients, on every

@@ -26,8 +26,15 @@ def is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def adasum_pair(a: np.ndarray, b: np.ndarray, starts: np.ndarray) -> np.ndarray:
+def adasum_pair(
+    a: np.ndarray,
+    b: np.ndarray,
+    starts: np.ndarray,
+    total: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> np.ndarray:
     """The pairwise rule applied per tensor to flat ``a`` and ``b``; tensor k starts at ``starts[k]``.
+    ``total`` maps the per-tensor sums (rows a·b, ‖a‖², ‖b‖²) to those of the whole tensors, for tensors of
+    which ``a`` and ``b`` hold a share.
 
     Returns a new array of ``a``'s dtype (the combination is formed in float64, then rounded once).
     """
@@ -35,9 +42,8 @@ def adasum_pair(a: np.ndarray, b: np.ndarray, starts: np.ndarray) -> np.ndarray:
     b64 = b.astype(np.float64)
     if a.size == 0:
         return a.copy()
-    dot = np.add.reduceat(a64 * b64, starts)
-    na = np.add.reduceat(a64 * a64, starts)
-    nb = np.add.reduceat(b64 * b64, starts)
+    sums = np.stack([np.add.reduceat(x * y, starts) for x, y in ((a64, b64), (a64, a64), (b64, b64))])
+    dot, na, nb = total(sums) if total is not None else sums
     with np.errstate(divide="ignore", invalid="ignore"):
         ca = np.where(na >= _TINY, 1.0 - dot / (2.0 * na), 1.0)
         cb = np.where(nb >= _TINY, 1.0 - dot / (2.0 * nb), 1.0)
@@ -47,8 +53,17 @@ def adasum_pair(a: np.ndarray, b: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return a64.astype(a.dtype, copy=False)
 
 
-def adasum_reduce(comm: Communicator, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """Adasum of every rank's ``arrays`` (same shapes and dtypes on all ranks); new arrays, equal on all."""
+def adasum_reduce(
+    comm: Communicator,
+    arrays: Sequence[np.ndarray],
+    shares: tuple[Communicator, Sequence[bool]] | None = None,
+) -> list[np.ndarray]:
+    """Adasum of every rank's ``arrays`` (same shapes and dtypes on all ranks); new arrays, equal on all.
+
+    ``shares = (group, split)``: ``arrays[i]`` with ``split[i]`` is this rank's share of a tensor cut over
+    ``group`` (whose ranks take the same steps together, each with its own ``comm``); its dot products are
+    the whole tensor's, summed over the group. The other arrays are whole, alike on the group's ranks.
+    """
     if not is_power_of_two(comm.size):
         raise ValueError(f"enable_adasum needs a power-of-two number of data-parallel ranks, got {comm.size}")
     arrays = [np.asarray(a) for a in arrays]
@@ -62,11 +77,15 @@ def adasum_reduce(comm: Communicator, arrays: Sequence[np.ndarray]) -> list[np.n
         flat = np.concatenate([arrays[i].reshape(-1) for i in keep]) if keep else np.zeros(0, dt)
         starts = np.cumsum([0] + [arrays[i].size for i in keep[:-1]]).astype(np.int64)
         other = np.empty_like(flat)
+        total = None
+        if shares is not None and any(shares[1][i] for i in keep):
+            total = _share_sums(shares[0], np.array([shares[1][i] for i in keep]))
         d = 1
         while d < comm.size:
             peer = comm.rank ^ d
             comm.sendrecv(flat, other, peer, f"Adasum exchange with rank {peer} ({flat.nbytes} bytes)")
-            flat = adasum_pair(flat, other, starts) if comm.rank < peer else adasum_pair(other, flat, starts)
+            pair = (flat, other) if comm.rank < peer else (other, flat)
+            flat = adasum_pair(*pair, starts, total)
             d *= 2
         pos = 0
         for i in idx:
@@ -74,6 +93,17 @@ def adasum_reduce(comm: Communicator, arrays: Sequence[np.ndarray]) -> list[np.n
             out[i] = flat[pos:pos + n].reshape(arrays[i].shape) if n else arrays[i].copy()
             pos += n
     return out  # type: ignore[return-value]
+
+
+def _share_sums(group: Communicator, split: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """The per-tensor sums of the whole tensors: a split tensor's added over ``group``, a whole tensor's
+    its own (counted once: the other ranks give zero)."""
+    own = split | (group.rank == 0)
+
+    def total(sums: np.ndarray) -> np.ndarray:
+        return group.allreduce_(np.where(own, sums, 0.0), "Adasum: the dot products of the split tensors")
+
+    return total
 
 
 def every_rank_finite(comm: Communicator, finite: bool, what: str) -> bool:
@@ -87,12 +117,13 @@ def adasum_step(
     new: Sequence[np.ndarray],
     gated: bool,
     agree: Callable[[bool], bool] | None = None,
+    shares: tuple[Communicator, Sequence[bool]] | None = None,
 ) -> tuple[list[np.ndarray], bool]:
     """The weights after an Adasum step: ``old`` plus the Adasum over ``comm`` of every rank's delta
     ``new - old``. ``gated`` (mixed precision): the combined deltas are applied only when all are finite,
     a decision ``agree`` makes common to other ranks too, else ``old`` is kept. Returns the weights and
-    whether the deltas were applied."""
-    deltas = adasum_reduce(comm, [n - o for n, o in zip(new, old)])
+    whether the deltas were applied. ``shares``: as for :func:`adasum_reduce`."""
+    deltas = adasum_reduce(comm, [n - o for n, o in zip(new, old)], shares)
     apply = not gated or all(bool(np.isfinite(d).all()) for d in deltas)  # alike on comm's ranks
     if gated and agree is not None:
         apply = agree(apply)

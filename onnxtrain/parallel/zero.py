@@ -11,7 +11,7 @@ so they depend on the rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,11 +132,17 @@ def gather_zero_state(
 
 
 def zero_update_slots(
-    weights: dict[str, np.ndarray], size: int, rank: int, params: Any
+    weights: dict[str, np.ndarray],
+    size: int,
+    rank: int,
+    params: Any,
+    original: Callable[[str], str] | None = None,
 ) -> tuple[ZeroLayout, np.dtype, list[Any]]:
     """The ZeRO-1 layout of the trained ``weights`` over ``size`` ranks, their one dtype, and the update
     slots (``WeightSlot``) of rank ``rank``'s pieces with each weight's optimizer attributes from
-    ``params`` (the legacy TrainingParameters)."""
+    ``params`` (the legacy TrainingParameters), looked up under ``original(weight)`` (a share of a split
+    weight: the whole weight's name)."""
+    name = original or (lambda w: w)
     from onnxtrain.optim import WeightSlot
 
     dtypes = {a.dtype for a in weights.values()}
@@ -153,8 +159,8 @@ def zero_update_slots(
             f"{pc.name}_grad",
             pc.shape,
             elem,
-            dict(params.optimizer_attributes_map.get(pc.weight, {})),
-            dict(params.optimizer_int_attributes_map.get(pc.weight, {})),
+            dict(params.optimizer_attributes_map.get(name(pc.weight), {})),
+            dict(params.optimizer_int_attributes_map.get(name(pc.weight), {})),
         )
         for pc in layout.pieces
     ]

@@ -213,6 +213,12 @@ HORIZONTAL = {
     "adam_h2_acc2_legacy": 2,
     "adam_h2x2_acc2_clip": 2,
 }
+# the split × two replicas with ZeRO stage 1 (also resumed halfway from the gathered state) or Adasum
+H_ZERO = {"adam_h2x2_gelu_zero", "adam_h2x2_gelu_zero_resumed"}
+H_ADASUM = {"adam_h2x2_gelu_adasum"}
+for _case in (*sorted(H_ZERO), *H_ADASUM):
+    CASES[_case] = CASES["adam_h2_gelu_blocks"]
+    HORIZONTAL[_case] = 2
 # two stages × two replicas with ZeRO stage 1 in each stage, or Adasum, and the same pipeline without
 CASES["adam2x2_clip"] = (mlp_model, 2, "hr", 2, "AdamOptimizer", True)
 CASES["adam2x2_zero_clip"] = CASES["adam2x2_clip"]
@@ -232,6 +238,7 @@ ADASUM = {"adam2x2_adasum_clip", "adam2x2_mp_adasum_clip", "adam2x2_mp_adasum_ov
           "adam2x2_mp_adasum_half_overflow"}
 # data-parallel replicas (default 1)
 REPLICAS = {"adam2x2_tied_clip": 2, "adam_h2x2_gelu_blocks": 2, "adam_h2x2_acc2_clip": 2}
+REPLICAS.update({c: 2 for c in (*H_ZERO, *H_ADASUM)})
 REPLICAS.update({c: 2 for c in ("adam2x2_clip", "adam2x2_mp_clip", *ZERO, *ADASUM)})
 # the mixed-precision cases' loss scale
 LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30, "adam2_mp_resumed": 256.0}
@@ -253,6 +260,8 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
     if pipelined and case in HORIZONTAL:
         p.horizontal_parallel_size = HORIZONTAL[case]
         p.data_parallel_size = replicas
+        p.deepspeed_zero_stage = int(case in H_ZERO)
+        p.enable_adasum = case in H_ADASUM
         if micro > 1:  # the split session accumulates the micro-batches itself, one run each
             p.gradient_accumulation_steps = micro
             p.gradient_accumulation_mode = "legacy" if case.endswith("_legacy") else "auto"
@@ -323,7 +332,8 @@ def main(out: str, cases: list[str]) -> None:
             so.add_session_config_entry("onnxtrain.backend", backend)
         sess = TrainingSession(model.SerializeToString(), parameters(case, model, True), so)
         graphs = (
-            [g for sg in sess._pieces for g in sg.graphs.values()] + [sess._update_graph]
+            [g for sg in sess._pieces for g in sg.graphs.values()]
+            + [g for g in (sess._update_graph, sess._zero_graph) if g is not None]
             if case in HORIZONTAL
             else list(sess._sg.graphs.values())
         )

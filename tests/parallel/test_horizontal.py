@@ -13,7 +13,7 @@ from onnxtrain.parallel.megatron_attention import find_attention_blocks
 from onnxtrain.parallel.pipeline import partition
 from onnxtrain.training_graph import select_trainable
 from tests.parallel.pipeline_worker import gelu_blocks_model, tied_model
-from tests.parallel.test_pipeline import compare, pipelined, torch_transformer_case
+from tests.parallel.test_pipeline import adasum_oracle, compare, pipelined, torch_transformer_case
 from tests.session.helpers import mlp_model
 
 
@@ -42,6 +42,32 @@ def test_split_blocks_times_two_data_parallel_replicas(tmp_path) -> None:
     got = pipelined(tmp_path, ["adam_h2x2_gelu_blocks", "adam_h2x2_acc2_clip"], 4)
     compare(got, "adam_h2x2_gelu_blocks", 2e-6)
     compare(got, "adam_h2x2_acc2_clip", 2e-6)  # with gradient accumulation as well
+
+
+@pytest.mark.mpi
+def test_zero_and_adasum_over_the_replicas_of_the_split(tmp_path) -> None:
+    """mpiexec -n 4, the two-way split × two replicas. ZeRO stage 1 shards each rank's Adam state over the
+    two replicas holding its share: the same weights as without it (and as one process), its gathered state
+    the whole model's, also when resumed from it halfway. Adasum: each replica updates with its own
+    gradients and the replicas combine the deltas, a split weight's dot products those of the whole tensor;
+    checked against one process per replica whose deltas the float64 formula combines."""
+    zero = ["adam_h2x2_gelu_zero", "adam_h2x2_gelu_zero_resumed"]
+    got = pipelined(tmp_path, ["adam_h2x2_gelu_blocks", *zero, "adam_h2x2_gelu_adasum"], 4)
+    plain = {k.split("/", 1)[1]: v for k, v in got.items() if k.startswith("adam_h2x2_gelu_blocks/")}
+    for case in zero:
+        compare(got, case, 2e-6)
+        sharded = {k.split("/", 1)[1]: v for k, v in got.items() if k.startswith(f"{case}/")}
+        assert sorted(plain) == sorted(sharded)
+        for k, v in plain.items():
+            np.testing.assert_allclose(sharded[k], v, rtol=1e-7, atol=1e-8, err_msg=f"{case}: {k}")
+    case = "adam_h2x2_gelu_adasum"
+    losses, state = adasum_oracle(case)
+    np.testing.assert_allclose(got[f"{case}/losses"], losses, rtol=1e-5, err_msg=case)
+    assert sorted(k.split("/", 2)[2] for k in got if k.startswith(f"{case}/state/")) == sorted(state)
+    for k, v in state.items():
+        np.testing.assert_allclose(got[f"{case}/state/{k}"], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    # Adasum is not the mean: without it the weights end elsewhere
+    assert not np.allclose(got[f"{case}/state/W1"], plain["state/W1"], rtol=1e-4, atol=0)
 
 
 @pytest.mark.mpi
