@@ -18,6 +18,8 @@ micro-step ("legacy"). A state gathered in between holds the weights, not the pa
 With replicas, ``deepspeed_zero_stage=1`` shards each rank's optimizer state over the replicas holding the
 same share, and ``enable_adasum`` combines the replicas' weight deltas by Adasum, the dot products of a split
 weight summed over its shares (:mod:`onnxtrain.session_exchange`).
+Under mixed precision the pass rewrites each rank's split model (its casts read the shares); half partial
+sums cross the ranks in float32.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ import onnx
 
 from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.engine.plan import load_model
+from onnxtrain.graph_transforms.mixed_precision import (
+    ALL_FINITE,
+    half_copies,
+    mixed_precision,
+    mixed_precision_info,
+)
+from onnxtrain.inference import NodeArg
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import exchange_mode, get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
@@ -47,7 +56,6 @@ from onnxtrain.user_warning import warn
 # options a horizontally split session cannot honour yet: name → its default
 _REFUSED = {
     "pipeline_parallel_size": 1,
-    "use_mixed_precision": False,
     **{k: d for k, d in PIPELINE.items() if k != "pipeline_parallel_size"},
     **RECOMPUTE,
 }
@@ -59,6 +67,7 @@ _OPTIONS = (
     "enable_grad_norm_clip",
     "deepspeed_zero_stage",
     "enable_adasum",
+    "use_mixed_precision",
 )
 
 
@@ -96,6 +105,13 @@ class HorizontalTrainingSession(CutModelSession):
         sharded, cuts, self._split = shard_blocks(model, blocks, self._comm.rank, h)
         self._shares = {sw.share: w for w, sw in self._split.items()}  # share's name → the weight's
         self._cut_tensors = [c[0].tensor for c in cuts]  # F, G, F, G, ...: after piece 2k an F, 2k+1 a G
+        if p.use_mixed_precision:  # on the rank's model: its casts read the shares
+            sharded = mixed_precision(sharded, p.loss_output_name, p.mixed_precision_dtype)
+            self._mp = mixed_precision_info(sharded)
+            self.loss_scale_input_name = self._mp.loss_scale
+            outputs = [o for o in sharded.graph.output if o.name != self._mp.scaled_loss]  # not a user output
+            del sharded.graph.output[:]
+            sharded.graph.output.extend(outputs)
         try:
             part = partition(sharded, cuts, p.loss_output_name)
         except ValueError as e:  # the blocks side by side, or the loss inside one
@@ -106,7 +122,7 @@ class HorizontalTrainingSession(CutModelSession):
         check_stage_nodes(sharded, part)
         self._trainable = [self._split[w].share if w in self._split else w for w in trainable]
         self._pieces: list[StageGraphs] = [
-            build_stage_graphs(sharded, part, s, self._trainable, p, self._opt, with_update=False)
+            build_stage_graphs(sharded, part, s, self._trainable, p, self._opt, self._mp, with_update=False)
             for s in range(part.stages)
         ]
         self._store: dict[str, np.ndarray] = {}
@@ -116,6 +132,10 @@ class HorizontalTrainingSession(CutModelSession):
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
         self._zero_graph = self._setup_zero(sharded)
         self._interface(model)
+        if self._mp is not None:  # the rank's model reads the loss scale
+            self._user_inputs.append(self._mp.loss_scale)
+            self._inputs.append(NodeArg(self._mp.loss_scale, "tensor(float)", [1]))
+            self._dtypes[self._mp.loss_scale] = np.dtype(np.float32)
         self._setup_accumulation()
         self._check_attribute_maps()
 
@@ -135,8 +155,10 @@ class HorizontalTrainingSession(CutModelSession):
             for w in self._trainable
         ]
         clip = p.enable_grad_norm_clip
+        # mixed precision always reads the norm: whether every gradient is finite comes from it
+        norm = NORM if clip or self._mp is not None else None
         self._update_graph, self._update_outputs, _, self._specs = build_update_graph(
-            sharded, slots, p, self._opt, clip=clip, norm_input=NORM if clip else None
+            sharded, slots, p, self._opt, clip=clip, norm_input=norm, mp=self._mp
         )
         for sp in self._specs:
             self._store[sp.name] = sp.initial.copy()
@@ -188,7 +210,7 @@ class HorizontalTrainingSession(CutModelSession):
             values.update(out)
             if s % 2 == 1 and s < len(self._cut_tensors):  # after a block: its output is the ranks' sum
                 t = self._cut_tensors[s]
-                values[t] = self._comm.allreduce_(np.array(values[t]), f"MegatronG: the sum of {t!r}")
+                values[t] = self._rank_sum(values[t], f"MegatronG: the sum of {t!r}")
         return values, saved
 
     def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool, update: bool) -> dict[str, np.ndarray]:
@@ -200,7 +222,7 @@ class HorizontalTrainingSession(CutModelSession):
             if s < last and s % 2 == 0 and s < len(self._cut_tensors):  # before a block: the ranks' sum
                 t = self._cut_tensors[s]
                 if t in grads:
-                    grads[t] = self._comm.allreduce_(np.array(grads[t]), f"MegatronF: the gradient of {t!r}")
+                    grads[t] = self._rank_sum(grads[t], f"MegatronF: the gradient of {t!r}")
             given = {**values, **(saved[s] if s < last else {})}
             for t in sg.seeded:
                 given[f"{t}_grad"] = grads[t] if t in grads else np.zeros_like(values[t])
@@ -226,28 +248,45 @@ class HorizontalTrainingSession(CutModelSession):
             if not update:
                 return values
             grads = self._take_means(n)
-        self._update(grads, values[self._params.lr_params_feed_name])
+        values.update(self._update(grads, values))
         return values
 
-    def _update(self, grads: dict[str, np.ndarray], lr: np.ndarray) -> None:
+    def _rank_sum(self, a: np.ndarray, what: str) -> np.ndarray:
+        """``a`` summed over the replica's ranks; a half-precision array is summed in float32 (MPI has no
+        half type), then rounded back."""
+        if a.dtype in (np.float32, np.float64):
+            return self._comm.allreduce_(np.array(a), what)
+        return self._comm.allreduce_(a.astype(np.float32), what).astype(a.dtype)
+
+    def _update(self, grads: dict[str, np.ndarray], feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Run the optimizer on the rank's gradients (``feeds``: the run's, with the learning rate and the
+        loss scale); returns ``all_gradients_finite`` under mixed
+        precision (the same on every rank: from the global norm)."""
         p = self._params
         if self._mode != "adasum":  # Adasum: each replica updates with its own gradients
             grads = self._replicas_average(grads)
-        given: dict[str, Any] = {p.lr_params_feed_name: np.asarray(lr, np.float32).reshape(1)}
+        lr = p.lr_params_feed_name
+        given: dict[str, Any] = {lr: np.asarray(feeds[lr], np.float32).reshape(1)}
+        if self._mp is not None:
+            given[self._mp.loss_scale] = feeds[self._mp.loss_scale]
         given.update({f"{w}_grad": g for w, g in grads.items()})
-        if p.enable_grad_norm_clip:
+        finite: dict[str, np.ndarray] = {}
+        if p.enable_grad_norm_clip or self._mp is not None:
             whole = squared_sum(g for w, g in grads.items() if w not in self._shares)  # alike on every rank
             split = self._comm.allreduce_scalar(
                 squared_sum(g for w, g in grads.items() if w in self._shares),
                 "the gradient norm of the split weights",
             )
             given[NORM] = np.asarray(np.sqrt(whole + split), np.float32)
+            if self._mp is not None:
+                finite[ALL_FINITE] = np.asarray(bool(np.isfinite(given[NORM])))
         if self._mode == "zero1":
             self._zero_update(given)
         elif self._mode == "adasum":
-            self._adasum_update(given, {}, self._shares)
+            self._adasum_update(given, finite, self._shares)
         else:
             self._run_update(*self._update_plan("update"), given)
+        return finite
 
     # ---- state ---------------------------------------------------------------------------
     def _full_name(self, name: str) -> tuple[str, str | None]:
@@ -262,8 +301,9 @@ class HorizontalTrainingSession(CutModelSession):
     def gather_state(self) -> dict[str, np.ndarray]:
         """The state of the whole model under one process's names: each split weight (and its optimizer
         state) put together from every rank's share, the optimizer state under ZeRO first reassembled over
-        the replicas. A collective."""
-        mine = self.get_state()
+        the replicas; under mixed precision, with the whole weights' half twins. A collective."""
+        twins = self._twin_masters()  # the shares' twins are not the whole weights'
+        mine = {k: v for k, v in self.get_state().items() if k not in twins}
         if self._zero is not None:
             mine = gather_zero_state(self._data, self._zero, mine, self._zero_full_names())
         parts = self._comm.allgather_object(mine, "gathering the split weights")
@@ -279,6 +319,10 @@ class HorizontalTrainingSession(CutModelSession):
                 for r, part in enumerate(parts)
             ]
             out[full] = join_shares(shares, sw.axis, sw.segments)
+        if twins:
+            whole = {self._original(w): twin.replace(w, self._original(w)) for twin, w in twins.items()}
+            copies = half_copies({w: out[w] for w in whole}, self._mp.dtype)
+            out.update({twin: copies[w] for w, twin in whole.items()})
         return dict(sorted(out.items()))
 
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:

@@ -245,6 +245,14 @@ LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30, "adam2_mp_resum
 LOSS_SCALE.update(  # the half overflow's comes from its inputs, not its scale
     {c: 1e30 if c.endswith("_overflow") and "_half_" not in c else 256.0 for c in CASES if "x2_mp_" in c}
 )
+# the split under mixed precision: a loss scale that trains (against one process), also with ZeRO over two
+# replicas, or that overflows (every update skipped)
+for _case in ("adam_h2_mp_gelu", "adam_h2_mp_overflow", "adam_h2x2_mp_gelu", "adam_h2x2_mp_gelu_zero"):
+    CASES[_case] = CASES["adam_h2_gelu_blocks"]
+    HORIZONTAL[_case] = 2
+    LOSS_SCALE[_case] = 1e30 if _case.endswith("_overflow") else 256.0
+H_ZERO.add("adam_h2x2_mp_gelu_zero")
+REPLICAS.update({"adam_h2x2_mp_gelu": 2, "adam_h2x2_mp_gelu_zero": 2})
 
 
 def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingParameters:

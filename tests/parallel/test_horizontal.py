@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from onnx import numpy_helper
 
 from onnxtrain import TrainingParameters, TrainingSession, zoo
 from onnxtrain.parallel.megatron import find_mlp_blocks, join_shares, shard_blocks, take_share
@@ -13,7 +14,13 @@ from onnxtrain.parallel.megatron_attention import find_attention_blocks
 from onnxtrain.parallel.pipeline import partition
 from onnxtrain.training_graph import select_trainable
 from tests.parallel.pipeline_worker import gelu_blocks_model, tied_model
-from tests.parallel.test_pipeline import adasum_oracle, compare, pipelined, torch_transformer_case
+from tests.parallel.test_pipeline import (
+    adasum_oracle,
+    compare,
+    one_process,
+    pipelined,
+    torch_transformer_case,
+)
 from tests.session.helpers import mlp_model
 
 
@@ -68,6 +75,38 @@ def test_zero_and_adasum_over_the_replicas_of_the_split(tmp_path) -> None:
         np.testing.assert_allclose(got[f"{case}/state/{k}"], v, rtol=1e-5, atol=1e-6, err_msg=k)
     # Adasum is not the mean: without it the weights end elsewhere
     assert not np.allclose(got[f"{case}/state/W1"], plain["state/W1"], rtol=1e-4, atol=0)
+
+
+@pytest.mark.mpi
+def test_split_under_mixed_precision(tmp_path) -> None:
+    """Mixed precision over the two-way split: each rank's products in float16 on its float32 master
+    shares, the ranks' float16 partial sums added in float32. Against one process under mixed precision,
+    within float16 rounding of the split products; with a loss scale that overflows, every update is
+    skipped on every rank (the initial state, as one process keeps it); the half twins in the gathered
+    state are the whole weights'. On 4 ranks, ZeRO over the replicas as well: the same state as without it."""
+    got = pipelined(tmp_path, ["adam_h2_mp_gelu", "adam_h2_mp_overflow"], 2)
+    for case in ("adam_h2_mp_gelu", "adam_h2_mp_overflow"):
+        losses, state, out = one_process(case)
+        np.testing.assert_allclose(got[f"{case}/losses"], losses, rtol=5e-4, err_msg=case)
+        assert sorted(k.split("/", 2)[2] for k in got if k.startswith(f"{case}/state/")) == sorted(state)
+        for k, v in state.items():
+            tol = 1e-2 * float(np.abs(v).max())
+            np.testing.assert_allclose(got[f"{case}/state/{k}"], v, rtol=0, atol=tol, err_msg=f"{case}: {k}")
+        np.testing.assert_allclose(got[f"{case}/eval"], out, rtol=0, atol=1e-2, err_msg=case)
+    first = {t.name: numpy_helper.to_array(t) for t in gelu_blocks_model().graph.initializer}
+    for w, v in first.items():
+        np.testing.assert_array_equal(got[f"adam_h2_mp_overflow/state/{w}"], v, err_msg=w)
+    for w in ("W1", "W2", "b1"):  # the gathered twins: the whole weights rounded to float16
+        np.testing.assert_array_equal(got[f"adam_h2_mp_gelu/state/{w}_fp16"],
+                                      got[f"adam_h2_mp_gelu/state/{w}"].astype(np.float16))
+    got = pipelined(tmp_path, ["adam_h2x2_mp_gelu", "adam_h2x2_mp_gelu_zero"], 4)
+    plain = {k.split("/", 1)[1]: v for k, v in got.items() if k.startswith("adam_h2x2_mp_gelu/")}
+    sharded = {k.split("/", 1)[1]: v for k, v in got.items() if k.startswith("adam_h2x2_mp_gelu_zero/")}
+    assert sorted(plain) == sorted(sharded)
+    for k, v in plain.items():
+        np.testing.assert_allclose(sharded[k], v, rtol=1e-7, atol=1e-8, err_msg=k)
+    losses = one_process("adam_h2x2_mp_gelu")[0]
+    np.testing.assert_allclose(plain["losses"], losses, rtol=5e-4)
 
 
 @pytest.mark.mpi
