@@ -132,19 +132,8 @@ def test_zero_and_adasum_within_each_stage_of_two_by_two(tmp_path) -> None:
     got = pipelined(tmp_path, ["adam2x2_clip", *zero, "adam2x2_adasum_clip"], 4)
     for case in zero:
         compare(got, case, 1e-6)
-    plain = {k.split("/", 1)[1]: v for k, v in got.items() if k.startswith("adam2x2_clip/")}
-    sharded = {k.split("/", 1)[1]: v for k, v in got.items() if k.startswith("adam2x2_zero_clip/")}
-    assert sorted(plain) == sorted(sharded)
-    for k, v in plain.items():
-        np.testing.assert_allclose(sharded[k], v, rtol=1e-7, atol=1e-8, err_msg=k)
-    losses, state = adasum_oracle("adam2x2_adasum_clip")
-    case = "adam2x2_adasum_clip"
-    np.testing.assert_allclose(got[f"{case}/losses"], losses, rtol=1e-5, err_msg=case)
-    assert sorted(k.split("/", 2)[2] for k in got if k.startswith(f"{case}/state/")) == sorted(state)
-    for k, v in state.items():
-        np.testing.assert_allclose(got[f"{case}/state/{k}"], v, rtol=1e-5, atol=1e-6, err_msg=k)
-    # Adasum is not the mean: the pipeline without it ends elsewhere
-    assert not np.allclose(got[f"{case}/state/W1"], got["adam2x2_clip/state/W1"], rtol=1e-4, atol=0)
+    assert_same_run(got, "adam2x2_zero_clip", "adam2x2_clip")
+    assert_adasum(got, "adam2x2_adasum_clip", "adam2x2_clip")
 
 
 @pytest.mark.mpi
@@ -174,6 +163,25 @@ def test_zero_and_adasum_under_mixed_precision(tmp_path) -> None:
     for k, v in state.items():
         np.testing.assert_allclose(got[f"{case}/state/{k}"], v, rtol=1e-5, atol=1e-6, err_msg=k)
     assert not np.allclose(got[f"{case}/state/W1"], got["adam2x2_mp_clip/state/W1"], rtol=1e-4, atol=0)
+
+
+def assert_same_run(got: dict[str, np.ndarray], case: str, other: str) -> None:
+    """``case`` saved the same losses, outputs and state as ``other`` (ZeRO against the unsharded run)."""
+    mine, theirs = ({k.split("/", 1)[1]: v for k, v in got.items() if k.startswith(f"{c}/")}
+                    for c in (case, other))
+    assert sorted(mine) == sorted(theirs), case
+    for k, v in theirs.items():
+        np.testing.assert_allclose(mine[k], v, rtol=1e-7, atol=1e-8, err_msg=f"{case}: {k}")
+
+
+def assert_adasum(got: dict[str, np.ndarray], case: str, mean: str) -> None:
+    """``case`` trained as :func:`adasum_oracle` says, and elsewhere than ``mean`` (the replicas' mean)."""
+    losses, state = adasum_oracle(case)
+    np.testing.assert_allclose(got[f"{case}/losses"], losses, rtol=1e-5, err_msg=case)
+    assert sorted(k.split("/", 2)[2] for k in got if k.startswith(f"{case}/state/")) == sorted(state)
+    for k, v in state.items():
+        np.testing.assert_allclose(got[f"{case}/state/{k}"], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    assert not np.allclose(got[f"{case}/state/W1"], got[f"{mean}/state/W1"], rtol=1e-4, atol=0)
 
 
 def adasum_oracle(case: str) -> tuple[list[float], dict[str, np.ndarray]]:
