@@ -536,15 +536,18 @@ def checkpoint_recompute(model: onnx.ModelProto, loss: str, checkpoints: Sequenc
 
 def recompute(model: onnx.ModelProto, loss: str, *, gelu: bool = False, attn_dropout: bool = False,
               transformer_layer: bool = False, number_recompute_layers: int = 0,
-              checkpoints: Sequence[str] | None = None, weights: Iterable[str] = ()) -> onnx.ModelProto:
+              checkpoints: Sequence[str] | None = None, weights: Iterable[str] = (),
+              forward_outputs: Iterable[str] = ()) -> onnx.ModelProto:
     """The union of the selected strategies, in one clone pass (the session's entry point).
 
     ``weights`` names graph inputs that hold parameters (the legacy session feeds its trained weights
-    as inputs): they are not activations.
+    as inputs): they are not activations. ``forward_outputs``: forward values other than the loss's
+    ancestors (a pipeline stage's outputs, which its backward does not start from).
     """
     if not (gelu or attn_dropout or transformer_layer or checkpoints is not None):
         return model
-    fa = _Forward(model, loss, weights=weights)
+    forward_outputs = list(forward_outputs)
+    fa = _Forward(model, loss, forward_outputs, weights=weights)
     values: set[str] = set()
     if gelu:
         values |= gelu_values(fa, loss)
@@ -554,7 +557,7 @@ def recompute(model: onnx.ModelProto, loss: str, *, gelu: bool = False, attn_dro
         values |= transformer_layer_values(fa, loss, number_recompute_layers)
     if checkpoints is not None:
         values |= checkpoint_values(fa, loss, checkpoints)
-    return recompute_values(model, loss, values, weights=weights) if values else model
+    return recompute_values(model, loss, values, forward_outputs, weights=weights) if values else model
 
 
 def _copy(node: onnx.NodeProto) -> onnx.NodeProto:

@@ -15,7 +15,7 @@ For stage ``s`` of a :class:`~onnxtrain.parallel.pipeline.Partition` (:func:`bui
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.builder import build_gradient_model
 from onnxtrain.autodiff.split import split_gradient_model
 from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo
+from onnxtrain.graph_transforms.recompute import recompute
 from onnxtrain.ir.builder import value_types
 from onnxtrain.ir.graphs import node_reads
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
@@ -118,13 +119,13 @@ def build_stage_graphs(
         zero = numpy_helper.from_array(np.array(0, np.float32))
         bw.graph.node.append(helper.make_node("Constant", [], [loss], value=zero))
         full = build_gradient_model(bw, loss, wrt, outputs=list(declared), other_ys=seeded)
+        full = _recomputed(full, loss, params, model, list(declared))
         full, initial = _with_weights_as_inputs(full, mine)
         graphs["forward_train"], graphs["backward"], saved = split_gradient_model(full, bw)
     else:
         loss = mp.scaled_loss if mp is not None else params.loss_output_name
-        graphs["backward"], initial = _with_weights_as_inputs(
-            build_gradient_model(base, loss, wrt, outputs=outputs), mine
-        )
+        full = _recomputed(build_gradient_model(base, loss, wrt, outputs=outputs), loss, params, model)
+        graphs["backward"], initial = _with_weights_as_inputs(full, mine)
         saved = []
     sg = StageGraphs(
         stage, last, graphs, mine, received, diff_received, sends, seeded, saved, outputs, initial
@@ -150,6 +151,34 @@ def build_stage_graphs(
         for sp in sg.specs:
             initial[sp.name] = sp.initial.copy()
     return sg
+
+
+def _recomputed(
+    grad: onnx.ModelProto,
+    loss: str,
+    params: TrainingParameters,
+    model: onnx.ModelProto,
+    forward_outputs: Sequence[str] = (),
+) -> onnx.ModelProto:
+    """A stage's gradient graph with the recompute options of ``params`` applied (GELU, attention dropout,
+    checkpoints: the stage recomputes its activations from its inputs and the checkpoints it makes);
+    ``model`` is the whole model, where every checkpoint must be a value."""
+    ckpts = params.recompute_checkpoints
+    if ckpts:
+        values = {o for n in model.graph.node for o in n.output} | {v.name for v in model.graph.input}
+        unknown = sorted(set(ckpts) - values)
+        if unknown:
+            raise ValueError(f"recompute_checkpoints: {unknown} are not values of the model")
+        mine = {o for n in grad.graph.node for o in n.output} | {v.name for v in grad.graph.input}
+        ckpts = [c for c in ckpts if c in mine]
+    return recompute(
+        grad,
+        loss,
+        gelu=params.gelu_recompute,
+        attn_dropout=params.attn_dropout_recompute,
+        checkpoints=ckpts if params.recompute_checkpoints else None,
+        forward_outputs=forward_outputs,
+    )
 
 
 def boundary_value(name: str, types: Mapping[str, onnx.TypeProto]) -> onnx.ValueInfoProto:

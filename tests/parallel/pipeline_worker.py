@@ -236,6 +236,17 @@ CASES["adam2x2_mp_adasum_half_overflow"] = CASES["adam2x2_clip"]
 ZERO = {"adam2x2_zero_clip", "adam2x2_tied_zero_resumed", "adam2x2_mp_zero_clip", "adam2x2_mp_zero_overflow"}
 ADASUM = {"adam2x2_adasum_clip", "adam2x2_mp_adasum_clip", "adam2x2_mp_adasum_overflow",
           "adam2x2_mp_adasum_half_overflow"}
+# recompute options (the same bits as without them): GELU or checkpoints over the split, checkpoints in a
+# pipeline whose first stage draws a Dropout mask
+RECOMPUTE = {
+    "adam_h2_gelu_recompute": {"gelu_recompute": True},
+    "adam_h2_gelu_ckpt": {"recompute_checkpoints": ["a1", "r1"]},
+    "adam2_dropout_ckpt_m1": {"recompute_checkpoints": ["h"]},
+}
+for _case in ("adam_h2_gelu_recompute", "adam_h2_gelu_ckpt"):
+    CASES[_case] = CASES["adam_h2_gelu_blocks"]
+    HORIZONTAL[_case] = 2
+CASES["adam2_dropout_ckpt_m1"] = CASES["adam2_dropout_m1"]
 # data-parallel replicas (default 1)
 REPLICAS = {"adam2x2_tied_clip": 2, "adam_h2x2_gelu_blocks": 2, "adam_h2x2_acc2_clip": 2}
 REPLICAS.update({c: 2 for c in (*H_ZERO, *H_ADASUM)})
@@ -265,6 +276,8 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
         p.optimizer_attributes_map = {t.name: dict(CLIP) for t in model.graph.initializer if t.dims}
     replicas = REPLICAS.get(case, 1)
     p.use_mixed_precision = case in LOSS_SCALE
+    for k, v in RECOMPUTE.get(case, {}).items() if pipelined else ():
+        setattr(p, k, v)
     if pipelined and case in HORIZONTAL:
         p.horizontal_parallel_size = HORIZONTAL[case]
         p.data_parallel_size = replicas

@@ -11,8 +11,11 @@ import pytest
 from onnx import numpy_helper
 
 from onnxtrain import RunOptions, TrainingParameters, TrainingSession
+from onnxtrain.optim import get_optimizer
 from onnxtrain.parallel.adasum import adasum_reference
 from onnxtrain.parallel.pipeline import CutEdge, parse_cut_info, partition
+from onnxtrain.parallel.stage_graphs import build_stage_graphs
+from onnxtrain.training_graph import select_trainable
 from tests.parallel.conftest import run_mpi
 from tests.parallel.pipeline_worker import (
     CASES,
@@ -20,6 +23,7 @@ from tests.parallel.pipeline_worker import (
     REPLICAS,
     STEPS,
     case_feeds,
+    dropout_model,
     eval_output,
     parameters,
     scale_feed,
@@ -163,6 +167,47 @@ def test_zero_and_adasum_under_mixed_precision(tmp_path) -> None:
     for k, v in state.items():
         np.testing.assert_allclose(got[f"{case}/state/{k}"], v, rtol=1e-5, atol=1e-6, err_msg=k)
     assert not np.allclose(got[f"{case}/state/W1"], got["adam2x2_mp_clip/state/W1"], rtol=1e-4, atol=0)
+
+
+@pytest.mark.mpi
+def test_recompute_in_stages_and_split_blocks(tmp_path) -> None:
+    """GELU and checkpoint recompute over the two-way split, checkpoints in a pipeline whose first stage
+    draws a Dropout mask (rebuilt from it): the same bits as without recompute."""
+    pairs = {
+        "adam_h2_gelu_recompute": "adam_h2_gelu_blocks",
+        "adam_h2_gelu_ckpt": "adam_h2_gelu_blocks",
+        "adam2_dropout_ckpt_m1": "adam2_dropout_m1",
+    }
+    got = pipelined(tmp_path, [*pairs, *dict.fromkeys(pairs.values())], 2)
+    for case, plain in pairs.items():
+        theirs = {k.split("/", 1)[1]: v for k, v in got.items() if k.startswith(f"{plain}/")}
+        assert sorted(theirs) == sorted(k.split("/", 1)[1] for k in got if k.startswith(f"{case}/"))
+        for k, v in theirs.items():
+            np.testing.assert_array_equal(got[f"{case}/{k}"], v, err_msg=f"{case}: {k}")
+
+
+def test_stage_graphs_recompute_from_checkpoints() -> None:
+    """A stage's backward recomputes what the checkpoints leave out (the ReLU output, from the checkpoint
+    before it; a Dropout output from its saved mask) instead of reading it from the forward; a checkpoint
+    that is no value of the model is an error naming the option."""
+    model = dropout_model()
+    part = partition(model, parse_cut_info("hr", 2), "loss")
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "AdamOptimizer"
+    opt = get_optimizer("AdamOptimizer", False)
+    trainable = select_trainable(model, p)
+    plain = build_stage_graphs(model, part, 0, trainable, p, opt)
+    p.recompute_checkpoints = ["h"]
+    ckpt = build_stage_graphs(model, part, 0, trainable, p, opt)
+    assert "hr0" in plain.saved and "hr0" not in ckpt.saved and "h" in ckpt.saved
+    made = [o for n in ckpt.graphs["backward"].graph.node for o in n.output]
+    assert "hr0_recompute" in made
+    for graph in ckpt.graphs.values():
+        onnx.checker.check_model(graph, full_check=True)
+    p.recompute_checkpoints = ["nowhere"]
+    with pytest.raises(ValueError, match=r"recompute_checkpoints: \['nowhere'\]"):
+        build_stage_graphs(model, part, 0, trainable, p, opt)
 
 
 def assert_same_run(got: dict[str, np.ndarray], case: str, other: str) -> None:
@@ -328,8 +373,8 @@ def test_pipeline_session_errors_in_one_process() -> None:
 
     with pytest.raises(ValueError, match="launch with: mpiexec -n 2"):
         TrainingSession(model, params())
-    with pytest.raises(NotImplementedError, match="gelu_recompute do not combine"):
-        TrainingSession(model, params(gelu_recompute=True))
+    with pytest.raises(NotImplementedError, match="transformer_layer_recompute do not combine"):
+        TrainingSession(model, params(transformer_layer_recompute=True))
     with pytest.raises(ValueError, match="needs an optimizer"):
         TrainingSession(model, params(training_optimizer_name=""))
     p = params(pipeline_parallel_size=1, num_pipeline_micro_batches=4)
