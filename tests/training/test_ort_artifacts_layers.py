@@ -95,17 +95,17 @@ class UpNet(nn.Module):
         return F.interpolate(self.c(h), scale_factor=2, mode="bilinear")
 
 
-def softmax_gather_nd(opset: int) -> onnx.ModelProto:
+def softmax_gather_nd(opset: int, gather: bool | None = None) -> onnx.ModelProto:
     """A Softmax over axis 1 (before opset 13, over axes 1 and 2 together: onnxruntime-training then writes
     its pre-13 SoftmaxGrad and LogSoftmaxGrad), a LogSoftmax over the last axis and, from opset 16, a
-    GatherND of (row, column) pairs."""
+    GatherND of (row, column) pairs (``gather``: with it or not whatever the opset)."""
     rng = np.random.default_rng(3)
     inits = [
         onnx.numpy_helper.from_array((rng.standard_normal((6, 8)) * 0.4).astype(np.float32), "W"),
         onnx.numpy_helper.from_array((rng.standard_normal(8) * 0.1).astype(np.float32), "b"),
         onnx.numpy_helper.from_array(np.array([[0, 1], [2, 0], [1, 3], [2, 0]], np.int64), "pairs"),
     ]
-    gather = opset >= 16
+    gather = opset >= 16 if gather is None else gather
     nodes = [
         helper.make_node("MatMul", ["x", "W"], ["xw"]),
         helper.make_node("Add", ["xw", "b"], ["h"]),
@@ -136,6 +136,8 @@ CASES = {
     "lstm_bidirectional": (lambda: Recurrent("lstm", True), (2, 5, 8), False),
     "opset12_softmax": (lambda: softmax_gather_nd(12), (3, 4, 6), True),
     "gather_nd": (lambda: softmax_gather_nd(17), (3, 4, 6), True),
+    # onnxruntime-training's GatherNDGrad in an opset-14 model: the translation moves it to opset 16
+    "gather_nd_opset14": (lambda: softmax_gather_nd(14, gather=True), (3, 4, 6), True),
 }
 LR = {True: 1e-2, False: 0.1}
 
@@ -256,6 +258,16 @@ def test_layer_artifacts_train_like_the_reference(runs, name):
             np.testing.assert_allclose(p.data, final[k], atol=1e-4, rtol=1e-3, err_msg=k)
 
 
+def test_gather_nd_gradient_of_an_opset_14_model_moves_to_opset_16(runs):
+    """onnxruntime-training keeps the model's opset 14 and writes GatherNDGrad; the translation is at 16 (the
+    case trains like onnxruntime-training above)."""
+    model = onnx.load(os.path.join(runs["gather_nd_opset14"][0], "training_model.onnx"))
+    assert [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] == [14]
+    assert "GatherNDGrad" in {n.op_type for n in model.graph.node}
+    translated = translate_training_model(model)
+    assert [o.version for o in translated.opset_import if o.domain in ("", "ai.onnx")] == [16]
+
+
 @pytest.mark.slow
 def test_the_layers_produce_the_newly_translated_operators(runs):
     seen = set()
@@ -341,9 +353,13 @@ def test_gelu_fusions_against_their_definitions(case):
     )
 
 
-def test_gather_nd_gradient_before_opset_16_is_refused_by_name():
-    """Its standard form is a ScatterND that adds (opset 16); an older model is refused, naming the node."""
-    from onnxtrain.training.ort_artifacts import TranslationError
+def test_gather_nd_gradient_before_opset_16_moves_the_model_to_opset_16():
+    """Its standard form is a ScatterND that adds (opset 16): an older model's standard nodes go through
+    ONNX's version converter first. The translated gradient adds dY's rows at the gathered positions (a
+    repeated pair twice), as numpy's ``np.add.at`` does; every node passes the full checker."""
+    from onnx.reference import ReferenceEvaluator
+
+    from onnxtrain.engine import compile_model
 
     node = helper.make_node(
         "GatherNDGrad", ["shape", "idx", "dy"], ["dx"], name="gnd_grad", domain="com.microsoft"
@@ -353,9 +369,25 @@ def test_gather_nd_gradient_before_opset_16_is_refused_by_name():
         helper.make_tensor_value_info("idx", TensorProto.INT64, [4, 2]),
         helper.make_tensor_value_info("dy", TensorProto.FLOAT, [4, 8]),
     ]
+    nodes = [
+        helper.make_node("Relu", ["dy0"], ["dy"]),  # a standard node of opset 12, converted
+        node,
+    ]
+    ins[2].name = "dy0"
+    out = helper.make_tensor_value_info("dx", TensorProto.FLOAT, [3, 6, 8])
     model = helper.make_model(
-        helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("dx", TensorProto.FLOAT, None)]),
+        helper.make_graph(nodes, "g", ins, [out]),
         opset_imports=[helper.make_opsetid("", 12), helper.make_opsetid("com.microsoft", 1)],
     )
-    with pytest.raises(TranslationError, match=r"'gnd_grad'.*needs opset 16 and the model has opset 12"):
-        translate_training_model(model)
+    translated = translate_training_model(model)
+    assert [o.version for o in translated.opset_import if o.domain == ""] == [16]
+    onnx.checker.check_model(translated, full_check=True)
+    rng = np.random.default_rng(0)
+    idx = np.array([[0, 1], [2, 5], [1, 3], [2, 5]], np.int64)
+    dy = rng.standard_normal((4, 8)).astype(np.float32)
+    shape = np.array([3, 6, 8], np.int64)
+    want = np.zeros((3, 6, 8), np.float32)
+    np.add.at(want, (idx[:, 0], idx[:, 1]), np.maximum(dy, 0))
+    feeds = {"shape": shape, "idx": idx, "dy0": dy}
+    np.testing.assert_array_equal(compile_model(translated).run(feeds)[0], want)
+    np.testing.assert_array_equal(ReferenceEvaluator(translated).run(None, feeds)[0], want)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper, numpy_helper
 
+from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.ir.builder import value_types
 from onnxtrain.training.ort_artifacts.common import (
     ACCUMULATED_SUFFIX,
@@ -27,6 +28,11 @@ def translate_training_model(model: onnx.ModelProto) -> onnx.ModelProto:
     if not is_onnxruntime_training_model(model):
         return model
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    foreign = [n.op_type for n in model.graph.node if is_foreign(n) and n.op_type in GRADS]
+    needed = max((GRADS[op].min_opset for op in foreign), default=0)
+    if opset < needed:  # GatherNDGrad's ScatterND that adds: the standard nodes move to that opset first
+        model = upgrade_opset(model, needed)
+        opset = needed
     g = model.graph
     ctx = Context(
         opset,
