@@ -30,8 +30,10 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import helper
 
 from onnxtrain.autodiff.builder import upgrade_opset
+from onnxtrain.engine.kernels.random import unseeded_generator
 from onnxtrain.engine.plan import load_model
 from onnxtrain.graph_transforms.mixed_precision import (
     ALL_FINITE,
@@ -40,6 +42,7 @@ from onnxtrain.graph_transforms.mixed_precision import (
     mixed_precision_info,
 )
 from onnxtrain.inference import NodeArg
+from onnxtrain.ir.graphs import RANDOM_OPS
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import exchange_mode, get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
@@ -103,6 +106,7 @@ class HorizontalTrainingSession(CutModelSession):
             )
         self._blocks = blocks
         sharded, cuts, self._split = shard_blocks(model, blocks, self._comm.rank, h)
+        self._seed_random_nodes(sharded)
         self._shares = {sw.share: w for w, sw in self._split.items()}  # share's name → the weight's
         self._cut_tensors = [c[0].tensor for c in cuts]  # F, G, F, G, ...: after piece 2k an F, 2k+1 a G
         if p.use_mixed_precision:  # on the rank's model: its casts read the shares
@@ -140,6 +144,21 @@ class HorizontalTrainingSession(CutModelSession):
         self._check_attribute_maps()
 
     # ---- construction ----------------------------------------------------------------
+    def _seed_random_nodes(self, model: onnx.ModelProto) -> None:
+        """Random nodes outside the split blocks (a Dropout between them) run on every rank of a replica,
+        which must draw the same values: each unseeded one gets a seed the replica's ranks agree on (from
+        the first rank's seed sequence, so :func:`onnxtrain.set_random_seed` still fixes them), each replica
+        its own."""
+        unseeded = (n for n in model.graph.node if all(a.name != "seed" for a in n.attribute))
+        nodes = [n for n in unseeded if n.op_type in RANDOM_OPS]
+        if not nodes:
+            return
+        mine = int(unseeded_generator({}).integers(2**31 - 1)) + 1_000_003 * self.data_parallel_rank
+        base = self._comm.allgather_object(mine, "agreeing on the random nodes' seeds")[0]
+        for k, n in enumerate(nodes):
+            seed = (base + k) % (2**31 - 1)
+            n.attribute.append(helper.make_attribute("seed", seed if n.op_type == "Dropout" else float(seed)))
+
     def _build_update(self, sharded: onnx.ModelProto) -> None:
         p = self._params
         inits = {t.name: t for t in sharded.graph.initializer}

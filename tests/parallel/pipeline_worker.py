@@ -154,6 +154,20 @@ def gelu_blocks_model(seed: int = 11) -> onnx.ModelProto:
     return _classifier(nodes, "gelu_blocks", 4, inits)
 
 
+def gelu_dropout_model(seed: int | None = None) -> onnx.ModelProto:
+    """``gelu_blocks_model`` with a Dropout (ratio 0.3, unseeded unless ``seed``) on the residual sum
+    between its two blocks: a node every rank of a split runs whole."""
+    m = gelu_blocks_model()
+    g = m.graph
+    k = next(k for k, n in enumerate(g.node) if n.output[0] == "r1")
+    g.node[k].output[0] = "r1_kept"
+    extra = {} if seed is None else {"seed": int(seed)}
+    g.node.insert(k + 1, helper.make_node("Dropout", ["r1_kept", "ratio", "train"], ["r1"], **extra))
+    g.initializer.append(numpy_helper.from_array(np.array(0.3, np.float32), "ratio"))
+    g.initializer.append(numpy_helper.from_array(np.array(True), "train"))
+    return m
+
+
 # name → (model, stages, cut, micro-batches, optimizer, clip attributes)
 CASES = {
     "adam2": (mlp_model, 2, "hr", 2, "AdamOptimizer", False),
@@ -236,6 +250,9 @@ CASES["adam2x2_mp_adasum_half_overflow"] = CASES["adam2x2_clip"]
 ZERO = {"adam2x2_zero_clip", "adam2x2_tied_zero_resumed", "adam2x2_mp_zero_clip", "adam2x2_mp_zero_overflow"}
 ADASUM = {"adam2x2_adasum_clip", "adam2x2_mp_adasum_clip", "adam2x2_mp_adasum_overflow",
           "adam2x2_mp_adasum_half_overflow"}
+# a Dropout between the split blocks: the ranks draw the same masks (a seed they agree on)
+CASES["adam_h2_gelu_dropout"] = (gelu_dropout_model, 1, "", 1, "AdamOptimizer", True)
+HORIZONTAL["adam_h2_gelu_dropout"] = 2
 # recompute options (the same bits as without them): GELU or checkpoints over the split, checkpoints in a
 # pipeline whose first stage draws a Dropout mask
 RECOMPUTE = {
@@ -388,6 +405,11 @@ def main(out: str, cases: list[str]) -> None:
             [fetch], {**case_feeds(case, 1, seed=9)[0], **scale_feed(case)}, ro
         )
         state = sess.gather_state()
+        if case in HORIZONTAL:  # the seeds the ranks agreed on for the unseeded Dropout nodes
+            nodes = [n for sg in sess._pieces for n in sg.graphs["stage"].graph.node]
+            nodes = [n for n in nodes if n.op_type == "Dropout"]
+            seeds = [a.i for n in nodes for a in n.attribute if a.name == "seed"]
+            saved[f"{case}/seeds"] = np.array(seeds, np.int64)
         saved[f"{case}/losses"] = np.array(losses)
         saved.update({f"{case}/state/{k}": v for k, v in state.items()})
     if world().rank == 0:

@@ -13,7 +13,7 @@ from onnxtrain.parallel.megatron import find_mlp_blocks, join_shares, shard_bloc
 from onnxtrain.parallel.megatron_attention import find_attention_blocks
 from onnxtrain.parallel.pipeline import partition
 from onnxtrain.training_graph import select_trainable
-from tests.parallel.pipeline_worker import gelu_blocks_model, tied_model
+from tests.parallel.pipeline_worker import gelu_blocks_model, gelu_dropout_model, tied_model
 from tests.parallel.test_pipeline import (
     assert_adasum,
     assert_same_run,
@@ -93,6 +93,16 @@ def test_split_under_mixed_precision(tmp_path) -> None:
     assert_same_run(got, "adam_h2x2_mp_gelu_zero", "adam_h2x2_mp_gelu")
     losses = one_process("adam_h2x2_mp_gelu")[0]
     np.testing.assert_allclose(got["adam_h2x2_mp_gelu/losses"], losses, rtol=5e-4)
+
+
+@pytest.mark.mpi
+def test_dropout_between_split_blocks_draws_alike_on_every_rank(tmp_path) -> None:
+    """An unseeded Dropout between the blocks runs on both ranks: they agree on a seed, so they drop the same
+    values and train as one process whose Dropout has that seed."""
+    case = "adam_h2_gelu_dropout"
+    got = pipelined(tmp_path, [case], 2)
+    (seed,) = got[f"{case}/seeds"]
+    compare(got, case, 2e-6, model=gelu_dropout_model(int(seed)))
 
 
 @pytest.mark.mpi

@@ -47,11 +47,13 @@ TWO = [
 THREE = ["adam3_skip_clip", "lamb3_skip_m4"]
 
 
-def one_process(case: str) -> tuple[list[float], dict[str, np.ndarray], np.ndarray]:
+def one_process(
+    case: str, model: onnx.ModelProto | None = None
+) -> tuple[list[float], dict[str, np.ndarray], np.ndarray]:
     """The reference: one session accumulating the case's micro-batches (losses of each step's last one),
-    and its forward-only output on another batch."""
+    and its forward-only output on another batch; ``model`` in place of the case's."""
     build, _, _, micro, *_ = CASES[case]
-    model = build()
+    model = build() if model is None else model
     sess = TrainingSession(model.SerializeToString(), parameters(case, model, False))
     losses = []
     replicas = REPLICAS.get(case, 1)
@@ -76,8 +78,8 @@ def pipelined(tmp_path, cases: list[str], n: int, env: dict[str, str] | None = N
     return dict(np.load(out))
 
 
-def compare(got: dict[str, np.ndarray], case: str, tol: float) -> None:
-    losses, state, out = one_process(case)
+def compare(got: dict[str, np.ndarray], case: str, tol: float, model: onnx.ModelProto | None = None) -> None:
+    losses, state, out = one_process(case, model)
     np.testing.assert_allclose(got[f"{case}/losses"], losses, rtol=tol, atol=0, err_msg=case)
     assert sorted(k.split("/", 2)[2] for k in got if k.startswith(f"{case}/state/")) == sorted(state), case
     twins = {k for k in state if k.endswith(("_fp16", "_bf16"))}  # derived: the masters' casts, tested apart
