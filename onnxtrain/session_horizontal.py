@@ -279,8 +279,8 @@ class HorizontalTrainingSession(CutModelSession):
 
     def _update(self, grads: dict[str, np.ndarray], feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Run the optimizer on the rank's gradients (``feeds``: the run's, with the learning rate and the
-        loss scale); returns ``all_gradients_finite`` under mixed
-        precision (the same on every rank: from the global norm)."""
+        loss scale); returns ``all_gradients_finite`` under mixed precision (the same on every rank: from
+        the global norm)."""
         p = self._params
         if self._mode != "adasum":  # Adasum: each replica updates with its own gradients
             grads = self._replicas_average(grads)
