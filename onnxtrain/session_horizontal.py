@@ -56,6 +56,7 @@ from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint,
 from onnxtrain.training_graph import build_update_graph, select_trainable
 from onnxtrain.user_warning import warn
 
+SHARE_SEED_STEP = 7_919  # a random node inside a split block: rank r's seed is the agreed one + r × this
 # options a horizontally split session cannot honour yet: name → its default
 _REFUSED = {
     "pipeline_parallel_size": 1,
@@ -106,7 +107,6 @@ class HorizontalTrainingSession(CutModelSession):
             )
         self._blocks = blocks
         sharded, cuts, self._split = shard_blocks(model, blocks, self._comm.rank, h)
-        self._seed_random_nodes(sharded)
         self._shares = {sw.share: w for w, sw in self._split.items()}  # share's name → the weight's
         self._cut_tensors = [c[0].tensor for c in cuts]  # F, G, F, G, ...: after piece 2k an F, 2k+1 a G
         if p.use_mixed_precision:  # on the rank's model: its casts read the shares
@@ -124,6 +124,7 @@ class HorizontalTrainingSession(CutModelSession):
                 f"last: {', '.join(b.columns[0][0] for b in blocks)} do not ({e})"
             ) from None
         check_stage_nodes(sharded, part)
+        self._seed_random_nodes(sharded, part.stage_of)
         self._trainable = [self._split[w].share if w in self._split else w for w in trainable]
         self._pieces: list[StageGraphs] = [
             build_stage_graphs(sharded, part, s, self._trainable, p, self._opt, self._mp, with_update=False)
@@ -144,20 +145,29 @@ class HorizontalTrainingSession(CutModelSession):
         self._check_attribute_maps()
 
     # ---- construction ----------------------------------------------------------------
-    def _seed_random_nodes(self, model: onnx.ModelProto) -> None:
+    def _seed_random_nodes(self, model: onnx.ModelProto, piece_of: list[int]) -> None:
         """Random nodes outside the split blocks (a Dropout between them) run on every rank of a replica,
         which must draw the same values: each unseeded one gets a seed the replica's ranks agree on (from
         the first rank's seed sequence, so :func:`onnxtrain.set_random_seed` still fixes them), each replica
-        its own."""
-        unseeded = (n for n in model.graph.node if all(a.name != "seed" for a in n.attribute))
-        nodes = [n for n in unseeded if n.op_type in RANDOM_OPS]
+        its own. Inside a block (odd pieces) each rank draws for its own share: the seed plus
+        ``SHARE_SEED_STEP`` × the rank's share, as Megatron's model-parallel generator does."""
+        nodes = [(k, n) for k, n in enumerate(model.graph.node) if n.op_type in RANDOM_OPS]
         if not nodes:
             return
         mine = int(unseeded_generator({}).integers(2**31 - 1)) + 1_000_003 * self.data_parallel_rank
         base = self._comm.allgather_object(mine, "agreeing on the random nodes' seeds")[0]
-        for k, n in enumerate(nodes):
-            seed = (base + k) % (2**31 - 1)
-            n.attribute.append(helper.make_attribute("seed", seed if n.op_type == "Dropout" else float(seed)))
+        for j, (k, n) in enumerate(nodes):
+            given = next((a for a in n.attribute if a.name == "seed"), None)
+            inside = piece_of[k] % 2 == 1
+            if given is not None and not inside:
+                continue  # the user's seed: alike on every rank already
+            seed = helper.get_attribute_value(given) if given is not None else base + j
+            if inside:
+                seed += SHARE_SEED_STEP * self._comm.rank
+                if given is not None:
+                    n.attribute.remove(given)
+            value = int(seed) % (2**31 - 1) if n.op_type == "Dropout" else float(seed)
+            n.attribute.append(helper.make_attribute("seed", value))
 
     def _build_update(self, sharded: onnx.ModelProto) -> None:
         p = self._params

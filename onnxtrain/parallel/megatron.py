@@ -376,7 +376,7 @@ def _region_exit(ix: GraphIndex, start: str) -> tuple[int, set[str]] | None:
 
     def admit(r: int) -> bool:
         n = nodes[r]
-        return n.op_type in ELEMENTWISE and not (n.op_type == "Dropout" and not keeps_all(n, ix.scalars))
+        return n.op_type in ELEMENTWISE  # a Dropout too: each rank drops on its share (its own seed)
 
     def is_exit(r: int, v: str) -> bool:
         return nodes[r].op_type in ("MatMul", "Gemm") and nodes[r].input[0] == v

@@ -168,6 +168,31 @@ def gelu_dropout_model(seed: int | None = None) -> onnx.ModelProto:
     return m
 
 
+def gelu_block_dropout_model(seeds: tuple[int, int] | None = None) -> onnx.ModelProto:
+    """``gelu_blocks_model`` with a Dropout (ratio 0.3) on the first block's GELU output, inside the block:
+    each rank of a two-way split drops on its half of the hidden units. With ``seeds``, the one-process
+    equivalent: the hidden units cut in two halves, each dropped by a Dropout of that rank's seed."""
+    m = gelu_blocks_model()
+    g = m.graph
+    k = next(k for k, n in enumerate(g.node) if n.output[0] == "g1")
+    g.node[k].output[0] = "g1_kept"
+    if seeds is None:
+        new = [helper.make_node("Dropout", ["g1_kept", "ratio", "train"], ["g1"])]
+    else:
+        g.initializer.append(numpy_helper.from_array(np.array([8, 8], np.int64), "halves"))
+        new = [
+            helper.make_node("Split", ["g1_kept", "halves"], ["g1_0", "g1_1"], axis=-1),
+            *(helper.make_node("Dropout", [f"g1_{r}", "ratio", "train"], [f"g1_{r}d"], seed=int(s))
+              for r, s in enumerate(seeds)),
+            helper.make_node("Concat", ["g1_0d", "g1_1d"], ["g1"], axis=-1),
+        ]
+    for j, n in enumerate(new):
+        g.node.insert(k + 1 + j, n)
+    g.initializer.append(numpy_helper.from_array(np.array(0.3, np.float32), "ratio"))
+    g.initializer.append(numpy_helper.from_array(np.array(True), "train"))
+    return m
+
+
 # name → (model, stages, cut, micro-batches, optimizer, clip attributes)
 CASES = {
     "adam2": (mlp_model, 2, "hr", 2, "AdamOptimizer", False),
@@ -253,6 +278,9 @@ ADASUM = {"adam2x2_adasum_clip", "adam2x2_mp_adasum_clip", "adam2x2_mp_adasum_ov
 # a Dropout between the split blocks: the ranks draw the same masks (a seed they agree on)
 CASES["adam_h2_gelu_dropout"] = (gelu_dropout_model, 1, "", 1, "AdamOptimizer", True)
 HORIZONTAL["adam_h2_gelu_dropout"] = 2
+# a Dropout inside a split block: each rank drops on its own share (its seed + SHARE_SEED_STEP × rank)
+CASES["adam_h2_gelu_block_dropout"] = (gelu_block_dropout_model, 1, "", 1, "AdamOptimizer", True)
+HORIZONTAL["adam_h2_gelu_block_dropout"] = 2
 # recompute options (the same bits as without them): GELU or checkpoints over the split, checkpoints in a
 # pipeline whose first stage draws a Dropout mask
 RECOMPUTE = {

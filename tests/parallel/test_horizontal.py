@@ -12,8 +12,14 @@ from onnxtrain import TrainingParameters, TrainingSession, zoo
 from onnxtrain.parallel.megatron import find_mlp_blocks, join_shares, shard_blocks, take_share
 from onnxtrain.parallel.megatron_attention import find_attention_blocks
 from onnxtrain.parallel.pipeline import partition
+from onnxtrain.session_horizontal import SHARE_SEED_STEP
 from onnxtrain.training_graph import select_trainable
-from tests.parallel.pipeline_worker import gelu_blocks_model, gelu_dropout_model, tied_model
+from tests.parallel.pipeline_worker import (
+    gelu_block_dropout_model,
+    gelu_blocks_model,
+    gelu_dropout_model,
+    tied_model,
+)
 from tests.parallel.test_pipeline import (
     assert_adasum,
     assert_same_run,
@@ -103,6 +109,20 @@ def test_dropout_between_split_blocks_draws_alike_on_every_rank(tmp_path) -> Non
     got = pipelined(tmp_path, [case], 2)
     (seed,) = got[f"{case}/seeds"]
     compare(got, case, 2e-6, model=gelu_dropout_model(int(seed)))
+
+
+@pytest.mark.mpi
+def test_dropout_inside_a_split_block_drops_per_share(tmp_path) -> None:
+    """A Dropout on the first block's hidden units splits with the block: rank r drops on its half with
+    the agreed seed + SHARE_SEED_STEP × r, so the split trains as one process that cuts the hidden units
+    in two halves and drops each with that rank's seed."""
+    case = "adam_h2_gelu_block_dropout"
+    got = pipelined(tmp_path, [case], 2)
+    (seed,) = got[f"{case}/seeds"]  # rank 0's
+    model = gelu_block_dropout_model((int(seed), int(seed) + SHARE_SEED_STEP))
+    compare(got, case, 2e-6, model=model)
+    blocks = find_mlp_blocks(gelu_block_dropout_model(), ["W1", "b1", "W2", "b2", "W3", "W4", "b4"], 2)
+    assert len(blocks) == 2  # the block with its Dropout splits
 
 
 @pytest.mark.mpi
