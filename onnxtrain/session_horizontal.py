@@ -203,18 +203,19 @@ class HorizontalTrainingSession(CutModelSession):
         key = (piece, kind)
         if key not in self._plans:
             if piece < 0:
-                updates = {o: s for s, o in self._update_plan_outputs(kind).items()}
+                updates = {o: s for s, o in self._update_outputs_of(kind).items()}
                 model = self._update_graph if kind == "update" else self._zero_graph
             else:
                 updates, model = None, self._pieces[piece].graphs[kind]
             self._plans[key] = self._new_plan(model, updates, keep_binding=piece < 0)
         return self._plans[key]
 
-    def _update_plan_outputs(self, kind: str) -> dict[str, str]:
+    def _update_outputs_of(self, kind: str) -> dict[str, str]:
+        """An update graph's outputs (state name → output): "update" or, under ZeRO, "zero_update"."""
         return self._update_outputs if kind == "update" else self._zero_updates
 
     def _update_plan(self, kind: str) -> tuple[Any, dict[str, str]]:
-        return self._plan(-1, kind), self._update_plan_outputs(kind)
+        return self._plan(-1, kind), self._update_outputs_of(kind)
 
     # ---- running -------------------------------------------------------------------------
     def _forward_only(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:

@@ -103,6 +103,12 @@ def tied_model(seed: int = 5) -> onnx.ModelProto:
     return _classifier(nodes, "tied", 8, inits)
 
 
+def _dropout_constants(g: onnx.GraphProto) -> None:
+    """The inputs the test models' Dropouts read: ``ratio`` 0.3 and ``train`` (training mode) true."""
+    g.initializer.append(numpy_helper.from_array(np.array(0.3, np.float32), "ratio"))
+    g.initializer.append(numpy_helper.from_array(np.array(True), "train"))
+
+
 def dropout_model() -> onnx.ModelProto:
     """``mlp_model`` with a seeded Dropout after its first layer, in the first stage: the stage's forward
     draws the mask once and its backward reads it; with one micro-batch it draws as one process does."""
@@ -110,8 +116,7 @@ def dropout_model() -> onnx.ModelProto:
     g = m.graph
     g.node[1].output[0] = "hr0"
     g.node.insert(2, helper.make_node("Dropout", ["hr0", "ratio", "train"], ["hr"], seed=7))
-    g.initializer.append(numpy_helper.from_array(np.array(0.3, np.float32), "ratio"))
-    g.initializer.append(numpy_helper.from_array(np.array(True), "train"))
+    _dropout_constants(g)
     return m
 
 
@@ -163,8 +168,7 @@ def gelu_dropout_model(seed: int | None = None) -> onnx.ModelProto:
     g.node[k].output[0] = "r1_kept"
     extra = {} if seed is None else {"seed": int(seed)}
     g.node.insert(k + 1, helper.make_node("Dropout", ["r1_kept", "ratio", "train"], ["r1"], **extra))
-    g.initializer.append(numpy_helper.from_array(np.array(0.3, np.float32), "ratio"))
-    g.initializer.append(numpy_helper.from_array(np.array(True), "train"))
+    _dropout_constants(g)
     return m
 
 
@@ -188,8 +192,7 @@ def gelu_block_dropout_model(seeds: tuple[int, int] | None = None) -> onnx.Model
         ]
     for j, n in enumerate(new):
         g.node.insert(k + 1 + j, n)
-    g.initializer.append(numpy_helper.from_array(np.array(0.3, np.float32), "ratio"))
-    g.initializer.append(numpy_helper.from_array(np.array(True), "train"))
+    _dropout_constants(g)
     return m
 
 
