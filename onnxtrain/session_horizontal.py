@@ -148,7 +148,7 @@ class HorizontalTrainingSession(CutModelSession):
     def _seed_random_nodes(self, model: onnx.ModelProto, piece_of: list[int]) -> None:
         """Random nodes outside the split blocks (a Dropout between them) run on every rank of a replica,
         which must draw the same values: each unseeded one gets a seed the replica's ranks agree on (from
-        the first rank's seed sequence, so :func:`onnxtrain.set_random_seed` still fixes them), each replica
+        the first rank's seed sequence, so :func:`onnxtrain.set_seed` still fixes them), each replica
         its own. Inside a block (odd pieces) each rank draws for its own share: the seed plus
         ``SHARE_SEED_STEP`` × the rank's share, as Megatron's model-parallel generator does."""
         nodes = [(k, n) for k, n in enumerate(model.graph.node) if n.op_type in RANDOM_OPS]

@@ -108,8 +108,8 @@ def test_dropout_between_split_blocks_draws_alike_on_every_rank(tmp_path) -> Non
     case = "adam_h2_gelu_dropout"
     got = pipelined(tmp_path, [case], 2)
     (seed,) = got[f"{case}/seeds"]
-    # 1e-4: the masks change from run to run, and with them how far Adam carries the split sums' rounding
-    compare(got, case, 1e-4, model=gelu_dropout_model(int(seed)))
+    # the worker fixes the seed sequence (onnxtrain.set_seed): the same masks and ~1e-7 differences every run
+    compare(got, case, 2e-6, model=gelu_dropout_model(int(seed)))
 
 
 @pytest.mark.mpi
@@ -121,7 +121,7 @@ def test_dropout_inside_a_split_block_drops_per_share(tmp_path) -> None:
     got = pipelined(tmp_path, [case], 2)
     (seed,) = got[f"{case}/seeds"]  # rank 0's
     model = gelu_block_dropout_model((int(seed), int(seed) + SHARE_SEED_STEP))
-    compare(got, case, 1e-4, model=model)  # as above: masks drawn anew each run
+    compare(got, case, 2e-6, model=model)
     blocks = find_mlp_blocks(gelu_block_dropout_model(), ["W1", "b1", "W2", "b2", "W3", "W4", "b4"], 2)
     assert len(blocks) == 2  # the block with its Dropout splits
 
