@@ -389,11 +389,3 @@ def _region_exit(ix: GraphIndex, start: str) -> tuple[int, set[str]] | None:
         return None  # the activation reads something besides itself and constants
     return (exits.pop(), values) if len(exits) == 1 else None
 
-
-def keeps_all(n: onnx.NodeProto, scalars: dict[str, np.ndarray]) -> bool:
-    """A Dropout that keeps everything (inference mode, or a constant ratio of 0): its ranks' shares need no
-    common mask."""
-    if len(n.input) < 3 or not n.input[2]:
-        return True
-    ratio = scalars.get(n.input[1]) if len(n.input) > 1 else None
-    return ratio is not None and float(ratio.reshape(-1)[0]) == 0.0

@@ -11,7 +11,7 @@ its shape is a constant or computed from ``Shape`` at run time.
 Between the products and the output projection, the block may hold ``Reshape``, ``Transpose``, products of
 two of its own values (the scores, the weighted values), ``Softmax`` over an axis other than the heads',
 elementwise nodes whose other inputs broadcast over the heads (the scale, a causal mask) and ``Dropout``
-that keeps everything. The axis that holds the heads is followed through them on the shapes of one
+(each rank draws its heads' mask with its own seed, given by the session). The axis that holds the heads is followed through them on the shapes of one
 forward run at a small batch; anything else leaves the attention whole on every rank.
 """
 
@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnxtrain.parallel.megatron import ELEMENTWISE, GraphIndex, Share, constant_value, keeps_all, walk_block
+from onnxtrain.parallel.megatron import ELEMENTWISE, GraphIndex, Share, constant_value, walk_block
 
 _BROADCAST = ELEMENTWISE | {"Where", "Max", "Min"}
 _PROBE_DIM = 3  # the size of every free dimension (batch, ...) in the forward run that finds the shapes
@@ -239,7 +239,7 @@ def _heads_axis(
             return False
         axis[out] = a
         return True
-    if n.op_type not in _BROADCAST or n.op_type == "Dropout" and not keeps_all(n, ix.scalars):
+    if n.op_type not in _BROADCAST:  # a Dropout too: each rank drops on its heads (its own seed)
         return False
     aligned = {ro - len(shapes[i]) + axis[i] for i in ins}
     if len(aligned) != 1:

@@ -26,6 +26,7 @@ from onnxtrain import (  # noqa: E402
     TrainingParameters,
     TrainingSession,
     set_seed,
+    zoo,
 )
 from onnxtrain.parallel import world  # noqa: E402
 from tests.session.helpers import batches, mlp_model  # noqa: E402
@@ -202,6 +203,39 @@ def gelu_block_dropout_model(seeds: tuple[int, int] | None = None) -> onnx.Model
     return m
 
 
+def attention_dropout_model(seeds: tuple[int, int] | None = None) -> onnx.ModelProto:
+    """onnxtrain's transformer (four heads, its scalars and shapes as Constant nodes, so untrained) with a
+    Dropout (ratio 0.3) on the attention probabilities [N, heads, T, T]: each rank of a two-way split drops
+    on its two heads. With ``seeds``, the one-process equivalent: the heads cut in two halves, each dropped
+    by a Dropout of that rank's seed."""
+    m = zoo.transformer(dim=32, heads=4, length=8)
+    g = m.graph
+    (kb,) = [t for t in g.initializer if t.name == "layer0.attn.k.bias"]  # zeros, its gradient rounding only:
+    rng = np.random.default_rng(3)  # a start far from 0 compares its trained values in relative terms
+    kb.CopyFrom(numpy_helper.from_array(rng.normal(0, 0.1, tuple(kb.dims)).astype(np.float32), kb.name))
+    fixed = [t for t in g.initializer if np.prod(t.dims) == 1 or t.data_type == T.INT64]
+    for t in fixed:
+        g.initializer.remove(t)
+        g.node.insert(0, helper.make_node("Constant", [], [t.name], value=t))
+    k = next(k for k, n in enumerate(g.node) if n.op_type == "Softmax")
+    probs = g.node[k].output[0]
+    g.node[k].output[0] = "probs_kept"
+    if seeds is None:
+        new = [helper.make_node("Dropout", ["probs_kept", "ratio", "train"], [probs])]
+    else:
+        g.initializer.append(numpy_helper.from_array(np.array([2, 2], np.int64), "halves"))
+        new = [
+            helper.make_node("Split", ["probs_kept", "halves"], ["probs_0", "probs_1"], axis=1),
+            *(helper.make_node("Dropout", [f"probs_{r}", "ratio", "train"], [f"probs_{r}d"], seed=int(s))
+              for r, s in enumerate(seeds)),
+            helper.make_node("Concat", ["probs_0d", "probs_1d"], [probs], axis=1),
+        ]
+    for j, n in enumerate(new):
+        g.node.insert(k + 1 + j, n)
+    _dropout_constants(g)
+    return m
+
+
 # name → (model, stages, cut, micro-batches, optimizer, clip attributes)
 CASES = {
     "adam2": (mlp_model, 2, "hr", 2, "AdamOptimizer", False),
@@ -290,6 +324,10 @@ HORIZONTAL["adam_h2_gelu_dropout"] = 2
 # a Dropout inside a split block: each rank drops on its own share (its seed + SHARE_SEED_STEP × rank)
 CASES["adam_h2_gelu_block_dropout"] = (gelu_block_dropout_model, 1, "", 1, "AdamOptimizer", True)
 HORIZONTAL["adam_h2_gelu_block_dropout"] = 2
+# a Dropout on the attention probabilities: each rank drops on its heads (its seed + SHARE_SEED_STEP × rank);
+# SGD, as Adam turns the key bias's gradient (zero but for rounding: the softmax ignores it) into whole steps
+CASES["sgd_h2_attention_dropout"] = (attention_dropout_model, 1, "", 1, "SGDOptimizer", False)
+HORIZONTAL["sgd_h2_attention_dropout"] = 2
 # recompute options (the same bits as without them): GELU or checkpoints over the split, checkpoints in a
 # pipeline whose first stage draws a Dropout mask
 RECOMPUTE = {
@@ -376,6 +414,9 @@ def case_feeds(case: str, steps: int, seed: int = 1) -> list[dict[str, np.ndarra
             }
             for _ in range(steps)
         ]
+    if "attention" in case:  # onnxtrain's transformer: 8 tokens of 10, a label per token
+        rng = np.random.default_rng(seed)
+        return [{n: rng.integers(0, 10, (BATCH, 8)) for n in ("x", "y")} for _ in range(steps)]
     out = [{"x": x, "y": y} for x, y in batches(steps, BATCH, seed=seed)]
     if case.endswith("_half_overflow"):
         for feeds in out:

@@ -15,6 +15,7 @@ from onnxtrain.parallel.pipeline import partition
 from onnxtrain.session_horizontal import SHARE_SEED_STEP
 from onnxtrain.training_graph import select_trainable
 from tests.parallel.pipeline_worker import (
+    attention_dropout_model,
     gelu_block_dropout_model,
     gelu_blocks_model,
     gelu_dropout_model,
@@ -124,6 +125,20 @@ def test_dropout_inside_a_split_block_drops_per_share(tmp_path) -> None:
     compare(got, case, 2e-6, model=model)
     blocks = find_mlp_blocks(gelu_block_dropout_model(), ["W1", "b1", "W2", "b2", "W3", "W4", "b4"], 2)
     assert len(blocks) == 2  # the block with its Dropout splits
+
+
+@pytest.mark.mpi
+def test_attention_dropout_drops_per_head_share(tmp_path) -> None:
+    """A Dropout on the attention probabilities splits with the heads: rank r drops on its two heads of
+    four with the agreed seed + SHARE_SEED_STEP × r, so the split trains as one process that cuts the
+    heads in two halves and drops each with that rank's seed."""
+    case = "sgd_h2_attention_dropout"
+    got = pipelined(tmp_path, [case], 2)
+    (seed,) = got[f"{case}/seeds"]  # rank 0's
+    compare(got, case, 2e-6, model=attention_dropout_model((int(seed), int(seed) + SHARE_SEED_STEP)))
+    model = attention_dropout_model()
+    trainable = [t.name for t in model.graph.initializer if t.dims and t.data_type == onnx.TensorProto.FLOAT]
+    assert len(find_attention_blocks(model, trainable, 2)) == 1  # the attention with its Dropout splits
 
 
 @pytest.mark.mpi
@@ -374,7 +389,6 @@ def test_which_attention_does_not_split() -> None:
     p = TrainingParameters()
     p.loss_output_name = "loss"
     assert find_attention_blocks(m, select_trainable(m, p), 2) == []
-    # attention dropout that drops: the ranks' masks would differ from one process's
+    # attention dropout that drops splits with the heads (each rank drops on its own: tested below)
     m, _, _ = export("gpt_block", training=True, with_loss=True, dropout=0.1)
-    blocks = find_attention_blocks(m, select_trainable(m, p), 2)
-    assert blocks == []
+    assert len(find_attention_blocks(m, select_trainable(m, p), 2)) == 1
