@@ -29,10 +29,8 @@ from onnxtrain.training_graph import TRAINING_MODE
 from onnxtrain.user_warning import warn
 
 # options no cut session honours yet: name → its default (each subclass adds its own)
-RECOMPUTE = {  # (GELU, attention dropout and checkpoint recompute apply to each stage's graphs)
+CUT_REFUSED = {  # (the recompute options apply to each stage's graphs)
     "set_gradients_as_graph_outputs": False,
-    "transformer_layer_recompute": False,
-    "number_recompute_layers": 0,
 }
 
 

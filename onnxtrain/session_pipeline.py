@@ -53,14 +53,14 @@ from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stage_nodes
 from onnxtrain.parallel.zero import gather_zero_state
-from onnxtrain.session_cut import RECOMPUTE, CutModelSession, model_fingerprint, squared_sum
+from onnxtrain.session_cut import CUT_REFUSED, CutModelSession, model_fingerprint, squared_sum
 from onnxtrain.training_graph import select_trainable
 from onnxtrain.user_warning import warn
 
 # options a pipelined session cannot honour yet: name → its default
 _REFUSED = {
     "horizontal_parallel_size": 1,
-    **RECOMPUTE,
+    **CUT_REFUSED,
 }
 _OPTIONS = (
     "pipeline_parallel_size",

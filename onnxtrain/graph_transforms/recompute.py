@@ -537,18 +537,19 @@ def checkpoint_recompute(model: onnx.ModelProto, loss: str, checkpoints: Sequenc
 def recompute(model: onnx.ModelProto, loss: str, *, gelu: bool = False, attn_dropout: bool = False,
               transformer_layer: bool = False, number_recompute_layers: int = 0,
               checkpoints: Sequence[str] | None = None, weights: Iterable[str] = (),
-              forward_outputs: Iterable[str] = ()) -> onnx.ModelProto:
+              forward_outputs: Iterable[str] = (), values: Iterable[str] = ()) -> onnx.ModelProto:
     """The union of the selected strategies, in one clone pass (the session's entry point).
 
     ``weights`` names graph inputs that hold parameters (the legacy session feeds its trained weights
     as inputs): they are not activations. ``forward_outputs``: forward values other than the loss's
-    ancestors (a pipeline stage's outputs, which its backward does not start from).
+    ancestors (a pipeline stage's outputs, which its backward does not start from). ``values``: more
+    activations to recompute, chosen elsewhere (a cut session's transformer layers, found on the whole model).
     """
-    if not (gelu or attn_dropout or transformer_layer or checkpoints is not None):
+    values = set(values)
+    if not (gelu or attn_dropout or transformer_layer or checkpoints is not None or values):
         return model
     forward_outputs = list(forward_outputs)
     fa = _Forward(model, loss, forward_outputs, weights=weights)
-    values: set[str] = set()
     if gelu:
         values |= gelu_values(fa, loss)
     if attn_dropout:

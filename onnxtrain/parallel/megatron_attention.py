@@ -11,8 +11,9 @@ its shape is a constant or computed from ``Shape`` at run time.
 Between the products and the output projection, the block may hold ``Reshape``, ``Transpose``, products of
 two of its own values (the scores, the weighted values), ``Softmax`` over an axis other than the heads',
 elementwise nodes whose other inputs broadcast over the heads (the scale, a causal mask) and ``Dropout``
-(each rank draws its heads' mask with its own seed, given by the session). The axis that holds the heads is followed through them on the shapes of one
-forward run at a small batch; anything else leaves the attention whole on every rank.
+(each rank draws its heads' mask with its own seed, given by the session). The axis that holds the heads
+is followed through them on the shapes of one forward run at a small batch; anything else leaves the
+attention whole on every rank.
 """
 
 from __future__ import annotations

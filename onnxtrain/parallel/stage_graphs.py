@@ -25,7 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.builder import build_gradient_model
 from onnxtrain.autodiff.split import split_gradient_model
 from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo
-from onnxtrain.graph_transforms.recompute import recompute
+from onnxtrain.graph_transforms.recompute import recompute, transformer_layer_values
 from onnxtrain.ir.builder import value_types
 from onnxtrain.ir.graphs import node_reads
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
@@ -161,16 +161,21 @@ def _recomputed(
     forward_outputs: Sequence[str] = (),
 ) -> onnx.ModelProto:
     """A stage's gradient graph with the recompute options of ``params`` applied (GELU, attention dropout,
-    checkpoints: the stage recomputes its activations from its inputs and the checkpoints it makes);
-    ``model`` is the whole model, where every checkpoint must be a value."""
+    checkpoints, transformer layers: the stage recomputes its activations from its inputs and the values it
+    keeps); ``model`` is the whole model, where every checkpoint must be a value and the transformer layers
+    are found (from its loss)."""
+    mine = {o for n in grad.graph.node for o in n.output} | {v.name for v in grad.graph.input}
     ckpts = params.recompute_checkpoints
     if ckpts:
         values = {o for n in model.graph.node for o in n.output} | {v.name for v in model.graph.input}
         unknown = sorted(set(ckpts) - values)
         if unknown:
             raise ValueError(f"recompute_checkpoints: {unknown} are not values of the model")
-        mine = {o for n in grad.graph.node for o in n.output} | {v.name for v in grad.graph.input}
         ckpts = [c for c in ckpts if c in mine]
+    layers: set[str] = set()
+    if params.transformer_layer_recompute:
+        found = transformer_layer_values(model, params.loss_output_name, params.number_recompute_layers)
+        layers = found & mine
     return recompute(
         grad,
         loss,
@@ -178,6 +183,7 @@ def _recomputed(
         attn_dropout=params.attn_dropout_recompute,
         checkpoints=ckpts if params.recompute_checkpoints else None,
         forward_outputs=forward_outputs,
+        values=layers,
     )
 
 

@@ -203,36 +203,46 @@ def gelu_block_dropout_model(seeds: tuple[int, int] | None = None) -> onnx.Model
     return m
 
 
-def attention_dropout_model(seeds: tuple[int, int] | None = None) -> onnx.ModelProto:
-    """onnxtrain's transformer (four heads, its scalars and shapes as Constant nodes, so untrained) with a
-    Dropout (ratio 0.3) on the attention probabilities [N, heads, T, T]: each rank of a two-way split drops
-    on its two heads. With ``seeds``, the one-process equivalent: the heads cut in two halves, each dropped
-    by a Dropout of that rank's seed."""
-    m = zoo.transformer(dim=32, heads=4, length=8)
+def transformer_model(layers: int = 1) -> onnx.ModelProto:
+    """onnxtrain's transformer (four heads) with a Dropout (ratio 0.3, unseeded) on each layer's attention
+    probabilities [N, heads, T, T]; its scalars and shapes are Constant nodes (untrained)."""
+    m = zoo.transformer(dim=32, heads=4, length=8, layers=layers)
     g = m.graph
-    (kb,) = [t for t in g.initializer if t.name == "layer0.attn.k.bias"]  # zeros, its gradient rounding only:
-    rng = np.random.default_rng(3)  # a start far from 0 compares its trained values in relative terms
-    kb.CopyFrom(numpy_helper.from_array(rng.normal(0, 0.1, tuple(kb.dims)).astype(np.float32), kb.name))
+    rng = np.random.default_rng(3)
+    for t in g.initializer:  # the key biases start at zeros, their gradients rounding only: a start far from
+        if t.name.endswith("attn.k.bias"):  # 0 compares their trained values in relative terms
+            t.CopyFrom(numpy_helper.from_array(rng.normal(0, 0.1, tuple(t.dims)).astype(np.float32), t.name))
     fixed = [t for t in g.initializer if np.prod(t.dims) == 1 or t.data_type == T.INT64]
     for t in fixed:
         g.initializer.remove(t)
         g.node.insert(0, helper.make_node("Constant", [], [t.name], value=t))
-    k = next(k for k, n in enumerate(g.node) if n.op_type == "Softmax")
-    probs = g.node[k].output[0]
-    g.node[k].output[0] = "probs_kept"
-    if seeds is None:
-        new = [helper.make_node("Dropout", ["probs_kept", "ratio", "train"], [probs])]
-    else:
-        g.initializer.append(numpy_helper.from_array(np.array([2, 2], np.int64), "halves"))
-        new = [
-            helper.make_node("Split", ["probs_kept", "halves"], ["probs_0", "probs_1"], axis=1),
-            *(helper.make_node("Dropout", [f"probs_{r}", "ratio", "train"], [f"probs_{r}d"], seed=int(s))
-              for r, s in enumerate(seeds)),
-            helper.make_node("Concat", ["probs_0d", "probs_1d"], [probs], axis=1),
-        ]
-    for j, n in enumerate(new):
-        g.node.insert(k + 1 + j, n)
+    for k in reversed([k for k, n in enumerate(g.node) if n.op_type == "Softmax"]):
+        probs = g.node[k].output[0]
+        g.node[k].output[0] = f"{probs}_kept"
+        g.node.insert(k + 1, helper.make_node("Dropout", [f"{probs}_kept", "ratio", "train"], [probs]))
     _dropout_constants(g)
+    return m
+
+
+def attention_dropout_model(seeds: tuple[int, int] | None = None) -> onnx.ModelProto:
+    """``transformer_model()``: each rank of a two-way split drops on its two heads of four. With ``seeds``,
+    the one-process equivalent: the heads cut in two halves, each dropped by a Dropout of that rank's seed."""
+    m = transformer_model()
+    if seeds is None:
+        return m
+    g = m.graph
+    k = next(k for k, n in enumerate(g.node) if n.op_type == "Dropout")
+    kept, probs = g.node[k].input[0], g.node[k].output[0]
+    g.initializer.append(numpy_helper.from_array(np.array([2, 2], np.int64), "halves"))
+    new = [
+        helper.make_node("Split", [kept, "halves"], ["probs_0", "probs_1"], axis=1),
+        *(helper.make_node("Dropout", [f"probs_{r}", "ratio", "train"], [f"probs_{r}d"], seed=int(s))
+          for r, s in enumerate(seeds)),
+        helper.make_node("Concat", ["probs_0d", "probs_1d"], [probs], axis=1),
+    ]
+    g.node.remove(g.node[k])
+    for j, n in enumerate(new):
+        g.node.insert(k + j, n)
     return m
 
 
@@ -328,9 +338,18 @@ HORIZONTAL["adam_h2_gelu_block_dropout"] = 2
 # SGD, as Adam turns the key bias's gradient (zero but for rounding: the softmax ignores it) into whole steps
 CASES["sgd_h2_attention_dropout"] = (attention_dropout_model, 1, "", 1, "SGDOptimizer", False)
 HORIZONTAL["sgd_h2_attention_dropout"] = 2
+# two transformer layers (attention dropout in each), split or cut after the first layer, with and
+# without transformer_layer_recompute (the first layer's activations rebuilt in the backward)
+CASES["adam_h2_layers"] = (lambda: transformer_model(2), 1, "", 1, "AdamOptimizer", True)
+CASES["adam2_layers"] = (lambda: transformer_model(2), 2, "layer0.res2", 2, "AdamOptimizer", True)
+for _case in ("adam_h2_layers", "adam2_layers"):
+    CASES[f"{_case}_recompute"] = CASES[_case]
+HORIZONTAL.update({"adam_h2_layers": 2, "adam_h2_layers_recompute": 2})
 # recompute options (the same bits as without them): GELU or checkpoints over the split, checkpoints in a
 # pipeline whose first stage draws a Dropout mask
 RECOMPUTE = {
+    "adam_h2_layers_recompute": {"transformer_layer_recompute": True},
+    "adam2_layers_recompute": {"transformer_layer_recompute": True},
     "adam_h2_gelu_recompute": {"gelu_recompute": True},
     "adam_h2_gelu_ckpt": {"recompute_checkpoints": ["a1", "r1"]},
     "adam2_dropout_ckpt_m1": {"recompute_checkpoints": ["h"]},
@@ -414,7 +433,7 @@ def case_feeds(case: str, steps: int, seed: int = 1) -> list[dict[str, np.ndarra
             }
             for _ in range(steps)
         ]
-    if "attention" in case:  # onnxtrain's transformer: 8 tokens of 10, a label per token
+    if "attention" in case or "layers" in case:  # onnxtrain's transformer: 8 tokens of 10, a label per token
         rng = np.random.default_rng(seed)
         return [{n: rng.integers(0, 10, (BATCH, 8)) for n in ("x", "y")} for _ in range(steps)]
     out = [{"x": x, "y": y} for x, y in batches(steps, BATCH, seed=seed)]
@@ -456,6 +475,9 @@ def main(out: str, cases: list[str]) -> None:
         )
         for graph in graphs:  # every graph a rank runs is standard, checked ONNX
             onnx.checker.check_model(graph, full_check=True)
+        if case in RECOMPUTE:  # how many values the rank's graphs rebuild
+            made = [o for g in graphs for n in g.graph.node for o in n.output]
+            saved[f"{case}/recomputed"] = np.array(sum("_recompute" in o for o in made))
         losses = []
         for step, feeds in enumerate(case_feeds(case, STEPS)):
             if case.endswith("_resumed") and step == STEPS // 2:

@@ -29,6 +29,7 @@ from tests.parallel.pipeline_worker import (
     scale_feed,
     skip_model,
     tied_model,
+    transformer_model,
 )
 from tests.session.helpers import mlp_model
 
@@ -173,15 +174,19 @@ def test_zero_and_adasum_under_mixed_precision(tmp_path) -> None:
 
 @pytest.mark.mpi
 def test_recompute_in_stages_and_split_blocks(tmp_path) -> None:
-    """GELU and checkpoint recompute over the two-way split, checkpoints in a pipeline whose first stage
-    draws a Dropout mask (rebuilt from it): the same bits as without recompute."""
+    """GELU, checkpoint and transformer-layer recompute over the two-way split, checkpoints and
+    transformer layers in a pipeline whose first stage draws a Dropout mask (rebuilt from it): the same bits
+    as without recompute."""
     pairs = {
+        "adam_h2_layers_recompute": "adam_h2_layers",
+        "adam2_layers_recompute": "adam2_layers",
         "adam_h2_gelu_recompute": "adam_h2_gelu_blocks",
         "adam_h2_gelu_ckpt": "adam_h2_gelu_blocks",
         "adam2_dropout_ckpt_m1": "adam2_dropout_m1",
     }
     got = pipelined(tmp_path, [*pairs, *dict.fromkeys(pairs.values())], 2)
     for case, plain in pairs.items():
+        assert got.pop(f"{case}/recomputed") > 0, case  # the option acted (rank 0's graphs)
         theirs = {k.split("/", 1)[1]: v for k, v in got.items() if k.startswith(f"{plain}/")}
         assert sorted(theirs) == sorted(k.split("/", 1)[1] for k in got if k.startswith(f"{case}/"))
         for k, v in theirs.items():
@@ -210,6 +215,31 @@ def test_stage_graphs_recompute_from_checkpoints() -> None:
     p.recompute_checkpoints = ["nowhere"]
     with pytest.raises(ValueError, match=r"recompute_checkpoints: \['nowhere'\]"):
         build_stage_graphs(model, part, 0, trainable, p, opt)
+
+
+def test_stage_graphs_recompute_transformer_layers() -> None:
+    """transformer_layer_recompute in a pipeline: the layers are found on the whole model (from its loss,
+    which the first stage does not hold), and the first stage's backward rebuilds its layer's activations
+    (all layers but the last: the second stage's layer is kept)."""
+    model = transformer_model(2)
+    part = partition(model, parse_cut_info("layer0.res2", 2), "loss")
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "AdamOptimizer"
+    opt = get_optimizer("AdamOptimizer", False)
+    trainable = select_trainable(model, p)
+    plain = [build_stage_graphs(model, part, s, trainable, p, opt) for s in (0, 1)]
+    p.transformer_layer_recompute = True
+    layers = [build_stage_graphs(model, part, s, trainable, p, opt) for s in (0, 1)]
+    assert "layer0.mlp.gelu" in plain[0].saved and "layer0.mlp.gelu" not in layers[0].saved
+    assert len(layers[0].saved) < len(plain[0].saved)
+    made = [o for n in layers[0].graphs["backward"].graph.node for o in n.output]
+    assert any(o.startswith("layer0.mlp.gelu_recompute") for o in made)
+    for s in (0, 1):
+        for graph in layers[s].graphs.values():
+            onnx.checker.check_model(graph, full_check=True)
+    last = [o for n in layers[1].graphs["backward"].graph.node for o in n.output]
+    assert not any("_recompute" in o for o in last)  # the last layer is kept
 
 
 def assert_same_run(got: dict[str, np.ndarray], case: str, other: str) -> None:
@@ -375,8 +405,8 @@ def test_pipeline_session_errors_in_one_process() -> None:
 
     with pytest.raises(ValueError, match="launch with: mpiexec -n 2"):
         TrainingSession(model, params())
-    with pytest.raises(NotImplementedError, match="transformer_layer_recompute do not combine"):
-        TrainingSession(model, params(transformer_layer_recompute=True))
+    with pytest.raises(NotImplementedError, match="set_gradients_as_graph_outputs do not combine"):
+        TrainingSession(model, params(set_gradients_as_graph_outputs=True))
     with pytest.raises(ValueError, match="needs an optimizer"):
         TrainingSession(model, params(training_optimizer_name=""))
     p = params(pipeline_parallel_size=1, num_pipeline_micro_batches=4)
