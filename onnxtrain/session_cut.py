@@ -28,11 +28,6 @@ from onnxtrain.session_exchange import ReplicaExchange
 from onnxtrain.training_graph import TRAINING_MODE
 from onnxtrain.user_warning import warn
 
-# options no cut session honours yet: name → its default (each subclass adds its own)
-CUT_REFUSED = {  # (the recompute options apply to each stage's graphs)
-    "set_gradients_as_graph_outputs": False,
-}
-
 
 class CutModelSession(ReplicaExchange, TrainingSession):
     """A legacy training session whose rank holds a part of the model (see the module docstring)."""
@@ -101,8 +96,10 @@ class CutModelSession(ReplicaExchange, TrainingSession):
             )
         return dict(zip(grads, self._reducer.reduce(list(grads.values()), 1.0 / self.data_parallel_size)))
 
-    def _interface(self, model: onnx.ModelProto) -> None:
-        """The whole model's inputs (and the learning rate) and outputs, as one process's session has."""
+    def _interface(self, model: onnx.ModelProto, gradients: Sequence[str] = ()) -> None:
+        """The whole model's inputs (and the learning rate) and outputs, as one process's session has;
+        ``gradients``: the trained weights whose gradients are outputs too (``<w>_grad``, and under mixed
+        precision ``<half twin>_grad``)."""
         p, g = self._params, model.graph
         inits = {t.name for t in g.initializer}
         self._model = model
@@ -115,6 +112,14 @@ class CutModelSession(ReplicaExchange, TrainingSession):
             self._outputs.append(NodeArg(p.loss_output_name, "tensor(float)", []))
         if self._mp is not None:
             self._outputs.append(NodeArg(ALL_FINITE, "tensor(bool)", []))
+        inits = {t.name: t for t in g.initializer}
+        self._grad_outputs = {f"{w}_grad": w for w in gradients}
+        for w in gradients:
+            t = inits[w]
+            self._outputs.append(node_arg(helper.make_tensor_value_info(f"{w}_grad", t.data_type, t.dims)))
+            if self._mp is not None and w in self._mp.twins:
+                half = helper.make_tensor_value_info(f"{self._mp.twins[w]}_grad", self._mp.dtype, t.dims)
+                self._outputs.append(node_arg(half))
         self._output_names = [o.name for o in self._outputs]
         self._dtypes = {
             v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
@@ -149,14 +154,20 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         # a micro-step; ``training_mode`` (run options, or fed) switches Dropout
         dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode)))
         micro = self._is_micro_step(names, ro)
-        if ro.only_execute_path_to_fetches and not micro:
+        # gradients fetched on the fetches' path alone: forward and backward, nothing added up or updated
+        sources = self._gradient_sources()
+        inspect = ro.only_execute_path_to_fetches and not micro and any(n in sources for n in names)
+        if ro.only_execute_path_to_fetches and not micro and not inspect:
             values = self._forward_only(feeds, dropout)
         else:
             lr = self._params.lr_params_feed_name
-            if not micro and lr not in feeds:
+            if not micro and not inspect and lr not in feeds:
                 raise ValueError(f"missing input {lr!r} (the learning rate)")
-            values = self._train_step(feeds, dropout, update=not micro)
-        got = self._gathered(values, names)
+            values = self._train_step(feeds, dropout, update=not (micro or inspect), accumulate=not inspect)
+        got = self._gathered(values, [*names, *(sources[n] for n in names if n in sources)])
+        for out, src in sources.items():  # a half twin's gradient: its master's whole one, cast
+            if out != src and out in names and src in got:
+                got[out] = got[src].astype(helper.tensor_dtype_to_np_dtype(self._mp.dtype))
         if GROUP_OUTPUT in names:
             got[GROUP_OUTPUT] = np.asarray(True)  # its value means nothing: it marks a micro-step
         missing = [n for n in names if n not in got]
@@ -164,13 +175,24 @@ class CutModelSession(ReplicaExchange, TrainingSession):
             raise ValueError(f"output(s) {missing} are not computed on this run (a forward or a micro-step)")
         return [got[n] for n in names]
 
+    def _gradient_sources(self) -> dict[str, str]:
+        """Each gradient output → the output it is read from (itself; a half twin's, its master's)."""
+        out = {g: g for g in self._grad_outputs}
+        if self._mp is not None:
+            out.update({f"{self._mp.twins[w]}_grad": f"{w}_grad" for w in self._grad_outputs.values()
+                        if w in self._mp.twins})
+        return out
+
     def _forward_only(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:
         """The model's forward alone on this rank's part: the values the run may return."""
         raise NotImplementedError
 
-    def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool, update: bool) -> dict[str, np.ndarray]:
-        """Forward and backward on this rank's part, its gradients added up, then (``update``) the
-        optimizer: the values the run may return."""
+    def _train_step(
+        self, feeds: dict[str, np.ndarray], dropout: bool, update: bool, accumulate: bool = True
+    ) -> dict[str, np.ndarray]:
+        """Forward and backward on this rank's part, its gradients added up (unless not ``accumulate``),
+        then (``update``) the optimizer: the values the run may return (with the run's own gradients, the
+        means over its micro-batches, when they are outputs)."""
         raise NotImplementedError
 
     def _gathered(self, values: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:

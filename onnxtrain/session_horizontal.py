@@ -52,7 +52,7 @@ from onnxtrain.parallel.pipeline import partition
 from onnxtrain.parallel.stage_graphs import NORM, StageGraphs, build_stage_graphs, check_stage_nodes
 from onnxtrain.parallel.zero import gather_zero_state
 from onnxtrain.parameters import PIPELINE
-from onnxtrain.session_cut import CUT_REFUSED, CutModelSession, model_fingerprint, squared_sum
+from onnxtrain.session_cut import CutModelSession, model_fingerprint, squared_sum
 from onnxtrain.training_graph import build_update_graph, select_trainable
 from onnxtrain.user_warning import warn
 
@@ -61,7 +61,7 @@ SHARE_SEED_STEP = 7_919  # a random node inside a split block: rank r's seed is 
 _REFUSED = {
     "pipeline_parallel_size": 1,
     **{k: d for k, d in PIPELINE.items() if k != "pipeline_parallel_size"},
-    **CUT_REFUSED,
+    "set_gradients_as_graph_outputs": False,
 }
 _OPTIONS = (
     "horizontal_parallel_size",
@@ -243,7 +243,9 @@ class HorizontalTrainingSession(CutModelSession):
                 values[t] = self._rank_sum(values[t], f"MegatronG: the sum of {t!r}")
         return values, saved
 
-    def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool, update: bool) -> dict[str, np.ndarray]:
+    def _train_step(
+        self, feeds: dict[str, np.ndarray], dropout: bool, update: bool, accumulate: bool = True
+    ) -> dict[str, np.ndarray]:
         values, saved = self._forward(feeds, dropout, "forward_train")
         last = len(self._pieces) - 1
         grads: dict[str, np.ndarray] = {}  # tensor → its gradient so far (weights included)

@@ -53,15 +53,12 @@ from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stage_nodes
 from onnxtrain.parallel.zero import gather_zero_state
-from onnxtrain.session_cut import CUT_REFUSED, CutModelSession, model_fingerprint, squared_sum
+from onnxtrain.session_cut import CutModelSession, model_fingerprint, squared_sum
 from onnxtrain.training_graph import select_trainable
 from onnxtrain.user_warning import warn
 
 # options a pipelined session cannot honour yet: name → its default
-_REFUSED = {
-    "horizontal_parallel_size": 1,
-    **CUT_REFUSED,
-}
+_REFUSED = {"horizontal_parallel_size": 1}
 _OPTIONS = (
     "pipeline_parallel_size",
     "pipeline_cut_info_string",
@@ -117,7 +114,7 @@ class PipelineTrainingSession(CutModelSession):
         zero_graph = self._setup_zero(self._sg.graphs["backward"])
         if zero_graph is not None:
             self._sg.graphs["zero_update"] = zero_graph
-        self._interface(model)
+        self._interface(model, trainable if p.set_gradients_as_graph_outputs else ())
         self._setup_accumulation()
         self._check_attribute_maps()
 
@@ -198,7 +195,8 @@ class PipelineTrainingSession(CutModelSession):
         for part in self._comm.allgather_object(
             {n: v for n, v in mine.items() if n in names}, "gathering the pipeline's outputs"
         ):
-            got.update(part)
+            for n, v in part.items():  # a weight several stages hold: its gradient is their parts' sum
+                got[n] = got[n] + v if n in got and n in self._grad_outputs else v
         return got
 
     def _micro_feeds(self, feeds: dict[str, np.ndarray], count: int) -> list[dict[str, np.ndarray]]:
@@ -253,12 +251,15 @@ class PipelineTrainingSession(CutModelSession):
         saved = {n: out[n] for n in self._sg.saved} if kind == "forward_train" else {}
         return {"received": received, "saved": saved, **{n: out[n] for n in self._sg.outputs}}
 
-    def _train_step(self, feeds: dict[str, np.ndarray], dropout: bool, update: bool) -> dict[str, np.ndarray]:
+    def _train_step(
+        self, feeds: dict[str, np.ndarray], dropout: bool, update: bool, accumulate: bool = True
+    ) -> dict[str, np.ndarray]:
         s, last, m = self._stage, self._stage == self._part.stages - 1, self._micro
         micro = self._micro_feeds(feeds, m)
         pending: list = []
         kept: list[dict[str, np.ndarray]] = []  # per micro-batch: the tensors received, and outputs
         outputs: dict[str, np.ndarray] = {}
+        mine: dict[str, np.ndarray] = {}  # the run's own gradients, when they are outputs
         grads = [f"{w}_grad" for w in self._sg.trainable]
         rgrads = [f"{r}_grad" for r in self._sg.diff_received]
         if not last:
@@ -291,7 +292,11 @@ class PipelineTrainingSession(CutModelSession):
                 else {}
             )
             for gname in grads:  # summed over the micro-batches, and over the runs of an accumulation
-                self._add_gradient(gname, res[gname])
+                if accumulate:
+                    self._add_gradient(gname, res[gname])
+                if gname in self._grad_outputs:  # and over this run's micro-batches alone, to return
+                    g = res[gname]
+                    mine[gname] = np.add(mine[gname], g, out=mine[gname]) if gname in mine else g.copy()
             if s > 0:
                 back = {r: res[f"{r}_grad"] for r in self._sg.diff_received}
                 for t in self._sg.sends:  # passed through this stage: its gradient goes on back
@@ -305,6 +310,9 @@ class PipelineTrainingSession(CutModelSession):
             )
         for r in pending:
             r.wait()
+        outputs.update({g: v * v.dtype.type(1.0 / m) if m > 1 else v for g, v in mine.items()})
+        if not accumulate:
+            return outputs
         self._micro_step += 1
         if update:  # the means over the micro-batches of the accumulation's runs
             count = self._micro * self._params.gradient_accumulation_steps

@@ -345,6 +345,11 @@ CASES["adam2_layers"] = (lambda: transformer_model(2), 2, "layer0.res2", 2, "Ada
 for _case in ("adam_h2_layers", "adam2_layers"):
     CASES[f"{_case}_recompute"] = CASES[_case]
 HORIZONTAL.update({"adam_h2_layers": 2, "adam_h2_layers_recompute": 2})
+# the gradients as outputs (set_gradients_as_graph_outputs): fetched with the first step's update and on
+# the fetches' path alone after the last (a tied weight's, from both stages; under mixed precision too)
+GRADIENTS = {"adam2_tied_grads": "adam2_tied_clip", "adam2_mp_grads": "adam2_mp_clip"}
+for _case, _plain in GRADIENTS.items():
+    CASES[_case] = CASES[_plain]
 # recompute options (the same bits as without them): GELU or checkpoints over the split, checkpoints in a
 # pipeline whose first stage draws a Dropout mask
 RECOMPUTE = {
@@ -364,6 +369,7 @@ REPLICAS.update({c: 2 for c in (*H_ZERO, *H_ADASUM)})
 REPLICAS.update({c: 2 for c in ("adam2x2_clip", "adam2x2_mp_clip", *ZERO, *ADASUM)})
 # the mixed-precision cases' loss scale
 LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30, "adam2_mp_resumed": 256.0}
+LOSS_SCALE["adam2_mp_grads"] = 256.0
 LOSS_SCALE.update(  # the half overflow's comes from its inputs, not its scale
     {c: 1e30 if c.endswith("_overflow") and "_half_" not in c else 256.0 for c in CASES if "x2_mp_" in c}
 )
@@ -387,6 +393,7 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
         p.optimizer_attributes_map = {t.name: dict(CLIP) for t in model.graph.initializer if t.dims}
     replicas = REPLICAS.get(case, 1)
     p.use_mixed_precision = case in LOSS_SCALE
+    p.set_gradients_as_graph_outputs = case in GRADIENTS
     for k, v in RECOMPUTE.get(case, {}).items() if pipelined else ():
         setattr(p, k, v)
     if pipelined and case in HORIZONTAL:
@@ -453,6 +460,11 @@ def eval_output(case: str) -> str | None:
     return None if "torch" in case else "logits"
 
 
+def gradient_names(sess: TrainingSession) -> list[str]:
+    """The session's gradient outputs (``<w>_grad``, and a half twin's ``<w>_fp16_grad``)."""
+    return [o.name for o in sess.get_outputs() if o.name.endswith("_grad")]
+
+
 def main(out: str, cases: list[str]) -> None:
     saved: dict[str, np.ndarray] = {}
     for case in cases:
@@ -497,7 +509,12 @@ def main(out: str, cases: list[str]) -> None:
                 if case.endswith("_legacy") and (step * micro + k) % runs < runs - 1:  # a marked micro-step
                     ro.only_execute_path_to_fetches = True
                     fetch.append("Group_Accumulated_Gradients")
-                loss = sess.run(fetch, {**part, **scale_feed(case), "Learning_Rate": LR}, ro)[0]
+                if case in GRADIENTS and step == 0:  # the first step's gradients, with its update
+                    fetch += gradient_names(sess)
+                got = sess.run(fetch, {**part, **scale_feed(case), "Learning_Rate": LR}, ro)
+                loss = got[0]
+                if case in GRADIENTS and step == 0:
+                    saved.update({f"{case}/grads0/{n}": v for n, v in zip(fetch[1:], got[1:])})
             losses.append(float(loss))
         ro = RunOptions()
         ro.only_execute_path_to_fetches = True
@@ -505,6 +522,10 @@ def main(out: str, cases: list[str]) -> None:
         (saved[f"{case}/eval"],) = sess.run(
             [fetch], {**case_feeds(case, 1, seed=9)[0], **scale_feed(case)}, ro
         )
+        if case in GRADIENTS:  # on the fetches' path alone: no update (the state is the plain case's)
+            names = gradient_names(sess)
+            got = sess.run(names, {**case_feeds(case, 1, seed=9)[0], **scale_feed(case)}, ro)
+            saved.update({f"{case}/grads_eval/{n}": v for n, v in zip(names, got)})
         state = sess.gather_state()
         if case in HORIZONTAL:  # the seeds the ranks agreed on for the unseeded Dropout nodes
             nodes = [n for sg in sess._pieces for n in sg.graphs["stage"].graph.node]

@@ -19,12 +19,15 @@ from onnxtrain.training_graph import select_trainable
 from tests.parallel.conftest import run_mpi
 from tests.parallel.pipeline_worker import (
     CASES,
+    GRADIENTS,
+    LOSS_SCALE,
     LR,
     REPLICAS,
     STEPS,
     case_feeds,
     dropout_model,
     eval_output,
+    gradient_names,
     parameters,
     scale_feed,
     skip_model,
@@ -242,6 +245,42 @@ def test_stage_graphs_recompute_transformer_layers() -> None:
     assert not any("_recompute" in o for o in last)  # the last layer is kept
 
 
+@pytest.mark.mpi
+def test_gradients_as_outputs(tmp_path) -> None:
+    """set_gradients_as_graph_outputs in a pipeline: each rank returns the whole model's gradients (a tied
+    weight's summed over the stages that hold it), each the mean over the run's micro-batches, as one
+    process computes them on the whole batch; fetched with an update, or on the fetches' path alone (no
+    update: the runs train as the case without the fetches does). Under mixed precision too (loss-scaled,
+    the half twins' gradients the masters' cast)."""
+    got = pipelined(tmp_path, [*GRADIENTS, *GRADIENTS.values()], 2)
+    for case, plain in GRADIENTS.items():
+        theirs = {k.split("/", 1)[1]: v for k, v in got.items() if k.startswith(f"{plain}/")}
+        for k, v in theirs.items():
+            np.testing.assert_array_equal(got[f"{case}/{k}"], v, err_msg=f"{case}: {k}")
+        model = CASES[case][0]()
+        p = parameters(case, model, False)
+        p.gradient_accumulation_steps = 1  # the whole batch in one run
+        sess = TrainingSession(model.SerializeToString(), p)
+        ro = RunOptions()
+        ro.only_execute_path_to_fetches = True
+        names = gradient_names(sess)
+        tol = 2e-2 if case in LOSS_SCALE else 1e-5  # float16 activations: the batch's sums round apart
+        for when, seed in (("grads0", 1), ("grads_eval", 9)):
+            if when == "grads_eval":  # at the pipeline's last weights
+                state = {k.split("/", 2)[2]: v for k, v in got.items() if k.startswith(f"{case}/state/")}
+                sess.load_state(state)
+            want = sess.run(names, {**case_feeds(case, 1, seed=seed)[0], **scale_feed(case)}, ro)
+            mine = {k.split("/", 2)[2]: v for k, v in got.items() if k.startswith(f"{case}/{when}/")}
+            assert sorted(mine) == sorted(names), case
+            for n, w in zip(names, want):
+                assert mine[n].dtype == w.dtype, n
+                scale = float(np.abs(w.astype(np.float64)).max())
+                np.testing.assert_allclose(
+                    mine[n].astype(np.float64), w, rtol=tol, atol=tol * scale, err_msg=f"{case} {when}: {n}"
+                )
+                assert scale > 0, n
+
+
 def assert_same_run(got: dict[str, np.ndarray], case: str, other: str) -> None:
     """``case`` saved the same losses, outputs and state as ``other`` (ZeRO against the unsharded run)."""
     mine, theirs = ({k.split("/", 1)[1]: v for k, v in got.items() if k.startswith(f"{c}/")}
@@ -405,8 +444,8 @@ def test_pipeline_session_errors_in_one_process() -> None:
 
     with pytest.raises(ValueError, match="launch with: mpiexec -n 2"):
         TrainingSession(model, params())
-    with pytest.raises(NotImplementedError, match="set_gradients_as_graph_outputs do not combine"):
-        TrainingSession(model, params(set_gradients_as_graph_outputs=True))
+    with pytest.raises(NotImplementedError, match="horizontal_parallel_size do not combine"):
+        TrainingSession(model, params(horizontal_parallel_size=2))
     with pytest.raises(ValueError, match="needs an optimizer"):
         TrainingSession(model, params(training_optimizer_name=""))
     p = params(pipeline_parallel_size=1, num_pipeline_micro_batches=4)
