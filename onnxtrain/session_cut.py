@@ -117,8 +117,9 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         for w in gradients:
             t = inits[w]
             self._outputs.append(node_arg(helper.make_tensor_value_info(f"{w}_grad", t.data_type, t.dims)))
-            if self._mp is not None and w in self._mp.twins:
-                half = helper.make_tensor_value_info(f"{self._mp.twins[w]}_grad", self._mp.dtype, t.dims)
+            twin = self._twin_of(w)
+            if twin is not None:
+                half = helper.make_tensor_value_info(f"{twin}_grad", self._mp.dtype, t.dims)
                 self._outputs.append(node_arg(half))
         self._output_names = [o.name for o in self._outputs]
         self._dtypes = {
@@ -178,10 +179,15 @@ class CutModelSession(ReplicaExchange, TrainingSession):
     def _gradient_sources(self) -> dict[str, str]:
         """Each gradient output → the output it is read from (itself; a half twin's, its master's)."""
         out = {g: g for g in self._grad_outputs}
-        if self._mp is not None:
-            out.update({f"{self._mp.twins[w]}_grad": f"{w}_grad" for w in self._grad_outputs.values()
-                        if w in self._mp.twins})
+        for g, w in self._grad_outputs.items():
+            twin = self._twin_of(w)
+            if twin is not None:
+                out[f"{twin}_grad"] = g
         return out
+
+    def _twin_of(self, weight: str) -> str | None:
+        """The half twin of a trained weight of the whole model, under mixed precision."""
+        return self._mp.twins.get(weight) if self._mp is not None else None
 
     def _forward_only(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:
         """The model's forward alone on this rank's part: the values the run may return."""

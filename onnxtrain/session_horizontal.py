@@ -61,7 +61,6 @@ SHARE_SEED_STEP = 7_919  # a random node inside a split block: rank r's seed is 
 _REFUSED = {
     "pipeline_parallel_size": 1,
     **{k: d for k, d in PIPELINE.items() if k != "pipeline_parallel_size"},
-    "set_gradients_as_graph_outputs": False,
 }
 _OPTIONS = (
     "horizontal_parallel_size",
@@ -136,7 +135,7 @@ class HorizontalTrainingSession(CutModelSession):
         self._build_update(sharded)
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
         self._zero_graph = self._setup_zero(sharded)
-        self._interface(model)
+        self._interface(model, trainable if p.set_gradients_as_graph_outputs else ())
         if self._mp is not None:  # the rank's model reads the loss scale
             self._user_inputs.append(self._mp.loss_scale)
             self._inputs.append(NodeArg(self._mp.loss_scale, "tensor(float)", [1]))
@@ -272,6 +271,10 @@ class HorizontalTrainingSession(CutModelSession):
                 g = res[f"{x}_grad"]
                 grads[x] = grads[x] + g if x in grads else g
         grads = {w: grads[w] for w in self._trainable}
+        if self._grad_outputs:
+            values.update(self._whole_gradients(grads))
+        if not accumulate:
+            return values
         n = self._params.gradient_accumulation_steps
         if n > 1:
             for w, g in grads.items():
@@ -329,6 +332,29 @@ class HorizontalTrainingSession(CutModelSession):
         if orig is None:
             return name, None
         return (orig if sp is None else f"{sp.key}_{orig}"), orig
+
+    def _whole_gradients(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The run's gradients as outputs (``<w>_grad`` under the whole model's names), a split weight's put
+        together from every rank's share. A collective."""
+        split = {w: g for w, g in grads.items() if w in self._shares}
+        parts = self._comm.allgather_object(split, "gathering the split gradients")
+        out: dict[str, np.ndarray] = {}
+        for w, g in grads.items():
+            orig = self._shares.get(w)
+            if orig is None:
+                out[f"{w}_grad"] = g
+                continue
+            sw = self._split[orig]
+            shares = [part[share_name(orig, sw.row, r)] for r, part in enumerate(parts)]
+            out[f"{orig}_grad"] = join_shares(shares, sw.axis, sw.segments)
+        return out
+
+    def _twin_of(self, weight: str) -> str | None:
+        if self._mp is None:
+            return None
+        share = self._split[weight].share if weight in self._split else weight
+        twin = self._mp.twins.get(share)
+        return None if twin is None else twin.replace(share, weight)
 
     def gather_state(self) -> dict[str, np.ndarray]:
         """The state of the whole model under one process's names: each split weight (and its optimizer

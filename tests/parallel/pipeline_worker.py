@@ -345,11 +345,6 @@ CASES["adam2_layers"] = (lambda: transformer_model(2), 2, "layer0.res2", 2, "Ada
 for _case in ("adam_h2_layers", "adam2_layers"):
     CASES[f"{_case}_recompute"] = CASES[_case]
 HORIZONTAL.update({"adam_h2_layers": 2, "adam_h2_layers_recompute": 2})
-# the gradients as outputs (set_gradients_as_graph_outputs): fetched with the first step's update and on
-# the fetches' path alone after the last (a tied weight's, from both stages; under mixed precision too)
-GRADIENTS = {"adam2_tied_grads": "adam2_tied_clip", "adam2_mp_grads": "adam2_mp_clip"}
-for _case, _plain in GRADIENTS.items():
-    CASES[_case] = CASES[_plain]
 # recompute options (the same bits as without them): GELU or checkpoints over the split, checkpoints in a
 # pipeline whose first stage draws a Dropout mask
 RECOMPUTE = {
@@ -369,7 +364,6 @@ REPLICAS.update({c: 2 for c in (*H_ZERO, *H_ADASUM)})
 REPLICAS.update({c: 2 for c in ("adam2x2_clip", "adam2x2_mp_clip", *ZERO, *ADASUM)})
 # the mixed-precision cases' loss scale
 LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30, "adam2_mp_resumed": 256.0}
-LOSS_SCALE["adam2_mp_grads"] = 256.0
 LOSS_SCALE.update(  # the half overflow's comes from its inputs, not its scale
     {c: 1e30 if c.endswith("_overflow") and "_half_" not in c else 256.0 for c in CASES if "x2_mp_" in c}
 )
@@ -381,6 +375,17 @@ for _case in ("adam_h2_mp_gelu", "adam_h2_mp_overflow", "adam_h2x2_mp_gelu", "ad
     LOSS_SCALE[_case] = 1e30 if _case.endswith("_overflow") else 256.0
 H_ZERO.add("adam_h2x2_mp_gelu_zero")
 REPLICAS.update({"adam_h2x2_mp_gelu": 2, "adam_h2x2_mp_gelu_zero": 2})
+# the gradients as outputs (set_gradients_as_graph_outputs): fetched with the first step's update and on
+# the fetches' path alone after the last (a tied weight's, from both stages; under mixed precision too)
+GRADIENTS = {"adam2_tied_grads": "adam2_tied_clip", "adam2_mp_grads": "adam2_mp_clip"}
+# and over the two-way split: the split weights' gradients put together from the ranks' shares
+GRADIENTS.update({"adam_h2_gelu_grads": "adam_h2_gelu_blocks", "adam_h2_mp_grads": "adam_h2_mp_gelu"})
+for _case, _plain in GRADIENTS.items():
+    CASES[_case] = CASES[_plain]
+    if _plain in HORIZONTAL:
+        HORIZONTAL[_case] = HORIZONTAL[_plain]
+    if _plain in LOSS_SCALE:
+        LOSS_SCALE[_case] = LOSS_SCALE[_plain]
 
 
 def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingParameters:

@@ -260,8 +260,6 @@ def test_horizontal_session_errors_in_one_process() -> None:
     model = mlp_model().SerializeToString()
     with pytest.raises(ValueError, match="launch with: mpiexec -n 2"):
         TrainingSession(model, params())
-    with pytest.raises(NotImplementedError, match="set_gradients_as_graph_outputs do not combine"):
-        TrainingSession(model, params(set_gradients_as_graph_outputs=True))
     with pytest.raises(NotImplementedError, match="horizontal_parallel_size do not combine"):
         TrainingSession(model, params(pipeline_parallel_size=2, pipeline_cut_info_string="hr"))
 

@@ -247,11 +247,12 @@ def test_stage_graphs_recompute_transformer_layers() -> None:
 
 @pytest.mark.mpi
 def test_gradients_as_outputs(tmp_path) -> None:
-    """set_gradients_as_graph_outputs in a pipeline: each rank returns the whole model's gradients (a tied
-    weight's summed over the stages that hold it), each the mean over the run's micro-batches, as one
-    process computes them on the whole batch; fetched with an update, or on the fetches' path alone (no
-    update: the runs train as the case without the fetches does). Under mixed precision too (loss-scaled,
-    the half twins' gradients the masters' cast)."""
+    """set_gradients_as_graph_outputs in a pipeline and over a two-way split: each rank returns the whole
+    model's gradients (a tied weight's summed over the stages that hold it, a split weight's put together
+    from the ranks' shares), a pipeline's the mean over the run's micro-batches, as one process computes
+    them on the whole batch; fetched with an update, or on the fetches' path alone (no update: the runs
+    train as the case without the fetches does). Under mixed precision too (loss-scaled, the half twins'
+    gradients the masters' cast)."""
     got = pipelined(tmp_path, [*GRADIENTS, *GRADIENTS.values()], 2)
     for case, plain in GRADIENTS.items():
         theirs = {k.split("/", 1)[1]: v for k, v in got.items() if k.startswith(f"{plain}/")}
