@@ -4,6 +4,7 @@ accumulates the same micro-batches; the cut string's parsing and the stage parti
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -14,7 +15,7 @@ from onnxtrain import RunOptions, TrainingParameters, TrainingSession
 from onnxtrain.optim import get_optimizer
 from onnxtrain.parallel.adasum import adasum_reference
 from onnxtrain.parallel.pipeline import CutEdge, parse_cut_info, partition
-from onnxtrain.parallel.stage_graphs import build_stage_graphs
+from onnxtrain.parallel.stage_graphs import StageGraphs, build_stage_graphs
 from onnxtrain.training_graph import select_trainable
 from tests.parallel.conftest import run_mpi
 from tests.parallel.pipeline_worker import (
@@ -196,20 +197,29 @@ def test_recompute_in_stages_and_split_blocks(tmp_path) -> None:
             np.testing.assert_array_equal(got[f"{case}/{k}"], v, err_msg=f"{case}: {k}")
 
 
-def test_stage_graphs_recompute_from_checkpoints() -> None:
-    """A stage's backward recomputes what the checkpoints leave out (the ReLU output, from the checkpoint
-    before it; a Dropout output from its saved mask) instead of reading it from the forward; a checkpoint
-    that is no value of the model is an error naming the option."""
-    model = dropout_model()
-    part = partition(model, parse_cut_info("hr", 2), "loss")
+def _stage_builder(
+    model: onnx.ModelProto, cut: str
+) -> tuple[Callable[[int], StageGraphs], TrainingParameters]:
+    """Builds of ``model``'s stage graphs, cut in two at ``cut`` and trained by Adam, with the options
+    (returned, to change between builds)."""
+    part = partition(model, parse_cut_info(cut, 2), "loss")
     p = TrainingParameters()
     p.loss_output_name = "loss"
     p.training_optimizer_name = "AdamOptimizer"
     opt = get_optimizer("AdamOptimizer", False)
     trainable = select_trainable(model, p)
-    plain = build_stage_graphs(model, part, 0, trainable, p, opt)
+    return (lambda s: build_stage_graphs(model, part, s, trainable, p, opt)), p
+
+
+def test_stage_graphs_recompute_from_checkpoints() -> None:
+    """A stage's backward recomputes what the checkpoints leave out (the ReLU output, from the checkpoint
+    before it; a Dropout output from its saved mask) instead of reading it from the forward; a checkpoint
+    that is no value of the model is an error naming the option."""
+    model = dropout_model()
+    stage, p = _stage_builder(model, "hr")
+    plain = stage(0)
     p.recompute_checkpoints = ["h"]
-    ckpt = build_stage_graphs(model, part, 0, trainable, p, opt)
+    ckpt = stage(0)
     assert "hr0" in plain.saved and "hr0" not in ckpt.saved and "h" in ckpt.saved
     made = [o for n in ckpt.graphs["backward"].graph.node for o in n.output]
     assert "hr0_recompute" in made
@@ -217,23 +227,17 @@ def test_stage_graphs_recompute_from_checkpoints() -> None:
         onnx.checker.check_model(graph, full_check=True)
     p.recompute_checkpoints = ["nowhere"]
     with pytest.raises(ValueError, match=r"recompute_checkpoints: \['nowhere'\]"):
-        build_stage_graphs(model, part, 0, trainable, p, opt)
+        stage(0)
 
 
 def test_stage_graphs_recompute_transformer_layers() -> None:
     """transformer_layer_recompute in a pipeline: the layers are found on the whole model (from its loss,
     which the first stage does not hold), and the first stage's backward rebuilds its layer's activations
     (all layers but the last: the second stage's layer is kept)."""
-    model = transformer_model(2)
-    part = partition(model, parse_cut_info("layer0.res2", 2), "loss")
-    p = TrainingParameters()
-    p.loss_output_name = "loss"
-    p.training_optimizer_name = "AdamOptimizer"
-    opt = get_optimizer("AdamOptimizer", False)
-    trainable = select_trainable(model, p)
-    plain = [build_stage_graphs(model, part, s, trainable, p, opt) for s in (0, 1)]
+    stage, p = _stage_builder(transformer_model(2), "layer0.res2")
+    plain = [stage(s) for s in (0, 1)]
     p.transformer_layer_recompute = True
-    layers = [build_stage_graphs(model, part, s, trainable, p, opt) for s in (0, 1)]
+    layers = [stage(s) for s in (0, 1)]
     assert "layer0.mlp.gelu" in plain[0].saved and "layer0.mlp.gelu" not in layers[0].saved
     assert len(layers[0].saved) < len(plain[0].saved)
     made = [o for n in layers[0].graphs["backward"].graph.node for o in n.output]
