@@ -101,7 +101,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         ``gradients``: the trained weights whose gradients are outputs too (``<w>_grad``, and under mixed
         precision ``<half twin>_grad``)."""
         p, g = self._params, model.graph
-        inits = {t.name for t in g.initializer}
+        inits = {t.name: t for t in g.initializer}
         self._model = model
         self._user_inputs = [v.name for v in g.input if v.name not in inits]
         self._inputs = [node_arg(v) for v in g.input if v.name not in inits]
@@ -112,7 +112,6 @@ class CutModelSession(ReplicaExchange, TrainingSession):
             self._outputs.append(NodeArg(p.loss_output_name, "tensor(float)", []))
         if self._mp is not None:
             self._outputs.append(NodeArg(ALL_FINITE, "tensor(bool)", []))
-        inits = {t.name: t for t in g.initializer}
         self._grad_outputs = {f"{w}_grad": w for w in gradients}
         for w in gradients:
             t = inits[w]
