@@ -38,6 +38,26 @@ class GradientError(ValueError):
     """The gradient graph cannot be built; the message names the node, op or value at fault."""
 
 
+# operators onnxruntime runs in the default domain before ONNX adopted them (the same signature): the opset
+# that adopted each. The version converter has no adapter for them; they keep their form through it.
+EARLY_OPS = {"LayerNormalization": 17}
+_HELD = "onnxtrain.held"
+
+
+def _hold_early_ops(m: onnx.ModelProto) -> bool:
+    """Move ``m``'s nodes of :data:`EARLY_OPS` below their ONNX opset into a private domain (in place), so
+    that the converter leaves them alone; whether there were any."""
+    opset = model_opset(m)
+    held = False
+    for g in walk_graphs(m.graph):
+        for n in g.node:
+            if n.domain in ("", "ai.onnx") and opset < EARLY_OPS.get(n.op_type, 0):
+                n.domain, held = _HELD, True
+    if held:
+        m.opset_import.append(helper.make_opsetid(_HELD, 1))
+    return held
+
+
 def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.ModelProto:
     """``model`` at default-domain opset >= ``target`` (older models go through the version converter)."""
     if model_opset(model) >= target:
@@ -53,6 +73,7 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     # the converter only sees initializers that are also graph inputs: list them for the conversion
     m = onnx.ModelProto()
     m.CopyFrom(model)
+    held = _hold_early_ops(m)
     listed = {i.name for i in m.graph.input}
     extra = [
         helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
@@ -70,6 +91,14 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     kept = [i for i in out.graph.input if i.name not in added]
     del out.graph.input[:]
     out.graph.input.extend(kept)
+    if held:
+        for g in walk_graphs(out.graph):
+            for n in g.node:
+                if n.domain == _HELD:
+                    n.domain = ""
+        imports = [o for o in out.opset_import if o.domain != _HELD]
+        del out.opset_import[:]
+        out.opset_import.extend(imports)
     out.ir_version = max(out.ir_version, helper.find_min_ir_version_for([helper.make_opsetid("", target)]))
     return out
 

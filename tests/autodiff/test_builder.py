@@ -359,3 +359,43 @@ def test_builder_refuses_an_x_the_ys_do_not_depend_on() -> None:
     b.build()
     with pytest.raises(GradientError, match="y_node_arg_names is empty"):
         GradientGraphBuilder(model.SerializeToString(), set(), ["W1"], "loss")
+
+
+def test_upgrade_keeps_onnxruntime_layer_norm_of_an_older_opset() -> None:
+    """onnxruntime's LayerNormalization fusion writes the node into opset-14 models, before ONNX adopted it
+    (opset 17, same signature); the version converter has no adapter for it. The upgrade carries it over
+    unchanged: the opset-17 model passes the full checker and normalises as the formula does (onnx.reference),
+    its mean and inverse standard deviation outputs included."""
+    from onnx.reference import ReferenceEvaluator
+
+    from onnxtrain.autodiff.builder import upgrade_opset
+
+    rng = np.random.default_rng(0)
+    scale, bias = rng.standard_normal(6).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node(
+            "LayerNormalization", ["r", "scale", "bias"], ["y", "mean", "inv_std"], axis=-1, epsilon=1e-3
+        ),
+    ]
+    outputs = (("y", 6), ("mean", 1), ("inv_std", 1))
+    graph = helper.make_graph(
+        nodes,
+        "ln14",
+        [helper.make_tensor_value_info("x", T.FLOAT, [4, 6])],
+        [helper.make_tensor_value_info(n, T.FLOAT, [4, d]) for n, d in outputs],
+        [numpy_helper.from_array(scale, "scale"), numpy_helper.from_array(bias, "bias")],
+    )
+    old = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=8)
+    new = upgrade_opset(old, 17)
+    onnx.checker.check_model(new, full_check=True)
+    assert [(o.domain, o.version) for o in new.opset_import] == [("", 17)]
+    assert [(n.domain, n.op_type) for n in new.graph.node] == [("", "Relu"), ("", "LayerNormalization")]
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    y, mean, inv_std = ReferenceEvaluator(new).run(None, {"x": x})
+    r = np.maximum(x, 0).astype(np.float64)
+    mu = r.mean(-1, keepdims=True)
+    inv = 1 / np.sqrt(r.var(-1, keepdims=True) + 1e-3)
+    np.testing.assert_allclose(y, (r - mu) * inv * scale + bias, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(mean, mu, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(inv_std, inv, rtol=1e-5)

@@ -125,7 +125,54 @@ def softmax_gather_nd(opset: int, gather: bool | None = None) -> onnx.ModelProto
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
-# case: (module or ONNX model, input shape, trained by onnxruntime-training (else by torch, with SGD))
+def product_then(op: str) -> onnx.ModelProto:
+    """x [4, 8] times a trained W, then ``op``: "qdq" (QuantizeLinear → DequantizeLinear, scale 0.05 as a
+    Constant node: onnxruntime-training fuses the pair into its FakeQuant) or "trilu" (the upper triangle,
+    k = 1 fed as a constant: the gradient is its Trilu)."""
+    w = (np.random.default_rng(4).standard_normal((8, 8)) * 0.5).astype(np.float32)
+    if op == "qdq":
+        scale = onnx.numpy_helper.from_array(np.array(0.05, np.float32))
+        tail = [
+            helper.make_node("Constant", [], ["scale"], value=scale),
+            helper.make_node("QuantizeLinear", ["a", "scale"], ["q"]),
+            helper.make_node("DequantizeLinear", ["q", "scale"], ["y"]),
+        ]
+    else:
+        one = onnx.numpy_helper.from_array(np.array(1, np.int64))
+        tail = [
+            helper.make_node("Constant", [], ["k"], value=one),
+            helper.make_node("Trilu", ["a", "k"], ["y"]),
+        ]
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["a"]), *tail],
+        op,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])],
+        [onnx.numpy_helper.from_array(w, "W")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+class DynamicAttention(nn.Module):
+    """Pre-LN multi-head self-attention with a residual, exported with dynamic batch and sequence axes: the
+    gradients' broadcasts are undone by shapes known only at run time (``BroadcastGradientArgs``, and before
+    opset 13 ``ReduceSumTraining``)."""
+
+    def __init__(self, d: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.ln, self.qkv, self.out = heads, nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, c = x.size()
+        h = self.heads
+        q, k, v = (z.view(b, t, h, c // h).transpose(1, 2) for z in self.qkv(self.ln(x)).split(c, 2))
+        att = F.softmax((q @ k.transpose(-2, -1)) * (c // h) ** -0.5, dim=-1)
+        return x + self.out((att @ v).transpose(1, 2).contiguous().view(b, t, c))
+
+
+_DYNAMIC = {0: "batch", 1: "time"}
+# case: (module or ONNX model, input shape, trained by onnxruntime-training (else by torch, with SGD)[,
+# export options: the opset (default 17), dynamic axes of x and y])
 CASES = {
     "act_mix": (ActMix, (4, 12), True),
     "pool": (PoolNet, (2, 3, 13, 13), True),
@@ -138,6 +185,12 @@ CASES = {
     "gather_nd": (lambda: softmax_gather_nd(17), (3, 4, 6), True),
     # onnxruntime-training's GatherNDGrad in an opset-14 model: the translation moves it to opset 16
     "gather_nd_opset14": (lambda: softmax_gather_nd(14, gather=True), (3, 4, 6), True),
+    # shapes known only at run time: BroadcastGradientArgs (opset 14), with ReduceSumTraining (opset 12)
+    "dynamic_attention": (DynamicAttention, (3, 4, 8), True, {"opset": 14, "dynamic": _DYNAMIC}),
+    "dynamic_attention_opset12": (DynamicAttention, (3, 4, 8), True, {"opset": 12, "dynamic": _DYNAMIC}),
+    # quantisation-aware training (its FakeQuant and FakeQuantGrad), and its own Trilu as a gradient
+    "fake_quant": (lambda: product_then("qdq"), (4, 8), True),
+    "trilu": (lambda: product_then("trilu"), (4, 8), True),
 }
 LR = {True: 1e-2, False: 0.1}
 
@@ -188,7 +241,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[str, dict[str, np.ndarray], list[f
     python = ensure_ortt()
     root = tmp_path_factory.mktemp("ort_layers")
     cases, batches, modules = {}, {}, {}
-    for name, (make, shape, train) in CASES.items():
+    for name, (make, shape, train, *options) in CASES.items():
+        export = options[0] if options else {}
         torch.manual_seed(0)
         made = make()
         x = torch.from_numpy(np.random.default_rng(1).standard_normal(shape).astype(np.float32))
@@ -208,9 +262,10 @@ def runs(tmp_path_factory) -> dict[str, tuple[str, dict[str, np.ndarray], list[f
                 (x,),
                 base,
                 dynamo=False,
-                opset_version=17,
+                opset_version=export.get("opset", 17),
                 input_names=["x"],
                 output_names=["y"],
+                dynamic_axes={v: export["dynamic"] for v in ("x", "y")} if "dynamic" in export else None,
                 training=torch.onnx.TrainingMode.TRAINING,
                 do_constant_folding=False,
             )
@@ -278,9 +333,12 @@ def test_the_layers_produce_the_newly_translated_operators(runs):
         }
     assert {
         "AveragePoolGrad",
+        "BroadcastGradientArgs",
         "ConvTransposeGrad",
         "DivGrad",
         "FastGelu",
+        "FakeQuant",
+        "FakeQuantGrad",
         "FastGeluGrad",
         "GatherElementsGrad",
         "GatherNDGrad",
@@ -292,13 +350,72 @@ def test_the_layers_produce_the_newly_translated_operators(runs):
         "LSTMTraining",
         "QuickGelu",
         "QuickGeluGrad",
+        "ReduceSumTraining",
         "ResizeGrad",
         "SimplifiedLayerNormalization",
         "SimplifiedLayerNormalizationGrad",
         "SliceGrad",
         "SoftmaxGrad",
         "SplitTraining",
+        "Trilu",
     } <= seen
+
+
+# shape pairs of a broadcasting op's operands: trailing and leading axes missing, size-1 axes on either side
+_SHAPE_PAIRS = [
+    ([2, 3, 4], [4]),
+    ([4], [2, 3, 4]),
+    ([2, 1, 4], [2, 3, 1]),
+    ([1, 1], [1]),
+    ([3, 1], [1, 1]),
+    ([2, 3], [2, 3]),
+    ([1], [2, 3]),
+    ([5, 1, 1], [1, 1]),
+    ([], [2, 3]),
+    ([1, 3], [3]),
+    ([2, 1, 3, 1], [4, 1, 5]),
+]
+_BROADCAST_SCRIPT = PREAMBLE + r"""
+import numpy as np, onnxruntime as ort
+model, pairs = sys.argv[1], json.loads(sys.argv[2])
+s = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+feeds = [{"a": np.array(a, np.int64), "b": np.array(b, np.int64)} for a, b in pairs]
+out = [[r.tolist() for r in s.run(None, f)] for f in feeds]
+print(json.dumps(out))
+"""
+
+
+def _broadcast_gradient_args_model() -> onnx.ModelProto:
+    names = ("a", "b", "a_axes", "b_axes")
+    vector = [helper.make_tensor_value_info(n, TensorProto.INT64, [None]) for n in names]
+    node = helper.make_node("BroadcastGradientArgs", ["a", "b"], ["a_axes", "b_axes"], domain="com.microsoft")
+    graph = helper.make_graph([node], "broadcast_gradient_args", vector[:2], vector[2:])
+    opsets = [helper.make_opsetid("", 14), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
+
+
+def test_broadcast_gradient_args_against_onnxruntime_training(tmp_path):
+    """The translation of BroadcastGradientArgs gives onnxruntime-training's own kernel's axes, in its order
+    (last axis first), for every shape pair; run by onnx.reference."""
+    from onnx.reference import ReferenceEvaluator
+
+    model = _broadcast_gradient_args_model()
+    path = tmp_path / "bga.onnx"
+    onnx.save(model, path)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    proc = subprocess.run(
+        [ensure_ortt(), "-c", _BROADCAST_SCRIPT, str(path), json.dumps(_SHAPE_PAIRS)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    translated = translate_training_model(model)
+    onnx.checker.check_model(translated, full_check=True)
+    ours = ReferenceEvaluator(translated)
+    for (a, b), want in zip(_SHAPE_PAIRS, theirs):
+        got = ours.run(None, {"a": np.array(a, np.int64), "b": np.array(b, np.int64)})
+        assert [g.tolist() for g in got] == want, (a, b)
+    assert any(w[0] for w in theirs) and any(w[1] for w in theirs)
 
 
 _ALPHA = float(np.float32(1.702))  # QuickGelu's default α, a float attribute

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from onnxtrain.training.ort_artifacts.broadcast import BY_HAND as BROADCAST_BY_HAND
 from onnxtrain.training.ort_artifacts.common import (
     Context,
     Emit,
@@ -21,6 +22,7 @@ from onnxtrain.training.ort_artifacts.common import (
     node_label,
     rank_of,
 )
+from onnxtrain.training.ort_artifacts.quant import BY_HAND as QUANT_BY_HAND
 
 
 def _operand_perm(rank: int, trans_batch: bool, trans: bool) -> list[int]:
@@ -271,6 +273,12 @@ def _recurrent_training(node: onnx.NodeProto, ctx: Context, emit: Emit) -> None:
     ctx.recurrent[outputs[0]] = (inputs, outputs)
 
 
+def _trilu(node: onnx.NodeProto, ctx: Context, emit: Emit) -> None:
+    """Its Trilu (the gradient of a Trilu): ONNX's Trilu-14, the same inputs and ``upper``."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    emit("Trilu", *node.input, output=node.output[0], **attrs)
+
+
 def _scale(node: onnx.NodeProto, ctx: Context, emit: Emit) -> None:
     down = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "scale_down"), 0)
     x = node.input[0]
@@ -309,6 +317,9 @@ def batch_norm_internal(node: onnx.NodeProto, ctx: Context, emit: Emit) -> list[
     ]
 
 
+# the standard opset a translation needs, where above the model's own (its standard nodes move there first)
+MIN_OPSET = {"ReduceSumTraining": 13, "Trilu": 14}
+
 BY_HAND: dict[str, Callable[[onnx.NodeProto, Context, Emit], None]] = {
     "FusedMatMul": _fused_matmul,
     "BiasGelu": _bias_gelu,
@@ -330,4 +341,7 @@ BY_HAND: dict[str, Callable[[onnx.NodeProto, Context, Emit], None]] = {
     "SimplifiedLayerNormalizationGrad": _simplified_layer_norm_grad,
     "LSTMTraining": _recurrent_training,
     "GRUTraining": _recurrent_training,
+    "Trilu": _trilu,
+    **BROADCAST_BY_HAND,
+    **QUANT_BY_HAND,
 }

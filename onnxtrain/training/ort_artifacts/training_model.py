@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxtrain.autodiff.builder import upgrade_opset
+from onnxtrain.autodiff.builder import EARLY_OPS, upgrade_opset
 from onnxtrain.ir.builder import value_types
 from onnxtrain.training.ort_artifacts.common import (
     ACCUMULATED_SUFFIX,
@@ -18,7 +18,7 @@ from onnxtrain.training.ort_artifacts.common import (
     is_onnxruntime_training_model,
     node_label,
 )
-from onnxtrain.training.ort_artifacts.fused import BY_HAND, batch_norm_internal
+from onnxtrain.training.ort_artifacts.fused import BY_HAND, MIN_OPSET, batch_norm_internal
 from onnxtrain.training.ort_artifacts.gradients import GRADS, grad_by_rule
 
 
@@ -28,9 +28,12 @@ def translate_training_model(model: onnx.ModelProto) -> onnx.ModelProto:
     if not is_onnxruntime_training_model(model):
         return model
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    foreign = [n.op_type for n in model.graph.node if is_foreign(n) and n.op_type in GRADS]
-    needed = max((GRADS[op].min_opset for op in foreign), default=0)
-    if opset < needed:  # GatherNDGrad's ScatterND that adds: the standard nodes move to that opset first
+    foreign = {n.op_type for n in model.graph.node if is_foreign(n)}
+    needed = max((GRADS[op].min_opset if op in GRADS else MIN_OPSET.get(op, 0) for op in foreign), default=0)
+    # onnxruntime's own LayerNormalization (its fusion's) before opset 17: standard from 17 on
+    early = {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx") and n.op_type in EARLY_OPS}
+    needed = max([needed, *(EARLY_OPS[op] for op in early if opset < EARLY_OPS[op])])
+    if opset < needed:  # e.g. GatherNDGrad's ScatterND that adds: the standard nodes move to that opset first
         model = upgrade_opset(model, needed)
         opset = needed
     g = model.graph
