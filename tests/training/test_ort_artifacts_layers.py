@@ -375,14 +375,35 @@ _SHAPE_PAIRS = [
     ([1, 3], [3]),
     ([2, 1, 3, 1], [4, 1, 5]),
 ]
-_BROADCAST_SCRIPT = PREAMBLE + r"""
+MS = "com.microsoft"
+_ONE_NODE_SCRIPT = PREAMBLE + r"""
 import numpy as np, onnxruntime as ort
-model, pairs = sys.argv[1], json.loads(sys.argv[2])
-s = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
-feeds = [{"a": np.array(a, np.int64), "b": np.array(b, np.int64)} for a, b in pairs]
-out = [[r.tolist() for r in s.run(None, f)] for f in feeds]
-print(json.dumps(out))
+folder, count = sys.argv[1], int(sys.argv[2])
+s = ort.InferenceSession(folder + "/model.onnx", providers=["CPUExecutionProvider"])
+for i in range(count):
+    feeds = dict(np.load(f"{folder}/feeds{i}.npz"))
+    np.savez(f"{folder}/outputs{i}.npz", *s.run(None, feeds))
 """
+
+
+def _onnxruntime_training_outputs(
+    model: onnx.ModelProto, feeds: list[dict], folder
+) -> list[list[np.ndarray]]:
+    """The outputs of ``model`` (onnxruntime-training's own kernels) on each of ``feeds``, run in its venv."""
+    onnx.save(model, folder / "model.onnx")
+    for i, f in enumerate(feeds):
+        np.savez(folder / f"feeds{i}.npz", **f)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    proc = subprocess.run(
+        [ensure_ortt(), "-c", _ONE_NODE_SCRIPT, str(folder), str(len(feeds))],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = []
+    for i in range(len(feeds)):
+        got = np.load(folder / f"outputs{i}.npz")
+        out.append([got[f"arr_{k}"] for k in range(len(got.files))])
+    return out
 
 
 def _broadcast_gradient_args_model() -> onnx.ModelProto:
@@ -400,22 +421,57 @@ def test_broadcast_gradient_args_against_onnxruntime_training(tmp_path):
     from onnx.reference import ReferenceEvaluator
 
     model = _broadcast_gradient_args_model()
-    path = tmp_path / "bga.onnx"
-    onnx.save(model, path)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    proc = subprocess.run(
-        [ensure_ortt(), "-c", _BROADCAST_SCRIPT, str(path), json.dumps(_SHAPE_PAIRS)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    feeds = [{"a": np.array(a, np.int64), "b": np.array(b, np.int64)} for a, b in _SHAPE_PAIRS]
+    theirs = _onnxruntime_training_outputs(model, feeds, tmp_path)
     translated = translate_training_model(model)
     onnx.checker.check_model(translated, full_check=True)
     ours = ReferenceEvaluator(translated)
-    for (a, b), want in zip(_SHAPE_PAIRS, theirs):
-        got = ours.run(None, {"a": np.array(a, np.int64), "b": np.array(b, np.int64)})
-        assert [g.tolist() for g in got] == want, (a, b)
-    assert any(w[0] for w in theirs) and any(w[1] for w in theirs)
+    for f, want in zip(feeds, theirs):
+        got = ours.run(None, f)
+        assert [g.tolist() for g in got] == [w.tolist() for w in want], f
+    assert any(w[0].size for w in theirs) and any(w[1].size for w in theirs)
+
+
+def test_fake_quant_against_onnxruntime_training(tmp_path):
+    """The translations of FakeQuant (values on rounding ties, at and beyond both ends of the range; the
+    default range and a signed one; a nonzero zero point) and FakeQuantGrad give onnxruntime-training's own
+    kernels' outputs, bit for bit."""
+    from onnx.reference import ReferenceEvaluator
+
+    ties = [-129.5, -128.5, -0.5, 0.5, 1.5, 2.5, 126.5, 127.5, 254.5, 255.5]
+    x = np.array([-200, -10, 3.49, 300, *ties], np.float32)
+    cases = [({}, 0.0), ({"quant_min": -128, "quant_max": 127}, 0.0), ({}, 3.0)]
+    dy = np.linspace(-1, 1, x.size).astype(np.float32)
+    feeds = [{"x": x * 0.5, "scale": np.array(0.5, np.float32), "zero": np.array(z, np.float32), "dy": dy}
+             for _, z in cases]
+    for (attrs, _), f in zip(cases, feeds):
+        nodes = [
+            helper.make_node("FakeQuant", ["x", "scale", "zero"], ["y", "mask"], domain=MS, **attrs),
+            helper.make_node("FakeQuantGrad", ["dy", "mask"], ["dx"], domain=MS),
+        ]
+        vec = [None]
+        graph = helper.make_graph(
+            nodes,
+            "fake_quant",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, vec),
+             helper.make_tensor_value_info("scale", TensorProto.FLOAT, []),
+             helper.make_tensor_value_info("zero", TensorProto.FLOAT, []),
+             helper.make_tensor_value_info("dy", TensorProto.FLOAT, vec)],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, vec),
+             helper.make_tensor_value_info("mask", TensorProto.BOOL, vec),
+             helper.make_tensor_value_info("dx", TensorProto.FLOAT, vec)],
+        )
+        opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+        model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
+        folder = tmp_path / f"fq{len(attrs)}{int(f['zero'])}"
+        folder.mkdir()
+        (want,) = _onnxruntime_training_outputs(model, [f], folder)
+        translated = translate_training_model(model)
+        onnx.checker.check_model(translated, full_check=True)
+        got = ReferenceEvaluator(translated).run(None, f)
+        for g, w, name in zip(got, want, ("y", "mask", "dx")):
+            np.testing.assert_array_equal(g, w, err_msg=f"{attrs} zero {f['zero']}: {name}")
+        assert not want[1].all() and want[1].any()
 
 
 _ALPHA = float(np.float32(1.702))  # QuickGelu's default α, a float attribute
