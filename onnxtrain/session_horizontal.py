@@ -71,6 +71,7 @@ _OPTIONS = (
     "deepspeed_zero_stage",
     "enable_adasum",
     "use_mixed_precision",
+    "set_gradients_as_graph_outputs",  # its outputs are gathered over the ranks
 )
 
 

@@ -70,6 +70,7 @@ _OPTIONS = (
     "use_mixed_precision",
     "deepspeed_zero_stage",
     "enable_adasum",
+    "set_gradients_as_graph_outputs",  # its outputs are gathered over the ranks
 )
 
 
