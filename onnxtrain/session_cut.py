@@ -343,5 +343,5 @@ def model_fingerprint(
     return {
         "graph (nodes, inputs, outputs)": digest(graph.SerializeToString(deterministic=True)),
         "initializers": {t.name: array_digest(numpy_helper.to_array(t)) for t in model.graph.initializer},
-        "training parameters": repr([getattr(p, k) for k in options]),
+        "training parameters": {k: repr(getattr(p, k)) for k in options},  # a difference names the option
     }

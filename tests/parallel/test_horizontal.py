@@ -3,6 +3,8 @@ one process does (within float32 rounding of the split sums); which blocks split
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import onnx
 import pytest
@@ -14,6 +16,7 @@ from onnxtrain.parallel.megatron_attention import find_attention_blocks
 from onnxtrain.parallel.pipeline import partition
 from onnxtrain.session_horizontal import SHARE_SEED_STEP
 from onnxtrain.training_graph import select_trainable
+from tests.parallel.conftest import run_mpi
 from tests.parallel.pipeline_worker import (
     attention_dropout_model,
     gelu_block_dropout_model,
@@ -390,3 +393,36 @@ def test_which_attention_does_not_split() -> None:
     # attention dropout that drops splits with the heads (each rank drops on its own: tested below)
     m, _, _ = export("gpt_block", training=True, with_loss=True, dropout=0.1)
     assert len(find_attention_blocks(m, select_trainable(m, p), 2)) == 1
+
+
+_DISAGREEING = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from onnxtrain import TrainingParameters, TrainingSession
+from onnxtrain.parallel import world
+from tests.parallel.pipeline_worker import gelu_blocks_model
+
+p = TrainingParameters()
+p.loss_output_name = "loss"
+p.training_optimizer_name = "AdamOptimizer"
+p.horizontal_parallel_size = 2
+p.set_gradients_as_graph_outputs = world().rank == 1
+try:
+    TrainingSession(gelu_blocks_model().SerializeToString(), p)
+except RuntimeError as e:
+    print(f"rank {world().rank}: {e}")
+"""
+
+
+@pytest.mark.mpi
+def test_ranks_disagreeing_on_gradient_outputs_are_refused(tmp_path) -> None:
+    """Gradient outputs are gathered over the ranks: a rank that asks for them when the other does not would
+    wait forever in the gathering, so the session refuses the mismatch on every rank when it is built."""
+    script = tmp_path / "disagree.py"
+    script.write_text(_DISAGREEING)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = run_mpi(root, n=2, timeout=120, worker=str(script))
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: the ranks do not hold the same model and horizontal setup" in r.stdout, r.stdout
+    assert "set_gradients_as_graph_outputs" in r.stdout, r.stdout
