@@ -83,6 +83,19 @@ class RMSNormGelu(nn.Module):
         return self.b(h)
 
 
+class LinearTanhGelu(nn.Module):
+    """GPT-2's tanh GELU written out after a linear layer (nanoGPT's NewGELU): onnxruntime-training fuses
+    the bias into its FastGelu and writes BiasFastGeluGrad_dX."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(12, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(0.5 * h * (1 + torch.tanh(0.7978845608 * (h + 0.044715 * h**3))))
+
+
 class UpNet(nn.Module):
     """A transposed convolution, nearest and bilinear upsampling."""
 
@@ -177,6 +190,7 @@ CASES = {
     "act_mix": (ActMix, (4, 12), True),
     "pool": (PoolNet, (2, 3, 13, 13), True),
     "rms_gelu": (RMSNormGelu, (3, 4, 12), True),
+    "linear_tanh_gelu": (LinearTanhGelu, (3, 4, 12), True),
     "lstm": (lambda: Recurrent("lstm"), (2, 5, 8), True),
     "gru": (lambda: Recurrent("gru"), (2, 5, 8), True),
     "upsample": (UpNet, (2, 3, 5, 5), False),
@@ -333,6 +347,7 @@ def test_the_layers_produce_the_newly_translated_operators(runs):
         }
     assert {
         "AveragePoolGrad",
+        "BiasFastGeluGrad_dX",
         "BroadcastGradientArgs",
         "ConvTransposeGrad",
         "DivGrad",
@@ -489,6 +504,13 @@ GELUS = {
     "FastGelu_bias": (
         "FastGelu",
         "FastGeluGrad",
+        [_BIAS],
+        {},
+        lambda v: 0.5 * (v + _BIAS) * (1 + np.tanh(_A * ((v + _BIAS) + 0.044715 * (v + _BIAS) ** 3))),
+    ),
+    "BiasFastGeluGrad_dX": (  # the gradient its bias fusion writes: (dY, X, bias)
+        "FastGelu",
+        "BiasFastGeluGrad_dX",
         [_BIAS],
         {},
         lambda v: 0.5 * (v + _BIAS) * (1 + np.tanh(_A * ((v + _BIAS) + 0.044715 * (v + _BIAS) ** 3))),

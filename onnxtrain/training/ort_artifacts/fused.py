@@ -335,6 +335,7 @@ BY_HAND: dict[str, Callable[[onnx.NodeProto, Context, Emit], None]] = {
     "LeakyReluGrad": _leaky_relu_grad,
     "FastGelu": _fast_gelu,
     "FastGeluGrad": _fast_gelu_grad,
+    "BiasFastGeluGrad_dX": _fast_gelu_grad,  # (dY, X, bias): the gradient at X + bias
     "SoftmaxGrad": _softmax_grad_before_13,
     "LogSoftmaxGrad": _softmax_grad_before_13,
     "SimplifiedLayerNormalization": _simplified_layer_norm,
