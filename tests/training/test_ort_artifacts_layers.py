@@ -138,6 +138,30 @@ def softmax_gather_nd(opset: int, gather: bool | None = None) -> onnx.ModelProto
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
+class CausalBlock(nn.Module):
+    """A nanoGPT-style block on float inputs: LayerNorm, one fused QKV product, a causal mask from a buffer,
+    the tanh GELU written out (NewGELU), residuals; exported with dynamic batch and sequence axes."""
+
+    def __init__(self, d: int = 8, heads: int = 2, most: int = 16) -> None:
+        super().__init__()
+        self.heads, self.ln1, self.ln2 = heads, nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        # boolean, so that it is not among the trained float initializers
+        causal = torch.tril(torch.ones(most, most, dtype=torch.bool))
+        self.register_buffer("mask", causal.view(1, 1, most, most))
+
+    def forward(self, x):
+        b, t, c = x.size()
+        h = self.heads
+        q, k, v = (z.view(b, t, h, c // h).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(c, 2))
+        att = (q @ k.transpose(-2, -1)) * (c // h) ** -0.5
+        att = F.softmax(att.masked_fill(~self.mask[:, :, :t, :t], float("-inf")), dim=-1)
+        x = x + self.proj((att @ v).transpose(1, 2).contiguous().view(b, t, c))
+        u = self.fc(self.ln2(x))
+        return x + self.out(0.5 * u * (1 + torch.tanh(0.7978845608 * (u + 0.044715 * u**3))))
+
+
 def product_then(op: str) -> onnx.ModelProto:
     """x [4, 8] times a trained W, then ``op``: "qdq" (QuantizeLinear → DequantizeLinear, scale 0.05 as a
     Constant node: onnxruntime-training fuses the pair into its FakeQuant) or "trilu" (the upper triangle,
@@ -202,6 +226,7 @@ CASES = {
     # shapes known only at run time: BroadcastGradientArgs (opset 14), with ReduceSumTraining (opset 12)
     "dynamic_attention": (DynamicAttention, (3, 4, 8), True, {"opset": 14, "dynamic": _DYNAMIC}),
     "dynamic_attention_opset12": (DynamicAttention, (3, 4, 8), True, {"opset": 12, "dynamic": _DYNAMIC}),
+    "causal_block": (CausalBlock, (3, 5, 8), True, {"opset": 14, "dynamic": _DYNAMIC}),
     # quantisation-aware training (its FakeQuant and FakeQuantGrad), and its own Trilu as a gradient
     "fake_quant": (lambda: product_then("qdq"), (4, 8), True),
     "trilu": (lambda: product_then("trilu"), (4, 8), True),
