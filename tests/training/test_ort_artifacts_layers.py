@@ -96,6 +96,18 @@ class LinearTanhGelu(nn.Module):
         return self.b(0.5 * h * (1 + torch.tanh(0.7978845608 * (h + 0.044715 * h**3))))
 
 
+class TanhGeluOp(nn.Module):
+    """torch's tanh GELU, exported at opset 20 as ONNX's Gelu(approximate="tanh"): onnxruntime-training
+    writes its exact (erf) GeluGrad for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(12, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.b(F.gelu(self.a(x), approximate="tanh"))
+
+
 class UpNet(nn.Module):
     """A transposed convolution, nearest and bilinear upsampling."""
 
@@ -215,6 +227,7 @@ CASES = {
     "pool": (PoolNet, (2, 3, 13, 13), True),
     "rms_gelu": (RMSNormGelu, (3, 4, 12), True),
     "linear_tanh_gelu": (LinearTanhGelu, (3, 4, 12), True),
+    "gelu_op_tanh": (TanhGeluOp, (3, 4, 12), True, {"opset": 20}),
     "lstm": (lambda: Recurrent("lstm"), (2, 5, 8), True),
     "gru": (lambda: Recurrent("gru"), (2, 5, 8), True),
     "upsample": (UpNet, (2, 3, 5, 5), False),
@@ -360,6 +373,17 @@ def test_gather_nd_gradient_of_an_opset_14_model_moves_to_opset_16(runs):
     assert "GatherNDGrad" in {n.op_type for n in model.graph.node}
     translated = translate_training_model(model)
     assert [o.version for o in translated.opset_import if o.domain in ("", "ai.onnx")] == [16]
+
+
+def test_tanh_gelu_op_gets_the_exact_gelu_gradient(runs):
+    """onnxruntime-training differentiates Gelu(approximate="tanh") with its exact (erf) GeluGrad; the
+    translation follows it (the case above trains as onnxruntime-training trains it)."""
+    model = onnx.load(os.path.join(runs["gelu_op_tanh"][0], "training_model.onnx"))
+    gelu = [n for n in model.graph.node if n.op_type == "Gelu"]
+    assert [helper.get_attribute_value(a) for n in gelu for a in n.attribute] == [b"tanh"]
+    assert [n.op_type for n in model.graph.node if n.domain == "com.microsoft" and "Gelu" in n.op_type] == [
+        "GeluGrad"
+    ]
 
 
 @pytest.mark.slow
