@@ -112,14 +112,17 @@ class CutModelSession(ReplicaExchange, TrainingSession):
             self._outputs.append(NodeArg(p.loss_output_name, "tensor(float)", []))
         if self._mp is not None:
             self._outputs.append(NodeArg(ALL_FINITE, "tensor(bool)", []))
-        self._grad_outputs = {f"{w}_grad": w for w in gradients}
+        self._grad_outputs = {f"{w}_grad" for w in gradients}  # computed by the run's backward
+        self._grad_sources: dict[str, str] = {}  # each gradient output → the one it is read from
         for w in gradients:
             t = inits[w]
             self._outputs.append(node_arg(helper.make_tensor_value_info(f"{w}_grad", t.data_type, t.dims)))
+            self._grad_sources[f"{w}_grad"] = f"{w}_grad"
             twin = self._twin_of(w)
-            if twin is not None:
+            if twin is not None:  # a half twin's: its master's, cast
                 half = helper.make_tensor_value_info(f"{twin}_grad", self._mp.dtype, t.dims)
                 self._outputs.append(node_arg(half))
+                self._grad_sources[f"{twin}_grad"] = f"{w}_grad"
         self._output_names = [o.name for o in self._outputs]
         self._dtypes = {
             v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
@@ -155,7 +158,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode)))
         micro = self._is_micro_step(names, ro)
         # gradients fetched on the fetches' path alone: forward and backward, nothing added up or updated
-        sources = self._gradient_sources()
+        sources = self._grad_sources
         inspect = ro.only_execute_path_to_fetches and not micro and any(n in sources for n in names)
         if ro.only_execute_path_to_fetches and not micro and not inspect:
             values = self._forward_only(feeds, dropout)
@@ -174,15 +177,6 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         if missing:
             raise ValueError(f"output(s) {missing} are not computed on this run (a forward or a micro-step)")
         return [got[n] for n in names]
-
-    def _gradient_sources(self) -> dict[str, str]:
-        """Each gradient output → the output it is read from (itself; a half twin's, its master's)."""
-        out = {g: g for g in self._grad_outputs}
-        for g, w in self._grad_outputs.items():
-            twin = self._twin_of(w)
-            if twin is not None:
-                out[f"{twin}_grad"] = g
-        return out
 
     def _twin_of(self, weight: str) -> str | None:
         """The half twin of a trained weight of the whole model, under mixed precision."""
@@ -228,16 +222,13 @@ class CutModelSession(ReplicaExchange, TrainingSession):
 
     def _add_gradient(self, name: str, g: np.ndarray) -> None:
         """Add ``g`` to the running sum of ``name``'s gradient, in the order one process's buffer adds."""
-        if name in self._summed:
-            np.add(self._summed[name], g, out=self._summed[name])
-        else:
-            self._summed[name] = np.array(g, copy=True)
+        add_into(self._summed, name, g)
 
     def _take_means(self, count: int) -> dict[str, np.ndarray]:
-        """The means of the accumulation that ends, over the ``count`` gradients its sums hold (the sums
-        times 1/count, as one process's graph scales its buffers); the next one starts from nothing."""
+        """The means of the accumulation that ends, over the ``count`` gradients its sums hold; the next one
+        starts from nothing."""
         sums, self._summed, self._micro_step = self._summed, {}, 0
-        return {g: s * s.dtype.type(1.0 / count) for g, s in sums.items()} if count > 1 else sums
+        return means(sums, count)
 
     def _run_update(self, plan: Any, outputs: Mapping[str, str], given: Mapping[str, Any]) -> None:
         """Run an update graph on this rank's state and ``given`` (gradients, learning rate, norm); the new
@@ -322,6 +313,19 @@ class CutModelSession(ReplicaExchange, TrainingSession):
     @property
     def peak_bytes(self) -> int:
         return max((getattr(pl, "peak_bytes", 0) for pl in self._plans.values()), default=0)
+
+
+def add_into(sums: dict[str, np.ndarray], name: str, g: np.ndarray) -> None:
+    """Add ``g`` to ``sums[name]`` in place (a copy of ``g`` when it is the first)."""
+    if name in sums:
+        np.add(sums[name], g, out=sums[name])
+    else:
+        sums[name] = np.array(g, copy=True)
+
+
+def means(sums: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+    """``sums`` over ``count`` terms as means: times 1/count, as one process's graph scales its buffers."""
+    return {g: s * s.dtype.type(1.0 / count) for g, s in sums.items()} if count > 1 else sums
 
 
 def squared_sum(arrays: Iterable[np.ndarray]) -> float:

@@ -49,7 +49,13 @@ from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.megatron import find_mlp_blocks, join_shares, shard_blocks, share_name, take_share
 from onnxtrain.parallel.megatron_attention import find_attention_blocks
 from onnxtrain.parallel.pipeline import partition
-from onnxtrain.parallel.stage_graphs import NORM, StageGraphs, build_stage_graphs, check_stage_nodes
+from onnxtrain.parallel.stage_graphs import (
+    NORM,
+    StageGraphs,
+    build_stage_graphs,
+    check_stage_nodes,
+    layer_activations,
+)
 from onnxtrain.parallel.zero import gather_zero_state
 from onnxtrain.parameters import PIPELINE
 from onnxtrain.session_cut import CutModelSession, model_fingerprint, squared_sum
@@ -126,8 +132,11 @@ class HorizontalTrainingSession(CutModelSession):
         check_stage_nodes(sharded, part)
         self._seed_random_nodes(sharded, part.stage_of)
         self._trainable = [self._split[w].share if w in self._split else w for w in trainable]
+        layers = layer_activations(sharded, p)  # once for all the pieces
         self._pieces: list[StageGraphs] = [
-            build_stage_graphs(sharded, part, s, self._trainable, p, self._opt, self._mp, with_update=False)
+            build_stage_graphs(
+                sharded, part, s, self._trainable, p, self._opt, self._mp, with_update=False, layers=layers
+            )
             for s in range(part.stages)
         ]
         self._store: dict[str, np.ndarray] = {}

@@ -53,7 +53,7 @@ from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stage_nodes
 from onnxtrain.parallel.zero import gather_zero_state
-from onnxtrain.session_cut import CutModelSession, model_fingerprint, squared_sum
+from onnxtrain.session_cut import CutModelSession, add_into, means, model_fingerprint, squared_sum
 from onnxtrain.training_graph import select_trainable
 from onnxtrain.user_warning import warn
 
@@ -296,8 +296,7 @@ class PipelineTrainingSession(CutModelSession):
                 if accumulate:
                     self._add_gradient(gname, res[gname])
                 if gname in self._grad_outputs:  # and over this run's micro-batches alone, to return
-                    g = res[gname]
-                    mine[gname] = np.add(mine[gname], g, out=mine[gname]) if gname in mine else g.copy()
+                    add_into(mine, gname, res[gname])
             if s > 0:
                 back = {r: res[f"{r}_grad"] for r in self._sg.diff_received}
                 for t in self._sg.sends:  # passed through this stage: its gradient goes on back
@@ -311,7 +310,7 @@ class PipelineTrainingSession(CutModelSession):
             )
         for r in pending:
             r.wait()
-        outputs.update({g: v * v.dtype.type(1.0 / m) if m > 1 else v for g, v in mine.items()})
+        outputs.update(means(mine, m))
         if not accumulate:
             return outputs
         self._micro_step += 1

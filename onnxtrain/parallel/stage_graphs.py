@@ -71,11 +71,14 @@ def build_stage_graphs(
     mp: MixedPrecisionInfo | None = None,
     declare_input: Callable[[onnx.ValueInfoProto], onnx.ValueInfoProto] = lambda v: v,
     with_update: bool = True,
+    layers: set[str] | None = None,
 ) -> StageGraphs:
     """Stage ``stage``'s graphs and initial state; ``trainable`` lists the whole model's trained weights,
     ``declare_input`` rewrites a user input's declaration (a micro-batch's shape) and ``with_update=False``
-    leaves the optimizer to the caller."""
+    leaves the optimizer to the caller; ``layers``: :func:`layer_activations` of the model when the caller
+    builds several stages (found here when None)."""
     last = stage == part.stages - 1
+    layers = layer_activations(model, params) if layers is None else layers
     nodes = [_copy(n) for n in part.nodes(model, stage)]
     g = model.graph
     types = value_types(model)
@@ -119,12 +122,13 @@ def build_stage_graphs(
         zero = numpy_helper.from_array(np.array(0, np.float32))
         bw.graph.node.append(helper.make_node("Constant", [], [loss], value=zero))
         full = build_gradient_model(bw, loss, wrt, outputs=list(declared), other_ys=seeded)
-        full = _recomputed(full, loss, params, model, list(declared))
+        full = _recomputed(full, loss, params, model, layers, list(declared))
         full, initial = _with_weights_as_inputs(full, mine)
         graphs["forward_train"], graphs["backward"], saved = split_gradient_model(full, bw)
     else:
         loss = mp.scaled_loss if mp is not None else params.loss_output_name
-        full = _recomputed(build_gradient_model(base, loss, wrt, outputs=outputs), loss, params, model)
+        grad = build_gradient_model(base, loss, wrt, outputs=outputs)
+        full = _recomputed(grad, loss, params, model, layers)
         graphs["backward"], initial = _with_weights_as_inputs(full, mine)
         saved = []
     sg = StageGraphs(
@@ -153,17 +157,25 @@ def build_stage_graphs(
     return sg
 
 
+def layer_activations(model: onnx.ModelProto, params: TrainingParameters) -> set[str]:
+    """The activations ``transformer_layer_recompute`` rebuilds, found on the whole ``model`` from its loss
+    (none when the option is off)."""
+    if not params.transformer_layer_recompute:
+        return set()
+    return transformer_layer_values(model, params.loss_output_name, params.number_recompute_layers)
+
+
 def _recomputed(
     grad: onnx.ModelProto,
     loss: str,
     params: TrainingParameters,
     model: onnx.ModelProto,
+    layers: set[str],
     forward_outputs: Sequence[str] = (),
 ) -> onnx.ModelProto:
     """A stage's gradient graph with the recompute options of ``params`` applied (GELU, attention dropout,
-    checkpoints, transformer layers: the stage recomputes its activations from its inputs and the values it
-    keeps); ``model`` is the whole model, where every checkpoint must be a value and the transformer layers
-    are found (from its loss)."""
+    checkpoints, and the transformer layers' ``layers``: the stage recomputes its activations from its
+    inputs and the values it keeps); ``model`` is the whole model, where every checkpoint must be a value."""
     mine = {o for n in grad.graph.node for o in n.output} | {v.name for v in grad.graph.input}
     ckpts = params.recompute_checkpoints
     if ckpts:
@@ -172,10 +184,6 @@ def _recomputed(
         if unknown:
             raise ValueError(f"recompute_checkpoints: {unknown} are not values of the model")
         ckpts = [c for c in ckpts if c in mine]
-    layers: set[str] = set()
-    if params.transformer_layer_recompute:
-        found = transformer_layer_values(model, params.loss_output_name, params.number_recompute_layers)
-        layers = found & mine
     return recompute(
         grad,
         loss,
@@ -183,7 +191,7 @@ def _recomputed(
         attn_dropout=params.attn_dropout_recompute,
         checkpoints=ckpts if params.recompute_checkpoints else None,
         forward_outputs=forward_outputs,
-        values=layers,
+        values=layers & mine,
     )
 
 
