@@ -68,6 +68,11 @@ class Recurrent(nn.Module):
         return self.head(self.rnn(x)[0])
 
 
+def new_gelu(h):
+    """The tanh GELU written out, as GPT-2 code does (nanoGPT's NewGELU)."""
+    return 0.5 * h * (1 + torch.tanh(0.7978845608 * (h + 0.044715 * h**3)))
+
+
 class RMSNormGelu(nn.Module):
     """RMS normalisation and the tanh GELU written out, as GPT-style code does (its fusions of them)."""
 
@@ -79,7 +84,7 @@ class RMSNormGelu(nn.Module):
     def forward(self, x):
         h = self.a(x)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.scale
-        h = 0.5 * h * (1 + torch.tanh(0.7978845608 * (h + 0.044715 * h**3)))
+        h = new_gelu(h)
         return self.b(h)
 
 
@@ -93,7 +98,7 @@ class LinearTanhGelu(nn.Module):
 
     def forward(self, x):
         h = self.a(x)
-        return self.b(0.5 * h * (1 + torch.tanh(0.7978845608 * (h + 0.044715 * h**3))))
+        return self.b(new_gelu(h))
 
 
 class TanhGeluOp(nn.Module):
@@ -150,30 +155,6 @@ def softmax_gather_nd(opset: int, gather: bool | None = None) -> onnx.ModelProto
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
-class CausalBlock(nn.Module):
-    """A nanoGPT-style block on float inputs: LayerNorm, one fused QKV product, a causal mask from a buffer,
-    the tanh GELU written out (NewGELU), residuals; exported with dynamic batch and sequence axes."""
-
-    def __init__(self, d: int = 8, heads: int = 2, most: int = 16) -> None:
-        super().__init__()
-        self.heads, self.ln1, self.ln2 = heads, nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        # boolean, so that it is not among the trained float initializers
-        causal = torch.tril(torch.ones(most, most, dtype=torch.bool))
-        self.register_buffer("mask", causal.view(1, 1, most, most))
-
-    def forward(self, x):
-        b, t, c = x.size()
-        h = self.heads
-        q, k, v = (z.view(b, t, h, c // h).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(c, 2))
-        att = (q @ k.transpose(-2, -1)) * (c // h) ** -0.5
-        att = F.softmax(att.masked_fill(~self.mask[:, :, :t, :t], float("-inf")), dim=-1)
-        x = x + self.proj((att @ v).transpose(1, 2).contiguous().view(b, t, c))
-        u = self.fc(self.ln2(x))
-        return x + self.out(0.5 * u * (1 + torch.tanh(0.7978845608 * (u + 0.044715 * u**3))))
-
-
 def product_then(op: str) -> onnx.ModelProto:
     """x [4, 8] times a trained W, then ``op``: "qdq" (QuantizeLinear → DequantizeLinear, scale 0.05 as a
     Constant node: onnxruntime-training fuses the pair into its FakeQuant) or "trilu" (the upper triangle,
@@ -203,20 +184,42 @@ def product_then(op: str) -> onnx.ModelProto:
 
 
 class DynamicAttention(nn.Module):
-    """Pre-LN multi-head self-attention with a residual, exported with dynamic batch and sequence axes: the
-    gradients' broadcasts are undone by shapes known only at run time (``BroadcastGradientArgs``, and before
-    opset 13 ``ReduceSumTraining``)."""
+    """Pre-LN multi-head self-attention (one fused QKV product) with a residual, exported with dynamic batch
+    and sequence axes: the gradients' broadcasts are undone by shapes known only at run time
+    (``BroadcastGradientArgs``, and before opset 13 ``ReduceSumTraining``). ``causal``: the longest
+    sequence of a causal mask (0: none)."""
 
-    def __init__(self, d: int = 8, heads: int = 2) -> None:
+    def __init__(self, d: int = 8, heads: int = 2, causal: int = 0) -> None:
         super().__init__()
         self.heads, self.ln, self.qkv, self.out = heads, nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.causal = causal
+        if causal:  # boolean, so that it is not among the trained float initializers
+            mask = torch.tril(torch.ones(causal, causal, dtype=torch.bool))
+            self.register_buffer("mask", mask.view(1, 1, causal, causal))
 
     def forward(self, x):
         b, t, c = x.size()
         h = self.heads
         q, k, v = (z.view(b, t, h, c // h).transpose(1, 2) for z in self.qkv(self.ln(x)).split(c, 2))
-        att = F.softmax((q @ k.transpose(-2, -1)) * (c // h) ** -0.5, dim=-1)
+        att = (q @ k.transpose(-2, -1)) * (c // h) ** -0.5
+        if self.causal:
+            att = att.masked_fill(~self.mask[:, :, :t, :t], float("-inf"))
+        att = F.softmax(att, dim=-1)
         return x + self.out((att @ v).transpose(1, 2).contiguous().view(b, t, c))
+
+
+class CausalBlock(nn.Module):
+    """A nanoGPT-style block on float inputs: causal ``DynamicAttention``, then LayerNorm, the tanh GELU
+    written out (NewGELU) between two linear layers, and a residual; exported with dynamic axes."""
+
+    def __init__(self, d: int = 8, heads: int = 2, most: int = 16) -> None:
+        super().__init__()
+        self.attn, self.ln = DynamicAttention(d, heads, causal=most), nn.LayerNorm(d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = self.attn(x)
+        return x + self.out(new_gelu(self.fc(self.ln(x))))
 
 
 _DYNAMIC = {0: "batch", 1: "time"}
