@@ -1,7 +1,7 @@
 """Run ONNX's node conformance cases against the engine: ``python -m onnxtrain.conformance``.
 
-Prints ``N of M passed`` for the ops of the op-coverage plan (tiers 1 to 3), and, with
-``--per-op`` or ``--failures``, what failed and why.
+Prints ``N of M passed`` for the ops of the op-coverage plan (tiers 1 to 3) and those after opset 21 (tier 4),
+and, with ``--per-op`` or ``--failures``, what failed and why.
 """
 
 from __future__ import annotations
@@ -213,11 +213,24 @@ TIER3 = [
     "Scatter",
     "Upsample",
 ]
-TIERS = {"1": TIER1, "2": TIER2, "3": TIER3}
+# ops introduced after opset 21; those ONNX defines by a function body run as that body
+TIER4 = [
+    "Attention",
+    "RMSNormalization",
+    "RotaryEmbedding",
+    "Swish",
+    "SwiGLU",
+    "CausalConvWithState",
+    "LinearAttention",
+]
+TIERS = {"1": TIER1, "2": TIER2, "3": TIER3, "4": TIER4}
 
 # Cases we do not pass, each with its reason (kept in one place; the test module reads it)
 _RANDOM = ("compares exact random draws (numpy's legacy global RandomState); ONNX fixes no sampling "
            "algorithm, and the runner reseeds the engine first so that a chance match cannot occur")
+_HALF_ATTENTION = ("float16 attention: the expected values are the numpy reference's own rounding; the op's "
+                   "ONNX body run in float16 lands 2 ulps (4.9e-4) off on 2 of 192 values, as onnxruntime "
+                   "1.32 does on the same case")
 _CODECS = ("no image codecs: the dependencies are numpy, onnx, protobuf and mpi4py; the plan refuses the op "
            "by name")
 EXPECTED_FAILURES: dict[str, str] = {
@@ -225,6 +238,7 @@ EXPECTED_FAILURES: dict[str, str] = {
     **{f"test_image_decoder_decode_{f}": _CODECS
        for f in ("jpeg_rgb", "jpeg_grayscale", "jpeg_bgr", "jpeg2k_rgb", "bmp_rgb", "png_rgb", "tiff_rgb",
                  "webp_rgb", "pnm_rgb")},
+    **{f"test_attention_4d_causal_fp16{e}": _HALF_ATTENTION for e in ("", "_expanded")},
 }
 
 
@@ -276,7 +290,7 @@ def run_case(case) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m onnxtrain.conformance", description=__doc__)
-    p.add_argument("--tier", default="1,2,3", help="tiers to run, e.g. 1 or 1,2")
+    p.add_argument("--tier", default="1,2,3,4", help="tiers to run, e.g. 1 or 1,2")
     p.add_argument("--ops", default="", help="comma-separated op names (overrides --tier)")
     p.add_argument("--per-op", action="store_true", help="print passed/total per op")
     p.add_argument("--failures", action="store_true", help="print each failure and its error")

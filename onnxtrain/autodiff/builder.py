@@ -29,6 +29,7 @@ from onnxtrain.ir.builder import (
     symbolic_shape,
     value_types,
 )
+from onnxtrain.ir.functions import expand_functions
 from onnxtrain.ir.graphs import body_reads, node_reads, walk_graphs
 
 MIN_OPSET = 17
@@ -295,6 +296,12 @@ def build_gradient_model(
     elif isinstance(model, (str, os.PathLike)):
         model = onnx.load(os.fspath(model))
     model = upgrade_opset(model)
+    # an op ONNX defines by a body of other ops (Attention, RMSNormalization, ...) and we have no rule for:
+    # differentiate its body
+    opset = model_opset(model)
+    model = expand_functions(
+        model, lambda n: find_rule(n.op_type, opset) is None and not has_no_gradient(n.op_type)
+    )
     bw = _Backward(model)
     g = model.graph
     known = {v.name for v in g.input} | {t.name for t in g.initializer} | set(bw.producer)

@@ -34,6 +34,7 @@ from onnxtrain.engine.registry import (
     find_kernel,
     parse_attributes,
 )
+from onnxtrain.ir.functions import expand_functions
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
 
@@ -103,14 +104,18 @@ def default_opset(model: onnx.ModelProto) -> int:
 class GraphInterface:
     """What every plan exposes of its model: opset, initializers, input and output names and types."""
 
+    def _lacks_kernel(self, node: onnx.NodeProto) -> bool:
+        return node.op_type not in SUBGRAPH_OPS and find_kernel(node.op_type, self.opset, node.domain) is None
+
     def _read_interface(self, model: onnx.ModelProto | str | bytes | os.PathLike,
                         initializers: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
         """Read the model's interface; ``initializers``: arrays to take for the model's initializers of those
         names instead of converting them (another plan's of the same model)."""
         model = load_model(model)
+        self.opset = default_opset(model)
+        model = expand_functions(model, self._lacks_kernel)  # an op without a kernel: its ONNX body
         self.model = model
         g = model.graph
-        self.opset = default_opset(model)
         given = initializers or {}
         self.initializers: dict[str, np.ndarray] = {}
         for t in g.initializer:

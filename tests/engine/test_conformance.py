@@ -1,4 +1,5 @@
-"""ONNX's node conformance cases for the ops of the op plan (tiers 1 to 3), one test per case.
+"""ONNX's node conformance cases for the ops of the op plan (tiers 1 to 3) and those after opset 21 (tier 4),
+one test per case.
 
 The cases come from the installed ``onnx`` package (built once per session: a few seconds). Cases we
 know we fail are listed with their reason in ``onnxtrain.conformance.EXPECTED_FAILURES`` and marked
@@ -13,7 +14,7 @@ import warnings
 
 import pytest
 
-from onnxtrain.conformance import EXPECTED_FAILURES, TIER1, TIER2, TIER3, load_cases, run_case
+from onnxtrain.conformance import EXPECTED_FAILURES, TIER1, TIER2, TIER3, TIER4, load_cases, run_case
 
 MIN_PASS_RATE = 0.95
 # tier-3 ops the onnx package has no node case for (their tests live with their kernels)
@@ -24,10 +25,10 @@ NO_CASES = {"ConcatFromSequence", "GlobalLpPool", "MaxRoiPool", "Multinomial", "
 
 @functools.cache
 def cases() -> dict[str, tuple[str, object]]:
-    """Case name → (op, case), for every op of tiers 1 to 3 (built once per process)."""
+    """Case name → (op, case), for every op of tiers 1 to 4 (built once per process)."""
     with warnings.catch_warnings():  # the case generators overflow and divide by zero on purpose
         warnings.simplefilter("ignore")
-        return {c.name: (op, c) for op, c in load_cases(TIER1 + TIER2 + TIER3)}
+        return {c.name: (op, c) for op, c in load_cases(TIER1 + TIER2 + TIER3 + TIER4)}
 
 
 @functools.cache
@@ -62,7 +63,7 @@ def test_expected_failures_are_real_cases() -> None:
 
 def test_every_op_has_cases() -> None:
     have = {op for op, _ in cases().values()}
-    missing = sorted(set(TIER1 + TIER2 + TIER3) - have - NO_CASES)
+    missing = sorted(set(TIER1 + TIER2 + TIER3 + TIER4) - have - NO_CASES)
     assert not missing, f"no conformance case found for {missing}"
     assert not NO_CASES & have, f"NO_CASES lists ops that have cases now: {sorted(NO_CASES & have)}"
 

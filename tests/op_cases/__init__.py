@@ -34,6 +34,9 @@ class OpCase:
     skip: str | None = None  # a reason is required to skip
     ref_skip: str | None = None  # why onnx.reference cannot be the oracle for this row's gradient graph
     ort_skip: str | None = None  # why onnxruntime cannot be the oracle for this row's gradient graph
+    # why onnx.reference's own kernel of the op cannot check this row's forward: it is checked against
+    # onnx.reference running the op's ONNX function body instead
+    body_oracle: str | None = None
     # output index -> (dtype the spec gives it for float64 inputs, why onnx.reference's differs); the values
     # are still compared with the reference's
     f64_dtypes: dict[int, tuple[Any, str]] = field(default_factory=dict)

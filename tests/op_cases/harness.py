@@ -38,3 +38,11 @@ def run_reference(model: onnx.ModelProto, feeds: dict[str, Any]) -> list[np.ndar
     from onnx.reference import ReferenceEvaluator
 
     return ReferenceEvaluator(model).run(None, feeds)
+
+
+def run_reference_body(model: onnx.ModelProto, feeds: dict[str, Any]) -> list[np.ndarray]:
+    """onnx.reference running the model's single node as its ONNX function body."""
+    from onnxtrain.ir.functions import expand_functions
+
+    op = model.graph.node[0].op_type
+    return run_reference(expand_functions(model, lambda n: n.op_type == op), feeds)
