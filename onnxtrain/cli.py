@@ -81,6 +81,7 @@ def _info(a: argparse.Namespace) -> int:
     from onnxtrain.engine.registry import has_kernel
     from onnxtrain.inference import node_arg
     from onnxtrain.ir.builder import model_opset
+    from onnxtrain.ir.functions import has_function
     from onnxtrain.ir.graphs import walk_graphs
 
     model = _load(a.model)
@@ -104,8 +105,13 @@ def _info(a: argparse.Namespace) -> int:
     print(f"  {label}: " + ", ".join(f"{op}×{c}" for op, c in sorted(hist.items())))
     no_kernel = sorted(op for op in hist if not has_kernel(op, opset, domains[op]))
     no_rule = sorted(op for op in hist if find_rule(op, max(opset, 17)) is None and not has_no_gradient(op))
+    bodies = sorted(op for op in {*no_kernel, *no_rule} if has_function(op, opset, domains[op]))
+    no_kernel = [op for op in no_kernel if op not in bodies]
+    no_rule = [op for op in no_rule if op not in bodies]
     print(f"  ops without a kernel: {', '.join(no_kernel) or 'none'}")
     print(f"  ops without a gradient rule: {', '.join(no_rule) or 'none'}")
+    if bodies:
+        print(f"  ops run and differentiated as their ONNX function body: {', '.join(bodies)}")
     return 0
 
 

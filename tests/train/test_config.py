@@ -153,3 +153,21 @@ def test_info_counts_the_nodes_of_bodies(capsys, tmp_path):
     assert "ops (with the 2 nodes inside control-flow bodies): Frobnicate×1, If×1, Tanh×1" in out
     assert "ops without a kernel: Frobnicate" in out
     assert "ops without a gradient rule: Frobnicate" in out
+
+
+def test_info_names_ops_run_as_their_function_body(tmp_path, capsys) -> None:
+    """An opset-23 RMSNormalization has no kernel or rule of its own: info says it runs as its ONNX body."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    f = TensorProto.FLOAT
+    g = helper.make_graph([helper.make_node("RMSNormalization", ["x", "s"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", f, [2, 4]),
+                           helper.make_tensor_value_info("s", f, [4])],
+                          [helper.make_tensor_value_info("y", f, [2, 4])])
+    path = tmp_path / "rms.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)]), path)
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "ops without a kernel: none" in out and "ops without a gradient rule: none" in out
+    assert "ops run and differentiated as their ONNX function body: RMSNormalization" in out
