@@ -18,7 +18,8 @@ Indices that nothing reads are simply dropped, whatever the windows.
 ``Where(mask, x, 0)`` with a constant zero (the ReLU gradient, masked gradients) takes onnxruntime's generic
 broadcasting loop, about 4 ns a value: LeNet's first ReLU gradient, 301,056 values, 1,192 µs. It becomes
 ``Mul(x, Cast(mask))`` (98 µs for the Greater, Cast and Mul together). The values are the same but where a
-masked ``x`` is not finite (0·inf is NaN where Where gives 0) or negative (−0 instead of +0).
+masked ``x`` is not finite (0·inf is NaN where Where gives 0) or negative (−0 instead of +0). A constant
+non-finite ``x`` (``Where(mask, 0, -inf)``, the bias of ONNX's ``Attention`` body) keeps its Where.
 
 ``Where(mask, -inf, x)`` with a constant infinite fill (an attention mask) takes the same slow loop over the
 scores: 386 and 247 µs for the GPT decoder's two [16, 4, 64, 64] masks. It becomes
@@ -62,7 +63,10 @@ def _mask_multiplies(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.
     if not found:
         return model
     types = typed()
-    found = [k for k in found if _float_of(types, model.graph.node[k]) is not None]
+    # a constant infinite other branch (an attention mask's bias, Where(mask, 0, -inf)) would give 0·inf
+    fills = _scalars(model, lambda v: not bool(np.isfinite(v)))
+    found = [k for k in found if _float_of(types, model.graph.node[k]) is not None
+             and not fills.keys() & set(model.graph.node[k].input[1:])]
     if not found:
         return model
 

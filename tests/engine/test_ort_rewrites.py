@@ -189,6 +189,24 @@ def test_where_with_another_constant_stays() -> None:
         assert rewrite_for_onnxruntime(model) is model
 
 
+def test_where_of_a_zero_and_an_infinite_constant_stays() -> None:
+    """Where(mask, -inf, 0), the bias of ONNX's Attention body: as a Mul it would give 0·inf = NaN."""
+    for fill_first in (True, False):
+        model = where_model()
+        fill = onnx.numpy_helper.from_array(np.array(-np.inf, np.float32), "inf")
+        model.graph.initializer.append(fill)
+        where = model.graph.node[1]
+        where.input[1:] = ["inf", "z"] if fill_first else ["z", "inf"]
+        new = rewrite_for_onnxruntime(model)
+        assert "Mul" not in [n.op_type for n in new.graph.node]
+        x = np.array([[-1, 0, 1, 2, -3]] * 2, np.float32)
+        feeds = {"x": x, "dy": np.zeros_like(x)}
+        sess = ort.InferenceSession(new.SerializeToString(), providers=["CPUExecutionProvider"])
+        got = sess.run(None, feeds)
+        want = np.where(x > 0, *((-np.inf, 0.0) if fill_first else (0.0, -np.inf))).astype(np.float32)
+        np.testing.assert_array_equal(got[0], want)
+
+
 def test_a_zero_only_the_where_read_goes_with_it() -> None:
     """The Constant zero of a gradient's Where is read by nothing once it is a Mul: it goes too (onnxruntime
     would warn that it removes an unused initializer)."""
