@@ -191,6 +191,7 @@ def expand_functions(
         names = NameGen.for_model(out)
         for g in graphs:
             nodes: list[onnx.NodeProto] = []
+            declared = {v.name for v in (*g.value_info, *g.output)}
             for n in g.node:
                 if not picked(n):
                     nodes.append(n)
@@ -199,6 +200,11 @@ def expand_functions(
                 expanded = expand_node(n, body, opset, names)
                 own = body_opset(body, opset)
                 nodes.extend(expanded if own == opset else _to_opset(n, expanded, own, opset, types))
+                # the node's outputs keep the types inferred for the op: shape inference may not follow its
+                # body (a ReduceMean over axes computed at run time) and the ops after it need their ranks
+                for o in n.output:
+                    if o and o not in declared and o in types:
+                        g.value_info.append(onnx.helper.make_value_info(o, types[o]))
             del g.node[:]
             g.node.extend(nodes)
     left = sorted({n.op_type for g in walk_graphs(out.graph) for n in g.node if picked(n)})

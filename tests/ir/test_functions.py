@@ -101,10 +101,27 @@ def test_engine_and_builder_take_the_body_only_without_kernel_or_rule() -> None:
     assert "LayerNormalization" in {n.op_type for n in ln_loss.graph.node}  # it has a rule: kept whole
 
 
-def _with_sum(model: onnx.ModelProto) -> onnx.ModelProto:
+def _with_sum(model: onnx.ModelProto, y: str = "y") -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    out.graph.node.append(helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0))
+    out.graph.node.append(helper.make_node("ReduceSum", [y], ["loss"], keepdims=0))
     del out.graph.output[:]
     out.graph.output.append(helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
     return out
+
+
+def test_the_node_outputs_keep_their_inferred_shapes() -> None:
+    """RMSNormalization's body reduces over axes computed at run time, which shape inference cannot follow:
+    the expanded node's output still carries the shape inferred for the op, which a later MatMul's gradient
+    needs (a mixed-precision model, without torch's value_info, failed on it)."""
+    rms = _one("RMSNormalization", {"x": [2, 3, 4], "s": [4]}, ["h"], 23)
+    rms.graph.node.append(helper.make_node("MatMul", ["h", "w"], ["y"]))
+    rms.graph.initializer.append(onnx.numpy_helper.from_array(np.ones((4, 5), np.float32), "w"))
+    del rms.graph.output[:]
+    rms.graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 5]))
+    expanded = expand_functions(rms, lambda n: n.op_type == "RMSNormalization")
+    declared = {v.name: v for v in expanded.graph.value_info}
+    dims = [d.dim_value for d in declared["h"].type.tensor_type.shape.dim]
+    assert dims == [2, 3, 4]
+    grads = build_gradient_model(_with_sum(rms, "y"), "loss", ["x", "s", "w"])
+    onnx.checker.check_model(grads, full_check=True)

@@ -87,11 +87,13 @@ def _torch_twin(weights: dict[str, np.ndarray]) -> nn.Module:
     return module
 
 
-def _session(model: onnx.ModelProto, backend: str = "numpy") -> TrainingSession:
+def _session(model: onnx.ModelProto, backend: str = "numpy", mixed_precision: bool = False
+             ) -> TrainingSession:
     p = TrainingParameters()
     p.loss_output_name = "loss"
     p.training_optimizer_name = "AdamOptimizer"
     p.enable_grad_norm_clip = False
+    p.use_mixed_precision = mixed_precision
     so = SessionOptions()
     so.add_session_config_entry("onnxtrain.backend", backend)
     return TrainingSession(model.SerializeToString(), p, so)
@@ -126,6 +128,21 @@ def test_onnxruntime_backend_trains_as_the_numpy_engine(exported: onnx.ModelProt
         lr = np.array([LR], np.float32)
         runs.append([float(sess.run(["loss"], {**_batch(s), "Learning_Rate": lr})[0]) for s in range(STEPS)])
     np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
+
+
+def test_mixed_precision_trains_close_to_float32(exported: onnx.ModelProto) -> None:
+    """Under mixed precision the bodies run on float16 casts of the weights: the losses stay within float16
+    rounding of the float32 run's."""
+    runs = []
+    for mixed in (False, True):
+        sess = _session(exported, mixed_precision=mixed)
+        feeds = {"Learning_Rate": np.array([LR], np.float32)}
+        if mixed:
+            feeds[sess.loss_scale_input_name] = np.array([1024.0], np.float32)
+        runs.append([float(sess.run(["loss"], {**_batch(s), **feeds})[0]) for s in range(STEPS)])
+    assert np.all(np.isfinite(runs[1]))
+    np.testing.assert_allclose(runs[1], runs[0], rtol=3e-3)
+    assert runs[1] != runs[0]  # it did run in float16
 
 
 def test_on_device_api_sgd_matches_torch(exported: onnx.ModelProto, tmp_path) -> None:
