@@ -213,8 +213,12 @@ TIER3 = [
     "Scatter",
     "Upsample",
 ]
-# ops introduced after opset 21; those ONNX defines by a function body run as that body
+# ops introduced after opset 21; those ONNX defines by a function body (all but the first three) run as
+# that body
 TIER4 = [
+    "BitCast",
+    "CumProd",
+    "TensorScatter",
     "Attention",
     "RMSNormalization",
     "RotaryEmbedding",

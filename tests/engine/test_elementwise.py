@@ -1,4 +1,4 @@
-"""Elementwise kernels: accuracy of Erf and the ONNX-specific integer, Pow, Mod and Cast rules."""
+"""Elementwise kernels: accuracy of Erf and the ONNX-specific integer, Pow, Mod, Cast and BitCast rules."""
 
 from __future__ import annotations
 
@@ -233,6 +233,43 @@ def test_castlike_uses_the_like_type() -> None:
     y = run("CastLike", np.array([1.25, 3.5], np.float64), np.zeros(0, np.float16), opset=19, saturate=1)
     assert y.dtype == np.float16
     np.testing.assert_array_equal(y, [1.25, 3.5])
+
+
+
+def test_bitcast_keeps_bits_and_shape() -> None:
+    x = np.array([[1.0, -2.5], [0.0, np.inf]], np.float32)
+    y = run("BitCast", x, opset=26, to=TensorProto.INT32)
+    assert y.dtype == np.int32 and y.shape == (2, 2)
+    np.testing.assert_array_equal(y, [[0x3F800000, -0x3FE00000], [0, 0x7F800000]])
+    back = run("BitCast", y, opset=26, to=TensorProto.FLOAT)
+    np.testing.assert_array_equal(back.view(np.uint32), x.view(np.uint32))
+
+
+def test_bitcast_sub_byte_types_by_their_bit_width() -> None:
+    # ml_dtypes keeps one 4-bit element per byte: reinterpretation follows the 4 bits, not the byte
+    uint4 = helper.tensor_dtype_to_np_dtype(TensorProto.UINT4)
+    x = np.array([0, 7, 8, 15], uint4)
+    y = run("BitCast", x, opset=26, to=TensorProto.INT4)
+    np.testing.assert_array_equal(y.astype(np.int8), [0, 7, -8, -1])
+    np.testing.assert_array_equal(run("BitCast", x, opset=26, to=TensorProto.FLOAT4E2M1).astype(np.float32),
+                                  [0.0, 6.0, -0.0, -6.0])
+    with pytest.raises(TypeError, match="bit width"):  # both are one byte in numpy, but 4 and 8 bits
+        run("BitCast", x, opset=26, to=TensorProto.UINT8)
+
+
+@pytest.mark.parametrize("src,to", [(np.float32, TensorProto.DOUBLE), (np.int16, TensorProto.INT8),
+                                    (np.complex64, TensorProto.COMPLEX128)])
+def test_bitcast_between_widths_is_an_error(src, to) -> None:
+    # the schema keeps the input's shape, so the widths must match (no dimension is added or removed)
+    with pytest.raises(TypeError, match="bit width"):
+        run("BitCast", np.zeros((2, 4), src), opset=26, to=to)
+
+
+def test_bitcast_of_strings_is_an_error() -> None:
+    with pytest.raises(TypeError, match="strings"):
+        run("BitCast", np.array(["a"], dtype=object), opset=26, to=TensorProto.INT64)
+    with pytest.raises(TypeError, match="strings"):
+        run("BitCast", np.zeros(2, np.int64), opset=26, to=TensorProto.STRING)
 
 
 SELECT_SHAPES = [((5, 7), (5, 7), (5, 7)), ((5, 7), (5, 7), ()), ((5, 7), (), (5, 7)), ((1, 7), (5, 1), (7,)),

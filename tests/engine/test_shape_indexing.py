@@ -116,3 +116,52 @@ def test_gather_elements_indices_smaller_than_data_matches_onnxruntime() -> None
     x = np.arange(24, dtype=np.float32).reshape(3, 4, 2)
     ours, theirs = _run_both("GatherElements", [x, _i64(3, 0, -1, 2).reshape(2, 2, 1)], 13, axis=1)
     np.testing.assert_array_equal(ours[0], theirs[0])
+
+
+def _tensor_scatter_oracle(past: np.ndarray, update: np.ndarray, write: np.ndarray | None, mode: str,
+                           axis: int) -> np.ndarray:
+    """The schema's pseudocode, element by element."""
+    out = past.copy()
+    axis %= past.ndim
+    write = np.zeros(past.shape[0], np.int64) if write is None else write
+    for prefix in np.ndindex(past.shape[:axis]):
+        for s in range(update.shape[axis]):
+            at = int(write[prefix[0]]) + s
+            if mode == "circular":
+                at %= past.shape[axis]
+            out[(*prefix, at)] = update[(*prefix, s)]
+    return out
+
+
+@pytest.mark.parametrize("past,update,write,mode,axis", [
+    ((2, 3, 7, 4), (2, 3, 3, 4), [0, 4], "linear", -2),
+    ((3, 6, 2), (3, 6, 2), None, "linear", 1),
+    ((2, 2, 5, 3), (2, 2, 4, 3), [3, 9], "circular", 2),
+    ((4, 5), (4, 2), [4, 0, 2, 13], "circular", -1),
+    ((2, 4, 3, 2), (2, 4, 3, 2), [1, 0], "circular", 1),
+])
+def test_tensor_scatter_matches_the_schema_pseudocode(past, update, write, mode, axis) -> None:
+    rng = np.random.default_rng(7)
+    p, u = rng.standard_normal(past), rng.standard_normal(update)
+    w = None if write is None else _i64(*write)
+    inputs = [p, u] if w is None else [p, u, w]
+    (out,) = compile_model(_model("TensorScatter", inputs, 24, mode=mode, axis=axis)).run(
+        {f"x{i}": v for i, v in enumerate(inputs)})
+    np.testing.assert_array_equal(out, _tensor_scatter_oracle(p, u, w, mode, axis))
+    np.testing.assert_array_equal(inputs[0], p)  # a copy: the past cache is left as it was
+
+
+@pytest.mark.parametrize("update,write,axis,match", [
+    ((2, 3, 4), [2, 3], -2, "overrun"),  # linear: 3 + 3 > 5
+    ((2, 3, 4), [-1, 0], -2, "overrun"),
+    ((2, 6, 4), None, -2, "does not fit"),  # longer than the cache
+    ((2, 3, 3), None, -2, "does not fit"),
+    ((2, 2, 4), [0, 0, 0], -2, "write_indices"),
+    ((2, 5, 4), None, 0, "batch axis"),
+])
+def test_tensor_scatter_errors(update, write, axis, match) -> None:
+    past = np.zeros((2, 5, 4), np.float32)
+    inputs = [past, np.ones(update, np.float32)] + ([] if write is None else [_i64(*write)])
+    plan = compile_model(_model("TensorScatter", inputs, 24, axis=axis))
+    with pytest.raises(Exception, match=match):
+        plan.run({f"x{i}": v for i, v in enumerate(inputs)})

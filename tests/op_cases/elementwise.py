@@ -82,6 +82,31 @@ def _half_points(rng: np.random.Generator, dt: Any) -> list[Any]:
     return [(rng.integers(-8, 9, (3, 5)) / 2 + rng.choice([0.0, 0.1], (3, 5))).astype(dt)]
 
 
+def _bits_of(dtype: Any, shape: tuple[int, ...] = (3, 4)) -> Make:
+    """Any bit patterns of ``dtype`` (the row's float dtype is ignored: BitCast fixes both widths)."""
+    dtype = np.dtype(dtype)
+
+    def make(rng: np.random.Generator, dt: Any) -> list[Any]:
+        raw = rng.integers(0, 256, (*shape, dtype.itemsize), dtype=np.uint8)
+        return [raw.view(dtype).reshape(shape)]
+
+    return make
+
+
+_BITCASTS = [  # variant, inputs, to
+    ("float_to_int32", lambda rng, dt: [rng.uniform(-9, 9, (3, 4)).astype(np.float32)], TensorProto.INT32),
+    ("int64_to_double", lambda rng, dt: [rng.uniform(-9, 9, (2, 3)).view(np.int64)], TensorProto.DOUBLE),
+    ("uint16_to_float16", _bits_of(np.uint16), TensorProto.FLOAT16),
+    ("float16_to_bfloat16", lambda rng, dt: [rng.uniform(-9, 9, (4,)).astype(np.float16)],
+     TensorProto.BFLOAT16),
+    ("int8_to_uint8", _bits_of(np.int8, (2, 3, 2)), TensorProto.UINT8),
+    ("bool_to_int8", lambda rng, dt: [rng.random((5,)) < 0.5], TensorProto.INT8),
+    ("uint64_to_int64_scalar", _bits_of(np.uint64, ()), TensorProto.INT64),
+    ("complex64_to_uint64", lambda rng, dt: [(rng.uniform(-2, 2, 3) + 1j).astype(np.complex64)],
+     TensorProto.UINT64),
+]
+
+
 CASES = [
     OpCase("Add", [(3, 4), (3, 4)]),
     OpCase("Add", [(2, 3, 4), (4,)], variant="bcast"),
@@ -176,6 +201,8 @@ CASES = [
                                                     np.zeros(1, np.float64)], wrt=(0,)),
     OpCase("CastLike", make_inputs=lambda rng, dt: [rng.uniform(-5, 5, (3, 4)).astype(dt),
                                                     np.zeros(1, np.int64)], grad=False, variant="to_int"),
+    *(OpCase("BitCast", make_inputs=make, attrs={"to": to}, grad=False, opset=26, variant=name)
+      for name, make, to in _BITCASTS),
     OpCase("BitShift", make_inputs=lambda rng, dt: [rng.integers(0, 200, (3, 4)).astype(np.uint8),
                                                     rng.integers(0, 8, (3, 4)).astype(np.uint8)],
            attrs={"direction": "RIGHT"}, grad=False, variant="right"),

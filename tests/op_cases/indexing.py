@@ -64,6 +64,31 @@ def _one_per_row(rows, cols, negative=False):
     return make
 
 
+def _cache(past, update, write_indices=None):
+    """TensorScatter inputs: a cache of shape ``past``, an update of shape ``update``, the given write
+    indices."""
+
+    def make(rng, dt):
+        vals = [rng.uniform(-2, 2, past).astype(dt), rng.uniform(-2, 2, update).astype(dt)]
+        return vals if write_indices is None else [*vals, _i64(write_indices)]
+
+    return make
+
+
+def _zeros_along(shape, axis, where):
+    """CumProd inputs: x of ``shape`` with exact zeros along ``axis`` at ``where`` (one tuple of positions per
+    lane across the other axes, cycled), and the axis."""
+
+    def make(rng, dt):
+        x = np.moveaxis(rng.uniform(-2, 2, shape).astype(dt), axis, -1)
+        lanes = x.reshape(-1, x.shape[-1]).copy()
+        for k in range(lanes.shape[0]):
+            lanes[k, list(where[k % len(where)])] = 0
+        return [np.ascontiguousarray(np.moveaxis(lanes.reshape(x.shape), -1, axis)), _i64(axis)]
+
+    return make
+
+
 CASES = [
     OpCase("Gather", make_inputs=_x(5, 4)(_i64([[0, 4, -1], [2, 2, -5]])), wrt=(0,)),
     OpCase("Gather", make_inputs=_x(3, 5, 2)(_i64([4, 0, -2])), attrs={"axis": 1}, wrt=(0,), variant="axis1"),
@@ -200,6 +225,42 @@ CASES = [
         grad=False,
         variant="axis0",
     ),
+    OpCase(
+        "TensorScatter", make_inputs=_cache((2, 3, 6, 4), (2, 3, 2, 4), [1, 4]), wrt=(0, 1), opset=24
+    ),
+    OpCase(
+        "TensorScatter",
+        make_inputs=_cache((2, 5, 3), (2, 2, 3)),
+        attrs={"axis": 1},
+        wrt=(0, 1),
+        opset=24,
+        variant="no_write_indices",
+    ),
+    OpCase(
+        "TensorScatter",
+        make_inputs=_cache((3, 5, 2), (3, 3, 2), [4, 0, 3]),
+        attrs={"mode": "circular", "axis": 1},
+        wrt=(0, 1),
+        opset=24,
+        variant="circular",
+    ),
+    OpCase(
+        "TensorScatter",
+        make_inputs=_cache((2, 2, 4, 3), (2, 2, 3, 3)),
+        attrs={"mode": "circular", "axis": 2},
+        wrt=(0, 1),
+        opset=24,
+        variant="circular_no_write_indices",
+    ),
+    OpCase(
+        "TensorScatter",
+        make_inputs=lambda rng, dt: [rng.integers(0, 9, (2, 3, 4)).astype(np.int32),
+                                     rng.integers(0, 9, (2, 3, 2)).astype(np.int32), _i64([5, 2])],
+        attrs={"mode": "circular", "axis": -1},
+        grad=False,
+        opset=24,
+        variant="circular_int32_index_past_end",
+    ),
     OpCase("NonZero", make_inputs=lambda rng, dt: [(rng.uniform(size=(3, 4)) > 0.5).astype(dt)], grad=False),
     OpCase("CumSum", make_inputs=_x(3, 4)(_i64(1)), wrt=(0,)),
     OpCase(
@@ -215,6 +276,23 @@ CASES = [
         attrs={"exclusive": 1},
         wrt=(0,),
         variant="exclusive",
+    ),
+    OpCase("CumProd", make_inputs=_x(3, 4)(_i64(1)), wrt=(0,), opset=26),
+    OpCase(
+        "CumProd",
+        make_inputs=_x(3, 4)(np.array(-2, dtype=np.int32)),
+        attrs={"exclusive": 1, "reverse": 1},
+        wrt=(0,),
+        opset=26,
+        variant="excl_rev",
+    ),
+    OpCase(
+        "CumProd",
+        make_inputs=lambda rng, dt: [rng.integers(-3, 4, (2, 5)).astype(np.int64), _i64(-1)],
+        attrs={"exclusive": 1},
+        grad=False,
+        opset=26,
+        variant="int64_exclusive",
     ),
     OpCase("TopK", make_inputs=_x(3, 6)(_i64([3])), n_outputs=2, wrt=(0,), grad_outputs=(0,)),
     OpCase(
@@ -425,6 +503,21 @@ CASES += [
         opset=18,
         variant="grad_excl_rev_axis0",
     ),
+    # CumProd with exact zeros: the gradient is multilinear in x, so central differences are exact there too
+    OpCase("CumProd", make_inputs=_zeros_along((3, 5), 1, [(2,), (0,), (4,)]), opset=26, wrt=(0,),
+           variant="grad_one_zero"),
+    OpCase("CumProd", make_inputs=_zeros_along((3, 6), 1, [(1, 3), (0, 5), (2, 3)]), opset=26, wrt=(0,),
+           variant="grad_two_zeros"),
+    OpCase("CumProd", make_inputs=_zeros_along((4, 3), 0, [(1,), (0, 3), (2,)]), attrs={"exclusive": 1},
+           opset=26, wrt=(0,), variant="grad_zeros_exclusive"),
+    OpCase("CumProd", make_inputs=_zeros_along((2, 5), 1, [(3,), (1, 4)]), attrs={"reverse": 1}, opset=26,
+           wrt=(0,), variant="grad_zeros_reverse"),
+    OpCase("CumProd", make_inputs=_zeros_along((2, 7, 3), -2, [(6,), (0, 1), (3,), (2, 5)]),
+           attrs={"exclusive": 1, "reverse": 1}, opset=26, wrt=(0,), variant="grad_zeros_excl_rev_axis_neg2"),
+    # 13 elements: four doubling steps, the last partial
+    OpCase("CumProd", make_inputs=_zeros_along((2, 13), -1, [(4,), (7, 12)]), opset=26, wrt=(0,),
+           variant="grad_zeros_long_axis"),
+    OpCase("CumProd", make_inputs=_x(1, 4)(_i64(0)), opset=26, wrt=(0,), variant="grad_axis_of_one"),
     OpCase(
         "Compress",
         make_inputs=_x(2, 3, 4)(np.array([False, True, True, True])),

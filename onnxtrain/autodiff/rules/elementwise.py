@@ -160,6 +160,8 @@ def _cast_back(g: GradCtx) -> None:
 
 gradient("Cast", linear=True)(_cast_back)
 gradient("CastLike", linear=True, stop=(1,))(_cast_back)
+# the same bits read as another type: no derivative, even between two float types (float16 and bfloat16)
+no_gradient("BitCast")
 
 
 @gradient("Identity", linear=True)

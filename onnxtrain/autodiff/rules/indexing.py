@@ -7,12 +7,15 @@ ScatterElements/ScatterND accept negative indices, so they need no normalising);
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient, no_gradient
-from onnxtrain.autodiff.rules.shape import as_int64, route_back, zeros
+from onnxtrain.autodiff.rules.shape import I64, as_int64, route_back, zeros
+from onnxtrain.ir.builder import NodeWriter
 
 
 @gradient("Gather", uses=("x1",), stop=(1,), linear=True)
@@ -168,6 +171,30 @@ def gather_nd_grad(g: GradCtx) -> None:
                            repeats=True))
 
 
+@gradient("TensorScatter", uses=("x2",), stop=(2,), linear=True)
+def tensor_scatter_grad(g: GradCtx) -> None:
+    # dPast is dY with the written positions zeroed (zeros scattered the same way); dUpdate is dY read back at
+    # the written positions: write_indices[b] + s along the axis (modulo the cache length when circular)
+    dy, axis, mode = g.dy(0), g.attr("axis"), g.attr("mode")
+    w = g.x(2) if g.has_x(2) else None
+    if g.needs_dx(0):
+        g.set_dx(0, g.emit("TensorScatter", dy, zeros(g, g.shape(1)), w, mode=mode, axis=axis))
+    if not g.needs_dx(1):
+        return
+    if w is None:  # positions 0 .. S-1 in both modes
+        g.set_dx(1, g.emit("Slice", dy, g.ints([0]), g.emit("Gather", g.shape(1), g.ints([axis])),
+                           g.ints([axis])))
+        return
+    # s at every element of the update, plus its batch row's write index (over a (batch, rest) view)
+    ones = zeros(g, g.shape(1), 1, elem=I64)
+    s = g.emit("CumSum", ones, g.const(np.array(axis, np.int64), I64), exclusive=1)
+    pos = g.emit("Add", g.emit("Reshape", s, g.ints([0, -1])), g.emit("Unsqueeze", w, g.ints([1])))
+    pos = g.emit("Reshape", pos, g.shape(1))
+    if mode == "circular":
+        pos = g.emit("Mod", pos, g.emit("Gather", g.shape(0), g.const(np.array(axis, np.int64), I64)))
+    g.set_dx(1, g.emit("GatherElements", dy, pos, axis=axis))
+
+
 no_gradient("OneHot", "NonZero")
 
 
@@ -176,6 +203,88 @@ def cumsum_grad(g: GradCtx) -> None:
     # the transpose of a (reverse, exclusive) prefix sum is the prefix sum in the other direction
     g.set_dx(0, g.emit("CumSum", g.dy(0), g.x(1), exclusive=g.attr("exclusive"),
                        reverse=1 - g.attr("reverse")))
+
+
+_END = 2**63 - 1  # a Slice end past any axis
+
+
+@gradient("CumProd", uses=("x0", "x1"), stop=(1,))
+def cumprod_grad(g: GradCtx) -> None:
+    # Y_j = Π_{k≤j} x_k: dX_i = Σ_{j≥i} dY_j·Π_{k≤j, k≠i} x_k = E_i·S_i, with E_i = Π_{k<i} x_k (the
+    # exclusive CumProd) and S_i = Σ_{j≥i} dY_j·Π_{i<k≤j} x_k, the linear recurrence
+    # S_i = dY_i + x_{i+1}·S_{i+1}. Exclusive: dY_{i+1} in place of dY_i. Reverse: the mirror image
+    # (E_i = Π_{k>i} x_k, S_i = dY_i + x_{i-1}·S_{i-1}).
+    # The recurrence is solved by recursive doubling: ⌈log2 n⌉ steps of a few Slice, Mul, Pad and Add
+    # nodes on arrays of X's size (O(n log n) work, O(n) memory along the axis). Nothing is divided, so
+    # zeros in X are exact, where dY·Y/X is not. When the axis length is unknown as the graph is built,
+    # a Loop runs the steps.
+    x, dy, rev = g.x(0), g.dy(0), g.attr("reverse")
+    from_end = not rev  # S_i reads S_{i+1}
+    axes = g.emit("Reshape", as_int64(g, g.x(1)), g.ints([1]))
+    zero, end, one = g.ints([0]), g.ints([_END]), g.const(1)
+    far = _halves(zero, g.ints([1]), g.ints([-1]), end, from_end)[1]
+    pads = g.ints([0, 1] if from_end else [1, 0])
+    a = g.emit("Pad", g.emit("Slice", x, *far, axes), pads, one, axes)  # x_{i±1}; the last one is never read
+    b = g.emit("Pad", g.emit("Slice", dy, *far, axes), pads, None, axes) if g.attr("exclusive") else dy
+    axis, shape = g.constant_value(1), g.static_shape(0)
+    n = shape[int(axis) % len(shape)] if axis is not None and shape else None
+    if n is None:
+        s = _doubling_loop(g, a, b, axes, from_end)
+    else:
+        s, d = b, 1
+        while d < n:
+            near, far = _halves(zero, g.ints([d]), g.ints([-d]), end, from_end)
+            pads = g.ints([0, d] if from_end else [d, 0])
+            a, s = _doubling_step(g.emit, a, s, axes, near, far, pads, one, last=2 * d >= n)
+            d *= 2
+    e = g.emit("CumProd", x, g.x(1), exclusive=1, reverse=rev)
+    g.set_dx(0, g.emit("Mul", e, s))
+
+
+def _halves(zero: str, d: str, neg_d: str, end: str, from_end: bool
+            ) -> tuple[tuple[str, str], tuple[str, str]]:
+    """(starts, ends) along the axis of the elements with a partner ``d`` places on, and of the partners."""
+    lo, hi = (zero, neg_d), (d, end)
+    return (lo, hi) if from_end else (hi, lo)
+
+
+def _doubling_step(emit: Any, a: str, b: str, axes: str, near: tuple[str, str], far: tuple[str, str],
+                   pads: str, one: str, last: bool) -> tuple[str, str]:
+    """One step of recursive doubling for s_i = b_i + a_i·s_partner: element i's map s ↦ b + a·s composed with
+    its partner's, (a, b) ← (a·a', b + a·b'); elements without a partner keep theirs. ``pads`` puts the
+    partners' slice back in place; ``last``: a is not needed afterwards."""
+    b = emit("Add", b, emit("Pad", emit("Mul", emit("Slice", a, *near, axes), emit("Slice", b, *far, axes)),
+                            pads, None, axes))
+    if not last:
+        a = emit("Mul", a, emit("Pad", emit("Slice", a, *far, axes), pads, one, axes))
+    return a, b
+
+
+def _doubling_loop(g: GradCtx, a: str, b: str, axes: str, from_end: bool) -> str:
+    """The doubling steps as a Loop over d = 1, 2, 4, ... while d < n, the axis length read at run time;
+    returns the final b."""
+    names = g._bw.names
+    pre = f"{g.node.name or g.node.op_type}_Grad/doubling/"
+    it, cond, d, a_in, b_in = (names(pre + v) for v in ("iter", "cond", "d", "a", "b"))
+    n = g.emit("Gather", g.shape(0), axes)
+    zero, end, one, two = g.ints([0]), g.ints([_END]), g.const(1), g.ints([2])
+    nodes: list[onnx.NodeProto] = []
+    w = NodeWriter(names, nodes, prefix=pre)
+    near, far = _halves(zero, d, w.one("Neg", d), end, from_end)
+    pads = w.one("Concat", *((zero, d) if from_end else (d, zero)), axis=0)
+    a_out, b_out = _doubling_step(w.one, a_in, b_in, axes, near, far, pads, one, last=False)
+    d_out = w.one("Mul", d, two)
+    more = w.one("Squeeze", w.one("Less", d_out, n))
+    vi = onnx.helper.make_tensor_value_info
+    body = onnx.helper.make_graph(
+        nodes, "cumprod_grad_doubling",
+        [vi(it, I64, []), vi(cond, onnx.TensorProto.BOOL, []), vi(d, I64, [1]), vi(a_in, g.dtype, None),
+         vi(b_in, g.dtype, None)],
+        [vi(more, onnx.TensorProto.BOOL, []), vi(d_out, I64, [1]), vi(a_out, g.dtype, None),
+         vi(b_out, g.dtype, None)],
+    )
+    first = g.emit("Squeeze", g.emit("Less", g.ints([1]), n))
+    return g.emit("Loop", None, first, g.ints([1]), a, b, body=body, outputs=3)[2]
 
 
 @gradient("TopK", uses=("y1",), stop=(1,), linear=True)

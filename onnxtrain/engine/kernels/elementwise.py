@@ -1,4 +1,5 @@
-"""Elementwise kernels: arithmetic, unary math, Erf, comparison, logic, bitwise, variadic, Where, Cast.
+"""Elementwise kernels: arithmetic, unary math, Erf, comparison, logic, bitwise, variadic, Where, Cast,
+BitCast.
 
 Most ops are one numpy ufunc and are registered from tables; the rest are written out below.
 Results go through ``_arr`` because ufuncs return numpy scalars for 0-d inputs.
@@ -530,3 +531,30 @@ def cast_like(inputs: Inputs, attrs: Attrs) -> Outputs:
     sat = attrs.get("saturate")
     to = helper.np_dtype_to_tensor_dtype(like.dtype)
     return (_arr(cast_to(x, to, sat is None or bool(sat), attrs.get("round_mode") or "up")),)
+
+
+_SUB_BYTE_BITS = {TensorProto.UINT4: 4, TensorProto.INT4: 4, TensorProto.FLOAT4E2M1: 4}
+_SUB_BYTE_BITS.update({getattr(TensorProto, t): 2 for t in ("UINT2", "INT2") if hasattr(TensorProto, t)})
+
+
+def _bit_width(dt: np.dtype) -> int:
+    """Bits of one element of ``dt`` (ml_dtypes keeps a 4- or 2-bit element in a byte of its own)."""
+    return _SUB_BYTE_BITS.get(helper.np_dtype_to_tensor_dtype(dt), dt.itemsize * 8)
+
+
+def _bit_cast_type(src: np.dtype, to: int) -> np.dtype:
+    if src.kind in "OSU" or to == TensorProto.STRING:
+        raise TypeError("BitCast: strings have no fixed bit width")
+    dt = np.dtype(helper.tensor_dtype_to_np_dtype(to))
+    if _bit_width(src) != _bit_width(dt):
+        raise TypeError(f"BitCast: {src} ({_bit_width(src)} bits) and {dt} ({_bit_width(dt)} bits) differ in "
+                        "bit width; the output keeps the input's shape, so they must be equal")
+    return dt
+
+
+@kernel("BitCast", since=26)
+def bit_cast(inputs: Inputs, attrs: Attrs) -> Outputs:
+    """The input's bits read as the type ``to`` of the same width (Cast keeps values, BitCast bits)."""
+    x = inputs[0]
+    dt = attrs.cached(("to", x.dtype), lambda: _bit_cast_type(x.dtype, attrs["to"]))
+    return (x.view(dt),)

@@ -1,4 +1,5 @@
-"""Indexing kernels: gathers, scatters (with reductions), one-hot, top-k, arg-max/min, cumulative sums."""
+"""Indexing kernels: gathers, scatters (with reductions), a KV-cache write (TensorScatter), one-hot, top-k,
+arg-max/min, cumulative sums and products."""
 
 from __future__ import annotations
 
@@ -211,6 +212,41 @@ def gather_nd(inputs: Inputs, attrs: Attrs) -> Outputs:
     return (out.reshape(idx.shape[:-1] + inner_shape),)
 
 
+@kernel("TensorScatter", since=24)
+def tensor_scatter(inputs: Inputs, attrs: Attrs) -> Outputs:
+    """A copy of ``past_cache`` with ``update`` written along ``axis`` from each batch row's write index
+    (0 without ``write_indices``); mode "circular" wraps around the cache, "linear" must fit in it."""
+    past, upd = inputs[0], inputs[1]
+    w = inputs[2] if len(inputs) > 2 else None
+    axis = _axis(attrs["axis"], past.ndim)
+    mode = attrs["mode"]
+    if axis == 0:
+        raise ValueError("TensorScatter: axis must not be 0 (the batch axis)")
+    if mode not in ("linear", "circular"):
+        raise ValueError(f"TensorScatter: mode {mode!r} is not one of linear, circular")
+    n = past.shape[axis]
+    if (upd.ndim != past.ndim or upd.shape[:axis] != past.shape[:axis]
+            or upd.shape[axis + 1:] != past.shape[axis + 1:] or upd.shape[axis] > n):
+        raise ValueError(f"TensorScatter: update shape {upd.shape} does not fit the cache shape {past.shape} "
+                         f"(equal but along axis {axis}, where it may be shorter)")
+    batch, s = past.shape[0], upd.shape[axis]
+    start = np.zeros(batch, np.int64) if w is None else np.asarray(w, dtype=np.int64).reshape(-1)
+    if start.size != batch:
+        raise ValueError(f"TensorScatter: write_indices of shape {np.shape(w)}, expected ({batch},)")
+    pos = start[:, None] + np.arange(s, dtype=np.int64)
+    if mode == "circular":
+        pos %= max(n, 1)
+    elif pos.size and (start.min() < 0 or start.max() + s > n):
+        raise IndexError(f"TensorScatter: {s} linear writes from write_indices {start.tolist()} overrun a "
+                         f"cache of length {n}")
+    out = np.array(past, copy=True, order="C")
+    mid, inner = int(np.prod(past.shape[1:axis])), int(np.prod(past.shape[axis + 1:]))
+    # (batch, n, middle axes, trailing axes) views: each (row, position) pair takes one block
+    view = out.reshape(batch, mid, n, inner).transpose(0, 2, 1, 3)
+    view[np.arange(batch)[:, None], pos] = upd.reshape(batch, mid, s, inner).transpose(0, 2, 1, 3)
+    return (out,)
+
+
 @kernel("OneHot", since=9)
 def one_hot(inputs: Inputs, attrs: Attrs) -> Outputs:
     idx, depth, values = inputs[0], inputs[1], inputs[2]
@@ -236,15 +272,16 @@ def non_zero(inputs: Inputs, attrs: Attrs) -> Outputs:
     return (np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1),)
 
 
-@kernel("CumSum", since=11)
-def cum_sum(inputs: Inputs, attrs: Attrs) -> Outputs:
+def _cumulative(inputs: Inputs, attrs: Attrs, scan: Any, start: int) -> Outputs:
+    """CumSum / CumProd: ``scan`` (np.cumsum, np.cumprod) along the axis input, honouring ``reverse`` and
+    ``exclusive`` (an exclusive scan begins with ``start``, the operation's identity)."""
     x = inputs[0]
     axis = _axis(int(np.asarray(inputs[1]).reshape(-1)[0]), x.ndim)
     rev = attrs.get("reverse")
     y = np.flip(x, axis) if rev else x
-    cs = np.cumsum(y, axis=axis, dtype=x.dtype)
+    cs = scan(y, axis=axis, dtype=x.dtype)
     if attrs.get("exclusive"):
-        shifted = np.zeros_like(cs)
+        shifted = np.full_like(cs, start)
         n = x.shape[axis]
         dst = [slice(None)] * x.ndim
         src = [slice(None)] * x.ndim
@@ -252,6 +289,16 @@ def cum_sum(inputs: Inputs, attrs: Attrs) -> Outputs:
         shifted[tuple(dst)] = cs[tuple(src)]
         cs = shifted
     return (np.flip(cs, axis) if rev else cs,)
+
+
+@kernel("CumSum", since=11)
+def cum_sum(inputs: Inputs, attrs: Attrs) -> Outputs:
+    return _cumulative(inputs, attrs, np.cumsum, 0)
+
+
+@kernel("CumProd", since=26)
+def cum_prod(inputs: Inputs, attrs: Attrs) -> Outputs:
+    return _cumulative(inputs, attrs, np.cumprod, 1)
 
 
 @kernel("TopK", since=1)
