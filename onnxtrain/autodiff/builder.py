@@ -105,6 +105,16 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     return out
 
 
+def expand_for_gradient(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each node of an op that ONNX defines by a function body (Attention, RMSNormalization,
+    ...) and that has no gradient rule replaced by that body: the forward that :func:`build_gradient_model`
+    differentiates (``model`` itself when there is none)."""
+    opset = model_opset(model)
+    return expand_functions(
+        model, lambda n: find_rule(n.op_type, opset) is None and not has_no_gradient(n.op_type)
+    )
+
+
 def fake_quant_inputs(model: onnx.ModelProto) -> dict[str, str]:
     """Each DequantizeLinear output of a QuantizeLinear -> DequantizeLinear pair that carries the
     straight-through estimator (quantization-aware training) → the QuantizeLinear's float input."""
@@ -295,13 +305,7 @@ def build_gradient_model(
         model = onnx.load_from_string(bytes(model))
     elif isinstance(model, (str, os.PathLike)):
         model = onnx.load(os.fspath(model))
-    model = upgrade_opset(model)
-    # an op ONNX defines by a body of other ops (Attention, RMSNormalization, ...) and we have no rule for:
-    # differentiate its body
-    opset = model_opset(model)
-    model = expand_functions(
-        model, lambda n: find_rule(n.op_type, opset) is None and not has_no_gradient(n.op_type)
-    )
+    model = expand_for_gradient(upgrade_opset(model))
     bw = _Backward(model)
     g = model.graph
     known = {v.name for v in g.input} | {t.name for t in g.initializer} | set(bw.producer)

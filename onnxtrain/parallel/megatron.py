@@ -240,6 +240,13 @@ def shard_blocks(
             del second.input[2:]
             second.output[0] = partial
         cuts += [[CutEdge(entry)], [CutEdge(partial)]]
+    # the shapes declared for the blocks' values (an exporter's value_info) are the whole model's: dropped,
+    # the shares' are inferred again
+    spans = [range(min(b.entries), b.second + 1) for b in blocks]
+    inside = {o for r in spans for k in r for o in g.node[k].output}
+    kept = [v for v in g.value_info if v.name not in inside]
+    del g.value_info[:]
+    g.value_info.extend(kept)
     nodes = []
     for k, n in enumerate(g.node):
         for j, i in enumerate(n.input):  # the split weights under their shares' names

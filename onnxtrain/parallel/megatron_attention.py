@@ -9,7 +9,8 @@ projection is one addend of the block's output, summed over the ranks as an MLP 
 its shape is a constant or computed from ``Shape`` at run time.
 
 Between the products and the output projection, the block may hold ``Reshape``, ``Transpose``, products of
-two of its own values (the scores, the weighted values), ``Softmax`` over an axis other than the heads',
+two of its own values (the scores, the weighted values), ONNX's ``Attention`` op on the heads (opset 23:
+torch's export of ``scaled_dot_product_attention``), ``Softmax`` over an axis other than the heads',
 elementwise nodes whose other inputs broadcast over the heads (the scale, a causal mask) and ``Dropout``
 (each rank draws its heads' mask with its own seed, given by the session). The axis that holds the heads
 is followed through them on the shapes of one forward run at a small batch; anything else leaves the
@@ -234,6 +235,8 @@ def _heads_axis(
             return False
         axis[out] = aligned.pop()
         return True
+    if n.op_type == "Attention":
+        return _attention_node(ix, shapes, n, axis, attrs)
     if n.op_type in ("Softmax", "LogSoftmax"):
         a = axis[n.input[0]]
         if attrs.get("axis", -1) % ro == a:
@@ -258,4 +261,27 @@ def _heads_axis(
     for o in n.output:
         if o:
             axis[o] = a
+    return True
+
+
+def _attention_node(
+    ix: GraphIndex, shapes: dict[str, tuple[int, ...]], n: onnx.NodeProto, axis: dict[str, int], attrs: dict
+) -> bool:
+    """ONNX's ``Attention`` (opset 23) on 4-D Q, K and V with the heads on axis 1: each rank attends with its
+    own heads (grouped key/value heads split alike, so each query head keeps its group). Refused: 3-D inputs
+    (head counts as attributes), past keys and values, outputs besides Y, a trained mask or one that varies
+    along the heads."""
+    q, k, v = n.input[:3]
+    if any(i not in axis or len(shapes[i]) != 4 or axis[i] != 1 for i in (q, k, v)):
+        return False
+    if any(n.input[4:]) or any(n.output[1:]) or "q_num_heads" in attrs or "kv_num_heads" in attrs:
+        return False
+    mask = n.input[3] if len(n.input) > 3 else ""
+    if mask:
+        if mask in axis or mask in ix.wanted or mask not in shapes:
+            return False
+        s = shapes[mask]
+        if len(s) >= 3 and s[len(s) - 3] != 1:  # aligned with (batch, heads, queries, keys) from the right
+            return False
+    axis[n.output[0]] = 1
     return True

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain.autodiff.builder import build_gradient_model
+from onnxtrain.autodiff.builder import build_gradient_model, expand_for_gradient
 from onnxtrain.autodiff.split import split_gradient_model
 from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo
 from onnxtrain.graph_transforms.recompute import recompute, transformer_layer_values
@@ -121,6 +121,7 @@ def build_stage_graphs(
         bw.CopyFrom(base)
         zero = numpy_helper.from_array(np.array(0, np.float32))
         bw.graph.node.append(helper.make_node("Constant", [], [loss], value=zero))
+        bw = expand_for_gradient(bw)  # the forward the gradient model holds: split_gradient_model finds it
         full = build_gradient_model(bw, loss, wrt, outputs=list(declared), other_ys=seeded)
         full = _recomputed(full, loss, params, model, layers, list(declared))
         full, initial = _with_weights_as_inputs(full, mine)

@@ -288,6 +288,8 @@ CASES.update(
         "sgd_h2_torch_transformer": CASES["sgd2_torch_transformer"][:1] + (1, "", 1, "SGDOptimizer", False),
         # torch's export of a GPT block (tests/models.py, dropout 0): the fused QKV attention's heads split
         "sgd_h2_torch_gpt": CASES["sgd2_torch_transformer"][:1] + (1, "", 1, "SGDOptimizer", False),
+        # torch's opset-23 export of a Llama-style block: ONNX's Attention op over grouped heads splits
+        "adam_h2_torch_llama": CASES["sgd2_torch_transformer"][:1] + (1, "", 1, "AdamOptimizer", False),
     }
 )
 CASES["adam_h2x2_gelu_blocks"] = CASES["adam_h2_gelu_blocks"]  # the split × two data-parallel replicas
@@ -300,6 +302,7 @@ HORIZONTAL = {
     "adam_h2_gelu_blocks": 2,
     "sgd_h2_torch_transformer": 2,
     "sgd_h2_torch_gpt": 2,
+    "adam_h2_torch_llama": 2,
     "adam_h2x2_gelu_blocks": 2,
     "adam_h2_acc2_clip": 2,
     "adam_h2_acc2_legacy": 2,
@@ -427,6 +430,15 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
 
 def case_feeds(case: str, steps: int, seed: int = 1) -> list[dict[str, np.ndarray]]:
     """The feeds of ``steps`` batches for a case's model (its ``x``/``y``, or the torch model's tokens)."""
+    if "torch_llama" in case:  # 6 positions of 16 features, 5 targets each
+        rng = np.random.default_rng(seed)
+        return [
+            {
+                "x": rng.standard_normal((BATCH, 6, 16)).astype(np.float32),
+                "target": rng.standard_normal((BATCH, 6, 5)).astype(np.float32),
+            }
+            for _ in range(steps)
+        ]
     if "torch_gpt" in case:  # 10 tokens of 40, a label per token
         rng = np.random.default_rng(seed)
         return [

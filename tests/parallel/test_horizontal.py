@@ -4,6 +4,7 @@ one process does (within float32 rounding of the split sums); which blocks split
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import onnx
@@ -18,6 +19,7 @@ from onnxtrain.session_horizontal import SHARE_SEED_STEP
 from onnxtrain.training_graph import select_trainable
 from tests.parallel.conftest import run_mpi
 from tests.parallel.pipeline_worker import (
+    BATCH,
     attention_dropout_model,
     gelu_block_dropout_model,
     gelu_blocks_model,
@@ -154,6 +156,17 @@ def test_torch_exported_gpt_attention_heads_split(tmp_path, monkeypatch) -> None
     """The GPT block's fused QKV attention (shapes computed from Shape at run time, a causal mask) and its MLP
     split over two ranks, two heads each: SGD steps as one process takes them."""
     torch_transformer_case(tmp_path, monkeypatch, "sgd_h2_torch_gpt", 2e-6, name="gpt_block")
+
+
+@pytest.mark.mpi
+def test_torch_opset23_attention_op_heads_split(tmp_path, monkeypatch) -> None:
+    """torch's opset-23 Llama-style block (ONNX's Attention op, 4 query heads over 2 key/value heads, causal)
+    split over two ranks: Adam steps as one process takes them."""
+    path = str(tmp_path / "llama.onnx")
+    _llama_block(path, BATCH)
+    monkeypatch.setenv("PIPELINE_TORCH_MODEL", path)
+    case = "adam_h2_torch_llama"
+    compare(pipelined(tmp_path, [case], 2, env={"PIPELINE_TORCH_MODEL": path}), case, 2e-6)
 
 
 @pytest.mark.mpi
@@ -339,13 +352,19 @@ def _gpt() -> tuple[onnx.ModelProto, list[str], dict[str, np.ndarray]]:
 def test_attention_shares_sum_to_the_whole(which) -> None:
     """Each rank's share of the attention (its two heads of four) run by onnx.reference: the two partial
     output projections add up to the unsplit model's; the sharded graphs pass the full checker."""
-    from onnx.reference import ReferenceEvaluator
-
     model, trainable, feeds = which()
     blocks = _split_blocks(model, trainable, 2)
     assert [type(b).__name__ for b in blocks] == ["AttentionBlock", "MlpBlock"]
+    assert len(blocks[0].reshapes) == 4  # the three head splits and the merge
+    _shares_sum_to_the_whole(model, blocks, feeds)
+
+
+def _shares_sum_to_the_whole(model: onnx.ModelProto, blocks: list, feeds: dict[str, np.ndarray]) -> None:
+    """The first block's output projection on each of two ranks' sharded models (onnx.reference) adds up to
+    the unsplit model's; the sharded graphs pass the full checker."""
+    from onnx.reference import ReferenceEvaluator
+
     attn = blocks[0]
-    assert len(attn.reshapes) == 4  # the three head splits and the merge
     partial = model.graph.node[attn.second].output[0]
 
     def value(m: onnx.ModelProto) -> np.ndarray:
@@ -364,6 +383,44 @@ def test_attention_shares_sum_to_the_whole(which) -> None:
     assert shares[0].shape == whole.shape
     assert not np.allclose(shares[0], whole, atol=1e-3)  # a share alone is not the whole
     np.testing.assert_allclose(shares[0] + shares[1], whole, rtol=1e-5, atol=1e-6)
+
+
+def _llama_block(path: str | None = None, batch: int = 2
+                 ) -> tuple[onnx.ModelProto, list[str], dict[str, np.ndarray]]:
+    """torch's opset-23 export of a Llama-style block (tests/session/test_opset23_exports.py): Q, K and V
+    products into ONNX's Attention op, 4 query heads over 2 key/value heads, causal; saved to ``path``. The
+    exporter writes the batch size into the head reshapes: the model takes batches of ``batch``."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxscript", reason="torch's opset-23 exporter (dynamo) needs onnxscript")
+    import torch
+
+    from tests.session.test_opset23_exports import LlamaBlock, _batch
+
+    torch.manual_seed(0)
+    feeds = {k: np.concatenate([v] * (batch // 2)) for k, v in _batch(0).items()}
+    args = tuple(torch.from_numpy(v) for v in feeds.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = torch.onnx.export(LlamaBlock(), args, dynamo=True, opset_version=23, optimize=False,
+                              input_names=list(feeds), output_names=["loss"], verbose=False).model_proto
+    if path is not None:
+        onnx.save(m, path)
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    return m, select_trainable(m, p), feeds
+
+
+def test_attention_op_heads_split() -> None:
+    """ONNX's Attention op (torch's opset-23 export) splits by heads: each rank's 2 of 4 query heads with its
+    1 of 2 key/value heads (each query head keeps its group); the shares add up to the whole."""
+    model, trainable, feeds = _llama_block()
+    blocks = _split_blocks(model, trainable, 2)
+    assert [type(b).__name__ for b in blocks] == ["AttentionBlock"]  # the SwiGLU MLP stays whole
+    attn = blocks[0]
+    assert [(w, segments) for w, _, segments in attn.columns] == [
+        ("q.weight", (16,)), ("k.weight", (8,)), ("v.weight", (8,))
+    ]
+    _shares_sum_to_the_whole(model, blocks, feeds)
 
 
 def test_fused_qkv_shares_take_each_part() -> None:
