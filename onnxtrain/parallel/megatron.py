@@ -7,7 +7,9 @@ Tanh, ...), read by nothing else. With H ranks, rank r keeps columns ``[r·f/H, 
 (``<w>_column_rank_<r>``) and the same rows of W2 (``<w>_row_rank_<r>``): its second product is then one
 addend of the block's output, which the ranks sum (onnxruntime's ``MegatronG``); the gradient reaching the
 block's input is summed the same way (``MegatronF``). Blocks whose hidden size does not divide by H, or
-whose weights are read elsewhere, stay whole on every rank, as other layers do.
+whose weights are read elsewhere, stay whole on every rank, as other layers do. A gated MLP (SwiGLU: several
+first products of x, of one width, meeting through elementwise nodes in the second product) splits the same
+way, each first product by its columns.
 
 :func:`shard_blocks` returns the rank's model and the cuts around each block: an ``Identity`` of the block's
 input (F), the second product's output (G). :mod:`onnxtrain.session_horizontal` runs the pieces between.
@@ -194,7 +196,85 @@ def find_mlp_blocks(model: onnx.ModelProto, trainable: list[str], size: int) -> 
             continue
         blocks.append(MlpBlock(nodes[k].input[0], k, second, w1, w1_axis, b1, w2, w2_axis, f))
         taken.update((k, second))
+    blocks += _gated_blocks(ix, size, taken)
+    return sorted(blocks, key=lambda b: min(b.entries))
+
+
+@dataclass(frozen=True)
+class GatedMlpBlock:
+    """A gated MLP (SwiGLU, GeGLU): several first products of one input, of the same width, combined by
+    elementwise nodes into the second product's input; each first product splits as an MLP's does."""
+
+    x: str
+    entries: tuple[int, ...]  # the first products
+    second: int
+    columns: tuple[Share, ...]
+    rows: Share
+    reshapes: tuple[tuple[int, int, int], ...] = ()
+    splits: tuple[int, ...] = ()
+
+
+def _gated_blocks(ix: GraphIndex, size: int, taken: set[int]) -> list[GatedMlpBlock]:
+    """The gated MLP blocks among the products not ``taken`` (updated with theirs)."""
+    nodes, inits = ix.nodes, ix.inits
+    groups: dict[str, list[int]] = {}
+    for k, n in enumerate(nodes):
+        if k not in taken and ix.product(k) is not None:
+            groups.setdefault(n.input[0], []).append(k)
+    blocks = []
+    for x, entries in groups.items():
+        if len(entries) < 2:
+            continue
+        columns: list[Share] = []
+        starts = []
+        widths = set()
+        for k in entries:
+            w, w_axis = ix.product(k)
+            f = int(inits[w].dims[w_axis])
+            opened = ix.start(k, f)
+            if opened is None:
+                break
+            starts.append(opened[0])
+            widths.add(f)
+            columns += [(w, w_axis, (f,)), *(((opened[1], 0, (f,)),) if opened[1] else ())]
+        else:
+            block = _gated(ix, x, entries, starts, widths, columns, size)
+            if block is not None and taken.isdisjoint((*block.entries, block.second)):
+                blocks.append(block)
+                taken.update((*block.entries, block.second))
     return blocks
+
+
+def _gated(ix: GraphIndex, x: str, entries: list[int], starts: list[str], widths: set[int],
+           columns: list[Share], size: int) -> GatedMlpBlock | None:
+    """The gated block from the first products ``entries`` of ``x``, or None when their values do not meet
+    (elementwise, on each other and scalar constants) in one second product of their width."""
+    if len(widths) != 1:
+        return None
+    (f,) = widths
+    if f % size or f < size:
+        return None
+    nodes = ix.nodes
+
+    def is_exit(r: int, v: str) -> bool:
+        return nodes[r].op_type in ("MatMul", "Gemm") and nodes[r].input[0] == v
+
+    walked = walk_block(ix, starts, is_exit, lambda r: nodes[r].op_type in ELEMENTWISE)
+    if walked is None:
+        return None
+    inside, exits, values = walked
+    if any(not all(i in values or i in ix.scalars or not i for i in nodes[r].input) for r in inside):
+        return None
+    if len(exits) != 1:
+        return None
+    (second,) = exits
+    prod = ix.product(second)
+    if prod is None:
+        return None
+    w2, w2_out = prod
+    if int(ix.inits[w2].dims[1 - w2_out]) != f:
+        return None
+    return GatedMlpBlock(x, tuple(entries), second, tuple(columns), (w2, 1 - w2_out, (f,)))
 
 
 def shard_blocks(

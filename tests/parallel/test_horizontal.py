@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import numpy as np
 import onnx
@@ -160,8 +161,8 @@ def test_torch_exported_gpt_attention_heads_split(tmp_path, monkeypatch) -> None
 
 @pytest.mark.mpi
 def test_torch_opset23_attention_op_heads_split(tmp_path, monkeypatch) -> None:
-    """torch's opset-23 Llama-style block (ONNX's Attention op, 4 query heads over 2 key/value heads, causal)
-    split over two ranks: Adam steps as one process takes them."""
+    """torch's opset-23 Llama-style block (ONNX's Attention op, 4 query heads over 2 key/value heads, causal;
+    a SwiGLU MLP) split over two ranks: Adam steps as one process takes them."""
     path = str(tmp_path / "llama.onnx")
     _llama_block(path, BATCH)
     monkeypatch.setenv("PIPELINE_TORCH_MODEL", path)
@@ -356,16 +357,16 @@ def test_attention_shares_sum_to_the_whole(which) -> None:
     blocks = _split_blocks(model, trainable, 2)
     assert [type(b).__name__ for b in blocks] == ["AttentionBlock", "MlpBlock"]
     assert len(blocks[0].reshapes) == 4  # the three head splits and the merge
-    _shares_sum_to_the_whole(model, blocks, feeds)
+    _shares_sum_to_the_whole(model, blocks[0], feeds)
 
 
-def _shares_sum_to_the_whole(model: onnx.ModelProto, blocks: list, feeds: dict[str, np.ndarray]) -> None:
-    """The first block's output projection on each of two ranks' sharded models (onnx.reference) adds up to
-    the unsplit model's; the sharded graphs pass the full checker."""
+def _shares_sum_to_the_whole(model: onnx.ModelProto, block: Any, feeds: dict[str, np.ndarray]) -> None:
+    """``block``'s output product on each of two ranks' models with that block sharded (onnx.reference) adds
+    up to the unsplit model's; the sharded graphs pass the full checker."""
     from onnx.reference import ReferenceEvaluator
 
-    attn = blocks[0]
-    partial = model.graph.node[attn.second].output[0]
+    blocks = [block]
+    partial = model.graph.node[block.second].output[0]
 
     def value(m: onnx.ModelProto) -> np.ndarray:
         probe = onnx.ModelProto()
@@ -410,17 +411,21 @@ def _llama_block(path: str | None = None, batch: int = 2
     return m, select_trainable(m, p), feeds
 
 
-def test_attention_op_heads_split() -> None:
+def test_attention_op_heads_and_gated_mlp_split() -> None:
     """ONNX's Attention op (torch's opset-23 export) splits by heads: each rank's 2 of 4 query heads with its
-    1 of 2 key/value heads (each query head keeps its group); the shares add up to the whole."""
+    1 of 2 key/value heads (each query head keeps its group); the SwiGLU MLP by its hidden units; the shares
+    add up to the whole."""
     model, trainable, feeds = _llama_block()
     blocks = _split_blocks(model, trainable, 2)
-    assert [type(b).__name__ for b in blocks] == ["AttentionBlock"]  # the SwiGLU MLP stays whole
-    attn = blocks[0]
+    assert [type(b).__name__ for b in blocks] == ["AttentionBlock", "GatedMlpBlock"]
+    attn, mlp = blocks
     assert [(w, segments) for w, _, segments in attn.columns] == [
         ("q.weight", (16,)), ("k.weight", (8,)), ("v.weight", (8,))
     ]
-    _shares_sum_to_the_whole(model, blocks, feeds)
+    _shares_sum_to_the_whole(model, attn, feeds)
+    # the SwiGLU MLP: gate and up split by columns alike, down by rows
+    assert [w for w, _, _ in mlp.columns] == ["gate.weight", "up.weight"] and mlp.rows[0] == "down.weight"
+    _shares_sum_to_the_whole(model, mlp, feeds)
 
 
 def test_fused_qkv_shares_take_each_part() -> None:
