@@ -277,6 +277,9 @@ CASES = {
     "adam2_mp_resumed": (mlp_model, 2, "hr", 2, "AdamOptimizer", True),  # its half twins loaded midway
 }
 # gradient accumulation over two runs on top of the micro-batches, counted or marked by the caller
+# torch's opset-23 export of a Llama-style block (its batch size baked into its reshapes: one micro-batch),
+# cut after the attention's residual: the first stage's backward differentiates ONNX's Attention body
+CASES["adam2_torch_llama"] = (CASES["sgd2_torch_transformer"][0], 2, "add", 1, "AdamOptimizer", False)
 CASES["adam2_acc2_clip"] = (mlp_model, 2, "hr", 2, "AdamOptimizer", True)
 CASES["sgd2_acc2_legacy"] = (mlp_model, 2, "hr", 2, "SGDOptimizer", False)
 ACCUMULATE = {"adam2_acc2_clip": 2, "sgd2_acc2_legacy": 2}  # runs per update (default 1)

@@ -367,6 +367,20 @@ def test_torch_exported_transformer_cut_after_its_attention(tmp_path, monkeypatc
 
 
 @pytest.mark.mpi
+def test_torch_opset23_block_in_two_stages(tmp_path, monkeypatch) -> None:
+    """torch's opset-23 Llama-style block cut after its attention's residual: the first stage holds ONNX's
+    Attention and RMSNormalization ops, differentiated as their bodies; Adam steps as one process takes."""
+    from tests.parallel.pipeline_worker import BATCH
+    from tests.parallel.test_horizontal import _llama_block
+
+    path = str(tmp_path / "llama.onnx")
+    _llama_block(path, BATCH)
+    monkeypatch.setenv("PIPELINE_TORCH_MODEL", path)
+    case = "adam2_torch_llama"
+    compare(pipelined(tmp_path, [case], 2, env={"PIPELINE_TORCH_MODEL": path}), case, 1e-6)
+
+
+@pytest.mark.mpi
 def test_onnxruntime_backend_stages_equal_the_numpy_engine_in_one_process(tmp_path) -> None:
     pytest.importorskip("onnxruntime")
     got = pipelined(tmp_path, ["adam2_clip_m4"], 2, env={"ONNXTRAIN_TEST_BACKEND": "onnxruntime"})
