@@ -146,6 +146,15 @@ class GraphIndex:
     def product(self, k: int) -> tuple[str, int] | None:
         return product_weight(self.nodes[k], self.weight, self.made_by)
 
+    def products_by_input(self, taken: Iterable[int] = ()) -> dict[str, list[int]]:
+        """The products by trained weights not in ``taken``, grouped by the value they read (graph order)."""
+        skip = set(taken)
+        groups: dict[str, list[int]] = {}
+        for k, n in enumerate(self.nodes):
+            if k not in skip and self.product(k) is not None:
+                groups.setdefault(n.input[0], []).append(k)
+        return groups
+
     def start(self, k: int, f: int) -> tuple[str, str | None] | None:
         """The value a product's output features start from (after its bias) and that bias; None when the
         product has a bias that cannot split with it."""
@@ -183,7 +192,7 @@ def find_mlp_blocks(model: onnx.ModelProto, trainable: list[str], size: int) -> 
         if opened is None:
             continue
         start, b1 = opened
-        region = _region_exit(ix, start)
+        region = _region_exit(ix, [start])
         if region is None:
             continue
         second, values = region
@@ -216,13 +225,9 @@ class GatedMlpBlock:
 
 def _gated_blocks(ix: GraphIndex, size: int, taken: set[int]) -> list[GatedMlpBlock]:
     """The gated MLP blocks among the products not ``taken`` (updated with theirs)."""
-    nodes, inits = ix.nodes, ix.inits
-    groups: dict[str, list[int]] = {}
-    for k, n in enumerate(nodes):
-        if k not in taken and ix.product(k) is not None:
-            groups.setdefault(n.input[0], []).append(k)
+    inits = ix.inits
     blocks = []
-    for x, entries in groups.items():
+    for x, entries in ix.products_by_input(taken).items():
         if len(entries) < 2:
             continue
         columns: list[Share] = []
@@ -254,20 +259,10 @@ def _gated(ix: GraphIndex, x: str, entries: list[int], starts: list[str], widths
     (f,) = widths
     if f % size or f < size:
         return None
-    nodes = ix.nodes
-
-    def is_exit(r: int, v: str) -> bool:
-        return nodes[r].op_type in ("MatMul", "Gemm") and nodes[r].input[0] == v
-
-    walked = walk_block(ix, starts, is_exit, lambda r: nodes[r].op_type in ELEMENTWISE)
-    if walked is None:
+    region = _region_exit(ix, starts)
+    if region is None:
         return None
-    inside, exits, values = walked
-    if any(not all(i in values or i in ix.scalars or not i for i in nodes[r].input) for r in inside):
-        return None
-    if len(exits) != 1:
-        return None
-    (second,) = exits
+    second = region[0]
     prod = ix.product(second)
     if prod is None:
         return None
@@ -456,9 +451,10 @@ def walk_block(
     return inside, exits, values
 
 
-def _region_exit(ix: GraphIndex, start: str) -> tuple[int, set[str]] | None:
-    """The one product the activation starting at ``start`` flows into, and the activation's values, if
-    everything between is elementwise on scalar constants and read nowhere else; else None."""
+def _region_exit(ix: GraphIndex, starts: Iterable[str]) -> tuple[int, set[str]] | None:
+    """The one product the activation starting at ``starts`` (a gated MLP's several) flows into, and the
+    activation's values, if everything between is elementwise on its own values and scalar constants and read
+    nowhere else; else None."""
     nodes = ix.nodes
 
     def admit(r: int) -> bool:
@@ -468,7 +464,7 @@ def _region_exit(ix: GraphIndex, start: str) -> tuple[int, set[str]] | None:
     def is_exit(r: int, v: str) -> bool:
         return nodes[r].op_type in ("MatMul", "Gemm") and nodes[r].input[0] == v
 
-    walked = walk_block(ix, [start], is_exit, admit)
+    walked = walk_block(ix, starts, is_exit, admit)
     if walked is None:
         return None
     inside, exits, values = walked

@@ -51,11 +51,7 @@ def find_attention_blocks(
     """The attention blocks of ``model`` that split over ``size`` ranks, in graph order; ``taken``: node
     indices of products already in other blocks."""
     ix = GraphIndex(model, trainable)
-    groups: dict[str, list[int]] = {}
-    for k, n in enumerate(ix.nodes):
-        if k not in taken and ix.product(k) is not None:
-            groups.setdefault(n.input[0], []).append(k)
-    groups = {x: entries for x, entries in groups.items() if _reaches_reshape(ix, entries)}
+    groups = {x: ks for x, ks in ix.products_by_input(taken).items() if _reaches_reshape(ix, ks)}
     if not groups:  # no heads anywhere: spare the forward run
         return []
     shapes = probe_shapes(model)
