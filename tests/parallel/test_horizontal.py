@@ -4,7 +4,6 @@ one process does (within float32 rounding of the split sums); which blocks split
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,6 @@ from onnxtrain.session_horizontal import SHARE_SEED_STEP
 from onnxtrain.training_graph import select_trainable
 from tests.parallel.conftest import run_mpi
 from tests.parallel.pipeline_worker import (
-    BATCH,
     attention_dropout_model,
     gelu_block_dropout_model,
     gelu_blocks_model,
@@ -33,6 +31,7 @@ from tests.parallel.test_pipeline import (
     compare,
     one_process,
     pipelined,
+    torch_llama_case,
     torch_transformer_case,
 )
 from tests.session.helpers import mlp_model
@@ -163,11 +162,7 @@ def test_torch_exported_gpt_attention_heads_split(tmp_path, monkeypatch) -> None
 def test_torch_opset23_attention_op_heads_split(tmp_path, monkeypatch) -> None:
     """torch's opset-23 Llama-style block (ONNX's Attention op, 4 query heads over 2 key/value heads, causal;
     a SwiGLU MLP) split over two ranks: Adam steps as one process takes them."""
-    path = str(tmp_path / "llama.onnx")
-    _llama_block(path, BATCH)
-    monkeypatch.setenv("PIPELINE_TORCH_MODEL", path)
-    case = "adam_h2_torch_llama"
-    compare(pipelined(tmp_path, [case], 2, env={"PIPELINE_TORCH_MODEL": path}), case, 2e-6)
+    torch_llama_case(tmp_path, monkeypatch, "adam_h2_torch_llama", 2e-6)
 
 
 @pytest.mark.mpi
@@ -386,29 +381,17 @@ def _shares_sum_to_the_whole(model: onnx.ModelProto, block: Any, feeds: dict[str
     np.testing.assert_allclose(shares[0] + shares[1], whole, rtol=1e-5, atol=1e-6)
 
 
-def _llama_block(path: str | None = None, batch: int = 2
-                 ) -> tuple[onnx.ModelProto, list[str], dict[str, np.ndarray]]:
+def _llama_block() -> tuple[onnx.ModelProto, list[str], dict[str, np.ndarray]]:
     """torch's opset-23 export of a Llama-style block (tests/session/test_opset23_exports.py): Q, K and V
-    products into ONNX's Attention op, 4 query heads over 2 key/value heads, causal; saved to ``path``. The
-    exporter writes the batch size into the head reshapes: the model takes batches of ``batch``."""
+    products into ONNX's Attention op, 4 query heads over 2 key/value heads, causal; a SwiGLU MLP."""
     pytest.importorskip("torch")
     pytest.importorskip("onnxscript", reason="torch's opset-23 exporter (dynamo) needs onnxscript")
-    import torch
+    from tests.session.test_opset23_exports import _batch, export_llama
 
-    from tests.session.test_opset23_exports import LlamaBlock, _batch
-
-    torch.manual_seed(0)
-    feeds = {k: np.concatenate([v] * (batch // 2)) for k, v in _batch(0).items()}
-    args = tuple(torch.from_numpy(v) for v in feeds.values())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        m = torch.onnx.export(LlamaBlock(), args, dynamo=True, opset_version=23, optimize=False,
-                              input_names=list(feeds), output_names=["loss"], verbose=False).model_proto
-    if path is not None:
-        onnx.save(m, path)
+    m = export_llama(23)
     p = TrainingParameters()
     p.loss_output_name = "loss"
-    return m, select_trainable(m, p), feeds
+    return m, select_trainable(m, p), _batch(0)
 
 
 def test_attention_op_heads_and_gated_mlp_split() -> None:

@@ -359,6 +359,21 @@ def torch_transformer_case(
     compare(pipelined(tmp_path, [case], 2, env=env), case, tol)
 
 
+def torch_llama_case(tmp_path, monkeypatch, case: str, tol: float) -> None:
+    """Run ``case`` on torch's opset-23 export of the Llama-style block of
+    tests/session/test_opset23_exports.py (for the worker's batch) and compare with one process, as
+    :func:`torch_transformer_case` does."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxscript", reason="torch's opset-23 exporter (dynamo) needs onnxscript")
+    from tests.parallel.pipeline_worker import BATCH
+    from tests.session.test_opset23_exports import export_llama
+
+    path = str(tmp_path / "llama.onnx")
+    onnx.save(export_llama(23, BATCH), path)
+    monkeypatch.setenv("PIPELINE_TORCH_MODEL", path)
+    compare(pipelined(tmp_path, [case], 2, env={"PIPELINE_TORCH_MODEL": path}), case, tol)
+
+
 @pytest.mark.mpi
 def test_torch_exported_transformer_cut_after_its_attention(tmp_path, monkeypatch) -> None:
     """torch's export shares initializers through Identity nodes and constants between layers: the shared
@@ -370,14 +385,7 @@ def test_torch_exported_transformer_cut_after_its_attention(tmp_path, monkeypatc
 def test_torch_opset23_block_in_two_stages(tmp_path, monkeypatch) -> None:
     """torch's opset-23 Llama-style block cut after its attention's residual: the first stage holds ONNX's
     Attention and RMSNormalization ops, differentiated as their bodies; Adam steps as one process takes."""
-    from tests.parallel.pipeline_worker import BATCH
-    from tests.parallel.test_horizontal import _llama_block
-
-    path = str(tmp_path / "llama.onnx")
-    _llama_block(path, BATCH)
-    monkeypatch.setenv("PIPELINE_TORCH_MODEL", path)
-    case = "adam2_torch_llama"
-    compare(pipelined(tmp_path, [case], 2, env={"PIPELINE_TORCH_MODEL": path}), case, 1e-6)
+    torch_llama_case(tmp_path, monkeypatch, "adam2_torch_llama", 1e-6)
 
 
 @pytest.mark.mpi

@@ -57,24 +57,28 @@ def _batch(step: int) -> dict[str, np.ndarray]:
             "target": rng.standard_normal((2, 6, 5)).astype(np.float32)}
 
 
-@pytest.fixture(scope="module", params=[23, 20], ids=["opset23", "opset20"])
-def exported(request) -> onnx.ModelProto:
-    """The block as torch's exporter writes it: at opset 23 with the new ops, at its default opset 20 with
-    the same layers written out in older ops."""
-    opset = request.param
+def export_llama(opset: int, batch: int = 2) -> onnx.ModelProto:
+    """The block (torch's seed 0) as torch's exporter writes it at ``opset``, for batches of ``batch`` (the
+    exporter writes the batch size into the head reshapes)."""
     torch.manual_seed(0)
     module = LlamaBlock()
-    feeds = _batch(0)
+    args = tuple(torch.from_numpy(np.concatenate([v] * (batch // 2))) for v in _batch(0).values())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # optimize=False: the exporter's optimizer folds the weights' transposes into new constants and
         # merges equal initializers (the two RMSNorm scales), which loses the parameters' names
-        program = torch.onnx.export(module, (torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["target"])),
-                                    dynamo=True, opset_version=opset, optimize=False,
+        program = torch.onnx.export(module, args, dynamo=True, opset_version=opset, optimize=False,
                                     input_names=["x", "target"], output_names=["loss"], verbose=False)
-    model = program.model_proto
+    return program.model_proto
+
+
+@pytest.fixture(scope="module", params=[23, 20], ids=["opset23", "opset20"])
+def exported(request) -> onnx.ModelProto:
+    """The block as torch's exporter writes it: at opset 23 with the new ops, at its default opset 20 with
+    the same layers written out in older ops."""
+    model = export_llama(request.param)
     ops = {n.op_type for n in model.graph.node}
-    assert ({"Attention", "RMSNormalization"} <= ops) == (opset >= 23), sorted(ops)
+    assert ({"Attention", "RMSNormalization"} <= ops) == (request.param >= 23), sorted(ops)
     return model
 
 
