@@ -148,7 +148,35 @@ def expand_node(
                     _bind_refs(x, given)
         n.name = names(f"{prefix}/{inner.name or inner.op_type}")
         out.append(n)
+    _localise_constants(out, names)
     return out
+
+
+def _localise_constants(nodes: list[onnx.NodeProto], names: NameGen) -> None:
+    """Give each body of ``nodes`` its own copy of the constants it reads from around it (in place).
+
+    ONNX's shape inference does not see the values of outer-scope constants, so a body's ``Unsqueeze`` or
+    ``Reshape`` by such an axis list loses its output's rank, and with it every later rank of the body and
+    the ranks of a ``Scan``'s outputs, which the ``Scan`` gradient needs (``LinearAttention``'s body)."""
+    constants = {n.output[0]: n for n in nodes if n.op_type == "Constant" and not n.input}
+    for node in nodes:
+        for body in subgraphs(node):
+            reads = {v for x in body.node for v in node_reads(x)}
+            copies: list[onnx.NodeProto] = []
+            rename: dict[str, str] = {}
+            for name in sorted(reads & constants.keys()):
+                copy = onnx.NodeProto()
+                copy.CopyFrom(constants[name])
+                rename[name] = copy.output[0] = names(name)
+                copy.name = names(constants[name].name or "Constant")
+                copies.append(copy)
+            if not copies:
+                continue
+            for x in body.node:
+                rename_values(x, rename)
+            kept = list(body.node)
+            del body.node[:]
+            body.node.extend([*copies, *kept])
 
 
 def _bind_refs(n: onnx.NodeProto, given: dict[str, onnx.AttributeProto]) -> None:

@@ -443,6 +443,52 @@ def test_scan_gradients(in_dir: int, out_dir: int, in_axis: int, out_axis: int) 
         np.testing.assert_allclose(got[f"{n}_grad"], grads[n], rtol=1e-10, atol=1e-12, err_msg=n)
 
 
+def test_scan_gradient_with_untyped_body_inputs() -> None:
+    """A body that declares neither its inputs' nor its outputs' types (as ONNX's LinearAttention body
+    does): the state's type comes from its start, a scanned input's from the outer input without its scan
+    axis, which the body's MatMul gradients need. Against central differences in float64 and onnxruntime."""
+    d = T.DOUBLE
+
+    def untyped(name: str) -> onnx.ValueInfoProto:
+        return helper.make_value_info(name, onnx.TypeProto())
+
+    body = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["s_in", "x_t"], ["sx"]),
+            helper.make_node("Tanh", ["sx"], ["s_out"]),
+            helper.make_node("MatMul", ["s_out", "w"], ["y_t"]),
+        ],
+        "body",
+        [untyped("s_in"), untyped("x_t")],
+        [untyped("s_out"), untyped("y_t")],
+    )
+    scan = helper.make_node("Scan", ["s0", "xs"], ["s", "ys"], num_scan_inputs=1, body=body,
+                            scan_input_axes=[1])
+    g = helper.make_graph(
+        [
+            scan,
+            helper.make_node("ReduceSum", ["ys"], ["l1"], keepdims=0),
+            helper.make_node("ReduceSum", ["s"], ["l2"], keepdims=0),
+            helper.make_node("Add", ["l1", "l2"], ["loss"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("s0", d, [2, 3]), helper.make_tensor_value_info("xs", d, [3, 4, 3])],
+        [helper.make_tensor_value_info("loss", d, [])],
+        [numpy_helper.from_array(np.linspace(-1, 1, 6).reshape(3, 2), "w")],
+    )
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    rng = np.random.default_rng(5)
+    feeds = {"s0": rng.standard_normal((2, 3)), "xs": rng.standard_normal((3, 4, 3)) * 0.7}
+    names = ["s0", "xs", "w"]
+    grads = gradcheck(model, "loss", names, feeds)
+    gmodel = build_gradient_model(model, "loss", names)
+    onnx.checker.check_model(gmodel, full_check=True)
+    got = ort_outputs(gmodel, feeds)
+    for n in names:
+        np.testing.assert_allclose(got[f"{n}_grad"], grads[n], rtol=1e-10, atol=1e-12, err_msg=n)
+
+
 # ---- sequences ---------------------------------------------------------------------------------------------
 class ListRNN(nn.Module):
     """TorchScript's list pattern: a loop appends each new state to a list, then torch.stack."""

@@ -125,3 +125,23 @@ def test_the_node_outputs_keep_their_inferred_shapes() -> None:
     assert dims == [2, 3, 4]
     grads = build_gradient_model(_with_sum(rms, "y"), "loss", ["x", "s", "w"])
     onnx.checker.check_model(grads, full_check=True)
+
+
+def test_bodies_get_their_own_copies_of_outer_constants() -> None:
+    """LinearAttention's body is a Scan whose body unsqueezes by axes held in constants outside it; shape
+    inference does not see outer values, so the Scan's outputs got no rank (its gradient needs them). Each
+    body now has its own copies: the Scan's outputs have ranks, the model passes the checker."""
+    shapes = {"q": [2, 3, 8], "k": [2, 3, 8], "v": [2, 3, 8], "past": [2, 2, 4, 4], "decay": [2, 3, 2],
+              "beta": [2, 3, 2]}
+    model = _one("LinearAttention", shapes, ["y", "state"], 27, q_num_heads=2, kv_num_heads=2)
+    model.graph.output[1].CopyFrom(helper.make_tensor_value_info("state", TensorProto.FLOAT, [2, 2, 4, 4]))
+    expanded = expand_functions(model, lambda n: n.op_type == "LinearAttention")
+    onnx.checker.check_model(expanded, full_check=True)
+    outer = {o for n in expanded.graph.node if n.op_type == "Constant" for o in n.output}
+    (scan,) = [n for n in expanded.graph.node if n.op_type == "Scan"]
+    body = next(a.g for a in scan.attribute if a.name == "body")
+    assert not {v for n in body.node for v in n.input} & outer
+    assert {n.op_type for n in body.node[:2]} == {"Constant"}
+    inferred = onnx.shape_inference.infer_shapes(expanded)
+    types = {v.name: v.type for v in inferred.graph.value_info}
+    assert [len(types[o].tensor_type.shape.dim) for o in scan.output] == [4, 4]

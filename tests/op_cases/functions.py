@@ -108,7 +108,8 @@ CASES = [
     # the body computes the SiLU in float32: float64 finite differences would see float32 steps
     OpCase("CausalConvWithState", make_inputs=_conv_state, n_outputs=2, attrs={"activation": "silu"},
            opset=27, variant="silu", grad=False),
-    # no gradient: the body's Scan outputs have no rank in ONNX's shape inference (README, "Limits")
+    # gradients: against torch (test_function_ops_vs_torch); the body's float32 state hides them from float64
+    # finite differences
     OpCase("LinearAttention", make_inputs=_linear_attention("linear"), n_outputs=2,
            attrs={"q_num_heads": 2, "kv_num_heads": 2, "update_rule": "linear"}, opset=27, variant="linear",
            grad=False, body_oracle=_STATE_F32),

@@ -239,7 +239,14 @@ def scan_grad(g: GradCtx) -> None:
             pos = back.idx if not out_dirs[o] else back.mirror
             rank = g.rank(n + o, output=True)
             back.incoming(forward.output[n + o].name, back.gather(g.dy(n + o), pos, out_axes[o] % rank))
-    dxs, stacks = back.emit(forward, [formal[n + q] for q in sliced])
+    # a body may leave its formal inputs untyped (ONNX's LinearAttention body): the state's type, and the
+    # scan input's without its scan axis
+    typed = {formal[j]: state_types[j] for j in range(n)}
+    for q in range(m):
+        tp = g._bw.types.get(node.input[n + q])
+        if tp is not None and tp.HasField("tensor_type") and tp.tensor_type.HasField("shape"):
+            typed[formal[n + q]] = _without_axis(tp, in_axes[q] % ranks[q])
+    dxs, stacks = back.emit(forward, [formal[n + q] for q in sliced], typed)
     for j, d in zip(floats, dxs):
         g.set_dx(j, d)
     for q, stack in zip(sliced, stacks):
@@ -370,10 +377,16 @@ class _ReverseLoop:
         given before for the same value)."""
         self.dys[output] = self.add(self.dys[output], grad) if output in self.dys else grad
 
-    def emit(self, forward: onnx.GraphProto, stacked: list[str]) -> tuple[list[str], list[str]]:
+    def emit(
+        self,
+        forward: onnx.GraphProto,
+        stacked: list[str],
+        formal_types: dict[str, onnx.TypeProto] | None = None,
+    ) -> tuple[list[str], list[str]]:
         """Emit the backward Loop; returns the gradients of the carried values' starts, and the gradients of
         the formal inputs ``stacked`` stacked over the backward iterations. The gradients of the outer values
-        the body reads (``g.body_wrt``) are summed over the iterations and handed to the builder."""
+        the body reads (``g.body_wrt``) are summed over the iterations and handed to the builder.
+        ``formal_types``: the formal inputs' types where the body leaves them out."""
         g, pre, bw = self.g, self.pre, self.g._bw
         wanted = g.body_wrt
         acc = {formal: f"{pre}d{i}" for i, (formal, *_) in enumerate(self.carried)}
@@ -385,7 +398,9 @@ class _ReverseLoop:
             dys[output] = self.add(dys[output], grad) if output in dys else grad
         bw.names.taken.update(self.binding.values())
         wrt = [*acc, *(f for f in stacked if f not in acc), *wanted]
-        nodes, inits, grads = _differentiate(g, forward, wrt, dys, self.binding, f"{self.label}_Grad")
+        nodes, inits, grads = _differentiate(
+            g, forward, wrt, dys, self.binding, f"{self.label}_Grad", formal_types
+        )
         outputs = [helper.make_tensor_value_info(pre + "cond_out", TensorProto.BOOL, [])]
         tail = [helper.make_node("Identity", [self.cond], [pre + "cond_out"])]
         outputs += [_value_info(grads[formal], tp) for formal, _, tp, _ in self.carried]
@@ -541,6 +556,14 @@ def _zeros_like(g: GradCtx, name: str, nodes: list[onnx.NodeProto], label: str) 
         helper.make_node("Shape", [name], [shape]),
         helper.make_node("ConstantOfShape", [shape], [out], value=zero),
     ]
+    return out
+
+
+def _without_axis(tp: onnx.TypeProto, axis: int) -> onnx.TypeProto:
+    """Tensor type ``tp`` with dimension ``axis`` removed (one element of a scan input)."""
+    out = onnx.TypeProto()
+    out.CopyFrom(tp)
+    del out.tensor_type.shape.dim[axis]
     return out
 
 
