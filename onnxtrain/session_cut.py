@@ -56,6 +56,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         self._plans: dict[Any, Any] = {}
         self._data = None
         self.data_parallel_size, self.data_parallel_rank = 1, 0
+        self._bn_stats: dict[str, str] = {}  # training-mode BatchNormalizations' running statistics → outputs
 
     def _replicas(self, p: TrainingParameters, parts: int, option: str) -> int:
         """How many data-parallel replicas of ``parts`` ranks the MPI world holds (``data_parallel_size``
@@ -282,7 +283,13 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         raise NotImplementedError
 
     def _state_names(self) -> list[str]:
-        return sorted([*self._trained(), *(sp.name for sp in self._specs)])
+        return sorted([*self._trained(), *(sp.name for sp in self._specs), *self._bn_stats])
+
+    def _keep_running_stats(self, values: Mapping[str, np.ndarray], stats: Mapping[str, str]) -> None:
+        """Write the new running statistics ``stats`` (state name → output) a training run returned in
+        ``values`` into the state, as one process's session does after each of its micro-steps."""
+        for stat, out in stats.items():
+            self._store[stat] = values[out]
 
     def _mixed_precision(self) -> MixedPrecisionInfo | None:
         return self._mp

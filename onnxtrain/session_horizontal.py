@@ -53,7 +53,6 @@ from onnxtrain.parallel.stage_graphs import (
     NORM,
     StageGraphs,
     build_stage_graphs,
-    check_stage_nodes,
     layer_activations,
 )
 from onnxtrain.parallel.zero import gather_zero_state
@@ -129,7 +128,6 @@ class HorizontalTrainingSession(CutModelSession):
                 f"horizontal parallelism splits blocks that follow one another, with the loss after the "
                 f"last: {', '.join(b.columns[0][0] for b in blocks)} do not ({e})"
             ) from None
-        check_stage_nodes(sharded, part)
         self._seed_random_nodes(sharded, part.stage_of)
         self._trainable = [self._split[w].share if w in self._split else w for w in trainable]
         layers = layer_activations(sharded, p)  # once for all the pieces
@@ -142,6 +140,7 @@ class HorizontalTrainingSession(CutModelSession):
         self._store: dict[str, np.ndarray] = {}
         for sg in self._pieces:
             self._store.update(sg.initial)
+            self._bn_stats.update(sg.bn_stats)
         self._build_update(sharded)
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
         self._zero_graph = self._setup_zero(sharded)
@@ -246,6 +245,8 @@ class HorizontalTrainingSession(CutModelSession):
             names = list(plan.output_names)
             out = dict(zip(names, plan.run(self._feeds(s, kind, values, dropout), names)))
             saved.append({n: out[n] for n in self._pieces[s].saved if n in out})  # later pieces may read them
+            if kind == "forward_train":
+                self._keep_running_stats(out, self._pieces[s].bn_stats)
             values.update(out)
             if s % 2 == 1 and s < len(self._cut_tensors):  # after a block: its output is the ranks' sum
                 t = self._cut_tensors[s]
@@ -270,6 +271,7 @@ class HorizontalTrainingSession(CutModelSession):
             wanted = [
                 *(sg.outputs if s == last else ()),
                 *(f"{x}_grad" for x in (*sg.trainable, *sg.diff_received)),
+                *(sg.bn_stats.values() if s == last else ()),
             ]
             if not wanted:  # a piece with no weight and nothing to pass back (the Identity before a block)
                 continue
@@ -277,6 +279,7 @@ class HorizontalTrainingSession(CutModelSession):
             res = dict(zip(wanted, plan.run(self._feeds(s, "backward", given, dropout), wanted)))
             if s == last:
                 values.update({n: res[n] for n in sg.outputs})
+                self._keep_running_stats(res, sg.bn_stats)
             for x in (*sg.trainable, *sg.diff_received):
                 g = res[f"{x}_grad"]
                 grads[x] = grads[x] + g if x in grads else g

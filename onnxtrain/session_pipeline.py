@@ -51,7 +51,7 @@ from onnxtrain.optim import get_optimizer
 from onnxtrain.parallel import exchange_mode, get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
-from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs, check_stage_nodes
+from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs
 from onnxtrain.parallel.zero import gather_zero_state
 from onnxtrain.session_cut import CutModelSession, add_into, means, model_fingerprint, squared_sum
 from onnxtrain.training_graph import select_trainable
@@ -95,7 +95,6 @@ class PipelineTrainingSession(CutModelSession):
         self._part = partition(
             model, parse_cut_info(p.pipeline_cut_info_string, p.pipeline_parallel_size), p.loss_output_name
         )
-        check_stage_nodes(model, self._part)
         replicas = self._replicas(p, p.pipeline_parallel_size, "pipeline_parallel_size")
         self._mode = _exchange_mode(p, replicas)
         if self._sess_options.enable_profiling:
@@ -135,6 +134,7 @@ class PipelineTrainingSession(CutModelSession):
             model, self._part, self._stage, trainable, p, self._opt, self._mp, self._micro_input
         )
         self._store: dict[str, np.ndarray] = dict(sg.initial)
+        self._bn_stats = sg.bn_stats
         self._specs = sg.specs
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
         for path, kind in (
@@ -250,6 +250,8 @@ class PipelineTrainingSession(CutModelSession):
             else:
                 pending.append(req)
         saved = {n: out[n] for n in self._sg.saved} if kind == "forward_train" else {}
+        if kind == "forward_train":
+            self._keep_running_stats(out, self._sg.bn_stats)
         return {"received": received, "saved": saved, **{n: out[n] for n in self._sg.outputs}}
 
     def _train_step(
@@ -272,7 +274,7 @@ class PipelineTrainingSession(CutModelSession):
                     self._comm.recv_object(s - 1, 2 * k, f"stage {s} receiving its inputs") if s > 0 else {}
                 )
                 seeds: dict[str, np.ndarray] = {}
-                wanted = [*self._sg.outputs, *grads, *rgrads]
+                wanted = [*self._sg.outputs, *grads, *rgrads, *self._sg.bn_stats.values()]
             else:
                 received = kept[k]["received"]
                 seeds = self._comm.recv_object(s + 1, 2 * k + 1, f"stage {s} receiving its output gradients")
@@ -292,6 +294,8 @@ class PipelineTrainingSession(CutModelSession):
                 if wanted
                 else {}
             )
+            if last:
+                self._keep_running_stats(res, self._sg.bn_stats)
             for gname in grads:  # summed over the micro-batches, and over the runs of an accumulation
                 if accumulate:
                     self._add_gradient(gname, res[gname])

@@ -6,7 +6,7 @@ become graph inputs; their new values are graph outputs. The session keeps them 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,7 +27,7 @@ from onnxtrain.graph_transforms.mixed_precision import (
 )
 from onnxtrain.graph_transforms.recompute import recompute
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, NodeWriter, model_opset
-from onnxtrain.ir.graphs import body_reads, node_reads
+from onnxtrain.ir.graphs import body_reads, is_training_batch_norm, node_reads
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.user_warning import warn
@@ -177,15 +177,13 @@ def _rewire_dropout(model: onnx.ModelProto) -> bool:
     return True
 
 
-def _bn_running_stats(model: onnx.ModelProto, names: NameGen) -> dict[str, str]:
-    """Running mean/var initializer → the forward output holding its new value (training-mode BN)."""
-    inits = {t.name for t in model.graph.initializer}
+def running_stats(nodes: Iterable[onnx.NodeProto], inits: set[str], names: NameGen) -> dict[str, str]:
+    """The running mean and variance (among ``inits``) of the training-mode BatchNormalizations among
+    ``nodes`` → the outputs holding their new values, which this names (in place) where a node leaves them
+    out. Sessions keep them as state and write back the new values of every training run."""
     stats: dict[str, str] = {}
-    for n in model.graph.node:
-        if n.op_type != "BatchNormalization":
-            continue
-        tm = next((a.i for a in n.attribute if a.name == "training_mode"), 0)
-        if not tm:
+    for n in nodes:
+        if not is_training_batch_norm(n):
             continue
         while len(n.output) < 3:
             n.output.append("")
@@ -293,7 +291,7 @@ def build_step_graphs(
         )
     names = NameGen.for_model(m)
     has_tm = _rewire_dropout(m)
-    bn = _bn_running_stats(m, names)
+    bn = running_stats(m.graph.node, {t.name for t in m.graph.initializer}, names)
     state = _inits_to_inputs(m, trainable + sorted(bn))
     # a copy without the moved weights, whose bytes m's protobuf arena keeps as long as m lives (peak RSS on
     # the onnxruntime backend, 20 steps: the MLP 108.8 -> 107.1 MiB, LeNet 93.0 -> 91.6)

@@ -8,9 +8,10 @@ its outputs, as onnxruntime's parser took it). ``"12"`` cuts a graph in two at t
 
 A node's stage is the highest stage of its inputs, plus one across a cut edge. A node that reads only graph
 inputs, initializers or other such nodes (a ``Constant``, an ``Identity`` of a weight, a label's
-preprocessing) and draws no random values runs in every stage that reads it other than across a cut,
-instead of its values being sent. :func:`partition` checks that every stage has nodes, that each cut's
-tensors are computed in the stage the cut ends and that the loss is computed in the last stage.
+preprocessing), draws no random values and keeps no running statistics runs in every stage that reads it
+other than across a cut, instead of its values being sent. :func:`partition` checks that every stage has
+nodes, that each cut's tensors are computed in the stage the cut ends and that the loss is computed in the
+last stage.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from onnxtrain.ir.graphs import RANDOM_OPS
+from onnxtrain.ir.graphs import RANDOM_OPS, is_training_batch_norm
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,12 @@ def partition(model: onnx.ModelProto, cuts: list[list[CutEdge]], loss: str) -> P
             todo.extend(producer[i] for i in nodes[k].input if i in producer)
     # a free node runs in every stage that reads it other than across a cut (where its tensor is sent),
     # and, when a cut tensor is computed from it, in the stage its inputs put it
-    floating = [k for k in range(len(nodes)) if free[k] and nodes[k].op_type not in RANDOM_OPS]
+    # (not a random node, nor a training-mode BatchNormalization: run twice, they would draw twice or update
+    # their running statistics twice)
+    floating = [
+        k for k in range(len(nodes))
+        if free[k] and nodes[k].op_type not in RANDOM_OPS and not is_training_batch_norm(nodes[k])
+    ]
     needed: dict[int, set[int]] = {}
     for k in reversed(floating):
         stages_k = {stage_of[k]} if k in feeds_cut else set()

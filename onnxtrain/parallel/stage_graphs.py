@@ -5,10 +5,11 @@ For stage ``s`` of a :class:`~onnxtrain.parallel.pipeline.Partition` (:func:`bui
 * ``forward``: the stage's inputs (graph inputs it reads, tensors received from the stage before, its
   trained weights) → the tensors later stages read and the user outputs it computes;
 * ``forward_train`` (every stage but the last): the same, plus the activations its backward reads
-  (:func:`~onnxtrain.autodiff.split.split_gradient_model`);
+  (:func:`~onnxtrain.autodiff.split.split_gradient_model`) and the new running statistics of its
+  training-mode BatchNormalizations;
 * ``backward``: those activations and the gradients of what the stage sent (``<t>_grad``, the seeds) → its
   weights' gradients and those of the float tensors it received; the last stage's backward also runs its
-  forward, from the loss (the scaled loss under mixed precision);
+  forward, from the loss (the scaled loss under mixed precision), and returns its running statistics;
 * ``update`` (when the stage trains weights): the optimizer over them, reading the whole model's gradient
   norm as the input ``global_gradient_norm`` when it clips or checks for overflow.
 """
@@ -26,12 +27,17 @@ from onnxtrain.autodiff.builder import build_gradient_model, expand_for_gradient
 from onnxtrain.autodiff.split import split_gradient_model
 from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo
 from onnxtrain.graph_transforms.recompute import recompute, transformer_layer_values
-from onnxtrain.ir.builder import value_types
+from onnxtrain.ir.builder import NameGen, value_types
 from onnxtrain.ir.graphs import node_reads
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
 from onnxtrain.parallel.pipeline import Partition
 from onnxtrain.parameters import TrainingParameters
-from onnxtrain.training_graph import TRAINING_MODE, _inits_to_inputs, build_update_graph
+from onnxtrain.training_graph import (
+    TRAINING_MODE,
+    _inits_to_inputs,
+    build_update_graph,
+    running_stats,
+)
 
 NORM = "global_gradient_norm"
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -51,7 +57,8 @@ class StageGraphs:
     seeded: list[str]  # the float tensors of ``sends`` computed here: their gradients seed the backward
     saved: list[str]  # activations ``forward_train`` returns for ``backward``
     outputs: list[str]  # user outputs computed here (the last stage: with the loss)
-    initial: dict[str, np.ndarray]  # weights and optimizer state
+    initial: dict[str, np.ndarray]  # weights, running statistics and optimizer state
+    bn_stats: dict[str, str]  # a training-mode BatchNormalization's running statistic → its new value
     specs: list[StateSpec] = field(default_factory=list)
     update_outputs: dict[str, str] = field(default_factory=dict)  # state name → the update's output
 
@@ -86,6 +93,8 @@ def build_stage_graphs(
     produced = {o for n in nodes for o in n.output if o}
     inits = {t.name: t for t in g.initializer}
     mine = [w for w in trainable if w in reads]
+    stats = running_stats(nodes, set(inits), NameGen.for_model(model))
+    held = [*mine, *stats]  # graph inputs the session feeds from its state
     received = [r for r in part.received(stage) if r in reads]
     sends = [] if last else list(part.sends[stage])
     inputs = [declare_input(v) for v in g.input if v.name in reads and v.name not in inits]
@@ -112,8 +121,10 @@ def build_stage_graphs(
         opset_imports=list(model.opset_import),
         ir_version=model.ir_version,
     )
-    graphs = {"stage": base, "forward": _with_weights_as_inputs(base, mine)[0]}
+    graphs = {"stage": base, "forward": _with_weights_as_inputs(base, held)[0]}
     wrt = [*mine, *diff_received]
+    stat_outputs = [helper.make_tensor_value_info(o, inits[x].data_type, list(inits[x].dims))
+                    for x, o in stats.items()]
     if not last:
         # a loss that does not depend on anything: the backward starts from the seeds alone
         loss = f"pipeline_stage{stage}_loss"
@@ -121,19 +132,21 @@ def build_stage_graphs(
         bw.CopyFrom(base)
         zero = numpy_helper.from_array(np.array(0, np.float32))
         bw.graph.node.append(helper.make_node("Constant", [], [loss], value=zero))
+        bw.graph.output.extend(stat_outputs)  # forward_train returns them
         bw = expand_for_gradient(bw)  # the forward the gradient model holds: split_gradient_model finds it
-        full = build_gradient_model(bw, loss, wrt, outputs=list(declared), other_ys=seeded)
-        full = _recomputed(full, loss, params, model, layers, list(declared))
-        full, initial = _with_weights_as_inputs(full, mine)
+        forward_outputs = [*declared, *stats.values()]
+        full = build_gradient_model(bw, loss, wrt, outputs=forward_outputs, other_ys=seeded)
+        full = _recomputed(full, loss, params, model, layers, forward_outputs)
+        full, initial = _with_weights_as_inputs(full, held)
         graphs["forward_train"], graphs["backward"], saved = split_gradient_model(full, bw)
     else:
         loss = mp.scaled_loss if mp is not None else params.loss_output_name
-        grad = build_gradient_model(base, loss, wrt, outputs=outputs)
+        grad = build_gradient_model(base, loss, wrt, outputs=outputs, extra_outputs=list(stats.values()))
         full = _recomputed(grad, loss, params, model, layers)
-        graphs["backward"], initial = _with_weights_as_inputs(full, mine)
+        graphs["backward"], initial = _with_weights_as_inputs(full, held)
         saved = []
     sg = StageGraphs(
-        stage, last, graphs, mine, received, diff_received, sends, seeded, saved, outputs, initial
+        stage, last, graphs, mine, received, diff_received, sends, seeded, saved, outputs, initial, stats
     )
     if mine and with_update:
         slots = [
@@ -229,13 +242,3 @@ def _copy(n: onnx.NodeProto) -> onnx.NodeProto:
 def _elem(types: Mapping[str, onnx.TypeProto], name: str) -> int:
     t = types.get(name)
     return t.tensor_type.elem_type if t is not None and t.HasField("tensor_type") else 0
-
-
-def check_stage_nodes(model: onnx.ModelProto, part: Partition) -> None:
-    """NotImplementedError naming a training-mode BatchNormalization (its running statistics)."""
-    for n, s in zip(model.graph.node, part.stage_of):
-        if n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute):
-            raise NotImplementedError(
-                f"stage {s}: training-mode BatchNormalization {n.name or n.output[0]!r} (running statistics) "
-                "is not supported when a model is cut into stages (pipeline or horizontal parallelism)"
-            )

@@ -166,6 +166,64 @@ def gelu_blocks_model(seed: int = 11) -> onnx.ModelProto:
     return _classifier(nodes, "gelu_blocks", 4, inits)
 
 
+def _batch_norm(x: str, y: str, n: int, prefix: str, rng: np.random.Generator) -> tuple:
+    """A training-mode BatchNormalization over ``n`` channels (its new running statistics as its second and
+    third outputs, as ONNX requires in training mode) and its four initializers."""
+    inits = [
+        numpy_helper.from_array(v.astype(np.float32), f"{prefix}_{k}")
+        for k, v in (
+            ("scale", 1 + 0.2 * rng.standard_normal(n)),
+            ("bias", 0.1 * rng.standard_normal(n)),
+            ("mean", 0.1 * rng.standard_normal(n)),
+            ("var", 1 + 0.3 * rng.uniform(size=n)),
+        )
+    ]
+    outs = [y, f"{prefix}_mean_out", f"{prefix}_var_out"]
+    node = helper.make_node(
+        "BatchNormalization", [x, *(t.name for t in inits)], outs, training_mode=1, momentum=0.8
+    )
+    return node, inits
+
+
+def bn_model(seed: int = 13) -> onnx.ModelProto:
+    """x → Gemm → BatchNormalization (training mode) → Relu (hr) → Gemm → BatchNormalization → Relu →
+    Gemm → loss: cut at ``hr``, each stage updates the running statistics of its own normalization. The
+    products before a normalization have no bias (as convolutions before one have none): its gradient
+    would be zero but for rounding, which Adam turns into whole steps."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n)
+        for n, s in (("W1", (16, 8)), ("W2", (16, 16)), ("W3", (4, 16)), ("b3", (4,)))
+    ]
+    bn1, i1 = _batch_norm("h", "hb", 16, "bn1", rng)
+    bn2, i2 = _batch_norm("h2", "h2b", 16, "bn2", rng)
+    nodes = [
+        helper.make_node("Gemm", ["x", "W1"], ["h"], transB=1),
+        bn1,
+        helper.make_node("Relu", ["hb"], ["hr"]),
+        helper.make_node("Gemm", ["hr", "W2"], ["h2"], transB=1),
+        bn2,
+        helper.make_node("Relu", ["h2b"], ["r2"]),
+        helper.make_node("Gemm", ["r2", "W3", "b3"], ["logits"], transB=1),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"]),
+    ]
+    return _classifier(nodes, "bn", 4, [*inits, *i1, *i2])
+
+
+def bn_blocks_model() -> onnx.ModelProto:
+    """``gelu_blocks_model`` on its input normalized by a training-mode BatchNormalization (ahead of the
+    two split blocks and the residual): every rank computes it whole and keeps the same running
+    statistics."""
+    m = gelu_blocks_model()
+    g = m.graph
+    for n in g.node:
+        n.input[:] = ["xb" if i == "x" else i for i in n.input]
+    bn, inits = _batch_norm("x", "xb", 8, "bn", np.random.default_rng(17))
+    g.node.insert(0, bn)
+    g.initializer.extend(inits)
+    return m
+
+
 def gelu_dropout_model(seed: int | None = None) -> onnx.ModelProto:
     """``gelu_blocks_model`` with a Dropout (ratio 0.3, unseeded unless ``seed``) on the residual sum
     between its two blocks: a node every rank of a split runs whole."""
@@ -364,6 +422,11 @@ for _case in ("adam_h2_gelu_recompute", "adam_h2_gelu_ckpt"):
     CASES[_case] = CASES["adam_h2_gelu_blocks"]
     HORIZONTAL[_case] = 2
 CASES["adam2_dropout_ckpt_m1"] = CASES["adam2_dropout_m1"]
+# training-mode BatchNormalization: in both stages of a pipeline (its running statistics updated by each
+# micro-batch's forward, as one process's micro-steps update them), and between two split blocks
+CASES["adam2_bn_clip"] = (bn_model, 2, "hr", 2, "AdamOptimizer", True)
+CASES["adam_h2_bn_blocks"] = (bn_blocks_model, 1, "", 1, "AdamOptimizer", True)
+HORIZONTAL["adam_h2_bn_blocks"] = 2
 # data-parallel replicas (default 1)
 REPLICAS = {"adam2x2_tied_clip": 2, "adam_h2x2_gelu_blocks": 2, "adam_h2x2_acc2_clip": 2}
 REPLICAS.update({c: 2 for c in (*H_ZERO, *H_ADASUM)})

@@ -19,6 +19,7 @@ from onnxtrain.session_horizontal import SHARE_SEED_STEP
 from onnxtrain.training_graph import select_trainable
 from tests.parallel.conftest import run_mpi
 from tests.parallel.pipeline_worker import (
+    _batch_norm,
     attention_dropout_model,
     gelu_block_dropout_model,
     gelu_blocks_model,
@@ -44,6 +45,31 @@ def test_split_blocks_train_as_one_process(tmp_path) -> None:
     # differently from one product over all 16
     compare(got, "adam_h2_clip", 2e-6)
     compare(got, "adam_h2_gelu_blocks", 2e-6)
+
+
+@pytest.mark.mpi
+def test_batch_norm_between_split_blocks(tmp_path) -> None:
+    """A training-mode BatchNormalization on the residual between the two split blocks runs whole on every
+    rank: the weights and its running statistics move as one process's."""
+    got = pipelined(tmp_path, ["adam_h2_bn_blocks"], 2)
+    compare(got, "adam_h2_bn_blocks", 2e-6)
+    assert {"bn_mean", "bn_var"} <= {k.split("/", 2)[2] for k in got if "/state/" in k}
+
+
+def test_a_block_with_batch_norm_inside_stays_whole() -> None:
+    """Between a block's two products, a training-mode BatchNormalization would see a share of the
+    channels: such a block is not split (the next one still is)."""
+    m = gelu_blocks_model()
+    g = m.graph
+    k = next(i for i, n in enumerate(g.node) if n.output[0] == "g1")
+    bn, inits = _batch_norm("g1", "g1b", 16, "inner", np.random.default_rng(0))
+    g.node.insert(k + 1, bn)
+    next(n for n in g.node if n.op_type == "MatMul" and n.input[0] == "g1").input[0] = "g1b"
+    g.initializer.extend(inits)
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    trainable = select_trainable(m, p)
+    assert [(b.w1, b.w2) for b in find_mlp_blocks(m, trainable, 2)] == [("W3", "W4")]
 
 
 @pytest.mark.mpi

@@ -25,6 +25,8 @@ from tests.parallel.pipeline_worker import (
     LR,
     REPLICAS,
     STEPS,
+    bn_blocks_model,
+    bn_model,
     case_feeds,
     dropout_model,
     eval_output,
@@ -95,6 +97,18 @@ def compare(got: dict[str, np.ndarray], case: str, tol: float, model: onnx.Model
             got[f"{case}/state/{k}"], v, rtol=tol, atol=tol * float(np.abs(v).max()), err_msg=f"{case}: {k}"
         )
     np.testing.assert_allclose(got[f"{case}/eval"], out, rtol=tol, atol=tol, err_msg=case)
+
+
+@pytest.mark.mpi
+def test_batch_norm_running_statistics_in_both_stages(tmp_path) -> None:
+    """A training-mode BatchNormalization in each stage: each micro-batch's forward updates its running
+    statistics (momentum 0.8), as each micro-step of one process does; the statistics are state (gathered,
+    compared with one process's after 6 steps of 2 micro-batches) and move away from their start."""
+    got = pipelined(tmp_path, ["adam2_bn_clip"], 2)
+    compare(got, "adam2_bn_clip", 1e-6)
+    start = {t.name: numpy_helper.to_array(t) for t in bn_model().graph.initializer}
+    for stat in ("bn1_mean", "bn1_var", "bn2_mean", "bn2_var"):
+        assert np.abs(got[f"adam2_bn_clip/state/{stat}"] - start[stat]).max() > 1e-2, stat
 
 
 @pytest.mark.mpi
@@ -430,6 +444,14 @@ def test_partition_places_nodes_and_lists_what_crosses() -> None:
         "loss",
     ]
     assert part3.runs(names.index("shape")) == {0, 1} and part3.sends == [["t"]]
+    # but a training-mode BatchNormalization of an input (xb, read on both sides of the cut) runs once:
+    # twice, it would update its running statistics twice; its output crosses the cut instead
+    m4 = bn_blocks_model()
+    part4 = partition(m4, parse_cut_info("o1", 2), "loss")
+    assert part4.runs(0) == {0} and part4.sends == [["xb", "o1"]]
+    m4.graph.node[0].attribute[-1].i = 0  # in inference mode it is a function of an input alone: it floats
+    part5 = partition(m4, parse_cut_info("o1", 2), "loss")
+    assert part5.runs(0) == {0, 1} and part5.sends == [["o1"]]
 
 
 @pytest.mark.parametrize(
