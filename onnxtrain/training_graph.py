@@ -448,10 +448,17 @@ def build_step_graphs(
         initial[b] = np.zeros_like(state[wt])
     # evaluation: the (transformed) forward alone, without the loss scaling
     fwd_outputs = [o for o in grad.graph.output if o.name in user_outputs]
-    fwd_inputs = [i for i in fwd_model.graph.input if mp is None or i.name != mp.loss_scale]
+    fwd_inputs = [
+        i for i in fwd_model.graph.input if (mp is None or i.name != mp.loss_scale) and i.name not in bn
+    ]
     fwd = _finish(
         list(fwd_model.graph.node), fwd_model, fwd_inputs, fwd_outputs, fwd_model.graph.name or "forward"
     )
+    # the running statistics are constants there: a training-mode normalization's output does not read them,
+    # and onnxruntime writes their new values into the buffer it is given for them when the graph does not
+    # return them (an evaluation run changed the session's statistics on that backend)
+    read = {i for n in fwd.graph.node for i in node_reads(n)}
+    fwd.graph.initializer.extend(numpy_helper.from_array(state[s], s) for s in sorted(bn) if s in read)
     return StepGraphs(
         forward=fwd,
         full=full,

@@ -121,7 +121,9 @@ def build_stage_graphs(
         opset_imports=list(model.opset_import),
         ir_version=model.ir_version,
     )
-    graphs = {"stage": base, "forward": _with_weights_as_inputs(base, held)[0]}
+    # the running statistics stay constants of the forward-only graph: a training-mode normalization's output
+    # does not read them, and onnxruntime writes their new values into the buffer it is given for them
+    graphs = {"stage": base, "forward": _with_weights_as_inputs(base, mine)[0]}
     wrt = [*mine, *diff_received]
     stat_outputs = [helper.make_tensor_value_info(o, inits[x].data_type, list(inits[x].dims))
                     for x, o in stats.items()]

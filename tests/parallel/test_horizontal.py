@@ -200,8 +200,10 @@ def test_onnxruntime_backend_split_attention(tmp_path, monkeypatch) -> None:
 @pytest.mark.mpi
 def test_onnxruntime_backend_split_blocks(tmp_path) -> None:
     pytest.importorskip("onnxruntime")
-    got = pipelined(tmp_path, ["adam_h2_clip"], 2, env={"ONNXTRAIN_TEST_BACKEND": "onnxruntime"})
+    env = {"ONNXTRAIN_TEST_BACKEND": "onnxruntime"}
+    got = pipelined(tmp_path, ["adam_h2_clip", "adam_h2_bn_blocks"], 2, env=env)
     compare(got, "adam_h2_clip", 1e-5)
+    compare(got, "adam_h2_bn_blocks", 1e-5)
 
 
 # ---- which blocks split (one process) ---------------------------------------------------------------------
