@@ -304,6 +304,10 @@ def shard_blocks(
             _shrink_split(g, g.node[k], size)
         for k, axis, full in b.reshapes:
             before.setdefault(k, []).extend(_shrink_reshape(g, g.node[k], axis, full // size))
+        for k in getattr(b, "heads", ()):  # 3-D Attention: the rank's share of the head counts
+            for a in g.node[k].attribute:
+                if a.name in ("q_num_heads", "kv_num_heads"):
+                    a.i //= size
         partial = second.output[0]
         if second.op_type == "Gemm" and len(second.input) > 2 and second.input[2]:
             partial = f"{second.output[0]}_megatron_g{b_index}"

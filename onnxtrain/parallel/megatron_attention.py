@@ -43,6 +43,7 @@ class AttentionBlock:
     rows: Share  # the output projection's weight, split by input features
     reshapes: tuple[tuple[int, int, int], ...]  # (Reshape node, its output's heads axis, the full size there)
     splits: tuple[int, ...]  # the Splits of a fused QKV product
+    heads: tuple[int, ...] = ()  # ONNX Attention nodes on 3-D inputs: their head counts shrink
 
 
 def find_attention_blocks(
@@ -73,9 +74,10 @@ def _is_exit(ix: GraphIndex, r: int, v: str) -> bool:
 
 
 def _reaches_reshape(ix: GraphIndex, entries: list[int]) -> bool:
-    """The products ``entries`` flow into a ``Reshape`` before the next product: heads, possibly."""
+    """The products ``entries`` flow into a ``Reshape`` (or ONNX's ``Attention``, which reshapes 3-D inputs
+    itself) before the next product: heads, possibly."""
     walked = walk_block(ix, [ix.nodes[k].output[0] for k in entries], partial(_is_exit, ix), lambda r: True)
-    return walked is not None and any(ix.nodes[r].op_type == "Reshape" for r in walked[0])
+    return walked is not None and any(ix.nodes[r].op_type in ("Reshape", "Attention") for r in walked[0])
 
 
 def probe_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]] | None:
@@ -152,14 +154,16 @@ def _attention(
     if len(exits) != 1:
         return None
     (second,) = exits
-    reshapes = []
+    reshapes, heads = [], []
     for r in sorted(inside - set(splits)):
         if not _heads_axis(ix, shapes, r, axis, size):
             return None
         if nodes[r].op_type == "Reshape":
             k = axis[nodes[r].output[0]]
             reshapes.append((r, k, shapes[nodes[r].output[0]][k]))
-    if not reshapes:  # no heads: an MLP block's shape, found by onnxtrain.parallel.megatron
+        if nodes[r].op_type == "Attention" and len(shapes[nodes[r].input[0]]) == 3:
+            heads.append(r)
+    if not reshapes and not heads:  # no heads: an MLP block's shape, found by onnxtrain.parallel.megatron
         return None
     v = nodes[second].input[0]
     w2, w2_out = ix.product(second)
@@ -167,7 +171,14 @@ def _attention(
     if v not in axis or axis[v] != len(shapes[v]) - 1 or int(ix.inits[w2].dims[1 - w2_out]) != d:
         return None
     return AttentionBlock(
-        x, tuple(entries), second, tuple(columns), (w2, 1 - w2_out, (d,)), tuple(reshapes), tuple(splits)
+        x,
+        tuple(entries),
+        second,
+        tuple(columns),
+        (w2, 1 - w2_out, (d,)),
+        tuple(reshapes),
+        tuple(splits),
+        tuple(heads),
     )
 
 
@@ -232,7 +243,7 @@ def _heads_axis(
         axis[out] = aligned.pop()
         return True
     if n.op_type == "Attention":
-        return _attention_node(ix, shapes, n, axis, attrs)
+        return _attention_node(ix, shapes, n, axis, attrs, size)
     if n.op_type in ("Softmax", "LogSoftmax"):
         a = axis[n.input[0]]
         if attrs.get("axis", -1) % ro == a:
@@ -261,16 +272,27 @@ def _heads_axis(
 
 
 def _attention_node(
-    ix: GraphIndex, shapes: dict[str, tuple[int, ...]], n: onnx.NodeProto, axis: dict[str, int], attrs: dict
+    ix: GraphIndex,
+    shapes: dict[str, tuple[int, ...]],
+    n: onnx.NodeProto,
+    axis: dict[str, int],
+    attrs: dict,
+    size: int,
 ) -> bool:
-    """ONNX's ``Attention`` (opset 23) on 4-D Q, K and V with the heads on axis 1: each rank attends with its
-    own heads (grouped key/value heads split alike, so each query head keeps its group). Refused: 3-D inputs
-    (head counts as attributes), past keys and values, outputs besides Y, a trained mask or one that varies
-    along the heads."""
+    """ONNX's ``Attention`` (opset 23) on Q, K and V with their heads on axis 1 of 4-D inputs, or packed in
+    the last axis of 3-D ones (counted by ``q_num_heads`` and ``kv_num_heads``, which each rank's share
+    divides by the ranks): each rank attends with its own heads (grouped key/value heads split alike, so
+    each query head keeps its group). Refused: past keys and values, outputs besides Y, a trained mask or
+    one that varies along the heads."""
     q, k, v = n.input[:3]
-    if any(i not in axis or len(shapes[i]) != 4 or axis[i] != 1 for i in (q, k, v)):
+    rank = len(shapes[q]) if q in shapes else 0
+    if rank not in (3, 4) or any(i not in axis or len(shapes[i]) != rank for i in (q, k, v)):
         return False
-    if any(n.input[4:]) or any(n.output[1:]) or "q_num_heads" in attrs or "kv_num_heads" in attrs:
+    heads_axis = 1 if rank == 4 else 2
+    if any(axis[i] != heads_axis for i in (q, k, v)) or any(n.input[4:]) or any(n.output[1:]):
+        return False
+    counts = [attrs.get("q_num_heads", 0), attrs.get("kv_num_heads", 0)]
+    if rank == 3 and any(c < size or c % size for c in counts):
         return False
     mask = n.input[3] if len(n.input) > 3 else ""
     if mask:
@@ -279,5 +301,5 @@ def _attention_node(
         s = shapes[mask]
         if len(s) >= 3 and s[len(s) - 3] != 1:  # aligned with (batch, heads, queries, keys) from the right
             return False
-    axis[n.output[0]] = 1
+    axis[n.output[0]] = heads_axis
     return True

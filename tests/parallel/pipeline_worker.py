@@ -224,6 +224,34 @@ def bn_blocks_model() -> onnx.ModelProto:
     return m
 
 
+def attention3d_model(seed: int = 19) -> onnx.ModelProto:
+    """ONNX's Attention op (opset 23) on 3-D inputs, the heads packed in the last axis and counted by its
+    attributes: x → a product reshaped to 4 positions of 8 → Q (4 heads of 2), K and V (2 heads of 2) →
+    causal Attention → output projection, residual → mean over the positions → logits."""
+    rng = np.random.default_rng(seed)
+    shapes = (("W0", (8, 32)), ("Wq", (8, 8)), ("Wk", (8, 4)), ("Wv", (8, 4)), ("Wo", (8, 8)), ("W5", (8, 4)),
+              ("b5", (4,)))
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.4).astype(np.float32), n) for n, s in shapes]
+    consts = {"seq": [-1, 4, 8], "positions": [1]}
+    nodes = [
+        *(helper.make_node("Constant", [], [n], value=numpy_helper.from_array(np.array(v, np.int64)))
+          for n, v in consts.items()),
+        helper.make_node("MatMul", ["x", "W0"], ["h0"]),
+        helper.make_node("Reshape", ["h0", "seq"], ["s"]),
+        *(helper.make_node("MatMul", ["s", w], [o]) for w, o in (("Wq", "q"), ("Wk", "k"), ("Wv", "v"))),
+        helper.make_node("Attention", ["q", "k", "v"], ["a"], q_num_heads=4, kv_num_heads=2, is_causal=1),
+        helper.make_node("MatMul", ["a", "Wo"], ["o"]),
+        helper.make_node("Add", ["o", "s"], ["r"]),
+        helper.make_node("ReduceMean", ["r", "positions"], ["m"], keepdims=0),
+        helper.make_node("MatMul", ["m", "W5"], ["z"]),
+        helper.make_node("Add", ["z", "b5"], ["logits"]),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"]),
+    ]
+    m = _classifier(nodes, "attention3d", 4, inits)
+    m.opset_import[0].version = 23
+    return m
+
+
 def gelu_dropout_model(seed: int | None = None) -> onnx.ModelProto:
     """``gelu_blocks_model`` with a Dropout (ratio 0.3, unseeded unless ``seed``) on the residual sum
     between its two blocks: a node every rank of a split runs whole."""
@@ -427,6 +455,9 @@ CASES["adam2_dropout_ckpt_m1"] = CASES["adam2_dropout_m1"]
 CASES["adam2_bn_clip"] = (bn_model, 2, "hr", 2, "AdamOptimizer", True)
 CASES["adam_h2_bn_blocks"] = (bn_blocks_model, 1, "", 1, "AdamOptimizer", True)
 HORIZONTAL["adam_h2_bn_blocks"] = 2
+# ONNX's Attention op on 3-D inputs: each rank's heads, its head counts halved
+CASES["adam_h2_heads_op_3d"] = (attention3d_model, 1, "", 1, "AdamOptimizer", True)
+HORIZONTAL["adam_h2_heads_op_3d"] = 2
 # data-parallel replicas (default 1)
 REPLICAS = {"adam2x2_tied_clip": 2, "adam_h2x2_gelu_blocks": 2, "adam_h2x2_acc2_clip": 2}
 REPLICAS.update({c: 2 for c in (*H_ZERO, *H_ADASUM)})

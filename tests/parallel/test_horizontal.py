@@ -20,6 +20,7 @@ from onnxtrain.training_graph import select_trainable
 from tests.parallel.conftest import run_mpi
 from tests.parallel.pipeline_worker import (
     _batch_norm,
+    attention3d_model,
     attention_dropout_model,
     gelu_block_dropout_model,
     gelu_blocks_model,
@@ -35,7 +36,7 @@ from tests.parallel.test_pipeline import (
     torch_llama_case,
     torch_transformer_case,
 )
-from tests.session.helpers import mlp_model
+from tests.session.helpers import batches, mlp_model
 
 
 @pytest.mark.mpi
@@ -437,6 +438,40 @@ def test_attention_op_heads_and_gated_mlp_split() -> None:
     # the SwiGLU MLP: gate and up split by columns alike, down by rows
     assert [w for w, _, _ in mlp.columns] == ["gate.weight", "up.weight"] and mlp.rows[0] == "down.weight"
     _shares_sum_to_the_whole(model, mlp, feeds)
+
+
+def test_attention_op_on_3d_inputs_splits_its_head_counts() -> None:
+    """ONNX's Attention op on 3-D inputs (4 query heads over 2 key/value heads packed in the last axis,
+    causal): each rank's share attends with half of each head count (its attributes halved); the shares of
+    the output projection (onnx.reference running the op) add up to the whole."""
+    model = attention3d_model()
+    trainable = [t.name for t in model.graph.initializer]
+    (attn,) = _split_blocks(model, trainable, 2)
+    at = [k for k, n in enumerate(model.graph.node) if n.op_type == "Attention"]
+    assert attn.heads == tuple(at) and [w for w, _, _ in attn.columns] == ["Wq", "Wk", "Wv"]
+    sharded, _, _ = shard_blocks(model, [attn], 1, 2)
+    (node,) = [n for n in sharded.graph.node if n.op_type == "Attention"]
+    assert {a.name: a.i for a in node.attribute if a.name.endswith("_num_heads")} == {
+        "q_num_heads": 2, "kv_num_heads": 1
+    }
+    x, y = batches(1, 5)[0]
+    _shares_sum_to_the_whole(model, attn, {"x": x, "y": y})
+    # head counts that do not divide by the ranks keep the attention whole
+    odd = attention3d_model()
+    next(a for n in odd.graph.node if n.op_type == "Attention" for a in n.attribute
+         if a.name == "kv_num_heads").i = 1
+    next(t for t in odd.graph.initializer if t.name == "Wk").CopyFrom(
+        numpy_helper.from_array(np.ones((8, 2), np.float32), "Wk"))
+    next(t for t in odd.graph.initializer if t.name == "Wv").CopyFrom(
+        numpy_helper.from_array(np.ones((8, 2), np.float32), "Wv"))
+    assert find_attention_blocks(odd, trainable, 2) == []
+
+
+@pytest.mark.mpi
+def test_attention_op_on_3d_inputs_trains_split(tmp_path) -> None:
+    """The same model over two ranks (Adam with clipping): the weights move as one process's."""
+    got = pipelined(tmp_path, ["adam_h2_heads_op_3d"], 2)
+    compare(got, "adam_h2_heads_op_3d", 2e-6)
 
 
 def test_fused_qkv_shares_take_each_part() -> None:
