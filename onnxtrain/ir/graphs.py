@@ -13,10 +13,10 @@ RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomUniform", "RandomNorma
                         "Bernoulli", "Multinomial"})
 
 
-
 def is_training_batch_norm(n: onnx.NodeProto) -> bool:
     """Whether ``n`` is a BatchNormalization in training mode (it computes new running statistics)."""
     return n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute)
+
 
 def subgraphs(node: onnx.NodeProto) -> Iterable[onnx.GraphProto]:
     """The graphs held by a node's attributes (If's branches, Loop's and Scan's bodies)."""
