@@ -453,6 +453,7 @@ CASES["adam2_dropout_ckpt_m1"] = CASES["adam2_dropout_m1"]
 # training-mode BatchNormalization: in both stages of a pipeline (its running statistics updated by each
 # micro-batch's forward, as one process's micro-steps update them), and between two split blocks
 CASES["adam2_bn_clip"] = (bn_model, 2, "hr", 2, "AdamOptimizer", True)
+CASES["adam2_bn_mp_clip"] = CASES["adam2_bn_clip"]  # and under mixed precision (LOSS_SCALE below)
 CASES["adam_h2_bn_blocks"] = (bn_blocks_model, 1, "", 1, "AdamOptimizer", True)
 HORIZONTAL["adam_h2_bn_blocks"] = 2
 # ONNX's Attention op on 3-D inputs: each rank's heads, its head counts halved
@@ -463,7 +464,8 @@ REPLICAS = {"adam2x2_tied_clip": 2, "adam_h2x2_gelu_blocks": 2, "adam_h2x2_acc2_
 REPLICAS.update({c: 2 for c in (*H_ZERO, *H_ADASUM)})
 REPLICAS.update({c: 2 for c in ("adam2x2_clip", "adam2x2_mp_clip", *ZERO, *ADASUM)})
 # the mixed-precision cases' loss scale
-LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30, "adam2_mp_resumed": 256.0}
+LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30, "adam2_mp_resumed": 256.0,
+              "adam2_bn_mp_clip": 256.0}
 LOSS_SCALE.update(  # the half overflow's comes from its inputs, not its scale
     {c: 1e30 if c.endswith("_overflow") and "_half_" not in c else 256.0 for c in CASES if "x2_mp_" in c}
 )
