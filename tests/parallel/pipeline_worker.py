@@ -417,7 +417,8 @@ CASES["adam2x2_mp_adasum_clip"] = CASES["adam2x2_clip"]
 CASES["adam2x2_mp_adasum_overflow"] = CASES["adam2x2_mp_zero_overflow"]
 # the second replica's inputs overflow float16 (its half of every batch times 1e5): no replica updates
 CASES["adam2x2_mp_adasum_half_overflow"] = CASES["adam2x2_clip"]
-ZERO = {"adam2x2_zero_clip", "adam2x2_tied_zero_resumed", "adam2x2_mp_zero_clip", "adam2x2_mp_zero_overflow"}
+ZERO = {"adam2x2_zero_clip", "adam2x2_tied_zero_resumed", "adam2x2_mp_zero_clip", "adam2x2_mp_zero_overflow",
+        "adam2x2_bn_zero_clip"}
 ADASUM = {"adam2x2_adasum_clip", "adam2x2_mp_adasum_clip", "adam2x2_mp_adasum_overflow",
           "adam2x2_mp_adasum_half_overflow"}
 # a Dropout between the split blocks: the ranks draw the same masks (a seed they agree on)
@@ -454,6 +455,9 @@ CASES["adam2_dropout_ckpt_m1"] = CASES["adam2_dropout_m1"]
 # micro-batch's forward, as one process's micro-steps update them), and between two split blocks
 CASES["adam2_bn_clip"] = (bn_model, 2, "hr", 2, "AdamOptimizer", True)
 CASES["adam2_bn_mp_clip"] = CASES["adam2_bn_clip"]  # and under mixed precision (LOSS_SCALE below)
+# two stages × two replicas (each replica keeps its own statistics), with ZeRO stage 1 and without
+CASES["adam2x2_bn_clip"] = CASES["adam2_bn_clip"]
+CASES["adam2x2_bn_zero_clip"] = CASES["adam2_bn_clip"]
 CASES["adam_h2_bn_blocks"] = (bn_blocks_model, 1, "", 1, "AdamOptimizer", True)
 HORIZONTAL["adam_h2_bn_blocks"] = 2
 # ONNX's Attention op on 3-D inputs: each rank's heads, its head counts halved
@@ -462,7 +466,7 @@ HORIZONTAL["adam_h2_heads_op_3d"] = 2
 # data-parallel replicas (default 1)
 REPLICAS = {"adam2x2_tied_clip": 2, "adam_h2x2_gelu_blocks": 2, "adam_h2x2_acc2_clip": 2}
 REPLICAS.update({c: 2 for c in (*H_ZERO, *H_ADASUM)})
-REPLICAS.update({c: 2 for c in ("adam2x2_clip", "adam2x2_mp_clip", *ZERO, *ADASUM)})
+REPLICAS.update({c: 2 for c in ("adam2x2_clip", "adam2x2_mp_clip", "adam2x2_bn_clip", *ZERO, *ADASUM)})
 # the mixed-precision cases' loss scale
 LOSS_SCALE = {"adam2_mp_clip": 256.0, "lamb2_mp_overflow": 1e30, "adam2_mp_resumed": 256.0,
               "adam2_bn_mp_clip": 256.0}

@@ -156,11 +156,13 @@ def test_zero_and_adasum_within_each_stage_of_two_by_two(tmp_path) -> None:
     own gradients, the stage's replicas combine the deltas; checked against one process per replica whose
     deltas the float64 formula (``adasum_reference``) combines."""
     zero = ["adam2x2_zero_clip", "adam2x2_tied_zero_resumed"]
-    got = pipelined(tmp_path, ["adam2x2_clip", *zero, "adam2x2_adasum_clip"], 4)
+    bn = ["adam2x2_bn_clip", "adam2x2_bn_zero_clip"]  # each replica keeps its own running statistics
+    got = pipelined(tmp_path, ["adam2x2_clip", *zero, "adam2x2_adasum_clip", *bn], 4)
     for case in zero:
         compare(got, case, 1e-6)
     assert_same_run(got, "adam2x2_zero_clip", "adam2x2_clip")
     assert_adasum(got, "adam2x2_adasum_clip", "adam2x2_clip")
+    assert_same_run(got, *reversed(bn))
 
 
 @pytest.mark.mpi
