@@ -452,7 +452,7 @@ for _case in ("adam_h2_gelu_recompute", "adam_h2_gelu_ckpt"):
     HORIZONTAL[_case] = 2
 CASES["adam2_dropout_ckpt_m1"] = CASES["adam2_dropout_m1"]
 # training-mode BatchNormalization: in both stages of a pipeline (its running statistics updated by each
-# micro-batch's forward, as one process's micro-steps update them), and between two split blocks
+# micro-batch's forward, as one process's micro-steps update them), and ahead of two split blocks
 CASES["adam2_bn_clip"] = (bn_model, 2, "hr", 2, "AdamOptimizer", True)
 CASES["adam2_bn_mp_clip"] = CASES["adam2_bn_clip"]  # and under mixed precision (LOSS_SCALE below)
 # two stages × two replicas (each replica keeps its own statistics), with ZeRO stage 1 and without

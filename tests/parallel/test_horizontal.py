@@ -49,9 +49,10 @@ def test_split_blocks_train_as_one_process(tmp_path) -> None:
 
 
 @pytest.mark.mpi
-def test_batch_norm_between_split_blocks(tmp_path) -> None:
-    """A training-mode BatchNormalization on the residual between the two split blocks runs whole on every
-    rank: the weights and its running statistics move as one process's."""
+def test_batch_norm_outside_split_blocks(tmp_path) -> None:
+    """A training-mode BatchNormalization of the input, ahead of the two split blocks (and read again by the
+    residual between them), runs whole on every rank: the weights and its running statistics move as one
+    process's."""
     got = pipelined(tmp_path, ["adam_h2_bn_blocks"], 2)
     compare(got, "adam_h2_bn_blocks", 2e-6)
     assert {"bn_mean", "bn_var"} <= {k.split("/", 2)[2] for k in got if "/state/" in k}
