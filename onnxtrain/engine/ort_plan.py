@@ -82,8 +82,9 @@ class OrtPlan(GraphInterface):
         self._device = "cuda" if names[0] == "CUDAExecutionProvider" else "cpu"
         # tensors only go through the IOBinding; sequences/optionals take session.run
         self._tensor_io = all(v.type.HasField("tensor_type") for v in (*g.input, *g.output))
-        # onnxtrain's own rewrites (onnxtrain/engine/ort_rewrites.py), unless optimisations are off
-        self.onnxruntime_model = model if _optimizations_off(options) else rewrite_for_onnxruntime(model)
+        # onnxtrain's own rewrites (onnxtrain/engine/ort_rewrites.py): those that speed it up unless
+        # optimisations are off
+        self.onnxruntime_model = rewrite_for_onnxruntime(model, optimise=not _optimizations_off(options))
         self._session = self._create_session(self.onnxruntime_model, options, names, opts)
         # overridable initializers cannot be bound (onnxruntime's IOBinding knows the inputs proper only)
         self._bindable = {i.name for i in self._session.get_inputs()}

@@ -26,6 +26,11 @@ scores: 386 and 247 µs for the GPT decoder's two [16, 4, 64, 64] masks. It beco
 ``Add(x, Where(mask, -inf, 0))``, whose Where runs on the mask's own shape ([1, 1, 64, 64]) and whose Add
 broadcasts fast: 91 + 14 and 38 + 14 µs (kernel times, profiled steps). The values are the same where x
 is finite; a masked x that is NaN or the opposite infinity gives NaN, and an unmasked −0 gives +0.
+
+A BatchNormalization in inference mode that names running-statistics outputs nothing reads (the eval model
+onnxruntime-training's artifact generator writes for a model exported in training mode) loses them, even
+with onnxruntime's optimisations off: onnxruntime refuses to load the node otherwise ("should be 1 when
+Training_mode = False"), while the numpy engine ignores them.
 """
 
 from __future__ import annotations
@@ -43,8 +48,10 @@ _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
 _MIN_OPSET = 11  # Range
 
 
-def rewrite_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with the rewrites above applied (a copy), or ``model`` itself when none applies."""
+def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> onnx.ModelProto:
+    """``model`` with the rewrites above applied (a copy), or ``model`` itself when none applies; without
+    ``optimise`` (onnxruntime's optimisations turned off) only the one onnxruntime needs to load the graph,
+    the BatchNormalization outputs'."""
     types: dict = {}  # value types of ``model``, inferred once, when a rewrite needs them (the rewrites
     # keep the types of the values they read)
 
@@ -53,7 +60,30 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
             types.update(value_types(model))
         return types
 
-    return _infinite_fills(_mask_multiplies(_pool_indices(model, typed), typed))
+    if optimise:
+        model = _infinite_fills(_mask_multiplies(_pool_indices(model, typed), typed))
+    return _inference_batch_norms(model)
+
+
+def _inference_batch_norms(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Inference-mode BatchNormalizations without the running-statistics outputs nothing reads (from opset 14,
+    where the ``training_mode`` attribute, not the number of outputs, sets the mode)."""
+    if model_opset(model) < 14:
+        return model
+    read = {i for n in model.graph.node for i in node_reads(n)} | {o.name for o in model.graph.output}
+    found = [
+        k for k, n in enumerate(model.graph.node)
+        if n.op_type == "BatchNormalization" and len(n.output) > 1
+        and not any(a.name == "training_mode" and a.i for a in n.attribute)
+        and not read & set(n.output[1:])
+    ]
+    if not found:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for k in found:
+        del out.graph.node[k].output[1:]
+    return out
 
 
 def _mask_multiplies(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:

@@ -282,3 +282,40 @@ def test_where_with_a_finite_fill_stays() -> None:
 def run_feeds(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("optimised", [True, False])
+def test_inference_batch_norm_loses_outputs_nothing_reads(optimised: bool) -> None:
+    """onnxruntime-training's eval model keeps the running-statistics outputs of an inference-mode
+    BatchNormalization, which onnxruntime refuses to load: dropped (also with its optimisations off), the
+    onnxruntime plan gives the numpy engine's values."""
+    from onnxtrain import SessionOptions
+
+    rng = np.random.default_rng(4)
+    inits = [onnx.numpy_helper.from_array(v.astype(np.float32), n) for n, v in (
+        ("scale", 1 + 0.1 * rng.standard_normal(3)), ("bias", rng.standard_normal(3)),
+        ("mean", rng.standard_normal(3)), ("var", 1 + rng.uniform(size=3)))]
+    node = helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["y", "m", "v"],
+                            training_mode=0)
+    g = helper.make_graph([node], "bn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, 4])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    with pytest.raises(Exception, match="Training_mode = False"):
+        run(model, np.zeros((1, 3, 4), np.float32))
+    new = rewrite_for_onnxruntime(model, optimise=optimised)
+    onnx.checker.check_model(new, full_check=True)
+    assert list(new.graph.node[0].output) == ["y"]
+    so = SessionOptions()
+    if not optimised:
+        so.graph_optimization_level = 0
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    got = make_plan(model, "onnxruntime", options=so).run({"x": x})[0]
+    np.testing.assert_allclose(got, make_plan(model).run({"x": x})[0], rtol=1e-6, atol=1e-6)
+    # read by a node, or a graph output: left as it is (onnxruntime then names the node)
+    model.graph.output.append(helper.make_tensor_value_info("m", TensorProto.FLOAT, [3]))
+    assert rewrite_for_onnxruntime(model) is model
+    # before opset 14 the outputs set the mode: left as they are
+    model.graph.output.pop()
+    model.opset_import[0].version = 13
+    del model.graph.node[0].attribute[:]
+    assert rewrite_for_onnxruntime(model) is model
