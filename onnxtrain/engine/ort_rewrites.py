@@ -42,7 +42,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.builder import NameGen, model_opset, static_shape, value_types
-from onnxtrain.ir.graphs import node_reads
+from onnxtrain.ir.graphs import is_training_batch_norm, node_reads
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
 _MIN_OPSET = 11  # Range
@@ -74,8 +74,7 @@ def _inference_batch_norms(model: onnx.ModelProto) -> onnx.ModelProto:
     found = [
         k for k, n in enumerate(model.graph.node)
         if n.op_type == "BatchNormalization" and len(n.output) > 1
-        and not any(a.name == "training_mode" and a.i for a in n.attribute)
-        and not read & set(n.output[1:])
+        and not is_training_batch_norm(n) and not read & set(n.output[1:])
     ]
     if not found:
         return model
