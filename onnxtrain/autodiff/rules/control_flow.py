@@ -240,10 +240,13 @@ def scan_grad(g: GradCtx) -> None:
             rank = g.rank(n + o, output=True)
             back.incoming(forward.output[n + o].name, back.gather(g.dy(n + o), pos, out_axes[o] % rank))
     # a body may leave its formal inputs untyped (ONNX's LinearAttention body): the state's type, and the
-    # scan input's without its scan axis
+    # scan input's without its scan axis; a declared type stays
     typed = {formal[j]: state_types[j] for j in range(n)}
     for q in range(m):
         tp = g._bw.types.get(node.input[n + q])
+        declared = body.input[n + q].type
+        if declared.HasField("tensor_type") and declared.tensor_type.HasField("shape"):
+            continue
         if tp is not None and tp.HasField("tensor_type") and tp.tensor_type.HasField("shape"):
             typed[formal[n + q]] = _without_axis(tp, in_axes[q] % ranks[q])
     dxs, stacks = back.emit(forward, [formal[n + q] for q in sliced], typed)
