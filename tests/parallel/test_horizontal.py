@@ -461,10 +461,9 @@ def test_attention_op_on_3d_inputs_splits_its_head_counts() -> None:
     odd = attention3d_model()
     next(a for n in odd.graph.node if n.op_type == "Attention" for a in n.attribute
          if a.name == "kv_num_heads").i = 1
-    next(t for t in odd.graph.initializer if t.name == "Wk").CopyFrom(
-        numpy_helper.from_array(np.ones((8, 2), np.float32), "Wk"))
-    next(t for t in odd.graph.initializer if t.name == "Wv").CopyFrom(
-        numpy_helper.from_array(np.ones((8, 2), np.float32), "Wv"))
+    for w in ("Wk", "Wv"):  # one key/value head of 2
+        next(t for t in odd.graph.initializer if t.name == w).CopyFrom(
+            numpy_helper.from_array(np.ones((8, 2), np.float32), w))
     assert find_attention_blocks(odd, trainable, 2) == []
 
 
