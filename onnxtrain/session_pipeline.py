@@ -45,15 +45,15 @@ from onnxtrain.graph_transforms.mixed_precision import (
     mixed_precision,
     mixed_precision_info,
 )
-from onnxtrain.ir.graphs import node_reads
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import get_optimizer
 from onnxtrain.parallel import exchange_mode, get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
-from onnxtrain.parallel.pipeline import Partition, parse_cut_info, partition
+from onnxtrain.parallel.pipeline import parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs
 from onnxtrain.parallel.zero import gather_zero_state
 from onnxtrain.session_cut import CutModelSession, add_into, means, model_fingerprint, squared_sum
+from onnxtrain.session_stages import MicroBatching, gather_stage_outputs, sum_tied_gradients, tied_weights
 from onnxtrain.training_graph import select_trainable
 from onnxtrain.user_warning import warn
 
@@ -74,7 +74,7 @@ _OPTIONS = (
 )
 
 
-class PipelineTrainingSession(CutModelSession):
+class PipelineTrainingSession(MicroBatching, CutModelSession):
     """One pipeline stage of a legacy training session (see the module docstring)."""
 
     what = "pipeline_parallel_size > 1"
@@ -82,9 +82,6 @@ class PipelineTrainingSession(CutModelSession):
     def _build(self, path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto) -> None:
         self._setup(_REFUSED)
         p = self._params
-        self._micro = p.num_pipeline_micro_batches
-        if isinstance(self._micro, bool) or not isinstance(self._micro, int) or self._micro < 1:
-            raise ValueError(f"num_pipeline_micro_batches must be an int >= 1, got {self._micro!r}")
         model = upgrade_opset(load_model(path_or_bytes))
         if p.use_mixed_precision:  # the whole model first: its casts of the weights run where they are read
             model = mixed_precision(model, p.loss_output_name, p.mixed_precision_dtype)
@@ -108,7 +105,7 @@ class PipelineTrainingSession(CutModelSession):
         self._stage = stage
         self._opt = get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
         trainable = select_trainable(model, p)
-        self._shared = _shared_weights(model, self._part, trainable)
+        self._shared = tied_weights(model, self._part.runs, trainable)
         self._shapes = {t.name: tuple(t.dims) for t in model.graph.initializer if t.name in self._shared}
         self._build_stage(model, trainable)
         zero_graph = self._setup_zero(self._sg.graphs["backward"])
@@ -123,13 +120,7 @@ class PipelineTrainingSession(CutModelSession):
         p, g = self._params, model.graph
         inits = {t.name for t in g.initializer}
         self._user_inputs = [v.name for v in g.input if v.name not in inits]
-        sliced = set(p.sliced_tensor_names) or set(self._user_inputs) - {self.loss_scale_input_name}
-        unknown = sorted(set(p.sliced_tensor_names) - set(self._user_inputs))
-        if unknown:
-            raise ValueError(
-                f"sliced_tensor_names: {unknown} are not inputs of the model; inputs: {self._user_inputs}"
-            )
-        self._sliced = {n: int(p.sliced_axes.get(n, 0)) for n in self._user_inputs if n in sliced}
+        self._setup_micro_batches(self.loss_scale_input_name)
         sg = self._sg = build_stage_graphs(
             model, self._part, self._stage, trainable, p, self._opt, self._mp, self._micro_input
         )
@@ -146,25 +137,6 @@ class PipelineTrainingSession(CutModelSession):
                 root, ext = os.path.splitext(path)
                 save_model_atomic(sg.graphs[kind], f"{root}.stage{self._stage}{ext or '.onnx'}")
         self._plans: dict[str, Any] = {}
-
-    def _micro_input(self, v: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
-        """A user input as one micro-batch of it: ``sliced_schema``'s shape, else the sliced axis unnamed."""
-        out = onnx.ValueInfoProto()
-        out.CopyFrom(v)
-        p = self._params
-        if v.name in p.sliced_schema:
-            shape = [int(d) for d in p.sliced_schema[v.name]]
-            del out.type.tensor_type.shape.dim[:]
-            for d in shape:
-                out.type.tensor_type.shape.dim.add().dim_value = d
-        elif v.name in self._sliced and self._micro > 1 and out.type.tensor_type.HasField("shape"):
-            dims = out.type.tensor_type.shape.dim
-            axis = self._sliced[v.name]
-            if not -len(dims) <= axis < len(dims):
-                raise ValueError(f"sliced_axes[{v.name!r}] = {axis} is out of range for its rank {len(dims)}")
-            dims[axis].Clear()
-            dims[axis].dim_param = "micro_batch"
-        return out
 
     def _get_plan(self, kind: str) -> Any:
         if kind not in self._plans:
@@ -192,29 +164,7 @@ class PipelineTrainingSession(CutModelSession):
 
     def _gathered(self, mine: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
         """The outputs ``names`` of the whole pipeline: each stage gives those it computed."""
-        got: dict[str, np.ndarray] = {}
-        for part in self._comm.allgather_object(
-            {n: v for n, v in mine.items() if n in names}, "gathering the pipeline's outputs"
-        ):
-            for n, v in part.items():  # a weight several stages hold: its gradient is their parts' sum
-                got[n] = got[n] + v if n in got and n in self._grad_outputs else v
-        return got
-
-    def _micro_feeds(self, feeds: dict[str, np.ndarray], count: int) -> list[dict[str, np.ndarray]]:
-        """``feeds`` cut into ``count`` micro-batches (the sliced inputs; the others go to every one)."""
-        parts: list[dict[str, np.ndarray]] = [dict(feeds) for _ in range(count)]
-        if count == 1:
-            return parts
-        for name, axis in self._sliced.items():
-            a = feeds[name]
-            if a.ndim == 0 or a.shape[axis] % count:
-                raise ValueError(
-                    f"input {name!r}: its axis {axis} (shape {list(a.shape)}) does not divide into "
-                    f"num_pipeline_micro_batches={count} equal micro-batches"
-                )
-            for k, piece in enumerate(np.split(a, count, axis=axis)):
-                parts[k][name] = np.ascontiguousarray(piece)
-        return parts
+        return gather_stage_outputs(self._comm, mine, names, self._grad_outputs)
 
     def _stage_feeds(
         self,
@@ -331,7 +281,7 @@ class PipelineTrainingSession(CutModelSession):
         # Adasum: each replica updates with its own gradients (and its own pipeline's norm)
         eff = means if self._mode == "adasum" else self._replicas_average(means)
         if self._shared:
-            self._sum_shared(eff)
+            sum_tied_gradients(self._comm, eff, self._shapes)
         norm = None
         if p.enable_grad_norm_clip or self._mp is not None:
             counted = [  # a weight several stages hold counts once, on the first of them
@@ -358,25 +308,6 @@ class PipelineTrainingSession(CutModelSession):
         else:
             self._run_update(*self._update_plan("update"), given)
         return finite
-
-    def _sum_shared(self, eff: dict[str, np.ndarray]) -> None:
-        """A trained weight read in several stages (tied weights) takes the sum of their gradients, on every
-        one of them, so that their copies stay equal: one collective over all of them (float64 sums)."""
-        sizes = {w: int(np.prod(self._shapes[w])) for w in self._shared}
-        flat = np.zeros(sum(sizes.values()), np.float64)
-        at = 0
-        for w, n in sizes.items():
-            g = eff.get(f"{w}_grad")
-            if g is not None:
-                flat[at : at + n] = g.reshape(-1)
-            at += n
-        self._comm.allreduce_(flat, "pipeline: gradients of weights read in several stages")
-        at = 0
-        for w, n in sizes.items():
-            g = eff.get(f"{w}_grad")
-            if g is not None:
-                eff[f"{w}_grad"] = flat[at : at + n].reshape(g.shape).astype(g.dtype)
-            at += n
 
     # ---- state --------------------------------------------------------------------------
     def gather_state(self) -> dict[str, np.ndarray]:
@@ -449,16 +380,3 @@ def _exchange_mode(p: Any, replicas: int) -> str | None:
     if p.deepspeed_zero_stage not in (0, 1):
         raise NotImplementedError(f"deepspeed_zero_stage={p.deepspeed_zero_stage}: only stages 0 and 1 exist")
     return exchange_mode(p, replicas, "data-parallel replica")
-
-
-def _shared_weights(
-    model: onnx.ModelProto, part: Partition, trainable: list[str]
-) -> dict[str, tuple[int, ...]]:
-    """Trained weights read in more than one stage → the stages reading them, in order."""
-    stages: dict[str, set[int]] = {}
-    wanted = set(trainable)
-    for k, n in enumerate(model.graph.node):
-        for i in node_reads(n):
-            if i in wanted:
-                stages.setdefault(i, set()).update(part.runs(k))
-    return {w: tuple(sorted(v)) for w, v in sorted(stages.items()) if len(v) > 1}
