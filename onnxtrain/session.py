@@ -78,14 +78,14 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         """A :class:`~onnxtrain.session_pipeline.PipelineTrainingSession` when the parameters ask for
         pipeline stages (``pipeline_parallel_size > 1``), a
         :class:`~onnxtrain.session_horizontal.HorizontalTrainingSession` for split layers
-        (``horizontal_parallel_size > 1``)."""
+        (``horizontal_parallel_size > 1``, with stages or without)."""
         params = args[1] if len(args) > 1 else kwargs.get("parameters")
         if cls is TrainingSession and isinstance(params, TrainingParameters):
-            if params.pipeline_parallel_size > 1:
+            if params.pipeline_parallel_size > 1 and params.horizontal_parallel_size == 1:
                 from onnxtrain.session_pipeline import PipelineTrainingSession
 
                 cls = PipelineTrainingSession
-            elif params.horizontal_parallel_size > 1:
+            elif params.horizontal_parallel_size > 1:  # with pipeline stages or without
                 from onnxtrain.session_horizontal import HorizontalTrainingSession
 
                 cls = HorizontalTrainingSession

@@ -20,6 +20,11 @@ same share, and ``enable_adasum`` combines the replicas' weight deltas by Adasum
 weight summed over its shares (:mod:`onnxtrain.session_exchange`).
 Under mixed precision the pass rewrites each rank's split model (its casts read the shares); half partial
 sums cross the ranks in float32.
+With ``pipeline_parallel_size = P`` as well, the model is cut into stages at the pipeline's cuts and each
+stage's blocks split over H ranks: ``mpiexec -n H·D·P``, rank = stage · H·D + replica · H + share (the
+legacy's layout). A rank runs its stage's pieces, receives the stage before's tensors and sends the next
+stage its own, per micro-batch (``num_pipeline_micro_batches``, GPipe's schedule, as the pipelined session
+runs); the gradient norm and a weight read in several stages sum over the stages.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from onnxtrain.parallel import exchange_mode, get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.megatron import find_mlp_blocks, join_shares, shard_blocks, share_name, take_share
 from onnxtrain.parallel.megatron_attention import find_attention_blocks
-from onnxtrain.parallel.pipeline import partition
+from onnxtrain.parallel.pipeline import merge_cuts, parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import (
     NORM,
     StageGraphs,
@@ -57,18 +62,19 @@ from onnxtrain.parallel.stage_graphs import (
 )
 from onnxtrain.parallel.zero import gather_zero_state
 from onnxtrain.parameters import PIPELINE
-from onnxtrain.session_cut import CutModelSession, model_fingerprint, squared_sum
+from onnxtrain.session_cut import CutModelSession, add_into, means, model_fingerprint, squared_sum
+from onnxtrain.session_stages import MicroBatching, gather_stage_outputs, sum_tied_gradients, tied_weights
 from onnxtrain.training_graph import build_update_graph, select_trainable
 from onnxtrain.user_warning import warn
 
 SHARE_SEED_STEP = 7_919  # a random node inside a split block: rank r's seed is the agreed one + r × this
-# options a horizontally split session cannot honour yet: name → its default
-_REFUSED = {
-    "pipeline_parallel_size": 1,
-    **{k: d for k, d in PIPELINE.items() if k != "pipeline_parallel_size"},
-}
+# options a horizontally split session cannot honour yet: name → its default (with one stage, the pipeline's
+# options, which would do nothing)
+_REFUSED = {k: d for k, d in PIPELINE.items() if k != "pipeline_parallel_size"}
+_REFUSED_STAGES = {"enable_adasum": False}  # with pipeline stages
 _OPTIONS = (
     "horizontal_parallel_size",
+    *PIPELINE,
     "gradient_accumulation_steps",
     "loss_output_name",
     "training_optimizer_name",
@@ -80,24 +86,28 @@ _OPTIONS = (
 )
 
 
-class HorizontalTrainingSession(CutModelSession):
+class HorizontalTrainingSession(MicroBatching, CutModelSession):
     """One rank's share of a horizontally split legacy training session (see the module docstring)."""
 
     what = "horizontal_parallel_size > 1"
 
     def _build(self, path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto) -> None:
-        self._setup(_REFUSED)
         p = self._params
-        h = p.horizontal_parallel_size
-        replicas = self._replicas(p, h, "horizontal_parallel_size")
+        h, stages = p.horizontal_parallel_size, p.pipeline_parallel_size
+        if stages > 1:
+            self.what = "horizontal_parallel_size > 1 with pipeline_parallel_size > 1"
+        self._setup(_REFUSED if stages == 1 else _REFUSED_STAGES)
+        sizes = "horizontal_parallel_size" + ("" if stages == 1 else " × pipeline_parallel_size")
+        replicas = self._replicas(p, h * stages, sizes)
         self._mode = exchange_mode(p, replicas, "data-parallel replica")
         model = upgrade_opset(load_model(path_or_bytes))
         world_comm = get_communicator()
         check_same_on_all_ranks(
             world_comm, model_fingerprint(model, p, _OPTIONS), "model and horizontal setup"
         )
-        # rank = replica · H + share, as the legacy layout (the horizontal index fastest)
-        self._groups(world_comm, world_comm.rank % h, world_comm.rank // h, "split groups")
+        # rank = stage · H·D + replica · H + share, as the legacy layout (the horizontal index fastest)
+        rank = world_comm.rank
+        self._split_groups(world_comm, rank % h, rank // h % replicas, rank // (h * replicas), stages)
         self._opt = get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
         trainable = select_trainable(model, p)
         blocks: list = find_mlp_blocks(model, trainable, h)
@@ -113,7 +123,6 @@ class HorizontalTrainingSession(CutModelSession):
         self._blocks = blocks
         sharded, cuts, self._split = shard_blocks(model, blocks, self._comm.rank, h)
         self._shares = {sw.share: w for w, sw in self._split.items()}  # share's name → the weight's
-        self._cut_tensors = [c[0].tensor for c in cuts]  # F, G, F, G, ...: after piece 2k an F, 2k+1 a G
         if p.use_mixed_precision:  # on the rank's model: its casts read the shares
             sharded = mixed_precision(sharded, p.loss_output_name, p.mixed_precision_dtype)
             self._mp = mixed_precision_info(sharded)
@@ -121,26 +130,29 @@ class HorizontalTrainingSession(CutModelSession):
             outputs = [o for o in sharded.graph.output if o.name != self._mp.scaled_loss]  # not a user output
             del sharded.graph.output[:]
             sharded.graph.output.extend(outputs)
-        try:
-            part = partition(sharded, cuts, p.loss_output_name)
-        except ValueError as e:  # the blocks side by side, or the loss inside one
-            raise NotImplementedError(
-                f"horizontal parallelism splits blocks that follow one another, with the loss after the "
-                f"last: {', '.join(b.columns[0][0] for b in blocks)} do not ({e})"
-            ) from None
+        part = self._cut(sharded, cuts, blocks)
         self._seed_random_nodes(sharded, part.stage_of)
-        self._trainable = [self._split[w].share if w in self._split else w for w in trainable]
+        inits = {t.name for t in model.graph.initializer}
+        self._user_inputs = [v.name for v in model.graph.input if v.name not in inits]
+        self._setup_micro_batches(self.loss_scale_input_name)
+        every = [self._split[w].share if w in self._split else w for w in trainable]
         layers = layer_activations(sharded, p)  # once for all the pieces
-        self._pieces: list[StageGraphs] = [
-            build_stage_graphs(
-                sharded, part, s, self._trainable, p, self._opt, self._mp, with_update=False, layers=layers
+        self._pieces: dict[int, StageGraphs] = {
+            s: build_stage_graphs(
+                sharded, part, s, every, p, self._opt, self._mp, self._micro_input, False, layers
             )
-            for s in range(part.stages)
-        ]
+            for s in range(self._first, self._end + 1)
+        }
         self._store: dict[str, np.ndarray] = {}
-        for sg in self._pieces:
+        for sg in self._pieces.values():
             self._store.update(sg.initial)
             self._bn_stats.update(sg.bn_stats)
+        self._trainable = [w for w in every if w in self._store]  # those of this rank's stage
+        self._tied: dict[str, tuple[int, ...]] = {}
+        if stages > 1:
+            self._tied = tied_weights(sharded, lambda k: {self._piece_stage[s] for s in part.runs(k)}, every)
+            inits = {t.name: t for t in sharded.graph.initializer}
+            self._tied_shapes = {w: tuple(inits[w].dims) for w in self._tied}
         self._build_update(sharded)
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
         self._zero_graph = self._setup_zero(sharded)
@@ -153,6 +165,56 @@ class HorizontalTrainingSession(CutModelSession):
         self._check_attribute_maps()
 
     # ---- construction ----------------------------------------------------------------
+    def _split_groups(self, comm: Any, share: int, replica: int, stage: int, stages: int) -> None:
+        """``self._comm``: the ranks splitting this rank's blocks (ordered by share); ``self._data``: those
+        holding the same share of the same stage in every replica (None with one replica); ``self._pipe``:
+        the stages of this rank's share and replica (None with one stage)."""
+        h, d = self._params.horizontal_parallel_size, self.data_parallel_size
+        self.data_parallel_rank = replica
+        self._reducer = None
+        self._stage, self._stages = stage, stages
+        split = comm.split
+        self._comm = comm if comm.size == h else split(stage * d + replica, share, "forming the split groups")
+        self._data = None if d == 1 else split(stage * h + share, replica, "forming the data-parallel groups")
+        self._pipe = None if stages == 1 else split(replica * h + share, stage, "forming the pipelines")
+
+    def _cut(self, sharded: onnx.ModelProto, cuts: list, blocks: list) -> Any:
+        """Cut the rank's model around its split blocks (and at the pipeline's cuts): the partition into
+        pieces, and what each piece does (``_g_sum``: after the piece, the ranks sum its block's output;
+        ``_f_sum``: before its backward, the gradient of the next block's input; ``_in_block``), its stage
+        and this rank's pieces (``_first`` to ``_end``)."""
+        p = self._params
+        stage_cuts = parse_cut_info(p.pipeline_cut_info_string, self._stages) if self._stages > 1 else []
+        merged = merge_cuts(sharded, stage_cuts, cuts)
+        try:
+            part = partition(sharded, [mc.edges for mc in merged], p.loss_output_name)
+        except ValueError as e:  # the blocks side by side, or the loss inside one
+            names = ", ".join(b.columns[0][0] for b in blocks)
+            if self._stages == 1:
+                raise NotImplementedError(
+                    f"horizontal parallelism splits blocks that follow one another, with the loss after the "
+                    f"last: {names} do not ({e})"
+                ) from None
+            raise ValueError(
+                f"the model cut at pipeline_cut_info_string {p.pipeline_cut_info_string!r} and around the "
+                f"split blocks ({names}): {e}"
+            ) from None
+        self._g_sum: dict[int, str] = {}
+        self._f_sum: dict[int, str] = {}
+        self._in_block: set[int] = set()
+        self._piece_stage = [0]
+        for c, mc in enumerate(merged):  # cut c follows piece c
+            if mc.block_cut is not None and mc.block_cut % 2 == 0:
+                self._f_sum[c] = mc.edges[0].tensor
+                self._in_block.add(c + 1)
+            elif mc.block_cut is not None:
+                self._g_sum[c] = mc.edges[0].tensor
+            self._piece_stage.append(self._piece_stage[-1] + mc.ends_stage)
+        mine = [s for s, z in enumerate(self._piece_stage) if z == self._stage]
+        self._first, self._end = mine[0], mine[-1]
+        self._part = part
+        return part
+
     def _seed_random_nodes(self, model: onnx.ModelProto, piece_of: list[int]) -> None:
         """Random nodes outside the split blocks (a Dropout between them) run on every rank of a replica,
         which must draw the same values: each unseeded one gets a seed the replica's ranks agree on (from
@@ -166,7 +228,7 @@ class HorizontalTrainingSession(CutModelSession):
         base = self._comm.allgather_object(mine, "agreeing on the random nodes' seeds")[0]
         for j, (k, n) in enumerate(nodes):
             given = next((a for a in n.attribute if a.name == "seed"), None)
-            inside = piece_of[k] % 2 == 1
+            inside = piece_of[k] in self._in_block
             if given is not None and not inside:
                 continue  # the user's seed: alike on every rank already
             seed = helper.get_attribute_value(given) if given is not None else base + j
@@ -225,6 +287,11 @@ class HorizontalTrainingSession(CutModelSession):
     def _update_plan(self, kind: str) -> tuple[Any, dict[str, str]]:
         return self._plan(-1, kind), self._update_outputs_of(kind)
 
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (0 = the first; 0 without pipeline stages)."""
+        return self._stage
+
     # ---- running -------------------------------------------------------------------------
     def _forward_only(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:
         return self._forward(feeds, dropout, "forward")[0]
@@ -233,39 +300,64 @@ class HorizontalTrainingSession(CutModelSession):
         return self._plan_feeds(self._plan(piece, kind), (values,), dropout)
 
     def _forward(
-        self, feeds: dict[str, np.ndarray], dropout: bool, kind: str
-    ) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
-        """Every piece but the last (all of them for ``kind="forward"``) forward, a G sum after each block.
-        Returns the values computed and, per piece, the activations its backward reads."""
+        self,
+        feeds: dict[str, np.ndarray],
+        dropout: bool,
+        kind: str,
+        tag: int = 0,
+        pending: list | None = None,
+    ) -> tuple[dict[str, np.ndarray], dict[int, dict[str, np.ndarray]]]:
+        """This rank's pieces forward on one (micro-)batch (for ``kind="forward_train"``, all but the model's
+        last piece, whose backward runs its forward), a G sum after each block; with stages, the tensors of
+        the stage before received first and those of the next sent last (``pending`` collects the send, else
+        it is waited for). Returns the values computed and, per piece, the activations its backward reads."""
         values: dict[str, np.ndarray] = dict(feeds)
-        saved = []
-        count = len(self._pieces) if kind == "forward" else len(self._pieces) - 1
-        for s in range(count):
-            plan = self._plan(s, kind if s < len(self._pieces) - 1 else "forward")
+        z, last = self._stage, len(self._piece_stage) - 1
+        if z > 0:
+            values.update(self._pipe.recv_object(z - 1, tag, f"stage {z} receiving its inputs"))
+        saved: dict[int, dict[str, np.ndarray]] = {}
+        for s in range(self._first, self._end + 1 if kind == "forward" or self._end < last else last):
+            plan = self._plan(s, kind)
             names = list(plan.output_names)
             out = dict(zip(names, plan.run(self._feeds(s, kind, values, dropout), names)))
-            saved.append({n: out[n] for n in self._pieces[s].saved if n in out})  # later pieces may read them
+            saved[s] = {n: out[n] for n in self._pieces[s].saved if n in out}  # later pieces may read them
             if kind == "forward_train":
                 self._keep_running_stats(out, self._pieces[s].bn_stats)
             values.update(out)
-            if s % 2 == 1 and s < len(self._cut_tensors):  # after a block: its output is the ranks' sum
-                t = self._cut_tensors[s]
+            if s in self._g_sum:  # after a block: its output is the ranks' sum
+                t = self._g_sum[s]
                 values[t] = self._rank_sum(values[t], f"MegatronG: the sum of {t!r}")
+        if z < self._stages - 1:
+            sent = {t: values[t] for t in self._part.sends[self._end]}
+            req = self._pipe.isend_object(sent, z + 1, tag, f"stage {z} sending its outputs")
+            if pending is None:
+                req.wait()
+            else:
+                pending.append(req)
         return values, saved
 
-    def _train_step(
-        self, feeds: dict[str, np.ndarray], dropout: bool, update: bool, accumulate: bool = True
+    def _backward(
+        self,
+        values: dict[str, np.ndarray],
+        saved: dict[int, dict[str, np.ndarray]],
+        dropout: bool,
+        tag: int = 1,
+        pending: list | None = None,
     ) -> dict[str, np.ndarray]:
-        values, saved = self._forward(feeds, dropout, "forward_train")
-        last = len(self._pieces) - 1
+        """This rank's pieces backward on one (micro-)batch, seeded by the gradients the next stage sends
+        (none in the last stage, whose last piece runs from the loss and writes the user outputs into
+        ``values``), an F sum before each block's input is passed back; the gradients of the tensors the
+        stage received go back to the stage before. Returns the gradients of this rank's trained weights."""
+        z, last = self._stage, len(self._piece_stage) - 1
         grads: dict[str, np.ndarray] = {}  # tensor → its gradient so far (weights included)
-        for s in range(last, -1, -1):
+        if z < self._stages - 1:
+            grads.update(self._pipe.recv_object(z + 1, tag, f"stage {z} receiving its output gradients"))
+        for s in range(self._end, self._first - 1, -1):
             sg = self._pieces[s]
-            if s < last and s % 2 == 0 and s < len(self._cut_tensors):  # before a block: the ranks' sum
-                t = self._cut_tensors[s]
-                if t in grads:
-                    grads[t] = self._rank_sum(grads[t], f"MegatronF: the gradient of {t!r}")
-            given = {**values, **(saved[s] if s < last else {})}
+            t = self._f_sum.get(s)
+            if t is not None and t in grads:  # a block's input: its gradient is the ranks' sum
+                grads[t] = self._rank_sum(grads[t], f"MegatronF: the gradient of {t!r}")
+            given = {**values, **saved.get(s, {})}
             for t in sg.seeded:
                 given[f"{t}_grad"] = grads[t] if t in grads else np.zeros_like(values[t])
             wanted = [
@@ -283,25 +375,56 @@ class HorizontalTrainingSession(CutModelSession):
             for x in (*sg.trainable, *sg.diff_received):
                 g = res[f"{x}_grad"]
                 grads[x] = grads[x] + g if x in grads else g
-        grads = {w: grads[w] for w in self._trainable}
-        if self._grad_outputs:
-            values.update(self._whole_gradients(grads))
+        if z > 0:
+            back = {t: grads[t] for t in self._part.sends[self._first - 1] if t in grads}
+            req = self._pipe.isend_object(back, z - 1, tag, f"stage {z} sending its input gradients")
+            if pending is None:
+                req.wait()
+            else:
+                pending.append(req)
+        return {w: grads[w] for w in self._trainable}
+
+    def _train_step(
+        self, feeds: dict[str, np.ndarray], dropout: bool, update: bool, accumulate: bool = True
+    ) -> dict[str, np.ndarray]:
+        m, n = self._micro, self._params.gradient_accumulation_steps
+        summed = m > 1 or n > 1  # the gradients go through the accumulation's sums
+        micro = self._micro_feeds(feeds, m)
+        pending: list = []
+        kept = [self._forward(micro[k], dropout, "forward_train", 2 * k, pending) for k in range(m)]
+        own: dict[str, np.ndarray] = {}  # the run's gradients over its micro-batches, when they are outputs
+        for k, (values, saved) in enumerate(kept):
+            grads = self._backward(values, saved, dropout, 2 * k + 1, pending)
+            kept[k] = (values, {})  # the micro-batch's activations are freed
+            for w, g in grads.items() if summed else ():
+                if accumulate:
+                    self._add_gradient(w, g)
+                if self._grad_outputs and m > 1:
+                    add_into(own, w, g)
+        for r in pending:
+            r.wait()
+        values = kept[-1][0]  # the outputs of the run's last micro-batch
+        if self._grad_outputs:  # the run's own gradients: their mean over its micro-batches
+            values.update(self._whole_gradients(means(own, m) if m > 1 else grads))
         if not accumulate:
             return values
-        n = self._params.gradient_accumulation_steps
-        if n > 1:
-            for w, g in grads.items():
-                self._add_gradient(w, g)
+        if summed:
             self._micro_step += 1
             if not update:
                 return values
-            grads = self._take_means(n)
+            grads = self._take_means(m * n)
         values.update(self._update(grads, values))
         return values
 
+    def _gathered(self, values: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+        """The run's outputs: with stages, from the stages that computed them."""
+        if self._pipe is None:
+            return values
+        return gather_stage_outputs(self._pipe, values, names, self._grad_outputs)
+
     def _rank_sum(self, a: np.ndarray, what: str) -> np.ndarray:
-        """``a`` summed over the replica's ranks; a half-precision array is summed in float32 (MPI has no
-        half type), then rounded back."""
+        """``a`` summed over the ranks splitting the blocks; a half-precision array is summed in float32 (MPI
+        has no half type), then rounded back."""
         if a.dtype in (np.float32, np.float64):
             return self._comm.allreduce_(np.array(a), what)
         return self._comm.allreduce_(a.astype(np.float32), what).astype(a.dtype)
@@ -313,21 +436,31 @@ class HorizontalTrainingSession(CutModelSession):
         p = self._params
         if self._mode != "adasum":  # Adasum: each replica updates with its own gradients
             grads = self._replicas_average(grads)
+        named = {f"{w}_grad": g for w, g in grads.items()}
+        if self._tied:
+            sum_tied_gradients(self._pipe, named, self._tied_shapes)
         lr = p.lr_params_feed_name
-        given: dict[str, Any] = {lr: np.asarray(feeds[lr], np.float32).reshape(1)}
+        given: dict[str, Any] = {lr: np.asarray(feeds[lr], np.float32).reshape(1), **named}
         if self._mp is not None:
             given[self._mp.loss_scale] = feeds[self._mp.loss_scale]
-        given.update({f"{w}_grad": g for w, g in grads.items()})
         finite: dict[str, np.ndarray] = {}
         if p.enable_grad_norm_clip or self._mp is not None:
-            whole = squared_sum(g for w, g in grads.items() if w not in self._shares)  # alike on every rank
+            counted = {  # a weight several stages read counts once, on the first of them
+                w: named[f"{w}_grad"] for w in grads if self._tied.get(w, (self._stage,))[0] == self._stage
+            }
+            whole = squared_sum(g for w, g in counted.items() if w not in self._shares)  # alike over a split
             split = self._comm.allreduce_scalar(
-                squared_sum(g for w, g in grads.items() if w in self._shares),
+                squared_sum(g for w, g in counted.items() if w in self._shares),
                 "the gradient norm of the split weights",
             )
-            given[NORM] = np.asarray(np.sqrt(whole + split), np.float32)
+            total = whole + split
+            if self._pipe is not None:
+                total = self._pipe.allreduce_scalar(total, "the gradient norm over the stages")
+            given[NORM] = np.asarray(np.sqrt(total), np.float32)
             if self._mp is not None:
                 finite[ALL_FINITE] = np.asarray(bool(np.isfinite(given[NORM])))
+        if not self._trainable:
+            return finite
         if self._mode == "zero1":
             self._zero_update(given)
         elif self._mode == "adasum":
@@ -372,7 +505,8 @@ class HorizontalTrainingSession(CutModelSession):
     def gather_state(self) -> dict[str, np.ndarray]:
         """The state of the whole model under one process's names: each split weight (and its optimizer
         state) put together from every rank's share, the optimizer state under ZeRO first reassembled over
-        the replicas; under mixed precision, with the whole weights' half twins. A collective."""
+        the replicas, every stage's; under mixed precision, with the whole weights' half twins. A
+        collective."""
         twins = self._twin_masters()  # the shares' twins are not the whole weights'
         mine = {k: v for k, v in self.get_state().items() if k not in twins}
         if self._zero is not None:
@@ -394,6 +528,10 @@ class HorizontalTrainingSession(CutModelSession):
             whole = {self._original(w): twin.replace(w, self._original(w)) for twin, w in twins.items()}
             copies = half_copies({w: out[w] for w in whole}, self._mp.dtype)
             out.update({twin: copies[w] for w, twin in whole.items()})
+        if self._pipe is not None:  # every stage's
+            for part in self._pipe.allgather_object(out, "gathering the stages' state"):
+                for k, v in part.items():
+                    out.setdefault(k, v)
         return dict(sorted(out.items()))
 
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
@@ -429,17 +567,19 @@ class HorizontalTrainingSession(CutModelSession):
                 raise KeyError(f"load_state(strict=True): missing state tensor(s) {missing}")
 
     def get_partition_info_map(self) -> dict[str, dict[str, list[int]]]:
-        """For each split weight: its full shape and ``megatron_row_partition`` (0 columns, 1 rows); under
-        ZeRO, each weight's pieces as well (under this rank's names)."""
+        """For each split weight of this rank's stage: its full shape and ``megatron_row_partition`` (0
+        columns, 1 rows); under ZeRO, each weight's pieces as well (under this rank's names)."""
         inits = {t.name: t for t in self._model.graph.initializer}
         out = {
             w: {"original_dim": list(inits[w].dims), "megatron_row_partition": [sw.row]}
             for w, sw in self._split.items()
+            if sw.share in self._store
         }
         if self._zero is not None:
             for w, d in self._zero.partition_info.items():
                 out.setdefault(w, {}).update({k: list(v) for k, v in d.items()})
         return out
+
     def _apply_initial_optimizer_state(self, initial: dict[str, dict[str, np.ndarray]]) -> None:
         state = {}
         for w, d in initial.items():

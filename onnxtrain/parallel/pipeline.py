@@ -185,6 +185,50 @@ def partition(model: onnx.ModelProto, cuts: list[list[CutEdge]], loss: str) -> P
     return part
 
 
+@dataclass(frozen=True)
+class MergedCut:
+    """A cut of a model both cut into stages and split into blocks: its edges, whether it ends a pipeline
+    stage, and its index among the split's cuts (F, G, F, G, ...; None for a stage's cut alone)."""
+
+    edges: list[CutEdge]
+    ends_stage: bool
+    block_cut: int | None
+
+
+def merge_cuts(
+    model: onnx.ModelProto, stage_cuts: list[list[CutEdge]], block_cuts: list[list[CutEdge]]
+) -> list[MergedCut]:
+    """The pipeline's cuts and the split's (both on ``model``, the split rank's model) as one list in graph
+    order, for :func:`partition`: a stage cut on the same tensors as a split cut is that cut; one between a
+    block's F and G cuts (inside a split block) is an error naming the cut."""
+    producer = {o: k for k, n in enumerate(model.graph.node) for o in n.output if o}
+
+    def position(edges: list[CutEdge], c: int) -> int:
+        for e in edges:
+            if e.tensor not in producer:
+                raise ValueError(
+                    f"pipeline_cut_info_string: cut {c}: {e.tensor!r} is not computed by a node of the graph"
+                )
+        return max(producer[e.tensor] for e in edges)
+
+    marked = [(position(edges, -1), 0, j, edges) for j, edges in enumerate(block_cuts)]
+    marked += [(position(edges, c), 1, c, edges) for c, edges in enumerate(stage_cuts)]
+    merged: list[MergedCut] = []
+    inside: int | None = None  # the F cut of the block being walked
+    for _, is_stage, j, edges in sorted(marked, key=lambda m: (m[0], m[1])):
+        if is_stage and merged and {*merged[-1].edges} == {*edges} and merged[-1].block_cut is not None:
+            merged[-1] = MergedCut(merged[-1].edges, True, merged[-1].block_cut)
+            continue
+        if is_stage and inside is not None:
+            entry = model.graph.node[producer[block_cuts[inside][0].tensor]]  # the Identity before the block
+            raise ValueError(
+                f"pipeline_cut_info_string: cut {j} ({', '.join(e.tensor for e in edges)}) falls inside the "
+                f"split block that reads {entry.input[0]!r}: cut before the block or after its output"
+            )
+        if not is_stage:
+            inside = j if j % 2 == 0 else None
+        merged.append(MergedCut(list(edges), bool(is_stage), None if is_stage else j))
+    return merged
 
 
 def _sources(model: onnx.ModelProto) -> set[str]:

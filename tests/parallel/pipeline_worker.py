@@ -289,9 +289,10 @@ def gelu_block_dropout_model(seeds: tuple[int, int] | None = None) -> onnx.Model
     return m
 
 
-def transformer_model(layers: int = 1) -> onnx.ModelProto:
+def transformer_model(layers: int = 1, dropout: bool = True) -> onnx.ModelProto:
     """onnxtrain's transformer (four heads) with a Dropout (ratio 0.3, unseeded) on each layer's attention
-    probabilities [N, heads, T, T]; its scalars and shapes are Constant nodes (untrained)."""
+    probabilities [N, heads, T, T] (unless not ``dropout``); its scalars and shapes are Constant nodes
+    (untrained)."""
     m = zoo.transformer(dim=32, heads=4, length=8, layers=layers)
     g = m.graph
     rng = np.random.default_rng(3)
@@ -302,6 +303,8 @@ def transformer_model(layers: int = 1) -> onnx.ModelProto:
     for t in fixed:
         g.initializer.remove(t)
         g.node.insert(0, helper.make_node("Constant", [], [t.name], value=t))
+    if not dropout:
+        return m
     for k in reversed([k for k, n in enumerate(g.node) if n.op_type == "Softmax"]):
         probs = g.node[k].output[0]
         g.node[k].output[0] = f"{probs}_kept"
@@ -493,6 +496,44 @@ for _case, _plain in GRADIENTS.items():
     if _plain in LOSS_SCALE:
         LOSS_SCALE[_case] = LOSS_SCALE[_plain]
 
+# pipeline stages whose blocks are split (mpiexec -n 4: 2 stages × 2 shares), against one process
+# accumulating the micro-batches: the GELU blocks cut between them, also with gradient accumulation over runs
+# and under mixed precision; two transformer layers (their attention heads and MLPs split) cut after the first
+CASES["adam2_h2_gelu_clip"] = (gelu_blocks_model, 2, "r1", 2, "AdamOptimizer", True)
+CASES["adam2_h2_acc2_clip"] = CASES["adam2_h2_gelu_clip"]
+ACCUMULATE["adam2_h2_acc2_clip"] = 2
+CASES["adam2_h2_mp_gelu"] = CASES["adam2_h2_gelu_clip"]
+LOSS_SCALE["adam2_h2_mp_gelu"] = 256.0
+# (SGD: Adam would turn the key biases' gradients, zero but for rounding, into whole steps)
+CASES["sgd2_h2_layers"] = (
+    lambda: transformer_model(2, dropout=False), 2, "layer0.res2", 2, "SGDOptimizer", False
+)
+CASES["sgd2_h2_layers_recompute"] = CASES["sgd2_h2_layers"]  # the same bits with the first layer recomputed
+RECOMPUTE["sgd2_h2_layers_recompute"] = {"transformer_layer_recompute": True}
+# and cut at the first block's partial output: the stage sends the ranks' sum
+CASES["adam2_h2_cut_at_sum_clip"] = (gelu_blocks_model, 2, "m2", 2, "AdamOptimizer", True)
+STAGED_SPLITS = (
+    "adam2_h2_gelu_clip",
+    "adam2_h2_acc2_clip",
+    "adam2_h2_mp_gelu",
+    "sgd2_h2_layers",
+    "adam2_h2_cut_at_sum_clip",
+    "sgd2_h2_layers_recompute",
+)
+HORIZONTAL.update({c: 2 for c in STAGED_SPLITS})
+# × two data-parallel replicas (mpiexec -n 8), with ZeRO stage 1 over them and without
+CASES["adam2_h2x2_gelu_clip"] = CASES["adam2_h2x2_gelu_zero_clip"] = CASES["adam2_h2_gelu_clip"]
+HORIZONTAL.update({"adam2_h2x2_gelu_clip": 2, "adam2_h2x2_gelu_zero_clip": 2})
+REPLICAS.update({"adam2_h2x2_gelu_clip": 2, "adam2_h2x2_gelu_zero_clip": 2})
+H_ZERO.add("adam2_h2x2_gelu_zero_clip")
+GRADIENTS["adam2_h2_gelu_grads"] = "adam2_h2_gelu_clip"  # each stage's, put together from its shares
+CASES["adam2_h2_gelu_grads"] = CASES["adam2_h2_gelu_clip"]
+HORIZONTAL["adam2_h2_gelu_grads"] = 2
+
+
+def ranks(case: str) -> int:
+    """The MPI ranks a case runs on: stages × replicas × shares."""
+    return CASES[case][1] * REPLICAS.get(case, 1) * HORIZONTAL.get(case, 1)
 
 def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingParameters:
     """The case's options: distributed (``pipelined``), or one process accumulating the same micro-batches."""
@@ -512,7 +553,13 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
         p.data_parallel_size = replicas
         p.deepspeed_zero_stage = int(case in H_ZERO)
         p.enable_adasum = case in H_ADASUM
-        if micro > 1:  # the split session accumulates the micro-batches itself, one run each
+        if stages > 1:  # and pipeline stages: micro-batches cut from each run
+            p.pipeline_parallel_size = stages
+            p.pipeline_cut_info_string = cut
+            p.num_pipeline_micro_batches = micro
+            p.gradient_accumulation_steps = ACCUMULATE.get(case, 1)
+            p.gradient_accumulation_mode = "auto"
+        elif micro > 1:  # the split session accumulates the micro-batches itself, one run each
             p.gradient_accumulation_steps = micro
             p.gradient_accumulation_mode = "legacy" if case.endswith("_legacy") else "auto"
     elif pipelined:
@@ -590,7 +637,7 @@ def main(out: str, cases: list[str]) -> None:
     for case in cases:
         build, stages, *_ = CASES[case]
         replicas = REPLICAS.get(case, 1)
-        if stages * replicas * HORIZONTAL.get(case, 1) != world().size:
+        if ranks(case) != world().size:
             continue
         model = build()
         set_seed(2026)  # unseeded random nodes draw the same values in every run of the test
@@ -600,7 +647,7 @@ def main(out: str, cases: list[str]) -> None:
             so.add_session_config_entry("onnxtrain.backend", backend)
         sess = TrainingSession(model.SerializeToString(), parameters(case, model, True), so)
         graphs = (
-            [g for sg in sess._pieces for g in sg.graphs.values()]
+            [g for sg in sess._pieces.values() for g in sg.graphs.values()]
             + [g for g in (sess._update_graph, sess._zero_graph) if g is not None]
             if case in HORIZONTAL
             else list(sess._sg.graphs.values())
@@ -620,8 +667,9 @@ def main(out: str, cases: list[str]) -> None:
                 n: np.split(v, replicas)[getattr(sess, "data_parallel_rank", 0)] for n, v in feeds.items()
             }
             # a horizontal case's micro-batches are runs of their own; a pipeline's, cuts of one run
-            micro = CASES[case][3] if case in HORIZONTAL else 1
-            runs = micro if case in HORIZONTAL else ACCUMULATE.get(case, 1)  # runs per update
+            split_runs = case in HORIZONTAL and stages == 1
+            micro = CASES[case][3] if split_runs else 1
+            runs = micro if split_runs else ACCUMULATE.get(case, 1)  # runs per update
             for k in range(micro):
                 part = {n: np.split(v, micro)[k] for n, v in mine.items()}
                 ro = RunOptions()
@@ -647,8 +695,12 @@ def main(out: str, cases: list[str]) -> None:
             got = sess.run(names, {**case_feeds(case, 1, seed=9)[0], **scale_feed(case)}, ro)
             saved.update({f"{case}/grads_eval/{n}": v for n, v in zip(names, got)})
         state = sess.gather_state()
+        if case in HORIZONTAL:  # the weights rank 0 holds a share of (those of its stage)
+            info = sess.get_partition_info_map()
+            split = sorted(w for w, d in info.items() if d.get("megatron_row_partition", [-1]) != [-1])
+            saved[f"{case}/split"] = np.array(split)
         if case in HORIZONTAL:  # the seeds the ranks agreed on for the unseeded Dropout nodes
-            nodes = [n for sg in sess._pieces for n in sg.graphs["stage"].graph.node]
+            nodes = [n for sg in sess._pieces.values() for n in sg.graphs["stage"].graph.node]
             nodes = [n for n in nodes if n.op_type == "Dropout"]
             seeds = [a.i for n in nodes for a in n.attribute if a.name == "seed"]
             saved[f"{case}/seeds"] = np.array(seeds, np.int64)

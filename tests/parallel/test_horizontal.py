@@ -302,8 +302,14 @@ def test_horizontal_session_errors_in_one_process() -> None:
     model = mlp_model().SerializeToString()
     with pytest.raises(ValueError, match="launch with: mpiexec -n 2"):
         TrainingSession(model, params())
-    with pytest.raises(NotImplementedError, match="horizontal_parallel_size do not combine"):
-        TrainingSession(model, params(pipeline_parallel_size=2, pipeline_cut_info_string="hr"))
+    # without stages, micro-batches would do nothing
+    with pytest.raises(NotImplementedError, match="num_pipeline_micro_batches do not combine with "
+                       "horizontal_parallel_size > 1 yet"):
+        TrainingSession(model, params(num_pipeline_micro_batches=2))
+    with pytest.raises(NotImplementedError, match="enable_adasum do not combine with "
+                       "horizontal_parallel_size > 1 with pipeline_parallel_size > 1 yet"):
+        TrainingSession(model, params(pipeline_parallel_size=2, pipeline_cut_info_string="hr",
+                                      enable_adasum=True))
 
 
 def test_blocks_side_by_side_cannot_be_cut_in_turn() -> None:
