@@ -508,6 +508,9 @@ LOSS_SCALE["adam2_h2_mp_gelu"] = 256.0
 CASES["sgd2_h2_layers"] = (
     lambda: transformer_model(2, dropout=False), 2, "layer0.res2", 2, "SGDOptimizer", False
 )
+# the tied projection (nothing of it splits: each stage whole on both ranks), its tied weight summed over the
+# stages
+CASES["adam2_h2_tied_clip"] = (tied_model, 2, "t", 2, "AdamOptimizer", True)
 CASES["sgd2_h2_layers_recompute"] = CASES["sgd2_h2_layers"]  # the same bits with the first layer recomputed
 RECOMPUTE["sgd2_h2_layers_recompute"] = {"transformer_layer_recompute": True}
 # and cut at the first block's partial output: the stage sends the ranks' sum
@@ -519,6 +522,7 @@ STAGED_SPLITS = (
     "sgd2_h2_layers",
     "adam2_h2_cut_at_sum_clip",
     "sgd2_h2_layers_recompute",
+    "adam2_h2_tied_clip",
 )
 HORIZONTAL.update({c: 2 for c in STAGED_SPLITS})
 # × two data-parallel replicas (mpiexec -n 8), with ZeRO stage 1 over them and without

@@ -27,9 +27,11 @@ def test_split_blocks_in_two_stages_train_as_one_process(tmp_path) -> None:
     run, Adam with clipping (the norm over both stages and both shares): also cut where the first block's
     partial output is summed, with gradient accumulation over two runs, the gradients as outputs, and under
     mixed precision; two transformer layers (attention heads and MLP split) cut after the first, also with
-    the first layer recomputed in the backward (the same bits). Against one process (2e-6; under mixed
-    precision, float16 rounding)."""
+    the first layer recomputed in the backward (the same bits); a projection tied across the stages (nothing
+    splits; its gradient summed over the stages). Against one process (2e-6; under mixed precision, float16
+    rounding)."""
     cases = ["adam2_h2_gelu_clip", "adam2_h2_cut_at_sum_clip", "adam2_h2_acc2_clip", "sgd2_h2_layers"]
+    cases.append("adam2_h2_tied_clip")
     more = ["adam2_h2_mp_gelu", "adam2_h2_gelu_grads", "sgd2_h2_layers_recompute"]
     got = pipelined(tmp_path, [*cases, *more], 4)
     for case in cases:
@@ -65,6 +67,13 @@ def test_split_stages_times_two_replicas_with_and_without_zero(tmp_path) -> None
     compare(got, "adam2_h2x2_gelu_clip", 2e-6)
     compare(got, "adam2_h2x2_gelu_zero_clip", 2e-6)
     assert_same_run(got, "adam2_h2x2_gelu_zero_clip", "adam2_h2x2_gelu_clip")
+
+
+@pytest.mark.mpi
+def test_onnxruntime_backend_runs_the_split_stages_as_one_process(tmp_path) -> None:
+    pytest.importorskip("onnxruntime")
+    got = pipelined(tmp_path, ["adam2_h2_gelu_clip"], 4, env={"ONNXTRAIN_TEST_BACKEND": "onnxruntime"})
+    compare(got, "adam2_h2_gelu_clip", 1e-5)
 
 
 def _sharded() -> tuple:
