@@ -90,14 +90,18 @@ class ReplicaExchange:
 
     # ---- Adasum --------------------------------------------------------------------------------
     def _adasum_update(
-        self, given: Mapping[str, Any], finite: dict[str, np.ndarray], shares: Collection[str] = ()
+        self,
+        given: Mapping[str, Any],
+        finite: dict[str, np.ndarray],
+        shares: Collection[str] = (),
+        replica: Any = None,
     ) -> None:
         """Adasum: each replica updates with its own gradients (in ``given``), then the part's weights
         become the old ones plus the combination of its replicas' deltas; ``shares``: the trained weights
-        that are shares of a tensor split over the replica's ranks. Under mixed precision (``finite`` holds
-        this replica's flag) nothing is updated unless every replica's gradients were finite, and the
-        combined deltas reach the weights only when they are all finite (on every rank of the replica), as
-        the legacy's data-parallel Adasum."""
+        that are shares of a tensor split over ``self._comm``'s ranks. Under mixed precision (``finite``
+        holds this replica's flag) nothing is updated unless every replica's gradients were finite, and the
+        combined deltas reach the weights only when they are all finite (on every rank of the replica:
+        ``replica``, default ``self._comm``), as the legacy's data-parallel Adasum."""
         gated = self._mp is not None
         if gated:
             finite[ALL_FINITE] = np.asarray(
@@ -109,9 +113,10 @@ class ReplicaExchange:
         old = [self._store[w].copy() for w in names]
         self._run_update(*self._update_plan("update"), given)
         split = [w in shares for w in names]
+        whole = self._comm if replica is None else replica
         weights, _ = adasum_step(
             self._data, old, [self._store[w] for w in names], gated,
-            lambda ok: every_rank_finite(self._comm, ok, "Adasum deltas-finite check"),
+            lambda ok: every_rank_finite(whole, ok, "Adasum deltas-finite check"),
             shares=(self._comm, split) if any(split) else None,
         )
         self._store.update(zip(names, weights))

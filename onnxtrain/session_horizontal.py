@@ -68,10 +68,9 @@ from onnxtrain.training_graph import build_update_graph, select_trainable
 from onnxtrain.user_warning import warn
 
 SHARE_SEED_STEP = 7_919  # a random node inside a split block: rank r's seed is the agreed one + r × this
-# options a horizontally split session cannot honour yet: name → its default (with one stage, the pipeline's
-# options, which would do nothing)
+# options a horizontally split session refuses without pipeline stages (they would do nothing): name → its
+# default
 _REFUSED = {k: d for k, d in PIPELINE.items() if k != "pipeline_parallel_size"}
-_REFUSED_STAGES = {"enable_adasum": False}  # with pipeline stages
 _OPTIONS = (
     "horizontal_parallel_size",
     *PIPELINE,
@@ -96,7 +95,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         h, stages = p.horizontal_parallel_size, p.pipeline_parallel_size
         if stages > 1:
             self.what = "horizontal_parallel_size > 1 with pipeline_parallel_size > 1"
-        self._setup(_REFUSED if stages == 1 else _REFUSED_STAGES)
+        self._setup(_REFUSED if stages == 1 else {})
         sizes = "horizontal_parallel_size" + ("" if stages == 1 else " × pipeline_parallel_size")
         replicas = self._replicas(p, h * stages, sizes)
         self._mode = exchange_mode(p, replicas, "data-parallel replica")
@@ -168,7 +167,8 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
     def _split_groups(self, comm: Any, share: int, replica: int, stage: int, stages: int) -> None:
         """``self._comm``: the ranks splitting this rank's blocks (ordered by share); ``self._data``: those
         holding the same share of the same stage in every replica (None with one replica); ``self._pipe``:
-        the stages of this rank's share and replica (None with one stage)."""
+        the stages of this rank's share and replica (None with one stage); ``self._replica``: every rank of
+        this rank's replica (with stages and replicas; else None: ``self._comm`` holds them)."""
         h, d = self._params.horizontal_parallel_size, self.data_parallel_size
         self.data_parallel_rank = replica
         self._reducer = None
@@ -177,6 +177,8 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         self._comm = comm if comm.size == h else split(stage * d + replica, share, "forming the split groups")
         self._data = None if d == 1 else split(stage * h + share, replica, "forming the data-parallel groups")
         self._pipe = None if stages == 1 else split(replica * h + share, stage, "forming the pipelines")
+        many = stages > 1 and d > 1
+        self._replica = split(replica, stage * h + share, "forming the replicas") if many else None
 
     def _cut(self, sharded: onnx.ModelProto, cuts: list, blocks: list) -> Any:
         """Cut the rank's model around its split blocks (and at the pipeline's cuts): the partition into
@@ -464,7 +466,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         if self._mode == "zero1":
             self._zero_update(given)
         elif self._mode == "adasum":
-            self._adasum_update(given, finite, self._shares)
+            self._adasum_update(given, finite, self._shares, self._replica)
         else:
             self._run_update(*self._update_plan("update"), given)
         return finite

@@ -525,11 +525,14 @@ STAGED_SPLITS = (
     "adam2_h2_tied_clip",
 )
 HORIZONTAL.update({c: 2 for c in STAGED_SPLITS})
-# × two data-parallel replicas (mpiexec -n 8), with ZeRO stage 1 over them and without
+# × two data-parallel replicas (mpiexec -n 8), with ZeRO stage 1 over them, with Adasum and without
 CASES["adam2_h2x2_gelu_clip"] = CASES["adam2_h2x2_gelu_zero_clip"] = CASES["adam2_h2_gelu_clip"]
 HORIZONTAL.update({"adam2_h2x2_gelu_clip": 2, "adam2_h2x2_gelu_zero_clip": 2})
 REPLICAS.update({"adam2_h2x2_gelu_clip": 2, "adam2_h2x2_gelu_zero_clip": 2})
 H_ZERO.add("adam2_h2x2_gelu_zero_clip")
+CASES["adam2_h2x2_gelu_adasum"] = CASES["adam2_h2_gelu_clip"]  # and Adasum over the replicas
+HORIZONTAL["adam2_h2x2_gelu_adasum"] = REPLICAS["adam2_h2x2_gelu_adasum"] = 2
+H_ADASUM.add("adam2_h2x2_gelu_adasum")
 GRADIENTS["adam2_h2_gelu_grads"] = "adam2_h2_gelu_clip"  # each stage's, put together from its shares
 CASES["adam2_h2_gelu_grads"] = CASES["adam2_h2_gelu_clip"]
 HORIZONTAL["adam2_h2_gelu_grads"] = 2

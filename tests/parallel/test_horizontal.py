@@ -306,10 +306,9 @@ def test_horizontal_session_errors_in_one_process() -> None:
     with pytest.raises(NotImplementedError, match="num_pipeline_micro_batches do not combine with "
                        "horizontal_parallel_size > 1 yet"):
         TrainingSession(model, params(num_pipeline_micro_batches=2))
-    with pytest.raises(NotImplementedError, match="enable_adasum do not combine with "
-                       "horizontal_parallel_size > 1 with pipeline_parallel_size > 1 yet"):
-        TrainingSession(model, params(pipeline_parallel_size=2, pipeline_cut_info_string="hr",
-                                      enable_adasum=True))
+    with pytest.raises(ValueError, match=r"horizontal_parallel_size × pipeline_parallel_size=4 needs a "
+                       r"multiple of 4 MPI ranks"):
+        TrainingSession(model, params(pipeline_parallel_size=2, pipeline_cut_info_string="hr"))
 
 
 def test_blocks_side_by_side_cannot_be_cut_in_turn() -> None:

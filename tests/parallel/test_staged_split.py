@@ -13,6 +13,7 @@ from onnxtrain.parallel.pipeline import merge_cuts, parse_cut_info, partition
 from onnxtrain.training_graph import select_trainable
 from tests.parallel.pipeline_worker import GRADIENTS, gelu_blocks_model
 from tests.parallel.test_pipeline import (
+    assert_adasum,
     assert_gradient_outputs,
     assert_same_run,
     compare,
@@ -59,14 +60,19 @@ def test_split_blocks_in_two_stages_train_as_one_process(tmp_path) -> None:
 
 
 @pytest.mark.mpi
-def test_split_stages_times_two_replicas_with_and_without_zero(tmp_path) -> None:
+def test_split_stages_times_two_replicas_with_zero_adasum_and_neither(tmp_path) -> None:
     """mpiexec -n 8: 2 stages × 2 replicas × 2 shares (rank = stage · 4 + replica · 2 + share), each replica
     on half of every batch; ZeRO stage 1 shards each rank's Adam state over the two replicas holding its
-    share of its stage: both as one process, and the same run with ZeRO as without."""
-    got = pipelined(tmp_path, ["adam2_h2x2_gelu_clip", "adam2_h2x2_gelu_zero_clip"], 8)
+    share of its stage: both as one process, and the same run with ZeRO as without. Adasum: each replica
+    updates with its own gradients (its own norm over its stages and shares) and the replicas combine the
+    deltas, a split weight's dot products the whole tensor's; against one process per replica whose deltas
+    the float64 formula combines."""
+    cases = ["adam2_h2x2_gelu_clip", "adam2_h2x2_gelu_zero_clip", "adam2_h2x2_gelu_adasum"]
+    got = pipelined(tmp_path, cases, 8)
     compare(got, "adam2_h2x2_gelu_clip", 2e-6)
     compare(got, "adam2_h2x2_gelu_zero_clip", 2e-6)
     assert_same_run(got, "adam2_h2x2_gelu_zero_clip", "adam2_h2x2_gelu_clip")
+    assert_adasum(got, "adam2_h2x2_gelu_adasum", "adam2_h2x2_gelu_clip")
 
 
 @pytest.mark.mpi
