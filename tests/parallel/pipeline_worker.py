@@ -533,6 +533,11 @@ H_ZERO.add("adam2_h2x2_gelu_zero_clip")
 CASES["adam2_h2x2_gelu_adasum"] = CASES["adam2_h2_gelu_clip"]  # and Adasum over the replicas
 HORIZONTAL["adam2_h2x2_gelu_adasum"] = REPLICAS["adam2_h2x2_gelu_adasum"] = 2
 H_ADASUM.add("adam2_h2x2_gelu_adasum")
+# under mixed precision, a loss scale that overflows: no replica updates
+CASES["adam2_h2x2_mp_adasum_overflow"] = CASES["adam2_h2_gelu_clip"]
+HORIZONTAL["adam2_h2x2_mp_adasum_overflow"] = REPLICAS["adam2_h2x2_mp_adasum_overflow"] = 2
+H_ADASUM.add("adam2_h2x2_mp_adasum_overflow")
+LOSS_SCALE["adam2_h2x2_mp_adasum_overflow"] = 1e30
 GRADIENTS["adam2_h2_gelu_grads"] = "adam2_h2_gelu_clip"  # each stage's, put together from its shares
 CASES["adam2_h2_gelu_grads"] = CASES["adam2_h2_gelu_clip"]
 HORIZONTAL["adam2_h2_gelu_grads"] = 2
