@@ -109,11 +109,15 @@ class ReplicaExchange:
             )
             if not finite[ALL_FINITE]:
                 return
+        whole = self._comm if replica is None else replica
         names = self._trained()
+        if not names:  # a part that trains nothing takes part in the check the replica's others make
+            if gated:
+                every_rank_finite(whole, True, "Adasum deltas-finite check")
+            return
         old = [self._store[w].copy() for w in names]
         self._run_update(*self._update_plan("update"), given)
         split = [w in shares for w in names]
-        whole = self._comm if replica is None else replica
         weights, _ = adasum_step(
             self._data, old, [self._store[w] for w in names], gated,
             lambda ok: every_rank_finite(whole, ok, "Adasum deltas-finite check"),

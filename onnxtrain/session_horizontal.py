@@ -461,7 +461,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
             given[NORM] = np.asarray(np.sqrt(total), np.float32)
             if self._mp is not None:
                 finite[ALL_FINITE] = np.asarray(bool(np.isfinite(given[NORM])))
-        if not self._trainable:
+        if not self._trainable and self._mode != "adasum":  # Adasum: the replica's checks still run
             return finite
         if self._mode == "zero1":
             self._zero_update(given)

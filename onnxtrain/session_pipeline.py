@@ -294,7 +294,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
                 np.sqrt(self._comm.allreduce_scalar(local, "pipeline gradient norm")), np.float32
             )
         finite = {} if self._mp is None else {ALL_FINITE: np.asarray(bool(np.isfinite(norm)))}
-        if not self._sg.trainable:
+        if not self._sg.trainable and self._mode != "adasum":  # Adasum: the replica's checks still run
             return finite
         lr = np.asarray(feeds[p.lr_params_feed_name], np.float32).reshape(1)
         given: dict[str, Any] = {**feeds, p.lr_params_feed_name: lr, **eff}

@@ -423,7 +423,10 @@ CASES["adam2x2_mp_adasum_half_overflow"] = CASES["adam2x2_clip"]
 ZERO = {"adam2x2_zero_clip", "adam2x2_tied_zero_resumed", "adam2x2_mp_zero_clip", "adam2x2_mp_zero_overflow",
         "adam2x2_bn_zero_clip"}
 ADASUM = {"adam2x2_adasum_clip", "adam2x2_mp_adasum_clip", "adam2x2_mp_adasum_overflow",
-          "adam2x2_mp_adasum_half_overflow"}
+          "adam2x2_mp_adasum_half_overflow", "adam2x2_mp_adasum_frozen"}
+# Adasum under mixed precision with a first stage that trains nothing (its weights frozen)
+CASES["adam2x2_mp_adasum_frozen"] = (mlp_model, 2, "hr", 2, "AdamOptimizer", False)
+FROZEN = {"adam2x2_mp_adasum_frozen": {"W2", "b2"}}  # weights_to_train (default: all)
 # a Dropout between the split blocks: the ranks draw the same masks (a seed they agree on)
 CASES["adam_h2_gelu_dropout"] = (gelu_dropout_model, 1, "", 1, "AdamOptimizer", True)
 HORIZONTAL["adam_h2_gelu_dropout"] = 2
@@ -557,6 +560,7 @@ def parameters(case: str, model: onnx.ModelProto, pipelined: bool) -> TrainingPa
         p.optimizer_attributes_map = {t.name: dict(CLIP) for t in model.graph.initializer if t.dims}
     replicas = REPLICAS.get(case, 1)
     p.use_mixed_precision = case in LOSS_SCALE
+    p.weights_to_train = set(FROZEN.get(case, ()))
     p.set_gradients_as_graph_outputs = case in GRADIENTS
     for k, v in RECOMPUTE.get(case, {}).items() if pipelined else ():
         setattr(p, k, v)
