@@ -203,16 +203,15 @@ def merge_cuts(
     block's F and G cuts (inside a split block) is an error naming the cut."""
     producer = {o: k for k, n in enumerate(model.graph.node) for o in n.output if o}
 
-    def position(edges: list[CutEdge], c: int) -> int:
+    for c, edges in enumerate(stage_cuts):
         for e in edges:
             if e.tensor not in producer:
                 raise ValueError(
                     f"pipeline_cut_info_string: cut {c}: {e.tensor!r} is not computed by a node of the graph"
                 )
-        return max(producer[e.tensor] for e in edges)
-
-    marked = [(position(edges, -1), 0, j, edges) for j, edges in enumerate(block_cuts)]
-    marked += [(position(edges, c), 1, c, edges) for c, edges in enumerate(stage_cuts)]
+    # (position: the last node a cut's tensors come from, a split cut first on a tie, index, edges)
+    marked = [(max(producer[e.tensor] for e in edges), 0, j, edges) for j, edges in enumerate(block_cuts)]
+    marked += [(max(producer[e.tensor] for e in edges), 1, c, edges) for c, edges in enumerate(stage_cuts)]
     merged: list[MergedCut] = []
     inside: int | None = None  # the F cut of the block being walked
     for _, is_stage, j, edges in sorted(marked, key=lambda m: (m[0], m[1])):
