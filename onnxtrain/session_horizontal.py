@@ -63,7 +63,13 @@ from onnxtrain.parallel.stage_graphs import (
 from onnxtrain.parallel.zero import gather_zero_state
 from onnxtrain.parameters import PIPELINE
 from onnxtrain.session_cut import CutModelSession, add_into, means, model_fingerprint, squared_sum
-from onnxtrain.session_stages import MicroBatching, gather_stage_outputs, sum_tied_gradients, tied_weights
+from onnxtrain.session_stages import (
+    MicroBatching,
+    counts_in_norm,
+    gather_stage_outputs,
+    sum_tied_gradients,
+    tied_weights,
+)
 from onnxtrain.training_graph import build_update_graph, select_trainable
 from onnxtrain.user_warning import warn
 
@@ -131,9 +137,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
             sharded.graph.output.extend(outputs)
         part = self._cut(sharded, cuts, blocks)
         self._seed_random_nodes(sharded, part.stage_of)
-        inits = {t.name for t in model.graph.initializer}
-        self._user_inputs = [v.name for v in model.graph.input if v.name not in inits]
-        self._setup_micro_batches(self.loss_scale_input_name)
+        self._setup_micro_batches(model, self.loss_scale_input_name)
         every = [self._split[w].share if w in self._split else w for w in trainable]
         layers = layer_activations(sharded, p)  # once for all the pieces
         self._pieces: dict[int, StageGraphs] = {
@@ -447,9 +451,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
             given[self._mp.loss_scale] = feeds[self._mp.loss_scale]
         finite: dict[str, np.ndarray] = {}
         if p.enable_grad_norm_clip or self._mp is not None:
-            counted = {  # a weight several stages read counts once, on the first of them
-                w: named[f"{w}_grad"] for w in grads if self._tied.get(w, (self._stage,))[0] == self._stage
-            }
+            counted = {w: named[f"{w}_grad"] for w in grads if counts_in_norm(w, self._tied, self._stage)}
             whole = squared_sum(g for w, g in counted.items() if w not in self._shares)  # alike over a split
             split = self._comm.allreduce_scalar(
                 squared_sum(g for w, g in counted.items() if w in self._shares),

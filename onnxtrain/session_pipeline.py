@@ -53,7 +53,13 @@ from onnxtrain.parallel.pipeline import parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs
 from onnxtrain.parallel.zero import gather_zero_state
 from onnxtrain.session_cut import CutModelSession, add_into, means, model_fingerprint, squared_sum
-from onnxtrain.session_stages import MicroBatching, gather_stage_outputs, sum_tied_gradients, tied_weights
+from onnxtrain.session_stages import (
+    MicroBatching,
+    counts_in_norm,
+    gather_stage_outputs,
+    sum_tied_gradients,
+    tied_weights,
+)
 from onnxtrain.training_graph import select_trainable
 from onnxtrain.user_warning import warn
 
@@ -117,10 +123,8 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
 
     # ---- construction ------------------------------------------------------------------
     def _build_stage(self, model: onnx.ModelProto, trainable: list[str]) -> None:
-        p, g = self._params, model.graph
-        inits = {t.name for t in g.initializer}
-        self._user_inputs = [v.name for v in g.input if v.name not in inits]
-        self._setup_micro_batches(self.loss_scale_input_name)
+        p = self._params
+        self._setup_micro_batches(model, self.loss_scale_input_name)
         sg = self._sg = build_stage_graphs(
             model, self._part, self._stage, trainable, p, self._opt, self._mp, self._micro_input
         )
@@ -284,11 +288,8 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
             sum_tied_gradients(self._comm, eff, self._shapes)
         norm = None
         if p.enable_grad_norm_clip or self._mp is not None:
-            counted = [  # a weight several stages hold counts once, on the first of them
-                v
-                for g, v in eff.items()
-                if self._shared.get(g[: -len("_grad")], (self._stage,))[0] == self._stage
-            ]
+            stage = self._stage
+            counted = [v for g, v in eff.items() if counts_in_norm(g[: -len("_grad")], self._shared, stage)]
             local = squared_sum(counted)
             norm = np.asarray(
                 np.sqrt(self._comm.allreduce_scalar(local, "pipeline gradient norm")), np.float32

@@ -24,21 +24,22 @@ from onnxtrain.parallel import Communicator
 
 class MicroBatching:
     """Cutting a run's batch into ``num_pipeline_micro_batches`` micro-batches (see the module docstring);
-    the session sets ``self._params`` and ``self._user_inputs``."""
+    the session sets ``self._params``."""
 
-    def _setup_micro_batches(self, loss_scale: str | None) -> None:
-        """Check the options; ``loss_scale``: the mixed-precision input every micro-batch reads whole."""
+    def _setup_micro_batches(self, model: onnx.ModelProto, loss_scale: str | None) -> None:
+        """Check the options against ``model``'s inputs; ``loss_scale``: the mixed-precision input every
+        micro-batch reads whole."""
         p = self._params
         self._micro = p.num_pipeline_micro_batches
         if isinstance(self._micro, bool) or not isinstance(self._micro, int) or self._micro < 1:
             raise ValueError(f"num_pipeline_micro_batches must be an int >= 1, got {self._micro!r}")
-        sliced = set(p.sliced_tensor_names) or set(self._user_inputs) - {loss_scale}
-        unknown = sorted(set(p.sliced_tensor_names) - set(self._user_inputs))
+        inits = {t.name for t in model.graph.initializer}
+        inputs = [v.name for v in model.graph.input if v.name not in inits]
+        sliced = set(p.sliced_tensor_names) or set(inputs) - {loss_scale}
+        unknown = sorted(set(p.sliced_tensor_names) - set(inputs))
         if unknown:
-            raise ValueError(
-                f"sliced_tensor_names: {unknown} are not inputs of the model; inputs: {self._user_inputs}"
-            )
-        self._sliced = {n: int(p.sliced_axes.get(n, 0)) for n in self._user_inputs if n in sliced}
+            raise ValueError(f"sliced_tensor_names: {unknown} are not inputs of the model; inputs: {inputs}")
+        self._sliced = {n: int(p.sliced_axes.get(n, 0)) for n in inputs if n in sliced}
 
     def _micro_input(self, v: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
         """A user input as one micro-batch of it: ``sliced_schema``'s shape, else the sliced axis unnamed."""
@@ -88,6 +89,12 @@ def tied_weights(
             if i in wanted:
                 stages.setdefault(i, set()).update(stages_of(k))
     return {w: tuple(sorted(v)) for w, v in sorted(stages.items()) if len(v) > 1}
+
+
+def counts_in_norm(weight: str, tied: Mapping[str, tuple[int, ...]], stage: int) -> bool:
+    """Whether ``stage`` adds ``weight``'s gradient to the global norm: a weight several stages read
+    (``tied``: weight → its stages) counts once, on the first of them."""
+    return tied.get(weight, (stage,))[0] == stage
 
 
 def sum_tied_gradients(
