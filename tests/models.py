@@ -447,6 +447,24 @@ def export_module(
     return model
 
 
+@functools.cache
+def export_dynamo(name: str) -> tuple[onnx.ModelProto, nn.Module]:
+    """Model ``name`` with its loss, in training mode, exported by torch's default (dynamo) exporter at its
+    default opset, with dropout 0. ``optimize=False`` keeps every parameter an initializer under its torch
+    name (the exporter's optimizer folds and merges them). Cached: copy before mutating."""
+    module = build(name, 0.0, with_loss=True)
+    module.train(True)
+    feeds = example_inputs(name, 2, with_loss=True)
+    before = copy.deepcopy(module.state_dict())
+    with warnings.catch_warnings():  # the exporter's notes (torchvision missing, ...) are expected here
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, tuple(torch.from_numpy(v) for v in feeds.values()), dynamo=True,
+                                    optimize=False, input_names=list(feeds), output_names=["loss"],
+                                    verbose=False)
+    module.load_state_dict(before)
+    return program.model_proto, module
+
+
 def export_torchscript(module: nn.Module, args: tuple, inputs: list[str], outputs: list[str], dynamic: dict,
                        script: bool = False, training: bool = False) -> onnx.ModelProto:
     """Export ``module`` with torch's TorchScript exporter, the one that writes control flow: ``script``

@@ -50,10 +50,12 @@ class Unroll:
             raise RuleError(f"{op} gradient needs a static sequence length (X has shape {xs})")
         self.T = t
         hid = g.attr("hidden_size") or (rs[2] if rs is not None else None)
-        n_in = ws[2] if ws is not None else None
-        if hid is None or n_in is None:
-            raise RuleError(f"{op} gradient needs static W/R shapes (hidden and input sizes)")
-        self.H, self.I = int(hid), int(n_in)
+        if hid is None:
+            raise RuleError(f"{op} gradient needs the hidden size: no hidden_size attribute and R has shape {rs}")
+        self.H = int(hid)
+        # the input size, when W or X says it statically (torch's dynamo exporter builds W at run time)
+        n_in = next((s[-1] for s in (ws, xs) if s is not None and s[-1] is not None), None)
+        self.I = None if n_in is None else int(n_in)
         self.G = _GATES[op] * self.H
         self.one = g.const(1.0)
 
@@ -255,12 +257,19 @@ class Unroll:
         if self.D == 1 and not self.rev[0]:
             dx = self.e("Squeeze", dxw, self.g.ints([0]))
         else:
-            flat = self.e("Reshape", dxw, self.g.ints([self.D * self.T, -1, self.I]))
+            flat = self.e("Reshape", dxw, self.flat_steps_shape(dxw))
             rows = [[d * self.T + self.walk(t, d) for t in range(self.T)] for d in range(self.D)]
             dx = self.e("Gather", flat, self.idx(rows if self.D == 2 else rows[0]), axis=0)
             if self.D == 2:
                 dx = self.g.reduce("ReduceSum", dx, [0], keepdims=0)
         return self.e("Transpose", dx, perm=[1, 0, 2]) if self.layout == 1 else dx
+
+    def flat_steps_shape(self, dxw: str) -> str:
+        """The shape [D·T, B, I] of ``dxw`` [D, T, B, I] with its first two axes merged."""
+        if self.I is not None:
+            return self.g.ints([self.D * self.T, -1, self.I])
+        last = self.e("Slice", self.e("Shape", dxw), self.g.ints([3]), self.g.ints([4]))
+        return self.e("Concat", self.g.ints([self.D * self.T, -1]), last, axis=0)
 
     def state_in(self, name: str | None) -> str | None:
         """A state (or its gradient) [D, B, H] (layout 1: [B, D, H]) → [D, 1, B, H]."""
