@@ -51,7 +51,7 @@ class Unroll:
         self.T = t
         hid = g.attr("hidden_size") or (rs[2] if rs is not None else None)
         if hid is None:
-            raise RuleError(f"{op} gradient needs the hidden size: no hidden_size attribute and R has shape {rs}")
+            raise RuleError(f"{op} gradient needs the hidden size: no hidden_size attribute, R of shape {rs}")
         self.H = int(hid)
         # the input size, when W or X says it statically (torch's dynamo exporter builds W at run time)
         n_in = next((s[-1] for s in (ws, xs) if s is not None and s[-1] is not None), None)
