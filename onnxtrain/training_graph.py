@@ -98,8 +98,9 @@ def _reads(n: onnx.NodeProto) -> list[tuple[int, str]]:
 
 
 # slots onnxruntime's builder never differentiates although onnxtrain's rule can (spec §12.3): discovery
-# skips them, so a constant exponent kept as an initializer is not trained; listed in weights_to_train, it is
-_DISCOVERY_STOP = {"Pow": frozenset({1})}
+# skips them, so a constant exponent kept as an initializer is not trained (listed in weights_to_train, it
+# is); nor are an inference-mode BatchNormalization's running statistics (never trained: select_trainable)
+_DISCOVERY_STOP = {"Pow": frozenset({1}), "BatchNormalization": frozenset({3, 4})}
 
 
 def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, list]) -> list[str]:
@@ -116,7 +117,7 @@ def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, l
         if through is None and has_no_gradient(n.op_type):
             continue
         rule = None if through else find_rule(n.op_type, opset)
-        stop = (rule.stop if rule else frozenset()) | _DISCOVERY_STOP.get(n.op_type, frozenset())
+        stop = (rule.stopped(n) if rule else frozenset()) | _DISCOVERY_STOP.get(n.op_type, frozenset())
         for i, name in [(0, through)] if through else _reads(n):
             if i in stop:
                 continue

@@ -341,7 +341,7 @@ def build_gradient_model(
         if has_no_gradient(node.op_type):
             continue
         rule = find_rule(node.op_type, bw.opset)
-        stop = rule.stop if rule else frozenset()
+        stop = rule.stopped(node) if rule else frozenset()
         if any(n in requires and i not in stop for i, n in enumerate(node.input)) or any(
             n in requires for n in body_reads(node)
         ):
@@ -359,7 +359,7 @@ def build_gradient_model(
             on_path.append(k)
             if k in fakes:
                 needed.add(fakes[k].x)
-            stop = rules[k].stop if rules[k] else frozenset()
+            stop = rules[k].stopped(node) if rules[k] else frozenset()
             for i, n in enumerate(node.input):
                 if n in requires and i not in stop:
                     needed.add(n)
@@ -434,7 +434,8 @@ def build_gradient_model(
             dx = gelu.grad(NodeWriter(bw.names, bw.backward_nodes, prefix=f"{node.name}_Grad/"), dys[0], et)
             contributions.setdefault(gelu.x, []).append(dx)
             continue
-        needs = [bool(n) and n in needed and i not in rule.stop for i, n in enumerate(node.input)]
+        stop = rule.stopped(node)
+        needs = [bool(n) and n in needed and i not in stop for i, n in enumerate(node.input)]
         ctx = GradCtx(bw, node, rule, parse_attributes(node, bw.opset), dys, needs)
         ctx.body_wrt = [n for n in body_reads(node) if n in needed]
         try:

@@ -3,7 +3,8 @@
 A rule is a plain function ``fn(g: GradCtx) -> None`` that emits standard ONNX nodes computing the
 input gradients of one forward node. ``uses`` names the forward values the rule reads (``x0``,
 ``y0`` ...; ``x*``/``y*`` for all): the builder refuses any other, so the declaration is what the
-backward pass really keeps alive. ``stop`` lists input slots that never get a gradient.
+backward pass really keeps alive. ``stop`` lists input slots that never get a gradient (with ``stop_if``,
+only in the nodes for which it holds, e.g. an attribute's value).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import onnx
+
     from onnxtrain.autodiff.context import GradCtx
 
 RuleFn = Callable[["GradCtx"], None]
+NodeTest = Callable[["onnx.NodeProto"], bool]
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,11 @@ class Rule:
     uses: frozenset[str]
     stop: frozenset[int]
     linear: bool = False  # cheap to recompute: its gradient needs no forward values
+    stop_if: NodeTest | None = None  # the nodes whose ``stop`` slots get no gradient (None: every node)
+
+    def stopped(self, node: onnx.NodeProto) -> frozenset[int]:
+        """The input slots of ``node`` that get no gradient."""
+        return self.stop if self.stop_if is None or self.stop_if(node) else frozenset()
 
 
 _RULES: dict[str, list[Rule]] = {}
@@ -37,7 +46,8 @@ _LOADED = False
 
 
 def gradient(op: str, since: int = 1, uses: Iterable[str] = (), stop: Iterable[int] = (),
-             linear: bool = False, variant: str = "") -> Callable[[RuleFn], RuleFn]:
+             linear: bool = False, variant: str = "", stop_if: NodeTest | None = None
+             ) -> Callable[[RuleFn], RuleFn]:
     """Register ``fn`` as the gradient rule of ``op`` for opsets ``>= since``; with ``variant``, as an
     alternative rule that the builder uses only where asked to (:func:`find_variant`)."""
 
@@ -45,12 +55,12 @@ def gradient(op: str, since: int = 1, uses: Iterable[str] = (), stop: Iterable[i
         if variant:
             if (op, variant) in _VARIANTS:
                 raise ValueError(f"gradient rule variant {variant!r} of {op} registered twice")
-            _VARIANTS[(op, variant)] = Rule(op, since, fn, frozenset(uses), frozenset(stop), linear)
+            _VARIANTS[(op, variant)] = Rule(op, since, fn, frozenset(uses), frozenset(stop), linear, stop_if)
             return fn
         rules = _RULES.setdefault(op, [])
         if any(r.since == since for r in rules):
             raise ValueError(f"gradient rule for {op} since opset {since} registered twice")
-        rules.append(Rule(op, since, fn, frozenset(uses), frozenset(stop), linear))
+        rules.append(Rule(op, since, fn, frozenset(uses), frozenset(stop), linear, stop_if))
         rules.sort(key=lambda r: r.since)
         return fn
 

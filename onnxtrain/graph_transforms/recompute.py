@@ -408,7 +408,7 @@ def _dominator_chain(fa: _Forward, act: set[str]) -> list[str]:
 
     for n in fa.nodes[: fa.boundary]:
         rule = find_rule(n.op_type, fa.opset)
-        stop = rule.stop if rule else frozenset()
+        stop = rule.stopped(n) if rule else frozenset()
         preds = [i for j, i in enumerate(n.input) if i and i in act and i in depth and j not in stop]
         for o in n.output:
             if not o or o not in act or not fa.is_float(o):

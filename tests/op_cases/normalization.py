@@ -86,6 +86,11 @@ CASES += [
            variant="grad_training_5d"),
     OpCase("BatchNormalization", make_inputs=_bn_inputs((2, 3, 4)), wrt=(0,),
            variant="grad_inference_x_only"),
+    # inference mode differentiated w.r.t. the given mean and variance as well
+    OpCase("BatchNormalization", make_inputs=_bn_inputs((2, 3, 4, 4)), wrt=(0, 1, 2, 3, 4),
+           variant="grad_inference_stats"),
+    OpCase("BatchNormalization", make_inputs=_bn_inputs((5, 3)), attrs={"epsilon": 1e-2}, wrt=(3, 4),
+           variant="grad_inference_stats_2d"),
     OpCase("LpNormalization", [(3, 4)], attrs={"axis": 0}, variant="grad_axis0"),
     OpCase("LpNormalization", [(2, 3, 4)], attrs={"p": 1}, low=0.2, variant="grad_l1_last"),
 ]

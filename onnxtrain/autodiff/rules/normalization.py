@@ -8,7 +8,7 @@ other axes. float16/bfloat16 graphs compute it in float32 (as the kernels and st
 
 from __future__ import annotations
 
-from onnx import TensorProto
+from onnx import NodeProto, TensorProto
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
@@ -179,12 +179,18 @@ def _inv_count(g: GradCtx, axis: int, wt: int) -> str:
 # ---------------------------------------------------------------- Batch / Instance / Group
 
 
-@gradient("BatchNormalization", uses=("x0", "x1", "x3", "x4"), stop=(3, 4))
+def _training_mode(node: NodeProto) -> bool:
+    return any(a.name == "training_mode" and a.i for a in node.attribute)
+
+
+@gradient("BatchNormalization", uses=("x0", "x1", "x3", "x4"), stop=(3, 4), stop_if=_training_mode)
 def batch_norm_grad(g: GradCtx) -> None:
     # training_mode=1: Y uses the batch statistics, recomputed here over (N, d1, ...); the running
-    # statistics (outputs 1, 2) are state updates and carry no gradient.
-    # training_mode=0: Y = (X − mean)·scale/sqrt(var + eps) + B with the given mean/var (inputs 3, 4,
-    # which get no gradient): dX = dY·scale·rstd.
+    # statistics (inputs 3, 4 and outputs 1, 2) are state updates and carry no gradient.
+    # training_mode=0: Y = (X − mean)·scale·rstd + B with the given mean and var, rstd = 1/sqrt(var + eps):
+    # dX = dY·scale·rstd, dmean = −scale·rstd·Σ dY, dvar = −½·scale·rstd²·Σ dY·xhat (xhat = (X − mean)·rstd);
+    # mean and var get them when they are computed from values that need gradients (torch's dynamo exporter
+    # writes BatchNorm without running statistics this way) or are differentiated themselves.
     if g.dy(0) is None:
         return
     _, r = _axis(g, 0)
@@ -201,13 +207,22 @@ def batch_norm_grad(g: GradCtx) -> None:
         var = _cast(g, g.x(4), wt, g.elem_type(g.x(4)))
         rstd_c = g.emit("Reciprocal", g.emit("Sqrt", g.emit("Add", var, g.const(eps, wt))))  # (C,)
         rstd = _per_channel(g, rstd_c, r)
+        a = None
+        if g.needs_dx(0) or g.needs_dx(3) or g.needs_dx(4):
+            a = g.emit("Mul", _cast(g, g.x(1), wt, g.elem_type(g.x(1))), rstd_c)  # scale·rstd, (C,)
         if g.needs_dx(0):
-            a = g.emit("Mul", _cast(g, g.x(1), wt, g.elem_type(g.x(1))), rstd_c)
             g.set_dx(0, _cast(g, g.emit("Mul", dy, _per_channel(g, a, r)), xt, wt))
         xhat = None
-        if g.needs_dx(1):
+        if g.needs_dx(1) or g.needs_dx(4):
             mean = _per_channel(g, _cast(g, g.x(3), wt, g.elem_type(g.x(3))), r)
             xhat = g.emit("Mul", g.emit("Sub", _cast(g, g.x(0), wt, xt), mean), rstd)
+        if g.needs_dx(3):
+            dmean = g.emit("Neg", g.emit("Mul", a, g.reduce("ReduceSum", dy, axes, keepdims=0)))
+            g.set_dx(3, _cast(g, dmean, g.elem_type(g.x(3)) or g.dtype, wt))
+        if g.needs_dx(4):
+            sums = g.reduce("ReduceSum", g.emit("Mul", dy, xhat), axes, keepdims=0)
+            dvar = g.emit("Mul", g.emit("Mul", a, rstd_c), g.emit("Mul", sums, g.const(-0.5, wt)))
+            g.set_dx(4, _cast(g, dvar, g.elem_type(g.x(4)) or g.dtype, wt))
     if g.needs_dx(1):
         g.set_dx(1, _sum_to(g, g.emit("Mul", dy, xhat), axes, 1, wt))
     if g.needs_dx(2):

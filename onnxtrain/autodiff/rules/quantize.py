@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-from onnx import TensorProto
+from onnx import NodeProto, TensorProto
 
 from onnxtrain.autodiff.registry import no_gradient
 from onnxtrain.ir.attrs import parse_attributes
@@ -66,6 +66,10 @@ class FakeQuant:
     y_type: int = 0  # the DequantizeLinear's output type (dy's); 0: x_type
     stop: frozenset[int] = field(default=frozenset({0, 1, 2}))
     uses: frozenset[str] = field(default=frozenset())
+
+    def stopped(self, node: NodeProto) -> frozenset[int]:
+        """As :meth:`Rule.stopped <onnxtrain.autodiff.registry.Rule.stopped>`: every slot."""
+        return self.stop
 
     def grad(self, w: NodeWriter, dy: str, et: int) -> str:
         """dx, given dy: dy where x quantizes inside the type's range (boundaries included), else 0."""
