@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxtrain.autodiff.exporter_checks import program_hint
 from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
@@ -55,9 +56,8 @@ STEP_PLANS = ("full", "accumulate", "gradients", "update", "zero_update")
 def check_arguments(path_or_bytes: Any, parameters: Any) -> None:
     """TypeError unless the session's first two arguments are a model and a ``TrainingParameters``."""
     if not isinstance(path_or_bytes, (str, bytes, bytearray, os.PathLike, onnx.ModelProto)):
-        raise TypeError(
-            f"path_or_bytes must be a path or the serialized model, got {type(path_or_bytes).__name__}"
-        )
+        raise TypeError(f"path_or_bytes must be a path or the serialized model, got "
+                        f"{type(path_or_bytes).__name__}{program_hint(path_or_bytes)}")
     if not isinstance(parameters, TrainingParameters):
         raise TypeError(f"parameters must be a TrainingParameters, got {type(parameters).__name__}")
 

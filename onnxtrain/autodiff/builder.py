@@ -15,6 +15,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
+from onnxtrain.autodiff.exporter_checks import warn_inference_batch_norms
 from onnxtrain.autodiff.patterns import find_erf_gelus, find_tanh_gelus
 from onnxtrain.autodiff.registry import find_rule, find_variant, has_no_gradient, ops_with_rules
 from onnxtrain.autodiff.rules.normalization import FROM_OUTPUT
@@ -305,6 +306,7 @@ def build_gradient_model(
         model = onnx.load_from_string(bytes(model))
     elif isinstance(model, (str, os.PathLike)):
         model = onnx.load(os.fspath(model))
+    warn_inference_batch_norms(model)
     model = expand_for_gradient(upgrade_opset(model))
     bw = _Backward(model)
     g = model.graph

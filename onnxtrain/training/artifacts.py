@@ -84,9 +84,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.builder import GradientError, build_gradient_model, upgrade_opset
+from onnxtrain.autodiff.exporter_checks import EXPORT_HINT, from_torch, program_hint
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute as recompute_pass
-from onnxtrain.ir.builder import model_opset
+from onnxtrain.ir.builder import FLOAT_TYPES, model_opset
 from onnxtrain.ir.graphs import node_reads, path_to
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.training import onnxblock
@@ -175,7 +176,8 @@ def _load(model: Any) -> onnx.ModelProto:
         m.CopyFrom(model)
         return m
     raise ArtifactError(
-        f"Unknown model type {type(model).__name__}: pass an onnx.ModelProto or the path of an .onnx file."
+        f"Unknown model type {type(model).__name__}: pass an onnx.ModelProto or the path of an .onnx "
+        f"file{program_hint(model)}."
     )
 
 
@@ -368,7 +370,15 @@ def build_training_models(
             raise ArtifactError(
                 f"{what} names {missing} that are not initializers of the model; initializers: "
                 f"{list(inits)[:20]}{' ...' if len(inits) > 20 else ''}"
+                + (f" ({EXPORT_HINT})" if from_torch(base) else "")
             )
+    not_float = [n for n in trainable if inits[n].data_type not in FLOAT_TYPES]
+    if not_float:
+        raise ArtifactError(
+            f"requires_grad names {not_float}, initializers of type "
+            f"{[onnx.TensorProto.DataType.Name(inits[n].data_type) for n in not_float]}: only floating-point "
+            "tensors have gradients"
+        )
     model_outputs = [o.name for o in g.output]
     args = model_outputs if loss_inputs is None else loss_inputs
     with onnxblock.base(m) as acc:

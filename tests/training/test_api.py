@@ -606,7 +606,7 @@ def test_export_misuse(art, tmp_path):
     _, module, _ = setup(art, None)
     with pytest.raises(ValueError, match="non empty"):
         module.export_model_for_inferencing(tmp_path / "a.onnx", [])
-    with pytest.raises(ValueError, match="nonexistent could not be found"):
+    with pytest.raises(ValueError, match=r"nonexistent could not be found.*any value it computes may be"):
         module.export_model_for_inferencing(tmp_path / "a.onnx", ["nonexistent"])
     with pytest.raises(TypeError):
         module.export_model_for_inferencing(tmp_path / "a.onnx", "y")

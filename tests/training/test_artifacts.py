@@ -675,6 +675,38 @@ def test_error_unknown_loss_and_optimizer_types(mlp, tmp_path):
         )
 
 
+def test_errors_say_what_to_do_with_torch_exports(mlp, tmp_path):
+    """A torch export whose parameters are not found names the exporter options that keep them; torch's
+    ONNXProgram is refused with the attribute to pass instead."""
+    model, _, _ = mlp
+    assert model.producer_name == "pytorch"
+    with pytest.raises(RuntimeError, match=r"not initializers of the model.*optimize=False"):
+        generate_artifacts(model, requires_grad=["fc1.weight"], loss=LossType.MSELoss,
+                           artifact_directory=tmp_path)
+
+    class Program:  # what torch.onnx.export(..., dynamo=True) returns
+        model_proto = model
+
+    with pytest.raises(RuntimeError, match=r"Unknown model type Program.*pass its \.model_proto"):
+        generate_artifacts(Program(), requires_grad=["net.5.bias"], loss=LossType.MSELoss,
+                           artifact_directory=tmp_path)
+
+
+def test_error_integer_parameter(tmp_path):
+    """An integer initializer in requires_grad (a Reshape's shape) is refused by type, not as unreachable."""
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["xr"]),
+             helper.make_node("MatMul", ["xr", "W"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [numpy_helper.from_array(np.array([2, 4], np.int64), "shape"),
+         numpy_helper.from_array(np.ones((4, 3), np.float32), "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(RuntimeError, match=r"\['shape'\], initializers of type \['INT64'\]: only float"):
+        generate_artifacts(model, requires_grad=["W", "shape"], loss=LossType.MSELoss,
+                           artifact_directory=tmp_path)
+
+
 def test_error_additional_output_names(mlp, tmp_path):
     model, _, _ = mlp
     with pytest.raises(RuntimeError, match="Unknown type provided for additional output names"):

@@ -41,6 +41,12 @@ def _check_target(path: str) -> None:
                                 "Cannot export the inference model, its directory does not exist", path)
 
 
+def _last_reads(g: onnx.GraphProto) -> list[str]:
+    """The computed values the graph's last node reads (the loss's inputs, in a generated eval model)."""
+    made = {o for n in g.node for o in n.output if o}
+    return [i for i in g.node[-1].input if i in made] if g.node else []
+
+
 def export_for_inference(eval_model: onnx.ModelProto, params: Mapping[str, np.ndarray],
                          path: str | os.PathLike, graph_output_names: Sequence[str]) -> onnx.ModelProto:
     """Write and return ``eval_model`` with outputs ``graph_output_names`` and ``params`` as initializers.
@@ -58,7 +64,8 @@ def export_for_inference(eval_model: onnx.ModelProto, params: Mapping[str, np.nd
         if n not in known:
             raise ValueError(f"Expected graph output for inference graph {n} could not be found. Please "
                              "regenerate the eval graph (graph outputs of the eval model: "
-                             f"{[v.name for v in g.output]}).")
+                             f"{[v.name for v in g.output]}; any value it computes may be named, e.g. "
+                             f"the values its last node reads: {_last_reads(g)}).")
     _check_target(path)
 
     kept, needed = path_to(g.node, names)

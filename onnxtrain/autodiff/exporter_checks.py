@@ -1,0 +1,49 @@
+"""What torch's exporters do to a model that is meant for training, told to the user: a BatchNorm traced in
+training mode but written as inference BatchNormalization, and parameters renamed or folded away."""
+
+from __future__ import annotations
+
+import onnx
+
+from onnxtrain.user_warning import warn
+
+_FX_NODE = "pkg.torch.onnx.fx_node"  # the dynamo exporter's record of the torch call a node came from
+_TRAINING_BATCH_NORM = ("_native_batch_norm_legit_functional", "native_batch_norm.default")
+
+EXPORT_HINT = (
+    "torch.onnx.export renames, folds or merges parameters unless asked not to: pass optimize=False "
+    "(dynamo, the default exporter) or do_constant_folding=False with "
+    "training=torch.onnx.TrainingMode.TRAINING (dynamo=False)"
+)
+
+
+def from_torch(model: onnx.ModelProto) -> bool:
+    return model.producer_name == "pytorch"
+
+
+def program_hint(obj: object) -> str:
+    """A hint for an unsupported model argument that is torch's ``ONNXProgram`` (else "")."""
+    return " (torch's ONNXProgram: pass its .model_proto)" if hasattr(obj, "model_proto") else ""
+
+
+def _traced_in_training(node: onnx.NodeProto) -> bool:
+    """Whether the dynamo exporter's record says ``node`` came from a batch norm that used batch statistics
+    (its ``training`` argument, the sixth, was True)."""
+    fx = next((p.value for p in node.metadata_props if p.key == _FX_NODE), "")
+    if not any(t in fx for t in _TRAINING_BATCH_NORM) or "args = (" not in fx:
+        return False
+    args = fx.split("args = (", 1)[1].split(")", 1)[0].split(",")
+    return len(args) > 5 and args[5].strip() == "True"
+
+
+def warn_inference_batch_norms(model: onnx.ModelProto) -> None:
+    """Warn about BatchNormalization nodes that torch traced in training mode but wrote for inference (the
+    dynamo exporter does so): they normalise with the running statistics and never update them."""
+    names = [n.name or n.output[0] for n in model.graph.node if n.op_type == "BatchNormalization"
+             and not any(a.name == "training_mode" and a.i for a in n.attribute) and _traced_in_training(n)]
+    if names:
+        warn(f"BatchNormalization {names}: torch traced them in training mode but its exporter wrote them "
+             "for inference (no training_mode): they normalise with the running statistics and never update "
+             "them, unlike torch's training. To train with batch statistics, export with dynamo=False, "
+             "training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False; or export in eval mode "
+             "(module.eval()) to train this way on purpose.")

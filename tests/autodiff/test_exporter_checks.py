@@ -1,0 +1,49 @@
+"""torch's default exporter (dynamo) writes a BatchNorm traced in training mode as an inference
+BatchNormalization: building its gradients warns, naming the node; an export in eval mode, or one that keeps
+training mode (TorchScript with TrainingMode.TRAINING) has training_mode set, so neither warns."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from onnxtrain.autodiff import build_gradient_model
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxscript", reason="torch's dynamo exporter needs onnxscript")
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x)).square().mean()
+
+
+def _export(training: bool):
+    torch.manual_seed(0)
+    net = _Net().train(training)
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.onnx.export(net, (x,), dynamo=True, optimize=False, input_names=["x"],
+                                 output_names=["loss"], verbose=False).model_proto
+
+
+def test_batch_norm_traced_in_training_mode_warns() -> None:
+    model = _export(training=True)
+    bn = [n for n in model.graph.node if n.op_type == "BatchNormalization"]
+    assert len(bn) == 1 and not any(a.name == "training_mode" for a in bn[0].attribute)
+    with pytest.warns(UserWarning, match=rf"BatchNormalization \['{bn[0].name}'\]: torch traced them in"):
+        build_gradient_model(model, "loss", ["fc.weight"])
+
+
+def test_batch_norm_exported_in_eval_mode_is_quiet() -> None:
+    model = _export(training=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_gradient_model(model, "loss", ["fc.weight"])
