@@ -8,6 +8,7 @@ seed.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -220,6 +221,27 @@ def test_resize_integer_image() -> None:
         b = _ort("Resize", [x, None, scales], opset=19, mode=mode)[0]
         assert a.dtype == np.uint8
         assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
+
+
+def test_resize_align_corners_with_unrounded_scales_warns() -> None:
+    """ONNX's test data (test_resize_downsample_scales_linear_align_corners) spaces align_corners positions by
+    the unrounded scaled length, onnxruntime and torch by the output length: the engine follows ONNX and
+    warns when the two differ, and is quiet when the scaled length is whole (they all agree then)."""
+    x = np.arange(1, 9, dtype=np.float32).reshape(1, 1, 2, 4)
+    scales = np.array([1, 1, 0.6, 0.6], dtype=np.float32)
+    with pytest.warns(UserWarning, match=r"scale 0.6 on an axis of 4 gives 2.4.*output length 2"):
+        y = _ours("Resize", [x, None, scales], opset=19, mode="linear",
+                  coordinate_transformation_mode="align_corners")[0]
+    np.testing.assert_allclose(y, [[[[1.0, 3.142857]]]], rtol=1e-6)  # ONNX's expected output
+    np.testing.assert_allclose(_ort("Resize", [x, None, scales], opset=19, mode="linear",
+                                    coordinate_transformation_mode="align_corners")[0], [[[[1.0, 4.0]]]])
+    whole = np.array([1, 1, 1.5, 1.5], dtype=np.float32)
+    attrs = {"mode": "linear", "coordinate_transformation_mode": "align_corners"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a = _ours("Resize", [x, None, whole], opset=19, **attrs)
+    b = _ort("Resize", [x, None, whole], opset=19, **attrs)
+    np.testing.assert_allclose(a[0], b[0], rtol=1e-6)
 
 
 def test_bad_attributes_name_the_node() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+from onnxtrain.user_warning import warn
 
 _DENSE_LIMIT = 1 << 22  # beyond out*in entries, gather taps instead of a dense matrix
 
@@ -31,6 +32,8 @@ def _source_coords(mode: str, out_len: int, in_len: int, scale: float, roi: tupl
         offset = in_len / 2 * (1 - out_len / width)
         return offset + (y + 0.5) / scale - 0.5, None
     if mode == "align_corners":
+        if out_len > 1 and abs(width - out_len) > 1e-6 * out_len:
+            _warn_unrounded(in_len, scale, width, out_len)
         return (np.zeros(out_len) if width == 1 else y * (in_len - 1) / (width - 1)), None
     if mode == "asymmetric":
         return y / scale, None
@@ -43,6 +46,14 @@ def _source_coords(mode: str, out_len: int, in_len: int, scale: float, roi: tupl
         x = x + lo * (in_len - 1)
         return x, (x < 0) | (x > in_len - 1)
     raise ValueError(f"unknown coordinate_transformation_mode {mode!r}")
+
+
+def _warn_unrounded(in_len: int, scale: float, width: float, out_len: int) -> None:
+    warn(f"Resize with align_corners: scale {scale:g} on an axis of {in_len} gives {width:g}, not a whole "
+         f"length; as ONNX defines it (and its test data), positions are spaced by (length − 1)/({width:g} − "
+         f"1), where onnxruntime and torch use the output length {out_len} ({out_len} − 1): the values "
+         "differ from theirs. Give the output sizes instead of scales to get the same values everywhere "
+         "(torch: F.interpolate(size=...)).")
 
 
 def _nearest_index(x: np.ndarray, nearest_mode: str, in_len: int) -> np.ndarray:
