@@ -110,6 +110,23 @@ def test_op_without_rule_names_node_and_op() -> None:
         build_gradient_model(m, "loss", ["w"])
 
 
+def test_invalid_loss_shapes_are_refused_by_name() -> None:
+    """A cross-entropy node with rank-1 scores (torch's exporter once wrote one) is not a valid model: the
+    builder names the node instead of emitting a gradient graph that fails later."""
+    w = numpy_helper.from_array(np.ones(5, np.float32), "w")
+    nodes = [helper.make_node("Mul", ["x", "w"], ["s"]),
+             helper.make_node("SoftmaxCrossEntropyLoss", ["s", "labels"], ["loss"], name="ce")]
+    m = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", T.FLOAT, [5]),
+         helper.make_tensor_value_info("labels", T.INT64, [5])],
+        [helper.make_tensor_value_info("loss", T.FLOAT, [])],
+        [w],
+    )
+    with pytest.raises(GradientError, match=r"'ce'.*needs scores of shape \(N, C, ...\), got rank 1 \('s'\)"):
+        build_gradient_model(m, "loss", ["w"])
+
+
 def _if_model(loss_through_if: bool) -> onnx.ModelProto:
     """w is read only inside an If's branches; the loss goes through the If or only through v."""
     branch = {

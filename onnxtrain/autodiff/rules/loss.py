@@ -92,10 +92,23 @@ def _per_sample(g: GradCtx) -> bool:
     return g.has_x(2) or g.attr("ignore_index") is not None or g.attr("reduction") == "none"
 
 
+def _check_scores_rank(g: GradCtx) -> None:
+    """RuleError unless the scores are (N, C, ...) and the labels (N, ...), where their ranks are known
+    (an invalid model would otherwise give a gradient graph that only fails when checked or run)."""
+    rs, rl = g.rank(0), g.rank(1)
+    if rs is not None and rs < 2:
+        raise RuleError(f"{g.node.op_type} needs scores of shape (N, C, ...), got rank {rs} "
+                        f"({g.node.input[0]!r}); the model is invalid")
+    if rs is not None and rl is not None and rl != rs - 1:
+        raise RuleError(f"{g.node.op_type} needs labels of rank {rs - 1} for scores of rank {rs}, got "
+                        f"rank {rl} ({g.node.input[1]!r}); the model is invalid")
+
+
 @gradient("SoftmaxCrossEntropyLoss", uses=("x1", "x2", "y1"), stop=(1, 2))
 def softmax_cross_entropy_grad(g: GradCtx) -> None:
     # ℓ_i = −log_prob[i, label_i]:  dScores = (Exp(log_prob) − OneHot(label))·f  (f: see _class_factor);
     # a gradient into the log_prob output adds the LogSoftmax backward dLP − Exp(LP)·Σ_c dLP.
+    _check_scores_rank(g)
     lp = g.y(1)
     p = g.emit("Exp", lp)
     parts = []
@@ -112,6 +125,7 @@ def softmax_cross_entropy_grad(g: GradCtx) -> None:
 @gradient("NegativeLogLikelihoodLoss", uses=("x1", "x2"), stop=(1, 2))
 def nll_loss_grad(g: GradCtx) -> None:
     # ℓ_i = −input[i, label_i]:  dInput = −f at the label's class, 0 elsewhere
+    _check_scores_rank(g)
     lab, f = _class_factor(g)
     neg = g.emit("Neg", g.emit("Unsqueeze", f, g.ints([1])) if _per_sample(g) else f)
     g.set_dx(0, g.emit("Where", _is_label(g, lab), neg, g.const(0)))
