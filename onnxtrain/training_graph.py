@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff import build_gradient_model
 from onnxtrain.autodiff.builder import GradientError, fake_quant_inputs, upgrade_opset
-from onnxtrain.autodiff.exporter_checks import EXPORT_HINT, from_torch
+from onnxtrain.autodiff.exporter_checks import EXPORT_HINT, from_torch, warn_folded_constants
 from onnxtrain.autodiff.registry import find_rule, has_no_gradient
 from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.clipping import clip_divisor, global_norm
@@ -163,6 +163,7 @@ def select_trainable(model: onnx.ModelProto, p: TrainingParameters) -> list[str]
         )
     else:
         trainable = discover_trainable(model, p.loss_output_name, p.immutable_weights)
+        warn_folded_constants(model, [w for w in trainable if w not in p.weights_not_to_train])
     for w in p.weights_not_to_train:
         if w not in inits:
             raise ValueError(f"weights_not_to_train: {w!r} is not an initializer of the model")

@@ -3,6 +3,8 @@ training mode but written as inference BatchNormalization, and parameters rename
 
 from __future__ import annotations
 
+import re
+
 import onnx
 
 from onnxtrain.user_warning import warn
@@ -47,3 +49,13 @@ def warn_inference_batch_norms(model: onnx.ModelProto) -> None:
              "them, unlike torch's training. To train with batch statistics, export with dynamo=False, "
              "training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False; or export in eval mode "
              "(module.eval()) to train this way on purpose.")
+
+
+def warn_folded_constants(model: onnx.ModelProto, trained: list[str]) -> None:
+    """Warn when weights found to train are constants torch's dynamo exporter made (``val_<n>``: folded
+    transposes of parameters, an attention scale), which its optimizer leaves instead of the parameters."""
+    made = [w for w in trained if re.fullmatch(r"val_\d+", w)]
+    if made and from_torch(model):
+        warn(f"training {made}: constants torch's exporter computed (named val_<n>: e.g. a parameter's "
+             f"folded transpose or an attention scale), not the module's parameters; {EXPORT_HINT}, or "
+             "list weights_to_train")

@@ -47,3 +47,32 @@ def test_batch_norm_exported_in_eval_mode_is_quiet() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         build_gradient_model(model, "loss", ["fc.weight"])
+
+
+def test_legacy_session_warns_when_it_would_train_folded_constants() -> None:
+    """With the exporter's optimizer on (its default), a Linear's weight becomes its folded transpose
+    ``val_<n>``; the legacy session's weight discovery would train that constant: it warns, naming it."""
+    from onnxtrain import TrainingParameters, TrainingSession
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)  # on a 3-D input: a MatMul with the weight's transpose, which is folded
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((2, 5, 4)).astype(np.float32))
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x).square().mean()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = torch.onnx.export(WithLoss(), (x,), dynamo=True, input_names=["x"], output_names=["loss"],
+                                  verbose=False).model_proto
+    folded = [t.name for t in model.graph.initializer if t.name.startswith("val_") and t.data_type == 1]
+    assert folded, [t.name for t in model.graph.initializer]
+    params = TrainingParameters()
+    params.loss_output_name = "loss"
+    with pytest.warns(UserWarning, match=rf"training \['{folded[0]}'.*optimize=False"):
+        TrainingSession(model.SerializeToString(), params)
