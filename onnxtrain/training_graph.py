@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff import build_gradient_model
 from onnxtrain.autodiff.builder import GradientError, fake_quant_inputs, upgrade_opset
-from onnxtrain.autodiff.exporter_checks import EXPORT_HINT, from_torch, warn_folded_constants
+from onnxtrain.autodiff.exporter_checks import export_hint, warn_folded_constants
 from onnxtrain.autodiff.registry import find_rule, has_no_gradient
 from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.clipping import clip_divisor, global_norm
@@ -147,8 +147,9 @@ def select_trainable(model: onnx.ModelProto, p: TrainingParameters) -> list[str]
     if wanted:
         for w in sorted(wanted):
             if w not in inits:
-                hint = f" ({EXPORT_HINT})" if from_torch(model) else ""
-                raise ValueError(f"weights_to_train: {w!r} is not an initializer of the model{hint}")
+                raise ValueError(
+                    f"weights_to_train: {w!r} is not an initializer of the model{export_hint(model)}"
+                )
         unused = sorted(w for w in wanted if w not in consumers)
         if unused:
             warn(f"weights_to_train: {unused} have no consumer and are not trained")

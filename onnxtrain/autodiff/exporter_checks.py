@@ -7,20 +7,26 @@ import re
 
 import onnx
 
+from onnxtrain.ir.graphs import is_training_batch_norm
 from onnxtrain.user_warning import warn
 
 _FX_NODE = "pkg.torch.onnx.fx_node"  # the dynamo exporter's record of the torch call a node came from
 _TRAINING_BATCH_NORM = ("_native_batch_norm_legit_functional", "native_batch_norm.default")
 
-EXPORT_HINT = (
+_EXPORT_HINT = (
     "torch.onnx.export renames, folds or merges parameters unless asked not to: pass optimize=False "
     "(dynamo, the default exporter) or do_constant_folding=False with "
     "training=torch.onnx.TrainingMode.TRAINING (dynamo=False)"
 )
 
 
-def from_torch(model: onnx.ModelProto) -> bool:
+def _from_torch(model: onnx.ModelProto) -> bool:
     return model.producer_name == "pytorch"
+
+
+def export_hint(model: onnx.ModelProto) -> str:
+    """For an error about a parameter name: the exporter options that keep torch's names (else "")."""
+    return f" ({_EXPORT_HINT})" if _from_torch(model) else ""
 
 
 def program_hint(obj: object) -> str:
@@ -42,7 +48,7 @@ def warn_inference_batch_norms(model: onnx.ModelProto) -> None:
     """Warn about BatchNormalization nodes that torch traced in training mode but wrote for inference (the
     dynamo exporter does so): they normalise with the running statistics and never update them."""
     names = [n.name or n.output[0] for n in model.graph.node if n.op_type == "BatchNormalization"
-             and not any(a.name == "training_mode" and a.i for a in n.attribute) and _traced_in_training(n)]
+             and not is_training_batch_norm(n) and _traced_in_training(n)]
     if names:
         warn(f"BatchNormalization {names}: torch traced them in training mode but its exporter wrote them "
              "for inference (no training_mode): they normalise with the running statistics and never update "
@@ -55,7 +61,7 @@ def warn_folded_constants(model: onnx.ModelProto, trained: list[str]) -> None:
     """Warn when weights found to train are constants torch's dynamo exporter made (``val_<n>``: folded
     transposes of parameters, an attention scale), which its optimizer leaves instead of the parameters."""
     made = [w for w in trained if re.fullmatch(r"val_\d+", w)]
-    if made and from_torch(model):
+    if made and _from_torch(model):
         warn(f"training {made}: constants torch's exporter computed (named val_<n>: e.g. a parameter's "
-             f"folded transpose or an attention scale), not the module's parameters; {EXPORT_HINT}, or "
+             f"folded transpose or an attention scale), not the module's parameters; {_EXPORT_HINT}, or "
              "list weights_to_train")

@@ -84,7 +84,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.builder import GradientError, build_gradient_model, upgrade_opset
-from onnxtrain.autodiff.exporter_checks import EXPORT_HINT, from_torch, program_hint
+from onnxtrain.autodiff.exporter_checks import export_hint, program_hint
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute as recompute_pass
 from onnxtrain.ir.builder import FLOAT_TYPES, model_opset
@@ -370,7 +370,7 @@ def build_training_models(
             raise ArtifactError(
                 f"{what} names {missing} that are not initializers of the model; initializers: "
                 f"{list(inits)[:20]}{' ...' if len(inits) > 20 else ''}"
-                + (f" ({EXPORT_HINT})" if from_torch(base) else "")
+                + export_hint(base)
             )
     not_float = [n for n in trainable if inits[n].data_type not in FLOAT_TYPES]
     if not_float:

@@ -8,10 +8,11 @@ other axes. float16/bfloat16 graphs compute it in float32 (as the kernels and st
 
 from __future__ import annotations
 
-from onnx import NodeProto, TensorProto
+from onnx import TensorProto
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
+from onnxtrain.ir.graphs import is_training_batch_norm
 
 _LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
@@ -179,11 +180,7 @@ def _inv_count(g: GradCtx, axis: int, wt: int) -> str:
 # ---------------------------------------------------------------- Batch / Instance / Group
 
 
-def _training_mode(node: NodeProto) -> bool:
-    return any(a.name == "training_mode" and a.i for a in node.attribute)
-
-
-@gradient("BatchNormalization", uses=("x0", "x1", "x3", "x4"), stop=(3, 4), stop_if=_training_mode)
+@gradient("BatchNormalization", uses=("x0", "x1", "x3", "x4"), stop=(3, 4), stop_if=is_training_batch_norm)
 def batch_norm_grad(g: GradCtx) -> None:
     # training_mode=1: Y uses the batch statistics, recomputed here over (N, d1, ...); the running
     # statistics (inputs 3, 4 and outputs 1, 2) are state updates and carry no gradient.
