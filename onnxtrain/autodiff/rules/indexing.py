@@ -138,13 +138,24 @@ def _scatter_grad(g: GradCtx, scatter: str, gather: str, **kw: int) -> None:
             dyp = gather_of(g.emit("Mul", dy, p))
             ok = g.emit("Equal", gather_of(z), is0f)
             g.set_dx(2, g.emit("Div", g.emit("Where", ok, dyp, zero), u1))
+    elif red in ("max", "min"):
+        # torch's scatter_reduce(amax/amin, include_self=True) convention: the slot's gradient is shared
+        # equally by every contributor (data and updates) that equals the result
+        y, u = g.y(0), g.x(2)
+        data_won = g.emit("Cast", g.emit("Equal", g.x(0), y), to=g.dtype)
+        upd_won = g.emit("Cast", g.emit("Equal", u, gather_of(y)), to=g.dtype)
+        share = g.emit("Div", dy, g.emit(scatter, data_won, idx, upd_won, reduction="add", **kw))
+        if g.needs_dx(0):
+            g.set_dx(0, g.emit("Mul", data_won, share))
+        if g.needs_dx(2):
+            g.set_dx(2, g.emit("Mul", upd_won, gather_of(share)))
     else:
         raise RuleError(f"{g.node.op_type} with reduction={red!r} has no gradient rule")
 
 
-@gradient("ScatterElements", uses=("x0", "x1", "x2"), stop=(1,))
+@gradient("ScatterElements", uses=("x0", "x1", "x2", "y0"), stop=(1,))
 def scatter_elements_grad(g: GradCtx) -> None:
-    # x0 and x2 are read only for reduction="mul"
+    # x0 and x2 are read only for reductions mul, max and min, y0 for max and min
     _scatter_grad(g, "ScatterElements", "GatherElements", axis=g.attr("axis"))
 
 
@@ -153,9 +164,9 @@ def scatter_elements_grad(g: GradCtx) -> None:
 gradient("Scatter", uses=("x0", "x1", "x2"), stop=(1,))(scatter_elements_grad)
 
 
-@gradient("ScatterND", uses=("x0", "x1", "x2"), stop=(1,))
+@gradient("ScatterND", uses=("x0", "x1", "x2", "y0"), stop=(1,))
 def scatter_nd_grad(g: GradCtx) -> None:
-    # x0 and x2 are read only for reduction="mul"
+    # x0 and x2 are read only for reductions mul, max and min, y0 for max and min
     _scatter_grad(g, "ScatterND", "GatherND")
 
 
