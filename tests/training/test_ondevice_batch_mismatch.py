@@ -1,8 +1,9 @@
-"""Inputs that share a symbolic dimension must agree on its size (spec §6.2 SHOULD).
+"""Inputs that share a symbolic dimension and fail the run: the error names them (spec §6.2 SHOULD).
 
-An input batch of 5 with a target batch of 4 is refused before the run, naming both inputs and the
-dimension (onnxruntime-training fails inside its Sub kernel instead); matching batches still train, to
-torch's loss.
+An input batch of 5 with a target batch of 4 fails with a ValueError naming both inputs and the dimension
+(onnxruntime-training fails inside its Sub kernel instead); matching batches still train, to torch's loss.
+The names are not constraints: a model whose exporter reused "batch" for a flattened batch·sequence axis
+(so that the labels' "batch" is not the tokens') trains, as it does in onnxruntime-training.
 """
 
 from __future__ import annotations
@@ -50,3 +51,40 @@ def test_batch_mismatch_is_an_input_error(setup):
     x, y = rng.standard_normal((5, 4)).astype(np.float32), rng.standard_normal((5, 3)).astype(np.float32)
     want = torch.nn.functional.mse_loss(net(torch.tensor(x)), torch.tensor(y)).item()
     assert float(m(x, y)) == pytest.approx(want, rel=1e-6)
+
+
+def test_reused_dimension_name_trains(tmp_path):
+    """torch's exporter told ``logits: {0: "batch"}`` for logits flattened to [batch·seq, vocab]: the
+    labels the loss block adds are [batch] by name but batch·seq long. Training and eval run, to torch's
+    loss."""
+    torch.manual_seed(0)
+
+    class Tagger(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 8)
+            self.head = torch.nn.Linear(8, 5)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(tokens)).reshape(-1, 5)
+
+    net = Tagger()
+    path = str(tmp_path / "tagger.onnx")
+    torch.onnx.export(net, torch.zeros(2, 4, dtype=torch.int64), path, input_names=["tokens"],
+                      output_names=["logits"], dynamic_axes={"tokens": {0: "batch"}, "logits": {0: "batch"}},
+                      dynamo=False, opset_version=17)
+    model = onnx.load(path)
+    artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer],
+                                 loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=str(tmp_path))
+    train = onnx.load(str(tmp_path / "training_model.onnx"))
+    labels = next(i for i in train.graph.input if i.name == "labels")
+    assert [d.dim_param for d in labels.type.tensor_type.shape.dim] == ["batch"]  # the reused name
+
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    m = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    rng = np.random.default_rng(1)
+    tokens, y = rng.integers(0, 20, (3, 4)), rng.integers(0, 5, 12)
+    want = torch.nn.functional.cross_entropy(net(torch.tensor(tokens)), torch.tensor(y)).item()
+    assert float(m(tokens, y)) == pytest.approx(want, rel=1e-6)
+    m.eval()
+    assert float(m(tokens, y)) == pytest.approx(want, rel=1e-6)

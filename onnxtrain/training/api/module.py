@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,14 @@ from onnxtrain.training.api._accumulation import (
     overwrite_variant,
 )
 from onnxtrain.training.api._export import export_for_inference
-from onnxtrain.training.api._graph import InputSpec, ModelLike, check_device, check_user_inputs, load_model
+from onnxtrain.training.api._graph import (
+    InputSpec,
+    ModelLike,
+    check_device,
+    check_user_inputs,
+    load_model,
+    shared_dim_mismatch,
+)
 from onnxtrain.training.api.checkpoint_state import CheckpointState, replace_grads
 from onnxtrain.training.ort_artifacts import translate_training_model
 from onnxtrain.user_warning import warn
@@ -403,15 +410,19 @@ class Module:
         wanted += self._running_stats.values()
         plan = self._overwrite_plan if overwrite else self._train_plan
         assert plan is not None
-        if overwrite and getattr(plan, "backend", None) == "onnxruntime":
-            # the new gradients go into the old ones' arrays, as the accumulating step's do (onnxruntime's
-            # arena would otherwise hold two generations of them: peak RSS of the bench's LeNet 94.0 -> 91.7
-            # MiB, of the MLP 103.2 -> 99.0)
-            old = {self._accumulated[p]: params[p].grad for p in self._trainable}
-            results = plan.run(feeds, wanted, reuse={k: v for k, v in old.items() if v is not None})
-            del old
-        else:
-            results = plan.run(feeds, wanted)
+        try:
+            if overwrite and getattr(plan, "backend", None) == "onnxruntime":
+                # the new gradients go into the old ones' arrays, as the accumulating step's do (onnxruntime's
+                # arena would otherwise hold two generations of them: peak RSS of the bench's LeNet 94.0 ->
+                # 91.7 MiB, of the MLP 103.2 -> 99.0)
+                old = {self._accumulated[p]: params[p].grad for p in self._trainable}
+                results = plan.run(feeds, wanted, reuse={k: v for k, v in old.items() if v is not None})
+                del old
+            else:
+                results = plan.run(feeds, wanted)
+        except Exception as e:
+            _explain(e, self._train_inputs, feeds, "the training model")
+            raise
         feeds.clear()  # (it references the gradient buffers, which replace_grads must see unshared)
         self._last_step_plan = plan
         n = len(self._train_outputs)
@@ -444,7 +455,11 @@ class Module:
                                "model (Module(train_model, state, eval_model)); switch back with train()")
         feeds = check_user_inputs(self._eval_inputs, user_inputs, "the eval model")
         feeds.update(self._param_feeds(self._eval_params, "EvalStep"))
-        return self._eval_plan.run(feeds, self._eval_outputs)
+        try:
+            return self._eval_plan.run(feeds, self._eval_outputs)
+        except Exception as e:
+            _explain(e, self._eval_inputs, feeds, "the eval model")
+            raise
 
     def lazy_reset_grad(self) -> None:
         """Make the next training call overwrite the gradients instead of adding to them (§3.3)."""
@@ -567,3 +582,11 @@ class Module:
         if self._eval_model is None:
             return [], []
         return [s.name for s in self._eval_inputs], list(self._eval_outputs)
+
+
+def _explain(error: Exception, specs: Sequence[InputSpec], feeds: Mapping[str, Any], what: str) -> None:
+    """Raise a ValueError naming the inputs when a failed run was fed different sizes of one symbolic
+    dimension (a batch of inputs against one of labels), with the engine's error as its cause."""
+    msg = shared_dim_mismatch(specs, feeds, what)
+    if msg is not None:
+        raise ValueError(msg) from error
