@@ -1,0 +1,45 @@
+"""Every bench model trains in onnxtrain's peers: the worker processes of `python -m bench` (legacy session
+and on-device API) take two steps on each case, and their first losses equal torch's on the same batch.
+
+`--quick` runs only two of the cases, so a model the full run needs could break unseen (the GPT decoder's
+on-device peer did, refused by an input check); this runs all of them, briefly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+from bench import models  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _first_losses(peer: str, folder: str) -> list[float]:
+    """The losses of a peer's first two steps, from its worker process."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "worker.py"), peer, folder],
+        input="run 2\nstats\nquit\n", capture_output=True, text=True, timeout=300, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )
+    replies = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    ok = proc.returncode == 0 and replies and "error" not in replies[0]
+    assert ok, (peer, proc.stdout, proc.stderr[-3000:])
+    return replies[-1]["first_losses"]
+
+
+@pytest.mark.parametrize("case", models.CASES, ids=lambda c: c.key)
+def test_bench_case_trains_in_every_onnxtrain_peer(case, tmp_path) -> None:
+    folder = str(tmp_path / case.key)  # the torch peer finds its model by the folder's name
+    models.prepare(case, folder)
+    want = _first_losses("torch", folder)
+    for peer in ("legacy", "api"):
+        got = _first_losses(peer, folder)
+        assert len(got) == 2
+        assert got[0] == pytest.approx(want[0], rel=1e-5), peer  # the same weights and batch
+        assert got[1] == pytest.approx(want[1], rel=2e-3), peer  # after one AdamW step
