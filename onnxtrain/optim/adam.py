@@ -18,12 +18,19 @@ def bias_corrections(w: NodeWriter, t: str, alpha: float, beta: float, on: bool,
         one = scalar(w, 1.0, et)
         return one, one
     tf = w.one("Cast", t, to=TensorProto.DOUBLE)
-    one = scalar(w, 1.0, TensorProto.DOUBLE)
-    c1 = w.one("Sub", one, w.one("Pow", scalar(w, alpha, TensorProto.DOUBLE), tf))
-    c2 = w.one("Sub", one, w.one("Pow", scalar(w, beta, TensorProto.DOUBLE), tf))
+    c1 = _correction(w, scalar(w, alpha, TensorProto.DOUBLE), tf)
+    c2 = _correction(w, scalar(w, beta, TensorProto.DOUBLE), tf)
     if et == TensorProto.DOUBLE:
         return c1, c2
     return w.one("Cast", c1, to=et), w.one("Cast", c2, to=et)
+
+
+def _correction(w: NodeWriter, base: str, tf: str) -> str:
+    """1 − base^t for float64 counts ``tf``, and 1 where t ≤ 0 (onnxruntime's
+    compute_bias_correction_coefficient: a count of 0 loaded into the state steps uncorrected, not by 0/0)."""
+    one = scalar(w, 1.0, TensorProto.DOUBLE)
+    c = w.one("Sub", one, w.one("Pow", base, tf))
+    return w.one("Where", w.one("Greater", tf, scalar(w, 0.0, TensorProto.DOUBLE)), c, one)
 
 
 def shared_bias_corrections(
@@ -48,11 +55,9 @@ def shared_bias_corrections(
         dbl = TensorProto.DOUBLE
         sizes = w.ints([1] * len(on))
         tf = w.one("Cast", w.one("Concat", *[items[i][0] for i in on], axis=0), to=dbl)
-        one = scalar(w, 1.0, dbl)
         vectors = []
         for k in (1, 2):  # α for the first moment, β for the second
-            base = w.const(np.array([items[i][k] for i in on]), dbl)
-            c = w.one("Sub", one, w.one("Pow", base, tf))
+            c = _correction(w, w.const(np.array([items[i][k] for i in on]), dbl), tf)
             vectors.append(c if et == dbl else w.one("Cast", c, to=et))
         c1s, c2s = (w.emit("Split", [c, sizes], len(on), axis=0) for c in vectors)
         steps: list[str | None] = [None] * len(on)

@@ -70,14 +70,15 @@ class Lamb(Optimizer):
             d = w.one("Where", bad, zero, d)
             m1n = w.one("Where", bad, m1v, m1n)
             m2n = w.one("Where", bad, m2v, m2n)
-            # η = lr·clamp(‖w‖/‖d‖, ratio_min, ratio_max) when both norms are nonzero, else lr
+            # η = lr·max(ratio_min, min(ratio_max, ‖w‖/‖d‖)) when both norms are nonzero, else lr: in
+            # onnxruntime's order, so ratio_min wins when it exceeds ratio_max (ONNX's Clip gives ratio_max)
             wn2 = w.one("ReduceL2", s.name, keepdims=0)
             dn2 = w.one("ReduceL2", d, keepdims=0)
             ratio = w.one("Div", wn2, dn2)
-            if rmin != float("-inf") or rmax != float("inf"):
-                ratio = w.one(
-                    "Clip", ratio, scalar(w, max(rmin, -3.0e38), et), scalar(w, min(rmax, 3.0e38), et)
-                )
+            if rmax != float("inf"):
+                ratio = w.one("Min", ratio, scalar(w, min(rmax, 3.0e38), et))
+            if rmin != float("-inf"):
+                ratio = w.one("Max", ratio, scalar(w, max(rmin, -3.0e38), et))
             both = w.one("And", w.one("Greater", wn2, zero), w.one("Greater", dn2, zero))
             eta = w.one("Mul", lr_t, w.one("Where", both, ratio, scalar(w, 1.0, et)))
             cand = w.one("Sub", s.name, w.one("Mul", eta, d))

@@ -84,7 +84,7 @@ def adam_ref(w, g, m1, m2, t, lr, alpha=0.9, beta=0.999, lam=0.0, eps=1e-8, bias
     """Spec §7.3 in float64; returns (w, m1, m2)."""
     m1 = alpha * m1 + (1 - alpha) * g
     m2 = beta * m2 + (1 - beta) * g * g
-    c1, c2 = (1 - alpha**t, 1 - beta**t) if bias else (1.0, 1.0)
+    c1, c2 = (1 - alpha**t, 1 - beta**t) if bias and t > 0 else (1.0, 1.0)  # onnxruntime: 1 for t ≤ 0
     if mode == 0:
         w = w - lr * ((m1 / c1) / (np.sqrt(m2 / c2) + eps) + lam * w)
     else:
@@ -99,12 +99,12 @@ def lamb_ref(
     """Spec §7.4 in float64 for one weight; returns (w, m1, m2)."""
     m1n = alpha * m1 + (1 - alpha) * g
     m2n = beta * m2 + (1 - beta) * g * g
-    c1, c2 = (1 - alpha**t, 1 - beta**t) if bias else (1.0, 1.0)
+    c1, c2 = (1 - alpha**t, 1 - beta**t) if bias and t > 0 else (1.0, 1.0)
     d = lam * w + (m1n / c1) / (np.sqrt(m2n / c2) + eps)
     bad = ~np.isfinite(d)
     d = np.where(bad, 0, d)
     m1n, m2n = np.where(bad, m1, m1n), np.where(bad, m2, m2n)
     wn, dn = np.linalg.norm(w), np.linalg.norm(d)
-    eta = lr * np.clip(wn / dn, rmin, rmax) if wn > 0 and dn > 0 else lr
+    eta = lr * max(rmin, min(rmax, wn / dn)) if wn > 0 and dn > 0 else lr  # the kernel's order
     cand = w - eta * d
     return np.where(np.isfinite(cand), cand, w), m1n, m2n

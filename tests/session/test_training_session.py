@@ -181,6 +181,40 @@ def test_lamb_against_float64_reference() -> None:
     assert sess.get_optimizer_state()["shared_optimizer_state"]["Step"].tolist() == [21]
 
 
+def test_lamb_ratio_min_above_ratio_max_wins() -> None:
+    """onnxruntime's kernel takes max(ratio_min, min(ratio_max, r)): with ratio_min > ratio_max the trust
+    ratio is ratio_min (ONNX's Clip would give ratio_max)."""
+    model = mlp_model(act="Tanh")
+    names = ["W1", "W2", "b1", "b2"]
+    p = params("LambOptimizer", enable_grad_norm_clip=False,
+               optimizer_attributes_map={n: {"ratio_min": 2.0, "ratio_max": 0.5} for n in names})
+    _follow_reference(model, p, lambda w, g, m1, m2, t: lamb_ref(w, g, m1, m2, t, float(LR[0]), rmin=2.0,
+                                                                   rmax=0.5))
+
+
+@pytest.mark.parametrize("opt", ["AdamOptimizer", "LambOptimizer"])
+def test_bias_correction_at_count_zero_is_one(opt: str) -> None:
+    """A step count of 0 loaded into the state steps uncorrected, as onnxruntime's
+    compute_bias_correction_coefficient gives 1 for counts ≤ 0 (1 − α⁰ = 0 gave NaN weights)."""
+    model = mlp_model(act="Tanh")
+    names = ["W1", "W2", "b1", "b2"]
+    p = params(opt, enable_grad_norm_clip=False,
+               optimizer_int_attributes_map={n: {"do_bias_correction": 1} for n in names})
+    sess = TrainingSession(model.SerializeToString(), p)
+    counts = ["Step"] if opt == "LambOptimizer" else [f"Update_Count_{n}" for n in names]
+    sess.load_state({c: np.array([0], np.int64) for c in counts}, strict=False)
+    w = {k: v.astype(np.float64) for k, v in weights_of(model).items()}
+    x, y = batches(1, 16)[0]
+    g = _grads(model, w, x, y)
+    sess.run(["loss"], feeds(x, y))
+    ref = lamb_ref if opt == "LambOptimizer" else adam_ref
+    eps = 1e-6 if opt == "LambOptimizer" else 1e-8
+    for k in names:
+        want, _, _ = ref(w[k], g[k], 0 * g[k], 0 * g[k], 0, float(LR[0]), eps=eps, bias=True)
+        assert np.isfinite(want).all()
+        assert_rel(sess.get_state()[k], want, 1e-5, k)
+
+
 def test_clipping_limits_the_global_norm() -> None:
     model = mlp_model()
     x, y = batches(1, 16)[0]
