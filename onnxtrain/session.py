@@ -237,11 +237,29 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         return self._plans[kind]
 
     def _path_plan(self, names: list[str]) -> Plan:
-        """The plan of only what the step computes on the way to ``names`` (no update, no state written)."""
+        """The plan of only what the step computes on the way to ``names``: no update; the gradient
+        accumulation buffers are written when the path runs through their accumulation (the global norm
+        and the finiteness flag of a micro-step do, as onnxruntime's in-place accumulators wrote theirs),
+        their new values being extra outputs of the plan (:meth:`_path_updates`)."""
         key = "path:" + "\0".join(sorted(names))
         if key not in self._plans:
-            self._plans[key] = self._new_plan(model_for_outputs(self._graphs.full, names), None, False)
+            model = model_for_outputs(self._graphs.full, names)
+            computed = {o for n in model.graph.node for o in n.output}
+            buffers = {v.name: v for v in model.graph.input}
+            updates = {}
+            for b, o in self._graphs.updates.get("accumulate", {}).items():
+                if o in computed:  # the accumulated value: typed as its buffer
+                    out = model.graph.output.add()
+                    out.CopyFrom(buffers[b])
+                    out.name = o
+                    updates[o] = b
+            self._plans[key] = self._new_plan(model, updates or None, False)
         return self._plans[key]
+
+    def _path_updates(self, plan: Plan) -> list[tuple[str, str]]:
+        """(buffer, output) of the accumulation buffers a path plan writes (see :meth:`_path_plan`)."""
+        acc = self._graphs.updates.get("accumulate", {})
+        return [(b, o) for b, o in acc.items() if o in plan.output_info]
 
     def _new_plan(self, model: onnx.ModelProto, updates: Mapping[str, str] | None, keep_binding: bool,
                   follower: bool = False) -> Plan:
@@ -284,7 +302,12 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         for s in plan_inputs:
             if s in self._store:
                 feeds[s] = self._store[s]
-        upd_items = [] if kind in ("forward", "gradients") else list(self._graphs.updates[kind].items())
+        if kind == "forward":
+            upd_items: list[tuple[str, str]] = []
+        elif kind == "gradients":
+            upd_items = self._path_updates(plan)
+        else:
+            upd_items = list(self._graphs.updates[kind].items())
         # the old state arrays are the session's own (get_state and load_state copy), and each is replaced by
         # its update below: the plan may write the new values into them
         donate = [s for s, _ in upd_items if s in feeds]

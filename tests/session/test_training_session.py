@@ -253,6 +253,30 @@ def test_accumulation_equals_one_big_batch(mode: str) -> None:
     assert all(not np.any(v) for k, v in acc._store.items() if k.endswith("_accumulate_buffer"))
 
 
+def test_micro_step_fetching_the_norm_accumulates() -> None:
+    """A legacy-mode micro-step that fetches only the global norm (path to fetches) still adds its
+    gradients to the buffers, as onnxruntime's in-place accumulators did on that path: the update then
+    equals one big batch's (clipped by the same norm)."""
+    model = mlp_model(loss="mse")
+    data = batches(3, 8, loss="mse")
+    p = params("SGDOptimizer", gradient_accumulation_steps=3)
+    acc = TrainingSession(model.SerializeToString(), p)
+    ro = RunOptions()
+    ro.only_execute_path_to_fetches = True
+    (x0, y0), (x1, y1), (x2, y2) = data
+    norm = acc.run(["global_gradient_norm"], feeds(x0, y0), ro)[0]
+    acc.run(["loss", "Group_Accumulated_Gradients"], feeds(x1, y1), ro)
+    acc.run(["loss"], feeds(x2, y2))
+    w = {k: v.astype(np.float64) for k, v in weights_of(model).items()}
+    g0 = _grads(model, w, x0, y0)
+    np.testing.assert_allclose(norm, np.sqrt(sum(np.sum((v / 3) ** 2) for v in g0.values())), rtol=1e-5)
+    big = TrainingSession(model.SerializeToString(), params("SGDOptimizer"))
+    big.run(["loss"], feeds(np.concatenate([d[0] for d in data]), np.concatenate([d[1] for d in data])))
+    a, b = acc.get_state(), big.get_state()
+    for k in b:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
 def test_state_round_trip_is_bit_identical() -> None:
     model = mlp_model()
     data = batches(4, 16)
