@@ -125,6 +125,8 @@ def _train(a: argparse.Namespace) -> int:
     from onnxtrain.parallel import is_main_process
     from onnxtrain.train import Trainer
 
+    if a.output_dir is not None and not a.output_dir.strip():
+        raise UsageError("--output-dir: an empty path (leave the option out for output.dir or runs/<name>)")
     cfg = _config(a)
     result = Trainer(cfg, a.output_dir, progress=not a.quiet).run(resume=a.resume, overwrite=a.overwrite)
     if result.status == "interrupted":
@@ -134,8 +136,9 @@ def _train(a: argparse.Namespace) -> int:
         return 0
     scores = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
     print(f"trained {cfg.name} for {result.global_step} steps: {scores}")
-    print(f"outputs in {result.output_dir}: metrics.jsonl, metrics.png, {result.checkpoint}"
-          + (f", {result.exported}" if result.exported else ""))
+    files = ["metrics.jsonl", *(["metrics.png"] if cfg.output.plot else []), result.checkpoint,
+             *([result.exported] if result.exported else [])]
+    print(f"outputs in {result.output_dir}: {', '.join(f for f in files if f)}")
     return 0
 
 
@@ -309,6 +312,7 @@ def _guarded(a: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     except ConfigError as e:
         where = getattr(a, "config", None)
+        where = where if where and where not in str(e) else None  # the message may name the file itself
         print(f"{prog}: {where + ': ' if where else ''}{e}", file=sys.stderr)
         return EXIT_USAGE
     except UsageError as e:
@@ -318,16 +322,24 @@ def _guarded(a: argparse.Namespace) -> int:
         print(f"{prog}: not implemented yet: {e}", file=sys.stderr)
         return EXIT_USAGE
     except EngineError as e:  # a graph that fails to compile or run, often from a config mistake
-        if os.environ.get("ONNXTRAIN_DEBUG"):
+        if _debug():
             raise
         text = " ".join(str(e).split("\n"))
         print(f"{prog}: {text} (set ONNXTRAIN_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_ERROR
-    except (FileNotFoundError, IsADirectoryError, ValueError) as e:
-        if os.environ.get("ONNXTRAIN_DEBUG"):
+    except BrokenPipeError:  # the output went to a pipe that closed (| head): nothing more to say
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python would complain again at exit
+        return EXIT_ERROR
+    except (OSError, ValueError) as e:  # a missing or unwritable file, a misfit model
+        if _debug():
             raise
         print(f"{prog}: {e} (set ONNXTRAIN_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _debug() -> bool:
+    """ONNXTRAIN_DEBUG set to anything but empty, 0, false or no: failures show their traceback."""
+    return os.environ.get("ONNXTRAIN_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
 
 
 if __name__ == "__main__":

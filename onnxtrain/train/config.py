@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import math
 import os
 import re
 import types
@@ -31,7 +32,18 @@ class ConfigError(ValueError):
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-3`` as a float (YAML 1.1 wants ``1.0e-3``)."""
+    """SafeLoader that also reads ``1e-3`` as a float (YAML 1.1 wants ``1.0e-3``) and refuses a key given
+    twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -373,8 +385,13 @@ def validate(cfg: Config) -> Config:
             if getattr(d, k) < 1:
                 raise ConfigError(f"data.{k}", f"expected a positive int, got {getattr(d, k)}")
     o = cfg.optimizer
-    if o.lr <= 0:
+    if not (math.isfinite(o.lr) and o.lr > 0):
         raise ConfigError("optimizer.lr", f"expected a positive number, got {o.lr}")
+    for k, zero_ok in (("eps", True), ("weight_decay", True), ("clip_grad_norm", False)):
+        v = getattr(o, k)
+        if v is not None and not (math.isfinite(v) and (v >= 0 if zero_ok else v > 0)):
+            bound = ">= 0" if zero_ok else "> 0"
+            raise ConfigError(f"optimizer.{k}", f"expected a finite number {bound} or null, got {v}")
     if o.betas is not None and (len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas)):
         raise ConfigError("optimizer.betas", f"expected two numbers in [0, 1), got {o.betas}")
     if o.name == "sgd":
@@ -394,6 +411,8 @@ def validate(cfg: Config) -> Config:
     for k in ("epochs", "steps", "eval_every", "checkpoint_every"):
         if getattr(t, k) is not None and getattr(t, k) < 1:
             raise ConfigError(f"training.{k}", f"expected an int >= 1 or null, got {getattr(t, k)}")
+    if t.seed < 0:
+        raise ConfigError("training.seed", f"expected an int >= 0, got {t.seed}")
     if t.keep_checkpoints < 0:
         raise ConfigError("training.keep_checkpoints", f"expected an int >= 0, got {t.keep_checkpoints}")
     if t.epochs is None and t.steps is None:
@@ -487,6 +506,10 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Confi
     for o in overrides:
         apply_override(raw, o)
     cfg = from_dict(Config, raw, "")
+    set_epochs = any(o.split("=", 1)[0].strip() == "training.epochs" for o in overrides)
+    if set_epochs and cfg.training.steps is not None and cfg.training.epochs is not None:
+        raise ConfigError("training.epochs", f"set with --set, but training.steps ({cfg.training.steps}) "
+                                             "decides the run's length; add --set training.steps=null")
     cfg.name = os.path.splitext(os.path.basename(path))[0]
     cfg.base_dir = os.path.dirname(os.path.abspath(path))
     return validate(cfg)

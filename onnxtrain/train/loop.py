@@ -36,7 +36,16 @@ from onnxtrain.train import data as data_mod
 from onnxtrain.train.config import Config, ConfigError
 from onnxtrain.train.evaluate import Evaluator
 from onnxtrain.train.model import build_model
-from onnxtrain.train.outputs import checkpoint_path, export_model, list_checkpoints, output_dir, plot_metrics
+from onnxtrain.train.outputs import (
+    RUN_OUTPUTS,
+    check_output_dir,
+    checkpoint_path,
+    export_model,
+    list_checkpoints,
+    output_dir,
+    plot_metrics,
+    remove_stale_temporaries,
+)
 from onnxtrain.train.schedule import learning_rate
 from onnxtrain.train.session import feed_names, make_session, training_parameters
 from onnxtrain.train.state import (
@@ -140,6 +149,12 @@ class Trainer:
         self.rank = w.rank
         self.main = w.rank == 0  # prints and writes files
         self.comm = parallel.get_communicator() if w.size > 1 else None
+        if self.main:  # before the model is built: a folder that cannot be written fails at once
+            try:
+                check_output_dir(self.out)
+            except ValueError as e:
+                raise ConfigError("output.dir", f"{e} (the folder comes from output.dir or --output-dir)"
+                                  ) from None
         if t.batch_size % w.size:
             raise ConfigError("training.batch_size", f"{t.batch_size} does not split evenly over the "
                                                      f"{w.size} ranks mpiexec started (each rank takes an "
@@ -203,26 +218,32 @@ class Trainer:
         windows = [mine] if self.comm is None else self.comm.allgather_object(mine, "log windows")
         return json.dumps(windows)
 
-    def restore(self, ckpt: Checkpoint) -> RunState:
-        """Put ``ckpt`` into the session (every rank calls this with the same checkpoint)."""
-        state = checkpoint_to_state(ckpt, self.sess, self.sess.gather_state(), self.layout)
-        # checkpoint_to_state names every state tensor; under ZeRO a rank's strict load_state refuses
-        # the unpartitioned state of weights that other ranks update, so it is not strict there
-        self.sess.load_state(state, strict=self.comm is None)
+    def restore(self, ckpt: Checkpoint, path: str = "") -> RunState:
+        """Put ``ckpt`` (read from ``path``) into the session (every rank calls this with the same one)."""
+        saved = ckpt.properties.get("config")
+        diff: list[str] = []
+        if isinstance(saved, str):
+            old, new = _flatten(json.loads(saved)), _flatten(self.cfg.to_dict())
+            diff = sorted(k for k in old.keys() | new.keys()
+                          if old.get(k) != new.get(k) and not _cannot_change_weights(k))
+        try:
+            state = checkpoint_to_state(ckpt, self.sess, self.sess.gather_state(), self.layout)
+            # checkpoint_to_state names every state tensor; under ZeRO a rank's strict load_state refuses
+            # the unpartitioned state of weights that other ranks update, so it is not strict there
+            self.sess.load_state(state, strict=self.comm is None)
+        except ValueError as e:
+            changed = f"; config keys changed since it was written: {', '.join(diff)}" if diff else ""
+            raise ValueError(f"--resume: the checkpoint {path or ''} does not fit this config's model "
+                             f"({e}){changed}") from None
         st = RunState.from_properties(ckpt.properties)
         windows = ckpt.properties.get("log_windows")
         if isinstance(windows, str):  # written by the same number of ranks: each takes its own back
             windows = json.loads(windows)
             if len(windows) == self.ranks:
                 st.window_loss, st.window_n = float(windows[self.rank][0]), int(windows[self.rank][1])
-        saved = ckpt.properties.get("config")
-        if isinstance(saved, str) and self.main:
-            old, new = _flatten(json.loads(saved)), _flatten(self.cfg.to_dict())
-            diff = sorted(k for k in old.keys() | new.keys()
-                          if old.get(k) != new.get(k) and not _cannot_change_weights(k))
-            if diff:
-                print(f"onnxtrain: warning: resuming with a changed config ({', '.join(diff)}); the run will "
-                      "not match an uninterrupted one", file=sys.stderr)
+        if diff and self.main:
+            print(f"onnxtrain: warning: resuming with a changed config ({', '.join(diff)}); the run will "
+                  "not match an uninterrupted one", file=sys.stderr)
         return st
 
     # ---- metrics ----
@@ -267,6 +288,8 @@ class Trainer:
                                       "over (deleting them), or choose another --output-dir")
         if main:
             os.makedirs(self.out, exist_ok=True)
+            for f in remove_stale_temporaries(self.out):
+                print(f"onnxtrain: removed {f}, left by a run killed while writing it", file=sys.stderr)
         rng = data_mod.order_rng(self.cfg.training.seed)
         st = RunState(epoch_rng=data_mod.rng_state_to_str(rng))
         last_ckpt = None
@@ -275,15 +298,22 @@ class Trainer:
             if not found:
                 raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(self.out, 'checkpoints')}")
             last_ckpt = found[-1][1]
-            st = self.restore(load_checkpoint(last_ckpt))
+            st = self.restore(load_checkpoint(last_ckpt), last_ckpt)
             rng = data_mod.rng_from_str(st.epoch_rng)
-        elif main:
+        elif main:  # a new run: nothing of an earlier one stays
             for _, old in list_checkpoints(self.out):
-                os.unlink(old)
+                for f in (old, old + ".data"):
+                    if os.path.exists(f):
+                        os.unlink(f)
+            for name in RUN_OUTPUTS:
+                if os.path.isfile(os.path.join(self.out, name)):
+                    os.unlink(os.path.join(self.out, name))
         records: list[dict[str, Any]] = []
         if main:
             records = self._start_metrics(st.global_step if resume else None)
-            text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
+            resolved = self.cfg.to_dict()
+            resolved.setdefault("output", {})["dir"] = self.out  # where this run's files went
+            text = yaml.safe_dump(resolved, sort_keys=False)
             write_atomic(os.path.join(self.out, "config.yaml"), lambda f: f.write(text.encode()))
         perm = rng.permutation(self.data.n_train) if st.epoch_pos else None
         t, n = self.cfg.training, self.data.n_train
@@ -376,7 +406,19 @@ class Trainer:
                 print(f"onnxtrain: interrupted at step {st.global_step}; {where}"
                       + ("; continue with --resume" if last_ckpt else ""), file=sys.stderr)
             return RunResult(self.out, status, st.global_step, last_eval, last_ckpt)
-        # a final eval unless the last step had one (rank 0 decides: only it reads old metrics on resume)
+        with _Interrupts() as late:  # the run's last outputs take seconds: a first Ctrl-C waits for them
+            last_eval, exported = self._finish(st, records, last_eval)
+        if late.hit and main:
+            print("onnxtrain: Ctrl-C came after the last step; the final eval, plot and export were finished "
+                  "first", file=sys.stderr)
+        return RunResult(self.out, status, st.global_step, last_eval, last_ckpt, exported)
+
+    def _finish(self, st: RunState, records: list[dict[str, Any]], last_eval: dict[str, float]
+                ) -> tuple[dict[str, float], str | None]:
+        """The final eval (unless the last step had one), the plot and the export; returns the last eval's
+        metrics and the exported model's path."""
+        main = self.main
+        # rank 0 decides: only it reads old metrics on resume
         if self.agree(not any(r.get("step") == st.global_step and "eval_loss" in r for r in records)):
             last_eval = self.evaluate(self.data.eval, self.weights())
             with (open(self.metrics_path, "a", encoding="utf-8") if main else nullcontext()) as fh:
@@ -390,7 +432,7 @@ class Trainer:
             exported = os.path.join(self.out, "model.onnx")
             if main:
                 export_model(self.model, self.cfg, self.weights(), exported)
-        return RunResult(self.out, status, st.global_step, last_eval, last_ckpt, exported)
+        return last_eval, exported
 
 
 # config keys that only say when to log, eval or checkpoint and where outputs go: changing them before a

@@ -16,8 +16,37 @@ from onnxtrain.train.model import inference_model
 _CKPT = re.compile(r"^step_(\d+)\.ckpt$")
 
 
+_STALE_TMP = re.compile(r"^step_\d+\.ckpt(\.data)?\..+\.tmp$")  # write_atomic's temporaries of checkpoints
+RUN_OUTPUTS = ("metrics.png", "model.onnx")  # written at the end of a run
+
+
 def output_dir(cfg: Config, override: str | None = None) -> str:
-    return override or cfg.output.dir or os.path.join("runs", cfg.name)
+    return override if override is not None else cfg.output.dir or os.path.join("runs", cfg.name)
+
+
+def check_output_dir(folder: str) -> None:
+    """OSError-free check that ``folder`` is or can become a writable folder: ValueError naming it."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"output folder {folder}: a file of that name exists")
+    up = os.path.abspath(folder)
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):
+        raise ValueError(f"output folder {folder}: {up} is a file, not a folder")
+    if not os.access(up, os.W_OK | os.X_OK):
+        raise ValueError(f"output folder {folder}: no permission to write in {up}")
+
+
+def remove_stale_temporaries(folder: str) -> list[str]:
+    """Delete the partial checkpoint files a killed run left in ``folder``'s checkpoints (never loaded:
+    :func:`list_checkpoints` matches whole names only); returns their paths."""
+    d = os.path.join(folder, "checkpoints")
+    if not os.path.isdir(d):
+        return []
+    stale = [os.path.join(d, f) for f in os.listdir(d) if _STALE_TMP.match(f)]
+    for f in stale:
+        os.unlink(f)
+    return stale
 
 
 def checkpoint_path(folder: str, step: int) -> str:

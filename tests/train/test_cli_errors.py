@@ -95,3 +95,48 @@ def test_builder_lists_name_every_builder(write_config):
     with open(config_path("digits_mlp"), encoding="utf-8") as f:
         comment = next(line for line in f if re.match(r"\s*builder:", line))
     assert all(b in comment for b in BUILDERS), comment
+
+
+@pytest.mark.parametrize("where", ["file", "under_file", "empty"])
+def test_output_folder_that_cannot_be_made(where, tmp_path, capsys, monkeypatch):
+    """A file in the way, or an empty --output-dir: exit 2 before anything is built, naming the folder."""
+    monkeypatch.delenv("ONNXTRAIN_DEBUG", raising=False)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    out = {"file": str(afile), "under_file": str(afile / "run"), "empty": ""}[where]
+    code, line = _error_line(capsys, ["train", config_path("digits_mlp"), "-q", "--output-dir", out])
+    assert code == 2, line
+    assert ("--output-dir: an empty path" in line if where == "empty"
+            else f"output.dir: output folder {out}" in line), line
+
+
+@pytest.mark.parametrize("setting,key", [
+    ("optimizer.lr=.nan", "optimizer.lr"), ("optimizer.lr=.inf", "optimizer.lr"),
+    ("optimizer.clip_grad_norm=-1", "optimizer.clip_grad_norm"), ("optimizer.eps=-1e-8", "optimizer.eps"),
+    ("optimizer.weight_decay=-5", "optimizer.weight_decay"), ("training.seed=-1", "training.seed"),
+])
+def test_values_that_would_wreck_training_are_refused(setting, key, tmp_path, capsys):
+    code, line = _error_line(capsys, ["train", config_path("digits_mlp"), "-q", "--output-dir",
+                                      str(tmp_path), "--set", setting])
+    assert code == 2 and f"{key}: expected" in line, line
+
+
+def test_duplicate_yaml_key_is_refused(tmp_path, capsys):
+    cfg = tmp_path / "dup.yaml"
+    cfg.write_text("model:\n  builder: mlp\n  builder: cnn\ntraining:\n  epochs: 1\n")
+    code, line = _error_line(capsys, ["train", str(cfg), "-q", "--output-dir", str(tmp_path / "o")])
+    assert code == 2 and line.count(str(cfg)) == 1 and "line 3: key 'builder' given twice" in line, line
+
+
+def test_debug_variable_set_to_zero_keeps_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ONNXTRAIN_DEBUG", "0")
+    code, line = _error_line(capsys, ["export", config_path("digits_mlp"), "--checkpoint",
+                                      str(tmp_path / "nope"), "-o", str(tmp_path / "m.onnx")])
+    assert code == 1 and "checkpoint not found" in line, line
+
+
+def test_epochs_set_where_steps_decide(tmp_path, capsys):
+    """tiny_transformer.yaml sets training.steps, which overrides epochs: an epochs --set would be ignored."""
+    code, line = _error_line(capsys, ["train", config_path("tiny_transformer"), "-q", "--output-dir",
+                                      str(tmp_path), "--set", "training.epochs=1"])
+    assert code == 2 and "training.epochs: set with --set, but training.steps (400)" in line, line

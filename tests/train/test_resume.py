@@ -192,3 +192,40 @@ def test_fresh_run_refuses_a_folder_with_checkpoints(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main([*argv, "--overwrite", "--resume"])
     assert e.value.code == 2
+
+
+def test_overwrite_leaves_nothing_of_the_old_run(tmp_path, capsys):
+    """--overwrite removes the old run's plot and model too (a run without them must not show the old ones),
+    and the summary lists only what the run wrote."""
+    out = str(tmp_path)
+    argv = ["train", config_path("digits_mlp"), "--output-dir", out, "-q", "--set", "training.steps=2"]
+    assert main(argv) == 0
+    ends = [os.path.join(out, f) for f in ("metrics.png", "model.onnx")]
+    assert all(os.path.isfile(f) for f in ends)
+    capsys.readouterr()
+    assert main([*argv, "--overwrite", "--set", "output.plot=false", "--set", "output.export=false"]) == 0
+    assert not any(os.path.exists(f) for f in ends)
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "metrics.png" not in summary and "model.onnx" not in summary, summary
+
+
+def test_resume_removes_partial_checkpoints_and_names_a_misfit(tmp_path, capsys):
+    """A checkpoint temporary left by a killed write is deleted on the next start; a checkpoint that does not
+    fit the config's model is an error naming it and the changed keys."""
+    out = str(tmp_path)
+    sets = ["training.steps=2", "training.checkpoint_every=1"]
+    Trainer(load_config(config_path("digits_mlp"), sets), out, progress=False).run()
+    stale = os.path.join(out, "checkpoints", "step_00000003.ckpt.k2j4x9.tmp")
+    with open(stale, "wb") as f:
+        f.write(b"half a checkpoint")
+    capsys.readouterr()
+    Trainer(load_config(config_path("digits_mlp"), ["training.steps=3", "training.checkpoint_every=1"]), out,
+            progress=False).run(resume=True)
+    assert not os.path.exists(stale) and "removed" in capsys.readouterr().err
+    with open(os.path.join(out, "config.yaml"), encoding="utf-8") as f:
+        assert f"dir: {out}" in f.read()  # where the run's files went
+    changed = ["training.steps=3", "model.args.sizes=[64,32,10]"]
+    with pytest.raises(ValueError) as e:
+        Trainer(load_config(config_path("digits_mlp"), changed), out, progress=False).run(resume=True)
+    msg = str(e.value)
+    assert "step_00000003.ckpt does not fit" in msg and "model.args.sizes" in msg, msg
