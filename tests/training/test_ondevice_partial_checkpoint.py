@@ -146,3 +146,47 @@ def test_partial_checkpoint_runs_as_onnxruntime_training(cases, ort_reference, c
             and "partial" in str(w.message)]
     assert mine, messages
     assert {w.filename for w in mine} == {__file__}  # the line that built the Module, not onnxtrain's
+
+
+def test_checkpoint_freezing_what_the_model_trains(tmp_path):
+    """A checkpoint whose fc1 is frozen, over a training model generated with fc1 trainable: the Module
+    warns, keeps fc1 as it is and trains fc2 exactly as the artifacts generated with fc1 frozen do
+    (onnxruntime-training fails at its first training step here; onnxtrain's Module used to fail an internal
+    graph check)."""
+    from onnxtrain.training.api import Optimizer
+
+    _, model, _ = export_mlp(tmp_path)
+    folders = {}
+    for name, trainable, frozen in (("sub", ["fc2.weight", "fc2.bias"], ["fc1.weight", "fc1.bias"]),
+                                    ("full", ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"], [])):
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        artifacts.generate_artifacts(model, requires_grad=trainable, frozen_params=frozen,
+                                     loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.SGD,
+                                     artifact_directory=str(folders[name]))
+    rng = np.random.default_rng(0)
+    data = [(rng.standard_normal((5, 4)).astype(np.float32), rng.standard_normal((5, 3)).astype(np.float32))
+            for _ in range(3)]
+    runs = {}
+    for graph in ("sub", "full"):
+        state = CheckpointState.load_checkpoint(str(folders["sub"] / "checkpoint"))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            module = Module(str(folders[graph] / "training_model.onnx"), state)
+        said = [str(w.message) for w in seen if "holds as frozen" in str(w.message)]
+        assert bool(said) == (graph == "full"), said
+        opt = Optimizer(str(folders["sub"] / "optimizer_model.onnx"), module)
+        opt.set_learning_rate(0.1)
+        losses = []
+        for i, (x, y) in enumerate(data):
+            if i == 1:
+                module(x, y)  # an accumulating call too: the frozen one's buffer is fed zeros
+            losses.append(float(module(x, y)))
+            opt.step()
+            module.lazy_reset_grad()
+        runs[graph] = losses, {k: np.array(p.data) for k, p in state.parameters}
+    np.testing.assert_array_equal(runs["full"][0], runs["sub"][0])
+    for k, v in runs["sub"][1].items():
+        np.testing.assert_array_equal(runs["full"][1][k], v, err_msg=k)
+    w0 = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    np.testing.assert_array_equal(runs["full"][1]["fc1.weight"], w0["fc1.weight"])

@@ -236,7 +236,8 @@ class Module:
         # for six selects out of cache (MLP 784-512-512-10: 35 µs a step)
         variant = None
         if self._has_reset:
-            variant = overwrite_variant(self._train_model, self._trainable + self._unheld_trainable)
+            variant = overwrite_variant(self._train_model,
+                                        self._trainable + self._unheld_trainable + self._frozen_trained)
         self._overwrite_plan: Plan | None = None
         self._full_plan: Plan | None = None
         self._last_step_plan: Plan | None = None
@@ -294,6 +295,14 @@ class Module:
         # gradient buffers the Module feeds with zeros and whose gradients it drops
         self._unheld_trainable = [s.name for s in self._train_inputs if s.name + BUFFER_SUFFIX in names
                                   and s.name + ACCUMULATED_SUFFIX in outputs]
+        # parameters the checkpoint freezes but the training model trains (artifacts generated with them in
+        # requires_grad): they stay frozen, their gradient buffers fed with zeros and their gradients dropped
+        self._frozen_trained = [p for p in self._param_order if not params[p].requires_grad
+                                and p + BUFFER_SUFFIX in names and p + ACCUMULATED_SUFFIX in outputs]
+        if self._frozen_trained:
+            warn(f"the training model computes gradients of parameter(s) {self._frozen_trained} that the "
+                 "checkpoint holds as frozen: they stay frozen and their gradients are dropped (generate the "
+                 "artifacts with them in frozen_params to save that work)")
         self._warn_unheld(inputs, names, "training")
         self._check_param_shapes(self._train_model, "training")
 
@@ -400,7 +409,7 @@ class Module:
                 if params[p].grad is None:  # the state was nominal when this Module was built
                     params[p].grad = np.zeros_like(feeds[p])
                 feeds[buf] = params[p].grad
-            for p in self._unheld_trainable:  # a user input: its gradient is dropped
+            for p in self._unheld_trainable + self._frozen_trained:  # their gradients are dropped
                 feeds[p + BUFFER_SUFFIX] = np.zeros_like(feeds[p])
             if self._has_reset:
                 feeds[RESET_INPUT] = np.array([not self._accumulate])
@@ -423,6 +432,7 @@ class Module:
         except Exception as e:
             _explain(e, self._train_inputs, feeds, "the training model")
             raise
+        _doubt(self._train_inputs, feeds, "the training model")
         feeds.clear()  # (it references the gradient buffers, which replace_grads must see unshared)
         self._last_step_plan = plan
         n = len(self._train_outputs)
@@ -456,10 +466,12 @@ class Module:
         feeds = check_user_inputs(self._eval_inputs, user_inputs, "the eval model")
         feeds.update(self._param_feeds(self._eval_params, "EvalStep"))
         try:
-            return self._eval_plan.run(feeds, self._eval_outputs)
+            out = self._eval_plan.run(feeds, self._eval_outputs)
         except Exception as e:
             _explain(e, self._eval_inputs, feeds, "the eval model")
             raise
+        _doubt(self._eval_inputs, feeds, "the eval model")
+        return out
 
     def lazy_reset_grad(self) -> None:
         """Make the next training call overwrite the gradients instead of adding to them (§3.3)."""
@@ -590,3 +602,13 @@ def _explain(error: Exception, specs: Sequence[InputSpec], feeds: Mapping[str, A
     msg = shared_dim_mismatch(specs, feeds, what)
     if msg is not None:
         raise ValueError(msg) from error
+
+
+def _doubt(specs: Sequence[InputSpec], feeds: Mapping[str, Any], what: str) -> None:
+    """Warn (once per place) when a run that succeeded was fed different sizes of one symbolic dimension:
+    either the model reuses a dimension's name for another size, or a batch is wrong and the runtime did not
+    notice (onnxruntime's loss kernels do not all check)."""
+    msg = shared_dim_mismatch(specs, feeds, what)
+    if msg is not None:
+        warn(f"{msg}: the run went through; if the model's dimension names are right, the inputs do not fit "
+             "each other")
