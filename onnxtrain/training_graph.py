@@ -28,7 +28,7 @@ from onnxtrain.graph_transforms.mixed_precision import (
 )
 from onnxtrain.graph_transforms.recompute import recompute
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, NodeWriter, model_opset
-from onnxtrain.ir.graphs import body_reads, is_training_batch_norm, node_reads
+from onnxtrain.ir.graphs import body_reads, is_training_batch_norm, node_reads, train_batch_norms
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.user_warning import warn
@@ -296,6 +296,7 @@ def build_step_graphs(
         )
     names = NameGen.for_model(m)
     has_tm = _rewire_dropout(m)
+    train_batch_norms(m.graph)  # as onnxruntime's training graphs: batch statistics, whatever the export
     bn = running_stats(m.graph.node, {t.name for t in m.graph.initializer}, names)
     state = _inits_to_inputs(m, trainable + sorted(bn))
     # a copy without the moved weights, whose bytes m's protobuf arena keeps as long as m lives (peak RSS on

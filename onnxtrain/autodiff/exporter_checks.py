@@ -51,10 +51,11 @@ def warn_inference_batch_norms(model: onnx.ModelProto) -> None:
              and not is_training_batch_norm(n) and _traced_in_training(n)]
     if names:
         warn(f"BatchNormalization {names}: torch traced them in training mode but its exporter wrote them "
-             "for inference (no training_mode): they normalise with the running statistics and never update "
-             "them, unlike torch's training. To train with batch statistics, export with dynamo=False, "
-             "training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False; or export in eval mode "
-             "(module.eval()) to train this way on purpose.")
+             "for inference (no training_mode): this gradient graph normalises with the running statistics "
+             "and never updates them, unlike torch's training. The training APIs (TrainingSession, "
+             "generate_artifacts) put every BatchNormalization in training mode, as onnxruntime's did; for "
+             "this graph, export with dynamo=False, training=torch.onnx.TrainingMode.TRAINING, "
+             "do_constant_folding=False.")
 
 
 def warn_folded_constants(model: onnx.ModelProto, trained: list[str]) -> None:

@@ -18,6 +18,34 @@ def is_training_batch_norm(n: onnx.NodeProto) -> bool:
     return n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute)
 
 
+def train_batch_norms(graph: onnx.GraphProto) -> list[str]:
+    """Put every BatchNormalization of ``graph`` (its own nodes) in training mode, in place, as
+    onnxruntime's training graphs do (its BatchNormReplacement rewrites each one, whatever mode it was
+    exported in, into a training-mode BatchNormInternal): batch statistics, and new running statistics
+    computed. Returns the names of the nodes changed. Needs opset 14 or later (the attribute)."""
+    changed = []
+    taken = {o for n in graph.node for o in n.output} | {v.name for v in graph.input}
+    for n in graph.node:
+        if n.op_type != "BatchNormalization" or n.domain not in ("", "ai.onnx") or is_training_batch_norm(n):
+            continue
+        for a in list(n.attribute):
+            if a.name == "training_mode":
+                n.attribute.remove(a)
+        n.attribute.append(onnx.helper.make_attribute("training_mode", 1))
+        for k, what in ((1, "running_mean"), (2, "running_var")):  # named: shape inference wants all three
+            if len(n.output) <= k:
+                n.output.append("")
+            if not n.output[k]:
+                name, i = f"{n.output[0]}_{what}", 0
+                while name in taken:
+                    i += 1
+                    name = f"{n.output[0]}_{what}_{i}"
+                n.output[k] = name
+                taken.add(name)
+        changed.append(n.name)
+    return changed
+
+
 def subgraphs(node: onnx.NodeProto) -> Iterable[onnx.GraphProto]:
     """The graphs held by a node's attributes (If's branches, Loop's and Scan's bodies)."""
     for a in node.attribute:

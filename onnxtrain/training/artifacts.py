@@ -88,7 +88,7 @@ from onnxtrain.autodiff.exporter_checks import export_hint, program_hint
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute as recompute_pass
 from onnxtrain.ir.builder import FLOAT_TYPES, model_opset
-from onnxtrain.ir.graphs import node_reads, path_to
+from onnxtrain.ir.graphs import node_reads, path_to, train_batch_norms
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.training import onnxblock
 from onnxtrain.training.api._accumulation import ACCUMULATED_SUFFIX as ACC_OUT_SUFFIX
@@ -416,6 +416,7 @@ def build_training_models(
     ckpt = ({n: values[n] for n in params if n in trainable}, {n: values[n] for n in params if n in frozen})
 
     evaluation = _finish(_inference_mode(m), "eval")
+    train_batch_norms(m.graph)  # as onnxruntime-training's generator: batch statistics, whatever the export
     train_names = list(ckpt[0])
     if mixed_precision is not None:
         not_f32 = [p for p in train_names if inits[p].data_type != TensorProto.FLOAT]
