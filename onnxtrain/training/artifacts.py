@@ -290,6 +290,10 @@ def generate_artifacts(
             f"A parameter cannot be frozen and require gradient computation at the same time {sorted(both)}"
         )
     extra_outputs = _names(additional_output_names, "additional output names")
+    given = list(additional_output_names or ())
+    repeated = sorted({n for n in given if given.count(n) > 1})
+    if repeated:
+        raise ArtifactError(f"additional_output_names repeats {repeated}: each output is returned once")
     loss_inputs = None if loss_input_names is None else _names(loss_input_names, "loss input names")
     outputs = [o.name for o in base.graph.output]
     if isinstance(loss, LossType) and loss_inputs is None and len(outputs) > 1:

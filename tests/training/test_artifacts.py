@@ -727,6 +727,9 @@ def test_error_additional_output_names(mlp, tmp_path):
             additional_output_names=["nope"],
             artifact_directory=tmp_path,
         )
+    with pytest.raises(RuntimeError, match=r"additional_output_names repeats \['logits'\]"):
+        generate_artifacts(model, requires_grad=["net.5.bias"], loss=LossType.MSELoss,
+                           additional_output_names=["logits", "logits"], artifact_directory=tmp_path)
 
 
 def test_error_missing_directory_and_model_file(mlp, tmp_path):
