@@ -20,7 +20,7 @@ from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo
 from onnxtrain.inference import NodeArg, node_arg
 from onnxtrain.ir.builder import value_types
-from onnxtrain.parallel import BucketReducer, Communicator, world
+from onnxtrain.parallel import BucketReducer, Communicator, launch_hint, world
 from onnxtrain.parallel.fingerprint import array_digest, digest
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession
@@ -65,7 +65,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         if size < parts or size % parts:
             raise ValueError(
                 f"{option}={parts} needs a multiple of {parts} MPI ranks (times the data-parallel replicas), "
-                f"but there are {size}; launch with: mpiexec -n {parts} python script.py"
+                f"but there are {size}; launch with: {launch_hint(parts)}"
             )
         if p.world_size not in (1, size):
             raise ValueError(f"TrainingParameters.world_size={p.world_size} but mpiexec started {size} ranks")

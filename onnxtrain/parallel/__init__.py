@@ -11,6 +11,9 @@ The legacy ``TrainingSession`` uses all of this by itself when ``mpiexec`` start
 
 from __future__ import annotations
 
+import os
+import shlex
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +72,17 @@ def exchange_mode(p: Any, replicas: int, what: str) -> str | None:
     return "allreduce"
 
 
+
+def launch_hint(n: int) -> str:
+    """The command this process ran, under ``mpiexec -n n`` (how to start it on n ranks)."""
+    argv = list(sys.argv) or ["script.py"]
+    if os.path.basename(argv[0]) == "__main__.py":  # python -m <package>
+        argv[0] = "-m " + os.path.basename(os.path.dirname(argv[0]))
+        return f"mpiexec -n {n} python " + " ".join([argv[0], *map(shlex.quote, argv[1:])])
+    if argv[0].endswith(".py"):
+        return f"mpiexec -n {n} python " + shlex.join(argv)
+    return f"mpiexec -n {n} " + shlex.join([os.path.basename(argv[0]), *argv[1:]])
+
 def resolve(p: Any) -> DataParallel | None:
     """Ranks and sizes for a ``TrainingParameters``: from MPI under ``mpiexec``; explicit values must agree.
     Its warnings point at the caller of ``TrainingSession(...)``, two frames above this function's caller.
@@ -93,12 +107,11 @@ def resolve(p: Any) -> DataParallel | None:
                              f"{w.rank}")
     elif p.world_size > 1:
         raise ValueError(f"TrainingParameters.world_size={p.world_size}, but this process was not started "
-                         f"by mpiexec (MPI world size 1); launch with: mpiexec -n {p.world_size} python "
-                         "script.py")
+                         f"by mpiexec (MPI world size 1); launch with: {launch_hint(p.world_size)}")
     size = w.size
     d = p.data_parallel_size
     if d > size:
-        hint = f"; launch with: mpiexec -n {d} python script.py" if size == 1 else ""
+        hint = f"; launch with: {launch_hint(d)}" if size == 1 else ""
         raise ValueError(f"TrainingParameters.data_parallel_size={d} exceeds the world size {size}{hint}")
     if d not in (1, size):
         warn(f"data_parallel_size={d} does not equal world_size {size} (horizontal and pipeline "

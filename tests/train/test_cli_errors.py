@@ -140,3 +140,11 @@ def test_epochs_set_where_steps_decide(tmp_path, capsys):
     code, line = _error_line(capsys, ["train", config_path("tiny_transformer"), "-q", "--output-dir",
                                       str(tmp_path), "--set", "training.epochs=1"])
     assert code == 2 and "training.epochs: set with --set, but training.steps (400)" in line, line
+
+
+def test_data_parallel_without_mpiexec_says_how_to_launch_this_command(tmp_path, capsys, monkeypatch):
+    argv = ["train", config_path("digits_mlp"), "-q", "--output-dir", str(tmp_path), "--set",
+            "training.data_parallel_size=2"]
+    monkeypatch.setattr("sys.argv", ["/usr/bin/onnxtrain", *argv])
+    code, line = _error_line(capsys, argv)
+    assert code == 2 and f"launch with: mpiexec -n 2 onnxtrain train {config_path('digits_mlp')}" in line, line
