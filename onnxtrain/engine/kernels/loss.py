@@ -175,8 +175,11 @@ def _dropout(x: np.ndarray, ratio: float, training: bool, attrs: Attrs, mask_dty
     gen = _generator(attrs)
     # with a seed: uniform doubles, as np.random.seed(seed) + np.random.uniform draws them
     mask = _keep_mask(gen, x.shape, ratio) if attrs.get("seed") is None else gen.random(x.shape) >= ratio
-    y = np.multiply(x, 1.0 / (1.0 - ratio), dtype=x.dtype)
-    y *= mask
+    if x.dtype.kind == "f":
+        y = np.multiply(x, 1.0 / (1.0 - ratio), dtype=x.dtype)
+        y *= mask
+    else:  # bfloat16 (ml_dtypes): numpy's ufuncs take no dtype= there; scaled in float32, rounded once
+        y = (x.astype(np.float32) * np.float32(1.0 / (1.0 - ratio)) * mask).astype(x.dtype)
     return (y, mask.astype(mask_dtype, copy=False)) if want_mask else (y,)
 
 
