@@ -18,6 +18,16 @@ def is_training_batch_norm(n: onnx.NodeProto) -> bool:
     return n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute)
 
 
+def fresh_name(base: str, taken: set[str]) -> str:
+    """``base``, or ``base_<i>`` for the first i that makes it new to ``taken``; added to ``taken``."""
+    name, i = base, 0
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    taken.add(name)
+    return name
+
+
 def train_batch_norms(graph: onnx.GraphProto) -> list[str]:
     """Put every BatchNormalization of ``graph`` (its own nodes) in training mode, in place, as
     onnxruntime's training graphs do (its BatchNormReplacement rewrites each one, whatever mode it was
@@ -36,12 +46,7 @@ def train_batch_norms(graph: onnx.GraphProto) -> list[str]:
             if len(n.output) <= k:
                 n.output.append("")
             if not n.output[k]:
-                name, i = f"{n.output[0]}_{what}", 0
-                while name in taken:
-                    i += 1
-                    name = f"{n.output[0]}_{what}_{i}"
-                n.output[k] = name
-                taken.add(name)
+                n.output[k] = fresh_name(f"{n.output[0]}_{what}", taken)
         changed.append(n.name)
     return changed
 

@@ -29,6 +29,7 @@ from onnxtrain.engine import Plan, UnsupportedOpError, compile_model
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
+from onnxtrain.ir.graphs import fresh_name
 from onnxtrain.training.api._accumulation import (
     ACCUMULATED_SUFFIX,
     BUFFER_SUFFIX,
@@ -142,12 +143,7 @@ def _expose_running_stats(model: onnx.ModelProto, state: CheckpointState
         while len(node.output) <= out_index:
             node.output.append("")
         if not node.output[out_index]:
-            fresh, i = f"{name}.running_update", 0
-            while fresh in taken:
-                i += 1
-                fresh = f"{name}.running_update_{i}"
-            taken.add(fresh)
-            node.output[out_index] = fresh
+            node.output[out_index] = fresh_name(f"{name}.running_update", taken)
         result = node.output[out_index]
         if result not in graph_outputs:
             vi = g.output.add()
