@@ -21,11 +21,12 @@ RUN_OUTPUTS = ("metrics.png", "model.onnx")  # written at the end of a run
 
 
 def output_dir(cfg: Config, override: str | None = None) -> str:
-    return override if override is not None else cfg.output.dir or os.path.join("runs", cfg.name)
+    return override or cfg.output.dir or os.path.join("runs", cfg.name)
 
 
 def check_output_dir(folder: str) -> None:
-    """OSError-free check that ``folder`` is or can become a writable folder: ValueError naming it."""
+    """A ValueError naming ``folder`` unless it is, or can be made as, a folder this process can write in
+    (checked without creating anything)."""
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"output folder {folder}: a file of that name exists")
     up = os.path.abspath(folder)
