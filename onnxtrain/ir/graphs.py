@@ -33,9 +33,14 @@ def train_batch_norms(graph: onnx.GraphProto) -> list[str]:
     onnxruntime's training graphs do (its BatchNormReplacement rewrites each one, whatever mode it was
     exported in, into a training-mode BatchNormInternal): batch statistics, and new running statistics
     computed. Returns the names of the nodes changed. Needs opset 14 or later (the attribute)."""
-    changed = []
     taken = {o for n in graph.node for o in n.output} | {v.name for v in graph.input}
-    for n in graph.node:
+    return train_batch_norm_nodes(graph.node, taken)
+
+
+def train_batch_norm_nodes(nodes: Iterable[onnx.NodeProto], taken: set[str]) -> list[str]:
+    """:func:`train_batch_norms` on ``nodes`` (a part of a graph whose value names are ``taken``)."""
+    changed = []
+    for n in nodes:
         if n.op_type != "BatchNormalization" or n.domain not in ("", "ai.onnx") or is_training_batch_norm(n):
             continue
         for a in list(n.attribute):

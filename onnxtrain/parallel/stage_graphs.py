@@ -28,7 +28,7 @@ from onnxtrain.autodiff.split import split_gradient_model
 from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo
 from onnxtrain.graph_transforms.recompute import recompute, transformer_layer_values
 from onnxtrain.ir.builder import NameGen, value_types
-from onnxtrain.ir.graphs import node_reads
+from onnxtrain.ir.graphs import node_reads, train_batch_norm_nodes
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
 from onnxtrain.parallel.pipeline import Partition
 from onnxtrain.parameters import TrainingParameters
@@ -88,6 +88,9 @@ def build_stage_graphs(
     layers = layer_activations(model, params) if layers is None else layers
     nodes = [_copy(n) for n in part.nodes(model, stage)]
     g = model.graph
+    # as the one-process session: every BatchNormalization in training mode (names from the whole model, so
+    # that every stage and rank names the new outputs alike)
+    train_batch_norm_nodes(nodes, {o for n in g.node for o in n.output} | {v.name for v in g.input})
     types = value_types(model)
     reads = {i for n in nodes for i in node_reads(n) if i}
     produced = {o for n in nodes for o in n.output if o}

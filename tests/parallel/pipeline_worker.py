@@ -185,8 +185,9 @@ def _batch_norm(x: str, y: str, n: int, prefix: str, rng: np.random.Generator) -
     return node, inits
 
 
-def bn_model(seed: int = 13) -> onnx.ModelProto:
-    """x → Gemm → BatchNormalization (training mode) → Relu (hr) → Gemm → BatchNormalization → Relu →
+def bn_model(seed: int = 13, inference: bool = False) -> onnx.ModelProto:
+    """x → Gemm → BatchNormalization (training mode; written for inference with ``inference``) → Relu
+    (hr) → Gemm → BatchNormalization → Relu →
     Gemm → loss: cut at ``hr``, each stage updates the running statistics of its own normalization. The
     products before a normalization have no bias (as convolutions before one have none): its gradient
     would be zero but for rounding, which Adam turns into whole steps."""
@@ -197,6 +198,10 @@ def bn_model(seed: int = 13) -> onnx.ModelProto:
     ]
     bn1, i1 = _batch_norm("h", "hb", 16, "bn1", rng)
     bn2, i2 = _batch_norm("h2", "h2b", 16, "bn2", rng)
+    if inference:  # as exported in eval mode: the training APIs still run them in training mode
+        for bn in (bn1, bn2):
+            del bn.output[1:]
+            bn.attribute.remove(next(a for a in bn.attribute if a.name == "training_mode"))
     nodes = [
         helper.make_node("Gemm", ["x", "W1"], ["h"], transB=1),
         bn1,
@@ -461,6 +466,7 @@ CASES["adam2_dropout_ckpt_m1"] = CASES["adam2_dropout_m1"]
 # micro-batch's forward, as one process's micro-steps update them), and ahead of two split blocks
 CASES["adam2_bn_clip"] = (bn_model, 2, "hr", 2, "AdamOptimizer", True)
 CASES["adam2_bn_mp_clip"] = CASES["adam2_bn_clip"]  # and under mixed precision (LOSS_SCALE below)
+CASES["adam2_bn_eval_clip"] = (lambda: bn_model(inference=True), 2, "hr", 2, "AdamOptimizer", True)
 # two stages × two replicas (each replica keeps its own statistics), with ZeRO stage 1 and without
 CASES["adam2x2_bn_clip"] = CASES["adam2_bn_clip"]
 CASES["adam2x2_bn_zero_clip"] = CASES["adam2_bn_clip"]

@@ -118,12 +118,15 @@ def test_batch_norm_running_statistics_in_both_stages(tmp_path) -> None:
     statistics (momentum 0.8), as each micro-step of one process does; the statistics are state (gathered,
     compared with one process's after 6 steps of 2 micro-batches) and move away from their start; also
     under mixed precision (float16 activations cross the cut)."""
-    got = pipelined(tmp_path, ["adam2_bn_clip", "adam2_bn_mp_clip"], 2)
+    got = pipelined(tmp_path, ["adam2_bn_clip", "adam2_bn_mp_clip", "adam2_bn_eval_clip"], 2)
     compare(got, "adam2_bn_clip", 1e-6)
     compare(got, "adam2_bn_mp_clip", 1e-6)
+    compare(got, "adam2_bn_eval_clip", 1e-6)  # written for inference: trained in training mode all the same
     start = {t.name: numpy_helper.to_array(t) for t in bn_model().graph.initializer}
     for stat in ("bn1_mean", "bn1_var", "bn2_mean", "bn2_var"):
         assert np.abs(got[f"adam2_bn_clip/state/{stat}"] - start[stat]).max() > 1e-2, stat
+        np.testing.assert_array_equal(got[f"adam2_bn_eval_clip/state/{stat}"],
+                                      got[f"adam2_bn_clip/state/{stat}"])
 
 
 @pytest.mark.mpi
