@@ -65,3 +65,13 @@ def open_artifacts(folder: str | os.PathLike, lr: float) -> tuple[CheckpointStat
     opt = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
     opt.set_learning_rate(lr)
     return state, module, opt
+
+
+def train_steps(module: Module, opt: Optimizer, batches: list[tuple[np.ndarray, np.ndarray]]) -> list[float]:
+    """One training step per batch (forward and backward, update, gradients reset); the losses."""
+    losses = []
+    for x, y in batches:
+        losses.append(float(module(x, y)))
+        opt.step()
+        module.lazy_reset_grad()
+    return losses

@@ -25,7 +25,7 @@ from tests.ortt import PREAMBLE, ensure_ortt
 
 torch = pytest.importorskip("torch")
 
-from tests.training.bn_cnn import STATS, batch, open_artifacts  # noqa: E402
+from tests.training.bn_cnn import STATS, batch, open_artifacts, train_steps  # noqa: E402
 
 STEPS, LR = 4, 0.1
 
@@ -40,12 +40,7 @@ def _stats_of(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 def _train(folder: str) -> tuple[CheckpointState, Module, list[float]]:
     state, module, opt = open_artifacts(folder, LR)
-    losses = []
-    for i in range(STEPS):
-        losses.append(float(module(*batch(i))))
-        opt.step()
-        module.lazy_reset_grad()
-    return state, module, losses
+    return state, module, train_steps(module, opt, [batch(i) for i in range(STEPS)])
 
 
 _ORT_SCRIPT = PREAMBLE + r"""

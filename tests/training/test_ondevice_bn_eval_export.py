@@ -22,7 +22,7 @@ from tests.ortt import PREAMBLE, ensure_ortt
 
 torch = pytest.importorskip("torch")
 
-from tests.training.bn_cnn import open_artifacts  # noqa: E402
+from tests.training.bn_cnn import open_artifacts, train_steps  # noqa: E402
 
 STEPS, LR = 3, 0.1
 STATS = ("bn.running_mean", "bn.running_var")
@@ -103,11 +103,7 @@ def test_eval_export_trains_batch_norm_like_onnxruntime_training(stats, tmp_path
                                  loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.SGD,
                                  artifact_directory=ours)
     state, module, opt = open_artifacts(ours, LR)
-    losses = []
-    for i in range(STEPS):
-        losses.append(float(module(*batch(i))))
-        opt.step()
-        module.lazy_reset_grad()
+    losses = train_steps(module, opt, [batch(i) for i in range(STEPS)])
     module.eval()
     evals = [float(module(*batch(i))) for i in range(STEPS)]
     np.testing.assert_allclose(losses, ref["losses"], rtol=1e-5)
