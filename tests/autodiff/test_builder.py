@@ -416,3 +416,22 @@ def test_upgrade_keeps_onnxruntime_layer_norm_of_an_older_opset() -> None:
     np.testing.assert_allclose(y, (r - mu) * inv * scale + bias, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(mean, mu, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(inv_std, inv, rtol=1e-5)
+
+
+def test_hard_swish_gradient_is_its_kernels_derivative_in_float64() -> None:
+    """HardSwish's 1/6 is a float32 constant in ONNX's body and in the kernel; the gradient's slope uses the
+    same one (it used an exact 1/3: 3e-8 off in float64, where finite differences cannot tell)."""
+    from onnxtrain.testing import run_engine
+
+    a = float(np.float32(1 / 6))
+    x = np.random.default_rng(0).standard_normal((3, 50)) * 4
+    nodes = [helper.make_node("HardSwish", ["x"], ["h"]),
+             helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.DOUBLE, [3, 50])],
+                              [helper.make_tensor_value_info("loss", T.DOUBLE, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    gm = build_gradient_model(model, "loss", ["x"])
+    out = dict(zip([o.name for o in gm.graph.output], run_engine(gm, {"x": x})))
+    want = np.where(x <= -3, 0, np.where(x >= 3, 1, 2 * a * x + 0.5))
+    np.testing.assert_allclose(out["x_grad"], want, rtol=1e-15, atol=0)
+    assert out["loss"] == pytest.approx((x * np.clip(a * x + 0.5, 0, 1)).sum(), rel=1e-15)
