@@ -147,4 +147,5 @@ def test_data_parallel_without_mpiexec_says_how_to_launch_this_command(tmp_path,
             "training.data_parallel_size=2"]
     monkeypatch.setattr("sys.argv", ["/usr/bin/onnxtrain", *argv])
     code, line = _error_line(capsys, argv)
-    assert code == 2 and f"launch with: mpiexec -n 2 onnxtrain train {config_path('digits_mlp')}" in line, line
+    want = f"launch with: mpiexec -n 2 onnxtrain train {config_path('digits_mlp')}"
+    assert code == 2 and want in line, line
