@@ -296,7 +296,7 @@ def build_step_graphs(
         )
     names = NameGen.for_model(m)
     has_tm = _rewire_dropout(m)
-    train_batch_norms(m.graph)  # as onnxruntime's training graphs: batch statistics, whatever the export
+    train_batch_norms(m.graph.node, names)  # as onnxruntime's training graphs: batch statistics
     bn = running_stats(m.graph.node, {t.name for t in m.graph.initializer}, names)
     state = _inits_to_inputs(m, trainable + sorted(bn))
     # a copy without the moved weights, whose bytes m's protobuf arena keeps as long as m lives (peak RSS on

@@ -3,7 +3,7 @@ the graphs around them ("captures"). Passes that prune or follow dependencies re
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import onnx
 from onnx import AttributeProto
@@ -18,27 +18,12 @@ def is_training_batch_norm(n: onnx.NodeProto) -> bool:
     return n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute)
 
 
-def fresh_name(base: str, taken: set[str]) -> str:
-    """``base``, or ``base_<i>`` for the first i that makes it new to ``taken``; added to ``taken``."""
-    name, i = base, 0
-    while name in taken:
-        i += 1
-        name = f"{base}_{i}"
-    taken.add(name)
-    return name
-
-
-def train_batch_norms(graph: onnx.GraphProto) -> list[str]:
-    """Put every BatchNormalization of ``graph`` (its own nodes) in training mode, in place, as
-    onnxruntime's training graphs do (its BatchNormReplacement rewrites each one, whatever mode it was
-    exported in, into a training-mode BatchNormInternal): batch statistics, and new running statistics
-    computed. Returns the names of the nodes changed. Needs opset 14 or later (the attribute)."""
-    taken = {o for n in graph.node for o in n.output} | {v.name for v in graph.input}
-    return train_batch_norm_nodes(graph.node, taken)
-
-
-def train_batch_norm_nodes(nodes: Iterable[onnx.NodeProto], taken: set[str]) -> list[str]:
-    """:func:`train_batch_norms` on ``nodes`` (a part of a graph whose value names are ``taken``)."""
+def train_batch_norms(nodes: Iterable[onnx.NodeProto], names: Callable[[str], str]) -> list[str]:
+    """Put every BatchNormalization among ``nodes`` in training mode, in place, as onnxruntime's training
+    graphs do (its BatchNormReplacement rewrites each one, whatever mode it was exported in, into a
+    training-mode BatchNormInternal): batch statistics, and new running statistics computed, in outputs
+    named by ``names`` (a :class:`~onnxtrain.ir.builder.NameGen` of the graph) where the node has none.
+    Returns the names of the nodes changed. Needs opset 14 or later (the attribute)."""
     changed = []
     for n in nodes:
         if n.op_type != "BatchNormalization" or n.domain not in ("", "ai.onnx") or is_training_batch_norm(n):
@@ -51,7 +36,7 @@ def train_batch_norm_nodes(nodes: Iterable[onnx.NodeProto], taken: set[str]) -> 
             if len(n.output) <= k:
                 n.output.append("")
             if not n.output[k]:
-                n.output[k] = fresh_name(f"{n.output[0]}_{what}", taken)
+                n.output[k] = names(f"{n.output[0]}_{what}")
         changed.append(n.name)
     return changed
 

@@ -28,7 +28,7 @@ from onnxtrain.autodiff.split import split_gradient_model
 from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo
 from onnxtrain.graph_transforms.recompute import recompute, transformer_layer_values
 from onnxtrain.ir.builder import NameGen, value_types
-from onnxtrain.ir.graphs import node_reads, train_batch_norm_nodes
+from onnxtrain.ir.graphs import node_reads, train_batch_norms
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
 from onnxtrain.parallel.pipeline import Partition
 from onnxtrain.parameters import TrainingParameters
@@ -90,13 +90,14 @@ def build_stage_graphs(
     g = model.graph
     # as the one-process session: every BatchNormalization in training mode (names from the whole model, so
     # that every stage and rank names the new outputs alike)
-    train_batch_norm_nodes(nodes, {o for n in g.node for o in n.output} | {v.name for v in g.input})
+    names = NameGen.for_model(model)
+    train_batch_norms(nodes, names)
     types = value_types(model)
     reads = {i for n in nodes for i in node_reads(n) if i}
     produced = {o for n in nodes for o in n.output if o}
     inits = {t.name: t for t in g.initializer}
     mine = [w for w in trainable if w in reads]
-    stats = running_stats(nodes, set(inits), NameGen.for_model(model))
+    stats = running_stats(nodes, set(inits), names)
     held = [*mine, *stats]  # graph inputs the session feeds from its state
     received = [r for r in part.received(stage) if r in reads]
     sends = [] if last else list(part.sends[stage])

@@ -87,7 +87,7 @@ from onnxtrain.autodiff.builder import GradientError, build_gradient_model, upgr
 from onnxtrain.autodiff.exporter_checks import export_hint, program_hint
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute as recompute_pass
-from onnxtrain.ir.builder import FLOAT_TYPES, model_opset
+from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset
 from onnxtrain.ir.graphs import node_reads, path_to, train_batch_norms
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.training import onnxblock
@@ -420,7 +420,8 @@ def build_training_models(
     ckpt = ({n: values[n] for n in params if n in trainable}, {n: values[n] for n in params if n in frozen})
 
     evaluation = _finish(_inference_mode(m), "eval")
-    train_batch_norms(m.graph)  # as onnxruntime-training's generator: batch statistics, whatever the export
+    # as onnxruntime-training's generator: batch statistics, whatever mode the model was exported in
+    train_batch_norms(m.graph.node, NameGen.for_model(m))
     train_names = list(ckpt[0])
     if mixed_precision is not None:
         not_f32 = [p for p in train_names if inits[p].data_type != TensorProto.FLOAT]

@@ -29,7 +29,7 @@ from onnxtrain.engine import Plan, UnsupportedOpError, compile_model
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
-from onnxtrain.ir.graphs import fresh_name
+from onnxtrain.ir.builder import NameGen
 from onnxtrain.training.api._accumulation import (
     ACCUMULATED_SUFFIX,
     BUFFER_SUFFIX,
@@ -134,7 +134,7 @@ def _expose_running_stats(model: onnx.ModelProto, state: CheckpointState
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
-    taken = {o for n in g.node for o in n.output} | set(inputs) | {t.name for t in g.initializer}
+    names = NameGen({o for n in g.node for o in n.output} | set(inputs) | {t.name for t in g.initializer})
     graph_outputs = {v.name for v in g.output}
     stats: dict[str, str] = {}
     added: set[str] = set()
@@ -143,7 +143,7 @@ def _expose_running_stats(model: onnx.ModelProto, state: CheckpointState
         while len(node.output) <= out_index:
             node.output.append("")
         if not node.output[out_index]:
-            node.output[out_index] = fresh_name(f"{name}.running_update", taken)
+            node.output[out_index] = names(f"{name}.running_update")
         result = node.output[out_index]
         if result not in graph_outputs:
             vi = g.output.add()
