@@ -44,6 +44,7 @@ from onnxtrain.train.outputs import (
     list_checkpoints,
     output_dir,
     plot_metrics,
+    remove_checkpoint,
     remove_stale_temporaries,
 )
 from onnxtrain.train.schedule import learning_rate
@@ -207,9 +208,7 @@ class Trainer:
         keep = self.cfg.training.keep_checkpoints
         if keep:
             for _, old in list_checkpoints(self.out)[:-keep]:
-                for f in (old, old + ".data"):
-                    if os.path.exists(f):
-                        os.unlink(f)
+                remove_checkpoint(old)
         return path
 
     def _log_windows(self, st: RunState) -> str:
@@ -302,9 +301,7 @@ class Trainer:
             rng = data_mod.rng_from_str(st.epoch_rng)
         elif main:  # a new run: nothing of an earlier one stays
             for _, old in list_checkpoints(self.out):
-                for f in (old, old + ".data"):
-                    if os.path.exists(f):
-                        os.unlink(f)
+                remove_checkpoint(old)
             for name in RUN_OUTPUTS:
                 if os.path.isfile(os.path.join(self.out, name)):
                     os.unlink(os.path.join(self.out, name))

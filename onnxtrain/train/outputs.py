@@ -38,6 +38,13 @@ def check_output_dir(folder: str) -> None:
         raise ValueError(f"output folder {folder}: no permission to write in {up}")
 
 
+def remove_checkpoint(path: str) -> None:
+    """Delete a checkpoint file and its external-data file, where they exist."""
+    for f in (path, path + ".data"):
+        if os.path.exists(f):
+            os.unlink(f)
+
+
 def remove_stale_temporaries(folder: str) -> list[str]:
     """Delete the partial checkpoint files a killed run left in ``folder``'s checkpoints (never loaded:
     :func:`list_checkpoints` matches whole names only); returns their paths."""
