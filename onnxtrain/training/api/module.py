@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -415,20 +415,16 @@ class Module:
         wanted += self._running_stats.values()
         plan = self._overwrite_plan if overwrite else self._train_plan
         assert plan is not None
-        try:
-            if overwrite and getattr(plan, "backend", None) == "onnxruntime":
-                # the new gradients go into the old ones' arrays, as the accumulating step's do (onnxruntime's
-                # arena would otherwise hold two generations of them: peak RSS of the bench's LeNet 94.0 ->
-                # 91.7 MiB, of the MLP 103.2 -> 99.0)
-                old = {self._accumulated[p]: params[p].grad for p in self._trainable}
-                results = plan.run(feeds, wanted, reuse={k: v for k, v in old.items() if v is not None})
-                del old
-            else:
-                results = plan.run(feeds, wanted)
-        except Exception as e:
-            _explain(e, self._train_inputs, feeds, "the training model")
-            raise
-        _doubt(self._train_inputs, feeds, "the training model")
+        kw: dict[str, Any] = {}
+        if overwrite and getattr(plan, "backend", None) == "onnxruntime":
+            # the new gradients go into the old ones' arrays, as the accumulating step's do (onnxruntime's
+            # arena would otherwise hold two generations of them: peak RSS of the bench's LeNet 94.0 -> 91.7
+            # MiB, of the MLP 103.2 -> 99.0)
+            kw["reuse"] = {self._accumulated[p]: params[p].grad for p in self._trainable
+                           if params[p].grad is not None}
+        results = _checked_run(lambda: plan.run(feeds, wanted, **kw), self._train_inputs, feeds,
+                               "the training model")
+        kw.clear()  # (the old gradients, which replace_grads must see unshared)
         feeds.clear()  # (it references the gradient buffers, which replace_grads must see unshared)
         self._last_step_plan = plan
         n = len(self._train_outputs)
@@ -461,13 +457,9 @@ class Module:
                                "model (Module(train_model, state, eval_model)); switch back with train()")
         feeds = check_user_inputs(self._eval_inputs, user_inputs, "the eval model")
         feeds.update(self._param_feeds(self._eval_params, "EvalStep"))
-        try:
-            out = self._eval_plan.run(feeds, self._eval_outputs)
-        except Exception as e:
-            _explain(e, self._eval_inputs, feeds, "the eval model")
-            raise
-        _doubt(self._eval_inputs, feeds, "the eval model")
-        return out
+        plan = self._eval_plan
+        return _checked_run(lambda: plan.run(feeds, self._eval_outputs), self._eval_inputs, feeds,
+                            "the eval model")
 
     def lazy_reset_grad(self) -> None:
         """Make the next training call overwrite the gradients instead of adding to them (§3.3)."""
@@ -592,19 +584,22 @@ class Module:
         return [s.name for s in self._eval_inputs], list(self._eval_outputs)
 
 
-def _explain(error: Exception, specs: Sequence[InputSpec], feeds: Mapping[str, Any], what: str) -> None:
-    """Raise a ValueError naming the inputs when a failed run was fed different sizes of one symbolic
-    dimension (a batch of inputs against one of labels), with the engine's error as its cause."""
-    msg = shared_dim_mismatch(specs, feeds, what)
-    if msg is not None:
-        raise ValueError(msg) from error
-
-
-def _doubt(specs: Sequence[InputSpec], feeds: Mapping[str, Any], what: str) -> None:
-    """Warn (once per place) when a run that succeeded was fed different sizes of one symbolic dimension:
-    either the model reuses a dimension's name for another size, or a batch is wrong and the runtime did not
-    notice (onnxruntime's loss kernels do not all check)."""
+def _checked_run(run: Callable[[], Any], specs: Sequence[InputSpec], feeds: Mapping[str, Any], what: str
+                 ) -> Any:
+    """``run()``, told apart where inputs sharing a symbolic dimension (a batch of inputs against one of
+    labels) were fed different sizes of it: a failed run raises a ValueError naming them, with the engine's
+    error as its cause; one that succeeded warns (once per place): either the model reuses a dimension's
+    name for another size, or a batch is wrong and the runtime did not notice (onnxruntime's loss kernels
+    do not all check)."""
+    try:
+        out = run()
+    except Exception as e:
+        msg = shared_dim_mismatch(specs, feeds, what)
+        if msg is not None:
+            raise ValueError(msg) from e
+        raise
     msg = shared_dim_mismatch(specs, feeds, what)
     if msg is not None:
         warn(f"{msg}: the run went through; if the model's dimension names are right, the inputs do not fit "
              "each other")
+    return out
