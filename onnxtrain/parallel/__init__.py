@@ -72,16 +72,17 @@ def exchange_mode(p: Any, replicas: int, what: str) -> str | None:
     return "allreduce"
 
 
-
 def launch_hint(n: int) -> str:
     """The command this process ran, under ``mpiexec -n n`` (how to start it on n ranks)."""
-    argv = list(sys.argv) or ["script.py"]
-    if os.path.basename(argv[0]) == "__main__.py":  # python -m <package>
-        argv[0] = "-m " + os.path.basename(os.path.dirname(argv[0]))
-        return f"mpiexec -n {n} python " + " ".join([argv[0], *map(shlex.quote, argv[1:])])
-    if argv[0].endswith(".py"):
-        return f"mpiexec -n {n} python " + shlex.join(argv)
-    return f"mpiexec -n {n} " + shlex.join([os.path.basename(argv[0]), *argv[1:]])
+    prog, *args = list(sys.argv) or ["script.py"]
+    if os.path.basename(prog) == "__main__.py":  # python -m <package>
+        cmd = ["python", "-m", os.path.basename(os.path.dirname(prog))]
+    elif prog.endswith(".py"):
+        cmd = ["python", prog]
+    else:  # a console script, e.g. onnxtrain
+        cmd = [os.path.basename(prog)]
+    return f"mpiexec -n {n} " + shlex.join([*cmd, *args])
+
 
 def resolve(p: Any) -> DataParallel | None:
     """Ranks and sizes for a ``TrainingParameters``: from MPI under ``mpiexec``; explicit values must agree.
