@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from onnxtrain.engine.kernels import depthwise
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 
@@ -111,18 +112,26 @@ def _flat_cols(x: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     elements of a flattened padded plane, so every copied run is contiguous. Columns past a row's
     valid width are junk the caller crops; a tail of one row keeps the last run inside the buffer."""
     n, c = x.shape[:2]
-    plane, row, sizes = g["plane"], g["row"], g["sizes"]
-    buf = np.zeros(n * c * plane + row, dtype=x.dtype)
-    xp = buf[: n * c * plane].reshape((n, c) + tuple(sizes))
-    keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], sizes, g["pb"], strict=True)]
-    xp[(Ellipsis,) + tuple(slice(b, b + v) for b, v in zip(g["pb"], keep, strict=True))] = \
-        x[(Ellipsis,) + tuple(slice(0, v) for v in keep)]
+    plane = g["plane"]
+    buf = _flat_padded(x, g)
     it = buf.itemsize
     view = _view(buf, (n, c) + tuple(g["k"]) + (g["Q"],),
                  (c * plane * it, plane * it) + tuple(v * it for v in g["flat_strides"]) + (it,))
     cols = np.empty(view.shape, dtype=x.dtype)
     np.copyto(cols, view)
     return cols
+
+
+def _flat_padded(x: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """X zero-padded to the geometry's ``sizes``, flat, with one row of zeros past the last plane."""
+    n, c = x.shape[:2]
+    plane, sizes = g["plane"], g["sizes"]
+    buf = np.zeros(n * c * plane + g["row"], dtype=x.dtype)
+    xp = buf[: n * c * plane].reshape((n, c) + tuple(sizes))
+    keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], sizes, g["pb"], strict=True)]
+    xp[(Ellipsis,) + tuple(slice(b, b + v) for b, v in zip(g["pb"], keep, strict=True))] = \
+        x[(Ellipsis,) + tuple(slice(0, v) for v in keep)]
+    return buf
 
 
 def _windows(xp: np.ndarray, g: dict[str, Any]) -> np.ndarray:
@@ -143,6 +152,31 @@ def _view(base: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...]) ->
     return as_strided(base, shape, strides, writeable=False)
 
 
+def _grouped(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray | None:
+    """A depthwise or few-outputs Conv by the kernels of engine/kernels/depthwise.py; None for others."""
+    n, c = x.shape[:2]
+    nd, k, sizes, out, plane = g["nd"], g["k"], g["sizes"], g["out"], g["plane"]
+    steps = [plane // int(np.prod(sizes[:i + 1])) for i in range(nd)]  # C-order element steps
+    if g["cg"] == 1:
+        if g["flat"]:
+            y = depthwise.depthwise_conv(_flat_padded(x, g), w, n, c, plane, (g["Q"],), (1,),
+                                         g["flat_strides"], k)
+            y = y.reshape((n, g["m"], out[0]) + tuple(sizes[1:]))
+            return np.ascontiguousarray(y[(Ellipsis,) + tuple(slice(0, o) for o in out[1:])])
+        buf = np.ascontiguousarray(pad_input(x, g["pb"], sizes)).reshape(-1)
+        y = depthwise.depthwise_conv(buf, w, n, c, plane, tuple(out),
+                                     tuple(s * v for s, v in zip(steps, g["strides"], strict=True)),
+                                     [s * v for s, v in zip(steps, g["dil"], strict=True)], k)
+        return y.reshape((n, g["m"]) + tuple(out))
+    if g["L"] < g["K"]:
+        buf = np.ascontiguousarray(pad_input(x, g["pb"], sizes)).reshape(-1)
+        y = depthwise.few_outputs_conv(buf, w, n, g["group"], g["cg"], plane,
+                                       [s * v for s, v in zip(steps, g["strides"], strict=True)], out,
+                                       [s * v for s, v in zip(steps, g["dil"], strict=True)], k)
+        return y.reshape((n, g["m"]) + tuple(out))
+    return None
+
+
 @kernel("Conv", since=1)
 def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, w = inputs[0], inputs[1]
@@ -150,6 +184,12 @@ def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
     g = attrs.cached((x.shape, w.shape), lambda: _conv_geometry(attrs, x.shape, w.shape))
     n, c = x.shape[:2]
     m, cg, group, K, L = g["m"], g["cg"], g["group"], g["K"], g["L"]
+    if group > 1 and x.dtype in depthwise.FAST_DTYPES:
+        y = _grouped(x, w, g)
+        if y is not None:
+            if b is not None:
+                y += b.reshape((m,) + (1,) * g["nd"])
+            return (y,)
     if g["identity"]:  # 1x1 kernel, stride 1, no pad: X itself is the column matrix
         cols = x.reshape(n, c, L)
         cols = cols if group == 1 else cols.reshape(n, group, cg, L)
@@ -239,7 +279,11 @@ def _convt_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> d
     flat = (nd == 2 and strides == [1, 1] and group == 1 and all(pb[i] >= 0 and pb[i] + out[i] <= full[i]
                                                                 for i in range(nd)))
     return {"nd": nd, "group": group, "k": k, "K": int(np.prod(k)), "m": mg * group, "mg": mg,
-            "cg": c // group, "out": out, "steps": steps, "flat": flat, "full": full, "pb": pb, "dil": dil}
+            "cg": c // group, "out": out, "steps": steps, "flat": flat, "full": full, "pb": pb, "dil": dil,
+            "strides": strides,
+            # one output channel per group (a depthwise Conv's input gradient), the output on the canvas
+            "depthwise": group > 1 and mg == 1 and all(pb[i] >= 0 and pb[i] + out[i] <= full[i]
+                                                       for i in range(nd))}
 
 
 def _conv_transpose_flat(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
@@ -270,6 +314,27 @@ def _conv_transpose_flat(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.
     return np.ascontiguousarray(y.transpose(1, 0, 2, 3))
 
 
+def _conv_transpose_depthwise(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """ConvTranspose with one output channel per group by shifted adds into a canvas; at stride 1, X's
+    rows padded to the canvas width make each kernel offset's add one contiguous run per plane."""
+    n, nd, k, full, in_sp = x.shape[0], g["nd"], g["k"], g["full"], x.shape[2:]
+    steps = [int(np.prod(full[i + 1:])) for i in range(nd)]  # C-order element steps of the canvas
+    k_steps = [s * d for s, d in zip(steps, g["dil"], strict=True)]
+    if all(v == 1 for v in g["strides"]):
+        xf = np.zeros(x.shape[:3] + tuple(full[1:]), dtype=x.dtype)
+        xf[(Ellipsis,) + tuple(slice(0, v) for v in in_sp[1:])] = x
+        xf = xf.reshape(x.shape[:2] + (-1,))
+        tail = sum((kk - 1) * s for kk, s in zip(k[1:], k_steps[1:], strict=True))
+        canvas = depthwise.depthwise_conv_transpose(xf, w, g["group"], tuple(full), (1,), k_steps, k, tail)
+    else:
+        x_steps = tuple(s * v for s, v in zip(steps, g["strides"], strict=True))
+        canvas = depthwise.depthwise_conv_transpose(np.ascontiguousarray(x), w, g["group"], tuple(full),
+                                                    x_steps, k_steps, k, 0)
+    canvas = canvas[:, :int(np.prod(full))].reshape((n, g["m"]) + tuple(full))
+    return np.ascontiguousarray(canvas[(Ellipsis,) + tuple(slice(p, p + o) for p, o in
+                                                           zip(g["pb"], g["out"], strict=True))])
+
+
 @kernel("ConvTranspose", since=1)
 def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, w = inputs[0], inputs[1]
@@ -279,6 +344,11 @@ def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
     in_sp = x.shape[2:]
     lin = int(np.prod(in_sp))
     group, m, mg, cg, K, nd = g["group"], g["m"], g["mg"], g["cg"], g["K"], g["nd"]
+    if g["depthwise"] and x.dtype in depthwise.FAST_DTYPES:
+        y = _conv_transpose_depthwise(x, w, g)
+        if b is not None:
+            y += b.reshape((m,) + (1,) * nd)
+        return (y,)
     if g["flat"]:
         y = _conv_transpose_flat(x, w, g)
         if b is not None:
