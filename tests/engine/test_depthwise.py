@@ -35,6 +35,12 @@ DEPTHWISE = [
 ]
 
 
+def _small(monkeypatch) -> None:
+    """These small cases through the kernels of depthwise.py, in many blocks."""
+    for name, value in (("BLOCK", 256), ("MIN_DEPTHWISE", 0), ("MIN_TRANSPOSED", 0), ("MIN_WINDOW", 0)):
+        monkeypatch.setattr(f"onnxtrain.engine.kernels.depthwise.{name}", value)
+
+
 def _conv_fn(nd: int, transposed: bool = False):
     return ((F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d) if transposed
             else (F.conv1d, F.conv2d, F.conv3d))[nd - 1]
@@ -56,7 +62,7 @@ def _both_widths(op: str, inputs: list[np.ndarray], attrs: dict[str, Any]) -> np
 @pytest.mark.parametrize("case", DEPTHWISE, ids=str)
 def test_depthwise_conv_matches_torch(case, monkeypatch) -> None:
     xs, mult, k, s, d, p = case
-    monkeypatch.setattr("onnxtrain.engine.kernels.depthwise.BLOCK", 256)  # many blocks
+    _small(monkeypatch)
     rng = np.random.default_rng(0)
     c, nd = xs[1], len(xs) - 2
     x, w, b = rng.standard_normal(xs), rng.standard_normal((c * mult, 1, *k)), rng.standard_normal(c * mult)
@@ -87,7 +93,7 @@ DEPTHWISE_T = [
 @pytest.mark.parametrize("case", DEPTHWISE_T, ids=str)
 def test_depthwise_conv_transpose_matches_torch(case, monkeypatch) -> None:
     xs, ws, group, s, d, p, op = case
-    monkeypatch.setattr("onnxtrain.engine.kernels.depthwise.BLOCK", 256)
+    _small(monkeypatch)
     rng = np.random.default_rng(1)
     nd = len(xs) - 2
     x, w, b = rng.standard_normal(xs), rng.standard_normal(ws), rng.standard_normal(group)
@@ -113,7 +119,7 @@ FEW_OUTPUTS = [
 @pytest.mark.parametrize("case", FEW_OUTPUTS, ids=str)
 def test_few_outputs_conv_matches_torch(case, monkeypatch) -> None:
     xs, ws, group, s, d, p = case
-    monkeypatch.setattr("onnxtrain.engine.kernels.depthwise.BLOCK", 256)
+    _small(monkeypatch)
     rng = np.random.default_rng(2)
     nd = len(xs) - 2
     x, w = rng.standard_normal(xs), rng.standard_normal(ws)
@@ -146,13 +152,13 @@ def test_depthwise_gradients_in_float32_match_onnxruntime_and_torch(stride: int)
     ort = pytest.importorskip("onnxruntime")
     from onnxtrain.autodiff import build_gradient_model
 
-    xs, c = (4, 24, 28, 28), 24
+    xs, c = (4, 32, 40, 40), 32  # sizes that take depthwise.py's kernels unpatched
     model = _depthwise_loss_model(xs, c, stride)
     gm = build_gradient_model(model, "loss", ["x", "w"])
     onnx.checker.check_model(gm, full_check=True)
     rng = np.random.default_rng(4)
     x = rng.standard_normal(xs).astype(np.float32)
-    out = (28 - 1) // stride + 1
+    out = (40 - 1) // stride + 1
     u = rng.standard_normal((4, c, out, out)).astype(np.float32)
     plan = compile_model(gm)
     ours = dict(zip([o.name for o in gm.graph.output], plan.run({"x": x, "u": u}), strict=True))

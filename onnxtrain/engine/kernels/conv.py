@@ -152,31 +152,6 @@ def _view(base: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...]) ->
     return as_strided(base, shape, strides, writeable=False)
 
 
-def _grouped(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray | None:
-    """A depthwise or few-outputs Conv by the kernels of engine/kernels/depthwise.py; None for others."""
-    n, c = x.shape[:2]
-    nd, k, sizes, out, plane = g["nd"], g["k"], g["sizes"], g["out"], g["plane"]
-    steps = [plane // int(np.prod(sizes[:i + 1])) for i in range(nd)]  # C-order element steps
-    if g["cg"] == 1:
-        if g["flat"]:
-            y = depthwise.depthwise_conv(_flat_padded(x, g), w, n, c, plane, (g["Q"],), (1,),
-                                         g["flat_strides"], k)
-            y = y.reshape((n, g["m"], out[0]) + tuple(sizes[1:]))
-            return np.ascontiguousarray(y[(Ellipsis,) + tuple(slice(0, o) for o in out[1:])])
-        buf = np.ascontiguousarray(pad_input(x, g["pb"], sizes)).reshape(-1)
-        y = depthwise.depthwise_conv(buf, w, n, c, plane, tuple(out),
-                                     tuple(s * v for s, v in zip(steps, g["strides"], strict=True)),
-                                     [s * v for s, v in zip(steps, g["dil"], strict=True)], k)
-        return y.reshape((n, g["m"]) + tuple(out))
-    if g["L"] < g["K"]:
-        buf = np.ascontiguousarray(pad_input(x, g["pb"], sizes)).reshape(-1)
-        y = depthwise.few_outputs_conv(buf, w, n, g["group"], g["cg"], plane,
-                                       [s * v for s, v in zip(steps, g["strides"], strict=True)], out,
-                                       [s * v for s, v in zip(steps, g["dil"], strict=True)], k)
-        return y.reshape((n, g["m"]) + tuple(out))
-    return None
-
-
 @kernel("Conv", since=1)
 def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, w = inputs[0], inputs[1]
@@ -185,7 +160,7 @@ def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
     n, c = x.shape[:2]
     m, cg, group, K, L = g["m"], g["cg"], g["group"], g["K"], g["L"]
     if group > 1 and x.dtype in depthwise.FAST_DTYPES:
-        y = _grouped(x, w, g)
+        y = depthwise.conv(x, w, g)
         if y is not None:
             if b is not None:
                 y += b.reshape((m,) + (1,) * g["nd"])
@@ -314,27 +289,6 @@ def _conv_transpose_flat(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.
     return np.ascontiguousarray(y.transpose(1, 0, 2, 3))
 
 
-def _conv_transpose_depthwise(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
-    """ConvTranspose with one output channel per group by shifted adds into a canvas; at stride 1, X's
-    rows padded to the canvas width make each kernel offset's add one contiguous run per plane."""
-    n, nd, k, full, in_sp = x.shape[0], g["nd"], g["k"], g["full"], x.shape[2:]
-    steps = [int(np.prod(full[i + 1:])) for i in range(nd)]  # C-order element steps of the canvas
-    k_steps = [s * d for s, d in zip(steps, g["dil"], strict=True)]
-    if all(v == 1 for v in g["strides"]):
-        xf = np.zeros(x.shape[:3] + tuple(full[1:]), dtype=x.dtype)
-        xf[(Ellipsis,) + tuple(slice(0, v) for v in in_sp[1:])] = x
-        xf = xf.reshape(x.shape[:2] + (-1,))
-        tail = sum((kk - 1) * s for kk, s in zip(k[1:], k_steps[1:], strict=True))
-        canvas = depthwise.depthwise_conv_transpose(xf, w, g["group"], tuple(full), (1,), k_steps, k, tail)
-    else:
-        x_steps = tuple(s * v for s, v in zip(steps, g["strides"], strict=True))
-        canvas = depthwise.depthwise_conv_transpose(np.ascontiguousarray(x), w, g["group"], tuple(full),
-                                                    x_steps, k_steps, k, 0)
-    canvas = canvas[:, :int(np.prod(full))].reshape((n, g["m"]) + tuple(full))
-    return np.ascontiguousarray(canvas[(Ellipsis,) + tuple(slice(p, p + o) for p, o in
-                                                           zip(g["pb"], g["out"], strict=True))])
-
-
 @kernel("ConvTranspose", since=1)
 def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, w = inputs[0], inputs[1]
@@ -344,8 +298,8 @@ def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
     in_sp = x.shape[2:]
     lin = int(np.prod(in_sp))
     group, m, mg, cg, K, nd = g["group"], g["m"], g["mg"], g["cg"], g["K"], g["nd"]
-    if g["depthwise"] and x.dtype in depthwise.FAST_DTYPES:
-        y = _conv_transpose_depthwise(x, w, g)
+    y = depthwise.conv_transpose(x, w, g) if g["depthwise"] and x.dtype in depthwise.FAST_DTYPES else None
+    if y is not None:
         if b is not None:
             y += b.reshape((m,) + (1,) * nd)
         return (y,)
