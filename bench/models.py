@@ -68,6 +68,43 @@ class LeNet(nn.Module):
         return self.head(self.features(x))
 
 
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1×1 expansion, 3×3 depthwise (stride 1 or 2), 1×1 projection, each with
+    BatchNorm; ReLU6 after the first two; a residual when the shape is kept."""
+
+    def __init__(self, cin: int, cout: int, stride: int, expand: int = 6) -> None:
+        super().__init__()
+        mid = cin * expand
+        self.residual = stride == 1 and cin == cout
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid), nn.ReLU6(),
+            nn.Conv2d(mid, mid, 3, stride, 1, groups=mid, bias=False), nn.BatchNorm2d(mid), nn.ReLU6(),
+            nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body(x)
+        return x + y if self.residual else y
+
+
+class MobileNet(nn.Module):
+    """A small MobileNetV2 on 3×64×64: stem 3×3 stride 2 (16), five inverted residual blocks down to
+    4×4 (24, 24, 32, 32, 64 channels), 1×1 head (256), global average pool, 10 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        blocks = [InvertedResidual(16, 24, 2), InvertedResidual(24, 24, 1), InvertedResidual(24, 32, 2),
+                  InvertedResidual(32, 32, 1), InvertedResidual(32, 64, 2)]
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6(), *blocks,
+            nn.Conv2d(64, 256, 1, bias=False), nn.BatchNorm2d(256), nn.ReLU6(),
+        )
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
 class GPT(nn.Module):
     """GPT-style causal decoder: embeddings, ``layers`` pre-LN blocks (causal attention, tanh-GELU MLP),
     final LayerNorm, vocabulary head; logits flattened to ``[batch·seq, vocab]`` for the loss."""
@@ -124,6 +161,8 @@ class Case:
             return MLP()
         if self.key.startswith("cnn"):
             return LeNet()
+        if self.key.startswith("mobilenet"):
+            return MobileNet()
         if self.key.startswith("transformer"):
             return TransformerEncoder(
                 vocab=1000, seq=64, d=128, heads=4, ff=512, layers=2, dropout=0.0, classes=10
@@ -138,6 +177,9 @@ class Case:
         for i in range(n):
             if self.key.startswith("mlp") or self.key.startswith("cnn"):
                 x = rng.standard_normal((b, 1, 28, 28), np.float32)
+                y = rng.integers(0, 10, b)
+            elif self.key.startswith("mobilenet"):
+                x = rng.standard_normal((b, 3, 64, 64), np.float32)
                 y = rng.integers(0, 10, b)
             elif self.key.startswith("transformer"):
                 x = rng.integers(0, 1000, (b, 64))
@@ -162,6 +204,9 @@ CASES = [
     Case("gpt16", "GPT decoder 2×d128 seq64 vocab1000, batch 16", 16),
 ]
 QUICK_CASES = [CASES[0], CASES[3]]
+# beyond the issue's set, run when named with --models
+EXTRA_CASES = [Case("mobilenet16", "MobileNetV2-style CNN 3×64×64 (depthwise), batch 16", 16)]
+ALL_CASES = CASES + EXTRA_CASES
 
 
 def prepare(case: Case, folder: str) -> dict[str, str]:

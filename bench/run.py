@@ -4,7 +4,8 @@
     python bench/run.py ...
 
 Models (exported by torch 2.13, see bench/models.py): MLP 784-512-512-10 at batch 64 and 256, LeNet-5
-CNN (64), 2-layer transformer encoder d=128 seq=64 (32), 2-layer GPT-style causal decoder (16).
+CNN (64), 2-layer transformer encoder d=128 seq=64 (32), 2-layer GPT-style causal decoder (16); when named
+with ``--models``, also a small MobileNetV2 with depthwise convolutions (16).
 Peers, each in its own fresh process (bench/worker.py): onnxtrain's legacy ``TrainingSession`` (loss in
 the graph) and its on-device ``Module`` + ``Optimizer``, onnxruntime-training 1.19.2's on-device API (in
 the virtual environment at ``$ORTT_PYTHON``, default /tmp/ortt/bin/python) and torch eager; numpy peers
@@ -395,11 +396,12 @@ def cpu_name() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.models import CASES, QUICK_CASES
+    from bench.models import ALL_CASES, CASES, QUICK_CASES
 
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run (seconds); figures are not results")
-    p.add_argument("--models", default="", help=f"comma-separated subset of {[c.key for c in CASES]}")
+    p.add_argument("--models", default="", help=f"comma-separated subset of {[c.key for c in ALL_CASES]} "
+                   "(default: all but the extra mobilenet16)")
     p.add_argument("--peers", default="legacy,api,ort,torch", help="comma-separated subset of peers")
     p.add_argument("--repeats", type=int, default=0, help="timed rounds (≥ 5; default 7, quick 5)")
     p.add_argument("--warmup", type=int, default=0, help="untimed steps per peer first (default 5, quick 2)")
@@ -441,13 +443,13 @@ def main(argv: list[str] | None = None) -> int:
     a.warmup = a.warmup or (2 if a.quick else 5)
     a.min_time = a.min_time or (0.03 if a.quick else 0.5)
     cases = (
-        [c for c in CASES if c.key in a.models.split(",")]
+        [c for c in ALL_CASES if c.key in a.models.split(",")]
         if a.models
         else (QUICK_CASES[:1] if a.quick else CASES)
     )
-    unknown_models = [m for m in a.models.split(",") if m and m not in {c.key for c in CASES}]
+    unknown_models = [m for m in a.models.split(",") if m and m not in {c.key for c in ALL_CASES}]
     if not cases or unknown_models:
-        p.error(f"--models: unknown model(s) {unknown_models}; pick from {[c.key for c in CASES]}")
+        p.error(f"--models: unknown model(s) {unknown_models}; pick from {[c.key for c in ALL_CASES]}")
     blas_settings = [s.strip() for s in (a.blas or ("env" if a.quick else f"env,{NATIVE_BLAS}")).split(",")]
     inherited = os.environ.get("OPENBLAS_CORETYPE", "")
     pinned = any(k in os.environ for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"))

@@ -165,10 +165,10 @@ def torch_peer(folder: str):
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from bench.models import CASES
+    from bench.models import ALL_CASES
 
     key = os.path.basename(os.path.normpath(folder))
-    case = next(c for c in CASES if c.key == key)
+    case = next(c for c in ALL_CASES if c.key == key)
     module = case.build()
     module.load_state_dict(torch.load(os.path.join(folder, "model.pt")))
     module.train()

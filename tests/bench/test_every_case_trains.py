@@ -33,7 +33,7 @@ def _first_losses(peer: str, folder: str) -> list[float]:
     return replies[-1]["first_losses"]
 
 
-@pytest.mark.parametrize("case", models.CASES, ids=lambda c: c.key)
+@pytest.mark.parametrize("case", models.ALL_CASES, ids=lambda c: c.key)
 def test_bench_case_trains_in_every_onnxtrain_peer(case, tmp_path) -> None:
     folder = str(tmp_path / case.key)  # the torch peer finds its model by the folder's name
     models.prepare(case, folder)
