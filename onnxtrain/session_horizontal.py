@@ -47,7 +47,8 @@ from onnxtrain.graph_transforms.mixed_precision import (
     mixed_precision_info,
 )
 from onnxtrain.inference import NodeArg
-from onnxtrain.ir.graphs import RANDOM_OPS
+from onnxtrain.ir.builder import NameGen
+from onnxtrain.ir.graphs import RANDOM_OPS, untie_batch_norm_statistics
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import exchange_mode, get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
@@ -106,6 +107,10 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         replicas = self._replicas(p, h * stages, sizes)
         self._mode = exchange_mode(p, replicas, "data-parallel replica")
         model = upgrade_opset(load_model(path_or_bytes))
+        if model is path_or_bytes:  # the caller's proto: edited below
+            model, mine = onnx.ModelProto(), model
+            model.CopyFrom(mine)
+        untie_batch_norm_statistics(model, NameGen.for_model(model))  # as the one-process session
         world_comm = get_communicator()
         check_same_on_all_ranks(
             world_comm, model_fingerprint(model, p, _OPTIONS), "model and horizontal setup"

@@ -45,6 +45,8 @@ from onnxtrain.graph_transforms.mixed_precision import (
     mixed_precision,
     mixed_precision_info,
 )
+from onnxtrain.ir.builder import NameGen
+from onnxtrain.ir.graphs import untie_batch_norm_statistics
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import get_optimizer
 from onnxtrain.parallel import exchange_mode, get_communicator
@@ -89,6 +91,10 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         self._setup(_REFUSED)
         p = self._params
         model = upgrade_opset(load_model(path_or_bytes))
+        if model is path_or_bytes:  # the caller's proto: edited below
+            model, mine = onnx.ModelProto(), model
+            model.CopyFrom(mine)
+        untie_batch_norm_statistics(model, NameGen.for_model(model))  # as the one-process session
         if p.use_mixed_precision:  # the whole model first: its casts of the weights run where they are read
             model = mixed_precision(model, p.loss_output_name, p.mixed_precision_dtype)
             self._mp = mixed_precision_info(model)

@@ -28,7 +28,13 @@ from onnxtrain.graph_transforms.mixed_precision import (
 )
 from onnxtrain.graph_transforms.recompute import recompute
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, NodeWriter, model_opset
-from onnxtrain.ir.graphs import body_reads, is_training_batch_norm, node_reads, train_batch_norms
+from onnxtrain.ir.graphs import (
+    body_reads,
+    is_training_batch_norm,
+    node_reads,
+    train_batch_norms,
+    untie_batch_norm_statistics,
+)
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.user_warning import warn
@@ -296,6 +302,7 @@ def build_step_graphs(
         )
     names = NameGen.for_model(m)
     has_tm = _rewire_dropout(m)
+    untie_batch_norm_statistics(m, names)  # an exporter's merged ones: each layer keeps its own
     train_batch_norms(m.graph.node, names)  # as onnxruntime's training graphs: batch statistics
     bn = running_stats(m.graph.node, {t.name for t in m.graph.initializer}, names)
     state = _inits_to_inputs(m, trainable + sorted(bn))

@@ -41,6 +41,50 @@ def train_batch_norms(nodes: Iterable[onnx.NodeProto], names: Callable[[str], st
     return changed
 
 
+def untie_batch_norm_statistics(model: onnx.ModelProto, names: Callable[[str], str]) -> list[str]:
+    """Give each BatchNormalization of ``model``'s graph a running mean and variance of its own, in place.
+
+    Exporters merge initializers of equal value (torch's TorchScript exporter does so for a fresh model,
+    whose BatchNorm scales and running variances are all ones), reading the survivor through Identity nodes
+    named after the merged tensors: a layer's running variance is then another layer's scale, and training
+    would write the new statistics over it (onnxruntime does, in place) or keep no statistics at all. Each
+    such input becomes an initializer holding a copy of the value, named after the Identity's output (the
+    exported buffer's name) when nothing else reads that, else by ``names``. Returns the new initializers."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    producers = {o: n for n in g.node for o in n.output if o}
+    readers: dict[str, int] = {}
+    for n in g.node:
+        for name in node_reads(n):
+            readers[name] = readers.get(name, 0) + 1
+    outside = {v.name for v in (*g.input, *g.output)}
+    made: list[str] = []
+    dropped: list[onnx.NodeProto] = []
+    for n in g.node:
+        if n.op_type != "BatchNormalization" or n.domain not in ("", "ai.onnx"):
+            continue
+        for k in (3, 4):
+            name = n.input[k] if len(n.input) > k else ""
+            source, chain = name, []
+            while source in producers and producers[source].op_type == "Identity":
+                chain.append(producers[source])
+                source = chain[-1].input[0]
+            if source not in inits or source in outside or (not chain and readers.get(source) == 1):
+                continue
+            only_here = readers.get(name) == 1 and name not in outside
+            new = name if chain and only_here else names(f"{name}_{('mean', 'var')[k - 3]}")
+            if new == name:
+                dropped.append(chain[0])
+            t = g.initializer.add()
+            t.CopyFrom(inits[source])
+            t.name = new
+            n.input[k] = new
+            made.append(new)
+    for d in dropped:
+        g.node.remove(d)
+    return made
+
+
 def subgraphs(node: onnx.NodeProto) -> Iterable[onnx.GraphProto]:
     """The graphs held by a node's attributes (If's branches, Loop's and Scan's bodies)."""
     for a in node.attribute:

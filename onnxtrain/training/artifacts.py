@@ -88,7 +88,7 @@ from onnxtrain.autodiff.exporter_checks import export_hint, program_hint
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute as recompute_pass
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset
-from onnxtrain.ir.graphs import node_reads, path_to, train_batch_norms
+from onnxtrain.ir.graphs import node_reads, path_to, train_batch_norms, untie_batch_norm_statistics
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.training import onnxblock
 from onnxtrain.training.api._accumulation import ACCUMULATED_SUFFIX as ACC_OUT_SUFFIX
@@ -366,6 +366,7 @@ def build_training_models(
     ``mixed_precision`` ("float16"/"bfloat16") and ``recompute`` (validated options) transform the
     training model only (see the module docstring)."""
     m = upgrade_opset(base)
+    untie_batch_norm_statistics(m, NameGen.for_model(m))  # an exporter's merged ones: each layer its own
     g = m.graph
     inits = {t.name: t for t in g.initializer}
     for what, names in (("requires_grad", trainable), ("frozen_params", frozen)):
