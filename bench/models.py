@@ -100,6 +100,15 @@ class MobileNet(nn.Module):
             nn.Conv2d(64, 256, 1, bias=False), nn.BatchNorm2d(256), nn.ReLU6(),
         )
         self.head = nn.Linear(256, 10)
+        # BatchNorm tensors away from their defaults: the exporter would merge equal ones (all scales of a
+        # width, and every fresh running variance, are ones), tying layers that torch trains apart
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.weight.uniform_(0.8, 1.2)
+                    m.bias.uniform_(-0.1, 0.1)
+                    m.running_mean.uniform_(-0.1, 0.1)
+                    m.running_var.uniform_(0.8, 1.2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x).mean(dim=(2, 3)))
