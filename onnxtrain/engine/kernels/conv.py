@@ -1,5 +1,7 @@
 """Convolution kernels: Conv (im2col on a strided view + one batched BLAS matmul), ConvTranspose
-(matmul + col2im by strided adds, one per kernel offset) and Col2Im (the same strided adds).
+(matmul + col2im by strided adds, one per kernel offset) and Col2Im (the same strided adds). Grouped
+convolutions that are depthwise or have few outputs, and ConvTransposes with one output channel per group,
+go to engine/kernels/depthwise.py.
 
 The geometry of a node (pads, output size, window strides, slices) depends only on the input shapes,
 so it is computed once per shape and kept in ``attrs.cache``. The helpers ``spatial_attrs`` and
@@ -112,26 +114,18 @@ def _flat_cols(x: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     elements of a flattened padded plane, so every copied run is contiguous. Columns past a row's
     valid width are junk the caller crops; a tail of one row keeps the last run inside the buffer."""
     n, c = x.shape[:2]
-    plane = g["plane"]
-    buf = _flat_padded(x, g)
+    plane, row, sizes = g["plane"], g["row"], g["sizes"]
+    buf = np.zeros(n * c * plane + row, dtype=x.dtype)
+    xp = buf[: n * c * plane].reshape((n, c) + tuple(sizes))
+    keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], sizes, g["pb"], strict=True)]
+    xp[(Ellipsis,) + tuple(slice(b, b + v) for b, v in zip(g["pb"], keep, strict=True))] = \
+        x[(Ellipsis,) + tuple(slice(0, v) for v in keep)]
     it = buf.itemsize
     view = _view(buf, (n, c) + tuple(g["k"]) + (g["Q"],),
                  (c * plane * it, plane * it) + tuple(v * it for v in g["flat_strides"]) + (it,))
     cols = np.empty(view.shape, dtype=x.dtype)
     np.copyto(cols, view)
     return cols
-
-
-def _flat_padded(x: np.ndarray, g: dict[str, Any]) -> np.ndarray:
-    """X zero-padded to the geometry's ``sizes``, flat, with one row of zeros past the last plane."""
-    n, c = x.shape[:2]
-    plane, sizes = g["plane"], g["sizes"]
-    buf = np.zeros(n * c * plane + g["row"], dtype=x.dtype)
-    xp = buf[: n * c * plane].reshape((n, c) + tuple(sizes))
-    keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], sizes, g["pb"], strict=True)]
-    xp[(Ellipsis,) + tuple(slice(b, b + v) for b, v in zip(g["pb"], keep, strict=True))] = \
-        x[(Ellipsis,) + tuple(slice(0, v) for v in keep)]
-    return buf
 
 
 def _windows(xp: np.ndarray, g: dict[str, Any]) -> np.ndarray:
@@ -152,19 +146,10 @@ def _view(base: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...]) ->
     return as_strided(base, shape, strides, writeable=False)
 
 
-@kernel("Conv", since=1)
-def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
-    x, w = inputs[0], inputs[1]
-    b = inputs[2] if len(inputs) > 2 else None
-    g = attrs.cached((x.shape, w.shape), lambda: _conv_geometry(attrs, x.shape, w.shape))
+def _im2col_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """Conv without bias as im2col (on a strided view) and one batched matmul."""
     n, c = x.shape[:2]
     m, cg, group, K, L = g["m"], g["cg"], g["group"], g["K"], g["L"]
-    if group > 1 and x.dtype in depthwise.FAST_DTYPES:
-        y = depthwise.conv(x, w, g)
-        if y is not None:
-            if b is not None:
-                y += b.reshape((m,) + (1,) * g["nd"])
-            return (y,)
     if g["identity"]:  # 1x1 kernel, stride 1, no pad: X itself is the column matrix
         cols = x.reshape(n, c, L)
         cols = cols if group == 1 else cols.reshape(n, group, cg, L)
@@ -184,11 +169,20 @@ def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
     if g["flat"] and not g["identity"]:
         # drop the columns that wrapped past the right edge of each padded row
         y = y.reshape((n, m, g["out"][0]) + tuple(g["sizes"][1:]))
-        y = np.ascontiguousarray(y[(Ellipsis,) + tuple(slice(0, o) for o in g["out"][1:])])
-    else:
-        y = y.reshape((n, m) + tuple(g["out"]))
+        return np.ascontiguousarray(y[(Ellipsis,) + tuple(slice(0, o) for o in g["out"][1:])])
+    return y.reshape((n, m) + tuple(g["out"]))
+
+
+@kernel("Conv", since=1)
+def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x, w = inputs[0], inputs[1]
+    b = inputs[2] if len(inputs) > 2 else None
+    g = attrs.cached((x.shape, w.shape), lambda: _conv_geometry(attrs, x.shape, w.shape))
+    y = depthwise.conv(x, w, g) if g["group"] > 1 and x.dtype in depthwise.FAST_DTYPES else None
+    if y is None:
+        y = _im2col_conv(x, w, g)
     if b is not None:
-        y += b.reshape((m,) + (1,) * g["nd"])
+        y += b.reshape((g["m"],) + (1,) * g["nd"])
     return (y,)
 
 
@@ -289,25 +283,12 @@ def _conv_transpose_flat(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.
     return np.ascontiguousarray(y.transpose(1, 0, 2, 3))
 
 
-@kernel("ConvTranspose", since=1)
-def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
-    x, w = inputs[0], inputs[1]
-    b = inputs[2] if len(inputs) > 2 else None
-    g = attrs.cached((x.shape, w.shape), lambda: _convt_geometry(attrs, x.shape, w.shape))
+def _col2im_conv_transpose(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """ConvTranspose without bias as one batched matmul and col2im by strided adds, one per kernel offset."""
     n, c = x.shape[:2]
     in_sp = x.shape[2:]
     lin = int(np.prod(in_sp))
-    group, m, mg, cg, K, nd = g["group"], g["m"], g["mg"], g["cg"], g["K"], g["nd"]
-    y = depthwise.conv_transpose(x, w, g) if g["depthwise"] and x.dtype in depthwise.FAST_DTYPES else None
-    if y is not None:
-        if b is not None:
-            y += b.reshape((m,) + (1,) * nd)
-        return (y,)
-    if g["flat"]:
-        y = _conv_transpose_flat(x, w, g)
-        if b is not None:
-            y += b.reshape((m,) + (1,) * nd)
-        return (y,)
+    group, m, mg, cg, K = g["group"], g["m"], g["mg"], g["cg"], g["K"]
     # cols[n, m, k, l] = sum_c W[c, m, k] X[n, c, l]  (per group)
     if group == 1:
         cols = np.matmul(w.reshape(c, m * K).T, x.reshape(n, c, lin))
@@ -318,8 +299,19 @@ def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
     y = np.zeros((n, m) + tuple(g["out"]), dtype=x.dtype)
     for j, src, dst in g["steps"]:
         y[(slice(None), slice(None)) + dst] += cols[(slice(None), slice(None), j) + src]
+    return y
+
+
+@kernel("ConvTranspose", since=1)
+def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
+    x, w = inputs[0], inputs[1]
+    b = inputs[2] if len(inputs) > 2 else None
+    g = attrs.cached((x.shape, w.shape), lambda: _convt_geometry(attrs, x.shape, w.shape))
+    y = depthwise.conv_transpose(x, w, g) if g["depthwise"] and x.dtype in depthwise.FAST_DTYPES else None
+    if y is None:
+        y = _conv_transpose_flat(x, w, g) if g["flat"] else _col2im_conv_transpose(x, w, g)
     if b is not None:
-        y += b.reshape((m,) + (1,) * nd)
+        y += b.reshape((g["m"],) + (1,) * g["nd"])
     return (y,)
 
 
