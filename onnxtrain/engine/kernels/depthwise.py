@@ -23,7 +23,7 @@ same order whatever the split.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,8 @@ def _steps(sizes: Sequence[int]) -> list[int]:
     return [int(np.prod(sizes[i + 1:])) for i in range(len(sizes))]
 
 
-def _grid(sizes: Sequence[int]) -> Any:
+def _grid(sizes: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    """Every index of an array of ``sizes``, in C order."""
     return itertools.product(*(range(v) for v in sizes))
 
 
