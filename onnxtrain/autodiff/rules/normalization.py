@@ -8,6 +8,8 @@ other axes. float16/bfloat16 graphs compute it in float32 (as the kernels and st
 
 from __future__ import annotations
 
+import math
+
 from onnx import TensorProto
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
@@ -196,34 +198,67 @@ def batch_norm_grad(g: GradCtx) -> None:
     dy = _cast(g, g.dy(0), wt, xt)
     eps = g.attr("epsilon")
     if g.attr("training_mode"):
-        xhat, rstd = _standardize(g, _cast(g, g.x(0), wt, xt), axes, eps, wt)
-        if g.needs_dx(0):
-            gs = g.emit("Mul", dy, _per_channel(g, _cast(g, g.x(1), wt, xt), r))
-            g.set_dx(0, _cast(g, _dx(g, gs, xhat, rstd, axes), xt, wt))
-    else:
-        var = _cast(g, g.x(4), wt, g.elem_type(g.x(4)))
-        rstd_c = g.emit("Reciprocal", g.emit("Sqrt", g.emit("Add", var, g.const(eps, wt))))  # (C,)
-        rstd = _per_channel(g, rstd_c, r)
-        a = None
-        if g.needs_dx(0) or g.needs_dx(3) or g.needs_dx(4):
-            a = g.emit("Mul", _cast(g, g.x(1), wt, g.elem_type(g.x(1))), rstd_c)  # scale·rstd, (C,)
-        if g.needs_dx(0):
-            g.set_dx(0, _cast(g, g.emit("Mul", dy, _per_channel(g, a, r)), xt, wt))
-        xhat = None
-        if g.needs_dx(1) or g.needs_dx(4):
-            mean = _per_channel(g, _cast(g, g.x(3), wt, g.elem_type(g.x(3))), r)
-            xhat = g.emit("Mul", g.emit("Sub", _cast(g, g.x(0), wt, xt), mean), rstd)
-        if g.needs_dx(3):
-            dmean = g.emit("Neg", g.emit("Mul", a, g.reduce("ReduceSum", dy, axes, keepdims=0)))
-            g.set_dx(3, _cast(g, dmean, g.elem_type(g.x(3)) or g.dtype, wt))
-        if g.needs_dx(4):
-            sums = g.reduce("ReduceSum", g.emit("Mul", dy, xhat), axes, keepdims=0)
-            dvar = g.emit("Mul", g.emit("Mul", a, rstd_c), g.emit("Mul", sums, g.const(-0.5, wt)))
-            g.set_dx(4, _cast(g, dvar, g.elem_type(g.x(4)) or g.dtype, wt))
+        _batch_norm_train_grad(g, dy, axes, r, eps, xt, wt)
+        return
+    var = _cast(g, g.x(4), wt, g.elem_type(g.x(4)))
+    rstd_c = g.emit("Reciprocal", g.emit("Sqrt", g.emit("Add", var, g.const(eps, wt))))  # (C,)
+    rstd = _per_channel(g, rstd_c, r)
+    a = None
+    if g.needs_dx(0) or g.needs_dx(3) or g.needs_dx(4):
+        a = g.emit("Mul", _cast(g, g.x(1), wt, g.elem_type(g.x(1))), rstd_c)  # scale·rstd, (C,)
+    if g.needs_dx(0):
+        g.set_dx(0, _cast(g, g.emit("Mul", dy, _per_channel(g, a, r)), xt, wt))
+    xhat = None
+    if g.needs_dx(1) or g.needs_dx(4):
+        mean = _per_channel(g, _cast(g, g.x(3), wt, g.elem_type(g.x(3))), r)
+        xhat = g.emit("Mul", g.emit("Sub", _cast(g, g.x(0), wt, xt), mean), rstd)
+    if g.needs_dx(3):
+        dmean = g.emit("Neg", g.emit("Mul", a, g.reduce("ReduceSum", dy, axes, keepdims=0)))
+        g.set_dx(3, _cast(g, dmean, g.elem_type(g.x(3)) or g.dtype, wt))
+    if g.needs_dx(4):
+        sums = g.reduce("ReduceSum", g.emit("Mul", dy, xhat), axes, keepdims=0)
+        dvar = g.emit("Mul", g.emit("Mul", a, rstd_c), g.emit("Mul", sums, g.const(-0.5, wt)))
+        g.set_dx(4, _cast(g, dvar, g.elem_type(g.x(4)) or g.dtype, wt))
     if g.needs_dx(1):
         g.set_dx(1, _sum_to(g, g.emit("Mul", dy, xhat), axes, 1, wt))
     if g.needs_dx(2):
         g.set_dx(2, _sum_to(g, dy, axes, 2, wt))
+
+
+def _batch_norm_train_grad(g: GradCtx, dy: str, axes: list[int], rank: int, eps: float, xt: int,
+                           wt: int) -> None:
+    """Gradients of a training-mode BatchNormalization from its batch statistics, recomputed: with
+    d = X − mean, r = 1/sqrt(var + eps) and n values per channel, dScale = r·Σ dY·d, dB = Σ dY and
+    dX = scale·r·(dY − Σ dY / n − d·r²·Σ dY·d / n), the normalized input never formed: two reductions
+    shared by the three gradients, and four passes over dY and d for dX (was six reductions, ten passes)."""
+    x = _cast(g, g.x(0), wt, xt)
+    d = g.emit("Sub", x, _reduce_mean(g, x, axes))
+    r = g.emit("Reciprocal", g.emit("Sqrt", g.emit("Add", _reduce_mean(g, g.emit("Mul", d, d), axes),
+                                                    g.const(eps, wt))))
+    need_x, need_scale, need_bias = g.needs_dx(0), g.needs_dx(1), g.needs_dx(2)
+    sum_dy = g.reduce("ReduceSum", dy, axes, keepdims=1) if need_x or need_bias else ""
+    sum_dyd = g.reduce("ReduceSum", g.emit("Mul", dy, d), axes, keepdims=1) if need_x or need_scale else ""
+    if need_x:
+        n = _count(g, axes, wt)
+        k = g.emit("Mul", _per_channel(g, _cast(g, g.x(1), wt, xt), rank), r)
+        c2 = g.emit("Div", g.emit("Mul", g.emit("Mul", r, r), sum_dyd), n)
+        inner = g.emit("Sub", g.emit("Sub", dy, g.emit("Div", sum_dy, n)), g.emit("Mul", d, c2))
+        g.set_dx(0, _cast(g, g.emit("Mul", inner, k), xt, wt))
+    flat = g.ints([-1])
+    if need_scale:
+        dscale = g.emit("Reshape", g.emit("Mul", sum_dyd, r), flat)
+        g.set_dx(1, _cast(g, dscale, g.elem_type(g.node.input[1]) or g.dtype, wt))
+    if need_bias:
+        g.set_dx(2, _cast(g, g.emit("Reshape", sum_dy, flat), g.elem_type(g.node.input[2]) or g.dtype, wt))
+
+
+def _count(g: GradCtx, axes: list[int], wt: int) -> str:
+    """How many values of input 0 ``axes`` hold per channel, as a float of type ``wt``."""
+    shape = g.static_shape(0)
+    if shape is not None and all(shape[a] is not None for a in axes):
+        return g.const(float(math.prod(shape[a] for a in axes)), wt)  # type: ignore[misc]
+    sizes = g.emit("Gather", g.emit("Shape", g.x(0)), g.ints(axes))
+    return g.emit("Cast", g.reduce("ReduceProd", sizes, None, keepdims=1), to=wt)
 
 
 @gradient("InstanceNormalization", uses=("x0", "x1"))
