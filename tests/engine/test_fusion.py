@@ -379,6 +379,37 @@ def test_conv_weight_grad_matches_the_conv_form(strides, dilations, pads, chunke
     assert len(calls) == (channels >= gemm.PATCHES_MIN_CHANNELS)
 
 
+@pytest.mark.parametrize("size, pointwise", [(12, True), (8, False)], ids=["144-positions", "64-positions"])
+@pytest.mark.parametrize("strides", [[1, 1], [2, 2]])
+def test_pointwise_conv_weight_grad_matches_float64(size: int, pointwise: bool, strides, monkeypatch) -> None:
+    """A 1×1 Conv's weight gradient over many output positions is one GEMM per sample on the tensors as they
+    are (stride 1 only); against the float64 sum and the unfused steps."""
+    from onnxtrain.engine.fusion import gemm
+
+    calls: list[int] = []
+    real = gemm._pointwise_weight_grad
+    monkeypatch.setattr(gemm, "_pointwise_weight_grad", lambda *a: calls.append(1) or real(*a))
+    n = [
+        helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2, 3]),
+        helper.make_node("Transpose", ["dy"], ["dyt"], perm=[1, 0, 2, 3]),
+        helper.make_node("Conv", ["xt", "dyt"], ["c"], dilations=strides),
+        helper.make_node("Transpose", ["c"], ["dw"], perm=[1, 0, 2, 3]),
+    ]
+    m = model(n, ["x", "dy"], ["dw"])
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert ops(fused) == ["FusedConvWeightGrad"]
+    rng = np.random.default_rng(5)
+    side = (size - 1) * strides[0] + 1  # a 1×1 kernel exactly
+    x = rng.standard_normal((3, 7, side, side)).astype(np.float32)
+    dy = rng.standard_normal((3, 5, size, size)).astype(np.float32)
+    got = fused.run({"x": x, "dy": dy})[0]
+    xs = x[:, :, ::strides[0], ::strides[1]].astype(np.float64)
+    want = np.einsum("nohw,nchw->oc", dy.astype(np.float64), xs)[:, :, None, None]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(got, plain.run({"x": x, "dy": dy})[0], rtol=1e-5, atol=1e-5)
+    assert len(calls) == (pointwise and strides == [1, 1])
+
+
 # ---- whole training steps --------------------------------------------------------------------------------
 @pytest.mark.parametrize("opt", ["SGDOptimizer", "AdamOptimizer", "LambOptimizer"])
 def test_training_session_is_bit_identical_with_and_without_fusion(opt: str, monkeypatch) -> None:
