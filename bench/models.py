@@ -68,6 +68,18 @@ class LeNet(nn.Module):
         return self.head(self.features(x))
 
 
+def _spread_batch_norms(module: nn.Module) -> None:
+    """BatchNorm tensors drawn away from their defaults: the exporter would merge equal ones (all scales of a
+    width, and every fresh running variance, are ones), tying layers that torch trains apart."""
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(0.8, 1.2)
+                m.bias.uniform_(-0.1, 0.1)
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.8, 1.2)
+
+
 class InvertedResidual(nn.Module):
     """MobileNetV2's block: 1×1 expansion, 3×3 depthwise (stride 1 or 2), 1×1 projection, each with
     BatchNorm; ReLU6 after the first two; a residual when the shape is kept."""
@@ -100,15 +112,42 @@ class MobileNet(nn.Module):
             nn.Conv2d(64, 256, 1, bias=False), nn.BatchNorm2d(256), nn.ReLU6(),
         )
         self.head = nn.Linear(256, 10)
-        # BatchNorm tensors away from their defaults: the exporter would merge equal ones (all scales of a
-        # width, and every fresh running variance, are ones), tying layers that torch trains apart
-        with torch.no_grad():
-            for m in self.modules():
-                if isinstance(m, nn.BatchNorm2d):
-                    m.weight.uniform_(0.8, 1.2)
-                    m.bias.uniform_(-0.1, 0.1)
-                    m.running_mean.uniform_(-0.1, 0.1)
-                    m.running_var.uniform_(0.8, 1.2)
+        _spread_batch_norms(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+class BasicBlock(nn.Module):
+    """ResNet's block: two 3×3 convolutions with BatchNorm and ReLU, a 1×1 projection when the shape
+    changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout),
+        )
+        self.skip = nn.Sequential() if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.skip(x))
+
+
+class ResNet(nn.Module):
+    """A CIFAR-style ResNet on 3×32×32: 3×3 stem (16), three stages of two blocks (16, 32, 64 channels at
+    32², 16², 8²), global average pool, 10 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+            BasicBlock(16, 16, 1), BasicBlock(16, 16, 1), BasicBlock(16, 32, 2), BasicBlock(32, 32, 1),
+            BasicBlock(32, 64, 2), BasicBlock(64, 64, 1),
+        )
+        self.head = nn.Linear(64, 10)
+        _spread_batch_norms(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x).mean(dim=(2, 3)))
@@ -172,6 +211,8 @@ class Case:
             return LeNet()
         if self.key.startswith("mobilenet"):
             return MobileNet()
+        if self.key.startswith("resnet"):
+            return ResNet()
         if self.key.startswith("transformer"):
             return TransformerEncoder(
                 vocab=1000, seq=64, d=128, heads=4, ff=512, layers=2, dropout=0.0, classes=10
@@ -189,6 +230,9 @@ class Case:
                 y = rng.integers(0, 10, b)
             elif self.key.startswith("mobilenet"):
                 x = rng.standard_normal((b, 3, 64, 64), np.float32)
+                y = rng.integers(0, 10, b)
+            elif self.key.startswith("resnet"):
+                x = rng.standard_normal((b, 3, 32, 32), np.float32)
                 y = rng.integers(0, 10, b)
             elif self.key.startswith("transformer"):
                 x = rng.integers(0, 1000, (b, 64))
@@ -214,7 +258,8 @@ CASES = [
 ]
 QUICK_CASES = [CASES[0], CASES[3]]
 # beyond the issue's set, run when named with --models
-EXTRA_CASES = [Case("mobilenet16", "MobileNetV2-style CNN 3×64×64 (depthwise), batch 16", 16)]
+EXTRA_CASES = [Case("mobilenet16", "MobileNetV2-style CNN 3×64×64 (depthwise), batch 16", 16),
+               Case("resnet32", "CIFAR ResNet 3×32×32 (6 basic blocks), batch 32", 32)]
 ALL_CASES = CASES + EXTRA_CASES
 
 

@@ -5,7 +5,7 @@
 
 Models (exported by torch 2.13, see bench/models.py): MLP 784-512-512-10 at batch 64 and 256, LeNet-5
 CNN (64), 2-layer transformer encoder d=128 seq=64 (32), 2-layer GPT-style causal decoder (16); when named
-with ``--models``, also a small MobileNetV2 with depthwise convolutions (16).
+with ``--models``, also a small MobileNetV2 with depthwise convolutions (16) and a CIFAR ResNet (32).
 Peers, each in its own fresh process (bench/worker.py): onnxtrain's legacy ``TrainingSession`` (loss in
 the graph) and its on-device ``Module`` + ``Optimizer``, onnxruntime-training 1.19.2's on-device API (in
 the virtual environment at ``$ORTT_PYTHON``, default /tmp/ortt/bin/python) and torch eager; numpy peers
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run (seconds); figures are not results")
     p.add_argument("--models", default="", help=f"comma-separated subset of {[c.key for c in ALL_CASES]} "
-                   "(default: all but the extra mobilenet16)")
+                   "(default: all but the extras mobilenet16 and resnet32)")
     p.add_argument("--peers", default="legacy,api,ort,torch", help="comma-separated subset of peers")
     p.add_argument("--repeats", type=int, default=0, help="timed rounds (≥ 5; default 7, quick 5)")
     p.add_argument("--warmup", type=int, default=0, help="untimed steps per peer first (default 5, quick 2)")

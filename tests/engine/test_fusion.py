@@ -341,23 +341,29 @@ def test_matmul_weight_grad_is_one_gemm() -> None:
 # ---- weight gradient of a Conv ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "strides,dilations,pads",
-    [([1, 1], [1, 1], [0, 0, 0, 0]), ([1, 1], [1, 1], [2, 2, 2, 2]), ([2, 1], [1, 2], [1, 0, 2, 1])],
+    [([1, 1], [1, 1], [0, 0, 0, 0]), ([1, 1], [1, 1], [2, 2, 2, 2]), ([2, 1], [1, 2], [1, 0, 2, 1]),
+     ([1, 1], [2, 1], [1, 0, 2, 1])],
 )
 @pytest.mark.parametrize("chunked", [False, True], ids=["one-gemm", "per-sample-gemms"])
-@pytest.mark.parametrize("channels", [2, 8], ids=["im2col", "patches"])
-def test_conv_weight_grad_matches_the_conv_form(strides, dilations, pads, chunked, channels,
-                                                monkeypatch) -> None:
+@pytest.mark.parametrize("path", ["im2col", "patches", "shifted"])
+def test_conv_weight_grad_matches_the_conv_form(strides, dilations, pads, chunked, path, monkeypatch) -> None:
     """dW of Conv(X, W; strides s, dilations d, pads p) as the autodiff writes it: a Conv of the transposed
     input with the transposed output gradient, strides and dilations swapped. Two input channels take the
-    im2col GEMMs, eight the channels-last patches."""
+    im2col GEMMs, eight the shifted GEMMs at stride 1 and else (or when those are off) the channels-last
+    patches."""
     from onnxtrain.engine.fusion import gemm
 
+    channels = 2 if path == "im2col" else 8
     if chunked:
         monkeypatch.setattr(gemm, "COLS_BYTES", 1)  # one sample per GEMM, the partial products summed
         monkeypatch.setattr(gemm, "PATCH_POSITIONS", 1)
+    if path != "shifted":
+        monkeypatch.setattr(gemm, "SHIFTED_MAX_GEMMS", 0)
     calls: list[int] = []
-    real = gemm._weight_grad_patches
+    shifted: list[int] = []
+    real, real_shifted = gemm._weight_grad_patches, gemm._weight_grad_shifted
     monkeypatch.setattr(gemm, "_weight_grad_patches", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(gemm, "_weight_grad_shifted", lambda *a: shifted.append(1) or real_shifted(*a))
     n = [
         helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2, 3]),
         helper.make_node("Transpose", ["dy"], ["dyt"], perm=[1, 0, 2, 3]),
@@ -376,7 +382,9 @@ def test_conv_weight_grad_matches_the_conv_form(strides, dilations, pads, chunke
     got, want = fused.run({"x": x, "dy": dy})[0], plain.run({"x": x, "dy": dy})[0]
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert len(calls) == (channels >= gemm.PATCHES_MIN_CHANNELS)
+    took_shifted = path == "shifted" and strides == [1, 1]
+    assert len(shifted) == took_shifted
+    assert len(calls) == (channels >= gemm.PATCHES_MIN_CHANNELS and not took_shifted)
 
 
 @pytest.mark.parametrize("size, pointwise", [(12, True), (8, False)], ids=["144-positions", "64-positions"])
