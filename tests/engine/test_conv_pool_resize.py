@@ -266,3 +266,37 @@ def test_maxpool_indices_with_ties_match_torch(k: int) -> None:
     ry, ri = torch.nn.functional.max_pool2d(torch.tensor(x), k, 3, return_indices=True)
     np.testing.assert_array_equal(y, ry.numpy())
     np.testing.assert_array_equal(idx, ri.numpy() + (np.arange(6) * 1600).reshape(2, 3, 1, 1))
+
+
+@pytest.mark.parametrize("xs, ws, attrs", [
+    ((2, 8, 9, 10), (12, 8, 3, 3), {"pads": [1, 2, 0, 1]}),
+    ((2, 8, 9, 10), (5, 8, 3, 2), {"pads": [2, 1, 2, 1], "dilations": [2, 1]}),
+    ((1, 8, 5, 6, 7), (4, 8, 3, 2, 3), {"pads": [1, 0, 1, 1, 1, 0]}),
+    ((3, 16, 7, 7), (16, 16, 3, 3), {"auto_pad": "SAME_UPPER"}),
+])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_shifted_conv_matches_torch(xs, ws, attrs, dtype, monkeypatch) -> None:
+    """A stride-1 Conv with 8 or more input channels and few channel pairs runs one GEMM per kernel offset
+    on shifted views (engine/kernels/conv.py); against torch, with pads, dilations, 3-D and SAME."""
+    torch = pytest.importorskip("torch")
+    from onnxtrain.engine.kernels import conv as conv_kernels
+
+    calls: list[int] = []
+    real = conv_kernels._shifted_conv
+    monkeypatch.setattr(conv_kernels, "_shifted_conv", lambda *a: calls.append(1) or real(*a))
+    rng = np.random.default_rng(7)
+    x, w, b = (rng.standard_normal(s).astype(dtype) for s in (xs, ws, (ws[0],)))
+    (y,) = _ours("Conv", [x, w, b], **attrs)
+    nd = len(xs) - 2
+    dil = attrs.get("dilations", [1] * nd)
+    if "pads" in attrs:
+        p = attrs["pads"]
+        widths = [v for i in reversed(range(nd)) for v in (p[i], p[nd + i])]
+        xt = torch.nn.functional.pad(torch.tensor(x), widths)
+        ref = (torch.nn.functional.conv2d, torch.nn.functional.conv3d)[nd - 2](
+            xt, torch.tensor(w), torch.tensor(b), dilation=dil)
+    else:
+        ref = torch.nn.functional.conv2d(torch.tensor(x), torch.tensor(w), torch.tensor(b), padding="same")
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(y, ref.numpy(), rtol=tol, atol=tol * float(np.abs(ref.numpy()).max()))
+    assert calls == [1]

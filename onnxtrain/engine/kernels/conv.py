@@ -146,6 +146,43 @@ def _view(base: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...]) ->
     return as_strided(base, shape, strides, writeable=False)
 
 
+# A stride-1 Conv with few channels: per kernel offset one GEMM of that offset's weights with the padded
+# input shifted by it, the input laid channels first with every plane's rows end to end so that the shift is
+# a view (no im2col copy K times the input). From SHIFTED_MIN_CHANNELS input channels while input × output
+# channels stay within SHIFTED_MAX_CHANNEL_PAIRS. Measured on 2 cores against im2col (ms, batch 32, 3×3): 16
+# channels at 32² 4.35 → 2.87, 32 at 16² 3.05 → 2.43, 64 at 8² 3.01 → 2.11; slower with 3 or 6 input
+# channels (0.63 → 1.53, LeNet's conv2 0.50 → 1.16) and at 128 channels (138 → 150 at 28², batch 64)
+SHIFTED_MIN_CHANNELS = 8
+SHIFTED_MAX_CHANNEL_PAIRS = 4096
+
+
+def _shifted_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """Stride-1, group-1 Conv without bias as one GEMM per kernel offset on shifted views, summed."""
+    n, c = x.shape[:2]
+    m, plane, sizes = g["m"], g["plane"], g["sizes"]
+    span = n * plane
+    offsets = g.get("offsets")
+    if offsets is None:
+        offsets = g["offsets"] = [sum(i * s for i, s in zip(kk, g["flat_strides"], strict=True))
+                                  for kk in itertools.product(*(range(v) for v in g["k"]))]
+    buf = np.zeros((c, span + offsets[-1]), dtype=x.dtype)  # slack: the last shift runs past the last plane
+    xp = buf[:, :span].reshape((c, n) + tuple(sizes))
+    keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], sizes, g["pb"], strict=True)]
+    xp[(Ellipsis,) + tuple(slice(b, b + v) for b, v in zip(g["pb"], keep, strict=True))] = \
+        x[(Ellipsis,) + tuple(slice(0, v) for v in keep)].swapaxes(0, 1)
+    wk = w.reshape(m, c, -1)
+    y = np.empty((m, span), dtype=x.dtype)
+    part = np.empty_like(y)
+    for j, off in enumerate(offsets):
+        if j == 0:
+            np.matmul(wk[:, :, 0], buf[:, off:off + span], out=y)
+        else:
+            np.matmul(wk[:, :, j], buf[:, off:off + span], out=part)
+            y += part
+    y = y.reshape((m, n) + tuple(sizes))[(slice(None), slice(None)) + tuple(slice(0, o) for o in g["out"])]
+    return np.ascontiguousarray(y.swapaxes(0, 1))
+
+
 def _im2col_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     """Conv without bias as im2col (on a strided view) and one batched matmul."""
     n, c = x.shape[:2]
@@ -180,7 +217,10 @@ def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
     g = attrs.cached((x.shape, w.shape), lambda: _conv_geometry(attrs, x.shape, w.shape))
     y = depthwise.conv(x, w, g) if g["group"] > 1 and x.dtype in depthwise.FAST_DTYPES else None
     if y is None:
-        y = _im2col_conv(x, w, g)
+        c, m = x.shape[1], g["m"]
+        shifted = (g["flat"] and not g["identity"] and g["group"] == 1 and x.dtype in depthwise.FAST_DTYPES
+                   and c >= SHIFTED_MIN_CHANNELS and c * m <= SHIFTED_MAX_CHANNEL_PAIRS)
+        y = _shifted_conv(x, w, g) if shifted else _im2col_conv(x, w, g)
     if b is not None:
         y += b.reshape((g["m"],) + (1,) * g["nd"])
     return (y,)
