@@ -11,6 +11,7 @@ import math
 import numpy as np
 from onnx import helper
 
+from onnxtrain.engine.kernels.reduce import channel_sum
 from onnxtrain.engine.parallel import for_rows
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
@@ -253,21 +254,16 @@ def _batch_norm_infer(x, scale, bias, mean, var, eps) -> np.ndarray:
     return _back(y, x.dtype)
 
 
-_BLAS_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-BLAS_ROWS_MIN = 1 << 14  # elements: below, einsum's row sums are as fast
-
-
 def _per_channel_sum(x3: np.ndarray, y3: np.ndarray | None = None) -> np.ndarray:
     """Sum over axes 0 and 2 of ``x3`` (N, C, L) (of ``x3 * y3`` when given), by rows (see row_sum)."""
     n, c, length = x3.shape
     if length == 1:
         return np.add.reduce(x3[:, :, 0] if y3 is None else x3[:, :, 0] * y3[:, :, 0], axis=0)
+    fast = channel_sum(x3, y3)  # by BLAS (16 × 96 × 32² BatchNorm: 1,317 → 1,119 µs)
+    if fast is not None:
+        return fast
     x2 = x3.reshape(n * c, length)
-    if x2.dtype in _BLAS_FLOATS and x2.size >= BLAS_ROWS_MIN and x2.flags.c_contiguous:
-        # BLAS: a product with ones, or each row's dot product (16 × 96 × 32² BatchNorm: 1,317 → 1,119 µs)
-        rows = x2 @ np.ones(length, x2.dtype) if y3 is None else np.vecdot(x2, y3.reshape(n * c, length))
-    else:
-        rows = np.einsum("ij->i", x2) if y3 is None else np.einsum("ij,ij->i", x2, y3.reshape(n * c, length))
+    rows = np.einsum("ij->i", x2) if y3 is None else np.einsum("ij,ij->i", x2, y3.reshape(n * c, length))
     return np.add.reduce(rows.reshape(n, c), axis=0)
 
 
