@@ -300,3 +300,32 @@ def test_shifted_conv_matches_torch(xs, ws, attrs, dtype, monkeypatch) -> None:
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(y, ref.numpy(), rtol=tol, atol=tol * float(np.abs(ref.numpy()).max()))
     assert calls == [1]
+
+
+@pytest.mark.parametrize("xs, ws, attrs", [
+    ((2, 8, 9, 10), (8, 12, 3, 3), {"pads": [1, 2, 0, 1]}),
+    ((2, 8, 9, 10), (8, 5, 3, 2), {"pads": [2, 1, 2, 0], "dilations": [2, 1]}),
+    ((1, 8, 5, 6, 4), (8, 4, 3, 2, 3), {"pads": [1, 0, 1, 1, 1, 0]}),
+    ((3, 16, 7, 7), (16, 16, 3, 3), {}),
+])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_stride1_conv_transpose_as_a_flipped_conv_matches_torch(xs, ws, attrs, dtype, monkeypatch) -> None:
+    """A stride-1, group-1 ConvTranspose with 8 or more input channels runs as the Conv with the kernel
+    flipped (engine/kernels/conv.py's shifted GEMMs); against torch, with pads, dilations and 3-D."""
+    torch = pytest.importorskip("torch")
+    from onnxtrain.engine.kernels import conv as conv_kernels
+
+    calls: list[int] = []
+    real = conv_kernels._shifted_conv
+    monkeypatch.setattr(conv_kernels, "_shifted_conv", lambda *a: calls.append(1) or real(*a))
+    rng = np.random.default_rng(8)
+    x, w, b = (rng.standard_normal(s).astype(dtype) for s in (xs, ws, (ws[1],)))
+    (y,) = _ours("ConvTranspose", [x, w, b], **attrs)
+    nd = len(xs) - 2
+    fn = (torch.nn.functional.conv_transpose2d, torch.nn.functional.conv_transpose3d)[nd - 2]
+    full = fn(torch.tensor(x), torch.tensor(w), torch.tensor(b), dilation=attrs.get("dilations", 1)).numpy()
+    p = attrs.get("pads", [0] * 2 * nd)
+    ref = full[(Ellipsis,) + tuple(slice(p[i], full.shape[2 + i] - p[nd + i]) for i in range(nd))]
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(y, ref, rtol=tol, atol=tol * float(np.abs(ref).max()))
+    assert calls == [1]
