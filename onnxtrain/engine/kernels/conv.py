@@ -154,6 +154,7 @@ def _view(base: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...]) ->
 # channels (0.63 → 1.53, LeNet's conv2 0.50 → 1.16) and at 128 channels (138 → 150 at 28², batch 64)
 SHIFTED_MIN_CHANNELS = 8
 SHIFTED_MAX_CHANNEL_PAIRS = 4096
+SHIFTED_MAX_OFFSETS = 9  # kernel positions (3×3): with LeNet's 5×5 input gradient, 1.20 → 2.96 ms a step
 
 
 def _shifted_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
@@ -219,7 +220,8 @@ def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
     if y is None:
         c, m = x.shape[1], g["m"]
         shifted = (g["flat"] and not g["identity"] and g["group"] == 1 and x.dtype in depthwise.FAST_DTYPES
-                   and c >= SHIFTED_MIN_CHANNELS and c * m <= SHIFTED_MAX_CHANNEL_PAIRS)
+                   and c >= SHIFTED_MIN_CHANNELS and c * m <= SHIFTED_MAX_CHANNEL_PAIRS
+                   and g["K"] <= SHIFTED_MAX_OFFSETS)
         y = _shifted_conv(x, w, g) if shifted else _im2col_conv(x, w, g)
     if b is not None:
         y += b.reshape((g["m"],) + (1,) * g["nd"])
@@ -363,8 +365,8 @@ def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
     g = attrs.cached((x.shape, w.shape), lambda: _convt_geometry(attrs, x.shape, w.shape))
     y = depthwise.conv_transpose(x, w, g) if g["depthwise"] and x.dtype in depthwise.FAST_DTYPES else None
     c, m = x.shape[1], g["m"]
-    if (y is None and g["as_conv"] is not None and x.dtype in depthwise.FAST_DTYPES
-            and c >= SHIFTED_MIN_CHANNELS and c * m <= SHIFTED_MAX_CHANNEL_PAIRS):
+    few = c >= SHIFTED_MIN_CHANNELS and c * m <= SHIFTED_MAX_CHANNEL_PAIRS and g["K"] <= SHIFTED_MAX_OFFSETS
+    if y is None and g["as_conv"] is not None and x.dtype in depthwise.FAST_DTYPES and few:
         # as the equivalent Conv by shifted GEMMs (ResNet's 16-channel input gradient: 5.91 → 2.46 ms)
         flipped = np.ascontiguousarray(np.flip(w.swapaxes(0, 1), axis=tuple(range(2, w.ndim))))
         cg = attrs.cached(("as_conv", x.shape, w.shape), lambda: _conv_geometry(
