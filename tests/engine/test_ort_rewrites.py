@@ -319,3 +319,49 @@ def test_inference_batch_norm_loses_outputs_nothing_reads(optimised: bool) -> No
     model.opset_import[0].version = 13
     del model.graph.node[0].attribute[:]
     assert rewrite_for_onnxruntime(model) is model
+
+
+def few_output_conv_model(xs, ws, **attrs) -> onnx.ModelProto:
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="wgrad", **attrs)
+    g = helper.make_graph([node], "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, xs),
+                                           helper.make_tensor_value_info("w", TensorProto.FLOAT, ws)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    return onnx.shape_inference.infer_shapes(model)
+
+
+@pytest.mark.parametrize("xs, ws, attrs", [
+    ((16, "N", 34, 34), (16, "N", 32, 32), {}),  # a 3×3 weight gradient: the batch as channels
+    ((6, 8, 9, 10), (4, 8, 8, 9), {"pads": [1, 0, 2, 1], "strides": [2, 1]}),
+    ((3, 5, 12, 12), (2, 5, 6, 6), {"dilations": [2, 2]}),
+])
+def test_a_conv_with_few_outputs_becomes_slices_and_gemms(xs, ws, attrs) -> None:
+    """Per output position a Slice of the input and a Gemm with the kernel, in onnxruntime; the same values
+    (the same products per position) as onnxruntime's and the numpy engine's Conv."""
+    from onnxtrain.engine import compile_model
+
+    model = few_output_conv_model(xs, ws, **attrs)
+    new = rewrite_for_onnxruntime(model)
+    onnx.checker.check_model(new, full_check=True)
+    ops = [n.op_type for n in new.graph.node]
+    assert "Conv" not in ops and "Gemm" in ops
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal([8 if v == "N" else v for v in xs]).astype(np.float32)
+    w = rng.standard_normal([8 if v == "N" else v for v in ws]).astype(np.float32)
+    feeds, cpu = {"x": x, "w": w}, ["CPUExecutionProvider"]
+    want = ort.InferenceSession(model.SerializeToString(), providers=cpu).run(None, feeds)
+    got = ort.InferenceSession(new.SerializeToString(), providers=cpu).run(None, feeds)
+    scale = float(np.abs(want[0]).max())
+    np.testing.assert_allclose(got[0], want[0], rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(got[0], compile_model(model).run(feeds)[0], rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("xs, ws, attrs", [
+    ((2, 3, 8, 8), (4, 3, 3, 3), {"pads": [1, 1, 1, 1]}),  # an ordinary Conv: more outputs than taps
+    ((4, 6, 9, 9), (6, 3, 8, 8), {"group": 2}),  # grouped
+    ((4, 6, "H", 9), (6, 6, 8, 8), {}),  # a spatial size unknown
+    ((4, 6, 32, 32), (6, 6, 28, 28), {}),  # 25 outputs (LeNet's 5×5 weight gradient): onnxruntime's is faster
+])
+def test_convs_with_more_outputs_or_groups_are_left_alone(xs, ws, attrs) -> None:
+    model = few_output_conv_model(xs, ws, **attrs)
+    assert rewrite_for_onnxruntime(model) is model
