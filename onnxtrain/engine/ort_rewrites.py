@@ -27,13 +27,6 @@ scores: 386 and 247 µs for the GPT decoder's two [16, 4, 64, 64] masks. It beco
 broadcasts fast: 91 + 14 and 38 + 14 µs (kernel times, profiled steps). The values are the same where x
 is finite; a masked x that is NaN or the opposite infinity gives NaN, and an unmasked −0 gives +0.
 
-A Conv with fewer output positions than kernel positions (a Conv's weight gradient as the autodiff writes
-it: the batch as channels, the output gradient as the kernel) takes onnxruntime's im2col over the huge
-kernel: 43.5, 23.7 and 13.1 ms for a CIFAR ResNet's 16-, 32- and 64-channel 3×3 weight gradients at batch
-32. Per output position (up to nine: a 3×3 kernel's gradient) it becomes a Slice of the (padded) input,
-strided by the dilations, and one Gemm with the kernel, the positions' (C, M) products concatenated: each
-position's sum is the same products, added in GEMM order.
-
 A BatchNormalization in inference mode that names running-statistics outputs nothing reads (the eval model
 onnxruntime-training's artifact generator writes for a model exported in training mode) loses them, even
 with onnxruntime's optimisations off: onnxruntime refuses to load the node otherwise ("should be 1 when
@@ -43,7 +36,6 @@ Training_mode = False"), while the numpy engine ignores them.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from typing import Any
 
 import numpy as np
 import onnx
@@ -53,9 +45,6 @@ from onnxtrain.ir.builder import NameGen, model_opset, static_shape, value_types
 from onnxtrain.ir.graphs import is_training_batch_norm, node_reads
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
-# output positions up to which a few-outputs Conv is rewritten: a 3×3 kernel's weight gradient (LeNet's 5×5
-# ones, 25 positions of 28² and 10² kernels, ran slower as slices: 13.7 → 16.5 ms a step)
-FEW_OUTPUTS_MAX = 9
 _MIN_OPSET = 11  # Range
 
 
@@ -73,78 +62,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> on
 
     if optimise:
         model = _infinite_fills(_mask_multiplies(_pool_indices(model, typed), typed))
-        model = _few_output_convs(model, typed)
     return _inference_batch_norms(model)
-
-
-def _few_output_convs(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
-    """Each 2-D, group-1 float Conv without bias whose output has fewer positions than its kernel, its spatial
-    sizes static, as one Slice and Gemm per output position (see the module docstring)."""
-    convs = [k for k, n in enumerate(model.graph.node)
-             if n.op_type == "Conv" and n.domain in ("", "ai.onnx") and len(n.input) == 2]
-    if not convs:
-        return model
-    types = typed()
-    plans = {k: p for k in convs if (p := _few_output_plan(model.graph.node[k], types)) is not None}
-    if not plans:
-        return model
-    pending = iter(plans[k] for k in sorted(plans))  # the nodes are replaced in graph order
-
-    def sliced(n: onnx.NodeProto, names: NameGen, out: onnx.ModelProto) -> list[onnx.NodeProto]:
-        pads, strides, dil, (kh, kw), (oh, ow) = next(pending)
-        x, w = n.input
-        base = n.name or "Conv"
-        nodes: list[onnx.NodeProto] = []
-
-        def ints(values: list[int]) -> str:
-            name = names(f"{base}/ints")
-            out.graph.initializer.append(numpy_helper.from_array(np.array(values, np.int64), name))
-            return name
-
-        def node(op: str, inputs: list[str], **attrs: Any) -> str:
-            name = names(f"{base}/{op}")
-            nodes.append(helper.make_node(op, inputs, [name], name=names(f"{base}_{op}"), **attrs))
-            return name
-
-        if any(pads):
-            x = node("Pad", [x, ints([0, 0, pads[0], pads[1], 0, 0, pads[2], pads[3]])])
-        kernel = node("Reshape", [w, ints([0, -1])])  # (M, N·kh·kw)
-        flat, axes, steps = ints([0, -1]), ints([2, 3]), ints(dil)
-        products = []
-        for i in range(oh):
-            for j in range(ow):
-                start = [i * strides[0], j * strides[1]]
-                end = [start[0] + (kh - 1) * dil[0] + 1, start[1] + (kw - 1) * dil[1] + 1]
-                window = node("Slice", [x, ints(start), ints(end), axes, steps])  # (C, N, kh, kw)
-                gemm = node("Gemm", [node("Reshape", [window, flat]), kernel], transB=1)  # (C, M)
-                products.append(node("Unsqueeze", [gemm, ints([2])]))
-        joined = node("Concat", products, axis=2)  # (C, M, oh·ow)
-        nodes.append(helper.make_node("Reshape", [joined, ints([0, 0, oh, ow])], list(n.output),
-                                      name=names(f"{base}_Reshape")))
-        return nodes
-
-    return _with_nodes_replaced(model, plans, sliced)
-
-
-def _few_output_plan(node: onnx.NodeProto, types: dict) -> tuple | None:
-    """(pads, strides, dilations, kernel size, output size) of a Conv the rewrite takes, else None."""
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    if attrs.get("group", 1) != 1 or attrs.get("auto_pad", b"NOTSET") != b"NOTSET":
-        return None
-    xs, ws = static_shape(types, node.input[0]), static_shape(types, node.input[1])
-    et = types.get(node.input[0])
-    if (xs is None or ws is None or len(xs) != 4 or len(ws) != 4 or any(v is None for v in (*xs[2:], *ws[2:]))
-            or et is None or not et.HasField("tensor_type") or et.tensor_type.elem_type not in _FLOATS):
-        return None
-    strides = list(attrs.get("strides", [1, 1]))
-    dil = list(attrs.get("dilations", [1, 1]))
-    pads = list(attrs.get("pads", [0, 0, 0, 0]))
-    kh, kw = ws[2], ws[3]
-    hp, wp = xs[2] + pads[0] + pads[2], xs[3] + pads[1] + pads[3]
-    oh, ow = (hp - (kh - 1) * dil[0] - 1) // strides[0] + 1, (wp - (kw - 1) * dil[1] - 1) // strides[1] + 1
-    if min(pads) < 0 or oh < 1 or ow < 1 or oh * ow >= kh * kw or oh * ow > FEW_OUTPUTS_MAX:
-        return None
-    return pads, strides, dil, (kh, kw), (oh, ow)
 
 
 def _inference_batch_norms(model: onnx.ModelProto) -> onnx.ModelProto:
