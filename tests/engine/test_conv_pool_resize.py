@@ -268,6 +268,21 @@ def test_maxpool_indices_with_ties_match_torch(k: int) -> None:
     np.testing.assert_array_equal(idx, ri.numpy() + (np.arange(6) * 1600).reshape(2, 3, 1, 1))
 
 
+def _spy_shifted(monkeypatch) -> list[int]:
+    """A list that gets one entry per call of engine/kernels/conv.py's shifted-GEMM Conv."""
+    from onnxtrain.engine.kernels import conv as conv_kernels
+
+    calls: list[int] = []
+    real = conv_kernels._shifted_conv
+    monkeypatch.setattr(conv_kernels, "_shifted_conv", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def _inputs(seed: int, dtype, xs, ws, channels: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(dtype) for s in (xs, ws, (channels,))]
+
+
 @pytest.mark.parametrize("xs, ws, attrs", [
     ((2, 8, 9, 10), (12, 8, 3, 3), {"pads": [1, 2, 0, 1]}),
     ((2, 8, 9, 10), (5, 8, 3, 2), {"pads": [2, 1, 2, 1], "dilations": [2, 1]}),
@@ -279,13 +294,8 @@ def test_shifted_conv_matches_torch(xs, ws, attrs, dtype, monkeypatch) -> None:
     """A stride-1 Conv with 8 or more input channels and few channel pairs runs one GEMM per kernel offset
     on shifted views (engine/kernels/conv.py); against torch, with pads, dilations, 3-D and SAME."""
     torch = pytest.importorskip("torch")
-    from onnxtrain.engine.kernels import conv as conv_kernels
-
-    calls: list[int] = []
-    real = conv_kernels._shifted_conv
-    monkeypatch.setattr(conv_kernels, "_shifted_conv", lambda *a: calls.append(1) or real(*a))
-    rng = np.random.default_rng(7)
-    x, w, b = (rng.standard_normal(s).astype(dtype) for s in (xs, ws, (ws[0],)))
+    calls = _spy_shifted(monkeypatch)
+    x, w, b = _inputs(7, dtype, xs, ws, ws[0])
     (y,) = _ours("Conv", [x, w, b], **attrs)
     nd = len(xs) - 2
     dil = attrs.get("dilations", [1] * nd)
@@ -313,13 +323,8 @@ def test_stride1_conv_transpose_as_a_flipped_conv_matches_torch(xs, ws, attrs, d
     """A stride-1, group-1 ConvTranspose with 8 or more input channels runs as the Conv with the kernel
     flipped (engine/kernels/conv.py's shifted GEMMs); against torch, with pads, dilations and 3-D."""
     torch = pytest.importorskip("torch")
-    from onnxtrain.engine.kernels import conv as conv_kernels
-
-    calls: list[int] = []
-    real = conv_kernels._shifted_conv
-    monkeypatch.setattr(conv_kernels, "_shifted_conv", lambda *a: calls.append(1) or real(*a))
-    rng = np.random.default_rng(8)
-    x, w, b = (rng.standard_normal(s).astype(dtype) for s in (xs, ws, (ws[1],)))
+    calls = _spy_shifted(monkeypatch)
+    x, w, b = _inputs(8, dtype, xs, ws, ws[1])
     (y,) = _ours("ConvTranspose", [x, w, b], **attrs)
     nd = len(xs) - 2
     fn = (torch.nn.functional.conv_transpose2d, torch.nn.functional.conv_transpose3d)[nd - 2]
