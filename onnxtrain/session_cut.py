@@ -15,11 +15,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.capi.options import RunOptions
+from onnxtrain.engine.plan import load_model
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo
 from onnxtrain.inference import NodeArg, node_arg
-from onnxtrain.ir.builder import value_types
+from onnxtrain.ir.builder import NameGen, value_types
+from onnxtrain.ir.graphs import untie_batch_norm_statistics
 from onnxtrain.parallel import BucketReducer, Communicator, launch_hint, world
 from onnxtrain.parallel.fingerprint import array_digest, digest
 from onnxtrain.parameters import TrainingParameters
@@ -33,6 +36,18 @@ class CutModelSession(ReplicaExchange, TrainingSession):
     """A legacy training session whose rank holds a part of the model (see the module docstring)."""
 
     what = "this parallelism"  # names the mode in errors
+
+    @staticmethod
+    def _training_model(path_or_bytes: Any) -> onnx.ModelProto:
+        """The model a cut session trains: loaded, at the opset the autodiff needs (a caller's proto copied,
+        not edited), each BatchNormalization with running statistics of its own, as the one-process
+        session's graphs have them."""
+        model = upgrade_opset(load_model(path_or_bytes))
+        if model is path_or_bytes:
+            model, mine = onnx.ModelProto(), model
+            model.CopyFrom(mine)
+        untie_batch_norm_statistics(model, NameGen.for_model(model))
+        return model
 
     def _setup(self, refused: Mapping[str, Any]) -> None:
         """Check the options ``refused`` (name → default) and those every cut session needs; the defaults

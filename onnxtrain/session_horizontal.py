@@ -37,9 +37,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.engine.kernels.random import unseeded_generator
-from onnxtrain.engine.plan import load_model
 from onnxtrain.graph_transforms.mixed_precision import (
     ALL_FINITE,
     half_copies,
@@ -47,8 +45,7 @@ from onnxtrain.graph_transforms.mixed_precision import (
     mixed_precision_info,
 )
 from onnxtrain.inference import NodeArg
-from onnxtrain.ir.builder import NameGen
-from onnxtrain.ir.graphs import RANDOM_OPS, untie_batch_norm_statistics
+from onnxtrain.ir.graphs import RANDOM_OPS
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import exchange_mode, get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
@@ -106,11 +103,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         sizes = "horizontal_parallel_size" + ("" if stages == 1 else " × pipeline_parallel_size")
         replicas = self._replicas(p, h * stages, sizes)
         self._mode = exchange_mode(p, replicas, "data-parallel replica")
-        model = upgrade_opset(load_model(path_or_bytes))
-        if model is path_or_bytes:  # the caller's proto: edited below
-            model, mine = onnx.ModelProto(), model
-            model.CopyFrom(mine)
-        untie_batch_norm_statistics(model, NameGen.for_model(model))  # as the one-process session
+        model = self._training_model(path_or_bytes)
         world_comm = get_communicator()
         check_same_on_all_ranks(
             world_comm, model_fingerprint(model, p, _OPTIONS), "model and horizontal setup"

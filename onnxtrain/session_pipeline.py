@@ -38,15 +38,11 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxtrain.autodiff.builder import upgrade_opset
-from onnxtrain.engine.plan import load_model
 from onnxtrain.graph_transforms.mixed_precision import (
     ALL_FINITE,
     mixed_precision,
     mixed_precision_info,
 )
-from onnxtrain.ir.builder import NameGen
-from onnxtrain.ir.graphs import untie_batch_norm_statistics
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import get_optimizer
 from onnxtrain.parallel import exchange_mode, get_communicator
@@ -90,11 +86,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
     def _build(self, path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto) -> None:
         self._setup(_REFUSED)
         p = self._params
-        model = upgrade_opset(load_model(path_or_bytes))
-        if model is path_or_bytes:  # the caller's proto: edited below
-            model, mine = onnx.ModelProto(), model
-            model.CopyFrom(mine)
-        untie_batch_norm_statistics(model, NameGen.for_model(model))  # as the one-process session
+        model = self._training_model(path_or_bytes)
         if p.use_mixed_precision:  # the whole model first: its casts of the weights run where they are read
             model = mixed_precision(model, p.loss_output_name, p.mixed_precision_dtype)
             self._mp = mixed_precision_info(model)
