@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
@@ -115,46 +114,31 @@ def test_kernels_do_not_mutate_inputs() -> None:
         np.testing.assert_array_equal(x, keep, err_msg=op)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int8, np.int32, np.int64])
-def test_relu_against_an_array_of_zeros_gives_the_bits_of_the_scalar_form(dtype) -> None:
-    from onnxtrain.engine.kernels.filled import filled, relu_into
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int8, np.uint8, np.int32, np.int64])
+def test_clamps_give_torchs_bits(dtype) -> None:
+    """ReLU, clamps with one or two bounds and min(x, 0), NaN, infinities and -0.0 included, against torch."""
+    torch = pytest.importorskip("torch")
+    from onnxtrain.engine.kernels.clamp import clamp, negative_part, relu_into
 
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((37, 53)) * 50).astype(dtype)
     if np.dtype(dtype).kind == "f":
         x.flat[:5] = [np.nan, -0.0, 0.0, np.inf, -np.inf]
-    want = np.maximum(x, dtype(0))
-    got = relu_into(x)
-    assert got.dtype == want.dtype and got.shape == want.shape
-    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # the same bits, -0.0 and NaN too
+    t = torch.from_numpy(x)
+    lo, hi = dtype(3), dtype(60)
+    cases = [
+        (relu_into(x), torch.relu(t)),
+        (clamp(x, lo, hi), torch.clamp(t, 3, 60)),
+        (clamp(x, lo), torch.clamp(t, min=3)),
+        (clamp(x, None, hi), torch.clamp(t, max=60)),
+        (clamp(x, hi, lo), torch.clamp(t, 60, 3)),  # crossed bounds: every value is the upper one
+        (negative_part(x), torch.clamp(t, max=0)),
+    ]
+    for k, (got, want) in enumerate(cases):
+        want = want.numpy()
+        assert got.dtype == want.dtype and got.shape == want.shape, k
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=str(k))
     out = np.empty_like(x)
     assert relu_into(x[::2, ::3], out=out[::2, ::3]) is not None
     strided = np.ascontiguousarray(out[::2, ::3])
-    np.testing.assert_array_equal(strided.view(np.uint8), np.maximum(x[::2, ::3], dtype(0)).view(np.uint8))
-    zeros = filled(0, np.dtype(dtype), (4, 5))
-    assert not zeros.flags.writeable and zeros.shape == (4, 5) and not zeros.any()
-    assert np.shares_memory(zeros, filled(0, np.dtype(dtype), (20,)))  # one buffer per dtype, reused
-
-
-def test_the_cached_zeros_take_no_resident_memory() -> None:
-    from onnxtrain.engine.kernels.filled import filled
-
-    def resident_mib() -> float:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096 / 2**20
-
-    if not os.path.exists("/proc/self/statm"):
-        pytest.skip("no /proc/self/statm here")
-    before = resident_mib()
-    zeros = filled(0, np.dtype(np.float64), (8 << 20,))  # 64 MiB of zeros, every page read below
-    assert float(zeros.sum()) == 0.0
-    assert resident_mib() - before < 8
-
-
-def test_filled_keeps_minus_zero_apart_from_zero() -> None:
-    from onnxtrain.engine.kernels.filled import filled
-
-    f32 = np.dtype(np.float32)
-    minus, plus = filled(-0.0, f32, (3,)), filled(0.0, f32, (3,))  # equal and of one hash as keys
-    assert np.signbit(minus).all() and not np.signbit(plus).any()
-    assert np.isnan(filled(np.nan, np.dtype(np.float64), (4,))).all()
+    np.testing.assert_array_equal(strided.view(np.uint8), torch.relu(t[::2, ::3]).numpy().view(np.uint8))

@@ -20,8 +20,8 @@ import numpy as np
 
 from onnxtrain.engine.donation import FRESH_OPS
 from onnxtrain.engine.fusion.common import constant_of, consumers, make_step, producers, protected_slots
+from onnxtrain.engine.kernels.clamp import relu_into
 from onnxtrain.engine.kernels.elementwise import BITS_INT
-from onnxtrain.engine.kernels.filled import relu_into
 from onnxtrain.engine.kernels.indexing import scatter_elements_into
 from onnxtrain.engine.registry import Attrs
 

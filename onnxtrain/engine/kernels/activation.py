@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from onnxtrain.engine.kernels.clamp import clamp, negative_part, relu_into
 from onnxtrain.engine.kernels.elementwise import erf
-from onnxtrain.engine.kernels.filled import relu_into
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 _NATIVE = (np.dtype(np.float32), np.dtype(np.float64))
@@ -63,7 +63,7 @@ def softplus(x: np.ndarray) -> np.ndarray:
     np.negative(e, out=e)
     np.exp(e, out=e)
     np.log1p(e, out=e)
-    e += np.maximum(x, 0)
+    e += relu_into(x)
     return e
 
 
@@ -132,28 +132,28 @@ def _leaky_relu(x: np.ndarray, attrs: Attrs) -> np.ndarray:
     alpha = attrs["alpha"]
     if 0.0 <= alpha <= 1.0:
         return np.maximum(x, x * alpha)
-    y = np.minimum(x, 0)
+    y = negative_part(x)
     y *= alpha
-    y += np.maximum(x, 0)
+    y += relu_into(x)
     return y
 
 
 @kernel("PRelu", since=7)
 def prelu(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, slope = inputs
-    y = np.asarray(np.minimum(x, 0) * slope)  # slope * min(x, 0) + max(x, 0)
+    y = np.asarray(negative_part(x) * slope)  # slope * min(x, 0) + max(x, 0)
     if y.shape != x.shape:
         raise ValueError(f"PRelu: slope of shape {slope.shape} does not broadcast to X's shape {x.shape}")
-    y += np.maximum(x, 0)
+    y += relu_into(x)
     return (y,)
 
 
 def _elu(x: np.ndarray, alpha: float) -> np.ndarray:
     """alpha * (exp(x) - 1) for x < 0, x otherwise: alpha * expm1(min(x, 0)) + max(x, 0)."""
-    y = np.minimum(x, 0)
+    y = negative_part(x)
     np.expm1(y, out=y)
     y *= alpha
-    y += np.maximum(x, 0)
+    y += relu_into(x)
     return y
 
 
@@ -172,11 +172,11 @@ def _selu(x: np.ndarray, attrs: Attrs) -> np.ndarray:
 @_float_op("Celu", since=12)
 def _celu(x: np.ndarray, attrs: Attrs) -> np.ndarray:
     alpha = attrs["alpha"]  # max(0, x) + min(0, alpha * (exp(x / alpha) - 1))
-    y = np.minimum(x, 0)
+    y = negative_part(x)
     y /= alpha
     np.expm1(y, out=y)
     y *= alpha
-    y += np.maximum(x, 0)
+    y += relu_into(x)
     return y
 
 
@@ -218,7 +218,7 @@ def clip_6(inputs: Inputs, attrs: Attrs) -> Outputs:
     if x.dtype.kind == "f" and x.dtype.itemsize < 4:  # the float32 default bounds overflow float16
         fi = np.finfo(x.dtype)
         lo, hi = max(lo, float(fi.min)), min(hi, float(fi.max))
-    return (np.asarray(np.minimum(np.maximum(x, lo), hi)),)
+    return (np.asarray(clamp(x, x.dtype.type(lo), x.dtype.type(hi))),)
 
 
 @kernel("Clip", since=11)
@@ -226,9 +226,9 @@ def clip(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
     lo = inputs[1] if len(inputs) > 1 else None
     hi = inputs[2] if len(inputs) > 2 else None
-    y = x if lo is None else np.maximum(x, lo)
-    if hi is not None:
-        y = np.minimum(y, hi)
+    if lo is None and hi is None:
+        return (x,)
+    y = clamp(x, lo, hi)
     return (y if type(y) is np.ndarray else np.asarray(y),)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain.engine.kernels.activation import logistic
+from onnxtrain.engine.kernels.clamp import negative_part, relu_into
 from onnxtrain.engine.registry import Attrs, Inputs, Kernel, Outputs, kernel
 
 Act = Callable[[np.ndarray], np.ndarray]
@@ -35,7 +36,7 @@ def _quiet(fn: Kernel) -> Kernel:
 # --- activation functions -------------------------------------------------------------------------
 
 def _relu(x: np.ndarray) -> np.ndarray:
-    return np.maximum(x, 0)
+    return relu_into(x)
 
 
 def _softsign(x: np.ndarray) -> np.ndarray:
@@ -69,7 +70,7 @@ def _make_act(name: str, alpha: float, beta: float) -> Act:
     if name == "affine":
         return lambda x: alpha * x + beta
     if name == "elu":
-        return lambda x: np.where(x >= 0, x, alpha * np.expm1(np.minimum(x, 0)))
+        return lambda x: np.where(x >= 0, x, alpha * np.expm1(negative_part(x)))
     raise ValueError(f"unsupported activation function {name!r}")
 
 
