@@ -35,10 +35,37 @@ DEPTHWISE = [
 ]
 
 
-def _small(monkeypatch) -> None:
-    """These small cases through the kernels of depthwise.py, in many blocks."""
-    for name, value in (("BLOCK", 256), ("MIN_DEPTHWISE", 0), ("MIN_TRANSPOSED", 0), ("MIN_WINDOW", 0)):
-        monkeypatch.setattr(f"onnxtrain.engine.kernels.depthwise.{name}", value)
+def _small(monkeypatch, block: int = 256) -> list[bool]:
+    """These small cases through the kernels of depthwise.py, in blocks of ``block`` elements; returns the
+    list that each depthwise call appends its layout to (True: channel-major)."""
+    from onnxtrain.engine.kernels import depthwise
+
+    for name, value in (("BLOCK", block), ("MIN_DEPTHWISE", 0), ("MIN_TRANSPOSED", 0), ("MIN_WINDOW", 0),
+                        ("MIN_ROWS_WORK", 1)):  # two threads split even these small cases
+        monkeypatch.setattr(depthwise, name, value)
+    layouts: list[bool] = []
+    lanes = depthwise._lanes
+
+    def spy(*args: int) -> tuple[bool, int, int]:
+        layouts.append(lanes(*args)[0])
+        return lanes(*args)
+
+    monkeypatch.setattr(depthwise, "_lanes", spy)
+    return layouts
+
+
+# blocks of 32 elements: plane by plane, a plane or less a block; 2,048: a few channels' planes a block;
+# 65,536: every channel's planes in one run (each case's images are smaller than that)
+BLOCKS = [32, 2048, 1 << 16]
+
+
+def _check_layouts(layouts: list[bool], block: int, n: int) -> None:
+    """The cases took the layout their block size is there for (several images: channel-major)."""
+    assert layouts
+    if block == BLOCKS[0]:
+        assert not any(layouts)
+    elif block == BLOCKS[-1]:
+        assert all(layouts) == (n > 1)
 
 
 def _conv_fn(nd: int, transposed: bool = False):
@@ -59,10 +86,11 @@ def _both_widths(op: str, inputs: list[np.ndarray], attrs: dict[str, Any]) -> np
     return one
 
 
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("case", DEPTHWISE, ids=str)
-def test_depthwise_conv_matches_torch(case, monkeypatch) -> None:
+def test_depthwise_conv_matches_torch(case, block, monkeypatch) -> None:
     xs, mult, k, s, d, p = case
-    _small(monkeypatch)
+    layouts = _small(monkeypatch, block)
     rng = np.random.default_rng(0)
     c, nd = xs[1], len(xs) - 2
     x, w, b = rng.standard_normal(xs), rng.standard_normal((c * mult, 1, *k)), rng.standard_normal(c * mult)
@@ -76,6 +104,7 @@ def test_depthwise_conv_matches_torch(case, monkeypatch) -> None:
         x_t = torch.tensor(x)
     ref = _conv_fn(nd)(x_t, torch.tensor(w), torch.tensor(b), stride=s, padding=pads, dilation=d, groups=c)
     np.testing.assert_allclose(y, ref.numpy(), rtol=1e-12, atol=1e-12)
+    _check_layouts(layouts, block, xs[0])
 
 
 # x shape, W shape (C, 1, k...), group, strides, dilations, pads, output_padding
@@ -90,10 +119,11 @@ DEPTHWISE_T = [
 ]
 
 
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("case", DEPTHWISE_T, ids=str)
-def test_depthwise_conv_transpose_matches_torch(case, monkeypatch) -> None:
+def test_depthwise_conv_transpose_matches_torch(case, block, monkeypatch) -> None:
     xs, ws, group, s, d, p, op = case
-    _small(monkeypatch)
+    layouts = _small(monkeypatch, block)
     rng = np.random.default_rng(1)
     nd = len(xs) - 2
     x, w, b = rng.standard_normal(xs), rng.standard_normal(ws), rng.standard_normal(group)
@@ -104,6 +134,7 @@ def test_depthwise_conv_transpose_matches_torch(case, monkeypatch) -> None:
                               groups=group, output_padding=op)
     crop = tuple(slice(p[i], full.shape[2 + i] - p[nd + i]) for i in range(nd))
     np.testing.assert_allclose(y, full.numpy()[(Ellipsis,) + crop], rtol=1e-12, atol=1e-12)
+    _check_layouts(layouts, block, xs[0])
 
 
 # x shape, W shape, group, strides, dilations, pads: fewer output positions than kernel offsets

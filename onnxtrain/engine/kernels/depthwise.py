@@ -8,16 +8,18 @@ Conv's and ConvTranspose's kernels (engine/kernels/conv.py) hand three shapes he
 - **transposed depthwise** (ConvTranspose with one output channel per group, the input gradient of a
   depthwise Conv): the same shifted adds, into a canvas;
 - **few outputs** (a grouped Conv with fewer output positions than kernel offsets: the weight gradient of
-  a grouped Conv, whose "kernel" is the output gradient): per plane and output position one dot product
-  of the plane's window with the taps, instead of an im2col copy as many times the input as there are
+  a grouped Conv, whose "kernel" is the output gradient): per group and output position one dot product
+  of its planes' windows with the taps, instead of an im2col copy as many times the input as there are
   output positions.
 
 Strided access becomes unit-stride by splitting the padded image into phases (the pixels whose
 coordinates are equal modulo the stride, or the dilation for few outputs), and the rows of a plane are
 laid end to end, so each kernel offset reads or writes one contiguous run per plane; columns that run
-past a row's end are junk, cropped at the end. Planes (image × channel) go in blocks that stay in cache
-across the kernel offsets, split over the run's threads by planes: every output element is summed in the
-same order whatever the split.
+past a row's end are junk, cropped at the end. Where planes are small, the planes that share a weight are
+laid end to end too (a channel's images; a group's channels for few outputs), one run for them all, as a
+numpy call per short plane costs more than its values. Planes go in blocks that stay in cache across the
+kernel offsets, split over the run's threads: every output element is summed in the same order whatever
+the split.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from onnxtrain.engine.parallel import for_rows
+from onnxtrain.engine.parallel import MIN_ROWS_WORK, parallel_for, width
+from onnxtrain.engine.parallel import split as ranges
 
 BLOCK = 1 << 16  # output elements of a block of planes: its operands stay in a core's cache
 # below these sizes im2col and a batched matmul cost less than the Python loop over kernel offsets
@@ -36,6 +39,7 @@ MIN_DEPTHWISE = 1 << 15  # output elements of a depthwise Conv
 MIN_TRANSPOSED = 1 << 13  # output elements of a transposed depthwise Conv
 MIN_WINDOW = 32  # kernel offsets of a few-outputs Conv (the dot products' length)
 FAST_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+MAX_CHANNEL_MAJOR_PLANE = 2048  # elements of a (phase) plane: larger planes go plane by plane (see _lanes)
 
 
 def _steps(sizes: Sequence[int]) -> list[int]:
@@ -48,15 +52,27 @@ def _grid(sizes: Sequence[int]) -> Iterator[tuple[int, ...]]:
     return itertools.product(*(range(v) for v in sizes))
 
 
-def _blocks(planes: int, per_plane: int, work: int, fn: Callable[[int, int], None]) -> None:
-    """``fn(lo, hi)`` over ranges of planes of about :data:`BLOCK` elements, split over the threads."""
-    rows = max(1, BLOCK // max(per_plane, 1))
+def _blocks(units: int, per_unit: int, work: int, fn: Callable[..., None],
+            scratch: tuple[tuple[int, ...], np.dtype] | None = None) -> None:
+    """``fn(lo, hi, buffer, edge)`` over ranges of units of about :data:`BLOCK` elements, split over the
+    threads. ``buffer``: with ``scratch`` (a block's shape after its units, dtype), a block-sized buffer of
+    the thread's own, allocated here in the calling thread (the worker's own allocations measured slower:
+    16 × 144 × 16² depthwise forward 2.2 ms against 1.6 on two threads); ``edge``: ``hi`` ends one of several
+    threads' parts, so whatever lies past unit ``hi - 1`` may be another thread's."""
+    rows = max(1, BLOCK // max(per_unit, 1))
+    parts = ranges(units, max(1, min(width(), units, work // MIN_ROWS_WORK)))
+    buffers = [np.empty((min(rows, hi - lo),) + scratch[0], scratch[1]) if scratch else None
+               for lo, hi in parts]
+    shared = len(parts) > 1
 
-    def part(lo: int, hi: int) -> None:
+    def part(i: int) -> None:
+        lo, hi = parts[i]
+        buffer = buffers[i]
         for a in range(lo, hi, rows):
-            fn(a, min(a + rows, hi))
+            b = min(a + rows, hi)
+            fn(a, b, None if buffer is None else buffer[:b - a], shared and b == hi)
 
-    for_rows(planes, work, part)
+    parallel_for(len(parts), part)
 
 
 def _cached(g: dict[str, Any], key: str, make: Callable[[], Any]) -> Any:
@@ -70,9 +86,9 @@ def _cached(g: dict[str, Any], key: str, make: Callable[[], Any]) -> Any:
 class _Phases:
     """An image of ``sizes`` per plane split by ``factor`` per axis into phases of ``sizes``/factor
     (rounded up), each phase a block of ``planes`` planes, laid out flat (with a row of zeros after when
-    ``tail_row``)."""
+    ``tail``: reads of a whole plane from any offset in a plane stay inside)."""
 
-    def __init__(self, planes: int, sizes: Sequence[int], factor: Sequence[int], tail_row: bool = False):
+    def __init__(self, planes: int, sizes: Sequence[int], factor: Sequence[int], tail: bool = False):
         self.factor = list(factor)
         self.sizes = [-(-v // f) for v, f in zip(sizes, factor, strict=True)]
         self.plane = int(np.prod(self.sizes))
@@ -80,7 +96,7 @@ class _Phases:
         self.planes = planes
         self.steps = _steps(self.sizes)
         self.count = int(np.prod(factor))
-        self.length = self.count * planes * self.plane + (self.row if tail_row else 0)
+        self.length = self.count * planes * self.plane + (self.plane if tail else 0)
 
     def offset(self, coords: Sequence[int]) -> int:
         """Element offset, within a plane of phase 0, of the pixel at image ``coords``."""
@@ -94,13 +110,15 @@ class _Phases:
         shape = (self.count, self.planes) + tuple(self.sizes)
         return buf[:int(np.prod(shape))].reshape(shape)
 
-    def split(self, x: np.ndarray, pads: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
-        """X (N, C, *spatial) placed at ``pads`` in a zero image of ``sizes`` (cropped to fit), split."""
+    def split(self, x: np.ndarray, pads: Sequence[int], sizes: Sequence[int],
+              channel_major: bool = False) -> np.ndarray:
+        """X (N, C, *spatial) placed at ``pads`` in a zero image of ``sizes`` (cropped to fit), split; its
+        planes in (C, N) order when ``channel_major``, else (N, C)."""
         buf = np.zeros(self.length, dtype=x.dtype)
-        blocks = self.blocks(buf)
-        xs = x.reshape((self.planes,) + x.shape[2:])
+        xs = x.swapaxes(0, 1) if channel_major else x
+        blocks = self.blocks(buf).reshape((self.count,) + xs.shape[:2] + tuple(self.sizes))
         for index, phase in enumerate(_grid(self.factor)):
-            src, dst = [slice(None)], [slice(None)]
+            src, dst = [slice(None)] * 2, [slice(None)] * 2
             for r, f, p, size, have in zip(phase, self.factor, pads, sizes, x.shape[2:], strict=True):
                 lo = max(0, -(-(p - r) // f))  # first phase index whose pixel lies in X
                 hi = -(-(p + min(have, size - p) - r) // f)
@@ -116,9 +134,9 @@ class _Phases:
 
 def _shifted(planes: int, sizes: Sequence[int], stride: Sequence[int],
              g: dict[str, Any]) -> tuple[_Phases, list[int]]:
-    """The phases of an image of ``sizes`` split by ``stride`` (a row of slack after them), and the offset
+    """The phases of an image of ``sizes`` split by ``stride`` (a plane of slack after them), and the offset
     of each kernel position (dilated) in them."""
-    split = _Phases(planes, sizes, stride, tail_row=True)
+    split = _Phases(planes, sizes, stride, tail=True)
     return split, [split.offset([i * d for i, d in zip(kk, g["dil"], strict=True)]) for kk in _grid(g["k"])]
 
 
@@ -134,42 +152,63 @@ def conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray | None:
     return None
 
 
+def _lanes(n: int, c: int, plane: int) -> tuple[bool, int, int]:
+    """How the planes of a depthwise kernel's ``c`` channels are laid out and walked: (channel-major, units,
+    planes per unit). Channel-major ((C, N) order) makes each channel's ``n`` planes one contiguous run
+    under one weight: one ufunc call per channel and kernel offset instead of one per plane, which costs
+    more than a small plane's values (144 channels × 16 images at 16²: 3.1 → 2.0 ms). Large planes stay
+    plane by plane in (N, C) order: there the calls are few, and the split and crop copies in (C, N) order
+    cost more (16 × 96 × 112², stride 2: 15.1 → 20.5 ms for the split)."""
+    if n > 1 and plane <= MAX_CHANNEL_MAJOR_PLANE and n * plane <= BLOCK:
+        return True, c, n
+    return False, n * c, 1
+
+
 def _depthwise(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     """y[p, j, o] = Σ_κ w[c(p)·mult + j, 0, κ] · xpad[p, o·s + κ·d]: per kernel offset one product with
     one weight per plane over the run of its phase, added up in kernel order."""
     n, c = x.shape[:2]
     out, m, K = g["out"], g["m"], g["K"]
-    mult, planes = m // c, n * c
+    mult, planes, it = m // c, n * c, x.itemsize
     split, offsets = _cached(g, "shifted", lambda: _shifted(planes, g["sizes"], g["strides"], g))
-    buf = split.split(x, g["pb"], g["sizes"])
-    row = split.row
-    run = out[0] * row
-    wp = np.ascontiguousarray(np.broadcast_to(w.reshape(1, c, mult, K), (n, c, mult, K)))
-    wp = wp.reshape(planes, mult, K)
-    y = np.empty((planes, mult, run), dtype=x.dtype)
-    it, plane = x.itemsize, split.plane
+    plane = split.plane
+    channel_major, units, per_unit = _lanes(n, c, plane)
+    buf = split.split(x, g["pb"], g["sizes"], channel_major)
+    # a channel's planes whole, one contiguous run (the rows past out[0] junk); a lone plane only to out[0],
+    # which measured faster for large planes (16 × 144 × 56²: 22.5 against 30.8 ms for whole planes)
+    length = per_unit * plane if channel_major else out[0] * split.row
+    if channel_major:
+        wu = w.reshape(c, mult, K)
+    else:
+        wu = np.ascontiguousarray(np.broadcast_to(w.reshape(1, c, mult, K), (n, c, mult, K)))
+        wu = wu.reshape(planes, mult, K)
+    y = np.empty((units, mult, length), dtype=x.dtype)
+    step = per_unit * plane * it
 
-    def block(lo: int, hi: int) -> None:
+    def block(lo: int, hi: int, tmp: np.ndarray, edge: bool) -> None:
         yb = y[lo:hi]
-        tmp = np.empty_like(yb)
         for j, off in enumerate(offsets):
-            v = np.ndarray((hi - lo, 1, run), x.dtype, buf, (lo * plane + off) * it, (plane * it, 0, it))
-            wj = wp[lo:hi, :, j, None]
+            v = np.ndarray((hi - lo, 1, length), x.dtype, buf, lo * step + off * it, (step, 0, it))
+            wj = wu[lo:hi, :, j, None]
             if j == 0:
                 np.multiply(v, wj, out=yb)
             else:
                 np.multiply(v, wj, out=tmp)
                 yb += tmp
 
-    _blocks(planes, mult * run, planes * mult * run * K, block)
-    y = y.reshape((n, m, out[0]) + tuple(split.sizes[1:]))
-    return np.ascontiguousarray(y[(Ellipsis,) + tuple(slice(0, o) for o in out[1:])])
+    _blocks(units, mult * length, units * mult * length * K, block, ((mult, length), x.dtype))
+    rows = split.sizes[0] if channel_major else out[0]
+    y = y.reshape((units, mult, per_unit, rows) + tuple(split.sizes[1:]))
+    y = y[(Ellipsis,) + tuple(slice(0, o) for o in out)]
+    if channel_major:  # (C, mult, N, *out) → (N, C, mult, *out), in the crop's copy
+        y = y.transpose((2, 0, 1) + tuple(range(3, y.ndim)))
+    return np.ascontiguousarray(y).reshape((n, m) + tuple(out))
 
 
 def _few_outputs(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     """y[i, m, o] = Σ_{c, κ} w[m, c, κ] · xpad[i, g(m)·cg + c, o·s + κ·d]: the image split by the
-    dilation so that a window's taps are dense, then per plane and output position one dot product of the
-    taps, laid on the phase's grid, with the run of the window."""
+    dilation so that a window's taps are dense, then per group and output position one dot product of the
+    taps, laid on the grid of the group's planes, with the run of their windows."""
     n, c = x.shape[:2]
     k, out, m, group, cg = g["k"], g["out"], g["m"], g["group"], g["cg"]
     mg, it = m // group, x.itemsize
@@ -182,22 +221,28 @@ def _few_outputs(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     split, positions = _cached(g, "few_outputs", plan)
     buf = split.split(x, g["pb"], g["sizes"])
     run = sum((kk - 1) * s for kk, s in zip(k, split.steps, strict=True)) + 1
-    taps = np.zeros((c, mg, run), dtype=x.dtype)  # row = (group, channel in group)
-    on_grid = np.ndarray((c, mg, *k), x.dtype, taps, 0, taps.strides[:2] + tuple(s * it for s in split.steps))
-    on_grid[...] = w.reshape((group, mg, cg, *k)).swapaxes(1, 2).reshape(c, mg, *k)
-    dots = np.empty((n, c, len(positions), mg, 1), dtype=x.dtype)
-    plane = split.plane
+    plane, positions_n = split.plane, len(positions)
+    # a group's cg planes lie one after the other: one dot product over all of them per group and position
+    # (zero taps between the planes' windows), not one per plane (a depthwise weight gradient, the 16
+    # images as each group's planes: 192 channels at 8² 0.91 → 0.71 ms, 32 at 112² 17.1 → 14.8 ms)
+    length = (cg - 1) * plane + run
+    taps = np.zeros((group, mg, cg * plane), dtype=x.dtype)
+    on_grid = np.ndarray((group, mg, cg, *k), x.dtype, taps, 0,
+                         taps.strides[:2] + (plane * it,) + tuple(s * it for s in split.steps))
+    on_grid[...] = w.reshape((group, mg, cg, *k))
+    taps = taps[:, :, :length]
+    dots = np.empty((n, group, positions_n, mg, 1), dtype=x.dtype)
+    step = cg * plane * it
 
-    def block(lo: int, hi: int) -> None:
+    def block(lo: int, hi: int, buffer: None, edge: bool) -> None:
         for i in range(n):
             for p, off in enumerate(positions):
-                v = np.ndarray((hi - lo, run, 1), x.dtype, buf, ((i * c + lo) * plane + off) * it,
-                               (plane * it, it, it))
+                v = np.ndarray((hi - lo, length, 1), x.dtype, buf, (i * c * plane + off) * it + lo * step,
+                               (step, it, it))
                 np.matmul(taps[lo:hi], v, out=dots[i, lo:hi, p])
 
-    _blocks(c, run * (1 + mg), n * c * run * mg * len(positions), block)
-    y = dots.reshape(n, group, cg, len(positions), mg).sum(axis=2)
-    return y.transpose(0, 1, 3, 2).reshape((n, m) + tuple(out))
+    _blocks(group, length * (1 + mg), n * group * length * mg * positions_n, block)
+    return dots.reshape(n, group, positions_n, mg).transpose(0, 1, 3, 2).reshape((n, m) + tuple(out))
 
 
 # ------------------------------------------------------------------------------------ ConvTranspose
@@ -209,36 +254,52 @@ def conv_transpose(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarra
     by the stride, each kernel offset one contiguous add per input channel and plane."""
     n, cin = x.shape[:2]
     out, full, s, group = g["out"], g["full"], g["strides"], g["group"]
-    if n * group * int(np.prod(out)) < MIN_TRANSPOSED:
+    if n * group * int(np.prod(out)) < MIN_TRANSPOSED or x.size == 0:
         return None
     in_sp, cg, K = x.shape[2:], cin // group, g["K"]
     planes, it = n * group, x.itemsize
     split, offsets = _cached(g, "shifted", lambda: _shifted(planes, full, s, g))
-    row = split.row
-    # X's rows padded to the phase width: input pixel o then sits at o's offset in a phase's plane
-    xf = np.zeros(x.shape[:3] + tuple(split.sizes[1:]), dtype=x.dtype)
-    xf[(Ellipsis,) + tuple(slice(0, v) for v in in_sp[1:])] = x
-    run = in_sp[0] * row
-    xf = xf.reshape(planes, cg, run)
-    wp = np.ascontiguousarray(np.broadcast_to(w.reshape(1, group, cg, K), (n, group, cg, K)))
-    wp = wp.reshape(planes, cg, K)
-    canvas = np.zeros(split.length, dtype=x.dtype)
     plane = split.plane
+    channel_major, units, per_unit = _lanes(n, group, plane)
+    # X laid out as the canvas's planes, its rows padded to the phase width and its planes to the phase's
+    # height: input pixel o sits at o's offset in a phase's plane, and a unit's planes are one run
+    xv = x.reshape((n, group, cg) + tuple(in_sp))
+    xv = xv.transpose((1, 2, 0) + tuple(range(3, xv.ndim))) if channel_major else xv.reshape(
+        (planes, cg, 1) + tuple(in_sp))
+    xf = np.zeros((units, cg, per_unit) + tuple(split.sizes), dtype=x.dtype)
+    xf[(Ellipsis,) + tuple(slice(0, v) for v in in_sp)] = xv
+    length = per_unit * plane
+    xf = xf.reshape(units, cg, length)
+    # a unit's run adds its zero rows past the unit, into the next one; where that is another thread's (an
+    # edge), the unit's last plane stops at its last pixel (whole runs measured up to 2x faster than runs so
+    # cut, which numpy cannot walk as one)
+    last = length - plane + sum((v - 1) * st for v, st in zip(in_sp, split.steps, strict=True)) + 1
+    if channel_major:
+        wu = w.reshape(group, cg, K)
+    else:
+        wu = np.ascontiguousarray(np.broadcast_to(w.reshape(1, group, cg, K), (n, group, cg, K)))
+        wu = wu.reshape(planes, cg, K)
+    canvas = np.zeros(split.length, dtype=x.dtype)
+    step = length * it
 
-    def block(lo: int, hi: int) -> None:
-        tmp = np.empty((hi - lo, run), dtype=x.dtype)
+    def block(lo: int, hi: int, tmp: np.ndarray, edge: bool) -> None:
+        cut = hi - 1 if edge else hi
         for j, off in enumerate(offsets):
-            v = np.ndarray((hi - lo, run), x.dtype, canvas, (lo * plane + off) * it, (plane * it, it))
-            for q in range(cg):
-                np.multiply(xf[lo:hi, q], wp[lo:hi, q, j, None], out=tmp)
-                v += tmp
+            for a, b, run in ((lo, cut, length), (cut, hi, last)):
+                if b > a:
+                    v = np.ndarray((b - a, run), x.dtype, canvas, a * step + off * it, (step, it))
+                    t = tmp[:b - a, :run]
+                    for q in range(cg):
+                        np.multiply(xf[a:b, q, :run], wu[a:b, q, j, None], out=t)
+                        v += t
 
-    _blocks(planes, run * cg, planes * run * cg * K, block)
+    _blocks(units, length * cg, units * length * cg * K, block, ((length,), x.dtype))
     # each output pixel j is canvas pixel pads + j, in the phase (pads + j) mod s
     phases = split.blocks(canvas)
-    y = np.empty((planes,) + tuple(out), dtype=x.dtype)
+    y = np.empty((n, group) + tuple(out), dtype=x.dtype)
+    yv = y.swapaxes(0, 1) if channel_major else y.reshape((planes, 1) + tuple(out))
     for index, phase in enumerate(_grid(s)):
-        dst, src = [slice(None)], [slice(None)]
+        dst, src = [slice(None)] * 2, [slice(None)] * 2
         for r, f, p, size in zip(phase, s, g["pb"], out, strict=True):
             first = (r - p) % f  # first output index in this phase
             if first >= size:
@@ -247,5 +308,5 @@ def conv_transpose(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarra
             dst.append(slice(first, size, f))
             src.append(slice((p + first - r) // f, (p + first - r) // f + count))
         else:
-            y[tuple(dst)] = phases[index][tuple(src)]
+            yv[tuple(dst)] = phases[index].reshape(yv.shape[:2] + tuple(split.sizes))[tuple(src)]
     return y.reshape((n, g["m"]) + tuple(out))
