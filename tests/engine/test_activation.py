@@ -142,3 +142,18 @@ def test_clamps_give_torchs_bits(dtype) -> None:
     assert relu_into(x[::2, ::3], out=out[::2, ::3]) is not None
     strided = np.ascontiguousarray(out[::2, ::3])
     np.testing.assert_array_equal(strided.view(np.uint8), torch.relu(t[::2, ::3]).numpy().view(np.uint8))
+
+
+def test_clamps_of_bfloat16_keep_maximum_and_minimum() -> None:
+    """bfloat16 (ml_dtypes), which numpy's clip has no loop for: the exact float32 results, rounded back."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from onnxtrain.engine.kernels.clamp import clamp, negative_part, relu_into
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    x = (np.random.default_rng(3).standard_normal(200) * 8).astype(bf16)
+    x32 = x.astype(np.float32)
+    lo, hi = bf16.type(-2), bf16.type(5)
+    for got, want in ((relu_into(x), np.maximum(x32, 0)), (clamp(x, lo, hi), np.clip(x32, -2, 5)),
+                      (clamp(x, None, hi), np.minimum(x32, 5)), (negative_part(x), np.minimum(x32, 0))):
+        assert got.dtype == bf16
+        np.testing.assert_array_equal(got.astype(np.float32), want)

@@ -19,39 +19,44 @@ try:  # the ufunc np.clip calls, without np.clip's Python layers (1.8 → 0.5 µ
 except ImportError:  # pragma: no cover - a numpy laid out otherwise
     clip_ufunc = np.clip
 
-_limits: dict[np.dtype, tuple[Any, Any, Any]] = {}
+_limits: dict[np.dtype, tuple[Any, Any, Any] | None] = {}
 
 
-def _limits_of(dtype: np.dtype) -> tuple[Any, Any, Any]:
-    """(lowest, zero, highest) of ``dtype`` as its scalars."""
-    lim = _limits.get(dtype)
-    if lim is None:
+def _limits_of(dtype: np.dtype) -> tuple[Any, Any, Any] | None:
+    """(lowest, zero, highest) of ``dtype`` as its scalars; None for a dtype numpy's ``clip`` has no loop
+    for (bfloat16 and the other ml_dtypes types, which keep ``maximum``/``minimum``)."""
+    if dtype not in _limits:
         t = dtype.type
         if dtype.kind == "f":
-            lim = (t(-np.inf), t(0), t(np.inf))
-        else:
+            _limits[dtype] = (t(-np.inf), t(0), t(np.inf))
+        elif dtype.kind in "iu":
             info = np.iinfo(dtype)
-            lim = (t(info.min), t(0), t(info.max))
-        _limits[dtype] = lim
-    return lim
+            _limits[dtype] = (t(info.min), t(0), t(info.max))
+        else:
+            _limits[dtype] = None
+    return _limits[dtype]
 
 
 def clamp(x: np.ndarray, lo: Any = None, hi: Any = None, out: np.ndarray | None = None) -> np.ndarray:
     """``x`` limited to ``[lo, hi]`` (None: no limit on that side), into ``out`` when given."""
-    if lo is None or hi is None:
-        low, _, high = _limits_of(x.dtype)
-        lo = low if lo is None else lo
-        hi = high if hi is None else hi
-    return clip_ufunc(x, lo, hi, out=out)
+    lim = _limits_of(x.dtype)
+    if lim is None:
+        y = x if lo is None else np.maximum(x, lo, out=out)
+        return y if hi is None else np.minimum(y, hi, out=out)
+    return clip_ufunc(x, lim[0] if lo is None else lo, lim[2] if hi is None else hi, out=out)
 
 
 def relu_into(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """max(x, 0) with a ufunc's signature (into ``out`` when given)."""
-    _, zero, high = _limits_of(x.dtype)
-    return clip_ufunc(x, zero, high, out=out)
+    lim = _limits_of(x.dtype)
+    if lim is None:
+        return np.maximum(x, x.dtype.type(0), out=out)
+    return clip_ufunc(x, lim[1], lim[2], out=out)
 
 
 def negative_part(x: np.ndarray) -> np.ndarray:
     """min(x, 0)."""
-    low, zero, _ = _limits_of(x.dtype)
-    return clip_ufunc(x, low, zero)
+    lim = _limits_of(x.dtype)
+    if lim is None:
+        return np.minimum(x, x.dtype.type(0))
+    return clip_ufunc(x, lim[0], lim[1])
