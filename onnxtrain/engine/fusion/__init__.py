@@ -19,6 +19,9 @@ r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph it
   projection) concatenates the pieces, checked at run time; the same bits;
 * **Sum as Adds**: a ``Sum`` becomes a chain of ``Add`` steps in the kernel's order (bit-identical), so that
   summing a tensor's gradient contributions joins the cluster that computes them;
+* **per-channel sums of products** (:mod:`~onnxtrain.engine.fusion.products`): ``ReduceSum(Mul(a, b))`` or
+  ``ReduceMean`` over every axis but 1 (BatchNorm's gradient) sums a·b per channel by BLAS dot products,
+  without writing the product;
 * **masked softmax** (:mod:`~onnxtrain.engine.fusion.masked_softmax`): ``Softmax(Where(mask, -inf, scores))``
   (causal attention) takes exp of the scores themselves and zeroes the masked entries, without building the
   masked copy or shifting by the row maxima;
@@ -58,6 +61,7 @@ from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_bia
 from onnxtrain.engine.fusion.inplace import fuse_inplace_activations
 from onnxtrain.engine.fusion.masked_softmax import fuse_masked_softmax
 from onnxtrain.engine.fusion.pads import fuse_pad_sums
+from onnxtrain.engine.fusion.products import fuse_channel_dots
 from onnxtrain.engine.fusion.select import fuse_lazy_selects
 from onnxtrain.engine.fusion.shapes import memoize_shape_steps
 
@@ -81,6 +85,7 @@ def fuse(plan: Plan) -> None:
     steps = fuse_conv_weight_grads(plan, steps)
     steps = fuse_pad_sums(plan, steps)
     steps = expand_sums(plan, steps)
+    steps = fuse_channel_dots(plan, steps)
     steps = fuse_masked_softmax(plan, steps)
     steps = fuse_lazy_selects(plan, steps)
     steps = fuse_elementwise(plan, steps)

@@ -16,6 +16,7 @@ from onnxtrain.engine.fusion.common import consumers, make_step, producers, prot
 from onnxtrain.engine.fusion.gemm import matmul_product_side
 from onnxtrain.engine.fusion.shapes import is_memoized
 from onnxtrain.engine.fusion.ufuncs import OWN_KERNEL_OPS, UFUNCS, compile_program, runs_as_ufunc
+from onnxtrain.engine.kernels.spread import spread, spread_shape
 from onnxtrain.engine.registry import Attrs, find_kernel
 
 if TYPE_CHECKING:
@@ -312,6 +313,7 @@ class Cluster:
         counts: dict[tuple, int] = {}
         held: list[tuple[int, tuple, int]] = []  # (end op, key, index)
         ops: list[tuple] = []
+        spread_of: dict[tuple[int, tuple], int] = {}  # (slot, shape) → the value copied out to that shape
         for k, st in enumerate(self.members):
             ins = [local[s] for s in st.inputs]
             if not fast[k]:
@@ -319,6 +321,13 @@ class Cluster:
             else:
                 ufunc, extra = UFUNCS[st.node.op_type]
                 out = st.outputs[0]
+                for j, s in enumerate(st.inputs):  # broadcast over small planes: copied out once (spread.py)
+                    shape = spread_shape(env[s].shape, env[out].shape) if len(st.inputs) > 1 else None
+                    if shape is not None:
+                        if (s, shape) not in spread_of:
+                            spread_of[s, shape] = len(local) + len(spread_of)
+                            ops.append((2, _spread_kernel, [local[s]], [spread_of[s, shape]], None, shape))
+                        ins[j] = spread_of[s, shape]
                 gid = group[out]
                 if k in reuse:
                     ops.append((3, ufunc, ins, local[out], local[reuse[k]], extra))
@@ -339,7 +348,7 @@ class Cluster:
                 free_bufs.setdefault(item[1], []).append(item[2])
         self.programs[sig] = [
             ops,
-            len(local) - len(self.ext),
+            len(local) + len(spread_of) - len(self.ext),
             [local[s] for s in self.escaping],
             None,
             -1,
@@ -347,6 +356,10 @@ class Cluster:
             blocked,  # None, or the blocked program for runs that donate (Blocked.for_donation)
         ]
         return [env[s] for s in self.escaping]
+
+
+def _spread_kernel(inputs: Sequence[Any], shape: tuple[int, ...]) -> tuple[np.ndarray]:
+    return (spread(inputs[0], shape),)
 
 
 # ---- groups of sibling clusters ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from onnxtrain.engine.kernels.clamp import clip_ufunc
+from onnxtrain.engine.kernels.spread import spread, spread_shape
 from onnxtrain.engine.parallel import for_rows, width
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
@@ -53,9 +54,27 @@ _UNARY_QUIET: list[tuple[str, int, Callable[..., Any]]] = [
 ]
 
 
+SPREAD_MIN = 1 << 15  # values of the larger operand from which a broadcast operand may be spread
+
+
+def spread_operands(a: Any, b: Any) -> tuple[Any, Any]:
+    """``a`` and ``b``, the one broadcast over small planes of the other copied out over them
+    (:mod:`onnxtrain.engine.kernels.spread`; the same values)."""
+    if type(a) is not np.ndarray or type(b) is not np.ndarray or a.shape == b.shape:
+        return a, b
+    big, small = (a, b) if a.size >= b.size else (b, a)
+    if big.size < SPREAD_MIN:
+        return a, b
+    shape = spread_shape(small.shape, big.shape)
+    if shape is None or np.broadcast_shapes(a.shape, b.shape) != big.shape:
+        return a, b
+    wide = spread(small, shape)
+    return (a, wide) if big is a else (wide, b)
+
+
 def _binary(fn: Callable[..., Any]) -> Callable[[Inputs, Attrs], Outputs]:
     def run(inputs: Inputs, attrs: Attrs) -> Outputs:
-        r = fn(inputs[0], inputs[1])
+        r = fn(*spread_operands(inputs[0], inputs[1]))
         return (r if type(r) is np.ndarray else np.asarray(r),)
 
     return run

@@ -12,6 +12,7 @@ import numpy as np
 from onnx import helper
 
 from onnxtrain.engine.kernels.reduce import channel_sum
+from onnxtrain.engine.kernels.spread import spread, spread_shape
 from onnxtrain.engine.parallel import for_rows
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
@@ -239,19 +240,22 @@ def layer_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
 # ---------------------------------------------------------------- batch / instance / group
 
 
-def _channel_shape(x: np.ndarray) -> tuple[int, ...]:
-    """Shape that broadcasts a per-channel vector against ``x`` (N, C, ...)."""
-    return (-1,) + (1,) * (x.ndim - 2)
+def _per_channel(v: np.ndarray, x3: np.ndarray) -> np.ndarray:
+    """The per-channel vector ``v`` as an operand of ``x3`` (N, C, L), of its dtype, laid out over the
+    planes where that pays (:mod:`onnxtrain.engine.kernels.spread`)."""
+    v = v.astype(x3.dtype, copy=False)[:, None]
+    shape = spread_shape(v.shape, x3.shape)
+    return v if shape is None else spread(v, shape)
 
 
 def _batch_norm_infer(x, scale, bias, mean, var, eps) -> np.ndarray:
     w = _work(x)
     a = (scale / np.sqrt(var + eps)).astype(w.dtype, copy=False)
     b = (bias - mean * a).astype(w.dtype, copy=False)
-    cs = _channel_shape(x)
-    y = np.multiply(w, a.reshape(cs))
-    y += b.reshape(cs)
-    return _back(y, x.dtype)
+    x3 = w.reshape(x.shape[0], x.shape[1], -1)
+    y = np.multiply(x3, _per_channel(a, x3))
+    y += _per_channel(b, x3)
+    return _back(y.reshape(x.shape), x.dtype)
 
 
 def _per_channel_sum(x3: np.ndarray, y3: np.ndarray | None = None) -> np.ndarray:
@@ -274,11 +278,10 @@ def _batch_norm_train(x, scale, bias, eps) -> tuple[np.ndarray, np.ndarray, np.n
     x3 = w.reshape(n, c, -1)
     count = x3.shape[0] * x3.shape[2]
     mean = _per_channel_sum(x3) / count
-    d = np.subtract(x3, mean[:, None])
+    d = np.subtract(x3, _per_channel(mean, x3))
     var = _per_channel_sum(d, d) / count
-    a = (scale / np.sqrt(var + eps)).astype(w.dtype, copy=False)
-    d *= a[:, None]
-    d += bias.astype(w.dtype, copy=False)[:, None]
+    d *= _per_channel(scale / np.sqrt(var + eps), x3)
+    d += _per_channel(bias, x3)
     return _back(d.reshape(x.shape), x.dtype), mean, var
 
 
