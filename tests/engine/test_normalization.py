@@ -181,6 +181,30 @@ def test_reduce_over_all_but_the_channel_axis_matches_float64(shape, op, keepdim
     np.testing.assert_allclose(y, exact, rtol=tol, atol=tol * np.abs(exact).max())
 
 
+@pytest.mark.parametrize("shape", [(512, 784), (300, 7, 11), (1000,), (5, 3)])
+@pytest.mark.parametrize("op", ["ReduceSumSquare", "ReduceL2"])
+@pytest.mark.parametrize("axes, keepdims", [(None, 0), (None, 1), ("all", 0)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sum_of_squares_over_every_axis_matches_float64(shape, op, axes, keepdims, dtype,
+                                                        monkeypatch) -> None:
+    """A gradient's squared norm (clipping) by BLAS dot products over rows, summed pairwise, as accurate
+    as numpy's pairwise sum of the squares; the path is taken from BLAS_SUM_MIN values on."""
+    from onnxtrain.engine.kernels import reduce
+
+    taken: list[bool] = []
+    real = reduce._all_sum_square
+    monkeypatch.setattr(reduce, "_all_sum_square", lambda *a: taken.append(True) or real(*a))
+    x = (_rng.standard_normal(shape) * 1e-3).astype(dtype)
+    ins = [x] if axes is None else [x, np.arange(len(shape), dtype=np.int64)[::-1].copy()]
+    (y,) = _ours(op, ins, 18, keepdims=keepdims)
+    exact = np.square(x.astype(np.float64)).sum(keepdims=bool(keepdims))
+    if op == "ReduceL2":
+        exact = np.sqrt(exact)
+    assert y.dtype == dtype and y.shape == exact.shape
+    np.testing.assert_allclose(y, exact, rtol=2e-7 if dtype == np.float32 else 1e-14)
+    assert taken and (real(x, None, bool(keepdims)) is not None) == (x.size >= reduce.BLAS_SUM_MIN)
+
+
 @pytest.mark.parametrize("op, expect", [("ReduceL1", [[1, 2]]), ("ReduceL2", [[1, 2]]),
                                         ("ReduceSumSquare", [[1, 4]]), ("ReduceSum", [[-1, 2]]),
                                         ("ReduceLogSumExp", [[-1, 2]])])
