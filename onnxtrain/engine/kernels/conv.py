@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from onnxtrain.engine.cblas import gemm
 from onnxtrain.engine.kernels import depthwise
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
@@ -171,15 +172,10 @@ def _shifted_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray
     keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], sizes, g["pb"], strict=True)]
     xp[(Ellipsis,) + tuple(slice(b, b + v) for b, v in zip(g["pb"], keep, strict=True))] = \
         x[(Ellipsis,) + tuple(slice(0, v) for v in keep)].swapaxes(0, 1)
-    wk = w.reshape(m, c, -1)
+    wk = np.ascontiguousarray(w.reshape(m, c, -1).transpose(2, 0, 1))  # (offset, m, c)
     y = np.empty((m, span), dtype=x.dtype)
-    part = np.empty_like(y)
-    for j, off in enumerate(offsets):
-        if j == 0:
-            np.matmul(wk[:, :, 0], buf[:, off:off + span], out=y)
-        else:
-            np.matmul(wk[:, :, j], buf[:, off:off + span], out=part)
-            y += part
+    for j, off in enumerate(offsets):  # each product added into y by BLAS as it is written (cblas.py)
+        gemm(wk[j], buf[:, off:off + span], y, accumulate=j > 0)
     y = y.reshape((m, n) + tuple(sizes))[(slice(None), slice(None)) + tuple(slice(0, o) for o in g["out"])]
     return np.ascontiguousarray(y.swapaxes(0, 1))
 
