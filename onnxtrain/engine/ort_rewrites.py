@@ -27,6 +27,9 @@ scores: 386 and 247 µs for the GPT decoder's two [16, 4, 64, 64] masks. It beco
 broadcasts fast: 91 + 14 and 38 + 14 µs (kernel times, profiled steps). The values are the same where x
 is finite; a masked x that is NaN or the opposite infinity gives NaN, and an unmasked −0 gives +0.
 
+A group-1 Conv's weight gradient, which the autodiff writes as a Conv with X's channels as its batch, becomes
+one MatMul per kernel offset on strided windows of X (:mod:`onnxtrain.engine.ort_conv_grads`).
+
 A BatchNormalization in inference mode that names running-statistics outputs nothing reads (the eval model
 onnxruntime-training's artifact generator writes for a model exported in training mode) loses them, even
 with onnxruntime's optimisations off: onnxruntime refuses to load the node otherwise ("should be 1 when
@@ -41,6 +44,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxtrain.engine.ort_conv_grads import conv_weight_grads
 from onnxtrain.ir.builder import NameGen, model_opset, static_shape, value_types
 from onnxtrain.ir.graphs import is_training_batch_norm, node_reads
 
@@ -62,6 +66,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> on
 
     if optimise:
         model = _infinite_fills(_mask_multiplies(_pool_indices(model, typed), typed))
+        model = conv_weight_grads(model, typed)
     return _inference_batch_norms(model)
 
 
