@@ -92,16 +92,18 @@ def _replacement(node: onnx.NodeProto, p: dict, names: NameGen,
 
     pt, pl, pb, pr = p["pads"]
     # the pads wait for dY (a false comparison of its first value, as an integer 0): reading X alone, the
-    # unfold would run as soon as onnxruntime could, long before its MatMul, and every layer's U would be
-    # alive at once (peak RSS of a ResNet step 158 → 318 MiB)
-    flat, first_value, never, zero, pads = (value(s) for s in ("flat_dy", "first", "never", "zero", "pads"))
+    # windows would be cut as soon as onnxruntime could, long before their MatMuls, and every layer's would
+    # be alive at once (peak RSS of a ResNet step 158 → 318 MiB)
+    flat, first_value, never, flag, zero, pads = (
+        value(s) for s in ("flat_dy", "first", "never", "flag", "zero", "pads"))
     inf = names(f"{base}/inf")
     model.graph.initializer.append(numpy_helper.from_array(np.array([np.inf], p["dtype"]), inf))
     padded, last = value("padded"), value("channels_last")
     nodes = [make("Reshape", [p["dy"], const("flat", [-1])], flat),
              make("Slice", [flat, const("first", [0]), const("one", [1])], first_value),
              make("Greater", [first_value, inf], never),
-             make("Cast", [never], zero, to=TensorProto.INT64),
+             make("Cast", [never], flag, to=TensorProto.INT64),
+             make("ReduceSum", [flag], zero, keepdims=1),  # [0] even for an empty dY
              make("Add", [zero, const("pads", [0, 0, pt, pl, 0, 0, pb, pr])], pads),
              make("Pad", [p["x"], pads], padded),
              make("Transpose", [padded], last, perm=[0, 2, 3, 1])]  # (N, Hp, Wp, C)
