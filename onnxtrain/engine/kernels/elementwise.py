@@ -54,17 +54,12 @@ _UNARY_QUIET: list[tuple[str, int, Callable[..., Any]]] = [
 ]
 
 
-SPREAD_MIN = 1 << 15  # values of the larger operand from which a broadcast operand may be spread
-
-
 def spread_operands(a: Any, b: Any) -> tuple[Any, Any]:
     """``a`` and ``b``, the one broadcast over small planes of the other copied out over them
     (:mod:`onnxtrain.engine.kernels.spread`; the same values)."""
     if type(a) is not np.ndarray or type(b) is not np.ndarray or a.shape == b.shape:
         return a, b
     big, small = (a, b) if a.size >= b.size else (b, a)
-    if big.size < SPREAD_MIN:
-        return a, b
     shape = spread_shape(small.shape, big.shape)
     if shape is None or np.broadcast_shapes(a.shape, b.shape) != big.shape:
         return a, b

@@ -15,13 +15,16 @@ import numpy as np
 
 MIN_IMAGES = 4  # leading extent (the images) from which the copy pays for itself
 MAX_RUN = 4096  # values per inner loop from which the calls no longer matter
+MIN_VALUES = 1 << 15  # values of the result below which the copy's own call costs more than it saves
 
 
 def spread_shape(operand: tuple[int, ...], result: tuple[int, ...]) -> tuple[int, ...] | None:
     """The shape to copy an operand of shape ``operand`` out to when it is broadcast against ``result``,
     or None when numpy walks it well as it is: constant along the leading axis, varying along some middle
-    axis, broadcast along a trailing run shorter than :data:`MAX_RUN`, in many loops."""
-    if len(result) < 3 or len(operand) > len(result) or result[0] < MIN_IMAGES:
+    axis, broadcast along a trailing run shorter than :data:`MAX_RUN`, against at least
+    :data:`MIN_VALUES` values."""
+    if (len(result) < 3 or len(operand) > len(result) or result[0] < MIN_IMAGES
+            or math.prod(result) < MIN_VALUES):
         return None
     shape = (1,) * (len(result) - len(operand)) + tuple(operand)
     if shape[0] != 1 or math.prod(shape) <= 1:
