@@ -68,8 +68,8 @@ def _plan(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto], types: dict)
     if (min(k) < 1 or positions > MAX_POSITIONS or positions >= ho * wo
             or positions * c * ho * wo * np.dtype(dtype).itemsize > MAX_SAMPLE_BYTES):
         return None
-    return {"x": x, "dy": dy, "c": c, "o": o, "out": (ho, wo), "k": k, "sigma": sigma, "delta": delta,
-            "pads": pads, "dtype": dtype}
+    return {"x": x, "dy": dy, "c": c, "in": (h, w), "o": o, "out": (ho, wo), "k": k, "sigma": sigma,
+            "delta": delta, "pads": pads, "dtype": dtype}
 
 
 def _replacement(node: onnx.NodeProto, p: dict, names: NameGen,
@@ -91,24 +91,30 @@ def _replacement(node: onnx.NodeProto, p: dict, names: NameGen,
         return helper.make_node(op, ins, [out], name=names(f"{base}/{op}"), **attrs)
 
     pt, pl, pb, pr = p["pads"]
-    # the pads wait for dY (a false comparison of its first value, as an integer 0): reading X alone, the
-    # windows would be cut as soon as onnxruntime could, long before their MatMuls, and every layer's would
-    # be alive at once (peak RSS of a ResNet step 158 → 318 MiB)
-    flat, first_value, never, flag, zero, pads = (
-        value(s) for s in ("flat_dy", "first", "never", "flag", "zero", "pads"))
+    c, o, q = p["c"], p["o"], ho * wo
+    # X waits for dY (a false comparison of dY's first value, as an integer 0 added to X's own shape, which
+    # a Reshape takes): reading X alone, the windows would be cut as soon as onnxruntime could, long before
+    # their MatMuls, and every layer's would be alive at once (peak RSS of a ResNet step 158 → 318 MiB)
+    flat, first_value, never, flag, zero, x_shape, held = (
+        value(s) for s in ("flat_dy", "first", "never", "flag", "zero", "x_shape", "held"))
     inf = names(f"{base}/inf")
     model.graph.initializer.append(numpy_helper.from_array(np.array([np.inf], p["dtype"]), inf))
-    padded, last = value("padded"), value("channels_last")
     nodes = [make("Reshape", [p["dy"], const("flat", [-1])], flat),
              make("Slice", [flat, const("first", [0]), const("one", [1])], first_value),
              make("Greater", [first_value, inf], never),
              make("Cast", [never], flag, to=TensorProto.INT64),
              make("ReduceSum", [flag], zero, keepdims=1),  # [0] even for an empty dY
-             make("Add", [zero, const("pads", [0, 0, pt, pl, 0, 0, pb, pr])], pads),
-             make("Pad", [p["x"], pads], padded),
-             make("Transpose", [padded], last, perm=[0, 2, 3, 1])]  # (N, Hp, Wp, C)
-    axes, steps, new_axis = const("axes", [1, 2]), const("steps", delta), const("new_axis", [3])
-    c, o, q = p["c"], p["o"], ho * wo
+             make("Add", [zero, const("x_dims", [0, c, *p["in"]])], x_shape),
+             make("Reshape", [p["x"], x_shape], held)]
+    if any(p["pads"]):
+        padded = value("padded")
+        nodes.append(make("Pad", [held, const("pads", [0, 0, pt, pl, 0, 0, pb, pr])], padded))
+        held = padded
+    last = value("channels_last")
+    nodes.append(make("Transpose", [held], last, perm=[0, 2, 3, 1]))  # (N, Hp, Wp, C)
+    full = [p["in"][0] + pt + pb, p["in"][1] + pl + pr]
+    new_axis = const("new_axis", [3])
+    slicing: list[str] = []  # the Slices' axes and steps, made when a window needs them
     dy2 = value("dy")
     nodes.append(make("Reshape", [p["dy"], const("dy_shape", [-1, o, q])], dy2))
     rows_shape = const("rows_shape", [-1, q, c])
@@ -119,9 +125,13 @@ def _replacement(node: onnx.NodeProto, p: dict, names: NameGen,
                                                                              "lifted"))
             first = [i * sigma[0], j * sigma[1]]
             stop = [first[0] + (ho - 1) * delta[0] + 1, first[1] + (wo - 1) * delta[1] + 1]
-            bounds = [const("start", first), const("stop", stop)]
-            nodes += [make("Slice", [last, *bounds, axes, steps], window),  # (N, Ho, Wo, C)
-                      make("Reshape", [window, rows_shape], rows),
+            if first == [0, 0] and stop == full and delta == [1, 1]:
+                window = last  # the whole input (a 1×1 kernel): no Slice's copy
+            else:
+                slicing = slicing or [const("axes", [1, 2]), const("steps", delta)]
+                bounds = [const("start", first), const("stop", stop)]
+                nodes.append(make("Slice", [last, *bounds, *slicing], window))  # (N, Ho, Wo, C)
+            nodes += [make("Reshape", [window, rows_shape], rows),
                       make("MatMul", [dy2, rows], product),  # (N, O, C)
                       make("Unsqueeze", [product, new_axis], lifted)]
             products.append(lifted)
