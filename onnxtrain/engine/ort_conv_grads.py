@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxtrain.ir.attrs import parse_attributes
 from onnxtrain.ir.builder import NameGen, model_opset, static_shape
 from onnxtrain.ir.graphs import node_reads
 
@@ -36,20 +37,17 @@ _FLOATS = {TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64}
 _SWAP = [1, 0, 2, 3]
 
 
-def _ints(node: onnx.NodeProto, name: str, default: list[int]) -> list[int]:
-    return next((list(a.ints) for a in node.attribute if a.name == name), default)
-
-
-def _plan(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto], types: dict) -> dict | None:
+def _plan(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto], types: dict,
+          opset: int) -> dict | None:
     """What the rewrite of ``node`` needs when it is a weight-gradient Conv it can take, else None."""
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
         return None
-    if next((a.i for a in node.attribute if a.name == "group"), 1) != 1:
-        return None
-    if next((a.s for a in node.attribute if a.name == "auto_pad"), b"NOTSET") not in (b"NOTSET", b""):
+    a = parse_attributes(node, opset)
+    if a["group"] != 1 or a["auto_pad"] not in ("NOTSET", ""):
         return None
     sources = [made_by.get(i) for i in node.input]
-    if any(t is None or t.op_type != "Transpose" or _ints(t, "perm", []) != _SWAP for t in sources):
+    if any(t is None or t.op_type != "Transpose" or parse_attributes(t, opset)["perm"] != _SWAP
+           for t in sources):
         return None
     x, dy = (t.input[0] for t in sources)
     xs, ds = static_shape(types, x), static_shape(types, dy)
@@ -59,8 +57,7 @@ def _plan(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto], types: dict)
         return None
     c, h, w = xs[1:]
     o, ho, wo = ds[1:]
-    sigma, delta = _ints(node, "strides", [1, 1]), _ints(node, "dilations", [1, 1])
-    pads = _ints(node, "pads", [0, 0, 0, 0])
+    sigma, delta, pads = a["strides"] or [1, 1], a["dilations"] or [1, 1], a["pads"] or [0, 0, 0, 0]
     k = [(size + pads[i] + pads[i + 2] - (out - 1) * delta[i] - 1) // sigma[i] + 1
          for i, (size, out) in enumerate(((h, ho), (w, wo)))]
     positions = k[0] * k[1]
@@ -74,7 +71,8 @@ def _plan(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto], types: dict)
 
 def _replacement(node: onnx.NodeProto, p: dict, names: NameGen,
                  model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """The nodes computing ``node``'s output by the unfold and MatMul (initializers added to ``model``)."""
+    """The nodes computing ``node``'s output by one MatMul per kernel offset (initializers added to
+    ``model``)."""
     k = p["k"]
     (ho, wo), sigma, delta = p["out"], p["sigma"], p["delta"]
     base = node.name or "Conv"
@@ -155,10 +153,12 @@ def conv_weight_grads(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx
             made_by.get(i) is not None and made_by[i].op_type == "Transpose" for i in n.input)
             for n in model.graph.node):
         return model
-    if model_opset(model) < 13:  # Unsqueeze and ReduceSum with their axes as inputs
+    opset = model_opset(model)
+    if opset < 13:  # Unsqueeze and ReduceSum with their axes as inputs
         return model
     types = typed()
-    plans = {k: p for k, n in enumerate(model.graph.node) if (p := _plan(n, made_by, types)) is not None}
+    plans = {k: p for k, n in enumerate(model.graph.node)
+             if (p := _plan(n, made_by, types, opset)) is not None}
     if not plans:
         return model
     out = onnx.ModelProto()
