@@ -164,15 +164,21 @@ def parallel_for(n: int, fn: Callable[[int], None]) -> None:
         raise job.error
 
 
-def for_rows(rows: int, work: int, fn: Callable[[int, int], None], align: int = 1) -> None:
-    """Call ``fn(lo, hi)`` on ranges of ``rows`` independent rows covering them all, one range per thread
-    when ``work`` (elements, or any measure proportional to the time) makes parts of :data:`MIN_ROWS_WORK`
-    or more, else ``fn(0, rows)`` here. Ranges start at multiples of ``align``."""
+def row_ranges(rows: int, work: int, align: int = 1) -> list[tuple[int, int]]:
+    """The ranges :func:`for_rows` gives its threads: one per thread when ``work`` (elements, or any measure
+    proportional to the time) makes parts of :data:`MIN_ROWS_WORK` or more, else ``[(0, rows)]``. Ranges
+    start at multiples of ``align``."""
     parts = min(width(), rows, work // MIN_ROWS_WORK)
-    if parts <= 1:
-        fn(0, rows)
+    return [(0, rows)] if parts <= 1 else split(rows, parts, align)
+
+
+def for_rows(rows: int, work: int, fn: Callable[[int, int], None], align: int = 1) -> None:
+    """Call ``fn(lo, hi)`` on ranges of ``rows`` independent rows covering them all (:func:`row_ranges`),
+    each on a thread of the run's, the first here."""
+    ranges = row_ranges(rows, work, align)
+    if len(ranges) == 1:
+        fn(*ranges[0])
         return
-    ranges = split(rows, parts, align)
     parallel_for(len(ranges), lambda i: fn(*ranges[i]))
 
 

@@ -38,11 +38,12 @@ DEPTHWISE = [
 def _small(monkeypatch, block: int = 256) -> list[bool]:
     """These small cases through the kernels of depthwise.py, in blocks of ``block`` elements; returns the
     list that each depthwise call appends its layout to (True: channel-major)."""
+    from onnxtrain.engine import parallel
     from onnxtrain.engine.kernels import depthwise
 
-    for name, value in (("BLOCK", block), ("MIN_DEPTHWISE", 0), ("MIN_TRANSPOSED", 0), ("MIN_WINDOW", 0),
-                        ("MIN_ROWS_WORK", 1)):  # two threads split even these small cases
+    for name, value in (("BLOCK", block), ("MIN_DEPTHWISE", 0), ("MIN_TRANSPOSED", 0), ("MIN_WINDOW", 0)):
         monkeypatch.setattr(depthwise, name, value)
+    monkeypatch.setattr(parallel, "MIN_ROWS_WORK", 1)  # two threads split even these small cases
     layouts: list[bool] = []
     lanes = depthwise._lanes
 

@@ -1,6 +1,6 @@
 """Per-channel sums of products: ``ReduceSum(Mul(a, b))`` (or ``ReduceMean``) over every axis but axis 1,
 whose product nothing else reads, becomes one step that sums a·b per channel by BLAS dot products
-(:func:`onnxtrain.engine.kernels.reduce.channel_sum`) without writing the product: BatchNorm's gradient
+(:func:`onnxtrain.engine.kernels.reduce.channel_axes_sum`) without writing the product: BatchNorm's gradient
 takes Σ dY·(X − mean) and Σ (X − mean)² that way, each a pass and an activation-sized array fewer. The sums
 differ from the unfused ones by rounding only (each product is no longer rounded before it is added)."""
 
@@ -19,7 +19,7 @@ from onnxtrain.engine.fusion.common import (
     protected_slots,
     run_steps,
 )
-from onnxtrain.engine.kernels.reduce import channel_sum
+from onnxtrain.engine.kernels.reduce import channel_axes_sum
 from onnxtrain.engine.registry import Attrs
 
 if TYPE_CHECKING:
@@ -73,12 +73,12 @@ def _channel_dot(plan: Plan, members: list[Step], ins: Sequence[int], axes: list
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         a, b = inputs[0], inputs[1]
         if (type(a) is np.ndarray and type(b) is np.ndarray and a.shape == b.shape and a.dtype == b.dtype
-                and a.ndim >= 3 and a.size and sorted(x % a.ndim for x in axes) == [0, *range(2, a.ndim)]):
-            y = channel_sum(a, b)
+                and a.size):
+            y = channel_axes_sum(a, axes, keepdims, other=b)
             if y is not None:
                 if mean:
                     y /= a.size // a.shape[1]
-                return (y.reshape((1, a.shape[1]) + (1,) * (a.ndim - 2)) if keepdims else y,)
+                return (y,)
         env = dict(zip(ins, inputs))
         run_steps(plan, members, env)
         return (env[out],)

@@ -30,8 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxtrain.engine.parallel import MIN_ROWS_WORK, parallel_for, width
-from onnxtrain.engine.parallel import split as ranges
+from onnxtrain.engine.parallel import parallel_for, row_ranges
 
 BLOCK = 1 << 16  # output elements of a block of planes: its operands stay in a core's cache
 # below these sizes im2col and a batched matmul cost less than the Python loop over kernel offsets
@@ -60,7 +59,7 @@ def _blocks(units: int, per_unit: int, work: int, fn: Callable[..., None],
     16 × 144 × 16² depthwise forward 2.2 ms against 1.6 on two threads); ``edge``: ``hi`` ends one of several
     threads' parts, so whatever lies past unit ``hi - 1`` may be another thread's."""
     rows = max(1, BLOCK // max(per_unit, 1))
-    parts = ranges(units, max(1, min(width(), units, work // MIN_ROWS_WORK)))
+    parts = row_ranges(units, work)
     buffers = [np.empty((min(rows, hi - lo),) + scratch[0], scratch[1]) if scratch else None
                for lo, hi in parts]
     shared = len(parts) > 1
@@ -85,7 +84,7 @@ def _cached(g: dict[str, Any], key: str, make: Callable[[], Any]) -> Any:
 
 class _Phases:
     """An image of ``sizes`` per plane split by ``factor`` per axis into phases of ``sizes``/factor
-    (rounded up), each phase a block of ``planes`` planes, laid out flat (with a row of zeros after when
+    (rounded up), each phase a block of ``planes`` planes, laid out flat (with a plane of zeros after when
     ``tail``: reads of a whole plane from any offset in a plane stay inside)."""
 
     def __init__(self, planes: int, sizes: Sequence[int], factor: Sequence[int], tail: bool = False):
@@ -164,6 +163,15 @@ def _lanes(n: int, c: int, plane: int) -> tuple[bool, int, int]:
     return False, n * c, 1
 
 
+def _unit_weights(w: np.ndarray, n: int, c: int, per: int, channel_major: bool) -> np.ndarray:
+    """The weights (C·per, 1, K…) of ``c`` channels or groups as (unit, per, K) for the layout of
+    :func:`_lanes`: a unit's own when channel-major, else copied out to each of the ``n`` images' planes."""
+    wc = w.reshape(c, per, -1)
+    if channel_major:
+        return wc
+    return np.ascontiguousarray(np.broadcast_to(wc, (n,) + wc.shape)).reshape(n * c, per, -1)
+
+
 def _depthwise(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     """y[p, j, o] = Σ_κ w[c(p)·mult + j, 0, κ] · xpad[p, o·s + κ·d]: per kernel offset one product with
     one weight per plane over the run of its phase, added up in kernel order."""
@@ -177,11 +185,7 @@ def _depthwise(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     # a channel's planes whole, one contiguous run (the rows past out[0] junk); a lone plane only to out[0],
     # which measured faster for large planes (16 × 144 × 56²: 22.5 against 30.8 ms for whole planes)
     length = per_unit * plane if channel_major else out[0] * split.row
-    if channel_major:
-        wu = w.reshape(c, mult, K)
-    else:
-        wu = np.ascontiguousarray(np.broadcast_to(w.reshape(1, c, mult, K), (n, c, mult, K)))
-        wu = wu.reshape(planes, mult, K)
+    wu = _unit_weights(w, n, c, mult, channel_major)
     y = np.empty((units, mult, length), dtype=x.dtype)
     step = per_unit * plane * it
 
@@ -274,11 +278,7 @@ def conv_transpose(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarra
     # edge), the unit's last plane stops at its last pixel (whole runs measured up to 2x faster than runs so
     # cut, which numpy cannot walk as one)
     last = length - plane + sum((v - 1) * st for v, st in zip(in_sp, split.steps, strict=True)) + 1
-    if channel_major:
-        wu = w.reshape(group, cg, K)
-    else:
-        wu = np.ascontiguousarray(np.broadcast_to(w.reshape(1, group, cg, K), (n, group, cg, K)))
-        wu = wu.reshape(planes, cg, K)
+    wu = _unit_weights(w, n, group, cg, channel_major)
     canvas = np.zeros(split.length, dtype=x.dtype)
     step = length * it
 

@@ -148,11 +148,13 @@ def channel_sum(w: np.ndarray, other: np.ndarray | None = None) -> np.ndarray | 
     return np.add.reduce(rows.reshape(n, c), axis=0)
 
 
-def _channel_sum(w: np.ndarray, axes: Any, keepdims: bool) -> np.ndarray | None:
-    """:func:`channel_sum` when ``axes`` are every axis but 1 (BatchNorm's statistics and their gradients)."""
+def channel_axes_sum(w: np.ndarray, axes: Any, keepdims: bool,
+                     other: np.ndarray | None = None) -> np.ndarray | None:
+    """:func:`channel_sum` (of ``w`` or of ``w·other``) when ``axes`` are every axis but 1 (BatchNorm's
+    statistics and their gradients), shaped as the reduction's result; None otherwise."""
     if axes is None or sorted(a % w.ndim for a in axes) != [0, *range(2, w.ndim)]:
         return None
-    y = channel_sum(w)
+    y = channel_sum(w, other)
     return y if y is None or not keepdims else y.reshape((1, w.shape[1]) + (1,) * (w.ndim - 2))
 
 
@@ -162,7 +164,7 @@ def _sum(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
     if y is None:
         y = _leading_axes_sum(w, axes, keepdims)
     if y is None:
-        y = _channel_sum(w, axes, keepdims)
+        y = channel_axes_sum(w, axes, keepdims)
     return np.sum(w, axis=axes, keepdims=keepdims, dtype=w.dtype) if y is None else y
 
 
@@ -176,7 +178,7 @@ def _mean(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
         return y
     if axes is None or w.dtype.kind != "f":
         return np.mean(w, axis=axes, keepdims=keepdims, dtype=w.dtype)
-    y = _channel_sum(w, axes, keepdims)
+    y = channel_axes_sum(w, axes, keepdims)
     if y is not None:
         y /= w.size // w.shape[1]
         return y
