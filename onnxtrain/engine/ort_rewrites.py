@@ -30,6 +30,10 @@ is finite; a masked x that is NaN or the opposite infinity gives NaN, and an unm
 A group-1 Conv's weight gradient, which the autodiff writes as a Conv with X's channels as its batch, becomes
 one MatMul per kernel offset on strided windows of X (:mod:`onnxtrain.engine.ort_conv_grads`).
 
+A ``SoftmaxCrossEntropyLoss`` of 2-D scores, which onnxruntime runs as ONNX's function body with its
+LogSoftmax over a middle axis, becomes a LogSoftmax over the last axis and a gather of the labels' column
+(:mod:`onnxtrain.engine.ort_losses`): the GPT decoder's loss 770 → 122 µs, the same bits.
+
 A BatchNormalization in inference mode that names running-statistics outputs nothing reads (the eval model
 onnxruntime-training's artifact generator writes for a model exported in training mode) loses them, even
 with onnxruntime's optimisations off: onnxruntime refuses to load the node otherwise ("should be 1 when
@@ -45,6 +49,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.engine.ort_conv_grads import conv_weight_grads
+from onnxtrain.engine.ort_losses import softmax_cross_entropy_losses
 from onnxtrain.ir.builder import NameGen, model_opset, static_shape, value_types
 from onnxtrain.ir.graphs import is_training_batch_norm, node_reads
 
@@ -67,6 +72,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> on
     if optimise:
         model = _infinite_fills(_mask_multiplies(_pool_indices(model, typed), typed))
         model = conv_weight_grads(model, typed)
+        model = softmax_cross_entropy_losses(model, typed)
     return _inference_batch_norms(model)
 
 
