@@ -15,9 +15,8 @@ from collections.abc import Mapping
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
-from onnxtrain.ir.graphs import node_reads
+from onnxtrain.ir.graphs import constant_arrays, node_reads
 from onnxtrain.ir.types import value_info_shape
 
 # nodes whose output is a new buffer, element i computed from the inputs' elements i (after broadcasting).
@@ -94,14 +93,7 @@ def safe_updates(model: onnx.ModelProto, updates: Mapping[str, str]) -> dict[str
 def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """Values of the initializers and Constant nodes that are operands of :data:`NEUTRAL` ops, by name."""
     g = model.graph
-    wanted = {i for n in g.node if n.op_type in NEUTRAL for i in n.input}
-    out = {t.name: numpy_helper.to_array(t) for t in g.initializer if t.name in wanted}
-    for n in g.node:
-        if n.op_type == "Constant" and n.output and n.output[0] in wanted:
-            value = next((a.t for a in n.attribute if a.name == "value"), None)
-            if value is not None:
-                out[n.output[0]] = numpy_helper.to_array(value)
-    return out
+    return constant_arrays(g, {i for n in g.node if n.op_type in NEUTRAL for i in n.input})
 
 
 def _does_nothing(node: onnx.NodeProto, consts: Mapping[str, np.ndarray]) -> bool:

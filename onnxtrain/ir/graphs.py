@@ -1,12 +1,14 @@
 """Graph structure that node inputs alone do not show: the values a control-flow node's bodies read from
-the graphs around them ("captures"). Passes that prune or follow dependencies read :func:`node_reads`."""
+the graphs around them ("captures"). Passes that prune or follow dependencies read :func:`node_reads`;
+constant values by name: :func:`constant_arrays`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
+import numpy as np
 import onnx
-from onnx import AttributeProto
+from onnx import AttributeProto, numpy_helper
 
 # ops that draw random values: a run of them cannot be repeated or shared (recompute, CSE, pipeline stages)
 RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
@@ -182,3 +184,14 @@ def model_for_outputs(model: onnx.ModelProto, outputs: Iterable[str]) -> onnx.Mo
     result.CopyFrom(model)
     result.graph.CopyFrom(graph)
     return result
+
+
+def constant_arrays(graph: onnx.GraphProto, wanted: Collection[str]) -> dict[str, np.ndarray]:
+    """Values of the initializers and Constant nodes (their ``value`` attribute) named in ``wanted``."""
+    out = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.name in wanted}
+    for n in graph.node:
+        if n.op_type == "Constant" and n.output and n.output[0] in wanted:
+            value = next((a.t for a in n.attribute if a.name == "value"), None)
+            if value is not None:
+                out[n.output[0]] = numpy_helper.to_array(value)
+    return out

@@ -1,0 +1,93 @@
+"""ReduceSum over leading axes rewritten for onnxruntime as products with ones (onnxtrain/engine/ort_sums.py):
+the float64 sum within float32 rounding, onnxruntime's own ReduceSum no closer, and the shapes it gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.engine.ort_rewrites import rewrite_for_onnxruntime
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def sum_model(shape: list, axes: list[int], keepdims: int = 0, elem: int = TensorProto.FLOAT,
+              opset: int = 17, constant_node: bool = False) -> onnx.ModelProto:
+    """x → ReduceSum(x, axes) → y, the axes an initializer or a Constant node."""
+    nodes = []
+    inits = []
+    value = numpy_helper.from_array(np.array(axes, np.int64), "axes")
+    if constant_node:
+        nodes.append(helper.make_node("Constant", [], ["axes"], value=value))
+    else:
+        inits.append(value)
+    nodes.append(helper.make_node("ReduceSum", ["x", "axes"], ["y"], name="sum", keepdims=keepdims))
+    g = helper.make_graph(nodes, "sum", [helper.make_tensor_value_info("x", elem, shape)],
+                          [helper.make_tensor_value_info("y", elem, None)], inits)
+    return onnx.shape_inference.infer_shapes(
+        helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=9))
+
+
+def run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("shape,axes,keepdims,batches", [
+    (["N", 64, 512], [0, 1], 0, (16, 1, 3)),      # a transformer's bias gradient: MatMul + ReduceSum
+    (["N", 64, 512], [1, 0], 1, (2,)),            # keepdims, axes in any order
+    ([32, 256], [0], 0, (32,)),                   # all static: one product
+    ([4, 8, 8, 96], [-4, -3, -2], 0, (4,)),       # all static, reshaped
+    (["N", 4, 16, 128], [0, 1, 2], 0, (5,)),      # dynamic batch, two static dims into the product
+    (["N", 64, 8, 16], [0, 1], 1, (3,)),          # several trailing dims
+])
+@pytest.mark.parametrize("elem", [TensorProto.FLOAT, TensorProto.DOUBLE])
+def test_leading_sums_by_products_with_ones(shape, axes, keepdims, batches, elem) -> None:
+    model = sum_model(shape, axes, keepdims, elem)
+    new = rewrite_for_onnxruntime(model)
+    onnx.checker.check_model(new, full_check=True)
+    ops = [n.op_type for n in new.graph.node]
+    assert "MatMul" in ops, ops
+    assert "axes" not in {t.name for t in new.graph.initializer}  # read by nothing now
+    dtype = helper.tensor_dtype_to_np_dtype(elem)
+    rng = np.random.default_rng(0)
+    for n in batches:
+        x = rng.standard_normal([n if isinstance(d, str) else d for d in shape]).astype(dtype)
+        want = x.astype(np.float64).sum(axis=tuple(a % len(shape) for a in axes), keepdims=bool(keepdims))
+        got, theirs = run(new, x), run(model, x)
+        assert got.shape == theirs.shape == want.shape and got.dtype == dtype
+        eps = np.finfo(dtype).eps
+        bound = eps * np.sqrt(x.size / want.size) * 8 * np.abs(x).max()
+        assert np.abs(got - want).max() <= max(bound, np.abs(theirs - want).max())
+
+
+@pytest.mark.parametrize("shape,axes", [
+    (["N", 64, 512], [1]),          # not the leading axes
+    (["N", 64, 512], [0, 2]),
+    (["N", 64, 10], [0, 1]),        # too few trailing values
+    (["N", "S", 512], [0, 1]),      # no static leading dim
+    (["N", 2, 512], [0, 1]),        # too few static rows
+    (["N", 64, "C"], [0, 1]),       # unknown trailing dim
+    ([64, 512], [0, 1]),            # every axis
+])
+def test_other_sums_are_left_alone(shape, axes) -> None:
+    model = sum_model(shape, axes)
+    assert rewrite_for_onnxruntime(model) is model
+
+
+def test_an_axes_constant_read_elsewhere_stays_and_old_opsets_are_left_alone() -> None:
+    model = sum_model(["N", 64, 512], [0, 1], constant_node=True)
+    model.graph.node.append(helper.make_node("Identity", ["axes"], ["z"], name="other"))
+    model.graph.output.append(helper.make_tensor_value_info("z", TensorProto.INT64, [2]))
+    new = rewrite_for_onnxruntime(model)
+    onnx.checker.check_model(new, full_check=True)
+    assert [n.op_type for n in new.graph.node].count("Constant") == 1
+    x = np.random.default_rng(1).standard_normal((3, 64, 512)).astype(np.float32)
+    sess = ort.InferenceSession(new.SerializeToString(), providers=["CPUExecutionProvider"])
+    y, z = sess.run(None, {"x": x})
+    np.testing.assert_allclose(y, x.sum((0, 1)), rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(z, [0, 1])
+    old = sum_model(["N", 64, 512], [0, 1], opset=12)
+    assert rewrite_for_onnxruntime(old) is old
