@@ -10,6 +10,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.graphs import walk_graphs
+from onnxtrain.ir.slices import refined_slices
 from onnxtrain.ir.types import np_dtype
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
@@ -142,9 +143,32 @@ def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    """Type (element type and shape where known) of every value, from ONNX shape inference."""
+    """Type (element type and shape where known) of every value, from ONNX shape inference, with a second
+    round where a Slice's unsliced dims are known though inference lost them (:mod:`onnxtrain.ir.slices`)."""
+    skeleton = _skeleton(model)
+    types = _inferred_types(model, skeleton)
+    known: dict[str, onnx.ValueInfoProto] = {}
+    for _ in range(_SLICE_ROUNDS):  # a slice of a slice learns its dims in the next round
+        refined = [v for v in refined_slices(model, types, model_opset(model))
+                   if v.name not in known or known[v.name] != v]
+        if not refined:
+            break
+        known.update((v.name, v) for v in refined)
+        again = onnx.ModelProto()
+        again.CopyFrom(skeleton)
+        kept = [v for v in again.graph.value_info if v.name not in known]
+        del again.graph.value_info[:]
+        again.graph.value_info.extend([*kept, *known.values()])
+        types = _inferred_types(model, again)
+    return types
+
+
+_SLICE_ROUNDS = 4
+
+
+def _inferred_types(model: onnx.ModelProto, skeleton: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     try:
-        inferred = onnx.shape_inference.infer_shapes(_skeleton(model), strict_mode=False, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
     except Exception:
         inferred = model
     g = inferred.graph
