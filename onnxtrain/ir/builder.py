@@ -146,7 +146,8 @@ def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """Type (element type and shape where known) of every value, from ONNX shape inference, with a second
     round where a Slice's unsliced dims are known though inference lost them (:mod:`onnxtrain.ir.slices`)."""
     skeleton = _skeleton(model)
-    types = _inferred_types(model, skeleton)
+    types = _inferred_types(model, skeleton, model)
+    assert types is not None  # a fallback was given
     known: dict[str, onnx.ValueInfoProto] = {}
     for _ in range(_SLICE_ROUNDS):  # a slice of a slice learns its dims in the next round
         refined = [v for v in refined_slices(model, types, model_opset(model))
@@ -159,18 +160,26 @@ def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
         kept = [v for v in again.graph.value_info if v.name not in known]
         del again.graph.value_info[:]
         again.graph.value_info.extend([*kept, *known.values()])
-        types = _inferred_types(model, again)
+        before = types
+        types = _inferred_types(model, again, None)
+        if types is None:  # the refined round failed: keep what the rounds before gave
+            return before
     return types
 
 
 _SLICE_ROUNDS = 4
 
 
-def _inferred_types(model: onnx.ModelProto, skeleton: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+def _inferred_types(model: onnx.ModelProto, skeleton: onnx.ModelProto,
+                    fallback: onnx.ModelProto | None) -> dict[str, onnx.TypeProto] | None:
+    """The types inference gives ``skeleton`` (``model``'s initializers and constants included); where it
+    fails, those ``fallback``'s value infos declare, or None without a fallback."""
     try:
         inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
     except Exception:
-        inferred = model
+        if fallback is None:
+            return None
+        inferred = fallback
     g = inferred.graph
     types: dict[str, onnx.TypeProto] = {}
     for v in (*g.value_info, *g.input, *g.output):

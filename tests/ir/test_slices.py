@@ -93,3 +93,23 @@ def test_masked_scores_gradient_has_no_runtime_broadcast_and_is_right(opset) -> 
     rng = np.random.default_rng(0)
     feeds = {"s": rng.standard_normal((3, 2, T, T)), "w": rng.standard_normal((2, T, T))}
     gradcheck(to_float64(model), "loss", ["s", "w"], feeds, rtol=1e-6, atol=1e-9)
+
+
+def test_a_refined_round_that_fails_keeps_the_first_rounds_types(monkeypatch) -> None:
+    model = masked_scores()
+    real = onnx.shape_inference.infer_shapes
+    calls = []
+
+    def failing_after_the_first(m, **kw):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("inference failed")
+        return real(m, **kw)
+
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", failing_after_the_first)
+    types = value_types(model)
+    assert len(calls) == 2
+    plain = real(model, strict_mode=False, data_prop=True)
+    assert symbolic_shape(types, "masked") == symbolic_shape({v.name: v.type for v in plain.graph.value_info},
+                                                             "masked")
+    assert symbolic_shape(types, "p") is not None  # not the bare model's (no value infos at all)
