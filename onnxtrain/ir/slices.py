@@ -43,9 +43,12 @@ def refined_slices(model: onnx.ModelProto, types: dict[str, onnx.TypeProto],
         sliced = _sliced_axes(n, types, value, opset, len(src))
         if sliced is None:
             continue
-        dims = [s if k not in sliced and _unknown(d) and not _unknown(s) else d
-                for k, (s, d) in enumerate(zip(src, dst))]
-        if dims != dst:
+        learnt = [k for k, (a, b) in enumerate(zip(src, dst))
+                  if k not in sliced and _unknown(b) and not _unknown(a)]
+        if learnt:
+            # dims still unknown go without a name: the names inference made up in this round mean nothing
+            # in the next, which makes up its own (one of them could be given to another dim there)
+            dims = [src[k] if k in learnt else None if _unknown(d) else d for k, d in enumerate(dst)]
             elem = types[n.output[0]].tensor_type.elem_type
             out.append(helper.make_tensor_value_info(n.output[0], elem, dims))
     return out

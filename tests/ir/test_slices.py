@@ -113,3 +113,18 @@ def test_a_refined_round_that_fails_keeps_the_first_rounds_types(monkeypatch) ->
     assert symbolic_shape(types, "masked") == symbolic_shape({v.name: v.type for v in plain.graph.value_info},
                                                              "masked")
     assert symbolic_shape(types, "p") is not None  # not the bare model's (no value infos at all)
+
+
+def test_refined_value_infos_name_no_made_up_dims() -> None:
+    """The dims still unknown go unnamed into the next round, where inference may reuse its made-up names
+    ("unk__3") for other dims: equal names would make the autodiff take different dims as equal."""
+    from onnxtrain.ir.builder import _inferred_types, _skeleton
+    from onnxtrain.ir.slices import refined_slices
+
+    model = masked_scores()
+    types = _inferred_types(model, _skeleton(model), model)
+    refined = refined_slices(model, types, 17)
+    assert [v.name for v in refined] == ["half"]
+    dims = refined[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in dims[:2]] == [1, 1] and dims[3].dim_value == 8
+    assert not dims[2].HasField("dim_value") and not dims[2].dim_param
