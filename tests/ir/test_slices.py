@@ -15,9 +15,10 @@ from onnxtrain.testing import gradcheck, to_float64
 T = 6
 
 
-def masked_scores(opset: int = 17, axes: str = "unsqueezed", chained: bool = True) -> onnx.ModelProto:
-    """scores [B, 2, T, T] masked by a (1, 1, 8, 8) causal buffer cut to T (T read from the scores' shape at
-    run time), as exporters write it; loss = ReduceSum(Softmax(masked) · w)."""
+def masked_scores(opset: int = 17, axes: str = "unsqueezed", chained: bool = True,
+                  seq: int | str = T) -> onnx.ModelProto:
+    """scores [B, 2, seq, seq] masked by a (1, 1, 8, 8) causal buffer cut to the scores' length (read from
+    their shape at run time), as exporters write it; loss = ReduceSum(Softmax(masked) · w)."""
     nodes = [
         helper.make_node("Shape", ["s"], ["shape"]),
         helper.make_node("Gather", ["shape", "two"], ["t"], axis=0),
@@ -59,37 +60,47 @@ def masked_scores(opset: int = 17, axes: str = "unsqueezed", chained: bool = Tru
               helper.make_node("Softmax", ["masked"], ["p"], axis=-1),
               helper.make_node("Mul", ["p", "w"], ["pw"]),
               helper.make_node("ReduceSum", ["pw"], ["loss"], keepdims=0)]
-    inputs = [helper.make_tensor_value_info("s", TensorProto.FLOAT, ["B", 2, T, T]),
-              helper.make_tensor_value_info("w", TensorProto.FLOAT, [2, T, T])]
+    inputs = [helper.make_tensor_value_info("s", TensorProto.FLOAT, ["B", 2, seq, seq]),
+              helper.make_tensor_value_info("w", TensorProto.FLOAT, [2, seq, seq])]
     loss = helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])
     g = helper.make_graph(nodes, "masked", inputs, [loss], inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
 
 
 def test_unsliced_axes_keep_their_dims_through_two_slices() -> None:
-    types = value_types(masked_scores())
+    """A length known only at run time: the unsliced axes keep their dims, so the masked scores keep their
+    batch dim (not their length: ONNX's broadcast of an unknown dim with "T" is unknown)."""
+    types = value_types(masked_scores(seq="T"))
     assert symbolic_shape(types, "half")[:2] == [1, 1] and symbolic_shape(types, "half")[3] == 8
     assert symbolic_shape(types, "mask")[:2] == [1, 1]
-    assert symbolic_shape(types, "masked") == ["B", 2, T, T]  # the batch dim survives the mask
+    assert symbolic_shape(types, "masked")[:2] == ["B", 2]
+
+
+def test_sliced_axes_cut_to_a_known_length_have_it() -> None:
+    """The length read from a static dim of the scores' shape: the slices' every dim is known."""
+    types = value_types(masked_scores())
+    assert symbolic_shape(types, "half") == [1, 1, T, 8]
+    assert symbolic_shape(types, "mask") == [1, 1, T, T]
+    assert symbolic_shape(types, "masked") == ["B", 2, T, T]
 
 
 def test_slices_without_axes_or_with_runtime_axes() -> None:
-    """No axes input: every axis the starts name is sliced (here all four: nothing learnt); axes computed
-    from the input: nothing is assumed."""
-    for axes in ("none", "runtime"):
-        model = masked_scores(axes=axes)
-        plain = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-        want = {v.name: v.type for v in plain.graph.value_info}
-        types = value_types(model)
-        assert symbolic_shape(types, "mask") == symbolic_shape(want, "mask"), axes
+    """No axes input: the starts' length names the sliced axes (here all four, their bounds read from
+    constants and the scores' shape); axes computed from the input: nothing is assumed."""
+    assert symbolic_shape(value_types(masked_scores(axes="none")), "mask") == [1, 1, 8, T]
+    model = masked_scores(axes="runtime")
+    plain = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    want = {v.name: v.type for v in plain.graph.value_info}
+    assert symbolic_shape(value_types(model), "mask") == symbolic_shape(want, "mask")
 
 
-@pytest.mark.parametrize("opset", [13, 17])
-def test_masked_scores_gradient_has_no_runtime_broadcast_and_is_right(opset) -> None:
-    model = masked_scores(opset)
+@pytest.mark.parametrize("opset,seq", [(13, T), (17, T), (17, "T")])
+def test_masked_scores_gradient_has_no_runtime_broadcast_and_is_right(opset, seq) -> None:
+    model = masked_scores(opset, seq=seq)
     g = build_gradient_model(model, "loss", ["s", "w"], outputs=["loss"])
     onnx.checker.check_model(g, full_check=True)
-    assert "NonZero" not in {n.op_type for n in g.graph.node}
+    if isinstance(seq, int):  # a run-time length still sums the scores' gradient over run-time axes
+        assert "NonZero" not in {n.op_type for n in g.graph.node}
     rng = np.random.default_rng(0)
     feeds = {"s": rng.standard_normal((3, 2, T, T)), "w": rng.standard_normal((2, T, T))}
     gradcheck(to_float64(model), "loss", ["s", "w"], feeds, rtol=1e-6, atol=1e-9)
@@ -121,7 +132,7 @@ def test_refined_value_infos_name_no_made_up_dims() -> None:
     from onnxtrain.ir.builder import _inferred_types, _skeleton
     from onnxtrain.ir.slices import refined_slices
 
-    model = masked_scores()
+    model = masked_scores(seq="T")
     types = _inferred_types(model, _skeleton(model), model)
     refined = refined_slices(model, types, 17)
     assert [v.name for v in refined] == ["half"]
