@@ -28,7 +28,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.attrs import parse_attributes
-from onnxtrain.ir.builder import NameGen, model_opset, static_shape
+from onnxtrain.ir.builder import NameGen, model_opset, static_shape, with_nodes_replaced
 from onnxtrain.ir.graphs import node_reads
 
 MAX_POSITIONS = 16
@@ -161,15 +161,10 @@ def conv_weight_grads(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx
              if (p := _plan(n, made_by, types, opset)) is not None}
     if not plans:
         return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    names = NameGen.for_model(out)
-    nodes: list[onnx.NodeProto] = []
-    for k, n in enumerate(out.graph.node):
-        nodes.extend(_replacement(n, plans[k], names, out) if k in plans else [n])
+    out = with_nodes_replaced(model, plans, lambda k, n, names, copy: _replacement(n, plans[k], names, copy))
     # the Transposes only the rewritten Convs read go too
-    read = {i for n in nodes for i in node_reads(n)} | {o.name for o in out.graph.output}
-    nodes = [n for n in nodes if n.op_type != "Transpose" or any(o in read for o in n.output)]
+    read = {i for n in out.graph.node for i in node_reads(n)} | {o.name for o in out.graph.output}
+    nodes = [n for n in out.graph.node if n.op_type != "Transpose" or any(o in read for o in n.output)]
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     return out

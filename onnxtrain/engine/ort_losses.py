@@ -26,7 +26,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.attrs import parse_attributes
-from onnxtrain.ir.builder import NameGen, model_opset
+from onnxtrain.ir.builder import NameGen, model_opset, with_nodes_replaced
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
 _INDICES = (TensorProto.INT32, TensorProto.INT64)
@@ -43,21 +43,14 @@ def softmax_cross_entropy_losses(model: onnx.ModelProto, typed: Callable[[], dic
              and _elem(types, n.input[1]) in _INDICES]
     if not found:
         return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    names = NameGen.for_model(out)
-    nodes: list[onnx.NodeProto] = []
-    for k, n in enumerate(out.graph.node):
-        if k not in found:
-            nodes.append(n)
-            continue
+
+    def replace(_k: int, n: onnx.NodeProto, names: NameGen, out: onnx.ModelProto) -> list[onnx.NodeProto]:
         new, consts = _as_gather(n, parse_attributes(n, opset), _elem(types, n.input[0]),
                                  _elem(types, n.input[1]), names)
-        nodes.extend(new)
         out.graph.initializer.extend(consts)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
+        return new
+
+    return with_nodes_replaced(model, found, replace)
 
 
 def _is_loss(node: onnx.NodeProto) -> bool:

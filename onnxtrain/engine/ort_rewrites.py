@@ -54,7 +54,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.engine.ort_conv_grads import conv_weight_grads
 from onnxtrain.engine.ort_losses import softmax_cross_entropy_losses
 from onnxtrain.engine.ort_sums import leading_sums
-from onnxtrain.ir.builder import NameGen, model_opset, static_shape, value_types
+from onnxtrain.ir.builder import NameGen, model_opset, static_shape, value_types, with_nodes_replaced
 from onnxtrain.ir.graphs import is_training_batch_norm, node_reads
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
@@ -115,7 +115,7 @@ def _mask_multiplies(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.
     if not found:
         return model
 
-    def as_mul(n: onnx.NodeProto, names: NameGen, _: onnx.ModelProto) -> list[onnx.NodeProto]:
+    def as_mul(_k: int, n: onnx.NodeProto, names: NameGen, _: onnx.ModelProto) -> list[onnx.NodeProto]:
         mask, a, b = n.input
         x, keep = (a, mask) if b in zeros else (b, None)
         nodes = []
@@ -130,7 +130,7 @@ def _mask_multiplies(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.
             helper.make_node("Mul", [x, as_float], list(n.output), name=n.name or names("Where_Mul")),
         ]
 
-    out = _with_nodes_replaced(model, found, as_mul)
+    out = with_nodes_replaced(model, found, as_mul)
     # the zeros only the Wheres read go too (onnxruntime warns of unused initializers and constants)
     read = {i for n in out.graph.node for i in node_reads(n)} | {o.name for o in out.graph.output}
     nodes = [n for n in out.graph.node if not (n.op_type == "Constant" and n.output[0] in zeros - read)]
@@ -149,7 +149,7 @@ def _infinite_fills(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     zeros: dict[int, str] = {}  # element type → its zero scalar
 
-    def as_add(n: onnx.NodeProto, names: NameGen, out: onnx.ModelProto) -> list[onnx.NodeProto]:
+    def as_add(_k: int, n: onnx.NodeProto, names: NameGen, out: onnx.ModelProto) -> list[onnx.NodeProto]:
         mask, a, b = n.input
         fill, x = (a, b) if a in fills else (b, a)
         et = fills[fill]
@@ -164,7 +164,7 @@ def _infinite_fills(model: onnx.ModelProto) -> onnx.ModelProto:
             helper.make_node("Add", [x, added], list(n.output), name=n.name or names("Where_Add")),
         ]
 
-    return _with_nodes_replaced(model, found, as_add)
+    return with_nodes_replaced(model, found, as_add)
 
 
 def _wheres_with_one_branch_in(model: onnx.ModelProto, consts: Collection[str]) -> list[int]:
@@ -172,23 +172,6 @@ def _wheres_with_one_branch_in(model: onnx.ModelProto, consts: Collection[str]) 
     return [k for k, n in enumerate(model.graph.node)
             if n.op_type == "Where" and n.domain in ("", "ai.onnx") and len(n.input) == 3
             and (n.input[1] in consts) != (n.input[2] in consts)]
-
-
-def _with_nodes_replaced(
-    model: onnx.ModelProto, found: Collection[int],
-    replace: Callable[[onnx.NodeProto, NameGen, onnx.ModelProto], list[onnx.NodeProto]],
-) -> onnx.ModelProto:
-    """A copy of ``model`` in which each node whose index is in ``found`` is replaced by the nodes
-    ``replace(node, names, copy)`` returns (new names from ``names``; it may add initializers to the copy)."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    names = NameGen.for_model(out)
-    nodes: list[onnx.NodeProto] = []
-    for k, n in enumerate(out.graph.node):
-        nodes.extend(replace(n, names, out) if k in found else [n])
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
 
 
 def _zero_scalars(model: onnx.ModelProto) -> set[str]:

@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain.ir.builder import NameGen, model_opset, symbolic_shape
+from onnxtrain.ir.builder import NameGen, model_opset, symbolic_shape, with_nodes_replaced
 from onnxtrain.ir.graphs import constant_arrays, node_reads
 
 MIN_ROWS = 8  # static leading values: fewer leave most of the sum to the ReduceSum
@@ -48,22 +48,19 @@ def leading_sums(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.Mode
     plans = {k: p for k, n in enumerate(g.node) if _is_sum(n) and (p := _plan(n, axes, types)) is not None}
     if not plans:
         return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    names = NameGen.for_model(out)
-    nodes: list[onnx.NodeProto] = []
-    for k, n in enumerate(out.graph.node):
-        if k not in plans:
-            nodes.append(n)
-            continue
+
+    def replace(k: int, n: onnx.NodeProto, names: NameGen, out: onnx.ModelProto) -> list[onnx.NodeProto]:
         new, consts = _as_product(n, *plans[k], names)
-        nodes.extend(new)
         out.graph.initializer.extend(consts)
+        return new
+
+    out = with_nodes_replaced(model, plans, replace)
     # the axes constants only the sums read go with them (onnxruntime warns of unused initializers)
-    read = {i for n in nodes for i in node_reads(n)} | {o.name for o in out.graph.output}
+    read = {i for n in out.graph.node for i in node_reads(n)} | {o.name for o in out.graph.output}
     gone = {g.node[k].input[1] for k in plans} - read
+    nodes = [n for n in out.graph.node if not (n.op_type == "Constant" and n.output[0] in gone)]
     del out.graph.node[:]
-    out.graph.node.extend(n for n in nodes if not (n.op_type == "Constant" and n.output[0] in gone))
+    out.graph.node.extend(nodes)
     for t in [t for t in out.graph.initializer if t.name in gone]:
         out.graph.initializer.remove(t)
     return out

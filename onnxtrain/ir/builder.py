@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -101,6 +101,24 @@ class NodeWriter:
     def ints(self, values: Sequence[int], base: str = "ints") -> str:
         """A 1-D int64 Constant."""
         return self.const(np.asarray(list(values), dtype=np.int64), TensorProto.INT64, base)
+
+
+def with_nodes_replaced(
+    model: onnx.ModelProto, found: Collection[int],
+    replace: Callable[[int, onnx.NodeProto, NameGen, onnx.ModelProto], list[onnx.NodeProto]],
+) -> onnx.ModelProto:
+    """A copy of ``model`` in which each node whose index ``k`` is in ``found`` is replaced by the nodes
+    ``replace(k, node, names, copy)`` returns (new names from ``names``; it may add initializers to the
+    copy)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    names = NameGen.for_model(out)
+    nodes: list[onnx.NodeProto] = []
+    for k, n in enumerate(out.graph.node):
+        nodes.extend(replace(k, n, names, out) if k in found else [n])
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
 
 
 def model_opset(model: onnx.ModelProto) -> int:
