@@ -10,6 +10,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.graphs import walk_graphs
+from onnxtrain.ir.reshapes import refined_reshapes
+from onnxtrain.ir.shape_values import ShapeValues
 from onnxtrain.ir.slices import refined_slices
 from onnxtrain.ir.types import np_dtype
 
@@ -161,15 +163,15 @@ def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    """Type (element type and shape where known) of every value, from ONNX shape inference, with a second
-    round where a Slice's unsliced dims are known though inference lost them (:mod:`onnxtrain.ir.slices`)."""
+    """Type (element type and shape where known) of every value, from ONNX shape inference, with more
+    rounds where the dims of a Slice or a Reshape can be read before a run though inference lost them
+    (:mod:`onnxtrain.ir.slices`, :mod:`onnxtrain.ir.reshapes`)."""
     skeleton = _skeleton(model)
     types = _inferred_types(model, skeleton, model)
     assert types is not None  # a fallback was given
     known: dict[str, onnx.ValueInfoProto] = {}
-    for _ in range(_SLICE_ROUNDS):  # a slice of a slice learns its dims in the next round
-        refined = [v for v in refined_slices(model, types, model_opset(model))
-                   if v.name not in known or known[v.name] != v]
+    for _ in range(_SLICE_ROUNDS):  # a value computed from one learnt learns its dims in the next round
+        refined = [v for v in _refined(model, types) if v.name not in known or known[v.name] != v]
         if not refined:
             break
         known.update((v.name, v) for v in refined)
@@ -186,6 +188,13 @@ def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
 
 
 _SLICE_ROUNDS = 4
+
+
+def _refined(model: onnx.ModelProto, types: dict[str, onnx.TypeProto]) -> list[onnx.ValueInfoProto]:
+    """The Slice and Reshape outputs' dims learnt from the shape values ``types`` lets read."""
+    opset = model_opset(model)
+    values = ShapeValues(model, types, opset)
+    return [*refined_slices(model, types, opset, values), *refined_reshapes(model, types, values)]
 
 
 def _inferred_types(model: onnx.ModelProto, skeleton: onnx.ModelProto,

@@ -88,7 +88,7 @@ def test_slices_without_axes_or_with_runtime_axes() -> None:
     """No axes input: the starts' length names the sliced axes (here all four, their bounds read from
     constants and the scores' shape); axes computed from the input: nothing is assumed."""
     assert symbolic_shape(value_types(masked_scores(axes="none")), "mask") == [1, 1, 8, T]
-    model = masked_scores(axes="runtime")
+    model = masked_scores(axes="runtime", seq="T")  # axes computed from a dim known only at run time
     plain = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     want = {v.name: v.type for v in plain.graph.value_info}
     assert symbolic_shape(value_types(model), "mask") == symbolic_shape(want, "mask")
@@ -130,11 +130,12 @@ def test_refined_value_infos_name_no_made_up_dims() -> None:
     """The dims still unknown go unnamed into the next round, where inference may reuse its made-up names
     ("unk__3") for other dims: equal names would make the autodiff take different dims as equal."""
     from onnxtrain.ir.builder import _inferred_types, _skeleton
+    from onnxtrain.ir.shape_values import ShapeValues
     from onnxtrain.ir.slices import refined_slices
 
     model = masked_scores(seq="T")
     types = _inferred_types(model, _skeleton(model), model)
-    refined = refined_slices(model, types, 17)
+    refined = refined_slices(model, types, 17, ShapeValues(model, types, 17))
     assert [v.name for v in refined] == ["half"]
     dims = refined[0].type.tensor_type.shape.dim
     assert [d.dim_value for d in dims[:2]] == [1, 1] and dims[3].dim_value == 8
