@@ -50,10 +50,10 @@ def pads_as_concat(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.Mo
             plans[n.output[0]] = plan
     if not plans:
         return model
-    gone = {p.name for n in sums if n.output[0] in plans for p in (made_by[i] for i in n.input)}
+    gone = {i for n in sums if n.output[0] in plans for i in n.input}  # the tiling Pads' outputs
     nodes = []
     for n in g.node:
-        if n.name in gone and n.op_type == "Pad":
+        if n.op_type == "Pad" and n.output and n.output[0] in gone:
             continue
         if n.op_type == "Sum" and n.output and n.output[0] in plans:
             pieces, axis = plans[n.output[0]]

@@ -72,7 +72,10 @@ class ShapeValues:
                 if entry is not None and all(isinstance(d, int) for d in entry[1]):
                     found = np.array(entry[1], np.int64).reshape(() if entry[0] else (-1,))
             elif node.op_type in _PLAIN:
-                found = self._apply(node)
+                try:
+                    found = self._apply(node)
+                except (ValueError, IndexError, TypeError):  # shapes that do not fit: a graph not valid
+                    found = None
         if found is not None and (found.size > MAX_VALUES or found.dtype.kind not in "iu"):
             found = None
         self._values[name] = found
@@ -100,7 +103,9 @@ class ShapeValues:
             return np.concatenate(args, axis=attrs.get("axis", 0))  # type: ignore[arg-type]
         if op == "Reshape":
             target = args[1].tolist()  # type: ignore[union-attr]
-            return x.reshape([int(d) if d != 0 else x.shape[k] for k, d in enumerate(target)])
+            if not attrs.get("allowzero", 0):
+                target = [int(d) if d != 0 else x.shape[k] for k, d in enumerate(target)]
+            return x.reshape(target)
         if op == "Cast":
             to = helper.tensor_dtype_to_np_dtype(attrs["to"])
             return x.astype(to) if np.dtype(to).kind in "iu" else None
@@ -171,7 +176,9 @@ class ShapeValues:
                 return None
             return False, [d for p in parts for d in p[1]]  # type: ignore[index]
         if op == "Unsqueeze" and scalar:
-            return False, entries
+            axes = attrs.get("axes") if self._opset < 13 else (
+                self.value(node.input[1]) if len(node.input) > 1 and node.input[1] else None)
+            return (False, entries) if axes is not None and np.size(axes) == 1 else None
         if op == "Squeeze" and not scalar and len(entries) == 1:
             return True, entries
         return None

@@ -96,3 +96,19 @@ def test_other_pads_are_left_alone(kwargs) -> None:
     f = feeds(model)
     for a, b in zip(run(model, f), run(new, f)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_unnamed_pads_elsewhere_stay() -> None:
+    """Nodes without names: only the tiling Pads go, not another unnamed Pad."""
+    model = pads_model([(0, 1, 1), (1, 1, 0)])
+    for n in model.graph.node:
+        n.name = ""
+    model.graph.input.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 2]))
+    model.graph.initializer.append(numpy_helper.from_array(np.array([1, 0, 1, 0], np.int64), "zpads"))
+    model.graph.node.append(helper.make_node("Pad", ["z", "zpads"], ["zp"]))
+    model.graph.output.append(helper.make_tensor_value_info("zp", TensorProto.FLOAT, [4, 2]))
+    new = rewrite_for_onnxruntime(model)
+    assert [n.op_type for n in new.graph.node] == ["Concat", "Pad"]
+    f = feeds(model)
+    for a, b in zip(run(model, f), run(new, f)):
+        np.testing.assert_array_equal(a, b)

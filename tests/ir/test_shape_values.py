@@ -113,3 +113,12 @@ def test_unflattened_qkv_gradient_pads_by_constants_and_is_right() -> None:
     assert len(pads) == 3 and all(values.value(p.input[1]) is not None for p in pads)
     x = np.random.default_rng(1).standard_normal((5, 4))
     gradcheck(to_float64(model), "loss", ["W"], {"x": x}, rtol=1e-6, atol=1e-9)
+
+
+def test_values_of_a_graph_that_does_not_fit_are_unknown() -> None:
+    """A Reshape or Concat whose sizes do not fit gives no value (and no error) before a run."""
+    nodes = [helper.make_node("Reshape", ["v", "bad"], ["r"]),
+             helper.make_node("Concat", ["v", "m"], ["c"], axis=1)]
+    values, _ = graph_values(nodes, [], [ints("v", 1, 2, 3), ints("bad", 2, 2),
+                                         numpy_helper.from_array(np.ones((2, 2), np.int64), "m")])
+    assert values.value("r") is None and values.value("c") is None
