@@ -19,7 +19,6 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxtrain.engine import fusion
 from onnxtrain.engine.affinity import placed
 from onnxtrain.engine.allocator import tune_allocator
 from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow
@@ -159,6 +158,8 @@ class Plan(GraphInterface):
         if threads is not None and (not isinstance(threads, int) or threads < 0):
             raise ValueError(f"threads must be a non-negative integer (0: the default), got {threads!r}")
         self.threads = threads or default_width()
+        from onnxtrain.engine import fusion  # on first use: onnxruntime plans never load it
+
         self.fused = fusion.enabled() if fuse is None else bool(fuse)
         tune_allocator()
         model = self._read_interface(model, initializers)
