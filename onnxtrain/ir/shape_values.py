@@ -30,6 +30,8 @@ _PLAIN = ("Unsqueeze", "Squeeze", "Concat", "Reshape", "Cast", "Identity", *_ARI
 
 Dim = int | str | None
 _ABSENT = "absent"  # an optional input not given
+_INTEGERS = {getattr(onnx.TensorProto, f"{kind}{bits}") for kind in ("INT", "UINT")
+             for bits in (8, 16, 32, 64)}
 
 
 def unknown(d: Dim) -> bool:
@@ -52,7 +54,7 @@ class ShapeValues:
     def __init__(self, model: onnx.ModelProto, types: dict[str, onnx.TypeProto], opset: int):
         g = model.graph
         self._made_by = {o: n for n in g.node for o in n.output}
-        self._consts = constant_arrays(g, {i for n in g.node for i in n.input})
+        self._consts = constant_arrays(g, _small_integers(g))
         self._types = types
         self._opset = opset
         self._values: dict[str, np.ndarray | None] = {}
@@ -182,6 +184,21 @@ class ShapeValues:
         if op == "Squeeze" and not scalar and len(entries) == 1:
             return True, entries
         return None
+
+
+def _small_integers(g: onnx.GraphProto) -> set[str]:
+    """Names of the graph's integer initializers and Constants of at most :data:`MAX_VALUES` values (a
+    model's weights are never read)."""
+    def small(t: onnx.TensorProto) -> bool:
+        return t.data_type in _INTEGERS and int(np.prod(t.dims, dtype=np.int64)) <= MAX_VALUES
+
+    names = {t.name for t in g.initializer if small(t)}
+    for n in g.node:
+        if n.op_type == "Constant" and n.output:
+            value = next((a.t for a in n.attribute if a.name == "value"), None)
+            if value is not None and small(value):
+                names.add(n.output[0])
+    return names
 
 
 def _arithmetic(op: str, a: np.ndarray, b: np.ndarray, attrs: dict) -> np.ndarray | None:

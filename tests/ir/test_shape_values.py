@@ -122,3 +122,15 @@ def test_values_of_a_graph_that_does_not_fit_are_unknown() -> None:
     values, _ = graph_values(nodes, [], [ints("v", 1, 2, 3), ints("bad", 2, 2),
                                          numpy_helper.from_array(np.ones((2, 2), np.int64), "m")])
     assert values.value("r") is None and values.value("c") is None
+
+
+def test_weights_are_never_read(monkeypatch) -> None:
+    """Only small integer constants are converted: a model's float weights stay protobuf."""
+    from onnxtrain.ir import graphs
+
+    seen = []
+    real = graphs.numpy_helper.to_array
+    monkeypatch.setattr(graphs.numpy_helper, "to_array", lambda t, *a: (seen.append(t.name), real(t, *a))[1])
+    model = unflattened_qkv()
+    ShapeValues(model, value_types(model), 17)
+    assert "W" not in seen and "tail" in seen
