@@ -780,3 +780,25 @@ print("onnxtrain.engine.fusion" in sys.modules, registry._LOADED)
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-2:] == ["False", "False"], out.stdout
+
+
+def test_legacy_transformer_encoder_20_steps_match_numpy():
+    """nn.TransformerEncoderLayer's attention (its projection unflattened to q, k and v by a Reshape whose
+    shape ONNX's inference cannot read; ir/reshapes.py reads it): the gradients' zero Pads and their Sum
+    run as one Concat on onnxruntime (engine/ort_pads.py), and train as on the numpy engine."""
+    pytest.importorskip("torch")
+    from tests import models
+
+    # exported in eval mode, as the bench exports it: torch then writes the unflatten and q, k, v Gathers
+    model, _, _ = models.export("transformer_encoder", training=False, with_loss=True, dropout=0.0)
+    feeds = [models.example_inputs("transformer_encoder", batch=4, with_loss=True, seed=k)
+             for k in range(STEPS)]
+    _, _, sess = legacy_run(model.SerializeToString(), "AdamOptimizer", "onnxruntime", feeds[:1], lr=0.001)
+    graph = sess._plan.onnxruntime_model.graph
+    concats = [n for n in graph.node if n.op_type == "Concat" and len(n.input) == 3
+               and all("Gather_" in i and "_Grad/" in i for i in n.input)]
+    assert concats and not [n for n in graph.node if n.op_type == "Pad"], "q, k and v's Pads stayed"
+    # the key part of the in-projection's bias shifts each row of scores by a constant, which softmax
+    # ignores: its gradient is rounding noise, which Adam scales to full-size steps (as in the GPT block)
+    assert_same_training(model.SerializeToString(), "AdamOptimizer", feeds,
+                         weights_not_to_train={"model.layers.0.self_attn.in_proj_bias"})
