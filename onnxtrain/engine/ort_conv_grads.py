@@ -29,7 +29,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.attrs import parse_attributes
 from onnxtrain.ir.builder import NameGen, model_opset, static_shape, with_nodes_replaced
-from onnxtrain.ir.graphs import node_reads
+from onnxtrain.ir.graphs import drop_unread
 
 MAX_POSITIONS = 16
 MAX_SAMPLE_BYTES = 2 << 20  # of all the windows of one sample: 64 MiB at batch 32
@@ -163,8 +163,5 @@ def conv_weight_grads(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx
         return model
     out = with_nodes_replaced(model, plans, lambda k, n, names, copy: _replacement(n, plans[k], names, copy))
     # the Transposes only the rewritten Convs read go too
-    read = {i for n in out.graph.node for i in node_reads(n)} | {o.name for o in out.graph.output}
-    nodes = [n for n in out.graph.node if n.op_type != "Transpose" or any(o in read for o in n.output)]
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
+    drop_unread(out.graph, {i for k in plans for i in model.graph.node[k].input}, ops=("Transpose",))
     return out

@@ -26,7 +26,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.attrs import parse_attributes
-from onnxtrain.ir.builder import NameGen, model_opset, with_nodes_replaced
+from onnxtrain.ir.builder import NameGen, elem_type, model_opset, symbolic_shape, with_nodes_replaced
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
 _INDICES = (TensorProto.INT32, TensorProto.INT64)
@@ -40,13 +40,13 @@ def softmax_cross_entropy_losses(model: onnx.ModelProto, typed: Callable[[], dic
         return model
     types = typed()
     found = [k for k, n in enumerate(model.graph.node) if _is_loss(n) and _two_d_float(types, n.input[0])
-             and _elem(types, n.input[1]) in _INDICES]
+             and elem_type(types, n.input[1]) in _INDICES]
     if not found:
         return model
 
     def replace(_k: int, n: onnx.NodeProto, names: NameGen, out: onnx.ModelProto) -> list[onnx.NodeProto]:
-        new, consts = _as_gather(n, parse_attributes(n, opset), _elem(types, n.input[0]),
-                                 _elem(types, n.input[1]), names)
+        new, consts = _as_gather(n, parse_attributes(n, opset), elem_type(types, n.input[0]),
+                                 elem_type(types, n.input[1]), names)
         out.graph.initializer.extend(consts)
         return new
 
@@ -57,17 +57,9 @@ def _is_loss(node: onnx.NodeProto) -> bool:
     return node.op_type == "SoftmaxCrossEntropyLoss" and node.domain in ("", "ai.onnx")
 
 
-def _elem(types: dict, name: str) -> int | None:
-    tp = types.get(name)
-    return tp.tensor_type.elem_type if tp is not None and tp.HasField("tensor_type") else None
-
-
 def _two_d_float(types: dict, name: str) -> bool:
-    tp = types.get(name)
-    if tp is None or not tp.HasField("tensor_type") or tp.tensor_type.elem_type not in _FLOATS:
-        return False
-    t = tp.tensor_type
-    return t.HasField("shape") and len(t.shape.dim) == 2
+    shape = symbolic_shape(types, name)
+    return elem_type(types, name) in _FLOATS and shape is not None and len(shape) == 2
 
 
 def _as_gather(node: onnx.NodeProto, attrs: dict, elem: int, label_type: int,

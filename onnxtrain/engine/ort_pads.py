@@ -19,8 +19,13 @@ import onnx
 from onnx import helper
 
 from onnxtrain.ir.builder import model_opset
-from onnxtrain.ir.graphs import constant_arrays, node_reads
-from onnxtrain.ir.shape_values import ShapeValues, dims_of, unknown
+from onnxtrain.ir.graphs import constant_arrays, drop_unread, node_reads
+from onnxtrain.ir.shape_values import ShapeValues, unknown
+from onnxtrain.ir.types import symbolic_shape
+
+# what computes a Pad's pads from constants and shapes
+_SHAPE_OPS = {"Constant", "Concat", "Unsqueeze", "Squeeze", "Reshape", "Cast", "Identity", "Gather", "Shape",
+              "Slice", "Add", "Sub", "Mul", "Div", "Mod", "ConstantOfShape"}
 
 
 def pads_as_concat(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
@@ -63,16 +68,10 @@ def pads_as_concat(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.Mo
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.graph.node[:]
-    out.graph.node.extend(_without_dead_constants(nodes, outputs))
-    read = {i for n in out.graph.node for i in node_reads(n)} | outputs
-    unread = _pad_inputs(sums, made_by) - read
-    for t in [t for t in out.graph.initializer if t.name in unread]:
-        out.graph.initializer.remove(t)
+    out.graph.node.extend(nodes)
+    # the pads and zeros only the Pads read go, and what computed them
+    drop_unread(out.graph, {x for i in gone for x in made_by[i].input[1:]}, ops=_SHAPE_OPS)
     return out
-
-
-def _pad_inputs(sums: list[onnx.NodeProto], made_by: dict[str, onnx.NodeProto]) -> set[str]:
-    return {x for n in sums for i in n.input for x in made_by[i].input[1:]}
 
 
 def _tiling(pads: list[onnx.NodeProto], values: ShapeValues, zeros: dict[str, np.ndarray],
@@ -93,7 +92,7 @@ def _tiling(pads: list[onnx.NodeProto], values: ShapeValues, zeros: dict[str, np
         if len(used) != 1 or axis not in (None, used[0]):
             return None
         axis = used[0]
-        shape = dims_of(types, p.input[0])
+        shape = symbolic_shape(types, p.input[0])
         if shape is None or len(shape) != r or not isinstance(shape[axis], int):
             return None
         spans.append((int(v[axis]), shape[axis], int(v[r + axis]), p.input[0]))
@@ -110,18 +109,3 @@ def _tiling(pads: list[onnx.NodeProto], values: ShapeValues, zeros: dict[str, np
             return None
         at += size
     return ([piece for *_, piece in spans], axis) if at == total else None
-
-
-def _without_dead_constants(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
-    """``nodes`` without the shape-computing nodes (Constant, Concat, Unsqueeze ...) whose outputs nothing
-    reads any more: what computed the removed Pads' pads."""
-    pure = {"Constant", "Concat", "Unsqueeze", "Squeeze", "Reshape", "Cast", "Identity", "Gather", "Shape",
-            "Slice", "Add", "Sub", "Mul", "Div", "Mod", "ConstantOfShape"}
-    while True:
-        read = {i for n in nodes for i in node_reads(n)} | outputs
-        dead = [k for k, n in enumerate(nodes)
-                if n.op_type in pure and n.output and not any(o in read for o in n.output)]
-        if not dead:
-            return nodes
-        drop = set(dead)
-        nodes = [n for k, n in enumerate(nodes) if k not in drop]

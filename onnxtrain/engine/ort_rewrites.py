@@ -59,7 +59,7 @@ from onnxtrain.engine.ort_losses import softmax_cross_entropy_losses
 from onnxtrain.engine.ort_pads import pads_as_concat
 from onnxtrain.engine.ort_sums import leading_sums
 from onnxtrain.ir.builder import NameGen, model_opset, static_shape, value_types, with_nodes_replaced
-from onnxtrain.ir.graphs import is_training_batch_norm, node_reads
+from onnxtrain.ir.graphs import drop_unread, is_training_batch_norm, node_reads
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
 _MIN_OPSET = 11  # Range
@@ -137,12 +137,7 @@ def _mask_multiplies(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.
 
     out = with_nodes_replaced(model, found, as_mul)
     # the zeros only the Wheres read go too (onnxruntime warns of unused initializers and constants)
-    read = {i for n in out.graph.node for i in node_reads(n)} | {o.name for o in out.graph.output}
-    nodes = [n for n in out.graph.node if not (n.op_type == "Constant" and n.output[0] in zeros - read)]
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    for t in [t for t in out.graph.initializer if t.name in zeros - read]:
-        out.graph.initializer.remove(t)
+    drop_unread(out.graph, zeros)
     return out
 
 

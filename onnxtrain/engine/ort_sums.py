@@ -30,7 +30,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.builder import NameGen, model_opset, symbolic_shape, with_nodes_replaced
-from onnxtrain.ir.graphs import constant_arrays, node_reads
+from onnxtrain.ir.graphs import constant_arrays, drop_unread
 
 MIN_ROWS = 8  # static leading values: fewer leave most of the sum to the ReduceSum
 MIN_COLUMNS = 64  # fewer trailing values make a poor product (a bias of a 10-class head stays a ReduceSum)
@@ -55,14 +55,7 @@ def leading_sums(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.Mode
         return new
 
     out = with_nodes_replaced(model, plans, replace)
-    # the axes constants only the sums read go with them (onnxruntime warns of unused initializers)
-    read = {i for n in out.graph.node for i in node_reads(n)} | {o.name for o in out.graph.output}
-    gone = {g.node[k].input[1] for k in plans} - read
-    nodes = [n for n in out.graph.node if not (n.op_type == "Constant" and n.output[0] in gone)]
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    for t in [t for t in out.graph.initializer if t.name in gone]:
-        out.graph.initializer.remove(t)
+    drop_unread(out.graph, {g.node[k].input[1] for k in plans})  # the axes only the sums read
     return out
 
 

@@ -14,6 +14,7 @@ from onnxtrain.ir.reshapes import refined_reshapes
 from onnxtrain.ir.shape_values import ShapeValues
 from onnxtrain.ir.slices import refined_slices
 from onnxtrain.ir.types import np_dtype
+from onnxtrain.ir.types import symbolic_shape as symbolic_shape  # re-exported for its callers
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
 
@@ -236,16 +237,6 @@ def static_shape(types: dict[str, onnx.TypeProto], name: str) -> list[int | None
     if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
         return None
     return [d.dim_value if d.HasField("dim_value") else None for d in tp.tensor_type.shape.dim]
-
-
-def symbolic_shape(types: dict[str, onnx.TypeProto], name: str) -> list[int | str | None] | None:
-    """Dims of ``name``: ints, symbolic names, or None; None when the rank is unknown."""
-    tp = types.get(name)
-    if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
-        return None
-    return [
-        d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tp.tensor_type.shape.dim
-    ]
 
 
 def make_model(graph: onnx.GraphProto, opset: int, **kw: Any) -> onnx.ModelProto:

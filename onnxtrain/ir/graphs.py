@@ -195,3 +195,25 @@ def constant_arrays(graph: onnx.GraphProto, wanted: Collection[str]) -> dict[str
             if value is not None:
                 out[n.output[0]] = numpy_helper.to_array(value)
     return out
+
+
+def drop_unread(graph: onnx.GraphProto, names: Collection[str], ops: Collection[str] = ("Constant",)) -> None:
+    """Remove from ``graph`` (in place) the initializers named in ``names`` and the nodes of ``ops`` making
+    them that nothing reads any more, then likewise what those nodes read: the constants, shape arithmetic
+    or transposes that only a rewritten node used (onnxruntime warns of unused initializers)."""
+    outputs = {o.name for o in graph.output}
+    declared = {i.name for i in graph.input}  # an initializer that is also an input stays (it may be fed)
+    todo = set(names)
+    while todo:
+        read = {i for n in graph.node for i in node_reads(n)} | outputs
+        unread = todo - read
+        dead = [k for k, n in enumerate(graph.node)
+                if n.op_type in ops and n.output and not set(n.output) & read and set(n.output) & unread]
+        for t in [t for t in graph.initializer if t.name in unread and t.name not in declared]:
+            graph.initializer.remove(t)
+        todo = {i for k in dead for i in graph.node[k].input if i}
+        if dead:
+            gone = set(dead)
+            kept = [n for k, n in enumerate(graph.node) if k not in gone]
+            del graph.node[:]
+            graph.node.extend(kept)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from onnxtrain.ir.shape_values import Dim, ShapeValues, dims_of, unknown
+from onnxtrain.ir.shape_values import Dim, ShapeValues, unknown
+from onnxtrain.ir.types import symbolic_shape
 
 
 def refined_reshapes(model: onnx.ModelProto, types: dict[str, onnx.TypeProto],
@@ -26,7 +27,7 @@ def refined_reshapes(model: onnx.ModelProto, types: dict[str, onnx.TypeProto],
     for n in model.graph.node:
         if n.op_type != "Reshape" or n.domain not in ("", "ai.onnx") or len(n.input) < 2:
             continue
-        have = dims_of(types, n.output[0])
+        have = symbolic_shape(types, n.output[0])
         if have is not None and not any(unknown(d) for d in have):
             continue
         target = values.dims(n.input[1])
@@ -34,7 +35,7 @@ def refined_reshapes(model: onnx.ModelProto, types: dict[str, onnx.TypeProto],
         if target is None or target[0] or tp is None or not tp.HasField("tensor_type"):
             continue
         allow_zero = any(a.name == "allowzero" and a.i for a in n.attribute)
-        dims = _reshaped(dims_of(types, n.input[0]), target[1], allow_zero)
+        dims = _reshaped(symbolic_shape(types, n.input[0]), target[1], allow_zero)
         if dims is None or (have is not None and len(have) != len(dims)):
             continue
         if have is not None:  # what inference knew stays

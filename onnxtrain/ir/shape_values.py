@@ -22,6 +22,7 @@ import onnx
 from onnx import helper
 
 from onnxtrain.ir.graphs import constant_arrays
+from onnxtrain.ir.types import symbolic_shape
 
 FRESH = "unk__"  # the prefix of the dim names ONNX shape inference makes up for unknown dims
 MAX_VALUES = 64
@@ -37,15 +38,6 @@ _INTEGERS = {getattr(onnx.TensorProto, f"{kind}{bits}") for kind in ("INT", "UIN
 def unknown(d: Dim) -> bool:
     """A dim inference did not know: none, or one of the fresh names it makes up ("unk__3")."""
     return d is None or isinstance(d, str) and d.startswith(FRESH)
-
-
-def dims_of(types: dict, name: str) -> list[Dim] | None:
-    """The dims ``types`` gives ``name`` (ints, names or None), or None when its rank is unknown."""
-    tp = types.get(name)
-    if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
-        return None
-    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-            for d in tp.tensor_type.shape.dim]
 
 
 class ShapeValues:
@@ -146,7 +138,7 @@ class ShapeValues:
             return None
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if op == "Shape":
-            dims = dims_of(self._types, node.input[0])
+            dims = symbolic_shape(self._types, node.input[0])
             if dims is None:
                 return None
             kept = dims[slice(attrs.get("start", 0), attrs.get("end"))]

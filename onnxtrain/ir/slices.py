@@ -20,7 +20,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnxtrain.ir.shape_values import ShapeValues, dims_of, unknown
+from onnxtrain.ir.shape_values import ShapeValues, unknown
+from onnxtrain.ir.types import symbolic_shape
 
 
 def refined_slices(model: onnx.ModelProto, types: dict[str, onnx.TypeProto], opset: int,
@@ -34,7 +35,7 @@ def refined_slices(model: onnx.ModelProto, types: dict[str, onnx.TypeProto], ops
     value = values.value
     out = []
     for n in slices:
-        src, dst = dims_of(types, n.input[0]), dims_of(types, n.output[0])
+        src, dst = symbolic_shape(types, n.input[0]), symbolic_shape(types, n.output[0])
         if src is None or dst is None or len(src) != len(dst):
             continue
         sliced = _sliced_axes(n, types, value, opset, len(src))
@@ -77,7 +78,7 @@ def _sliced_axes(node: onnx.NodeProto, types: dict, value: Callable[[str], np.nd
             if axes is None:
                 return None
         else:
-            count = dims_of(types, node.input[1])
+            count = symbolic_shape(types, node.input[1])
             if count is None or len(count) != 1 or not isinstance(count[0], int):
                 return None
             axes = list(range(count[0]))

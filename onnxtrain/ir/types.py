@@ -39,3 +39,13 @@ def value_info_shape(tp: onnx.TypeProto) -> list[int | str | None] | None:
         else:
             dims.append(None)
     return dims
+
+
+def symbolic_shape(types: dict[str, onnx.TypeProto], name: str) -> list[int | str | None] | None:
+    """Dims of ``name``: ints, symbolic names, or None; None when the rank is unknown."""
+    tp = types.get(name)
+    if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
+        return None
+    return [
+        d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tp.tensor_type.shape.dim
+    ]
