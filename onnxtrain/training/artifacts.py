@@ -94,7 +94,7 @@ from onnxtrain.training import onnxblock
 from onnxtrain.training.api._accumulation import ACCUMULATED_SUFFIX as ACC_OUT_SUFFIX
 from onnxtrain.training.api._accumulation import BUFFER_SUFFIX
 from onnxtrain.training.api._accumulation import RESET_INPUT as RESET
-from onnxtrain.training.onnxblock._base import BlockError, value_info
+from onnxtrain.training.onnxblock._base import BlockError, editing, value_info
 from onnxtrain.training.onnxblock.optim import ALL_FINITE
 from onnxtrain.training.onnxblock.optim import Optimizer as OptimizerBlock
 
@@ -386,7 +386,7 @@ def build_training_models(
         )
     model_outputs = [o.name for o in g.output]
     args = model_outputs if loss_inputs is None else loss_inputs
-    with onnxblock.base(m) as acc:
+    with editing(m) as acc:
         for n in args:
             if not acc.has_value(n):
                 raise ArtifactError(f"loss input {n!r} is not a value of the model; outputs: {model_outputs}")

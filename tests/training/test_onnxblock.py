@@ -39,10 +39,10 @@ def build(block_call, inputs: dict[str, np.ndarray], opset: int = 17) -> tuple[o
     m = base_model(
         {n: (helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)) for n, v in inputs.items()}, opset
     )
-    with onnxblock.base(m):
+    with onnxblock.base(m) as acc:
         out = block_call()
     outs = [out] if isinstance(out, str) else list(out)
-    return finish(m, outs), outs
+    return finish(acc.model, outs), outs
 
 
 def run(
@@ -169,14 +169,15 @@ def test_softplus_is_stable_and_its_gradient_is_sigmoid():
 
 def test_input_like_and_pass_through():
     m = base_model({"x": (TensorProto.FLOAT, ["batch", 4])})
-    with onnxblock.base(m):
+    with onnxblock.base(m) as acc:
         t = onnxblock.blocks.InputLike("x")("target")
         again = onnxblock.blocks.InputLike("x")("target")
         same = onnxblock.blocks.PassThrough()("x")
         pair = onnxblock.blocks.PassThrough()("x", "target")
     assert t == again == "target" and same == "x" and pair == ("x", "target")
-    assert [v.name for v in m.graph.input] == ["x", "target"]
-    assert m.graph.input[1].type == m.graph.input[0].type
+    assert [v.name for v in acc.model.graph.input] == ["x", "target"]
+    assert acc.model.graph.input[1].type == acc.model.graph.input[0].type
+    assert [v.name for v in m.graph.input] == ["x"]  # the caller's model is left as it was
 
 
 def test_linear_is_a_gemm_over_new_normal_parameters():
@@ -203,9 +204,10 @@ def test_sequence_construct():
 def test_label_encoder_writes_the_ml_node_and_the_engine_refuses_it_by_name():
     ort = pytest.importorskip("onnxruntime")
     m = base_model({"x": (TensorProto.INT64, [4])})
-    with onnxblock.base(m):
+    with onnxblock.base(m) as acc:
         out = onnxblock.blocks.LabelEncoder(keys_int64s=[1, 2, 3], values_floats=[0.5, 1.5, 2.5],
                                             default_float=-1.0)("x")
+    m = acc.model
     m.graph.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, [4]))
     onnx.checker.check_model(m, full_check=True)
     x = np.array([3, 1, 7, 2], np.int64)
@@ -306,9 +308,9 @@ def test_cross_entropy_sequence_logits():
 
 def test_existing_target_is_reused():
     m = base_model({"x": (TensorProto.FLOAT, [6, 5]), "y": (TensorProto.FLOAT, [6, 5])})
-    with onnxblock.base(m):
+    with onnxblock.base(m) as acc:
         onnxblock.loss.MSELoss()("x", target_name="y")
-    assert [v.name for v in m.graph.input] == ["x", "y"]
+    assert [v.name for v in acc.model.graph.input] == ["x", "y"]
 
 
 # ---- optimizer blocks --------------------------------------------------------------------------------------

@@ -114,15 +114,30 @@ def test_the_base_becomes_the_training_model_and_unmarked_initializers_stay_cons
     block.requires_grad("W2")
     block.requires_grad("b2")
     block.requires_grad("b2", False)  # changed its mind: frozen
-    with onnxblock.base(model):
+    before = model.SerializeToString()
+    with onnxblock.base(model) as acc:
         block("logits")
     training, _ = block.to_model_proto()
-    assert [o.name for o in model.graph.output] == [o.name for o in training.graph.output]
+    assert acc.model.SerializeToString() == training.SerializeToString()
+    assert model.SerializeToString() == before  # onnxblock.base edits a copy, as onnxruntime-training's
     assert "W2_grad.accumulation.out" in {o.name for o in training.graph.output}
     inputs = {i.name for i in training.graph.input}
     assert {"W2", "b2"} <= inputs and not {"W1", "b1"} & inputs
     assert {"W1", "b1"} <= {t.name for t in training.graph.initializer}
     assert [[t.name for t in g] for g in block.parameters()] == [["W2"], ["b2"]]
+
+
+def test_two_blocks_built_on_one_loaded_model_give_the_same_training_model() -> None:
+    """The caller's model is not edited, so a second block on it starts from the same forward model."""
+    model = forward_model()
+    built = []
+    for _ in range(2):
+        block = CrossEntropyBlock()
+        block.requires_grad("W2")
+        with onnxblock.base(model):
+            block("logits")
+        built.append(block.to_model_proto()[0].SerializeToString())
+    assert built[0] == built[1]
 
 
 def test_models_and_parameters_before_the_call_are_errors() -> None:
@@ -153,7 +168,8 @@ def test_forward_block_registers_its_output() -> None:
     with onnxblock.base(model):
         name = block("logits")
     m = block.to_model_proto()
-    assert name in [o.name for o in m.graph.output]
+    assert [o.name for o in m.graph.output] == [name]  # the base's outputs replaced, as in onnxruntime-training
+    assert [o.name for o in model.graph.output] == ["logits"]
     onnx.checker.check_model(m, full_check=True)
     x = RNG.standard_normal((3, 8)).astype(np.float32)
     target = RNG.standard_normal((3, 4)).astype(np.float32)

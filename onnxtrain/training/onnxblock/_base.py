@@ -156,13 +156,29 @@ def current() -> ModelBase:
     return _STACK[-1]
 
 
-@contextlib.contextmanager
-def base(model: onnx.ModelProto, model_path: str | None = None) -> Iterator[ModelBase]:
-    """Edit ``model`` in place with blocks; nesting is refused as in onnxruntime-training."""
+def _refuse_nesting() -> None:
     if _STACK:
         raise BlockError("Base onnx model already exists. Cannot nest onnxblock.base contexts.")
+
+
+@contextlib.contextmanager
+def base(model: onnx.ModelProto, model_path: str | None = None) -> Iterator[ModelBase]:
+    """Edit a copy of ``model`` with blocks (the caller's model is left as it is; the edited one is the
+    yielded handle's ``.model``); nesting is refused as in onnxruntime-training."""
+    _refuse_nesting()
     if not isinstance(model, onnx.ModelProto):
         raise BlockError(f"onnxblock.base expects an onnx.ModelProto, got {type(model).__name__}")
+    clone = onnx.ModelProto()
+    clone.CopyFrom(model)
+    with editing(clone) as acc:
+        yield acc
+
+
+@contextlib.contextmanager
+def editing(model: onnx.ModelProto) -> Iterator[ModelBase]:
+    """Edit ``model`` itself with blocks (``base`` without the copy, for the artifact pipeline's own
+    models)."""
+    _refuse_nesting()
     acc = ModelBase(model)
     _STACK.append(acc)
     try:
@@ -195,7 +211,7 @@ def empty_base(opset_version: int | None = None) -> Iterator[ModelBase]:
         producer_name="onnxtrain",
         ir_version=helper.find_min_ir_version_for(opsets),
     )
-    with base(model) as acc:
+    with editing(model) as acc:
         yield acc
 
 

@@ -45,8 +45,8 @@ def _output_names(result: Any, block: Block) -> list[str]:
 
 
 class ForwardBlock(Block):
-    """A block whose ``build`` result names become the base model's graph outputs; ``to_model_proto()``
-    returns that model."""
+    """A block whose ``build`` result names become the base model's graph outputs (replacing those it had);
+    ``to_model_proto()`` returns that model."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -61,13 +61,14 @@ class ForwardBlock(Block):
         with detached() as acc:
             names = _output_names(result, self)
             types = acc.types()
-            have = {o.name for o in acc.graph.output}
+            have = {o.name: o for o in acc.graph.output}
             for n in names:
                 if not acc.has_value(n):
                     raise BlockError(f"{type(self).__name__}.build() returned {n!r}, which is not a value of "
                                      "the model")
-                if n not in have:
-                    acc.graph.output.append(value_info(n, types))
+            outputs = [have.get(n) or value_info(n, types) for n in names]
+            del acc.graph.output[:]  # the block's outputs replace the base's, as onnxruntime-training's do
+            acc.graph.output.extend(outputs)
             model = onnx.ModelProto()
             model.CopyFrom(acc.model)
             acc.replace(model)
