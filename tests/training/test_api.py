@@ -295,6 +295,32 @@ def test_module_accepts_lists_and_ortvalues(art):
     assert module(np.asfortranarray(x), t)[0] == ref
 
 
+def test_module_returns_ortvalues_of_the_inputs_class_when_every_input_is_one(art):
+    """onnxruntime-training's Module returns OrtValues when all inputs are OrtValues (numpy otherwise), in
+    train and eval mode; the values are those of the numpy call."""
+    import onnxruntime
+
+    from onnxtrain import OrtValue
+
+    _, module, _ = setup(art, None)
+    x, t = batch()
+    ref = module(x, t)
+    for cls in (OrtValue, onnxruntime.OrtValue):
+        for mode in (module.train, module.eval):
+            mode()
+            want = module(x, t)
+            module.lazy_reset_grad()
+            got = module(cls.ortvalue_from_numpy(x), cls.ortvalue_from_numpy(t))
+            module.lazy_reset_grad()
+            assert isinstance(got, tuple) and len(got) == len(ref)
+            assert all(type(v) is cls for v in got)
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a.numpy(), b)
+    module.train()
+    mixed = module(OrtValue.ortvalue_from_numpy(x), t)  # one numpy input: numpy out
+    assert all(isinstance(v, np.ndarray) for v in mixed)
+
+
 def test_module_input_misuse(art):
     _, module, _ = setup(art, None)
     x, t = batch()

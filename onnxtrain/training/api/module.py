@@ -106,6 +106,18 @@ class ContiguousBuffer(np.ndarray):
         return int(self.ctypes.data)
 
 
+def _ortvalue_class(values: Sequence[Any]) -> Any:
+    """The class of ``values`` when they are all ``OrtValue``-like (not numpy arrays, with ``numpy()`` and
+    a class method ``ortvalue_from_numpy``) and of one class; else None."""
+    kinds = {type(v) for v in values}
+    if len(kinds) != 1:
+        return None
+    (cls,) = kinds
+    if issubclass(cls, np.ndarray) or not callable(getattr(cls, "numpy", None)):
+        return None
+    return cls if callable(getattr(cls, "ortvalue_from_numpy", None)) else None
+
+
 def _expose_running_stats(model: onnx.ModelProto, state: CheckpointState
                           ) -> tuple[onnx.ModelProto, dict[str, str], set[str]]:
     """``model`` with the new running statistics of its training-mode BatchNormalization nodes as graph
@@ -378,9 +390,13 @@ class Module:
     def __call__(self, *user_inputs: Any) -> Any:
         """Run one training step (training mode) or evaluation (eval mode) on positional inputs.
 
-        Returns one array for one output, else a tuple, in :meth:`output_names` order.
+        Returns one array for one output, else a tuple, in :meth:`output_names` order; when every input is
+        an ``OrtValue`` (onnxtrain's or onnxruntime's), the outputs are ``OrtValue``\ s of the same class.
         """
-        outs = self._train_step(user_inputs) if self.training else self._eval_step(user_inputs)
+        outs: list[Any] = self._train_step(user_inputs) if self.training else self._eval_step(user_inputs)
+        wrap = _ortvalue_class(user_inputs)
+        if wrap is not None:
+            outs = [wrap.ortvalue_from_numpy(o) for o in outs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _param_feeds(self, names: Sequence[str], action: str) -> dict[str, np.ndarray]:
