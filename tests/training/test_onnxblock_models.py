@@ -168,7 +168,7 @@ def test_forward_block_registers_its_output() -> None:
     with onnxblock.base(model):
         name = block("logits")
     m = block.to_model_proto()
-    assert [o.name for o in m.graph.output] == [name]  # the base's outputs replaced, as in onnxruntime-training
+    assert [o.name for o in m.graph.output] == [name]  # the base's outputs replaced, as onnxruntime's
     assert [o.name for o in model.graph.output] == ["logits"]
     onnx.checker.check_model(m, full_check=True)
     x = RNG.standard_normal((3, 8)).astype(np.float32)

@@ -112,6 +112,19 @@ def _property_value(name: str, value: Any) -> int | float | str:
                     "properties are int, float or str")
 
 
+LOAD_HINT = "(Module.copy_buffer_to_parameters(buffer, trainable_only=False) loads them.)"
+
+
+class NominalStateError(RuntimeError, ValueError):
+    """A call that needs parameter values on a nominal state (names and types only); the message is
+    onnxruntime-training's, plus how to load the values."""
+
+
+def _nominal_get(name: str) -> str:
+    return (f"Cannot get parameter {name!r} from a nominal state. Please load the parameter states first. "
+            f"{LOAD_HINT}")
+
+
 class Parameter:
     """A view of one parameter of a :class:`CheckpointState`.
 
@@ -138,9 +151,7 @@ class Parameter:
     def data(self) -> np.ndarray:
         p = self._state._param(self._name)
         if p.data is None:
-            raise ValueError(f"Cannot get parameter {self._name!r} from a nominal state. Please load the "
-                             "parameters first (Module.copy_buffer_to_parameters(buffer, "
-                             "trainable_only=False))")
+            raise NominalStateError(_nominal_get(self._name))
         return p.data
 
     @data.setter
@@ -165,7 +176,8 @@ class Parameters:
         self._state = state
 
     def __getitem__(self, name: str) -> Parameter:
-        self._state._param(name)
+        if self._state._param(name).data is None:
+            raise NominalStateError(_nominal_get(name))
         return Parameter(self._state, name)
 
     def __setitem__(self, name: str, value: Any) -> None:
@@ -175,6 +187,9 @@ class Parameters:
         return name in self._state._params
 
     def __iter__(self) -> Iterator[tuple[str, Parameter]]:
+        if self._state.is_nominal:  # as onnxruntime-training's, which reads each parameter as it iterates
+            raise NominalStateError(_nominal_get(next(n for n, p in sorted(self._state._params.items())
+                                                      if p.data is None)))
         for name in sorted(self._state._params):
             yield name, Parameter(self._state, name)
 
@@ -185,7 +200,8 @@ class Parameters:
         return sorted(self._state._params)
 
     def __repr__(self) -> str:
-        return f"Parameters({', '.join(repr(p) for _, p in self)})"
+        names = sorted(self._state._params)
+        return f"Parameters({', '.join(repr(Parameter(self._state, n)) for n in names)})"
 
 
 class Properties:
@@ -333,8 +349,8 @@ class CheckpointState:
         if arr.dtype != p.dtype:
             raise TypeError(f"Parameter {name!r}: data type mismatch. Expected: {p.dtype}, Got: {arr.dtype}")
         if p.data is None:
-            raise ValueError(f"Cannot set parameter {name!r} of a nominal state; load all parameters with "
-                             "Module.copy_buffer_to_parameters(buffer, trainable_only=False)")
+            raise NominalStateError(f"Cannot copy parameter {name!r} to a nominal state. Please load all the "
+                                    f"parameter states first. {LOAD_HINT}")
         if arr.shape != p.data.shape:
             raise ValueError(f"Parameter {name!r}: data shape mismatch. Expected: {p.data.shape}, "
                              f"Got: {arr.shape}")

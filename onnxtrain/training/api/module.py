@@ -45,7 +45,12 @@ from onnxtrain.training.api._graph import (
     load_model,
     shared_dim_mismatch,
 )
-from onnxtrain.training.api.checkpoint_state import CheckpointState, replace_grads
+from onnxtrain.training.api.checkpoint_state import (
+    LOAD_HINT,
+    CheckpointState,
+    NominalStateError,
+    replace_grads,
+)
 from onnxtrain.training.ort_artifacts import translate_training_model
 from onnxtrain.user_warning import warn
 
@@ -388,7 +393,7 @@ class Module:
 
     # ---------------------------------------------------------------- steps
     def __call__(self, *user_inputs: Any) -> Any:
-        """Run one training step (training mode) or evaluation (eval mode) on positional inputs.
+        r"""Run one training step (training mode) or evaluation (eval mode) on positional inputs.
 
         Returns one array for one output, else a tuple, in :meth:`output_names` order; when every input is
         an ``OrtValue`` (onnxtrain's or onnxruntime's), the outputs are ``OrtValue``\ s of the same class.
@@ -399,21 +404,21 @@ class Module:
             outs = [wrap.ortvalue_from_numpy(o) for o in outs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def _param_feeds(self, names: Sequence[str], action: str) -> dict[str, np.ndarray]:
+    def _param_feeds(self, names: Sequence[str], refusal: str) -> dict[str, np.ndarray]:
+        """The values of parameters ``names``; on a nominal state, NominalStateError(``refusal`` + how to
+        load the values)."""
         params = self._state._params
         feeds = {}
         for n in names:
             data = params[n].data
             if data is None:
-                raise ValueError(f"Cannot perform {action} with a nominal state. Please load the model "
-                                 "parameters first (copy_buffer_to_parameters(buffer, "
-                                 "trainable_only=False)).")
+                raise NominalStateError(f"{refusal} Please load the model parameters first. {LOAD_HINT}")
             feeds[n] = data
         return feeds
 
     def _train_step(self, user_inputs: Sequence[Any]) -> list[np.ndarray]:
         feeds = check_user_inputs(self._train_inputs, user_inputs, "the training model")
-        feeds.update(self._param_feeds(self._param_order, "TrainStep"))
+        feeds.update(self._param_feeds(self._param_order, "Cannot perform TrainStep with a nominal state."))
         params = self._state._params
         overwrite = self._overwrite_plan is not None and not self._accumulate
         if not overwrite:
@@ -472,7 +477,7 @@ class Module:
             raise RuntimeError("Evaluation session not initialized: this Module was created without an eval "
                                "model (Module(train_model, state, eval_model)); switch back with train()")
         feeds = check_user_inputs(self._eval_inputs, user_inputs, "the eval model")
-        feeds.update(self._param_feeds(self._eval_params, "EvalStep"))
+        feeds.update(self._param_feeds(self._eval_params, "Cannot perform EvalStep with a nominal state."))
         plan = self._eval_plan
         return _checked_run(lambda: plan.run(feeds, self._eval_outputs), self._eval_inputs, feeds,
                             "the eval model")
@@ -509,7 +514,7 @@ class Module:
     def get_contiguous_parameters(self, trainable_only: bool = False) -> ContiguousBuffer:
         """A new 1-D array of the parameters, flattened row-major in the training model's input order."""
         names = self._selected(bool(trainable_only))
-        feeds = self._param_feeds(names, "a parameter copy")
+        feeds = self._param_feeds(names, "Cannot copy parameters from a nominal checkpoint state.")
         out = np.empty(self.get_parameters_size(bool(trainable_only)), self._buffer_dtype(names))
         at = 0
         for n in names:
@@ -528,10 +533,10 @@ class Module:
         state = self._state
         nominal = state.is_nominal
         if nominal and trainable_only:
-            raise ValueError("For nominal checkpoint state, all parameters need to be loaded into the model "
-                             "(trainable_only = false).")
+            raise NominalStateError("For nominal checkpoint state, all parameters need to be loaded into the "
+                                    "model (trainable_only = false).")
         if isinstance(buffer, np.ndarray):
-            arr = buffer
+            arr = buffer.view(np.ndarray)  # a ContiguousBuffer's parameters must become plain arrays
         elif hasattr(buffer, "numpy") and callable(buffer.numpy):
             arr = np.asarray(buffer.numpy())
         elif hasattr(buffer, "_ortvalue"):
@@ -568,9 +573,10 @@ class Module:
         if self._eval_model is None:
             raise RuntimeError("Eval model was not provided. Cannot export a model for inferencing.")
         if self._state.is_nominal:
-            raise ValueError("Cannot export the model with a nominal state. Please load the model parameters "
-                             "first.")
-        export_for_inference(self._eval_model, self._param_feeds(self._eval_params, "an export"),
+            raise NominalStateError(f"Cannot export the model with a nominal state. Please load the model "
+                                    f"parameters first. {LOAD_HINT}")
+        values = self._param_feeds(self._eval_params, "Cannot export the model with a nominal state.")
+        export_for_inference(self._eval_model, values,
                              inference_model_uri, graph_output_names)
 
     # ---------------------------------------------------------------- for Optimizer/TrainingSession

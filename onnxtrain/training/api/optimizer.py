@@ -28,7 +28,12 @@ import numpy as np
 from onnxtrain import parallel
 from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
 from onnxtrain.training.api._graph import ModelLike, load_model
-from onnxtrain.training.api.checkpoint_state import _OptimizerState, replace_grads
+from onnxtrain.training.api.checkpoint_state import (
+    LOAD_HINT,
+    NominalStateError,
+    _OptimizerState,
+    replace_grads,
+)
 from onnxtrain.training.api.module import Module, _compile, loss_scaling
 from onnxtrain.training.ort_artifacts import translate_optimizer_model
 
@@ -216,8 +221,8 @@ class Optimizer:
         for p in self._params:
             prm = params[p]
             if prm.data is None:
-                raise ValueError("Cannot perform OptimizerStep with a nominal state. Please load the model "
-                                 "parameters first.")
+                raise NominalStateError("The optimizer state cannot be constructed from a nominal state. "
+                                        f"Please load the model parameters first. {LOAD_HINT}")
             feeds[p] = prm.data
             feeds[self._grads[p]] = prm.grad if prm.grad is not None else np.zeros_like(prm.data)
         if self._data_parallel:  # fresh arrays: the averages never alias weights or .grad
