@@ -60,6 +60,25 @@ def _hold_early_ops(m: onnx.ModelProto) -> bool:
     return held
 
 
+def _drop_saved_statistics(m: onnx.ModelProto) -> None:
+    """Remove the saved mean and variance outputs (4th and 5th) of training-mode BatchNormalization nodes
+    below opset 14, in place, when nothing reads them: the converter refuses them, and opset 14's node has
+    only the running statistics (torch's training-mode exports at opset 9-13 write all five). A read one
+    is an error naming the node."""
+    read = {name for g in walk_graphs(m.graph) for n in g.node for name in n.input}
+    read |= {o.name for o in m.graph.output}
+    for g in walk_graphs(m.graph):
+        for n in g.node:
+            if n.op_type != "BatchNormalization" or n.domain not in ("", "ai.onnx") or len(n.output) < 4:
+                continue
+            used = [o for o in n.output[3:] if o and o in read]
+            if used:
+                raise GradientError(f"BatchNormalization node {n.name or n.output[0]!r} (opset "
+                                    f"{model_opset(m)}): its saved statistics {used} are read, which opset "
+                                    "14 and later cannot express; re-export the model at opset 14 or later")
+            del n.output[3:]
+
+
 def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.ModelProto:
     """``model`` at default-domain opset >= ``target`` (older models go through the version converter; nodes
     of :data:`EARLY_OPS` go through unchanged, standard once ``target`` reaches their opset)."""
@@ -77,6 +96,7 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     m = onnx.ModelProto()
     m.CopyFrom(model)
     held = _hold_early_ops(m)
+    _drop_saved_statistics(m)
     listed = {i.name for i in m.graph.input}
     extra = [
         helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
