@@ -193,16 +193,20 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                     )
             opt.check_attrs(w, fmap.get(w, {}), imap.get(w, {}))
         for label, m in (("optimizer_attributes_map", fmap), ("optimizer_int_attributes_map", imap)):
-            for w in m:
-                if w not in self._graphs.trainable and w not in initializers:
-                    raise ValueError(
-                        f"{label}: {w!r} is not an initializer of the model; "
-                        f"trained: {self._graphs.trainable}"
-                    )
+            absent = sorted(w for w in m if w not in self._graphs.trainable and w not in initializers)
+            if absent:  # onnxruntime reads the maps for the trained weights only
+                warn(f"{label}: {absent} are not initializers of the model; their entries are not used "
+                     f"(trained: {self._graphs.trainable})")
 
     def _apply_initial_optimizer_state(self, initial: dict[str, dict[str, np.ndarray]]) -> None:
         z = self._zero
+        trained = self._graphs.trainable
+        untrained = sorted(w for w in initial if w != "shared_optimizer_state" and w not in trained)
+        if untrained:  # onnxruntime looks up initial states for the trained weights only
+            warn(f"set_optimizer_initial_state: {untrained} are not trained; their states are not used")
         for w, d in initial.items():
+            if w in untrained:
+                continue
             for key, v in d.items():
                 if w == "shared_optimizer_state":
                     targets = [(key, v)]

@@ -146,19 +146,28 @@ def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, l
     return sorted(found)
 
 
+def _graph_values(model: onnx.ModelProto) -> set[str]:
+    g = model.graph
+    return {v.name for v in g.input} | {o for n in g.node for o in n.output}
+
+
 def select_trainable(model: onnx.ModelProto, p: TrainingParameters) -> list[str]:
     inits = {t.name: t for t in model.graph.initializer}
     consumers = _consumers(model)
     wanted = p.weights_to_train
     if wanted:
+        values = _graph_values(model)
         for w in sorted(wanted):
-            if w not in inits:
-                raise ValueError(
-                    f"weights_to_train: {w!r} is not an initializer of the model{export_hint(model)}"
-                )
+            if w in values and w not in inits:
+                raise ValueError(f"weights_to_train: {w!r} is a graph input or node output of the model, not "
+                                 "an initializer: only initializers are trained")
+        # as onnxruntime's FilterUnusedWeights: a name nothing reads (an unused module parameter that the
+        # exporter left out) is excluded from training with a warning
         unused = sorted(w for w in wanted if w not in consumers)
         if unused:
-            warn(f"weights_to_train: {unused} have no consumer and are not trained")
+            missing = [w for w in unused if w not in inits]
+            warn(f"weights_to_train: {unused} have no consumer and are not trained"
+                 + (f" ({missing} are not in the model{export_hint(model)})" if missing else ""))
         uses = [(w, n.op_type, i) for w in wanted for n, i in consumers.get(w, ())]
         stats = sorted({w for w, op, i in uses if op == "BatchNormalization" and i > 2})
         if stats:  # updated by the forward pass; an optimizer step would overwrite the update
@@ -171,9 +180,9 @@ def select_trainable(model: onnx.ModelProto, p: TrainingParameters) -> list[str]
     else:
         trainable = discover_trainable(model, p.loss_output_name, p.immutable_weights)
         warn_folded_constants(model, [w for w in trainable if w not in p.weights_not_to_train])
-    for w in p.weights_not_to_train:
-        if w not in inits:
-            raise ValueError(f"weights_not_to_train: {w!r} is not an initializer of the model")
+    absent = sorted(w for w in p.weights_not_to_train if w not in inits)
+    if absent:  # onnxruntime erases them from the set it trains: nothing to exclude
+        warn(f"weights_not_to_train: {absent} are not initializers of the model; nothing to exclude")
     return [w for w in trainable if w not in p.weights_not_to_train]
 
 

@@ -306,7 +306,7 @@ def test_interface_and_errors() -> None:
         sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.float32(0.1)})
     with pytest.raises(ValueError, match="SGDOptim"):
         TrainingSession(model.SerializeToString(), params("SGDOptim"))
-    with pytest.raises(ValueError, match="not an initializer"):
+    with pytest.raises(ValueError, match="'x' is a graph input or node output of the model, not an init"):
         TrainingSession(model.SerializeToString(), params(weights_to_train={"x"}))
     with pytest.raises(ValueError, match="no entry for trained weight 'b1'"):
         TrainingSession(

@@ -108,9 +108,10 @@ def test_running_statistics_listed_as_weights_are_updated_not_trained() -> None:
     np.testing.assert_allclose(first.get_state()["mean"], 0.1 * h.mean(0), rtol=1e-5)
 
 
-def test_attribute_maps_may_name_untrained_initializers_but_not_unknown_names() -> None:
+def test_attribute_maps_may_name_untrained_initializers_and_unknown_names() -> None:
     """As in onnxruntime, the maps are read for the trained weights only: entries for initializers that are
-    not trained (excluded, unused) are ignored; a name that is no initializer is an error naming it."""
+    not trained (excluded, unused) are ignored; a name that is no initializer is ignored too, with a warning
+    naming it (a map built from a torch module's parameters names those its export left out)."""
     names = ["W", "b", "scale", "beta", "two"]
     p = params(
         "AdamOptimizer",
@@ -123,8 +124,36 @@ def test_attribute_maps_may_name_untrained_initializers_but_not_unknown_names() 
         sess = TrainingSession(_bn_pow_model(), p)
     assert "b" not in sess._graphs.trainable
     p.optimizer_attributes_map = {**{n: {} for n in names}, "Wx": {}}
-    with pytest.raises(ValueError, match="'Wx' is not an initializer"):
-        TrainingSession(_bn_pow_model(), p)
+    with pytest.warns(UserWarning, match=r"optimizer_attributes_map: \['Wx'\] are not initializers"):
+        other = TrainingSession(_bn_pow_model(), p)
+    assert other._graphs.trainable == sess._graphs.trainable
+
+
+def test_names_the_model_lacks_are_left_out_with_a_warning_as_onnxruntime_does() -> None:
+    """weights_to_train from a module's parameters (one the export left out), weights_not_to_train naming
+    nothing, an initial optimizer state for a weight that is not trained: onnxruntime trains what the model
+    has (FilterUnusedWeights) and ignores the rest; onnxtrain does the same and says what it left out. The
+    session then trains exactly as one given the right names."""
+    from tests.session.helpers import batches, mlp_model
+
+    model = mlp_model().SerializeToString()
+    right = TrainingSession(model, params("AdamOptimizer", weights_to_train={"W1", "b1", "W2", "b2"}))
+    p = params("AdamOptimizer", weights_to_train={"W1", "b1", "W2", "b2", "head.weight"},
+               weights_not_to_train={"nothing"})
+    p.set_optimizer_initial_state({"b2": {"Moment_1": np.zeros(4, np.float32)},
+                                   "head.weight": {"Moment_1": np.ones(3, np.float32)}})
+    with pytest.warns(UserWarning) as seen:
+        loose = TrainingSession(model, p)
+    text = " ".join(str(w.message) for w in seen)
+    assert "['head.weight'] have no consumer and are not trained" in text
+    assert "weights_not_to_train: ['nothing'] are not initializers" in text
+    assert "set_optimizer_initial_state: ['head.weight'] are not trained" in text
+    lr = np.array([0.01], np.float32)
+    for x, y in batches(3, 4):
+        a = right.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})[0]
+        b = loose.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})[0]
+        assert a == b
+    assert sorted(right.get_state()) == sorted(loose.get_state())
 
 
 def test_a_listed_weight_the_loss_does_not_depend_on_is_an_error() -> None:
