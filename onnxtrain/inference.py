@@ -19,6 +19,7 @@ from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.batch_split import BatchSplitter, mode_of
 from onnxtrain.engine.plan import Plan, load_model
+from onnxtrain.errors import InvalidFeed, InvalidFeedType
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
 
@@ -92,7 +93,7 @@ class FeedChecker:
         out: dict[str, np.ndarray] = {}
         for name, v in feeds.items():
             if name not in self.allowed:
-                raise ValueError(f"unknown input {name!r}; the model's inputs are {self.required}")
+                raise InvalidFeed(f"unknown input {name!r}; the model's inputs are {self.required}")
             kind = self.containers.get(name)
             if kind is not None:
                 out[name] = _container_feed(name, kind, v)
@@ -102,25 +103,25 @@ class FeedChecker:
                 a = np.asarray(a)
             dtype, shape = self.specs[name]
             if dtype is not None and a.dtype != dtype:
-                raise TypeError(
+                raise InvalidFeedType(
                     f"input {name!r}: expected dtype {dtype} (tensor({_type_name(dtype)})), got {a.dtype}"
                 )
             if shape is not None:
                 if a.ndim != len(shape):
-                    raise ValueError(
+                    raise InvalidFeed(
                         f"input {name!r}: expected rank {len(shape)} (shape {shape}), "
                         f"got rank {a.ndim} (shape {list(a.shape)})"
                     )
                 for k, (want, got) in enumerate(zip(shape, a.shape)):
                     if isinstance(want, int) and want > 0 and want != got:
-                        raise ValueError(
+                        raise InvalidFeed(
                             f"input {name!r}: dimension {k} must be {want}, got {got} "
                             f"(shape {list(a.shape)}, expected {shape})"
                         )
             out[name] = a
         missing = [n for n in (self.required if required is None else required) if n not in out]
         if missing:
-            raise ValueError(f"missing input(s) {missing}; the model's inputs are {self.required}")
+            raise InvalidFeed(f"missing input(s) {missing}; the model's inputs are {self.required}")
         return out
 
 
@@ -134,11 +135,12 @@ def _container_feed(name: str, kind: str, v: Any) -> Any:
     if v is None:
         if kind == "optional":
             return None
-        raise TypeError(f"input {name!r}: expected a sequence (a list of arrays), got None")
+        raise InvalidFeedType(f"input {name!r}: expected a sequence (a list of arrays), got None")
     if isinstance(v, (list, tuple)):
         return [x.numpy() if isinstance(x, OrtValue) else np.asarray(x) for x in v]
     if kind == "seq":
-        raise TypeError(f"input {name!r}: expected a sequence (a list of arrays), got {type(v).__name__}")
+        raise InvalidFeedType(f"input {name!r}: expected a sequence (a list of arrays), got "
+                              f"{type(v).__name__}")
     return v.numpy() if isinstance(v, OrtValue) else np.asarray(v)
 
 

@@ -50,6 +50,9 @@ _DEFAULTS: dict[str, Any] = {
     "legacy_cpu_adam": False,  # True: Adam ignores clipping, as onnxruntime's CPU kernel did
     "gradient_accumulation_mode": "legacy",  # or "auto": the session counts micro-steps itself
     "use_mixed_precision": False,
+    # onnxruntime 1.8-1.11: True let LayerNormalization stash its statistics in the half type; onnxtrain
+    # keeps them float32 (stash_type=1) and warns when it is set
+    "allow_layer_norm_mod_precision": False,
     "mixed_precision_dtype": "float16",  # ours: or "bfloat16" (the legacy reached bf16 only from C++)
     "attn_dropout_recompute": False,
     "gelu_recompute": False,

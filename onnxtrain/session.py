@@ -20,6 +20,7 @@ from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.plan import Plan, load_model
+from onnxtrain.errors import InvalidFeed
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo, half_copies
 from onnxtrain.inference import (
@@ -100,6 +101,9 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         provider_options: Sequence[dict] | None = None,
     ):
         check_arguments(path_or_bytes, parameters)
+        if parameters.allow_layer_norm_mod_precision:
+            warn("TrainingParameters.allow_layer_norm_mod_precision: LayerNormalization keeps float32 "
+                 "statistics (stash_type=1) under mixed precision in onnxtrain; the option changes nothing")
         self._params = parameters
         self._sess_options = sess_options or SessionOptions()
         self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
@@ -277,7 +281,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         names = list(output_names) if output_names else list(self._output_names)
         for n in names:
             if n not in self._output_names:
-                raise ValueError(f"unknown output {n!r}; the session's outputs are {self._output_names}")
+                raise InvalidFeed(f"unknown output {n!r}; the session's outputs are {self._output_names}")
         return names
 
     # ---- running ----------------------------------------------------------------------
@@ -410,9 +414,9 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         self._store[name] = arr.copy()
 
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
-        """Copy ``state`` (as from ``get_state()``) into the session; shapes and dtypes must match. ``strict``:
-        every name given must be a state tensor of the session (names not given keep their values, as in
-        onnxruntime).
+        """Copy ``state`` (as from ``get_state()``) into the session; shapes and dtypes must match.
+        ``strict``: every name given must be a state tensor of the session (names not given keep their
+        values, as in onnxruntime).
 
         Under ZeRO stage 1, unpartitioned optimizer state (as from ``gather_state()``) is sliced to this
         rank's pieces, and absent names are tolerated.
@@ -484,4 +488,4 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                     inferred = onnx.shape_inference.infer_shapes(self._graphs.full)
                     v = next((x for x in inferred.graph.value_info if x.name == output_name), None)
                 return v is not None and v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
-        raise ValueError(f"{output_name!r} is not produced by any node of the training graph")
+        raise InvalidFeed(f"{output_name!r} is not produced by any node of the training graph")

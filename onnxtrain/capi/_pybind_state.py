@@ -12,8 +12,12 @@ from onnxtrain.capi.options import (
     get_device,
 )
 from onnxtrain.capi.ortvalue import IOBinding, OrtDevice, OrtValue
+from onnxtrain.errors import ORT_EXCEPTIONS
+
+globals().update(ORT_EXCEPTIONS)  # Fail, InvalidArgument, ..., as onnxruntime registers them
 
 __all__ = [
+    *ORT_EXCEPTIONS,
     "ExecutionMode",
     "GradientGraphBuilder",
     "GraphOptimizationLevel",

@@ -33,6 +33,7 @@ from onnxtrain.engine.registry import (
     find_kernel,
     parse_attributes,
 )
+from onnxtrain.errors import Fail
 from onnxtrain.ir.functions import expand_functions
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
@@ -45,8 +46,9 @@ def _quiet() -> np.errstate:
     return np.errstate(all="ignore")
 
 
-class EngineError(RuntimeError):
-    """A failure while compiling or running a graph; the message names the node and op."""
+class EngineError(Fail):
+    """A failure while compiling or running a graph (onnxruntime's ``Fail``, a RuntimeError); the message
+    names the node and op."""
 
 
 class UnsupportedOpError(EngineError, NotImplementedError):

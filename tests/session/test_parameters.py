@@ -104,3 +104,18 @@ def test_exchange_options_alone_warn_at_the_callers_line(name: str) -> None:
     with pytest.warns(UserWarning, match=f"{name} has no effect with one data-parallel rank") as got:
         TrainingSession(mlp_model().SerializeToString(), p)
     assert [w.filename for w in got if name in str(w.message)] == [__file__]
+
+
+def test_allow_layer_norm_mod_precision_is_a_property_that_warns_it_changes_nothing() -> None:
+    """onnxruntime 1.8-1.11's option (LayerNormalization statistics in the half type): scripts of that time
+    set it; onnxtrain keeps the statistics float32 and says so."""
+    import warnings
+
+    p = params("SGDOptimizer")
+    assert p.allow_layer_norm_mod_precision is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TrainingSession(mlp_model().SerializeToString(), p)
+    p.allow_layer_norm_mod_precision = True
+    with pytest.warns(UserWarning, match="allow_layer_norm_mod_precision: LayerNormalization keeps float32"):
+        TrainingSession(mlp_model().SerializeToString(), p)

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxtrain.errors import InvalidFeed, InvalidFeedType
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
 ModelLike = str | os.PathLike | bytes | onnx.ModelProto
@@ -54,7 +55,8 @@ class InputSpec:
         return cls(vi.name, np_dtype_of(vi.type), None if shape is None else tuple(shape))
 
     def check(self, value: Any) -> np.ndarray:
-        """``value`` as an array of the right dtype and shape; TypeError/ValueError name the input."""
+        """``value`` as an array of the right dtype and shape; InvalidFeedType / InvalidFeed (also TypeError /
+        ValueError) name the input."""
         if isinstance(value, np.ndarray):
             arr = value
         elif hasattr(value, "numpy") and callable(value.numpy):  # OrtValue and friends
@@ -63,18 +65,18 @@ class InputSpec:
             try:
                 arr = np.asarray(value, dtype=self.dtype)
             except (TypeError, ValueError) as e:
-                raise TypeError(f"input {self.name!r}: cannot convert {type(value).__name__} to "
+                raise InvalidFeedType(f"input {self.name!r}: cannot convert {type(value).__name__} to "
                                 f"{self.dtype}: {e}") from None
         if self.dtype is not None and arr.dtype != self.dtype:
-            raise TypeError(f"input {self.name!r}: unexpected data type. Actual: {arr.dtype}, "
+            raise InvalidFeedType(f"input {self.name!r}: unexpected data type. Actual: {arr.dtype}, "
                             f"expected: {self.dtype}")
         if self.shape is not None:
             if arr.ndim != len(self.shape):
-                raise ValueError(f"input {self.name!r}: invalid rank. Got: {arr.ndim} (shape {arr.shape}), "
+                raise InvalidFeed(f"input {self.name!r}: invalid rank. Got: {arr.ndim} (shape {arr.shape}), "
                                  f"Expected: {len(self.shape)} ({self.describe_shape()})")
             for i, (got, want) in enumerate(zip(arr.shape, self.shape)):
                 if isinstance(want, int) and got != want:
-                    raise ValueError(f"input {self.name!r}: invalid dimension at index {i}. Got: {got}, "
+                    raise InvalidFeed(f"input {self.name!r}: invalid dimension at index {i}. Got: {got}, "
                                      f"Expected: {want} (shape {arr.shape}, expected "
                                      f"{self.describe_shape()})")
         return arr
@@ -89,7 +91,7 @@ def check_user_inputs(specs: Sequence[InputSpec], inputs: Sequence[Any], what: s
     """Feeds for ``specs`` from positional ``inputs``; the count must match."""
     if len(inputs) != len(specs):
         names = [s.name for s in specs]
-        raise ValueError(f"{what} expects {len(specs)} input(s) {names}, got {len(inputs)}")
+        raise InvalidFeed(f"{what} expects {len(specs)} input(s) {names}, got {len(inputs)}")
     return {s.name: s.check(v) for s, v in zip(specs, inputs)}
 
 

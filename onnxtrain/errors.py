@@ -1,0 +1,75 @@
+"""onnxruntime's exception classes (``onnxruntime.capi._pybind_state.Fail``, ``InvalidArgument``, ...), all
+``RuntimeError``\\ s, so that ported ``except`` clauses catch onnxtrain's errors of the same kind.
+
+onnxtrain's own errors derive from them and from the Python class they were before (a bad feed is an
+``InvalidArgument`` and a ``ValueError``), so code written for either keeps working."""
+
+from __future__ import annotations
+
+
+class Fail(RuntimeError):
+    """A failure while loading or running a model (onnxruntime's status FAIL)."""
+
+
+class InvalidArgument(RuntimeError):
+    """An argument the call cannot take: a feed of the wrong type or shape, an unknown name."""
+
+
+class NoSuchFile(RuntimeError):
+    """A file the call needs does not exist."""
+
+
+class NoModel(RuntimeError):
+    """No model was loaded."""
+
+
+class EngineError(RuntimeError):
+    """onnxruntime's status ENGINE_ERROR."""
+
+
+class RuntimeException(RuntimeError):
+    """onnxruntime's status RUNTIME_EXCEPTION."""
+
+
+class InvalidProtobuf(RuntimeError):
+    """A model file that does not parse as ONNX."""
+
+
+class ModelLoaded(RuntimeError):
+    """A model was already loaded."""
+
+
+class NotImplementedError_(RuntimeError):  # exported as ``NotImplemented``, onnxruntime's name
+    """onnxruntime's status NOT_IMPLEMENTED."""
+
+
+class InvalidGraph(RuntimeError):
+    """A graph that is not valid ONNX."""
+
+
+class EPFail(RuntimeError):
+    """An execution provider failed."""
+
+
+class InvalidFeed(InvalidArgument, ValueError):
+    """A feed or requested output the graph does not have, or of the wrong shape."""
+
+
+class InvalidFeedType(InvalidArgument, TypeError):
+    """A feed of the wrong element type or kind."""
+
+
+# the names of onnxruntime.capi._pybind_state
+ORT_EXCEPTIONS = {
+    "Fail": Fail,
+    "InvalidArgument": InvalidArgument,
+    "NoSuchFile": NoSuchFile,
+    "NoModel": NoModel,
+    "EngineError": EngineError,
+    "RuntimeException": RuntimeException,
+    "InvalidProtobuf": InvalidProtobuf,
+    "ModelLoaded": ModelLoaded,
+    "NotImplemented": NotImplementedError_,
+    "InvalidGraph": InvalidGraph,
+    "EPFail": EPFail,
+}
