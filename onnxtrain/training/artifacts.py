@@ -10,10 +10,17 @@ Files (``prefix`` prepended): ``training_model.onnx``, ``eval_model.onnx``, ``ch
 ``training_model.onnx``
     inputs:  user inputs of the base model (in order), inputs created by the loss
              (``target`` / ``labels`` / custom names), every trainable and frozen parameter
-             (``<p>``, ``<f>``, initializer order), ``<p>_grad.accumulation.buffer`` per
-             trainable parameter (same dtype/shape as ``<p>``), ``lazy_reset_grad`` BOOL[1].
+             (``<p>``, ``<f>``, initializer order), ``<x>_grad.accumulation.buffer`` per
+             requires_grad graph input ``<x>`` (graph input order; same type as ``<x>``), then
+             ``<p>_grad.accumulation.buffer`` per trainable parameter (same dtype/shape as
+             ``<p>``), ``lazy_reset_grad`` BOOL[1].
     outputs: the loss (first, the differentiated value), then ``additional_output_names`` in
-             order, then ``<p>_grad.accumulation.out`` per trainable parameter.
+             order, then ``<x>_grad.accumulation.out`` per requires_grad graph input, then
+             ``<p>_grad.accumulation.out`` per trainable parameter.
+    A loss of more than one element (``reduction="none"``) is differentiated as the sum of its
+    elements (the backward pass starts from ones), as onnxruntime-training's is; the loss output
+    keeps its shape. A requires_grad graph input is no parameter: it stays a user input and
+    is not in the checkpoint.
     Difference from onnxruntime (no in-place ops in standard ONNX): ``<p>_grad.accumulation.out``
     is the **new gradient buffer** (dtype/shape of ``<p>``), not a BOOL[1] flag:
     ``out = lazy_reset_grad ? <p>_grad : buffer + <p>_grad``. The runtime stores it as the new
@@ -22,7 +29,8 @@ Files (``prefix`` prepended): ``training_model.onnx``, ``eval_model.onnx``, ``ch
 ``eval_model.onnx``
     inputs:  user inputs, loss inputs, every parameter ``<p>``/``<f>`` (no buffers, no flag).
     outputs: the loss, then ``additional_output_names``. Dropout and BatchNormalization switched
-    to inference mode (BatchNormalization's running-statistics outputs removed).
+    to inference mode (a Dropout's ``training_mode`` input becomes ``''``, omitted;
+    BatchNormalization's running-statistics outputs removed).
 
 ``optimizer_model.onnx`` (one tensor per parameter instead of onnxruntime's sequences; every
 group lists the trainable parameters in checkpoint order)
@@ -97,6 +105,7 @@ from onnxtrain.training.api._accumulation import RESET_INPUT as RESET
 from onnxtrain.training.onnxblock._base import BlockError, editing, value_info
 from onnxtrain.training.onnxblock.optim import ALL_FINITE
 from onnxtrain.training.onnxblock.optim import Optimizer as OptimizerBlock
+from onnxtrain.user_warning import warn
 
 MAX_PROTO_BYTES = 2147483648
 LOSS_SCALE = mp_pass.LOSS_SCALE
@@ -304,10 +313,7 @@ def generate_artifacts(
         )
     opt_block = _optimizer_block(optimizer)
     if opt_block is not None and not trainable:
-        raise ArtifactError(
-            "An optimizer was requested but no parameter requires a gradient: list the "
-            "initializers to train in requires_grad."
-        )
+        _refuse_optimizer_without_parameters([])
     folder = os.getcwd() if artifact_directory is None else os.fsdecode(artifact_directory)
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"artifact_directory does not exist: {folder}")
@@ -321,6 +327,8 @@ def generate_artifacts(
         mixed_precision=half, recompute=recompute_opts,
     )
     optimizer_model = None
+    if opt_block is not None and not ckpt[0]:  # requires_grad named graph inputs only
+        _refuse_optimizer_without_parameters(trainable)
     if opt_block is not None:
         params = [(n, training_input_type(training, n)) for n in ckpt[0]]
         optimizer_model = build_optimizer_model(opt_block, params, model_opset(training),
@@ -340,6 +348,16 @@ def generate_artifacts(
                         sort_parameters=False)
     if optimizer_model is not None:
         save_model_atomic(optimizer_model, path("optimizer_model.onnx"))
+
+
+def _refuse_optimizer_without_parameters(input_grads: list[str]) -> None:
+    """An optimizer needs trainable parameters; ``input_grads``: the graph inputs requires_grad names."""
+    why = (f" ({input_grads} are graph inputs: the training model outputs their gradients, no optimizer "
+           "updates them)") if input_grads else ""
+    raise ArtifactError(
+        "An optimizer was requested but no parameter requires a gradient: list the "
+        f"initializers to train in requires_grad{why}."
+    )
 
 
 def training_input_type(model: onnx.ModelProto, name: str) -> onnx.TypeProto:
@@ -369,21 +387,8 @@ def build_training_models(
     untie_batch_norm_statistics(m, NameGen.for_model(m))  # an exporter's merged ones: each layer its own
     g = m.graph
     inits = {t.name: t for t in g.initializer}
-    for what, names in (("requires_grad", trainable), ("frozen_params", frozen)):
-        missing = [n for n in names if n not in inits]
-        if missing:
-            raise ArtifactError(
-                f"{what} names {missing} that are not initializers of the model; initializers: "
-                f"{list(inits)[:20]}{' ...' if len(inits) > 20 else ''}"
-                + export_hint(base)
-            )
-    not_float = [n for n in trainable if inits[n].data_type not in FLOAT_TYPES]
-    if not_float:
-        raise ArtifactError(
-            f"requires_grad names {not_float}, initializers of type "
-            f"{[onnx.TensorProto.DataType.Name(inits[n].data_type) for n in not_float]}: only floating-point "
-            "tensors have gradients"
-        )
+    _check_initializers(base, inits, frozen, "frozen_params")
+    _check_float({n: inits[n].data_type for n in trainable if n in inits}, "initializers")
     model_outputs = [o.name for o in g.output]
     args = model_outputs if loss_inputs is None else loss_inputs
     with editing(m) as acc:
@@ -407,6 +412,9 @@ def build_training_models(
                 f"graph outputs would repeat {dup}: additional_output_names must not repeat the loss outputs"
             )
         types = acc.types()
+    input_grads = _input_gradients(base, g, inits, trainable)  # (loss inputs such as target count too)
+    if isinstance(loss, onnxblock.blocks.PassThrough):
+        _warn_non_scalar_output(outs[0], types)
     del g.output[:]
     g.output.extend(value_info(n, types) for n in all_outs)
     params = [t.name for t in g.initializer if t.name in set(trainable) | set(frozen)]  # initializer order
@@ -429,14 +437,62 @@ def build_training_models(
         if not_f32:
             raise ArtifactError(f"mixed_precision trains float32 master weights; parameter(s) {not_f32} "
                                 "are not float32")
-    grad = _gradient_model(m, all_outs, train_names, types, mixed_precision=mixed_precision,
+        if input_grads:
+            raise ArtifactError(f"mixed_precision computes loss-scaled gradients of parameters only; "
+                                f"requires_grad names graph input(s) {input_grads}")
+    # as onnxruntime-training's: the gradients of graph inputs first (graph input order), then the parameters'
+    wrt = input_grads + train_names
+    grad = _gradient_model(m, all_outs, wrt, mixed_precision=mixed_precision,
                            recompute=recompute, weights=params)
-    training = _with_accumulation(grad, train_names)
+    training = _with_accumulation(grad, wrt)
     if mixed_precision is not None:
         _add_metadata(training, LOSS_SCALING_KEY, {"dtype": mixed_precision, "loss_scale": LOSS_SCALE})
     if recompute is not None:
         _add_metadata(training, RECOMPUTE_KEY, recompute)
     return _finish(training, "training"), evaluation, ckpt
+
+
+def _check_initializers(base: onnx.ModelProto, inits: dict[str, onnx.TensorProto], names: list[str],
+                        what: str, also: str = "") -> None:
+    """Error naming the ``names`` that are not initializers (``also``: what else they may be)."""
+    missing = [n for n in names if n not in inits]
+    if missing:
+        raise ArtifactError(
+            f"{what} names {missing} that are not initializers of the model{also}; initializers: "
+            f"{list(inits)[:20]}{' ...' if len(inits) > 20 else ''}"
+            + export_hint(base)
+        )
+
+
+def _check_float(elem_types: dict[str, int], what: str) -> None:
+    """Error naming the requires_grad values (name -> element type) that are not floating-point."""
+    not_float = [n for n, t in elem_types.items() if t not in FLOAT_TYPES]
+    if not_float:
+        raise ArtifactError(
+            f"requires_grad names {not_float}, {what} of type "
+            f"{[onnx.TensorProto.DataType.Name(elem_types[n]) for n in not_float]}: only floating-point "
+            "tensors have gradients"
+        )
+
+
+def _input_gradients(base: onnx.ModelProto, g: onnx.GraphProto, inits: dict[str, onnx.TensorProto],
+                     requires_grad: list[str]) -> list[str]:
+    """The requires_grad names that are graph inputs (not parameters), in graph input order."""
+    inputs = {v.name: v for v in g.input if v.name not in inits}
+    _check_initializers(base, inits, [n for n in requires_grad if n not in inputs], "requires_grad",
+                        " nor graph inputs")
+    wanted = [n for n in inputs if n in set(requires_grad)]
+    _check_float({n: inputs[n].type.tensor_type.elem_type for n in wanted}, "graph inputs")
+    return wanted
+
+
+def _warn_non_scalar_output(loss: str, types: dict[str, onnx.TypeProto]) -> None:
+    """Warn when a model output, differentiated without a loss block, is not one element."""
+    shape = _shape(types.get(loss))
+    if shape is not None and any(d != 1 for d in shape):
+        warn(f"no loss was given and the differentiated model output {loss!r} has shape {shape}: the "
+             "training model differentiates the sum of its elements (as onnxruntime-training does); "
+             "give a loss (loss=LossType..., a custom block) if that is not intended")
 
 
 def _add_metadata(m: onnx.ModelProto, key: str, value: dict[str, Any]) -> None:
@@ -460,7 +516,7 @@ def _check_arity(block: onnxblock.Block, args: list[str]) -> None:
 
 
 def _gradient_model(
-    m: onnx.ModelProto, outputs: list[str], trainable: list[str], types: dict[str, onnx.TypeProto],
+    m: onnx.ModelProto, outputs: list[str], trainable: list[str],
     *, mixed_precision: str | None = None, recompute: dict[str, Any] | None = None,
     weights: Sequence[str] = (),
 ) -> onnx.ModelProto:
@@ -468,14 +524,7 @@ def _gradient_model(
         if recompute is not None:
             raise ArtifactError("recompute needs parameters to train: list them in requires_grad")
         return m
-    loss = outputs[0]
-    shape = _shape(types.get(loss))
-    if shape is not None and any(d != 1 for d in shape):
-        raise ArtifactError(
-            f"the differentiated output {loss!r} must be a scalar (one element) but has shape "
-            f"{shape}; give a loss (loss=LossType..., a custom block) or make the model's first "
-            "output a scalar loss"
-        )
+    loss = outputs[0]  # a non-scalar one: seeded with ones, i.e. the gradient of the sum of its elements
     _, ancestors = path_to(m.graph.node, [loss])
     unreachable = [p for p in trainable if p not in ancestors]
     if not unreachable:
@@ -559,7 +608,7 @@ def _inference_mode(m: onnx.ModelProto) -> onnx.ModelProto:
     for n in e.graph.node:
         nodes.append(n)
         if n.op_type == "Dropout" and len(n.input) >= 3:
-            del n.input[2:]
+            n.input[2] = ""  # training_mode omitted: inference (the slot kept, as onnxruntime-training does)
         elif n.op_type == "BatchNormalization":
             for a in n.attribute:
                 if a.name == "training_mode":

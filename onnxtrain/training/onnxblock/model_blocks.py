@@ -101,7 +101,8 @@ class TrainingBlock(Block):
 
     def requires_grad(self, argument_name: str, value: bool = True) -> None:
         """Mark initializer ``argument_name`` as trained (``value``) or as a frozen parameter (kept in the
-        checkpoint, no gradient). Unmarked initializers stay constants of the models."""
+        checkpoint, no gradient). Unmarked initializers stay constants of the models. A graph input marked
+        trained gets its gradient output (``<input>_grad.accumulation.out``) but is no parameter."""
         if not isinstance(argument_name, str):
             raise BlockError("requires_grad: the argument name must be a str, got "
                              f"{type(argument_name).__name__}")
