@@ -150,7 +150,7 @@ def test_generate_artifacts_with_input_gradient(tmp_path):
     assert [v.name for v in optimizer.graph.input if X in v.name] == []
     state = CheckpointState.load_checkpoint(str(folder / "checkpoint"))
     assert list(state.parameters.keys()) == ["fc2.bias"]
-    with pytest.warns(UserWarning, match=r"also computes the gradient of user input\(s\) \['input-0'\]"):
+    with pytest.warns(UserWarning, match=r"trains parameter\(s\) \['input-0'\].*keeps its place"):
         module = Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"))
     assert module.input_names() == [X, "target"]
     ref = torch_grads(mlp(), *data())

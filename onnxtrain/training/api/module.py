@@ -327,18 +327,16 @@ class Module:
         order = [v.name for v in inputs]
         at = [i for i, n in enumerate(order) if n in params or n.endswith(BUFFER_SUFFIX) or n == RESET_INPUT]
         first = at[0] if at else len(order)
-        trainable = [n for n in order[first:] if n not in params and n + BUFFER_SUFFIX in names]
+        trainable = [n for n in order if n not in params and n + BUFFER_SUFFIX in names]
         frozen = [n for n in order[first:] if n not in params and n not in trainable
                   and not n.endswith(BUFFER_SUFFIX) and n not in (RESET_INPUT, self._loss_scale_input)]
         where = f"the checkpoint {self._state.path!r}" if self._state.path else "the checkpoint state"
-        input_grads = [n for n in order[:first] if n + BUFFER_SUFFIX in names]
-        if input_grads:  # requires_grad named graph inputs (generate_artifacts, onnxblock)
-            warn(f"the {what} model also computes the gradient of user input(s) {input_grads}; the Module "
-                 "does not return it (run the training model itself to read it)")
         if trainable:
             warn(f"the {what} model trains parameter(s) {trainable} that {where} does not hold: "
-                 "they are user inputs of the Module (pass their values after the other inputs; "
-                 "their gradients are not kept, and an Optimizer cannot update them)")
+                 "they are user inputs of the Module, in the order of input_names() (a parameter the "
+                 "checkpoint lacks comes after the other inputs; a graph input whose gradient the artifacts "
+                 "compute keeps its place); their gradients are not kept, and an Optimizer cannot update "
+                 "them")
         if frozen:
             warn(f"the {what} model reads parameter(s) {frozen} that {where} does not hold: they "
                  "are user inputs of the Module (pass their values after the other inputs)")
