@@ -8,9 +8,11 @@ Set ONNXTRAIN_ORTT=0 to skip them without trying, ONNXTRAIN_ORTT_DIR to use anot
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -42,6 +44,17 @@ def ensure_ortt() -> str:
             if not _works():
                 pytest.skip(f"onnxruntime-training 1.19.2 does not import in {VENV}")
     return PYTHON
+
+
+def run_script(script: str, *args: str, timeout: float = 600, python: str | None = None) -> Any:
+    """Run ``script`` (``python -c``, PREAMBLE included by the caller) in the onnxruntime-training venv with
+    ``args``, outside this project's path; the JSON value its last stdout line prints (None: no output)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    proc = subprocess.run([python or ensure_ortt(), "-c", script, *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines else None
 
 
 def _works() -> bool:

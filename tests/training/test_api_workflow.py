@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from onnxtrain.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer, TrainingSession
-from tests.ortt import PREAMBLE, ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, BATCH, LR, WARMUP = 100, 8, 0.01, 10
@@ -289,11 +289,8 @@ def test_against_onnxruntime_training(artifacts_dir, tmp_path):
     CheckpointState.save_checkpoint(state, ours10, include_optimizer_state=True)
     losses += run(module, opt, range(ORT_STEPS, 2 * ORT_STEPS))
 
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    proc = subprocess.run([ORT_VENV, "-c", _ORT_SCRIPT, base, str(ort_dir), data, ours10, str(tmp_path),
-                           str(ORT_LR), str(ORT_STEPS)], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    args = (base, str(ort_dir), data, ours10, str(tmp_path), str(ORT_LR), str(ORT_STEPS))
+    res = run_script(_ORT_SCRIPT, *args, python=ORT_VENV)
 
     np.testing.assert_allclose(res["losses"], losses, atol=1e-4)
     print("max |onnxruntime-training - onnxtrain| loss:", np.max(np.abs(np.subtract(res["losses"], losses))))

@@ -6,10 +6,6 @@ the same model (tests/ortt.py), torch for the eval loss (dropout off), onnx.chec
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-
 import numpy as np
 import onnx
 import pytest
@@ -17,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState, Module
-from tests.ortt import PREAMBLE, ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt, run_script
 
 torch = pytest.importorskip("torch")
 
@@ -94,11 +90,7 @@ def test_eval_dropout_like_onnxruntime_training(tmp_path):
     theirs, ours = tmp_path / "ort", tmp_path / "ours"
     theirs.mkdir()
     ours.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    proc = subprocess.run([python, "-c", _ORT_SCRIPT, base, str(theirs)], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = json.loads(proc.stdout.strip().splitlines()[-1])
+    ref = run_script(_ORT_SCRIPT, base, str(theirs), python=python)
     generate(str(ours))
     assert dropouts(onnx.load(str(ours / "eval_model.onnx"))) == ref
     assert ref["drop1"][2] == ""

@@ -9,9 +9,7 @@ the same block and generating the same artifacts (tests/ortt.py; skipped without
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 
 import numpy as np
 import onnx
@@ -21,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.engine import compile_model
 from onnxtrain.training import artifacts, onnxblock
 from onnxtrain.training.api import CheckpointState, Module
-from tests.ortt import PREAMBLE, ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt, run_script
 
 torch = pytest.importorskip("torch")
 
@@ -240,11 +238,7 @@ def test_input_gradient_like_onnxruntime_training(tmp_path):
     onnx.save(mlp(), base)
     x, t = data()
     np.savez(npz, x=x, t=t)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    proc = subprocess.run([python, "-c", _ORT_SCRIPT, base, str(tmp_path), npz], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = json.loads(proc.stdout.strip().splitlines()[-1])
+    ref = run_script(_ORT_SCRIPT, base, str(tmp_path), npz, python=python)
 
     training, evaluation, block = block_models(X, "fc2.bias")
     (t_in, t_out), (e_in, e_out), params = ref["block"]

@@ -12,9 +12,7 @@ them the gradient of the sum, the oracle being torch's ``loss.sum().backward()``
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 
 import numpy as np
 import onnx
@@ -23,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.training import artifacts, onnxblock
 from onnxtrain.training.api import CheckpointState, Module
-from tests.ortt import PREAMBLE, ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt, run_script
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -199,11 +197,7 @@ def test_nonscalar_loss_like_onnxruntime_training(tmp_path):
     base, npz = str(tmp_path / "mlp.onnx"), str(tmp_path / "data.npz")
     onnx.save(mlp(), base)
     np.savez(npz, **data())
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    proc = subprocess.run([python, "-c", _ORT_SCRIPT, base, str(tmp_path), npz], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = json.loads(proc.stdout.strip().splitlines()[-1])
+    ref = run_script(_ORT_SCRIPT, base, str(tmp_path), npz, python=python)
 
     for case in ("custom", "ce_none"):
         folder = tmp_path / f"ours_{case}"

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import numpy as np
 import onnx
 import pytest
 
 from onnxtrain.training import artifacts
-from tests.ortt import PREAMBLE, ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt, run_script
 
 torch = pytest.importorskip("torch")
 
@@ -92,12 +91,8 @@ def test_eval_export_trains_batch_norm_like_onnxruntime_training(stats, tmp_path
     theirs, ours = str(tmp_path / "ort"), str(tmp_path / "ot")
     os.makedirs(theirs)
     os.makedirs(ours)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     args = json.dumps([str(tmp_path / "mlp_bn.onnx"), theirs, trainable, frozen, data, STEPS, LR])
-    proc = subprocess.run([python, "-c", _ORT_SCRIPT, args], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = json.loads(proc.stdout.strip().splitlines()[-1])
+    ref = run_script(_ORT_SCRIPT, args, python=python)
 
     artifacts.generate_artifacts(model, requires_grad=trainable, frozen_params=frozen,
                                  loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.SGD,

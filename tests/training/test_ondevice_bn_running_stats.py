@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import numpy as np
 import onnx
@@ -20,7 +19,7 @@ import pytest
 
 from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState, Module
-from tests.ortt import PREAMBLE, ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt, run_script
 
 torch = pytest.importorskip("torch")
 
@@ -157,12 +156,7 @@ def test_running_stats_match_onnxruntime_training(bn_cnn_exported):
     data = str(folder / "batches.npz")
     np.savez(data, **{f"{k}{i}": v for i in range(STEPS) for k, v in zip("xy", batch(i))})
     base = str(folder / "cnn.onnx")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    proc = subprocess.run([python, "-c", _ORT_SCRIPT, json.dumps([base, theirs, [theirs], data,
-                                                                   STEPS, LR])],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = json.loads(proc.stdout.strip().splitlines()[-1])
+    ref = run_script(_ORT_SCRIPT, json.dumps([base, theirs, [theirs], data, STEPS, LR]), python=python)
     for run_dir in (theirs, ours):  # its own files, and onnxtrain's from the same model
         state, _, history = _train_onnxtrain(run_dir)
         for i, step in enumerate(ref[theirs]["history"]):

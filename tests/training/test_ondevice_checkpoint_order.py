@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import onnx
 import pytest
@@ -17,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.checkpoint import load_checkpoint
 from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState
-from tests.ortt import PREAMBLE, ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt, run_script
 
 np = pytest.importorskip("numpy")
 
@@ -63,10 +62,7 @@ def test_generated_checkpoint_keeps_initializer_order(tmp_path):
     theirs, ours = str(tmp_path / "ort"), str(tmp_path / "ot")
     os.makedirs(theirs)
     os.makedirs(ours)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    proc = subprocess.run([python, "-c", _ORT_SCRIPT, json.dumps([base, theirs, TRAINABLE, FROZEN])],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script(_ORT_SCRIPT, json.dumps([base, theirs, TRAINABLE, FROZEN]), python=python)
     artifacts.generate_artifacts(onnx.load(base), requires_grad=TRAINABLE, frozen_params=FROZEN,
                                  loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.AdamW,
                                  artifact_directory=ours, nominal_checkpoint=True)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.training.api import CheckpointState, Module
-from tests.ortt import PREAMBLE, ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt, run_script
 
 
 def _model() -> onnx.ModelProto:
@@ -59,11 +58,7 @@ def test_contiguous_buffer_answers_ortvalue_calls(tmp_path):
     onnx.save(_model(), base)
     folder = str(tmp_path / "art")
     os.makedirs(folder)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    proc = subprocess.run([python, "-c", _ORT_SCRIPT, json.dumps([base, folder])], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = json.loads(proc.stdout.strip().splitlines()[-1])
+    ref = run_script(_ORT_SCRIPT, json.dumps([base, folder]), python=python)
     state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
     m = Module(os.path.join(folder, "training_model.onnx"), state)
     for trainable_only in (False, True):

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
 
 from onnxtrain.training.api import CheckpointState, Module, Optimizer
-from tests.ortt import PREAMBLE, ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt, run_script
 
 torch = pytest.importorskip("torch")
 
@@ -93,11 +92,7 @@ def ort_reference(tmp_path_factory):
         src = f.read()
     start, end = src.index("PARAMS = "), src.index("_ORT_SCRIPT = ")
     (helper_dir / "scenario.py").write_text("import numpy as np\n" + src[start:end])
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    proc = subprocess.run([python, "-c", _ORT_SCRIPT, json.dumps([base, folders, str(helper_dir)])],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return folders, json.loads(proc.stdout.strip().splitlines()[-1])
+    return folders, run_script(_ORT_SCRIPT, json.dumps([base, folders, str(helper_dir)]), python=python)
 
 
 def _compare(ours: dict, theirs: dict) -> None:

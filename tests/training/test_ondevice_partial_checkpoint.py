@@ -10,8 +10,6 @@ a frozen one is).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import warnings
 
 import numpy as np
@@ -21,7 +19,7 @@ import pytest
 from onnxtrain.checkpoint import load_checkpoint, save_checkpoint
 from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState, Module
-from tests.ortt import PREAMBLE, ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt, run_script
 
 torch = pytest.importorskip("torch")
 
@@ -101,11 +99,7 @@ def ort_reference(cases, tmp_path_factory):
         src = f.read()
     (helper / "scenario.py").write_text("import numpy as np\n" + src[src.index("def _batch"):
                                                                       src.index("_ORT_SCRIPT = ")])
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    proc = subprocess.run([python, "-c", _ORT_SCRIPT, json.dumps([folders, str(helper)])],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script(_ORT_SCRIPT, json.dumps([folders, str(helper)]), python=python)
 
 
 @pytest.mark.parametrize("case", ["trainable", "frozen"])

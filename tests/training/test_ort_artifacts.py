@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 
 import numpy as np
 import onnx
@@ -25,7 +24,7 @@ from onnxtrain.training.ort_artifacts import (
     translate_optimizer_model,
     translate_training_model,
 )
-from tests.ortt import PREAMBLE, ensure_ortt
+from tests.ortt import PREAMBLE, ensure_ortt, run_script
 
 STEPS, BATCH = 12, 8
 
@@ -102,12 +101,7 @@ def ort_runs(tmp_path_factory) -> dict[str, tuple[str, list[float]]]:
         )
         cases[name] = (base, str(folder / "artifacts"), data, loss, optim, lr, STEPS)
         os.makedirs(cases[name][1])
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    proc = subprocess.run(
-        [python, "-c", _ORT_SCRIPT, json.dumps(cases)], capture_output=True, text=True, env=env, timeout=900
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = json.loads(proc.stdout.strip().splitlines()[-1])
+    losses = run_script(_ORT_SCRIPT, json.dumps(cases), timeout=900, python=python)
     return {name: (cases[name][1], losses[name]) for name in CASES}
 
 
