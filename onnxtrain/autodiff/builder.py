@@ -20,6 +20,7 @@ from onnxtrain.autodiff.patterns import find_erf_gelus, find_tanh_gelus
 from onnxtrain.autodiff.registry import find_rule, find_variant, has_no_gradient, ops_with_rules
 from onnxtrain.autodiff.rules.normalization import FROM_OUTPUT
 from onnxtrain.autodiff.rules.quantize import find_fake_quants
+from onnxtrain.errors import Fail
 from onnxtrain.ir.attrs import attribute_value, parse_attributes
 from onnxtrain.ir.builder import (
     FLOAT_TYPES,
@@ -36,8 +37,9 @@ from onnxtrain.ir.graphs import body_reads, node_reads, walk_graphs
 MIN_OPSET = 17
 
 
-class GradientError(ValueError):
-    """The gradient graph cannot be built; the message names the node, op or value at fault."""
+class GradientError(Fail, ValueError):
+    """The gradient graph cannot be built; the message names the node, op or value at fault (a
+    RuntimeError, as onnxruntime's builder raised, and a ValueError)."""
 
 
 # operators onnxruntime runs in the default domain before ONNX adopted them (the same signature): the opset

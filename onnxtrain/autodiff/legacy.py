@@ -20,8 +20,9 @@ class GradientGraphBuilder:
     """Build the gradient graph of a model; the result stays standard ONNX.
 
     ``x_node_arg_names`` are the values to differentiate with respect to (initializers or graph
-    inputs); the built model keeps the model's outputs and appends ``<x>_grad`` for each, in the
-    order given (sorted when a set is given). The backward pass starts from ``y_node_arg_names``:
+    inputs); the built model keeps the model's outputs in their order and appends ``<x>_grad`` for each,
+    in the order given (sorted when a set is given), as onnxruntime's builder did (a loss that is no
+    output of the model does not become one). The backward pass starts from ``y_node_arg_names``:
     the one named ``loss_node_arg_name`` is seeded with ones, the others get their incoming gradient
     ``<y>_grad`` as a graph input (all of them when the loss name is empty or names no y, as
     onnxruntime seeded only a y of that name). An ``x`` the ys do not depend on is an error. Example::
@@ -49,17 +50,23 @@ class GradientGraphBuilder:
         seeded = self._loss in self._ys
         first = self._loss if seeded else self._ys[0]
         others = [y for y in self._ys if y != first]
-        self._built = build_gradient_model(
+        built = build_gradient_model(
             self._model, first, self._xs, other_ys=others, zero_unreachable=False, seed_loss=seeded
         )
+        # as onnxruntime's builder: the model's outputs where they were, then the gradients (a loss that
+        # was no output of the model stays none)
+        outputs = {o.name: o for o in built.graph.output}
+        kept = [outputs[o.name] for o in self._model.graph.output if o.name in outputs]
+        kept += [outputs[f"{x}_grad"] for x in self._xs]
+        del built.graph.output[:]
+        built.graph.output.extend(kept)
+        self._built = built
 
     def _result(self) -> onnx.ModelProto:
-        if self._built is None:
-            raise RuntimeError("call build() first")
-        return self._built
+        return self._model if self._built is None else self._built
 
     def get_model(self) -> bytes:
-        """The built model (forward + backward), serialized."""
+        """The built model (forward + backward), serialized; before ``build()``, the model as given."""
         return self._result().SerializeToString()
 
     def save(self, path: str | os.PathLike) -> None:

@@ -38,6 +38,53 @@ def test_builder_api_outputs_and_order(tmp_path) -> None:
     assert [o.name for o in onnx.load_from_string(b2.get_model()).graph.output][2:] == ["b1_grad", "W1_grad"]
 
 
+def _pred_then_loss(loss_is_output: bool) -> onnx.ModelProto:
+    w = numpy_helper.from_array(np.array([[1.5, -2.0], [0.5, 1.0]]), "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["pred"]),
+             helper.make_node("Sub", ["pred", "y"], ["d"]),
+             helper.make_node("Mul", ["d", "d"], ["d2"]),
+             helper.make_node("ReduceSum", ["d2"], ["loss"], keepdims=0)]
+    outputs = [helper.make_tensor_value_info("pred", T.DOUBLE, [3, 2])]
+    if loss_is_output:
+        outputs.append(helper.make_tensor_value_info("loss", T.DOUBLE, []))
+    inputs = [helper.make_tensor_value_info(n, T.DOUBLE, [3, 2]) for n in ("x", "y")]
+    return _model(nodes, inputs, outputs, [w])
+
+
+@pytest.mark.parametrize("loss_is_output", [True, False])
+def test_builder_keeps_the_model_outputs_in_place_as_onnxruntime(loss_is_output: bool) -> None:
+    """onnxruntime's builder appended the gradients to the model's outputs, in their order; a loss that was
+    no output stayed none. Values: the forward's from onnx.reference, the gradient from finite
+    differences."""
+    model = _pred_then_loss(loss_is_output)
+    b = GradientGraphBuilder(model.SerializeToString(), {"loss"}, {"W", "x"}, "loss")
+    assert b.get_model() == model.SerializeToString()  # before build(): the model as given
+    b.build()
+    m = onnx.load_from_string(b.get_model())
+    onnx.checker.check_model(m, full_check=True)
+    want = ["pred", "loss"] if loss_is_output else ["pred"]
+    assert [o.name for o in m.graph.output] == want + ["W_grad", "x_grad"]
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.standard_normal((3, 2)), "y": rng.standard_normal((3, 2))}
+    got = dict(zip([o.name for o in m.graph.output], run_engine(m, feeds)))
+    from onnx.reference import ReferenceEvaluator
+
+    ref = ReferenceEvaluator(model).run(None, feeds)
+    for name, value in zip(want, ref):
+        np.testing.assert_allclose(got[name], value, rtol=1e-12)
+    gradcheck(_pred_then_loss(True), "loss", ["W"], feeds)
+    w = numpy_helper.to_array(model.graph.initializer[0])
+    np.testing.assert_allclose(got["W_grad"], feeds["x"].T @ (2 * (feeds["x"] @ w - feeds["y"])), rtol=1e-12)
+
+
+def test_builder_errors_are_runtime_errors_as_onnxruntime() -> None:
+    model = _pred_then_loss(True)
+    with pytest.raises(RuntimeError, match="nope"):
+        GradientGraphBuilder(model.SerializeToString(), {"loss"}, {"nope"}, "loss").build()
+    with pytest.raises(ValueError, match="nope"):  # GradientError: also the ValueError it was
+        GradientGraphBuilder(model.SerializeToString(), {"loss"}, {"nope"}, "loss").build()
+
+
 def test_gradients_match_finite_differences_on_an_mlp() -> None:
     model = to_float64(mlp_model(loss="mse"))
     rng = np.random.default_rng(0)
