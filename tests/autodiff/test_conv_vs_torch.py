@@ -188,3 +188,44 @@ def test_max_pool_grad_float32_by_max_unpool_vs_torch(xs, k, stride, pad, ceil, 
     sess = ort.InferenceSession(gmodel.SerializeToString(), providers=["CPUExecutionProvider"])
     out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
     np.testing.assert_array_equal(out["x0_grad"], ours["x0"])
+
+
+DYNAMIC = [  # op, x shape, weight shape or None, attrs, torch function
+    ("Conv", (2, 3, 6, 6), (4, 3, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1]},
+     lambda x, w: F.conv2d(x, w, stride=2, padding=1)),
+    ("Conv", (2, 2, 8), (3, 2, 3), {"strides": [2], "pads": [1, 1]},
+     lambda x, w: F.conv1d(x, w, stride=2, padding=1)),
+    ("Conv", (1, 2, 7, 6), (2, 2, 3, 3), {"strides": [2, 3], "pads": [1, 0, 1, 2], "dilations": [1, 2]},
+     lambda x, w: F.conv2d(F.pad(x, (0, 2, 1, 1)), w, stride=(2, 3), dilation=(1, 2))),
+    ("AveragePool", (2, 2, 7, 6), None, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1],
+                                         "count_include_pad": 1},
+     lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=True)),
+    ("MaxPool", (2, 2, 7, 6), None, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+     lambda x: F.max_pool2d(x, 3, stride=2, padding=1)),
+]
+
+
+@pytest.mark.parametrize("op,x_shape,w_shape,attrs,fn", DYNAMIC, ids=[f"{c[0]}{c[1]}" for c in DYNAMIC])
+def test_window_gradients_with_spatial_sizes_known_only_at_run_time(op, x_shape, w_shape, attrs, fn) -> None:
+    """Spatial dims declared symbolic (an export with dynamic H/W): the input gradient's ConvTranspose is
+    cut to X's size at run time. Sizes where (S + pads − k_eff) % stride leaves input rows after the last
+    window (6 with k 3, s 2, p 1) lost those rows' gradients before."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(x_shape)
+    inputs = [x] if w_shape is None else [x, rng.standard_normal(w_shape)]
+    y = fn(*(torch.tensor(v) for v in inputs)).numpy()
+    u = rng.standard_normal(y.shape)
+    names = ["x0", "x1"][: len(inputs)]
+    dims = [x_shape[0], x_shape[1], *[f"s{i}" for i in range(len(x_shape) - 2)]]
+    g_in = [helper.make_tensor_value_info("x0", onnx.TensorProto.DOUBLE, dims)]
+    if w_shape is not None:
+        g_in.append(helper.make_tensor_value_info("x1", onnx.TensorProto.DOUBLE, w_shape))
+    nodes = [helper.make_node(op, names, ["y"], **attrs), helper.make_node("Mul", ["y", "u"], ["yu"]),
+             helper.make_node("ReduceSum", ["yu"], ["loss"], keepdims=0)]
+    loss = helper.make_tensor_value_info("loss", onnx.TensorProto.DOUBLE, [])
+    graph = helper.make_graph(nodes, op, g_in, [loss], [numpy_helper.from_array(u, "u")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    gmodel = build_gradient_model(model, "loss", names)
+    onnx.checker.check_model(gmodel, full_check=True)
+    outs = dict(zip([o.name for o in gmodel.graph.output], run_engine(gmodel, dict(zip(names, inputs)))))
+    _check({n: outs[f"{n}_grad"] for n in names}, _torch_grads(fn, inputs, u))

@@ -187,10 +187,16 @@ def transposed_back(
         )
     if x_shape is None:
         raise RuleError("dynamic spatial sizes need the input's shape")
+    # sizes known only at run time: crop the begin pads only, then cut or zero-pad the end to X's sizes (an
+    # end crop of the whole end pad would drop the last input rows when (S + pads − k_eff) % s leaves some)
     t = g.emit(
-        "ConvTranspose", dy, w, **_attrs(strides=geo.strides, pads=pb + pe, dilations=geo.dil, group=group)
+        "ConvTranspose", dy, w,
+        **_attrs(strides=geo.strides, pads=pb + [0] * geo.nd, dilations=geo.dil, group=group),
     )
-    return pad_end_to(g, t, x_shape, geo.nd + 2)
+    rank = geo.nd + 2
+    want = g.emit("Slice", x_shape, g.ints([2]), g.ints([rank]), g.ints([0]))
+    t = g.emit("Slice", t, g.ints([0] * geo.nd), want, g.ints(list(range(2, rank))))
+    return pad_end_to(g, t, x_shape, rank)
 
 
 def weight_grad(
