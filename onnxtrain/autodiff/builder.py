@@ -62,16 +62,22 @@ def _hold_early_ops(m: onnx.ModelProto) -> bool:
     return held
 
 
-def _drop_saved_statistics(m: onnx.ModelProto) -> None:
+def _drop_saved_statistics(m: onnx.ModelProto) -> set[str]:
     """Remove the saved mean and variance outputs (4th and 5th) of training-mode BatchNormalization nodes
     below opset 14, in place, when nothing reads them: the converter refuses them, and opset 14's node has
     only the running statistics (torch's training-mode exports at opset 9-13 write all five). A read one
-    is an error naming the node."""
+    is an error naming the node. Returns the first outputs of the nodes in training mode (those with
+    statistics outputs: below opset 14 that is what training mode is), for :func:`_mark_training`."""
     read = {name for g in walk_graphs(m.graph) for n in g.node for name in n.input}
     read |= {o.name for o in m.graph.output}
+    training: set[str] = set()
     for g in walk_graphs(m.graph):
         for n in g.node:
-            if n.op_type != "BatchNormalization" or n.domain not in ("", "ai.onnx") or len(n.output) < 4:
+            if n.op_type != "BatchNormalization" or n.domain not in ("", "ai.onnx"):
+                continue
+            if any(n.output[1:]):
+                training.add(n.output[0])
+            if len(n.output) < 4:
                 continue
             used = [o for o in n.output[3:] if o and o in read]
             if used:
@@ -79,6 +85,18 @@ def _drop_saved_statistics(m: onnx.ModelProto) -> None:
                                     f"{model_opset(m)}): its saved statistics {used} are read, which opset "
                                     "14 and later cannot express; re-export the model at opset 14 or later")
             del n.output[3:]
+    return training
+
+
+def _mark_training(m: onnx.ModelProto, training: set[str]) -> None:
+    """Set ``training_mode=1`` on the converted BatchNormalization nodes whose first output is in
+    ``training`` (onnx's converter keeps their statistics outputs but not the mode they meant)."""
+    for g in walk_graphs(m.graph):
+        for n in g.node:
+            if n.op_type == "BatchNormalization" and n.output and n.output[0] in training:
+                kept = [a for a in n.attribute if a.name != "training_mode"]
+                del n.attribute[:]
+                n.attribute.extend([*kept, helper.make_attribute("training_mode", 1)])
 
 
 def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.ModelProto:
@@ -98,7 +116,7 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     m = onnx.ModelProto()
     m.CopyFrom(model)
     held = _hold_early_ops(m)
-    _drop_saved_statistics(m)
+    training_bns = _drop_saved_statistics(m)
     listed = {i.name for i in m.graph.input}
     extra = [
         helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
@@ -112,6 +130,7 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
         raise GradientError(
             f"could not upgrade the model from opset {model_opset(model)} to {target}: {e}"
         ) from None
+    _mark_training(out, training_bns)
     added = {v.name for v in extra}
     kept = [i for i in out.graph.input if i.name not in added]
     del out.graph.input[:]

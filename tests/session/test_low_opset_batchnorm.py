@@ -94,3 +94,32 @@ def test_saved_statistics_that_are_read_are_an_error_naming_the_node() -> None:
     p.weights_to_train = {"s", "b"}
     with pytest.raises(GradientError, match="'bn0'.*saved statistics"):
         TrainingSession(model.SerializeToString(), p)
+
+
+@pytest.mark.parametrize("opset", [11, 13])
+def test_gradient_graph_of_a_five_output_batchnorm_is_in_training_mode(opset: int) -> None:
+    """build_gradient_model (GradientGraphBuilder's core) on the same exports: the upgraded node keeps the
+    training mode its statistics outputs meant (training_mode=1), so the graph passes the checker and
+    normalises with the batch's statistics, as torch's module in training mode."""
+    from onnxtrain.autodiff import build_gradient_model
+    from onnxtrain.engine import compile_model
+
+    torch.manual_seed(1)
+    net = Net().train()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    data = _export(net, opset)
+    net.load_state_dict(before)  # the export's trace updated the running statistics
+    g = build_gradient_model(onnx.load_from_string(data), "loss", ["bn.weight", "fc.weight", "x"])
+    onnx.checker.check_model(g, full_check=True)
+    bn = [n for n in g.graph.node if n.op_type == "BatchNormalization"]
+    assert [a.i for n in bn for a in n.attribute if a.name == "training_mode"] == [1]
+    rng = np.random.default_rng(opset)
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    y = rng.standard_normal((5, 3)).astype(np.float32)
+    out = dict(zip([o.name for o in g.graph.output], compile_model(g).run({"x": x, "y": y})))
+    xt = torch.from_numpy(x).requires_grad_(True)
+    loss = net(xt, torch.from_numpy(y))
+    loss.backward()
+    np.testing.assert_allclose(out["loss"], loss.item(), rtol=1e-5)
+    for name, want in (("bn.weight", net.bn.weight.grad), ("fc.weight", net.fc.weight.grad), ("x", xt.grad)):
+        np.testing.assert_allclose(out[f"{name}_grad"], want.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
