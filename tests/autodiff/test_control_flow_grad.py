@@ -714,3 +714,35 @@ def test_sequence_map_gradients() -> None:
     got = ort_outputs(gmodel, feeds)
     for n in ("x", "t", "w"):
         np.testing.assert_allclose(got[f"{n}_grad"], grads[n], rtol=1e-12, atol=1e-14, err_msg=n)
+
+
+def test_a_loop_body_reading_an_outer_sequence_is_an_error_naming_the_loop_and_sequence():
+    """torch's export of repeat_interleave with dynamic shapes: the Loop's body indexes a sequence made
+    outside it. Its gradient would be a sequence summed over the iterations, which the backward loop
+    cannot hold; the error names the node and the sequence instead of writing an invalid graph."""
+    import pytest
+    from onnx import TensorProto, helper
+
+    from onnxtrain.autodiff import GradientError, build_gradient_model
+
+    body = helper.make_graph(
+        [helper.make_node("SequenceAt", ["seq", "i"], ["row"]),
+         helper.make_node("Mul", ["row", "row"], ["sq"]),
+         helper.make_node("Identity", ["cond"], ["cond_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("sq", TensorProto.FLOAT, [4])])
+    nodes = [helper.make_node("SplitToSequence", ["x"], ["seq"], axis=0, keepdims=0),
+             helper.make_node("Constant", [], ["n"],
+                              value=helper.make_tensor("n", TensorProto.INT64, [], [3])),
+             helper.make_node("Constant", [], ["t"],
+                              value=helper.make_tensor("t", TensorProto.BOOL, [], [True])),
+             helper.make_node("Loop", ["n", "t"], ["rows"], name="the_loop", body=body),
+             helper.make_node("ReduceSum", ["rows"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["a", 4])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(GradientError, match=r"'the_loop' \(Loop\).*outer sequence\(s\) \['seq'\]"):
+        build_gradient_model(model, "loss", ["x"])

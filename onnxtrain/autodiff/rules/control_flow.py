@@ -392,6 +392,11 @@ class _ReverseLoop:
         ``formal_types``: the formal inputs' types where the body leaves them out."""
         g, pre, bw = self.g, self.pre, self.g._bw
         wanted = g.body_wrt
+        seqs = [c for c in wanted if (tp := bw.types.get(c)) is not None and tp.HasField("sequence_type")]
+        if seqs:  # the summed gradient would be a sequence: neither zeros of its shape nor Add exist for one
+            raise RuleError(f"the loop body reads outer sequence(s) {seqs}, whose gradients through the "
+                            "loop are not supported; export with static shapes (torch then writes no loop "
+                            "here) or index the sequence outside the loop")
         acc = {formal: f"{pre}d{i}" for i, (formal, *_) in enumerate(self.carried)}
         acc_c = {c: f"{pre}dc{i}" for i, c in enumerate(wanted)}
         dys = {output: acc[formal] for formal, output, _, _ in self.carried}
