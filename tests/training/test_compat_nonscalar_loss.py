@@ -4,8 +4,8 @@ gradient of the sum of its elements, and the Module returns the loss with its sh
 onnxruntime-training 1.19.2 seeds the backward pass of any loss with a 0-d 1.0. For elementwise losses
 that broadcasts to the gradient of the sum (a custom squared-error block: same loss and gradients as
 onnxtrain, checked below). Its ``SoftmaxCrossEntropyLossGrad`` with ``reduction="none"`` however reads
-that seed as the first sample's weight only, so its CrossEntropyLoss(reduction="none") gradient is the
-first sample's (a bug, also checked below); and its MSE/L1/BCE losses refuse ``reduction="none"`` at
+that seed as per-sample weights, so its CrossEntropyLoss(reduction="none") gradient is the first sample's
+or garbage, depending on the memory after the seed (a bug, not compared); and its MSE/L1/BCE losses refuse ``reduction="none"`` at
 construction (a TypeError from a wrong ``keepdims`` argument, another bug). onnxtrain gives all of
 them the gradient of the sum, the oracle being torch's ``loss.sum().backward()`` in float64.
 """
@@ -78,8 +78,8 @@ CASES = {
 }
 
 
-def torch_reference(case: str, first_sample_only: bool = False) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """(the loss per element, the gradients of its sum) in float64; optionally of the first sample only."""
+def torch_reference(case: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(the loss per element, the gradients of its sum) in float64."""
     w = {i.name: torch.tensor(numpy_helper.to_array(i), dtype=torch.float64, requires_grad=True)
          for i in mlp().graph.initializer}
     d = data()
@@ -88,7 +88,7 @@ def torch_reference(case: str, first_sample_only: bool = False) -> tuple[np.ndar
     key = CASES[case][1]
     t = None if key is None else torch.tensor(d[key], dtype=torch.int64 if key == "labels" else torch.float64)
     loss = CASES[case][2](out, t)
-    (loss[0] if first_sample_only else loss).sum().backward()
+    loss.sum().backward()
     return loss.detach().numpy(), {n: v.grad.numpy() for n, v in w.items()}
 
 
@@ -210,9 +210,8 @@ def test_nonscalar_loss_like_onnxruntime_training(tmp_path):
             for p in PARAMS:
                 np.testing.assert_allclose(state.parameters[p].grad, np.array(theirs["grads"][p], np.float32),
                                            rtol=1e-5, atol=1e-6, err_msg=p)
-    # onnxruntime-training's CrossEntropyLoss(reduction="none") gradient: the first sample's only (its bug)
-    _, first = torch_reference("ce_none", first_sample_only=True)
-    for p in PARAMS:
-        np.testing.assert_allclose(np.array(ref["ce_none"]["grads"][p]), first[p], rtol=1e-4, atol=1e-6)
+    # onnxruntime-training's CrossEntropyLoss(reduction="none") gradient is not compared: its kernel reads the
+    # 0-d seed as per-sample weights, so the first sample's gradient comes back when the memory after the
+    # seed happens to hold zeros, and values of 1e14 when it does not (seen in a full-suite run)
     # its MSE/L1/BCE losses refuse reduction="none" through a wrong keyword argument (onnxtrain builds them)
     assert all(v is not None and "keepdims" in v for v in ref["refused"].values()), ref["refused"]
