@@ -5,9 +5,10 @@ onnxruntime-training 1.19.2 seeds the backward pass of any loss with a 0-d 1.0. 
 that broadcasts to the gradient of the sum (a custom squared-error block: same loss and gradients as
 onnxtrain, checked below). Its ``SoftmaxCrossEntropyLossGrad`` with ``reduction="none"`` however reads
 that seed as per-sample weights, so its CrossEntropyLoss(reduction="none") gradient is the first sample's
-or garbage, depending on the memory after the seed (a bug, not compared); and its MSE/L1/BCE losses refuse ``reduction="none"`` at
-construction (a TypeError from a wrong ``keepdims`` argument, another bug). onnxtrain gives all of
-them the gradient of the sum, the oracle being torch's ``loss.sum().backward()`` in float64.
+or garbage, depending on the memory after the seed (a bug, not compared); and its MSE/L1/BCE losses
+refuse ``reduction="none"`` at construction (a TypeError from a wrong ``keepdims`` argument, another
+bug). onnxtrain gives all of them the gradient of the sum, the oracle being torch's
+``loss.sum().backward()`` in float64.
 """
 
 from __future__ import annotations
