@@ -203,11 +203,16 @@ def _inferred_types(model: onnx.ModelProto, skeleton: onnx.ModelProto,
     """The types inference gives ``skeleton`` (``model``'s initializers and constants included); where it
     fails, those ``fallback``'s value infos declare, or None without a fallback."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
-    except Exception:
-        if fallback is None:
-            return None
-        inferred = fallback
+        inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=True, data_prop=True)
+    except Exception:  # an op inference cannot type, or a declared shape its producer contradicts
+        try:
+            inferred = onnx.shape_inference.infer_shapes(skeleton, strict_mode=False, data_prop=True)
+        except Exception:
+            if fallback is None:
+                return None
+            inferred = fallback
+        else:
+            _drop_contradicted(skeleton, inferred)
     g = inferred.graph
     types: dict[str, onnx.TypeProto] = {}
     for v in (*g.value_info, *g.input, *g.output):
@@ -222,6 +227,35 @@ def _inferred_types(model: onnx.ModelProto, skeleton: onnx.ModelProto,
                         n.output[0], helper.make_tensor_type_proto(a.t.data_type, list(a.t.dims))
                     )
     return types
+
+
+def _drop_contradicted(skeleton: onnx.ModelProto, inferred: onnx.ModelProto) -> None:
+    """Replace, in ``inferred`` (in place), the value infos whose declared rank contradicts the rank that
+    inference gives the value from its producer, with the inferred type, and warn naming them: lenient
+    inference keeps a declaration its producer contradicts (an exporter's mistake, which onnx.checker
+    refuses), and a gradient built on a wrong rank is wrong without an error."""
+    bare = onnx.ModelProto()
+    bare.CopyFrom(skeleton)
+    del bare.graph.value_info[:]
+    try:
+        fresh = onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=True).graph.value_info
+    except Exception:
+        return
+    ranks = {v.name: (v, len(v.type.tensor_type.shape.dim)) for v in fresh
+             if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
+    wrong = []
+    for v in inferred.graph.value_info:
+        got = ranks.get(v.name)
+        if (got is not None and v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
+                and len(v.type.tensor_type.shape.dim) != got[1]):
+            wrong.append(f"{v.name} (rank {len(v.type.tensor_type.shape.dim)}, computed {got[1]})")
+            v.type.CopyFrom(got[0].type)
+    if wrong:
+        from onnxtrain.user_warning import warn
+
+        warn(f"the model declares value(s) with a rank their producers do not compute: {wrong}; the computed "
+             "types are used (an exporter's mistake: onnx.checker.check_model(full_check=True) refuses the "
+             "model)")
 
 
 def elem_type(types: dict[str, onnx.TypeProto], name: str) -> int:

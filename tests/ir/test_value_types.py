@@ -55,3 +55,41 @@ def test_types_equal_plain_shape_inference_and_weights_stay_out(monkeypatch) -> 
     seen.clear()
     value_types(model)
     assert seen[0] is model
+
+
+def _per_sample_loss_declared_scalar() -> onnx.ModelProto:
+    """Per-sample cross-entropy (reduction none, shape [B]) weighted and summed, whose value info declares the
+    per-sample losses rank 0, as torch's dynamo exporter wrote it with dynamic shapes."""
+    nodes = [
+        helper.make_node("SoftmaxCrossEntropyLoss", ["x", "t"], ["l"], reduction="none"),
+        helper.make_node("Mul", ["l", "w"], ["lw"]),
+        helper.make_node("ReduceSum", ["lw"], ["loss"], keepdims=0),
+    ]
+    g = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["B", 5]),
+         helper.make_tensor_value_info("t", TensorProto.INT64, ["B"]),
+         helper.make_tensor_value_info("w", TensorProto.DOUBLE, ["B"])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+        value_info=[helper.make_tensor_value_info("l", TensorProto.DOUBLE, [])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_declared_rank_its_producer_contradicts_gives_way_with_a_warning():
+    """Lenient inference keeps the wrong declaration (rank 0) and the gradient of the weighted sum came out
+    wrong without an error; the computed rank is used instead, and the gradient matches finite
+    differences."""
+    import pytest
+
+    from onnxtrain.autodiff import build_gradient_model
+    from onnxtrain.testing import gradcheck
+
+    model = _per_sample_loss_declared_scalar()
+    with pytest.warns(UserWarning, match=r"declares value\(s\) with a rank .*'l \(rank 0, computed 1\)'"):
+        types = value_types(model)
+    assert len(types["l"].tensor_type.shape.dim) == 1
+    rng = np.random.default_rng(2)
+    feeds = {"x": rng.standard_normal((4, 5)), "t": np.array([1, 0, 3, 2]), "w": rng.standard_normal(4)}
+    with pytest.warns(UserWarning, match="declares value"):
+        build_gradient_model(model, "loss", ["x"])
+        gradcheck(model, "loss", ["x"], feeds)
