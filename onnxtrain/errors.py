@@ -59,6 +59,10 @@ class InvalidFeedType(InvalidArgument, TypeError):
     """A feed of the wrong element type or kind."""
 
 
+class ModelNotFound(NoSuchFile, FileNotFoundError):
+    """A model path that does not exist."""
+
+
 # the names of onnxruntime.capi._pybind_state
 ORT_EXCEPTIONS = {
     "Fail": Fail,

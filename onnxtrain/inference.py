@@ -19,17 +19,18 @@ from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.batch_split import BatchSplitter, mode_of
 from onnxtrain.engine.plan import Plan, load_model
-from onnxtrain.errors import InvalidFeed, InvalidFeedType
+from onnxtrain.errors import Fail, InvalidFeed, InvalidFeedType
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
 
 @dataclass
 class NodeArg:
-    """Name, type string (``tensor(float)``) and shape (ints, symbolic names or None) of an input/output."""
+    """Name, type string (``tensor(float)``) and shape (ints, symbolic names or None; ``[]`` when the graph
+    declares none) of an input/output."""
 
     name: str
     type: str
-    shape: list[Any] | None
+    shape: list[Any]
 
     def __repr__(self) -> str:
         return f"NodeArg(name='{self.name}', type='{self.type}', shape={self.shape})"
@@ -73,19 +74,21 @@ def type_string(tp: onnx.TypeProto) -> str:
 
 
 def node_arg(v: onnx.ValueInfoProto) -> NodeArg:
-    return NodeArg(v.name, type_string(v.type), value_info_shape(v.type))
+    shape = value_info_shape(v.type)
+    return NodeArg(v.name, type_string(v.type), [] if shape is None else shape)  # [] unknown, as onnxruntime
 
 
 class FeedChecker:
     """Checks a feed dict against the graph inputs once per call: names, dtypes, ranks and fixed dims."""
 
     def __init__(self, plan: Plan, overridable: Sequence[str]):
-        self.required = list(plan.input_names)
         self.allowed = set(plan.input_names) | set(overridable)
         self.specs = {n: (plan.input_dtypes.get(n), plan.input_shapes.get(n)) for n in plan.all_input_names}
         # sequence- and optional-typed inputs: name → "seq" or "optional"; fed as lists (or None) as they are
         self.containers = {n: kind for n, v in plan.input_info.items()
                            if (kind := _container_kind(v.type)) is not None}
+        # an optional-typed input may be left out, as in onnxruntime (it is then None)
+        self.required = [n for n in plan.input_names if self.containers.get(n) != "optional"]
 
     def __call__(
         self, feeds: Mapping[str, Any], required: Sequence[str] | None = None
@@ -99,9 +102,12 @@ class FeedChecker:
                 out[name] = _container_feed(name, kind, v)
                 continue
             a = v.numpy() if isinstance(v, OrtValue) else v
-            if not isinstance(a, np.ndarray):
-                a = np.asarray(a)
             dtype, shape = self.specs[name]
+            if not isinstance(a, np.ndarray):  # a list or scalar takes the input's type, as in onnxruntime
+                a = np.asarray(a, dtype=dtype) if dtype is not None and not isinstance(a, np.generic) else \
+                    np.asarray(a)
+            if dtype == np.dtype(object) and a.dtype.kind in "US":  # numpy strings for a string input
+                a = a.astype(object)
             if dtype is not None and a.dtype != dtype:
                 raise InvalidFeedType(
                     f"input {name!r}: expected dtype {dtype} (tensor({_type_name(dtype)})), got {a.dtype}"
@@ -144,6 +150,15 @@ def _container_feed(name: str, kind: str, v: Any) -> Any:
     return v.numpy() if isinstance(v, OrtValue) else np.asarray(v)
 
 
+def _own_outputs(outs: list[Any], feeds: Mapping[str, Any]) -> list[Any]:
+    """``outs`` with a copy of each array that is read-only (an initializer passed through) or may share
+    memory with a feed (an Identity of an input): as onnxruntime's, every output is the caller's to write,
+    and none changes with a feed."""
+    fed = [v for v in feeds.values() if isinstance(v, np.ndarray)]
+    return [o.copy() if isinstance(o, np.ndarray) and (not o.flags.writeable or any(
+        np.may_share_memory(o, f) for f in fed)) else o for o in outs]
+
+
 class InferenceSession:
     """Runs an ONNX model with the numpy engine; the interface of ``onnxruntime.InferenceSession``.
 
@@ -176,6 +191,7 @@ class InferenceSession:
         self._inputs = [node_arg(v) for v in g.input if v.name not in inits]
         self._overridable = [node_arg(v) for v in g.input if v.name in inits]
         self._outputs = [node_arg(v) for v in g.output]
+        self._output_names = {o.name for o in self._outputs}
         self._check = FeedChecker(self._plan, [a.name for a in self._overridable])
         self._fallback = True
         # the numpy engine may run the two halves of a batch at once (onnxtrain/engine/batch_split.py)
@@ -192,17 +208,29 @@ class InferenceSession:
         run_options: RunOptions | None = None,
     ) -> list[np.ndarray]:
         """The outputs ``output_names`` (all when None) of a run on ``input_feed``: the session's ``_run``."""
-        return self._run(output_names, input_feed, run_options or RunOptions())
+        if isinstance(output_names, (str, bytes)):
+            raise TypeError("output_names must be a list of names or None, got "
+                            f"{type(output_names).__name__} {output_names!r}")
+        ro = run_options or RunOptions()
+        if getattr(ro, "terminate", False):
+            raise Fail("Exiting due to terminate flag being set to true (RunOptions.terminate).")
+        return self._run(output_names, input_feed, ro)
 
     def _run(
         self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], ro: RunOptions
     ) -> list[np.ndarray]:
-        """The model's outputs on the checked feeds (the run options change nothing in inference)."""
+        """The model's outputs on the checked feeds (the run options change nothing else in inference)."""
         feeds = self._check(input_feed)
         names = list(output_names) if output_names else None
+        for n in names or ():
+            if n not in self._output_names:
+                raise InvalidFeed(f"unknown output {n!r}; the model's outputs are "
+                                  f"{[o.name for o in self._outputs]}")
         if self._splitter is not None:
-            return self._splitter.run(feeds, names)
-        return self._plan.run(feeds, names)
+            outs = self._splitter.run(feeds, names)
+        else:
+            outs = self._plan.run(feeds, names)
+        return _own_outputs(outs, feeds)
 
     def run_with_ort_values(
         self,

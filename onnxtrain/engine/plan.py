@@ -33,7 +33,7 @@ from onnxtrain.engine.registry import (
     find_kernel,
     parse_attributes,
 )
-from onnxtrain.errors import Fail
+from onnxtrain.errors import Fail, InvalidProtobuf, ModelNotFound
 from onnxtrain.ir.functions import expand_functions
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
@@ -49,6 +49,10 @@ def _quiet() -> np.errstate:
 class EngineError(Fail):
     """A failure while compiling or running a graph (onnxruntime's ``Fail``, a RuntimeError); the message
     names the node and op."""
+
+
+class ModelParseError(EngineError, InvalidProtobuf):
+    """Bytes or a file that do not parse as an ONNX model (onnxruntime's ``InvalidProtobuf``)."""
 
 
 class UnsupportedOpError(EngineError, NotImplementedError):
@@ -82,17 +86,17 @@ def load_model(model: onnx.ModelProto | str | bytes | os.PathLike) -> onnx.Model
         try:
             m = onnx.load_from_string(bytes(model))
         except Exception as e:
-            raise EngineError(f"could not parse the model bytes ({len(model)} bytes): {e}") from None
+            raise ModelParseError(f"could not parse the model bytes ({len(model)} bytes): {e}") from None
         if not m.graph.node and not m.graph.output:
-            raise EngineError(f"the model bytes ({len(model)} bytes) hold no graph")
+            raise ModelParseError(f"the model bytes ({len(model)} bytes) hold no graph")
         return m
     path = os.fspath(model)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"model file not found: {path}")
+        raise ModelNotFound(f"model file not found: {path}")
     try:
         return onnx.load(path)
     except Exception as e:
-        raise EngineError(f"could not load model file {path}: {e}") from None
+        raise ModelParseError(f"could not load model file {path}: {e}") from None
 
 
 def default_opset(model: onnx.ModelProto) -> int:

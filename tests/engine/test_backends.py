@@ -562,13 +562,17 @@ def test_follower_threads_use_no_cpu_once_its_run_ends():
     use next to none."""
     x, y = np.ones((256, 256), np.float32), np.zeros(256, np.int64)
     used = {}
+    time.sleep(0.3)  # threads of earlier tests' plans (and OpenBLAS's) stop spinning first
     for follower in (True, False):  # the follower first: no other plan's threads may still spin then
         plan = make_plan(mlp_model(din=256, dh=512), "onnxruntime", follower=follower)
-        for _ in range(3):
-            plan.run({"x": x, "y": y}, ["loss"])
-        start = time.process_time()
-        time.sleep(0.2)
-        used[follower] = time.process_time() - start
+        windows = []
+        for _ in range(3):  # the least CPU over three windows: a spinning plan spins in every one
+            for _ in range(3):
+                plan.run({"x": x, "y": y}, ["loss"])
+            start = time.process_time()
+            time.sleep(0.2)
+            windows.append(time.process_time() - start)
+        used[follower] = min(windows)
     assert used[True] < 0.003 and used[False] > 0.002, used  # the second: spinning shows in the measure
 
 
