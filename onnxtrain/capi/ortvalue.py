@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from onnx import helper
 
+from onnxtrain.errors import InvalidFeed
+
 if TYPE_CHECKING:
     from onnxtrain.inference import InferenceSession
 
@@ -78,6 +80,8 @@ class OrtValue:
         shape: Sequence[int], element_type: Any, device_type: str = "cpu", device_id: int = 0
     ) -> OrtValue:
         _check_device(device_type)
+        if isinstance(element_type, int) and not isinstance(element_type, bool):  # an ONNX type number
+            element_type = helper.tensor_dtype_to_np_dtype(element_type)
         return OrtValue(np.empty(tuple(shape), dtype=np.dtype(element_type)))
 
     def numpy(self) -> np.ndarray:
@@ -128,8 +132,23 @@ class IOBinding:
         self._outputs: dict[str, np.ndarray | None] = {}
         self._results: list[OrtValue] = []
 
+    def _input(self, name: str) -> str:
+        """``name`` when the session has an input (or overridable initializer) of that name; else
+        InvalidFeed, as onnxruntime refuses the binding at once."""
+        s = self._session
+        names = [a.name for a in (*s.get_inputs(), *s.get_overridable_initializers())]
+        if name not in names:
+            raise InvalidFeed(f"IOBinding: the session has no input {name!r}; its inputs are {names}")
+        return name
+
+    def _output(self, name: str) -> str:
+        names = [a.name for a in self._session.get_outputs()]
+        if name not in names:
+            raise InvalidFeed(f"IOBinding: the session has no output {name!r}; its outputs are {names}")
+        return name
+
     def bind_cpu_input(self, name: str, arr_on_cpu: np.ndarray) -> None:
-        self._inputs[name] = np.asarray(arr_on_cpu)
+        self._inputs[self._input(name)] = np.asarray(arr_on_cpu)
 
     def bind_input(
         self,
@@ -141,6 +160,7 @@ class IOBinding:
         buffer_ptr: int | None = None,
     ) -> None:
         """Bind input ``name`` to an array, or to a raw CPU buffer at ``buffer_ptr`` (no copy)."""
+        name = self._input(name)
         if isinstance(device_type, (np.ndarray, OrtValue)):  # bind_input(name, array) shorthand
             self._inputs[name] = device_type.numpy() if isinstance(device_type, OrtValue) else device_type
             return
@@ -150,7 +170,7 @@ class IOBinding:
         self._inputs[name] = array_from_pointer(buffer_ptr, element_type, shape)
 
     def bind_ortvalue_input(self, name: str, ortvalue: OrtValue) -> None:
-        self._inputs[name] = ortvalue.numpy()
+        self._inputs[self._input(name)] = ortvalue.numpy()
 
     def bind_output(
         self,
@@ -162,6 +182,7 @@ class IOBinding:
         buffer_ptr: int | None = None,
     ) -> None:
         """Bind output ``name``; with ``buffer_ptr`` the result is written into that buffer."""
+        name = self._output(name)
         _check_device(device_type)
         if buffer_ptr is not None:
             if element_type is None or shape is None:
@@ -173,7 +194,7 @@ class IOBinding:
             self._outputs[name] = None
 
     def bind_ortvalue_output(self, name: str, ortvalue: OrtValue) -> None:
-        self._outputs[name] = ortvalue.numpy()
+        self._outputs[self._output(name)] = ortvalue.numpy()
 
     def get_outputs(self) -> list[OrtValue]:
         return list(self._results)

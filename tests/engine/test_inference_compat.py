@@ -106,3 +106,19 @@ def test_node_arg_shapes_and_model_errors() -> None:
     assert isinstance(e.value, FileNotFoundError)
     with pytest.raises(C.InvalidProtobuf):
         onnxtrain.InferenceSession(b"not a model at all")
+
+
+def test_iobinding_refuses_names_the_session_lacks_and_ortvalues_take_onnx_type_numbers() -> None:
+    ours, theirs = _both(_model())
+    x = np.zeros((1, 3), np.float32)
+    for sess in (ours, theirs):
+        io = sess.io_binding()
+        with pytest.raises(Exception, match="zz"):
+            io.bind_cpu_input("zz", x)
+        io.bind_cpu_input("x", x)
+    with pytest.raises(C.InvalidArgument, match="no output 'zz'"):
+        ours.io_binding().bind_output("zz")
+    for mod in (onnxtrain, ort):
+        v = mod.OrtValue.ortvalue_from_shape_and_type([3], TensorProto.FLOAT)
+        assert v.shape() == [3] and v.data_type() == "tensor(float)"
+        assert mod.OrtValue.ortvalue_from_shape_and_type([2], np.int64).data_type() == "tensor(int64)"
