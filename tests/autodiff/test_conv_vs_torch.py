@@ -202,6 +202,12 @@ DYNAMIC = [  # op, x shape, weight shape or None, attrs, torch function
      lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=True)),
     ("MaxPool", (2, 2, 7, 6), None, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
      lambda x: F.max_pool2d(x, 3, stride=2, padding=1)),
+    # count_include_pad=0 with pads: the windows' counts computed at run time (refused before)
+    ("AveragePool", (2, 2, 7, 6), None, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+     lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=False)),
+    ("AveragePool", (1, 3, 9), None, {"kernel_shape": [4], "strides": [3], "pads": [2, 1]},  # uneven pads:
+     lambda x: F.avg_pool1d(F.pad(x, (2, 1)), 4, stride=3)  # window sum over the count of inputs in it
+     / F.avg_pool1d(F.pad(torch.ones_like(x), (2, 1)), 4, stride=3)),
 ]
 
 

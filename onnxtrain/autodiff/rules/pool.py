@@ -128,10 +128,12 @@ def average_pool_grad(g: GradCtx) -> None:
         out_sp = out
     elif not ceil_mode and (include_pad or not any(geo.pads)):
         cnt = np.array(int(np.prod(geo.k)))
+    elif not ceil_mode:  # count_include_pad=0 with pads, sizes known at run time: count the windows there
+        scaled = g.emit("Div", g.dy(0), _window_counts(g, geo))
+        g.set_dx(0, _window_adjoint(g, scaled, geo, in_sp, out_sp, static))
+        return
     else:
-        raise RuleError(
-            "AveragePool with ceil_mode or count_include_pad=0 with pads needs static spatial sizes"
-        )
+        raise RuleError("AveragePool with ceil_mode needs static spatial sizes")
     if np.all(cnt == cnt.flat[0]):
         inv = g.const(1.0 / float(cnt.flat[0]))
     elif out_sp == spatial(g, 0, output=True):
@@ -145,6 +147,18 @@ def average_pool_grad(g: GradCtx) -> None:
         )
     scaled = g.emit("Mul", g.dy(0), inv)
     g.set_dx(0, _window_adjoint(g, scaled, geo, in_sp, out_sp, static))
+
+
+def _window_counts(g: GradCtx, geo: ConvGeom) -> str:
+    """Each window's count of input (not pad) positions, at run time: an LpPool (p = 1, the window sum of
+    |x|) of ones shaped like X, with the node's windows; exact small integers in X's type."""
+    one = numpy_helper.from_array(np.ones(1, tensor_dtype_to_np_dtype(g.dtype)))
+    ones = g.emit("ConstantOfShape", g.shape(0), value=one)
+    attrs: dict[str, object] = {"kernel_shape": list(geo.k), "strides": list(geo.strides),
+                                "pads": list(geo.pads), "p": 1}
+    if any(d != 1 for d in geo.dil):
+        attrs["dilations"] = list(geo.dil)
+    return g.emit("LpPool", ones, **attrs)
 
 
 def _window_adjoint(
