@@ -63,3 +63,11 @@ def test_module_inputs_of_the_wrong_type_or_rank_are_invalid_argument() -> None:
     with pytest.raises(C.InvalidArgument, match="'x': invalid rank"):
         spec.check(np.zeros(3, np.float32))
     assert spec.check(np.zeros((2, 3), np.float32)).shape == (2, 3)
+
+
+def test_the_compiled_modules_name_holds_the_same_names() -> None:
+    """``from onnxruntime.capi.onnxruntime_pybind11_state import Fail`` ports by changing the package."""
+    from onnxtrain.capi import onnxruntime_pybind11_state as P
+
+    for name in (*NAMES, "SessionOptions", "OrtValue", "GradientGraphBuilder", "TrainingSession"):
+        assert getattr(P, name) is getattr(C, name), name
