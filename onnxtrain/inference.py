@@ -55,7 +55,7 @@ def metadata_of(m: onnx.ModelProto) -> ModelMetadata:
         m.domain,
         m.doc_string,
         m.graph.doc_string,
-        int(m.model_version),
+        int(m.model_version) if m.HasField("model_version") else 2**63 - 1,  # onnxruntime's "no version"
         {p.key: p.value for p in m.metadata_props},
     )
 

@@ -122,3 +122,15 @@ def test_iobinding_refuses_names_the_session_lacks_and_ortvalues_take_onnx_type_
         v = mod.OrtValue.ortvalue_from_shape_and_type([3], TensorProto.FLOAT)
         assert v.shape() == [3] and v.data_type() == "tensor(float)"
         assert mod.OrtValue.ortvalue_from_shape_and_type([2], np.int64).data_type() == "tensor(int64)"
+
+
+def test_model_version_unset_set_to_zero_and_set() -> None:
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    for version in (None, 0, 3):
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+        if version is not None:
+            m.model_version = version
+        ours, theirs = _both(m.SerializeToString())
+        assert ours.get_modelmeta().version == theirs.get_modelmeta().version, version
