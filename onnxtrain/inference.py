@@ -104,8 +104,8 @@ class FeedChecker:
             a = v.numpy() if isinstance(v, OrtValue) else v
             dtype, shape = self.specs[name]
             if not isinstance(a, np.ndarray):  # a list or scalar takes the input's type, as in onnxruntime
-                a = np.asarray(a, dtype=dtype) if dtype is not None and not isinstance(a, np.generic) else \
-                    np.asarray(a)
+                keep = dtype is None or isinstance(a, np.generic)
+                a = np.asarray(a) if keep else np.asarray(a, dtype=dtype)
             if dtype == np.dtype(object) and a.dtype.kind in "US":  # numpy strings for a string input
                 a = a.astype(object)
             if dtype is not None and a.dtype != dtype:
@@ -191,7 +191,7 @@ class InferenceSession:
         self._inputs = [node_arg(v) for v in g.input if v.name not in inits]
         self._overridable = [node_arg(v) for v in g.input if v.name in inits]
         self._outputs = [node_arg(v) for v in g.output]
-        self._output_names = {o.name for o in self._outputs}
+        self._output_names = [o.name for o in self._outputs]
         self._check = FeedChecker(self._plan, [a.name for a in self._overridable])
         self._fallback = True
         # the numpy engine may run the two halves of a batch at once (onnxtrain/engine/batch_split.py)
@@ -221,16 +221,20 @@ class InferenceSession:
     ) -> list[np.ndarray]:
         """The model's outputs on the checked feeds (the run options change nothing else in inference)."""
         feeds = self._check(input_feed)
-        names = list(output_names) if output_names else None
-        for n in names or ():
-            if n not in self._output_names:
-                raise InvalidFeed(f"unknown output {n!r}; the model's outputs are "
-                                  f"{[o.name for o in self._outputs]}")
+        names = self._output_list(output_names) if output_names else None
         if self._splitter is not None:
             outs = self._splitter.run(feeds, names)
         else:
             outs = self._plan.run(feeds, names)
         return _own_outputs(outs, feeds)
+
+    def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
+        """The outputs asked for (all of the session's when None); InvalidFeed naming an unknown one."""
+        names = list(output_names) if output_names else list(self._output_names)
+        for n in names:
+            if n not in self._output_names:
+                raise InvalidFeed(f"unknown output {n!r}; the session's outputs are {self._output_names}")
+        return names
 
     def run_with_ort_values(
         self,

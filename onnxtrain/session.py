@@ -276,14 +276,6 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         return make_plan(model, self._backend, self._providers, self._sess_options, self._provider_options,
                          follower=follower, updates=updates, keep_binding=keep_binding)
 
-    def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
-        """The outputs asked for (all of the session's when None); ValueError naming an unknown one."""
-        names = list(output_names) if output_names else list(self._output_names)
-        for n in names:
-            if n not in self._output_names:
-                raise InvalidFeed(f"unknown output {n!r}; the session's outputs are {self._output_names}")
-        return names
-
     # ---- running ----------------------------------------------------------------------
     def _run(
         self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], ro: RunOptions
@@ -419,7 +411,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         values, as in onnxruntime).
 
         Under ZeRO stage 1, unpartitioned optimizer state (as from ``gather_state()``) is sliced to this
-        rank's pieces, and absent names are tolerated.
+        rank's pieces, and the optimizer state of weights another rank updates is skipped.
         """
         known = set(self._state_names())
         zero_names = self._zero_full_names() if self._zero is not None else {}

@@ -15,6 +15,7 @@ from onnxtrain.ir.shape_values import ShapeValues
 from onnxtrain.ir.slices import refined_slices
 from onnxtrain.ir.types import np_dtype
 from onnxtrain.ir.types import symbolic_shape as symbolic_shape  # re-exported for its callers
+from onnxtrain.user_warning import warn
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
 
@@ -251,8 +252,6 @@ def _drop_contradicted(skeleton: onnx.ModelProto, inferred: onnx.ModelProto) -> 
             wrong.append(f"{v.name} (rank {len(v.type.tensor_type.shape.dim)}, computed {got[1]})")
             v.type.CopyFrom(got[0].type)
     if wrong:
-        from onnxtrain.user_warning import warn
-
         warn(f"the model declares value(s) with a rank their producers do not compute: {wrong}; the computed "
              "types are used (an exporter's mistake: onnx.checker.check_model(full_check=True) refuses the "
              "model)")
