@@ -579,11 +579,13 @@ def _layer_norms_from_output(bw: _Backward, rules: dict[int, Any], on_path: list
 
 def _vi(bw: _Backward, name: str, given: onnx.ValueInfoProto | None = None) -> onnx.ValueInfoProto:
     """A value info for output ``name``: the model's own when it has a type, else the inferred one. A given
-    tensor type without a shape (which onnx.checker refuses on a graph output) takes the inferred shape."""
+    tensor type without a shape (which onnx.checker refuses on a graph output), or of a rank its producer
+    contradicts (an exporter's mistake), takes the inferred shape."""
     tp = bw.types.get(name)
     if given is not None and given.type.HasField("tensor_type") and given.type.tensor_type.elem_type:
         tt = given.type.tensor_type
-        if tt.HasField("shape") or tp is None or not tp.tensor_type.HasField("shape"):
+        known = tp is not None and tp.tensor_type.HasField("shape")
+        if not known or (tt.HasField("shape") and len(tt.shape.dim) == len(tp.tensor_type.shape.dim)):
             return given
         out = onnx.ValueInfoProto()
         out.CopyFrom(given)

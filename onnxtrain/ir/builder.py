@@ -238,14 +238,18 @@ def _drop_contradicted(skeleton: onnx.ModelProto, inferred: onnx.ModelProto) -> 
     bare = onnx.ModelProto()
     bare.CopyFrom(skeleton)
     del bare.graph.value_info[:]
+    for o in bare.graph.output:  # a graph output's declared shape is checked too: inference fills it anew
+        if o.type.HasField("tensor_type"):
+            o.type.tensor_type.ClearField("shape")
     try:
-        fresh = onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=True).graph.value_info
+        fresh_graph = onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=True).graph
     except Exception:
         return
+    fresh = (*fresh_graph.value_info, *fresh_graph.output)
     ranks = {v.name: (v, len(v.type.tensor_type.shape.dim)) for v in fresh
              if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
     wrong = []
-    for v in inferred.graph.value_info:
+    for v in (*inferred.graph.value_info, *inferred.graph.output):
         got = ranks.get(v.name)
         if (got is not None and v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
                 and len(v.type.tensor_type.shape.dim) != got[1]):

@@ -93,3 +93,27 @@ def test_a_declared_rank_its_producer_contradicts_gives_way_with_a_warning():
     with pytest.warns(UserWarning, match="declares value"):
         build_gradient_model(model, "loss", ["x"])
         gradcheck(model, "loss", ["x"], feeds)
+
+
+def test_a_graph_output_declared_with_a_rank_its_producer_contradicts_is_written_with_the_computed_one():
+    """The per-sample losses as the graph output (torch's dynamo export of ``reduction='none'`` with dynamic
+    shapes declares it rank 0): the gradient graph declared it rank 0 too and onnx.checker refused it; now
+    it carries the computed rank, and the gradient of the losses' sum matches finite differences."""
+    import pytest
+
+    from onnxtrain.autodiff import build_gradient_model
+    from onnxtrain.testing import gradcheck
+
+    g = helper.make_graph(
+        [helper.make_node("SoftmaxCrossEntropyLoss", ["x", "t"], ["loss"], reduction="none")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["B", 5]),
+         helper.make_tensor_value_info("t", TensorProto.INT64, ["B"])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.warns(UserWarning, match=r"'loss \(rank 0, computed 1\)'"):
+        grad = build_gradient_model(model, "loss", ["x"])
+    onnx.checker.check_model(grad, full_check=True)
+    assert len(grad.graph.output[0].type.tensor_type.shape.dim) == 1
+    feeds = {"x": np.random.default_rng(3).standard_normal((4, 5)), "t": np.array([1, 0, 3, 2])}
+    with pytest.warns(UserWarning, match="declares value"):
+        gradcheck(model, "loss", ["x"], feeds)
