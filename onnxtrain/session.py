@@ -160,6 +160,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                 save_model_atomic(m, path)
         self._model = g.full
         self._plans: dict[str, Plan] = {}
+        self._random_state: dict[Any, dict[Any, Any]] = {}  # random nodes' generators, shared by the plans
         self._plan = self._get_plan("full")
         self._plan.profiling = bool(self._sess_options.enable_profiling)
         self._state_inputs = [i.name for i in g.full.graph.input if i.name in self._store]
@@ -274,7 +275,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         """A plan of ``model`` on the session's backend, providers and options (``updates``: output → the
         state input it may be written into)."""
         return make_plan(model, self._backend, self._providers, self._sess_options, self._provider_options,
-                         follower=follower, updates=updates, keep_binding=keep_binding)
+                         follower=follower, updates=updates, keep_binding=keep_binding,
+                         random_state=self._random_state)
 
     # ---- running ----------------------------------------------------------------------
     def _run(

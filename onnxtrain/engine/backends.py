@@ -23,6 +23,7 @@ from typing import Any
 import onnx
 
 from onnxtrain.engine.plan import Plan
+from onnxtrain.ir.graphs import RANDOM_OPS
 from onnxtrain.user_warning import warn
 
 BACKENDS = ("numpy", "onnxruntime")
@@ -116,7 +117,8 @@ def resolve_providers(backend: str, providers: Sequence[Any] | None = None,
 def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
               providers: Sequence[Any] | None = None, options: Any = None,
               provider_options: Sequence[dict] | None = None, follower: bool = False,
-              updates: Mapping[str, str] | None = None, keep_binding: bool = False) -> Any:
+              updates: Mapping[str, str] | None = None, keep_binding: bool = False,
+              random_state: dict[Any, dict[Any, Any]] | None = None) -> Any:
     """A compiled graph on ``backend``: a :class:`Plan` (numpy) or an :class:`OrtPlan` (onnxruntime).
 
     ``providers``/``provider_options`` and ``options`` (a SessionOptions: graph optimisation level,
@@ -130,13 +132,46 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
     The numpy plan is not fused with ``options.enable_profiling`` (one profile event per node of the
     graph) or with ``graph_optimization_level`` ``ORT_DISABLE_ALL``; it splits kernels over
     ``options.intra_op_num_threads`` threads (0: the default width), and runs its nodes one at a time
-    whatever ``inter_op_num_threads`` says (a warning says so)."""
+    whatever ``inter_op_num_threads`` says (a warning says so). ``random_state``: one dict shared by the
+    plans of a session, so that a random node in several of its graphs does not repeat its draws: the
+    numpy plans share the node's generator; onnxruntime keeps a generator per session, so each later
+    plan's copy of a seeded node gets a seed of its own (:func:`_distinct_seeds`)."""
     if check_backend(backend) == "numpy":
-        return Plan(model, fuse=_numpy_fuse(options), threads=_intra_op_threads(options))
+        return Plan(model, fuse=_numpy_fuse(options), threads=_intra_op_threads(options),
+                    random_state=random_state)
     from onnxtrain.engine.ort_plan import OrtPlan  # here: numpy sessions never load it
 
+    if random_state is not None and isinstance(model, onnx.ModelProto):
+        model = _distinct_seeds(model, random_state)
     return OrtPlan(model, providers, options, provider_options, follower=follower, updates=updates,
                    keep_binding=keep_binding)
+
+
+_SEED_STRIDE = 1_000_003  # between the seeds of one node's copies in a session's onnxruntime graphs
+
+
+def _distinct_seeds(model: onnx.ModelProto, random_state: dict[Any, dict[Any, Any]]) -> onnx.ModelProto:
+    """``model``, or a copy whose seeded random nodes already met in an earlier graph of the session
+    take the seed plus a multiple of a large stride (the n-th graph holding the node: n - 1 strides)."""
+    out = model
+    for k, node in enumerate(model.graph.node):
+        if node.op_type not in RANDOM_OPS:
+            continue
+        seen = random_state.setdefault(node.name or tuple(node.output), {})
+        n = seen.get("onnxruntime_graphs", 0)
+        seen["onnxruntime_graphs"] = n + 1
+        seed = next((a for a in node.attribute if a.name == "seed"), None)
+        if seed is None or n == 0:
+            continue
+        if out is model:
+            out = onnx.ModelProto()
+            out.CopyFrom(model)
+        a = next(a for a in out.graph.node[k].attribute if a.name == "seed")
+        if a.type == onnx.AttributeProto.INT:
+            a.i = (a.i + n * _SEED_STRIDE) % 2**31
+        else:
+            a.f += n * _SEED_STRIDE
+    return out
 
 
 def _intra_op_threads(options: Any) -> int | None:

@@ -35,6 +35,7 @@ from onnxtrain.engine.registry import (
 )
 from onnxtrain.errors import Fail, InvalidProtobuf, ModelNotFound
 from onnxtrain.ir.functions import expand_functions
+from onnxtrain.ir.graphs import RANDOM_OPS
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
 
@@ -156,11 +157,16 @@ class Plan(GraphInterface):
         fuse: bool | None = None,
         threads: int | None = None,
         initializers: Mapping[str, np.ndarray] | None = None,
+        random_state: dict[Any, dict[Any, Any]] | None = None,
     ):
         """``fuse``: apply the execution-time fusions of :mod:`onnxtrain.engine.fusion` (default: on, unless
         the environment says ``ONNXTRAIN_FUSION=0``). ``threads``: how many threads a kernel may split its
         work over (default: :func:`~onnxtrain.engine.parallel.default_width`). ``initializers``: arrays to
-        use for the model's initializers of those names (shared with another plan of the same model)."""
+        use for the model's initializers of those names (shared with another plan of the same model).
+        ``random_state``: where the random nodes (Dropout, RandomNormal, ...) keep their generators, by node
+        name, shared by the plans of one session, so that a node in two graphs that run in turn (the
+        micro-steps and the update step of gradient accumulation) draws one sequence, not the same draws
+        twice."""
         if threads is not None and (not isinstance(threads, int) or threads < 0):
             raise ValueError(f"threads must be a non-negative integer (0: the default), got {threads!r}")
         self.threads = threads or default_width()
@@ -202,6 +208,8 @@ class Plan(GraphInterface):
                 raise EngineError(f"node {node.name!r} ({node.op_type}): bad attributes: {e}") from None
             used = tuple(bool(o) for o in node.output)
             attrs = Attrs(values, node.op_type, node.name, self.opset, len(node.output), used)
+            if random_state is not None and node.op_type in RANDOM_OPS:
+                attrs.cache = random_state.setdefault(node.name or tuple(node.output), {})
             ins = [slot_of(n) if n else -1 for n in (*node.input, *captures.get(k, ()))]
             outs = [slot_of(n) if n else -1 for n in node.output]
             raw_steps.append((node, fn, attrs, ins, outs))

@@ -3,7 +3,8 @@
 Each node draws from its own numpy Generator, kept in the node's cache, so successive runs draw new
 values. A node with a ``seed`` attribute seeds its generator once, from the seed (a float), and its values
 then continue from run to run; a new plan of the same model starts the same sequence again (as a new
-onnxruntime session does). A node without a seed draws fresh randomness: its generator is spawned off one
+onnxruntime session does), unless the plans share a ``random_state`` (the graphs of one training session).
+A node without a seed draws fresh randomness: its generator is spawned off one
 module-level seed sequence, made from OS entropy unless :func:`set_random_seed` fixed it.
 
 ONNX fixes no sampling algorithm, so the values differ from onnxruntime's and onnx.reference's for the same
