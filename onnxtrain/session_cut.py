@@ -69,6 +69,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         self.loss_scale_input_name = None
         self._mp = None
         self._plans: dict[Any, Any] = {}
+        self._random_state: dict[Any, dict[Any, Any]] = {}
         self._data = None
         self.data_parallel_size, self.data_parallel_rank = 1, 0
         self._bn_stats: dict[str, str] = {}  # training-mode BatchNormalizations' running statistics → outputs

@@ -139,6 +139,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
                 root, ext = os.path.splitext(path)
                 save_model_atomic(sg.graphs[kind], f"{root}.stage{self._stage}{ext or '.onnx'}")
         self._plans: dict[str, Any] = {}
+        self._random_state: dict[Any, dict[Any, Any]] = {}
 
     def _get_plan(self, kind: str) -> Any:
         if kind not in self._plans:
