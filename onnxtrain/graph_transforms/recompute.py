@@ -223,9 +223,15 @@ def _clone(fa: _Forward, k: int, marked: set[str], clone_of: dict[str, str],
         if how is None or how[0] == "identity":  # inference form: Y = X
             return [helper.make_node("Identity", [x], [y], name=names(f"{base}_recompute"))]
         scale, tm = how[1]
-        et = elem_type(fa.types, n.input[0]) or TensorProto.FLOAT
+        value_et = elem_type(fa.types, n.input[0]) or TensorProto.FLOAT
+        # the kernel scales bfloat16 in float32 and rounds once: so does the rebuild
+        et = TensorProto.FLOAT if value_et == TensorProto.BFLOAT16 else value_et
         dt = helper.tensor_dtype_to_np_dtype(et)
         out: list[onnx.NodeProto] = []
+        if et != value_et:
+            wide = names(f"{base}_recompute_float")
+            out.append(helper.make_node("Cast", [x], [wide], name=names(f"{base}_recompute_Cast"), to=et))
+            x = wide
         s = names(f"{base}_recompute_scale")
         out.append(helper.make_node("Constant", [], [s], name=names(f"{base}_recompute_Constant"),
                                     value=numpy_helper.from_array(np.asarray(scale, dtype=dt), s)))
@@ -241,7 +247,12 @@ def _clone(fa: _Forward, k: int, marked: set[str], clone_of: dict[str, str],
         m = names(f"{base}_recompute_mask")
         out.append(helper.make_node("Mul", [x, s], [xs], name=names(f"{base}_recompute_Mul")))
         out.append(helper.make_node("Cast", [n.output[1]], [m], name=names(f"{base}_recompute_Cast"), to=et))
-        out.append(helper.make_node("Mul", [xs, m], [y], name=names(f"{base}_recompute")))
+        if et == value_et:
+            out.append(helper.make_node("Mul", [xs, m], [y], name=names(f"{base}_recompute")))
+            return out
+        ym = names(f"{base}_recompute_masked")
+        out.append(helper.make_node("Mul", [xs, m], [ym], name=names(f"{base}_recompute_Mul")))
+        out.append(helper.make_node("Cast", [ym], [y], name=names(f"{base}_recompute"), to=value_et))
         return out
     c = _copy(n)
     c.name = names(f"{base}_recompute")
