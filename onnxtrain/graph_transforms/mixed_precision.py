@@ -124,7 +124,8 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
     """The forward ``model`` computing in ``dtype`` ("float16" or "bfloat16") with float32 master weights.
 
     ``loss`` names the float32 loss; the result has a float32 ``[1]`` input ``loss_scale`` and an output
-    ``scaled_loss`` = loss·loss_scale, the value to differentiate. ``half_ops``/``fp32_ops`` replace the
+    ``scaled_loss`` = loss·loss_scale, the value to differentiate (default names the model already uses
+    get a suffix: :func:`mixed_precision_info` holds the names). ``half_ops``/``fp32_ops`` replace the
     default op classes, ``keep_fp32_nodes`` names nodes that must run in float32. Example::
 
         mp = mixed_precision(model, "loss")
@@ -146,10 +147,12 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
     names = NameGen.for_model(src)
     if loss not in {o for n in g.node for o in n.output} | {i.name for i in g.input}:
         raise ValueError(f"mixed_precision: loss {loss!r} is not a value of the model")
-    for name in (loss_scale_name, scaled_loss_name):
-        if name in names.taken:
+    given = []
+    for name, default in ((loss_scale_name, LOSS_SCALE), (scaled_loss_name, SCALED_LOSS)):
+        if name in names.taken and name != default:
             raise ValueError(f"mixed_precision: the model already has a value named {name!r}")
-        names.taken.add(name)
+        given.append(names(name))  # the default name, made unique as onnxruntime made it
+    loss_scale_name, scaled_loss_name = given
 
     orig: dict[str, int] = {k: elem_type(types, k) for k in types}
     phys: dict[str, int] = dict(orig)  # element type each value has after the rewrite

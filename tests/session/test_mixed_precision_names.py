@@ -48,3 +48,28 @@ def test_gradients_are_also_output_under_the_twins_names() -> None:
     assert half.dtype == np.float16 and full.dtype == np.float32
     np.testing.assert_array_equal(half, full.astype(np.float16))
     assert np.abs(full).max() > 0
+
+
+@pytest.mark.parametrize("clash", ["loss_scale", "scaled_loss"])
+def test_a_model_value_named_like_the_loss_scale_gets_a_unique_name(clash: str) -> None:
+    """onnxruntime generated the loss scale's names (``GenerateNodeArgName``) and told the input's through
+    ``loss_scale_input_name``; a model using one of them was refused. It now trains as the same model with
+    that value named otherwise."""
+    models = []
+    for name in (clash, "hidden"):
+        m = mlp_model()
+        for n in m.graph.node:
+            if n.op_type == "Relu":
+                n.output[0] = name
+            elif n.input and n.input[0] == "hr":
+                n.input[0] = name
+        models.append(m)
+    ((x, y),) = batches(1, 16)
+    losses = []
+    for m in models:
+        sess = TrainingSession(m.SerializeToString(), params("AdamOptimizer", use_mixed_precision=True))
+        scale = sess.loss_scale_input_name
+        assert (scale != "loss_scale") == (clash == "loss_scale" and m is models[0])
+        feeds = {"x": x, "y": y, "Learning_Rate": LR, scale: np.array([4.0], np.float32)}
+        losses.append([sess.run(["loss"], feeds)[0] for _ in range(3)])
+    np.testing.assert_array_equal(losses[0], losses[1])
