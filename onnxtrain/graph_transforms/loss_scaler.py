@@ -14,6 +14,8 @@ restarts the count of clean steps; ``up_scale_window`` (2,000) clean steps in a 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 
@@ -30,8 +32,15 @@ class LossScaler:
         """The current scale as the graph input expects it: float32, shape [1]."""
         return np.array([self.loss_scale], dtype=np.float32)
 
+    def update(self, train_step_info: Any) -> float:
+        """After an optimizer step: ``train_step_info`` is its ``all_gradients_finite`` or an object with an
+        ``all_finite`` attribute (onnxruntime's ``TrainStepInfo``); returns the scale for the next step. A
+        static scale stays."""
+        return self.loss_scale
+
     def update_loss_scale(self, is_all_finite: bool) -> None:
-        """Called after each optimizer step with its ``all_gradients_finite``; a static scale ignores it."""
+        """:meth:`update` under the name of onnxruntime's older ``LossScaler`` (no return value)."""
+        self.update(bool(is_all_finite))
 
     def reset(self) -> None:
         """Back to the initial state."""
@@ -40,8 +49,11 @@ class LossScaler:
 class DynamicLossScaler(LossScaler):
     """The dynamic loss scale of onnxruntime's legacy AMP (same arguments and defaults).
 
-    Note: onnxruntime's docstring says ``automatic_update`` defaults to False while its signature defaults
-    it to True; the signature is what ran, and is kept here.
+    ``automatic_update`` says whether onnxtrain's own loops update the scale (``Optimizer.step()`` of the
+    on-device API, ``onnxtrain train``), as it told onnxruntime's ``ORTTrainer``; with False the scale
+    stays fixed unless the caller calls :meth:`update`, which always updates. onnxruntime's docstring says
+    ``automatic_update`` defaults to False while its signature defaults it to True; the signature is what
+    ran, and is kept here.
     """
 
     def __init__(self, automatic_update: bool = True, loss_scale: float = float(1 << 16),
@@ -60,11 +72,10 @@ class DynamicLossScaler(LossScaler):
         self.max_loss_scale = float(max_loss_scale)
         self.stable_steps = 0
 
-    def update_loss_scale(self, is_all_finite: bool) -> None:
-        """Halve on a non-finite step (its update was skipped); double after a window of clean ones."""
-        if not self.automatic_update:
-            return
-        if is_all_finite:
+    def update(self, train_step_info: Any) -> float:
+        """Halve after a non-finite step (its update was skipped); double after a window of clean ones;
+        returns the new scale."""
+        if bool(getattr(train_step_info, "all_finite", train_step_info)):
             self.stable_steps += 1
             if self.stable_steps >= self.up_scale_window:
                 self.loss_scale = min(self.max_loss_scale, self.loss_scale * 2)
@@ -72,6 +83,7 @@ class DynamicLossScaler(LossScaler):
         else:
             self.loss_scale = max(self.min_loss_scale, self.loss_scale / 2)
             self.stable_steps = 0
+        return self.loss_scale
 
     def reset(self) -> None:
         self.loss_scale = self.initial_loss_scale

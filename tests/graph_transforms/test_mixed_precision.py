@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import onnx
 import onnx.reference
@@ -269,9 +271,13 @@ def test_dynamic_loss_scaler_arithmetic() -> None:
     for _ in range(6):
         hi.update_loss_scale(True)
     assert hi.loss_scale == 2.0 ** 24
+    # automatic_update=False stops only onnxtrain's own loops: an explicit call updates, as onnxruntime's
+    # update(train_step_info) did, and that returns the new scale
     off = DynamicLossScaler(automatic_update=False)
+    assert off.update(types.SimpleNamespace(all_finite=False)) == 2.0 ** 15
     off.update_loss_scale(False)
-    assert off.loss_scale == 2.0 ** 16
+    assert off.loss_scale == 2.0 ** 14
+    assert off.update(True) == 2.0 ** 14 and off.stable_steps == 1
     hi.reset()
     assert hi.loss_scale == 2.0 ** 24 and hi.stable_steps == 0
 

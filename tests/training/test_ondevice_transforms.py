@@ -202,6 +202,13 @@ def test_forced_overflow_skips_the_step(tmp_path, dtype, clip):
     opt.step()
     assert opt.last_step_finite is True and opt.step_count == 4
     assert any(not np.array_equal(p.data, before[n]) for n, p in state.parameters)
+    # automatic_update=False: the optimizer leaves the scale to the caller, even after an overflow
+    scaler.automatic_update = False
+    scaler.loss_scale = huge
+    module.lazy_reset_grad()
+    module(*mlp_batch(5))
+    opt.step()
+    assert opt.last_step_finite is False and scaler.loss_scale == huge
 
 
 @pytest.mark.parametrize("loss_scale", [1.0, 2.0 ** 12])

@@ -257,7 +257,8 @@ class Optimizer:
         if finite:  # a skipped step's outputs are its inputs: only the count would change
             opt.step += 1
         scaler = self._module.loss_scaler
-        if self._loss_scale_input is not None and scaler is not None:
+        automatic = scaler is not None and getattr(scaler, "automatic_update", True)
+        if self._loss_scale_input is not None and automatic:
             scaler.update_loss_scale(finite)
 
     def set_learning_rate(self, learning_rate: float) -> None:
