@@ -562,8 +562,14 @@ def _update_norm(w: NodeWriter, slots: list[WeightSlot], norm_input: str | None,
 
 
 def _max_norm_clip(slot: WeightSlot, opt: Optimizer) -> float:
-    """The weight's ``max_norm_clip`` (its attribute map, else the optimizer's default, else 1.0)."""
-    return float(slot.float_attrs.get("max_norm_clip", opt.FLOAT_ATTRS.get("max_norm_clip", 1.0)))
+    """The weight's ``max_norm_clip`` (its attribute map, else the optimizer's default, else 1.0); a value
+    that is not positive is an error (onnxruntime took it: zero froze the weight, a negative value climbed
+    the loss)."""
+    value = float(slot.float_attrs.get("max_norm_clip", opt.FLOAT_ATTRS.get("max_norm_clip", 1.0)))
+    if not value > 0:
+        raise ValueError(f"optimizer_attributes_map[{slot.name!r}]['max_norm_clip'] must be > 0 with "
+                         f"enable_grad_norm_clip, got {value} (enable_grad_norm_clip = False: no clipping)")
+    return value
 
 
 def _state_inputs(opt: Optimizer, slots: list[WeightSlot], inputs: list) -> list[StateSpec]:

@@ -232,6 +232,17 @@ def test_clipping_limits_the_global_norm() -> None:
         np.testing.assert_allclose(sess.get_state()[k], w, rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.parametrize("limit", [0.0, -1.0])
+def test_a_clipping_limit_that_is_not_positive_is_refused_by_name(limit: float) -> None:
+    model = mlp_model()
+    attrs = {w: {"max_norm_clip": limit} if w == "W2" else {} for w in ("W1", "b1", "W2", "b2")}
+    p = params("AdamOptimizer", optimizer_attributes_map=attrs)
+    with pytest.raises(ValueError, match=r"optimizer_attributes_map\['W2'\]\['max_norm_clip'\] must be > 0"):
+        TrainingSession(model.SerializeToString(), p)
+    p.enable_grad_norm_clip = False  # not clipping: the value is not used
+    TrainingSession(model.SerializeToString(), p)
+
+
 @pytest.mark.parametrize("mode", ["legacy", "auto"])
 def test_accumulation_equals_one_big_batch(mode: str) -> None:
     model = mlp_model(loss="mse")
