@@ -290,7 +290,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             feeds[TRAINING_MODE] = np.asarray(bool(ro.training_mode))
         if kind == "full" and self._dp is not None and self._opt is not None:
             return self._run_data_parallel(names, feeds)
-        plan = self._path_plan(names) if kind == "gradients" else self._get_plan(kind)
+        plan = self._path_plan(names) if kind in ("gradients", "micro-path") else self._get_plan(kind)
         if output_names is None:  # "all outputs" of this kind of run (a micro-step has no norm yet)
             names = [n for n in names if n in plan.output_info]
         else:
@@ -306,7 +306,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                 feeds[s] = self._store[s]
         if kind == "forward":
             upd_items: list[tuple[str, str]] = []
-        elif kind == "gradients":
+        elif kind in ("gradients", "micro-path"):
             upd_items = self._path_updates(plan)
         else:
             upd_items = list(self._graphs.updates[kind].items())
@@ -320,7 +320,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             for b in self._graphs.buffers:
                 self._store[b] = np.zeros_like(self._store[b])
         if kind != "gradients":
-            self._micro_step = 0 if kind == "full" else self._micro_step + (kind == "accumulate")
+            self._micro_step = 0 if kind == "full" else self._micro_step + (kind != "forward")
         if self._sess_options.enable_profiling and plan is not self._plan:
             self._plan.profile.extend(plan.profile)
         return results[: len(names)]
@@ -331,18 +331,29 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             return "forward"
         if g.accumulate is not None:
             if self._params.gradient_accumulation_mode == "auto":
-                return (
-                    "full"
-                    if self._micro_step + 1 >= self._params.gradient_accumulation_steps
-                    else "accumulate"
-                )
-            if ro.only_execute_path_to_fetches and GROUP_OUTPUT in names:
-                return "accumulate"
+                if self._micro_step + 1 >= self._params.gradient_accumulation_steps:
+                    return "full"
+                if all(n in self._get_plan("accumulate").output_info for n in names):
+                    return "accumulate"
+                return "micro-path"  # the norm or the finiteness flag of the sums so far: the path plan
+            if (ro.only_execute_path_to_fetches and GROUP_OUTPUT in names
+                    and all(n in self._get_plan("accumulate").output_info for n in names)):
+                return "accumulate"  # else the path plan: with the norm, computed on the accumulated sums
         # gradients, their norm, the finiteness flag: the path to them stops before the optimizer
         return "gradients" if ro.only_execute_path_to_fetches and self._opt is not None else "full"
 
     def get_modelmeta(self) -> ModelMetadata:
         return self._user_meta
+
+    @property
+    def next_run_updates(self) -> bool:
+        """Whether the next ``run()`` applies the optimizer update (onnxtrain's): under
+        ``gradient_accumulation_mode = "auto"``, on the N-th run of each accumulation; otherwise, unless
+        that run fetches ``Group_Accumulated_Gradients`` or runs only the path to its fetches."""
+        steps = self._params.gradient_accumulation_steps
+        if self._graphs.accumulate is None or self._params.gradient_accumulation_mode != "auto":
+            return self._opt is not None
+        return self._opt is not None and self._micro_step + 1 >= steps
 
     def finalize(self) -> None:
         """The legacy binding's shutdown hook (MPI on Windows); onnxtrain's communicator needs none."""

@@ -124,3 +124,28 @@ def test_step_graphs_have_unique_node_names() -> None:
         for m in (g.full, g.gradients_graph, g.update_graph):
             names = [n.name for n in m.graph.node]
             assert len(names) == len(set(names)), [n for n in names if names.count(n) > 1][:5]
+
+
+def test_auto_accumulation_micro_steps_answer_the_finite_check() -> None:
+    """gradient_accumulation_mode="auto" with the mixed-precision loop (all_gradients_finite fetched on
+    every run; a micro-step refused it): a micro-step's flag is that of the sums so far, the weights are
+    those of a run fetching only the loss, ``run(None)`` returns every output on every run, and
+    ``next_run_updates`` tells the update steps (where the scaler should be updated)."""
+    model = mlp_model()
+    data = batches(4, 16)
+    p = params("AdamOptimizer", use_mixed_precision=True, gradient_accumulation_steps=2,
+               gradient_accumulation_mode="auto")
+    sessions = [TrainingSession(model.SerializeToString(), p) for _ in range(3)]
+    scale = {sessions[0].loss_scale_input_name: np.array([256.0], np.float32)}
+    updates = []
+    for x, y in data:
+        f = {"x": x, "y": y, "Learning_Rate": LR, **scale}
+        updates.append(sessions[0].next_run_updates)
+        loss, finite = sessions[0].run(["loss", "all_gradients_finite"], f)
+        assert bool(finite)
+        sessions[1].run(["loss"], f)
+        assert len(sessions[2].run(None, f)) == len(sessions[2].get_outputs())
+    assert updates == [False, True, False, True]
+    for k, v in sessions[1].get_state().items():
+        np.testing.assert_array_equal(sessions[0].get_state()[k], v, err_msg=k)
+        np.testing.assert_array_equal(sessions[2].get_state()[k], v, err_msg=k)
