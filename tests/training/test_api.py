@@ -504,6 +504,28 @@ def _run(module, opt, steps: range) -> list[float]:
     return losses
 
 
+def test_a_learning_rate_saved_at_another_step_is_not_used(art, tmp_path):
+    """onnxruntime-training keeps onnxtrain's learning-rate property when it trains on a file and saves it
+    again: the rate then belongs to an older step, and onnxruntime's default is used, as there."""
+    state, module, opt = setup(art, "adamw")
+    opt.set_learning_rate(0.03)
+    _run(module, opt, range(2))
+    CheckpointState.save_checkpoint(state, tmp_path / "ckpt", include_optimizer_state=True)
+    assert Optimizer(art["adamw"], Module(art["training"], CheckpointState.load_checkpoint(
+        tmp_path / "ckpt"))).get_learning_rate() == float(np.float32(0.03))
+    raw = load_checkpoint(tmp_path / "ckpt")
+    raw.optimizer_groups[0].step += 5  # trained further elsewhere, the property left as it was
+    save_checkpoint(raw, tmp_path / "later")
+    later = CheckpointState.load_checkpoint(tmp_path / "later")
+    opt2 = Optimizer(art["adamw"], Module(art["training"], later))
+    assert opt2.get_learning_rate() == float(np.float32(0.001)) and opt2.step_count == 7
+    raw.properties[LEARNING_RATE_PROPERTY] = 0.02  # an onnxtrain before the step was recorded: a number
+    save_checkpoint(raw, tmp_path / "older")
+    older = CheckpointState.load_checkpoint(tmp_path / "older")
+    opt3 = Optimizer(art["adamw"], Module(art["training"], older))
+    assert opt3.get_learning_rate() == float(np.float32(0.02))
+
+
 @pytest.mark.parametrize("include", [True, False])
 def test_resume_with_and_without_optimizer_state(art, tmp_path, include):
     state, module, opt = setup(art, "adamw")
@@ -541,7 +563,7 @@ def test_optimizer_state_saved_only_with_flag_and_strict_on_load(art, tmp_path):
     g = raw.optimizer_groups[0]
     assert g.name == "group0" and g.step == 2 and sorted(g.states) == ["W", "b"]
     assert sorted(g.states["W"]) == ["momentum0"]
-    assert raw.properties[LEARNING_RATE_PROPERTY] == pytest.approx(0.001)
+    assert raw.properties[LEARNING_RATE_PROPERTY] == f"{float(np.float32(0.001))!r}@2"  # rate @ step
     # an SGD optimizer state has no second moments: an AdamW optimizer refuses it
     state2 = CheckpointState.load_checkpoint(tmp_path / "sgd")
     with pytest.raises(ValueError, match="momentum1"):

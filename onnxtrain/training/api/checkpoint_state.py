@@ -20,9 +20,25 @@ from onnxtrain.checkpoint import save_checkpoint as _save_file
 
 DEFAULT_LEARNING_RATE = float(np.float32(0.001))  # a float32 value, as onnxruntime reports it
 GROUP_NAME = "group0"
-# The current learning rate, saved with the optimizer state (onnxruntime keeps only initial_lr and step).
+# The current learning rate, saved with the optimizer state (onnxruntime keeps only initial_lr and step) as
+# "<lr>@<step>": a file that onnxruntime-training trained on and saved again holds a later step, and
+# the stale rate is then dropped (onnxruntime's default is used, as there).
 LEARNING_RATE_PROPERTY = "onnxtrain.learning_rate"
 _RESERVED = (LEARNING_RATE_PROPERTY,)
+
+
+def _saved_learning_rate(value: int | float | str | None, step: int) -> float | None:
+    """The learning rate of :data:`LEARNING_RATE_PROPERTY` when it belongs to the group's ``step`` (a
+    number: a file of an onnxtrain that did not record the step)."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        lr, _, at = value.partition("@")
+        try:
+            return float(lr) if int(at) == step else None
+        except ValueError:
+            return None
+    return None
 
 
 @dataclass
@@ -262,16 +278,17 @@ class CheckpointState:
                 data = None if checkpoint.nominal else _owned(arr)
                 self._params[name] = _Param(name, arr.dtype, trainable, data)
         self._properties: dict[str, int | float | str] = {}
-        lr = None
+        saved_lr: int | float | str | None = None
         for name, value in checkpoint.properties.items():
             if name == LEARNING_RATE_PROPERTY:
-                lr = float(value) if isinstance(value, (int, float)) else None
+                saved_lr = value
             else:
                 self._properties[name] = value
         self._optimizer: _OptimizerState | None = None
         for g in checkpoint.optimizer_groups:
             if g.name == GROUP_NAME:
                 moments = {p: {k: _owned(np.asarray(v)) for k, v in m.items()} for p, m in g.states.items()}
+                lr = _saved_learning_rate(saved_lr, int(g.step))
                 self._optimizer = _OptimizerState(int(g.step), float(g.initial_lr),
                                                   DEFAULT_LEARNING_RATE if lr is None else lr, moments)
         self.path: str | None = None
@@ -313,7 +330,7 @@ class CheckpointState:
         opt = self._optimizer
         if include_optimizer_state and opt is not None:
             groups.append(OptimizerGroup(GROUP_NAME, opt.step, opt.initial_lr, opt.moments))
-            props[LEARNING_RATE_PROPERTY] = float(opt.lr)
+            props[LEARNING_RATE_PROPERTY] = f"{float(opt.lr)!r}@{int(opt.step)}"
         return Checkpoint(trainable, frozen, groups, props, nominal=nominal)
 
     # ---------------------------------------------------------------- views
