@@ -160,8 +160,7 @@ def _distinct_seeds(model: onnx.ModelProto, random_state: dict[Any, dict[Any, An
         seen = random_state.setdefault(node.name or tuple(node.output), {})
         n = seen.get("onnxruntime_graphs", 0)
         seen["onnxruntime_graphs"] = n + 1
-        seed = next((a for a in node.attribute if a.name == "seed"), None)
-        if seed is None or n == 0:
+        if n == 0 or not any(a.name == "seed" for a in node.attribute):
             continue
         if out is model:
             out = onnx.ModelProto()
