@@ -15,6 +15,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
+from onnxtrain.autodiff.converter_fixes import flatten_old_hardmax, restore_legacy_resizes
 from onnxtrain.autodiff.exporter_checks import warn_inference_batch_norms
 from onnxtrain.autodiff.patterns import find_erf_gelus, find_tanh_gelus
 from onnxtrain.autodiff.registry import find_rule, find_variant, has_no_gradient, ops_with_rules
@@ -117,6 +118,10 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     m.CopyFrom(model)
     held = _hold_early_ops(m)
     training_bns = _drop_saved_statistics(m)
+    refused = flatten_old_hardmax(m, model_opset(model))
+    if refused:
+        raise GradientError(f"Hardmax node(s) {refused} of opset {model_opset(model)}: gradients need "
+                            "opset 5 or later; re-export the model at a newer opset")
     listed = {i.name for i in m.graph.input}
     extra = [
         helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
@@ -131,6 +136,7 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
             f"could not upgrade the model from opset {model_opset(model)} to {target}: {e}"
         ) from None
     _mark_training(out, training_bns)
+    restore_legacy_resizes(out, model_opset(model))
     added = {v.name for v in extra}
     kept = [i for i in out.graph.input if i.name not in added]
     del out.graph.input[:]

@@ -1,0 +1,74 @@
+"""Meanings that onnx's version converter loses when it lifts an old model to the gradient builder's opset.
+
+* Resize-10 and Upsample (opsets 7-9) sample with asymmetric coordinates, nearest rounding down; the
+  converter writes Resize-11+ nodes without those attributes, which then mean half-pixel coordinates and
+  round-half-down (and it renames an Upsample's output): every Resize of a converted model below opset
+  11 is one of those, and :func:`restore_legacy_resizes` writes the attributes into them.
+* Hardmax before opset 13 takes the maximum over all dims from ``axis`` on (the input read as a matrix);
+  the converter keeps the node and its axis, which at 13 means one dim: :func:`flatten_old_hardmax`
+  rewrites each as Flatten, a Hardmax over the matrix's rows, and a Reshape back, before the conversion.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from onnxtrain.ir.builder import NameGen
+from onnxtrain.ir.graphs import walk_graphs
+
+_DEFAULT = ("", "ai.onnx")
+_SAMPLING = ("coordinate_transformation_mode", "nearest_mode")
+
+
+def restore_legacy_resizes(model: onnx.ModelProto, opset: int) -> None:
+    """Give the Resize nodes of ``model``, converted from default-domain ``opset`` < 11, the sampling of
+    Resize-10 and Upsample (in place)."""
+    if opset >= 11:
+        return
+    for g in walk_graphs(model.graph):
+        for n in g.node:
+            if n.op_type != "Resize" or n.domain not in _DEFAULT:
+                continue
+            mode = next((helper.get_attribute_value(a) for a in n.attribute if a.name == "mode"), b"nearest")
+            kept = [a for a in n.attribute if a.name not in _SAMPLING]
+            del n.attribute[:]
+            n.attribute.extend(kept)
+            n.attribute.append(helper.make_attribute("coordinate_transformation_mode", "asymmetric"))
+            if mode in (b"nearest", "nearest"):
+                n.attribute.append(helper.make_attribute("nearest_mode", "floor"))
+
+
+def flatten_old_hardmax(model: onnx.ModelProto, opset: int) -> list[str]:
+    """Rewrite (in place) each Hardmax of ``model`` at default-domain ``opset`` < 13 as Flatten at its
+    axis, Hardmax over axis 1 and a Reshape to the input's shape (the same values at every opset); returns
+    the names of those it cannot rewrite (below opset 5 Reshape takes no shape input)."""
+    if opset >= 13:
+        return []
+    names = None
+    refused: list[str] = []
+    for g in walk_graphs(model.graph):
+        if not any(n.op_type == "Hardmax" and n.domain in _DEFAULT for n in g.node):
+            continue
+        names = names or NameGen.for_model(model)
+        nodes: list[onnx.NodeProto] = []
+        for n in g.node:
+            if n.op_type != "Hardmax" or n.domain not in _DEFAULT:
+                nodes.append(n)
+                continue
+            if opset < 5:
+                refused.append(n.name or n.output[0])
+                nodes.append(n)
+                continue
+            axis = next((helper.get_attribute_value(a) for a in n.attribute if a.name == "axis"), 1)
+            base = n.name or "Hardmax"
+            matrix, rows, shape = (names(f"{n.output[0]}_{s}") for s in ("matrix", "rows", "shape"))
+            nodes += [
+                helper.make_node("Flatten", [n.input[0]], [matrix], name=names(f"{base}_Flatten"), axis=axis),
+                helper.make_node("Hardmax", [matrix], [rows], name=names(base), axis=1),
+                helper.make_node("Shape", [n.input[0]], [shape], name=names(f"{base}_Shape")),
+                helper.make_node("Reshape", [rows, shape], [n.output[0]], name=names(f"{base}_Reshape")),
+            ]
+        del g.node[:]
+        g.node.extend(nodes)
+    return refused

@@ -1,0 +1,81 @@
+"""Old-opset ops whose meaning onnx's version converter changes on the way to the gradient builder's opset
+(Resize-10 and Upsample sample with asymmetric coordinates; Hardmax before 13 works on the input read as a
+matrix): the gradient graph computes the model's own forward, and its gradients match finite differences
+of the model (run at its opset by the engine) and onnxruntime's forward of it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.autodiff import build_gradient_model
+from onnxtrain.engine import compile_model
+from onnxtrain.testing import gradcheck
+
+
+def _model(node: onnx.NodeProto, opset: int, x_shape: list[int], y_shape: list[int], dtype: int,
+           inits: list[onnx.TensorProto] = ()) -> onnx.ModelProto:
+    """loss = ReduceSum(node(x) · w) with a fixed random weight w of the node's output shape."""
+    np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+    w = np.random.default_rng(1).standard_normal(y_shape).astype(np_dtype)
+    g = helper.make_graph(
+        [node, helper.make_node("Mul", ["y", "w"], ["yw"]), helper.make_node("ReduceSum", ["yw"], ["loss"],
+                                                                             keepdims=0)],
+        "g", [helper.make_tensor_value_info("x", dtype, x_shape)],
+        [helper.make_tensor_value_info("loss", dtype, [])], [*inits, numpy_helper.from_array(w, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 7
+    return m
+
+
+def _scales(values: list[float]) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.array(values, np.float32), "sc")
+
+
+CASES = {
+    # name: (node, opset, x shape, output shape, initializers)
+    "upsample9_linear": (helper.make_node("Upsample", ["x", "sc"], ["y"], mode="linear"), 9,
+                         [1, 1, 3, 4], [1, 1, 6, 6], [_scales([1, 1, 2.0, 1.5])]),
+    "upsample9_nearest_fraction": (helper.make_node("Upsample", ["x", "sc"], ["y"], mode="nearest"), 9,
+                                   [1, 1, 3, 4], [1, 1, 7, 6], [_scales([1, 1, 2.5, 1.5])]),
+    "upsample7_linear": (helper.make_node("Upsample", ["x"], ["y"], mode="linear", scales=[1.0, 1, 2, 2]), 7,
+                         [1, 2, 3, 3], [1, 2, 6, 6], []),
+    "resize10_nearest_down": (helper.make_node("Resize", ["x", "sc"], ["y"], mode="nearest"), 10,
+                              [1, 1, 5, 6], [1, 1, 3, 4], [_scales([1, 1, 0.6, 0.7])]),
+    "resize10_linear": (helper.make_node("Resize", ["x", "sc"], ["y"], mode="linear"), 10,
+                        [1, 1, 4, 4], [1, 1, 7, 5], [_scales([1, 1, 1.75, 1.25])]),
+    "hardmax11_axis1": (helper.make_node("Hardmax", ["x"], ["y"], axis=1), 11, [2, 3, 4], [2, 3, 4], []),
+    "hardmax7_axis0": (helper.make_node("Hardmax", ["x"], ["y"], axis=0), 7, [2, 3, 4], [2, 3, 4], []),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gradient_graph_keeps_the_old_meaning(name: str) -> None:
+    node, opset, xs, ys, inits = CASES[name]
+    x = np.random.default_rng(0).standard_normal(xs)
+    model = _model(node, opset, xs, ys, TensorProto.DOUBLE, inits)
+    grad = build_gradient_model(model, "loss", ["x"])
+    onnx.checker.check_model(grad, full_check=True)
+    got = compile_model(grad).run({"x": x})[0]
+    assert got == pytest.approx(compile_model(model).run({"x": x})[0], rel=1e-12)
+    gradcheck(model, "loss", ["x"], {"x": x}, rtol=1e-6)
+
+
+# onnxruntime's Resize-10 rounds a downsampling nearest position up where onnxtrain's kernel rounds it down,
+# as torch does (F.interpolate's nearest): that case is checked against the engine only
+@pytest.mark.parametrize("name", [n for n in CASES if n != "resize10_nearest_down"])
+def test_the_model_s_forward_is_onnxruntime_s(name: str) -> None:
+    """The oracle's side: onnxruntime runs the float32 model at its own opset, and the gradient graph's
+    loss (at opset 17) equals it."""
+    ort = pytest.importorskip("onnxruntime")
+    node, opset, xs, ys, inits = CASES[name]
+    x = np.random.default_rng(0).standard_normal(xs).astype(np.float32)
+    model = _model(node, opset, xs, ys, TensorProto.FLOAT, inits)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    want = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+    got = compile_model(build_gradient_model(model, "loss", ["x"])).run({"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
