@@ -1,7 +1,8 @@
 """Old-opset ops whose meaning onnx's version converter changes on the way to the gradient builder's opset
 (Resize-10 and Upsample sample with asymmetric coordinates; Hardmax before 13 works on the input read as a
-matrix): the gradient graph computes the model's own forward, and its gradients match finite differences
-of the model (run at its opset by the engine) and onnxruntime's forward of it."""
+matrix; Clip's bounds before 11 take the input's type): the gradient graph computes the model's own
+forward, and its gradients match finite differences of the model (run at its opset by the engine) and
+onnxruntime's forward of it."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ CASES = {
                               [1, 1, 5, 6], [1, 1, 3, 4], [_scales([1, 1, 0.6, 0.7])]),
     "resize10_linear": (helper.make_node("Resize", ["x", "sc"], ["y"], mode="linear"), 10,
                         [1, 1, 4, 4], [1, 1, 7, 5], [_scales([1, 1, 1.75, 1.25])]),
+    "clip6": (helper.make_node("Clip", ["x"], ["y"], min=-0.5, max=0.4), 10, [3, 4], [3, 4], []),
     "hardmax11_axis1": (helper.make_node("Hardmax", ["x"], ["y"], axis=1), 11, [2, 3, 4], [2, 3, 4], []),
     "hardmax7_axis0": (helper.make_node("Hardmax", ["x"], ["y"], axis=0), 7, [2, 3, 4], [2, 3, 4], []),
 }
