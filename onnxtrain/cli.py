@@ -153,6 +153,14 @@ def _eval(a: argparse.Namespace) -> int:
 def _export(a: argparse.Namespace) -> int:
     from onnxtrain.train import export_model, load_for_inference
 
+    if not a.output.strip():
+        raise UsageError("-o/--output: an empty path; give the .onnx file to write")
+    if os.path.isdir(a.output):
+        raise UsageError(f"-o/--output: {a.output} is a folder; give the .onnx file to write, e.g. "
+                         f"{os.path.join(a.output, 'model.onnx')}")
+    parent = os.path.dirname(os.path.abspath(a.output))
+    if not os.path.isdir(parent):
+        raise UsageError(f"-o/--output: the folder {parent} does not exist")
     cfg = _config(a)
     model, weights = load_for_inference(cfg, a.checkpoint)
     export_model(model, cfg, weights, a.output)
@@ -223,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     resume.add_argument("--overwrite", action="store_true",
                         help="start over in an output folder that holds checkpoints of an earlier run, "
                              "deleting them (without it such a folder is refused)")
-    tr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    tr.add_argument("-q", "--quiet", action="store_true",
+                    help="no progress bar and no per-eval lines (the final summary, warnings and errors "
+                         "are still printed)")
     tr.set_defaults(fn=_train)
     ev = sub.add_parser("eval", help="eval loss and accuracy of a checkpoint",
                         description="Score a checkpoint on the config's eval data (loss, and accuracy for "

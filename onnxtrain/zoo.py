@@ -19,6 +19,26 @@ from onnxtrain.ir.builder import make_model
 OPSET = 17
 
 
+class BuilderArgumentError(ValueError):
+    """A builder argument out of range; ``arg`` names it (the config reports ``model.args.<arg>``)."""
+
+    def __init__(self, arg: str, message: str):
+        self.arg = arg
+        self.message = message
+        super().__init__(f"{arg}: {message}")
+
+
+def _check_sizes(low: int = 1, **sizes: int | Sequence[int]) -> None:
+    """A BuilderArgumentError naming the first of ``sizes`` (an int or a list of ints) below ``low``."""
+    for arg, value in sizes.items():
+        single = isinstance(value, (int, np.integer))
+        values = [int(value)] if single else [int(v) for v in value]
+        if any(v < low for v in values):
+            what = "a positive int" if low == 1 else f"an int >= {low}"
+            raise BuilderArgumentError(arg, f"expected {what}{'' if single else ' each'}, "
+                                            f"got {values[0] if single else values}")
+
+
 class _Graph:
     """Nodes and initializers of a model under construction, with unique value names."""
 
@@ -70,6 +90,7 @@ def mlp(sizes: Sequence[int], seed: int = 0, loss: bool = True) -> onnx.ModelPro
     """
     if len(sizes) < 2:
         raise ValueError(f"mlp needs at least an input and an output size, got {list(sizes)}")
+    _check_sizes(sizes=sizes)
     g = _Graph(seed)
     h = "x"
     for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
@@ -91,6 +112,7 @@ def cnn(channels: Sequence[int] = (8, 16), classes: int = 10, image: Sequence[in
     Each block is Conv 3×3 (pad 1) → [BatchNormalization in training mode] → Relu → MaxPool 2×2;
     then GlobalAveragePool (``global_pool``) or Flatten, and a Gemm to ``classes`` logits.
     """
+    _check_sizes(channels=channels, classes=classes, image=image)
     g = _Graph(seed)
     _conv_classifier(g, "x", channels, classes, image, batch_norm, global_pool)
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *(int(v) for v in image)])]
@@ -136,6 +158,7 @@ def spatial_transformer(channels: Sequence[int] = (8, 16), classes: int = 10,
     """A spatial transformer network: a small localisation net (Gemm → Relu → Gemm) predicts an affine
     transform per image, starting at the identity; the image is resampled along the transformed grid
     (``GridSample``, bilinear) and classified by :func:`cnn`'s blocks. Input ``x`` [N, C, H, W]."""
+    _check_sizes(channels=channels, classes=classes, image=image, hidden=hidden)
     c, hgt, wid = (int(v) for v in image)
     g = _Graph(seed)
     flat = g.op("Flatten", ["x"], "loc_flat")
@@ -210,6 +233,8 @@ def transformer(vocab: int = 10, length: int = 8, dim: int = 32, heads: int = 4,
     are [N, vocab, length] so that SoftmaxCrossEntropyLoss (against ``y`` int64 [N, length]) and the
     accuracy both see the classes on axis 1.
     """
+    _check_sizes(vocab=vocab, length=length, dim=dim, heads=heads, mlp_ratio=mlp_ratio)
+    _check_sizes(0, layers=layers)
     if dim % heads:
         raise ValueError(f"transformer: dim {dim} is not divisible by heads {heads}")
     g = _Graph(seed)

@@ -171,10 +171,11 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     name: str = field(default="run", metadata={"internal": True})  # the config file's stem
     base_dir: str = field(default=".", metadata={"internal": True})  # the config file's folder
+    source: str | None = field(default=None, metadata={"internal": True})  # the config file's path
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        del d["name"], d["base_dir"]
+        del d["name"], d["base_dir"], d["source"]
         return d
 
 
@@ -512,6 +513,7 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Confi
                                              "decides the run's length; add --set training.steps=null")
     cfg.name = os.path.splitext(os.path.basename(path))[0]
     cfg.base_dir = os.path.dirname(os.path.abspath(path))
+    cfg.source = os.path.abspath(path)
     return validate(cfg)
 
 

@@ -12,7 +12,7 @@ from onnxtrain.train import data as data_mod
 from onnxtrain.train.config import Config
 from onnxtrain.train.model import build_model, inference_model
 from onnxtrain.train.outputs import find_checkpoint
-from onnxtrain.train.session import feed_names
+from onnxtrain.train.session import feed_names, training_parameters
 from onnxtrain.train.state import checkpoint_weights
 
 
@@ -57,17 +57,35 @@ class Evaluator:
 
 
 def load_for_inference(cfg: Config, checkpoint: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """The config's model and the weights of ``checkpoint`` (a file or a run folder)."""
+    """The config's model and the weights of ``checkpoint`` (a file or a run folder); a ValueError naming
+    the tensors when the checkpoint does not fit the model (a weight the config would train that it lacks,
+    a trained weight the model does not have, a shape that differs)."""
+    from onnxtrain.training_graph import select_trainable
+
     path = find_checkpoint(checkpoint)
     ckpt = load_checkpoint(path)
     model = build_model(cfg)
     weights = checkpoint_weights(ckpt)
-    inits = {t.name for t in model.graph.initializer}
-    missing = sorted(set(ckpt.trainable) - inits)
+    inits = {t.name: list(t.dims) for t in model.graph.initializer}
+    problems = []
+    extra = sorted(set(ckpt.trainable) - set(inits))
+    if extra:
+        problems.append(f"the model has no initializer(s) {_few(extra)}")
+    missing = sorted(set(select_trainable(model, training_parameters(cfg, model))) - set(weights))
     if missing:
-        raise ValueError(f"checkpoint {path} does not fit the config's model: "
-                         f"no initializer(s) {missing[:5]}")
+        problems.append(f"the checkpoint has no value for {_few(missing)}")
+    shapes = [f"{n} (checkpoint {list(np.shape(weights[n]))}, model {dims})" for n, dims in inits.items()
+              if n in weights and list(np.shape(weights[n])) != dims]
+    if shapes:
+        problems.append(f"shapes differ: {_few(shapes, quote=False)}")
+    if problems:
+        raise ValueError(f"checkpoint {path} does not fit this config's model: {'; '.join(problems)}")
     return model, weights
+
+
+def _few(names: list[str], quote: bool = True, n: int = 5) -> str:
+    shown = ", ".join(repr(x) if quote else x for x in names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:

@@ -31,16 +31,19 @@ import yaml
 
 from onnxtrain import parallel
 from onnxtrain.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from onnxtrain.engine.kernels.random import set_random_seed
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.train import data as data_mod
 from onnxtrain.train.config import Config, ConfigError
 from onnxtrain.train.evaluate import Evaluator
-from onnxtrain.train.model import build_model
+from onnxtrain.train.model import build_model, check_loss_value
 from onnxtrain.train.outputs import (
     RUN_OUTPUTS,
     check_output_dir,
     checkpoint_path,
     export_model,
+    foreign_files,
+    inputs_in_the_way,
     list_checkpoints,
     output_dir,
     plot_metrics,
@@ -156,6 +159,20 @@ class Trainer:
             except ValueError as e:
                 raise ConfigError("output.dir", f"{e} (the folder comes from output.dir or --output-dir)"
                                   ) from None
+        # the run would replace its own input: refused whatever the options (but a config.yaml that the run
+        # would rewrite as it is, such as a run folder's own)
+        clashes = [(key, path) for key, path in inputs_in_the_way(cfg, self.out)
+                   if key or not _holds(path, self.resolved_config())]
+        if clashes:
+            key, path = clashes[0]
+            what = f"model.path {path}" if key == "model.path" else (
+                f"the config file {path}" if not key else f"{key} {path}")
+            raise ConfigError("", f"{what} is one of the files a run writes in its output folder {self.out} "
+                                  f"({os.path.basename(path)}); choose another --output-dir (or output.dir)")
+        s = cfg.schedule
+        if self.main and s.kind == "constant" and s.final_lr_ratio:
+            print(f"onnxtrain: warning: schedule.final_lr_ratio ({s.final_lr_ratio}) has no effect with "
+                  "schedule.kind constant (the rate stays optimizer.lr after the warm-up)", file=sys.stderr)
         if t.batch_size % w.size:
             raise ConfigError("training.batch_size", f"{t.batch_size} does not split evenly over the "
                                                      f"{w.size} ranks mpiexec started (each rank takes an "
@@ -182,6 +199,19 @@ class Trainer:
         s = self.cfg.schedule
         return learning_rate(step, self.total, self.cfg.optimizer.lr, s.kind, s.warmup_steps,
                              s.final_lr_ratio)
+
+    def resolved_config(self) -> str:
+        """The ``config.yaml`` this run writes: the checked config, with the output folder it uses."""
+        resolved = self.cfg.to_dict()
+        resolved.setdefault("output", {})["dir"] = self.out  # where this run's files went
+        return yaml.safe_dump(resolved, sort_keys=False)
+
+    def reseed(self, step: int) -> None:
+        """Seed the random nodes without a ``seed`` attribute (Dropout, RandomNormal, ...) for optimizer step
+        ``step`` from (training.seed, step): a resumed run draws what an uninterrupted one draws. Under
+        mpiexec each rank draws its own values (the rank is part of the seed)."""
+        key = [self.cfg.training.seed, step, *([self.rank] if self.ranks > 1 else [])]
+        set_random_seed(int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0]))
 
     def weights(self) -> dict[str, np.ndarray]:
         state = self.sess.get_state()
@@ -279,6 +309,14 @@ class Trainer:
         folder's old checkpoints are deleted when ``overwrite`` (the CLI's --overwrite; the command
         line refuses by default), else a ConfigError says that the folder holds a run."""
         main = self.main
+        if not resume:  # files that no run wrote are never replaced, with --overwrite or without
+            foreign = self.agree(foreign_files(self.out) if main else [])
+            if foreign:
+                raise ConfigError("", f"{self.out} holds {', '.join(foreign)}, which a new run would "
+                                      "replace, but it is not the folder of an onnxtrain run (no "
+                                      "metrics.jsonl or checkpoints); choose another --output-dir (or "
+                                      "output.dir), or move them away (--overwrite replaces only a run's own "
+                                      "files)")
         if not resume and not overwrite:
             old = self.agree(list_checkpoints(self.out))
             if old:
@@ -308,9 +346,7 @@ class Trainer:
         records: list[dict[str, Any]] = []
         if main:
             records = self._start_metrics(st.global_step if resume else None)
-            resolved = self.cfg.to_dict()
-            resolved.setdefault("output", {})["dir"] = self.out  # where this run's files went
-            text = yaml.safe_dump(resolved, sort_keys=False)
+            text = self.resolved_config()
             write_atomic(os.path.join(self.out, "config.yaml"), lambda f: f.write(text.encode()))
         perm = rng.permutation(self.data.n_train) if st.epoch_pos else None
         t, n = self.cfg.training, self.data.n_train
@@ -342,6 +378,7 @@ class Trainer:
                         break
                     lr = self.lr(st.global_step)
                     lr_feed[0] = lr
+                    self.reseed(st.global_step)
                     for micro in range(self.micro):
                         if perm is None:
                             st.epoch_rng = data_mod.rng_state_to_str(rng)
@@ -362,7 +399,7 @@ class Trainer:
                                 scaler.update_loss_scale(bool(finite))  # a skipped update halves the scale
                                 st.loss_scale = scaler.loss_scale
                                 st.loss_scale_stable_steps = scaler.stable_steps
-                        st.window_loss += float(loss)
+                        st.window_loss += check_loss_value(loss, self.cfg.model.loss)
                         st.window_n += 1
                         window_samples += len(idx)
                         st.epoch_pos += 1
@@ -440,6 +477,15 @@ WEIGHT_NEUTRAL_KEYS = frozenset({"training.keep_checkpoints", "training.checkpoi
 
 def _cannot_change_weights(key: str) -> bool:
     return key in WEIGHT_NEUTRAL_KEYS or key.startswith("output.")
+
+
+def _holds(path: str, text: str) -> bool:
+    """Whether the file ``path`` holds exactly ``text`` (UTF-8)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read() == text.encode()
+    except OSError:
+        return False
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -54,7 +54,9 @@ def build_model(cfg: Config) -> onnx.ModelProto:
         args = {"seed": cfg.training.seed, **m.args}
         try:
             model = getattr(zoo, m.builder)(**args)
-        except (ValueError, TypeError) as e:
+        except zoo.BuilderArgumentError as e:
+            raise ConfigError(f"model.args.{e.arg}", f"{e.message} (the {m.builder} builder)") from None
+        except (ValueError, TypeError, ZeroDivisionError) as e:
             raise ConfigError("model.args", f"the {m.builder} builder refused them: {e}") from None
     else:
         try:
@@ -76,7 +78,37 @@ def build_model(cfg: Config) -> onnx.ModelProto:
     if m.labels not in user_inputs(model):
         raise ConfigError("model.labels",
                           f"{m.labels!r} is not an input of the model; inputs: {user_inputs(model)}")
+    _check_scalar_loss(model, m.loss)
     return model
+
+
+_SCALAR_HINT = "name the model's scalar loss, or set model.add_loss to append one to the logits"
+
+
+def _check_scalar_loss(model: onnx.ModelProto, loss: str) -> None:
+    """A ConfigError naming model.loss when shape inference knows the loss is not a scalar (a shape of
+    one element, such as [1], passes); an unknown shape is checked at the first step."""
+    shapes = {v.name: v.type for v in model.graph.output}
+    tp = shapes.get(loss)
+    if tp is None or not tp.tensor_type.HasField("shape"):
+        try:
+            tp = value_types(model).get(loss)
+        except Exception:  # noqa: BLE001 - inference that fails leaves the check to the first step
+            return
+    if tp is None or not tp.tensor_type.HasField("shape"):
+        return
+    dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
+            for d in tp.tensor_type.shape.dim]
+    if any(d != 1 and d != "?" for d in dims):  # a dim of unknown size may be 1
+        raise ConfigError("model.loss", f"{loss!r} is not a scalar (shape {dims}); {_SCALAR_HINT}")
+
+
+def check_loss_value(loss: np.ndarray, name: str) -> float:
+    """The loss a step fetched, as a float; a ConfigError naming model.loss when it is not a scalar."""
+    if np.size(loss) != 1:
+        raise ConfigError("model.loss", f"{name!r} is not a scalar (shape {list(np.shape(loss))}); "
+                                        f"{_SCALAR_HINT}")
+    return float(np.asarray(loss).reshape(()))
 
 
 def inference_model(model: onnx.ModelProto, outputs: Sequence[str], weights: Mapping[str, np.ndarray] = {},

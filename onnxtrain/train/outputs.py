@@ -18,6 +18,7 @@ _CKPT = re.compile(r"^step_(\d+)\.ckpt$")
 
 _STALE_TMP = re.compile(r"^step_\d+\.ckpt(\.data)?\..+\.tmp$")  # write_atomic's temporaries of checkpoints
 RUN_OUTPUTS = ("metrics.png", "model.onnx")  # written at the end of a run
+RUN_FILES = ("metrics.jsonl", "config.yaml", *RUN_OUTPUTS)  # every file a run writes next to checkpoints/
 
 
 def output_dir(cfg: Config, override: str | None = None) -> str:
@@ -36,6 +37,30 @@ def check_output_dir(folder: str) -> None:
         raise ValueError(f"output folder {folder}: {up} is a file, not a folder")
     if not os.access(up, os.W_OK | os.X_OK):
         raise ValueError(f"output folder {folder}: no permission to write in {up}")
+
+
+def is_run_folder(folder: str) -> bool:
+    """Whether ``folder`` holds an onnxtrain run: its ``metrics.jsonl`` (written first) or checkpoints."""
+    return os.path.isfile(os.path.join(folder, "metrics.jsonl")) or bool(list_checkpoints(folder))
+
+
+def foreign_files(folder: str) -> list[str]:
+    """The files of ``folder`` that a new run would replace or delete though no run wrote them: those of
+    :data:`RUN_FILES` in a folder that is not a run's (:func:`is_run_folder`)."""
+    if not os.path.isdir(folder) or is_run_folder(folder):
+        return []
+    return [f for f in RUN_FILES if os.path.lexists(os.path.join(folder, f))]
+
+
+def inputs_in_the_way(cfg: Config, folder: str) -> list[tuple[str, str]]:
+    """(config key, path) of each input of ``cfg`` (the config file itself under the key "", model.path, the
+    data files) that is one of the files a run in ``folder`` writes."""
+    outputs = {os.path.realpath(os.path.join(folder, f)): f for f in RUN_FILES}
+    d = cfg.data
+    inputs = [("", cfg.source), ("model.path", cfg.model.path), ("data.path", getattr(d, "path", None)),
+              ("data.eval_path", getattr(d, "eval_path", None)),
+              *((f"data.feeds.{k}", v) for k, v in getattr(d, "feeds", {}).items() if v.endswith(".npy"))]
+    return [(key, path) for key, path in inputs if path and os.path.realpath(path) in outputs]
 
 
 def remove_checkpoint(path: str) -> None:

@@ -1,7 +1,9 @@
 """The legacy session's state in onnxtrain's checkpoint format, and back.
 
 * trained weights → ``trainable``; every other initializer of the model (BatchNormalization
-  running statistics, frozen weights, constants) → ``frozen``;
+  running statistics, frozen weights, constants) → ``frozen``; under mixed precision the weights' half
+  twins (``<w>_fp16``) are left out: they are derived from the float32 masters (the session recomputes
+  them), and onnxruntime-training cannot load float16 parameters;
 * Adam/Lamb ``Moment_1``/``Moment_2`` → ``momentum0``/``momentum1`` of one optimizer group, whose
   ``step`` is the number of updates done (the session's ``Update_Count``/``Step`` minus one);
 * the trainer's run state (step, epoch, data position, data-order RNG state, …) → ``properties``.
@@ -47,6 +49,12 @@ def optimizer_layout(sess: TrainingSession, comm: Communicator | None = None) ->
     return merged
 
 
+def half_twins(sess: TrainingSession) -> set[str]:
+    """Names of the session's half twins of trained weights under mixed precision (``<w>_fp16``): state
+    that ``get_state`` derives from the float32 masters and ``load_state`` skips."""
+    return set(getattr(sess, "_twin_masters", dict)())  # the session's own record of its twins
+
+
 def state_name(weight: str, key: str) -> str:
     """The session's (unpartitioned) store name of optimizer state ``key`` of ``weight``."""
     return key if weight == SHARED else f"{key}_{weight}"
@@ -75,9 +83,10 @@ def session_to_checkpoint(sess: TrainingSession, model: onnx.ModelProto, initial
     layout = optimizer_layout(sess) if layout is None else layout
     trained = trainable_names(sess)
     opt_names = layout_state_names(layout)
+    derived = half_twins(sess)
     frozen = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name not in trained}
     for name, v in state.items():  # BatchNormalization running statistics: the session's current values
-        if name not in trained and name not in opt_names:
+        if name not in trained and name not in opt_names and name not in derived:
             frozen[name] = v
     counts = {int(state[state_name(w, k)].reshape(-1)[0]) for w, keys in layout.items() for k in keys
               if k in COUNTERS}
@@ -108,6 +117,7 @@ def checkpoint_to_state(ckpt: Checkpoint, sess: TrainingSession,
         raise ValueError("the checkpoint has no optimizer group")
     group = ckpt.optimizer_groups[0]
     out: dict[str, np.ndarray] = {}
+    derived = half_twins(sess)  # recomputed by the session from the masters: never loaded
     for name in trained:
         if name not in ckpt.trainable:
             raise ValueError(f"the checkpoint has no trained weight {name!r}; "
@@ -124,7 +134,7 @@ def checkpoint_to_state(ckpt: Checkpoint, sess: TrainingSession,
                 raise ValueError(f"the checkpoint has no optimizer state {MOMENTS.get(key, key)!r} for {w!r}")
             out[name] = saved
     for name in current:
-        if name not in out:
+        if name not in out and name not in derived:
             if name not in ckpt.frozen:
                 raise ValueError(f"the checkpoint has no value for {name!r}")
             out[name] = ckpt.frozen[name]

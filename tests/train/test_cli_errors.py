@@ -149,3 +149,91 @@ def test_data_parallel_without_mpiexec_says_how_to_launch_this_command(tmp_path,
     code, line = _error_line(capsys, argv)
     want = f"launch with: mpiexec -n 2 onnxtrain train {config_path('digits_mlp')}"
     assert code == 2 and want in line, line
+
+
+@pytest.mark.parametrize("config,setting,key", [
+    ("digits_mlp", "model.args.sizes=[64,0,10]", "model.args.sizes"),
+    ("digits_cnn", "model.args.channels=[0,16]", "model.args.channels"),
+    ("digits_cnn", "model.args.classes=0", "model.args.classes"),
+    ("tiny_transformer", "model.args.dim=0", "model.args.dim"),
+    ("tiny_transformer", "model.args.heads=0", "model.args.heads"),
+    ("tiny_transformer", "model.args.vocab=0", "model.args.vocab"),
+    ("tiny_transformer", "model.args.length=0", "model.args.length"),
+    ("tiny_transformer", "model.args.layers=-1", "model.args.layers"),
+])
+def test_zero_sizes_in_builder_args_name_their_key(config, setting, key, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("ONNXTRAIN_DEBUG", raising=False)
+    code, line = _error_line(capsys, ["train", config_path(config), "-q", "--output-dir", str(tmp_path),
+                                      "--set", setting])
+    assert code == 2 and f"{config}.yaml: {key}: expected " in line and "builder)" in line, line
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("loss", ["logits", "h0_relu"])
+def test_a_loss_that_is_not_a_scalar_is_a_config_error(loss, tmp_path, capsys):
+    code, line = _error_line(capsys, ["train", config_path("digits_mlp"), "-q", "--output-dir", str(tmp_path),
+                                      "--set", f"model.loss={loss}"])
+    assert code == 2 and f"model.loss: '{loss}' is not a scalar (shape ['N', " in line, line
+    assert not os.path.exists(tmp_path / "metrics.jsonl")  # refused before training starts
+
+
+@pytest.mark.filterwarnings("ignore:the model declares value")
+def test_a_loss_whose_shape_is_declared_wrong_fails_cleanly_at_the_first_step(tmp_path, capsys, write_config):
+    """reduction='none' behind a graph output declared as a scalar: shape inference cannot tell, so the first
+    step's loss is checked; one line naming model.loss, no traceback."""
+    model = zoo.mlp([64, 16, 10])
+    next(n for n in model.graph.node if n.op_type == "SoftmaxCrossEntropyLoss").attribute.append(
+        onnx.helper.make_attribute("reduction", "none"))
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    cfg = write_config({"model": {"path": "m.onnx"}, "training": {"steps": 2}})
+    code, line = _error_line(capsys, ["train", cfg, "-q", "--output-dir", str(tmp_path / "out")])
+    assert code == 2 and "model.loss: 'loss' is not a scalar" in line, line
+
+
+def test_eval_and_export_refuse_a_checkpoint_that_does_not_fit(tmp_path, capsys):
+    """A layer the checkpoint lacks or a shape that differs is an error naming the tensors, not a model with
+    freshly initialised weights."""
+    out = str(tmp_path / "run")
+    assert main(["train", config_path("digits_mlp"), "-q", "--output-dir", out, "--set", "training.steps=2",
+                 "--set", "model.args.sizes=[64,32,10]"]) == 0
+    capsys.readouterr()
+    deeper = ["--set", "model.args.sizes=[64,32,32,10]"]
+    code, line = _error_line(capsys, ["eval", config_path("digits_mlp"), "--checkpoint", out, *deeper])
+    assert code == 1 and "does not fit this config's model" in line and "'fc2.weight'" in line, line
+    assert "fc1.weight (checkpoint [10, 32], model [32, 32])" in line, line
+    exported = tmp_path / "m.onnx"
+    code, line = _error_line(capsys, ["export", config_path("digits_mlp"), "--checkpoint", out, "-o",
+                                      str(exported)])  # the config's default sizes [64, 128, 10]
+    assert code == 1 and "fc0.weight (checkpoint [32, 64], model [128, 64])" in line, line
+    assert not exported.exists()
+    assert main(["export", config_path("digits_mlp"), "--checkpoint", out, "-o", str(exported), "--set",
+                 "model.args.sizes=[64,32,10]"]) == 0
+
+
+@pytest.mark.parametrize("where", ["folder", "empty", "no_parent"])
+def test_export_to_an_unusable_path_is_a_usage_error(where, tmp_path, capsys):
+    """-o naming a folder, nothing, or a file in a missing folder: exit 2 naming -o, before any work and
+    without a temporary left behind."""
+    target = {"folder": str(tmp_path), "empty": "", "no_parent": str(tmp_path / "nope" / "m.onnx")}[where]
+    code, line = _error_line(capsys, ["export", config_path("digits_mlp"), "--checkpoint", str(tmp_path),
+                                      "-o", target])
+    assert code == 2 and "-o/--output: " in line, line
+    assert {"folder": "is a folder", "empty": "an empty path", "no_parent": "does not exist"}[where] in line
+    assert os.listdir(tmp_path) == []
+
+
+def test_final_lr_ratio_with_a_constant_schedule_warns(tmp_path, capsys):
+    from onnxtrain.train import Trainer
+
+    Trainer(load_config(config_path("digits_mlp"), ["schedule.kind=constant", "training.steps=1"]),
+            str(tmp_path), progress=False)
+    err = capsys.readouterr().err
+    assert "warning: schedule.final_lr_ratio (0.05) has no effect with schedule.kind constant" in err, err
+    Trainer(load_config(config_path("digits_mlp"), ["training.steps=1"]), str(tmp_path), progress=False)
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_quiet_help_says_what_it_hides(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "no progress bar and no per-eval lines" in " ".join(capsys.readouterr().out.split())

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
+import onnx
 import pytest
 
+from onnxtrain import zoo
 from onnxtrain.checkpoint import load_checkpoint
 from onnxtrain.cli import main
+from onnxtrain.engine.kernels.random import set_random_seed
 from onnxtrain.train import Trainer, load_config
 from onnxtrain.train.config import ConfigError
 from onnxtrain.train.outputs import list_checkpoints
-from tests.train.conftest import REPO, config_path
+from tests.train.conftest import REPO, config_path, save_dropout_mlp
 
 # long enough that SIGINT lands mid-run; checkpoints often, so the first one comes early
 SETS = ["training.epochs=25", "training.checkpoint_every=15", "training.eval_every=150",
@@ -229,3 +234,118 @@ def test_resume_removes_partial_checkpoints_and_names_a_misfit(tmp_path, capsys)
         Trainer(load_config(config_path("digits_mlp"), changed), out, progress=False).run(resume=True)
     msg = str(e.value)
     assert "step_00000003.ckpt does not fit" in msg and "model.args.sizes" in msg, msg
+
+
+def _interrupt_after_first_save(monkeypatch) -> None:
+    real_save = Trainer.save
+
+    def save_then_interrupt(self, st):
+        path = real_save(self, st)
+        signal.raise_signal(signal.SIGINT)
+        return path
+
+    monkeypatch.setattr(Trainer, "save", save_then_interrupt)
+
+
+def test_dropout_runs_repeat_and_resume_bit_for_bit(tmp_path, monkeypatch, write_config):
+    """A Dropout without a seed attribute draws from training.seed: two runs give the same weights, and a
+    run stopped at a checkpoint and resumed gives those of an uninterrupted one."""
+    save_dropout_mlp(str(tmp_path / "drop.onnx"))
+    cfg = write_config({"model": {"path": "drop.onnx"}, "training": {
+        "steps": 30, "checkpoint_every": 15, "eval_every": 1000, "keep_checkpoints": 0}})
+    runs = [str(tmp_path / name) for name in ("a", "b", "halves")]
+    for out in runs[:2]:
+        Trainer(load_config(cfg), out, progress=False).run()
+    _assert_same_state(_final(runs[0]), _final(runs[1]))
+    _interrupt_after_first_save(monkeypatch)
+    first = Trainer(load_config(cfg), runs[2], progress=False).run()
+    assert first.status == "interrupted" and first.global_step == 15
+    monkeypatch.undo()
+    Trainer(load_config(cfg), runs[2], progress=False).run(resume=True)
+    _assert_same_state(_final(runs[2]), _final(runs[0]))
+    other = str(tmp_path / "other_masks")  # the masks do change the weights: the check above has teeth
+    monkeypatch.setattr(Trainer, "reseed", lambda self, step: set_random_seed(step + 1))
+    Trainer(load_config(cfg), other, progress=False).run()
+    monkeypatch.undo()
+    assert not np.array_equal(_final(other).trainable["fc0.weight"], _final(runs[0]).trainable["fc0.weight"])
+
+
+def test_mixed_precision_checkpoint_holds_no_half_twins(tmp_path, monkeypatch):
+    """The float16 twins (``<w>_fp16``) are derived from the float32 masters: the checkpoint leaves them out
+    (onnxruntime-training cannot load float16 parameters), and resume still matches an uninterrupted run."""
+    sets = ["training.steps=30", "training.checkpoint_every=15", "training.eval_every=1000",
+            "training.mixed_precision=true"]
+    whole, halves = str(tmp_path / "whole"), str(tmp_path / "halves")
+    Trainer(load_config(config_path("digits_mlp"), sets), whole, progress=False).run()
+    ckpt = _final(whole)
+    assert not [k for k in ckpt.frozen if k.endswith("_fp16")], sorted(ckpt.frozen)
+    assert all(np.asarray(v).dtype != np.float16 for v in [*ckpt.frozen.values(), *ckpt.trainable.values()])
+    _interrupt_after_first_save(monkeypatch)
+    first = Trainer(load_config(config_path("digits_mlp"), sets), halves, progress=False).run()
+    assert first.status == "interrupted" and first.global_step == 15
+    monkeypatch.undo()
+    Trainer(load_config(config_path("digits_mlp"), sets), halves, progress=False).run(resume=True)
+    _assert_same_state(_final(halves), ckpt)
+    assert _final(halves).properties["loss_scale"] == ckpt.properties["loss_scale"]
+
+
+def _md5(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.md5(f.read()).hexdigest()
+
+
+@pytest.mark.parametrize("option", [[], ["--overwrite"], ["--resume"]])
+def test_a_run_never_replaces_its_own_inputs(tmp_path, capsys, option):
+    """The config's model.path, or the config file itself, being a file the run writes (model.onnx,
+    config.yaml in the output folder): refused with any option, naming the file and --output-dir."""
+    model = str(tmp_path / "model.onnx")
+    onnx.save(zoo.mlp([64, 16, 10]), model)
+    (tmp_path / "cfg.yaml").write_text("model: {path: model.onnx}\noutput: {dir: .}\ntraining: {steps: 2}\n")
+    shutil.copy(config_path("digits_mlp"), tmp_path / "config.yaml")
+    before = {f: _md5(str(tmp_path / f)) for f in ("model.onnx", "cfg.yaml", "config.yaml")}
+    cases = [([str(tmp_path / "cfg.yaml"), "--output-dir", str(tmp_path)], f"model.path {model} is one of"),
+             ([str(tmp_path / "config.yaml"), "--output-dir", str(tmp_path)], "the config file")]
+    for args, words in cases:
+        assert main(["train", *args, "-q", "--set", "training.steps=2", *option]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0] and "--output-dir" in err[0], err
+    assert {f: _md5(str(tmp_path / f)) for f in before} == before
+    assert sorted(os.listdir(tmp_path)) == ["cfg.yaml", "config.yaml", "model.onnx"]
+
+
+def test_a_run_folder_config_yaml_runs_again_unchanged(tmp_path, capsys):
+    """The config.yaml a run saved can run again in its folder (the run rewrites it as it is); with a change
+    (--set) it would be replaced, so that is refused."""
+    out = str(tmp_path / "run")
+    assert main(["train", config_path("digits_mlp"), "-q", "--output-dir", out, "--set",
+                 "training.steps=2"]) == 0
+    saved = os.path.join(out, "config.yaml")
+    before = _md5(saved)
+    assert main(["train", saved, "-q", "--resume"]) == 0
+    assert main(["train", saved, "-q", "--overwrite"]) == 0
+    assert _md5(saved) == before
+    capsys.readouterr()
+    assert main(["train", saved, "-q", "--resume", "--set", "training.steps=3"]) == 2
+    assert "the config file" in capsys.readouterr().err and _md5(saved) == before
+
+
+def test_a_new_run_refuses_a_folder_with_files_no_run_wrote(tmp_path, capsys):
+    """A folder that is not a run's (no metrics.jsonl, no checkpoints) but holds a model.onnx or config.yaml:
+    a new run would replace them, so it is refused (exit 2), --overwrite too; a run's own folder is not."""
+    (tmp_path / "model.onnx").write_bytes(b"the user's model")
+    (tmp_path / "config.yaml").write_text("# the user's notes\n")
+    argv = ["train", config_path("digits_mlp"), "--output-dir", str(tmp_path), "-q", "--set",
+            "training.steps=2"]
+    for extra in ([], ["--overwrite"]):
+        assert main([*argv, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "holds config.yaml, model.onnx" in err[0] and "--output-dir" in err[0], err
+    assert (tmp_path / "model.onnx").read_bytes() == b"the user's model"
+    assert sorted(os.listdir(tmp_path)) == ["config.yaml", "model.onnx"]
+    run = tmp_path / "run"  # a run killed before its first checkpoint left metrics.jsonl: a run folder
+    run.mkdir()
+    for f in ("metrics.jsonl", "model.onnx", "config.yaml"):
+        (run / f).write_text("")
+    assert main(["train", config_path("digits_mlp"), "--output-dir", str(run), "-q", "--set",
+                 "training.steps=2"]) == 0
+    assert onnx.load(str(run / "model.onnx")).graph.output[0].name == "logits"
