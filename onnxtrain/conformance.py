@@ -237,7 +237,12 @@ _HALF_ATTENTION = ("float16 attention: the expected values are the numpy referen
                    "1.32 does on the same case")
 _CODECS = ("no image codecs: the dependencies are numpy, onnx, protobuf and mpi4py; the plan refuses the op "
            "by name")
+_MAXUNPOOL = ("the expected output scatters MaxPool's indices into the size the attributes give, then pads "
+              "that to output_shape (as onnx.reference does); the spec (indices in [0, N·C·D1·…·Dn), pads "
+              "ignored), onnxruntime (microsoft/onnxruntime#2193; it skips this case) and torch address the "
+              "output_shape tensor itself, which the MaxUnpool gradient also assumes (onnx/onnx#2398)")
 EXPECTED_FAILURES: dict[str, str] = {
+    "test_maxunpool_export_with_output_shape": _MAXUNPOOL,
     **{f"test_bernoulli{v}{e}": _RANDOM for v in ("", "_double", "_seed") for e in ("", "_expanded")},
     **{f"test_image_decoder_decode_{f}": _CODECS
        for f in ("jpeg_rgb", "jpeg_grayscale", "jpeg_bgr", "jpeg2k_rgb", "bmp_rgb", "png_rgb", "tiff_rgb",

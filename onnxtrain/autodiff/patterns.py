@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from onnxtrain.ir.builder import NodeWriter
+from onnxtrain.ir.types import symbolic_shape
 
 if TYPE_CHECKING:
     from onnxtrain.autodiff.builder import _Backward
@@ -63,6 +64,19 @@ def _scalar(bw: _Backward, name: str) -> float | None:
     if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
         return None
     return float(a.reshape(()).astype(np.float64))
+
+
+def _keeps_rank(bw: _Backward, x: str, nodes: list[Any]) -> bool:
+    """Whether no constant operand of ``nodes`` has a higher rank than x (x's rank known, or every constant
+    a 0-d scalar): a one-element constant of higher rank broadcasts y to a larger shape than x, and the
+    one-piece gradient, of y's shape, would then need reducing (the node-by-node rules do it)."""
+    xs = symbolic_shape(bw.types, x)
+    for n in nodes:
+        for i in n.input:
+            v = bw.constant_value(i)
+            if v is not None and np.ndim(v) > 0 and (xs is None or np.ndim(v) > len(xs)):
+                return False
+    return True
 
 
 def _split(bw: _Backward, node: Any, op: str) -> tuple[float, str] | None:
@@ -152,7 +166,9 @@ def find_tanh_gelus(bw: _Backward) -> dict[int, TanhGelu]:
             inner = [n0.output[0], n1.output[0], n2.output[0], n3.output[0], n4.output[0], tanh.output[0]]
             if any(only_reader(v)[0] is None for v in inner):
                 continue  # an inner value read elsewhere: its own gradient would be lost
-            (_, _, k_y), _, c4 = tail
+            (k_p, _, k_y), _, c4 = tail
+            if not _keeps_rank(bw, x, [n2, n4, bw.fwd_nodes[k_p], bw.fwd_nodes[k_y]]):
+                continue
             found[k_y] = TanhGelu(x, tanh.output[0], c1, c2, c4)
             break
     return found
@@ -195,6 +211,8 @@ def find_erf_gelus(bw: _Backward) -> dict[int, ErfGelu]:
         tail = g.gelu_tail(erf.output[0], x)  # p = erf(u) + 1, q = x · p, y = c4 · q
         if tail is None:
             continue
-        (_, _, k_y), shifted, c4 = tail
+        (k_p, _, k_y), shifted, c4 = tail
+        if not _keeps_rank(bw, x, [div, bw.fwd_nodes[k_p], bw.fwd_nodes[k_y]]):
+            continue
         found[k_y] = ErfGelu(x, div.input[1], shifted, 2.0 / (s * float(np.sqrt(np.pi))), c4)
     return found

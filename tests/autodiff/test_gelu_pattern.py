@@ -5,6 +5,7 @@ elsewhere must fall back to the node-by-node rules."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
@@ -16,7 +17,7 @@ from onnxtrain.testing import gradcheck, run_engine
 C1, C2 = 0.044715, float(np.sqrt(2 / np.pi))
 
 
-def _loss_model(name: str, consts: dict[str, float], gelu: list, leak: str | None):
+def _loss_model(name: str, consts: dict[str, float | np.ndarray], gelu: list, leak: str | None):
     """loss = sum(w · y) around the GELU ``gelu`` (nodes from h = x·s to y), the GELU node for node as
     torch.onnx.export writes it; ``leak``, an inner value that also feeds the loss (no pattern then)."""
     nodes = [helper.make_node("Constant", [], [k], value=numpy_helper.from_array(np.array(v), k))
@@ -37,9 +38,10 @@ def _loss_model(name: str, consts: dict[str, float], gelu: list, leak: str | Non
     return make_model(g, 17)
 
 
-def gelu_model(leak_inner: bool = False):
-    """The tanh GELU, y = 0.5·h·(1 + tanh(c2·(h + c1·h³)))."""
-    return _loss_model("gelu", {"c1": C1, "c2": C2, "one": 1.0, "half": 0.5}, [
+def gelu_model(leak_inner: bool = False, shapes: dict[str, tuple[int, ...]] | None = None):
+    """The tanh GELU, y = 0.5·h·(1 + tanh(c2·(h + c1·h³))); ``shapes``, one-element shapes for constants."""
+    consts = {"c1": C1, "c2": C2, "one": 1.0, "half": 0.5}
+    return _loss_model("gelu", _shaped(consts, shapes), [
         helper.make_node("Mul", ["h", "h"], ["h2"]),
         helper.make_node("Mul", ["h", "h2"], ["h3"]),
         helper.make_node("Mul", ["c1", "h3"], ["a"]),
@@ -96,9 +98,14 @@ def test_tanh_gelu_gradient_matches_torch_and_keeps_two_forward_values() -> None
     assert backward_reads(g, {"h2", "h3", "a", "b", "e", "t", "p", "q"}) == {"t"}
 
 
-def erf_gelu_model(leak_inner: bool = False):
+def _shaped(consts: dict[str, float], shapes: dict[str, tuple[int, ...]] | None) -> dict:
+    return {k: np.full((shapes or {}).get(k, ()), v) for k, v in consts.items()}
+
+
+def erf_gelu_model(leak_inner: bool = False, shapes: dict[str, tuple[int, ...]] | None = None):
     """The exact GELU, y = (h·(erf(h/√2) + 1))·0.5: Div, Erf, Add, Mul, Mul."""
-    return _loss_model("gelu_erf", {"r2": float(np.sqrt(2.0)), "one": 1.0, "half": 0.5}, [
+    consts = {"r2": float(np.sqrt(2.0)), "one": 1.0, "half": 0.5}
+    return _loss_model("gelu_erf", _shaped(consts, shapes), [
         helper.make_node("Div", ["h", "r2"], ["u"]),
         helper.make_node("Erf", ["u"], ["e"]),
         helper.make_node("Add", ["e", "one"], ["p"]),
@@ -123,3 +130,20 @@ def test_exact_gelu_gradient_matches_torch_and_finite_differences(leak: bool) ->
         (w * torch.nn.functional.gelu(tx * s)).sum().backward()
         np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-12, atol=1e-12)
         assert backward_reads(g, {"u", "e", "p", "q"}) == {"p"}  # u = h/√2 is recomputed, 1 + erf kept
+
+
+@pytest.mark.parametrize("form,const,shape", [
+    *[("tanh", c, (1, 1, 1)) for c in ("c1", "c2", "one", "half")],
+    *[("erf", c, (1, 1, 1)) for c in ("r2", "one", "half")],
+    ("tanh", "half", (1, 1)), ("erf", "r2", (1, 1)), ("erf", "half", (1,)),
+])
+def test_gelu_with_a_one_element_constant_of_higher_rank(form: str, const: str, shape: tuple) -> None:
+    """A one-element constant of higher rank than h (4, 6) broadcasts y to (1, 4, 6): the one-piece
+    gradient would have y's shape, so the pattern is refused there (node-by-node rules, which reduce);
+    a constant of rank ≤ h's keeps it."""
+    m = (gelu_model if form == "tanh" else erf_gelu_model)(shapes={const: shape})
+    g = build_gradient_model(m, "loss", ["s", "x"])
+    onnx.checker.check_model(g, full_check=True)
+    assert ("Sum" in {n.op_type for n in g.graph.node}) == (len(shape) > 2)
+    x = np.random.default_rng(4).standard_normal((4, 6)) * 2
+    gradcheck(m, "loss", ["s", "x"], {"x": x})

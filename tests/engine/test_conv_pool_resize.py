@@ -334,3 +334,70 @@ def test_stride1_conv_transpose_as_a_flipped_conv_matches_torch(xs, ws, attrs, d
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(y, ref, rtol=tol, atol=tol * float(np.abs(ref).max()))
     assert calls == [1]
+
+
+_TF_NN_MODES = [{"mode": "nearest", "nearest_mode": m}
+                for m in ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")]
+_TF_NN_MODES += [{"mode": "linear"}, {"mode": "cubic"}]
+
+
+@pytest.mark.parametrize("opset", [11, 12, 13])
+@pytest.mark.parametrize("attrs", _TF_NN_MODES, ids=lambda a: a.get("nearest_mode", a["mode"]))
+def test_resize_tf_half_pixel_for_nn_matches_onnxruntime(attrs: dict[str, Any], opset: int) -> None:
+    """Resize-11/12's tf_half_pixel_for_nn (tf2onnx), x = (y + 0.5) / scale, as onnxruntime runs it (also at
+    opset 13+, where ONNX dropped it and a lifted gradient graph may still carry it)."""
+    x = np.random.default_rng(10).standard_normal((1, 2, 5, 6)).astype(np.float32)
+    roi = np.zeros(0, np.float32)
+    none = np.zeros(0, np.float32) if opset < 13 else None  # scales: required before 13, then optional
+    attrs = {**attrs, "coordinate_transformation_mode": "tf_half_pixel_for_nn"}
+    for scales in ([1, 1, 1.7, 2.5], [1, 1, 0.6, 0.75], [1, 1, 2, 1]):
+        sc = np.array(scales, np.float32)
+        a = _ours("Resize", [x, roi, sc], opset=opset, **attrs)[0]
+        b = _ort("Resize", [x, roi, sc], opset=opset, **attrs)[0]
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"scales {scales}")
+    sizes = np.array([1, 2, 3, 11], np.int64)
+    a = _ours("Resize", [x, roi, none, sizes], opset=opset, **attrs)[0]
+    b = _ort("Resize", [x, roi, none, sizes], opset=opset, **attrs)[0]
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg="sizes")
+
+
+@pytest.mark.parametrize("attrs", [a for a in _TF_NN_MODES if "ceil" not in a.get("nearest_mode", "")],
+                         ids=lambda a: a.get("nearest_mode", a["mode"]))
+def test_resize_tf_half_pixel_for_nn_gradient(attrs: dict[str, Any]) -> None:
+    """The gradient of a Resize-11 tf_half_pixel_for_nn: finite differences in float64 (engine), and the
+    gradient graph (lifted to opset 17, keeping the mode) run by the engine and by onnxruntime."""
+    from onnx import TensorProto as T
+    from onnx import numpy_helper
+
+    from onnxtrain.autodiff import build_gradient_model
+    from onnxtrain.testing import gradcheck
+
+    ort = pytest.importorskip("onnxruntime")
+
+    def model(elem: int) -> onnx.ModelProto:
+        dt = helper.tensor_dtype_to_np_dtype(elem)
+        w = np.random.default_rng(11).standard_normal((1, 2, 8, 15)).astype(dt)
+        g = helper.make_graph(
+            [helper.make_node("Resize", ["x", "roi", "sc"], ["y"],
+                              coordinate_transformation_mode="tf_half_pixel_for_nn", **attrs),
+             helper.make_node("Mul", ["y", "w"], ["yw"]),
+             helper.make_node("ReduceSum", ["yw"], ["loss"], keepdims=0)],
+            "resize", [helper.make_tensor_value_info("x", elem, [1, 2, 5, 6])],
+            [helper.make_tensor_value_info("loss", elem, [])],
+            [numpy_helper.from_array(np.zeros(0, np.float32), "roi"),
+             numpy_helper.from_array(np.array([1, 1, 1.7, 2.5], np.float32), "sc"),
+             numpy_helper.from_array(w, "w")])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 11)], ir_version=8)
+
+    x = np.random.default_rng(12).standard_normal((1, 2, 5, 6))
+    gradcheck(model(T.DOUBLE), "loss", ["x"], {"x": x})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = build_gradient_model(model(T.FLOAT), "loss", ["x"])
+    onnx.checker.check_model(gm, full_check=True)
+    so = ort.SessionOptions()
+    so.log_severity_level = 4  # the deprecation warning of tf_half_pixel_for_nn at opset 13+
+    sess = ort.InferenceSession(gm.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    xf = x.astype(np.float32)
+    ours = compile_model(gm).run({"x": xf})
+    np.testing.assert_allclose(ours[-1], sess.run(None, {"x": xf})[-1], rtol=1e-5, atol=1e-5)

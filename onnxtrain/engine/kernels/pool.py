@@ -182,27 +182,32 @@ def global_lp_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
 
 @kernel("MaxUnpool", since=9)
 def max_unpool(inputs: Inputs, attrs: Attrs) -> Outputs:
-    # Indices address the tensor MaxPool saw (its size follows from the attributes); an explicit
-    # output_shape only pads that result at the end, as onnxruntime does.
+    # Y = zeros, Y.flat[I] = X. Without output_shape Y has the size MaxPool's input would have (from the
+    # attributes); with it, Y has that shape (pads are then ignored) and the indices address it, as the
+    # ONNX spec ("indices in [0, N x C x D1 x ... x Dn)") and onnxruntime read it (onnx.reference instead
+    # scatters into the attribute size and pads at the end, which fails on MaxPool's indices).
     x, idx = inputs[0], inputs[1]
     nd = x.ndim - 2
     k = list(attrs.get("kernel_shape") or [])
     if len(k) != nd:
         raise ValueError(f"kernel_shape {k} must list {nd} sizes")
+    if idx.shape != x.shape:
+        raise ValueError(f"MaxUnpool indices of shape {idx.shape} must have X's shape {x.shape}")
     strides, _ = spatial_attrs(attrs, nd)
     pads = list(attrs.get("pads") or [0] * (2 * nd))
     shape = x.shape[:2] + tuple((x.shape[2 + i] - 1) * strides[i] + k[i] - pads[i] - pads[nd + i]
                                 for i in range(nd))
-    y = np.zeros(int(np.prod(shape)), dtype=x.dtype)
-    y[idx.reshape(-1)] = x.reshape(-1)
-    y = y.reshape(shape)
     if len(inputs) > 2 and inputs[2] is not None:
-        want = tuple(int(v) for v in inputs[2])
-        if want != shape:
-            if len(want) != len(shape) or want[:2] != shape[:2]:
-                raise ValueError(f"output_shape {want} does not fit input shape {x.shape}")
-            full = np.zeros(want, dtype=x.dtype)
-            keep = tuple(slice(0, min(a, b)) for a, b in zip(want, shape, strict=True))
-            full[keep] = y[keep]
-            y = full
-    return (y,)
+        want = tuple(int(v) for v in np.asarray(inputs[2]).reshape(-1))
+        if len(want) != x.ndim:
+            raise ValueError(f"output_shape {list(want)} must list {x.ndim} sizes (X has shape {x.shape})")
+        if int(np.prod(want)) < int(np.prod(shape)):
+            raise ValueError(f"output_shape {list(want)} is smaller than the inferred shape {list(shape)}")
+        shape = want
+    size = int(np.prod(shape))
+    y = np.zeros(size, dtype=x.dtype)
+    try:  # (no range pass of its own: MaxPool's gradient runs this kernel on every step)
+        y[idx.reshape(-1)] = x.reshape(-1)
+    except IndexError as e:
+        raise ValueError(f"MaxUnpool index out of range [0, {size}) for output shape {list(shape)}") from e
+    return (y.reshape(shape),)

@@ -37,6 +37,11 @@ def _source_coords(mode: str, out_len: int, in_len: int, scale: float, roi: tupl
         return (np.zeros(out_len) if width == 1 else y * (in_len - 1) / (width - 1)), None
     if mode == "asymmetric":
         return y / scale, None
+    if mode == "tf_half_pixel_for_nn":
+        # Resize-11/12 only (tf2onnx), dropped from ONNX at 13 and from onnx.reference; onnxruntime, which
+        # still runs it (also at 13+), defines it, in float32: (y + 0.5) / scale rounded as it does, so
+        # that nearest modes round positions such as 1.5 / 0.6 the same way
+        return ((y.astype(np.float32) + np.float32(0.5)) / np.float32(scale)).astype(np.float64), None
     if mode == "tf_crop_and_resize":
         lo, hi = roi if roi is not None else (0.0, 1.0)
         if width == 1:
