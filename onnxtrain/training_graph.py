@@ -106,8 +106,10 @@ def _reads(n: onnx.NodeProto) -> list[tuple[int, str]]:
 
 # slots onnxruntime's builder never differentiates although onnxtrain's rule can (spec §12.3): discovery
 # skips them, so a constant exponent kept as an initializer is not trained (listed in weights_to_train, it
-# is); nor are an inference-mode BatchNormalization's running statistics (never trained: select_trainable)
-_DISCOVERY_STOP = {"Pow": frozenset({1}), "BatchNormalization": frozenset({3, 4})}
+# is); nor are an inference-mode BatchNormalization's running statistics (never trained: select_trainable),
+# nor a Clip's bounds (the dynamo exporter keeps ReLU6's and clamp's as initializers)
+_DISCOVERY_STOP = {"Pow": frozenset({1}), "BatchNormalization": frozenset({3, 4}),
+                   "Clip": frozenset({1, 2})}
 
 
 def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, list]) -> list[str]:

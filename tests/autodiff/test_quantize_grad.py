@@ -118,16 +118,169 @@ def test_gradient_graph_is_portable() -> None:
     np.testing.assert_array_equal(dx, sess.run(None, {"x": x})[-1])
 
 
-@pytest.mark.parametrize("case", ["other_scale", "blocked"])
-def test_unmatched_pairs_carry_no_gradient(case: str) -> None:
+def test_unmatched_pair_is_an_error_naming_its_nodes() -> None:
+    """Different scales: no straight-through estimator applies; a gradient that must cross the pair is an
+    error naming it (not a silent zero), also with zero_unreachable (the default)."""
     scale, zp = np.asarray(0.5, np.float32), np.asarray(3, np.uint8)
-    if case == "other_scale":
-        m = _qat_model(scale, zp, d_scale=np.asarray(0.25, np.float32))
+    m = _qat_model(scale, zp, d_scale=np.asarray(0.25, np.float32))
+    for zero_unreachable in (True, False):
+        with pytest.raises(GradientError, match=r"QuantizeLinear 'quant' -> DequantizeLinear 'dequant' "
+                                                r"\(the two read different scales\).*'x'"):
+            build_gradient_model(m, "loss", ["x"], zero_unreachable=zero_unreachable)
+    # a value not behind the pair still gets its gradient
+    g = build_gradient_model(m, "loss", ["a"])
+    x = _x(scale, zp, 0, 255)
+    y = (np.clip(np.round(x / 0.5) + 3, 0, 255) - 3) * 0.25
+    np.testing.assert_allclose(run_engine(g, {"x": x})[-1], W @ y.T, rtol=1e-6)
+
+
+def _between_model(op: str, q_type: int, zp: int, opset: int = 19) -> onnx.ModelProto:
+    """loss = sum(DequantizeLinear(op(QuantizeLinear(x))) * w), x of shape (4, 5), scale 0.25."""
+    dt = helper.tensor_dtype_to_np_dtype(q_type)
+    w = np.random.default_rng(5).standard_normal((4, 5)).astype(np.float32)
+    inits = [numpy_helper.from_array(np.asarray(0.25, np.float32), "s"), numpy_helper.from_array(w, "w"),
+             numpy_helper.from_array(np.asarray(zp, dt), "zp")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["q"], name="quant")]
+    if op == "Relu":
+        nodes.append(helper.make_node("Relu", ["q"], ["qc"], name="between"))
+    elif op == "Identity+Clip":
+        nodes.append(helper.make_node("Identity", ["q"], ["qi"], name="copy"))
+        nodes.append(helper.make_node("Clip", ["qi", "lo", "hi"], ["qc"], name="between"))
+    else:  # Clip, with the bounds as graph inputs when "Clip(fed)"
+        nodes.append(helper.make_node("Clip", ["q", "lo", "hi"], ["qc"], name="between"))
+    nodes += [helper.make_node("DequantizeLinear", ["qc", "s", "zp"], ["y"], name="dequant"),
+              helper.make_node("Mul", ["y", "w"], ["yw"]),
+              helper.make_node("ReduceSum", ["yw"], ["loss"], keepdims=0)]
+    inputs = [helper.make_tensor_value_info("x", T.FLOAT, [4, 5])]
+    return make_model(helper.make_graph(nodes, "between", inputs,
+                                        [helper.make_tensor_value_info("loss", T.FLOAT, [])], inits), opset)
+
+
+def _with_bounds(m: onnx.ModelProto, lo: int, hi: int, q_type: int, fed: bool = False) -> onnx.ModelProto:
+    dt = helper.tensor_dtype_to_np_dtype(q_type)
+    if fed:
+        m.graph.input.extend([helper.make_tensor_value_info(n, q_type, []) for n in ("lo", "hi")])
     else:
-        m = _qat_model(np.full((4, 3), 0.5, np.float32), np.full((4, 3), 3, np.uint8),
-                       q_attrs={"block_size": 2})
-    with pytest.raises(GradientError, match="does not reach"):
-        build_gradient_model(m, "loss", ["x"], zero_unreachable=False)
+        m.graph.initializer.extend(numpy_helper.from_array(np.asarray(v, dt), n)
+                                   for n, v in (("lo", lo), ("hi", hi)))
+    return m
+
+
+@pytest.mark.parametrize("q_type,zp,lo,hi,between", [
+    (T.UINT8, 10, 0, 127, "Clip"),  # torch's 7-bit fake quantizer, as both exporters write it
+    (T.INT8, 0, -64, 63, "Clip"),
+    (T.INT8, -3, -100, 127, "Identity+Clip"),
+    (T.UINT8, 200, 100, 255, "Clip"),
+])
+def test_integer_clip_between_narrows_the_range_as_torch(q_type, zp, lo, hi, between) -> None:
+    m = _with_bounds(_between_model(between, q_type, zp), lo, hi, q_type)
+    scale = np.asarray(0.25, np.float32)
+    x = _x(scale, np.asarray(zp), lo, hi)
+    g = build_gradient_model(m, "loss", ["x"])
+    onnx.checker.check_model(g, full_check=True)
+    w = numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == "w"))
+    want = _torch_dx(x, w, scale, np.asarray(zp), lo, hi, axis=None)
+    assert 0.3 < (want != 0).mean() < 0.9  # both sides of the clipped range, and its edges, are exercised
+    np.testing.assert_array_equal(run_engine(g, {"x": x})[-1], want)
+    np.testing.assert_array_equal(_run_ort(g, {"x": x}), want)
+
+
+def test_torch_7bit_fake_quantize_export() -> None:
+    """torch.fake_quantize_per_tensor_affine(quant_min=0, quant_max=127), exported by TorchScript as
+    QuantizeLinear(uint8) -> Clip(0, 127) -> DequantizeLinear."""
+    import io
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 8, generator=gen) * 2, torch.randn(3, 8, generator=gen)
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return (torch.fake_quantize_per_tensor_affine(x, 0.03, 10, 0, 127) * w).sum()
+
+    b = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(M(), (x,), b, dynamo=False, opset_version=17, input_names=["x"],
+                          output_names=["loss"])
+    m = onnx.load_from_string(b.getvalue())
+    ops = [n.op_type for n in m.graph.node if n.op_type != "Constant"]
+    assert ops[:3] == ["QuantizeLinear", "Clip", "DequantizeLinear"]
+    xx = x.clone().requires_grad_(True)
+    M()(xx).backward()
+    g = build_gradient_model(m, "loss", ["x"], zero_unreachable=False)
+    onnx.checker.check_model(g, full_check=True)
+    dx = run_engine(g, {"x": x.numpy()})[-1]
+    assert 0.3 < (dx != 0).mean() < 0.9
+    np.testing.assert_array_equal(dx, xx.grad.numpy())
+
+
+@pytest.mark.parametrize("between", ["Relu", "Clip(fed)"])
+def test_other_integer_ops_between_are_an_error(between: str) -> None:
+    """A Relu, or a Clip whose bounds are not constants, between the pair: an error naming the nodes."""
+    m = _between_model("Relu" if between == "Relu" else "Clip", T.INT8, 0)
+    if between != "Relu":
+        m = _with_bounds(m, 0, 0, T.INT8, fed=True)
+    op = "Relu" if between == "Relu" else "Clip"
+    with pytest.raises(GradientError, match=rf"QuantizeLinear 'quant' -> {op} 'between' -> DequantizeLinear "
+                                            rf"'dequant' \({op} node 'between' lies between them\)"):
+        build_gradient_model(m, "loss", ["x"])
+
+
+def test_dynamic_quantize_linear_pair_is_an_error() -> None:
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "zp"], name="dq8"),
+             helper.make_node("DequantizeLinear", ["q", "s", "zp"], ["y"], name="dequant"),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    m = make_model(helper.make_graph(nodes, "dyn", [helper.make_tensor_value_info("x", T.FLOAT, [4, 5])],
+                                     [helper.make_tensor_value_info("loss", T.FLOAT, [])]), 19)
+    with pytest.raises(GradientError, match="DynamicQuantizeLinear 'dq8' -> DequantizeLinear 'dequant'"):
+        build_gradient_model(m, "loss", ["x"])
+
+
+def _torch_blocked_dx(x: np.ndarray, w: np.ndarray, scale: np.ndarray, zp: np.ndarray, axis: int,
+                      block: int) -> np.ndarray:
+    """The blocked fake quantizer as torch's per-channel one: each block of x along ``axis`` one channel."""
+    torch = pytest.importorskip("torch")
+    n, nb = x.shape[axis], scale.shape[axis]
+    xt = torch.tensor(np.moveaxis(x, axis, -1).copy(), requires_grad=True)
+    lead = xt.shape[:-1]
+    padded = torch.nn.functional.pad(xt, (0, nb * block - n)).reshape(-1, block)
+    s = torch.from_numpy(np.moveaxis(scale, axis, -1).reshape(-1).copy())
+    z = torch.from_numpy(np.moveaxis(zp, axis, -1).reshape(-1).astype(np.int32))
+    info = np.iinfo(zp.dtype)
+    y = torch.fake_quantize_per_channel_affine(padded, s, z, 0, int(info.min), int(info.max))
+    y = y.reshape(*lead, nb * block)[..., :n]
+    (y * torch.from_numpy(np.moveaxis(w, axis, -1).copy())).sum().backward()
+    return np.moveaxis(xt.grad.numpy(), -1, axis)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("qdt", [np.uint8, np.int8])
+def test_blocked_matches_torch_per_block_fake_quantize(axis: int, qdt) -> None:
+    """block_size 2 along an axis of 5 (the last block short) or of 4; a scale and zero point per block."""
+    block = 2
+    x_shape = (4, 5)
+    nb = -(-x_shape[axis] // block)
+    s_shape = [4, 5]
+    s_shape[axis] = nb
+    rng = np.random.default_rng(7)
+    scale = (2.0 ** rng.integers(-3, 2, s_shape)).astype(np.float32)
+    info = np.iinfo(qdt)
+    zp = rng.integers(int(info.min) + 20, int(info.max) - 20, s_shape).astype(qdt)
+    rep = lambda a: np.take(np.repeat(a, block, axis=axis), range(x_shape[axis]), axis=axis)  # noqa: E731
+    codes = rng.integers(int(info.min) - 30, int(info.max) + 30, x_shape).astype(np.float32)
+    codes[0, :2] = [info.min, info.max]
+    codes[1, :2] = [info.min - 0.5, info.max + 0.5]  # ties at the edges round to even
+    x = ((codes - rep(zp).astype(np.float32)) * rep(scale)).astype(np.float32)
+    w = rng.standard_normal(x_shape).astype(np.float32)
+    attrs = {"axis": axis, "block_size": block}
+    g = build_gradient_model(_pair_model(T.FLOAT, scale, zp, w, 21, attrs, attrs), "loss", ["x"])
+    onnx.checker.check_model(g, full_check=True)
+    want = _torch_blocked_dx(x, w, scale, zp, axis, block)
+    assert 0.3 < (want != 0).mean() < 0.95
+    np.testing.assert_array_equal(run_engine(g, {"x": x})[-1], want)
+    np.testing.assert_array_equal(_run_ort(g, {"x": x}), want)
 
 
 def _run_ort(g: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:

@@ -84,6 +84,28 @@ def test_discovery_skips_the_exponent_of_pow_but_a_listed_one_trains() -> None:
     np.testing.assert_allclose(g, np.mean(np.where(d > 0, positive**2 * np.log(positive), 0.0)), rtol=1e-4)
 
 
+def test_discovery_skips_clip_bounds_but_listed_ones_train_as_torch_clamp() -> None:
+    """The dynamo exporter keeps ReLU6's and clamp's bounds as initializers: discovery leaves them alone, as
+    onnxruntime's builder did (it never differentiated them); listed, they train with torch.clamp's
+    gradients (the input below the lower bound gives it dY, above the upper one gives that one dY)."""
+    rng = np.random.default_rng(0)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Clip", ["h", "lo", "hi"], ["c"]),
+         helper.make_node("ReduceSum", ["c"], ["loss"], keepdims=0)], "g",
+        [helper.make_tensor_value_info("x", T.FLOAT, [8, 3])],
+        [helper.make_tensor_value_info("loss", T.FLOAT, [])],
+        [numpy_helper.from_array(rng.standard_normal((3, 4)).astype(np.float32), "W"),
+         numpy_helper.from_array(np.array(-0.5, np.float32), "lo"),
+         numpy_helper.from_array(np.array(0.5, np.float32), "hi")])
+    model = make_model(g, 17).SerializeToString()
+    assert TrainingSession(model, params("SGDOptimizer"))._graphs.trainable == ["W"]
+    p = params("SGDOptimizer", weights_to_train={"W", "lo", "hi"}, set_gradients_as_graph_outputs=True)
+    x = rng.standard_normal((8, 3)).astype(np.float32)
+    lo_grad, hi_grad = TrainingSession(model, p).run(["lo_grad", "hi_grad"], {"x": x, "Learning_Rate": LR})
+    h = x @ numpy_helper.to_array(g.initializer[0])
+    assert lo_grad == np.sum(h < -0.5) and hi_grad == np.sum(h > 0.5)
+
+
 def test_running_statistics_listed_as_weights_are_updated_not_trained() -> None:
     """Frontends list every initializer: the BatchNormalization running statistics among them are left
     out with a warning and keep their forward-pass update, exactly as without the list."""

@@ -151,15 +151,31 @@ def mish_grad(g: GradCtx) -> None:
     g.set_dx(0, g.emit("Mul", g.dy(0), d))
 
 
-@gradient("Clip", uses=("x*",), stop=(1, 2))
+@gradient("Clip", uses=("x*",))
 def clip_grad(g: GradCtx) -> None:
-    # dX = dY where min ≤ X ≤ max (boundaries included, as torch.clamp); min and max get none
-    x = g.x(0)
-    conds = [g.emit(op, x, g.x(i)) for i, op in ((1, "GreaterOrEqual"), (2, "LessOrEqual")) if g.has_x(i)]
-    if not conds:
-        g.set_dx(0, g.dy(0))
-        return
-    g.set_dx(0, _mask(g, conds[0] if len(conds) == 1 else g.emit("And", *conds), g.dy(0)))
+    # dX = dY where min ≤ X ≤ max (boundaries included, as torch.clamp). Tensor bounds that want a gradient
+    # (learnable clamp bounds: torch.clamp with tensor min/max) get torch's clamp_backward_min_max, each
+    # summed down to the bound's shape: dmin = dY where X < min (and min < max when max is given), dmax = dY
+    # where X > max (or max < min when min is given, the output then being max everywhere). At a tie
+    # X == bound only X gets dY; with min == max an X outside passes none to either bound (as torch)
+    x, dy = g.x(0), g.dy(0)
+    lo, hi = (g.x(i) if g.has_x(i) else None for i in (1, 2))
+    if g.needs_dx(0):
+        conds = [g.emit(op, x, b) for b, op in ((lo, "GreaterOrEqual"), (hi, "LessOrEqual")) if b]
+        if not conds:
+            g.set_dx(0, dy)
+        else:
+            g.set_dx(0, _mask(g, conds[0] if len(conds) == 1 else g.emit("And", *conds), dy))
+    if g.needs_dx(1) and lo:
+        below = g.emit("Less", x, lo)
+        if hi:
+            below = g.emit("And", below, g.emit("Less", lo, hi))
+        g.set_dx(1, g.unbroadcast(_mask(g, below, dy), 1))
+    if g.needs_dx(2) and hi:
+        above = g.emit("Greater", x, hi)
+        if lo:
+            above = g.emit("Or", above, g.emit("Less", hi, lo))
+        g.set_dx(2, g.unbroadcast(_mask(g, above, dy), 2))
 
 
 @gradient("ThresholdedRelu", uses=("x0",))
