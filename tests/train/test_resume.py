@@ -136,14 +136,7 @@ def test_resume_mid_log_window_matches_uninterrupted_metrics_and_weights(tmp_pat
             "training.log_every=10", "training.eval_every=20", "training.keep_checkpoints=0"]
     whole, halves = str(tmp_path / "whole"), str(tmp_path / "halves")
     Trainer(load_config(config_path("digits_mlp"), sets), whole, progress=False).run()
-    real_save = Trainer.save
-
-    def save_then_interrupt(self, st):
-        path = real_save(self, st)
-        signal.raise_signal(signal.SIGINT)
-        return path
-
-    monkeypatch.setattr(Trainer, "save", save_then_interrupt)
+    _interrupt_after_first_save(monkeypatch)
     first = Trainer(load_config(config_path("digits_mlp"), sets), halves, progress=False).run()
     assert first.status == "interrupted" and first.global_step == 15
     monkeypatch.undo()
