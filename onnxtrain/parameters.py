@@ -79,6 +79,7 @@ class TrainingParameters:
     def __init__(self) -> None:
         object.__setattr__(self, "_values", copy.deepcopy(_DEFAULTS))
         object.__setattr__(self, "_initial_state", {})
+        object.__setattr__(self, "_assigned", set())  # the properties the user set (even to their default)
 
     def __getattr__(self, name: str) -> Any:
         values = object.__getattribute__(self, "_values")
@@ -120,6 +121,11 @@ class TrainingParameters:
         elif isinstance(default, list) and (isinstance(value, str) or not hasattr(value, "__iter__")):
             raise TypeError(f"TrainingParameters.{name} must be a list, got {type(value).__name__}")
         self._values[name] = copy.deepcopy(value)
+        self.__dict__.setdefault("_assigned", set()).add(name)
+
+    def is_set(self, name: str) -> bool:
+        """Whether property ``name`` was assigned (an explicit ``world_rank = 0`` is not the default's 0)."""
+        return name in self.__dict__.get("_assigned", ())
 
     def set_optimizer_initial_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Initial optimizer state, in the layout of ``get_optimizer_state()``."""

@@ -40,7 +40,7 @@ from onnxtrain.parallel.adasum import ALL_DELTAS_FINITE
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.zero import ZeroLayout
 from onnxtrain.parameters import TrainingParameters
-from onnxtrain.session_parallel import DataParallelSteps, fingerprint
+from onnxtrain.session_parallel import DataParallelSteps, fingerprint, with_value_outputs
 from onnxtrain.training_graph import TRAINING_MODE, build_step_graphs
 from onnxtrain.user_warning import warn
 
@@ -245,14 +245,18 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             )
         return self._plans[kind]
 
-    def _path_plan(self, names: list[str]) -> Plan:
+    def _path_plan(self, names: list[str], extra: Sequence[str] = ()) -> Plan:
         """The plan of only what the step computes on the way to ``names``: no update; the gradient
         accumulation buffers are written when the path runs through their accumulation (the global norm
         and the finiteness flag of a micro-step do, as onnxruntime's in-place accumulators wrote theirs),
-        their new values being extra outputs of the plan (:meth:`_path_updates`)."""
-        key = "path:" + "\0".join(sorted(names))
+        their new values being extra outputs of the plan (:meth:`_path_updates`). ``extra``: values of the
+        step graph returned after ``names`` (not outputs of the step)."""
+        key = "path:" + "\0".join(sorted(names)) + ("\1" + "\0".join(extra) if extra else "")
         if key not in self._plans:
-            model = model_for_outputs(self._graphs.full, names)
+            full = self._graphs.full
+            if extra:
+                full = with_value_outputs(full, extra)
+            model = model_for_outputs(full, [*names, *extra])
             computed = {o for n in model.graph.node for o in n.output}
             buffers = {v.name: v for v in model.graph.input}
             updates = {}
@@ -290,7 +294,11 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             feeds[TRAINING_MODE] = np.asarray(bool(ro.training_mode))
         if kind == "full" and self._dp is not None and self._opt is not None:
             return self._run_data_parallel(names, feeds)
-        plan = self._path_plan(names) if kind in ("gradients", "micro-path") else self._get_plan(kind)
+        path = kind in ("gradients", "micro-path")
+        # under data parallelism the norm and the finiteness flag on the fetches' path are the ranks' (their
+        # averaged gradients'), as in the step: the plan also returns what the rank's norm is taken from
+        sources = [s for s in self._path_norm_sources(names) if s not in names] if path else []
+        plan = self._path_plan(names, sources) if path else self._get_plan(kind)
         if output_names is None:  # "all outputs" of this kind of run (a micro-step has no norm yet)
             names = [n for n in names if n in plan.output_info]
         else:
@@ -313,9 +321,12 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         # the old state arrays are the session's own (get_state and load_state copy), and each is replaced by
         # its update below: the plan may write the new values into them
         donate = [s for s, _ in upd_items if s in feeds]
-        results = plan.run(feeds, names + [o for _, o in upd_items], donate=donate)
-        for (state, _), v in zip(upd_items, results[len(names) :]):
+        results = plan.run(feeds, names + sources + [o for _, o in upd_items], donate=donate)
+        for (state, _), v in zip(upd_items, results[len(names) + len(sources) :]):
             self._store[state] = v
+        if path and self._dp is not None:
+            got = dict(zip(names + sources, results))
+            results[: len(names)] = self._path_checks_across_ranks(names, got)
         if kind == "full" and self._graphs.buffers:
             for b in self._graphs.buffers:
                 self._store[b] = np.zeros_like(self._store[b])

@@ -18,13 +18,22 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.capi.options import RunOptions
 from onnxtrain.engine.plan import load_model
+from onnxtrain.errors import InvalidFeed, InvalidFeedType
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo
 from onnxtrain.inference import NodeArg, node_arg
 from onnxtrain.ir.builder import NameGen, value_types
 from onnxtrain.ir.graphs import untie_batch_norm_statistics
-from onnxtrain.parallel import BucketReducer, Communicator, launch_hint, world
-from onnxtrain.parallel.fingerprint import array_digest, digest
+from onnxtrain.parallel import (
+    BucketReducer,
+    Communicator,
+    check_world_options,
+    get_communicator,
+    launch_hint,
+    world,
+)
+from onnxtrain.parallel.fingerprint import array_digest, canonical, digest
+from onnxtrain.parallel.stage_graphs import NORM as GLOBAL_NORM
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession
 from onnxtrain.session_exchange import ReplicaExchange
@@ -53,6 +62,8 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         """Check the options ``refused`` (name → default) and those every cut session needs; the defaults
         of what the subclasses build."""
         p = self._params
+        if world().size > 1:  # MPI first: a rank raising below then aborts the job instead of leaving the
+            get_communicator()  # others waiting for it in MPI_Init
         bad = [k for k, d in refused.items() if getattr(p, k) != d]
         if bad:
             raise NotImplementedError(
@@ -83,8 +94,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
                 f"{option}={parts} needs a multiple of {parts} MPI ranks (times the data-parallel replicas), "
                 f"but there are {size}; launch with: {launch_hint(parts)}"
             )
-        if p.world_size not in (1, size):
-            raise ValueError(f"TrainingParameters.world_size={p.world_size} but mpiexec started {size} ranks")
+        check_world_options(p, world())
         replicas = size // parts
         if p.data_parallel_size != replicas:
             warn(
@@ -127,6 +137,9 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         self._outputs = [node_arg(o) for o in g.output]
         if p.loss_output_name not in {o.name for o in g.output}:
             self._outputs.append(NodeArg(p.loss_output_name, "tensor(float)", []))
+        if p.enable_grad_norm_clip or self._mp is not None:  # as one process's (loss-scaled under mixed
+            # precision): the norm of the whole model's gradients, computed by the update runs
+            self._outputs.append(NodeArg(GLOBAL_NORM, "tensor(float)", []))
         if self._mp is not None:
             self._outputs.append(NodeArg(ALL_FINITE, "tensor(bool)", []))
         self._grad_outputs = {f"{w}_grad" for w in gradients}  # computed by the run's backward
@@ -145,6 +158,14 @@ class CutModelSession(ReplicaExchange, TrainingSession):
             v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
             for v in g.input
             if v.name not in inits and v.type.HasField("tensor_type")
+        }
+        # the whole batch's declared shapes (a fixed size per axis, else its name or None), checked as one
+        # process's session checks them: on every rank, whichever of its inputs its part reads
+        self._input_shapes = {
+            v.name: [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None)
+                     for d in v.type.tensor_type.shape.dim]
+            for v in g.input
+            if v.name not in inits and v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
         }
 
     def _plan_feeds(self, plan: Any, sources: Sequence[Mapping[str, Any]], training: bool) -> dict[str, Any]:
@@ -257,20 +278,32 @@ class CutModelSession(ReplicaExchange, TrainingSession):
             self._store[state] = v
 
     def _checked(self, input_feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """The feeds as arrays, checked by name and dtype (all the model's inputs are required)."""
+        """The feeds as arrays, checked by name, dtype, rank and fixed dimensions as one process's session
+        checks them (all the model's inputs are required)."""
         allowed = set(self._user_inputs) | {self._params.lr_params_feed_name, TRAINING_MODE}
+        shapes = getattr(self, "_input_shapes", {})
         out: dict[str, np.ndarray] = {}
         for name, v in input_feed.items():
             if name not in allowed:
-                raise ValueError(f"unknown input {name!r}; the model's inputs are {self._user_inputs}")
+                raise InvalidFeed(f"unknown input {name!r}; the model's inputs are {self._user_inputs}")
             a = np.asarray(v.numpy() if hasattr(v, "numpy") and not isinstance(v, np.ndarray) else v)
             want = np.dtype(bool) if name == TRAINING_MODE else self._dtypes.get(name)
             if want is not None and a.dtype != want:
-                raise TypeError(f"input {name!r}: expected dtype {want}, got {a.dtype}")
+                raise InvalidFeedType(f"input {name!r}: expected dtype {want}, got {a.dtype}")
+            shape = shapes.get(name)
+            if shape is not None:
+                expected = [d if d is not None else "?" for d in shape]  # as one process's message
+                if a.ndim != len(shape):
+                    raise InvalidFeed(f"input {name!r}: expected rank {len(shape)} (shape {expected}), got "
+                                      f"rank {a.ndim} (shape {list(a.shape)})")
+                for k, (d, got) in enumerate(zip(shape, a.shape)):
+                    if isinstance(d, int) and d != got:
+                        raise InvalidFeed(f"input {name!r}: dimension {k} must be {d}, got {got} (shape "
+                                          f"{list(a.shape)}, expected {expected})")
             out[name] = a
         missing = [n for n in self._user_inputs if n not in out]
         if missing:
-            raise ValueError(f"missing input(s) {missing}; the model's inputs are {self._user_inputs}")
+            raise InvalidFeed(f"missing input(s) {missing}; the model's inputs are {self._user_inputs}")
         return out
 
     def _original(self, name: str) -> str:
@@ -370,5 +403,6 @@ def model_fingerprint(
     return {
         "graph (nodes, inputs, outputs)": digest(graph.SerializeToString(deterministic=True)),
         "initializers": {t.name: array_digest(numpy_helper.to_array(t)) for t in model.graph.initializer},
-        "training parameters": {k: repr(getattr(p, k)) for k in options},  # a difference names the option
+        # a difference names the option; dicts and sets compare whatever their order
+        "training parameters": {k: canonical(getattr(p, k)) for k in options},
     }

@@ -86,6 +86,12 @@ _OPTIONS = (
     "enable_adasum",
     "use_mixed_precision",
     "set_gradients_as_graph_outputs",  # its outputs are gathered over the ranks
+    "lr_params_feed_name",
+    "optimizer_attributes_map",
+    "optimizer_int_attributes_map",
+    "use_fp16_moments",
+    "mixed_precision_dtype",
+    "gradient_accumulation_mode",
 )
 
 
@@ -435,8 +441,8 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
 
     def _update(self, grads: dict[str, np.ndarray], feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Run the optimizer on the rank's gradients (``feeds``: the run's, with the learning rate and the
-        loss scale); returns ``all_gradients_finite`` under mixed precision (the same on every rank: from
-        the global norm)."""
+        loss scale); returns ``global_gradient_norm`` with clipping or mixed precision and
+        ``all_gradients_finite`` under mixed precision (the same on every rank: from the global norm)."""
         p = self._params
         if self._mode != "adasum":  # Adasum: each replica updates with its own gradients
             grads = self._replicas_average(grads)
@@ -459,6 +465,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
             if self._pipe is not None:
                 total = self._pipe.allreduce_scalar(total, "the gradient norm over the stages")
             given[NORM] = np.asarray(np.sqrt(total), np.float32)
+            finite[NORM] = given[NORM]  # the output global_gradient_norm: the whole model's, as one process's
             if self._mp is not None:
                 finite[ALL_FINITE] = np.asarray(bool(np.isfinite(given[NORM])))
         if not self._trainable and self._mode != "adasum":  # Adasum: the replica's checks still run

@@ -17,7 +17,7 @@ from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE
 from onnxtrain.parallel import BucketReducer
 from onnxtrain.parallel.adasum import ALL_DELTAS_FINITE, adasum_step, every_rank_finite
-from onnxtrain.parallel.fingerprint import array_digest, digest
+from onnxtrain.parallel.fingerprint import array_digest, canonical, digest
 from onnxtrain.parallel.zero import gather_zero_state, zero_update_slots
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.training_graph import StepGraphs, build_update_graph
@@ -184,6 +184,66 @@ class DataParallelSteps:
             got[ALL_FINITE] = np.asarray(bool(np.isfinite(norm)))
         return got
 
+    # ---- the global norm and the finiteness flag on the fetches' path ----------------------------
+    def _path_norm_sources(self, names: list[str]) -> list[str]:
+        """Under data parallelism with allreduce or ZeRO, when ``names`` (the fetches of a run on the fetches'
+        path alone) hold the global gradient norm or the finiteness flag: the gradients the step graph takes
+        the norm of (the inputs of its ``ReduceSumSquare`` nodes), for :meth:`_path_checks_across_ranks`;
+        else none."""
+        dp = self._dp
+        if dp is None or self._opt is None or dp.mode == "adasum":
+            return []
+        norm = self._path_norm_name()
+        if norm is None or not (norm in names or ALL_FINITE in names):
+            return []
+        if not hasattr(self, "_norm_sources"):
+            g = self._graphs.full.graph
+            producer = {o: n for n in g.node for o in n.output}
+            sources: list[str] = []
+            stack, seen = [norm], set()
+            while stack:
+                t = stack.pop()
+                n = producer.get(t)
+                if n is None or t in seen:
+                    continue
+                seen.add(t)
+                if n.op_type == "ReduceSumSquare":
+                    sources.append(n.input[0])
+                else:
+                    stack.extend(n.input)
+            self._norm_sources = sorted(set(sources))
+        return self._norm_sources
+
+    def _path_norm_name(self) -> str | None:
+        """The step graph's global gradient norm output (None when it has none)."""
+        return next((e for e in self._graphs.extra_outputs if e.startswith("global_gradient_norm")), None)
+
+    def _path_checks_across_ranks(self, names: list[str], got: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The outputs ``names`` of a run on the fetches' path (``got``: their local values, and those of
+        :meth:`_path_norm_sources`) with the global gradient norm and the finiteness flag of the ranks: with
+        allreduce or ZeRO, of their averaged gradients (as the step computes them, after the exchange: the
+        same on every rank, one process's on the whole batch); with Adasum, the norm stays the rank's (its
+        step clips by its own) and the flag is whether every rank's gradients are finite (as its step
+        decides). A collective: every rank fetches the same."""
+        dp = self._dp
+        norm_name = self._path_norm_name()
+        out = dict(got)
+        if dp.mode == "adasum":
+            if ALL_FINITE in names:
+                out[ALL_FINITE] = np.asarray(every_rank_finite(dp.comm, bool(got[ALL_FINITE]),
+                                                               "all_gradients_finite on the fetches' path"))
+        elif norm_name is not None and (norm_name in names or ALL_FINITE in names):
+            arrays = [np.asarray(got[s]).reshape(-1) for s in self._norm_sources]
+            flat = np.concatenate(arrays).astype(np.float64) if arrays else np.zeros(0)
+            dp.comm.allreduce_(flat, f"the global gradient norm on the fetches' path ({flat.nbytes} bytes)")
+            flat *= 1.0 / dp.size
+            norm = np.asarray(np.sqrt(np.dot(flat, flat)), np.float32)
+            if norm_name in names:
+                out[norm_name] = norm
+            if ALL_FINITE in names:
+                out[ALL_FINITE] = np.asarray(bool(np.isfinite(norm)))
+        return [out[n] for n in names]
+
     def _zero_full_names(self) -> dict[str, list[tuple[str, Any, bool]]]:
         """ZeRO: unpartitioned state name → [(this rank's state name, piece, elementwise)]."""
         out: dict[str, list[tuple[str, Any, bool]]] = {}
@@ -204,6 +264,27 @@ class DataParallelSteps:
         if z is None:
             return state
         return gather_zero_state(self._dp.comm, z, state, self._zero_full_names())
+
+
+def with_value_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose graph also outputs the values ``names`` (typed by shape inference)."""
+    from onnxtrain.ir.builder import value_types
+
+    types = value_types(model)
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    have = {o.name for o in m.graph.output}
+    for n in names:
+        if n in have:
+            continue
+        out = m.graph.output.add()
+        out.name = n
+        tp = types.get(n)
+        if tp is not None:
+            out.type.CopyFrom(tp)
+        else:
+            out.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    return m
 
 
 _FINGERPRINT_OPTIONS = (
@@ -241,5 +322,5 @@ def fingerprint(model: onnx.ModelProto, g: StepGraphs, p: TrainingParameters) ->
         "frozen initializers": {
             n: array_digest(numpy_helper.to_array(t)) for n, t in inits.items() if n not in trained
         },
-        "training parameters": {k: repr(getattr(p, k)) for k in _FINGERPRINT_OPTIONS},
+        "training parameters": {k: canonical(getattr(p, k)) for k in _FINGERPRINT_OPTIONS},
     }

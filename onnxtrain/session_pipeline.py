@@ -75,6 +75,15 @@ _OPTIONS = (
     "deepspeed_zero_stage",
     "enable_adasum",
     "set_gradients_as_graph_outputs",  # its outputs are gathered over the ranks
+    "sliced_tensor_names",  # how each rank cuts its feeds into micro-batches
+    "sliced_axes",
+    "sliced_schema",
+    "lr_params_feed_name",
+    "optimizer_attributes_map",
+    "optimizer_int_attributes_map",
+    "use_fp16_moments",
+    "mixed_precision_dtype",
+    "gradient_accumulation_mode",
 )
 
 
@@ -278,8 +287,8 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
 
     def _update(self, means: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Average the gradients' means over the replicas, take the global norm over all stages, run the
-        optimizer. Returns ``all_gradients_finite`` under mixed precision (the same on every stage: from the
-        norm)."""
+        optimizer. Returns ``global_gradient_norm`` with clipping or mixed precision, and
+        ``all_gradients_finite`` under mixed precision (the same on every stage: from the norm)."""
         p = self._params
         # Adasum: each replica updates with its own gradients (and its own pipeline's norm)
         eff = means if self._mode == "adasum" else self._replicas_average(means)
@@ -294,6 +303,8 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
                 np.sqrt(self._comm.allreduce_scalar(local, "pipeline gradient norm")), np.float32
             )
         finite = {} if self._mp is None else {ALL_FINITE: np.asarray(bool(np.isfinite(norm)))}
+        if norm is not None:  # the output global_gradient_norm: the whole model's, as one process's
+            finite[NORM] = norm
         if not self._sg.trainable and self._mode != "adasum":  # Adasum: the replica's checks still run
             return finite
         lr = np.asarray(feeds[p.lr_params_feed_name], np.float32).reshape(1)

@@ -30,8 +30,8 @@ from onnxtrain.parallel.data import shard, shard_range, split_batch
 from onnxtrain.user_warning import warn
 
 __all__ = ["BucketReducer", "Communicator", "DataParallel", "World", "abort_on_error", "allreduce_gradients",
-           "get_communicator", "is_main_process", "launched_by_mpi", "resolve", "shard", "shard_range",
-           "split_batch", "world"]
+           "check_world_options", "get_communicator", "is_main_process", "launched_by_mpi", "resolve",
+           "shard", "shard_range", "split_batch", "world"]
 
 
 def is_main_process() -> bool:
@@ -84,6 +84,29 @@ def launch_hint(n: int) -> str:
     return f"mpiexec -n {n} " + shlex.join([*cmd, *args])
 
 
+def check_world_options(p: Any, w: World) -> None:
+    """Explicit ``world_size`` / ``world_rank`` of ``TrainingParameters`` ``p`` must agree with MPI's ``w``
+    (an assigned ``world_rank = 0`` too: it is told from the default by ``p.is_set``)."""
+    given = p.world_rank != 0 or (hasattr(p, "is_set") and p.is_set("world_rank"))
+    if w.size > 1:
+        if p.world_size not in (1, w.size):
+            raise ValueError(f"TrainingParameters.world_size={p.world_size} but mpiexec started {w.size} "
+                             "ranks")
+        if given and p.world_rank != w.rank:
+            raise ValueError(f"TrainingParameters.world_rank={p.world_rank} but MPI says this is rank "
+                             f"{w.rank} of {w.size} (leave world_rank unset: each rank takes its own "
+                             "from MPI)")
+        return
+    if p.world_size > 1:
+        raise ValueError(f"TrainingParameters.world_size={p.world_size}, but this process was not started "
+                         f"by mpiexec (MPI world size 1); launch with: {launch_hint(p.world_size)}")
+    if p.world_rank != 0:
+        n = max(p.world_size, p.world_rank + 1)
+        raise ValueError(f"TrainingParameters.world_rank={p.world_rank}, but this process was not started "
+                         f"by mpiexec (it is rank 0 of 1); launch with: {launch_hint(n)}, and leave "
+                         "world_rank unset (each rank takes its own from MPI)")
+
+
 def resolve(p: Any) -> DataParallel | None:
     """Ranks and sizes for a ``TrainingParameters``: from MPI under ``mpiexec``; explicit values must agree.
     Its warnings point at the caller of ``TrainingSession(...)``, two frames above this function's caller.
@@ -99,16 +122,9 @@ def resolve(p: Any) -> DataParallel | None:
     if p.deepspeed_zero_stage not in (0, 1):
         raise NotImplementedError(f"deepspeed_zero_stage={p.deepspeed_zero_stage}: only stages 0 and 1 exist")
     w = world()
-    if w.size > 1:
-        if p.world_size not in (1, w.size):
-            raise ValueError(f"TrainingParameters.world_size={p.world_size} but mpiexec started {w.size} "
-                             "ranks")
-        if p.world_rank != 0 and p.world_rank != w.rank:
-            raise ValueError(f"TrainingParameters.world_rank={p.world_rank} but MPI says this is rank "
-                             f"{w.rank}")
-    elif p.world_size > 1:
-        raise ValueError(f"TrainingParameters.world_size={p.world_size}, but this process was not started "
-                         f"by mpiexec (MPI world size 1); launch with: {launch_hint(p.world_size)}")
+    if w.size > 1:  # MPI first: a rank raising below then aborts the job instead of leaving the others in
+        get_communicator()  # MPI_Init
+    check_world_options(p, w)
     size = w.size
     d = p.data_parallel_size
     if d > size:

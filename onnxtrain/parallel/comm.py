@@ -33,6 +33,8 @@ DEFAULT_TIMEOUT = 600.0
 # seconds an aborting rank waits between printing its error and MPI_Abort: the launcher forwards the output
 # of every rank before it tears the job down (without it, a message was lost about one time in fifteen)
 ABORT_GRACE = 0.5
+# seconds a rank failing before MPI started waits at most in MPI_Init for its peers, to abort them
+ABORT_INIT_LIMIT = 60.0
 
 
 class World(NamedTuple):
@@ -87,10 +89,18 @@ def world() -> World:
 
 def get_communicator() -> Communicator:
     """The job-wide communicator (created once; imports mpi4py and initialises MPI)."""
+    return _start_mpi()
+
+
+def _start_mpi(init_limit: float | None = None) -> Communicator:
+    """:func:`get_communicator`, with ``MPI_Init`` bounded by ``init_limit`` seconds if less than the
+    collective timeout."""
     global _COMM
     with _LOCK:
         if _COMM is None:
-            _COMM = Communicator(_import_mpi().COMM_WORLD)
+            with _init_watchdog(init_limit):
+                mpi = _import_mpi()
+            _COMM = Communicator(mpi.COMM_WORLD)
             from onnxtrain.engine.blas import share_blas_threads_among_ranks
 
             share_blas_threads_among_ranks()  # ranks sharing a host must not each take every CPU
@@ -105,6 +115,45 @@ def _import_mpi() -> Any:
                           "(mpi4py + the mpich wheel), or mpi4py built against your cluster's MPI "
                           f"({e})") from e
     return MPI
+
+
+def _launcher_size() -> int:
+    """The number of ranks the launcher's environment variables give (1 when not under ``mpiexec``)."""
+    if not launched_by_mpi():
+        return 1
+    w = _env_world()
+    return w.size if w is not None else 1
+
+
+@contextmanager
+def _init_watchdog(limit: float | None = None) -> Iterator[None]:
+    """Bound ``MPI_Init`` by the collective timeout: a rank that died or exited before starting MPI leaves the
+    others waiting in it, before any communicator (and its watchdog) exists. ``MPI_Init`` holds the GIL, so
+    the bound is faulthandler's C watchdog: past the timeout it prints where each thread waits and exits
+    (code 1). (It replaces a ``faulthandler.dump_traceback_later`` of the caller's meanwhile.)"""
+    try:
+        timeout = _timeout_from_env()
+    except ValueError:
+        timeout = DEFAULT_TIMEOUT
+    if limit is not None and (timeout <= 0 or limit < timeout):
+        timeout = limit
+    armed = False
+    if timeout > 0 and _launcher_size() > 1:
+        import faulthandler
+
+        try:
+            sys.stderr.write("")  # faulthandler needs a real stderr
+            faulthandler.dump_traceback_later(timeout, exit=True)
+            armed = True
+        except (AttributeError, ValueError, OSError, RuntimeError):
+            armed = False
+    try:
+        yield
+    finally:
+        if armed:
+            import faulthandler
+
+            faulthandler.cancel_dump_traceback_later()
 
 
 def _timeout_from_env() -> float:
@@ -235,8 +284,11 @@ class _Request:
             self._request.wait()
 
 
-def install_abort_on_exception(comm: Communicator) -> None:
-    """An uncaught exception prints its traceback, then aborts every rank (exit code non-zero)."""
+def install_abort_on_exception(comm: Communicator | None = None) -> None:
+    """An uncaught exception prints its traceback, then aborts every rank (exit code non-zero). Without
+    ``comm``: the job-wide communicator, started then if MPI is not yet (installed at import under
+    ``mpiexec``, so that a rank failing before its first session does not leave the others in
+    ``MPI_Init``)."""
     previous = sys.excepthook
     if getattr(previous, "_onnxtrain_abort", False):
         return
@@ -246,10 +298,29 @@ def install_abort_on_exception(comm: Communicator) -> None:
             previous(etype, value, tb)
         except Exception:
             traceback.print_exception(etype, value, tb)
-        comm.abort(f"uncaught {etype.__name__}: {value}", 1)
+        abort_job(f"uncaught {etype.__name__}: {value}", 1, comm)
 
     hook._onnxtrain_abort = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def abort_job(message: str, code: int = 1, comm: Communicator | None = None) -> None:
+    """End every rank of the job with ``code`` (``comm``, else the job-wide communicator). When MPI has not
+    been started yet, it is started first: the other ranks may be waiting for this one in ``MPI_Init``; should
+    that not complete within the collective timeout (at most ``ABORT_INIT_LIMIT`` seconds), this rank exits
+    alone (code 1)."""
+    if comm is None:
+        comm = _COMM
+    if comm is None:
+        try:  # the peers waiting in MPI_Init go on at once; one that never starts MPI (it ended, or works
+            # without it) would hold this rank up to the timeout: at most ABORT_INIT_LIMIT then
+            comm = _start_mpi(ABORT_INIT_LIMIT)
+        except BaseException as e:  # no MPI to abort through: this rank alone ends
+            sys.stderr.write(f"onnxtrain: {message}; could not start MPI to abort the other ranks ({e})\n")
+            sys.stderr.flush()
+            os._exit(code)
+    if comm.size > 1:
+        comm.abort(message, code)
 
 
 @contextmanager
@@ -262,11 +333,22 @@ def abort_on_error() -> Iterator[None]:
     try:
         yield
     except SystemExit as e:
-        if e.code not in (None, 0) and _COMM is not None and _COMM.size > 1:
-            _COMM.abort(f"exit status {e.code}", e.code if isinstance(e.code, int) else 1)
+        if e.code not in (None, 0) and _several_ranks():
+            abort_job(f"exit status {e.code}", e.code if isinstance(e.code, int) else 1)
         raise
     except BaseException as e:
-        if _COMM is not None and _COMM.size > 1:
+        if _several_ranks():
             traceback.print_exc()
-            _COMM.abort(f"{type(e).__name__}: {e}", 1)
+            abort_job(f"{type(e).__name__}: {e}", 1)
         raise
+
+
+def _several_ranks() -> bool:
+    """Whether this process is one of several ranks (MPI started or not)."""
+    return _COMM.size > 1 if _COMM is not None else _launcher_size() > 1
+
+
+# under mpiexec with several ranks, an uncaught exception aborts the job from the start: a rank that fails
+# before any session starts MPI would otherwise leave the others waiting for it in MPI_Init forever
+if _launcher_size() > 1:
+    install_abort_on_exception()

@@ -22,6 +22,22 @@ def array_digest(a: np.ndarray) -> str:
     return digest(f"{a.dtype.str}{a.shape}".encode() + a.tobytes())
 
 
+def canonical(value: Any) -> str:
+    """``repr(value)`` with the keys of every dict and the members of every set in sorted order: equal
+    options give the same text on every rank whatever the order they were filled in (a dict built by
+    iterating a set follows each process's hash seed)."""
+    if isinstance(value, Mapping):
+        items = sorted((canonical(k), canonical(v)) for k, v in value.items())
+        return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(canonical(v) for v in value)) + "}" if value else "set()"
+    if isinstance(value, list):
+        return "[" + ", ".join(canonical(v) for v in value) + "]"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(canonical(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    return repr(value)
+
+
 def describe(value: Any, limit: int = 160) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
