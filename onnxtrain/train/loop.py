@@ -337,6 +337,10 @@ class Trainer:
             last_ckpt = found[-1][1]
             st = self.restore(load_checkpoint(last_ckpt), last_ckpt)
             rng = data_mod.rng_from_str(st.epoch_rng)
+            if main and self.ranks > 1 and self.cfg.training.parameters.get("enable_adasum"):
+                print("onnxtrain: warning: under Adasum each rank keeps optimizer state of its own, and the "
+                      "checkpoint holds rank 0's: every rank continues from it, so the run goes on close to, "
+                      "not exactly as, an uninterrupted one", file=sys.stderr)
         elif main:  # a new run: nothing of an earlier one stays
             for _, old in list_checkpoints(self.out):
                 remove_checkpoint(old)

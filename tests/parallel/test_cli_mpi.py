@@ -143,6 +143,19 @@ def test_zero_stage1_checkpoint_holds_the_whole_state_and_resumes(reference: str
         assert rel_err(state[w], ref.trainable[w]) <= 1e-6
 
 
+def test_adasum_resume_warns_that_rank0_optimizer_state_is_used(tmp_path) -> None:
+    """Under Adasum each rank keeps optimizer state of its own and the checkpoint holds rank 0's: --resume
+    says so (once) instead of promising the uninterrupted run."""
+    out = str(tmp_path / "run")
+    adasum = ["--set", "training.parameters.enable_adasum=true", "--output-dir", out, "-q"]
+    r = mpiexec(["-n", "2", *train_cmd(*adasum, "--set", "training.steps=10")])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Adasum" not in r.stderr
+    r = mpiexec(["-n", "2", *train_cmd(*adasum, "--resume")])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stderr.count("under Adasum each rank keeps optimizer state of its own") == 1, r.stderr
+
+
 def test_bad_config_ends_every_rank_with_the_message(tmp_path) -> None:
     t0 = time.perf_counter()
     r = mpiexec(["-n", "2", *train_cmd("--set", "training.batch_size=33", "--output-dir", str(tmp_path / "x"),
