@@ -127,3 +127,24 @@ def test_max_unpool_output_shape_errors() -> None:
     m = _pool_unpool((1, 2, 5, 5), {"kernel_shape": [2, 2], "strides": [2, 2]}, [1, 1, 5, 7], T.FLOAT)
     with pytest.raises(EngineError, match=r"index out of range \[0, 35\)"):  # channel 1's rows 2-3: ≥ 35
         compile_model(m).run({"x": _distinct((1, 2, 5, 5), np.float32)})
+
+
+@pytest.mark.parametrize("x", [[0.1, 0.2, 3.0, 0.4, 0.5], [5.0, 0.2, 0.3, 0.4, 0.5, 0.1, 0.7]])
+def test_an_index_written_twice_passes_the_gradient_once(x: list[float]) -> None:
+    """Overlapping MaxPool windows (kernel 3, stride 2) whose maximum is the shared element give its index
+    twice; MaxUnpool writes it twice and Y holds the later write, so only that one gets dY: the gradient was
+    counted once per write (x[2]: 0.42 against 0.21 by finite differences)."""
+    xs = (1, 1, len(x))
+    attrs = {"kernel_shape": [3], "strides": [2]}
+    out = [1, 1, len(x)]
+    feeds = {"x": np.array(x, np.float64).reshape(xs)}
+    grads = gradcheck(_pool_unpool(xs, attrs, out, T.DOUBLE), "loss", ["x"], feeds)
+    if len(x) == 5:  # both windows' maximum is x[2]: its gradient is w[2] once (the other case: no repeat)
+        want = np.zeros(xs)
+        want.flat[2] = np.random.default_rng(1).standard_normal(out).flat[2]
+        np.testing.assert_array_equal(grads["x"], want)
+    m = _pool_unpool(xs, attrs, out, T.FLOAT)
+    gm = build_gradient_model(m, "loss", ["x"])
+    onnx.checker.check_model(gm, full_check=True)
+    f = {"x": np.array(x, np.float32).reshape(xs)}
+    np.testing.assert_allclose(compile_model(gm).run(f)[-1], _ort_session(gm).run(None, f)[-1], rtol=1e-6)

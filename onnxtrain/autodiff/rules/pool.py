@@ -266,6 +266,15 @@ def global_lp_pool_grad(g: GradCtx) -> None:
 
 @gradient("MaxUnpool", uses=("x1",), stop=(1, 2), linear=True)
 def max_unpool_grad(g: GradCtx) -> None:
-    # Y = zeros with Y.flat[I] = X:  dX = dY.flat[I] (a Gather shaped like I, i.e. like X).
-    # Duplicate indices (never produced by MaxPool without overlap) would each receive dY there.
-    g.set_dx(0, g.emit("Gather", g.emit("Reshape", g.dy(0), g.ints([-1])), g.x(1), axis=0))
+    # Y = zeros with Y.flat[I] = X:  dX = dY.flat[I] (a Gather shaped like I, i.e. like X), for the element
+    # that wrote each position: overlapping MaxPool windows give one input's index twice, and the later write
+    # is Y's value (as the kernels, this one and onnxruntime's, write in order), so an earlier writer gets 0.
+    # The writer of each position is found by the same scatter of the elements' own positions.
+    idx = g.emit("Reshape", g.x(1), g.ints([-1]))
+    ids = g.emit("Range", g.const(0, TensorProto.INT64), g.emit("Size", idx), g.const(1, TensorProto.INT64))
+    canvas = g.emit("ConstantOfShape", g.emit("Shape", g.emit("Reshape", g.dy(0), g.ints([-1]))),
+                    value=numpy_helper.from_array(np.zeros(1, np.int64)))
+    writer = g.emit("ScatterElements", canvas, idx, ids, axis=0)
+    last = g.emit("Reshape", g.emit("Equal", g.emit("Gather", writer, idx, axis=0), ids), g.shape(1))
+    grad = g.emit("Gather", g.emit("Reshape", g.dy(0), g.ints([-1])), g.x(1), axis=0)
+    g.set_dx(0, g.emit("Where", last, grad, g.const(0.0)))
