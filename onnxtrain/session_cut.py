@@ -393,6 +393,25 @@ def squared_sum(arrays: Iterable[np.ndarray]) -> float:
     return total
 
 
+# options every rank of a cut (pipeline or horizontal) session must set alike, besides each mode's own
+SHARED_OPTIONS = (
+    "gradient_accumulation_steps",
+    "loss_output_name",
+    "training_optimizer_name",
+    "enable_grad_norm_clip",
+    "deepspeed_zero_stage",
+    "enable_adasum",
+    "use_mixed_precision",
+    "set_gradients_as_graph_outputs",  # its outputs are gathered over the ranks
+    "lr_params_feed_name",
+    "optimizer_attributes_map",
+    "optimizer_int_attributes_map",
+    "use_fp16_moments",
+    "mixed_precision_dtype",
+    "gradient_accumulation_mode",
+)
+
+
 def model_fingerprint(
     model: onnx.ModelProto, p: TrainingParameters, options: Sequence[str]
 ) -> dict[str, Any]:

@@ -60,7 +60,14 @@ from onnxtrain.parallel.stage_graphs import (
 )
 from onnxtrain.parallel.zero import gather_zero_state
 from onnxtrain.parameters import PIPELINE
-from onnxtrain.session_cut import CutModelSession, add_into, means, model_fingerprint, squared_sum
+from onnxtrain.session_cut import (
+    SHARED_OPTIONS,
+    CutModelSession,
+    add_into,
+    means,
+    model_fingerprint,
+    squared_sum,
+)
 from onnxtrain.session_stages import (
     MicroBatching,
     counts_in_norm,
@@ -75,24 +82,7 @@ SHARE_SEED_STEP = 7_919  # a random node inside a split block: rank r's seed is 
 # options a horizontally split session refuses without pipeline stages (they would do nothing): name → its
 # default
 _REFUSED = {k: d for k, d in PIPELINE.items() if k != "pipeline_parallel_size"}
-_OPTIONS = (
-    "horizontal_parallel_size",
-    *PIPELINE,
-    "gradient_accumulation_steps",
-    "loss_output_name",
-    "training_optimizer_name",
-    "enable_grad_norm_clip",
-    "deepspeed_zero_stage",
-    "enable_adasum",
-    "use_mixed_precision",
-    "set_gradients_as_graph_outputs",  # its outputs are gathered over the ranks
-    "lr_params_feed_name",
-    "optimizer_attributes_map",
-    "optimizer_int_attributes_map",
-    "use_fp16_moments",
-    "mixed_precision_dtype",
-    "gradient_accumulation_mode",
-)
+_OPTIONS = ("horizontal_parallel_size", *PIPELINE, *SHARED_OPTIONS)
 
 
 class HorizontalTrainingSession(MicroBatching, CutModelSession):

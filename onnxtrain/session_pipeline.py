@@ -50,7 +50,14 @@ from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs
 from onnxtrain.parallel.zero import gather_zero_state
-from onnxtrain.session_cut import CutModelSession, add_into, means, model_fingerprint, squared_sum
+from onnxtrain.session_cut import (
+    SHARED_OPTIONS,
+    CutModelSession,
+    add_into,
+    means,
+    model_fingerprint,
+    squared_sum,
+)
 from onnxtrain.session_stages import (
     MicroBatching,
     counts_in_norm,
@@ -67,23 +74,10 @@ _OPTIONS = (
     "pipeline_parallel_size",
     "pipeline_cut_info_string",
     "num_pipeline_micro_batches",
-    "gradient_accumulation_steps",
-    "loss_output_name",
-    "training_optimizer_name",
-    "enable_grad_norm_clip",
-    "use_mixed_precision",
-    "deepspeed_zero_stage",
-    "enable_adasum",
-    "set_gradients_as_graph_outputs",  # its outputs are gathered over the ranks
     "sliced_tensor_names",  # how each rank cuts its feeds into micro-batches
     "sliced_axes",
     "sliced_schema",
-    "lr_params_feed_name",
-    "optimizer_attributes_map",
-    "optimizer_int_attributes_map",
-    "use_fp16_moments",
-    "mixed_precision_dtype",
-    "gradient_accumulation_mode",
+    *SHARED_OPTIONS,
 )
 
 

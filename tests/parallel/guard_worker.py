@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 from onnxtrain import RunOptions, TrainingParameters, TrainingSession  # noqa: E402
 from onnxtrain.parallel import get_communicator, split_batch, world  # noqa: E402
 from tests.session.helpers import batches, mlp_model  # noqa: E402
+from tests.session.helpers import params as session_params  # noqa: E402
 
 LR = np.array([0.05], np.float32)
 BATCH = 16
@@ -37,12 +38,7 @@ WEIGHTS = ("W1", "b1", "W2", "b2")
 
 
 def params(opt: str = "AdamOptimizer", **kw) -> TrainingParameters:
-    p = TrainingParameters()
-    p.loss_output_name = "loss"
-    p.training_optimizer_name = opt
-    for k, v in kw.items():
-        setattr(p, k, v)
-    return p
+    return session_params(opt, **kw)
 
 
 def model_bytes() -> bytes:
