@@ -780,14 +780,15 @@ def test_error_builtin_loss_on_multi_output_model_needs_loss_input_names(tmp_pat
 
 
 def test_cross_entropy_on_sequence_logits_matches_torch(tmp_path):
-    """[B, T, V] logits with [B, T] labels: classes moved to axis 1 for SoftmaxCrossEntropyLoss."""
+    """[B, T, V] logits with [B, T] labels: CrossEntropyLoss(class_axis=-1) moves the classes to axis 1 for
+    SoftmaxCrossEntropyLoss (LossType.CrossEntropyLoss takes them on axis 1, as onnxruntime's kernel)."""
     model, feeds, module = export("gpt_block", training=True, batch=2, dropout=0.0)
     params = initializers(model)
     trainable = [n for n in params if n in dict(module.named_parameters())]
     generate_artifacts(
         model,
         requires_grad=trainable,
-        loss=LossType.CrossEntropyLoss,
+        loss=onnxblock.loss.CrossEntropyLoss(class_axis=-1),
         optimizer=OptimType.AdamW,
         artifact_directory=tmp_path,
     )

@@ -296,14 +296,30 @@ def test_cross_entropy_plain_matches_torch():
 
 
 def test_cross_entropy_sequence_logits():
-    """[B, T, C] logits with [B, T] labels (the reference fails at run time)."""
+    """[B, T, C] logits with [B, T] labels, class_axis=-1 (onnxruntime-training fails at run time)."""
     logits = RNG.standard_normal((2, 3, 5)).astype(np.float32)
     labels = RNG.integers(0, 5, (2, 3)).astype(np.int64)
-    m, _ = build(lambda: onnxblock.loss.CrossEntropyLoss()("x"), {"x": logits})
+    m, _ = build(lambda: onnxblock.loss.CrossEntropyLoss(class_axis=-1)("x"), {"x": logits})
     assert [d.dim_value for d in m.graph.input[1].type.tensor_type.shape.dim] == [2, 3]
     (out,) = compile_model(m).run({"x": logits, "labels": labels})
     ref = F.cross_entropy(torch.from_numpy(logits).reshape(-1, 5), torch.from_numpy(labels).reshape(-1))
     np.testing.assert_allclose(out, ref.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("t", [3, 5])
+def test_cross_entropy_takes_classes_on_axis_1_as_torch(t: int):
+    """Scores [N, C, T] (torch's and ONNX's layout; onnxruntime-training's kernels read them so): labels
+    [N, T], the loss as torch's cross_entropy, also when T equals C (3: the classes-last reading gave
+    another loss without an error)."""
+    scores = RNG.standard_normal((2, 3, t))
+    labels = RNG.integers(0, 3, (2, t)).astype(np.int64)
+    m, _ = build(lambda: onnxblock.loss.CrossEntropyLoss()("x"), {"x": scores})
+    assert [d.dim_value for d in m.graph.input[1].type.tensor_type.shape.dim] == [2, t]
+    (out,) = compile_model(m).run({"x": scores, "labels": labels})
+    want = F.cross_entropy(torch.from_numpy(scores), torch.from_numpy(labels)).numpy()
+    np.testing.assert_allclose(out, want, rtol=1e-12)
+    with pytest.raises(onnxblock.BlockError, match="class_axis"):
+        onnxblock.loss.CrossEntropyLoss(class_axis=2)
 
 
 def test_existing_target_is_reused():

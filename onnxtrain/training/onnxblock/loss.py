@@ -5,9 +5,10 @@ of that name, else creates a graph input for it, and returns the loss. ``reducti
 (over all elements; CrossEntropyLoss: over the non-ignored samples), "sum" or "none".
 
 Fixes over onnxruntime-training 1.19.2: BCEWithLogitsLoss is the stable log-sum-exp form (no NaN
-for large logits); CrossEntropyLoss takes class scores on the last axis for any rank ≥ 2 (logits
-``[B, T, C]`` with labels ``[B, T]`` work); ``weight`` may be a numpy array; ``reduction="none"``
-works for every loss.
+for large logits); CrossEntropyLoss declares its labels right for scores of any rank ≥ 2 (classes on
+axis 1, as the ONNX op, torch and onnxruntime's kernels take them; onnxruntime-training declared the
+labels as if they were last), and ``class_axis=-1`` takes logits ``[B, T, C]`` with labels ``[B, T]``;
+``weight`` may be a numpy array; ``reduction="none"`` works for every loss.
 """
 
 from __future__ import annotations
@@ -109,17 +110,24 @@ class BCEWithLogitsLoss(Block):
 
 
 class CrossEntropyLoss(Block):
-    """``SoftmaxCrossEntropyLoss(scores, labels[, weight])`` with classes on the **last** axis.
+    """``SoftmaxCrossEntropyLoss(scores, labels[, weight])``: scores ``[N, C, d1, ...]``, classes on axis 1
+    as in the ONNX op and ``torch.nn.functional.cross_entropy``.
 
-    The labels input (created when absent) is INT64 with the scores' shape minus the last dim.
-    Scores of rank > 2 are transposed so that classes are on axis 1, as the ONNX op wants.
+    The labels input (created when absent) is INT64 with the scores' shape minus the class axis.
+    ``class_axis=-1`` (onnxtrain's) takes classes on the last axis instead, e.g. a language model's logits
+    ``[B, T, C]`` with labels ``[B, T]``: the scores are then transposed to the op's layout.
     """
 
-    def __init__(self, weight: Any = None, reduction: str = "mean", ignore_index: int | None = None) -> None:
+    def __init__(self, weight: Any = None, reduction: str = "mean", ignore_index: int | None = None,
+                 class_axis: int = 1) -> None:
         super().__init__()
         self.reduction = _check_reduction(reduction)
         self.weight = None if weight is None else np.asarray(weight)
         self.ignore_index = None if ignore_index is None else int(ignore_index)
+        if class_axis not in (1, -1):
+            raise BlockError(f"CrossEntropyLoss: class_axis must be 1 (the ONNX layout) or -1 (the last "
+                             f"axis), got {class_axis!r}")
+        self.class_axis = class_axis
 
     def build(self, scores_input_name: str, labels_name: str = "labels") -> str:
         acc = _acc()
@@ -127,20 +135,18 @@ class CrossEntropyLoss(Block):
         shape = acc.shape(x)
         if shape is None or len(shape) < 2:
             got = "an unknown rank" if shape is None else f"shape {shape}"
-            raise BlockError(
-                f"CrossEntropyLoss needs scores of known rank >= 2 with classes on the last axis; "
-                f"{x!r} has {got}"
-            )
+            raise BlockError(f"CrossEntropyLoss needs scores of known rank >= 2; {x!r} has {got}")
+        last = self.class_axis == -1
         if not acc.has_value(labels_name):
             tp = helper.make_tensor_type_proto(TensorProto.INT64, None)
-            for d in shape[:-1]:
+            for d in (shape[:-1] if last else [shape[0], *shape[2:]]):
                 dim = tp.tensor_type.shape.dim.add()
                 if isinstance(d, int):
                     dim.dim_value = d
                 elif isinstance(d, str):
                     dim.dim_param = d
             acc.add_input(labels_name, tp)
-        if len(shape) > 2:  # [B, d1.., C] -> [B, C, d1..]
+        if last and len(shape) > 2:  # [B, d1.., C] -> [B, C, d1..]
             x = acc.node(
                 "Transpose", [x], "transpose_output", perm=[0, len(shape) - 1, *range(1, len(shape) - 1)]
             )[0]
