@@ -84,7 +84,7 @@ import enum
 import inspect
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -193,7 +193,7 @@ def _load(model: Any) -> onnx.ModelProto:
 def _names(value: Any, what: str) -> list[str]:
     if value is None:
         return []
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise ArtifactError(
             f"Unknown type provided for {what}: {type(value).__name__}. Expected a list of tensor names."
         )
@@ -387,7 +387,10 @@ def build_training_models(
     untie_batch_norm_statistics(m, NameGen.for_model(m))  # an exporter's merged ones: each layer its own
     g = m.graph
     inits = {t.name: t for t in g.initializer}
-    _check_initializers(base, inits, frozen, "frozen_params")
+    unknown = [n for n in frozen if n not in inits]
+    if unknown:  # onnxruntime-training looks frozen names up among the initializers and skips the others
+        warn(f"frozen_params names {unknown} that are not initializers of the model; they are left out")
+        frozen = [n for n in frozen if n in inits]
     _check_float({n: inits[n].data_type for n in trainable if n in inits}, "initializers")
     model_outputs = [o.name for o in g.output]
     args = model_outputs if loss_inputs is None else loss_inputs

@@ -364,6 +364,29 @@ def test_clip_grad_norm(mlp, tmp_path, opt, runner):
         close(out[f"{p}.out"], ref, rtol=1e-6)
 
 
+def test_names_may_come_in_any_iterable(tmp_path):
+    """requires_grad and frozen_params as a set, dict keys or a generator, as onnxruntime-training took them:
+    the same artifacts as lists give."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])
+    inits = [numpy_helper.from_array(np.ones((3, 2), np.float32), "w"),
+             numpy_helper.from_array(np.zeros(2, np.float32), "b")]
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["m"]),
+                               helper.make_node("Add", ["m", "b"], ["y"])], "g", [x], [y], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    made = []
+    kinds = [(["w"], ["b"]), ({"w"}, {"b": 0}.keys()), ((n for n in ["w"]), iter(["b"]))]
+    for k, (req, frozen) in enumerate(kinds):
+        folder = tmp_path / str(k)
+        folder.mkdir()
+        generate_artifacts(model, requires_grad=req, frozen_params=frozen, loss=LossType.MSELoss,
+                           optimizer=OptimType.AdamW, artifact_directory=folder)
+        made.append(load(folder, "training_model.onnx").SerializeToString())
+    assert made[0] == made[1] == made[2]
+    with pytest.raises(ArtifactError, match="Expected a list of tensor names"):
+        generate_artifacts(model, requires_grad="w", loss=LossType.MSELoss, artifact_directory=tmp_path)
+
+
 def test_adamw_float64_parameters(tmp_path):
     x = helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["batch", 3])
     y = helper.make_tensor_value_info("y", TensorProto.DOUBLE, ["batch", 2])

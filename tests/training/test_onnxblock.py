@@ -174,7 +174,7 @@ def test_input_like_and_pass_through():
         again = onnxblock.blocks.InputLike("x")("target")
         same = onnxblock.blocks.PassThrough()("x")
         pair = onnxblock.blocks.PassThrough()("x", "target")
-    assert t == again == "target" and same == "x" and pair == ("x", "target")
+    assert t == again == "target" and same == ("x",) and pair == ("x", "target")  # tuples, as onnxruntime
     assert [v.name for v in acc.model.graph.input] == ["x", "target"]
     assert acc.model.graph.input[1].type == acc.model.graph.input[0].type
     assert [v.name for v in m.graph.input] == ["x"]  # the caller's model is left as it was
@@ -391,6 +391,9 @@ def test_checkpoint_helpers(tmp_path):
     b = numpy_helper.from_array(np.ones(3, np.float32), "b")
     onnxblock.save_checkpoint(([w], [b]), tmp_path / "ckpt")
     onnxblock.save_checkpoint(([w], [b]), tmp_path / "nominal", nominal_checkpoint=True)
+    onnxblock.save_checkpoint([[w], [b]], tmp_path / "listed")  # any pair, as onnxruntime-training takes
+    with open(tmp_path / "ckpt", "rb") as f, open(tmp_path / "listed", "rb") as g:
+        assert f.read() == g.read()
     model = helper.make_model(
         helper.make_graph([], "g", [], [], [numpy_helper.from_array(np.zeros((2, 3), np.float32), "w")])
     )

@@ -298,10 +298,10 @@ class InputLike(Block):
 
 
 class PassThrough(Block):
-    """Returns its inputs unchanged (one name, or a tuple of names)."""
+    """Returns its inputs unchanged, as a tuple of names (one element for one input, as onnxruntime's)."""
 
-    def build(self, *input_names: str) -> str | tuple[str, ...]:
-        return input_names[0] if len(input_names) == 1 else tuple(input_names)
+    def build(self, *input_names: str) -> tuple[str, ...]:
+        return tuple(input_names)
 
 
 class SequenceConstruct(Block):

@@ -22,8 +22,8 @@ def save_checkpoint(
 
     The parameters keep the order of the lists, as onnxruntime-training's ``onnxblock.save_checkpoint``
     writes them (it sorts nothing; only ``CheckpointState.save_checkpoint`` writes names sorted)."""
-    if not isinstance(parameters, tuple) or len(parameters) != 2:
-        raise BlockError("parameters must be a tuple (trainable TensorProtos, frozen TensorProtos)")
+    if not isinstance(parameters, (tuple, list)) or len(parameters) != 2:
+        raise BlockError("parameters must be a pair (trainable TensorProtos, frozen TensorProtos)")
     trainable, frozen = ({t.name: numpy_helper.to_array(t) for t in group} for group in parameters)
     _save(Checkpoint(trainable, frozen, [], {}, nominal=bool(nominal_checkpoint)), path_to_checkpoint,
           sort_parameters=False)

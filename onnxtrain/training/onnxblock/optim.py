@@ -210,7 +210,7 @@ class Optimizer(Block):
 def _is_parameters(v: Any) -> bool:
     """Whether ``v`` is a ``(trainable, frozen)`` pair of TensorProto lists (``TrainingBlock.parameters()``
     gives one)."""
-    return (isinstance(v, tuple) and len(v) == 2 and all(isinstance(g, (list, tuple)) for g in v)
+    return (isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(g, (list, tuple)) for g in v)
             and all(isinstance(t, onnx.TensorProto) for g in v for t in g))
 
 
