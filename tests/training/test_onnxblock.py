@@ -401,3 +401,35 @@ def test_checkpoint_helpers(tmp_path):
     np.testing.assert_array_equal(numpy_helper.to_array(model.graph.initializer[0]), numpy_helper.to_array(w))
     with pytest.raises(BlockError, match="Cannot load a nominal checkpoint"):
         onnxblock.load_checkpoint_to_model(tmp_path / "nominal", model)
+
+
+def test_block_api_of_onnxruntime_training_custom_blocks():
+    """What custom blocks written for onnxruntime-training use: Block(temp_file_name=...) (relative only),
+    infer_shapes_on_base(), base(model, model_path).has_path / .path, InputLike(like)() with a generated
+    name."""
+
+    class Doubled(onnxblock.Block):
+        def __init__(self):
+            super().__init__(temp_file_name="doubled.onnx")
+            self.add = onnxblock.blocks.Add()
+
+        def build(self, x):
+            out = self.add(x, x)
+            inferred = self.infer_shapes_on_base()
+            assert [d.dim_value for d in next(v for v in inferred.graph.value_info if v.name == out)
+                    .type.tensor_type.shape.dim] == [2, 4]
+            return out
+
+    with pytest.raises(RuntimeError, match="relative path"):
+        onnxblock.blocks.PassThrough.__init__(onnxblock.blocks.PassThrough(), temp_file_name="/abs.onnx")
+    m = base_model({"x": (TensorProto.FLOAT, [2, 4])})
+    with onnxblock.base(m, "model.onnx") as acc:
+        y = Doubled()("x")
+        extra = onnxblock.blocks.InputLike("x")()
+    assert acc.has_path and acc.path == "model.onnx"
+    assert extra.startswith("onnx::input::") and acc.model.graph.input[-1].name == extra
+    (out,) = compile_model(finish(acc.model, [y])).run({"x": np.ones((2, 4), np.float32),
+                                                       extra: np.zeros((2, 4), np.float32)})
+    np.testing.assert_array_equal(out, 2 * np.ones((2, 4)))
+    with onnxblock.base(m) as acc:
+        assert not acc.has_path

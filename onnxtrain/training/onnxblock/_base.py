@@ -37,6 +37,12 @@ class ModelBase:
         self.counter = 0
         self.consts: dict[str, tuple[float, int]] = {}  # 0-d constants made by blocks: name -> (value, type)
         self._types: dict[str, onnx.TypeProto] | None = None
+        self.path: str | None = getattr(self, "path", None)  # base()'s model_path (kept by replace)
+
+    @property
+    def has_path(self) -> bool:
+        """Whether ``base`` was given the model's path (onnxruntime-training's accessor attribute)."""
+        return self.path is not None
 
     def replace(self, model: onnx.ModelProto) -> None:
         """Hold ``model`` from now on (a copy into the edited proto; names and types looked up afresh)."""
@@ -171,6 +177,7 @@ def base(model: onnx.ModelProto, model_path: str | None = None) -> Iterator[Mode
     clone = onnx.ModelProto()
     clone.CopyFrom(model)
     with editing(clone) as acc:
+        acc.path = model_path  # onnxruntime-training's accessor tells whether the model came with a path
         yield acc
 
 

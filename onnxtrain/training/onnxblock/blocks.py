@@ -21,6 +21,7 @@ float16 models), and ``ReduceAllL2`` is built from standard ops.
 from __future__ import annotations
 
 import abc
+import os
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,12 @@ class Block(abc.ABC):
     ModelProto being edited during the call.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, temp_file_name: str = "temp.onnx") -> None:
+        # onnxruntime-training saved the model there between blocks when the base had a path (external
+        # data); onnxtrain edits it in memory, and only checks the name as onnxruntime did
+        if os.path.isabs(temp_file_name):
+            raise RuntimeError("Please pass in a relative path for the temp_file_name.")
+        self.temp_file_name = temp_file_name
         self.base: onnx.ModelProto | None = None
 
     @abc.abstractmethod
@@ -48,6 +54,10 @@ class Block(abc.ABC):
         acc = current()
         self.base = acc.model
         return self.build(*args, **kwargs)
+
+    def infer_shapes_on_base(self) -> onnx.ModelProto:
+        """The model being edited, with the value infos ONNX shape inference gives it (a copy)."""
+        return onnx.shape_inference.infer_shapes(current().model)
 
 
 def _acc() -> ModelBase:
@@ -279,7 +289,8 @@ class Constant(Block):
 
 
 class InputLike(Block):
-    """A new graph input named ``input_name`` with the type and shape of value ``like``.
+    """A new graph input named ``input_name`` (a generated name if None) with the type and shape of value
+    ``like``.
 
     If a value named ``input_name`` already exists it is returned unchanged.
     """
@@ -288,8 +299,10 @@ class InputLike(Block):
         super().__init__()
         self.like = like
 
-    def build(self, input_name: str) -> str:
+    def build(self, input_name: str | None = None) -> str:
         acc = _acc()
+        if input_name is None:  # a generated name, as onnxruntime-training's
+            input_name = acc.fresh("input")
         if acc.has_value(input_name):
             return input_name
         tp = onnx.TypeProto()
