@@ -56,6 +56,30 @@ def test_float16_runs_in_float32() -> None:
         np.testing.assert_array_equal(y, ref, err_msg=op)
 
 
+SCALAR_CASES = [("Sigmoid", 13), ("Softplus", 1), ("Softsign", 1), ("Elu", 6), ("Selu", 6), ("Celu", 12),
+                ("Mish", 18), ("HardSigmoid", 6), ("HardSwish", 14)]
+
+
+@pytest.mark.parametrize("op,opset", SCALAR_CASES)
+def test_a_scalar_input_gives_a_scalar_as_the_array_does(op: str, opset: int) -> None:
+    """Rank 0 (a numpy scalar from the formulas' first pass broke the next out= pass); the value is the
+    one-element array's, and onnxruntime's within float32 rounding."""
+    x = np.array(0.5, np.float32)
+    y = run(op, x, opset=opset)
+    assert y.shape == () and y.dtype == np.float32
+    assert y == run(op, x.reshape(1), opset=opset)[0]
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph([helper.make_node(op, ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    (want,) = sess.run(None, {"x": x})
+    np.testing.assert_allclose(y, want, rtol=2e-7)
+
+
 def test_gelu_matches_the_erf_formula() -> None:
     x = np.linspace(-6, 6, 101)
     want = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x])

@@ -27,6 +27,9 @@ def _float_op(op: str, since: int) -> Callable[[FloatFn], FloatFn]:
     def register(fn: FloatFn) -> FloatFn:
         def run(inputs: Inputs, attrs: Attrs) -> Outputs:
             x = inputs[0]
+            if x.ndim == 0:  # the formulas' out= passes want arrays, not numpy scalars
+                (y,) = run((x.reshape(1), *inputs[1:]), attrs)
+                return (y.reshape(()),)
             if x.dtype in _NATIVE:
                 return (np.asarray(fn(x, attrs)),)
             return (np.asarray(fn(x.astype(np.float32), attrs)).astype(x.dtype),)
