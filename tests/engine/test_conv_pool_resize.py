@@ -401,3 +401,27 @@ def test_resize_tf_half_pixel_for_nn_gradient(attrs: dict[str, Any]) -> None:
     xf = x.astype(np.float32)
     ours = compile_model(gm).run({"x": xf})
     np.testing.assert_allclose(ours[-1], sess.run(None, {"x": xf})[-1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("width,scale", [(7, 0.5), (7, 0.75), (13, 1.5), (9, 0.5), (11, 0.25)])
+def test_resize_half_pixel_symmetric_nearest_ceil_as_onnxruntime(width: int, scale: float) -> None:
+    """The offset of half_pixel_symmetric in float32, as onnxruntime and onnx.reference compute it: in float64
+    it landed an ulp above a whole source position and "ceil" took the next pixel (7 pixels at 0.5 gave
+    [2, 3, 5] for [1, 3, 5]); kernel fuzz audit."""
+    x = np.arange(width, dtype=np.float32).reshape(1, 1, 1, width)
+    scales = np.array([1, 1, 1, scale], np.float32)
+    attrs = dict(mode="nearest", coordinate_transformation_mode="half_pixel_symmetric", nearest_mode="ceil")
+    (ours,) = _ours("Resize", [x, None, scales], opset=19, **attrs)
+    (want,) = _ort("Resize", [x, None, scales], opset=19, **attrs)
+    np.testing.assert_array_equal(ours, want)
+
+
+@pytest.mark.parametrize("mode", ["linear", "cubic"])
+@pytest.mark.parametrize("shape", [(0, 3, 4, 4), (2, 0, 4, 4), (2, 3, 0, 4), (2, 3, 4, 0)])
+def test_resize_of_an_empty_tensor_is_empty(mode: str, shape: tuple[int, ...]) -> None:
+    """A zero-size dim (the reshapes of the linear and cubic paths failed on it), as onnxruntime gives."""
+    x = np.zeros(shape, np.float32)
+    scales = np.array([1, 1, 2, 2], np.float32)
+    (ours,) = _ours("Resize", [x, None, scales], opset=19, mode=mode)
+    (want,) = _ort("Resize", [x, None, scales], opset=19, mode=mode)
+    assert ours.shape == want.shape == (shape[0], shape[1], 2 * shape[2], 2 * shape[3])

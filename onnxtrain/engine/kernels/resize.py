@@ -29,8 +29,11 @@ def _source_coords(mode: str, out_len: int, in_len: int, scale: float, roi: tupl
     if mode == "pytorch_half_pixel":
         return (np.full(out_len, -0.5) if width == 1 else (y + 0.5) / scale - 0.5), None
     if mode == "half_pixel_symmetric":
-        offset = in_len / 2 * (1 - out_len / width)
-        return offset + (y + 0.5) / scale - 0.5, None
+        # in float32, as onnx.reference and onnxruntime compute it: in float64 the offset of, e.g., 7 pixels
+        # at scale 0.5 lands an ulp above 0.5, and a nearest "ceil" then takes the next pixel
+        f = np.float32
+        offset = f(in_len) / f(2) * (f(1) - f(out_len) / f(f(scale) * f(in_len)))
+        return float(offset) + (y + 0.5) / scale - 0.5, None
     if mode == "align_corners":
         if out_len > 1 and abs(width - out_len) > 1e-6 * out_len:
             _warn_unrounded(in_len, scale, width, out_len)
@@ -129,6 +132,9 @@ def _tap_matrix(idx: np.ndarray, w: np.ndarray, in_len: int) -> np.ndarray:
 
 def _apply(x: np.ndarray, axis: int, plan: tuple[Any, ...], extrapolation: float) -> np.ndarray:
     kind = plan[0]
+    if x.size == 0:  # nothing to sample (the reshapes below cannot infer a size from 0 values)
+        n = len(plan[1]) if kind == "take" else plan[1].shape[0]
+        return np.zeros(x.shape[:axis] + (n,) + x.shape[axis + 1:], x.dtype)
     if kind == "take":
         y = np.take(x, plan[1], axis=axis)
     else:
