@@ -19,9 +19,10 @@ from onnxtrain.user_warning import warn
 _DENSE_LIMIT = 1 << 22  # beyond out*in entries, gather taps instead of a dense matrix
 
 
-def _source_coords(mode: str, out_len: int, in_len: int, scale: float, roi: tuple[float, float] | None
-                   ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Source coordinate of every output index, and the mask of positions outside the roi."""
+def _source_coords(mode: str, out_len: int, in_len: int, scale: float, roi: tuple[float, float] | None,
+                   dtype: np.dtype | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Source coordinate of every output index, and the mask of positions outside the roi (``dtype``: the
+    input's, whose precision half_pixel_symmetric's offset takes)."""
     y = np.arange(out_len, dtype=np.float64)
     width = scale * in_len  # the unrounded output length, as the ONNX reference uses it
     if mode == "half_pixel":
@@ -29,9 +30,10 @@ def _source_coords(mode: str, out_len: int, in_len: int, scale: float, roi: tupl
     if mode == "pytorch_half_pixel":
         return (np.full(out_len, -0.5) if width == 1 else (y + 0.5) / scale - 0.5), None
     if mode == "half_pixel_symmetric":
-        # in float32, as onnx.reference and onnxruntime compute it: in float64 the offset of, e.g., 7 pixels
-        # at scale 0.5 lands an ulp above 0.5, and a nearest "ceil" then takes the next pixel
-        f = np.float32
+        # the offset in the input's precision (float32 below float64), as onnx.reference and onnxruntime
+        # compute it: in float64 the offset of 7 float32 pixels at scale 0.5 lands an ulp above 0.5, and a
+        # nearest "ceil" then takes the next pixel
+        f = np.float32 if dtype is not None and dtype != np.float64 else np.float64
         offset = f(in_len) / f(2) * (f(1) - f(out_len) / f(f(scale) * f(in_len)))
         return float(offset) + (y + 0.5) / scale - 0.5, None
     if mode == "align_corners":
@@ -109,7 +111,7 @@ def _taps(x: np.ndarray, in_len: int, scale: float, attrs: Attrs, mode: str
 
 def _axis_plan(attrs: Attrs, mode: str, in_len: int, out_len: int, scale: float,
                roi: tuple[float, float] | None, dtype: np.dtype) -> tuple[Any, ...]:
-    x, outside = _source_coords(attrs["coordinate_transformation_mode"], out_len, in_len, scale, roi)
+    x, outside = _source_coords(attrs["coordinate_transformation_mode"], out_len, in_len, scale, roi, dtype)
     if mode == "nearest":
         return ("take", _nearest_index(x, attrs["nearest_mode"], in_len), outside)
     if mode not in ("linear", "cubic"):
