@@ -15,6 +15,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from onnxtrain.engine.kernels.clamp import clip_ufunc
+from onnxtrain.engine.kernels.half import F32, is_half
 from onnxtrain.engine.kernels.spread import spread, spread_shape
 from onnxtrain.engine.parallel import for_rows, width
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
@@ -403,8 +404,21 @@ def _variadic(fn: Callable[..., Any]) -> Callable[[Inputs, Attrs], Outputs]:
     return run
 
 
+def _sum_float32(xs: Inputs) -> np.ndarray:
+    """The sum of float16/bfloat16 ``xs`` in float32, in _fold's order, not yet rounded (Mean)."""
+    r = xs[0].astype(F32)
+    for x in xs[1:]:
+        if np.broadcast_shapes(r.shape, x.shape) == r.shape:
+            np.add(r, x.astype(F32), out=r)
+        else:
+            r = r + x.astype(F32)
+    return r
+
+
 kernel("Max", since=8)(_variadic(np.maximum))
 kernel("Min", since=8)(_variadic(np.minimum))
+# Sum folds in the input type, half types included: the fusion expand_sums rewrites a Sum as the same
+# chain of Adds (each rounded) without knowing the dtype, and must stay bit-identical to this kernel
 kernel("Sum", since=8)(_variadic(np.add))
 
 
@@ -412,6 +426,10 @@ kernel("Sum", since=8)(_variadic(np.add))
 def mean(inputs: Inputs, attrs: Attrs) -> Outputs:
     if len(inputs) == 1:
         return (inputs[0],)
+    if is_half(inputs[0].dtype):  # the sum and the division in float32, rounded once
+        r = _sum_float32(inputs)
+        r /= len(inputs)
+        return (r.astype(inputs[0].dtype),)
     r = _fold(np.add, inputs)
     r /= len(inputs)
     return (r,)

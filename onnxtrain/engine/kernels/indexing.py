@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxtrain.engine.kernels.half import F32, is_half
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 
@@ -279,7 +280,11 @@ def _cumulative(inputs: Inputs, attrs: Attrs, scan: Any, start: int) -> Outputs:
     axis = _axis(int(np.asarray(inputs[1]).reshape(-1)[0]), x.ndim)
     rev = attrs.get("reverse")
     y = np.flip(x, axis) if rev else x
-    cs = scan(y, axis=axis, dtype=x.dtype)
+    # float16/bfloat16 scan in float32 and round once: a float16 running sum of ones stops at 2048
+    half = is_half(x.dtype)
+    cs = scan(y, axis=axis, dtype=F32 if half else x.dtype)
+    if half:
+        cs = cs.astype(x.dtype)
     if attrs.get("exclusive"):
         shifted = np.full_like(cs, start)
         n = x.shape[axis]

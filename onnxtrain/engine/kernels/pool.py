@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain.engine.kernels.conv import explicit_pads, pad_input, spatial_attrs
+from onnxtrain.engine.kernels.half import F32, is_float, is_half
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 
@@ -55,7 +56,7 @@ def _geometry(attrs: Attrs, x: np.ndarray) -> dict[str, Any]:
 
 
 def _lowest(dtype: np.dtype) -> Any:
-    return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
+    return -np.inf if is_float(dtype) else np.iinfo(dtype).min  # bfloat16's kind is 'V'
 
 
 def _counts(g: dict[str, Any], include_pad: bool) -> np.ndarray:
@@ -131,6 +132,14 @@ def _index_tables(attrs: Attrs, g: dict[str, Any], xs: tuple[int, ...]) -> tuple
 def average_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
     g = _geometry(attrs, x)
+    if is_half(x.dtype):  # sum in float32, divide by the count there, round once (as ONNX and ORT)
+        s = _window_sum(pad_input(x.astype(F32), g["pb"], g["sizes"]), g)
+        key = ("cnt", x.shape)
+        cnt = attrs.cache.get(key)
+        if cnt is None:
+            cnt = attrs.cache[key] = _counts(g, bool(attrs.get("count_include_pad") or 0)).astype(F32)
+        s /= cnt
+        return (s.astype(x.dtype),)
     xp = pad_input(x, g["pb"], g["sizes"])
     s = _window_sum(xp, g)
     key = ("div", x.shape, x.dtype)
@@ -147,9 +156,13 @@ def lp_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
     p = float(attrs.get("p") or 2)
     g = _geometry(attrs, x)
+    dt = x.dtype
+    if is_half(dt):  # powers and sums in float32 (x² of float16 overflows from 256), rounded once
+        x = x.astype(F32)
     a = x * x if p == 2 else np.abs(x) ** np.asarray(p, dtype=x.dtype)
     s = _window_sum(pad_input(a, g["pb"], g["sizes"]), g)
-    return (np.sqrt(s, out=s) if p == 2 else s ** np.asarray(1.0 / p, dtype=x.dtype),)
+    y = np.sqrt(s, out=s) if p == 2 else s ** np.asarray(1.0 / p, dtype=x.dtype)
+    return (y if y.dtype == dt else y.astype(dt),)
 
 
 def _spatial_axes(x: np.ndarray) -> tuple[int, ...]:
@@ -159,7 +172,10 @@ def _spatial_axes(x: np.ndarray) -> tuple[int, ...]:
 @kernel("GlobalAveragePool", since=1)
 def global_average_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
-    return (np.asarray(np.mean(x, axis=_spatial_axes(x), keepdims=True), dtype=x.dtype),)
+    dt = x.dtype
+    if is_half(dt):  # np.mean of bfloat16 would accumulate in bfloat16
+        x = x.astype(F32)
+    return (np.asarray(np.mean(x, axis=_spatial_axes(x), keepdims=True)).astype(dt, copy=False),)
 
 
 @kernel("GlobalMaxPool", since=1)
@@ -171,13 +187,16 @@ def global_max_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
 @kernel("GlobalLpPool", since=2)
 def global_lp_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
+    dt = x.dtype
+    if is_half(dt):  # x² of float16 overflows from 256; np.sum of bfloat16 sums in bfloat16
+        x = x.astype(F32)
     p = float(attrs.get("p") or 2)
     ax = _spatial_axes(x)
     if p == 2:
         s = np.sqrt(np.sum(x * x, axis=ax, keepdims=True))
     else:
         s = np.sum(np.abs(x) ** p, axis=ax, keepdims=True) ** (1.0 / p)
-    return (np.asarray(s, dtype=x.dtype),)
+    return (np.asarray(s, dtype=dt),)
 
 
 @kernel("MaxUnpool", since=9)

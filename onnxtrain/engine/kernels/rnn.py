@@ -193,7 +193,8 @@ class _Seq:
         if b is not None:
             if b.shape != (n_dirs, 2 * gh):
                 raise ValueError(f"B must have shape {(n_dirs, 2 * gh)}, got {b.shape}")
-            bias = b[:, :gh].copy()
+            # bfloat16 runs in float32 (numpy's bfloat16 matmul returns float32): so do the biases' sums
+            bias = b[:, :gh].astype(np.float32) if b.dtype.kind == "V" else b[:, :gh].copy()
             nb = rec_bias_gates * hid
             bias[:, :nb] += b[:, gh:gh + nb]
         self.mask: np.ndarray | None = None  # [steps, 1, batch, 1] bool, where a step is valid
@@ -267,6 +268,8 @@ class _Seq:
             if k < len(used) and used[k]:
                 if self.empty is not None:
                     f = np.where(self.empty[None, :, None], 0, f)
+                if f.dtype != self.dtype:  # bfloat16: numpy's matmul returns float32, the states follow
+                    f = f.astype(self.dtype)
                 out.append(f if s.layout == 0 else np.ascontiguousarray(f.transpose(1, 0, 2)))
             else:
                 out.append(None)
