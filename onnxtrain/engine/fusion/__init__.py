@@ -46,7 +46,10 @@ r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph it
 
 Every fused step checks the shapes and dtypes it was specialised for and otherwise runs the original
 steps, so a fusion never changes what a graph computes beyond float summation order (the two GEMM
-rewrites) and never turns a working graph into a failing one.
+rewrites, float32/float64 only) and the rounding of products that are summed at once (the per-channel dot
+products: a·b is not rounded before its sum, about 1 ulp per channel, float32/float64 only), and never
+turns a working graph into a failing one. Half-precision steps are never rewritten in ways that round
+differently.
 """
 
 from __future__ import annotations
