@@ -1,7 +1,7 @@
 """float16 and bfloat16 in kernels that accumulate: CumSum, AveragePool/LpPool and their Global forms, Conv
-(with bias), ConvTranspose, Col2Im and Mean sum in float32 and round to the half type once, as ONNX's
-reference and onnxruntime do; bfloat16 Conv and RNN/GRU/LSTM outputs keep the declared type; MaxPool runs
-on bfloat16.
+(with bias), ConvTranspose, Col2Im, Mean, Sum and LRN's window sum in float32 and round to the half type
+once, as ONNX's reference and onnxruntime do; bfloat16 Conv and RNN/GRU/LSTM outputs keep the declared type;
+MaxPool runs on bfloat16.
 
 Oracles: float64 numpy/torch results (an output rounded once is within half an ulp of them; summing in
 the half type was several ulps off, or stopped growing, or overflowed), onnxruntime's float16 kernels, and,
@@ -330,4 +330,82 @@ def test_mean_sums_and_divides_in_float32(dt: np.dtype, fuse: bool) -> None:
     assert _ulps(y, ref, dt) <= ONCE
     if dt == F16:
         (r,) = _ort("Mean", xs)
+        assert _ulps(r, ref, dt) <= ONCE
+
+
+# --- Sum -----------------------------------------------------------------------------------------------
+
+def _sum_graph(dt: np.dtype, k: int, then: str | None = None) -> onnx.ModelProto:
+    """Sum of ``k`` products x_i · x_0 (so its inputs and output are intermediate values of no declared
+    type), optionally followed by an elementwise ``then`` (a cluster the Sum's Adds could join)."""
+    elem = helper.np_dtype_to_tensor_dtype(dt)
+    nodes = [helper.make_node("Mul", [f"x{i}", "x0"], [f"p{i}"]) for i in range(k)]
+    nodes.append(helper.make_node("Sum", [f"p{i}" for i in range(k)], ["s" if then else "y0"]))
+    if then:
+        nodes.append(helper.make_node(then, ["s"], ["y0"]))
+    g_in = [helper.make_tensor_value_info(f"x{i}", elem, None) for i in range(k)]
+    g = helper.make_graph(nodes, "sum", g_in, [helper.make_tensor_value_info("y0", elem, None)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+@pytest.mark.parametrize("dt", HALVES, ids=str)
+def test_sum_adds_in_float32_fused_and_unfused_alike(dt: np.dtype) -> None:
+    """Variadic Sum of half inputs adds in float32 and rounds once (it folded in the half type, 3 ulps off
+    over 16 inputs); the fusion expand_sums, which rewrites float32 Sums as Adds, leaves it as it is, so
+    fused and unfused give the same bits."""
+    rng = np.random.default_rng(17)
+    xs = [_rand(rng, (64, 32), dt, 0.0, 4.0) for _ in range(15)] + [_rand(rng, (32,), dt, 0.0, 4.0)]
+    ref = np.sum(np.stack([np.broadcast_to(v.astype(np.float64), (64, 32)) for v in xs]), axis=0)
+    (fused,) = _ours("Sum", xs)
+    (plain,) = _ours("Sum", xs, fuse=False)
+    assert fused.tobytes() == plain.tobytes()
+    assert _ulps(fused, ref, dt) <= ONCE
+    if dt == F16:
+        (r,) = _ort("Sum", xs)
+        assert _ulps(r, ref, dt) <= ONCE
+    (two,) = _ours("Sum", xs[:2])  # two inputs: one rounding either way
+    assert two.tobytes() == (xs[0].astype(np.float32) + xs[1].astype(np.float32)).astype(dt).tobytes()
+
+
+@pytest.mark.parametrize("dt", [*HALVES, np.dtype(np.float32)], ids=str)
+@pytest.mark.parametrize("then", [None, "Neg"])
+def test_sum_of_intermediates_is_expanded_only_in_full_precision(dt: np.dtype, then: str | None) -> None:
+    """The Sum's type comes from the graph or, for values of no declared type, from type inference: a float32
+    Sum becomes Adds (and joins the products' cluster), a half one stays a Sum; fused = unfused bitwise."""
+    from onnxtrain.engine.plan import Plan
+
+    m = _sum_graph(dt, 6, then)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    ops = [st.node.op_type for st in fused.steps]
+    assert ("Sum" in ops) == (dt != np.float32)
+    rng = np.random.default_rng(3)
+    feeds = {f"x{i}": _rand(rng, (16, 24), dt) for i in range(6)}
+    got, want = fused.run(feeds)[0], plain.run(feeds)[0]
+    assert got.dtype == dt and got.tobytes() == want.tobytes()
+    if dt != np.float32:
+        x = [v.astype(np.float32) for v in feeds.values()]
+        # each product rounded to the half type, as the Muls give them, then summed in float32
+        s = (x[0] * x[0]).astype(dt).astype(np.float32)
+        for v in x[1:]:
+            s += (v * x[0]).astype(dt).astype(np.float32)
+        s = s.astype(dt)
+        assert want.tobytes() == (-s if then else s).tobytes()
+
+
+# --- LRN -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dt", HALVES, ids=str)
+@pytest.mark.parametrize("size", [3, 5])
+def test_lrn_window_sum_in_float32(dt: np.dtype, size: int) -> None:
+    rng = np.random.default_rng(size)
+    x = _rand(rng, (2, 16, 5, 5), dt, -3.0, 3.0)
+    attrs = {"size": size, "alpha": 1e-2, "beta": 0.75, "bias": 1.0}
+    (y,) = _ours("LRN", [x], opset=13, **attrs)
+    w = x.astype(np.float64)
+    sq = np.pad(w * w, ((0, 0), ((size - 1) // 2, size // 2), (0, 0), (0, 0)))
+    s = sum(sq[:, i:i + 16] for i in range(size))
+    ref = w / (1.0 + 1e-2 / size * s) ** 0.75
+    assert _ulps(y, ref, dt) <= ONCE
+    if dt == F16:
+        (r,) = _ort("LRN", [x], opset=13, **attrs)
         assert _ulps(r, ref, dt) <= ONCE

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import onnx
 from onnx import helper
 
 from onnxtrain.engine.donation import donated_now
@@ -16,8 +17,10 @@ from onnxtrain.engine.fusion.common import consumers, make_step, producers, prot
 from onnxtrain.engine.fusion.gemm import matmul_product_side
 from onnxtrain.engine.fusion.shapes import is_memoized
 from onnxtrain.engine.fusion.ufuncs import OWN_KERNEL_OPS, UFUNCS, compile_program, runs_as_ufunc
+from onnxtrain.engine.kernels.half import is_half
 from onnxtrain.engine.kernels.spread import spread, spread_shape
 from onnxtrain.engine.registry import Attrs, find_kernel
+from onnxtrain.ir.types import np_dtype_of
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
@@ -29,15 +32,24 @@ def expand_sums(plan: Plan, steps: list[Step]) -> list[Step]:
     """Rewrite each ``Sum`` of two or more inputs as a chain of ``Add`` steps, in the Sum kernel's order
     ((a + b) + c) + ..., so bit-identical: the Adds can join the elementwise cluster of the values they sum
     (the gradient contributions of a tensor used several times, e.g. in the exported tanh GELU), which
-    then need not be written out whole to be summed by a separate step."""
+    then need not be written out whole to be summed by a separate step.
+
+    Only Sums known to be of float32, float64 or a non-float type: the Sum kernel adds float16/bfloat16 in
+    float32 and rounds once, which Adds in the half type would not reproduce (nor one of unknown type)."""
     from onnxtrain.engine.plan import Step
 
     add = find_kernel("Add", plan.opset, "")
     name_of = {v: k for k, v in plan.slot.items()}
+    sums = [st for st in steps if st.node.op_type == "Sum" and st.node.domain in ("", "ai.onnx")
+            and len(st.inputs) >= 2 and min(st.inputs) >= 0]
+    if not sums:
+        return steps
+    dtypes = _sum_dtypes(plan, sums)
+    expand = {id(st) for st, dt in zip(sums, dtypes) if dt is not None and not is_half(dt)}
     out: list[Step] = []
     for st in steps:
         ins = st.inputs
-        if st.node.op_type != "Sum" or st.node.domain not in ("", "ai.onnx") or len(ins) < 2 or min(ins) < 0:
+        if id(st) not in expand:
             out.append(st)
             continue
         acc = ins[0]
@@ -58,6 +70,35 @@ def expand_sums(plan: Plan, steps: list[Step]) -> list[Step]:
             out.append(Step(add, (acc, s), (dst,), attrs, (), node))
             acc = dst
     return out
+
+
+def _sum_dtypes(plan: Plan, sums: Sequence[Step]) -> list[np.dtype | None]:
+    """The element type T of each Sum in ``sums`` (that of its inputs and output), from the graph's inputs,
+    outputs and value infos, its initializers and folded constants, else from ONNX type inference, run once
+    and only then; None where still unknown."""
+    known: dict[str, np.dtype] = {}
+
+    def read(graph: onnx.GraphProto) -> None:
+        for vi in (*graph.input, *graph.output, *graph.value_info):
+            dt = np_dtype_of(vi.type)
+            if dt is not None:
+                known.setdefault(vi.name, dt)
+
+    def of(st: Step) -> np.dtype | None:
+        return next((known[n] for n in (*st.node.output, *st.node.input) if n in known), None)
+
+    read(plan.model.graph)
+    known.update((n, v.dtype) for n, v in plan.initializers.items())
+    name_of = {v: k for k, v in plan.slot.items()}
+    known.update((name_of[s], v.dtype) for s, v in plan._const_values if s in name_of)
+    found = [of(st) for st in sums]
+    if None in found:
+        try:
+            read(onnx.shape_inference.infer_shapes(plan.model, strict_mode=False).graph)
+        except Exception:  # noqa: BLE001 - a model inference cannot read: those Sums stay as they are
+            return found
+        found = [of(st) for st in sums]
+    return found
 
 
 def fuse_elementwise(plan: Plan, steps: list[Step]) -> list[Step]:

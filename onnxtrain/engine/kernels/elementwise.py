@@ -405,7 +405,7 @@ def _variadic(fn: Callable[..., Any]) -> Callable[[Inputs, Attrs], Outputs]:
 
 
 def _sum_float32(xs: Inputs) -> np.ndarray:
-    """The sum of float16/bfloat16 ``xs`` in float32, in _fold's order, not yet rounded (Mean)."""
+    """The sum of float16/bfloat16 ``xs`` in float32, in _fold's order, not yet rounded (Sum, Mean)."""
     r = xs[0].astype(F32)
     for x in xs[1:]:
         if np.broadcast_shapes(r.shape, x.shape) == r.shape:
@@ -417,9 +417,18 @@ def _sum_float32(xs: Inputs) -> np.ndarray:
 
 kernel("Max", since=8)(_variadic(np.maximum))
 kernel("Min", since=8)(_variadic(np.minimum))
-# Sum folds in the input type, half types included: the fusion expand_sums rewrites a Sum as the same
-# chain of Adds (each rounded) without knowing the dtype, and must stay bit-identical to this kernel
-kernel("Sum", since=8)(_variadic(np.add))
+
+
+@kernel("Sum", since=8)
+def sum_(inputs: Inputs, attrs: Attrs) -> Outputs:
+    """float32/float64 fold in their type, in the order ((a + b) + c) + ... that the fusion expand_sums
+    reproduces with Adds; float16/bfloat16 add in float32 and round once, as onnxruntime (expand_sums
+    leaves their Sums alone)."""
+    if len(inputs) == 1:
+        return (inputs[0],)
+    if is_half(inputs[0].dtype):
+        return (_sum_float32(inputs).astype(inputs[0].dtype),)
+    return (_fold(np.add, inputs),)
 
 
 @kernel("Mean", since=8)

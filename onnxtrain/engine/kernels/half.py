@@ -1,7 +1,7 @@
 """Half-precision accumulation: float16 and bfloat16 inputs of kernels that sum (CumSum, the pools, Conv,
-ConvTranspose, variadic Mean) are computed in float32 and rounded to the half type once at the end, as
-ONNX's reference and onnxruntime do (summing in the half type loses every term below half an ulp of the
-running sum: a float16 cumulative sum of ones stops at 2048)."""
+ConvTranspose, variadic Sum and Mean, LRN) are computed in float32 and rounded to the half type once at the
+end, as ONNX's reference and onnxruntime do (summing in the half type loses every term below half an ulp of
+the running sum: a float16 cumulative sum of ones stops at 2048)."""
 
 from __future__ import annotations
 

@@ -97,6 +97,8 @@ def exp_is_safe(x: np.ndarray, n: int) -> bool:
 def softmax_along(x: np.ndarray, axis: int) -> np.ndarray:
     """softmax of ``x`` along ``axis``: exp(x) / sum(exp(x)) when no exp can overflow or underflow (then no
     rounding of x - max enters, and the row maxima are not needed), otherwise shifted by the row maximum."""
+    if not x.size:  # nothing to normalize (an empty softmax axis has no maximum)
+        return x.copy()
     n = x.shape[axis] if x.ndim else 1
     safe = exp_is_safe(x, n)
     x2 = _as_rows(x, axis)
@@ -130,6 +132,8 @@ def log_softmax_along(x: np.ndarray, axis: int) -> np.ndarray:
     Always shifted (unlike :func:`softmax_along`): x - log(sum(exp(x))) cancels for a row's dominant entry,
     whose log-probability near 0 (a confident prediction's loss) would lose its relative precision.
     """
+    if not x.size:  # nothing to normalize (an empty softmax axis has no maximum)
+        return x.copy()
     x2 = _as_rows(x, axis)
     if x2 is not None:
         y = np.subtract(x2, row_max(x2))
@@ -145,6 +149,8 @@ def log_softmax_along(x: np.ndarray, axis: int) -> np.ndarray:
 def _flat_2d(fn, inputs: Inputs, attrs: Attrs) -> Outputs:
     """Opset < 13: the input is seen as a 2-D matrix split at ``axis``; each row is normalized."""
     x = inputs[0]
+    if not x.size:
+        return (x.copy(),)
     axis = attrs["axis"] % x.ndim
     rows = math.prod(x.shape[:axis])
     w = _work(x)
@@ -248,11 +254,17 @@ def _per_channel(v: np.ndarray, x3: np.ndarray) -> np.ndarray:
     return v if shape is None else spread(v, shape)
 
 
+def _as_ncl(w: np.ndarray) -> np.ndarray:
+    """An (N, C, ...) array as (N, C, L); an empty one too (where -1 cannot be resolved)."""
+    n, c = w.shape[0], w.shape[1]
+    return w.reshape(n, c, -1) if w.size else w.reshape(n, c, math.prod(w.shape[2:]))
+
+
 def _batch_norm_infer(x, scale, bias, mean, var, eps) -> np.ndarray:
     w = _work(x)
     a = (scale / np.sqrt(var + eps)).astype(w.dtype, copy=False)
     b = (bias - mean * a).astype(w.dtype, copy=False)
-    x3 = w.reshape(x.shape[0], x.shape[1], -1)
+    x3 = _as_ncl(w)
     y = np.multiply(x3, _per_channel(a, x3))
     y += _per_channel(b, x3)
     return _back(y.reshape(x.shape), x.dtype)
@@ -272,10 +284,10 @@ def _per_channel_sum(x3: np.ndarray, y3: np.ndarray | None = None) -> np.ndarray
 
 
 def _batch_norm_train(x, scale, bias, eps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Y from the batch statistics, plus the batch mean and (population) variance per channel."""
+    """Y from the batch statistics, plus the batch mean and (population) variance per channel (NaN for
+    an empty batch, 0 / 0, as onnxruntime gives)."""
     w = _work(x)
-    n, c = x.shape[0], x.shape[1]
-    x3 = w.reshape(n, c, -1)
+    x3 = _as_ncl(w)
     count = x3.shape[0] * x3.shape[2]
     mean = _per_channel_sum(x3) / count
     d = np.subtract(x3, _per_channel(mean, x3))
@@ -320,6 +332,8 @@ def batch_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
 def instance_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, scale, bias = inputs[0], inputs[1], inputs[2]
     n, c = x.shape[0], x.shape[1]
+    if not x.size:  # an empty batch (or no channels, or empty images): an empty Y
+        return (np.empty(x.shape, x.dtype),)
     w = _work(x)
     y, _, _ = _standardize_rows(w.reshape(n * c, -1), attrs["epsilon"])
     y = y.reshape(n, c, -1)

@@ -139,6 +139,8 @@ def channel_sum(w: np.ndarray, other: np.ndarray | None = None) -> np.ndarray | 
     if w.ndim < 3 or w.dtype not in _BLAS_FLOATS or not w.flags.c_contiguous:
         return None
     n, c = w.shape[:2]
+    if n * c == 0:  # no (image, channel) rows: the sums over no images, or no channels
+        return np.zeros(c, w.dtype)
     flat = w.reshape(n * c, -1)
     if other is not None:
         o = other.reshape(n * c, -1)
@@ -180,7 +182,7 @@ def _mean(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
         return np.mean(w, axis=axes, keepdims=keepdims, dtype=w.dtype)
     y = channel_axes_sum(w, axes, keepdims)
     if y is not None:
-        y /= w.size // w.shape[1]
+        y /= w.size // w.shape[1] if w.size else 0  # empty: NaN means, as the other paths give
         return y
     # np.mean's own sum and division, without its Python wrapper (a small mean costs 1.5 µs, not 4)
     ax = tuple(axes)
@@ -250,7 +252,23 @@ def _log_sum(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
     return np.log(_sum(x, axes, keepdims))
 
 
+def _int_log_sum_exp(x: np.ndarray, axes: Any, keepdims: bool) -> np.ndarray:
+    """Integer inputs, as onnxruntime computes them: the exps of x - max summed in the integer type (each
+    partial sum truncated, so only the k entries equal to the maximum count), then max + log(k) in float64,
+    truncated back to the integer type."""
+    m = np.max(x, axis=axes, keepdims=True)
+    k = np.sum(x == m, axis=axes, keepdims=True)
+    y = m.astype(np.float64) + np.log(k)
+    if not keepdims:
+        y = y.reshape(()) if axes is None else np.squeeze(y, axis=axes)
+    return y.astype(x.dtype)
+
+
 def _log_sum_exp(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
+    if x.dtype.kind in "iu":
+        return _int_log_sum_exp(x, axes, keepdims)
+    if x.ndim == 0:  # log(exp(x)) by the same steps, on one element
+        return _log_sum_exp(x.reshape(1), None, False)
     w = _work(x)
     m = np.max(w, axis=axes, keepdims=True)
     if m.dtype.kind == "f":
