@@ -224,8 +224,8 @@ def _clone(fa: _Forward, k: int, marked: set[str], clone_of: dict[str, str],
             return [helper.make_node("Identity", [x], [y], name=names(f"{base}_recompute"))]
         scale, tm = how[1]
         value_et = elem_type(fa.types, n.input[0]) or TensorProto.FLOAT
-        # the kernel scales bfloat16 in float32 and rounds once: so does the rebuild
-        et = TensorProto.FLOAT if value_et == TensorProto.BFLOAT16 else value_et
+        # the kernel scales float16 and bfloat16 in float32 and rounds once: so does the rebuild
+        et = TensorProto.FLOAT if value_et in (TensorProto.BFLOAT16, TensorProto.FLOAT16) else value_et
         dt = helper.tensor_dtype_to_np_dtype(et)
         out: list[onnx.NodeProto] = []
         if et != value_et:

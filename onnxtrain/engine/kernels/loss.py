@@ -175,10 +175,11 @@ def _dropout(x: np.ndarray, ratio: float, training: bool, attrs: Attrs, mask_dty
     gen = _generator(attrs)
     # with a seed: uniform doubles, as np.random.seed(seed) + np.random.uniform draws them
     mask = _keep_mask(gen, x.shape, ratio) if attrs.get("seed") is None else gen.random(x.shape) >= ratio
-    if x.dtype.kind == "f":
+    if x.dtype.kind == "f" and x.dtype.itemsize >= 4:
         y = np.multiply(x, 1.0 / (1.0 - ratio), dtype=x.dtype)
         y *= mask
-    else:  # bfloat16 (ml_dtypes): numpy's ufuncs take no dtype= there; scaled in float32, rounded once
+    else:  # float16, bfloat16: scaled in float32 and rounded once (the scale itself is not rounded to the
+        # half type first, which biased every kept float16 element by +0.02 % at ratio 0.1)
         y = (x.astype(np.float32) * np.float32(1.0 / (1.0 - ratio)) * mask).astype(x.dtype)
     return (y, mask.astype(mask_dtype, copy=False)) if want_mask else (y,)
 
