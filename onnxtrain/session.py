@@ -312,6 +312,12 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         for s in plan_inputs:
             if s in self._store:
                 feeds[s] = self._store[s]
+        if path and self._backend != "numpy":  # onnxruntime writes the new running statistics of a
+            # training-mode BatchNormalization into the buffers of the old ones when the graph does not
+            # return them (a path run's): it gets copies, so the session's stay as on the numpy engine
+            for s in self._graphs.bn_stats:
+                if s in feeds:
+                    feeds[s] = feeds[s].copy()
         if kind == "forward":
             upd_items: list[tuple[str, str]] = []
         elif kind in ("gradients", "micro-path"):

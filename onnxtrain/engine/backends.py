@@ -143,8 +143,27 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
 
     if random_state is not None and isinstance(model, onnx.ModelProto):
         model = _distinct_seeds(model, random_state)
+    if isinstance(model, onnx.ModelProto):
+        _warn_float16_products(model)
     return OrtPlan(model, providers, options, provider_options, follower=follower, updates=updates,
                    keep_binding=keep_binding)
+
+
+_warned_float16: list[bool] = []
+
+
+def _warn_float16_products(model: onnx.ModelProto) -> None:
+    """Warn once per process when ``model`` casts to float16 (mixed precision) for onnxruntime's CPU
+    provider, which has no float16 MatMul, Gemm or Conv kernels and computes them in float32."""
+    half = onnx.TensorProto.FLOAT16
+    casts = (n for n in model.graph.node if n.op_type == "Cast")
+    if _warned_float16 or not any(a.name == "to" and a.i == half for n in casts for a in n.attribute):
+        return
+    _warned_float16.append(True)
+    warn("the onnxruntime backend (CPU) has no float16 MatMul, Gemm or Conv kernels: onnxruntime computes "
+         "them in float32 (it casts around them), so float16 mixed precision there gives float32 products, "
+         "and a loss scale that would overflow float16 does not (no step is skipped); the numpy engine "
+         "computes them in float16")
 
 
 _SEED_STRIDE = 1_000_003  # between the seeds of one node's copies in a session's onnxruntime graphs

@@ -29,7 +29,7 @@ from onnxtrain.engine.ort_plan import ENV_ALLOCATORS_KEY, SPIN_KEY, STOP_KEY, Or
 from onnxtrain.engine.plan import Plan
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession
-from tests.session.helpers import batches, mlp_model
+from tests.session.helpers import batches, mlp_model, params
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -57,7 +57,7 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 def legacy_run(model, opt: str, backend: str, feeds: list[dict], lr: float = 0.01, evaluate: bool = False,
                **params):
     """Train on ``feeds``; ``evaluate``: a forward-only run on each batch after its step, as a validation
-    pass between steps would be."""
+    pass between steps would be, and a run of only the path to the gradients' norm (neither updates)."""
     p = TrainingParameters()
     p.loss_output_name = "loss"
     p.training_optimizer_name = opt
@@ -72,6 +72,7 @@ def legacy_run(model, opt: str, backend: str, feeds: list[dict], lr: float = 0.0
         losses.append(float(sess.run(["loss"], {**f, "Learning_Rate": np.array([lr], np.float32)})[0]))
         if evaluate:
             sess.run(["loss"], f, ro)
+            sess.run(["global_gradient_norm"], f, ro)
     return losses, sess.get_state(), sess
 
 
@@ -166,9 +167,10 @@ def test_legacy_fp16_moments_20_steps_match_numpy(opt):
 @pytest.mark.parametrize("opt", ["SGDOptimizer", "AdamOptimizer"])
 def test_legacy_lenet_bn_20_steps_match_numpy(opt):
     """Training-mode BatchNormalization (running statistics in the store) under onnxruntime's default
-    optimisation level with ConstantSharing disabled; with SGD, an evaluation run after every step, which
-    leaves the statistics alone (onnxruntime wrote the forward-only graph's new statistics into the store's
-    arrays it was given, until the forward-only graph held them as constants)."""
+    optimisation level with ConstantSharing disabled; with SGD, an evaluation run and a run of the path to
+    the gradients' norm after every step, which leave the statistics alone (onnxruntime wrote the new
+    statistics into the store's arrays it was given, until the forward-only graph held them as constants
+    and path runs got copies)."""
     pytest.importorskip("torch")
     from tests import models
 
@@ -806,3 +808,20 @@ def test_legacy_transformer_encoder_20_steps_match_numpy():
     # ignores: its gradient is rounding noise, which Adam scales to full-size steps (as in the GPT block)
     assert_same_training(model.SerializeToString(), "AdamOptimizer", feeds,
                          weights_not_to_train={"model.layers.0.self_attn.in_proj_bias"})
+
+
+def test_float16_mixed_precision_on_onnxruntime_warns_that_products_are_float32(monkeypatch):
+    """onnxruntime's CPU provider has no float16 MatMul/Gemm: it computes them in float32 (the loss is the
+    float32 loss bit for bit, and an overflowing loss scale goes unnoticed), which the backend says once."""
+    from onnxtrain.engine import backends
+
+    monkeypatch.setattr(backends, "_warned_float16", [])
+    x, y = batches(1, 16)[0]
+    feeds = {"x": x, "y": y, "Learning_Rate": np.array([0.0], np.float32)}
+    with pytest.warns(UserWarning, match="no float16 MatMul, Gemm or Conv kernels"):
+        p = params("SGDOptimizer", use_mixed_precision=True)
+        mp = TrainingSession(mlp_model().SerializeToString(), p, options("onnxruntime"))
+    fp32 = TrainingSession(mlp_model().SerializeToString(), params("SGDOptimizer"), options("onnxruntime"))
+    (a,) = mp.run(["loss"], {**feeds, mp.loss_scale_input_name: np.array([1.0], np.float32)})
+    (b,) = fp32.run(["loss"], feeds)
+    assert a == b  # what the warning says: float32 products
