@@ -123,9 +123,9 @@ def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, l
         if not any(o in needed for o in n.output if o):
             continue
         through = fake_quant.get(n.output[0]) if n.op_type == "DequantizeLinear" else None
-        if through is None and has_no_gradient(n.op_type):
+        if through is None and has_no_gradient(n.op_type, n.domain):
             continue
-        rule = None if through else find_rule(n.op_type, opset)
+        rule = None if through else find_rule(n.op_type, opset, n.domain)
         stop = (rule.stopped(n) if rule else frozenset()) | _DISCOVERY_STOP.get(n.op_type, frozenset())
         for i, name in [(0, through)] if through else _reads(n):
             if i in stop:

@@ -160,7 +160,8 @@ def expand_for_gradient(model: onnx.ModelProto) -> onnx.ModelProto:
     differentiates (``model`` itself when there is none)."""
     opset = model_opset(model)
     return expand_functions(
-        model, lambda n: find_rule(n.op_type, opset) is None and not has_no_gradient(n.op_type)
+        model,
+        lambda n: find_rule(n.op_type, opset, n.domain) is None and not has_no_gradient(n.op_type, n.domain),
     )
 
 
@@ -388,9 +389,9 @@ def build_gradient_model(
                 rules[k] = fake
                 requires.add(node.output[0])
             continue
-        if has_no_gradient(node.op_type):
+        if has_no_gradient(node.op_type, node.domain):
             continue
-        rule = find_rule(node.op_type, bw.opset)
+        rule = find_rule(node.op_type, bw.opset, node.domain)
         stop = rule.stopped(node) if rule else frozenset()
         if any(n in requires and i not in stop for i, n in enumerate(node.input)) or any(
             n in requires for n in body_reads(node)
@@ -417,9 +418,10 @@ def build_gradient_model(
     for k in on_path:
         if rules[k] is None:
             node = bw.fwd_nodes[k]
+            op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
             raise GradientError(
-                f"node {node.name!r} ({node.op_type}) lies on the path from the parameters to the "
-                f"loss but {node.op_type} has no gradient rule; ops with rules: "
+                f"node {node.name!r} ({op}) lies on the path from the parameters to the "
+                f"loss but {op} has no gradient rule; ops with rules (ONNX's): "
                 f"{', '.join(ops_with_rules())}"
             )
 

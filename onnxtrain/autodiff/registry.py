@@ -83,8 +83,14 @@ def _load_all() -> None:
     _LOADED = True
 
 
-def find_rule(op: str, opset: int) -> Rule | None:
-    """The rule of ``op`` in force at ``opset`` (the oldest one for older models), or None."""
+_STANDARD = ("", "ai.onnx")
+
+
+def find_rule(op: str, opset: int, domain: str = "") -> Rule | None:
+    """The rule of ``op`` in force at ``opset`` (the oldest one for older models), or None; None for an
+    op of another domain than ONNX's (a custom op named like a standard one means something else)."""
+    if domain not in _STANDARD:
+        return None
     _load_all()
     rules = _RULES.get(op)
     if not rules:
@@ -102,7 +108,10 @@ def find_variant(op: str, variant: str) -> Rule | None:
     return _VARIANTS.get((op, variant))
 
 
-def has_no_gradient(op: str) -> bool:
+def has_no_gradient(op: str, domain: str = "") -> bool:
+    """Whether ONNX's ``op`` has no gradient at all (Shape, ArgMax, ...); False for other domains' ops."""
+    if domain not in _STANDARD:
+        return False
     _load_all()
     return op in _NO_GRADIENT
 

@@ -418,7 +418,7 @@ def _dominator_chain(fa: _Forward, act: set[str]) -> list[str]:
         return a
 
     for n in fa.nodes[: fa.boundary]:
-        rule = find_rule(n.op_type, fa.opset)
+        rule = find_rule(n.op_type, fa.opset, n.domain)
         stop = rule.stopped(n) if rule else frozenset()
         preds = [i for j, i in enumerate(n.input) if i and i in act and i in depth and j not in stop]
         for o in n.output:
