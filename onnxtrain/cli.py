@@ -28,13 +28,99 @@ class UsageError(Exception):
 
 
 def _load(path: str) -> onnx.ModelProto:
-    """``onnx.load`` with a one-line error for a file that is not an ONNX model."""
+    """``onnx.load`` with a one-line error for a file that is not an ONNX model (an empty file parses as
+    an empty ModelProto: no graph nodes, inputs or outputs) or whose external data cannot be read."""
     from google.protobuf.message import DecodeError
 
     try:
-        return onnx.load(path)
+        model = onnx.load(path)
     except DecodeError as e:
         raise ValueError(f"{path} is not an ONNX model (protobuf: {e})") from None
+    except onnx.checker.ValidationError as e:
+        raise ValueError(f"{path}: cannot read its external data: {_one_line(e)}") from None
+    g = model.graph
+    if not (g.node or g.input or g.output):
+        raise ValueError(f"{path} is not an ONNX model (no graph nodes, inputs or outputs)")
+    return model
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _check_versions(model: onnx.ModelProto, path: str) -> None:
+    """Refuse a model whose IR version or default-domain opset the installed onnx does not know."""
+    from onnx.defs import onnx_opset_version
+
+    from onnxtrain.ir.builder import model_opset
+
+    if model.ir_version > onnx.IR_VERSION:
+        raise ValueError(f"{path} has IR version {model.ir_version}, newer than the installed onnx "
+                         f"{onnx.__version__} knows ({onnx.IR_VERSION})")
+    if model_opset(model) > onnx_opset_version():
+        raise ValueError(f"{path} has opset {model_opset(model)}, newer than the installed onnx "
+                         f"{onnx.__version__} knows ({onnx_opset_version()})")
+
+
+def _names(value: str | None, option: str) -> list[str]:
+    """A comma-separated option as a list of names (spaces around them dropped); a repeat is an error."""
+    names = [n.strip() for n in (value or "").split(",") if n.strip()]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise UsageError(f"{option}: {', '.join(map(repr, repeated))} given twice")
+    return names
+
+
+def _values(model: onnx.ModelProto) -> set[str]:
+    """Every value of the main graph: inputs, initializers and node outputs."""
+    g = model.graph
+    return {v.name for v in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+
+
+def _value_types(model: onnx.ModelProto, names) -> dict[str, int]:
+    """Element type of the main-graph values whose type is known (onnx shape inference runs only when one of
+    ``names`` is not declared, and only if it can)."""
+
+    def declared(g: onnx.GraphProto) -> dict[str, int]:
+        types = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.value_info, *g.output]
+                 if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
+        types.update((t.name, t.data_type) for t in g.initializer)
+        return types
+
+    types = declared(model.graph)
+    if all(n in types for n in names):
+        return types
+    try:
+        return declared(onnx.shape_inference.infer_shapes(model).graph)
+    except Exception:  # noqa: BLE001 - inference is a help here, not a requirement
+        return types
+
+
+def _refuse_non_float(model: onnx.ModelProto, names: dict[str, str]) -> None:
+    """UsageError for a value (name -> its option) whose known element type is not floating-point."""
+    from onnxtrain.ir.builder import FLOAT_TYPES
+
+    types = _value_types(model, names)
+    for name, option in names.items():
+        if name in types and types[name] not in FLOAT_TYPES:
+            raise UsageError(f"{option}: {name!r} is of type {onnx.TensorProto.DataType.Name(types[name])}; "
+                             "only floating-point values have gradients")
+
+
+def _check_output_file(path: str) -> None:
+    """-o/--output must name a file in a folder that exists (as ``export``'s)."""
+    if not path.strip():
+        raise UsageError("-o/--output: an empty path; give the .onnx file to write")
+    if os.path.isdir(path):
+        raise UsageError(f"-o/--output: {path} is a folder; give the .onnx file to write, e.g. "
+                         f"{os.path.join(path, 'model.onnx')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"-o/--output: the folder {parent} does not exist")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _differentiable(model: onnx.ModelProto) -> list[str]:
@@ -51,14 +137,20 @@ def _gradient_graph(a: argparse.Namespace) -> int:
     from onnxtrain.ir.io import save_model_atomic
     from onnxtrain.training_graph import discover_trainable
 
+    _check_output_file(a.output)
     model = _load(a.model)
+    _check_versions(model, a.model)
+    values = _values(model)
+    if a.loss not in values:
+        outs = ", ".join(o.name for o in model.graph.output)
+        raise UsageError(f"--loss: {a.loss!r} is not a value of {a.model}; its outputs are: {outs or 'none'}")
     if a.all_initializers:
         wrt = discover_trainable(model, a.loss, {})
+        if not wrt:
+            raise UsageError(f"--all-initializers: no float initializer of {a.model} reaches {a.loss!r}; "
+                             "name the values to differentiate with --wrt")
     else:  # argparse requires one of the two
-        wrt = [w for w in a.wrt.split(",") if w]
-        g = model.graph
-        values = ({v.name for v in g.input} | {t.name for t in g.initializer}
-                  | {o for n in g.node for o in n.output})
+        wrt = _names(a.wrt, "--wrt")
         unknown = [w for w in wrt if w not in values]
         if unknown or not wrt:
             cands = _differentiable(model)
@@ -66,21 +158,36 @@ def _gradient_graph(a: argparse.Namespace) -> int:
             what = f"{unknown[0]!r} is not a value of {a.model}" if unknown else "no value given"
             raise UsageError(f"--wrt: {what}; its float inputs and initializers are: {shown or 'none'} "
                              "(any intermediate value of the graph works too)")
-    out = build_gradient_model(model, a.loss, wrt, memory_efficient=a.memory_efficient)
+    _refuse_non_float(model, {a.loss: "--loss", **{w: "--wrt" for w in wrt}})
+    try:  # a --wrt the loss does not depend on is an error, as GradientGraphBuilder's
+        out = build_gradient_model(model, a.loss, wrt, memory_efficient=a.memory_efficient,
+                                   zero_unreachable=False)
+    except ValueError as e:
+        if "does not reach" in str(e):
+            raise UsageError(f"--wrt: {_one_line(e)}") from None
+        raise
+    # the model's outputs where they were (a loss that was no output of the model first), then the gradients
+    outputs = {o.name: o for o in out.graph.output}
+    kept = [outputs[o.name] for o in model.graph.output if o.name in outputs]
+    grads = [outputs[f"{w}_grad"] for w in wrt]
+    rest = [o for o in out.graph.output if o not in kept and o not in grads]
+    del out.graph.output[:]
+    out.graph.output.extend([*rest, *kept, *grads])
     onnx.checker.check_model(out, full_check=True)
     save_model_atomic(out, a.output)
-    print(f"wrote {a.output}: {len(out.graph.node)} nodes, gradients of {a.loss!r} "
-          f"w.r.t. {len(wrt)} value(s)")
+    print(f"wrote {a.output}: {_plural(len(out.graph.node), 'node')}, gradients of {a.loss!r} "
+          f"w.r.t. {_plural(len(wrt), 'value')}")
     return 0
 
 
 def _info(a: argparse.Namespace) -> int:
     from onnx import numpy_helper
 
+    from onnxtrain.autodiff.builder import upgrade_opset
     from onnxtrain.autodiff.registry import find_rule, has_no_gradient
     from onnxtrain.engine.registry import has_kernel
     from onnxtrain.inference import node_arg
-    from onnxtrain.ir.builder import model_opset
+    from onnxtrain.ir.builder import FLOAT_TYPES, model_opset
     from onnxtrain.ir.functions import has_function
     from onnxtrain.ir.graphs import walk_graphs
 
@@ -88,26 +195,42 @@ def _info(a: argparse.Namespace) -> int:
     g = model.graph
     inits = {t.name for t in g.initializer}
     opset = model_opset(model)
-    print(f"{a.model}: opset {opset}, {len(g.node)} nodes")
+    print(f"{a.model}: opset {opset}, {_plural(len(g.node), 'node')}")
     for v in g.input:
         if v.name not in inits:
             print(f"  input  {node_arg(v)}")
     for v in g.output:
         print(f"  output {node_arg(v)}")
-    arrays = [numpy_helper.to_array(t) for t in g.initializer]
-    print(f"  parameters: {sum(x.size for x in arrays):,} in {len(arrays)} initializers, "
-          f"{sum(x.nbytes for x in arrays):,} bytes")
+    arrays = [numpy_helper.to_array(t) for t in g.initializer if t.data_type in FLOAT_TYPES]
+    others = len(g.initializer) - len(arrays)
+    print(f"  parameters: {sum(x.size for x in arrays):,} in {_plural(len(arrays), 'float initializer')}, "
+          f"{sum(x.nbytes for x in arrays):,} bytes"
+          + (f" (and {_plural(others, 'other initializer')}, not counted)" if others else ""))
     nodes = [n for sub in walk_graphs(g) for n in sub.node]
-    hist = collections.Counter(n.op_type for n in nodes)
-    domains = {n.op_type: n.domain for n in nodes}
+    # a custom-domain op named like a standard one is another op: keyed by (domain, op_type)
+    hist = collections.Counter((n.domain if n.domain != "ai.onnx" else "", n.op_type) for n in nodes)
+    name = {(d, op): f"{d}:{op}" if d else op for d, op in hist}
     inside = len(nodes) - len(g.node)
     label = f"ops (with the {inside} nodes inside control-flow bodies)" if inside else "ops"
-    print(f"  {label}: " + ", ".join(f"{op}×{c}" for op, c in sorted(hist.items())))
-    no_kernel = sorted(op for op in hist if not has_kernel(op, opset, domains[op]))
-    no_rule = sorted(op for op in hist if find_rule(op, max(opset, 17)) is None and not has_no_gradient(op))
-    bodies = sorted(op for op in {*no_kernel, *no_rule} if has_function(op, opset, domains[op]))
-    no_kernel = [op for op in no_kernel if op not in bodies]
-    no_rule = [op for op in no_rule if op not in bodies]
+    print(f"  {label}: " + ", ".join(f"{name[k]}×{hist[k]}" for k in sorted(hist, key=name.get)))
+    no_kernel = sorted(k for k in hist if not has_kernel(k[1], opset, k[0]))
+    # gradients are built on the model upgraded to the builder's opset (an opset-9 Upsample becomes Resize)
+    try:
+        upgraded = upgrade_opset(model)
+    except Exception:  # noqa: BLE001 - gradient-graph reports why; here the model's own ops are looked up
+        upgraded = model
+    rule_opset = model_opset(upgraded)
+    rule_ops = {(n.domain if n.domain != "ai.onnx" else "", n.op_type)
+                for sub in walk_graphs(upgraded.graph) for n in sub.node}
+    # ONNX's rules are for ONNX's ops: a custom-domain op named like one has none
+    no_rule = sorted(k for k in rule_ops if k[0] != "" or (find_rule(k[1], max(rule_opset, 17)) is None
+                                                          and not has_no_gradient(k[1])))
+    bodies = sorted({*(k for k in no_kernel if has_function(k[1], opset, k[0])),
+                     *(k for k in no_rule if has_function(k[1], rule_opset, k[0]))})
+    shown = lambda k: name.get(k) or (f"{k[0]}:{k[1]}" if k[0] else k[1])  # noqa: E731 - a local one-liner
+    no_kernel = [shown(k) for k in no_kernel if k not in bodies]
+    no_rule = [shown(k) for k in no_rule if k not in bodies]
+    bodies = [shown(k) for k in bodies]
     print(f"  ops without a kernel: {', '.join(no_kernel) or 'none'}")
     print(f"  ops without a gradient rule: {', '.join(no_rule) or 'none'}")
     if bodies:
@@ -194,23 +317,67 @@ def _artifacts(a: argparse.Namespace) -> int:
     from onnxtrain.training import artifacts
     from onnxtrain.training_graph import discover_trainable
 
+    if not a.output.strip():
+        raise UsageError("-o/--output: an empty path; give the artifact folder")
+    if os.path.exists(a.output) and not os.path.isdir(a.output):
+        raise UsageError(f"-o/--output: {a.output} is a file; give the artifact folder")
     model = _load(a.model)
-    os.makedirs(a.output, exist_ok=True)
-    split = lambda v: [n for n in (v or "").split(",") if n]  # noqa: E731 - a local one-liner
+    _check_versions(model, a.model)
+    g = model.graph
+    outputs = [o.name for o in g.output]
     loss = getattr(artifacts.LossType, a.loss) if a.loss else None
-    requires = split(a.requires_grad)
-    if not requires and loss is None:
-        out = a.loss_output or model.graph.output[0].name
-        requires = discover_trainable(model, out, {})
-    elif not requires:
-        requires = [t.name for t in model.graph.initializer if t.name not in split(a.frozen)]
-    artifacts.generate_artifacts(
-        model, requires_grad=requires, frozen_params=split(a.frozen), loss=loss,
-        optimizer=getattr(artifacts.OptimType, a.optimizer) if a.optimizer else None,
-        artifact_directory=a.output, prefix=a.prefix,
-        additional_output_names=split(a.additional_outputs) or None, nominal_checkpoint=a.nominal_checkpoint,
-        mixed_precision=a.mixed_precision, recompute=_recompute_flags(a))
-    print(f"wrote the training artifacts of {a.model} to {a.output} ({len(requires)} trainable parameters)")
+    requires, frozen = _names(a.requires_grad, "--requires-grad"), _names(a.frozen, "--frozen")
+    extra = _names(a.additional_outputs, "--additional-outputs")
+    inits = {t.name: t for t in g.initializer}
+    inputs = {v.name for v in g.input if v.name not in inits}
+    unknown = [n for n in requires if n not in inits and n not in inputs]
+    if unknown:
+        cands = ", ".join(_differentiable(model)) or "none"
+        raise UsageError(f"--requires-grad: {unknown[0]!r} is neither an initializer nor a graph input of "
+                         f"{a.model}; its float inputs and initializers are: {cands}")
+    both = [n for n in requires if n in frozen]
+    if both:
+        raise UsageError(f"--requires-grad and --frozen both name {both[0]!r}")
+    values = _values(model)
+    unknown = [n for n in extra if n not in values]
+    if unknown:
+        raise UsageError(f"--additional-outputs: {unknown[0]!r} is not a value of {a.model}")
+    loss_inputs = None
+    if a.loss_output is not None:
+        if loss is not None:
+            raise UsageError("--loss-output and --loss exclude each other: --loss-output names the model "
+                             "output that is the loss, --loss appends a loss to the model's output")
+        if a.loss_output not in outputs:
+            raise UsageError(f"--loss-output: {a.loss_output!r} is not an output of {a.model}; its outputs "
+                             f"are: {', '.join(outputs) or 'none'}")
+        # the named output first (the differentiated one), then the model's other outputs in order
+        loss_inputs = [a.loss_output, *(o for o in outputs if o != a.loss_output)]
+    if loss is not None and len(outputs) > 1:
+        raise UsageError(f"--loss {a.loss} takes one prediction but {a.model} has {len(outputs)} outputs "
+                         f"({', '.join(outputs)}); the command line cannot say which: call "
+                         "generate_artifacts(..., loss_input_names=[...]) from Python")
+    if not requires:  # the float initializers that reach the loss (or the outputs it reads), but --frozen
+        reads = [a.loss_output or outputs[0]] if loss is None and outputs else outputs
+        found = {n for o in reads for n in discover_trainable(model, o, {})}
+        requires = [t.name for t in g.initializer if t.name in found and t.name not in frozen]
+        if not requires:
+            raise UsageError(f"no float initializer of {a.model} reaches the loss (all frozen or none): name "
+                             "the values to train with --requires-grad")
+    made = not os.path.exists(a.output)
+    os.makedirs(a.output, exist_ok=True)
+    try:
+        artifacts.generate_artifacts(
+            model, requires_grad=requires, frozen_params=frozen, loss=loss,
+            optimizer=getattr(artifacts.OptimType, a.optimizer) if a.optimizer else None,
+            artifact_directory=a.output, prefix=a.prefix, additional_output_names=extra or None,
+            nominal_checkpoint=a.nominal_checkpoint, loss_input_names=loss_inputs,
+            mixed_precision=a.mixed_precision, recompute=_recompute_flags(a))
+    except BaseException:
+        if made and not os.listdir(a.output):  # a failed run leaves no empty folder behind
+            os.rmdir(a.output)
+        raise
+    print(f"wrote the training artifacts of {a.model} to {a.output} "
+          f"({_plural(len(requires), 'trainable parameter')})")
     return 0
 
 
@@ -251,11 +418,13 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("-o", "--output", required=True, help="the .onnx file to write")
     ex.set_defaults(fn=_export)
     gg = sub.add_parser("gradient-graph", help="write the forward + backward graph of a model",
-                        description="Append the backward pass of --loss to MODEL; outputs <x>_grad per x.")
+                        description="Append the backward pass of --loss to MODEL: the model's outputs stay "
+                                    "where they were, then <x>_grad per x.")
     gg.add_argument("model", help="the ONNX model (with its loss in the graph)")
-    gg.add_argument("--loss", required=True, help="name of the loss value")
+    gg.add_argument("--loss", required=True, help="name of the loss value (a float value of the graph)")
     grp = gg.add_mutually_exclusive_group(required=True)
-    grp.add_argument("--wrt", help="comma-separated values to differentiate with respect to")
+    grp.add_argument("--wrt", help="comma-separated float values to differentiate with respect to (each must "
+                                   "reach the loss)")
     grp.add_argument("--all-initializers", action="store_true",
                      help="every float initializer that reaches the loss")
     gg.add_argument("--memory-efficient", action="store_true",
@@ -270,11 +439,14 @@ def main(argv: list[str] | None = None) -> int:
     ar.add_argument("model", help="the forward ONNX model")
     ar.add_argument("-o", "--output", required=True, help="the artifact directory")
     ar.add_argument("--requires-grad",
-                    help="comma-separated trainable initializers (default: all but --frozen)")
-    ar.add_argument("--frozen", help="comma-separated frozen initializers")
+                    help="comma-separated trainable initializers (default: the float initializers that "
+                         "reach the loss, but --frozen)")
+    ar.add_argument("--frozen", help="comma-separated frozen initializers (names that are no initializer: "
+                                     "a warning, and left out)")
     ar.add_argument("--loss", choices=["MSELoss", "CrossEntropyLoss", "BCEWithLogitsLoss", "L1Loss"],
                     help="loss appended to the model (default: the model's first output is the loss)")
-    ar.add_argument("--loss-output", help="with no --loss: the output that is the loss")
+    ar.add_argument("--loss-output", help="with no --loss: the output that is the loss (the model's other "
+                                          "outputs follow it)")
     ar.add_argument("--optimizer", choices=["AdamW", "SGD"], help="write an optimizer model too")
     ar.add_argument("--prefix", default="", help="prefix of the artifact file names")
     ar.add_argument("--additional-outputs", help="comma-separated extra outputs of the training/eval models")
@@ -340,10 +512,11 @@ def _guarded(a: argparse.Namespace) -> int:
     except BrokenPipeError:  # the output went to a pipe that closed (| head): nothing more to say
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python would complain again at exit
         return EXIT_ERROR
-    except (OSError, ValueError) as e:  # a missing or unwritable file, a misfit model
+    except (OSError, ValueError, LookupError, onnx.checker.ValidationError) as e:
+        # a missing or unwritable file, a misfit model, external data that cannot be read
         if _debug():
             raise
-        print(f"{prog}: {e} (set ONNXTRAIN_DEBUG=1 for the traceback)", file=sys.stderr)
+        print(f"{prog}: {_one_line(e)} (set ONNXTRAIN_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_ERROR
 
 

@@ -2,7 +2,8 @@
 
 Interface note (the exact graph I/O this module writes; ``<p>`` = a trainable parameter name,
 ``<f>`` = a frozen one; parameters are listed in the base model's initializer order, §1.2).
-Every graph is standard ONNX (default domain only), IR version = the lowest its opset allows.
+Every graph is standard ONNX (default domain only), IR version = the lowest its opset allows (older
+runtimes load it: onnxruntime-training 1.19 reads IR 10 at most).
 
 Files (``prefix`` prepended): ``training_model.onnx``, ``eval_model.onnx``, ``checkpoint``,
 ``nominal_checkpoint`` (when asked), ``optimizer_model.onnx`` (when an optimizer is given).
@@ -631,8 +632,18 @@ def _inference_mode(m: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _finish(m: onnx.ModelProto, what: str) -> onnx.ModelProto:
-    """Lowest IR version the opsets allow; onnx.checker full check (an error here is a bug of ours)."""
+    """Lowest IR version the opsets allow; onnx.checker full check (an error here is a bug of ours). Opsets
+    or an IR version newer than the installed onnx knows are refused (it would stamp an IR version too old
+    for them)."""
     opsets = list(m.opset_import)
+    newest = onnx.defs.onnx_opset_version()
+    too_new = [o for o in opsets if o.domain in ("", "ai.onnx") and o.version > newest]
+    if too_new:
+        raise ArtifactError(f"the model's opset {too_new[0].version} is newer than the installed onnx "
+                            f"{onnx.__version__} knows ({newest}); re-export it at opset {newest} or older")
+    if m.ir_version > onnx.IR_VERSION:
+        raise ArtifactError(f"the model's IR version {m.ir_version} is newer than the installed onnx "
+                            f"{onnx.__version__} knows ({onnx.IR_VERSION})")
     out = helper.make_model(
         m.graph,
         opset_imports=opsets,

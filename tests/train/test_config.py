@@ -150,9 +150,9 @@ def test_info_counts_the_nodes_of_bodies(capsys, tmp_path):
     onnx.save(m, path)
     assert main(["info", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "ops (with the 2 nodes inside control-flow bodies): Frobnicate×1, If×1, Tanh×1" in out
-    assert "ops without a kernel: Frobnicate" in out
-    assert "ops without a gradient rule: Frobnicate" in out
+    assert "ops (with the 2 nodes inside control-flow bodies): If×1, Tanh×1, com.example:Frobnicate×1" in out
+    assert "ops without a kernel: com.example:Frobnicate" in out
+    assert "ops without a gradient rule: com.example:Frobnicate" in out
 
 
 def test_info_names_ops_run_as_their_function_body(tmp_path, capsys) -> None:
