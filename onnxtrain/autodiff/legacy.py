@@ -50,8 +50,13 @@ class GradientGraphBuilder:
         seeded = self._loss in self._ys
         first = self._loss if seeded else self._ys[0]
         others = [y for y in self._ys if y != first]
+        # the one option of onnxruntime's GradientGraphConfiguration the builder has (invertible LayerNorm
+        # gradients); read from the options object as TrainingParameters names it, or as the config did
+        memory_efficient = any(bool(getattr(self._options, k, False)) for k in
+                               ("use_memory_efficient_gradient", "use_invertible_layernorm_grad"))
         built = build_gradient_model(
-            self._model, first, self._xs, other_ys=others, zero_unreachable=False, seed_loss=seeded
+            self._model, first, self._xs, other_ys=others, zero_unreachable=False, seed_loss=seeded,
+            memory_efficient=memory_efficient,
         )
         # as onnxruntime's builder: the model's outputs where they were, then the gradients (a loss that
         # was no output of the model stays none)

@@ -154,3 +154,24 @@ def test_cli_gradient_graph_memory_efficient(tmp_path) -> None:
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert not {"a0", "a1"} & _backward_reads(onnx.load(str(out)), model)
+
+
+def test_gradient_graph_builder_reads_the_option() -> None:
+    """GradientGraphBuilder(..., options) with ``use_memory_efficient_gradient`` (TrainingParameters' name)
+    builds the LayerNorm gradients from the outputs, as the CLI's --memory-efficient does (the options were
+    stored and never read), with the default rule's gradients to rounding."""
+    from types import SimpleNamespace
+
+    from onnxtrain import GradientGraphBuilder
+
+    model = _stack(2)
+    built = []
+    for options in (None, SimpleNamespace(use_memory_efficient_gradient=True)):
+        b = GradientGraphBuilder(model.SerializeToString(), {"loss"}, {"W0", "W1"}, "loss", options)
+        b.build()
+        built.append(onnx.load_from_string(b.get_model()))
+    assert {"a0", "a1"} <= _backward_reads(built[0], model)
+    assert not {"a0", "a1"} & _backward_reads(built[1], model)
+    x = np.random.default_rng(1).standard_normal((6, D)).astype(np.float32)
+    for a, b in zip(compile_model(built[0]).run({"x": x}), compile_model(built[1]).run({"x": x})):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
