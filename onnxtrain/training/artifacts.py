@@ -349,6 +349,18 @@ def generate_artifacts(
                         sort_parameters=False)
     if optimizer_model is not None:
         save_model_atomic(optimizer_model, path("optimizer_model.onnx"))
+    written = {"training_model.onnx", "eval_model.onnx", "checkpoint"}
+    written |= {"nominal_checkpoint"} if nominal_checkpoint else set()
+    written |= {"optimizer_model.onnx"} if optimizer_model is not None else set()
+    stale = [prefix + n for n in ARTIFACT_FILES if n not in written and os.path.exists(path(n))]
+    if stale:  # an earlier generation's files, which do not go with these (as onnxruntime, they are kept)
+        warn(f"{folder} also holds {stale} from an earlier generation, which do not go with the artifacts "
+             "just written; delete them, or generate into an empty folder")
+
+
+# the files generate_artifacts may write (each with the prefix)
+ARTIFACT_FILES = ("training_model.onnx", "eval_model.onnx", "checkpoint", "nominal_checkpoint",
+                  "optimizer_model.onnx")
 
 
 def _refuse_optimizer_without_parameters(input_grads: list[str]) -> None:

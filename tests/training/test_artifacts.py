@@ -857,3 +857,18 @@ def test_error_parameter_reaching_the_loss_only_through_shape(tmp_path):
     with pytest.raises(ArtifactError, match=r"partial derivative for 'B' as it's unreachable"):
         generate_artifacts(model, requires_grad=["W", "B"], artifact_directory=tmp_path)
     generate_artifacts(model, requires_grad=["W"], frozen_params=["B"], artifact_directory=tmp_path)
+
+
+def test_files_of_an_earlier_generation_are_named_in_a_warning(tmp_path):
+    """A folder generated into twice, the second time without an optimizer: the earlier optimizer model stays
+    (as onnxruntime-training leaves it) and does not go with the new training model: a warning names it."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])
+    w = numpy_helper.from_array(np.ones((3, 2), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [x], [y], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    generate_artifacts(model, requires_grad=["w"], loss=LossType.MSELoss, optimizer=OptimType.AdamW,
+                       artifact_directory=tmp_path)
+    with pytest.warns(UserWarning, match=r"also holds \['optimizer_model.onnx'\] from an earlier generation"):
+        generate_artifacts(model, requires_grad=["w"], loss=LossType.L1Loss, artifact_directory=tmp_path)
+    assert (tmp_path / "optimizer_model.onnx").exists()
