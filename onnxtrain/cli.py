@@ -50,16 +50,11 @@ def _one_line(e: BaseException) -> str:
 
 def _check_versions(model: onnx.ModelProto, path: str) -> None:
     """Refuse a model whose IR version or default-domain opset the installed onnx does not know."""
-    from onnx.defs import onnx_opset_version
+    from onnxtrain.ir.builder import unknown_versions
 
-    from onnxtrain.ir.builder import model_opset
-
-    if model.ir_version > onnx.IR_VERSION:
-        raise ValueError(f"{path} has IR version {model.ir_version}, newer than the installed onnx "
-                         f"{onnx.__version__} knows ({onnx.IR_VERSION})")
-    if model_opset(model) > onnx_opset_version():
-        raise ValueError(f"{path} has opset {model_opset(model)}, newer than the installed onnx "
-                         f"{onnx.__version__} knows ({onnx_opset_version()})")
+    unknown = unknown_versions(model)
+    if unknown:
+        raise ValueError(f"{path}: {unknown}")
 
 
 def _names(value: str | None, option: str) -> list[str]:
@@ -276,14 +271,7 @@ def _eval(a: argparse.Namespace) -> int:
 def _export(a: argparse.Namespace) -> int:
     from onnxtrain.train import export_model, load_for_inference
 
-    if not a.output.strip():
-        raise UsageError("-o/--output: an empty path; give the .onnx file to write")
-    if os.path.isdir(a.output):
-        raise UsageError(f"-o/--output: {a.output} is a folder; give the .onnx file to write, e.g. "
-                         f"{os.path.join(a.output, 'model.onnx')}")
-    parent = os.path.dirname(os.path.abspath(a.output))
-    if not os.path.isdir(parent):
-        raise UsageError(f"-o/--output: the folder {parent} does not exist")
+    _check_output_file(a.output)
     cfg = _config(a)
     model, weights = load_for_inference(cfg, a.checkpoint)
     export_model(model, cfg, weights, a.output)

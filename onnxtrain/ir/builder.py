@@ -132,6 +132,20 @@ def model_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
+def unknown_versions(model: onnx.ModelProto) -> str | None:
+    """What of ``model``'s IR version and default-domain opset the installed onnx does not know (None: both
+    known): its converter and checker cannot handle them, and its version tables stamp IR versions too old
+    for them."""
+    if model.ir_version > onnx.IR_VERSION:
+        return (f"IR version {model.ir_version}, newer than the installed onnx {onnx.__version__} knows "
+                f"({onnx.IR_VERSION})")
+    newest = onnx.defs.onnx_opset_version()
+    if model_opset(model) > newest:
+        return (f"opset {model_opset(model)} is newer than the installed onnx {onnx.__version__} knows "
+                f"({newest}); re-export it at opset {newest} or older")
+    return None
+
+
 _DATA_KEPT = 1024  # initializers of at most this many elements keep their values for shape inference
 
 

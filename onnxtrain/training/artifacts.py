@@ -96,7 +96,7 @@ from onnxtrain.autodiff.builder import GradientError, build_gradient_model, upgr
 from onnxtrain.autodiff.exporter_checks import export_hint, program_hint
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute as recompute_pass
-from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset
+from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset, unknown_versions
 from onnxtrain.ir.graphs import node_reads, path_to, train_batch_norms, untie_batch_norm_statistics
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.training import onnxblock
@@ -648,14 +648,9 @@ def _finish(m: onnx.ModelProto, what: str) -> onnx.ModelProto:
     or an IR version newer than the installed onnx knows are refused (it would stamp an IR version too old
     for them)."""
     opsets = list(m.opset_import)
-    newest = onnx.defs.onnx_opset_version()
-    too_new = [o for o in opsets if o.domain in ("", "ai.onnx") and o.version > newest]
-    if too_new:
-        raise ArtifactError(f"the model's opset {too_new[0].version} is newer than the installed onnx "
-                            f"{onnx.__version__} knows ({newest}); re-export it at opset {newest} or older")
-    if m.ir_version > onnx.IR_VERSION:
-        raise ArtifactError(f"the model's IR version {m.ir_version} is newer than the installed onnx "
-                            f"{onnx.__version__} knows ({onnx.IR_VERSION})")
+    unknown = unknown_versions(m)
+    if unknown:
+        raise ArtifactError(f"the model's {unknown}")
     out = helper.make_model(
         m.graph,
         opset_imports=opsets,
