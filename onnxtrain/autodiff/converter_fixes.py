@@ -18,9 +18,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxtrain.ir.builder import NameGen
+from onnxtrain.ir.functions import DEFAULT_DOMAINS
 from onnxtrain.ir.graphs import walk_graphs
 
-_DEFAULT = ("", "ai.onnx")
 _SAMPLING = ("coordinate_transformation_mode", "nearest_mode")
 
 
@@ -31,7 +31,7 @@ def restore_legacy_resizes(model: onnx.ModelProto, opset: int) -> None:
         return
     for g in walk_graphs(model.graph):
         for n in g.node:
-            if n.op_type != "Resize" or n.domain not in _DEFAULT:
+            if n.op_type != "Resize" or n.domain not in DEFAULT_DOMAINS:
                 continue
             mode = next((helper.get_attribute_value(a) for a in n.attribute if a.name == "mode"), b"nearest")
             kept = [a for a in n.attribute if a.name not in _SAMPLING]
@@ -51,12 +51,12 @@ def flatten_old_hardmax(model: onnx.ModelProto, opset: int) -> list[str]:
     names = None
     refused: list[str] = []
     for g in walk_graphs(model.graph):
-        if not any(n.op_type == "Hardmax" and n.domain in _DEFAULT for n in g.node):
+        if not any(n.op_type == "Hardmax" and n.domain in DEFAULT_DOMAINS for n in g.node):
             continue
         names = names or NameGen.for_model(model)
         nodes: list[onnx.NodeProto] = []
         for n in g.node:
-            if n.op_type != "Hardmax" or n.domain not in _DEFAULT:
+            if n.op_type != "Hardmax" or n.domain not in DEFAULT_DOMAINS:
                 nodes.append(n)
                 continue
             if opset < 5:

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from onnxtrain.ir.functions import DEFAULT_DOMAINS
+
 if TYPE_CHECKING:
     import onnx
 
@@ -83,13 +85,10 @@ def _load_all() -> None:
     _LOADED = True
 
 
-_STANDARD = ("", "ai.onnx")
-
-
 def find_rule(op: str, opset: int, domain: str = "") -> Rule | None:
     """The rule of ``op`` in force at ``opset`` (the oldest one for older models), or None; None for an
     op of another domain than ONNX's (a custom op named like a standard one means something else)."""
-    if domain not in _STANDARD:
+    if domain not in DEFAULT_DOMAINS:
         return None
     _load_all()
     rules = _RULES.get(op)
@@ -110,7 +109,7 @@ def find_variant(op: str, variant: str) -> Rule | None:
 
 def has_no_gradient(op: str, domain: str = "") -> bool:
     """Whether ONNX's ``op`` has no gradient at all (Shape, ArgMax, ...); False for other domains' ops."""
-    if domain not in _STANDARD:
+    if domain not in DEFAULT_DOMAINS:
         return False
     _load_all()
     return op in _NO_GRADIENT

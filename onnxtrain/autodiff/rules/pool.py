@@ -271,10 +271,11 @@ def max_unpool_grad(g: GradCtx) -> None:
     # is Y's value (as the kernels, this one and onnxruntime's, write in order), so an earlier writer gets 0.
     # The writer of each position is found by the same scatter of the elements' own positions.
     idx = g.emit("Reshape", g.x(1), g.ints([-1]))
+    dy = g.emit("Reshape", g.dy(0), g.ints([-1]))
     ids = g.emit("Range", g.const(0, TensorProto.INT64), g.emit("Size", idx), g.const(1, TensorProto.INT64))
-    canvas = g.emit("ConstantOfShape", g.emit("Shape", g.emit("Reshape", g.dy(0), g.ints([-1]))),
-                    value=numpy_helper.from_array(np.zeros(1, np.int64)))
+    zero = numpy_helper.from_array(np.zeros(1, np.int64))
+    canvas = g.emit("ConstantOfShape", g.emit("Shape", dy), value=zero)
     writer = g.emit("ScatterElements", canvas, idx, ids, axis=0)
     last = g.emit("Reshape", g.emit("Equal", g.emit("Gather", writer, idx, axis=0), ids), g.shape(1))
-    grad = g.emit("Gather", g.emit("Reshape", g.dy(0), g.ints([-1])), g.x(1), axis=0)
+    grad = g.emit("Gather", dy, g.x(1), axis=0)
     g.set_dx(0, g.emit("Where", last, grad, g.const(0.0)))

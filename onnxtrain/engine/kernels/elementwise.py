@@ -406,13 +406,7 @@ def _variadic(fn: Callable[..., Any]) -> Callable[[Inputs, Attrs], Outputs]:
 
 def _sum_float32(xs: Inputs) -> np.ndarray:
     """The sum of float16/bfloat16 ``xs`` in float32, in _fold's order, not yet rounded (Sum, Mean)."""
-    r = xs[0].astype(F32)
-    for x in xs[1:]:
-        if np.broadcast_shapes(r.shape, x.shape) == r.shape:
-            np.add(r, x.astype(F32), out=r)
-        else:
-            r = r + x.astype(F32)
-    return r
+    return _fold(np.add, [x.astype(F32) for x in xs])
 
 
 kernel("Max", since=8)(_variadic(np.maximum))
