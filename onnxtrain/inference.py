@@ -113,22 +113,28 @@ class FeedChecker:
                     f"input {name!r}: expected dtype {dtype} (tensor({_type_name(dtype)})), got {a.dtype}"
                 )
             if shape is not None:
-                if a.ndim != len(shape):
-                    raise InvalidFeed(
-                        f"input {name!r}: expected rank {len(shape)} (shape {shape}), "
-                        f"got rank {a.ndim} (shape {list(a.shape)})"
-                    )
-                for k, (want, got) in enumerate(zip(shape, a.shape)):
-                    if isinstance(want, int) and want > 0 and want != got:
-                        raise InvalidFeed(
-                            f"input {name!r}: dimension {k} must be {want}, got {got} "
-                            f"(shape {list(a.shape)}, expected {shape})"
-                        )
+                check_feed_shape(name, a, shape)
             out[name] = a
         missing = [n for n in (self.required if required is None else required) if n not in out]
         if missing:
             raise InvalidFeed(f"missing input(s) {missing}; the model's inputs are {self.required}")
         return out
+
+
+def check_feed_shape(name: str, a: np.ndarray, shape: Sequence[int | str | None]) -> None:
+    """InvalidFeed naming input ``name`` when ``a`` has not the rank of its declared ``shape`` (ints, symbolic
+    names or None) or differs from one of its fixed dims."""
+    if a.ndim != len(shape):
+        raise InvalidFeed(
+            f"input {name!r}: expected rank {len(shape)} (shape {shape}), "
+            f"got rank {a.ndim} (shape {list(a.shape)})"
+        )
+    for k, (want, got) in enumerate(zip(shape, a.shape)):
+        if isinstance(want, int) and want > 0 and want != got:
+            raise InvalidFeed(
+                f"input {name!r}: dimension {k} must be {want}, got {got} "
+                f"(shape {list(a.shape)}, expected {shape})"
+            )
 
 
 def _container_kind(tp: onnx.TypeProto) -> str | None:

@@ -21,9 +21,10 @@ from onnxtrain.engine.plan import load_model
 from onnxtrain.errors import InvalidFeed, InvalidFeedType
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo
-from onnxtrain.inference import NodeArg, node_arg
+from onnxtrain.inference import NodeArg, check_feed_shape, node_arg
 from onnxtrain.ir.builder import NameGen, value_types
 from onnxtrain.ir.graphs import untie_batch_norm_statistics
+from onnxtrain.ir.types import value_info_shape
 from onnxtrain.parallel import (
     BucketReducer,
     Communicator,
@@ -159,14 +160,10 @@ class CutModelSession(ReplicaExchange, TrainingSession):
             for v in g.input
             if v.name not in inits and v.type.HasField("tensor_type")
         }
-        # the whole batch's declared shapes (a fixed size per axis, else its name or None), checked as one
-        # process's session checks them: on every rank, whichever of its inputs its part reads
-        self._input_shapes = {
-            v.name: [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None)
-                     for d in v.type.tensor_type.shape.dim]
-            for v in g.input
-            if v.name not in inits and v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
-        }
+        # the whole batch's declared shapes, checked as one process's session checks them: on every rank,
+        # whichever of its inputs its part reads
+        self._input_shapes = {v.name: shape for v in g.input
+                              if v.name not in inits and (shape := value_info_shape(v.type)) is not None}
 
     def _plan_feeds(self, plan: Any, sources: Sequence[Mapping[str, Any]], training: bool) -> dict[str, Any]:
         """The inputs of ``plan``: each from the first of ``sources`` that has it, else this rank's state,
@@ -290,16 +287,8 @@ class CutModelSession(ReplicaExchange, TrainingSession):
             want = np.dtype(bool) if name == TRAINING_MODE else self._dtypes.get(name)
             if want is not None and a.dtype != want:
                 raise InvalidFeedType(f"input {name!r}: expected dtype {want}, got {a.dtype}")
-            shape = shapes.get(name)
-            if shape is not None:
-                expected = [d if d is not None else "?" for d in shape]  # as one process's message
-                if a.ndim != len(shape):
-                    raise InvalidFeed(f"input {name!r}: expected rank {len(shape)} (shape {expected}), got "
-                                      f"rank {a.ndim} (shape {list(a.shape)})")
-                for k, (d, got) in enumerate(zip(shape, a.shape)):
-                    if isinstance(d, int) and d != got:
-                        raise InvalidFeed(f"input {name!r}: dimension {k} must be {d}, got {got} (shape "
-                                          f"{list(a.shape)}, expected {expected})")
+            if name in shapes:
+                check_feed_shape(name, a, shapes[name])
             out[name] = a
         missing = [n for n in self._user_inputs if n not in out]
         if missing:
