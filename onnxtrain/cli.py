@@ -129,6 +129,7 @@ def _differentiable(model: onnx.ModelProto) -> list[str]:
 
 def _gradient_graph(a: argparse.Namespace) -> int:
     from onnxtrain.autodiff import build_gradient_model
+    from onnxtrain.autodiff.legacy import outputs_in_model_order
     from onnxtrain.ir.io import save_model_atomic
     from onnxtrain.training_graph import discover_trainable
 
@@ -161,13 +162,7 @@ def _gradient_graph(a: argparse.Namespace) -> int:
         if "does not reach" in str(e):
             raise UsageError(f"--wrt: {_one_line(e)}") from None
         raise
-    # the model's outputs where they were (a loss that was no output of the model first), then the gradients
-    outputs = {o.name: o for o in out.graph.output}
-    kept = [outputs[o.name] for o in model.graph.output if o.name in outputs]
-    grads = [outputs[f"{w}_grad"] for w in wrt]
-    rest = [o for o in out.graph.output if o not in kept and o not in grads]
-    del out.graph.output[:]
-    out.graph.output.extend([*rest, *kept, *grads])
+    outputs_in_model_order(out, model, wrt, keep_others=True)  # a loss that was no output of the model first
     onnx.checker.check_model(out, full_check=True)
     save_model_atomic(out, a.output)
     print(f"wrote {a.output}: {_plural(len(out.graph.node), 'node')}, gradients of {a.loss!r} "

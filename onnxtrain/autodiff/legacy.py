@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import onnx
@@ -58,13 +58,8 @@ class GradientGraphBuilder:
             self._model, first, self._xs, other_ys=others, zero_unreachable=False, seed_loss=seeded,
             memory_efficient=memory_efficient,
         )
-        # as onnxruntime's builder: the model's outputs where they were, then the gradients (a loss that
-        # was no output of the model stays none)
-        outputs = {o.name: o for o in built.graph.output}
-        kept = [outputs[o.name] for o in self._model.graph.output if o.name in outputs]
-        kept += [outputs[f"{x}_grad"] for x in self._xs]
-        del built.graph.output[:]
-        built.graph.output.extend(kept)
+        # as onnxruntime's builder: a loss that was no output of the model stays none
+        outputs_in_model_order(built, self._model, self._xs, keep_others=False)
         self._built = built
 
     def _result(self) -> onnx.ModelProto:
@@ -79,3 +74,17 @@ class GradientGraphBuilder:
         from onnxtrain.ir.io import save_model_atomic
 
         save_model_atomic(self._result(), path)
+
+
+def outputs_in_model_order(built: onnx.ModelProto, model: onnx.ModelProto, wrt: Sequence[str],
+                           keep_others: bool) -> None:
+    """Order ``built``'s outputs (in place) as ``model``'s outputs where they were, then ``<x>_grad`` per x of
+    ``wrt``; its other outputs (a loss that was no output of the model) first when ``keep_others``, else
+    dropped."""
+    outputs = {o.name: o for o in built.graph.output}
+    kept = [outputs[o.name] for o in model.graph.output if o.name in outputs]
+    grads = [outputs[f"{x}_grad"] for x in wrt]
+    named = {o.name for o in (*kept, *grads)}
+    others = [o for o in built.graph.output if o.name not in named] if keep_others else []
+    del built.graph.output[:]
+    built.graph.output.extend([*others, *kept, *grads])
