@@ -19,7 +19,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from onnxtrain.engine.cblas import gemm
 from onnxtrain.engine.kernels import depthwise
-from onnxtrain.engine.kernels.half import F32, is_half
+from onnxtrain.engine.kernels.half import F32, in_float32, is_half
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 
@@ -78,14 +78,6 @@ def pad_input(x: np.ndarray, pb: Sequence[int], sizes: Sequence[int], fill: Any 
 
 
 # ---------------------------------------------------------------------------------------------- Conv
-
-def _in_float32(run: Any, inputs: Inputs, attrs: Attrs) -> Outputs:
-    """``run`` (Conv, ConvTranspose) on float16/bfloat16 inputs taken to float32, the output rounded to the
-    input's type once, as ONNX's reference and onnxruntime compute them."""
-    dt = inputs[0].dtype
-    y = run([v if v is None else v.astype(F32) for v in inputs], attrs)[0]
-    return (y.astype(dt),)
-
 
 def _conv_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> dict[str, Any]:
     nd = len(xs) - 2
@@ -229,7 +221,7 @@ def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
     if is_half(x.dtype):  # float32 products, sums and bias, rounded once (numpy's bfloat16 matmul is float32)
-        return _in_float32(conv, inputs, attrs)
+        return in_float32(conv, inputs, attrs)
     g = attrs.cached((x.shape, w.shape), lambda: _conv_geometry(attrs, x.shape, w.shape))
     y = depthwise.conv(x, w, g) if g["group"] > 1 and x.dtype in depthwise.FAST_DTYPES else None
     if y is None:
@@ -375,7 +367,7 @@ def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
     if is_half(x.dtype):  # the overlapping contributions summed in float32, rounded once
-        return _in_float32(conv_transpose, inputs, attrs)
+        return in_float32(conv_transpose, inputs, attrs)
     g = attrs.cached((x.shape, w.shape), lambda: _convt_geometry(attrs, x.shape, w.shape))
     y = depthwise.conv_transpose(x, w, g) if g["depthwise"] and x.dtype in depthwise.FAST_DTYPES else None
     if y is None and g["as_conv"] is not None and _shifted_fits(x, g):

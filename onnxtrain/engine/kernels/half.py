@@ -5,7 +5,11 @@ the running sum: a float16 cumulative sum of ones stops at 2048)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+
+from onnxtrain.engine.registry import Attrs, Inputs, Outputs
 
 F32 = np.dtype(np.float32)
 
@@ -19,3 +23,11 @@ def is_half(dt: np.dtype) -> bool:
 def is_float(dt: np.dtype) -> bool:
     """True for numpy floats and the ml_dtypes ones (bfloat16, float8)."""
     return dt.kind == "f" or dt.name.startswith(("bfloat", "float"))
+
+
+def in_float32(run: Callable[[Inputs, Attrs], Outputs], inputs: Inputs, attrs: Attrs) -> Outputs:
+    """Kernel ``run`` on the float16/bfloat16 ``inputs`` taken to float32 (other inputs as they are), its
+    float32 outputs rounded once to the first input's type."""
+    dt = inputs[0].dtype
+    ys = run([v.astype(F32) if v is not None and is_half(v.dtype) else v for v in inputs], attrs)
+    return tuple(y.astype(dt) if isinstance(y, np.ndarray) and y.dtype == F32 else y for y in ys)

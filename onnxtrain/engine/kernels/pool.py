@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain.engine.kernels.conv import explicit_pads, pad_input, spatial_attrs
-from onnxtrain.engine.kernels.half import F32, is_float, is_half
+from onnxtrain.engine.kernels.half import F32, in_float32, is_float, is_half
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 
@@ -154,15 +154,13 @@ def average_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
 @kernel("LpPool", since=1)
 def lp_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
+    if is_half(x.dtype):  # powers and sums in float32 (x² of float16 overflows from 256), rounded once
+        return in_float32(lp_pool, inputs, attrs)
     p = float(attrs.get("p") or 2)
     g = _geometry(attrs, x)
-    dt = x.dtype
-    if is_half(dt):  # powers and sums in float32 (x² of float16 overflows from 256), rounded once
-        x = x.astype(F32)
     a = x * x if p == 2 else np.abs(x) ** np.asarray(p, dtype=x.dtype)
     s = _window_sum(pad_input(a, g["pb"], g["sizes"]), g)
-    y = np.sqrt(s, out=s) if p == 2 else s ** np.asarray(1.0 / p, dtype=x.dtype)
-    return (y if y.dtype == dt else y.astype(dt),)
+    return (np.sqrt(s, out=s) if p == 2 else s ** np.asarray(1.0 / p, dtype=x.dtype),)
 
 
 def _spatial_axes(x: np.ndarray) -> tuple[int, ...]:
@@ -172,10 +170,9 @@ def _spatial_axes(x: np.ndarray) -> tuple[int, ...]:
 @kernel("GlobalAveragePool", since=1)
 def global_average_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
-    dt = x.dtype
-    if is_half(dt):  # np.mean of bfloat16 would accumulate in bfloat16
-        x = x.astype(F32)
-    return (np.asarray(np.mean(x, axis=_spatial_axes(x), keepdims=True)).astype(dt, copy=False),)
+    if is_half(x.dtype):  # np.mean of bfloat16 would accumulate in bfloat16
+        return in_float32(global_average_pool, inputs, attrs)
+    return (np.asarray(np.mean(x, axis=_spatial_axes(x), keepdims=True), dtype=x.dtype),)
 
 
 @kernel("GlobalMaxPool", since=1)
@@ -187,16 +184,15 @@ def global_max_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
 @kernel("GlobalLpPool", since=2)
 def global_lp_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
-    dt = x.dtype
-    if is_half(dt):  # x² of float16 overflows from 256; np.sum of bfloat16 sums in bfloat16
-        x = x.astype(F32)
+    if is_half(x.dtype):  # x² of float16 overflows from 256; np.sum of bfloat16 sums in bfloat16
+        return in_float32(global_lp_pool, inputs, attrs)
     p = float(attrs.get("p") or 2)
     ax = _spatial_axes(x)
     if p == 2:
         s = np.sqrt(np.sum(x * x, axis=ax, keepdims=True))
     else:
         s = np.sum(np.abs(x) ** p, axis=ax, keepdims=True) ** (1.0 / p)
-    return (np.asarray(s, dtype=dt),)
+    return (np.asarray(s, dtype=x.dtype),)
 
 
 @kernel("MaxUnpool", since=9)
