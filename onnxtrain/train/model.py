@@ -10,6 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.builder import value_types
 from onnxtrain.ir.graphs import node_reads
+from onnxtrain.ir.types import value_info_shape
 from onnxtrain.train.config import Config, ConfigError
 
 
@@ -97,9 +98,8 @@ def _check_scalar_loss(model: onnx.ModelProto, loss: str) -> None:
             return
     if tp is None or not tp.tensor_type.HasField("shape"):
         return
-    dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
-            for d in tp.tensor_type.shape.dim]
-    if any(d != 1 and d != "?" for d in dims):  # a dim of unknown size may be 1
+    dims = value_info_shape(tp)
+    if any(d is not None and d != 1 for d in dims):  # a dim of unknown size may be 1
         raise ConfigError("model.loss", f"{loss!r} is not a scalar (shape {dims}); {_SCALAR_HINT}")
 
 
