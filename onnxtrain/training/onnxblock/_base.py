@@ -38,6 +38,10 @@ class ModelBase:
         self.consts: dict[str, tuple[float, int]] = {}  # 0-d constants made by blocks: name -> (value, type)
         self._types: dict[str, onnx.TypeProto] | None = None
         self.path: str | None = getattr(self, "path", None)  # base()'s model_path (kept by replace)
+        # blocks being called (nested calls count), and whether the outermost call's result is checked;
+        # both kept by replace, which a block may call midway
+        self.depth: int = getattr(self, "depth", 0)
+        self.check_calls: bool = getattr(self, "check_calls", False)
 
     @property
     def has_path(self) -> bool:
@@ -176,17 +180,19 @@ def base(model: onnx.ModelProto, model_path: str | None = None) -> Iterator[Mode
         raise BlockError(f"onnxblock.base expects an onnx.ModelProto, got {type(model).__name__}")
     clone = onnx.ModelProto()
     clone.CopyFrom(model)
-    with editing(clone) as acc:
+    with editing(clone, check_calls=True) as acc:
         acc.path = model_path  # onnxruntime-training's accessor tells whether the model came with a path
         yield acc
 
 
 @contextlib.contextmanager
-def editing(model: onnx.ModelProto) -> Iterator[ModelBase]:
+def editing(model: onnx.ModelProto, check_calls: bool = False) -> Iterator[ModelBase]:
     """Edit ``model`` itself with blocks (``base`` without the copy, for the artifact pipeline's own
-    models)."""
+    models, which it checks once when they are whole). With ``check_calls`` the model must pass
+    onnx.checker (full check) after each outermost block call, as onnxruntime-training required."""
     _refuse_nesting()
     acc = ModelBase(model)
+    acc.check_calls = check_calls
     _STACK.append(acc)
     try:
         yield acc
@@ -218,8 +224,19 @@ def empty_base(opset_version: int | None = None) -> Iterator[ModelBase]:
         producer_name="onnxtrain",
         ir_version=helper.find_min_ir_version_for(opsets),
     )
-    with editing(model) as acc:
+    with editing(model, check_calls=True) as acc:
         yield acc
+
+
+def check_after_block(acc: ModelBase, block: str) -> None:
+    """BlockError naming ``block`` when the model it left fails onnx.checker's full check (skipped past
+    protobuf's 2 GiB limit, where the checker needs the model's path)."""
+    if acc.model.ByteSize() >= 2**31:
+        return
+    try:
+        onnx.checker.check_model(acc.model, full_check=True)
+    except Exception as err:  # checker ValidationError and shape inference's InferenceError
+        raise BlockError(f"the model fails onnx.checker after block {block}: {err}") from None
 
 
 @contextlib.contextmanager

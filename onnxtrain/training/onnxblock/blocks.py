@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from onnxtrain.training.onnxblock._base import BlockError, ModelBase, current
+from onnxtrain.training.onnxblock._base import BlockError, ModelBase, check_after_block, current
 
 
 class Block(abc.ABC):
@@ -51,9 +51,19 @@ class Block(abc.ABC):
         """Append the block's nodes; return the output name(s)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``build`` on the current base; in ``base()``/``empty_base()`` the model must then pass
+        onnx.checker (after the outermost call: a block may leave it incomplete for the block that called
+        it), else BlockError naming the block."""
         acc = current()
         self.base = acc.model
-        return self.build(*args, **kwargs)
+        acc.depth += 1
+        try:
+            result = self.build(*args, **kwargs)
+        finally:
+            acc.depth -= 1
+        if acc.depth == 0 and acc.check_calls:
+            check_after_block(acc, type(self).__name__)
+        return result
 
     def infer_shapes_on_base(self) -> onnx.ModelProto:
         """The model being edited, with the value infos ONNX shape inference gives it (a copy)."""
