@@ -29,6 +29,7 @@ from onnxtrain.graph_transforms.mixed_precision import (
 from onnxtrain.graph_transforms.recompute import recompute
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, NodeWriter, model_opset
 from onnxtrain.ir.graphs import (
+    DEFAULT_DOMAINS,
     body_reads,
     is_training_batch_norm,
     node_reads,
@@ -263,7 +264,7 @@ def _fold_output_identities(
     renamed: dict[str, str] = {}
     drop: set[int] = set()
     for k, n in enumerate(nodes):
-        if n.op_type != "Identity" or n.domain not in ("", "ai.onnx") or len(n.input) != 1:
+        if n.op_type != "Identity" or n.domain not in DEFAULT_DOMAINS or len(n.input) != 1:
             continue
         x, y = n.input[0], n.output[0]
         if y in out_names and x in made and x not in out_names and x not in renamed:

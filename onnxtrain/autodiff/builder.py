@@ -33,7 +33,7 @@ from onnxtrain.ir.builder import (
     value_types,
 )
 from onnxtrain.ir.functions import expand_functions
-from onnxtrain.ir.graphs import body_reads, node_reads, walk_graphs
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, body_reads, node_reads, walk_graphs
 
 MIN_OPSET = 17
 
@@ -56,7 +56,7 @@ def _hold_early_ops(m: onnx.ModelProto) -> bool:
     held = False
     for g in walk_graphs(m.graph):
         for n in g.node:
-            if n.domain in ("", "ai.onnx") and opset < EARLY_OPS.get(n.op_type, 0):
+            if n.domain in DEFAULT_DOMAINS and opset < EARLY_OPS.get(n.op_type, 0):
                 n.domain, held = _HELD, True
     if held:
         m.opset_import.append(helper.make_opsetid(_HELD, 1))
@@ -74,7 +74,7 @@ def _drop_saved_statistics(m: onnx.ModelProto) -> set[str]:
     training: set[str] = set()
     for g in walk_graphs(m.graph):
         for n in g.node:
-            if n.op_type != "BatchNormalization" or n.domain not in ("", "ai.onnx"):
+            if n.op_type != "BatchNormalization" or n.domain not in DEFAULT_DOMAINS:
                 continue
             if any(n.output[1:]):
                 training.add(n.output[0])
@@ -106,7 +106,7 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     if model_opset(model) >= target:
         return model
     old_scans = [n.name or n.op_type for g in walk_graphs(model.graph) for n in g.node
-                 if n.op_type == "Scan" and n.domain in ("", "ai.onnx")]
+                 if n.op_type == "Scan" and n.domain in DEFAULT_DOMAINS]
     if old_scans and model_opset(model) < 9:
         # onnx's converter drops Scan-8's batch axis from the declared shapes without squeezing the data
         raise GradientError(f"Scan node(s) {old_scans} of opset {model_opset(model)} (with a batch axis): "
@@ -418,7 +418,7 @@ def build_gradient_model(
     for k in on_path:
         if rules[k] is None:
             node = bw.fwd_nodes[k]
-            op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+            op = node.op_type if node.domain in DEFAULT_DOMAINS else f"{node.domain}.{node.op_type}"
             raise GradientError(
                 f"node {node.name!r} ({op}) lies on the path from the parameters to the "
                 f"loss but {op} has no gradient rule; ops with rules (ONNX's): "
@@ -647,7 +647,7 @@ def _fold_transposed_gemms(nodes: list[onnx.NodeProto], outputs: set[str]) -> li
     replace: dict[int, onnx.NodeProto] = {}
     drop: set[int] = set()
     for k, t in enumerate(nodes):
-        if t.op_type != "Transpose" or t.domain not in ("", "ai.onnx"):
+        if t.op_type != "Transpose" or t.domain not in DEFAULT_DOMAINS:
             continue
         perm = next((list(a.ints) for a in t.attribute if a.name == "perm"), None)
         x = t.input[0]
@@ -655,7 +655,7 @@ def _fold_transposed_gemms(nodes: list[onnx.NodeProto], outputs: set[str]) -> li
         if perm != [1, 0] or j is None or j in replace or uses.get(x) != 1 or x in outputs:
             continue
         gm = nodes[j]
-        if gm.op_type != "Gemm" or gm.domain not in ("", "ai.onnx") or (len(gm.input) > 2 and gm.input[2]):
+        if gm.op_type != "Gemm" or gm.domain not in DEFAULT_DOMAINS or (len(gm.input) > 2 and gm.input[2]):
             continue
         at = {a.name: attribute_value(a) for a in gm.attribute}
         alpha = float(at.get("alpha", 1.0))

@@ -18,8 +18,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxtrain.ir.builder import NameGen
-from onnxtrain.ir.functions import DEFAULT_DOMAINS
-from onnxtrain.ir.graphs import walk_graphs
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, walk_graphs
 
 _SAMPLING = ("coordinate_transformation_mode", "nearest_mode")
 

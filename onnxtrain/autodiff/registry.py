@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from onnxtrain.ir.functions import DEFAULT_DOMAINS
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 
 if TYPE_CHECKING:
     import onnx

@@ -29,7 +29,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.attrs import parse_attributes
 from onnxtrain.ir.builder import NameGen, model_opset, static_shape, with_nodes_replaced
-from onnxtrain.ir.graphs import drop_unread
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, drop_unread
 
 MAX_POSITIONS = 16
 MAX_SAMPLE_BYTES = 2 << 20  # of all the windows of one sample: 64 MiB at batch 32
@@ -40,7 +40,7 @@ _SWAP = [1, 0, 2, 3]
 def _plan(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto], types: dict,
           opset: int) -> dict | None:
     """What the rewrite of ``node`` needs when it is a weight-gradient Conv it can take, else None."""
-    if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+    if node.op_type != "Conv" or node.domain not in DEFAULT_DOMAINS or len(node.input) != 2:
         return None
     a = parse_attributes(node, opset)
     if a["group"] != 1 or a["auto_pad"] not in ("NOTSET", ""):

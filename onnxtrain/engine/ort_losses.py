@@ -27,6 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.attrs import parse_attributes
 from onnxtrain.ir.builder import NameGen, elem_type, model_opset, symbolic_shape, with_nodes_replaced
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
 _INDICES = (TensorProto.INT32, TensorProto.INT64)
@@ -54,7 +55,7 @@ def softmax_cross_entropy_losses(model: onnx.ModelProto, typed: Callable[[], dic
 
 
 def _is_loss(node: onnx.NodeProto) -> bool:
-    return node.op_type == "SoftmaxCrossEntropyLoss" and node.domain in ("", "ai.onnx")
+    return node.op_type == "SoftmaxCrossEntropyLoss" and node.domain in DEFAULT_DOMAINS
 
 
 def _two_d_float(types: dict, name: str) -> bool:

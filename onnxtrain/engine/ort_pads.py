@@ -19,7 +19,7 @@ import onnx
 from onnx import helper
 
 from onnxtrain.ir.builder import model_opset
-from onnxtrain.ir.graphs import constant_arrays, drop_unread, node_reads
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, constant_arrays, drop_unread, node_reads
 from onnxtrain.ir.shape_values import ShapeValues, unknown
 from onnxtrain.ir.types import symbolic_shape
 
@@ -32,7 +32,7 @@ def pads_as_concat(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.Mo
     """``model`` with each Sum of tiling zero Pads as a Concat (a copy), or ``model`` itself."""
     g = model.graph
     made_by = {o: n for n in g.node for o in n.output}
-    sums = [n for n in g.node if n.op_type == "Sum" and n.domain in ("", "ai.onnx") and len(n.input) > 1
+    sums = [n for n in g.node if n.op_type == "Sum" and n.domain in DEFAULT_DOMAINS and len(n.input) > 1
             and all(made_by.get(i) is not None and made_by[i].op_type == "Pad" for i in n.input)]
     if not sums or model_opset(model) < 11:  # pads as an input from opset 11
         return model

@@ -59,7 +59,7 @@ from onnxtrain.engine.ort_losses import softmax_cross_entropy_losses
 from onnxtrain.engine.ort_pads import pads_as_concat
 from onnxtrain.engine.ort_sums import leading_sums
 from onnxtrain.ir.builder import NameGen, model_opset, static_shape, value_types, with_nodes_replaced
-from onnxtrain.ir.graphs import drop_unread, is_training_batch_norm, node_reads
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, drop_unread, is_training_batch_norm, node_reads
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
 _MIN_OPSET = 11  # Range
@@ -170,7 +170,7 @@ def _infinite_fills(model: onnx.ModelProto) -> onnx.ModelProto:
 def _wheres_with_one_branch_in(model: onnx.ModelProto, consts: Collection[str]) -> list[int]:
     """Indices of the Where nodes exactly one of whose two branches is named in ``consts``."""
     return [k for k, n in enumerate(model.graph.node)
-            if n.op_type == "Where" and n.domain in ("", "ai.onnx") and len(n.input) == 3
+            if n.op_type == "Where" and n.domain in DEFAULT_DOMAINS and len(n.input) == 3
             and (n.input[1] in consts) != (n.input[2] in consts)]
 
 
@@ -211,7 +211,7 @@ def _float_of(types: dict, node: onnx.NodeProto) -> int | None:
 def _pool_indices(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
     """MaxPool's Indices by ArgMax where the windows tile the input, dropped where nothing reads them."""
     pools = [k for k, n in enumerate(model.graph.node)
-             if n.op_type == "MaxPool" and n.domain in ("", "ai.onnx") and len(n.output) > 1 and n.output[1]]
+             if n.op_type == "MaxPool" and n.domain in DEFAULT_DOMAINS and len(n.output) > 1 and n.output[1]]
     if not pools:
         return model
     read = {i for n in model.graph.node for i in node_reads(n)} | {o.name for o in model.graph.output}

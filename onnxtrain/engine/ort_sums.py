@@ -30,7 +30,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.builder import NameGen, model_opset, symbolic_shape, with_nodes_replaced
-from onnxtrain.ir.graphs import constant_arrays, drop_unread
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, constant_arrays, drop_unread
 
 MIN_ROWS = 8  # static leading values: fewer leave most of the sum to the ReduceSum
 MIN_COLUMNS = 64  # fewer trailing values make a poor product (a bias of a 10-class head stays a ReduceSum)
@@ -60,7 +60,7 @@ def leading_sums(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.Mode
 
 
 def _is_sum(node: onnx.NodeProto) -> bool:
-    return (node.op_type == "ReduceSum" and node.domain in ("", "ai.onnx") and len(node.input) == 2
+    return (node.op_type == "ReduceSum" and node.domain in DEFAULT_DOMAINS and len(node.input) == 2
             and bool(node.input[1]))
 
 

@@ -25,7 +25,6 @@ from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow
 from onnxtrain.engine.donation import donated_slots, donating, reusable_inputs
 from onnxtrain.engine.parallel import default_width, running_with, width
 from onnxtrain.engine.registry import (
-    DEFAULT_DOMAINS,
     SUBGRAPH_OPS,
     Attrs,
     Kernel,
@@ -35,7 +34,7 @@ from onnxtrain.engine.registry import (
 )
 from onnxtrain.errors import Fail, InvalidProtobuf, ModelNotFound
 from onnxtrain.ir.functions import expand_functions
-from onnxtrain.ir.graphs import RANDOM_OPS
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, RANDOM_OPS
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
 
@@ -102,7 +101,7 @@ def load_model(model: onnx.ModelProto | str | bytes | os.PathLike) -> onnx.Model
 
 def default_opset(model: onnx.ModelProto) -> int:
     for o in model.opset_import:
-        if o.domain in ("", "ai.onnx"):
+        if o.domain in DEFAULT_DOMAINS:
             return int(o.version)
     return onnx.defs.onnx_opset_version()
 

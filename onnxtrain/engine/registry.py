@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain.ir.attrs import attribute_value, parse_attributes  # noqa: F401 - re-exported
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 
 Inputs = Sequence[Any]
 Outputs = Sequence[Any]
@@ -46,7 +47,6 @@ class Attrs(dict):
 
 Kernel = Callable[[Inputs, Attrs], Outputs]
 
-DEFAULT_DOMAINS = ("", "ai.onnx")
 SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})  # kernels made per node from their bodies
 _KERNELS: dict[str, list[tuple[int, Kernel]]] = {}
 _LOADED = False

@@ -42,7 +42,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.graph_transforms.clipping import global_norm
 from onnxtrain.ir.builder import NameGen, NodeWriter, elem_type, model_opset, value_types
-from onnxtrain.ir.graphs import body_reads, rename_values, subgraphs
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, body_reads, rename_values, subgraphs
 from onnxtrain.ir.types import np_dtype
 
 HALF_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -421,7 +421,7 @@ def gradient_checks(model: onnx.ModelProto, grads: Sequence[str], norm_name: str
 # ---- helpers --------------------------------------------------------------------------------
 
 def _schema(node: onnx.NodeProto, opset: int) -> onnx.defs.OpSchema | None:
-    if node.domain not in ("", "ai.onnx"):
+    if node.domain not in DEFAULT_DOMAINS:
         return None
     try:
         return onnx.defs.get_schema(node.op_type, opset, "")

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain.ir.graphs import walk_graphs
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, walk_graphs
 from onnxtrain.ir.reshapes import refined_reshapes
 from onnxtrain.ir.shape_values import ShapeValues
 from onnxtrain.ir.slices import refined_slices
@@ -127,7 +127,7 @@ def with_nodes_replaced(
 
 def model_opset(model: onnx.ModelProto) -> int:
     for o in model.opset_import:
-        if o.domain in ("", "ai.onnx"):
+        if o.domain in DEFAULT_DOMAINS:
             return int(o.version)
     return 0
 

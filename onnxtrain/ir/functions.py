@@ -15,9 +15,8 @@ from collections.abc import Callable
 import onnx
 
 from onnxtrain.ir.builder import NameGen, model_opset, value_types
-from onnxtrain.ir.graphs import node_reads, rename_values, subgraphs, walk_graphs
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, node_reads, rename_values, subgraphs, walk_graphs
 
-DEFAULT_DOMAINS = ("", "ai.onnx")
 _MAX_DEPTH = 4  # a body may hold function ops of its own: expanded again, this many times at most
 
 

@@ -10,6 +10,8 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, numpy_helper
 
+DEFAULT_DOMAINS = ("", "ai.onnx")  # the two names of ONNX's own operator domain
+
 # ops that draw random values: a run of them cannot be repeated or shared (recompute, CSE, pipeline stages)
 RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
                         "Bernoulli", "Multinomial"})
@@ -28,7 +30,7 @@ def train_batch_norms(nodes: Iterable[onnx.NodeProto], names: Callable[[str], st
     Returns the names of the nodes changed. Needs opset 14 or later (the attribute)."""
     changed = []
     for n in nodes:
-        if n.op_type != "BatchNormalization" or n.domain not in ("", "ai.onnx") or is_training_batch_norm(n):
+        if n.op_type != "BatchNormalization" or n.domain not in DEFAULT_DOMAINS or is_training_batch_norm(n):
             continue
         for a in list(n.attribute):
             if a.name == "training_mode":
@@ -63,7 +65,7 @@ def untie_batch_norm_statistics(model: onnx.ModelProto, names: Callable[[str], s
     made: list[str] = []
     dropped: list[onnx.NodeProto] = []
     for n in g.node:
-        if n.op_type != "BatchNormalization" or n.domain not in ("", "ai.onnx"):
+        if n.op_type != "BatchNormalization" or n.domain not in DEFAULT_DOMAINS:
             continue
         for k in (3, 4):
             name = n.input[k] if len(n.input) > k else ""

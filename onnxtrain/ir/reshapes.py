@@ -15,6 +15,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 from onnxtrain.ir.shape_values import Dim, ShapeValues, unknown
 from onnxtrain.ir.types import symbolic_shape
 
@@ -25,7 +26,7 @@ def refined_reshapes(model: onnx.ModelProto, types: dict[str, onnx.TypeProto],
     computed target shape tells; dims still unknown are left unnamed."""
     out = []
     for n in model.graph.node:
-        if n.op_type != "Reshape" or n.domain not in ("", "ai.onnx") or len(n.input) < 2:
+        if n.op_type != "Reshape" or n.domain not in DEFAULT_DOMAINS or len(n.input) < 2:
             continue
         have = symbolic_shape(types, n.output[0])
         if have is not None and not any(unknown(d) for d in have):

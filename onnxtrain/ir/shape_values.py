@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnxtrain.ir.graphs import constant_arrays
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, constant_arrays
 from onnxtrain.ir.types import symbolic_shape
 
 FRESH = "unk__"  # the prefix of the dim names ONNX shape inference makes up for unknown dims
@@ -60,7 +60,7 @@ class ShapeValues:
         self._values[name] = None  # a cycle (not in a valid graph) stops here
         found = self._consts.get(name)
         node = self._made_by.get(name)
-        if found is None and node is not None and node.domain in ("", "ai.onnx"):
+        if found is None and node is not None and node.domain in DEFAULT_DOMAINS:
             if node.op_type in ("Shape", "Gather"):
                 entry = self.dims(name)
                 if entry is not None and all(isinstance(d, int) for d in entry[1]):
@@ -120,7 +120,7 @@ class ShapeValues:
         if const is not None:
             if const.ndim <= 1 and const.dtype.kind in "iu" and const.size <= MAX_VALUES:
                 found = const.ndim == 0, [int(v) for v in const.reshape(-1)]
-        elif node is not None and node.domain in ("", "ai.onnx"):
+        elif node is not None and node.domain in DEFAULT_DOMAINS:
             found = self._entries(node)
         self._dims[name] = found
         return found

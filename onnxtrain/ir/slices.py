@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 from onnxtrain.ir.shape_values import ShapeValues, unknown
 from onnxtrain.ir.types import symbolic_shape
 
@@ -29,7 +30,7 @@ def refined_slices(model: onnx.ModelProto, types: dict[str, onnx.TypeProto], ops
     """Value infos of the Slice outputs in ``model``'s graph with the dims ``types`` does not know but can be
     learnt before a run (the module docstring); dims still unknown are left unnamed."""
     g = model.graph
-    slices = [n for n in g.node if n.op_type == "Slice" and n.domain in ("", "ai.onnx")]
+    slices = [n for n in g.node if n.op_type == "Slice" and n.domain in DEFAULT_DOMAINS]
     if not slices:
         return []
     value = values.value

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from onnxtrain.engine.fusion.common import attr_key, protected_slots
-from onnxtrain.ir.graphs import RANDOM_OPS
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, RANDOM_OPS
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
@@ -25,7 +25,7 @@ def eliminate_common_steps(plan: Plan, steps: list[Step]) -> list[Step]:
         ins = tuple(alias.get(s, s) for s in st.inputs)
         if ins != st.inputs:
             st = type(st)(st.fn, ins, st.outputs, st.attrs, st.free, st.node)
-        if st.node.op_type in RANDOM_OPS or not st.inputs or st.node.domain not in ("", "ai.onnx"):
+        if st.node.op_type in RANDOM_OPS or not st.inputs or st.node.domain not in DEFAULT_DOMAINS:
             out.append(st)
             continue
         key = (st.node.op_type, st.fn, ins, len(st.outputs), attr_key(st.node))

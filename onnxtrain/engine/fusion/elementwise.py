@@ -20,6 +20,7 @@ from onnxtrain.engine.fusion.ufuncs import OWN_KERNEL_OPS, UFUNCS, compile_progr
 from onnxtrain.engine.kernels.half import is_half
 from onnxtrain.engine.kernels.spread import spread, spread_shape
 from onnxtrain.engine.registry import Attrs, find_kernel
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 from onnxtrain.ir.types import np_dtype_of
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ def expand_sums(plan: Plan, steps: list[Step]) -> list[Step]:
 
     add = find_kernel("Add", plan.opset, "")
     name_of = {v: k for k, v in plan.slot.items()}
-    sums = [st for st in steps if st.node.op_type == "Sum" and st.node.domain in ("", "ai.onnx")
+    sums = [st for st in steps if st.node.op_type == "Sum" and st.node.domain in DEFAULT_DOMAINS
             and len(st.inputs) >= 2 and min(st.inputs) >= 0]
     if not sums:
         return steps
@@ -118,7 +119,7 @@ def fuse_elementwise(plan: Plan, steps: list[Step]) -> list[Step]:
     for k, st in enumerate(steps):
         ok = (
             st.node.op_type in eligible
-            and st.node.domain in ("", "ai.onnx")
+            and st.node.domain in DEFAULT_DOMAINS
             and all(s >= 0 for s in st.outputs)
             and not is_memoized(st)
         )

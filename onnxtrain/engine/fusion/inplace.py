@@ -24,6 +24,7 @@ from onnxtrain.engine.kernels.clamp import relu_into
 from onnxtrain.engine.kernels.elementwise import BITS_INT
 from onnxtrain.engine.kernels.indexing import scatter_elements_into
 from onnxtrain.engine.registry import Attrs
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
@@ -44,7 +45,7 @@ def fuse_inplace_activations(plan: Plan, steps: list[Step]) -> list[Step]:
             data = st.inputs[1]
         elif op == "ScatterElements" and len(st.inputs) == 3:
             data, fresh = st.inputs[0], SCATTER_FRESH_OPS
-        if data is None or data in kept or cons.get(data) != [k] or st.node.domain not in ("", "ai.onnx"):
+        if data is None or data in kept or cons.get(data) != [k] or st.node.domain not in DEFAULT_DOMAINS:
             out.append(st)
             continue
         m = prod.get(data)

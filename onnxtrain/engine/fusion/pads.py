@@ -27,6 +27,7 @@ from onnxtrain.engine.fusion.common import (
     protected_slots,
 )
 from onnxtrain.engine.registry import Attrs
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
@@ -57,7 +58,7 @@ def fuse_pad_sums(plan: Plan, steps: list[Step]) -> list[Step]:
 
 def _zero_pad(plan: Plan, st: Step) -> bool:
     """A Pad (opset 11 on) in constant mode whose padding value is absent or a constant 0, on every axis."""
-    if st.node.op_type != "Pad" or st.node.domain not in ("", "ai.onnx") or len(st.inputs) < 2:
+    if st.node.op_type != "Pad" or st.node.domain not in DEFAULT_DOMAINS or len(st.inputs) < 2:
         return False
     if (st.attrs.get("mode") or "constant") != "constant" or min(st.inputs[:2]) < 0:
         return False

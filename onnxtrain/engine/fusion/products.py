@@ -21,6 +21,7 @@ from onnxtrain.engine.fusion.common import (
 )
 from onnxtrain.engine.kernels.reduce import channel_axes_sum
 from onnxtrain.engine.registry import Attrs
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
@@ -34,7 +35,7 @@ def fuse_channel_dots(plan: Plan, steps: list[Step]) -> list[Step]:
     drop: set[int] = set()
     replace: dict[int, Step] = {}
     for k, red in enumerate(steps):
-        if red.node.op_type not in REDUCTIONS or red.node.domain not in ("", "ai.onnx") or red.inputs[0] < 0:
+        if red.node.op_type not in REDUCTIONS or red.node.domain not in DEFAULT_DOMAINS or red.inputs[0] < 0:
             continue
         axes = _static_axes(plan, red)
         s = red.inputs[0]
@@ -42,7 +43,7 @@ def fuse_channel_dots(plan: Plan, steps: list[Step]) -> list[Step]:
         if axes is None or m is None or m in drop or s in kept or cons.get(s) != [k]:
             continue
         mul = steps[m]
-        if (mul.node.op_type != "Mul" or mul.node.domain not in ("", "ai.onnx") or len(mul.inputs) != 2
+        if (mul.node.op_type != "Mul" or mul.node.domain not in DEFAULT_DOMAINS or len(mul.inputs) != 2
                 or min(mul.inputs) < 0):
             continue
         keepdims = next((a.i for a in red.node.attribute if a.name == "keepdims"), 1) != 0

@@ -24,7 +24,7 @@ import numpy as np
 
 from onnxtrain.engine.fusion.common import protected_slots
 from onnxtrain.engine.registry import SUBGRAPH_OPS, Attrs, Kernel
-from onnxtrain.ir.graphs import RANDOM_OPS
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, RANDOM_OPS
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
@@ -117,7 +117,7 @@ def memoize_shape_steps(plan: Plan, steps: list[Step]) -> list[Step]:
         wrapper: type[_Memo] | None = None
         # a body may hold random ops: control flow is neither folded nor memoised
         opaque = op in RANDOM_OPS or op in SUBGRAPH_OPS
-        if st.node.domain not in ("", "ai.onnx") or opaque or any(s in kept for s in st.outputs):
+        if st.node.domain not in DEFAULT_DOMAINS or opaque or any(s in kept for s in st.outputs):
             wrapper = None
         elif ins and all(s in consts for s in ins) and _fold(plan, st, consts):
             continue

@@ -11,6 +11,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.builder import elem_type, static_shape
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 
 MS = "com.microsoft"
 ACCUMULATED_SUFFIX = "_grad.accumulation.out"
@@ -32,7 +33,7 @@ _DEFAULT_DOMAIN = frozenset({"MaxPoolGrad", "AveragePoolGrad", "SimplifiedLayerN
 
 
 def is_foreign(node: onnx.NodeProto) -> bool:
-    return node.domain == MS or (node.op_type in _DEFAULT_DOMAIN and node.domain in ("", "ai.onnx"))
+    return node.domain == MS or (node.op_type in _DEFAULT_DOMAIN and node.domain in DEFAULT_DOMAINS)
 
 
 @dataclass

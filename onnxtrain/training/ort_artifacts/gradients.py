@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 from onnxtrain.training.ort_artifacts.common import Context, TranslationError, node_label
 
 
@@ -257,7 +258,7 @@ def _average_pool_input(node: onnx.NodeProto, ctx: Context) -> str:
     value), else the only AveragePool with the same attributes."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     pools = {
-        id(n): n for n in ctx.producer.values() if n.op_type == "AveragePool" and n.domain in ("", "ai.onnx")
+        id(n): n for n in ctx.producer.values() if n.op_type == "AveragePool" and n.domain in DEFAULT_DOMAINS
     }.values()
     alike = [n for n in pools if {a.name: helper.get_attribute_value(a) for a in n.attribute} == attrs]
     named = [n for n in alike if node.input[0].startswith(f"{n.output[0]}_grad")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 from onnxtrain.training.ort_artifacts.common import (
     BUFFER_SUFFIX,
     MS,
@@ -65,5 +66,5 @@ def translate_optimizer_model(model: onnx.ModelProto, training_model: onnx.Model
     if block is None:
         raise TranslationError("the optimizer model has no AdamWOptimizer or SGDOptimizerV2 node")
     block.clip_grad = clip
-    opset = next((o.version for o in training_model.opset_import if o.domain in ("", "ai.onnx")), 17)
+    opset = next((o.version for o in training_model.opset_import if o.domain in DEFAULT_DOMAINS), 17)
     return build_optimizer_model(block, _trainable(training_model), max(opset, 17))

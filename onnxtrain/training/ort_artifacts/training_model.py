@@ -7,6 +7,7 @@ from onnx import helper, numpy_helper
 
 from onnxtrain.autodiff.builder import EARLY_OPS, upgrade_opset
 from onnxtrain.ir.builder import value_types
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 from onnxtrain.training.ort_artifacts.common import (
     ACCUMULATED_SUFFIX,
     BUFFER_SUFFIX,
@@ -27,11 +28,11 @@ def translate_training_model(model: onnx.ModelProto) -> onnx.ModelProto:
     replaced by standard ONNX nodes; a model without such nodes is returned as it is."""
     if not is_onnxruntime_training_model(model):
         return model
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = next((o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS), 0)
     foreign = {n.op_type for n in model.graph.node if is_foreign(n)}
     needed = max((GRADS[op].min_opset if op in GRADS else MIN_OPSET.get(op, 0) for op in foreign), default=0)
     # onnxruntime's own LayerNormalization (its fusion's) before opset 17: standard from 17 on
-    early = {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx") and n.op_type in EARLY_OPS}
+    early = {n.op_type for n in model.graph.node if n.domain in DEFAULT_DOMAINS and n.op_type in EARLY_OPS}
     needed = max([needed, *(EARLY_OPS[op] for op in early if opset < EARLY_OPS[op])])
     if opset < needed:  # e.g. GatherNDGrad's ScatterND that adds: the standard nodes move to that opset first
         model = upgrade_opset(model, needed)
