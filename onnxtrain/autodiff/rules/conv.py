@@ -4,6 +4,9 @@ Both are linear in each argument, so each gradient is again a (transposed) convo
 Conv's dX is a ConvTranspose of dY with the same W, ConvTranspose's dX a Conv of dY with the same W,
 and either op's dW a Conv in which the batch axis plays the channel axis (strides and dilations
 swapped), cropped to the kernel size. Col2Im's adjoint is im2col: a Conv of dY with one-hot kernels.
+
+Pads that depend on spatial sizes known only at run time (``auto_pad`` SAME_*, ConvTranspose's
+``output_shape``) are computed in the graph from Shape(X) (``ConvGeom.rt``) and applied by Slice/Pad.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ class ConvGeom:
     dil: list[int]
     pb: list[int]
     pe: list[int]
+    # pads known only at run time (``auto_pad`` SAME_* or ConvTranspose's ``output_shape`` with dynamic
+    # input sizes): two int64 tensors of nd values, (begin, end); ``pb``/``pe`` are then zeros
+    rt: tuple[str, str] | None = None
 
     @property
     def k_eff(self) -> list[int]:
@@ -81,25 +87,78 @@ def _kernel_dims(g: GradCtx, w_index: int | None) -> list[int]:
     return list(ws[2:])
 
 
-def conv_geom(g: GradCtx, w_index: int | None = 1, transposed: bool = False) -> ConvGeom:
-    """Geometry of a Conv (or pool, ``w_index=None``) node; ConvTranspose resolves pads from its output."""
+def _static(sp: Sequence[int | None] | None) -> bool:
+    return sp is not None and all(v is not None for v in sp)
+
+
+def sp_dims(g: GradCtx, shape: str, nd: int) -> str:
+    """The spatial dims (entries 2 … nd+1) of a shape tensor."""
+    return g.emit("Slice", shape, g.ints([2]), g.ints([nd + 2]), g.ints([0]))
+
+
+def _floor_half(g: GradCtx, t: str) -> str:
+    """⌊t / 2⌋ of an int64 tensor that may be negative (t − (t mod 2) is even, so the Div is exact)."""
+    two = g.ints([2])
+    return g.emit("Div", g.emit("Sub", t, g.emit("Mod", t, two)), two)
+
+
+def _same_pads_at_run_time(
+    g: GradCtx, auto_pad: str, k_eff: Sequence[int], strides: Sequence[int], nd: int
+) -> tuple[str, str]:
+    """(begin, end) pads of ``auto_pad`` SAME_* from X's run-time sizes S: O = ⌈S / s⌉, total =
+    max(0, (O − 1)·s + k_eff − S), split evenly, the odd one at the end (UPPER) or the beginning (LOWER)."""
+    size = sp_dims(g, g.shape(0), nd)
+    out = g.emit("Div", g.emit("Add", size, g.ints([s - 1 for s in strides])), g.ints(strides))
+    span = g.emit("Add", g.emit("Mul", out, g.ints(strides)), g.ints([k - s for k, s in zip(k_eff, strides)]))
+    total = g.emit("Max", g.emit("Sub", span, size), g.ints([0] * nd))
+    small = g.emit("Div", total, g.ints([2] * nd))
+    big = g.emit("Sub", total, small)
+    return (small, big) if auto_pad == "SAME_UPPER" else (big, small)
+
+
+def conv_geom(
+    g: GradCtx, w_index: int | None = 1, transposed: bool = False, runtime: bool = False
+) -> ConvGeom:
+    """Geometry of a Conv (or pool, ``w_index=None``) node; ConvTranspose resolves pads from its output.
+
+    Pads that depend on spatial sizes known only at run time are refused unless ``runtime``, which gives
+    them as tensors computed from Shape(X) (``ConvGeom.rt``)."""
     k = _kernel_dims(g, w_index)
     nd = len(k)
     strides = list(g.attr("strides") or [1] * nd)
     dil = list(g.attr("dilations") or [1] * nd)
+    k_eff = [(k[i] - 1) * dil[i] + 1 for i in range(nd)]
+    auto_pad = g.attr("auto_pad") or "NOTSET"
+    same = auto_pad in ("SAME_UPPER", "SAME_LOWER")
     if not transposed:
-        pb, pe = resolve_pads(g, nd, k, strides, dil, spatial(g, 0))
+        in_sp = spatial(g, 0)
+        if runtime and same and not _static(in_sp):
+            return ConvGeom(nd, k, strides, dil, [0] * nd, [0] * nd,
+                            _same_pads_at_run_time(g, auto_pad, k_eff, strides, nd))
+        pb, pe = resolve_pads(g, nd, k, strides, dil, in_sp)
         return ConvGeom(nd, k, strides, dil, pb, pe)
     # ConvTranspose: pads follow from output_shape / SAME_* when given (as in the kernel)
-    auto_pad = g.attr("auto_pad") or "NOTSET"
     out_shape = g.attr("output_shape")
-    if out_shape is None and auto_pad not in ("SAME_UPPER", "SAME_LOWER"):
+    if out_shape is None and not same:
         pads = [0] * (2 * nd) if auto_pad == "VALID" else list(g.attr("pads") or [0] * (2 * nd))
         return ConvGeom(nd, k, strides, dil, pads[:nd], pads[nd:])
     in_sp = spatial(g, 0)
-    if in_sp is None or any(v is None for v in in_sp):
-        raise RuleError("ConvTranspose with output_shape or auto_pad SAME needs static input sizes")
     out_pad = list(g.attr("output_padding") or [0] * nd)
+    if not _static(in_sp):
+        if not runtime:
+            raise RuleError("ConvTranspose with output_shape or auto_pad SAME needs static input sizes")
+        # total = s·(S − 1) + output_padding + k_eff − out, out = output_shape or S·s, from S at run time
+        size = sp_dims(g, g.shape(0), nd)
+        full = g.emit("Add", g.emit("Mul", size, g.ints(strides)),
+                      g.ints([op + ke - s for op, ke, s in zip(out_pad, k_eff, strides)]))
+        if out_shape is not None:
+            want = g.ints(list(out_shape)[-nd:])
+        else:
+            want = g.emit("Mul", size, g.ints(strides))
+        total = g.emit("Sub", full, want)
+        half = _floor_half(g, total)  # the kernel's total // 2, also for negative totals
+        pb_t = half if auto_pad == "SAME_UPPER" else g.emit("Sub", total, half)
+        return ConvGeom(nd, k, strides, dil, [0] * nd, [0] * nd, (pb_t, g.emit("Sub", total, pb_t)))
     out = list(out_shape)[-nd:] if out_shape is not None else [in_sp[i] * strides[i] for i in range(nd)]
     pb, pe = [], []
     for i in range(nd):
@@ -108,6 +167,13 @@ def conv_geom(g: GradCtx, w_index: int | None = 1, transposed: bool = False) -> 
         pb.append(b)
         pe.append(total - b)
     return ConvGeom(nd, k, strides, dil, pb, pe)
+
+
+def pads_tensor(g: GradCtx, geo: ConvGeom) -> str:
+    """Pad's ``pads`` input for (N, C, spatial…) from the run-time pads: [0, 0, pb…, 0, 0, pe…]."""
+    if geo.rt is None:
+        raise RuleError("pads_tensor needs run-time pads")
+    return g.emit("Concat", g.ints([0, 0]), geo.rt[0], g.ints([0, 0]), geo.rt[1], axis=0)
 
 
 def _attrs(**kw: list[int] | int | None) -> dict[str, list[int] | int]:
@@ -187,13 +253,20 @@ def transposed_back(
         )
     if x_shape is None:
         raise RuleError("dynamic spatial sizes need the input's shape")
+    rank = geo.nd + 2
+    if geo.rt is not None:
+        # begin pads known at run time: the full (unpadded) ConvTranspose, cut to [pb, pb + S), then
+        # zero-padded at the end up to S where no window reached the last input rows
+        t = g.emit("ConvTranspose", dy, w, **_attrs(strides=geo.strides, dilations=geo.dil, group=group))
+        want = g.emit("Slice", x_shape, g.ints([2]), g.ints([rank]), g.ints([0]))
+        t = g.emit("Slice", t, geo.rt[0], g.emit("Add", geo.rt[0], want), g.ints(list(range(2, rank))))
+        return pad_end_to(g, t, x_shape, rank)
     # sizes known only at run time: crop the begin pads only, then cut or zero-pad the end to X's sizes (an
     # end crop of the whole end pad would drop the last input rows when (S + pads − k_eff) % s leaves some)
     t = g.emit(
         "ConvTranspose", dy, w,
         **_attrs(strides=geo.strides, pads=pb + [0] * geo.nd, dilations=geo.dil, group=group),
     )
-    rank = geo.nd + 2
     want = g.emit("Slice", x_shape, g.ints([2]), g.ints([rank]), g.ints([0]))
     t = g.emit("Slice", t, g.ints([0] * geo.nd), want, g.ints(list(range(2, rank))))
     return pad_end_to(g, t, x_shape, rank)
@@ -232,10 +305,12 @@ def weight_grad(
         b = g.emit("Reshape", dout, g.ints([0, group, mg, -1]))
         b = g.emit("Transpose", b, perm=[1, 2, 0, 3])
         b = g.emit("Reshape", b, _sp_shape(g, [c_out, -1], dout_sp, dout_shape, nd))
+    if geo.rt is not None:  # pads known at run time (negative ones crop): pad explicitly
+        a = g.emit("Pad", a, pads_tensor(g, geo))
     r = g.emit("Conv", a, b, **_attrs(strides=geo.dil, dilations=geo.strides, pads=geo.pads, group=group))
     r = g.emit("Transpose", r, perm=[1, 0, *sp_perm])  # (M, C/g, k′…)
     k_full = None
-    if inp_sp is not None and dout_sp is not None and all(v is not None for v in (*inp_sp, *dout_sp)):
+    if geo.rt is None and _static(inp_sp) and _static(dout_sp):
         k_full = [
             (inp_sp[i] + geo.pb[i] + geo.pe[i] - (dout_sp[i] - 1) * geo.strides[i] - 1)  # type: ignore
             // geo.dil[i]
@@ -272,7 +347,7 @@ def bias_grad(g: GradCtx, nd: int) -> str:
 @gradient("Conv", uses=("x0", "x1"))
 def conv_grad(g: GradCtx) -> None:
     # Y = X ⋆ W (+ B):  dX = ConvTranspose(dY, W) with the same geometry; dW from weight_grad; dB = Σ dY
-    geo = conv_geom(g)
+    geo = conv_geom(g, runtime=True)
     group = int(g.attr("group") or 1)
     dy = g.dy(0)
     x_sp, y_sp = spatial(g, 0), spatial(g, 0, output=True)
@@ -306,15 +381,17 @@ def conv_grad(g: GradCtx) -> None:
 def conv_transpose_grad(g: GradCtx) -> None:
     # Y = ConvTranspose(X, W) is the adjoint of Conv(·, W):  dX = Conv(dY, W) with the same geometry;
     # dW[c, m, κ] = Σ X[n, c, i]·dY[n, m, i·s + κ·d − pb]: weight_grad with the roles of X and dY swapped
-    geo = conv_geom(g, transposed=True)
+    geo = conv_geom(g, transposed=True, runtime=True)
     group = int(g.attr("group") or 1)
     dy = g.dy(0)
     x_sp, y_sp = spatial(g, 0), spatial(g, 0, output=True)
-    if min(geo.pads) < 0:
+    if geo.rt is None and min(geo.pads) < 0:
         # output_shape beyond the full output: the extra rows (negative pads) are zeros no input
         # reaches, so crop them off dY and continue with the remaining non-negative pads
-        if y_sp is None or any(v is None for v in y_sp):
-            raise RuleError("ConvTranspose with negative derived pads needs static output sizes")
+        if not _static(y_sp):  # X's sizes are static here (else the pads would be run-time ones)
+            op0 = list(g.attr("output_padding") or [0] * geo.nd)
+            y_sp = [s * (n - 1) + o + ke - b - e  # type: ignore[operator]
+                    for s, n, o, ke, b, e in zip(geo.strides, x_sp, op0, geo.k_eff, geo.pb, geo.pe)]  # type: ignore[arg-type]
         lo = [max(0, -p) for p in geo.pb]
         hi = [o - max(0, -p) for o, p in zip(y_sp, geo.pe)]  # type: ignore[operator]
         dy = g.emit("Slice", dy, g.ints(lo), g.ints(hi), g.ints(range(2, geo.nd + 2)))
@@ -327,11 +404,13 @@ def conv_transpose_grad(g: GradCtx) -> None:
     if any(o >= s for o, s in zip(op, geo.strides)):
         raise RuleError(f"output_padding {op} >= strides {geo.strides} is not supported")
     if g.needs_dx(0):
+        # pads known at run time (possibly negative: output_shape beyond the full output): Pad dY first
+        src = dy if geo.rt is None else g.emit("Pad", dy, pads_tensor(g, geo))
         g.set_dx(
             0,
             g.emit(
                 "Conv",
-                dy,
+                src,
                 g.x(1),
                 **_attrs(strides=geo.strides, pads=geo.pads, dilations=geo.dil, group=group),
             ),

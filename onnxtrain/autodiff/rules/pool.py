@@ -11,9 +11,9 @@ import numpy as np
 from onnx import TensorProto, numpy_helper
 from onnx.helper import tensor_dtype_to_np_dtype
 
-from onnxtrain.autodiff.context import GradCtx, RuleError
+from onnxtrain.autodiff.context import GradCtx
 from onnxtrain.autodiff.registry import gradient
-from onnxtrain.autodiff.rules.conv import ConvGeom, conv_geom, spatial, transposed_back
+from onnxtrain.autodiff.rules.conv import ConvGeom, conv_geom, sp_dims, spatial, transposed_back
 
 
 def _numel(g: GradCtx, shape: str) -> str:
@@ -52,11 +52,11 @@ def _unpool_attrs(g: GradCtx) -> dict[str, list[int]] | None:
     51 µs and 74 → 18 µs, the numpy engine 157 → 73 µs and 62 → 31 µs."""
     if g.dtype != TensorProto.FLOAT or int(g.attr("storage_order") or 0) != 0:
         return None
-    geo = conv_geom(g, w_index=None)
-    if any(d != 1 for d in geo.dil) or any(k > s for k, s in zip(geo.k, geo.strides)):
-        return None
     in_sp, out_sp = spatial(g, 0), spatial(g, 0, output=True)
     if not in_sp or not out_sp or any(v is None for v in (*in_sp, *out_sp)):
+        return None  # checked first: auto_pad SAME's pads need static sizes
+    geo = conv_geom(g, w_index=None)
+    if any(d != 1 for d in geo.dil) or any(k > s for k, s in zip(geo.k, geo.strides)):
         return None
     for i in range(geo.nd):
         if (out_sp[i] - 1) * geo.strides[i] + geo.k[i] - geo.pb[i] - geo.pe[i] != in_sp[i]:  # type: ignore[operator]
@@ -71,7 +71,7 @@ def _row_major(g: GradCtx, idx: str) -> str:
     """Column-major spatial Indices (storage_order=1) → row-major: split off n·c, decode, re-encode."""
     sp = spatial(g, 0)
     if sp is None or any(v is None for v in sp):
-        raise RuleError("MaxPool storage_order=1 needs static spatial sizes")
+        return _row_major_at_run_time(g, idx)
     size = int(np.prod(sp))  # type: ignore[arg-type]
 
     def i64(v: int) -> str:
@@ -84,6 +84,30 @@ def _row_major(g: GradCtx, idx: str) -> str:
         c = q if i == len(sp) - 1 else g.emit("Mod", q, i64(n))
         stride = int(np.prod(sp[i + 1 :]))  # type: ignore[arg-type]
         out = g.emit("Add", out, c if stride == 1 else g.emit("Mul", c, i64(stride)))
+    return out
+
+
+def _row_major_at_run_time(g: GradCtx, idx: str) -> str:
+    """``_row_major`` with the spatial sizes read from Shape(X) at run time (scalars)."""
+    nd = len(g.attr("kernel_shape"))
+    shape = g.shape(0)
+    dims = [g.emit("Gather", shape, g.w.const(np.array(2 + i, dtype=np.int64), TensorProto.INT64), axis=0)
+            for i in range(nd)]
+
+    def prod(ds: list[str]) -> str | None:
+        out = ds[0] if ds else None
+        for d in ds[1:]:
+            out = g.emit("Mul", out, d)
+        return out
+
+    s = g.emit("Mod", idx, prod(dims))
+    out = g.emit("Sub", idx, s)  # n·c·size
+    for i in range(nd):
+        below = prod(dims[:i])  # column-major stride of axis i
+        q = s if below is None else g.emit("Div", s, below)
+        c = q if i == nd - 1 else g.emit("Mod", q, dims[i])
+        above = prod(dims[i + 1 :])  # row-major stride of axis i
+        out = g.emit("Add", out, c if above is None else g.emit("Mul", c, above))
     return out
 
 
@@ -117,7 +141,7 @@ def _counts(geo: ConvGeom, in_sp: list[int], out: list[int], include_pad: bool) 
 @gradient("AveragePool", linear=True)
 def average_pool_grad(g: GradCtx) -> None:
     # Y = S(X)/count with S the window sum; dX = Sᵀ(dY/count), Sᵀ = ConvTranspose with a ones kernel
-    geo = conv_geom(g, w_index=None)
+    geo = conv_geom(g, w_index=None, runtime=True)
     in_sp, out_sp = spatial(g, 0), spatial(g, 0, output=True)
     ceil_mode = bool(g.attr("ceil_mode") or 0)
     include_pad = bool(g.attr("count_include_pad") or 0)
@@ -126,14 +150,17 @@ def average_pool_grad(g: GradCtx) -> None:
         out = _pool_out(geo, in_sp, ceil_mode)  # type: ignore[arg-type]
         cnt = _counts(geo, in_sp, out, include_pad)  # type: ignore[arg-type]
         out_sp = out
-    elif not ceil_mode and (include_pad or not any(geo.pads)):
-        cnt = np.array(int(np.prod(geo.k)))
-    elif not ceil_mode:  # count_include_pad=0 with pads, sizes known at run time: count the windows there
+    elif not ceil_mode and (include_pad or (geo.rt is None and not any(geo.pads))):
+        cnt = np.array(int(np.prod(geo.k)))  # every window lies inside X and its pads
+    elif not ceil_mode and geo.rt is None:
+        # count_include_pad=0 with pads, sizes known at run time: count the windows there
         scaled = g.emit("Div", g.dy(0), _window_counts(g, geo))
         g.set_dx(0, _window_adjoint(g, scaled, geo, in_sp, out_sp, static))
         return
-    else:
-        raise RuleError("AveragePool with ceil_mode needs static spatial sizes")
+    else:  # ceil mode or auto_pad SAME, sizes known at run time: the counts from Shape(X) and Shape(Y)
+        scaled = g.emit("Div", g.dy(0), _counts_at_run_time(g, geo, include_pad))
+        g.set_dx(0, _window_adjoint(g, scaled, geo, in_sp, out_sp, static))
+        return
     if np.all(cnt == cnt.flat[0]):
         inv = g.const(1.0 / float(cnt.flat[0]))
     elif out_sp == spatial(g, 0, output=True):
@@ -159,6 +186,41 @@ def _window_counts(g: GradCtx, geo: ConvGeom) -> str:
     if any(d != 1 for d in geo.dil):
         attrs["dilations"] = list(geo.dil)
     return g.emit("LpPool", ones, **attrs)
+
+
+def _counts_at_run_time(g: GradCtx, geo: ConvGeom, include_pad: bool) -> str:
+    """``_counts`` as a graph, (1, 1, O…) in X's type, from X's and Y's run-time sizes and the pads.
+
+    Per axis, output o's window covers the padded positions o·s + j·d (j < k); it counts those in
+    [pb, pb + S), or in [0, pb + S + pe) with count_include_pad (a ceil-mode overhang past the end pad
+    never counts). The counts of a window are the product of its axes' counts."""
+    nd = geo.nd
+    xs, ys = sp_dims(g, g.shape(0), nd), sp_dims(g, g.shape(0, output=True), nd)
+
+    def i64(v: int) -> str:
+        return g.w.const(np.array(v, dtype=np.int64), TensorProto.INT64)
+
+    def at(t: str, i: int) -> str:  # entry i of a 1-D int64 tensor, as a scalar
+        return g.emit("Gather", t, i64(i), axis=0)
+
+    total = None
+    for i in range(nd):
+        s = geo.strides[i]
+        starts = g.emit("Range", i64(0), g.emit("Mul", at(ys, i), i64(s)), i64(s))  # o·s
+        offs = g.ints([j * geo.dil[i] for j in range(geo.k[i])])
+        pos = g.emit("Add", g.emit("Unsqueeze", starts, g.ints([1])), offs)  # (O, k)
+        size = at(xs, i)
+        pb = i64(geo.pb[i]) if geo.rt is None else at(geo.rt[0], i)
+        if include_pad:
+            pe = i64(geo.pe[i]) if geo.rt is None else at(geo.rt[1], i)
+            inside = g.emit("Less", pos, g.emit("Add", g.emit("Add", pb, size), pe))
+        else:
+            rel = g.emit("Sub", pos, pb)
+            inside = g.emit("And", g.emit("GreaterOrEqual", rel, i64(0)), g.emit("Less", rel, size))
+        cnt = g.reduce("ReduceSum", g.emit("Cast", inside, to=g.dtype), [1], keepdims=0)  # (O,)
+        cnt = g.emit("Reshape", cnt, g.ints([1, 1, *[-1 if j == i else 1 for j in range(nd)]]))
+        total = cnt if total is None else g.emit("Mul", total, cnt)
+    return total  # type: ignore[return-value]
 
 
 def _window_adjoint(
@@ -231,11 +293,10 @@ def _lp_scaled_dy(g: GradCtx, p: int) -> str:
 def lp_pool_grad(g: GradCtx) -> None:
     # Y = (Σ_window |x|ᵖ)^(1/p):  dX = x·|x|^(p−2) · Sᵀ(dY / Y^(p−1)), Sᵀ the ones-kernel ConvTranspose
     p = int(g.attr("p") or 2)
-    geo = conv_geom(g, w_index=None)
+    geo = conv_geom(g, w_index=None, runtime=True)
     in_sp = spatial(g, 0)
     static = in_sp is not None and all(v is not None for v in in_sp)
-    if not static and bool(g.attr("ceil_mode") or 0):
-        raise RuleError("LpPool with ceil_mode needs static spatial sizes")
+    # sizes known at run time (ceil mode too): the adjoint is cut to X's sizes at run time
     out_sp = _pool_out(geo, in_sp, bool(g.attr("ceil_mode") or 0)) if static else None  # type: ignore[arg-type]
     back = _window_adjoint(g, _lp_scaled_dy(g, p), geo, in_sp, out_sp, static)
     g.set_dx(0, g.emit("Mul", _lp_factor(g, p), back))
