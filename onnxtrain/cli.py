@@ -296,6 +296,36 @@ def _recompute_flags(a: argparse.Namespace) -> dict | None:
     return {k: True for k in chosen}
 
 
+def _loss_inputs(a: argparse.Namespace, loss: object, outputs: list[str],
+                 values: set[str]) -> list[str] | None:
+    """generate_artifacts' ``loss_input_names`` from --loss-input-names or --loss-output (None: every model
+    output feeds the loss, in order)."""
+    names = _names(a.loss_input_names, "--loss-input-names")
+    if a.loss_output is not None:
+        if names:
+            raise UsageError("--loss-output and --loss-input-names exclude each other: --loss-output X is "
+                             "--loss-input-names X followed by the model's other outputs")
+        if loss is not None:
+            raise UsageError("--loss-output and --loss exclude each other: --loss-output names the model "
+                             "output that is the loss, --loss appends a loss to the model's output (say "
+                             "which output it reads with --loss-input-names)")
+        if a.loss_output not in outputs:
+            raise UsageError(f"--loss-output: {a.loss_output!r} is not an output of {a.model}; its outputs "
+                             f"are: {', '.join(outputs) or 'none'}")
+        # the named output first (the differentiated one), then the model's other outputs in order
+        return [a.loss_output, *(o for o in outputs if o != a.loss_output)]
+    unknown = [n for n in names if n not in values]
+    if unknown:
+        raise UsageError(f"--loss-input-names: {', '.join(map(repr, unknown))} "
+                         f"{'is not a value' if len(unknown) == 1 else 'are not values'} of {a.model}; its "
+                         f"outputs are: {', '.join(outputs) or 'none'} (any value of the graph works too)")
+    if loss is not None and len(outputs) > 1 and not names:
+        raise UsageError(f"--loss {a.loss} takes one prediction but {a.model} has {len(outputs)} outputs "
+                         f"({', '.join(outputs)}): say which with --loss-input-names (the others can be kept "
+                         "with --additional-outputs)")
+    return names or None
+
+
 def _artifacts(a: argparse.Namespace) -> int:
     from onnxtrain.training import artifacts
     from onnxtrain.training_graph import discover_trainable
@@ -325,22 +355,12 @@ def _artifacts(a: argparse.Namespace) -> int:
     unknown = [n for n in extra if n not in values]
     if unknown:
         raise UsageError(f"--additional-outputs: {unknown[0]!r} is not a value of {a.model}")
-    loss_inputs = None
-    if a.loss_output is not None:
-        if loss is not None:
-            raise UsageError("--loss-output and --loss exclude each other: --loss-output names the model "
-                             "output that is the loss, --loss appends a loss to the model's output")
-        if a.loss_output not in outputs:
-            raise UsageError(f"--loss-output: {a.loss_output!r} is not an output of {a.model}; its outputs "
-                             f"are: {', '.join(outputs) or 'none'}")
-        # the named output first (the differentiated one), then the model's other outputs in order
-        loss_inputs = [a.loss_output, *(o for o in outputs if o != a.loss_output)]
-    if loss is not None and len(outputs) > 1:
-        raise UsageError(f"--loss {a.loss} takes one prediction but {a.model} has {len(outputs)} outputs "
-                         f"({', '.join(outputs)}); the command line cannot say which: call "
-                         "generate_artifacts(..., loss_input_names=[...]) from Python")
-    if not requires:  # the float initializers that reach the loss (or the outputs it reads), but --frozen
-        reads = [a.loss_output or outputs[0]] if loss is None and outputs else outputs
+    loss_inputs = _loss_inputs(a, loss, outputs, values)
+    if not requires:  # the float initializers that reach the loss (or the values it reads), but --frozen
+        if loss_inputs:
+            reads = loss_inputs[:1] if loss is None else loss_inputs
+        else:
+            reads = outputs[:1] if loss is None else outputs
         found = {n for o in reads for n in discover_trainable(model, o, {})}
         requires = [t.name for t in g.initializer if t.name in found and t.name not in frozen]
         if not requires:
@@ -430,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="loss appended to the model (default: the model's first output is the loss)")
     ar.add_argument("--loss-output", help="with no --loss: the output that is the loss (the model's other "
                                           "outputs follow it)")
+    ar.add_argument("--loss-input-names", metavar="NAMES",
+                    help="comma-separated values of the model that the loss reads, in order "
+                         "(generate_artifacts' loss_input_names; default: every model output); with no "
+                         "--loss the first is the loss")
     ar.add_argument("--optimizer", choices=["AdamW", "SGD"], help="write an optimizer model too")
     ar.add_argument("--prefix", default="", help="prefix of the artifact file names")
     ar.add_argument("--additional-outputs", help="comma-separated extra outputs of the training/eval models")

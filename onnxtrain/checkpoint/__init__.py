@@ -12,9 +12,10 @@ from onnxtrain.checkpoint.format import (
     checkpoint_to_bytes,
     load_checkpoint,
     save_checkpoint,
+    stage_checkpoint,
 )
 
 __all__ = [
     "Checkpoint", "OptimizerGroup", "checkpoint_from_bytes", "checkpoint_to_bytes", "load_checkpoint",
-    "save_checkpoint",
+    "save_checkpoint", "stage_checkpoint",
 ]

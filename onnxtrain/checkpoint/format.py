@@ -46,7 +46,7 @@ from onnxtrain.checkpoint.flatbuf import (
     encode,
     root_table,
 )
-from onnxtrain.ir.io import write_atomic
+from onnxtrain.ir.io import StagedFiles
 from onnxtrain.ir.types import np_dtype, onnx_elem_type
 
 IDENTIFIER = b"ODTC"
@@ -107,9 +107,16 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike,
     order of the lists it is given).
 
     When the tensors hold more than ``external_threshold`` bytes, their data goes to
-    ``<path>.data`` (renamed into place just before the main file) and ``path`` keeps only
-    metadata; otherwise a stale ``<path>.data`` is removed.
+    ``<path>.data`` and ``path`` keeps only metadata; otherwise a stale ``<path>.data`` is removed.
+    Both files are written to temporaries first and renamed together (see ``StagedFiles``).
     """
+    with StagedFiles() as files:
+        stage_checkpoint(files, ckpt, path, external_threshold, sort_parameters=sort_parameters)
+
+
+def stage_checkpoint(files: StagedFiles, ckpt: Checkpoint, path: str | os.PathLike,
+                     external_threshold: int = 1800 * 2**20, *, sort_parameters: bool = True) -> None:
+    """Write ``ckpt`` for ``path`` (and ``<path>.data``) into ``files``, renamed when they are committed."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "Cannot save checkpoint, the path is a directory", path)
@@ -118,19 +125,11 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike,
     external = not ckpt.nominal and _data_bytes(ckpt) > external_threshold
     main, arrays = _encode(ckpt, external, sort_parameters)
     data_path = path + ".data"
-
-    def write_main(f: IO[bytes]) -> None:
-        f.write(main)
-        if external:
-            # The main file is on disk (not yet renamed) before the data file replaces the old
-            # one, so a failure writing either leaves the previous checkpoint whole.
-            f.flush()
-            os.fsync(f.fileno())
-            write_atomic(data_path, lambda d: _write_arrays(d, arrays))
-
-    write_atomic(path, write_main)
-    if not external and os.path.isfile(data_path):
-        os.unlink(data_path)
+    if external:  # renamed before the main file that refers to it
+        files.write(data_path, lambda d: _write_arrays(d, arrays))
+    files.write(path, lambda f: f.write(main))
+    if not external:
+        files.remove_after(data_path)
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:

@@ -19,6 +19,8 @@ _CKPT = re.compile(r"^step_(\d+)\.ckpt$")
 _STALE_TMP = re.compile(r"^step_\d+\.ckpt(\.data)?\..+\.tmp$")  # write_atomic's temporaries of checkpoints
 RUN_OUTPUTS = ("metrics.png", "model.onnx")  # written at the end of a run
 RUN_FILES = ("metrics.jsonl", "config.yaml", *RUN_OUTPUTS)  # every file a run writes next to checkpoints/
+# write_atomic's temporaries of those files (``<name>.<random>.tmp``)
+_STALE_RUN_TMP = re.compile(r"^(" + "|".join(re.escape(f) for f in RUN_FILES) + r")(\.data)?\..+\.tmp$")
 
 
 def output_dir(cfg: Config, override: str | None = None) -> str:
@@ -71,12 +73,14 @@ def remove_checkpoint(path: str) -> None:
 
 
 def remove_stale_temporaries(folder: str) -> list[str]:
-    """Delete the partial checkpoint files a killed run left in ``folder``'s checkpoints (never loaded:
-    :func:`list_checkpoints` matches whole names only); returns their paths."""
-    d = os.path.join(folder, "checkpoints")
-    if not os.path.isdir(d):
-        return []
-    stale = [os.path.join(d, f) for f in os.listdir(d) if _STALE_TMP.match(f)]
+    """Delete the partial files a killed run left in ``folder``: temporaries of checkpoints (never loaded:
+    :func:`list_checkpoints` matches whole names only) and of the run's own files (``metrics.jsonl``,
+    ``config.yaml``, ``metrics.png``, ``model.onnx``); returns their paths."""
+    stale: list[str] = []
+    for d, pattern in ((os.path.join(folder, "checkpoints"), _STALE_TMP), (folder, _STALE_RUN_TMP)):
+        if os.path.isdir(d):
+            stale += [os.path.join(d, f) for f in sorted(os.listdir(d))
+                      if pattern.match(f) and os.path.isfile(os.path.join(d, f))]
     for f in stale:
         os.unlink(f)
     return stale
@@ -144,6 +148,8 @@ def plot_metrics(records: list[dict[str, Any]], path: str, title: str) -> None:
         ax.set_ylabel("eval accuracy")
         ax.grid(alpha=0.3)
     fig.suptitle(title)
-    fig.tight_layout()
-    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=100))
-    plt.close(fig)
+    try:
+        fig.tight_layout()
+        write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    finally:
+        plt.close(fig)

@@ -6,7 +6,12 @@ Every graph is standard ONNX (default domain only), IR version = the lowest its 
 runtimes load it: onnxruntime-training 1.19 reads IR 10 at most).
 
 Files (``prefix`` prepended): ``training_model.onnx``, ``eval_model.onnx``, ``checkpoint``,
-``nominal_checkpoint`` (when asked), ``optimizer_model.onnx`` (when an optimizer is given).
+``nominal_checkpoint`` (when asked), ``optimizer_model.onnx`` (when an optimizer is given). Every file
+is written to a temporary first and all are renamed at the end (``onnxtrain.ir.io.StagedFiles``): an
+error before then leaves the folder's earlier set whole. The training and eval models keep the base
+model's doc_string, model_version, producer name and version, domain, graph name and doc_string and
+metadata_props (as onnxruntime-training's generator keeps them; the base's own ``onnxtrain.*`` keys,
+from an earlier generation, are dropped).
 
 ``training_model.onnx``
     inputs:  user inputs of the base model (in order), inputs created by the loss
@@ -85,6 +90,7 @@ import enum
 import inspect
 import json
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -98,7 +104,7 @@ from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute as recompute_pass
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset, unknown_versions
 from onnxtrain.ir.graphs import node_reads, path_to, train_batch_norms, untie_batch_norm_statistics
-from onnxtrain.ir.io import save_model_atomic
+from onnxtrain.ir.io import StagedFiles
 from onnxtrain.training import onnxblock
 from onnxtrain.training.api._accumulation import ACCUMULATED_SUFFIX as ACC_OUT_SUFFIX
 from onnxtrain.training.api._accumulation import BUFFER_SUFFIX
@@ -304,7 +310,8 @@ def generate_artifacts(
     repeated = sorted({n for n in given if given.count(n) > 1})
     if repeated:
         raise ArtifactError(f"additional_output_names repeats {repeated}: each output is returned once")
-    loss_inputs = None if loss_input_names is None else _names(loss_input_names, "loss input names")
+    # an empty list means every model output, as in onnxruntime-training (it tests the list's truth)
+    loss_inputs = None if loss_input_names is None else _names(loss_input_names, "loss input names") or None
     outputs = [o.name for o in base.graph.output]
     if isinstance(loss, LossType) and loss_inputs is None and len(outputs) > 1:
         # the reference silently takes the second output as the target
@@ -334,21 +341,24 @@ def generate_artifacts(
         params = [(n, training_input_type(training, n)) for n in ckpt[0]]
         optimizer_model = build_optimizer_model(opt_block, params, model_opset(training),
                                                 mixed_precision=half)
-    from onnxtrain.checkpoint import Checkpoint, save_checkpoint
+    from onnxtrain.checkpoint import Checkpoint, stage_checkpoint
 
     def path(name: str) -> str:
         return os.path.join(folder, prefix + name)
 
-    # everything is built before the first file is written
-    save_model_atomic(training, path("training_model.onnx"))
-    save_model_atomic(evaluation, path("eval_model.onnx"))
-    # the parameters in the model's initializer order, as onnxruntime-training's generator writes them (§1.2)
-    save_checkpoint(Checkpoint(ckpt[0], ckpt[1], [], {}), path("checkpoint"), sort_parameters=False)
-    if nominal_checkpoint:
-        save_checkpoint(Checkpoint(ckpt[0], ckpt[1], [], {}, nominal=True), path("nominal_checkpoint"),
-                        sort_parameters=False)
-    if optimizer_model is not None:
-        save_model_atomic(optimizer_model, path("optimizer_model.onnx"))
+    # every file goes to a temporary first; they are renamed into place together only when all are
+    # written, so an error (or a kill) before then leaves the folder's earlier set as it was
+    with StagedFiles() as files:
+        files.save_model(training, path("training_model.onnx"))
+        files.save_model(evaluation, path("eval_model.onnx"))
+        # the parameters in the model's initializer order, as onnxruntime-training's generator writes them
+        stage_checkpoint(files, Checkpoint(ckpt[0], ckpt[1], [], {}), path("checkpoint"),
+                         sort_parameters=False)
+        if nominal_checkpoint:
+            stage_checkpoint(files, Checkpoint(ckpt[0], ckpt[1], [], {}, nominal=True),
+                             path("nominal_checkpoint"), sort_parameters=False)
+        if optimizer_model is not None:
+            files.save_model(optimizer_model, path("optimizer_model.onnx"))
     written = {"training_model.onnx", "eval_model.onnx", "checkpoint"}
     written |= {"nominal_checkpoint"} if nominal_checkpoint else set()
     written |= {"optimizer_model.onnx"} if optimizer_model is not None else set()
@@ -465,7 +475,28 @@ def build_training_models(
         _add_metadata(training, LOSS_SCALING_KEY, {"dtype": mixed_precision, "loss_scale": LOSS_SCALE})
     if recompute is not None:
         _add_metadata(training, RECOMPUTE_KEY, recompute)
-    return _finish(training, "training"), evaluation, ckpt
+    training = _finish(training, "training")
+    own = {LOSS_SCALING_KEY, mp_pass.METADATA_KEY} if mixed_precision is not None else set()
+    _carry_model_info(base, training, own | ({RECOMPUTE_KEY} if recompute is not None else set()))
+    _carry_model_info(base, evaluation, set())
+    return training, evaluation, ckpt
+
+
+def _carry_model_info(base: onnx.ModelProto, m: onnx.ModelProto, own: set[str]) -> None:
+    """Give ``m`` the base model's description, as onnxruntime-training's generator keeps it: doc_string,
+    model_version, producer name and version, domain, graph name and doc_string, and metadata_props: the
+    base's first, then ``own``, the keys this generation wrote into ``m``. The base's ``onnxtrain.*`` keys
+    are left out: they describe an earlier generation (a base that is an eval or exported model of
+    mixed-precision artifacts would otherwise make a Module expect a loss_scale input)."""
+    m.doc_string, m.model_version, m.domain = base.doc_string, base.model_version, base.domain
+    m.producer_name, m.producer_version = base.producer_name, base.producer_version
+    m.graph.doc_string = base.graph.doc_string
+    if base.graph.name:  # onnx.checker wants a graph name
+        m.graph.name = base.graph.name
+    props = {p.key: p.value for p in base.metadata_props if not p.key.startswith("onnxtrain.")}
+    props.update((p.key, p.value) for p in m.metadata_props if p.key in own)
+    del m.metadata_props[:]
+    helper.set_model_props(m, props)
 
 
 def _check_initializers(base: onnx.ModelProto, inits: dict[str, onnx.TensorProto], names: list[str],
@@ -555,7 +586,7 @@ def _gradient_model(
                 if mp_pass.mixed_precision_info(grad) is None:  # keep the pass's record
                     grad.metadata_props.extend(p for p in fwd.metadata_props if p.key == mp_pass.METADATA_KEY)
             if recompute is not None:
-                grad = recompute_pass(grad, diff, weights=weights, **recompute)
+                grad = _recompute(grad, diff, weights, recompute)
             return grad if diff == loss else _drop_output(grad, diff)
         except GradientError as e:
             # a parameter that reaches the loss only through non-differentiable ops (Shape, ...)
@@ -567,6 +598,25 @@ def _gradient_model(
         f"Cannot compute the partial derivative for {names} as it's unreachable from the output "
         f"node(s) ({loss!r}): remove it from requires_grad (or freeze it)."
     )
+
+
+def _recompute(grad: onnx.ModelProto, loss: str, weights: Sequence[str],
+               options: dict[str, Any]) -> onnx.ModelProto:
+    """The recompute pass over ``grad``; a warning when it finds nothing to recompute (one warning: the
+    pass's own reasons, such as no transformer layer found, go into it)."""
+    before = len(grad.graph.node)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = recompute_pass(grad, loss, weights=weights, **options)
+    reasons = [str(w.message) for w in caught]
+    if len(out.graph.node) == before:  # the pass adds a clone per recomputed node
+        why = "; ".join(reasons) or "no value the options select is kept for the backward pass"
+        warn(f"recompute={options}: nothing in this model is recomputed ({why}); the training model is the "
+             "one without recompute")
+    else:
+        for w in caught:
+            warn(str(w.message), w.category)
+    return out
 
 
 def _drop_output(m: onnx.ModelProto, name: str) -> onnx.ModelProto:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -93,17 +92,7 @@ def export_for_inference(eval_model: onnx.ModelProto, params: Mapping[str, np.nd
     del og.value_info[:]
     og.value_info.extend(value_info)
 
-    if sum(t.ByteSize() for t in og.initializer) > EXTERNAL_DATA_THRESHOLD:
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-        os.close(fd)
-        try:
-            onnx.save_model(out, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=os.path.basename(path) + ".data", size_threshold=1024)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    else:
-        save_model_atomic(out, path)
+    # past protobuf's 2 GiB the parameters go to <file>.data, written whole and renamed with the model
+    big = sum(t.ByteSize() for t in og.initializer) > EXTERNAL_DATA_THRESHOLD
+    save_model_atomic(out, path, external_data=os.path.basename(path) + ".data" if big else None)
     return out
