@@ -54,7 +54,10 @@ def test_legacy_session_example(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     x, y = batch(np.random.default_rng(0))
     env = run_example(LEGACY, {"model_with_loss.onnx": mlp_model()}, x=x, y=y)
-    assert np.isfinite(env["loss"]) and env["state"]
+    assert np.isfinite(env["loss"])
+    # "weights and optimizer state by name": the weights and Adam's moments and step counts, after one step
+    assert {"W1", "Moment_1_W1", "Moment_2_W1", "Update_Count_W1"} <= set(env["state"])
+    assert int(np.asarray(env["state"]["Update_Count_W1"]).reshape(-1)[0]) == 2  # from 1, as in onnxruntime
 
 
 def test_gradient_graph_builder_example(tmp_path, monkeypatch) -> None:
@@ -69,7 +72,7 @@ def test_gradient_graph_builder_example(tmp_path, monkeypatch) -> None:
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     run_example("GradientGraphBuilder(model_bytes", model_bytes=model.SerializeToString())
     outputs = [o.name for o in onnx.load("model_with_grads.onnx").graph.output]
-    assert {"fc1.weight_grad", "fc1.bias_grad"} <= set(outputs)
+    assert outputs == ["loss", "fc1.bias_grad", "fc1.weight_grad"]  # the model's outputs, then the set sorted
 
 
 def test_on_device_example(tmp_path, monkeypatch) -> None:
@@ -117,3 +120,28 @@ def test_inference_example(tmp_path, monkeypatch) -> None:
     env = run_example('onnxtrain.InferenceSession("model.onnx"', {"model.onnx": inference_model()},
                       onnxtrain=onnxtrain, x=x)
     assert env["logits"].shape == (6, 4) and env["sess"].peak_bytes > 0
+
+
+def test_batch_split_process_example(tmp_path, monkeypatch) -> None:
+    """The child-process batch split: the README's block runs as written, and its outputs are an unsplit
+    session's (to the split's tolerance; where the process cannot fork, the halves run on threads)."""
+    import onnxtrain
+
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(6)
+    inits = [numpy_helper.from_array(rng.standard_normal((64, 256)).astype(np.float32), "W1"),
+             numpy_helper.from_array(rng.standard_normal((256, 10)).astype(np.float32), "W2")]
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["a"]), helper.make_node("Tanh", ["a"], ["h"]),
+             helper.make_node("MatMul", ["h", "W2"], ["y"])]
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])
+    y_info = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 10])
+    g = helper.make_graph(nodes, "encoder", [x_info], [y_info], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    env = run_example('"onnxtrain.batch_split", "process"', {"encoder.onnx": model}, onnxtrain=onnxtrain)
+    x = rng.standard_normal((4096, 64)).astype(np.float32)  # 4 MiB of activations: large enough to split
+    whole = onnxtrain.SessionOptions()
+    whole.add_session_config_entry("onnxtrain.batch_split", "0")
+    (want,) = onnxtrain.InferenceSession("encoder.onnx", whole).run(None, {"x": x})
+    for _ in range(2):  # the first run of a batch size checks the halves against the whole run
+        (got,) = env["sess"].run(None, {"x": x})
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())

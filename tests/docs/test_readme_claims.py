@@ -1,0 +1,125 @@
+"""Facts the README states that the code or the repository can check cheaply: the names it gives exist,
+its counts match the code's, and its benchmark table is the one bench/RESULTS.md holds."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def section(title: str) -> str:
+    """The README's text under the heading ``title`` (any level), up to the next heading."""
+    m = re.search(rf"^#+ {re.escape(title)}\n(.*?)(?=^#+ |\Z)", README, flags=re.S | re.M)
+    assert m, f"no README section {title!r}"
+    return m.group(1)
+
+
+def test_named_paths_exist() -> None:
+    names = set(re.findall(r"`((?:onnxtrain|tests|bench|tools|configs|examples)/[^`<>\s]+)`", README))
+    missing = sorted(n for n in names if not (ROOT / n).exists())
+    assert names and not missing, missing
+
+
+def test_environment_variables_are_read() -> None:
+    code = "\n".join(p.read_text(encoding="utf-8") for d in ("onnxtrain", "bench", "tests")
+                     for p in (ROOT / d).rglob("*.py"))
+    names = set(re.findall(r"\b(ONNXTRAIN_[A-Z_]+)\b", README))
+    unread = sorted(n for n in names if f'"{n}"' not in code and f"'{n}'" not in code)
+    assert names and not unread, unread
+
+
+def test_conformance_expected_failures_count() -> None:
+    from onnxtrain.conformance import EXPECTED_FAILURES
+
+    m = re.search(r"The (\d+) cases it does not pass are listed", README)
+    assert m and int(m.group(1)) == len(EXPECTED_FAILURES)
+    m = re.search(r"python -m onnxtrain\.conformance +# (\d+) of (\d+) passed", README)
+    assert m and int(m.group(2)) - int(m.group(1)) == len(EXPECTED_FAILURES)
+
+
+def test_speed_table_equals_bench_results() -> None:
+    """The README's table: the legacy session's row of each model in bench/RESULTS.md's first table, with
+    onnxruntime-training's peak RSS."""
+    results = (ROOT / "bench" / "RESULTS.md").read_text(encoding="utf-8")
+    first = results.split("\n\n| model |", 1)[1].split("\n\n", 1)[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in first.splitlines()[2:]]
+    want = []
+    for r in rows:
+        if r[1] == "onnxtrain TrainingSession [native]":
+            ort_rss = next(o[7] for o in rows if o[0] == r[0] and o[1].startswith("onnxruntime-training"))
+            want.append([r[2], r[4], r[5], r[6], f"{r[7]} / {ort_rss}"])
+    table = section("Speed and memory").split("| model | onnxtrain ms/step", 1)[1].split("\n\n", 1)[0]
+    got = [[c.strip() for c in line.strip("|").split("|")][1:] for line in table.splitlines()[2:]]
+    assert len(want) == 5 and got == want
+
+
+def test_digits_data() -> None:
+    from onnxtrain.data import load_digits
+
+    train, test = load_digits()
+    assert len(train.y) + len(test.y) == 1797 and set(train.y.tolist()) == set(range(10))
+    assert "1,797 images, 10 classes" in section("Data")
+
+
+def test_cli_commands_and_flags_exist(capsys) -> None:
+    """Every ``onnxtrain <command>`` the README shows is a subcommand, and the flags it gives them exist."""
+    from onnxtrain.cli import main
+
+    bash = "\n".join(re.findall(r"```bash\n(.*?)```", README, flags=re.S))
+    shown = set(re.findall(r"^(?:mpiexec -n \d+ )?onnxtrain (\w[\w-]*)", bash, flags=re.M))
+    shown |= set(re.findall(r"`(?:mpiexec -n \d+ )?onnxtrain (\w[\w-]*) ", README))
+    helps = {}
+    for cmd in sorted(shown):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        out = capsys.readouterr()
+        assert e.value.code == 0, (cmd, out.err)
+        helps[cmd] = out.out
+    assert {"train", "eval", "export", "info", "gradient-graph", "artifacts"} <= set(helps)
+    for cmd, flags in {"train": ["--set", "--output-dir", "--resume", "--overwrite"],
+                       "eval": ["--checkpoint"], "export": ["--checkpoint", "-o"],
+                       "gradient-graph": ["--loss", "--wrt", "--memory-efficient", "-o"],
+                       "artifacts": ["-o", "--loss", "--optimizer", "--frozen", "--requires-grad",
+                                     "--loss-output", "--mixed-precision", "--recompute"]}.items():
+        for f in flags:
+            assert re.search(rf"(^|[\s\[(]){re.escape(f)}\b", helps[cmd]), (cmd, f)
+
+
+@pytest.mark.parametrize("key", ["loss_output_name", "training_optimizer_name", "gradient_accumulation_steps",
+                                 "lr_params_feed_name"])
+def test_config_refuses_properties_it_sets_itself(key: str) -> None:
+    from onnxtrain.train.config import ConfigError, load_config
+
+    cfg = ROOT / "configs" / "digits_mlp.yaml"
+    with pytest.raises(ConfigError, match=f"training.parameters.{key}"):
+        load_config(str(cfg), [f"training.parameters.{key}=1"])
+
+
+def test_dotted_onnxtrain_names_resolve() -> None:
+    """Every `onnxtrain.a.b` the README names is a module or an attribute, but the session config entries and
+    checkpoint properties, which are strings."""
+    import importlib
+
+    strings = {"onnxtrain.backend", "onnxtrain.batch_split", "onnxtrain.learning_rate"}
+    names = set(re.findall(r"`(onnxtrain(?:\.[A-Za-z_]\w*)+)", README)) - strings
+
+    def resolves(name: str) -> bool:
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            for attr in parts[i:]:
+                if not hasattr(obj, attr):
+                    return False
+                obj = getattr(obj, attr)
+            return True
+        return False
+
+    assert names and not [n for n in sorted(names) if not resolves(n)]
