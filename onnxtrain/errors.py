@@ -77,3 +77,8 @@ ORT_EXCEPTIONS = {
     "InvalidGraph": InvalidGraph,
     "EPFail": EPFail,
 }
+
+
+def program_hint(obj: object) -> str:
+    """A hint for an unsupported model argument that is torch's ``ONNXProgram`` (else "")."""
+    return " (torch's ONNXProgram: pass its .model_proto)" if hasattr(obj, "model_proto") else ""

@@ -15,12 +15,11 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxtrain.autodiff.exporter_checks import program_hint
 from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.plan import Plan, load_model
-from onnxtrain.errors import InvalidFeed
+from onnxtrain.errors import InvalidFeed, program_hint
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo, half_copies
 from onnxtrain.inference import (

@@ -21,7 +21,7 @@ from onnxtrain.autodiff.patterns import find_erf_gelus, find_tanh_gelus
 from onnxtrain.autodiff.registry import find_rule, find_variant, has_no_gradient, ops_with_rules
 from onnxtrain.autodiff.rules.normalization import FROM_OUTPUT
 from onnxtrain.autodiff.rules.quantize import find_fake_quants
-from onnxtrain.errors import Fail
+from onnxtrain.errors import Fail, program_hint
 from onnxtrain.ir.attrs import attribute_value, parse_attributes
 from onnxtrain.ir.builder import (
     FLOAT_TYPES,
@@ -355,6 +355,9 @@ def build_gradient_model(
         model = onnx.load_from_string(bytes(model))
     elif isinstance(model, (str, os.PathLike)):
         model = onnx.load(os.fspath(model))
+    elif not isinstance(model, onnx.ModelProto):
+        raise TypeError(f"model must be an onnx.ModelProto, its serialized bytes or a path, got "
+                        f"{type(model).__name__}{program_hint(model)}")
     warn_inference_batch_norms(model)
     model = expand_for_gradient(upgrade_opset(model))
     bw = _Backward(model)

@@ -29,11 +29,6 @@ def export_hint(model: onnx.ModelProto) -> str:
     return f" ({_EXPORT_HINT})" if _from_torch(model) else ""
 
 
-def program_hint(obj: object) -> str:
-    """A hint for an unsupported model argument that is torch's ``ONNXProgram`` (else "")."""
-    return " (torch's ONNXProgram: pass its .model_proto)" if hasattr(obj, "model_proto") else ""
-
-
 def _traced_in_training(node: onnx.NodeProto) -> bool:
     """Whether the dynamo exporter's record says ``node`` came from a batch norm that used batch statistics
     (its ``training`` argument, the sixth, was True)."""

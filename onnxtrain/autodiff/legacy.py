@@ -9,6 +9,7 @@ from typing import Any
 import onnx
 
 from onnxtrain.autodiff.builder import GradientError, build_gradient_model
+from onnxtrain.errors import program_hint
 
 
 def _ordered(names: Iterable[str]) -> list[str]:
@@ -36,8 +37,11 @@ class GradientGraphBuilder:
                  x_node_arg_names: Iterable[str], loss_node_arg_name: str, options: Any = None):
         if isinstance(serialized_model, (bytes, bytearray)):
             self._model = onnx.load_from_string(bytes(serialized_model))
-        else:
+        elif isinstance(serialized_model, (str, os.PathLike)):
             self._model = onnx.load(os.fspath(serialized_model))
+        else:  # onnxruntime's builder took the serialized model or its path only
+            raise TypeError(f"serialized_model must be the model's bytes or its path, got "
+                            f"{type(serialized_model).__name__}{program_hint(serialized_model)}")
         self._ys = _ordered(y_node_arg_names)
         self._xs = _ordered(x_node_arg_names)
         if not self._ys:

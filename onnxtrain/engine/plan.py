@@ -32,7 +32,7 @@ from onnxtrain.engine.registry import (
     find_kernel,
     parse_attributes,
 )
-from onnxtrain.errors import Fail, InvalidProtobuf, ModelNotFound
+from onnxtrain.errors import Fail, InvalidProtobuf, ModelNotFound, program_hint
 from onnxtrain.ir.functions import expand_functions
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, RANDOM_OPS
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
@@ -82,6 +82,9 @@ def load_model(model: onnx.ModelProto | str | bytes | os.PathLike) -> onnx.Model
     """A ModelProto from a proto, a path or serialized bytes; errors name the file."""
     if isinstance(model, onnx.ModelProto):
         return model
+    if not isinstance(model, (bytes, bytearray, memoryview, str, os.PathLike)):
+        raise TypeError(f"the model must be an onnx.ModelProto, its serialized bytes or a path, got "
+                        f"{type(model).__name__}{program_hint(model)}")
     if isinstance(model, (bytes, bytearray, memoryview)):
         try:
             m = onnx.load_from_string(bytes(model))

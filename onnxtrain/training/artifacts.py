@@ -99,7 +99,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.builder import GradientError, build_gradient_model, upgrade_opset
-from onnxtrain.autodiff.exporter_checks import export_hint, program_hint
+from onnxtrain.autodiff.exporter_checks import export_hint
+from onnxtrain.errors import program_hint
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute as recompute_pass
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset, unknown_versions
