@@ -179,7 +179,8 @@ class OrtPlan(GraphInterface):
             return ort.InferenceSession(model.SerializeToString(), so, **kw)
         except Exception as e:
             if "IR version" not in str(e):
-                raise EngineError(f"onnxruntime could not load the graph {model.graph.name!r}: {e}") from None
+                raise EngineError(f"onnxruntime could not load the graph {model.graph.name!r}: {e}"
+                                  f"{_bfloat16_hint(model, e)}") from None
             first = e
         # an IR version newer than this onnxruntime reads: the lowest one the opsets allow
         lowered = onnx.ModelProto()
@@ -340,3 +341,15 @@ class _KeptBinding:
 def _still_bound(held: tuple | None, v: np.ndarray) -> bool:
     """Whether ``held`` (the array, shape and dtype bound last) is ``v`` as it is now."""
     return held is not None and held[0] is v and held[1] == v.shape and held[2] == v.dtype
+
+
+def _bfloat16_hint(model: onnx.ModelProto, err: Exception) -> str:
+    """For onnxruntime's NOT_IMPLEMENTED on a graph that casts to bfloat16 (mixed precision): what to do."""
+    if "NOT_IMPLEMENTED" not in str(err):
+        return ""
+    bf16 = onnx.TensorProto.BFLOAT16
+    if not any(n.op_type == "Cast" and any(a.name == "to" and a.i == bf16 for a in n.attribute)
+               for n in model.graph.node):
+        return ""
+    return ("; onnxruntime's CPU provider lacks bfloat16 kernels for ops of this graph (bfloat16 mixed "
+            "precision): train on the numpy engine (the default backend) or with float16")

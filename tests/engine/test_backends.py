@@ -825,3 +825,19 @@ def test_float16_mixed_precision_on_onnxruntime_warns_that_products_are_float32(
     (a,) = mp.run(["loss"], {**feeds, mp.loss_scale_input_name: np.array([1.0], np.float32)})
     (b,) = fp32.run(["loss"], feeds)
     assert a == b  # what the warning says: float32 products
+
+
+def test_bfloat16_mixed_precision_on_onnxruntime_names_the_way_out():
+    """onnxruntime's CPU provider has no bfloat16 Gemm: loading the graph fails with its NOT_IMPLEMENTED, to
+    which the backend adds what it means (bfloat16 mixed precision) and what runs it (the numpy engine)."""
+    from onnxtrain.engine.plan import EngineError
+
+    p = params("SGDOptimizer", use_mixed_precision=True, mixed_precision_dtype="bfloat16")
+    with pytest.raises(EngineError, match=r"NOT_IMPLEMENTED.*lacks bfloat16 kernels.*numpy engine"):
+        TrainingSession(mlp_model().SerializeToString(), p, options("onnxruntime"))
+    # the numpy engine trains the same session
+    x, y = batches(1, 16)[0]
+    sess = TrainingSession(mlp_model().SerializeToString(), p)
+    (loss,) = sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32),
+                                  sess.loss_scale_input_name: np.array([1.0], np.float32)})
+    assert np.isfinite(loss).all()
