@@ -6,13 +6,14 @@ terms. Written out,
 
     dy/dx = c4 · ((c3 + t) + x · (1 − t²) · c2 · (1 + 3·c1·x²)),   t = tanh(...)
 
-is ten elementwise ops that reuse the forward's t, x² and c3 + t: about a third fewer passes over the
-activation, for any runtime (onnxruntime-training fuses the pattern into a GeluGrad kernel instead).
+is twelve elementwise ops that reuse the forward's t (x² and 1 + t are computed again rather than kept):
+fewer passes over the activation and fewer values kept for the backward, for any runtime
+(onnxruntime-training fuses the pattern into a GeluGrad kernel instead).
 The exact GELU, ``y = c4 · x · (1 + erf(x / s))``, likewise:
 
     dy/dx = c4 · ((1 + erf(u)) + x · exp(−u²) · 2 / (s·√π)),   u = x / s
 
-in eight ops instead of ten and a Sum of two. ``ONNXTRAIN_GELU_GRAD=0`` turns both patterns off (for A/B
+in nine ops instead of ten and a Sum of two. ``ONNXTRAIN_GELU_GRAD=0`` turns both patterns off (for A/B
 comparisons).
 """
 
