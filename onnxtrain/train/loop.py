@@ -324,7 +324,12 @@ class Trainer:
                                       f"{old[-1][0]}); pass --resume to continue it, --overwrite to start "
                                       "over (deleting them), or choose another --output-dir")
         if main:
-            os.makedirs(self.out, exist_ok=True)
+            try:  # the check above cannot see every refusal (a root process in a pseudo file system)
+                os.makedirs(self.out, exist_ok=True)
+            except OSError as e:
+                why = f"cannot make the output folder {self.out}: {e.strerror}"
+                raise ConfigError("output.dir", f"{why} (the folder comes from output.dir or --output-dir)"
+                                  ) from None
             for f in remove_stale_temporaries(self.out):
                 print(f"onnxtrain: removed {f}, left by a run killed while writing it", file=sys.stderr)
         rng = data_mod.order_rng(self.cfg.training.seed)

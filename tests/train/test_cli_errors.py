@@ -110,6 +110,23 @@ def test_output_folder_that_cannot_be_made(where, tmp_path, capsys, monkeypatch)
             else f"output.dir: output folder {out}" in line), line
 
 
+def test_output_folder_that_makedirs_refuses(tmp_path, capsys, monkeypatch):
+    """A folder the permission check passes but that cannot be made (as root under /proc, where access()
+    says yes): exit 2 naming output.dir, not a failure while running."""
+    monkeypatch.delenv("ONNXTRAIN_DEBUG", raising=False)
+    out = str(tmp_path / "run")
+    real = os.makedirs
+
+    def refuse(path, *a, **k):
+        if os.path.abspath(path) == out:
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "makedirs", refuse)
+    code, line = _error_line(capsys, ["train", config_path("digits_mlp"), "-q", "--output-dir", out])
+    assert code == 2 and f"output.dir: cannot make the output folder {out}" in line, line
+
+
 @pytest.mark.parametrize("setting,key", [
     ("optimizer.lr=.nan", "optimizer.lr"), ("optimizer.lr=.inf", "optimizer.lr"),
     ("optimizer.clip_grad_norm=-1", "optimizer.clip_grad_norm"), ("optimizer.eps=-1e-8", "optimizer.eps"),
