@@ -20,6 +20,7 @@ from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.batch_split import BatchSplitter, mode_of
 from onnxtrain.engine.plan import Plan, load_model
 from onnxtrain.errors import Fail, InvalidFeed, InvalidFeedType
+from onnxtrain.ir.io import write_atomic
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
 
@@ -324,9 +325,6 @@ def write_chrome_trace(plan: Plan, prefix: str, start_ns: int) -> str:
         }
         for e in plan.profile
     ]
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(events, f)
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: f.write(json.dumps(events).encode()))
     plan.profile.clear()
     return path

@@ -269,6 +269,24 @@ def test_profiling_writes_chrome_trace(tmp_path, model_bytes: bytes) -> None:
     assert events[0]["args"]["input_type_shape"] == [[4, 3], [3, 2]]
 
 
+def test_profile_write_that_fails_leaves_no_file(tmp_path, model_bytes: bytes, monkeypatch) -> None:
+    """The trace goes to a temporary that is fsynced and renamed: a failed rename leaves neither the trace
+    nor a temporary (a fixed ``<path>.tmp`` was left behind before)."""
+    so = onnxtrain.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "prof_")
+    s = onnxtrain.InferenceSession(model_bytes, sess_options=so)
+    s.run(None, {"x": np.ones((4, 3), np.float32)})
+
+    def fail(*args):
+        raise OSError("simulated crash")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="simulated crash"):
+        s.end_profiling()
+    assert os.listdir(tmp_path) == []
+
+
 def test_no_profiling_by_default(model_bytes: bytes) -> None:
     s = onnxtrain.InferenceSession(model_bytes)
     s.run(None, {"x": np.ones((1, 3), np.float32)})

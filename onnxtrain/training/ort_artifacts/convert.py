@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import IO
 
 import onnx
 
@@ -15,10 +16,12 @@ def convert_artifacts(
     artifact_directory: str | os.PathLike, output_directory: str | os.PathLike, prefix: str = ""
 ) -> list[str]:
     """Write the standard-ONNX translation of onnxruntime-training's artifacts in ``artifact_directory``
-    (``<prefix>training_model.onnx``, and ``eval_model.onnx``, ``optimizer_model.onnx``, ``checkpoint``
-    when present) to ``output_directory``; returns the paths written. The checkpoint is copied as is
-    (onnxtrain reads onnxruntime-training's checkpoints)."""
-    from onnxtrain.ir.io import save_model_atomic
+    (``<prefix>training_model.onnx``, and ``<prefix>eval_model.onnx``, ``<prefix>optimizer_model.onnx``,
+    ``<prefix>checkpoint``, ``<prefix>nominal_checkpoint`` when present, the names its generator writes) to
+    ``output_directory``; returns the paths written. Checkpoints are copied as they are, with their
+    ``.data`` files (onnxtrain reads onnxruntime-training's checkpoints). Every file goes to a temporary
+    first and all are renamed at the end, so an error leaves the output folder's earlier files whole."""
+    from onnxtrain.ir.io import StagedFiles
 
     src, dst = os.fspath(artifact_directory), os.fspath(output_directory)
     train_path = os.path.join(src, f"{prefix}training_model.onnx")
@@ -26,29 +29,25 @@ def convert_artifacts(
         raise FileNotFoundError(f"{train_path}: no training model in {src}")
     os.makedirs(dst, exist_ok=True)
     training = translate_training_model(onnx.load(train_path))
-    written = []
-
-    def save(model: onnx.ModelProto, name: str) -> None:
-        path = os.path.join(dst, f"{prefix}{name}")
-        save_model_atomic(model, path)
-        written.append(path)
-
-    save(training, "training_model.onnx")
-    for name in ("eval_model.onnx", "optimizer_model.onnx"):
-        path = os.path.join(src, f"{prefix}{name}")
-        if os.path.exists(path):
-            model = onnx.load(path)
-            save(
-                translate_optimizer_model(model, training)
-                if name.startswith("optimizer")
-                else translate_training_model(model),
-                name,
-            )
-    for name in ("checkpoint", "nominal_checkpoint"):
-        path = os.path.join(src, name)
-        if os.path.isfile(path) and os.path.abspath(path) != os.path.abspath(os.path.join(dst, name)):
-            tmp = os.path.join(dst, f".{name}.tmp")
-            shutil.copyfile(path, tmp)
-            os.replace(tmp, os.path.join(dst, name))
-            written.append(os.path.join(dst, name))
+    with StagedFiles() as files:
+        files.save_model(training, os.path.join(dst, f"{prefix}training_model.onnx"))
+        for name in ("eval_model.onnx", "optimizer_model.onnx"):
+            path = os.path.join(src, f"{prefix}{name}")
+            if os.path.exists(path):
+                model = onnx.load(path)
+                out = (translate_optimizer_model(model, training) if name.startswith("optimizer")
+                       else translate_training_model(model))
+                files.save_model(out, os.path.join(dst, f"{prefix}{name}"))
+        for name in ("checkpoint", "nominal_checkpoint"):
+            for suffix in ("", ".data"):
+                path = os.path.join(src, f"{prefix}{name}{suffix}")
+                target = os.path.join(dst, f"{prefix}{name}{suffix}")
+                if os.path.isfile(path) and os.path.abspath(path) != os.path.abspath(target):
+                    files.write(target, lambda f, p=path: _copy_into(p, f))
+        written = files.targets
     return written
+
+
+def _copy_into(path: str, f: IO[bytes]) -> None:
+    with open(path, "rb") as source:
+        shutil.copyfileobj(source, f)
