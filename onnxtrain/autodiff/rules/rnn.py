@@ -1,7 +1,8 @@
 """Gradient rules of LSTM, GRU and RNN (same names as engine/kernels/rnn.py).
 
 No single op computes these gradients, so each rule lowers the node to its per-step equations and
-emits backprop through time, unrolled over the static sequence length:
+emits backprop through time, unrolled over the static sequence length (when X's sequence axis is known
+only at run time, the two sequential recurrences below are ``Scan`` nodes instead: rnn_loop.py):
 
 * the hidden states h_t come from the forward node's Y output (added when the model omits it), so
   every gate is recomputed with batched MatMuls over all steps at once; only LSTM's cell state
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 from onnxtrain.autodiff.context import GradCtx
 from onnxtrain.autodiff.registry import gradient
+from onnxtrain.autodiff.rules import rnn_loop
+from onnxtrain.autodiff.rules.rnn_loop import LoopUnroll, unroll
 from onnxtrain.autodiff.rules.rnn_unroll import Unroll
 
 # ------------------------------------------------------------------------------------------- LSTM
@@ -34,7 +37,7 @@ from onnxtrain.autodiff.rules.rnn_unroll import Unroll
 def lstm_grad(g: GradCtx) -> None:
     # gates (order i, o, f, c): a = x·Wᵀ + h_prev·Rᵀ + Wb + Rb;  i, o, f = σ(a_i + P_i c_prev, a_o + P_o c,
     # a_f + P_f c_prev), c̃ = tanh(a_c);  c = f·c_prev + i·c̃;  h = o·tanh(c)
-    u = Unroll(g)
+    u = unroll(g)
     H = u.H
     fa, ga, ha = u.acts  # the gates', the cell input's and the cell output's activations (σ, tanh, tanh)
     couple = bool(g.attr("input_forget"))  # f = 1 − i: the forget gate's own input is not used
@@ -58,12 +61,23 @@ def lstm_grad(g: GradCtx) -> None:
         if couple:
             f_g = u.one_minus(i_g)
         cc = u.act(ga, a_c)
-        f_s, ic_s = u.steps(f_g), u.steps(u.mul(i_g, cc))
-        cs: list[str] = []
-        c = c0
-        for t in range(u.T):
-            c = ic_s[t] if c is None else u.e("Add", u.mul(f_s[t], c), ic_s[t])
-            cs.append(c)
+        if isinstance(u, LoopUnroll):
+            c_all = rnn_loop.lstm_cell_states(u, f_g, u.mul(i_g, cc), c0)
+        else:
+            f_s, ic_s = u.steps(f_g), u.steps(u.mul(i_g, cc))
+            cs: list[str] = []
+            c = c0
+            for t in range(u.T):  # type: ignore[arg-type]
+                c = ic_s[t] if c is None else u.e("Add", u.mul(f_s[t], c), ic_s[t])
+                cs.append(c)
+    elif isinstance(u, LoopUnroll):
+        a_i, a_o, a_f, a_c = u.split(a, [H, H, H, H], 3)
+        a_c, m_c = u.clipped(a_c)
+        cc = u.act(ga, a_c)
+        st = rnn_loop.lstm_peephole_states(u, g.x(7), a_i, a_o, a_f, cc, c0, couple)
+        c_all, i_g, o_g, f_g = st["c"], st["i"], st["o"], st["f"]  # type: ignore[assignment]
+        a_i, a_o, a_f, m_i, m_o, m_f = st["a_i"], st["a_o"], st["a_f"], st["m_i"], st["m_o"], st["m_f"]
+        p_i, p_o, p_f = u.split(u.b4(g.x(7)), [H, H, H], 3)
     else:
         p_i, p_o, p_f = u.split(u.b4(g.x(7)), [H, H, H], 3)
         a_i, a_o, a_f, a_c = u.split(a, [H, H, H, H], 3)
@@ -73,7 +87,7 @@ def lstm_grad(g: GradCtx) -> None:
         cs, is_, os_, fs = [], [], [], []
         cut: dict[str, list[tuple[str, str | None]]] = {"i": [], "o": [], "f": []}  # (input, mask) per step
         c = c0
-        for t in range(u.T):
+        for t in range(u.T):  # type: ignore[arg-type]
             cut["i"].append(u.clipped(ai_s[t] if c is None else u.e("Add", ai_s[t], u.mul(p_i, c))))
             cut["f"].append(u.clipped(af_s[t] if c is None else u.e("Add", af_s[t], u.mul(p_f, c))))
             it = u.act(fa, cut["i"][t][0])
@@ -91,7 +105,8 @@ def lstm_grad(g: GradCtx) -> None:
             (u.cat([v for v, _ in cut[k]], 1), None if u.clip is None else u.cat([m for _, m in cut[k]], 1))
             for k in "iof"
         )
-    c_all = u.cat(cs, 1)
+    if not isinstance(u, LoopUnroll):
+        c_all = u.cat(cs, 1)
     cprev = u.shift(c_all, c0)
     tc = u.act(ha, c_all)
     # backward coefficients: dc += dh·k1;  da_o = dh·b_o;  da_i, da_f, da_c = dc·(a_i, a_f, a_c);
@@ -109,6 +124,13 @@ def lstm_grad(g: GradCtx) -> None:
     if peep:
         k1 = u.e("Add", k1, u.mul(b_o, p_o))
         fc = u.e("Add", f_g, u.e("Add", u.mul(c_i, p_i), u.mul(c_f, p_f)))
+    need_dh0 = g.has_x(5) and g.needs_dx(5)
+    if isinstance(u, LoopUnroll):
+        dgate, dh0, dc0 = rnn_loop.lstm_backward(u, u.e("Concat", c_i, b_o, c_f, c_c, axis=3), k1, fc)
+        u.finish(dgate, dgate, xw, hprev, None)
+        u.set_state_grads(dh0, dc0)
+        _lstm_peephole_grad(u, dgate, cprev, c_all)
+        return
     coef_s = u.steps(u.e("Concat", c_i, b_o, c_f, c_c, axis=3))
     k1_s, fc_s = u.steps(k1), u.steps(fc)
     r4 = u.w4(g.x(2))
@@ -116,10 +138,9 @@ def lstm_grad(g: GradCtx) -> None:
     dgs: list[str] = [""] * u.T
     rec: str | None = None
     dc: str | None = None
-    need_dh0 = g.has_x(5) and g.needs_dx(5)
     ds: str | None = None  # gradient on the hidden state after the step
     dcs: str | None = None  # and on the cell state
-    for t in range(u.T - 1, -1, -1):
+    for t in range(u.T - 1, -1, -1):  # type: ignore[operator]
         ds = u.state_grad(t, rec, ds)
         dh = u.new_state_grad(t, dhw[t], ds)
         dcs = u.final_grad(2) if t == u.T - 1 else u.add(u.mul(dc, fc_s[t + 1]), u.frozen(dcs, t + 1))  # type: ignore[arg-type]
@@ -131,7 +152,13 @@ def lstm_grad(g: GradCtx) -> None:
     u.finish(dgate, dgate, xw, hprev, u.add(rec, u.frozen(ds, 0)) if need_dh0 else None)
     if g.has_x(6) and g.needs_dx(6):
         g.set_dx(6, u.state_out(u.add(u.mul(dc, fc_s[0]), u.frozen(dcs, 0))))  # type: ignore[arg-type]
-    if peep and g.needs_dx(7):
+    _lstm_peephole_grad(u, dgate, cprev, c_all)
+
+
+def _lstm_peephole_grad(u: Unroll, dgate: str, cprev: str, c_all: str) -> None:
+    """dP: each peephole weight times the cell state its gate reads, summed over steps and batch."""
+    g, H = u.g, u.H
+    if g.has_x(7) and g.needs_dx(7):
         d_i, d_o, d_f, _ = u.split(dgate, [H, H, H, H], 3)
         parts = [
             g.reduce("ReduceSum", u.mul(d, v), [1, 2], keepdims=0)
@@ -147,7 +174,7 @@ def lstm_grad(g: GradCtx) -> None:
 def gru_grad(g: GradCtx) -> None:
     # z, r = σ(x·W_zrᵀ + h_prev·R_zrᵀ + b);  h̃ = tanh(x·W_hᵀ + (r·h_prev)·R_hᵀ + b_h), or with
     # linear_before_reset tanh(x·W_hᵀ + Wb_h + r·(h_prev·R_hᵀ + Rb_h));  h = h̃ + z·(h_prev − h̃)
-    u = Unroll(g)
+    u = unroll(g)
     H = u.H
     fa, ga = u.acts  # the gates' and the candidate's activations (σ, tanh)
     lbr = bool(g.attr("linear_before_reset") or 0)
@@ -181,19 +208,27 @@ def gru_grad(g: GradCtx) -> None:
     c_z = u.masked(u.mul(u.e("Sub", hprev, hh), u.dact(fa, pre_z, z)), m_z)
     c_h = u.masked(u.mul(u.one_minus(z), u.dact(ga, pre_h, hh)), m_h)
     dsig_r = u.masked(u.dact(fa, pre_r, rg), m_r)
-    z_s = u.steps(z)
-    dhw = u.dy_steps()
+    loop = isinstance(u, LoopUnroll)
+    if not loop:
+        z_s = u.steps(z)
+        dhw = u.dy_steps()
     need_dh0 = g.has_x(5) and g.needs_dx(5)
     rec: str | None = None
-    dhs: list[str] = [""] * u.T
+    dhs: list[str] = [""] * (u.T or 0)
     if lbr:
         # a_r gets dh·c_h·nh·σ'(r); the recurrent h-path (h_prev·R_hᵀ + Rb_h) gets dh·c_h·r
         coef = u.e("Concat", c_z, u.mul(c_h, u.mul(nh, dsig_r)), u.mul(c_h, rg), axis=3)
+        if isinstance(u, LoopUnroll):
+            dgh, dh_all, dh0 = rnn_loop.gru_backward_lbr(u, coef, z)
+            dzr, _ = u.split(dgh, [2 * H, H], 3)
+            u.finish(u.e("Concat", dzr, u.mul(dh_all, c_h), axis=3), dgh, xw, hprev, None)
+            u.set_state_grads(dh0)
+            return
         coef_s = u.steps(coef)
         r4 = u.w4(g.x(2))
-        dghs: list[str] = [""] * u.T
+        dghs: list[str] = [""] * u.T  # type: ignore[operator]
         ds: str | None = None
-        for t in range(u.T - 1, -1, -1):
+        for t in range(u.T - 1, -1, -1):  # type: ignore[operator]
             ds = u.state_grad(t, rec, ds)
             dh = u.new_state_grad(t, dhw[t], ds)
             dhs[t] = dh
@@ -207,24 +242,27 @@ def gru_grad(g: GradCtx) -> None:
         return
     # linear_before_reset=0: q = da_h̃·R_h is the gradient of r·h_prev; da_r = q·h_prev·σ'(r)
     c_r = u.mul(hprev, dsig_r)
-    cz_s, ch_s, cr_s, rg_s = u.steps(c_z), u.steps(c_h), u.steps(c_r), u.steps(rg)
-    r4_h, r4_zr = u.w4(r_h), u.w4(r_zr)
-    qs: list[str] = [""] * u.T
+    qs: list[str] = [""] * (u.T or 0)
     ds_: str | None = None
-    for t in range(u.T - 1, -1, -1):
-        ds_ = u.state_grad(t, rec, ds_)
-        dh = u.new_state_grad(t, dhw[t], ds_)
-        dhs[t] = dh
-        qs[t] = u.e("MatMul", u.mul(dh, ch_s[t]), r4_h)
-        if t > 0 or need_dh0:
-            dzr_t = u.e("Concat", u.mul(dh, cz_s[t]), u.mul(qs[t], cr_s[t]), axis=3)
-            rec = u.e(
-                "Add",
-                u.e("Add", u.mul(dh, z_s[t]), u.mul(qs[t], rg_s[t])),
-                u.e("MatMul", dzr_t, r4_zr),
-            )
-    dh_all = u.cat(dhs, 1)
-    dzr = u.e("Concat", u.mul(dh_all, c_z), u.mul(u.cat(qs, 1), c_r), axis=3)
+    if isinstance(u, LoopUnroll):
+        dh_all, q_all, dh0 = rnn_loop.gru_backward(u, r_zr, r_h, c_z, c_h, c_r, rg, z)
+    else:
+        cz_s, ch_s, cr_s, rg_s = u.steps(c_z), u.steps(c_h), u.steps(c_r), u.steps(rg)
+        r4_h, r4_zr = u.w4(r_h), u.w4(r_zr)
+        for t in range(u.T - 1, -1, -1):  # type: ignore[operator]
+            ds_ = u.state_grad(t, rec, ds_)
+            dh = u.new_state_grad(t, dhw[t], ds_)
+            dhs[t] = dh
+            qs[t] = u.e("MatMul", u.mul(dh, ch_s[t]), r4_h)
+            if t > 0 or need_dh0:
+                dzr_t = u.e("Concat", u.mul(dh, cz_s[t]), u.mul(qs[t], cr_s[t]), axis=3)
+                rec = u.e(
+                    "Add",
+                    u.e("Add", u.mul(dh, z_s[t]), u.mul(qs[t], rg_s[t])),
+                    u.e("MatMul", dzr_t, r4_zr),
+                )
+        dh_all = u.cat(dhs, 1)
+    dzr = u.e("Concat", u.mul(dh_all, c_z), u.mul(q_all if loop else u.cat(qs, 1), c_r), axis=3)
     dah = u.mul(dh_all, c_h)
     dgx = u.e("Concat", dzr, dah, axis=3)
     dr = None
@@ -236,7 +274,9 @@ def gru_grad(g: GradCtx) -> None:
             u.e("Einsum", dah, rh, equation="dtbg,dtbh->dgh"),
             axis=1,
         )
-    u.finish(dgx, dgx, xw, hprev, u.add(rec, u.frozen(ds_, 0)) if need_dh0 else None, dr=dr)
+    u.finish(dgx, dgx, xw, hprev, u.add(rec, u.frozen(ds_, 0)) if need_dh0 and not loop else None, dr=dr)
+    if isinstance(u, LoopUnroll):
+        u.set_state_grads(dh0)
 
 
 # -------------------------------------------------------------------------------------------- RNN
@@ -246,7 +286,7 @@ def gru_grad(g: GradCtx) -> None:
 def rnn_grad(g: GradCtx) -> None:
     # h = tanh(x·Wᵀ + h_prev·Rᵀ + Wb + Rb):  da = dh·(1 − h²),  dh_prev = da·R
     # any activation f: h = f(a), da = dh·f'(a) (and 0 where clip cut a)
-    u = Unroll(g)
+    u = unroll(g)
     xw = u.walk_x()
     hw = u.walk_y(g.y(0))
     hprev = u.shift(hw, u.input_state(5))
@@ -260,6 +300,11 @@ def rnn_grad(g: GradCtx) -> None:
             a = u.e("Add", a, u.b4(u.e("Add", *bias)))
         a, mask = u.clipped(a)
         dact = u.masked(u.dact(spec, a, hw), mask)
+    if isinstance(u, LoopUnroll):
+        da, dh0 = rnn_loop.rnn_backward(u, dact)
+        u.finish(da, da, xw, hprev, None)
+        u.set_state_grads(dh0)
+        return
     a_s = u.steps(dact)
     r4 = u.w4(g.x(2))
     dhw = u.dy_steps()

@@ -19,6 +19,12 @@ _ONNX_ACTS = {"sigmoid": "Sigmoid", "tanh": "Tanh", "relu": "Relu", "softsign": 
 _ONNX_ALPHA_ACTS = {"leakyrelu": "LeakyRelu", "thresholdedrelu": "ThresholdedRelu", "elu": "Elu"}
 
 
+def sequence_length(g: GradCtx) -> int | None:
+    """The static sequence length of recurrent node ``g``'s X (its axis 0, or 1 with layout 1), or None."""
+    xs = g.static_shape(0)
+    return None if xs is None else xs[0 if int(g.attr("layout") or 0) == 0 else 1]
+
+
 class Unroll:
     """Shapes, layout helpers and the shared weight-gradient tail of one recurrent node."""
 
@@ -45,10 +51,8 @@ class Unroll:
         # (f, g[, h]), each as its (name, alpha, beta) per direction
         self.acts = [tuple(specs[d * n + k] for d in range(self.D)) for k in range(n)]
         xs, ws, rs = g.static_shape(0), g.static_shape(1), g.static_shape(2)
-        t = None if xs is None else xs[0 if self.layout == 0 else 1]
-        if t is None:
-            raise RuleError(f"{op} gradient needs a static sequence length (X has shape {xs})")
-        self.T = t
+        # the static sequence length; None when only a run knows it (rnn_loop.LoopUnroll handles that case)
+        self.T: int | None = sequence_length(g)
         hid = g.attr("hidden_size") or (rs[2] if rs is not None else None)
         if hid is None:
             raise RuleError(f"{op} gradient needs the hidden size: no hidden_size attribute, R of shape {rs}")
@@ -186,11 +190,15 @@ class Unroll:
         if self._valid is None or self._rev is None:
             g = self.g
             lens = self.e("Unsqueeze", self.e("Cast", self.lens, to=TensorProto.INT64), g.ints([0]))  # [1, B]
-            t = g.w.const(np.arange(self.T, dtype=np.int64).reshape(-1, 1), TensorProto.INT64)  # [T, 1]
+            t = self._time_index()  # [T, 1]
             self._valid = self.e("Less", t, lens)
             back = self.e("Sub", self.e("Sub", lens, g.ints([1])), t)
             self._rev = self.e("Where", self._valid, back, self.e("Expand", t, self.e("Shape", self._valid)))
         return self._valid, self._rev
+
+    def _time_index(self) -> str:
+        """The walking steps 0 … T − 1 as an int64 column [T, 1]."""
+        return self.g.w.const(np.arange(self.T, dtype=np.int64).reshape(-1, 1), TensorProto.INT64)
 
     def _masks(self) -> tuple[list[str], list[str]]:
         """Per walking step, the [1, 1, B, 1] float masks of valid steps and of frozen ones."""
