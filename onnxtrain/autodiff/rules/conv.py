@@ -385,13 +385,20 @@ def conv_transpose_grad(g: GradCtx) -> None:
     group = int(g.attr("group") or 1)
     dy = g.dy(0)
     x_sp, y_sp = spatial(g, 0), spatial(g, 0, output=True)
+    if y_sp is not None and len(y_sp) != geo.nd:
+        # ONNX's inference stops adding dims at an output_shape entry below X's size: every value after Y
+        # has a wrong rank, and their gradient rules (dY's among them) would be built on it
+        raise RuleError(f"ONNX shape inference gives Y {len(y_sp)} spatial dims instead of {geo.nd}")
+    if geo.rt is None and _static(x_sp) and (_static(y_sp) or min(geo.pads) < 0):
+        # Y's sizes as the node computes them, s·(S − 1) + output_padding + k_eff − pads, not as ONNX's
+        # inference has them: under auto_pad SAME_* that gives S·s + output_padding, and the full output
+        # when k_eff + output_padding < s (where the spec's S·s adds zero rows: negative pads)
+        op0 = list(g.attr("output_padding") or [0] * geo.nd)
+        sizes = zip(geo.strides, x_sp, op0, geo.k_eff, geo.pb, geo.pe)  # type: ignore[arg-type]
+        y_sp = [s * (n - 1) + o + ke - b - e for s, n, o, ke, b, e in sizes]  # type: ignore[operator]
     if geo.rt is None and min(geo.pads) < 0:
-        # output_shape beyond the full output: the extra rows (negative pads) are zeros no input
-        # reaches, so crop them off dY and continue with the remaining non-negative pads
-        if not _static(y_sp):  # X's sizes are static here (else the pads would be run-time ones)
-            op0 = list(g.attr("output_padding") or [0] * geo.nd)
-            y_sp = [s * (n - 1) + o + ke - b - e  # type: ignore[operator]
-                    for s, n, o, ke, b, e in zip(geo.strides, x_sp, op0, geo.k_eff, geo.pb, geo.pe)]  # type: ignore[arg-type]
+        # output_shape (or SAME's S·s) beyond the full output: the extra rows (negative pads) are zeros no
+        # input reaches, so crop them off dY and continue with the remaining non-negative pads
         lo = [max(0, -p) for p in geo.pb]
         hi = [o - max(0, -p) for o, p in zip(y_sp, geo.pe)]  # type: ignore[operator]
         dy = g.emit("Slice", dy, g.ints(lo), g.ints(hi), g.ints(range(2, geo.nd + 2)))
