@@ -15,7 +15,11 @@ own), so nothing but the per-iteration state of a Loop or Scan needs keeping.
   input's order and axis.
 * SequenceMap: a backward SequenceMap over the same inputs and the outputs' gradients, whose body redoes
   one element's forward and backward; a tensor input's gradient, and an outer value's, sum over the
-  elements."""
+  elements.
+
+A value a body outputs twice (two outputs, or two loop-carried values) takes the sum of both gradients.
+Bodies read the incoming gradients through copies, and every name a body's gradient defines (in its own
+nested bodies too) gets a prefix unique in the model."""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
 from onnxtrain.ir.bag_loops import BagLoop, match_bag_loop
 from onnxtrain.ir.builder import FLOAT_TYPES, elem_type
-from onnxtrain.ir.graphs import captured_names, node_reads, rename_values
+from onnxtrain.ir.graphs import captured_names, node_reads, rename_values, subgraphs, walk_graphs
 
 _NO_LOSS = "onnxtrain_body_no_loss"  # a constant stand-in for the loss of a body's gradient model
 
@@ -39,12 +43,14 @@ def if_grad(g: GradCtx) -> None:
         return
     label = g.node.name or "If"
     branches = {}
+    dy_local = [_for_body(g, g.dy(i)) for i in range(g.n_outputs)]
     for key in ("then_branch", "else_branch"):
         branch = g.attr(key)
         reads = set(captured_names(branch))
-        dys = {
-            o.name: d for o, d in zip(branch.output, (g.dy(i) for i in range(g.n_outputs))) if d is not None
-        }
+        dys: dict[str, str] = {}
+        for o, d in zip(branch.output, dy_local):  # a value the branch outputs twice: the sum of both
+            if d is not None:
+                dys[o.name] = g.emit("Add", dys[o.name], d) if o.name in dys else d
         wrt = [c for c in wanted if c in reads]
         nodes, inits, grads = _differentiate(g, branch, wrt, dys, {}, f"{label}_Grad_{key}")
         outputs = []
@@ -94,10 +100,10 @@ def loop_grad(g: GradCtx) -> None:
     for j, v in appends.items():
         if g.dy(j) is not None:  # the element this iteration appended, after the initial sequence's
             at = back.add(g.emit("SequenceLength", node.input[2 + j]), back.idx)
-            back.incoming(v, back.element(g.dy(j), at))
+            back.incoming(v, back.element(_for_body(g, g.dy(j)), at))
     for q, o in enumerate(forward.output[1 + n :]):
         if g.dy(n + q) is not None:
-            back.incoming(o.name, back.gather(g.dy(n + q), back.idx, 0))
+            back.incoming(o.name, back.gather(_for_body(g, g.dy(n + q)), back.idx, 0))
     dxs, _ = back.emit(forward, [])
     for j, d in zip(floats, dxs):
         g.set_dx(2 + j, d)
@@ -238,7 +244,8 @@ def scan_grad(g: GradCtx) -> None:
         if g.dy(n + o) is not None:
             pos = back.idx if not out_dirs[o] else back.mirror
             rank = g.rank(n + o, output=True)
-            back.incoming(forward.output[n + o].name, back.gather(g.dy(n + o), pos, out_axes[o] % rank))
+            dy = _for_body(g, g.dy(n + o))
+            back.incoming(forward.output[n + o].name, back.gather(dy, pos, out_axes[o] % rank))
     # a body may leave its formal inputs untyped (ONNX's LinearAttention body): the state's type, and the
     # scan input's without its scan axis; a declared type stays
     typed = {formal[j]: state_types[j] for j in range(n)}
@@ -281,12 +288,17 @@ def sequence_map_grad(g: GradCtx) -> None:
     label = node.name or "SequenceMap"
     pre = bw.names(f"{label}_Grad_body") + "/"
     bind = {f: f"{pre}x{j}" for j, f in enumerate(formal)}
-    dys, grads_in = {}, []
+    dys, grads_in, head = {}, [], []
     for k, o in enumerate(body.output):
         if g.dy(k) is not None:
-            dys[o.name] = f"{pre}dy{k}"
             grads_in.append((k, g.dy(k)))
+            if o.name in dys:  # a value the body outputs twice: the sum of both gradients
+                head.append(helper.make_node("Add", [dys[o.name], f"{pre}dy{k}"], [f"{pre}dy{k}_sum"]))
+                dys[o.name] = f"{pre}dy{k}_sum"
+            else:
+                dys[o.name] = f"{pre}dy{k}"
     bw.names.taken.update(bind.values())
+    bw.names.taken.update(f"{pre}dy{k}" for k, _ in grads_in)
     bw.names.taken.update(dys.values())
     wrt = [formal[j] for j in wanted_in] + wanted
     elem_types = {}  # a body's element inputs: the element type of the sequence mapped over
@@ -297,13 +309,22 @@ def sequence_map_grad(g: GradCtx) -> None:
     nodes, inits, grads = _differentiate(g, body, wrt, dys, bind, f"{label}_Grad", elem_types)
     outs = [f"{pre}d{i}_out" for i in range(len(wrt))]
     tail = [helper.make_node("Identity", [grads[w]], [o]) for w, o in zip(wrt, outs)]
-    inputs = [helper.make_empty_tensor_value_info(bind[f]) for f in formal]
-    inputs += [helper.make_empty_tensor_value_info(dys[body.output[k].name]) for k, _ in grads_in]
+    # element types only (the elements' shapes may differ): onnxruntime (1.32) cannot initialize, its graph
+    # optimizations off, a SequenceMap whose body leaves its types out ("Invalid tensor data type 0")
+    def typed(name: str, tp: onnx.TypeProto | None) -> onnx.ValueInfoProto:
+        et = tp.tensor_type.elem_type if tp is not None and tp.HasField("tensor_type") else 0
+        return helper.make_tensor_value_info(name, et or g.dtype, None)
+
+    out_elems = [bw.types.get(o) for o in node.output]
+    inputs = [typed(bind[f], elem_types.get(f)) for f in formal]
+    inputs += [typed(f"{pre}dy{k}", tp.sequence_type.elem_type if (tp := out_elems[k]) is not None
+                     and tp.HasField("sequence_type") else None) for k, _ in grads_in]
+    out_types = [elem_types.get(w) for w in wrt[: len(wanted_in)]] + [bw.types.get(c) for c in wanted]
     back = helper.make_graph(
-        nodes + tail,
+        head + nodes + tail,
         f"{label}_grad_body",
         inputs,
-        [helper.make_empty_tensor_value_info(o) for o in outs],
+        [typed(o, tp) for o, tp in zip(outs, out_types)],
         initializer=inits,
     )
     # the gradients of the outputs are sequences like the inputs: mapped over together
@@ -313,6 +334,14 @@ def sequence_map_grad(g: GradCtx) -> None:
         g.set_dx(j, results[i] if is_seq[j] else _sum_elements(g, results[i]))
     for c, r in zip(wanted, results[len(wanted_in) :]):
         g.body_dxs[c] = _sum_elements(g, r)
+
+
+def _for_body(g: GradCtx, dy: str | None) -> str | None:
+    """An incoming gradient ``dy`` as a body may read it: a copy. The builder gives the gradient of an x
+    its final name (``<x>_grad``) by renaming the node that makes it and its readers in the graph, not in
+    the bodies reading it; a body reading ``dy`` itself, when ``dy`` is also some x's whole gradient (``y =
+    a + x`` after the If), read a value then no longer made before it (or at all)."""
+    return None if dy is None else g.emit("Identity", dy)
 
 
 def _sum_elements(g: GradCtx, seq: str) -> str:
@@ -399,9 +428,9 @@ class _ReverseLoop:
                             "here) or index the sequence outside the loop")
         acc = {formal: f"{pre}d{i}" for i, (formal, *_) in enumerate(self.carried)}
         acc_c = {c: f"{pre}dc{i}" for i, c in enumerate(wanted)}
-        dys = {output: acc[formal] for formal, output, _, _ in self.carried}
-        if len(dys) != len(self.carried):
-            raise RuleError("the body outputs one loop-carried value twice")
+        dys: dict[str, str] = {}
+        for formal, output, _, _ in self.carried:  # one value carried as two: the sum of both gradients
+            dys[output] = self.add(dys[output], acc[formal]) if output in dys else acc[formal]
         for output, grad in self.dys.items():  # also carried (a carried value appended to a list): summed
             dys[output] = self.add(dys[output], grad) if output in dys else grad
         bw.names.taken.update(self.binding.values())
@@ -416,9 +445,14 @@ class _ReverseLoop:
             if not _scatter_into(nodes, grads[c], acc_c[c], f"{pre}dc{i}_out"):
                 tail.append(helper.make_node("Add", [acc_c[c], grads[c]], [f"{pre}dc{i}_out"]))
             outputs.append(_value_info(f"{pre}dc{i}_out", bw.types.get(c)))
+        # typed as the formal input (an element): a Loop of no iteration stacks nothing into an empty tensor
+        # of the declared element shape and type (else float32 [0], in which a Scan's gradient cannot move
+        # the stacking axis to the scan axis)
+        declared = {v.name: v.type for v in forward.input if v.type.tensor_type.elem_type}
+        declared.update(formal_types or {})
         for i, f in enumerate(stacked):  # a fresh name: the same gradient may also be a carried output
             tail.append(helper.make_node("Identity", [grads[f]], [f"{pre}ds{i}_out"]))
-            outputs.append(helper.make_empty_tensor_value_info(f"{pre}ds{i}_out"))
+            outputs.append(_value_info(f"{pre}ds{i}_out", declared.get(f)))
         inputs = [
             helper.make_tensor_value_info(self.t, TensorProto.INT64, []),
             helper.make_tensor_value_info(self.cond, TensorProto.BOOL, []),
@@ -544,6 +578,9 @@ def _differentiate(
     placeholders = [v.name for v in gm.input if v.name not in own]  # the incoming gradients, in ys order
     prefix = bw.names(label) + "/"
     defined = {o for node in gm.node for o in node.output if o} | {t.name for t in gm.initializer}
+    # and the names the bodies of its nodes define: a body's backward Loop names its own body's values as
+    # this model's does (``Loop_Grad_body/one``...), which nested in it would define them twice
+    defined |= _defined_in_bodies(gm.node)
     rename = {name: prefix + name for name in defined if name not in outer}
     rename.update(bind)
     rename.update(zip(placeholders, (dys[y] for y in ys)))
@@ -579,11 +616,30 @@ def _value_info(name: str, tp: onnx.TypeProto | None) -> onnx.ValueInfoProto:
     return helper.make_value_info(name, tp) if tp is not None else helper.make_empty_tensor_value_info(name)
 
 
+def _defined_in_bodies(nodes: list[onnx.NodeProto]) -> set[str]:
+    """The names that the bodies of ``nodes`` (nested ones too) define: inputs, initializers, node outputs."""
+    out: set[str] = set()
+    for node in nodes:
+        for body in subgraphs(node):
+            for graph in walk_graphs(body):
+                out.update(v.name for v in graph.input)
+                out.update(t.name for t in graph.initializer)
+                out.update(o for n in graph.node for o in n.output if o)
+    return out
+
+
 def _renamed(node: onnx.NodeProto, rename: dict[str, str]) -> onnx.NodeProto:
-    """A copy of ``node`` with its value names (in nested bodies too) renamed."""
+    """A copy of ``node`` with its value names (in nested bodies too, their inputs, initializers and value
+    infos included) renamed."""
     out = onnx.NodeProto()
     out.CopyFrom(node)
     rename_values(out, rename)
+    for body in subgraphs(out):
+        for graph in walk_graphs(body):
+            for v in (*graph.input, *graph.value_info):
+                v.name = rename.get(v.name, v.name)
+            for t in graph.initializer:
+                t.name = rename.get(t.name, t.name)
     return out
 
 

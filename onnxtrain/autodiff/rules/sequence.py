@@ -74,19 +74,17 @@ def sequence_at_grad(g: GradCtx) -> None:
     seq, dy = g.x(0), g.dy(0)
     names = g._bw.names
     e, shape, zero = (names(f"{g.node.name or 'SequenceAt'}_Grad/{s}") for s in ("element", "shape", "zeros"))
+    et = _element_type(g, seq)
     body = helper.make_graph(
         [
             helper.make_node("Shape", [e], [shape]),
-            helper.make_node(
-                "ConstantOfShape",
-                [shape],
-                [zero],
-                value=helper.make_tensor("v", _element_type(g, seq), [1], [0]),
-            ),
+            helper.make_node("ConstantOfShape", [shape], [zero], value=helper.make_tensor("v", et, [1], [0])),
         ],
         "zeros_like_element",
-        [helper.make_empty_tensor_value_info(e)],
-        [helper.make_empty_tensor_value_info(zero)],
+        # typed: onnxruntime (1.32) cannot initialize a SequenceMap whose body output has no type when it
+        # runs the graph unoptimized ("Invalid tensor data type 0")
+        [helper.make_tensor_value_info(e, et, None)],
+        [helper.make_tensor_value_info(zero, et, None)],
     )
     zeros = g.emit("SequenceMap", seq, body=body)
     at = _position(g, seq, g.x(1), after_insert=False)
