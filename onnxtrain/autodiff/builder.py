@@ -33,7 +33,7 @@ from onnxtrain.ir.builder import (
     value_types,
 )
 from onnxtrain.ir.functions import expand_functions
-from onnxtrain.ir.graphs import DEFAULT_DOMAINS, body_reads, node_reads, walk_graphs
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, body_reads, node_reads, rename_values, walk_graphs
 
 MIN_OPSET = 17
 
@@ -467,7 +467,8 @@ def build_gradient_model(
         if len(parts) > 1:
             tp = bw.types.get(name)
             if tp is not None and tp.HasField("sequence_type"):  # element by element
-                summed = _sum_sequences(bw, seed_w, parts, f"{name}{grad_suffix}")
+                et = tp.sequence_type.elem_type.tensor_type.elem_type or TensorProto.FLOAT
+                summed = _sum_sequences(bw, seed_w, parts, f"{name}{grad_suffix}", et)
             else:
                 summed = seed_w.emit(
                     "Sum", parts, [bw.names(f"{name}{grad_suffix}_sum")], name=bw.names(f"{name}_grad_Sum")
@@ -529,11 +530,8 @@ def build_gradient_model(
             if tp is not None
             else helper.make_empty_tensor_value_info(gname)
         )
-    for n in bw.backward_nodes:
-        for seq in (n.input, n.output):
-            for j, v in enumerate(seq):
-                if v in renames:
-                    seq[j] = renames[v]
+    for n in bw.backward_nodes:  # in the bodies of control-flow nodes too, which may read the gradient
+        rename_values(n, renames)
     # assemble, after the zero gradients (they may add Shape nodes): the forward with its Shape nodes,
     # then the seeds and the backward
     backward = _fold_transposed_gemms(bw.backward_nodes, set(out_names) | {o.name for o in grad_outputs})
@@ -606,16 +604,16 @@ def _vi(bw: _Backward, name: str, given: onnx.ValueInfoProto | None = None) -> o
     return helper.make_value_info(name, tp) if tp is not None else helper.make_empty_tensor_value_info(name)
 
 
-def _sum_sequences(bw: _Backward, w: NodeWriter, parts: list[str], base: str) -> str:
-    """The element-wise sum of sequences of equal lengths (gradient contributions to one sequence), as a
-    SequenceMap whose body adds one element of each."""
+def _sum_sequences(bw: _Backward, w: NodeWriter, parts: list[str], base: str, et: int) -> str:
+    """The element-wise sum of sequences of equal lengths (gradient contributions to one sequence of
+    element type ``et``), as a SequenceMap whose body adds one element of each."""
     elements = [bw.names(f"{base}_part{i}") for i in range(len(parts))]
     total = bw.names(f"{base}_element")
-    body = helper.make_graph(
+    body = helper.make_graph(  # typed: onnxruntime, its optimizations off, cannot run an untyped body
         [helper.make_node("Sum", elements, [total])],
         f"{base}_sum",
-        [helper.make_empty_tensor_value_info(e) for e in elements],
-        [helper.make_empty_tensor_value_info(total)],
+        [helper.make_tensor_value_info(e, et, None) for e in elements],
+        [helper.make_tensor_value_info(total, et, None)],
     )
     return w.emit("SequenceMap", parts, [bw.names(f"{base}_sum")], name=bw.names(f"{base}_Sum"), body=body)[0]
 

@@ -168,8 +168,8 @@ class Case:
 # ---- checking a case ---------------------------------------------------------------------------------------
 def _session(model: onnx.ModelProto, optimize: bool = False) -> ort.InferenceSession:
     """An onnxruntime session on ``model``, unoptimized unless ``optimize`` (onnxruntime 1.32 cannot
-    initialize, unoptimized, a SequenceMap whose body leaves its types out, as the builder's sum of a
-    sequence's gradients does: "Invalid tensor data type 0")."""
+    initialize, unoptimized, a SequenceMap whose body leaves its types out: "Invalid tensor data type 0";
+    the gradient graphs type theirs)."""
     opts = ort.SessionOptions()
     if not optimize:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -197,18 +197,6 @@ def _reference_fails(graph: onnx.GraphProto) -> bool:
     return False
 
 
-def _untyped_sums(graph: onnx.GraphProto) -> bool:
-    """Whether ``graph`` sums gradients of a sequence as the builder (autodiff/builder.py) does: a
-    SequenceMap whose body, one Sum, leaves its inputs' types out (onnxruntime 1.32 cannot initialize
-    that with its graph optimizations off)."""
-    for node in graph.node:
-        body = node.attribute[0].g if node.op_type == "SequenceMap" else None
-        if body is not None and [n.op_type for n in body.node] == ["Sum"] and not all(
-                v.type.tensor_type.elem_type for v in body.input):
-            return True
-    return False
-
-
 def check_case(model: onnx.ModelProto, feeds: dict, wrt: list[str], eps: float = 1e-6,
                reference: bool = True, ort_ok: bool = True) -> dict:
     """Run every oracle on one case (see the module's docstring); returns the gradients by name.
@@ -232,12 +220,7 @@ def check_case(model: onnx.ModelProto, feeds: dict, wrt: list[str], eps: float =
     np.testing.assert_allclose(got["loss"], mine[names.index("loss")], rtol=1e-12,
                                err_msg="the gradient graph's loss")
     if ort_ok:
-        runs = [_session(gmodel, optimize=True).run(None, feeds)]
-        try:
-            runs.append(_session(gmodel).run(None, feeds))
-        except Exception as e:  # unoptimized: only the builder's untyped sums of sequence gradients fail
-            if "Invalid tensor data type 0" not in str(e) or not _untyped_sums(gmodel.graph):
-                raise
+        runs = [_session(gmodel, optimize=True).run(None, feeds), _session(gmodel).run(None, feeds)]
         for run in runs:
             got_ort = dict(zip(gnames, run))
             for n in wrt:
