@@ -15,7 +15,12 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
-from onnxtrain.autodiff.converter_fixes import flatten_old_hardmax, match_clip_bounds, restore_legacy_resizes
+from onnxtrain.autodiff.converter_fixes import (
+    flatten_old_hardmax,
+    match_clip_bounds,
+    restore_legacy_resizes,
+    unique_body_names,
+)
 from onnxtrain.autodiff.exporter_checks import warn_inference_batch_norms
 from onnxtrain.autodiff.patterns import find_erf_gelus, find_tanh_gelus
 from onnxtrain.autodiff.registry import find_rule, find_variant, has_no_gradient, ops_with_rules
@@ -138,6 +143,7 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     _mark_training(out, training_bns)
     restore_legacy_resizes(out, model_opset(model))
     match_clip_bounds(out, model_opset(model))
+    unique_body_names(out)
     added = {v.name for v in extra}
     kept = [i for i in out.graph.input if i.name not in added]
     del out.graph.input[:]

@@ -10,6 +10,9 @@
 * Hardmax before opset 13 takes the maximum over all dims from ``axis`` on (the input read as a matrix);
   the converter keeps the node and its axis, which at 13 means one dim: :func:`flatten_old_hardmax`
   rewrites each as Flatten, a Hardmax over the matrix's rows, and a Reshape back, before the conversion.
+* The converter names the constants it adds (``_v_<n>``, e.g. ReduceSum's axes) per graph, so a body may
+  define a name its outer graph defines too (not SSA: onnx.checker refuses the gradient graph):
+  :func:`unique_body_names` renames the body's copies.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxtrain.ir.builder import NameGen
-from onnxtrain.ir.graphs import DEFAULT_DOMAINS, walk_graphs
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, rename_values, subgraphs, walk_graphs
 
 _SAMPLING = ("coordinate_transformation_mode", "nearest_mode")
 
@@ -95,3 +98,33 @@ def match_clip_bounds(model: onnx.ModelProto, opset: int) -> None:
                 if value is not None and value.t.data_type != et:
                     arr = numpy_helper.to_array(value.t).astype(helper.tensor_dtype_to_np_dtype(et))
                     value.t.CopyFrom(numpy_helper.from_array(arr, value.t.name))
+
+
+def _defines(g: onnx.GraphProto) -> set[str]:
+    """The names graph ``g`` itself defines: its inputs, initializers and node outputs."""
+    return ({v.name for v in g.input} | {t.name for t in g.initializer}
+            | {o for n in g.node for o in n.output if o})
+
+
+def unique_body_names(model: onnx.ModelProto) -> None:
+    """Rename, in place, the values a control-flow body defines under a name that a graph around it (or an
+    earlier body) defines too; the body's reads of them, and its nested bodies', follow."""
+    names = NameGen.for_model(model)
+    seen = _defines(model.graph)
+
+    def visit(g: onnx.GraphProto) -> None:
+        for node in g.node:
+            for body in subgraphs(node):
+                clash = _defines(body) & seen
+                if clash:
+                    new = {c: names(c) for c in sorted(clash)}
+                    for inner in body.node:
+                        rename_values(inner, new)
+                    for v in (*body.input, *body.output, *body.value_info):
+                        v.name = new.get(v.name, v.name)
+                    for t in body.initializer:
+                        t.name = new.get(t.name, t.name)
+                seen.update(_defines(body))
+                visit(body)
+
+    visit(model.graph)

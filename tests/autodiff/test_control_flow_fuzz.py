@@ -773,10 +773,6 @@ def test_fuzz(family: str, seed: int) -> None:
     case = CASES[family](seed)
     try:
         check_case(case.model, case.feeds, case.wrt, reference=case.reference, ort_ok=case.ort_ok)
-    except onnx.checker.ValidationError as e:
-        if "single static assignment" in str(e) and "'_v_" in str(e):  # test_an_upgraded_model_keeps_...
-            pytest.xfail(f"{family} seed {seed}: the opset upgrade defines a name twice: {e}")
-        raise AssertionError(f"{family} seed {seed} ({case.desc}): {type(e).__name__}: {e}") from e
     except Exception as e:
         raise AssertionError(f"{family} seed {seed} ({case.desc}): {type(e).__name__}: {e}") from e
 
@@ -1026,13 +1022,11 @@ def test_bag_bounds_that_do_not_follow_one_another() -> None:
     check_case(finish(g, [out]), g.feeds, g.wrt)
 
 
-@pytest.mark.xfail(strict=True, reason="onnx 1.23's version converter names the Constants it makes for "
-                   "ReduceSum's axes (_v_<n>) in a body as it names those of the main graph; upgrade_opset "
-                   "(autodiff/builder.py) keeps the names")
 def test_an_upgraded_model_keeps_its_names_unique() -> None:
     """An opset-11 model with two ReduceSum(axes) in its main graph and one in a Scan body: upgraded to opset
-    17 for its gradient, the main graph and the body both define ``_v_8``; the gradient graph fails
-    onnx.checker (SSA)."""
+    17 for its gradient, onnx 1.23's version converter names the Constants of the axes ``_v_<n>`` per graph,
+    so the main graph and the body both defined ``_v_8`` and the gradient graph failed onnx.checker (SSA);
+    upgrade_opset renames the body's (converter_fixes.unique_body_names)."""
     body = helper.make_graph(
         [helper.make_node("ReduceSum", ["x"], ["b"], axes=[0], keepdims=0),
          helper.make_node("Add", ["s", "b"], ["s2"]), helper.make_node("Mul", ["s2", "e"], ["s3"])],
