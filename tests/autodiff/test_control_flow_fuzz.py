@@ -1000,12 +1000,9 @@ def test_loop_without_condition_input_runs_its_trip_count() -> None:
     assert float(got["x0_grad"]) == 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="the gradient of a bag-pooling Loop is NaN when its bags do not "
-                   "follow one another (_bag_table_grad); tests/autodiff/test_control_flow_grad.py::"
-                   "test_embedding_bag_trains asserts that NaN")
 def test_bag_bounds_that_do_not_follow_one_another() -> None:
     """Bags [1, 3), [0, 2) (overlapping) and [3, 4) (after a gap) of ids [0, 1, 1, 2], summed: the forward
-    pools them as the loop does; the table's gradient is NaN where central differences give [[0.823],
+    pools them as the loop does, and the table's gradient (NaN before) is central differences' [[0.823],
     [1.975], [0.514]]."""
     g = Graph(17, np.random.default_rng(8))
     table = g.init(np.array([[0.3], [-0.4], [0.9]]), "table")

@@ -112,9 +112,13 @@ def loop_grad(g: GradCtx) -> None:
 def _bag_table_grad(g: GradCtx, bag: BagLoop) -> str:
     """The table's gradient of a bag-pooling Loop (onnxtrain.ir.bag_loops), with no loop: each id position
     of a bag takes the bag's output gradient (divided by the bag's size for a mean), and one ScatterND adds
-    them into the table's rows. The bags are the loop's K iterations (the rows of its output's gradient);
-    as torch's EmbeddingBag makes them, each must end where the next starts. When they do not, the
-    gradient is NaN (the engine then runs the loop as written, which pools any bounds)."""
+    them into the table's rows. The bags are the loop's K iterations (the rows of its output's gradient),
+    with any bounds, as the loop's Slice reads them: overlapping, out of order, with gaps or empty.
+
+    The P = Σ counts (position, bag) pairs are laid out bag after bag: pair q belongs to the bag ``owner[q]``
+    whose first pair ``first[owner]`` (an exclusive cumulative sum of the counts) is the last at or before
+    q (empty bags start where the next one does, and are passed over), and reads id position
+    ``s[owner] + q - first[owner]``."""
     i64 = TensorProto.INT64
     dy = g.dy(0)
     et = g.elem_type(bag.table)
@@ -122,13 +126,10 @@ def _bag_table_grad(g: GradCtx, bag: BagLoop) -> str:
     def i(v: int) -> str:
         return g.const(v, i64)
 
-    def tail(v: str, start: int, stop: int = 2**62) -> str:
-        return g.emit("Slice", v, g.ints([start]), g.ints([stop]))
-
     ids = g.emit("Cast", bag.ids, to=i64)
     n = g.emit("Shape", ids)  # [N]
     dy_shape = g.emit("Shape", dy)
-    k = tail(dy_shape, 0, 1)  # [K]
+    k = g.emit("Slice", dy_shape, g.ints([0]), g.ints([1]))  # [K]
 
     def bounds(v: str) -> str:  # the first K, as Slice reads them on the ids: from the end, clamped
         b = g.emit("Slice", g.emit("Cast", v, to=i64), g.ints([0]), k)
@@ -136,35 +137,26 @@ def _bag_table_grad(g: GradCtx, bag: BagLoop) -> str:
         return g.emit("Max", g.emit("Min", b, n), i(0))
 
     s, e = bounds(bag.starts), bounds(bag.ends)
-    counts = g.emit("Sub", e, s)
-    gaps = g.emit("Abs", g.emit("Sub", tail(e, 0, -1), tail(s, 1)))
-    checks = g.emit("Concat", counts, g.emit("Neg", gaps), g.ints([0]), axis=0)
-    ok = g.emit("GreaterOrEqual", g.emit("ReduceMin", checks, keepdims=0), i(0))
-    # position p's bag: how many bags after the first start at or before p (empty bags count, so that p
-    # lands in the last bag starting where it starts, the one holding it); outside all bags, row K: zeros
-    later = tail(s, 1)
-    zeros_n = g.emit("ConstantOfShape", g.emit("Add", n, g.ints([1])),
-                     value=numpy_helper.from_array(np.zeros(1, np.int64)))
-    ones_later = g.emit("Expand", g.ints([1]), g.emit("Shape", later))
-    starts_at = g.emit("ScatterElements", zeros_n, later, ones_later, axis=0, reduction="add")
-    seg = g.emit("CumSum", g.emit("Slice", starts_at, g.ints([0]), n), i(0))
-    p = g.emit("Range", i(0), g.emit("Squeeze", n, g.ints([0])), i(1))
-    first = g.emit("ReduceMin", g.emit("Concat", s, n, axis=0), keepdims=0)
-    last = g.emit("ReduceMax", g.emit("Concat", e, g.ints([0]), axis=0), keepdims=0)
-    inside = g.emit("And", g.emit("GreaterOrEqual", p, first), g.emit("Less", p, last))
+    counts = g.emit("Max", g.emit("Sub", e, s), i(0))  # a bag ending before it starts is empty
+    first = g.emit("Sub", g.emit("CumSum", counts, i(0)), counts)
+    pairs = g.emit("ReduceSum", counts, keepdims=1)  # [P]
+    q = g.emit("Range", i(0), g.emit("Squeeze", pairs, g.ints([0])), i(1))
+    zeros = g.emit("ConstantOfShape", g.emit("Add", pairs, g.ints([1])),
+                   value=numpy_helper.from_array(np.zeros(1, np.int64)))
+    ones = g.emit("Expand", g.ints([1]), k)
+    marks = g.emit("ScatterElements", zeros, first, ones, axis=0, reduction="add")  # bags starting at q
+    owner = g.emit("Sub", g.emit("CumSum", g.emit("Slice", marks, g.ints([0]), pairs), i(0)), i(1))
+    pos = g.emit("Sub", g.emit("Add", g.emit("Gather", s, owner, axis=0), q),
+                 g.emit("Gather", first, owner, axis=0))
     per_bag = dy
     if bag.reduce == "mean":
-        ones = g.emit("ConstantOfShape", g.emit("Sub", g.emit("Shape", dy_shape), g.ints([1])),
-                      value=numpy_helper.from_array(np.ones(1, np.int64)))
-        size = g.emit("Reshape", g.emit("Cast", counts, to=et), g.emit("Concat", k, ones, axis=0))
+        ones_tail = g.emit("ConstantOfShape", g.emit("Sub", g.emit("Shape", dy_shape), g.ints([1])),
+                           value=numpy_helper.from_array(np.ones(1, np.int64)))
+        size = g.emit("Reshape", g.emit("Cast", counts, to=et), g.emit("Concat", k, ones_tail, axis=0))
         per_bag = g.emit("Div", dy, size)  # an empty bag's row is never read
-    row_zero = g.emit("ConstantOfShape", g.emit("Concat", g.ints([1]), tail(dy_shape, 1), axis=0),
-                      value=numpy_helper.from_array(np.zeros(1, helper.tensor_dtype_to_np_dtype(et))))
-    padded = g.emit("Concat", per_bag, row_zero, axis=0)
-    rows = g.emit("Gather", padded, g.emit("Where", inside, seg, g.emit("Squeeze", k, g.ints([0]))), axis=0)
-    at = g.emit("Unsqueeze", g.emit("Where", inside, ids, i(0)), g.ints([1]))
-    grad = g.emit("ScatterND", g.zeros_like(bag.table), at, rows, reduction="add")
-    return g.emit("Where", ok, grad, g.const(float("nan"), et))
+    rows = g.emit("Gather", per_bag, owner, axis=0)
+    at = g.emit("Unsqueeze", g.emit("Gather", ids, pos, axis=0), g.ints([1]))
+    return g.emit("ScatterND", g.zeros_like(bag.table), at, rows, reduction="add")
 
 
 def _appended_sequences(g: GradCtx, body: onnx.GraphProto, n: int) -> dict[int, str]:
