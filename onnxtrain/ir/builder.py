@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxtrain.ir.conv_shapes import declared_outputs, refined_conv_transposes
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, walk_graphs
 from onnxtrain.ir.reshapes import refined_reshapes
 from onnxtrain.ir.shape_values import ShapeValues
@@ -181,11 +182,15 @@ def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """Type (element type and shape where known) of every value, from ONNX shape inference, with more
     rounds where the dims of a Slice or a Reshape can be read before a run though inference lost them
-    (:mod:`onnxtrain.ir.slices`, :mod:`onnxtrain.ir.reshapes`)."""
+    (:mod:`onnxtrain.ir.slices`, :mod:`onnxtrain.ir.reshapes`), or where inference has a ConvTranspose's
+    output dims wrong (:mod:`onnxtrain.ir.conv_shapes`: those rounds carry the kernel's dims to the values
+    after it)."""
     skeleton = _skeleton(model)
     types = _inferred_types(model, skeleton, model)
     assert types is not None  # a fallback was given
     known: dict[str, onnx.ValueInfoProto] = {}
+    produced = {n.output[0] for n in model.graph.node
+                if n.op_type == "ConvTranspose" and n.domain in DEFAULT_DOMAINS and n.output}
     for _ in range(_SLICE_ROUNDS):  # a value computed from one learnt learns its dims in the next round
         refined = [v for v in _refined(model, types) if v.name not in known or known[v.name] != v]
         if not refined:
@@ -193,13 +198,22 @@ def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
         known.update((v.name, v) for v in refined)
         again = onnx.ModelProto()
         again.CopyFrom(skeleton)
+        added: list[str] = []
+        if any(k in produced for k in known):
+            # a ConvTranspose output inference has wrong: declared as a graph input's Identity, which the
+            # next round cannot contradict
+            again, added = declared_outputs(again, [v for k, v in known.items() if k in produced],
+                                            NameGen.for_model(again))
         kept = [v for v in again.graph.value_info if v.name not in known]
         del again.graph.value_info[:]
-        again.graph.value_info.extend([*kept, *known.values()])
+        again.graph.value_info.extend([*kept, *(v for k, v in known.items() if k not in produced)])
         before = types
         types = _inferred_types(model, again, None)
         if types is None:  # the refined round failed: keep what the rounds before gave
+            before.update((k, v.type) for k, v in known.items() if k in produced)
             return before
+        for name in added:
+            del types[name]
     return types
 
 
@@ -207,10 +221,12 @@ _SLICE_ROUNDS = 4
 
 
 def _refined(model: onnx.ModelProto, types: dict[str, onnx.TypeProto]) -> list[onnx.ValueInfoProto]:
-    """The Slice and Reshape outputs' dims learnt from the shape values ``types`` lets read."""
+    """The Slice and Reshape outputs' dims learnt from the shape values ``types`` lets read, and the
+    ConvTranspose outputs' dims where inference's differ from the kernel's."""
     opset = model_opset(model)
     values = ShapeValues(model, types, opset)
-    return [*refined_slices(model, types, opset, values), *refined_reshapes(model, types, values)]
+    return [*refined_slices(model, types, opset, values), *refined_reshapes(model, types, values),
+            *refined_conv_transposes(model, types)]
 
 
 def _inferred_types(model: onnx.ModelProto, skeleton: onnx.ModelProto,
