@@ -402,3 +402,22 @@ def test_train_outputs_survive_crashes_and_kills(tmp_path, monkeypatch, capsys):
     ensure_ortt()
     ort_values = run_script(_ORT_READ, os.path.join(out, "checkpoints", "step_00000008.ckpt"))
     assert ort_values  # onnxruntime-training loads the new checkpoint
+
+
+def test_an_inline_export_removes_the_earlier_external_data(trained, tmp_path, monkeypatch):
+    """An export past the threshold writes ``model.onnx.data``; a later inline export of the same path takes
+    it away with the renames (it would sit beside a model that never reads it), and the model runs alone."""
+    from onnxtrain.training.api import _export
+
+    _, _, module, _ = trained
+    out = tmp_path / "exported"
+    out.mkdir()
+    path = str(out / "model.onnx")
+    monkeypatch.setattr(_export, "EXTERNAL_DATA_THRESHOLD", 0)
+    module.export_model_for_inferencing(path, ["logits"])
+    assert sorted(os.listdir(out)) == ["model.onnx", "model.onnx.data"]
+    external_logits = _ort_logits(path, _x(3))
+    monkeypatch.undo()
+    module.export_model_for_inferencing(path, ["logits"])
+    assert os.listdir(out) == ["model.onnx"]
+    np.testing.assert_array_equal(_ort_logits(path, _x(3)), external_logits)
