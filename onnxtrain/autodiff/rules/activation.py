@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from onnx import TensorProto
 
 from onnxtrain.autodiff.context import GradCtx
 from onnxtrain.autodiff.registry import gradient, no_gradient
@@ -46,6 +47,11 @@ def gelu_grad(g: GradCtx) -> None:
         # dX = dY·(½(1 + t) + ½X(1 - t²)·c(1 + 3kX²))
         c, k = math.sqrt(2.0 / math.pi), 0.044715
         t = g.emit("Tanh", g.emit("Mul", x, g.emit("Add", g.emit("Mul", x2, g.const(c * k)), g.const(c))))
+        if g.dtype in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
+            # X² overflows float16 from |X| = 256 (float32 from 1.8e19), and (1 - t²)·du was 0·inf = nan:
+            # du from X clipped to ±100, where 1 - t² is already 0 (one pass, half types only)
+            xc = g.emit("Clip", x, g.const(-100.0), g.const(100.0))
+            x2 = g.emit("Mul", xc, xc)
         du = g.emit("Add", g.emit("Mul", x2, g.const(3 * c * k)), g.const(c))
         sech2 = g.emit("Sub", g.const(1), g.emit("Mul", t, t))
         half_x = g.emit("Mul", x, g.const(0.5))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from onnx import TensorProto
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
@@ -117,16 +118,60 @@ def mean_grad(g: GradCtx) -> None:
             g.set_dx(i, g.unbroadcast(dy, i))
 
 
+_SAME_VALUES = ("Cast", "CastLike", "Identity", "Expand", "Reshape", "Squeeze", "Unsqueeze")
+
+
+def _fixed_value(g: GradCtx, name: str) -> np.ndarray | None:
+    """The value of ``name`` when it is a constant of the graph, directly or read through ops that keep
+    a constant's values (torch's dynamo exporter writes a clamp's scalar bound as CastLike(Constant, x),
+    and the floor of binary_cross_entropy's logs as Expand(CastLike(Constant, p), [])), else None."""
+    for _ in range(8):
+        v = g.constant_value(name)
+        if v is not None:
+            return np.asarray(v)
+        where = g._bw.producer.get(name)
+        if where is None:
+            return None
+        node = g._bw.fwd_nodes[where[0]]
+        if node.op_type not in _SAME_VALUES:
+            return None
+        name = node.input[0]
+    return None
+
+
+def forward_readers(g: GradCtx, name: str) -> list:
+    """The forward nodes that read ``name`` (an index of the forward graph built once per gradient graph)."""
+    bw = g._bw
+    index = getattr(bw, "_readers_index", None)
+    if index is None:
+        index = {}
+        for n in bw.fwd_nodes:
+            for i in dict.fromkeys(n.input):
+                if i:
+                    index.setdefault(i, []).append(n)
+        bw._readers_index = index
+    return index.get(name, [])
+
+
 def _extremum_grad(g: GradCtx) -> None:
-    # Max/Min: dY goes to the inputs equal to Y; ties split it evenly (torch.maximum/minimum),
-    # dXi = unbroadcast(dY·[Xi == Y] / Σj [Xj == Y])
+    # Max/Min: dY goes to the inputs equal to Y; ties between inputs that vary split it evenly
+    # (torch.maximum/minimum), dXi = unbroadcast(dY·[Xi == Y] / Σj [Xj == Y]). A constant input is a
+    # bound, as in Max(x, c) ≡ Clip(x, c), which torch's dynamo exporter writes for x.clamp(lo, hi): it
+    # takes no share, so x at the bound gets all of dY, as torch.clamp (and onnxtrain's Clip) give.
     n = g.n_inputs
     if n == 1:
         g.set_dx(0, g.dy(0))
         return
-    masks = [g.emit("Cast", g.emit("Equal", g.x(i), g.y(0)), to=g.dtype) for i in range(n)]
-    share = g.emit("Div", g.dy(0), g.emit("Sum", *masks))
-    for i in range(n):
+    live = [i for i in range(n) if _fixed_value(g, g.node.input[i]) is None]
+    masks = {i: g.emit("Cast", g.emit("Equal", g.x(i), g.y(0)), to=g.dtype) for i in live}
+    if len(live) == 1:
+        share = g.dy(0)  # Max(x, c): dX = dY·[X == Y], no count
+    else:
+        count = g.emit("Sum", *masks.values())
+        if len(live) < n:  # a constant alone may attain Y: a count of 0 there, where every mask is 0
+            count = g.emit("Max", count, g.const(1))
+        share = g.emit("Div", g.dy(0), count)
+    for i in live:
         if g.needs_dx(i):
             g.set_dx(i, g.unbroadcast(g.emit("Mul", share, masks[i]), i))
 
@@ -176,9 +221,38 @@ def exp_grad(g: GradCtx) -> None:
     g.set_dx(0, g.emit("Mul", g.dy(0), g.y(0)))
 
 
+def _log_floor(g: GradCtx) -> float | None:
+    """When every reader of the Log's output clamps it from below by a finite constant c (Max(log X, c) or
+    Clip(log X, c, …): torch's binary_cross_entropy as its dynamo exporter writes it, c = −100), a floor
+    for X in dY / X: where log X < c, dY is 0, and 0 / 0 = nan must not stand for X = 0 (a sigmoid
+    saturated to 0 or 1). The floor is e^c, raised to the smallest X whose 1/X is finite."""
+    y = g.node.output[0]
+    if y in {o.name for o in g._bw.model.graph.output}:
+        return None
+    bounds = []
+    for n in forward_readers(g, y):
+        if n.op_type == "Max" and len(n.input) == 2:
+            other = n.input[1] if n.input[0] == y else n.input[0]
+        elif n.op_type == "Clip" and n.input[0] == y and len(n.input) > 1 and n.input[1]:
+            other = n.input[1]
+        else:
+            return None
+        v = None if other == y else _fixed_value(g, other)
+        if v is None or v.size != 1 or not np.isfinite(v.reshape(-1)[0]):
+            return None
+        bounds.append(float(v.reshape(-1)[0]))
+    top = {TensorProto.DOUBLE: 1.7e308, TensorProto.FLOAT16: 65504.0}.get(g.dtype, 3.4e38)  # bfloat16 ≈ float
+    if not bounds or min(bounds) > math.log(top):
+        return None
+    return max(math.exp(min(bounds)), 1.0 / top)
+
+
 @gradient("Log", uses=("x0",))
 def log_grad(g: GradCtx) -> None:
-    g.set_dx(0, g.emit("Div", g.dy(0), g.x(0)))
+    # dX = dY / X (X floored where the log is clamped from below: see _log_floor; one Max there)
+    floor = _log_floor(g)
+    x = g.x(0) if floor is None else g.emit("Max", g.x(0), g.const(floor))
+    g.set_dx(0, g.emit("Div", g.dy(0), x))
 
 
 @gradient("Sqrt", uses=("y0",))

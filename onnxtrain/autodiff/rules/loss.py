@@ -35,7 +35,10 @@ def _class_factor(g: GradCtx) -> tuple[str, str | None]:
     red = g.attr("reduction")
     if red == "mean":
         if w is not None:
-            dl = g.emit("Div", dl, g.emit("ReduceSum", w, keepdims=0))
+            # Σw = 0 (every sample ignored, or zero-weighted): the loss is 0/0 = nan, but each w_i is 0,
+            # so the gradient is 0 as torch's; dividing by 1 there keeps 0·(dL/0) = nan out (scalar ops)
+            tw = g.emit("ReduceSum", w, keepdims=0)
+            dl = g.emit("Div", dl, g.emit("Where", g.emit("Equal", tw, g.const(0)), g.const(1), tw))
         else:
             dl = g.emit("Div", dl, _count(g))
     f = dl if w is None else g.emit("Mul", dl, w)

@@ -14,6 +14,7 @@ from onnx import TensorProto
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
+from onnxtrain.autodiff.rules.elementwise import forward_readers
 from onnxtrain.ir.graphs import is_training_batch_norm
 
 _LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -30,10 +31,33 @@ def _axis(g: GradCtx, axis: int, what: str = "input") -> tuple[int, int]:
     return axis % r, r
 
 
+def _nan_cleared(g: GradCtx, y: str) -> str | None:
+    """The output of ``Where(IsNaN(y), 0, y)`` when that is all ``y`` is read by (and y is no graph
+    output), else None: torch's TorchScript exporter writes scaled_dot_product_attention with a mask so,
+    the zeros standing for the softmax of a fully masked row (nan: every score −inf)."""
+    if y in {o.name for o in g._bw.model.graph.output}:
+        return None
+    readers = forward_readers(g, y)
+    flags = {n.output[0] for n in readers if n.op_type == "IsNaN"}
+    cleared = None
+    for n in readers:
+        if n.op_type == "IsNaN":
+            continue
+        if n.op_type != "Where" or n.input[0] not in flags or n.input[2] != y or n.input[1] == y:
+            return None
+        zero = g.constant_value(n.input[1])
+        if zero is None or zero.size != 1 or zero.reshape(-1)[0] != 0:
+            return None
+        cleared = n.output[0]
+    return cleared  # dY is 0 wherever Y is nan: only those Wheres pass a gradient to Y
+
+
 @gradient("Softmax", uses=("y0",))
 def softmax_grad(g: GradCtx) -> None:
-    # dX = Y·(dY − Σ dY·Y)  over the softmax axis (opset 13 semantics: one axis)
-    y = g.y(0)
+    # dX = Y·(dY − Σ dY·Y)  over the softmax axis (opset 13 semantics: one axis). Y read through
+    # Where(IsNaN(Y), 0, Y) reads that instead: the same values, and 0 in place of a fully masked row's
+    # nan, where dY is 0 too, so dX is 0 there as torch's attention gives (nan·0 was nan); no extra pass.
+    y = _nan_cleared(g, g.y(0)) or g.y(0)
     s = g.reduce("ReduceSum", g.emit("Mul", g.dy(0), y), [g.attr("axis")], keepdims=1)
     g.set_dx(0, g.emit("Mul", y, g.emit("Sub", g.dy(0), s)))
 

@@ -282,10 +282,14 @@ def _lp_factor(g: GradCtx, p: int) -> str:
 
 
 def _lp_scaled_dy(g: GradCtx, p: int) -> str:
-    """dY / Y^(p−1)."""
+    """dY / Y^(p−1), 0 where Y = 0 (a window of zeros: the factor x·|x|^(p−2) is 0 there, and the
+    gradient is 0 as torch's norms give; dividing by 1 keeps 0·(dY/0) = nan out, one pass over Y)."""
     if p == 1:
         return g.dy(0)
-    y = g.y(0) if p == 2 else g.emit("Pow", g.y(0), g.const(float(p - 1)))
+    y = g.y(0)
+    y = g.emit("Where", g.emit("Equal", y, g.const(0)), g.const(1), y)
+    if p != 2:
+        y = g.emit("Pow", y, g.const(float(p - 1)))
     return g.emit("Div", g.dy(0), y)
 
 
