@@ -26,6 +26,7 @@ from onnxtrain.autodiff.patterns import find_erf_gelus, find_tanh_gelus
 from onnxtrain.autodiff.registry import find_rule, find_variant, has_no_gradient, ops_with_rules
 from onnxtrain.autodiff.rules.normalization import FROM_OUTPUT
 from onnxtrain.autodiff.rules.quantize import find_fake_quants
+from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
 from onnxtrain.errors import Fail, program_hint
 from onnxtrain.ir.attrs import attribute_value, parse_attributes
 from onnxtrain.ir.builder import (
@@ -163,12 +164,14 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
 def expand_for_gradient(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with each node of an op that ONNX defines by a function body (Attention, RMSNormalization,
     ...) and that has no gradient rule replaced by that body: the forward that :func:`build_gradient_model`
-    differentiates (``model`` itself when there is none)."""
+    differentiates (``model`` itself when there is none), its log-sigmoid terms written in stable form
+    (:func:`~onnxtrain.autodiff.stable_rewrites.stable_log_sigmoids`)."""
     opset = model_opset(model)
-    return expand_functions(
+    expanded = expand_functions(
         model,
         lambda n: find_rule(n.op_type, opset, n.domain) is None and not has_no_gradient(n.op_type, n.domain),
     )
+    return stable_log_sigmoids(expanded)
 
 
 def fake_quant_inputs(model: onnx.ModelProto) -> dict[str, str]:

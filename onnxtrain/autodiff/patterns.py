@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from onnx import TensorProto
 
 from onnxtrain.ir.builder import NodeWriter
 from onnxtrain.ir.types import symbolic_shape
@@ -50,7 +51,12 @@ class TanhGelu:
         one = w.const(np.asarray(1.0), et)
         s = w.one("Sub", one, w.one("Mul", self.tanh, self.tanh))  # 1 − t²
         cube = w.const(np.asarray(3.0 * self.c1), et)
-        r = w.one("Add", one, w.one("Mul", w.one("Mul", self.x, self.x), cube))  # 1 + 3·c1·x²
+        xr = self.x
+        if et in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
+            # x·x overflows from |x| = 256 (float32 from 1.8e19), and x·(1 − t²)·r was then 0·inf = NaN:
+            # r from x clipped to ±100, where 1 − t² is already 0 (one pass, half types only)
+            xr = w.one("Clip", self.x, w.const(np.asarray(-100.0), et), w.const(np.asarray(100.0), et))
+        r = w.one("Add", one, w.one("Mul", w.one("Mul", xr, xr), cube))  # 1 + 3·c1·x²
         u = w.one("Mul", w.one("Mul", self.x, s), w.one("Mul", r, w.const(np.asarray(self.c2), et)))
         v = w.one("Add", w.one("Add", self.tanh, one), u)  # (1 + t) + u
         return w.one("Mul", dy, w.one("Mul", v, w.const(np.asarray(self.c4), et)))
