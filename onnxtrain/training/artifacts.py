@@ -100,6 +100,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.builder import GradientError, build_gradient_model, upgrade_opset
 from onnxtrain.autodiff.exporter_checks import export_hint
+from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
 from onnxtrain.errors import program_hint
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute as recompute_pass
@@ -455,7 +456,8 @@ def build_training_models(
     g.input.extend(helper.make_tensor_value_info(n, inits[n].data_type, list(inits[n].dims)) for n in params)
     ckpt = ({n: values[n] for n in params if n in trainable}, {n: values[n] for n in params if n in frozen})
 
-    evaluation = _finish(_inference_mode(m), "eval")
+    # the loss the eval model computes in the stable form the training model differentiates (log σ terms)
+    evaluation = _finish(stable_log_sigmoids(_inference_mode(m)), "eval")
     # as onnxruntime-training's generator: batch statistics, whatever mode the model was exported in
     train_batch_norms(m.graph.node, NameGen.for_model(m))
     train_names = list(ckpt[0])

@@ -270,3 +270,26 @@ def test_mixed_precision_reads_the_float16_sigmoid_through_a_cast(kind: str, dyn
     for name, a, b in zip(["loss", *WRT], _ort(g, feeds)[1:], got[1:]):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4 * np.abs(b).max(), err_msg=name)
     assert "Log" not in {n.op_type for n in g.graph.node}
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_artifacts_eval_model_computes_the_stable_loss(dynamo: bool, tmp_path) -> None:
+    """generate_artifacts with the exported loss as the model's output: the eval model computes the loss in
+    the stable form too (it kept the written-out log σ terms, NaN at large logits), equal to torch's, as
+    the training model does."""
+    from onnxtrain.training import artifacts
+    from onnxtrain.training.api import CheckpointState, Module
+
+    model = _export("bce", dynamo)
+    artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer
+                                                       if t.name in WRT], artifact_directory=tmp_path)
+    onnx.checker.check_model(str(tmp_path / "eval_model.onnx"), full_check=True)
+    x, y = _data()
+    (want, *_), _ = _torch_values("bce", x, y)
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    module.eval()
+    (got,) = np.atleast_1d(module(x, y))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    module.train()
+    np.testing.assert_allclose(np.atleast_1d(module(x, y))[0], want, rtol=1e-6)
