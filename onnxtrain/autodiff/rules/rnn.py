@@ -45,7 +45,11 @@ def lstm_grad(g: GradCtx) -> None:
     hw = u.walk_y(g.y(0))
     h0, c0 = u.input_state(5), u.input_state(6)
     hprev = u.shift(hw, h0)
-    a = u.e("Add", u.e("MatMul", xw, u.wt4(g.x(1))), u.e("MatMul", hprev, u.wt4(g.x(2))))
+    xh = u.joint_input(xw, hprev)
+    if xh is not None:  # one product with [W, R] (and one for dW, dR below)
+        a = u.joint_gates(xh)
+    else:
+        a = u.e("Add", u.e("MatMul", xw, u.wt4(g.x(1))), u.e("MatMul", hprev, u.wt4(g.x(2))))
     bias = u.biases()
     if bias is not None:
         a = u.e("Add", a, u.b4(u.e("Add", *bias)))
@@ -127,7 +131,7 @@ def lstm_grad(g: GradCtx) -> None:
     need_dh0 = g.has_x(5) and g.needs_dx(5)
     if isinstance(u, LoopUnroll):
         dgate, dh0, dc0 = rnn_loop.lstm_backward(u, u.e("Concat", c_i, b_o, c_f, c_c, axis=3), k1, fc)
-        u.finish(dgate, dgate, xw, hprev, None)
+        u.finish(dgate, dgate, xw, hprev, None, xh=xh)
         u.set_state_grads(dh0, dc0)
         _lstm_peephole_grad(u, dgate, cprev, c_all)
         return
@@ -149,7 +153,7 @@ def lstm_grad(g: GradCtx) -> None:
         if t > 0 or need_dh0:
             rec = u.e("MatMul", dgs[t], r4)  # dh_prev = dG·R
     dgate = u.cat(dgs, 1)
-    u.finish(dgate, dgate, xw, hprev, u.add(rec, u.frozen(ds, 0)) if need_dh0 else None)
+    u.finish(dgate, dgate, xw, hprev, u.add(rec, u.frozen(ds, 0)) if need_dh0 else None, xh=xh)
     if g.has_x(6) and g.needs_dx(6):
         g.set_dx(6, u.state_out(u.add(u.mul(dc, fc_s[0]), u.frozen(dcs, 0))))  # type: ignore[arg-type]
     _lstm_peephole_grad(u, dgate, cprev, c_all)

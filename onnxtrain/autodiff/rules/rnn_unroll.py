@@ -351,15 +351,39 @@ class Unroll:
             return [None] * self.T
         return self.steps(self.walk_y(dy))
 
-    def finish(self, dgx: str, dgh: str, xw: str, hprev: str, dh0: str | None, dr: str | None = None) -> None:
-        """dX, dW, dR, dB from the pre-activation gradients of the input (dgx) and recurrent (dgh) paths."""
+    def joint_input(self, xw: str, hprev: str) -> str | None:
+        """[x, h_prev] along the features, [1, T, B, I + H], for one product with [W, R] where the gates' two
+        paths share their gradient (one direction, the input size known), else None."""
+        if self.D != 1 or self.I is None:
+            return None
+        return self.e("Concat", xw, hprev, axis=3)
+
+    def joint_gates(self, xh: str) -> str:
+        """The gates' pre-activations without bias, [x, h_prev]·[W, R]ᵀ, from ``xh`` (:meth:`joint_input`)."""
+        g = self.g
+        return self.e("MatMul", xh, self.wt4(self.e("Concat", g.x(1), g.x(2), axis=2)))
+
+    def finish(self, dgx: str, dgh: str, xw: str, hprev: str, dh0: str | None, dr: str | None = None,
+               xh: str | None = None) -> None:
+        """dX, dW, dR, dB from the pre-activation gradients of the input (dgx) and recurrent (dgh) paths.
+        With ``xh`` (:meth:`joint_input`, dgx = dgh), dW and dR are one product over the T·B rows."""
         g = self.g
         if g.needs_dx(0):
             g.set_dx(0, self.unwalk_x(self.e("MatMul", dgx, self.w4(g.x(1)))))  # dX_t = dG_t·W
-        if g.needs_dx(1):
-            g.set_dx(1, self.e("Einsum", dgx, xw, equation="dtbg,dtbi->dgi"))  # dW = Σ_t,b dGᵀ·x
-        if g.needs_dx(2):
-            g.set_dx(2, dr or self.e("Einsum", dgh, hprev, equation="dtbg,dtbh->dgh"))  # dR = Σ dGᵀ·h_prev
+        if xh is not None and dr is None and dgx == dgh and (g.needs_dx(1) or g.needs_dx(2)):
+            # [dW, dR] = Σ_t,b dGᵀ·[x, h_prev]: one GEMM over the flattened steps and samples
+            dwr = self.e("Gemm", self.e("Flatten", dgx, axis=3), self.e("Flatten", xh, axis=3), transA=1)
+            dw, dr_ = self.split(self.e("Unsqueeze", dwr, g.ints([0])), [self.I, self.H], 2)  # type: ignore[list-item]
+            if g.needs_dx(1):
+                g.set_dx(1, dw)
+            if g.needs_dx(2):
+                g.set_dx(2, dr_)
+        else:
+            if g.needs_dx(1):
+                g.set_dx(1, self.e("Einsum", dgx, xw, equation="dtbg,dtbi->dgi"))  # dW = Σ_t,b dGᵀ·x
+            if g.needs_dx(2):
+                # dR = Σ dGᵀ·h_prev
+                g.set_dx(2, dr or self.e("Einsum", dgh, hprev, equation="dtbg,dtbh->dgh"))
         if g.has_x(3) and g.needs_dx(3):
             sx = g.reduce("ReduceSum", dgx, [1, 2], keepdims=0)
             sh = sx if dgh == dgx else g.reduce("ReduceSum", dgh, [1, 2], keepdims=0)

@@ -28,6 +28,9 @@ r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph it
 * **lazy selects** (:mod:`~onnxtrain.engine.fusion.select`): ``Where(c, x, a + b)`` with a one-element ``c``
   runs the Add (Sub, Mul, Div) only when ``c`` picks it and otherwise returns ``x`` itself: the on-device
   gradient accumulator ``Where(reset, g, buffer + g)`` costs nothing on a step that resets;
+* **products with a concatenation** (:mod:`~onnxtrain.engine.fusion.concat_mul`): ``Mul(Concat(pieces),
+  c)`` (a recurrent gradient's per-step gate coefficients) is one step that multiplies the new
+  concatenation by ``c`` in place when ``c`` has its shape and dtype; the same bits;
 * **elementwise clusters**: connected Add/Sub/Mul/Div/Sqrt/Erf/... steps (an optimizer update is ~13 of
   them per weight, torch's exported GELU five) run as one step: the same ufuncs in the same order, so
   results are bit-identical, but values used only inside the cluster are written into scratch buffers
@@ -58,6 +61,7 @@ import os
 from typing import TYPE_CHECKING
 
 from onnxtrain.engine.fusion.blocked import ScratchPool
+from onnxtrain.engine.fusion.concat_mul import fuse_concat_products
 from onnxtrain.engine.fusion.cse import eliminate_common_steps
 from onnxtrain.engine.fusion.elementwise import expand_sums, fuse_elementwise, group_sibling_clusters
 from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_bias, fuse_matmul_weight_grads
@@ -91,6 +95,7 @@ def fuse(plan: Plan) -> None:
     steps = fuse_channel_dots(plan, steps)
     steps = fuse_masked_softmax(plan, steps)
     steps = fuse_lazy_selects(plan, steps)
+    steps = fuse_concat_products(plan, steps)
     steps = fuse_elementwise(plan, steps)
     steps = group_sibling_clusters(plan, steps)
     steps = fuse_matmul_bias(plan, steps)

@@ -1,0 +1,129 @@
+"""The LSTM training step's speedups: the gradient's joint products with [W, R] (autodiff/rules/rnn.py,
+rnn_unroll.py) and the per-step ``Mul(Concat(...), coef)`` fusion (engine/fusion/concat_mul.py)."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from onnxtrain.autodiff import build_gradient_model
+from onnxtrain.engine.plan import Plan
+from tests.engine.graphs import model
+
+torch = pytest.importorskip("torch")
+ort = pytest.importorskip("onnxruntime")
+
+
+def _ops(plan: Plan) -> list[str]:
+    return [st.node.op_type for st in plan.steps]
+
+
+# ---- Mul(Concat(...), c) -----------------------------------------------------------------------------------
+def _gate_product() -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("Concat", ["dc", "dh", "dc", "dc"], ["cat"], axis=-1),
+        helper.make_node("Mul", ["cat", "coef"], ["dg"]),
+        helper.make_node("MatMul", ["dg", "r"], ["rec"]),
+    ]
+    return model(nodes, ["dc", "dh", "coef", "r"], ["dg", "rec"])
+
+
+def test_concat_product_is_one_step_with_the_same_bits() -> None:
+    fused, plain = Plan(_gate_product()), Plan(_gate_product(), fuse=False)
+    assert _ops(fused) == ["ConcatProduct", "MatMul"]
+    rng = np.random.default_rng(0)
+    for dt in (np.float32, np.float64):
+        shapes = {"dc": (1, 1, 5, 3), "dh": (1, 1, 5, 3), "coef": (1, 1, 5, 12), "r": (12, 3)}
+        feeds = {k: rng.standard_normal(s).astype(dt) for k, s in shapes.items()}
+        for a, b in zip(fused.run(feeds), plain.run(feeds)):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(a, b)
+    # a coefficient that broadcasts, or of another dtype: the two original kernels
+    shapes = {"dc": (2, 3), "dh": (2, 3), "coef": (1, 12), "r": (12, 3)}
+    feeds = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    for a, b in zip(fused.run(feeds), plain.run(feeds)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_concat_read_elsewhere_or_product_in_a_cluster_is_not_fused() -> None:
+    nodes = [
+        helper.make_node("Concat", ["a", "b"], ["cat"], axis=-1),
+        helper.make_node("Mul", ["cat", "c"], ["p"]),
+        helper.make_node("Identity", ["cat"], ["cat_out"]),
+    ]
+    assert "ConcatProduct" not in _ops(Plan(model(nodes, ["a", "b", "c"], ["p", "cat_out"])))
+    nodes = [
+        helper.make_node("Concat", ["a", "b"], ["cat"], axis=-1),
+        helper.make_node("Mul", ["cat", "c"], ["p"]),
+        helper.make_node("Tanh", ["p"], ["q"]),
+    ]
+    assert "ConcatProduct" not in _ops(Plan(model(nodes, ["a", "b", "c"], ["q"])))
+
+
+# ---- the LSTM gradient's joint products -------------------------------------------------------------------
+class _Lstm(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(6, 5, batch_first=True)
+        self.head = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return (self.head(out) ** 2).mean()
+
+
+def _export(module, x: np.ndarray, dynamic_seq: bool) -> onnx.ModelProto:
+    buf = io.BytesIO()
+    axes = {"x": {0: "batch", 1: "seq"} if dynamic_seq else {0: "batch"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (torch.from_numpy(x),), buf, dynamo=False, opset_version=17,
+                          input_names=["x"], output_names=["loss"], training=torch.onnx.TrainingMode.TRAINING,
+                          do_constant_folding=False, dynamic_axes=axes)
+    return onnx.load_from_string(buf.getvalue())
+
+
+@pytest.mark.parametrize("dynamic_seq", [False, True], ids=["static", "dynamic"])
+def test_lstm_weight_gradients_are_one_gemm_and_match_torch_and_onnxruntime(dynamic_seq: bool) -> None:
+    torch.manual_seed(0)
+    module = _Lstm()
+    x = np.random.default_rng(1).standard_normal((4, 7, 6)).astype(np.float32)
+    m = _export(module, x, dynamic_seq)
+    params = [n for n, _ in module.named_parameters()]
+    g = build_gradient_model(m, "loss", params)
+    onnx.checker.check_model(g, full_check=True)
+    types = [n.op_type for n in g.graph.node]
+    assert "Einsum" not in types and types.count("Gemm") >= 2  # [dW, dR] in one Gemm (the head's too)
+    plan = Plan(g)
+    names = [o.name for o in g.graph.output]
+    ours = dict(zip(names, plan.run({"x": x})))
+    sess = ort.InferenceSession(g.SerializeToString(), providers=["CPUExecutionProvider"])
+    theirs = dict(zip(names, sess.run(None, {"x": x})))
+    module.zero_grad()
+    module(torch.from_numpy(x)).backward()
+    for n, p in module.named_parameters():
+        a, r = ours[f"{n}_grad"], p.grad.numpy()
+        scale = float(np.abs(r).max())
+        np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-6 * scale, err_msg=n)
+        np.testing.assert_allclose(theirs[f"{n}_grad"], a, rtol=1e-4, atol=1e-6 * scale, err_msg=n)
+
+
+def test_bidirectional_lstm_keeps_its_einsums() -> None:
+    """Two directions: no joint product (the per-direction weights stay batched Einsums)."""
+    f = TensorProto.FLOAT
+    rng = np.random.default_rng(2)
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+             for n, s in (("W", (2, 20, 3)), ("R", (2, 20, 5)))]
+    node = helper.make_node("LSTM", ["X", "W", "R"], ["Y"], hidden_size=5, direction="bidirectional")
+    red = helper.make_node("ReduceSum", ["Y"], ["loss"], keepdims=0)
+    graph = helper.make_graph([node, red], "g", [helper.make_tensor_value_info("X", f, [4, 2, 3])],
+                              [helper.make_tensor_value_info("loss", f, [])], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    g = build_gradient_model(m, "loss", ["W", "R"])
+    onnx.checker.check_model(g, full_check=True)
+    assert [n.op_type for n in g.graph.node].count("Einsum") == 2
