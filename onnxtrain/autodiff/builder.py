@@ -204,6 +204,23 @@ class _Backward:
         self.const_cache: dict[tuple, str] = {}
         self._graph_inputs = {v.name for v in model.graph.input}
         self._initializers = {t.name: t for t in model.graph.initializer}
+        self.graph_outputs = {o.name for o in model.graph.output}
+        self._readers: dict[str, list[onnx.NodeProto]] | None = None  # built on first use
+
+    def readers(self, name: str) -> list[onnx.NodeProto]:
+        """The forward nodes that read ``name`` as an input."""
+        if self._readers is None:
+            self._readers = {}
+            for n in self.fwd_nodes:
+                for i in dict.fromkeys(n.input):
+                    if i:
+                        self._readers.setdefault(i, []).append(n)
+        return self._readers.get(name, [])
+
+    def producer_node(self, name: str) -> onnx.NodeProto | None:
+        """The forward node that makes ``name`` (None for inputs, initializers and unknown names)."""
+        where = self.producer.get(name)
+        return None if where is None else self.fwd_nodes[where[0]]
 
     def constant_value(self, name: str) -> Any:
         """The value of ``name`` when it is fixed (an initializer that is not a graph input, or a

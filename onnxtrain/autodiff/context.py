@@ -85,6 +85,17 @@ class GradCtx:
             name_or_index = self.node.input[name_or_index]
         return self._bw.constant_value(name_or_index)
 
+    def readers(self, name: str) -> list[onnx.NodeProto]:
+        """The forward nodes that read value ``name`` (for rules that look at how an output is used)."""
+        return self._bw.readers(name)
+
+    def producer(self, name: str) -> onnx.NodeProto | None:
+        """The forward node that makes value ``name``, or None."""
+        return self._bw.producer_node(name)
+
+    def is_graph_output(self, name: str) -> bool:
+        return name in self._bw.graph_outputs
+
     def has_x(self, i: int) -> bool:
         return i < len(self.node.input) and bool(self.node.input[i])
 

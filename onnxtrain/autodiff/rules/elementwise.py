@@ -129,28 +129,11 @@ def _fixed_value(g: GradCtx, name: str) -> np.ndarray | None:
         v = g.constant_value(name)
         if v is not None:
             return np.asarray(v)
-        where = g._bw.producer.get(name)
-        if where is None:
-            return None
-        node = g._bw.fwd_nodes[where[0]]
-        if node.op_type not in _SAME_VALUES:
+        node = g.producer(name)
+        if node is None or node.op_type not in _SAME_VALUES:
             return None
         name = node.input[0]
     return None
-
-
-def forward_readers(g: GradCtx, name: str) -> list:
-    """The forward nodes that read ``name`` (an index of the forward graph built once per gradient graph)."""
-    bw = g._bw
-    index = getattr(bw, "_readers_index", None)
-    if index is None:
-        index = {}
-        for n in bw.fwd_nodes:
-            for i in dict.fromkeys(n.input):
-                if i:
-                    index.setdefault(i, []).append(n)
-        bw._readers_index = index
-    return index.get(name, [])
 
 
 def _extremum_grad(g: GradCtx) -> None:
@@ -227,10 +210,10 @@ def _log_floor(g: GradCtx) -> float | None:
     for X in dY / X: where log X < c, dY is 0, and 0 / 0 = nan must not stand for X = 0 (a sigmoid
     saturated to 0 or 1). The floor is e^c, raised to the smallest X whose 1/X is finite."""
     y = g.node.output[0]
-    if y in {o.name for o in g._bw.model.graph.output}:
+    if g.is_graph_output(y):
         return None
     bounds = []
-    for n in forward_readers(g, y):
+    for n in g.readers(y):
         if n.op_type == "Max" and len(n.input) == 2:
             other = n.input[1] if n.input[0] == y else n.input[0]
         elif n.op_type == "Clip" and n.input[0] == y and len(n.input) > 1 and n.input[1]:

@@ -14,7 +14,6 @@ from onnx import TensorProto
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
-from onnxtrain.autodiff.rules.elementwise import forward_readers
 from onnxtrain.ir.graphs import is_training_batch_norm
 
 _LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -35,9 +34,9 @@ def _nan_cleared(g: GradCtx, y: str) -> str | None:
     """The output of ``Where(IsNaN(y), 0, y)`` when that is all ``y`` is read by (and y is no graph
     output), else None: torch's TorchScript exporter writes scaled_dot_product_attention with a mask so,
     the zeros standing for the softmax of a fully masked row (nan: every score −inf)."""
-    if y in {o.name for o in g._bw.model.graph.output}:
+    if g.is_graph_output(y):
         return None
-    readers = forward_readers(g, y)
+    readers = g.readers(y)
     flags = {n.output[0] for n in readers if n.op_type == "IsNaN"}
     cleared = None
     for n in readers:
