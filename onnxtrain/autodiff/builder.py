@@ -206,6 +206,7 @@ class _Backward:
         self._initializers = {t.name: t for t in model.graph.initializer}
         self.graph_outputs = {o.name for o in model.graph.output}
         self._readers: dict[str, list[onnx.NodeProto]] | None = None  # built on first use
+        self.requires: set[str] = set()  # the values that depend on a differentiated input
 
     def readers(self, name: str) -> list[onnx.NodeProto]:
         """The forward nodes that read ``name`` as an input."""
@@ -407,6 +408,7 @@ def build_gradient_model(
 
     # forward reachability from wrt through differentiable, float-typed edges
     requires: set[str] = set(wrt)
+    bw.requires = requires  # filled below; rules ask it whether a value varies with the wrt
     rules: dict[int, Any] = {}
     # QuantizeLinear -> DequantizeLinear pairs (quantization-aware training): their integer edge carries the
     # straight-through estimator from the DequantizeLinear's output to the QuantizeLinear's input

@@ -93,6 +93,11 @@ class GradCtx:
         """The forward node that makes value ``name``, or None."""
         return self._bw.producer_node(name)
 
+    def varies(self, name: str) -> bool:
+        """Whether value ``name`` depends on a value being differentiated (a trained initializer is no
+        constant here, though ``constant_value`` reads its value)."""
+        return name in self._bw.requires
+
     def is_graph_output(self, name: str) -> bool:
         return name in self._bw.graph_outputs
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff import build_gradient_model
 from onnxtrain.ir.builder import make_model
@@ -588,3 +588,25 @@ def test_documented_differences() -> None:
     # gives 1/4, 1/4, 1/2
     _, got, r = _node("Max", {"x": _a(1), "y": _a(1), "z": _a(1)}, ["x", "y", "z"])
     np.testing.assert_allclose([got["x_grad"], got["y_grad"], got["z_grad"]], [r / 3] * 3)
+
+
+@pytest.mark.parametrize("op", ["Max", "Min"])
+def test_extremum_with_a_trained_initializer_gets_its_gradient(op: str) -> None:
+    """An initializer differentiated by build_gradient_model (its wrt) is no constant bound: Max(X, W) gives
+    W its share as torch.maximum does, ties split (it got zeros when initializers counted as bounds)."""
+    w = np.array([1.0, -1.0, 0.0, 2.0])
+    x = np.array([0.0, 0.0, 0.0, 3.0])
+    model = helper.make_model(
+        helper.make_graph([helper.make_node(op, ["X", "W"], ["m"]),
+                           helper.make_node("ReduceSum", ["m"], ["y"], keepdims=0)], "g",
+                          [helper.make_tensor_value_info("X", TensorProto.DOUBLE, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [])],
+                          [numpy_helper.from_array(w, "W")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    grads = build_gradient_model(model, "y", ["W", "X"])
+    onnx.checker.check_model(grads, full_check=True)
+    got = dict(zip([o.name for o in grads.graph.output], run_engine(grads, {"X": x})))
+    tw, tx = torch.tensor(w, requires_grad=True), torch.tensor(x, requires_grad=True)
+    (torch.maximum if op == "Max" else torch.minimum)(tx, tw).sum().backward()
+    np.testing.assert_array_equal(got["W_grad"], tw.grad.numpy())
+    np.testing.assert_array_equal(got["X_grad"], tx.grad.numpy())

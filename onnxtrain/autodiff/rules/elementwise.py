@@ -125,6 +125,8 @@ def _fixed_value(g: GradCtx, name: str) -> np.ndarray | None:
     """The value of ``name`` when it is a constant of the graph, directly or read through ops that keep
     a constant's values (torch's dynamo exporter writes a clamp's scalar bound as CastLike(Constant, x),
     and the floor of binary_cross_entropy's logs as Expand(CastLike(Constant, p), [])), else None."""
+    if g.varies(name):  # an initializer being trained (build_gradient_model's wrt) is no bound
+        return None
     for _ in range(8):
         v = g.constant_value(name)
         if v is not None:
