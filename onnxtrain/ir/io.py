@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable
@@ -167,20 +168,28 @@ class StagedFiles:
 
 
 def _keep_old(path: str) -> str | None:
-    """A hard link to the file at ``path`` under a temporary name (None: no file there, or no hard links),
-    so that a failed commit can put it back."""
-    if not os.path.isfile(path) or os.path.islink(path):
+    """A copy of the entry at ``path`` under a temporary name beside it, so that a failed commit can put it
+    back with one rename: a hard link to a file (a byte copy where hard links are refused), a new symlink
+    to a symlink's target; None when there is nothing to keep (no entry, or a folder, which the rename
+    itself refuses)."""
+    if not os.path.lexists(path) or (os.path.isdir(path) and not os.path.islink(path)):
         return None
     folder, name = os.path.split(os.path.abspath(path))
     for _ in range(8):
         backup = os.path.join(folder, f"{name}.{secrets.token_hex(4)}.old.tmp")
         try:
-            os.link(path, backup)
+            if os.path.islink(path):
+                os.symlink(os.readlink(path), backup)
+            else:
+                try:
+                    os.link(path, backup)
+                except FileExistsError:
+                    raise
+                except OSError:  # no hard links here: keep a copy of the bytes and the mode
+                    shutil.copy2(path, backup)
             return backup
         except FileExistsError:
             continue
-        except OSError:
-            return None
     return None
 
 

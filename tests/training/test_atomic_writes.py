@@ -421,3 +421,32 @@ def test_an_inline_export_removes_the_earlier_external_data(trained, tmp_path, m
     module.export_model_for_inferencing(path, ["logits"])
     assert os.listdir(out) == ["model.onnx"]
     np.testing.assert_array_equal(_ort_logits(path, _x(3)), external_logits)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "no_hard_links"])
+def test_a_failed_commit_puts_back_a_symlink_or_a_file_without_hard_links(kind, tmp_path, monkeypatch):
+    """StagedFiles keeps what each target was before its rename: a symlink stays that symlink, and where
+    hard links are refused the old bytes are kept by a copy (both were left replaced by the new file)."""
+    from onnxtrain.ir.io import StagedFiles
+
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("real")
+    with open("real/a", "w") as f:
+        f.write("old")
+    if kind == "symlink":
+        os.symlink("real/a", "a")
+    else:
+        os.replace("real/a", "a")
+
+        def refuse(*args, **kwargs):
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(os, "link", refuse)
+    os.mkdir("b")  # a folder in the way of the second rename: the commit fails there
+    with pytest.raises(IsADirectoryError), StagedFiles() as files:
+        files.write("a", lambda f: f.write(b"new"))
+        files.write("b", lambda f: f.write(b"x"))
+    assert os.path.islink("a") == (kind == "symlink")
+    with open("a") as f:
+        assert f.read() == "old"
+    assert _temporaries(tmp_path) == []

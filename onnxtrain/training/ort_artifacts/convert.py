@@ -39,7 +39,7 @@ def convert_artifacts(
                        else translate_training_model(model))
                 files.save_model(out, os.path.join(dst, f"{prefix}{name}"))
         for name in ("checkpoint", "nominal_checkpoint"):
-            for suffix in ("", ".data"):
+            for suffix in (".data", ""):  # the data file renamed before the main file that refers to it
                 path = os.path.join(src, f"{prefix}{name}{suffix}")
                 target = os.path.join(dst, f"{prefix}{name}{suffix}")
                 if os.path.isfile(path) and os.path.abspath(path) != os.path.abspath(target):
