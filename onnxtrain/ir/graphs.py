@@ -143,7 +143,7 @@ def walk_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
 
 def rename_values(node: onnx.NodeProto, names: dict[str, str]) -> None:
     """Rename, in place, the values ``node`` reads or makes and those its bodies (nested ones too) read,
-    make or output, by ``names``."""
+    make, take as inputs or initializers, declare or output, by ``names``."""
     if not names:
         return
     node.input[:] = [names.get(n, n) for n in node.input]
@@ -151,8 +151,10 @@ def rename_values(node: onnx.NodeProto, names: dict[str, str]) -> None:
     for g in subgraphs(node):
         for inner in g.node:
             rename_values(inner, names)
-        for v in g.output:
+        for v in (*g.input, *g.output, *g.value_info):
             v.name = names.get(v.name, v.name)
+        for t in g.initializer:
+            t.name = names.get(t.name, t.name)
 
 
 def path_to(nodes: Iterable[onnx.NodeProto], outputs: Iterable[str]) -> tuple[list[onnx.NodeProto], set[str]]:

@@ -626,12 +626,6 @@ def _renamed(node: onnx.NodeProto, rename: dict[str, str]) -> onnx.NodeProto:
     out = onnx.NodeProto()
     out.CopyFrom(node)
     rename_values(out, rename)
-    for body in subgraphs(out):
-        for graph in walk_graphs(body):
-            for v in (*graph.input, *graph.value_info):
-                v.name = rename.get(v.name, v.name)
-            for t in graph.initializer:
-                t.name = rename.get(t.name, t.name)
     return out
 
 
