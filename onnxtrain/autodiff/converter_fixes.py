@@ -21,7 +21,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxtrain.ir.builder import NameGen
-from onnxtrain.ir.graphs import DEFAULT_DOMAINS, rename_values, subgraphs, walk_graphs
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, rename_in_graph, subgraphs, walk_graphs
 
 _SAMPLING = ("coordinate_transformation_mode", "nearest_mode")
 
@@ -117,13 +117,7 @@ def unique_body_names(model: onnx.ModelProto) -> None:
             for body in subgraphs(node):
                 clash = _defines(body) & seen
                 if clash:
-                    new = {c: names(c) for c in sorted(clash)}
-                    for inner in body.node:
-                        rename_values(inner, new)
-                    for v in (*body.input, *body.output, *body.value_info):
-                        v.name = new.get(v.name, v.name)
-                    for t in body.initializer:
-                        t.name = new.get(t.name, t.name)
+                    rename_in_graph(body, {c: names(c) for c in sorted(clash)})
                 seen.update(_defines(body))
                 visit(body)
 

@@ -149,12 +149,18 @@ def rename_values(node: onnx.NodeProto, names: dict[str, str]) -> None:
     node.input[:] = [names.get(n, n) for n in node.input]
     node.output[:] = [names.get(n, n) for n in node.output]
     for g in subgraphs(node):
-        for inner in g.node:
-            rename_values(inner, names)
-        for v in (*g.input, *g.output, *g.value_info):
-            v.name = names.get(v.name, v.name)
-        for t in g.initializer:
-            t.name = names.get(t.name, t.name)
+        rename_in_graph(g, names)
+
+
+def rename_in_graph(g: onnx.GraphProto, names: dict[str, str]) -> None:
+    """Rename, in place, the values graph ``g`` (a body) takes, makes, declares or outputs, and those of its
+    nodes' bodies, by ``names``."""
+    for inner in g.node:
+        rename_values(inner, names)
+    for v in (*g.input, *g.output, *g.value_info):
+        v.name = names.get(v.name, v.name)
+    for t in g.initializer:
+        t.name = names.get(t.name, t.name)
 
 
 def path_to(nodes: Iterable[onnx.NodeProto], outputs: Iterable[str]) -> tuple[list[onnx.NodeProto], set[str]]:
