@@ -90,7 +90,7 @@ class StagedFiles:
         if self._closed:
             raise RuntimeError("these staged files were already committed or discarded")
         path = os.fspath(path)
-        if path in self.targets:
+        if os.path.abspath(path) in {os.path.abspath(t) for t in self.targets}:  # ./a/x and a/x alike
             raise ValueError(f"{path} is staged twice")
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)

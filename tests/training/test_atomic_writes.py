@@ -450,3 +450,14 @@ def test_a_failed_commit_puts_back_a_symlink_or_a_file_without_hard_links(kind, 
     with open("a") as f:
         assert f.read() == "old"
     assert _temporaries(tmp_path) == []
+
+
+def test_one_file_staged_under_two_spellings_is_refused(tmp_path, monkeypatch):
+    from onnxtrain.ir.io import StagedFiles
+
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("a")
+    with pytest.raises(ValueError, match="staged twice"), StagedFiles() as files:
+        files.write("a/x", lambda f: f.write(b"1"))
+        files.write("./a/x", lambda f: f.write(b"2"))
+    assert os.listdir("a") == []
