@@ -17,6 +17,7 @@ from onnxtrain.autodiff import build_gradient_model
 from onnxtrain.autodiff.builder import GradientError, fake_quant_inputs, upgrade_opset
 from onnxtrain.autodiff.exporter_checks import export_hint, warn_folded_constants
 from onnxtrain.autodiff.registry import find_rule, has_no_gradient
+from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
 from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.clipping import clip_divisor, global_norm
 from onnxtrain.graph_transforms.mixed_precision import (
@@ -479,6 +480,7 @@ def build_step_graphs(
     fwd = _finish(
         list(fwd_model.graph.node), fwd_model, fwd_inputs, fwd_outputs, fwd_model.graph.name or "forward"
     )
+    fwd = stable_log_sigmoids(fwd)  # the loss computed as the training graph computes it (log σ terms)
     # the running statistics are constants there: a training-mode normalization's output does not read them,
     # and onnxruntime writes their new values into the buffer it is given for them when the graph does not
     # return them (an evaluation run changed the session's statistics on that backend)
