@@ -6,6 +6,7 @@ import numpy as np
 import onnx
 
 from onnxtrain import parallel
+from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
 from onnxtrain.checkpoint import load_checkpoint
 from onnxtrain.engine.backends import make_plan
 from onnxtrain.train import data as data_mod
@@ -28,8 +29,9 @@ class Evaluator:
         self.comm = comm
         self.names = [cfg.model.loss, cfg.model.logits]
         self.weight_names = weight_names
-        self.plan = make_plan(inference_model(model, self.names, as_inputs=weight_names),
-                              cfg.training.backend)
+        # the loss as training computes it (the exporters' log σ terms in stable form)
+        scored = stable_log_sigmoids(inference_model(model, self.names, as_inputs=weight_names))
+        self.plan = make_plan(scored, cfg.training.backend)
 
     def __call__(self, arrays: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> dict[str, float]:
         w = {n: weights[n] for n in self.weight_names}
