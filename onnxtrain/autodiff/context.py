@@ -171,6 +171,14 @@ class GradCtx:
     def ints(self, values: Sequence[int]) -> str:
         return self.w.ints(values)
 
+    def int64(self, value: int) -> str:
+        """A scalar int64 Constant (a Gather with it drops the axis; Range takes its bounds so)."""
+        return self.w.const(np.array(value, dtype=np.int64), TensorProto.INT64)
+
+    def shape_entry(self, shape: str, i: int) -> str:
+        """Entry ``i`` of a 1-D shape tensor, as a scalar (e.g. one dim of ``Shape(X)`` read at run time)."""
+        return self.emit("Gather", shape, self.int64(i), axis=0)
+
     def zeros_like(self, name: str) -> str:
         et = self.elem_type(name) or self.dtype
         zero = onnx.numpy_helper.from_array(np.zeros(1, dtype=onnx.helper.tensor_dtype_to_np_dtype(et)))

@@ -221,9 +221,7 @@ def scan_grad(g: GradCtx) -> None:
         if a is not None:
             a.ints.extend([0] * count)
     axis0 = in_axes[0] % ranks[0]
-    total = g.emit(
-        "Gather", g.emit("Shape", node.input[n]), g.const(np.array(axis0, np.int64), TensorProto.INT64)
-    )
+    total = g.shape_entry(g.emit("Shape", node.input[n]), axis0)
     back = _ReverseLoop(g, label, total)
     for j in range(n):
         back.bind(formal[j], back.gather(stashed[j], back.idx, 0))

@@ -24,16 +24,12 @@ from onnxtrain.autodiff.registry import gradient, no_gradient
 no_gradient("NonMaxSuppression")
 
 
-def _scalar_i64(g: GradCtx, v: int) -> str:
-    return g.w.const(np.array(v, dtype=np.int64), TensorProto.INT64)
-
-
 def _dim(g: GradCtx, axis: int) -> str:
     """Dimension ``axis`` of X as an int64 scalar (a constant when static)."""
     s = g.static_shape(0)
     if s is not None and s[axis] is not None:
-        return _scalar_i64(g, int(s[axis]))
-    return g.emit("Gather", g.shape(0), _scalar_i64(g, axis), axis=0)
+        return g.int64(int(s[axis]))
+    return g.shape_entry(g.shape(0), axis)
 
 
 def _column(g: GradCtx, t: str, k: int) -> str:
@@ -42,7 +38,7 @@ def _column(g: GradCtx, t: str, k: int) -> str:
 
 
 def _range(g: GradCtx, n: str) -> str:
-    return g.emit("Range", _scalar_i64(g, 0), n, _scalar_i64(g, 1))
+    return g.emit("Range", g.int64(0), n, g.int64(1))
 
 
 def _scatter_into_x(g: GradCtx, target: str, values: str) -> str:
@@ -85,12 +81,12 @@ class _Axis:
         self.bin = g.emit("Div", extent, g.const(float(pooled)))  # (R, 1)
         if ratio > 0:
             self.grid = g.const(float(ratio))
-            n = _scalar_i64(g, ratio)
+            n = g.int64(ratio)
             self.exists = None
         else:
             self.grid = g.emit("Ceil", self.bin)
             top = g.emit("Cast", g.emit("ReduceMax", self.grid, keepdims=0), to=TensorProto.INT64)
-            n = g.emit("Max", top, _scalar_i64(g, 1))
+            n = g.emit("Max", top, g.int64(1))
         i = g.emit("Reshape", g.emit("Cast", _range(g, n), to=g.dtype), g.ints([1, 1, -1]))  # (1, 1, G)
         p = g.const(np.arange(pooled, dtype=np.float64).reshape(1, pooled, 1))
         r3 = g.ints([-1, 1, 1])
@@ -113,7 +109,7 @@ class _Axis:
         c = g.emit("Clip", pos, g.const(0.0), last)
         lo_f = g.emit("Floor", c)
         lo = g.emit("Cast", lo_f, to=TensorProto.INT64)
-        hi = g.emit("Min", g.emit("Add", lo, _scalar_i64(g, 1)), g.emit("Sub", size, _scalar_i64(g, 1)))
+        hi = g.emit("Min", g.emit("Add", lo, g.int64(1)), g.emit("Sub", size, g.int64(1)))
         frac = g.emit("Sub", c, lo_f)
         zero = g.const(0.0)
         w_lo = g.emit("Where", valid, g.emit("Sub", g.const(1.0), frac), zero)
@@ -217,16 +213,16 @@ def _exists(g: GradCtx, ay: _Axis, ax: _Axis) -> str | None:
 def _windows(g: GradCtx, lo: str, hi: str, pooled: int, axis: int) -> tuple[str, str, str]:
     """Clipped bin windows of each box along one axis, from its rounded corners (R, 1) int64:
     positions (R, P, K), a mask of those inside their window, and whether each bin is non-empty (R, P)."""
-    one = _scalar_i64(g, 1)
+    one = g.int64(1)
     ext = g.emit("Max", g.emit("Add", g.emit("Sub", hi, lo), one), one)
     p = g.ints(list(range(pooled)))
-    big_p = _scalar_i64(g, pooled)
+    big_p = g.int64(pooled)
     start = g.emit("Add", g.emit("Div", g.emit("Mul", p, ext), big_p), lo)
     ends = g.emit("Mul", g.ints(list(range(1, pooled + 1))), ext)
-    end_raw = g.emit("Add", ends, _scalar_i64(g, pooled - 1))  # ceil division by P
+    end_raw = g.emit("Add", ends, g.int64(pooled - 1))  # ceil division by P
     end = g.emit("Add", g.emit("Div", end_raw, big_p), lo)
     size = _dim(g, axis)
-    zero = _scalar_i64(g, 0)
+    zero = g.int64(0)
     start = g.emit("Min", g.emit("Max", start, zero), size)
     end = g.emit("Min", g.emit("Max", end, zero), size)
     span = g.emit("Sub", end, start)

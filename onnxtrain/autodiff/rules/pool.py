@@ -73,10 +73,7 @@ def _row_major(g: GradCtx, idx: str) -> str:
     if sp is None or any(v is None for v in sp):
         return _row_major_at_run_time(g, idx)
     size = int(np.prod(sp))  # type: ignore[arg-type]
-
-    def i64(v: int) -> str:
-        return g.w.const(np.array(v, dtype=np.int64), TensorProto.INT64)
-
+    i64 = g.int64
     s = g.emit("Mod", idx, i64(size))
     out = g.emit("Sub", idx, s)  # n·c·size
     for i, n in enumerate(sp):
@@ -91,8 +88,7 @@ def _row_major_at_run_time(g: GradCtx, idx: str) -> str:
     """``_row_major`` with the spatial sizes read from Shape(X) at run time (scalars)."""
     nd = len(g.attr("kernel_shape"))
     shape = g.shape(0)
-    dims = [g.emit("Gather", shape, g.w.const(np.array(2 + i, dtype=np.int64), TensorProto.INT64), axis=0)
-            for i in range(nd)]
+    dims = [g.shape_entry(shape, 2 + i) for i in range(nd)]
 
     def prod(ds: list[str]) -> str | None:
         out = ds[0] if ds else None
@@ -197,12 +193,7 @@ def _counts_at_run_time(g: GradCtx, geo: ConvGeom, include_pad: bool) -> str:
     nd = geo.nd
     xs, ys = sp_dims(g, g.shape(0), nd), sp_dims(g, g.shape(0, output=True), nd)
 
-    def i64(v: int) -> str:
-        return g.w.const(np.array(v, dtype=np.int64), TensorProto.INT64)
-
-    def at(t: str, i: int) -> str:  # entry i of a 1-D int64 tensor, as a scalar
-        return g.emit("Gather", t, i64(i), axis=0)
-
+    i64, at = g.int64, g.shape_entry
     total = None
     for i in range(nd):
         s = geo.strides[i]

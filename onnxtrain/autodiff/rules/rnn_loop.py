@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx
 from onnxtrain.autodiff.rules.rnn_unroll import Unroll, sequence_length
@@ -51,11 +51,8 @@ class LoopUnroll(Unroll):
     # ---- the length and layouts at run time -----------------------------------------------------
     def _time_index(self) -> str:
         g = self.g
-        axis = g.w.const(np.array(0 if self.layout == 0 else 1, np.int64), TensorProto.INT64)
-        steps = self.e("Gather", g.shape(0), axis)  # T, a scalar
-        zero = g.w.const(np.array(0, np.int64), TensorProto.INT64)
-        one = g.w.const(np.array(1, np.int64), TensorProto.INT64)
-        return self.e("Unsqueeze", self.e("Range", zero, steps, one), g.ints([1]))
+        steps = g.shape_entry(g.shape(0), 0 if self.layout == 0 else 1)  # T, a scalar
+        return self.e("Unsqueeze", self.e("Range", g.int64(0), steps, g.int64(1)), g.ints([1]))
 
     def reverse(self, a: str, axis: int) -> str:
         """``a`` reversed along ``axis`` (a Slice with step −1)."""

@@ -32,11 +32,6 @@ def _c(g: GradCtx, value: object, dt: int) -> str:
     return g.w.const(np.asarray(value, dtype=tensor_dtype_to_np_dtype(dt)), dt)
 
 
-def _i64(g: GradCtx, value: int) -> str:
-    """A scalar int64 constant (Gather with it drops the axis)."""
-    return g.w.const(np.array(value, dtype=np.int64), TensorProto.INT64)
-
-
 def _static_sizes(g: GradCtx, op: str) -> list[int]:
     xs = g.static_shape(0)
     if xs is None or len(xs) < 3 or any(v is None for v in xs[2:]):
@@ -122,7 +117,7 @@ def _taps(g: GradCtx, u: str, sizes: list[int], mode: str, padding: str, align: 
 
     def spread(v: str, a: int) -> str:  # (B, P, r, k) → axis a's taps as (B, P, 1.., k, ..1)
         others = [2 + b for b in range(r) if b != a]
-        va = g.emit("Gather", v, _i64(g, a), axis=2)
+        va = g.emit("Gather", v, g.int64(a), axis=2)
         return g.emit("Unsqueeze", va, g.ints(others)) if others else va
 
     def flat3(v: str) -> str:
@@ -149,8 +144,8 @@ def _taps(g: GradCtx, u: str, sizes: list[int], mode: str, padding: str, align: 
                     s = g.emit("Mul", s, ws[b])
             slopes.append(flat3(s))
     # rows of the (B·S, C) view: add b·S
-    nb = g.emit("Gather", g.emit("Shape", u), _i64(g, 0))
-    rows = g.emit("Mul", g.emit("Range", _i64(g, 0), nb, _i64(g, 1)), _i64(g, int(np.prod(sizes))))
+    nb = g.emit("Gather", g.emit("Shape", u), g.int64(0))
+    rows = g.emit("Mul", g.emit("Range", g.int64(0), nb, g.int64(1)), g.int64(int(np.prod(sizes))))
     flat = g.emit("Add", flat, g.emit("Reshape", rows, g.ints([-1, 1, 1])))
     return _Taps(flat, weight, slopes)
 

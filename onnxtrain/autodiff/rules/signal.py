@@ -33,7 +33,7 @@ no_gradient("BlackmanWindow", "HammingWindow", "HannWindow", "MelWeightMatrix")
 
 
 def _scalar(g: GradCtx, v: Dim) -> str:
-    return g.w.const(np.array(v, dtype=np.int64), I64) if isinstance(v, int) else v
+    return g.int64(v) if isinstance(v, int) else v
 
 
 def _vec(g: GradCtx, v: Dim) -> str:
