@@ -54,19 +54,8 @@ class Body:
             index: int = -1) -> list[Any]:
         """Outputs of the body for its inputs ``values`` and its captured values (:meth:`take`), both in
         order; an error names ``step`` (e.g. "iteration") and ``index`` when given."""
-        from onnxtrain.engine.plan import EngineError
-
-        if len(values) != len(self.input_names):
-            raise EngineError(f"{self.where}: the body takes {len(self.input_names)} inputs, "
-                              f"given {len(values)}")
-        plan = self.plan
-        try:  # the plan's inputs: the body's own, then its captures
-            out = plan.run_inputs([*values, *captured])
-        except EngineError as e:
-            raise EngineError(f"{self.where}{f', {step} {index}' if step else ''}: {e}") from None
-        # what the run held beyond its inputs (those are counted where they live)
-        self.peak_extra = max(self.peak_extra, plan.peak_bytes - plan.input_bytes)
-        return out
+        self.check_arity(len(values))
+        return self.ran(self.plan.run_inputs, [*values, *captured], step, index)
 
     def check_arity(self, given: int) -> None:
         """Raise as :meth:`run` does when the body does not take ``given`` inputs (checked once per loop)."""
@@ -77,13 +66,14 @@ class Body:
 
     def ran(self, run: Callable[[list[Any]], list[Any]], args: list[Any], step: str, index: int) -> list[Any]:
         """:meth:`run` for a loop's iteration: ``run`` is ``self.plan.run_inputs``, ``args`` the body's inputs
-        then its captures (their count checked by :meth:`check_arity`)."""
+        then its captures (their count checked by :meth:`check_arity`). The peak bytes the run held beyond
+        its inputs (those are counted where they live) raise :attr:`peak_extra`."""
         from onnxtrain.engine.plan import EngineError
 
         try:
             out = run(args)
         except EngineError as e:
-            raise EngineError(f"{self.where}, {step} {index}: {e}") from None
+            raise EngineError(f"{self.where}{f', {step} {index}' if step else ''}: {e}") from None
         plan = self.plan
         extra = plan.peak_bytes - plan.input_bytes
         if extra > self.peak_extra:
