@@ -152,6 +152,19 @@ def test_lstm_forward_only_run_at_a_new_length_equals_torch() -> None:
         assert abs(got - module(torch.from_numpy(x), torch.from_numpy(y)).item()) <= 1e-6 * got
 
 
+def _mixed_precision_losses(sess: TrainingSession, data: list, lr: float, scale: float) -> list[float]:
+    """The losses of a mixed-precision session's steps over ``data`` at a fixed loss scale, every update
+    applied (all gradients finite)."""
+    feeds = {"Learning_Rate": np.array([lr], np.float32),
+             sess.loss_scale_input_name: np.array([scale], np.float32)}
+    out = []
+    for x, y in data:
+        loss, finite = sess.run(["loss", "all_gradients_finite"], {"x": x, "y": y, **feeds})
+        assert bool(finite)
+        out.append(float(loss))
+    return out
+
+
 def test_lstm_dynamic_length_mixed_precision_follows_torch_loosely() -> None:
     """float16 mixed precision with a fixed loss scale: every update is applied, the losses are finite, fall
     over repeated passes, and stay near torch's float32 training (the LSTM node stays float32, the Linear
@@ -159,14 +172,7 @@ def test_lstm_dynamic_length_mixed_precision_follows_torch_loosely() -> None:
     module, model = _lstm_model()
     sess = TrainingSession(model, _params(use_mixed_precision=True))
     data = _seq_batches() * 3
-    lr = np.array([0.2], np.float32)
-    scale = np.array([1024.0], np.float32)
-    ours = []
-    for x, y in data:
-        loss, finite = sess.run(["loss", "all_gradients_finite"],
-                                {"x": x, "y": y, "Learning_Rate": lr, sess.loss_scale_input_name: scale})
-        assert bool(finite)
-        ours.append(float(loss))
+    ours = _mixed_precision_losses(sess, data, 0.2, 1024.0)
     theirs = _torch_sgd(module, data, 0.2)
     assert np.all(np.isfinite(ours))
     np.testing.assert_allclose(ours, theirs, rtol=1e-3)
@@ -649,14 +655,7 @@ def test_bce_large_logits_mixed_precision_is_finite_and_near_torch() -> None:
     module, model = _bce_model()
     sess = TrainingSession(model, _params(use_mixed_precision=True))
     data = _bce_batches()
-    lr = np.array([0.5], np.float32)
-    scale = np.array([256.0], np.float32)
-    ours = []
-    for x, y in data:
-        loss, finite = sess.run(["loss", "all_gradients_finite"],
-                                {"x": x, "y": y, "Learning_Rate": lr, sess.loss_scale_input_name: scale})
-        assert bool(finite)
-        ours.append(float(loss))
+    ours = _mixed_precision_losses(sess, data, 0.5, 256.0)
     theirs = _bce_torch_sgd(module, data, 0.5)
     assert np.all(np.isfinite(ours)), ours
     np.testing.assert_allclose(ours, theirs, rtol=1e-3)  # measured 1.5e-4
