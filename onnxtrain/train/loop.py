@@ -11,7 +11,8 @@ raises KeyboardInterrupt at once (files are still only ever replaced atomically)
 Under ``mpiexec -n N`` every rank runs the loop on its share of each global batch (``split_batch``:
 the batch size stays the config's, so N ranks train as one process would); gradients are averaged
 by the session. Rank 0 alone prints the progress bar and writes metrics, plots, checkpoints and the
-export; eval is sharded over the ranks; on ``--resume`` every rank reads rank 0's latest checkpoint.
+export; eval is sharded over the ranks; on ``--resume`` every rank reads rank 0's latest checkpoint
+(under Adasum, where each rank's optimizer state is its own, the checkpoint holds every rank's).
 """
 
 from __future__ import annotations
@@ -55,11 +56,15 @@ from onnxtrain.train.session import feed_names, make_session, training_parameter
 from onnxtrain.train.state import (
     checkpoint_to_state,
     optimizer_layout,
+    optimizer_moments,
+    rank_group_name,
     session_to_checkpoint,
     trainable_names,
 )
 
 EXIT_INTERRUPTED = 130
+ADASUM_RANKS = "adasum_ranks"  # checkpoint property: the number of ranks whose optimizer states it holds
+_ADASUM_TAG = 7301  # message tag of the ranks' optimizer states sent to rank 0
 
 
 class _Interrupts:
@@ -153,6 +158,7 @@ class Trainer:
         self.rank = w.rank
         self.main = w.rank == 0  # prints and writes files
         self.comm = parallel.get_communicator() if w.size > 1 else None
+        self.adasum = w.size > 1 and bool(t.parameters.get("enable_adasum"))
         if self.main:  # before the model is built: a folder that cannot be written fails at once
             try:
                 check_output_dir(self.out)
@@ -227,12 +233,20 @@ class Trainer:
         """Write a checkpoint (rank 0; under ZeRO every rank must call this: it gathers the state)."""
         state = self.sess.gather_state()
         windows = self._log_windows(st)
+        peers = self._adasum_states(state)
         path = checkpoint_path(self.out, st.global_step)
         if not self.main:
             return path
         props = {**st.properties(self.lr(max(st.global_step - 1, 0)), self.cfg), "log_windows": windows}
+        if peers:
+            props[ADASUM_RANKS] = self.ranks
         ckpt = session_to_checkpoint(self.sess, self.model, self.cfg.optimizer.lr, st.global_step,
                                      props, state, self.layout)
+        for rank, moments in enumerate(peers[1:], 1):  # each further rank's state as a group of its own
+            group = session_to_checkpoint(self.sess, self.model, self.cfg.optimizer.lr, st.global_step, {},
+                                          {**state, **moments}, self.layout).optimizer_groups[0]
+            group.name = rank_group_name(rank)
+            ckpt.optimizer_groups.append(group)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save_checkpoint(ckpt, path)
         keep = self.cfg.training.keep_checkpoints
@@ -240,6 +254,18 @@ class Trainer:
             for _, old in list_checkpoints(self.out)[:-keep]:
                 remove_checkpoint(old)
         return path
+
+    def _adasum_states(self, state: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """Under Adasum, every rank's own optimizer state, on rank 0 (a collective; [] elsewhere and
+        without Adasum): the ranks' moments differ, so that --resume gives each rank its own back."""
+        if not self.adasum:
+            return []
+        mine = optimizer_moments(state, self.layout)
+        if not self.main:
+            self.comm.isend_object(mine, 0, _ADASUM_TAG, "sending the Adasum optimizer state").wait()
+            return []
+        return [mine, *(self.comm.recv_object(r, _ADASUM_TAG, "gathering the Adasum optimizer states")
+                        for r in range(1, self.ranks))]
 
     def _log_windows(self, st: RunState) -> str:
         """Every rank's partial log window as JSON (floats written exactly), for the checkpoint."""
@@ -255,8 +281,15 @@ class Trainer:
             old, new = _flatten(json.loads(saved)), _flatten(self.cfg.to_dict())
             diff = sorted(k for k in old.keys() | new.keys()
                           if old.get(k) != new.get(k) and not _cannot_change_weights(k))
+        own = self.adasum and ckpt.properties.get(ADASUM_RANKS) == self.ranks
+        if self.adasum and not own and self.main:
+            print(f"onnxtrain: warning: under Adasum each rank keeps optimizer state of its own, and "
+                  f"{path or 'the checkpoint'} holds rank 0's only (written by another number of ranks or "
+                  "an earlier version): every rank continues from it, so the run goes on close to, not "
+                  "exactly as, an uninterrupted one", file=sys.stderr)
         try:
-            state = checkpoint_to_state(ckpt, self.sess, self.sess.gather_state(), self.layout)
+            state = checkpoint_to_state(ckpt, self.sess, self.sess.gather_state(), self.layout,
+                                        rank_group_name(self.rank) if own and self.rank else None)
             # checkpoint_to_state names every state tensor; under ZeRO a rank's strict load_state refuses
             # the unpartitioned state of weights that other ranks update, so it is not strict there
             self.sess.load_state(state, strict=self.comm is None)
@@ -342,10 +375,6 @@ class Trainer:
             last_ckpt = found[-1][1]
             st = self.restore(load_checkpoint(last_ckpt), last_ckpt)
             rng = data_mod.rng_from_str(st.epoch_rng)
-            if main and self.ranks > 1 and self.cfg.training.parameters.get("enable_adasum"):
-                print("onnxtrain: warning: under Adasum each rank keeps optimizer state of its own, and the "
-                      "checkpoint holds rank 0's: every rank continues from it, so the run goes on close to, "
-                      "not exactly as, an uninterrupted one", file=sys.stderr)
         elif main:  # a new run: nothing of an earlier one stays
             for _, old in list_checkpoints(self.out):
                 remove_checkpoint(old)

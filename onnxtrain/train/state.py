@@ -27,6 +27,7 @@ from onnxtrain.session import TrainingSession
 MOMENTS = {"Moment_1": "momentum0", "Moment_2": "momentum1"}
 COUNTERS = ("Update_Count", "Step")  # 1 before the first update
 SHARED = "shared_optimizer_state"
+GROUP = "group0"  # the optimizer group a checkpoint's readers take
 
 # weight (or SHARED) → the keys of its optimizer state, over the whole model
 OptimizerLayout = dict[str, list[str]]
@@ -98,24 +99,30 @@ def session_to_checkpoint(sess: TrainingSession, model: onnx.ModelProto, initial
         if w == SHARED:
             continue
         states[w] = {MOMENTS.get(k, k): state[state_name(w, k)] for k in keys if k not in COUNTERS}
-    group = OptimizerGroup(name="group0", step=step, initial_lr=float(initial_lr), states=states)
+    group = OptimizerGroup(name=GROUP, step=step, initial_lr=float(initial_lr), states=states)
     return Checkpoint(trainable={w: state[w] for w in trained}, frozen=frozen, optimizer_groups=[group],
                       properties=dict(properties))
 
 
 def checkpoint_to_state(ckpt: Checkpoint, sess: TrainingSession,
                         current: Mapping[str, np.ndarray] | None = None,
-                        layout: OptimizerLayout | None = None) -> dict[str, np.ndarray]:
+                        layout: OptimizerLayout | None = None,
+                        group_name: str | None = None) -> dict[str, np.ndarray]:
     """The ``load_state`` dict that puts ``ckpt`` back into ``sess`` (every state tensor, checked).
 
-    Under ZeRO stage 1 pass the unpartitioned ``current`` state and merged ``layout`` as above.
+    Under ZeRO stage 1 pass the unpartitioned ``current`` state and merged ``layout`` as above. The
+    optimizer state comes from the group named ``group_name``, by default ``group0`` (or the first).
     """
     current = sess.get_state() if current is None else current
     layout = optimizer_layout(sess) if layout is None else layout
     trained = trainable_names(sess)
     if not ckpt.optimizer_groups:
         raise ValueError("the checkpoint has no optimizer group")
-    group = ckpt.optimizer_groups[0]
+    named = [g for g in ckpt.optimizer_groups if g.name == (group_name or GROUP)]
+    if group_name is not None and not named:
+        raise ValueError(f"the checkpoint has no optimizer group {group_name!r}; it holds "
+                         f"{[g.name for g in ckpt.optimizer_groups]}")
+    group = named[0] if named else ckpt.optimizer_groups[0]
     out: dict[str, np.ndarray] = {}
     derived = half_twins(sess)  # recomputed by the session from the masters: never loaded
     for name in trained:
@@ -139,6 +146,18 @@ def checkpoint_to_state(ckpt: Checkpoint, sess: TrainingSession,
                 raise ValueError(f"the checkpoint has no value for {name!r}")
             out[name] = ckpt.frozen[name]
     return out
+
+
+def rank_group_name(rank: int) -> str:
+    """The optimizer group that holds rank ``rank``'s own optimizer state under Adasum (rank 0's is the
+    first group, ``group0``, which every other reader of the checkpoint takes)."""
+    return f"{GROUP}_rank{rank}"
+
+
+def optimizer_moments(state: Mapping[str, np.ndarray], layout: OptimizerLayout) -> dict[str, np.ndarray]:
+    """The optimizer state tensors of ``state`` (moments, not the step counters), by store name."""
+    return {state_name(w, k): state[state_name(w, k)] for w, keys in layout.items() for k in keys
+            if k not in COUNTERS}
 
 
 def checkpoint_weights(ckpt: Checkpoint) -> dict[str, np.ndarray]:

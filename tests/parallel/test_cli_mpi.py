@@ -143,17 +143,56 @@ def test_zero_stage1_checkpoint_holds_the_whole_state_and_resumes(reference: str
         assert rel_err(state[w], ref.trainable[w]) <= 1e-6
 
 
-def test_adasum_resume_warns_that_rank0_optimizer_state_is_used(tmp_path) -> None:
-    """Under Adasum each rank keeps optimizer state of its own and the checkpoint holds rank 0's: --resume
-    says so (once) instead of promising the uninterrupted run."""
+def test_adasum_resume_gives_each_rank_its_own_optimizer_state(tmp_path) -> None:
+    """Under Adasum each rank keeps optimizer state of its own: the checkpoint holds every rank's (rank 0's
+    as ``group0``, which other readers take), and a run resumed from step 10 ends bit for bit as an
+    uninterrupted one, weights and both ranks' moments."""
+    adasum = ["--set", "training.parameters.enable_adasum=true", "-q"]
+    whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
+    r = mpiexec(["-n", "2", *train_cmd(*adasum, "--output-dir", whole)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = mpiexec(["-n", "2", *train_cmd(*adasum, "--output-dir", cut, "--set", "training.steps=10")])
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = mpiexec(["-n", "2", *train_cmd(*adasum, "--output-dir", cut, "--resume")])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Adasum" not in r.stderr, r.stderr
+    want, got = load_checkpoint(os.path.join(whole, LAST)), load_checkpoint(os.path.join(cut, LAST))
+    assert [g.name for g in want.optimizer_groups] == ["group0", "group0_rank1"]
+    assert want.properties["adasum_ranks"] == 2
+    for k, v in want.trainable.items():
+        np.testing.assert_array_equal(got.trainable[k], v, err_msg=k)
+    for g, w in zip(got.optimizer_groups, want.optimizer_groups, strict=True):
+        assert (g.name, g.step) == (w.name, w.step)
+        for p, moments in w.states.items():
+            for k, v in moments.items():
+                np.testing.assert_array_equal(g.states[p][k], v, err_msg=f"{w.name} {p} {k}")
+    r0, r1 = want.optimizer_groups
+    assert any(not np.array_equal(r0.states[p][k], r1.states[p][k]) for p in r0.states for k in r0.states[p])
+    def losses(folder: str) -> list[float]:
+        return [m["loss"] for m in metrics(folder) if "loss" in m]
+
+    assert losses(cut) == losses(whole)
+
+
+def test_adasum_resume_from_rank0_state_only_warns(tmp_path) -> None:
+    """A checkpoint that holds rank 0's optimizer state only (an earlier version's, or another number of
+    ranks') still resumes every rank, from rank 0's state, and says once that the run is then close to,
+    not the same as, an uninterrupted one."""
+    from onnxtrain.checkpoint import save_checkpoint
+
     out = str(tmp_path / "run")
     adasum = ["--set", "training.parameters.enable_adasum=true", "--output-dir", out, "-q"]
     r = mpiexec(["-n", "2", *train_cmd(*adasum, "--set", "training.steps=10")])
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "Adasum" not in r.stderr
+    path = os.path.join(out, "checkpoints", "step_00000010.ckpt")
+    ckpt = load_checkpoint(path)
+    ckpt.optimizer_groups = ckpt.optimizer_groups[:1]
+    del ckpt.properties["adasum_ranks"]
+    save_checkpoint(ckpt, path)
     r = mpiexec(["-n", "2", *train_cmd(*adasum, "--resume")])
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stderr.count("under Adasum each rank keeps optimizer state of its own") == 1, r.stderr
+    assert load_checkpoint(os.path.join(out, LAST)).properties["adasum_ranks"] == 2
 
 
 def test_bad_config_ends_every_rank_with_the_message(tmp_path) -> None:
