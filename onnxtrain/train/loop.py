@@ -223,6 +223,15 @@ class Trainer:
         state = self.sess.get_state()
         return {n: state[n] for n in self.weight_names}
 
+    def eval_weights(self) -> dict[str, np.ndarray]:
+        """The weights an eval scores: under mpiexec the state the ranks update apart (BatchNormalization
+        running statistics) is rank 0's, which checkpoints and the export hold, so that the run's eval
+        equals ``onnxtrain eval`` of its checkpoint (a collective: every rank calls it)."""
+        w = self.weights()
+        if self.comm is None:
+            return w
+        return {**w, **self.agree({n: v for n, v in w.items() if n not in self.trained})}
+
     def agree(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (``value`` itself when running alone)."""
         if self.comm is None:
@@ -462,7 +471,7 @@ class Trainer:
                                          "samples/s": f"{rec['samples_per_s']:.0f}"}, refresh=False)
                         st.window_loss, st.window_n, window_t, window_samples = 0.0, 0, now, 0
                     if s % eval_every == 0 or s == self.total:
-                        last_eval = self.evaluate(self.data.eval, self.weights())
+                        last_eval = self.evaluate(self.data.eval, self.eval_weights())
                         self._log(records, fh, {"step": s, "epoch": st.epoch, **last_eval})
                         if show:
                             bar.write(f"step {s}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()))
@@ -492,7 +501,7 @@ class Trainer:
         main = self.main
         # rank 0 decides: only it reads old metrics on resume
         if self.agree(not any(r.get("step") == st.global_step and "eval_loss" in r for r in records)):
-            last_eval = self.evaluate(self.data.eval, self.weights())
+            last_eval = self.evaluate(self.data.eval, self.eval_weights())
             with (open(self.metrics_path, "a", encoding="utf-8") if main else nullcontext()) as fh:
                 self._log(records, fh, {"step": st.global_step, "epoch": st.epoch, **last_eval})
         last_eval = next(({k: v for k, v in r.items() if k.startswith("eval_")} for r in reversed(records)
