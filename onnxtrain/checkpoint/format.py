@@ -46,8 +46,9 @@ from onnxtrain.checkpoint.flatbuf import (
     encode,
     root_table,
 )
-from onnxtrain.ir.io import StagedFiles
+from onnxtrain.ir.io import StagedFiles, recover_commits
 from onnxtrain.ir.types import np_dtype, onnx_elem_type
+from onnxtrain.user_warning import warn
 
 IDENTIFIER = b"ODTC"
 VERSION = 2
@@ -133,10 +134,17 @@ def stage_checkpoint(files: StagedFiles, ckpt: Checkpoint, path: str | os.PathLi
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read a checkpoint file (complete or nominal, inline or with ``<path>.data``)."""
+    """Read a checkpoint file (complete or nominal, inline or with ``<path>.data``).
+
+    If a save of ``path`` was killed between its two renames (its journal is beside it), the old pair is
+    put back first (:func:`onnxtrain.ir.io.recover_commits`), with a warning saying so."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "Cannot load checkpoint, the path is a directory", path)
+    put_back = recover_commits(os.path.dirname(os.path.abspath(path)), naming=[path, path + ".data"]).put_back
+    if put_back:
+        warn(f"a save of checkpoint {path} was killed part way, leaving its files mismatched: put back "
+             f"{', '.join(put_back)} as they were before it (the previous checkpoint)")
     try:
         with open(path, "rb") as f:
             data = f.read()

@@ -5,21 +5,40 @@ its external data, a checkpoint and its ``.data`` file, a set of training artifa
 its temporary first, and only when all are written are they renamed onto their targets. A failure
 while writing leaves every old file as it was; a failure among the renames puts the old files back
 (kept meanwhile as hard links). Temporaries are named ``<target name>.<random>.tmp``.
+
+A process killed between two renames cannot put anything back itself. So before renaming several files, a
+commit writes a journal beside them, ``<first target name>.<hex>.journal.tmp`` (flushed to disk with its
+folder), naming each target with its backup ``<target name>.<hex>.old.tmp``, or saying it had no old file;
+the journal goes only once every rename is on disk, and the backups after it. :func:`recover_commits` puts
+back, from the journals it finds, the old files of every commit that did not finish, so that the targets of
+a commit in one folder are afterwards all old or all new, never some of each (a commit that spans folders
+is kept whole folder by folder). It can itself be killed and run again. A commit first recovers the
+unfinished commits of its own targets, so that a journal left behind never undoes a later commit; the
+journal of a commit still running is locked (``flock``, where the system has it) and left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import secrets
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import IO
+from typing import IO, Any, NamedTuple
 
 import onnx
+
+from onnxtrain.user_warning import warn
+
+try:
+    import fcntl
+except ImportError:  # (Windows) no locks: a journal is taken for one of a killed commit
+    fcntl = None  # type: ignore[assignment]
 
 
 def _umask() -> int:
@@ -127,39 +146,44 @@ class StagedFiles:
 
     def commit(self) -> None:
         """Rename every temporary onto its target; if one rename fails, put back the files already
-        replaced (the old ones, or none where there was none) and raise."""
+        replaced (the old ones, or none where there was none) and raise. With several files, a journal
+        (see the module's docstring) lets :func:`recover_commits` do the same after a kill."""
         if self._closed:
             raise RuntimeError("these staged files were already committed or discarded")
         self._closed = True
-        done: list[tuple[str, str | None, bool]] = []  # (target, hard link to its old file, had one)
-        backups: list[str] = []
-        pending = list(self._staged)
+        staged = list(self._staged)
+        pending = list(staged)
+        done: list[str] = []  # the targets renamed onto so far
+        existed: dict[str, bool] = {}
+        folders = sorted({os.path.dirname(os.path.abspath(p)) for _, p in staged})
+        journal = _Journal()
         try:
+            targets = {os.path.abspath(p) for _, p in staged}
+            for folder in folders:  # a killed commit of these files is undone first, never after this one
+                _warn_put_back(recover_commits(folder, naming=targets))
+            existed = {path: os.path.lexists(path) for _, path in staged}
+            if len(staged) > 1:
+                journal.begin(staged, existed)
             while pending:
                 tmp, path = pending[0]
-                existed = os.path.lexists(path)
-                old = _keep_old(path) if len(self._staged) > 1 and existed else None
-                if old is not None:
-                    backups.append(old)
                 os.replace(tmp, path)
                 pending.pop(0)
-                done.append((path, old, existed))
+                done.append(path)
         except BaseException:
-            for path, old, existed in reversed(done):
+            for path in reversed(done):
                 try:
+                    old = journal.backups.get(path)
                     if old is not None:
                         os.replace(old, path)
-                    elif not existed:
+                    elif not existed.get(path, True):
                         _unlink_quietly(path)  # there was no such file before
                 except OSError:
                     pass
             for tmp, _ in pending:
                 _unlink_quietly(tmp)
-            for b in backups:
-                _unlink_quietly(b)
+            journal.end(folders)
             raise
-        for b in backups:
-            _unlink_quietly(b)
+        journal.end(folders)
         for path in self._remove:
             if path not in self.targets and os.path.isfile(path):
                 os.unlink(path)
@@ -167,30 +191,254 @@ class StagedFiles:
             _fsync_dir(folder)
 
 
-def _keep_old(path: str) -> str | None:
-    """A copy of the entry at ``path`` under a temporary name beside it, so that a failed commit can put it
-    back with one rename: a hard link to a file (a byte copy where hard links are refused), a new symlink
-    to a symlink's target; None when there is nothing to keep (no entry, or a folder, which the rename
-    itself refuses)."""
-    if not os.path.lexists(path) or (os.path.isdir(path) and not os.path.islink(path)):
-        return None
-    folder, name = os.path.split(os.path.abspath(path))
-    for _ in range(8):
-        backup = os.path.join(folder, f"{name}.{secrets.token_hex(4)}.old.tmp")
+# ---------------------------------------------------------------- the commit journal
+
+_JOURNAL_FORMAT = "onnxtrain commit journal"
+_JOURNAL = re.compile(r"^.+\.[0-9a-f]{8,}\.journal\.tmp$")
+_BACKUP = re.compile(r"^(?P<target>.+)\.[0-9a-f]{8,}\.old\.tmp$")
+
+
+def _lock(fd: int) -> bool:
+    """Take the lock of an open journal without waiting; False when another process holds it (its commit
+    is running). True where there are no locks: every journal is then taken for a killed commit's."""
+    if fcntl is None:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # a file system without locks
+        return True
+    return True
+
+
+def _keepable(path: str) -> bool:
+    """Whether there is an old entry at ``path`` to keep: a file or a symlink (a folder in the way makes the
+    rename itself fail)."""
+    return os.path.lexists(path) and (os.path.islink(path) or not os.path.isdir(path))
+
+
+class _Journal:
+    """The journals and backups of one commit: :meth:`begin` writes them, :meth:`end` deletes them."""
+
+    def __init__(self) -> None:
+        self.backups: dict[str, str] = {}  # target -> backup, for the targets that had an old file
+        self.paths: list[str] = []  # one journal per folder of targets
+        self.fds: list[int] = []  # held open (and locked) until the journals are deleted
+
+    def begin(self, staged: list[tuple[str, str]], existed: dict[str, bool]) -> None:
+        """Write a journal in each folder of the targets, then keep every old file under its backup name,
+        and flush it all to disk, before the first rename."""
+        by_folder: dict[str, list[tuple[str, str]]] = {}
+        for tmp, path in staged:
+            by_folder.setdefault(os.path.dirname(os.path.abspath(path)), []).append((tmp, path))
+        for _ in range(8):
+            token = secrets.token_hex(4)
+            paths = [os.path.join(folder, f"{os.path.basename(entries[0][1])}.{token}.journal.tmp")
+                     for folder, entries in by_folder.items()]
+            backups = {path: os.path.join(os.path.dirname(os.path.abspath(path)),
+                                          f"{os.path.basename(path)}.{token}.old.tmp")
+                       for _, path in staged if existed[path] and _keepable(path)}
+            if not any(os.path.lexists(p) for p in [*paths, *backups.values()]):
+                break
+        else:
+            raise FileExistsError(f"no free name for a commit journal in {sorted(by_folder)}")
+        for (folder, entries), path in zip(by_folder.items(), paths):
+            files = [{"target": os.path.basename(p), "temporary": os.path.basename(tmp),
+                      "backup": os.path.basename(backups[p]) if p in backups else None,
+                      "existed": existed[p]} for tmp, p in entries]
+            data = json.dumps({"format": _JOURNAL_FORMAT, "version": 1, "files": files}, indent=1).encode()
+            # written whole under a temporary name, then renamed: a journal that exists is complete
+            fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+            self.fds.append(fd)
+            try:
+                _lock(fd)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+                os.replace(tmp, path)
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
+            self.paths.append(path)
+        for path, backup in backups.items():
+            self.backups[path] = backup  # (deleted at the end even if it is made only in part)
+            _keep_old(path, backup)
+        for folder in by_folder:  # the journals and backups on disk before any rename
+            _fsync_dir(folder)
+
+    def end(self, folders: Iterable[str]) -> None:
+        """After the renames (or their roll-back): flush them to disk, delete the journals (flushed too),
+        then the backups. Does nothing for a commit without a journal."""
         try:
-            if os.path.islink(path):
-                os.symlink(os.readlink(path), backup)
-            else:
-                try:
-                    os.link(path, backup)
-                except FileExistsError:
-                    raise
-                except OSError:  # no hard links here: keep a copy of the bytes and the mode
-                    shutil.copy2(path, backup)
-            return backup
-        except FileExistsError:
-            continue
-    return None
+            if self.paths:
+                for folder in folders:
+                    _fsync_dir(folder)
+                for path in self.paths:
+                    _unlink_quietly(path)  # while still locked: nobody takes it for a killed commit's
+                for folder in sorted({os.path.dirname(p) for p in self.paths}):
+                    _fsync_dir(folder)
+        finally:
+            for fd in self.fds:
+                os.close(fd)
+            self.fds.clear()
+        for backup in self.backups.values():
+            _unlink_quietly(backup)
+
+
+def _keep_old(path: str, backup: str) -> None:
+    """Make ``backup`` (a new name beside ``path``) hold the entry at ``path``, so that a failed or killed
+    commit can put it back with one rename: a hard link to a file (a byte copy, flushed to disk, where hard
+    links are refused), a new symlink to a symlink's target."""
+    if os.path.islink(path):
+        os.symlink(os.readlink(path), backup)
+        return
+    try:
+        os.link(path, backup)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here: keep a copy of the bytes and the mode
+        shutil.copy2(path, backup)
+        fd = os.open(backup, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _read_journal(fd: int, path: str) -> list[dict[str, Any]]:
+    """The entries of the journal open as ``fd``; a ValueError naming it when it is not one of ours."""
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    try:
+        j = json.loads(b"".join(chunks))
+        files = j["files"] if j["format"] == _JOURNAL_FORMAT else None
+        ok = isinstance(files, list) and all(
+            isinstance(e, dict) and all(isinstance(e.get(k), str) and os.path.basename(e[k]) == e[k]
+                                        and e[k] not in ("", ".", "..") for k in ("target", "temporary"))
+            and e["temporary"].endswith(".tmp") and isinstance(e.get("existed"), bool)
+            and (e.get("backup") is None or isinstance(e["backup"], str) and _BACKUP.match(e["backup"])
+                 and os.path.basename(e["backup"]) == e["backup"]) for e in files)
+    except (ValueError, TypeError, KeyError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{path} is not a readable onnxtrain commit journal; the files it is beside may be "
+                         "a mix of two saves: check them, then delete it")
+    return files
+
+
+def _same_entry(a: str, b: str) -> bool:
+    try:
+        return os.path.samestat(os.lstat(a), os.lstat(b))
+    except OSError:
+        return False
+
+
+def _recover_journal(path: str, wanted: set[str] | None, put_back: list[str], removed: list[str]
+                     ) -> set[str]:
+    """Undo the commit of the journal ``path`` unless it is still running (then: its backups, to be kept)
+    or names none of ``wanted``; appends to ``put_back`` the targets put back, to ``removed`` the leftovers
+    deleted. Every step can be done again: a backup is renamed onto its target (or deleted when the target
+    is still that file), a target that had no old file is deleted, and the journal goes last."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return set()  # its commit just ended
+    try:
+        folder = os.path.dirname(path)
+        if not _lock(fd):  # a running commit: complete (journals are renamed in once written)
+            return {os.path.join(folder, e["backup"]) for e in _read_journal(fd, path) if e["backup"]}
+        if not _still_there(fd, path):
+            return set()  # its commit ended (and deleted it) between our open and our lock
+        files = _read_journal(fd, path)
+        if wanted is not None and not any(os.path.abspath(os.path.join(folder, e["target"])) in wanted
+                                          for e in files):
+            return set()
+        for e in reversed(files):
+            target = os.path.join(folder, e["target"])
+            if e["backup"] is not None:
+                backup = os.path.join(folder, e["backup"])
+                if os.path.lexists(backup):
+                    if _same_entry(backup, target):  # never replaced
+                        os.unlink(backup)
+                    else:
+                        os.replace(backup, target)
+                        put_back.append(target)
+            elif not e["existed"] and _keepable(target):  # this commit made it
+                os.unlink(target)
+                put_back.append(target)
+            tmp = os.path.join(folder, e["temporary"])
+            if os.path.lexists(tmp) and not os.path.isdir(tmp):
+                os.unlink(tmp)
+                removed.append(tmp)
+        _fsync_dir(folder)  # the old files back on disk before the journal goes
+        os.unlink(path)
+        removed.append(path)
+        _fsync_dir(folder)
+        return set()
+    finally:
+        os.close(fd)
+
+
+def _still_there(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.lstat(path))
+    except OSError:
+        return False
+
+
+class Recovered(NamedTuple):
+    """What :func:`recover_commits` did: the targets it put back, the leftovers it deleted (journals,
+    backups, temporaries)."""
+
+    put_back: list[str]
+    removed: list[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.put_back or self.removed)
+
+
+def recover_commits(folder: str | os.PathLike, *, naming: Iterable[str | os.PathLike] | None = None
+                    ) -> Recovered:
+    """Put back the files of every commit in ``folder`` that a killed process left unfinished (its journal
+    is there): each target from its backup, or deleted where it had no old file, then the journal deleted;
+    afterwards the targets of each such commit are all as they were before it. Backups without a journal
+    come from commits that finished and are deleted. The journals of commits still running (locked by
+    their process) are left alone, with their backups. Safe to run again after being killed itself.
+
+    With ``naming`` (paths), only the commits that name one of those files are recovered, and only the
+    backups of those files deleted.
+
+    Returns the paths of the targets put back and those of the leftovers deleted (nothing when ``folder``
+    is not a folder or cannot be listed). Raises ValueError for a journal it cannot read."""
+    folder = os.fspath(folder)
+    try:
+        names = sorted(os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return Recovered([], [])
+    wanted = None if naming is None else {os.path.abspath(os.fspath(p)) for p in naming}
+    put_back: list[str] = []
+    removed: list[str] = []
+    keep: set[str] = set()
+    for name in names:
+        if _JOURNAL.match(name):
+            keep |= _recover_journal(os.path.join(folder, name), wanted, put_back, removed)
+    for name in names:  # then the backups of commits that finished (of those files, with ``naming``)
+        path = os.path.join(folder, name)
+        m = _BACKUP.match(name)
+        if (m and path not in keep and os.path.lexists(path) and not os.path.isdir(path)
+                and (wanted is None or os.path.abspath(os.path.join(folder, m["target"])) in wanted)):
+            _unlink_quietly(path)
+            removed.append(path)
+    return Recovered(put_back, removed)
+
+
+def _warn_put_back(done: Recovered) -> None:
+    if done.put_back:
+        warn(f"put back {', '.join(done.put_back)} as they were before a save that was killed part way")
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
@@ -226,7 +474,9 @@ def stage_model(files: StagedFiles, model: onnx.ModelProto, path: str | os.PathL
     """Stage ``model`` for ``path`` in ``files``. With ``external_data`` (a file name in ``path``'s folder),
     initializers of at least ``size_threshold`` bytes go to that file, written whole (never appended to an
     old one, as onnx.save_model's external-data writer does) and renamed just before the model; ``model``
-    itself is left unchanged."""
+    itself is left unchanged. Raises ValueError if a tensor that is already external (a model loaded with
+    ``load_external_data=False``) has its bytes in that very file, which would be rewritten without them;
+    tensors external to other files stay as they are."""
     path = os.fspath(path)
     if external_data is None:
         files.save_model(model, path)
@@ -263,5 +513,24 @@ def stage_model(files: StagedFiles, model: onnx.ModelProto, path: str | os.PathL
             f.write(c)
 
     if chunks:  # (no tensor that large: the model alone)
+        _refuse_rewriting_own_data(model, path, external_data)
         files.write(os.path.join(os.path.dirname(path), external_data), write_data)
     files.save_model(m if chunks else model, path)
+
+
+def _refuse_rewriting_own_data(model: onnx.ModelProto, path: str, external_data: str) -> None:
+    """A ValueError naming the first initializer of ``model`` (already external) whose bytes are in the file
+    ``external_data`` beside ``path``, which is about to be rewritten without them."""
+    folder = os.path.dirname(os.path.abspath(path))
+    data = os.path.join(folder, external_data)
+    for t in _initializers(model.graph):
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in t.external_data if e.key == "location"), "")
+        there = os.path.join(folder, location)
+        if location and os.path.realpath(there) == os.path.realpath(data):
+            raise ValueError(
+                f"initializer {t.name!r} keeps its bytes in {data}, the external-data file this save "
+                "rewrites (without them: the model was loaded without its external data); load the model "
+                "with its external data (onnx.load(path), whose default loads it, or "
+                "onnx.load_external_data_for_model(model, folder)) before saving it there")

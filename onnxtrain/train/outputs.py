@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from typing import Any
 
 import numpy as np
 import onnx
 
-from onnxtrain.ir.io import save_model_atomic, write_atomic
+from onnxtrain.ir.io import recover_commits, save_model_atomic, write_atomic
 from onnxtrain.train.config import Config
 from onnxtrain.train.model import inference_model
 
 _CKPT = re.compile(r"^step_(\d+)\.ckpt$")
 
 
-_STALE_TMP = re.compile(r"^step_\d+\.ckpt(\.data)?\..+\.tmp$")  # write_atomic's temporaries of checkpoints
+# not the journals and backups of a commit (``<name>.<hex>.journal.tmp``, ``.old.tmp``): recover_commits's
+_NOT_JOURNAL = r"(?!.*\.(?:journal|old)\.tmp$)"
+# write_atomic's temporaries of checkpoints
+_STALE_TMP = re.compile(_NOT_JOURNAL + r"^step_\d+\.ckpt(\.data)?\..+\.tmp$")
 RUN_OUTPUTS = ("metrics.png", "model.onnx")  # written at the end of a run
 RUN_FILES = ("metrics.jsonl", "config.yaml", *RUN_OUTPUTS)  # every file a run writes next to checkpoints/
 # write_atomic's temporaries of those files (``<name>.<random>.tmp``)
-_STALE_RUN_TMP = re.compile(r"^(" + "|".join(re.escape(f) for f in RUN_FILES) + r")(\.data)?\..+\.tmp$")
+_STALE_RUN_TMP = re.compile(_NOT_JOURNAL + r"^(" + "|".join(re.escape(f) for f in RUN_FILES)
+                            + r")(\.data)?\..+\.tmp$")
 
 
 def output_dir(cfg: Config, override: str | None = None) -> str:
@@ -73,16 +78,25 @@ def remove_checkpoint(path: str) -> None:
 
 
 def remove_stale_temporaries(folder: str) -> list[str]:
-    """Delete the partial files a killed run left in ``folder``: temporaries of checkpoints (never loaded:
-    :func:`list_checkpoints` matches whole names only) and of the run's own files (``metrics.jsonl``,
-    ``config.yaml``, ``metrics.png``, ``model.onnx``); returns their paths."""
+    """Clear up after a run killed while writing in ``folder``: first put back the files of a save killed
+    between its renames (a checkpoint and its ``.data`` file, a model and its data: see
+    :func:`onnxtrain.ir.io.recover_commits`), saying so on stderr; then delete the partial files,
+    temporaries of checkpoints (never loaded: :func:`list_checkpoints` matches whole names only) and of the
+    run's own files (``metrics.jsonl``, ``config.yaml``, ``metrics.png``, ``model.onnx``). Returns the
+    paths of the files deleted (temporaries, and the journals and backups of those saves)."""
     stale: list[str] = []
     for d, pattern in ((os.path.join(folder, "checkpoints"), _STALE_TMP), (folder, _STALE_RUN_TMP)):
         if os.path.isdir(d):
-            stale += [os.path.join(d, f) for f in sorted(os.listdir(d))
-                      if pattern.match(f) and os.path.isfile(os.path.join(d, f))]
-    for f in stale:
-        os.unlink(f)
+            done = recover_commits(d)
+            for f in done.put_back:
+                print(f"onnxtrain: warning: put back {f} as it was before the save a killed run left "
+                      "half done (with the other files of that save)", file=sys.stderr)
+            stale += done.removed
+            temporaries = [os.path.join(d, f) for f in sorted(os.listdir(d))
+                           if pattern.match(f) and os.path.isfile(os.path.join(d, f))]
+            for f in temporaries:
+                os.unlink(f)
+            stale += temporaries
     return stale
 
 

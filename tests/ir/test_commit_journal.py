@@ -1,0 +1,417 @@
+"""A commit of several files killed (SIGKILL) at any point is put back whole by recover_commits.
+
+The kills are real: the commit runs in a forked child that sends itself SIGKILL just before its k-th call
+of a file-system function (open, write, fsync, link, symlink, replace, rename, unlink, close), for every k
+until one commit runs to its end. After each kill, recover_commits (itself killed at every point of its
+own, then run again) must leave the targets all old or all new, byte for byte, with no journal or backup
+left: old while the journal is there, new once the commit has deleted it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from onnxtrain.ir.io import StagedFiles, recover_commits, stage_model
+from onnxtrain.train.outputs import remove_stale_temporaries
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="kills a forked child")
+
+HOOKED = ("open", "write", "fsync", "link", "symlink", "replace", "rename", "unlink", "close")
+KillAt = int | Callable[[str, tuple], bool] | None
+
+
+def _killed(fn: Callable[[], object], kill_at: KillAt) -> bool:
+    """Run ``fn()`` in a forked child that SIGKILLs itself just before its ``kill_at``-th call of one of
+    :data:`HOOKED` (or the first call for which ``kill_at(name, args)`` holds); whether it was killed (it
+    must otherwise end well)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            count = [0]
+            for name in HOOKED:
+                real = getattr(os, name)
+
+                def hook(*args, _real=real, _name=name, **kwargs):
+                    count[0] += 1
+                    if count[0] == kill_at if isinstance(kill_at, int) else kill_at and kill_at(_name, args):
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return _real(*args, **kwargs)
+
+                setattr(os, name, hook)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                fn()
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        assert os.WTERMSIG(status) == signal.SIGKILL
+        return True
+    assert os.WEXITSTATUS(status) == 0, "the child failed (its traceback is in the captured stderr)"
+    return False
+
+
+def _state(folder, names) -> dict[str, object]:
+    """What each of ``names`` is in ``folder``: ("link", its target), ("file", its bytes) or None."""
+    out: dict[str, object] = {}
+    for n in names:
+        p = os.path.join(folder, n)
+        if os.path.islink(p):
+            out[n] = ("link", os.readlink(p))
+        elif os.path.isfile(p):
+            with open(p, "rb") as f:
+                out[n] = ("file", f.read())
+        else:
+            out[n] = None
+    return out
+
+
+def _commit_files(folder) -> list[str]:
+    return sorted(f for f in os.listdir(folder) if f.endswith((".journal.tmp", ".old.tmp")))
+
+
+def _journal_of_kill(folder) -> bool:
+    return any(f.endswith(".journal.tmp") for f in os.listdir(folder))
+
+
+# A two-file commit (a checkpoint's .data then its main file, both there before) and a three-file one:
+# a file replaced, a file that is new, and a symlink replaced by a file.
+SCENARIOS = {
+    "two": ({"w.data": b"old data " * 50, "w": b"old main"},
+            [("w.data", b"new data " * 70), ("w", b"new main")]),
+    "three": ({"a": b"old a", "c": "real_c"}, [("a", b"new a" * 9), ("b", b"new b"), ("c", b"new c")]),
+}
+
+
+def _prepare(folder, name: str) -> tuple[StagedFiles, dict, dict]:
+    """``folder`` with the scenario's old files, and its new ones staged (not committed); (files, the old
+    state, the new state) of the targets."""
+    olds, news = SCENARIOS[name]
+    os.makedirs(folder)
+    with open(os.path.join(folder, "real_c"), "w") as f:
+        f.write("the target of the symlink c")
+    for n, v in olds.items():
+        if isinstance(v, str):
+            os.symlink(v, os.path.join(folder, n))
+        else:
+            with open(os.path.join(folder, n), "wb") as f:
+                f.write(v)
+    names = [n for n, _ in news]
+    old = _state(folder, names)
+    files = StagedFiles()
+    for n, data in news:
+        files.write(os.path.join(folder, n), lambda f, d=data: f.write(d))
+    new = {n: ("file", data) for n, data in news}
+    return files, old, new
+
+
+def _check_recovered(folder, old, new, journal: bool) -> str:
+    """After recover_commits: the targets all old (always, when the kill left a journal) or all new, no
+    journal or backup, and only plain temporaries besides; a second recovery does nothing. "old" or
+    "new"."""
+    now = _state(folder, list(new))
+    assert now == old if journal else now in (old, new)
+    assert _commit_files(folder) == []
+    extra = set(os.listdir(folder)) - set(new) - {"real_c"}
+    assert all(f.endswith(".tmp") for f in extra), extra
+    assert not recover_commits(folder)
+    assert _state(folder, list(new)) == now
+    return "old" if now == old else "new"
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["hard_links", "no_hard_links"])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_commit_killed_at_any_point_is_recovered_whole(name, links, tmp_path, monkeypatch):
+    """Kill the commit before each of its file-system calls in turn: recover_commits leaves the old set
+    (the journal was there) or the new one (the commit had deleted it), byte for byte; the outcomes go old
+    ... old, new ... new, and the kills between two renames left a mix that recovery undid."""
+    if not links:  # backups are then copies, flushed to disk
+        def refuse(*args, **kwargs):
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(os, "link", refuse)
+    outcomes, mixed = [], 0
+    for k in range(1, 200):
+        folder = str(tmp_path / f"k{k}")
+        files, old, new = _prepare(folder, name)
+        killed = _killed(files.commit, k)
+        now = _state(folder, list(new))
+        if now not in (old, new):
+            mixed += 1
+        journal = _journal_of_kill(folder)
+        done = recover_commits(folder)
+        if journal:
+            assert set(done.put_back) >= {os.path.join(folder, n) for n in new if now[n] != old[n]}
+        outcomes.append(_check_recovered(folder, old, new, journal))
+        if not killed:
+            break
+    else:
+        pytest.fail("the commit never finished")
+    assert outcomes[-1] == "new" and outcomes[0] == "old"
+    assert outcomes == sorted(outcomes, key=lambda o: o == "new"), outcomes
+    assert mixed >= len(new) - 1, "no kill fell between two renames"
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_recovery_killed_at_any_point_is_finished_by_the_next(name, tmp_path):
+    """For every kill of the commit that leaves a journal, kill recover_commits before each of its own
+    file-system calls in turn: the next recover_commits still puts the old set back whole."""
+    pairs = 0
+    for k in range(1, 200):
+        folder = str(tmp_path / f"probe{k}")
+        files, old, new = _prepare(folder, name)
+        if not _killed(files.commit, k):
+            break
+        if not _journal_of_kill(folder):
+            continue
+        for j in range(1, 100):
+            folder = str(tmp_path / f"k{k}_j{j}")
+            files, old, new = _prepare(folder, name)
+            assert _killed(files.commit, k)
+            killed = _killed(lambda f=folder: recover_commits(f), j)
+            pairs += 1
+            if killed:
+                recover_commits(folder)
+            _check_recovered(folder, old, new, journal=True)
+            if not killed:
+                break
+    assert pairs > 10
+
+
+def _ckpt(seed: int) -> Checkpoint:
+    rng = np.random.default_rng(seed)
+    return Checkpoint(trainable={"w": rng.standard_normal((16, 8)).astype(np.float32),
+                                 "b": rng.standard_normal(8).astype(np.float32)},
+                      frozen={"e": rng.integers(0, 9, (4, 4)).astype(np.int64)},
+                      properties={"step": seed})
+
+
+def _arrays(ckpt: Checkpoint) -> dict[str, np.ndarray]:
+    return {**ckpt.trainable, **ckpt.frozen}
+
+
+def _same(a: Checkpoint, b: Checkpoint) -> bool:
+    x, y = _arrays(a), _arrays(b)
+    return x.keys() == y.keys() and all(x[k].dtype == y[k].dtype and np.array_equal(x[k], y[k]) for k in x)
+
+
+def test_load_checkpoint_puts_back_the_pair_of_a_killed_save(tmp_path):
+    """save_checkpoint(path) with every tensor in ``path.data``, killed at every point: load_checkpoint
+    gives the old state's arrays exactly while the save had not finished (with a warning naming the files
+    it put back, when they were mixed), the new state's once it had."""
+    old, new = _ckpt(1), _ckpt(2)
+    seen = set()
+    for k in range(1, 200):
+        folder = tmp_path / f"k{k}"
+        folder.mkdir()
+        path = str(folder / "ckpt")
+        save_checkpoint(old, path, external_threshold=0)
+        assert sorted(os.listdir(folder)) == ["ckpt", "ckpt.data"]
+        before = _state(folder, ["ckpt", "ckpt.data"])
+        killed = _killed(lambda p=path: save_checkpoint(new, p, external_threshold=0), k)
+        journal = _journal_of_kill(folder)
+        mixed = _state(folder, ["ckpt", "ckpt.data"])["ckpt.data"] != before["ckpt.data"] and journal
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = load_checkpoint(path)
+        put_back = [str(w.message) for w in caught if "killed part way" in str(w.message)]
+        if journal:
+            assert _same(loaded, old)
+            assert _state(folder, ["ckpt", "ckpt.data"]) == before
+        else:
+            assert _same(loaded, old) or _same(loaded, new)
+        if mixed:
+            seen.add("mixed")
+            assert len(put_back) == 1 and f"{path}.data" in put_back[0], put_back
+        assert _commit_files(folder) == []
+        if not killed:
+            assert _same(loaded, new)
+            break
+    assert "mixed" in seen
+
+
+def _kill_after_first_rename(target: str) -> Callable[[str, tuple], bool]:
+    """Kill just after ``target`` was renamed onto (before the next file-system call)."""
+    renamed = [False]
+
+    def when(name: str, args: tuple) -> bool:
+        if renamed[0]:
+            return True
+        renamed[0] = name == "replace" and os.fspath(args[1]) == target
+        return False
+
+    return when
+
+
+def test_train_start_up_puts_back_a_checkpoint_pair_then_deletes_temporaries(tmp_path, capsys):
+    """``onnxtrain train``'s start-up cleanup (remove_stale_temporaries) on a run folder whose checkpoint
+    save was killed between its renames (new .data, old main file): the old pair is back (said on stderr)
+    before the temporaries go, and the journal, the backups (also one of a commit that finished) and the
+    temporaries are deleted and returned."""
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    ckpts.mkdir(parents=True)
+    path = str(ckpts / "step_00000004.ckpt")
+    old, new = _ckpt(4), _ckpt(6)
+    save_checkpoint(old, path, external_threshold=0)
+    before = _snapshot(run)
+    assert _killed(lambda: save_checkpoint(new, path, external_threshold=0),
+                   _kill_after_first_rename(path + ".data"))
+    assert _snapshot(run)[f"checkpoints{os.sep}step_00000004.ckpt.data"] != before[
+        f"checkpoints{os.sep}step_00000004.ckpt.data"]  # mixed: new data, old main file
+    leftovers = sorted(os.path.join(ckpts, f) for f in os.listdir(ckpts) if f.endswith(".tmp"))
+    assert any(f.endswith(".journal.tmp") for f in leftovers)
+    assert any(f.endswith(".old.tmp") for f in leftovers)
+    orphan = str(ckpts / "step_00000002.ckpt.0123abcd.old.tmp")  # a backup of a commit that finished
+    stray = str(run / "model.onnx.x1y2z3_w.tmp")  # a temporary of a killed single write
+    for f in (orphan, stray):
+        with open(f, "wb") as fh:
+            fh.write(b"leftover")
+    capsys.readouterr()
+    removed = remove_stale_temporaries(str(run))
+    err = capsys.readouterr().err
+    assert f"put back {path}.data" in err
+    assert _snapshot(run) == before
+    assert sorted(removed) == sorted([*(f for f in leftovers if not f.endswith(".old.tmp")), orphan, stray])
+    assert _same(load_checkpoint(path), old)
+    assert remove_stale_temporaries(str(run)) == []
+
+
+def _snapshot(folder) -> dict[str, bytes]:
+    out = {}
+    for root, _, files in os.walk(folder):
+        for f in files:
+            with open(os.path.join(root, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(root, f), folder)] = fh.read()
+    return out
+
+
+def test_a_journal_left_behind_never_undoes_a_later_save(tmp_path):
+    """A save killed between its renames, then another save of the same files that runs to the end (no load
+    or cleanup in between): the later save first puts back the killed one's files (a warning says so), so
+    no journal is left to roll its own files back afterwards."""
+    path = str(tmp_path / "ckpt")
+    save_checkpoint(_ckpt(1), path, external_threshold=0)
+    assert _killed(lambda: save_checkpoint(_ckpt(2), path, external_threshold=0),
+                   _kill_after_first_rename(path + ".data"))
+    with pytest.warns(UserWarning, match="killed part way"):
+        save_checkpoint(_ckpt(3), path, external_threshold=0)
+    assert _commit_files(tmp_path) == []
+    assert not recover_commits(str(tmp_path))
+    assert _same(load_checkpoint(path), _ckpt(3))
+
+
+def test_a_commit_still_running_is_left_alone(tmp_path):
+    """recover_commits, the train start-up cleanup and load_checkpoint, while another process is between
+    the renames of a save (its journal locked): nothing is put back or deleted, and the save then ends
+    with the new files."""
+    path = str(tmp_path / "ckpt")
+    save_checkpoint(_ckpt(1), path, external_threshold=0)
+    go_r, go_w = os.pipe()
+    ready_r, ready_w = os.pipe()
+
+    def pause_after_data(name: str, args: tuple) -> bool:
+        if name == "replace" and os.fspath(args[1]) == path:  # the .data file is in place: wait
+            os.write(ready_w, b"1")
+            os.read(go_r, 1)
+        return False
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if not _killed(lambda: save_checkpoint(_ckpt(2), path, external_threshold=0),
+                                  pause_after_data) else 1)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        during = _snapshot(tmp_path)
+        assert any(f.endswith(".journal.tmp") for f in during)
+        assert not recover_commits(str(tmp_path))
+        assert remove_stale_temporaries(str(tmp_path)) == []  # (as a run folder)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            load_checkpoint(path)  # the pair as it is (new data, old main file): nothing put back, no warning
+        assert _snapshot(tmp_path) == during
+    finally:
+        os.write(go_w, b"1")
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert _commit_files(tmp_path) == []
+    assert _same(load_checkpoint(path), _ckpt(2))
+
+
+def test_an_unreadable_journal_is_reported_not_guessed(tmp_path):
+    (tmp_path / "x").write_bytes(b"x")
+    journal = tmp_path / "x.0123abcd.journal.tmp"
+    journal.write_text(json.dumps({"format": "onnxtrain commit journal", "version": 1,
+                                   "files": [{"target": "../x", "temporary": "t.tmp", "backup": None,
+                                              "existed": False}]}))
+    with pytest.raises(ValueError, match="not a readable onnxtrain commit journal"):
+        recover_commits(str(tmp_path))
+    assert (tmp_path / "x").read_bytes() == b"x" and journal.exists()
+
+
+# ---- stage_model over a model whose tensors are already in the file it would write -----------------------
+
+def _model_with_weights(folder, location: str):
+    """A model saved in ``folder`` with its 4 KiB weight in ``location``, loaded back without its external
+    data, plus a second inline weight of 4 KiB (so that a save with external data writes that file)."""
+    w = numpy_helper.from_array(np.arange(1024, dtype=np.float32).reshape(32, 32), "w")
+    node = helper.make_node("MatMul", ["x", "w"], ["y"])
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])], [w])
+    m = helper.make_model(g)
+    onnx.save_model(m, os.path.join(folder, "model.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location=location, size_threshold=0)
+    lazy = onnx.load(os.path.join(folder, "model.onnx"), load_external_data=False)
+    lazy.graph.initializer.append(numpy_helper.from_array(np.ones((32, 32), np.float32), "v"))
+    return lazy
+
+
+def test_stage_model_refuses_to_rewrite_the_file_holding_external_tensors(tmp_path):
+    """A model loaded with load_external_data=False whose weight lives in ``model.onnx.data``: saving it
+    to the same folder with external_data="model.onnx.data" would rewrite that file without the weight;
+    a ValueError names the tensor and the file and says how to load the model, and nothing changes."""
+    lazy = _model_with_weights(str(tmp_path), "model.onnx.data")
+    before = _snapshot(tmp_path)
+    refused = r"initializer 'w' .*model\.onnx\.data.*load_external_data_for_model"
+    with pytest.raises(ValueError, match=refused), StagedFiles() as files:
+        stage_model(files, lazy, str(tmp_path / "model.onnx"), external_data="model.onnx.data")
+    assert _snapshot(tmp_path) == before
+    # loaded whole it saves there, and loads back with both weights
+    full = onnx.load(str(tmp_path / "model.onnx"))
+    full.graph.initializer.append(numpy_helper.from_array(np.ones((32, 32), np.float32), "v"))
+    with StagedFiles() as files:
+        stage_model(files, full, str(tmp_path / "model.onnx"), external_data="model.onnx.data")
+    again = onnx.load(str(tmp_path / "model.onnx"))
+    got = {t.name: numpy_helper.to_array(t) for t in again.graph.initializer}
+    np.testing.assert_array_equal(got["w"], np.arange(1024, dtype=np.float32).reshape(32, 32))
+    np.testing.assert_array_equal(got["v"], np.ones((32, 32), np.float32))
+
+
+def test_stage_model_keeps_tensors_external_to_another_file(tmp_path):
+    """Tensors external to another file stay as they are (pointing at it, which is not touched)."""
+    lazy = _model_with_weights(str(tmp_path), "weights.bin")
+    weights = (tmp_path / "weights.bin").read_bytes()
+    with StagedFiles() as files:
+        stage_model(files, lazy, str(tmp_path / "model.onnx"), external_data="model.onnx.data")
+    assert (tmp_path / "weights.bin").read_bytes() == weights
+    again = onnx.load(str(tmp_path / "model.onnx"))
+    got = {t.name: numpy_helper.to_array(t) for t in again.graph.initializer}
+    np.testing.assert_array_equal(got["w"], np.arange(1024, dtype=np.float32).reshape(32, 32))
+    locations = {t.name: {e.key: e.value for e in t.external_data}["location"]
+                 for t in onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph.initializer}
+    assert locations == {"w": "weights.bin", "v": "model.onnx.data"}
