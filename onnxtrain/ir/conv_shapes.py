@@ -10,11 +10,12 @@ ONNX 1.23's shape inference of ``ConvTranspose`` disagrees with the spec in thre
 
 Every value after Y inherited the wrong shape, and so did the gradients built on them: a Conv with stride 2
 after a SAME ConvTranspose with output_padding got an input gradient one row too long.
-:func:`refined_conv_transposes` gives Y's dims by the kernel's formula (engine/kernels/conv.py) where they
-differ from those inference gave; :func:`declared_outputs` makes a copy of the model in which each such Y
-comes from an ``Identity`` of a graph input of that type, so that another round of inference carries the
-corrected dims to the values after Y without contradicting itself (a value info declaring them would: strict
-inference refuses it, and the lenient one's check of declared ranks puts the short rank back).
+:func:`refined_conv_transposes` gives Y's dims by the spec's formula (:func:`conv_transpose_geometry`, the
+one the kernel in engine/kernels/conv.py and the gradient rule use too) where they differ from those inference
+gave; :func:`declared_outputs` makes a copy of the model in which each such Y comes from an ``Identity`` of a
+graph input of that type, so that another round of inference carries the corrected dims to the values after Y
+without contradicting itself (a value info declaring them would: strict inference refuses it, and the lenient
+one's check of declared ranks puts the short rank back).
 
 Where X's spatial sizes are not static, an axis's size is X's dim name when the node keeps it (stride 1 and
 SAME, or stride 1 and pads that take back k_eff − 1 − output_padding) and unknown otherwise; an
@@ -24,6 +25,7 @@ SAME, or stride 1 and pads that take back k_eff − 1 − output_padding) and un
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import onnx
 from onnx import helper
@@ -33,11 +35,88 @@ from onnxtrain.ir.shape_values import Dim, unknown
 from onnxtrain.ir.types import symbolic_shape
 
 
+class ConvTransposeGeometry(NamedTuple):
+    """Per spatial axis: Y's size, the full output's size s·(S − 1) + output_padding + k_eff, and the begin
+    and end pads cropped off it (negative: zero rows added); an int where it follows from what is known, X's
+    dim name where Y keeps it (``out`` only), None where it is unknown."""
+
+    out: list[Dim]
+    full: list[Dim]
+    pad_begin: list[int | None]
+    pad_end: list[int | None]
+
+
+def conv_transpose_growth(kernel: int, stride: int, dilation: int, output_padding: int) -> int:
+    """The full output's size less s·S: s·(S − 1) + output_padding + k_eff = s·S + this."""
+    return output_padding + (kernel - 1) * dilation + 1 - stride
+
+
+def conv_transpose_geometry(
+    sizes: Sequence[Dim],
+    kernel: Sequence[Dim],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+    output_padding: Sequence[int],
+    auto_pad: str | bytes | None = "NOTSET",
+    pads: Sequence[int] | None = None,
+    output_shape: Sequence[int] | None = None,
+) -> ConvTransposeGeometry:
+    """The ConvTranspose output-size formula of the ONNX spec, the one source of the shape inference here,
+    the gradient rule (autodiff/rules/conv.py) and the kernel (engine/kernels/conv.py).
+
+    ``sizes`` are X's and ``kernel`` W's spatial sizes (ints, or dim names / None where not static). The full
+    output is s·(S − 1) + output_padding + k_eff on each axis, k_eff = (k − 1)·d + 1. With ``output_shape``
+    (its last len(sizes) entries) Y has those sizes, otherwise under ``auto_pad`` SAME_* S·s; the pads are
+    then the difference to the full output, split evenly with the odd one at the end (SAME_UPPER) or at the
+    beginning (else). Otherwise (``auto_pad`` NOTSET or VALID) Y is the full output less ``pads`` (begins,
+    then ends; VALID: none). Raises ValueError for an unknown ``auto_pad`` or a wrong number of pads or
+    output_shape entries; the caller checks the lengths of the other attributes and that Y is not empty."""
+    nd = len(sizes)
+    if isinstance(auto_pad, bytes):
+        auto_pad = auto_pad.decode()
+    auto_pad = auto_pad or "NOTSET"
+    growth = [conv_transpose_growth(kernel[i], strides[i], dilations[i], output_padding[i])
+              if isinstance(kernel[i], int) else None for i in range(nd)]
+    full: list[Dim] = [strides[i] * sizes[i] + growth[i]  # type: ignore[operator]
+                       if isinstance(sizes[i], int) and growth[i] is not None else None for i in range(nd)]
+    if output_shape is not None or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        want: list[Dim]
+        totals: list[int | None]  # full − want
+        if output_shape is not None:
+            if len(output_shape) < nd:
+                raise ValueError(f"output_shape {list(output_shape)} must have at least {nd} values")
+            want = [int(v) for v in list(output_shape)[len(output_shape) - nd:]]
+            totals = [f - v if isinstance(f, int) else None for f, v in zip(full, want)]  # type: ignore[operator]
+        else:  # S·s, and full − S·s is the growth whatever S is
+            want = [_scaled(sizes[i], strides[i]) for i in range(nd)]
+            totals = growth
+        # the pads follow from the requested size; SAME_UPPER puts the odd one at the end
+        pb = [None if t is None else t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in totals]
+        pe = [None if t is None or b is None else t - b for t, b in zip(totals, pb)]
+        return ConvTransposeGeometry(want, full, pb, pe)
+    if auto_pad not in ("NOTSET", "VALID"):
+        raise ValueError(f"unknown auto_pad {auto_pad!r}")
+    pads = list(pads or [0] * (2 * nd)) if auto_pad == "NOTSET" else [0] * (2 * nd)
+    if len(pads) != 2 * nd:
+        raise ValueError(f"pads {pads} must have {2 * nd} values")
+    out: list[Dim] = []
+    for i in range(nd):
+        crop = pads[i] + pads[nd + i]
+        f, size = full[i], sizes[i]
+        if isinstance(f, int):
+            out.append(f - crop)
+        elif growth[i] is not None and growth[i] == crop:  # s·S: X's name where s is 1
+            out.append(_scaled(size, strides[i]))
+        else:
+            out.append(None)
+    return ConvTransposeGeometry(out, full, pads[:nd], pads[nd:])
+
+
 def conv_transpose_dims(attrs: dict, x: Sequence[Dim], w: Sequence[Dim] | None) -> list[Dim] | None:
     """Y's dims for a ConvTranspose with attributes ``attrs`` (name → value) of X with dims ``x`` and W with
-    dims ``w`` (None: rank unknown), as the kernel computes them: ints where they follow from static sizes,
-    X's dim name where Y keeps it, None where they are unknown; None when the node is malformed (the kernel
-    would refuse it)."""
+    dims ``w`` (None: rank unknown), as the kernel computes them (:func:`conv_transpose_geometry`): ints
+    where they follow from static sizes, X's dim name where Y keeps it, None where they are unknown; None
+    when the node is malformed (the kernel would refuse it)."""
     nd = len(x) - 2
     if nd < 1 or (w is not None and len(w) != len(x)):
         return None
@@ -53,32 +132,10 @@ def conv_transpose_dims(attrs: dict, x: Sequence[Dim], w: Sequence[Dim] | None) 
         if len(ks) != nd or any(isinstance(a, int) and a != b for a, b in zip(kernel, ks)):
             return None
         kernel = ks
-    auto_pad = attrs.get("auto_pad") or "NOTSET"
-    if isinstance(auto_pad, bytes):
-        auto_pad = auto_pad.decode()
-    out_shape = attrs.get("output_shape")
-    pads = list(attrs.get("pads") or [0] * (2 * nd)) if auto_pad == "NOTSET" else [0] * (2 * nd)
-    if out_shape is not None:
-        if len(out_shape) < nd:
-            return None
-        spatial: list[Dim] = [int(v) for v in list(out_shape)[-nd:]]
-    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        spatial = [_scaled(x[2 + i], strides[i]) for i in range(nd)]
-    elif auto_pad in ("NOTSET", "VALID") and len(pads) == 2 * nd:
-        spatial = []
-        for i in range(nd):
-            k = kernel[i]
-            if not isinstance(k, int):
-                spatial.append(None)
-                continue
-            # s·(S − 1) + output_padding + k_eff − pads = s·S + grow
-            grow = out_pad[i] + (k - 1) * dil[i] + 1 - strides[i] - pads[i] - pads[nd + i]
-            size = x[2 + i]
-            if isinstance(size, int):
-                spatial.append(strides[i] * size + grow)
-            else:
-                spatial.append(_scaled(size, strides[i]) if grow == 0 else None)
-    else:
+    try:
+        spatial = conv_transpose_geometry(x[2:], kernel, strides, dil, out_pad, attrs.get("auto_pad"),
+                                          attrs.get("pads"), attrs.get("output_shape")).out
+    except ValueError:
         return None
     if any(isinstance(v, int) and v < 1 for v in spatial):
         return None  # an empty output: the kernel refuses the node

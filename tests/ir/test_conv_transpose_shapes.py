@@ -12,6 +12,7 @@ pads say, followed by the Conv, differentiated by autograd; the forward shapes a
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from onnx import helper
 from onnxtrain import InferenceSession
 from onnxtrain.autodiff import build_gradient_model
 from onnxtrain.ir.builder import value_types
+from onnxtrain.ir.conv_shapes import conv_transpose_dims, conv_transpose_geometry
 from onnxtrain.ir.types import symbolic_shape
 
 torch = pytest.importorskip("torch")
@@ -230,3 +232,56 @@ def test_model_saved_after_onnx_inference(case: str, conv_stride: int) -> None:
     for v in ("y", "z"):
         assert tuple(symbolic_shape(types, v)) == want[v], v
     _check_against_torch(saved, shapes, attrs, conv_stride, ["x", "w", "b", "w2", "b2"])
+
+
+def test_the_one_formula_gives_torchs_output_sizes() -> None:
+    """conv_transpose_geometry (the formula the kernel, the gradient rule and these shapes share) against
+    torch's output sizes over a grid of sizes, kernels, strides, dilations, pads and every output_padding
+    the spec allows (below max(stride, dilation), so at or beyond the stride where the dilation is larger):
+    Y's size with symmetric pads, the full output without them, S·s under auto_pad SAME_* and output_shape
+    (torch's full output cropped by the pads, zero-padded where they are negative), and
+    conv_transpose_dims on static and symbolic sizes."""
+    checked = beyond_stride = 0
+    for size, k, s, d in itertools.product(range(1, 5), range(1, 4), range(1, 4), range(1, 4)):
+        x, w = torch.zeros(1, 1, size), torch.zeros(1, 1, k)
+        for op in range(max(s, d)):
+            full = F.conv_transpose1d(x, w, stride=s, dilation=d, output_padding=op).shape[-1]
+            for p in range(3):
+                geo = conv_transpose_geometry([size], [k], [s], [d], [op], "NOTSET", [p, p])
+                assert geo.full == [full] and (geo.pad_begin, geo.pad_end) == ([p], [p])
+                attrs = {"strides": [s], "dilations": [d], "output_padding": [op], "pads": [p, p]}
+                if full - 2 * p < 1:  # torch refuses an empty output, the kernel too
+                    with pytest.raises(RuntimeError):
+                        F.conv_transpose1d(x, w, stride=s, padding=p, dilation=d, output_padding=op)
+                    assert geo.out == [full - 2 * p]
+                    assert conv_transpose_dims(attrs, [1, 1, size], [1, 1, k]) is None
+                    continue
+                want = F.conv_transpose1d(x, w, stride=s, padding=p, dilation=d, output_padding=op).shape[-1]
+                assert geo.out == [want], (size, k, s, d, p, op)
+                assert conv_transpose_dims(attrs, [2, 1, size], [1, 3, k]) == [2, 3, want]
+                named = conv_transpose_dims(attrs, [2, 1, "S"], [1, 3, k])
+                assert named is not None and named[2] in ("S", None)
+                assert named[2] is None or want == size  # X's name where Y keeps X's size
+                checked += 1
+                beyond_stride += op >= s
+            for spec in ({"auto_pad": "SAME_UPPER"}, {"auto_pad": "SAME_LOWER"},
+                         {"output_shape": [max(1, full - 3)]}, {"output_shape": [full + 2]}):
+                geo = conv_transpose_geometry([size], [k], [s], [d], [op], spec.get("auto_pad"), None,
+                                              spec.get("output_shape"))
+                want = spec.get("output_shape", [size * s])
+                y = F.pad(F.conv_transpose1d(x + 1, w + 1, stride=s, dilation=d, output_padding=op),
+                          (-geo.pad_begin[0], -geo.pad_end[0]))
+                assert geo.out == want == [y.shape[-1]]
+                upper = spec.get("auto_pad") == "SAME_UPPER"
+                assert geo.pad_end[0] - geo.pad_begin[0] in ((0, 1) if upper else (0, -1))  # the odd one
+                assert conv_transpose_dims({"strides": [s], "dilations": [d], "output_padding": [op], **spec},
+                                           [1, 1, size], [1, 1, k]) == [1, 1, *want]
+    assert checked > 600 and beyond_stride > 100, (checked, beyond_stride)
+    # 2-D: each axis its own stride, dilation, pads and output_padding
+    axes = [(2, 1, 1), (1, 3, 2), (2, 3, 2), (3, 2, 1)]  # stride, dilation, output_padding
+    for (s0, d0, op0), (s1, d1, op1) in itertools.product(axes, repeat=2):
+        x, w = torch.zeros(1, 1, 4, 3), torch.zeros(1, 1, 2, 3)
+        y = F.conv_transpose2d(x, w, stride=(s0, s1), padding=(1, 2), dilation=(d0, d1),
+                               output_padding=(op0, op1))
+        geo = conv_transpose_geometry([4, 3], [2, 3], [s0, s1], [d0, d1], [op0, op1], "NOTSET", [1, 2, 1, 2])
+        assert geo.out == list(y.shape[2:])

@@ -18,6 +18,7 @@ import numpy as np
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
+from onnxtrain.ir.conv_shapes import conv_transpose_geometry, conv_transpose_growth
 
 
 @dataclass
@@ -33,6 +34,8 @@ class ConvGeom:
     # pads known only at run time (``auto_pad`` SAME_* or ConvTranspose's ``output_shape`` with dynamic
     # input sizes): two int64 tensors of nd values, (begin, end); ``pb``/``pe`` are then zeros
     rt: tuple[str, str] | None = None
+    # ConvTranspose: Y's spatial sizes as the node computes them (conv_transpose_geometry), None where unknown
+    out: list[int | None] | None = None
 
     @property
     def k_eff(self) -> list[int]:
@@ -137,20 +140,19 @@ def conv_geom(
                             _same_pads_at_run_time(g, auto_pad, k_eff, strides, nd))
         pb, pe = resolve_pads(g, nd, k, strides, dil, in_sp)
         return ConvGeom(nd, k, strides, dil, pb, pe)
-    # ConvTranspose: pads follow from output_shape / SAME_* when given (as in the kernel)
+    # ConvTranspose: the spec's output size and pads (conv_transpose_geometry, as in the kernel)
     out_shape = g.attr("output_shape")
-    if out_shape is None and not same:
-        pads = [0] * (2 * nd) if auto_pad == "VALID" else list(g.attr("pads") or [0] * (2 * nd))
-        return ConvGeom(nd, k, strides, dil, pads[:nd], pads[nd:])
     in_sp = spatial(g, 0)
     out_pad = list(g.attr("output_padding") or [0] * nd)
-    if not _static(in_sp):
+    if len(out_pad) != nd:
+        raise RuleError(f"output_padding {out_pad} must have {nd} values")
+    if (out_shape is not None or same) and not _static(in_sp):
         if not runtime:
             raise RuleError("ConvTranspose with output_shape or auto_pad SAME needs static input sizes")
-        # total = s·(S − 1) + output_padding + k_eff − out, out = output_shape or S·s, from S at run time
+        # total = s·S + growth − out, out = output_shape or S·s, from S at run time
         size = sp_dims(g, g.shape(0), nd)
-        full = g.emit("Add", g.emit("Mul", size, g.ints(strides)),
-                      g.ints([op + ke - s for op, ke, s in zip(out_pad, k_eff, strides)]))
+        growth = [conv_transpose_growth(k[i], strides[i], dil[i], out_pad[i]) for i in range(nd)]
+        full = g.emit("Add", g.emit("Mul", size, g.ints(strides)), g.ints(growth))
         if out_shape is not None:
             want = g.ints(list(out_shape)[-nd:])
         else:
@@ -159,14 +161,13 @@ def conv_geom(
         half = _floor_half(g, total)  # the kernel's total // 2, also for negative totals
         pb_t = half if auto_pad == "SAME_UPPER" else g.emit("Sub", total, half)
         return ConvGeom(nd, k, strides, dil, [0] * nd, [0] * nd, (pb_t, g.emit("Sub", total, pb_t)))
-    out = list(out_shape)[-nd:] if out_shape is not None else [in_sp[i] * strides[i] for i in range(nd)]
-    pb, pe = [], []
-    for i in range(nd):
-        total = strides[i] * (in_sp[i] - 1) + out_pad[i] + (k[i] - 1) * dil[i] + 1 - out[i]
-        b = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
-        pb.append(b)
-        pe.append(total - b)
-    return ConvGeom(nd, k, strides, dil, pb, pe)
+    sizes = in_sp if in_sp is not None and len(in_sp) == nd else [None] * nd
+    try:
+        t = conv_transpose_geometry(sizes, k, strides, dil, out_pad, auto_pad, g.attr("pads"), out_shape)
+    except ValueError as e:
+        raise RuleError(str(e)) from None
+    # all pads are ints: given, or (output_shape, SAME_*) from static sizes
+    return ConvGeom(nd, k, strides, dil, t.pad_begin, t.pad_end, out=t.out)  # type: ignore[arg-type]
 
 
 def pads_tensor(g: GradCtx, geo: ConvGeom) -> str:
@@ -382,6 +383,12 @@ def conv_transpose_grad(g: GradCtx) -> None:
     # Y = ConvTranspose(X, W) is the adjoint of Conv(·, W):  dX = Conv(dY, W) with the same geometry;
     # dW[c, m, κ] = Σ X[n, c, i]·dY[n, m, i·s + κ·d − pb]: weight_grad with the roles of X and dY swapped
     geo = conv_geom(g, transposed=True, runtime=True)
+    op = list(g.attr("output_padding") or [0] * geo.nd)
+    limit = [max(s, d) for s, d in zip(geo.strides, geo.dil)]
+    if any(o >= m for o, m in zip(op, limit)):
+        # the spec's (and torch's) limit: each output_padding below its axis's stride or dilation
+        raise RuleError(f"attribute output_padding {op} must be below max(stride, dilation) {limit} on each "
+                        f"axis (strides {geo.strides}, dilations {geo.dil})")
     group = int(g.attr("group") or 1)
     dy = g.dy(0)
     x_sp, y_sp = spatial(g, 0), spatial(g, 0, output=True)
@@ -393,9 +400,7 @@ def conv_transpose_grad(g: GradCtx) -> None:
         # Y's sizes as the node computes them, s·(S − 1) + output_padding + k_eff − pads, not as ONNX's
         # inference has them: under auto_pad SAME_* that gives S·s + output_padding, and the full output
         # when k_eff + output_padding < s (where the spec's S·s adds zero rows: negative pads)
-        op0 = list(g.attr("output_padding") or [0] * geo.nd)
-        sizes = zip(geo.strides, x_sp, op0, geo.k_eff, geo.pb, geo.pe)  # type: ignore[arg-type]
-        y_sp = [s * (n - 1) + o + ke - b - e for s, n, o, ke, b, e in sizes]  # type: ignore[operator]
+        y_sp = list(geo.out)  # type: ignore[arg-type]
     if geo.rt is None and min(geo.pads) < 0:
         # output_shape (or SAME's S·s) beyond the full output: the extra rows (negative pads) are zeros no
         # input reaches, so crop them off dY and continue with the remaining non-negative pads
@@ -407,21 +412,20 @@ def conv_transpose_grad(g: GradCtx) -> None:
             geo.nd, geo.k, geo.strides, geo.dil, [max(0, p) for p in geo.pb], [max(0, p) for p in geo.pe]
         )
     dyn = any(v is None for v in (*(x_sp or [None]), *(y_sp or [None])))
-    op = list(g.attr("output_padding") or [0] * geo.nd)
-    if any(o >= s for o, s in zip(op, geo.strides)):
-        raise RuleError(f"output_padding {op} >= strides {geo.strides} is not supported")
     if g.needs_dx(0):
         # pads known at run time (possibly negative: output_shape beyond the full output): Pad dY first
         src = dy if geo.rt is None else g.emit("Pad", dy, pads_tensor(g, geo))
-        g.set_dx(
-            0,
-            g.emit(
-                "Conv",
-                src,
-                g.x(1),
-                **_attrs(strides=geo.strides, pads=geo.pads, dilations=geo.dil, group=group),
-            ),
+        dx = g.emit(
+            "Conv", src, g.x(1), **_attrs(strides=geo.strides, pads=geo.pads, dilations=geo.dil, group=group)
         )
+        # The Conv sees the full output, s·(S − 1) + output_padding + k_eff rows, and so has S + ⌊op / s⌋
+        # windows: output_padding ≥ s (allowed below the dilation) adds ⌊op / s⌋ past X's last row, whose
+        # rows of Y no input reaches; cut them off
+        extra = [o // s for o, s in zip(op, geo.strides)]
+        if any(extra):
+            axes = [2 + i for i, e in enumerate(extra) if e]
+            dx = g.emit("Slice", dx, g.ints([0] * len(axes)), g.ints([-e for e in extra if e]), g.ints(axes))
+        g.set_dx(0, dx)
     if g.needs_dx(1):
         c = _channels(g, 1, 0, "weight shape") if group > 1 else 0
         m = _channels(g, 1, 1, "weight shape") * group if group > 1 else 0

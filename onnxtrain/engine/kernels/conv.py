@@ -21,6 +21,7 @@ from onnxtrain.engine.cblas import gemm
 from onnxtrain.engine.kernels import depthwise
 from onnxtrain.engine.kernels.half import F32, in_float32, is_half
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+from onnxtrain.ir.conv_shapes import conv_transpose_geometry
 
 
 def spatial_attrs(attrs: Attrs, nd: int) -> tuple[list[int], list[int]]:
@@ -252,26 +253,12 @@ def _convt_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> d
     out_pad = list(attrs.get("output_padding") or [0] * nd)
     if len(out_pad) != nd:
         raise ValueError(f"output_padding {out_pad} must have {nd} values")
-    full = [strides[i] * (in_sp[i] - 1) + out_pad[i] + (k[i] - 1) * dil[i] + 1 for i in range(nd)]
-    auto_pad = attrs.get("auto_pad") or "NOTSET"
-    out_shape = attrs.get("output_shape")
-    if out_shape is not None:
-        out_shape = list(out_shape)[-nd:]
-    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        out_shape = [in_sp[i] * strides[i] for i in range(nd)]
-    if out_shape is not None:
-        # pads are derived from the requested size; SAME_UPPER puts the odd one at the end
-        total = [full[i] - out_shape[i] for i in range(nd)]
-        pb = [t // 2 for t in total] if auto_pad == "SAME_UPPER" else [t - t // 2 for t in total]
-        out = out_shape
-    else:
-        if auto_pad not in ("NOTSET", "VALID"):
-            raise ValueError(f"unknown auto_pad {auto_pad!r}")
-        pads = list(attrs.get("pads") or [0] * (2 * nd)) if auto_pad == "NOTSET" else [0] * (2 * nd)
-        if len(pads) != 2 * nd:
-            raise ValueError(f"pads {pads} must have {2 * nd} values")
-        pb = pads[:nd]
-        out = [full[i] - pads[i] - pads[nd + i] for i in range(nd)]
+    # the spec's output size and pads (ir/conv_shapes.py): all ints here, X's and W's sizes being known
+    geo = conv_transpose_geometry(in_sp, k, strides, dil, out_pad, attrs.get("auto_pad"), attrs.get("pads"),
+                                  attrs.get("output_shape"))
+    full: list[int] = geo.full  # type: ignore[assignment]
+    out: list[int] = geo.out  # type: ignore[assignment]
+    pb: list[int] = geo.pad_begin  # type: ignore[assignment]
     if min(out) < 1:
         raise ValueError(f"ConvTranspose output would be empty: {out}")
     # col2im plan: for each kernel offset, the input range landing inside the output, and where
@@ -300,18 +287,21 @@ def _convt_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> d
             "depthwise": group > 1 and mg == 1 and all(pb[i] >= 0 and pb[i] + out[i] <= full[i]
                                                        for i in range(nd)),
             # stride 1, group 1: the same as a Conv with the kernel flipped and pads k_eff − 1 − pads
-            "as_conv": _as_conv_pads(nd, group, strides, k, dil, pb, full, out)}
+            "as_conv": _as_conv_pads(nd, group, strides, k, dil, pb, full, out, out_pad)}
 
 
 def _as_conv_pads(nd: int, group: int, strides: list[int], k: list[int], dil: list[int], pb: list[int],
-                  full: list[int], out: list[int]) -> list[int] | None:
+                  full: list[int], out: list[int], out_pad: list[int]) -> list[int] | None:
     """Pads of the Conv equal to a stride-1, group-1 ConvTranspose (its kernel flipped, channels swapped),
-    or None when there is none (other strides or groups, or an output beyond the canvas)."""
+    or None when there is none (other strides or groups, or an output beyond the canvas).
+
+    The Conv of X padded by k_eff − 1 on each side gives the S + k_eff − 1 rows the input reaches, the
+    full output less its output_padding rows (zeros; at stride 1 the spec allows them below the dilation)."""
     if group != 1 or any(s != 1 for s in strides) or nd < 2:
         return None
     k_eff = [(k[i] - 1) * dil[i] + 1 for i in range(nd)]
     begin = [k_eff[i] - 1 - pb[i] for i in range(nd)]
-    end = [k_eff[i] - 1 - (full[i] - pb[i] - out[i]) for i in range(nd)]
+    end = [k_eff[i] - 1 - (full[i] - out_pad[i] - pb[i] - out[i]) for i in range(nd)]
     return begin + end if min(begin + end) >= 0 else None
 
 
