@@ -15,7 +15,7 @@ import onnx
 from onnxtrain.engine.backends import _optimizations_off, import_onnxruntime, resolve_providers
 from onnxtrain.engine.donation import check_fed, donatable
 from onnxtrain.engine.ort_inplace import safe_updates
-from onnxtrain.engine.ort_rewrites import rewrite_for_onnxruntime
+from onnxtrain.engine.ort_rewrites import for_onnxruntime
 from onnxtrain.engine.parallel import default_width, local_ranks
 from onnxtrain.engine.plan import EngineError, GraphInterface, ProfileEvent
 
@@ -48,6 +48,12 @@ def shared_cpu_arena(ort: Any) -> bool:
             except Exception:
                 _arena.append(False)
         return _arena[0]
+
+
+class FeedSizeMismatch(EngineError, ValueError):
+    """A run that failed with inputs declared with one symbolic dimension fed different sizes of it (a batch
+    of 5 inputs with 4 labels): an :class:`EngineError`, as any failed run, and a ``ValueError`` naming the
+    inputs, the dimension and the sizes, as the on-device API's error for such a run."""
 
 
 class OrtPlan(GraphInterface):
@@ -88,9 +94,9 @@ class OrtPlan(GraphInterface):
         self._device = "cuda" if names[0] == "CUDAExecutionProvider" else "cpu"
         # tensors only go through the IOBinding; sequences/optionals take session.run
         self._tensor_io = all(v.type.HasField("tensor_type") for v in (*g.input, *g.output))
-        # onnxtrain's own rewrites (onnxtrain/engine/ort_rewrites.py): those that speed it up unless
-        # optimisations are off
-        self.onnxruntime_model = rewrite_for_onnxruntime(model, optimise=not _optimizations_off(options))
+        # onnxtrain's own rewrites (onnxtrain/engine/ort_rewrites.py): the label losses' check, and those
+        # that speed it up unless optimisations are off
+        self.onnxruntime_model = for_onnxruntime(model, optimise=not _optimizations_off(options))
         self._session = self._create_session(self.onnxruntime_model, options, names, opts)
         # overridable initializers cannot be bound (onnxruntime's IOBinding knows the inputs proper only)
         self._bindable = {i.name for i in self._session.get_inputs()}
@@ -234,8 +240,12 @@ class OrtPlan(GraphInterface):
         except Exception as e:
             shapes = ", ".join(f"{n}: {getattr(v, 'dtype', type(v).__name__)}{list(np.shape(v))}"
                                for n, v in arrays.items() if not isinstance(v, (list, tuple)))
-            raise EngineError(f"onnxruntime failed running graph {self.model.graph.name!r} on [{shapes}]: "
-                              f"{type(e).__name__}: {e}") from e
+            msg = (f"onnxruntime failed running graph {self.model.graph.name!r} on [{shapes}]: "
+                   f"{type(e).__name__}: {e}")
+            mismatch = self._size_mismatch(arrays)
+            if mismatch is not None:
+                raise FeedSizeMismatch(f"{mismatch}; {msg}") from e
+            raise EngineError(msg) from e
         if self.profiling:
             self.profile.append(ProfileEvent("onnxruntime_run", "onnxruntime", t0,
                                              time.perf_counter_ns() - t0,
@@ -243,6 +253,18 @@ class OrtPlan(GraphInterface):
         self.peak_bytes = sum(getattr(v, "nbytes", 0) for v in arrays.values()) + sum(
             getattr(v, "nbytes", 0) for v in out)
         return out
+
+    def _size_mismatch(self, arrays: Mapping[str, Any]) -> str | None:
+        """After a failed run: which graph inputs declared with one symbolic dimension were fed different
+        sizes of it, in the words of the on-device API's error (``shared_dim_mismatch``); None when they
+        agree. The names alone refuse nothing (exporters reuse them), so a run that goes through is not
+        asked."""
+        from onnxtrain.training.api._graph import InputSpec, shared_dim_mismatch  # failed runs only
+
+        specs = [InputSpec.of(v) for v in self.model.graph.input if v.type.HasField("tensor_type")]
+        fed = {s.name: arrays[s.name] for s in specs if isinstance(arrays.get(s.name), np.ndarray)
+               and s.shape is not None and arrays[s.name].ndim == len(s.shape)}
+        return shared_dim_mismatch(specs, fed, f"graph {self.model.graph.name!r}")
 
     def _donated_outputs(self, arrays: Mapping[str, np.ndarray], names: list[str],
                          donate: Collection[str]) -> dict[str, np.ndarray]:

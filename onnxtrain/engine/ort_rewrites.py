@@ -40,6 +40,15 @@ tensor laid out as a matrix (:mod:`onnxtrain.engine.ort_sums`): 40–46 → 18�
 A ``Sum`` of zero ``Pad``s that lay pieces side by side along one axis (the gradient of q, k and v taken from
 one projection) becomes one ``Concat`` (:mod:`onnxtrain.engine.ort_pads`).
 
+The labels of a ``SoftmaxCrossEntropyLoss`` or ``NegativeLogLikelihoodLoss`` go through a Reshape to the
+shape the scores say they have (``(N, d1, ...)`` of scores ``(N, C, d1, ...)``), and the nodes after the loss
+that read them (its gradient) read that: onnxruntime 1.32 runs either loss (ONNX's function body, or the
+gather above) on 5 score rows and 4 labels without a word, training on the first 4 rows, where the numpy
+engine's kernel refuses them. The Reshape then fails, as the numpy kernel does, and the plan names the inputs
+(:class:`~onnxtrain.engine.ort_plan.OrtPlan`). It costs a Shape and a Reshape of the labels (no copy), and
+is written even with onnxruntime's optimisations off, since onnxruntime's own loss does not check either
+(:func:`for_onnxruntime`: the check, then the other rewrites).
+
 A BatchNormalization in inference mode that names running-statistics outputs nothing reads (the eval model
 onnxruntime-training's artifact generator writes for a model exported in training mode) loses them, even
 with onnxruntime's optimisations off: onnxruntime refuses to load the node otherwise ("should be 1 when
@@ -65,12 +74,28 @@ _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
 _MIN_OPSET = 11  # Range
 
 
-def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> onnx.ModelProto:
-    """``model`` with the rewrites above applied (a copy), or ``model`` itself when none applies; without
-    ``optimise`` (onnxruntime's optimisations turned off) only the one onnxruntime needs to load the graph,
-    the BatchNormalization outputs'."""
-    types: dict = {}  # value types of ``model``, inferred once, when a rewrite needs them (the rewrites
-    # keep the types of the values they read)
+def for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> onnx.ModelProto:
+    """The graph onnxruntime runs for ``model``: its label losses' check (:func:`checked_labels`, whatever
+    ``optimise`` says: it keeps the graph's meaning), then :func:`rewrite_for_onnxruntime`'s rewrites, which
+    reuse the value types the check inferred. ``model`` itself when nothing applies."""
+    types: dict = {}
+
+    def typed() -> dict:
+        if not types:
+            types.update(value_types(model))
+        return types
+
+    return rewrite_for_onnxruntime(checked_labels(model, typed), optimise, types)
+
+
+def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
+                            types: dict | None = None) -> onnx.ModelProto:
+    """``model`` with the rewrites above but the labels' check applied (a copy), or ``model`` itself when none
+    applies; without ``optimise`` (onnxruntime's optimisations turned off) only the one onnxruntime needs to
+    load the graph, the BatchNormalization outputs'. ``types``: value types of ``model`` already inferred
+    (empty: inferred when a rewrite needs them)."""
+    # inferred once, when a rewrite needs them (the rewrites keep the types of the values they read)
+    types = {} if types is None else types
 
     def typed() -> dict:
         if not types:
@@ -84,6 +109,99 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> on
         model = leading_sums(model, typed)
         model = pads_as_concat(model, typed)
     return _inference_batch_norms(model)
+
+
+_LABEL_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def checked_labels(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
+    """``model`` with each label-reading loss's labels reshaped to the shape its scores give them (module
+    docstring), read so by the loss and the nodes after it; ``model`` itself without such a loss, or where
+    the labels' and the scores' dims are all static and agree. The new values take the labels' type in
+    ``typed()`` (the loss rewrite after this one reads it)."""
+    found = [k for k, n in enumerate(model.graph.node) if n.op_type in _LABEL_LOSSES
+             and n.domain in DEFAULT_DOMAINS and len(n.input) > 1 and n.input[1]]
+    if not found:
+        return model
+    types = typed()
+    found = [k for k in found if _needs_check(types, model.graph.node[k])]
+    if not found:
+        return model
+    opset = model_opset(model)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    names = NameGen.for_model(out)
+    checked: dict[str, str] = {}  # labels → their checked copy, for the nodes after the loss
+    nodes: list[onnx.NodeProto] = []
+    for k, n in enumerate(g.node):
+        for i, x in enumerate(n.input):
+            if x in checked:
+                n.input[i] = checked[x]
+        if k in found:
+            labels = model.graph.node[k].input[1]
+            new, inits, name = _labels_check(n, static_shape(types, n.input[0]), opset, names)
+            nodes.extend(new)
+            g.initializer.extend(inits)
+            n.input[1] = checked[labels] = name
+            if labels in types:
+                types[name] = types[labels]
+        nodes.append(n)
+    del g.node[:]
+    g.node.extend(nodes)
+    return out
+
+
+def _needs_check(types: dict, node: onnx.NodeProto) -> bool:
+    """Whether the loss's labels may be fed a shape other than its scores give: not when both are static and
+    agree."""
+    scores, labels = static_shape(types, node.input[0]), static_shape(types, node.input[1])
+    if scores is None or labels is None or None in scores or None in labels or len(scores) < 2:
+        return True
+    return [scores[0], *scores[2:]] != labels
+
+
+def _labels_check(node: onnx.NodeProto, scores_shape: list | None, opset: int,
+                  names: NameGen) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], str]:
+    """The nodes reshaping ``node``'s labels to the dims of its scores but the classes' (axis 1), the
+    constants they read, and the checked labels' name."""
+    scores, labels = node.input[0], node.input[1]
+    base = node.output[0] or scores
+
+    def name(what: str) -> str:
+        return names(f"{base}/labels_check_{what}")
+
+    nodes: list[onnx.NodeProto] = []
+    inits: list[onnx.TensorProto] = []
+    two_d = scores_shape is not None and len(scores_shape) == 2
+    if opset >= 15:  # Shape's start and end
+        head = name("batch")
+        nodes.append(helper.make_node("Shape", [scores], [head], name=name("Shape"), start=0, end=1))
+        if not two_d:
+            tail = name("rest")
+            nodes.append(helper.make_node("Shape", [scores], [tail], name=name("Shape"), start=2))
+    else:
+        shape, head = name("shape"), name("batch")
+        nodes.append(helper.make_node("Shape", [scores], [shape], name=name("Shape")))
+        cuts = {key: names(f"{base}/labels_check_{key}") for key in ("zero", "one", "two", "end")}
+        for key, v in zip(cuts, (0, 1, 2, _INT64_MAX)):
+            inits.append(numpy_helper.from_array(np.array([v], np.int64), cuts[key]))
+        nodes.append(helper.make_node("Slice", [shape, cuts["zero"], cuts["one"]], [head],
+                                      name=name("Slice")))
+        if not two_d:
+            tail = name("rest")
+            nodes.append(helper.make_node("Slice", [shape, cuts["two"], cuts["end"]], [tail],
+                                          name=name("Slice")))
+    want = head
+    if not two_d:
+        want = name("want")
+        nodes.append(helper.make_node("Concat", [head, tail], [want], name=name("Concat"), axis=0))
+    out = names(f"{labels}/checked")
+    # allowzero: a batch of 0 scores must not take the labels' own count
+    extra = {"allowzero": 1} if opset >= 14 else {}
+    nodes.append(helper.make_node("Reshape", [labels, want], [out], name=name("Reshape"), **extra))
+    return nodes, [i for i in inits if any(i.name in n.input for n in nodes)], out
 
 
 def _inference_batch_norms(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -1,0 +1,285 @@
+"""Inputs fed different sizes of one symbolic dimension fail on the onnxruntime backend as on numpy.
+
+onnxruntime 1.32 runs a cross-entropy (``SoftmaxCrossEntropyLoss``, ONNX's function body or the backend's
+gather, and ``NegativeLogLikelihoodLoss``) on 5 score rows and 4 labels without a word: it trains on the
+first 4 rows. The backend reshapes the labels to the scores' batch before the loss (engine/ort_rewrites.py),
+so that the run fails there, and a failed run whose inputs disagree on a shared dimension is a ValueError
+naming them, the dimension and the sizes (engine/ort_plan.py), as on the numpy engine. Matching batches
+train to torch's losses and the numpy engine's; the names alone refuse nothing (a model that reuses "batch"
+for a flattened batch·sequence axis trains).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from onnxtrain import InferenceSession, RunOptions, SessionOptions
+from onnxtrain.engine.backends import CONFIG_KEY
+from onnxtrain.engine.plan import EngineError
+from onnxtrain.session import TrainingSession
+from tests.session.helpers import mlp_model, params
+
+pytest.importorskip("onnxruntime")
+torch = pytest.importorskip("torch")
+
+TOL = 1e-5
+LR = 0.1
+
+
+def options(backend: str, level: int | None = None) -> SessionOptions:
+    so = SessionOptions()
+    so.add_session_config_entry(CONFIG_KEY, backend)
+    if level is not None:
+        so.graph_optimization_level = level
+    return so
+
+
+def assert_names(msg: str, a: str, b: str, dim: str, sizes: tuple[int, int] = (5, 4)) -> None:
+    assert f"inputs {a!r} and {b!r} share dimension {dim!r}" in msg, msg
+    assert f"have sizes {sizes[0]} and {sizes[1]}" in msg, msg
+
+
+# ---- the on-device Module ---------------------------------------------------------------------------
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A torch MLP exported with its batch named "batch", and its artifacts per loss (SGD)."""
+    from onnxtrain.training import artifacts
+
+    folder = tmp_path_factory.mktemp("ort_batch")
+    torch.manual_seed(0)
+    net = Net()
+    path = str(folder / "mlp.onnx")
+    torch.onnx.export(net, torch.randn(2, 4), path, input_names=["input"], output_names=["output"],
+                      dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}}, dynamo=False,
+                      opset_version=17)
+    model = onnx.load(path)
+    folders = {}
+    for name, loss in (("mse", artifacts.LossType.MSELoss), ("ce", artifacts.LossType.CrossEntropyLoss)):
+        folders[name] = str(folder / name)
+        os.makedirs(folders[name])
+        artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer],
+                                     loss=loss, optimizer=artifacts.OptimType.SGD,
+                                     artifact_directory=folders[name])
+    return folders, net
+
+
+def module(folder: str, backend: str):
+    from onnxtrain.training.api import CheckpointState, Module, Optimizer
+
+    state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    m = Module(os.path.join(folder, "training_model.onnx"), state, os.path.join(folder, "eval_model.onnx"),
+               session_options=options(backend))
+    opt = Optimizer(os.path.join(folder, "optimizer_model.onnx"), m)
+    opt.set_learning_rate(LR)
+    return m, opt
+
+
+def labels(loss: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    return rng.standard_normal((n, 3)).astype(np.float32) if loss == "mse" else rng.integers(0, 3, n)
+
+
+def torch_loss(loss: str, out: torch.Tensor, y: np.ndarray) -> torch.Tensor:
+    if loss == "mse":
+        return torch.nn.functional.mse_loss(out, torch.tensor(y))
+    return torch.nn.functional.cross_entropy(out, torch.tensor(y))
+
+
+def test_module_batch_mismatch_is_a_named_value_error(exported):
+    """5 inputs with 4 labels: train and eval raise the numpy engine's ValueError on onnxruntime too (the
+    cross-entropy used to train on the first 4 rows, with only a warning; the MSE's Sub already failed)."""
+    folders, _ = exported
+    x = np.ones((5, 4), np.float32)
+    for loss, name in (("ce", "labels"), ("mse", "target")):
+        y = labels(loss, 4, np.random.default_rng(0))
+        for backend in ("numpy", "onnxruntime"):
+            m, _ = module(folders[loss], backend)
+            for mode in (m.train, m.eval):
+                mode()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # no "the run went through" warning
+                    with pytest.raises(ValueError) as e:
+                        m(x, y)
+                assert_names(str(e.value), "input", name, "batch")
+            m.train()
+            rng = np.random.default_rng(1)
+            assert np.isfinite(float(m(rng.standard_normal((5, 4)).astype(np.float32), labels(loss, 5, rng))))
+
+
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+def test_module_matching_batches_train_as_torch_and_numpy(exported, loss):
+    """Five SGD steps of batch 6 and an eval: torch's losses (autograd and torch.optim.SGD as the oracle)
+    and the numpy engine's, within 1e-5, on the onnxruntime backend."""
+    folders, net = exported
+    ref = Net()
+    ref.load_state_dict(net.state_dict())
+    sgd = torch.optim.SGD(ref.parameters(), lr=LR)
+    runs = {b: module(folders[loss], b) for b in ("numpy", "onnxruntime")}
+    rng = np.random.default_rng(2)
+    for _ in range(5):
+        x, y = rng.standard_normal((6, 4)).astype(np.float32), labels(loss, 6, rng)
+        sgd.zero_grad()
+        want = torch_loss(loss, ref(torch.tensor(x)), y)
+        want.backward()
+        sgd.step()
+        got = {}
+        for b, (m, opt) in runs.items():
+            got[b] = float(m(x, y))
+            opt.step()
+            m.lazy_reset_grad()
+        assert got["onnxruntime"] == pytest.approx(want.item(), rel=TOL, abs=TOL)
+        assert got["onnxruntime"] == pytest.approx(got["numpy"], rel=TOL, abs=TOL)
+    x, y = rng.standard_normal((7, 4)).astype(np.float32), labels(loss, 7, rng)
+    with torch.no_grad():
+        want = torch_loss(loss, ref(torch.tensor(x)), y).item()
+    for m, _ in runs.values():
+        m.eval()
+        assert float(m(x, y)) == pytest.approx(want, rel=TOL, abs=TOL)
+
+
+def test_reused_dimension_name_trains_on_onnxruntime(tmp_path):
+    """Logits flattened to [batch·seq, vocab] but still called "batch" by the exporter: the labels the loss
+    block adds are "batch" by name and batch·seq long. The scores and the labels agree, so the backend's
+    check passes: train and eval give torch's loss, with the warning the numpy engine gives."""
+    from onnxtrain.training import artifacts
+    from onnxtrain.training.api import CheckpointState, Module
+
+    torch.manual_seed(0)
+
+    class Tagger(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 8)
+            self.head = torch.nn.Linear(8, 5)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(tokens)).reshape(-1, 5)
+
+    net = Tagger()
+    path = str(tmp_path / "tagger.onnx")
+    torch.onnx.export(net, torch.zeros(2, 4, dtype=torch.int64), path, input_names=["tokens"],
+                      output_names=["logits"], dynamic_axes={"tokens": {0: "batch"}, "logits": {0: "batch"}},
+                      dynamo=False, opset_version=17)
+    model = onnx.load(path)
+    artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer],
+                                 loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=str(tmp_path))
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    m = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"),
+               session_options=options("onnxruntime"))
+    rng = np.random.default_rng(1)
+    tokens, y = rng.integers(0, 20, (3, 4)), rng.integers(0, 5, 12)
+    want = torch.nn.functional.cross_entropy(net(torch.tensor(tokens)), torch.tensor(y)).item()
+    with pytest.warns(UserWarning, match=r"share dimension 'batch'.*the run went through"):
+        assert float(m(tokens, y)) == pytest.approx(want, rel=1e-6)
+    m.eval()
+    with pytest.warns(UserWarning, match="the run went through"):
+        assert float(m(tokens, y)) == pytest.approx(want, rel=1e-6)
+    # 11 labels for 12 token rows: the labels and the scores disagree, and the run fails
+    m.train()
+    with pytest.raises(ValueError, match=r"inputs 'tokens' and 'labels' share dimension 'batch'"):
+        m(tokens, y[:11])
+
+
+# ---- the legacy TrainingSession ---------------------------------------------------------------------
+
+def legacy_feeds(loss: str, n_x: int, n_y: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 4, n_y) if loss == "sce" else rng.standard_normal((n_y, 4)).astype(np.float32)
+    return {"x": rng.standard_normal((n_x, 8)).astype(np.float32), "y": y}
+
+
+@pytest.mark.parametrize("level", [None, 0], ids=["optimised", "optimisations_off"])
+@pytest.mark.parametrize("loss", ["sce", "mse"])
+def test_legacy_batch_mismatch_is_a_named_value_error(loss, level):
+    """A training step and a forward-only run on 5 inputs and 4 labels: a ValueError naming x, y, the
+    dimension N and the sizes, which is also an EngineError (the numpy engine's kind); before, the
+    cross-entropy trained on 4 rows and the MSE's failure named neither the inputs nor the dimension."""
+    sess = TrainingSession(mlp_model(loss=loss), params(), options("onnxruntime", level))
+    feeds = legacy_feeds(loss, 5, 4)
+    before = {k: v.copy() for k, v in sess.get_state().items()}
+    with pytest.raises(ValueError) as e:
+        sess.run(["loss"], {**feeds, "Learning_Rate": np.array([LR], np.float32)})
+    assert isinstance(e.value, EngineError)
+    assert_names(str(e.value), "x", "y", "N")
+    ro = RunOptions()
+    ro.only_execute_path_to_fetches = True
+    with pytest.raises(ValueError) as e:
+        sess.run(["loss"], feeds, ro)
+    assert_names(str(e.value), "x", "y", "N")
+    for k, v in sess.get_state().items():  # nothing trained
+        np.testing.assert_array_equal(v, before[k])
+    with pytest.raises(EngineError):  # the numpy engine fails the same step
+        TrainingSession(mlp_model(loss=loss), params()).run(
+            ["loss"], {**feeds, "Learning_Rate": np.array([LR], np.float32)})
+
+
+@pytest.mark.parametrize("loss", ["sce", "mse"])
+def test_legacy_matching_batches_train_as_torch_and_numpy(loss):
+    """Five SGD steps of batch 6 on both engines: torch's losses and the numpy engine's, within 1e-5."""
+    model = mlp_model(loss=loss)
+    w = {t.name: torch.tensor(onnx.numpy_helper.to_array(t).copy(), requires_grad=True)
+         for t in model.graph.initializer}
+    sgd = torch.optim.SGD(list(w.values()), lr=LR)
+    sessions = {b: TrainingSession(model, params(), options(b)) for b in ("numpy", "onnxruntime")}
+    for step in range(5):
+        feeds = legacy_feeds(loss, 6, 6, seed=10 + step)
+        x = torch.tensor(feeds["x"])
+        logits = torch.relu(x @ w["W1"].T + w["b1"]) @ w["W2"].T + w["b2"]
+        y = torch.tensor(feeds["y"])
+        want = (torch.nn.functional.cross_entropy(logits, y) if loss == "sce"
+                else ((logits - y) ** 2).mean())
+        sgd.zero_grad()
+        want.backward()
+        sgd.step()
+        got = {b: float(s.run(["loss"], {**feeds, "Learning_Rate": np.array([LR], np.float32)})[0])
+               for b, s in sessions.items()}
+        assert got["onnxruntime"] == pytest.approx(want.item(), rel=TOL, abs=TOL)
+        assert got["onnxruntime"] == pytest.approx(got["numpy"], rel=TOL, abs=TOL)
+
+
+# ---- the losses the check covers, through an InferenceSession ----------------------------------------
+
+def loss_model(op: str, spatial: bool, opset: int) -> onnx.ModelProto:
+    """scores [N, 3(, D)] → op(LogSoftmax(scores) for NLL, labels [N(, D)]) → loss."""
+    s_shape, y_shape = (["N", 3, "D"], ["N", "D"]) if spatial else (["N", 3], ["N"])
+    nodes = [helper.make_node("LogSoftmax" if op == "NegativeLogLikelihoodLoss" else "Identity", ["s"], ["p"],
+                              **({"axis": 1} if op == "NegativeLogLikelihoodLoss" else {}))]
+    nodes.append(helper.make_node(op, ["p", "y"], ["loss"]))
+    g = helper.make_graph(nodes, "loss", [helper.make_tensor_value_info("s", TensorProto.FLOAT, s_shape),
+                                          helper.make_tensor_value_info("y", TensorProto.INT64, y_shape)],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+@pytest.mark.parametrize("spatial", [False, True], ids=["2d", "spatial"])
+@pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
+def test_label_losses_refuse_a_short_batch(op, spatial, opset):
+    """Both label losses, 2-D and spatial scores, opsets with and without Shape's start and end: 4 labels
+    for 5 score rows fail naming the inputs; matching labels give the numpy engine's loss."""
+    model = loss_model(op, spatial, opset).SerializeToString()
+    rng = np.random.default_rng(3)
+    extra = (2,) if spatial else ()
+    s = rng.standard_normal((5, 3, *extra)).astype(np.float32)
+    sess = InferenceSession(model, options("onnxruntime"))
+    with pytest.raises(ValueError) as e:
+        sess.run(["loss"], {"s": s, "y": rng.integers(0, 3, (4, *extra))})
+    assert_names(str(e.value), "s", "y", "N")
+    y = rng.integers(0, 3, (5, *extra))
+    want = InferenceSession(model).run(["loss"], {"s": s, "y": y})[0]
+    np.testing.assert_allclose(sess.run(["loss"], {"s": s, "y": y})[0], want, rtol=1e-6)
