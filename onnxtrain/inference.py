@@ -18,7 +18,8 @@ from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.batch_split import BatchSplitter, mode_of
-from onnxtrain.engine.plan import Plan, load_model
+from onnxtrain.engine.feed_sizes import FeedSizeMismatch, shared_dim_mismatch
+from onnxtrain.engine.plan import EngineError, Plan, load_model
 from onnxtrain.errors import Fail, InvalidFeed, InvalidFeedType
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
@@ -221,7 +222,15 @@ class InferenceSession:
         ro = run_options or RunOptions()
         if getattr(ro, "terminate", False):
             raise Fail("Exiting due to terminate flag being set to true (RunOptions.terminate).")
-        return self._run(output_names, input_feed, ro)
+        try:
+            return self._run(output_names, input_feed, ro)
+        except EngineError as e:  # named after the inputs when they disagree on a shared dimension
+            if isinstance(input_feed, Mapping):
+                why = shared_dim_mismatch([(a.name, a.shape or None) for a in self._inputs], input_feed,
+                                          "run failed")
+                if why is not None:
+                    raise FeedSizeMismatch(f"{why}; {e}") from e
+            raise
 
     def _run(
         self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], ro: RunOptions

@@ -50,12 +50,6 @@ def shared_cpu_arena(ort: Any) -> bool:
         return _arena[0]
 
 
-class FeedSizeMismatch(EngineError, ValueError):
-    """A run that failed with inputs declared with one symbolic dimension fed different sizes of it (a batch
-    of 5 inputs with 4 labels): an :class:`EngineError`, as any failed run, and a ``ValueError`` naming the
-    inputs, the dimension and the sizes, as the on-device API's error for such a run."""
-
-
 class OrtPlan(GraphInterface):
     """A graph run by ``onnxruntime.InferenceSession``, with the interface of :class:`Plan`.
 
@@ -240,12 +234,8 @@ class OrtPlan(GraphInterface):
         except Exception as e:
             shapes = ", ".join(f"{n}: {getattr(v, 'dtype', type(v).__name__)}{list(np.shape(v))}"
                                for n, v in arrays.items() if not isinstance(v, (list, tuple)))
-            msg = (f"onnxruntime failed running graph {self.model.graph.name!r} on [{shapes}]: "
-                   f"{type(e).__name__}: {e}")
-            mismatch = self._size_mismatch(arrays)
-            if mismatch is not None:
-                raise FeedSizeMismatch(f"{mismatch}; {msg}") from e
-            raise EngineError(msg) from e
+            raise EngineError(f"onnxruntime failed running graph {self.model.graph.name!r} on [{shapes}]: "
+                              f"{type(e).__name__}: {e}") from e
         if self.profiling:
             self.profile.append(ProfileEvent("onnxruntime_run", "onnxruntime", t0,
                                              time.perf_counter_ns() - t0,
@@ -253,18 +243,6 @@ class OrtPlan(GraphInterface):
         self.peak_bytes = sum(getattr(v, "nbytes", 0) for v in arrays.values()) + sum(
             getattr(v, "nbytes", 0) for v in out)
         return out
-
-    def _size_mismatch(self, arrays: Mapping[str, Any]) -> str | None:
-        """After a failed run: which graph inputs declared with one symbolic dimension were fed different
-        sizes of it, in the words of the on-device API's error (``shared_dim_mismatch``); None when they
-        agree. The names alone refuse nothing (exporters reuse them), so a run that goes through is not
-        asked."""
-        from onnxtrain.training.api._graph import InputSpec, shared_dim_mismatch  # failed runs only
-
-        specs = [InputSpec.of(v) for v in self.model.graph.input if v.type.HasField("tensor_type")]
-        fed = {s.name: arrays[s.name] for s in specs if isinstance(arrays.get(s.name), np.ndarray)
-               and s.shape is not None and arrays[s.name].ndim == len(s.shape)}
-        return shared_dim_mismatch(specs, fed, f"graph {self.model.graph.name!r}")
 
     def _donated_outputs(self, arrays: Mapping[str, np.ndarray], names: list[str],
                          donate: Collection[str]) -> dict[str, np.ndarray]:

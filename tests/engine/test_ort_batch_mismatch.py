@@ -4,7 +4,7 @@ onnxruntime 1.32 runs a cross-entropy (``SoftmaxCrossEntropyLoss``, ONNX's funct
 gather, and ``NegativeLogLikelihoodLoss``) on 5 score rows and 4 labels without a word: it trains on the
 first 4 rows. The backend reshapes the labels to the scores' batch before the loss (engine/ort_rewrites.py),
 so that the run fails there, and a failed run whose inputs disagree on a shared dimension is a ValueError
-naming them, the dimension and the sizes (engine/ort_plan.py), as on the numpy engine. Matching batches
+naming them, the dimension and the sizes (engine/feed_sizes.py), as on the numpy engine. Matching batches
 train to torch's losses and the numpy engine's; the names alone refuse nothing (a model that reuses "batch"
 for a flattened batch·sequence axis trains).
 """
@@ -223,9 +223,11 @@ def test_legacy_batch_mismatch_is_a_named_value_error(loss, level):
     assert_names(str(e.value), "x", "y", "N")
     for k, v in sess.get_state().items():  # nothing trained
         np.testing.assert_array_equal(v, before[k])
-    with pytest.raises(EngineError):  # the numpy engine fails the same step
+    with pytest.raises(ValueError) as e:  # the numpy engine fails the same step, named the same way
         TrainingSession(mlp_model(loss=loss), params()).run(
             ["loss"], {**feeds, "Learning_Rate": np.array([LR], np.float32)})
+    assert isinstance(e.value, EngineError)
+    assert_names(str(e.value), "x", "y", "N")
 
 
 @pytest.mark.parametrize("loss", ["sce", "mse"])
@@ -283,3 +285,21 @@ def test_label_losses_refuse_a_short_batch(op, spatial, opset):
     y = rng.integers(0, 3, (5, *extra))
     want = InferenceSession(model).run(["loss"], {"s": s, "y": y})[0]
     np.testing.assert_allclose(sess.run(["loss"], {"s": s, "y": y})[0], want, rtol=1e-6)
+
+
+# ---- a plain InferenceSession --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
+def test_inference_session_names_the_inputs_of_a_failed_run(backend):
+    """``x`` and ``y`` both declared [N, 4], fed 5 and 4 rows: the Add fails, and the error names the two
+    inputs and N (also an EngineError, the engine's kind); inputs that agree run."""
+    vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 4]) for n in ("x", "y", "z")]
+    g = helper.make_graph([helper.make_node("Add", ["x", "y"], ["z"])], "add", vi[:2], vi[2:])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    sess = InferenceSession(model.SerializeToString(), options(backend), providers=["CPUExecutionProvider"])
+    x, y = np.ones((5, 4), np.float32), np.ones((4, 4), np.float32)
+    with pytest.raises(ValueError) as e:
+        sess.run(None, {"x": x, "y": y})
+    assert isinstance(e.value, EngineError)
+    assert_names(str(e.value), "x", "y", "N")
+    np.testing.assert_array_equal(sess.run(None, {"x": x, "y": x})[0], x + x)

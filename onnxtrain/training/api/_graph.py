@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,28 +93,6 @@ def check_user_inputs(specs: Sequence[InputSpec], inputs: Sequence[Any], what: s
         names = [s.name for s in specs]
         raise InvalidFeed(f"{what} expects {len(specs)} input(s) {names}, got {len(inputs)}")
     return {s.name: s.check(v) for s, v in zip(specs, inputs)}
-
-
-def shared_dim_mismatch(specs: Sequence[InputSpec], feeds: Mapping[str, Any], what: str) -> str | None:
-    """Which inputs that share a symbolic dimension (the batch of the inputs and of the labels) were fed
-    different sizes of it, as a message; None when they agree. Used to explain a run that failed: the
-    names are labels, not constraints (an exporter may reuse "batch" for a flattened batch·sequence axis,
-    and onnxruntime runs such a model), so a mismatch alone refuses nothing."""
-    seen: dict[str, tuple[str, int, int]] = {}
-    for s in specs:
-        if s.shape is None or s.name not in feeds:
-            continue
-        for i, d in enumerate(s.shape):
-            if not isinstance(d, str) or not d:
-                continue
-            size = np.shape(feeds[s.name])[i]
-            first = seen.setdefault(d, (s.name, i, size))
-            if first[2] != size:
-                name, at, other = first
-                return (f"{what}: inputs {name!r} and {s.name!r} share dimension {d!r} (index {at} of "
-                        f"{name!r}, {i} of {s.name!r}) but have sizes {other} and {size} (shapes "
-                        f"{list(np.shape(feeds[name]))} and {list(np.shape(feeds[s.name]))})")
-    return None
 
 
 def check_device(device: Any) -> None:

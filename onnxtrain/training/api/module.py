@@ -27,6 +27,7 @@ import onnx
 
 from onnxtrain.engine import Plan, UnsupportedOpError, compile_model
 from onnxtrain.engine.backends import backend_of, make_plan
+from onnxtrain.engine.feed_sizes import shared_dim_mismatch
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
 from onnxtrain.ir.builder import NameGen
@@ -43,7 +44,6 @@ from onnxtrain.training.api._graph import (
     check_device,
     check_user_inputs,
     load_model,
-    shared_dim_mismatch,
 )
 from onnxtrain.training.api.checkpoint_state import (
     LOAD_HINT,
@@ -618,11 +618,11 @@ def _checked_run(run: Callable[[], Any], specs: Sequence[InputSpec], feeds: Mapp
     try:
         out = run()
     except Exception as e:
-        msg = shared_dim_mismatch(specs, feeds, what)
+        msg = shared_dim_mismatch([(s.name, s.shape) for s in specs], feeds, what)
         if msg is not None:
             raise ValueError(msg) from e
         raise
-    msg = shared_dim_mismatch(specs, feeds, what)
+    msg = shared_dim_mismatch([(s.name, s.shape) for s in specs], feeds, what)
     if msg is not None:
         warn(f"{msg}: the run went through; if the model's dimension names are right, the inputs do not fit "
              "each other")
