@@ -22,6 +22,7 @@ from onnx import helper
 
 from onnxtrain.autodiff import GradientError, build_gradient_model
 from onnxtrain.testing import run_engine
+from tests.ir.test_conv_transpose_shapes import _spec_pads
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -53,27 +54,6 @@ CASES: dict[str, tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]] = {
     "2d_output_shape": ((1, 3, 4, 3), (3, 2, 2, 2), {"strides": [1, 2], "dilations": [3, 3],
                                                       "output_padding": [2, 1], "output_shape": [9, 8]}),
 }
-
-
-def _spec_pads(xs, ws, attrs: dict[str, Any]) -> list[tuple[int, int]]:
-    """(begin, end) pads per spatial axis as the ONNX spec derives them (negative: zero rows added)."""
-    nd = len(xs) - 2
-    s = attrs.get("strides", [1] * nd)
-    d = attrs.get("dilations", [1] * nd)
-    op = attrs.get("output_padding", [0] * nd)
-    auto_pad = attrs.get("auto_pad", "NOTSET")
-    want = attrs.get("output_shape")
-    if want is None and auto_pad.startswith("SAME"):
-        want = [xs[2 + i] * s[i] for i in range(nd)]
-    if want is None:
-        pads = attrs.get("pads", [0] * (2 * nd))
-        return [(pads[i], pads[nd + i]) for i in range(nd)]
-    out = []
-    for i in range(nd):
-        total = s[i] * (xs[2 + i] - 1) + op[i] + (ws[2 + i] - 1) * d[i] + 1 - want[i]
-        small, big = total // 2, total - total // 2
-        out.append((small, big) if auto_pad == "SAME_UPPER" else (big, small))
-    return out
 
 
 def _torch_y(x, w, b, attrs: dict[str, Any]):

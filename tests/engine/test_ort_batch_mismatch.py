@@ -156,28 +156,10 @@ def test_reused_dimension_name_trains_on_onnxruntime(tmp_path):
     """Logits flattened to [batch·seq, vocab] but still called "batch" by the exporter: the labels the loss
     block adds are "batch" by name and batch·seq long. The scores and the labels agree, so the backend's
     check passes: train and eval give torch's loss, with the warning the numpy engine gives."""
-    from onnxtrain.training import artifacts
     from onnxtrain.training.api import CheckpointState, Module
+    from tests.training.test_ondevice_batch_mismatch import tagger_artifacts
 
-    torch.manual_seed(0)
-
-    class Tagger(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = torch.nn.Embedding(20, 8)
-            self.head = torch.nn.Linear(8, 5)
-
-        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-            return self.head(self.emb(tokens)).reshape(-1, 5)
-
-    net = Tagger()
-    path = str(tmp_path / "tagger.onnx")
-    torch.onnx.export(net, torch.zeros(2, 4, dtype=torch.int64), path, input_names=["tokens"],
-                      output_names=["logits"], dynamic_axes={"tokens": {0: "batch"}, "logits": {0: "batch"}},
-                      dynamo=False, opset_version=17)
-    model = onnx.load(path)
-    artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer],
-                                 loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=str(tmp_path))
+    net = tagger_artifacts(tmp_path)
     state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
     m = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"),
                session_options=options("onnxruntime"))

@@ -53,10 +53,9 @@ def test_batch_mismatch_is_an_input_error(setup):
     assert float(m(x, y)) == pytest.approx(want, rel=1e-6)
 
 
-def test_reused_dimension_name_trains(tmp_path):
-    """torch's exporter told ``logits: {0: "batch"}`` for logits flattened to [batch·seq, vocab]: the
-    labels the loss block adds are [batch] by name but batch·seq long. Training and eval run, to torch's
-    loss."""
+def tagger_artifacts(folder) -> torch.nn.Module:
+    """Artifacts (cross-entropy) in ``folder`` of a tagger whose logits are flattened to [batch·seq, vocab]
+    but still called "batch" by torch's exporter; returns the torch model."""
     torch.manual_seed(0)
 
     class Tagger(torch.nn.Module):
@@ -69,13 +68,21 @@ def test_reused_dimension_name_trains(tmp_path):
             return self.head(self.emb(tokens)).reshape(-1, 5)
 
     net = Tagger()
-    path = str(tmp_path / "tagger.onnx")
+    path = os.path.join(folder, "tagger.onnx")
     torch.onnx.export(net, torch.zeros(2, 4, dtype=torch.int64), path, input_names=["tokens"],
                       output_names=["logits"], dynamic_axes={"tokens": {0: "batch"}, "logits": {0: "batch"}},
                       dynamo=False, opset_version=17)
     model = onnx.load(path)
     artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer],
-                                 loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=str(tmp_path))
+                                 loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=str(folder))
+    return net
+
+
+def test_reused_dimension_name_trains(tmp_path):
+    """torch's exporter told ``logits: {0: "batch"}`` for logits flattened to [batch·seq, vocab]: the
+    labels the loss block adds are [batch] by name but batch·seq long. Training and eval run, to torch's
+    loss."""
+    net = tagger_artifacts(tmp_path)
     train = onnx.load(str(tmp_path / "training_model.onnx"))
     labels = next(i for i in train.graph.input if i.name == "labels")
     assert [d.dim_param for d in labels.type.tensor_type.shape.dim] == ["batch"]  # the reused name
