@@ -21,6 +21,9 @@ def matmul_grad(g: GradCtx) -> None:
     # Y = A·B (numpy semantics):  dA = dY·Bᵀ, dB = Aᵀ·dY on the last two axes, batch axes unbroadcast.
     # A 1-D A is (1, K) and a 1-D B is (K, 1), the unit axis removed from Y: it is put back on dY.
     ra, rb = g.rank(0), g.rank(1)
+    if ra is None and rb == 2:
+        _matrix_weight_grads(g)
+        return
     if ra is None or rb is None:
         raise RuleError("MatMul gradient needs the ranks of both inputs (shape inference found none)")
     dy = g.dy(0)
@@ -58,6 +61,27 @@ def matmul_grad(g: GradCtx) -> None:
             g.set_dx(1, g.reduce("ReduceSum", db, [*range(r - 2), r - 1], keepdims=0))
         else:
             g.set_dx(1, _unbroadcast_batch(g, db, 1, r))
+
+
+def _matrix_weight_grads(g: GradCtx) -> None:
+    """A[..., K] · B[K, N] where A's rank is unknown (e.g. rows picked by ``Gather`` with the indices of a
+    ``Squeeze`` without axes of ``NonZero``'s output, torch's ``x[mask.nonzero().squeeze()]``): no axis of A
+    is broadcast against B, so dA = dY·Bᵀ for any rank of A (a 1-D A too: dY is then (N,)), and
+    dB = Aᵀ·dY over A and dY flattened to (ΣM, K) and (ΣM, N) (a 1-D A is one row)."""
+    if g.needs_dx(0):
+        g.set_dx(0, g.emit("MatMul", g.dy(0), g.emit("Transpose", g.x(1), perm=[1, 0])))
+    if g.needs_dx(1):
+        kn = g.static_shape(1)
+        if kn is not None and len(kn) == 2 and all(isinstance(d, int) and d > 0 for d in kn):
+            k, n = g.ints([-1, kn[0]]), g.ints([-1, kn[1]])
+        else:
+            shape = g.shape(1)
+            minus1 = g.ints([-1])
+            k = g.emit("Concat", minus1, g.emit("Slice", shape, g.ints([0]), g.ints([1])), axis=0)
+            n = g.emit("Concat", minus1, g.emit("Slice", shape, g.ints([1]), g.ints([2])), axis=0)
+        a2 = g.emit("Reshape", g.x(0), k)
+        dy2 = g.emit("Reshape", g.dy(0), n)
+        g.set_dx(1, g.emit("Gemm", a2, dy2, transA=1))
 
 
 def _weight_grad_as_gemm(g: GradCtx) -> bool:
