@@ -699,16 +699,25 @@ def _torchlib_registry_once():  # noqa: ANN202
         cls.from_torchlib = original
 
 
-def _export(module: nn.Module, args: tuple, exporter: str) -> onnx.ModelProto:
+def _export(module: nn.Module, args: tuple, exporter: str, dynamic: bool = False) -> onnx.ModelProto:
+    """``dynamic``: every dim of every input dynamic (TorchScript: ``dynamic_axes`` naming each axis
+    ``in{i}_{axis}``; dynamo: ``dynamic_shapes`` of ``Dim.AUTO`` for each axis of the module's ``*args``)."""
     names = [f"in{i}" for i in range(len(args))]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             if exporter == "dynamo":
-                return torch.onnx.export(module, args, dynamo=True, optimize=False, verbose=False).model_proto
+                kw = {}
+                if dynamic:
+                    auto = torch.export.Dim.AUTO
+                    kw["dynamic_shapes"] = (tuple({ax: auto for ax in range(a.dim())} for a in args),)
+                return torch.onnx.export(module, args, dynamo=True, optimize=False, verbose=False,
+                                         **kw).model_proto
             f = io.BytesIO()
+            axes = {n: {ax: f"{n}_{ax}" for ax in range(a.dim())} for n, a in zip(names, args)}
             torch.onnx.export(module, args, f, dynamo=False, opset_version=17, input_names=names,
-                              training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+                              training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                              dynamic_axes=axes if dynamic else None)
             return onnx.load_from_string(f.getvalue())
         except Exception as e:  # noqa: BLE001
             root = e
