@@ -23,6 +23,7 @@ from onnxtrain.engine.affinity import placed
 from onnxtrain.engine.allocator import tune_allocator
 from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow
 from onnxtrain.engine.donation import donated_slots, donating, reusable_inputs
+from onnxtrain.engine.node_checks import NodeChecker, invalid_nodes, model_opsets
 from onnxtrain.engine.parallel import default_width, running_with, width
 from onnxtrain.engine.registry import (
     SUBGRAPH_OPS,
@@ -32,7 +33,7 @@ from onnxtrain.engine.registry import (
     find_kernel,
     parse_attributes,
 )
-from onnxtrain.errors import Fail, InvalidProtobuf, ModelNotFound, program_hint
+from onnxtrain.errors import Fail, InvalidGraph, InvalidProtobuf, ModelNotFound, program_hint
 from onnxtrain.ir.functions import expand_functions
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, RANDOM_OPS
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
@@ -57,6 +58,12 @@ class ModelParseError(EngineError, InvalidProtobuf):
 
 class UnsupportedOpError(EngineError, NotImplementedError):
     """The graph holds an op that has no kernel (yet)."""
+
+
+class InvalidNodeError(EngineError, InvalidGraph):
+    """A node of a standard domain that its ONNX schema does not allow (inputs, outputs or attributes), found
+    when the plan is compiled (onnxruntime's ``InvalidGraph`` at load); the message names the node, op,
+    opset and what is wrong."""
 
 
 @dataclass
@@ -107,6 +114,23 @@ def default_opset(model: onnx.ModelProto) -> int:
         if o.domain in DEFAULT_DOMAINS:
             return int(o.version)
     return onnx.defs.onnx_opset_version()
+
+
+def checked_opsets(model: onnx.ModelProto) -> dict[str, int]:
+    """The opsets nodes are checked at: the model's ONNX opset (the engine's default when it imports none) and
+    its ``ai.onnx.ml`` one when it imports it."""
+    return {"": default_opset(model), **model_opsets(model)}
+
+
+def check_nodes(model: onnx.ModelProto) -> None:
+    """Raise :class:`InvalidNodeError` naming the nodes of ONNX's domains (``""``, ``"ai.onnx.ml"``), bodies
+    included, that their schemas at the model's opsets do not allow (:mod:`onnxtrain.engine.node_checks`)."""
+    found = invalid_nodes(model.graph, checked_opsets(model))
+    if len(found) == 1:
+        raise InvalidNodeError(found[0])
+    if found:
+        more = "+" if len(found) >= 10 else ""
+        raise InvalidNodeError(f"{len(found)}{more} invalid nodes:\n  " + "\n  ".join(found))
 
 
 class GraphInterface:
@@ -176,7 +200,19 @@ class Plan(GraphInterface):
 
         self.fused = fusion.enabled() if fuse is None else bool(fuse)
         tune_allocator()
-        model = self._read_interface(model, initializers)
+        # the nodes are checked against their schemas (InvalidNodeError) as they are compiled, below; the
+        # model's own nodes, before the ops without a kernel are replaced by their function bodies
+        original = load_model(model)
+        try:
+            model = self._read_interface(original, initializers)
+        except Exception:
+            check_nodes(original)  # an invalid node may be why its function body could not be built
+            raise
+        checker = None
+        if model is original:
+            checker = NodeChecker(checked_opsets(model))
+        else:
+            check_nodes(original)  # functions expanded: the whole model's, bodies included, now
         g = model.graph
         init_names = set(self.initializers)
 
@@ -195,6 +231,9 @@ class Plan(GraphInterface):
         missing: list[str] = []
         captures: dict[int, list[str]] = {}  # node index → outer values its bodies read
         for k, node in enumerate(g.node):
+            in_names, out_names = tuple(node.input), tuple(node.output)
+            if checker is not None and checker.invalid(node, in_names, out_names):
+                check_nodes(model)  # raises, naming every invalid node (control-flow bodies: their plans)
             if node.op_type in SUBGRAPH_OPS and node.domain in DEFAULT_DOMAINS:
                 fn = compile_control_flow(node, model, self.opset, self.threads, self.fused)
                 captures[k] = fn.captures
@@ -208,12 +247,12 @@ class Plan(GraphInterface):
                 values = parse_attributes(node, self.opset)
             except Exception as e:
                 raise EngineError(f"node {node.name!r} ({node.op_type}): bad attributes: {e}") from None
-            used = tuple(bool(o) for o in node.output)
-            attrs = Attrs(values, node.op_type, node.name, self.opset, len(node.output), used)
+            used = tuple(bool(o) for o in out_names)
+            attrs = Attrs(values, node.op_type, node.name, self.opset, len(out_names), used)
             if random_state is not None and node.op_type in RANDOM_OPS:
-                attrs.cache = random_state.setdefault(node.name or tuple(node.output), {})
-            ins = [slot_of(n) if n else -1 for n in (*node.input, *captures.get(k, ()))]
-            outs = [slot_of(n) if n else -1 for n in node.output]
+                attrs.cache = random_state.setdefault(node.name or out_names, {})
+            ins = [slot_of(n) if n else -1 for n in (*in_names, *captures.get(k, ()))]
+            outs = [slot_of(n) if n else -1 for n in out_names]
             raw_steps.append((node, fn, attrs, ins, outs))
         if missing:
             raise UnsupportedOpError(

@@ -1,0 +1,252 @@
+"""The numpy engine refuses, when a session is created, nodes of the standard domains that their ONNX schema
+does not allow (too many or too few inputs or outputs, an unknown attribute, an attribute of the wrong type,
+a required one missing), naming the node, op, opset and what is wrong, as onnxruntime refuses such a model
+at load (InvalidGraph); valid nodes that leave optional inputs out still run and equal onnxruntime."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxtrain
+from onnxtrain.engine.plan import EngineError, InvalidNodeError, UnsupportedOpError, compile_model
+from onnxtrain.errors import InvalidGraph
+
+ort = pytest.importorskip("onnxruntime")
+CPU = ["CPUExecutionProvider"]
+
+def one_node(node: onnx.NodeProto, opset: int = 17, shape: tuple[int, ...] = (2, 3)) -> onnx.ModelProto:
+    """A model of ``node`` alone, reading the float input ``x``."""
+    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in node.output if o]
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+                          outs)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def with_loss(node: onnx.NodeProto) -> onnx.ModelProto:
+    """``node`` between a weight and a loss, for TrainingSession: t = x·w, node(t) → y, loss = Σ y."""
+    w = numpy_helper.from_array(np.ones((2, 3), np.float32), "w")
+    nodes = [helper.make_node("Mul", ["x", "w"], ["t"], name="scale"), node,
+             helper.make_node("ReduceSum", ["y"], ["loss"], name="total", keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+# case → (node reading "x" (renamed "t" in the training model), the pieces its message must hold)
+CASES = {
+    "Relu_two_inputs": (lambda i: helper.make_node("Relu", [i, i], ["y"], name="bad"),
+                        ["'bad'", "(Relu, opset 17)", "has 2 inputs; Relu-14 takes 1"]),
+    "Relu_two_outputs": (lambda i: helper.make_node("Relu", [i], ["y", "z"], name="bad"),
+                         ["'bad'", "(Relu, opset 17)", "has 2 outputs; Relu-14 takes 1"]),
+    "Add_one_input": (lambda i: helper.make_node("Add", [i], ["y"], name="bad"),
+                      ["'bad'", "(Add, opset 17)", "has 1 input; Add-14 takes 2"]),
+    "Transpose_unknown_attribute": (lambda i: helper.make_node("Transpose", [i], ["y"], name="bad", foo=3),
+                                    ["'bad'", "(Transpose, opset 17)",
+                                     "attribute 'foo' is not an attribute of Transpose-13"]),
+    "Softmax_float_axis": (lambda i: helper.make_node("Softmax", [i], ["y"], name="bad", axis=1.5),
+                           ["'bad'", "(Softmax, opset 17)",
+                            "attribute 'axis' is FLOAT; Softmax-13 declares INT"]),
+    # an INT where FLOAT is declared: onnx.checker and onnxruntime refuse it too
+    "LeakyRelu_int_alpha": (lambda i: helper.make_node("LeakyRelu", [i], ["y"], name="bad", alpha=1),
+                            ["'bad'", "(LeakyRelu, opset 17)",
+                             "attribute 'alpha' is INT; LeakyRelu-16 declares FLOAT"]),
+    "Cast_without_to": (lambda i: helper.make_node("Cast", [i], ["y"], name="bad"),
+                        ["'bad'", "(Cast, opset 17)", "required attribute 'to' of Cast-13 is missing"]),
+    "Add_empty_required_input": (lambda i: helper.make_node("Add", ["", i], ["y"], name="bad"),
+                                 ["'bad'", "(Add, opset 17)",
+                                  "input 0 (A) of Add-14 is required, but its name is empty"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_inference_session_refuses_the_node_at_creation(case: str) -> None:
+    make, pieces = CASES[case]
+    model = one_node(make("x"))
+    with pytest.raises(InvalidNodeError) as e:
+        onnxtrain.InferenceSession(model.SerializeToString())
+    for p in pieces:
+        assert p in str(e.value), (p, str(e.value))
+    # the hierarchy: an EngineError (onnxruntime's Fail) and onnxruntime's InvalidGraph
+    assert isinstance(e.value, EngineError) and isinstance(e.value, InvalidGraph)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_onnxruntime_refuses_the_same_model(case: str) -> None:
+    """The oracle that these models are invalid: onnxruntime refuses them at load."""
+    make, _ = CASES[case]
+    with pytest.raises(Exception, match="INVALID_GRAPH|Unrecognized attribute|Mismatched attribute type"):
+        ort.InferenceSession(one_node(make("x")).SerializeToString(), providers=CPU)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_legacy_training_session_refuses_the_node_at_creation(case: str) -> None:
+    make, pieces = CASES[case]
+    p = onnxtrain.TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "SGDOptimizer"
+    with pytest.raises(InvalidNodeError) as e:
+        onnxtrain.TrainingSession(with_loss(make("t")).SerializeToString(), p)
+    for piece in pieces:
+        assert piece in str(e.value), (piece, str(e.value))
+
+
+def test_unnamed_node_is_named_by_its_index() -> None:
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="ok"), helper.make_node("Add", ["r"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(InvalidNodeError, match=r"node #1 \(unnamed\) \(Add, opset 17\): has 1 input; Add-14 "
+                                               "takes 2"):
+        onnxtrain.InferenceSession(model.SerializeToString())
+
+
+def test_every_invalid_node_is_listed() -> None:
+    nodes = [helper.make_node("Relu", ["x", "x"], ["r"], name="first"),
+             helper.make_node("Transpose", ["r"], ["y"], name="second", foo=3)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(InvalidNodeError) as e:
+        compile_model(model)
+    msg = str(e.value)
+    assert "2 invalid nodes" in msg and "'first' (Relu" in msg and "'second' (Transpose" in msg
+
+
+def test_node_in_a_control_flow_body_is_named_under_its_node() -> None:
+    bad = helper.make_node("Relu", ["x", "x"], ["b"], name="inner")
+    then = helper.make_graph([bad], "then", [], [helper.make_tensor_value_info("b", TensorProto.FLOAT, None)])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["c"], name="neg")], "else", [],
+                              [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)])
+    node = helper.make_node("If", ["cond"], ["y"], name="branch", then_branch=then, else_branch=other)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+                                        helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(InvalidNodeError, match=r"node 'branch' \(If\), then_branch: node 'inner' \(Relu, "
+                                               r"opset 17\): has 2 inputs; Relu-14 takes 1"):
+        onnxtrain.InferenceSession(model.SerializeToString())
+    with pytest.raises(Exception, match="INVALID_GRAPH"):
+        ort.InferenceSession(model.SerializeToString(), providers=CPU)
+
+
+def test_ai_onnx_ml_node_is_checked_at_its_domain_opset() -> None:
+    node = helper.make_node("LabelEncoder", ["x"], ["y"], name="enc", domain="ai.onnx.ml",
+                            keys_floats=[0.0], values_floats=[1.0], foo=1)
+    model = one_node(node)
+    model.opset_import.append(helper.make_opsetid("ai.onnx.ml", 2))
+    with pytest.raises(InvalidNodeError, match=r"node 'enc' \(ai.onnx.ml.LabelEncoder, opset 2\): attribute "
+                                               r"'foo' is not an attribute of LabelEncoder-2"):
+        onnxtrain.InferenceSession(model.SerializeToString())
+    with pytest.raises(Exception, match="INVALID_GRAPH|Unrecognized attribute"):
+        ort.InferenceSession(model.SerializeToString(), providers=CPU)
+
+
+def test_op_without_a_schema_keeps_the_no_kernel_error() -> None:
+    model = one_node(helper.make_node("NoSuchOp", ["x"], ["y"], name="odd", foo=1))
+    with pytest.raises(UnsupportedOpError, match="no kernel for node"):
+        onnxtrain.InferenceSession(model.SerializeToString())
+
+
+def _instance_norm_running_stats() -> onnx.ModelProto:
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    m = torch.nn.InstanceNorm2d(2, affine=True, track_running_stats=True)
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(m, (torch.randn(2, 2, 3, 3),), f, dynamo=False, opset_version=17, input_names=["x"],
+                          output_names=["y"], training=torch.onnx.TrainingMode.TRAINING,
+                          do_constant_folding=False)
+    return onnx.load_from_string(f.getvalue())
+
+
+def test_torchscript_instance_norm_with_running_stats_is_refused() -> None:
+    """TorchScript writes a BatchNormalization with 5 outputs (valid only before opset 14) at opset 17: the
+    engine ran it and gave another value than torch's; onnxruntime refuses the model."""
+    model = _instance_norm_running_stats()
+    want = (r"node '/BatchNormalization' \(BatchNormalization, opset 17\): has 5 outputs; "
+            r"BatchNormalization-15 takes 1 to 3")
+    with pytest.raises(InvalidNodeError, match=want):
+        onnxtrain.InferenceSession(model.SerializeToString())
+    with pytest.raises(Exception, match="INVALID_GRAPH"):
+        ort.InferenceSession(model.SerializeToString(), providers=CPU)
+    # the legacy TrainingSession, on the model with a loss
+    model.graph.node.append(helper.make_node("ReduceSum", ["y"], ["loss"], name="total", keepdims=0))
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
+    p = onnxtrain.TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "SGDOptimizer"
+    with pytest.raises(InvalidNodeError, match=want):
+        onnxtrain.TrainingSession(model.SerializeToString(), p)
+
+
+def _init(name: str, a: np.ndarray) -> onnx.TensorProto:
+    return numpy_helper.from_array(a, name)
+
+
+# valid nodes that leave optional inputs out: (node, initializers, input shape, opset)
+VALID = {
+    "Clip_max_only": (helper.make_node("Clip", ["x", "", "hi"], ["y"], name="clip"),
+                      [_init("hi", np.array(0.1, np.float32))], (2, 3), 17),
+    "Clip_trailing_empty": (helper.make_node("Clip", ["x", "lo", ""], ["y"], name="clip"),
+                            [_init("lo", np.array(-0.1, np.float32))], (2, 3), 17),
+    "Resize_sizes_only": (helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], name="resize",
+                                           mode="nearest"),
+                          [_init("sizes", np.array([1, 1, 4, 6], np.int64))], (1, 1, 2, 3), 17),
+    "Dropout_no_ratio": (helper.make_node("Dropout", ["x"], ["y"], name="drop"), [], (2, 3), 17),
+    "Dropout_mask_omitted": (helper.make_node("Dropout", ["x", "", ""], ["y", ""], name="drop"), [],
+                             (2, 3), 17),
+    "Pad_constant_value_omitted": (helper.make_node("Pad", ["x", "pads", ""], ["y"], name="pad"),
+                                   [_init("pads", np.array([0, 1, 0, 1], np.int64))], (2, 3), 17),
+    "Concat_variadic": (helper.make_node("Concat", ["x", "x", "x"], ["y"], name="cat", axis=0), [],
+                        (2, 3), 17),
+    "Split_variadic_outputs": (helper.make_node("Split", ["x"], ["y", "z", "w"], name="split", axis=1,
+                                                num_outputs=3), [], (2, 3), 18),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VALID))
+def test_valid_nodes_with_omitted_optional_values_run_as_onnxruntime(case: str) -> None:
+    node, inits, shape, opset = VALID[case]
+    model = one_node(node, opset, shape)
+    model.graph.initializer.extend(inits)
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) / 5 - 0.5
+    got = onnxtrain.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    want = ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, {"x": x})
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
+def _swish_model(*nodes: onnx.NodeProto) -> onnx.ModelProto:
+    g = helper.make_graph(list(nodes), "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 24)])
+
+
+def test_ops_run_as_their_function_body_are_checked_before_expansion() -> None:
+    """Swish (opset 24) has no kernel: the engine runs its ONNX body, built for the node; an invalid Swish is
+    refused as written, and the nodes of a model that holds a valid one are checked too."""
+    x = np.linspace(-2, 2, 6, dtype=np.float32).reshape(2, 3)
+    ok = _swish_model(helper.make_node("Swish", ["x"], ["y"], name="swish", alpha=0.5))
+    y = onnxtrain.InferenceSession(ok.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, x / (1 + np.exp(-0.5 * x)), rtol=1e-6)
+    with pytest.raises(InvalidNodeError, match=r"node 'swish' \(Swish, opset 24\): attribute 'alpha' is INT; "
+                                               r"Swish-24 declares FLOAT"):
+        onnxtrain.InferenceSession(_swish_model(helper.make_node("Swish", ["x"], ["y"], name="swish",
+                                                                 alpha=1)))
+    with pytest.raises(InvalidNodeError,
+                       match=r"node 'swish' \(Swish, opset 24\): has 2 inputs; Swish-24 takes 1"):
+        onnxtrain.InferenceSession(_swish_model(helper.make_node("Swish", ["x", "x"], ["y"], name="swish")))
+    both = _swish_model(helper.make_node("Swish", ["x"], ["s"], name="swish"),
+                        helper.make_node("Relu", ["s", "s"], ["y"], name="bad"))
+    with pytest.raises(InvalidNodeError,
+                       match=r"node 'bad' \(Relu, opset 24\): has 2 inputs; Relu-14 takes 1"):
+        onnxtrain.InferenceSession(both)
