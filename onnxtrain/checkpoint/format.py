@@ -137,11 +137,19 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Read a checkpoint file (complete or nominal, inline or with ``<path>.data``).
 
     If a save of ``path`` was killed between its two renames (its journal is beside it), the old pair is
-    put back first (:func:`onnxtrain.ir.io.recover_commits`), with a warning saying so."""
+    put back first (:func:`onnxtrain.ir.io.recover_commits`), with a warning saying so (an OSError
+    saying so where the folder does not let it: the mixed pair is never loaded)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "Cannot load checkpoint, the path is a directory", path)
-    put_back = recover_commits(os.path.dirname(os.path.abspath(path)), naming=[path, path + ".data"]).put_back
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        put_back = recover_commits(folder, naming=[path, path + ".data"]).put_back
+    except OSError as e:  # a read-only folder, another user's journal: never load the mixed pair
+        raise type(e)(e.errno, f"a save of checkpoint {path} was killed part way (its commit journal, "
+                      "*.journal.tmp, is beside it), leaving its files mismatched, and they cannot be put "
+                      f"back here: {e}; load it once where its folder can be written, which puts back the "
+                      "previous checkpoint") from e
     if put_back:
         warn(f"a save of checkpoint {path} was killed part way, leaving its files mismatched: put back "
              f"{', '.join(put_back)} as they were before it (the previous checkpoint)")

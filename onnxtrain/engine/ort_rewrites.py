@@ -40,13 +40,14 @@ tensor laid out as a matrix (:mod:`onnxtrain.engine.ort_sums`): 40–46 → 18�
 A ``Sum`` of zero ``Pad``s that lay pieces side by side along one axis (the gradient of q, k and v taken from
 one projection) becomes one ``Concat`` (:mod:`onnxtrain.engine.ort_pads`).
 
-The labels of a ``SoftmaxCrossEntropyLoss`` or ``NegativeLogLikelihoodLoss`` go through a Reshape to the
-shape the scores say they have (``(N, d1, ...)`` of scores ``(N, C, d1, ...)``), and the nodes after the loss
-that read them (its gradient) read that: onnxruntime 1.32 runs either loss (ONNX's function body, or the
-gather above) on 5 score rows and 4 labels without a word, training on the first 4 rows, where the numpy
-engine's kernel refuses them. The Reshape then fails, as the numpy kernel does, and the plan names the inputs
-(:class:`~onnxtrain.engine.ort_plan.OrtPlan`). It costs a Shape and a Reshape of the labels (no copy), and
-is written even with onnxruntime's optimisations off, since onnxruntime's own loss does not check either
+The labels of a ``SoftmaxCrossEntropyLoss`` or ``NegativeLogLikelihoodLoss`` (of the main graph) go through
+Reshapes that fail unless they have the shape the scores say they have (``(N, d1, ...)`` of scores
+``(N, C, d1, ...)``), and the nodes after the loss that read them (its gradient) read that: onnxruntime 1.32
+runs either loss (ONNX's function body, or the gather above) on 5 score rows and 4 labels without a word,
+training on the first 4 rows, where the numpy engine's kernel refuses them. The check then fails, as the
+numpy kernel does, and the plan names the inputs (:class:`~onnxtrain.engine.ort_plan.OrtPlan`). It costs
+Shapes, a Max of the shapes and Reshapes of the labels (no copy), and is written even with onnxruntime's
+optimisations off, since onnxruntime's own loss does not check either
 (:func:`for_onnxruntime`: the check, then the other rewrites).
 
 A BatchNormalization in inference mode that names running-statistics outputs nothing reads (the eval model
@@ -197,10 +198,20 @@ def _labels_check(node: onnx.NodeProto, scores_shape: list | None, opset: int,
     if not two_d:
         want = name("want")
         nodes.append(helper.make_node("Concat", [head, tail], [want], name=name("Concat"), axis=0))
+    # The labels' shape must be ``want`` itself, not only hold as many values (a Reshape alone would turn
+    # labels (N, 1) for scores (N, C), or a transposed label map, into a loss that runs): ``want`` reshaped
+    # to the labels' rank fails unless the ranks agree; labels reshaped to max(their dims, want) fail unless
+    # each dim is at least want's, and that reshaped to ``want`` unless each is at most want's
+    own, rank, same_rank, hi, wide = name("own"), name("rank"), name("same_rank"), name("max"), name("wide")
     out = names(f"{labels}/checked")
     # allowzero: a batch of 0 scores must not take the labels' own count
     extra = {"allowzero": 1} if opset >= 14 else {}
-    nodes.append(helper.make_node("Reshape", [labels, want], [out], name=name("Reshape"), **extra))
+    nodes += [helper.make_node("Shape", [labels], [own], name=name("Shape")),
+              helper.make_node("Shape", [own], [rank], name=name("Shape")),
+              helper.make_node("Reshape", [want, rank], [same_rank], name=name("Reshape"), **extra),
+              helper.make_node("Max", [own, same_rank], [hi], name=name("Max")),
+              helper.make_node("Reshape", [labels, hi], [wide], name=name("Reshape"), **extra),
+              helper.make_node("Reshape", [wide, same_rank], [out], name=name("Reshape"), **extra)]
     return nodes, [i for i in inits if any(i.name in n.input for n in nodes)], out
 
 

@@ -330,8 +330,13 @@ def _read_journal(fd: int, path: str) -> list[dict[str, Any]]:
 
 
 def _same_entry(a: str, b: str) -> bool:
+    """Whether backup ``a`` still holds what target ``b`` is: the same file, or (a symlink's backup is a new
+    symlink) a symlink to the same place."""
     try:
-        return os.path.samestat(os.lstat(a), os.lstat(b))
+        sa, sb = os.lstat(a), os.lstat(b)
+        if stat.S_ISLNK(sa.st_mode) and stat.S_ISLNK(sb.st_mode):
+            return os.readlink(a) == os.readlink(b)
+        return os.path.samestat(sa, sb)
     except OSError:
         return False
 

@@ -158,7 +158,6 @@ class Trainer:
         self.rank = w.rank
         self.main = w.rank == 0  # prints and writes files
         self.comm = parallel.get_communicator() if w.size > 1 else None
-        self.adasum = w.size > 1 and bool(t.parameters.get("enable_adasum"))
         if self.main:  # before the model is built: a folder that cannot be written fails at once
             try:
                 check_output_dir(self.out)
@@ -186,6 +185,8 @@ class Trainer:
         self.model = build_model(cfg)
         self.data = feed_names(cfg, self.model, data_mod.load_data(cfg))
         self.params = training_parameters(cfg, self.model)
+        # whether the session exchanges updates by Adasum (parallel.exchange_mode: ZeRO stage 1 wins over it)
+        self.adasum = w.size > 1 and bool(self.params.enable_adasum) and self.params.deepspeed_zero_stage != 1
         self.sess = make_session(cfg, self.model, self.params)
         self.trained = trainable_names(self.sess)
         self.layout = optimizer_layout(self.sess, self.comm)

@@ -269,6 +269,30 @@ def test_label_losses_refuse_a_short_batch(op, spatial, opset):
     np.testing.assert_allclose(sess.run(["loss"], {"s": s, "y": y})[0], want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("opset", [13, 17])
+@pytest.mark.parametrize("case", ["2d_column_labels", "spatial_transposed", "spatial_flat"])
+def test_label_losses_refuse_labels_of_another_shape_with_as_many_values(case, opset):
+    """Labels with as many values as the scores give but another shape: a column (N, 1) of labels for
+    scores (N, C), a label map (N, W, H) for scores (N, C, H, W), a flat (N·H·W,) one. The numpy engine and
+    plain onnxruntime refuse them; the backend's check must not reshape them into a loss that runs."""
+    s_dims, y_dims, s, y = {
+        "2d_column_labels": (["N", 3], ["N", 1], (4, 3), (4, 1)),
+        "spatial_transposed": (["N", 3, "H", "W"], ["N", "W", "H"], (2, 3, 4, 5), (2, 5, 4)),
+        "spatial_flat": (["N", 3, "H", "W"], ["M"], (2, 3, 4, 5), (40,)),
+    }[case]
+    g = helper.make_graph([helper.make_node("SoftmaxCrossEntropyLoss", ["s", "y"], ["loss"])], "loss",
+                          [helper.make_tensor_value_info("s", TensorProto.FLOAT, s_dims),
+                           helper.make_tensor_value_info("y", TensorProto.INT64, y_dims)],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    rng = np.random.default_rng(4)
+    feeds = {"s": rng.standard_normal(s).astype(np.float32), "y": rng.integers(0, 3, y)}
+    for backend in ("numpy", "onnxruntime"):
+        with pytest.raises(Exception) as e:  # noqa: PT011 (onnxruntime may refuse it at load or at run)
+            InferenceSession(model.SerializeToString(), options(backend)).run(["loss"], feeds)
+        assert isinstance(e.value, (EngineError, ValueError, RuntimeError)), (backend, e.value)
+
+
 # ---- a plain InferenceSession --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])

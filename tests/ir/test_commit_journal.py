@@ -9,6 +9,7 @@ left: old while the journal is there, new once the commit has deleted it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -243,6 +244,54 @@ def test_load_checkpoint_puts_back_the_pair_of_a_killed_save(tmp_path):
             assert _same(loaded, new)
             break
     assert "mixed" in seen
+
+
+def test_load_checkpoint_that_cannot_put_back_a_killed_save_says_why(tmp_path, monkeypatch):
+    """A save killed between its renames, in a folder the loader cannot write (a read-only copy, another
+    user's run): load_checkpoint refuses the mixed pair with an error that says a save was killed and that
+    its files could not be put back, naming the checkpoint, not a bare PermissionError on a backup."""
+    path = str(tmp_path / "ckpt")
+    save_checkpoint(_ckpt(1), path, external_threshold=0)
+    assert _killed(lambda: save_checkpoint(_ckpt(2), path, external_threshold=0),
+                   _kill_after_first_rename(path + ".data"))
+    before = _snapshot(tmp_path)
+
+    def refused(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", args[0])
+
+    monkeypatch.setattr(os, "replace", refused)
+    monkeypatch.setattr(os, "unlink", refused)
+    with pytest.raises(PermissionError, match=r"a save of checkpoint .*ckpt was killed part way.*cannot be "
+                                              r"put back") as e:
+        load_checkpoint(path)
+    assert path in str(e.value)
+    monkeypatch.undo()
+    assert _snapshot(tmp_path) == before  # nothing touched
+    with pytest.warns(UserWarning, match="killed part way"):
+        assert _same(load_checkpoint(path), _ckpt(1))
+
+
+def test_symlinked_pair_killed_before_any_rename_is_not_reported_as_put_back(tmp_path):
+    """Targets that are symlinks (kept as new symlinks to the same place), a save killed after its backups
+    but before its first rename: nothing was replaced, so load_checkpoint loads the old pair without the
+    warning that the files were mismatched and put back, and the links are left as they were."""
+    (tmp_path / "store").mkdir()
+    save_checkpoint(_ckpt(1), str(tmp_path / "store" / "real"), external_threshold=0)
+    path = str(tmp_path / "ckpt")
+    os.symlink(os.path.join("store", "real"), path)
+    os.symlink(os.path.join("store", "real.data"), path + ".data")
+    links = [os.lstat(p).st_ino for p in (path, path + ".data")]
+
+    def first_rename(name: str, args: tuple) -> bool:
+        return name == "replace" and ".journal." not in os.path.basename(os.fspath(args[0]))
+
+    assert _killed(lambda: save_checkpoint(_ckpt(2), path, external_threshold=0), first_rename)
+    assert _journal_of_kill(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _same(load_checkpoint(path), _ckpt(1))
+    assert [os.lstat(p).st_ino for p in (path, path + ".data")] == links
+    assert _commit_files(tmp_path) == []
 
 
 def _kill_after_first_rename(target: str) -> Callable[[str, tuple], bool]:

@@ -197,6 +197,20 @@ def test_adasum_resume_from_rank0_state_only_warns(tmp_path) -> None:
     assert load_checkpoint(os.path.join(out, LAST)).properties["adasum_ranks"] == 2
 
 
+def test_adasum_ignored_under_zero_keeps_one_optimizer_group(tmp_path) -> None:
+    """enable_adasum with deepspeed_zero_stage 1: the session uses ZeRO (Adasum ignored, with a warning), the
+    ranks' optimizer state is one, gathered: the checkpoint holds it once, not once per rank, and claims no
+    Adasum ranks."""
+    out = str(tmp_path / "run")
+    both = ["--set", "training.parameters.enable_adasum=true",
+            "--set", "training.parameters.deepspeed_zero_stage=1"]
+    r = mpiexec(["-n", "2", *train_cmd(*both, "--set", "training.steps=10", "--output-dir", out, "-q")])
+    assert r.returncode == 0, r.stdout + r.stderr
+    ckpt = load_checkpoint(os.path.join(out, "checkpoints", "step_00000010.ckpt"))
+    assert [g.name for g in ckpt.optimizer_groups] == ["group0"]
+    assert "adasum_ranks" not in ckpt.properties
+
+
 def test_run_eval_of_batchnorm_model_equals_eval_of_its_checkpoint(tmp_path) -> None:
     """Each rank updates its BatchNormalization running statistics from its own half batches; the run's
     evals score with rank 0's (which the checkpoint holds), so the last eval equals ``onnxtrain eval`` of
