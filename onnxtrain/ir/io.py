@@ -351,13 +351,24 @@ def _recover_journal(path: str, wanted: set[str] | None, put_back: list[str], re
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return set()  # its commit just ended
+    except PermissionError:
+        if wanted is None:
+            raise
+        warn(f"cannot read {path} (another user's commit journal?); left as it is")
+        return set()
     try:
         folder = os.path.dirname(path)
         if not _lock(fd):  # a running commit: complete (journals are renamed in once written)
             return {os.path.join(folder, e["backup"]) for e in _read_journal(fd, path) if e["backup"]}
         if not _still_there(fd, path):
             return set()  # its commit ended (and deleted it) between our open and our lock
-        files = _read_journal(fd, path)
+        try:
+            files = _read_journal(fd, path)
+        except ValueError as e:  # a commit of these files is not held up by a journal it cannot read
+            if wanted is None:
+                raise
+            warn(f"{e}; left as it is")
+            return set()
         if wanted is not None and not any(os.path.abspath(os.path.join(folder, e["target"])) in wanted
                                           for e in files):
             return set()

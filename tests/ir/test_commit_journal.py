@@ -413,6 +413,21 @@ def test_an_unreadable_journal_is_reported_not_guessed(tmp_path):
     assert (tmp_path / "x").read_bytes() == b"x" and journal.exists()
 
 
+
+def test_an_unreadable_journal_does_not_hold_up_other_saves(tmp_path):
+    """A commit (or load_checkpoint) recovers the journals of its own files: one it cannot read is left with
+    a warning instead of failing every save in the folder; the full recovery still refuses it."""
+    journal = tmp_path / "other.0123abcd.journal.tmp"
+    journal.write_bytes(b"not json")
+    with pytest.warns(UserWarning, match="not a readable onnxtrain commit journal"), StagedFiles() as files:
+        files.write(str(tmp_path / "a"), lambda f: f.write(b"A"))
+        files.write(str(tmp_path / "b"), lambda f: f.write(b"B"))
+    assert (tmp_path / "a").read_bytes() == b"A" and (tmp_path / "b").read_bytes() == b"B"
+    assert journal.exists()
+    with pytest.raises(ValueError, match="not a readable onnxtrain commit journal"):
+        recover_commits(str(tmp_path))
+
+
 # ---- stage_model over a model whose tensors are already in the file it would write -----------------------
 
 def _model_with_weights(folder, location: str):
