@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -754,9 +755,10 @@ def _close(name: str, got: np.ndarray, want: np.ndarray, dtype: torch.dtype) -> 
     return None
 
 
-def _params() -> list:
+def _params(cases) -> list:
+    """pytest params (case, exporter) of ``cases`` with both exporters, XFAIL marked."""
     out = []
-    for case in CASES:
+    for case in cases:
         for exporter in ("torchscript", "dynamo"):
             marks = []
             if (case, exporter) in XFAIL:
@@ -765,7 +767,54 @@ def _params() -> list:
     return out
 
 
-@pytest.mark.parametrize("case,exporter", _params())
+class _Graded(NamedTuple):
+    """A gradient model of an export and what comparing it with torch needs."""
+
+    model: onnx.ModelProto
+    names: list  # graph input name of each module argument (None: not an input)
+    diff_in: list[int]  # the arguments differentiated
+    wrt: list[str]  # parameters, then those inputs
+    loss: str
+
+
+def _gradient_model(case: str, module: nn.Module, model: onnx.ModelProto, args: tuple,
+                    n_in: int | None = None) -> _Graded:
+    """Gradients of ``model`` (the export of ``module`` at ``args``) for every torch parameter and every float
+    argument among the first ``n_in``, checked with full_check."""
+    names = _inputs(model, len(args))
+    inits = {t.name for t in model.graph.initializer}
+    params = [n for n, _ in module.named_parameters()]
+    missing = [p for p in params if p not in inits]
+    assert not missing, f"torch parameters without an initializer of that name: {missing}"
+    diff_in = [k for k, a in enumerate(args[:n_in])
+               if a.is_floating_point() and names[k] is not None and k not in NO_GRAD.get(case, ())]
+    wrt = params + [names[k] for k in diff_in]
+    loss = model.graph.output[0].name
+    gmodel = build_gradient_model(model, loss, wrt)
+    onnx.checker.check_model(gmodel, full_check=True)
+    return _Graded(gmodel, names, diff_in, wrt, loss)
+
+
+def _compare(graded: _Graded, module: nn.Module, args: tuple, dtype: torch.dtype, tag: str = "") -> list[str]:
+    """The loss and gradients of ``graded`` on the numpy engine against torch autograd at ``args``: one
+    message per value that differs."""
+    names = graded.names
+    feeds = {names[k]: a.numpy() for k, a in enumerate(args) if names[k] is not None}
+    got = dict(zip([o.name for o in graded.model.graph.output], run_engine(graded.model, feeds)))
+    ts = [a.clone().requires_grad_(k in graded.diff_in) for k, a in enumerate(args)]
+    module.zero_grad(set_to_none=True)
+    y = module(*ts)
+    y.backward()
+    want = {p: t.grad for p, t in module.named_parameters()}
+    want.update({names[k]: ts[k].grad for k in graded.diff_in})
+    errors = [_close(f"{tag}loss", got[graded.loss], y.detach().numpy(), dtype)]
+    for n in graded.wrt:
+        w, g = want[n], got[f"{n}_grad"]
+        errors.append(_close(f"{tag}{n}", g, np.zeros(g.shape) if w is None else w.numpy(), dtype))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("case,exporter", _params(CASES))
 def test_layer_gradients_match_torch(case: str, exporter: str) -> None:
     if exporter == "dynamo":
         pytest.importorskip("onnxscript", reason="torch's dynamo exporter needs onnxscript")
@@ -773,33 +822,8 @@ def test_layer_gradients_match_torch(case: str, exporter: str) -> None:
         pytest.skip(f"torch's {exporter} exporter {EXPORT_WRONG[case, exporter]}")
     dtype = torch.float32 if (case, exporter) in FLOAT32 else torch.float64
     module, args = _build(case, dtype)
-    model = _export(module, args, exporter)
-    names = _inputs(model, len(args))
-    inits = {t.name for t in model.graph.initializer}
-    params = [n for n, _ in module.named_parameters()]
-    missing = [p for p in params if p not in inits]
-    assert not missing, f"torch parameters without an initializer of that name: {missing}"
-    diff_in = [k for k, a in enumerate(args)
-               if a.is_floating_point() and names[k] is not None and k not in NO_GRAD.get(case, ())]
-    wrt = params + [names[k] for k in diff_in]
-    loss_name = model.graph.output[0].name
-    gmodel = build_gradient_model(model, loss_name, wrt)
-    onnx.checker.check_model(gmodel, full_check=True)
-    feeds = {names[k]: a.numpy() for k, a in enumerate(args) if names[k] is not None}
-    got = dict(zip([o.name for o in gmodel.graph.output], run_engine(gmodel, feeds)))
-
-    ts = [a.clone().requires_grad_(k in diff_in) for k, a in enumerate(args)]
-    module.zero_grad(set_to_none=True)
-    y = module(*ts)
-    y.backward()
-    want = {p: t.grad for p, t in module.named_parameters()}
-    want.update({names[k]: ts[k].grad for k in diff_in})
-    errors = [_close("loss", got[loss_name], y.detach().numpy(), dtype)]
-    for n in wrt:
-        w = want[n]
-        errors.append(_close(n, got[f"{n}_grad"], np.zeros(got[f"{n}_grad"].shape) if w is None
-                             else w.numpy(), dtype))
-    errors = [e for e in errors if e]
+    graded = _gradient_model(case, module, _export(module, args, exporter), args)
+    errors = _compare(graded, module, args, dtype)
     assert not errors, f"{case} ({exporter}):\n  " + "\n  ".join(errors)
 
 

@@ -19,21 +19,17 @@ are the audit's; EXPORT_WRONG_DYNAMIC adds the exports that are torch's function
 
 from __future__ import annotations
 
-import numpy as np
-import onnx
 import pytest
 
-from onnxtrain.autodiff import build_gradient_model
-from onnxtrain.testing import run_engine
 from tests.autodiff.test_torch_layers_audit import (
     EXPORT_WRONG,
     FLOAT32,
-    NO_GRAD,
     Weighted,
     _build,
-    _close,
+    _compare,
     _export,
-    _inputs,
+    _gradient_model,
+    _params,
     _torchlib_registry_once,  # noqa: F401 (the module fixture, autouse here too)
 )
 
@@ -122,9 +118,8 @@ EXPORT_WRONG_DYNAMIC: dict[tuple[str, str], str] = {
        for c in ("TransformerEncoderLayer_norm_first_gelu", "TransformerDecoderLayer")},
 }
 
-# (case, exporter) → xfail reason: onnxtrain failures left (none: every case whose export is torch's function
-# at both sizes passes)
-XFAIL: dict[tuple[str, str], str] = {}
+# onnxtrain failures left: none (every case whose export is torch's function at both sizes passes); an xfail
+# would go into the audit's XFAIL, which _params reads
 
 
 class _RunTimeWeighted(nn.Module):
@@ -171,18 +166,7 @@ def _sized(case: str, dtype: torch.dtype) -> tuple[nn.Module, list[tuple]]:
     return module, sets
 
 
-def _params() -> list:
-    out = []
-    for case in SIZES:
-        for exporter in ("torchscript", "dynamo"):
-            marks = []
-            if (case, exporter) in XFAIL:
-                marks.append(pytest.mark.xfail(strict=True, reason=XFAIL[case, exporter]))
-            out.append(pytest.param(case, exporter, marks=marks, id=f"{case}-{exporter}"))
-    return out
-
-
-@pytest.mark.parametrize("case,exporter", _params())
+@pytest.mark.parametrize("case,exporter", _params(SIZES))
 def test_dynamic_layer_gradients_match_torch_at_two_sizes(case: str, exporter: str) -> None:
     if exporter == "dynamo":
         pytest.importorskip("onnxscript", reason="torch's dynamo exporter needs onnxscript")
@@ -192,34 +176,8 @@ def test_dynamic_layer_gradients_match_torch_at_two_sizes(case: str, exporter: s
     dtype = torch.float32 if (case, exporter) in FLOAT32 else torch.float64
     module, sets = _sized(case, dtype)
     n_in = len(sets[0]) - (1 if isinstance(module, _RunTimeWeighted) else 0)  # r: not differentiated
-    model = _export(module, sets[0], exporter, dynamic=True)
-    names = _inputs(model, len(sets[0]))
-    inits = {t.name for t in model.graph.initializer}
-    params = [n for n, _ in module.named_parameters()]
-    missing = [p for p in params if p not in inits]
-    assert not missing, f"torch parameters without an initializer of that name: {missing}"
-    diff_in = [k for k, a in enumerate(sets[0][:n_in])
-               if a.is_floating_point() and names[k] is not None and k not in NO_GRAD.get(case, ())]
-    wrt = params + [names[k] for k in diff_in]
-    loss_name = model.graph.output[0].name
-    gmodel = build_gradient_model(model, loss_name, wrt)
-    onnx.checker.check_model(gmodel, full_check=True)
-
+    graded = _gradient_model(case, module, _export(module, sets[0], exporter, dynamic=True), sets[0], n_in)
     errors = []
     for args in sets:
-        feeds = {names[k]: a.numpy() for k, a in enumerate(args) if names[k] is not None}
-        got = dict(zip([o.name for o in gmodel.graph.output], run_engine(gmodel, feeds)))
-        ts = [a.clone().requires_grad_(k in diff_in) for k, a in enumerate(args)]
-        module.zero_grad(set_to_none=True)
-        y = module(*ts)
-        y.backward()
-        want = {p: t.grad for p, t in module.named_parameters()}
-        want.update({names[k]: ts[k].grad for k in diff_in})
-        size = "×".join(map(str, args[0].shape))
-        errors.append(_close(f"[{size}] loss", got[loss_name], y.detach().numpy(), dtype))
-        for n in wrt:
-            w = want[n]
-            errors.append(_close(f"[{size}] {n}", got[f"{n}_grad"], np.zeros(got[f"{n}_grad"].shape)
-                                 if w is None else w.numpy(), dtype))
-    errors = [e for e in errors if e]
+        errors += _compare(graded, module, args, dtype, tag=f"[{'×'.join(map(str, args[0].shape))}] ")
     assert not errors, f"{case} ({exporter}):\n  " + "\n  ".join(errors)
