@@ -6,7 +6,7 @@ first 4 rows. The backend reshapes the labels to the scores' batch before the lo
 so that the run fails there, and a failed run whose inputs disagree on a shared dimension is a ValueError
 naming them, the dimension and the sizes (engine/feed_sizes.py), as on the numpy engine. Matching batches
 train to torch's losses and the numpy engine's; the names alone refuse nothing (a model that reuses "batch"
-for a flattened batch·sequence axis trains).
+for a flattened batch·sequence axis trains on both backends: tests/training/test_ondevice_batch_mismatch.py).
 """
 
 from __future__ import annotations
@@ -150,31 +150,6 @@ def test_module_matching_batches_train_as_torch_and_numpy(exported, loss):
     for m, _ in runs.values():
         m.eval()
         assert float(m(x, y)) == pytest.approx(want, rel=TOL, abs=TOL)
-
-
-def test_reused_dimension_name_trains_on_onnxruntime(tmp_path):
-    """Logits flattened to [batch·seq, vocab] but still called "batch" by the exporter: the labels the loss
-    block adds are "batch" by name and batch·seq long. The scores and the labels agree, so the backend's
-    check passes: train and eval give torch's loss, with the warning the numpy engine gives."""
-    from onnxtrain.training.api import CheckpointState, Module
-    from tests.training.test_ondevice_batch_mismatch import tagger_artifacts
-
-    net = tagger_artifacts(tmp_path)
-    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
-    m = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"),
-               session_options=options("onnxruntime"))
-    rng = np.random.default_rng(1)
-    tokens, y = rng.integers(0, 20, (3, 4)), rng.integers(0, 5, 12)
-    want = torch.nn.functional.cross_entropy(net(torch.tensor(tokens)), torch.tensor(y)).item()
-    with pytest.warns(UserWarning, match=r"share dimension 'batch'.*the run went through"):
-        assert float(m(tokens, y)) == pytest.approx(want, rel=1e-6)
-    m.eval()
-    with pytest.warns(UserWarning, match="the run went through"):
-        assert float(m(tokens, y)) == pytest.approx(want, rel=1e-6)
-    # 11 labels for 12 token rows: the labels and the scores disagree, and the run fails
-    m.train()
-    with pytest.raises(ValueError, match=r"inputs 'tokens' and 'labels' share dimension 'batch'"):
-        m(tokens, y[:11])
 
 
 # ---- the legacy TrainingSession ---------------------------------------------------------------------
