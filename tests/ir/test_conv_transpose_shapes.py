@@ -269,11 +269,14 @@ def test_the_one_formula_gives_torchs_output_sizes() -> None:
                 geo = conv_transpose_geometry([size], [k], [s], [d], [op], spec.get("auto_pad"), None,
                                               spec.get("output_shape"))
                 want = spec.get("output_shape", [size * s])
+                assert geo.out == want and geo.full == [full]
+                # the pads by the spec's own formula (_spec_pads), independent of the function's
+                attrs = {"strides": [s], "dilations": [d], "output_padding": [op], **spec}
+                assert list(zip(geo.pad_begin, geo.pad_end)) == _spec_pads([1, 1, size], [1, 1, k], attrs)
+                # and torch's full output cropped by them (zero rows where negative) is Y's size
                 y = F.pad(F.conv_transpose1d(x + 1, w + 1, stride=s, dilation=d, output_padding=op),
                           (-geo.pad_begin[0], -geo.pad_end[0]))
-                assert geo.out == want == [y.shape[-1]]
-                upper = spec.get("auto_pad") == "SAME_UPPER"
-                assert geo.pad_end[0] - geo.pad_begin[0] in ((0, 1) if upper else (0, -1))  # the odd one
+                assert [y.shape[-1]] == want
                 assert conv_transpose_dims({"strides": [s], "dilations": [d], "output_padding": [op], **spec},
                                            [1, 1, size], [1, 1, k]) == [1, 1, *want]
     assert checked > 600 and beyond_stride > 100, (checked, beyond_stride)
