@@ -40,15 +40,17 @@ tensor laid out as a matrix (:mod:`onnxtrain.engine.ort_sums`): 40–46 → 18�
 A ``Sum`` of zero ``Pad``s that lay pieces side by side along one axis (the gradient of q, k and v taken from
 one projection) becomes one ``Concat`` (:mod:`onnxtrain.engine.ort_pads`).
 
-The labels of a ``SoftmaxCrossEntropyLoss`` or ``NegativeLogLikelihoodLoss`` (of the main graph) go through
-Reshapes that fail unless they have the shape the scores say they have (``(N, d1, ...)`` of scores
-``(N, C, d1, ...)``), and the nodes after the loss that read them (its gradient) read that: onnxruntime 1.32
-runs either loss (ONNX's function body, or the gather above) on 5 score rows and 4 labels without a word,
-training on the first 4 rows, where the numpy engine's kernel refuses them. The check then fails, as the
-numpy kernel does, and the plan names the inputs (:class:`~onnxtrain.engine.ort_plan.OrtPlan`). It costs
-Shapes, a Max of the shapes and Reshapes of the labels (no copy), and is written even with onnxruntime's
-optimisations off, since onnxruntime's own loss does not check either
-(:func:`for_onnxruntime`: the check, then the other rewrites).
+The labels of a ``SoftmaxCrossEntropyLoss`` or ``NegativeLogLikelihoodLoss`` (of the main graph or of an
+``If``, ``Loop`` or ``Scan`` body, nested ones too) go through Reshapes that fail unless they have the shape
+the scores say they have (``(N, d1, ...)`` of scores ``(N, C, d1, ...)``), and the nodes after the loss in
+its graph that read them (its gradient) read that: onnxruntime 1.32 runs either loss (ONNX's function body,
+or the gather above) on 5 score rows and 4 labels without a word, training on the first 4 rows, where the
+numpy engine's kernel refuses them. The check then fails, as the numpy kernel does, and the plan names the
+inputs (:class:`~onnxtrain.engine.ort_plan.OrtPlan`). It costs Shapes, a Max of the shapes and Reshapes of
+the labels (no copy), and is written even with onnxruntime's optimisations off, since onnxruntime's own loss
+does not check either (:func:`for_onnxruntime`: the check, then the other rewrites). Inside a body, where the
+shapes are mostly not known before the run, the check is written unless they are and agree; its constants
+(opsets before 15) are Constant nodes of the body.
 
 A BatchNormalization in inference mode that names running-statistics outputs nothing reads (the eval model
 onnxruntime-training's artifact generator writes for a model exported in training mode) loses them, even
@@ -69,7 +71,14 @@ from onnxtrain.engine.ort_losses import softmax_cross_entropy_losses
 from onnxtrain.engine.ort_pads import pads_as_concat
 from onnxtrain.engine.ort_sums import leading_sums
 from onnxtrain.ir.builder import NameGen, model_opset, static_shape, value_types, with_nodes_replaced
-from onnxtrain.ir.graphs import DEFAULT_DOMAINS, drop_unread, is_training_batch_norm, node_reads
+from onnxtrain.ir.graphs import (
+    DEFAULT_DOMAINS,
+    drop_unread,
+    is_training_batch_norm,
+    node_reads,
+    subgraphs,
+    walk_graphs,
+)
 
 _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
 _MIN_OPSET = 11  # Range
@@ -118,40 +127,57 @@ _INT64_MAX = np.iinfo(np.int64).max
 
 def checked_labels(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
     """``model`` with each label-reading loss's labels reshaped to the shape its scores give them (module
-    docstring), read so by the loss and the nodes after it; ``model`` itself without such a loss, or where
-    the labels' and the scores' dims are all static and agree. The new values take the labels' type in
-    ``typed()`` (the loss rewrite after this one reads it)."""
-    found = [k for k, n in enumerate(model.graph.node) if n.op_type in _LABEL_LOSSES
-             and n.domain in DEFAULT_DOMAINS and len(n.input) > 1 and n.input[1]]
-    if not found:
+    docstring), read so by the loss and the nodes after it in its graph, the main graph's and those of the
+    control-flow bodies (nested ones too); ``model`` itself without such a loss, or where the labels' and the
+    scores' dims are all static and agree (in ``typed()``: a body's values are mostly not there, and their
+    losses are checked). The new values take the labels' type in ``typed()`` (the loss rewrite after this
+    one reads it)."""
+    losses = [n for g in walk_graphs(model.graph) for n in g.node if _is_label_loss(n)]
+    if not losses:
         return model
     types = typed()
-    found = [k for k in found if _needs_check(types, model.graph.node[k])]
-    if not found:
+    if not any(_needs_check(types, n) for n in losses):
         return model
-    opset = model_opset(model)
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    g = out.graph
-    names = NameGen.for_model(out)
+    _check_graph(out.graph, types, model_opset(model), NameGen.for_model(out), body=False)
+    return out
+
+
+def _is_label_loss(node: onnx.NodeProto) -> bool:
+    return (node.op_type in _LABEL_LOSSES and node.domain in DEFAULT_DOMAINS and len(node.input) > 1
+            and bool(node.input[1]))
+
+
+def _check_graph(g: onnx.GraphProto, types: dict, opset: int, names: NameGen, body: bool) -> None:
+    """:func:`checked_labels` on graph ``g`` (in place), its bodies first: a body's constants are Constant
+    nodes of that body, the main graph's are initializers."""
     checked: dict[str, str] = {}  # labels → their checked copy, for the nodes after the loss
     nodes: list[onnx.NodeProto] = []
-    for k, n in enumerate(g.node):
+    changed = False
+    for n in g.node:
         for i, x in enumerate(n.input):
             if x in checked:
                 n.input[i] = checked[x]
-        if k in found:
-            labels = model.graph.node[k].input[1]
+        for sub in subgraphs(n):  # before ``n`` is copied into the new node list below
+            _check_graph(sub, types, opset, names, body=True)
+        if _is_label_loss(n) and _needs_check(types, n):
+            labels = n.input[1]
             new, inits, name = _labels_check(n, static_shape(types, n.input[0]), opset, names)
+            if body:
+                nodes.extend(helper.make_node("Constant", [], [t.name], name=names(f"{t.name}/Constant"),
+                                              value=t) for t in inits)
+            else:
+                g.initializer.extend(inits)
             nodes.extend(new)
-            g.initializer.extend(inits)
             n.input[1] = checked[labels] = name
             if labels in types:
                 types[name] = types[labels]
+            changed = True
         nodes.append(n)
-    del g.node[:]
-    g.node.extend(nodes)
-    return out
+    if changed:
+        del g.node[:]
+        g.node.extend(nodes)
 
 
 def _needs_check(types: dict, node: onnx.NodeProto) -> bool:

@@ -21,11 +21,14 @@ from onnx import TensorProto, helper
 
 from onnxtrain import InferenceSession, RunOptions, SessionOptions
 from onnxtrain.engine.backends import CONFIG_KEY
+from onnxtrain.engine.ort_rewrites import for_onnxruntime
 from onnxtrain.engine.plan import EngineError
+from onnxtrain.ir.builder import NameGen
+from onnxtrain.ir.graphs import walk_graphs
 from onnxtrain.session import TrainingSession
 from tests.session.helpers import mlp_model, params
 
-pytest.importorskip("onnxruntime")
+onnxruntime = pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")
 
 TOL = 1e-5
@@ -284,3 +287,119 @@ def test_inference_session_names_the_inputs_of_a_failed_run(backend):
     assert isinstance(e.value, EngineError)
     assert_names(str(e.value), "x", "y", "N")
     np.testing.assert_array_equal(sess.run(None, {"x": x, "y": x})[0], x + x)
+
+
+# ---- losses inside control-flow bodies ------------------------------------------------------------------
+
+def body_loss_graph(name: str, scores: str, labels: str, out: str, op: str = "SoftmaxCrossEntropyLoss",
+                    inputs: list | None = None, extra: list | None = None) -> onnx.GraphProto:
+    """A body computing ``op`` of ``scores`` and ``labels`` (values of the graphs around it or its own
+    inputs) into ``out``; ``extra``: more outputs, produced by nodes before the loss."""
+    nodes = [helper.make_node("Identity", [scores], [f"{name}_p"]) if op == "SoftmaxCrossEntropyLoss"
+             else helper.make_node("LogSoftmax", [scores], [f"{name}_p"], axis=1)]
+    nodes.append(helper.make_node(op, [f"{name}_p", labels], [out]))
+    outs = [helper.make_tensor_value_info(o, t, s) for o, t, s in (extra or [])]
+    return helper.make_graph(nodes, name, inputs or [],
+                             [*outs, helper.make_tensor_value_info(out, TensorProto.FLOAT, [])])
+
+
+def loop_node(name: str, body: onnx.GraphProto, out: str) -> onnx.NodeProto:
+    """A Loop of two iterations adding ``body``'s loss (its last output, computed from ``{name}_l``) to a
+    carried zero: the loss twice."""
+    g = onnx.GraphProto()
+    g.CopyFrom(body)
+    loss = g.output[-1].name
+    g.node.append(helper.make_node("Add", [f"{name}_acc", loss], [f"{name}_acc_out"]))
+    g.node.append(helper.make_node("Identity", [f"{name}_cond"], [f"{name}_cond_out"]))
+    del g.input[:]
+    g.input.extend([helper.make_tensor_value_info(f"{name}_i", TensorProto.INT64, []),
+                    helper.make_tensor_value_info(f"{name}_cond", TensorProto.BOOL, []),
+                    helper.make_tensor_value_info(f"{name}_acc", TensorProto.FLOAT, [])])
+    del g.output[:]
+    g.output.extend([helper.make_tensor_value_info(f"{name}_cond_out", TensorProto.BOOL, []),
+                     helper.make_tensor_value_info(f"{name}_acc_out", TensorProto.FLOAT, [])])
+    return helper.make_node("Loop", [f"{name}_trips", "", f"{name}_zero"], [out], body=g)
+
+
+def control_flow_model(case: str, op: str, opset: int) -> onnx.ModelProto:
+    """scores s [N, 3] and labels y [N] (Scan: [T, N, 3] and [T, N]) → a loss inside ``case``'s body (an
+    If's branch on input c, a Loop's body, a Loop's body inside an If's branch, a Scan's body) → loss."""
+    s_dims, y_dims = (["T", "N", 3], ["T", "N"]) if case == "scan" else (["N", 3], ["N"])
+    inputs = [helper.make_tensor_value_info("s", TensorProto.FLOAT, s_dims),
+              helper.make_tensor_value_info("y", TensorProto.INT64, y_dims)]
+    if case.startswith("if"):
+        inputs.append(helper.make_tensor_value_info("c", TensorProto.BOOL, []))
+    loop_inits = [onnx.numpy_helper.from_array(np.array(2, np.int64), "outer_trips"),
+                  onnx.numpy_helper.from_array(np.array(0, np.float32), "outer_zero")]
+    other = helper.make_graph([helper.make_node("Constant", [], ["zero_loss"], value_float=0.0)], "other", [],
+                              [helper.make_tensor_value_info("zero_loss", TensorProto.FLOAT, [])])
+    inits: list = []
+    if case in ("if", "if_both"):  # if_both: the else branch too, its check named apart from the then's
+        if case == "if_both":
+            other = body_loss_graph("else", "s", "y", "else_loss", op)
+        nodes = [helper.make_node("If", ["c"], ["loss"], then_branch=body_loss_graph("then", "s", "y",
+                                                                                     "then_loss", op),
+                                  else_branch=other)]
+    elif case == "loop":
+        nodes, inits = [loop_node("outer", body_loss_graph("body", "s", "y", "body_loss", op), "loss")], \
+            loop_inits
+    elif case == "if_loop":  # the loss two bodies down
+        inner = loop_node("inner", body_loss_graph("body", "s", "y", "body_loss", op), "then_loss")
+        trips = onnx.numpy_helper.from_array(np.array(2, np.int64))
+        then = helper.make_graph([helper.make_node("Constant", [], ["inner_trips"], value=trips),
+                                  helper.make_node("Constant", [], ["inner_zero"], value_float=0.0), inner],
+                                 "then", [], [helper.make_tensor_value_info("then_loss", TensorProto.FLOAT,
+                                                                            [])])
+        nodes = [helper.make_node("If", ["c"], ["loss"], then_branch=then, else_branch=other)]
+    else:  # a Scan over T sets of scores and labels, summing their losses
+        body = body_loss_graph("body", "s_t", "y_t", "body_loss", op, inputs=[
+            helper.make_tensor_value_info("acc", TensorProto.FLOAT, []),
+            helper.make_tensor_value_info("s_t", TensorProto.FLOAT, ["N", 3]),
+            helper.make_tensor_value_info("y_t", TensorProto.INT64, ["N"])])
+        body.node.append(helper.make_node("Add", ["acc", "body_loss"], ["acc_out"]))
+        body.output.insert(0, helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, []))
+        nodes, inits = [helper.make_node("Scan", ["outer_zero", "s", "y"], ["loss", "losses"], body=body,
+                                         num_scan_inputs=2)], loop_inits[1:]
+    g = helper.make_graph(nodes, "control_flow", inputs,
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], initializer=inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def control_flow_feeds(case: str, n_y: int, rng: np.random.Generator) -> dict:
+    t = (2,) if case == "scan" else ()
+    feeds = {"s": rng.standard_normal((*t, 5, 3)).astype(np.float32), "y": rng.integers(0, 3, (*t, n_y))}
+    return {**feeds, "c": np.array(True)} if case.startswith("if") else feeds
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+@pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
+@pytest.mark.parametrize("case", ["if", "if_both", "loop", "if_loop", "scan"])
+def test_label_losses_in_bodies_refuse_a_short_batch(case, op, opset):
+    """A loss inside an If's branch, a Loop's body, a Loop's body in an If's branch and a Scan's body, with
+    and without Shape's start and end (the check's constants are then Constant nodes of the body): 4 labels
+    for 5 score rows fail naming the inputs, where onnxruntime alone trains on the first 4 rows (and the
+    backend did before); matching labels give onnxruntime's own loss and the numpy engine's. The graph the
+    backend runs passes the full checker, its new names unique across the model."""
+    model = control_flow_model(case, op, opset)
+    onnx.checker.check_model(model, full_check=True)
+    rewritten = for_onnxruntime(model)
+    onnx.checker.check_model(rewritten, full_check=True)
+    outputs = [o for g in walk_graphs(rewritten.graph) for n in g.node for o in n.output if o]
+    assert len(outputs) == len(set(outputs)), outputs
+    taken = NameGen.for_model(model).taken
+    made = [n.name for g in walk_graphs(rewritten.graph) for n in g.node if n.name not in taken]
+    assert made and len(made) == len(set(made)), made
+    rng = np.random.default_rng(5)
+    sess = InferenceSession(model.SerializeToString(), options("onnxruntime"))
+    short = control_flow_feeds(case, 4, rng)
+    plain = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    plain.run(["loss"], short)  # what the check is for: onnxruntime alone takes 4 of the 5 rows
+    with pytest.raises(ValueError) as e:
+        sess.run(["loss"], short)
+    assert isinstance(e.value, EngineError)
+    assert_names(str(e.value), "s", "y", "N")
+    feeds = control_flow_feeds(case, 5, rng)
+    got = sess.run(["loss"], feeds)[0]
+    np.testing.assert_allclose(got, plain.run(["loss"], feeds)[0], rtol=1e-6)
+    np.testing.assert_allclose(got, InferenceSession(model.SerializeToString()).run(["loss"], feeds)[0],
+                               rtol=1e-6)
