@@ -33,6 +33,18 @@ def test_on_device_api_does_not_load_the_legacy_session():
     assert _run(code) == "[] Module SessionOptions"
 
 
+def test_sessions_do_not_load_hashlib():
+    """hashlib maps OpenSSL's libcrypto (about 4 MiB of RSS, seen in the bench's peak RSS): the sessions,
+    the on-device API and checkpoints do without it (the file writer's random names come from os.urandom)."""
+    code = (
+        "import sys\n"
+        "import onnxtrain.session, onnxtrain.inference, onnxtrain.checkpoint, onnxtrain.ir.io\n"
+        "from onnxtrain.training import api, artifacts\n"
+        "print([m for m in ('hashlib', '_hashlib', 'secrets') if m in sys.modules])"
+    )
+    assert _run(code) == "[]"
+
+
 def test_every_public_name_resolves_to_its_defining_object():
     from onnxtrain.capi.options import SessionOptions
     from onnxtrain.session import TrainingSession

@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import re
-import secrets
 import shutil
 import stat
 import tempfile
@@ -233,7 +232,7 @@ class _Journal:
         for tmp, path in staged:
             by_folder.setdefault(os.path.dirname(os.path.abspath(path)), []).append((tmp, path))
         for _ in range(8):
-            token = secrets.token_hex(4)
+            token = os.urandom(4).hex()  # (not secrets: its hashlib import costs 4 MiB of RSS)
             paths = [os.path.join(folder, f"{os.path.basename(entries[0][1])}.{token}.journal.tmp")
                      for folder, entries in by_folder.items()]
             backups = {path: os.path.join(os.path.dirname(os.path.abspath(path)),
