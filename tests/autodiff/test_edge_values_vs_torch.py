@@ -270,6 +270,12 @@ CONST = np.array([[[2.0, 2, 2, 2], [1, 2, 3, 4]], [[0, 0, 0, 0], [-1, -1, -1, -1
 SCALE, BIAS = _a(1.5, 0.5, 2, 1), _a(0.1, 0.2, 0.3, 0.4)
 PLANES = np.array([[[[3.0, 3], [3, 3]], [[1, 2], [3, 4]]], [[[3.0, 3], [3, 3]], [[0, 0], [0, 0]]]])
 
+def _reduce_over_rows(op: str, x: np.ndarray, ref, *lead: int) -> tuple:
+    """A CASES entry: opset-18 ``op`` over axis 1 of ``x`` (the axes a constant input), keepdims, against
+    torch's ``ref(x, *lead, 1, keepdim=True)``."""
+    return op, {"x": x, "a": _ints(1)}, ["x"], lambda x, a: ref(x, *lead, 1, keepdim=True), {}, 18, ("a",)
+
+
 CASES: dict[str, tuple] = {  # name → (op, inputs, wrt, torch reference, attributes[, opset, consts])
     "Relu": ("Relu", {"x": X}, ["x"], F.relu, {}),
     "LeakyRelu": ("LeakyRelu", {"x": X}, ["x"], lambda x: F.leaky_relu(x, 0.1), {"alpha": 0.1}),
@@ -344,51 +350,11 @@ CASES: dict[str, tuple] = {  # name → (op, inputs, wrt, torch reference, attri
     "Pow_y0_const": ("Pow", {"x": _a(0, -2, 3), "y": _a(0)}, ["x"], torch.pow, {}, 18, ("y",)),
     "Pow_y.5_const": ("Pow", {"x": _a(0, 2, 3), "y": _a(0.5)}, ["x"], torch.pow, {}, 18, ("y",)),
     "Pow_y3_negative_base": ("Pow", {"x": _a(-2, -1, 0, 2), "y": _a(3)}, ["x"], torch.pow, {}, 18, ("y",)),
-    "ReduceMax_ties_as_amax": (
-        "ReduceMax",
-        {"x": ROWS, "a": _ints(1)},
-        ["x"],
-        lambda x, a: torch.amax(x, 1, keepdim=True),
-        {},
-        18,
-        ("a",),
-    ),
-    "ReduceMin_ties_as_amin": (
-        "ReduceMin",
-        {"x": ROWS, "a": _ints(1)},
-        ["x"],
-        lambda x, a: torch.amin(x, 1, keepdim=True),
-        {},
-        18,
-        ("a",),
-    ),
-    "ReduceL2_zero_row": (
-        "ReduceL2",
-        {"x": ROWS, "a": _ints(1)},
-        ["x"],
-        lambda x, a: torch.linalg.vector_norm(x, 2, 1, keepdim=True),
-        {},
-        18,
-        ("a",),
-    ),
-    "ReduceL1_zero_row": (
-        "ReduceL1",
-        {"x": ROWS, "a": _ints(1)},
-        ["x"],
-        lambda x, a: torch.linalg.vector_norm(x, 1, 1, keepdim=True),
-        {},
-        18,
-        ("a",),
-    ),
-    "ReduceLogSumExp_-inf": (
-        "ReduceLogSumExp",
-        {"x": MASKED, "a": _ints(1)},
-        ["x"],
-        lambda x, a: torch.logsumexp(x, 1, keepdim=True),
-        {},
-        18,
-        ("a",),
-    ),
+    "ReduceMax_ties_as_amax": _reduce_over_rows("ReduceMax", ROWS, torch.amax),
+    "ReduceMin_ties_as_amin": _reduce_over_rows("ReduceMin", ROWS, torch.amin),
+    "ReduceL2_zero_row": _reduce_over_rows("ReduceL2", ROWS, torch.linalg.vector_norm, 2),
+    "ReduceL1_zero_row": _reduce_over_rows("ReduceL1", ROWS, torch.linalg.vector_norm, 1),
+    "ReduceLogSumExp_-inf": _reduce_over_rows("ReduceLogSumExp", MASKED, torch.logsumexp),
     "Softmax_masked": ("Softmax", {"x": MASKED}, ["x"], lambda x: torch.softmax(x, -1), {"axis": -1}),
     "Softmax_masked_axis0": (
         "Softmax",
