@@ -133,8 +133,7 @@ def test_lstm_dynamic_length_has_scans_and_trains_as_torch_in_float32() -> None:
     sess = TrainingSession(model, _params())
     assert any(n.op_type == "Scan" for n in sess._graphs.full.graph.node)
     data = _seq_batches()
-    lr = np.array([0.2], np.float32)
-    ours = [float(sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})[0]) for x, y in data]
+    ours = _step_losses(sess, data, 0.2)
     theirs = _torch_sgd(module, data, 0.2)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     state = sess.get_state()
@@ -152,16 +151,20 @@ def test_lstm_forward_only_run_at_a_new_length_equals_torch() -> None:
         assert abs(got - module(torch.from_numpy(x), torch.from_numpy(y)).item()) <= 1e-6 * got
 
 
-def _mixed_precision_losses(sess: TrainingSession, data: list, lr: float, scale: float) -> list[float]:
-    """The losses of a mixed-precision session's steps over ``data`` at a fixed loss scale, every update
-    applied (all gradients finite)."""
-    feeds = {"Learning_Rate": np.array([lr], np.float32),
-             sess.loss_scale_input_name: np.array([scale], np.float32)}
+def _step_losses(sess: TrainingSession, data: list, lr: float, scale: float | None = None, *,
+                 all_finite: bool = False) -> list[float]:
+    """The losses of a session's steps over ``data`` (x, y batches) at learning rate ``lr``; under mixed
+    precision at the fixed loss ``scale``, and with ``all_finite`` every update checked to be applied (all
+    gradients finite)."""
+    feeds = {"Learning_Rate": np.array([lr], np.float32)}
+    if scale is not None:
+        feeds[sess.loss_scale_input_name] = np.array([scale], np.float32)
+    fetch = ["loss", "all_gradients_finite"] if all_finite else ["loss"]
     out = []
     for x, y in data:
-        loss, finite = sess.run(["loss", "all_gradients_finite"], {"x": x, "y": y, **feeds})
-        assert bool(finite)
-        out.append(float(loss))
+        got = sess.run(fetch, {"x": x, "y": y, **feeds})
+        assert not all_finite or bool(got[1])
+        out.append(float(got[0]))
     return out
 
 
@@ -172,7 +175,7 @@ def test_lstm_dynamic_length_mixed_precision_follows_torch_loosely() -> None:
     module, model = _lstm_model()
     sess = TrainingSession(model, _params(use_mixed_precision=True))
     data = _seq_batches() * 3
-    ours = _mixed_precision_losses(sess, data, 0.2, 1024.0)
+    ours = _step_losses(sess, data, 0.2, 1024.0, all_finite=True)
     theirs = _torch_sgd(module, data, 0.2)
     assert np.all(np.isfinite(ours))
     np.testing.assert_allclose(ours, theirs, rtol=1e-3)
@@ -301,8 +304,7 @@ def test_other_recurrent_layers_accumulate_over_lengths_as_torch(kind: str, back
     sess = TrainingSession(model, _params(gradient_accumulation_steps=2, gradient_accumulation_mode="auto"),
                            sess_options=_so(backend))
     data = _seq_batches((1, 4, 2, 7))
-    lr = np.array([0.2], np.float32)
-    ours = [float(sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})[0]) for x, y in data]
+    ours = _step_losses(sess, data, 0.2)
     opt = torch.optim.SGD(module.parameters(), lr=0.2)
     theirs = []
     for k in range(0, len(data), 2):
@@ -373,13 +375,7 @@ def test_same_conv_ceil_pool_net_trains_at_several_sizes_as_torch(option: str) -
           "accumulation": {"gradient_accumulation_steps": 2, "gradient_accumulation_mode": "auto"}}[option]
     sess = TrainingSession(model, _params(**kw))
     data = _image_batches(SIZES)
-    lr = np.array([0.3], np.float32)
-    ours = []
-    for x, y in data:
-        feeds = {"x": x, "y": y, "Learning_Rate": lr}
-        if option == "float16":
-            feeds[sess.loss_scale_input_name] = np.array([512.0], np.float32)
-        ours.append(float(sess.run(["loss"], feeds)[0]))
+    ours = _step_losses(sess, data, 0.3, 512.0 if option == "float16" else None)
     opt, theirs = torch.optim.SGD(module.parameters(), lr=0.3), []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -475,8 +471,7 @@ def test_ceil_mode_pools_train_at_several_sizes_as_torch(k: int, s: int, p: int,
                     {"x": {0: "batch", 2: "h", 3: "w"}, "y": {0: "batch"}})
     sess = TrainingSession(model, _params(), sess_options=_so(backend))
     data = _image_batches([(5, 6), (8, 7), (5, 5), (11, 4)])
-    lr = np.array([0.3], np.float32)
-    ours = [float(sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})[0]) for x, y in data]
+    ours = _step_losses(sess, data, 0.3)
     theirs = _torch_sgd(module, data, 0.3)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     state = sess.get_state()
@@ -625,8 +620,7 @@ def test_bce_large_logits_legacy_session_follows_torch(backend: str) -> None:
         so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
     sess = TrainingSession(model, _params(), sess_options=so)
     data = _bce_batches()
-    lr = np.array([0.5], np.float32)
-    ours = [float(sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})[0]) for x, y in data]
+    ours = _step_losses(sess, data, 0.5)
     theirs = _bce_torch_sgd(module, data, 0.5)
     assert np.all(np.isfinite(ours)), ours
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
@@ -655,7 +649,7 @@ def test_bce_large_logits_mixed_precision_is_finite_and_near_torch() -> None:
     module, model = _bce_model()
     sess = TrainingSession(model, _params(use_mixed_precision=True))
     data = _bce_batches()
-    ours = _mixed_precision_losses(sess, data, 0.5, 256.0)
+    ours = _step_losses(sess, data, 0.5, 256.0, all_finite=True)
     theirs = _bce_torch_sgd(module, data, 0.5)
     assert np.all(np.isfinite(ours)), ours
     np.testing.assert_allclose(ours, theirs, rtol=1e-3)  # measured 1.5e-4
@@ -717,13 +711,7 @@ def test_lstm_into_bce_with_large_logits_follows_torch(option: str) -> None:
     data = [(rng.standard_normal((4, t, N_IN)).astype(np.float32),
              (rng.random((4, N_CLS)) > 0.5).astype(np.float32)) for t in (5, 8, 3)]
     sess = TrainingSession(model, _params(use_mixed_precision=option == "float16"))
-    lr = np.array([0.05], np.float32)
-    ours = []
-    for x, y in data:
-        feeds = {"x": x, "y": y, "Learning_Rate": lr}
-        if option == "float16":
-            feeds[sess.loss_scale_input_name] = np.array([64.0], np.float32)
-        ours.append(float(sess.run(["loss"], feeds)[0]))
+    ours = _step_losses(sess, data, 0.05, 64.0 if option == "float16" else None)
     with torch.no_grad():
         assert float(module.fc(module.rnn(torch.from_numpy(data[0][0]))[0][:, -1]).abs().max()) > 50.0
     theirs = _torch_sgd(module, data, 0.05)
