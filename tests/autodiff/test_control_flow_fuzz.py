@@ -706,6 +706,18 @@ def sequence_case(seed: int) -> Case:
 
 
 # ---- bag pooling Loops (torch's exported nn.EmbeddingBag) -------------------------------------------------
+
+def _bag_rows(g: Graph, table: str, ids: str, starts: str, ends: str) -> tuple[Graph, str, str]:
+    """A Loop body over bags (EmbeddingBag's loop): iteration i gathers the rows of ``table`` at
+    ``ids[starts[i]:ends[i]]``. Returns the body, its condition input and the rows."""
+    br = g.body()
+    i, c = g.names("i"), g.names("cond")
+    br.inputs = [vi(i, [], I64), vi(c, [], BOOL)]
+    lo = br.unsqueeze(br.op("Gather", starts, i, axis=0), [0])
+    hi = br.unsqueeze(br.op("Gather", ends, i, axis=0), [0])
+    return br, c, br.op("Gather", table, br.op("Slice", ids, lo, hi, br.const([0])), axis=0)
+
+
 def bag_case(seed: int, free: bool = False) -> Case:
     """The Loop torch's TorchScript exporter writes for ``nn.EmbeddingBag`` (one iteration per bag: Slice
     the ids by the bag's bounds, Gather the table rows, reduce them), which the engine pools at once and
@@ -743,12 +755,7 @@ def bag_case(seed: int, free: bool = False) -> Case:
         starts = g.input(offsets, "offsets", train=False)
         length = g.op("Shape", idv)
         ends = g.op("Concat", g.op("Slice", starts, g.const([1]), g.const([2**62])), length, axis=0)
-    br = g.body()
-    i, c = g.names("i"), g.names("cond")
-    br.inputs = [vi(i, [], I64), vi(c, [], BOOL)]
-    lo = br.unsqueeze(br.op("Gather", starts, i, axis=0), [0])
-    hi = br.unsqueeze(br.op("Gather", ends, i, axis=0), [0])
-    picked = br.op("Gather", table, br.op("Slice", idv, lo, hi, br.const([0])), axis=0)
+    br, c, picked = _bag_rows(g, table, idv, starts, ends)
     op = {"sum": "ReduceSum", "mean": "ReduceMean", "max": "ReduceMax"}[mode]
     if opset >= 18 or op == "ReduceSum" and opset >= 13:
         pooled = br.op(op, picked, br.const([0]), keepdims=0)
@@ -1007,12 +1014,7 @@ def test_bag_bounds_that_do_not_follow_one_another() -> None:
     g = Graph(17, np.random.default_rng(8))
     table = g.init(np.array([[0.3], [-0.4], [0.9]]), "table")
     ids, starts, ends = (g.const(v) for v in ([0, 1, 1, 2], [1, 0, 3], [3, 2, 4]))
-    br = g.body()
-    i, c = g.names("i"), g.names("cond")
-    br.inputs = [vi(i, [], I64), vi(c, [], BOOL)]
-    lo = br.unsqueeze(br.op("Gather", starts, i, axis=0), [0])
-    hi = br.unsqueeze(br.op("Gather", ends, i, axis=0), [0])
-    picked = br.op("Gather", table, br.op("Slice", ids, lo, hi, br.const([0])), axis=0)
+    br, c, picked = _bag_rows(g, table, ids, starts, ends)
     body = br.graph("bag_body", [vi(br.op("Identity", c), [], BOOL),
                                  vi(br.op("ReduceSum", picked, br.const([0]), keepdims=0), [1])])
     out = g.op("Loop", g.const(3), "", body=body)
