@@ -226,8 +226,7 @@ class InferenceSession:
             return self._run(output_names, input_feed, ro)
         except EngineError as e:  # named after the inputs when they disagree on a shared dimension
             if isinstance(input_feed, Mapping):
-                why = shared_dim_mismatch([(a.name, a.shape or None) for a in self._inputs], input_feed,
-                                          "run failed")
+                why = shared_dim_mismatch(self._inputs, input_feed, "run failed")
                 if why is not None:
                     raise FeedSizeMismatch(f"{why}; {e}") from e
             raise

@@ -9,13 +9,19 @@ seldom where the mistake is.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from onnxtrain.engine.plan import EngineError
 
-Dims = Sequence[Any] | None  # ints, symbolic names, None (unknown); None for an unknown rank
+
+class Declared(Protocol):
+    """A graph input as declared: its name and dims (ints, symbolic names, None; the whole None or empty
+    where the rank is unknown), e.g. onnxtrain's ``NodeArg`` or the on-device API's input specs."""
+
+    name: str
+    shape: Sequence[Any] | None
 
 
 class FeedSizeMismatch(EngineError, ValueError):
@@ -31,12 +37,12 @@ def _shape(value: Any) -> tuple[int, ...] | None:
         return None
 
 
-def shared_dim_mismatch(inputs: Iterable[tuple[str, Dims]], feeds: Mapping[str, Any], what: str
-                        ) -> str | None:
-    """Which of ``inputs`` (name, declared dims) that share a symbolic dimension were fed different sizes
-    of it in ``feeds``, as a message beginning with ``what``; None when they agree."""
+def shared_dim_mismatch(inputs: Iterable[Declared], feeds: Mapping[str, Any], what: str) -> str | None:
+    """Which of ``inputs`` that share a symbolic dimension were fed different sizes of it in ``feeds``, as a
+    message beginning with ``what``; None when they agree."""
     seen: dict[str, tuple[str, int, int, tuple[int, ...]]] = {}
-    for name, dims in inputs:
+    for spec in inputs:
+        name, dims = spec.name, spec.shape
         shape = _shape(feeds[name]) if dims is not None and name in feeds else None
         if shape is None or len(shape) != len(dims):
             continue

@@ -618,11 +618,11 @@ def _checked_run(run: Callable[[], Any], specs: Sequence[InputSpec], feeds: Mapp
     try:
         out = run()
     except Exception as e:
-        msg = shared_dim_mismatch([(s.name, s.shape) for s in specs], feeds, what)
+        msg = shared_dim_mismatch(specs, feeds, what)
         if msg is not None:
             raise ValueError(msg) from e
         raise
-    msg = shared_dim_mismatch([(s.name, s.shape) for s in specs], feeds, what)
+    msg = shared_dim_mismatch(specs, feeds, what)
     if msg is not None:
         warn(f"{msg}: the run went through; if the model's dimension names are right, the inputs do not fit "
              "each other")
