@@ -26,12 +26,13 @@ from typing import NamedTuple
 import onnx
 from onnx import AttributeProto
 
+from onnxtrain.ir.graphs import named_subgraphs
+
 _DOMAINS = {"": "", "ai.onnx": "", "ai.onnx.ml": "ai.onnx.ml"}  # checked domain → its name in onnx.defs
 _OPTIONAL = onnx.defs.OpSchema.FormalParameterOption.Optional
 _VARIADIC = onnx.defs.OpSchema.FormalParameterOption.Variadic
 _UNBOUNDED = 2**31 - 1  # a variadic parameter's max_input / max_output
 _TYPE_NAMES = {v: k for k, v in AttributeProto.AttributeType.items()}
-_GRAPH, _GRAPHS = AttributeProto.GRAPH, AttributeProto.GRAPHS
 # the standard ops that hold graphs (control flow): only their attributes are searched for bodies
 _BODY_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 _UNSEEN = object()
@@ -202,11 +203,9 @@ def invalid_nodes(graph: onnx.GraphProto, opsets: Mapping[str, int] | NodeChecke
             if len(out) >= limit:
                 return out
         if node.op_type in _BODY_OPS:
-            for a in node.attribute:
-                bodies = [a.g] if a.type == _GRAPH else a.graphs if a.type == _GRAPHS else ()
-                for g in bodies:
-                    inside = f"{where}node {_label(node, k)} ({_op(node)}), {a.name}: "
-                    out += invalid_nodes(g, check, inside, limit - len(out))
-                    if len(out) >= limit:
-                        return out[:limit]
+            for name, g in named_subgraphs(node):
+                inside = f"{where}node {_label(node, k)} ({_op(node)}), {name}: "
+                out += invalid_nodes(g, check, inside, limit - len(out))
+                if len(out) >= limit:
+                    return out[:limit]
     return out

@@ -89,13 +89,21 @@ def untie_batch_norm_statistics(model: onnx.ModelProto, names: Callable[[str], s
     return made
 
 
-def subgraphs(node: onnx.NodeProto) -> Iterable[onnx.GraphProto]:
-    """The graphs held by a node's attributes (If's branches, Loop's and Scan's bodies)."""
+def named_subgraphs(node: onnx.NodeProto) -> Iterable[tuple[str, onnx.GraphProto]]:
+    """(attribute name, graph) of the graphs held by a node's attributes (If's branches, Loop's and Scan's
+    bodies)."""
     for a in node.attribute:
         if a.type == AttributeProto.GRAPH:
-            yield a.g
+            yield a.name, a.g
         elif a.type == AttributeProto.GRAPHS:
-            yield from a.graphs
+            for g in a.graphs:
+                yield a.name, g
+
+
+def subgraphs(node: onnx.NodeProto) -> Iterable[onnx.GraphProto]:
+    """The graphs held by a node's attributes (If's branches, Loop's and Scan's bodies)."""
+    for _, g in named_subgraphs(node):
+        yield g
 
 
 def captured_names(graph: onnx.GraphProto) -> list[str]:

@@ -32,6 +32,7 @@ from typing import IO, Any, NamedTuple
 
 import onnx
 
+from onnxtrain.ir.graphs import walk_graphs
 from onnxtrain.user_warning import warn
 
 try:
@@ -475,13 +476,7 @@ _DATA_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double
 
 def _initializers(g: onnx.GraphProto) -> list[onnx.TensorProto]:
     """The initializers of ``g`` and of the graphs inside its nodes' attributes."""
-    out = list(g.initializer)
-    for n in g.node:
-        for a in n.attribute:
-            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
-                        a.graphs if a.type == onnx.AttributeProto.GRAPHS else []):
-                out += _initializers(sub)
-    return out
+    return [t for sub in walk_graphs(g) for t in sub.initializer]
 
 
 def stage_model(files: StagedFiles, model: onnx.ModelProto, path: str | os.PathLike, *,
