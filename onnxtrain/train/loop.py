@@ -55,6 +55,7 @@ from onnxtrain.train.schedule import learning_rate
 from onnxtrain.train.session import feed_names, make_session, training_parameters
 from onnxtrain.train.state import (
     checkpoint_to_state,
+    optimizer_group,
     optimizer_layout,
     optimizer_moments,
     rank_group_name,
@@ -253,10 +254,9 @@ class Trainer:
         ckpt = session_to_checkpoint(self.sess, self.model, self.cfg.optimizer.lr, st.global_step,
                                      props, state, self.layout)
         for rank, moments in enumerate(peers[1:], 1):  # each further rank's state as a group of its own
-            group = session_to_checkpoint(self.sess, self.model, self.cfg.optimizer.lr, st.global_step, {},
-                                          {**state, **moments}, self.layout).optimizer_groups[0]
-            group.name = rank_group_name(rank)
-            ckpt.optimizer_groups.append(group)
+            ckpt.optimizer_groups.append(optimizer_group({**state, **moments}, self.layout,
+                                                         self.cfg.optimizer.lr, st.global_step,
+                                                         rank_group_name(rank)))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save_checkpoint(ckpt, path)
         keep = self.cfg.training.keep_checkpoints

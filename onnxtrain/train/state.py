@@ -89,19 +89,26 @@ def session_to_checkpoint(sess: TrainingSession, model: onnx.ModelProto, initial
     for name, v in state.items():  # BatchNormalization running statistics: the session's current values
         if name not in trained and name not in opt_names and name not in derived:
             frozen[name] = v
+    group = optimizer_group(state, layout, initial_lr, steps_done)
+    return Checkpoint(trainable={w: state[w] for w in trained}, frozen=frozen, optimizer_groups=[group],
+                      properties=dict(properties))
+
+
+def optimizer_group(state: Mapping[str, np.ndarray], layout: OptimizerLayout, initial_lr: float,
+                    steps_done: int, name: str = GROUP) -> OptimizerGroup:
+    """The optimizer group ``name`` of a session's (unpartitioned) ``state``: its moments by ``layout``, and
+    the updates done (the step counters less one; ``steps_done`` for SGD, which keeps none)."""
     counts = {int(state[state_name(w, k)].reshape(-1)[0]) for w, keys in layout.items() for k in keys
               if k in COUNTERS}
     if len(counts) > 1:
         raise ValueError(f"optimizer step counters disagree across weights: {sorted(counts)}")
-    step = counts.pop() - 1 if counts else steps_done  # SGD keeps no counter
+    step = counts.pop() - 1 if counts else steps_done
     states: dict[str, dict[str, np.ndarray]] = {}
     for w, keys in layout.items():
         if w == SHARED:
             continue
         states[w] = {MOMENTS.get(k, k): state[state_name(w, k)] for k in keys if k not in COUNTERS}
-    group = OptimizerGroup(name=GROUP, step=step, initial_lr=float(initial_lr), states=states)
-    return Checkpoint(trainable={w: state[w] for w in trained}, frozen=frozen, optimizer_groups=[group],
-                      properties=dict(properties))
+    return OptimizerGroup(name=name, step=step, initial_lr=float(initial_lr), states=states)
 
 
 def checkpoint_to_state(ckpt: Checkpoint, sess: TrainingSession,
