@@ -166,27 +166,16 @@ def test_mean_loss_with_every_sample_ignored_has_a_zero_gradient(op: str, weight
     if weighted:
         inputs["w"] = _a(0.5, 2.0, 1.0)
     torch_fn = F.cross_entropy if op == "SoftmaxCrossEntropyLoss" else F.nll_loss
-    got = _vs_torch(
-        op,
-        inputs,
-        ["x"],
-        lambda x, t, w=None: torch_fn(x, t, w, ignore_index=-1),
-        consts=tuple(inputs)[1:],
-        reduction="mean",
-        ignore_index=-1,
-    )
+
+    def vs_torch() -> dict:
+        return _vs_torch(op, inputs, ["x"], lambda x, t, w=None: torch_fn(x, t, w, ignore_index=-1),
+                         consts=tuple(inputs)[1:], reduction="mean", ignore_index=-1)
+
+    got = vs_torch()
     assert np.isnan(got["loss"]) and not got["x_grad"].any()
     # some samples kept: unchanged, the weighted mean over them
     inputs["t"] = _ints(0, -1, 2, 1)
-    _vs_torch(
-        op,
-        inputs,
-        ["x"],
-        lambda x, t, w=None: torch_fn(x, t, w, ignore_index=-1),
-        consts=tuple(inputs)[1:],
-        reduction="mean",
-        ignore_index=-1,
-    )
+    vs_torch()
 
 
 @pytest.mark.parametrize("p", [2, 3])
