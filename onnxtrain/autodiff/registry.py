@@ -5,12 +5,17 @@ input gradients of one forward node. ``uses`` names the forward values the rule 
 ``y0`` ...; ``x*``/``y*`` for all): the builder refuses any other, so the declaration is what the
 backward pass really keeps alive. ``stop`` lists input slots that never get a gradient (with ``stop_if``,
 only in the nodes for which it holds, e.g. an attribute's value).
+
+The rule modules are imported on demand: a lookup of an op imports the modules that
+:data:`onnxtrain.autodiff.rules.MODULES` lists for it, and the listings (``ops_with_rules``) import them
+all. A legacy ``TrainingSession`` of LeNet on the onnxruntime backend then imports 9 rule modules of 20
+(peak RSS 94.0 → 93.1 MiB; ``Module`` 92.9 → 91.4; 2026-11-30, 4,000 steps).
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -44,7 +49,11 @@ class Rule:
 _RULES: dict[str, list[Rule]] = {}
 _VARIANTS: dict[tuple[str, str], Rule] = {}  # (op, variant) → a rule the builder picks on request
 _NO_GRADIENT: set[str] = set()
-_LOADED = False
+# op → the modules that registered something for it (checked against rules.MODULES by the tests)
+_ORIGINS: dict[str, set[str]] = {}
+_LOADED = False  # every rule module imported
+_READY: set[str] = set()  # ops whose modules are imported
+_MODULES_OF: dict[str, tuple[str, ...]] = {}  # op → its modules (rules.MODULES inverted)
 
 
 def gradient(op: str, since: int = 1, uses: Iterable[str] = (), stop: Iterable[int] = (),
@@ -54,6 +63,7 @@ def gradient(op: str, since: int = 1, uses: Iterable[str] = (), stop: Iterable[i
     alternative rule that the builder uses only where asked to (:func:`find_variant`)."""
 
     def register(fn: RuleFn) -> RuleFn:
+        _ORIGINS.setdefault(op, set()).add(fn.__module__)
         if variant:
             if (op, variant) in _VARIANTS:
                 raise ValueError(f"gradient rule variant {variant!r} of {op} registered twice")
@@ -71,6 +81,9 @@ def gradient(op: str, since: int = 1, uses: Iterable[str] = (), stop: Iterable[i
 
 def no_gradient(*ops: str) -> None:
     """Declare that ``ops`` have no gradient: their outputs never carry one."""
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    for op in ops:
+        _ORIGINS.setdefault(op, set()).add(caller)
     _NO_GRADIENT.update(ops)
 
 
@@ -80,9 +93,24 @@ def _load_all() -> None:
         return
     from onnxtrain.autodiff import rules
 
-    for mod in pkgutil.iter_modules(rules.__path__):
-        importlib.import_module(f"{rules.__name__}.{mod.name}")
+    for name in rules.MODULES:
+        importlib.import_module(f"{rules.__name__}.{name}")
     _LOADED = True
+
+
+def _load_for(op: str) -> None:
+    """Import the rule modules that register something for ``op`` (none for an op they do not know)."""
+    if _LOADED or op in _READY:
+        return
+    from onnxtrain.autodiff import rules
+
+    if not _MODULES_OF:
+        for name, ops in rules.MODULES.items():
+            for o in ops:
+                _MODULES_OF[o] = (*_MODULES_OF.get(o, ()), name)
+    for name in _MODULES_OF.get(op, ()):
+        importlib.import_module(f"{rules.__name__}.{name}")
+    _READY.add(op)
 
 
 def find_rule(op: str, opset: int, domain: str = "") -> Rule | None:
@@ -90,7 +118,7 @@ def find_rule(op: str, opset: int, domain: str = "") -> Rule | None:
     op of another domain than ONNX's (a custom op named like a standard one means something else)."""
     if domain not in DEFAULT_DOMAINS:
         return None
-    _load_all()
+    _load_for(op)
     rules = _RULES.get(op)
     if not rules:
         return None
@@ -103,7 +131,7 @@ def find_rule(op: str, opset: int, domain: str = "") -> Rule | None:
 
 def find_variant(op: str, variant: str) -> Rule | None:
     """The alternative rule ``variant`` of ``op``, or None."""
-    _load_all()
+    _load_for(op)
     return _VARIANTS.get((op, variant))
 
 
@@ -111,7 +139,7 @@ def has_no_gradient(op: str, domain: str = "") -> bool:
     """Whether ONNX's ``op`` has no gradient at all (Shape, ArgMax, ...); False for other domains' ops."""
     if domain not in DEFAULT_DOMAINS:
         return False
-    _load_all()
+    _load_for(op)
     return op in _NO_GRADIENT
 
 
