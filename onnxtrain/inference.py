@@ -15,11 +15,10 @@ import onnx
 
 from onnxtrain.capi.options import RunOptions, SessionOptions, resolve_providers
 from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
-from onnxtrain.engine.backends import backend_of, make_plan
+from onnxtrain.engine.backends import backend_of, batch_split_mode, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
-from onnxtrain.engine.batch_split import BatchSplitter, mode_of
 from onnxtrain.engine.feed_sizes import FeedSizeMismatch, shared_dim_mismatch
-from onnxtrain.engine.plan import EngineError, Plan, load_model
+from onnxtrain.engine.interface import EngineError, GraphInterface, load_model
 from onnxtrain.errors import Fail, InvalidFeed, InvalidFeedType
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
@@ -83,7 +82,7 @@ def node_arg(v: onnx.ValueInfoProto) -> NodeArg:
 class FeedChecker:
     """Checks a feed dict against the graph inputs once per call: names, dtypes, ranks and fixed dims."""
 
-    def __init__(self, plan: Plan, overridable: Sequence[str]):
+    def __init__(self, plan: GraphInterface, overridable: Sequence[str]):
         self.allowed = set(plan.input_names) | set(overridable)
         self.specs = {n: (plan.input_dtypes.get(n), plan.input_shapes.get(n)) for n in plan.all_input_names}
         # sequence- and optional-typed inputs: name → "seq" or "optional"; fed as lists (or None) as they are
@@ -203,10 +202,12 @@ class InferenceSession:
         self._check = FeedChecker(self._plan, [a.name for a in self._overridable])
         self._fallback = True
         # the numpy engine may run the two halves of a batch at once (onnxtrain/engine/batch_split.py)
-        split = mode_of(self._sess_options)
-        self._splitter = (BatchSplitter.for_plan(self._plan, split)
-                          if isinstance(self._plan, Plan) and split != "off"
-                          else None)
+        split = batch_split_mode(self._sess_options)
+        self._splitter = None
+        if self._backend == "numpy" and split != "off":
+            from onnxtrain.engine.batch_split import BatchSplitter  # numpy plans only
+
+            self._splitter = BatchSplitter.for_plan(self._plan, split)
 
     # ---- running -------------------------------------------------------------------
     def run(
@@ -315,7 +316,7 @@ class InferenceSession:
         return write_chrome_trace(self._plan, self._sess_options.profile_file_prefix, self._start_ns)
 
 
-def write_chrome_trace(plan: Plan, prefix: str, start_ns: int) -> str:
+def write_chrome_trace(plan: GraphInterface, prefix: str, start_ns: int) -> str:
     """Write ``plan.profile`` as a chrome-trace file named ``<prefix><timestamp>.json``; returns the path."""
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     path = f"{prefix}{stamp}.json"

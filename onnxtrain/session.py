@@ -18,7 +18,7 @@ import onnx
 from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
-from onnxtrain.engine.plan import Plan, load_model
+from onnxtrain.engine.interface import GraphInterface, load_model
 from onnxtrain.errors import InvalidFeed, program_hint
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo, half_copies
@@ -158,7 +158,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             if path:
                 save_model_atomic(m, path)
         self._model = g.full
-        self._plans: dict[str, Plan] = {}
+        self._plans: dict[str, GraphInterface] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}  # random nodes' generators, shared by the plans
         self._plan = self._get_plan("full")
         self._plan.profiling = bool(self._sess_options.enable_profiling)
@@ -230,7 +230,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                         raise ValueError(f"set_optimizer_initial_state: no optimizer state {key!r} for {w!r}")
                     self._assign(name, value)
 
-    def _get_plan(self, kind: str) -> Plan:
+    def _get_plan(self, kind: str) -> GraphInterface:
         if kind not in self._plans:
             model = self._extra_models.get(kind) or getattr(self._graphs, PLAN_GRAPHS[kind])
             # the onnxruntime backend may write an updated state tensor into the donated old one; the graphs
@@ -244,7 +244,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             )
         return self._plans[kind]
 
-    def _path_plan(self, names: list[str], extra: Sequence[str] = ()) -> Plan:
+    def _path_plan(self, names: list[str], extra: Sequence[str] = ()) -> GraphInterface:
         """The plan of only what the step computes on the way to ``names``: no update; the gradient
         accumulation buffers are written when the path runs through their accumulation (the global norm
         and the finiteness flag of a micro-step do, as onnxruntime's in-place accumulators wrote theirs),
@@ -268,13 +268,13 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             self._plans[key] = self._new_plan(model, updates or None, False)
         return self._plans[key]
 
-    def _path_updates(self, plan: Plan) -> list[tuple[str, str]]:
+    def _path_updates(self, plan: GraphInterface) -> list[tuple[str, str]]:
         """(buffer, output) of the accumulation buffers a path plan writes (see :meth:`_path_plan`)."""
         acc = self._graphs.updates.get("accumulate", {})
         return [(b, o) for b, o in acc.items() if o in plan.output_info]
 
     def _new_plan(self, model: onnx.ModelProto, updates: Mapping[str, str] | None, keep_binding: bool,
-                  follower: bool = False) -> Plan:
+                  follower: bool = False) -> GraphInterface:
         """A plan of ``model`` on the session's backend, providers and options (``updates``: output → the
         state input it may be written into)."""
         return make_plan(model, self._backend, self._providers, self._sess_options, self._provider_options,

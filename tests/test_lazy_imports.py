@@ -45,6 +45,40 @@ def test_sessions_do_not_load_hashlib():
     assert _run(code) == "[]"
 
 
+def test_onnxruntime_backend_sessions_do_not_load_the_numpy_engine():
+    """A session on the onnxruntime backend imports neither the numpy engine's plan, kernels, control flow
+    and node checks nor the gradient rules of ops its graph does not hold (peak RSS: bench/HISTORY.md)."""
+    code = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from onnxtrain import InferenceSession, SessionOptions, TrainingSession\n"
+        "from tests.session.helpers import batches, mlp_model, params\n"
+        "so = SessionOptions()\n"
+        "so.add_session_config_entry('onnxtrain.backend', 'onnxruntime')\n"
+        "sess = TrainingSession(mlp_model(), params(), so)\n"
+        "x, y = batches(1, 4)[0]\n"
+        "sess.run(['loss'], {'x': x, 'y': y, 'Learning_Rate': np.array([0.1], np.float32)})\n"
+        "InferenceSession(mlp_model(), so).run(None, {'x': x, 'y': y})\n"
+        "engine = ('onnxtrain.engine.plan', 'onnxtrain.engine.kernels', 'onnxtrain.engine.control_flow',\n"
+        "          'onnxtrain.engine.node_checks', 'onnxtrain.engine.batch_split', 'onnxtrain.engine.fusion')\n"
+        "rules = sorted(m.rsplit('.', 1)[1] for m in sys.modules if m.startswith('onnxtrain.autodiff.rules.'))\n"
+        "print([m for m in engine if m in sys.modules], 'rnn' in rules, 'control_flow' in rules, 'matmul' in rules)"
+    )
+    assert _run(code) == "[] False False True"
+
+
+def test_engine_names_resolve_on_first_use():
+    code = (
+        "import sys, onnxtrain.engine as e\n"
+        "before = 'onnxtrain.engine.plan' in sys.modules\n"
+        "from onnxtrain.engine.plan import Plan, compile_model\n"
+        "from onnxtrain.engine.interface import EngineError\n"
+        "print(before, e.Plan is Plan, e.compile_model is compile_model, e.EngineError is EngineError,\n"
+        "      set(e.__all__) <= set(dir(e)), hasattr(e, 'no_such_name'))"
+    )
+    assert _run(code) == "False True True True True False"
+
+
 def test_every_public_name_resolves_to_its_defining_object():
     from onnxtrain.capi.options import SessionOptions
     from onnxtrain.session import TrainingSession

@@ -22,12 +22,15 @@ from typing import Any
 
 import onnx
 
-from onnxtrain.engine.plan import Plan
 from onnxtrain.ir.graphs import RANDOM_OPS
 from onnxtrain.user_warning import warn
 
 BACKENDS = ("numpy", "onnxruntime")
 CONFIG_KEY = "onnxtrain.backend"
+# session config entry of the numpy engine's batch split (onnxtrain/engine/batch_split.py): "0" off, "1" (the
+# default) threads, "process"
+BATCH_SPLIT_KEY = "onnxtrain.batch_split"
+BATCH_SPLIT_MODES = {"0": "off", "1": "threads", "process": "process"}
 _INSTALL_HINT = ("the onnxruntime backend needs the onnxruntime package: pip install onnxruntime "
                  "(or onnxruntime-gpu for CUDA)")
 
@@ -54,6 +57,16 @@ def session_config_entry(options: Any, key: str) -> str:
 def backend_of(options: Any) -> str:
     """The backend named by the session options' ``onnxtrain.backend`` entry ("numpy" when unset)."""
     return check_backend(session_config_entry(options, CONFIG_KEY) or "numpy")
+
+
+def batch_split_mode(options: Any) -> str:
+    """How the session options (onnxtrain's or onnxruntime's, or None) run the halves of a batch: "off",
+    "threads" or "process", from their ``onnxtrain.batch_split`` entry ("1", threads, when unset)."""
+    value = session_config_entry(options, BATCH_SPLIT_KEY) or "1"
+    if value not in BATCH_SPLIT_MODES:
+        raise ValueError(f"session config entry {BATCH_SPLIT_KEY!r} must be one of "
+                         f"{', '.join(repr(k) for k in BATCH_SPLIT_MODES)}, got {value!r}")
+    return BATCH_SPLIT_MODES[value]
 
 
 def import_onnxruntime() -> Any:
@@ -137,6 +150,8 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
     numpy plans share the node's generator; onnxruntime keeps a generator per session, so each later
     plan's copy of a seeded node gets a seed of its own (:func:`_distinct_seeds`)."""
     if check_backend(backend) == "numpy":
+        from onnxtrain.engine.plan import Plan  # here: onnxruntime sessions never load the numpy engine
+
         return Plan(model, fuse=_numpy_fuse(options), threads=_intra_op_threads(options),
                     random_state=random_state)
     from onnxtrain.engine.ort_plan import OrtPlan  # here: numpy sessions never load it

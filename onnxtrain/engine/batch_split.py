@@ -36,14 +36,12 @@ import onnx
 
 from onnxtrain.engine import half_process
 from onnxtrain.engine.affinity import placed
-from onnxtrain.engine.backends import session_config_entry
+from onnxtrain.engine.backends import BATCH_SPLIT_KEY
 from onnxtrain.engine.blas import can_pin_blas_threads, single_threaded_blas
 from onnxtrain.engine.parallel import parallel_for, running_with
 from onnxtrain.engine.plan import Plan
 from onnxtrain.user_warning import warn
 
-CONFIG_KEY = "onnxtrain.batch_split"  # session config entry: "0" off, "1" (the default) threads, "process"
-MODES = {"0": "off", "1": "threads", "process": "process"}
 MIN_ACTIVATION_BYTES = 1 << 20  # a run whose live activations peak lower is not split (too little work to
 # gain from it: two dispatch loops and a handoff cost more); the peak depends on the batch size alone, so
 # whether a batch size splits does not depend on timing
@@ -54,16 +52,6 @@ ACTIVATIONS_PER_WEIGHT = 2.0  # nor one whose activations peak below twice the w
 # samples that interact differ by far more
 RTOL = {2: 1e-2, 4: 1e-4, 8: 1e-4}
 MAX_VERDICTS = 64  # batch sizes whose check is remembered
-
-
-def mode_of(options: Any) -> str:
-    """How the session options (onnxtrain's or onnxruntime's, or None) run the halves: "off", "threads"
-    or "process", from their ``onnxtrain.batch_split`` entry ("1", threads, when unset)."""
-    value = session_config_entry(options, CONFIG_KEY) or "1"
-    if value not in MODES:
-        raise ValueError(f"session config entry {CONFIG_KEY!r} must be one of "
-                         f"{', '.join(repr(k) for k in MODES)}, got {value!r}")
-    return MODES[value]
 
 
 def batch_axes(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]] | None:
@@ -117,7 +105,7 @@ class BatchSplitter:
         if axes is None or plan.threads < 2:
             return None
         if mode == "process" and (why := half_process.available()) is not None:
-            warn(f"{CONFIG_KEY} = process: {why}; the halves run on threads")
+            warn(f"{BATCH_SPLIT_KEY} = process: {why}; the halves run on threads")
             mode = "threads"
         return cls(plan, axes, mode)
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from onnxtrain.engine.plan import EngineError
+from onnxtrain.engine.interface import EngineError
 
 
 class Declared(Protocol):

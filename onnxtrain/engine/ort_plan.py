@@ -14,10 +14,10 @@ import onnx
 
 from onnxtrain.engine.backends import _optimizations_off, import_onnxruntime, resolve_providers
 from onnxtrain.engine.donation import check_fed, donatable
+from onnxtrain.engine.interface import EngineError, GraphInterface, ProfileEvent
 from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.ort_rewrites import for_onnxruntime
 from onnxtrain.engine.parallel import default_width, local_ranks
-from onnxtrain.engine.plan import EngineError, GraphInterface, ProfileEvent
 
 # onnxruntime's ConstantSharing merges equal initializers into one buffer; a training-mode
 # BatchNormalization then writes its running statistics into the shared buffer, corrupting the
@@ -64,12 +64,6 @@ class OrtPlan(GraphInterface):
     """
 
     backend = "onnxruntime"
-
-    def _lacks_kernel(self, node: onnx.NodeProto) -> bool:
-        """Nothing is expanded into its ONNX function body here: onnxruntime runs such ops itself (a kernel,
-        or the body it inlines), and asking the numpy engine's registry would import all its kernels (5.7
-        MiB of the backend's peak RSS on the bench's MLP)."""
-        return False
 
     def __init__(self, model: onnx.ModelProto | str | bytes, providers: Sequence[Any] | None = None,
                  options: Any = None, provider_options: Sequence[dict] | None = None,

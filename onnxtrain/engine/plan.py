@@ -9,20 +9,28 @@ floating-point warning: its kernels' infs and NaNs are their IEEE results, as in
 from __future__ import annotations
 
 import operator
-import os
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
 
 from onnxtrain.engine.affinity import placed
 from onnxtrain.engine.allocator import tune_allocator
 from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow
 from onnxtrain.engine.donation import donated_slots, donating, reusable_inputs
+from onnxtrain.engine.interface import (  # noqa: F401  (the engine's errors, imported from here elsewhere)
+    EngineError,
+    GraphInterface,
+    InvalidNodeError,
+    ModelParseError,
+    ProfileEvent,
+    UnsupportedOpError,
+    default_opset,
+    load_model,
+)
 from onnxtrain.engine.node_checks import NodeChecker, invalid_nodes, model_opsets
 from onnxtrain.engine.parallel import default_width, running_with, width
 from onnxtrain.engine.registry import (
@@ -33,10 +41,7 @@ from onnxtrain.engine.registry import (
     find_kernel,
     parse_attributes,
 )
-from onnxtrain.errors import Fail, InvalidGraph, InvalidProtobuf, ModelNotFound, program_hint
-from onnxtrain.ir.functions import expand_functions
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, RANDOM_OPS
-from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
 
 def _quiet() -> np.errstate:
@@ -47,25 +52,6 @@ def _quiet() -> np.errstate:
     return np.errstate(all="ignore")
 
 
-class EngineError(Fail):
-    """A failure while compiling or running a graph (onnxruntime's ``Fail``, a RuntimeError); the message
-    names the node and op."""
-
-
-class ModelParseError(EngineError, InvalidProtobuf):
-    """Bytes or a file that do not parse as an ONNX model (onnxruntime's ``InvalidProtobuf``)."""
-
-
-class UnsupportedOpError(EngineError, NotImplementedError):
-    """The graph holds an op that has no kernel (yet)."""
-
-
-class InvalidNodeError(EngineError, InvalidGraph):
-    """A node of a standard domain that its ONNX schema does not allow (inputs, outputs or attributes), found
-    when the plan is compiled (onnxruntime's ``InvalidGraph`` at load); the message names the node, op,
-    opset and what is wrong."""
-
-
 @dataclass
 class Step:
     fn: Kernel
@@ -74,46 +60,6 @@ class Step:
     attrs: Attrs
     free: tuple[int, ...]
     node: onnx.NodeProto
-
-
-@dataclass
-class ProfileEvent:
-    name: str
-    op: str
-    start_ns: int
-    dur_ns: int
-    shapes: list[Any] = field(default_factory=list)
-
-
-def load_model(model: onnx.ModelProto | str | bytes | os.PathLike) -> onnx.ModelProto:
-    """A ModelProto from a proto, a path or serialized bytes; errors name the file."""
-    if isinstance(model, onnx.ModelProto):
-        return model
-    if not isinstance(model, (bytes, bytearray, memoryview, str, os.PathLike)):
-        raise TypeError(f"the model must be an onnx.ModelProto, its serialized bytes or a path, got "
-                        f"{type(model).__name__}{program_hint(model)}")
-    if isinstance(model, (bytes, bytearray, memoryview)):
-        try:
-            m = onnx.load_from_string(bytes(model))
-        except Exception as e:
-            raise ModelParseError(f"could not parse the model bytes ({len(model)} bytes): {e}") from None
-        if not m.graph.node and not m.graph.output:
-            raise ModelParseError(f"the model bytes ({len(model)} bytes) hold no graph")
-        return m
-    path = os.fspath(model)
-    if not os.path.exists(path):
-        raise ModelNotFound(f"model file not found: {path}")
-    try:
-        return onnx.load(path)
-    except Exception as e:
-        raise ModelParseError(f"could not load model file {path}: {e}") from None
-
-
-def default_opset(model: onnx.ModelProto) -> int:
-    for o in model.opset_import:
-        if o.domain in DEFAULT_DOMAINS:
-            return int(o.version)
-    return onnx.defs.onnx_opset_version()
 
 
 def checked_opsets(model: onnx.ModelProto) -> dict[str, int]:
@@ -133,48 +79,11 @@ def check_nodes(model: onnx.ModelProto) -> None:
         raise InvalidNodeError(f"{len(found)}{more} invalid nodes:\n  " + "\n  ".join(found))
 
 
-class GraphInterface:
-    """What every plan exposes of its model: opset, initializers, input and output names and types."""
+class Plan(GraphInterface):
+    """An executable form of one ONNX graph."""
 
     def _lacks_kernel(self, node: onnx.NodeProto) -> bool:
         return node.op_type not in SUBGRAPH_OPS and find_kernel(node.op_type, self.opset, node.domain) is None
-
-    def _read_interface(self, model: onnx.ModelProto | str | bytes | os.PathLike,
-                        initializers: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
-        """Read the model's interface; ``initializers``: arrays to take for the model's initializers of those
-        names instead of converting them (another plan's of the same model)."""
-        model = load_model(model)
-        self.opset = default_opset(model)
-        model = expand_functions(model, self._lacks_kernel)  # an op without a kernel: its ONNX body
-        self.model = model
-        g = model.graph
-        given = initializers or {}
-        self.initializers: dict[str, np.ndarray] = {}
-        for t in g.initializer:
-            v = given.get(t.name)
-            if v is None:
-                v = numpy_helper.to_array(t)
-            else:
-                dt = helper.tensor_dtype_to_np_dtype(t.data_type)
-                if list(v.shape) != list(t.dims) or v.dtype != dt:
-                    raise EngineError(f"initializer {t.name!r}: the array given for it is {v.dtype}"
-                                      f"{list(v.shape)}, the model's is {dt}{list(t.dims)}")
-            self.initializers[t.name] = v
-        inits = set(self.initializers)
-        self.input_names = [v.name for v in g.input if v.name not in inits]
-        self.all_input_names = [v.name for v in g.input]
-        self.output_names = [v.name for v in g.output]
-        self.input_info = {v.name: v for v in g.input}
-        self.output_info = {v.name: v for v in g.output}
-        self.input_dtypes = {v.name: np_dtype_of(v.type) for v in g.input}
-        self.input_shapes = {v.name: value_info_shape(v.type) for v in g.input}
-        self.output_dtypes = {v.name: np_dtype_of(v.type) for v in g.output}
-        self.output_shapes = {v.name: value_info_shape(v.type) for v in g.output}
-        return model
-
-
-class Plan(GraphInterface):
-    """An executable form of one ONNX graph."""
 
     def __init__(
         self,
@@ -210,7 +119,7 @@ class Plan(GraphInterface):
             raise
         checker = None
         if model is original:
-            checker = NodeChecker(checked_opsets(model))
+            checker = NodeChecker(checked_opsets(model), model.graph)  # the types the graph declares
         else:
             check_nodes(original)  # functions expanded: the whole model's, bodies included, now
         g = model.graph

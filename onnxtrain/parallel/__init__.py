@@ -12,7 +12,6 @@ The legacy ``TrainingSession`` uses all of this by itself when ``mpiexec`` start
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +80,8 @@ def launch_hint(n: int) -> str:
         cmd = ["python", prog]
     else:  # a console script, e.g. onnxtrain
         cmd = [os.path.basename(prog)]
+    import shlex  # here: only a hint's command line needs it
+
     return f"mpiexec -n {n} " + shlex.join([*cmd, *args])
 
 

@@ -13,7 +13,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -297,6 +296,8 @@ def install_abort_on_exception(comm: Communicator | None = None) -> None:
         try:
             previous(etype, value, tb)
         except Exception:
+            import traceback  # here: single-process sessions never need it (93 KB of Python objects)
+
             traceback.print_exception(etype, value, tb)
         abort_job(f"uncaught {etype.__name__}: {value}", 1, comm)
 
@@ -338,6 +339,8 @@ def abort_on_error() -> Iterator[None]:
         raise
     except BaseException as e:
         if _several_ranks():
+            import traceback
+
             traceback.print_exc()
             abort_job(f"{type(e).__name__}: {e}", 1)
         raise

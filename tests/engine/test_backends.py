@@ -109,6 +109,18 @@ def test_backend_names_and_config_entry():
     assert isinstance(make_plan(mlp_model(), "onnxruntime"), OrtPlan)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_split_entry_is_checked_on_every_backend(backend):
+    """The numpy engine's ``onnxtrain.batch_split`` entry: a wrong value is an error on either backend
+    (onnxruntime sessions have no batch split, but a misspelt value is still the caller's mistake)."""
+    so = options(backend)
+    so.add_session_config_entry("onnxtrain.batch_split", "2")
+    with pytest.raises(ValueError, match="'onnxtrain.batch_split' must be one of '0', '1', 'process', got '2'"):
+        InferenceSession(mlp_model(), so)
+    so.add_session_config_entry("onnxtrain.batch_split", "0")
+    assert InferenceSession(mlp_model(), so).get_outputs()
+
+
 def _sgd_params() -> TrainingParameters:
     p = TrainingParameters()
     p.loss_output_name = "loss"

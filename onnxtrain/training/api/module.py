@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxtrain.engine import Plan, UnsupportedOpError, compile_model
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.feed_sizes import shared_dim_mismatch
+from onnxtrain.engine.interface import GraphInterface, UnsupportedOpError
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
 from onnxtrain.ir.builder import NameGen
@@ -173,7 +173,7 @@ def _expose_running_stats(model: onnx.ModelProto, state: CheckpointState
 
 
 def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, follower: bool = False,
-             updates: dict[str, str] | None = None) -> Plan:
+             updates: dict[str, str] | None = None) -> GraphInterface:
     """The model compiled on the backend ``session_options`` name (config entry ``onnxtrain.backend``);
     ``follower``: it runs right after the training model; ``updates``: output → the input it replaces
     (see ``make_plan``). The training and optimizer models keep onnxruntime's binding between runs."""
@@ -182,6 +182,8 @@ def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, fol
         if backend != "numpy":
             return make_plan(model, backend, None, session_options, follower=follower, updates=updates,
                              keep_binding=what in ("training", "optimizer"))
+        from onnxtrain.engine.plan import compile_model  # here: onnxruntime sessions never load it
+
         return compile_model(model)
     except UnsupportedOpError as e:
         foreign = sorted({n.domain for n in model.graph.node if n.domain not in ("", "ai.onnx")})
@@ -221,7 +223,7 @@ class Module:
         self._train_model, self._running_stats, self._added_outputs = _expose_running_stats(
             self._train_model, state)
         self._eval_model: onnx.ModelProto | None = None
-        self._eval_plan: Plan | None = None
+        self._eval_plan: GraphInterface | None = None
         if eval_model_uri is not None:
             self._eval_model = translate_training_model(load_model(eval_model_uri, "eval")[0])
             self._eval_plan = _compile(self._eval_model, "eval", session_options)
@@ -251,16 +253,16 @@ class Module:
         if self._has_reset:
             variant = overwrite_variant(self._train_model,
                                         self._trainable + self._unheld_trainable + self._frozen_trained)
-        self._overwrite_plan: Plan | None = None
-        self._full_plan: Plan | None = None
-        self._last_step_plan: Plan | None = None
+        self._overwrite_plan: GraphInterface | None = None
+        self._full_plan: GraphInterface | None = None
+        self._last_step_plan: GraphInterface | None = None
         if variant is not None:
             self._overwrite_plan = _compile(variant, "training", session_options)
         else:
             self._full_plan = _compile(self._train_model, "training", session_options)
 
     @property
-    def _step_plan(self) -> Plan:
+    def _step_plan(self) -> GraphInterface:
         """The plan that ran the last training step (before any: the one the next step will run)."""
         if self._last_step_plan is not None:
             return self._last_step_plan
@@ -268,7 +270,7 @@ class Module:
         return self._overwrite_plan if overwrite else self._train_plan
 
     @property
-    def _train_plan(self) -> Plan:
+    def _train_plan(self) -> GraphInterface:
         """The training model's plan (with the gradient accumulators), compiled when first needed."""
         if self._full_plan is None:
             self._full_plan = _compile(self._train_model, "training", self._session_options)

@@ -1,0 +1,125 @@
+"""What every backend's plan shares: the engine's errors, reading a model, and a plan's view of its model's
+interface (:class:`GraphInterface`: opset, initializers, input and output names, types and shapes).
+
+Kept apart from :mod:`onnxtrain.engine.plan` so that sessions on the onnxruntime backend do not import the
+numpy engine (its plan, control flow, kernels and node checks: about 0.5 MiB of Python objects in a
+LeNet session).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from onnxtrain.errors import Fail, InvalidGraph, InvalidProtobuf, ModelNotFound, program_hint
+from onnxtrain.ir.functions import expand_functions
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS
+from onnxtrain.ir.types import np_dtype_of, value_info_shape
+
+
+class EngineError(Fail):
+    """A failure while compiling or running a graph (onnxruntime's ``Fail``, a RuntimeError); the message
+    names the node and op."""
+
+
+class ModelParseError(EngineError, InvalidProtobuf):
+    """Bytes or a file that do not parse as an ONNX model (onnxruntime's ``InvalidProtobuf``)."""
+
+
+class UnsupportedOpError(EngineError, NotImplementedError):
+    """The graph holds an op that has no kernel (yet)."""
+
+
+class InvalidNodeError(EngineError, InvalidGraph):
+    """A node of a standard domain that its ONNX schema does not allow (inputs, outputs or attributes), found
+    when the plan is compiled (onnxruntime's ``InvalidGraph`` at load); the message names the node, op,
+    opset and what is wrong."""
+
+
+@dataclass
+class ProfileEvent:
+    name: str
+    op: str
+    start_ns: int
+    dur_ns: int
+    shapes: list[Any] = field(default_factory=list)
+
+
+def load_model(model: onnx.ModelProto | str | bytes | os.PathLike) -> onnx.ModelProto:
+    """A ModelProto from a proto, a path or serialized bytes; errors name the file."""
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if not isinstance(model, (bytes, bytearray, memoryview, str, os.PathLike)):
+        raise TypeError(f"the model must be an onnx.ModelProto, its serialized bytes or a path, got "
+                        f"{type(model).__name__}{program_hint(model)}")
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        try:
+            m = onnx.load_from_string(bytes(model))
+        except Exception as e:
+            raise ModelParseError(f"could not parse the model bytes ({len(model)} bytes): {e}") from None
+        if not m.graph.node and not m.graph.output:
+            raise ModelParseError(f"the model bytes ({len(model)} bytes) hold no graph")
+        return m
+    path = os.fspath(model)
+    if not os.path.exists(path):
+        raise ModelNotFound(f"model file not found: {path}")
+    try:
+        return onnx.load(path)
+    except Exception as e:
+        raise ModelParseError(f"could not load model file {path}: {e}") from None
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    for o in model.opset_import:
+        if o.domain in DEFAULT_DOMAINS:
+            return int(o.version)
+    return onnx.defs.onnx_opset_version()
+
+
+class GraphInterface:
+    """What every plan exposes of its model: opset, initializers, input and output names and types."""
+
+    def _lacks_kernel(self, node: onnx.NodeProto) -> bool:
+        """Whether ``node`` runs as its ONNX function body (its op has no kernel here): never, unless the
+        backend says so (the numpy engine's :class:`~onnxtrain.engine.plan.Plan` asks its kernel registry;
+        onnxruntime runs such ops itself, a kernel or the body it inlines)."""
+        return False
+
+    def _read_interface(self, model: onnx.ModelProto | str | bytes | os.PathLike,
+                        initializers: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
+        """Read the model's interface; ``initializers``: arrays to take for the model's initializers of those
+        names instead of converting them (another plan's of the same model)."""
+        model = load_model(model)
+        self.opset = default_opset(model)
+        model = expand_functions(model, self._lacks_kernel)  # an op without a kernel: its ONNX body
+        self.model = model
+        g = model.graph
+        given = initializers or {}
+        self.initializers: dict[str, np.ndarray] = {}
+        for t in g.initializer:
+            v = given.get(t.name)
+            if v is None:
+                v = numpy_helper.to_array(t)
+            else:
+                dt = helper.tensor_dtype_to_np_dtype(t.data_type)
+                if list(v.shape) != list(t.dims) or v.dtype != dt:
+                    raise EngineError(f"initializer {t.name!r}: the array given for it is {v.dtype}"
+                                      f"{list(v.shape)}, the model's is {dt}{list(t.dims)}")
+            self.initializers[t.name] = v
+        inits = set(self.initializers)
+        self.input_names = [v.name for v in g.input if v.name not in inits]
+        self.all_input_names = [v.name for v in g.input]
+        self.output_names = [v.name for v in g.output]
+        self.input_info = {v.name: v for v in g.input}
+        self.output_info = {v.name: v for v in g.output}
+        self.input_dtypes = {v.name: np_dtype_of(v.type) for v in g.input}
+        self.input_shapes = {v.name: value_info_shape(v.type) for v in g.input}
+        self.output_dtypes = {v.name: np_dtype_of(v.type) for v in g.output}
+        self.output_shapes = {v.name: value_info_shape(v.type) for v in g.output}
+        return model
