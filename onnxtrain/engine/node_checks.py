@@ -8,12 +8,29 @@ of the schema's type (strictly: an INT where FLOAT is declared is refused, as th
 refuse it), and every required attribute present. Unlike the checker, empty names after the last input or
 output are left out of the count (``Relu(x, "")`` passes: nothing is read from it).
 
+The types of a node's inputs, as onnxruntime checks them at load: an input of known type must be of a type
+that the constraint of its formal parameter allows (``schema.type_constraints``: an int64 Relu at opset 13,
+Gather's float indices, a Reshape's int32 shape), and the inputs bound to one type variable (Add's two
+``T``, every value of Concat's variadic ``T``) of one type (Add of a float and a double); a heterogeneous
+variadic's values (Loop's carried values) only of allowed types. The types known: those the graph declares
+(:func:`graph_types`: inputs, initializers, value_info, outputs) and those the nodes checked before give
+their outputs by their schemas (the one type a constraint allows, as Shape's int64; the type of the input
+that binds the output's variable, as Add's; Cast's ``to``, Constant's and ConstantOfShape's value), which
+win over a declared one. Nothing is inferred beyond that (no shape inference runs): an input of no type
+found so is not checked (the output of a node of another domain or of a control-flow node without a
+declared type, a map, a sparse tensor), nor are output types against their declarations. What the engine
+runs beyond the schemas is let through (``_FLOAT64_TOO``: float64 Celu, RotaryEmbedding, CausalConvWithState
+and LinearAttention, which the float64 gradient checks of the op tables run), although onnxruntime refuses
+it.
+
 Nodes of other domains (onnxtrain's gradient ops, ``com.microsoft``, ``ai.onnx.preview.training``) and ops
 without a schema at that opset are not checked: the engine's "no kernel" error names the latter. Nodes in
-the bodies of control-flow ops are checked too, named under their node.
+the bodies of control-flow ops are checked too, named under their node, their input types with the types
+the body declares (a Loop body's inputs) and its nodes give: values that a body reads from enclosing graphs
+are of unknown type there, as in the plan that the engine compiles the body into (their types unchecked).
 
 :class:`~onnxtrain.engine.plan.Plan` runs the check as it compiles each node (:class:`NodeChecker`, sharing
-the node's input and output names with the compile loop: about 3 % of building a training step's plan) and
+the node's input and output names with the compile loop: about 6 % of building a training step's plan) and
 raises :class:`~onnxtrain.engine.plan.InvalidNodeError` listing the invalid nodes (:func:`invalid_nodes`).
 """
 
@@ -24,7 +41,7 @@ from functools import cache
 from typing import NamedTuple
 
 import onnx
-from onnx import AttributeProto
+from onnx import AttributeProto, TensorProto
 
 from onnxtrain.ir.graphs import named_subgraphs
 
@@ -36,6 +53,30 @@ _TYPE_NAMES = {v: k for k, v in AttributeProto.AttributeType.items()}
 # the standard ops that hold graphs (control flow): only their attributes are searched for bodies
 _BODY_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 _UNSEEN = object()
+# an ONNX element type → its name in schemas' type constraints: FLOAT → "tensor(float)"
+_TENSOR_TYPES = {v: f"tensor({k.lower()})" for k, v in TensorProto.DataType.items() if v}
+_FLOAT = _TENSOR_TYPES[TensorProto.FLOAT]
+_INT64 = _TENSOR_TYPES[TensorProto.INT64]
+_STRING = _TENSOR_TYPES[TensorProto.STRING]
+_TYPED_BY_ATTRIBUTE = frozenset({"Cast", "Constant", "ConstantOfShape"})  # see _attribute_type
+# Constant's attributes other than a tensor → its output's type
+_CONSTANT_TYPES = {"value_float": _FLOAT, "value_floats": _FLOAT, "value_int": _INT64, "value_ints": _INT64,
+                   "value_string": _STRING, "value_strings": _STRING}
+
+# Ops of ONNX's domain whose schemas allow float32 but not float64, which the engine runs in float64 too
+# (the op tables' float64 forward and gradient checks), so the type check lets float64 through wherever they
+# allow float32, although onnxruntime refuses it
+_FLOAT64_TOO = frozenset({"Celu", "RotaryEmbedding", "CausalConvWithState", "LinearAttention"})
+_DOUBLE = _TENSOR_TYPES[TensorProto.DOUBLE]
+
+
+class _Typed(NamedTuple):
+    """What a schema allows of the type of one formal parameter."""
+
+    var: str  # its type variable ("T") or its literal type ("tensor(int64)")
+    allowed: frozenset[str]  # the type strings the variable allows ("tensor(float)", "seq(tensor(int64))")
+    listed: str  # the same, in the schema's order, for a message
+    bind: bool  # a type variable that every value bound to it must share (not a heterogeneous variadic)
 
 
 class _Form(NamedTuple):
@@ -46,6 +87,11 @@ class _Form(NamedTuple):
     outputs: tuple[tuple[int, int], tuple[tuple[str, bool, bool], ...]]
     attributes: Mapping[str, int]  # name → AttributeProto type
     required: tuple[str, ...]
+    input_types: tuple[_Typed, ...]  # per formal input (the last one repeated for a variadic)
+    variadic_input: bool  # the last formal input is variadic
+    # per formal output: the one type it can be, or the type variable an input binds it to (else None)
+    output_types: tuple[tuple[str | None, str | None], ...]
+    variadic_output: bool
 
 
 @cache
@@ -58,10 +104,122 @@ def _form(op_type: str, opset: int, domain: str) -> _Form | None:
     def params(formals: Iterable[onnx.defs.OpSchema.FormalParameter]) -> tuple[tuple[str, bool, bool], ...]:
         return tuple((f.name, f.option in (_OPTIONAL, _VARIADIC), f.option == _VARIADIC) for f in formals)
 
+    constraints = {c.type_param_str: tuple(c.allowed_type_strs) for c in s.type_constraints}
+    if domain == "" and op_type in _FLOAT64_TOO:
+        constraints = {v: (*a, _DOUBLE) if _FLOAT in a and _DOUBLE not in a else a
+                       for v, a in constraints.items()}
+
+    def typed(formals: Iterable[onnx.defs.OpSchema.FormalParameter]) -> tuple[_Typed, ...]:
+        out = []
+        for f in formals:
+            var = f.type_str
+            allowed = constraints.get(var)
+            if allowed is None:  # a literal type, not a variable
+                out.append(_Typed(var, frozenset((var,)), var, False))
+            else:
+                out.append(_Typed(var, frozenset(allowed), ", ".join(allowed), bool(f.is_homogeneous)))
+        return tuple(out)
+
+    def variadic(formals: Sequence[onnx.defs.OpSchema.FormalParameter]) -> bool:
+        return bool(formals) and formals[-1].option == _VARIADIC
+
+    outputs = tuple((next(iter(f.allowed)) if len(f.allowed) == 1 else None, f.var if f.bind else None)
+                    for f in typed(s.outputs))
     attrs = {name: int(a.type.value) for name, a in s.attributes.items()}
     required = tuple(name for name, a in s.attributes.items() if a.required)
     return _Form(f"{s.name}-{s.since_version}", ((s.min_input, s.max_input), params(s.inputs)),
-                 ((s.min_output, s.max_output), params(s.outputs)), attrs, required)
+                 ((s.min_output, s.max_output), params(s.outputs)), attrs, required, typed(s.inputs),
+                 variadic(s.inputs), outputs, variadic(s.outputs))
+
+
+def type_string(tp: onnx.TypeProto) -> str | None:
+    """A value's type as schemas' type constraints name it ("tensor(float)", "seq(tensor(int64))",
+    "optional(tensor(bool))"); None when unknown (no element type) or another kind (a map, a sparse
+    tensor)."""
+    kind = tp.WhichOneof("value")
+    if kind == "tensor_type":
+        return _TENSOR_TYPES.get(tp.tensor_type.elem_type)
+    if kind == "sequence_type":
+        inner = type_string(tp.sequence_type.elem_type)
+        return f"seq({inner})" if inner else None
+    if kind == "optional_type":
+        inner = type_string(tp.optional_type.elem_type)
+        return f"optional({inner})" if inner else None
+    return None
+
+
+def graph_types(graph: onnx.GraphProto) -> dict[str, str]:
+    """The types ``graph`` declares of its values: its value_info, outputs, inputs, then its initializers'
+    (an initializer's own type wins over the input of its name), by name; values of no known type left
+    out."""
+    types: dict[str, str] = {}
+    for infos in (graph.value_info, graph.output, graph.input):
+        for v in infos:
+            t = type_string(v.type)
+            if t is not None:
+                types[v.name] = t
+    tensor_types = _TENSOR_TYPES
+    for init in graph.initializer:
+        t = tensor_types.get(init.data_type)
+        if t is not None:
+            types[init.name] = t
+    return types
+
+
+def _attribute_type(node: onnx.NodeProto) -> str | None:
+    """The output type that the attributes of a Cast, Constant or ConstantOfShape give it."""
+    op = node.op_type
+    for a in node.attribute:
+        if op == "Cast":
+            if a.name == "to" and a.type == AttributeProto.INT:
+                return _TENSOR_TYPES.get(a.i)
+        elif a.name == "value" and a.type == AttributeProto.TENSOR:
+            return _TENSOR_TYPES.get(a.t.data_type)
+        elif op == "Constant":
+            return _CONSTANT_TYPES.get(a.name)
+    return _FLOAT if op == "ConstantOfShape" else None
+
+
+def _bind(form: _Form, ins: Sequence[str], types: Mapping[str, str]) -> dict[str, str] | str:
+    """The types that a node's inputs ``ins`` of known type (``types``) bind their schema's type variables
+    to (``form``, its arity already checked), or what is wrong with them: a type that the formal
+    parameter's constraint does not allow, or two values bound to one type variable of different types."""
+    formals = form.input_types
+    n = len(formals)
+    bound: dict[str, str] = {}
+    first: dict[str, int] = {}
+    for i, name in enumerate(ins):
+        if i < n:
+            f = formals[i]
+        elif form.variadic_input:
+            f = formals[-1]
+        else:
+            break  # past the last parameter: only trailing empty names
+        if not name:
+            continue
+        t = types.get(name)
+        if t is None:
+            continue
+        if t not in f.allowed:
+            if f.var in f.allowed:  # a literal type
+                return f"input {i} {name!r} is {t}; {form.label} takes {f.var} there"
+            return f"input {i} {name!r} is {t}, not allowed for {f.var} of {form.label} ({f.listed})"
+        if f.bind:
+            var = f.var
+            was = bound.get(var)
+            if was is None:
+                bound[var] = t
+                first[var] = i
+            elif was != t:
+                k = first[var]
+                return f"input {i} {name!r} is {t}, but {var} of input {k} {ins[k]!r} is {was}"
+    return bound
+
+
+def _type_problem(form: _Form, ins: Sequence[str], types: Mapping[str, str]) -> str | None:
+    """What is wrong with the types of a node's inputs (see :func:`_bind`); None when nothing is."""
+    why = _bind(form, ins, types)
+    return why if isinstance(why, str) else None
 
 
 def _range(lo: int, hi: int) -> str:
@@ -100,13 +258,23 @@ def _arity(names: Iterable[str], form: tuple[tuple[int, int], tuple[tuple[str, b
 
 class NodeChecker:
     """Checks nodes one at a time against their schemas at a model's ``opsets`` (domain → version, ONNX's
-    own domain under ``""``). A plan calls :meth:`invalid` on every node it compiles, with the input and
-    output names it reads anyway: the common case (counts in range, no empty name, known attributes of the
-    declared types) costs a few lookups; :meth:`problem` says what is wrong."""
+    own domain under ``""``), in the order of ``graph``'s nodes (the input types: the ones ``graph``
+    declares, :func:`graph_types`, and those the checked nodes before gave their outputs). A plan calls
+    :meth:`invalid` on every node it compiles, with the input and output names it reads anyway: the common
+    case (counts in range, no empty name, known attributes of the declared types, input types allowed)
+    costs a few lookups; :meth:`problem` says what is wrong."""
 
-    def __init__(self, opsets: Mapping[str, int]):
+    def __init__(self, opsets: Mapping[str, int], graph: onnx.GraphProto | None = None):
         self.opsets = opsets
         self._forms: dict[tuple[str, str], _Form | None] = {}
+        self.types: dict[str, str] = graph_types(graph) if graph is not None else {}
+
+    def within(self, graph: onnx.GraphProto) -> NodeChecker:
+        """A checker of ``graph``'s nodes (a body: the values of enclosing graphs of unknown type) at the
+        same opsets, sharing this one's schemas."""
+        check = NodeChecker(self.opsets, graph)
+        check._forms = self._forms
+        return check
 
     def form(self, node: onnx.NodeProto) -> _Form | None:
         """The node's schema's form, None when it is not checked (another domain, no schema)."""
@@ -121,7 +289,8 @@ class NodeChecker:
         return form
 
     def invalid(self, node: onnx.NodeProto, ins: Sequence[str], outs: Sequence[str]) -> bool:
-        """Whether ``node`` (its input names ``ins`` and output names ``outs``) is invalid."""
+        """Whether ``node`` (its input names ``ins`` and output names ``outs``) is invalid. Call it on the
+        nodes in order: a valid node's output types are kept for the nodes after it."""
         form = self.form(node)
         if form is None:
             return False
@@ -129,23 +298,56 @@ class NodeChecker:
         (olo, ohi), _ = form.outputs
         if ilo <= len(ins) <= ihi and olo <= len(outs) <= ohi and "" not in ins and "" not in outs:
             attrs = node.attribute
+            valid = not form.required
             if attrs:
                 known = form.attributes
                 for a in attrs:
                     if known.get(a.name) != a.type:
+                        valid = False
                         break
-                else:
-                    if not form.required:
-                        return False
-            elif not form.required:
-                return False
-        return _problem(node, form, ins, outs) is not None
+        else:
+            valid = False
+        if not valid and _problem(node, form, ins, outs) is not None:
+            return True
+        bound = _bind(form, ins, self.types)
+        if isinstance(bound, str):
+            return True
+        self._type_outputs(node, form, outs, bound)
+        return False
+
+    def _type_outputs(self, node: onnx.NodeProto, form: _Form, outs: Sequence[str],
+                      bound: Mapping[str, str]) -> None:
+        """Keep the types that ``node``'s schema (or, for a Cast or a Constant, its attributes) gives its
+        outputs: the one type a constraint allows, or a type variable's that an input of known type binds
+        (``bound``); the others keep the type the graph declares, if any."""
+        types = self.types
+        rules = form.output_types
+        n = len(rules)
+        for j, name in enumerate(outs):
+            if j < n:
+                fixed, var = rules[j]
+            elif form.variadic_output:
+                fixed, var = rules[-1]
+            else:
+                break
+            if not name:
+                continue
+            t = fixed
+            if t is None and var is not None:
+                t = bound.get(var)
+            if t is None and node.op_type in _TYPED_BY_ATTRIBUTE:
+                t = _attribute_type(node)
+            if t is not None:
+                types[name] = t
 
     def problem(self, node: onnx.NodeProto, k: int, where: str = "") -> str | None:
         """What is wrong with ``node`` (index ``k`` in its graph, for an unnamed one), as a message naming the
         node, op and opset after ``where``; None when it is valid or not checked."""
         form = self.form(node)
-        why = _problem(node, form, node.input, node.output) if form is not None else None
+        why = None
+        if form is not None:
+            ins = tuple(node.input)
+            why = _problem(node, form, ins, node.output) or _type_problem(form, ins, self.types)
         if why is None:
             return None
         version = self.opsets[_DOMAINS[node.domain]]
@@ -195,7 +397,7 @@ def invalid_nodes(graph: onnx.GraphProto, opsets: Mapping[str, int] | NodeChecke
     """One message per invalid node of ``graph`` and of the bodies of its control-flow nodes (at most
     ``limit``): the node (its name, or its index when unnamed), op, opset and what is wrong. ``opsets``:
     domain → version, ONNX's own domain under ``""`` (or a :class:`NodeChecker` of them)."""
-    check = opsets if isinstance(opsets, NodeChecker) else NodeChecker(opsets)
+    check = (opsets if isinstance(opsets, NodeChecker) else NodeChecker(opsets)).within(graph)
     out: list[str] = []
     for k, node in enumerate(graph.node):
         if check.invalid(node, tuple(node.input), tuple(node.output)):

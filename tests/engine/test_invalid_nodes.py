@@ -250,3 +250,147 @@ def test_ops_run_as_their_function_body_are_checked_before_expansion() -> None:
     with pytest.raises(InvalidNodeError,
                        match=r"node 'bad' \(Relu, opset 24\): has 2 inputs; Relu-14 takes 1"):
         onnxtrain.InferenceSession(both)
+
+
+# ---- input types against the schemas' type constraints --------------------------------------------------
+_F, _D, _B = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.BOOL
+_I32, _I64 = TensorProto.INT32, TensorProto.INT64
+
+
+def typed_model(nodes: list[onnx.NodeProto], inputs: dict[str, int], outputs: dict[str, int], opset: int = 17,
+                inits: list[onnx.TensorProto] = ()) -> onnx.ModelProto:
+    """A model of ``nodes`` reading the (2, 3) ``inputs`` (name → element type), with ``outputs`` typed as
+    given (name → element type; the types onnxruntime infers for valid nodes)."""
+    g = helper.make_graph(nodes, "g",
+                          [helper.make_tensor_value_info(n, t, [2, 3]) for n, t in inputs.items()],
+                          [helper.make_tensor_value_info(n, t, None) for n, t in outputs.items()],
+                          list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+# case → (model, the pieces its message must hold)
+TYPE_CASES = {
+    "Add_float_double": (typed_model([helper.make_node("Add", ["x", "y"], ["z"], name="bad")],
+                                     {"x": _F, "y": _D}, {"z": _F}),
+                         ["'bad'", "(Add, opset 17)",
+                          "input 1 'y' is tensor(double), but T of input 0 'x' is tensor(float)"]),
+    "MatMul_int32_float": (typed_model([helper.make_node("MatMul", ["a", "x"], ["z"], name="bad")],
+                                       {"a": _I32, "x": _F}, {"z": _F}),
+                           ["'bad'", "(MatMul, opset 17)",
+                            "input 1 'x' is tensor(float), but T of input 0 'a' is tensor(int32)"]),
+    # Relu takes integers from opset 14 on
+    "Relu_int64_opset13": (typed_model([helper.make_node("Relu", ["n"], ["z"], name="bad")], {"n": _I64},
+                                       {"z": _I64}, opset=13),
+                           ["'bad'", "(Relu, opset 13)", "input 0 'n' is tensor(int64), not allowed for T of "
+                            "Relu-13 (tensor(float16), tensor(float), tensor(double), tensor(bfloat16))"]),
+    "Gather_float_indices": (typed_model([helper.make_node("Gather", ["x", "i"], ["z"], name="bad")],
+                                         {"x": _F, "i": _F}, {"z": _F}),
+                             ["'bad'", "(Gather, opset 17)",
+                              "input 1 'i' is tensor(float), not allowed for Tind of Gather-13 "
+                              "(tensor(int32), tensor(int64))"]),
+    # a formal parameter of one type, not a variable
+    "Reshape_int32_shape": (typed_model([helper.make_node("Reshape", ["x", "s"], ["z"], name="bad")],
+                                        {"x": _F}, {"z": _F},
+                                        inits=[numpy_helper.from_array(np.array([3, 2], np.int32), "s")]),
+                            ["'bad'", "(Reshape, opset 17)",
+                             "input 1 's' is tensor(int32); Reshape-14 takes tensor(int64) there"]),
+    # the type of an intermediate value: a Cast's output, as its 'to' gives it
+    "MatMul_of_a_cast": (typed_model([helper.make_node("Cast", ["x"], ["c"], name="cast", to=_I32),
+                                      helper.make_node("MatMul", ["x", "c"], ["z"], name="bad")],
+                                     {"x": _F}, {"z": _F}),
+                         ["'bad'", "(MatMul, opset 17)",
+                          "input 1 'c' is tensor(int32), but T of input 0 'x' is tensor(float)"]),
+    # a variadic input: every value bound to T
+    "Concat_one_double": (typed_model([helper.make_node("Concat", ["x", "x", "y"], ["z"], name="bad",
+                                                        axis=0)], {"x": _F, "y": _D}, {"z": _F}),
+                          ["'bad'", "(Concat, opset 17)",
+                           "input 2 'y' is tensor(double), but T of input 0 'x' is tensor(float)"]),
+    "Sum_one_double": (typed_model([helper.make_node("Sum", ["x", "y", "x"], ["z"], name="bad")],
+                                   {"x": _F, "y": _D}, {"z": _F}),
+                       ["'bad'", "(Sum, opset 17)",
+                        "input 1 'y' is tensor(double), but T of input 0 'x' is tensor(float)"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TYPE_CASES))
+def test_input_types_outside_the_schema_are_refused_at_creation(case: str) -> None:
+    """Refused as onnxruntime refuses the model (the oracle): INVALID_GRAPH for a type outside a constraint,
+    FAIL "Type Error" for a variable bound to two types."""
+    model, pieces = TYPE_CASES[case]
+    with pytest.raises(InvalidNodeError) as e:
+        onnxtrain.InferenceSession(model.SerializeToString())
+    for p in pieces:
+        assert p in str(e.value), (p, str(e.value))
+    with pytest.raises(Exception, match="INVALID_GRAPH|Type Error"):
+        ort.InferenceSession(model.SerializeToString(), providers=CPU)
+
+
+def _mixed_types() -> onnx.ModelProto:
+    """Valid nodes whose inputs are of several types: Gather (float data, int64 indices), Cast, Shape and
+    ConstantOfShape (int64), Where (a bool condition), Less (float → bool), Expand (an int64 shape)."""
+    nodes = [helper.make_node("Gather", ["x", "i"], ["g"], name="gather", axis=0),
+             helper.make_node("Cast", ["g"], ["d"], name="cast", to=_D),
+             helper.make_node("Shape", ["g"], ["s"], name="shape"),
+             helper.make_node("ConstantOfShape", ["s"], ["zeros"], name="zeros"),
+             helper.make_node("Less", ["g", "zeros"], ["neg"], name="less"),
+             helper.make_node("Where", ["neg", "zeros", "g"], ["relu"], name="where"),
+             helper.make_node("Expand", ["relu", "s"], ["y"], name="expand"),
+             helper.make_node("Mul", ["d", "d"], ["dd"], name="square")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", _F, [2, 3])],
+                          [helper.make_tensor_value_info("y", _F, None),
+                           helper.make_tensor_value_info("dd", _D, None)],
+                          [numpy_helper.from_array(np.array([1, 0, 1], np.int64), "i")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_valid_mixed_type_nodes_run_as_onnxruntime() -> None:
+    from onnxtrain.engine.node_checks import NodeChecker
+
+    model = _mixed_types()
+    x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    got = onnxtrain.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    want = ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, {"x": x})
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    # the types the check sees: declared, and those the schemas (and Cast's 'to') give the outputs
+    check = NodeChecker({"": 17}, model.graph)
+    assert not any(check.invalid(n, tuple(n.input), tuple(n.output)) for n in model.graph.node)
+    assert {n: check.types[n] for n in ("g", "d", "s", "zeros", "neg", "relu", "y", "dd")} == {
+        "g": "tensor(float)", "d": "tensor(double)", "s": "tensor(int64)", "zeros": "tensor(float)",
+        "neg": "tensor(bool)", "relu": "tensor(float)", "y": "tensor(float)", "dd": "tensor(double)"}
+
+
+def test_mixed_types_passed_on_reach_a_mismatch() -> None:
+    """Types passed on from node to node find a mismatch several nodes down: the Where's branches, a
+    double (Cast) and a float (Gather)."""
+    model = _mixed_types()
+    where = next(n for n in model.graph.node if n.name == "where")
+    where.input[1] = "d"
+    with pytest.raises(InvalidNodeError, match=r"node 'where' \(Where, opset 17\): input 2 'g' is "
+                                               r"tensor\(float\), but T of input 1 'd' is tensor\(double\)"):
+        onnxtrain.InferenceSession(model.SerializeToString())
+    with pytest.raises(Exception, match="INVALID_GRAPH|Type Error"):
+        ort.InferenceSession(model.SerializeToString(), providers=CPU)
+
+
+def test_input_types_in_a_loop_body_are_checked() -> None:
+    """In a body, the types it declares (a loop body's inputs) and those its nodes give are known; values
+    of enclosing graphs are not."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c_out"], name="keep"),
+         helper.make_node("Add", ["v", "it"], ["v_out"], name="inner")], "body",
+        [helper.make_tensor_value_info("it", _I64, []), helper.make_tensor_value_info("c", _B, []),
+         helper.make_tensor_value_info("v", _F, [2, 3])],
+        [helper.make_tensor_value_info("c_out", _B, []), helper.make_tensor_value_info("v_out", _F, [2, 3])])
+    node = helper.make_node("Loop", ["n", "", "x"], ["y"], name="loop", body=body)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", _F, [2, 3])],
+                          [helper.make_tensor_value_info("y", _F, [2, 3])],
+                          [numpy_helper.from_array(np.array(2, np.int64), "n")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(InvalidNodeError, match=r"node 'loop' \(Loop\), body: node 'inner' \(Add, opset 17\): "
+                                               r"input 1 'it' is tensor\(int64\), but T of input 0 'v' is "
+                                               r"tensor\(float\)"):
+        onnxtrain.InferenceSession(model.SerializeToString())
+    with pytest.raises(Exception, match="INVALID_GRAPH|Type Error"):
+        ort.InferenceSession(model.SerializeToString(), providers=CPU)

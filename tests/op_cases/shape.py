@@ -102,7 +102,8 @@ CASES = [
     ),
     OpCase("Tile", make_inputs=_x(2, 3)(_i64(2, 3)), wrt=(0,)),
     OpCase("Tile", make_inputs=_x(2, 1, 3)(_i64(1, 4, 1)), wrt=(0,), variant="3d"),
-    OpCase("Pad", make_inputs=_x(2, 3)(_i64(1, 0, 2, 1), np.array(1.5)), wrt=(0,), opset=13),
+    OpCase("Pad", make_inputs=lambda rng, dt: [rng.uniform(-2, 2, (2, 3)).astype(dt), _i64(1, 0, 2, 1),
+                                               np.array(1.5, dt)], wrt=(0,), opset=13),
     OpCase(
         "Pad",
         make_inputs=_x(3, 4)(_i64(2, 1, 1, 3)),
