@@ -19,7 +19,8 @@ def test_index_lists_exactly_what_each_module_registers():
             assert m.startswith(PACKAGE + "."), f"{op} registered outside the rules package, by {m}"
             registered.setdefault(m.removeprefix(PACKAGE + "."), set()).add(op)
     listed = {m: set(ops) for m, ops in rules.MODULES.items()}
-    missing = {m: sorted(ops - listed.get(m, set())) for m, ops in registered.items() if ops - listed.get(m, set())}
+    missing = {m: sorted(ops - listed.get(m, set())) for m, ops in registered.items()
+               if ops - listed.get(m, set())}
     stale = {m: sorted(ops - registered.get(m, set())) for m, ops in listed.items()
              if ops - registered.get(m, set())}
     assert not missing, f"ops registered but not listed in rules.MODULES: {missing}"
