@@ -104,10 +104,12 @@ def _load_for(op: str) -> None:
         return
     from onnxtrain.autodiff import rules
 
-    if not _MODULES_OF:
+    if not _MODULES_OF:  # built whole, then added in one call: another thread sees none of it or all
+        inverse: dict[str, tuple[str, ...]] = {}
         for name, ops in rules.MODULES.items():
             for o in ops:
-                _MODULES_OF[o] = (*_MODULES_OF.get(o, ()), name)
+                inverse[o] = (*inverse.get(o, ()), name)
+        _MODULES_OF.update(inverse)
     for name in _MODULES_OF.get(op, ()):
         importlib.import_module(f"{rules.__name__}.{name}")
     _READY.add(op)

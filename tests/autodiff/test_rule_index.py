@@ -80,3 +80,25 @@ def test_lookups_answer_as_with_every_module_imported():
             eager.append(f"{op} {opset} {r and (r.fn.__module__, r.fn.__name__, r.since)} "
                          f"{registry.has_no_gradient(op)} {bool(registry.find_variant(op, 'from_output'))}")
     assert lazy == eager
+
+
+def test_lookups_from_many_threads_at_once_find_every_rule():
+    """The first lookups, from 8 threads released together (thread switches every microsecond), each find
+    their op's rule: no thread reads the op-to-module table while another is still filling it."""
+    code = (
+        "import sys, threading\n"
+        "sys.setswitchinterval(1e-6)\n"
+        "from onnxtrain.autodiff import registry\n"
+        "ops = ['Conv', 'Relu', 'MatMul', 'Softmax', 'LSTM', 'Gather', 'ReduceSum', 'Loop']\n"
+        "gate = threading.Barrier(len(ops))\n"
+        "found = {}\n"
+        "def look(op):\n"
+        "    gate.wait()\n"
+        "    found[op] = registry.find_rule(op, 17) is not None\n"
+        "threads = [threading.Thread(target=look, args=(op,)) for op in ops]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+        "print(sorted(op for op, ok in found.items() if not ok))\n"
+    )
+    for _ in range(3):
+        assert _fresh(code) == "[]"
