@@ -75,9 +75,10 @@ def test_engine_names_resolve_on_first_use():
         "from onnxtrain.engine.plan import Plan, compile_model\n"
         "from onnxtrain.engine.interface import EngineError\n"
         "print(before, e.Plan is Plan, e.compile_model is compile_model, e.EngineError is EngineError,\n"
-        "      set(e.__all__) <= set(dir(e)), hasattr(e, 'no_such_name'))"
+        "      set(e.__all__) <= set(dir(e)), hasattr(e, 'no_such_name'),\n"
+        "      e.registry.available_ops()[0], e.ort_plan.__name__)"  # submodules, as attributes too
     )
-    assert _run(code) == "False True True True True False"
+    assert _run(code) == "False True True True True False Abs onnxtrain.engine.ort_plan"
 
 
 def test_every_public_name_resolves_to_its_defining_object():

@@ -7,6 +7,7 @@ onnxruntime backend's, say) does not load the numpy engine's plan and kernels.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 _HOMES = {
@@ -19,9 +20,12 @@ __all__ = sorted(_HOMES)
 
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
-    if home is None:
+    if home is not None:
+        value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a submodule: onnxtrain.engine.plan
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
     globals()[name] = value
     return value
 

@@ -31,7 +31,7 @@ are of unknown type there, as in the plan that the engine compiles the body into
 
 :class:`~onnxtrain.engine.plan.Plan` runs the check as it compiles each node (:class:`NodeChecker`, sharing
 the node's input and output names with the compile loop: about 6 % of building a training step's plan) and
-raises :class:`~onnxtrain.engine.plan.InvalidNodeError` listing the invalid nodes (:func:`invalid_nodes`).
+raises :class:`~onnxtrain.engine.interface.InvalidNodeError` listing the invalid nodes (:func:`invalid_nodes`).
 """
 
 from __future__ import annotations
@@ -167,7 +167,9 @@ def graph_types(graph: onnx.GraphProto) -> dict[str, str]:
 
 
 def _attribute_type(node: onnx.NodeProto) -> str | None:
-    """The output type that the attributes of a Cast, Constant or ConstantOfShape give it."""
+    """The output type that the attributes of a Cast, Constant or ConstantOfShape give it. Outputs typed by
+    other attributes (EyeLike's or RandomNormal's ``dtype``, QuantizeLinear's ``output_dtype``, ...) are left
+    of unknown type: the nodes that read them are not type-checked on them."""
     op = node.op_type
     for a in node.attribute:
         if op == "Cast":

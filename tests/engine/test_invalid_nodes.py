@@ -1,7 +1,9 @@
 """The numpy engine refuses, when a session is created, nodes of the standard domains that their ONNX schema
 does not allow (too many or too few inputs or outputs, an unknown attribute, an attribute of the wrong type,
-a required one missing), naming the node, op, opset and what is wrong, as onnxruntime refuses such a model
-at load (InvalidGraph); valid nodes that leave optional inputs out still run and equal onnxruntime."""
+a required one missing, an input of a type its constraint does not allow or of another type than the
+inputs that share its type variable), naming the node, op, opset and what is wrong, as onnxruntime refuses
+such a model at load (InvalidGraph); valid nodes that leave optional inputs out or mix types as their
+schemas allow still run and equal onnxruntime."""
 
 from __future__ import annotations
 
