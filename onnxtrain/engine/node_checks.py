@@ -30,8 +30,9 @@ the body declares (a Loop body's inputs) and its nodes give: values that a body 
 are of unknown type there, as in the plan that the engine compiles the body into (their types unchecked).
 
 :class:`~onnxtrain.engine.plan.Plan` runs the check as it compiles each node (:class:`NodeChecker`, sharing
-the node's input and output names with the compile loop: about 6 % of building a training step's plan) and
-raises :class:`~onnxtrain.engine.interface.InvalidNodeError` listing the invalid nodes (:func:`invalid_nodes`).
+the node's input and output names with the compile loop: about 6 % of building a training step's plan)
+and raises :class:`~onnxtrain.engine.interface.InvalidNodeError` listing the invalid nodes
+(:func:`invalid_nodes`).
 """
 
 from __future__ import annotations
