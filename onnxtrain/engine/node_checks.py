@@ -5,8 +5,8 @@ takes the op's schema at the model's opset for that domain and checks what ``onn
 of the node's form: its number of inputs and outputs within the schema's range, an empty name (an omitted
 value) only where the schema's parameter is optional or variadic, every attribute known to the schema and
 of the schema's type (strictly: an INT where FLOAT is declared is refused, as the checker and onnxruntime
-refuse it), and every required attribute present. Unlike the checker, empty names after the last input or
-output are left out of the count (``Relu(x, "")`` passes: nothing is read from it).
+refuse it), and every required attribute present. Empty names count as inputs and outputs, also after the
+schema's last parameter (``Relu(x, "")`` has two inputs), as for the checker and onnxruntime.
 
 The types of a node's inputs, as onnxruntime checks them at load: an input of known type must be of a type
 that the constraint of its formal parameter allows (``schema.type_constraints``: an int64 Relu at opset 13,
@@ -197,7 +197,7 @@ def _bind(form: _Form, ins: Sequence[str], types: Mapping[str, str]) -> dict[str
         elif form.variadic_input:
             f = formals[-1]
         else:
-            break  # past the last parameter: only trailing empty names
+            break  # past the last parameter (refused by the count before)
         if not name:
             continue
         t = types.get(name)
@@ -241,18 +241,11 @@ def _arity(names: Iterable[str], form: tuple[tuple[int, int], tuple[tuple[str, b
     and per formal parameter (name, whether it may be empty: optional or variadic, whether variadic)."""
     names = list(names)
     (lo, hi), formals = form
-    given = len(names)
-    while given and not names[given - 1]:
-        given -= 1  # trailing omitted values: not given
-    if given > hi:
-        return f"has {_plural(given, what)}; {label} takes {_range(lo, hi)}"
-    if len(names) < lo:
+    if not lo <= len(names) <= hi:
         return f"has {_plural(len(names), what)}; {label} takes {_range(lo, hi)}"
     for i, n in enumerate(names):
         if n or not formals:
             continue
-        if i >= len(formals) and not formals[-1][2]:
-            break  # empty names past the schema's last parameter: trailing (counted above), not given
         name, may_omit, _ = formals[min(i, len(formals) - 1)]
         if not may_omit:
             return f"{what} {i} ({name}) of {label} is required, but its name is empty"

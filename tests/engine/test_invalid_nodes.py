@@ -46,6 +46,11 @@ CASES = {
                         ["'bad'", "(Relu, opset 17)", "has 2 inputs; Relu-14 takes 1"]),
     "Relu_two_outputs": (lambda i: helper.make_node("Relu", [i], ["y", "z"], name="bad"),
                          ["'bad'", "(Relu, opset 17)", "has 2 outputs; Relu-14 takes 1"]),
+    # an empty name past the schema's last parameter counts too, as for onnx.checker and onnxruntime
+    "Relu_trailing_empty_input": (lambda i: helper.make_node("Relu", [i, ""], ["y"], name="bad"),
+                                  ["'bad'", "(Relu, opset 17)", "has 2 inputs; Relu-14 takes 1"]),
+    "Relu_trailing_empty_output": (lambda i: helper.make_node("Relu", [i], ["y", ""], name="bad"),
+                                   ["'bad'", "(Relu, opset 17)", "has 2 outputs; Relu-14 takes 1"]),
     "Add_one_input": (lambda i: helper.make_node("Add", [i], ["y"], name="bad"),
                       ["'bad'", "(Add, opset 17)", "has 1 input; Add-14 takes 2"]),
     "Transpose_unknown_attribute": (lambda i: helper.make_node("Transpose", [i], ["y"], name="bad", foo=3),
