@@ -7,7 +7,8 @@ API (``InferenceSession``, ``OrtValue``, ``IOBinding``), and autodiff to standar
 
 import importlib
 import importlib.util
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from onnxtrain.autodiff.legacy import GradientGraphBuilder
@@ -77,18 +78,27 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """A public name of ``_LAZY`` from its module, or a subpackage (``onnxtrain.training``), on first use."""
-    module = _LAZY.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module), name)
-    elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
+def _lazy_attributes(package: str, homes: Mapping[str, str], namespace: dict[str, Any]
+                    ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's ``__getattr__`` and ``__dir__`` (PEP 562): a name of ``homes`` (name → its module) or a
+    submodule (``onnxtrain.training``) is imported on first use and kept in ``namespace``, the package's
+    globals. (Here, not in a module of its own, so that ``import onnxtrain`` loads one module.)"""
+
+    def __getattr__(name: str) -> Any:
+        module = homes.get(name)
+        if module is not None:
+            value = getattr(importlib.import_module(module), name)
+        elif not name.startswith("__") and importlib.util.find_spec(f"{package}.{name}") is not None:
+            value = importlib.import_module(f"{package}.{name}")
+        else:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(homes))
+
+    return __getattr__, __dir__
 
 
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY, globals())
