@@ -15,10 +15,12 @@ Gather's float indices, a Reshape's int32 shape), and the inputs bound to one ty
 variadic's values (Loop's carried values) only of allowed types. The types known: those the graph declares
 (:func:`graph_types`: inputs, initializers, value_info, outputs) and those the nodes checked before give
 their outputs by their schemas (the one type a constraint allows, as Shape's int64; the type of the input
-that binds the output's variable, as Add's; Cast's ``to``, Constant's and ConstantOfShape's value), which
-win over a declared one. Nothing is inferred beyond that (no shape inference runs): an input of no type
-found so is not checked (the output of a node of another domain or of a control-flow node without a
-declared type, a map, a sparse tensor), nor are output types against their declarations. What the engine
+that binds the output's variable, as Add's; Cast's ``to``, Constant's and ConstantOfShape's value,
+QuantizeLinear's ``output_dtype``, the ``dtype`` of EyeLike, Bernoulli, Multinomial and the random ops, with
+their defaults), which win over a declared one. Nothing is inferred beyond that (no shape inference
+runs): an input of no type found so is not checked (the output of a node of another domain or of a
+control-flow node without a declared type, a map, a sparse tensor), nor are output types against their
+declarations. What the engine
 runs beyond the schemas is let through (``_FLOAT64_TOO``: float64 Celu, RotaryEmbedding, CausalConvWithState
 and LinearAttention, which the float64 gradient checks of the op tables run), although onnxruntime refuses
 it.
@@ -59,7 +61,12 @@ _TENSOR_TYPES = {v: f"tensor({k.lower()})" for k, v in TensorProto.DataType.item
 _FLOAT = _TENSOR_TYPES[TensorProto.FLOAT]
 _INT64 = _TENSOR_TYPES[TensorProto.INT64]
 _STRING = _TENSOR_TYPES[TensorProto.STRING]
-_TYPED_BY_ATTRIBUTE = frozenset({"Cast", "Constant", "ConstantOfShape"})  # see _attribute_type
+# ops whose output type an attribute gives (see _attribute_type), and for those of a ``dtype`` attribute, the
+# type when it is left out (None: their input 0's)
+_DTYPE_DEFAULTS = {"EyeLike": None, "RandomNormalLike": None, "RandomUniformLike": None, "Bernoulli": None,
+                   "RandomNormal": "tensor(float)", "RandomUniform": "tensor(float)",
+                   "Multinomial": "tensor(int32)"}
+_TYPED_BY_ATTRIBUTE = frozenset({"Cast", "Constant", "ConstantOfShape", "QuantizeLinear", *_DTYPE_DEFAULTS})
 # Constant's attributes other than a tensor → its output's type
 _CONSTANT_TYPES = {"value_float": _FLOAT, "value_floats": _FLOAT, "value_int": _INT64, "value_ints": _INT64,
                    "value_string": _STRING, "value_strings": _STRING}
@@ -167,11 +174,23 @@ def graph_types(graph: onnx.GraphProto) -> dict[str, str]:
     return types
 
 
-def _attribute_type(node: onnx.NodeProto) -> str | None:
-    """The output type that the attributes of a Cast, Constant or ConstantOfShape give it. Outputs typed by
-    other attributes (EyeLike's or RandomNormal's ``dtype``, QuantizeLinear's ``output_dtype``, ...) are left
-    of unknown type: the nodes that read them are not type-checked on them."""
+def _attribute_type(node: onnx.NodeProto, types: Mapping[str, str]) -> str | None:
+    """The output type that the attributes of a Cast, Constant, ConstantOfShape, QuantizeLinear or an op of
+    ``_DTYPE_DEFAULTS`` give it (with their defaults: ConstantOfShape's float, QuantizeLinear's uint8 without
+    a zero point, a random op's float or its input's type); None when unknown (a sparse Constant, a default
+    from an input of unknown type)."""
     op = node.op_type
+    if op in _DTYPE_DEFAULTS:
+        for a in node.attribute:
+            if a.name == "dtype" and a.type == AttributeProto.INT:
+                return _TENSOR_TYPES.get(a.i)
+        default = _DTYPE_DEFAULTS[op]
+        return default if default is not None else types.get(node.input[0]) if node.input else None
+    if op == "QuantizeLinear":  # with a zero point, its type (the schema's variable) is the output's
+        for a in node.attribute:
+            if a.name == "output_dtype" and a.type == AttributeProto.INT and a.i:
+                return _TENSOR_TYPES.get(a.i)
+        return "tensor(uint8)" if len(node.input) < 3 or not node.input[2] else None
     for a in node.attribute:
         if op == "Cast":
             if a.name == "to" and a.type == AttributeProto.INT:
@@ -332,7 +351,7 @@ class NodeChecker:
             if t is None and var is not None:
                 t = bound.get(var)
             if t is None and node.op_type in _TYPED_BY_ATTRIBUTE:
-                t = _attribute_type(node)
+                t = _attribute_type(node, types)
             if t is not None:
                 types[name] = t
 

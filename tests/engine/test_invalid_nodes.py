@@ -316,6 +316,31 @@ TYPE_CASES = {
                                    {"x": _F, "y": _D}, {"z": _F}),
                        ["'bad'", "(Sum, opset 17)",
                         "input 1 'y' is tensor(double), but T of input 0 'x' is tensor(float)"]),
+    # outputs typed by an attribute, or by its default: EyeLike's dtype, RandomNormalLike's input type,
+    # Multinomial's int32, QuantizeLinear's uint8 without a zero point
+    "Add_of_an_eye_like_double": (typed_model([helper.make_node("EyeLike", ["x"], ["e"], name="eye",
+                                                                dtype=_D),
+                                               helper.make_node("Add", ["x", "e"], ["z"], name="bad")],
+                                              {"x": _F}, {"z": _F}),
+                                  ["'bad'", "input 1 'e' is tensor(double), but T of input 0 'x' is "
+                                   "tensor(float)"]),
+    "Add_of_a_random_like": (typed_model([helper.make_node("RandomNormalLike", ["x"], ["r"], name="rand"),
+                                          helper.make_node("Add", ["y", "r"], ["z"], name="bad")],
+                                         {"x": _F, "y": _D}, {"z": _D}),
+                             ["'bad'", "input 1 'r' is tensor(float), but T of input 0 'y' is "
+                              "tensor(double)"]),
+    "Add_of_multinomial_draws": (typed_model([helper.make_node("Multinomial", ["x"], ["m"], name="draw"),
+                                              helper.make_node("Add", ["n", "m"], ["z"], name="bad")],
+                                             {"x": _F, "n": _I64}, {"z": _I64}),
+                                 ["'bad'", "input 1 'm' is tensor(int32), but T of input 0 'n' is "
+                                  "tensor(int64)"]),
+    "Gather_by_quantized_values": (typed_model([helper.make_node("QuantizeLinear", ["x", "s"], ["q"],
+                                                                 name="quant"),
+                                                helper.make_node("Gather", ["x", "q"], ["z"], name="bad")],
+                                               {"x": _F}, {"z": _F},
+                                               inits=[numpy_helper.from_array(np.array(0.1, np.float32),
+                                                                              "s")]),
+                                   ["'bad'", "input 1 'q' is tensor(uint8), not allowed for Tind"]),
 }
 
 
@@ -366,6 +391,37 @@ def test_valid_mixed_type_nodes_run_as_onnxruntime() -> None:
     assert {n: check.types[n] for n in ("g", "d", "s", "zeros", "neg", "relu", "y", "dd")} == {
         "g": "tensor(float)", "d": "tensor(double)", "s": "tensor(int64)", "zeros": "tensor(float)",
         "neg": "tensor(bool)", "relu": "tensor(float)", "y": "tensor(float)", "dd": "tensor(double)"}
+
+
+def test_attribute_typed_outputs_run_as_onnxruntime() -> None:
+    """Valid nodes whose output types their attributes give (or their defaults): the check records those
+    types and passes the nodes that read them, and the outputs equal onnxruntime's."""
+    nodes = [helper.make_node("EyeLike", ["x"], ["e"], name="eye", dtype=_D),
+             helper.make_node("Cast", ["x"], ["xd"], name="cast", to=_D),
+             helper.make_node("Add", ["xd", "e"], ["sum"], name="add"),
+             helper.make_node("EyeLike", ["x"], ["f"], name="eye_f"),
+             helper.make_node("Mul", ["x", "f"], ["diag"], name="mul"),
+             helper.make_node("QuantizeLinear", ["x", "s"], ["q"], name="quant"),
+             helper.make_node("Cast", ["q"], ["qi"], name="widen", to=_I64),
+             helper.make_node("Gather", ["x", "qi"], ["picked"], name="gather", axis=1)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", _F, [3, 3])],
+                          [helper.make_tensor_value_info("sum", _D, None),
+                           helper.make_tensor_value_info("diag", _F, None),
+                           helper.make_tensor_value_info("picked", _F, None)],
+                          [numpy_helper.from_array(np.array(1.0, np.float32), "s")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.array([[0.2, 1.4, 2.1], [1.0, 0.0, 2.0], [0.4, 1.6, 0.0]], np.float32)
+    got = onnxtrain.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    want = ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, {"x": x})
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    from onnxtrain.engine.node_checks import NodeChecker
+
+    check = NodeChecker({"": 17}, model.graph)
+    assert not any(check.invalid(n, tuple(n.input), tuple(n.output)) for n in model.graph.node)
+    assert {n: check.types[n] for n in ("e", "f", "q")} == {
+        "e": "tensor(double)", "f": "tensor(float)", "q": "tensor(uint8)"}
 
 
 def test_mixed_types_passed_on_reach_a_mismatch() -> None:
