@@ -21,7 +21,7 @@ from onnxtrain.engine.feed_sizes import FeedSizeMismatch, shared_dim_mismatch
 from onnxtrain.engine.interface import EngineError, GraphInterface, load_model
 from onnxtrain.errors import Fail, InvalidFeed, InvalidFeedType
 from onnxtrain.ir.io import write_atomic
-from onnxtrain.ir.types import np_dtype_of, value_info_shape
+from onnxtrain.ir.types import type_string, value_info_shape
 
 
 @dataclass
@@ -61,22 +61,10 @@ def metadata_of(m: onnx.ModelProto) -> ModelMetadata:
     )
 
 
-def type_string(tp: onnx.TypeProto) -> str:
-    """onnxruntime's name of a type: ``tensor(float)``, ``seq(tensor(int64))``, ``optional(...)``."""
-    kind = tp.WhichOneof("value")
-    if kind == "tensor_type":
-        dt = np_dtype_of(tp)
-        return f"tensor({_type_name(dt)})" if dt is not None else "unknown"
-    if kind == "sequence_type":
-        return f"seq({type_string(tp.sequence_type.elem_type)})"
-    if kind == "optional_type":
-        return f"optional({type_string(tp.optional_type.elem_type)})"
-    return "unknown"
-
-
 def node_arg(v: onnx.ValueInfoProto) -> NodeArg:
     shape = value_info_shape(v.type)
-    return NodeArg(v.name, type_string(v.type), [] if shape is None else shape)  # [] unknown, as onnxruntime
+    # an unknown shape as [], as onnxruntime gives it
+    return NodeArg(v.name, type_string(v.type, "unknown"), [] if shape is None else shape)
 
 
 class FeedChecker:

@@ -20,10 +20,9 @@ QuantizeLinear's ``output_dtype``, the ``dtype`` of EyeLike, Bernoulli, Multinom
 their defaults), which win over a declared one. Nothing is inferred beyond that (no shape inference
 runs): an input of no type found so is not checked (the output of a node of another domain or of a
 control-flow node without a declared type, a map, a sparse tensor), nor are output types against their
-declarations. What the engine
-runs beyond the schemas is let through (``_FLOAT64_TOO``: float64 Celu, RotaryEmbedding, CausalConvWithState
-and LinearAttention, which the float64 gradient checks of the op tables run), although onnxruntime refuses
-it.
+declarations. What the engine runs beyond the schemas is let through (``_FLOAT64_TOO``: float64 Celu,
+RotaryEmbedding, CausalConvWithState and LinearAttention, which the float64 gradient checks of the op tables
+run), although onnxruntime refuses it.
 
 Nodes of other domains (onnxtrain's gradient ops, ``com.microsoft``, ``ai.onnx.preview.training``) and ops
 without a schema at that opset are not checked: the engine's "no kernel" error names the latter. Nodes in
@@ -47,6 +46,8 @@ import onnx
 from onnx import AttributeProto, TensorProto
 
 from onnxtrain.ir.graphs import named_subgraphs
+from onnxtrain.ir.types import TENSOR_TYPE_STRINGS as _TENSOR_TYPES
+from onnxtrain.ir.types import type_string
 
 _DOMAINS = {"": "", "ai.onnx": "", "ai.onnx.ml": "ai.onnx.ml"}  # checked domain → its name in onnx.defs
 _OPTIONAL = onnx.defs.OpSchema.FormalParameterOption.Optional
@@ -56,16 +57,14 @@ _TYPE_NAMES = {v: k for k, v in AttributeProto.AttributeType.items()}
 # the standard ops that hold graphs (control flow): only their attributes are searched for bodies
 _BODY_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 _UNSEEN = object()
-# an ONNX element type → its name in schemas' type constraints: FLOAT → "tensor(float)"
-_TENSOR_TYPES = {v: f"tensor({k.lower()})" for k, v in TensorProto.DataType.items() if v}
 _FLOAT = _TENSOR_TYPES[TensorProto.FLOAT]
 _INT64 = _TENSOR_TYPES[TensorProto.INT64]
 _STRING = _TENSOR_TYPES[TensorProto.STRING]
 # ops whose output type an attribute gives (see _attribute_type), and for those of a ``dtype`` attribute, the
 # type when it is left out (None: their input 0's)
 _DTYPE_DEFAULTS = {"EyeLike": None, "RandomNormalLike": None, "RandomUniformLike": None, "Bernoulli": None,
-                   "RandomNormal": "tensor(float)", "RandomUniform": "tensor(float)",
-                   "Multinomial": "tensor(int32)"}
+                   "RandomNormal": _FLOAT, "RandomUniform": _FLOAT,
+                   "Multinomial": _TENSOR_TYPES[TensorProto.INT32]}
 _TYPED_BY_ATTRIBUTE = frozenset({"Cast", "Constant", "ConstantOfShape", "QuantizeLinear", *_DTYPE_DEFAULTS})
 # Constant's attributes other than a tensor → its output's type
 _CONSTANT_TYPES = {"value_float": _FLOAT, "value_floats": _FLOAT, "value_int": _INT64, "value_ints": _INT64,
@@ -140,22 +139,6 @@ def _form(op_type: str, opset: int, domain: str) -> _Form | None:
                  variadic(s.inputs), outputs, variadic(s.outputs))
 
 
-def type_string(tp: onnx.TypeProto) -> str | None:
-    """A value's type as schemas' type constraints name it ("tensor(float)", "seq(tensor(int64))",
-    "optional(tensor(bool))"); None when unknown (no element type) or another kind (a map, a sparse
-    tensor)."""
-    kind = tp.WhichOneof("value")
-    if kind == "tensor_type":
-        return _TENSOR_TYPES.get(tp.tensor_type.elem_type)
-    if kind == "sequence_type":
-        inner = type_string(tp.sequence_type.elem_type)
-        return f"seq({inner})" if inner else None
-    if kind == "optional_type":
-        inner = type_string(tp.optional_type.elem_type)
-        return f"optional({inner})" if inner else None
-    return None
-
-
 def graph_types(graph: onnx.GraphProto) -> dict[str, str]:
     """The types ``graph`` declares of its values: its value_info, outputs, inputs, then its initializers'
     (an initializer's own type wins over the input of its name), by name; values of no known type left
@@ -190,7 +173,7 @@ def _attribute_type(node: onnx.NodeProto, types: Mapping[str, str]) -> str | Non
         for a in node.attribute:
             if a.name == "output_dtype" and a.type == AttributeProto.INT and a.i:
                 return _TENSOR_TYPES.get(a.i)
-        return "tensor(uint8)" if len(node.input) < 3 or not node.input[2] else None
+        return _TENSOR_TYPES[TensorProto.UINT8] if len(node.input) < 3 or not node.input[2] else None
     for a in node.attribute:
         if op == "Cast":
             if a.name == "to" and a.type == AttributeProto.INT:

@@ -26,6 +26,27 @@ def np_dtype_of(tp: onnx.TypeProto) -> np.dtype | None:
     return None
 
 
+# an ONNX element type → its name in schemas' type constraints and onnxruntime's NodeArg types:
+# FLOAT → "tensor(float)"
+TENSOR_TYPE_STRINGS = {v: f"tensor({k.lower()})" for k, v in TensorProto.DataType.items() if v}
+
+
+def type_string(tp: onnx.TypeProto, unknown: str | None = None) -> str | None:
+    """A value's type as schemas' type constraints and onnxruntime name it ("tensor(float)",
+    "seq(tensor(int64))", "optional(tensor(bool))"); ``unknown`` for no element type or another kind (a map,
+    a sparse tensor); with ``unknown`` None, None also for a sequence or optional of an unknown type."""
+    kind = tp.WhichOneof("value")
+    if kind == "tensor_type":
+        return TENSOR_TYPE_STRINGS.get(tp.tensor_type.elem_type, unknown)
+    if kind == "sequence_type":
+        inner = type_string(tp.sequence_type.elem_type, unknown)
+        return None if inner is None else f"seq({inner})"
+    if kind == "optional_type":
+        inner = type_string(tp.optional_type.elem_type, unknown)
+        return None if inner is None else f"optional({inner})"
+    return unknown
+
+
 def value_info_shape(tp: onnx.TypeProto) -> list[int | str | None] | None:
     """Dims of a tensor type (int, symbolic name or None); None when the rank is unknown."""
     if not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
