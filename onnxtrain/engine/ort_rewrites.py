@@ -211,9 +211,9 @@ def _labels_check(node: onnx.NodeProto, scores_shape: list | None, opset: int,
     else:
         shape, head = name("shape"), name("batch")
         nodes.append(helper.make_node("Shape", [scores], [shape], name=name("Shape")))
-        cuts = {key: names(f"{base}/labels_check_{key}") for key in ("zero", "one", "two", "end")}
-        for key, v in zip(cuts, (0, 1, 2, _INT64_MAX)):
-            inits.append(numpy_helper.from_array(np.array([v], np.int64), cuts[key]))
+        bounds = {"zero": 0, "one": 1} if two_d else {"zero": 0, "one": 1, "two": 2, "end": _INT64_MAX}
+        cuts = {key: name(key) for key in bounds}
+        inits += [numpy_helper.from_array(np.array([v], np.int64), cuts[key]) for key, v in bounds.items()]
         nodes.append(helper.make_node("Slice", [shape, cuts["zero"], cuts["one"]], [head],
                                       name=name("Slice")))
         if not two_d:
@@ -238,7 +238,7 @@ def _labels_check(node: onnx.NodeProto, scores_shape: list | None, opset: int,
               helper.make_node("Max", [own, same_rank], [hi], name=name("Max")),
               helper.make_node("Reshape", [labels, hi], [wide], name=name("Reshape"), **extra),
               helper.make_node("Reshape", [wide, same_rank], [out], name=name("Reshape"), **extra)]
-    return nodes, [i for i in inits if any(i.name in n.input for n in nodes)], out
+    return nodes, inits, out
 
 
 def _inference_batch_norms(model: onnx.ModelProto) -> onnx.ModelProto:
