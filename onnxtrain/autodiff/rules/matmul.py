@@ -70,15 +70,11 @@ def _matrix_weight_grads(g: GradCtx) -> None:
     dB = Aᵀ·dY over A and dY flattened to (ΣM, K) and (ΣM, N) (a 1-D A is one row)."""
     if g.needs_dx(0):
         g.set_dx(0, g.emit("MatMul", g.dy(0), g.emit("Transpose", g.x(1), perm=[1, 0])))
-    if g.needs_dx(1):
-        kn = g.static_shape(1)
-        if kn is not None and len(kn) == 2 and all(isinstance(d, int) and d > 0 for d in kn):
-            k, n = g.ints([-1, kn[0]]), g.ints([-1, kn[1]])
-        else:
-            shape = g.shape(1)
-            minus1 = g.ints([-1])
-            k = g.emit("Concat", minus1, g.emit("Slice", shape, g.ints([0]), g.ints([1])), axis=0)
-            n = g.emit("Concat", minus1, g.emit("Slice", shape, g.ints([1]), g.ints([2])), axis=0)
+    if g.needs_dx(1) and not _weight_grad_as_gemm(g):  # B's K and N known at run time only
+        shape = g.shape(1)
+        minus1 = g.ints([-1])
+        k = g.emit("Concat", minus1, g.emit("Slice", shape, g.ints([0]), g.ints([1])), axis=0)
+        n = g.emit("Concat", minus1, g.emit("Slice", shape, g.ints([1]), g.ints([2])), axis=0)
         a2 = g.emit("Reshape", g.x(0), k)
         dy2 = g.emit("Reshape", g.dy(0), n)
         g.set_dx(1, g.emit("Gemm", a2, dy2, transA=1))
