@@ -126,9 +126,9 @@ class _Decoder(nn.Module):
 
 
 class _Embedding(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, **kw) -> None:
         super().__init__()
-        self.e = nn.Embedding(6, 3, padding_idx=0)
+        self.e = nn.Embedding(6, 3, **kw)
 
     def forward(self, ids):  # noqa: ANN001, ANN201
         return self.e(ids)
@@ -208,15 +208,6 @@ class _MHA(nn.Module):
         mask = torch.tensor([[False, False, False, True], [False, True, False, False]])
         y, w = self.mha(q, k, v, key_padding_mask=mask)
         return torch.cat([y.flatten(), w.flatten()])
-
-
-class _EmbeddingMaxNorm(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.e = nn.Embedding(6, 3, max_norm=1.0)
-
-    def forward(self, ids):  # noqa: ANN001, ANN201
-        return self.e(ids)
 
 
 class _AdaptiveLogSoftmax(nn.Module):
@@ -493,8 +484,8 @@ CASES: dict[str, Callable] = {
     "PairwiseDistance": layer(lambda: nn.PairwiseDistance(), (3, 4), (3, 4)),
     "PairwiseDistance_p1_keepdim": layer(lambda: nn.PairwiseDistance(1.0, keepdim=True), (3, 4), (3, 4)),
     "Bilinear": layer(lambda: nn.Bilinear(3, 4, 2), (5, 3), (5, 4)),
-    "Embedding_padding_idx": lambda: (_Embedding(), (torch.tensor([[0, 2, 5], [3, 0, 2]]),)),
-    "Embedding_max_norm": lambda: (_EmbeddingMaxNorm(), (torch.tensor([[1, 2, 5], [3, 1, 2]]),)),
+    "Embedding_padding_idx": lambda: (_Embedding(padding_idx=0), (torch.tensor([[0, 2, 5], [3, 0, 2]]),)),
+    "Embedding_max_norm": lambda: (_Embedding(max_norm=1.0), (torch.tensor([[1, 2, 5], [3, 1, 2]]),)),
     "LSTMCell_GRUCell_RNNCell": layer(_Cells, 3, 2, 3),
     "LSTM_proj_size": layer(_LSTMProj, 2, 3, 3),
     "MultiheadAttention_kdim_bias_kv_zero_attn": layer(_MHA, (2, 3, 6), (2, 4, 4), (2, 4, 5)),
