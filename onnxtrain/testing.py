@@ -28,10 +28,15 @@ def run_engine(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list[
 
 
 def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` whose float32 initializers, inputs, outputs, constants and casts are float64."""
+    """A copy of ``model`` whose float32 initializers, inputs, outputs, constants and casts are float64, in
+    its graph and in the bodies of its control-flow nodes."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
-    g = m.graph
+    _graph_to_float64(m.graph)
+    return m
+
+
+def _graph_to_float64(g: onnx.GraphProto) -> None:
     for t in g.initializer:
         if t.data_type == TensorProto.FLOAT:
             t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name))
@@ -42,13 +47,17 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
         for a in n.attribute:
             if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT:
                 a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float64), a.t.name))
+            elif a.type == onnx.AttributeProto.GRAPH:
+                _graph_to_float64(a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for body in a.graphs:
+                    _graph_to_float64(body)
             if (
                 n.op_type in ("Cast", "EyeLike", "RandomNormalLike", "RandomUniformLike")
                 and a.name in ("to", "dtype")
                 and a.i == TensorProto.FLOAT
             ):
                 a.i = TensorProto.DOUBLE
-    return m
 
 
 def gradcheck(

@@ -394,6 +394,36 @@ def test_if_inside_loop_gradients() -> None:
     np.testing.assert_allclose(grads["bias"], 2 + 4 * w + 2 * w * w, rtol=1e-9)
 
 
+def test_to_float64_converts_the_bodies_too() -> None:
+    """``to_float64`` turns the float32 values declared in control-flow bodies (nested: an If in a Loop) to
+    float64 too, so that the bodies' nodes are of one type with the main graph's; its run equals
+    onnx.reference's."""
+    from onnx.reference import ReferenceEvaluator
+
+    from onnxtrain.engine import compile_model
+    from onnxtrain.ir.graphs import named_subgraphs
+    from onnxtrain.testing import to_float64
+    from tests.engine.test_control_flow import nested_model
+
+    model = to_float64(nested_model())
+
+    def declared(g: onnx.GraphProto) -> set[int]:
+        kinds = {v.type.tensor_type.elem_type for v in (*g.input, *g.output, *g.value_info)}
+        for n in g.node:
+            for _, body in named_subgraphs(n):
+                kinds |= declared(body)
+        return kinds
+
+    assert T.FLOAT not in declared(model.graph) and T.DOUBLE in declared(model.graph)
+    feeds = {"x0": np.array([-1.0, -2.0, -0.5]), "n": np.array(5, np.int64), "cond": np.array(True),
+             "w": np.array([1.5, 2.0, 1.25]), "bias": np.array([0.5, -1.0, 2.0]), "limit": np.array(1e9)}
+    got = compile_model(model).run(feeds)
+    want = ReferenceEvaluator(model).run(None, feeds)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
 # ---- Scan --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "in_dir, out_dir, in_axis, out_axis", [(0, 0, 0, 0), (1, 0, 1, 0), (0, 1, 1, -1), (1, 1, -1, 1)]
