@@ -5,7 +5,7 @@ after."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 class Body:
     """One body graph compiled into a plan whose inputs are the body's own, then its captures."""
 
-    def __init__(self, graph: onnx.GraphProto, model: onnx.ModelProto, threads: int, fuse: bool, where: str):
+    def __init__(self, graph: onnx.GraphProto, model: onnx.ModelProto, threads: int, fuse: bool, where: str,
+                 outer_types: Mapping[str, str] | None = None):
+        """``outer_types``: the types of the enclosing graphs' values, for the check of the body's nodes."""
         from onnxtrain.engine.plan import EngineError, Plan
 
         self.where = where
@@ -36,7 +38,7 @@ class Body:
         body.input.extend(onnx.ValueInfoProto(name=n) for n in self.captures)
         wrapper = helper.make_model(body, opset_imports=model.opset_import, ir_version=model.ir_version)
         try:
-            self.plan: Plan = Plan(wrapper, threads=threads, fuse=fuse)
+            self.plan: Plan = Plan(wrapper, threads=threads, fuse=fuse, outer_types=outer_types)
         except EngineError as e:
             raise type(e)(f"{where}: {e}") from None
         self.input_names = [v.name for v in graph.input]
@@ -474,9 +476,10 @@ _KINDS: dict[str, tuple[type[ControlFlow], tuple[str, ...]]] = {
 
 
 def compile_control_flow(node: onnx.NodeProto, model: onnx.ModelProto, opset: int, threads: int,
-                         fuse: bool) -> ControlFlow:
-    """The kernel of a control-flow node, its bodies compiled (with the plan's ``threads`` and ``fuse``);
-    its ``captures`` name the outer values to pass after the node's inputs."""
+                         fuse: bool, outer_types: Mapping[str, str] | None = None) -> ControlFlow:
+    """The kernel of a control-flow node, its bodies compiled (with the plan's ``threads`` and ``fuse``, their
+    nodes checked with the types ``outer_types`` of the values they may read from outside); its
+    ``captures`` name the outer values to pass after the node's inputs."""
     from onnxtrain.engine.plan import EngineError, UnsupportedOpError
 
     where = f"node {node.name!r} ({node.op_type})"
@@ -489,7 +492,7 @@ def compile_control_flow(node: onnx.NodeProto, model: onnx.ModelProto, opset: in
     missing = [n for n in names if n not in graphs]
     if missing:
         raise EngineError(f"{where}: attribute(s) {missing} missing")
-    bodies = {n: Body(graphs[n], model, threads, fuse, f"{where}, {n}") for n in names}
+    bodies = {n: Body(graphs[n], model, threads, fuse, f"{where}, {n}", outer_types) for n in names}
     n_out = len(node.output)
     for n, b in bodies.items():
         given = len(b.outputs) - (1 if node.op_type == "Loop" else 0)

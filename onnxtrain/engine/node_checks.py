@@ -10,25 +10,27 @@ schema's last parameter (``Relu(x, "")`` has two inputs), as for the checker and
 
 The types of a node's inputs, as onnxruntime checks them at load: an input of known type must be of a type
 that the constraint of its formal parameter allows (``schema.type_constraints``: an int64 Relu at opset 13,
-Gather's float indices, a Reshape's int32 shape), and the inputs bound to one type variable (Add's two
-``T``, every value of Concat's variadic ``T``) of one type (Add of a float and a double); a heterogeneous
-variadic's values (Loop's carried values) only of allowed types. The types known: those the graph declares
-(:func:`graph_types`: inputs, initializers, value_info, outputs) and those the nodes checked before give
-their outputs by their schemas (the one type a constraint allows, as Shape's int64; the type of the input
-that binds the output's variable, as Add's; Cast's ``to``, Constant's and ConstantOfShape's value,
-QuantizeLinear's ``output_dtype``, the ``dtype`` of EyeLike, Bernoulli, Multinomial and the random ops, with
-their defaults), which win over a declared one. Nothing is inferred beyond that (no shape inference
-runs): an input of no type found so is not checked (the output of a node of another domain or of a
-control-flow node without a declared type, a map, a sparse tensor), nor are output types against their
-declarations. What the engine runs beyond the schemas is let through (``_FLOAT64_TOO``: float64 Celu,
-RotaryEmbedding, CausalConvWithState and LinearAttention, which the float64 gradient checks of the op tables
-run), although onnxruntime refuses it.
+Gather's float indices, a Reshape's int32 shape), and the inputs bound to one type variable (Add's two ``T``,
+every value of Concat's variadic ``T``) of one type (Add of a float and a double); a heterogeneous variadic's
+values (Loop's carried values) only of allowed types. The types known: those the graph declares
+(:func:`graph_types`: inputs, initializers, value_info, outputs) and those the nodes checked before give their
+outputs by their schemas (the one type a constraint allows, as Shape's int64; the type of the input that binds
+the output's variable, as Add's; Cast's ``to``, Constant's and ConstantOfShape's value, QuantizeLinear's
+``output_dtype``, the ``dtype`` of EyeLike, Bernoulli, Multinomial and the random ops, with their defaults; a
+control-flow node's outputs, the types its body declares for them). An output whose type is found so must be
+the type the graph declares for it, if it declares one (its value_info, the graph's outputs), as onnxruntime's
+"does not match expected type"; the nodes after it are checked with the type the node makes. Nothing is
+inferred beyond that (no shape inference runs): an input of no type found so is not checked (the output of a
+node of another domain or of a control-flow node whose body declares no type for it, a map, a sparse tensor).
+What the engine runs beyond the schemas is let through (``_FLOAT64_TOO``: float64 Celu, RotaryEmbedding,
+CausalConvWithState and LinearAttention, which the float64 gradient checks of the op tables run), although
+onnxruntime refuses it.
 
 Nodes of other domains (onnxtrain's gradient ops, ``com.microsoft``, ``ai.onnx.preview.training``) and ops
-without a schema at that opset are not checked: the engine's "no kernel" error names the latter. Nodes in
-the bodies of control-flow ops are checked too, named under their node, their input types with the types
-the body declares (a Loop body's inputs) and its nodes give: values that a body reads from enclosing graphs
-are of unknown type there, as in the plan that the engine compiles the body into (their types unchecked).
+without a schema at that opset are not checked: the engine's "no kernel" error names the latter. Nodes in the
+bodies of control-flow ops are checked too, named under their node, their input types with the types the body
+declares (a Loop body's inputs) and its nodes give, and those of the enclosing graphs' values that the body
+reads (the plan compiling a body gets them from the plan of its node: ``outer_types``).
 
 :class:`~onnxtrain.engine.plan.Plan` runs the check as it compiles each node (:class:`NodeChecker`, sharing
 the node's input and output names with the compile loop: about 6 % of building a training step's plan)
@@ -227,6 +229,72 @@ def _type_problem(form: _Form, ins: Sequence[str], types: Mapping[str, str]) -> 
     return why if isinstance(why, str) else None
 
 
+def _output_types(node: onnx.NodeProto, form: _Form, outs: Sequence[str], bound: Mapping[str, str],
+                  types: Mapping[str, str]) -> list[tuple[int, str]]:
+    """(index, type) of each of ``node``'s outputs ``outs`` whose type its schema (or, for a Cast, a Constant
+    and the ops of ``_TYPED_BY_ATTRIBUTE``, its attributes) gives: the one type a constraint allows, or a
+    type variable's that an input of known type binds (``bound``)."""
+    rules = form.output_types
+    n = len(rules)
+    out = []
+    for j, name in enumerate(outs):
+        if j < n:
+            fixed, var = rules[j]
+        elif form.variadic_output:
+            fixed, var = rules[-1]
+        else:
+            break
+        if not name:
+            continue
+        t = fixed
+        if t is None and var is not None:
+            t = bound.get(var)
+        if t is None:
+            op = node.op_type
+            if op in _TYPED_BY_ATTRIBUTE:
+                t = _attribute_type(node, types)
+            elif op in _BODY_OPS:
+                t = _body_type(node, j)
+        if t is not None:
+            out.append((j, t))
+    return out
+
+
+def _body_type(node: onnx.NodeProto, j: int) -> str | None:
+    """The type of a control-flow node's output ``j`` that its body declares: an If's as both branches
+    declare it (one of them when the other declares none), a Loop's (after the body's condition) and a
+    Scan's as the body's output in that place, a SequenceMap's a sequence of it; None when unknown."""
+    graphs = {a.name: a.g for a in node.attribute if a.type == AttributeProto.GRAPH}
+    op = node.op_type
+    if op == "If":
+        known = {type_string(g.output[j].type) for g in graphs.values() if j < len(g.output)} - {None}
+        return known.pop() if len(known) == 1 else None
+    body = graphs.get("body")
+    k = j + 1 if op == "Loop" else j
+    if body is None or k >= len(body.output):
+        return None
+    t = type_string(body.output[k].type)
+    return f"seq({t})" if op == "SequenceMap" and t is not None else t
+
+
+def _declared_problem(node: onnx.NodeProto, form: _Form, ins: Sequence[str], outs: Sequence[str],
+                      types: dict[str, str]) -> str | None:
+    """An output whose type by the schema (:func:`_output_types`) is not the one the graph declares for it
+    (its value_info or the graph's output), as a message; None when every known one agrees. The outputs
+    then take their schema's types in ``types``, so that the nodes after are checked with the types this
+    one makes, not charged with its mistake."""
+    bound = _bind(form, ins, types)
+    if isinstance(bound, str):
+        return bound
+    why = None
+    for j, t in _output_types(node, form, outs, bound, types):
+        was = types.get(outs[j])
+        if why is None and was is not None and was != t:
+            why = f"output {j} {outs[j]!r} is {t} by {form.label}, but the graph declares it {was}"
+        types[outs[j]] = t
+    return why
+
+
 def _range(lo: int, hi: int) -> str:
     if hi >= _UNBOUNDED:
         return f"at least {lo}"
@@ -262,15 +330,19 @@ class NodeChecker:
     case (counts in range, no empty name, known attributes of the declared types, input types allowed)
     costs a few lookups; :meth:`problem` says what is wrong."""
 
-    def __init__(self, opsets: Mapping[str, int], graph: onnx.GraphProto | None = None):
+    def __init__(self, opsets: Mapping[str, int], graph: onnx.GraphProto | None = None,
+                 outer: Mapping[str, str] | None = None):
+        """``outer``: the types of the enclosing graphs' values, for a body (its own declarations win)."""
         self.opsets = opsets
         self._forms: dict[tuple[str, str], _Form | None] = {}
-        self.types: dict[str, str] = graph_types(graph) if graph is not None else {}
+        self.types: dict[str, str] = dict(outer) if outer else {}
+        if graph is not None:
+            self.types.update(graph_types(graph))
 
     def within(self, graph: onnx.GraphProto) -> NodeChecker:
-        """A checker of ``graph``'s nodes (a body: the values of enclosing graphs of unknown type) at the
-        same opsets, sharing this one's schemas."""
-        check = NodeChecker(self.opsets, graph)
+        """A checker of ``graph``'s nodes (a body, which may read the values this one has typed so far) at
+        the same opsets, sharing this one's schemas."""
+        check = NodeChecker(self.opsets, graph, self.types)
         check._forms = self._forms
         return check
 
@@ -310,33 +382,15 @@ class NodeChecker:
         bound = _bind(form, ins, self.types)
         if isinstance(bound, str):
             return True
-        self._type_outputs(node, form, outs, bound)
-        return False
-
-    def _type_outputs(self, node: onnx.NodeProto, form: _Form, outs: Sequence[str],
-                      bound: Mapping[str, str]) -> None:
-        """Keep the types that ``node``'s schema (or, for a Cast or a Constant, its attributes) gives its
-        outputs: the one type a constraint allows, or a type variable's that an input of known type binds
-        (``bound``); the others keep the type the graph declares, if any."""
         types = self.types
-        rules = form.output_types
-        n = len(rules)
-        for j, name in enumerate(outs):
-            if j < n:
-                fixed, var = rules[j]
-            elif form.variadic_output:
-                fixed, var = rules[-1]
-            else:
-                break
-            if not name:
-                continue
-            t = fixed
-            if t is None and var is not None:
-                t = bound.get(var)
-            if t is None and node.op_type in _TYPED_BY_ATTRIBUTE:
-                t = _attribute_type(node, types)
-            if t is not None:
-                types[name] = t
+        given = _output_types(node, form, outs, bound, types)
+        for j, t in given:
+            was = types.get(outs[j])
+            if was is not None and was != t:
+                return True
+        for j, t in given:
+            types[outs[j]] = t
+        return False
 
     def problem(self, node: onnx.NodeProto, k: int, where: str = "") -> str | None:
         """What is wrong with ``node`` (index ``k`` in its graph, for an unnamed one), as a message naming the
@@ -345,7 +399,9 @@ class NodeChecker:
         why = None
         if form is not None:
             ins = tuple(node.input)
-            why = _problem(node, form, ins, node.output) or _type_problem(form, ins, self.types)
+            outs = tuple(node.output)
+            why = (_problem(node, form, ins, outs) or _type_problem(form, ins, self.types)
+                   or _declared_problem(node, form, ins, outs, self.types))
         if why is None:
             return None
         version = self.opsets[_DOMAINS[node.domain]]

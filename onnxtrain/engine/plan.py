@@ -68,10 +68,11 @@ def checked_opsets(model: onnx.ModelProto) -> dict[str, int]:
     return {"": default_opset(model), **model_opsets(model)}
 
 
-def check_nodes(model: onnx.ModelProto) -> None:
+def check_nodes(model: onnx.ModelProto, outer_types: Mapping[str, str] | None = None) -> None:
     """Raise :class:`InvalidNodeError` naming the nodes of ONNX's domains (``""``, ``"ai.onnx.ml"``), bodies
-    included, that their schemas at the model's opsets do not allow (:mod:`onnxtrain.engine.node_checks`)."""
-    found = invalid_nodes(model.graph, checked_opsets(model))
+    included, that their schemas at the model's opsets do not allow (:mod:`onnxtrain.engine.node_checks`).
+    ``outer_types``: the types of the values of the graphs enclosing the model's graph (a body's)."""
+    found = invalid_nodes(model.graph, NodeChecker(checked_opsets(model), outer=outer_types))
     if len(found) == 1:
         raise InvalidNodeError(found[0])
     if found:
@@ -93,6 +94,7 @@ class Plan(GraphInterface):
         threads: int | None = None,
         initializers: Mapping[str, np.ndarray] | None = None,
         random_state: dict[Any, dict[Any, Any]] | None = None,
+        outer_types: Mapping[str, str] | None = None,
     ):
         """``fuse``: apply the execution-time fusions of :mod:`onnxtrain.engine.fusion` (default: on, unless
         the environment says ``ONNXTRAIN_FUSION=0``). ``threads``: how many threads a kernel may split its
@@ -119,7 +121,8 @@ class Plan(GraphInterface):
             raise
         checker = None
         if model is original:
-            checker = NodeChecker(checked_opsets(model), model.graph)  # the types the graph declares
+            # the types the graph declares and, for a body, those of the enclosing graphs' values
+            checker = NodeChecker(checked_opsets(model), model.graph, outer_types)
         else:
             check_nodes(original)  # functions expanded: the whole model's, bodies included, now
         g = model.graph
@@ -142,9 +145,10 @@ class Plan(GraphInterface):
         for k, node in enumerate(g.node):
             in_names, out_names = tuple(node.input), tuple(node.output)
             if checker is not None and checker.invalid(node, in_names, out_names):
-                check_nodes(model)  # raises, naming every invalid node (control-flow bodies: their plans)
+                check_nodes(model, outer_types)  # raises, naming every invalid node (bodies: their plans)
             if node.op_type in SUBGRAPH_OPS and node.domain in DEFAULT_DOMAINS:
-                fn = compile_control_flow(node, model, self.opset, self.threads, self.fused)
+                fn = compile_control_flow(node, model, self.opset, self.threads, self.fused,
+                                          checker.types if checker is not None else None)
                 captures[k] = fn.captures
             else:
                 fn = find_kernel(node.op_type, self.opset, node.domain)

@@ -11,14 +11,16 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 
-def model(nodes, inputs, outputs, inits=()) -> onnx.ModelProto:
-    """An opset-17 model of ``nodes`` whose named inputs and outputs are float32 of any shape."""
+def model(nodes, inputs, outputs, inits=(), output_types=None) -> onnx.ModelProto:
+    """An opset-17 model of ``nodes`` whose named inputs and outputs are float32 of any shape (outputs named
+    in ``output_types``, name → element type, of that type)."""
     f = TensorProto.FLOAT
+    kinds = output_types or {}
     g = helper.make_graph(
         nodes,
         "g",
         [helper.make_tensor_value_info(n, f, None) for n in inputs],
-        [helper.make_tensor_value_info(n, f, None) for n in outputs],
+        [helper.make_tensor_value_info(n, kinds.get(n, f), None) for n in outputs],
         list(inits),
     )
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])

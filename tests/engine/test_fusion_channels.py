@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper
 
 from onnxtrain.engine.kernels.spread import spread_shape
 from onnxtrain.engine.plan import Plan
@@ -46,7 +46,9 @@ def test_binary_ops_with_a_spread_operand_give_numpys_bits(op: str, swap: bool) 
     v = rng.standard_normal((1, 24, 1, 1)).astype(np.float32)
     a, b = (v, x) if swap else (x, v)
     ufunc = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Greater": np.greater}[op]
-    got = Plan(model([helper.make_node(op, ["a", "b"], ["y"])], ["a", "b"], ["y"]), fuse=False)
+    kinds = {"y": TensorProto.BOOL} if op == "Greater" else None
+    got = Plan(model([helper.make_node(op, ["a", "b"], ["y"])], ["a", "b"], ["y"], output_types=kinds),
+               fuse=False)
     y = got.run({"a": a, "b": b})[0]
     assert elementwise.spread_operands(a, b)[1 if not swap else 0].shape == (1, 24, 10, 10)  # it spreads
     np.testing.assert_array_equal(y, ufunc(a, b))

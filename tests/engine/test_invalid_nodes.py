@@ -457,3 +457,178 @@ def test_input_types_in_a_loop_body_are_checked() -> None:
         onnxtrain.InferenceSession(model.SerializeToString())
     with pytest.raises(Exception, match="INVALID_GRAPH|Type Error"):
         ort.InferenceSession(model.SerializeToString(), providers=CPU)
+
+
+# ---- output types against the types the graph declares --------------------------------------------------
+def _declared(nodes: list[onnx.NodeProto], outputs: dict[str, int], value_info: dict[str, int] | None = None,
+              opset: int = 17) -> onnx.ModelProto:
+    """``typed_model`` of a float input ``x``, with ``value_info`` declared too (name → element type)."""
+    model = typed_model(nodes, {"x": _F}, outputs, opset)
+    declared = (value_info or {}).items()
+    model.graph.value_info.extend(helper.make_tensor_value_info(n, t, None) for n, t in declared)
+    return model
+
+
+# case → (model, the message's piece)
+DECLARED_CASES = {
+    "graph_output_double_of_a_float_neg": (
+        _declared([helper.make_node("Neg", ["x"], ["y"], name="neg")], {"y": _D}),
+        "node 'neg' (Neg, opset 17): output 0 'y' is tensor(float) by Neg-13, but the graph declares it "
+        "tensor(double)"),
+    "value_info_int64_of_a_relu": (
+        _declared([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                   helper.make_node("Neg", ["r"], ["y"], name="neg")], {"y": _F}, {"r": _I64}),
+        "node 'relu' (Relu, opset 17): output 0 'r' is tensor(float) by Relu-14, but the graph declares it "
+        "tensor(int64)"),
+    # typed by an attribute: Cast's 'to'
+    "cast_to_int32_declared_float": (
+        _declared([helper.make_node("Cast", ["x"], ["y"], name="cast", to=_I32)], {"y": _F}),
+        "node 'cast' (Cast, opset 17): output 0 'y' is tensor(int32) by Cast-13, but the graph declares it "
+        "tensor(float)"),
+    # one type by the schema's constraint: Shape's int64
+    "shape_declared_int32": (
+        _declared([helper.make_node("Shape", ["x"], ["y"], name="shape")], {"y": _I32}),
+        "node 'shape' (Shape, opset 17): output 0 'y' is tensor(int64) by Shape-15, but the graph declares "
+        "it tensor(int32)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DECLARED_CASES))
+def test_outputs_of_another_type_than_declared_are_refused_at_creation(case: str) -> None:
+    """A node whose output is not of the type the graph declares for it is refused, as onnxruntime (the
+    oracle: its "Type Error ... does not match expected type") refuses the model; the engine used to run
+    it and return the node's own type."""
+    model, piece = DECLARED_CASES[case]
+    with pytest.raises(InvalidNodeError) as e:
+        onnxtrain.InferenceSession(model.SerializeToString())
+    assert piece in str(e.value), str(e.value)
+    with pytest.raises(Exception, match="does not match expected type"):
+        ort.InferenceSession(model.SerializeToString(), providers=CPU)
+
+
+def test_a_wrong_declaration_is_one_error_not_a_cascade() -> None:
+    """The nodes after a wrongly declared value are checked with the type its node makes: only the node
+    whose output is declared wrong is named (onnxruntime, too, names only it)."""
+    model, _ = DECLARED_CASES["value_info_int64_of_a_relu"]
+    with pytest.raises(InvalidNodeError) as e:
+        onnxtrain.InferenceSession(model.SerializeToString())
+    assert "'relu'" in str(e.value) and "'neg'" not in str(e.value), str(e.value)
+    with pytest.raises(Exception) as o:
+        ort.InferenceSession(model.SerializeToString(), providers=CPU)
+    assert "(r) of node (relu)" in str(o.value)
+
+
+def test_legacy_training_session_refuses_a_wrong_declared_output_type() -> None:
+    """A training graph's forward part is checked the same way: the loss declared double, made float."""
+    w = numpy_helper.from_array(np.full((3, 3), 0.5, np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("ReduceSumSquare", ["h"], ["loss"], name="loss_node", keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", _F, [2, 3])],
+                          [helper.make_tensor_value_info("loss", _D, [])], [w])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    params = onnxtrain.TrainingParameters()
+    params.loss_output_name = "loss"
+    params.weights_to_train = {"w"}
+    with pytest.raises(Exception, match=r"node 'loss_node' \(ReduceSumSquare, opset 17\): output 0 'loss' is "
+                                        r"tensor\(float\) by ReduceSumSquare-13, but the graph declares it "
+                                        r"tensor\(double\)"):
+        onnxtrain.TrainingSession(model.SerializeToString(), params)
+    with pytest.raises(Exception, match="does not match expected type"):
+        ort.InferenceSession(model.SerializeToString(), providers=CPU)
+
+
+def test_a_loop_body_output_declared_of_another_type_is_refused() -> None:
+    """In a body: its output v_out declared double, made float by its Add."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c_out"], name="keep"),
+         helper.make_node("Add", ["v", "v"], ["v_out"], name="inner")], "body",
+        [helper.make_tensor_value_info("it", _I64, []), helper.make_tensor_value_info("c", _B, []),
+         helper.make_tensor_value_info("v", _F, [2, 3])],
+        [helper.make_tensor_value_info("c_out", _B, []), helper.make_tensor_value_info("v_out", _D, [2, 3])])
+    node = helper.make_node("Loop", ["n", "", "x"], ["y"], name="loop", body=body)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", _F, [2, 3])],
+                          [helper.make_tensor_value_info("y", _F, [2, 3])],
+                          [numpy_helper.from_array(np.array(2, np.int64), "n")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(InvalidNodeError, match=r"node 'loop' \(Loop\), body: node 'inner' \(Add, opset 17\): "
+                                               r"output 0 'v_out' is tensor\(float\) by Add-14, but the "
+                                               r"graph declares it tensor\(double\)"):
+        onnxtrain.InferenceSession(model.SerializeToString())
+    with pytest.raises(Exception, match="does not match expected type|Type Error"):
+        ort.InferenceSession(model.SerializeToString(), providers=CPU)
+
+
+# ---- control flow: its outputs typed by its bodies, its bodies checked with the enclosing graph's types ---
+def _loop_body(extra: str = "v") -> onnx.GraphProto:
+    """A Loop body adding ``extra`` (a body input, or a value of the enclosing graph) to its float carried
+    value."""
+    return helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c_out"], name="keep"),
+         helper.make_node("Add", ["v", extra], ["v_out"], name="inner")], "body",
+        [helper.make_tensor_value_info("it", _I64, []), helper.make_tensor_value_info("c", _B, []),
+         helper.make_tensor_value_info("v", _F, [2, 3])],
+        [helper.make_tensor_value_info("c_out", _B, []), helper.make_tensor_value_info("v_out", _F, [2, 3])])
+
+
+def _control_flow_model(nodes: list[onnx.NodeProto], inputs: dict[str, int], y: int) -> onnx.ModelProto:
+    ins = [helper.make_tensor_value_info(n, t, [] if t == _B else [2, 3]) for n, t in inputs.items()]
+    g = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info("y", y, [2, 3])],
+                          [numpy_helper.from_array(np.array(2, np.int64), "n")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _if_node(out: str) -> onnx.NodeProto:
+    then = helper.make_graph([helper.make_node("Identity", ["x"], ["t"], name="take")], "then", [],
+                             [helper.make_tensor_value_info("t", _F, [2, 3])])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["e"], name="negate")], "else", [],
+                              [helper.make_tensor_value_info("e", _F, [2, 3])])
+    return helper.make_node("If", ["c"], [out], name="if", then_branch=then, else_branch=other)
+
+
+# case → (model, the message's pattern); onnxruntime refuses each
+CONTROL_FLOW_CASES = {
+    # the body reads a double of the enclosing graph (a Cast's output) into a float Add
+    "body_reads_an_outer_double": (
+        _control_flow_model([helper.make_node("Cast", ["x"], ["d"], name="cast", to=_D),
+                             helper.make_node("Loop", ["n", "", "x"], ["y"], name="loop",
+                                              body=_loop_body("d"))], {"x": _F}, _F),
+        r"node 'loop' \(Loop\), body: node 'inner' \(Add, opset 17\): input 1 'd' is tensor\(double\), but T "
+        r"of input 0 'v' is tensor\(float\)"),
+    # an If's output is float by its branches, added to a double after it
+    "if_output_added_to_a_double": (
+        _control_flow_model([_if_node("r"), helper.make_node("Add", ["r", "xd"], ["y"], name="bad")],
+                            {"x": _F, "c": _B, "xd": _D}, _D),
+        r"node 'bad' \(Add, opset 17\): input 1 'xd' is tensor\(double\), but T of input 0 'r' is "
+        r"tensor\(float\)"),
+    # a Loop's carried output, float by its body, declared double by the graph
+    "loop_output_declared_double": (
+        _control_flow_model([helper.make_node("Loop", ["n", "", "x"], ["y"], name="loop", body=_loop_body())],
+                            {"x": _F}, _D),
+        r"node 'loop' \(Loop, opset 17\): output 0 'y' is tensor\(float\) by Loop-16, but the graph declares "
+        r"it tensor\(double\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONTROL_FLOW_CASES))
+def test_control_flow_types_are_checked_as_onnxruntime_checks_them(case: str) -> None:
+    model, pattern = CONTROL_FLOW_CASES[case]
+    with pytest.raises(InvalidNodeError, match=pattern):
+        onnxtrain.InferenceSession(model.SerializeToString())
+    with pytest.raises(Exception, match="Type Error|INVALID_GRAPH"):
+        ort.InferenceSession(model.SerializeToString(), providers=CPU)
+
+
+def test_valid_control_flow_with_outer_values_runs_as_onnxruntime() -> None:
+    """The same shapes of graph, well typed: a body reading a float of the enclosing graph, an If's float
+    output added to a float; the outputs equal onnxruntime's."""
+    nodes = [helper.make_node("Neg", ["x"], ["d"], name="neg"),
+             helper.make_node("Loop", ["n", "", "x"], ["l"], name="loop", body=_loop_body("d")),
+             _if_node("r"), helper.make_node("Add", ["r", "l"], ["y"], name="add")]
+    model = _control_flow_model(nodes, {"x": _F, "c": _B}, _F)
+    x = np.linspace(-1, 2, 6, dtype=np.float32).reshape(2, 3)
+    for c in (True, False):
+        feeds = {"x": x, "c": np.array(c)}
+        got = onnxtrain.InferenceSession(model.SerializeToString()).run(None, feeds)
+        want = ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, feeds)
+        assert got[0].dtype == want[0].dtype == np.float32
+        np.testing.assert_array_equal(got[0], want[0])

@@ -101,8 +101,9 @@ def _loss_model(op: str, inputs: list[Any], **attrs: Any) -> onnx.ModelProto:
     names = [f"x{i}" if v is not None else "" for i, v in enumerate(inputs)]
     g_in = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
             for n, v in zip(names, inputs) if n]
+    scores = helper.np_dtype_to_tensor_dtype(inputs[0].dtype)  # the loss is of the scores' type
     g = helper.make_graph([helper.make_node(op, names, ["loss"], **attrs)], op, g_in,
-                          [helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, None)])
+                          [helper.make_tensor_value_info("loss", scores, None)])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
 
 
@@ -156,7 +157,8 @@ def test_softmax_cross_entropy_2d_rows_match_the_general_path_and_float64(
     extra = {} if ignore_index is None else {"ignore_index": ignore_index}  # named, but no target is it
     model = _loss_model("SoftmaxCrossEntropyLoss", [x, t], reduction=reduction, **extra)
     model.graph.node[0].output.append("logp")
-    model.graph.output.append(helper.make_tensor_value_info("logp", onnx.TensorProto.FLOAT, None))
+    model.graph.output.append(helper.make_tensor_value_info("logp", helper.np_dtype_to_tensor_dtype(x.dtype),
+                                                            None))
     loss, logp = compile_model(model).run({"x0": x, "x1": t})
     ref_loss, ref_logp = _general_sce(x, t, reduction, ignore_index)
     np.testing.assert_array_equal(logp, ref_logp)

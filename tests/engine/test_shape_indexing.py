@@ -6,6 +6,7 @@ negative Pad amounts); onnxruntime is the oracle there.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -16,14 +17,17 @@ from onnx import helper
 from onnxtrain.engine import compile_model
 
 
-def _model(op: str, inputs: list[Any], opset: int, n_outputs: int = 1, **attrs: Any) -> onnx.ModelProto:
+def _model(op: str, inputs: list[Any], opset: int, n_outputs: int = 1, out_types: Sequence[int] = (),
+           **attrs: Any) -> onnx.ModelProto:
+    """A one-node model; its outputs declared of ``out_types`` (element types), else of input 0's type."""
     names = [f"x{i}" if v is not None else "" for i, v in enumerate(inputs)]
     outs = [f"y{i}" for i in range(n_outputs)]
     g_in = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
             for n, v in zip(names, inputs) if n]
     # onnxruntime needs an output type; only ops that keep the data type are compared with it
     elem = helper.np_dtype_to_tensor_dtype(inputs[0].dtype)
-    g_out = [helper.make_tensor_value_info(n, elem, None) for n in outs]
+    types = list(out_types) or [elem] * n_outputs
+    g_out = [helper.make_tensor_value_info(n, t, None) for n, t in zip(outs, types)]
     graph = helper.make_graph([helper.make_node(op, names, outs, **attrs)], op, g_in, g_out)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
 
@@ -72,10 +76,12 @@ def test_pad_axes_negative_amounts_matches_onnxruntime() -> None:
 
 def test_topk_ties_keep_lower_index_first() -> None:
     x = np.array([[1, 3, 3, 2, 3, 1]], dtype=np.float32)
-    (vals, idx) = compile_model(_model("TopK", [x, _i64(4)], 13, n_outputs=2)).run({"x0": x, "x1": _i64(4)})
+    kinds = (onnx.TensorProto.FLOAT, onnx.TensorProto.INT64)  # values, indices
+    (vals, idx) = compile_model(_model("TopK", [x, _i64(4)], 13, n_outputs=2, out_types=kinds)).run(
+        {"x0": x, "x1": _i64(4)})
     np.testing.assert_array_equal(idx, [[1, 2, 4, 3]])
     np.testing.assert_array_equal(vals, [[3, 3, 3, 2]])
-    m = _model("TopK", [x, _i64(3)], 13, n_outputs=2, largest=0)
+    m = _model("TopK", [x, _i64(3)], 13, n_outputs=2, out_types=kinds, largest=0)
     _, idx = compile_model(m).run({"x0": x, "x1": _i64(3)})
     np.testing.assert_array_equal(idx, [[0, 5, 3]])
 
