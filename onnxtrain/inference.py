@@ -288,6 +288,24 @@ class InferenceSession:
     def enable_fallback(self) -> None:
         self._fallback = True
 
+    # onnxruntime's Python ``Session`` kept these lists as attributes, and its training frontends
+    # (``ort_trainer.py``, ``onnxruntime.training._utils``) searched them for the special outputs' names
+    @property
+    def _inputs_meta(self) -> list[NodeArg]:
+        return self.get_inputs()
+
+    @property
+    def _outputs_meta(self) -> list[NodeArg]:
+        return self.get_outputs()
+
+    @property
+    def _overridable_initializers(self) -> list[NodeArg]:
+        return self.get_overridable_initializers()
+
+    @property
+    def _model_meta(self) -> ModelMetadata:
+        return self.get_modelmeta()
+
     @property
     def peak_bytes(self) -> int:
         """Peak bytes of live tensors during the last run (weights included)."""

@@ -21,6 +21,7 @@ from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.interface import GraphInterface, load_model
 from onnxtrain.errors import InvalidFeed, program_hint
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
+from onnxtrain.graph_transforms.flags import FLAG_SHAPE
 from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo, half_copies
 from onnxtrain.inference import (
     FeedChecker,
@@ -173,7 +174,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             node_arg(v) for v in g.full.graph.output if v.name in set(g.user_outputs) | set(g.extra_outputs)
         ]
         if self._dp is not None and self._dp.mode == "adasum" and mp is not None and self._opt is not None:
-            self._outputs.append(NodeArg(ALL_DELTAS_FINITE, "tensor(bool)", []))  # made by the exchange
+            # made by the exchange
+            self._outputs.append(NodeArg(ALL_DELTAS_FINITE, "tensor(bool)", FLAG_SHAPE))
         self._output_names = [o.name for o in self._outputs]
         self._check = FeedChecker(self._plan, [TRAINING_MODE] if g.has_training_mode else [])
         self._check.required = [n for n in self._check.required if n in feed_names]
@@ -195,7 +197,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                         f"{label} has no entry for trained weight {w!r} (give every trained weight "
                         "an entry, possibly {})"
                     )
-            opt.check_attrs(w, fmap.get(w, {}), imap.get(w, {}))
+        opt.warn_unknown_attrs(self._graphs.trainable, fmap, imap)
         for label, m in (("optimizer_attributes_map", fmap), ("optimizer_int_attributes_map", imap)):
             absent = sorted(w for w in m if w not in self._graphs.trainable and w not in initializers)
             if absent:  # onnxruntime reads the maps for the trained weights only

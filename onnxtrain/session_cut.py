@@ -20,6 +20,7 @@ from onnxtrain.capi.options import RunOptions
 from onnxtrain.engine.plan import load_model
 from onnxtrain.errors import InvalidFeed, InvalidFeedType
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
+from onnxtrain.graph_transforms.flags import FLAG_SHAPE, flag_array
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo
 from onnxtrain.inference import NodeArg, check_feed_shape, node_arg
 from onnxtrain.ir.builder import NameGen, value_types
@@ -142,7 +143,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
             # precision): the norm of the whole model's gradients, computed by the update runs
             self._outputs.append(NodeArg(GLOBAL_NORM, "tensor(float)", []))
         if self._mp is not None:
-            self._outputs.append(NodeArg(ALL_FINITE, "tensor(bool)", []))
+            self._outputs.append(NodeArg(ALL_FINITE, "tensor(bool)", FLAG_SHAPE))
         self._grad_outputs = {f"{w}_grad" for w in gradients}  # computed by the run's backward
         self._grad_sources: dict[str, str] = {}  # each gradient output → the one it is read from
         for w in gradients:
@@ -207,7 +208,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
             if out != src and out in names and src in got:
                 got[out] = got[src].astype(helper.tensor_dtype_to_np_dtype(self._mp.dtype))
         if GROUP_OUTPUT in names:
-            got[GROUP_OUTPUT] = np.asarray(True)  # its value means nothing: it marks a micro-step
+            got[GROUP_OUTPUT] = flag_array(True)  # its value means nothing: it marks a micro-step
         missing = [n for n in names if n not in got]
         if missing:
             raise ValueError(f"output(s) {missing} are not computed on this run (a forward or a micro-step)")
@@ -238,7 +239,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         """With ``gradient_accumulation_steps`` > 1, the group output a legacy caller fetches to mark a
         micro-step; and the sums of the micro-steps' gradients (none yet)."""
         if self._params.gradient_accumulation_steps > 1:
-            self._outputs.append(NodeArg(GROUP_OUTPUT, "tensor(bool)", []))
+            self._outputs.append(NodeArg(GROUP_OUTPUT, "tensor(bool)", FLAG_SHAPE))
             self._output_names.append(GROUP_OUTPUT)
         self._summed: dict[str, np.ndarray] = {}
         self._micro_step = 0
@@ -301,8 +302,8 @@ class CutModelSession(ReplicaExchange, TrainingSession):
 
     def _check_attribute_maps(self) -> None:
         p, opt = self._params, self._opt
-        for held in self._trained():
-            w = self._original(held)
+        originals = [self._original(held) for held in self._trained()]
+        for w in originals:
             for label, m in (
                 ("optimizer_attributes_map", p.optimizer_attributes_map),
                 ("optimizer_int_attributes_map", p.optimizer_int_attributes_map),
@@ -312,9 +313,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
                         f"{label} has no entry for trained weight {w!r} (give every trained weight an entry, "
                         "possibly {})"
                     )
-            opt.check_attrs(
-                w, p.optimizer_attributes_map.get(w, {}), p.optimizer_int_attributes_map.get(w, {})
-            )
+        opt.warn_unknown_attrs(originals, p.optimizer_attributes_map, p.optimizer_int_attributes_map)
 
     def _trained(self) -> list[str]:
         """The trained weights this rank holds (by the names it holds them under)."""

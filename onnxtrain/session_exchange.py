@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxtrain.graph_transforms.flags import flag_array
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE
 from onnxtrain.parallel.adasum import adasum_step, every_rank_finite
 from onnxtrain.parallel.stage_graphs import NORM
@@ -104,7 +105,7 @@ class ReplicaExchange:
         ``replica``, default ``self._comm``), as the legacy's data-parallel Adasum."""
         gated = self._mp is not None
         if gated:
-            finite[ALL_FINITE] = np.asarray(
+            finite[ALL_FINITE] = flag_array(
                 every_rank_finite(self._data, finite[ALL_FINITE], "Adasum all-finite check")
             )
             if not finite[ALL_FINITE]:

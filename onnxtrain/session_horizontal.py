@@ -38,6 +38,7 @@ import onnx
 from onnx import helper
 
 from onnxtrain.engine.kernels.random import unseeded_generator
+from onnxtrain.graph_transforms.flags import flag_array
 from onnxtrain.graph_transforms.mixed_precision import (
     ALL_FINITE,
     half_copies,
@@ -457,7 +458,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
             given[NORM] = np.asarray(np.sqrt(total), np.float32)
             finite[NORM] = given[NORM]  # the output global_gradient_norm: the whole model's, as one process's
             if self._mp is not None:
-                finite[ALL_FINITE] = np.asarray(bool(np.isfinite(given[NORM])))
+                finite[ALL_FINITE] = flag_array(np.isfinite(given[NORM]))
         if not self._trainable and self._mode != "adasum":  # Adasum: the replica's checks still run
             return finite
         if self._mode == "zero1":

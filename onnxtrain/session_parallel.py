@@ -14,6 +14,7 @@ import onnx
 from onnx import numpy_helper
 
 from onnxtrain.graph_transforms import accumulation
+from onnxtrain.graph_transforms.flags import flag_array
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE
 from onnxtrain.parallel import BucketReducer
 from onnxtrain.parallel.adasum import ALL_DELTAS_FINITE, adasum_step, every_rank_finite
@@ -129,14 +130,14 @@ class DataParallelSteps:
         g, store, dp = self._graphs, self._store, self._dp
         if mixed_precision:
             every = every_rank_finite(dp.comm, got[ALL_FINITE], "Adasum all-finite check")
-            got[ALL_FINITE] = np.asarray(every)
-            got[ALL_DELTAS_FINITE] = np.asarray(False)
+            got[ALL_FINITE] = flag_array(every)
+            got[ALL_DELTAS_FINITE] = flag_array(False)
             if not got[ALL_FINITE]:
                 return {}
         weights, apply = adasum_step(dp.comm, [store[w] for w in g.trainable], [new[w] for w in g.trainable],
                                      mixed_precision)
         if mixed_precision:
-            got[ALL_DELTAS_FINITE] = np.asarray(apply)
+            got[ALL_DELTAS_FINITE] = flag_array(apply)
         new.update(zip(g.trainable, weights))
         return new
 
@@ -181,7 +182,7 @@ class DataParallelSteps:
         if self._norm_name:
             got[self._norm_name] = norm.astype(np.float32)
         if self.loss_scale_input_name and not z.pieces:  # a rank that owns nothing still says it
-            got[ALL_FINITE] = np.asarray(bool(np.isfinite(norm)))
+            got[ALL_FINITE] = flag_array(np.isfinite(norm))
         return got
 
     # ---- the global norm and the finiteness flag on the fetches' path ----------------------------
@@ -230,7 +231,7 @@ class DataParallelSteps:
         out = dict(got)
         if dp.mode == "adasum":
             if ALL_FINITE in names:
-                out[ALL_FINITE] = np.asarray(every_rank_finite(dp.comm, bool(got[ALL_FINITE]),
+                out[ALL_FINITE] = flag_array(every_rank_finite(dp.comm, bool(got[ALL_FINITE]),
                                                                "all_gradients_finite on the fetches' path"))
         elif norm_name is not None and (norm_name in names or ALL_FINITE in names):
             arrays = [np.asarray(got[s]).reshape(-1) for s in self._norm_sources]
@@ -241,7 +242,7 @@ class DataParallelSteps:
             if norm_name in names:
                 out[norm_name] = norm
             if ALL_FINITE in names:
-                out[ALL_FINITE] = np.asarray(bool(np.isfinite(norm)))
+                out[ALL_FINITE] = flag_array(np.isfinite(norm))
         return [out[n] for n in names]
 
     def _zero_full_names(self) -> dict[str, list[tuple[str, Any, bool]]]:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxtrain.graph_transforms.flags import flag_array
 from onnxtrain.graph_transforms.mixed_precision import (
     ALL_FINITE,
     mixed_precision,
@@ -296,7 +297,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
             norm = np.asarray(
                 np.sqrt(self._comm.allreduce_scalar(local, "pipeline gradient norm")), np.float32
             )
-        finite = {} if self._mp is None else {ALL_FINITE: np.asarray(bool(np.isfinite(norm)))}
+        finite = {} if self._mp is None else {ALL_FINITE: flag_array(np.isfinite(norm))}
         if norm is not None:  # the output global_gradient_norm: the whole model's, as one process's
             finite[NORM] = norm
         if not self._sg.trainable and self._mode != "adasum":  # Adasum: the replica's checks still run

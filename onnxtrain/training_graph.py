@@ -19,7 +19,8 @@ from onnxtrain.autodiff.exporter_checks import export_hint, warn_folded_constant
 from onnxtrain.autodiff.registry import find_rule, has_no_gradient
 from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
 from onnxtrain.graph_transforms import accumulation
-from onnxtrain.graph_transforms.clipping import clip_divisor, global_norm
+from onnxtrain.graph_transforms.clipping import clip_divisor, global_norm, norm_type
+from onnxtrain.graph_transforms.flags import FLAG_SHAPE
 from onnxtrain.graph_transforms.mixed_precision import (
     ALL_FINITE,
     MixedPrecisionInfo,
@@ -422,8 +423,8 @@ def build_step_graphs(
                 if not update or opt is None:
                     outputs.append(vi(acc, wt))
                     upd[buf] = acc
-            barrier = accumulation.group_barrier(w, accs)
-            outputs.append(helper.make_tensor_value_info(barrier, TensorProto.BOOL, []))
+            barrier = accumulation.group_barrier(w, accs, _elem(types, next(iter(grads))) if grads else 1)
+            outputs.append(helper.make_tensor_value_info(barrier, TensorProto.BOOL, FLAG_SHAPE))
             extras.append(barrier)
         if p.set_gradients_as_graph_outputs:
             for wt, g in grads.items():
@@ -535,19 +536,21 @@ def _emit_update(
     mnc = None
     if clip and opt.uses_norm and not p.legacy_cpu_adam:
         mnc = {s.name: _max_norm_clip(s, opt) for s in slots}
+    # the norm's type: a float32 input, or computed in float64 when a gradient is float64
+    norm_et = TensorProto.FLOAT if norm_input is not None else norm_type([s.elem_type for s in slots])
     if mp is None and mnc is not None:
         for s in slots:
-            s.divisor = clip_divisor(w, norm, mnc[s.name])
+            s.divisor = clip_divisor(w, norm, mnc[s.name], norm_et=norm_et, out_et=s.elem_type)
     specs = _state_inputs(opt, slots, inputs)
     state = {sp.name: sp.name for sp in specs}
     if mp is None:
         new_w, new_s = opt.emit(w, slots, p.lr_params_feed_name, state)
     else:
         new_w, new_s, flag = mixed_precision_update(
-            w, opt, slots, p.lr_params_feed_name, state, norm, mp.loss_scale, mnc
+            w, opt, slots, p.lr_params_feed_name, state, norm, mp.loss_scale, mnc, norm_et
         )
-        flag = w.emit("Identity", [flag], [w.names(ALL_FINITE)])[0] if flag != ALL_FINITE else flag
-        outputs.append(helper.make_tensor_value_info(flag, TensorProto.BOOL, []))
+        flag = w.emit("Reshape", [flag, w.ints(FLAG_SHAPE)], [w.names(ALL_FINITE)])[0]
+        outputs.append(helper.make_tensor_value_info(flag, TensorProto.BOOL, FLAG_SHAPE))
         extras.append(flag)
     _add_update_outputs(w, slots, specs, new_w, new_s, outputs, upd)
     return specs
@@ -560,8 +563,9 @@ def _update_norm(w: NodeWriter, slots: list[WeightSlot], norm_input: str | None,
     if norm_input is not None:
         inputs.append(helper.make_tensor_value_info(norm_input, TensorProto.FLOAT, []))
         return norm_input
-    norm = global_norm(w, [s.grad for s in slots])
-    outputs.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
+    types = [s.elem_type for s in slots]
+    norm = global_norm(w, [s.grad for s in slots], grad_types=types)
+    outputs.append(helper.make_tensor_value_info(norm, norm_type(types), []))
     extras.append(norm)
     return norm
 

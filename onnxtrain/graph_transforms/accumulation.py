@@ -23,15 +23,17 @@ def averaged(w: NodeWriter, acc: str, steps: int, elem_type: int = 1) -> str:
     return w.emit("Mul", [acc, w.const(np.asarray(1.0 / steps), elem_type)], [w.names(f"{acc}_scaled")])[0]
 
 
-def group_barrier(w: NodeWriter, accs: list[str]) -> str:
-    """``Group_Accumulated_Gradients``: a bool whose value means nothing; fetching it marks a micro-step."""
-    first = w.one("ReduceMax", w.one("Reshape", accs[0], w.ints([-1])), keepdims=0) if accs else None
+def group_barrier(w: NodeWriter, accs: list[str], elem_type: int = 1) -> str:
+    """``Group_Accumulated_Gradients``: true, of shape [1], as onnxruntime's ``Group`` made it; its value
+    means nothing, fetching it marks a micro-step. ``elem_type``: the type of ``accs[0]``."""
+    first = w.one("ReduceMax", w.one("Reshape", accs[0], w.ints([-1])), keepdims=1) if accs else None
     if first is None:
         return w.emit("Constant", [], [GROUP_OUTPUT], value=_true())[0]
-    return w.emit("IsInf", [w.one("Mul", first, w.const(np.float32(0.0), 1))], [GROUP_OUTPUT])[0]
+    zero_or_nan = w.one("Mul", first, w.const(0.0, elem_type))  # reads the sums; never infinite
+    return w.emit("Not", [w.one("IsInf", zero_or_nan)], [GROUP_OUTPUT])[0]
 
 
 def _true():
     from onnx import numpy_helper
 
-    return numpy_helper.from_array(np.asarray(True), "true")
+    return numpy_helper.from_array(np.asarray([True]), "true")

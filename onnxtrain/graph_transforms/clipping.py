@@ -4,21 +4,41 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
+from onnx import TensorProto
 
 from onnxtrain.ir.builder import NodeWriter
 
+_FLOAT, _DOUBLE = TensorProto.FLOAT, TensorProto.DOUBLE
 
-def global_norm(w: NodeWriter, grads: Sequence[str], out_name: str = "global_gradient_norm") -> str:
-    """N = sqrt(Σ_tensors Σ_elements g²), a float32 scalar named ``out_name``."""
-    parts = [w.one("ReduceSumSquare", g, keepdims=0) for g in grads]
+
+def norm_type(grad_types: Sequence[int]) -> int:
+    """The type the global norm is computed in: float64 when a gradient is, else float32."""
+    return _DOUBLE if _DOUBLE in grad_types else _FLOAT
+
+
+def global_norm(w: NodeWriter, grads: Sequence[str], out_name: str = "global_gradient_norm",
+                grad_types: Sequence[int] = ()) -> str:
+    """N = sqrt(Σ_tensors Σ_elements g²), a scalar named ``out_name``: float32, or float64 when one of
+    the gradients (of types ``grad_types``, float32 when not given) is (:func:`norm_type`)."""
+    et = norm_type(grad_types)
+    parts = []
+    for k, g in enumerate(grads):
+        part = w.one("ReduceSumSquare", g, keepdims=0)
+        own = grad_types[k] if grad_types else _FLOAT
+        parts.append(part if own == et else w.one("Cast", part, to=et))
     total = parts[0] if len(parts) == 1 else w.one("Sum", *parts)
     return w.emit("Sqrt", [total], [w.names(out_name)])[0]
 
 
-def clip_divisor(w: NodeWriter, norm: str, max_norm: float, loss_scale: str | None = None) -> str:
-    """s = L, or N / max_norm when N > L·max_norm (L = loss scale, 1 without mixed precision)."""
-    mx = w.const(np.float32(max_norm), 1)
-    scale = loss_scale if loss_scale is not None else w.const(np.float32(1.0), 1)
+def clip_divisor(w: NodeWriter, norm: str, max_norm: float, loss_scale: str | None = None,
+                 norm_et: int = _FLOAT, out_et: int | None = None) -> str:
+    """s = L, or N / max_norm when N > L·max_norm (L = loss scale, a float32 input, 1 without mixed
+    precision), computed in the norm's type ``norm_et`` and given in ``out_et`` (default the same)."""
+    mx = w.const(max_norm, norm_et)
+    if loss_scale is None:
+        scale = w.const(1.0, norm_et)
+    else:
+        scale = loss_scale if norm_et == _FLOAT else w.one("Cast", loss_scale, to=norm_et)
     over = w.one("Greater", norm, w.one("Mul", scale, mx))
-    return w.one("Where", over, w.one("Div", norm, mx), scale)
+    s = w.one("Where", over, w.one("Div", norm, mx), scale)
+    return s if out_et in (None, norm_et) else w.one("Cast", s, to=out_et)

@@ -376,19 +376,21 @@ def unscale(w: NodeWriter, grad: str, divisor: str) -> str:
 
 def mixed_precision_update(w: NodeWriter, opt: Any, slots: list[Any], lr: str, state: dict[str, str],
                            norm: str, loss_scale: str, max_norm_clip: Mapping[str, float] | None = None,
-                           ) -> tuple[dict[str, str], dict[str, str], str]:
+                           norm_et: int = TensorProto.FLOAT) -> tuple[dict[str, str], dict[str, str], str]:
     """The optimizer step on loss-scaled gradients: unscale (with clipping, spec §10, when ``max_norm_clip``
     gives each weight's bound and the optimizer uses the norm), update, and keep every old value when
     the gradients are not all finite. ``norm`` is the global norm of the scaled gradients
-    (``clipping.global_norm``).
+    (``clipping.global_norm``), of type ``norm_et``.
     Returns (weight → new weight, state → new state, ``all_gradients_finite``).
     """
     from onnxtrain.graph_transforms.clipping import clip_divisor
 
-    flag = all_finite(w, norm)
+    flag = all_finite(w, norm, f"{ALL_FINITE}_scalar")  # the output, its [1] copy, is made by the caller
     for s in slots:
         if max_norm_clip is not None and getattr(opt, "uses_norm", False):
-            s.divisor = clip_divisor(w, norm, float(max_norm_clip[s.name]), loss_scale)
+            s.divisor = clip_divisor(w, norm, float(max_norm_clip[s.name]), loss_scale, norm_et, s.elem_type)
+        elif s.elem_type != TensorProto.FLOAT:  # a float64 weight's gradient: the float32 scale cast
+            s.divisor = w.one("Cast", loss_scale, to=s.elem_type)
         else:
             s.divisor = loss_scale  # SGD, or clipping off: s = L
     new_w, new_s = opt.emit(w, slots, lr, state)

@@ -7,6 +7,7 @@ the state outside the graph and swaps the new arrays in after each run.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from onnxtrain.ir.builder import NodeWriter
+from onnxtrain.user_warning import warn
 
 
 @dataclass
@@ -49,42 +51,50 @@ class Optimizer:
 
     def __init__(self, moment_dtype: Any = np.float32) -> None:
         """``moment_dtype``: the dtype its moments are kept in (float16 with ``use_fp16_moments``; the
-        update's arithmetic stays in the weight's type, with casts on load and store, spec §8.5)."""
+        update's arithmetic stays in the weight's type, with casts on load and store, spec §8.5). A
+        float64 weight's moments are float64 unless float16 is asked for."""
         self.moment_dtype = np.dtype(moment_dtype)
         if self.moment_dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
             raise ValueError(f"optimizer moments are kept in float32 or float16, not {self.moment_dtype}")
 
+    def kept_dtype(self, elem_type: int) -> np.dtype:
+        """The dtype the moments of a weight of type ``elem_type`` are kept in."""
+        if elem_type == TensorProto.DOUBLE and self.moment_dtype == np.float32:
+            return np.dtype(np.float64)
+        return self.moment_dtype
+
     def load_moment(self, w: NodeWriter, name: str, elem_type: int) -> str:
         """A kept moment as a value of the weight's type ``elem_type`` (a Cast when stored narrower)."""
-        if helper.np_dtype_to_tensor_dtype(self.moment_dtype) == elem_type:
+        if helper.np_dtype_to_tensor_dtype(self.kept_dtype(elem_type)) == elem_type:
             return name
         return w.one("Cast", name, to=elem_type)
 
     def moment_specs(self, s: WeightSlot) -> list[StateSpec]:
         """Zeroed first and second moments of weight ``s``, in the type they are kept in."""
-        return [StateSpec(f"{key}_{s.name}", s.name, key, np.zeros(s.shape, self.moment_dtype))
+        kept = self.kept_dtype(s.elem_type)
+        return [StateSpec(f"{key}_{s.name}", s.name, key, np.zeros(s.shape, kept))
                 for key in ("Moment_1", "Moment_2")]
 
     def store_moment(self, w: NodeWriter, value: str, out: str, elem_type: int) -> str:
         """The new moment ``value`` (of type ``elem_type``) as graph value ``out``, in its kept type."""
-        to = helper.np_dtype_to_tensor_dtype(self.moment_dtype)
+        to = helper.np_dtype_to_tensor_dtype(self.kept_dtype(elem_type))
         if to == elem_type:
             return w.emit("Identity", [value], [out])[0]
         return w.emit("Cast", [value], [out], to=to)[0]
 
-    def check_attrs(self, weight: str, floats: dict[str, Any], ints: dict[str, Any]) -> None:
-        for k in floats:
-            if k not in self.FLOAT_ATTRS:
-                raise ValueError(
-                    f"optimizer_attributes_map[{weight!r}]: {self.name} has no float attribute {k!r}; "
-                    f"known: {sorted(self.FLOAT_ATTRS)}"
-                )
-        for k in ints:
-            if k not in self.INT_ATTRS:
-                raise ValueError(
-                    f"optimizer_int_attributes_map[{weight!r}]: {self.name} has no int attribute "
-                    f"{k!r}; known: {sorted(self.INT_ATTRS)}"
-                )
+    def warn_unknown_attrs(self, weights: Iterable[str], floats: Mapping[str, Mapping[str, Any]],
+                           ints: Mapping[str, Mapping[str, Any]]) -> None:
+        """One warning per map naming the attributes of ``weights``' entries that this optimizer does not
+        read: onnxruntime's optimizer builders looked up the names they knew and ignored the others (a
+        script may share one attribute function between optimizers)."""
+        for label, m, known in (("optimizer_attributes_map", floats, self.FLOAT_ATTRS),
+                                ("optimizer_int_attributes_map", ints, self.INT_ATTRS)):
+            where = [w for w in weights if any(k not in known for k in m.get(w, {}))]
+            if where:
+                keys = sorted({k for w in where for k in m[w] if k not in known})
+                warn(f"{label}: {self.name} does not read {', '.join(map(repr, keys))} (given for "
+                     f"{len(where)} weight(s), e.g. {where[0]!r}); ignored, as onnxruntime's optimizer "
+                     f"builders ignored them; {self.name} reads {sorted(known) or 'none'}")
 
     def state(self, slots: list[WeightSlot]) -> list[StateSpec]:
         return []

@@ -3,6 +3,7 @@ weights, and the attribute maps of weights that end up untrained."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -190,3 +191,37 @@ def test_a_listed_weight_the_loss_does_not_depend_on_is_an_error() -> None:
         TrainingSession(model.SerializeToString(), params("SGDOptimizer", weights_to_train={"W1", "V"}))
     sess = TrainingSession(model.SerializeToString(), params("SGDOptimizer"))  # discovery leaves V out
     assert "V" not in sess._graphs.trainable
+
+
+def test_attributes_the_optimizer_does_not_read_are_ignored_with_one_warning() -> None:
+    """One attribute function shared between optimizers (Adam's keys given to SGD, a ``momentum`` to Adam):
+    onnxruntime's builders read the names they knew and ignored the rest, so the session trains exactly as
+    one without them, and says once per map which names it ignored."""
+    from tests.session.helpers import batches, mlp_model
+
+    names = ["W1", "b1", "W2", "b2"]
+    adam_keys = {n: {"alpha": 0.9, "beta": 0.999, "lambda": 0.0, "epsilon": 1e-6} for n in names}
+    for opt, fmap, imap, ignored in (
+        ("SGDOptimizer", adam_keys, {n: {"do_bias_correction": 1} for n in names},
+         [r"optimizer_attributes_map: SGDOptimizer does not read 'alpha', 'beta', 'epsilon', 'lambda' "
+          r"\(given for 4 weight\(s\), e.g. 'W1'\)",
+          r"optimizer_int_attributes_map: SGDOptimizer does not read 'do_bias_correction'"]),
+        ("AdamOptimizer", {n: {"momentum": 0.9} if n == "b2" else {} for n in names}, {},
+         [r"optimizer_attributes_map: AdamOptimizer does not read 'momentum' \(given for 1 weight\(s\), "
+          r"e.g. 'b2'\)"]),
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            p = params(opt, optimizer_attributes_map=fmap, optimizer_int_attributes_map=imap)
+            sess = TrainingSession(mlp_model().SerializeToString(), p)
+        said = [str(c.message) for c in caught if "does not read" in str(c.message)]
+        assert len(said) == len(ignored), said
+        for pattern, message in zip(ignored, said):
+            assert re.search(pattern, message), (pattern, message)
+        plain = TrainingSession(mlp_model().SerializeToString(), params(opt))
+        for x, y in batches(3, 8):
+            feeds = {"x": x, "y": y, "Learning_Rate": LR}
+            np.testing.assert_array_equal(sess.run(["loss"], feeds)[0], plain.run(["loss"], feeds)[0])
+        a, b = sess.get_state(), plain.get_state()
+        for k in b:
+            np.testing.assert_array_equal(a[k], b[k])
