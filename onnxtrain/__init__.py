@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from onnxtrain.autodiff.legacy import GradientGraphBuilder
     from onnxtrain.capi.options import (
         ExecutionMode,
+        ExecutionOrder,
         GraphOptimizationLevel,
         PropagateCastOpsStrategy,
         RunOptions,
@@ -23,6 +24,11 @@ if TYPE_CHECKING:
         get_device,
     )
     from onnxtrain.capi.ortvalue import IOBinding, OrtDevice, OrtValue
+    from onnxtrain.capi.runtime_info import (
+        get_build_info,
+        set_default_logger_severity,
+        set_default_logger_verbosity,
+    )
     from onnxtrain.inference import InferenceSession, ModelMetadata, NodeArg
     from onnxtrain.parameters import TrainingParameters
     from onnxtrain.session import TrainingSession
@@ -32,10 +38,13 @@ if TYPE_CHECKING:
 # in the bench's LeNet run on the onnxruntime backend)
 _LAZY = {
     "GradientGraphBuilder": "onnxtrain.autodiff.legacy",
-    **dict.fromkeys(("ExecutionMode", "GraphOptimizationLevel", "PropagateCastOpsStrategy", "RunOptions",
-                     "SessionOptions", "get_all_providers", "get_available_providers", "get_device"),
+    **dict.fromkeys(("ExecutionMode", "ExecutionOrder", "GraphOptimizationLevel", "PropagateCastOpsStrategy",
+                     "RunOptions", "SessionOptions", "get_all_providers", "get_available_providers",
+                     "get_device"),
                     "onnxtrain.capi.options"),
     **dict.fromkeys(("IOBinding", "OrtDevice", "OrtValue"), "onnxtrain.capi.ortvalue"),
+    **dict.fromkeys(("get_build_info", "set_default_logger_severity", "set_default_logger_verbosity"),
+                    "onnxtrain.capi.runtime_info"),
     **dict.fromkeys(("InferenceSession", "ModelMetadata", "NodeArg"), "onnxtrain.inference"),
     "TrainingParameters": "onnxtrain.parameters",
     "TrainingSession": "onnxtrain.session",
@@ -58,6 +67,7 @@ def set_seed(seed: int) -> None:
 
 __all__ = [
     "ExecutionMode",
+    "ExecutionOrder",
     "GradientGraphBuilder",
     "GraphOptimizationLevel",
     "IOBinding",
@@ -73,7 +83,10 @@ __all__ = [
     "TrainingSession",
     "get_all_providers",
     "get_available_providers",
+    "get_build_info",
     "get_device",
+    "set_default_logger_severity",
+    "set_default_logger_verbosity",
     "set_seed",
 ]
 

@@ -6,6 +6,10 @@ onnxtrain's own errors derive from them and from the Python class they were befo
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 
 class Fail(RuntimeError):
     """A failure while loading or running a model (onnxruntime's status FAIL)."""
@@ -61,6 +65,42 @@ class InvalidFeedType(InvalidArgument, TypeError):
 
 class ModelNotFound(NoSuchFile, FileNotFoundError):
     """A model path that does not exist."""
+
+
+class FailValueError(Fail, ValueError):
+    """A value the legacy session cannot take (a setting, a state tensor): a ``ValueError``, and the
+    ``Fail`` onnxruntime's binding raised for it."""
+
+
+class FailKeyError(Fail, KeyError):
+    """A name the legacy session does not know (a state tensor): a ``KeyError``, and onnxruntime's
+    ``Fail``."""
+
+    def __str__(self) -> str:  # the message, not KeyError's repr of it
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def raises_as_onnxruntime(fn: _F) -> _F:
+    """``fn`` with its ``ValueError`` and ``KeyError`` raised as :class:`FailValueError` and
+    :class:`FailKeyError` (errors that are already onnxruntime's classes pass unchanged): onnxruntime's
+    legacy binding raised a ``RuntimeError`` where onnxtrain's checks raise these, so ported ``except
+    RuntimeError`` clauses and code written for onnxtrain both catch them."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError:
+            raise
+        except KeyError as e:
+            raise FailKeyError(*e.args).with_traceback(e.__traceback__) from None
+        except ValueError as e:
+            raise FailValueError(*e.args).with_traceback(e.__traceback__) from None
+
+    return wrapper  # type: ignore[return-value]
 
 
 # the names of onnxruntime.capi._pybind_state

@@ -181,6 +181,10 @@ class InferenceSession:
                                self._provider_options)
         self._start_ns = time.time_ns()
         self._plan.profiling = bool(self._sess_options.enable_profiling)
+        if self._sess_options.optimized_model_filepath:  # the graph the engine runs: the model as loaded
+            from onnxtrain.ir.io import save_model_atomic
+
+            save_model_atomic(self._model, self._sess_options.optimized_model_filepath)
         g = self._model.graph
         inits = {t.name for t in g.initializer}
         self._inputs = [node_arg(v) for v in g.input if v.name not in inits]
@@ -253,6 +257,7 @@ class InferenceSession:
 
     def run_with_iobinding(self, iobinding: IOBinding, run_options: RunOptions | None = None) -> None:
         names = list(iobinding._outputs) or [o.name for o in self._outputs]
+        iobinding._check_targets(self._outputs)
         iobinding._store(names, self.run(names, iobinding._inputs, run_options))
 
     # ---- introspection -------------------------------------------------------------

@@ -19,7 +19,7 @@ from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.interface import GraphInterface, load_model
-from onnxtrain.errors import InvalidFeed, program_hint
+from onnxtrain.errors import InvalidFeed, program_hint, raises_as_onnxruntime
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE
 from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo, half_copies
@@ -92,6 +92,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                 cls = HorizontalTrainingSession
         return super().__new__(cls)
 
+    @raises_as_onnxruntime
     def __init__(
         self,
         path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto,
@@ -155,6 +156,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             (p.model_after_graph_transforms_path, g.transformed),
             (p.model_with_gradient_graph_path, g.gradient),
             (p.model_with_training_graph_path, g.full),
+            # onnxruntime wrote its optimized training graph there; the graph the engine runs is this one
+            (self._sess_options.optimized_model_filepath, g.full),
         ):
             if path:
                 save_model_atomic(m, path)
@@ -436,6 +439,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             raise TypeError(f"state {name!r}: expected dtype {cur.dtype}, got {arr.dtype}")
         self._store[name] = arr.copy()
 
+    @raises_as_onnxruntime
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
         """Copy ``state`` (as from ``get_state()``) into the session; shapes and dtypes must match.
         ``strict``: every name given must be a state tensor of the session (names not given keep their

@@ -38,6 +38,7 @@ import onnx
 from onnx import helper
 
 from onnxtrain.engine.kernels.random import unseeded_generator
+from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.flags import flag_array
 from onnxtrain.graph_transforms.mixed_precision import (
     ALL_FINITE,
@@ -94,6 +95,13 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
     def _build(self, path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto) -> None:
         p = self._params
         h, stages = p.horizontal_parallel_size, p.pipeline_parallel_size
+        dumps = [k for k in ("model_after_graph_transforms_path", "model_with_gradient_graph_path",
+                             "model_with_training_graph_path") if getattr(p, k)]
+        if self._sess_options.optimized_model_filepath:
+            dumps.append("SessionOptions.optimized_model_filepath")
+        if dumps:
+            warn(f"{', '.join(dumps)}: a horizontally split session writes no graph there (each rank runs "
+                 "pieces of its share)")
         if stages > 1:
             self.what = "horizontal_parallel_size > 1 with pipeline_parallel_size > 1"
         self._setup(_REFUSED if stages == 1 else {})
@@ -534,6 +542,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
                     out.setdefault(k, v)
         return dict(sorted(out.items()))
 
+    @raises_as_onnxruntime
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
         """This rank's names of ``state``, or the whole model's (as from ``gather_state()``), whose split
         weights and optimizer state are cut to this rank's share (and under ZeRO, to this replica's pieces).

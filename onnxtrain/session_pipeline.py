@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.flags import flag_array
 from onnxtrain.graph_transforms.mixed_precision import (
     ALL_FINITE,
@@ -138,6 +139,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
             (p.model_with_gradient_graph_path, "backward"),
             (p.model_with_training_graph_path, "backward"),
             (p.model_after_graph_transforms_path, "stage"),
+            (self._sess_options.optimized_model_filepath, "backward"),
         ):
             if path:
                 root, ext = os.path.splitext(path)
@@ -329,6 +331,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
                 state.setdefault(k, v)
         return dict(sorted(state.items()))
 
+    @raises_as_onnxruntime
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
         """Copy this stage's names of ``state`` (from ``get_state()`` or ``gather_state()``) into the session;
         names of other stages are skipped, and so are the half twins (``<w>_fp16``) under mixed precision,

@@ -6,6 +6,7 @@ become graph inputs; their new values are graph outputs. The session keeps them 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -345,16 +346,7 @@ def build_step_graphs(
         if "does not reach" in str(e):
             raise ValueError(f"weights_to_train: {e}") from None
         raise
-    grad = recompute(
-        grad,
-        gloss,
-        gelu=p.gelu_recompute,
-        attn_dropout=p.attn_dropout_recompute,
-        transformer_layer=p.transformer_layer_recompute,
-        number_recompute_layers=p.number_recompute_layers,
-        checkpoints=p.recompute_checkpoints or None,
-        weights=[*trainable, *bn],
-    )
+    grad = _legacy_recompute(grad, gloss, p, [*trainable, *bn])
     grads = {w: f"{w}_grad" for w in trainable}
     types = {v.name: v for v in grad.graph.input}
 
@@ -554,6 +546,34 @@ def _emit_update(
         extras.append(flag)
     _add_update_outputs(w, slots, specs, new_w, new_s, outputs, upd)
     return specs
+
+
+def _legacy_recompute(grad: onnx.ModelProto, loss: str, p: TrainingParameters,
+                      weights: list[str]) -> onnx.ModelProto:
+    """The recompute pass the parameters ask for; errors name the parameter, and options that select
+    nothing in this model are named in a warning (onnxruntime said nothing either way)."""
+    asked = [k for k in ("gelu_recompute", "attn_dropout_recompute", "transformer_layer_recompute")
+             if getattr(p, k)] + (["recompute_checkpoints"] if p.recompute_checkpoints else [])
+    if not asked:
+        return grad
+    before = len(grad.graph.node)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = recompute(grad, loss, gelu=p.gelu_recompute, attn_dropout=p.attn_dropout_recompute,
+                            transformer_layer=p.transformer_layer_recompute,
+                            number_recompute_layers=p.number_recompute_layers,
+                            checkpoints=p.recompute_checkpoints or None, weights=weights)
+        except ValueError as e:
+            raise ValueError(f"TrainingParameters {', '.join(asked)}: {e}") from None
+    if len(out.graph.node) == before:  # the pass adds a clone per recomputed node; one warning then
+        why = "; ".join(str(w.message) for w in caught) or "no value the options select is kept for the " \
+            "backward pass"
+        warn(f"TrainingParameters {', '.join(asked)}: nothing in this model is recomputed ({why})")
+    else:
+        for w in caught:
+            warn(str(w.message), w.category)
+    return out
 
 
 def _update_norm(w: NodeWriter, slots: list[WeightSlot], norm_input: str | None, inputs: list, outputs: list,

@@ -3,6 +3,7 @@
 from onnxtrain.autodiff.legacy import GradientGraphBuilder
 from onnxtrain.capi.options import (
     ExecutionMode,
+    ExecutionOrder,
     GraphOptimizationLevel,
     PropagateCastOpsStrategy,
     RunOptions,
@@ -12,6 +13,15 @@ from onnxtrain.capi.options import (
     get_device,
 )
 from onnxtrain.capi.ortvalue import IOBinding, OrtDevice, OrtValue
+from onnxtrain.capi.runtime_info import (
+    get_build_info,
+    get_mpi_context_local_rank,
+    get_mpi_context_local_size,
+    get_mpi_context_world_rank,
+    get_mpi_context_world_size,
+    set_default_logger_severity,
+    set_default_logger_verbosity,
+)
 from onnxtrain.errors import ORT_EXCEPTIONS
 
 globals().update(ORT_EXCEPTIONS)  # Fail, InvalidArgument, ..., as onnxruntime registers them
@@ -19,6 +29,7 @@ globals().update(ORT_EXCEPTIONS)  # Fail, InvalidArgument, ..., as onnxruntime r
 __all__ = [
     *ORT_EXCEPTIONS,
     "ExecutionMode",
+    "ExecutionOrder",
     "GradientGraphBuilder",
     "GraphOptimizationLevel",
     "IOBinding",
@@ -29,7 +40,14 @@ __all__ = [
     "SessionOptions",
     "get_all_providers",
     "get_available_providers",
+    "get_build_info",
     "get_device",
+    "get_mpi_context_local_rank",
+    "get_mpi_context_local_size",
+    "get_mpi_context_world_rank",
+    "get_mpi_context_world_size",
+    "set_default_logger_severity",
+    "set_default_logger_verbosity",
 ]
 
 

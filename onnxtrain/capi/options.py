@@ -42,6 +42,16 @@ class ExecutionMode(enum.IntEnum):
     ORT_PARALLEL = 1
 
 
+class ExecutionOrder(enum.IntEnum):
+    """onnxruntime's node orders, for ``SessionOptions.execution_order``: the onnxruntime backend passes
+    the one set on; the numpy engine runs a graph's nodes in its own order and warns when another is set.
+    Left unset, the backend runs the graph's order (``PRIORITY_BASED``, :mod:`onnxtrain.engine.ort_plan`)."""
+
+    DEFAULT = 0
+    PRIORITY_BASED = 1
+    MEMORY_EFFICIENT = 2
+
+
 class PropagateCastOpsStrategy(enum.IntFlag):
     """The legacy binding's cast-propagation strategies (flags that combine with ``|``). Its
     TrainingParameters never exposed a field taking them: onnxtrain's mixed-precision pass follows

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from onnx import helper
 
-from onnxtrain.errors import InvalidFeed
+from onnxtrain.errors import InvalidFeed, InvalidFeedType
 
 if TYPE_CHECKING:
     from onnxtrain.inference import InferenceSession
@@ -215,13 +215,35 @@ class IOBinding:
     def synchronize_outputs(self) -> None:
         pass
 
+    def _check_targets(self, declared: Sequence[Any]) -> None:
+        """Before a run: every buffer bound to an output of ``declared`` (the session's ``NodeArg`` list) of
+        a known element type, or of a fully known shape of rank ≥ 1 (``[]`` may mean unknown), must be of
+        that type and shape, so that a wrong buffer fails before the run changes a training session's
+        state."""
+        from onnxtrain.ir.types import TENSOR_TYPE_STRINGS
+
+        by_name = {a.name: a for a in declared}
+        for n, target in self._outputs.items():
+            arg = by_name.get(n)
+            if target is None or arg is None:
+                continue
+            want = TENSOR_TYPE_STRINGS.get(helper.np_dtype_to_tensor_dtype(target.dtype))
+            if arg.type.startswith("tensor(") and want != arg.type:
+                raise InvalidFeedType(f"output {n!r}: bound buffer is {want} ({target.dtype}), the output is "
+                                      f"{arg.type}")
+            dims = arg.shape
+            known = bool(dims) and all(isinstance(d, int) for d in dims)
+            if known and tuple(dims) != target.shape:
+                raise InvalidFeed(f"output {n!r}: bound buffer has shape {list(target.shape)}, the output "
+                                  f"has {dims}")
+
     def _store(self, names: Sequence[str], values: Sequence[np.ndarray]) -> None:
         results = []
         for n, v in zip(names, values):
             target = self._outputs.get(n)
             if target is not None:
                 if target.shape != np.shape(v):
-                    raise ValueError(
+                    raise InvalidFeed(
                         f"output {n!r}: bound buffer has shape {list(target.shape)}, "
                         f"result has {list(np.shape(v))}"
                     )

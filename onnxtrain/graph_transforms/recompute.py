@@ -521,7 +521,8 @@ def checkpoint_values(model: onnx.ModelProto, loss: str, checkpoints: Iterable[s
     keep = set(checkpoints)
     unknown = sorted(c for c in keep if c not in fa.producer and c not in fa.graph_inputs)
     if unknown:
-        raise ValueError(f"checkpoint_recompute: {unknown} are not values of the graph")
+        raise ValueError(f"recompute checkpoints {unknown} are not values of the forward graph (known values "
+                         f"are node outputs and graph inputs)")
     return {v for v in fa.activations() if v not in keep and v in fa.producer and fa.is_forward(v)}
 
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
-
-import numpy as np
 
 from onnxtrain.parallel.comm import world
 
@@ -34,13 +33,25 @@ def shard(data: Any, rank: int | None = None, size: int | None = None, drop_rema
     return data[r.start:r.stop]
 
 
-def split_batch(batch: np.ndarray, rank: int | None = None, size: int | None = None) -> np.ndarray:
-    """This rank's part of one global batch; the batch size must divide by the number of ranks.
+def split_batch(batch: Any, rank: int | None = None, size: int | None = None) -> Any:
+    """This rank's part of one global batch (an array, or a tuple or dict of arrays of one length, each
+    split the same way: ``xb, yb = split_batch((x, y))``); the batch size must divide by the number of
+    ranks.
 
     ``D`` ranks stepping on ``split_batch(b)`` compute the same averaged gradient as one process on ``b``.
     """
     w = world()
     size = w.size if size is None else size
+    if isinstance(batch, (tuple, Mapping)):
+        items = list(batch.items()) if isinstance(batch, Mapping) else list(enumerate(batch))
+        lengths = {k: len(v) for k, v in items}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"split_batch: the batch's arrays differ in length: {lengths}")
+        parts = [(k, split_batch(v, rank, size)) for k, v in items]
+        if isinstance(batch, Mapping):
+            return dict(parts)
+        values = [v for _, v in parts]
+        return type(batch)(*values) if hasattr(batch, "_fields") else type(batch)(values)  # a namedtuple
     if len(batch) % size:
         raise ValueError(f"a global batch of {len(batch)} does not split evenly over {size} ranks")
     return shard(batch, rank, size)

@@ -71,3 +71,62 @@ def test_the_compiled_modules_name_holds_the_same_names() -> None:
 
     for name in (*NAMES, "SessionOptions", "OrtValue", "GradientGraphBuilder", "TrainingSession"):
         assert getattr(P, name) is getattr(C, name), name
+
+
+@pytest.mark.parametrize("setting, pattern", [
+    ({"loss_output_name": "nope"}, "nope"),
+    ({"training_optimizer_name": "Adagrad"}, "Adagrad"),
+    ({"gradient_accumulation_mode": "sometimes"}, "gradient_accumulation_mode"),
+])
+def test_setup_errors_are_fail_and_value_error(setting: dict, pattern: str) -> None:
+    """onnxruntime's ConfigureForTraining failures reached Python as its ``Fail`` (a RuntimeError, through
+    ``OrtPybindThrowIfError``); onnxtrain's are that and the ValueError they were."""
+    p = params("SGDOptimizer")
+    for k, v in setting.items():
+        setattr(p, k, v)
+    with pytest.raises(C.Fail, match=pattern) as e:
+        TrainingSession(mlp_model().SerializeToString(), p)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, RuntimeError)
+
+
+def test_load_state_errors_are_fail_and_key_or_value_error() -> None:
+    """``load_state`` failed in onnxruntime's ``SetStateTensors`` (``ORT_THROW_IF_ERROR``: a RuntimeError):
+    an unknown name under ``strict`` is also a KeyError (its message plain, not quoted), a wrong shape
+    also a ValueError; the state is unchanged."""
+    sess = TrainingSession(mlp_model().SerializeToString(), params("SGDOptimizer"))
+    before = sess.get_state()
+    with pytest.raises(C.Fail) as e:
+        sess.load_state({"not_there": np.zeros(2, np.float32)}, strict=True)
+    assert isinstance(e.value, KeyError)
+    assert str(e.value).startswith("load_state: 'not_there' is not a state tensor")
+    with pytest.raises(C.Fail, match="W1") as e:
+        sess.load_state({"W1": np.zeros((2, 2), np.float32)})
+    assert isinstance(e.value, ValueError)
+    after = sess.get_state()
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])
+
+
+def test_a_wrong_output_buffer_fails_before_the_run() -> None:
+    """A buffer bound to an output of known type and shape is checked before the run: a training run
+    that would update the weights and then fail to store an output leaves the state as it was."""
+    p = params("SGDOptimizer", gradient_accumulation_steps=2)
+    sess = TrainingSession(mlp_model().SerializeToString(), p)
+    x, y = batches(1, 4)[0]
+    feeds = {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)}
+    before = sess.get_state()
+    for buffer, cls, pattern in (
+        (np.zeros([2], bool), C.InvalidArgument, r"shape \[2\], the output has \[1\]"),
+        (np.zeros([1], np.float32), C.InvalidArgument, r"is tensor\(float\) \(float32\), the output is "
+                                                       r"tensor\(bool\)"),
+    ):
+        bind = sess.io_binding()
+        for name, a in feeds.items():
+            bind.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+        bind.bind_output("Group_Accumulated_Gradients", "cpu", 0, buffer.dtype, list(buffer.shape),
+                         buffer.ctypes.data)
+        with pytest.raises(cls, match=pattern):
+            sess.run_with_iobinding(bind)
+    after = sess.get_state()
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])

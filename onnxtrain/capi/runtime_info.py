@@ -1,0 +1,85 @@
+"""Module-level functions of onnxruntime's Python binding that scripts call before any session: the
+default logger's severity and verbosity, the build string, and the MPI context."""
+
+from __future__ import annotations
+
+import numbers
+
+from onnxtrain.errors import FailValueError
+
+_LOGGER = {"severity": 2, "verbosity": 0}  # onnxruntime's defaults: WARNING, verbosity 0
+
+
+def _level(value: object, what: str, lo: int | None, hi: int | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise FailValueError(f"{what} must be in {lo}..{hi}, got {value}")  # onnxruntime: a RuntimeError
+    return int(value)
+
+
+def set_default_logger_severity(severity: int) -> None:
+    """The severity below which onnxruntime's log lines are dropped (0 verbose … 4 fatal; default 2,
+    warnings). It applies to the onnxruntime backend's sessions created afterwards; onnxtrain's own
+    messages are Python warnings, filtered with the ``warnings`` module."""
+    _LOGGER["severity"] = _level(severity, "severity", 0, 4)
+    _forward("set_default_logger_severity", _LOGGER["severity"])
+
+
+def set_default_logger_verbosity(verbosity: int) -> None:
+    """The verbosity of onnxruntime's verbose log lines (with severity 0); any int, as onnxruntime takes."""
+    _LOGGER["verbosity"] = _level(verbosity, "verbosity", None, None)
+    _forward("set_default_logger_verbosity", _LOGGER["verbosity"])
+
+
+def default_logger_severity() -> int:
+    """The severity last set by :func:`set_default_logger_severity` (2 until then)."""
+    return _LOGGER["severity"]
+
+
+def _forward(name: str, value: int) -> None:
+    """Pass the setting on to onnxruntime when it is installed and already imported (the backend's)."""
+    import sys
+
+    ort = sys.modules.get("onnxruntime")
+    fn = getattr(ort, name, None) if ort is not None else None
+    if fn is not None:
+        fn(value)
+
+
+def get_build_info() -> str:
+    """What this onnxtrain runs on: its version and those of numpy, onnx and protobuf."""
+    import numpy
+    import onnx
+    from google.protobuf import __version__ as protobuf_version
+
+    import onnxtrain
+
+    return (f"onnxtrain {onnxtrain.__version__}, numpy {numpy.__version__}, onnx {onnx.__version__}, "
+            f"protobuf {protobuf_version}")
+
+
+def get_mpi_context_world_rank() -> int:
+    """This process's rank in the MPI job (0 outside one)."""
+    return _world().rank
+
+
+def get_mpi_context_world_size() -> int:
+    """The number of processes of the MPI job (1 outside one)."""
+    return _world().size
+
+
+def get_mpi_context_local_rank() -> int:
+    """This process's rank among the job's processes on its host (0 outside a job)."""
+    return _world().local_rank
+
+
+def get_mpi_context_local_size() -> int:
+    """The number of the job's processes on this host (1 outside a job)."""
+    return _world().local_size
+
+
+def _world():
+    from onnxtrain.parallel.comm import world
+
+    return world()
