@@ -80,6 +80,35 @@ def test_recompute_gives_identical_weights() -> None:
     assert any(n.endswith("_recompute") for n in names)
 
 
+@pytest.mark.parametrize("option, reason", [
+    ("gelu_recompute", "no value the options select is kept"),
+    ("transformer_layer_recompute", "no transformer layer found"),
+])
+def test_recompute_options_that_select_nothing_warn_once(option: str, reason: str) -> None:
+    """The MLP has no Gelu and no transformer layer: the option recomputes nothing, one warning says so
+    (onnxruntime said nothing), and the session trains as one without it."""
+    import warnings
+
+    model = mlp_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sess = TrainingSession(model.SerializeToString(), params("SGDOptimizer", **{option: True}))
+    said = [str(w.message) for w in caught if "recompute" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith(f"TrainingParameters {option}: nothing in this model is "
+                                                 "recomputed") and reason in said[0], said
+    plain = TrainingSession(model.SerializeToString(), params("SGDOptimizer"))
+    x, y = batches(1, 8)[0]
+    feeds = {"x": x, "y": y, "Learning_Rate": LR}
+    assert sess.run(["loss"], feeds)[0].tobytes() == plain.run(["loss"], feeds)[0].tobytes()
+
+
+def test_an_unknown_recompute_checkpoint_names_the_option() -> None:
+    with pytest.raises(ValueError, match=r"TrainingParameters recompute_checkpoints: recompute checkpoints "
+                                         r"\['nope'\] are not values of the forward graph"):
+        TrainingSession(mlp_model().SerializeToString(),
+                        params("SGDOptimizer", recompute_checkpoints=["nope"]))
+
+
 def test_transformer_layer_recompute_on_the_exported_encoder() -> None:
     """torch's nn.TransformerEncoderLayer ×3: identical losses and weights, and a lower peak of live bytes
     (bench/transforms.py quotes the figure at full size: 0.66 with 2 layers)."""
