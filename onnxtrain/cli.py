@@ -1,9 +1,11 @@
 """The ``onnxtrain`` command: ``train``, ``eval``, ``export``, ``info``, ``gradient-graph`` and ``artifacts``.
 
-Exit codes: 0 done, 1 a runtime failure (e.g. a missing checkpoint, a file that is not an ONNX model,
-a graph node that fails to run), 2 a bad config or command line (one line on stderr naming the key
-path or option), 130 interrupted by Ctrl-C. Failures print one line; ``ONNXTRAIN_DEBUG=1`` shows the
-traceback instead.
+Exit codes: 0 done, 1 a runtime failure (e.g. a file that is not an ONNX model or not a checkpoint, a
+graph node that fails to run), 2 a bad config or command line (one line on stderr naming the key path,
+option or file: a missing model file or checkpoint, ``--resume`` without a checkpoint or with one that
+does not fit the config, an output path that is one of the command's inputs, data that does not fit the
+model), 130 interrupted by Ctrl-C. Failures print one line; ``ONNXTRAIN_DEBUG=1`` shows the traceback
+instead. Warnings print as one ``onnxtrain: warning: ...`` line each on stderr.
 
 Under ``mpiexec -n N onnxtrain train CONFIG`` the ranks train data-parallel (see
 ``onnxtrain.train.loop``); only rank 0 prints. A rank that fails ends the whole job (MPI_Abort)
@@ -17,6 +19,7 @@ import collections
 import json
 import os
 import sys
+import warnings
 
 import onnx
 
@@ -32,6 +35,10 @@ def _load(path: str) -> onnx.ModelProto:
     an empty ModelProto: no graph nodes, inputs or outputs) or whose external data cannot be read."""
     from google.protobuf.message import DecodeError
 
+    if os.path.isdir(path):
+        raise UsageError(f"{path} is a folder, not an ONNX model file")
+    if not os.path.isfile(path):
+        raise UsageError(f"model file not found: {path}")
     try:
         model = onnx.load(path)
     except DecodeError as e:
@@ -114,6 +121,68 @@ def _check_output_file(path: str) -> None:
         raise UsageError(f"-o/--output: the folder {parent} does not exist")
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (symlinks, relative paths and hard links resolved)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist: not the same file
+        return False
+
+
+def _refuse_overwriting_inputs(outputs: list[str], inputs: list[tuple[str, str | None]],
+                               option: str = "-o/--output") -> None:
+    """UsageError when a file the command would write (``outputs``) is one of the files it reads
+    (``inputs``: (what it is, path)); only an existing output can be an input."""
+    for out in outputs:
+        if not os.path.lexists(out):
+            continue
+        for what, path in inputs:
+            if path and _same_file(out, path):
+                raise UsageError(f"{option}: {out} is {what}, which this command reads; write to another "
+                                 "path")
+
+
+def _external_files(path: str) -> list[tuple[str, str]]:
+    """(what, path) of the external-data files the ONNX model at ``path`` reads (its tensors are not
+    loaded)."""
+    from onnxtrain.ir.graphs import walk_graphs
+
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception:  # noqa: BLE001 - _load reports a model that cannot be read
+        return []
+    folder = os.path.dirname(os.path.abspath(path))
+    found = []
+    tensors = [t for g in walk_graphs(model.graph) for t in (
+        *g.initializer, *(a.t for n in g.node for a in n.attribute if a.type == onnx.AttributeProto.TENSOR))]
+    for t in tensors:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            loc = next((e.value for e in t.external_data if e.key == "location"), None)
+            if loc:
+                found.append((f"the external data of {path}", os.path.join(folder, loc)))
+    return found
+
+
+def _config_inputs(cfg) -> list[tuple[str, str | None]]:
+    """(what, path) of the files a training config reads: itself, model.path and the data files."""
+    d = cfg.data
+    return [("the config file", cfg.source), ("model.path", cfg.model.path),
+            ("data.path", getattr(d, "path", None)), ("data.eval_path", getattr(d, "eval_path", None)),
+            *((f"data.feeds.{k}", v) for k, v in getattr(d, "feeds", {}).items() if v.endswith(".npy"))]
+
+
+def _checkpoint_arg(path: str) -> str:
+    """The checkpoint file --checkpoint names (a file, or a run folder's latest); UsageError if none."""
+    from onnxtrain.train import find_checkpoint
+
+    try:
+        return find_checkpoint(path)
+    except FileNotFoundError as e:
+        raise UsageError(f"--checkpoint: {e}") from None
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
@@ -134,8 +203,10 @@ def _gradient_graph(a: argparse.Namespace) -> int:
     from onnxtrain.training_graph import discover_trainable
 
     _check_output_file(a.output)
+    _refuse_overwriting_inputs([a.output], [("the model", a.model)])
     model = _load(a.model)
     _check_versions(model, a.model)
+    _refuse_overwriting_inputs([a.output], _external_files(a.model))
     values = _values(model)
     if a.loss not in values:
         outs = ", ".join(o.name for o in model.graph.output)
@@ -258,7 +329,8 @@ def _train(a: argparse.Namespace) -> int:
 def _eval(a: argparse.Namespace) -> int:
     from onnxtrain.train import evaluate_checkpoint
 
-    metrics = evaluate_checkpoint(_config(a), a.checkpoint)
+    cfg = _config(a)
+    metrics = evaluate_checkpoint(cfg, _checkpoint_arg(a.checkpoint))
     print(json.dumps(metrics) if a.json else "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return 0
 
@@ -268,7 +340,12 @@ def _export(a: argparse.Namespace) -> int:
 
     _check_output_file(a.output)
     cfg = _config(a)
-    model, weights = load_for_inference(cfg, a.checkpoint)
+    ckpt = _checkpoint_arg(a.checkpoint)
+    _refuse_overwriting_inputs([a.output], [*_config_inputs(cfg), ("the checkpoint --checkpoint names", ckpt),
+                                            ("the checkpoint's data file", ckpt + ".data")])
+    if cfg.model.path:
+        _refuse_overwriting_inputs([a.output], _external_files(cfg.model.path))
+    model, weights = load_for_inference(cfg, ckpt)
     export_model(model, cfg, weights, a.output)
     print(f"wrote {a.output}")
     return 0
@@ -334,8 +411,11 @@ def _artifacts(a: argparse.Namespace) -> int:
         raise UsageError("-o/--output: an empty path; give the artifact folder")
     if os.path.exists(a.output) and not os.path.isdir(a.output):
         raise UsageError(f"-o/--output: {a.output} is a file; give the artifact folder")
+    written = [os.path.join(a.output, a.prefix + f) for f in artifacts.ARTIFACT_FILES]
+    _refuse_overwriting_inputs(written, [("the model", a.model)])
     model = _load(a.model)
     _check_versions(model, a.model)
+    _refuse_overwriting_inputs(written, _external_files(a.model))
     g = model.graph
     outputs = [o.name for o in g.output]
     loss = getattr(artifacts.LossType, a.loss) if a.loss else None
@@ -495,13 +575,17 @@ def _guarded(a: argparse.Namespace) -> int:
     w = world()
     prog = f"onnxtrain {a.command}" + (f" [rank {w.rank}/{w.size}]" if w.size > 1 else "")
     try:
-        return a.fn(a)
+        with warnings.catch_warnings():  # restores warnings.showwarning afterwards
+            warnings.showwarning = _warning_printer(w.rank == 0)
+            return a.fn(a)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ConfigError as e:
         where = getattr(a, "config", None)
         where = where if where and where not in str(e) else None  # the message may name the file itself
+        if e.path.startswith("--"):  # an option at fault (--resume), not a key of the file
+            where = None
         print(f"{prog}: {where + ': ' if where else ''}{e}", file=sys.stderr)
         return EXIT_USAGE
     except UsageError as e:
@@ -525,6 +609,17 @@ def _guarded(a: argparse.Namespace) -> int:
             raise
         print(f"{prog}: {_one_line(e)} (set ONNXTRAIN_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _warning_printer(shown: bool):
+    """A ``warnings.showwarning`` that prints ``onnxtrain: warning: <message>`` as one line on stderr, as
+    ``train``'s own warnings are (nothing when not ``shown``: under mpiexec only rank 0 prints)."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
+        if shown:
+            print(f"onnxtrain: warning: {_one_line(message)}", file=sys.stderr)
+
+    return show
 
 
 def _debug() -> bool:

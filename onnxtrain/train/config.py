@@ -147,7 +147,7 @@ class TrainingConfig:
     seed: int = 0  # model initialisation and data order
     backend: Literal["numpy", "onnxruntime"] = "numpy"  # what runs the graphs (onnxruntime: optional)
     gradient_accumulation_steps: int = 1
-    mixed_precision: bool = False
+    mixed_precision: bool | None = None  # null (unset): false, or training.parameters.use_mixed_precision
     data_parallel_size: int = 1
     parameters: dict[str, Any] = field(default_factory=dict)  # any other TrainingParameters property
 
@@ -463,13 +463,17 @@ def _check_parameters(cfg: Config) -> None:
             setattr(probe, k, v)
         except (TypeError, ValueError) as e:
             raise ConfigError(path, str(e)) from None
-    if "use_mixed_precision" in t.parameters:
-        if t.mixed_precision and not probe.use_mixed_precision:
+    if "use_mixed_precision" in t.parameters:  # the same switch: values given for both must agree
+        if t.mixed_precision is not None and t.mixed_precision != probe.use_mixed_precision:
+            said = lambda v: "true" if v else "false"  # noqa: E731 - a local one-liner
             raise ConfigError("training.parameters.use_mixed_precision",
-                              "false contradicts training.mixed_precision: true (give only "
+                              f"{said(probe.use_mixed_precision)} contradicts training.mixed_precision: "
+                              f"{said(t.mixed_precision)} (the same switch; give only "
                               "training.mixed_precision)")
         t.mixed_precision = probe.use_mixed_precision
         del t.parameters["use_mixed_precision"]
+    if t.mixed_precision is None:
+        t.mixed_precision = False
     if probe.mixed_precision_dtype not in HALF_TYPES:
         raise ConfigError("training.parameters.mixed_precision_dtype",
                           f"expected one of {', '.join(map(repr, HALF_TYPES))}, "

@@ -10,7 +10,7 @@ from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
 from onnxtrain.checkpoint import load_checkpoint
 from onnxtrain.engine.backends import make_plan
 from onnxtrain.train import data as data_mod
-from onnxtrain.train.config import Config
+from onnxtrain.train.config import Config, ConfigError
 from onnxtrain.train.model import build_model, inference_model
 from onnxtrain.train.outputs import find_checkpoint
 from onnxtrain.train.session import feed_names, training_parameters
@@ -59,7 +59,7 @@ class Evaluator:
 
 
 def load_for_inference(cfg: Config, checkpoint: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """The config's model and the weights of ``checkpoint`` (a file or a run folder); a ValueError naming
+    """The config's model and the weights of ``checkpoint`` (a file or a run folder); a ConfigError naming
     the tensors when the checkpoint does not fit the model (a weight the config would train that it lacks,
     a trained weight the model does not have, a shape that differs)."""
     from onnxtrain.training_graph import select_trainable
@@ -81,7 +81,7 @@ def load_for_inference(cfg: Config, checkpoint: str) -> tuple[onnx.ModelProto, d
     if shapes:
         problems.append(f"shapes differ: {_few(shapes, quote=False)}")
     if problems:
-        raise ValueError(f"checkpoint {path} does not fit this config's model: {'; '.join(problems)}")
+        raise ConfigError("", f"checkpoint {path} does not fit this config's model: {'; '.join(problems)}")
     return model, weights
 
 

@@ -305,8 +305,8 @@ class Trainer:
             self.sess.load_state(state, strict=self.comm is None)
         except ValueError as e:
             changed = f"; config keys changed since it was written: {', '.join(diff)}" if diff else ""
-            raise ValueError(f"--resume: the checkpoint {path or ''} does not fit this config's model "
-                             f"({e}){changed}") from None
+            raise ConfigError("--resume", f"the checkpoint {path or ''} does not fit this config's model "
+                                          f"({e}){changed}") from None
         st = RunState.from_properties(ckpt.properties)
         windows = ckpt.properties.get("log_windows")
         if isinstance(windows, str):  # written by the same number of ranks: each takes its own back
@@ -381,7 +381,9 @@ class Trainer:
         if resume:
             found = self.agree(list_checkpoints(self.out))
             if not found:
-                raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(self.out, 'checkpoints')}")
+                raise ConfigError("--resume", f"no checkpoint in {os.path.join(self.out, 'checkpoints')} to "
+                                              "continue from; start without --resume, or give the run's "
+                                              "--output-dir")
             last_ckpt = found[-1][1]
             st = self.restore(load_checkpoint(last_ckpt), last_ckpt)
             rng = data_mod.rng_from_str(st.epoch_rng)

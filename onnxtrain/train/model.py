@@ -80,7 +80,42 @@ def build_model(cfg: Config) -> onnx.ModelProto:
         raise ConfigError("model.labels",
                           f"{m.labels!r} is not an input of the model; inputs: {user_inputs(model)}")
     _check_scalar_loss(model, m.loss)
+    _check_logits(model, m.logits, m.loss)
+    _check_labels_input(model, m.labels, m.loss)
     return model
+
+
+def _check_logits(model: onnx.ModelProto, logits: str, loss: str) -> None:
+    """A ConfigError naming model.logits when the logits are the loss or (from shape inference) a scalar:
+    accuracy and the exported inference model need a batch axis 0 and a class axis 1."""
+    hint = "name the output holding the logits (batch axis 0, class axis 1)"
+    if logits == loss:
+        raise ConfigError("model.logits", f"{logits!r} is the loss (model.loss), not the logits; {hint}")
+    tp = next((o.type for o in model.graph.output if o.name == logits), None)
+    if tp is None or not tp.tensor_type.HasField("shape"):
+        try:
+            tp = value_types(model).get(logits)
+        except Exception:  # noqa: BLE001 - inference that fails leaves the logits unchecked
+            return
+    dims = value_info_shape(tp) if tp is not None else None
+    if dims is not None and len(dims) == 0:
+        raise ConfigError("model.logits", f"{logits!r} is a scalar (shape []), not logits with a batch "
+                                          f"dimension; {hint}")
+
+
+_LABEL_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+
+
+def _check_labels_input(model: onnx.ModelProto, labels: str, loss: str) -> None:
+    """A ConfigError naming model.labels when the loss is a cross-entropy node that reads its labels
+    straight from another graph input than ``labels`` (the data's inputs would go to the labels)."""
+    node = next((n for n in model.graph.node if loss in n.output), None)
+    if node is None or node.op_type not in _LABEL_LOSSES or len(node.input) < 2:
+        return
+    read = node.input[1]
+    if read != labels and read in user_inputs(model):
+        raise ConfigError("model.labels", f"{labels!r} is not the input the loss {loss!r} reads its labels "
+                                          f"from: that is {read!r} (set model.labels: {read})")
 
 
 _SCALAR_HINT = "name the model's scalar loss, or set model.add_loss to append one to the logits"

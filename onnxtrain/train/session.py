@@ -8,10 +8,18 @@ from onnx import helper
 
 from onnxtrain.capi.options import SessionOptions
 from onnxtrain.engine.backends import CONFIG_KEY
+from onnxtrain.ir.types import value_info_shape
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession
 from onnxtrain.train import data as data_mod
-from onnxtrain.train.config import Config, ConfigError, FilesData
+from onnxtrain.train.config import (
+    Config,
+    ConfigError,
+    DigitsData,
+    FilesData,
+    SequenceData,
+    builder_signature,
+)
 from onnxtrain.train.model import user_inputs
 
 OPTIMIZERS = {"sgd": "SGDOptimizer", "adam": "AdamOptimizer", "lamb": "LambOptimizer"}
@@ -91,13 +99,124 @@ def feed_names(cfg: Config, model: onnx.ModelProto, ds: data_mod.Dataset) -> dat
     if missing:
         raise ConfigError("data.feeds", f"no array for model input(s) {missing}")
     types = {v.name: v.type.tensor_type.elem_type for v in model.graph.input}
+    declared = {v.name: value_info_shape(v.type) for v in model.graph.input
+                if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
 
-    def convert(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def convert(arrays: dict[str, np.ndarray], split: str) -> dict[str, np.ndarray]:
         out = {}
         for k, v in arrays.items():
             name = rename[k]
+            _check_shape(cfg, k, name, v, declared.get(name), split)
             dt = helper.tensor_dtype_to_np_dtype(types[name]) if types.get(name) else v.dtype
+            if np.issubdtype(dt, np.integer) and not np.issubdtype(v.dtype, np.integer):
+                _check_whole(cfg, k, name, v, dt, split)
             out[name] = np.ascontiguousarray(v, dtype=dt)
+        _check_indices(cfg, model, out, {rename[k]: k for k in arrays}, split)
         return out
 
-    return data_mod.Dataset(convert(ds.train), convert(ds.eval))
+    return data_mod.Dataset(convert(ds.train, "train"), convert(ds.eval, "eval"))
+
+
+def _data_where(cfg: Config, key: str, split: str) -> tuple[str, str]:
+    """(config key, words) saying where the data array ``key`` (a built-in source's x or y, or a feed name)
+    comes from."""
+    d = cfg.data
+    if isinstance(d, FilesData):
+        name = d.feeds[key]
+        if name.lower().endswith(".npy"):
+            return f"data.feeds.{key}", name
+        npz = d.eval_path if split == "eval" and d.eval_path is not None else d.path
+        return f"data.feeds.{key}", f"array {name!r} in {npz}"
+    what = "labels" if key == "y" else "inputs"
+    if isinstance(d, DigitsData):
+        return "", f"data 'digits' (data.images: {str(d.images).lower()}) gives {what} {key}"
+    if isinstance(d, SequenceData):
+        return "", f"data 'sequence' (data.length: {d.length}) gives {what} {key}"
+    return "data", f"the data's {key}"
+
+
+def _model_where(cfg: Config, name: str) -> str:
+    """Which config key decides the declared shape of the model input ``name``."""
+    m = cfg.model
+    if m.builder is None:
+        return f"model.path {m.path}"
+    if name == m.labels:
+        return "model.labels"
+    if name != "x":  # the builders' inputs: x, and the labels y
+        return f"the {m.builder} builder's labels input"
+    sig = builder_signature(m.builder)
+    value = lambda k: m.args.get(k, sig[k][1] if k in sig else None)  # noqa: E731 - a local one-liner
+    if m.builder == "mlp":
+        sizes = value("sizes")
+        return f"model.args.sizes[0] = {sizes[0]}" if sizes else "model.args.sizes"
+    if m.builder == "transformer":
+        return f"model.args.length = {value('length')}"
+    return f"model.args.image = {list(value('image'))}"
+
+
+def _check_shape(cfg: Config, key: str, name: str, array: np.ndarray, want: list | None, split: str) -> None:
+    """A ConfigError naming the data and model keys when ``array`` cannot feed the model input ``name``
+    (rank, or a fixed size past the batch axis, differs from the declared shape)."""
+    if want is None:
+        return
+    got = list(array.shape)
+    fits = len(got) == len(want) and all(w is None or isinstance(w, str) or w == g
+                                         for w, g in zip(want[1:], got[1:]))
+    if fits:
+        return
+    data_key, where = _data_where(cfg, key, split)
+    shown = ["N", *got[1:]] if got else got
+    note = ""
+    if not isinstance(cfg.data, FilesData) and cfg.model.labels != "y":
+        note = (f"; model.labels = {cfg.model.labels!r} sends the labels to that input and the data's inputs "
+                "to the model's other input")
+    raise ConfigError(data_key, f"{where} of shape {shown}, but the model input {name!r} takes shape "
+                                f"{want} ({_model_where(cfg, name)}){note}")
+
+
+def _check_whole(cfg: Config, key: str, name: str, array: np.ndarray, dt: np.dtype, split: str) -> None:
+    """Float data for an integer model input (class labels, token ids): whole numbers only, never
+    silently truncated."""
+    flat = np.asarray(array).reshape(-1)
+    if not np.issubdtype(flat.dtype, np.floating) and flat.dtype != np.bool_:
+        data_key, where = _data_where(cfg, key, split)
+        raise ConfigError(data_key, f"{where}: the model input {name!r} takes {np.dtype(dt).name}, got "
+                                    f"{flat.dtype} values")
+    bad = ~np.isfinite(flat)
+    if flat.dtype != np.bool_:
+        bad |= np.isfinite(flat) & (flat != np.round(flat))
+    if bad.any():
+        data_key, where = _data_where(cfg, key, split)
+        what = "class labels" if name == cfg.model.labels else "values"
+        raise ConfigError(data_key, f"{where}: the model input {name!r} takes integer {what} "
+                                    f"({np.dtype(dt).name}), but the {flat.dtype} array holds "
+                                    f"{int(bad.sum())} value(s) that are not whole numbers, e.g. "
+                                    f"{float(flat[bad][0]):.6g} (store the labels as integers)")
+
+
+def _check_indices(cfg: Config, model: onnx.ModelProto, arrays: dict[str, np.ndarray],
+                   keys: dict[str, str], split: str) -> None:
+    """Integer data that a Gather uses as indices into an initializer (token ids into an embedding
+    table) must lie within that table: a ConfigError naming the data and model keys otherwise."""
+    inits = {t.name: list(t.dims) for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type != "Gather" or len(node.input) < 2 or node.input[1] not in arrays:
+            continue
+        table, x = node.input[0], arrays[node.input[1]]
+        if table not in inits or not x.size or not np.issubdtype(x.dtype, np.integer):
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        rows = inits[table][axis]
+        hi, lo = int(x.max()), int(x.min())
+        if hi < rows and lo >= -rows:
+            continue
+        key = keys[node.input[1]]
+        data_key, where = _data_where(cfg, key, split)
+        if isinstance(cfg.data, SequenceData):
+            data_key, where = "", f"data 'sequence' (data.vocab: {cfg.data.vocab}) gives {key}"
+        m = cfg.model
+        model_key = (f"model.args.vocab = {m.args.get('vocab', builder_signature('transformer')['vocab'][1])}"
+                     if m.builder == "transformer" else _model_where(cfg, node.input[1]))
+        raise ConfigError(data_key, f"{where} with values up to {hi if hi >= rows else lo}, but the model "
+                                    f"input {node.input[1]!r} indexes {table!r}, which has {rows} rows "
+                                    f"({model_key})")

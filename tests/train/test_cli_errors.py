@@ -146,10 +146,13 @@ def test_duplicate_yaml_key_is_refused(tmp_path, capsys):
 
 
 def test_debug_variable_set_to_zero_keeps_one_line(tmp_path, capsys, monkeypatch):
+    """A failure while running (a checkpoint file that is no checkpoint) stays one line."""
     monkeypatch.setenv("ONNXTRAIN_DEBUG", "0")
-    code, line = _error_line(capsys, ["export", config_path("digits_mlp"), "--checkpoint",
-                                      str(tmp_path / "nope"), "-o", str(tmp_path / "m.onnx")])
-    assert code == 1 and "checkpoint not found" in line, line
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(b"not a checkpoint at all")
+    code, line = _error_line(capsys, ["export", config_path("digits_mlp"), "--checkpoint", str(bad), "-o",
+                                      str(tmp_path / "m.onnx")])
+    assert code == 1 and "ONNXTRAIN_DEBUG=1" in line, line
 
 
 def test_epochs_set_where_steps_decide(tmp_path, capsys):
@@ -216,12 +219,12 @@ def test_eval_and_export_refuse_a_checkpoint_that_does_not_fit(tmp_path, capsys)
     capsys.readouterr()
     deeper = ["--set", "model.args.sizes=[64,32,32,10]"]
     code, line = _error_line(capsys, ["eval", config_path("digits_mlp"), "--checkpoint", out, *deeper])
-    assert code == 1 and "does not fit this config's model" in line and "'fc2.weight'" in line, line
+    assert code == 2 and "does not fit this config's model" in line and "'fc2.weight'" in line, line
     assert "fc1.weight (checkpoint [10, 32], model [32, 32])" in line, line
     exported = tmp_path / "m.onnx"
     code, line = _error_line(capsys, ["export", config_path("digits_mlp"), "--checkpoint", out, "-o",
                                       str(exported)])  # the config's default sizes [64, 128, 10]
-    assert code == 1 and "fc0.weight (checkpoint [32, 64], model [128, 64])" in line, line
+    assert code == 2 and "fc0.weight (checkpoint [32, 64], model [128, 64])" in line, line
     assert not exported.exists()
     assert main(["export", config_path("digits_mlp"), "--checkpoint", out, "-o", str(exported), "--set",
                  "model.args.sizes=[64,32,10]"]) == 0

@@ -109,7 +109,7 @@ def test_resume_mid_epoch_in_process(tmp_path, monkeypatch, uninterrupted):
 
 
 def test_resume_without_checkpoint_fails(tmp_path, capsys):
-    assert main(["train", config_path("digits_mlp"), "--output-dir", str(tmp_path), "-q", "--resume"]) == 1
+    assert main(["train", config_path("digits_mlp"), "--output-dir", str(tmp_path), "-q", "--resume"]) == 2
     assert "--resume: no checkpoint" in capsys.readouterr().err
 
 

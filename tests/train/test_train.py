@@ -95,7 +95,7 @@ def test_eval_and_export_commands(tmp_path, capsys):
     assert main(["export", config_path("digits_mlp"), "--checkpoint", ckpt, "-o", exported]) == 0
     _, test = load_digits()
     assert _ort_accuracy(exported, test.x, test.y) == last["eval_accuracy"]
-    assert main(["eval", config_path("digits_mlp"), "--checkpoint", str(tmp_path / "none")]) == 1
+    assert main(["eval", config_path("digits_mlp"), "--checkpoint", str(tmp_path / "none")]) == 2
     assert "checkpoint not found" in capsys.readouterr().err
 
 
