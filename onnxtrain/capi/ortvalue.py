@@ -112,8 +112,44 @@ class OrtValue:
     def update_inplace(self, np_arr: np.ndarray) -> None:
         np.copyto(self._array, np.asarray(np_arr).reshape(self._array.shape))
 
+    # DLPack: the protocol (``torch.from_dlpack(value)``), and the legacy training API's ``to_dlpack`` and
+    # ``from_dlpack(data, is_bool_tensor)``; no copy either way
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._array.__dlpack_device__()
+
+    def to_dlpack(self) -> Any:
+        """A DLPack capsule of the value (shares its memory)."""
+        return self._array.__dlpack__()
+
+    @staticmethod
+    def from_dlpack(data: Any, is_bool_tensor: bool = False) -> OrtValue:
+        """An OrtValue sharing the memory of ``data``: an object with ``__dlpack__`` (a torch tensor, a
+        numpy array) or a raw DLPack capsule of a CPU tensor. ``is_bool_tensor``: a uint8 tensor holding
+        bools (as legacy exporters passed them) is read as bool."""
+        source = data if hasattr(data, "__dlpack__") else _Capsule(data)
+        array = np.from_dlpack(source)
+        if is_bool_tensor and array.dtype == np.uint8:
+            array = array.view(np.bool_)
+        return OrtValue(array)
+
     def __repr__(self) -> str:
         return f"OrtValue({self.data_type()}, shape={self.shape()})"
+
+
+class _Capsule:
+    """A raw DLPack capsule as the protocol's object, for ``np.from_dlpack`` (CPU memory only)."""
+
+    def __init__(self, capsule: Any):
+        self._capsule = capsule
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU, device 0
 
 
 def _type_name(dtype: np.dtype) -> str:

@@ -97,3 +97,23 @@ def test_optimized_model_filepath_gets_the_graph_the_engine_runs(tmp_path) -> No
     want = ort.InferenceSession(model.SerializeToString(), providers=cpu).run(None, {"x": x})
     got = ort.InferenceSession(written.SerializeToString(), providers=cpu).run(None, {"x": x})
     np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_ortvalue_dlpack_shares_memory_with_torch() -> None:
+    """``OrtValue`` speaks DLPack as onnxruntime's does (the protocol, and the legacy ``to_dlpack`` /
+    ``from_dlpack(data, is_bool_tensor)``): torch sees the same memory both ways."""
+    torch = pytest.importorskip("torch")
+    from onnxtrain import OrtValue
+
+    v = OrtValue.ortvalue_from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3))
+    t = torch.from_dlpack(v)
+    t[0, 0] = 7.0
+    assert v.numpy()[0, 0] == 7.0
+    t2 = torch.utils.dlpack.from_dlpack(v.to_dlpack())
+    assert t2.shape == (2, 3) and t2.dtype == torch.float32 and float(t2[0, 0]) == 7.0
+    src = torch.arange(4, dtype=torch.int64)
+    w = OrtValue.from_dlpack(src.__dlpack__())  # a raw capsule, as the legacy frontends passed
+    src[1] = 9
+    assert w.numpy().tolist() == [0, 9, 2, 3] and w.data_type() == "tensor(int64)"
+    flags = OrtValue.from_dlpack(torch.tensor([1, 0], dtype=torch.uint8), is_bool_tensor=True)
+    assert flags.numpy().tolist() == [True, False] and flags.data_type() == "tensor(bool)"
