@@ -102,6 +102,11 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         provider_options: Sequence[dict] | None = None,
     ):
         check_arguments(path_or_bytes, parameters)
+        if not parameters.training_optimizer_name and not parameters.set_gradients_as_graph_outputs:
+            warn("TrainingParameters.training_optimizer_name is empty: run() computes the loss and updates "
+                 "no weight, as onnxruntime's session without an optimizer; set it ('SGDOptimizer', "
+                 "'AdamOptimizer', 'LambOptimizer') to train, or set_gradients_as_graph_outputs to fetch "
+                 "the gradients")
         if parameters.allow_layer_norm_mod_precision:
             warn("TrainingParameters.allow_layer_norm_mod_precision: LayerNormalization keeps float32 "
                  "statistics (stash_type=1) under mixed precision in onnxtrain; the option changes nothing")

@@ -119,3 +119,24 @@ def test_allow_layer_norm_mod_precision_is_a_property_that_warns_it_changes_noth
     p.allow_layer_norm_mod_precision = True
     with pytest.warns(UserWarning, match="allow_layer_norm_mod_precision: LayerNormalization keeps float32"):
         TrainingSession(mlp_model().SerializeToString(), p)
+
+
+def test_a_session_without_an_optimizer_says_it_trains_nothing() -> None:
+    """onnxruntime's session without an optimizer computed the loss and updated nothing, silently; a user
+    who forgot ``training_optimizer_name`` now hears it. A session fetching the gradients is not told."""
+    import warnings
+
+    model = mlp_model().SerializeToString()
+    with pytest.warns(UserWarning, match="training_optimizer_name is empty: run\\(\\) computes the loss and "
+                                         "updates no weight"):
+        sess = TrainingSession(model, params(""))
+    before = sess.get_state()
+    x, y = batches(1, 8)[0]
+    loss = sess.run(["loss"], {"x": x, "y": y})[0]
+    assert np.isfinite(loss) and "Learning_Rate" not in [a.name for a in sess.get_inputs()]
+    after = sess.get_state()
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TrainingSession(model, params("", set_gradients_as_graph_outputs=True))
