@@ -33,6 +33,8 @@ class Body:
 
         self.where = where
         self.captures = captured_names(graph)
+        if outer_types:  # the outer values the body reads, not names it defines itself (it may reuse one)
+            outer_types = {n: outer_types[n] for n in self.captures if n in outer_types}
         body = onnx.GraphProto()
         body.CopyFrom(graph)
         body.input.extend(onnx.ValueInfoProto(name=n) for n in self.captures)

@@ -340,9 +340,14 @@ class NodeChecker:
             self.types.update(graph_types(graph))
 
     def within(self, graph: onnx.GraphProto) -> NodeChecker:
-        """A checker of ``graph``'s nodes (a body, which may read the values this one has typed so far) at
-        the same opsets, sharing this one's schemas."""
-        check = NodeChecker(self.opsets, graph, self.types)
+        """A checker of ``graph``'s nodes (a body, which may read the values this one has typed so far, but
+        for those of the names it defines itself: a body may reuse an outer name) at the same opsets,
+        sharing this one's schemas."""
+        own = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+        own |= {t.values.name for t in graph.sparse_initializer}
+        own |= {o for n in graph.node for o in n.output}
+        outer = {k: t for k, t in self.types.items() if k not in own}
+        check = NodeChecker(self.opsets, graph, outer)
         check._forms = self._forms
         return check
 
@@ -447,11 +452,13 @@ def _op(node: onnx.NodeProto) -> str:
 
 
 def invalid_nodes(graph: onnx.GraphProto, opsets: Mapping[str, int] | NodeChecker, where: str = "",
-                  limit: int = 10) -> list[str]:
+                  limit: int = 10, outer: Mapping[str, str] | None = None) -> list[str]:
     """One message per invalid node of ``graph`` and of the bodies of its control-flow nodes (at most
     ``limit``): the node (its name, or its index when unnamed), op, opset and what is wrong. ``opsets``:
-    domain → version, ONNX's own domain under ``""`` (or a :class:`NodeChecker` of them)."""
-    check = (opsets if isinstance(opsets, NodeChecker) else NodeChecker(opsets)).within(graph)
+    domain → version, ONNX's own domain under ``""`` (or the :class:`NodeChecker` of the graph around
+    ``graph``). ``outer``, with ``opsets`` a mapping: the types of the outer values ``graph`` reads (a
+    body compiled on its own, whose captures are untyped inputs)."""
+    check = opsets.within(graph) if isinstance(opsets, NodeChecker) else NodeChecker(opsets, graph, outer)
     out: list[str] = []
     for k, node in enumerate(graph.node):
         if check.invalid(node, tuple(node.input), tuple(node.output)):

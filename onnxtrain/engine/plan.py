@@ -72,7 +72,7 @@ def check_nodes(model: onnx.ModelProto, outer_types: Mapping[str, str] | None = 
     """Raise :class:`InvalidNodeError` naming the nodes of ONNX's domains (``""``, ``"ai.onnx.ml"``), bodies
     included, that their schemas at the model's opsets do not allow (:mod:`onnxtrain.engine.node_checks`).
     ``outer_types``: the types of the values of the graphs enclosing the model's graph (a body's)."""
-    found = invalid_nodes(model.graph, NodeChecker(checked_opsets(model), outer=outer_types))
+    found = invalid_nodes(model.graph, checked_opsets(model), outer=outer_types)
     if len(found) == 1:
         raise InvalidNodeError(found[0])
     if found:

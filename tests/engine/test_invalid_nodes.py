@@ -632,3 +632,49 @@ def test_valid_control_flow_with_outer_values_runs_as_onnxruntime() -> None:
         want = ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, feeds)
         assert got[0].dtype == want[0].dtype == np.float32
         np.testing.assert_array_equal(got[0], want[0])
+
+
+def _shadowing_models() -> dict[str, tuple[onnx.ModelProto, dict[str, np.ndarray]]]:
+    """Valid models whose bodies reuse an outer name for a value of another type: an If branch's Shape
+    output named like the graph's float output, an untyped Loop body input named like a float graph input."""
+    then = helper.make_graph([helper.make_node("Shape", ["x"], ["y"]),
+                              helper.make_node("Cast", ["y"], ["t"], to=_F)], "then", [],
+                             [helper.make_tensor_value_info("t", _F, [2])])
+    other = helper.make_graph([helper.make_node("ReduceSum", ["x"], ["f"], keepdims=0)], "else", [],
+                              [helper.make_tensor_value_info("f", _F, [])])
+    g = helper.make_graph([helper.make_node("If", ["c"], ["z"], then_branch=then, else_branch=other),
+                           helper.make_node("Relu", ["z"], ["y"])], "g",
+                          [helper.make_tensor_value_info("c", _B, []),
+                           helper.make_tensor_value_info("x", _F, [2, 3])],
+                          [helper.make_tensor_value_info("y", _F, None)])
+    branch = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cin"], ["cout"]), helper.make_node("Add", ["x", "one"], ["xo"])],
+        "body",
+        [helper.make_tensor_value_info("i", _I64, []), helper.make_tensor_value_info("cin", _B, []),
+         helper.make_empty_tensor_value_info("x")],
+        [helper.make_tensor_value_info("cout", _B, []), helper.make_empty_tensor_value_info("xo")],
+        [numpy_helper.from_array(np.array(1, np.int64), "one")])
+    g = helper.make_graph([helper.make_node("Loop", ["n", "", "k"], ["r"], body=body),
+                           helper.make_node("Cast", ["r"], ["rf"], to=_F),
+                           helper.make_node("Add", ["rf", "x"], ["out"])], "g",
+                          [helper.make_tensor_value_info(n, t, [])
+                           for n, t in (("n", _I64), ("k", _I64), ("x", _F))],
+                          [helper.make_tensor_value_info("out", _F, [])])
+    loop = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return {"if_branch_output": (branch, {"c": np.array(True), "x": np.ones((2, 3), np.float32)}),
+            "loop_body_input": (loop, {"n": np.array(3, np.int64), "k": np.array(2, np.int64),
+                                       "x": np.array(0.5, np.float32)})}
+
+
+@pytest.mark.parametrize("case", ["if_branch_output", "loop_body_input"])
+def test_a_body_reusing_an_outer_name_runs_as_onnxruntime(case: str) -> None:
+    """The enclosing graph's type of a name does not apply to a body value of that name (the check before
+    the fix refused both: "'one' is tensor(int64), but T of input 0 'x' is tensor(float)")."""
+    from onnxtrain.engine.plan import check_nodes
+
+    model, feeds = _shadowing_models()[case]
+    want = ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, feeds)
+    got = onnxtrain.InferenceSession(model.SerializeToString()).run(None, feeds)
+    np.testing.assert_array_equal(got[0], want[0])
+    check_nodes(model)  # the whole-model listing (used when functions are expanded) agrees
