@@ -80,12 +80,18 @@ class FailKeyError(Fail, KeyError):
         return str(self.args[0]) if len(self.args) == 1 else super().__str__()
 
 
+class FailTypeError(Fail, TypeError):
+    """A value of the wrong type for the legacy session (a state tensor's dtype): a ``TypeError``, and
+    onnxruntime's ``Fail``."""
+
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def raises_as_onnxruntime(fn: _F) -> _F:
-    """``fn`` with its ``ValueError`` and ``KeyError`` raised as :class:`FailValueError` and
-    :class:`FailKeyError` (errors that are already onnxruntime's classes pass unchanged): onnxruntime's
+    """``fn`` with its ``ValueError``, ``KeyError`` and ``TypeError`` raised as :class:`FailValueError`,
+    :class:`FailKeyError` and :class:`FailTypeError` (errors that are already onnxruntime's classes pass
+    unchanged): onnxruntime's
     legacy binding raised a ``RuntimeError`` where onnxtrain's checks raise these, so ported ``except
     RuntimeError`` clauses and code written for onnxtrain both catch them."""
 
@@ -99,6 +105,8 @@ def raises_as_onnxruntime(fn: _F) -> _F:
             raise FailKeyError(*e.args).with_traceback(e.__traceback__) from None
         except ValueError as e:
             raise FailValueError(*e.args).with_traceback(e.__traceback__) from None
+        except TypeError as e:
+            raise FailTypeError(*e.args).with_traceback(e.__traceback__) from None
 
     return wrapper  # type: ignore[return-value]
 

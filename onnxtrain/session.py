@@ -7,9 +7,10 @@ inputs and return the new values, which are swapped into the store without copyi
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,23 @@ def check_arguments(path_or_bytes: Any, parameters: Any) -> None:
                         f"{type(path_or_bytes).__name__}{program_hint(path_or_bytes)}")
     if not isinstance(parameters, TrainingParameters):
         raise TypeError(f"parameters must be a TrainingParameters, got {type(parameters).__name__}")
+
+
+def all_or_nothing(load: Callable[..., None]) -> Callable[..., None]:
+    """A ``load_state`` that leaves the session's state as it was when it fails part way (an entry of the
+    wrong shape after good ones), as onnxruntime's checked every tensor before it changed one."""
+
+    @functools.wraps(load)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        saved = dict(self._store)  # _assign replaces arrays, never writes into them
+        try:
+            load(self, *args, **kwargs)
+        except BaseException:
+            self._store.clear()
+            self._store.update(saved)
+            raise
+
+    return wrapper
 
 
 class TrainingSession(DataParallelSteps, InferenceSession):
@@ -436,15 +454,22 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         return True
 
     def _assign(self, name: str, value: Any) -> None:
+        """Replace state ``name`` by a copy of ``value``: its shape, and its dtype or a float dtype that
+        casts to it without loss (float32 moments saved for a float64 weight before they were kept in
+        float64)."""
         cur = self._store[name]
         arr = np.asarray(value)
         if arr.shape != cur.shape:
             raise ValueError(f"state {name!r}: expected shape {list(cur.shape)}, got {list(arr.shape)}")
         if arr.dtype != cur.dtype:
-            raise TypeError(f"state {name!r}: expected dtype {cur.dtype}, got {arr.dtype}")
-        self._store[name] = arr.copy()
+            lossless = (np.issubdtype(arr.dtype, np.floating) and np.issubdtype(cur.dtype, np.floating)
+                        and np.can_cast(arr.dtype, cur.dtype, "safe"))
+            if not lossless:
+                raise TypeError(f"state {name!r}: expected dtype {cur.dtype}, got {arr.dtype}")
+        self._store[name] = arr.astype(cur.dtype)  # a copy
 
     @raises_as_onnxruntime
+    @all_or_nothing
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
         """Copy ``state`` (as from ``get_state()``) into the session; shapes and dtypes must match.
         ``strict``: every name given must be a state tensor of the session (names not given keep their

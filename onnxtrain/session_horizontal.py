@@ -62,6 +62,7 @@ from onnxtrain.parallel.stage_graphs import (
 )
 from onnxtrain.parallel.zero import gather_zero_state
 from onnxtrain.parameters import PIPELINE
+from onnxtrain.session import all_or_nothing
 from onnxtrain.session_cut import (
     SHARED_OPTIONS,
     CutModelSession,
@@ -543,6 +544,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         return dict(sorted(out.items()))
 
     @raises_as_onnxruntime
+    @all_or_nothing
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
         """This rank's names of ``state``, or the whole model's (as from ``gather_state()``), whose split
         weights and optimizer state are cut to this rank's share (and under ZeRO, to this replica's pieces).

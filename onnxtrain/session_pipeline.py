@@ -52,6 +52,7 @@ from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs
 from onnxtrain.parallel.zero import gather_zero_state
+from onnxtrain.session import all_or_nothing
 from onnxtrain.session_cut import (
     SHARED_OPTIONS,
     CutModelSession,
@@ -332,6 +333,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         return dict(sorted(state.items()))
 
     @raises_as_onnxruntime
+    @all_or_nothing
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
         """Copy this stage's names of ``state`` (from ``get_state()`` or ``gather_state()``) into the session;
         names of other stages are skipped, and so are the half twins (``<w>_fp16``) under mixed precision,

@@ -253,9 +253,9 @@ class IOBinding:
 
     def _check_targets(self, declared: Sequence[Any]) -> None:
         """Before a run: every buffer bound to an output of ``declared`` (the session's ``NodeArg`` list) of
-        a known element type, or of a fully known shape of rank ≥ 1 (``[]`` may mean unknown), must be of
-        that type and shape, so that a wrong buffer fails before the run changes a training session's
-        state."""
+        a known element type must be of that type, and of a declared shape of rank ≥ 1 (``[]`` may mean
+        unknown) of its rank and known sizes, so that a wrong buffer fails before the run changes a
+        training session's state."""
         from onnxtrain.ir.types import TENSOR_TYPE_STRINGS
 
         by_name = {a.name: a for a in declared}
@@ -268,8 +268,8 @@ class IOBinding:
                 raise InvalidFeedType(f"output {n!r}: bound buffer is {want} ({target.dtype}), the output is "
                                       f"{arg.type}")
             dims = arg.shape
-            known = bool(dims) and all(isinstance(d, int) for d in dims)
-            if known and tuple(dims) != target.shape:
+            if dims and (len(dims) != target.ndim or any(isinstance(d, int) and d != s
+                                                         for d, s in zip(dims, target.shape))):
                 raise InvalidFeed(f"output {n!r}: bound buffer has shape {list(target.shape)}, the output "
                                   f"has {dims}")
 

@@ -76,3 +76,14 @@ def test_adam_with_clipping_and_accumulation_is_float64(steps: int) -> None:
     assert state["Moment_1_W"].dtype == state["Moment_2_W"].dtype == np.float64  # as torch keeps them
     np.testing.assert_allclose(state["Moment_1_W"], m1, rtol=1e-13)
     np.testing.assert_allclose(state["Moment_2_W"], m2, rtol=1e-13)
+
+
+def test_float32_moments_saved_before_load_into_float64_ones() -> None:
+    """A float64 weight's Adam moments were kept in float32 before; such a saved state still loads (the
+    float32 values cast up without loss), and a float64 state loads as it is."""
+    sess = TrainingSession(_model().SerializeToString(), params("AdamOptimizer", weights_to_train={"W"}))
+    m1 = np.linspace(0, 1, 6, dtype=np.float32).reshape(3, 2)
+    sess.load_state({"Moment_1_W": m1})
+    got = sess.get_state()["Moment_1_W"]
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got, m1.astype(np.float64))

@@ -95,13 +95,17 @@ def test_load_state_errors_are_fail_and_key_or_value_error() -> None:
     also a ValueError; the state is unchanged."""
     sess = TrainingSession(mlp_model().SerializeToString(), params("SGDOptimizer"))
     before = sess.get_state()
-    with pytest.raises(C.Fail) as e:
-        sess.load_state({"not_there": np.zeros(2, np.float32)}, strict=True)
+    zeros = np.zeros_like(before["W1"])
+    with pytest.raises(C.Fail) as e:  # a good entry first: it must not stay loaded
+        sess.load_state({"W1": zeros, "not_there": np.zeros(2, np.float32)}, strict=True)
     assert isinstance(e.value, KeyError)
     assert str(e.value).startswith("load_state: 'not_there' is not a state tensor")
-    with pytest.raises(C.Fail, match="W1") as e:
-        sess.load_state({"W1": np.zeros((2, 2), np.float32)})
+    with pytest.raises(C.Fail, match="b1") as e:
+        sess.load_state({"W1": zeros, "b1": np.zeros((2, 2), np.float32)})
     assert isinstance(e.value, ValueError)
+    with pytest.raises(C.Fail, match="expected dtype float32, got float64") as e:  # would lose precision
+        sess.load_state({"W1": zeros, "b1": before["b1"].astype(np.float64)})
+    assert isinstance(e.value, TypeError)
     after = sess.get_state()
     for k in before:
         np.testing.assert_array_equal(after[k], before[k])
@@ -115,16 +119,19 @@ def test_a_wrong_output_buffer_fails_before_the_run() -> None:
     x, y = batches(1, 4)[0]
     feeds = {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)}
     before = sess.get_state()
-    for buffer, cls, pattern in (
-        (np.zeros([2], bool), C.InvalidArgument, r"shape \[2\], the output has \[1\]"),
-        (np.zeros([1], np.float32), C.InvalidArgument, r"is tensor\(float\) \(float32\), the output is "
-                                                       r"tensor\(bool\)"),
+    for output, buffer, cls, pattern in (
+        ("logits", np.zeros([4, 5], np.float32), C.InvalidArgument,
+         r"shape \[4, 5\], the output has \['N', 4\]"),
+        ("logits", np.zeros([4], np.float32), C.InvalidArgument, r"shape \[4\], the output has \['N', 4\]"),
+        ("Group_Accumulated_Gradients", np.zeros([2], bool), C.InvalidArgument,
+         r"shape \[2\], the output has \[1\]"),
+        ("Group_Accumulated_Gradients", np.zeros([1], np.float32), C.InvalidArgument,
+         r"is tensor\(float\) \(float32\), the output is tensor\(bool\)"),
     ):
         bind = sess.io_binding()
         for name, a in feeds.items():
             bind.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
-        bind.bind_output("Group_Accumulated_Gradients", "cpu", 0, buffer.dtype, list(buffer.shape),
-                         buffer.ctypes.data)
+        bind.bind_output(output, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
         with pytest.raises(cls, match=pattern):
             sess.run_with_iobinding(bind)
     after = sess.get_state()
