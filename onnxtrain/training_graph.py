@@ -6,7 +6,6 @@ become graph inputs; their new values are graph outputs. The session keeps them 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -29,7 +28,7 @@ from onnxtrain.graph_transforms.mixed_precision import (
     mixed_precision_info,
     mixed_precision_update,
 )
-from onnxtrain.graph_transforms.recompute import recompute
+from onnxtrain.graph_transforms.recompute import recompute_or_warn
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, NodeWriter, model_opset
 from onnxtrain.ir.graphs import (
     DEFAULT_DOMAINS,
@@ -556,24 +555,15 @@ def _legacy_recompute(grad: onnx.ModelProto, loss: str, p: TrainingParameters,
              if getattr(p, k)] + (["recompute_checkpoints"] if p.recompute_checkpoints else [])
     if not asked:
         return grad
-    before = len(grad.graph.node)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            out = recompute(grad, loss, gelu=p.gelu_recompute, attn_dropout=p.attn_dropout_recompute,
-                            transformer_layer=p.transformer_layer_recompute,
-                            number_recompute_layers=p.number_recompute_layers,
-                            checkpoints=p.recompute_checkpoints or None, weights=weights)
-        except ValueError as e:
-            raise ValueError(f"TrainingParameters {', '.join(asked)}: {e}") from None
-    if len(out.graph.node) == before:  # the pass adds a clone per recomputed node; one warning then
-        why = "; ".join(str(w.message) for w in caught) or "no value the options select is kept for the " \
-            "backward pass"
-        warn(f"TrainingParameters {', '.join(asked)}: nothing in this model is recomputed ({why})")
-    else:
-        for w in caught:
-            warn(str(w.message), w.category)
-    return out
+    label = f"TrainingParameters {', '.join(asked)}"
+    try:
+        return recompute_or_warn(grad, loss, label, gelu=p.gelu_recompute,
+                                 attn_dropout=p.attn_dropout_recompute,
+                                 transformer_layer=p.transformer_layer_recompute,
+                                 number_recompute_layers=p.number_recompute_layers,
+                                 checkpoints=p.recompute_checkpoints or None, weights=weights)
+    except ValueError as e:
+        raise ValueError(f"{label}: {e}") from None
 
 
 def _update_norm(w: NodeWriter, slots: list[WeightSlot], norm_input: str | None, inputs: list, outputs: list,

@@ -32,6 +32,7 @@ part of the graph is everything up to the last node the loss needs.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -480,7 +481,7 @@ def find_transformer_layers(model: onnx.ModelProto, loss: str) -> list[tuple[str
         nxt = starts[a + 1] if a + 1 < len(starts) else len(kinds)
         mlp = [j for j in range(i + 1, nxt) if kinds[j] == "mlp"]
         if not mlp:
-            warn("transformer_layer_recompute: an attention block without an MLP block after it; "
+            _note("transformer_layer_recompute: an attention block without an MLP block after it; "
                  "no layer is recomputed")
             return []
         end = nxt if a + 1 < len(starts) else mlp[0] + 1
@@ -498,7 +499,7 @@ def transformer_layer_values(model: onnx.ModelProto, loss: str, number_recompute
     """Activations of the first ``number_recompute_layers`` layers (0: all layers but the last)."""
     layers = find_transformer_layers(model, loss)
     if not layers:
-        warn("transformer_layer_recompute: no transformer layer found; nothing is recomputed")
+        _note("transformer_layer_recompute: no transformer layer found; nothing is recomputed")
         return set()
     n, most = int(number_recompute_layers), len(layers) - 1
     if n < 0:
@@ -506,7 +507,7 @@ def transformer_layer_values(model: onnx.ModelProto, loss: str, number_recompute
     if n == 0:
         n = most
     elif n > most:
-        warn(f"number_recompute_layers={n} is more than the {len(layers)} layers minus one; "
+        _note(f"number_recompute_layers={n} is more than the {len(layers)} layers minus one; "
              f"recomputing {most}")
         n = most
     out: set[str] = set()
@@ -571,6 +572,39 @@ def recompute(model: onnx.ModelProto, loss: str, *, gelu: bool = False, attn_dro
     if checkpoints is not None:
         values |= checkpoint_values(fa, loss, checkpoints)
     return recompute_values(model, loss, values, forward_outputs, weights=weights) if values else model
+
+
+# the notes of the pass running in this thread, when :func:`recompute_or_warn` collects them (else warnings)
+_NOTES: ContextVar[list[str] | None] = ContextVar("recompute_notes", default=None)
+
+
+def _note(message: str) -> None:
+    notes = _NOTES.get()
+    if notes is None:
+        warn(message)
+    else:
+        notes.append(message)
+
+
+def recompute_or_warn(model: onnx.ModelProto, loss: str, label: str, **options: Any) -> onnx.ModelProto:
+    """:func:`recompute` with one warning, naming ``label`` (the options as the caller knows them), when
+    it recomputes nothing, holding the pass's own reasons (no transformer layer found, ...); otherwise its
+    notes as warnings. The notes are collected per thread (a context variable), not by catching warnings,
+    which would take other threads' warnings too."""
+    before = len(model.graph.node)
+    token = _NOTES.set([])
+    try:
+        out = recompute(model, loss, **options)
+        notes = _NOTES.get() or []
+    finally:
+        _NOTES.reset(token)
+    if len(out.graph.node) == before:  # the pass adds a clone per recomputed node
+        why = "; ".join(notes) or "no value the options select is kept for the backward pass"
+        warn(f"{label}: nothing in this model is recomputed ({why})")
+    else:
+        for note in notes:
+            warn(note)
+    return out
 
 
 def _copy(node: onnx.NodeProto) -> onnx.NodeProto:

@@ -90,7 +90,6 @@ import enum
 import inspect
 import json
 import os
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -103,7 +102,7 @@ from onnxtrain.autodiff.exporter_checks import export_hint
 from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
 from onnxtrain.errors import program_hint
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
-from onnxtrain.graph_transforms.recompute import recompute as recompute_pass
+from onnxtrain.graph_transforms.recompute import recompute_or_warn
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset, unknown_versions
 from onnxtrain.ir.graphs import node_reads, path_to, train_batch_norms, untie_batch_norm_statistics
 from onnxtrain.ir.io import StagedFiles
@@ -607,19 +606,7 @@ def _recompute(grad: onnx.ModelProto, loss: str, weights: Sequence[str],
                options: dict[str, Any]) -> onnx.ModelProto:
     """The recompute pass over ``grad``; a warning when it finds nothing to recompute (one warning: the
     pass's own reasons, such as no transformer layer found, go into it)."""
-    before = len(grad.graph.node)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = recompute_pass(grad, loss, weights=weights, **options)
-    reasons = [str(w.message) for w in caught]
-    if len(out.graph.node) == before:  # the pass adds a clone per recomputed node
-        why = "; ".join(reasons) or "no value the options select is kept for the backward pass"
-        warn(f"recompute={options}: nothing in this model is recomputed ({why}); the training model is the "
-             "one without recompute")
-    else:
-        for w in caught:
-            warn(str(w.message), w.category)
-    return out
+    return recompute_or_warn(grad, loss, f"recompute={options}", weights=weights, **options)
 
 
 def _drop_output(m: onnx.ModelProto, name: str) -> onnx.ModelProto:

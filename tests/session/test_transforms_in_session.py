@@ -178,3 +178,41 @@ def test_auto_accumulation_micro_steps_answer_the_finite_check() -> None:
     for k, v in sessions[1].get_state().items():
         np.testing.assert_array_equal(sessions[0].get_state()[k], v, err_msg=k)
         np.testing.assert_array_equal(sessions[2].get_state()[k], v, err_msg=k)
+
+
+def test_recompute_notes_do_not_take_other_threads_warnings(monkeypatch) -> None:
+    """The recompute pass's notes are collected per thread: a warning another thread emits while a session
+    is built is shown as its own, not folded into the session's "nothing is recomputed" message (the first
+    version caught every warning of the process; the pass is slowed here to hold the window open)."""
+    import threading
+    import time
+    import warnings
+
+    from onnxtrain.graph_transforms import recompute as rc
+
+    real = rc.recompute
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rc, "recompute", slow)
+    import onnxtrain.training_graph as tg
+
+    monkeypatch.setattr(tg, "recompute", slow, raising=False)  # where an earlier version called it
+    shown: list[str] = []
+
+    def other() -> None:
+        time.sleep(0.1)
+        warnings.warn("thread B: its own warning", UserWarning, stacklevel=1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        monkeypatch.setattr(warnings, "showwarning", lambda m, *a, **k: shown.append(str(m)))
+        t = threading.Thread(target=other)
+        t.start()
+        TrainingSession(mlp_model().SerializeToString(), params("SGDOptimizer", gelu_recompute=True))
+        t.join()
+    assert "thread B: its own warning" in shown, shown
+    mine = [s for s in shown if "nothing in this model is recomputed" in s]
+    assert len(mine) == 1 and "thread B" not in mine[0], shown
