@@ -74,7 +74,7 @@ class SessionOptions:
         self.execution_mode = ExecutionMode.ORT_SEQUENTIAL
         self.intra_op_num_threads = 0
         self.inter_op_num_threads = 0
-        self.log_severity_level = 2
+        self.log_severity_level = -1  # onnxruntime's: the default logger's (set_default_logger_severity)
         self.log_verbosity_level = 0
         self.logid = ""
         self.enable_mem_pattern = True
@@ -101,7 +101,7 @@ class RunOptions:
     """Options of one run (onnxruntime.RunOptions); ``training_mode`` is used by training sessions."""
 
     def __init__(self) -> None:
-        self.log_severity_level = 2
+        self.log_severity_level = -1  # onnxruntime's: the default logger's (set_default_logger_severity)
         self.log_verbosity_level = 0
         self.logid = ""
         self.run_tag = ""

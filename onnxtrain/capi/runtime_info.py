@@ -8,6 +8,7 @@ import numbers
 from onnxtrain.errors import FailValueError
 
 _LOGGER = {"severity": 2, "verbosity": 0}  # onnxruntime's defaults: WARNING, verbosity 0
+_SET: set[str] = set()  # the settings a caller made (passed on to onnxruntime when it is imported later)
 
 
 def _level(value: object, what: str, lo: int | None, hi: int | None) -> int:
@@ -23,18 +24,29 @@ def set_default_logger_severity(severity: int) -> None:
     warnings). It applies to the onnxruntime backend's sessions created afterwards; onnxtrain's own
     messages are Python warnings, filtered with the ``warnings`` module."""
     _LOGGER["severity"] = _level(severity, "severity", 0, 4)
+    _SET.add("severity")
     _forward("set_default_logger_severity", _LOGGER["severity"])
 
 
 def set_default_logger_verbosity(verbosity: int) -> None:
     """The verbosity of onnxruntime's verbose log lines (with severity 0); any int, as onnxruntime takes."""
     _LOGGER["verbosity"] = _level(verbosity, "verbosity", None, None)
+    _SET.add("verbosity")
     _forward("set_default_logger_verbosity", _LOGGER["verbosity"])
 
 
 def default_logger_severity() -> int:
     """The severity last set by :func:`set_default_logger_severity` (2 until then)."""
     return _LOGGER["severity"]
+
+
+def apply_logger_settings(ort: object) -> None:
+    """Pass the settings made so far on to the ``onnxruntime`` module ``ort`` (the backend calls this when
+    it imports onnxruntime, which may come after the settings)."""
+    for key in sorted(_SET):
+        fn = getattr(ort, f"set_default_logger_{key}", None)
+        if fn is not None:
+            fn(_LOGGER[key])
 
 
 def _forward(name: str, value: int) -> None:

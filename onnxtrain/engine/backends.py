@@ -75,6 +75,9 @@ def import_onnxruntime() -> Any:
         import onnxruntime
     except ImportError as e:
         raise ImportError(f"{_INSTALL_HINT} ({e})") from e
+    from onnxtrain.capi.runtime_info import apply_logger_settings
+
+    apply_logger_settings(onnxruntime)  # onnxtrain.set_default_logger_severity called before the import
     return onnxruntime
 
 

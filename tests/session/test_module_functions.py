@@ -117,3 +117,37 @@ def test_ortvalue_dlpack_shares_memory_with_torch() -> None:
     assert w.numpy().tolist() == [0, 9, 2, 3] and w.data_type() == "tensor(int64)"
     flags = OrtValue.from_dlpack(torch.tensor([1, 0], dtype=torch.uint8), is_bool_tensor=True)
     assert flags.numpy().tolist() == [True, False] and flags.data_type() == "tensor(bool)"
+
+
+_SEVERITY_SCRIPT = """
+import sys, numpy as np
+import onnxtrain
+if sys.argv[1] != "default":
+    onnxtrain.set_default_logger_severity(int(sys.argv[1]))   # before onnxruntime is imported
+assert "onnxruntime" not in sys.modules
+from onnx import helper, TensorProto as T
+g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                      [helper.make_tensor_value_info("x", T.FLOAT, [2])],
+                      [helper.make_tensor_value_info("y", T.FLOAT, [2])])
+so = onnxtrain.SessionOptions()
+so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+s = onnxtrain.InferenceSession(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), so)
+s.run(None, {"x": np.ones(2, np.float32)})
+"""
+
+
+def test_logger_severity_set_before_onnxruntime_is_imported_reaches_the_backend(tmp_path) -> None:
+    """The usual order (the setting first, the backend imports onnxruntime later): the backend's sessions
+    log at that severity (onnxruntime's verbose lines at 0, none by default)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "severity.py"
+    script.write_text(_SEVERITY_SCRIPT)
+    verbose = {}
+    for level in ("0", "default"):
+        run = subprocess.run([sys.executable, str(script), level], capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 0, run.stderr
+        verbose[level] = sum("[V:onnxruntime" in line for line in run.stderr.splitlines())
+    assert verbose["0"] > 0 and verbose["default"] == 0, verbose
