@@ -80,6 +80,11 @@ class FailKeyError(Fail, KeyError):
         return str(self.args[0]) if len(self.args) == 1 else super().__str__()
 
 
+class NoSuchFileError(NoSuchFile, FileNotFoundError):
+    """A file or folder the call needs does not exist: a ``FileNotFoundError``, and onnxruntime's
+    ``NoSuchFile``."""
+
+
 class FailTypeError(Fail, TypeError):
     """A value of the wrong type for the legacy session (a state tensor's dtype): a ``TypeError``, and
     onnxruntime's ``Fail``."""
@@ -89,9 +94,9 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def raises_as_onnxruntime(fn: _F) -> _F:
-    """``fn`` with its ``ValueError``, ``KeyError`` and ``TypeError`` raised as :class:`FailValueError`,
-    :class:`FailKeyError` and :class:`FailTypeError` (errors that are already onnxruntime's classes pass
-    unchanged): onnxruntime's
+    """``fn`` with its ``ValueError``, ``KeyError``, ``TypeError`` and ``FileNotFoundError`` raised as
+    :class:`FailValueError`, :class:`FailKeyError`, :class:`FailTypeError` and :class:`NoSuchFileError`
+    (errors that are already onnxruntime's classes pass unchanged): onnxruntime's
     legacy binding raised a ``RuntimeError`` where onnxtrain's checks raise these, so ported ``except
     RuntimeError`` clauses and code written for onnxtrain both catch them."""
 
@@ -101,6 +106,9 @@ def raises_as_onnxruntime(fn: _F) -> _F:
             return fn(*args, **kwargs)
         except RuntimeError:
             raise
+        except FileNotFoundError as e:
+            args = (e.errno, e.strerror, e.filename) if e.filename is not None else e.args
+            raise NoSuchFileError(*args).with_traceback(e.__traceback__) from None
         except KeyError as e:
             raise FailKeyError(*e.args).with_traceback(e.__traceback__) from None
         except ValueError as e:

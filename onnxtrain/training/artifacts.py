@@ -284,12 +284,6 @@ def generate_artifacts(
     steps); ``recompute={"transformer_layer": True}`` (or ``gelu``, ``attn_dropout``,
     ``number_recompute_layers``, ``checkpoints=[names]``) trades compute for memory.
     """
-    if ort_format:
-        raise ArtifactError(
-            "ort_format=True is not supported: onnxtrain writes standard ONNX models only "
-            "(.onnx files run by any ONNX runtime); convert them with onnxruntime's tools if "
-            "you need .ort files."
-        )
     if custom_op_library is not None:
         raise ArtifactError(
             f"custom_op_library={custom_op_library!r} is not supported: onnxtrain builds "
@@ -363,10 +357,40 @@ def generate_artifacts(
     written = {"training_model.onnx", "eval_model.onnx", "checkpoint"}
     written |= {"nominal_checkpoint"} if nominal_checkpoint else set()
     written |= {"optimizer_model.onnx"} if optimizer_model is not None else set()
+    if ort_format:
+        _write_ort_format([path(n) for n in sorted(written) if n.endswith(".onnx")])
     stale = [prefix + n for n in ARTIFACT_FILES if n not in written and os.path.exists(path(n))]
     if stale:  # an earlier generation's files, which do not go with these (as onnxruntime, they are kept)
         warn(f"{folder} also holds {stale} from an earlier generation, which do not go with the artifacts "
              "just written; delete them, or generate into an empty folder")
+
+
+def _write_ort_format(models: list[str]) -> None:
+    """``ort_format=True``: each model also as a ``.ort`` file (onnxruntime's flatbuffer format, "Fixed"
+    optimisations) with its ``.required_operators.config``, by onnxruntime's own converter, as
+    onnxruntime-training did, after the .onnx files are in place; without onnxruntime installed, a warning
+    (the .onnx files are written)."""
+    try:
+        from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
+    except ImportError as e:
+        warn(f"ort_format=True: the .ort files need onnxruntime's converter, which cannot be imported ({e}); "
+             "the .onnx artifacts are written (pip install onnxruntime, then python -m "
+             "onnxruntime.tools.convert_onnx_models_to_ort <folder>)")
+        return
+    import contextlib
+    import io
+    import logging
+    import pathlib
+
+    log = logging.getLogger("ort_format_model")  # the converter logs each config file it writes
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        for model in models:
+            with contextlib.redirect_stdout(io.StringIO()):  # and prints its progress
+                convert_onnx_models_to_ort(pathlib.Path(model), optimization_styles=[OptimizationStyle.Fixed])
+    finally:
+        log.setLevel(level)
 
 
 # the files generate_artifacts may write (each with the prefix)

@@ -641,16 +641,32 @@ def test_error_unreachable_parameter(tmp_path):
         )
 
 
-def test_error_ort_format_and_custom_op_library(mlp, tmp_path):
+def test_ort_format_writes_ort_copies_and_custom_op_library_is_an_error(mlp, tmp_path):
+    """``ort_format=True``: besides the .onnx artifacts, their .ort copies and required-operator configs by
+    onnxruntime's converter, as onnxruntime-training wrote them; onnxruntime (the oracle) runs the .ort eval
+    model to the .onnx one's outputs. A custom op library is refused."""
     model, _, _ = mlp
-    with pytest.raises(ArtifactError, match="ort_format=True is not supported"):
-        generate_artifacts(
-            model,
-            requires_grad=["net.5.bias"],
-            loss=LossType.MSELoss,
-            ort_format=True,
-            artifact_directory=tmp_path,
-        )
+    generate_artifacts(
+        model,
+        requires_grad=["net.5.bias"],
+        loss=LossType.MSELoss,
+        optimizer=OptimType.AdamW,
+        ort_format=True,
+        artifact_directory=tmp_path,
+    )
+    written = {p.name for p in tmp_path.iterdir()}
+    for name in ("training_model", "eval_model", "optimizer_model"):
+        assert {f"{name}.onnx", f"{name}.ort", f"{name}.required_operators.config"} <= written, written
+    cpu = ["CPUExecutionProvider"]
+    plain = ort.InferenceSession(str(tmp_path / "eval_model.onnx"), providers=cpu)
+    flat = ort.InferenceSession(str(tmp_path / "eval_model.ort"), providers=cpu)
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in plain.get_inputs():
+        shape = [d if isinstance(d, int) else 3 for d in i.shape]
+        feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+    for a, b in zip(plain.run(None, feeds), flat.run(None, feeds)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(ArtifactError, match="custom_op_library=.* is not supported"):
         generate_artifacts(
             model,

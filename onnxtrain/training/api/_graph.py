@@ -67,6 +67,8 @@ class InputSpec:
             except (TypeError, ValueError) as e:
                 raise InvalidFeedType(f"input {self.name!r}: cannot convert {type(value).__name__} to "
                                 f"{self.dtype}: {e}") from None
+        if self.dtype == np.dtype(object) and arr.dtype.kind in "US":  # numpy strings for a string input
+            arr = arr.astype(object)
         if self.dtype is not None and arr.dtype != self.dtype:
             raise InvalidFeedType(f"input {self.name!r}: unexpected data type. Actual: {arr.dtype}, "
                             f"expected: {self.dtype}")

@@ -17,6 +17,7 @@ import numpy as np
 from onnxtrain.checkpoint import Checkpoint, OptimizerGroup
 from onnxtrain.checkpoint import load_checkpoint as _load_file
 from onnxtrain.checkpoint import save_checkpoint as _save_file
+from onnxtrain.errors import raises_as_onnxruntime
 
 DEFAULT_LEARNING_RATE = float(np.float32(0.001))  # a float32 value, as onnxruntime reports it
 GROUP_NAME = "group0"
@@ -295,6 +296,7 @@ class CheckpointState:
 
     # ---------------------------------------------------------------- files
     @classmethod
+    @raises_as_onnxruntime
     def load_checkpoint(cls, checkpoint_uri: str | os.PathLike) -> CheckpointState:
         """Load a complete or nominal checkpoint file."""
         if not isinstance(checkpoint_uri, (str, os.PathLike)):
@@ -304,6 +306,7 @@ class CheckpointState:
         return state
 
     @classmethod
+    @raises_as_onnxruntime
     def save_checkpoint(cls, state: CheckpointState, checkpoint_uri: str | os.PathLike,
                         include_optimizer_state: bool = False) -> None:
         """Write ``state`` to ``checkpoint_uri`` (atomically; ``<path>.data`` beside it for large models).
@@ -359,6 +362,7 @@ class CheckpointState:
         except (KeyError, TypeError):
             raise KeyError(f"Parameter {name} not found.") from None
 
+    @raises_as_onnxruntime
     def _set_param(self, name: str, value: Any) -> None:
         p = self._param(name)
         arr = value.numpy() if hasattr(value, "numpy") and not isinstance(value, np.ndarray) else value

@@ -28,6 +28,7 @@ import onnx
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.feed_sizes import shared_dim_mismatch
 from onnxtrain.engine.interface import GraphInterface, UnsupportedOpError
+from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
 from onnxtrain.ir.builder import NameGen
@@ -207,6 +208,7 @@ class Module:
     training models (default: a new ``DynamicLossScaler()``); refused for models without loss scaling.
     """
 
+    @raises_as_onnxruntime
     def __init__(self, train_model_uri: ModelLike, state: CheckpointState,
                  eval_model_uri: ModelLike | None = None, device: str = "cpu",
                  session_options: Any = None, *, loss_scaler: LossScaler | None = None) -> None:

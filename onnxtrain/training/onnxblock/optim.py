@@ -44,6 +44,13 @@ class ClipGradNorm(Block):
         acc = _acc()
         if not gradient_names:
             return ()
+        for g in gradient_names:
+            vi = next((v for v in acc.graph.input if v.name == g), None)
+            if vi is not None and vi.type.HasField("sequence_type"):
+                raise BlockError(f"ClipGradNorm: {g!r} is a tensor sequence; onnxtrain's optimizer blocks "
+                                 "take the gradients as separate tensors, ClipGradNorm(max_norm)(*names) (a "
+                                 "model of onnxruntime's sequence-based optimizer ops is converted as it is "
+                                 "loaded: see the README)")
         types = [acc.float_type_of(g) for g in gradient_names]
         norm, et = _global_norm(acc, gradient_names, types)
         # coef = min(max_norm / (norm + eps), 1)

@@ -1,0 +1,109 @@
+"""What scripts written for onnxruntime-training's on-device API do that onnxtrain must take too (from
+onnxruntime's own tests, orttraining_test_ort_apis_py_bindings.py and _onnxblock.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+import onnxtrain.training.onnxblock as onnxblock
+from onnxtrain.training import artifacts
+from onnxtrain.training.api import CheckpointState, Module
+
+
+class _CastLinear(onnxblock.ForwardBlock):
+    """Strings cast to floats, then a linear layer (onnxruntime's test_string_inputs model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cast = onnxblock.blocks.Cast(to=onnx.TensorProto.FLOAT)
+        self.linear = onnxblock.blocks.Linear(4, 2)
+
+    def build(self, x: str) -> str:
+        return self.linear(self.cast(x))
+
+
+def test_numpy_string_arrays_feed_a_string_input(tmp_path) -> None:
+    """A ``dtype=str`` array for a STRING input (onnxruntime takes it) gives the loss of the same strings
+    as Python objects; it was refused ("unexpected data type. Actual: <U3, expected: object")."""
+    block = _CastLinear()
+    with onnxblock.empty_base() as acc:
+        acc.model.graph.input.extend([onnx.helper.make_tensor_value_info("input", onnx.TensorProto.STRING,
+                                                                         [1, 4])])
+        block("input")
+    model = block.to_model_proto()
+    artifacts.generate_artifacts(model, optimizer=artifacts.OptimType.AdamW,
+                                 loss=artifacts.LossType.CrossEntropyLoss,
+                                 requires_grad=[p.name for p in model.graph.initializer],
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    labels = np.zeros(1, np.int64)
+    words = [["1.0", "2.0", "3.0", "4.0"]]
+    as_objects = module(np.array(words, dtype=object), labels)
+    as_str = module(np.array(words, dtype=str), labels)
+    assert np.isfinite(as_objects) and as_str == as_objects
+    module.eval()
+    assert module(np.array(words, dtype=str), labels) == module(np.array(words, dtype=object), labels)
+
+
+def test_api_errors_are_runtime_errors_as_onnxruntimes(tmp_path) -> None:
+    """onnxruntime-training raised a RuntimeError for each of these (its C++ status); onnxtrain's are that
+    (onnxruntime's class of the kind) and the Python class the spec names (ValueError, TypeError,
+    FileNotFoundError), so ``except RuntimeError`` in a ported script and ``except ValueError`` both work."""
+    import pytest
+
+    from onnxtrain.capi import _pybind_state as C
+
+    block = _CastLinear()
+    with onnxblock.empty_base() as acc:
+        acc.model.graph.input.extend([onnx.helper.make_tensor_value_info("input", onnx.TensorProto.STRING,
+                                                                         [1, 4])])
+        block("input")
+    model = block.to_model_proto()
+    trained = [p.name for p in model.graph.initializer]
+    artifacts.generate_artifacts(model, loss=artifacts.LossType.CrossEntropyLoss, requires_grad=trained,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    name = trained[0]
+    shape = state.parameters[name].data.shape
+    cases = [
+        (lambda: setattr(state.parameters[name], "data", np.zeros((7,), np.float32)), C.Fail, ValueError),
+        (lambda: setattr(state.parameters[name], "data", np.zeros(shape, np.float64)), C.Fail, TypeError),
+        (lambda: state.parameters.__setitem__(name, np.zeros((7,), np.float32)), C.Fail, ValueError),
+        (lambda: CheckpointState.load_checkpoint(tmp_path / "nope"), C.NoSuchFile, FileNotFoundError),
+        (lambda: CheckpointState.save_checkpoint(state, tmp_path / "no" / "ckpt"), C.NoSuchFile,
+         FileNotFoundError),
+        (lambda: Module(str(tmp_path / "nope.onnx"), state), C.NoSuchFile, FileNotFoundError),
+    ]
+    for call, ort_class, py_class in cases:
+        with pytest.raises(ort_class) as e:
+            call()
+        assert isinstance(e.value, py_class) and isinstance(e.value, RuntimeError), e.value
+
+
+def test_clip_grad_norm_over_a_tensor_sequence_says_what_to_pass() -> None:
+    """onnxruntime's blocks took the gradients as one tensor sequence; onnxtrain's take them as tensors:
+    a sequence input is refused naming it and the form to use (it failed inside ReduceSumSquare)."""
+    import pytest
+
+    from onnxtrain.training.onnxblock import BlockError
+
+    base = onnx.ModelProto()
+    base.ir_version = 10
+    base.graph.name = "ClipGradNorm Model"
+    base.opset_import.extend([onnx.helper.make_opsetid("", 17)])
+    base.graph.input.append(onnx.helper.make_tensor_sequence_value_info("gradients", onnx.TensorProto.FLOAT,
+                                                                        None))
+
+    class Clip(onnxblock.ForwardBlock):
+        def __init__(self) -> None:
+            super().__init__()
+            self.clip = onnxblock.optim.ClipGradNorm(2.5)
+
+        def build(self, g: str) -> str:
+            return self.clip(g)
+
+    with pytest.raises(BlockError, match=r"ClipGradNorm: 'gradients' is a tensor sequence; .* take the "
+                                         r"gradients as separate tensors"), onnxblock.base(base):
+        Clip()("gradients")
