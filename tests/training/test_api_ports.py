@@ -107,3 +107,39 @@ def test_clip_grad_norm_over_a_tensor_sequence_says_what_to_pass() -> None:
     with pytest.raises(BlockError, match=r"ClipGradNorm: 'gradients' is a tensor sequence; .* take the "
                                          r"gradients as separate tensors"), onnxblock.base(base):
         Clip()("gradients")
+
+
+def test_clip_grad_norm_of_mixed_float_types_is_computed_in_float64() -> None:
+    """One rule for the global norm in the on-device blocks and the legacy session: float64 when a gradient
+    is float64 (the blocks used float32 unless all were). The clipped float64 gradient equals numpy's
+    float64 result to float64 precision (onnx.reference runs the block's graph)."""
+    from onnx.reference import ReferenceEvaluator
+
+    base = onnx.ModelProto()
+    base.ir_version = 10
+    base.opset_import.extend([onnx.helper.make_opsetid("", 17)])
+    base.graph.name = "clip"
+    base.graph.input.extend([onnx.helper.make_tensor_value_info("g32", onnx.TensorProto.FLOAT, [1]),
+                             onnx.helper.make_tensor_value_info("g64", onnx.TensorProto.DOUBLE, [2])])
+
+    class Clip(onnxblock.ForwardBlock):
+        def __init__(self) -> None:
+            super().__init__()
+            self.clip = onnxblock.optim.ClipGradNorm(0.05)
+
+        def build(self, a: str, b: str) -> tuple[str, ...]:
+            return self.clip(a, b)
+
+    block = Clip()
+    with onnxblock.base(base):
+        outs = block("g32", "g64")
+    model = block.to_model_proto()
+    del model.graph.output[:]
+    model.graph.output.extend([onnx.helper.make_empty_tensor_value_info(n) for n in outs])
+    g32, g64 = np.array([0.3], np.float32), np.array([0.1, 0.2])
+    c32, c64 = ReferenceEvaluator(model).run(None, {"g32": g32, "g64": g64})
+    part32 = np.float64((g32 * g32).sum(dtype=np.float32))  # each tensor's sum of squares in its own type
+    norm = np.sqrt(part32 + (g64 ** 2).sum())
+    want = g64 * min(0.05 / (norm + 1e-6), 1.0)
+    np.testing.assert_allclose(c64, want, rtol=1e-15)
+    assert c32.dtype == np.float32

@@ -23,6 +23,7 @@ from typing import Any
 import onnx
 from onnx import TensorProto, helper
 
+from onnxtrain.graph_transforms.clipping import norm_type
 from onnxtrain.training.onnxblock._base import BlockError, ModelBase, detached
 from onnxtrain.training.onnxblock.blocks import Block, _acc
 from onnxtrain.training.onnxblock.model_blocks import NOT_BUILT_FORWARD
@@ -81,9 +82,9 @@ class ClipGradNorm(Block):
 
 
 def _global_norm(acc: ModelBase, grads: Sequence[str], types: Sequence[int]) -> tuple[str, int]:
-    """(‖g‖ = sqrt(Σ_tensors Σ_elements g²), its element type): float64 if every gradient is float64,
-    else float32."""
-    et = TensorProto.DOUBLE if all(t == TensorProto.DOUBLE for t in types) else TensorProto.FLOAT
+    """(‖g‖ = sqrt(Σ_tensors Σ_elements g²), its element type): float64 when a gradient is float64, else
+    float32, as the legacy session's norm (:func:`onnxtrain.graph_transforms.clipping.norm_type`)."""
+    et = norm_type(types)
     parts = []
     for g, t in zip(grads, types):
         s = acc.node("ReduceSumSquare", [g], "reducesumsquare_output", keepdims=0)[0]
