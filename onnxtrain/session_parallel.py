@@ -38,6 +38,8 @@ class DataParallelSteps:
         ]
         self._grad_scale = 1.0 / (steps * dp.size)  # the legacy's 1/(N·D): gradients are averaged
         weights = [self._store[w] for w in g.trainable]
+        # the global norm's dtype, as the step graph computes it (float64 when a trained weight is)
+        self._norm_dtype = np.dtype(np.float64 if any(a.dtype == np.float64 for a in weights) else np.float32)
         if dp.mode == "allreduce":
             self._reducer = BucketReducer(dp.comm, [a.shape for a in weights], [a.dtype for a in weights])
         elif dp.mode == "zero1":
@@ -160,7 +162,7 @@ class DataParallelSteps:
             up = self._get_plan("zero_update")
             feeds: dict[str, Any] = {self._params.lr_params_feed_name: lr}
             if self._norm_name:
-                feeds[self._norm_name] = norm.astype(np.float32)
+                feeds[self._norm_name] = norm.astype(self._norm_dtype)
             scale = self.loss_scale_input_name
             if scale:
                 feeds[scale] = loss_scale
@@ -180,7 +182,7 @@ class DataParallelSteps:
         comm.allgather_(wflat, f"ZeRO weight allgather ({wflat.nbytes} bytes)")
         store.update(z.unflatten(wflat))
         if self._norm_name:
-            got[self._norm_name] = norm.astype(np.float32)
+            got[self._norm_name] = norm.astype(self._norm_dtype)
         if self.loss_scale_input_name and not z.pieces:  # a rank that owns nothing still says it
             got[ALL_FINITE] = flag_array(np.isfinite(norm))
         return got
@@ -238,7 +240,7 @@ class DataParallelSteps:
             flat = np.concatenate(arrays).astype(np.float64) if arrays else np.zeros(0)
             dp.comm.allreduce_(flat, f"the global gradient norm on the fetches' path ({flat.nbytes} bytes)")
             flat *= 1.0 / dp.size
-            norm = np.asarray(np.sqrt(np.dot(flat, flat)), np.float32)
+            norm = np.asarray(np.sqrt(np.dot(flat, flat)), self._norm_dtype)
             if norm_name in names:
                 out[norm_name] = norm
             if ALL_FINITE in names:

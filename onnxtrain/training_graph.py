@@ -522,13 +522,12 @@ def _emit_update(
     if mp is not None and mp.loss_scale not in {i.name for i in inputs}:
         inputs.append(helper.make_tensor_value_info(mp.loss_scale, TensorProto.FLOAT, [1]))
     norm = None
+    norm_et = norm_type([s.elem_type for s in slots])  # computed here or fed as norm_input
     if clip or mp is not None:  # under mixed precision loss-scaled, as the legacy reported
-        norm = _update_norm(w, slots, norm_input, inputs, outputs, extras)
+        norm = _update_norm(w, slots, norm_input, inputs, outputs, extras, norm_et)
     mnc = None
     if clip and opt.uses_norm and not p.legacy_cpu_adam:
         mnc = {s.name: _max_norm_clip(s, opt) for s in slots}
-    # the norm's type: a float32 input, or computed in float64 when a gradient is float64
-    norm_et = TensorProto.FLOAT if norm_input is not None else norm_type([s.elem_type for s in slots])
     if mp is None and mnc is not None:
         for s in slots:
             s.divisor = clip_divisor(w, norm, mnc[s.name], norm_et=norm_et, out_et=s.elem_type)
@@ -567,15 +566,14 @@ def _legacy_recompute(grad: onnx.ModelProto, loss: str, p: TrainingParameters,
 
 
 def _update_norm(w: NodeWriter, slots: list[WeightSlot], norm_input: str | None, inputs: list, outputs: list,
-                 extras: list[str]) -> str:
-    """The global gradient norm an update reads: the graph input ``norm_input`` when given, else computed
-    from the slots' gradients and output as an extra."""
+                 extras: list[str], et: int) -> str:
+    """The global gradient norm an update reads, of type ``et``: the graph input ``norm_input`` when given,
+    else computed from the slots' gradients and output as an extra."""
     if norm_input is not None:
-        inputs.append(helper.make_tensor_value_info(norm_input, TensorProto.FLOAT, []))
+        inputs.append(helper.make_tensor_value_info(norm_input, et, []))
         return norm_input
-    types = [s.elem_type for s in slots]
-    norm = global_norm(w, [s.grad for s in slots], grad_types=types)
-    outputs.append(helper.make_tensor_value_info(norm, norm_type(types), []))
+    norm = global_norm(w, [s.grad for s in slots], grad_types=[s.elem_type for s in slots])
+    outputs.append(helper.make_tensor_value_info(norm, et, []))
     extras.append(norm)
     return norm
 

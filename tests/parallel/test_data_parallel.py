@@ -184,3 +184,22 @@ def test_mismatched_models_are_named() -> None:
     assert "do not hold the same model" in r.stderr
     assert "trained weights (dtype, shape)" in r.stderr and "W1" in r.stderr
 
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["allreduce", "zero"])
+def test_float64_model_trains_in_float64_on_two_ranks(mode: str, tmp_path) -> None:
+    """A float64 model (Adam, clipping on) on two ranks of half batches: the norms fetched are float64 and
+    equal one process's on the whole batch, and so are the weights, to float64 precision (ZeRO fed and
+    returned a float32 norm before)."""
+    from tests.parallel import float64_worker
+
+    out = tmp_path / f"{mode}.npz"
+    worker = float64_worker.__file__
+    r = run_mpi(mode, str(out), worker=worker, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = np.load(out)
+    norms, weights = float64_worker.train("single")
+    assert list(got["norm_dtypes"]) == ["<f8"] * 3
+    np.testing.assert_allclose(got["norms"], np.stack(norms), rtol=1e-12)
+    np.testing.assert_allclose(got["weights"], weights, rtol=1e-12)
