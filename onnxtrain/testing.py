@@ -36,14 +36,35 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
     return m
 
 
+# ops whose "to"/"dtype" attribute names the element type of their output
+_TYPED_OUTPUT_OPS = ("Cast", "EyeLike", "RandomNormal", "RandomNormalLike", "RandomUniform",
+                     "RandomUniformLike", "Bernoulli", "SequenceEmpty")
+
+
+# ops whose output is float32 when their "dtype" is left out
+_FLOAT_BY_DEFAULT = ("RandomNormal", "RandomUniform", "SequenceEmpty")
+
+
+def _type_to_float64(tp: onnx.TypeProto) -> None:
+    """A float32 tensor type, or a sequence or optional of one, made float64 in place."""
+    kind = tp.WhichOneof("value")
+    if kind == "tensor_type" and tp.tensor_type.elem_type == TensorProto.FLOAT:
+        tp.tensor_type.elem_type = TensorProto.DOUBLE
+    elif kind == "sequence_type":
+        _type_to_float64(tp.sequence_type.elem_type)
+    elif kind == "optional_type":
+        _type_to_float64(tp.optional_type.elem_type)
+
+
 def _graph_to_float64(g: onnx.GraphProto) -> None:
     for t in g.initializer:
         if t.data_type == TensorProto.FLOAT:
             t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name))
     for v in (*g.input, *g.output, *g.value_info):
-        if v.type.tensor_type.elem_type == TensorProto.FLOAT:
-            v.type.tensor_type.elem_type = TensorProto.DOUBLE
+        _type_to_float64(v.type)
     for n in g.node:
+        if n.op_type in _FLOAT_BY_DEFAULT and not any(a.name == "dtype" for a in n.attribute):
+            n.attribute.append(onnx.helper.make_attribute("dtype", TensorProto.DOUBLE))
         for a in n.attribute:
             if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT:
                 a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float64), a.t.name))
@@ -52,11 +73,10 @@ def _graph_to_float64(g: onnx.GraphProto) -> None:
             elif a.type == onnx.AttributeProto.GRAPHS:
                 for body in a.graphs:
                     _graph_to_float64(body)
-            if (
-                n.op_type in ("Cast", "EyeLike", "RandomNormalLike", "RandomUniformLike")
-                and a.name in ("to", "dtype")
-                and a.i == TensorProto.FLOAT
-            ):
+            elif n.op_type == "Constant" and a.name in ("value_float", "value_floats"):
+                value = np.asarray(a.f if a.name == "value_float" else list(a.floats), np.float64)
+                a.CopyFrom(onnx.helper.make_attribute("value", numpy_helper.from_array(value)))
+            if n.op_type in _TYPED_OUTPUT_OPS and a.name in ("to", "dtype") and a.i == TensorProto.FLOAT:
                 a.i = TensorProto.DOUBLE
 
 

@@ -424,6 +424,34 @@ def test_to_float64_converts_the_bodies_too() -> None:
         np.testing.assert_allclose(a, b, rtol=1e-12)
 
 
+def test_to_float64_converts_sequences_and_default_float_outputs() -> None:
+    """Sequence-typed declarations (a Loop appending to a list) and a SequenceEmpty whose dtype is left out
+    (float32 by default) become float64 too: onnxruntime (the oracle) loads the result, which it refused
+    before ("Input element type of 11 does not match existing output type of 1"), and both run it to the
+    float64 values, not float32-rounded ones."""
+    from onnxtrain.engine import compile_model
+    from onnxtrain.testing import to_float64
+
+    vi, seq = helper.make_tensor_value_info, helper.make_tensor_sequence_value_info
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["co"]), helper.make_node("SequenceInsert", ["s", "x"], ["so"])],
+        "body", [vi("i", T.INT64, []), vi("c", T.BOOL, []), seq("s", T.FLOAT, None)],
+        [vi("co", T.BOOL, []), seq("so", T.FLOAT, None)])
+    g = helper.make_graph([helper.make_node("SequenceEmpty", [], ["e"]),
+                           helper.make_node("Loop", ["n", "", "e"], ["seq"], body=body),
+                           helper.make_node("ConcatFromSequence", ["seq"], ["y"], axis=0)], "g",
+                          [vi("x", T.FLOAT, [2]), vi("n", T.INT64, [])], [vi("y", T.FLOAT, None)])
+    model = to_float64(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    feeds = {"x": np.array([1.0, 1 / 3]), "n": np.array(2, np.int64)}
+    want = np.concatenate([feeds["x"], feeds["x"]])
+    cpu = ["CPUExecutionProvider"]
+    got_ort = ort.InferenceSession(model.SerializeToString(), providers=cpu).run(None, feeds)[0]
+    got = compile_model(model).run(feeds)[0]
+    for y in (got_ort, got):
+        assert y.dtype == np.float64
+        np.testing.assert_array_equal(y, want)
+
+
 # ---- Scan --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "in_dir, out_dir, in_axis, out_axis", [(0, 0, 0, 0), (1, 0, 1, 0), (0, 1, 1, -1), (1, 1, -1, 1)]
