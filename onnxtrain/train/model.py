@@ -32,18 +32,19 @@ def _append_loss(model: onnx.ModelProto, cfg: Config) -> None:
     if m.labels in _values(model):
         raise ConfigError("model.labels", f"{m.labels!r} is already a value of the model; pick a new input "
                                           "name for the labels of the appended loss")
+    # the loss is of the logits' type (float64 logits: a float64 loss)
+    et = types[m.logits].tensor_type.elem_type if m.logits in types else TensorProto.FLOAT
     if m.add_loss == "cross_entropy":
         g.node.append(helper.make_node("SoftmaxCrossEntropyLoss", [m.logits, m.labels], [m.loss],
                                        name=m.loss))
         g.input.append(helper.make_tensor_value_info(m.labels, TensorProto.INT64, None))
     else:
-        et = types[m.logits].tensor_type.elem_type if m.logits in types else TensorProto.FLOAT
         diff, sq = f"{m.loss}_diff", f"{m.loss}_sq"
         g.node.extend([helper.make_node("Sub", [m.logits, m.labels], [diff], name=diff),
                        helper.make_node("Mul", [diff, diff], [sq], name=sq),
                        helper.make_node("ReduceMean", [sq], [m.loss], keepdims=0, name=m.loss)])
         g.input.append(helper.make_tensor_value_info(m.labels, et, None))
-    g.output.insert(0, helper.make_tensor_value_info(m.loss, TensorProto.FLOAT, []))
+    g.output.insert(0, helper.make_tensor_value_info(m.loss, et or TensorProto.FLOAT, []))
 
 
 def build_model(cfg: Config) -> onnx.ModelProto:

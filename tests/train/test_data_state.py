@@ -132,3 +132,26 @@ def test_checkpoint_round_trip_restores_every_state_tensor(tmp_path, optimizer, 
     assert before.keys() == after.keys()
     for k in before:
         np.testing.assert_array_equal(before[k], after[k], err_msg=k)
+
+
+def test_appended_loss_of_a_float64_model_is_float64(tmp_path):
+    """``model.add_loss`` on a float64 model declares the loss float64 (it was declared float32, which the
+    node check refuses as onnxruntime does); the run trains and learns."""
+    from onnxtrain.testing import to_float64
+
+    x, y = _blobs(400)
+    np.savez(tmp_path / "blobs.npz", features=x, target=y)
+    onnx.save(to_float64(mlp([4, 16, 3], loss=False)), tmp_path / "net64.onnx")
+    for loss in ("cross_entropy", "mse"):
+        feeds = {"x": "features", "target": "target"} if loss == "cross_entropy" else {"x": "features"}
+        raw = {"model": {"path": "net64.onnx", "add_loss": loss, "labels": "target"},
+               "data": {"source": "files", "path": "blobs.npz", "feeds": feeds, "eval_fraction": 0.25},
+               "optimizer": {"name": "sgd", "lr": 0.1}, "training": {"epochs": 5, "batch_size": 16}}
+        if loss == "mse":
+            np.savez(tmp_path / "blobs.npz", features=x, target=np.eye(3)[y])
+            raw["data"]["feeds"] = {"x": "features", "target": "target"}
+        cfg = config_from_dict(raw, base_dir=str(tmp_path))
+        result = Trainer(cfg, str(tmp_path / f"out_{loss}"), progress=False).run()
+        assert np.isfinite(result.metrics["eval_loss"])
+        if loss == "cross_entropy":
+            assert result.metrics["eval_accuracy"] > 0.95
