@@ -35,8 +35,8 @@ def shard(data: Any, rank: int | None = None, size: int | None = None, drop_rema
 
 def split_batch(batch: Any, rank: int | None = None, size: int | None = None) -> Any:
     """This rank's part of one global batch (an array, or a tuple or dict of arrays of one length, each
-    split the same way: ``xb, yb = split_batch((x, y))``); the batch size must divide by the number of
-    ranks.
+    split the same way: ``xb, yb = split_batch((x, y))``; a list is a sequence of samples, split as one);
+    the batch size must divide by the number of ranks.
 
     ``D`` ranks stepping on ``split_batch(b)`` compute the same averaged gradient as one process on ``b``.
     """
