@@ -319,6 +319,12 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         """The trained weights this rank holds (by the names it holds them under)."""
         raise NotImplementedError
 
+    def _norm_dtype(self) -> np.dtype:
+        """The dtype this rank's update graph takes the global norm in: float64 when a weight it trains is
+        float64, as its graph declares the norm input (``clipping.norm_type``)."""
+        wide = any(self._store[w].dtype == np.float64 for w in self._trained() if w in self._store)
+        return np.dtype(np.float64 if wide else np.float32)
+
     def _state_names(self) -> list[str]:
         return sorted([*self._trained(), *(sp.name for sp in self._specs), *self._bn_stats])
 

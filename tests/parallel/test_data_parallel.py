@@ -203,3 +203,23 @@ def test_float64_model_trains_in_float64_on_two_ranks(mode: str, tmp_path) -> No
     assert list(got["norm_dtypes"]) == ["<f8"] * 3
     np.testing.assert_allclose(got["norms"], np.stack(norms), rtol=1e-12)
     np.testing.assert_allclose(got["weights"], weights, rtol=1e-12)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["pipeline", "horizontal"])
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
+def test_float64_model_in_cut_sessions_clips_with_a_float64_norm(mode: str, backend: str, tmp_path) -> None:
+    """A float64 model with clipping in a 2-stage pipeline or split horizontally: the norm fed to each
+    rank's update is of the type its graph declares (onnxruntime refused the float32 norm these sessions
+    fed: "Actual: (tensor(float)), expected: (tensor(double))"), and equals one process's."""
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    from tests.parallel import float64_cut_worker
+
+    out = tmp_path / "norms.npz"
+    r = run_mpi(mode, backend, str(out), worker=float64_cut_worker.__file__, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = np.load(out)
+    assert list(got["dtypes"]) == ["<f8"] * 3
+    want = np.stack(float64_cut_worker.train("single", "numpy"))
+    np.testing.assert_allclose(got["norms"], want, rtol=1e-9)
