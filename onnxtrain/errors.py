@@ -80,9 +80,9 @@ class FailKeyError(Fail, KeyError):
         return str(self.args[0]) if len(self.args) == 1 else super().__str__()
 
 
-class NoSuchFileError(NoSuchFile, FileNotFoundError):
-    """A file or folder the call needs does not exist: a ``FileNotFoundError``, and onnxruntime's
-    ``NoSuchFile``."""
+class NoSuchFileError(FileNotFoundError, NoSuchFile):  # OSError's constructor first: errno, filename
+    """A file or folder the call needs does not exist: a ``FileNotFoundError`` (with its errno and file
+    name), and onnxruntime's ``NoSuchFile``."""
 
 
 class FailTypeError(Fail, TypeError):
@@ -96,7 +96,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def raises_as_onnxruntime(fn: _F) -> _F:
     """``fn`` with its ``ValueError``, ``KeyError``, ``TypeError`` and ``FileNotFoundError`` raised as
     :class:`FailValueError`, :class:`FailKeyError`, :class:`FailTypeError` and :class:`NoSuchFileError`
-    (errors that are already onnxruntime's classes pass unchanged): onnxruntime's
+    (subclasses, onnxtrain's own errors among them, pass unchanged): onnxruntime's
     legacy binding raised a ``RuntimeError`` where onnxtrain's checks raise these, so ported ``except
     RuntimeError`` clauses and code written for onnxtrain both catch them."""
 
@@ -104,19 +104,21 @@ def raises_as_onnxruntime(fn: _F) -> _F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except RuntimeError:
-            raise
-        except FileNotFoundError as e:
-            args = (e.errno, e.strerror, e.filename) if e.filename is not None else e.args
-            raise NoSuchFileError(*args).with_traceback(e.__traceback__) from None
-        except KeyError as e:
-            raise FailKeyError(*e.args).with_traceback(e.__traceback__) from None
-        except ValueError as e:
-            raise FailValueError(*e.args).with_traceback(e.__traceback__) from None
-        except TypeError as e:
-            raise FailTypeError(*e.args).with_traceback(e.__traceback__) from None
+        except (FileNotFoundError, KeyError, ValueError, TypeError) as e:
+            dual = _DUALS.get(type(e))  # a subclass (TranslationError, ...) keeps its own class
+            if dual is None:
+                raise
+            if dual is NoSuchFileError and e.filename is not None:
+                args: tuple = (e.errno, e.strerror, e.filename)
+            else:
+                args = e.args
+            raise dual(*args).with_traceback(e.__traceback__) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+_DUALS: dict[type, type] = {FileNotFoundError: NoSuchFileError, KeyError: FailKeyError,
+                            ValueError: FailValueError, TypeError: FailTypeError}
 
 
 # the names of onnxruntime.capi._pybind_state

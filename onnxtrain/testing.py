@@ -65,6 +65,8 @@ def _graph_to_float64(g: onnx.GraphProto) -> None:
     for n in g.node:
         if n.op_type in _FLOAT_BY_DEFAULT and not any(a.name == "dtype" for a in n.attribute):
             n.attribute.append(onnx.helper.make_attribute("dtype", TensorProto.DOUBLE))
+        if n.op_type == "ConstantOfShape" and not any(a.name == "value" for a in n.attribute):  # float32 0
+            n.attribute.append(onnx.helper.make_attribute("value", numpy_helper.from_array(np.zeros(1))))
         for a in n.attribute:
             if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT:
                 a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float64), a.t.name))

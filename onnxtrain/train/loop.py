@@ -303,7 +303,7 @@ class Trainer:
             # checkpoint_to_state names every state tensor; under ZeRO a rank's strict load_state refuses
             # the unpartitioned state of weights that other ranks update, so it is not strict there
             self.sess.load_state(state, strict=self.comm is None)
-        except ValueError as e:
+        except (ValueError, TypeError, KeyError) as e:  # a shape, dtype or name that does not fit
             changed = f"; config keys changed since it was written: {', '.join(diff)}" if diff else ""
             raise ConfigError("--resume", f"the checkpoint {path or ''} does not fit this config's model "
                                           f"({e}){changed}") from None

@@ -382,15 +382,19 @@ def _write_ort_format(models: list[str]) -> None:
     import logging
     import pathlib
 
-    log = logging.getLogger("ort_format_model")  # the converter logs each config file it writes
-    level = log.level
-    log.setLevel(logging.WARNING)
+    # the converter logs each config file it writes (its module loggers set their own levels) and prints
+    # its progress: both are silenced while it runs
+    loggers = [logging.getLogger(n) for n in ("ort_format_model", "ort_format_model.utils")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.WARNING)
     try:
         for model in models:
-            with contextlib.redirect_stdout(io.StringIO()):  # and prints its progress
+            with contextlib.redirect_stdout(io.StringIO()):
                 convert_onnx_models_to_ort(pathlib.Path(model), optimization_styles=[OptimizationStyle.Fixed])
     finally:
-        log.setLevel(level)
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
 
 
 # the files generate_artifacts may write (each with the prefix)

@@ -452,6 +452,27 @@ def test_to_float64_converts_sequences_and_default_float_outputs() -> None:
         np.testing.assert_array_equal(y, want)
 
 
+def test_to_float64_gives_constant_of_shape_a_float64_value() -> None:
+    """ConstantOfShape without a value makes float32 zeros: converted, it makes float64 ones of the model's
+    type, which onnxruntime (the oracle) loads and runs to float64 as the engine does."""
+    from onnxtrain.engine import compile_model
+    from onnxtrain.testing import to_float64
+
+    g = helper.make_graph([helper.make_node("Shape", ["x"], ["s"]),
+                           helper.make_node("ConstantOfShape", ["s"], ["z"]),
+                           helper.make_node("Add", ["x", "z"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", T.FLOAT, [3])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [3])])
+    model = to_float64(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    x = np.array([1.0, 1 / 3, -2.5])
+    cpu = ["CPUExecutionProvider"]
+    want = ort.InferenceSession(model.SerializeToString(), providers=cpu).run(None, {"x": x})[0]
+    got = compile_model(model).run({"x": x})[0]
+    assert want.dtype == got.dtype == np.float64
+    np.testing.assert_array_equal(got, x)
+    np.testing.assert_array_equal(want, x)
+
+
 # ---- Scan --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "in_dir, out_dir, in_axis, out_axis", [(0, 0, 0, 0), (1, 0, 1, 0), (0, 1, 1, -1), (1, 1, -1, 1)]

@@ -155,3 +155,26 @@ def test_appended_loss_of_a_float64_model_is_float64(tmp_path):
         assert np.isfinite(result.metrics["eval_loss"])
         if loss == "cross_entropy":
             assert result.metrics["eval_accuracy"] > 0.95
+
+
+def test_resuming_with_a_checkpoint_of_another_dtype_names_resume(tmp_path):
+    """A float64 run's checkpoint resumed with the float32 model: a ConfigError naming --resume (the CLI's
+    exit 2), not a TypeError escaping the loop."""
+    from onnxtrain.testing import to_float64
+    from onnxtrain.train.config import ConfigError
+
+    x, y = _blobs(200)
+    np.savez(tmp_path / "blobs.npz", features=x, target=y)
+    onnx.save(to_float64(mlp([4, 16, 3], loss=False)), tmp_path / "net64.onnx")
+    onnx.save(mlp([4, 16, 3], loss=False), tmp_path / "net32.onnx")
+
+    def cfg(path: str, epochs: int):
+        raw = {"model": {"path": path, "add_loss": "cross_entropy", "labels": "target"},
+               "data": {"source": "files", "path": "blobs.npz", "eval_fraction": 0.25,
+                        "feeds": {"x": "features", "target": "target"}},
+               "optimizer": {"name": "sgd", "lr": 0.1}, "training": {"epochs": epochs, "batch_size": 16}}
+        return config_from_dict(raw, base_dir=str(tmp_path))
+
+    Trainer(cfg("net64.onnx", 1), str(tmp_path / "out"), progress=False).run()
+    with pytest.raises(ConfigError, match=r"--resume.*expected dtype float32, got float64"):
+        Trainer(cfg("net32.onnx", 2), str(tmp_path / "out"), progress=False).run(resume=True)

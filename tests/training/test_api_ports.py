@@ -143,3 +143,28 @@ def test_clip_grad_norm_of_mixed_float_types_is_computed_in_float64() -> None:
     want = g64 * min(0.05 / (norm + 1e-6), 1.0)
     np.testing.assert_allclose(c64, want, rtol=1e-15)
     assert c32.dtype == np.float32
+
+
+def test_errors_made_onnxruntimes_keep_their_details_and_subclasses(tmp_path) -> None:
+    """A missing checkpoint's error keeps the OSError details (``[Errno 2] ...: 'path'``, errno, filename);
+    a ValueError subclass of onnxtrain's own (a training model's op without translation) keeps its class."""
+    import errno
+
+    import pytest
+
+    from onnxtrain.training.ort_artifacts.common import TranslationError
+
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError) as e:
+        CheckpointState.load_checkpoint(missing)
+    assert e.value.errno == errno.ENOENT and e.value.filename == str(missing)
+    assert str(e.value).startswith("[Errno 2] ") and str(missing) in str(e.value)
+    h, f = onnx.helper, onnx.TensorProto.FLOAT
+    fused = h.make_node("SomeFusion", ["x"], ["y"], domain="com.microsoft")
+    model = h.make_model(h.make_graph([fused], "g", [h.make_tensor_value_info("x", f, [2])],
+                                      [h.make_tensor_value_info("y", f, [2])]),
+                         opset_imports=[h.make_opsetid("", 17), h.make_opsetid("com.microsoft", 1)])
+    onnx.save(model, tmp_path / "fused.onnx")
+    state = CheckpointState.__new__(CheckpointState)  # the translation comes first: no state is read
+    with pytest.raises(TranslationError, match="SomeFusion"):
+        Module(str(tmp_path / "fused.onnx"), state)

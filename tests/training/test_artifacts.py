@@ -641,7 +641,7 @@ def test_error_unreachable_parameter(tmp_path):
         )
 
 
-def test_ort_format_writes_ort_copies_and_custom_op_library_is_an_error(mlp, tmp_path):
+def test_ort_format_writes_ort_copies_and_custom_op_library_is_an_error(mlp, tmp_path, capfd):
     """``ort_format=True``: besides the .onnx artifacts, their .ort copies and required-operator configs by
     onnxruntime's converter, as onnxruntime-training wrote them; onnxruntime (the oracle) runs the .ort eval
     model to the .onnx one's outputs. A custom op library is refused."""
@@ -654,6 +654,7 @@ def test_ort_format_writes_ort_copies_and_custom_op_library_is_an_error(mlp, tmp
         ort_format=True,
         artifact_directory=tmp_path,
     )
+    assert "Created config" not in capfd.readouterr().err  # the converter's log lines are silenced
     written = {p.name for p in tmp_path.iterdir()}
     for name in ("training_model", "eval_model", "optimizer_model"):
         assert {f"{name}.onnx", f"{name}.ort", f"{name}.required_operators.config"} <= written, written
