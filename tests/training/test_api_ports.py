@@ -23,15 +23,20 @@ class _CastLinear(onnxblock.ForwardBlock):
         return self.linear(self.cast(x))
 
 
-def test_numpy_string_arrays_feed_a_string_input(tmp_path) -> None:
-    """A ``dtype=str`` array for a STRING input (onnxruntime takes it) gives the loss of the same strings
-    as Python objects; it was refused ("unexpected data type. Actual: <U3, expected: object")."""
+def _string_model() -> onnx.ModelProto:
+    """:class:`_CastLinear` over a STRING input [1, 4]."""
     block = _CastLinear()
     with onnxblock.empty_base() as acc:
         acc.model.graph.input.extend([onnx.helper.make_tensor_value_info("input", onnx.TensorProto.STRING,
                                                                          [1, 4])])
         block("input")
-    model = block.to_model_proto()
+    return block.to_model_proto()
+
+
+def test_numpy_string_arrays_feed_a_string_input(tmp_path) -> None:
+    """A ``dtype=str`` array for a STRING input (onnxruntime takes it) gives the loss of the same strings
+    as Python objects; it was refused ("unexpected data type. Actual: <U3, expected: object")."""
+    model = _string_model()
     artifacts.generate_artifacts(model, optimizer=artifacts.OptimType.AdamW,
                                  loss=artifacts.LossType.CrossEntropyLoss,
                                  requires_grad=[p.name for p in model.graph.initializer],
@@ -55,12 +60,7 @@ def test_api_errors_are_runtime_errors_as_onnxruntimes(tmp_path) -> None:
 
     from onnxtrain.capi import _pybind_state as C
 
-    block = _CastLinear()
-    with onnxblock.empty_base() as acc:
-        acc.model.graph.input.extend([onnx.helper.make_tensor_value_info("input", onnx.TensorProto.STRING,
-                                                                         [1, 4])])
-        block("input")
-    model = block.to_model_proto()
+    model = _string_model()
     trained = [p.name for p in model.graph.initializer]
     artifacts.generate_artifacts(model, loss=artifacts.LossType.CrossEntropyLoss, requires_grad=trained,
                                  artifact_directory=tmp_path)
