@@ -168,3 +168,49 @@ def test_errors_made_onnxruntimes_keep_their_details_and_subclasses(tmp_path) ->
     state = CheckpointState.__new__(CheckpointState)  # the translation comes first: no state is read
     with pytest.raises(TranslationError, match="SomeFusion"):
         Module(str(tmp_path / "fused.onnx"), state)
+
+
+def test_a_parameter_the_checkpoint_freezes_stays_frozen_through_the_optimizer(tmp_path) -> None:
+    """Artifacts that train W and b, a checkpoint that freezes b: the Module warns and drops b's gradient,
+    and the Optimizer (which refused the optimizer model's b before) steps W exactly as the artifacts that
+    train W alone do, and leaves b as it was."""
+    import warnings
+
+    from onnx import numpy_helper
+
+    from onnxtrain.training.api import Optimizer
+
+    rng = np.random.default_rng(0)
+    w, b = rng.standard_normal((4, 3)).astype(np.float32), rng.standard_normal(3).astype(np.float32)
+    h = onnx.helper
+    nodes = [h.make_node("MatMul", ["x", "W"], ["xw"]), h.make_node("Add", ["xw", "b"], ["y"])]
+    g = h.make_graph(nodes, "lin",
+                     [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 4])],
+                     [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 3])],
+                     [numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "b")])
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    x, target = rng.standard_normal((5, 4)).astype(np.float32), rng.standard_normal((5, 3)).astype(np.float32)
+    steps = {}
+    for label, trained in (("both", ["W", "b"]), ("W only", ["W"])):
+        out = tmp_path / label.replace(" ", "_")
+        out.mkdir()
+        artifacts.generate_artifacts(model, requires_grad=trained, loss=artifacts.LossType.MSELoss,
+                                     optimizer=artifacts.OptimType.AdamW, artifact_directory=out)
+        if label == "both":  # the checkpoint freezes b
+            onnxblock.save_checkpoint(([numpy_helper.from_array(w, "W")], [numpy_helper.from_array(b, "b")]),
+                                      out / "checkpoint")
+        state = CheckpointState.load_checkpoint(out / "checkpoint")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = Module(str(out / "training_model.onnx"), state, str(out / "eval_model.onnx"))
+        assert any("stay frozen" in str(c.message) for c in caught) == (label == "both")
+        opt = Optimizer(str(out / "optimizer_model.onnx"), module)
+        for _ in range(2):
+            module(x, target)
+            opt.step()
+            module.lazy_reset_grad()
+        steps[label] = state.parameters["W"].data.copy()
+        if label == "both":
+            np.testing.assert_array_equal(state.parameters["b"].data, b)  # frozen
+    np.testing.assert_array_equal(steps["both"], steps["W only"])
+    assert not np.array_equal(steps["both"], w)

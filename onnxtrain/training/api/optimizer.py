@@ -115,12 +115,18 @@ class Optimizer:
                              "training model takes no loss_scale: use the training model generated with it")
         trainable = self._module.trainable_parameter_names
         tset = set(trainable)
+        # parameters the checkpoint freezes although the artifacts train them (the Module warned and drops
+        # their gradients): the optimizer model still takes them, fed as they are with zero gradients and
+        # moments, and their updates are discarded
+        frozen = {n for n in self._state._params if n not in tset}
+        self._frozen_inputs: dict[str, str] = {}  # input name -> the frozen parameter it belongs to
         params: list[str] = []
         grads: dict[str, str] = {}
         moments: dict[str, tuple[str, str]] = {}  # input name -> (param, key)
         for n in inputs[2:]:
             if n == self._loss_scale_input:
                 continue
+            owner = n[:-len(GRAD_SUFFIX)] if n.endswith(GRAD_SUFFIX) else n.rsplit(".", 1)[0]
             if n in tset:
                 params.append(n)
             elif n.endswith(GRAD_SUFFIX) and n[:-len(GRAD_SUFFIX)] in tset:
@@ -128,9 +134,8 @@ class Optimizer:
             elif "." in n and n.rsplit(".", 1)[0] in tset:
                 p, key = n.rsplit(".", 1)
                 moments[n] = (p, key)
-            elif n in self._state._params:
-                raise ValueError(f"the optimizer model updates {n!r}, which is not a trainable parameter "
-                                 f"of the module (trainable: {trainable})")
+            elif n in frozen or owner in frozen:
+                self._frozen_inputs[n] = n if n in frozen else owner
             elif n in ("params", "gradients", "first_order_moments"):
                 raise ValueError("this optimizer model takes tensor sequences (onnxruntime-training's "
                                  "com.microsoft optimizer); regenerate it with onnxtrain.training.artifacts")
@@ -230,6 +235,12 @@ class Optimizer:
             feeds.update(zip(names, parallel.allreduce_gradients([feeds[n] for n in names], inplace=False)))
         for name, (p, key) in self._moments.items():
             feeds[name] = opt.moments[p][key]
+        for name, p in self._frozen_inputs.items():  # kept as they are: the updates are discarded
+            data = params[p].data
+            if data is None:
+                raise NominalStateError(f"The optimizer model reads frozen parameter {p!r}, which the "
+                                        f"nominal state holds no value of. {LOAD_HINT}")
+            feeds[name] = data if name == p else np.zeros_like(data)
         # weights and moments are replaced by their updates: the plan may write the new values into them,
         # which is also what keeps a Parameter's .data aliasing the live weights, as onnxruntime's does
         donate = [*self._params, *self._moments]
@@ -244,6 +255,8 @@ class Optimizer:
         clipped: list[tuple[Any, np.ndarray]] = []
         for out, value in zip(self._outputs, results):
             target = out[:-len(OUT_SUFFIX)]
+            if target in self._frozen_inputs:
+                continue
             if target in params:
                 params[target].data = _into(params[target].data, value)
             elif target in self._moments:
