@@ -157,6 +157,11 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             )
         self._start_ns = time.time_ns()
         model = load_model(path_or_bytes)
+        if self._backend == "numpy":  # the user's nodes first: an error names them, not the training graph's
+            from onnxtrain.engine.node_checks import check_nodes  # (onnxruntime sessions never load it)
+
+            check_nodes(model)
+
         self._user_meta = metadata_of(model)  # what get_modelmeta reports: the user's model, not the step's
         self._opt = (get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
                      if p.training_optimizer_name else None)

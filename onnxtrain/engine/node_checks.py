@@ -472,3 +472,25 @@ def invalid_nodes(graph: onnx.GraphProto, opsets: Mapping[str, int] | NodeChecke
                 if len(out) >= limit:
                     return out[:limit]
     return out
+
+
+def checked_opsets(model: onnx.ModelProto) -> dict[str, int]:
+    """The opsets nodes are checked at: the model's ONNX opset (the engine's default when it imports none) and
+    its ``ai.onnx.ml`` one when it imports it."""
+    from onnxtrain.engine.interface import default_opset
+
+    return {"": default_opset(model), **model_opsets(model)}
+
+
+def check_nodes(model: onnx.ModelProto, outer_types: Mapping[str, str] | None = None) -> None:
+    """Raise :class:`~onnxtrain.engine.interface.InvalidNodeError` naming the nodes of ONNX's domains (``""``,
+    ``"ai.onnx.ml"``), bodies included, that their schemas at the model's opsets do not allow.
+    ``outer_types``: the types of the values of the graphs enclosing the model's graph (a body's)."""
+    from onnxtrain.engine.interface import InvalidNodeError
+
+    found = invalid_nodes(model.graph, checked_opsets(model), outer=outer_types)
+    if len(found) == 1:
+        raise InvalidNodeError(found[0])
+    if found:
+        more = "+" if len(found) >= 10 else ""
+        raise InvalidNodeError(f"{len(found)}{more} invalid nodes:\n  " + "\n  ".join(found))

@@ -14,7 +14,7 @@ import onnx
 
 from onnxtrain.engine.backends import _optimizations_off, import_onnxruntime, resolve_providers
 from onnxtrain.engine.donation import check_fed, donatable
-from onnxtrain.engine.interface import EngineError, GraphInterface, ProfileEvent
+from onnxtrain.engine.interface import EngineError, GraphInterface, InvalidNodeError, ProfileEvent
 from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.ort_rewrites import for_onnxruntime
 from onnxtrain.engine.parallel import default_width, local_ranks
@@ -173,8 +173,11 @@ class OrtPlan(GraphInterface):
             return ort.InferenceSession(model.SerializeToString(), so, **kw)
         except Exception as e:
             if "IR version" not in str(e):
-                raise EngineError(f"onnxruntime could not load the graph {model.graph.name!r}: {e}"
-                                  f"{_bfloat16_hint(model, e)}") from None
+                # a node its schema does not allow: the InvalidNodeError the numpy engine raises, with
+                # onnxruntime's words (its own check is not loaded here: the backend's memory)
+                cls = InvalidNodeError if _invalid_node(e) else EngineError
+                raise cls(f"onnxruntime could not load the graph {model.graph.name!r}: {e}"
+                          f"{_bfloat16_hint(model, e)}") from None
             first = e
         # an IR version newer than this onnxruntime reads: the lowest one the opsets allow
         lowered = onnx.ModelProto()
@@ -347,3 +350,10 @@ def _bfloat16_hint(model: onnx.ModelProto, err: Exception) -> str:
         return ""
     return ("; onnxruntime's CPU provider lacks bfloat16 kernels for ops of this graph (bfloat16 mixed "
             "precision): train on the numpy engine (the default backend) or with float16")
+
+
+def _invalid_node(e: Exception) -> bool:
+    """Whether onnxruntime refused a graph for a node its schema does not allow (a type or attribute error
+    found at load), rather than for another reason (a missing kernel, an IR version)."""
+    text = str(e)
+    return type(e).__name__ == "InvalidGraph" or "Type Error" in text or "[TypeInferenceError]" in text

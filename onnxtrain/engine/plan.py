@@ -31,7 +31,7 @@ from onnxtrain.engine.interface import (  # noqa: F401  (the engine's errors, im
     default_opset,
     load_model,
 )
-from onnxtrain.engine.node_checks import NodeChecker, invalid_nodes, model_opsets
+from onnxtrain.engine.node_checks import NodeChecker, check_nodes, checked_opsets  # noqa: F401 (re-exported)
 from onnxtrain.engine.parallel import default_width, running_with, width
 from onnxtrain.engine.registry import (
     SUBGRAPH_OPS,
@@ -60,24 +60,6 @@ class Step:
     attrs: Attrs
     free: tuple[int, ...]
     node: onnx.NodeProto
-
-
-def checked_opsets(model: onnx.ModelProto) -> dict[str, int]:
-    """The opsets nodes are checked at: the model's ONNX opset (the engine's default when it imports none) and
-    its ``ai.onnx.ml`` one when it imports it."""
-    return {"": default_opset(model), **model_opsets(model)}
-
-
-def check_nodes(model: onnx.ModelProto, outer_types: Mapping[str, str] | None = None) -> None:
-    """Raise :class:`InvalidNodeError` naming the nodes of ONNX's domains (``""``, ``"ai.onnx.ml"``), bodies
-    included, that their schemas at the model's opsets do not allow (:mod:`onnxtrain.engine.node_checks`).
-    ``outer_types``: the types of the values of the graphs enclosing the model's graph (a body's)."""
-    found = invalid_nodes(model.graph, checked_opsets(model), outer=outer_types)
-    if len(found) == 1:
-        raise InvalidNodeError(found[0])
-    if found:
-        more = "+" if len(found) >= 10 else ""
-        raise InvalidNodeError(f"{len(found)}{more} invalid nodes:\n  " + "\n  ".join(found))
 
 
 class Plan(GraphInterface):

@@ -664,3 +664,39 @@ def test_a_body_reusing_an_outer_name_runs_as_onnxruntime(case: str) -> None:
     got = onnxtrain.InferenceSession(model.SerializeToString()).run(None, feeds)
     np.testing.assert_array_equal(got[0], want[0])
     check_nodes(model)  # the whole-model listing (used when functions are expanded) agrees
+
+
+def _float_plus_double() -> onnx.ModelProto:
+    """loss = ReduceSum(x + c), x float and c a double initializer: invalid (onnxruntime refuses it)."""
+    nodes = [helper.make_node("Add", ["x", "c"], ["z"], name="mixed"),
+             helper.make_node("ReduceSum", ["z"], ["loss"], keepdims=0, name="total")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", _F, [2])],
+                          [helper.make_tensor_value_info("loss", _F, [])],
+                          [numpy_helper.from_array(np.ones(2, np.float64), "c")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
+def test_an_invalid_user_node_is_an_invalid_node_error_on_both_backends(backend: str) -> None:
+    """The README's promise on either backend: an InvalidNodeError (onnxruntime's InvalidGraph). A legacy
+    session on the numpy engine names the user's node alone (it also listed the training graph's Sqrt and Mul
+    that the invalid node made invalid); on the onnxruntime backend the message is onnxruntime's."""
+    from onnxtrain.capi.onnxruntime_pybind11_state import InvalidGraph
+
+    so = onnxtrain.SessionOptions()
+    if backend == "onnxruntime":
+        so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    p = onnxtrain.TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "SGDOptimizer"
+    model = _float_plus_double().SerializeToString()
+    makers = (lambda: onnxtrain.TrainingSession(model, p, so), lambda: onnxtrain.InferenceSession(model, so))
+    for make in makers:
+        with pytest.raises(InvalidNodeError) as e:
+            make()
+        assert isinstance(e.value, InvalidGraph)
+        if backend == "numpy":
+            assert str(e.value) == ("node 'mixed' (Add, opset 17): input 1 'c' is tensor(double), but T of "
+                                    "input 0 'x' is tensor(float)")
+        else:
+            assert "Type Error" in str(e.value)
