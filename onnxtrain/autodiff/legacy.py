@@ -33,15 +33,19 @@ class GradientGraphBuilder:
         b.save("with_grads.onnx")
     """
 
-    def __init__(self, serialized_model: bytes | str | os.PathLike, y_node_arg_names: Iterable[str],
+    def __init__(self, serialized_model: bytes | str | os.PathLike | onnx.ModelProto,
+                 y_node_arg_names: Iterable[str],
                  x_node_arg_names: Iterable[str], loss_node_arg_name: str, options: Any = None):
         if isinstance(serialized_model, (bytes, bytearray)):
             self._model = onnx.load_from_string(bytes(serialized_model))
         elif isinstance(serialized_model, (str, os.PathLike)):
             self._model = onnx.load(os.fspath(serialized_model))
-        else:  # onnxruntime's builder took the serialized model or its path only
-            raise TypeError(f"serialized_model must be the model's bytes or its path, got "
-                            f"{type(serialized_model).__name__}{program_hint(serialized_model)}")
+        elif isinstance(serialized_model, onnx.ModelProto):  # also taken (onnxruntime's took bytes or a path)
+            self._model = onnx.ModelProto()
+            self._model.CopyFrom(serialized_model)
+        else:
+            raise TypeError(f"serialized_model must be the model's bytes, its path or an onnx.ModelProto, "
+                            f"got {type(serialized_model).__name__}{program_hint(serialized_model)}")
         self._ys = _ordered(y_node_arg_names)
         self._xs = _ordered(x_node_arg_names)
         if not self._ys:
@@ -51,6 +55,14 @@ class GradientGraphBuilder:
         self._built: onnx.ModelProto | None = None
 
     def build(self) -> None:
+        g = self._model.graph
+        known = {v.name for v in g.input} | {t.name for t in g.initializer}
+        known |= {o for n in g.node for o in n.output}
+        for what, names in (("y_node_arg_names", self._ys), ("x_node_arg_names", self._xs)):
+            unknown = [n for n in names if n not in known]
+            if unknown:
+                raise GradientError(f"{what}: {unknown} are not values of the graph; graph outputs: "
+                                    f"{[o.name for o in g.output]}")
         seeded = self._loss in self._ys
         first = self._loss if seeded else self._ys[0]
         others = [y for y in self._ys if y != first]

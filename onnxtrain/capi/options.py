@@ -72,6 +72,8 @@ class SessionOptions:
         self.optimized_model_filepath = ""
         self.graph_optimization_level = GraphOptimizationLevel.ORT_ENABLE_ALL
         self.execution_mode = ExecutionMode.ORT_SEQUENTIAL
+        # None until set (onnxruntime's default: DEFAULT); the onnxruntime backend then runs the graph's order
+        self.execution_order: ExecutionOrder | str | int | None = None
         self.intra_op_num_threads = 0
         self.inter_op_num_threads = 0
         self.log_severity_level = -1  # onnxruntime's: the default logger's (set_default_logger_severity)

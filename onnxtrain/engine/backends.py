@@ -102,9 +102,10 @@ def resolve_providers(backend: str, providers: Sequence[Any] | None = None,
                       provider_options: Sequence[dict] | None = None) -> tuple[list[str], list[dict]]:
     """Provider names and options a session of ``backend`` runs with.
 
-    numpy: onnxtrain's CPU provider (see ``onnxtrain.capi.options.resolve_providers``). onnxruntime: the
-    given providers onnxruntime reports available, in order (an unavailable one is dropped with a
-    warning), CPUExecutionProvider last; by default CUDAExecutionProvider first when it is available."""
+    numpy: onnxtrain's CPU provider (see ``onnxtrain.capi.options.resolve_providers``). onnxruntime: the given
+    providers onnxruntime reports available, in order (an unavailable one is dropped with a warning, a name
+    onnxruntime does not know is a ValueError), CPUExecutionProvider last; by default CUDAExecutionProvider
+    first when it is available."""
     if check_backend(backend) == "numpy":
         from onnxtrain.capi.options import resolve_providers as numpy_providers
 
@@ -112,6 +113,10 @@ def resolve_providers(backend: str, providers: Sequence[Any] | None = None,
     ort = import_onnxruntime()
     available = set(ort.get_available_providers())
     items = _provider_items(providers, provider_options)
+    known = ort.get_all_providers()
+    unknown = [name for name, _ in items if name not in known]
+    if unknown:  # as on the numpy engine, and as onnxruntime refuses it
+        raise ValueError(f"unknown provider {unknown[0]!r}; valid names: {', '.join(known)}")
     if not items:
         items = [("CUDAExecutionProvider", {})] if "CUDAExecutionProvider" in available else []
     names: list[str] = []

@@ -38,8 +38,30 @@ def test_build_gradient_model():
 
 
 def test_gradient_graph_builder():
+    """The hint's advice works: the builder takes the ``.model_proto`` (it took bytes or a path only, so
+    following the hint failed); its gradient of y = Σ x·w is x."""
+    import numpy as np
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
     with pytest.raises(TypeError, match=HINT):
         onnxtrain.GradientGraphBuilder(ONNXProgram(), {"y"}, {"w"}, "y")
+    builder = onnxtrain.GradientGraphBuilder(ONNXProgram().model_proto, {"y"}, {"w"}, "y")
+    builder.build()
+    built = onnxtrain.GradientGraphBuilder(builder.get_model(), {"y"}, {"w"}, "y")._model  # bytes still taken
+    x = np.array([3.0, -1.5], np.float32)
+    outs = dict(zip([o.name for o in built.graph.output], ReferenceEvaluator(built).run(None, {"x": x})))
+    np.testing.assert_array_equal(outs["w_grad"], x)
+    assert numpy_helper.to_array(built.graph.initializer[0]).tolist() == [1.0, 2.0]
+
+
+def test_gradient_graph_builder_names_an_unknown_y_as_a_y():
+    """A y that is no value of the graph is named as one of y_node_arg_names, not as "the loss"."""
+    builder = onnxtrain.GradientGraphBuilder(_model(), {"nosuchy"}, {"w"}, "y")
+    from onnxtrain.autodiff import GradientError
+
+    with pytest.raises(GradientError, match=r"y_node_arg_names: \['nosuchy'\] are not values"):
+        builder.build()
 
 
 def test_inference_session():

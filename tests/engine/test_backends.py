@@ -853,3 +853,22 @@ def test_bfloat16_mixed_precision_on_onnxruntime_names_the_way_out():
     (loss,) = sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32),
                                   sess.loss_scale_input_name: np.array([1.0], np.float32)})
     assert np.isfinite(loss).all()
+
+
+def test_unknown_provider_is_a_value_error_on_both_backends():
+    """A provider name onnxruntime does not know is a ValueError on either backend (the onnxruntime backend
+    warned and ran on the CPU); a known one that is not available falls back to the CPU with a warning."""
+    for backend in ("numpy", "onnxruntime"):
+        with pytest.raises(ValueError, match="unknown provider 'FooExecutionProvider'"):
+            InferenceSession(mlp_model().SerializeToString(), options(backend),
+                             providers=["FooExecutionProvider"])
+    absent = next((p for p in ort.get_all_providers() if p not in ort.get_available_providers()), None)
+    if absent is not None:
+        with pytest.warns(UserWarning, match="falling back to CPUExecutionProvider"):
+            InferenceSession(mlp_model().SerializeToString(), options("onnxruntime"), providers=[absent])
+
+
+def test_execution_order_is_none_until_set():
+    so = SessionOptions()
+    assert so.execution_order is None  # onnxruntime's object has the attribute too
+    assert _order(make_plan(mlp_model(), "onnxruntime", options=options("onnxruntime"))) == "PRIORITY_BASED"
