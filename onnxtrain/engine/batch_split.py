@@ -6,7 +6,10 @@ samples of a batch do not interact, the whole graph can instead run twice at the
 the batch, in two plans whose kernels and BLAS calls stay on their own thread. Measured on 2 cores, the
 exported transformer encoder of ``bench/engine_overhead.py`` (batch 32): 12.7 → 11.5 ms per forward.
 
-Whether the samples interact is not read off the graph; it is checked. The model must declare a symbolic
+Whether the samples interact is read off the graph where it can be (:mod:`onnxtrain.engine.batch_mixing`:
+a node that reduces, normalises, concatenates or gathers along the batch axis, found by following the axis
+through the ops whose effect on it is known, keeps the session from splitting at all) and checked where it
+cannot. The model must declare a symbolic
 dimension (e.g. ``batch``) that every input and every output has exactly once: the batch axis of each. The
 first time a batch of some size comes, the run is made both ways, and the halves are used from then on only
 if their outputs agree with the whole run's (a model that mixes samples, a batch norm in training mode say,
@@ -37,6 +40,7 @@ import onnx
 from onnxtrain.engine import half_process
 from onnxtrain.engine.affinity import placed
 from onnxtrain.engine.backends import BATCH_SPLIT_KEY
+from onnxtrain.engine.batch_mixing import batch_mixing_node
 from onnxtrain.engine.blas import can_pin_blas_threads, single_threaded_blas
 from onnxtrain.engine.parallel import parallel_for, running_with
 from onnxtrain.engine.plan import Plan
@@ -100,9 +104,12 @@ class BatchSplitter:
     @classmethod
     def for_plan(cls, plan: Plan, mode: str = "threads") -> BatchSplitter | None:
         """A splitter for ``plan`` running its second half as ``mode`` says ("threads" or "process"), or
-        None when its model declares no batch dimension or it runs on one thread."""
+        None when its model declares no batch dimension, combines samples along it (found in the graph) or
+        it runs on one thread."""
         axes = batch_axes(plan.model)
         if axes is None or plan.threads < 2:
+            return None
+        if batch_mixing_node(plan.model, axes[0]) is not None:  # samples combined: never split
             return None
         if mode == "process" and (why := half_process.available()) is not None:
             warn(f"{BATCH_SPLIT_KEY} = process: {why}; the halves run on threads")

@@ -105,15 +105,46 @@ def test_the_batch_axis_may_be_any_axis(no_minimum):
 
 
 def test_a_model_that_mixes_the_samples_keeps_running_whole(no_minimum):
-    # y = x - mean over the batch: each half would subtract its own mean
-    nodes = [helper.make_node("ReduceMean", ["x"], ["m"], axes=[0], keepdims=1),
+    # y = x - mean over the batch: each half would subtract its own mean. Behind a Reshape the graph screen
+    # loses the batch axis, so the run check is what refuses the split
+    shape = numpy_helper.from_array(np.array([-1, 3], np.int64), "shape")
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"]),
+             helper.make_node("ReduceMean", ["r"], ["m"], axes=[0], keepdims=1),
              helper.make_node("Sub", ["x", "m"], ["y"])]
-    sess = session(batch_model(nodes))
+    sess = session(batch_model(nodes, [shape]))
     x = np.random.default_rng(0).standard_normal((6, 3)).astype(np.float32)
     want = x - x.mean(axis=0, keepdims=True)
     for _ in range(4):
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-6, atol=1e-6)
     assert sess._splitter.verdicts == {6: False} and sess._splitter.split_runs == 0
+
+
+def test_a_graph_that_combines_samples_along_the_batch_axis_is_never_split(no_minimum):
+    """A batch-wide maximum of values that are zero but for outliers: the first batch's halves agree with
+    the whole run, so the run check alone let a later batch with an outlier in one half come out wrong
+    (every row of the other half); the graph screen finds the ReduceMax over the batch axis first. The
+    outputs equal onnxruntime's (the oracle) on both batches."""
+    import onnxruntime as ort
+
+    from onnxtrain.engine.batch_mixing import batch_mixing_node
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array((rng.standard_normal((3, 8)) * 0.1).astype(np.float32), "W")
+    thr = numpy_helper.from_array(np.array(100, np.float32), "thr")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["a"]), helper.make_node("Sub", ["a", "thr"], ["s"]),
+             helper.make_node("Relu", ["s"], ["rs"]),
+             helper.make_node("ReduceMax", ["rs"], ["mx"], axes=[0], keepdims=1, name="batch_max"),
+             helper.make_node("Add", ["a", "mx"], ["y"])]
+    model = batch_model(nodes, [w, thr], out_dims=("batch", 8))
+    assert batch_mixing_node(model, {"x": 0}) == "'batch_max' (ReduceMax, reduces along the batch axis 0)"
+    sess = session(model)
+    assert sess._splitter is None
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    first = rng.standard_normal((8, 3)).astype(np.float32)
+    second = first.copy()
+    second[0] *= 1e4  # an outlier in the first half
+    for x in (first, second):
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], reference.run(None, {"x": x})[0], rtol=1e-5)
 
 
 def test_a_model_that_fails_on_half_a_batch_keeps_running_whole(no_minimum):
@@ -236,3 +267,54 @@ def test_a_run_whose_weights_outweigh_its_activations_keeps_running_whole(monkey
     for n in (8, 8, 1024, 1024, 1024):  # 8 KiB of rows: whole; 1 MiB in and out: split
         sess.run(None, {"x": np.ones((n, 256), np.float32)})
     assert sess._splitter.verdicts == {8: False, 1024: True} and sess._splitter.split_runs == 2
+
+
+def _screened(nodes, inits=(), opset=17):
+    from onnxtrain.engine.batch_mixing import batch_mixing_node
+
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["batch", 3, 4])],
+                          [helper.make_tensor_value_info("y", F, None)], list(inits))
+    return batch_mixing_node(helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)]), {"x": 0})
+
+
+_AXES0 = numpy_helper.from_array(np.array([0], np.int64), "axes0")
+_AXES2 = numpy_helper.from_array(np.array([2], np.int64), "axes2")
+# nodes, initializers, opset → the op the screen names (None: nothing combines the samples)
+SCREEN_CASES = {
+    "softmax_over_batch": ([helper.make_node("Softmax", ["x"], ["y"], axis=0)], [], 17, "Softmax"),
+    "softmax_last_axis": ([helper.make_node("Softmax", ["x"], ["y"], axis=-1)], [], 17, None),
+    "softmax_opset11_flattens_from_axis_0": ([helper.make_node("Softmax", ["x"], ["y"], axis=0)], [], 11,
+                                             "Softmax"),
+    "layer_norm_from_axis_0": ([helper.make_node("LayerNormalization", ["x", "s"], ["y"], axis=0)],
+                               [numpy_helper.from_array(np.ones((3, 4), np.float32), "s")], 17,
+                               "LayerNormalization"),
+    "concat_along_batch": ([helper.make_node("Concat", ["x", "x"], ["y"], axis=0)], [], 17, "Concat"),
+    "concat_along_features": ([helper.make_node("Concat", ["x", "x"], ["y"], axis=2)], [], 17, None),
+    "reduce_all_axes": ([helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0)], [], 13, "ReduceSum"),
+    # the batch axis followed through a Transpose (batch → 1) and a reduction dropping axis 0 (→ 0)
+    "transpose_then_reduce": ([helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]),
+                               helper.make_node("ReduceMean", ["t"], ["r"], axes=[0], keepdims=0),
+                               helper.make_node("ReduceMax", ["r"], ["y"], axes=[0], keepdims=1)], [], 17,
+                              "ReduceMax"),
+    "transpose_then_feature_reduce": ([helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]),
+                                       helper.make_node("ReduceMean", ["t"], ["y"], axes=[0])], [], 17, None),
+    # opset 18: the axes as a constant input
+    "reduce_axes_input_batch": ([helper.make_node("ReduceMax", ["x", "axes0"], ["y"])], [_AXES0], 18,
+                                "ReduceMax"),
+    "reduce_axes_input_features": ([helper.make_node("ReduceMax", ["x", "axes2"], ["y"])], [_AXES2], 18,
+                                   None),
+    # past a Reshape the axis is unknown: nothing after it is screened (the run check guards there)
+    "after_a_reshape": ([helper.make_node("Reshape", ["x", "shape"], ["r"]),
+                         helper.make_node("ReduceSum", ["r"], ["y"], axes=[0])],
+                        [numpy_helper.from_array(np.array([-1, 4], np.int64), "shape")], 17, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCREEN_CASES))
+def test_the_graph_screen_follows_the_batch_axis(case):
+    nodes, inits, opset, op = SCREEN_CASES[case]
+    found = _screened(nodes, inits, opset)
+    if op is None:
+        assert found is None, found
+    else:
+        assert found is not None and f"({op}," in found, found
