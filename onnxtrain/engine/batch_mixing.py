@@ -7,8 +7,8 @@ results: :func:`batch_mixing_node` finds the explicit ones before any run. From 
 it follows the axis through ops whose effect on it is known (elementwise ops, MatMul, Gemm, convolutions and
 pooling, Transpose, reductions, Softmax, LayerNormalization, Concat, Gather, ...), and names the first node
 that reduces, normalises, concatenates or gathers along it. Past an op it does not know (Reshape, whose
-target is a tensor) a value's batch axis is unknown and nothing after it is screened: the run check remains
-the only guard there.
+target is computed at run time, or a constant one that does not copy the batch dimension) a value's batch
+axis is unknown and nothing after it is screened: the run check remains the only guard there.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def batch_mixing_node(model: onnx.ModelProto, input_axes: Mapping[str, int]) -> 
         if why:
             label = repr(node.name) if node.name else f"#{k} (unnamed)"
             return f"{label} ({node.op_type}, {why})"
-        out = _output_axis(node, axis, rank)
+        out = _output_axis(node, axis, rank, consts)
         if out is not None and node.output and node.output[0]:
             axis[node.output[0]], rank[node.output[0]] = out
     return None
@@ -136,7 +136,8 @@ def _mixes(node: onnx.NodeProto, axis: dict[str, int], rank: dict[str, int], ops
     return None
 
 
-def _output_axis(node: onnx.NodeProto, axis: dict[str, int], rank: dict[str, int]) -> tuple[int, int] | None:
+def _output_axis(node: onnx.NodeProto, axis: dict[str, int], rank: dict[str, int],
+                 consts: Mapping[str, Any]) -> tuple[int, int] | None:
     """(batch axis, rank) of ``node``'s first output when the op's effect on them is known, else None."""
     op = node.op_type
     x = node.input[0] if node.input else ""
@@ -173,4 +174,29 @@ def _output_axis(node: onnx.NodeProto, axis: dict[str, int], rank: dict[str, int
         return b - sum(1 for a in gone if a is not None and a < b), r - len(gone)
     if op in ("Softmax", "LogSoftmax", "Hardmax", "LayerNormalization", "Concat", "Split", "CumSum"):
         return b, r
+    if op == "Flatten":  # axes before ``axis`` become the first: the batch axis stays first when it is
+        a = _norm(int(_attr(node, "axis", 1)), r)  # type: ignore[arg-type]
+        return (0, 2) if b == 0 and a is not None and a > 0 else None
+    if op in ("Unsqueeze", "Squeeze"):
+        axes = _axes(node, consts)
+        if axes is None:
+            return None
+        if op == "Unsqueeze":
+            out_rank = r + len(axes)
+            placed = sorted(a + out_rank if a < 0 else a for a in axes)
+            pos = b
+            for a in placed:  # each inserted axis at or before the batch's position pushes it right
+                if a <= pos:
+                    pos += 1
+            return pos, out_rank
+        gone = {a + r if a < 0 else a for a in axes}
+        if not axes or b in gone:  # Squeeze of every size-1 axis: which ones is not known here
+            return None
+        return b - sum(1 for a in gone if a < b), r - len(gone)
+    if op == "Reshape":  # a constant target that copies the dims up to the batch's (0s) keeps it in place
+        target = consts.get(node.input[1]) if len(node.input) > 1 else None
+        if target is None or _attr(node, "allowzero", 0):
+            return None
+        dims = [int(d) for d in target.reshape(-1)]
+        return (b, len(dims)) if b < len(dims) and all(d == 0 for d in dims[:b + 1]) else None
     return None
