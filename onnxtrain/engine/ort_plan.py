@@ -203,10 +203,11 @@ class OrtPlan(GraphInterface):
         check_fed(feeds, donate)
         if overrides:
             feeds = {**feeds, **overrides}
-        names = list(self.output_names) if output_names is None else list(output_names)
-        for n in names:
+        asked = list(self.output_names) if output_names is None else list(output_names)
+        for n in asked:
             if n not in self.output_info:
                 raise EngineError(f"unknown output {n!r}; graph outputs: {self.output_names}")
+        names = list(dict.fromkeys(asked))  # each once: onnxruntime's binding holds a name once
         arrays: dict[str, Any] = {}
         bindable = self._tensor_io
         for name, v in feeds.items():
@@ -239,6 +240,13 @@ class OrtPlan(GraphInterface):
                                              [list(np.shape(v)) for v in arrays.values()]))
         self.peak_bytes = sum(getattr(v, "nbytes", 0) for v in arrays.values()) + sum(
             getattr(v, "nbytes", 0) for v in out)
+        if len(names) < len(asked):  # a name asked for again: a copy of its array each further time
+            got = dict(zip(names, out))
+            seen: set[str] = set()
+            out = []
+            for n in asked:
+                out.append(got[n] if n not in seen else np.array(got[n], copy=True))
+                seen.add(n)
         return out
 
     def _donated_outputs(self, arrays: Mapping[str, np.ndarray], names: list[str],

@@ -282,13 +282,21 @@ class Plan(GraphInterface):
                 peak = self._run_steps(vals, live)
         self.peak_bytes = peak + self.scratch.nbytes
         if output_names is None:
-            return [_as_array(vals[s]) for s in self._output_slots]
-        out = []
-        for n in output_names:
-            s = slot.get(n)
-            if s is None or n not in self.output_info:
-                raise EngineError(f"unknown output {n!r}; graph outputs: {self.output_names}")
-            out.append(_as_array(vals[s]))
+            slots = self._output_slots
+        else:
+            slots = []
+            for n in output_names:
+                s = slot.get(n)
+                if s is None or n not in self.output_info:
+                    raise EngineError(f"unknown output {n!r}; graph outputs: {self.output_names}")
+                slots.append(s)
+        out = [_as_array(vals[s]) for s in slots]
+        if len(set(slots)) < len(slots):  # an output asked for again: a copy each further time
+            seen: set[int] = set()
+            for k, s in enumerate(slots):
+                if s in seen:
+                    out[k] = np.array(out[k], copy=True)
+                seen.add(s)
         return out
 
     def _new_slots(self) -> list[Any]:

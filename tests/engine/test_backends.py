@@ -872,3 +872,28 @@ def test_execution_order_is_none_until_set():
     so = SessionOptions()
     assert so.execution_order is None  # onnxruntime's object has the attribute too
     assert _order(make_plan(mlp_model(), "onnxruntime", options=options("onnxruntime"))) == "PRIORITY_BASED"
+
+
+def test_an_output_asked_for_twice_comes_back_twice_on_both_backends():
+    """run(["y", "y", "z"]) gives three arrays in that order (onnxruntime's binding holds a name once: the
+    backend returned [y, z] and shifted every later output); a graph that lists an output twice too. The
+    repeats are copies, so the caller owns each array."""
+    f, h = onnx.TensorProto.FLOAT, onnx.helper
+    g = h.make_graph([h.make_node("Add", ["x", "x"], ["y"]), h.make_node("Mul", ["x", "x"], ["z"])], "g",
+                     [h.make_tensor_value_info("x", f, [3])],
+                     [h.make_tensor_value_info("y", f, [3]), h.make_tensor_value_info("z", f, [3])])
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        ["y", "y", "z"], {"x": x})
+    for backend in ("numpy", "onnxruntime"):
+        got = InferenceSession(model.SerializeToString(), options(backend)).run(["y", "y", "z"], {"x": x})
+        assert len(got) == 3
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+        got[0][0] = -1.0
+        assert got[1][0] == 2.0, backend
+    sess = TrainingSession(mlp_model().SerializeToString(), params(), options("onnxruntime"))
+    x, y = batches(1, 16)[0]
+    out = sess.run(["loss", "loss", "logits"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)})
+    assert [o.shape for o in out] == [(), (), (16, 4)] and out[0] == out[1]
