@@ -270,8 +270,10 @@ def _mask_multiplies(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.
     types = typed()
     # a constant infinite other branch (an attention mask's bias, Where(mask, 0, -inf)) would give 0·inf
     fills = _scalars(model, lambda v: not bool(np.isfinite(v)))
+    ranks = _constant_ranks(model)
     found = [k for k in found if _float_of(types, model.graph.node[k]) is not None
-             and not fills.keys() & set(model.graph.node[k].input[1:])]
+             and not fills.keys() & set(model.graph.node[k].input[1:])
+             and _zero_adds_no_axis(model.graph.node[k], zeros, ranks, types)]
     if not found:
         return model
 
@@ -327,6 +329,34 @@ def _wheres_with_one_branch_in(model: onnx.ModelProto, consts: Collection[str]) 
     return [k for k, n in enumerate(model.graph.node)
             if n.op_type == "Where" and n.domain in DEFAULT_DOMAINS and len(n.input) == 3
             and (n.input[1] in consts) != (n.input[2] in consts)]
+
+
+def _constant_ranks(model: onnx.ModelProto) -> dict[str, int]:
+    """The ranks of the graph's initializers and Constant outputs, by name."""
+    ranks = {t.name: len(t.dims) for t in model.graph.initializer}
+    ranks.update({n.output[0]: len(a.t.dims) for n in model.graph.node if n.op_type == "Constant"
+                  for a in n.attribute if a.name == "value"})
+    return ranks
+
+
+def _zero_adds_no_axis(node: onnx.NodeProto, zeros: set[str], ranks: dict[str, int], types: dict) -> bool:
+    """Whether a Where's one-value zero branch leaves its output's rank to the other operands (a [1, 1] zero
+    broadcasts a rank-1 Where to rank 2, which a Mul of the other two would not): rank 0, or a rank at most
+    the others' known ones."""
+    zero = next(i for i in node.input[1:] if i in zeros)
+    if ranks.get(zero, 0) == 0:
+        return True
+    others = [i for i in node.input if i != zero]
+    known = []
+    for name in others:
+        tp = types.get(name)
+        if name in ranks:
+            known.append(ranks[name])
+        elif tp is not None and tp.HasField("tensor_type") and tp.tensor_type.HasField("shape"):
+            known.append(len(tp.tensor_type.shape.dim))
+        else:
+            return False
+    return ranks[zero] <= max(known)
 
 
 def _zero_scalars(model: onnx.ModelProto) -> set[str]:

@@ -897,3 +897,24 @@ def test_an_output_asked_for_twice_comes_back_twice_on_both_backends():
     x, y = batches(1, 16)[0]
     out = sess.run(["loss", "loss", "logits"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)})
     assert [o.shape for o in out] == [(), (), (16, 4)] and out[0] == out[1]
+
+
+@pytest.mark.parametrize("zero_shape", [[], [1], [1, 1], [1, 1, 1]])
+def test_where_with_a_zero_keeps_its_broadcast_shape_on_the_backend(zero_shape):
+    """The backend's Where(mask, x, 0) → Mul rewrite: a one-value zero of higher rank than x and the mask
+    broadcasts the output to its rank, which the Mul lost ((4,) for (1, 4)); now the rewrite keeps the
+    Where there, and both backends give onnxruntime's shape and values."""
+    f, h = onnx.TensorProto.FLOAT, onnx.helper
+    zero = onnx.numpy_helper.from_array(np.zeros(zero_shape, np.float32), "zero")
+    g = h.make_graph([h.make_node("Where", ["m", "x", "zero"], ["y"])], "g",
+                     [h.make_tensor_value_info("m", onnx.TensorProto.BOOL, [4]),
+                      h.make_tensor_value_info("x", f, [4])],
+                     [h.make_tensor_value_info("y", f, None)], [zero])
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    feeds = {"m": np.array([True, False, True, False]), "x": np.array([1.0, 2.0, -3.0, 4.0], np.float32)}
+    cpu = ["CPUExecutionProvider"]
+    want = ort.InferenceSession(model.SerializeToString(), providers=cpu).run(None, feeds)[0]
+    for backend in ("numpy", "onnxruntime"):
+        got = InferenceSession(model.SerializeToString(), options(backend)).run(None, feeds)[0]
+        assert got.shape == want.shape, backend
+        np.testing.assert_array_equal(got, want)
