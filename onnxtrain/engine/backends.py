@@ -176,11 +176,15 @@ _warned_float16: list[bool] = []
 
 
 def _warn_float16_products(model: onnx.ModelProto) -> None:
-    """Warn once per process when ``model`` casts to float16 (mixed precision) for onnxruntime's CPU
-    provider, which has no float16 MatMul, Gemm or Conv kernels and computes them in float32."""
+    """Warn once per process when a MatMul, Gemm or Conv of ``model`` reads a value cast to float16 (mixed
+    precision) for onnxruntime's CPU provider, which has no float16 kernels of them and computes them in
+    float32 (float16 moments or a float16 inference model alone are not told)."""
     half = onnx.TensorProto.FLOAT16
-    casts = (n for n in model.graph.node if n.op_type == "Cast")
-    if _warned_float16 or not any(a.name == "to" and a.i == half for n in casts for a in n.attribute):
+    halves = {n.output[0] for n in model.graph.node if n.op_type == "Cast" and n.output
+              and any(a.name == "to" and a.i == half for a in n.attribute)}
+    products = ("MatMul", "Gemm", "Conv", "ConvTranspose")
+    reads = any(n.op_type in products and halves.intersection(n.input) for n in model.graph.node)
+    if _warned_float16 or not reads:
         return
     _warned_float16.append(True)
     warn("the onnxruntime backend (CPU) has no float16 MatMul, Gemm or Conv kernels: onnxruntime computes "

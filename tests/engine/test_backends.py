@@ -918,3 +918,30 @@ def test_where_with_a_zero_keeps_its_broadcast_shape_on_the_backend(zero_shape):
         got = InferenceSession(model.SerializeToString(), options(backend)).run(None, feeds)[0]
         assert got.shape == want.shape, backend
         np.testing.assert_array_equal(got, want)
+
+
+def test_the_float16_products_warning_is_only_for_float16_products():
+    """A float16 cast that no MatMul, Gemm or Conv reads (an inference model's output cast, float16 moments)
+    is not told that its products run in float32 (it was, for any Cast to float16)."""
+    from onnxtrain.engine import backends
+
+    f, h = onnx.TensorProto.FLOAT, onnx.helper
+    g = h.make_graph([h.make_node("Relu", ["x"], ["r"]), h.make_node("Cast", ["r"], ["y"], to=10)], "g",
+                     [h.make_tensor_value_info("x", f, [4])],
+                     [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT16, [4])])
+    cast_only = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    before = list(backends._warned_float16)
+    backends._warned_float16.clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            backends._warn_float16_products(cast_only)
+        product = onnx.ModelProto()
+        product.CopyFrom(cast_only)
+        w = onnx.numpy_helper.from_array(np.ones((4, 2), np.float16), "w")
+        product.graph.initializer.append(w)
+        product.graph.node.append(h.make_node("MatMul", ["y", "w"], ["z"]))
+        with pytest.warns(UserWarning, match="no float16 MatMul, Gemm or Conv kernels"):
+            backends._warn_float16_products(product)
+    finally:
+        backends._warned_float16[:] = before
