@@ -147,6 +147,22 @@ def test_maxpool_integer_input_with_padding() -> None:
     np.testing.assert_array_equal(_ours("MaxPool", [x], **attrs)[0], _ort("MaxPool", [x], **attrs)[0])
 
 
+def test_maxpool_indices_of_windows_of_lowest_values_point_inside_the_input() -> None:
+    """A padded window whose real values are all -inf (the padding's own value) or tie with it: the index
+    is a real position, as onnxruntime's (it pointed into the padding: -3, -1 for a 2×2 input); random data
+    with -inf patches and padding matches onnxruntime's values and indices."""
+    attrs = {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [1, 1, 1, 1]}
+    x = np.full((1, 1, 2, 2), -np.inf, np.float32)
+    _, idx = _ours("MaxPool", [x], n_outputs=2, **attrs)
+    np.testing.assert_array_equal(idx, _ort("MaxPool", [x], n_outputs=2, **attrs)[1])
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 3, 7, 6)).astype(np.float32)
+    x[rng.random(x.shape) < 0.3] = -np.inf
+    attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
+    for a, b in zip(_ours("MaxPool", [x], n_outputs=2, **attrs), _ort("MaxPool", [x], n_outputs=2, **attrs)):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("p", [1, 2, 3])
 def test_lp_pools_match_onnxruntime(p: int) -> None:
     x = np.random.default_rng(4).standard_normal((2, 3, 6, 5)).astype(np.float32)

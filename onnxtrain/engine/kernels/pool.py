@@ -98,11 +98,22 @@ def max_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
     # and one add of the window bases at the end (1.3-1.4x faster than keeping int64 indices throughout)
     ct = np.uint8 if len(offs) <= 256 else np.uint16 if len(offs) <= 65536 else np.int64
     code = np.zeros(y.shape, dtype=ct)
+    padded = any(g["pb"]) or any(g["pe"])
+    if padded:  # a real value ties with the padding's lowest one (a window of -inf): the real one wins
+        inside = pad_input(np.ones(x.shape, bool), g["pb"], g["sizes"], False)
+        real = inside[offs[0][1]].copy()
     for j, (_, sl) in enumerate(offs[1:], start=1):
         v = xp[sl]
         better = np.greater(v, y)  # strict: the first maximum in row-major window order wins
+        if padded:
+            better |= np.equal(v, y) & inside[sl] & ~real
+            real |= better & inside[sl]
+            real &= ~better | inside[sl]
         np.maximum(y, v, out=y)
-        np.maximum(code, np.multiply(better, ct(j), dtype=ct), out=code)
+        if padded:
+            code = np.where(better, ct(j), code).astype(ct, copy=False)
+        else:
+            np.maximum(code, np.multiply(better, ct(j), dtype=ct), out=code)
     idx = np.take(np.asarray(koff, dtype=np.int64), code)
     idx += base
     return (y, idx)
