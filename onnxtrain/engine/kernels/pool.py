@@ -98,25 +98,37 @@ def max_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
     # and one add of the window bases at the end (1.3-1.4x faster than keeping int64 indices throughout)
     ct = np.uint8 if len(offs) <= 256 else np.uint16 if len(offs) <= 65536 else np.int64
     code = np.zeros(y.shape, dtype=ct)
-    padded = any(g["pb"]) or any(g["pe"])
-    if padded:  # a real value ties with the padding's lowest one (a window of -inf): the real one wins
-        inside = pad_input(np.ones(x.shape, bool), g["pb"], g["sizes"], False)
-        real = inside[offs[0][1]].copy()
     for j, (_, sl) in enumerate(offs[1:], start=1):
         v = xp[sl]
         better = np.greater(v, y)  # strict: the first maximum in row-major window order wins
-        if padded:
-            better |= np.equal(v, y) & inside[sl] & ~real
-            real |= better & inside[sl]
-            real &= ~better | inside[sl]
         np.maximum(y, v, out=y)
-        if padded:
-            code = np.where(better, ct(j), code).astype(ct, copy=False)
-        else:
-            np.maximum(code, np.multiply(better, ct(j), dtype=ct), out=code)
+        np.maximum(code, np.multiply(better, ct(j), dtype=ct), out=code)
+    if any(g["pb"]) or any(g["pe"]):
+        _first_real_where_lowest(x, xp, y, code, g)
     idx = np.take(np.asarray(koff, dtype=np.int64), code)
     idx += base
     return (y, idx)
+
+
+def _first_real_where_lowest(x: np.ndarray, xp: np.ndarray, y: np.ndarray, code: np.ndarray,
+                             g: dict[str, Any]) -> None:
+    """In place: a padded window whose maximum is the padding's own lowest value (its real values all -inf)
+    takes its first real position, as onnxruntime's Indices, not the first padded one (only such windows can
+    have picked the padding: any higher value is a real one)."""
+    lowest = _lowest(x.dtype)
+    if not y.size or np.min(y) > lowest:  # no such window (the common case: one pass)
+        return
+    sel = np.nonzero(y == lowest)
+    if not sel[0].size:
+        return
+    inside = pad_input(np.ones(x.shape, bool), g["pb"], g["sizes"], False)
+    found = np.zeros(sel[0].size, bool)
+    pick = np.zeros(sel[0].size, code.dtype)
+    for j, (_, sl) in enumerate(g["offsets"]):
+        real = inside[sl][sel] & ~found
+        pick[real] = j
+        found |= real
+    code[sel] = pick
 
 
 def _index_tables(attrs: Attrs, g: dict[str, Any], xs: tuple[int, ...]) -> tuple[list[int], np.ndarray]:
