@@ -163,6 +163,30 @@ def test_maxpool_indices_of_windows_of_lowest_values_point_inside_the_input() ->
         np.testing.assert_array_equal(a, b)
 
 
+def test_maxpool_window_with_a_nan_points_at_it_as_torch() -> None:
+    """A window holding a NaN: its maximum is NaN and its index that of its first NaN, as torch's max_pool
+    (the index stayed at the maximum before the NaN); the gradient goes to the NaN, as torch's."""
+    torch = pytest.importorskip("torch")
+    from onnxtrain.autodiff import build_gradient_model
+
+    x = np.array([[[[1.0, 5.0, 2.0, 3.0, np.nan, 0.5], [np.nan, 4.0, 9.0, np.nan, 1.0, 2.0]]]], np.float32)
+    y, idx = _ours("MaxPool", [x], n_outputs=2, kernel_shape=[2, 2], strides=[2, 2])
+    ty, tidx = torch.nn.functional.max_pool2d(torch.tensor(x), 2, 2, return_indices=True)
+    np.testing.assert_array_equal(y, ty.numpy())
+    np.testing.assert_array_equal(idx, tidx.numpy())
+    nodes = [helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    f = onnx.TensorProto.FLOAT
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, [1, 1, 2, 6])],
+                          [helper.make_tensor_value_info("loss", f, [])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    grads = build_gradient_model(model, "loss", ["x"])
+    got = dict(zip([o.name for o in grads.graph.output], compile_model(grads).run({"x": x})))["x_grad"]
+    t = torch.tensor(x, requires_grad=True)
+    torch.nn.functional.max_pool2d(t, 2, 2).sum().backward()
+    np.testing.assert_array_equal(got, t.grad.numpy())
+
+
 @pytest.mark.parametrize("p", [1, 2, 3])
 def test_lp_pools_match_onnxruntime(p: int) -> None:
     x = np.random.default_rng(4).standard_normal((2, 3, 6, 5)).astype(np.float32)

@@ -103,22 +103,36 @@ def max_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
         better = np.greater(v, y)  # strict: the first maximum in row-major window order wins
         np.maximum(y, v, out=y)
         np.maximum(code, np.multiply(better, ct(j), dtype=ct), out=code)
-    if any(g["pb"]) or any(g["pe"]):
-        _first_real_where_lowest(x, xp, y, code, g)
+    if y.size:
+        low = np.min(y)  # one pass; the two rare cases below only where it says so
+        if np.issubdtype(y.dtype, np.floating) and np.isnan(low):
+            _first_nan_window(xp, y, code, g)
+        elif (any(g["pb"]) or any(g["pe"])) and low <= _lowest(x.dtype):
+            _first_real_where_lowest(x, y, code, g)
     idx = np.take(np.asarray(koff, dtype=np.int64), code)
     idx += base
     return (y, idx)
 
 
-def _first_real_where_lowest(x: np.ndarray, xp: np.ndarray, y: np.ndarray, code: np.ndarray,
-                             g: dict[str, Any]) -> None:
+def _first_nan_window(xp: np.ndarray, y: np.ndarray, code: np.ndarray, g: dict[str, Any]) -> None:
+    """In place: a window holding a NaN has a NaN maximum (np.maximum propagates it) and its index is that of
+    its first NaN, as torch's max_pool (the gradient goes to the NaN); the comparisons of the main loop had
+    left the index at the maximum before it."""
+    sel = np.nonzero(np.isnan(y))
+    found = np.zeros(sel[0].size, bool)
+    pick = code[sel]
+    for j, (_, sl) in enumerate(g["offsets"]):
+        nan = np.isnan(xp[sl][sel]) & ~found
+        pick[nan] = j
+        found |= nan
+    code[sel] = pick
+
+
+def _first_real_where_lowest(x: np.ndarray, y: np.ndarray, code: np.ndarray, g: dict[str, Any]) -> None:
     """In place: a padded window whose maximum is the padding's own lowest value (its real values all -inf)
     takes its first real position, as onnxruntime's Indices, not the first padded one (only such windows can
     have picked the padding: any higher value is a real one)."""
-    lowest = _lowest(x.dtype)
-    if not y.size or np.min(y) > lowest:  # no such window (the common case: one pass)
-        return
-    sel = np.nonzero(y == lowest)
+    sel = np.nonzero(y == _lowest(x.dtype))
     if not sel[0].size:
         return
     inside = pad_input(np.ones(x.shape, bool), g["pb"], g["sizes"], False)
