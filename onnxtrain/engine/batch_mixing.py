@@ -39,9 +39,10 @@ _PER_SAMPLE_NCHW = frozenset({
 })
 _REDUCE = frozenset({"ReduceMax", "ReduceMin", "ReduceMean", "ReduceSum", "ReduceProd", "ReduceL1",
                      "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare", "ArgMax", "ArgMin"})
-# ops whose "axis" attribute picks the axis they combine or cut values along
-_ALONG_AXIS = frozenset({"Concat", "Split", "Gather", "GatherElements", "CumSum", "TopK", "Compress",
-                         "ReverseSequence", "Flatten"})
+# ops whose "axis" attribute picks the axis they combine or cut values along, with its default (CumSum's
+# axis is its second input)
+_ALONG_AXIS = {"Concat": 0, "Split": 0, "Gather": 0, "GatherElements": 0, "TopK": -1, "Compress": None,
+               "Flatten": 1, "CumSum": None}
 
 
 def batch_mixing_node(model: onnx.ModelProto, input_axes: Mapping[str, int]) -> str | None:
@@ -62,6 +63,7 @@ def batch_mixing_node(model: onnx.ModelProto, input_axes: Mapping[str, int]) -> 
         value = next((a for a in node.attribute if a.name == "value"), None)
         if node.op_type == "Constant" and node.output and value is not None:
             consts[node.output[0]] = numpy_helper.to_array(value.t)
+            rank[node.output[0]] = len(value.t.dims)
         if node.domain not in ("", "ai.onnx"):
             continue
         ins = [i for i in node.input if i]
@@ -107,9 +109,13 @@ def _mixes(node: onnx.NodeProto, axis: dict[str, int], rank: dict[str, int], ops
            consts: Mapping[str, Any]) -> str | None:
     """Why ``node`` combines samples along its first input's batch axis, or None."""
     op, x = node.op_type, node.input[0] if node.input else ""
+    if op == "Concat":  # any of its inputs may carry the batch
+        x = next((i for i in node.input if i in axis), x)
     b, r = axis.get(x), rank.get(x)
     if b is None:
         return None
+    if op == "BatchNormalization" and _attr(node, "training_mode", 0):
+        return "normalises with the batch's statistics (training mode)"
     if op in _REDUCE:
         if len(node.input) > 1 and node.input[1] and node.input[1] not in consts:
             return None  # axes computed at run time: not read here
@@ -127,8 +133,14 @@ def _mixes(node: onnx.NodeProto, axis: dict[str, int], rank: dict[str, int], ops
         if a is not None and b >= a:
             return f"normalises over the batch axis {b}"
     elif op in _ALONG_AXIS:
-        a = _attr(node, "axis", 0 if op != "Flatten" else 1)
-        a = _norm(int(a), r) if a is not None else None
+        if op == "CumSum":
+            value = consts.get(node.input[1]) if len(node.input) > 1 else None
+            a = None if value is None else int(value.reshape(-1)[0])
+        else:
+            a = _attr(node, "axis", _ALONG_AXIS[op])
+        if a is None:  # Compress without an axis flattens the input first: the samples mix
+            return "flattens the batch axis with others" if op == "Compress" else None
+        a = _norm(int(a), r)
         if op == "Flatten":
             return "flattens the batch axis with others" if a is not None and a <= b else None
         if a == b and not (op == "Gather" and x not in axis):

@@ -123,3 +123,13 @@ class GraphInterface:
         self.output_dtypes = {v.name: np_dtype_of(v.type) for v in g.output}
         self.output_shapes = {v.name: value_info_shape(v.type) for v in g.output}
         return model
+
+
+def copied(value: Any) -> Any:
+    """A copy of a run's output of any kind: an array, a sequence (a list of arrays), None (an empty
+    optional)."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, list):
+        return [copied(v) for v in value]
+    return value

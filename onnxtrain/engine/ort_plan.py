@@ -14,7 +14,7 @@ import onnx
 
 from onnxtrain.engine.backends import _optimizations_off, import_onnxruntime, resolve_providers
 from onnxtrain.engine.donation import check_fed, donatable
-from onnxtrain.engine.interface import EngineError, GraphInterface, InvalidNodeError, ProfileEvent
+from onnxtrain.engine.interface import EngineError, GraphInterface, InvalidNodeError, ProfileEvent, copied
 from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.ort_rewrites import for_onnxruntime
 from onnxtrain.engine.parallel import default_width, local_ranks
@@ -245,7 +245,7 @@ class OrtPlan(GraphInterface):
             seen: set[str] = set()
             out = []
             for n in asked:
-                out.append(got[n] if n not in seen else np.array(got[n], copy=True))
+                out.append(got[n] if n not in seen else copied(got[n]))
                 seen.add(n)
         return out
 

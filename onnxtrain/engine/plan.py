@@ -28,6 +28,7 @@ from onnxtrain.engine.interface import (  # noqa: F401  (the engine's errors, im
     ModelParseError,
     ProfileEvent,
     UnsupportedOpError,
+    copied,
     default_opset,
     load_model,
 )
@@ -295,7 +296,7 @@ class Plan(GraphInterface):
             seen: set[int] = set()
             for k, s in enumerate(slots):
                 if s in seen:
-                    out[k] = np.array(out[k], copy=True)
+                    out[k] = copied(out[k])
                 seen.add(s)
         return out
 

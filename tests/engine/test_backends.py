@@ -945,3 +945,23 @@ def test_the_float16_products_warning_is_only_for_float16_products():
             backends._warn_float16_products(product)
     finally:
         backends._warned_float16[:] = before
+
+
+def test_a_sequence_output_asked_for_twice_comes_back_as_two_lists():
+    """The repeat's copy keeps the value's kind (a sequence is a list of arrays): it raised numpy's
+    "inhomogeneous shape" for tensors of different sizes, as onnxruntime returns two lists."""
+    f, h = onnx.TensorProto.FLOAT, onnx.helper
+    nodes = [h.make_node("Concat", ["x", "x"], ["xx"], axis=0),
+             h.make_node("SequenceConstruct", ["x", "xx"], ["s"]), h.make_node("Relu", ["x"], ["r"])]
+    g = h.make_graph(nodes, "g",
+                     [h.make_tensor_value_info("x", f, [3])],
+                     [h.make_tensor_sequence_value_info("s", f, None), h.make_tensor_value_info("r", f, [3])])
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    x = np.array([1.0, -2.0, 3.0], np.float32)
+    for backend in ("numpy", "onnxruntime"):
+        sess = InferenceSession(model.SerializeToString(), options(backend))
+        s1, s2, r = sess.run(["s", "s", "r"], {"x": x})
+        assert isinstance(s1, list) and isinstance(s2, list) and [a.shape for a in s2] == [(3,), (6,)]
+        np.testing.assert_array_equal(s2[1], np.concatenate([x, x]))
+        s2[0][0] = 7.0
+        assert s1[0][0] == 1.0, backend

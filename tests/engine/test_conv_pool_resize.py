@@ -164,12 +164,15 @@ def test_maxpool_indices_of_windows_of_lowest_values_point_inside_the_input() ->
 
 
 def test_maxpool_window_with_a_nan_points_at_it_as_torch() -> None:
-    """A window holding a NaN: its maximum is NaN and its index that of its first NaN, as torch's max_pool
-    (the index stayed at the maximum before the NaN); the gradient goes to the NaN, as torch's."""
+    """A window holding a NaN: its maximum is NaN and its index that of its last NaN, as torch's max_pool
+    (the index stayed at the maximum before the NaN); the gradient goes to the NaN, as torch's. With
+    padding too, a padded window of -inf still points inside (it was skipped when a NaN was present)."""
     torch = pytest.importorskip("torch")
     from onnxtrain.autodiff import build_gradient_model
 
-    x = np.array([[[[1.0, 5.0, 2.0, 3.0, np.nan, 0.5], [np.nan, 4.0, 9.0, np.nan, 1.0, 2.0]]]], np.float32)
+    # windows: one NaN last, one NaN first, two NaNs (torch takes the last), none
+    x = np.array([[[[1.0, 5.0, 2.0, 3.0, np.nan, 0.5, 1.0, 2.0], [np.nan, 4.0, 9.0, np.nan, 1.0, np.nan, 3.0,
+                                                                  4.0]]]], np.float32)
     y, idx = _ours("MaxPool", [x], n_outputs=2, kernel_shape=[2, 2], strides=[2, 2])
     ty, tidx = torch.nn.functional.max_pool2d(torch.tensor(x), 2, 2, return_indices=True)
     np.testing.assert_array_equal(y, ty.numpy())
@@ -177,7 +180,7 @@ def test_maxpool_window_with_a_nan_points_at_it_as_torch() -> None:
     nodes = [helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2]),
              helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
     f = onnx.TensorProto.FLOAT
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, [1, 1, 2, 6])],
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, [1, 1, 2, 8])],
                           [helper.make_tensor_value_info("loss", f, [])])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     grads = build_gradient_model(model, "loss", ["x"])
@@ -185,6 +188,10 @@ def test_maxpool_window_with_a_nan_points_at_it_as_torch() -> None:
     t = torch.tensor(x, requires_grad=True)
     torch.nn.functional.max_pool2d(t, 2, 2).sum().backward()
     np.testing.assert_array_equal(got, t.grad.numpy())
+    z = np.array([[[-np.inf, np.nan, 1.0, 2.0]]], np.float32)  # 1-D, pads 1: windows [pad, -inf], ...
+    _, idx = _ours("MaxPool", [z], n_outputs=2, kernel_shape=[2], strides=[2], pads=[1, 1])
+    _, tidx = torch.nn.functional.max_pool1d(torch.tensor(z), 2, 2, padding=1, return_indices=True)
+    np.testing.assert_array_equal(idx, tidx.numpy())
 
 
 @pytest.mark.parametrize("p", [1, 2, 3])

@@ -105,26 +105,24 @@ def max_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
         np.maximum(code, np.multiply(better, ct(j), dtype=ct), out=code)
     if y.size:
         low = np.min(y)  # one pass; the two rare cases below only where it says so
-        if np.issubdtype(y.dtype, np.floating) and np.isnan(low):
-            _first_nan_window(xp, y, code, g)
-        elif (any(g["pb"]) or any(g["pe"])) and low <= _lowest(x.dtype):
+        nan = is_float(y.dtype) and bool(np.isnan(low))
+        if nan:
+            _last_nan_window(xp, y, code, g)
+        if (any(g["pb"]) or any(g["pe"])) and (nan or low <= _lowest(x.dtype)):
             _first_real_where_lowest(x, y, code, g)
     idx = np.take(np.asarray(koff, dtype=np.int64), code)
     idx += base
     return (y, idx)
 
 
-def _first_nan_window(xp: np.ndarray, y: np.ndarray, code: np.ndarray, g: dict[str, Any]) -> None:
+def _last_nan_window(xp: np.ndarray, y: np.ndarray, code: np.ndarray, g: dict[str, Any]) -> None:
     """In place: a window holding a NaN has a NaN maximum (np.maximum propagates it) and its index is that of
-    its first NaN, as torch's max_pool (the gradient goes to the NaN); the comparisons of the main loop had
-    left the index at the maximum before it."""
+    its last NaN in row-major order, as torch's max_pool (which takes every NaN it meets; the gradient goes
+    there); the comparisons of the main loop had left the index at the maximum before the first."""
     sel = np.nonzero(np.isnan(y))
-    found = np.zeros(sel[0].size, bool)
     pick = code[sel]
     for j, (_, sl) in enumerate(g["offsets"]):
-        nan = np.isnan(xp[sl][sel]) & ~found
-        pick[nan] = j
-        found |= nan
+        pick[np.isnan(xp[sl][sel])] = j
     code[sel] = pick
 
 
