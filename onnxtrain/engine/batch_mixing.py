@@ -19,7 +19,7 @@ from typing import Any
 import onnx
 from onnx import numpy_helper
 
-from onnxtrain.ir.attrs import attribute_value
+from onnxtrain.ir.attrs import attribute_value, parse_attributes
 
 # ops that keep each input's axes where they are (broadcasting aligns from the right)
 _ELEMENTWISE = frozenset({
@@ -39,10 +39,9 @@ _PER_SAMPLE_NCHW = frozenset({
 })
 _REDUCE = frozenset({"ReduceMax", "ReduceMin", "ReduceMean", "ReduceSum", "ReduceProd", "ReduceL1",
                      "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare", "ArgMax", "ArgMin"})
-# ops whose "axis" attribute picks the axis they combine or cut values along, with its default (CumSum's
-# axis is its second input)
-_ALONG_AXIS = {"Concat": 0, "Split": 0, "Gather": 0, "GatherElements": 0, "TopK": -1, "Compress": None,
-               "Flatten": 1, "CumSum": None}
+# ops whose "axis" (CumSum: its second input) picks the axis they combine or cut values along
+_ALONG_AXIS = frozenset({"Concat", "Split", "Gather", "GatherElements", "TopK", "Compress", "Flatten",
+                         "CumSum"})
 
 
 def batch_mixing_node(model: onnx.ModelProto, input_axes: Mapping[str, int]) -> str | None:
@@ -70,21 +69,24 @@ def batch_mixing_node(model: onnx.ModelProto, input_axes: Mapping[str, int]) -> 
         carried = [i for i in ins if i in axis]
         if not carried:
             continue
-        why = _mixes(node, axis, rank, opset, consts)
+        attrs = _attributes(node, opset)
+        why = _mixes(node, attrs, axis, rank, opset, consts)
         if why:
             label = repr(node.name) if node.name else f"#{k} (unnamed)"
             return f"{label} ({node.op_type}, {why})"
-        out = _output_axis(node, axis, rank, consts)
+        out = _output_axis(node, attrs, axis, rank, consts)
         if out is not None and node.output and node.output[0]:
             axis[node.output[0]], rank[node.output[0]] = out
     return None
 
 
-def _attr(node: onnx.NodeProto, name: str, default: object = None) -> object:
-    for a in node.attribute:
-        if a.name == name:
-            return attribute_value(a)
-    return default
+def _attributes(node: onnx.NodeProto, opset: int) -> dict[str, Any]:
+    """The node's attributes with its schema's defaults (``parse_attributes``); its own alone when the
+    schema cannot be read."""
+    try:
+        return parse_attributes(node, opset)
+    except Exception:  # noqa: BLE001 - an op without a schema, an attribute reference
+        return {a.name: attribute_value(a) for a in node.attribute}
 
 
 def _norm(a: int, r: int | None) -> int | None:
@@ -93,20 +95,20 @@ def _norm(a: int, r: int | None) -> int | None:
     return None if r is None else a + r
 
 
-def _axes(node: onnx.NodeProto, consts: Mapping[str, Any]) -> list[int] | None:
+def _axes(node: onnx.NodeProto, attrs: Mapping[str, Any], consts: Mapping[str, Any]) -> list[int] | None:
     """A reduction's axes: its attribute, or its second input when that is a constant (opset 18 on); None
     when not given, [] when given empty."""
-    axes = _attr(node, "axes")
+    axes = attrs.get("axes")
     if axes is not None:
-        return [int(a) for a in axes]  # type: ignore[union-attr]
+        return [int(a) for a in axes]
     if len(node.input) > 1 and node.input[1]:
         value = consts.get(node.input[1])
         return None if value is None else [int(a) for a in value.reshape(-1)]
     return None
 
 
-def _mixes(node: onnx.NodeProto, axis: dict[str, int], rank: dict[str, int], opset: int,
-           consts: Mapping[str, Any]) -> str | None:
+def _mixes(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: dict[str, int], rank: dict[str, int],
+           opset: int, consts: Mapping[str, Any]) -> str | None:
     """Why ``node`` combines samples along its first input's batch axis, or None."""
     op, x = node.op_type, node.input[0] if node.input else ""
     if op == "Concat":  # any of its inputs may carry the batch
@@ -114,22 +116,22 @@ def _mixes(node: onnx.NodeProto, axis: dict[str, int], rank: dict[str, int], ops
     b, r = axis.get(x), rank.get(x)
     if b is None:
         return None
-    if op == "BatchNormalization" and _attr(node, "training_mode", 0):
+    if op == "BatchNormalization" and attrs.get("training_mode"):
         return "normalises with the batch's statistics (training mode)"
     if op in _REDUCE:
         if len(node.input) > 1 and node.input[1] and node.input[1] not in consts:
             return None  # axes computed at run time: not read here
-        axes = [int(_attr(node, "axis", 0))] if op in ("ArgMax", "ArgMin") else _axes(node, consts)
+        axes = [int(attrs["axis"])] if op in ("ArgMax", "ArgMin") else _axes(node, attrs, consts)
         if not axes:
-            return None if _attr(node, "noop_with_empty_axes", 0) else "reduces every axis, the batch's too"
+            return None if attrs.get("noop_with_empty_axes") else "reduces every axis, the batch's too"
         if b in {_norm(int(a), r) for a in axes}:
             return f"reduces along the batch axis {b}"
     elif op in ("Softmax", "LogSoftmax", "Hardmax"):
-        a = _norm(int(_attr(node, "axis", -1 if opset >= 13 else 1)), r)
+        a = _norm(int(attrs["axis"]), r)  # the schema's default: -1 from opset 13, 1 before
         if a is not None and (a == b or (opset < 13 and a <= b)):
             return f"normalises along the batch axis {b}"
     elif op == "LayerNormalization":
-        a = _norm(int(_attr(node, "axis", -1)), r)
+        a = _norm(int(attrs["axis"]), r)
         if a is not None and b >= a:
             return f"normalises over the batch axis {b}"
     elif op in _ALONG_AXIS:
@@ -137,7 +139,7 @@ def _mixes(node: onnx.NodeProto, axis: dict[str, int], rank: dict[str, int], ops
             value = consts.get(node.input[1]) if len(node.input) > 1 else None
             a = None if value is None else int(value.reshape(-1)[0])
         else:
-            a = _attr(node, "axis", _ALONG_AXIS[op])
+            a = attrs.get("axis")  # the schema's default (TopK's -1, Flatten's 1; Compress: none)
         if a is None:  # Compress without an axis flattens the input first: the samples mix
             return "flattens the batch axis with others" if op == "Compress" else None
         a = _norm(int(a), r)
@@ -148,7 +150,7 @@ def _mixes(node: onnx.NodeProto, axis: dict[str, int], rank: dict[str, int], ops
     return None
 
 
-def _output_axis(node: onnx.NodeProto, axis: dict[str, int], rank: dict[str, int],
+def _output_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: dict[str, int], rank: dict[str, int],
                  consts: Mapping[str, Any]) -> tuple[int, int] | None:
     """(batch axis, rank) of ``node``'s first output when the op's effect on them is known, else None."""
     op = node.op_type
@@ -166,7 +168,7 @@ def _output_axis(node: onnx.NodeProto, axis: dict[str, int], rank: dict[str, int
     if op in _PER_SAMPLE_NCHW:
         return (b, r) if b == 0 else None
     if op == "Gemm":
-        return (0, 2) if b == 0 and not _attr(node, "transA", 0) else None
+        return (0, 2) if b == 0 and not attrs.get("transA") else None
     if op == "MatMul":
         rb = rank.get(node.input[1])
         if rb is None or node.input[1] in axis or r < 2 or b >= r - 1:
@@ -174,23 +176,23 @@ def _output_axis(node: onnx.NodeProto, axis: dict[str, int], rank: dict[str, int
         out_rank = max(r, rb)
         return b + out_rank - r, out_rank
     if op == "Transpose":
-        perm = _attr(node, "perm")
+        perm = attrs.get("perm")
         return (list(perm).index(b), r) if perm is not None and b in perm else None
     if op in _REDUCE and op not in ("ArgMax", "ArgMin"):
-        axes = _attr(node, "axes")  # the attribute only (opset < 18): with an axes input, not followed
+        axes = attrs.get("axes")  # the attribute only (opset < 18): with an axes input, not followed
         if not axes:
             return None
-        if _attr(node, "keepdims", 1):
+        if attrs.get("keepdims", 1):
             return b, r
         gone = {_norm(int(a), r) for a in axes}
         return b - sum(1 for a in gone if a is not None and a < b), r - len(gone)
     if op in ("Softmax", "LogSoftmax", "Hardmax", "LayerNormalization", "Concat", "Split", "CumSum"):
         return b, r
     if op == "Flatten":  # axes before ``axis`` become the first: the batch axis stays first when it is
-        a = _norm(int(_attr(node, "axis", 1)), r)  # type: ignore[arg-type]
+        a = _norm(int(attrs["axis"]), r)
         return (0, 2) if b == 0 and a is not None and a > 0 else None
     if op in ("Unsqueeze", "Squeeze"):
-        axes = _axes(node, consts)
+        axes = _axes(node, attrs, consts)
         if axes is None:
             return None
         if op == "Unsqueeze":
@@ -207,7 +209,7 @@ def _output_axis(node: onnx.NodeProto, axis: dict[str, int], rank: dict[str, int
         return b - sum(1 for a in gone if a < b), r - len(gone)
     if op == "Reshape":  # a constant target that copies the dims up to the batch's (0s) keeps it in place
         target = consts.get(node.input[1]) if len(node.input) > 1 else None
-        if target is None or _attr(node, "allowzero", 0):
+        if target is None or attrs.get("allowzero"):
             return None
         dims = [int(d) for d in target.reshape(-1)]
         return (b, len(dims)) if b < len(dims) and all(d == 0 for d in dims[:b + 1]) else None
