@@ -9,7 +9,7 @@ LeNet session).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,3 +133,15 @@ def copied(value: Any) -> Any:
     if isinstance(value, list):
         return [copied(v) for v in value]
     return value
+
+
+def repeats_copied(keys: Sequence[Any], values: list[Any]) -> list[Any]:
+    """``values`` (one per key of ``keys``, an output asked for) with each value whose key came before
+    replaced by a copy, so that the caller owns every array it gets (``run(["y", "y"])``)."""
+    if len(set(keys)) < len(keys):
+        seen: set[Any] = set()
+        for k, key in enumerate(keys):
+            if key in seen:
+                values[k] = copied(values[k])
+            seen.add(key)
+    return values

@@ -14,7 +14,13 @@ import onnx
 
 from onnxtrain.engine.backends import _optimizations_off, import_onnxruntime, resolve_providers
 from onnxtrain.engine.donation import check_fed, donatable
-from onnxtrain.engine.interface import EngineError, GraphInterface, InvalidNodeError, ProfileEvent, copied
+from onnxtrain.engine.interface import (
+    EngineError,
+    GraphInterface,
+    InvalidNodeError,
+    ProfileEvent,
+    repeats_copied,
+)
 from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.ort_rewrites import for_onnxruntime
 from onnxtrain.engine.parallel import default_width, local_ranks
@@ -240,13 +246,9 @@ class OrtPlan(GraphInterface):
                                              [list(np.shape(v)) for v in arrays.values()]))
         self.peak_bytes = sum(getattr(v, "nbytes", 0) for v in arrays.values()) + sum(
             getattr(v, "nbytes", 0) for v in out)
-        if len(names) < len(asked):  # a name asked for again: a copy of its array each further time
+        if len(names) < len(asked):  # a name asked for again: run once, then a copy each further time
             got = dict(zip(names, out))
-            seen: set[str] = set()
-            out = []
-            for n in asked:
-                out.append(got[n] if n not in seen else copied(got[n]))
-                seen.add(n)
+            out = repeats_copied(asked, [got[n] for n in asked])
         return out
 
     def _donated_outputs(self, arrays: Mapping[str, np.ndarray], names: list[str],

@@ -28,9 +28,9 @@ from onnxtrain.engine.interface import (  # noqa: F401  (the engine's errors, im
     ModelParseError,
     ProfileEvent,
     UnsupportedOpError,
-    copied,
     default_opset,
     load_model,
+    repeats_copied,
 )
 from onnxtrain.engine.node_checks import NodeChecker, check_nodes, checked_opsets  # noqa: F401 (re-exported)
 from onnxtrain.engine.parallel import default_width, running_with, width
@@ -291,14 +291,7 @@ class Plan(GraphInterface):
                 if s is None or n not in self.output_info:
                     raise EngineError(f"unknown output {n!r}; graph outputs: {self.output_names}")
                 slots.append(s)
-        out = [_as_array(vals[s]) for s in slots]
-        if len(set(slots)) < len(slots):  # an output asked for again: a copy each further time
-            seen: set[int] = set()
-            for k, s in enumerate(slots):
-                if s in seen:
-                    out[k] = copied(out[k])
-                seen.add(s)
-        return out
+        return repeats_copied(slots, [_as_array(vals[s]) for s in slots])
 
     def _new_slots(self) -> list[Any]:
         """A run's value slots holding the initializers and folded constants; the extra last slot stays
