@@ -20,6 +20,7 @@ from onnxtrain.capi.options import RunOptions
 from onnxtrain.engine.plan import load_model
 from onnxtrain.errors import InvalidFeed, InvalidFeedType
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
+from onnxtrain.graph_transforms.clipping import norm_dtype
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE, flag_array
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo
 from onnxtrain.inference import NodeArg, check_feed_shape, node_arg
@@ -319,11 +320,10 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         """The trained weights this rank holds (by the names it holds them under)."""
         raise NotImplementedError
 
-    def _norm_dtype(self) -> np.dtype:
+    def _rank_norm_dtype(self) -> np.dtype:
         """The dtype this rank's update graph takes the global norm in: float64 when a weight it trains is
         float64, as its graph declares the norm input (``clipping.norm_type``)."""
-        wide = any(self._store[w].dtype == np.float64 for w in self._trained() if w in self._store)
-        return np.dtype(np.float64 if wide else np.float32)
+        return norm_dtype(self._store[w] for w in self._trained() if w in self._store)
 
     def _state_names(self) -> list[str]:
         return sorted([*self._trained(), *(sp.name for sp in self._specs), *self._bn_stats])

@@ -464,7 +464,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
             total = whole + split
             if self._pipe is not None:
                 total = self._pipe.allreduce_scalar(total, "the gradient norm over the stages")
-            given[NORM] = np.asarray(np.sqrt(total), self._norm_dtype())
+            given[NORM] = np.asarray(np.sqrt(total), self._rank_norm_dtype())
             finite[NORM] = given[NORM]  # the output global_gradient_norm: the whole model's, as one process's
             if self._mp is not None:
                 finite[ALL_FINITE] = flag_array(np.isfinite(given[NORM]))

@@ -14,6 +14,7 @@ import onnx
 from onnx import numpy_helper
 
 from onnxtrain.graph_transforms import accumulation
+from onnxtrain.graph_transforms.clipping import norm_dtype
 from onnxtrain.graph_transforms.flags import flag_array
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE
 from onnxtrain.parallel import BucketReducer
@@ -39,7 +40,7 @@ class DataParallelSteps:
         self._grad_scale = 1.0 / (steps * dp.size)  # the legacy's 1/(N·D): gradients are averaged
         weights = [self._store[w] for w in g.trainable]
         # the global norm's dtype, as the step graph computes it (float64 when a trained weight is)
-        self._norm_dtype = np.dtype(np.float64 if any(a.dtype == np.float64 for a in weights) else np.float32)
+        self._norm_dtype = norm_dtype(weights)
         if dp.mode == "allreduce":
             self._reducer = BucketReducer(dp.comm, [a.shape for a in weights], [a.dtype for a in weights])
         elif dp.mode == "zero1":

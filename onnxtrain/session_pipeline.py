@@ -298,7 +298,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
             counted = [v for g, v in eff.items() if counts_in_norm(g[: -len("_grad")], self._shared, stage)]
             local = squared_sum(counted)
             norm = np.asarray(
-                np.sqrt(self._comm.allreduce_scalar(local, "pipeline gradient norm")), self._norm_dtype()
+                np.sqrt(self._comm.allreduce_scalar(local, "pipeline gradient norm")), self._rank_norm_dtype()
             )
         finite = {} if self._mp is None else {ALL_FINITE: flag_array(np.isfinite(norm))}
         if norm is not None:  # the output global_gradient_norm: the whole model's, as one process's

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+import numpy as np
 from onnx import TensorProto
 
 from onnxtrain.ir.builder import NodeWriter
@@ -14,6 +15,12 @@ _FLOAT, _DOUBLE = TensorProto.FLOAT, TensorProto.DOUBLE
 def norm_type(grad_types: Sequence[int]) -> int:
     """The type the global norm is computed in: float64 when a gradient is, else float32."""
     return _DOUBLE if _DOUBLE in grad_types else _FLOAT
+
+
+def norm_dtype(weights: Iterable[np.ndarray]) -> np.dtype:
+    """:func:`norm_type` for the arrays of the trained weights: the numpy dtype a session feeds or returns
+    the global norm in when it computes it itself (across ranks)."""
+    return np.dtype(np.float64 if any(w.dtype == np.float64 for w in weights) else np.float32)
 
 
 def global_norm(w: NodeWriter, grads: Sequence[str], out_name: str = "global_gradient_norm",
