@@ -286,13 +286,24 @@ def _declared_problem(node: onnx.NodeProto, form: _Form, ins: Sequence[str], out
     bound = _bind(form, ins, types)
     if isinstance(bound, str):
         return bound
-    why = None
-    for j, t in _output_types(node, form, outs, bound, types):
-        was = types.get(outs[j])
-        if why is None and was is not None and was != t:
-            why = f"output {j} {outs[j]!r} is {t} by {form.label}, but the graph declares it {was}"
-        types[outs[j]] = t
-    return why
+    given = _output_types(node, form, outs, bound, types)
+    wrong = _misdeclared(given, outs, types)
+    types.update((outs[j], t) for j, t in given)
+    if wrong is None:
+        return None
+    j, t, declared = wrong
+    return f"output {j} {outs[j]!r} is {t} by {form.label}, but the graph declares it {declared}"
+
+
+def _misdeclared(given: Sequence[tuple[int, str]], outs: Sequence[str],
+                 types: Mapping[str, str]) -> tuple[int, str, str] | None:
+    """The first of ``given`` ((output index, type) by the schema) whose output the graph declares of
+    another type in ``types``: (index, type, declared type); None when they all agree."""
+    for j, t in given:
+        declared = types.get(outs[j])
+        if declared is not None and declared != t:
+            return j, t, declared
+    return None
 
 
 def _range(lo: int, hi: int) -> str:
@@ -389,12 +400,9 @@ class NodeChecker:
             return True
         types = self.types
         given = _output_types(node, form, outs, bound, types)
-        for j, t in given:
-            was = types.get(outs[j])
-            if was is not None and was != t:
-                return True
-        for j, t in given:
-            types[outs[j]] = t
+        if _misdeclared(given, outs, types) is not None:
+            return True
+        types.update((outs[j], t) for j, t in given)
         return False
 
     def problem(self, node: onnx.NodeProto, k: int, where: str = "") -> str | None:
