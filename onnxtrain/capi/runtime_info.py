@@ -25,14 +25,14 @@ def set_default_logger_severity(severity: int) -> None:
     messages are Python warnings, filtered with the ``warnings`` module."""
     _LOGGER["severity"] = _level(severity, "severity", 0, 4)
     _SET.add("severity")
-    _forward("set_default_logger_severity", _LOGGER["severity"])
+    _pass_on()
 
 
 def set_default_logger_verbosity(verbosity: int) -> None:
     """The verbosity of onnxruntime's verbose log lines (with severity 0); any int, as onnxruntime takes."""
     _LOGGER["verbosity"] = _level(verbosity, "verbosity", None, None)
     _SET.add("verbosity")
-    _forward("set_default_logger_verbosity", _LOGGER["verbosity"])
+    _pass_on()
 
 
 def default_logger_severity() -> int:
@@ -49,14 +49,13 @@ def apply_logger_settings(ort: object) -> None:
             fn(_LOGGER[key])
 
 
-def _forward(name: str, value: int) -> None:
-    """Pass the setting on to onnxruntime when it is installed and already imported (the backend's)."""
+def _pass_on() -> None:
+    """The settings to onnxruntime now when it is already imported (else when the backend imports it)."""
     import sys
 
     ort = sys.modules.get("onnxruntime")
-    fn = getattr(ort, name, None) if ort is not None else None
-    if fn is not None:
-        fn(value)
+    if ort is not None:
+        apply_logger_settings(ort)
 
 
 def get_build_info() -> str:

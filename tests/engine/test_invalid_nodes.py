@@ -438,8 +438,8 @@ def test_mixed_types_passed_on_reach_a_mismatch() -> None:
 
 
 def test_input_types_in_a_loop_body_are_checked() -> None:
-    """In a body, the types it declares (a loop body's inputs) and those its nodes give are known; values
-    of enclosing graphs are not."""
+    """In a body, the types it declares (a loop body's inputs) and those its nodes give are known (those of
+    the enclosing graph's values it reads too: the control-flow cases below)."""
     body = helper.make_graph(
         [helper.make_node("Identity", ["c"], ["c_out"], name="keep"),
          helper.make_node("Add", ["v", "it"], ["v_out"], name="inner")], "body",
