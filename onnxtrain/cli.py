@@ -75,8 +75,9 @@ def _names(value: str | None, option: str) -> list[str]:
 
 def _values(model: onnx.ModelProto) -> set[str]:
     """Every value of the main graph: inputs, initializers and node outputs."""
-    g = model.graph
-    return {v.name for v in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+    from onnxtrain.ir.graphs import graph_values
+
+    return graph_values(model.graph)
 
 
 def _value_types(model: onnx.ModelProto, names) -> dict[str, int]:

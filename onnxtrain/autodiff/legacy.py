@@ -10,6 +10,7 @@ import onnx
 
 from onnxtrain.autodiff.builder import GradientError, build_gradient_model
 from onnxtrain.errors import program_hint
+from onnxtrain.ir.graphs import graph_values
 
 
 def _ordered(names: Iterable[str]) -> list[str]:
@@ -56,8 +57,7 @@ class GradientGraphBuilder:
 
     def build(self) -> None:
         g = self._model.graph
-        known = {v.name for v in g.input} | {t.name for t in g.initializer}
-        known |= {o for n in g.node for o in n.output}
+        known = graph_values(g)
         for what, names in (("y_node_arg_names", self._ys), ("x_node_arg_names", self._xs)):
             unknown = [n for n in names if n not in known]
             if unknown:

@@ -47,7 +47,7 @@ from typing import NamedTuple
 import onnx
 from onnx import AttributeProto, TensorProto
 
-from onnxtrain.ir.graphs import named_subgraphs
+from onnxtrain.ir.graphs import graph_values, named_subgraphs
 from onnxtrain.ir.types import TENSOR_TYPE_STRINGS as _TENSOR_TYPES
 from onnxtrain.ir.types import type_string
 
@@ -354,9 +354,7 @@ class NodeChecker:
         """A checker of ``graph``'s nodes (a body, which may read the values this one has typed so far, but
         for those of the names it defines itself: a body may reuse an outer name) at the same opsets,
         sharing this one's schemas."""
-        own = {v.name for v in graph.input} | {t.name for t in graph.initializer}
-        own |= {t.values.name for t in graph.sparse_initializer}
-        own |= {o for n in graph.node for o in n.output}
+        own = graph_values(graph)
         outer = {k: t for k, t in self.types.items() if k not in own}
         check = NodeChecker(self.opsets, graph, outer)
         check._forms = self._forms

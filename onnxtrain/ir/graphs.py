@@ -106,6 +106,14 @@ def subgraphs(node: onnx.NodeProto) -> Iterable[onnx.GraphProto]:
         yield g
 
 
+def graph_values(graph: onnx.GraphProto) -> set[str]:
+    """The names ``graph`` itself defines: its inputs, initializers (sparse ones too) and node outputs."""
+    names = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    names |= {t.values.name for t in graph.sparse_initializer}
+    names |= {o for n in graph.node for o in n.output if o}
+    return names
+
+
 def captured_names(graph: onnx.GraphProto) -> list[str]:
     """Names ``graph`` reads but does not define (inputs, initializers, node outputs), nested graphs
     included, in order of first use: what it captures from the graphs around it."""

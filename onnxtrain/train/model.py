@@ -9,15 +9,13 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.builder import value_types
-from onnxtrain.ir.graphs import node_reads
+from onnxtrain.ir.graphs import graph_values, node_reads
 from onnxtrain.ir.types import value_info_shape
 from onnxtrain.train.config import Config, ConfigError
 
 
 def _values(model: onnx.ModelProto) -> set[str]:
-    g = model.graph
-    produced = {o for n in g.node for o in n.output if o}
-    return {v.name for v in g.input} | {t.name for t in g.initializer} | produced
+    return graph_values(model.graph)
 
 
 def user_inputs(model: onnx.ModelProto) -> list[str]:
