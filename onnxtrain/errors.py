@@ -90,21 +90,27 @@ class FailTypeError(Fail, TypeError):
     onnxruntime's ``Fail``."""
 
 
+class FailNotImplementedError(Fail, NotImplementedError):
+    """A setting the legacy session does not implement (ZeRO stage 2): a ``NotImplementedError``, and
+    onnxruntime's ``Fail``."""
+
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def raises_as_onnxruntime(fn: _F) -> _F:
-    """``fn`` with its ``ValueError``, ``KeyError``, ``TypeError`` and ``FileNotFoundError`` raised as
-    :class:`FailValueError`, :class:`FailKeyError`, :class:`FailTypeError` and :class:`NoSuchFileError`
-    (subclasses, onnxtrain's own errors among them, pass unchanged): onnxruntime's
-    legacy binding raised a ``RuntimeError`` where onnxtrain's checks raise these, so ported ``except
-    RuntimeError`` clauses and code written for onnxtrain both catch them."""
+    """``fn`` with its ``ValueError``, ``KeyError``, ``TypeError``, ``NotImplementedError`` and
+    ``FileNotFoundError`` raised as :class:`FailValueError`, :class:`FailKeyError`, :class:`FailTypeError`,
+    :class:`FailNotImplementedError` and :class:`NoSuchFileError` (subclasses, onnxtrain's own errors among
+    them, pass unchanged): onnxruntime's legacy binding raised a ``RuntimeError`` where onnxtrain's checks
+    raise these, so ported ``except RuntimeError`` clauses and code written for onnxtrain both catch
+    them."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (FileNotFoundError, KeyError, ValueError, TypeError) as e:
+        except (FileNotFoundError, KeyError, ValueError, TypeError, NotImplementedError) as e:
             dual = _DUALS.get(type(e))  # a subclass (TranslationError, ...) keeps its own class
             if dual is None:
                 raise
@@ -118,7 +124,8 @@ def raises_as_onnxruntime(fn: _F) -> _F:
 
 
 _DUALS: dict[type, type] = {FileNotFoundError: NoSuchFileError, KeyError: FailKeyError,
-                            ValueError: FailValueError, TypeError: FailTypeError}
+                            ValueError: FailValueError, TypeError: FailTypeError,
+                            NotImplementedError: FailNotImplementedError}
 
 
 # the names of onnxruntime.capi._pybind_state

@@ -67,7 +67,8 @@ _STRING = _TENSOR_TYPES[TensorProto.STRING]
 _DTYPE_DEFAULTS = {"EyeLike": None, "RandomNormalLike": None, "RandomUniformLike": None, "Bernoulli": None,
                    "RandomNormal": _FLOAT, "RandomUniform": _FLOAT,
                    "Multinomial": _TENSOR_TYPES[TensorProto.INT32]}
-_TYPED_BY_ATTRIBUTE = frozenset({"Cast", "Constant", "ConstantOfShape", "QuantizeLinear", *_DTYPE_DEFAULTS})
+_TYPED_BY_ATTRIBUTE = frozenset({"Cast", "Constant", "ConstantOfShape", "QuantizeLinear", "SequenceEmpty",
+                                 *_DTYPE_DEFAULTS})
 # Constant's attributes other than a tensor → its output's type
 _CONSTANT_TYPES = {"value_float": _FLOAT, "value_floats": _FLOAT, "value_int": _INT64, "value_ints": _INT64,
                    "value_string": _STRING, "value_strings": _STRING}
@@ -160,11 +161,16 @@ def graph_types(graph: onnx.GraphProto) -> dict[str, str]:
 
 
 def _attribute_type(node: onnx.NodeProto, types: Mapping[str, str]) -> str | None:
-    """The output type that the attributes of a Cast, Constant, ConstantOfShape, QuantizeLinear or an op of
-    ``_DTYPE_DEFAULTS`` give it (with their defaults: ConstantOfShape's float, QuantizeLinear's uint8 without
-    a zero point, a random op's float or its input's type); None when unknown (a sparse Constant, a default
-    from an input of unknown type)."""
+    """The output type that the attributes of a Cast, Constant, ConstantOfShape, QuantizeLinear,
+    SequenceEmpty or an op of ``_DTYPE_DEFAULTS`` give it (with their defaults: ConstantOfShape's float,
+    QuantizeLinear's uint8 without a zero point, SequenceEmpty's sequence of float, a random op's float or
+    its input's type); None when unknown (a sparse Constant, a default from an input of unknown type)."""
     op = node.op_type
+    if op == "SequenceEmpty":
+        dtype = next((a.i for a in node.attribute if a.name == "dtype" and a.type == AttributeProto.INT),
+                     TensorProto.FLOAT)
+        t = _TENSOR_TYPES.get(dtype)
+        return None if t is None else f"seq({t})"
     if op in _DTYPE_DEFAULTS:
         for a in node.attribute:
             if a.name == "dtype" and a.type == AttributeProto.INT:

@@ -424,6 +424,18 @@ def test_attribute_typed_outputs_run_as_onnxruntime() -> None:
         "e": "tensor(double)", "f": "tensor(float)", "q": "tensor(uint8)"}
 
 
+def test_declared_sequence_empties_run_as_onnxruntime() -> None:
+    """A SequenceEmpty declared as its dtype (or float, its default) makes: the check passes it and the
+    output equals onnxruntime's."""
+    x = np.array([[0.5, -1.25, 3.0], [2.0, 0.0, -0.5]], np.float32)
+    for declared, attrs in ((_F, {}), (_F, {"dtype": _F})):
+        model = _sequence_declared(declared, attrs)
+        got = onnxtrain.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+        want = ort.InferenceSession(model.SerializeToString(), providers=CPU).run(None, {"x": x})
+        np.testing.assert_array_equal(got[0], want[0])
+        assert got[0].dtype == want[0].dtype
+
+
 def test_mixed_types_passed_on_reach_a_mismatch() -> None:
     """Types passed on from node to node find a mismatch several nodes down: the Where's branches, a
     double (Cast) and a float (Gather)."""
@@ -469,6 +481,17 @@ def _declared(nodes: list[onnx.NodeProto], outputs: dict[str, int], value_info: 
     return model
 
 
+def _sequence_declared(declared: int, attrs: dict) -> onnx.ModelProto:
+    """x inserted into a SequenceEmpty (``attrs``) declared a sequence of ``declared``, and concatenated."""
+    nodes = [helper.make_node("SequenceEmpty", [], ["s"], name="empty", **attrs),
+             helper.make_node("SequenceInsert", ["s", "x"], ["s2"], name="insert"),
+             helper.make_node("ConcatFromSequence", ["s2"], ["y"], name="concat", axis=0)]
+    model = typed_model(nodes, {"x": _F}, {"y": _F}, 17)
+    seq = helper.make_sequence_type_proto(helper.make_tensor_type_proto(declared, None))
+    model.graph.value_info.append(helper.make_value_info("s", seq))
+    return model
+
+
 # case → (model, the message's piece)
 DECLARED_CASES = {
     "graph_output_double_of_a_float_neg": (
@@ -490,6 +513,15 @@ DECLARED_CASES = {
         _declared([helper.make_node("Shape", ["x"], ["y"], name="shape")], {"y": _I32}),
         "node 'shape' (Shape, opset 17): output 0 'y' is tensor(int64) by Shape-15, but the graph declares "
         "it tensor(int32)"),
+    # SequenceEmpty's dtype (float when left out) makes its sequence's element type
+    "sequence_empty_double_declared_float": (
+        _sequence_declared(_D, {}),
+        "node 'empty' (SequenceEmpty, opset 17): output 0 's' is seq(tensor(float)) by SequenceEmpty-11, but "
+        "the graph declares it seq(tensor(double))"),
+    "sequence_empty_of_doubles_declared_float": (
+        _sequence_declared(_F, {"dtype": _D}),
+        "node 'empty' (SequenceEmpty, opset 17): output 0 's' is seq(tensor(double)) by SequenceEmpty-11, "
+        "but the graph declares it seq(tensor(float))"),
 }
 
 

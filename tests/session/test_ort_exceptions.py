@@ -89,6 +89,15 @@ def test_setup_errors_are_fail_and_value_error(setting: dict, pattern: str) -> N
     assert isinstance(e.value, ValueError) and isinstance(e.value, RuntimeError)
 
 
+def test_unimplemented_settings_are_fail_and_not_implemented_error() -> None:
+    """ZeRO stage 2 is refused as onnxruntime's ``Fail`` and the ``NotImplementedError`` it was."""
+    p = params("AdamOptimizer")
+    p.deepspeed_zero_stage = 2
+    with pytest.raises(C.Fail, match="deepspeed_zero_stage=2") as e:
+        TrainingSession(mlp_model().SerializeToString(), p)
+    assert isinstance(e.value, NotImplementedError)
+
+
 def test_load_state_errors_are_fail_and_key_or_value_error() -> None:
     """``load_state`` failed in onnxruntime's ``SetStateTensors`` (``ORT_THROW_IF_ERROR``: a RuntimeError):
     an unknown name under ``strict`` is also a KeyError (its message plain, not quoted), a wrong shape
