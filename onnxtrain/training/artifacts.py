@@ -343,6 +343,9 @@ def generate_artifacts(
 
     # every file goes to a temporary first; they are renamed into place together only when all are
     # written, so an error (or a kill) before then leaves the folder's earlier set as it was
+    models = {"training_model.onnx": training, "eval_model.onnx": evaluation}
+    if optimizer_model is not None:
+        models["optimizer_model.onnx"] = optimizer_model
     with StagedFiles() as files:
         files.save_model(training, path("training_model.onnx"))
         files.save_model(evaluation, path("eval_model.onnx"))
@@ -354,22 +357,20 @@ def generate_artifacts(
                              path("nominal_checkpoint"), sort_parameters=False)
         if optimizer_model is not None:
             files.save_model(optimizer_model, path("optimizer_model.onnx"))
-    written = {"training_model.onnx", "eval_model.onnx", "checkpoint"}
-    written |= {"nominal_checkpoint"} if nominal_checkpoint else set()
-    written |= {"optimizer_model.onnx"} if optimizer_model is not None else set()
-    if ort_format:
-        _write_ort_format([path(n) for n in sorted(written) if n.endswith(".onnx")])
+        if ort_format:
+            _stage_ort_format(files, {prefix + n: m for n, m in models.items()}, folder)
+    written = {"checkpoint", *models} | ({"nominal_checkpoint"} if nominal_checkpoint else set())
     stale = [prefix + n for n in ARTIFACT_FILES if n not in written and os.path.exists(path(n))]
     if stale:  # an earlier generation's files, which do not go with these (as onnxruntime, they are kept)
         warn(f"{folder} also holds {stale} from an earlier generation, which do not go with the artifacts "
              "just written; delete them, or generate into an empty folder")
 
 
-def _write_ort_format(models: list[str]) -> None:
-    """``ort_format=True``: each model also as a ``.ort`` file (onnxruntime's flatbuffer format, "Fixed"
-    optimisations) with its ``.required_operators.config``, by onnxruntime's own converter, as
-    onnxruntime-training did, after the .onnx files are in place; without onnxruntime installed, a warning
-    (the .onnx files are written)."""
+def _stage_ort_format(files: StagedFiles, models: dict[str, onnx.ModelProto], folder: str) -> None:
+    """``ort_format=True``: each model (by its file name) also as a ``.ort`` file (onnxruntime's flatbuffer
+    format, "Fixed" optimisations) with its ``.required_operators.config``, made by onnxruntime's own
+    converter as onnxruntime-training made them, and staged with the other files; without onnxruntime
+    installed, a warning (the .onnx files are written)."""
     try:
         from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
     except ImportError as e:
@@ -381,17 +382,28 @@ def _write_ort_format(models: list[str]) -> None:
     import io
     import logging
     import pathlib
+    import tempfile
+    import warnings
 
-    # the converter logs each config file it writes (its module loggers set their own levels) and prints
-    # its progress: both are silenced while it runs
+    # the converter logs each config file it writes (its module loggers set their own levels), prints its
+    # progress and leaves a file it read open: all silenced while it runs
     loggers = [logging.getLogger(n) for n in ("ort_format_model", "ort_format_model.utils")]
     levels = [log.level for log in loggers]
     for log in loggers:
         log.setLevel(logging.WARNING)
     try:
-        for model in models:
-            with contextlib.redirect_stdout(io.StringIO()):
-                convert_onnx_models_to_ort(pathlib.Path(model), optimization_styles=[OptimizationStyle.Fixed])
+        with tempfile.TemporaryDirectory() as work, warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            source, out = pathlib.Path(work, "onnx"), pathlib.Path(work, "ort")
+            source.mkdir()
+            for name, model in models.items():  # one by one: a config file per model
+                onnx.save_model(model, source / name)
+                with contextlib.redirect_stdout(io.StringIO()):
+                    convert_onnx_models_to_ort(source / name, output_dir=out,
+                                               optimization_styles=[OptimizationStyle.Fixed])
+            for made in sorted(out.iterdir()):
+                data = made.read_bytes()
+                files.write(os.path.join(folder, made.name), lambda f, data=data: f.write(data))
     finally:
         for log, level in zip(loggers, levels):
             log.setLevel(level)

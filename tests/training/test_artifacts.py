@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import onnx
@@ -676,6 +677,34 @@ def test_ort_format_writes_ort_copies_and_custom_op_library_is_an_error(mlp, tmp
             custom_op_library="libcustom.so",
             artifact_directory=tmp_path,
         )
+
+
+def test_ort_format_files_are_staged_with_the_others(mlp, tmp_path, monkeypatch):
+    """The .ort files are renamed into place with the .onnx ones: a converter failing on the second model
+    leaves the folder's earlier generation as it was (no new .onnx beside old .ort files); a run that
+    succeeds replaces all of them and shows none of the converter's unclosed-file warnings."""
+    from onnxruntime.tools import convert_onnx_models_to_ort as converter
+
+    model, _, _ = mlp
+    kw = dict(requires_grad=["net.5.bias"], loss=LossType.MSELoss, optimizer=OptimType.AdamW, ort_format=True,
+              artifact_directory=tmp_path)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        generate_artifacts(model, **kw)
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)], [str(w.message) for w in seen]
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real, calls = converter.convert_onnx_models_to_ort, []
+
+    def failing(path, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise RuntimeError("converter failed")
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(converter, "convert_onnx_models_to_ort", failing)
+    with pytest.raises(RuntimeError, match="converter failed"):
+        generate_artifacts(model, **{**kw, "requires_grad": ["net.5.bias", "net.5.weight"]})
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def test_error_frozen_and_trainable(mlp, tmp_path):
