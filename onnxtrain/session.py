@@ -19,7 +19,7 @@ import onnx
 from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
-from onnxtrain.engine.interface import GraphInterface, load_model
+from onnxtrain.engine.interface import GraphInterface, InvalidNodeError, load_model
 from onnxtrain.errors import InvalidFeed, program_hint, raises_as_onnxruntime
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE
@@ -158,9 +158,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         self._start_ns = time.time_ns()
         model = load_model(path_or_bytes)
         if self._backend == "numpy":  # the user's nodes first: an error names them, not the training graph's
-            from onnxtrain.engine.node_checks import check_nodes  # (onnxruntime sessions never load it)
-
-            check_nodes(model)
+            _check_user_nodes(model)
 
         self._user_meta = metadata_of(model)  # what get_modelmeta reports: the user's model, not the step's
         self._opt = (get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
@@ -192,7 +190,12 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         self._model = g.full
         self._plans: dict[str, GraphInterface] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}  # random nodes' generators, shared by the plans
-        self._plan = self._get_plan("full")
+        try:
+            self._plan = self._get_plan("full")
+        except InvalidNodeError:
+            if self._backend != "numpy":  # onnxruntime refused the training graph: the user's node if one is
+                _check_user_nodes(model)  # why (checked only now: the backend's memory)
+            raise
         self._plan.profiling = bool(self._sess_options.enable_profiling)
         self._state_inputs = [i.name for i in g.full.graph.input if i.name in self._store]
         lr = p.lr_params_feed_name
@@ -551,3 +554,11 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                     v = next((x for x in inferred.graph.value_info if x.name == output_name), None)
                 return v is not None and v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
         raise InvalidFeed(f"{output_name!r} is not produced by any node of the training graph")
+
+
+def _check_user_nodes(model: onnx.ModelProto) -> None:
+    """Raise the :class:`InvalidNodeError` naming the nodes of the user's ``model`` that their schemas do
+    not allow, if any."""
+    from onnxtrain.engine.node_checks import check_nodes  # (onnxruntime sessions load it only here)
+
+    check_nodes(model)
