@@ -327,8 +327,14 @@ class InferenceSession:
         return write_chrome_trace(self._plan, self._sess_options.profile_file_prefix, self._start_ns)
 
 
-def write_chrome_trace(plan: GraphInterface, prefix: str, start_ns: int) -> str:
-    """Write ``plan.profile`` as a chrome-trace file named ``<prefix><timestamp>.json``; returns the path."""
+def write_chrome_trace(plan: GraphInterface, prefix: str, start_ns: int,
+                       others: Sequence[GraphInterface] = ()) -> str:
+    """Write ``plan.profile``, with the events the backend kept of ``plan``'s and ``others``' runs, as a
+    chrome-trace file named ``<prefix><timestamp>.json``; returns the path."""
+    kept = [e for p in {id(p): p for p in (plan, *others)}.values() for e in p.drained_profile()]
+    if kept:
+        plan.profile.extend(kept)
+        plan.profile.sort(key=lambda e: e.start_ns)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     path = f"{prefix}{stamp}.json"
     t0 = plan.profile[0].start_ns if plan.profile else time.perf_counter_ns()

@@ -413,7 +413,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
     def end_profiling(self) -> str:
         if not self._sess_options.enable_profiling:
             return ""
-        return write_chrome_trace(self._plan, self._sess_options.profile_file_prefix, self._start_ns)
+        return write_chrome_trace(self._plan, self._sess_options.profile_file_prefix, self._start_ns,
+                                  list(self._plans.values()))
 
     # ---- state ------------------------------------------------------------------------
     def _state_names(self) -> list[str]:

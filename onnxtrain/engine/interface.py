@@ -85,6 +85,11 @@ def default_opset(model: onnx.ModelProto) -> int:
 class GraphInterface:
     """What every plan exposes of its model: opset, initializers, input and output names and types."""
 
+    def drained_profile(self) -> list[ProfileEvent]:
+        """Profile events the backend kept outside ``profile`` (onnxruntime's own per-node trace), handed
+        over once; none on the numpy engine, whose events are all in ``profile``."""
+        return []
+
     def _lacks_kernel(self, node: onnx.NodeProto) -> bool:
         """Whether ``node`` runs as its ONNX function body (its op has no kernel here): never, unless the
         backend says so (the numpy engine's :class:`~onnxtrain.engine.plan.Plan` asks its kernel registry;

@@ -83,6 +83,8 @@ class OrtPlan(GraphInterface):
         self.peak_bytes = 0
         self.profiling = False
         self.profile: list[ProfileEvent] = []
+        # onnxruntime traces each node itself when the options ask for a profile (see drained_profile)
+        self._ort_profiling = bool(getattr(options, "enable_profiling", False))
         names, opts = resolve_providers("onnxruntime", providers, provider_options)
         self.providers = names
         self._device = "cuda" if names[0] == "CUDAExecutionProvider" else "cpu"
@@ -103,7 +105,7 @@ class OrtPlan(GraphInterface):
         self._kept: _KeptBinding | None = None
         self._kept_lock = threading.Lock()
 
-    def _session_options(self, options: Any) -> Any:
+    def _session_options(self, options: Any, model_name: str = "graph") -> Any:
         ort = self._ort
         so = ort.SessionOptions()
         level = getattr(options, "graph_optimization_level", None)
@@ -127,6 +129,10 @@ class OrtPlan(GraphInterface):
         severity = getattr(options, "log_severity_level", None)
         if isinstance(severity, int):
             so.log_severity_level = severity
+        if self._ort_profiling:  # onnxruntime's own file, read and removed by drained_profile
+            so.enable_profiling = True
+            prefix = getattr(options, "profile_file_prefix", None) or "onnxruntime_profile_"
+            so.profile_file_prefix = f"{prefix}onnxruntime_{model_name}_"
         if getattr(options, "use_deterministic_compute", False):
             so.use_deterministic_compute = True
         so.execution_order = self._execution_order(options)
@@ -173,7 +179,7 @@ class OrtPlan(GraphInterface):
     def _create_session(self, model: onnx.ModelProto, options: Any, names: list[str],
                         opts: list[dict]) -> Any:
         ort = self._ort
-        so = self._session_options(options)
+        so = self._session_options(options, model.graph.name or "graph")
         kw = {"providers": names, "provider_options": opts, "disabled_optimizers": list(DISABLED_OPTIMIZERS)}
         try:
             return ort.InferenceSession(model.SerializeToString(), so, **kw)
@@ -240,7 +246,7 @@ class OrtPlan(GraphInterface):
                                for n, v in arrays.items() if not isinstance(v, (list, tuple)))
             raise EngineError(f"onnxruntime failed running graph {self.model.graph.name!r} on [{shapes}]: "
                               f"{type(e).__name__}: {e}") from e
-        if self.profiling:
+        if self.profiling and not self._ort_profiling:  # (onnxruntime's own trace ended: one event a run)
             self.profile.append(ProfileEvent("onnxruntime_run", "onnxruntime", t0,
                                              time.perf_counter_ns() - t0,
                                              [list(np.shape(v)) for v in arrays.values()]))
@@ -249,6 +255,37 @@ class OrtPlan(GraphInterface):
         if len(names) < len(asked):  # a name asked for again: run once, then a copy each further time
             got = dict(zip(names, out))
             out = repeats_copied(asked, [got[n] for n in asked])
+        return out
+
+    def drained_profile(self) -> list[ProfileEvent]:
+        """onnxruntime's per-node events of the runs so far (its "Node" kernel times), on this process's
+        ``perf_counter_ns`` clock as the numpy engine's events; its trace file is removed. onnxruntime's
+        profiling ends here, as its ``end_profiling`` ends it: later runs are traced one event per run."""
+        if not self._ort_profiling:
+            return []
+        self._ort_profiling = False
+        path = self._session.end_profiling()
+        if not path:
+            return []
+        import json
+        import os
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                events = json.load(f)
+        finally:
+            os.remove(path)
+        # onnxruntime's event times are µs since its profiling started, a wall-clock time in ns
+        origin = self._session.get_profiling_start_time_ns() - (time.time_ns() - time.perf_counter_ns())
+        out = []
+        for e in events:
+            name = e.get("name", "")
+            if e.get("cat") != "Node" or not name.endswith("_kernel_time"):
+                continue
+            args = e.get("args", {})
+            shapes = [shape for typed in args.get("input_type_shape", []) for shape in typed.values()]
+            out.append(ProfileEvent(name[: -len("_kernel_time")], args.get("op_name", ""),
+                                    origin + int(e["ts"] * 1000), int(e["dur"] * 1000), shapes))
         return out
 
     def _donated_outputs(self, arrays: Mapping[str, np.ndarray], names: list[str],

@@ -25,7 +25,7 @@ from onnxtrain.engine.backends import (
     make_plan,
     resolve_providers,
 )
-from onnxtrain.engine.ort_plan import ENV_ALLOCATORS_KEY, SPIN_KEY, STOP_KEY, OrtPlan
+from onnxtrain.engine.ort_plan import DISABLED_OPTIMIZERS, ENV_ALLOCATORS_KEY, SPIN_KEY, STOP_KEY, OrtPlan
 from onnxtrain.engine.plan import Plan
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession
@@ -263,16 +263,52 @@ def test_state_is_bound_not_copied_and_arrays_held_elsewhere_survive_the_next_st
     np.testing.assert_array_equal(state["W1"], kept1)
 
 
-def test_profiling_writes_a_trace(tmp_path):
+def test_profiling_writes_a_trace_of_onnxruntimes_nodes(tmp_path):
+    """The legacy session's trace on the onnxruntime backend holds onnxruntime's own per-node events (it
+    held one event per run), in time order, and its runs' nodes twice for two runs; onnxruntime's files
+    are folded in and removed."""
     so = options("onnxruntime")
     so.enable_profiling = True
     so.profile_file_prefix = str(tmp_path / "prof_")
     sess = TrainingSession(mlp_model(), _sgd_params(), so)
     x, y = batches(1, 8)[0]
-    sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)})
-    with open(sess.end_profiling()) as f:
+    for _ in range(2):
+        sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)})
+    path = sess.end_profiling()
+    assert os.listdir(tmp_path) == [os.path.basename(path)]
+    with open(path) as f:
         events = json.load(f)
-    assert events and events[0]["args"]["op_name"] == "onnxruntime"
+    ops = [e["args"]["op_name"] for e in events]
+    assert "onnxruntime" not in ops and {"Gemm", "Sub"} <= set(ops), ops  # forward and SGD's update
+    names = [e["name"] for e in events]
+    assert all(names.count(n) == 2 for n in names)
+    starts = [e["ts"] for e in events]
+    assert starts == sorted(starts) and all(e["dur"] >= 0 for e in events)
+
+
+def test_inference_profile_names_the_nodes_onnxruntime_profiles(tmp_path):
+    """An InferenceSession's trace on the backend lists the nodes (name and op) that plain onnxruntime's
+    own profile of the graph the backend runs lists (the oracle)."""
+    so = options("onnxruntime")
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "ours_")
+    model = mlp_model()
+    sess = InferenceSession(model.SerializeToString(), so)
+    x, y = batches(1, 8)[0]
+    feeds = {"x": x, "y": y}
+    sess.run(None, feeds)
+    with open(sess.end_profiling()) as f:
+        ours = {(e["name"], e["args"]["op_name"]) for e in json.load(f)}
+    plain = ort.SessionOptions()
+    plain.enable_profiling = True
+    plain.profile_file_prefix = str(tmp_path / "plain_")
+    plain.add_session_config_entry("session.disable_optimizers", ",".join(DISABLED_OPTIMIZERS))
+    theirs_session = ort.InferenceSession(sess._plan.onnxruntime_model.SerializeToString(), plain,
+                                         providers=["CPUExecutionProvider"])
+    theirs_session.run(None, feeds)
+    with open(theirs_session.end_profiling()) as f:
+        theirs = {(e["name"], e["args"]["op_name"]) for e in json.load(f) if e["cat"] == "Node"}
+    assert ours and ours == theirs
 
 
 # ---- the on-device Module and Optimizer ---------------------------------------------------------
