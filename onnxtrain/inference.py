@@ -324,20 +324,22 @@ class InferenceSession:
         """Write the per-node profile as a chrome-trace JSON file; returns its path ('' if not profiling)."""
         if not self._sess_options.enable_profiling:
             return ""
-        return write_chrome_trace(self._plan, self._sess_options.profile_file_prefix, self._start_ns)
+        return write_chrome_trace([self._plan], self._sess_options.profile_file_prefix)
 
 
-def write_chrome_trace(plan: GraphInterface, prefix: str, start_ns: int,
-                       others: Sequence[GraphInterface] = ()) -> str:
-    """Write ``plan.profile``, with the events the backend kept of ``plan``'s and ``others``' runs, as a
-    chrome-trace file named ``<prefix><timestamp>.json``; returns the path."""
-    kept = [e for p in {id(p): p for p in (plan, *others)}.values() for e in p.drained_profile()]
-    if kept:
-        plan.profile.extend(kept)
-        plan.profile.sort(key=lambda e: e.start_ns)
+def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str) -> str:
+    """Write the profile events of ``plans``' runs (their ``profile``, and those their backend kept), in
+    time order, as a chrome-trace file named ``<prefix><timestamp>.json``; returns the path. The plans'
+    events are handed over: the next trace holds the runs after this one."""
+    profile = []
+    for plan in {id(p): p for p in plans}.values():
+        profile += plan.profile
+        plan.profile.clear()
+        profile += plan.drained_profile()
+    profile.sort(key=lambda e: e.start_ns)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     path = f"{prefix}{stamp}.json"
-    t0 = plan.profile[0].start_ns if plan.profile else time.perf_counter_ns()
+    t0 = profile[0].start_ns if profile else 0
     events = [
         {
             "cat": "Node",
@@ -349,8 +351,7 @@ def write_chrome_trace(plan: GraphInterface, prefix: str, start_ns: int,
             "dur": e.dur_ns / 1000.0,
             "args": {"op_name": e.op, "input_type_shape": e.shapes, "provider": "CPUExecutionProvider"},
         }
-        for e in plan.profile
+        for e in profile
     ]
     write_atomic(path, lambda f: f.write(json.dumps(events).encode()))
-    plan.profile.clear()
     return path

@@ -196,7 +196,6 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             if self._backend != "numpy":  # onnxruntime refused the training graph: the user's node if one is
                 _check_user_nodes(model)  # why (checked only now: the backend's memory)
             raise
-        self._plan.profiling = bool(self._sess_options.enable_profiling)
         self._state_inputs = [i.name for i in g.full.graph.input if i.name in self._store]
         lr = p.lr_params_feed_name
         feed_names = set(g.user_inputs) | ({lr} if self._opt else set())
@@ -313,9 +312,11 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                   follower: bool = False) -> GraphInterface:
         """A plan of ``model`` on the session's backend, providers and options (``updates``: output → the
         state input it may be written into)."""
-        return make_plan(model, self._backend, self._providers, self._sess_options, self._provider_options,
+        plan = make_plan(model, self._backend, self._providers, self._sess_options, self._provider_options,
                          follower=follower, updates=updates, keep_binding=keep_binding,
                          random_state=self._random_state)
+        plan.profiling = bool(self._sess_options.enable_profiling)  # every graph's runs go in the trace
+        return plan
 
     # ---- running ----------------------------------------------------------------------
     def _run(
@@ -373,8 +374,6 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                 self._store[b] = np.zeros_like(self._store[b])
         if kind != "gradients":
             self._micro_step = 0 if kind == "full" else self._micro_step + (kind != "forward")
-        if self._sess_options.enable_profiling and plan is not self._plan:
-            self._plan.profile.extend(plan.profile)
         return results[: len(names)]
 
     def _kind(self, names: list[str], ro: RunOptions) -> str:
@@ -413,8 +412,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
     def end_profiling(self) -> str:
         if not self._sess_options.enable_profiling:
             return ""
-        return write_chrome_trace(self._plan, self._sess_options.profile_file_prefix, self._start_ns,
-                                  list(self._plans.values()))
+        return write_chrome_trace(list(self._plans.values()), self._sess_options.profile_file_prefix)
 
     # ---- state ------------------------------------------------------------------------
     def _state_names(self) -> list[str]:

@@ -357,9 +357,6 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         t = value_types(self._model).get(output_name)
         return t is not None and t.HasField("tensor_type") and t.tensor_type.elem_type == TensorProto.FLOAT
 
-    def end_profiling(self) -> str:
-        return ""
-
     @property
     def peak_bytes(self) -> int:
         return max((getattr(pl, "peak_bytes", 0) for pl in self._plans.values()), default=0)

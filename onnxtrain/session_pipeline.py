@@ -69,7 +69,6 @@ from onnxtrain.session_stages import (
     tied_weights,
 )
 from onnxtrain.training_graph import select_trainable
-from onnxtrain.user_warning import warn
 
 # options a pipelined session cannot honour yet: name → its default
 _REFUSED = {"horizontal_parallel_size": 1}
@@ -104,8 +103,6 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         )
         replicas = self._replicas(p, p.pipeline_parallel_size, "pipeline_parallel_size")
         self._mode = _exchange_mode(p, replicas)
-        if self._sess_options.enable_profiling:
-            warn("SessionOptions.enable_profiling: a pipelined session records no profile yet")
         self.loss_scale_input_name = self._mp.loss_scale if self._mp is not None else None
         world_comm = get_communicator()
         check_same_on_all_ranks(world_comm, model_fingerprint(model, p, _OPTIONS), "model and pipeline setup")

@@ -286,6 +286,25 @@ def test_profiling_writes_a_trace_of_onnxruntimes_nodes(tmp_path):
     assert starts == sorted(starts) and all(e["dur"] >= 0 for e in events)
 
 
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
+def test_profile_holds_the_path_only_runs(tmp_path, backend):
+    """A run of only the path to its fetches (another graph than the step's) is in the trace, node by node
+    (the path's runs were left out on the numpy engine)."""
+    so = options(backend)
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "prof_")
+    sess = TrainingSession(mlp_model(), _sgd_params(), so)
+    x, y = batches(1, 8)[0]
+    feeds = {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)}
+    ro = RunOptions()
+    ro.only_execute_path_to_fetches = True
+    sess.run(["loss"], feeds, ro)
+    with open(sess.end_profiling()) as f:
+        ops = {e["args"]["op_name"] for e in json.load(f)}
+    assert "Gemm" in ops or "FusedGemm" in ops, ops
+    assert not ops & {"Sub", "onnxruntime"}, ops  # nodes, and no update on the path to the loss
+
+
 def test_inference_profile_names_the_nodes_onnxruntime_profiles(tmp_path):
     """An InferenceSession's trace on the backend lists the nodes (name and op) that plain onnxruntime's
     own profile of the graph the backend runs lists (the oracle)."""

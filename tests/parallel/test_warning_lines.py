@@ -1,7 +1,7 @@
 """The cut sessions' warnings point at the line of the script that built the session, as Python's own do.
 
 One ``mpiexec -n 2`` run of a script (written here) that builds a pipelined session with options that warn
-(profiling, a data_parallel_size that does not fit, Adasum with one replica) and a horizontal session of a
+(a data_parallel_size that does not fit, Adasum with one replica) and a horizontal session of a
 model with no MLP block; every rank writes where each warning pointed.
 """
 
@@ -53,7 +53,6 @@ def test_cut_session_warnings_point_at_the_script(tmp_path):
     proc = run_mpi(worker=str(script))
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = {
-        "SessionOptions.enable_profiling: a pipelined session": "PIPELINE",
         "data_parallel_size=2 times pipeline_parallel_size=2": "PIPELINE",
         "TrainingParameters.enable_adasum has no effect": "PIPELINE",
         "horizontal_parallel_size=2: no MLP or attention block": "HORIZONTAL",
