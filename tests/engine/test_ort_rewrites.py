@@ -161,7 +161,8 @@ def test_where_with_a_zero_becomes_a_mask_multiply(elem: int, zero_first: bool) 
     new = rewrite_for_onnxruntime(model)
     onnx.checker.check_model(new, full_check=True)
     ops = [n.op_type for n in new.graph.node]
-    assert "Where" not in ops and ops[-1] == "Mul" and ("Not" in ops) == zero_first, ops
+    assert "Where" not in ops and ops[-4:] == ["Mul", "ReduceSum", "IsNaN", "If"], ops
+    assert ("Not" in ops) == zero_first, ops
     rng = np.random.default_rng(3)
     np_t = helper.tensor_dtype_to_np_dtype(elem)
     x = rng.standard_normal((7, 5)).astype(np_t)
@@ -175,12 +176,26 @@ def test_where_with_a_zero_becomes_a_mask_multiply(elem: int, zero_first: bool) 
         0
     ]
     np.testing.assert_array_equal(got, want)  # -0 where a negative dy is masked: equal to +0
-    # the documented difference: a masked infinite value becomes NaN (0·inf) where Where gives 0
-    dy[1, 0], x[1, 0] = np.inf, -1
-    got = ort.InferenceSession(new.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[
-        0
-    ]
-    assert np.isnan(got[1, 0])
+    _same_non_finite_values(model, new, feeds, "dy", x > 0 if not zero_first else x > 0)
+
+
+def _same_non_finite_values(model: onnx.ModelProto, new: onnx.ModelProto, feeds: dict, name: str,
+                            kept: np.ndarray) -> None:
+    """``new`` gives ``model``'s values (onnxruntime running the Where, the oracle) when ``feeds[name]``
+    holds non-finite values: masked inf or NaN (0·inf and 0·NaN would be NaN; the fast form falls back to
+    the Where), unmasked inf of one sign (the fast form's own values), unmasked inf of both signs."""
+    masked, unmasked = np.argwhere(~kept), np.argwhere(kept)
+    assert len(masked) > 1 and len(unmasked) > 1
+    cases = {"masked inf": [(masked[0], np.inf)], "masked nan": [(masked[1], np.nan)],
+             "unmasked inf": [(unmasked[0], np.inf)],
+             "unmasked ±inf": [(unmasked[0], np.inf), (unmasked[1], -np.inf)]}
+    for case, values in cases.items():
+        fed = {k: v.copy() for k, v in feeds.items()}
+        for at, v in values:
+            fed[name][tuple(at)] = v
+        want = run_feeds(model, fed)
+        np.testing.assert_array_equal(run_feeds(new, fed), want, err_msg=case)
+        assert not np.isfinite(want).all() or case.startswith("masked"), case
 
 
 def test_where_with_another_constant_stays() -> None:
@@ -207,9 +222,9 @@ def test_where_of_a_zero_and_an_infinite_constant_stays() -> None:
         np.testing.assert_array_equal(got[0], want)
 
 
-def test_a_zero_only_the_where_read_goes_with_it() -> None:
-    """The Constant zero of a gradient's Where is read by nothing once it is a Mul: it goes too (onnxruntime
-    would warn that it removes an unused initializer)."""
+def test_the_fallback_where_keeps_its_zero() -> None:
+    """The Constant zero of a gradient's Where is read by the If's fallback Where once the Where is a Mul:
+    it stays, and the rewritten graph is valid."""
     zero = helper.make_node("Constant", [], ["zero"], value=onnx.numpy_helper.from_array(np.float32(0)))
     cmp = helper.make_node("Greater", ["x", "x0"], ["m"])
     where = helper.make_node("Where", ["m", "dy", "zero"], ["dx"])
@@ -222,7 +237,10 @@ def test_a_zero_only_the_where_read_goes_with_it() -> None:
     new = rewrite_for_onnxruntime(
         helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
     )
-    assert [n.op_type for n in new.graph.node] == ["Greater", "Cast", "Mul"]
+    assert [n.op_type for n in new.graph.node] == ["Constant", "Greater", "Cast", "Mul", "ReduceSum", "IsNaN",
+                                                   "If"]
+    then = next(a.g for a in new.graph.node[-1].attribute if a.name == "then_branch")
+    assert [(n.op_type, n.input[2]) for n in then.node] == [("Where", "zero")]  # the fallback
     onnx.checker.check_model(new, full_check=True)
 
 
@@ -258,7 +276,7 @@ def test_where_with_an_infinite_fill_becomes_an_add(elem: int, fill: float, fill
     model = causal_model(elem, fill, fill_first)
     new = rewrite_for_onnxruntime(model)
     onnx.checker.check_model(new, full_check=True)
-    assert [n.op_type for n in new.graph.node][-2:] == ["Where", "Add"]
+    assert [n.op_type for n in new.graph.node][-5:] == ["Where", "Add", "ReduceSum", "IsNaN", "If"]
     read = {i for n in new.graph.node for i in n.input}
     assert [t.name for t in new.graph.initializer if t.name not in read] == []
     np_t = helper.tensor_dtype_to_np_dtype(elem)
@@ -269,9 +287,10 @@ def test_where_with_an_infinite_fill_becomes_an_add(elem: int, fill: float, fill
         got = run_feeds(new, feeds)
         np.testing.assert_array_equal(got, want)
         assert np.isinf(want).any() or t == 1
-    # the documented difference: a masked NaN stays NaN where Where gives the fill
-    feeds["s"][0, 0, 0, -1] = np.nan
-    assert np.isnan(run_feeds(new, feeds)[0, 0, 0, -1]) and np.isinf(run_feeds(model, feeds)[0, 0, 0, -1])
+    # a masked NaN or opposite infinity gets the fill, an unmasked infinity stays (the fast form's values
+    # unless they hold a NaN, then the Where's)
+    blocked = np.broadcast_to(np.triu(np.ones((t, t), bool), 1), feeds["s"].shape)
+    _same_non_finite_values(model, new, feeds, "s", ~blocked)
 
 
 def test_where_with_a_finite_fill_stays() -> None:
