@@ -526,7 +526,7 @@ def _emit_update(
     if clip or mp is not None:  # under mixed precision loss-scaled, as the legacy reported
         norm = _update_norm(w, slots, norm_input, inputs, outputs, extras, norm_et)
     mnc = None
-    if clip and opt.uses_norm and not p.legacy_cpu_adam:
+    if clip and opt.uses_norm and not (p.legacy_cpu_adam and opt.name == "AdamOptimizer"):  # Adam's kernel
         mnc = {s.name: _max_norm_clip(s, opt) for s in slots}
     if mp is None and mnc is not None:
         for s in slots:

@@ -232,6 +232,26 @@ def test_clipping_limits_the_global_norm() -> None:
         np.testing.assert_allclose(sess.get_state()[k], w, rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.parametrize("opt", ["AdamOptimizer", "LambOptimizer"])
+def test_legacy_cpu_adam_turns_off_adams_clipping_only(opt: str) -> None:
+    """``legacy_cpu_adam`` copies onnxruntime's CPU Adam kernel, which ignored clipping; Lamb had no CPU
+    kernel and keeps clipping (it stopped clipping too). Oracle: one float64 step of the spec's update on g/s,
+    s = ‖g‖ / max_norm_clip for Lamb, s = 1 for Adam (an epsilon of 0.1 makes Lamb's step depend on s)."""
+    model = mlp_model()
+    x, y = batches(1, 16)[0]
+    g = _grads(model, {k: v.astype(np.float64) for k, v in weights_of(model).items()}, x, y)
+    norm = np.sqrt(sum(np.sum(v * v) for v in g.values()))
+    p = params(opt, legacy_cpu_adam=True,
+               optimizer_attributes_map={n: {"max_norm_clip": norm / 10, "epsilon": 0.1} for n in g})
+    sess = TrainingSession(model.SerializeToString(), p)
+    sess.run(["loss"], feeds(x, y))
+    w0 = weights_of(model)
+    s, ref = (1.0, adam_ref) if opt == "AdamOptimizer" else (10.0, lamb_ref)
+    for k in g:
+        w, _, _ = ref(w0[k].astype(np.float64), g[k] / s, 0 * g[k], 0 * g[k], 1, float(LR[0]), eps=0.1)
+        np.testing.assert_allclose(sess.get_state()[k], w, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 @pytest.mark.parametrize("limit", [0.0, -1.0])
 def test_a_clipping_limit_that_is_not_positive_is_refused_by_name(limit: float) -> None:
     model = mlp_model()
