@@ -65,7 +65,7 @@ class Lamb(Optimizer):
             )
             if lam:
                 d = w.one("Add", d, w.one("Mul", s.name, scalar(w, lam, et)))
-            bad = w.one("Or", w.one("IsNaN", d), w.one("IsInf", d))
+            bad = not_finite(w, d)
             zero = scalar(w, 0.0, et)
             d = w.one("Where", bad, zero, d)
             m1n = w.one("Where", bad, m1v, m1n)
@@ -82,9 +82,15 @@ class Lamb(Optimizer):
             both = w.one("And", w.one("Greater", wn2, zero), w.one("Greater", dn2, zero))
             eta = w.one("Mul", lr_t, w.one("Where", both, ratio, scalar(w, 1.0, et)))
             cand = w.one("Sub", s.name, w.one("Mul", eta, d))
-            keep = w.one("Or", w.one("IsNaN", cand), w.one("IsInf", cand))
+            keep = not_finite(w, cand)
             new_w[s.name] = w.emit("Where", [keep, s.name, cand], [w.names(f"{s.name}_Lamb_out")])[0]
             new_s[m1] = self.store_moment(w, m1n, w.names(f"Moment_1_{s.name}_Out"), et)
             new_s[m2] = self.store_moment(w, m2n, w.names(f"Moment_2_{s.name}_Out"), et)
         new_s[t] = w.emit("Add", [t, w.ints([1])], [w.names("Step_Out")])[0]
         return new_w, new_s
+
+
+def not_finite(w: NodeWriter, x: str) -> str:
+    """Where ``x`` is inf or NaN: ``IsNaN(x − x)`` (exact: x − x is 0 for a finite x), which takes float16
+    and bfloat16 at the opsets where ``IsInf`` does not (before 20)."""
+    return w.one("IsNaN", w.one("Sub", x, x))

@@ -7,7 +7,7 @@ import onnx
 import pytest
 
 import onnxtrain
-from onnxtrain import RunOptions, TrainingParameters, TrainingSession
+from onnxtrain import RunOptions, SessionOptions, TrainingParameters, TrainingSession
 from tests.session.helpers import adam_ref, batches, lamb_ref, mlp_model, params, weights_of
 
 LR = np.array([0.05], np.float32)
@@ -250,6 +250,38 @@ def test_legacy_cpu_adam_turns_off_adams_clipping_only(opt: str) -> None:
     for k in g:
         w, _, _ = ref(w0[k].astype(np.float64), g[k] / s, 0 * g[k], 0 * g[k], 1, float(LR[0]), eps=0.1)
         np.testing.assert_allclose(sess.get_state()[k], w, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
+def test_lamb_trains_a_float16_model(backend: str) -> None:
+    """Lamb's finiteness guards take float16 at opset 17, where IsInf does not (the node check refused the
+    update graph). Oracle: one float64 Lamb step from the float64 gradient of the float16 weights."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w0, b0 = rng.standard_normal((2, 3)).astype(np.float16), np.full(2, 0.5, np.float16)
+    g = helper.make_graph([helper.make_node("Gemm", ["x", "W", "b"], ["lo"], transB=1),
+                           helper.make_node("Mul", ["lo", "lo"], ["l2"]),
+                           helper.make_node("ReduceMean", ["l2"], ["loss"], keepdims=0)], "t",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["N", 3])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT16, [])],
+                          [numpy_helper.from_array(w0, "W"), numpy_helper.from_array(b0, "b")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    so = SessionOptions()
+    if backend == "onnxruntime":
+        so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    p = params("LambOptimizer", enable_grad_norm_clip=False)
+    sess = TrainingSession(model.SerializeToString(), p, so)
+    x = rng.standard_normal((8, 3)).astype(np.float16)
+    sess.run(["loss"], {"x": x, "Learning_Rate": LR})
+    x64, w64, b64 = x.astype(np.float64), w0.astype(np.float64), b0.astype(np.float64)
+    lo = x64 @ w64.T + b64
+    grads = {"W": (2 * lo / lo.size).T @ x64, "b": (2 * lo / lo.size).sum(0)}
+    for k, w in (("W", w64), ("b", b64)):
+        want, _, _ = lamb_ref(w, grads[k], 0 * w, 0 * w, 1, float(LR[0]))
+        got = sess.get_state()[k]
+        assert got.dtype == np.float16
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-3, atol=2e-3, err_msg=k)
 
 
 @pytest.mark.parametrize("limit", [0.0, -1.0])
