@@ -24,14 +24,14 @@ class BucketReducer:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.comm = comm
         self.signature = (tuple(tuple(s) for s in shapes), tuple(np.dtype(d).str for d in dtypes))
-        sizes: dict[str, int] = {}
-        where: list[tuple[str, int, int]] = []
+        sizes: dict[np.dtype, int] = {}
+        where: list[tuple[np.dtype, int, int]] = []
         for shape, dt in zip(shapes, dtypes):
-            key = np.dtype(dt).str
+            key = np.dtype(dt)  # the dtype itself: its string is "<V2" for ml_dtypes' bfloat16
             n = int(np.prod(shape, dtype=np.int64))
             where.append((key, sizes.get(key, 0), n))
             sizes[key] = sizes.get(key, 0) + n
-        self.flat = {k: np.zeros(n, np.dtype(k)) for k, n in sizes.items()}
+        self.flat = {k: np.zeros(n, k) for k, n in sizes.items()}
         self.views = [self.flat[k][o:o + n].reshape(shape) for (k, o, n), shape in zip(where, shapes)]
         self.chunks: list[np.ndarray] = []
         for buf in self.flat.values():

@@ -227,13 +227,23 @@ class Communicator:
 
     # ---- collectives -----------------------------------------------------------------
     def allreduce_(self, buf: np.ndarray, what: str = "allreduce") -> np.ndarray:
-        """Sum ``buf`` (contiguous) over all ranks, in place."""
+        """Sum ``buf`` (contiguous) over all ranks, in place (a type MPI has no sum for, such as bfloat16, is
+        summed in float32 and rounded once)."""
+        if _no_mpi_type(buf):
+            wide = buf.astype(np.float32)
+            buf[...] = self.allreduce_(wide, what)
+            return buf
         with self.guarded(what):
             self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
         return buf
 
     def reduce_scatter_(self, buf: np.ndarray, out: np.ndarray, what: str = "reduce-scatter") -> np.ndarray:
-        """Sum ``buf`` (size = size·len(out)) over ranks; this rank receives block ``rank`` in ``out``."""
+        """Sum ``buf`` (size = size·len(out)) over ranks; this rank receives block ``rank`` in ``out``
+        (bfloat16 and the like summed in float32, as :meth:`allreduce_`)."""
+        if _no_mpi_type(buf):
+            wide = np.empty(out.shape, np.float32)
+            out[...] = self.reduce_scatter_(buf.astype(np.float32), wide, what)
+            return out
         with self.guarded(what):
             self.comm.Reduce_scatter_block(buf, out, op=self.MPI.SUM)
         return out
@@ -241,12 +251,12 @@ class Communicator:
     def allgather_(self, buf: np.ndarray, what: str = "allgather") -> np.ndarray:
         """Every rank contributes block ``rank`` of ``buf`` (equal blocks); all receive every block."""
         with self.guarded(what):
-            self.comm.Allgather(self.MPI.IN_PLACE, buf)
+            self.comm.Allgather(self.MPI.IN_PLACE, _as_bytes(buf))
         return buf
 
     def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, what: str = "exchange") -> np.ndarray:
         with self.guarded(what):
-            self.comm.Sendrecv(send, peer, 0, recv, peer, 0)
+            self.comm.Sendrecv(_as_bytes(send), peer, 0, _as_bytes(recv), peer, 0)
         return recv
 
     def isend_object(self, obj: Any, dest: int, tag: int, what: str = "send") -> _Request:
@@ -270,6 +280,17 @@ class Communicator:
     def barrier(self, what: str = "barrier") -> None:
         with self.guarded(what):
             self.comm.Barrier()
+
+
+def _no_mpi_type(buf: np.ndarray) -> bool:
+    """Whether ``buf``'s element type is one MPI has no datatype for: ml_dtypes' bfloat16 and float8 types,
+    which numpy sees as opaque (kind 'V')."""
+    return buf.dtype.kind == "V"
+
+
+def _as_bytes(buf: np.ndarray) -> np.ndarray:
+    """``buf`` as its bytes when MPI has no datatype for its elements (copies move bytes), else itself."""
+    return buf.view(np.uint8) if _no_mpi_type(buf) else buf
 
 
 class _Request:
