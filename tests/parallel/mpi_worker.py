@@ -213,7 +213,7 @@ def main() -> None:
             saved.update(d)
         if w.rank == 0:
             np.savez(out, **saved)
-    elif what in ("raise", "kill", "hang"):
+    elif what in ("raise", "kill", "hang", "exit"):
         # ZeRO-1 Adam; after every step rank 0 writes a checkpoint of the gathered state
         from onnxtrain.checkpoint import Checkpoint, save_checkpoint
 
@@ -228,6 +228,9 @@ def main() -> None:
                     import time
 
                     time.sleep(1000)
+                if what == "exit":  # a script's own error exit: no exception reaches sys.excepthook
+                    print("rank 1 exits with status 4 on purpose", flush=True)
+                    sys.exit(4)
                 raise RuntimeError("rank 1 fails on purpose at step 3")
             sess.run(["loss"], {"x": split_batch(x), "y": split_batch(y), "Learning_Rate": LR})
             state = sess.gather_state()

@@ -154,7 +154,7 @@ def test_adasum_matches_float64_reference(collectives: dict[str, np.ndarray]) ->
         np.testing.assert_array_equal(want[-1], 0.0)  # two zero vectors sum to zero
 
 
-@pytest.mark.parametrize("how", ["raise", "kill", "hang"])
+@pytest.mark.parametrize("how", ["raise", "kill", "hang", "exit"])
 def test_failing_rank_ends_the_job(how: str, tmp_path) -> None:
     from onnxtrain.checkpoint import load_checkpoint
 
@@ -168,6 +168,9 @@ def test_failing_rank_ends_the_job(how: str, tmp_path) -> None:
     assert "finished without noticing" not in r.stdout
     if how == "raise":
         assert "rank 1 fails on purpose" in r.stderr and "aborting all ranks" in r.stderr
+    if how == "exit":  # sys.exit(4) on rank 1 ends the job at once (it waited for the 20 s timeout)
+        assert r.returncode == 4 and "exit status 4; aborting all ranks" in r.stderr, (r.returncode, r.stderr)
+        assert took < 15, f"the job took {took:.1f} s to end"
     if how == "hang":
         # the watchdog aborts with code 3 after printing what it waited for; on MPI_Abort, mpiexec may
         # drop a rank's last stderr lines (seen in CI), so the code alone also shows it was the watchdog
