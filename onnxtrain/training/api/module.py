@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -122,6 +122,22 @@ def _ortvalue_class(values: Sequence[Any]) -> Any:
     if issubclass(cls, np.ndarray) or not callable(getattr(cls, "numpy", None)):
         return None
     return cls if callable(getattr(cls, "ortvalue_from_numpy", None)) else None
+
+
+def _unshared(outs: list[Any], params: Iterable[Any]) -> list[Any]:
+    """``outs`` with a copy of each output that is a parameter's array or a view into one (an output that
+    reshapes or slices a weight): the caller's arrays must not change with the next update, nor change the
+    weights, as onnxruntime-training's do not. Outputs that own their memory are not compared."""
+    suspects = [k for k, o in enumerate(outs) if isinstance(o, np.ndarray)]
+    if not suspects:
+        return outs
+    held = [a for p in params for a in (p.data, p.grad) if isinstance(a, np.ndarray)]
+    ids = {id(a) for a in held}
+    for k in suspects:
+        o = outs[k]
+        if (o.base is not None or id(o) in ids) and any(np.may_share_memory(o, a) for a in held):
+            outs[k] = o.copy()
+    return outs
 
 
 def _expose_running_stats(model: onnx.ModelProto, state: CheckpointState
@@ -459,7 +475,7 @@ class Module:
         for stat, new in zip(self._running_stats, results[n + len(self._trainable):]):
             np.copyto(params[stat].data, new)  # in place: held .data arrays see the new statistics
         self._accumulate = True
-        return results[:n]
+        return _unshared(results[:n], params.values())
 
     def _loss_scale_feed(self) -> np.ndarray:
         """The scaler's value on a call that starts an accumulation, else the scale already in use."""
@@ -485,8 +501,9 @@ class Module:
         feeds = check_user_inputs(self._eval_inputs, user_inputs, "the eval model")
         feeds.update(self._param_feeds(self._eval_params, "Cannot perform EvalStep with a nominal state."))
         plan = self._eval_plan
-        return _checked_run(lambda: plan.run(feeds, self._eval_outputs), self._eval_inputs, feeds,
+        outs = _checked_run(lambda: plan.run(feeds, self._eval_outputs), self._eval_inputs, feeds,
                             "the eval model")
+        return _unshared(outs, self._state._params.values())
 
     def lazy_reset_grad(self) -> None:
         """Make the next training call overwrite the gradients instead of adding to them (§3.3)."""
