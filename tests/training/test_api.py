@@ -751,3 +751,16 @@ def test_training_session_without_optimizer_or_eval(art):
     with pytest.raises(RuntimeError, match="Evaluation session not initialized"):
         sess.eval_step(list(batch()))
     assert sess.input_names(False) == []
+
+
+def test_a_property_string_without_utf8_form_is_refused_when_set(art, tmp_path) -> None:
+    """A lone surrogate (``os.fsdecode`` of undecodable bytes) in a property's value or name is a TypeError
+    when set, as onnxruntime-training refuses it; it was taken, and every later save_checkpoint failed."""
+    state = CheckpointState.load_checkpoint(art["checkpoint"])
+    for name, value in (("note", "bad \ud800 text"), ("bad \udc80 name", "ok")):
+        with pytest.raises(TypeError, match="not valid UTF-8"):
+            state.properties[name] = value
+        assert name not in state.properties
+    state.properties["note"] = "ünïcode ✓"
+    CheckpointState.save_checkpoint(state, str(tmp_path / "again"))
+    assert CheckpointState.load_checkpoint(str(tmp_path / "again")).properties["note"] == "ünïcode ✓"

@@ -122,11 +122,22 @@ def _property_value(name: str, value: Any) -> int | float | str:
         with np.errstate(over="ignore"):
             return float(np.float32(value))  # stored as float32, as onnxruntime-training does
     if isinstance(value, str):
+        _check_utf8(value, f"Property {name!r}: the value")
         return value
     if isinstance(value, (bytes, bytearray)):
         return bytes(value).decode("utf-8")
     raise TypeError(f"Property {name!r}: a value of type {type(value).__name__} cannot be stored; "
                     "properties are int, float or str")
+
+
+def _check_utf8(text: str, what: str) -> None:
+    """A ``TypeError`` (onnxruntime-training's) for a string the checkpoint cannot store: one with a lone
+    surrogate (``os.fsdecode`` of undecodable bytes) has no UTF-8 form, and every later save would fail."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TypeError(f"{what} is not valid UTF-8 text ({e.reason} at index {e.start}); checkpoints store "
+                        "strings as UTF-8") from None
 
 
 LOAD_HINT = "(Module.copy_buffer_to_parameters(buffer, trainable_only=False) loads them.)"
@@ -240,6 +251,7 @@ class Properties:
             raise TypeError(f"Property names must be str, got {type(name).__name__}")
         if name in _RESERVED:
             raise ValueError(f"Property name {name!r} is reserved by onnxtrain")
+        _check_utf8(name, f"Property name {name!r}")
         self._state._properties[name] = _property_value(name, value)
 
     def __contains__(self, name: object) -> bool:
