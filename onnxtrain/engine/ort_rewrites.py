@@ -79,7 +79,7 @@ from onnxtrain.ir.builder import NameGen, model_opset, static_shape, value_types
 from onnxtrain.ir.graphs import (
     DEFAULT_DOMAINS,
     drop_unread,
-    is_training_batch_norm,
+    inference_batch_norms,
     node_reads,
     subgraphs,
     walk_graphs,
@@ -123,7 +123,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
         model = softmax_cross_entropy_losses(model, typed)
         model = leading_sums(model, typed)
         model = pads_as_concat(model, typed)
-    return _inference_batch_norms(model)
+    return inference_batch_norms(model)
 
 
 _LABEL_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
@@ -244,26 +244,6 @@ def _labels_check(node: onnx.NodeProto, scores_shape: list | None, opset: int,
               helper.make_node("Reshape", [labels, hi], [wide], name=name("Reshape"), **extra),
               helper.make_node("Reshape", [wide, same_rank], [out], name=name("Reshape"), **extra)]
     return nodes, inits, out
-
-
-def _inference_batch_norms(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Inference-mode BatchNormalizations without the running-statistics outputs nothing reads (from opset 14,
-    where the ``training_mode`` attribute, not the number of outputs, sets the mode)."""
-    if model_opset(model) < 14:
-        return model
-    read = {i for n in model.graph.node for i in node_reads(n)} | {o.name for o in model.graph.output}
-    found = [
-        k for k, n in enumerate(model.graph.node)
-        if n.op_type == "BatchNormalization" and len(n.output) > 1
-        and not is_training_batch_norm(n) and not read & set(n.output[1:])
-    ]
-    if not found:
-        return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    for k in found:
-        del out.graph.node[k].output[1:]
-    return out
 
 
 def _mask_multiplies(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:

@@ -22,6 +22,31 @@ def is_training_batch_norm(n: onnx.NodeProto) -> bool:
     return n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute)
 
 
+def inference_batch_norms(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its inference-mode BatchNormalizations stripped of the running-statistics outputs that
+    nothing reads (from opset 14, where the ``training_mode`` attribute, not the number of outputs, sets the
+    mode): onnxruntime-training's generator leaves them on the eval model of a model exported in training
+    mode, and ONNX's checker and onnxruntime refuse such a node ("should be 1 when Training_mode = False").
+    ``model`` itself when there are none."""
+    from onnxtrain.ir.builder import model_opset
+
+    if model_opset(model) < 14:
+        return model
+    read = {i for n in model.graph.node for i in node_reads(n)} | {o.name for o in model.graph.output}
+    found = [
+        k for k, n in enumerate(model.graph.node)
+        if n.op_type == "BatchNormalization" and n.domain in DEFAULT_DOMAINS and len(n.output) > 1
+        and not is_training_batch_norm(n) and not read & set(n.output[1:])
+    ]
+    if not found:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for k in found:
+        del out.graph.node[k].output[1:]
+    return out
+
+
 def train_batch_norms(nodes: Iterable[onnx.NodeProto], names: Callable[[str], str]) -> list[str]:
     """Put every BatchNormalization among ``nodes`` in training mode, in place, as onnxruntime's training
     graphs do (its BatchNormReplacement rewrites each one, whatever mode it was exported in, into a

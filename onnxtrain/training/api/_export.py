@@ -11,7 +11,7 @@ import onnx
 from onnx import numpy_helper
 
 from onnxtrain.ir.builder import value_types
-from onnxtrain.ir.graphs import path_to
+from onnxtrain.ir.graphs import inference_batch_norms, path_to
 from onnxtrain.ir.io import StagedFiles, stage_model
 
 # Above this many parameter bytes the exported model keeps them in ``<file>.data`` (protobuf's 2 GiB limit).
@@ -91,6 +91,7 @@ def export_for_inference(eval_model: onnx.ModelProto, params: Mapping[str, np.nd
     value_info = [v for v in g.value_info if v.name in needed and v.name not in set(names)]
     del og.value_info[:]
     og.value_info.extend(value_info)
+    out = inference_batch_norms(out)  # inference BatchNorms' running-statistics outputs: checkers refuse them
 
     # past protobuf's 2 GiB the parameters go to <file>.data, written whole and renamed with the model
     big = sum(t.ByteSize() for t in og.initializer) > EXTERNAL_DATA_THRESHOLD
