@@ -51,12 +51,46 @@ def _nan_cleared(g: GradCtx, y: str) -> str | None:
     return cleared  # dY is 0 wherever Y is nan: only those Wheres pass a gradient to Y
 
 
+def _zero(g: GradCtx, name: str) -> bool:
+    """Whether ``name`` is a constant 0 (one value), also through a Cast or CastLike of one."""
+    node = g.producer(name)
+    if node is not None and node.op_type in ("Cast", "CastLike"):
+        name = node.input[0]
+    value = g.constant_value(name)
+    return value is not None and value.size == 1 and value.reshape(-1)[0] == 0
+
+
+def _zero_filled(g: GradCtx, y: str) -> bool:
+    """Whether every use of ``y``'s values (directly or through Casts; a Shape or the type of a CastLike
+    aside) is the value branch of a ``Where(c, 0, ·)`` (y no graph output): ONNX's ``Attention`` body
+    writes its softmax so, zeroing the rows whose every key is masked (a nan row: every score −inf),
+    where dY is then 0."""
+    if g.is_graph_output(y):
+        return False
+    readers = g.readers(y)
+    for n in readers:
+        if n.op_type == "Shape" or (n.op_type == "CastLike" and n.input[0] != y):
+            continue  # its shape or type only
+        if n.op_type == "Cast":
+            if g.is_graph_output(n.output[0]) or not _zero_filled(g, n.output[0]):
+                return False
+        elif n.op_type != "Where" or n.input[2] != y or n.input[1] == y or not _zero(g, n.input[1]):
+            return False
+    return any(n.op_type in ("Cast", "Where") for n in readers)
+
+
 @gradient("Softmax", uses=("y0",))
 def softmax_grad(g: GradCtx) -> None:
     # dX = Y·(dY − Σ dY·Y)  over the softmax axis (opset 13 semantics: one axis). Y read through
     # Where(IsNaN(Y), 0, Y) reads that instead: the same values, and 0 in place of a fully masked row's
     # nan, where dY is 0 too, so dX is 0 there as torch's attention gives (nan·0 was nan); no extra pass.
-    y = _nan_cleared(g, g.y(0)) or g.y(0)
+    # Y read only through Where(c, 0, ·) (ONNX's Attention body) is cleared of nan here (two passes): the
+    # nan rows are the fully masked ones, which that Where zeroes (a nan it let through makes the loss nan).
+    y = _nan_cleared(g, g.y(0))
+    if y is None:
+        y = g.y(0)
+        if _zero_filled(g, y):
+            y = g.emit("Where", g.emit("IsNaN", y), g.const(0.0, g.elem_type(y)), y)
     s = g.reduce("ReduceSum", g.emit("Mul", g.dy(0), y), [g.attr("axis")], keepdims=1)
     g.set_dx(0, g.emit("Mul", y, g.emit("Sub", g.dy(0), s)))
 
