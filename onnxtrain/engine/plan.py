@@ -32,6 +32,7 @@ from onnxtrain.engine.interface import (  # noqa: F401  (the engine's errors, im
     load_model,
     repeats_copied,
 )
+from onnxtrain.engine.legacy_forms import legacy_form, refusal
 from onnxtrain.engine.node_checks import NodeChecker, check_nodes, checked_opsets  # noqa: F401 (re-exported)
 from onnxtrain.engine.parallel import default_width, running_with, width
 from onnxtrain.engine.registry import (
@@ -135,6 +136,9 @@ class Plan(GraphInterface):
                 captures[k] = fn.captures
             else:
                 fn = find_kernel(node.op_type, self.opset, node.domain)
+                why = fn and legacy_form(node, self.opset)
+                if why:
+                    raise UnsupportedOpError(refusal(node, k, self.opset, why))
             if fn is None:
                 label = repr(node.name) if node.name else f"#{k} (unnamed)"
                 missing.append(f"{label} ({node.domain + '.' if node.domain else ''}{node.op_type})")

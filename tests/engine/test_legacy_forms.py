@@ -1,0 +1,76 @@
+"""Old operator forms no kernel runs are refused by name with the way to convert the model; they gave wrong
+values (Sub-6 with broadcast=1, axis=0) or numpy errors. The converted model runs to the values the old
+form defines (numpy the oracle), and old forms the kernels do follow still run."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, version_converter
+
+from onnxtrain.engine import compile_model
+from onnxtrain.engine.interface import UnsupportedOpError
+
+F = TensorProto.FLOAT
+RNG = np.random.default_rng(0)
+A, B4 = RNG.standard_normal((4, 4)).astype(np.float32), RNG.standard_normal(4).astype(np.float32)
+X3 = RNG.standard_normal((2, 3, 4)).astype(np.float32)
+STATS = {n: np.ones(4, np.float32) for n in ("s", "b", "m", "v")}
+
+
+def _model(op: str, attrs: dict, inputs: dict[str, np.ndarray], opset: int, shape: list[int],
+           out: int = F) -> onnx.ModelProto:
+    node = helper.make_node(op, list(inputs), ["y"], name="old", **attrs)
+    declared = [helper.make_tensor_value_info(n, F, a.shape) for n, a in inputs.items()]
+    g = helper.make_graph([node], "g", declared, [helper.make_tensor_value_info("y", out, shape)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+x34 = RNG.standard_normal((3, 4)).astype(np.float32)
+CASES = {
+    "sub6_axis_broadcast": (_model("Sub", {"broadcast": 1, "axis": 0}, {"a": A, "b": B4}, 6, [4, 4]),
+                            "broadcast=1 with axis=0"),
+    "add6_axis_broadcast": (_model("Add", {"broadcast": 1, "axis": 1}, {"a": X3, "b": B4[:3]}, 6,
+                                   [2, 3, 4]), "broadcast=1 with axis=1"),
+    "pad1_paddings": (_model("Pad", {"paddings": [1, 0, 0, 2]}, {"x": x34}, 1, [4, 6]),
+                      "attribute 'paddings'"),
+    "reshape1_shape": (_model("Reshape", {"shape": [4, 3]}, {"x": x34}, 1, [4, 3]), "attribute 'shape'"),
+    "cast1_string_to": (_model("Cast", {"to": "DOUBLE"}, {"x": x34}, 1, [3, 4], TensorProto.DOUBLE),
+                        "a string 'to'"),
+    "concat1_no_axis": (_model("Concat", {}, {"p": x34, "q": x34}, 1, [3, 8]), "no 'axis'"),
+    "batchnorm7_spatial0": (_model("BatchNormalization", {"spatial": 0}, {"x": x34, **STATS}, 7, [3, 4]),
+                            "spatial=0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_old_forms_no_kernel_runs_are_refused_by_name(case: str) -> None:
+    model, piece = CASES[case]
+    opset = model.opset_import[0].version
+    with pytest.raises(UnsupportedOpError) as e:
+        compile_model(model)
+    assert f"node 'old' ({model.graph.node[0].op_type}, opset {opset})" in str(e.value)
+    assert piece in str(e.value) and "onnx.version_converter.convert_version" in str(e.value)
+
+
+def test_the_converted_model_runs_the_old_forms_values() -> None:
+    """Sub-6 with broadcast=1, axis=0 subtracts b from each row's values along axis 0 (b aligned at axis 0):
+    a − b[:, None]; converted to opset 9 it runs so (it ran as a − b[None, :] before)."""
+    model = version_converter.convert_version(CASES["sub6_axis_broadcast"][0], 9)
+    got = compile_model(model).run({"a": A, "b": B4})[0]
+    np.testing.assert_allclose(got, A - B4[:, None], rtol=1e-6)
+
+
+def test_old_forms_the_kernels_follow_still_run() -> None:
+    """broadcast=1 without an axis (the trailing axes aligned, as NumPy's) and Concat-1 with its axis run
+    as before."""
+    cases = [
+        (_model("Add", {"broadcast": 1}, {"a": A, "b": B4}, 6, [4, 4]), {"a": A, "b": B4}, A + B4),
+        (_model("Concat", {"axis": 0}, {"p": x34, "q": x34}, 1, [6, 4]), {"p": x34, "q": x34},
+         np.vstack([x34, x34])),
+    ]
+    for model, feeds, want in cases:
+        np.testing.assert_allclose(compile_model(model).run(feeds)[0], want, rtol=1e-6)
