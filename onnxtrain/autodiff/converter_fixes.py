@@ -4,9 +4,9 @@
   converter writes Resize-11+ nodes without those attributes, which then mean half-pixel coordinates and
   round-half-down (and it renames an Upsample's output): every Resize of a converted model below opset
   11 is one of those, and :func:`restore_legacy_resizes` writes the attributes into them.
-* Clip before opset 11 takes its bounds as float attributes; the converter makes them float32 Constant
-  inputs whatever the input's type: :func:`match_clip_bounds` casts them to it (a float64 Clip's gradient
-  graph was refused by onnx.checker and onnxruntime).
+* Clip and Pad before opset 11 take their bounds and padding value as float attributes; the converter
+  makes them float32 Constant inputs whatever the input's type: :func:`match_clip_bounds` casts them to it
+  (a float64 or float16 Clip's or Pad's gradient graph was refused by onnx.checker and onnxruntime).
 * Hardmax before opset 13 takes the maximum over all dims from ``axis`` on (the input read as a matrix);
   the converter keeps the node and its axis, which at 13 means one dim: :func:`flatten_old_hardmax`
   rewrites each as Flatten, a Hardmax over the matrix's rows, and a Reshape back, before the conversion.
@@ -81,7 +81,7 @@ def flatten_old_hardmax(model: onnx.ModelProto, opset: int) -> list[str]:
 
 def match_clip_bounds(model: onnx.ModelProto, opset: int) -> None:
     """Give the Constant bounds of the Clip nodes of ``model``, converted from default-domain ``opset`` < 11,
-    their input's element type (in place)."""
+    and the Constant padding value of its Pad nodes their input's element type (in place)."""
     if opset >= 11:
         return
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
@@ -89,10 +89,10 @@ def match_clip_bounds(model: onnx.ModelProto, opset: int) -> None:
         types = {v.name: v.type.tensor_type.elem_type for v in (*gi.input, *gi.value_info, *gi.output)}
         constants = {n.output[0]: n for n in g.node if n.op_type == "Constant" and n.output}
         for n in g.node:
-            if n.op_type != "Clip" or not types.get(n.input[0]):
+            if n.op_type not in ("Clip", "Pad") or not types.get(n.input[0]):
                 continue
             et = types[n.input[0]]
-            for bound in n.input[1:]:
+            for bound in n.input[1:] if n.op_type == "Clip" else n.input[2:3]:
                 c = constants.get(bound)
                 value = next((a for a in c.attribute if a.name == "value"), None) if c is not None else None
                 if value is not None and value.t.data_type != et:
