@@ -1,14 +1,19 @@
-"""Nodes that combine the samples of a batch, found by following the batch axis through a graph.
+r"""Whether the samples of a batch meet in a graph, found by following the batch axis through it.
 
-The batch split (:mod:`onnxtrain.engine.batch_split`) checks that the two halves of a batch give the whole
-run's outputs, on the first batch of each size. A node that combines the samples only for some data (a
-maximum over the batch of values that are zero but for outliers) passes that check and later gives wrong
-results: :func:`batch_mixing_node` finds the explicit ones before any run. From the graph inputs' batch axes
-it follows the axis through ops whose effect on it is known (elementwise ops, MatMul, Gemm, convolutions and
-pooling, Transpose, reductions, Softmax, LayerNormalization, Concat, Gather, ...), and names the first node
-that reduces, normalises, concatenates or gathers along it. Past an op it does not know (Reshape, whose
-target is computed at run time, or a constant one that does not copy the batch dimension) a value's batch
-axis is unknown and nothing after it is screened: the run check remains the only guard there.
+The batch split (:mod:`onnxtrain.engine.batch_split`) runs the two halves of a batch apart; it is right only
+when no node combines samples. A run check on the first batch cannot show it (a maximum over the batch of
+values that are zero but for outliers agrees on that batch and not on a later one), so
+:func:`batch_mixing_node` proves it from the graph before any run. From the graph inputs' batch axes it
+follows the axis through every value computed from them: ops whose effect on the axis is known (elementwise
+ops, MatMul, Gemm, convolutions and pooling, Transpose, reductions, Softmax, LayerNormalization, Concat,
+Split, Slice, Gather, Unsqueeze/Squeeze, Flatten, Expand, ...), and ``Reshape``\s whose target puts the
+batch dimension (read with ``Shape`` from a value that carries it, possibly times a constant: heads merged
+into it) after dims that multiply to those before it in the input, so that the batch stays the outer part
+of its axis. The shapes read from values that carry the batch are followed too (``Shape``, ``Gather``,
+``Slice``, ``Concat``, ``Unsqueeze``, ``Mul`` by a constant, ...). It names the first node that reduces,
+normalises, concatenates, slices or gathers along the axis, and also one past which it cannot follow the
+axis (an op it does not know, a ``Reshape`` that may mix samples, a control-flow body reading such a value):
+either keeps the session from splitting.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from onnxtrain.ir.attrs import attribute_value, parse_attributes
+from onnxtrain.ir.builder import value_types
+from onnxtrain.ir.graphs import node_reads
 
 # ops that keep each input's axes where they are (broadcasting aligns from the right)
 _ELEMENTWISE = frozenset({
@@ -44,40 +52,118 @@ _ALONG_AXIS = frozenset({"Concat", "Split", "Gather", "GatherElements", "TopK", 
                          "CumSum"})
 
 
-def batch_mixing_node(model: onnx.ModelProto, input_axes: Mapping[str, int]) -> str | None:
-    """The first node of ``model``'s graph that combines samples along the batch axis (``input_axes``: graph
-    input → its batch axis), as "'name' (op, what)"; None when none is found where the axis is known."""
+_BATCH = "B"  # a shape entry that is the batch size (times a constant factor): ("B", factor)
+Entry = Any  # an int (a known size), ("B", factor), or None (unknown)
+
+
+def batch_mixing_node(model: onnx.ModelProto, input_axes: Mapping[str, int],
+                      output_axes: Mapping[str, int] | None = None) -> str | None:
+    """Why the batch of ``model`` may not be split (``input_axes``: graph input → its batch axis;
+    ``output_axes``: graph output → the axis it is split along), as "'name' (op, what)": the first node that
+    combines samples along the batch axis, or past which the axis is not followed; None when the graph is
+    shown to keep the samples apart."""
     g = model.graph
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
     rank: dict[str, int] = {}
-    axis: dict[str, int] = {}  # value → its batch axis, where known
-    for v in (*g.input, *g.value_info, *g.output):
-        if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape"):
-            rank[v.name] = len(v.type.tensor_type.shape.dim)
+    dims: dict[str, list[int | None]] = {}  # static dims, declared or inferred
+    for name, tp in value_types(model).items():
+        if tp.HasField("tensor_type") and tp.tensor_type.HasField("shape"):
+            shape = tp.tensor_type.shape.dim
+            rank[name] = len(shape)
+            dims[name] = [int(d.dim_value) if d.HasField("dim_value") else None for d in shape]
     for t in g.initializer:
         rank[t.name] = len(t.dims)
-    axis.update({n: a for n, a in input_axes.items()})
+        dims[t.name] = [int(d) for d in t.dims]
+    axis: dict[str, int] = dict(input_axes)  # value → its batch axis
+    # value → (outer, inner) of its batch axis, of size outer · batch · inner with the batch in the middle
+    # (outer > 1: rows of the samples interleaved, [L, B, E] laid out as [L·B, E]); inner None: not known
+    factor: dict[str, tuple[int, int | None]] = {}
+    shapes: dict[str, tuple[list[Entry], bool]] = {}  # value → (its entries, a scalar) for sizes of the batch
     consts = {t.name: numpy_helper.to_array(t) for t in g.initializer if len(t.dims) <= 1}
     for k, node in enumerate(g.node):
         value = next((a for a in node.attribute if a.name == "value"), None)
         if node.op_type == "Constant" and node.output and value is not None:
             consts[node.output[0]] = numpy_helper.to_array(value.t)
             rank[node.output[0]] = len(value.t.dims)
-        if node.domain not in ("", "ai.onnx"):
+            dims[node.output[0]] = [int(d) for d in value.t.dims]
+        folded = _folded(node, consts)
+        if folded is not None:
+            consts[node.output[0]] = folded
+            rank[node.output[0]], dims[node.output[0]] = folded.ndim, list(folded.shape)
             continue
-        ins = [i for i in node.input if i]
-        carried = [i for i in ins if i in axis]
-        if not carried:
+        reads = node_reads(node)
+        carried = [i for i in reads if i in axis]
+        sized = [i for i in reads if i in shapes]
+        if not carried and not sized:
             continue
+        label = repr(node.name) if node.name else f"#{k} (unnamed)"
+        if node.domain not in ("", "ai.onnx") or len(reads) > len([i for i in node.input if i]):
+            return f"{label} ({node.op_type}, reads values of the batch the screen does not follow into)"
         attrs = _attributes(node, opset)
-        why = _mixes(node, attrs, axis, rank, opset, consts)
-        if why:
-            label = repr(node.name) if node.name else f"#{k} (unnamed)"
-            return f"{label} ({node.op_type}, {why})"
-        out = _output_axis(node, attrs, axis, rank, consts)
-        if out is not None and node.output and node.output[0]:
-            axis[node.output[0]], rank[node.output[0]] = out
+        if carried:
+            why = _mixes(node, attrs, axis, rank, opset, consts)
+            if why:
+                return f"{label} ({node.op_type}, {why})"
+            if len({factor.get(i, (1, 1)) for i in carried}) > 1:
+                return f"{label} ({node.op_type}, combines values whose batch axes are laid out differently)"
+            kept = factor.get(carried[0], (1, 1))
+        if node.op_type in _SIZE_OPS or (sized and not carried):
+            made = _shape_entries(node, attrs, axis, rank, dims, shapes, consts, factor)
+            if made is None:
+                if not carried and not any(_has_batch(shapes[i][0]) for i in sized):
+                    continue  # sizes that do not involve the batch: constants to the screen
+                return f"{label} ({node.op_type}, the batch size is not followed past it)"
+            if isinstance(made[0], int):  # a tensor whose batch axis the sizes give (ConstantOfShape, ...)
+                axis[node.output[0]], rank[node.output[0]], factor[node.output[0]] = made
+            else:
+                shapes[node.output[0]] = made
+            continue
+        outs = _output_axes(node, attrs, axis, rank, dims, shapes, consts, factor)
+        if isinstance(outs, str):
+            return f"{label} ({node.op_type}, {outs})"
+        if outs is None:
+            return f"{label} ({node.op_type}, the batch axis is not followed past it)"
+        for name, out in zip(node.output, outs):
+            if name:
+                axis[name], rank[name] = out[0], out[1]
+                factor[name] = out[2] if len(out) > 2 else kept
+    for name, a in (output_axes or {}).items():
+        if axis.get(name, a) != a:
+            return f"output {name!r} (its batch axis is {axis[name]}, not the declared {a})"
+        if factor.get(name, (1, 1))[0] != 1:
+            return f"output {name!r} (its samples' rows are interleaved along its batch axis)"
     return None
+
+
+_FOLDED = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Mod": np.mod, "Neg": np.negative,
+           "Max": np.maximum, "Min": np.minimum}
+
+
+def _folded(node: onnx.NodeProto, consts: Mapping[str, Any]) -> np.ndarray | None:
+    """The value of an integer op on small constants (a Slice's bounds computed from the rank, say), else
+    None."""
+    ins = [i for i in node.input if i]
+    if not ins or len(node.output) != 1 or not all(i in consts for i in ins):
+        return None
+    values = [np.asarray(consts[i]) for i in ins]
+    if any(v.dtype.kind not in "iu" or v.size > 64 for v in values):
+        return None
+    op = node.op_type
+    if op in _FOLDED:
+        return _FOLDED[op](*values) if op != "Neg" else np.negative(values[0])
+    if op in ("Identity", "Cast") or (op == "Reshape" and len(values) == 2):
+        return values[0].reshape(values[1]) if op == "Reshape" else values[0]
+    if op == "Unsqueeze" and values[0].ndim == 0:  # a scalar to [1], whatever the axes say
+        return values[0].reshape(1)
+    if op == "Squeeze" and values[0].size == 1 and values[0].ndim == 1:
+        return values[0].reshape(())
+    if op == "Concat":
+        return np.concatenate([v.reshape(-1) for v in values])
+    return None
+
+
+def _has_batch(entries: list[Entry]) -> bool:
+    return any(isinstance(e, tuple) for e in entries)
 
 
 def _attributes(node: onnx.NodeProto, opset: int) -> dict[str, Any]:
@@ -150,8 +236,8 @@ def _mixes(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: dict[str, int],
     return None
 
 
-def _output_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: dict[str, int], rank: dict[str, int],
-                 consts: Mapping[str, Any]) -> tuple[int, int] | None:
+def _one_output_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: dict[str, int],
+                     rank: dict[str, int], consts: Mapping[str, Any]) -> tuple[int, int] | None:
     """(batch axis, rank) of ``node``'s first output when the op's effect on them is known, else None."""
     op = node.op_type
     x = node.input[0] if node.input else ""
@@ -163,23 +249,34 @@ def _output_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: dict[str,
         out_rank = max(ranks)  # type: ignore[type-var]
         positions = {axis[i] + out_rank - rank[i] for i in node.input if i in axis}
         return (positions.pop(), out_rank) if len(positions) == 1 else None
+    if op == "MatMul":  # the batch in A's rows, B's columns or the batch dims both share; never contracted
+        ra, rb = rank.get(x), rank.get(node.input[1])
+        if ra is None or rb is None or ra < 2 or rb < 2:
+            return None
+        out_rank = max(ra, rb)
+        places = set()
+        for name, r_in, last in ((x, ra, out_rank - 2), (node.input[1], rb, out_rank - 1)):
+            if name in axis:
+                a = axis[name]
+                own = r_in - 2 if name == x else r_in - 1  # A's rows, B's columns
+                if a < r_in - 2:
+                    places.add(a + out_rank - r_in)
+                elif a == own:
+                    places.add(last)
+                else:
+                    return None  # contracted
+        return (places.pop(), out_rank) if len(places) == 1 else None
     if b is None or r is None:
         return None
     if op in _PER_SAMPLE_NCHW:
         return (b, r) if b == 0 else None
     if op == "Gemm":
         return (0, 2) if b == 0 and not attrs.get("transA") else None
-    if op == "MatMul":
-        rb = rank.get(node.input[1])
-        if rb is None or node.input[1] in axis or r < 2 or b >= r - 1:
-            return None
-        out_rank = max(r, rb)
-        return b + out_rank - r, out_rank
     if op == "Transpose":
         perm = attrs.get("perm")
         return (list(perm).index(b), r) if perm is not None and b in perm else None
     if op in _REDUCE and op not in ("ArgMax", "ArgMin"):
-        axes = attrs.get("axes")  # the attribute only (opset < 18): with an axes input, not followed
+        axes = _axes(node, attrs, consts)  # the attribute, or a constant axes input
         if not axes:
             return None
         if attrs.get("keepdims", 1):
@@ -207,10 +304,257 @@ def _output_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: dict[str,
         if not axes or b in gone:  # Squeeze of every size-1 axis: which ones is not known here
             return None
         return b - sum(1 for a in gone if a < b), r - len(gone)
-    if op == "Reshape":  # a constant target that copies the dims up to the batch's (0s) keeps it in place
-        target = consts.get(node.input[1]) if len(node.input) > 1 else None
-        if target is None or attrs.get("allowzero"):
-            return None
-        dims = [int(d) for d in target.reshape(-1)]
-        return (b, len(dims)) if b < len(dims) and all(d == 0 for d in dims[:b + 1]) else None
     return None
+
+
+_SIZE_OPS = frozenset({"Shape", "Size"})
+# ops whose outputs all have their first input's batch axis and rank
+_SAME_FOR_ALL_OUTPUTS = frozenset({"Split", "TopK", "Dropout", "MaxPool"})
+
+
+def _output_axes(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: dict[str, int], rank: dict[str, int],
+                 dims: Mapping[str, list[int | None]], shapes: Mapping[str, tuple[list[Entry], bool]],
+                 consts: Mapping[str, Any], factor: Mapping[str, tuple[int, int | None]]
+                 ) -> list[tuple] | str | None:
+    """(batch axis, rank) of each output of ``node``, one of whose inputs carries the batch; a reason when the
+    node combines samples along it (a Slice or Reshape of the batch axis); None when not known."""
+    op, x = node.op_type, node.input[0] if node.input else ""
+    b, r = axis.get(x), rank.get(x)
+    outputs = [o for o in node.output if o]
+    if b is not None and r is not None and (op in _SAME_FOR_ALL_OUTPUTS or op == "LayerNormalization"):
+        # (along other axes than the batch's: _mixes refused the rest; a pool's windows are per sample)
+        return None if op == "MaxPool" and b != 0 else [(b, r)] * len(node.output)
+    if op in _RECURRENT:
+        return _recurrent_axes(node, attrs, axis, rank)
+    if len(outputs) > 1:
+        return None
+    if op == "Slice":
+        return _slice_axis(node, attrs, b, r, consts)
+    if op == "Reshape":
+        return _reshape_axis(node, attrs, axis, dims, shapes, consts, factor)
+    if op == "Expand":
+        return _expand_axis(node, axis, rank, shapes, consts, factor)
+    if op == "Gather" and x not in axis and len(node.input) > 1 and node.input[1] in axis:
+        rd = rank.get(x)  # an embedding lookup of indices that carry the batch
+        if rd is None or node.input[1] not in rank:
+            return None
+        a = _norm(int(attrs.get("axis", 0)), rd)
+        return None if a is None else [(a + axis[node.input[1]], rd - 1 + rank[node.input[1]])]
+    if op == "Gather" and b is not None and r is not None:
+        idx = node.input[1] if len(node.input) > 1 else ""
+        ri = consts[idx].ndim if idx in consts else rank.get(idx)
+        a = _norm(int(attrs.get("axis", 0)), r)
+        if ri is None or a is None or idx in axis:
+            return None
+        return [(b if b < a else b - 1 + ri, r - 1 + ri)]
+    one = _one_output_axis(node, attrs, axis, rank, consts)
+    return None if one is None else [one]
+
+
+_RECURRENT = frozenset({"LSTM", "GRU", "RNN"})
+
+
+def _recurrent_axes(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: Mapping[str, int],
+                    rank: Mapping[str, int]) -> list[tuple[int, int]] | None:
+    """An LSTM, GRU or RNN runs each sample apart when its inputs carry the batch where the layout puts it
+    (X's axis 1, the states' 1 and sequence_lens' 0 for layout 0; 0 for all with layout 1, the weights
+    never): Y then has it at 2 (layout 0) or 0, Y_h and Y_c at 1 or 0."""
+    layout = int(attrs.get("layout", 0) or 0)
+    wanted = {0: 1 - layout, 5: 1 - layout, 6: 1 - layout, 4: 0}  # X, initial_h, initial_c, sequence_lens
+    for k, name in enumerate(node.input):
+        if name in axis and wanted.get(k) != axis[name]:
+            return None
+    if node.input[0] not in axis:
+        return None
+    return [(2 if layout == 0 else 0, 4), *[(1 if layout == 0 else 0, 3)] * (len(node.output) - 1)]
+
+
+def _slice_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], b: int | None, r: int | None,
+                consts: Mapping[str, Any]) -> list[tuple[int, int]] | str | None:
+    if b is None or r is None:
+        return None
+    if "starts" in attrs:  # opset < 10
+        axes = attrs.get("axes")
+        axes = list(range(len(attrs["starts"]))) if axes is None else [int(a) for a in axes]
+    elif len(node.input) > 3 and node.input[3]:
+        value = consts.get(node.input[3])
+        if value is None:
+            return None
+        axes = [int(a) for a in value.reshape(-1)]
+    else:
+        value = consts.get(node.input[1]) if len(node.input) > 1 else None
+        if value is None:
+            return None
+        axes = list(range(value.size))
+    if b in {_norm(a, r) for a in axes}:
+        return f"slices along the batch axis {b}"
+    return [(b, r)]
+
+
+def _reshape_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: Mapping[str, int],
+                  dims: Mapping[str, list[int | None]], shapes: Mapping[str, tuple[list[Entry], bool]],
+                  consts: Mapping[str, Any], factor: Mapping[str, tuple[int, int | None]]
+                  ) -> list[tuple] | str | None:
+    """A Reshape keeps the samples apart when its target holds the batch size (times a factor: heads merged
+    into it, or the rows of a sequence-first layout [L, B, E] → [L·B, E]) where the values before the batch
+    in the input's layout end on a multiple of the output's leading sizes: the batch stays one axis, of
+    size outer · batch · inner (a -1 there, with known sizes after it, takes the same place)."""
+    x, target = node.input[0], node.input[1] if len(node.input) > 1 else ""
+    b = axis.get(x)
+    if b is None:
+        return None  # only the target carries the batch size
+    entries = _entries(target, shapes, consts)
+    if entries is None:
+        return None
+    before = dims.get(x, [])
+    outer, inner = factor.get(x, (1, 1))
+    if not attrs.get("allowzero"):  # a 0 copies the input's dim there
+        own = None if inner is None else (_BATCH, outer * inner)
+        entries = [(own if i == b else (before[i] if i < len(before) else None)) if e == 0 else e
+                   for i, e in enumerate(entries)]
+    places = [j for j, e in enumerate(entries) if isinstance(e, tuple)]
+    if not places and entries.count(-1) == 1:  # a -1 that takes the batch with the dims after it, when the
+        j = entries.index(-1)  # sizes after it are known (a batch-major merge: [B, T, V] → [-1, V])
+        if all(isinstance(e, int) and e > 0 for e in entries[j + 1:]):
+            places = [j]
+    if len(places) != 1:
+        return "merges the batch axis with others" if not places else None
+    j = places[0]
+    lead_in, lead_out = before[:b], entries[:j]
+    if len(lead_in) < b or any(not isinstance(d, int) or d <= 0 for d in (*lead_in, *lead_out)):
+        return None
+    start = int(np.prod(lead_in, dtype=np.int64)) * outer  # values before the batch, in the input's layout
+    lead = int(np.prod(lead_out, dtype=np.int64))
+    if start % lead:
+        return "moves samples across the batch axis"
+    new_outer = start // lead
+    size = entries[j]
+    if size == -1:
+        return [(j, len(entries), (new_outer, None))]
+    if size[1] % new_outer:
+        return "moves samples across the batch axis"
+    return [(j, len(entries), (new_outer, size[1] // new_outer))]
+
+
+def _expand_axis(node: onnx.NodeProto, axis: Mapping[str, int], rank: Mapping[str, int],
+                 shapes: Mapping[str, tuple[list[Entry], bool]], consts: Mapping[str, Any],
+                 factor: Mapping[str, tuple[int, int | None]]) -> list[tuple] | None:
+    """The batch axis of an Expand of a value that carries it (its size kept, or 1 there), or of a constant
+    to sizes that hold the batch size."""
+    x = node.input[0]
+    entries = _entries(node.input[1], shapes, consts) if len(node.input) > 1 else None
+    if entries is None or x not in rank:
+        return None
+    out_rank = max(rank[x], len(entries))
+    if x in axis:
+        pos = axis[x] + out_rank - rank[x]
+        e = entries[pos - (out_rank - len(entries))] if pos >= out_rank - len(entries) else 1
+        outer, inner = factor.get(x, (1, 1))
+        return [(pos, out_rank)] if e == 1 or (inner is not None and e == (_BATCH, outer * inner)) else None
+    places = [j for j, e in enumerate(entries) if isinstance(e, tuple)]
+    if len(places) == 1:
+        return [(places[0] + out_rank - len(entries), out_rank, (1, entries[places[0]][1]))]
+    return None
+
+
+def _entries(name: str, shapes: Mapping[str, tuple[list[Entry], bool]],
+             consts: Mapping[str, Any]) -> list[Entry] | None:
+    """The entries of a 1-D size value: followed (``shapes``) or constant; None when not known."""
+    if name in shapes:
+        return list(shapes[name][0])
+    value = consts.get(name)
+    if value is None or value.dtype.kind not in "iu":
+        return None
+    return [int(v) for v in value.reshape(-1)]
+
+
+def _shape_entries(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: Mapping[str, int],
+                   rank: Mapping[str, int], dims: Mapping[str, list[int | None]],
+                   shapes: Mapping[str, tuple[list[Entry], bool]], consts: Mapping[str, Any],
+                   factor: Mapping[str, tuple[int, int | None]]) -> tuple | None:
+    """The entries (and whether a scalar) of the size value ``node`` makes from the batch size, or the
+    (batch axis, rank) of a tensor it makes of such sizes (ConstantOfShape, Expand of a constant); None when
+    not followed."""
+    op = node.op_type
+    ins = list(node.input)
+    if op == "Shape":
+        x = ins[0]
+        b, r = axis.get(x), rank.get(x)
+        if b is None or r is None:
+            return None
+        known = dims.get(x, [None] * r)
+        outer, inner = factor.get(x, (1, 1))
+        own = None if inner is None else (_BATCH, outer * inner)
+        entries: list[Entry] = [own if i == b else known[i] for i in range(r)]
+        start, end = attrs.get("start", 0), attrs.get("end")
+        return entries[slice(int(start), None if end is None else int(end))], False
+    if op in ("Cast", "Identity"):
+        return shapes.get(ins[0])
+    if op == "Unsqueeze":
+        got = shapes.get(ins[0])
+        return (got[0], False) if got is not None and got[1] else None
+    if op == "Squeeze":
+        got = shapes.get(ins[0])
+        return (got[0], True) if got is not None and len(got[0]) == 1 and not got[1] else None
+    if op == "Gather":
+        got, idx = shapes.get(ins[0]), consts.get(ins[1]) if len(ins) > 1 else None
+        if got is None or idx is None or int(attrs.get("axis", 0)) != 0:
+            return None
+        picked = [got[0][int(i)] for i in idx.reshape(-1)]
+        return picked, idx.ndim == 0
+    if op == "Slice":
+        got = shapes.get(ins[0])
+        if got is None:
+            return None
+        bounds = [consts.get(i) if i else None for i in ins[1:5]] + [None] * 4
+        starts, ends, axes, steps = bounds[:4]
+        if starts is None or ends is None or (axes is not None and list(axes.reshape(-1)) != [0]):
+            return None
+        step = 1 if steps is None else int(steps.reshape(-1)[0])
+        n = len(got[0])
+        lo, hi = (max(-n - 1, min(n, int(v.reshape(-1)[0]))) for v in (starts, ends))
+        return got[0][slice(lo, hi, step)], False
+    if op == "Concat":
+        out: list[Entry] = []
+        for i in ins:
+            part = _entries(i, shapes, consts)
+            if part is None:
+                size = dims.get(i)
+                if size is None or len(size) != 1 or size[0] is None:
+                    return None
+                part = [None] * size[0]
+            out += part
+        return out, False
+    if op in ("Mul", "Div") and len(ins) == 2:
+        a, b = (_entries(i, shapes, consts) for i in ins)
+        if a is None or b is None or (len(a) != len(b) and 1 not in (len(a), len(b))):
+            return None
+        n = max(len(a), len(b))
+        a, b = (v * n if len(v) == 1 else v for v in (a, b))
+        scalar = all(shapes[i][1] if i in shapes else consts[i].ndim == 0 for i in ins)
+        return [_product(x, y, op == "Div") for x, y in zip(a, b)], scalar
+    if op == "ConstantOfShape":
+        got = shapes.get(ins[0])
+        if got is None:
+            return None
+        places = [j for j, e in enumerate(got[0]) if isinstance(e, tuple)]
+        return (places[0], len(got[0]), (1, got[0][places[0]][1])) if len(places) == 1 else None
+    if op == "Expand" and ins[0] not in shapes:
+        got = _expand_axis(node, axis, rank, shapes, consts, factor)
+        return got[0] if got and len(got[0]) == 3 else None
+    return None
+
+
+def _product(e: Entry, c: Entry, divide: bool) -> Entry:
+    """Entry ``e`` times (or divided exactly by) entry ``c``; None when not known (the batch size by
+    itself, or divided by other than a factor)."""
+    if isinstance(c, tuple) and not divide and isinstance(e, int):
+        e, c = c, e
+    if e is None or not isinstance(c, int) or c <= 0:
+        return None
+    if isinstance(e, tuple):
+        f = e[1]
+        if divide:
+            return (_BATCH, f // c) if f % c == 0 else None
+        return (_BATCH, f * c)
+    return e // c if divide else e * c

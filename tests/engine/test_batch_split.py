@@ -105,8 +105,8 @@ def test_the_batch_axis_may_be_any_axis(no_minimum):
 
 
 def test_a_model_that_mixes_the_samples_keeps_running_whole(no_minimum):
-    # y = x - mean over the batch: each half would subtract its own mean. Behind a Reshape the graph screen
-    # loses the batch axis, so the run check is what refuses the split
+    # y = x - mean over the batch: each half would subtract its own mean. The graph screen follows the batch
+    # axis through the Reshape ([-1, 3] keeps it first) and finds the mean over it
     shape = numpy_helper.from_array(np.array([-1, 3], np.int64), "shape")
     nodes = [helper.make_node("Reshape", ["x", "shape"], ["r"]),
              helper.make_node("ReduceMean", ["r"], ["m"], axes=[0], keepdims=1),
@@ -116,7 +116,7 @@ def test_a_model_that_mixes_the_samples_keeps_running_whole(no_minimum):
     want = x - x.mean(axis=0, keepdims=True)
     for _ in range(4):
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-6, atol=1e-6)
-    assert sess._splitter.verdicts == {6: False} and sess._splitter.split_runs == 0
+    assert sess._splitter is None
 
 
 def test_a_graph_that_combines_samples_along_the_batch_axis_is_never_split(no_minimum):
@@ -154,7 +154,7 @@ def test_a_model_that_fails_on_half_a_batch_keeps_running_whole(no_minimum):
     x = np.arange(12, dtype=np.float32).reshape(4, 3)
     for _ in range(3):
         np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x)  # [4, -1] of [2, 3] has no shape
-    assert sess._splitter.verdicts == {4: False}
+    assert sess._splitter is None  # the screen: a constant 4 rows cuts across the batch
 
 
 def test_each_batch_size_is_checked_and_a_batch_of_one_is_not_split(no_minimum):
@@ -327,10 +327,10 @@ SCREEN_CASES = {
     "concat_of_a_constant_and_the_batch": ([helper.make_node("Concat", ["c", "x"], ["y"], axis=0)],
                                            [numpy_helper.from_array(np.zeros((1, 3, 4), np.float32), "c")],
                                            17, "Concat"),
-    # past a Reshape the axis is unknown: nothing after it is screened (the run check guards there)
+    # followed through a Reshape that keeps the batch first ([-1, 4]): the sum over it is found
     "after_a_reshape": ([helper.make_node("Reshape", ["x", "shape"], ["r"]),
                          helper.make_node("ReduceSum", ["r"], ["y"], axes=[0])],
-                        [numpy_helper.from_array(np.array([-1, 4], np.int64), "shape")], 17, None),
+                        [numpy_helper.from_array(np.array([-1, 4], np.int64), "shape")], 17, "ReduceSum"),
 }
 
 
@@ -342,3 +342,93 @@ def test_the_graph_screen_follows_the_batch_axis(case):
         assert found is None, found
     else:
         assert found is not None and f"({op}," in found, found
+
+
+def _seq_first(back: str) -> onnx.ModelProto:
+    """x [4, batch, 3] (sequence first, as nn.MultiheadAttention's export) laid out as [4·batch, 3] for a
+    row-wise Gemm, then back to [4, batch, 3] (``back="same"``) or to [batch, 4, 3] (``"swapped"``, which
+    moves rows of one sample to others), the targets read from the input's Shape."""
+    c = {n: numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
+         (("zero", 0), ("one", 1), ("three", [3]), ("axes0", [0]))}
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((3, 3)).astype(np.float32),
+                                "W")
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Gather", ["s", "zero"], ["L"]),
+             helper.make_node("Gather", ["s", "one"], ["B"]),
+             helper.make_node("Mul", ["L", "B"], ["LB"]),
+             helper.make_node("Unsqueeze", ["LB", "axes0"], ["LB1"]),
+             helper.make_node("Concat", ["LB1", "three"], ["flat_shape"], axis=0),
+             helper.make_node("Reshape", ["x", "flat_shape"], ["rows"]),
+             helper.make_node("Gemm", ["rows", "W"], ["g"]),
+             helper.make_node("Unsqueeze", ["L", "axes0"], ["L1"]),
+             helper.make_node("Unsqueeze", ["B", "axes0"], ["B1"]),
+             helper.make_node("Concat", ["L1", "B1", "three"] if back == "same" else ["B1", "L1", "three"],
+                              ["back_shape"], axis=0),
+             helper.make_node("Reshape", ["g", "back_shape"], ["y"], name="back")]
+    out = [4, "batch", 3] if back == "same" else ["batch", 4, 3]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [4, "batch", 3])],
+                          [helper.make_tensor_value_info("y", F, out)], [*c.values(), w])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_the_screen_follows_interleaved_rows_and_refuses_a_reshape_that_moves_samples():
+    """[4, B, 3] → [4·B, 3] → Gemm → [4, B, 3]: the batch stays the inner part of the rows and comes back
+    (no refusal); → [B, 4, 3] instead moves rows between samples: refused. Both run to onnxruntime's values
+    on the session."""
+    from onnxtrain.engine.batch_mixing import batch_mixing_node
+
+    same, swapped = _seq_first("same"), _seq_first("swapped")
+    assert batch_mixing_node(same, {"x": 1}, {"y": 1}) is None
+    found = batch_mixing_node(swapped, {"x": 1}, {"y": 0})
+    assert found == "'back' (Reshape, moves samples across the batch axis)", found
+    x = np.random.default_rng(1).standard_normal((4, 6, 3)).astype(np.float32)
+    for model in (same, swapped):
+        want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"x": x})[0]
+        np.testing.assert_allclose(session(model).run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_global_norm_over_a_flattened_batch_is_refused():
+    """h = x·W; y = h · min(1, c / ‖reshape(h, [-1])‖): the norm spans every sample. The screen lost the axis
+    at the Reshape and the run check passed on a first batch where the clip was idle: a later batch came out
+    41 % wrong. Now followed through the Reshape (the flat vector keeps the samples in order) to the norm,
+    which is refused; the outputs equal onnxruntime's on both batches."""
+    from onnxtrain.engine.batch_mixing import batch_mixing_node
+
+    w = numpy_helper.from_array(np.eye(3, dtype=np.float32), "W")
+    c = numpy_helper.from_array(np.array(10.0, np.float32), "c")
+    one = numpy_helper.from_array(np.array(1.0, np.float32), "one_f")
+    flat = numpy_helper.from_array(np.array([-1], np.int64), "flat")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("Reshape", ["h", "flat"], ["hf"], name="flatten"),
+             helper.make_node("ReduceL2", ["hf"], ["n"], keepdims=0, name="norm"),
+             helper.make_node("Div", ["c", "n"], ["q"]), helper.make_node("Min", ["q", "one_f"], ["s"]),
+             helper.make_node("Mul", ["h", "s"], ["y"])]
+    model = batch_model(nodes, [w, c, one, flat])
+    assert batch_mixing_node(model, {"x": 0}) == "'norm' (ReduceL2, reduces every axis, the batch's too)"
+    sess = session(model)
+    assert sess._splitter is None
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(2)
+    quiet = rng.standard_normal((4096, 3)).astype(np.float32) * 1e-3  # the norm under c: no clip
+    loud = rng.standard_normal((4096, 3)).astype(np.float32)  # the norm over c: clipped
+    for x in (quiet, loud):
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], reference.run(None, {"x": x})[0], rtol=1e-5)
+
+
+def test_what_the_screen_does_not_follow_keeps_the_batch_whole():
+    """An op the screen does not know (Einsum here), a control-flow body reading a value of the batch: it
+    cannot show the samples stay apart, so the session does not split."""
+    from onnxtrain.engine.batch_mixing import batch_mixing_node
+
+    einsum = batch_model([helper.make_node("Einsum", ["x", "x"], ["y"], equation="bi,bi->bi", name="e")])
+    assert batch_mixing_node(einsum, {"x": 0}) == "'e' (Einsum, the batch axis is not followed past it)"
+    body = helper.make_graph([helper.make_node("Relu", ["x"], ["r"])], "then", [],
+                             [helper.make_tensor_value_info("r", F, None)])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["n"])], "else", [],
+                              [helper.make_tensor_value_info("n", F, None)])
+    flag = numpy_helper.from_array(np.array(True), "flag")
+    branch = batch_model([helper.make_node("If", ["flag"], ["y"], then_branch=body, else_branch=other,
+                                           name="branch")], [flag])
+    found = batch_mixing_node(branch, {"x": 0})
+    assert found is not None and found.startswith("'branch' (If, ") and "does not follow" in found, found
