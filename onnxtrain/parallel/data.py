@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from onnxtrain.parallel.comm import world
@@ -27,10 +27,32 @@ def shard_range(n: int, rank: int | None = None, size: int | None = None,
     return range(start, start + base + (rank < extra))
 
 
+def _each(data: Any, part: Callable[[Any], Any], what: str) -> Any:
+    """``part`` of each array of a tuple or dict of arrays of one length (kept a tuple, namedtuple or dict),
+    or of ``data`` itself."""
+    if not isinstance(data, (tuple, Mapping)):
+        return part(data)
+    items = list(data.items()) if isinstance(data, Mapping) else list(enumerate(data))
+    lengths = {k: len(v) for k, v in items}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"{what}: the arrays differ in length: {lengths}")
+    parts = [(k, part(v)) for k, v in items]
+    if isinstance(data, Mapping):
+        return dict(parts)
+    values = [v for _, v in parts]
+    return type(data)(*values) if hasattr(data, "_fields") else type(data)(values)  # a namedtuple
+
+
 def shard(data: Any, rank: int | None = None, size: int | None = None, drop_remainder: bool = True) -> Any:
-    """This rank's contiguous share of ``data`` (an array or a sequence, split along its first axis)."""
-    r = shard_range(len(data), rank, size, drop_remainder)
-    return data[r.start:r.stop]
+    """This rank's contiguous share of ``data``: an array or a list, split along its first axis, or a tuple or
+    dict of arrays of one length (``x, y = shard((x, y))``), each split the same way, as :func:`split_batch`
+    takes them."""
+
+    def part(a: Any) -> Any:
+        r = shard_range(len(a), rank, size, drop_remainder)
+        return a[r.start:r.stop]
+
+    return _each(data, part, "shard")
 
 
 def split_batch(batch: Any, rank: int | None = None, size: int | None = None) -> Any:
@@ -42,16 +64,10 @@ def split_batch(batch: Any, rank: int | None = None, size: int | None = None) ->
     """
     w = world()
     size = w.size if size is None else size
-    if isinstance(batch, (tuple, Mapping)):
-        items = list(batch.items()) if isinstance(batch, Mapping) else list(enumerate(batch))
-        lengths = {k: len(v) for k, v in items}
-        if len(set(lengths.values())) > 1:
-            raise ValueError(f"split_batch: the batch's arrays differ in length: {lengths}")
-        parts = [(k, split_batch(v, rank, size)) for k, v in items]
-        if isinstance(batch, Mapping):
-            return dict(parts)
-        values = [v for _, v in parts]
-        return type(batch)(*values) if hasattr(batch, "_fields") else type(batch)(values)  # a namedtuple
-    if len(batch) % size:
-        raise ValueError(f"a global batch of {len(batch)} does not split evenly over {size} ranks")
-    return shard(batch, rank, size)
+
+    def part(a: Any) -> Any:
+        if len(a) % size:
+            raise ValueError(f"a global batch of {len(a)} does not split evenly over {size} ranks")
+        return shard(a, rank, size)
+
+    return _each(batch, part, "split_batch")
