@@ -720,7 +720,24 @@ def _inference_mode(m: onnx.ModelProto) -> onnx.ModelProto:
             del n.output[1:]
     del e.graph.node[:]
     e.graph.node.extend(nodes)
+    _warn_random_nodes(e)
     return e
+
+
+def _warn_random_nodes(model: onnx.ModelProto) -> None:
+    """A warning naming the eval model's nodes that draw random values other than Dropout: torch's export of
+    ``nn.Dropout1d/2d/3d``, ``AlphaDropout`` and ``FeatureAlphaDropout`` writes them as random ops and
+    arithmetic, which eval mode cannot switch off (evaluation then differs from run to run)."""
+    from onnxtrain.ir.graphs import RANDOM_OPS, walk_graphs
+
+    drawn = [f"{n.name or '(unnamed)'} ({n.op_type})" for g in walk_graphs(model.graph) for n in g.node
+             if n.op_type in RANDOM_OPS and n.op_type != "Dropout"]
+    if drawn:
+        shown = ", ".join(drawn[:5]) + (f" and {len(drawn) - 5} more" if len(drawn) > 5 else "")
+        warn(f"the eval model draws random values in {shown}: eval mode switches off Dropout nodes only, "
+             "and torch exports Dropout1d/2d/3d, AlphaDropout and FeatureAlphaDropout as random ops, so "
+             "evaluation differs from run to run; export the model with those layers replaced by "
+             "nn.Identity() (for evaluation), or use nn.Dropout")
 
 
 def _finish(m: onnx.ModelProto, what: str) -> onnx.ModelProto:

@@ -94,3 +94,36 @@ def test_eval_dropout_like_onnxruntime_training(tmp_path):
     generate(str(ours))
     assert dropouts(onnx.load(str(ours / "eval_model.onnx"))) == ref
     assert ref["drop1"][2] == ""
+
+
+def test_random_ops_in_the_eval_model_are_named_in_a_warning(tmp_path) -> None:
+    """A channel dropout written as random ops (torch's export of Dropout2d: RandomUniformLike, a comparison
+    and a Mul) stays on in eval mode: generate_artifacts names the node in a warning (it was silent); a model
+    with Dropout nodes only gives none. The eval model draws anew on every call (two evals differ)."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((3, 4)).astype(np.float32), "fc.weight")
+    keep = numpy_helper.from_array(np.array(0.5, np.float32), "keep")
+    nodes = [helper.make_node("RandomUniformLike", ["x"], ["u"], name="channel_noise"),
+             helper.make_node("Less", ["u", "keep"], ["kept"]),
+             helper.make_node("Cast", ["kept"], ["mask"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["x", "mask"], ["xd"]),
+             helper.make_node("Gemm", ["xd", "fc.weight"], ["y"], transB=1)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], [w, keep])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.warns(UserWarning, match=r"eval model draws random values in channel_noise "
+                                         r"\(RandomUniformLike\).*nn.Identity"):
+        artifacts.generate_artifacts(model, requires_grad=["fc.weight"], loss=artifacts.LossType.MSELoss,
+                                     artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    module.eval()
+    x, t = np.ones((64, 4), np.float32), np.zeros((64, 3), np.float32)
+    assert float(module(x, t)) != float(module(x, t))
+    (tmp_path / "d").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        artifacts.generate_artifacts(dropout_model(), requires_grad=["fc.weight"],
+                                     loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path / "d")
