@@ -25,7 +25,7 @@ from onnxtrain.graph_transforms.flags import FLAG_SHAPE, flag_array
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo
 from onnxtrain.inference import NodeArg, check_feed_shape, node_arg
 from onnxtrain.ir.builder import NameGen, value_types
-from onnxtrain.ir.graphs import untie_batch_norm_statistics
+from onnxtrain.ir.graphs import chain_shared_batch_norms, untie_batch_norm_statistics
 from onnxtrain.ir.types import value_info_shape
 from onnxtrain.parallel import (
     BucketReducer,
@@ -58,6 +58,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         if model is path_or_bytes:
             model, mine = onnx.ModelProto(), model
             model.CopyFrom(mine)
+        chain_shared_batch_norms(model, NameGen.for_model(model))
         untie_batch_norm_statistics(model, NameGen.for_model(model))
         return model
 

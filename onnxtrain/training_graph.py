@@ -33,7 +33,9 @@ from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, NodeWriter, model_opset
 from onnxtrain.ir.graphs import (
     DEFAULT_DOMAINS,
     body_reads,
+    chain_shared_batch_norms,
     is_training_batch_norm,
+    last_statistics,
     node_reads,
     train_batch_norms,
     untie_batch_norm_statistics,
@@ -207,6 +209,7 @@ def running_stats(nodes: Iterable[onnx.NodeProto], inits: set[str], names: NameG
     ``nodes`` → the outputs holding their new values, which this names (in place) where a node leaves them
     out. Sessions keep them as state and write back the new values of every training run."""
     stats: dict[str, str] = {}
+    nodes = list(nodes)
     for n in nodes:
         if not is_training_batch_norm(n):
             continue
@@ -216,7 +219,7 @@ def running_stats(nodes: Iterable[onnx.NodeProto], inits: set[str], names: NameG
             if n.input[i] in inits:
                 if not n.output[k]:
                     n.output[k] = names(f"{n.input[i]}_updated")
-                stats[n.input[i]] = n.output[k]
+                stats[n.input[i]] = last_statistics(nodes, n.output[k], k)  # a layer applied again: its last
     return stats
 
 
@@ -316,6 +319,7 @@ def build_step_graphs(
         )
     names = NameGen.for_model(m)
     has_tm = _rewire_dropout(m)
+    chain_shared_batch_norms(m, names)  # a layer applied twice updates its statistics twice
     untie_batch_norm_statistics(m, names)  # an exporter's merged ones: each layer keeps its own
     train_batch_norms(m.graph.node, names)  # as onnxruntime's training graphs: batch statistics
     bn = running_stats(m.graph.node, {t.name for t in m.graph.initializer}, names)

@@ -70,6 +70,63 @@ def train_batch_norms(nodes: Iterable[onnx.NodeProto], names: Callable[[str], st
     return changed
 
 
+def chain_shared_batch_norms(model: onnx.ModelProto, names: Callable[[str], str]) -> list[str]:
+    """Chain, in place, the running statistics of one BatchNorm layer applied several times in a forward
+    (a shared encoder): nodes that read the same scale and bias and the same running mean and variance
+    (directly or through Identity nodes) each read the statistics the one before computes, as torch updates
+    the layer's buffers once per application; the exporter writes each application reading the initial
+    values. Returns the names of the nodes rewired. Run before :func:`untie_batch_norm_statistics`, which
+    would otherwise give each application statistics of its own, none of them the layer's."""
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    producers = {o: n for n in g.node for o in n.output if o}
+
+    def source(name: str) -> str:
+        while name in producers and producers[name].op_type == "Identity":
+            name = producers[name].input[0]
+        return name
+
+    groups: dict[tuple[str, ...], list[onnx.NodeProto]] = {}
+    for n in g.node:
+        if n.op_type == "BatchNormalization" and n.domain in DEFAULT_DOMAINS and len(n.input) == 5:
+            stats = (source(n.input[3]), source(n.input[4]))
+            if all(s in inits for s in stats):
+                groups.setdefault((n.input[1], n.input[2], *stats), []).append(n)
+    rewired: list[str] = []
+    for nodes in groups.values():
+        for prev, n in zip(nodes, nodes[1:]):
+            while len(prev.output) < 3:
+                prev.output.append("")
+            for k, what in ((1, "running_mean"), (2, "running_var")):
+                if not prev.output[k]:
+                    prev.output[k] = names(f"{prev.output[0]}_{what}")
+                n.input[k + 2] = prev.output[k]  # (computed once the node trains: train_batch_norms)
+            rewired.append(n.name)
+    if rewired:  # the Identity copies of the statistics nothing reads any more
+        read = {i for n in g.node for i in node_reads(n)} | {o.name for o in g.output}
+        dead = [n for n in g.node if n.op_type == "Identity" and n.output[0] not in read]
+        while dead:
+            for n in dead:
+                g.node.remove(n)
+            read = {i for n in g.node for i in node_reads(n)} | {o.name for o in g.output}
+            dead = [n for n in g.node if n.op_type == "Identity" and n.output[0] not in read]
+    return rewired
+
+
+def last_statistics(nodes: Iterable[onnx.NodeProto], output: str, k: int) -> str:
+    """The statistics a chain of BatchNorm applications (:func:`chain_shared_batch_norms`) ends on: ``output``
+    (running statistic ``k``, 1 or 2, of one application), or that of the last application reading it."""
+    readers = {n.input[k + 2]: n for n in nodes
+               if n.op_type == "BatchNormalization" and len(n.input) > k + 2 and n.input[k + 2]}
+    seen = {output}
+    while output in readers and len(readers[output].output) > k and readers[output].output[k]:
+        output = readers[output].output[k]
+        if output in seen:
+            break
+        seen.add(output)
+    return output
+
+
 def untie_batch_norm_statistics(model: onnx.ModelProto, names: Callable[[str], str]) -> list[str]:
     """Give each BatchNormalization of ``model``'s graph a running mean and variance of its own, in place.
 

@@ -104,7 +104,13 @@ from onnxtrain.errors import program_hint
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute_or_warn
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset, unknown_versions
-from onnxtrain.ir.graphs import node_reads, path_to, train_batch_norms, untie_batch_norm_statistics
+from onnxtrain.ir.graphs import (
+    chain_shared_batch_norms,
+    node_reads,
+    path_to,
+    train_batch_norms,
+    untie_batch_norm_statistics,
+)
 from onnxtrain.ir.io import StagedFiles
 from onnxtrain.training import onnxblock
 from onnxtrain.training.api._accumulation import ACCUMULATED_SUFFIX as ACC_OUT_SUFFIX
@@ -448,6 +454,7 @@ def build_training_models(
     ``mixed_precision`` ("float16"/"bfloat16") and ``recompute`` (validated options) transform the
     training model only (see the module docstring)."""
     m = upgrade_opset(base)
+    chain_shared_batch_norms(m, NameGen.for_model(m))  # a layer applied twice updates its statistics twice
     untie_batch_norm_statistics(m, NameGen.for_model(m))  # an exporter's merged ones: each layer its own
     g = m.graph
     inits = {t.name: t for t in g.initializer}

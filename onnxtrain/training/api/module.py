@@ -32,6 +32,7 @@ from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
 from onnxtrain.ir.builder import NameGen
+from onnxtrain.ir.graphs import last_statistics
 from onnxtrain.training.api._accumulation import (
     ACCUMULATED_SUFFIX,
     BUFFER_SUFFIX,
@@ -178,7 +179,7 @@ def _expose_running_stats(model: onnx.ModelProto, state: CheckpointState
             node.output.append("")
         if not node.output[out_index]:
             node.output[out_index] = names(f"{name}.running_update")
-        result = node.output[out_index]
+        result = last_statistics(g.node, node.output[out_index], out_index)  # the layer's last application
         if result not in graph_outputs:
             vi = g.output.add()
             vi.CopyFrom(inputs[name])
