@@ -322,6 +322,13 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
     g.value_info.extend(kept_vi)
     g.input.append(helper.make_tensor_value_info(loss_scale_name, TensorProto.FLOAT, [1]))
     g.output.append(_scaled_loss_info(src, scaled_loss_name))
+    # a twin's name for every float32 initializer or weight fed as an input, as onnxruntime gave each one
+    # (one read in float32 only has no Cast: its half gradient and state copy still come out by that name)
+    floats = [t.name for t in g.initializer if t.data_type == TensorProto.FLOAT]
+    floats += [v.name for v in g.input if orig.get(v.name) == TensorProto.FLOAT]
+    for name in floats:
+        if name not in twins:
+            twins[name] = names(f"{name}_{SUFFIX[half]}")
     info = MixedPrecisionInfo(half, loss, loss_scale_name, scaled_loss_name, twins)
     _set_metadata(src, info)
     return src

@@ -73,3 +73,33 @@ def test_a_model_value_named_like_the_loss_scale_gets_a_unique_name(clash: str) 
         feeds = {"x": x, "y": y, "Learning_Rate": LR, scale: np.array([4.0], np.float32)}
         losses.append([sess.run(["loss"], feeds)[0] for _ in range(3)])
     np.testing.assert_array_equal(losses[0], losses[1])
+
+
+def test_every_float32_weight_has_a_twin_also_when_read_in_float32() -> None:
+    """An embedding table read by a Gather and a weight read after a Softmax (both kept in float32) get
+    their half twins in the state and ``<w>_fp16_grad`` outputs too, as onnxruntime gave every float32
+    initializer a twin (they had neither)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = {"E": rng.standard_normal((10, 4)), "W": rng.standard_normal((4, 3)), "S": np.ones(3)}
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["e"]),
+             helper.make_node("MatMul", ["e", "W"], ["z0"]),
+             helper.make_node("Softmax", ["z0"], ["sm"], axis=-1),
+             helper.make_node("Mul", ["sm", "S"], ["z"]),
+             helper.make_node("SoftmaxCrossEntropyLoss", ["z", "y"], ["loss"])]
+    ints = [helper.make_tensor_value_info(n, TensorProto.INT64, [5]) for n in ("ids", "y")]
+    g = helper.make_graph(nodes, "g", ints, [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                          [numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    p = params("SGDOptimizer", use_mixed_precision=True, set_gradients_as_graph_outputs=True)
+    sess = TrainingSession(model.SerializeToString(), p)
+    names = [o.name for o in sess.get_outputs()]
+    assert {"E_fp16_grad", "S_fp16_grad", "W_fp16_grad"} <= set(names), names
+    feeds = {"ids": np.array([1, 2, 3, 1, 9]), "y": np.array([0, 1, 2, 0, 1]), "Learning_Rate": LR,
+             sess.loss_scale_input_name: np.array([4.0], np.float32)}
+    half, full = sess.run(["E_fp16_grad", "E_grad"], feeds)
+    np.testing.assert_array_equal(half, full.astype(np.float16))
+    state = sess.get_state()
+    for w in ("E", "S", "W"):
+        np.testing.assert_array_equal(state[f"{w}_fp16"], state[w].astype(np.float16))
