@@ -385,6 +385,9 @@ def build_gradient_model(
     elif not isinstance(model, onnx.ModelProto):
         raise TypeError(f"model must be an onnx.ModelProto, its serialized bytes or a path, got "
                         f"{type(model).__name__}{program_hint(model)}")
+    from onnxtrain.engine.interface import inline_local_functions
+
+    model = inline_local_functions(model)  # (torch's export_modules_as_functions)
     warn_inference_batch_norms(model)
     model = expand_for_gradient(upgrade_opset(model))
     bw = _Backward(model)

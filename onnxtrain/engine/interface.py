@@ -52,7 +52,26 @@ class ProfileEvent:
 
 
 def load_model(model: onnx.ModelProto | str | bytes | os.PathLike) -> onnx.ModelProto:
-    """A ModelProto from a proto, a path or serialized bytes; errors name the file."""
+    """A ModelProto from a proto, a path or serialized bytes, its local functions (``model.functions``:
+    torch's ``export_modules_as_functions``, say) inlined as onnxruntime inlines them; errors name the
+    file."""
+    return inline_local_functions(_loaded(model))
+
+
+def inline_local_functions(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its local functions' calls replaced by their bodies (a copy), or itself without any."""
+    if not model.functions:
+        return model
+    from onnx import inliner
+
+    try:
+        return inliner.inline_local_functions(model)
+    except Exception as e:
+        raise ModelParseError(f"could not inline the model's local functions "
+                              f"{[f.domain + '.' + f.name for f in model.functions]}: {e}") from None
+
+
+def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike) -> onnx.ModelProto:
     if isinstance(model, onnx.ModelProto):
         return model
     if not isinstance(model, (bytes, bytearray, memoryview, str, os.PathLike)):

@@ -297,7 +297,9 @@ def generate_artifacts(
         )
     half = _mixed_precision_dtype(mixed_precision)
     recompute_opts = _recompute_options(recompute)
-    base = _load(model)
+    from onnxtrain.engine.interface import inline_local_functions
+
+    base = inline_local_functions(_load(model))  # (torch's export_modules_as_functions)
     loss_block = _loss_block(loss)
     trainable = _names(requires_grad, "requires_grad")
     frozen = _names(frozen_params, "frozen_params")
