@@ -18,7 +18,8 @@ either keeps the session from splitting.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,8 +43,8 @@ _ELEMENTWISE = frozenset({
 # ops of (N, C, ...) tensors that treat each sample apart (BatchNormalization in inference mode)
 _PER_SAMPLE_NCHW = frozenset({
     "Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "LpPool",
-    "InstanceNormalization", "LpNormalization", "LRN", "Resize", "Upsample", "DepthToSpace", "SpaceToDepth",
-    "BatchNormalization", "GroupNormalization", "Pad",
+    "InstanceNormalization", "LRN", "DepthToSpace", "SpaceToDepth", "BatchNormalization",
+    "GroupNormalization",
 })
 _REDUCE = frozenset({"ReduceMax", "ReduceMin", "ReduceMean", "ReduceSum", "ReduceProd", "ReduceL1",
                      "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare", "ArgMax", "ArgMin"})
@@ -65,12 +66,13 @@ def batch_mixing_node(model: onnx.ModelProto, input_axes: Mapping[str, int],
     g = model.graph
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
     rank: dict[str, int] = {}
-    dims: dict[str, list[int | None]] = {}  # static dims, declared or inferred
+    dims: dict[str, list[Any]] = {}  # dims, declared or inferred: an int, a symbol (str) or None
     for name, tp in value_types(model).items():
         if tp.HasField("tensor_type") and tp.tensor_type.HasField("shape"):
             shape = tp.tensor_type.shape.dim
             rank[name] = len(shape)
-            dims[name] = [int(d.dim_value) if d.HasField("dim_value") else None for d in shape]
+            dims[name] = [int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None)
+                          for d in shape]
     for t in g.initializer:
         rank[t.name] = len(t.dims)
         dims[t.name] = [int(d) for d in t.dims]
@@ -81,11 +83,11 @@ def batch_mixing_node(model: onnx.ModelProto, input_axes: Mapping[str, int],
     shapes: dict[str, tuple[list[Entry], bool]] = {}  # value → (its entries, a scalar) for sizes of the batch
     consts = {t.name: numpy_helper.to_array(t) for t in g.initializer if len(t.dims) <= 1}
     for k, node in enumerate(g.node):
-        value = next((a for a in node.attribute if a.name == "value"), None)
-        if node.op_type == "Constant" and node.output and value is not None:
-            consts[node.output[0]] = numpy_helper.to_array(value.t)
-            rank[node.output[0]] = len(value.t.dims)
-            dims[node.output[0]] = [int(d) for d in value.t.dims]
+        constant = _constant(node)
+        if constant is not None:
+            consts[node.output[0]] = constant
+            rank[node.output[0]], dims[node.output[0]] = constant.ndim, list(constant.shape)
+            continue
         folded = _folded(node, consts)
         if folded is not None:
             consts[node.output[0]] = folded
@@ -107,6 +109,10 @@ def batch_mixing_node(model: onnx.ModelProto, input_axes: Mapping[str, int],
             if len({factor.get(i, (1, 1)) for i in carried}) > 1:
                 return f"{label} ({node.op_type}, combines values whose batch axes are laid out differently)"
             kept = factor.get(carried[0], (1, 1))
+            valued = [i for k_in, i in enumerate(node.input) if i in shapes and _has_batch(shapes[i][0])
+                      and (node.op_type, k_in) not in _SHAPE_ARGUMENTS]
+            if valued:  # each half would see its own half of it
+                return f"{label} ({node.op_type}, uses the batch size {valued[0]!r} as a value)"
         if node.op_type in _SIZE_OPS or (sized and not carried):
             made = _shape_entries(node, attrs, axis, rank, dims, shapes, consts, factor)
             if made is None:
@@ -115,6 +121,11 @@ def batch_mixing_node(model: onnx.ModelProto, input_axes: Mapping[str, int],
                 return f"{label} ({node.op_type}, the batch size is not followed past it)"
             if isinstance(made[0], int):  # a tensor whose batch axis the sizes give (ConstantOfShape, ...)
                 axis[node.output[0]], rank[node.output[0]], factor[node.output[0]] = made
+            elif all(isinstance(e, int) for e in made[0]):  # every size known: a constant
+                value = np.array(made[0], bool if all(isinstance(e, bool) for e in made[0]) and made[0]
+                                 else np.int64)
+                consts[node.output[0]] = value.reshape(()) if made[1] else value
+                rank[node.output[0]], dims[node.output[0]] = consts[node.output[0]].ndim, list(value.shape)
             else:
                 shapes[node.output[0]] = made
             continue
@@ -135,6 +146,26 @@ def batch_mixing_node(model: onnx.ModelProto, input_axes: Mapping[str, int],
     return None
 
 
+# (op, input index) where a size holding the batch's is a shape argument, not a value
+_SHAPE_ARGUMENTS = frozenset({("Reshape", 1), ("Expand", 1)})
+
+
+def _constant(node: onnx.NodeProto) -> np.ndarray | None:
+    """The value of a Constant node (any of its attributes; a sparse one: None)."""
+    if node.op_type != "Constant" or not node.output or not node.attribute:
+        return None
+    a = node.attribute[0]
+    if a.name == "value":
+        return numpy_helper.to_array(a.t)
+    if a.name in ("value_int", "value_ints"):
+        return np.asarray(attribute_value(a), np.int64)
+    if a.name in ("value_float", "value_floats"):
+        return np.asarray(attribute_value(a), np.float32)
+    return None
+
+
+_COMPARED = {"Equal": np.equal, "Less": np.less, "Greater": np.greater, "Not": np.logical_not,
+             "And": np.logical_and, "Or": np.logical_or}
 _FOLDED = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Mod": np.mod, "Neg": np.negative,
            "Max": np.maximum, "Min": np.minimum}
 
@@ -146,13 +177,27 @@ def _folded(node: onnx.NodeProto, consts: Mapping[str, Any]) -> np.ndarray | Non
     if not ins or len(node.output) != 1 or not all(i in consts for i in ins):
         return None
     values = [np.asarray(consts[i]) for i in ins]
-    if any(v.dtype.kind not in "iu" or v.size > 64 for v in values):
+    if any(v.dtype.kind not in "iub" or v.size > 64 for v in values):
         return None
     op = node.op_type
-    if op in _FOLDED:
-        return _FOLDED[op](*values) if op != "Neg" else np.negative(values[0])
-    if op in ("Identity", "Cast") or (op == "Reshape" and len(values) == 2):
-        return values[0].reshape(values[1]) if op == "Reshape" else values[0]
+    try:
+        if op == "ConstantOfShape":
+            fill = next((numpy_helper.to_array(a.t).reshape(-1) for a in node.attribute if a.name == "value"),
+                        np.zeros(1, np.float32))
+            return np.full([int(d) for d in values[0].reshape(-1)], fill[0], fill.dtype) \
+                if fill.dtype.kind in "iub" else None
+        if op in _COMPARED:
+            return _COMPARED[op](*values)
+        if op == "Where" and len(values) == 3:
+            return np.where(*values)
+        if op in _FOLDED:
+            return functools.reduce(_FOLDED[op], values) if op != "Neg" else np.negative(values[0])
+        if op in ("Identity", "Cast"):
+            return values[0]
+        if op == "Reshape" and len(values) == 2 and 0 not in values[1]:  # (a 0 copies a dim: not folded)
+            return values[0].reshape(values[1])
+    except ValueError:  # not a valid op on these values: left to the run
+        return None
     if op == "Unsqueeze" and values[0].ndim == 0:  # a scalar to [1], whatever the axes say
         return values[0].reshape(1)
     if op == "Squeeze" and values[0].size == 1 and values[0].ndim == 1:
@@ -163,7 +208,7 @@ def _folded(node: onnx.NodeProto, consts: Mapping[str, Any]) -> np.ndarray | Non
 
 
 def _has_batch(entries: list[Entry]) -> bool:
-    return any(isinstance(e, tuple) for e in entries)
+    return any(isinstance(e, tuple) and e[0] == _BATCH for e in entries)
 
 
 def _attributes(node: onnx.NodeProto, opset: int) -> dict[str, Any]:
@@ -206,7 +251,7 @@ def _mixes(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: dict[str, int],
         return "normalises with the batch's statistics (training mode)"
     if op in _REDUCE:
         if len(node.input) > 1 and node.input[1] and node.input[1] not in consts:
-            return None  # axes computed at run time: not read here
+            return "reduces along axes computed at run time"
         axes = [int(attrs["axis"])] if op in ("ArgMax", "ArgMin") else _axes(node, attrs, consts)
         if not axes:
             return None if attrs.get("noop_with_empty_axes") else "reduces every axis, the batch's too"
@@ -223,7 +268,9 @@ def _mixes(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: dict[str, int],
     elif op in _ALONG_AXIS:
         if op == "CumSum":
             value = consts.get(node.input[1]) if len(node.input) > 1 else None
-            a = None if value is None else int(value.reshape(-1)[0])
+            if value is None:
+                return "sums along an axis computed at run time"
+            a = int(value.reshape(-1)[0])
         else:
             a = attrs.get("axis")  # the schema's default (TopK's -1, Flatten's 1; Compress: none)
         if a is None:  # Compress without an axis flattens the input first: the samples mix
@@ -270,8 +317,11 @@ def _one_output_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: dict[
         return None
     if op in _PER_SAMPLE_NCHW:
         return (b, r) if b == 0 else None
-    if op == "Gemm":
-        return (0, 2) if b == 0 and not attrs.get("transA") else None
+    if op == "Gemm":  # A's rows (and C's, a per-row bias) carry it; B never
+        if len(node.input) > 1 and node.input[1] in axis or b != 0 or attrs.get("transA"):
+            return None
+        c = node.input[2] if len(node.input) > 2 else ""
+        return (0, 2) if c not in axis or (axis[c] == 0 and rank.get(c) == 2) else None
     if op == "Transpose":
         perm = attrs.get("perm")
         return (list(perm).index(b), r) if perm is not None and b in perm else None
@@ -347,8 +397,46 @@ def _output_axes(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: dict[str,
         if ri is None or a is None or idx in axis:
             return None
         return [(b if b < a else b - 1 + ri, r - 1 + ri)]
+    if op in ("Pad", "LpNormalization", "Resize", "Upsample"):
+        return _per_sample_axis(node, attrs, b, r, consts)
     one = _one_output_axis(node, attrs, axis, rank, consts)
     return None if one is None else [one]
+
+
+def _per_sample_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], b: int | None, r: int | None,
+                     consts: Mapping[str, Any]) -> list[tuple[int, int]] | str | None:
+    """Pad, LpNormalization, Resize and Upsample keep the samples apart when they leave the batch axis alone:
+    no padding there, a norm along another axis, a scale of 1 on it (constants read here)."""
+    if b is None or r is None:
+        return None
+    op = node.op_type
+    if op == "LpNormalization":
+        a = _norm(int(attrs.get("axis", -1)), r)
+        return [(b, r)] if a is not None and a != b else "normalises along the batch axis"
+    if op == "Pad":
+        pads = attrs.get("pads")
+        if pads is None and len(node.input) > 1 and node.input[1]:
+            value = consts.get(node.input[1])
+            pads = None if value is None else value.reshape(-1).tolist()
+        axes = consts.get(node.input[3]).reshape(-1).tolist() if len(node.input) > 3 and node.input[3] \
+            and node.input[3] in consts else None
+        if pads is None or (len(node.input) > 3 and node.input[3] and axes is None):
+            return None
+        axes = [_norm(int(a), r) for a in axes] if axes is not None else list(range(r))
+        n = len(axes)
+        padded = {a for k, a in enumerate(axes) if int(pads[k]) or int(pads[k + n])}
+        return "pads along the batch axis" if b in padded else [(b, r)]
+    scales = attrs.get("scales")  # Upsample-7's attribute, else the scales input (Resize 2, Upsample 1)
+    index = 2 if op == "Resize" and len(node.input) > 2 and node.input[2] else 1
+    if scales is None and len(node.input) > index and node.input[index]:
+        value = consts.get(node.input[index])
+        scales = None if value is None or value.size == 0 else value.reshape(-1).tolist()
+    axes = attrs.get("axes")
+    if axes is not None and b not in {_norm(int(a), r) for a in axes}:
+        return [(b, r)]
+    if scales is None or axes is not None or len(scales) != r:
+        return None
+    return [(b, r)] if float(scales[b]) == 1.0 else "resizes the batch axis"
 
 
 _RECURRENT = frozenset({"LSTM", "GRU", "RNN"})
@@ -392,13 +480,14 @@ def _slice_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], b: int | None, r
 
 
 def _reshape_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: Mapping[str, int],
-                  dims: Mapping[str, list[int | None]], shapes: Mapping[str, tuple[list[Entry], bool]],
+                  dims: Mapping[str, list[Any]], shapes: Mapping[str, tuple[list[Entry], bool]],
                   consts: Mapping[str, Any], factor: Mapping[str, tuple[int, int | None]]
                   ) -> list[tuple] | str | None:
     """A Reshape keeps the samples apart when its target holds the batch size (times a factor: heads merged
     into it, or the rows of a sequence-first layout [L, B, E] → [L·B, E]) where the values before the batch
     in the input's layout end on a multiple of the output's leading sizes: the batch stays one axis, of
-    size outer · batch · inner (a -1 there, with known sizes after it, takes the same place)."""
+    size outer · batch · inner (a -1 there, with known sizes after it, takes the same place). Sizes may be
+    symbols (a sequence length read with Shape): those before the batch must cancel out."""
     x, target = node.input[0], node.input[1] if len(node.input) > 1 else ""
     b = axis.get(x)
     if b is None:
@@ -406,34 +495,53 @@ def _reshape_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: Mapping[
     entries = _entries(target, shapes, consts)
     if entries is None:
         return None
-    before = dims.get(x, [])
+    before = [_entry(d) for d in dims.get(x, [])]
     outer, inner = factor.get(x, (1, 1))
     if not attrs.get("allowzero"):  # a 0 copies the input's dim there
-        own = None if inner is None else (_BATCH, outer * inner)
+        own = (_BATCH, None) if inner is None else (_BATCH, outer * inner)
         entries = [(own if i == b else (before[i] if i < len(before) else None)) if e == 0 else e
                    for i, e in enumerate(entries)]
-    places = [j for j, e in enumerate(entries) if isinstance(e, tuple)]
+    places = [j for j, e in enumerate(entries) if _is_batch(e)]
     if not places and entries.count(-1) == 1:  # a -1 that takes the batch with the dims after it, when the
         j = entries.index(-1)  # sizes after it are known (a batch-major merge: [B, T, V] → [-1, V])
-        if all(isinstance(e, int) and e > 0 for e in entries[j + 1:]):
+        if all(_known(e) for e in entries[j + 1:]):
             places = [j]
     if len(places) != 1:
         return "merges the batch axis with others" if not places else None
     j = places[0]
     lead_in, lead_out = before[:b], entries[:j]
-    if len(lead_in) < b or any(not isinstance(d, int) or d <= 0 for d in (*lead_in, *lead_out)):
+    if len(lead_in) < b or not all(_known(d) for d in (*lead_in, *lead_out)):
         return None
-    start = int(np.prod(lead_in, dtype=np.int64)) * outer  # values before the batch, in the input's layout
-    lead = int(np.prod(lead_out, dtype=np.int64))
-    if start % lead:
+    (n_in, sym_in), (n_out, sym_out) = _size_product(lead_in), _size_product(lead_out)
+    start = n_in * outer  # values before the batch, in the input's layout
+    if sym_in != sym_out:
+        return None  # sizes known only at run time on one side: not compared
+    if start % n_out:
         return "moves samples across the batch axis"
-    new_outer = start // lead
+    new_outer = start // n_out
     size = entries[j]
     if size == -1:
         return [(j, len(entries), (new_outer, None))]
+    if size[1] is None:
+        return None
     if size[1] % new_outer:
         return "moves samples across the batch axis"
     return [(j, len(entries), (new_outer, size[1] // new_outer))]
+
+
+def _is_batch(e: Entry) -> bool:
+    return isinstance(e, tuple) and e[0] == _BATCH
+
+
+def _known(e: Entry) -> bool:
+    """A size known before the run: a positive int or a symbol."""
+    return (isinstance(e, int) and e > 0) or (isinstance(e, tuple) and e[0] == "D")
+
+
+def _size_product(entries: Sequence[Entry]) -> tuple[int, list[str]]:
+    """The product of known sizes: (the ints' product, the symbols, sorted)."""
+    ints = [e for e in entries if isinstance(e, int)]
+    return int(np.prod(ints, dtype=np.int64)), sorted(e[1] for e in entries if isinstance(e, tuple))
 
 
 def _expand_axis(node: onnx.NodeProto, axis: Mapping[str, int], rank: Mapping[str, int],
@@ -450,9 +558,11 @@ def _expand_axis(node: onnx.NodeProto, axis: Mapping[str, int], rank: Mapping[st
         pos = axis[x] + out_rank - rank[x]
         e = entries[pos - (out_rank - len(entries))] if pos >= out_rank - len(entries) else 1
         outer, inner = factor.get(x, (1, 1))
-        return [(pos, out_rank)] if e == 1 or (inner is not None and e == (_BATCH, outer * inner)) else None
-    places = [j for j, e in enumerate(entries) if isinstance(e, tuple)]
-    if len(places) == 1:
+        same = inner is not None and e == (_BATCH, outer * inner)
+        others = [f for k, f in enumerate(entries) if k != pos - (out_rank - len(entries))]
+        return [(pos, out_rank)] if (e in (1, -1) or same) and not any(_is_batch(f) for f in others) else None
+    places = [j for j, e in enumerate(entries) if _is_batch(e)]
+    if len(places) == 1 and entries[places[0]][1] is not None:
         return [(places[0] + out_rank - len(entries), out_rank, (1, entries[places[0]][1]))]
     return None
 
@@ -463,9 +573,9 @@ def _entries(name: str, shapes: Mapping[str, tuple[list[Entry], bool]],
     if name in shapes:
         return list(shapes[name][0])
     value = consts.get(name)
-    if value is None or value.dtype.kind not in "iu":
+    if value is None or value.dtype.kind not in "iub":
         return None
-    return [int(v) for v in value.reshape(-1)]
+    return [bool(v) if value.dtype.kind == "b" else int(v) for v in value.reshape(-1)]
 
 
 def _shape_entries(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: Mapping[str, int],
@@ -479,12 +589,14 @@ def _shape_entries(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: Mapping
     ins = list(node.input)
     if op == "Shape":
         x = ins[0]
+        if x in shapes:  # the length of a size vector: known
+            return ([] if shapes[x][1] else [len(shapes[x][0])]), False
         b, r = axis.get(x), rank.get(x)
         if b is None or r is None:
             return None
-        known = dims.get(x, [None] * r)
+        known = [_entry(d) for d in dims.get(x, [None] * r)]
         outer, inner = factor.get(x, (1, 1))
-        own = None if inner is None else (_BATCH, outer * inner)
+        own = (_BATCH, None) if inner is None else (_BATCH, outer * inner)
         entries: list[Entry] = [own if i == b else known[i] for i in range(r)]
         start, end = attrs.get("start", 0), attrs.get("end")
         return entries[slice(int(start), None if end is None else int(end))], False
@@ -496,6 +608,14 @@ def _shape_entries(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: Mapping
     if op == "Squeeze":
         got = shapes.get(ins[0])
         return (got[0], True) if got is not None and len(got[0]) == 1 and not got[1] else None
+    if op == "Reshape":  # a size vector to [n] or a one-entry one to a scalar ([-1] of torch's expand)
+        got, target = shapes.get(ins[0]), consts.get(ins[1]) if len(ins) > 1 else None
+        if got is None or target is None:
+            return None
+        flat = [int(t) for t in target.reshape(-1)]
+        if flat in ([-1], [len(got[0])]) or (not flat and len(got[0]) == 1):
+            return got[0], not flat
+        return None
     if op == "Gather":
         got, idx = shapes.get(ins[0]), consts.get(ins[1]) if len(ins) > 1 else None
         if got is None or idx is None or int(attrs.get("axis", 0)) != 0:
@@ -525,6 +645,23 @@ def _shape_entries(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: Mapping
                 part = [None] * size[0]
             out += part
         return out, False
+    if op == "Equal" and len(ins) == 2:  # torch's expand(B, -1): which target sizes are -1
+        a, c = (_entries(i, shapes, consts) for i in ins)
+        if a is None or c is None or (len(a) != len(c) and 1 not in (len(a), len(c))):
+            return None
+        n = max(len(a), len(c))
+        a, c = (v * n if len(v) == 1 else v for v in (a, c))
+        return [_equal(x, y) for x, y in zip(a, c)], False
+    if op == "Where" and len(ins) == 3:
+        cond, a, c = (_entries(i, shapes, consts) for i in ins)
+        if cond is None or a is None or c is None:
+            return None
+        n = max(len(cond), len(a), len(c))
+        if any(len(v) not in (1, n) for v in (cond, a, c)):
+            return None
+        cond, a, c = (v * n if len(v) == 1 else v for v in (cond, a, c))
+        picked = [x if k is True else y if k is False else None for k, x, y in zip(cond, a, c)]
+        return picked, False
     if op in ("Mul", "Div") and len(ins) == 2:
         a, b = (_entries(i, shapes, consts) for i in ins)
         if a is None or b is None or (len(a) != len(b) and 1 not in (len(a), len(b))):
@@ -537,8 +674,10 @@ def _shape_entries(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: Mapping
         got = shapes.get(ins[0])
         if got is None:
             return None
-        places = [j for j, e in enumerate(got[0]) if isinstance(e, tuple)]
-        return (places[0], len(got[0]), (1, got[0][places[0]][1])) if len(places) == 1 else None
+        places = [j for j, e in enumerate(got[0]) if _is_batch(e)]
+        if len(places) != 1 or got[0][places[0]][1] is None:
+            return None
+        return places[0], len(got[0]), (1, got[0][places[0]][1])
     if op == "Expand" and ins[0] not in shapes:
         got = _expand_axis(node, axis, rank, shapes, consts, factor)
         return got[0] if got and len(got[0]) == 3 else None
@@ -546,15 +685,33 @@ def _shape_entries(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: Mapping
 
 
 def _product(e: Entry, c: Entry, divide: bool) -> Entry:
-    """Entry ``e`` times (or divided exactly by) entry ``c``; None when not known (the batch size by
-    itself, or divided by other than a factor)."""
+    """Entry ``e`` times (or divided exactly by) entry ``c``: a multiple of the batch size stays one; a
+    value that depends on the batch otherwise is ``(B, None)``; None when not known."""
     if isinstance(c, tuple) and not divide and isinstance(e, int):
         e, c = c, e
-    if e is None or not isinstance(c, int) or c <= 0:
-        return None
+    batch = isinstance(e, tuple) and e[0] == _BATCH or isinstance(c, tuple) and c[0] == _BATCH
+    if not isinstance(e, (int, tuple)) or not isinstance(c, int) or c <= 0 or \
+            (isinstance(e, tuple) and (e[0] != _BATCH or e[1] is None)):
+        return (_BATCH, None) if batch else None
     if isinstance(e, tuple):
         f = e[1]
         if divide:
-            return (_BATCH, f // c) if f % c == 0 else None
+            return (_BATCH, f // c) if f % c == 0 else (_BATCH, None)
         return (_BATCH, f * c)
     return e // c if divide else e * c
+
+
+def _equal(x: Entry, y: Entry) -> bool | None:
+    """Whether two size entries are equal, where known (the batch size is never 0 or negative)."""
+    if isinstance(x, tuple) and isinstance(y, int) and not isinstance(y, bool):
+        x, y = y, x
+    if isinstance(x, int) and not isinstance(x, bool) and isinstance(y, int) and not isinstance(y, bool):
+        return x == y
+    if isinstance(x, int) and _is_batch(y) and x <= 0:
+        return False
+    return None
+
+
+def _entry(d: Any) -> Entry:
+    """A dim as a size entry: an int, ``("D", symbol)`` for a symbolic one, or None."""
+    return ("D", d) if isinstance(d, str) else d

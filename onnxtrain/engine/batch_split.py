@@ -109,7 +109,7 @@ class BatchSplitter:
         axes = batch_axes(plan.model)
         if axes is None or plan.threads < 2:
             return None
-        if batch_mixing_node(plan.model, axes[0]) is not None:  # samples combined: never split
+        if batch_mixing_node(plan.model, axes[0], axes[1]) is not None:  # samples may meet: never split
             return None
         if mode == "process" and (why := half_process.available()) is not None:
             warn(f"{BATCH_SPLIT_KEY} = process: {why}; the halves run on threads")

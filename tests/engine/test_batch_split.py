@@ -327,6 +327,28 @@ SCREEN_CASES = {
     "concat_of_a_constant_and_the_batch": ([helper.make_node("Concat", ["c", "x"], ["y"], axis=0)],
                                            [numpy_helper.from_array(np.zeros((1, 3, 4), np.float32), "c")],
                                            17, "Concat"),
+    # the batch size read with Shape and used as a value: each half would divide by its own half
+    "batch_size_as_a_value": ([helper.make_node("Shape", ["x"], ["s"]),
+                               helper.make_node("Gather", ["s", "zero"], ["n"]),
+                               helper.make_node("Cast", ["n"], ["nf"], to=F),
+                               helper.make_node("Div", ["x", "nf"], ["y"])],
+                              [numpy_helper.from_array(np.array(0, np.int64), "zero")], 17, "Div"),
+    "pad_along_the_batch": ([helper.make_node("Pad", ["x", "pads_b"], ["y"])],
+                            [numpy_helper.from_array(np.array([-1, 0, 0, 1, 0, 0], np.int64), "pads_b")], 17,
+                            "Pad"),
+    "pad_along_features": ([helper.make_node("Pad", ["x", "pads_f"], ["y"])],
+                           [numpy_helper.from_array(np.array([0, 0, 1, 0, 0, 1], np.int64), "pads_f")], 17,
+                           None),
+    "lp_norm_along_the_batch": ([helper.make_node("LpNormalization", ["x"], ["y"], axis=0)], [], 17,
+                                "LpNormalization"),
+    "lp_norm_along_features": ([helper.make_node("LpNormalization", ["x"], ["y"], axis=-1)], [], 17, None),
+    "cumsum_axis_from_a_value_int_constant": ([helper.make_node("Constant", [], ["ax"], value_int=0),
+                                               helper.make_node("CumSum", ["x", "ax"], ["y"])], [], 17,
+                                              "CumSum"),
+    "reduce_axes_computed_at_run_time": ([helper.make_node("ArgMax", ["scores"], ["ax"], keepdims=1),
+                                          helper.make_node("ReduceSum", ["x", "ax"], ["y"])],
+                                         [numpy_helper.from_array(np.array([3.0, 1.0], np.float32),
+                                                                  "scores")], 18, "ReduceSum"),
     # followed through a Reshape that keeps the batch first ([-1, 4]): the sum over it is found
     "after_a_reshape": ([helper.make_node("Reshape", ["x", "shape"], ["r"]),
                          helper.make_node("ReduceSum", ["r"], ["y"], axes=[0])],
@@ -432,3 +454,22 @@ def test_what_the_screen_does_not_follow_keeps_the_batch_whole():
                                            name="branch")], [flag])
     found = batch_mixing_node(branch, {"x": 0})
     assert found is not None and found.startswith("'branch' (If, ") and "does not follow" in found, found
+
+
+def test_gemm_of_the_batch_with_itself_and_folded_constants():
+    """Gemm(x, x, transB=1) crosses every pair of samples: refused (only its first input was looked at).
+    Small integer constants are folded as ONNX computes them: a Reshape target with a 0 (copy) and a Max of
+    three inputs made the screen raise and the session fail to load."""
+    from onnxtrain.engine.batch_mixing import batch_mixing_node
+
+    cross = batch_model([helper.make_node("Gemm", ["x", "x"], ["y"], transB=1, name="cross")],
+                        out_dims=("batch", "batch2"))
+    assert batch_mixing_node(cross, {"x": 0}) == "'cross' (Gemm, the batch axis is not followed past it)"
+    values = (("six", [[1, 2, 3], [4, 5, 6]]), ("target", [0, -1]), ("a", [1]), ("b", [3]), ("c", [2]))
+    c = {n: numpy_helper.from_array(np.array(v, np.int64), n) for n, v in values}
+    nodes = [helper.make_node("Reshape", ["six", "target"], ["r"]),
+             helper.make_node("Max", ["a", "b", "c"], ["m"]), helper.make_node("Relu", ["x"], ["y"])]
+    model = batch_model(nodes, list(c.values()))
+    assert batch_mixing_node(model, {"x": 0}) is None
+    x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    np.testing.assert_array_equal(session(model).run(None, {"x": x})[0], np.maximum(x, 0))

@@ -38,7 +38,8 @@ agraph (float[N, 4] X, float[4, 3] W, float[3] B) => (float[N, 3] C)
 def _feeds() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     return {"X": rng.standard_normal((5, 4)).astype(np.float32),
-            "W": rng.standard_normal((4, 3)).astype(np.float32), "B": rng.standard_normal(3).astype(np.float32)}
+            "W": rng.standard_normal((4, 3)).astype(np.float32),
+            "B": rng.standard_normal(3).astype(np.float32)}
 
 
 def test_a_model_with_local_functions_runs_as_onnxruntime_runs_it() -> None:
