@@ -25,35 +25,40 @@ def _attrs(node: onnx.NodeProto) -> dict[str, AttributeProto]:
     return {a.name: a for a in node.attribute}
 
 
-def _axis_broadcast(node: onnx.NodeProto) -> str | None:
+def _axis_broadcast(node: onnx.NodeProto, rank: Callable[[str], int | None]) -> str | None:
     a = _attrs(node)
     if "broadcast" in a and a["broadcast"].i and "axis" in a:
+        ra, rb = rank(node.input[0]), rank(node.input[1])
+        if ra is not None and rb is not None and a["axis"].i in (ra - rb, -rb):
+            return None  # the last axes aligned: NumPy's broadcasting
         return (f"broadcast=1 with axis={a['axis'].i} (the second input aligned at that axis, where "
                 "NumPy-style broadcasting aligns the last axes)")
     return None
 
 
-def _named(name: str, what: str) -> Callable[[onnx.NodeProto], str | None]:
-    return lambda node: f"attribute {name!r} ({what})" if name in _attrs(node) else None
+def _named(name: str, what: str) -> Callable[[onnx.NodeProto, Callable[[str], int | None]], str | None]:
+    return lambda node, _: f"attribute {name!r} ({what})" if name in _attrs(node) else None
 
 
-def _string_to(node: onnx.NodeProto) -> str | None:
+def _string_to(node: onnx.NodeProto, _: Callable[[str], int | None]) -> str | None:
     a = _attrs(node).get("to")
     string = a is not None and a.type == AttributeProto.STRING
     return "a string 'to' (an integer type since Cast-6)" if string else None
 
 
-def _no_axis(node: onnx.NodeProto) -> str | None:
+def _no_axis(node: onnx.NodeProto, _: Callable[[str], int | None]) -> str | None:
     return None if "axis" in _attrs(node) else "no 'axis' (Concat-1 takes 1 then; required since Concat-4)"
 
 
-def _spatial(node: onnx.NodeProto) -> str | None:
+def _spatial(node: onnx.NodeProto, rank: Callable[[str], int | None]) -> str | None:
     a = _attrs(node).get("spatial")
-    return "spatial=0 (statistics per value, not per channel)" if a is not None and a.i == 0 else None
+    if a is None or a.i != 0 or rank(node.input[0]) == 2:  # of (N, C): per value is per channel
+        return None
+    return "spatial=0 (statistics per value, not per channel)"
 
 
 # op → (the opsets where the form exists, what makes a node that form)
-_FORMS: dict[str, tuple[range, Callable[[onnx.NodeProto], str | None]]] = {
+_FORMS: dict[str, tuple[range, Callable[[onnx.NodeProto, Callable[[str], int | None]], str | None]]] = {
     **{op: (range(1, 7), _axis_broadcast) for op in _BROADCASTING},
     "Pad": (range(1, 2), _named("paddings", "Pad-1's pads")),
     "Reshape": (range(1, 5), _named("shape", "Reshape-1's target, an input since Reshape-5")),
@@ -63,12 +68,13 @@ _FORMS: dict[str, tuple[range, Callable[[onnx.NodeProto], str | None]]] = {
 }
 
 
-def legacy_form(node: onnx.NodeProto, opset: int) -> str | None:
-    """What makes ``node`` (in a model of default-domain ``opset``) an old form no kernel runs; else None."""
+def legacy_form(node: onnx.NodeProto, opset: int, rank: Callable[[str], int | None]) -> str | None:
+    """What makes ``node`` (in a model of default-domain ``opset``) an old form no kernel runs; else None.
+    ``rank``: a value's rank where known (a form that means what the kernel does for those ranks runs)."""
     form = _FORMS.get(node.op_type)
     if form is None or node.domain not in DEFAULT_DOMAINS or opset not in form[0]:
         return None
-    return form[1](node)
+    return form[1](node, rank)
 
 
 def refusal(node: onnx.NodeProto, k: int, opset: int, why: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +124,7 @@ class Plan(GraphInterface):
         for name in self.initializers:
             slot_of(name)
         raw_steps: list[tuple[onnx.NodeProto, Kernel, Attrs, list[int], list[int]]] = []
+        ranks = _ranks_of(model)
         missing: list[str] = []
         captures: dict[int, list[str]] = {}  # node index → outer values its bodies read
         for k, node in enumerate(g.node):
@@ -136,7 +137,7 @@ class Plan(GraphInterface):
                 captures[k] = fn.captures
             else:
                 fn = find_kernel(node.op_type, self.opset, node.domain)
-                why = fn and legacy_form(node, self.opset)
+                why = fn and legacy_form(node, self.opset, ranks)
                 if why:
                     raise UnsupportedOpError(refusal(node, k, self.opset, why))
             if fn is None:
@@ -468,3 +469,20 @@ def _describe(v: Any) -> str:
 def compile_model(model: onnx.ModelProto | str | bytes, **kw: Any) -> Plan:
     """Compile ``model`` (a ModelProto, a path or bytes) into a :class:`Plan`."""
     return Plan(model, **kw)
+
+
+def _ranks_of(model: onnx.ModelProto) -> Callable[[str], int | None]:
+    """A value's rank from shape inference, computed on first use (old-opset forms only ask)."""
+    known: dict[str, int] = {}
+
+    def rank(name: str) -> int | None:
+        if not known:
+            from onnxtrain.ir.builder import value_types
+
+            for n, tp in value_types(model).items():
+                if tp.HasField("tensor_type") and tp.tensor_type.HasField("shape"):
+                    known[n] = len(tp.tensor_type.shape.dim)
+            known.setdefault("", -1)  # (computed)
+        return known.get(name)
+
+    return rank

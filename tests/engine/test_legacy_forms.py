@@ -41,8 +41,9 @@ CASES = {
     "cast1_string_to": (_model("Cast", {"to": "DOUBLE"}, {"x": x34}, 1, [3, 4], TensorProto.DOUBLE),
                         "a string 'to'"),
     "concat1_no_axis": (_model("Concat", {}, {"p": x34, "q": x34}, 1, [3, 8]), "no 'axis'"),
-    "batchnorm7_spatial0": (_model("BatchNormalization", {"spatial": 0}, {"x": x34, **STATS}, 7, [3, 4]),
-                            "spatial=0"),
+    "batchnorm7_spatial0": (_model("BatchNormalization", {"spatial": 0},
+                                   {"x": X3, **{n: np.ones((3, 4), np.float32) for n in STATS}}, 7,
+                                   [2, 3, 4]), "spatial=0"),
 }
 
 
@@ -65,10 +66,18 @@ def test_the_converted_model_runs_the_old_forms_values() -> None:
 
 
 def test_old_forms_the_kernels_follow_still_run() -> None:
-    """broadcast=1 without an axis (the trailing axes aligned, as NumPy's) and Concat-1 with its axis run
-    as before."""
+    """broadcast=1 without an axis or with the axis that aligns the last axes (as NumPy's), spatial=0 on an
+    (N, C) input (per value is per channel) and Concat-1 with its axis run as before."""
+    y4 = RNG.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    w45 = RNG.standard_normal((4, 5)).astype(np.float32)
+    stats = {"s": np.full(4, 2, np.float32), "b": np.ones(4, np.float32), "m": np.zeros(4, np.float32),
+             "v": np.ones(4, np.float32)}
     cases = [
         (_model("Add", {"broadcast": 1}, {"a": A, "b": B4}, 6, [4, 4]), {"a": A, "b": B4}, A + B4),
+        (_model("Mul", {"broadcast": 1, "axis": 2}, {"a": y4, "b": w45}, 6, [2, 3, 4, 5]),
+         {"a": y4, "b": w45}, y4 * w45),
+        (_model("BatchNormalization", {"spatial": 0}, {"x": x34, **stats}, 7, [3, 4]), {"x": x34, **stats},
+         x34 * 2 / np.sqrt(1 + 1e-5) + 1),
         (_model("Concat", {"axis": 0}, {"p": x34, "q": x34}, 1, [6, 4]), {"p": x34, "q": x34},
          np.vstack([x34, x34])),
     ]
