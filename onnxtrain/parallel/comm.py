@@ -324,32 +324,6 @@ def install_abort_on_exception(comm: Communicator | None = None) -> None:
 
     hook._onnxtrain_abort = True  # type: ignore[attr-defined]
     sys.excepthook = hook
-    _abort_on_failed_exit(comm)
-
-
-def _abort_on_failed_exit(comm: Communicator | None) -> None:
-    """``sys.exit`` with a non-zero status (a script's own error exit, argparse's) aborts every rank when the
-    process ends, as an uncaught exception does: ``sys.excepthook`` never sees a ``SystemExit``, and the other
-    ranks would wait for this one in their next collective until the timeout. The status is recorded by
-    ``sys.exit`` itself; Python's exit handlers run before mpi4py finalizes MPI."""
-    import atexit
-
-    previous = sys.exit
-    status: list[Any] = []
-
-    def exit(code: Any = None) -> None:  # noqa: A001 (sys.exit's own name)
-        if threading.current_thread() is threading.main_thread():  # elsewhere it ends a thread only
-            status[:] = [code]
-        previous(code)
-
-    def at_exit() -> None:
-        if status and status[0] not in (None, 0) and _several_ranks():
-            code = status[0]
-            abort_job(f"exit status {code}", code if isinstance(code, int) else 1, comm)
-
-    exit.__doc__ = previous.__doc__
-    sys.exit = exit
-    atexit.register(at_exit)
 
 
 def abort_job(message: str, code: int = 1, comm: Communicator | None = None) -> None:

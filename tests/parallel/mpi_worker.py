@@ -228,9 +228,12 @@ def main() -> None:
                     import time
 
                     time.sleep(1000)
-                if what == "exit":  # a script's own error exit: no exception reaches sys.excepthook
-                    print("rank 1 exits with status 4 on purpose", flush=True)
-                    sys.exit(4)
+                if what == "exit":  # a script's own error exit, its main wrapped as the README says
+                    from onnxtrain.parallel import abort_on_error
+
+                    with abort_on_error():
+                        print("rank 1 exits with status 4 on purpose", flush=True)
+                        sys.exit(4)
                 raise RuntimeError("rank 1 fails on purpose at step 3")
             sess.run(["loss"], {"x": split_batch(x), "y": split_batch(y), "Learning_Rate": LR})
             state = sess.gather_state()

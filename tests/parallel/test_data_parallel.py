@@ -168,7 +168,7 @@ def test_failing_rank_ends_the_job(how: str, tmp_path) -> None:
     assert "finished without noticing" not in r.stdout
     if how == "raise":
         assert "rank 1 fails on purpose" in r.stderr and "aborting all ranks" in r.stderr
-    if how == "exit":  # sys.exit(4) on rank 1 ends the job at once (it waited for the 20 s timeout)
+    if how == "exit":  # sys.exit(4) on rank 1 inside abort_on_error() ends the job at once
         assert r.returncode == 4 and "exit status 4; aborting all ranks" in r.stderr, (r.returncode, r.stderr)
         assert took < 15, f"the job took {took:.1f} s to end"
     if how == "hang":
