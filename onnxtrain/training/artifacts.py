@@ -411,6 +411,9 @@ def _stage_ort_format(files: StagedFiles, models: dict[str, onnx.ModelProto], fo
                                                optimization_styles=[OptimizationStyle.Fixed])
             for made in sorted(out.iterdir()):
                 data = made.read_bytes()
+                if made.name.endswith(".config"):  # the models it names: where they go, not the temporary
+                    for tmp in (out, source):
+                        data = data.replace(str(tmp).encode(), os.path.abspath(folder).encode())
                 files.write(os.path.join(folder, made.name), lambda f, data=data: f.write(data))
     finally:
         for log, level in zip(loggers, levels):

@@ -659,6 +659,8 @@ def test_ort_format_writes_ort_copies_and_custom_op_library_is_an_error(mlp, tmp
     written = {p.name for p in tmp_path.iterdir()}
     for name in ("training_model", "eval_model", "optimizer_model"):
         assert {f"{name}.onnx", f"{name}.ort", f"{name}.required_operators.config"} <= written, written
+        config = (tmp_path / f"{name}.required_operators.config").read_text()
+        assert str(tmp_path / f"{name}.ort") in config, config  # the .ort's own path, not a temporary
     cpu = ["CPUExecutionProvider"]
     plain = ort.InferenceSession(str(tmp_path / "eval_model.onnx"), providers=cpu)
     flat = ort.InferenceSession(str(tmp_path / "eval_model.ort"), providers=cpu)
