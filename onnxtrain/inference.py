@@ -19,7 +19,7 @@ from onnxtrain.engine.backends import backend_of, batch_split_mode, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.feed_sizes import FeedSizeMismatch, shared_dim_mismatch
 from onnxtrain.engine.interface import EngineError, GraphInterface, load_model
-from onnxtrain.errors import Fail, InvalidFeed, InvalidFeedType
+from onnxtrain.errors import Fail, FailValueError, InvalidFeed, InvalidFeedType
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.ir.types import type_string, value_info_shape
 
@@ -112,7 +112,10 @@ class FeedChecker:
 
 def check_feed_shape(name: str, a: np.ndarray, shape: Sequence[int | str | None]) -> None:
     """InvalidFeed naming input ``name`` when ``a`` has not the rank of its declared ``shape`` (ints, symbolic
-    names or None) or differs from one of its fixed dims."""
+    names or None) or differs from one of its fixed dims. A one-value vector fed to a scalar input is taken,
+    as onnxruntime takes it (``np.array([lr])``)."""
+    if not shape and a.shape == (1,):
+        return
     if a.ndim != len(shape):
         raise InvalidFeed(
             f"input {name!r}: expected rank {len(shape)} (shape {shape}), "
@@ -171,12 +174,12 @@ class InferenceSession:
         provider_options: Sequence[dict] | None = None,
         **kwargs: Any,
     ):
-        self._sess_options = sess_options or SessionOptions()
+        self._sess_options = options_snapshot(sess_options)
         self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
         self._providers, self._provider_options = backend_providers(self._backend, providers,
                                                                     provider_options)
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
-        self._model = load_model(path_or_bytes)
+        self._model = with_option_overrides(load_model(path_or_bytes), self._sess_options)
         self._plan = make_plan(self._model, self._backend, self._providers, self._sess_options,
                                self._provider_options)
         self._start_ns = time.time_ns()
@@ -355,3 +358,44 @@ def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str) -> str:
     ]
     write_atomic(path, lambda f: f.write(json.dumps(events).encode()))
     return path
+
+
+def options_snapshot(options: Any) -> Any:
+    """The options a session keeps: a copy of onnxtrain's (later changes do not reach the session, as in
+    onnxruntime), new defaults without any; another library's object as it is."""
+    if options is None:
+        return SessionOptions()
+    return options.snapshot() if isinstance(options, SessionOptions) else options
+
+
+def with_option_overrides(model: onnx.ModelProto, options: Any) -> onnx.ModelProto:
+    """``model`` with the initializers and free dimensions ``options`` override (``add_initializer``,
+    ``add_free_dimension_override_by_name/denotation``; a copy), or ``model`` itself without any."""
+    inits, dims = getattr(options, "_initializers", {}), getattr(options, "_dims", {})
+    if not inits and not dims:
+        return model
+    from onnx import numpy_helper
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    known = {t.name: t for t in g.initializer}
+    for name, value in inits.items():
+        if name not in known:
+            raise FailValueError(f"add_initializer: {name!r} is not an initializer of the model "
+                                 f"({sorted(known)[:10]})")
+        array = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+        old = known[name]
+        wanted = onnx.helper.tensor_dtype_to_np_dtype(old.data_type)
+        if list(array.shape) != list(old.dims) or array.dtype != wanted:
+            raise FailValueError(f"add_initializer: {name!r} is {array.dtype}{list(array.shape)}, the "
+                                 f"model's is {wanted}{list(old.dims)}")
+        old.CopyFrom(numpy_helper.from_array(array, name))
+    for v in g.input:
+        if v.type.HasField("tensor_type"):
+            for d in v.type.tensor_type.shape.dim:
+                size = dims.get(("name", d.dim_param)) if d.HasField("dim_param") else None
+                size = dims.get(("denotation", d.denotation), size) if d.denotation else size
+                if size is not None:
+                    d.dim_value = size
+    return out

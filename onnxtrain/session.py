@@ -31,6 +31,7 @@ from onnxtrain.inference import (
     NodeArg,
     metadata_of,
     node_arg,
+    options_snapshot,
     write_chrome_trace,
 )
 from onnxtrain.ir.graphs import model_for_outputs
@@ -129,7 +130,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             warn("TrainingParameters.allow_layer_norm_mod_precision: LayerNormalization keeps float32 "
                  "statistics (stash_type=1) under mixed precision in onnxtrain; the option changes nothing")
         self._params = parameters
-        self._sess_options = sess_options or SessionOptions()
+        self._sess_options = options_snapshot(sess_options)
         self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
         self._providers, self._provider_options = backend_providers(
             self._backend, providers, provider_options

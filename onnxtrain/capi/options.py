@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Sequence
 from typing import Any
 
+from onnxtrain.errors import FailKeyError, FailValueError
 from onnxtrain.user_warning import warn
 
 AVAILABLE_PROVIDERS = ["CPUExecutionProvider"]
@@ -83,14 +85,45 @@ class SessionOptions:
         self.enable_mem_reuse = True
         self.enable_cpu_mem_arena = True
         self.use_deterministic_compute = False
+        self.use_per_session_threads = True  # (each session has its own threads; taken, not used)
         self._config: dict[str, str] = {}
+        self._initializers: dict[str, Any] = {}  # name → the array to use for that initializer
+        self._dims: dict[tuple[str, str], int] = {}  # ("name" | "denotation", symbol) → its size
+
+    def snapshot(self) -> SessionOptions:
+        """A copy a session keeps, so that changing these options later does not change it (onnxruntime
+        copies them when the session is made)."""
+        out = copy.copy(self)
+        out._config, out._initializers = dict(self._config), dict(self._initializers)
+        out._dims = dict(self._dims)
+        return out
 
     def add_session_config_entry(self, key: str, value: str) -> None:
         self._config[str(key)] = str(value)
 
+    def add_initializer(self, name: str, value: Any) -> None:
+        """Use ``value`` (an OrtValue or array) for the model's initializer ``name`` in the sessions made with
+        these options."""
+        self._initializers[str(name)] = value
+
+    def add_external_initializers(self, names: Sequence[str], values: Sequence[Any]) -> None:
+        """:meth:`add_initializer` for each name and value."""
+        if len(names) != len(values):
+            raise FailValueError(f"add_external_initializers: {len(names)} names for {len(values)} values")
+        for name, value in zip(names, values):
+            self.add_initializer(name, value)
+
+    def add_free_dimension_override_by_name(self, dim_name: str, dim_value: int) -> None:
+        """Fix the symbolic dimension ``dim_name`` of the model's inputs to ``dim_value``."""
+        self._dims[("name", str(dim_name))] = int(dim_value)
+
+    def add_free_dimension_override_by_denotation(self, dim_denotation: str, dim_value: int) -> None:
+        """Fix the dimensions denoted ``dim_denotation`` (``DATA_BATCH``, ...) of the model's inputs."""
+        self._dims[("denotation", str(dim_denotation))] = int(dim_value)
+
     def get_session_config_entry(self, key: str) -> str:
         if key not in self._config:
-            raise KeyError(f"session config entry {key!r} is not set")
+            raise FailKeyError(f"SessionOptions does not have configuration with key: {key}")
         return self._config[key]
 
     def register_custom_ops_library(self, path: str) -> None:
@@ -116,6 +149,8 @@ class RunOptions:
         self._config[str(key)] = str(value)
 
     def get_run_config_entry(self, key: str) -> str:
+        if key not in self._config:
+            raise FailKeyError(f"RunOptions does not have configuration with key: {key}")
         return self._config[key]
 
 

@@ -300,7 +300,10 @@ def test_session_and_run_options(model_bytes: bytes) -> None:
     so.graph_optimization_level = onnxtrain.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.execution_mode = onnxtrain.ExecutionMode.ORT_SEQUENTIAL
     s = onnxtrain.InferenceSession(model_bytes, sess_options=so)
-    assert s.get_session_options() is so
+    kept = s.get_session_options()  # a copy, as onnxruntime keeps: later changes to ``so`` do not reach it
+    assert kept is not so and kept.get_session_config_entry("session.x") == "1"
+    so.add_session_config_entry("session.x", "2")
+    assert s.get_session_options().get_session_config_entry("session.x") == "1"
     ro = onnxtrain.RunOptions()
     ro.add_run_config_entry("k", "v")
     assert ro.get_run_config_entry("k") == "v"

@@ -1,0 +1,47 @@
+"""SessionOptions and feeds as onnxruntime takes them (the oracle, run side by side on the same model):
+options copied when a session is made, a missing config entry a RuntimeError, add_initializer and free
+dimension overrides, a one-value vector fed to a scalar input. Found by porting onnxruntime's own Python
+tests (onnxruntime_test_python.py) with the import changed."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxtrain
+
+F = TensorProto.FLOAT
+
+
+def _model() -> bytes:
+    """y = x · w + lr, x [batch, 2], w an initializer, lr a scalar input."""
+    nodes = [helper.make_node("Mul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "lr"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["batch", 2]),
+                                helper.make_tensor_value_info("lr", F, [])],
+                          [helper.make_tensor_value_info("y", F, ["batch", 2])],
+                          [numpy_helper.from_array(np.array([2.0, 3.0], np.float32), "w")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("lib", [ort, onnxtrain], ids=["onnxruntime", "onnxtrain"])
+def test_options_and_feeds_as_onnxruntime_takes_them(lib, tmp_path) -> None:
+    so = lib.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / f"{lib.__name__}_")
+    w = np.array([5.0, 7.0], np.float32)
+    w_value = lib.OrtValue.ortvalue_from_numpy(w)  # (onnxruntime keeps the memory, not the array: kept here)
+    so.add_initializer("w", w_value)
+    so.add_free_dimension_override_by_name("batch", 3)
+    sess = lib.InferenceSession(_model(), so, providers=["CPUExecutionProvider"])
+    so.enable_profiling = False  # after the session is made: not its options any more
+    assert sess.get_inputs()[0].shape == [3, 2]
+    x = np.ones((3, 2), np.float32)
+    y = sess.run(None, {"x": x, "lr": np.array([0.5], np.float32)})[0]  # a one-value vector for a scalar
+    np.testing.assert_array_equal(y, np.tile([5.5, 7.5], (3, 1)))
+    assert sess.end_profiling()  # still profiling
+    with pytest.raises(RuntimeError):
+        so.get_session_config_entry("no.such.key")
+    with pytest.raises(RuntimeError):
+        lib.RunOptions().get_run_config_entry("nokey")
