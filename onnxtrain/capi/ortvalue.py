@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from onnx import helper
 
-from onnxtrain.errors import InvalidFeed, InvalidFeedType
+from onnxtrain.errors import Fail, InvalidFeed, InvalidFeedType
 
 if TYPE_CHECKING:
     from onnxtrain.inference import InferenceSession
@@ -64,9 +64,10 @@ def array_from_pointer(ptr: int, element_type: Any, shape: Sequence[int]) -> np.
 
 
 class OrtValue:
-    """A tensor value; wraps a numpy array without copying it."""
+    """A value: a tensor (a numpy array, wrapped without a copy), a sequence of tensors (a list) or an
+    optional one left empty (None), as a session's outputs are."""
 
-    def __init__(self, array: np.ndarray):
+    def __init__(self, array: Any):
         self._array = array
 
     @staticmethod
@@ -87,27 +88,50 @@ class OrtValue:
     def numpy(self) -> np.ndarray:
         return self._array
 
+    def _tensor(self, what: str) -> np.ndarray:
+        if not isinstance(self._array, np.ndarray):
+            raise Fail(f"OrtValue.{what}: the value is {self.data_type()}, not a tensor")
+        return self._array
+
     def shape(self) -> list[int]:
-        return list(self._array.shape)
+        return list(self._tensor("shape()").shape)
 
     def data_type(self) -> str:
-        return f"tensor({_type_name(self._array.dtype)})"
+        value = self._array
+        if isinstance(value, np.ndarray):
+            return f"tensor({_type_name(value.dtype)})"
+        if isinstance(value, (list, tuple)):
+            first = next((np.asarray(v) for v in value), None)
+            return f"seq(tensor({_type_name(first.dtype) if first is not None else 'float'}))"
+        return "optional(tensor(float))" if value is None else type(value).__name__
 
     def element_type(self) -> int:
         """The ONNX element type (``TensorProto.FLOAT`` = 1, ...), as onnxruntime returns it."""
-        return int(helper.np_dtype_to_tensor_dtype(self._array.dtype))
+        return int(helper.np_dtype_to_tensor_dtype(self._tensor("element_type()").dtype))
+
+    def tensor_size_in_bytes(self) -> int:
+        return int(self._tensor("tensor_size_in_bytes()").nbytes)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        array = self._tensor("__array__")
+        if dtype is not None and np.dtype(dtype) != array.dtype:
+            return array.astype(dtype)
+        return array.copy() if copy else array
 
     def device_name(self) -> str:
         return "cpu"
 
     def data_ptr(self) -> int:
-        return int(self._array.ctypes.data)
+        return int(self._tensor("data_ptr()").ctypes.data)
 
     def is_tensor(self) -> bool:
-        return True
+        return isinstance(self._array, np.ndarray)
+
+    def is_tensor_sequence(self) -> bool:
+        return isinstance(self._array, (list, tuple))
 
     def has_value(self) -> bool:
-        return True
+        return self._array is not None
 
     def update_inplace(self, np_arr: np.ndarray) -> None:
         np.copyto(self._array, np.asarray(np_arr).reshape(self._array.shape))
@@ -136,7 +160,8 @@ class OrtValue:
         return OrtValue(array)
 
     def __repr__(self) -> str:
-        return f"OrtValue({self.data_type()}, shape={self.shape()})"
+        shape = f", shape={self.shape()}" if self.is_tensor() else ""
+        return f"OrtValue({self.data_type()}{shape})"
 
 
 class _Capsule:
@@ -235,8 +260,14 @@ class IOBinding:
     def get_outputs(self) -> list[OrtValue]:
         return list(self._results)
 
-    def copy_outputs_to_cpu(self) -> list[np.ndarray]:
-        return [v.numpy().copy() for v in self._results]
+    def copy_outputs_to_cpu(self) -> list[Any]:
+        """Copies of the outputs: arrays, lists of arrays for sequences, None for empty optionals."""
+        def copied(v: Any) -> Any:
+            if isinstance(v, (list, tuple)):
+                return [np.array(x, copy=True) for x in v]
+            return None if v is None else np.array(v, copy=True)
+
+        return [copied(v.numpy()) for v in self._results]
 
     def clear_binding_inputs(self) -> None:
         self._inputs.clear()
@@ -285,6 +316,6 @@ class IOBinding:
                     )
                 np.copyto(target, v)
                 results.append(OrtValue(target))
-            else:
-                results.append(OrtValue(np.asarray(v)))
+            else:  # a sequence stays a list, an empty optional None
+                results.append(OrtValue(v if v is None or isinstance(v, (list, tuple)) else np.asarray(v)))
         self._results = results

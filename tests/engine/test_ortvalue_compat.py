@@ -1,0 +1,63 @@
+"""OrtValue and IOBinding for values other than tensors, and numpy's array protocol, as onnxruntime (run
+side by side, the oracle) has them: a sequence output bound through IOBinding is a list of arrays (it was
+stacked into one array, or failed for elements of different shapes), its OrtValue is no tensor and names
+its sequence type, an empty optional has no value, ``np.asarray(value)`` is its array."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import onnxtrain
+
+I64 = TensorProto.INT64
+
+
+def _sequence_model() -> bytes:
+    g = helper.make_graph([helper.make_node("SequenceConstruct", ["a", "b"], ["s"])], "g",
+                          [helper.make_tensor_value_info("a", I64, [2, 3]),
+                           helper.make_tensor_value_info("b", I64, [2, None])],
+                          [helper.make_tensor_sequence_value_info("s", I64, None)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def _optional_model() -> bytes:
+    opt = helper.make_optional_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, [5]))
+    g = helper.make_graph([helper.make_node("Identity", ["o"], ["p"])], "g",
+                          [helper.make_value_info("o", opt)], [helper.make_value_info("p", opt)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 16)]).SerializeToString()
+
+
+def _observed(lib) -> dict:
+    a, b = np.arange(6, dtype=np.int64).reshape(2, 3), np.arange(4, dtype=np.int64).reshape(2, 2)
+    sess = lib.InferenceSession(_sequence_model(), providers=["CPUExecutionProvider"])
+    io = sess.io_binding()
+    io.bind_cpu_input("a", a)
+    io.bind_cpu_input("b", b)
+    io.bind_output("s")
+    sess.run_with_iobinding(io)
+    value = io.get_outputs()[0]
+    copied = io.copy_outputs_to_cpu()[0]
+    empty = lib.InferenceSession(_optional_model(), providers=["CPUExecutionProvider"]).run_with_ort_values(
+        None, {})[0]
+    x = np.array([[1.5, 2.5]], np.float32)
+    tensor = lib.OrtValue.ortvalue_from_numpy(x)
+    return {"is_tensor": value.is_tensor(), "type": value.data_type(),
+            "copied": [c.tolist() for c in copied], "empty_has_value": empty.has_value(),
+            "asarray": np.asarray(tensor).tolist(), "asarray_f64": np.asarray(tensor, np.float64).dtype.name,
+            "bytes": tensor.tensor_size_in_bytes()}
+
+
+def test_values_other_than_tensors_and_the_array_protocol_are_onnxruntimes() -> None:
+    want, got = _observed(ort), _observed(onnxtrain)
+    assert got == want
+    assert want["copied"] == [[[0, 1, 2], [3, 4, 5]], [[0, 1], [2, 3]]] and not want["is_tensor"]
+
+
+def test_a_tensor_query_on_a_sequence_is_an_error() -> None:
+    value = onnxtrain.OrtValue([np.zeros(2), np.ones(3)])
+    assert value.is_tensor_sequence() and not value.is_tensor()
+    with pytest.raises(RuntimeError, match=r"seq\(tensor\(double\)\), not a tensor"):
+        value.shape()
