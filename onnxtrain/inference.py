@@ -21,7 +21,7 @@ from onnxtrain.engine.feed_sizes import FeedSizeMismatch, shared_dim_mismatch
 from onnxtrain.engine.interface import EngineError, GraphInterface, load_model
 from onnxtrain.errors import Fail, FailValueError, InvalidFeed, InvalidFeedType
 from onnxtrain.ir.io import write_atomic
-from onnxtrain.ir.types import type_string, value_info_shape
+from onnxtrain.ir.types import np_dtype_of, type_string, value_info_shape
 
 
 @dataclass
@@ -62,7 +62,10 @@ def metadata_of(m: onnx.ModelProto) -> ModelMetadata:
 
 
 def node_arg(v: onnx.ValueInfoProto) -> NodeArg:
-    shape = value_info_shape(v.type)
+    tp = v.type
+    if tp.HasField("optional_type") and tp.optional_type.elem_type.HasField("tensor_type"):
+        tp = tp.optional_type.elem_type  # an optional tensor's shape is its tensor's, as onnxruntime gives it
+    shape = value_info_shape(tp)
     # an unknown shape as [], as onnxruntime gives it
     return NodeArg(v.name, type_string(v.type, "unknown"), [] if shape is None else shape)
 
@@ -76,6 +79,11 @@ class FeedChecker:
         # sequence- and optional-typed inputs: name → "seq" or "optional"; fed as lists (or None) as they are
         self.containers = {n: kind for n, v in plan.input_info.items()
                            if (kind := _container_kind(v.type)) is not None}
+        # a sequence input's element type, where declared
+        self.elements = {n: np_dtype_of(v.type.sequence_type.elem_type)
+                         for n, v in plan.input_info.items() if self.containers.get(n) == "seq"
+                         and v.type.sequence_type.elem_type.HasField("tensor_type")
+                         and v.type.sequence_type.elem_type.tensor_type.elem_type}
         # an optional-typed input may be left out, as in onnxruntime (it is then None)
         self.required = [n for n in plan.input_names if self.containers.get(n) != "optional"]
 
@@ -88,15 +96,15 @@ class FeedChecker:
                 raise InvalidFeed(f"unknown input {name!r}; the model's inputs are {self.required}")
             kind = self.containers.get(name)
             if kind is not None:
-                out[name] = _container_feed(name, kind, v)
+                out[name] = _container_feed(name, kind, v, self.elements.get(name))
                 continue
             a = v.numpy() if isinstance(v, OrtValue) else v
             dtype, shape = self.specs[name]
             if not isinstance(a, np.ndarray):  # a list or scalar takes the input's type, as in onnxruntime
                 keep = dtype is None or isinstance(a, np.generic)
                 a = np.asarray(a) if keep else np.asarray(a, dtype=dtype)
-            if dtype == np.dtype(object) and a.dtype.kind in "US":  # numpy strings for a string input
-                a = a.astype(object)
+            if dtype == np.dtype(object):  # str, bytes, raw bytes or other objects: str, as onnxruntime
+                a = _as_strings(a)
             if dtype is not None and a.dtype != dtype:
                 raise InvalidFeedType(
                     f"input {name!r}: expected dtype {dtype} (tensor({_type_name(dtype)})), got {a.dtype}"
@@ -134,14 +142,35 @@ def _container_kind(tp: onnx.TypeProto) -> str | None:
     return {"sequence_type": "seq", "optional_type": "optional"}.get(kind or "")
 
 
-def _container_feed(name: str, kind: str, v: Any) -> Any:
-    """A feed for a sequence input (a list or tuple of arrays) or an optional one (None, or its value)."""
+def _as_strings(a: np.ndarray) -> np.ndarray:
+    """A string input's feed as an object array of str: numpy str and bytes arrays, raw bytes (``np.void``)
+    and objects other than str (converted with ``str``) as onnxruntime takes them."""
+    if a.dtype.kind == "V":
+        a = a.view(f"S{a.dtype.itemsize}")
+    if a.dtype.kind == "S":
+        return np.strings.decode(a, "utf-8").astype(object)
+    if a.dtype.kind == "U":
+        return a.astype(object)
+    if a.dtype == np.dtype(object) and not all(isinstance(x, str) for x in a.flat):
+        flat = [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in a.flat]
+        return np.array(flat, dtype=object).reshape(a.shape)
+    return a
+
+
+def _container_feed(name: str, kind: str, v: Any, element: np.dtype | None = None) -> Any:
+    """A feed for a sequence input (a list or tuple of arrays, of the declared ``element`` type) or an
+    optional one (None, or its value)."""
     if v is None:
         if kind == "optional":
             return None
         raise InvalidFeedType(f"input {name!r}: expected a sequence (a list of arrays), got None")
     if isinstance(v, (list, tuple)):
-        return [x.numpy() if isinstance(x, OrtValue) else np.asarray(x) for x in v]
+        items = [x.numpy() if isinstance(x, OrtValue) else np.asarray(x) for x in v]
+        wrong = next((k for k, x in enumerate(items) if element is not None and x.dtype != element), None)
+        if wrong is not None:
+            raise InvalidFeedType(f"input {name!r}: element {wrong} is {items[wrong].dtype}; the sequence "
+                                  f"holds {element}")
+        return items
     if kind == "seq":
         raise InvalidFeedType(f"input {name!r}: expected a sequence (a list of arrays), got "
                               f"{type(v).__name__}")

@@ -1,0 +1,56 @@
+"""Feeds and input declarations as onnxruntime (side by side, the oracle) takes them: string inputs fed numpy
+bytes, raw bytes (``np.void``) or objects other than str (onnxruntime gives str back: they were bytes, refused
+or passed through), a sequence's elements of another type than declared (refused: they ran in their own
+type), an optional input's declared shape (it was [])."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import onnxtrain
+
+
+def _model(nodes, inputs, outputs, opset: int = 17) -> bytes:
+    g = helper.make_graph(nodes, "g", inputs, outputs)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)]).SerializeToString()
+
+
+STRINGS = _model([helper.make_node("Identity", ["x"], ["y"])],
+                 [helper.make_tensor_value_info("x", TensorProto.STRING, [2, 2])],
+                 [helper.make_tensor_value_info("y", TensorProto.STRING, [2, 2])])
+# (bytes shorter than the array's width: onnxruntime reads each up to its first NUL, past the element when
+# it fills the width)
+FEEDS = {"bytes": np.array([[b"ab", b"c"], [b"d", b"\xc3\xa9"]], dtype="S4"),
+         "void": np.array([[b"must", b"have"], [b"same", b"size"]], dtype=np.void),
+         "objects": np.array([[1, None], [2.5, "s"]], dtype=object)}
+
+
+@pytest.mark.parametrize("kind", sorted(FEEDS))
+def test_string_feeds_come_back_as_onnxruntimes(kind: str) -> None:
+    want = ort.InferenceSession(STRINGS, providers=["CPUExecutionProvider"]).run(None, {"x": FEEDS[kind]})[0]
+    got = onnxtrain.InferenceSession(STRINGS).run(None, {"x": FEEDS[kind]})[0]
+    assert got.dtype == want.dtype and got.tolist() == want.tolist()
+    assert all(isinstance(v, str) for v in got.flat)
+
+
+def test_a_sequence_of_another_element_type_is_refused_as_by_onnxruntime() -> None:
+    model = _model([helper.make_node("ConcatFromSequence", ["xs"], ["y"], axis=0)],
+                   [helper.make_tensor_sequence_value_info("xs", TensorProto.FLOAT, None)],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    feeds = {"xs": [np.ones(2, np.float64), np.ones(2, np.float64)]}
+    with pytest.raises(RuntimeError):
+        ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    with pytest.raises(RuntimeError, match=r"input 'xs': element 0 is float64; the sequence holds float32"):
+        onnxtrain.InferenceSession(model).run(None, feeds)
+
+
+def test_an_optional_inputs_shape_is_its_tensors() -> None:
+    opt = helper.make_optional_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, [5]))
+    model = _model([helper.make_node("Identity", ["o"], ["p"])], [helper.make_value_info("o", opt)],
+                   [helper.make_value_info("p", opt)], opset=16)
+    for lib in (ort, onnxtrain):
+        sess = lib.InferenceSession(model, providers=["CPUExecutionProvider"])
+        assert sess.get_inputs()[0].shape == [5] and sess.get_outputs()[0].shape == [5], lib.__name__
