@@ -18,7 +18,7 @@ from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
 from onnxtrain.engine.backends import backend_of, batch_split_mode, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.feed_sizes import FeedSizeMismatch, shared_dim_mismatch
-from onnxtrain.engine.interface import EngineError, GraphInterface, load_model
+from onnxtrain.engine.interface import RUN_OPTIONS, EngineError, GraphInterface, Terminated, load_model
 from onnxtrain.errors import Fail, FailValueError, InvalidFeed, InvalidFeedType
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.ir.types import np_dtype_of, type_string, value_info_shape
@@ -247,14 +247,19 @@ class InferenceSession:
         ro = run_options or RunOptions()
         if getattr(ro, "terminate", False):
             raise Fail("Exiting due to terminate flag being set to true (RunOptions.terminate).")
+        # given run options are watched during the run: terminate set from another thread stops it
+        token = RUN_OPTIONS.set(run_options) if run_options is not None else None
         try:
             return self._run(output_names, input_feed, ro)
         except EngineError as e:  # named after the inputs when they disagree on a shared dimension
-            if isinstance(input_feed, Mapping):
+            if isinstance(input_feed, Mapping) and not isinstance(e, Terminated):
                 why = shared_dim_mismatch(self._inputs, input_feed, "run failed")
                 if why is not None:
                     raise FeedSizeMismatch(f"{why}; {e}") from e
             raise
+        finally:
+            if token is not None:
+                RUN_OPTIONS.reset(token)
 
     def _run(
         self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], ro: RunOptions

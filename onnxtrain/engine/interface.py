@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,15 @@ class ProfileEvent:
     start_ns: int
     dur_ns: int
     shapes: list[Any] = field(default_factory=list)
+
+
+# the RunOptions of the run in progress in this context, when the caller gave some: the numpy plans check
+# their ``terminate`` between steps (a run without them pays nothing)
+RUN_OPTIONS: ContextVar[Any] = ContextVar("onnxtrain_run_options", default=None)
+
+
+class Terminated(EngineError):
+    """A run stopped because its RunOptions' ``terminate`` was set (onnxruntime's ``Fail``)."""
 
 
 def load_model(model: onnx.ModelProto | str | bytes | os.PathLike) -> onnx.ModelProto:

@@ -22,11 +22,13 @@ from onnxtrain.engine.allocator import tune_allocator
 from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow
 from onnxtrain.engine.donation import donated_slots, donating, reusable_inputs
 from onnxtrain.engine.interface import (  # noqa: F401  (the engine's errors, imported from here elsewhere)
+    RUN_OPTIONS,
     EngineError,
     GraphInterface,
     InvalidNodeError,
     ModelParseError,
     ProfileEvent,
+    Terminated,
     UnsupportedOpError,
     default_opset,
     load_model,
@@ -329,8 +331,9 @@ class Plan(GraphInterface):
     def _run_steps(self, vals: list[Any], live: int) -> int:
         """Run every step on the slots ``vals``, freeing values after their last use; returns the peak of
         live bytes."""
-        if self.profiling or self._bodies:
-            peak = self._run_watched(vals, live)
+        stop = RUN_OPTIONS.get()
+        if self.profiling or self._bodies or stop is not None:
+            peak = self._run_watched(vals, live, stop)
         else:
             peak = live
             for fn, get, in1, out1, outs, attrs, free, st in self._program:
@@ -399,11 +402,15 @@ class Plan(GraphInterface):
                 freed += nbytes(v)
         return freed
 
-    def _run_watched(self, vals: list[Any], live: int) -> int:
-        """The run loop with one :class:`ProfileEvent` per step when profiling, and the bytes a control-flow
-        step's bodies held during it counted in the peak; returns the peak of live bytes."""
+    def _run_watched(self, vals: list[Any], live: int, stop: Any = None) -> int:
+        """The run loop with one :class:`ProfileEvent` per step when profiling, the bytes a control-flow
+        step's bodies held during it counted in the peak, and ``stop.terminate`` (RunOptions) read before
+        each step; returns the peak of live bytes."""
         peak = live
         for fn, get, in1, _, outs, attrs, free, st in self._program:
+            if stop is not None and getattr(stop, "terminate", False):
+                raise Terminated("Exiting due to terminate flag being set to true (RunOptions.terminate), "
+                                 f"before node {st.node.name or st.node.op_type!r}")
             args = get(vals) if get is not None else [vals[in1]] if in1 >= 0 else []
             bodies = fn.bodies.values() if isinstance(fn, ControlFlow) else ()
             for b in bodies:
