@@ -332,11 +332,13 @@ class Plan(GraphInterface):
         """Run every step on the slots ``vals``, freeing values after their last use; returns the peak of
         live bytes."""
         stop = RUN_OPTIONS.get()
-        if self.profiling or self._bodies or stop is not None:
+        if self.profiling or self._bodies:
             peak = self._run_watched(vals, live, stop)
         else:
             peak = live
             for fn, get, in1, out1, outs, attrs, free, st in self._program:
+                if stop is not None and stop.terminate:
+                    raise Terminated(_TERMINATED.format(st.node.name or st.node.op_type))
                 # two or more inputs: one C-level itemgetter call builds the tuple
                 args = get(vals) if get is not None else [vals[in1]] if in1 >= 0 else []
                 try:
@@ -408,9 +410,8 @@ class Plan(GraphInterface):
         each step; returns the peak of live bytes."""
         peak = live
         for fn, get, in1, _, outs, attrs, free, st in self._program:
-            if stop is not None and getattr(stop, "terminate", False):
-                raise Terminated("Exiting due to terminate flag being set to true (RunOptions.terminate), "
-                                 f"before node {st.node.name or st.node.op_type!r}")
+            if stop is not None and stop.terminate:
+                raise Terminated(_TERMINATED.format(st.node.name or st.node.op_type))
             args = get(vals) if get is not None else [vals[in1]] if in1 >= 0 else []
             bodies = fn.bodies.values() if isinstance(fn, ControlFlow) else ()
             for b in bodies:
@@ -476,6 +477,9 @@ def _describe(v: Any) -> str:
 def compile_model(model: onnx.ModelProto | str | bytes, **kw: Any) -> Plan:
     """Compile ``model`` (a ModelProto, a path or bytes) into a :class:`Plan`."""
     return Plan(model, **kw)
+
+
+_TERMINATED = "Exiting due to terminate flag being set to true (RunOptions.terminate), before node {!r}"
 
 
 def _ranks_of(model: onnx.ModelProto) -> Callable[[str], int | None]:
