@@ -208,7 +208,8 @@ class InferenceSession:
         self._providers, self._provider_options = backend_providers(self._backend, providers,
                                                                     provider_options)
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
-        self._model = with_option_overrides(load_model(path_or_bytes), self._sess_options)
+        folder = _config(self._sess_options).get("session.model_external_initializers_file_folder_path")
+        self._model = with_option_overrides(load_model(path_or_bytes, folder), self._sess_options)
         self._plan = make_plan(self._model, self._backend, self._providers, self._sess_options,
                                self._provider_options)
         self._start_ns = time.time_ns()
@@ -433,3 +434,8 @@ def with_option_overrides(model: onnx.ModelProto, options: Any) -> onnx.ModelPro
                 if size is not None:
                     d.dim_value = size
     return out
+
+
+def _config(options: Any) -> dict[str, str]:
+    """The session config entries of ``options`` (onnxtrain's SessionOptions; others: none read)."""
+    return dict(getattr(options, "_config", {}) or {})

@@ -61,11 +61,51 @@ class Terminated(EngineError):
     """A run stopped because its RunOptions' ``terminate`` was set (onnxruntime's ``Fail``)."""
 
 
-def load_model(model: onnx.ModelProto | str | bytes | os.PathLike) -> onnx.ModelProto:
+def load_model(model: onnx.ModelProto | str | bytes | os.PathLike,
+               external_dir: str | None = None) -> onnx.ModelProto:
     """A ModelProto from a proto, a path or serialized bytes, its local functions (``model.functions``:
     torch's ``export_modules_as_functions``, say) inlined as onnxruntime inlines them; errors name the
-    file."""
-    return inline_local_functions(_loaded(model))
+    file. Tensors kept in external files are read from beside the model file (through symbolic links too,
+    as a Hugging Face cache lays them out) or, for bytes, from ``external_dir`` (onnxruntime's
+    ``session.model_external_initializers_file_folder_path``)."""
+    m = _loaded(model, external_dir)
+    return inline_local_functions(m)
+
+
+def _external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    """The tensors of ``model`` (initializers and Constant values, bodies included) kept in external files."""
+    from onnxtrain.ir.graphs import walk_graphs
+
+    found = []
+    for g in walk_graphs(model.graph):
+        found += [t for t in g.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+        found += [a.t for n in g.node for a in n.attribute
+                  if a.type == onnx.AttributeProto.TENSOR and a.t.data_location == onnx.TensorProto.EXTERNAL]
+    return found
+
+
+def _read_external(model: onnx.ModelProto, folder: str, what: str) -> None:
+    """Read the external tensors of ``model`` from ``folder`` into the model (in place), following symbolic
+    links; a location that leaves the folder ("..", absolute) is refused."""
+    for t in _external_tensors(model):
+        info = {e.key: e.value for e in t.external_data}
+        location = info.get("location", "")
+        rel = os.path.normpath(location)
+        if not location or os.path.isabs(rel) or rel.startswith(".."):
+            raise ModelParseError(f"{what}: tensor {t.name!r} has its data at {location!r}, outside the "
+                                  f"folder {folder}")
+        path = os.path.join(folder, rel)
+        try:
+            with open(path, "rb") as f:
+                f.seek(int(info.get("offset", 0)))
+                length = info.get("length")
+                data = f.read(int(length)) if length is not None else f.read()
+        except OSError as e:
+            raise ModelParseError(f"{what}: could not read the data of tensor {t.name!r} from {path}: {e}") \
+                from None
+        t.raw_data = data
+        t.data_location = onnx.TensorProto.DEFAULT
+        del t.external_data[:]
 
 
 def inline_local_functions(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -81,7 +121,7 @@ def inline_local_functions(model: onnx.ModelProto) -> onnx.ModelProto:
                               f"{[f.domain + '.' + f.name for f in model.functions]}: {e}") from None
 
 
-def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike) -> onnx.ModelProto:
+def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike, external_dir: str | None) -> onnx.ModelProto:
     if isinstance(model, onnx.ModelProto):
         return model
     if not isinstance(model, (bytes, bytearray, memoryview, str, os.PathLike)):
@@ -94,14 +134,21 @@ def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike) -> onnx.ModelPro
             raise ModelParseError(f"could not parse the model bytes ({len(model)} bytes): {e}") from None
         if not m.graph.node and not m.graph.output:
             raise ModelParseError(f"the model bytes ({len(model)} bytes) hold no graph")
+        if _external_tensors(m):  # from the working directory, as onnxruntime, or the folder given
+            where = "the model bytes (give the data's folder as the session config entry " \
+                    "session.model_external_initializers_file_folder_path)"
+            _read_external(m, external_dir or os.getcwd(), where)
         return m
     path = os.fspath(model)
     if not os.path.exists(path):
         raise ModelNotFound(f"model file not found: {path}")
     try:
-        return onnx.load(path)
+        m = onnx.load(path, load_external_data=False)
     except Exception as e:
         raise ModelParseError(f"could not load model file {path}: {e}") from None
+    if _external_tensors(m):  # read here: onnx's loader refuses data files that are symbolic links
+        _read_external(m, os.path.dirname(os.path.abspath(path)), f"model file {path}")
+    return m
 
 
 def default_opset(model: onnx.ModelProto) -> int:
