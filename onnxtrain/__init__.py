@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         get_all_providers,
         get_available_providers,
         get_device,
+        get_version_string,
     )
     from onnxtrain.capi.ortvalue import IOBinding, OrtDevice, OrtValue
     from onnxtrain.capi.runtime_info import (
@@ -40,7 +41,7 @@ _LAZY = {
     "GradientGraphBuilder": "onnxtrain.autodiff.legacy",
     **dict.fromkeys(("ExecutionMode", "ExecutionOrder", "GraphOptimizationLevel", "PropagateCastOpsStrategy",
                      "RunOptions", "SessionOptions", "get_all_providers", "get_available_providers",
-                     "get_device"),
+                     "get_device", "get_version_string"),
                     "onnxtrain.capi.options"),
     **dict.fromkeys(("IOBinding", "OrtDevice", "OrtValue"), "onnxtrain.capi.ortvalue"),
     **dict.fromkeys(("get_build_info", "set_default_logger_severity", "set_default_logger_verbosity"),
@@ -85,6 +86,7 @@ __all__ = [
     "get_available_providers",
     "get_build_info",
     "get_device",
+    "get_version_string",
     "set_default_logger_severity",
     "set_default_logger_verbosity",
     "set_seed",

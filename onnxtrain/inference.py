@@ -6,7 +6,7 @@ import datetime
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,6 +261,23 @@ class InferenceSession:
         finally:
             if token is not None:
                 RUN_OPTIONS.reset(token)
+
+    def run_async(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+                  callback: Callable[[Any, Any, str], None], user_data: Any,
+                  run_options: RunOptions | None = None) -> None:
+        """Run on a thread of its own; ``callback(outputs, user_data, error)`` gets the outputs and "" on
+        success, None and the error's text on failure (onnxruntime's ``run_async``)."""
+        import threading
+
+        def work() -> None:
+            try:
+                outputs = self.run(output_names, input_feed, run_options)
+            except Exception as e:  # noqa: BLE001 - handed to the callback, as onnxruntime does
+                callback(None, user_data, f"{type(e).__name__}: {e}")
+                return
+            callback(outputs, user_data, "")
+
+        threading.Thread(target=work, name="onnxtrain-run-async", daemon=True).start()
 
     def _run(
         self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], ro: RunOptions

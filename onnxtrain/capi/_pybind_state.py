@@ -11,8 +11,9 @@ from onnxtrain.capi.options import (
     get_all_providers,
     get_available_providers,
     get_device,
+    get_version_string,
 )
-from onnxtrain.capi.ortvalue import IOBinding, OrtDevice, OrtValue
+from onnxtrain.capi.ortvalue import IOBinding, OrtDevice, OrtValue, OrtValueVector
 from onnxtrain.capi.runtime_info import (
     get_build_info,
     get_mpi_context_local_rank,
@@ -35,6 +36,7 @@ __all__ = [
     "IOBinding",
     "OrtDevice",
     "OrtValue",
+    "OrtValueVector",
     "PropagateCastOpsStrategy",
     "RunOptions",
     "SessionOptions",
@@ -46,6 +48,7 @@ __all__ = [
     "get_mpi_context_local_size",
     "get_mpi_context_world_rank",
     "get_mpi_context_world_size",
+    "get_version_string",
     "set_default_logger_severity",
     "set_default_logger_verbosity",
 ]

@@ -32,19 +32,26 @@ KNOWN_PROVIDERS = [
 ]
 
 
-class GraphOptimizationLevel(enum.IntEnum):
+class _Named(enum.IntEnum):
+    """An int enum printed by its name (``GraphOptimizationLevel.ORT_ENABLE_ALL``), as onnxruntime's are."""
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class GraphOptimizationLevel(_Named):
     ORT_DISABLE_ALL = 0
     ORT_ENABLE_BASIC = 1
     ORT_ENABLE_EXTENDED = 2
     ORT_ENABLE_ALL = 99
 
 
-class ExecutionMode(enum.IntEnum):
+class ExecutionMode(_Named):
     ORT_SEQUENTIAL = 0
     ORT_PARALLEL = 1
 
 
-class ExecutionOrder(enum.IntEnum):
+class ExecutionOrder(_Named):
     """onnxruntime's node orders, for ``SessionOptions.execution_order``: the onnxruntime backend passes
     the one set on; the numpy engine runs a graph's nodes in its own order and warns when another is set.
     Left unset, the backend runs the graph's order (``PRIORITY_BASED``, :mod:`onnxtrain.engine.ort_plan`)."""
@@ -159,7 +166,15 @@ def get_available_providers() -> list[str]:
 
 
 def get_all_providers() -> list[str]:
-    return list(KNOWN_PROVIDERS)
+    """onnxruntime's provider names, in its order: the CPU's last."""
+    return [p for p in KNOWN_PROVIDERS if p != "CPUExecutionProvider"] + ["CPUExecutionProvider"]
+
+
+def get_version_string() -> str:
+    """onnxtrain's version (onnxruntime's function gives its own)."""
+    from onnxtrain import __version__
+
+    return __version__
 
 
 def get_device() -> str:

@@ -26,6 +26,11 @@ class OrtDevice:
         self._id = device_id
 
     @staticmethod
+    def make(device_type: int | str, device_id: int = 0) -> OrtDevice:
+        """A device of that type and id (onnxruntime's ``OrtDevice.make``)."""
+        return OrtDevice(device_type, 0, device_id)
+
+    @staticmethod
     def cpu() -> int:
         return 0
 
@@ -164,6 +169,13 @@ class OrtValue:
         return f"OrtValue({self.data_type()}{shape})"
 
 
+class OrtValueVector(list):
+    """A list of OrtValues (onnxruntime's ``OrtValueVector``)."""
+
+    def push_back(self, value: OrtValue) -> None:
+        self.append(value)
+
+
 class _Capsule:
     """A raw DLPack capsule as the protocol's object, for ``np.from_dlpack`` (CPU memory only)."""
 
@@ -259,6 +271,9 @@ class IOBinding:
 
     def get_outputs(self) -> list[OrtValue]:
         return list(self._results)
+
+    def get_outputs_as_ortvaluevector(self) -> OrtValueVector:
+        return OrtValueVector(self._results)
 
     def copy_outputs_to_cpu(self) -> list[Any]:
         """Copies of the outputs: arrays, lists of arrays for sequences, None for empty optionals."""

@@ -1,0 +1,47 @@
+"""Names of onnxruntime's Python API that ported scripts (and onnxruntime's own tests) use, against
+onnxruntime side by side: run_async with its callback, the providers' order (the CPU's last), OrtDevice.make,
+OrtValueVector and IOBinding.get_outputs_as_ortvaluevector, enum values printed by name,
+get_version_string."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import onnxtrain
+from onnxtrain.capi.onnxruntime_pybind11_state import OrtValueVector  # noqa: F401 (the import itself)
+
+
+def _model() -> bytes:
+    g = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("lib", [ort, onnxtrain], ids=["onnxruntime", "onnxtrain"])
+def test_the_api_surface(lib) -> None:
+    sess = lib.InferenceSession(_model(), providers=["CPUExecutionProvider"])
+    done, got = threading.Event(), {}
+
+    def callback(outputs, data, error) -> None:
+        got.update(outputs=outputs, data=data, error=error)
+        done.set()
+
+    sess.run_async(["y"], {"x": np.array([1.0, -2.0], np.float32)}, callback, 7)
+    assert done.wait(10)
+    np.testing.assert_array_equal(got["outputs"][0], [-1.0, 2.0])
+    assert got["data"] == 7 and not got["error"]
+    assert lib.get_all_providers()[-1] == "CPUExecutionProvider"
+    assert lib.OrtDevice.make("cpu", 0).device_type() == 0  # the CPU
+    io = sess.io_binding()
+    io.bind_cpu_input("x", np.ones(2, np.float32))
+    io.bind_output("y")
+    sess.run_with_iobinding(io)
+    assert len(io.get_outputs_as_ortvaluevector()) == 1
+    assert str(lib.GraphOptimizationLevel.ORT_ENABLE_ALL) == "GraphOptimizationLevel.ORT_ENABLE_ALL"
+    assert isinstance(lib.get_version_string(), str)
