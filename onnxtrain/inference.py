@@ -376,10 +376,22 @@ class InferenceSession:
         return self._start_ns
 
     def end_profiling(self) -> str:
-        """Write the per-node profile as a chrome-trace JSON file; returns its path ('' if not profiling)."""
-        if not self._sess_options.enable_profiling:
-            return ""
-        return write_chrome_trace([self._plan], self._sess_options.profile_file_prefix)
+        """Write the per-node profile as a chrome-trace JSON file and end profiling, as onnxruntime does;
+        returns its path ('' when not profiling, or profiling has ended)."""
+        return end_profiling(self, [self._plan])
+
+
+def end_profiling(session: Any, plans: Sequence[GraphInterface]) -> str:
+    """A session's ``end_profiling``: the trace of ``plans``, then no more profiling by them ('' when the
+    session does not profile, or has ended)."""
+    if not session._sess_options.enable_profiling or getattr(session, "_profiling_ended", False):
+        return ""
+    try:
+        return write_chrome_trace(plans, session._sess_options.profile_file_prefix)
+    finally:
+        session._profiling_ended = True
+        for plan in plans:
+            plan.profiling = False
 
 
 def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str) -> str:

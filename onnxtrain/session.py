@@ -29,10 +29,10 @@ from onnxtrain.inference import (
     InferenceSession,
     ModelMetadata,
     NodeArg,
+    end_profiling,
     metadata_of,
     node_arg,
     options_snapshot,
-    write_chrome_trace,
 )
 from onnxtrain.ir.graphs import model_for_outputs
 from onnxtrain.ir.io import save_model_atomic
@@ -316,7 +316,9 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         plan = make_plan(model, self._backend, self._providers, self._sess_options, self._provider_options,
                          follower=follower, updates=updates, keep_binding=keep_binding,
                          random_state=self._random_state)
-        plan.profiling = bool(self._sess_options.enable_profiling)  # every graph's runs go in the trace
+        # every graph's runs go in the trace, until end_profiling
+        ended = getattr(self, "_profiling_ended", False)
+        plan.profiling = bool(self._sess_options.enable_profiling) and not ended
         return plan
 
     # ---- running ----------------------------------------------------------------------
@@ -411,9 +413,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         """The legacy binding's shutdown hook (MPI on Windows); onnxtrain's communicator needs none."""
 
     def end_profiling(self) -> str:
-        if not self._sess_options.enable_profiling:
-            return ""
-        return write_chrome_trace(list(self._plans.values()), self._sess_options.profile_file_prefix)
+        return end_profiling(self, list(self._plans.values()))
 
     # ---- state ------------------------------------------------------------------------
     def _state_names(self) -> list[str]:

@@ -41,6 +41,7 @@ def test_options_and_feeds_as_onnxruntime_takes_them(lib, tmp_path) -> None:
     y = sess.run(None, {"x": x, "lr": np.array([0.5], np.float32)})[0]  # a one-value vector for a scalar
     np.testing.assert_array_equal(y, np.tile([5.5, 7.5], (3, 1)))
     assert sess.end_profiling()  # still profiling
+    assert sess.end_profiling() == ""  # ended by the first call
     with pytest.raises(RuntimeError):
         so.get_session_config_entry("no.such.key")
     with pytest.raises(RuntimeError):
