@@ -260,7 +260,7 @@ class OrtPlan(GraphInterface):
     def drained_profile(self) -> list[ProfileEvent]:
         """onnxruntime's per-node events of the runs so far (its "Node" kernel times), on this process's
         ``perf_counter_ns`` clock as the numpy engine's events; its trace file is removed. onnxruntime's
-        profiling ends here, as its ``end_profiling`` ends it: later runs are traced one event per run."""
+        profiling ends here, as its ``end_profiling`` ends it (a plan still profiling logs a run an event)."""
         if not self._ort_profiling:
             return []
         self._ort_profiling = False
