@@ -12,19 +12,23 @@ from onnxtrain.engine.plan import Plan
 
 
 class OnnxtrainRep(BackendRep):
-    """A compiled model; ``run`` takes inputs in graph-input order (or a dict)."""
+    """A compiled model (an InferenceSession: feeds checked as onnxruntime's backend checks them); ``run``
+    takes inputs in graph-input order (or a dict) and returns a list, as onnxruntime's backend does."""
 
     def __init__(self, model: onnx.ModelProto):
-        self.plan = Plan(model)
+        from onnxtrain.inference import InferenceSession
 
-    def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
+        self.session = InferenceSession(model)
+        self.plan = self.session._plan
+
+    def run(self, inputs: Any, **kwargs: Any) -> list[np.ndarray]:
         if isinstance(inputs, dict):
             feeds = dict(inputs)
         else:
             if isinstance(inputs, np.ndarray):
                 inputs = [inputs]
-            feeds = dict(zip(self.plan.input_names, inputs))
-        return tuple(self.plan.run(feeds))
+            feeds = dict(zip([i.name for i in self.session.get_inputs()], inputs))
+        return self.session.run(None, feeds)
 
 
 class OnnxtrainBackend(Backend):
@@ -37,8 +41,15 @@ class OnnxtrainBackend(Backend):
         return device.upper() == "CPU"
 
     @classmethod
+    def is_compatible(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> bool:
+        """Whether the device is the CPU and the model's opsets are ones onnx knows."""
+        newest = onnx.defs.onnx_opset_version()
+        return cls.supports_device(device) and all(
+            o.version <= newest for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+    @classmethod
     def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU",
-                  **kwargs: Any) -> tuple[np.ndarray, ...]:
+                  **kwargs: Any) -> list[np.ndarray]:
         return cls.prepare(model, device).run(inputs)
 
     @classmethod
@@ -59,3 +70,4 @@ prepare = OnnxtrainBackend.prepare
 run_model = OnnxtrainBackend.run_model
 run_node = OnnxtrainBackend.run_node
 supports_device = OnnxtrainBackend.supports_device
+is_compatible = OnnxtrainBackend.is_compatible

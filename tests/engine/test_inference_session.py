@@ -391,6 +391,9 @@ def test_backend_run_model(model_bytes: bytes) -> None:
     np.testing.assert_array_equal(y, y2)
     (y3, _) = rep.run(x)  # a single array is the first input
     np.testing.assert_array_equal(y, y3)
+    assert isinstance(rep.run(x), list) and backend.is_compatible(model)  # as onnxruntime.backend
+    with pytest.raises(RuntimeError, match="expected dtype float32"):  # checked (it ran in float64)
+        rep.run([x.astype(np.float64)])
 
 
 def test_warnings_free_construction(model_bytes: bytes) -> None:
