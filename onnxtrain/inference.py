@@ -166,6 +166,8 @@ def _container_feed(name: str, kind: str, v: Any, element: np.dtype | None = Non
         raise InvalidFeedType(f"input {name!r}: expected a sequence (a list of arrays), got None")
     if isinstance(v, (list, tuple)):
         items = [x.numpy() if isinstance(x, OrtValue) else np.asarray(x) for x in v]
+        if element == np.dtype(object):  # strings, as a string input takes them
+            items = [_as_strings(x) for x in items]
         wrong = next((k for k, x in enumerate(items) if element is not None and x.dtype != element), None)
         if wrong is not None:
             raise InvalidFeedType(f"input {name!r}: element {wrong} is {items[wrong].dtype}; the sequence "
@@ -434,7 +436,8 @@ def options_snapshot(options: Any) -> Any:
 
 def with_option_overrides(model: onnx.ModelProto, options: Any) -> onnx.ModelProto:
     """``model`` with the initializers and free dimensions ``options`` override (``add_initializer``,
-    ``add_free_dimension_override_by_name/denotation``; a copy), or ``model`` itself without any."""
+    ``add_free_dimension_override_by_name/denotation``, in the inputs' and outputs' declarations; a copy), or
+    ``model`` itself without any. An initializer name the model lacks is an error (onnxruntime ignores it)."""
     inits, dims = getattr(options, "_initializers", {}), getattr(options, "_dims", {})
     if not inits and not dims:
         return model
@@ -455,7 +458,7 @@ def with_option_overrides(model: onnx.ModelProto, options: Any) -> onnx.ModelPro
             raise FailValueError(f"add_initializer: {name!r} is {array.dtype}{list(array.shape)}, the "
                                  f"model's is {wanted}{list(old.dims)}")
         old.CopyFrom(numpy_helper.from_array(array, name))
-    for v in g.input:
+    for v in (*g.input, *g.output):
         if v.type.HasField("tensor_type"):
             for d in v.type.tensor_type.shape.dim:
                 size = dims.get(("name", d.dim_param)) if d.HasField("dim_param") else None

@@ -85,7 +85,8 @@ def batch_mixing_node(model: onnx.ModelProto, input_axes: Mapping[str, int],
     for k, node in enumerate(g.node):
         constant = _constant(node)
         if constant is not None:
-            consts[node.output[0]] = constant
+            if constant.size <= _FOLD_LIMIT:  # (a big one is data: its rank and dims are what is read)
+                consts[node.output[0]] = constant
             rank[node.output[0]], dims[node.output[0]] = constant.ndim, list(constant.shape)
             continue
         folded = _folded(node, consts)
@@ -170,9 +171,12 @@ _FOLDED = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Mod": np.mod,
            "Max": np.maximum, "Min": np.minimum}
 
 
+_FOLD_LIMIT = 4096  # values a folded constant may hold (shapes and axes are small; a big fill is data)
+
+
 def _folded(node: onnx.NodeProto, consts: Mapping[str, Any]) -> np.ndarray | None:
-    """The value of an integer op on small constants (a Slice's bounds computed from the rank, say), else
-    None."""
+    """The value of an integer op on small constants (a Slice's bounds computed from the rank, say), as ONNX
+    computes it, else None."""
     ins = [i for i in node.input if i]
     if not ins or len(node.output) != 1 or not all(i in consts for i in ins):
         return None
@@ -180,30 +184,40 @@ def _folded(node: onnx.NodeProto, consts: Mapping[str, Any]) -> np.ndarray | Non
     if any(v.dtype.kind not in "iub" or v.size > 64 for v in values):
         return None
     op = node.op_type
+    attrs = {a.name: attribute_value(a) for a in node.attribute}
     try:
         if op == "ConstantOfShape":
-            fill = next((numpy_helper.to_array(a.t).reshape(-1) for a in node.attribute if a.name == "value"),
-                        np.zeros(1, np.float32))
-            return np.full([int(d) for d in values[0].reshape(-1)], fill[0], fill.dtype) \
-                if fill.dtype.kind in "iub" else None
+            shape = [int(d) for d in values[0].reshape(-1)]
+            fill = numpy_helper.to_array(node.attribute[0].t).reshape(-1) if node.attribute else np.zeros(1)
+            if fill.dtype.kind not in "iub" or int(np.prod(shape, dtype=np.int64)) > _FOLD_LIMIT:
+                return None
+            return np.full(shape, fill[0], fill.dtype)
         if op in _COMPARED:
             return _COMPARED[op](*values)
         if op == "Where" and len(values) == 3:
             return np.where(*values)
+        if op == "Mod":
+            return (np.fmod if attrs.get("fmod") else np.mod)(*values)
         if op in _FOLDED:
             return functools.reduce(_FOLDED[op], values) if op != "Neg" else np.negative(values[0])
-        if op in ("Identity", "Cast"):
+        if op == "Identity":
             return values[0]
+        if op == "Cast":
+            return values[0].astype(onnx.helper.tensor_dtype_to_np_dtype(int(attrs["to"])))
         if op == "Reshape" and len(values) == 2 and 0 not in values[1]:  # (a 0 copies a dim: not folded)
             return values[0].reshape(values[1])
-    except ValueError:  # not a valid op on these values: left to the run
+        if op in ("Unsqueeze", "Squeeze"):
+            axes = attrs.get("axes") if "axes" in attrs else (values[1].reshape(-1).tolist()
+                                                               if len(values) > 1 else None)
+            if axes is None:
+                return np.squeeze(values[0]) if op == "Squeeze" else None
+            rank = values[0].ndim + (len(axes) if op == "Unsqueeze" else 0)
+            axes = tuple(int(a) % rank if rank else int(a) for a in axes)
+            return np.expand_dims(values[0], axes) if op == "Unsqueeze" else np.squeeze(values[0], axes)
+        if op == "Concat":
+            return np.concatenate(values, axis=int(attrs.get("axis", 0)))
+    except (ValueError, TypeError, KeyError, IndexError, np.exceptions.AxisError):  # left to the run
         return None
-    if op == "Unsqueeze" and values[0].ndim == 0:  # a scalar to [1], whatever the axes say
-        return values[0].reshape(1)
-    if op == "Squeeze" and values[0].size == 1 and values[0].ndim == 1:
-        return values[0].reshape(())
-    if op == "Concat":
-        return np.concatenate([v.reshape(-1) for v in values])
     return None
 
 
@@ -371,6 +385,10 @@ def _output_axes(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: dict[str,
     op, x = node.op_type, node.input[0] if node.input else ""
     b, r = axis.get(x), rank.get(x)
     outputs = [o for o in node.output if o]
+    if op not in _SEVERAL_CARRY and any(i in axis for i in node.input[1:] if i):
+        return None  # a weight, kernel or parameter input computed from the samples (Conv(x, x), ...)
+    if op == "MaxPool" and len(node.output) > 1 and node.output[1]:
+        return "its indices count the positions of the whole batch"
     if b is not None and r is not None and (op in _SAME_FOR_ALL_OUTPUTS or op == "LayerNormalization"):
         # (along other axes than the batch's: _mixes refused the rest; a pool's windows are per sample)
         return None if op == "MaxPool" and b != 0 else [(b, r)] * len(node.output)
@@ -426,11 +444,15 @@ def _per_sample_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], b: int | No
         n = len(axes)
         padded = {a for k, a in enumerate(axes) if int(pads[k]) or int(pads[k + n])}
         return "pads along the batch axis" if b in padded else [(b, r)]
+    if attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
+        return None  # its roi may crop along the batch axis
     scales = attrs.get("scales")  # Upsample-7's attribute, else the scales input (Resize 2, Upsample 1)
-    index = 2 if op == "Resize" and len(node.input) > 2 and node.input[2] else 1
+    index = 2 if op == "Resize" else 1
     if scales is None and len(node.input) > index and node.input[index]:
         value = consts.get(node.input[index])
         scales = None if value is None or value.size == 0 else value.reshape(-1).tolist()
+    if op == "Resize" and len(node.input) > 3 and node.input[3]:
+        return None  # sizes: not read here
     axes = attrs.get("axes")
     if axes is not None and b not in {_norm(int(a), r) for a in axes}:
         return [(b, r)]
@@ -440,6 +462,8 @@ def _per_sample_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], b: int | No
 
 
 _RECURRENT = frozenset({"LSTM", "GRU", "RNN"})
+# ops of which inputs other than the first may carry the batch (each checked where its axis is placed)
+_SEVERAL_CARRY = frozenset({*_ELEMENTWISE, "MatMul", "Gemm", "Concat", "Gather", *_RECURRENT})
 
 
 def _recurrent_axes(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: Mapping[str, int],
@@ -660,7 +684,8 @@ def _shape_entries(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: Mapping
         if any(len(v) not in (1, n) for v in (cond, a, c)):
             return None
         cond, a, c = (v * n if len(v) == 1 else v for v in (cond, a, c))
-        picked = [x if k is True else y if k is False else None for k, x, y in zip(cond, a, c)]
+        picked = [x if k is True else y if k is False else (_BATCH, None) if _is_batch(k) or _is_batch(x)
+                  or _is_batch(y) else None for k, x, y in zip(cond, a, c)]
         return picked, False
     if op in ("Mul", "Div") and len(ins) == 2:
         a, b = (_entries(i, shapes, consts) for i in ins)
@@ -701,7 +726,7 @@ def _product(e: Entry, c: Entry, divide: bool) -> Entry:
     return e // c if divide else e * c
 
 
-def _equal(x: Entry, y: Entry) -> bool | None:
+def _equal(x: Entry, y: Entry) -> Entry:
     """Whether two size entries are equal, where known (the batch size is never 0 or negative)."""
     if isinstance(x, tuple) and isinstance(y, int) and not isinstance(y, bool):
         x, y = y, x
@@ -709,7 +734,7 @@ def _equal(x: Entry, y: Entry) -> bool | None:
         return x == y
     if isinstance(x, int) and _is_batch(y) and x <= 0:
         return False
-    return None
+    return (_BATCH, None) if _is_batch(x) or _is_batch(y) else None  # depends on the batch size
 
 
 def _entry(d: Any) -> Entry:

@@ -6,9 +6,10 @@ type), an optional input's declared shape (it was [])."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
 
@@ -54,3 +55,27 @@ def test_an_optional_inputs_shape_is_its_tensors() -> None:
     for lib in (ort, onnxtrain):
         sess = lib.InferenceSession(model, providers=["CPUExecutionProvider"])
         assert sess.get_inputs()[0].shape == [5] and sess.get_outputs()[0].shape == [5], lib.__name__
+
+
+def test_a_sequence_of_strings_takes_numpy_str_arrays() -> None:
+    model = _model([helper.make_node("SequenceAt", ["xs", "zero"], ["y"])],
+                   [helper.make_tensor_sequence_value_info("xs", TensorProto.STRING, None)],
+                   [helper.make_tensor_value_info("y", TensorProto.STRING, None)])
+    model_proto = onnx.load_from_string(model)
+    model_proto.graph.initializer.append(numpy_helper.from_array(np.array(0, np.int64), "zero"))
+    data = model_proto.SerializeToString()
+    feeds = {"xs": [np.array(["a", "b"]), np.array(["c"])]}
+    want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = onnxtrain.InferenceSession(data).run(None, feeds)[0]
+    assert got.tolist() == want.tolist() == ["a", "b"]
+
+
+def test_a_free_dimension_override_reaches_the_outputs_declaration() -> None:
+    model = _model([helper.make_node("Neg", ["x"], ["y"])],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])])
+    for lib in (ort, onnxtrain):
+        so = lib.SessionOptions()
+        so.add_free_dimension_override_by_name("batch", 2)
+        sess = lib.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+        assert sess.get_outputs()[0].shape == [2, 3], lib.__name__
