@@ -28,10 +28,12 @@ class Evaluator:
         self.cfg = cfg
         self.comm = comm
         self.names = [cfg.model.loss, cfg.model.logits]
-        self.weight_names = weight_names
         # the loss as training computes it (the exporters' log σ terms in stable form)
         scored = stable_log_sigmoids(inference_model(model, self.names, as_inputs=weight_names))
         self.plan = make_plan(scored, cfg.training.backend)
+        # the weights the inference-mode model still reads (a Dropout's training_mode initializer goes)
+        taken = {v.name for v in scored.graph.input}
+        self.weight_names = [n for n in weight_names if n in taken]
 
     def __call__(self, arrays: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> dict[str, float]:
         w = {n: weights[n] for n in self.weight_names}
