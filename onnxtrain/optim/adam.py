@@ -157,7 +157,7 @@ class Adam(Optimizer):
                     wn = w.one("Mul", wn, keep)
             new_w[s.name] = w.emit("Identity", [wn], [w.names(f"{s.name}_Adam_out")])[0]
             new_s[m1] = self.store_moment(w, m1n, w.names(f"Moment_1_{s.name}_Out"), et)
-            new_s[m2] = self.store_moment(w, m2n, w.names(f"Moment_2_{s.name}_Out"), et)
+            new_s[m2] = self.store_moment(w, m2n, w.names(f"Moment_2_{s.name}_Out"), et, second=True)
         stepped = next_counts(w, counts, [w.names(f"{s.grad}_Step_Out") for s in slots])
         new_s.update(zip(counts, stepped))
         return new_w, new_s

@@ -75,11 +75,18 @@ class Optimizer:
         return [StateSpec(f"{key}_{s.name}", s.name, key, np.zeros(s.shape, kept))
                 for key in ("Moment_1", "Moment_2")]
 
-    def store_moment(self, w: NodeWriter, value: str, out: str, elem_type: int) -> str:
-        """The new moment ``value`` (of type ``elem_type``) as graph value ``out``, in its kept type."""
+    def store_moment(self, w: NodeWriter, value: str, out: str, elem_type: int,
+                     second: bool = False) -> str:
+        """The new moment ``value`` (of type ``elem_type``) as graph value ``out``, in its kept type. A
+        ``second`` moment (squares) kept in float16 is at least float16's smallest positive value: one that
+        rounded to 0 while the first moment did not made the step m / (√0 + ε), a million times too large
+        (the digits MLP diverged with ``use_fp16_moments``)."""
         to = helper.np_dtype_to_tensor_dtype(self.kept_dtype(elem_type))
         if to == elem_type:
             return w.emit("Identity", [value], [out])[0]
+        if second and to == TensorProto.FLOAT16:
+            tiny = float(np.finfo(np.float16).smallest_subnormal)
+            value = w.one("Max", value, w.const(tiny, elem_type))
         return w.emit("Cast", [value], [out], to=to)[0]
 
     def warn_unknown_attrs(self, weights: Iterable[str], floats: Mapping[str, Mapping[str, Any]],

@@ -85,7 +85,7 @@ class Lamb(Optimizer):
             keep = not_finite(w, cand)
             new_w[s.name] = w.emit("Where", [keep, s.name, cand], [w.names(f"{s.name}_Lamb_out")])[0]
             new_s[m1] = self.store_moment(w, m1n, w.names(f"Moment_1_{s.name}_Out"), et)
-            new_s[m2] = self.store_moment(w, m2n, w.names(f"Moment_2_{s.name}_Out"), et)
+            new_s[m2] = self.store_moment(w, m2n, w.names(f"Moment_2_{s.name}_Out"), et, second=True)
         new_s[t] = w.emit("Add", [t, w.ints([1])], [w.names("Step_Out")])[0]
         return new_w, new_s
 

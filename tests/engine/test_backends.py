@@ -85,7 +85,9 @@ def assert_same_training(model, opt: str, feeds: list[dict], evaluate: bool = Fa
     assert max(moved) > 1e-3, moved  # it trains
     worst = max(abs(a - b) / abs(a) for a, b in zip(ref_losses, losses))
     assert worst < TOL, (worst, ref_losses, losses)
-    errors = {k: rel(ref_state[k], state[k]) for k in ref_state}
+    # state kept in float16 (use_fp16_moments) to within its own resolution (a 2⁻¹¹ relative step)
+    errors = {k: rel(ref_state[k], state[k]) / (50 if np.asarray(ref_state[k]).dtype == np.float16 else 1)
+              for k in ref_state}
     assert max(errors.values()) < TOL, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
 
 

@@ -19,10 +19,17 @@ def _half(x: np.ndarray) -> np.ndarray:
     return x.astype(F16).astype(np.float64)
 
 
+def _half_positive(x: np.ndarray) -> np.ndarray:
+    """A second moment as kept in float16: at least float16's smallest positive value, rounded."""
+    return _half(np.maximum(x, float(np.finfo(F16).smallest_subnormal)))
+
+
 def _follow(p, update) -> TrainingSession:
     """12 steps of a session with float16 moments next to a float64 reference that rounds its moments to
-    float16 after each step, the update itself using the unrounded ones; weights and moments must agree."""
-    sess, w, m1, m2 = follow(mlp_model(act="Tanh"), p, update, steps=12, keep=_half)
+    float16 after each step (the second ones at least float16's smallest positive value), the update itself
+    using the unrounded ones; weights and moments must agree."""
+    sess, w, m1, m2 = follow(mlp_model(act="Tanh"), p, update, steps=12, keep=_half,
+                             keep_second=_half_positive)
     state = sess.get_state()
     for k in w:
         assert state[f"Moment_1_{k}"].dtype == F16 and state[f"Moment_2_{k}"].dtype == F16
@@ -67,7 +74,7 @@ def test_moments_are_the_float32_values_rounded_to_float16() -> None:
     for k, g in grads.items():
         m1, m2 = (m.astype(F32) for m in old[k])
         want1 = (m1 * a + g * F32(1 - 0.9)).astype(F16)
-        want2 = (m2 * b + g * g * F32(1 - 0.999)).astype(F16)
+        want2 = np.maximum(m2 * b + g * g * F32(1 - 0.999), np.finfo(F16).smallest_subnormal).astype(F16)
         np.testing.assert_array_equal(state[f"Moment_1_{k}"], want1, err_msg=k)
         np.testing.assert_array_equal(state[f"Moment_2_{k}"], want2, err_msg=k)
 

@@ -82,10 +82,12 @@ def _grads(model: onnx.ModelProto, w: dict[str, np.ndarray], x, y) -> dict[str, 
 
 
 def follow(model: onnx.ModelProto, p: TrainingParameters, update, steps: int = 20,
-           keep=lambda m: m) -> tuple[TrainingSession, dict, dict, dict]:
+           keep=lambda m: m, keep_second=None) -> tuple[TrainingSession, dict, dict, dict]:
     """``steps`` steps of the session next to ``update(w, g, m1, m2, t) -> (w, m1, m2)`` in float64 (each
     reference step uses the exact gradient at the reference weights; ``keep`` is applied to the moments
-    the reference stores). Returns the session and the reference weights and moments."""
+    the reference stores, ``keep_second`` instead to the second ones when given). Returns the session and
+    the reference weights and moments."""
+    keep_second = keep if keep_second is None else keep_second
     sess = TrainingSession(model.SerializeToString(), p)
     w = {k: v.astype(np.float64) for k, v in weights_of(model).items()}
     m1 = {k: np.zeros_like(v) for k, v in w.items()}
@@ -95,7 +97,7 @@ def follow(model: onnx.ModelProto, p: TrainingParameters, update, steps: int = 2
         sess.run(["loss"], feeds(x, y))
         for k in w:
             w[k], a, b = update(w[k], g[k], m1[k], m2[k], t)
-            m1[k], m2[k] = keep(a), keep(b)
+            m1[k], m2[k] = keep(a), keep_second(b)
     return sess, w, m1, m2
 
 
