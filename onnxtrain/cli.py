@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import sys
 import warnings
@@ -324,6 +325,11 @@ def _train(a: argparse.Namespace) -> int:
     files = ["metrics.jsonl", *(["metrics.png"] if cfg.output.plot else []), result.checkpoint,
              *([result.exported] if result.exported else [])]
     print(f"outputs in {result.output_dir}: {', '.join(f for f in files if f)}")
+    diverged = [k for k, v in result.metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    if diverged:  # the run ended, but its model is no use: a failure to scripts and CI
+        print(f"onnxtrain: error: training diverged: the final {', '.join(diverged)} is not a finite number",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -27,7 +27,7 @@ import onnx
 from onnx import numpy_helper
 
 from onnxtrain.ir.attrs import attribute_value, parse_attributes
-from onnxtrain.ir.builder import value_types
+from onnxtrain.ir.builder import quiet_value_types
 from onnxtrain.ir.graphs import node_reads
 
 # ops that keep each input's axes where they are (broadcasting aligns from the right)
@@ -67,7 +67,7 @@ def batch_mixing_node(model: onnx.ModelProto, input_axes: Mapping[str, int],
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
     rank: dict[str, int] = {}
     dims: dict[str, list[Any]] = {}  # dims, declared or inferred: an int, a symbol (str) or None
-    for name, tp in value_types(model).items():
+    for name, tp in quiet_value_types(model).items():
         if tp.HasField("tensor_type") and tp.tensor_type.HasField("shape"):
             shape = tp.tensor_type.shape.dim
             rank[name] = len(shape)

@@ -488,9 +488,9 @@ def _ranks_of(model: onnx.ModelProto) -> Callable[[str], int | None]:
 
     def rank(name: str) -> int | None:
         if not known:
-            from onnxtrain.ir.builder import value_types
+            from onnxtrain.ir.builder import quiet_value_types
 
-            for n, tp in value_types(model).items():
+            for n, tp in quiet_value_types(model).items():
                 if tp.HasField("tensor_type") and tp.tensor_type.HasField("shape"):
                     known[n] = len(tp.tensor_type.shape.dim)
             known.setdefault("", -1)  # (computed)

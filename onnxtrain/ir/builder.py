@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -179,6 +180,19 @@ def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     return m
 
 
+_QUIET: ContextVar[bool] = ContextVar("onnxtrain_quiet_types", default=False)
+
+
+def quiet_value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """:func:`value_types` without its warning about wrongly declared ranks (for a reader that only looks,
+    such as the batch split's screen: the model's user is told when the model is built)."""
+    token = _QUIET.set(True)
+    try:
+        return value_types(model)
+    finally:
+        _QUIET.reset(token)
+
+
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """Type (element type and shape where known) of every value, from ONNX shape inference, with more
     rounds where the dims of a Slice or a Reshape can be read before a run though inference lost them
@@ -285,7 +299,7 @@ def _drop_contradicted(skeleton: onnx.ModelProto, inferred: onnx.ModelProto) -> 
                 and len(v.type.tensor_type.shape.dim) != got[1]):
             wrong.append(f"{v.name} (rank {len(v.type.tensor_type.shape.dim)}, computed {got[1]})")
             v.type.CopyFrom(got[0].type)
-    if wrong:
+    if wrong and not _QUIET.get():
         warn(f"the model declares value(s) with a rank their producers do not compute: {wrong}; the computed "
              "types are used (an exporter's mistake: onnx.checker.check_model(full_check=True) refuses the "
              "model)")

@@ -18,6 +18,7 @@ export; eval is sharded over the ranks; on ``--resume`` every rank reads rank 0'
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -330,14 +331,21 @@ class Trainer:
                         continue  # a line cut short by a crash
                     if r.get("step", 0) <= resume_step:
                         records.append(r)
-        text = "".join(json.dumps(r) + "\n" for r in records)
+        text = "".join(json_line(r) for r in records)
         write_atomic(self.metrics_path, lambda f: f.write(text.encode()))
         return records
 
     def _log(self, records: list[dict[str, Any]], fh: Any, record: dict[str, Any]) -> None:
         records.append(record)
+        bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad and not getattr(self, "_diverged", False):
+            self._diverged = True
+            if self.main:
+                print(f"onnxtrain: warning: {', '.join(bad)} {record[bad[0]]} at step {record.get('step')}: "
+                      "training diverges (a smaller optimizer.lr or gradient clipping may help)",
+                      file=sys.stderr)
         if fh is not None:  # rank 0
-            fh.write(json.dumps(record) + "\n")
+            fh.write(json_line(record))
             fh.flush()
 
     def _stop_requested(self, hit: bool) -> bool:
@@ -547,3 +555,10 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """``record`` as one line of JSON, a value that is not a finite number as null (NaN and inf are not
+    JSON: other readers refuse the line)."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"

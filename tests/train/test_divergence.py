@@ -1,0 +1,27 @@
+"""A run whose loss becomes NaN says so: one warning line at the first non-finite loss, the metrics file keeps
+valid JSON (null where the value is not a number: a bare NaN was written, which JSON readers refuse), and
+the command exits 1 when the final metrics are not finite (it reported success)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from onnxtrain.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_a_diverging_run_warns_writes_json_and_fails(tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    code = main(["train", os.path.join(ROOT, "configs", "digits_mlp.yaml"), "-q", "--output-dir", str(out),
+                 "--set", "optimizer.name=sgd", "--set", "optimizer.lr=1e30", "--set", "training.steps=20"])
+    err = capsys.readouterr().err
+    assert code == 1 and "training diverged: the final eval_loss is not a finite number" in err, err
+    assert err.count("training diverges") == 1, err
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    def strict(constant: str) -> None:  # NaN, Infinity: not JSON
+        raise ValueError(constant)
+
+    records = [json.loads(line, parse_constant=strict) for line in lines]
+    assert records[-1]["eval_loss"] is None and records[-1]["eval_accuracy"] >= 0
