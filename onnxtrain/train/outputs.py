@@ -140,9 +140,12 @@ def plot_metrics(records: list[dict[str, Any]], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    ev = [r for r in records if "eval_loss" in r]
-    acc = [(r["step"], r["eval_accuracy"]) for r in ev if "eval_accuracy" in r]
+    def num(v: Any) -> float:  # a value metrics.jsonl holds as null (not finite): a gap in the line
+        return float("nan") if v is None else float(v)
+
+    train = [(r["step"], num(r["loss"])) for r in records if "loss" in r]
+    ev = [{**r, "eval_loss": num(r["eval_loss"])} for r in records if "eval_loss" in r]
+    acc = [(r["step"], num(r["eval_accuracy"])) for r in ev if "eval_accuracy" in r]
     fig, axes = plt.subplots(1, 2 if acc else 1, figsize=(10 if acc else 5.5, 4), squeeze=False)
     ax = axes[0][0]
     if train:
@@ -151,7 +154,8 @@ def plot_metrics(records: list[dict[str, Any]], path: str, title: str) -> None:
         ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="eval loss", ms=3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    if train and min(v for _, v in train) > 0:
+    finite = [v for _, v in train if v == v and abs(v) != float("inf")]
+    if finite and min(finite) > 0:
         ax.set_yscale("log")
     ax.legend()
     ax.grid(alpha=0.3)

@@ -25,3 +25,14 @@ def test_a_diverging_run_warns_writes_json_and_fails(tmp_path, capsys) -> None:
 
     records = [json.loads(line, parse_constant=strict) for line in lines]
     assert records[-1]["eval_loss"] is None and records[-1]["eval_accuracy"] >= 0
+
+
+def test_the_plot_takes_metrics_read_back_with_nulls(tmp_path) -> None:
+    """A resumed run plots the records it reads back from metrics.jsonl, nulls included (a gap in the line;
+    the y-scale test on them raised a TypeError)."""
+    from onnxtrain.train.outputs import plot_metrics
+
+    records = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": None},
+               {"step": 2, "eval_loss": None, "eval_accuracy": 0.1}]
+    plot_metrics(records, str(tmp_path / "m.png"), "diverged")
+    assert (tmp_path / "m.png").stat().st_size > 0
