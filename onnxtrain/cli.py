@@ -610,8 +610,15 @@ def _guarded(a: argparse.Namespace) -> int:
     except BrokenPipeError:  # the output went to a pipe that closed (| head): nothing more to say
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python would complain again at exit
         return EXIT_ERROR
-    except (OSError, ValueError, LookupError, onnx.checker.ValidationError) as e:
-        # a missing or unwritable file, a misfit model, external data that cannot be read
+    except MemoryError as e:  # a model or data sized past the machine (numpy's _ArrayMemoryError)
+        if _debug():
+            raise
+        print(f"{prog}: out of memory: {_one_line(e) or 'MemoryError'} (check the model's sizes and the "
+              "batch size; set ONNXTRAIN_DEBUG=1 for the traceback)", file=sys.stderr)
+        return EXIT_ERROR
+    except (OSError, ValueError, LookupError, TypeError, onnx.checker.ValidationError) as e:
+        # a missing or unwritable file, a misfit model, external data that cannot be read, data of the
+        # wrong kind
         if _debug():
             raise
         print(f"{prog}: {_one_line(e)} (set ONNXTRAIN_DEBUG=1 for the traceback)", file=sys.stderr)

@@ -295,6 +295,9 @@ def _data_from_dict(raw: Any, path: str) -> DataConfig:
     if source not in DATA_SOURCES:
         raise ConfigError(f"{path}.source", f"expected one of {', '.join(map(repr, DATA_SOURCES))}, "
                                             f"got {_show(source)}")
+    if raw.get("eval_path") is not None and "eval_fraction" in raw:  # both would choose the eval set
+        raise ConfigError(f"{path}.eval_fraction", "has no effect with data.eval_path (the eval set is that "
+                                                   "file); leave one of them out")
     return from_dict(DATA_SOURCES[source], raw, path)
 
 

@@ -60,18 +60,32 @@ def sequence_task(task: str, vocab: int, length: int, n: int,
 
 
 def _load_files(d: FilesData, seed: int) -> Dataset:
-    def read(npz_path: str | None, key: str, name: str) -> np.ndarray:
-        if name.lower().endswith(".npy"):
-            return np.load(name, allow_pickle=False)
-        with np.load(npz_path, allow_pickle=False) as z:
-            if name not in z.files:
-                raise ConfigError(f"data.feeds.{key}", f"no array {name!r} in {npz_path}; it holds {z.files}")
-            return z[name]
+    def read(npz_path: str | None, key: str, name: str, file_key: str) -> np.ndarray:
+        npy = name.lower().endswith(".npy")
+        where, path = (f"data.feeds.{key}", name) if npy else (file_key, npz_path)
+        try:
+            if npy:
+                array = np.load(name, allow_pickle=False)
+            else:
+                with np.load(npz_path, allow_pickle=False) as z:
+                    if name not in z.files:
+                        raise ConfigError(f"data.feeds.{key}", f"no array {name!r} in {npz_path}; it holds "
+                                                               f"{z.files}")
+                    array = z[name]
+        except (ValueError, OSError, EOFError) as e:  # not numpy's format, or arrays of Python objects
+            raise ConfigError(where, f"{path} could not be read as numpy arrays ({_one_line(e)})") from None
+        if not isinstance(array, np.ndarray) or array.ndim == 0 or array.dtype == object:
+            what = "a scalar" if np.ndim(array) == 0 else str(array.dtype)
+            source = path if npy else f"{name!r} in {path}"
+            raise ConfigError(f"data.feeds.{key}", f"{source} is {what}; give an array of numbers with one "
+                                                   "row per sample")
+        return array
 
-    train = {k: read(d.path, k, v) for k, v in d.feeds.items()}
+    train = {k: read(d.path, k, v, "data.path") for k, v in d.feeds.items()}
     _same_length(train, "training")
     if d.eval_path is not None:
-        ev = {k: read(d.eval_path, k, v) for k, v in d.feeds.items() if not v.lower().endswith(".npy")}
+        ev = {k: read(d.eval_path, k, v, "data.eval_path") for k, v in d.feeds.items()
+              if not v.lower().endswith(".npy")}
         missing = [k for k in train if k not in ev]
         if missing:
             raise ConfigError("data.eval_path", f"feeds {missing} are .npy files; give an .npz for them or "
@@ -136,3 +150,9 @@ def eval_batches(arrays: dict[str, np.ndarray], batch_size: int) -> Iterator[dic
     n = len(next(iter(arrays.values())))
     for i in range(0, n, batch_size):
         yield {k: v[i:i + batch_size] for k, v in arrays.items()}
+
+
+def _one_line(e: BaseException) -> str:
+    """An error's message on one line, its first sentence."""
+    text = " ".join(str(e).split())
+    return text.split(". ")[0] if text else type(e).__name__

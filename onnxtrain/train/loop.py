@@ -212,7 +212,9 @@ class Trainer:
     def resolved_config(self) -> str:
         """The ``config.yaml`` this run writes: the checked config, with the output folder it uses."""
         resolved = self.cfg.to_dict()
-        resolved.setdefault("output", {})["dir"] = self.out  # where this run's files went
+        # where this run's files went, as an absolute path as the model's and data's are: the file works
+        # from any folder (--resume from it found no checkpoint elsewhere)
+        resolved.setdefault("output", {})["dir"] = os.path.abspath(self.out)
         return yaml.safe_dump(resolved, sort_keys=False)
 
     def reseed(self, step: int) -> None:

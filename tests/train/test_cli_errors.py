@@ -7,8 +7,10 @@ import os
 import re
 import typing
 
+import numpy as np
 import onnx
 import pytest
+import yaml
 
 from onnxtrain import zoo
 from onnxtrain.cli import main
@@ -257,3 +259,58 @@ def test_quiet_help_says_what_it_hides(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     assert "no progress bar and no per-eval lines" in " ".join(capsys.readouterr().out.split())
+
+
+def test_unreadable_data_files_name_the_key_and_the_file(tmp_path, capsys, mlp_with_loss, write_config):
+    """A file that is not numpy's (a pickle), an array of Python objects or a scalar: one line naming the
+    config key and the file, exit 2 (a pickle message naming neither, or a traceback, before)."""
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "good.npz", x=rng.standard_normal((8, 4)).astype(np.float32), y=np.zeros(8, np.int64))
+    (tmp_path / "bad.npz").write_bytes(b"\x80\x04not numpy")
+    np.save(tmp_path / "scalar.npy", np.float32(1.0))
+    np.save(tmp_path / "objects.npy", np.array([1, "a"], dtype=object), allow_pickle=True)
+    base = {"model": {"path": mlp_with_loss}, "training": {"steps": 1}}
+    cases = [({"source": "files", "path": "bad.npz", "feeds": {"x": "x", "y": "y"}}, "data.path",
+              "bad.npz could not be read"),
+             ({"source": "files", "path": "good.npz", "feeds": {"x": "scalar.npy", "y": "y"}}, "data.feeds.x",
+              "scalar.npy is a scalar"),
+             ({"source": "files", "path": "good.npz", "feeds": {"x": "objects.npy", "y": "y"}},
+              "data.feeds.x", "objects.npy could not be read")]
+    for data, key, piece in cases:
+        cfg = write_config({**base, "data": data})
+        code, line = _error_line(capsys, ["train", cfg, "-q", "--output-dir", str(tmp_path / "out")])
+        assert code == 2 and f"{key}: " in line and piece in line, line
+
+
+def test_eval_fraction_with_an_eval_file_is_refused(tmp_path, capsys, mlp_with_loss, write_config):
+    np.savez(tmp_path / "d.npz", x=np.zeros((8, 4), np.float32), y=np.zeros(8, np.int64))
+    cfg = write_config({"model": {"path": mlp_with_loss}, "training": {"steps": 1},
+                        "data": {"source": "files", "path": "d.npz", "feeds": {"x": "x", "y": "y"},
+                                 "eval_path": "d.npz", "eval_fraction": 0.3}})
+    code, line = _error_line(capsys, ["train", cfg, "-q", "--output-dir", str(tmp_path / "out")])
+    assert code == 2 and "data.eval_fraction: has no effect with data.eval_path" in line, line
+
+
+def test_a_model_too_large_for_memory_is_one_line(tmp_path, capsys):
+    huge = "model.args.sizes=[64, 100000000000, 10]"
+    code, line = _error_line(capsys, ["train", config_path("digits_mlp"), "-q", "--output-dir",
+                                      str(tmp_path / "out"), "--set", huge])
+    assert code == 1 and "out of memory" in line, line
+
+
+def test_the_saved_config_resumes_from_another_folder(tmp_path, capsys, monkeypatch):
+    """config.yaml names the run's folder as an absolute path, as it names the model and data: resuming from
+    it in another working directory finds the run (it looked for the relative folder there)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", config_path("digits_mlp"), "-q", "--output-dir", "runs/a", "--set",
+                 "training.steps=2"]) == 0
+    saved = tmp_path / "runs" / "a" / "config.yaml"
+    assert os.path.isabs(yaml.safe_load(saved.read_text())["output"]["dir"])
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "copy.yaml").write_text(saved.read_text())  # (the run's own config.yaml is its output)
+    monkeypatch.chdir(other)
+    capsys.readouterr()
+    assert main(["train", "copy.yaml", "-q", "--resume", "--set", "training.steps=3"]) == 0
+    assert not (other / "runs").exists()
+    assert (tmp_path / "runs" / "a" / "checkpoints" / "step_00000003.ckpt").exists()
