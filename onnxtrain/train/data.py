@@ -72,6 +72,8 @@ def _load_files(d: FilesData, seed: int) -> Dataset:
                         raise ConfigError(f"data.feeds.{key}", f"no array {name!r} in {npz_path}; it holds "
                                                                f"{z.files}")
                     array = z[name]
+        except ConfigError:
+            raise
         except (ValueError, OSError, EOFError) as e:  # not numpy's format, or arrays of Python objects
             raise ConfigError(where, f"{path} could not be read as numpy arrays ({_one_line(e)})") from None
         if not isinstance(array, np.ndarray) or array.ndim == 0 or array.dtype == object:
