@@ -158,7 +158,7 @@ def _parse_einsum(g: GradCtx, equation: str) -> tuple[list[str], str, _Letters]:
         flat = lhs.replace("...", "").replace(",", "")
         out = ("..." if "..." in lhs else "") + "".join(sorted(c for c in set(flat) if flat.count(c) == 1))
     if "..." not in eq:
-        return terms, out, letters
+        return _broadcast_letters(g, terms, letters), out, letters
     ell_shapes: list[list[int | None] | None] = []
     for k, t in enumerate(terms):
         if "..." not in t:
@@ -183,7 +183,26 @@ def _parse_einsum(g: GradCtx, equation: str) -> tuple[list[str], str, _Letters]:
             broadcast = d == 1 and any(e != 1 for e in sizes[p])
             sub.append(letters() if broadcast else base[p])
         new_terms.append(t.replace("...", "".join(sub)))
-    return new_terms, out.replace("...", "".join(base)), letters
+    return _broadcast_letters(g, new_terms, letters), out.replace("...", "".join(base)), letters
+
+
+def _broadcast_letters(g: GradCtx, terms: list[str], letters: _Letters) -> list[str]:
+    """``terms`` as they are, unless a named axis of size 1 broadcasts against the same letter's larger
+    size in another operand ("bij,bjk" of shapes (1, 3, 4) and (2, 4, 5)): numpy and onnxruntime run it,
+    but ONNX's shape inference (which the gradient's other rules read) takes the first operand's size for
+    the output, so the gradient would be wrong; a RuleError names the letter and the way out."""
+    shapes = [g.static_shape(k) for k in range(len(terms))]
+    sizes: dict[str, list[int | None]] = {}
+    for t, s in zip(terms, shapes):
+        for p, c in enumerate(t):
+            sizes.setdefault(c, []).append(s[p] if s is not None and p < len(s) else None)
+    for c, found in sizes.items():
+        known = {e for e in found if isinstance(e, int)}
+        if 1 in known and len(known) > 1:
+            raise RuleError(f"Einsum subscript {c!r} has size 1 in one operand and {max(known)} in another: "
+                            "a broadcast ONNX's shape inference does not follow, so the gradient graph would "
+                            "be wrong; broadcast with '...' or expand the operand (torch: .expand) first")
+    return terms
 
 
 @gradient("Einsum", uses=("x*",))

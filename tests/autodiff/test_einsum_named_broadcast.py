@@ -1,0 +1,43 @@
+"""An Einsum whose named subscript has size 1 in one operand and more in another ("bij,bjk" of (1, 3, 4) and
+(2, 4, 5), as torch.einsum takes them): onnxruntime and the engine run it, but ONNX's shape inference gives
+the output the first operand's size, which the gradient's other rules read, and the gradients came out of
+the wrong shapes and values. The gradient graph is now refused naming the node and the way out; the same
+product with the operand expanded first differentiates to torch's gradients (the oracle, float64)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.autodiff import GradientError, build_gradient_model
+from onnxtrain.engine import compile_model
+
+torch = pytest.importorskip("torch")
+D = TensorProto.DOUBLE
+RNG = np.random.default_rng(0)
+A, B, R = RNG.standard_normal((1, 3, 4)), RNG.standard_normal((2, 4, 5)), RNG.standard_normal((2, 3, 5))
+
+
+def _model(expand: bool):
+    nodes = [helper.make_node("Expand", ["a", "shape"], ["ae"])] if expand else []
+    nodes += [helper.make_node("Einsum", ["ae" if expand else "a", "b"], ["e"], equation="bij,bjk->bik",
+                               name="product"),
+              helper.make_node("Mul", ["e", "r"], ["m"]),
+              helper.make_node("ReduceSum", ["m"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", D, [1, 3, 4]),
+                                       helper.make_tensor_value_info("b", D, [2, 4, 5])],
+                          [helper.make_tensor_value_info("loss", D, [])],
+                          [numpy_helper.from_array(R, "r"),
+                           numpy_helper.from_array(np.array([2, 3, 4]), "shape")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_broadcast_named_subscript_is_refused_and_the_expanded_form_matches_torch() -> None:
+    with pytest.raises(GradientError, match=r"node 'product' \(Einsum\): Einsum subscript 'b' has size 1"):
+        build_gradient_model(_model(expand=False), "loss", ["a", "b"])
+    got = compile_model(build_gradient_model(_model(expand=True), "loss", ["a", "b"])).run({"a": A, "b": B})
+    ta, tb = (torch.tensor(v, requires_grad=True) for v in (A, B))
+    (torch.einsum("bij,bjk->bik", ta, tb) * torch.tensor(R)).sum().backward()
+    np.testing.assert_allclose(got[1], ta.grad.numpy(), rtol=1e-10)
+    np.testing.assert_allclose(got[2], tb.grad.numpy(), rtol=1e-10)
