@@ -35,7 +35,15 @@ def _append_loss(model: onnx.ModelProto, cfg: Config) -> None:
     if m.add_loss == "cross_entropy":
         g.node.append(helper.make_node("SoftmaxCrossEntropyLoss", [m.logits, m.labels], [m.loss],
                                        name=m.loss))
-        g.input.append(helper.make_tensor_value_info(m.labels, TensorProto.INT64, None))
+        # the labels' shape is the logits' without the class axis (1): checked against the data at load
+        logits = types.get(m.logits)
+        shape = list(logits.tensor_type.shape.dim) if logits is not None and logits.HasField("tensor_type") \
+            and logits.tensor_type.HasField("shape") else []
+        dims = None
+        if len(shape) >= 2:
+            dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in shape]
+            dims = [dims[0], *dims[2:]]
+        g.input.append(helper.make_tensor_value_info(m.labels, TensorProto.INT64, dims))
     else:
         diff, sq = f"{m.loss}_diff", f"{m.loss}_sq"
         g.node.extend([helper.make_node("Sub", [m.logits, m.labels], [diff], name=diff),

@@ -314,3 +314,18 @@ def test_the_saved_config_resumes_from_another_folder(tmp_path, capsys, monkeypa
     assert main(["train", "copy.yaml", "-q", "--resume", "--set", "training.steps=3"]) == 0
     assert not (other / "runs").exists()
     assert (tmp_path / "runs" / "a" / "checkpoints" / "step_00000003.ckpt").exists()
+
+
+def test_labels_of_the_wrong_shape_for_an_appended_loss_are_refused_at_load(tmp_path, capsys, write_config):
+    """With ``add_loss: cross_entropy`` the labels input is declared as the logits without the class axis,
+    so labels of shape [N, 1] are refused when the data loads, naming the key (they failed at the first
+    step as a node error)."""
+    onnx.save(zoo.mlp([4, 3, 2], loss=False), str(tmp_path / "m.onnx"))
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((8, 4)).astype(np.float32),
+             y=np.zeros((8, 1), np.int64))
+    cfg = write_config({"model": {"path": "m.onnx", "add_loss": "cross_entropy", "labels": "labels"},
+                        "data": {"source": "files", "path": "d.npz", "feeds": {"x": "x", "labels": "y"}},
+                        "training": {"steps": 1}})
+    code, line = _error_line(capsys, ["train", cfg, "-q", "--output-dir", str(tmp_path / "out")])
+    assert code == 2 and "data.feeds.labels:" in line and "takes shape" in line, line
