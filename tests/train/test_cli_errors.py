@@ -329,3 +329,16 @@ def test_labels_of_the_wrong_shape_for_an_appended_loss_are_refused_at_load(tmp_
                         "training": {"steps": 1}})
     code, line = _error_line(capsys, ["train", cfg, "-q", "--output-dir", str(tmp_path / "out")])
     assert code == 2 and "data.feeds.labels:" in line and "takes shape" in line, line
+
+
+def test_per_weight_optimizer_attributes_of_the_wrong_type_name_their_key(tmp_path, capsys):
+    """A string where an optimizer attribute takes a number: one line naming the map, weight and attribute,
+    exit 2 (a bare "invalid literal for int()" exit 1 before)."""
+    for setting, key in (
+            ("training.parameters.optimizer_int_attributes_map={fc0.weight: {do_bias_correction: x}}",
+             "optimizer_int_attributes_map.fc0.weight.do_bias_correction: expected an integer"),
+            ("training.parameters.optimizer_attributes_map={fc0.weight: {max_norm_clip: big}}",
+             "optimizer_attributes_map.fc0.weight.max_norm_clip: expected a number")):
+        code, line = _error_line(capsys, ["train", config_path("digits_mlp"), "-q", "--output-dir",
+                                          str(tmp_path / "out"), "--set", setting])
+        assert code == 2 and key in line, line
