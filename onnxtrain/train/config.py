@@ -488,14 +488,14 @@ def _check_parameters(cfg: Config) -> None:
                 raise ConfigError(f"training.parameters.{label}.{w}",
                                   f"expected a mapping of attribute names to numbers, got {_show(attrs)}")
             for a, value in attrs.items():
-                if a in OWN_ATTRIBUTES and kind is float:
-                    raise ConfigError(f"training.parameters.{label}.{w}.{a}",
-                                      f"set by the config itself: use {OWN_ATTRIBUTES[a]}")
                 number = isinstance(value, (int, float)) and not isinstance(value, bool)
                 if not number or (kind is int and not float(value).is_integer()):
                     what = "an integer" if kind is int else "a number"
                     raise ConfigError(f"training.parameters.{label}.{w}.{a}",
                                       f"expected {what}, got {_show(value)}")
+                if a in OWN_ATTRIBUTES and kind is float:
+                    raise ConfigError(f"training.parameters.{label}.{w}.{a}",
+                                      f"set by the config itself: use {OWN_ATTRIBUTES[a]}")
     if probe.pipeline_parallel_size != 1:
         raise ConfigError("training.parameters.pipeline_parallel_size",
                           "the main job splits batches over its ranks for data parallelism only; pipeline "
