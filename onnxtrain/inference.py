@@ -248,6 +248,8 @@ class InferenceSession:
             raise TypeError("output_names must be a list of names or None, got "
                             f"{type(output_names).__name__} {output_names!r}")
         ro = run_options or RunOptions()
+        if isinstance(ro, RunOptions):
+            check_severity(ro.log_severity_level, "RunOptions")
         if getattr(ro, "terminate", False):
             raise Fail("Exiting due to terminate flag being set to true (RunOptions.terminate).")
         # given run options are watched during the run: terminate set from another thread stops it
@@ -431,7 +433,17 @@ def options_snapshot(options: Any) -> Any:
     onnxruntime), new defaults without any; another library's object as it is."""
     if options is None:
         return SessionOptions()
-    return options.snapshot() if isinstance(options, SessionOptions) else options
+    if not isinstance(options, SessionOptions):
+        return options
+    check_severity(options.log_severity_level, "SessionOptions")
+    return options.snapshot()
+
+
+def check_severity(level: Any, owner: str) -> None:
+    """Refuse a ``log_severity_level`` onnxruntime refuses: −1 (the default logger's) and 0..4 are valid."""
+    if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or not -1 <= level <= 4:
+        raise FailValueError(f"{owner}.log_severity_level must be -1 (the default logger's) or 0 (verbose) "
+                             f"to 4 (fatal), got {level!r}")
 
 
 def with_option_overrides(model: onnx.ModelProto, options: Any) -> onnx.ModelProto:

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
 from onnxtrain import backend
+from onnxtrain.capi import onnxruntime_pybind11_state as onnxtrain_state
 from onnxtrain.engine.plan import EngineError, UnsupportedOpError
 from onnxtrain.engine.registry import available_ops
 
@@ -309,6 +310,33 @@ def test_session_and_run_options(model_bytes: bytes) -> None:
     assert ro.get_run_config_entry("k") == "v"
     (y, _) = s.run(None, {"x": np.zeros((1, 3), np.float32)}, ro)
     np.testing.assert_array_equal(y, B[None])
+
+
+@pytest.mark.parametrize("level,valid", [(-1, True), (0, True), (4, True), (-2, False), (5, False),
+                                         ("3", False)])
+def test_log_severity_levels_as_onnxruntime_takes_them(model_bytes: bytes, level, valid: bool) -> None:
+    """onnxruntime refuses a session's level outside -1..4 when the session is made and a run's at the run."""
+    feed = {"x": np.zeros((1, 3), np.float32)}
+    ort_errors = (RuntimeError, ort.capi.onnxruntime_pybind11_state.Fail)  # at session creation, at run
+    for lib, errors in ((ort, ort_errors), (onnxtrain, onnxtrain_state.Fail)):
+        so = lib.SessionOptions()
+        try:
+            so.log_severity_level = level
+        except TypeError:  # onnxruntime's binding takes ints only
+            assert lib is ort and not valid
+            continue
+        if valid:
+            lib.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+        else:
+            with pytest.raises(errors, match="log severity level|log_severity_level"):
+                lib.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+        session, ro = lib.InferenceSession(model_bytes, providers=["CPUExecutionProvider"]), lib.RunOptions()
+        ro.log_severity_level = level
+        if valid:
+            session.run(None, feed, ro)
+        else:
+            with pytest.raises(errors, match="log severity level|log_severity_level"):
+                session.run(None, feed, ro)
 
 
 # ---- bad input -------------------------------------------------------------------------------------------
