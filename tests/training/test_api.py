@@ -461,6 +461,30 @@ def test_sgd_step_and_gradients_kept(art):
         opt.set_learning_rate("0.1")
 
 
+def test_a_new_module_starts_from_zero_gradients(art):
+    """A second Module over a trained state: its gradients are zero until it trains (onnxruntime-training's;
+    the first Module's were kept, and a step before any training applied them)."""
+    state, module, opt = setup(art, "sgd")
+    opt.set_learning_rate(0.1)
+    module(*batch())
+    held = state.parameters["W"].grad
+    assert np.abs(held).max() > 0
+    second = Module(art["training"], state, art["eval"])
+    second_opt = Optimizer(art["sgd"], second)
+    second_opt.set_learning_rate(0.1)
+    before = {p: state.parameters[p].data.copy() for p in TRAINABLE}
+    for p in TRAINABLE:
+        np.testing.assert_array_equal(state.parameters[p].grad, 0)
+    assert state.parameters["W"].grad is held  # zeroed in place: the buffer stays the state's
+    second_opt.step()
+    for p in TRAINABLE:
+        np.testing.assert_array_equal(state.parameters[p].data, before[p])
+    x, t = batch(1)
+    second(x, t)
+    for p, g in numpy_grads({**before, "s": initial_params()["s"]}, x, t).items():
+        np.testing.assert_allclose(state.parameters[p].grad, g, rtol=1e-5, atol=1e-6)
+
+
 def test_optimizer_misuse(art, tmp_path):
     state, module, _ = setup(art, None)
     with pytest.raises(FileNotFoundError, match="nope_opt.onnx"):
