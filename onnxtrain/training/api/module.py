@@ -264,7 +264,8 @@ class Module:
             param = state._params[p]  # Module's left over would reach an Optimizer.step before any training)
             if param.data is None:
                 continue
-            if param.grad is None or param.grad.shape != param.data.shape or param.grad.dtype != param.data.dtype:
+            grad = param.grad
+            if grad is None or grad.shape != param.data.shape or grad.dtype != param.data.dtype:
                 param.grad = np.zeros_like(param.data)
             else:
                 param.grad.fill(0)
