@@ -73,6 +73,7 @@ class ModelConfig:
     add_loss: Literal["none", "cross_entropy", "mse"] = "none"  # append this loss when the model has none
 
 
+EVAL_FRACTION = 0.1  # data.eval_fraction's default
 BUILDERS: tuple[str, ...] = ("mlp", "cnn", "transformer", "spatial_transformer")  # onnxtrain.zoo
 
 
@@ -92,7 +93,7 @@ class FilesData:
     path: str | None = None  # the .npz with the training arrays (not needed when every feed is a .npy)
     feeds: dict[str, str] = field(default_factory=dict)  # model input → array name in ``path``, or a .npy
     eval_path: str | None = None  # an .npz with the same array names for eval; else a held-out split
-    eval_fraction: float = 0.1  # share of the training arrays held out for eval when there is no eval_path
+    eval_fraction: float = EVAL_FRACTION  # share of the training arrays held out for eval when there is no eval_path
 
 
 @dataclass
@@ -176,6 +177,8 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         del d["name"], d["base_dir"], d["source"]
+        if d["data"].get("eval_path") is not None:  # not used with an eval file
+            d["data"].pop("eval_fraction", None)
         return d
 
 
@@ -295,7 +298,8 @@ def _data_from_dict(raw: Any, path: str) -> DataConfig:
     if source not in DATA_SOURCES:
         raise ConfigError(f"{path}.source", f"expected one of {', '.join(map(repr, DATA_SOURCES))}, "
                                             f"got {_show(source)}")
-    if raw.get("eval_path") is not None and "eval_fraction" in raw:  # both would choose the eval set
+    # both would choose the eval set (the default's value is the one a saved config holds: not refused)
+    if raw.get("eval_path") is not None and raw.get("eval_fraction", EVAL_FRACTION) != EVAL_FRACTION:
         raise ConfigError(f"{path}.eval_fraction", "has no effect with data.eval_path (the eval set is that "
                                                    "file); leave one of them out")
     return from_dict(DATA_SOURCES[source], raw, path)
@@ -488,6 +492,9 @@ def _check_parameters(cfg: Config) -> None:
                 raise ConfigError(f"training.parameters.{label}.{w}",
                                   f"expected a mapping of attribute names to numbers, got {_show(attrs)}")
             for a, value in attrs.items():
+                if kind is int and isinstance(value, bool):  # a flag (do_bias_correction: false): 0 or 1,
+                    value = int(value)                        # as onnxruntime's binding stored it
+                    attrs[a] = t.parameters[label][w][a] = value
                 number = isinstance(value, (int, float)) and not isinstance(value, bool)
                 if not number or (kind is int and not float(value).is_integer()):
                     what = "an integer" if kind is int else "a number"

@@ -291,6 +291,41 @@ def test_eval_fraction_with_an_eval_file_is_refused(tmp_path, capsys, mlp_with_l
     assert code == 2 and "data.eval_fraction: has no effect with data.eval_path" in line, line
 
 
+def test_a_run_with_an_eval_file_resumes_and_evaluates_from_its_saved_config(tmp_path, capsys, mlp_with_loss,
+                                                                             write_config):
+    """The saved config.yaml of a run with ``eval_path`` leaves the unused eval_fraction out, and a config
+    saved with the default's value (older runs) still loads: resume and eval from it work."""
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((8, 4)).astype(np.float32),
+             y=rng.integers(0, 2, 8).astype(np.int64))
+    cfg = write_config({"model": {"path": mlp_with_loss}, "training": {"steps": 2, "batch_size": 4},
+                        "data": {"source": "files", "path": "d.npz", "feeds": {"x": "x", "y": "y"},
+                                 "eval_path": "d.npz"}})
+    out = tmp_path / "out"
+    assert main(["train", cfg, "-q", "--output-dir", str(out)]) == 0
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert "eval_fraction" not in saved["data"] and saved["data"]["eval_path"]
+    saved["data"]["eval_fraction"] = 0.1  # as runs before this change saved it
+    (tmp_path / "copy.yaml").write_text(yaml.safe_dump(saved))
+    capsys.readouterr()
+    assert main(["train", str(tmp_path / "copy.yaml"), "-q", "--resume", "--set", "training.steps=3"]) == 0
+    assert (out / "checkpoints" / "step_00000003.ckpt").exists()
+    assert main(["eval", str(tmp_path / "copy.yaml"), "--checkpoint",
+                 str(out / "checkpoints" / "step_00000003.ckpt")]) == 0
+
+
+def test_flags_in_the_int_attributes_map_may_be_true_or_false(tmp_path, capsys):
+    """``do_bias_correction: false`` in optimizer_int_attributes_map is 0, as onnxruntime's binding stored a
+    bool given for an int attribute (it was refused as not an integer)."""
+    setting = ("training.parameters.optimizer_int_attributes_map={fc0.weight: {do_bias_correction: false}, "
+               "fc0.bias: {}, fc1.weight: {}, fc1.bias: {}, fc2.weight: {}, fc2.bias: {}}")
+    cfg = load_config(config_path("digits_mlp"), [setting])
+    flag = cfg.training.parameters["optimizer_int_attributes_map"]["fc0.weight"]["do_bias_correction"]
+    assert flag == 0 and type(flag) is int
+    assert main(["train", config_path("digits_mlp"), "-q", "--output-dir", str(tmp_path / "out"),
+                 "--set", setting, "--set", "training.steps=2"]) == 0
+
+
 def test_a_model_too_large_for_memory_is_one_line(tmp_path, capsys):
     huge = "model.args.sizes=[64, 100000000000, 10]"
     code, line = _error_line(capsys, ["train", config_path("digits_mlp"), "-q", "--output-dir",
