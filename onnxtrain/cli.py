@@ -338,7 +338,10 @@ def _eval(a: argparse.Namespace) -> int:
 
     cfg = _config(a)
     metrics = evaluate_checkpoint(cfg, _checkpoint_arg(a.checkpoint))
-    print(json.dumps(metrics) if a.json else "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    if a.json:  # (null for a number that is not finite, as metrics.jsonl: NaN is not JSON)
+        print(json.dumps({k: v if math.isfinite(v) else None for k, v in metrics.items()}))
+    else:
+        print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return 0
 
 

@@ -93,7 +93,7 @@ class FilesData:
     path: str | None = None  # the .npz with the training arrays (not needed when every feed is a .npy)
     feeds: dict[str, str] = field(default_factory=dict)  # model input → array name in ``path``, or a .npy
     eval_path: str | None = None  # an .npz with the same array names for eval; else a held-out split
-    eval_fraction: float = EVAL_FRACTION  # share of the training arrays held out for eval when there is no eval_path
+    eval_fraction: float = EVAL_FRACTION  # share of the training arrays held out for eval without eval_path
 
 
 @dataclass

@@ -517,8 +517,9 @@ class Trainer:
             last_eval = self.evaluate(self.data.eval, self.eval_weights())
             with (open(self.metrics_path, "a", encoding="utf-8") if main else nullcontext()) as fh:
                 self._log(records, fh, {"step": st.global_step, "epoch": st.epoch, **last_eval})
-        last_eval = next(({k: v for k, v in r.items() if k.startswith("eval_")} for r in reversed(records)
-                          if "eval_loss" in r), last_eval)
+        # (metrics.jsonl holds null for a number that was not finite: NaN again here)
+        last_eval = next(({k: math.nan if v is None else v for k, v in r.items() if k.startswith("eval_")}
+                          for r in reversed(records) if "eval_loss" in r), last_eval)
         exported = None
         if self.cfg.output.plot and main:
             plot_metrics(records, os.path.join(self.out, "metrics.png"), self.cfg.name)

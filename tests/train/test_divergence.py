@@ -25,6 +25,18 @@ def test_a_diverging_run_warns_writes_json_and_fails(tmp_path, capsys) -> None:
 
     records = [json.loads(line, parse_constant=strict) for line in lines]
     assert records[-1]["eval_loss"] is None and records[-1]["eval_accuracy"] >= 0
+    # resuming the finished run reads the nulls back: the same verdict (a format error on None before)
+    code = main(["train", os.path.join(ROOT, "configs", "digits_mlp.yaml"), "-q", "--output-dir", str(out),
+                 "--set", "optimizer.name=sgd", "--set", "optimizer.lr=1e30", "--set", "training.steps=20",
+                 "--resume"])
+    captured = capsys.readouterr()
+    assert code == 1 and "training diverged: the final eval_loss is not a finite number" in captured.err, captured
+    assert "eval_loss nan" in captured.out, captured.out
+    checkpoint = sorted((out / "checkpoints").glob("step_*.ckpt"))[-1]
+    assert main(["eval", os.path.join(ROOT, "configs", "digits_mlp.yaml"), "--checkpoint", str(checkpoint),
+                 "--json"]) == 0
+    scores = json.loads(capsys.readouterr().out, parse_constant=strict)
+    assert None in scores.values(), scores
 
 
 def test_the_plot_takes_metrics_read_back_with_nulls(tmp_path) -> None:
