@@ -73,15 +73,18 @@ def load_model(model: onnx.ModelProto | str | bytes | os.PathLike,
 
 
 def _external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
-    """The tensors of ``model`` (initializers and Constant values, bodies included) kept in external files."""
-    from onnxtrain.ir.graphs import walk_graphs
+    """The tensors of ``model`` kept in external files: initializers and tensor attributes (Constant values),
+    of the graph, its bodies and its local functions, as onnx's loader finds them."""
+    from onnxtrain.ir.graphs import subgraphs, walk_graphs
 
-    found = []
-    for g in walk_graphs(model.graph):
-        found += [t for t in g.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-        found += [a.t for n in g.node for a in n.attribute
-                  if a.type == onnx.AttributeProto.TENSOR and a.t.data_location == onnx.TensorProto.EXTERNAL]
-    return found
+    graphs = list(walk_graphs(model.graph))
+    graphs += [b for f in model.functions for n in f.node for g in subgraphs(n) for b in walk_graphs(g)]
+    node_lists = [g.node for g in graphs] + [f.node for f in model.functions]
+    found = [t for g in graphs for t in g.initializer]
+    for nodes in node_lists:
+        for a in (a for n in nodes for a in n.attribute):
+            found += [a.t] if a.type == onnx.AttributeProto.TENSOR else list(a.tensors)
+    return [t for t in found if t.data_location == onnx.TensorProto.EXTERNAL]
 
 
 def _read_external(model: onnx.ModelProto, folder: str, what: str) -> None:
@@ -103,9 +106,29 @@ def _read_external(model: onnx.ModelProto, folder: str, what: str) -> None:
         except OSError as e:
             raise ModelParseError(f"{what}: could not read the data of tensor {t.name!r} from {path}: {e}") \
                 from None
+        wanted = _external_size(t, length)
+        if wanted is not None and len(data) != wanted:
+            raise ModelParseError(f"{what}: tensor {t.name!r} takes {wanted} bytes from {path} at offset "
+                                  f"{int(info.get('offset', 0))}, the file holds {len(data)} there")
         t.raw_data = data
         t.data_location = onnx.TensorProto.DEFAULT
         del t.external_data[:]
+
+
+_FOUR_BIT = {getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1")
+             if hasattr(onnx.TensorProto, n)}
+
+
+def _external_size(t: onnx.TensorProto, length: str | None) -> int | None:
+    """The bytes an external tensor's data takes: its ``length`` entry, else its shape's (None: strings)."""
+    if length is not None:
+        return int(length)
+    if t.data_type == onnx.TensorProto.STRING:
+        return None
+    count = int(np.prod(t.dims, dtype=np.int64))
+    if t.data_type in _FOUR_BIT:
+        return (count + 1) // 2
+    return count * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
 
 
 def inline_local_functions(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -15,6 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
+from onnxtrain.engine.interface import ModelParseError
 
 
 def _save(folder, name: str = "model.onnx") -> onnx.ModelProto:
@@ -72,3 +73,56 @@ def test_a_location_outside_the_folder_is_refused(tmp_path) -> None:
     onnx.save_model(model, str(tmp_path / "m" / "escape.onnx"))
     with pytest.raises(RuntimeError, match=r"outside the folder"):
         onnxtrain.InferenceSession(str(tmp_path / "m" / "escape.onnx"))
+
+
+def _external(tensor: onnx.TensorProto, folder, data: bytes, offset: int = 16) -> None:
+    """Move ``tensor``'s values to ``folder``/w.bin at ``offset`` (after ``offset`` zero bytes)."""
+    (folder / "w.bin").write_bytes(b"\0" * offset + data)
+    tensor.ClearField("raw_data")
+    tensor.ClearField("float_data")
+    for k, v in (("location", "w.bin"), ("offset", str(offset)), ("length", str(len(data)))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = k, v
+    tensor.data_location = TensorProto.EXTERNAL
+
+
+def test_external_data_of_a_constant_in_a_local_function(tmp_path) -> None:
+    """onnx's loader reads the external tensors of local functions too (they were left unread: the session
+    failed as onnx found the location not to be a file)."""
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    fn = helper.make_function("local", "Lin", ["x"], ["y"],
+                              [helper.make_node("Constant", [], ["w"], value=numpy_helper.from_array(w, "w")),
+                               helper.make_node("MatMul", ["x", "w"], ["y"])],
+                              opset_imports=[helper.make_opsetid("", 13)])
+    g = helper.make_graph([helper.make_node("Lin", ["x"], ["y"], domain="local")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
+    opsets = [helper.make_opsetid("", 13), helper.make_opsetid("local", 1)]
+    model = helper.make_model(g, opset_imports=opsets, functions=[fn])
+    _external(model.functions[0].node[0].attribute[0].t, tmp_path, w.tobytes())
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    x = np.ones((2, 3), np.float32)
+    path = str(tmp_path / "m.onnx")
+    want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(want, x @ w)
+    np.testing.assert_array_equal(onnxtrain.InferenceSession(path).run(None, {"x": x})[0], want)
+
+
+def test_a_data_file_shorter_than_the_tensor_names_tensor_and_file(tmp_path) -> None:
+    """A truncated data file: onnxruntime fails naming the tensor's sizes; so does onnxtrain (a bare numpy
+    reshape error before)."""
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Mul", ["X", "W"], ["Y"])], "g",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1000])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1000])],
+        [numpy_helper.from_array(np.ones(1000, np.float32), "W")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    _external(model.graph.initializer[0], tmp_path, np.ones(1000, np.float32).tobytes(), offset=0)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    with open(tmp_path / "w.bin", "r+b") as f:
+        f.truncate(2000)
+    path = str(tmp_path / "m.onnx")
+    with pytest.raises(Exception, match="4000"):
+        ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    with pytest.raises(ModelParseError, match=r"tensor 'W' takes 4000 bytes from .*w\.bin at offset 0, the file holds 2000"):
+        onnxtrain.InferenceSession(path)
