@@ -124,5 +124,6 @@ def test_a_data_file_shorter_than_the_tensor_names_tensor_and_file(tmp_path) -> 
     path = str(tmp_path / "m.onnx")
     with pytest.raises(Exception, match="4000"):
         ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    with pytest.raises(ModelParseError, match=r"tensor 'W' takes 4000 bytes from .*w\.bin at offset 0, the file holds 2000"):
+    with pytest.raises(ModelParseError,
+                       match=r"tensor 'W' takes 4000 bytes from .*w\.bin at offset 0, the file holds 2000"):
         onnxtrain.InferenceSession(path)
