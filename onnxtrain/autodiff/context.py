@@ -200,5 +200,9 @@ class GradCtx:
         """Sum ``grad`` (shaped like the broadcast result) down to the shape of input ``i``."""
         return self._bw.unbroadcast(self, grad, self.node.input[i], grad_rank)
 
+    def unbroadcast_at_run_time(self, grad: str, i: int) -> str:
+        """Sum ``grad`` over the axes where input ``i``'s shape, seen at run time, differs (a 1 broadcast)."""
+        return self._bw._unbroadcast_dynamic(self, grad, self.node.input[i])
+
 
 _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}

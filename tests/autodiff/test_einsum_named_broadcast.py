@@ -41,3 +41,39 @@ def test_a_broadcast_named_subscript_is_refused_and_the_expanded_form_matches_to
     (torch.einsum("bij,bjk->bik", ta, tb) * torch.tensor(R)).sum().backward()
     np.testing.assert_allclose(got[1], ta.grad.numpy(), rtol=1e-10)
     np.testing.assert_allclose(got[2], tb.grad.numpy(), rtol=1e-10)
+
+
+ELLIPSIS_CASES = [  # '...' after named subscripts, broadcast inside it; static and symbolic dims
+    ("i...,...->...", [(1, 3), (3,)], False), ("b...d,...d->b...", [(1, 3, 4), (3, 4)], False),
+    ("b...,b...->b...", [(2, 1, 3), (2, 4, 3)], False), ("b...i,b...i->b...", [(2, 1, 4), (2, 3, 4)], False),
+    ("b...ij,b...jk->b...ik", [(2, 1, 3, 4), (2, 6, 4, 5)], False),
+    ("i...j,j->i...", [(2, 1, 3), (3,)], False),
+    ("...ij,...jk->...ik", [(1, 3, 4), (5, 4, 2)], True), ("...i,...i->...", [(2, 1, 4), (3, 4)], True),
+    ("ij,ij->ij", [(2, 1), (2, 3)], True), ("b...ij,b...jk->b...ik", [(2, 1, 3, 4), (2, 6, 4, 5)], True),
+]
+
+
+@pytest.mark.parametrize("equation,shapes,symbolic", ELLIPSIS_CASES)
+def test_broadcasts_in_the_ellipsis_and_over_symbolic_dims_match_torch(equation, shapes, symbolic) -> None:
+    """The ellipsis's axes are those between the named ones (they were taken from the front: wrong
+    gradients, or a refusal naming a generated letter), and an axis of unknown size matched to another
+    operand's is summed at run time where it is a broadcast 1 (the gradient kept the broadcast size)."""
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal(s) for s in shapes]
+    names = [f"x{i}" for i in range(len(xs))]
+    inputs = [helper.make_tensor_value_info(n, D, [f"{n}_{k}" for k in range(x.ndim)] if symbolic
+                                            else list(x.shape)) for n, x in zip(names, xs)]
+    ts = [torch.tensor(x, requires_grad=True) for x in xs]
+    y = torch.einsum(equation, *ts)
+    u = rng.uniform(0.5, 1.5, tuple(y.shape))
+    (y * torch.tensor(u)).sum().backward()
+    g = helper.make_graph([helper.make_node("Einsum", names, ["y"], equation=equation),
+                           helper.make_node("Mul", ["y", "u"], ["yu"]),
+                           helper.make_node("ReduceSum", ["yu"], ["loss"], keepdims=0)], "g", inputs,
+                          [helper.make_tensor_value_info("loss", D, [])], [numpy_helper.from_array(u, "u")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    gm = build_gradient_model(model, "loss", names)
+    got = dict(zip([o.name for o in gm.graph.output], compile_model(gm).run(dict(zip(names, xs)))))
+    for n, t in zip(names, ts):
+        assert got[f"{n}_grad"].shape == t.grad.shape
+        np.testing.assert_allclose(got[f"{n}_grad"], t.grad.numpy(), rtol=1e-10, atol=1e-12)

@@ -167,7 +167,11 @@ def _parse_einsum(g: GradCtx, equation: str) -> tuple[list[str], str, _Letters]:
         s = g.static_shape(k)
         if s is None:
             raise RuleError(f"Einsum '...' needs the rank of operand {k} (shape inference found none)")
-        ell_shapes.append(s[: len(s) - (len(t) - 3)])
+        before = t.index("...")  # named axes before and after the ellipsis: its axes are those between
+        after = len(t) - 3 - before
+        if len(s) < before + after:
+            raise RuleError(f"Einsum term {t!r} names {before + after} axes, operand {k} has rank {len(s)}")
+        ell_shapes.append(s[before: len(s) - after])
     width = max(len(s) for s in ell_shapes if s is not None)
     base = [letters() for _ in range(width)]
     sizes = [[s[p - width + len(s)] for s in ell_shapes if s is not None and p - width + len(s) >= 0]
@@ -242,7 +246,17 @@ def einsum_grad(g: GradCtx) -> None:
             shape = g.static_shape(i)
             if shape is None or any(shape[p] != 1 for p in missing):
                 grad = g.emit("Expand", grad, g.shape(i))
+        if _may_broadcast(g, i, own, subs):  # a size-1 axis matched to a larger one: summed at run time
+            grad = g.unbroadcast_at_run_time(grad, i)
         g.set_dx(i, grad)
+
+
+def _may_broadcast(g: GradCtx, i: int, own: list[str], others: list[str]) -> bool:
+    """Whether an axis of operand ``i`` whose size is not known here shares its letter with another
+    operand, which numpy's broadcasting may match a size 1 to (the static sizes had their letters split)."""
+    shape = g.static_shape(i)
+    shared = set().union(*others) if others else set()
+    return any(c in shared and (shape is None or shape[p] is None) for p, c in enumerate(own))
 
 
 @gradient("Det", uses=("x0",))
