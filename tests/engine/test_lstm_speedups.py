@@ -50,6 +50,52 @@ def test_concat_product_is_one_step_with_the_same_bits() -> None:
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_concat_made_from_shapes_alone_is_not_written_into() -> None:
+    """A Concat whose pieces come from shapes alone is kept from the first run, read-only; the fused product
+    multiplied into it ("output array is read-only": the gradient of a GRU's output.sum()). onnxruntime the
+    oracle, two runs."""
+    one = onnx.numpy_helper.from_array(np.array([1.0], np.float32))
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("ConstantOfShape", ["s"], ["ones"], value=one),
+             helper.make_node("Concat", ["ones", "ones", "ones"], ["cat"], axis=-1),
+             helper.make_node("Mul", ["cat", "c"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+                                       helper.make_tensor_value_info("c", TensorProto.FLOAT, [2, 9])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 9])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    plan = Plan(m)
+    for k in range(2):
+        feeds = {"x": np.zeros((2, 3), np.float32), "c": np.arange(18, dtype=np.float32).reshape(2, 9) + k}
+        np.testing.assert_array_equal(plan.run(feeds)[0], ref.run(None, feeds)[0])
+
+
+def test_gru_output_sum_gradient_matches_torch() -> None:
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(5, 3, num_layers=2).double()
+
+    class Summed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gru = gru
+
+        def forward(self, x):
+            return self.gru(x)[0].sum()
+
+    x = torch.randn(2, 3, 5, dtype=torch.float64)
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(summed := Summed(), (x,), f, dynamo=False, input_names=["x"], output_names=["loss"],
+                          opset_version=17, do_constant_folding=False)
+    gm = build_gradient_model(onnx.load_from_string(f.getvalue()), "loss", ["x"])
+    got = Plan(gm).run({"x": x.numpy()})
+    xt = x.clone().requires_grad_()
+    summed(xt).backward()
+    np.testing.assert_allclose(got[[o.name for o in gm.graph.output].index("x_grad")], xt.grad.numpy(),
+                               rtol=1e-10, atol=1e-12)
+
+
 def test_concat_read_elsewhere_or_product_in_a_cluster_is_not_fused() -> None:
     nodes = [
         helper.make_node("Concat", ["a", "b"], ["cat"], axis=-1),

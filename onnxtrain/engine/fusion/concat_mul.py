@@ -63,9 +63,10 @@ def _concat_product(plan: Plan, cat: Step, mul: Step, side: int) -> Callable:
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         c, pieces = inputs[0], inputs[1:]
         joined = plan._call(cat, list(pieces))[0]
-        # Concat's kernel returns a new array (np.concatenate of two or more pieces): safe to write into
+        # Concat's kernel returns a new array (np.concatenate of two or more pieces): safe to write into,
+        # unless the Concat's value is kept from a run before (read-only: made from shapes alone)
         if type(joined) is np.ndarray and type(c) is np.ndarray and joined.shape == c.shape and (
-                joined.dtype == c.dtype and joined.dtype in _FLOATS):
+                joined.dtype == c.dtype and joined.dtype in _FLOATS) and joined.flags.writeable:
             np.multiply(joined, c, out=joined)
             return (joined,)
         return plan._call(mul, [joined, c] if side == 0 else [c, joined])
