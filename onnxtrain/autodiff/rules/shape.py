@@ -233,12 +233,14 @@ def tile_grad(g: GradCtx) -> None:
     g.set_dx(0, g.reduce("ReduceSum", viewed, list(range(0, 2 * rank, 2)), keepdims=0))
 
 
-@gradient("Pad", uses=("x1", "x3"), stop=(1, 2, 3), linear=True)
+@gradient("Pad", uses=("x1", "x2", "x3"), stop=(1, 3), linear=True)
 def pad_grad(g: GradCtx) -> None:
     dy = g.dy(0)
     mode = g.attr("mode") or "constant"
     axes = g.x(3) if g.has_x(3) else None
     if mode != "constant":
+        if g.needs_dx(2):  # the constant value is not used by the other modes
+            g.set_dx(2, g.zeros_like(g.x(2)))
         # reflect / edge / wrap copy border elements several times: iota trick with scatter-add
         g.set_dx(0, route_back(g, dy, lambda iota: g.emit("Pad", *trim(iota, g.x(1), None, axes), mode=mode),
                                repeats=True))
@@ -255,6 +257,7 @@ def pad_grad(g: GradCtx) -> None:
         if (p < 0).any():
             out = g.emit("Pad", *trim(out, g.ints(np.maximum(-p, 0).reshape(-1).tolist()), None, axes))
         g.set_dx(0, out)
+        _constant_value_grad(g, dy, out)
         return
     zero = g.const(0, I64)
     pr = g.emit("Reshape", g.x(1), g.ints([2, -1]))
@@ -264,7 +267,19 @@ def pad_grad(g: GradCtx) -> None:
     ends = g.emit("Where", g.emit("Greater", e, zero), g.emit("Neg", e), g.const(_BIG, I64))
     sliced = g.emit("Slice", *trim(dy, b, ends, axes))
     crop = g.emit("Max", g.emit("Neg", g.x(1)), zero)
-    g.set_dx(0, g.emit("Pad", *trim(sliced, crop, None, axes)))
+    dx = g.emit("Pad", *trim(sliced, crop, None, axes))
+    g.set_dx(0, dx)
+    _constant_value_grad(g, dy, dx)
+
+
+def _constant_value_grad(g: GradCtx, dy: str, dx: str) -> None:
+    """The constant value's gradient: dY summed over the padded cells, all of dY but the part X's cells
+    took (dX holds it, zeros where a negative pad cropped X)."""
+    if not g.needs_dx(2):
+        return
+    total, kept = (g.reduce("ReduceSum", v, None, keepdims=0) for v in (dy, dx))
+    padded = g.emit("Sub", total, kept)
+    g.set_dx(2, g.emit("Reshape", padded, g.shape(2)))
 
 
 @gradient("DepthToSpace", linear=True)
