@@ -42,6 +42,7 @@ from onnxtrain.engine.affinity import placed
 from onnxtrain.engine.backends import BATCH_SPLIT_KEY
 from onnxtrain.engine.batch_mixing import batch_mixing_node
 from onnxtrain.engine.blas import can_pin_blas_threads, single_threaded_blas
+from onnxtrain.engine.interface import RUN_OPTIONS, Terminated
 from onnxtrain.engine.parallel import parallel_for, running_with
 from onnxtrain.engine.plan import Plan
 from onnxtrain.user_warning import warn
@@ -134,6 +135,8 @@ class BatchSplitter:
                 try:
                     halves = self._run_halves(feeds, output_names, batch)
                     self.verdicts[batch] = all(_agree(a, b) for a, b in zip(whole, halves))
+                except Terminated:  # the caller's RunOptions.terminate: the run fails, no verdict
+                    raise
                 except Exception:  # e.g. a reshape to a fixed batch: the model does not run on half a batch
                     self.verdicts[batch] = False
         return whole
@@ -167,9 +170,14 @@ class BatchSplitter:
             results, second_peak = self._run_with_child(halves, parts, output_names)
         else:
             results = [[], []]
+            watched = RUN_OPTIONS.get()  # the worker thread watches the caller's RunOptions.terminate too
 
             def half(i: int) -> None:
-                results[i] = halves[i].run(parts[i], output_names)
+                token = RUN_OPTIONS.set(watched)
+                try:
+                    results[i] = halves[i].run(parts[i], output_names)
+                finally:
+                    RUN_OPTIONS.reset(token)
 
             # this thread on one CPU, the worker on another
             with single_threaded_blas(), running_with(2), placed(2):

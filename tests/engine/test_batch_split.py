@@ -494,3 +494,66 @@ def test_gemm_of_the_batch_with_itself_and_folded_constants():
     assert batch_mixing_node(model, {"x": 0}) is None
     x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
     np.testing.assert_array_equal(session(model).run(None, {"x": x})[0], np.maximum(x, 0))
+
+
+class _TerminateWhen:
+    """RunOptions whose ``terminate`` turns true after ``reads`` reads, or (``worker_only``) when read from
+    another thread than the caller's: a deterministic stand-in for a flag set during a run."""
+
+    def __init__(self, reads: int = 0, worker_only: bool = False) -> None:
+        self.reads, self.worker_only, self.caller = reads, worker_only, threading.get_ident()
+        self.log_severity_level = -1
+
+    @property
+    def terminate(self) -> bool:
+        if self.worker_only:
+            return threading.get_ident() != self.caller
+        self.reads -= 1
+        return self.reads < 0
+
+
+def _on_other_threads(n: int, fn) -> None:
+    """parallel_for with every call on a thread of its own (the pool may run both halves on the caller's)."""
+    errors: list[BaseException] = []
+
+    def call(i: int) -> None:
+        try:
+            fn(i)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def test_terminate_during_the_checked_halves_or_in_the_worker_half_fails_the_run(no_minimum, monkeypatch):
+    """A terminate during the halves' check run failed no run (the error was taken for a model that does not
+    split, and the verdict set to never), and the worker thread's half did not watch the flag."""
+    from onnxtrain.engine.interface import RUN_OPTIONS, Terminated
+
+    nodes = [helper.make_node("Tanh", ["x"], ["t"]), helper.make_node("Sin", ["t"], ["y"])]
+    sess = session(batch_model(nodes))
+    splitter = sess._splitter
+    x = {"x": np.ones((8, 3), np.float32)}
+    token = RUN_OPTIONS.set(_TerminateWhen(reads=2))  # the whole run's two nodes read it, then the halves
+    try:
+        with pytest.raises(Terminated):
+            splitter.run(x, None)
+    finally:
+        RUN_OPTIONS.reset(token)
+    assert splitter.verdicts == {}  # no verdict from a stopped check
+    sess.run(None, x)
+    assert splitter.verdicts == {8: True}
+    monkeypatch.setattr(batch_split, "can_pin_blas_threads", lambda: True)  # (threads are alive below)
+    monkeypatch.setattr(batch_split, "parallel_for", _on_other_threads)
+    token = RUN_OPTIONS.set(_TerminateWhen(worker_only=True))
+    try:
+        with pytest.raises(Terminated):
+            splitter.run(x, None)
+    finally:
+        RUN_OPTIONS.reset(token)
