@@ -447,7 +447,7 @@ def _per_sample_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], b: int | No
     if attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
         return None  # its roi may crop along the batch axis
     scales = attrs.get("scales")  # Upsample-7's attribute, else the scales input (Resize 2, Upsample 1)
-    index = 2 if op == "Resize" else 1
+    index = 2 if op == "Resize" and len(node.input) > 2 else 1  # (Resize-10: X, scales; later X, roi, scales)
     if scales is None and len(node.input) > index and node.input[index]:
         value = consts.get(node.input[index])
         scales = None if value is None or value.size == 0 else value.reshape(-1).tolist()

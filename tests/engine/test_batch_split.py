@@ -370,6 +370,14 @@ SCREEN_CASES = {
     "conv_of_the_batch_with_itself": ([helper.make_node("Conv", ["x", "x"], ["y"])], [], 17, "Conv"),
     "max_pool_indices": ([helper.make_node("MaxPool", ["x"], ["y", "i"], kernel_shape=[2])], [], 17,
                          "MaxPool"),
+    # Resize-10 takes (X, scales): a scale of 1 on the batch axis keeps the samples apart (it was read as
+    # Resize-11's roi and the node refused), one of 2 resizes it
+    "resize10_scales_keep_the_batch": ([helper.make_node("Resize", ["x", "sc"], ["y"])],
+                                       [numpy_helper.from_array(np.array([1, 1, 2], np.float32), "sc")], 10,
+                                       None),
+    "resize10_scales_the_batch": ([helper.make_node("Resize", ["x", "sc"], ["y"])],
+                                  [numpy_helper.from_array(np.array([2, 1, 1], np.float32), "sc")], 10,
+                                  "Resize"),
     # followed through a Reshape that keeps the batch first ([-1, 4]): the sum over it is found
     "after_a_reshape": ([helper.make_node("Reshape", ["x", "shape"], ["r"]),
                          helper.make_node("ReduceSum", ["r"], ["y"], axes=[0])],
