@@ -270,14 +270,19 @@ class InferenceSession:
                   callback: Callable[[Any, Any, str], None], user_data: Any,
                   run_options: RunOptions | None = None) -> None:
         """Run on a thread of its own; ``callback(outputs, user_data, error)`` gets the outputs and "" on
-        success, None and the error's text on failure (onnxruntime's ``run_async``)."""
+        success, ``[]`` and the error's text on failure (onnxruntime's ``run_async``). Missing inputs are
+        refused here, before the thread starts, as onnxruntime refuses them."""
         import threading
+
+        missing = [n for n in self._check.required if n not in input_feed]
+        if missing:
+            raise InvalidFeed(f"missing input(s) {missing}; the model's inputs are {self._check.required}")
 
         def work() -> None:
             try:
                 outputs = self.run(output_names, input_feed, run_options)
             except Exception as e:  # noqa: BLE001 - handed to the callback, as onnxruntime does
-                callback(None, user_data, f"{type(e).__name__}: {e}")
+                callback([], user_data, f"{type(e).__name__}: {e}")
                 return
             callback(outputs, user_data, "")
 

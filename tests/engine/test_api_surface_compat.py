@@ -36,6 +36,13 @@ def test_the_api_surface(lib) -> None:
     assert done.wait(10)
     np.testing.assert_array_equal(got["outputs"][0], [-1.0, 2.0])
     assert got["data"] == 7 and not got["error"]
+    # a failed run hands the callback [] and the error's text; a missing input is refused at the call
+    done.clear()
+    sess.run_async(["y"], {"x": np.array([1, 2], np.int64)}, callback, 8)
+    assert done.wait(10)
+    assert got["outputs"] == [] and got["data"] == 8 and "float" in got["error"]
+    with pytest.raises(ValueError, match=r"[Mm]issing"):
+        sess.run_async(["y"], {"z": np.ones(2, np.float32)}, callback, 9)
     assert lib.get_all_providers()[-1] == "CPUExecutionProvider"
     assert lib.OrtDevice.make("cpu", 0).device_type() == 0  # the CPU
     io = sess.io_binding()
