@@ -143,8 +143,9 @@ def _container_kind(tp: onnx.TypeProto) -> str | None:
 
 
 def _as_strings(a: np.ndarray) -> np.ndarray:
-    """A string input's feed as an object array of str: numpy str and bytes arrays, raw bytes (``np.void``)
-    and objects other than str (converted with ``str``) as onnxruntime takes them."""
+    """A string input's feed as an object array of str: numpy str and bytes arrays (decoded), raw bytes
+    (``np.void``) and objects other than str (``bytes`` objects too: converted with ``str``) as onnxruntime
+    takes them."""
     if a.dtype.kind == "V":
         a = a.view(f"S{a.dtype.itemsize}")
     if a.dtype.kind == "S":
@@ -152,7 +153,7 @@ def _as_strings(a: np.ndarray) -> np.ndarray:
     if a.dtype.kind == "U":
         return a.astype(object)
     if a.dtype == np.dtype(object) and not all(isinstance(x, str) for x in a.flat):
-        flat = [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in a.flat]
+        flat = [str(x) for x in a.flat]  # bytes objects too: "b'ab'", as onnxruntime converts them
         return np.array(flat, dtype=object).reshape(a.shape)
     return a
 

@@ -26,7 +26,9 @@ STRINGS = _model([helper.make_node("Identity", ["x"], ["y"])],
 # it fills the width)
 FEEDS = {"bytes": np.array([[b"ab", b"c"], [b"d", b"\xc3\xa9"]], dtype="S4"),
          "void": np.array([[b"must", b"have"], [b"same", b"size"]], dtype=np.void),
-         "objects": np.array([[1, None], [2.5, "s"]], dtype=object)}
+         "objects": np.array([[1, None], [2.5, "s"]], dtype=object),
+         # bytes objects are str()-converted ("b'ab'"), not decoded (undecodable ones failed)
+         "bytes_objects": np.array([[b"ab", "c"], [b"\xff\xfe", b""]], dtype=object)}
 
 
 @pytest.mark.parametrize("kind", sorted(FEEDS))
