@@ -479,3 +479,20 @@ def test_stage_model_keeps_tensors_external_to_another_file(tmp_path):
     locations = {t.name: {e.key: e.value for e in t.external_data}["location"]
                  for t in onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph.initializer}
     assert locations == {"w": "weights.bin", "v": "model.onnx.data"}
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_saving_onto_a_symbolic_link_writes_through_it(tmp_path, external):
+    """A checkpoint path that is a symbolic link keeps the link and updates the file it points to, as
+    onnxruntime-training's save does (the link was replaced by a plain file, its target left old)."""
+    (tmp_path / "real").mkdir()
+    target, link = tmp_path / "real" / "ckpt", tmp_path / "link"
+    threshold = 0 if external else 1 << 30
+    save_checkpoint(_ckpt(1), str(target), external_threshold=threshold)
+    os.symlink(os.path.join("real", "ckpt"), link)
+    save_checkpoint(_ckpt(2), str(link), external_threshold=threshold)
+    assert os.path.islink(link)
+    assert _same(load_checkpoint(str(link)), _ckpt(2))
+    if not external:  # (an external checkpoint's data is "<path>.data" beside the path given, the link)
+        assert _same(load_checkpoint(str(target)), _ckpt(2))
+    assert not [f for f in os.listdir(tmp_path / "real") if f.endswith(".tmp")]
