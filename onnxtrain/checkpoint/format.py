@@ -117,8 +117,10 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike,
 
 def stage_checkpoint(files: StagedFiles, ckpt: Checkpoint, path: str | os.PathLike,
                      external_threshold: int = 1800 * 2**20, *, sort_parameters: bool = True) -> None:
-    """Write ``ckpt`` for ``path`` (and ``<path>.data``) into ``files``, renamed when they are committed."""
-    path = os.fspath(path)
+    """Write ``ckpt`` for ``path`` (and ``<path>.data``) into ``files``, renamed when they are committed. A
+    ``path`` that is a symbolic link is written through: the file it points to and its ``.data`` beside
+    that file are replaced, the link stays (as onnxruntime-training's save writes through it)."""
+    path = os.path.realpath(path) if os.path.islink(path) else os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "Cannot save checkpoint, the path is a directory", path)
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
@@ -139,9 +141,10 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     If a save of ``path`` was killed between its two renames (its journal is beside it), the old pair is
     put back first (:func:`onnxtrain.ir.io.recover_commits`), with a warning saying so (an OSError
     saying so where the folder does not let it: the mixed pair is never loaded)."""
-    path = os.fspath(path)
+    given = os.fspath(path)
+    path = os.path.realpath(given) if os.path.islink(given) else given  # where a save through it wrote
     if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "Cannot load checkpoint, the path is a directory", path)
+        raise IsADirectoryError(errno.EISDIR, "Cannot load checkpoint, the path is a directory", given)
     folder = os.path.dirname(os.path.abspath(path))
     try:
         put_back = recover_commits(folder, naming=[path, path + ".data"]).put_back
@@ -157,11 +160,13 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, "Checkpoint file not found", path) from None
+        raise FileNotFoundError(errno.ENOENT, "Checkpoint file not found", given) from None
+    # the data beside the file, else beside the link (a pair of links, each to a file of its own name)
+    data_path = path + ".data" if path == given or os.path.exists(path + ".data") else given + ".data"
     try:
-        return _decode(data, path + ".data")
+        return _decode(data, data_path)
     except (FlatBufferError, ValueError) as e:
-        raise ValueError(f"Cannot load checkpoint {path!r}: {e}") from None
+        raise ValueError(f"Cannot load checkpoint {given!r}: {e}") from None
 
 
 # ---------------------------------------------------------------- encoding

@@ -109,8 +109,6 @@ class StagedFiles:
         if self._closed:
             raise RuntimeError("these staged files were already committed or discarded")
         path = os.fspath(path)
-        if os.path.islink(path):  # written through the link onto its file, as open() writes (the link stays)
-            path = os.path.realpath(path)
         if os.path.abspath(path) in {os.path.abspath(t) for t in self.targets}:  # ./a/x and a/x alike
             raise ValueError(f"{path} is staged twice")
         folder = os.path.dirname(os.path.abspath(path))

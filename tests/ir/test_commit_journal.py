@@ -272,9 +272,10 @@ def test_load_checkpoint_that_cannot_put_back_a_killed_save_says_why(tmp_path, m
 
 
 def test_symlinked_pair_killed_before_any_rename_is_not_reported_as_put_back(tmp_path):
-    """Targets that are symlinks (kept as new symlinks to the same place), a save killed after its backups
-    but before its first rename: nothing was replaced, so load_checkpoint loads the old pair without the
-    warning that the files were mismatched and put back, and the links are left as they were."""
+    """A checkpoint and its data that are symlinks (a save writes through them, into the folder of the
+    files they point to), a save killed after its backups but before its first rename: nothing was
+    replaced, so load_checkpoint loads the old pair without the warning that the files were mismatched and
+    put back, and the links are left as they were."""
     (tmp_path / "store").mkdir()
     save_checkpoint(_ckpt(1), str(tmp_path / "store" / "real"), external_threshold=0)
     path = str(tmp_path / "ckpt")
@@ -286,12 +287,16 @@ def test_symlinked_pair_killed_before_any_rename_is_not_reported_as_put_back(tmp
         return name == "replace" and ".journal." not in os.path.basename(os.fspath(args[0]))
 
     assert _killed(lambda: save_checkpoint(_ckpt(2), path, external_threshold=0), first_rename)
-    assert _journal_of_kill(tmp_path)
+    assert _journal_of_kill(tmp_path / "store")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _same(load_checkpoint(path), _ckpt(1))
     assert [os.lstat(p).st_ino for p in (path, path + ".data")] == links
-    assert _commit_files(tmp_path) == []
+    assert _commit_files(tmp_path / "store") == [] and _commit_files(tmp_path) == []
+    save_checkpoint(_ckpt(2), path, external_threshold=0)  # not killed: through the links
+    assert [os.lstat(p).st_ino for p in (path, path + ".data")] == links
+    assert _same(load_checkpoint(path), _ckpt(2))
+    assert _same(load_checkpoint(str(tmp_path / "store" / "real")), _ckpt(2))
 
 
 def _kill_after_first_rename(target: str) -> Callable[[str, tuple], bool]:
@@ -491,8 +496,7 @@ def test_saving_onto_a_symbolic_link_writes_through_it(tmp_path, external):
     save_checkpoint(_ckpt(1), str(target), external_threshold=threshold)
     os.symlink(os.path.join("real", "ckpt"), link)
     save_checkpoint(_ckpt(2), str(link), external_threshold=threshold)
-    assert os.path.islink(link)
+    assert os.path.islink(link) and sorted(os.listdir(tmp_path)) == ["link", "real"]
     assert _same(load_checkpoint(str(link)), _ckpt(2))
-    if not external:  # (an external checkpoint's data is "<path>.data" beside the path given, the link)
-        assert _same(load_checkpoint(str(target)), _ckpt(2))
+    assert _same(load_checkpoint(str(target)), _ckpt(2))
     assert not [f for f in os.listdir(tmp_path / "real") if f.endswith(".tmp")]
