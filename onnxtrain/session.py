@@ -453,12 +453,17 @@ class TrainingSession(DataParallelSteps, InferenceSession):
 
     def _is_twin(self, name: str, value: Any, masters: Mapping[str, str]) -> bool:
         """Whether ``name`` is one of the half twins (``masters``: twin → weight; derived from the weights:
-        checked, not loaded); ValueError when its shape is not its weight's."""
+        checked, not loaded); ValueError when its shape is not its weight's, TypeError when its dtype is not
+        the half type's."""
         if name not in masters:
             return False
         arr, want = np.asarray(value), self._store[masters[name]].shape
         if arr.shape != want:
             raise ValueError(f"state {name!r}: expected shape {list(want)}, got {list(arr.shape)}")
+        half = half_copies({name: np.zeros(0, np.float32)}, self._mixed_precision().dtype)[name].dtype
+        if arr.dtype != half:
+            raise TypeError(f"state {name!r}: expected dtype {half} (the half twin of {masters[name]!r}), "
+                            f"got {arr.dtype}")
         return True
 
     def _assign(self, name: str, value: Any) -> None:

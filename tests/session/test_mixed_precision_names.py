@@ -34,6 +34,9 @@ def test_state_holds_the_half_twins_and_loads_them_strictly() -> None:
     np.testing.assert_array_equal(other.get_state()["W1_fp16"], state["W1_fp16"])
     with pytest.raises(ValueError, match="W1_fp16"):
         other.load_state({"W1_fp16": np.zeros((2, 2), np.float16)})
+    wrong = dict(state, b1_fp16=np.full(state["b1_fp16"].shape, np.nan))  # float64: refused, as a weight's
+    with pytest.raises(TypeError, match=r"'b1_fp16': expected dtype float16.*got float64"):
+        other.load_state(wrong, strict=True)
 
 
 def test_gradients_are_also_output_under_the_twins_names() -> None:
