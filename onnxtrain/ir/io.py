@@ -187,8 +187,21 @@ class StagedFiles:
         for path in self._remove:
             if path not in self.targets and os.path.isfile(path):
                 os.unlink(path)
+        for path in self.targets:
+            _remove_leftover_temporaries(path)
         for folder in sorted({os.path.dirname(os.path.abspath(p)) for p in self.targets + self._remove}):
             _fsync_dir(folder)
+
+
+def _remove_leftover_temporaries(path: str) -> None:
+    """Delete the temporaries of ``path`` a write killed before its rename left (``<name>.<8 random>.tmp``,
+    as :meth:`StagedFiles.write` names them): the file now in place supersedes them."""
+    folder, name = os.path.split(os.path.abspath(path))
+    pattern = re.compile(re.escape(name) + r"\.[a-z0-9_]{8}\.tmp$")
+    with contextlib.suppress(OSError):
+        for f in os.listdir(folder):
+            if pattern.match(f):
+                _unlink_quietly(os.path.join(folder, f))
 
 
 # ---------------------------------------------------------------- the commit journal

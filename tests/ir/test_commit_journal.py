@@ -500,3 +500,26 @@ def test_saving_onto_a_symbolic_link_writes_through_it(tmp_path, external):
     assert _same(load_checkpoint(str(link)), _ckpt(2))
     assert _same(load_checkpoint(str(target)), _ckpt(2))
     assert not [f for f in os.listdir(tmp_path / "real") if f.endswith(".tmp")]
+
+
+def test_a_save_removes_the_temporaries_a_killed_save_of_that_file_left(tmp_path):
+    """A save killed after writing its temporary, before its rename, left ``ckpt.<random>.tmp`` for good
+    (hundreds of MB for a big model: a one-file save has no journal to name it); the next save of that
+    checkpoint removes them, and only the temporaries of its own files."""
+    path = str(tmp_path / "ckpt")
+    save_checkpoint(_ckpt(1), path)
+
+    def the_rename(name: str, args: tuple) -> bool:
+        return name == "replace"
+
+    for _ in range(2):
+        assert _killed(lambda: save_checkpoint(_ckpt(2), path), the_rename)
+    left = [f for f in os.listdir(tmp_path) if f != "ckpt"]
+    assert len(left) == 2 and all(f.startswith("ckpt.") and f.endswith(".tmp") for f in left), left
+    others = ["other.abcd1234.tmp", "ckpt.notes.tmp"]
+    for f in others:
+        (tmp_path / f).write_bytes(b"x")
+    assert _same(load_checkpoint(path), _ckpt(1))
+    save_checkpoint(_ckpt(3), path)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *others])
+    assert _same(load_checkpoint(path), _ckpt(3))
