@@ -161,6 +161,8 @@ def _as_strings(a: np.ndarray) -> np.ndarray:
 def _container_feed(name: str, kind: str, v: Any, element: np.dtype | None = None) -> Any:
     """A feed for a sequence input (a list or tuple of arrays, of the declared ``element`` type) or an
     optional one (None, or its value)."""
+    if isinstance(v, OrtValue):  # a sequence or optional a run handed back (run_with_ort_values)
+        v = v._array
     if v is None:
         if kind == "optional":
             return None
@@ -315,7 +317,10 @@ class InferenceSession:
         input_dict_ort_values: Mapping[str, OrtValue],
         run_options: RunOptions | None = None,
     ) -> list[OrtValue]:
-        return [OrtValue(v) for v in self.run(output_names, input_dict_ort_values, run_options)]
+        names = self._output_list(output_names)
+        declared = {o.name: o.type for o in self._outputs}
+        return [OrtValue(v, declared.get(n)) for n, v in
+                zip(names, self.run(names, input_dict_ort_values, run_options))]
 
     def io_binding(self) -> IOBinding:
         return IOBinding(self)

@@ -72,8 +72,9 @@ class OrtValue:
     """A value: a tensor (a numpy array, wrapped without a copy), a sequence of tensors (a list) or an
     optional one left empty (None), as a session's outputs are."""
 
-    def __init__(self, array: Any):
+    def __init__(self, array: Any, declared: str | None = None):
         self._array = array
+        self._declared = declared  # the graph's type of the value ("seq(tensor(int64))"), when known
 
     @staticmethod
     def ortvalue_from_numpy(numpy_obj: np.ndarray, device_type: str = "cpu", device_id: int = 0) -> OrtValue:
@@ -105,10 +106,15 @@ class OrtValue:
         value = self._array
         if isinstance(value, np.ndarray):
             return f"tensor({_type_name(value.dtype)})"
+        declared = self._declared or ""
         if isinstance(value, (list, tuple)):
             first = next((np.asarray(v) for v in value), None)
+            if first is None and declared.startswith("seq("):  # empty: its element type is the graph's
+                return declared
             return f"seq(tensor({_type_name(first.dtype) if first is not None else 'float'}))"
-        return "optional(tensor(float))" if value is None else type(value).__name__
+        if value is None:
+            return declared if declared.startswith("optional(") else "optional(tensor(float))"
+        return type(value).__name__
 
     def element_type(self) -> int:
         """The ONNX element type (``TensorProto.FLOAT`` = 1, ...), as onnxruntime returns it."""

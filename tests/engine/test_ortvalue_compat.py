@@ -61,3 +61,35 @@ def test_a_tensor_query_on_a_sequence_is_an_error() -> None:
     assert value.is_tensor_sequence() and not value.is_tensor()
     with pytest.raises(RuntimeError, match=r"seq\(tensor\(double\)\), not a tensor"):
         value.shape()
+
+
+@pytest.mark.parametrize("lib", [ort, onnxtrain], ids=["onnxruntime", "onnxtrain"])
+def test_an_empty_sequence_keeps_its_element_type_and_sequences_feed_back(lib) -> None:
+    """An empty int64 sequence's data_type() is the graph's (it said float), and a sequence OrtValue a run
+    handed back feeds another session through run, run_with_ort_values and IOBinding (it was refused)."""
+    g = helper.make_graph([helper.make_node("SequenceEmpty", [], ["s"], dtype=TensorProto.INT64)], "g", [],
+                          [helper.make_tensor_sequence_value_info("s", TensorProto.INT64, None)])
+    empty = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    sess = lib.InferenceSession(empty, providers=["CPUExecutionProvider"])
+    assert sess.run_with_ort_values(None, {})[0].data_type() == "seq(tensor(int64))"
+    seq = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+    split = helper.make_model(helper.make_graph(
+        [helper.make_node("SplitToSequence", ["x"], ["s"], axis=0, keepdims=1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 2])],
+        [helper.make_value_info("s", seq)]),
+        opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+    concat = helper.make_model(helper.make_graph(
+        [helper.make_node("ConcatFromSequence", ["s"], ["y"], axis=0)], "g",
+        [helper.make_value_info("s", seq)], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]),
+        opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    first = lib.InferenceSession(split, providers=["CPUExecutionProvider"])
+    second = lib.InferenceSession(concat, providers=["CPUExecutionProvider"])
+    value = first.run_with_ort_values(None, {"x": lib.OrtValue.ortvalue_from_numpy(x)})[0]
+    np.testing.assert_array_equal(second.run(None, {"s": value})[0], x)
+    np.testing.assert_array_equal(second.run_with_ort_values(None, {"s": value})[0].numpy(), x)
+    binding = second.io_binding()
+    binding.bind_ortvalue_input("s", value)
+    binding.bind_output("y")
+    second.run_with_iobinding(binding)
+    np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], x)
