@@ -481,14 +481,46 @@ def with_option_overrides(model: onnx.ModelProto, options: Any) -> onnx.ModelPro
             raise FailValueError(f"add_initializer: {name!r} is {array.dtype}{list(array.shape)}, the "
                                  f"model's is {wanted}{list(old.dims)}")
         old.CopyFrom(numpy_helper.from_array(array, name))
-    for v in (*g.input, *g.output):
-        if v.type.HasField("tensor_type"):
-            for d in v.type.tensor_type.shape.dim:
-                size = dims.get(("name", d.dim_param)) if d.HasField("dim_param") else None
-                size = dims.get(("denotation", d.denotation), size) if d.denotation else size
-                if size is not None:
-                    d.dim_value = size
+    for v in g.input:
+        _fix_dims(v, dims)
+    if dims:  # the outputs' sizes as inference finds them from the fixed inputs (onnxruntime's resolve),
+        _inferred_output_sizes(out)  # else as the overrides name them
+        for v in g.output:
+            _fix_dims(v, dims)
     return out
+
+
+def _fix_dims(v: onnx.ValueInfoProto, dims: Mapping[tuple[str, str], int]) -> None:
+    """Give the dims of ``v`` the overrides name (by symbol or denotation) their sizes, in place."""
+    if v.type.HasField("tensor_type"):
+        for d in v.type.tensor_type.shape.dim:
+            size = dims.get(("name", d.dim_param)) if d.HasField("dim_param") else None
+            size = dims.get(("denotation", d.denotation), size) if d.denotation else size
+            if size is not None:
+                d.dim_value = size
+
+
+def _inferred_output_sizes(model: onnx.ModelProto) -> None:
+    """Give ``model``'s outputs (in place) the sizes ONNX shape inference finds for them, where it finds
+    one; a model inference fails on keeps its declarations."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # noqa: BLE001 - the declarations stay as they are
+        return
+    found = {v.name: v for v in inferred.graph.output}
+    for v in model.graph.output:
+        other = found.get(v.name)
+        if other is None or not v.type.HasField("tensor_type") or not other.type.HasField("tensor_type"):
+            continue
+        mine, theirs = v.type.tensor_type.shape.dim, other.type.tensor_type.shape.dim
+        if v.type.tensor_type.HasField("shape") and len(mine) != len(theirs):
+            continue
+        if not v.type.tensor_type.HasField("shape"):
+            v.type.tensor_type.shape.CopyFrom(other.type.tensor_type.shape)
+            continue
+        for d, e in zip(mine, theirs):
+            if e.HasField("dim_value"):
+                d.dim_value = e.dim_value
 
 
 def _config(options: Any) -> dict[str, str]:

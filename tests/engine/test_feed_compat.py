@@ -81,3 +81,19 @@ def test_a_free_dimension_override_reaches_the_outputs_declaration() -> None:
         so.add_free_dimension_override_by_name("batch", 2)
         sess = lib.InferenceSession(model, so, providers=["CPUExecutionProvider"])
         assert sess.get_outputs()[0].shape == [2, 3], lib.__name__
+
+
+def test_outputs_take_the_sizes_inference_finds_from_overridden_inputs() -> None:
+    """A Concat of the input with itself declared [M, 3] (or [batch, 3], which it is not): with batch fixed
+    to 2, onnxruntime reports [4, 3], what its shape inference finds; onnxtrain renamed symbols only
+    (['M', 3], and [2, 3] for an output of 4 rows)."""
+    for declared in (["M", 3], ["batch", 3]):
+        model = _model([helper.make_node("Concat", ["x", "x"], ["y"], axis=0)],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, declared)])
+        for lib in (ort, onnxtrain):
+            so = lib.SessionOptions()
+            so.add_free_dimension_override_by_name("batch", 2)
+            sess = lib.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+            assert sess.get_outputs()[0].shape == [4, 3], (lib.__name__, declared)
+            assert sess.run(None, {"x": np.ones((2, 3), np.float32)})[0].shape == (4, 3)
