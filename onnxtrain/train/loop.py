@@ -316,6 +316,10 @@ class Trainer:
             windows = json.loads(windows)
             if len(windows) == self.ranks:
                 st.window_loss, st.window_n = float(windows[self.rank][0]), int(windows[self.rank][1])
+            elif windows:  # by another number: each rank takes their mean (the logged loss averages the
+                # ranks' means over equal shares, so the window's steps count as they would have)
+                st.window_loss = sum(float(w[0]) for w in windows) / len(windows)
+                st.window_n = int(windows[0][1])
         if diff and self.main:
             print(f"onnxtrain: warning: resuming with a changed config ({', '.join(diff)}); the run will "
                   "not match an uninterrupted one", file=sys.stderr)

@@ -342,3 +342,20 @@ def test_a_new_run_refuses_a_folder_with_files_no_run_wrote(tmp_path, capsys):
     assert main(["train", config_path("digits_mlp"), "--output-dir", str(run), "-q", "--set",
                  "training.steps=2"]) == 0
     assert onnx.load(str(run / "model.onnx")).graph.output[0].name == "logits"
+
+
+def test_a_log_window_saved_by_another_number_of_ranks_is_kept(tmp_path):
+    """The losses since the last logged step, kept per rank in the checkpoint, were dropped when the run
+    resumed on another number of ranks (the next logged loss averaged fewer steps than the uninterrupted
+    run's); each rank now takes the saved ranks' mean, as the logged loss averages the ranks' means."""
+    sets = ["training.steps=6", "training.log_every=4", "training.checkpoint_every=3",
+            "schedule.kind=constant"]
+    out = str(tmp_path / "run")
+    Trainer(load_config(config_path("digits_mlp"), sets), out, progress=False).run()
+    ckpt = load_checkpoint(list_checkpoints(out)[0][1])  # step 3: three losses in the window
+    (loss, n), = json.loads(ckpt.properties["log_windows"])
+    assert n == 3
+    ckpt.properties["log_windows"] = json.dumps([[loss - 0.5, n], [loss + 1.5, n]])  # as two ranks saved it
+    tr = Trainer(load_config(config_path("digits_mlp"), sets), str(tmp_path / "other"), progress=False)
+    st = tr.restore(ckpt)
+    assert st.window_n == 3 and st.window_loss == pytest.approx(loss + 0.5, rel=1e-12)
