@@ -236,21 +236,24 @@ def _python(code: str) -> list[str]:
 
 
 def test_shortened_blas_spin_frees_the_cores_after_a_gemm() -> None:
-    applied, before, after = _python("""
-        import time, numpy as np
-        from onnxtrain.engine.blas import shorten_blas_spin
-        a = np.ones((1024, 1024), np.float32)
-        def idle_cpu():
-            a @ a
-            c = time.process_time()
-            time.sleep(0.3)
-            return time.process_time() - c
-        before = idle_cpu()
-        print(shorten_blas_spin(), before, idle_cpu())
-    """)
-    if applied != "True":
-        pytest.skip("numpy's BLAS is not an OpenBLAS with a pthreads server")
-    assert float(before) > 0.05  # OpenBLAS's idle thread spun through most of the 0.3 s
+    for _ in range(3):  # (a busy host can keep the spinning thread off its core: measured again)
+        applied, before, after = _python("""
+            import time, numpy as np
+            from onnxtrain.engine.blas import shorten_blas_spin
+            a = np.ones((1024, 1024), np.float32)
+            def idle_cpu():
+                a @ a
+                c = time.process_time()
+                time.sleep(0.3)
+                return time.process_time() - c
+            before = idle_cpu()
+            print(shorten_blas_spin(), before, idle_cpu())
+        """)
+        if applied != "True":
+            pytest.skip("numpy's BLAS is not an OpenBLAS with a pthreads server")
+        if float(before) > 0.05:  # OpenBLAS's idle thread spun through most of the 0.3 s
+            break
+    assert float(before) > 0.05
     assert float(after) < 0.03
 
 
