@@ -175,3 +175,26 @@ def test_reduce_log_sum_exp_of_an_integer_scalar() -> None:
     x = np.array(7, np.int64)
     (y,) = _check(_one("ReduceLogSumExp", {"x": x}, 13, keepdims=1), {"x": x})
     assert y.tolist() == 7
+
+
+@pytest.mark.parametrize("dt", [np.int32, np.int64])
+@pytest.mark.parametrize("opset", [13, 18])
+def test_reduce_mean_of_no_integers_is_zero(dt: type, opset: int) -> None:
+    """onnxruntime's 0 (NaN cast back to an integer gave INT_MIN)."""
+    x = np.zeros((0, 3), dt)
+    if opset >= 18:
+        m = _one("ReduceMean", {"x": x}, opset, inits={"axes": np.array([0], np.int64)}, keepdims=0)
+    else:
+        m = _one("ReduceMean", {"x": x}, opset, axes=[0], keepdims=0)
+    np.testing.assert_array_equal(_check(m, {"x": x})[0], np.zeros(3, dt))
+
+
+@pytest.mark.parametrize("axis,shape,cond", [(None, (2, 3), [1, 0, 1, 1, 0, 1, 1]), (0, (3, 2), [0, 1, 1, 1]),
+                                             (1, (2, 3), [1, 0, 0, 1])])
+def test_compress_ignores_condition_entries_past_the_axis(axis, shape, cond) -> None:
+    """A condition longer than the axis with a True past its end: onnxruntime ignores the extra entries
+    (the engine raised an IndexError)."""
+    x = np.arange(1, 1 + np.prod(shape), dtype=np.float32).reshape(shape)
+    feeds = {"x": x, "c": np.array(cond, bool)}
+    attrs = {} if axis is None else {"axis": axis}
+    _check(_one("Compress", feeds, 13, **attrs), feeds)

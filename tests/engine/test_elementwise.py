@@ -218,9 +218,54 @@ def test_cast_e8m0_rounding() -> None:
         cast_to(x, TensorProto.FLOAT8E8M0, True, "sideways")
 
 
+_FLOAT8 = (TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E4M3FNUZ, TensorProto.FLOAT8E5M2)
+
+
+def _ort_cast(x: np.ndarray, to: int, opset: int = 21) -> np.ndarray:
+    """onnxruntime's Cast of ``x`` (the oracle); a float8 result cast on to float32 (numpy has no float8)."""
+    ort = pytest.importorskip("onnxruntime")
+    src = TensorProto.STRING if x.dtype == object else helper.np_dtype_to_tensor_dtype(x.dtype)
+    nodes = [helper.make_node("Cast", ["x"], ["y" if to not in _FLOAT8 else "y8"], to=to)]
+    if to in _FLOAT8:
+        nodes.append(helper.make_node("Cast", ["y8"], ["y"], to=TensorProto.FLOAT))
+    out = TensorProto.FLOAT if to in _FLOAT8 else to
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", src, list(x.shape))],
+                          [helper.make_tensor_value_info("y", out, list(x.shape))])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("x,to", [
+    (np.array([100, 0, np.nan, np.inf, -np.inf, -0.0, 1.5, 1e-7, 123456789, 3.14159265], np.float32),
+     TensorProto.STRING),
+    (np.array([2.5, -1e20, np.nan], np.float64), TensorProto.STRING),
+    (np.array([True, False]), TensorProto.STRING),
+    (np.array([7, -3, 0], np.int64), TensorProto.STRING),
+    (np.array(["1", "0", "00", "5", "0.0", "-0", "2e3"], dtype=object), TensorProto.BOOL),
+    (np.array([300, 448, -1000], np.int32), TensorProto.FLOAT8E4M3FN),
+    (np.array([255, 16], np.uint8), TensorProto.FLOAT8E4M3FNUZ),
+    (np.array([100000, 2**40], np.int64), TensorProto.FLOAT8E5M2),
+])
+def test_cast_to_and_from_strings_and_integers_to_float8_as_onnxruntime(x, to) -> None:
+    """Numbers spelled as onnxruntime spells them ("100", "NaN", "INF", "1"/"0" for booleans: they were
+    "100.0", "nan", "True"), strings read as numbers for bool ("0" was True, as every non-empty string),
+    integers saturated into float8 as floats are (they became NaN or inf)."""
+    got, want = cast_to(x, to), _ort_cast(x, to)
+    if to in _FLOAT8:
+        got = cast_to(got, TensorProto.FLOAT)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if to == TensorProto.STRING:
+        assert got.tolist() == want.tolist()
+    else:
+        np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+    if x.dtype == np.bool_:  # the round trip keeps the values
+        np.testing.assert_array_equal(cast_to(got, TensorProto.BOOL), x)
+
+
 def test_cast_strings_bool_ints() -> None:
     s = cast_to(np.array([1.5, -2.0], np.float32), TensorProto.STRING)
-    assert s.dtype == object and s.tolist() == ["1.5", "-2.0"]
+    assert s.dtype == object and s.tolist() == ["1.5", "-2"]
     back = cast_to(np.array(["1.5", "-inf"], dtype=object), TensorProto.FLOAT)
     assert back.dtype == np.float32 and back[1] == -np.inf
     np.testing.assert_array_equal(cast_to(np.array([0.0, -0.5, 2.0]), TensorProto.BOOL), [False, True, True])

@@ -7,6 +7,7 @@ Results go through ``_arr`` because ufuncs return numpy scalars for 0-d inputs.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -529,20 +530,37 @@ def cast_to(x: np.ndarray, to: int, saturate: bool = True, round_mode: str = "up
             dt: np.dtype | None = None) -> np.ndarray:
     """``x`` converted to the ONNX element type ``to`` (Cast semantics, opset 19+ ``saturate``)."""
     if to == TensorProto.STRING:
-        return x.astype(np.str_).astype(object)
+        return _as_strings(x)
     if dt is None:
         dt = np.dtype(helper.tensor_dtype_to_np_dtype(to))
     if x.dtype == dt:
         return x
     if to == _E8M0:
         return _to_e8m0(x, dt, saturate, round_mode)
-    if saturate and to in _F8_MAX and x.dtype.kind == "f":
+    if dt == np.bool_ and x.dtype.kind in "OU":  # a string is a number: "0" and "0.0" are False
+        return x.astype(np.float64) != 0
+    if saturate and to in _F8_MAX and x.dtype.kind in "fiu":
         m = _F8_MAX[to]
-        x = np.clip(x, -m, m)  # +-inf and out-of-range values go to the largest finite value
+        x = np.clip(x, -m, m)  # +-inf and out-of-range values (any source type) go to the largest finite one
     if x.dtype.kind == "f" and dt.kind in "iub":
         with np.errstate(invalid="ignore"):  # NaN and out-of-range values are undefined in ONNX
             return x.astype(dt)
     return x.astype(dt)
+
+
+def _as_strings(x: np.ndarray) -> np.ndarray:
+    """``x`` as strings, spelled as onnxruntime's Cast spells them: "1"/"0" for booleans, floating-point
+    values with 8 significant digits ("100", "1e-07") and the reserved "NaN", "INF", "-INF"."""
+    if x.dtype.kind in "OSU":
+        return x.astype(np.str_).astype(object)
+    if x.dtype == np.bool_:
+        return np.where(x, "1", "0").astype(object)
+    if x.dtype.kind in "iu":
+        return x.astype(np.str_).astype(object)
+    v = np.asarray(x, np.float64)
+    special = {math.inf: "INF", -math.inf: "-INF"}
+    out = ["NaN" if math.isnan(f) else special.get(f) or f"{f:.8g}" for f in v.reshape(-1).tolist()]
+    return np.array(out, dtype=object).reshape(x.shape)
 
 
 @kernel("Cast", since=6)

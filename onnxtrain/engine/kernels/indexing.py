@@ -353,9 +353,12 @@ def arg_min(inputs: Inputs, attrs: Attrs) -> Outputs:
 def compress(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, cond = inputs[0], np.asarray(inputs[1]).astype(bool, copy=False).reshape(-1)
     axis = attrs.get("axis")
+    # a condition longer than the axis: its extra entries are ignored, as onnxruntime ignores them
     if axis is None:
-        return (np.compress(cond, x.reshape(-1)),)
-    return (np.compress(cond, x, axis=_axis(axis, x.ndim)),)
+        flat = x.reshape(-1)
+        return (np.compress(cond[: flat.size], flat),)
+    ax = _axis(axis, x.ndim)
+    return (np.compress(cond[: x.shape[ax]], x, axis=ax),)
 
 
 @kernel("Unique", since=11)

@@ -171,8 +171,8 @@ def _sum(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
 
 
 def _mean(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
-    if x.dtype.kind in "iu":
-        return np.mean(x, axis=axes, keepdims=keepdims)
+    if x.dtype.kind in "iu":  # (the mean of no integers is 0, as onnxruntime's: NaN cast back was garbage)
+        return np.mean(x, axis=axes, keepdims=keepdims) if x.size else np.sum(x, axis=axes, keepdims=keepdims)
     w = _work(x)
     y = _last_axis_sum(w, axes, keepdims)
     if y is not None:
