@@ -339,23 +339,30 @@ def instance_norm_grad(g: GradCtx) -> None:
 def group_norm_grad(g: GradCtx) -> None:
     # X viewed as (N, G, C/G, S): statistics over (C/G, S). Scale/bias are per group at opset 18-20
     # and per channel from 21 (stash_type: the kernels' rule, float32 for float16/bfloat16 inputs).
+    # Per group (opset 18-20), X is viewed as (N, G, C/G·S) and needs no channel count; per channel, as
+    # (N, G, C/G, S), the count read from X's static shape or, when symbolic there, from the scale's.
     groups = g.attr("num_groups")
-    xs = g.static_shape(0)
-    c = xs[1] if xs is not None and len(xs) > 1 else None
-    if c is None:
-        raise RuleError("GroupNormalization gradient needs the static channel count of the input")
     per_channel = g.opset >= 21
+    c = None
+    if per_channel:
+        for shape, k in ((g.static_shape(0), 1), (g.static_shape(1), 0)):
+            if c is None and shape is not None and len(shape) > k:
+                c = shape[k]
+        if c is None:
+            raise RuleError("GroupNormalization gradient needs the static channel count of the input or its "
+                            "scale")
     xt, wt = g.dtype, _work_type(g)
-    view = g.ints([0, groups, c // groups, -1])
+    view = g.ints([0, groups, c // groups, -1] if per_channel else [0, groups, -1])
+    stats = [2, 3] if per_channel else [2]
     x = g.emit("Reshape", _cast(g, g.x(0), wt, xt), view)
     dy = g.emit("Reshape", _cast(g, g.dy(0), wt, xt), view)
-    xhat, rstd = _standardize(g, x, [2, 3], g.attr("epsilon"), wt)
+    xhat, rstd = _standardize(g, x, stats, g.attr("epsilon"), wt)
     if g.needs_dx(0):
         scale = _cast(g, g.x(1), wt, xt)
-        sc = g.emit("Reshape", scale, g.ints([groups, c // groups, 1] if per_channel else [groups, 1, 1]))
-        dxg = _dx(g, g.emit("Mul", dy, sc), xhat, rstd, [2, 3])
+        sc = g.emit("Reshape", scale, g.ints([groups, c // groups, 1] if per_channel else [groups, 1]))
+        dxg = _dx(g, g.emit("Mul", dy, sc), xhat, rstd, stats)
         g.set_dx(0, _cast(g, g.emit("Reshape", dxg, g.shape(0)), xt, wt))
-    red = [0, 3] if per_channel else [0, 2, 3]
+    red = [0, 3] if per_channel else [0, 2]
     for i, t in ((1, None), (2, dy)):
         if g.needs_dx(i):
             s = _sum_to(g, g.emit("Mul", dy, xhat) if t is None else t, red, i, wt)
