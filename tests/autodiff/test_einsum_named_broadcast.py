@@ -50,6 +50,9 @@ ELLIPSIS_CASES = [  # '...' after named subscripts, broadcast inside it; static 
     ("i...j,j->i...", [(2, 1, 3), (3,)], False),
     ("...ij,...jk->...ik", [(1, 3, 4), (5, 4, 2)], True), ("...i,...i->...", [(2, 1, 4), (3, 4)], True),
     ("ij,ij->ij", [(2, 1), (2, 3)], True), ("b...ij,b...jk->b...ik", [(2, 1, 3, 4), (2, 6, 4, 5)], True),
+    # diagonals of a symbolic size: the identity is made at run time (they were refused)
+    ("ii->i", [(3, 3)], True), ("bii->bi", [(2, 3, 3)], True), ("iij->j", [(3, 3, 2)], True),
+    ("ii,i->i", [(3, 3), (3,)], True),
 ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import string
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
@@ -225,11 +225,8 @@ def einsum_grad(g: GradCtx) -> None:
         for pos, c in enumerate(sub):
             if c in own:
                 n = (g.static_shape(i) or [None] * len(sub))[pos]
-                if n is None:
-                    raise RuleError(f"Einsum gradient of a diagonal ({sub!r}) needs the static size of "
-                                    f"axis {pos} of operand {i}")
                 c2 = letters()
-                names.append(g.const(np.eye(n)))
+                names.append(g.const(np.eye(n)) if n is not None else _eye_of_axis(g, i, pos))
                 subs.append(c + c2)
                 c = c2
             own.append(c)
@@ -249,6 +246,13 @@ def einsum_grad(g: GradCtx) -> None:
         if _may_broadcast(g, i, own, subs):  # a size-1 axis matched to a larger one: summed at run time
             grad = g.unbroadcast_at_run_time(grad, i)
         g.set_dx(i, grad)
+
+
+def _eye_of_axis(g: GradCtx, i: int, axis: int) -> str:
+    """An identity matrix as large as axis ``axis`` of operand ``i`` is at run time."""
+    n = g.emit("Gather", g.shape(i), g.ints([axis]), axis=0)
+    zero = numpy_helper.from_array(np.zeros(1, helper.tensor_dtype_to_np_dtype(g.dtype)))
+    return g.emit("EyeLike", g.emit("ConstantOfShape", g.emit("Concat", n, n, axis=0), value=zero))
 
 
 def _may_broadcast(g: GradCtx, i: int, own: list[str], others: list[str]) -> bool:
