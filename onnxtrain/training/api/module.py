@@ -260,15 +260,13 @@ class Module:
         else:
             self._loss_scaler = loss_scaler if loss_scaler is not None else DynamicLossScaler()
         self._grad_loss_scale: np.ndarray | None = None  # the scale of the gradients accumulated now
-        for p in self._trainable:  # a new Module starts from zero gradients, as onnxruntime's (another
-            param = state._params[p]  # Module's left over would reach an Optimizer.step before any training)
-            if param.data is None:
-                continue
-            grad = param.grad
-            if grad is None or grad.shape != param.data.shape or grad.dtype != param.data.dtype:
+        # Modules over one state share its gradients (onnxruntime-training gives each Module buffers of its
+        # own): a new Module leaves them as they are, so that another Module's Optimizer still steps with
+        # the gradients its Module made (the README: call lazy_reset_grad() to start this one from zero)
+        for p in self._trainable:
+            param = state._params[p]
+            if param.grad is None and param.data is not None:
                 param.grad = np.zeros_like(param.data)
-            else:
-                param.grad.fill(0)
         # a step that overwrites the gradients (the usual one, after lazy_reset_grad) runs a variant without
         # the accumulators, and the accumulating model is compiled on the first step that accumulates:
         # onnxruntime would run the accumulators anyway, and the numpy engine, which skips them, still pays
