@@ -74,6 +74,9 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
+TMP_SUFFIX = ".onnxtrain.tmp"  # the end of StagedFiles' temporaries' names
+
+
 class StagedFiles:
     """Files written to temporaries beside their targets, renamed onto them together by :meth:`commit`.
 
@@ -87,6 +90,7 @@ class StagedFiles:
     def __init__(self) -> None:
         self._staged: list[tuple[str, str]] = []  # (temporary, target), in rename order
         self._remove: list[str] = []
+        self._locks: list[int] = []  # open descriptors locking the temporaries until commit or discard
         self._closed = False
 
     def __enter__(self) -> StagedFiles:
@@ -113,7 +117,10 @@ class StagedFiles:
             raise ValueError(f"{path} is staged twice")
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=TMP_SUFFIX, dir=folder)
+        lock = os.open(tmp, os.O_RDONLY)  # held (and locked) while the temporary is in flight: a commit's
+        _lock(lock)                       # clean-up of killed writes' temporaries leaves it alone
+        self._locks.append(lock)
         try:
             with os.fdopen(fd, "wb") as f:
                 write(f)
@@ -126,6 +133,7 @@ class StagedFiles:
             os.chmod(tmp, mode)
         except BaseException:
             _unlink_quietly(tmp)
+            os.close(self._locks.pop())
             raise
         self._staged.append((tmp, path))
 
@@ -143,6 +151,13 @@ class StagedFiles:
             _unlink_quietly(tmp)
         self._staged.clear()
         self._closed = True
+        self._unlock()
+
+    def _unlock(self) -> None:
+        for fd in self._locks:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._locks.clear()
 
     def commit(self) -> None:
         """Rename every temporary onto its target; if one rename fails, put back the files already
@@ -187,6 +202,7 @@ class StagedFiles:
         for path in self._remove:
             if path not in self.targets and os.path.isfile(path):
                 os.unlink(path)
+        self._unlock()
         for path in self.targets:
             _remove_leftover_temporaries(path)
         for folder in sorted({os.path.dirname(os.path.abspath(p)) for p in self.targets + self._remove}):
@@ -194,14 +210,25 @@ class StagedFiles:
 
 
 def _remove_leftover_temporaries(path: str) -> None:
-    """Delete the temporaries of ``path`` a write killed before its rename left (``<name>.<8 random>.tmp``,
-    as :meth:`StagedFiles.write` names them): the file now in place supersedes them."""
+    """Delete the temporaries of ``path`` that writes killed before their rename left (named
+    ``<name>.<8 random>.onnxtrain.tmp`` by :meth:`StagedFiles.write`; another writer's, still locked, stay):
+    the file now in place supersedes them."""
     folder, name = os.path.split(os.path.abspath(path))
-    pattern = re.compile(re.escape(name) + r"\.[a-z0-9_]{8}\.tmp$")
+    pattern = re.compile(re.escape(name) + r"\.[a-z0-9_]{8}" + re.escape(TMP_SUFFIX) + "$")
     with contextlib.suppress(OSError):
         for f in os.listdir(folder):
-            if pattern.match(f):
-                _unlink_quietly(os.path.join(folder, f))
+            if not pattern.match(f):
+                continue
+            leftover = os.path.join(folder, f)
+            try:
+                fd = os.open(leftover, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                if _lock(fd):  # no live writer holds it
+                    _unlink_quietly(leftover)
+            finally:
+                os.close(fd)
 
 
 # ---------------------------------------------------------------- the commit journal

@@ -515,11 +515,24 @@ def test_a_save_removes_the_temporaries_a_killed_save_of_that_file_left(tmp_path
     for _ in range(2):
         assert _killed(lambda: save_checkpoint(_ckpt(2), path), the_rename)
     left = [f for f in os.listdir(tmp_path) if f != "ckpt"]
-    assert len(left) == 2 and all(f.startswith("ckpt.") and f.endswith(".tmp") for f in left), left
-    others = ["other.abcd1234.tmp", "ckpt.notes.tmp"]
+    assert len(left) == 2 and all(f.startswith("ckpt.") and f.endswith(".onnxtrain.tmp") for f in left), left
+    others = ["other.abcd1234.onnxtrain.tmp", "ckpt.notes.tmp", "ckpt.20240101.tmp"]  # (a user's files)
     for f in others:
         (tmp_path / f).write_bytes(b"x")
     assert _same(load_checkpoint(path), _ckpt(1))
     save_checkpoint(_ckpt(3), path)
     assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *others])
     assert _same(load_checkpoint(path), _ckpt(3))
+
+
+def test_the_clean_up_leaves_another_writers_temporary_alone(tmp_path):
+    """Two saves of one file at once: the first commit's clean-up does not delete the other's temporary,
+    still being written (locked while in flight), and the other commit then succeeds."""
+    target = str(tmp_path / "f")
+    slow = StagedFiles()
+    slow.write(target, lambda f: f.write(b"slow"))
+    with StagedFiles() as fast:
+        fast.write(target, lambda f: f.write(b"fast"))
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".onnxtrain.tmp")]) == 1
+    slow.commit()
+    assert (tmp_path / "f").read_bytes() == b"slow" and os.listdir(tmp_path) == ["f"]
