@@ -53,6 +53,10 @@ ELLIPSIS_CASES = [  # '...' after named subscripts, broadcast inside it; static 
     # diagonals of a symbolic size: the identity is made at run time (they were refused)
     ("ii->i", [(3, 3)], True), ("bii->bi", [(2, 3, 3)], True), ("iij->j", [(3, 3, 2)], True),
     ("ii,i->i", [(3, 3), (3,)], True),
+    # the larger operand's gradient, summed over the letter the other broadcasts, expanded back
+    ("ij,ij->", [(2, 4), (1, 4)], True), ("ij,j->i", [(2, 4), (1,)], True),
+    ("...j,...j->", [(2, 4), (1, 4)], True),
+    ("i...j,i...j->i", [(2, 3, 4), (2, 1, 4)], True),
 ]
 
 

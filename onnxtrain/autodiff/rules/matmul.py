@@ -243,8 +243,9 @@ def einsum_grad(g: GradCtx) -> None:
             shape = g.static_shape(i)
             if shape is None or any(shape[p] != 1 for p in missing):
                 grad = g.emit("Expand", grad, g.shape(i))
-        if _may_broadcast(g, i, own, subs):  # a size-1 axis matched to a larger one: summed at run time
-            grad = g.unbroadcast_at_run_time(grad, i)
+        if _may_broadcast(g, i, own, subs):  # a 1 matched to a larger size, in this operand (summed) or in
+            # another (expanded to this one's size), found at run time
+            grad = g.unbroadcast_at_run_time(g.emit("Expand", grad, g.shape(i)), i)
         g.set_dx(i, grad)
 
 
