@@ -242,15 +242,19 @@ def _ort_cast(x: np.ndarray, to: int, opset: int = 21) -> np.ndarray:
     (np.array([2.5, -1e20, np.nan], np.float64), TensorProto.STRING),
     (np.array([True, False]), TensorProto.STRING),
     (np.array([7, -3, 0], np.int64), TensorProto.STRING),
-    (np.array(["1", "0", "00", "5", "0.0", "-0", "2e3"], dtype=object), TensorProto.BOOL),
+    (np.array(["1", "0", "00", "5", "0.0", "-0", "2e3", "0.5", "0.9", "2.5", " 7"], dtype=object),
+     TensorProto.BOOL),
+    (np.array(["1.5", "1e2", "-7", "+3", "42"], dtype=object), TensorProto.INT64),
+    (np.array(["1000", "-1e9", "3", "INF", "nan"], dtype=object), TensorProto.FLOAT8E4M3FN),
     (np.array([300, 448, -1000], np.int32), TensorProto.FLOAT8E4M3FN),
     (np.array([255, 16], np.uint8), TensorProto.FLOAT8E4M3FNUZ),
     (np.array([100000, 2**40], np.int64), TensorProto.FLOAT8E5M2),
 ])
 def test_cast_to_and_from_strings_and_integers_to_float8_as_onnxruntime(x, to) -> None:
     """Numbers spelled as onnxruntime spells them ("100", "NaN", "INF", "1"/"0" for booleans: they were
-    "100.0", "nan", "True"), strings read as numbers for bool ("0" was True, as every non-empty string),
-    integers saturated into float8 as floats are (they became NaN or inf)."""
+    "100.0", "nan", "True"), strings read by their integer prefix for bool and integers ("0" was True, as
+    every non-empty string; "1.5" failed as an integer), integers and strings saturated into float8 as floats
+    are (they became NaN or inf, or failed)."""
     got, want = cast_to(x, to), _ort_cast(x, to)
     if to in _FLOAT8:
         got = cast_to(got, TensorProto.FLOAT)

@@ -8,6 +8,7 @@ Results go through ``_arr`` because ufuncs return numpy scalars for 0-d inputs.
 from __future__ import annotations
 
 import math
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -537,8 +538,11 @@ def cast_to(x: np.ndarray, to: int, saturate: bool = True, round_mode: str = "up
         return x
     if to == _E8M0:
         return _to_e8m0(x, dt, saturate, round_mode)
-    if dt == np.bool_ and x.dtype.kind in "OU":  # a string is a number: "0" and "0.0" are False
-        return x.astype(np.float64) != 0
+    if x.dtype.kind in "OU":  # strings: read as numbers, as onnxruntime reads them
+        if dt.kind in "iub":  # its integer prefix ("1.5" and "1e2" are 1), as C's strtoll
+            ints = np.array([_integer_prefix(v) for v in x.reshape(-1).tolist()], dtype=object)
+            return (ints != 0 if dt.kind == "b" else ints.astype(dt)).reshape(x.shape)
+        x = x.astype(np.float64)  # ("1e-5", "INF", "-inf", "NaN" in any case)
     if saturate and to in _F8_MAX and x.dtype.kind in "fiu":
         m = _F8_MAX[to]
         x = np.clip(x, -m, m)  # +-inf and out-of-range values (any source type) go to the largest finite one
@@ -546,6 +550,17 @@ def cast_to(x: np.ndarray, to: int, saturate: bool = True, round_mode: str = "up
         with np.errstate(invalid="ignore"):  # NaN and out-of-range values are undefined in ONNX
             return x.astype(dt)
     return x.astype(dt)
+
+
+_INTEGER_PREFIX = re.compile(r"\s*([+-]?\d+)")
+
+
+def _integer_prefix(v: Any) -> int:
+    """The integer a string starts with (onnxruntime's Cast to an integer type or bool reads that much)."""
+    m = _INTEGER_PREFIX.match(str(v))
+    if m is None:
+        raise ValueError(f"Cast: {str(v)!r} does not start with an integer")
+    return int(m.group(1))
 
 
 def _as_strings(x: np.ndarray) -> np.ndarray:
