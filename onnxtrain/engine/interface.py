@@ -102,11 +102,11 @@ def _read_external(model: onnx.ModelProto, folder: str, what: str) -> None:
             with open(path, "rb") as f:
                 f.seek(int(info.get("offset", 0)))
                 length = info.get("length")
-                data = f.read(int(length)) if length is not None else f.read()
+                wanted = _external_size(t, length)  # without a length: the bytes its shape takes
+                data = f.read(wanted) if wanted is not None else f.read()
         except OSError as e:
             raise ModelParseError(f"{what}: could not read the data of tensor {t.name!r} from {path}: {e}") \
                 from None
-        wanted = _external_size(t, length)
         if wanted is not None and len(data) != wanted:
             raise ModelParseError(f"{what}: tensor {t.name!r} takes {wanted} bytes from {path} at offset "
                                   f"{int(info.get('offset', 0))}, the file holds {len(data)} there")

@@ -127,3 +127,31 @@ def test_a_data_file_shorter_than_the_tensor_names_tensor_and_file(tmp_path) -> 
     with pytest.raises(ModelParseError,
                        match=r"tensor 'W' takes 4000 bytes from .*w\.bin at offset 0, the file holds 2000"):
         onnxtrain.InferenceSession(path)
+
+
+def test_a_tensor_without_a_length_reads_the_bytes_its_shape_takes(tmp_path) -> None:
+    """Two tensors in one data file, the first without a ``length`` entry: its shape says how much to read,
+    as onnxruntime reads it (the rest of the file was read and refused as the wrong size)."""
+    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(4, np.float32)
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Identity", ["A"], ["Y"]), helper.make_node("Identity", ["B"], ["Z"])], "g", [],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [2, 3]),
+         helper.make_tensor_value_info("Z", TensorProto.FLOAT, [4])],
+        [numpy_helper.from_array(a, "A"), numpy_helper.from_array(b, "B")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    (tmp_path / "w.bin").write_bytes(a.tobytes() + b.tobytes())
+    for t, offset, length in ((model.graph.initializer[0], 0, None), (model.graph.initializer[1], 24, 16)):
+        t.ClearField("raw_data")
+        entries = [("location", "w.bin"), ("offset", str(offset))]
+        entries += [("length", str(length))] if length else []
+        for k, v in entries:
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        t.data_location = TensorProto.EXTERNAL
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    path = str(tmp_path / "m.onnx")
+    want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {})
+    got = onnxtrain.InferenceSession(path).run(None, {})
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, w)
+    np.testing.assert_array_equal(got[0], a)
