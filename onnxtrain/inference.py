@@ -503,8 +503,14 @@ def _fix_dims(v: onnx.ValueInfoProto, dims: Mapping[tuple[str, str], int]) -> No
 def _inferred_output_sizes(model: onnx.ModelProto) -> None:
     """Give ``model``'s outputs (in place) the sizes ONNX shape inference finds for them, where it finds
     one; a model inference fails on keeps its declarations."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    fed = {i.name for i in probe.graph.input}  # an overridable initializer's value is not known here
+    kept = [t for t in probe.graph.initializer if t.name not in fed]
+    del probe.graph.initializer[:]
+    probe.graph.initializer.extend(kept)
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=False)
     except Exception:  # noqa: BLE001 - the declarations stay as they are
         return
     found = {v.name: v for v in inferred.graph.output}

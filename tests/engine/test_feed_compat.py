@@ -97,3 +97,22 @@ def test_outputs_take_the_sizes_inference_finds_from_overridden_inputs() -> None
             sess = lib.InferenceSession(model, so, providers=["CPUExecutionProvider"])
             assert sess.get_outputs()[0].shape == [4, 3], (lib.__name__, declared)
             assert sess.run(None, {"x": np.ones((2, 3), np.float32)})[0].shape == (4, 3)
+
+
+def test_an_overridable_initializer_does_not_fix_the_inferred_output_sizes() -> None:
+    """y = Reshape(x, shape) with ``shape`` an initializer that is also an input: its default does not fix
+    y's sizes (inference took it for a constant: [3, 4], and the backend warned on every run fed [12, 1])."""
+    g = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 6]),
+                           helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])],
+                          [numpy_helper.from_array(np.array([3, 4], np.int64), "shape")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    for lib in (ort, onnxtrain):
+        so = lib.SessionOptions()
+        so.add_free_dimension_override_by_name("batch", 2)
+        so.log_severity_level = 3
+        sess = lib.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+        assert sess.get_outputs()[0].shape == ["a", "b"], lib.__name__
+        y = sess.run(None, {"x": np.ones((2, 6), np.float32), "shape": np.array([12, 1], np.int64)})[0]
+        assert y.shape == (12, 1)
