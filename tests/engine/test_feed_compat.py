@@ -107,7 +107,8 @@ def test_an_overridable_initializer_does_not_fix_the_inferred_output_sizes() -> 
                            helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])],
                           [numpy_helper.from_array(np.array([3, 4], np.int64), "shape")])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    opsets = [helper.make_opsetid("", 17)]
+    model = helper.make_model(g, opset_imports=opsets, ir_version=8).SerializeToString()
     for lib in (ort, onnxtrain):
         so = lib.SessionOptions()
         so.add_free_dimension_override_by_name("batch", 2)
