@@ -107,6 +107,8 @@ class OrtValue:
         if isinstance(value, np.ndarray):
             return f"tensor({_type_name(value.dtype)})"
         declared = self._declared or ""
+        if declared.startswith("optional(") and value is not None:  # an optional holding a value: the value's
+            declared = declared[len("optional("):-1]
         if isinstance(value, (list, tuple)):
             first = next((np.asarray(v) for v in value), None)
             if first is None and declared.startswith("seq("):  # empty: its element type is the graph's

@@ -72,6 +72,13 @@ def test_an_empty_sequence_keeps_its_element_type_and_sequences_feed_back(lib) -
     empty = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
     sess = lib.InferenceSession(empty, providers=["CPUExecutionProvider"])
     assert sess.run_with_ort_values(None, {})[0].data_type() == "seq(tensor(int64))"
+    seq_int = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.INT64, None))
+    g = helper.make_graph([helper.make_node("SequenceEmpty", [], ["s"], dtype=TensorProto.INT64),
+                           helper.make_node("Optional", ["s"], ["o"])], "g", [],
+                          [helper.make_value_info("o", helper.make_optional_type_proto(seq_int))])
+    held = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+    sess = lib.InferenceSession(held, providers=["CPUExecutionProvider"])
+    assert sess.run_with_ort_values(None, {})[0].data_type() == "seq(tensor(int64))"  # the optional's value
     seq = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
     split = helper.make_model(helper.make_graph(
         [helper.make_node("SplitToSequence", ["x"], ["s"], axis=0, keepdims=1)], "g",
