@@ -492,8 +492,8 @@ def _check_parameters(cfg: Config) -> None:
                 raise ConfigError(f"training.parameters.{label}.{w}",
                                   f"expected a mapping of attribute names to numbers, got {_show(attrs)}")
             for a, value in attrs.items():
-                if kind is int and isinstance(value, bool):  # a flag (do_bias_correction: false): 0 or 1,
-                    value = int(value)                        # as onnxruntime's binding stored it
+                if isinstance(value, bool):  # true/false: 1 or 0 (1.0 or 0.0 in the float map), as
+                    value = kind(value)      # onnxruntime's binding stored a bool given for a number
                     attrs[a] = t.parameters[label][w][a] = value
                 number = isinstance(value, (int, float)) and not isinstance(value, bool)
                 if not number or (kind is int and not float(value).is_integer()):

@@ -322,6 +322,10 @@ def test_flags_in_the_int_attributes_map_may_be_true_or_false(tmp_path, capsys):
     cfg = load_config(config_path("digits_mlp"), [setting])
     flag = cfg.training.parameters["optimizer_int_attributes_map"]["fc0.weight"]["do_bias_correction"]
     assert flag == 0 and type(flag) is int
+    floats = "training.parameters.optimizer_attributes_map={fc0.weight: {ratio_max: true}}"
+    value = load_config(config_path("digits_mlp"), [floats]).training.parameters[
+        "optimizer_attributes_map"]["fc0.weight"]["ratio_max"]
+    assert value == 1.0 and type(value) is float
     assert main(["train", config_path("digits_mlp"), "-q", "--output-dir", str(tmp_path / "out"),
                  "--set", setting, "--set", "training.steps=2"]) == 0
 
