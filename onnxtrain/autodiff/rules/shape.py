@@ -257,7 +257,7 @@ def pad_grad(g: GradCtx) -> None:
         if (p < 0).any():
             out = g.emit("Pad", *trim(out, g.ints(np.maximum(-p, 0).reshape(-1).tolist()), None, axes))
         g.set_dx(0, out)
-        _constant_value_grad(g, dy, out)
+        _constant_value_grad(g, dy)
         return
     zero = g.const(0, I64)
     pr = g.emit("Reshape", g.x(1), g.ints([2, -1]))
@@ -269,17 +269,21 @@ def pad_grad(g: GradCtx) -> None:
     crop = g.emit("Max", g.emit("Neg", g.x(1)), zero)
     dx = g.emit("Pad", *trim(sliced, crop, None, axes))
     g.set_dx(0, dx)
-    _constant_value_grad(g, dy, dx)
+    _constant_value_grad(g, dy)
 
 
-def _constant_value_grad(g: GradCtx, dy: str, dx: str) -> None:
-    """The constant value's gradient: dY summed over the padded cells, all of dY but the part X's cells
-    took (dX holds it, zeros where a negative pad cropped X)."""
+def _constant_value_grad(g: GradCtx, dy: str) -> None:
+    """The constant value's gradient: dY summed over the cells it fills, picked by padding zeros shaped like
+    X with ones (summing those cells alone keeps the sum's rounding theirs; all of dY less X's part lost
+    digits on large tensors)."""
     if not g.needs_dx(2):
         return
-    total, kept = (g.reduce("ReduceSum", v, None, keepdims=0) for v in (dy, dx))
-    padded = g.emit("Sub", total, kept)
-    g.set_dx(2, g.emit("Reshape", padded, g.shape(2)))
+    zero = numpy_helper.from_array(np.zeros(1, np_dtype(g.dtype)))
+    blank = g.emit("ConstantOfShape", g.shape(0), value=zero)
+    axes = g.x(3) if g.has_x(3) else None
+    filled = g.emit("Pad", *trim(blank, g.x(1), g.const(np.array(1.0)), axes))
+    total = g.reduce("ReduceSum", g.emit("Mul", dy, filled), None, keepdims=0)
+    g.set_dx(2, g.emit("Reshape", total, g.shape(2)))
 
 
 @gradient("DepthToSpace", linear=True)
