@@ -503,6 +503,18 @@ def build_step_graphs(
     )
 
 
+def _add_learning_rate_input(inputs: list[onnx.ValueInfoProto], name: str) -> None:
+    """Append the learning-rate feed ``name`` to ``inputs``, unless the model has an input of that name
+    already (onnxruntime skipped duplicates: the one feed serves both), which must be float."""
+    same = next((i for i in inputs if i.name == name), None)
+    if same is None:
+        inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [1]))
+    elif same.type.tensor_type.elem_type != TensorProto.FLOAT:
+        raise ValueError(f"lr_params_feed_name {name!r} is an input of the model of another type than "
+                         "float; name the learning-rate feed otherwise (TrainingParameters."
+                         "lr_params_feed_name)")
+
+
 def _emit_update(
     w: NodeWriter,
     slots: list[WeightSlot],
@@ -522,7 +534,7 @@ def _emit_update(
     over ZeRO partitions across ranks) instead of being computed from the slots' gradients. With ``mp`` the
     gradients are loss-scaled: the update unscales them (and clips), and is skipped when not all are finite.
     """
-    inputs.append(helper.make_tensor_value_info(p.lr_params_feed_name, TensorProto.FLOAT, [1]))
+    _add_learning_rate_input(inputs, p.lr_params_feed_name)
     if mp is not None and mp.loss_scale not in {i.name for i in inputs}:
         inputs.append(helper.make_tensor_value_info(mp.loss_scale, TensorProto.FLOAT, [1]))
     norm = None

@@ -140,3 +140,39 @@ def test_a_session_without_an_optimizer_says_it_trains_nothing() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         TrainingSession(model, params("", set_gradients_as_graph_outputs=True))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
+def test_a_model_input_named_like_the_learning_rate_feed_is_that_feed(backend: str, tmp_path) -> None:
+    """A model input ``Learning_Rate`` (float [1], added to the logits) was listed twice in the training
+    graph: an invalid graph that the onnxruntime backend refused; onnxruntime skipped the duplicate, one feed
+    serving both. SGD's step against numpy's."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    import onnxtrain
+
+    model = mlp_model()
+    g = model.graph
+    g.input.append(helper.make_tensor_value_info("Learning_Rate", TensorProto.FLOAT, [1]))
+    sce = next(n for n in g.node if n.op_type == "SoftmaxCrossEntropyLoss")
+    g.node.insert(list(g.node).index(sce), helper.make_node("Add", ["logits", "Learning_Rate"], ["shifted"]))
+    sce.input[0] = "shifted"
+    so = onnxtrain.SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", backend)
+    dump = str(tmp_path / "training.onnx")
+    sess = TrainingSession(model.SerializeToString(), params(model_with_training_graph_path=dump), so)
+    assert [i.name for i in sess.get_inputs()].count("Learning_Rate") == 1
+    onnx.checker.check_model(onnx.load(dump), full_check=True)
+    ((x, y),) = batches(1, 8)
+    lr = np.array([0.5], np.float32)
+    w = {k: v.copy() for k, v in sess.get_state().items()}
+    sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})
+    # the gradient of W2 by hand: softmax(logits + lr) − onehot, through the second Gemm
+    h = np.maximum(x @ w["W1"].T + w["b1"], 0)
+    z = h @ w["W2"].T + w["b2"] + lr
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    p[np.arange(len(y)), y] -= 1
+    want = w["W2"] - 0.5 * (p / len(y)).T @ h
+    np.testing.assert_allclose(sess.get_state()["W2"], want, rtol=1e-5, atol=1e-6)
