@@ -340,6 +340,22 @@ BROADCASTING_OPS = frozenset({
 })
 
 
+def _differentiable_ys(bw: Any, ys: Sequence[str], requires: set[str]) -> list[str]:
+    """The ``ys`` a gradient can flow through; the others — graph inputs and initializers (nothing makes
+    them), values of a non-float type or that no x reaches — are left out with a warning, as onnxruntime's
+    builder logged and ignored them (an input ``<y>_grad`` nothing reads would have to be fed)."""
+    made = {o for n in bw.fwd_nodes for o in n.output if o}
+    kept, left = [], []
+    for y in ys:
+        (kept if y in made and y in requires else left).append(y)
+    if left:
+        from onnxtrain.user_warning import warn
+
+        warn(f"GradientGraphBuilder: y {left} are not differentiable with respect to the x (inputs, "
+             "initializers, non-float values or values no x reaches): they take no incoming gradient")
+    return kept
+
+
 def _np_int64_1() -> Any:
     import numpy as np
 
@@ -363,6 +379,7 @@ def build_gradient_model(
     grad_suffix: str = "_grad",
     memory_efficient: bool = False,
     seed_loss: bool = True,
+    drop_non_differentiable_ys: bool = False,
 ) -> onnx.ModelProto:
     """Append the backward pass of ``loss`` with respect to ``wrt`` to ``model``.
 
@@ -374,7 +391,9 @@ def build_gradient_model(
     backward pass takes its gradient from its output instead, so that the input is freed after the
     forward (:func:`~onnxtrain.autodiff.rules.normalization.layer_norm_grad_from_output`). With
     ``seed_loss=False`` the loss too takes its incoming gradient ``<loss>_grad`` as a graph input
-    instead of ones. Example::
+    instead of ones. With ``drop_non_differentiable_ys`` (onnxruntime's GradientGraphBuilder), other ys
+    that are inputs, initializers, non-float or out of the x's reach are left out with a warning.
+    Example::
 
         m = build_gradient_model(onnx.load("mlp_loss.onnx"), "loss", ["fc1.weight", "fc1.bias"])
     """
@@ -434,6 +453,8 @@ def build_gradient_model(
             for o in node.output:
                 if o and _is_float(bw, o):
                     requires.add(o)
+    if drop_non_differentiable_ys:
+        other_ys = _differentiable_ys(bw, other_ys, requires)
     ys = [loss, *other_ys]
     # backward reachability from the ys
     needed: set[str] = {y for y in ys if y in requires}

@@ -72,7 +72,7 @@ class GradientGraphBuilder:
                                ("use_memory_efficient_gradient", "use_invertible_layernorm_grad"))
         built = build_gradient_model(
             self._model, first, self._xs, other_ys=others, zero_unreachable=False, seed_loss=seeded,
-            memory_efficient=memory_efficient,
+            memory_efficient=memory_efficient, drop_non_differentiable_ys=True,
         )
         # as onnxruntime's builder: a loss that was no output of the model stays none
         outputs_in_model_order(built, self._model, self._xs, keep_others=False)

@@ -77,6 +77,34 @@ def test_builder_keeps_the_model_outputs_in_place_as_onnxruntime(loss_is_output:
     np.testing.assert_allclose(got["W_grad"], feeds["x"].T @ (2 * (feeds["x"] @ w - feeds["y"])), rtol=1e-12)
 
 
+def test_ys_no_gradient_reaches_are_ignored_as_onnxruntime_ignored_them() -> None:
+    """ys that are graph inputs, of an integer type, or that no x reaches take no incoming gradient (an
+    input ``<y>_grad`` with no reader, int64 for an ArgMax, had to be fed); onnxruntime's builder logged and
+    ignored them. The built model runs in onnxruntime with the ys' own feeds only, its gradients those of
+    the loss alone (its closed form)."""
+    import onnxruntime as ort
+
+    model = _pred_then_loss(True)
+    g = model.graph
+    g.node.extend([helper.make_node("ArgMax", ["pred"], ["top"], axis=1),
+                   helper.make_node("Neg", ["y"], ["other"])])
+    g.output.extend([helper.make_tensor_value_info("top", T.INT64, [3, 1]),
+                     helper.make_tensor_value_info("other", T.DOUBLE, [3, 2])])
+    b = GradientGraphBuilder(model.SerializeToString(), ["loss", "top", "other", "y"], ["W"], "loss")
+    with pytest.warns(UserWarning, match=r"\['top', 'other', 'y'\] are not differentiable"):
+        b.build()
+    m = onnx.load_from_string(b.get_model())
+    onnx.checker.check_model(m, full_check=True)
+    assert [i.name for i in m.graph.input] == ["x", "y"]
+    rng = np.random.default_rng(4)
+    feeds = {"x": rng.standard_normal((3, 2)), "y": rng.standard_normal((3, 2))}
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in m.graph.output], sess.run(None, feeds)))
+    w = numpy_helper.to_array(g.initializer[0])
+    want = 2 * feeds["x"].T @ (feeds["x"] @ w - feeds["y"])  # d/dW of sum((xW − y)²)
+    np.testing.assert_allclose(got["W_grad"], want, rtol=1e-12)
+
+
 def test_builder_errors_are_runtime_errors_as_onnxruntime() -> None:
     model = _pred_then_loss(True)
     with pytest.raises(RuntimeError, match="nope"):
