@@ -158,7 +158,7 @@ def _parse_einsum(g: GradCtx, equation: str) -> tuple[list[str], str, _Letters]:
         flat = lhs.replace("...", "").replace(",", "")
         out = ("..." if "..." in lhs else "") + "".join(sorted(c for c in set(flat) if flat.count(c) == 1))
     if "..." not in eq:
-        return _broadcast_letters(g, terms, letters), out, letters
+        return _broadcast_letters(g, terms, out), out, letters
     ell_shapes: list[list[int | None] | None] = []
     for k, t in enumerate(terms):
         if "..." not in t:
@@ -187,14 +187,20 @@ def _parse_einsum(g: GradCtx, equation: str) -> tuple[list[str], str, _Letters]:
             broadcast = d == 1 and any(e != 1 for e in sizes[p])
             sub.append(letters() if broadcast else base[p])
         new_terms.append(t.replace("...", "".join(sub)))
-    return _broadcast_letters(g, new_terms, letters), out.replace("...", "".join(base)), letters
+    out = out.replace("...", "".join(base))
+    return _broadcast_letters(g, new_terms, out), out, letters
 
 
-def _broadcast_letters(g: GradCtx, terms: list[str], letters: _Letters) -> list[str]:
+_BROADCAST_WAY_OUT = ("a broadcast ONNX's shape inference does not follow, so the gradient graph would be "
+                      "wrong; broadcast with '...' or expand the operand (torch: .expand) first")
+
+
+def _broadcast_letters(g: GradCtx, terms: list[str], out: str) -> list[str]:
     """``terms`` as they are, unless a named axis of size 1 broadcasts against the same letter's larger
-    size in another operand ("bij,bjk" of shapes (1, 3, 4) and (2, 4, 5)): numpy and onnxruntime run it,
-    but ONNX's shape inference (which the gradient's other rules read) takes the first operand's size for
-    the output, so the gradient would be wrong; a RuleError names the letter and the way out."""
+    size in another operand ("bij,bjk" of shapes (1, 3, 4) and (2, 4, 5)), or the first operand with an
+    output letter has a static 1 there and another operand a size not known here: numpy and onnxruntime
+    run it, but ONNX's shape inference (which the gradient's other rules read) takes the first operand's
+    size for the output, so the gradient would be wrong; a RuleError names the letter and the way out."""
     shapes = [g.static_shape(k) for k in range(len(terms))]
     sizes: dict[str, list[int | None]] = {}
     for t, s in zip(terms, shapes):
@@ -204,8 +210,10 @@ def _broadcast_letters(g: GradCtx, terms: list[str], letters: _Letters) -> list[
         known = {e for e in found if isinstance(e, int)}
         if 1 in known and len(known) > 1:
             raise RuleError(f"Einsum subscript {c!r} has size 1 in one operand and {max(known)} in another: "
-                            "a broadcast ONNX's shape inference does not follow, so the gradient graph would "
-                            "be wrong; broadcast with '...' or expand the operand (torch: .expand) first")
+                            + _BROADCAST_WAY_OUT)
+        if c in out and found[0] == 1 and None in found[1:]:
+            raise RuleError(f"Einsum subscript {c!r} has size 1 in its first operand and a size not known "
+                            "before the run in another: " + _BROADCAST_WAY_OUT)
     return terms
 
 
@@ -243,7 +251,7 @@ def einsum_grad(g: GradCtx) -> None:
             shape = g.static_shape(i)
             if shape is None or any(shape[p] != 1 for p in missing):
                 grad = g.emit("Expand", grad, g.shape(i))
-        if _may_broadcast(g, i, own, subs):  # a 1 matched to a larger size, in this operand (summed) or in
+        if _may_broadcast(g, i, terms):  # a 1 matched to a larger size, in this operand (summed) or in
             # another (expanded to this one's size), found at run time
             grad = g.unbroadcast_at_run_time(g.emit("Expand", grad, g.shape(i)), i)
         g.set_dx(i, grad)
@@ -256,12 +264,20 @@ def _eye_of_axis(g: GradCtx, i: int, axis: int) -> str:
     return g.emit("EyeLike", g.emit("ConstantOfShape", g.emit("Concat", n, n, axis=0), value=zero))
 
 
-def _may_broadcast(g: GradCtx, i: int, own: list[str], others: list[str]) -> bool:
-    """Whether an axis of operand ``i`` whose size is not known here shares its letter with another
-    operand, which numpy's broadcasting may match a size 1 to (the static sizes had their letters split)."""
-    shape = g.static_shape(i)
-    shared = set().union(*others) if others else set()
-    return any(c in shared and (shape is None or shape[p] is None) for p, c in enumerate(own))
+def _may_broadcast(g: GradCtx, i: int, terms: list[str]) -> bool:
+    """Whether a letter of operand ``i`` is shared with another operand and its size is not known here on one
+    of them: numpy's broadcasting may match a 1 to a larger size there, found at run time (static sizes had
+    their letters split, or were refused, by the parse)."""
+    sizes: dict[str, list[tuple[int, int | None]]] = {}
+    for j, t in enumerate(terms):
+        shape = g.static_shape(j)
+        for p, c in enumerate(t):
+            sizes.setdefault(c, []).append((j, None if shape is None or p >= len(shape) else shape[p]))
+    for c in set(terms[i]):
+        found = sizes[c]
+        if any(j != i for j, _ in found) and any(d is None for _, d in found):
+            return True
+    return False
 
 
 @gradient("Det", uses=("x0",))
