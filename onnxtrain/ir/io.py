@@ -159,6 +159,10 @@ class StagedFiles:
                 os.close(fd)
         self._locks.clear()
 
+    def __del__(self) -> None:  # dropped without commit() or discard(): its temporaries are no longer held
+        with contextlib.suppress(Exception):
+            self._unlock()
+
     def commit(self) -> None:
         """Rename every temporary onto its target; if one rename fails, put back the files already
         replaced (the old ones, or none where there was none) and raise. With several files, a journal
@@ -197,6 +201,7 @@ class StagedFiles:
             for tmp, _ in pending:
                 _unlink_quietly(tmp)
             journal.end(folders)
+            self._unlock()
             raise
         journal.end(folders)
         for path in self._remove:
@@ -217,18 +222,24 @@ def _remove_leftover_temporaries(path: str) -> None:
     pattern = re.compile(re.escape(name) + r"\.[a-z0-9_]{8}" + re.escape(TMP_SUFFIX) + "$")
     with contextlib.suppress(OSError):
         for f in os.listdir(folder):
-            if not pattern.match(f):
-                continue
-            leftover = os.path.join(folder, f)
-            try:
-                fd = os.open(leftover, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                if _lock(fd):  # no live writer holds it
-                    _unlink_quietly(leftover)
-            finally:
-                os.close(fd)
+            if pattern.match(f):
+                remove_unless_held(os.path.join(folder, f))
+
+
+def remove_unless_held(path: str) -> bool:
+    """Delete the temporary ``path`` unless a live writer holds its lock (:meth:`StagedFiles.write` locks
+    its temporaries until they are renamed); whether it was deleted."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        if not _lock(fd):
+            return False
+        _unlink_quietly(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- the commit journal
@@ -289,7 +300,7 @@ class _Journal:
                       "existed": existed[p]} for tmp, p in entries]
             data = json.dumps({"format": _JOURNAL_FORMAT, "version": 1, "files": files}, indent=1).encode()
             # written whole under a temporary name, then renamed: a journal that exists is complete
-            fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+            fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=TMP_SUFFIX, dir=folder)
             self.fds.append(fd)
             try:
                 _lock(fd)

@@ -10,22 +10,21 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxtrain.ir.io import recover_commits, save_model_atomic, write_atomic
+from onnxtrain.ir.io import TMP_SUFFIX, recover_commits, remove_unless_held, save_model_atomic, write_atomic
 from onnxtrain.train.config import Config
 from onnxtrain.train.model import inference_model
 
 _CKPT = re.compile(r"^step_(\d+)\.ckpt$")
 
 
-# not the journals and backups of a commit (``<name>.<hex>.journal.tmp``, ``.old.tmp``): recover_commits's
-_NOT_JOURNAL = r"(?!.*\.(?:journal|old)\.tmp$)"
-# write_atomic's temporaries of checkpoints
-_STALE_TMP = re.compile(_NOT_JOURNAL + r"^step_\d+\.ckpt(\.data)?\..+\.tmp$")
+# write_atomic's temporaries of checkpoints (``<name>.<8 random>.onnxtrain.tmp``: a user's ``.tmp`` stays)
+# (also a commit journal's own temporary: ``<name>.<hex>.journal.tmp.<8 random>.onnxtrain.tmp``)
+_TMP_END = r"(\.[0-9a-f]{8,}\.journal\.tmp)?\.[a-z0-9_]{8}" + re.escape(TMP_SUFFIX) + "$"
+_STALE_TMP = re.compile(r"^step_\d+\.ckpt(\.data)?" + _TMP_END)
 RUN_OUTPUTS = ("metrics.png", "model.onnx")  # written at the end of a run
 RUN_FILES = ("metrics.jsonl", "config.yaml", *RUN_OUTPUTS)  # every file a run writes next to checkpoints/
-# write_atomic's temporaries of those files (``<name>.<random>.tmp``)
-_STALE_RUN_TMP = re.compile(_NOT_JOURNAL + r"^(" + "|".join(re.escape(f) for f in RUN_FILES)
-                            + r")(\.data)?\..+\.tmp$")
+# write_atomic's temporaries of those files
+_STALE_RUN_TMP = re.compile(r"^(" + "|".join(re.escape(f) for f in RUN_FILES) + r")(\.data)?" + _TMP_END)
 
 
 def output_dir(cfg: Config, override: str | None = None) -> str:
@@ -94,9 +93,7 @@ def remove_stale_temporaries(folder: str) -> list[str]:
             stale += done.removed
             temporaries = [os.path.join(d, f) for f in sorted(os.listdir(d))
                            if pattern.match(f) and os.path.isfile(os.path.join(d, f))]
-            for f in temporaries:
-                os.unlink(f)
-            stale += temporaries
+            stale += [f for f in temporaries if remove_unless_held(f)]  # (a live writer's stays)
     return stale
 
 

@@ -24,7 +24,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from onnxtrain.ir.io import StagedFiles, recover_commits, stage_model
+from onnxtrain.ir.io import StagedFiles, recover_commits, stage_model, write_atomic
 from onnxtrain.train.outputs import remove_stale_temporaries
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="kills a forked child")
@@ -332,7 +332,7 @@ def test_train_start_up_puts_back_a_checkpoint_pair_then_deletes_temporaries(tmp
     assert any(f.endswith(".journal.tmp") for f in leftovers)
     assert any(f.endswith(".old.tmp") for f in leftovers)
     orphan = str(ckpts / "step_00000002.ckpt.0123abcd.old.tmp")  # a backup of a commit that finished
-    stray = str(run / "model.onnx.x1y2z3_w.tmp")  # a temporary of a killed single write
+    stray = str(run / "model.onnx.x1y2z3_w.onnxtrain.tmp")  # a temporary of a killed single write
     for f in (orphan, stray):
         with open(f, "wb") as fh:
             fh.write(b"leftover")
@@ -536,3 +536,29 @@ def test_the_clean_up_leaves_another_writers_temporary_alone(tmp_path):
     assert len([f for f in os.listdir(tmp_path) if f.endswith(".onnxtrain.tmp")]) == 1
     slow.commit()
     assert (tmp_path / "f").read_bytes() == b"slow" and os.listdir(tmp_path) == ["f"]
+
+
+def test_the_run_start_clean_up_leaves_live_temporaries_and_user_files(tmp_path):
+    """``onnxtrain train``'s start-up clean-up removed any ``<run file>.<something>.tmp``: another save's
+    temporary still being written (its commit then failed) and a user's ``model.onnx.20240101.tmp``."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "model.onnx.20240101.tmp").write_bytes(b"a user's backup")
+    live = StagedFiles()
+    live.write(str(run / "checkpoints" / "step_00000002.ckpt"), lambda f: f.write(b"ckpt"))
+    dead = run / "checkpoints" / "step_00000001.ckpt.ab12cd_3.onnxtrain.tmp"  # a killed write's
+    dead.write_bytes(b"half")
+    assert remove_stale_temporaries(str(run)) == [str(dead)]
+    live.commit()
+    assert (run / "checkpoints" / "step_00000002.ckpt").read_bytes() == b"ckpt"
+    assert (run / "model.onnx.20240101.tmp").exists()
+
+
+def test_a_failed_commit_releases_its_temporaries_locks(tmp_path):
+    """The descriptors locking the temporaries were kept open after a failed commit (one per file)."""
+    (tmp_path / "target_is_dir").mkdir()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(OSError):
+            write_atomic(str(tmp_path / "target_is_dir"), lambda f: f.write(b"x"))
+    assert len(os.listdir("/proc/self/fd")) == before

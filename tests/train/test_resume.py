@@ -213,7 +213,7 @@ def test_resume_removes_partial_checkpoints_and_names_a_misfit(tmp_path, capsys)
     out = str(tmp_path)
     sets = ["training.steps=2", "training.checkpoint_every=1"]
     Trainer(load_config(config_path("digits_mlp"), sets), out, progress=False).run()
-    stale = os.path.join(out, "checkpoints", "step_00000003.ckpt.k2j4x9.tmp")
+    stale = os.path.join(out, "checkpoints", "step_00000003.ckpt.k2j4x9ab.onnxtrain.tmp")
     with open(stale, "wb") as f:
         f.write(b"half a checkpoint")
     capsys.readouterr()
