@@ -245,6 +245,11 @@ def _ort_cast(x: np.ndarray, to: int, opset: int = 21) -> np.ndarray:
     (np.array(["1", "0", "00", "5", "0.0", "-0", "2e3", "0.5", "0.9", "2.5", " 7"], dtype=object),
      TensorProto.BOOL),
     (np.array(["1.5", "1e2", "-7", "+3", "42"], dtype=object), TensorProto.INT64),
+    (np.array(["300", "-1"], dtype=object), TensorProto.UINT8),  # wrapped, as C's casts wrap
+    (np.array(["3000000000"], dtype=object), TensorProto.INT32),
+    (np.array(["1_000", "1.5abc", " -2.5e1x", "inf", "-Infinity"], dtype=object), TensorProto.FLOAT),
+    (np.array(["1.0004882812501", "1_000"], dtype=object), TensorProto.FLOAT16),  # through float32
+    (np.array(["0.1", "1_5"], dtype=object), TensorProto.DOUBLE),
     (np.array(["1000", "-1e9", "3", "INF", "nan"], dtype=object), TensorProto.FLOAT8E4M3FN),
     (np.array([300, 448, -1000], np.int32), TensorProto.FLOAT8E4M3FN),
     (np.array([255, 16], np.uint8), TensorProto.FLOAT8E4M3FNUZ),

@@ -538,11 +538,18 @@ def cast_to(x: np.ndarray, to: int, saturate: bool = True, round_mode: str = "up
         return x
     if to == _E8M0:
         return _to_e8m0(x, dt, saturate, round_mode)
-    if x.dtype.kind in "OU":  # strings: read as numbers, as onnxruntime reads them
-        if dt.kind in "iub":  # its integer prefix ("1.5" and "1e2" are 1), as C's strtoll
-            ints = np.array([_integer_prefix(v) for v in x.reshape(-1).tolist()], dtype=object)
-            return (ints != 0 if dt.kind == "b" else ints.astype(dt)).reshape(x.shape)
-        x = x.astype(np.float64)  # ("1e-5", "INF", "-inf", "NaN" in any case)
+    if x.dtype.kind in "OU":  # strings: their leading number, as onnxruntime reads them (C's strtoll, strtod)
+        flat = x.reshape(-1).tolist()
+        if dt.kind in "iub":  # the leading integer ("1.5" and "1e2" are 1), wrapped into the type
+            ints = [_leading_number(v, _INTEGER) for v in flat]
+            if dt.kind == "b":
+                return np.array([v != 0 for v in ints], dtype=bool).reshape(x.shape)
+            bits = 8 * dt.itemsize
+            wrapped = np.array([v % (1 << bits) for v in ints], dtype=np.uint64)
+            return wrapped.astype(dt).reshape(x.shape)
+        x = np.array([_leading_number(v, _FLOAT) for v in flat], dtype=np.float64).reshape(x.shape)
+        if dt != np.float64:  # read as a float32 first, then narrowed (float16 and the others)
+            x = x.astype(np.float32)
     if saturate and to in _F8_MAX and x.dtype.kind in "fiu":
         m = _F8_MAX[to]
         x = np.clip(x, -m, m)  # +-inf and out-of-range values (any source type) go to the largest finite one
@@ -552,15 +559,17 @@ def cast_to(x: np.ndarray, to: int, saturate: bool = True, round_mode: str = "up
     return x.astype(dt)
 
 
-_INTEGER_PREFIX = re.compile(r"\s*([+-]?\d+)")
+_INTEGER = re.compile(r"\s*([+-]?\d+)")
+_FLOAT = re.compile(r"\s*([+-]?(?:inf(?:inity)?|nan|(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?))", re.IGNORECASE)
 
 
-def _integer_prefix(v: Any) -> int:
-    """The integer a string starts with (onnxruntime's Cast to an integer type or bool reads that much)."""
-    m = _INTEGER_PREFIX.match(str(v))
+def _leading_number(v: Any, pattern: re.Pattern[str]) -> Any:
+    """The number a string starts with, as C's strtoll / strtod read it (onnxruntime's Cast reads that much:
+    "1.5abc" is 1.5 as a float, 1 as an integer; "1_000" is 1)."""
+    m = pattern.match(str(v))
     if m is None:
-        raise ValueError(f"Cast: {str(v)!r} does not start with an integer")
-    return int(m.group(1))
+        raise ValueError(f"Cast: {str(v)!r} does not start with a number")
+    return int(m.group(1)) if pattern is _INTEGER else float(m.group(1))
 
 
 def _as_strings(x: np.ndarray) -> np.ndarray:
