@@ -226,7 +226,9 @@ class InferenceSession:
         g = self._model.graph
         inits = {t.name for t in g.initializer}
         self._inputs = [node_arg(v) for v in g.input if v.name not in inits]
-        self._overridable = [node_arg(v) for v in g.input if v.name in inits]
+        # below IR version 4 every initializer is listed as an input too and is a constant (onnxruntime's)
+        constants = self._model.ir_version < 4
+        self._overridable = [] if constants else [node_arg(v) for v in g.input if v.name in inits]
         self._outputs = [node_arg(v) for v in g.output]
         self._output_names = [o.name for o in self._outputs]
         self._check = FeedChecker(self._plan, [a.name for a in self._overridable])
@@ -505,7 +507,8 @@ def _inferred_output_sizes(model: onnx.ModelProto) -> None:
     one; a model inference fails on keeps its declarations."""
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
-    fed = {i.name for i in probe.graph.input}  # an overridable initializer's value is not known here
+    # an overridable initializer's value is not known here (below IR version 4 initializers are constants)
+    fed = {i.name for i in probe.graph.input} if model.ir_version >= 4 else set()
     kept = [t for t in probe.graph.initializer if t.name not in fed]
     del probe.graph.initializer[:]
     probe.graph.initializer.extend(kept)

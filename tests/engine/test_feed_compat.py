@@ -117,3 +117,23 @@ def test_an_overridable_initializer_does_not_fix_the_inferred_output_sizes() -> 
         assert sess.get_outputs()[0].shape == ["a", "b"], lib.__name__
         y = sess.run(None, {"x": np.ones((2, 6), np.float32), "shape": np.array([12, 1], np.int64)})[0]
         assert y.shape == (12, 1)
+
+
+def test_below_ir_version_4_initializers_listed_as_inputs_are_constants() -> None:
+    """IR version 3 lists every initializer as an input: onnxruntime takes them as constants (none is
+    overridable, the Reshape target's value fixes the output sizes); onnxtrain listed them as overridable
+    and, with a free-dimension override, left the sizes symbolic."""
+    g = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 6]),
+                           helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])],
+                          [numpy_helper.from_array(np.array([3, 4], np.int64), "shape")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 8)], ir_version=3).SerializeToString()
+    for lib in (ort, onnxtrain):
+        so = lib.SessionOptions()
+        so.add_free_dimension_override_by_name("batch", 2)
+        so.log_severity_level = 3
+        sess = lib.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+        assert sess.get_overridable_initializers() == [], lib.__name__
+        assert sess.get_outputs()[0].shape == [3, 4], lib.__name__
+        assert sess.run(None, {"x": np.ones((2, 6), np.float32)})[0].shape == (3, 4)
