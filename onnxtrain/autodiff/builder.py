@@ -400,7 +400,9 @@ def build_gradient_model(
     if isinstance(model, (bytes, bytearray)):
         model = onnx.load_from_string(bytes(model))
     elif isinstance(model, (str, os.PathLike)):
-        model = onnx.load(os.fspath(model))
+        from onnxtrain.engine.interface import load_model  # (external data as the sessions read it)
+
+        model = load_model(os.fspath(model))
     elif not isinstance(model, onnx.ModelProto):
         raise TypeError(f"model must be an onnx.ModelProto, its serialized bytes or a path, got "
                         f"{type(model).__name__}{program_hint(model)}")

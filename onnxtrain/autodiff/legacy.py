@@ -40,7 +40,9 @@ class GradientGraphBuilder:
         if isinstance(serialized_model, (bytes, bytearray)):
             self._model = onnx.load_from_string(bytes(serialized_model))
         elif isinstance(serialized_model, (str, os.PathLike)):
-            self._model = onnx.load(os.fspath(serialized_model))
+            from onnxtrain.engine.interface import load_model  # (external data as the sessions read it)
+
+            self._model = load_model(os.fspath(serialized_model))
         elif isinstance(serialized_model, onnx.ModelProto):  # also taken (onnxruntime's took bytes or a path)
             self._model = onnx.ModelProto()
             self._model.CopyFrom(serialized_model)

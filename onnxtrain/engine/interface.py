@@ -115,7 +115,9 @@ def _read_external(model: onnx.ModelProto, folder: str, what: str) -> None:
         del t.external_data[:]
 
 
-_FOUR_BIT = {getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1")
+# elements a byte holds, of the types packed below a byte
+_PER_BYTE = {getattr(onnx.TensorProto, n): k for n, k in (("INT4", 2), ("UINT4", 2), ("FLOAT4E2M1", 2),
+                                                          ("INT2", 4), ("UINT2", 4))
              if hasattr(onnx.TensorProto, n)}
 
 
@@ -126,8 +128,9 @@ def _external_size(t: onnx.TensorProto, length: str | None) -> int | None:
     if t.data_type == onnx.TensorProto.STRING:
         return None
     count = int(np.prod(t.dims, dtype=np.int64))
-    if t.data_type in _FOUR_BIT:
-        return (count + 1) // 2
+    per_byte = _PER_BYTE.get(t.data_type)
+    if per_byte is not None:
+        return -(-count // per_byte)
     return count * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
 
 

@@ -155,3 +155,39 @@ def test_a_tensor_without_a_length_reads_the_bytes_its_shape_takes(tmp_path) -> 
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g, w)
     np.testing.assert_array_equal(got[0], a)
+
+
+def test_the_gradient_builders_read_external_data_as_the_sessions_do(tmp_path) -> None:
+    """GradientGraphBuilder and build_gradient_model given a path read a tensor without a ``length`` to the
+    end of the shared data file (onnx's loader does): the built model failed to run."""
+    from onnxtrain import GradientGraphBuilder
+    from onnxtrain.autodiff import build_gradient_model
+
+    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(4, np.float32)
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "A"], ["y"]), helper.make_node("ReduceSum", ["y"], ["loss"],
+                                                                          keepdims=0),
+         helper.make_node("Identity", ["B"], ["z"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, [4])],
+        [numpy_helper.from_array(a, "A"), numpy_helper.from_array(b, "B")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    (tmp_path / "w.bin").write_bytes(a.tobytes() + b.tobytes())
+    for t, offset, length in ((model.graph.initializer[0], 0, None), (model.graph.initializer[1], 24, 16)):
+        t.ClearField("raw_data")
+        entries = [("location", "w.bin"), ("offset", str(offset))]
+        entries += [("length", str(length))] if length else []
+        for k, v in entries:
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        t.data_location = TensorProto.EXTERNAL
+    path = str(tmp_path / "m.onnx")
+    onnx.save(model, path)
+    x = np.array([[1.0, 2.0]], np.float32)
+    builder = GradientGraphBuilder(path, {"loss"}, {"A"}, "loss")
+    builder.build()
+    for built in (onnx.load_from_string(builder.get_model()), build_gradient_model(path, "loss", ["A"])):
+        sess = ort.InferenceSession(built.SerializeToString(), providers=["CPUExecutionProvider"])
+        out = dict(zip([o.name for o in built.graph.output], sess.run(None, {"x": x})))
+        np.testing.assert_array_equal(out["A_grad"], np.repeat(x.T, 3, axis=1))  # d sum(xA) / dA
