@@ -129,3 +129,13 @@ def test_a_static_1_first_against_a_symbolic_size_in_the_output_is_refused() -> 
     with pytest.raises(GradientError, match=r"subscript 'j' has size 1 in its first operand"):
         build_gradient_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), "loss",
                              ["a", "b"])
+    # the same broadcast inside '...' (a latent query (1, 3, 8) against keys (B, 5, 8)): gradients of the
+    # wrong values and shapes before, refused now
+    g = helper.make_graph([helper.make_node("Einsum", ["a", "b"], ["y"], equation="...qd,...kd->...qk"),
+                           helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)], "g",
+                          [helper.make_tensor_value_info("a", D, [1, 3, 8]),
+                           helper.make_tensor_value_info("b", D, ["B", 5, 8])],
+                          [helper.make_tensor_value_info("loss", D, [])])
+    with pytest.raises(GradientError, match=r"'\.\.\.' axis -1 has size 1 in its first operand.*\.expand"):
+        build_gradient_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), "loss",
+                             ["a", "b"])

@@ -176,6 +176,11 @@ def _parse_einsum(g: GradCtx, equation: str) -> tuple[list[str], str, _Letters]:
     base = [letters() for _ in range(width)]
     sizes = [[s[p - width + len(s)] for s in ell_shapes if s is not None and p - width + len(s) >= 0]
              for p in range(width)]
+    if "..." in out:  # ONNX's inference gives the output the first operand's static 1 there, too
+        for p, found in enumerate(sizes):
+            if found and found[0] == 1 and None in found[1:]:
+                raise RuleError(f"Einsum '...' axis {p - width} has size 1 in its first operand and a size "
+                                "not known before the run in another: " + _BROADCAST_WAY_OUT)
     new_terms = []
     for t, s in zip(terms, ell_shapes):
         if s is None:
@@ -192,7 +197,7 @@ def _parse_einsum(g: GradCtx, equation: str) -> tuple[list[str], str, _Letters]:
 
 
 _BROADCAST_WAY_OUT = ("a broadcast ONNX's shape inference does not follow, so the gradient graph would be "
-                      "wrong; broadcast with '...' or expand the operand (torch: .expand) first")
+                      "wrong; expand the operand to the other's size first (torch: .expand)")
 
 
 def _broadcast_letters(g: GradCtx, terms: list[str], out: str) -> list[str]:
