@@ -249,7 +249,8 @@ def _ort_cast(x: np.ndarray, to: int, opset: int = 21) -> np.ndarray:
     (np.array(["3000000000"], dtype=object), TensorProto.INT32),
     (np.array(["1_000", "1.5abc", " -2.5e1x", "inf", "-Infinity"], dtype=object), TensorProto.FLOAT),
     (np.array(["1.0004882812501", "1_000"], dtype=object), TensorProto.FLOAT16),  # through float32
-    (np.array(["0.1", "1_5"], dtype=object), TensorProto.DOUBLE),
+    (np.array(["0.1", "1_5", "0x1A", "-0x1p3", "0x.8"], dtype=object), TensorProto.DOUBLE),
+    (np.array(["0x1A", " +.5", "5.", "-.5e-3", "1e", "0x10"], dtype=object), TensorProto.FLOAT),
     (np.array(["1000", "-1e9", "3", "INF", "nan"], dtype=object), TensorProto.FLOAT8E4M3FN),
     (np.array([300, 448, -1000], np.int32), TensorProto.FLOAT8E4M3FN),
     (np.array([255, 16], np.uint8), TensorProto.FLOAT8E4M3FNUZ),
@@ -270,6 +271,21 @@ def test_cast_to_and_from_strings_and_integers_to_float8_as_onnxruntime(x, to) -
         np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
     if x.dtype == np.bool_:  # the round trip keeps the values
         np.testing.assert_array_equal(cast_to(got, TensorProto.BOOL), x)
+
+
+@pytest.mark.parametrize("text,to", [("1e400", TensorProto.DOUBLE), ("1e-400", TensorProto.FLOAT),
+                                     ("18446744073709551616", TensorProto.INT64),
+                                     ("99999999999999999999", TensorProto.UINT8),
+                                     ("\u0661\u0662", TensorProto.INT64),
+                                     ("\xa03", TensorProto.FLOAT), ("abc", TensorProto.INT32)])
+def test_strings_onnxruntime_refuses_to_cast_are_refused(text: str, to: int) -> None:
+    """Out of range for C's stoll / stoull / stod, or not ASCII digits and spaces: onnxruntime's Cast fails;
+    onnxtrain gave inf, 0, a wrapped value or read the Unicode digits."""
+    x = np.array([text], dtype=object)
+    with pytest.raises(Exception):  # noqa: B017 - onnxruntime's Fail is its own class
+        _ort_cast(x, to)
+    with pytest.raises(ValueError, match="Cast: "):
+        cast_to(x, to)
 
 
 def test_cast_strings_bool_ints() -> None:

@@ -541,7 +541,7 @@ def cast_to(x: np.ndarray, to: int, saturate: bool = True, round_mode: str = "up
     if x.dtype.kind in "OU":  # strings: their leading number, as onnxruntime reads them (C's strtoll, strtod)
         flat = x.reshape(-1).tolist()
         if dt.kind in "iub":  # the leading integer ("1.5" and "1e2" are 1), wrapped into the type
-            ints = [_leading_number(v, _INTEGER) for v in flat]
+            ints = [_leading_number(v, _INTEGER, signed=dt.kind == "i") for v in flat]
             if dt.kind == "b":
                 return np.array([v != 0 for v in ints], dtype=bool).reshape(x.shape)
             bits = 8 * dt.itemsize
@@ -559,17 +559,38 @@ def cast_to(x: np.ndarray, to: int, saturate: bool = True, round_mode: str = "up
     return x.astype(dt)
 
 
-_INTEGER = re.compile(r"\s*([+-]?\d+)")
-_FLOAT = re.compile(r"\s*([+-]?(?:inf(?:inity)?|nan|(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?))", re.IGNORECASE)
+_INTEGER = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+_HEX = re.compile(r"[ \t\n\v\f\r]*([+-]?0x(?:[0-9a-f]+\.?[0-9a-f]*|\.[0-9a-f]+)(?:p[+-]?[0-9]+)?)",
+                  re.IGNORECASE)
+_FLOAT = re.compile(r"[ \t\n\v\f\r]*([+-]?(?:inf(?:inity)?|nan|(?:[0-9]+\.?[0-9]*|\.[0-9]+)"
+                    r"(?:e[+-]?[0-9]+)?))", re.IGNORECASE)
+_INT64, _UINT64 = (-(1 << 63), (1 << 63) - 1), (-((1 << 64) - 1), (1 << 64) - 1)
 
 
-def _leading_number(v: Any, pattern: re.Pattern[str]) -> Any:
-    """The number a string starts with, as C's strtoll / strtod read it (onnxruntime's Cast reads that much:
-    "1.5abc" is 1.5 as a float, 1 as an integer; "1_000" is 1)."""
-    m = pattern.match(str(v))
+def _leading_number(v: Any, pattern: re.Pattern[str], signed: bool = True) -> Any:
+    """The number a string starts with, as C's stoll / stoull / stod read it (onnxruntime's Cast reads that
+    much: "1.5abc" is 1.5 as a float, 1 as an integer; "1_000" is 1; "0x1A" is 26 as a float), out-of-range
+    values refused as they are there."""
+    text = str(v)
+    m = _HEX.match(text) if pattern is _FLOAT else None
+    if m is not None:
+        hexa = m.group(1)
+        return float.fromhex(hexa if "p" in hexa.lower() else hexa + "p0")
+    m = pattern.match(text)
     if m is None:
-        raise ValueError(f"Cast: {str(v)!r} does not start with a number")
-    return int(m.group(1)) if pattern is _INTEGER else float(m.group(1))
+        raise ValueError(f"Cast: {text!r} does not start with a number")
+    if pattern is _INTEGER:
+        n = int(m.group(1))
+        low, high = _INT64 if signed else _UINT64
+        if not low <= n <= high:
+            raise ValueError(f"Cast: {text!r} is out of the range of a {'signed' if signed else 'unsigned'} "
+                             "64-bit integer")
+        return n
+    f = float(m.group(1))
+    digits = m.group(1).lower().split("e")[0]
+    if (math.isinf(f) and "inf" not in digits) or (f == 0 and any(c in "123456789" for c in digits)):
+        raise ValueError(f"Cast: {text!r} is out of the range of a double")
+    return f
 
 
 def _as_strings(x: np.ndarray) -> np.ndarray:
