@@ -397,11 +397,11 @@ def build_gradient_model(
 
         m = build_gradient_model(onnx.load("mlp_loss.onnx"), "loss", ["fc1.weight", "fc1.bias"])
     """
-    if isinstance(model, (bytes, bytearray)):
-        model = onnx.load_from_string(bytes(model))
-    elif isinstance(model, (str, os.PathLike)):
-        from onnxtrain.engine.interface import load_model  # (external data as the sessions read it)
+    from onnxtrain.engine.interface import load_model  # (read and refused as the sessions read them)
 
+    if isinstance(model, (bytes, bytearray)):
+        model = load_model(bytes(model))
+    elif isinstance(model, (str, os.PathLike)):
         model = load_model(os.fspath(model))
     elif not isinstance(model, onnx.ModelProto):
         raise TypeError(f"model must be an onnx.ModelProto, its serialized bytes or a path, got "

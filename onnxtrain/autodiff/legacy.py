@@ -37,11 +37,11 @@ class GradientGraphBuilder:
     def __init__(self, serialized_model: bytes | str | os.PathLike | onnx.ModelProto,
                  y_node_arg_names: Iterable[str],
                  x_node_arg_names: Iterable[str], loss_node_arg_name: str, options: Any = None):
-        if isinstance(serialized_model, (bytes, bytearray)):
-            self._model = onnx.load_from_string(bytes(serialized_model))
-        elif isinstance(serialized_model, (str, os.PathLike)):
-            from onnxtrain.engine.interface import load_model  # (external data as the sessions read it)
+        from onnxtrain.engine.interface import load_model  # (read and refused as the sessions read them)
 
+        if isinstance(serialized_model, (bytes, bytearray)):
+            self._model = load_model(bytes(serialized_model))
+        elif isinstance(serialized_model, (str, os.PathLike)):
             self._model = load_model(os.fspath(serialized_model))
         elif isinstance(serialized_model, onnx.ModelProto):  # also taken (onnxruntime's took bytes or a path)
             self._model = onnx.ModelProto()

@@ -525,3 +525,17 @@ def test_a_custom_domain_op_named_like_a_standard_one_has_no_rule():
     model = helper.make_model(g, opset_imports=opsets)
     with pytest.raises(GradientError, match=r"\(my\.dom\.Relu\) lies on the path"):
         build_gradient_model(model, "loss", ["w"])
+
+
+def test_unreadable_models_are_refused_alike_as_bytes_and_as_a_path(tmp_path) -> None:
+    """Garbage given as a path or as bytes is the sessions' ModelParseError (onnxruntime's InvalidProtobuf)
+    either way (bytes gave protobuf's DecodeError, a path the parse error)."""
+    from onnxtrain.engine.interface import ModelParseError
+
+    garbage = b"\x08\x07this is not an onnx model\xff\xff"
+    (tmp_path / "g.onnx").write_bytes(garbage)
+    for given in (garbage, str(tmp_path / "g.onnx")):
+        with pytest.raises(ModelParseError):
+            build_gradient_model(given, "loss", ["W"])
+        with pytest.raises(ModelParseError):
+            GradientGraphBuilder(given, {"loss"}, {"W"}, "loss")
