@@ -60,45 +60,10 @@ ELLIPSIS_CASES = [  # '...' after named subscripts, broadcast inside it; static 
 ]
 
 
-@pytest.mark.parametrize("equation,shapes,symbolic", ELLIPSIS_CASES)
-def test_broadcasts_in_the_ellipsis_and_over_symbolic_dims_match_torch(equation, shapes, symbolic) -> None:
-    """The ellipsis's axes are those between the named ones (they were taken from the front: wrong
-    gradients, or a refusal naming a generated letter), and an axis of unknown size matched to another
-    operand's is summed at run time where it is a broadcast 1 (the gradient kept the broadcast size)."""
-    rng = np.random.default_rng(1)
-    xs = [rng.standard_normal(s) for s in shapes]
-    names = [f"x{i}" for i in range(len(xs))]
-    inputs = [helper.make_tensor_value_info(n, D, [f"{n}_{k}" for k in range(x.ndim)] if symbolic
-                                            else list(x.shape)) for n, x in zip(names, xs)]
-    ts = [torch.tensor(x, requires_grad=True) for x in xs]
-    y = torch.einsum(equation, *ts)
-    u = rng.uniform(0.5, 1.5, tuple(y.shape))
-    (y * torch.tensor(u)).sum().backward()
-    g = helper.make_graph([helper.make_node("Einsum", names, ["y"], equation=equation),
-                           helper.make_node("Mul", ["y", "u"], ["yu"]),
-                           helper.make_node("ReduceSum", ["yu"], ["loss"], keepdims=0)], "g", inputs,
-                          [helper.make_tensor_value_info("loss", D, [])], [numpy_helper.from_array(u, "u")])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    gm = build_gradient_model(model, "loss", names)
-    got = dict(zip([o.name for o in gm.graph.output], compile_model(gm).run(dict(zip(names, xs)))))
-    for n, t in zip(names, ts):
-        assert got[f"{n}_grad"].shape == t.grad.shape
-        np.testing.assert_allclose(got[f"{n}_grad"], t.grad.numpy(), rtol=1e-10, atol=1e-12)
-
-
-MIXED_CASES = [  # (equation, shapes fed, dims declared: an int static, a str symbolic)
-    ("ij,ij->", [(2, 4), (1, 4)], [[2, 4], ["n", 4]]),
-    ("ij,jk,kl->il", [(2, 1), (3, 4), (4, 5)], [["a", 1], ["b", 4], [4, 5]]),
-    ("ii,i->i", [(3, 3), (1,)], [["n", "n"], [1]]),
-    ("ij,ij->ij", [(2, 3), (1, 3)], [["a", 3], [1, 3]]),
-]
-
-
-@pytest.mark.parametrize("equation,shapes,dims", MIXED_CASES)
-def test_static_and_symbolic_sizes_of_one_letter_match_torch(equation, shapes, dims) -> None:
-    """One operand's size static, the other's symbolic: the gradient was summed or expanded only when the
-    operand's own size was symbolic, and came out of the other's shape without an error."""
-    rng = np.random.default_rng(2)
+def _matches_torch(equation: str, shapes: list[tuple], dims: list[list], seed: int) -> None:
+    """The Einsum's gradients, with its inputs declared ``dims`` (ints static, strs symbolic) and fed arrays
+    of ``shapes``, equal torch's (float64)."""
+    rng = np.random.default_rng(seed)
     xs = [rng.standard_normal(s) for s in shapes]
     names = [f"x{i}" for i in range(len(xs))]
     ts = [torch.tensor(x, requires_grad=True) for x in xs]
@@ -116,6 +81,30 @@ def test_static_and_symbolic_sizes_of_one_letter_match_torch(equation, shapes, d
     for n, t in zip(names, ts):
         assert got[f"{n}_grad"].shape == t.grad.shape
         np.testing.assert_allclose(got[f"{n}_grad"], t.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("equation,shapes,symbolic", ELLIPSIS_CASES)
+def test_broadcasts_in_the_ellipsis_and_over_symbolic_dims_match_torch(equation, shapes, symbolic) -> None:
+    """The ellipsis's axes are those between the named ones (they were taken from the front: wrong
+    gradients, or a refusal naming a generated letter), and an axis of unknown size matched to another
+    operand's is summed at run time where it is a broadcast 1 (the gradient kept the broadcast size)."""
+    dims = [[f"x{i}_{k}" for k in range(len(s))] if symbolic else list(s) for i, s in enumerate(shapes)]
+    _matches_torch(equation, shapes, dims, seed=1)
+
+
+MIXED_CASES = [  # (equation, shapes fed, dims declared: an int static, a str symbolic)
+    ("ij,ij->", [(2, 4), (1, 4)], [[2, 4], ["n", 4]]),
+    ("ij,jk,kl->il", [(2, 1), (3, 4), (4, 5)], [["a", 1], ["b", 4], [4, 5]]),
+    ("ii,i->i", [(3, 3), (1,)], [["n", "n"], [1]]),
+    ("ij,ij->ij", [(2, 3), (1, 3)], [["a", 3], [1, 3]]),
+]
+
+
+@pytest.mark.parametrize("equation,shapes,dims", MIXED_CASES)
+def test_static_and_symbolic_sizes_of_one_letter_match_torch(equation, shapes, dims) -> None:
+    """One operand's size static, the other's symbolic: the gradient was summed or expanded only when the
+    operand's own size was symbolic, and came out of the other's shape without an error."""
+    _matches_torch(equation, shapes, dims, seed=2)
 
 
 def test_a_static_1_first_against_a_symbolic_size_in_the_output_is_refused() -> None:

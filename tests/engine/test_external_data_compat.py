@@ -129,6 +129,22 @@ def test_a_data_file_shorter_than_the_tensor_names_tensor_and_file(tmp_path) -> 
         onnxtrain.InferenceSession(path)
 
 
+def _share_one_file(model: onnx.ModelProto, folder) -> None:
+    """Move the model's two initializers (in place) to ``folder``/w.bin, one after the other, the first
+    without a ``length`` entry (the second has one)."""
+    first, second = model.graph.initializer
+    data = [numpy_helper.to_array(t).tobytes() for t in (first, second)]
+    (folder / "w.bin").write_bytes(b"".join(data))
+    for t, offset, length in ((first, 0, None), (second, len(data[0]), len(data[1]))):
+        t.ClearField("raw_data")
+        entries = [("location", "w.bin"), ("offset", str(offset))]
+        entries += [("length", str(length))] if length else []
+        for k, v in entries:
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        t.data_location = TensorProto.EXTERNAL
+
+
 def test_a_tensor_without_a_length_reads_the_bytes_its_shape_takes(tmp_path) -> None:
     """Two tensors in one data file, the first without a ``length`` entry: its shape says how much to read,
     as onnxruntime reads it (the rest of the file was read and refused as the wrong size)."""
@@ -139,15 +155,7 @@ def test_a_tensor_without_a_length_reads_the_bytes_its_shape_takes(tmp_path) -> 
          helper.make_tensor_value_info("Z", TensorProto.FLOAT, [4])],
         [numpy_helper.from_array(a, "A"), numpy_helper.from_array(b, "B")]),
         opset_imports=[helper.make_opsetid("", 17)])
-    (tmp_path / "w.bin").write_bytes(a.tobytes() + b.tobytes())
-    for t, offset, length in ((model.graph.initializer[0], 0, None), (model.graph.initializer[1], 24, 16)):
-        t.ClearField("raw_data")
-        entries = [("location", "w.bin"), ("offset", str(offset))]
-        entries += [("length", str(length))] if length else []
-        for k, v in entries:
-            e = t.external_data.add()
-            e.key, e.value = k, v
-        t.data_location = TensorProto.EXTERNAL
+    _share_one_file(model, tmp_path)
     onnx.save(model, str(tmp_path / "m.onnx"))
     path = str(tmp_path / "m.onnx")
     want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {})
@@ -173,15 +181,7 @@ def test_the_gradient_builders_read_external_data_as_the_sessions_do(tmp_path) -
          helper.make_tensor_value_info("z", TensorProto.FLOAT, [4])],
         [numpy_helper.from_array(a, "A"), numpy_helper.from_array(b, "B")]),
         opset_imports=[helper.make_opsetid("", 17)])
-    (tmp_path / "w.bin").write_bytes(a.tobytes() + b.tobytes())
-    for t, offset, length in ((model.graph.initializer[0], 0, None), (model.graph.initializer[1], 24, 16)):
-        t.ClearField("raw_data")
-        entries = [("location", "w.bin"), ("offset", str(offset))]
-        entries += [("length", str(length))] if length else []
-        for k, v in entries:
-            e = t.external_data.add()
-            e.key, e.value = k, v
-        t.data_location = TensorProto.EXTERNAL
+    _share_one_file(model, tmp_path)
     path = str(tmp_path / "m.onnx")
     onnx.save(model, path)
     x = np.array([[1.0, 2.0]], np.float32)
