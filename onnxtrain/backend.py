@@ -56,14 +56,41 @@ class OnnxtrainBackend(Backend):
     def run_node(cls, node: onnx.NodeProto, inputs: Any, device: str = "CPU",
                  outputs_info: Any = None, **kwargs: Any) -> tuple[np.ndarray, ...]:
         opset = kwargs.get("opset_version", onnx.defs.onnx_opset_version())
-        arrays = [np.asarray(x) for x in inputs]
-        g_in = [onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
-                for n, a in zip(node.input, arrays) if n]
+        values = list(inputs)
+        # one value per input name, the empty names' included, or (onnx's node tests) per non-empty name
+        named = list(node.input) if len(values) == len(node.input) else [n for n in node.input if n]
+        if len(values) != len(named):
+            raise ValueError(f"run_node: {len(values)} inputs for node {node.name!r} ({node.op_type}) with "
+                             f"inputs {list(node.input)}")
+        feeds = {n: _node_feed(v) for n, v in zip(named, values) if n}
+        g_in = [onnx.helper.make_value_info(n, _type_of(v)) for n, v in feeds.items()]
         g_out = [onnx.helper.make_empty_tensor_value_info(n) for n in node.output if n]
         graph = onnx.helper.make_graph([node], "run_node", g_in, g_out)
         model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
-        feeds = {n: a for n, a in zip(node.input, arrays) if n}
         return tuple(Plan(model).run(feeds))
+
+
+def _node_feed(value: Any) -> Any:
+    """A run_node input as the engine takes it: a list of arrays for a sequence, None for an empty optional,
+    else an array."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [np.asarray(v) for v in value]
+    return np.asarray(value)
+
+
+def _type_of(value: Any) -> onnx.TypeProto:
+    """The declared type of a run_node feed: a tensor's, a sequence of its first element's (float when
+    empty), an optional tensor of float for None."""
+    helper = onnx.helper
+    if value is None:
+        return helper.make_optional_type_proto(helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, None))
+    if isinstance(value, list):
+        elem = value[0].dtype if value else np.dtype(np.float32)
+        return helper.make_sequence_type_proto(
+            helper.make_tensor_type_proto(helper.np_dtype_to_tensor_dtype(elem), None))
+    return helper.make_tensor_type_proto(helper.np_dtype_to_tensor_dtype(value.dtype), value.shape)
 
 
 prepare = OnnxtrainBackend.prepare

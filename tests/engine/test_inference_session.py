@@ -409,6 +409,34 @@ def test_backend_run_node() -> None:
     assert backend.supports_device("CPU") and not backend.supports_device("CUDA")
 
 
+def test_backend_run_node_takes_gaps_sequences_and_empty_optionals() -> None:
+    """As onnx's node tests call it: the values of the non-empty inputs only (``Clip(x, "", max)`` with
+    ``[x, max]`` put max in min's slot), a list for a sequence (np.asarray refused it), None for an empty
+    optional (taken for a 0-d object tensor: OptionalHasElement said True); onnx.reference the oracle."""
+    from onnx.reference import ReferenceEvaluator
+
+    x, hi = np.array([-2.0, 0.0, 3.0], np.float32), np.array(1.0, np.float32)
+    clip = helper.make_node("Clip", ["x", "", "max"], ["y"])
+    want = np.minimum(x, hi)
+    np.testing.assert_array_equal(backend.run_node(clip, [x, hi], opset_version=13)[0], want)
+    np.testing.assert_array_equal(backend.run_node(clip, [x, None, hi], opset_version=13)[0], want)
+    seq = [np.ones((2, 3), np.float32), np.zeros((1, 3), np.float32)]
+    (n,) = backend.run_node(helper.make_node("SequenceLength", ["s"], ["n"]), [seq], opset_version=17)
+    assert int(n) == 2
+    (cat,) = backend.run_node(helper.make_node("ConcatFromSequence", ["s"], ["c"], axis=0), [seq],
+                              opset_version=17)
+    np.testing.assert_array_equal(cat, np.concatenate(seq))
+    (has,) = backend.run_node(helper.make_node("OptionalHasElement", ["o"], ["h"]), [None], opset_version=18)
+    opt = helper.make_optional_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+    g = helper.make_graph([helper.make_node("OptionalHasElement", ["o"], ["h"])], "g",
+                          [helper.make_value_info("o", opt)],
+                          [helper.make_tensor_value_info("h", TensorProto.BOOL, [])])
+    ref = ReferenceEvaluator(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]))
+    assert bool(has) is bool(ref.run(None, {"o": None})[0]) is False
+    with pytest.raises(ValueError, match="3 inputs for node"):
+        backend.run_node(helper.make_node("Add", ["a", "b"], ["c"]), [x, x, x])
+
+
 def test_backend_run_model(model_bytes: bytes) -> None:
     model = onnx.load_from_string(model_bytes)
     x = np.ones((2, 3), np.float32)
