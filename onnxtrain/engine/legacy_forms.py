@@ -4,9 +4,9 @@ The kernels follow the newer versions of their operators (and the older forms th
 ``axes`` attribute of Unsqueeze-11, Clip-6's bounds, ...). A few forms of opsets before 9 are run by none,
 and would give wrong values or a numpy error: the elementwise ops' ``broadcast=1`` with an ``axis``
 (opsets 1 to 6, NumPy-style broadcasting from opset 7), Pad-1's ``paddings``, Reshape-1's ``shape``
-attribute, Cast-1's string ``to``, Concat-1 without an ``axis`` and BatchNormalization's ``spatial=0``
-(opsets 7 and 8). Such nodes are refused by name (onnxruntime has no kernel for most of them), with the way
-to convert the model.
+attribute, Cast-1's string ``to``, Concat-1 without an ``axis``, BatchNormalization's ``spatial=0``
+(opsets 7 and 8) and PRelu's per-channel 1-D slope (before opset 7). Such nodes are refused by name
+(onnxruntime has no kernel for most of them), with the way to convert the model.
 """
 
 from __future__ import annotations
@@ -57,6 +57,14 @@ def _spatial(node: onnx.NodeProto, rank: Callable[[str], int | None]) -> str | N
     return "spatial=0 (statistics per value, not per channel)"
 
 
+def _channel_slope(node: onnx.NodeProto, rank: Callable[[str], int | None]) -> str | None:
+    rx, rs = rank(node.input[0]), rank(node.input[1])
+    if rx is not None and rx > 2 and rs == 1:  # a [C] slope: per channel (axis 1) before PRelu-7
+        return ("a 1-D slope, applied per channel (axis 1) before PRelu-7, where NumPy-style broadcasting "
+                "aligns it with the last axis")
+    return None
+
+
 # op → (the opsets where the form exists, what makes a node that form)
 _FORMS: dict[str, tuple[range, Callable[[onnx.NodeProto, Callable[[str], int | None]], str | None]]] = {
     **{op: (range(1, 7), _axis_broadcast) for op in _BROADCASTING},
@@ -65,7 +73,10 @@ _FORMS: dict[str, tuple[range, Callable[[onnx.NodeProto, Callable[[str], int | N
     "Cast": (range(1, 6), _string_to),
     "Concat": (range(1, 4), _no_axis),
     "BatchNormalization": (range(1, 9), _spatial),
+    "PRelu": (range(1, 7), _channel_slope),
 }
+# the way out where converting the opset is none (onnx's converter keeps PRelu's [C] slope as it is)
+_ADVICE = {"PRelu": "give the slope the shape [C, 1, ..., 1] (one 1 per spatial axis of X)"}
 
 
 def legacy_form(node: onnx.NodeProto, opset: int, rank: Callable[[str], int | None]) -> str | None:
@@ -80,6 +91,7 @@ def legacy_form(node: onnx.NodeProto, opset: int, rank: Callable[[str], int | No
 def refusal(node: onnx.NodeProto, k: int, opset: int, why: str) -> str:
     """The error message for ``node`` (index ``k``), refused for ``why``."""
     label = repr(node.name) if node.name else f"#{k} (unnamed)"
+    advice = _ADVICE.get(node.op_type, "convert the model to a newer opset with "
+                                       "onnx.version_converter.convert_version(model, 9) or later")
     return (f"node {label} ({node.op_type}, opset {opset}) has a form of an older version of its operator "
-            f"that the engine does not run: {why}; convert the model to a newer opset with "
-            f"onnx.version_converter.convert_version(model, 9) or later")
+            f"that the engine does not run: {why}; {advice}")
