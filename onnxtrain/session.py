@@ -37,6 +37,7 @@ from onnxtrain.inference import (
 from onnxtrain.ir.graphs import model_for_outputs
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import WeightSlot, get_optimizer
+from onnxtrain.parallel import check_sizes
 from onnxtrain.parallel import resolve as resolve_parallel
 from onnxtrain.parallel.adasum import ALL_DELTAS_FINITE
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
@@ -63,6 +64,7 @@ def check_arguments(path_or_bytes: Any, parameters: Any) -> None:
                         f"{type(path_or_bytes).__name__}{program_hint(path_or_bytes)}")
     if not isinstance(parameters, TrainingParameters):
         raise TypeError(f"parameters must be a TrainingParameters, got {type(parameters).__name__}")
+    check_sizes(parameters)
 
 
 def all_or_nothing(load: Callable[..., None]) -> Callable[..., None]:

@@ -369,7 +369,10 @@ def build_step_graphs(
             "one, fetch the gradients (set_gradients_as_graph_outputs) and sum them yourself"
         )
     base_inputs = list(grad.graph.input)
-    out_user = [o for o in grad.graph.output if o.name in user_outputs]
+    # the model's outputs keep their order (the loss where the model has it; appended when it has none), as
+    # onnxruntime's session kept them; the builder puts the loss first
+    by_name = {o.name: o for o in grad.graph.output}
+    out_user = [by_name[n] for n in user_outputs if n in by_name]
     out_bn = [vi(o, None, None, None) for o in bn.values()]
     for k, o in enumerate(out_bn):
         src = next((x for x in grad.graph.output if x.name == o.name), None)

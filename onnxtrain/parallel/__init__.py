@@ -85,10 +85,22 @@ def launch_hint(n: int) -> str:
     return f"mpiexec -n {n} " + shlex.join([*cmd, *args])
 
 
+def check_sizes(p: Any) -> None:
+    """ValueError naming the ``TrainingParameters`` property whose rank count (< 1) or rank (< -1) is
+    impossible."""
+    for key in ("world_size", "data_parallel_size", "horizontal_parallel_size", "pipeline_parallel_size"):
+        if getattr(p, key) < 1:
+            raise ValueError(f"TrainingParameters.{key}={getattr(p, key)}: a number of ranks must be >= 1")
+    if p.world_rank < -1:
+        raise ValueError(f"TrainingParameters.world_rank={p.world_rank}: a rank must be >= 0 (or -1, as "
+                         "onnxruntime's ort_trainer passed it, for the one MPI gives)")
+
+
 def check_world_options(p: Any, w: World) -> None:
     """Explicit ``world_size`` / ``world_rank`` of ``TrainingParameters`` ``p`` must agree with MPI's ``w``
     (an assigned ``world_rank = 0`` too: it is told from the default by ``p.is_set``)."""
-    given = p.world_rank != 0 or (hasattr(p, "is_set") and p.is_set("world_rank"))
+    # -1 (ort_trainer's create_ort_training_session_with_optimizer default) means unset, as 0 unassigned does
+    given = p.world_rank > 0 or (p.world_rank == 0 and hasattr(p, "is_set") and p.is_set("world_rank"))
     if w.size > 1:
         if p.world_size not in (1, w.size):
             raise ValueError(f"TrainingParameters.world_size={p.world_size} but mpiexec started {w.size} "
@@ -101,7 +113,7 @@ def check_world_options(p: Any, w: World) -> None:
     if p.world_size > 1:
         raise ValueError(f"TrainingParameters.world_size={p.world_size}, but this process was not started "
                          f"by mpiexec (MPI world size 1); launch with: {launch_hint(p.world_size)}")
-    if p.world_rank != 0:
+    if p.world_rank > 0:
         n = max(p.world_size, p.world_rank + 1)
         raise ValueError(f"TrainingParameters.world_rank={p.world_rank}, but this process was not started "
                          f"by mpiexec (it is rank 0 of 1); launch with: {launch_hint(n)}, and leave "
@@ -114,10 +126,10 @@ def resolve(p: Any) -> DataParallel | None:
 
     Returns None when the session runs alone (one data-parallel rank).
     """
-    if p.horizontal_parallel_size != 1:
+    if p.horizontal_parallel_size > 1:
         raise NotImplementedError("TrainingParameters.horizontal_parallel_size > 1 (Megatron tensor "
                                   "parallel) is not implemented; only data parallelism is")
-    if p.pipeline_parallel_size != 1:
+    if p.pipeline_parallel_size > 1:
         raise NotImplementedError("TrainingParameters.pipeline_parallel_size > 1 (pipeline parallel) is not "
                                   "implemented; only data parallelism is")
     if p.deepspeed_zero_stage not in (0, 1):

@@ -170,3 +170,28 @@ def test_world_rank_checks() -> None:
         check_world_options(p, World(0, 1, 0, 1))
     with pytest.raises(ValueError, match="world_rank=1, but this process was not started by mpiexec"):
         TrainingSession(model_bytes(), p)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("world_size", 0), ("world_size", -3), ("data_parallel_size", 0), ("horizontal_parallel_size", 0),
+     ("pipeline_parallel_size", -1), ("world_rank", -2)],
+)
+def test_impossible_sizes_are_refused_by_name(key: str, value: int) -> None:
+    """A rank count below 1 (or a rank below -1) is an error naming the property, not a run of one rank."""
+    p = params()
+    setattr(p, key, value)
+    with pytest.raises(ValueError, match=f"TrainingParameters.{key}={value}: a"):
+        TrainingSession(model_bytes(), p)
+
+
+def test_world_rank_minus_one_is_unset() -> None:
+    """ort_trainer's create_ort_training_session_with_optimizer passed world_rank=-1 by default: one process
+    trains as with the rank unset, and under MPI each rank takes its own."""
+    p = params()
+    p.world_rank = -1
+    check_world_options(p, World(1, 2, 1, 2))
+    x, y = data(1)[0]
+    a = TrainingSession(model_bytes(), p).run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})
+    b = TrainingSession(model_bytes(), params()).run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})
+    assert a[0].tobytes() == b[0].tobytes()

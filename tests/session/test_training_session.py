@@ -364,6 +364,34 @@ def test_state_round_trip_is_bit_identical() -> None:
         s2.load_state({"W1": np.zeros((16, 8), np.float64)})
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"training_optimizer_name": "AdamOptimizer", "gradient_accumulation_steps": 2},
+     {"use_mixed_precision": True}, {"training_optimizer_name": "", "set_gradients_as_graph_outputs": True}],
+    ids=["sgd", "adam-accumulation", "mixed-precision", "gradients"],
+)
+def test_outputs_keep_the_model_order(kw: dict) -> None:
+    """A model whose loss is its last output: run(None) returns the outputs in the model's order (the
+    session's additions after them), as onnxruntime's session did; the loss came first before."""
+    import onnxruntime
+
+    model = mlp_model()
+    outs = list(model.graph.output)
+    del model.graph.output[:]
+    model.graph.output.extend(outs[::-1])  # logits, loss
+    sess = TrainingSession(model.SerializeToString(), params(**kw))
+    names = [o.name for o in sess.get_outputs()]
+    assert names[:2] == ["logits", "loss"], names
+    x, y = batches(1, 4)[0]
+    ref = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"x": x, "y": y})
+    feeds = {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32), "loss_scale": np.ones(1, np.float32)}
+    got = sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})
+    assert len(got) == len(names)
+    tol = 2e-2 if kw.get("use_mixed_precision") else 1e-5
+    np.testing.assert_allclose(got[0], ref[0], rtol=tol, atol=tol)
+    np.testing.assert_allclose(got[1], ref[1], rtol=tol, atol=tol)
+
+
 def test_interface_and_errors() -> None:
     model = mlp_model()
     sess = TrainingSession(model.SerializeToString(), params("SGDOptimizer"))
