@@ -141,6 +141,27 @@ class TrainingParameters:
         """Pipeline options set away from their defaults (they act only with more than one stage)."""
         return [k for k, d in PIPELINE.items() if k != "pipeline_parallel_size" and self._values[k] != d]
 
+    def idle_options(self) -> list[str]:
+        """One message per option set to a value that does nothing under the other settings."""
+        v, opt = self._values, self._values["training_optimizer_name"]
+        idle = []
+        if self.is_set("mixed_precision_dtype") and not v["use_mixed_precision"]:
+            idle.append("mixed_precision_dtype has no effect without use_mixed_precision")
+        if v["number_recompute_layers"] and not v["transformer_layer_recompute"]:
+            idle.append("number_recompute_layers has no effect without transformer_layer_recompute")
+        if v["legacy_cpu_adam"] and opt != "AdamOptimizer":
+            idle.append(f"legacy_cpu_adam has no effect with {opt or 'no optimizer'} (AdamOptimizer only)")
+        if v["use_fp16_moments"] and opt not in ("AdamOptimizer", "LambOptimizer"):
+            idle.append(f"use_fp16_moments has no effect with {opt or 'no optimizer'} (no moments)")
+        if v["loss_scale"] != _DEFAULTS["loss_scale"]:
+            idle.append("loss_scale has no effect, as in onnxruntime's legacy session: under mixed precision "
+                        "the loss scale is the loss_scale input fed to each run")
+        if (v["propagate_cast_ops_level"] != _DEFAULTS["propagate_cast_ops_level"]
+                or v["propagate_cast_ops_allow"]):
+            idle.append("propagate_cast_ops_level / propagate_cast_ops_allow have no effect in onnxtrain "
+                        "(its mixed-precision pass places the casts itself)")
+        return idle
+
     def unsupported_options(self) -> list[str]:
         """Options set away from their defaults that onnxtrain does not implement yet."""
         return [k for k, d in NOT_YET.items() if self._values[k] != d]

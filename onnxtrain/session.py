@@ -153,6 +153,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         if idle:
             warn(f"TrainingParameters option(s) {', '.join(idle)} have no effect with "
                  "pipeline_parallel_size=1")
+        for message in p.idle_options():
+            warn(f"TrainingParameters.{message}")
         self._dp = resolve_parallel(p)
         if p.gradient_accumulation_mode not in ("legacy", "auto"):
             raise ValueError(
@@ -234,6 +236,10 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                         "an entry, possibly {})"
                     )
         opt.warn_unknown_attrs(self._graphs.trainable, fmap, imap)
+        clip = [w for w in self._graphs.trainable if "max_norm_clip" in fmap.get(w, {})]
+        if clip and not p.enable_grad_norm_clip and "max_norm_clip" in opt.FLOAT_ATTRS:
+            warn(f"optimizer_attributes_map: max_norm_clip (given for {len(clip)} weight(s), e.g. "
+                 f"{clip[0]!r}) has no effect with enable_grad_norm_clip=False")
         for label, m in (("optimizer_attributes_map", fmap), ("optimizer_int_attributes_map", imap)):
             absent = sorted(w for w in m if w not in self._graphs.trainable and w not in initializers)
             if absent:  # onnxruntime reads the maps for the trained weights only
@@ -331,6 +337,11 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         names = self._output_list(output_names)
         kind = self._kind(names, ro)
         feeds = self._check(input_feed, self._graphs.user_inputs if kind != "full" else None)
+        scale = feeds.get(self.loss_scale_input_name) if self.loss_scale_input_name else None
+        if scale is not None and not (np.size(scale) == 1 and np.isfinite(scale).all() and (scale > 0).all()):
+            # 0 made zero gradients and 0/0 updates (NaN weights), a negative scale a step uphill
+            raise ValueError(f"input {self.loss_scale_input_name!r}: the loss scale must be a positive "
+                             f"finite number, got {np.asarray(scale).ravel()[:4]}")
         if self._graphs.has_training_mode and TRAINING_MODE not in feeds:
             feeds[TRAINING_MODE] = np.asarray(bool(ro.training_mode))
         if kind == "full" and self._dp is not None and self._opt is not None:

@@ -340,6 +340,9 @@ def build_step_graphs(
         fwd_model = mixed_precision(m, loss, p.mixed_precision_dtype)
         mp = mixed_precision_info(fwd_model)
         gloss = mp.scaled_loss  # backpropagation starts from loss · loss_scale
+    if p.use_memory_efficient_gradient and not any(n.op_type == "LayerNormalization" for n in m.graph.node):
+        warn("TrainingParameters.use_memory_efficient_gradient has no effect: the model has no "
+             "LayerNormalization (whose input it lets the backward pass recompute)")
     try:  # a weight the loss does not depend on: an error, as in onnxruntime (not a zero gradient)
         grad = build_gradient_model(
             fwd_model, gloss, trainable, outputs=user_outputs, extra_outputs=list(bn.values()),

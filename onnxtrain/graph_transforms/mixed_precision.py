@@ -44,6 +44,7 @@ from onnxtrain.graph_transforms.clipping import global_norm
 from onnxtrain.ir.builder import NameGen, NodeWriter, elem_type, model_opset, value_types
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, body_reads, rename_values, subgraphs
 from onnxtrain.ir.types import np_dtype
+from onnxtrain.user_warning import warn
 
 HALF_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 SUFFIX = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}
@@ -52,6 +53,8 @@ SCALED_LOSS = "scaled_loss"
 ALL_FINITE = "all_gradients_finite"
 METADATA_KEY = "onnxtrain.mixed_precision"
 BF16_MIN_OPSET = 20
+#: the largest finite value of each half type: larger float32 constants saturate to it (not ±inf)
+HALF_MAX = {TensorProto.FLOAT16: 65504.0, TensorProto.BFLOAT16: 3.3895313892515355e38}
 
 #: ops that run in the half type (compute-bound; the engine multiplies half operands in float32)
 HALF_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum"})
@@ -168,6 +171,7 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
     converted: dict[tuple[str, int], str] = {}
     twins: dict[str, str] = {}
     master_names = {t.name for t in g.initializer} | {v.name for v in g.input}
+    inits = {t.name: t for t in g.initializer if t.data_type == TensorProto.FLOAT}
 
     def as_type(v: str, target: int) -> str:
         """``v`` as element type ``target``: itself, a converted Constant, or a shared Cast."""
@@ -179,13 +183,26 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
         out = names(f"{v}_{SUFFIX[target]}")
         cn = const_nodes.get(v)
         if cn is not None and phys.get(v) == TensorProto.FLOAT and cn.attribute[0].name == "value":
-            arr = numpy_helper.to_array(cn.attribute[0].t).astype(np_dtype(target))
+            arr = numpy_helper.to_array(cn.attribute[0].t)
+            if target == half and _beyond(arr, half, v):
+                arr = np.clip(arr, -HALF_MAX[half], HALF_MAX[half])
+            arr = arr.astype(np_dtype(target))
             cname = names(f"{cn.name or 'Constant'}_{SUFFIX[target]}")
             tensor = numpy_helper.from_array(arr, out)
             nodes.append(helper.make_node("Constant", [], [out], name=cname, value=tensor))
         else:
+            src = v
+            t = inits.get(v)
+            if (target == half and t is not None and not t.external_data
+                    and _beyond(numpy_helper.to_array(t), half, v)):
+                bounds = [names(f"{v}_{end}") for end in ("min", "max")]
+                for b, x in zip(bounds, (-HALF_MAX[half], HALF_MAX[half])):
+                    nodes.append(helper.make_node("Constant", [], [b], name=names(f"{b}_Constant"),
+                                                  value=numpy_helper.from_array(np.array(x, np.float32), b)))
+                src = names(f"{v}_saturated")
+                nodes.append(helper.make_node("Clip", [v, *bounds], [src], name=names(f"{v}_Clip")))
             cname = names(f"{v}_Cast_{SUFFIX[target]}")
-            nodes.append(helper.make_node("Cast", [v], [out], name=cname, to=target))
+            nodes.append(helper.make_node("Cast", [src], [out], name=cname, to=target))
         if v in master_names and target == half:
             twins[v] = out
         converted[key] = out
@@ -244,6 +261,8 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
         allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
         half_str = "tensor(float16)" if half == TensorProto.FLOAT16 else "tensor(bfloat16)"
         for tv in sorted({t for t in (*in_t, *out_t) if t in allowed}):
+            if node.op_type == "Dropout" and len(in_t) > 1 and tv == in_t[1]:
+                continue  # the ratio stays float32 (spec §8.2): 0.3 in bfloat16 is 0.30078125
             ins = [i for i, t in enumerate(in_t) if t == tv and node.input[i]]
             outs = [j for j, t in enumerate(out_t) if t == tv and node.output[j]]
             members = [node.input[i] for i in ins] + [node.output[j] for j in outs]
@@ -428,6 +447,16 @@ def gradient_checks(model: onnx.ModelProto, grads: Sequence[str], norm_name: str
 
 
 # ---- helpers --------------------------------------------------------------------------------
+
+def _beyond(arr: np.ndarray, half: int, name: str) -> bool:
+    """Whether float32 constant ``name`` has finite values the half type cannot hold (a warning then: they
+    saturate, e.g. an attention mask's float32 minimum, which a Cast would make -inf and the loss NaN)."""
+    big = np.isfinite(arr) & (np.abs(arr) > HALF_MAX[half])
+    if big.any():
+        warn(f"mixed precision: {name!r} holds {int(big.sum())} value(s) beyond {SUFFIX[half]}'s range "
+             f"(e.g. {float(arr[big].flat[0]):.4g}); they saturate to ±{HALF_MAX[half]:.6g}")
+    return bool(big.any())
+
 
 def _schema(node: onnx.NodeProto, opset: int) -> onnx.defs.OpSchema | None:
     if node.domain not in DEFAULT_DOMAINS:

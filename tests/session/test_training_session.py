@@ -384,7 +384,8 @@ def test_outputs_keep_the_model_order(kw: dict) -> None:
     assert names[:2] == ["logits", "loss"], names
     x, y = batches(1, 4)[0]
     ref = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"x": x, "y": y})
-    feeds = {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32), "loss_scale": np.ones(1, np.float32)}
+    one = np.ones(1, np.float32)
+    feeds = {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32), "loss_scale": one}
     got = sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})
     assert len(got) == len(names)
     tol = 2e-2 if kw.get("use_mixed_precision") else 1e-5

@@ -1,0 +1,186 @@
+"""Values that mixed precision must not change: Dropout's ratio (float32, spec §8.2), float32 constants
+beyond the half type's range (saturated, not ±inf), the legacy session's ``loss_scale`` feed (positive,
+finite); and the legacy options that do nothing under the other settings (a warning)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxtrain
+from onnxtrain import TrainingParameters, TrainingSession
+
+LR = np.array([0.01], np.float32)
+
+
+def params(dtype: str | None, opt: str = "SGDOptimizer", **kw) -> TrainingParameters:
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = opt
+    if dtype:
+        p.use_mixed_precision = True
+        p.mixed_precision_dtype = dtype
+    for k, v in kw.items():
+        setattr(p, k, v)
+    return p
+
+
+def feeds(sess: TrainingSession, **values: np.ndarray) -> dict[str, np.ndarray]:
+    if sess.loss_scale_input_name:
+        values[sess.loss_scale_input_name] = np.ones(1, np.float32)
+    return {"Learning_Rate": LR, **values}
+
+
+def dropout_model(ratio: float) -> onnx.ModelProto:
+    w = (np.random.default_rng(0).standard_normal((64, 64)) * 0.3).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"]),
+        helper.make_node("Dropout", ["h", "ratio", "tm"], ["d", "mask"]),
+        helper.make_node("ReduceSum", ["d"], ["loss"], keepdims=0),
+    ]
+    inits = [numpy_helper.from_array(w, "W"), numpy_helper.from_array(np.array(ratio, np.float32), "ratio"),
+             numpy_helper.from_array(np.array(True), "tm")]
+    g = helper.make_graph(
+        nodes, "drop", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 64])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("mask", TensorProto.BOOL, [256, 64])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_dropout_ratio_stays_float32(dtype: str) -> None:
+    """The ratio feeds Dropout as float32: the same seed drops the same cells as in float32 (bfloat16's 0.3
+    is 0.30078125, whose 8-bit draw took another mask before)."""
+    x = np.ones((256, 64), np.float32)
+    masks = []
+    for d in (None, dtype):
+        sess = TrainingSession(dropout_model(0.3).SerializeToString(), params(d))
+        node = next(n for n in sess._graphs.full.graph.node if n.op_type == "Dropout")
+        assert node.input[1] == "ratio"
+        onnxtrain.set_seed(3)
+        masks.append(sess.run(["mask"], feeds(sess, x=x))[0])
+    assert 0.25 < 1 - masks[0].mean() < 0.35
+    np.testing.assert_array_equal(masks[0], masks[1])
+
+
+def masked_attention(const_node: bool) -> onnx.ModelProto:
+    """scores + (1 - mask)·finfo(float32).min, then softmax and a classifier (a Hugging Face style mask);
+    the minimum is an initializer or a Constant node."""
+    r = np.random.default_rng(0)
+    fmin = np.array(np.finfo(np.float32).min, np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "Wq"], ["q"]),
+        helper.make_node("Transpose", ["q"], ["kt"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q", "kt"], ["s"]),
+        helper.make_node("Sub", ["one", "mask"], ["inv"]),
+        helper.make_node("Mul", ["inv", "fmin"], ["add_mask"]),
+        helper.make_node("Unsqueeze", ["add_mask", "ax1"], ["am"]),
+        helper.make_node("Add", ["s", "am"], ["sm"]),
+        helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "q"], ["c"]),
+        helper.make_node("ReduceMean", ["c"], ["pooled"], axes=[1], keepdims=0),
+        helper.make_node("MatMul", ["pooled", "Wo"], ["logits"]),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"]),
+    ]
+    inits = [numpy_helper.from_array((r.standard_normal((8, 8)) * 0.3).astype(np.float32), "Wq"),
+             numpy_helper.from_array((r.standard_normal((8, 3)) * 0.3).astype(np.float32), "Wo"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             numpy_helper.from_array(np.array([1], np.int64), "ax1")]
+    if const_node:
+        const = numpy_helper.from_array(fmin, "fmin")
+        nodes.insert(0, helper.make_node("Constant", [], ["fmin"], value=const))
+    else:
+        inits.append(numpy_helper.from_array(fmin, "fmin"))
+    g = helper.make_graph(
+        nodes, "attn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 8]),
+         helper.make_tensor_value_info("mask", TensorProto.FLOAT, [2, 4]),
+         helper.make_tensor_value_info("y", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("const_node", [False, True], ids=["initializer", "constant"])
+def test_constants_beyond_the_half_range_saturate(const_node: bool) -> None:
+    """The mask's float32 minimum became -inf in half, the loss NaN and every step skipped; it now saturates
+    (with a warning naming it): the bfloat16 loss is torch autocast's, the float16 one close to float32's."""
+    model = masked_attention(const_node).SerializeToString()
+    r = np.random.default_rng(1)
+    x = r.standard_normal((2, 4, 8)).astype(np.float32)
+    mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.float32)
+    y = np.array([0, 2])
+    losses = {}
+    for dtype in (None, "float16", "bfloat16"):
+        kw = {"weights_to_train": {"Wq", "Wo"}}
+        if dtype:
+            with pytest.warns(UserWarning, match=r"'fmin' holds 1 value\(s\) beyond"):
+                sess = TrainingSession(model, params(dtype, **kw))
+        else:
+            sess = TrainingSession(model, params(dtype, **kw))
+        out = sess.run(None, feeds(sess, x=x, mask=mask, y=y))
+        named = dict(zip([o.name for o in sess.get_outputs()], out))
+        assert np.isfinite(named["global_gradient_norm"])
+        if dtype:
+            assert named["all_gradients_finite"].all()
+        losses[dtype] = float(named["loss"])
+    init = {t.name: numpy_helper.to_array(t) for t in onnx.load_from_string(model).graph.initializer}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q = torch.tensor(x) @ torch.tensor(init["Wq"])
+        s = q @ q.transpose(1, 2) + ((1 - torch.tensor(mask)) * torch.finfo(torch.float32).min)[:, None, :]
+        p = torch.softmax(s.float(), -1)
+        logits = (p.to(q.dtype) @ q).float().mean(1) @ torch.tensor(init["Wo"])
+        ref = float(torch.nn.functional.cross_entropy(logits, torch.tensor(y)))
+    assert losses["bfloat16"] == pytest.approx(ref, abs=1e-6)
+    assert losses["float16"] == pytest.approx(losses[None], abs=1e-3)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, np.nan, np.inf])
+def test_legacy_loss_scale_feed_must_be_positive_and_finite(scale: float) -> None:
+    """A zero scale made 0/0 updates (NaN weights), a negative one a step uphill: refused naming the input."""
+    sess = TrainingSession(dropout_model(0.0).SerializeToString(), params("float16", "AdamOptimizer"))
+    f = feeds(sess, x=np.ones((256, 64), np.float32))
+    f[sess.loss_scale_input_name] = np.array([scale], np.float32)
+    with pytest.raises(ValueError, match="input 'loss_scale': the loss scale must be a positive finite"):
+        sess.run(["loss"], f)
+    f[sess.loss_scale_input_name] = np.array([4.0], np.float32)
+    assert np.isfinite(sess.run(["loss"], f)[0])
+
+
+CLIP_2 = {w: {"max_norm_clip": 2.0} for w in ("W1", "b1", "W2", "b2")}
+
+
+def mlp_bytes() -> bytes:
+    from tests.session.helpers import mlp_model
+
+    return mlp_model().SerializeToString()
+
+
+@pytest.mark.parametrize(
+    "opt, kw, message",
+    [("AdamOptimizer", {"enable_grad_norm_clip": False, "optimizer_attributes_map": CLIP_2},
+      "max_norm_clip .* has no effect with enable_grad_norm_clip=False"),
+     ("SGDOptimizer", {"mixed_precision_dtype": "bfloat16"}, "mixed_precision_dtype has no effect"),
+     ("SGDOptimizer", {"number_recompute_layers": 2}, "number_recompute_layers has no effect"),
+     ("LambOptimizer", {"legacy_cpu_adam": True}, "legacy_cpu_adam has no effect with LambOptimizer"),
+     ("SGDOptimizer", {"use_fp16_moments": True}, "use_fp16_moments has no effect with SGDOptimizer"),
+     ("SGDOptimizer", {"loss_scale": 128.0}, "loss_scale has no effect"),
+     ("SGDOptimizer", {"propagate_cast_ops_level": 2}, "propagate_cast_ops_level / propagate_cast_ops_allow"),
+     ("SGDOptimizer", {"use_memory_efficient_gradient": True}, "use_memory_efficient_gradient has no eff")],
+)
+def test_options_without_effect_warn(opt: str, kw: dict, message: str) -> None:
+    """An option set to a value that does nothing under the others says so (it was silently accepted)."""
+    with pytest.warns(UserWarning, match=message):
+        TrainingSession(mlp_bytes(), params(None, opt, **kw))
+
+
+def test_options_with_effect_do_not_warn() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TrainingSession(mlp_bytes(), params("bfloat16", "AdamOptimizer", legacy_cpu_adam=True,
+                                            use_fp16_moments=True))
+        TrainingSession(mlp_bytes(), params(None, "AdamOptimizer", optimizer_attributes_map=CLIP_2))
