@@ -6,6 +6,8 @@ executors swap the graphs' new arrays in. Files are onnxruntime-training's on-de
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -18,6 +20,8 @@ from onnxtrain.checkpoint import Checkpoint, OptimizerGroup
 from onnxtrain.checkpoint import load_checkpoint as _load_file
 from onnxtrain.checkpoint import save_checkpoint as _save_file
 from onnxtrain.errors import raises_as_onnxruntime
+from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
+from onnxtrain.user_warning import warn
 
 DEFAULT_LEARNING_RATE = float(np.float32(0.001))  # a float32 value, as onnxruntime reports it
 GROUP_NAME = "group0"
@@ -25,7 +29,10 @@ GROUP_NAME = "group0"
 # "<lr>@<step>": a file that onnxruntime-training trained on and saved again holds a later step, and
 # the stale rate is then dropped (onnxruntime's default is used, as there).
 LEARNING_RATE_PROPERTY = "onnxtrain.learning_rate"
-_RESERVED = (LEARNING_RATE_PROPERTY,)
+# The dynamic loss scaler of a mixed-precision Module (scale and count of clean steps), as the JSON text
+# '{"loss_scale": 32768.0, "stable_steps": 3}': a string keeps the scale exact (float properties are float32).
+LOSS_SCALER_PROPERTY = "onnxtrain.loss_scaler"
+_RESERVED = (LEARNING_RATE_PROPERTY, LOSS_SCALER_PROPERTY)
 
 
 def _saved_learning_rate(value: int | float | str | None, step: int) -> float | None:
@@ -39,6 +46,20 @@ def _saved_learning_rate(value: int | float | str | None, step: int) -> float | 
             return float(lr) if int(at) == step else None
         except ValueError:
             return None
+    return None
+
+
+def _saved_loss_scaler(value: int | float | str) -> tuple[float, int] | None:
+    """(scale, clean steps) of a :data:`LOSS_SCALER_PROPERTY` value; None (with a warning) if unreadable."""
+    try:
+        record = json.loads(value) if isinstance(value, str) else None
+        scale, steps = float(record["loss_scale"]), int(record["stable_steps"])  # type: ignore[index]
+        if math.isfinite(scale) and scale > 0 and steps >= 0:
+            return scale, steps
+    except (ValueError, TypeError, KeyError):
+        pass
+    warn(f"ignoring checkpoint property {LOSS_SCALER_PROPERTY}={value!r}: not a loss scaler state; "
+         "mixed-precision Modules start from their scaler's initial scale")
     return None
 
 
@@ -292,9 +313,14 @@ class CheckpointState:
                 self._params[name] = _Param(name, arr.dtype, trainable, data)
         self._properties: dict[str, int | float | str] = {}
         saved_lr: int | float | str | None = None
+        # the loss scaler state read from the file, and the scaler of the Module that trains over this state
+        self._saved_loss_scaler: tuple[float, int] | None = None
+        self._loss_scaler: LossScaler | None = None
         for name, value in checkpoint.properties.items():
             if name == LEARNING_RATE_PROPERTY:
                 saved_lr = value
+            elif name == LOSS_SCALER_PROPERTY:
+                self._saved_loss_scaler = _saved_loss_scaler(value)
             else:
                 self._properties[name] = value
         self._optimizer: _OptimizerState | None = None
@@ -325,7 +351,9 @@ class CheckpointState:
 
         The optimizer state (moments, step, initial and current learning rate) is written only with
         ``include_optimizer_state=True`` and when the state holds one (an Optimizer was created over it,
-        or it was loaded from a file).
+        or it was loaded from a file). The state of the dynamic loss scaler of a mixed-precision Module
+        over ``state`` (scale and count of clean steps) is written always, as property
+        :data:`LOSS_SCALER_PROPERTY`; a Module built over the loaded state resumes it.
         """
         if not isinstance(state, CheckpointState):
             raise TypeError(f"state must be a CheckpointState, got {type(state).__name__}")
@@ -346,6 +374,9 @@ class CheckpointState:
         if include_optimizer_state and opt is not None:
             groups.append(OptimizerGroup(GROUP_NAME, opt.step, opt.initial_lr, opt.moments))
             props[LEARNING_RATE_PROPERTY] = f"{float(opt.lr)!r}@{int(opt.step)}"
+        scaler = self._loss_scaler_state()
+        if scaler is not None:
+            props[LOSS_SCALER_PROPERTY] = json.dumps({"loss_scale": scaler[0], "stable_steps": scaler[1]})
         return Checkpoint(trainable, frozen, groups, props, nominal=nominal)
 
     # ---------------------------------------------------------------- views
@@ -388,6 +419,21 @@ class CheckpointState:
             raise ValueError(f"Parameter {name!r}: data shape mismatch. Expected: {p.data.shape}, "
                              f"Got: {arr.shape}")
         np.copyto(p.data, arr)
+
+    def _loss_scaler_state(self) -> tuple[float, int] | None:
+        """(scale, clean steps) of the bound dynamic loss scaler, else as loaded (None: no scaler state)."""
+        s = self._loss_scaler
+        if isinstance(s, DynamicLossScaler):
+            return float(s.loss_scale), int(s.stable_steps)
+        return self._saved_loss_scaler
+
+    def _attach_loss_scaler(self, scaler: LossScaler) -> None:
+        """A new mixed-precision Module's ``scaler``: a dynamic one resumes the state's scaler state (a
+        loaded checkpoint's, or the Module's trained before over this state); then it is the one saved."""
+        resumed = self._loss_scaler_state()
+        if resumed is not None and isinstance(scaler, DynamicLossScaler):
+            scaler.loss_scale, scaler.stable_steps = resumed
+        self._loss_scaler = scaler
 
     def _optimizer_state(self) -> _OptimizerState:
         if self._optimizer is None:

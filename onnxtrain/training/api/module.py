@@ -223,6 +223,8 @@ class Module:
 
     ``loss_scaler`` (onnxtrain extension): the scaler feeding ``loss_scale`` to mixed-precision
     training models (default: a new ``DynamicLossScaler()``); refused for models without loss scaling.
+    A dynamic scaler resumes the scale and count of clean steps the state holds (saved in its
+    checkpoint, or of a Module trained over it before); ``module.loss_scaler.reset()`` starts afresh.
     """
 
     @raises_as_onnxruntime
@@ -259,6 +261,7 @@ class Module:
             self._loss_scaler: LossScaler | None = None
         else:
             self._loss_scaler = loss_scaler if loss_scaler is not None else DynamicLossScaler()
+            state._attach_loss_scaler(self._loss_scaler)  # resumes a saved scaler state
         self._grad_loss_scale: np.ndarray | None = None  # the scale of the gradients accumulated now
         # Modules over one state share its gradients (onnxruntime-training gives each Module buffers of its
         # own): a new Module leaves them as they are, so that another Module's Optimizer still steps with

@@ -273,6 +273,8 @@ class Optimizer:
         automatic = scaler is not None and getattr(scaler, "automatic_update", True)
         if self._loss_scale_input is not None and automatic:
             scaler.update_loss_scale(finite)
+        if scaler is not None:
+            self._state._loss_scaler = scaler  # the scaler the state's checkpoints record
 
     def set_learning_rate(self, learning_rate: float) -> None:
         """Use ``learning_rate`` (stored as float32) from the next step on."""
