@@ -38,6 +38,7 @@ from onnxtrain.ir.builder import (
     symbolic_shape,
     value_types,
 )
+from onnxtrain.ir.elem_types import fill_elem_types
 from onnxtrain.ir.functions import expand_functions
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, body_reads, node_reads, rename_values, walk_graphs
 
@@ -190,6 +191,7 @@ class _Backward:
         self.model = model
         self.opset = model_opset(model)
         self.types = value_types(model)
+        fill_elem_types(model, self.types)  # what inference left untyped (GroupNormalization-21 at IR 8)
         self.names = NameGen.for_model(model)
         self.fwd_nodes = [_copy(n) for n in model.graph.node]
         self.producer: dict[str, tuple[int, int]] = {}

@@ -42,6 +42,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.graph_transforms.clipping import global_norm
 from onnxtrain.ir.builder import NameGen, NodeWriter, elem_type, model_opset, value_types
+from onnxtrain.ir.elem_types import formal_types
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, body_reads, rename_values, subgraphs
 from onnxtrain.ir.types import np_dtype
 from onnxtrain.user_warning import warn
@@ -104,20 +105,6 @@ def _half_type(dtype: Any) -> int:
     if et not in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
         raise ValueError(f"mixed precision dtype must be float16 or bfloat16, got {dtype!r}")
     return et
-
-
-def _formal_types(schema: onnx.defs.OpSchema, n: int, outputs: bool) -> list[str | None]:
-    """The type string (e.g. ``T``) of each of ``n`` actual inputs (or outputs) of a node."""
-    formals = schema.outputs if outputs else schema.inputs
-    out: list[str | None] = []
-    for i in range(n):
-        if i < len(formals):
-            out.append(formals[i].type_str)
-        elif formals and formals[-1].option == onnx.defs.OpSchema.FormalParameterOption.Variadic:
-            out.append(formals[-1].type_str)
-        else:
-            out.append(None)
-    return out
 
 
 def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *,
@@ -256,8 +243,8 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
             continue
         policy = "f32" if node.op_type in f32_set or node.name in keep_nodes else (
             "half" if node.op_type in half_set else "follow")
-        in_t = _formal_types(schema, len(node.input), outputs=False)
-        out_t = _formal_types(schema, len(node.output), outputs=True)
+        in_t = formal_types(schema, len(node.input), outputs=False)
+        out_t = formal_types(schema, len(node.output), outputs=True)
         allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
         half_str = "tensor(float16)" if half == TensorProto.FLOAT16 else "tensor(bfloat16)"
         for tv in sorted({t for t in (*in_t, *out_t) if t in allowed}):

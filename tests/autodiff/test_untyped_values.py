@@ -1,0 +1,58 @@
+"""Gradients through values that ONNX shape inference leaves untyped (GroupNormalization-21 in an IR 8 model):
+their element type comes from the schemas, so a float64 graph gets float64 gradient constants (a float32 one
+made the gradient graph invalid: the checker, onnxruntime and onnxtrain refused it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime
+import torch
+from onnx import TensorProto, helper
+
+from onnxtrain.autodiff import build_gradient_model
+from onnxtrain.engine import compile_model
+from onnxtrain.ir.builder import elem_type, value_types
+from onnxtrain.ir.elem_types import fill_elem_types
+
+
+def group_norm_model() -> onnx.ModelProto:
+    d = TensorProto.DOUBLE
+    nodes = [
+        helper.make_node("GroupNormalization", ["a", "s", "b"], ["y"], num_groups=2, stash_type=d),
+        helper.make_node("ReduceSumSquare", ["y"], ["l1"], keepdims=0),
+        helper.make_node("Sin", ["y"], ["sy"]),
+        helper.make_node("ReduceSum", ["sy"], ["l2"], keepdims=0),
+        helper.make_node("Add", ["l1", "l2"], ["loss"]),
+    ]
+    g = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("a", d, ["N", 4, "H"]), helper.make_tensor_value_info("s", d, [4]),
+         helper.make_tensor_value_info("b", d, [4])],
+        [helper.make_tensor_value_info("loss", d, [])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=8)
+
+
+def test_schema_types_fill_what_inference_left() -> None:
+    m = group_norm_model()
+    types = value_types(m)
+    assert elem_type(types, "y") == TensorProto.UNDEFINED  # the premise: inference cannot type it
+    fill_elem_types(m, types)
+    assert [elem_type(types, v) for v in ("y", "l1", "sy", "l2")] == [TensorProto.DOUBLE] * 4
+
+
+def test_float64_gradients_through_untyped_values() -> None:
+    m = group_norm_model()
+    gm = build_gradient_model(m, "loss", ["a", "s", "b"])
+    onnx.checker.check_model(gm, full_check=True)
+    rng = np.random.default_rng(0)
+    feeds = {"a": rng.standard_normal((2, 4, 3)), "s": rng.standard_normal(4), "b": rng.standard_normal(4)}
+    names = ["a_grad", "s_grad", "b_grad"]
+    ort = onnxruntime.InferenceSession(gm.SerializeToString()).run(names, feeds)
+    ours = compile_model(gm).run(feeds, names)
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in feeds.items()}
+    y = torch.nn.functional.group_norm(t["a"], 2, t["s"], t["b"], eps=1e-5)
+    ((y * y).sum() + torch.sin(y).sum()).backward()
+    for k, got_ort, got in zip(("a", "s", "b"), ort, ours):
+        np.testing.assert_allclose(got, t[k].grad.numpy(), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(got_ort, t[k].grad.numpy(), rtol=1e-10, atol=1e-12)
