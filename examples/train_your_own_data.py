@@ -2,7 +2,8 @@
 
 Writes, into a folder (default ``runs/own_data``): ``blobs.npz`` (named arrays), ``net.onnx`` (an
 inference model without a loss: the config appends softmax cross-entropy), ``own_data.yaml``, and
-the run's outputs. The equivalent command line is ``onnxtrain train runs/own_data/own_data.yaml``.
+the run's outputs (in ``<folder>/out``). The equivalent command line is
+``onnxtrain train runs/own_data/own_data.yaml --output-dir runs/own_data/out``.
 """
 
 from __future__ import annotations

@@ -512,11 +512,15 @@ def _check_parameters(cfg: Config) -> None:
 def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Config:
     """Read, override, check and resolve the configuration at ``path``."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ConfigError("", f"{path} is a folder; give the config's .yaml file")
     if not os.path.isfile(path):
         raise ConfigError("", f"config file not found: {path}")
     with open(path, encoding="utf-8") as f:
         try:
             raw = parse_yaml(f.read())
+        except UnicodeDecodeError as e:
+            raise ConfigError("", f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
@@ -533,6 +537,9 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Confi
         raise ConfigError("training.epochs", f"set with --set, but training.steps ({cfg.training.steps}) "
                                              "decides the run's length; add --set training.steps=null")
     cfg.name = os.path.splitext(os.path.basename(path))[0]
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.basename(path) == "config.yaml" and os.path.isfile(os.path.join(folder, "metrics.jsonl")):
+        cfg.name = os.path.basename(folder)  # a run's own saved config: the run's name, not "config"
     cfg.base_dir = os.path.dirname(os.path.abspath(path))
     cfg.source = os.path.abspath(path)
     return validate(cfg)

@@ -323,6 +323,10 @@ class Trainer:
         if diff and self.main:
             print(f"onnxtrain: warning: resuming with a changed config ({', '.join(diff)}); the run will "
                   "not match an uninterrupted one", file=sys.stderr)
+        if st.global_step > self.total and self.main:
+            print(f"onnxtrain: warning: the checkpoint is at step {st.global_step}, past the {self.total} "
+                  "steps this config trains (training.epochs / training.steps): nothing more to train",
+                  file=sys.stderr)
         return st
 
     # ---- metrics ----

@@ -49,7 +49,13 @@ def _append_loss(model: onnx.ModelProto, cfg: Config) -> None:
         g.node.extend([helper.make_node("Sub", [m.logits, m.labels], [diff], name=diff),
                        helper.make_node("Mul", [diff, diff], [sq], name=sq),
                        helper.make_node("ReduceMean", [sq], [m.loss], keepdims=0, name=m.loss)])
-        g.input.append(helper.make_tensor_value_info(m.labels, et, None))
+        # the labels take the logits' shape (a [N] array against [N, 3] logits: refused at load, naming it)
+        logits = types.get(m.logits)
+        dims = None
+        if logits is not None and logits.HasField("tensor_type") and logits.tensor_type.HasField("shape"):
+            dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                    for d in logits.tensor_type.shape.dim]
+        g.input.append(helper.make_tensor_value_info(m.labels, et, dims))
     g.output.insert(0, helper.make_tensor_value_info(m.loss, et or TensorProto.FLOAT, []))
 
 

@@ -28,7 +28,9 @@ _STALE_RUN_TMP = re.compile(r"^(" + "|".join(re.escape(f) for f in RUN_FILES) + 
 
 
 def output_dir(cfg: Config, override: str | None = None) -> str:
-    return override or cfg.output.dir or os.path.join("runs", cfg.name)
+    """The run's folder: ``--output-dir``, else ``output.dir``, else ``runs/<config name>`` (``~`` expanded,
+    as in the config's other paths)."""
+    return os.path.expanduser(override or cfg.output.dir or os.path.join("runs", cfg.name))
 
 
 def check_output_dir(folder: str) -> None:
@@ -111,14 +113,19 @@ def list_checkpoints(folder: str) -> list[tuple[int, str]]:
 
 
 def find_checkpoint(path: str) -> str:
-    """``path`` if it is a checkpoint file, else the latest checkpoint of the run folder ``path``."""
+    """``path`` if it is a checkpoint file, else the latest checkpoint of the run folder ``path`` (or of its
+    ``checkpoints`` folder itself)."""
+    path = os.path.expanduser(path)
     if os.path.isfile(path):
         return path
     if os.path.isdir(path):
         found = list_checkpoints(path)
+        if not found and os.path.basename(os.path.normpath(path)) == "checkpoints":
+            found = list_checkpoints(os.path.dirname(os.path.normpath(path)) or ".")
         if found:
             return found[-1][1]
-        raise FileNotFoundError(f"no checkpoint in {os.path.join(path, 'checkpoints')}")
+        raise FileNotFoundError(f"no checkpoint in {os.path.join(path, 'checkpoints')} (give a run folder, "
+                                "its checkpoints folder or a .ckpt file)")
     raise FileNotFoundError(f"checkpoint not found: {path}")
 
 

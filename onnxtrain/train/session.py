@@ -8,6 +8,7 @@ from onnx import helper
 
 from onnxtrain.capi.options import SessionOptions
 from onnxtrain.engine.backends import CONFIG_KEY
+from onnxtrain.ir.builder import static_shape, value_types
 from onnxtrain.ir.types import value_info_shape
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession
@@ -108,10 +109,15 @@ def feed_names(cfg: Config, model: onnx.ModelProto, ds: data_mod.Dataset) -> dat
             name = rename[k]
             _check_shape(cfg, k, name, v, declared.get(name), split)
             dt = helper.tensor_dtype_to_np_dtype(types[name]) if types.get(name) else v.dtype
+            if np.dtype(dt).kind in "biuf" and v.dtype.kind not in "biuf":  # strings, complex, dates
+                data_key, where = _data_where(cfg, k, split)
+                raise ConfigError(data_key, f"{where}: the model input {name!r} takes {np.dtype(dt).name} "
+                                            f"numbers, got {v.dtype} values")
             if np.issubdtype(dt, np.integer) and not np.issubdtype(v.dtype, np.integer):
                 _check_whole(cfg, k, name, v, dt, split)
             out[name] = np.ascontiguousarray(v, dtype=dt)
         _check_indices(cfg, model, out, {rename[k]: k for k in arrays}, split)
+        _check_classes(cfg, model, out, {rename[k]: k for k in arrays}, split)
         return out
 
     return data_mod.Dataset(convert(ds.train, "train"), convert(ds.eval, "eval"))
@@ -220,3 +226,34 @@ def _check_indices(cfg: Config, model: onnx.ModelProto, arrays: dict[str, np.nda
         raise ConfigError(data_key, f"{where} with values up to {hi if hi >= rows else lo}, but the model "
                                     f"input {node.input[1]!r} indexes {table!r}, which has {rows} rows "
                                     f"({model_key})")
+
+
+def _check_classes(cfg: Config, model: onnx.ModelProto, arrays: dict[str, np.ndarray],
+                   keys: dict[str, str], split: str) -> None:
+    """Class labels fed straight to a SoftmaxCrossEntropyLoss or NegativeLogLikelihoodLoss must lie in
+    [0, classes) (or be its ignore_index): a ConfigError naming the data key otherwise, not a failed step."""
+    types = None
+    for node in model.graph.node:
+        if (node.op_type not in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+                or len(node.input) < 2 or node.input[1] not in arrays):
+            continue
+        y = arrays[node.input[1]]
+        if not y.size or not np.issubdtype(y.dtype, np.integer):
+            continue
+        if types is None:
+            types = value_types(model)
+        dims = static_shape(types, node.input[0])
+        classes = dims[1] if dims is not None and len(dims) > 1 else None
+        if classes is None:
+            continue
+        ignore = next((a.i for a in node.attribute if a.name == "ignore_index"), None)
+        bad = (y < 0) | (y >= classes)
+        if ignore is not None:
+            bad &= y != ignore
+        if not bad.any():
+            continue
+        data_key, where = _data_where(cfg, keys[node.input[1]], split)
+        raise ConfigError(data_key, f"{where}: class label {int(y[bad].flat[0])}, but the loss "
+                                    f"{node.name or node.op_type!r} scores {classes} classes "
+                                    f"({node.input[0]!r} has shape {dims}): labels must lie in "
+                                    f"[0, {classes})")

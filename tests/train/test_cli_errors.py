@@ -33,14 +33,41 @@ def mlp_with_loss(tmp_path) -> str:
     return path
 
 
-def test_engine_error_from_a_config_mistake_is_one_line(tmp_path, capsys, monkeypatch):
-    """Three classes for ten digit labels: the loss node fails; its message names the node."""
+def test_labels_beyond_the_classes_are_refused_at_load(tmp_path, capsys, monkeypatch):
+    """Three classes for ten digit labels: refused before training, naming the loss and the class count
+    (the loss node failed at the first step before)."""
     monkeypatch.delenv("ONNXTRAIN_DEBUG", raising=False)
     argv = ["train", config_path("digits_mlp"), "-q", "--output-dir", str(tmp_path), "--set",
             "model.args.sizes=[64,10,3]", "--set", "training.steps=2"]
     code, line = _error_line(capsys, argv)
+    assert code == 2
+    assert re.search(r"class label \d+, but the loss 'loss' scores 3 classes", line), line
+    assert "[0, 3)" in line
+    np.save(tmp_path / "x.npy", np.zeros((40, 64), np.float32))
+    np.save(tmp_path / "y.npy", np.r_[np.arange(10), -np.ones(30, np.int64)])
+    argv = ["train", config_path("digits_mlp"), "-q", "--output-dir", str(tmp_path / "f"), "--set",
+            f"data={{source: files, feeds: {{x: {tmp_path / 'x.npy'}, y: {tmp_path / 'y.npy'}}}, "
+            "eval_fraction: 0.25}", "--set", "training.steps=2"]
+    code, line = _error_line(capsys, argv)
+    assert code == 2 and "data.feeds.y" in line and "class label -1" in line, line
+
+
+def test_engine_error_from_a_config_mistake_is_one_line(tmp_path, capsys, monkeypatch):
+    """A model whose weight does not fit the data's features (its input's sizes symbolic, so no check
+    before the run sees it): the MatMul fails; the message names the node."""
+    from onnx import helper
+
+    model = zoo.mlp([63, 10])
+    x = next(v for v in model.graph.input if v.name == "x")
+    x.CopyFrom(helper.make_tensor_value_info("x", x.type.tensor_type.elem_type, ["N", "F"]))
+    path = str(tmp_path / "m.onnx")
+    onnx.save(model, path)
+    monkeypatch.delenv("ONNXTRAIN_DEBUG", raising=False)
+    argv = ["train", config_path("digits_mlp"), "-q", "--output-dir", str(tmp_path / "r"), "--set",
+            f"model={{path: {path}}}", "--set", "training.steps=2"]
+    code, line = _error_line(capsys, argv)
     assert code == 1
-    assert "node 'loss' (SoftmaxCrossEntropyLoss) failed" in line and "ONNXTRAIN_DEBUG=1" in line, line
+    assert re.search(r"node '[^']+' \((MatMul|Gemm)\) failed", line) and "ONNXTRAIN_DEBUG=1" in line, line
     monkeypatch.setenv("ONNXTRAIN_DEBUG", "1")
     with pytest.raises(EngineError):
         main([*argv, "--overwrite"])

@@ -1,0 +1,106 @@
+"""Command-line edges: ``~`` in output.dir, a checkpoints folder given to --checkpoint, data arrays that are
+not numbers, a config that is not UTF-8 text or is a folder, MSE labels of the wrong shape, resuming past the
+config's length, and a run's own saved config.yaml."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+
+from onnxtrain import zoo
+from onnxtrain.cli import main
+from tests.train.conftest import config_path
+
+SHORT = ["--set", "training.steps=2", "--set", "training.eval_every=1000", "-q"]
+
+
+def _err(capsys) -> str:
+    return capsys.readouterr().err.strip()
+
+
+def test_tilde_in_output_dir_is_the_home_folder(tmp_path, monkeypatch, capsys):
+    """A folder literally named ``~`` was made in the working folder."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", config_path("digits_mlp"), *SHORT, "--set", "output.dir=~/run"]) == 0
+    assert os.path.isfile(tmp_path / "home" / "run" / "metrics.jsonl")
+    assert not os.path.exists(tmp_path / "~")
+
+
+def test_checkpoint_argument_may_be_the_checkpoints_folder(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(["train", config_path("digits_mlp"), *SHORT, "--output-dir", out]) == 0
+    capsys.readouterr()
+    assert main(["eval", config_path("digits_mlp"), "--checkpoint", out, "--json"]) == 0
+    whole = capsys.readouterr().out
+    assert main(["eval", config_path("digits_mlp"), "--checkpoint", os.path.join(out, "checkpoints"),
+                 "--json"]) == 0
+    assert capsys.readouterr().out == whole
+    empty = tmp_path / "other" / "checkpoints"
+    empty.mkdir(parents=True)
+    assert main(["eval", config_path("digits_mlp"), "--checkpoint", str(empty)]) != 0
+    assert "give a run folder, its checkpoints folder or a .ckpt file" in _err(capsys)
+
+
+def _files_argv(tmp_path, x: np.ndarray, y: np.ndarray) -> list[str]:
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    data = (f"data={{source: files, feeds: {{x: {tmp_path / 'x.npy'}, y: {tmp_path / 'y.npy'}}}, "
+            "eval_fraction: 0.25}")
+    return ["train", config_path("digits_mlp"), *SHORT, "--output-dir", str(tmp_path / "r"), "--set", data]
+
+
+def test_arrays_that_are_not_numbers_are_refused_by_key(tmp_path, capsys):
+    """Strings failed in numpy's cast without naming the key; dates and complex numbers trained on garbage."""
+    y = np.arange(40) % 10
+    for bad in (np.full((40, 64), "a"), np.zeros((40, 64), "datetime64[s]"), np.ones((40, 64), np.complex64)):
+        assert main(_files_argv(tmp_path, bad, y)) == 2
+        err = _err(capsys)
+        assert "data.feeds.x" in err and "takes float32 numbers, got" in err and str(bad.dtype) in err, err
+
+
+def test_mse_labels_take_the_logits_shape(tmp_path, capsys):
+    """model.add_loss: mse with [N] labels against [N, 3] logits failed in the Sub node's broadcast."""
+    path = str(tmp_path / "m.onnx")
+    onnx.save(zoo.mlp([64, 3], loss=False), path)
+    argv = _files_argv(tmp_path, np.zeros((40, 64), np.float32), np.zeros(40, np.float32))
+    argv += ["--set", f"model={{path: {path}, logits: logits, add_loss: mse}}"]
+    assert main(argv) == 2
+    err = _err(capsys)
+    assert "data.feeds.y" in err and "of shape ['N']" in err and "takes shape ['N', 3]" in err, err
+    argv = _files_argv(tmp_path, np.zeros((80, 64), np.float32), np.zeros((80, 3), np.float32))
+    argv += ["--set", f"model={{path: {path}, logits: logits, add_loss: mse}}"]
+    assert main(argv) == 0, _err(capsys)
+
+
+def test_config_that_is_not_text_or_is_a_folder(tmp_path, capsys):
+    bad = tmp_path / "bin.yaml"
+    bad.write_bytes(b"\xff\xfe bad")
+    assert main(["train", str(bad)]) == 2
+    assert f"{bad}: not a UTF-8 text file" in _err(capsys)
+    assert main(["train", str(tmp_path)]) == 2
+    assert f"{tmp_path} is a folder; give the config's .yaml file" in _err(capsys)
+
+
+def test_resume_past_the_configs_length_says_so(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    argv = ["train", config_path("digits_mlp"), "-q", "--output-dir", out, "--set",
+            "training.eval_every=1000"]
+    assert main([*argv, "--set", "training.steps=4"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--set", "training.steps=2", "--resume"]) == 0
+    assert "the checkpoint is at step 4, past the 2 steps this config trains" in _err(capsys)
+
+
+def test_a_runs_saved_config_keeps_the_runs_name(tmp_path, capsys):
+    """Training from runs/<name>/config.yaml named the run "config" (progress bar, plot, summary)."""
+    from onnxtrain.train.config import load_config
+
+    out = tmp_path / "digits_run"
+    assert main(["train", config_path("digits_mlp"), *SHORT, "--output-dir", str(out)]) == 0
+    assert load_config(str(out / "config.yaml")).name == "digits_run"
+    other = tmp_path / "config.yaml"
+    other.write_text((out / "config.yaml").read_text())
+    assert load_config(str(other)).name == "config"  # not a run's folder: the file's name
