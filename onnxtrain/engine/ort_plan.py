@@ -27,8 +27,10 @@ from onnxtrain.engine.parallel import default_width, local_ranks
 
 # onnxruntime's ConstantSharing merges equal initializers into one buffer; a training-mode
 # BatchNormalization then writes its running statistics into the shared buffer, corrupting the
-# initializers it was merged with (scale/bias) from the second run on. It is always disabled.
-DISABLED_OPTIMIZERS = ("ConstantSharing",)
+# initializers it was merged with (scale/bias) from the second run on. Its EliminateDropout deletes a
+# Dropout whose training_mode is a constant true (a forward or inference graph of a model exported in
+# training mode then ran without dropout, where the numpy engine drops). Both are always disabled.
+DISABLED_OPTIMIZERS = ("ConstantSharing", "EliminateDropout")
 SPIN_KEY = "session.intra_op.allow_spinning"
 ENV_ALLOCATORS_KEY = "session.use_env_allocators"
 STOP_KEY = "session.force_spinning_stop"  # "1": the threads stop spinning as soon as a run ends

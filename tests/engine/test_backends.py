@@ -539,9 +539,32 @@ def test_session_config_entries_reach_onnxruntime():
     assert ort_options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     # the caller's disabled optimizers and ours (ConstantSharing) both
     disabled = ort_options.get_session_config_entry("session.disable_optimizers").split(",")
-    assert set(disabled) == {"GeluFusion", "ConstantSharing"}
+    assert set(disabled) == {"GeluFusion", "ConstantSharing", "EliminateDropout"}
     with pytest.raises(RuntimeError, match="does not have configuration"):
         ort_options.get_session_config_entry("onnxtrain.backend")  # ours stays ours
+
+
+def test_training_mode_dropout_drops_in_inference_graphs() -> None:
+    """A Dropout whose training_mode is a constant true (a model exported in training mode) drops on the
+    backend as on the numpy engine: onnxruntime's EliminateDropout deleted it (every run gave the
+    no-dropout output)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("Abs", ["x"], ["a"]), helper.make_node("Dropout", ["a", "ratio", "tm"], ["d"]),
+             helper.make_node("Relu", ["d"], ["y"])]  # (onnxruntime removed a Dropout between two nodes)
+    inits = [numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
+             numpy_helper.from_array(np.array(True), "tm")]
+    g = helper.make_graph(nodes, "drop", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 64])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    x = np.ones((64, 64), np.float32)
+    for backend in ("numpy", "onnxruntime"):
+        sess = InferenceSession(model, options(backend))
+        a, b = (sess.run(None, {"x": x})[0] for _ in range(2))
+        for y in (a, b):
+            assert set(np.unique(y)) == {0.0, 2.0}, backend
+            assert 0.4 < (y == 0).mean() < 0.6, backend
+        assert not np.array_equal(a, b), backend
 
 
 def test_ondevice_steps_that_overwrite_run_without_the_accumulators(mlp_artifacts):
