@@ -191,18 +191,20 @@ def _expose_running_stats(model: onnx.ModelProto, state: CheckpointState
 
 
 def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, follower: bool = False,
-             updates: dict[str, str] | None = None) -> GraphInterface:
+             updates: dict[str, str] | None = None,
+             random_state: dict[Any, dict[Any, Any]] | None = None) -> GraphInterface:
     """The model compiled on the backend ``session_options`` name (config entry ``onnxtrain.backend``);
     ``follower``: it runs right after the training model; ``updates``: output → the input it replaces
-    (see ``make_plan``). The training and optimizer models keep onnxruntime's binding between runs."""
+    (see ``make_plan``); ``random_state``: shared by the plans whose random nodes must not repeat each
+    other's draws. The training and optimizer models keep onnxruntime's binding between runs."""
     backend = backend_of(session_options)
     try:
         if backend != "numpy":
             return make_plan(model, backend, None, session_options, follower=follower, updates=updates,
-                             keep_binding=what in ("training", "optimizer"))
+                             keep_binding=what in ("training", "optimizer"), random_state=random_state)
         from onnxtrain.engine.plan import compile_model  # here: onnxruntime sessions never load it
 
-        return compile_model(model)
+        return compile_model(model, random_state=random_state)
     except UnsupportedOpError as e:
         foreign = sorted({n.domain for n in model.graph.node if n.domain not in ("", "ai.onnx")})
         # (onnxruntime-training's com.microsoft operators never get here: Module translates them on load)
@@ -281,10 +283,15 @@ class Module:
         self._overwrite_plan: GraphInterface | None = None
         self._full_plan: GraphInterface | None = None
         self._last_step_plan: GraphInterface | None = None
+        # the two forms of the training model are one model to the user: a seeded Dropout's draws go on from
+        # one to the other (each plan's own generator restarted from the seed: steps repeated masks)
+        self._random_state: dict[Any, dict[Any, Any]] = {}
         if variant is not None:
-            self._overwrite_plan = _compile(variant, "training", session_options)
+            self._overwrite_plan = _compile(variant, "training", session_options,
+                                            random_state=self._random_state)
         else:
-            self._full_plan = _compile(self._train_model, "training", session_options)
+            self._full_plan = _compile(self._train_model, "training", session_options,
+                                       random_state=self._random_state)
 
     @property
     def _step_plan(self) -> GraphInterface:
@@ -298,7 +305,8 @@ class Module:
     def _train_plan(self) -> GraphInterface:
         """The training model's plan (with the gradient accumulators), compiled when first needed."""
         if self._full_plan is None:
-            self._full_plan = _compile(self._train_model, "training", self._session_options)
+            self._full_plan = _compile(self._train_model, "training", self._session_options,
+                                       random_state=self._random_state)
         return self._full_plan
 
     # ---------------------------------------------------------------- graph interface
