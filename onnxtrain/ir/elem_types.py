@@ -8,18 +8,23 @@ from onnx import TensorProto, helper
 
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 
+_GRAPH_ATTRS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+
 
 def formal_types(schema: onnx.defs.OpSchema, n: int, outputs: bool) -> list[str | None]:
-    """The type string (e.g. ``T``) of each of ``n`` actual inputs (or outputs) of a node."""
+    """The type string (e.g. ``T``) of each of ``n`` actual inputs (or outputs) of a node; None past the
+    formals, and for the members of a heterogeneous variadic (Loop's and Scan's ``V``: one type string,
+    but each member its own type)."""
     formals = schema.outputs if outputs else schema.inputs
+    variadic = onnx.defs.OpSchema.FormalParameterOption.Variadic
     out: list[str | None] = []
     for i in range(n):
-        if i < len(formals):
-            out.append(formals[i].type_str)
-        elif formals and formals[-1].option == onnx.defs.OpSchema.FormalParameterOption.Variadic:
-            out.append(formals[-1].type_str)
-        else:
+        f = formals[i] if i < len(formals) else (
+            formals[-1] if formals and formals[-1].option == variadic else None)
+        if f is None or (f.option == variadic and not f.is_homogeneous):
             out.append(None)
+        else:
+            out.append(f.type_str)
     return out
 
 
@@ -43,8 +48,8 @@ def fill_elem_types(model: onnx.ModelProto, types: dict[str, onnx.TypeProto]) ->
     that the schemas of its producer fix; values already typed keep their types."""
     opset = next((o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS), 0)
     for node in model.graph.node:
-        if node.domain not in DEFAULT_DOMAINS:
-            continue
+        if node.domain not in DEFAULT_DOMAINS or any(a.type in _GRAPH_ATTRS for a in node.attribute):
+            continue  # (control flow: its bodies decide its outputs' types)
         todo = [j for j, o in enumerate(node.output) if o and _known(types, o) == TensorProto.UNDEFINED]
         if not todo:
             continue

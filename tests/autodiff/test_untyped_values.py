@@ -56,3 +56,39 @@ def test_float64_gradients_through_untyped_values() -> None:
     for k, got_ort, got in zip(("a", "s", "b"), ort, ours):
         np.testing.assert_allclose(got, t[k].grad.numpy(), rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(got_ort, t[k].grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_loop_outputs_are_not_typed_from_their_first_carried_value() -> None:
+    """A Loop carrying an int64 counter and the untyped float64 value: its outputs each keep their own type
+    (Loop's V is one type string for values of different types; the float output was typed int64 and its
+    gradient silently dropped)."""
+    d = TensorProto.DOUBLE
+    vi = helper.make_tensor_value_info
+    body = helper.make_graph(
+        [helper.make_node("Add", ["c_in", "one"], ["c_out"]), helper.make_node("Sin", ["v_in"], ["v_out"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "body",
+        [vi("i", TensorProto.INT64, []), vi("cond_in", TensorProto.BOOL, []),
+         vi("c_in", TensorProto.INT64, []), vi("v_in", d, None)],
+        [vi("cond_out", TensorProto.BOOL, []), vi("c_out", TensorProto.INT64, []), vi("v_out", d, None)],
+        [onnx.numpy_helper.from_array(np.array(1, np.int64), "one")])
+    m = group_norm_model()
+    g = m.graph
+    consts = [("M", np.array(2, np.int64)), ("c0", np.array(0, np.int64)), ("t", np.array(True))]
+    del g.node[1:]
+    g.node.extend(helper.make_node("Constant", [], [n], value=onnx.numpy_helper.from_array(v))
+                  for n, v in consts)
+    g.node.extend([helper.make_node("Loop", ["M", "t", "c0", "y"], ["cnt", "yl"], body=body),
+                   helper.make_node("ReduceSumSquare", ["yl"], ["loss"], keepdims=0)])
+    types = value_types(m)
+    fill_elem_types(m, types)
+    assert elem_type(types, "yl") != TensorProto.INT64
+    gm = build_gradient_model(m, "loss", ["a", "s", "b"])
+    rng = np.random.default_rng(0)
+    feeds = {"a": rng.standard_normal((2, 4, 3)), "s": rng.standard_normal(4), "b": rng.standard_normal(4)}
+    got = compile_model(gm).run(feeds, ["a_grad", "s_grad", "b_grad"])
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in feeds.items()}
+    y = torch.nn.functional.group_norm(t["a"], 2, t["s"], t["b"], eps=1e-5)
+    (torch.sin(torch.sin(y)) ** 2).sum().backward()
+    for k, v in zip(("a", "s", "b"), got):
+        np.testing.assert_allclose(v, t[k].grad.numpy(), rtol=1e-10, atol=1e-12)
