@@ -169,10 +169,10 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
             return converted[key]
         out = names(f"{v}_{SUFFIX[target]}")
         cn = const_nodes.get(v)
-        if cn is not None and phys.get(v) == TensorProto.FLOAT and cn.attribute[0].name == "value":
-            arr = numpy_helper.to_array(cn.attribute[0].t)
-            if target == half and _beyond(arr, half, v):
-                arr = np.clip(arr, -HALF_MAX[half], HALF_MAX[half])
+        if cn is not None and phys.get(v) == TensorProto.FLOAT and cn.attribute[0].name in _FLOAT_VALUES:
+            arr = _constant_value(cn.attribute[0])
+            if target == half and _beyond(arr, half, v):  # (infinities stay infinite)
+                arr = np.where(np.isfinite(arr), np.clip(arr, -HALF_MAX[half], HALF_MAX[half]), arr)
             arr = arr.astype(np_dtype(target))
             cname = names(f"{cn.name or 'Constant'}_{SUFFIX[target]}")
             tensor = numpy_helper.from_array(arr, out)
@@ -434,6 +434,18 @@ def gradient_checks(model: onnx.ModelProto, grads: Sequence[str], norm_name: str
 
 
 # ---- helpers --------------------------------------------------------------------------------
+
+_FLOAT_VALUES = ("value", "value_float", "value_floats")
+
+
+def _constant_value(attr: onnx.AttributeProto) -> np.ndarray:
+    """The float32 array of a Constant's ``value``, ``value_float`` or ``value_floats`` attribute."""
+    if attr.name == "value_float":
+        return np.array(attr.f, np.float32)
+    if attr.name == "value_floats":
+        return np.array(list(attr.floats), np.float32)
+    return numpy_helper.to_array(attr.t)
+
 
 def _beyond(arr: np.ndarray, half: int, name: str) -> bool:
     """Whether float32 constant ``name`` has finite values the half type cannot hold (a warning then: they

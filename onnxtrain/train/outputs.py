@@ -120,12 +120,14 @@ def find_checkpoint(path: str) -> str:
         return path
     if os.path.isdir(path):
         found = list_checkpoints(path)
+        folder = os.path.join(path, "checkpoints")
         if not found and os.path.basename(os.path.normpath(path)) == "checkpoints":
             found = list_checkpoints(os.path.dirname(os.path.normpath(path)) or ".")
+            folder = path
         if found:
             return found[-1][1]
-        raise FileNotFoundError(f"no checkpoint in {os.path.join(path, 'checkpoints')} (give a run folder, "
-                                "its checkpoints folder or a .ckpt file)")
+        raise FileNotFoundError(f"no checkpoint in {folder} (give a run folder, its checkpoints folder or a "
+                                ".ckpt file)")
     raise FileNotFoundError(f"checkpoint not found: {path}")
 
 

@@ -111,8 +111,14 @@ def feed_names(cfg: Config, model: onnx.ModelProto, ds: data_mod.Dataset) -> dat
             dt = helper.tensor_dtype_to_np_dtype(types[name]) if types.get(name) else v.dtype
             if np.dtype(dt).kind in "biuf" and v.dtype.kind not in "biuf":  # strings, complex, dates
                 data_key, where = _data_where(cfg, k, split)
-                raise ConfigError(data_key, f"{where}: the model input {name!r} takes {np.dtype(dt).name} "
-                                            f"numbers, got {v.dtype} values")
+                try:  # strings that spell numbers are read as numbers
+                    if v.dtype.kind not in "US":
+                        raise ValueError
+                    v = v.astype(np.float64 if np.dtype(dt).kind == "f" else dt)
+                except (ValueError, OverflowError):
+                    kind = np.dtype(dt).name
+                    raise ConfigError(data_key, f"{where}: the model input {name!r} takes {kind} numbers, "
+                                                f"got {v.dtype} values") from None
             if np.issubdtype(dt, np.integer) and not np.issubdtype(v.dtype, np.integer):
                 _check_whole(cfg, k, name, v, dt, split)
             out[name] = np.ascontiguousarray(v, dtype=dt)

@@ -66,7 +66,7 @@ def test_dropout_ratio_stays_float32(dtype: str) -> None:
     np.testing.assert_array_equal(masks[0], masks[1])
 
 
-def masked_attention(const_node: bool) -> onnx.ModelProto:
+def masked_attention(form: str) -> onnx.ModelProto:
     """scores + (1 - mask)·finfo(float32).min, then softmax and a classifier (a Hugging Face style mask);
     the minimum is an initializer or a Constant node."""
     r = np.random.default_rng(0)
@@ -89,11 +89,12 @@ def masked_attention(const_node: bool) -> onnx.ModelProto:
              numpy_helper.from_array((r.standard_normal((8, 3)) * 0.3).astype(np.float32), "Wo"),
              numpy_helper.from_array(np.array(1.0, np.float32), "one"),
              numpy_helper.from_array(np.array([1], np.int64), "ax1")]
-    if const_node:
-        const = numpy_helper.from_array(fmin, "fmin")
-        nodes.insert(0, helper.make_node("Constant", [], ["fmin"], value=const))
-    else:
+    if form == "initializer":
         inits.append(numpy_helper.from_array(fmin, "fmin"))
+    else:  # a Constant node of each attribute form
+        value = {"value": numpy_helper.from_array(fmin, "fmin"), "value_float": float(fmin),
+                 "value_floats": [float(fmin)]}[form]
+        nodes.insert(0, helper.make_node("Constant", [], ["fmin"], **{form: value}))
     g = helper.make_graph(
         nodes, "attn",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 8]),
@@ -103,11 +104,11 @@ def masked_attention(const_node: bool) -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
-@pytest.mark.parametrize("const_node", [False, True], ids=["initializer", "constant"])
-def test_constants_beyond_the_half_range_saturate(const_node: bool) -> None:
+@pytest.mark.parametrize("form", ["initializer", "value", "value_float", "value_floats"])
+def test_constants_beyond_the_half_range_saturate(form: str) -> None:
     """The mask's float32 minimum became -inf in half, the loss NaN and every step skipped; it now saturates
     (with a warning naming it): the bfloat16 loss is torch autocast's, the float16 one close to float32's."""
-    model = masked_attention(const_node).SerializeToString()
+    model = masked_attention(form).SerializeToString()
     r = np.random.default_rng(1)
     x = r.standard_normal((2, 4, 8)).astype(np.float32)
     mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.float32)
@@ -126,7 +127,7 @@ def test_constants_beyond_the_half_range_saturate(const_node: bool) -> None:
         if dtype:
             assert named["all_gradients_finite"].all()
         losses[dtype] = float(named["loss"])
-    init = {t.name: numpy_helper.to_array(t) for t in onnx.load_from_string(model).graph.initializer}
+    init = {t.name: numpy_helper.to_array(t) for t in masked_attention("value").graph.initializer}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         q = torch.tensor(x) @ torch.tensor(init["Wq"])
         s = q @ q.transpose(1, 2) + ((1 - torch.tensor(mask)) * torch.finfo(torch.float32).min)[:, None, :]
@@ -184,3 +185,23 @@ def test_options_with_effect_do_not_warn() -> None:
         TrainingSession(mlp_bytes(), params("bfloat16", "AdamOptimizer", legacy_cpu_adam=True,
                                             use_fp16_moments=True))
         TrainingSession(mlp_bytes(), params(None, "AdamOptimizer", optimizer_attributes_map=CLIP_2))
+
+
+def test_infinite_constants_stay_infinite() -> None:
+    """Saturation moves finite values only: a -inf beside a finite minimum stays -inf in the half constant."""
+    from onnxtrain.graph_transforms.mixed_precision import mixed_precision
+
+    values = np.array([-np.inf, np.finfo(np.float32).min, 1.5], np.float32)
+    nodes = [helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(values, "c")),
+             helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "c"], ["s"]),
+             helper.make_node("ReduceMax", ["s"], ["loss"], keepdims=0)]
+    g = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(np.eye(3, dtype=np.float32), "W")])
+    with pytest.warns(UserWarning, match="'c' holds 1 value"):
+        mp = mixed_precision(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), "loss")
+    half = [numpy_helper.to_array(n.attribute[0].t) for n in mp.graph.node
+            if n.op_type == "Constant" and n.attribute[0].t.data_type == TensorProto.FLOAT16]
+    assert len(half) == 1
+    np.testing.assert_array_equal(half[0].astype(np.float32), [-np.inf, -65504.0, 1.5])
