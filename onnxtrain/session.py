@@ -23,7 +23,7 @@ from onnxtrain.engine.interface import GraphInterface, InvalidNodeError, load_mo
 from onnxtrain.errors import InvalidFeed, program_hint, raises_as_onnxruntime
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE
-from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo, half_copies
+from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo, check_loss_scale_feed, half_copies
 from onnxtrain.inference import (
     FeedChecker,
     InferenceSession,
@@ -337,11 +337,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         names = self._output_list(output_names)
         kind = self._kind(names, ro)
         feeds = self._check(input_feed, self._graphs.user_inputs if kind != "full" else None)
-        scale = feeds.get(self.loss_scale_input_name) if self.loss_scale_input_name else None
-        if scale is not None and not (np.size(scale) == 1 and np.isfinite(scale).all() and (scale > 0).all()):
-            # 0 made zero gradients and 0/0 updates (NaN weights), a negative scale a step uphill
-            raise ValueError(f"input {self.loss_scale_input_name!r}: the loss scale must be a positive "
-                             f"finite number, got {np.asarray(scale).ravel()[:4]}")
+        if self.loss_scale_input_name and self.loss_scale_input_name in feeds:
+            check_loss_scale_feed(self.loss_scale_input_name, feeds[self.loss_scale_input_name])
         if self._graphs.has_training_mode and TRAINING_MODE not in feeds:
             feeds[TRAINING_MODE] = np.asarray(bool(ro.training_mode))
         if kind == "full" and self._dp is not None and self._opt is not None:

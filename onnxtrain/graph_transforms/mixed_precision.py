@@ -447,6 +447,15 @@ def _constant_value(attr: onnx.AttributeProto) -> np.ndarray:
     return numpy_helper.to_array(attr.t)
 
 
+def check_loss_scale_feed(name: str, value: Any) -> None:
+    """ValueError naming input ``name`` unless the fed loss scale is one positive finite number (0 made zero
+    gradients and 0/0 updates, NaN weights; a negative scale a step uphill)."""
+    a = np.asarray(value)
+    if not (a.size == 1 and np.isfinite(a).all() and (a > 0).all()):
+        raise ValueError(f"input {name!r}: the loss scale must be a positive finite number, got "
+                         f"{a.ravel()[:4]}")
+
+
 def _beyond(arr: np.ndarray, half: int, name: str) -> bool:
     """Whether float32 constant ``name`` has finite values the half type cannot hold (a warning then: they
     saturate, e.g. an attention mask's float32 minimum, which a Cast would make -inf and the loss NaN)."""

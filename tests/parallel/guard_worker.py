@@ -11,7 +11,8 @@
   ``pipe_zero``: the same with pipeline stages; ``one``: 1 on every rank);
 * ``setup OUT.json`` — attribute maps filled in another key order on each rank (accepted), and differing
   optimizer attributes (refused) in data-parallel, pipeline and horizontal sessions;
-* ``feeds OUT.json`` — a wrong-shaped feed to pipeline and horizontal sessions (every rank's error);
+* ``feeds OUT.json`` — a wrong-shaped feed and a zero loss scale to pipeline and horizontal sessions (every
+  rank's error), and the warnings of options without effect;
 * ``norm OUT.json`` — ``global_gradient_norm`` of pipeline and horizontal sessions.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -107,6 +109,17 @@ def feed_errors() -> dict[str, str]:
                 out[f"{mode}/{what}"] = "accepted"
             except Exception as e:  # noqa: BLE001 - the test reads its type and message
                 out[f"{mode}/{what}"] = f"{type(e).__name__}: {e}"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            idle = params("SGDOptimizer", use_mixed_precision=True, loss_scale=8.0,
+                          use_memory_efficient_gradient=True, **kw)
+            s = TrainingSession(model_bytes(), idle)
+        out[f"{mode}/warnings"] = " | ".join(str(w.message) for w in caught)
+        try:
+            s.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR, "loss_scale": np.zeros(1, np.float32)})
+            out[f"{mode}/loss_scale"] = "accepted"
+        except Exception as e:  # noqa: BLE001 - the test reads its type and message
+            out[f"{mode}/loss_scale"] = f"{type(e).__name__}: {e}"
     return out
 
 

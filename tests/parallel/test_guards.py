@@ -122,6 +122,11 @@ def test_cut_sessions_check_feed_shapes_on_every_rank(tmp_path) -> None:
         for mode in ("pipe", "horiz"):
             for name, want in (("y", "dimension 1 must be 4, got 1"), ("x", "dimension 1 must be 8, got 3")):
                 assert got[f"{mode}/{name}"].startswith(f"InvalidFeed: input '{name}': {want}"), (rank, got)
+            # as in one process: a zero loss scale refused (it made NaN weights), idle options warned
+            refused = "ValueError: input 'loss_scale': the loss scale must"
+            assert got[f"{mode}/loss_scale"].startswith(refused), got
+            assert "loss_scale has no effect" in got[f"{mode}/warnings"], got
+            assert "use_memory_efficient_gradient has no effect" in got[f"{mode}/warnings"], got
 
 
 @pytest.mark.mpi
