@@ -187,8 +187,23 @@ def _own_outputs(outs: list[Any], feeds: Mapping[str, Any]) -> list[Any]:
     memory with a feed (an Identity of an input): as onnxruntime's, every output is the caller's to write,
     and none changes with a feed."""
     fed = [v for v in feeds.values() if isinstance(v, np.ndarray)]
-    return [o.copy() if isinstance(o, np.ndarray) and (not o.flags.writeable or any(
+    outs = [o.copy() if isinstance(o, np.ndarray) and (not o.flags.writeable or any(
         np.may_share_memory(o, f) for f in fed)) else o for o in outs]
+    # two outputs over one buffer (y and an Identity of y): the later one copied, as onnxruntime gives each
+    # output its own; only arrays over one base object can overlap
+    by_base: dict[int, list[np.ndarray]] = {}
+    for k, o in enumerate(outs):
+        if not isinstance(o, np.ndarray):
+            continue
+        base = o
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        earlier = by_base.setdefault(id(base.base if base.base is not None else base), [])
+        if any(np.may_share_memory(o, e) for e in earlier):
+            outs[k] = o = o.copy()
+        else:
+            earlier.append(o)
+    return outs
 
 
 class InferenceSession:

@@ -93,6 +93,7 @@ def _where_zero_over(plan: Plan, st: Step) -> Callable:
             and c.dtype == np.bool_
             and c.shape == x.shape
             and zero.dtype == x.dtype
+            and zero.ndim <= x.ndim  # (a [1, 1, 1] zero adds axes to the Where's output)
             and not np.may_share_memory(c, x)
         ):
             # where(c, x, +0.0) as the Where kernel's select computes it, inlined: its general checks cost

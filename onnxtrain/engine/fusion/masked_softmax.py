@@ -58,7 +58,7 @@ def fuse_masked_softmax(plan: Plan, steps: list[Step]) -> list[Step]:
             fill = constant_of(plan, where.inputs[side])
             if fill is not None and _is_minus_inf(fill):
                 replace[k] = make_step(plan, "MaskedSoftmax", [where, soft], where.inputs, soft.outputs,
-                                       _masked_softmax(plan, where, soft, side, fill.dtype))
+                                       _masked_softmax(plan, where, soft, side, fill.dtype, fill.ndim))
                 drop.add(m)
                 break
     return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
@@ -77,15 +77,18 @@ def _broadcasts_onto(small: tuple[int, ...], shape: tuple[int, ...]) -> bool:
         return False
 
 
-def _masked_softmax(plan: Plan, where: Step, soft: Step, side: int, dtype: np.dtype) -> Callable:
-    """The fused step's kernel; ``side`` 1: the fill replaces the scores where c is true, 2: where false."""
+def _masked_softmax(
+    plan: Plan, where: Step, soft: Step, side: int, dtype: np.dtype, fill_rank: int
+) -> Callable:
+    """The fused step's kernel; ``side`` 1: the fill replaces the scores where c is true, 2: where false.
+    A fill of higher rank than the scores (a [1, 1, 1] -inf) adds axes to the Where: the nodes run then."""
 
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         c, a, b = inputs
         x = b if side == 1 else a
         if (
             type(x) is np.ndarray and type(c) is np.ndarray and c.dtype == np.bool_
-            and x.dtype == dtype and x.ndim and x.flags.c_contiguous and x.size
+            and x.dtype == dtype and x.ndim >= max(fill_rank, 1) and x.flags.c_contiguous and x.size
             and soft.attrs["axis"] % x.ndim == x.ndim - 1
             and _broadcasts_onto(c.shape, x.shape)
         ):

@@ -1,0 +1,66 @@
+"""Fused Where forms whose one-element fill has a higher rank than the other operand (the Where's output
+gains its axes: the fusions returned the lower rank), and outputs over one buffer (each returned apart)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain import InferenceSession
+from onnxtrain.engine.plan import Plan
+
+
+def where_model(kind: str) -> bytes:
+    if kind == "masked_softmax":
+        fill = numpy_helper.from_array(np.full((1, 1, 1), -np.inf, np.float32), "f")
+        nodes = [helper.make_node("Constant", [], ["f"], value=fill),
+                 helper.make_node("Where", ["c", "f", "a"], ["w"]),
+                 helper.make_node("Softmax", ["w"], ["y"], axis=-1)]
+        ins = [helper.make_tensor_value_info("c", TensorProto.BOOL, [4, 5]),
+               helper.make_tensor_value_info("a", TensorProto.FLOAT, [4, 5])]
+        fused = "MaskedSoftmax"
+    else:
+        fill = numpy_helper.from_array(np.zeros((1, 1, 1), np.float32), "f")
+        nodes = [helper.make_node("Constant", [], ["f"], value=fill),
+                 helper.make_node("MatMul", ["a", "b"], ["p"]),
+                 helper.make_node("Where", ["c", "p", "f"], ["y"])]
+        ins = [helper.make_tensor_value_info("c", TensorProto.BOOL, [4, 5]),
+               helper.make_tensor_value_info("a", TensorProto.FLOAT, [4, 3]),
+               helper.make_tensor_value_info("b", TensorProto.FLOAT, [3, 5])]
+        fused = "InplaceWhere"
+    g = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    assert fused in [st.node.op_type for st in Plan(model).steps]  # the premise: the fusion applies
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize("kind", ["masked_softmax", "where_zero"])
+def test_a_fill_of_higher_rank_keeps_its_axes(kind: str) -> None:
+    model = where_model(kind)
+    rng = np.random.default_rng(0)
+    cols = 5 if kind == "masked_softmax" else 3
+    feeds = {"c": rng.random((4, 5)) < 0.3, "a": rng.standard_normal((4, cols)).astype(np.float32)}
+    if kind == "where_zero":
+        feeds["b"] = rng.standard_normal((3, 5)).astype(np.float32)
+    want = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = InferenceSession(model).run(None, feeds)[0]
+    assert got.shape == want.shape == (1, 4, 5)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_outputs_over_one_buffer_are_returned_apart() -> None:
+    """s and Identity(s) were one array: writing into s changed t (onnxruntime returns two)."""
+    g = helper.make_graph(
+        [helper.make_node("Add", ["x", "x"], ["s"]), helper.make_node("Identity", ["s"], ["t"]),
+         helper.make_node("Cast", ["s"], ["u"], to=TensorProto.FLOAT)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3]) for n in ("s", "t", "u")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    s, t, u = InferenceSession(model).run(None, {"x": np.ones(3, np.float32)})
+    assert not np.shares_memory(s, t) and not np.shares_memory(s, u) and not np.shares_memory(t, u)
+    s[:] = -1
+    np.testing.assert_array_equal(t, [2, 2, 2])
+    np.testing.assert_array_equal(u, [2, 2, 2])
