@@ -187,10 +187,13 @@ def _own_outputs(outs: list[Any], feeds: Mapping[str, Any]) -> list[Any]:
     memory with a feed (an Identity of an input): as onnxruntime's, every output is the caller's to write,
     and none changes with a feed."""
     fed = [v for v in feeds.values() if isinstance(v, np.ndarray)]
-    outs = [o.copy() if isinstance(o, np.ndarray) and (not o.flags.writeable or any(
+    return [o.copy() if isinstance(o, np.ndarray) and (not o.flags.writeable or any(
         np.may_share_memory(o, f) for f in fed)) else o for o in outs]
-    # two outputs over one buffer (y and an Identity of y): the later one copied, as onnxruntime gives each
-    # output its own; only arrays over one base object can overlap
+
+
+def outputs_apart(outs: list[Any]) -> list[Any]:
+    """``outs`` with a copy of each array that overlaps an earlier one (y and an Identity of y), as
+    onnxruntime gives each output its own buffer; only arrays over one base object can overlap."""
     by_base: dict[int, list[np.ndarray]] = {}
     for k, o in enumerate(outs):
         if not isinstance(o, np.ndarray):
@@ -275,7 +278,7 @@ class InferenceSession:
         # given run options are watched during the run: terminate set from another thread stops it
         token = RUN_OPTIONS.set(run_options) if run_options is not None else None
         try:
-            return self._run(output_names, input_feed, ro)
+            return outputs_apart(self._run(output_names, input_feed, ro))
         except EngineError as e:  # named after the inputs when they disagree on a shared dimension
             if isinstance(input_feed, Mapping) and not isinstance(e, Terminated):
                 why = shared_dim_mismatch(self._inputs, input_feed, "run failed")

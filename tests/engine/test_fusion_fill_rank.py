@@ -64,3 +64,25 @@ def test_outputs_over_one_buffer_are_returned_apart() -> None:
     s[:] = -1
     np.testing.assert_array_equal(t, [2, 2, 2])
     np.testing.assert_array_equal(u, [2, 2, 2])
+
+
+def test_training_session_outputs_over_one_buffer_are_returned_apart() -> None:
+    from onnxtrain import RunOptions, TrainingParameters, TrainingSession
+
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["s"]), helper.make_node("Identity", ["s"], ["t"]),
+         helper.make_node("ReduceSum", ["s"], ["loss"], keepdims=0)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("s", TensorProto.FLOAT, [2, 3]),
+         helper.make_tensor_value_info("t", TensorProto.FLOAT, [2, 3])],
+        [numpy_helper.from_array(np.eye(3, dtype=np.float32), "W")])
+    p = TrainingParameters()
+    p.loss_output_name, p.training_optimizer_name = "loss", "SGDOptimizer"
+    sess = TrainingSession(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), p)
+    x = np.ones((2, 3), np.float32)
+    ro = RunOptions()
+    ro.only_execute_path_to_fetches = True
+    for out in (sess.run(None, {"x": x, "Learning_Rate": np.array([0.1], np.float32)})[1:3],
+                sess.run(["s", "t"], {"x": x}, ro)):
+        assert not np.shares_memory(out[0], out[1])
