@@ -107,6 +107,24 @@ def _mark_training(m: onnx.ModelProto, training: set[str]) -> None:
                 n.attribute.extend([*kept, helper.make_attribute("training_mode", 1)])
 
 
+BF16_OPSET = 20  # the first opset whose ConstantOfShape (the gradients' zeros and seed) makes bfloat16
+
+
+def _has_bfloat16(model: onnx.ModelProto) -> bool:
+    """Whether the main graph declares, holds or casts to a bfloat16 tensor."""
+    g, bf16 = model.graph, TensorProto.BFLOAT16
+    if any(v.type.tensor_type.elem_type == bf16 for v in (*g.input, *g.output, *g.value_info)):
+        return True
+    if any(t.data_type == bf16 for t in g.initializer):
+        return True
+    for n in g.node:
+        for a in n.attribute:
+            cast = a.name == "to" and n.op_type == "Cast" and a.i == bf16
+            if cast or (a.type == onnx.AttributeProto.TENSOR and a.t.data_type == bf16):
+                return True
+    return False
+
+
 def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.ModelProto:
     """``model`` at default-domain opset >= ``target`` (older models go through the version converter; nodes
     of :data:`EARLY_OPS` go through unchanged, standard once ``target`` reaches their opset)."""
@@ -412,7 +430,8 @@ def build_gradient_model(
 
     model = inline_local_functions(model)  # (torch's export_modules_as_functions)
     warn_inference_batch_norms(model)
-    model = expand_for_gradient(upgrade_opset(model))
+    # bfloat16 zeros and seeds (ConstantOfShape) are valid from opset 20, as mixed precision upgrades too
+    model = expand_for_gradient(upgrade_opset(model, BF16_OPSET if _has_bfloat16(model) else MIN_OPSET))
     bw = _Backward(model)
     g = model.graph
     known = {v.name for v in g.input} | {t.name for t in g.initializer} | set(bw.producer)

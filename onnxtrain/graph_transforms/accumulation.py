@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto
 
 from onnxtrain.ir.builder import NodeWriter
 
@@ -29,6 +30,8 @@ def group_barrier(w: NodeWriter, accs: list[str], elem_type: int = 1) -> str:
     first = w.one("ReduceMax", w.one("Reshape", accs[0], w.ints([-1])), keepdims=1) if accs else None
     if first is None:
         return w.emit("Constant", [], [GROUP_OUTPUT], value=_true())[0]
+    if elem_type not in (TensorProto.FLOAT, TensorProto.DOUBLE):  # IsInf takes halves from opset 20 only
+        first, elem_type = w.one("Cast", first, to=TensorProto.FLOAT), TensorProto.FLOAT
     zero_or_nan = w.one("Mul", first, w.const(0.0, elem_type))  # reads the sums; never infinite
     return w.emit("Not", [w.one("IsInf", zero_or_nan)], [GROUP_OUTPUT])[0]
 

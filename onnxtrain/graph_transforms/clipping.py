@@ -23,6 +23,9 @@ def norm_dtype(weights: Iterable[np.ndarray]) -> np.dtype:
     return np.dtype(np.float64 if any(w.dtype == np.float64 for w in weights) else np.float32)
 
 
+HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
 def global_norm(w: NodeWriter, grads: Sequence[str], out_name: str = "global_gradient_norm",
                 grad_types: Sequence[int] = ()) -> str:
     """N = sqrt(Σ_tensors Σ_elements g²), a scalar named ``out_name``: float32, or float64 when one of
@@ -30,8 +33,11 @@ def global_norm(w: NodeWriter, grads: Sequence[str], out_name: str = "global_gra
     et = norm_type(grad_types)
     parts = []
     for k, g in enumerate(grads):
-        part = w.one("ReduceSumSquare", g, keepdims=0)
         own = grad_types[k] if grad_types else _FLOAT
+        if own in HALF_TYPES:  # squares summed in the norm's type (a float16 sum overflows at a norm of 256)
+            parts.append(w.one("ReduceSumSquare", w.one("Cast", g, to=et), keepdims=0))
+            continue
+        part = w.one("ReduceSumSquare", g, keepdims=0)
         parts.append(part if own == et else w.one("Cast", part, to=et))
     total = parts[0] if len(parts) == 1 else w.one("Sum", *parts)
     return w.emit("Sqrt", [total], [w.names(out_name)])[0]

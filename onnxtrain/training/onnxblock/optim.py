@@ -23,7 +23,7 @@ from typing import Any
 import onnx
 from onnx import TensorProto, helper
 
-from onnxtrain.graph_transforms.clipping import norm_type
+from onnxtrain.graph_transforms.clipping import HALF_TYPES, norm_type
 from onnxtrain.training.onnxblock._base import BlockError, ModelBase, detached
 from onnxtrain.training.onnxblock.blocks import Block, _acc
 from onnxtrain.training.onnxblock.model_blocks import NOT_BUILT_FORWARD
@@ -87,6 +87,9 @@ def _global_norm(acc: ModelBase, grads: Sequence[str], types: Sequence[int]) -> 
     et = norm_type(types)
     parts = []
     for g, t in zip(grads, types):
+        if t in HALF_TYPES:  # squares summed in the norm's type (a float16 sum overflows at a norm of 256)
+            g = acc.node("Cast", [g], "cast_output", to=et)[0]
+            t = et
         s = acc.node("ReduceSumSquare", [g], "reducesumsquare_output", keepdims=0)[0]
         parts.append(s if t == et else acc.node("Cast", [s], "cast_output", to=et)[0])
     total = parts[0] if len(parts) == 1 else acc.node("Sum", parts, "sum_output")[0]
