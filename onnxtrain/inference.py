@@ -347,7 +347,7 @@ class InferenceSession:
 
     def run_with_iobinding(self, iobinding: IOBinding, run_options: RunOptions | None = None) -> None:
         names = list(iobinding._outputs) or [o.name for o in self._outputs]
-        iobinding._check_targets(self._outputs)
+        iobinding._check_targets(self._outputs, self._inputs)
         iobinding._store(names, self.run(names, iobinding._inputs, run_options))
 
     # ---- introspection -------------------------------------------------------------

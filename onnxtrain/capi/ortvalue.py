@@ -305,13 +305,21 @@ class IOBinding:
     def synchronize_outputs(self) -> None:
         pass
 
-    def _check_targets(self, declared: Sequence[Any]) -> None:
+    def _check_targets(self, declared: Sequence[Any], inputs: Sequence[Any] = ()) -> None:
         """Before a run: every buffer bound to an output of ``declared`` (the session's ``NodeArg`` list) of
         a known element type must be of that type, and of a declared shape of rank ≥ 1 (``[]`` may mean
-        unknown) of its rank and known sizes, so that a wrong buffer fails before the run changes a
-        training session's state."""
+        unknown) of its rank and known sizes (a symbolic size that the bound ``inputs``, the session's input
+        ``NodeArg`` list, fix included), so that a wrong buffer fails before the run changes a training
+        session's state."""
         from onnxtrain.ir.types import TENSOR_TYPE_STRINGS
 
+        sizes: dict[str, int] = {}  # symbolic dims the bound inputs fix (the first input giving one)
+        for a in inputs:
+            v = self._inputs.get(a.name)
+            if isinstance(v, np.ndarray) and a.shape and len(a.shape) == v.ndim:
+                for d, size in zip(a.shape, v.shape):
+                    if isinstance(d, str) and d:
+                        sizes.setdefault(d, size)
         by_name = {a.name: a for a in declared}
         for n, target in self._outputs.items():
             arg = by_name.get(n)
@@ -321,7 +329,7 @@ class IOBinding:
             if arg.type.startswith("tensor(") and want != arg.type:
                 raise InvalidFeedType(f"output {n!r}: bound buffer is {want} ({target.dtype}), the output is "
                                       f"{arg.type}")
-            dims = arg.shape
+            dims = [sizes.get(d, d) if isinstance(d, str) else d for d in arg.shape or []]
             if dims and (len(dims) != target.ndim or any(isinstance(d, int) and d != s
                                                          for d, s in zip(dims, target.shape))):
                 raise InvalidFeed(f"output {n!r}: bound buffer has shape {list(target.shape)}, the output "
