@@ -75,6 +75,7 @@ def _unlink_quietly(path: str) -> None:
 
 
 TMP_SUFFIX = ".onnxtrain.tmp"  # the end of StagedFiles' temporaries' names
+_FRESH_SUFFIX = ".onnxtrain.new"  # a temporary's name for the moment before its lock is taken
 
 
 class StagedFiles:
@@ -117,10 +118,25 @@ class StagedFiles:
             raise ValueError(f"{path} is staged twice")
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=TMP_SUFFIX, dir=folder)
-        lock = os.open(tmp, os.O_RDONLY)  # held (and locked) while the temporary is in flight: a commit's
-        _lock(lock)                       # clean-up of killed writes' temporaries leaves it alone
+        # made under a name no clean-up matches, locked, then named as a temporary: another writer's commit
+        # removes the unlocked temporaries of killed writes, and must never see this one unlocked
+        fd, fresh = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=_FRESH_SUFFIX, dir=folder)
+        tmp = fresh[: -len(_FRESH_SUFFIX)] + TMP_SUFFIX
+        try:
+            lock = os.open(fresh, os.O_RDONLY)  # held (and locked) while the temporary is in flight
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(fresh)
+            raise
+        _lock(lock)
         self._locks.append(lock)
+        try:
+            os.replace(fresh, tmp)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(fresh)
+            os.close(self._locks.pop())
+            raise
         try:
             with os.fdopen(fd, "wb") as f:
                 write(f)
@@ -206,7 +222,7 @@ class StagedFiles:
         journal.end(folders)
         for path in self._remove:
             if path not in self.targets and os.path.isfile(path):
-                os.unlink(path)
+                _unlink_quietly(path)  # (another writer's commit may have removed it since)
         self._unlock()
         for path in self.targets:
             _remove_leftover_temporaries(path)
@@ -349,6 +365,8 @@ def _keep_old(path: str, backup: str) -> None:
         os.link(path, backup)
     except FileExistsError:
         raise
+    except FileNotFoundError:  # another writer's commit removed it since (a side file): nothing to keep
+        return
     except OSError:  # no hard links here: keep a copy of the bytes and the mode
         shutil.copy2(path, backup)
         fd = os.open(backup, os.O_RDONLY)
