@@ -26,6 +26,7 @@ import re
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import IO, Any, NamedTuple
@@ -76,6 +77,7 @@ def _unlink_quietly(path: str) -> None:
 
 TMP_SUFFIX = ".onnxtrain.tmp"  # the end of StagedFiles' temporaries' names
 _FRESH_SUFFIX = ".onnxtrain.new"  # a temporary's name for the moment before its lock is taken
+_FRESH_MAX_AGE = 3600.0  # seconds: such a file older than this was left by a write killed in that moment
 
 
 class StagedFiles:
@@ -236,10 +238,15 @@ def _remove_leftover_temporaries(path: str) -> None:
     the file now in place supersedes them."""
     folder, name = os.path.split(os.path.abspath(path))
     pattern = re.compile(re.escape(name) + r"\.[a-z0-9_]{8}" + re.escape(TMP_SUFFIX) + "$")
+    fresh = re.compile(re.escape(name) + r"\.[a-z0-9_]{8}" + re.escape(_FRESH_SUFFIX) + "$")
     with contextlib.suppress(OSError):
         for f in os.listdir(folder):
             if pattern.match(f):
                 remove_unless_held(os.path.join(folder, f))
+            elif fresh.match(f):  # a write killed before its lock: unlocked, so told from a live one by age
+                with contextlib.suppress(OSError):
+                    if time.time() - os.stat(os.path.join(folder, f)).st_mtime > _FRESH_MAX_AGE:
+                        remove_unless_held(os.path.join(folder, f))
 
 
 def remove_unless_held(path: str) -> bool:

@@ -284,7 +284,10 @@ def test_symlinked_pair_killed_before_any_rename_is_not_reported_as_put_back(tmp
     links = [os.lstat(p).st_ino for p in (path, path + ".data")]
 
     def first_rename(name: str, args: tuple) -> bool:
-        return name == "replace" and ".journal." not in os.path.basename(os.fspath(args[0]))
+        if name != "replace":
+            return False
+        source = os.path.basename(os.fspath(args[0]))  # (not a journal's, nor a temporary's naming)
+        return ".journal." not in source and not source.endswith(".onnxtrain.new")
 
     assert _killed(lambda: save_checkpoint(_ckpt(2), path, external_threshold=0), first_rename)
     assert _journal_of_kill(tmp_path / "store")
@@ -509,19 +512,25 @@ def test_a_save_removes_the_temporaries_a_killed_save_of_that_file_left(tmp_path
     path = str(tmp_path / "ckpt")
     save_checkpoint(_ckpt(1), path)
 
-    def the_rename(name: str, args: tuple) -> bool:
-        return name == "replace"
+    def the_rename(name: str, args: tuple) -> bool:  # the commit's (not the temporary's naming)
+        return name == "replace" and not os.fspath(args[0]).endswith(".onnxtrain.new")
 
     for _ in range(2):
         assert _killed(lambda: save_checkpoint(_ckpt(2), path), the_rename)
     left = [f for f in os.listdir(tmp_path) if f != "ckpt"]
     assert len(left) == 2 and all(f.startswith("ckpt.") and f.endswith(".onnxtrain.tmp") for f in left), left
+    # killed before its lock: kept while young (a live writer's looks the same), removed when old
+    assert _killed(lambda: save_checkpoint(_ckpt(2), path), lambda name, args: name == "replace")
+    young = [f for f in os.listdir(tmp_path) if f.endswith(".onnxtrain.new")]
+    assert len(young) == 1
+    (tmp_path / "ckpt.oldoldol.onnxtrain.new").write_bytes(b"x")
+    os.utime(tmp_path / "ckpt.oldoldol.onnxtrain.new", (1e9, 1e9))
     others = ["other.abcd1234.onnxtrain.tmp", "ckpt.notes.tmp", "ckpt.20240101.tmp"]  # (a user's files)
     for f in others:
         (tmp_path / f).write_bytes(b"x")
     assert _same(load_checkpoint(path), _ckpt(1))
     save_checkpoint(_ckpt(3), path)
-    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *others])
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", *others, *young])
     assert _same(load_checkpoint(path), _ckpt(3))
 
 
