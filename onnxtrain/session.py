@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -65,6 +66,19 @@ def check_arguments(path_or_bytes: Any, parameters: Any) -> None:
     if not isinstance(parameters, TrainingParameters):
         raise TypeError(f"parameters must be a TrainingParameters, got {type(parameters).__name__}")
     check_sizes(parameters)
+
+
+def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A training session's method that runs while no other thread runs one of these on the session: two
+    threads training one session at once lost updates (onnxruntime's legacy session was no safer; a run is
+    cheap to wait for, a lost step is not)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._run_lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def all_or_nothing(load: Callable[..., None]) -> Callable[..., None]:
@@ -132,6 +146,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             warn("TrainingParameters.allow_layer_norm_mod_precision: LayerNormalization keeps float32 "
                  "statistics (stash_type=1) under mixed precision in onnxtrain; the option changes nothing")
         self._params = parameters
+        self._run_lock = threading.RLock()  # runs and state reads/writes one at a time (see serialized)
         self._sess_options = options_snapshot(sess_options)
         self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
         self._providers, self._provider_options = backend_providers(
@@ -330,6 +345,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         return plan
 
     # ---- running ----------------------------------------------------------------------
+    @serialized
     def _run(
         self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], ro: RunOptions
     ) -> list[np.ndarray]:
@@ -430,6 +446,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         g = self._graphs
         return sorted([*g.trainable, *(s.name for s in self._specs), *g.bn_stats])
 
+    @serialized
     def get_state(self) -> dict[str, np.ndarray]:
         """Trained weights, optimizer state and BatchNormalization running statistics, by name (copies);
         under mixed precision also the trained weights' half twins (``<w>_fp16``), as onnxruntime's."""
@@ -492,6 +509,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         self._store[name] = arr.astype(cur.dtype)  # a copy
 
     @raises_as_onnxruntime
+    @serialized
     @all_or_nothing
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
         """Copy ``state`` (as from ``get_state()``) into the session; shapes and dtypes must match.

@@ -38,7 +38,7 @@ from onnxtrain.parallel import (
 from onnxtrain.parallel.fingerprint import array_digest, canonical, digest
 from onnxtrain.parallel.stage_graphs import NORM as GLOBAL_NORM
 from onnxtrain.parameters import TrainingParameters
-from onnxtrain.session import TrainingSession
+from onnxtrain.session import TrainingSession, serialized
 from onnxtrain.session_exchange import ReplicaExchange
 from onnxtrain.training_graph import TRAINING_MODE
 from onnxtrain.user_warning import warn
@@ -188,6 +188,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         return out
 
     # ---- running -------------------------------------------------------------------------
+    @serialized
     def _run(
         self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], ro: RunOptions
     ) -> list[np.ndarray]:

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -306,6 +307,9 @@ class CheckpointState:
             raise TypeError(f"Invalid argument for CheckpointState received {type(checkpoint)}; use "
                             "CheckpointState.load_checkpoint(path)")
         self._params: dict[str, _Param] = {}
+        # held by a Module's training call and an Optimizer's step over this state: one at a time (two
+        # threads stepping at once lost gradients)
+        self._lock = threading.RLock()
         for trainable, tensors in ((True, checkpoint.trainable), (False, checkpoint.frozen)):
             for name, arr in tensors.items():
                 arr = np.asarray(arr)

@@ -435,7 +435,11 @@ class Module:
         Returns one array for one output, else a tuple, in :meth:`output_names` order; when every input is
         an ``OrtValue`` (onnxtrain's or onnxruntime's), the outputs are ``OrtValue``\ s of the same class.
         """
-        outs: list[Any] = self._train_step(user_inputs) if self.training else self._eval_step(user_inputs)
+        if self.training:
+            with self._state._lock:
+                outs: list[Any] = self._train_step(user_inputs)
+        else:
+            outs = self._eval_step(user_inputs)
         wrap = _ortvalue_class(user_inputs)
         if wrap is not None:
             outs = [wrap.ortvalue_from_numpy(o) for o in outs]

@@ -218,6 +218,10 @@ class Optimizer:
         rank calls ``step`` the same number of times). With loss scaling, a step whose gradients are
         not all finite is skipped (``step_count`` unchanged, :attr:`last_step_finite` False) and the
         module's loss scaler is updated either way."""
+        with self._state._lock:  # not while a Module's training call or another step runs on the state
+            self._step()
+
+    def _step(self) -> None:
         opt = self._opt
         params = self._state._params
         self._allocate_moments(opt)
