@@ -35,6 +35,7 @@ from onnxtrain.inference import (
     node_arg,
     options_snapshot,
 )
+from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.graphs import model_for_outputs
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import WeightSlot, get_optimizer
@@ -349,7 +350,14 @@ class TrainingSession(DataParallelSteps, InferenceSession):
     def _run(
         self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], ro: RunOptions
     ) -> list[np.ndarray]:
-        """Forward, backward and (when due) the optimizer update; returns the requested outputs."""
+        """Forward, backward and (when due) the optimizer update; returns the requested outputs. Ctrl-C
+        waits for the run's end in one process (under MPI a rank must stop at once)."""
+        with sigint_deferred(self._dp is None):
+            return self._run_step(output_names, input_feed, ro)
+
+    def _run_step(
+        self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], ro: RunOptions
+    ) -> list[np.ndarray]:
         names = self._output_list(output_names)
         kind = self._kind(names, ro)
         feeds = self._check(input_feed, self._graphs.user_inputs if kind != "full" else None)

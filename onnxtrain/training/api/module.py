@@ -31,6 +31,7 @@ from onnxtrain.engine.interface import GraphInterface, UnsupportedOpError
 from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
+from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import NameGen
 from onnxtrain.ir.graphs import last_statistics
 from onnxtrain.training.api._accumulation import (
@@ -435,8 +436,8 @@ class Module:
         Returns one array for one output, else a tuple, in :meth:`output_names` order; when every input is
         an ``OrtValue`` (onnxtrain's or onnxruntime's), the outputs are ``OrtValue``\ s of the same class.
         """
-        if self.training:
-            with self._state._lock:
+        if self.training:  # one call at a time on the state; Ctrl-C waits for its end (all or nothing)
+            with self._state._lock, sigint_deferred():
                 outs: list[Any] = self._train_step(user_inputs)
         else:
             outs = self._eval_step(user_inputs)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain import parallel
+from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
 from onnxtrain.training.api._graph import ModelLike, load_model
 from onnxtrain.training.api.checkpoint_state import (
@@ -218,7 +219,9 @@ class Optimizer:
         rank calls ``step`` the same number of times). With loss scaling, a step whose gradients are
         not all finite is skipped (``step_count`` unchanged, :attr:`last_step_finite` False) and the
         module's loss scaler is updated either way."""
-        with self._state._lock:  # not while a Module's training call or another step runs on the state
+        # not while a Module's training call or another step runs on the state; Ctrl-C waits for the step's
+        # end in one process (under MPI a rank must stop at once)
+        with self._state._lock, sigint_deferred(not self._data_parallel):
             self._step()
 
     def _step(self) -> None:

@@ -1,0 +1,45 @@
+"""Ctrl-C held back while a training step changes the state: the step completes (weights, moments, counters
+all updated) and KeyboardInterrupt is raised after it, as onnxruntime's C++ run returns before Python sees
+the signal. A step interrupted part way left weights updated and their moments not."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import TracebackType
+from typing import Any
+
+
+class sigint_deferred:  # noqa: N801 - used as a function: ``with sigint_deferred():``
+    """Within the block, SIGINT is recorded instead of handled; on exit the handler that was in place runs
+    once per signal caught. Only in the main thread (where Python runs signal handlers), and only when
+    ``active``. About 5 µs a block (two ``signal.signal`` calls)."""
+
+    __slots__ = ("_active", "_caught", "_previous")
+
+    def __init__(self, active: bool = True) -> None:
+        self._active = active and threading.current_thread() is threading.main_thread()
+        self._caught: list[tuple[int, Any]] = []
+        self._previous: Any = None
+
+    def _record(self, signum: int, frame: Any) -> None:
+        self._caught.append((signum, frame))
+
+    def __enter__(self) -> None:
+        if self._active:
+            try:
+                self._previous = signal.signal(signal.SIGINT, self._record)
+            except (ValueError, OSError):  # (no signals here, e.g. an embedded interpreter)
+                self._active = False
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if not self._active:
+            return
+        previous = signal.SIG_DFL if self._previous is None else self._previous  # (None: set outside Python)
+        signal.signal(signal.SIGINT, previous)
+        for signum, frame in self._caught:  # each, in order (a handler may count them: a second Ctrl-C)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
