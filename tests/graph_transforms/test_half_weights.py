@@ -125,3 +125,13 @@ def test_ondevice_clip_of_float16_gradients() -> None:
     want = 100.0 / np.sqrt(20 * 100.0**2)  # torch.nn.utils.clip_grad_norm_'s factor, times g
     clipped = next(v for k, v in got.items() if k.startswith("W_grad"))
     np.testing.assert_allclose(clipped.astype(np.float32), want, rtol=2e-3)
+
+
+@pytest.mark.parametrize("et", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
+def test_mixed_precision_needs_float32_weights(et: int) -> None:
+    """A half model has no float32 master to keep: refused naming the weights (it trained its half weights
+    on loss-scaled half gradients, skipping most first steps), as generate_artifacts refuses it."""
+    m, _ = linear_model(et, opset=22)
+    match = r"trains float32 master weights; trained weight\(s\) \['W', 'b'\] are"
+    with pytest.raises(ValueError, match=match):
+        TrainingSession(m.SerializeToString(), params("AdamOptimizer", use_mixed_precision=True))
