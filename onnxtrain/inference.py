@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import json
 import os
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from numpy.lib.array_utils import byte_bounds
 
 from onnxtrain.capi.options import RunOptions, SessionOptions, resolve_providers
 from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
@@ -192,20 +194,31 @@ def _own_outputs(outs: list[Any], feeds: Mapping[str, Any]) -> list[Any]:
 
 
 def outputs_apart(outs: list[Any]) -> list[Any]:
-    """``outs`` with a copy of each array that overlaps an earlier one (y and an Identity of y), as
-    onnxruntime gives each output its own buffer; only arrays over one base object can overlap."""
-    by_base: dict[int, list[np.ndarray]] = {}
-    for k, o in enumerate(outs):
-        if not isinstance(o, np.ndarray):
-            continue
-        base = o
+    """``outs`` with a copy of each array that may overlap an earlier one (y and an Identity of y, or the
+    items of a sequence output), as onnxruntime gives each its own buffer. Only arrays over one base object
+    can overlap; the byte ranges kept per base are disjoint and sorted, so each array costs a bisection."""
+    kept: dict[int, tuple[list[int], list[int]]] = {}  # base id -> (starts, ends) of the kept arrays
+
+    def apart(a: np.ndarray) -> np.ndarray:
+        if not a.size:
+            return a
+        base = a
         while isinstance(base.base, np.ndarray):
             base = base.base
-        earlier = by_base.setdefault(id(base.base if base.base is not None else base), [])
-        if any(np.may_share_memory(o, e) for e in earlier):
-            outs[k] = o = o.copy()
-        else:
-            earlier.append(o)
+        starts, ends = kept.setdefault(id(base.base if base.base is not None else base), ([], []))
+        lo, hi = byte_bounds(a)
+        k = bisect.bisect_right(starts, lo)
+        if (k and ends[k - 1] > lo) or (k < len(starts) and starts[k] < hi):
+            return a.copy()
+        starts.insert(k, lo)
+        ends.insert(k, hi)
+        return a
+
+    for k, o in enumerate(outs):
+        if isinstance(o, np.ndarray):
+            outs[k] = apart(o)
+        elif isinstance(o, list):  # a sequence: its items too
+            outs[k] = [apart(v) if isinstance(v, np.ndarray) else v for v in o]
     return outs
 
 
@@ -217,6 +230,8 @@ class InferenceSession:
         sess = onnxtrain.InferenceSession("model.onnx")
         logits, = sess.run(None, {"x": x})
     """
+
+    _changes_state = False  # a run changes state the session keeps (a training session's weights)
 
     def __init__(
         self,
@@ -347,7 +362,9 @@ class InferenceSession:
 
     def run_with_iobinding(self, iobinding: IOBinding, run_options: RunOptions | None = None) -> None:
         names = list(iobinding._outputs) or [o.name for o in self._outputs]
-        iobinding._check_targets(self._outputs, self._inputs)
+        # a training session checks the buffers against the sizes the bound inputs fix too, before its run
+        # changes the state (an inference session, as onnxruntime, takes outputs its model mis-declares)
+        iobinding._check_targets(self._outputs, self._inputs if self._changes_state else ())
         iobinding._store(names, self.run(names, iobinding._inputs, run_options))
 
     # ---- introspection -------------------------------------------------------------

@@ -128,6 +128,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                 cls = HorizontalTrainingSession
         return super().__new__(cls)
 
+    _changes_state = True
+
     @raises_as_onnxruntime
     def __init__(
         self,

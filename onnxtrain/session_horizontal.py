@@ -62,7 +62,7 @@ from onnxtrain.parallel.stage_graphs import (
 )
 from onnxtrain.parallel.zero import gather_zero_state
 from onnxtrain.parameters import PIPELINE
-from onnxtrain.session import all_or_nothing
+from onnxtrain.session import all_or_nothing, serialized
 from onnxtrain.session_cut import (
     SHARED_OPTIONS,
     CutModelSession,
@@ -511,6 +511,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         twin = self._mp.twins.get(share)
         return None if twin is None else twin.replace(share, weight)
 
+    @serialized
     def gather_state(self) -> dict[str, np.ndarray]:
         """The state of the whole model under one process's names: each split weight (and its optimizer
         state) put together from every rank's share, the optimizer state under ZeRO first reassembled over
@@ -544,6 +545,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         return dict(sorted(out.items()))
 
     @raises_as_onnxruntime
+    @serialized
     @all_or_nothing
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
         """This rank's names of ``state``, or the whole model's (as from ``gather_state()``), whose split

@@ -52,7 +52,7 @@ from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs
 from onnxtrain.parallel.zero import gather_zero_state
-from onnxtrain.session import all_or_nothing
+from onnxtrain.session import all_or_nothing, serialized
 from onnxtrain.session_cut import (
     SHARED_OPTIONS,
     CutModelSession,
@@ -316,6 +316,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         return finite
 
     # ---- state --------------------------------------------------------------------------
+    @serialized
     def gather_state(self) -> dict[str, np.ndarray]:
         """Every stage's weights and optimizer state, on every rank (a collective), e.g. for rank 0 to write a
         complete checkpoint that :meth:`load_state` of any stage accepts. Under ZeRO each stage's optimizer
@@ -330,6 +331,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         return dict(sorted(state.items()))
 
     @raises_as_onnxruntime
+    @serialized
     @all_or_nothing
     def load_state(self, state: Mapping[str, Any], strict: bool = False) -> None:
         """Copy this stage's names of ``state`` (from ``get_state()`` or ``gather_state()``) into the session;

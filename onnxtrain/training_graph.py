@@ -40,9 +40,12 @@ from onnxtrain.ir.graphs import (
     train_batch_norms,
     untie_batch_norm_statistics,
 )
+from onnxtrain.ir.types import np_dtype
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.user_warning import warn
+
+BFLOAT16 = np_dtype(TensorProto.BFLOAT16)
 
 TRAINING_MODE = "training_mode"
 
@@ -337,11 +340,11 @@ def build_step_graphs(
         user_outputs.append(loss)
     fwd_model, gloss, mp = m, loss, None
     if p.use_mixed_precision:
-        not_f32 = sorted(w for w in trainable if state[w].dtype != np.float32)
-        if not_f32:  # no float32 master to keep: the half steps would be the weights' own
+        not_f32 = sorted(w for w in trainable if state[w].dtype in (np.float16, BFLOAT16))
+        if not_f32:  # no float32 master to keep: the half steps would be the weights' own (float64 ones stay)
             raise ValueError(f"use_mixed_precision trains float32 master weights; trained weight(s) "
-                             f"{not_f32} are {state[not_f32[0]].dtype}: train the model as it is, without "
-                             "use_mixed_precision, or export it in float32")
+                             f"{not_f32} are {state[not_f32[0]].dtype}: train the half model as it is, "
+                             "without use_mixed_precision, or export it in float32")
         fwd_model = mixed_precision(m, loss, p.mixed_precision_dtype)
         mp = mixed_precision_info(fwd_model)
         gloss = mp.scaled_loss  # backpropagation starts from loss · loss_scale

@@ -111,10 +111,10 @@ def feed_names(cfg: Config, model: onnx.ModelProto, ds: data_mod.Dataset) -> dat
             dt = helper.tensor_dtype_to_np_dtype(types[name]) if types.get(name) else v.dtype
             if np.dtype(dt).kind in "biuf" and v.dtype.kind not in "biuf":  # strings, complex, dates
                 data_key, where = _data_where(cfg, k, split)
-                try:  # strings that spell numbers are read as numbers
-                    if v.dtype.kind not in "US":
+                try:  # strings that spell numbers are read as numbers (not as truth values: "False")
+                    if v.dtype.kind not in "US" or np.dtype(dt).kind == "b":
                         raise ValueError
-                    v = v.astype(np.float64 if np.dtype(dt).kind == "f" else dt)
+                    v = v.astype(np.float64)  # (an integer input then takes whole numbers only, below)
                 except (ValueError, OverflowError):
                     kind = np.dtype(dt).name
                     raise ConfigError(data_key, f"{where}: the model input {name!r} takes {kind} numbers, "

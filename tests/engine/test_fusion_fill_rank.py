@@ -86,3 +86,35 @@ def test_training_session_outputs_over_one_buffer_are_returned_apart() -> None:
     for out in (sess.run(None, {"x": x, "Learning_Rate": np.array([0.1], np.float32)})[1:3],
                 sess.run(["s", "t"], {"x": x}, ro)):
         assert not np.shares_memory(out[0], out[1])
+
+
+def test_sequence_items_are_returned_apart() -> None:
+    """A sequence output's items over the buffer of another output (SequenceConstruct(y, y)) are copies."""
+    g = helper.make_graph(
+        [helper.make_node("Add", ["x", "x"], ["y"]),
+         helper.make_node("SequenceConstruct", ["y", "y"], ["s"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2]),
+         helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, [2])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    y, s = InferenceSession(model).run(None, {"x": np.array([0.5, 1.0], np.float32)})
+    assert not np.shares_memory(y, s[0]) and not np.shares_memory(s[0], s[1])
+    y[:] = 100
+    np.testing.assert_array_equal(np.asarray(s), [[1, 2], [1, 2]])
+
+
+def test_inference_iobinding_takes_outputs_its_model_misdeclares() -> None:
+    """y declared [N] for x [N] but computed 2N long: onnxruntime runs it into a [2N] buffer, so does an
+    inference session (a training session checks the declared sizes first: its run changes state)."""
+    g = helper.make_graph(
+        [helper.make_node("Concat", ["x", "x"], ["y"], axis=0)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    sess = InferenceSession(model.SerializeToString())
+    x, out = np.array([1.0, 2.0], np.float32), np.zeros(4, np.float32)
+    bind = sess.io_binding()
+    bind.bind_cpu_input("x", x)
+    bind.bind_output("y", "cpu", 0, np.float32, [4], out.ctypes.data)
+    sess.run_with_iobinding(bind)
+    np.testing.assert_array_equal(out, [1, 2, 1, 2])

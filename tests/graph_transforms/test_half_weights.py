@@ -135,3 +135,34 @@ def test_mixed_precision_needs_float32_weights(et: int) -> None:
     match = r"trains float32 master weights; trained weight\(s\) \['W', 'b'\] are"
     with pytest.raises(ValueError, match=match):
         TrainingSession(m.SerializeToString(), params("AdamOptimizer", use_mixed_precision=True))
+
+
+def test_mixed_precision_keeps_training_float64_weights() -> None:
+    """A float64 scale inside a float32 model still trains under mixed precision (only half weights lack a
+    master), to the loss it reaches without it."""
+    from tests.session.helpers import batches, mlp_model
+
+    m = mlp_model()
+    g = m.graph
+    for n in g.node:
+        if n.op_type == "Gemm" and n.input[0] == "hr":
+            n.input[0] = "hr2"
+    scaled = [helper.make_node("Cast", ["hr"], ["hrd"], to=TensorProto.DOUBLE),
+              helper.make_node("Mul", ["hrd", "s"], ["hs"]),
+              helper.make_node("Cast", ["hs"], ["hr2"], to=TensorProto.FLOAT)]
+    nodes = list(g.node)
+    del g.node[:]
+    g.node.extend([*nodes[:2], *scaled, *nodes[2:]])
+    g.initializer.append(numpy_helper.from_array(np.full(16, 1.5, np.float64), "s"))
+    x, y = batches(1, 16)[0]
+    losses = []
+    for mp in (True, False):
+        sess = TrainingSession(m.SerializeToString(), params("AdamOptimizer", use_mixed_precision=mp))
+        feeds = {"x": x, "y": y, "Learning_Rate": np.array([0.01], np.float32)}
+        if mp:
+            feeds["loss_scale"] = np.array([1024.0], np.float32)
+        for _ in range(3):
+            loss = sess.run(["loss"], feeds)[0]
+        assert sess.get_state()["s"].dtype == np.float64
+        losses.append(float(loss))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-2)

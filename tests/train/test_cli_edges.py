@@ -60,7 +60,8 @@ def test_arrays_that_are_not_numbers_are_refused_by_key(tmp_path, capsys):
         err = _err(capsys)
         assert "data.feeds.x" in err and "takes float32 numbers, got" in err and str(bad.dtype) in err, err
     spelled = np.random.default_rng(0).random((80, 64)).astype(str)  # numbers as text: read as numbers
-    assert main(_files_argv(tmp_path, spelled, np.arange(80) % 10)) == 0, _err(capsys)
+    labels = (np.arange(80) % 10).astype(float).astype(str)  # "3.0": whole numbers for the int64 labels
+    assert main(_files_argv(tmp_path, spelled, labels)) == 0, _err(capsys)
 
 
 def test_mse_labels_take_the_logits_shape(tmp_path, capsys):
@@ -106,3 +107,26 @@ def test_a_runs_saved_config_keeps_the_runs_name(tmp_path, capsys):
     other = tmp_path / "config.yaml"
     other.write_text((out / "config.yaml").read_text())
     assert load_config(str(other)).name == "config"  # not a run's folder: the file's name
+
+
+def test_text_is_not_read_as_truth_values(tmp_path, capsys):
+    """"False" as text for a bool input was read as True (any non-empty string is): refused by key."""
+    from onnx import TensorProto, helper
+
+    model = zoo.mlp([64, 10])
+    g = model.graph
+    x = next(i for i, n in enumerate(g.node) if "x" in n.input)
+    g.node[x].input[list(g.node[x].input).index("x")] = "xk"
+    g.node.insert(0, helper.make_node("Cast", ["keep"], ["kf"], to=TensorProto.FLOAT))
+    g.node.insert(1, helper.make_node("Mul", ["x", "kf"], ["xk"]))
+    g.input.append(helper.make_tensor_value_info("keep", TensorProto.BOOL, ["N", 64]))
+    path = str(tmp_path / "m.onnx")
+    onnx.save(model, path)
+    np.save(tmp_path / "keep.npy", np.full((80, 64), "False"))
+    argv = _files_argv(tmp_path, np.zeros((80, 64), np.float32), np.arange(80) % 10)
+    data = (f"data={{source: files, feeds: {{x: {tmp_path / 'x.npy'}, y: {tmp_path / 'y.npy'}, "
+            f"keep: {tmp_path / 'keep.npy'}}}, eval_fraction: 0.25}}")
+    argv = [*argv[:-1], data, "--set", f"model={{path: {path}}}"]
+    assert main(argv) == 2
+    err = _err(capsys)
+    assert "data.feeds.keep" in err and "takes bool numbers, got <U5 values" in err, err
