@@ -197,6 +197,8 @@ def outputs_apart(outs: list[Any]) -> list[Any]:
     """``outs`` with a copy of each array that may overlap an earlier one (y and an Identity of y, or the
     items of a sequence output), as onnxruntime gives each its own buffer. Only arrays over one base object
     can overlap; the byte ranges kept per base are disjoint and sorted, so each array costs a bisection."""
+    if len(outs) < 2 and not (outs and isinstance(outs[0], list)):
+        return outs  # (the usual training run: one output, nothing to overlap)
     kept: dict[int, tuple[list[int], list[int]]] = {}  # base id -> (starts, ends) of the kept arrays
 
     def apart(a: np.ndarray) -> np.ndarray:

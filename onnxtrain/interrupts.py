@@ -4,17 +4,20 @@ the signal. A step interrupted part way left weights updated and their moments n
 
 from __future__ import annotations
 
+import _signal  # signal's C module: its signal() without the enum conversions (0.4 against 5 µs a pair)
 import signal
 import threading
 from types import TracebackType
 from typing import Any
+
+_SIGINT = int(signal.SIGINT)
 
 
 class sigint_deferred:  # noqa: N801 - used as a function: ``with sigint_deferred():``
     """Within the block, SIGINT is recorded instead of handled; on exit the handler that was in place runs
     once per signal caught. A second SIGINT within the block gives the handler both at once (Ctrl-C twice
     stops a long step). Only in the main thread (where Python runs signal handlers), and only when
-    ``active``. About 6 µs a block (two ``signal.signal`` calls)."""
+    ``active``. About 1 µs a block (two handler swaps)."""
 
     __slots__ = ("_active", "_caught", "_previous")
 
@@ -32,7 +35,7 @@ class sigint_deferred:  # noqa: N801 - used as a function: ``with sigint_deferre
         """Put the handler back and give it the signals caught so far (it may raise)."""
         self._active = False
         previous = signal.SIG_DFL if self._previous is None else self._previous  # (None: set outside Python)
-        signal.signal(signal.SIGINT, previous)
+        _signal.signal(_SIGINT, previous)
         caught, self._caught = self._caught, []
         for signum, frame in caught:  # each, in order (a handler may count them: the CLI's second Ctrl-C)
             if callable(previous):
@@ -43,7 +46,7 @@ class sigint_deferred:  # noqa: N801 - used as a function: ``with sigint_deferre
     def __enter__(self) -> None:
         if self._active:
             try:
-                self._previous = signal.signal(signal.SIGINT, self._record)
+                self._previous = _signal.signal(_SIGINT, self._record)
             except (ValueError, OSError):  # (no signals here, e.g. an embedded interpreter)
                 self._active = False
 
