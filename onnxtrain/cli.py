@@ -338,6 +338,8 @@ def _eval(a: argparse.Namespace) -> int:
 
     cfg = _config(a)
     metrics = evaluate_checkpoint(cfg, _checkpoint_arg(a.checkpoint))
+    if not _first_rank():  # under mpiexec every rank evaluates the same: one prints
+        return 0
     if a.json:  # (null for a number that is not finite, as metrics.jsonl: NaN is not JSON)
         print(json.dumps({k: v if math.isfinite(v) else None for k, v in metrics.items()}))
     else:
@@ -356,9 +358,17 @@ def _export(a: argparse.Namespace) -> int:
     if cfg.model.path:
         _refuse_overwriting_inputs([a.output], _external_files(cfg.model.path))
     model, weights = load_for_inference(cfg, ckpt)
-    export_model(model, cfg, weights, a.output)
-    print(f"wrote {a.output}")
+    if _first_rank():  # under mpiexec one rank writes (and says so)
+        export_model(model, cfg, weights, a.output)
+        print(f"wrote {a.output}")
     return 0
+
+
+def _first_rank() -> bool:
+    """Whether this process is rank 0 of its MPI job (or runs alone): read from the launcher's environment."""
+    from onnxtrain.parallel.comm import world
+
+    return world().rank == 0
 
 
 _SET_HELP = ("override a config value, e.g. --set training.epochs=5 --set optimizer.lr=3e-3 "

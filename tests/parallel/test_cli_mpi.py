@@ -241,3 +241,24 @@ def test_bad_config_ends_every_rank_with_the_message(tmp_path) -> None:
     assert "training.batch_size: 33 does not split evenly over the 2 ranks" in r.stderr, r.stderr
     assert time.perf_counter() - t0 < 30
     assert not os.path.exists(tmp_path / "x" / "checkpoints")
+
+
+def test_eval_and_export_under_mpiexec_print_and_write_once(reference: str, tmp_path) -> None:
+    """``mpiexec -n 2 onnxtrain eval|export``: each rank evaluates alike; rank 0 alone prints and writes
+    (both ranks printed, and wrote the same file)."""
+    if not hydra():
+        pytest.skip("needs MPICH's mpiexec (hydra) for -prepend-rank")
+    r = mpiexec(["-prepend-rank", "-n", "2", sys.executable, "-m", "onnxtrain", "eval", CONFIG,
+                 "--checkpoint", reference, "--json"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = by_rank(r.stdout)
+    assert list(out) == [0] and out[0].count("eval_loss") == 1, r.stdout
+    wd = [tmp_path / "rank0", tmp_path / "rank1"]
+    for d in wd:
+        d.mkdir()
+    cmd = [sys.executable, "-m", "onnxtrain", "export", CONFIG, "--checkpoint", reference, "-o", "m.onnx"]
+    r = mpiexec(["-prepend-rank", "-n", "1", "-wdir", str(wd[0]), *cmd, ":", "-n", "1", "-wdir", str(wd[1]),
+                 *cmd])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.listdir(wd[0]) == ["m.onnx"] and os.listdir(wd[1]) == []
+    assert list(by_rank(r.stdout)) == [0], r.stdout
