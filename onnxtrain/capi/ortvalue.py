@@ -91,6 +91,12 @@ class OrtValue:
             element_type = helper.tensor_dtype_to_np_dtype(element_type)
         return OrtValue(np.empty(tuple(shape), dtype=np.dtype(element_type)))
 
+    @property
+    def _ortvalue(self) -> OrtValue:
+        """Itself: onnxruntime's wrapper held the C value here, which scripts passed on (e.g. to
+        ``Module.copy_buffer_to_parameters``, which refused the wrapper in onnxruntime-training 1.19)."""
+        return self
+
     def numpy(self) -> np.ndarray:
         return self._array
 

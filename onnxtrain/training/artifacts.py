@@ -135,6 +135,11 @@ class ArtifactError(BlockError):
     """
 
 
+class UnknownLossInput(ArtifactError, LookupError):
+    """A ``loss_input_names`` entry that is no value of the model (onnxruntime-training raised
+    LookupError)."""
+
+
 class LossType(enum.Enum):
     """Built-in losses (spec §1.7)."""
 
@@ -472,8 +477,9 @@ def build_training_models(
     args = model_outputs if loss_inputs is None else loss_inputs
     with editing(m) as acc:
         for n in args:
-            if not acc.has_value(n):
-                raise ArtifactError(f"loss input {n!r} is not a value of the model; outputs: {model_outputs}")
+            if not acc.has_value(n):  # (a LookupError too, as onnxruntime-training raised)
+                raise UnknownLossInput(f"loss input {n!r} is not a value of the model; outputs: "
+                                       f"{model_outputs}")
         _check_arity(loss, args)
         result = loss(*args)
         outs = [result] if isinstance(result, str) else list(result)

@@ -172,10 +172,10 @@ class Pow(Block):
         super().__init__()
         self.exponent = float(exponent)
 
-    def build(self, input_name: str) -> str:
+    def build(self, pow_input_name: str) -> str:
         acc = _acc()
-        e = acc.scalar(self.exponent, acc.float_type_of(input_name))
-        return acc.node("Pow", [input_name, e], "pow_output")[0]
+        e = acc.scalar(self.exponent, acc.float_type_of(pow_input_name))
+        return acc.node("Pow", [pow_input_name, e], "pow_output")[0]
 
 
 class Softplus(Block):
@@ -204,12 +204,12 @@ class Clip(Block):
         super().__init__()
         self.clip_min, self.clip_max = clip_min, clip_max
 
-    def build(self, input_name: str) -> str:
+    def build(self, clip_input_name: str) -> str:
         acc = _acc()
-        et = acc.float_type_of(input_name)
+        et = acc.float_type_of(clip_input_name)
         lo = acc.scalar(self.clip_min, et) if self.clip_min is not None else ""
         hi = acc.scalar(self.clip_max, et) if self.clip_max is not None else ""
-        inputs = [input_name, lo, hi]
+        inputs = [clip_input_name, lo, hi]
         while inputs[-1] == "":
             inputs.pop()
         return acc.node("Clip", inputs, "clip_output")[0]
@@ -222,8 +222,8 @@ class Cast(Block):
         super().__init__()
         self.to = int(to)
 
-    def build(self, input_name: str) -> str:
-        return _acc().node("Cast", [input_name], "cast_output", to=self.to)[0]
+    def build(self, cast_input_name: str) -> str:
+        return _acc().node("Cast", [cast_input_name], "cast_output", to=self.to)[0]
 
 
 # ---- reductions -------------------------------------------------------------------------------------
@@ -352,9 +352,9 @@ class Linear(Block):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.bias, self.alpha, self.beta = bool(bias), float(alpha), float(beta)
 
-    def build(self, input_name: str) -> str:
+    def build(self, linear_input_name: str) -> str:
         acc = _acc()
-        inputs = [input_name,
+        inputs = [linear_input_name,
                   acc.initializer(np.random.randn(self.in_features, self.out_features), "linear.weight",
                                   np.float32)]
         if self.bias:
@@ -380,12 +380,12 @@ class LabelEncoder(Block):
             if value is not None:
                 self.attrs[name] = list(value)
 
-    def build(self, input_name: str) -> str:
+    def build(self, label_encoder_input_name: str) -> str:
         acc = _acc()
         if not any(o.domain == "ai.onnx.ml" for o in acc.model.opset_import):
             acc.model.opset_import.append(onnx.helper.make_opsetid("ai.onnx.ml", 2))
         out = acc.fresh("label_encoder.output")
-        acc.graph.node.append(onnx.helper.make_node("LabelEncoder", [input_name], [out],
+        acc.graph.node.append(onnx.helper.make_node("LabelEncoder", [label_encoder_input_name], [out],
                                                     name=acc.names("LabelEncoder"), domain="ai.onnx.ml",
                                                     **self.attrs))
         return out
