@@ -184,13 +184,19 @@ def _container_feed(name: str, kind: str, v: Any, element: np.dtype | None = Non
     return v.numpy() if isinstance(v, OrtValue) else np.asarray(v)
 
 
-def _own_outputs(outs: list[Any], feeds: Mapping[str, Any]) -> list[Any]:
-    """``outs`` with a copy of each array that is read-only (an initializer passed through) or may share
-    memory with a feed (an Identity of an input): as onnxruntime's, every output is the caller's to write,
-    and none changes with a feed."""
-    fed = [v for v in feeds.values() if isinstance(v, np.ndarray)]
-    return [o.copy() if isinstance(o, np.ndarray) and (not o.flags.writeable or any(
-        np.may_share_memory(o, f) for f in fed)) else o for o in outs]
+def _own_outputs(outs: list[Any], feeds: Any) -> list[Any]:
+    """``outs`` with a copy of each array (a sequence's items too) that is read-only (an initializer passed
+    through) or may share memory with a feed (an Identity of an input): as onnxruntime's, every output is
+    the caller's to write, and none changes with a feed."""
+    values = feeds.values() if isinstance(feeds, Mapping) else ()
+    fed = [v.numpy() if hasattr(v, "numpy") and not isinstance(v, np.ndarray) else v for v in values]
+    fed = [v for v in fed if isinstance(v, np.ndarray)]
+
+    def own(o: Any) -> Any:
+        shared = isinstance(o, np.ndarray) and any(np.may_share_memory(o, f) for f in fed)
+        return o.copy() if shared or (isinstance(o, np.ndarray) and not o.flags.writeable) else o
+
+    return [[own(v) for v in o] if isinstance(o, list) else own(o) for o in outs]
 
 
 def outputs_apart(outs: list[Any]) -> list[Any]:
@@ -295,7 +301,7 @@ class InferenceSession:
         # given run options are watched during the run: terminate set from another thread stops it
         token = RUN_OPTIONS.set(run_options) if run_options is not None else None
         try:
-            return outputs_apart(self._run(output_names, input_feed, ro))
+            return outputs_apart(_own_outputs(self._run(output_names, input_feed, ro), input_feed))
         except EngineError as e:  # named after the inputs when they disagree on a shared dimension
             if isinstance(input_feed, Mapping) and not isinstance(e, Terminated):
                 why = shared_dim_mismatch(self._inputs, input_feed, "run failed")
@@ -338,7 +344,7 @@ class InferenceSession:
             outs = self._splitter.run(feeds, names)
         else:
             outs = self._plan.run(feeds, names)
-        return _own_outputs(outs, feeds)
+        return outs
 
     def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
         """The outputs asked for (all of the session's when None); InvalidFeed naming an unknown one."""

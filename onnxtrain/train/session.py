@@ -114,13 +114,15 @@ def feed_names(cfg: Config, model: onnx.ModelProto, ds: data_mod.Dataset) -> dat
                 try:  # strings that spell numbers are read as numbers (not as truth values: "False")
                     if v.dtype.kind not in "US" or np.dtype(dt).kind == "b":
                         raise ValueError
-                    v = v.astype(np.float64)  # (an integer input then takes whole numbers only, below)
+                    v = _text_numbers(v, np.dtype(dt))
                 except (ValueError, OverflowError):
                     kind = np.dtype(dt).name
                     raise ConfigError(data_key, f"{where}: the model input {name!r} takes {kind} numbers, "
                                                 f"got {v.dtype} values") from None
             if np.issubdtype(dt, np.integer) and not np.issubdtype(v.dtype, np.integer):
                 _check_whole(cfg, k, name, v, dt, split)
+            if np.issubdtype(dt, np.integer) and v.size:
+                _check_range(cfg, k, name, v, np.dtype(dt), split)
             out[name] = np.ascontiguousarray(v, dtype=dt)
         _check_indices(cfg, model, out, {rename[k]: k for k in arrays}, split)
         _check_classes(cfg, model, out, {rename[k]: k for k in arrays}, split)
@@ -184,6 +186,30 @@ def _check_shape(cfg: Config, key: str, name: str, array: np.ndarray, want: list
                 "to the model's other input")
     raise ConfigError(data_key, f"{where} of shape {shown}, but the model input {name!r} takes shape "
                                 f"{want} ({_model_where(cfg, name)}){note}")
+
+
+def _text_numbers(v: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """Text spelling numbers, read exactly: integers as int64 for an integer input (a float64 would round
+    9007199254740993), else float64 (``3.0`` for an integer input goes through the whole-number check)."""
+    if dt.kind in "iu":
+        try:
+            return v.astype(np.int64)
+        except ValueError:  # "3.0", "1e3": read as floats, then checked to be whole
+            pass
+    return v.astype(np.float64)
+
+
+def _check_range(cfg: Config, key: str, name: str, array: np.ndarray, dt: np.dtype, split: str) -> None:
+    """Numbers for an integer model input must fit its type: a cast would wrap them (300 to uint8 is 44)."""
+    info = np.iinfo(dt)
+    lo, hi = array.min(), array.max()
+    if (float(lo) >= info.min and float(hi) <= info.max) if array.dtype.kind == "f" else (
+            int(lo) >= info.min and int(hi) <= info.max):
+        return
+    data_key, where = _data_where(cfg, key, split)
+    bad = lo if (float(lo) < info.min) else hi
+    raise ConfigError(data_key, f"{where}: the model input {name!r} takes {dt.name} numbers "
+                                f"({info.min}..{info.max}), but the array holds {bad}")
 
 
 def _check_whole(cfg: Config, key: str, name: str, array: np.ndarray, dt: np.dtype, split: str) -> None:

@@ -118,3 +118,31 @@ def test_inference_iobinding_takes_outputs_its_model_misdeclares() -> None:
     bind.bind_output("y", "cpu", 0, np.float32, [4], out.ctypes.data)
     sess.run_with_iobinding(bind)
     np.testing.assert_array_equal(out, [1, 2, 1, 2])
+
+
+def test_outputs_never_alias_feeds_or_constants() -> None:
+    """A sequence's items and a training session's outputs are the caller's too: not the feed x (writing the
+    output changed the feed) and not a read-only initializer (as onnxruntime returns copies)."""
+    from onnxtrain import RunOptions, TrainingParameters, TrainingSession
+
+    w = numpy_helper.from_array(np.full(4, 7.0, np.float32), "W")
+    g = helper.make_graph(
+        [helper.make_node("SequenceConstruct", ["x", "W"], ["s"]),
+         helper.make_node("Identity", ["x"], ["ix"]), helper.make_node("Mul", ["x", "W"], ["p"]),
+         helper.make_node("ReduceSum", ["p"], ["loss"], keepdims=0)],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("ix", TensorProto.FLOAT, [4]),
+         helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, [4])], [w])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.ones(4, np.float32)
+    _, ix, s = InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    assert not np.shares_memory(s[0], x) and s[1].flags.writeable and not np.shares_memory(ix, x)
+    p = TrainingParameters()
+    p.loss_output_name, p.training_optimizer_name = "loss", "SGDOptimizer"
+    sess = TrainingSession(model, p)
+    ro = RunOptions()
+    ro.only_execute_path_to_fetches = True
+    ix, s = sess.run(["ix", "s"], {"x": x}, ro)
+    assert not np.shares_memory(ix, x) and not np.shares_memory(s[0], x) and s[1].flags.writeable
+    assert not np.shares_memory(s[1], sess.get_state()["W"])

@@ -130,3 +130,20 @@ def test_text_is_not_read_as_truth_values(tmp_path, capsys):
     assert main(argv) == 2
     err = _err(capsys)
     assert "data.feeds.keep" in err and "takes bool numbers, got <U5 values" in err, err
+
+
+def test_integer_inputs_take_numbers_that_fit(tmp_path, capsys):
+    """Labels of 300 for int64 are fine, but token ids of 300 for a uint8 input wrapped to 44, and text was
+    read through float64 (9007199254740993 became ...992): now exact, and out of range refused by key."""
+    from onnxtrain.train.session import _text_numbers
+
+    np.testing.assert_array_equal(_text_numbers(np.array(["9007199254740993"]), np.dtype(np.int64)),
+                                  [9007199254740993])
+    argv = _files_argv(tmp_path, np.zeros((80, 64), np.float32), np.full(80, "300"))
+    assert main(argv) == 2
+    err = _err(capsys)
+    assert "class label 300" in err, err  # int64 labels: in range, then the class check
+    argv = _files_argv(tmp_path, np.zeros((80, 64), np.float32), np.full(80, "1e30"))
+    assert main(argv) == 2
+    err = _err(capsys)
+    assert "data.feeds.y" in err and "takes int64 numbers" in err and "holds 1e+30" in err, err
