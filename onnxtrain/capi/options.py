@@ -72,7 +72,20 @@ class PropagateCastOpsStrategy(enum.IntFlag):
     REMOVE_INPUT_OUTPUT_UP_DOWN_CASTS = 4
 
 
-class SessionOptions:
+class _Fields:
+    """Options whose public fields are the ones ``__init__`` sets: assigning another (a misspelt
+    ``intra_op_threads``) is an AttributeError, as on onnxruntime's objects, not a setting silently unused."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not name.startswith("_") and "_fields" in self.__dict__ and name not in self._fields:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        object.__setattr__(self, name, value)
+
+    def _fix_fields(self) -> None:
+        object.__setattr__(self, "_fields", frozenset(k for k in self.__dict__ if not k.startswith("_")))
+
+
+class SessionOptions(_Fields):
     """Options of a session (onnxruntime.SessionOptions); unknown config entries are kept, not used."""
 
     def __init__(self) -> None:
@@ -96,6 +109,7 @@ class SessionOptions:
         self._config: dict[str, str] = {}
         self._initializers: dict[str, Any] = {}  # name → the array to use for that initializer
         self._dims: dict[tuple[str, str], int] = {}  # ("name" | "denotation", symbol) → its size
+        self._fix_fields()
 
     def snapshot(self) -> SessionOptions:
         """A copy a session keeps, so that changing these options later does not change it (onnxruntime
@@ -139,7 +153,7 @@ class SessionOptions:
         )
 
 
-class RunOptions:
+class RunOptions(_Fields):
     """Options of one run (onnxruntime.RunOptions); ``training_mode`` is used by training sessions."""
 
     def __init__(self) -> None:
@@ -151,6 +165,7 @@ class RunOptions:
         self.only_execute_path_to_fetches = False
         self.training_mode = True
         self._config: dict[str, str] = {}
+        self._fix_fields()
 
     def add_run_config_entry(self, key: str, value: str) -> None:
         self._config[str(key)] = str(value)

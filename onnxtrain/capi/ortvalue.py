@@ -152,8 +152,9 @@ class OrtValue:
     def has_value(self) -> bool:
         return self._array is not None
 
-    def update_inplace(self, np_arr: np.ndarray) -> None:
-        np.copyto(self._array, np.asarray(np_arr).reshape(self._array.shape))
+    def update_inplace(self, data: np.ndarray) -> None:
+        """Copy ``data`` into this value's array (``data``: onnxruntime's parameter name)."""
+        np.copyto(self._array, np.asarray(data).reshape(self._array.shape))
 
     # DLPack: the protocol (``torch.from_dlpack(value)``), and the legacy training API's ``to_dlpack`` and
     # ``from_dlpack(data, is_bool_tensor)``; no copy either way
