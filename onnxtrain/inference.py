@@ -189,8 +189,11 @@ def _own_outputs(outs: list[Any], feeds: Any) -> list[Any]:
     """``outs`` with a copy of each array (a sequence's items too) that is read-only (an initializer passed
     through) or may share memory with a feed (an Identity of an input): as onnxruntime's, every output is
     the caller's to write, and none changes with a feed."""
-    values = feeds.values() if isinstance(feeds, Mapping) else ()
-    fed = [v.numpy() if hasattr(v, "numpy") and not isinstance(v, np.ndarray) else v for v in values]
+    fed: list[np.ndarray] = []
+    for v in feeds.values() if isinstance(feeds, Mapping) else ():
+        if isinstance(v, OrtValue):
+            v = v.numpy()
+        fed += [x for x in v if isinstance(x, np.ndarray)] if isinstance(v, (list, tuple)) else [v]
     fed = [v for v in fed if isinstance(v, np.ndarray)]
 
     def own(o: Any) -> Any:

@@ -77,7 +77,8 @@ class _Fields:
     ``intra_op_threads``) is an AttributeError, as on onnxruntime's objects, not a setting silently unused."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if not name.startswith("_") and "_fields" in self.__dict__ and name not in self._fields:
+        if (not name.startswith("_") and "_fields" in self.__dict__ and name not in self._fields
+                and type(self) in _FIELDED and not hasattr(type(self), name)):  # (subclasses: their own)
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         object.__setattr__(self, name, value)
 
@@ -174,6 +175,9 @@ class RunOptions(_Fields):
         if key not in self._config:
             raise FailKeyError(f"RunOptions does not have configuration with key: {key}")
         return self._config[key]
+
+
+_FIELDED = (SessionOptions, RunOptions)
 
 
 def get_available_providers() -> list[str]:

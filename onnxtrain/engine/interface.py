@@ -213,6 +213,7 @@ class GraphInterface:
             v = given.get(t.name)
             if v is None:
                 v = numpy_helper.to_array(t)
+                v.setflags(write=False)  # a constant: an output passing it through is the caller's copy
             else:
                 dt = helper.tensor_dtype_to_np_dtype(t.data_type)
                 if list(v.shape) != list(t.dims) or v.dtype != dt:

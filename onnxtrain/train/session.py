@@ -193,10 +193,29 @@ def _text_numbers(v: np.ndarray, dt: np.dtype) -> np.ndarray:
     9007199254740993), else float64 (``3.0`` for an integer input goes through the whole-number check)."""
     if dt.kind in "iu":
         try:
-            return v.astype(np.int64)
-        except ValueError:  # "3.0", "1e3": read as floats, then checked to be whole
+            return v.astype(np.uint64 if dt.kind == "u" else np.int64)
+        except OverflowError:  # beyond 64 bits: read as floats, refused by the range check
             pass
+        except ValueError:  # "3.0", "1e3": read as exact integers where whole, else as floats
+            exact = [_whole_text(x) for x in v.ravel().tolist()]
+            if all(e is not None for e in exact):
+                try:
+                    return np.array(exact, np.uint64 if dt.kind == "u" else np.int64).reshape(v.shape)
+                except OverflowError:
+                    pass
     return v.astype(np.float64)
+
+
+def _whole_text(text: str | bytes) -> int | None:
+    """The integer a text spells when it is a whole number ("3.0", "1e3", "9007199254740993.0"), read with
+    Python's exact decimals; None otherwise."""
+    import decimal
+
+    try:
+        d = decimal.Decimal(text.decode() if isinstance(text, bytes) else text)
+    except decimal.InvalidOperation:
+        return None
+    return int(d) if d.is_finite() and d == d.to_integral_value() else None
 
 
 def _check_range(cfg: Config, key: str, name: str, array: np.ndarray, dt: np.dtype, split: str) -> None:
