@@ -413,7 +413,12 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                 self._store[b] = np.zeros_like(self._store[b])
         if kind != "gradients":
             self._micro_step = 0 if kind == "full" else self._micro_step + (kind != "forward")
-        return results[: len(names)]
+        out = results[: len(names)]
+        if kind != "full":  # a path run's Identity of a weight is the session's array: the caller gets a copy
+            held = [v for v in self._store.values() if isinstance(v, np.ndarray)]
+            out = [o.copy() if isinstance(o, np.ndarray) and any(np.may_share_memory(o, h) for h in held)
+                   else o for o in out]
+        return out
 
     def _kind(self, names: list[str], ro: RunOptions) -> str:
         g = self._graphs

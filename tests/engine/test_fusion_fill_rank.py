@@ -146,3 +146,25 @@ def test_outputs_never_alias_feeds_or_constants() -> None:
     ix, s = sess.run(["ix", "s"], {"x": x}, ro)
     assert not np.shares_memory(ix, x) and not np.shares_memory(s[0], x) and s[1].flags.writeable
     assert not np.shares_memory(s[1], sess.get_state()["W"])
+
+
+def test_path_run_output_of_a_weight_is_a_copy() -> None:
+    """A legacy session's path-only run returning Identity(W) handed out the session's own W: writing it
+    changed the weight (the onnxruntime backend returned a copy)."""
+    from onnxtrain import RunOptions, TrainingParameters, TrainingSession
+
+    g = helper.make_graph(
+        [helper.make_node("Identity", ["W"], ["w_out"]), helper.make_node("Mul", ["x", "W"], ["p"]),
+         helper.make_node("ReduceSum", ["p"], ["loss"], keepdims=0)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("w_out", TensorProto.FLOAT, [3])],
+        [numpy_helper.from_array(np.full(3, 0.8, np.float32), "W")])
+    p = TrainingParameters()
+    p.loss_output_name, p.training_optimizer_name = "loss", "SGDOptimizer"
+    sess = TrainingSession(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), p)
+    ro = RunOptions()
+    ro.only_execute_path_to_fetches = True
+    w = sess.run(["w_out"], {"x": np.ones(3, np.float32)}, ro)[0]
+    w[:] = -1
+    np.testing.assert_array_equal(sess.get_state()["W"], np.full(3, 0.8, np.float32))
