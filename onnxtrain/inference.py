@@ -185,7 +185,7 @@ def _container_feed(name: str, kind: str, v: Any, element: np.dtype | None = Non
     return v.numpy() if isinstance(v, OrtValue) else np.asarray(v)
 
 
-def _own_outputs(outs: list[Any], feeds: Any) -> list[Any]:
+def own_outputs(outs: list[Any], feeds: Any) -> list[Any]:
     """``outs`` with a copy of each array (a sequence's items too) that is read-only (an initializer passed
     through) or may share memory with a feed (an Identity of an input): as onnxruntime's, every output is
     the caller's to write, and none changes with a feed."""
@@ -308,7 +308,7 @@ class InferenceSession:
         # given run options are watched during the run: terminate set from another thread stops it
         token = RUN_OPTIONS.set(run_options) if run_options is not None else None
         try:
-            return outputs_apart(_own_outputs(self._run(output_names, input_feed, ro), input_feed))
+            return outputs_apart(own_outputs(self._run(output_names, input_feed, ro), input_feed))
         except EngineError as e:  # named after the inputs when they disagree on a shared dimension
             if isinstance(input_feed, Mapping) and not isinstance(e, Terminated):
                 why = shared_dim_mismatch(self._inputs, input_feed, "run failed")

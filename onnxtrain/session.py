@@ -34,6 +34,7 @@ from onnxtrain.inference import (
     metadata_of,
     node_arg,
     options_snapshot,
+    own_outputs,
 )
 from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.graphs import model_for_outputs
@@ -171,8 +172,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         if idle:
             warn(f"TrainingParameters option(s) {', '.join(idle)} have no effect with "
                  "pipeline_parallel_size=1")
-        for message in p.idle_options():
-            warn(f"TrainingParameters.{message}")
+        self._warn_idle_options()
         self._dp = resolve_parallel(p)
         if p.gradient_accumulation_mode not in ("legacy", "auto"):
             raise ValueError(
@@ -347,6 +347,16 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         plan.profiling = bool(self._sess_options.enable_profiling) and not ended
         return plan
 
+    def _warn_idle_options(self) -> None:
+        """A warning for each option set to a value that does nothing under the others."""
+        for message in self._params.idle_options():
+            warn(f"TrainingParameters.{message}")
+
+    def _check_loss_scale(self, feeds: Mapping[str, Any]) -> None:
+        """The fed loss scale, when the session takes one, is a positive finite number."""
+        if self.loss_scale_input_name and self.loss_scale_input_name in feeds:
+            check_loss_scale_feed(self.loss_scale_input_name, feeds[self.loss_scale_input_name])
+
     # ---- running ----------------------------------------------------------------------
     @serialized
     def _run(
@@ -363,8 +373,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         names = self._output_list(output_names)
         kind = self._kind(names, ro)
         feeds = self._check(input_feed, self._graphs.user_inputs if kind != "full" else None)
-        if self.loss_scale_input_name and self.loss_scale_input_name in feeds:
-            check_loss_scale_feed(self.loss_scale_input_name, feeds[self.loss_scale_input_name])
+        self._check_loss_scale(feeds)
         if self._graphs.has_training_mode and TRAINING_MODE not in feeds:
             feeds[TRAINING_MODE] = np.asarray(bool(ro.training_mode))
         if kind == "full" and self._dp is not None and self._opt is not None:
@@ -414,11 +423,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         if kind != "gradients":
             self._micro_step = 0 if kind == "full" else self._micro_step + (kind != "forward")
         out = results[: len(names)]
-        if kind != "full":  # a path run's Identity of a weight is the session's array: the caller gets a copy
-            held = [v for v in self._store.values() if isinstance(v, np.ndarray)]
-            out = [o.copy() if isinstance(o, np.ndarray) and any(np.may_share_memory(o, h) for h in held)
-                   else o for o in out]
-        return out
+        # a path run's Identity of a weight is the session's array: the caller gets a copy
+        return own_outputs(out, self._store) if kind != "full" else out
 
     def _kind(self, names: list[str], ro: RunOptions) -> str:
         g = self._graphs

@@ -22,7 +22,7 @@ from onnxtrain.errors import InvalidFeed, InvalidFeedType
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.clipping import norm_dtype
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE, flag_array
-from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo, check_loss_scale_feed
+from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo
 from onnxtrain.inference import NodeArg, check_feed_shape, node_arg
 from onnxtrain.ir.builder import NameGen, value_types
 from onnxtrain.ir.graphs import chain_shared_batch_norms, untie_batch_norm_statistics
@@ -73,8 +73,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
             raise NotImplementedError(
                 f"TrainingParameters option(s) {', '.join(bad)} do not combine with {self.what} yet"
             )
-        for message in p.idle_options():
-            warn(f"TrainingParameters.{message}")
+        self._warn_idle_options()
         if p.use_memory_efficient_gradient:
             warn(f"TrainingParameters.use_memory_efficient_gradient has no effect with {self.what} (its "
                  "stages keep LayerNormalization's input)")
@@ -197,8 +196,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         feeds (a replica's ranks, with data parallelism)."""
         names = self._output_list(output_names)
         feeds = self._checked(input_feed)
-        if self.loss_scale_input_name and self.loss_scale_input_name in feeds:
-            check_loss_scale_feed(self.loss_scale_input_name, feeds[self.loss_scale_input_name])
+        self._check_loss_scale(feeds)
         # as the single-process session: a run updates unless it asks for the forward's outputs alone or is
         # a micro-step; ``training_mode`` (run options, or fed) switches Dropout
         dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode)))

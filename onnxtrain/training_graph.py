@@ -340,10 +340,10 @@ def build_step_graphs(
         user_outputs.append(loss)
     fwd_model, gloss, mp = m, loss, None
     if p.use_mixed_precision:
-        not_f32 = sorted(w for w in trainable if state[w].dtype in (np.float16, BFLOAT16))
-        if not_f32:  # no float32 master to keep: the half steps would be the weights' own (float64 ones stay)
+        halves = sorted(w for w in trainable if state[w].dtype in (np.float16, BFLOAT16))
+        if halves:  # no float32 master to keep: the half steps would be the weights' own (float64 ones stay)
             raise ValueError(f"use_mixed_precision trains float32 master weights; trained weight(s) "
-                             f"{not_f32} are {state[not_f32[0]].dtype}: train the half model as it is, "
+                             f"{halves} are {state[halves[0]].dtype}: train the half model as it is, "
                              "without use_mixed_precision, or export it in float32")
         fwd_model = mixed_precision(m, loss, p.mixed_precision_dtype)
         mp = mixed_precision_info(fwd_model)

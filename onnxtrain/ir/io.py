@@ -124,21 +124,18 @@ class StagedFiles:
         # removes the unlocked temporaries of killed writes, and must never see this one unlocked
         fd, fresh = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=_FRESH_SUFFIX, dir=folder)
         tmp = fresh[: -len(_FRESH_SUFFIX)] + TMP_SUFFIX
+        lock = None
         try:
             lock = os.open(fresh, os.O_RDONLY)  # held (and locked) while the temporary is in flight
-        except BaseException:
-            os.close(fd)
-            _unlink_quietly(fresh)
-            raise
-        _lock(lock)
-        self._locks.append(lock)
-        try:
+            _lock(lock)
             os.replace(fresh, tmp)
         except BaseException:
             os.close(fd)
             _unlink_quietly(fresh)
-            os.close(self._locks.pop())
+            if lock is not None:
+                os.close(lock)
             raise
+        self._locks.append(lock)
         try:
             with os.fdopen(fd, "wb") as f:
                 write(f)

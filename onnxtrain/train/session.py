@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 from onnx import helper
@@ -103,6 +105,8 @@ def feed_names(cfg: Config, model: onnx.ModelProto, ds: data_mod.Dataset) -> dat
     declared = {v.name: value_info_shape(v.type) for v in model.graph.input
                 if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
 
+    inferred: dict[str, Any] = {}  # the model's value types, inferred once for both splits when needed
+
     def convert(arrays: dict[str, np.ndarray], split: str) -> dict[str, np.ndarray]:
         out = {}
         for k, v in arrays.items():
@@ -125,7 +129,7 @@ def feed_names(cfg: Config, model: onnx.ModelProto, ds: data_mod.Dataset) -> dat
                 _check_range(cfg, k, name, v, np.dtype(dt), split)
             out[name] = np.ascontiguousarray(v, dtype=dt)
         _check_indices(cfg, model, out, {rename[k]: k for k in arrays}, split)
-        _check_classes(cfg, model, out, {rename[k]: k for k in arrays}, split)
+        _check_classes(cfg, model, out, {rename[k]: k for k in arrays}, split, inferred)
         return out
 
     return data_mod.Dataset(convert(ds.train, "train"), convert(ds.eval, "eval"))
@@ -192,15 +196,16 @@ def _text_numbers(v: np.ndarray, dt: np.dtype) -> np.ndarray:
     """Text spelling numbers, read exactly: integers as int64 for an integer input (a float64 would round
     9007199254740993), else float64 (``3.0`` for an integer input goes through the whole-number check)."""
     if dt.kind in "iu":
+        wide = np.uint64 if dt.kind == "u" else np.int64
         try:
-            return v.astype(np.uint64 if dt.kind == "u" else np.int64)
+            return v.astype(wide)
         except OverflowError:  # beyond 64 bits: read as floats, refused by the range check
             pass
         except ValueError:  # "3.0", "1e3": read as exact integers where whole, else as floats
             exact = [_whole_text(x) for x in v.ravel().tolist()]
             if all(e is not None for e in exact):
                 try:
-                    return np.array(exact, np.uint64 if dt.kind == "u" else np.int64).reshape(v.shape)
+                    return np.array(exact, wide).reshape(v.shape)
                 except OverflowError:
                     pass
     return v.astype(np.float64)
@@ -221,12 +226,12 @@ def _whole_text(text: str | bytes) -> int | None:
 def _check_range(cfg: Config, key: str, name: str, array: np.ndarray, dt: np.dtype, split: str) -> None:
     """Numbers for an integer model input must fit its type: a cast would wrap them (300 to uint8 is 44)."""
     info = np.iinfo(dt)
-    lo, hi = array.min(), array.max()
-    if (float(lo) >= info.min and float(hi) <= info.max) if array.dtype.kind == "f" else (
-            int(lo) >= info.min and int(hi) <= info.max):
+    number = float if array.dtype.kind == "f" else int  # (Python compares either exactly with the bounds)
+    lo, hi = number(array.min()), number(array.max())
+    if info.min <= lo and hi <= info.max:
         return
     data_key, where = _data_where(cfg, key, split)
-    bad = lo if (float(lo) < info.min) else hi
+    bad = lo if lo < info.min else hi
     raise ConfigError(data_key, f"{where}: the model input {name!r} takes {dt.name} numbers "
                                 f"({info.min}..{info.max}), but the array holds {bad}")
 
@@ -280,10 +285,10 @@ def _check_indices(cfg: Config, model: onnx.ModelProto, arrays: dict[str, np.nda
 
 
 def _check_classes(cfg: Config, model: onnx.ModelProto, arrays: dict[str, np.ndarray],
-                   keys: dict[str, str], split: str) -> None:
+                   keys: dict[str, str], split: str, inferred: dict[str, Any]) -> None:
     """Class labels fed straight to a SoftmaxCrossEntropyLoss or NegativeLogLikelihoodLoss must lie in
-    [0, classes) (or be its ignore_index): a ConfigError naming the data key otherwise, not a failed step."""
-    types = None
+    [0, classes) (or be its ignore_index): a ConfigError naming the data key otherwise, not a failed step.
+    ``inferred`` keeps the model's value types (key ``"types"``) between calls."""
     for node in model.graph.node:
         if (node.op_type not in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
                 or len(node.input) < 2 or node.input[1] not in arrays):
@@ -291,9 +296,9 @@ def _check_classes(cfg: Config, model: onnx.ModelProto, arrays: dict[str, np.nda
         y = arrays[node.input[1]]
         if not y.size or not np.issubdtype(y.dtype, np.integer):
             continue
-        if types is None:
-            types = value_types(model)
-        dims = static_shape(types, node.input[0])
+        if "types" not in inferred:
+            inferred["types"] = value_types(model)
+        dims = static_shape(inferred["types"], node.input[0])
         classes = dims[1] if dims is not None and len(dims) > 1 else None
         if classes is None:
             continue
