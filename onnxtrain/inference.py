@@ -22,7 +22,6 @@ from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.feed_sizes import FeedSizeMismatch, shared_dim_mismatch
 from onnxtrain.engine.interface import RUN_OPTIONS, EngineError, GraphInterface, Terminated, load_model
 from onnxtrain.errors import Fail, FailValueError, InvalidFeed, InvalidFeedType
-from onnxtrain.ir.builder import unknown_versions
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.ir.types import np_dtype_of, type_string, value_info_shape
 
@@ -260,9 +259,6 @@ class InferenceSession:
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         folder = _config(self._sess_options).get("session.model_external_initializers_file_folder_path")
         self._model = with_option_overrides(load_model(path_or_bytes, folder), self._sess_options)
-        newer = unknown_versions(self._model)
-        if newer is not None:  # (onnxruntime refuses a model beyond the opsets it knows)
-            raise Fail(f"the model's {newer}")
         self._plan = make_plan(self._model, self._backend, self._providers, self._sess_options,
                                self._provider_options)
         self._start_ns = time.time_ns()

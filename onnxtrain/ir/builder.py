@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Iterable, Sequence
 from contextvars import ContextVar
 from typing import Any
@@ -134,10 +135,24 @@ def model_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
+# com.microsoft: onnxruntime registers its contrib ops at version 1 only and refuses a model importing more
+_OTHER_DOMAIN_NEWEST = {"com.microsoft": 1}
+
+
+@functools.cache
+def _newest_versions() -> dict[str, int]:
+    """The newest opset version of each domain the installed onnx has schemas for, and com.microsoft's."""
+    newest: dict[str, int] = dict(_OTHER_DOMAIN_NEWEST)
+    for schema in onnx.defs.get_all_schemas_with_history():
+        if schema.domain not in DEFAULT_DOMAINS:
+            newest[schema.domain] = max(newest.get(schema.domain, 0), schema.since_version)
+    return newest
+
+
 def unknown_versions(model: onnx.ModelProto) -> str | None:
-    """What of ``model``'s IR version and default-domain opset the installed onnx does not know (None: both
-    known): its converter and checker cannot handle them, and its version tables stamp IR versions too old
-    for them."""
+    """What of ``model``'s IR version and opsets the installed onnx (or onnxruntime, for com.microsoft)
+    does not know (None: all known): its converter and checker cannot handle them, and its version tables
+    stamp IR versions too old for them. Domains outside onnx's and com.microsoft are not checked."""
     if model.ir_version > onnx.IR_VERSION:
         return (f"IR version {model.ir_version}, newer than the installed onnx {onnx.__version__} knows "
                 f"({onnx.IR_VERSION})")
@@ -145,6 +160,13 @@ def unknown_versions(model: onnx.ModelProto) -> str | None:
     if model_opset(model) > newest:
         return (f"opset {model_opset(model)} is newer than the installed onnx {onnx.__version__} knows "
                 f"({newest}); re-export it at opset {newest} or older")
+    others = _newest_versions()
+    for o in model.opset_import:
+        top = others.get(o.domain)
+        if top is not None and o.version > top:
+            return (f"opset {o.version} of domain {o.domain!r} is newer than the installed onnx "
+                    f"{onnx.__version__} knows ({top})" if o.domain not in _OTHER_DOMAIN_NEWEST else
+                    f"opset {o.version} of domain {o.domain!r} is not one onnxruntime knows (it has {top})")
     return None
 
 

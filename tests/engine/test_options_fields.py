@@ -41,6 +41,62 @@ def test_an_opset_onnx_does_not_know_is_refused() -> None:
         onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
 
 
+@pytest.mark.parametrize("domain, known", [("ai.onnx.ml", None), ("ai.onnx.preview.training", None),
+                                           ("com.microsoft", 1)])
+def test_other_domains_opsets_past_the_known_are_refused(domain: str, known: int | None) -> None:
+    """A model importing ai.onnx.ml, the training preview domain or com.microsoft at a version newer than
+    onnx (or onnxruntime, for com.microsoft) knows ran; onnxruntime refuses it at load. The newest known
+    version still loads, and so does a domain neither knows."""
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    if known is None:
+        known = max(s.since_version for s in onnx.defs.get_all_schemas_with_history() if s.domain == domain)
+
+    def model(*imports: tuple[str, int]) -> bytes:
+        opsets = [helper.make_opsetid("", 17), *(helper.make_opsetid(d, v) for d, v in imports)]
+        return helper.make_model(g, opset_imports=opsets, ir_version=8).SerializeToString()
+
+    x = np.array([-1.0, 2.0], np.float32)
+    for ok in (model((domain, known)), model(("my.domain", 99))):
+        np.testing.assert_array_equal(InferenceSession(ok).run(None, {"x": x})[0], [0.0, 2.0])
+        onnxruntime.InferenceSession(ok, providers=["CPUExecutionProvider"])
+    bad = model((domain, known + 1))
+    with pytest.raises(Fail, match=f"opset {known + 1} of domain '{domain}'"):
+        InferenceSession(bad)
+    with pytest.raises(Exception):  # noqa: B017 - onnxruntime's class for it differs by version
+        onnxruntime.InferenceSession(bad, providers=["CPUExecutionProvider"])
+
+
+def test_training_entry_points_refuse_unknown_opsets(tmp_path) -> None:
+    """The legacy session, the gradient builder and the on-device Module loaded models of opsets onnx does
+    not know (the default domain's too) and trained them."""
+    from onnxtrain import GradientGraphBuilder, TrainingParameters, TrainingSession
+    from onnxtrain.training import api
+
+    w = helper.make_tensor("W", TensorProto.FLOAT, [2, 2], [1.0, 0.0, 0.0, 1.0])
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"]),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
+    newest = onnx.defs.onnx_opset_version()
+    for imports, match in [([("", 13), ("ai.onnx.ml", 99)], "opset 99 of domain 'ai.onnx.ml'"),
+                           ([("", newest + 1)], f"opset {newest + 1} is newer")]:
+        model = helper.make_model(g, opset_imports=[helper.make_opsetid(d, v) for d, v in imports],
+                                  ir_version=8).SerializeToString()
+        p = TrainingParameters()
+        p.loss_output_name, p.training_optimizer_name = "loss", "SGDOptimizer"
+        with pytest.raises(Fail, match=match):
+            TrainingSession(model, p)
+        with pytest.raises(Fail, match=match):
+            GradientGraphBuilder(model, {"loss"}, {"W"}, "loss")
+        path = tmp_path / "training_model.onnx"
+        path.write_bytes(model)
+        state = api.CheckpointState.__new__(api.CheckpointState)  # never read: the model is refused first
+        with pytest.raises(Fail, match=match):
+            api.Module(str(path), state)
+
+
 def test_subclasses_keep_their_own_fields() -> None:
     class Tagged(SessionOptions):
         def __init__(self) -> None:
