@@ -20,7 +20,14 @@ from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
 from onnxtrain.engine.backends import backend_of, batch_split_mode, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.feed_sizes import FeedSizeMismatch, shared_dim_mismatch
-from onnxtrain.engine.interface import RUN_OPTIONS, EngineError, GraphInterface, Terminated, load_model
+from onnxtrain.engine.interface import (
+    RUN_OPTIONS,
+    EngineError,
+    GraphInterface,
+    ProfileEvent,
+    Terminated,
+    load_model,
+)
 from onnxtrain.errors import Fail, FailValueError, InvalidFeed, InvalidFeedType
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.ir.types import np_dtype_of, type_string, value_info_shape
@@ -252,6 +259,7 @@ class InferenceSession:
         provider_options: Sequence[dict] | None = None,
         **kwargs: Any,
     ):
+        begin = time.perf_counter_ns()
         self._sess_options = options_snapshot(sess_options)
         self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
         self._providers, self._provider_options = backend_providers(self._backend, providers,
@@ -259,6 +267,7 @@ class InferenceSession:
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         folder = _config(self._sess_options).get("session.model_external_initializers_file_folder_path")
         self._model = with_option_overrides(load_model(path_or_bytes, folder), self._sess_options)
+        loaded = time.perf_counter_ns()
         self._plan = make_plan(self._model, self._backend, self._providers, self._sess_options,
                                self._provider_options)
         self._start_ns = time.time_ns()
@@ -284,6 +293,7 @@ class InferenceSession:
             from onnxtrain.engine.batch_split import BatchSplitter  # numpy plans only
 
             self._splitter = BatchSplitter.for_plan(self._plan, split)
+        profile_session_start(self, begin, loaded)
 
     # ---- running -------------------------------------------------------------------
     def run(
@@ -303,8 +313,13 @@ class InferenceSession:
             raise Fail("Exiting due to terminate flag being set to true (RunOptions.terminate).")
         # given run options are watched during the run: terminate set from another thread stops it
         token = RUN_OPTIONS.set(run_options) if run_options is not None else None
+        begin = time.perf_counter_ns() if self._session_events is not None else 0
         try:
-            return outputs_apart(own_outputs(self._run(output_names, input_feed, ro), input_feed))
+            out = outputs_apart(own_outputs(self._run(output_names, input_feed, ro), input_feed))
+            if begin and self._session_events is not None:
+                took = time.perf_counter_ns() - begin
+                self._session_events.append(ProfileEvent("model_run", "", begin, took, cat="Session"))
+            return out
         except EngineError as e:  # named after the inputs when they disagree on a shared dimension
             if isinstance(input_feed, Mapping) and not isinstance(e, Terminated):
                 why = shared_dim_mismatch(self._inputs, input_feed, "run failed")
@@ -449,19 +464,39 @@ def end_profiling(session: Any, plans: Sequence[GraphInterface]) -> str:
     session does not profile, or has ended)."""
     if not session._sess_options.enable_profiling or getattr(session, "_profiling_ended", False):
         return ""
+    events, session._session_events = session._session_events or [], None
     try:
-        return write_chrome_trace(plans, session._sess_options.profile_file_prefix)
+        return write_chrome_trace(plans, session._sess_options.profile_file_prefix, events,
+                                  session._profile_origin)
     finally:
         session._profiling_ended = True
         for plan in plans:
             plan.profiling = False
 
 
-def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str) -> str:
-    """Write the profile events of ``plans``' runs (their ``profile``, and those their backend kept), in
-    time order, as a chrome-trace file named ``<prefix><timestamp>.json``; returns the path. The plans'
-    events are handed over: the next trace holds the runs after this one."""
-    profile = []
+def profile_session_start(session: Any, begin: int, loaded: int) -> None:
+    """Start a session's own profile events, when its options ask for a profile: the model's loading
+    (``begin`` to ``loaded``, ``perf_counter_ns``) and the session's initialization (from ``loaded`` to
+    now), as onnxruntime's trace begins; each run adds a ``model_run``. Their times count from ``begin``."""
+    session._profile_origin = begin
+    session._session_events = None
+    if session._sess_options.enable_profiling:
+        what = "model_loading_uri" if getattr(session, "_model_path", None) else "model_loading_array"
+        session._session_events = [
+            ProfileEvent(what, "", begin, loaded - begin, cat="Session"),
+            ProfileEvent("session_initialization", "", loaded, time.perf_counter_ns() - loaded,
+                         cat="Session"),
+        ]
+
+
+def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str,
+                       session_events: Sequence[ProfileEvent] = (), origin: int | None = None) -> str:
+    """Write the profile events of ``plans``' runs (their ``profile``, and those their backend kept) and
+    the session's own (``session_events``: its loading, initialization and runs), in time order, as a
+    chrome-trace file named ``<prefix><timestamp>.json``; returns the path. Times count from ``origin``
+    (``perf_counter_ns``; default the first event's start). The plans' events are handed over: the next
+    trace holds the runs after this one."""
+    profile = list(session_events)
     for plan in {id(p): p for p in plans}.values():
         profile += plan.profile
         plan.profile.clear()
@@ -469,11 +504,15 @@ def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str) -> str:
     profile.sort(key=lambda e: e.start_ns)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     path = f"{prefix}{stamp}.json"
-    t0 = profile[0].start_ns if profile else 0
+    t0 = origin if origin is not None else profile[0].start_ns if profile else 0
+    pid = os.getpid()
     events = [
+        {"cat": "Session", "pid": pid, "tid": 0, "ph": "X", "name": e.name,
+         "ts": (e.start_ns - t0) / 1000.0, "dur": e.dur_ns / 1000.0, "args": {}}
+        if e.cat == "Session" else
         {
             "cat": "Node",
-            "pid": os.getpid(),
+            "pid": pid,
             "tid": 0,
             "ph": "X",
             "name": f"{e.name}_kernel_time",

@@ -35,6 +35,7 @@ from onnxtrain.inference import (
     node_arg,
     options_snapshot,
     own_outputs,
+    profile_session_start,
 )
 from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.graphs import model_for_outputs
@@ -140,6 +141,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         providers: Sequence[Any] | None = None,
         provider_options: Sequence[dict] | None = None,
     ):
+        begin = time.perf_counter_ns()
         check_arguments(path_or_bytes, parameters)
         if not parameters.training_optimizer_name and not parameters.set_gradients_as_graph_outputs:
             warn("TrainingParameters.training_optimizer_name is empty: run() computes the loss and updates "
@@ -157,7 +159,9 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             self._backend, providers, provider_options
         )
         self._fallback = True
+        self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         self._build(path_or_bytes)
+        profile_session_start(self, begin, getattr(self, "_loaded_ns", begin))
 
     def _build(self, path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto) -> None:
         """The session's graphs and state from the model (the options and backend are kept): one process's,
@@ -180,6 +184,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             )
         self._start_ns = time.time_ns()
         model = load_model(path_or_bytes)
+        self._loaded_ns = time.perf_counter_ns()
         if self._backend == "numpy":  # the user's nodes first: an error names them, not the training graph's
             _check_user_nodes(model)
 

@@ -50,6 +50,7 @@ class ProfileEvent:
     start_ns: int
     dur_ns: int
     shapes: list[Any] = field(default_factory=list)
+    cat: str = "Node"  # or "Session": a session's own span (its initialization, a run), as onnxruntime's
 
 
 # the RunOptions of the run in progress in this context, when the caller gave some: the numpy plans check

@@ -262,9 +262,10 @@ def test_profiling_writes_chrome_trace(tmp_path, model_bytes: bytes) -> None:
     path = s.end_profiling()
     assert path.startswith(str(tmp_path / "prof_")) and path.endswith(".json") and os.path.exists(path)
     with open(path) as f:
-        events = json.load(f)
-    assert isinstance(events, list) and len(events) == 3 * runs  # one per node run
-    assert all(e["ph"] == "X" and e["dur"] >= 0 and "ts" in e for e in events)
+        trace = json.load(f)
+    assert all(e["ph"] == "X" and e["dur"] >= 0 and "ts" in e for e in trace)
+    events = [e for e in trace if e["cat"] == "Node"]
+    assert len(events) == 3 * runs  # one per node run
     assert [e["args"]["op_name"] for e in events[:3]] == ["MatMul", "Add", "Cast"]
     assert events[0]["name"].startswith("mm")
     assert events[0]["args"]["input_type_shape"] == [[4, 3], [3, 2]]
@@ -531,3 +532,39 @@ def test_non_finite_results_are_silent_and_match_onnxruntime():
     assert got[4][0] == -np.inf and np.isfinite(got[4][1])
     for name, a, b in zip(("h", "log", "mm", "div", "lse"), got, want):
         np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.parametrize("source", ["bytes", "path"])
+def test_profile_holds_the_session_events_onnxruntime_writes(tmp_path, model_bytes: bytes, source: str) -> None:
+    """The trace begins as onnxruntime's does, with the model's loading and the session's initialization, and
+    holds one ``model_run`` per run around its nodes, times counted from the session's start (it held node
+    events only). onnxruntime's own trace of the same model is the oracle for the names and their order."""
+    import onnxruntime
+
+    model: bytes | str = model_bytes
+    if source == "path":
+        model = str(tmp_path / "m.onnx")
+        with open(model, "wb") as f:
+            f.write(model_bytes)
+
+    def session_events(lib) -> list[tuple[str, float, float]]:
+        so = lib.SessionOptions()
+        so.enable_profiling = True
+        so.profile_file_prefix = str(tmp_path / f"{lib.__name__}_")
+        s = lib.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+        for _ in range(2):
+            s.run(None, {"x": np.ones((4, 3), np.float32)})
+        with open(s.end_profiling()) as f:
+            trace = json.load(f)
+        nodes = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e["cat"] == "Node"]
+        runs = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e["name"] == "model_run"]
+        # every node event lies inside a run
+        assert nodes and all(any(a <= lo and hi <= b for a, b in runs) for lo, hi in nodes)
+        return [(e["name"], e["ts"], e["dur"]) for e in trace
+                if e["cat"] == "Session" and e["name"] != "SequentialExecutor::Execute"]
+
+    ours, theirs = session_events(onnxtrain), session_events(onnxruntime)
+    assert [n for n, _, _ in ours] == [n for n, _, _ in theirs]
+    assert ours[0][0] == ("model_loading_uri" if source == "path" else "model_loading_array")
+    starts = [t for _, t, _ in ours]
+    assert starts == sorted(starts) and 0 <= starts[0] < 1e6 and all(d >= 0 for _, _, d in ours)

@@ -42,7 +42,7 @@ for kind, p in (("pipeline", params(pipeline_parallel_size=2)),
         sess.run(["loss"], {{"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)}})
     path = sess.end_profiling()
     with open(path) as f:
-        events = json.load(f)
+        events = [e for e in json.load(f) if e["cat"] == "Node"]
     out[kind] = {{"ops": sorted({{e["args"]["op_name"] for e in events}}), "files": os.listdir(folder),
                   "trace": os.path.basename(path), "ts": [e["ts"] for e in events]}}
 with open(os.path.join({folder!r}, f"rank{{rank}}.json"), "w") as f:
