@@ -535,7 +535,8 @@ def test_non_finite_results_are_silent_and_match_onnxruntime():
 
 
 @pytest.mark.parametrize("source", ["bytes", "path"])
-def test_profile_holds_the_session_events_onnxruntime_writes(tmp_path, model_bytes: bytes, source: str) -> None:
+def test_profile_holds_the_session_events_onnxruntime_writes(tmp_path, model_bytes: bytes,
+                                                              source: str) -> None:
     """The trace begins as onnxruntime's does, with the model's loading and the session's initialization, and
     holds one ``model_run`` per run around its nodes, times counted from the session's start (it held node
     events only). onnxruntime's own trace of the same model is the oracle for the names and their order."""
