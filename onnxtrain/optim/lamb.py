@@ -33,11 +33,24 @@ class Lamb(Optimizer):
         return out
 
     def _global(self, slots: list[WeightSlot], key: str) -> Any:
-        """ratio_min/ratio_max/do_bias_correction are global: every weight that sets one must agree."""
-        given = {(s.int_attrs if key in self.INT_ATTRS else s.float_attrs).get(key) for s in slots} - {None}
-        if len(given) > 1:
-            raise ValueError(f"LambOptimizer: {key} must be the same for every weight, got {sorted(given)}")
-        return given.pop() if given else (self.INT_ATTRS.get(key, self.FLOAT_ATTRS.get(key)))
+        """ratio_min/ratio_max/do_bias_correction are global, as in onnxruntime's Lamb builder: the first
+        weight's value (its default when that weight does not set one), which every other weight that sets
+        the key must repeat."""
+        def given(s: WeightSlot) -> Any:
+            return (s.int_attrs if key in self.INT_ATTRS else s.float_attrs).get(key)
+
+        value = given(slots[0]) if slots else None
+        if value is None:
+            value = self.INT_ATTRS.get(key, self.FLOAT_ATTRS.get(key))
+        for s in slots[1:]:
+            v = given(s)
+            if v is not None and v != value:
+                raise ValueError(
+                    f"LambOptimizer: {key} is shared by all weights and taken from the first, "
+                    f"{slots[0].name!r} ({value}); weight {s.name!r} sets {v}: give every weight that sets "
+                    f"{key} the first one's value"
+                )
+        return value
 
     def emit(
         self, w: NodeWriter, slots: list[WeightSlot], lr: str, state: dict[str, str]

@@ -56,7 +56,7 @@ def parse_cut_info(text: str, stages: int) -> list[list[CutEdge]]:
     if not isinstance(text, str) or not text.strip():
         raise ValueError(
             f"pipeline_parallel_size={stages} needs pipeline_cut_info_string (the tensors where "
-            "one stage ends, e.g. '12' for two stages or '11,15' for three), got {text!r}"
+            f"one stage ends, e.g. '12' for two stages or '11,15' for three), got {text!r}"
         )
     cuts: list[list[CutEdge]] = []
     for i, group in enumerate(text.split(",")):

@@ -455,8 +455,9 @@ def test_cut_string_grammar() -> None:
     assert parse_cut_info("a:b-c/d,e", 3) == [[CutEdge("a"), CutEdge("b", ("c", "d"))], [CutEdge("e")]]
     with pytest.raises(ValueError, match="has 1 cut"):
         parse_cut_info("a", 3)
-    with pytest.raises(ValueError, match="needs pipeline_cut_info_string"):
+    with pytest.raises(ValueError, match="needs pipeline_cut_info_string") as e:
         parse_cut_info("", 2)
+    assert str(e.value).endswith("got ''")  # the value given (the message showed a literal {text!r})
     with pytest.raises(ValueError, match="malformed edge 'a-'"):
         parse_cut_info("a-", 2)
 

@@ -194,6 +194,29 @@ def test_lamb_ratio_min_above_ratio_max_wins() -> None:
                                                                    rmax=0.5))
 
 
+@pytest.mark.parametrize("maps", [
+    {"optimizer_attributes_map": {"W1": {}, "W2": {"ratio_max": 0.01}, "b1": {}, "b2": {}}},
+    {"optimizer_int_attributes_map": {"W1": {}, "W2": {}, "b1": {}, "b2": {"do_bias_correction": 1}}},
+    {"optimizer_attributes_map": {"W1": {"ratio_min": 0.5}, "W2": {"ratio_min": 0.25}, "b1": {}, "b2": {}}},
+])
+def test_lamb_shared_options_must_repeat_the_first_weights(maps: dict) -> None:
+    """Lamb's ratio_min, ratio_max and do_bias_correction are the first weight's (sorted by name), and a
+    weight that sets one to another value is refused, as onnxruntime's LambOptimizerBuilder::Build enforces
+    (lamb_optimizer_builder.cc): a value set on a later weight alone was taken for every weight."""
+    p = params("LambOptimizer", enable_grad_norm_clip=False, **maps)
+    key = next(k for m in maps.values() for d in m.values() for k in d)
+    with pytest.raises(ValueError, match=f"{key} is shared by all weights and taken from the first, 'W1'"):
+        TrainingSession(mlp_model(act="Tanh").SerializeToString(), p)
+
+
+def test_lamb_shared_option_of_the_first_weight_applies_to_all() -> None:
+    """Set on the first weight only (the others leave it out), the shared value applies to every weight."""
+    model = mlp_model(act="Tanh")
+    p = params("LambOptimizer", enable_grad_norm_clip=False,
+               optimizer_attributes_map={"W1": {"ratio_max": 0.5}, "W2": {}, "b1": {}, "b2": {}})
+    _follow_reference(model, p, lambda w, g, m1, m2, t: lamb_ref(w, g, m1, m2, t, float(LR[0]), rmax=0.5))
+
+
 @pytest.mark.parametrize("opt", ["AdamOptimizer", "LambOptimizer"])
 def test_bias_correction_at_count_zero_is_one(opt: str) -> None:
     """A step count of 0 loaded into the state steps uncorrected, as onnxruntime's
