@@ -1,9 +1,11 @@
 """Meanings that onnx's version converter loses when it lifts an old model to the gradient builder's opset.
 
-* Resize-10 and Upsample (opsets 7-9) sample with asymmetric coordinates, nearest rounding down; the
-  converter writes Resize-11+ nodes without those attributes, which then mean half-pixel coordinates and
-  round-half-down (and it renames an Upsample's output): every Resize of a converted model below opset
-  11 is one of those, and :func:`restore_legacy_resizes` writes the attributes into them.
+* Resize-10 and Upsample (opsets 7-9) sample with asymmetric coordinates, nearest rounding down, or up
+  on an axis Resize-10 downsamples (onnxruntime's and ONNX's opset-10 test data); the converter writes
+  Resize-11+ nodes without those attributes, which then mean half-pixel coordinates and round-half-down
+  (and it renames an Upsample's output): every Resize of a converted model below opset 11 is one of
+  those, and :func:`restore_legacy_resizes` writes the attributes into them (a nearest Resize that
+  downsamples some axes and upsamples others becomes two, one rounding up and one down).
 * Clip and Pad before opset 11 take their bounds and padding value as float attributes; the converter
   makes them float32 Constant inputs whatever the input's type: :func:`match_clip_bounds` casts them to it
   (a float64 or float16 Clip's or Pad's gradient graph was refused by onnx.checker and onnxruntime).
@@ -17,6 +19,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
@@ -26,13 +29,19 @@ from onnxtrain.ir.graphs import DEFAULT_DOMAINS, rename_in_graph, subgraphs, wal
 _SAMPLING = ("coordinate_transformation_mode", "nearest_mode")
 
 
-def restore_legacy_resizes(model: onnx.ModelProto, opset: int) -> None:
+def restore_legacy_resizes(model: onnx.ModelProto, opset: int) -> list[str]:
     """Give the Resize nodes of ``model``, converted from default-domain ``opset`` < 11, the sampling of
-    Resize-10 and Upsample (in place)."""
+    Resize-10 and Upsample (in place); returns the names of nearest ones whose scales are not constants,
+    which round down on every axis (as an upsampling does)."""
     if opset >= 11:
-        return
+        return []
+    names = None
+    unknown: list[str] = []
     for g in walk_graphs(model.graph):
+        consts = _constants(g)
+        nodes: list[onnx.NodeProto] = []
         for n in g.node:
+            nodes.append(n)
             if n.op_type != "Resize" or n.domain not in DEFAULT_DOMAINS:
                 continue
             mode = next((helper.get_attribute_value(a) for a in n.attribute if a.name == "mode"), b"nearest")
@@ -40,8 +49,45 @@ def restore_legacy_resizes(model: onnx.ModelProto, opset: int) -> None:
             del n.attribute[:]
             n.attribute.extend(kept)
             n.attribute.append(helper.make_attribute("coordinate_transformation_mode", "asymmetric"))
-            if mode in (b"nearest", "nearest"):
-                n.attribute.append(helper.make_attribute("nearest_mode", "floor"))
+            if mode not in (b"nearest", "nearest"):
+                continue
+            scales = consts.get(n.input[2]) if len(n.input) > 2 else None
+            if scales is None:
+                unknown.append(n.name or n.output[0])
+            down = [] if scales is None else [float(s) < 1 for s in scales.reshape(-1)]
+            up = [scales is not None and float(s) > 1 for s in (scales.reshape(-1) if down else [])]
+            if not any(down) or not any(up):
+                n.attribute.append(helper.make_attribute("nearest_mode", "ceil" if any(down) else "floor"))
+                continue
+            # down on some axes, up on others: the downsampling first (rounding up), then the rest
+            names = names or NameGen.for_model(model)
+            first, shrunk = names(f"{n.output[0]}_scales_down"), names(f"{n.output[0]}_down")
+            rest = names(f"{n.output[0]}_scales_up")
+            g.initializer.extend([
+                numpy_helper.from_array(np.where(scales < 1, scales, 1).astype(scales.dtype), first),
+                numpy_helper.from_array(np.where(scales < 1, 1, scales).astype(scales.dtype), rest),
+            ])
+            down_node = helper.make_node("Resize", [n.input[0], n.input[1], first], [shrunk],
+                                         name=names(f"{n.name or 'Resize'}_down"))
+            down_node.attribute.extend(n.attribute)
+            down_node.attribute.append(helper.make_attribute("nearest_mode", "ceil"))
+            n.input[0], n.input[2] = shrunk, rest
+            n.attribute.append(helper.make_attribute("nearest_mode", "floor"))
+            nodes.insert(len(nodes) - 1, down_node)
+        del g.node[:]
+        g.node.extend(nodes)
+    return unknown
+
+
+def _constants(g: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """The values of ``g``'s initializers and Constant nodes (value attribute) by name."""
+    out = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    for n in g.node:
+        if n.op_type == "Constant" and n.domain in DEFAULT_DOMAINS:
+            for a in n.attribute:
+                if a.name == "value":
+                    out[n.output[0]] = numpy_helper.to_array(a.t)
+    return out
 
 
 def flatten_old_hardmax(model: onnx.ModelProto, opset: int) -> list[str]:

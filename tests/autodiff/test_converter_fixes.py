@@ -45,6 +45,8 @@ CASES = {
                          [1, 2, 3, 3], [1, 2, 6, 6], []),
     "resize10_nearest_down": (helper.make_node("Resize", ["x", "sc"], ["y"], mode="nearest"), 10,
                               [1, 1, 5, 6], [1, 1, 3, 4], [_scales([1, 1, 0.6, 0.7])]),
+    "resize10_nearest_down_and_up": (helper.make_node("Resize", ["x", "sc"], ["y"], mode="nearest"), 10,
+                                     [1, 1, 5, 4], [1, 1, 3, 7], [_scales([1, 1, 0.6, 1.75])]),
     "resize10_linear": (helper.make_node("Resize", ["x", "sc"], ["y"], mode="linear"), 10,
                         [1, 1, 4, 4], [1, 1, 7, 5], [_scales([1, 1, 1.75, 1.25])]),
     "clip6": (helper.make_node("Clip", ["x"], ["y"], min=-0.5, max=0.4), 10, [3, 4], [3, 4], []),
@@ -67,10 +69,8 @@ def test_gradient_graph_keeps_the_old_meaning(name: str) -> None:
     gradcheck(model, "loss", ["x"], {"x": x}, rtol=1e-6)
 
 
-# onnxruntime's Resize-10 rounds a downsampling nearest position up where onnxtrain's kernel rounds it down,
-# as torch does (F.interpolate's nearest), and it has no kernel for opset 2's Mul: those cases are checked
-# against the engine only
-@pytest.mark.parametrize("name", [n for n in CASES if n not in ("resize10_nearest_down", "pad2_value")])
+# onnxruntime has no kernel for opset 2's Mul: that case is checked against the engine only
+@pytest.mark.parametrize("name", [n for n in CASES if n != "pad2_value"])
 def test_the_model_s_forward_is_onnxruntime_s(name: str) -> None:
     """The oracle's side: onnxruntime runs the float32 model at its own opset, and the gradient graph's
     loss (at opset 17) equals it."""

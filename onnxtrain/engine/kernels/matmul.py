@@ -85,6 +85,12 @@ def gemm(inputs: Inputs, attrs: Attrs) -> Outputs:
         transposed_b = False
     alpha, beta = attrs["alpha"], attrs["beta"]
     y = _product(a, b, transposed_b)
+    if dt.kind in "iu" and (alpha != 1.0 or (c is not None and beta not in (0.0, 1.0))):
+        # integer Gemm with float scales: scaled in float64, then truncated to the type (onnx.reference's)
+        f = y.astype(np.float64) * alpha
+        if c is not None and beta != 0.0:
+            f += c.astype(np.float64) * beta
+        return (f.astype(dt),)
     if alpha != 1.0:
         y *= alpha
     if c is not None and beta != 0.0:

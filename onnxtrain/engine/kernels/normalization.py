@@ -151,11 +151,20 @@ def _flat_2d(fn, inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
     if not x.size:
         return (x.copy(),)
-    axis = attrs["axis"] % x.ndim
+    axis = _axis(attrs["axis"], x.ndim)
     rows = math.prod(x.shape[:axis])
     w = _work(x)
     y = fn(w.reshape(rows, -1), 1).reshape(x.shape)
     return (_back(y, x.dtype),)
+
+
+def _axis(axis: int, rank: int) -> int:
+    """``axis`` in [0, rank), from [-rank, rank) (a rank-0 input keeps it as given)."""
+    if not rank:
+        return axis
+    if not -rank <= axis < rank:
+        raise ValueError(f"axis {axis} is out of range for an input of rank {rank}")
+    return axis % rank
 
 
 @kernel("Softmax", since=1)
@@ -166,7 +175,7 @@ def softmax_2d(inputs: Inputs, attrs: Attrs) -> Outputs:
 @kernel("Softmax", since=13)
 def softmax(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
-    return (_back(softmax_along(_work(x), attrs["axis"]), x.dtype),)
+    return (_back(softmax_along(_work(x), _axis(attrs["axis"], x.ndim)), x.dtype),)
 
 
 @kernel("LogSoftmax", since=1)
@@ -177,7 +186,7 @@ def log_softmax_2d(inputs: Inputs, attrs: Attrs) -> Outputs:
 @kernel("LogSoftmax", since=13)
 def log_softmax(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
-    return (_back(log_softmax_along(_work(x), attrs["axis"]), x.dtype),)
+    return (_back(log_softmax_along(_work(x), _axis(attrs["axis"], x.ndim)), x.dtype),)
 
 
 # ---------------------------------------------------------------- row statistics

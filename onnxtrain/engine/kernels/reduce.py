@@ -39,6 +39,18 @@ def _input_axes(axes: Any, attrs: Attrs) -> tuple[int, ...] | None | str:
     return tuple(axes.reshape(-1).tolist())
 
 
+def _checked_axes(axes: tuple[int, ...], nd: int) -> tuple[int, ...]:
+    """``axes``, each in [-nd, nd) (the fast paths below wrap them), an axis given twice reduced once (as
+    onnxruntime reduces it; numpy refuses it)."""
+    seen: dict[int, None] = {}
+    for a in axes:
+        if not -nd <= a < nd:
+            raise ValueError(f"axes {list(axes)}: axis {a} is out of range for an input of rank {nd} "
+                             f"(valid: {-nd} to {nd - 1})")
+        seen[a % nd] = None
+    return axes if len(seen) == len(axes) else tuple(seen)
+
+
 def _work(x: np.ndarray) -> np.ndarray:
     """float16/bfloat16 accumulate in float32."""
     return x.astype(_F32) if x.dtype.kind in "fV" and x.dtype.itemsize < 4 else x
@@ -76,6 +88,8 @@ def _register(op: str, attr_until: int, fn: Reducer, empty: Any = None, plain: b
             if plain:
                 return (x,)
             axes = ()
+        elif axes is not None and x.ndim:
+            axes = _checked_axes(axes, x.ndim)
         if x.size == 0 and empty is not None:
             return (_fill(x, axes, keepdims, empty(x.dtype) if callable(empty) else empty),)
         return (_finish(fn(x, axes, keepdims), x.dtype),)

@@ -30,12 +30,14 @@ def _source_coords(mode: str, out_len: int, in_len: int, scale: float, roi: tupl
     if mode == "pytorch_half_pixel":
         return (np.full(out_len, -0.5) if width == 1 else (y + 0.5) / scale - 0.5), None
     if mode == "half_pixel_symmetric":
-        # the offset in the input's precision (float32 below float64), as onnx.reference and onnxruntime
-        # compute it: in float64 the offset of 7 float32 pixels at scale 0.5 lands an ulp above 0.5, and a
-        # nearest "ceil" then takes the next pixel
+        # as onnxruntime computes it for inputs below float64: the offset in float32, the rest in float64,
+        # the position rounded to float32 (in float64 throughout, the offset of 7 pixels at scale 0.5 lands
+        # an ulp above 0.5, and output 3 of 5 pixels at scale 2.5 two ulps above 1.0: a nearest "ceil" then
+        # takes the next pixel)
         f = np.float32 if dtype is not None and dtype != np.float64 else np.float64
         offset = f(in_len) / f(2) * (f(1) - f(out_len) / f(f(scale) * f(in_len)))
-        return float(offset) + (y + 0.5) / scale - 0.5, None
+        x = float(offset) + (y + 0.5) / float(f(scale)) - 0.5
+        return (x.astype(np.float32).astype(np.float64) if f is np.float32 else x), None
     if mode == "align_corners":
         if out_len > 1 and abs(width - out_len) > 1e-6 * out_len:
             _warn_unrounded(in_len, scale, width, out_len)
@@ -113,7 +115,10 @@ def _axis_plan(attrs: Attrs, mode: str, in_len: int, out_len: int, scale: float,
                roi: tuple[float, float] | None, dtype: np.dtype) -> tuple[Any, ...]:
     x, outside = _source_coords(attrs["coordinate_transformation_mode"], out_len, in_len, scale, roi, dtype)
     if mode == "nearest":
-        return ("take", _nearest_index(x, attrs["nearest_mode"], in_len), outside)
+        nearest = attrs["nearest_mode"]
+        if nearest == "simple":  # Resize-10 / Upsample: rounds up when downsampling, down otherwise
+            nearest = "ceil" if scale < 1 else "floor"
+        return ("take", _nearest_index(x, nearest, in_len), outside)
     if mode not in ("linear", "cubic"):
         raise ValueError(f"unknown Resize mode {mode!r}")
     idx, w = _taps(x, in_len, scale, attrs, mode)
@@ -267,11 +272,12 @@ def _resize(attrs: Attrs, x: np.ndarray, roi: Any, scales: Any, sizes: Any) -> n
 
 
 def _legacy_attrs(attrs: Attrs) -> Attrs:
-    """Attributes of Resize-10 / Upsample: asymmetric coordinates, nearest rounds down."""
+    """Attributes of Resize-10 / Upsample: asymmetric coordinates; nearest rounds down, or up on an axis
+    that is downsampled (onnxruntime's "simple" mode, and ONNX's opset-10 test data)."""
     la = attrs.cache.get("legacy")
     if la is None:
         la = Attrs({"mode": attrs.get("mode") or "nearest", "coordinate_transformation_mode": "asymmetric",
-                    "nearest_mode": "floor", "cubic_coeff_a": -0.75, "exclude_outside": 0,
+                    "nearest_mode": "simple", "cubic_coeff_a": -0.75, "exclude_outside": 0,
                     "extrapolation_value": 0.0, "antialias": 0})
         attrs.cache["legacy"] = la
     return la

@@ -54,6 +54,8 @@ def _reshape_target(xshape: tuple[int, ...], shape: Any, allowzero: bool) -> tup
                 dims[i] = xshape[i]
     if dims.count(-1) > 1:
         raise ValueError(f"shape {dims} has more than one -1")
+    if any(d < -1 for d in dims):
+        raise ValueError(f"shape {dims}: a dimension below -1")
     return tuple(dims)
 
 
@@ -80,6 +82,8 @@ def concat(inputs: Inputs, attrs: Attrs) -> Outputs:
 def _split_sizes(dim: int, split: Any, n: int) -> list[int]:
     if split is not None:
         sizes = _ints(split)
+        if len(sizes) != n or any(s < 0 for s in sizes):
+            raise ValueError(f"split sizes {sizes}: one size per output ({n}), none negative")
         if sum(sizes) != dim:
             raise ValueError(f"split sizes {sizes} do not add up to the dimension {dim}")
         return sizes
@@ -258,7 +262,10 @@ def range_(inputs: Inputs, attrs: Attrs) -> Outputs:
 
 @kernel("Tile", since=6)
 def tile(inputs: Inputs, attrs: Attrs) -> Outputs:
-    return (np.tile(inputs[0], _ints(inputs[1])),)
+    x, repeats = inputs[0], _ints(inputs[1])
+    if len(repeats) != x.ndim or any(r < 0 for r in repeats):
+        raise ValueError(f"repeats {repeats}: one per input dimension ({x.ndim}), none negative")
+    return (np.tile(x, repeats),)
 
 
 def _pad(x: np.ndarray, pads: list[int], mode: str, value: Any, axes: list[int] | None) -> np.ndarray:
