@@ -327,4 +327,7 @@ def fingerprint(model: onnx.ModelProto, g: StepGraphs, p: TrainingParameters) ->
             n: array_digest(numpy_helper.to_array(t)) for n, t in inits.items() if n not in trained
         },
         "training parameters": {k: canonical(getattr(p, k)) for k in _FINGERPRINT_OPTIONS},
+        "initial optimizer state (set_optimizer_initial_state)": {
+            w: {k: array_digest(v) for k, v in d.items()} for w, d in p.optimizer_initial_state().items()
+        },
     }

@@ -13,7 +13,9 @@ def shard_range(n: int, rank: int | None = None, size: int | None = None,
     """Indices ``[start, stop)`` of rank ``rank``'s contiguous share of ``n`` items.
 
     With ``drop_remainder`` every rank gets ``n // size`` items (the last ``n % size`` are dropped, so all
-    ranks run the same number of steps); otherwise the first ``n % size`` ranks get one more.
+    ranks run the same number of steps); otherwise the first ``n % size`` ranks get one more (for an
+    evaluation weighted by part: a training step weighs every rank's gradient 1/size whatever its part's
+    size).
     """
     w = world()
     rank = w.rank if rank is None else rank

@@ -200,3 +200,28 @@ def test_world_rank_minus_one_is_unset() -> None:
     a = TrainingSession(model_bytes(), p).run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})
     b = TrainingSession(model_bytes(), params()).run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})
     assert a[0].tobytes() == b[0].tobytes()
+
+
+def test_setup_fingerprint_holds_the_initial_optimizer_state() -> None:
+    """Ranks given different ``set_optimizer_initial_state`` (rank 0 alone restoring it) trained apart with
+    no error; the start-up check now compares it: equal states agree, different ones differ by that key."""
+    import onnx
+
+    from onnxtrain.optim import get_optimizer
+    from onnxtrain.training_graph import build_step_graphs
+
+    model = onnx.load_from_string(model_bytes())
+    w = WEIGHTS[0]
+    shape = next(t.dims for t in model.graph.initializer if t.name == w)
+
+    def print_of(moment: float | None) -> dict:
+        p = params("AdamOptimizer")
+        if moment is not None:
+            p.set_optimizer_initial_state({w: {"Moment_1": np.full(shape, moment, np.float32)}})
+        return fingerprint(model, build_step_graphs(model, p, get_optimizer("AdamOptimizer")), p)
+
+    key = "initial optimizer state (set_optimizer_initial_state)"
+    assert print_of(0.5) == print_of(0.5)
+    for a, b in ((0.5, 0.25), (0.5, None)):
+        pa, pb = print_of(a), print_of(b)
+        assert pa[key] != pb[key] and {k for k in pa if pa[k] != pb[k]} == {key}
