@@ -29,6 +29,7 @@ from onnxtrain.engine.interface import (
     load_model,
 )
 from onnxtrain.errors import Fail, FailValueError, InvalidFeed, InvalidFeedType
+from onnxtrain.ir.builder import refuse_unknown_versions
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.ir.types import np_dtype_of, type_string, value_info_shape
 
@@ -267,6 +268,7 @@ class InferenceSession:
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         folder = _config(self._sess_options).get("session.model_external_initializers_file_folder_path")
         self._model = with_option_overrides(load_model(path_or_bytes, folder), self._sess_options)
+        refuse_unknown_versions(self._model)
         loaded = time.perf_counter_ns()
         self._plan = make_plan(self._model, self._backend, self._providers, self._sess_options,
                                self._provider_options)

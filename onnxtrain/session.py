@@ -38,6 +38,7 @@ from onnxtrain.inference import (
     profile_session_start,
 )
 from onnxtrain.interrupts import sigint_deferred
+from onnxtrain.ir.builder import refuse_unknown_versions
 from onnxtrain.ir.graphs import model_for_outputs
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import WeightSlot, get_optimizer
@@ -184,6 +185,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             )
         self._start_ns = time.time_ns()
         model = load_model(path_or_bytes)
+        refuse_unknown_versions(model)
         self._loaded_ns = time.perf_counter_ns()
         if self._backend == "numpy":  # the user's nodes first: an error names them, not the training graph's
             _check_user_nodes(model)

@@ -35,12 +35,14 @@ from onnxtrain.ir.builder import (
     NodeWriter,
     elem_type,
     model_opset,
+    refuse_unknown_versions,
     symbolic_shape,
     value_types,
 )
 from onnxtrain.ir.elem_types import fill_elem_types
 from onnxtrain.ir.functions import expand_functions
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, body_reads, node_reads, rename_values, walk_graphs
+from onnxtrain.user_warning import warn
 
 MIN_OPSET = 17
 
@@ -161,7 +163,11 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
             f"could not upgrade the model from opset {model_opset(model)} to {target}: {e}"
         ) from None
     _mark_training(out, training_bns)
-    restore_legacy_resizes(out, model_opset(model))
+    rounded_down = restore_legacy_resizes(out, model_opset(model))
+    if rounded_down and any(n.op_type == "Resize" for g in walk_graphs(model.graph) for n in g.node):
+        warn(f"nearest Resize node(s) {', '.join(rounded_down)} of opset {model_opset(model)} take scales "
+             "computed in the graph: the gradient graph's copy rounds positions down on every axis, where "
+             "Resize-10 rounds up on an axis it downsamples; give the scales as a constant to keep that")
     match_clip_bounds(out, model_opset(model))
     unique_body_names(out)
     added = {v.name for v in extra}
@@ -221,6 +227,7 @@ class _Backward:
         self.after_node: dict[int, list[onnx.NodeProto]] = {}  # forward-side nodes (Shape) per producer
         self.before_all: list[onnx.NodeProto] = []
         self._shapes: dict[str, str] = {}
+        self.shape_outputs: set[str] = set()  # the Shape values of shape_of: real shapes (no 0 to copy)
         self.const_cache: dict[tuple, str] = {}
         self._graph_inputs = {v.name for v in model.graph.input}
         self._initializers = {t.name: t for t in model.graph.initializer}
@@ -281,6 +288,7 @@ class _Backward:
         else:
             self.after_node.setdefault(where[0], []).append(node)
         self._shapes[name] = out
+        self.shape_outputs.add(out)
         return out
 
     def unbroadcast(self, g: GradCtx, grad: str, x: str, grad_rank: int | None) -> str:
@@ -428,6 +436,7 @@ def build_gradient_model(
                         f"{type(model).__name__}{program_hint(model)}")
     from onnxtrain.engine.interface import inline_local_functions
 
+    refuse_unknown_versions(model)
     model = inline_local_functions(model)  # (torch's export_modules_as_functions)
     warn_inference_batch_norms(model)
     # bfloat16 zeros and seeds (ConstantOfShape) are valid from opset 20, as mixed precision upgrades too

@@ -160,7 +160,12 @@ class GradCtx:
 
     # ---- emitting -------------------------------------------------------------------
     def emit(self, op: str, *inputs: str | None, outputs: int = 1, **attrs: Any) -> Any:
-        """Emit one node; returns its output name (or the list of names when ``outputs > 1``)."""
+        """Emit one node; returns its output name (or the list of names when ``outputs > 1``). A Reshape to
+        a value's own shape (:meth:`shape`) keeps that shape's zeros as zeros (``allowzero``): an empty
+        value's gradient, where a 0 would copy the input's size."""
+        if (op == "Reshape" and len(inputs) == 2 and "allowzero" not in attrs and self.opset >= 14
+                and inputs[1] in self._bw.shape_outputs):
+            attrs["allowzero"] = 1
         outs = self.w.emit(op, inputs, outputs, **attrs)
         return outs[0] if outputs == 1 else outs
 

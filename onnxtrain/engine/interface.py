@@ -68,15 +68,8 @@ def load_model(model: onnx.ModelProto | str | bytes | os.PathLike,
     torch's ``export_modules_as_functions``, say) inlined as onnxruntime inlines them; errors name the
     file. Tensors kept in external files are read from beside the model file (through symbolic links too,
     as a Hugging Face cache lays them out) or, for bytes, from ``external_dir`` (onnxruntime's
-    ``session.model_external_initializers_file_folder_path``). A model of an IR version or opset the
-    installed onnx (onnxruntime, for com.microsoft) does not know is refused."""
-    from onnxtrain.ir.builder import unknown_versions
-
+    ``session.model_external_initializers_file_folder_path``)."""
     m = _loaded(model, external_dir)
-    newer = unknown_versions(m)
-    if newer is not None:  # onnxruntime refuses a model beyond the opsets it knows
-        where = f"model file {os.fspath(model)}: " if isinstance(model, (str, os.PathLike)) else ""
-        raise Fail(f"{where}the model's {newer}")
     return inline_local_functions(m)
 
 

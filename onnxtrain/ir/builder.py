@@ -170,6 +170,16 @@ def unknown_versions(model: onnx.ModelProto) -> str | None:
     return None
 
 
+def refuse_unknown_versions(model: onnx.ModelProto) -> None:
+    """Raise onnxruntime's ``Fail`` for a model of versions :func:`unknown_versions` finds (onnxruntime
+    refuses such a model at load)."""
+    newer = unknown_versions(model)
+    if newer is not None:
+        from onnxtrain.errors import Fail
+
+        raise Fail(f"the model's {newer}")
+
+
 _DATA_KEPT = 1024  # initializers of at most this many elements keep their values for shape inference
 
 

@@ -221,7 +221,8 @@ def tile_grad(g: GradCtx) -> None:
         if not axes:
             g.set_dx(0, dy)
             return
-        g.set_dx(0, g.reduce("ReduceSum", g.emit("Reshape", dy, g.ints(target)), axes, keepdims=0))
+        viewed = g.emit("Reshape", dy, g.ints(target), allowzero=1)  # (its sizes are real: 0 is empty)
+        g.set_dx(0, g.reduce("ReduceSum", viewed, axes, keepdims=0))
         return
     rank = g.rank(0)
     if rank is None:
@@ -229,7 +230,7 @@ def tile_grad(g: GradCtx) -> None:
         return
     one = g.ints([1])
     pairs = g.emit("Concat", g.emit("Unsqueeze", g.x(1), one), g.emit("Unsqueeze", g.shape(0), one), axis=1)
-    viewed = g.emit("Reshape", dy, g.emit("Reshape", pairs, g.ints([-1])))
+    viewed = g.emit("Reshape", dy, g.emit("Reshape", pairs, g.ints([-1])), allowzero=1)
     g.set_dx(0, g.reduce("ReduceSum", viewed, list(range(0, 2 * rank, 2)), keepdims=0))
 
 
