@@ -38,7 +38,6 @@ def restore_legacy_resizes(model: onnx.ModelProto, opset: int) -> list[str]:
     names = None
     unknown: list[str] = []
     for g in walk_graphs(model.graph):
-        consts = _constants(g)
         nodes: list[onnx.NodeProto] = []
         for n in g.node:
             nodes.append(n)
@@ -51,13 +50,13 @@ def restore_legacy_resizes(model: onnx.ModelProto, opset: int) -> list[str]:
             n.attribute.append(helper.make_attribute("coordinate_transformation_mode", "asymmetric"))
             if mode not in (b"nearest", "nearest"):
                 continue
-            scales = consts.get(n.input[2]) if len(n.input) > 2 else None
+            scales = _constant(g, n.input[2]) if len(n.input) > 2 else None
             if scales is None:
                 unknown.append(n.name or n.output[0])
-            down = [] if scales is None else [float(s) < 1 for s in scales.reshape(-1)]
-            up = [scales is not None and float(s) > 1 for s in (scales.reshape(-1) if down else [])]
-            if not any(down) or not any(up):
-                n.attribute.append(helper.make_attribute("nearest_mode", "ceil" if any(down) else "floor"))
+            values = [] if scales is None else [float(s) for s in scales.reshape(-1)]
+            down, up = any(v < 1 for v in values), any(v > 1 for v in values)
+            if not (down and up):
+                n.attribute.append(helper.make_attribute("nearest_mode", "ceil" if down else "floor"))
                 continue
             # down on some axes, up on others: the downsampling first (rounding up), then the rest
             names = names or NameGen.for_model(model)
@@ -79,15 +78,15 @@ def restore_legacy_resizes(model: onnx.ModelProto, opset: int) -> list[str]:
     return unknown
 
 
-def _constants(g: onnx.GraphProto) -> dict[str, np.ndarray]:
-    """The values of ``g``'s initializers and Constant nodes (value attribute) by name."""
-    out = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+def _constant(g: onnx.GraphProto, name: str) -> np.ndarray | None:
+    """The value of ``name`` when ``g`` holds it as an initializer or a Constant node's ``value``."""
+    for t in g.initializer:
+        if t.name == name:
+            return numpy_helper.to_array(t)
     for n in g.node:
-        if n.op_type == "Constant" and n.domain in DEFAULT_DOMAINS:
-            for a in n.attribute:
-                if a.name == "value":
-                    out[n.output[0]] = numpy_helper.to_array(a.t)
-    return out
+        if n.op_type == "Constant" and n.domain in DEFAULT_DOMAINS and n.output[0] == name:
+            return next((numpy_helper.to_array(a.t) for a in n.attribute if a.name == "value"), None)
+    return None
 
 
 def flatten_old_hardmax(model: onnx.ModelProto, opset: int) -> list[str]:

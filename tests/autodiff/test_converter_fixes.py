@@ -84,3 +84,31 @@ def test_the_model_s_forward_is_onnxruntime_s(name: str) -> None:
         None, {"x": x})[0]
     got = compile_model(build_gradient_model(model, "loss", ["x"])).run({"x": x})[0]
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_resize_10_scales_from_a_constant_node_and_computed() -> None:
+    """Scales given by a Constant node are read as an initializer's are (the gradient graph rounds the
+    downsampled axis up, as onnxruntime's forward does); scales computed in the graph cannot be read: the
+    copy rounds down, with a warning naming the node."""
+    ort = pytest.importorskip("onnxruntime")
+    xs, ys = [1, 1, 5, 6], [1, 1, 3, 4]
+    sc = numpy_helper.from_array(np.array([1, 1, 0.6, 0.7], np.float32), "v")
+    x = np.random.default_rng(0).standard_normal(xs).astype(np.float32)
+    for computed in (False, True):
+        model = _model(helper.make_node("Resize", ["x", "sc"], ["y"], mode="nearest", name="rs"), 10, xs, ys,
+                       TensorProto.FLOAT)
+        made = [helper.make_node("Constant", [], ["c" if computed else "sc"], value=sc)]
+        made += [helper.make_node("Abs", ["c"], ["sc"])] if computed else []
+        nodes = made + list(model.graph.node)
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        if computed:
+            with pytest.warns(UserWarning, match="rs of opset 10 take scales computed in the graph"):
+                build_gradient_model(model, "loss", ["x"])
+            continue
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        want = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
+            None, {"x": x})[0]
+        got = compile_model(build_gradient_model(model, "loss", ["x"])).run({"x": x})[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5)
