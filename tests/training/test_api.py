@@ -549,6 +549,23 @@ def test_a_learning_rate_saved_at_another_step_is_not_used(art, tmp_path):
     assert opt3.get_learning_rate() == float(np.float32(0.02))
 
 
+@pytest.mark.parametrize("value", [3, "nan@2", "inf", "abc", float("nan")])
+def test_a_learning_rate_property_onnxtrain_did_not_write_is_ignored(art, tmp_path, value):
+    """A property of that name that is not a finite rate (an int, NaN, text; onnxruntime-training lets a
+    user set it) was taken as the rate: a first step of lr 3, or NaN weights; now the default, with a
+    warning."""
+    state, module, opt = setup(art, "adamw")
+    _run(module, opt, range(2))
+    CheckpointState.save_checkpoint(state, tmp_path / "ckpt", include_optimizer_state=True)
+    raw = load_checkpoint(tmp_path / "ckpt")
+    raw.properties[LEARNING_RATE_PROPERTY] = value
+    save_checkpoint(raw, tmp_path / "odd")
+    with pytest.warns(UserWarning, match="not a learning rate onnxtrain wrote"):
+        odd = CheckpointState.load_checkpoint(tmp_path / "odd")
+    opt2 = Optimizer(art["adamw"], Module(art["training"], odd))
+    assert opt2.get_learning_rate() == float(np.float32(0.001))
+
+
 @pytest.mark.parametrize("include", [True, False])
 def test_resume_with_and_without_optimizer_state(art, tmp_path, include):
     state, module, opt = setup(art, "adamw")

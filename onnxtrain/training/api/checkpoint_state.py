@@ -37,17 +37,25 @@ _RESERVED = (LEARNING_RATE_PROPERTY, LOSS_SCALER_PROPERTY)
 
 
 def _saved_learning_rate(value: int | float | str | None, step: int) -> float | None:
-    """The learning rate of :data:`LEARNING_RATE_PROPERTY` when it belongs to the group's ``step`` (a
-    number: a file of an onnxtrain that did not record the step)."""
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        lr, _, at = value.partition("@")
+    """The learning rate of :data:`LEARNING_RATE_PROPERTY` when it belongs to the group's ``step`` (a float:
+    a file of an onnxtrain that did not record the step); None for another step, and for a value that is
+    not a finite rate (with a warning: such a property was not written by onnxtrain)."""
+    lr: float | None = None
+    if isinstance(value, float):
+        lr = value
+    elif isinstance(value, str):
+        text, _, at = value.partition("@")
         try:
-            return float(lr) if int(at) == step else None
+            if int(at) != step:
+                return None
+            lr = float(text)
         except ValueError:
-            return None
-    return None
+            lr = None
+    if value is not None and (lr is None or not math.isfinite(lr)):
+        warn(f"ignoring checkpoint property {LEARNING_RATE_PROPERTY}={value!r}: not a learning rate "
+             "onnxtrain wrote; the optimizer starts from the default learning rate")
+        return None
+    return lr
 
 
 def _saved_loss_scaler(value: int | float | str) -> tuple[float, int] | None:

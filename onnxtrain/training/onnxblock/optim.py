@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -225,8 +226,17 @@ def _is_parameters(v: Any) -> bool:
             and all(isinstance(t, onnx.TensorProto) for g in v for t in g))
 
 
+def _beta(beta: float, et: int) -> float:
+    """β as onnxruntime-training's AdamW holds it for a model of element type ``et``: a float32 attribute
+    (its kernels compute in float32), or the value itself for float64 models."""
+    return beta if et == TensorProto.DOUBLE else float(np.float32(beta))
+
+
 def _moving_average(acc: ModelBase, old: str, new: str, beta: float, et: int, token: str) -> str:
-    """``old · β + new · (1 − β)``, the update of each of AdamW's two moments."""
+    """``old · β + new · (1 − β)``, the update of each of AdamW's two moments; 1 − β of the float32 β is
+    exact, as onnxruntime-training's ``1.f - beta`` (without bias correction nothing cancels the rounding of
+    1 − 0.999 to float32: its steps were 6e-6 larger)."""
+    beta = _beta(beta, et)
     return acc.node(
         "Add",
         [
@@ -304,12 +314,12 @@ class AdamW(Optimizer):
             one = acc.scalar(1.0, dbl)
             c1 = acc.node(
                 "Sub",
-                [one, acc.node("Pow", [acc.scalar(self.betas[0], dbl), td], "pow_output")[0]],
+                [one, acc.node("Pow", [acc.scalar(_beta(self.betas[0], et), dbl), td], "pow_output")[0]],
                 "sub_output",
             )[0]
             c2 = acc.node(
                 "Sub",
-                [one, acc.node("Pow", [acc.scalar(self.betas[1], dbl), td], "pow_output")[0]],
+                [one, acc.node("Pow", [acc.scalar(_beta(self.betas[1], et), dbl), td], "pow_output")[0]],
                 "sub_output",
             )[0]
             lr_d = acc.node("Cast", [lr], "cast_output", to=dbl)[0]
