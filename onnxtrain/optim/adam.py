@@ -6,7 +6,7 @@ import numpy as np
 from onnx import TensorProto
 
 from onnxtrain.ir.builder import NodeWriter
-from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, fattr, iattr, scalar
+from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, fattr, held, iattr, scalar
 
 
 def bias_corrections(w: NodeWriter, t: str, alpha: float, beta: float, on: bool, et: int) -> tuple[str, str]:
@@ -18,8 +18,8 @@ def bias_corrections(w: NodeWriter, t: str, alpha: float, beta: float, on: bool,
         one = scalar(w, 1.0, et)
         return one, one
     tf = w.one("Cast", t, to=TensorProto.DOUBLE)
-    c1 = _correction(w, scalar(w, alpha, TensorProto.DOUBLE), tf)
-    c2 = _correction(w, scalar(w, beta, TensorProto.DOUBLE), tf)
+    c1 = _correction(w, scalar(w, held(alpha, et), TensorProto.DOUBLE), tf)
+    c2 = _correction(w, scalar(w, held(beta, et), TensorProto.DOUBLE), tf)
     if et == TensorProto.DOUBLE:
         return c1, c2
     return w.one("Cast", c1, to=et), w.one("Cast", c2, to=et)
@@ -57,7 +57,7 @@ def shared_bias_corrections(
         tf = w.one("Cast", w.one("Concat", *[items[i][0] for i in on], axis=0), to=dbl)
         vectors = []
         for k in (1, 2):  # α for the first moment, β for the second
-            c = _correction(w, w.const(np.array([items[i][k] for i in on]), dbl), tf)
+            c = _correction(w, w.const(np.array([held(items[i][k], et) for i in on]), dbl), tf)
             vectors.append(c if et == dbl else w.one("Cast", c, to=et))
         c1s, c2s = (w.emit("Split", [c, sizes], len(on), axis=0) for c in vectors)
         steps: list[str | None] = [None] * len(on)
@@ -83,7 +83,8 @@ def next_counts(w: NodeWriter, counts: list[str], names: list[str]) -> list[str]
 
 
 def moments(w: NodeWriter, g: str, m1: str, m2: str, alpha: float, beta: float, et: int) -> tuple[str, str]:
-    """m1 = α·m1 + (1−α)·g,  m2 = β·m2 + (1−β)·g²."""
+    """m1 = α·m1 + (1−α)·g,  m2 = β·m2 + (1−β)·g² (α and β as onnxruntime holds them: :func:`held`)."""
+    alpha, beta = held(alpha, et), held(beta, et)
     m1n = w.one("Add", w.one("Mul", m1, scalar(w, alpha, et)), w.one("Mul", g, scalar(w, 1 - alpha, et)))
     m2n = w.one(
         "Add",

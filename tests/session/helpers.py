@@ -80,8 +80,10 @@ def weights_of(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t).copy() for t in model.graph.initializer}
 
 
-def adam_ref(w, g, m1, m2, t, lr, alpha=0.9, beta=0.999, lam=0.0, eps=1e-8, bias=True, mode=0):
-    """Spec §7.3 in float64; returns (w, m1, m2)."""
+def adam_ref(w, g, m1, m2, t, lr, alpha=0.9, beta=0.999, lam=0.0, eps=1e-8, bias=True, mode=0, f32=True):
+    """Spec §7.3 in float64; returns (w, m1, m2). α and β as onnxruntime's float32 attributes hold them
+    (``f32``; a float64 model's update takes them as given)."""
+    alpha, beta = (float(np.float32(alpha)), float(np.float32(beta))) if f32 else (alpha, beta)
     m1 = alpha * m1 + (1 - alpha) * g
     m2 = beta * m2 + (1 - beta) * g * g
     c1, c2 = (1 - alpha**t, 1 - beta**t) if bias and t > 0 else (1.0, 1.0)  # onnxruntime: 1 for t ≤ 0
@@ -94,9 +96,11 @@ def adam_ref(w, g, m1, m2, t, lr, alpha=0.9, beta=0.999, lam=0.0, eps=1e-8, bias
 
 
 def lamb_ref(
-    w, g, m1, m2, t, lr, alpha=0.9, beta=0.999, lam=0.0, eps=1e-6, bias=False, rmin=-np.inf, rmax=np.inf
+    w, g, m1, m2, t, lr, alpha=0.9, beta=0.999, lam=0.0, eps=1e-6, bias=False, rmin=-np.inf, rmax=np.inf,
+    f32=True,
 ):
-    """Spec §7.4 in float64 for one weight; returns (w, m1, m2)."""
+    """Spec §7.4 in float64 for one weight; returns (w, m1, m2) (α and β: as :func:`adam_ref`)."""
+    alpha, beta = (float(np.float32(alpha)), float(np.float32(beta))) if f32 else (alpha, beta)
     m1n = alpha * m1 + (1 - alpha) * g
     m2n = beta * m2 + (1 - beta) * g * g
     c1, c2 = (1 - alpha**t, 1 - beta**t) if bias and t > 0 else (1.0, 1.0)

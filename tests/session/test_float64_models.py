@@ -70,7 +70,7 @@ def test_adam_with_clipping_and_accumulation_is_float64(steps: int) -> None:
         g = sum(_grad(x, w) for x in micro) / steps
         norm = np.sqrt((g * g).sum())
         assert norm > 1.0
-        w, m1, m2 = adam_ref(w, g / norm, m1, m2, t + 1, float(LR[0]))
+        w, m1, m2 = adam_ref(w, g / norm, m1, m2, t + 1, float(LR[0]), f32=False)
     state = sess.get_state()
     np.testing.assert_allclose(state["W"], w, rtol=1e-13)
     assert state["Moment_1_W"].dtype == state["Moment_2_W"].dtype == np.float64  # as torch keeps them

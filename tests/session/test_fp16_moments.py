@@ -34,9 +34,10 @@ def _follow(p, update) -> TrainingSession:
     for k in w:
         assert state[f"Moment_1_{k}"].dtype == F16 and state[f"Moment_2_{k}"].dtype == F16
         assert state[k].dtype == F32
-        # float16 rounding of values computed in float32 and in float64 may part by one float16 ulp
+        # float16 rounding of values computed in float32 and in float64 may part by one float16 ulp (6e-8
+        # among the subnormals below 6.1e-5)
         np.testing.assert_allclose(state[f"Moment_1_{k}"], m1[k], rtol=2e-3, atol=1e-7, err_msg=k)
-        np.testing.assert_allclose(state[f"Moment_2_{k}"], m2[k], rtol=2e-3, atol=1e-9, err_msg=k)
+        np.testing.assert_allclose(state[f"Moment_2_{k}"], m2[k], rtol=2e-3, atol=6e-8, err_msg=k)
         assert_rel(state[k], w[k], 1e-4, k)
     return sess
 

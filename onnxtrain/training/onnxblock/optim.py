@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
 from onnxtrain.graph_transforms.clipping import HALF_TYPES, norm_type
+from onnxtrain.optim.base import held
 from onnxtrain.training.onnxblock._base import BlockError, ModelBase, detached
 from onnxtrain.training.onnxblock.blocks import Block, _acc
 from onnxtrain.training.onnxblock.model_blocks import NOT_BUILT_FORWARD
@@ -226,17 +226,11 @@ def _is_parameters(v: Any) -> bool:
             and all(isinstance(t, onnx.TensorProto) for g in v for t in g))
 
 
-def _beta(beta: float, et: int) -> float:
-    """β as onnxruntime-training's AdamW holds it for a model of element type ``et``: a float32 attribute
-    (its kernels compute in float32), or the value itself for float64 models."""
-    return beta if et == TensorProto.DOUBLE else float(np.float32(beta))
-
-
 def _moving_average(acc: ModelBase, old: str, new: str, beta: float, et: int, token: str) -> str:
     """``old · β + new · (1 − β)``, the update of each of AdamW's two moments; 1 − β of the float32 β is
     exact, as onnxruntime-training's ``1.f - beta`` (without bias correction nothing cancels the rounding of
     1 − 0.999 to float32: its steps were 6e-6 larger)."""
-    beta = _beta(beta, et)
+    beta = held(beta, et)
     return acc.node(
         "Add",
         [
@@ -314,12 +308,12 @@ class AdamW(Optimizer):
             one = acc.scalar(1.0, dbl)
             c1 = acc.node(
                 "Sub",
-                [one, acc.node("Pow", [acc.scalar(_beta(self.betas[0], et), dbl), td], "pow_output")[0]],
+                [one, acc.node("Pow", [acc.scalar(held(self.betas[0], et), dbl), td], "pow_output")[0]],
                 "sub_output",
             )[0]
             c2 = acc.node(
                 "Sub",
-                [one, acc.node("Pow", [acc.scalar(_beta(self.betas[1], et), dbl), td], "pow_output")[0]],
+                [one, acc.node("Pow", [acc.scalar(held(self.betas[1], et), dbl), td], "pow_output")[0]],
                 "sub_output",
             )[0]
             lr_d = acc.node("Cast", [lr], "cast_output", to=dbl)[0]
