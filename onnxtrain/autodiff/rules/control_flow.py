@@ -321,9 +321,9 @@ def sequence_map_grad(g: GradCtx) -> None:
     results = g.emit("SequenceMap", *node.input, *(d for _, d in grads_in), body=back, outputs=len(outs))
     results = results if isinstance(results, list) else [results]
     for i, j in enumerate(wanted_in):  # per element; a tensor input's gradient sums them
-        g.set_dx(j, results[i] if is_seq[j] else _sum_elements(g, results[i]))
+        g.set_dx(j, results[i] if is_seq[j] else _sum_elements(g, results[i], node.input[j]))
     for c, r in zip(wanted, results[len(wanted_in) :]):
-        g.body_dxs[c] = _sum_elements(g, r)
+        g.body_dxs[c] = _sum_elements(g, r, c)
 
 
 def _for_body(g: GradCtx, dy: str | None) -> str | None:
@@ -334,9 +334,11 @@ def _for_body(g: GradCtx, dy: str | None) -> str | None:
     return None if dy is None else g.emit("Identity", dy)
 
 
-def _sum_elements(g: GradCtx, seq: str) -> str:
-    """The sum of a sequence's tensors (all of one shape)."""
-    return g.reduce("ReduceSum", g.emit("ConcatFromSequence", seq, axis=0, new_axis=1), [0], keepdims=0)
+def _sum_elements(g: GradCtx, seq: str, like: str) -> str:
+    """The sum of a sequence's tensors (all of ``like``'s shape), zeros for an empty sequence (a zero
+    element goes in first: neither engine concatenates an empty sequence)."""
+    padded = g.emit("SequenceInsert", seq, g.zeros_like(like), g.int64(0))
+    return g.reduce("ReduceSum", g.emit("ConcatFromSequence", padded, axis=0, new_axis=1), [0], keepdims=0)
 
 
 def _is_sequence(g: GradCtx, name: str) -> bool:

@@ -93,11 +93,28 @@ def sequence_at_grad(g: GradCtx) -> None:
 
 @gradient("SplitToSequence", stop=(1,))
 def split_to_sequence_grad(g: GradCtx) -> None:
+    """The pieces' gradients put back together. An axis of length 0 splits into no piece, and neither
+    engine concatenates an empty sequence: when x's rank is known, a first element of zeros (an empty piece,
+    or a stacked slice taken off again) keeps the sequence from being empty."""
     dseq, axis = g.dy(0), g.attr("axis") or 0
-    if not g.has_x(1) and g.attr("keepdims") == 0:  # size-1 pieces with the axis squeezed: a stack
-        g.set_dx(0, g.emit("ConcatFromSequence", dseq, axis=axis, new_axis=1))
-    else:
-        g.set_dx(0, g.emit("ConcatFromSequence", dseq, axis=axis))
+    stack = not g.has_x(1) and g.attr("keepdims") == 0  # size-1 pieces with the axis squeezed: a stack
+    rank = g.rank(0)
+    if rank is None:
+        g.set_dx(0, g.emit("ConcatFromSequence", dseq, axis=axis, new_axis=int(stack)))
+        return
+    axis %= rank
+    shape = g.shape(0)
+    head = g.emit("Slice", shape, g.ints([0]), g.ints([axis]))
+    tail = g.emit("Slice", shape, g.ints([axis + 1]), g.ints([rank]))
+    first = zeros(g, g.emit("Concat", head, tail, axis=0) if stack else
+                  g.emit("Concat", head, g.ints([0]), tail, axis=0), elem=_element_type(g, dseq))
+    padded = g.emit("SequenceInsert", dseq, first, g.int64(0))
+    if not stack:
+        g.set_dx(0, g.emit("ConcatFromSequence", padded, axis=axis))
+        return
+    stacked = g.emit("ConcatFromSequence", padded, axis=axis, new_axis=1)
+    big = np.iinfo(np.int64).max
+    g.set_dx(0, g.emit("Slice", stacked, g.ints([1]), g.ints([big]), g.ints([axis])))
 
 
 def _element_type(g: GradCtx, seq: str) -> int:
