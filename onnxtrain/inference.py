@@ -94,8 +94,21 @@ class FeedChecker:
                          for n, v in plan.input_info.items() if self.containers.get(n) == "seq"
                          and v.type.sequence_type.elem_type.HasField("tensor_type")
                          and v.type.sequence_type.elem_type.tensor_type.elem_type}
-        # an optional-typed input may be left out, as in onnxruntime (it is then None)
+        # an optional-typed input may be left out, as in onnxruntime (it is then None); an optional tensor's
+        # value is checked as a tensor input's (dtype and shape of its element type), an optional
+        # sequence's as a sequence input's
         self.required = [n for n in plan.input_names if self.containers.get(n) != "optional"]
+        self.optional_tensors: dict[str, tuple[np.dtype | None, list | None]] = {}
+        for n, v in plan.input_info.items():
+            if self.containers.get(n) != "optional":
+                continue
+            elem = v.type.optional_type.elem_type
+            if elem.HasField("tensor_type"):
+                self.optional_tensors[n] = (np_dtype_of(elem) if elem.tensor_type.elem_type else None,
+                                            value_info_shape(elem))
+            elif elem.HasField("sequence_type") and elem.sequence_type.elem_type.HasField("tensor_type") \
+                    and elem.sequence_type.elem_type.tensor_type.elem_type:
+                self.elements[n] = np_dtype_of(elem.sequence_type.elem_type)
 
     def __call__(
         self, feeds: Mapping[str, Any], required: Sequence[str] | None = None
@@ -105,27 +118,35 @@ class FeedChecker:
             if name not in self.allowed:
                 raise InvalidFeed(f"unknown input {name!r}; the model's inputs are {self.required}")
             kind = self.containers.get(name)
-            if kind is not None:
+            if kind is None:
+                out[name] = _tensor_feed(name, v, *self.specs[name])
+            elif name in self.optional_tensors:  # an optional tensor: None, or a tensor input's feed
+                a = v._array if isinstance(v, OrtValue) and v._array is None else v
+                out[name] = None if a is None else _tensor_feed(name, a, *self.optional_tensors[name])
+            else:
                 out[name] = _container_feed(name, kind, v, self.elements.get(name))
-                continue
-            a = v.numpy() if isinstance(v, OrtValue) else v
-            dtype, shape = self.specs[name]
-            if not isinstance(a, np.ndarray):  # a list or scalar takes the input's type, as in onnxruntime
-                keep = dtype is None or isinstance(a, np.generic)
-                a = np.asarray(a) if keep else np.asarray(a, dtype=dtype)
-            if dtype == np.dtype(object):  # str, bytes, raw bytes or other objects: str, as onnxruntime
-                a = _as_strings(a)
-            if dtype is not None and a.dtype != dtype:
-                raise InvalidFeedType(
-                    f"input {name!r}: expected dtype {dtype} (tensor({_type_name(dtype)})), got {a.dtype}"
-                )
-            if shape is not None:
-                check_feed_shape(name, a, shape)
-            out[name] = a
         missing = [n for n in (self.required if required is None else required) if n not in out]
         if missing:
             raise InvalidFeed(f"missing input(s) {missing}; the model's inputs are {self.required}")
         return out
+
+
+def _tensor_feed(name: str, v: Any, dtype: np.dtype | None, shape: list | None) -> np.ndarray:
+    """The array fed to tensor input ``name`` of ``dtype`` and ``shape`` (either None when not declared):
+    a list or a Python scalar takes the input's type, as in onnxruntime; another dtype or rank is refused."""
+    a = v.numpy() if isinstance(v, OrtValue) else v
+    if not isinstance(a, np.ndarray):
+        keep = dtype is None or isinstance(a, np.generic)
+        a = np.asarray(a) if keep else np.asarray(a, dtype=dtype)
+    if dtype == np.dtype(object):  # str, bytes, raw bytes or other objects: str, as onnxruntime
+        a = _as_strings(a)
+    if dtype is not None and a.dtype != dtype:
+        raise InvalidFeedType(
+            f"input {name!r}: expected dtype {dtype} (tensor({_type_name(dtype)})), got {a.dtype}"
+        )
+    if shape is not None:
+        check_feed_shape(name, a, shape)
+    return a
 
 
 def check_feed_shape(name: str, a: np.ndarray, shape: Sequence[int | str | None]) -> None:

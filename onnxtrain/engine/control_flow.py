@@ -86,15 +86,17 @@ class Body:
 
     def empty_output(self, k: int, given: Sequence[Any] = (), captured: Sequence[Any] = ()) -> np.ndarray:
         """An empty stack of body output ``k`` (a scan output of a loop that ran no iteration): its dims are
-        the body's declared ones, those it leaves open as ONNX shape inference finds them from the body's
-        inputs ``given`` (arrays, or shapes as tuples) and its ``captured`` values when it can (see
-        :meth:`inferred_dims`), 0 otherwise."""
+        the body's declared ones, those it leaves open (or all, when it declares no shape) as ONNX shape
+        inference finds them from the body's inputs ``given`` (arrays, or shapes as tuples) and its
+        ``captured`` values when it can (see :meth:`inferred_dims`), 0 otherwise."""
         tp = self.outputs[k].type
         dtype = np_dtype_of(tp) or np.dtype(np.float32)
         dims = value_info_shape(tp)
-        if dims is not None and not all(isinstance(d, int) and d >= 0 for d in dims) and given:
+        if (dims is None or not all(isinstance(d, int) and d >= 0 for d in dims)) and given:
             found = self.inferred_dims(given, captured).get(self.outputs[k].name)
-            if found is not None and len(found) == len(dims):
+            if found is not None and dims is None:  # no shape declared: the inferred rank and dims
+                dims = found
+            elif found is not None and len(found) == len(dims):
                 dims = [d if isinstance(d, int) and d >= 0 else f for d, f in zip(dims, found)]
         inner = tuple(d if isinstance(d, int) and d >= 0 else 0 for d in dims) if dims is not None else ()
         return np.zeros((0, *inner), dtype)

@@ -261,9 +261,35 @@ def _output_types(node: onnx.NodeProto, form: _Form, outs: Sequence[str], bound:
                 t = _attribute_type(node, types)
             elif op in _BODY_OPS:
                 t = _body_type(node, j)
+            elif op == "SequenceConstruct" and node.input and node.input[0] in types:
+                t = f"seq({types[node.input[0]]})"  # (its elements' type: S is bound by no input)
         if t is not None:
             out.append((j, t))
     return out
+
+
+_RELATED = frozenset({"If", "SequenceInsert"})  # ops whose types relate in ways no type constraint says
+
+
+def _relation_problem(node: onnx.NodeProto, types: Mapping[str, str]) -> str | None:
+    """What ONNX's type inference refuses and the schemas' type constraints do not say, as a message: an
+    If whose branches declare an output of two types, a SequenceInsert of a tensor of another type than the
+    sequence's elements; None otherwise (or when the types are unknown)."""
+    if node.op_type == "If":
+        graphs = {a.name: a.g for a in node.attribute if a.type == AttributeProto.GRAPH}
+        then, other = graphs.get("then_branch"), graphs.get("else_branch")
+        if then is None or other is None:
+            return None
+        for j, (a, b) in enumerate(zip(then.output, other.output)):
+            ta, tb = type_string(a.type), type_string(b.type)
+            if ta is not None and tb is not None and ta != tb:
+                return f"output {j}: then_branch declares {ta}, else_branch {tb} (the branches must agree)"
+        return None
+    if node.op_type == "SequenceInsert" and len(node.input) > 1:
+        seq, item = types.get(node.input[0]), types.get(node.input[1])
+        if seq is not None and item is not None and seq.startswith("seq(") and seq[4:-1] != item:
+            return f"input 1 {node.input[1]!r} is {item}, but sequence {node.input[0]!r} holds {seq[4:-1]}"
+    return None
 
 
 def _body_type(node: onnx.NodeProto, j: int) -> str | None:
@@ -406,6 +432,8 @@ class NodeChecker:
         given = _output_types(node, form, outs, bound, types)
         if _misdeclared(given, outs, types) is not None:
             return True
+        if node.op_type in _RELATED and _relation_problem(node, types) is not None:
+            return True
         types.update((outs[j], t) for j, t in given)
         return False
 
@@ -418,6 +446,7 @@ class NodeChecker:
             ins = tuple(node.input)
             outs = tuple(node.output)
             why = (_problem(node, form, ins, outs) or _type_problem(form, ins, self.types)
+                   or _relation_problem(node, self.types)
                    or _declared_problem(node, form, ins, outs, self.types))
         if why is None:
             return None
