@@ -379,7 +379,10 @@ class TrainingSession(DataParallelSteps, InferenceSession):
     ) -> list[np.ndarray]:
         names = self._output_list(output_names)
         kind = self._kind(names, ro)
-        feeds = self._check(input_feed, self._graphs.user_inputs if kind != "full" else None)
+        required = None
+        if kind != "full":  # the model's own inputs (an optional one may be left out, as in a full run)
+            required = [n for n in self._graphs.user_inputs if self._check.containers.get(n) != "optional"]
+        feeds = self._check(input_feed, required)
         self._check_loss_scale(feeds)
         if self._graphs.has_training_mode and TRAINING_MODE not in feeds:
             feeds[TRAINING_MODE] = np.asarray(bool(ro.training_mode))

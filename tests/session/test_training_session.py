@@ -606,3 +606,35 @@ def test_modelmeta_is_the_users_model() -> None:
     assert meta == want
     assert (meta.producer_name, meta.graph_name, meta.version) == ("my-exporter", "mlp", 7)
     assert meta.custom_metadata_map == {"author": "me"} and meta.description == "an mlp"
+
+
+def test_an_optional_input_may_be_left_out_of_a_path_only_run() -> None:
+    """A full run takes an optional input left out; a path-only run refused it as missing (naming inputs
+    without it): it is left out there too, and the forward equals the full run's before its update."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.full((3, 2), 0.5, np.float32), "W")
+    has = helper.make_graph([helper.make_node("OptionalGetElement", ["extra"], ["e"]),
+                             helper.make_node("Add", ["x", "e"], ["xe"])], "has", [],
+                            [helper.make_tensor_value_info("xe", TensorProto.FLOAT, ["N", 3])])
+    no = helper.make_graph([helper.make_node("Identity", ["x"], ["xn"])], "no", [],
+                           [helper.make_tensor_value_info("xn", TensorProto.FLOAT, ["N", 3])])
+    nodes = [helper.make_node("OptionalHasElement", ["extra"], ["h"]),
+             helper.make_node("If", ["h"], ["xx"], then_branch=has, else_branch=no),
+             helper.make_node("MatMul", ["xx", "W"], ["logits"]),
+             helper.make_node("ReduceSum", ["logits"], ["loss"], keepdims=0)]
+    extra = helper.make_value_info("extra", helper.make_optional_type_proto(
+        helper.make_tensor_type_proto(TensorProto.FLOAT, ["N", 3])))
+    x_in = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])
+    g = helper.make_graph(nodes, "g", [x_in, extra],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+                           helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 2])], [w])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    sess = TrainingSession(model.SerializeToString(), params("SGDOptimizer"))
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    ro = RunOptions()
+    ro.only_execute_path_to_fetches = True
+    path = sess.run(["logits"], {"x": x}, ro)[0]
+    np.testing.assert_allclose(path, x @ np.full((3, 2), 0.5, np.float32), rtol=1e-6)
+    full = sess.run(["logits"], {"x": x, "Learning_Rate": LR})[0]
+    np.testing.assert_array_equal(full, path)
