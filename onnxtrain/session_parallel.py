@@ -312,6 +312,7 @@ _FINGERPRINT_OPTIONS = (
 
 def fingerprint(model: onnx.ModelProto, g: StepGraphs, p: TrainingParameters) -> dict[str, Any]:
     """What every data-parallel rank must hold identically, field by field (cheap digests of the values)."""
+    own_states = p.deepspeed_zero_stage or p.enable_adasum
     graph = onnx.GraphProto()
     graph.CopyFrom(model.graph)
     del graph.initializer[:]
@@ -327,7 +328,9 @@ def fingerprint(model: onnx.ModelProto, g: StepGraphs, p: TrainingParameters) ->
             n: array_digest(numpy_helper.to_array(t)) for n, t in inits.items() if n not in trained
         },
         "training parameters": {k: canonical(getattr(p, k)) for k in _FINGERPRINT_OPTIONS},
-        "initial optimizer state (set_optimizer_initial_state)": {
+        # one state for all ranks under plain allreduce; ZeRO's ranks may each be given their own part, and
+        # Adasum's ranks keep optimizer states of their own
+        "initial optimizer state (set_optimizer_initial_state)": {} if own_states else {
             w: {k: array_digest(v) for k, v in d.items()} for w, d in p.optimizer_initial_state().items()
         },
     }

@@ -48,6 +48,7 @@ class Body:
         self.graph = graph  # for the shapes of a loop of no iteration (inferred_dims)
         self.opsets, self.ir_version = list(model.opset_import), model.ir_version
         self._inferred: tuple[Any, dict[str, list[int | None]]] = (None, {})
+        self._declared: dict[str, list[int | None]] | None = None  # see _declared_inference
         self.peak_extra = 0  # bytes: see run
 
     def take(self, captured: dict[str, Any]) -> list[Any]:
@@ -86,17 +87,18 @@ class Body:
 
     def empty_output(self, k: int, given: Sequence[Any] = (), captured: Sequence[Any] = ()) -> np.ndarray:
         """An empty stack of body output ``k`` (a scan output of a loop that ran no iteration): its dims are
-        the body's declared ones, those it leaves open (or all, when it declares no shape) as ONNX shape
-        inference finds them from the body's inputs ``given`` (arrays, or shapes as tuples) and its
-        ``captured`` values when it can (see :meth:`inferred_dims`), 0 otherwise."""
+        the body's declared ones (when it declares no shape, those shape inference finds from the body's own
+        declarations, as onnxruntime's load-time inference does; else rank 1, as onnxruntime defaults), those
+        it leaves open as ONNX shape inference finds them from the body's inputs ``given`` (arrays, or shapes
+        as tuples) and its ``captured`` values when it can (see :meth:`inferred_dims`), 0 otherwise."""
         tp = self.outputs[k].type
         dtype = np_dtype_of(tp) or np.dtype(np.float32)
         dims = value_info_shape(tp)
-        if (dims is None or not all(isinstance(d, int) and d >= 0 for d in dims)) and given:
+        if dims is None:  # no shape declared: the rank the body's declarations give (onnxruntime's), if any
+            dims = self._declared_inference().get(self.outputs[k].name)
+        if dims is not None and not all(isinstance(d, int) and d >= 0 for d in dims) and given:
             found = self.inferred_dims(given, captured).get(self.outputs[k].name)
-            if found is not None and dims is None:  # no shape declared: the inferred rank and dims
-                dims = found
-            elif found is not None and len(found) == len(dims):
+            if found is not None and len(found) == len(dims):
                 dims = [d if isinstance(d, int) and d >= 0 else f for d, f in zip(dims, found)]
         inner = tuple(d if isinstance(d, int) and d >= 0 else 0 for d in dims) if dims is not None else ()
         return np.zeros((0, *inner), dtype)
@@ -112,6 +114,27 @@ class Body:
         if self._inferred[0] != key:
             self._inferred = (key, self._infer(given, captured))
         return self._inferred[1]
+
+    def _declared_inference(self) -> dict[str, list[int | None]]:
+        """The body's output dims (None where unknown) by ONNX shape inference on the body as declared (its
+        inputs' declared types, the values it captures untyped); computed once."""
+        if self._declared is None:
+            body = onnx.GraphProto()
+            body.CopyFrom(self.graph)
+            for o in body.output:
+                if not o.type.tensor_type.HasField("shape"):
+                    o.type.tensor_type.ClearField("shape")
+            self._declared = {}
+            try:
+                model = helper.make_model(body, opset_imports=self.opsets, ir_version=self.ir_version)
+                inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+            except Exception:
+                return self._declared
+            for o in inferred.graph.output:
+                dims = value_info_shape(o.type)
+                if dims is not None:
+                    self._declared[o.name] = [d if isinstance(d, int) else None for d in dims]
+        return self._declared
 
     def _infer(self, given: Sequence[Any], captured: Sequence[Any]) -> dict[str, list[int | None]]:
         body = onnx.GraphProto()

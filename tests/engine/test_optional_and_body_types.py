@@ -84,6 +84,22 @@ def test_a_loop_of_no_iteration_stacks_an_undeclared_body_output_at_its_inferred
         assert got.shape == (trips + 1, 2)
 
 
+def test_a_loop_of_no_iteration_keeps_rank_1_where_the_body_declares_nothing() -> None:
+    """A body whose input and scan output declare no shape at all: onnxruntime stacks no iteration as rank 1
+    (its load-time inference finds no shape), and so does onnxtrain (it took the fed arrays' shapes, and
+    the Concat after the loop failed)."""
+    body = helper.make_graph(
+        [N("Identity", ["c"], ["c_out"]), N("Identity", ["v"], ["v_out"]), N("Add", ["v", "v"], ["s"])],
+        "b", [_vi("i", I64, []), _vi("c", B, []), _vi("v", F, None)],
+        [_vi("c_out", B, []), _vi("v_out", F, None), _vi("s", F, None)])
+    nodes = [N("Loop", ["n", "", "x"], ["vf", "scan"], body=body),
+             N("Concat", ["scan", "r"], ["out"], axis=0)]
+    m = _model(nodes, [_vi("n", I64, []), _vi("x", F, [2, 3]), _vi("r", F, [4])], [_vi("out", F, None)], 17)
+    feeds = {"n": np.array(0, np.int64), "x": np.ones((2, 3), np.float32),
+             "r": np.arange(4, dtype=np.float32)}
+    np.testing.assert_array_equal(InferenceSession(m).run(None, feeds)[0], _ort(m, feeds)[0])
+
+
 def test_if_branches_of_two_element_types_are_refused() -> None:
     then = helper.make_graph([_const("t", np.array([1.5], np.float32))], "then", [], [_vi("t", F, [1])])
     other = helper.make_graph([_const("e", np.array([1], np.int64))], "else", [], [_vi("e", I64, [1])])

@@ -135,6 +135,39 @@ def norms() -> dict[str, object]:
     return out
 
 
+def zero_resume() -> dict[str, object]:
+    """ZeRO stage 1: each rank resumes from its own part of the optimizer state (its get_optimizer_state()
+    given to set_optimizer_initial_state) and the weights it saved; whether the resumed run ends where the
+    uninterrupted one does."""
+    import onnx
+    from onnx import numpy_helper
+
+    batches_ = data(4)
+
+    def step(s: TrainingSession, i: int) -> None:
+        x, y = batches_[i]
+        s.run(["loss"], {"x": split_batch(x), "y": split_batch(y), "Learning_Rate": LR})
+
+    whole = TrainingSession(model_bytes(), params(deepspeed_zero_stage=1))
+    first = TrainingSession(model_bytes(), params(deepspeed_zero_stage=1))
+    for i in range(4):
+        step(whole, i)
+    for i in range(2):
+        step(first, i)
+    model = onnx.load_from_string(model_bytes())
+    weights = first.get_model_state()["full_precision"]
+    for t in model.graph.initializer:
+        if t.name in weights:
+            t.CopyFrom(numpy_helper.from_array(weights[t.name], t.name))
+    p = params(deepspeed_zero_stage=1)
+    p.set_optimizer_initial_state(first.get_optimizer_state())  # this rank's part only
+    resumed = TrainingSession(model.SerializeToString(), p)
+    for i in range(2, 4):
+        step(resumed, i)
+    a, b = whole.get_model_state()["full_precision"], resumed.get_model_state()["full_precision"]
+    return {"same": all(np.array_equal(a[k], b[k]) for k in a)}
+
+
 def main() -> None:
     what = sys.argv[1]
     out_path = sys.argv[2] if len(sys.argv) > 2 else ""
@@ -152,7 +185,8 @@ def main() -> None:
         TrainingSession(model_bytes(), p)
         print(f"rank {w.rank} built its session", flush=True)
         return
-    result = {"pathnorm": path_norms, "setup": setup_cases, "feeds": feed_errors, "norm": norms}[what]()
+    result = {"pathnorm": path_norms, "setup": setup_cases, "feeds": feed_errors, "norm": norms,
+              "zero_resume": zero_resume}[what]()
     everyone = get_communicator().allgather_object(result, "gathering the results")
     if w.rank == 0:
         with open(out_path, "w") as f:

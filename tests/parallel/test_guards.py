@@ -225,3 +225,12 @@ def test_setup_fingerprint_holds_the_initial_optimizer_state() -> None:
     for a, b in ((0.5, 0.25), (0.5, None)):
         pa, pb = print_of(a), print_of(b)
         assert pa[key] != pb[key] and {k for k in pa if pa[k] != pb[k]} == {key}
+
+
+@pytest.mark.mpi
+def test_zero_ranks_resume_from_their_own_optimizer_state_parts(tmp_path) -> None:
+    """Under ZeRO each rank holds its part of the optimizer state and may be given that part alone: the
+    start-up check compares the initial optimizer state under plain allreduce only (it refused these parts,
+    which resume bit for bit)."""
+    for rank, got in enumerate(guarded("zero_resume", tmp_path)):
+        assert got["same"], rank
