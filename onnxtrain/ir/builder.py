@@ -135,8 +135,10 @@ def model_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
-# com.microsoft: onnxruntime registers its contrib ops at version 1 only and refuses a model importing more
-_OTHER_DOMAIN_NEWEST = {"com.microsoft": 1}
+# domains onnxruntime registers at version 1 only (its contrib, NCHWc, experimental, training and ATen ops):
+# it refuses a model importing more
+_OTHER_DOMAIN_NEWEST = {"com.microsoft": 1, "com.microsoft.nchwc": 1, "com.microsoft.experimental": 1,
+                        "ai.onnx.training": 1, "org.pytorch.aten": 1}
 
 
 @functools.cache

@@ -42,7 +42,8 @@ def test_an_opset_onnx_does_not_know_is_refused() -> None:
 
 
 @pytest.mark.parametrize("domain, known", [("ai.onnx.ml", None), ("ai.onnx.preview.training", None),
-                                           ("com.microsoft", 1)])
+                                           ("com.microsoft", 1), ("com.microsoft.nchwc", 1),
+                                           ("ai.onnx.training", 1), ("org.pytorch.aten", 1)])
 def test_other_domains_opsets_past_the_known_are_refused(domain: str, known: int | None) -> None:
     """A model importing ai.onnx.ml, the training preview domain or com.microsoft at a version newer than
     onnx (or onnxruntime, for com.microsoft) knows ran; onnxruntime refuses it at load. The newest known
