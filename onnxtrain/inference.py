@@ -137,7 +137,12 @@ def _tensor_feed(name: str, v: Any, dtype: np.dtype | None, shape: list | None) 
     a = v.numpy() if isinstance(v, OrtValue) else v
     if not isinstance(a, np.ndarray):
         keep = dtype is None or isinstance(a, np.generic)
-        a = np.asarray(a) if keep else np.asarray(a, dtype=dtype)
+        try:
+            a = np.asarray(a) if keep else np.asarray(a, dtype=dtype)
+        except (OverflowError, ValueError, TypeError) as e:  # a RuntimeError, as onnxruntime's
+            kind = "" if dtype is None else f" of {dtype}"
+            raise InvalidFeedType(f"input {name!r}: could not create a tensor{kind} from the value given: "
+                                  f"{e}") from None
     if dtype == np.dtype(object):  # str, bytes, raw bytes or other objects: str, as onnxruntime
         a = _as_strings(a)
     if dtype is not None and a.dtype != dtype:
@@ -151,9 +156,9 @@ def _tensor_feed(name: str, v: Any, dtype: np.dtype | None, shape: list | None) 
 
 def check_feed_shape(name: str, a: np.ndarray, shape: Sequence[int | str | None]) -> None:
     """InvalidFeed naming input ``name`` when ``a`` has not the rank of its declared ``shape`` (ints, symbolic
-    names or None) or differs from one of its fixed dims. A one-value vector fed to a scalar input is taken,
-    as onnxruntime takes it (``np.array([lr])``)."""
-    if not shape and a.shape == (1,):
+    names or None) or differs from one of its fixed dims. A one-value array fed to a scalar input is taken,
+    as onnxruntime takes it (``np.array([lr])``, ``[[7]]``)."""
+    if not shape and a.size == 1:
         return
     if a.ndim != len(shape):
         raise InvalidFeed(
@@ -214,9 +219,10 @@ def _container_feed(name: str, kind: str, v: Any, element: np.dtype | None = Non
 
 
 def own_outputs(outs: list[Any], feeds: Any) -> list[Any]:
-    """``outs`` with a copy of each array (a sequence's items too) that is read-only (an initializer passed
-    through) or may share memory with a feed (an Identity of an input): as onnxruntime's, every output is
-    the caller's to write, and none changes with a feed."""
+    """``outs`` with a copy of each array (a sequence's items too) that is read-only (an initializer or a
+    Constant passed through), may share memory with a feed (an Identity of an input) or is not C-contiguous
+    (a Transpose's view): as onnxruntime's, every output is the caller's to write, none changes with a feed,
+    and each is laid out row-major (``OrtValue.data_ptr()`` with its shape describes it)."""
     fed: list[np.ndarray] = []
     for v in feeds.values() if isinstance(feeds, Mapping) else ():
         if isinstance(v, OrtValue):
@@ -225,8 +231,12 @@ def own_outputs(outs: list[Any], feeds: Any) -> list[Any]:
     fed = [v for v in fed if isinstance(v, np.ndarray)]
 
     def own(o: Any) -> Any:
-        shared = isinstance(o, np.ndarray) and any(np.may_share_memory(o, f) for f in fed)
-        return o.copy() if shared or (isinstance(o, np.ndarray) and not o.flags.writeable) else o
+        if not isinstance(o, np.ndarray):
+            return o
+        flags = o.flags
+        if not flags.writeable or not flags.c_contiguous or any(np.may_share_memory(o, f) for f in fed):
+            return o.copy()
+        return o
 
     return [[own(v) for v in o] if isinstance(o, list) else own(o) for o in outs]
 
@@ -410,7 +420,9 @@ class InferenceSession:
         return IOBinding(self)
 
     def run_with_iobinding(self, iobinding: IOBinding, run_options: RunOptions | None = None) -> None:
-        names = list(iobinding._outputs) or [o.name for o in self._outputs]
+        names = list(iobinding._outputs)
+        if not names:  # (onnxruntime's message)
+            raise Fail("Error in execution: At least one output should be requested.")
         # a training session checks the buffers against the sizes the bound inputs fix too, before its run
         # changes the state (an inference session, as onnxruntime, takes outputs its model mis-declares)
         iobinding._check_targets(self._outputs, self._inputs if self._changes_state else ())

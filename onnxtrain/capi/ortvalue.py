@@ -58,9 +58,17 @@ def _check_device(device_type: str | Any) -> None:
         raise ValueError(f"device {name!r} is not available: onnxtrain runs on the CPU only")
 
 
+def _np_type(element_type: Any) -> np.dtype:
+    """A numpy dtype from a numpy type or dtype, or from an ONNX type number (``TensorProto.FLOAT``)."""
+    if isinstance(element_type, int) and not isinstance(element_type, bool):
+        return np.dtype(helper.tensor_dtype_to_np_dtype(element_type))
+    return np.dtype(element_type)
+
+
 def array_from_pointer(ptr: int, element_type: Any, shape: Sequence[int]) -> np.ndarray:
-    """A numpy view of ``prod(shape)`` elements of ``element_type`` at raw address ``ptr`` (no copy)."""
-    dtype = np.dtype(element_type)
+    """A numpy view of ``prod(shape)`` elements of ``element_type`` (a numpy type, or an ONNX type number as
+    onnxruntime takes it) at raw address ``ptr`` (no copy)."""
+    dtype = _np_type(element_type)
     count = int(np.prod(shape, dtype=np.int64))
     if count == 0:
         return np.empty(tuple(shape), dtype=dtype)
@@ -87,9 +95,7 @@ class OrtValue:
         shape: Sequence[int], element_type: Any, device_type: str = "cpu", device_id: int = 0
     ) -> OrtValue:
         _check_device(device_type)
-        if isinstance(element_type, int) and not isinstance(element_type, bool):  # an ONNX type number
-            element_type = helper.tensor_dtype_to_np_dtype(element_type)
-        return OrtValue(np.empty(tuple(shape), dtype=np.dtype(element_type)))
+        return OrtValue(np.empty(tuple(shape), dtype=_np_type(element_type)))
 
     @property
     def _ortvalue(self) -> OrtValue:
@@ -347,12 +353,12 @@ class IOBinding:
         for n, v in zip(names, values):
             target = self._outputs.get(n)
             if target is not None:
-                if target.shape != np.shape(v):
+                if target.shape != np.shape(v) and not target.size == np.size(v) == 1:
                     raise InvalidFeed(
                         f"output {n!r}: bound buffer has shape {list(target.shape)}, "
                         f"result has {list(np.shape(v))}"
                     )
-                np.copyto(target, v)
+                np.copyto(target, np.reshape(v, target.shape))  # (a scalar into a one-value buffer too)
                 results.append(OrtValue(target))
             else:  # a sequence stays a list, an empty optional None
                 results.append(OrtValue(v if v is None or isinstance(v, (list, tuple)) else np.asarray(v)))

@@ -227,7 +227,9 @@ class Plan(GraphInterface):
         return frozenset(taken)
 
     def _fold_constants(self) -> None:
-        """Evaluate Constant nodes once, at compile time (initializers stay feedable)."""
+        """Evaluate Constant nodes once, at compile time (initializers stay feedable). The values are
+        read-only, as the initializers the engine reads: every run shares them, so an output passing one
+        through is the caller's copy (:func:`~onnxtrain.inference.own_outputs`)."""
         kept: list[Step] = []
         folded: list[tuple[int, np.ndarray]] = []
         for st in self.steps:
@@ -235,7 +237,10 @@ class Plan(GraphInterface):
                 kept.append(st)
                 continue
             res = self._call(st, [])
-            folded.extend((s, np.asarray(v)) for s, v in zip(st.outputs, res))
+            for s, v in zip(st.outputs, res):
+                a = np.asarray(v)
+                a.flags.writeable = False
+                folded.append((s, a))
         self.steps = kept
         self._const_values = folded
         self._base_bytes += sum(v.nbytes for _, v in folded)
