@@ -426,7 +426,8 @@ class InferenceSession:
         # a training session checks the buffers against the sizes the bound inputs fix too, before its run
         # changes the state (an inference session, as onnxruntime, takes outputs its model mis-declares)
         iobinding._check_targets(self._outputs, self._inputs if self._changes_state else ())
-        iobinding._store(names, self.run(names, iobinding._inputs, run_options))
+        iobinding._store(names, self.run(names, iobinding._inputs, run_options),
+                         {o.name: o.type for o in self._outputs})
 
     # ---- introspection -------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:

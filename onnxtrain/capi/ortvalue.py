@@ -131,7 +131,16 @@ class OrtValue:
         return type(value).__name__
 
     def element_type(self) -> int:
-        """The ONNX element type (``TensorProto.FLOAT`` = 1, ...), as onnxruntime returns it."""
+        """The ONNX element type (``TensorProto.FLOAT`` = 1, ...), as onnxruntime returns it; a sequence's
+        is its elements' (from its type, ``seq(tensor(int16))``, when it is empty)."""
+        if isinstance(self._array, (list, tuple)):
+            from onnxtrain.ir.types import TENSOR_TYPE_STRINGS
+
+            name = self.data_type()  # seq(tensor(<type>))
+            inner = name[len("seq(tensor("):-2] if name.startswith("seq(tensor(") else ""
+            code = next((k for k, v in TENSOR_TYPE_STRINGS.items() if v == f"tensor({inner})"), None)
+            if code is not None:
+                return int(code)
         return int(helper.np_dtype_to_tensor_dtype(self._tensor("element_type()").dtype))
 
     def tensor_size_in_bytes(self) -> int:
@@ -348,7 +357,10 @@ class IOBinding:
                 raise InvalidFeed(f"output {n!r}: bound buffer has shape {list(target.shape)}, the output "
                                   f"has {dims}")
 
-    def _store(self, names: Sequence[str], values: Sequence[np.ndarray]) -> None:
+    def _store(self, names: Sequence[str], values: Sequence[np.ndarray],
+               declared: dict[str, str] | None = None) -> None:
+        """Keep a run's outputs: written into the bound buffers, or as OrtValues (of the ``declared`` types
+        by name: an empty sequence's or optional's type is the graph's)."""
         results = []
         for n, v in zip(names, values):
             target = self._outputs.get(n)
@@ -361,5 +373,6 @@ class IOBinding:
                 np.copyto(target, np.reshape(v, target.shape))  # (a scalar into a one-value buffer too)
                 results.append(OrtValue(target))
             else:  # a sequence stays a list, an empty optional None
-                results.append(OrtValue(v if v is None or isinstance(v, (list, tuple)) else np.asarray(v)))
+                results.append(OrtValue(v if v is None or isinstance(v, (list, tuple)) else np.asarray(v),
+                                        (declared or {}).get(n)))
         self._results = results

@@ -122,3 +122,17 @@ def test_folded_constants_are_read_only_in_the_plan() -> None:
 
     plan = compile_model(m)
     assert all(not v.flags.writeable for _, v in plan._const_values)
+
+
+@pytest.mark.parametrize("lib", LIBS, ids=IDS)
+def test_an_empty_sequence_output_keeps_its_element_type(lib: Any) -> None:
+    """``element_type()`` of a sequence is its elements' (it raised), and an empty one through IOBinding is
+    typed as the graph declares it (it said seq(tensor(float)))."""
+    out = helper.make_tensor_sequence_value_info("s", TensorProto.INT16, None)
+    sess = _session(lib, _model([N("SequenceEmpty", [], ["s"], dtype=TensorProto.INT16)], [], [out]))
+    v = sess.run_with_ort_values(["s"], {})[0]
+    assert (v.data_type(), v.element_type()) == ("seq(tensor(int16))", TensorProto.INT16)
+    binding = sess.io_binding()
+    binding.bind_output("s")
+    sess.run_with_iobinding(binding)
+    assert binding.get_outputs()[0].data_type() == "seq(tensor(int16))"
