@@ -70,3 +70,10 @@ def symbolic_shape(types: dict[str, onnx.TypeProto], name: str) -> list[int | st
     return [
         d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tp.tensor_type.shape.dim
     ]
+
+
+def held(value: float, elem_type: int) -> float:
+    """An optimizer's float hyperparameter (β, say) as onnxruntime's optimizers hold it for weights of
+    ``elem_type``: a float32 attribute (their kernels' ``1.f - beta`` is then exact: 1 − 0.999 in float64
+    rounds to another float32), or the value itself for float64 weights."""
+    return value if elem_type == TensorProto.DOUBLE else float(np.float32(value))

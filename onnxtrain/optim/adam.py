@@ -6,7 +6,8 @@ import numpy as np
 from onnx import TensorProto
 
 from onnxtrain.ir.builder import NodeWriter
-from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, fattr, held, iattr, scalar
+from onnxtrain.ir.types import held
+from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, fattr, iattr, scalar
 
 
 def bias_corrections(w: NodeWriter, t: str, alpha: float, beta: float, on: bool, et: int) -> tuple[str, str]:

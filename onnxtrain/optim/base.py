@@ -121,12 +121,5 @@ def iattr(slot: WeightSlot, opt: Optimizer, key: str) -> int:
     return int(slot.int_attrs.get(key, opt.INT_ATTRS[key]))
 
 
-def held(value: float, elem_type: int) -> float:
-    """An optimizer's float hyperparameter (β, say) as onnxruntime's optimizers hold it for weights of
-    ``elem_type``: a float32 attribute (their kernels' ``1.f - beta`` is then exact: 1 − 0.999 in float64
-    rounds to another float32), or the value itself for float64 weights."""
-    return value if elem_type == TensorProto.DOUBLE else float(np.float32(value))
-
-
 def scalar(w: NodeWriter, value: float, elem_type: int = TensorProto.FLOAT) -> str:
     return w.const(np.asarray(value), elem_type)

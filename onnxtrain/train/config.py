@@ -550,3 +550,15 @@ def config_from_dict(raw: dict[str, Any], name: str = "run", base_dir: str = "."
     cfg = from_dict(Config, raw, "")
     cfg.name, cfg.base_dir = name, os.path.abspath(base_dir)
     return validate(cfg)
+
+
+def flatten_keys(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as {"section.key": value} (an empty dict kept as a value)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten_keys(v, key + "."))
+        else:
+            out[key] = v
+    return out

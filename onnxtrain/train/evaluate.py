@@ -10,7 +10,7 @@ from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
 from onnxtrain.checkpoint import load_checkpoint
 from onnxtrain.engine.backends import make_plan
 from onnxtrain.train import data as data_mod
-from onnxtrain.train.config import Config, ConfigError
+from onnxtrain.train.config import Config, ConfigError, flatten_keys
 from onnxtrain.train.model import build_model, inference_model
 from onnxtrain.train.outputs import find_checkpoint
 from onnxtrain.train.session import feed_names, training_parameters
@@ -60,14 +60,18 @@ class Evaluator:
         return out
 
 
-def load_for_inference(cfg: Config, checkpoint: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+def load_for_inference(cfg: Config, checkpoint: str, data_split: bool = False
+                       ) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """The config's model and the weights of ``checkpoint`` (a file or a run folder); a ConfigError naming
     the tensors when the checkpoint does not fit the model (a weight the config would train that it lacks,
-    a trained weight the model does not have, a shape that differs)."""
+    a trained weight the model does not have, a shape that differs). With ``data_split``, a warning when the
+    config's data keys or seed differ from those the run saved (its held-out split then differs)."""
     from onnxtrain.training_graph import select_trainable
 
     path = find_checkpoint(checkpoint)
     ckpt = load_checkpoint(path)
+    if data_split:
+        _warn_split_changes(cfg, ckpt.properties.get("config"), path)
     model = build_model(cfg)
     weights = checkpoint_weights(ckpt)
     inits = {t.name: list(t.dims) for t in model.graph.initializer}
@@ -87,6 +91,24 @@ def load_for_inference(cfg: Config, checkpoint: str) -> tuple[onnx.ModelProto, d
     return model, weights
 
 
+def _warn_split_changes(cfg: Config, saved: object, path: str) -> None:
+    """Warn when the config's data keys or ``training.seed`` (which draws a held-out split from the data)
+    differ from those of the run that wrote the checkpoint (its config, as saved in it)."""
+    if not isinstance(saved, str):
+        return
+    import json
+    import sys
+
+    old, new = flatten_keys(json.loads(saved)), flatten_keys(cfg.to_dict())
+    keys = sorted(k for k in old.keys() | new.keys()
+                  if (k.startswith("data.") or k == "training.seed") and old.get(k) != new.get(k))
+    if keys and parallel.world().rank == 0:
+        verb = "differs" if len(keys) == 1 else "differ"
+        print(f"onnxtrain: warning: {', '.join(keys)} {verb} from the run that wrote {path}: the eval data "
+              "may not be the run's (a held-out split drawn with another seed or fraction holds samples it "
+              "trained on); evaluate with the run's own config.yaml", file=sys.stderr)
+
+
 def _few(names: list[str], quote: bool = True, n: int = 5) -> str:
     shown = ", ".join(repr(x) if quote else x for x in names[:n])
     return shown + (f" and {len(names) - n} more" if len(names) > n else "")
@@ -94,7 +116,7 @@ def _few(names: list[str], quote: bool = True, n: int = 5) -> str:
 
 def evaluate_checkpoint(cfg: Config, checkpoint: str) -> dict[str, float]:
     """Eval loss and accuracy of ``checkpoint`` on the config's eval data."""
-    model, weights = load_for_inference(cfg, checkpoint)
+    model, weights = load_for_inference(cfg, checkpoint, data_split=True)
     data = feed_names(cfg, model, data_mod.load_data(cfg))
     names = [t.name for t in model.graph.initializer if t.name in weights]
     return Evaluator(cfg, model, names)(data.eval, weights)

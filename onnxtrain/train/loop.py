@@ -36,7 +36,7 @@ from onnxtrain.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from onnxtrain.engine.kernels.random import set_random_seed
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.train import data as data_mod
-from onnxtrain.train.config import Config, ConfigError
+from onnxtrain.train.config import Config, ConfigError, flatten_keys
 from onnxtrain.train.evaluate import Evaluator
 from onnxtrain.train.model import build_model, check_loss_value
 from onnxtrain.train.outputs import (
@@ -291,7 +291,7 @@ class Trainer:
         saved = ckpt.properties.get("config")
         diff: list[str] = []
         if isinstance(saved, str):
-            old, new = _flatten(json.loads(saved)), _flatten(self.cfg.to_dict())
+            old, new = flatten_keys(json.loads(saved)), flatten_keys(self.cfg.to_dict())
             diff = sorted(k for k in old.keys() | new.keys()
                           if old.get(k) != new.get(k) and not _cannot_change_weights(k))
         own = self.adasum and ckpt.properties.get(ADASUM_RANKS) == self.ranks
@@ -555,17 +555,6 @@ def _holds(path: str, text: str) -> bool:
             return f.read() == text.encode()
     except OSError:
         return False
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
 
 
 def json_line(record: dict[str, Any]) -> str:

@@ -35,9 +35,18 @@ def output_dir(cfg: Config, override: str | None = None) -> str:
 
 def check_output_dir(folder: str) -> None:
     """A ValueError naming ``folder`` unless it is, or can be made as, a folder this process can write in
-    (checked without creating anything)."""
+    (checked without creating anything), where the run's ``checkpoints`` folder and files can go: a file
+    named ``checkpoints``, or a folder named as one of the run's files, fails here rather than at the first
+    write (after the training)."""
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"output folder {folder}: a file of that name exists")
+    ckpts = os.path.join(folder, "checkpoints")
+    if os.path.lexists(ckpts) and not os.path.isdir(ckpts):
+        raise ValueError(f"output folder {folder}: {ckpts} is a file, where the run keeps its checkpoints "
+                         "folder")
+    for name in RUN_FILES:
+        if os.path.isdir(os.path.join(folder, name)):
+            raise ValueError(f"output folder {folder}: {name} is a folder, where the run writes that file")
     up = os.path.abspath(folder)
     while not os.path.exists(up):
         up = os.path.dirname(up)

@@ -408,3 +408,41 @@ def test_per_weight_optimizer_attributes_of_the_wrong_type_name_their_key(tmp_pa
         code, line = _error_line(capsys, ["train", config_path("digits_mlp"), "-q", "--output-dir",
                                           str(tmp_path / "out"), "--set", setting])
         assert code == 2 and key in line, line
+
+
+def test_eval_warns_when_the_held_out_split_is_not_the_runs(tmp_path, capsys, mlp_with_loss, write_config):
+    """``eval`` with another seed (or eval fraction) than the run's scored a held-out split drawn differently,
+    partly of samples the run trained on, without a word; it now warns, naming the keys."""
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((40, 4)).astype(np.float32),
+             y=rng.integers(0, 2, 40).astype(np.int64))
+    training = {"steps": 2, "batch_size": 4, "seed": 0}
+    cfg = write_config({"model": {"path": mlp_with_loss}, "training": training,
+                        "data": {"source": "files", "path": "d.npz", "feeds": {"x": "x", "y": "y"},
+                                 "eval_fraction": 0.25}})
+    out = tmp_path / "out"
+    assert main(["train", cfg, "-q", "--output-dir", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["eval", cfg, "--checkpoint", str(out)]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main(["eval", cfg, "--checkpoint", str(out), "--set", "training.seed=5",
+                 "--set", "data.eval_fraction=0.5"]) == 0
+    err = capsys.readouterr().err
+    assert "data.eval_fraction, training.seed differ from the run that wrote" in err, err
+
+
+@pytest.mark.parametrize("name, make", [("checkpoints", "file"), ("metrics.jsonl", "folder")])
+def test_an_output_folder_whose_run_paths_are_taken_is_refused_before_training(tmp_path, capsys, name, make):
+    """A file named ``checkpoints`` failed only at the first checkpoint, after the training (all of it lost);
+    a folder named ``metrics.jsonl`` gave a message saying there was no metrics.jsonl."""
+    out = tmp_path / "out"
+    out.mkdir()
+    if make == "file":
+        (out / name).write_text("")
+    else:
+        (out / name).mkdir()
+    code = main(["train", config_path("digits_mlp"), "-q", "--set", "training.steps=2",
+                 "--output-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code != 0 and f"{name} is a {make}" in err, err
+    assert not (out / "metrics.jsonl").is_file()

@@ -24,7 +24,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from onnxtrain.graph_transforms.clipping import HALF_TYPES, norm_type
-from onnxtrain.optim.base import held
+from onnxtrain.ir.types import held
 from onnxtrain.training.onnxblock._base import BlockError, ModelBase, detached
 from onnxtrain.training.onnxblock.blocks import Block, _acc
 from onnxtrain.training.onnxblock.model_blocks import NOT_BUILT_FORWARD
