@@ -163,7 +163,8 @@ class GraphIndex:
         if bias == "?":  # a Gemm bias that is not a trained [f] vector read here alone
             return None
         reads = self.readers.get(start, [])
-        if bias is None and n.op_type == "MatMul" and len(reads) == 1:
+        # a product the graph also outputs stays the start (the block then stays whole: its value must be)
+        if bias is None and n.op_type == "MatMul" and len(reads) == 1 and start not in self.outputs:
             add = self.nodes[reads[0]]
             other = [i for i in add.input if i != start]
             if (

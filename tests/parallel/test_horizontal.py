@@ -75,6 +75,20 @@ def test_a_block_with_batch_norm_inside_stays_whole() -> None:
     assert [(b.w1, b.w2) for b in find_mlp_blocks(m, trainable, 2)] == [("W3", "W4")]
 
 
+@pytest.mark.parametrize("output, whole", [("m1", ("W3", "W4")), ("m3", ("W1", "W2")), (None, None)])
+def test_a_block_whose_first_product_is_a_graph_output_stays_whole(output: str | None, whole: Any) -> None:
+    """A MatMul's output, before its bias Add, that the graph also outputs must stay whole: the block was
+    split from the Add on, the output became a rank's share, and the session failed at build time naming
+    another tensor (shape inference lost its type)."""
+    m = gelu_blocks_model()
+    if output is not None:
+        m.graph.output.append(onnx.helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, None))
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    blocks = [(b.w1, b.w2) for b in find_mlp_blocks(m, select_trainable(m, p), 2)]
+    assert blocks == ([whole] if whole else [("W1", "W2"), ("W3", "W4")])
+
+
 @pytest.mark.mpi
 def test_split_blocks_accumulate_gradients_as_one_process(tmp_path) -> None:
     """gradient_accumulation_steps=2 over the split: the micro-steps counted by the session ("auto") or
