@@ -49,11 +49,11 @@ class LossScaler:
 class DynamicLossScaler(LossScaler):
     """The dynamic loss scale of onnxruntime's legacy AMP (same arguments and defaults).
 
-    ``automatic_update`` says whether onnxtrain's own loops update the scale (``Optimizer.step()`` of the
-    on-device API, ``onnxtrain train``), as it told onnxruntime's ``ORTTrainer``; with False the scale
-    stays fixed unless the caller calls :meth:`update`, which always updates. onnxruntime's docstring says
-    ``automatic_update`` defaults to False while its signature defaults it to True; the signature is what
-    ran, and is kept here.
+    ``automatic_update`` False keeps the scale fixed: :meth:`update` then returns it unchanged, as
+    onnxruntime's code does (its docstring says a manual call is then needed, which its code never obeyed),
+    and onnxtrain's own loops (``Optimizer.step()`` of the on-device API, ``onnxtrain train``) leave it alone.
+    onnxruntime's docstring says ``automatic_update`` defaults to False while its signature defaults it to
+    True; the signature is what ran, and is kept here.
     """
 
     def __init__(self, automatic_update: bool = True, loss_scale: float = float(1 << 16),
@@ -74,7 +74,9 @@ class DynamicLossScaler(LossScaler):
 
     def update(self, train_step_info: Any) -> float:
         """Halve after a non-finite step (its update was skipped); double after a window of clean ones;
-        returns the new scale."""
+        returns the new scale (the same one when ``automatic_update`` is False)."""
+        if not self.automatic_update:
+            return self.loss_scale
         if bool(getattr(train_step_info, "all_finite", train_step_info)):
             self.stable_steps += 1
             if self.stable_steps >= self.up_scale_window:

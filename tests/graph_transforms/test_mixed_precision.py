@@ -271,13 +271,14 @@ def test_dynamic_loss_scaler_arithmetic() -> None:
     for _ in range(6):
         hi.update_loss_scale(True)
     assert hi.loss_scale == 2.0 ** 24
-    # automatic_update=False stops only onnxtrain's own loops: an explicit call updates, as onnxruntime's
-    # update(train_step_info) did, and that returns the new scale
-    off = DynamicLossScaler(automatic_update=False)
-    assert off.update(types.SimpleNamespace(all_finite=False)) == 2.0 ** 15
+    # automatic_update=False keeps the scale fixed: an explicit call returns it unchanged, as onnxruntime's
+    # DynamicLossScaler.update does (amp/loss_scaler.py: "if not self.automatic_update: return
+    # self.loss_scale"; an explicit call halved and doubled it)
+    off = DynamicLossScaler(automatic_update=False, up_scale_window=1)
+    assert off.update(types.SimpleNamespace(all_finite=False)) == 2.0 ** 16
     off.update_loss_scale(False)
-    assert off.loss_scale == 2.0 ** 14
-    assert off.update(True) == 2.0 ** 14 and off.stable_steps == 1
+    assert off.loss_scale == 2.0 ** 16
+    assert off.update(True) == 2.0 ** 16 and off.stable_steps == 0
     hi.reset()
     assert hi.loss_scale == 2.0 ** 24 and hi.stable_steps == 0
 
