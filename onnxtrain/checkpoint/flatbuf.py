@@ -182,8 +182,12 @@ class TableView:
     def __init__(self, buf: memoryview, pos: int) -> None:
         self.buf, self.pos = buf, pos
         _need(buf, pos, 4, "table")
+        if pos % 4:  # as FlatBuffers' verifier: every value at a multiple of its size
+            raise FlatBufferError(f"the table at byte {pos} is not 4-byte aligned")
         self.vt = pos - _unpack("<i", buf, pos)
         _need(buf, self.vt, 4, "vtable")
+        if self.vt % 2:
+            raise FlatBufferError(f"the vtable at byte {self.vt} is not 2-byte aligned")
         self.vt_len, self.size = _unpack("<H", buf, self.vt), _unpack("<H", buf, self.vt + 2)
         if self.vt_len < 4 or self.vt_len % 2:
             raise FlatBufferError(f"bad vtable size {self.vt_len} at byte {self.vt}")
@@ -200,6 +204,8 @@ class TableView:
             return 0
         if off + size > self.size:
             raise FlatBufferError(f"field {slot} of the table at byte {self.pos} lies outside it")
+        if (self.pos + off) % size:
+            raise FlatBufferError(f"field {slot} of the table at byte {self.pos} is not {size}-byte aligned")
         return self.pos + off
 
     def has(self, slot: int) -> bool:
@@ -220,6 +226,8 @@ class TableView:
         if p is None:
             return None
         _need(self.buf, p, 4, "vector")
+        if p % 4:
+            raise FlatBufferError(f"the vector at byte {p} is not 4-byte aligned")
         n = _unpack("<I", self.buf, p)
         _need(self.buf, p + 4, n * item, "vector")
         return p + 4, n
@@ -228,6 +236,9 @@ class TableView:
         v = self._vector(slot, 1)
         if v is None:
             return None
+        _need(self.buf, v[0] + v[1], 1, "string terminator")
+        if self.buf[v[0] + v[1]] != 0:  # as FlatBuffers' verifier: a string ends with a NUL byte
+            raise FlatBufferError(f"string field {slot} at byte {v[0]} is not NUL-terminated")
         try:
             return bytes(self.buf[v[0]:v[0] + v[1]]).decode("utf-8")
         except UnicodeDecodeError as e:

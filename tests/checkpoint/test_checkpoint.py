@@ -681,3 +681,23 @@ def test_onnxruntime_training_interop(tmp_path):
     regen = load_checkpoint(str(tmp_path / "gen") + ".ort")
     assert list(regen.trainable) == sorted(trainable)
     assert all(_same(regen.trainable[k], v) for k, v in trainable.items())
+
+
+def test_structural_corruptions_are_refused_as_flatbuffers_verifier_refuses_them():
+    """One flipped bit could make a string one byte shorter (a property or parameter renamed) or move a field
+    onto a misaligned offset (an int64 property read across two fields): onnxtrain loaded such files with
+    other names or values where onnxruntime-training's FlatBuffers verifier refuses them. Strings must end in
+    NUL and values sit at multiples of their size, as the verifier checks."""
+    ckpt = Checkpoint(trainable={"fc.weight": np.ones((2, 2), np.float32)}, properties={"epoch": 3})
+    data = bytearray(checkpoint_to_bytes(ckpt))
+    assert checkpoint_from_bytes(bytes(data)).properties == {"epoch": 3}
+    for name in (b"epoch", b"fc.weight"):
+        at = data.index(name + b"\0")
+        shorter = bytearray(data)
+        shorter[at - 4] -= 1  # the string's length: "epoc", "fc.weigh"
+        with pytest.raises(ValueError, match="not NUL-terminated"):
+            checkpoint_from_bytes(bytes(shorter))
+    misaligned = bytearray(data)
+    misaligned[0] ^= 1  # the root table's offset, odd
+    with pytest.raises(ValueError, match="aligned"):
+        checkpoint_from_bytes(bytes(misaligned))
