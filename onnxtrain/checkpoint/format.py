@@ -25,9 +25,11 @@ only metadata with ``external_data_offset`` set.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
@@ -51,6 +53,17 @@ from onnxtrain.ir.types import np_dtype, onnx_elem_type
 from onnxtrain.user_warning import warn
 
 IDENTIFIER = b"ODTC"
+# a checkpoint with external data: a random token ends its .data file (after the tensors, where readers that
+# know only the offsets never look) and names it in the main file's properties, so that a load can tell a
+# main file and a .data of different saves apart (a reader during a save over the same path, a swapped
+# .data) and read again; neither is shown to callers
+DATA_TOKEN = "onnxtrain.data_token"
+_TRAILER = b"ONNXTRN1"  # + 16 random bytes
+_TORN_RETRIES, _TORN_WAIT = 40, 0.025  # a save's two renames follow each other at once
+
+
+class _TornRead(ValueError):
+    """The main file and the .data read are of different saves."""
 VERSION = 2
 _READABLE_VERSIONS = (1, 2)
 # ONNX element types stored as raw little-endian bytes: every numeric type of whole bytes
@@ -126,10 +139,18 @@ def stage_checkpoint(files: StagedFiles, ckpt: Checkpoint, path: str | os.PathLi
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise FileNotFoundError(errno.ENOENT, "Cannot save checkpoint, its directory does not exist", path)
     external = not ckpt.nominal and _data_bytes(ckpt) > external_threshold
+    token = os.urandom(16)
+    if external:
+        ckpt = dataclasses.replace(ckpt, properties={**ckpt.properties, DATA_TOKEN: token.hex()})
     main, arrays = _encode(ckpt, external, sort_parameters)
     data_path = path + ".data"
     if external:  # renamed before the main file that refers to it
-        files.write(data_path, lambda d: _write_arrays(d, arrays))
+
+        def write_data(d: IO[bytes]) -> None:
+            _write_arrays(d, arrays)
+            d.write(_TRAILER + token)
+
+        files.write(data_path, write_data)
     files.write(path, lambda f: f.write(main))
     if not external:
         files.remove_after(data_path)
@@ -156,17 +177,23 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if put_back:
         warn(f"a save of checkpoint {path} was killed part way, leaving its files mismatched: put back "
              f"{', '.join(put_back)} as they were before it (the previous checkpoint)")
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, "Checkpoint file not found", given) from None
     # the data beside the file, else beside the link (a pair of links, each to a file of its own name)
     data_path = path + ".data" if path == given or os.path.exists(path + ".data") else given + ".data"
-    try:
-        return _decode(data, data_path)
-    except (FlatBufferError, ValueError) as e:
-        raise ValueError(f"Cannot load checkpoint {given!r}: {e}") from None
+    for attempt in range(_TORN_RETRIES + 1):
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "Checkpoint file not found", given) from None
+        try:
+            return _decode(data, data_path)
+        except _TornRead as e:  # a save over the path ran between the two reads: read them again
+            if attempt == _TORN_RETRIES:
+                raise ValueError(f"Cannot load checkpoint {given!r}: {e}") from None
+            time.sleep(_TORN_WAIT)
+        except (FlatBufferError, ValueError) as e:
+            raise ValueError(f"Cannot load checkpoint {given!r}: {e}") from None
+    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------- encoding
@@ -308,6 +335,15 @@ class _DataFile:
                              f"offset {offset}")
         return arr
 
+    def token(self) -> bytes | None:
+        """The save's token that ends the .data file read (see :data:`DATA_TOKEN`); None when no tensor was
+        read from it or it has none (written by onnxruntime-training)."""
+        if self.file is None or self.size < len(_TRAILER) + 16:
+            return None
+        self.file.seek(self.size - len(_TRAILER) - 16)
+        tail = self.file.read(len(_TRAILER) + 16)
+        return tail[len(_TRAILER):] if tail.startswith(_TRAILER) else None
+
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
@@ -381,6 +417,7 @@ def _decode(buf: bytes, data_path: str | None) -> Checkpoint:
                 _read_tensors(s.tables(1), False, data, moments, f"optimizer state of {param!r}")
                 group.states[param] = moments
             ckpt.optimizer_groups.append(group)
+        token = data.token()
     finally:
         data.close()
     bag = root.table(3)
@@ -394,5 +431,10 @@ def _decode(buf: bytes, data_path: str | None) -> Checkpoint:
                 if name is None:
                     raise ValueError("a property has no name")
                 props[name] = convert(p)
+        expected = props.pop(DATA_TOKEN, None)
+        if token is not None and expected is not None and token.hex() != expected:
+            raise _TornRead(f"its .data file is not the one saved with it (another save over the path ran "
+                            f"while it was read, or {data_path} was replaced): save under a new name when "
+                            "something may be reading")
         ckpt.properties = {n: props[n] for n in sorted(props)}
     return ckpt

@@ -314,7 +314,11 @@ def test_external_data_layout_and_round_trip(fbs, tmp_path):
     main, data_file = path.read_bytes(), (tmp_path / "big.data").read_bytes()
     o = _oracle_read(fbs, main, data_file)
     assert o["module"]["external"] is True
-    _check_against_oracle(o, ckpt, data_file)
+    token = dict(o["props"]["strings"])[fmt.DATA_TOKEN]  # the save's token, also ending the .data file
+    assert data_file.endswith(b"ONNXTRN1" + bytes.fromhex(token))
+    with_token = Checkpoint(ckpt.trainable, ckpt.frozen, ckpt.optimizer_groups,
+                            {**ckpt.properties, fmt.DATA_TOKEN: token})
+    _check_against_oracle(o, with_token, data_file)
     tensors = o["module"]["trainable"] + o["module"]["frozen"] + [
         t for g in o["groups"] for _, ms in g[3] for t in ms]
     assert all(t["raw"] is None for t in tensors)  # the main file holds metadata only
@@ -324,7 +328,7 @@ def test_external_data_layout_and_round_trip(fbs, tmp_path):
         itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(t["type"])).itemsize
         assert t["offset"] == -(-end // itemsize) * itemsize
         end = t["offset"] + int(np.prod(t["dims"])) * itemsize
-    assert len(data_file) == end
+    assert len(data_file) == end + 24  # the token after the tensors
     assert len(main) < 2000 and sum(np.asarray(a).nbytes for a in ckpt.trainable.values()) > 0
     _assert_equal(load_checkpoint(path), ckpt)
 
@@ -341,14 +345,14 @@ def test_external_threshold_is_exclusive(tmp_path):
     save_checkpoint(ckpt, tmp_path / "c", external_threshold=40)
     assert not (tmp_path / "c.data").exists()
     save_checkpoint(ckpt, tmp_path / "c", external_threshold=39)
-    assert (tmp_path / "c.data").stat().st_size == 40
+    assert (tmp_path / "c.data").stat().st_size == 40 + 24  # the tensor, then the save's token
 
 
 def test_external_data_errors(tmp_path):
     path = tmp_path / "c"
     save_checkpoint(_sample(), path, external_threshold=0)
     data = (tmp_path / "c.data").read_bytes()
-    (tmp_path / "c.data").write_bytes(data[:-3])
+    (tmp_path / "c.data").write_bytes(data[:-3 - 24])  # into the last tensor, before the token
     with pytest.raises(ValueError, match="ends before"):
         load_checkpoint(path)
     os.unlink(tmp_path / "c.data")
@@ -661,7 +665,10 @@ def test_onnxruntime_training_interop(tmp_path):
     for n in ("inline", "external"):
         r = report[str(tmp_path / n)]
         assert r["params"] == everything
-        assert r["props"] == _expected_props(ours.properties)
+        shown = dict(r["props"])
+        token = shown.pop(fmt.DATA_TOKEN, None)  # a user property to onnxruntime-training: external data only
+        assert (token is not None) == (n == "external")
+        assert shown == _expected_props(ours.properties)
         loaded = dict(np.load(str(tmp_path / n) + ".ort.npz"))
         for k in everything:
             want = trainable[k[2:]] if k[0] == "T" else frozen[k[2:]]
@@ -701,3 +708,54 @@ def test_structural_corruptions_are_refused_as_flatbuffers_verifier_refuses_them
     misaligned[0] ^= 1  # the root table's offset, odd
     with pytest.raises(ValueError, match="aligned"):
         checkpoint_from_bytes(bytes(misaligned))
+
+
+def test_a_data_file_of_another_save_is_refused(tmp_path, monkeypatch):
+    """Two saves of the same shapes: the second's .data under the first's main file was loaded silently (the
+    format has no checksum); the save's token in both files tells them apart."""
+    monkeypatch.setattr(fmt, "_TORN_RETRIES", 1)
+    first = Checkpoint(trainable={"w": np.zeros(8, np.float32)}, properties={"run": 1})
+    second = Checkpoint(trainable={"w": np.ones(8, np.float32)}, properties={"run": 2})
+    save_checkpoint(first, tmp_path / "a", external_threshold=0)
+    save_checkpoint(second, tmp_path / "b", external_threshold=0)
+    assert load_checkpoint(tmp_path / "a").properties == {"run": 1}  # the token is not shown
+    os.replace(tmp_path / "b.data", tmp_path / "a.data")
+    with pytest.raises(ValueError, match="its .data file is not the one saved with it"):
+        load_checkpoint(tmp_path / "a")
+
+
+def test_a_reader_during_saves_over_the_path_gets_one_save_whole(tmp_path):
+    """A load running while another thread saves external-data checkpoints over the same path read the new
+    .data with the old main file (the two renames follow each other): every load now gets one save's
+    values, step and property together."""
+    import threading
+
+    path = tmp_path / "c"
+
+    def ckpt(k: int) -> Checkpoint:
+        return Checkpoint(trainable={"w": np.full(64, k, np.float32)},
+                          optimizer_groups=[OptimizerGroup("group0", k, 0.1, {"w": {
+                              "momentum0": np.full(64, k, np.float32)}})],
+                          properties={"k": k})
+
+    save_checkpoint(ckpt(0), path, external_threshold=0)
+    stop, mixed, loads = threading.Event(), [], [0]
+
+    def read() -> None:
+        while not stop.is_set():
+            c = load_checkpoint(path)
+            k = c.properties["k"]
+            if {int(c.trainable["w"][0]), c.optimizer_groups[0].step,
+                    int(c.optimizer_groups[0].states["w"]["momentum0"][0])} != {k}:
+                mixed.append(k)
+            loads[0] += 1
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for k in range(1, 200):
+            save_checkpoint(ckpt(k), path, external_threshold=0)
+    finally:
+        stop.set()
+        reader.join()
+    assert loads[0] > 0 and not mixed, (loads[0], mixed[:5])

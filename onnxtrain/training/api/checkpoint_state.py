@@ -20,6 +20,7 @@ import numpy as np
 from onnxtrain.checkpoint import Checkpoint, OptimizerGroup
 from onnxtrain.checkpoint import load_checkpoint as _load_file
 from onnxtrain.checkpoint import save_checkpoint as _save_file
+from onnxtrain.checkpoint.format import DATA_TOKEN
 from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.user_warning import warn
@@ -33,7 +34,7 @@ LEARNING_RATE_PROPERTY = "onnxtrain.learning_rate"
 # The dynamic loss scaler of a mixed-precision Module (scale and count of clean steps), as the JSON text
 # '{"loss_scale": 32768.0, "stable_steps": 3}': a string keeps the scale exact (float properties are float32).
 LOSS_SCALER_PROPERTY = "onnxtrain.loss_scaler"
-_RESERVED = (LEARNING_RATE_PROPERTY, LOSS_SCALER_PROPERTY)
+_RESERVED = (LEARNING_RATE_PROPERTY, LOSS_SCALER_PROPERTY, DATA_TOKEN)
 
 
 def _saved_learning_rate(value: int | float | str | None, step: int) -> float | None:
