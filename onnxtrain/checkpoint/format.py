@@ -310,8 +310,9 @@ def _write_arrays(f: IO[bytes], arrays: list[np.ndarray]) -> None:
 class _DataFile:
     """Reads tensors from ``<checkpoint>.data`` on demand."""
 
-    def __init__(self, path: str | None) -> None:
-        self.path, self.file, self.size = path, None, 0
+    def __init__(self, path: str | None, expected: str | None = None) -> None:
+        """``expected``: the token the main file names (:data:`DATA_TOKEN`), checked as the file opens."""
+        self.path, self.file, self.size, self.expected = path, None, 0, expected
 
     def read(self, offset: int, dtype: np.dtype, shape: tuple[int, ...], name: str) -> np.ndarray:
         if self.path is None:
@@ -324,6 +325,11 @@ class _DataFile:
                 raise FileNotFoundError(errno.ENOENT, "Checkpoint external data file not found",
                                         self.path) from None
             self.size = os.fstat(self.file.fileno()).st_size
+            token = self.token()  # before any offset is read: a shorter .data of another save is not "cut"
+            if self.expected is not None and token is not None and token.hex() != self.expected:
+                raise _TornRead(f"its .data file is not the one saved with it (another save over the path "
+                                f"ran while it was read, or {self.path} was replaced): save under a new name "
+                                "when something may be reading")
         nbytes = math.prod(shape) * dtype.itemsize
         if offset + nbytes > self.size:
             raise ValueError(f"{self.path} ends before the {nbytes} bytes of tensor {name!r} at "
@@ -392,7 +398,21 @@ def _decode(buf: bytes, data_path: str | None) -> Checkpoint:
         raise ValueError(f"checkpoint version {version} is not supported (this reader knows "
                          f"{', '.join(map(str, _READABLE_VERSIONS))})")
     ckpt = Checkpoint()
-    data = _DataFile(data_path)
+    expected = None
+    bag = root.table(3)
+    if bag is not None:
+        props: dict[str, int | float | str] = {}
+        for kind, convert in ((0, lambda p: int(p.scalar(1, "q", 0))),
+                              (1, lambda p: float(p.scalar(1, "f", 0.0))),
+                              (2, lambda p: p.string(1) or "")):
+            for p in bag.tables(kind) or []:
+                name = p.string(0)
+                if name is None:
+                    raise ValueError("a property has no name")
+                props[name] = convert(p)
+        expected = props.pop(DATA_TOKEN, None)
+        ckpt.properties = {n: props[n] for n in sorted(props)}
+    data = _DataFile(data_path, expected if isinstance(expected, str) else None)
     try:
         module = root.table(1)
         if module is not None:
@@ -417,24 +437,7 @@ def _decode(buf: bytes, data_path: str | None) -> Checkpoint:
                 _read_tensors(s.tables(1), False, data, moments, f"optimizer state of {param!r}")
                 group.states[param] = moments
             ckpt.optimizer_groups.append(group)
-        token = data.token()
     finally:
         data.close()
-    bag = root.table(3)
-    if bag is not None:
-        props: dict[str, int | float | str] = {}
-        for kind, convert in ((0, lambda p: int(p.scalar(1, "q", 0))),
-                              (1, lambda p: float(p.scalar(1, "f", 0.0))),
-                              (2, lambda p: p.string(1) or "")):
-            for p in bag.tables(kind) or []:
-                name = p.string(0)
-                if name is None:
-                    raise ValueError("a property has no name")
-                props[name] = convert(p)
-        expected = props.pop(DATA_TOKEN, None)
-        if token is not None and expected is not None and token.hex() != expected:
-            raise _TornRead(f"its .data file is not the one saved with it (another save over the path ran "
-                            f"while it was read, or {data_path} was replaced): save under a new name when "
-                            "something may be reading")
-        ckpt.properties = {n: props[n] for n in sorted(props)}
+
     return ckpt

@@ -710,12 +710,17 @@ def test_structural_corruptions_are_refused_as_flatbuffers_verifier_refuses_them
         checkpoint_from_bytes(bytes(misaligned))
 
 
-def test_a_data_file_of_another_save_is_refused(tmp_path, monkeypatch):
-    """Two saves of the same shapes: the second's .data under the first's main file was loaded silently (the
-    format has no checksum); the save's token in both files tells them apart."""
+@pytest.mark.parametrize("shorter", [False, True])
+def test_a_data_file_of_another_save_is_refused(tmp_path, monkeypatch, shorter):
+    """Two saves: the second's .data under the first's main file was loaded silently when of the same size
+    (the format has no checksum), and a shorter one failed at once as a cut file (a save without the
+    optimizer state after one with it): the save's token, checked as the .data opens, tells them apart."""
     monkeypatch.setattr(fmt, "_TORN_RETRIES", 1)
-    first = Checkpoint(trainable={"w": np.zeros(8, np.float32)}, properties={"run": 1})
-    second = Checkpoint(trainable={"w": np.ones(8, np.float32)}, properties={"run": 2})
+    moments = [OptimizerGroup("group0", 1, 0.1, {"w": {"momentum0": np.zeros(8, np.float32)}})]
+    first = Checkpoint(trainable={"w": np.zeros(8, np.float32)}, properties={"run": 1},
+                       optimizer_groups=moments)
+    second = Checkpoint(trainable={"w": np.ones(8, np.float32)}, properties={"run": 2},
+                        optimizer_groups=[] if shorter else moments)
     save_checkpoint(first, tmp_path / "a", external_threshold=0)
     save_checkpoint(second, tmp_path / "b", external_threshold=0)
     assert load_checkpoint(tmp_path / "a").properties == {"run": 1}  # the token is not shown
