@@ -373,10 +373,14 @@ def test_a_journal_left_behind_never_undoes_a_later_save(tmp_path):
     assert _same(load_checkpoint(path), _ckpt(3))
 
 
-def test_a_commit_still_running_is_left_alone(tmp_path):
+def test_a_commit_still_running_is_left_alone(tmp_path, monkeypatch):
     """recover_commits, the train start-up cleanup and load_checkpoint, while another process is between
     the renames of a save (its journal locked): nothing is put back or deleted, and the save then ends
-    with the new files."""
+    with the new files. A load of the pair as it stands (the new .data, the old main file) is refused, after
+    its retries, as two saves' files (it loaded them mixed)."""
+    from onnxtrain.checkpoint import format as fmt
+
+    monkeypatch.setattr(fmt, "_TORN_RETRIES", 2)
     path = str(tmp_path / "ckpt")
     save_checkpoint(_ckpt(1), path, external_threshold=0)
     go_r, go_w = os.pipe()
@@ -400,7 +404,8 @@ def test_a_commit_still_running_is_left_alone(tmp_path):
         assert remove_stale_temporaries(str(tmp_path)) == []  # (as a run folder)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            load_checkpoint(path)  # the pair as it is (new data, old main file): nothing put back, no warning
+            with pytest.raises(ValueError, match="not the one saved with it"):  # nothing put back, no warning
+                load_checkpoint(path)
         assert _snapshot(tmp_path) == during
     finally:
         os.write(go_w, b"1")
