@@ -76,6 +76,9 @@ def node_arg(v: onnx.ValueInfoProto) -> NodeArg:
     if tp.HasField("optional_type") and tp.optional_type.elem_type.HasField("tensor_type"):
         tp = tp.optional_type.elem_type  # an optional tensor's shape is its tensor's, as onnxruntime gives it
     shape = value_info_shape(tp)
+    if tp.HasField("sparse_tensor_type") and tp.sparse_tensor_type.HasField("shape"):  # its dense shape
+        shape = [d.dim_value if d.HasField("dim_value") else d.dim_param or None
+                 for d in tp.sparse_tensor_type.shape.dim]
     # an unknown shape as [], as onnxruntime gives it
     return NodeArg(v.name, type_string(v.type, "unknown"), [] if shape is None else shape)
 

@@ -33,11 +33,21 @@ TENSOR_TYPE_STRINGS = {v: f"tensor({k.lower()})" for k, v in TensorProto.DataTyp
 
 def type_string(tp: onnx.TypeProto, unknown: str | None = None) -> str | None:
     """A value's type as schemas' type constraints and onnxruntime name it ("tensor(float)",
-    "seq(tensor(int64))", "optional(tensor(bool))"); ``unknown`` for no element type or another kind (a map,
-    a sparse tensor); with ``unknown`` None, None also for a sequence or optional of an unknown type."""
+    "seq(tensor(int64))", "optional(tensor(bool))", "map(string,tensor(float))", "sparse_tensor(float)");
+    ``unknown`` for no element type or another kind; with ``unknown`` None, None also for a container of an
+    unknown type."""
     kind = tp.WhichOneof("value")
     if kind == "tensor_type":
         return TENSOR_TYPE_STRINGS.get(tp.tensor_type.elem_type, unknown)
+    if kind == "sparse_tensor_type":
+        dense = TENSOR_TYPE_STRINGS.get(tp.sparse_tensor_type.elem_type)
+        return unknown if dense is None else f"sparse_{dense}"
+    if kind == "map_type":
+        key = TENSOR_TYPE_STRINGS.get(tp.map_type.key_type)
+        value = type_string(tp.map_type.value_type, None)
+        if key is None or value is None:
+            return unknown
+        return f"map({key[len('tensor('):-1]},{value})"
     if kind == "sequence_type":
         inner = type_string(tp.sequence_type.elem_type, unknown)
         return None if inner is None else f"seq({inner})"

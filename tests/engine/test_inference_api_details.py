@@ -136,3 +136,21 @@ def test_an_empty_sequence_output_keeps_its_element_type(lib: Any) -> None:
     binding.bind_output("s")
     sess.run_with_iobinding(binding)
     assert binding.get_outputs()[0].data_type() == "seq(tensor(int16))"
+
+
+@pytest.mark.parametrize("lib", LIBS, ids=IDS)
+def test_node_arg_types_of_maps_and_sparse_tensors(lib: Any) -> None:
+    """Unused map, sequence-of-map and sparse inputs: their NodeArg types (and the sparse one's dense shape)
+    as onnxruntime names them (they read 'unknown' and [])."""
+    f = TensorProto.FLOAT
+    m = helper.make_value_info("m", helper.make_map_type_proto(TensorProto.STRING,
+                                                               helper.make_tensor_type_proto(f, None)))
+    sm = helper.make_value_info("sm", helper.make_sequence_type_proto(helper.make_map_type_proto(
+        TensorProto.INT64, helper.make_tensor_type_proto(f, None))))
+    sp = helper.make_value_info("sp", helper.make_sparse_tensor_type_proto(f, [2, 2]))
+    x = helper.make_tensor_value_info("x", f, [2])
+    model = _model([N("Relu", ["x"], ["y"])], [x, m, sm, sp], [helper.make_tensor_value_info("y", f, [2])])
+    got = {a.name: (a.type, a.shape) for a in _session(lib, model).get_inputs()}
+    assert got["m"][0] == "map(string,tensor(float))"
+    assert got["sm"][0] == "seq(map(int64,tensor(float)))"
+    assert got["sp"] == ("sparse_tensor(float)", [2, 2])
