@@ -166,7 +166,8 @@ def _conv_weight_grad(plan: Plan, members: list[Step]) -> Callable:
             oh, ow = dy.shape[2:]
             kh = (h - dil[0] * (oh - 1) - 1) // strides[0] + 1
             kw = (w - dil[1] * (ow - 1) - 1) // strides[1] + 1
-            if kh == kw == 1 and dil == [1, 1] and oh * ow >= POINTWISE_MIN_POSITIONS:
+            # (position for position: a strided 1×1 kernel over more rows than dY has reads every s-th)
+            if kh == kw == 1 and dil == [1, 1] and (h, w) == (oh, ow) and oh * ow >= POINTWISE_MIN_POSITIONS:
                 return (_pointwise_weight_grad(x, dy),)
             if (kh > 0 and kw > 0 and dil == [1, 1] and ci >= SHIFTED_MIN_CHANNELS
                     and ci * dy.shape[1] <= SHIFTED_MAX_CHANNEL_PAIRS and n * kh * kw <= SHIFTED_MAX_GEMMS):

@@ -65,8 +65,8 @@ def _zero_pad(plan: Plan, st: Step) -> bool:
     if len(st.inputs) > 3 and st.inputs[3] >= 0:  # axes
         return False
     if len(st.inputs) > 2 and st.inputs[2] >= 0:
-        v = constant_of(plan, st.inputs[2])
-        return v is not None and v.size == 1 and not v.reshape(-1)[0]
+        v = constant_of(plan, st.inputs[2])  # +0.0 only: the fused concat adds 0.0, which drops a -0.0 fill
+        return v is not None and v.size == 1 and not v.reshape(-1).view(np.uint8).any()
     return True
 
 

@@ -107,7 +107,11 @@ def memoize_shape_steps(plan: Plan, steps: list[Step]) -> list[Step]:
     """Fold steps of constants; wrap the kernels of shape-computing steps in :class:`ShapeOf` /
     :class:`FromShapes`."""
     consts = dict(plan._const_values)
-    fixed = {plan.slot[n] for n, v in plan.initializers.items() if v.dtype.kind in "iub" and v.size <= 64}
+    # small int initializers a run cannot change (one that is also a graph input may be fed, and a feed's
+    # array may be rewritten between runs: its results are not memoized by identity)
+    fed = set(plan.all_input_names)
+    fixed = {plan.slot[n] for n, v in plan.initializers.items()
+             if v.dtype.kind in "iub" and v.size <= 64 and n not in fed}
     derived: set[int] = set()  # slots whose value depends only on shapes read by a SOURCES step
     kept = protected_slots(plan)
     out: list[Step] = []

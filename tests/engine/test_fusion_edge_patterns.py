@@ -1,0 +1,86 @@
+"""Patterns a second fuzz of the plan-time fusions found, each fused run against the unfused run and
+onnxruntime: a shape computed from a small int initializer that is also a graph input was memoized by the
+feed array's identity (rewriting that array between runs gave the first run's shape), the Conv weight-
+gradient fusion's pointwise path took a strided 1×1 kernel over more rows than dY has (a matmul size error),
+and the Pad+Concat fusion took a -0.0 fill for a zero (the fused sum dropped the sign)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain import InferenceSession, SessionOptions
+from onnxtrain.capi.options import GraphOptimizationLevel
+from onnxtrain.engine.plan import Plan
+
+N, F = helper.make_node, TensorProto.FLOAT
+
+
+def _model(nodes: list, inputs: list, outputs: list, inits: list = ()) -> onnx.ModelProto:
+    g = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def _ort(m: onnx.ModelProto, feeds: dict) -> list:
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def test_a_fed_shape_initializer_rewritten_between_runs() -> None:
+    """y = Reshape(x, Concat(Shape(x)[0:1], k)), k an int64 initializer that is also an input, fed the same
+    array rewritten between runs."""
+    i64 = TensorProto.INT64
+    nodes = [N("Shape", ["x"], ["s"], end=1), N("Concat", ["s", "k"], ["t"], axis=0),
+             N("Reshape", ["x", "t"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", F, ["n", 12]), helper.make_tensor_value_info("k", i64, [2])]
+    m = _model(nodes, inputs, [helper.make_tensor_value_info("y", F, None)],
+               [numpy_helper.from_array(np.array([3, 4]), "k")])
+    x = np.arange(24, dtype=np.float32).reshape(2, 12)
+    k = np.array([3, 4])
+    for off in (False, True):
+        so = SessionOptions()
+        if off:
+            so.graph_optimization_level = GraphOptimizationLevel.ORT_DISABLE_ALL
+        sess = InferenceSession(m.SerializeToString(), so)
+        k[:] = [3, 4]
+        assert sess.run(None, {"x": x, "k": k})[0].shape == (2, 3, 4)
+        k[:] = [6, 2]  # the same array, new values
+        got = sess.run(None, {"x": x, "k": k})[0]
+        assert got.shape == _ort(m, {"x": x, "k": k})[0].shape == (2, 6, 2), off
+
+
+def test_conv_weight_gradient_of_a_strided_one_by_one_kernel() -> None:
+    """dW = Transpose(Conv(Transpose(X), Transpose(dY), strides=2)): X 17×17 and dY 16×16 give a 1×1 kernel
+    read every other row; the fused path assumed X has dY's size."""
+    t = [1, 0, 2, 3]
+    nodes = [N("Transpose", ["x"], ["xt"], perm=t), N("Transpose", ["dy"], ["dyt"], perm=t),
+             N("Conv", ["xt", "dyt"], ["c"], strides=[2, 2]), N("Transpose", ["c"], ["dw"], perm=t)]
+    inputs = [helper.make_tensor_value_info("x", F, [2, 3, 17, 17]),
+              helper.make_tensor_value_info("dy", F, [2, 4, 16, 16])]
+    m = _model(nodes, inputs, [helper.make_tensor_value_info("dw", F, None)])
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((2, 3, 17, 17)).astype(np.float32),
+             "dy": rng.standard_normal((2, 4, 16, 16)).astype(np.float32)}
+    fused, plain = Plan(m, fuse=True).run(feeds)[0], Plan(m, fuse=False).run(feeds)[0]
+    assert fused.shape == (4, 3, 1, 1)
+    np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fused, _ort(m, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_pads_summed_with_a_negative_zero_fill_keep_the_sign() -> None:
+    zero = numpy_helper.from_array(np.array(-0.0, np.float32))
+    nodes = [N("Constant", [], ["z"], value=zero),
+             N("Constant", [], ["pa"], value=numpy_helper.from_array(np.array([0, 0, 0, 3]))),
+             N("Constant", [], ["pb"], value=numpy_helper.from_array(np.array([0, 3, 0, 0]))),
+             N("Pad", ["a", "pa", "z"], ["a2"]), N("Pad", ["b", "pb", "z"], ["b2"]),
+             N("Sum", ["a2", "b2"], ["y"])]
+    inputs = [helper.make_tensor_value_info("a", F, [2, 3]), helper.make_tensor_value_info("b", F, [2, 3])]
+    m = _model(nodes, inputs, [helper.make_tensor_value_info("y", F, None)])
+    feeds = {"a": np.array([[-0.0, 1, 2], [3, -0.0, 4]], np.float32),
+             "b": np.array([[-0.0, -0.0, 5], [-0.0, 6, -0.0]], np.float32)}
+    fused, plain = Plan(m, fuse=True).run(feeds)[0], Plan(m, fuse=False).run(feeds)[0]
+    assert fused.tobytes() == plain.tobytes() == _ort(m, feeds)[0].tobytes()
