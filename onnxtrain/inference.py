@@ -31,7 +31,7 @@ from onnxtrain.engine.interface import (
 from onnxtrain.errors import Fail, FailValueError, InvalidFeed, InvalidFeedType
 from onnxtrain.ir.builder import refuse_unknown_versions
 from onnxtrain.ir.io import write_atomic
-from onnxtrain.ir.types import np_dtype_of, type_string, value_info_shape
+from onnxtrain.ir.types import np_dtype_of, shape_dims, type_string, value_info_shape
 
 
 @dataclass
@@ -77,8 +77,7 @@ def node_arg(v: onnx.ValueInfoProto) -> NodeArg:
         tp = tp.optional_type.elem_type  # an optional tensor's shape is its tensor's, as onnxruntime gives it
     shape = value_info_shape(tp)
     if tp.HasField("sparse_tensor_type") and tp.sparse_tensor_type.HasField("shape"):  # its dense shape
-        shape = [d.dim_value if d.HasField("dim_value") else d.dim_param or None
-                 for d in tp.sparse_tensor_type.shape.dim]
+        shape = shape_dims(tp.sparse_tensor_type.shape)
     # an unknown shape as [], as onnxruntime gives it
     return NodeArg(v.name, type_string(v.type, "unknown"), [] if shape is None else shape)
 

@@ -139,8 +139,8 @@ def stage_checkpoint(files: StagedFiles, ckpt: Checkpoint, path: str | os.PathLi
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise FileNotFoundError(errno.ENOENT, "Cannot save checkpoint, its directory does not exist", path)
     external = not ckpt.nominal and _data_bytes(ckpt) > external_threshold
-    token = os.urandom(16)
     if external:
+        token = os.urandom(16)
         ckpt = dataclasses.replace(ckpt, properties={**ckpt.properties, DATA_TOKEN: token.hex()})
     main, arrays = _encode(ckpt, external, sort_parameters)
     data_path = path + ".data"
@@ -439,5 +439,4 @@ def _decode(buf: bytes, data_path: str | None) -> Checkpoint:
             ckpt.optimizer_groups.append(group)
     finally:
         data.close()
-
     return ckpt

@@ -119,21 +119,7 @@ class Body:
         """The body's output dims (None where unknown) by ONNX shape inference on the body as declared (its
         inputs' declared types, the values it captures untyped); computed once."""
         if self._declared is None:
-            body = onnx.GraphProto()
-            body.CopyFrom(self.graph)
-            for o in body.output:
-                if not o.type.tensor_type.HasField("shape"):
-                    o.type.tensor_type.ClearField("shape")
-            self._declared = {}
-            try:
-                model = helper.make_model(body, opset_imports=self.opsets, ir_version=self.ir_version)
-                inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-            except Exception:
-                return self._declared
-            for o in inferred.graph.output:
-                dims = value_info_shape(o.type)
-                if dims is not None:
-                    self._declared[o.name] = [d if isinstance(d, int) else None for d in dims]
+            self._declared = self._output_dims(self.graph, data_prop=False)
         return self._declared
 
     def _infer(self, given: Sequence[Any], captured: Sequence[Any]) -> dict[str, list[int | None]]:
@@ -157,9 +143,14 @@ class Body:
         body.input.extend(helper.make_tensor_value_info(c.name, c.data_type, list(c.dims)) for c in consts)
         for o in body.output:
             o.type.tensor_type.ClearField("shape")
+        return self._output_dims(body, data_prop=True)
+
+    def _output_dims(self, body: onnx.GraphProto, data_prop: bool) -> dict[str, list[int | None]]:
+        """The dims (None where unknown) ONNX shape inference finds for ``body``'s outputs, by name; empty
+        when inference fails."""
         try:
             model = helper.make_model(body, opset_imports=self.opsets, ir_version=self.ir_version)
-            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=data_prop)
         except Exception:
             return {}
         out: dict[str, list[int | None]] = {}

@@ -143,7 +143,7 @@ _OTHER_DOMAIN_NEWEST = {"com.microsoft": 1, "com.microsoft.nchwc": 1, "com.micro
 
 @functools.cache
 def _newest_versions() -> dict[str, int]:
-    """The newest opset version of each domain the installed onnx has schemas for, and com.microsoft's."""
+    """The newest opset version of each domain the installed onnx has schemas for, and onnxruntime's own."""
     newest: dict[str, int] = dict(_OTHER_DOMAIN_NEWEST)
     for schema in onnx.defs.get_all_schemas_with_history():
         if schema.domain not in DEFAULT_DOMAINS:
@@ -152,9 +152,9 @@ def _newest_versions() -> dict[str, int]:
 
 
 def unknown_versions(model: onnx.ModelProto) -> str | None:
-    """What of ``model``'s IR version and opsets the installed onnx (or onnxruntime, for com.microsoft)
+    """What of ``model``'s IR version and opsets the installed onnx (or onnxruntime, for its own domains)
     does not know (None: all known): its converter and checker cannot handle them, and its version tables
-    stamp IR versions too old for them. Domains outside onnx's and com.microsoft are not checked."""
+    stamp IR versions too old for them. Domains neither knows are not checked."""
     if model.ir_version > onnx.IR_VERSION:
         return (f"IR version {model.ir_version}, newer than the installed onnx {onnx.__version__} knows "
                 f"({onnx.IR_VERSION})")
@@ -172,14 +172,14 @@ def unknown_versions(model: onnx.ModelProto) -> str | None:
     return None
 
 
-def refuse_unknown_versions(model: onnx.ModelProto) -> None:
-    """Raise onnxruntime's ``Fail`` for a model of versions :func:`unknown_versions` finds (onnxruntime
-    refuses such a model at load)."""
+def refuse_unknown_versions(model: onnx.ModelProto, where: str = "") -> None:
+    """Raise onnxruntime's ``Fail`` (its message after ``where``) for a model of versions
+    :func:`unknown_versions` finds (onnxruntime refuses such a model at load)."""
     newer = unknown_versions(model)
     if newer is not None:
         from onnxtrain.errors import Fail
 
-        raise Fail(f"the model's {newer}")
+        raise Fail(f"{where}the model's {newer}")
 
 
 _DATA_KEPT = 1024  # initializers of at most this many elements keep their values for shape inference

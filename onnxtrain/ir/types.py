@@ -61,8 +61,13 @@ def value_info_shape(tp: onnx.TypeProto) -> list[int | str | None] | None:
     """Dims of a tensor type (int, symbolic name or None); None when the rank is unknown."""
     if not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
         return None
+    return shape_dims(tp.tensor_type.shape)
+
+
+def shape_dims(shape: onnx.TensorShapeProto) -> list[int | str | None]:
+    """The dims of a shape (int, symbolic name or None)."""
     dims: list[int | str | None] = []
-    for d in tp.tensor_type.shape.dim:
+    for d in shape.dim:
         if d.HasField("dim_value"):
             dims.append(int(d.dim_value))
         elif d.HasField("dim_param"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import json
 import math
 import os
 import re
@@ -550,6 +551,13 @@ def config_from_dict(raw: dict[str, Any], name: str = "run", base_dir: str = "."
     cfg = from_dict(Config, raw, "")
     cfg.name, cfg.base_dir = name, os.path.abspath(base_dir)
     return validate(cfg)
+
+
+def changed_keys(saved: str, cfg: Config) -> list[str]:
+    """The keys ("section.key") whose values differ between a config saved as JSON (a checkpoint's) and
+    ``cfg``, sorted."""
+    old, new = flatten_keys(json.loads(saved)), flatten_keys(cfg.to_dict())
+    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
 
 
 def flatten_keys(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

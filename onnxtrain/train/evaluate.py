@@ -10,7 +10,7 @@ from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
 from onnxtrain.checkpoint import load_checkpoint
 from onnxtrain.engine.backends import make_plan
 from onnxtrain.train import data as data_mod
-from onnxtrain.train.config import Config, ConfigError, flatten_keys
+from onnxtrain.train.config import Config, ConfigError, changed_keys
 from onnxtrain.train.model import build_model, inference_model
 from onnxtrain.train.outputs import find_checkpoint
 from onnxtrain.train.session import feed_names, training_parameters
@@ -96,12 +96,9 @@ def _warn_split_changes(cfg: Config, saved: object, path: str) -> None:
     differ from those of the run that wrote the checkpoint (its config, as saved in it)."""
     if not isinstance(saved, str):
         return
-    import json
     import sys
 
-    old, new = flatten_keys(json.loads(saved)), flatten_keys(cfg.to_dict())
-    keys = sorted(k for k in old.keys() | new.keys()
-                  if (k.startswith("data.") or k == "training.seed") and old.get(k) != new.get(k))
+    keys = [k for k in changed_keys(saved, cfg) if k.startswith("data.") or k == "training.seed"]
     if keys and parallel.world().rank == 0:
         verb = "differs" if len(keys) == 1 else "differ"
         print(f"onnxtrain: warning: {', '.join(keys)} {verb} from the run that wrote {path}: the eval data "

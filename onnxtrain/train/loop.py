@@ -36,7 +36,7 @@ from onnxtrain.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from onnxtrain.engine.kernels.random import set_random_seed
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.train import data as data_mod
-from onnxtrain.train.config import Config, ConfigError, flatten_keys
+from onnxtrain.train.config import Config, ConfigError, changed_keys
 from onnxtrain.train.evaluate import Evaluator
 from onnxtrain.train.model import build_model, check_loss_value
 from onnxtrain.train.outputs import (
@@ -291,9 +291,7 @@ class Trainer:
         saved = ckpt.properties.get("config")
         diff: list[str] = []
         if isinstance(saved, str):
-            old, new = flatten_keys(json.loads(saved)), flatten_keys(self.cfg.to_dict())
-            diff = sorted(k for k in old.keys() | new.keys()
-                          if old.get(k) != new.get(k) and not _cannot_change_weights(k))
+            diff = [k for k in changed_keys(saved, self.cfg) if not _cannot_change_weights(k)]
         own = self.adasum and ckpt.properties.get(ADASUM_RANKS) == self.ranks
         if self.adasum and not own and self.main:
             print(f"onnxtrain: warning: under Adasum each rank keeps optimizer state of its own, and "

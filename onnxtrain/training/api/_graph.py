@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxtrain.errors import Fail, InvalidFeed, InvalidFeedType
-from onnxtrain.ir.builder import unknown_versions
+from onnxtrain.errors import InvalidFeed, InvalidFeedType
+from onnxtrain.ir.builder import refuse_unknown_versions
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
 ModelLike = str | os.PathLike | bytes | onnx.ModelProto
@@ -21,9 +21,7 @@ def load_model(uri: ModelLike, what: str) -> tuple[onnx.ModelProto, str | None]:
     """The ModelProto of ``uri`` (path, bytes or proto) and its path (None when not from a file); one of an
     IR version or opset the installed onnx (onnxruntime, for com.microsoft) does not know is refused."""
     model, path = _read(uri, what)
-    newer = unknown_versions(model)
-    if newer is not None:
-        raise Fail(f"the {what} model{f' {path}' if path else ''}: the model's {newer}")
+    refuse_unknown_versions(model, f"the {what} model{f' {path}' if path else ''}: ")
     return model, path
 
 
