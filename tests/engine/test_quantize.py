@@ -113,8 +113,21 @@ def test_dynamic_quantize_linear_matches_onnxruntime() -> None:
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("zp", [np.uint8(128), np.int8(0), np.int8(5), np.uint16(3), np.int16(-7)])
+def test_quantize_linear_non_finite_matches_onnxruntime(zp) -> None:
+    # NaN goes to the type's lowest value and the infinities saturate, as onnxruntime's quantizer gives
+    x = np.array([np.nan, np.inf, -np.inf, 1e30, -2.5, 3.75, -np.nan], np.float32)
+    args = [x, np.asarray(0.5, np.float32), np.asarray(zp)]
+    ours = _ours("QuantizeLinear", args, 21)[0]
+    theirs = _onnxruntime("QuantizeLinear", args, 21)[0]
+    assert ours.dtype == theirs.dtype
+    np.testing.assert_array_equal(ours, theirs)
+
+
 def test_qlinear_conv_per_channel_matches_onnxruntime() -> None:
-    x, w = _u8(2, 4, 7, 7), _i8(6, 4, 3, 3)
+    # weights within [-64, 63]: on x86 without VNNI onnxruntime's u8 x s8 kernel adds products in pairs into
+    # saturating 16-bit lanes (255 * 127 * 2 overflows them), so full-range weights test its saturation
+    x, w = _u8(2, 4, 7, 7), RNG.integers(-64, 64, (6, 4, 3, 3)).astype(np.int8)
     x_scale, w_scale = np.asarray(0.02, np.float32), RNG.uniform(0.002, 0.01, 6).astype(np.float32)
     x_zp, w_zp = np.asarray(128, np.uint8), np.zeros(6, np.int8)
     y_scale, y_zp = np.asarray(0.15, np.float32), np.asarray(100, np.uint8)

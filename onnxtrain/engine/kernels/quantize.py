@@ -34,13 +34,13 @@ def _wide(v: np.ndarray | None) -> np.ndarray | float:
 
 
 def saturate_to(v: np.ndarray, dt: np.dtype, saturate: bool = True) -> np.ndarray:
-    """Real values ``v`` rounded to ``dt``: half to even and clipped for an integer type, Cast for a float
-    one (float8 overflows to NaN/inf unless ``saturate``; float4 always saturates)."""
+    """Real values ``v`` rounded to ``dt``: half to even and clipped for an integer type (NaN to the type's
+    lowest value, as onnxruntime), Cast for a float one (float8 overflows to NaN/inf unless ``saturate``;
+    float4 always saturates)."""
     rng = _int_range(dt)
     if rng is None:
         return cast_to(np.asarray(v), helper.np_dtype_to_tensor_dtype(dt), saturate)
-    with np.errstate(invalid="ignore"):
-        return np.clip(np.rint(v), rng[0], rng[1]).astype(dt)
+    return np.minimum(np.fmax(np.rint(v), rng[0]), rng[1]).astype(dt)
 
 
 def _axis(axis: int, rank: int, op: str) -> int:
