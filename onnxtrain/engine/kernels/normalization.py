@@ -271,8 +271,10 @@ def _as_ncl(w: np.ndarray) -> np.ndarray:
 
 def _batch_norm_infer(x, scale, bias, mean, var, eps) -> np.ndarray:
     w = _work(x)
-    a = (scale / np.sqrt(var + eps)).astype(w.dtype, copy=False)
-    b = (bias - mean * a).astype(w.dtype, copy=False)
+    # folded in the work type: half parameters folded in their own type put a half ulp of error on b
+    scale, bias, mean, var = (np.asarray(v).astype(w.dtype, copy=False) for v in (scale, bias, mean, var))
+    a = scale / np.sqrt(var + w.dtype.type(eps))
+    b = bias - mean * a
     x3 = _as_ncl(w)
     y = np.multiply(x3, _per_channel(a, x3))
     y += _per_channel(b, x3)
