@@ -29,7 +29,8 @@ from onnxtrain.engine.interface import (
     load_model,
 )
 from onnxtrain.errors import Fail, FailValueError, InvalidFeed, InvalidFeedType
-from onnxtrain.ir.builder import refuse_unknown_versions
+from onnxtrain.ir.builder import refuse_unloadable
+from onnxtrain.ir.graphs import model_for_outputs, path_to
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.ir.types import np_dtype_of, shape_dims, type_string, value_info_shape
 
@@ -301,7 +302,7 @@ class InferenceSession:
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         folder = _config(self._sess_options).get("session.model_external_initializers_file_folder_path")
         self._model = with_option_overrides(load_model(path_or_bytes, folder), self._sess_options)
-        refuse_unknown_versions(self._model)
+        refuse_unloadable(self._model)
         loaded = time.perf_counter_ns()
         self._plan = make_plan(self._model, self._backend, self._providers, self._sess_options,
                                self._provider_options)
@@ -320,6 +321,8 @@ class InferenceSession:
         self._outputs = [node_arg(v) for v in g.output]
         self._output_names = [o.name for o in self._outputs]
         self._check = FeedChecker(self._plan, [a.name for a in self._overridable])
+        # outputs of path-only runs → the inputs on their path and its plan (see _path_plan)
+        self._path_plans: dict[tuple[str, ...], tuple[list[str] | None, GraphInterface | None]] = {}
         self._fallback = True
         # the numpy engine may run the two halves of a batch at once (onnxtrain/engine/batch_split.py)
         split = batch_split_mode(self._sess_options)
@@ -390,14 +393,34 @@ class InferenceSession:
     def _run(
         self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], ro: RunOptions
     ) -> list[np.ndarray]:
-        """The model's outputs on the checked feeds (the run options change nothing else in inference)."""
-        feeds = self._check(input_feed)
+        """The model's outputs on the checked feeds; with the run options' ``only_execute_path_to_fetches``,
+        only the inputs on the outputs' path are required (the run options change nothing else)."""
         names = self._output_list(output_names) if output_names else None
-        if self._splitter is not None:
+        required, path = self._path_plan(names) if names and ro.only_execute_path_to_fetches else (None, None)
+        feeds = self._check(input_feed, required)
+        if path is not None:
+            outs = path.run({n: v for n, v in feeds.items() if n in path.input_info}, names)
+        elif self._splitter is not None:
             outs = self._splitter.run(feeds, names)
         else:
             outs = self._plan.run(feeds, names)
         return outs
+
+    def _path_plan(self, names: list[str]) -> tuple[list[str] | None, GraphInterface | None]:
+        """The required inputs on the way to outputs ``names`` and a plan of only that path; (None, None)
+        when the path reads every required input (the session's plan then runs)."""
+        key = tuple(sorted(names))
+        if key not in self._path_plans:
+            _, needed = path_to(self._model.graph.node, names)
+            required = [n for n in self._check.required if n in needed]
+            if len(required) == len(self._check.required):
+                self._path_plans[key] = (None, None)
+            else:
+                plan = make_plan(model_for_outputs(self._model, names), self._backend, self._providers,
+                                 self._sess_options, self._provider_options)
+                plan.profiling = self._plan.profiling
+                self._path_plans[key] = (required, plan)
+        return self._path_plans[key]
 
     def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
         """The outputs asked for (all of the session's when None); InvalidFeed naming an unknown one."""
@@ -494,7 +517,8 @@ class InferenceSession:
     def end_profiling(self) -> str:
         """Write the per-node profile as a chrome-trace JSON file and end profiling, as onnxruntime does;
         returns its path ('' when not profiling, or profiling has ended)."""
-        return end_profiling(self, [self._plan])
+        paths = [plan for _, plan in self._path_plans.values() if plan is not None]
+        return end_profiling(self, [self._plan, *paths])
 
 
 def end_profiling(session: Any, plans: Sequence[GraphInterface]) -> str:

@@ -38,7 +38,7 @@ from onnxtrain.inference import (
     profile_session_start,
 )
 from onnxtrain.interrupts import sigint_deferred
-from onnxtrain.ir.builder import refuse_unknown_versions
+from onnxtrain.ir.builder import refuse_unloadable
 from onnxtrain.ir.graphs import model_for_outputs
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import WeightSlot, get_optimizer
@@ -185,7 +185,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             )
         self._start_ns = time.time_ns()
         model = load_model(path_or_bytes)
-        refuse_unknown_versions(model)
+        refuse_unloadable(model)
         self._loaded_ns = time.perf_counter_ns()
         if self._backend == "numpy":  # the user's nodes first: an error names them, not the training graph's
             _check_user_nodes(model)
@@ -337,6 +337,19 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             self._plans[key] = self._new_plan(model, updates or None, False)
         return self._plans[key]
 
+    def _forward_plan(self, names: list[str]) -> GraphInterface:
+        """The plan of the evaluation graph cut to what ``names`` need (the whole of it when they need
+        all): a path-only run of some outputs reads only the inputs on their path."""
+        key = "forward:" + "\0".join(sorted(names))
+        if key not in self._plans:
+            forward = self._graphs.forward
+            cut = model_for_outputs(forward, names)
+            if len(cut.graph.node) == len(forward.graph.node):
+                self._plans[key] = self._get_plan("forward")
+            else:
+                self._plans[key] = self._new_plan(cut, None, False)
+        return self._plans[key]
+
     def _path_updates(self, plan: GraphInterface) -> list[tuple[str, str]]:
         """(buffer, output) of the accumulation buffers a path plan writes (see :meth:`_path_plan`)."""
         acc = self._graphs.updates.get("accumulate", {})
@@ -380,8 +393,11 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         names = self._output_list(output_names)
         kind = self._kind(names, ro)
         required = None
-        if kind != "full":  # the model's own inputs (an optional one may be left out, as in a full run)
-            required = [n for n in self._graphs.user_inputs if self._check.containers.get(n) != "optional"]
+        if kind != "full":  # the model's own inputs (an optional one may be left out, as in a full run); an
+            # evaluation of some outputs, those on their path (onnxruntime's label-less eval_step)
+            reads = set(self._forward_plan(names).all_input_names) if kind == "forward" else None
+            required = [n for n in self._graphs.user_inputs if self._check.containers.get(n) != "optional"
+                        and (reads is None or n in reads)]
         feeds = self._check(input_feed, required)
         self._check_loss_scale(feeds)
         if self._graphs.has_training_mode and TRAINING_MODE not in feeds:
@@ -392,7 +408,10 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         # under data parallelism the norm and the finiteness flag on the fetches' path are the ranks' (their
         # averaged gradients'), as in the step: the plan also returns what the rank's norm is taken from
         sources = [s for s in self._path_norm_sources(names) if s not in names] if path else []
-        plan = self._path_plan(names, sources) if path else self._get_plan(kind)
+        if path:
+            plan = self._path_plan(names, sources)
+        else:
+            plan = self._forward_plan(names) if kind == "forward" else self._get_plan(kind)
         if output_names is None:  # "all outputs" of this kind of run (a micro-step has no norm yet)
             names = [n for n in names if n in plan.output_info]
         else:

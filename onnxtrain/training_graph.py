@@ -315,6 +315,8 @@ def build_step_graphs(
             f"loss_output_name {loss!r} is not a value of the model; outputs: "
             f"{[o.name for o in m.graph.output]}"
         )
+    if opt is not None:
+        _check_learning_rate_name(m.graph, p.lr_params_feed_name)
     trainable = select_trainable(m, p)
     if opt is not None and not trainable:
         raise ValueError(
@@ -517,6 +519,20 @@ def build_step_graphs(
     )
 
 
+def _check_learning_rate_name(graph: onnx.GraphProto, name: str) -> None:
+    """The learning-rate feed ``name`` is a name of its own, or a float graph input (the one feed then
+    serves both): not empty, an initializer or a value a node computes."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"TrainingParameters.lr_params_feed_name must name the learning-rate feed, got "
+                         f"{name!r}")
+    writer = next((n for n in graph.node if name in n.output), None)
+    if writer is not None or name in {t.name for t in graph.initializer}:
+        what = (f"node {writer.name!r} ({writer.op_type}) computes it" if writer is not None
+                else "an initializer of that name")
+        raise ValueError(f"lr_params_feed_name {name!r} names a value of the model ({what}); name the "
+                         "learning-rate feed otherwise (TrainingParameters.lr_params_feed_name)")
+
+
 def _add_learning_rate_input(inputs: list[onnx.ValueInfoProto], name: str) -> None:
     """Append the learning-rate feed ``name`` to ``inputs``, unless the model has an input of that name
     already (onnxruntime skipped duplicates: the one feed serves both), which must be float."""
@@ -527,6 +543,12 @@ def _add_learning_rate_input(inputs: list[onnx.ValueInfoProto], name: str) -> No
         raise ValueError(f"lr_params_feed_name {name!r} is an input of the model of another type than "
                          "float; name the learning-rate feed otherwise (TrainingParameters."
                          "lr_params_feed_name)")
+    elif any(d.HasField("dim_value") and d.dim_value != 1 for d in same.type.tensor_type.shape.dim):
+        dims = [d.dim_value if d.HasField("dim_value") else d.dim_param or "?"
+                for d in same.type.tensor_type.shape.dim]
+        raise ValueError(f"lr_params_feed_name {name!r} is an input of the model of shape {dims}, not "
+                         "one value; name the learning-rate feed otherwise "
+                         "(TrainingParameters.lr_params_feed_name)")
 
 
 def _emit_update(

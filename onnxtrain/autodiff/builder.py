@@ -35,7 +35,7 @@ from onnxtrain.ir.builder import (
     NodeWriter,
     elem_type,
     model_opset,
-    refuse_unknown_versions,
+    refuse_unloadable,
     symbolic_shape,
     value_types,
 )
@@ -436,7 +436,7 @@ def build_gradient_model(
                         f"{type(model).__name__}{program_hint(model)}")
     from onnxtrain.engine.interface import inline_local_functions
 
-    refuse_unknown_versions(model)
+    refuse_unloadable(model)
     model = inline_local_functions(model)  # (torch's export_modules_as_functions)
     warn_inference_batch_norms(model)
     # bfloat16 zeros and seeds (ConstantOfShape) are valid from opset 20, as mixed precision upgrades too

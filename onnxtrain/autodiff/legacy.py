@@ -10,7 +10,7 @@ import onnx
 
 from onnxtrain.autodiff.builder import GradientError, build_gradient_model
 from onnxtrain.errors import program_hint
-from onnxtrain.ir.builder import refuse_unknown_versions
+from onnxtrain.ir.builder import refuse_unloadable
 from onnxtrain.ir.graphs import graph_values
 
 
@@ -50,7 +50,7 @@ class GradientGraphBuilder:
         else:
             raise TypeError(f"serialized_model must be the model's bytes, its path or an onnx.ModelProto, "
                             f"got {type(serialized_model).__name__}{program_hint(serialized_model)}")
-        refuse_unknown_versions(self._model)
+        refuse_unloadable(self._model)
         self._ys = _ordered(y_node_arg_names)
         self._xs = _ordered(x_node_arg_names)
         if not self._ys:

@@ -196,6 +196,42 @@ def graph_values(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
+def misdefined_name(graph: onnx.GraphProto) -> str | None:
+    """What first breaks ONNX's naming rules in ``graph`` or a body in it, or None: a name defined twice (two
+    graph inputs, two initializers, a node output named like an input, initializer or earlier output), or a
+    node reading a value that a later node defines (nodes out of topological order). onnxruntime refuses
+    the first at load. A graph input may share an initializer's name: the initializer is its default."""
+    where: dict[str, str] = {}
+    for v in graph.input:
+        if v.name in where:
+            return f"graph {graph.name!r} declares input {v.name!r} twice"
+        where[v.name] = "a graph input"
+    inits: set[str] = set()
+    for name in [t.name for t in graph.initializer] + [t.values.name for t in graph.sparse_initializer]:
+        if name in inits:
+            return f"graph {graph.name!r} holds two initializers named {name!r}"
+        inits.add(name)
+        where.setdefault(name, "an initializer")
+    later = {o for n in graph.node for o in n.output if o}
+    for k, node in enumerate(graph.node):
+        label = f"node {node.name!r}" if node.name else f"node #{k} (unnamed)"
+        early = next((r for r in node_reads(node) if r and r not in where and r in later), None)
+        if early is not None:
+            return (f"{label} ({node.op_type}) in graph {graph.name!r} reads {early!r} before the node that "
+                    "writes it: the nodes are not in topological order")
+        for o in node.output:
+            if o and o in where:
+                return (f"{label} ({node.op_type}) in graph {graph.name!r} writes {o!r}, which {where[o]} "
+                        "already defines (each name has one definition)")
+            if o:
+                where[o] = f"{label} ({node.op_type})"
+        for body in subgraphs(node):
+            found = misdefined_name(body)
+            if found:
+                return found
+    return None
+
+
 def captured_names(graph: onnx.GraphProto) -> list[str]:
     """Names ``graph`` reads but does not define (inputs, initializers, node outputs), nested graphs
     included, in order of first use: what it captures from the graphs around it."""

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 
 from onnxtrain.errors import InvalidFeed, InvalidFeedType
-from onnxtrain.ir.builder import refuse_unknown_versions
+from onnxtrain.ir.builder import refuse_unloadable
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
 ModelLike = str | os.PathLike | bytes | onnx.ModelProto
@@ -21,7 +21,7 @@ def load_model(uri: ModelLike, what: str) -> tuple[onnx.ModelProto, str | None]:
     """The ModelProto of ``uri`` (path, bytes or proto) and its path (None when not from a file); one of an
     IR version or opset the installed onnx (onnxruntime, for com.microsoft) does not know is refused."""
     model, path = _read(uri, what)
-    refuse_unknown_versions(model, f"the {what} model{f' {path}' if path else ''}: ")
+    refuse_unloadable(model, f"the {what} model{f' {path}' if path else ''}: ")
     return model, path
 
 

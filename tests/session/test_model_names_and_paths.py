@@ -1,0 +1,153 @@
+"""Models that break ONNX's naming rules are refused as onnxruntime refuses them (a name defined twice) or
+named (nodes out of order); the learning-rate feed's name must be its own; a path-only run needs only the
+inputs on the path to its fetches (onnxruntime's label-less ``eval_step``)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxtrain
+from onnxtrain.errors import Fail
+
+ort = pytest.importorskip("onnxruntime")
+RNG = np.random.default_rng(11)
+W0 = RNG.standard_normal((4, 3)).astype(np.float32)
+
+
+def _mlp() -> onnx.ModelProto:
+    """x @ W + B → logits; a squared-error loss against y; probability = LogSoftmax(logits)."""
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["xw"], name="mm"),
+             helper.make_node("Add", ["xw", "B"], ["logits"], name="add"),
+             helper.make_node("LogSoftmax", ["logits"], ["probability"], name="lsm", axis=1),
+             helper.make_node("Sub", ["logits", "y"], ["d"], name="sub"),
+             helper.make_node("Mul", ["d", "d"], ["dd"], name="sq"),
+             helper.make_node("ReduceMean", ["dd"], ["loss"], name="mean", keepdims=0)]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("probability", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(W0, "W"), numpy_helper.from_array(np.zeros(3, np.float32), "B")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _params(**fields) -> onnxtrain.TrainingParameters:
+    p = onnxtrain.TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "SGDOptimizer"
+    for k, v in fields.items():
+        setattr(p, k, v)
+    return p
+
+
+def _twice_written() -> onnx.ModelProto:
+    m = _mlp()
+    m.graph.node.insert(1, helper.make_node("Neg", ["xw"], ["xw"], name="neg"))
+    return m
+
+
+def _output_named_like_input() -> onnx.ModelProto:
+    m = _mlp()  # the MatMul writes 'x': with a square W the gradient came out wrong, silently
+    m.graph.node[0].output[0] = "x"
+    m.graph.node[1].input[0] = "x"
+    return m
+
+
+def _initializer_named_like_output() -> onnx.ModelProto:
+    m = _mlp()
+    m.graph.initializer.append(numpy_helper.from_array(np.zeros((5, 3), np.float32), "xw"))
+    return m
+
+
+def _input_declared_twice() -> onnx.ModelProto:
+    m = _mlp()
+    m.graph.input.append(copy.deepcopy(m.graph.input[0]))
+    return m
+
+
+@pytest.mark.parametrize("make, name", [(_twice_written, "xw"), (_output_named_like_input, "x"),
+                                        (_initializer_named_like_output, "xw"), (_input_declared_twice, "x")])
+def test_a_name_defined_twice_is_refused_as_onnxruntime_refuses_it(make, name: str) -> None:
+    data = make().SerializeToString()
+    with pytest.raises(Exception, match="(?i)duplicate definition"):
+        ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    for build in (lambda: onnxtrain.InferenceSession(data),
+                  lambda: onnxtrain.TrainingSession(data, _params()),
+                  lambda: onnxtrain.GradientGraphBuilder(data, {"loss"}, {"W", "B"}, "loss")):
+        with pytest.raises(Fail, match=f"'{name}'"):
+            build()
+
+
+def test_a_name_defined_twice_in_a_body_is_refused() -> None:
+    then = helper.make_graph([helper.make_node("Neg", ["x"], ["t"]), helper.make_node("Abs", ["x"], ["t"])],
+                             "then", [], [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)])
+    other = helper.make_graph([helper.make_node("Abs", ["x"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, None)])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)], "g",
+        [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    with pytest.raises(Fail, match="graph 'then'.*'t'"):
+        onnxtrain.InferenceSession(data.SerializeToString())
+
+
+def test_nodes_out_of_order_are_named_by_the_training_session() -> None:
+    m = _mlp()
+    nodes = list(m.graph.node)
+    m.graph.ClearField("node")
+    m.graph.node.extend(reversed(nodes))  # it said "no trainable weight reaches the loss"
+    with pytest.raises(Fail, match="node 'mean' \\(ReduceMean\\).*'dd'.*topological order"):
+        onnxtrain.TrainingSession(m.SerializeToString(), _params())
+
+
+@pytest.mark.parametrize("name, why", [("loss", "node 'mean' \\(ReduceMean\\) computes it"),
+                                       ("logits", "node 'add' \\(Add\\) computes it"),
+                                       ("W", "an initializer"), ("", "must name the learning-rate feed"),
+                                       ("x", "of shape \\['N', 4\\], not one value")])
+def test_learning_rate_feed_named_like_a_value_of_the_model_is_refused(name: str, why: str) -> None:
+    # 'loss' stepped with the computed loss as its learning rate (27.5 times the fed rate), silently
+    with pytest.raises(ValueError, match=why):
+        onnxtrain.TrainingSession(_mlp().SerializeToString(), _params(lr_params_feed_name=name))
+
+
+def test_learning_rate_feed_may_be_a_one_value_float_input() -> None:
+    m = _mlp()
+    m.graph.input.append(helper.make_tensor_value_info("rate", TensorProto.FLOAT, [1]))
+    s = onnxtrain.TrainingSession(m.SerializeToString(), _params(lr_params_feed_name="rate"))
+    x, y = RNG.standard_normal((5, 4)).astype(np.float32), RNG.standard_normal((5, 3)).astype(np.float32)
+    s.run(["loss"], {"x": x, "y": y, "rate": np.array([0.1], np.float32)})
+    d = x @ W0 - y  # B starts at zero
+    np.testing.assert_allclose(s.get_state()["W"], W0 - 0.1 * x.T @ (2 * d / d.size), rtol=1e-5, atol=1e-6)
+
+
+def _path_only() -> onnxtrain.RunOptions:
+    ro = onnxtrain.RunOptions()
+    ro.only_execute_path_to_fetches = True
+    return ro
+
+
+def test_path_only_evaluation_needs_only_the_inputs_on_the_path() -> None:
+    # onnxruntime's MNIST test evaluated with the data alone: eval_step(data, fetches=['probability'])
+    data = _mlp().SerializeToString()
+    x = RNG.standard_normal((6, 4)).astype(np.float32)
+    logits = x.astype(np.float64) @ W0  # B starts at zero
+    want = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    s = onnxtrain.TrainingSession(data, _params())
+    before = s.get_state()
+    got = s.run(["probability"], {"x": x}, _path_only())[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    for k, v in s.get_state().items():
+        np.testing.assert_array_equal(v, before[k])  # an evaluation: nothing updated
+    inf = onnxtrain.InferenceSession(data)
+    np.testing.assert_allclose(inf.run(["probability"], {"x": x}, _path_only())[0], want, rtol=1e-6, atol=1e-6)
+    for sess in (s, inf):  # without the option every input is needed, as before
+        with pytest.raises(ValueError, match="missing input"):
+            sess.run(["probability"], {"x": x})
