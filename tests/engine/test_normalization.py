@@ -125,7 +125,8 @@ def test_float16_batch_norm_inference_matches_onnxruntime(opset: int) -> None:
     # float32 work rounded to float16: a few values round the other way (double rounding), by one ulp
     for want in (theirs[0], exact):
         assert np.count_nonzero(ours[0] != want) <= 5
-        np.testing.assert_allclose(ours[0].astype(np.float64), want.astype(np.float64), rtol=2**-10, atol=1e-6)
+        np.testing.assert_allclose(ours[0].astype(np.float64), want.astype(np.float64),
+                                   rtol=2**-10, atol=1e-6)
 
 
 def test_batch_normalization_training_updates_running_stats() -> None:

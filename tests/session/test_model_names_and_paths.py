@@ -147,7 +147,8 @@ def test_path_only_evaluation_needs_only_the_inputs_on_the_path() -> None:
     for k, v in s.get_state().items():
         np.testing.assert_array_equal(v, before[k])  # an evaluation: nothing updated
     inf = onnxtrain.InferenceSession(data)
-    np.testing.assert_allclose(inf.run(["probability"], {"x": x}, _path_only())[0], want, rtol=1e-6, atol=1e-6)
+    got = inf.run(["probability"], {"x": x}, _path_only())[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     for sess in (s, inf):  # without the option every input is needed, as before
         with pytest.raises(ValueError, match="missing input"):
             sess.run(["probability"], {"x": x})
