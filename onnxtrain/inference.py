@@ -345,6 +345,8 @@ class InferenceSession:
             raise TypeError("output_names must be a list of names or None, got "
                             f"{type(output_names).__name__} {output_names!r}")
         ro = run_options or RunOptions()
+        if not all(hasattr(ro, a) for a in ("terminate", "only_execute_path_to_fetches")):
+            raise TypeError(f"run_options must be a RunOptions, got {type(ro).__name__} {ro!r}")
         if isinstance(ro, RunOptions):
             check_severity(ro.log_severity_level, "RunOptions")
         if getattr(ro, "terminate", False):

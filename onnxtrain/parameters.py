@@ -65,6 +65,40 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
+def _number(v: Any, integer: bool) -> bool:
+    """Whether ``v`` is a number the legacy binding took for a float (``integer``: an int, bools and int
+    enums included; an integral float too)."""
+    if isinstance(v, (str, bytes)) or not isinstance(v, (int, float, np.number)):
+        return False
+    return not integer or isinstance(v, (int, np.integer, np.bool_)) or float(v).is_integer()
+
+
+def _check_map(name: str, value: dict) -> None:
+    """A TypeError naming the entry of a map property that is not of the binding's type:
+    ``optimizer_attributes_map`` {weight: {name: float}}, ``optimizer_int_attributes_map`` {weight: {name:
+    int}}, ``immutable_weights`` {op type: [(input index, value), ...]}."""
+    where = f"TrainingParameters.{name}"
+    for key, entry in value.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{where}: keys must be names, got {type(key).__name__} {key!r}")
+        if name in ("optimizer_attributes_map", "optimizer_int_attributes_map"):
+            integer = name == "optimizer_int_attributes_map"
+            if not isinstance(entry, dict):
+                raise TypeError(f"{where}[{key!r}] must be a dict of attribute values, got "
+                                f"{type(entry).__name__} {entry!r}")
+            for attr, v in entry.items():
+                if not isinstance(attr, str) or not _number(v, integer):
+                    kind = "an int" if integer else "a float"
+                    raise TypeError(f"{where}[{key!r}][{attr!r}] must be {kind}, got "
+                                    f"{type(v).__name__} {v!r}")
+        elif name == "immutable_weights":
+            pairs = entry if isinstance(entry, (list, tuple)) else [None]
+            if not all(isinstance(p, (list, tuple)) and len(p) == 2 and _number(p[0], True)
+                       and _number(p[1], False) for p in pairs):
+                raise TypeError(f"{where}[{key!r}] must be a list of (input index, value) pairs, got "
+                                f"{entry!r}")
+
+
 class TrainingParameters:
     """Options of the legacy ``TrainingSession``; every property of onnxruntime's class is here.
 
@@ -116,8 +150,10 @@ class TrainingParameters:
             value = float(value)
         elif isinstance(default, str) and not isinstance(value, str):
             raise TypeError(f"TrainingParameters.{name} must be a str, got {type(value).__name__}")
-        elif isinstance(default, dict) and not isinstance(value, dict):
-            raise TypeError(f"TrainingParameters.{name} must be a dict, got {type(value).__name__}")
+        elif isinstance(default, dict):
+            if not isinstance(value, dict):
+                raise TypeError(f"TrainingParameters.{name} must be a dict, got {type(value).__name__}")
+            _check_map(name, value)
         elif isinstance(default, list) and (isinstance(value, str) or not hasattr(value, "__iter__")):
             raise TypeError(f"TrainingParameters.{name} must be a list, got {type(value).__name__}")
         self._values[name] = copy.deepcopy(value)

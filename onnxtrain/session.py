@@ -569,6 +569,10 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         Under ZeRO stage 1, unpartitioned optimizer state (as from ``gather_state()``) is sliced to this
         rank's pieces, and the optimizer state of weights another rank updates is skipped.
         """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"load_state takes a mapping of names to arrays, got {type(state).__name__}")
+        if not isinstance(strict, (bool, np.bool_)):
+            raise TypeError(f"load_state's strict must be a bool, got {type(strict).__name__} {strict!r}")
         known = set(self._state_names())
         zero_names = self._zero_full_names() if self._zero is not None else {}
         twins = self._twin_masters()

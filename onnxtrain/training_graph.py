@@ -29,7 +29,7 @@ from onnxtrain.graph_transforms.mixed_precision import (
     mixed_precision_update,
 )
 from onnxtrain.graph_transforms.recompute import recompute_or_warn
-from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, NodeWriter, model_opset
+from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, NodeWriter, model_opset, value_types
 from onnxtrain.ir.graphs import (
     DEFAULT_DOMAINS,
     body_reads,
@@ -184,6 +184,9 @@ def select_trainable(model: onnx.ModelProto, p: TrainingParameters) -> list[str]
             warn(
                 f"weights_to_train: {stats} are BatchNormalization running statistics and are not trained"
             )
+        not_float = sorted(w for w in wanted if w in consumers and inits[w].data_type not in FLOAT_TYPES)
+        if not_float:  # (onnxruntime left them out without a word)
+            warn(f"weights_to_train: {not_float} are not of a float type and are not trained")
         trainable = sorted(
             w for w in wanted if w in consumers and inits[w].data_type in FLOAT_TYPES and w not in stats
         )
@@ -315,6 +318,12 @@ def build_step_graphs(
             f"loss_output_name {loss!r} is not a value of the model; outputs: "
             f"{[o.name for o in m.graph.output]}"
         )
+    declared = next((v for v in [*m.graph.output, *m.graph.value_info] if v.name == loss), None)
+    dims = declared.type.tensor_type.shape.dim if declared is not None else []
+    if any(not d.HasField("dim_value") or d.dim_value != 1 for d in dims):
+        shape = [d.dim_value if d.HasField("dim_value") else d.dim_param or "?" for d in dims]
+        warn(f"loss_output_name {loss!r} is declared of shape {shape}, not one value: the gradients are "
+             "those of the sum of its values")
     if opt is not None:
         _check_learning_rate_name(m.graph, p.lr_params_feed_name)
     trainable = select_trainable(m, p)
@@ -360,7 +369,13 @@ def build_step_graphs(
         )
     except GradientError as e:
         if "does not reach" in str(e):
-            raise ValueError(f"weights_to_train: {e}") from None
+            elem = value_types(fwd_model).get(loss)
+            code = elem.tensor_type.elem_type if elem is not None and elem.HasField("tensor_type") else 0
+            if code and code not in FLOAT_TYPES:  # (an integer loss carries no gradient)
+                raise ValueError(f"loss_output_name {loss!r} is a tensor of "
+                                 f"{TensorProto.DataType.Name(code).lower()}, not of floats: no gradient "
+                                 "flows back from it") from None
+            raise ValueError(f"weights_to_train: {e}" if p.weights_to_train else str(e)) from None
         raise
     grad = _legacy_recompute(grad, gloss, p, [*trainable, *bn])
     grads = {w: f"{w}_grad" for w in trainable}

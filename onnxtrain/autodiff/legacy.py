@@ -14,8 +14,11 @@ from onnxtrain.ir.builder import refuse_unloadable
 from onnxtrain.ir.graphs import graph_values
 
 
-def _ordered(names: Iterable[str]) -> list[str]:
-    # a set has no order: sort it so the gradient outputs come out in a stable order
+def _ordered(names: Iterable[str], what: str) -> list[str]:
+    """``names`` as a list; a set has no order: sorted, so the gradient outputs come out in a stable order.
+    A string is refused (its letters would be the names), as onnxruntime's binding refuses it."""
+    if isinstance(names, (str, bytes)):
+        raise TypeError(f"{what} must be a set or list of names, got {type(names).__name__} {names!r}")
     return sorted(names) if isinstance(names, (set, frozenset)) else list(names)
 
 
@@ -51,8 +54,8 @@ class GradientGraphBuilder:
             raise TypeError(f"serialized_model must be the model's bytes, its path or an onnx.ModelProto, "
                             f"got {type(serialized_model).__name__}{program_hint(serialized_model)}")
         refuse_unloadable(self._model)
-        self._ys = _ordered(y_node_arg_names)
-        self._xs = _ordered(x_node_arg_names)
+        self._ys = _ordered(y_node_arg_names, "y_node_arg_names")
+        self._xs = _ordered(x_node_arg_names, "x_node_arg_names")
         if not self._ys:
             raise GradientError("y_node_arg_names is empty: give the values to differentiate")
         self._loss = loss_node_arg_name

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import copy
 import enum
+import os
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from onnxtrain.errors import FailKeyError, FailValueError
 from onnxtrain.user_warning import warn
@@ -72,18 +75,54 @@ class PropagateCastOpsStrategy(enum.IntFlag):
     REMOVE_INPUT_OUTPUT_UP_DOWN_CASTS = 4
 
 
+def _field_value(owner: str, name: str, default: Any, value: Any) -> Any:
+    """``value`` for field ``name``, of the type its ``default`` has, as onnxruntime's binding converts it:
+    a TypeError naming the field for a value of another kind (``"False"`` for a bool would be true)."""
+    def refuse(what: str) -> TypeError:
+        return TypeError(f"{owner}.{name} takes {what}, got {type(value).__name__} {value!r}")
+
+    if isinstance(default, enum.Enum):
+        kind = type(default)
+        if isinstance(value, kind):
+            return value
+        if getattr(value, "name", None) in kind.__members__:  # onnxruntime's own member of that name
+            return kind[value.name]
+        if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) \
+                and int(value) in {m.value for m in kind}:
+            return kind(int(value))
+        raise refuse(f"{kind.__name__} (one of {', '.join(kind.__members__)})")
+    if isinstance(default, bool):
+        if isinstance(value, (str, bytes)):
+            raise refuse("a bool")
+        return bool(value)
+    if isinstance(default, int):
+        if isinstance(value, (int, np.integer, np.bool_)):
+            return int(value)
+        raise refuse("an int")
+    if isinstance(default, str):
+        if isinstance(value, (str, os.PathLike)):
+            return os.fspath(value)
+        raise refuse("a str")
+    return value
+
+
 class _Fields:
     """Options whose public fields are the ones ``__init__`` sets: assigning another (a misspelt
-    ``intra_op_threads``) is an AttributeError, as on onnxruntime's objects, not a setting silently unused."""
+    ``intra_op_threads``) is an AttributeError, as on onnxruntime's objects, not a setting silently unused;
+    a value of another type than the field's is a TypeError (:func:`_field_value`)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if (not name.startswith("_") and "_fields" in self.__dict__ and name not in self._fields
-                and type(self) in _FIELDED and not hasattr(type(self), name)):  # (subclasses: their own)
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        if not name.startswith("_") and "_fields" in self.__dict__ and type(self) in _FIELDED:
+            if name in self._defaults:
+                value = _field_value(type(self).__name__, name, self._defaults[name], value)
+            elif not hasattr(type(self), name):  # (subclasses: their own)
+                raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         object.__setattr__(self, name, value)
 
     def _fix_fields(self) -> None:
-        object.__setattr__(self, "_fields", frozenset(k for k in self.__dict__ if not k.startswith("_")))
+        fields = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        object.__setattr__(self, "_fields", frozenset(fields))
+        object.__setattr__(self, "_defaults", fields)
 
 
 class SessionOptions(_Fields):

@@ -173,6 +173,8 @@ def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike, external_dir: st
         m = onnx.load(path, load_external_data=False)
     except Exception as e:
         raise ModelParseError(f"could not load model file {path}: {e}") from None
+    if not m.graph.node and not m.graph.output:  # (an empty file parses as an empty model)
+        raise ModelParseError(f"model file {path} ({os.path.getsize(path)} bytes) holds no graph")
     if _external_tensors(m):  # read here: onnx's loader refuses data files that are symbolic links
         _read_external(m, os.path.dirname(os.path.abspath(path)), f"model file {path}")
     return m

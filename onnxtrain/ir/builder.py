@@ -12,7 +12,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.conv_shapes import declared_outputs, refined_conv_transposes
-from onnxtrain.ir.graphs import DEFAULT_DOMAINS, misdefined_name, walk_graphs
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, mis_sized_initializer, misdefined_name, walk_graphs
 from onnxtrain.ir.reshapes import refined_reshapes
 from onnxtrain.ir.shape_values import ShapeValues
 from onnxtrain.ir.slices import refined_slices
@@ -174,14 +174,15 @@ def unknown_versions(model: onnx.ModelProto) -> str | None:
 
 def refuse_unloadable(model: onnx.ModelProto, where: str = "") -> None:
     """Raise onnxruntime's ``Fail`` (its message after ``where``) for a model of versions
-    :func:`unknown_versions` finds, or one that :func:`misdefined_name` finds (onnxruntime refuses a name
-    defined twice at load; a graph out of topological order fails in the engine all the same)."""
+    :func:`unknown_versions` finds, or one that :func:`misdefined_name` or :func:`mis_sized_initializer` finds
+    (onnxruntime refuses a name defined twice or a short initializer at load; a graph out of topological
+    order fails in the engine all the same)."""
     from onnxtrain.errors import Fail
 
     newer = unknown_versions(model)
     if newer is not None:
         raise Fail(f"{where}the model's {newer}")
-    wrong = misdefined_name(model.graph)
+    wrong = misdefined_name(model.graph) or mis_sized_initializer(model.graph)
     if wrong is not None:
         raise Fail(f"{where}{wrong}")
 

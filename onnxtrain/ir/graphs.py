@@ -232,6 +232,45 @@ def misdefined_name(graph: onnx.GraphProto) -> str | None:
     return None
 
 
+# typed fields that hold one value per element, by element type
+_ONE_PER_ELEMENT = {onnx.TensorProto.FLOAT: "float_data", onnx.TensorProto.DOUBLE: "double_data",
+                    onnx.TensorProto.INT64: "int64_data", onnx.TensorProto.INT32: "int32_data",
+                    onnx.TensorProto.UINT64: "uint64_data"}
+
+
+def mis_sized_initializer(graph: onnx.GraphProto) -> str | None:
+    """The first initializer of ``graph`` (bodies included) whose data holds another number of values than
+    its shape says (checked for data in the file, of types a byte or more wide), or None."""
+    for g in walk_graphs(graph):
+        for t in g.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                continue
+            count = int(np.prod(t.dims, dtype=np.int64))
+            if t.raw_data:
+                width = _WIDTHS.get(t.data_type)
+                if width is None:
+                    continue
+                held, want = len(t.raw_data), count * width
+                unit = "bytes"
+            elif t.data_type in _ONE_PER_ELEMENT:
+                held, want, unit = len(getattr(t, _ONE_PER_ELEMENT[t.data_type])), count, "values"
+            else:
+                continue
+            if held != want and not (count == 0 and held == 0):
+                return (f"initializer {t.name!r} of shape {list(t.dims)} holds {held} {unit} of data, where "
+                        f"its shape takes {want}")
+    return None
+
+
+_WIDTHS = {code: np.dtype(onnx.helper.tensor_dtype_to_np_dtype(code)).itemsize
+           for code in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+                        onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16,
+                        onnx.TensorProto.UINT16, onnx.TensorProto.INT32, onnx.TensorProto.UINT32,
+                        onnx.TensorProto.INT64, onnx.TensorProto.UINT64, onnx.TensorProto.BOOL,
+                        onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128)}
+_WIDTHS[onnx.TensorProto.BFLOAT16] = 2
+
+
 def captured_names(graph: onnx.GraphProto) -> list[str]:
     """Names ``graph`` reads but does not define (inputs, initializers, node outputs), nested graphs
     included, in order of first use: what it captures from the graphs around it."""

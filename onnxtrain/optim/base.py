@@ -7,6 +7,7 @@ the state outside the graph and swaps the new arrays in after each run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,8 +114,22 @@ class Optimizer:
         raise NotImplementedError
 
 
+# (low, high, high included) of the attributes whose values outside wreck training (NaN weights), as torch's
+# optimizers refuse them: the moments' decay rates below 1, a weight decay and an epsilon of at least 0
+_RANGES = {"alpha": (0.0, 1.0, False), "beta": (0.0, 1.0, False), "lambda": (0.0, math.inf, False),
+           "epsilon": (0.0, math.inf, False)}
+
+
 def fattr(slot: WeightSlot, opt: Optimizer, key: str) -> float:
-    return float(slot.float_attrs.get(key, opt.FLOAT_ATTRS[key]))
+    """Float attribute ``key`` of ``slot``'s update (the optimizer's default unless the map sets it); a
+    ValueError naming the map entry for a value out of the attribute's range."""
+    value = float(slot.float_attrs.get(key, opt.FLOAT_ATTRS[key]))
+    if key in _RANGES:
+        lo, hi, closed = _RANGES[key]
+        if not (lo <= value < hi or (closed and value == hi)):
+            raise ValueError(f"optimizer_attributes_map[{slot.name!r}][{key!r}] = {value} is out of range: "
+                             f"{opt.name}'s {key} takes values in [{lo:g}, {hi:g}{']' if closed else ')'}")
+    return value
 
 
 def iattr(slot: WeightSlot, opt: Optimizer, key: str) -> int:

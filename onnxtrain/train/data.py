@@ -81,6 +81,11 @@ def _load_files(d: FilesData, seed: int) -> Dataset:
             source = path if npy else f"{name!r} in {path}"
             raise ConfigError(f"data.feeds.{key}", f"{source} is {what}; give an array of numbers with one "
                                                    "row per sample")
+        if array.dtype.kind in "fc" and not np.isfinite(array).all():
+            bad = np.argwhere(~np.isfinite(array))
+            source = path if npy else f"{name!r} in {path}"
+            raise ConfigError(f"data.feeds.{key}", f"{source} holds {len(bad)} NaN or infinite value(s), the "
+                                                   f"first at index {tuple(int(i) for i in bad[0])}")
         return array
 
     train = {k: read(d.path, k, v, "data.path") for k, v in d.feeds.items()}

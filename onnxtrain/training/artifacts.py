@@ -331,6 +331,8 @@ def generate_artifacts(
     if opt_block is not None and not trainable:
         _refuse_optimizer_without_parameters([])
     folder = os.getcwd() if artifact_directory is None else os.fsdecode(artifact_directory)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise NotADirectoryError(f"artifact_directory is a file, not a folder: {folder}")
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"artifact_directory does not exist: {folder}")
     if not isinstance(prefix, str):

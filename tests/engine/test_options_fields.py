@@ -125,3 +125,51 @@ def test_initializers_passed_through_and_sequence_feeds_are_copies() -> None:
     sess = InferenceSession(helper.make_model(g, opset_imports=opset).SerializeToString())
     t = sess.run(None, {"s": seq})[0]
     assert not any(np.shares_memory(a, b) for a, b in zip(t, seq))
+
+
+@pytest.mark.parametrize("cls, name, value", [
+    (RunOptions, "only_execute_path_to_fetches", "False"),  # a path-only run: no update, silently
+    (RunOptions, "terminate", "False"),  # stopped the run
+    (SessionOptions, "enable_profiling", "False"),  # wrote a trace
+    (SessionOptions, "graph_optimization_level", "all"),
+    (SessionOptions, "graph_optimization_level", 7),
+    (SessionOptions, "execution_mode", 5),
+    (SessionOptions, "intra_op_num_threads", 2.5),
+    (SessionOptions, "log_severity_level", "1"),
+    (SessionOptions, "logid", None),
+    (RunOptions, "log_verbosity_level", 1.5),
+])
+def test_option_values_onnxruntime_refuses_are_type_errors(cls: type, name: str, value) -> None:
+    ort_cls = getattr(onnxruntime, cls.__name__)
+    with pytest.raises(TypeError):
+        setattr(ort_cls(), name, value)
+    with pytest.raises(TypeError, match=f"{cls.__name__}.{name}"):
+        setattr(cls(), name, value)
+
+
+@pytest.mark.parametrize("cls, name, value, stored", [
+    (RunOptions, "only_execute_path_to_fetches", 1, True),
+    (RunOptions, "terminate", np.bool_(False), False),
+    (SessionOptions, "enable_profiling", 0, False),
+    (SessionOptions, "intra_op_num_threads", np.int64(2), 2),
+    (SessionOptions, "log_severity_level", 3, 3),
+])
+def test_option_values_convert_as_onnxruntime_converts_them(cls: type, name: str, value, stored) -> None:
+    ours = cls()
+    setattr(ours, name, value)
+    theirs = getattr(onnxruntime, cls.__name__)()
+    setattr(theirs, name, value)
+    assert getattr(ours, name) == getattr(theirs, name) == stored
+    assert type(getattr(ours, name)) is type(stored)
+
+
+def test_enum_options_take_members_onnxruntimes_members_and_their_values() -> None:
+    from onnxtrain import ExecutionMode, GraphOptimizationLevel
+
+    so = SessionOptions()
+    so.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    assert so.graph_optimization_level is GraphOptimizationLevel.ORT_ENABLE_BASIC
+    so.graph_optimization_level = 0
+    assert so.graph_optimization_level is GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.execution_mode = ExecutionMode.ORT_PARALLEL
+    assert so.execution_mode is ExecutionMode.ORT_PARALLEL

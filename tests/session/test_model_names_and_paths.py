@@ -152,3 +152,55 @@ def test_path_only_evaluation_needs_only_the_inputs_on_the_path() -> None:
     for sess in (s, inf):  # without the option every input is needed, as before
         with pytest.raises(ValueError, match="missing input"):
             sess.run(["probability"], {"x": x})
+
+
+def test_an_empty_model_file_is_refused_by_name(tmp_path) -> None:
+    path = tmp_path / "empty.onnx"
+    path.write_bytes(b"")  # it loaded as a model of no graph: run() returned []
+    with pytest.raises(Exception, match="No graph was found"):
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for build in (lambda: onnxtrain.InferenceSession(str(path)),
+                  lambda: onnxtrain.TrainingSession(str(path), _params())):
+        with pytest.raises(RuntimeError, match="empty.onnx .0 bytes. holds no graph"):
+            build()
+
+
+def test_an_initializer_whose_data_does_not_fill_its_shape_is_refused_by_name() -> None:
+    m = _mlp()
+    m.graph.initializer[0].dims[:] = [4, 4]  # 12 values: a bare numpy reshape error named nothing
+    data = m.SerializeToString()
+    with pytest.raises(Exception):
+        ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    for build in (lambda: onnxtrain.InferenceSession(data), lambda: onnxtrain.TrainingSession(data, _params())):
+        with pytest.raises(Fail, match="initializer 'W' of shape \\[4, 4\\] holds 48 bytes"):
+            build()
+
+
+def test_an_integer_loss_is_named() -> None:
+    m = _mlp()
+    m.graph.node.append(helper.make_node("Cast", ["loss"], ["iloss"], name="to_int", to=TensorProto.INT64))
+    m.graph.output.append(helper.make_tensor_value_info("iloss", TensorProto.INT64, []))
+    with pytest.raises(ValueError, match="loss_output_name 'iloss' is a tensor of int64"):  # it blamed
+        onnxtrain.TrainingSession(m.SerializeToString(), _params(loss_output_name="iloss"))  # weights_to_train
+
+
+def test_a_loss_of_many_values_trains_on_their_sum_with_a_warning() -> None:
+    m = _mlp()
+    m.graph.node.append(helper.make_node("Mul", ["d", "d"], ["per_value"], name="sq2"))
+    m.graph.output.append(helper.make_tensor_value_info("per_value", TensorProto.FLOAT, ["N", 3]))
+    with pytest.warns(UserWarning, match="'per_value' is declared of shape \\['N', 3\\].*sum of its values"):
+        s = onnxtrain.TrainingSession(m.SerializeToString(), _params(loss_output_name="per_value"))
+    x, y = RNG.standard_normal((5, 4)).astype(np.float32), RNG.standard_normal((5, 3)).astype(np.float32)
+    s.run(["per_value"], {"x": x, "y": y, "Learning_Rate": np.array([0.01], np.float32)})
+    d = x.astype(np.float64) @ W0 - y
+    np.testing.assert_allclose(s.get_state()["W"], W0 - 0.01 * x.T @ (2 * d), rtol=1e-5, atol=1e-6)
+
+
+def test_an_integer_weight_asked_for_is_left_out_with_a_warning() -> None:
+    m = _mlp()
+    m.graph.initializer.append(numpy_helper.from_array(np.array([2], np.int64), "reps"))
+    m.graph.node.append(helper.make_node("Tile", ["probability", "reps"], ["tiled"], name="tile"))
+    m.graph.output.append(helper.make_tensor_value_info("tiled", TensorProto.FLOAT, None))
+    with pytest.warns(UserWarning, match="\\['reps'\\] are not of a float type and are not trained"):
+        s = onnxtrain.TrainingSession(m.SerializeToString(), _params(weights_to_train={"W", "reps"}))
+    assert "reps" not in s.get_state() or s.get_state()["reps"].dtype == np.int64

@@ -176,3 +176,61 @@ def test_a_model_input_named_like_the_learning_rate_feed_is_that_feed(backend: s
     p[np.arange(len(y)), y] -= 1
     want = w["W2"] - 0.5 * (p / len(y)).T @ h
     np.testing.assert_allclose(sess.get_state()["W2"], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, value, entry", [
+    ("optimizer_int_attributes_map", {"W1": {"do_bias_correction": 0.5}}, "do_bias_correction"),
+    ("optimizer_attributes_map", {"W1": {"alpha": "0.9"}}, "alpha"),
+    ("optimizer_attributes_map", {"W1": [1]}, "'W1'"),
+    ("optimizer_attributes_map", {3: {"alpha": 0.9}}, "keys must be names"),
+    ("immutable_weights", {"Add": [1.0]}, "'Add'"),
+    ("immutable_weights", {"Mul": 3}, "'Mul'"),
+    ("immutable_weights", {"Div": [(1.5, 8.0)]}, "'Div'"),
+])
+def test_map_entries_of_the_wrong_type_are_refused_by_entry(name: str, value, entry: str) -> None:
+    # they were taken: int(0.5) == 0 turned bias correction off, silently
+    p = TrainingParameters()
+    with pytest.raises(TypeError, match=f"{name}.*{entry}"):
+        setattr(p, name, value)
+
+
+def test_map_entries_take_what_the_legacy_binding_took() -> None:
+    import enum
+
+    class Mode(enum.IntEnum):  # onnxruntime's ORTTrainer put bools and int enums in the int map
+        L2 = 1
+
+    p = TrainingParameters()
+    p.optimizer_int_attributes_map = {"W1": {"do_bias_correction": True, "weight_decay_mode": Mode.L2}}
+    p.optimizer_attributes_map = {"W1": {"alpha": 0.9, "beta": np.float32(0.999), "lambda": 0}}
+    p.immutable_weights = {"Div": [(1, 8.0)], "Sub": [[0, 1]]}
+    assert p.optimizer_int_attributes_map == {"W1": {"do_bias_correction": True, "weight_decay_mode": 1}}
+
+
+@pytest.mark.parametrize("opt", ["AdamOptimizer", "LambOptimizer"])
+@pytest.mark.parametrize("key, value", [("alpha", float("nan")), ("beta", 1.5), ("beta", 1.0),
+                                        ("lambda", float("inf")), ("lambda", -0.1), ("epsilon", -1e-8)])
+def test_optimizer_attributes_out_of_range_are_refused_by_entry(opt: str, key: str, value: float) -> None:
+    # each gave NaN weights after a step, silently (torch's optimizers refuse these values too)
+    model = mlp_model()
+    fmap = {w: {} for w in ("W1", "b1", "W2", "b2")}
+    fmap["W2"] = {key: value}
+    imap = {w: {} for w in fmap}
+    p = params(opt, optimizer_attributes_map=fmap, optimizer_int_attributes_map=imap)
+    with pytest.raises(ValueError, match=f"\\['W2'\\]\\['{key}'\\].*out of range"):
+        TrainingSession(model.SerializeToString(), p)
+
+
+def test_arguments_of_the_wrong_kind_are_type_errors() -> None:
+    from onnxtrain import GradientGraphBuilder
+
+    s = TrainingSession(mlp_model().SerializeToString(), params())
+    x, y = batches(1, 4)[0]
+    with pytest.raises(TypeError, match="run_options must be a RunOptions"):
+        s.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR}, 3)
+    with pytest.raises(TypeError, match="load_state takes a mapping"):
+        s.load_state("W1")
+    with pytest.raises(TypeError, match="strict must be a bool"):
+        s.load_state({}, strict="no")
+    with pytest.raises(TypeError, match="x_node_arg_names must be a set or list"):  # 'WB' was {'W', 'B'}
+        GradientGraphBuilder(mlp_model().SerializeToString(), {"loss"}, "W1", "loss")

@@ -446,3 +446,18 @@ def test_an_output_folder_whose_run_paths_are_taken_is_refused_before_training(t
     err = capsys.readouterr().err
     assert code != 0 and f"{name} is a {make}" in err, err
     assert not (out / "metrics.jsonl").is_file()
+
+
+def test_non_finite_data_values_are_refused_at_load_naming_key_and_index(tmp_path, capsys, monkeypatch):
+    # a NaN in the features ran and was blamed on the learning rate ("training diverges")
+    monkeypatch.delenv("ONNXTRAIN_DEBUG", raising=False)
+    x = np.zeros((40, 64), np.float32)
+    x[17, 3] = np.nan
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", np.arange(40) % 10)
+    argv = ["train", config_path("digits_mlp"), "-q", "--output-dir", str(tmp_path / "f"), "--set",
+            f"data={{source: files, feeds: {{x: {tmp_path / 'x.npy'}, y: {tmp_path / 'y.npy'}}}}}",
+            "--set", "training.steps=2"]
+    code, line = _error_line(capsys, argv)
+    assert code == 2 and "data.feeds.x" in line and "1 NaN or infinite value(s)" in line, line
+    assert "(17, 3)" in line and "x.npy" in line, line

@@ -925,3 +925,12 @@ def test_files_of_an_earlier_generation_are_named_in_a_warning(tmp_path):
     with pytest.warns(UserWarning, match=r"also holds \['optimizer_model.onnx'\] from an earlier generation"):
         generate_artifacts(model, requires_grad=["w"], loss=LossType.L1Loss, artifact_directory=tmp_path)
     assert (tmp_path / "optimizer_model.onnx").exists()
+
+
+def test_an_artifact_directory_that_is_a_file_is_named_so(mlp, tmp_path):
+    model = mlp[0]
+    path = tmp_path / "taken"
+    path.write_text("")  # it said "does not exist"
+    trained = [t.name for t in model.graph.initializer][:1]
+    with pytest.raises(NotADirectoryError, match="artifact_directory is a file, not a folder"):
+        generate_artifacts(model, trained, loss=LossType.MSELoss, artifact_directory=str(path))
