@@ -218,6 +218,30 @@ def test_cast_e8m0_rounding() -> None:
         cast_to(x, TensorProto.FLOAT8E8M0, True, "sideways")
 
 
+@pytest.mark.parametrize("mode", ["up", "down", "nearest"])
+@pytest.mark.parametrize("saturate", [1, 0])
+def test_cast_e8m0_matches_onnxruntime_at_the_range_ends(mode: str, saturate: int) -> None:
+    # +inf gave NaN under saturate, 2^-127 itself came out 2^-126, values at or below zero and below 2^-127
+    # lost their sign or rounded up without saturate (onnx.reference has the same slips)
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(5)
+    e = np.arange(255, dtype=np.uint32)
+    fracs = (0, 1, 0x3FFFFF, 0x400000, 0x400001, 0x600000, 0x7FFFFF)
+    fields = [((e << 23) | f).view(np.float32) for f in fracs]
+    special = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, -3.0, 2.0**-149, 3e38], np.float32)
+    x = np.concatenate([special, *fields, rng.integers(0, 2**32, 4000, dtype=np.uint64).astype(np.uint32)
+                        .view(np.float32)])
+    nodes = [helper.make_node("Cast", ["x"], ["t"], to=TensorProto.FLOAT8E8M0, saturate=saturate,
+                              round_mode=mode), helper.make_node("Cast", ["t"], ["y"], to=TensorProto.FLOAT)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [len(x)])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [len(x)])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 25)], ir_version=12)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = sess.run(None, {"x": x})[0]
+    got = cast_to(x, TensorProto.FLOAT8E8M0, bool(saturate), mode).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
 _FLOAT8 = (TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E4M3FNUZ, TensorProto.FLOAT8E5M2)
 
 

@@ -509,22 +509,29 @@ _E8M0 = getattr(TensorProto, "FLOAT8E8M0", -1)
 
 
 def _to_e8m0(x: np.ndarray, dt: np.dtype, saturate: bool, round_mode: str) -> np.ndarray:
-    """float -> float8e8m0 (a bare power-of-two exponent byte; the sign is dropped)."""
-    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
-    e = (bits >> 23) & 0xFF
+    """float -> float8e8m0, a bare power-of-two exponent byte (2^-127 to 2^127, 0xFF NaN), as onnxruntime's
+    Cast: rounded up, down or to the nearest power (a tie upwards); with ``saturate``, values below 2^-127
+    (zero and negative ones too) give 2^-127 and values above 2^127 (+inf too) 2^127, else NaN."""
+    f = np.asarray(x, dtype=np.float32)
+    bits = f.view(np.uint32)
+    e = ((bits >> 23) & 0xFF).astype(np.int32)
     frac = bits & 0x7FFFFF
+    sub = e == 0  # float32 subnormals: 2^-127 is the fraction 0x400000, 2^-126 the next code
     if round_mode == "up":
-        inc = frac != 0
-    elif round_mode == "nearest":  # on a tie, round up unless the exponent field is 0
-        inc = ((frac & 0x400000) != 0) & (((frac & 0x3FFFFF) != 0) | (e != 0))
+        inc = np.where(sub, frac > 0x400000, frac != 0)
+    elif round_mode == "nearest":
+        inc = np.where(sub, frac >= 0x600000, frac >= 0x400000)
     elif round_mode == "down":
         inc = np.zeros(e.shape, dtype=bool)
     else:
         raise ValueError(f"Cast: round_mode must be up, down or nearest, got {round_mode!r}")
-    if saturate:
-        inc &= e != 0xFE
-    out = np.where(e == 0xFF, 0xFF, e + inc)  # NaN and inf map to NaN
-    return out.astype(np.uint8).view(dt)
+    code = e + inc
+    with np.errstate(invalid="ignore"):
+        low = ~(f >= np.float32(2.0**-127))  # NaN too: set apart below
+        high = f > np.float32(2.0**127)
+    code = np.where(low, 0, np.minimum(code, 0xFE)) if saturate else np.where(low | high, 0xFF, code)
+    code = np.where(np.isnan(f), 0xFF, code)
+    return code.astype(np.uint8).view(dt)
 
 
 def cast_to(x: np.ndarray, to: int, saturate: bool = True, round_mode: str = "up",
