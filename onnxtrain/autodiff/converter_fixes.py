@@ -9,6 +9,9 @@
 * Clip and Pad before opset 11 take their bounds and padding value as float attributes; the converter
   makes them float32 Constant inputs whatever the input's type: :func:`match_clip_bounds` casts them to it
   (a float64 or float16 Clip's or Pad's gradient graph was refused by onnx.checker and onnxruntime).
+* Pad before opset 11 may carry a ``value`` attribute in the edge and reflect modes, where it does
+  nothing; the converter keeps it on the Pad-11+ node, whose schema has no such attribute (onnx.checker and
+  onnxruntime refuse the gradient graph): :func:`drop_idle_pad_values` removes it before the conversion.
 * Hardmax before opset 13 takes the maximum over all dims from ``axis`` on (the input read as a matrix);
   the converter keeps the node and its axis, which at 13 means one dim: :func:`flatten_old_hardmax`
   rewrites each as Flatten, a Hardmax over the matrix's rows, and a Reshape back, before the conversion.
@@ -87,6 +90,22 @@ def _constant(g: onnx.GraphProto, name: str) -> np.ndarray | None:
         if n.op_type == "Constant" and n.domain in DEFAULT_DOMAINS and n.output[0] == name:
             return next((numpy_helper.to_array(a.t) for a in n.attribute if a.name == "value"), None)
     return None
+
+
+def drop_idle_pad_values(model: onnx.ModelProto, opset: int) -> None:
+    """Remove (in place) the ``value`` attribute of the edge- and reflect-mode Pad nodes of ``model`` at
+    default-domain ``opset`` < 11 (only constant padding reads it)."""
+    if opset >= 11:
+        return
+    for g in walk_graphs(model.graph):
+        for n in g.node:
+            if n.op_type != "Pad" or n.domain not in DEFAULT_DOMAINS:
+                continue
+            mode = next((helper.get_attribute_value(a) for a in n.attribute if a.name == "mode"), b"constant")
+            if mode not in (b"constant", "constant"):
+                kept = [a for a in n.attribute if a.name != "value"]
+                del n.attribute[:]
+                n.attribute.extend(kept)
 
 
 def flatten_old_hardmax(model: onnx.ModelProto, opset: int) -> list[str]:
