@@ -52,8 +52,9 @@ CASES = {
     "clip6": (helper.make_node("Clip", ["x"], ["y"], min=-0.5, max=0.4), 10, [3, 4], [3, 4], []),
     "pad2_value": (helper.make_node("Pad", ["x"], ["y"], pads=[1, 0, 0, 2], value=0.5), 2, [3, 4], [4, 6],
                    []),
-    "pad2_reflect_value": (helper.make_node("Pad", ["x"], ["y"], mode="reflect", pads=[1, 0, 0, 2], value=0.5),
-                           2, [3, 4], [4, 6], []),  # an idle value: the Pad-13 copy kept it (refused)
+    # an idle value: the converted Pad-13 kept it (refused by the checker)
+    "pad2_reflect_value": (helper.make_node("Pad", ["x"], ["y"], mode="reflect", pads=[1, 0, 0, 2],
+                                            value=0.5), 2, [3, 4], [4, 6], []),
     "pad2_edge_value": (helper.make_node("Pad", ["x"], ["y"], mode="edge", pads=[0, 1, 2, 1], value=0.0), 2,
                         [3, 4], [5, 6], []),
     "hardmax11_axis1": (helper.make_node("Hardmax", ["x"], ["y"], axis=1), 11, [2, 3, 4], [2, 3, 4], []),
