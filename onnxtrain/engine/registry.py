@@ -22,6 +22,19 @@ Inputs = Sequence[Any]
 Outputs = Sequence[Any]
 
 
+class NodeCache(dict):
+    """A node's memo of what its kernel derives per input shape (geometry, index tables), holding at most
+    ``LIMIT`` entries: the oldest goes first, so a run over many shapes (every batch size of a data set)
+    does not keep each one's tables for the life of the session."""
+
+    LIMIT = 16
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key not in self and len(self) >= self.LIMIT:
+            del self[next(iter(self))]
+        super().__setitem__(key, value)
+
+
 class Attrs(dict):
     """Parsed attributes of one node, plus what a kernel may need to know about the node."""
 
@@ -35,7 +48,7 @@ class Attrs(dict):
         self.opset = opset
         self.n_outputs = n_outputs
         self.output_used = output_used
-        self.cache: dict[Any, Any] = {}  # per-node scratch a kernel may keep between runs
+        self.cache: dict[Any, Any] = NodeCache()  # per-node memo a kernel may keep between runs
 
     def cached(self, key: Any, make: Callable[[], Any]) -> Any:
         """``cache[key]``, made by ``make()`` on first use (e.g. geometry per input shape)."""

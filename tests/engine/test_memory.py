@@ -94,3 +94,33 @@ def test_add_chain_allocates_few_tensors() -> None:
         tracemalloc.stop()
     assert y.shape == x.shape
     assert peak - base <= 2.5 * x.nbytes, f"run allocated {(peak - base) / x.nbytes:.1f} tensors at its peak"
+
+
+def test_per_shape_memos_are_bounded_and_remade_right() -> None:
+    """A run over many batch sizes keeps at most NodeCache.LIMIT memos per node (every size's MaxPool index
+    table stayed: 339 MiB after training LeNet over sizes 1..128); a size whose memo went is remade right
+    (against onnxruntime)."""
+    from onnxtrain.engine.registry import NodeCache
+
+    ort = __import__("pytest").importorskip("onnxruntime")
+    w = np.random.default_rng(0).standard_normal((4, 2, 3, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+         helper.make_node("MaxPool", ["c"], ["y", "i"], kernel_shape=[2, 2], strides=[2, 2]),
+         helper.make_node("AveragePool", ["c"], ["a"], kernel_shape=[3, 3], pads=[1, 1, 1, 1])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("i", TensorProto.INT64, None),
+         helper.make_tensor_value_info("a", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    plan = compile_model(model)
+    rng = np.random.default_rng(1)
+    for n in range(1, 3 * NodeCache.LIMIT):
+        plan.run({"x": rng.standard_normal((n, 2, 8, 8)).astype(np.float32)})
+    assert all(len(step.attrs.cache) <= NodeCache.LIMIT for step in plan.steps)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for n in (1, 2 * NodeCache.LIMIT):  # the first size's memos are long gone, the other's still held
+        x = rng.standard_normal((n, 2, 8, 8)).astype(np.float32)
+        for ours, theirs in zip(plan.run({"x": x}), sess.run(None, {"x": x})):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
