@@ -808,16 +808,19 @@ def test_only_training_plans_keep_their_binding(mlp_artifacts):
 
 
 def test_backend_sessions_share_one_cpu_arena():
-    """The backend's CPU sessions use the arena registered once in onnxruntime's environment (one pool for a
-    step's graphs), unless the caller says otherwise or turns the arena off; training is unchanged (the
-    20-step comparisons above run with it)."""
-    assert _entry(make_plan(mlp_model(), "onnxruntime"), ENV_ALLOCATORS_KEY) == "1"
+    """The backend's training-step graphs use the arena registered once in onnxruntime's environment (one
+    pool for a step's graphs), unless the caller says otherwise or turns the arena off; inference graphs
+    keep their own; training is unchanged (the 20-step comparisons above run with it)."""
+    assert _entry(make_plan(mlp_model(), "onnxruntime", keep_binding=True), ENV_ALLOCATORS_KEY) == "1"
+    assert _entry(make_plan(mlp_model(), "onnxruntime"), ENV_ALLOCATORS_KEY) is None
     so = options("onnxruntime")
     so.add_session_config_entry(ENV_ALLOCATORS_KEY, "0")
-    assert _entry(make_plan(mlp_model(), "onnxruntime", options=so), ENV_ALLOCATORS_KEY) == "0"
+    assert _entry(make_plan(mlp_model(), "onnxruntime", options=so, keep_binding=True),
+                  ENV_ALLOCATORS_KEY) == "0"
     so = options("onnxruntime")
     so.enable_cpu_mem_arena = False
-    assert _entry(make_plan(mlp_model(), "onnxruntime", options=so), ENV_ALLOCATORS_KEY) is None
+    assert _entry(make_plan(mlp_model(), "onnxruntime", options=so, keep_binding=True),
+                  ENV_ALLOCATORS_KEY) is None
     sess = TrainingSession(mlp_model(), _sgd_params(), options("onnxruntime"))
     assert _entry(sess._plan, ENV_ALLOCATORS_KEY) == "1"
 
