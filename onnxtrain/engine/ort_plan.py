@@ -150,8 +150,9 @@ class OrtPlan(GraphInterface):
                 so.add_session_config_entry(key, value)
         # the graphs of a training step (kept bindings) share the arena; an inference or evaluation graph,
         # whose shapes vary more, keeps its own, as onnxruntime's sessions do
-        self._shared_arena = (self._device == "cpu" and self._keep_binding and ENV_ALLOCATORS_KEY not in config
-                              and so.enable_cpu_mem_arena and shared_cpu_arena(self._ort))
+        self._shared_arena = (self._device == "cpu" and self._keep_binding
+                              and ENV_ALLOCATORS_KEY not in config and so.enable_cpu_mem_arena
+                              and shared_cpu_arena(self._ort))
         if self._shared_arena:
             so.add_session_config_entry(ENV_ALLOCATORS_KEY, "1")
         if self._follower and STOP_KEY not in config:
