@@ -398,6 +398,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             reads = set(self._forward_plan(names).all_input_names) if kind == "forward" else None
             required = [n for n in self._graphs.user_inputs if self._check.containers.get(n) != "optional"
                         and (reads is None or n in reads)]
+            if self.loss_scale_input_name and kind != "forward":  # gradients of the scaled loss
+                required.append(self.loss_scale_input_name)
         feeds = self._check(input_feed, required)
         self._check_loss_scale(feeds)
         if self._graphs.has_training_mode and TRAINING_MODE not in feeds:

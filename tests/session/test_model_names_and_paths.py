@@ -206,3 +206,15 @@ def test_an_integer_weight_asked_for_is_left_out_with_a_warning() -> None:
     with pytest.warns(UserWarning, match="\\['reps'\\] are not of a float type and are not trained"):
         s = onnxtrain.TrainingSession(m.SerializeToString(), _params(weights_to_train={"W", "reps"}))
     assert "reps" not in s.get_state() or s.get_state()["reps"].dtype == np.int64
+
+
+def test_a_micro_step_without_the_loss_scale_is_refused_as_a_missing_input() -> None:
+    # it failed inside the graph (a TypeError about None at node 'LossScale_Mul')
+    from onnxtrain import zoo
+
+    p = _params(training_optimizer_name="AdamOptimizer", use_mixed_precision=True,
+                gradient_accumulation_steps=4, gradient_accumulation_mode="auto")
+    s = onnxtrain.TrainingSession(zoo.mlp([16, 8, 10]).SerializeToString(), p)
+    x, y = RNG.standard_normal((8, 16)).astype(np.float32), RNG.integers(0, 10, 8)
+    with pytest.raises(ValueError, match="missing input\\(s\\) \\['loss_scale'\\]"):
+        s.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([1e-3], np.float32)})
