@@ -553,6 +553,22 @@ def profile_session_start(session: Any, begin: int, loaded: int) -> None:
         ]
 
 
+def _trace_path(prefix: str) -> str:
+    """``<prefix><date>_<time>_<milliseconds>.json``, as onnxruntime names its traces, claimed (created
+    empty) so that another session ending its profile in the same millisecond takes the next name
+    (``…_2.json``) instead of overwriting it."""
+    now = datetime.datetime.now()
+    stem = f"{prefix}{now.strftime('%Y-%m-%d_%H-%M-%S')}_{now.microsecond // 1000}"
+    for k in range(1, 10_000):
+        path = f"{stem}.json" if k == 1 else f"{stem}_{k}.json"
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free profile file name after {stem}_9999.json")
+
+
 def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str,
                        session_events: Sequence[ProfileEvent] = (), origin: int | None = None) -> str:
     """Write the profile events of ``plans``' runs (their ``profile``, and those their backend kept) and
@@ -566,8 +582,7 @@ def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str,
         plan.profile.clear()
         profile += plan.drained_profile()
     profile.sort(key=lambda e: e.start_ns)
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    path = f"{prefix}{stamp}.json"
+    path = _trace_path(prefix)
     t0 = origin if origin is not None else profile[0].start_ns if profile else 0
     pid = os.getpid()
     events = [

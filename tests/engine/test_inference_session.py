@@ -271,6 +271,27 @@ def test_profiling_writes_chrome_trace(tmp_path, model_bytes: bytes) -> None:
     assert events[0]["args"]["input_type_shape"] == [[4, 3], [3, 2]]
 
 
+def test_traces_ended_at_once_keep_names_of_their_own(tmp_path, model_bytes: bytes) -> None:
+    """Two sessions ending their profiles within one second (or one millisecond) write two files: the
+    second overwrote the first, silently (its name had the time to the second). Names carry the
+    milliseconds, as onnxruntime's."""
+    import re
+
+    paths = []
+    for _ in range(4):
+        so = onnxtrain.SessionOptions()
+        so.enable_profiling = True
+        so.profile_file_prefix = str(tmp_path / "prof_")
+        s = onnxtrain.InferenceSession(model_bytes, sess_options=so)
+        s.run(None, {"x": np.ones((4, 3), np.float32)})
+        paths.append(s.end_profiling())
+    assert len(set(paths)) == 4 and all(os.path.exists(p) for p in paths)
+    assert all(re.search(r"prof_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+(_\d+)?\.json$", p) for p in paths), paths
+    for p in paths:
+        with open(p) as f:
+            assert any(e["cat"] == "Node" for e in json.load(f))
+
+
 def test_profile_write_that_fails_leaves_no_file(tmp_path, model_bytes: bytes, monkeypatch) -> None:
     """The trace goes to a temporary that is fsynced and renamed: a failed rename leaves neither the trace
     nor a temporary (a fixed ``<path>.tmp`` was left behind before)."""
