@@ -142,10 +142,21 @@ def inline_local_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     from onnx import inliner
 
     try:
-        return inliner.inline_local_functions(model)
+        out = inliner.inline_local_functions(model)
     except Exception as e:
         raise ModelParseError(f"could not inline the model's local functions "
                               f"{[f.domain + '.' + f.name for f in model.functions]}: {e}") from None
+    # the functions' own domains, once no node is of them, leave the opset imports (the graphs built from
+    # the model would import a domain none of their nodes uses)
+    from onnxtrain.ir.graphs import walk_graphs
+
+    used = {n.domain for g in walk_graphs(out.graph) for n in g.node} | {f.domain for f in out.functions}
+    gone = {f.domain for f in model.functions} - used
+    if gone:
+        kept = [o for o in out.opset_import if o.domain not in gone]
+        del out.opset_import[:]
+        out.opset_import.extend(kept)
+    return out
 
 
 def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike, external_dir: str | None) -> onnx.ModelProto:
