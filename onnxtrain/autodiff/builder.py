@@ -42,7 +42,14 @@ from onnxtrain.ir.builder import (
 )
 from onnxtrain.ir.elem_types import fill_elem_types
 from onnxtrain.ir.functions import expand_functions
-from onnxtrain.ir.graphs import DEFAULT_DOMAINS, body_reads, node_reads, rename_values, walk_graphs
+from onnxtrain.ir.graphs import (
+    DEFAULT_DOMAINS,
+    added_later,
+    body_reads,
+    node_reads,
+    rename_values,
+    walk_graphs,
+)
 from onnxtrain.user_warning import warn
 
 MIN_OPSET = 17
@@ -508,9 +515,10 @@ def build_gradient_model(
         if rules[k] is None:
             node = bw.fwd_nodes[k]
             op = node.op_type if node.domain in DEFAULT_DOMAINS else f"{node.domain}.{node.op_type}"
+            later = added_later(node, bw.opset)
             raise GradientError(
-                f"node {node.name!r} ({op}) lies on the path from the parameters to the "
-                f"loss but {op} has no gradient rule; ops with rules (ONNX's): "
+                f"node {node.name!r} ({op}{later}) lies on the path from the parameters to the "
+                f"loss but {op} has no gradient rule{' there' if later else ''}; ops with rules (ONNX's): "
                 f"{', '.join(ops_with_rules())}"
             )
 

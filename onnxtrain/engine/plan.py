@@ -45,7 +45,7 @@ from onnxtrain.engine.registry import (
     find_kernel,
     parse_attributes,
 )
-from onnxtrain.ir.graphs import DEFAULT_DOMAINS, RANDOM_OPS
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, RANDOM_OPS, added_later
 
 
 def _quiet() -> np.errstate:
@@ -144,7 +144,8 @@ class Plan(GraphInterface):
                     raise UnsupportedOpError(refusal(node, k, self.opset, why))
             if fn is None:
                 label = repr(node.name) if node.name else f"#{k} (unnamed)"
-                missing.append(f"{label} ({node.domain + '.' if node.domain else ''}{node.op_type})")
+                missing.append(f"{label} ({node.domain + '.' if node.domain else ''}{node.op_type}"
+                               f"{added_later(node, self.opset)})")
                 continue
             try:
                 values = parse_attributes(node, self.opset)

@@ -17,6 +17,20 @@ RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomUniform", "RandomNorma
                         "Bernoulli", "Multinomial"})
 
 
+def added_later(node: onnx.NodeProto, opset: int) -> str:
+    """", not an operator of opset M: ONNX added it at opset N" for a default-domain op that ``opset`` does
+    not have yet (a model using an op before its version), else ""."""
+    if node.domain not in DEFAULT_DOMAINS or not onnx.defs.has(node.op_type):
+        return ""
+    try:
+        onnx.defs.get_schema(node.op_type, opset)
+        return ""
+    except onnx.defs.SchemaError:
+        first = min(s.since_version for s in onnx.defs.get_all_schemas_with_history()
+                    if s.name == node.op_type and s.domain in DEFAULT_DOMAINS)
+        return f", not an operator of opset {opset}: ONNX added it at opset {first}"
+
+
 def is_training_batch_norm(n: onnx.NodeProto) -> bool:
     """Whether ``n`` is a BatchNormalization in training mode (it computes new running statistics)."""
     return n.op_type == "BatchNormalization" and any(a.name == "training_mode" and a.i for a in n.attribute)

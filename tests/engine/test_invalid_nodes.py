@@ -733,3 +733,24 @@ def test_an_invalid_user_node_is_an_invalid_node_error_on_both_backends(backend:
                                     "input 0 'x' is tensor(float)")
         else:
             assert "Type Error" in str(e.value)
+
+
+@pytest.mark.parametrize("op, opset, added, n_in", [("Swish", 23, 24, 1), ("RMSNormalization", 21, 23, 2),
+                                                     ("Attention", 22, 23, 3)])
+def test_an_op_used_before_its_opset_names_the_opset_that_added_it(op: str, opset: int, added: int,
+                                                                    n_in: int) -> None:
+    # it read "no kernel for node 'm' (Swish); ops with kernels: ... Swish ...", and the gradient builder
+    # "Swish has no gradient rule"
+    from onnxtrain.autodiff import GradientError, build_gradient_model
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    node = helper.make_node(op, ["x"] * n_in, ["y"], name="m")
+    loss = helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)
+    out = helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])
+    graph = helper.make_graph([node, loss], "g", [x], [out])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+    why = f"'m' \\({op}, not an operator of opset {opset}: ONNX added it at opset {added}\\)"
+    with pytest.raises(UnsupportedOpError, match=why):
+        onnxtrain.InferenceSession(model.SerializeToString())
+    with pytest.raises(GradientError, match=why):
+        build_gradient_model(model, "loss", ["x"])
