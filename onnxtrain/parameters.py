@@ -115,6 +115,10 @@ class TrainingParameters:
         object.__setattr__(self, "_initial_state", {})
         object.__setattr__(self, "_assigned", set())  # the properties the user set (even to their default)
 
+    def __dir__(self) -> list[str]:
+        """The properties with the methods, as the binding's object lists them."""
+        return sorted({*object.__dir__(self), *self._values})
+
     def __getattr__(self, name: str) -> Any:
         values = object.__getattribute__(self, "_values")
         if name in values:

@@ -234,3 +234,9 @@ def test_arguments_of_the_wrong_kind_are_type_errors() -> None:
         s.load_state({}, strict="no")
     with pytest.raises(TypeError, match="x_node_arg_names must be a set or list"):  # 'WB' was {'W', 'B'}
         GradientGraphBuilder(mlp_model().SerializeToString(), {"loss"}, "W1", "loss")
+
+
+def test_dir_lists_the_properties() -> None:
+    names = dir(TrainingParameters())  # it listed none of them (introspecting scripts found nothing)
+    assert {"loss_output_name", "weights_to_train", "optimizer_attributes_map", "lr_params_feed_name"} <= set(names)
+    assert "set_optimizer_initial_state" in names
