@@ -238,5 +238,6 @@ def test_arguments_of_the_wrong_kind_are_type_errors() -> None:
 
 def test_dir_lists_the_properties() -> None:
     names = set(dir(TrainingParameters()))  # it listed none of them (introspecting scripts found nothing)
-    assert {"loss_output_name", "weights_to_train", "optimizer_attributes_map", "lr_params_feed_name"} <= names
+    assert {"loss_output_name", "weights_to_train", "optimizer_attributes_map", "lr_params_feed_name"} \
+        <= names
     assert "set_optimizer_initial_state" in names
