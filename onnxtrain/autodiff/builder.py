@@ -55,6 +55,27 @@ from onnxtrain.user_warning import warn
 MIN_OPSET = 17
 
 
+def _blocked_by(nodes: list[onnx.NodeProto], x: str, loss: str) -> str:
+    """" through a differentiable path (it passes only through <nodes>, which have no gradient)" when
+    ``x`` does reach ``loss`` through ``nodes`` but only through ops without a gradient (Unique, ArgMax,
+    Shape ...), else ""."""
+    reach, after_x = {x}, []
+    for n in nodes:
+        if any(i in reach for i in node_reads(n)):
+            reach.update(o for o in n.output if o)
+            after_x.append(n)
+    if loss not in reach:
+        return ""
+    back = {loss}
+    for n in reversed(after_x):
+        if any(o in back for o in n.output):
+            back.update(node_reads(n))
+    stops = [f"{n.name or n.output[0]!r} ({n.op_type})" for n in after_x
+             if any(o in back for o in n.output) and has_no_gradient(n.op_type, n.domain)]
+    return (f" through a differentiable path (it passes through {', '.join(stops)}, which "
+            f"{'has' if len(stops) == 1 else 'have'} no gradient)" if stops else "")
+
+
 class GradientError(Fail, ValueError):
     """The gradient graph cannot be built; the message names the node, op or value at fault (a
     RuntimeError, as onnxruntime's builder raised, and a ValueError)."""
@@ -610,7 +631,8 @@ def build_gradient_model(
         d = grad_of(x)
         if d is None:
             if not zero_unreachable:
-                raise GradientError(f"{x!r} does not reach {loss!r}: no gradient flows back to it")
+                raise GradientError(f"{x!r} does not reach {loss!r}{_blocked_by(bw.fwd_nodes, x, loss)}: no "
+                                    "gradient flows back to it")
             zero = numpy_helper.from_array(_zeros(elem_type(bw.types, x) or TensorProto.FLOAT))
             tail.emit("ConstantOfShape", [bw.shape_of(x)], [gname], value=zero)
         elif d != gname:

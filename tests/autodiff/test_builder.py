@@ -539,3 +539,18 @@ def test_unreadable_models_are_refused_alike_as_bytes_and_as_a_path(tmp_path) ->
             build_gradient_model(given, "loss", ["W"])
         with pytest.raises(ModelParseError):
             GradientGraphBuilder(given, {"loss"}, {"W"}, "loss")
+
+
+def test_an_x_whose_only_path_has_no_gradient_names_the_node() -> None:
+    # it read "'X' does not reach 'loss'", though X reaches it, through a Unique
+    from onnx import TensorProto
+
+    nodes = [helper.make_node("Unique", ["X"], ["U"], name="uniq", sorted=1),
+             helper.make_node("ReduceSum", ["U"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    b = GradientGraphBuilder(model.SerializeToString(), {"loss"}, {"X"}, "loss")
+    with pytest.raises(GradientError, match="'X' does not reach 'loss' through a differentiable path "
+                                            "\\(it passes through 'uniq' \\(Unique\\), which has no gradient\\)"):
+        b.build()
