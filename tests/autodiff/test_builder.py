@@ -551,6 +551,6 @@ def test_an_x_whose_only_path_has_no_gradient_names_the_node() -> None:
                               [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     b = GradientGraphBuilder(model.SerializeToString(), {"loss"}, {"X"}, "loss")
-    with pytest.raises(GradientError, match="'X' does not reach 'loss' through a differentiable path "
-                                            "\\(it passes through 'uniq' \\(Unique\\), which has no gradient\\)"):
+    why = "'X' does not reach 'loss' through a differentiable path \\(it passes through 'uniq' \\(Unique\\)"
+    with pytest.raises(GradientError, match=why + ", which has no gradient\\)"):
         b.build()
