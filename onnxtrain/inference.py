@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import datetime
 import json
 import os
@@ -601,7 +602,12 @@ def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str,
         }
         for e in profile
     ]
-    write_atomic(path, lambda f: f.write(json.dumps(events).encode()))
+    try:
+        write_atomic(path, lambda f: f.write(json.dumps(events).encode()))
+    except BaseException:
+        with contextlib.suppress(OSError):  # the empty file that claimed the name
+            os.remove(path)
+        raise
     return path
 
 
