@@ -12,6 +12,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
+import onnxtrain
 from onnxtrain.engine import compile_model
 
 ort = pytest.importorskip("onnxruntime")
@@ -198,3 +199,20 @@ def test_compress_ignores_condition_entries_past_the_axis(axis, shape, cond) -> 
     feeds = {"x": x, "c": np.array(cond, bool)}
     attrs = {} if axis is None else {"axis": axis}
     _check(_one("Compress", feeds, 13, **attrs), feeds)
+
+
+@pytest.mark.parametrize("op, shape, attrs, extra", [
+    ("ReduceMean", (0, 2), {"keepdims": 0}, {}),
+    ("GlobalAveragePool", (1, 2, 0, 3), {}, {}),
+    ("SoftmaxCrossEntropyLoss", (0, 3), {}, {"labels": np.zeros(0, np.int64)}),
+])
+def test_means_over_no_value_are_nan_without_a_warning(op: str, shape, attrs, extra) -> None:
+    # NaN as the README says, but numpy's "Mean of empty slice" RuntimeWarning was printed
+    import warnings
+
+    feeds = {"x": np.zeros(shape, np.float32), **extra}
+    m = _one(op, feeds, 21, **attrs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = onnxtrain.InferenceSession(m.SerializeToString()).run(None, feeds)[0]
+    assert got.size and np.isnan(got).all()

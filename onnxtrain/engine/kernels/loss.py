@@ -18,6 +18,7 @@ import numpy as np
 from onnxtrain.engine.kernels.indexing import in_range, row_starts
 from onnxtrain.engine.kernels.normalization import log_softmax_along, row_sum
 from onnxtrain.engine.kernels.random import node_generator, set_random_seed
+from onnxtrain.engine.kernels.reduce import empty_mean
 from onnxtrain.engine.parallel import for_rows
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
@@ -65,7 +66,9 @@ def _nll(logp: np.ndarray, target: np.ndarray, weight: np.ndarray | None, attrs:
     if reduction == "sum":
         return np.asarray(np.sum(loss))
     if reduction == "mean":
-        return np.asarray(np.sum(loss) / np.sum(w)) if w is not None else np.asarray(np.mean(loss))
+        if w is not None:
+            return np.asarray(np.sum(loss) / np.sum(w))
+        return np.asarray(np.mean(loss) if loss.size else empty_mean(loss, None))
     raise ValueError(f"unknown reduction {reduction!r}; expected none, sum or mean")
 
 

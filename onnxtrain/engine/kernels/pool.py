@@ -14,6 +14,7 @@ import numpy as np
 
 from onnxtrain.engine.kernels.conv import explicit_pads, pad_input, spatial_attrs
 from onnxtrain.engine.kernels.half import F32, in_float32, is_float, is_half
+from onnxtrain.engine.kernels.reduce import empty_mean
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 
@@ -207,7 +208,9 @@ def global_average_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
     if is_half(x.dtype):  # np.mean of bfloat16 would accumulate in bfloat16
         return in_float32(global_average_pool, inputs, attrs)
-    return (np.asarray(np.mean(x, axis=_spatial_axes(x), keepdims=True), dtype=x.dtype),)
+    axes = _spatial_axes(x)
+    mean = empty_mean(x, axes, True) if not x.size else np.mean(x, axis=axes, keepdims=True)
+    return (np.asarray(mean, dtype=x.dtype),)
 
 
 @kernel("GlobalMaxPool", since=1)

@@ -184,6 +184,14 @@ def _sum(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
     return np.sum(w, axis=axes, keepdims=keepdims, dtype=w.dtype) if y is None else y
 
 
+def empty_mean(w: np.ndarray, axes: Any, keepdims: bool = False) -> np.ndarray:
+    """The mean of an empty ``w`` over ``axes`` (all when None): NaN for each mean over no value, computed
+    as 0 / 0 quietly (``np.mean`` warns)."""
+    count = w.size if axes is None else int(np.prod([w.shape[a] for a in np.atleast_1d(axes)]))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.true_divide(np.sum(w, axis=axes, keepdims=keepdims, dtype=w.dtype), count)
+
+
 def _mean(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
     if x.dtype.kind in "iu":  # (the mean of no integers is 0, as onnxruntime's: NaN cast back was garbage)
         return np.mean(x, axis=axes, keepdims=keepdims) if x.size else np.sum(x, axis=axes, keepdims=keepdims)
@@ -192,6 +200,8 @@ def _mean(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
     if y is not None:
         y /= w.shape[-1]
         return y
+    if not w.size:  # NaN where a mean is over no value, without numpy's "Mean of empty slice" warning
+        return empty_mean(w, axes, keepdims)
     if axes is None or w.dtype.kind != "f":
         return np.mean(w, axis=axes, keepdims=keepdims, dtype=w.dtype)
     y = channel_axes_sum(w, axes, keepdims)
