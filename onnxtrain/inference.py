@@ -555,11 +555,11 @@ def profile_session_start(session: Any, begin: int, loaded: int) -> None:
 
 
 def _trace_path(prefix: str) -> str:
-    """``<prefix><date>_<time>_<milliseconds>.json``, as onnxruntime names its traces, claimed (created
+    """``<prefix>_<date>_<time>_<milliseconds>.json``, as onnxruntime names its traces, claimed (created
     empty) so that another session ending its profile in the same millisecond takes the next name
     (``…_2.json``) instead of overwriting it."""
     now = datetime.datetime.now()
-    stem = f"{prefix}{now.strftime('%Y-%m-%d_%H-%M-%S')}_{now.microsecond // 1000}"
+    stem = f"{prefix}_{now.strftime('%Y-%m-%d_%H-%M-%S')}_{now.microsecond // 1000}"
     for k in range(1, 10_000):
         path = f"{stem}.json" if k == 1 else f"{stem}_{k}.json"
         try:

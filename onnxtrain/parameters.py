@@ -66,11 +66,16 @@ _DEFAULTS: dict[str, Any] = {
 
 
 def _number(v: Any, integer: bool) -> bool:
-    """Whether ``v`` is a number the legacy binding took for a float (``integer``: an int, bools and int
-    enums included; an integral float too)."""
-    if isinstance(v, (str, bytes)) or not isinstance(v, (int, float, np.number)):
+    """Whether ``v`` is a number the legacy binding took for a float (anything ``float()`` reads but text:
+    numpy and torch scalars and 0-d arrays too) or, with ``integer``, for an int (bools, int enums and
+    integral floats too)."""
+    if isinstance(v, (str, bytes)):
         return False
-    return not integer or isinstance(v, (int, np.integer, np.bool_)) or float(v).is_integer()
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return False
+    return not integer or f.is_integer()
 
 
 def _check_map(name: str, value: dict) -> None:

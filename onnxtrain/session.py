@@ -573,7 +573,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"load_state takes a mapping of names to arrays, got {type(state).__name__}")
-        if not isinstance(strict, (bool, np.bool_)):
+        if isinstance(strict, (str, bytes)):  # ("no" would be true; ints and numpy bools are taken)
             raise TypeError(f"load_state's strict must be a bool, got {type(strict).__name__} {strict!r}")
         known = set(self._state_names())
         zero_names = self._zero_full_names() if self._zero is not None else {}

@@ -230,12 +230,15 @@ def running_stats(nodes: Iterable[onnx.NodeProto], inits: set[str], names: NameG
 
 
 def _inits_to_inputs(model: onnx.ModelProto, names: list[str]) -> dict[str, np.ndarray]:
-    """Turn initializers ``names`` into graph inputs; returns their values."""
+    """Turn initializers ``names`` into graph inputs; returns their values. One the model already lists as
+    an input too (IR < 4, torch's ``keep_initializers_as_inputs``) keeps that one declaration."""
     keep, values = [], {}
+    declared = {i.name for i in model.graph.input}
     for t in model.graph.initializer:
         if t.name in names:
             values[t.name] = numpy_helper.to_array(t).copy()
-            model.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+            if t.name not in declared:
+                model.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
         else:
             keep.append(t)
     del model.graph.initializer[:]

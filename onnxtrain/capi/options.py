@@ -46,6 +46,7 @@ class GraphOptimizationLevel(_Named):
     ORT_DISABLE_ALL = 0
     ORT_ENABLE_BASIC = 1
     ORT_ENABLE_EXTENDED = 2
+    ORT_ENABLE_LAYOUT = 3
     ORT_ENABLE_ALL = 99
 
 

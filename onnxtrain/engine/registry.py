@@ -24,15 +24,24 @@ Outputs = Sequence[Any]
 
 class NodeCache(dict):
     """A node's memo of what its kernel derives per input shape (geometry, index tables), holding at most
-    ``LIMIT`` entries: the oldest goes first, so a run over many shapes (every batch size of a data set)
-    does not keep each one's tables for the life of the session."""
+    ``LIMIT`` entries (16 or more shapes): the oldest goes first, so a run over many shapes (every batch
+    size of a data set) does not keep each one's tables for the life of the session."""
 
-    LIMIT = 16
+    LIMIT = 32  # entries: a kernel may keep two per shape (AveragePool's geometry and divisors)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if key not in self and len(self) >= self.LIMIT:
             del self[next(iter(self))]
         super().__setitem__(key, value)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
 
 
 class Attrs(dict):

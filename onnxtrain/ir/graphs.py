@@ -212,19 +212,18 @@ def graph_values(graph: onnx.GraphProto) -> set[str]:
 
 def misdefined_name(graph: onnx.GraphProto) -> str | None:
     """What first breaks ONNX's naming rules in ``graph`` or a body in it, or None: a name defined twice (two
-    graph inputs, two initializers, a node output named like an input, initializer or earlier output), or a
-    node reading a value that a later node defines (nodes out of topological order). onnxruntime refuses
-    the first at load. A graph input may share an initializer's name: the initializer is its default."""
+    graph inputs, a node output named like an input, initializer or earlier output), or a node reading a
+    value that a later node defines (nodes out of topological order). onnxruntime refuses the first at load.
+    A graph input may share an initializer's name (the initializer is its default), and initializers and
+    Constant outputs may repeat a name (onnxruntime warns and takes the last, as the engine does)."""
     where: dict[str, str] = {}
     for v in graph.input:
         if v.name in where:
             return f"graph {graph.name!r} declares input {v.name!r} twice"
         where[v.name] = "a graph input"
-    inits: set[str] = set()
+    constants: set[str] = set()  # initializers and Constant outputs: onnxruntime takes the last of a name
     for name in [t.name for t in graph.initializer] + [t.values.name for t in graph.sparse_initializer]:
-        if name in inits:
-            return f"graph {graph.name!r} holds two initializers named {name!r}"
-        inits.add(name)
+        constants.add(name)
         where.setdefault(name, "an initializer")
     later = {o for n in graph.node for o in n.output if o}
     for k, node in enumerate(graph.node):
@@ -233,12 +232,15 @@ def misdefined_name(graph: onnx.GraphProto) -> str | None:
         if early is not None:
             return (f"{label} ({node.op_type}) in graph {graph.name!r} reads {early!r} before the node that "
                     "writes it: the nodes are not in topological order")
+        constant = node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS
         for o in node.output:
-            if o and o in where:
+            if o and o in where and not (constant and o in constants):
                 return (f"{label} ({node.op_type}) in graph {graph.name!r} writes {o!r}, which {where[o]} "
                         "already defines (each name has one definition)")
             if o:
                 where[o] = f"{label} ({node.op_type})"
+                if constant:
+                    constants.add(o)
         for body in subgraphs(node):
             found = misdefined_name(body)
             if found:

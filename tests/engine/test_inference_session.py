@@ -286,7 +286,7 @@ def test_traces_ended_at_once_keep_names_of_their_own(tmp_path, model_bytes: byt
         s.run(None, {"x": np.ones((4, 3), np.float32)})
         paths.append(s.end_profiling())
     assert len(set(paths)) == 4 and all(os.path.exists(p) for p in paths)
-    assert all(re.search(r"prof_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+(_\d+)?\.json$", p) for p in paths), paths
+    assert all(re.search(r"prof__\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+(_\d+)?\.json$", p) for p in paths), paths
     for p in paths:
         with open(p) as f:
             assert any(e["cat"] == "Node" for e in json.load(f))

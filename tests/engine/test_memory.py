@@ -124,3 +124,23 @@ def test_per_shape_memos_are_bounded_and_remade_right() -> None:
         x = rng.standard_normal((n, 2, 8, 8)).astype(np.float32)
         for ours, theirs in zip(plan.run({"x": x}), sess.run(None, {"x": x})):
             np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_node_memo_bounds_setdefault_and_einsum_paths() -> None:
+    from onnxtrain.engine.registry import NodeCache
+
+    memo = NodeCache()
+    for k in range(3 * NodeCache.LIMIT):
+        memo.setdefault(("shape", k), k)
+    assert len(memo) == NodeCache.LIMIT
+    node = helper.make_node("Einsum", ["a", "b"], ["y"], equation="ij,jk->ik")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["n", 3]),
+                                            helper.make_tensor_value_info("b", TensorProto.FLOAT, [3, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    plan = compile_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+    b = np.ones((3, 2), np.float32)
+    for n in range(1, 2 * NodeCache.LIMIT):
+        y = plan.run({"a": np.full((n, 3), 2.0, np.float32), "b": b})[0]
+        np.testing.assert_array_equal(y, np.full((n, 2), 6.0, np.float32))
+    assert all(len(v) <= NodeCache.LIMIT for st in plan.steps for v in [st.attrs.cache, *(
+        x for x in st.attrs.cache.values() if isinstance(x, dict))])

@@ -173,3 +173,12 @@ def test_enum_options_take_members_onnxruntimes_members_and_their_values() -> No
     assert so.graph_optimization_level is GraphOptimizationLevel.ORT_DISABLE_ALL
     so.execution_mode = ExecutionMode.ORT_PARALLEL
     assert so.execution_mode is ExecutionMode.ORT_PARALLEL
+
+
+def test_every_onnxruntime_optimization_level_is_taken() -> None:
+    from onnxtrain import GraphOptimizationLevel
+
+    for member in onnxruntime.GraphOptimizationLevel.__members__.values():
+        so = SessionOptions()
+        so.graph_optimization_level = member  # ORT_ENABLE_LAYOUT was refused
+        assert so.graph_optimization_level == GraphOptimizationLevel[member.name] == int(member)

@@ -218,3 +218,46 @@ def test_a_micro_step_without_the_loss_scale_is_refused_as_a_missing_input() -> 
     x, y = RNG.standard_normal((8, 16)).astype(np.float32), RNG.integers(0, 10, 8)
     with pytest.raises(ValueError, match="missing input\\(s\\) \\['loss_scale'\\]"):
         s.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([1e-3], np.float32)})
+
+
+def test_weights_also_declared_as_inputs_train() -> None:
+    # IR < 4 and torch's keep_initializers_as_inputs list each weight as an input too: the legacy session
+    # declared them a second time in its graphs and refused the model
+    m = _mlp()
+    m.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                         for t in m.graph.initializer)
+    m.ir_version = 3
+    m.opset_import[0].version = 9
+    m.graph.node[-1].ClearField("attribute")  # ReduceMean-9 takes keepdims as an attribute; mean of all
+    m.graph.node[-1].attribute.append(helper.make_attribute("keepdims", 0))
+    s = onnxtrain.TrainingSession(m.SerializeToString(), _params())
+    x, y = RNG.standard_normal((5, 4)).astype(np.float32), RNG.standard_normal((5, 3)).astype(np.float32)
+    s.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)})
+    d = x.astype(np.float64) @ W0 - y
+    np.testing.assert_allclose(s.get_state()["W"], W0 - 0.1 * x.T @ (2 * d / d.size), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["two initializers", "Constant over an initializer", "two Constants"])
+def test_repeated_constants_take_the_last_as_onnxruntime(case: str) -> None:
+    # onnxruntime warns and takes the last definition; they were refused as duplicates
+    first = numpy_helper.from_array(np.array([1.0, 1.0], np.float32), "c")
+    last = np.array([2.0, 1.0], np.float32)
+    nodes = [helper.make_node("Mul", ["x", "c"], ["y"])]
+    inits = [first]
+    if case == "two initializers":
+        inits.append(numpy_helper.from_array(last, "c"))
+    else:
+        if case == "two Constants":
+            inits = []
+            nodes.insert(0, helper.make_node("Constant", [], ["c"], value=first))
+        again = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(last))
+        nodes.insert(len(nodes) - 1, again)
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    data = model.SerializeToString()
+    x = np.array([3.0, 3.0], np.float32)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    want = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(onnxtrain.InferenceSession(data).run(None, {"x": x})[0], want)

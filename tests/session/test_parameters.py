@@ -241,3 +241,13 @@ def test_dir_lists_the_properties() -> None:
     assert {"loss_output_name", "weights_to_train", "optimizer_attributes_map", "lr_params_feed_name"} \
         <= names
     assert "set_optimizer_initial_state" in names
+
+
+def test_scalars_of_numpy_and_torch_and_int_like_flags_are_taken() -> None:
+    torch = pytest.importorskip("torch")
+    p = TrainingParameters()
+    p.optimizer_attributes_map = {"W1": {"alpha": np.array(0.8), "beta": torch.tensor(0.99)}}
+    p.optimizer_int_attributes_map = {"W1": {"do_bias_correction": np.array(1)}}
+    s = TrainingSession(mlp_model().SerializeToString(), params())
+    s.load_state({}, strict=0)  # ints for the bool, as the binding took them
+    s.load_state({}, strict=np.int64(1))

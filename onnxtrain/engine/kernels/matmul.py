@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+from onnxtrain.engine.registry import Attrs, Inputs, NodeCache, Outputs, kernel
 
 _F32 = np.dtype(np.float32)
 _FAR_ROWS = 4096  # bytes between B's rows from which a batched MatMul copies B first
@@ -187,7 +187,10 @@ def einsum(inputs: Inputs, attrs: Attrs) -> Outputs:
             raise ValueError("Einsum needs a non-empty equation")
     dt = inputs[0].dtype
     ops = [x.astype(_F32) for x in inputs] if _low_precision(dt) else inputs
-    plan = _einsum_plan(eq, ops, cache.setdefault("paths", {}))
+    paths = cache.get("paths")
+    if paths is None:
+        paths = cache["paths"] = NodeCache()  # a plan per operand shapes, bounded as the node's memo
+    plan = _einsum_plan(eq, ops, paths)
     y = plan(*ops) if isinstance(plan, _Contraction) else np.einsum(eq, *ops, optimize=plan)
     if not isinstance(y, np.ndarray) or y.dtype != dt:
         y = np.asarray(y).astype(dt, copy=False)

@@ -372,7 +372,7 @@ class CheckpointState:
             raise TypeError(f"state must be a CheckpointState, got {type(state).__name__}")
         if not isinstance(checkpoint_uri, (str, os.PathLike)):
             raise TypeError(f"checkpoint_uri must be a path, got {type(checkpoint_uri).__name__}")
-        if not isinstance(include_optimizer_state, (bool, np.bool_)):
+        if isinstance(include_optimizer_state, (str, bytes)):  # ("no" would be true)
             raise TypeError("include_optimizer_state must be a bool, got "
                             f"{type(include_optimizer_state).__name__} {include_optimizer_state!r}")
         _save_file(state._to_checkpoint(bool(include_optimizer_state)), checkpoint_uri)
