@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -41,6 +40,7 @@ from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import refuse_unloadable
 from onnxtrain.ir.graphs import model_for_outputs
 from onnxtrain.ir.io import save_model_atomic
+from onnxtrain.locks import fork_safe_rlock
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import check_sizes
 from onnxtrain.parallel import resolve as resolve_parallel
@@ -153,7 +153,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             warn("TrainingParameters.allow_layer_norm_mod_precision: LayerNormalization keeps float32 "
                  "statistics (stash_type=1) under mixed precision in onnxtrain; the option changes nothing")
         self._params = parameters
-        self._run_lock = threading.RLock()  # runs and state reads/writes one at a time (see serialized)
+        fork_safe_rlock(self, "_run_lock")  # runs and state reads/writes one at a time (see serialized)
         self._sess_options = options_snapshot(sess_options)
         self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
         self._providers, self._provider_options = backend_providers(
@@ -604,6 +604,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         slots = [WeightSlot(w, "", (), 1) for w in self._graphs.trainable]
         return {sp.name for sp in self._opt.state(slots)}
 
+    @serialized
     def get_model_state(
         self, include_mixed_precision_weights: bool = False
     ) -> dict[str, dict[str, np.ndarray]]:
@@ -613,6 +614,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             out["mixed_precision"] = {} if mp is None else half_copies(out["full_precision"], mp.dtype)
         return out
 
+    @serialized
     def get_optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:
         out: dict[str, dict[str, np.ndarray]] = {}
         for sp in self._specs:

@@ -349,6 +349,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
     def _all_optimizer_state_names(self) -> set[str]:
         return {sp.name for sp in self._specs}
 
+    @serialized
     def get_model_state(
         self, include_mixed_precision_weights: bool = False
     ) -> dict[str, dict[str, np.ndarray]]:

@@ -54,12 +54,17 @@ _QUIET_THREAD_MODULES = ("tqdm.",)
 
 
 def _others_running() -> bool:
-    """True when a Python thread other than this one, the engine's own (named ``onnxtrain-*``) and those of
-    :data:`_QUIET_THREAD_MODULES` is alive: it might be inside a BLAS call, which stopping OpenBLAS's threads
-    would leave waiting forever (and changing their number, running on a count it did not start with)."""
+    """True when a Python thread other than this one, the engine's workers and MPI watchdog (named in
+    :data:`_OWN_THREADS`) and those of :data:`_QUIET_THREAD_MODULES` is alive: it might be inside a BLAS
+    call, which stopping OpenBLAS's threads would leave waiting forever (and changing their number, running
+    on a count it did not start with). ``run_async``'s threads run whole sessions: they count (exempted by
+    their ``onnxtrain-`` name, they deadlocked a process whose main thread ran meanwhile)."""
     me = threading.current_thread()
-    return any(t is not me and not t.name.startswith("onnxtrain-")
+    return any(t is not me and not t.name.startswith(_OWN_THREADS)
                and not type(t).__module__.startswith(_QUIET_THREAD_MODULES) for t in threading.enumerate())
+
+
+_OWN_THREADS = ("onnxtrain-worker-", "onnxtrain-mpi-watchdog")
 
 
 def shorten_blas_spin() -> bool:

@@ -450,6 +450,30 @@ OWN_ATTRIBUTES: dict[str, str] = {
 _SCALARS = (bool, int, float, str)
 
 
+_MAP_KINDS = {"optimizer_attributes_map": float, "optimizer_int_attributes_map": int}
+
+
+def _check_attribute_map(label: str, maps: dict, kind: type) -> None:
+    """The per-weight optimizer attributes of ``training.parameters.<label>``: numbers (integers in the
+    int map; true/false taken as 1/0, in place, as onnxruntime's binding stored a bool given for a
+    number), not the attributes the config sets itself; a ConfigError naming the full key path."""
+    for w, attrs in maps.items():
+        if not isinstance(attrs, dict):
+            raise ConfigError(f"training.parameters.{label}.{w}",
+                              f"expected a mapping of attribute names to numbers, got {_show(attrs)}")
+        for a, value in attrs.items():
+            if isinstance(value, bool):
+                value = attrs[a] = kind(value)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or (kind is int and not float(value).is_integer()):
+                what = "an integer" if kind is int else "a number"
+                raise ConfigError(f"training.parameters.{label}.{w}.{a}",
+                                  f"expected {what}, got {_show(value)}")
+            if a in OWN_ATTRIBUTES and kind is float:
+                raise ConfigError(f"training.parameters.{label}.{w}.{a}",
+                                  f"set by the config itself: use {OWN_ATTRIBUTES[a]}")
+
+
 def _check_parameters(cfg: Config) -> None:
     """training.parameters: known TrainingParameters properties of the right type, none that another key of
     the config sets; ``use_mixed_precision`` is moved to training.mixed_precision (the same switch)."""
@@ -467,6 +491,8 @@ def _check_parameters(cfg: Config) -> None:
         default = getattr(probe, k)
         if type(default) in _SCALARS:  # as strict as the config's own keys: no "false" or 1 for a bool
             v = coerce(v, type(default), path)
+        if k in _MAP_KINDS and isinstance(v, dict):  # named by their full key path, before the property
+            _check_attribute_map(k, v, _MAP_KINDS[k])
         try:
             setattr(probe, k, v)
         except (TypeError, ValueError) as e:
@@ -486,24 +512,6 @@ def _check_parameters(cfg: Config) -> None:
         raise ConfigError("training.parameters.mixed_precision_dtype",
                           f"expected one of {', '.join(map(repr, HALF_TYPES))}, "
                           f"got {_show(probe.mixed_precision_dtype)}")
-    for label, maps, kind in (("optimizer_attributes_map", probe.optimizer_attributes_map, float),
-                              ("optimizer_int_attributes_map", probe.optimizer_int_attributes_map, int)):
-        for w, attrs in maps.items():
-            if not isinstance(attrs, dict):
-                raise ConfigError(f"training.parameters.{label}.{w}",
-                                  f"expected a mapping of attribute names to numbers, got {_show(attrs)}")
-            for a, value in attrs.items():
-                if isinstance(value, bool):  # true/false: 1 or 0 (1.0 or 0.0 in the float map), as
-                    value = kind(value)      # onnxruntime's binding stored a bool given for a number
-                    attrs[a] = t.parameters[label][w][a] = value
-                number = isinstance(value, (int, float)) and not isinstance(value, bool)
-                if not number or (kind is int and not float(value).is_integer()):
-                    what = "an integer" if kind is int else "a number"
-                    raise ConfigError(f"training.parameters.{label}.{w}.{a}",
-                                      f"expected {what}, got {_show(value)}")
-                if a in OWN_ATTRIBUTES and kind is float:
-                    raise ConfigError(f"training.parameters.{label}.{w}.{a}",
-                                      f"set by the config itself: use {OWN_ATTRIBUTES[a]}")
     if probe.pipeline_parallel_size != 1:
         raise ConfigError("training.parameters.pipeline_parallel_size",
                           "the main job splits batches over its ranks for data parallelism only; pipeline "

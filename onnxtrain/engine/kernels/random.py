@@ -13,6 +13,7 @@ seed. The plan never folds, memoises or merges these steps (``RANDOM_OPS`` in ``
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -35,13 +36,19 @@ def set_random_seed(seed: int | None) -> None:
     _unseeded["epoch"] += 1
 
 
+_making = threading.Lock()  # makes a node's generator once, whichever thread runs the node first
+
+
 def unseeded_generator(cache: dict[Any, Any]) -> np.random.Generator:
     """The generator of a node without a ``seed`` attribute (``cache``: the node's), spawned off the module's
     seed sequence; a new one after each :func:`set_random_seed`."""
     epoch, gen = cache.get("rng", (-1, None))
     if epoch != _unseeded["epoch"]:
-        gen = np.random.Generator(np.random.PCG64(_unseeded["seq"].spawn(1)[0]))
-        cache["rng"] = (_unseeded["epoch"], gen)
+        with _making:  # concurrent first runs share one generator (each made its own: the same draws)
+            epoch, gen = cache.get("rng", (-1, None))
+            if epoch != _unseeded["epoch"]:
+                gen = np.random.Generator(np.random.PCG64(_unseeded["seq"].spawn(1)[0]))
+                cache["rng"] = (_unseeded["epoch"], gen)
     return gen
 
 
@@ -53,7 +60,10 @@ def node_generator(attrs: Attrs, from_seed: Callable[[float], np.random.Generato
         return unseeded_generator(attrs.cache)
     gen = attrs.cache.get("rng")
     if gen is None:
-        gen = attrs.cache["rng"] = from_seed(seed)
+        with _making:  # concurrent first runs share one generator (each made its own: the same draws)
+            gen = attrs.cache.get("rng")
+            if gen is None:
+                gen = attrs.cache["rng"] = from_seed(seed)
     return gen
 
 

@@ -10,7 +10,6 @@ import json
 import math
 import os
 import sys
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from onnxtrain.checkpoint import save_checkpoint as _save_file
 from onnxtrain.checkpoint.format import DATA_TOKEN
 from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
+from onnxtrain.locks import fork_safe_rlock
 from onnxtrain.user_warning import warn
 
 DEFAULT_LEARNING_RATE = float(np.float32(0.001))  # a float32 value, as onnxruntime reports it
@@ -318,7 +318,7 @@ class CheckpointState:
         self._params: dict[str, _Param] = {}
         # held by a Module's training call and an Optimizer's step over this state: one at a time (two
         # threads stepping at once lost gradients)
-        self._lock = threading.RLock()
+        fork_safe_rlock(self, "_lock")
         for trainable, tensors in ((True, checkpoint.trainable), (False, checkpoint.frozen)):
             for name, arr in tensors.items():
                 arr = np.asarray(arr)
@@ -375,7 +375,8 @@ class CheckpointState:
         if isinstance(include_optimizer_state, (str, bytes)):  # ("no" would be true)
             raise TypeError("include_optimizer_state must be a bool, got "
                             f"{type(include_optimizer_state).__name__} {include_optimizer_state!r}")
-        _save_file(state._to_checkpoint(bool(include_optimizer_state)), checkpoint_uri)
+        with state._lock:  # a Module's or Optimizer's step in another thread writes the arrays in place
+            _save_file(state._to_checkpoint(bool(include_optimizer_state)), checkpoint_uri)
 
     def _to_checkpoint(self, include_optimizer_state: bool) -> Checkpoint:
         nominal = self.is_nominal
