@@ -40,7 +40,7 @@ from onnxtrain.ir.graphs import (
     train_batch_norms,
     untie_batch_norm_statistics,
 )
-from onnxtrain.ir.types import np_dtype
+from onnxtrain.ir.types import np_dtype, shown_dims
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.user_warning import warn
@@ -324,7 +324,7 @@ def build_step_graphs(
     declared = next((v for v in [*m.graph.output, *m.graph.value_info] if v.name == loss), None)
     dims = declared.type.tensor_type.shape.dim if declared is not None else []
     if any(not d.HasField("dim_value") or d.dim_value != 1 for d in dims):
-        shape = [d.dim_value if d.HasField("dim_value") else d.dim_param or "?" for d in dims]
+        shape = shown_dims(declared.type.tensor_type.shape)
         warn(f"loss_output_name {loss!r} is declared of shape {shape}, not one value: the gradients are "
              "those of the sum of its values")
     if opt is not None:
@@ -562,8 +562,7 @@ def _add_learning_rate_input(inputs: list[onnx.ValueInfoProto], name: str) -> No
                          "float; name the learning-rate feed otherwise (TrainingParameters."
                          "lr_params_feed_name)")
     elif any(d.HasField("dim_value") and d.dim_value != 1 for d in same.type.tensor_type.shape.dim):
-        dims = [d.dim_value if d.HasField("dim_value") else d.dim_param or "?"
-                for d in same.type.tensor_type.shape.dim]
+        dims = shown_dims(same.type.tensor_type.shape)
         raise ValueError(f"lr_params_feed_name {name!r} is an input of the model of shape {dims}, not "
                          "one value; name the learning-rate feed otherwise "
                          "(TrainingParameters.lr_params_feed_name)")

@@ -77,6 +77,11 @@ def shape_dims(shape: onnx.TensorShapeProto) -> list[int | str | None]:
     return dims
 
 
+def shown_dims(shape: onnx.TensorShapeProto) -> list[int | str]:
+    """The dims of a shape as messages show them: ints, symbolic names, "?" where unknown."""
+    return ["?" if d is None or d == "" else d for d in shape_dims(shape)]
+
+
 def symbolic_shape(types: dict[str, onnx.TypeProto], name: str) -> list[int | str | None] | None:
     """Dims of ``name``: ints, symbolic names, or None; None when the rank is unknown."""
     tp = types.get(name)

@@ -112,6 +112,7 @@ from onnxtrain.ir.graphs import (
     untie_batch_norm_statistics,
 )
 from onnxtrain.ir.io import StagedFiles
+from onnxtrain.ir.types import shown_dims
 from onnxtrain.training import onnxblock
 from onnxtrain.training.api._accumulation import ACCUMULATED_SUFFIX as ACC_OUT_SUFFIX
 from onnxtrain.training.api._accumulation import BUFFER_SUFFIX
@@ -685,9 +686,7 @@ def _drop_output(m: onnx.ModelProto, name: str) -> onnx.ModelProto:
 def _shape(tp: onnx.TypeProto | None) -> list[int | str] | None:
     if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
         return None
-    return [
-        d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tp.tensor_type.shape.dim
-    ]
+    return shown_dims(tp.tensor_type.shape)
 
 
 def _with_accumulation(m: onnx.ModelProto, trainable: list[str]) -> onnx.ModelProto:

@@ -34,14 +34,8 @@ def _key(v: Any) -> Any:
 
 
 def _memo(attrs: Attrs, key: Any, make: Callable[[], Any]) -> Any:
-    """``make()`` cached per node under ``key`` (index tuples, target shapes; at most 64 entries)."""
-    cache = attrs.cache
-    v = cache.get(key)
-    if v is None:
-        if len(cache) >= 64:
-            cache.clear()
-        v = cache[key] = make()
-    return v
+    """``make()`` cached per node under ``key`` (index tuples, target shapes; the node memo's bound)."""
+    return attrs.cached(key, make)
 
 
 def _reshape_target(xshape: tuple[int, ...], shape: Any, allowzero: bool) -> tuple[int, ...]:
