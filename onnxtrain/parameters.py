@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -78,30 +79,42 @@ def _number(v: Any, integer: bool) -> bool:
     return not integer or f.is_integer()
 
 
+def _check_attribute_map(where: str, key: str, entry: Any, integer: bool) -> None:
+    """One weight's entry of ``optimizer_attributes_map`` ({name: float}) or
+    ``optimizer_int_attributes_map`` ({name: int})."""
+    if not isinstance(entry, dict):
+        raise TypeError(f"{where}[{key!r}] must be a dict of attribute values, got "
+                        f"{type(entry).__name__} {entry!r}")
+    for attr, v in entry.items():
+        if not isinstance(attr, str) or not _number(v, integer):
+            kind = "an int" if integer else "a float"
+            raise TypeError(f"{where}[{key!r}][{attr!r}] must be {kind}, got {type(v).__name__} {v!r}")
+
+
+def _check_immutable_entry(where: str, key: str, entry: Any) -> None:
+    """One op type's entry of ``immutable_weights``: [(input index, value), ...]."""
+    pairs = entry if isinstance(entry, (list, tuple)) else [None]
+    if not all(isinstance(p, (list, tuple)) and len(p) == 2 and _number(p[0], True)
+               and _number(p[1], False) for p in pairs):
+        raise TypeError(f"{where}[{key!r}] must be a list of (input index, value) pairs, got {entry!r}")
+
+
+_MAP_ENTRY_CHECKS: dict[str, Callable[[str, str, Any], None]] = {
+    "optimizer_attributes_map": lambda w, k, e: _check_attribute_map(w, k, e, integer=False),
+    "optimizer_int_attributes_map": lambda w, k, e: _check_attribute_map(w, k, e, integer=True),
+    "immutable_weights": _check_immutable_entry,
+}
+
+
 def _check_map(name: str, value: dict) -> None:
-    """A TypeError naming the entry of a map property that is not of the binding's type:
-    ``optimizer_attributes_map`` {weight: {name: float}}, ``optimizer_int_attributes_map`` {weight: {name:
-    int}}, ``immutable_weights`` {op type: [(input index, value), ...]}."""
+    """A TypeError naming the entry of a map property that is not of the binding's type."""
     where = f"TrainingParameters.{name}"
+    check = _MAP_ENTRY_CHECKS.get(name)
     for key, entry in value.items():
         if not isinstance(key, str):
             raise TypeError(f"{where}: keys must be names, got {type(key).__name__} {key!r}")
-        if name in ("optimizer_attributes_map", "optimizer_int_attributes_map"):
-            integer = name == "optimizer_int_attributes_map"
-            if not isinstance(entry, dict):
-                raise TypeError(f"{where}[{key!r}] must be a dict of attribute values, got "
-                                f"{type(entry).__name__} {entry!r}")
-            for attr, v in entry.items():
-                if not isinstance(attr, str) or not _number(v, integer):
-                    kind = "an int" if integer else "a float"
-                    raise TypeError(f"{where}[{key!r}][{attr!r}] must be {kind}, got "
-                                    f"{type(v).__name__} {v!r}")
-        elif name == "immutable_weights":
-            pairs = entry if isinstance(entry, (list, tuple)) else [None]
-            if not all(isinstance(p, (list, tuple)) and len(p) == 2 and _number(p[0], True)
-                       and _number(p[1], False) for p in pairs):
-                raise TypeError(f"{where}[{key!r}] must be a list of (input index, value) pairs, got "
-                                f"{entry!r}")
+        if check is not None:
+            check(where, key, entry)
 
 
 class TrainingParameters:
