@@ -49,7 +49,7 @@ from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.zero import ZeroLayout
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session_parallel import DataParallelSteps, fingerprint, with_value_outputs
-from onnxtrain.training_graph import TRAINING_MODE, build_step_graphs
+from onnxtrain.training_graph import TRAINING_MODE, build_step_graphs, update_clips
 from onnxtrain.user_warning import warn
 
 # plans run right after another of the same session, whose onnxruntime threads therefore stop spinning when
@@ -194,7 +194,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         self._opt = (get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
                      if p.training_optimizer_name else None)
         adasum = self._dp is not None and self._dp.mode == "adasum"
-        g = build_step_graphs(model, p, self._opt, force_clip=adasum)
+        self._clips = update_clips(p, adasum)
+        g = build_step_graphs(model, p, self._opt, adasum=adasum)
         self._graphs = g
         self._check_attribute_maps({t.name for t in model.graph.initializer})
         mp = g.mixed_precision
@@ -262,7 +263,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
                     )
         opt.warn_unknown_attrs(self._graphs.trainable, fmap, imap)
         clip = [w for w in self._graphs.trainable if "max_norm_clip" in fmap.get(w, {})]
-        if clip and not p.enable_grad_norm_clip and "max_norm_clip" in opt.FLOAT_ATTRS:
+        if clip and not self._clips and "max_norm_clip" in opt.FLOAT_ATTRS:
             warn(f"optimizer_attributes_map: max_norm_clip (given for {len(clip)} weight(s), e.g. "
                  f"{clip[0]!r}) has no effect with enable_grad_norm_clip=False")
         for label, m in (("optimizer_attributes_map", fmap), ("optimizer_int_attributes_map", imap)):

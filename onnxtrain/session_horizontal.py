@@ -78,7 +78,7 @@ from onnxtrain.session_stages import (
     sum_tied_gradients,
     tied_weights,
 )
-from onnxtrain.training_graph import build_update_graph, select_trainable
+from onnxtrain.training_graph import build_update_graph, select_trainable, update_clips
 from onnxtrain.user_warning import warn
 
 SHARE_SEED_STEP = 7_919  # a random node inside a split block: rank r's seed is the agreed one + r × this
@@ -263,7 +263,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
             )
             for w in self._trainable
         ]
-        clip = p.enable_grad_norm_clip
+        clip = update_clips(p, self._mode == "adasum")
         # mixed precision always reads the norm: whether every gradient is finite comes from it
         norm = NORM if clip or self._mp is not None else None
         self._update_graph, self._update_outputs, _, self._specs = build_update_graph(

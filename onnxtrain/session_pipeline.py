@@ -127,7 +127,8 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         p = self._params
         self._setup_micro_batches(model, self.loss_scale_input_name)
         sg = self._sg = build_stage_graphs(
-            model, self._part, self._stage, trainable, p, self._opt, self._mp, self._micro_input
+            model, self._part, self._stage, trainable, p, self._opt, self._mp, self._micro_input,
+            adasum=self._mode == "adasum",
         )
         self._store: dict[str, np.ndarray] = dict(sg.initial)
         self._bn_stats = sg.bn_stats

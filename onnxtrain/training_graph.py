@@ -302,13 +302,19 @@ def _fold_output_identities(
     return out
 
 
-def build_step_graphs(
-    model: onnx.ModelProto, p: TrainingParameters, opt: Optimizer | None, force_clip: bool = False
-) -> StepGraphs:
-    """Compose the forward, gradient and step graphs of a legacy training session.
+def update_clips(p: TrainingParameters, adasum: bool = False) -> bool:
+    """Whether the optimizer clips by the global gradient norm: ``enable_grad_norm_clip``, or Adasum under
+    float16 mixed precision. onnxruntime's Adasum turns clipping on in every optimizer node, but builds a norm
+    to clip by only for ``enable_grad_norm_clip`` or float16 mixed precision (its finite check's)."""
+    fp16 = p.use_mixed_precision and p.mixed_precision_dtype == "float16"
+    return bool(p.enable_grad_norm_clip or (adasum and fp16))
 
-    ``force_clip`` wires the global-norm clipping in whatever ``enable_grad_norm_clip`` says (Adasum).
-    """
+
+def build_step_graphs(
+    model: onnx.ModelProto, p: TrainingParameters, opt: Optimizer | None, adasum: bool = False
+) -> StepGraphs:
+    """Compose the forward, gradient and step graphs of a legacy training session (``adasum``: its
+    data-parallel mode, which may turn clipping on: :func:`update_clips`)."""
     model = upgrade_opset(model)
     m = onnx.ModelProto()
     m.CopyFrom(model)
@@ -410,7 +416,7 @@ def build_step_graphs(
         if src is not None:
             out_bn[k] = src
 
-    clip = p.enable_grad_norm_clip or force_clip
+    clip = update_clips(p, adasum)
 
     def slots_for(eff: dict[str, str]) -> list[WeightSlot]:
         return [

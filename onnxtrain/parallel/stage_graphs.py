@@ -37,6 +37,7 @@ from onnxtrain.training_graph import (
     _inits_to_inputs,
     build_update_graph,
     running_stats,
+    update_clips,
 )
 
 NORM = "global_gradient_norm"
@@ -79,11 +80,12 @@ def build_stage_graphs(
     declare_input: Callable[[onnx.ValueInfoProto], onnx.ValueInfoProto] = lambda v: v,
     with_update: bool = True,
     layers: set[str] | None = None,
+    adasum: bool = False,
 ) -> StageGraphs:
     """Stage ``stage``'s graphs and initial state; ``trainable`` lists the whole model's trained weights,
     ``declare_input`` rewrites a user input's declaration (a micro-batch's shape) and ``with_update=False``
     leaves the optimizer to the caller; ``layers``: :func:`layer_activations` of the model when the caller
-    builds several stages (found here when None)."""
+    builds several stages (found here when None); ``adasum``: the replicas' mode (:func:`update_clips`)."""
     last = stage == part.stages - 1
     layers = layer_activations(model, params) if layers is None else layers
     nodes = [_copy(n) for n in part.nodes(model, stage)]
@@ -166,7 +168,7 @@ def build_stage_graphs(
             )
             for w in mine
         ]
-        clip = params.enable_grad_norm_clip
+        clip = update_clips(params, adasum)
         # mixed precision always reads the norm: whether every gradient is finite comes from it
         norm = NORM if clip or mp is not None else None
         graphs["update"], sg.update_outputs, _, sg.specs = build_update_graph(

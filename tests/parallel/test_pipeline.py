@@ -191,7 +191,7 @@ def test_zero_and_adasum_under_mixed_precision(tmp_path) -> None:
     first replica, whose own gradients are finite, skips too."""
     overflow = ["adam2x2_mp_zero_overflow", "adam2x2_mp_adasum_overflow", "adam2x2_mp_adasum_half_overflow"]
     trained = ["adam2x2_mp_clip", "adam2x2_mp_zero_clip", "adam2x2_mp_adasum_clip"]
-    trained.append("adam2x2_mp_adasum_frozen")
+    trained += ["adam2x2_mp_adasum_noclip", "adam2x2_mp_adasum_frozen"]
     got = pipelined(tmp_path, [*trained, *overflow], 4)
     for case in ("adam2x2_mp_clip", "adam2x2_mp_zero_clip", *overflow):
         compare(got, case, 1e-6)
@@ -204,7 +204,7 @@ def test_zero_and_adasum_under_mixed_precision(tmp_path) -> None:
         np.testing.assert_allclose(got[k.replace("_mp_clip", "_mp_zero_clip")], got[k], rtol=1e-7, atol=1e-8,
                                    err_msg=k)
     # the frozen case: a first stage that trains nothing still takes part in the replica's deltas check
-    for case in ("adam2x2_mp_adasum_clip", "adam2x2_mp_adasum_frozen"):
+    for case in ("adam2x2_mp_adasum_clip", "adam2x2_mp_adasum_noclip", "adam2x2_mp_adasum_frozen"):
         losses, state = adasum_oracle(case)
         np.testing.assert_allclose(got[f"{case}/losses"], losses, rtol=1e-5, err_msg=case)
         assert sorted(k.split("/", 2)[2] for k in got if k.startswith(f"{case}/state/")) == sorted(state)
