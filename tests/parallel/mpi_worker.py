@@ -257,6 +257,22 @@ def main() -> None:
     elif what == "mismatch":
         model = mlp_model(dh=16 if w.rank == 0 else 12)
         TrainingSession(model.SerializeToString(), params("AdamOptimizer", 1, 0, {}))
+    elif what == "sizes":  # sizes of 1 assigned: each rank alone (world_size), all ranks (data_parallel_size)
+        import json
+        import warnings
+
+        x, y = batches(1, GLOBAL_BATCH, din=DIN)[0]
+        result = {}
+        for option in ("world_size", "data_parallel_size"):
+            p = params("SGDOptimizer", 1, 0, {option: 1})
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                sess = TrainingSession(mlp_model(din=DIN).SerializeToString(), p)
+            x_mine = x if w.rank == 0 else 2 * x  # the ranks' data differ
+            sess.run(["loss"], {"x": x_mine, "y": y, "Learning_Rate": LR})
+            result[option] = {"W1": sess.get_state()["W1"].tolist(),
+                              "warnings": [str(c.message) for c in caught]}
+        print(json.dumps({"rank": w.rank, **result}), flush=True)
     else:
         raise SystemExit(f"unknown command {what!r}")
 

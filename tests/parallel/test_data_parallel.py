@@ -181,6 +181,34 @@ def test_failing_rank_ends_the_job(how: str, tmp_path) -> None:
     assert 1 <= int(last.properties["step"]) <= 3 and sorted(last.trainable) == ["W1", "W2", "b1", "b2"]
 
 
+def test_sizes_of_one_assigned_under_mpiexec() -> None:
+    """``world_size = 1`` assigned under ``mpiexec -n 2``: each rank trains alone on its own data, as
+    onnxruntime's legacy session did (it read MPI's sizes only for a world_size above 1), with a warning;
+    ``data_parallel_size = 1``: the ranks train together (the world size wins), with a warning."""
+    import json
+
+    from onnxtrain import TrainingSession
+
+    r = run_mpi("sizes", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    got = {d["rank"]: d for d in map(json.loads, lines)}
+    x, y = mpi_worker.batches(1, mpi_worker.GLOBAL_BATCH, din=mpi_worker.DIN)[0]
+    alone = []
+    for data in (x, 2 * x):  # rank 0's and rank 1's
+        sess = TrainingSession(mlp_model(din=mpi_worker.DIN).SerializeToString(),
+                               mpi_worker.params("SGDOptimizer", 1, 0, {}))
+        sess.run(["loss"], {"x": data, "y": y, "Learning_Rate": mpi_worker.LR})
+        alone.append(sess.get_state()["W1"])
+    for rank in (0, 1):
+        ws, dp = got[rank]["world_size"], got[rank]["data_parallel_size"]
+        np.testing.assert_allclose(ws["W1"], alone[rank], rtol=1e-6, atol=1e-7)
+        assert any("each rank trains alone" in m for m in ws["warnings"]), ws["warnings"]
+        np.testing.assert_allclose(dp["W1"], (alone[0] + alone[1]) / 2, rtol=1e-6, atol=1e-7)
+        assert any("data_parallel_size=1 does not equal world_size 2" in m for m in dp["warnings"]), dp
+    assert not np.allclose(alone[0], alone[1], rtol=1e-3)
+
+
 def test_mismatched_models_are_named() -> None:
     r = run_mpi("mismatch", timeout=60)
     assert r.returncode != 0
