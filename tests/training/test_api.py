@@ -542,6 +542,20 @@ def test_a_learning_rate_saved_at_another_step_is_not_used(art, tmp_path):
     later = CheckpointState.load_checkpoint(tmp_path / "later")
     opt2 = Optimizer(art["adamw"], Module(art["training"], later))
     assert opt2.get_learning_rate() == float(np.float32(0.001)) and opt2.step_count == 7
+    # trained elsewhere from a fresh optimizer for as many steps (onnxruntime-training, saving every N steps):
+    # the same step, other parameters
+    raw.optimizer_groups[0].step -= 5
+    raw.trainable["W"] = raw.trainable["W"] + np.float32(0.5)
+    save_checkpoint(raw, tmp_path / "same_step")
+    same_step = CheckpointState.load_checkpoint(tmp_path / "same_step")
+    opt4 = Optimizer(art["adamw"], Module(art["training"], same_step))
+    assert opt4.get_learning_rate() == float(np.float32(0.001)) and opt4.step_count == 2
+    rate, _, _ = raw.properties[LEARNING_RATE_PROPERTY].partition("#")
+    raw.properties[LEARNING_RATE_PROPERTY] = rate  # an onnxtrain before the checksum was recorded: step only
+    save_checkpoint(raw, tmp_path / "undigested")
+    undigested = CheckpointState.load_checkpoint(tmp_path / "undigested")
+    assert Optimizer(art["adamw"], Module(art["training"], undigested)).get_learning_rate() == float(
+        np.float32(0.03))
     raw.properties[LEARNING_RATE_PROPERTY] = 0.02  # an onnxtrain before the step was recorded: a number
     save_checkpoint(raw, tmp_path / "older")
     older = CheckpointState.load_checkpoint(tmp_path / "older")
@@ -603,7 +617,8 @@ def test_optimizer_state_saved_only_with_flag_and_strict_on_load(art, tmp_path):
     g = raw.optimizer_groups[0]
     assert g.name == "group0" and g.step == 2 and sorted(g.states) == ["W", "b"]
     assert sorted(g.states["W"]) == ["momentum0"]
-    assert raw.properties[LEARNING_RATE_PROPERTY] == f"{float(np.float32(0.001))!r}@2"  # rate @ step
+    rate, digest = raw.properties[LEARNING_RATE_PROPERTY].split("#")  # rate @ step # parameters' checksum
+    assert rate == f"{float(np.float32(0.001))!r}@2" and len(digest) == 8
     # an SGD optimizer state has no second moments: an AdamW optimizer refuses it
     state2 = CheckpointState.load_checkpoint(tmp_path / "sgd")
     with pytest.raises(ValueError, match="momentum1"):

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +29,9 @@ from onnxtrain.user_warning import warn
 DEFAULT_LEARNING_RATE = float(np.float32(0.001))  # a float32 value, as onnxruntime reports it
 GROUP_NAME = "group0"
 # The current learning rate, saved with the optimizer state (onnxruntime keeps only initial_lr and step) as
-# "<lr>@<step>": a file that onnxruntime-training trained on and saved again holds a later step, and
-# the stale rate is then dropped (onnxruntime's default is used, as there).
+# "<lr>@<step>#<digest of the trainable parameters>": a file that onnxruntime-training trained on and saved
+# again (keeping the property) holds other parameters, and mostly a later step: the stale rate is then
+# dropped (onnxruntime's default is used, as there).
 LEARNING_RATE_PROPERTY = "onnxtrain.learning_rate"
 # The dynamic loss scaler of a mixed-precision Module (scale and count of clean steps), as the JSON text
 # '{"loss_scale": 32768.0, "stable_steps": 3}': a string keeps the scale exact (float properties are float32).
@@ -37,17 +39,31 @@ LOSS_SCALER_PROPERTY = "onnxtrain.loss_scaler"
 _RESERVED = (LEARNING_RATE_PROPERTY, LOSS_SCALER_PROPERTY, DATA_TOKEN)
 
 
-def _saved_learning_rate(value: int | float | str | None, step: int) -> float | None:
-    """The learning rate of :data:`LEARNING_RATE_PROPERTY` when it belongs to the group's ``step`` (a float:
-    a file of an onnxtrain that did not record the step); None for another step, and for a value that is
-    not a finite rate (with a warning: such a property was not written by onnxtrain)."""
+def _parameters_digest(trainable: dict[str, np.ndarray | None]) -> str:
+    """A checksum of the trainable parameters' names and values (CRC-32, hex): tells a file whose
+    parameters changed after onnxtrain recorded its learning rate."""
+    crc = 0
+    for name in sorted(trainable):
+        crc = zlib.crc32(name.encode(), crc)
+        arr = trainable[name]
+        if arr is not None:
+            crc = zlib.crc32(np.ascontiguousarray(arr).view(np.uint8).reshape(-1), crc)
+    return f"{crc:08x}"
+
+
+def _saved_learning_rate(value: int | float | str | None, step: int, digest: str) -> float | None:
+    """The learning rate of :data:`LEARNING_RATE_PROPERTY` when it belongs to the group's ``step`` and the
+    parameters' ``digest`` (a float: a file of an onnxtrain that recorded neither; a value without a digest:
+    one that recorded only the step); None for another step or digest, and for a value that is not a finite
+    rate (with a warning: such a property was not written by onnxtrain)."""
     lr: float | None = None
     if isinstance(value, float):
         lr = value
     elif isinstance(value, str):
         text, _, at = value.partition("@")
+        at, hashed, recorded = at.partition("#")
         try:
-            if int(at) != step:
+            if int(at) != step or (hashed and recorded != digest):
                 return None
             lr = float(text)
         except ValueError:
@@ -340,7 +356,8 @@ class CheckpointState:
         for g in checkpoint.optimizer_groups:
             if g.name == GROUP_NAME:
                 moments = {p: {k: _owned(np.asarray(v)) for k, v in m.items()} for p, m in g.states.items()}
-                lr = _saved_learning_rate(saved_lr, int(g.step))
+                digest = _parameters_digest({n: p.data for n, p in self._params.items() if p.requires_grad})
+                lr = _saved_learning_rate(saved_lr, int(g.step), digest)
                 self._optimizer = _OptimizerState(int(g.step), float(g.initial_lr),
                                                   DEFAULT_LEARNING_RATE if lr is None else lr, moments)
         self.path: str | None = None
@@ -390,7 +407,8 @@ class CheckpointState:
         opt = self._optimizer
         if include_optimizer_state and opt is not None:
             groups.append(OptimizerGroup(GROUP_NAME, opt.step, opt.initial_lr, opt.moments))
-            props[LEARNING_RATE_PROPERTY] = f"{float(opt.lr)!r}@{int(opt.step)}"
+            digest = _parameters_digest(trainable)
+            props[LEARNING_RATE_PROPERTY] = f"{float(opt.lr)!r}@{int(opt.step)}#{digest}"
         scaler = self._loss_scaler_state()
         if scaler is not None:
             props[LOSS_SCALER_PROPERTY] = json.dumps({"loss_scale": scaler[0], "stable_steps": scaler[1]})
