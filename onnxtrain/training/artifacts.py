@@ -375,6 +375,10 @@ def generate_artifacts(
             files.save_model(optimizer_model, path("optimizer_model.onnx"))
         if ort_format:
             _stage_ort_format(files, {prefix + n: m for n, m in models.items()}, folder)
+            warn("ort_format=True: onnxruntime-training cannot train the .ort training and optimizer models "
+                 "(its Module accumulates gradients in place and drops the training model's gradient "
+                 "outputs, so its gradients stay 0; its Optimizer refuses the optimizer model): its eval "
+                 "model and checkpoint work there, and onnxtrain's Module trains these artifacts")
     written = {"checkpoint", *models} | ({"nominal_checkpoint"} if nominal_checkpoint else set())
     stale = [prefix + n for n in ARTIFACT_FILES if n not in written and os.path.exists(path(n))]
     if stale:  # an earlier generation's files, which do not go with these (as onnxruntime, they are kept)
