@@ -36,14 +36,17 @@ from onnxtrain.ir.io import write_atomic
 from onnxtrain.ir.types import np_dtype_of, shape_dims, type_string, value_info_shape
 
 
-@dataclass
+@dataclass(frozen=True)
 class NodeArg:
     """Name, type string (``tensor(float)``) and shape (ints, symbolic names or None; ``[]`` when the graph
-    declares none) of an input/output."""
+    declares none) of an input/output; read-only and hashable, as onnxruntime's."""
 
     name: str
     type: str
     shape: list[Any]
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.type, tuple(self.shape)))
 
     def __repr__(self) -> str:
         return f"NodeArg(name='{self.name}', type='{self.type}', shape={self.shape})"

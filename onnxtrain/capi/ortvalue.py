@@ -168,8 +168,15 @@ class OrtValue:
         return self._array is not None
 
     def update_inplace(self, data: np.ndarray) -> None:
-        """Copy ``data`` into this value's array (``data``: onnxruntime's parameter name)."""
-        np.copyto(self._array, np.asarray(data).reshape(self._array.shape))
+        """Copy ``data`` (as many values as this value holds) into this value's array. Values of another
+        type of the same width are copied bit for bit, as onnxruntime copies (bfloat16 or float8 values
+        given as uint16 or uint8 bits); values of another width are converted."""
+        src = np.asarray(data)
+        if src.size != self._array.size:
+            raise ValueError(f"update_inplace: {src.size} values for an OrtValue of {self._array.size}")
+        if src.dtype != self._array.dtype and src.dtype.itemsize == self._array.dtype.itemsize:
+            src = np.ascontiguousarray(src).view(self._array.dtype)
+        np.copyto(self._array, src.reshape(self._array.shape))
 
     # DLPack: the protocol (``torch.from_dlpack(value)``), and the legacy training API's ``to_dlpack`` and
     # ``from_dlpack(data, is_bool_tensor)``; no copy either way

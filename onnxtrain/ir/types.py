@@ -70,7 +70,7 @@ def shape_dims(shape: onnx.TensorShapeProto) -> list[int | str | None]:
     for d in shape.dim:
         if d.HasField("dim_value"):
             dims.append(int(d.dim_value))
-        elif d.HasField("dim_param"):
+        elif d.dim_param:  # (an empty name is no name: unknown, as onnxruntime shows it)
             dims.append(d.dim_param)
         else:
             dims.append(None)

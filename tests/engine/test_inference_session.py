@@ -171,6 +171,36 @@ def test_ortvalue_methods(mod) -> None:
     assert e.shape() == [4, 5] and e.data_type() == "tensor(int64)" and e.element_type() == TensorProto.INT64
 
 
+@pytest.mark.parametrize("mod", [onnxtrain, ort], ids=["onnxtrain", "onnxruntime"])
+@pytest.mark.parametrize("elem, bits, width", [(TensorProto.BFLOAT16, [0x3F80, 0x4000], np.uint16),
+                                               (TensorProto.FLOAT8E4M3FN, [0x38, 0x40], np.uint8)])
+def test_update_inplace_copies_the_bits_of_a_type_of_the_same_width(mod, elem, bits, width) -> None:
+    """The usual way to feed bfloat16 or float8 from numpy: their bits as uint16 / uint8 into a value of
+    that type (they were converted as numbers: 16256 for bfloat16 1.0)."""
+    g = helper.make_graph([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT)], "g",
+                          [helper.make_tensor_value_info("x", elem, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10).SerializeToString()
+    s = onnxtrain.InferenceSession(m) if mod is onnxtrain else ort_session(m)
+    v = mod.OrtValue.ortvalue_from_shape_and_type([2], elem)
+    v.update_inplace(np.array(bits, width))
+    (y,) = s.run_with_ort_values(["y"], {"x": v})
+    np.testing.assert_array_equal(y.numpy(), [1.0, 2.0])
+
+
+@pytest.mark.parametrize("mod", [onnxtrain, ort], ids=["onnxtrain", "onnxruntime"])
+def test_node_args_are_hashable_and_read_only_and_an_empty_dim_name_is_unknown(mod) -> None:
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["", "n", 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["", "n", 3])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    s = onnxtrain.InferenceSession(m) if mod is onnxtrain else ort_session(m)
+    x = s.get_inputs()[0]
+    assert x.shape == [None, "n", 3] and {x: 1}[x] == 1
+    with pytest.raises(AttributeError):
+        x.name = "z"
+
+
 def test_ortvalue_cpu_only() -> None:
     with pytest.raises(ValueError, match="cuda"):
         onnxtrain.OrtValue.ortvalue_from_numpy(np.zeros(2, np.float32), "cuda", 0)
