@@ -305,7 +305,8 @@ class InferenceSession:
                                                                     provider_options)
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         folder = _config(self._sess_options).get("session.model_external_initializers_file_folder_path")
-        self._model = with_option_overrides(load_model(path_or_bytes, folder), self._sess_options)
+        supplied = getattr(self._sess_options, "_initializers", {})
+        self._model = with_option_overrides(load_model(path_or_bytes, folder, supplied), self._sess_options)
         refuse_unloadable(self._model)
         loaded = time.perf_counter_ns()
         self._plan = make_plan(self._model, self._backend, self._providers, self._sess_options,
@@ -635,7 +636,8 @@ def check_severity(level: Any, owner: str) -> None:
 def with_option_overrides(model: onnx.ModelProto, options: Any) -> onnx.ModelProto:
     """``model`` with the initializers and free dimensions ``options`` override (``add_initializer``,
     ``add_free_dimension_override_by_name/denotation``, in the inputs' and outputs' declarations; a copy), or
-    ``model`` itself without any. An initializer name the model lacks is an error (onnxruntime ignores it)."""
+    ``model`` itself without any. An initializer name the model lacks is skipped, as onnxruntime skips it (one
+    ``SessionOptions`` may hold the weights several models share)."""
     inits, dims = getattr(options, "_initializers", {}), getattr(options, "_dims", {})
     if not inits and not dims:
         return model
@@ -647,8 +649,7 @@ def with_option_overrides(model: onnx.ModelProto, options: Any) -> onnx.ModelPro
     known = {t.name: t for t in g.initializer}
     for name, value in inits.items():
         if name not in known:
-            raise FailValueError(f"add_initializer: {name!r} is not an initializer of the model "
-                                 f"({sorted(known)[:10]})")
+            continue
         array = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
         old = known[name]
         wanted = onnx.helper.tensor_dtype_to_np_dtype(old.data_type)

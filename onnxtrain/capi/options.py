@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxtrain.errors import FailKeyError, FailValueError
+from onnxtrain.errors import Fail, FailKeyError, FailValueError
 from onnxtrain.user_warning import warn
 
 AVAILABLE_PROVIDERS = ["CPUExecutionProvider"]
@@ -189,9 +189,13 @@ class SessionOptions(_Fields):
         return self._config[key]
 
     def register_custom_ops_library(self, path: str) -> None:
-        raise NotImplementedError(
-            "custom op libraries are not supported: onnxtrain runs standard ONNX ops only"
-        )
+        """Accepted, with a warning, for scripts that register a library (onnxruntime-extensions ...) whatever
+        the model: onnxtrain runs standard ONNX ops only, so a session refuses a model using the library's
+        ops by their names. A path that does not exist is onnxruntime's ``Fail``."""
+        if not os.path.exists(os.fspath(path)):
+            raise Fail(f"Failed to load library {path}: no such file")
+        warn(f"register_custom_ops_library({os.fspath(path)!r}): onnxtrain runs standard ONNX ops only; a "
+             "model using the library's ops is refused when a session loads it")
 
 
 class RunOptions(_Fields):

@@ -220,11 +220,12 @@ def _distinct_seeds(model: onnx.ModelProto, random_state: dict[Any, dict[Any, An
 
 
 def _intra_op_threads(options: Any) -> int | None:
-    """``options.intra_op_num_threads`` when set above 0 (None: the plan's default)."""
+    """``options.intra_op_num_threads`` when set above 0 (None: the plan's default, also for a negative count,
+    which onnxruntime takes as its default too)."""
     n = getattr(options, "intra_op_num_threads", 0)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"SessionOptions.intra_op_num_threads must be an integer >= 0, got {n!r}")
-    return n or None
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise ValueError(f"SessionOptions.intra_op_num_threads must be an integer, got {n!r}")
+    return n if n > 0 else None
 
 
 def _numpy_fuse(options: Any) -> bool | None:

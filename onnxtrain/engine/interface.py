@@ -9,7 +9,7 @@ LeNet session).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,13 +63,14 @@ class Terminated(EngineError):
 
 
 def load_model(model: onnx.ModelProto | str | bytes | os.PathLike,
-               external_dir: str | None = None) -> onnx.ModelProto:
+               external_dir: str | None = None, supplied: Collection[str] = ()) -> onnx.ModelProto:
     """A ModelProto from a proto, a path or serialized bytes, its local functions (``model.functions``:
     torch's ``export_modules_as_functions``, say) inlined as onnxruntime inlines them; errors name the
     file. Tensors kept in external files are read from beside the model file (through symbolic links too,
     as a Hugging Face cache lays them out) or, for bytes, from ``external_dir`` (onnxruntime's
-    ``session.model_external_initializers_file_folder_path``)."""
-    m = _loaded(model, external_dir)
+    ``session.model_external_initializers_file_folder_path``); initializers named in ``supplied`` are not
+    read (their values come from elsewhere: ``SessionOptions.add_external_initializers``)."""
+    m = _loaded(model, external_dir, supplied)
     return inline_local_functions(m)
 
 
@@ -88,9 +89,14 @@ def _external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
     return [t for t in found if t.data_location == onnx.TensorProto.EXTERNAL]
 
 
-def _read_external(model: onnx.ModelProto, folder: str, what: str) -> None:
+def _read_external(model: onnx.ModelProto, folder: str, what: str, supplied: Collection[str] = ()) -> None:
     """Read the external tensors of ``model`` from ``folder`` into the model (in place), following symbolic
-    links; a location that leaves the folder ("..", absolute) is refused."""
+    links, but for the graph's initializers named in ``supplied``; a location that leaves the folder ("..",
+    absolute) is refused."""
+    for t in model.graph.initializer:
+        if t.name in supplied and t.data_location == onnx.TensorProto.EXTERNAL:  # no data until replaced
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
     for t in _external_tensors(model):
         info = {e.key: e.value for e in t.external_data}
         location = info.get("location", "")
@@ -159,7 +165,8 @@ def inline_local_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike, external_dir: str | None) -> onnx.ModelProto:
+def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike, external_dir: str | None,
+            supplied: Collection[str] = ()) -> onnx.ModelProto:
     if isinstance(model, onnx.ModelProto):
         return model
     if not isinstance(model, (bytes, bytearray, memoryview, str, os.PathLike)):
@@ -175,7 +182,7 @@ def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike, external_dir: st
         if _external_tensors(m):  # from the working directory, as onnxruntime, or the folder given
             where = "the model bytes (give the data's folder as the session config entry " \
                     "session.model_external_initializers_file_folder_path)"
-            _read_external(m, external_dir or os.getcwd(), where)
+            _read_external(m, external_dir or os.getcwd(), where, supplied)
         return m
     path = os.fspath(model)
     if not os.path.exists(path):
@@ -187,7 +194,7 @@ def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike, external_dir: st
     if not m.graph.node and not m.graph.output:  # (an empty file parses as an empty model)
         raise ModelParseError(f"model file {path} ({os.path.getsize(path)} bytes) holds no graph")
     if _external_tensors(m):  # read here: onnx's loader refuses data files that are symbolic links
-        _read_external(m, os.path.dirname(os.path.abspath(path)), f"model file {path}")
+        _read_external(m, os.path.dirname(os.path.abspath(path)), f"model file {path}", supplied)
     return m
 
 

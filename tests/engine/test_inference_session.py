@@ -543,9 +543,14 @@ def test_intra_op_threads_set_the_plans_width_and_inter_op_threads_warn() -> Non
     so.inter_op_num_threads = 2
     with pytest.warns(UserWarning, match="inter_op_num_threads has no effect on the numpy engine"):
         onnxtrain.InferenceSession(_chain_model().SerializeToString(), so)
-    so.inter_op_num_threads, so.intra_op_num_threads = 0, -1
-    with pytest.raises(ValueError, match="intra_op_num_threads must be an integer >= 0, got -1"):
-        onnxtrain.InferenceSession(_chain_model().SerializeToString(), so)
+    so.inter_op_num_threads, so.intra_op_num_threads = 0, -1  # onnxruntime's default, as there
+    model = _chain_model().SerializeToString()
+    assert onnxtrain.InferenceSession(model, so)._plan.threads == default._plan.threads
+    theirs = ort.SessionOptions()
+    theirs.intra_op_num_threads = -1
+    x = {"x": np.ones(4, np.float32)}
+    cpu = ["CPUExecutionProvider"]
+    assert ort.InferenceSession(model, theirs, providers=cpu).run(None, x)[0].shape == (4,)
 
 
 def test_onnxruntime_memory_options_warn_on_the_numpy_engine() -> None:

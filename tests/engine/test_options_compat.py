@@ -46,3 +46,58 @@ def test_options_and_feeds_as_onnxruntime_takes_them(lib, tmp_path) -> None:
         so.get_session_config_entry("no.such.key")
     with pytest.raises(RuntimeError):
         lib.RunOptions().get_run_config_entry("nokey")
+
+
+@pytest.mark.parametrize("lib", [ort, onnxtrain], ids=["onnxruntime", "onnxtrain"])
+def test_added_initializers_the_model_lacks_are_skipped(lib) -> None:
+    """One SessionOptions holding the weights several models share: each model takes the ones it has (the
+    other names were an error)."""
+    so = lib.SessionOptions()
+    # (onnxruntime keeps the values' memory, not the OrtValues: they are kept here)
+    kept = [lib.OrtValue.ortvalue_from_numpy(np.array([5.0, 7.0], np.float32)),
+            lib.OrtValue.ortvalue_from_numpy(np.ones(3, np.float32))]
+    so.add_initializer("w", kept[0])
+    so.add_initializer("decoder_only", kept[1])
+    sess = lib.InferenceSession(_model(), so, providers=["CPUExecutionProvider"])
+    y = sess.run(None, {"x": np.ones((1, 2), np.float32), "lr": np.array(0.5, np.float32)})[0]
+    np.testing.assert_array_equal(y, [[5.5, 7.5]])
+
+
+@pytest.mark.parametrize("lib", [ort, onnxtrain], ids=["onnxruntime", "onnxtrain"])
+def test_external_initializers_supplied_are_not_read_from_their_file(lib, tmp_path, monkeypatch) -> None:
+    """A model whose weight lives in an external file, loaded from bytes where that file cannot be found:
+    the value given by add_external_initializers is used and the file never read (it was an error)."""
+    import onnx
+
+    m = onnx.load_from_string(_model())
+    onnx.save_model(m, str(tmp_path / "m.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="m.data", size_threshold=0)
+    data = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False).SerializeToString()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    so = lib.SessionOptions()
+    kept = [lib.OrtValue.ortvalue_from_numpy(np.array([3.0, 4.0], np.float32))]  # (as above)
+    so.add_external_initializers(["w"], kept)
+    sess = lib.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    y = sess.run(None, {"x": np.ones((1, 2), np.float32), "lr": np.array(0.0, np.float32)})[0]
+    np.testing.assert_array_equal(y, [[3.0, 4.0]])
+
+
+def test_a_custom_ops_library_is_accepted_with_a_warning(tmp_path) -> None:
+    """register_custom_ops_library (scripts register onnxruntime-extensions whatever the model) raised for
+    every model; it warns now, and a missing library is onnxruntime's Fail, as there."""
+    from onnxtrain.capi.onnxruntime_pybind11_state import Fail
+
+    lib_path = tmp_path / "libcustom.so"
+    lib_path.write_bytes(b"")
+    so = onnxtrain.SessionOptions()
+    with pytest.warns(UserWarning, match="standard ONNX ops only"):
+        so.register_custom_ops_library(str(lib_path))
+    sess = onnxtrain.InferenceSession(_model(), so)
+    y = sess.run(None, {"x": np.ones((1, 2), np.float32), "lr": np.array(0.0, np.float32)})[0]
+    np.testing.assert_array_equal(y, [[2.0, 3.0]])
+    with pytest.raises(Fail, match="no_such.so"):
+        so.register_custom_ops_library(str(tmp_path / "no_such.so"))
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail):
+        ort.SessionOptions().register_custom_ops_library(str(tmp_path / "no_such.so"))
