@@ -52,3 +52,14 @@ def test_the_api_surface(lib) -> None:
     assert len(io.get_outputs_as_ortvaluevector()) == 1
     assert str(lib.GraphOptimizationLevel.ORT_ENABLE_ALL) == "GraphOptimizationLevel.ORT_ENABLE_ALL"
     assert isinstance(lib.get_version_string(), str)
+
+
+@pytest.mark.parametrize("lib", [ort, onnxtrain], ids=["onnxruntime", "onnxtrain"])
+def test_the_inference_collection_module(lib) -> None:
+    """``from onnxruntime.capi.onnxruntime_inference_collection import OrtValue`` ports by the import's
+    package name (the module was missing)."""
+    import importlib
+
+    mod = importlib.import_module(f"{lib.__name__}.capi.onnxruntime_inference_collection")
+    assert mod.OrtValue is lib.OrtValue and mod.InferenceSession is lib.InferenceSession
+    assert mod.IOBinding is lib.IOBinding and isinstance(mod.InferenceSession(_model()), mod.Session)
