@@ -241,6 +241,9 @@ class IOBinding:
         self._inputs: dict[str, np.ndarray] = {}
         self._outputs: dict[str, np.ndarray | None] = {}
         self._results: list[OrtValue] = []
+        # outputs bound without a buffer: the value a run made, which later runs of the same shape and type
+        # write into, as onnxruntime reuses it (an OrtValue fetched once shows each run's result)
+        self._made: dict[str, OrtValue] = {}
 
     def _input(self, name: str) -> str:
         """``name`` when the session has an input (or overridable initializer) of that name; else
@@ -326,6 +329,7 @@ class IOBinding:
 
     def clear_binding_outputs(self) -> None:
         self._outputs.clear()
+        self._made.clear()
         self._results = []
 
     def synchronize_inputs(self) -> None:
@@ -379,7 +383,15 @@ class IOBinding:
                     )
                 np.copyto(target, np.reshape(v, target.shape))  # (a scalar into a one-value buffer too)
                 results.append(OrtValue(target))
-            else:  # a sequence stays a list, an empty optional None
-                results.append(OrtValue(v if v is None or isinstance(v, (list, tuple)) else np.asarray(v),
-                                        (declared or {}).get(n)))
+            elif v is None or isinstance(v, (list, tuple)):  # a sequence stays a list, an empty optional None
+                results.append(OrtValue(v, (declared or {}).get(n)))
+            else:
+                v = np.asarray(v)
+                made = self._made.get(n)
+                if (made is not None and made._array.shape == v.shape and made._array.dtype == v.dtype
+                        and made._array.flags.writeable):
+                    np.copyto(made._array, v)
+                else:
+                    made = self._made[n] = OrtValue(v, (declared or {}).get(n))
+                results.append(made)
         self._results = results

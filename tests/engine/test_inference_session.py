@@ -263,6 +263,24 @@ def test_iobinding_output_written_into_buffer(model_bytes: bytes) -> None:
         s.run_with_iobinding(binding)
 
 
+@pytest.mark.parametrize("mod", [onnxtrain, ort], ids=["onnxtrain", "onnxruntime"])
+def test_iobinding_output_bound_without_a_buffer_is_reused_by_later_runs(mod, model_bytes: bytes) -> None:
+    """An output bound without a buffer: the value the first run made holds each later run's result (an
+    OrtValue fetched once was stale: each run made a new one)."""
+    s = onnxtrain.InferenceSession(model_bytes) if mod is onnxtrain else ort_session(model_bytes)
+    binding = s.io_binding()
+    binding.bind_output("y")
+    results = []
+    for k in (1.0, 2.0):
+        x = np.full((1, 3), k, np.float32)
+        binding.bind_cpu_input("x", x)
+        s.run_with_iobinding(binding)
+        results.append(binding.get_outputs()[0])
+    first, second = results
+    assert first.data_ptr() == second.data_ptr()
+    np.testing.assert_allclose(first.numpy(), np.full((1, 3), 2.0, np.float32) @ W + B, rtol=1e-6)
+
+
 def test_iobinding_ortvalues_and_bad_buffer(model_bytes: bytes) -> None:
     s = onnxtrain.InferenceSession(model_bytes)
     binding = s.io_binding()
