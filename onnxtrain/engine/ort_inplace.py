@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnx
 
-from onnxtrain.ir.graphs import constant_arrays, node_reads
+from onnxtrain.ir.graphs import constant_arrays, fed_initializers, node_reads
 from onnxtrain.ir.types import value_info_shape
 
 # nodes whose output is a new buffer, element i computed from the inputs' elements i (after broadcasting).
@@ -93,7 +93,8 @@ def safe_updates(model: onnx.ModelProto, updates: Mapping[str, str]) -> dict[str
 def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """Values of the initializers and Constant nodes that are operands of :data:`NEUTRAL` ops, by name."""
     g = model.graph
-    return constant_arrays(g, {i for n in g.node if n.op_type in NEUTRAL for i in n.input})
+    operands = {i for n in g.node if n.op_type in NEUTRAL for i in n.input}
+    return constant_arrays(g, operands, fed_initializers(model))
 
 
 def _does_nothing(node: onnx.NodeProto, consts: Mapping[str, np.ndarray]) -> bool:

@@ -19,7 +19,7 @@ import onnx
 from onnx import helper
 
 from onnxtrain.ir.builder import model_opset
-from onnxtrain.ir.graphs import DEFAULT_DOMAINS, constant_arrays, drop_unread, node_reads
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, constant_arrays, drop_unread, fed_initializers, node_reads
 from onnxtrain.ir.shape_values import ShapeValues, unknown
 from onnxtrain.ir.types import symbolic_shape
 
@@ -37,9 +37,10 @@ def pads_as_concat(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.Mo
     if not sums or model_opset(model) < 11:  # pads as an input from opset 11
         return model
     types = typed()
-    values = ShapeValues(model, types, model_opset(model))
+    fed = fed_initializers(model)  # a value a run may feed is no constant
+    values = ShapeValues(model, types, model_opset(model), fed)
     zeros = constant_arrays(g, {made_by[i].input[2] for n in sums for i in n.input
-                                if len(made_by[i].input) > 2 and made_by[i].input[2]})
+                                if len(made_by[i].input) > 2 and made_by[i].input[2]}, fed)
     readers: dict[str, int] = {}
     for n in g.node:
         for i in node_reads(n):

@@ -79,6 +79,7 @@ from onnxtrain.ir.builder import NameGen, model_opset, static_shape, value_types
 from onnxtrain.ir.graphs import (
     DEFAULT_DOMAINS,
     drop_unread,
+    fed_initializers,
     inference_batch_norms,
     node_reads,
     subgraphs,
@@ -375,7 +376,8 @@ def _scalars(model: onnx.ModelProto, keep: Callable[[np.generic], bool]) -> dict
     """Constant float scalars (initializers and Constant outputs, one value) whose value ``keep`` accepts:
     name → element type."""
     out = {}
-    tensors = [(t.name, t) for t in model.graph.initializer]
+    fed = fed_initializers(model)  # a value a run may feed is no constant
+    tensors = [(t.name, t) for t in model.graph.initializer if t.name not in fed]
     tensors += [
         (n.output[0], a.t)
         for n in model.graph.node

@@ -30,7 +30,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.builder import NameGen, model_opset, symbolic_shape, with_nodes_replaced
-from onnxtrain.ir.graphs import DEFAULT_DOMAINS, constant_arrays, drop_unread
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, constant_arrays, drop_unread, fed_initializers
 
 MIN_ROWS = 8  # static leading values: fewer leave most of the sum to the ReduceSum
 MIN_COLUMNS = 64  # fewer trailing values make a poor product (a bias of a 10-class head stays a ReduceSum)
@@ -43,7 +43,7 @@ def leading_sums(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.Mode
     g = model.graph
     if model_opset(model) < _MIN_OPSET or not any(_is_sum(n) for n in g.node):
         return model
-    axes = constant_arrays(g, {n.input[1] for n in g.node if _is_sum(n)})
+    axes = constant_arrays(g, {n.input[1] for n in g.node if _is_sum(n)}, fed_initializers(model))
     types = typed()
     plans = {k: p for k, n in enumerate(g.node) if _is_sum(n) and (p := _plan(n, axes, types)) is not None}
     if not plans:

@@ -385,9 +385,20 @@ def model_for_outputs(model: onnx.ModelProto, outputs: Iterable[str]) -> onnx.Mo
     return result
 
 
-def constant_arrays(graph: onnx.GraphProto, wanted: Collection[str]) -> dict[str, np.ndarray]:
-    """Values of the initializers and Constant nodes (their ``value`` attribute) named in ``wanted``."""
-    out = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.name in wanted}
+def fed_initializers(model: onnx.ModelProto) -> set[str]:
+    """The initializers a run may feed: those also declared as graph inputs, from IR version 4 (below it
+    every initializer is declared so, and they are constants), as onnxruntime tells them."""
+    if model.ir_version < 4:
+        return set()
+    return {i.name for i in model.graph.input} & {t.name for t in model.graph.initializer}
+
+
+def constant_arrays(graph: onnx.GraphProto, wanted: Collection[str],
+                    fed: Collection[str] = ()) -> dict[str, np.ndarray]:
+    """Values of the initializers (but those in ``fed``: :func:`fed_initializers`) and Constant nodes (their
+    ``value`` attribute) named in ``wanted``."""
+    out = {t.name: numpy_helper.to_array(t) for t in graph.initializer
+           if t.name in wanted and t.name not in fed}
     for n in graph.node:
         if n.op_type == "Constant" and n.output and n.output[0] in wanted:
             value = next((a.t for a in n.attribute if a.name == "value"), None)

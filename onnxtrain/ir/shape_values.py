@@ -17,6 +17,8 @@ for ("unk__3") count as unknown.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 import onnx
 from onnx import helper
@@ -43,10 +45,12 @@ def unknown(d: Dim) -> bool:
 class ShapeValues:
     """The values of ``model``'s small integer tensors that can be read before a run (module docstring)."""
 
-    def __init__(self, model: onnx.ModelProto, types: dict[str, onnx.TypeProto], opset: int):
+    def __init__(self, model: onnx.ModelProto, types: dict[str, onnx.TypeProto], opset: int,
+                 fed: Collection[str] = ()):
+        """``fed``: initializers whose values a run may replace (not constants)."""
         g = model.graph
         self._made_by = {o: n for n in g.node for o in n.output}
-        self._consts = constant_arrays(g, _small_integers(g))
+        self._consts = constant_arrays(g, _small_integers(g), fed)
         self._types = types
         self._opset = opset
         self._values: dict[str, np.ndarray | None] = {}
