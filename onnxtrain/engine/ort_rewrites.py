@@ -72,6 +72,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.engine.ort_conv_grads import conv_weight_grads
+from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
 from onnxtrain.engine.ort_losses import softmax_cross_entropy_losses
 from onnxtrain.engine.ort_pads import pads_as_concat
 from onnxtrain.engine.ort_sums import leading_sums
@@ -107,9 +108,9 @@ def for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> onnx.Model
 def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
                             types: dict | None = None) -> onnx.ModelProto:
     """``model`` with the rewrites above but the labels' check applied (a copy), or ``model`` itself when none
-    applies; without ``optimise`` (onnxruntime's optimisations turned off) only the one onnxruntime needs to
-    load the graph, the BatchNormalization outputs'. ``types``: value types of ``model`` already inferred
-    (empty: inferred when a rewrite needs them)."""
+    applies; without ``optimise`` (onnxruntime's optimisations turned off) only those onnxruntime needs to
+    load the graph: the BatchNormalization outputs' and float16 scatters'. ``types``: value types of
+    ``model`` already inferred (empty: inferred when a rewrite needs them)."""
     # inferred once, when a rewrite needs them (the rewrites keep the types of the values they read)
     types = {} if types is None else types
 
@@ -124,7 +125,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
         model = softmax_cross_entropy_losses(model, typed)
         model = leading_sums(model, typed)
         model = pads_as_concat(model, typed)
-    return inference_batch_norms(model)
+    return inference_batch_norms(half_scatters_in_float32(model, typed))
 
 
 _LABEL_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
