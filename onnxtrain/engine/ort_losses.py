@@ -90,9 +90,11 @@ def _as_gather(node: onnx.NodeProto, attrs: dict, elem: int, label_type: int,
     log_prob = node.output[1] if len(node.output) > 1 and node.output[1] else name("log_prob")
     make("LogSoftmax", [scores], log_prob, axis=1)
     ignore = attrs.get("ignore_index")
+    index = helper.tensor_dtype_to_np_dtype(label_type)
+    if ignore is not None and not np.iinfo(index).min <= ignore <= np.iinfo(index).max:
+        ignore = None  # no label of that type holds it: nothing is ignored
     kept = None
     if ignore is not None:
-        index = helper.tensor_dtype_to_np_dtype(label_type)
         kept = make("Not", [make("Equal", [labels, const("ignore_index", np.array(ignore, index))])])
         labels = make("Where", [kept, labels, const("label_zero", np.array(0, index))])
     column = make("Reshape", [labels, const("column", np.array([-1, 1], np.int64))])

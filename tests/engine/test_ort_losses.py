@@ -106,3 +106,14 @@ def test_other_losses_are_left_alone(kwargs) -> None:
     """Scores of rank 3 and graphs below opset 13 keep the node."""
     model = loss_model(**kwargs)
     assert rewrite_for_onnxruntime(model) is model
+
+
+def test_an_ignore_index_no_label_of_the_type_holds_ignores_nothing() -> None:
+    """int32 labels and ignore_index 2**40: no label can equal it (the rewrite failed making the constant)."""
+    model = loss_model(TensorProto.FLOAT, TensorProto.INT32, ignore_index=2**40)
+    f = feeds(12, TensorProto.FLOAT, TensorProto.INT32, False, None)
+    want = run(model, f)
+    got = run(rewrite_for_onnxruntime(model), f)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    x, t = torch.from_numpy(f["x"]), torch.from_numpy(f["t"].astype(np.int64))
+    np.testing.assert_allclose(got[0], torch.nn.functional.cross_entropy(x, t).numpy(), rtol=1e-5)
