@@ -124,3 +124,16 @@ def test_dotted_onnxtrain_names_resolve() -> None:
         return False
 
     assert names and not [n for n in sorted(names) if not resolves(n)]
+
+
+def test_ci_runs_the_readmes_test_command() -> None:
+    """.ci/run calls exactly the README's test command (a missing install step fails CI), and the test extra
+    installs what it uses (pytest-timeout for --timeout, pytest-xdist for -n)."""
+    commands = re.findall(r"^pip install -e '\.\[test\]' && (.+)$", README, flags=re.M)
+    assert len(commands) == 1, commands
+    run = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert f"pip install -e '.[test]' && {commands[0]}\n" in run
+    setup = (ROOT / "setup.py").read_text(encoding="utf-8")
+    for flag, package in (("--timeout", "pytest-timeout"), ("-n ", "pytest-xdist")):
+        if flag in commands[0]:
+            assert f'"{package}"' in setup, package
