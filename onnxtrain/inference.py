@@ -602,7 +602,9 @@ def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str,
             "name": f"{e.name}_kernel_time",
             "ts": (e.start_ns - t0) / 1000.0,
             "dur": e.dur_ns / 1000.0,
-            "args": {"op_name": e.op, "input_type_shape": e.shapes, "provider": "CPUExecutionProvider"},
+            "args": {"op_name": e.op, "input_type_shape": e.shapes, "output_type_shape": e.outputs,
+                     "output_size": str(e.output_bytes), "provider": "CPUExecutionProvider",
+                     **({} if e.index is None else {"node_index": str(e.index)})},
         }
         for e in profile
     ]

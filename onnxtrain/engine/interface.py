@@ -45,12 +45,19 @@ class InvalidNodeError(EngineError, InvalidGraph):
 
 @dataclass
 class ProfileEvent:
+    """One span of a profile: a node's kernel (its inputs' and outputs' types and shapes as onnxruntime
+    writes them, ``[{"float": [2, 3]}, ...]``, its outputs' bytes and its index in the graph) or a session's
+    own span."""
+
     name: str
     op: str
     start_ns: int
     dur_ns: int
     shapes: list[Any] = field(default_factory=list)
     cat: str = "Node"  # or "Session": a session's own span (its initialization, a run), as onnxruntime's
+    outputs: list[Any] = field(default_factory=list)
+    output_bytes: int = 0
+    index: int | None = None
 
 
 # the RunOptions of the run in progress in this context, when the caller gave some: the numpy plans check

@@ -313,9 +313,13 @@ class OrtPlan(GraphInterface):
             if e.get("cat") != "Node" or not name.endswith("_kernel_time"):
                 continue
             args = e.get("args", {})
-            shapes = [shape for typed in args.get("input_type_shape", []) for shape in typed.values()]
+            index = args.get("node_index")
             out.append(ProfileEvent(name[: -len("_kernel_time")], args.get("op_name", ""),
-                                    origin + int(e["ts"] * 1000), int(e["dur"] * 1000), shapes))
+                                    origin + int(e["ts"] * 1000), int(e["dur"] * 1000),
+                                    list(args.get("input_type_shape", [])),
+                                    outputs=list(args.get("output_type_shape", [])),
+                                    output_bytes=int(args.get("output_size", 0) or 0),
+                                    index=int(index) if str(index).isdigit() else None))
         return out
 
     def _donated_outputs(self, arrays: Mapping[str, np.ndarray], names: list[str],

@@ -187,6 +187,8 @@ class Plan(GraphInterface):
         self._output_slots = [slot[n] for n in self.output_names]
         self._input_slots = [slot[n] for n in self.all_input_names]
         self._init_values = [(slot[n], v) for n, v in self.initializers.items()]
+        # initializers no run may feed (not declared as inputs): onnxruntime's profile calls them parameters
+        self._param_slots = {slot[n] for n in self.initializers} - set(self._input_slots)
         self._base_bytes = sum(v.nbytes for v in self.initializers.values())
         self._const_values: list[tuple[int, np.ndarray]] = []
         if fold_constants:
@@ -415,7 +417,9 @@ class Plan(GraphInterface):
         step's bodies held during it counted in the peak, and ``stop.terminate`` (RunOptions) read before
         each step; returns the peak of live bytes."""
         peak = live
-        for fn, get, in1, _, outs, attrs, free, st in self._program:
+        # initializers and folded constants: onnxruntime's profile counts them apart (not in input_type_shape)
+        params = self._param_slots | {s for s, _ in self._const_values} if self.profiling else set()
+        for k, (fn, get, in1, _, outs, attrs, free, st) in enumerate(self._program):
             if stop is not None and stop.terminate:
                 raise Terminated(_TERMINATED.format(st.node.name or st.node.op_type))
             args = get(vals) if get is not None else [vals[in1]] if in1 >= 0 else []
@@ -428,13 +432,18 @@ class Plan(GraphInterface):
             except Exception:
                 res = self._call(st, args)
             if self.profiling:
+                results = [r for r in res if r is not None]
                 self.profile.append(
                     ProfileEvent(
-                        st.node.name or st.node.op_type,
+                        st.node.name or f"{st.node.op_type}_{k}",  # an unnamed node as onnxruntime names it
                         st.node.op_type,
                         t0,
                         time.perf_counter_ns() - t0,
-                        [_traced_shape(a) for a in args if a is not None],
+                        [_typed_shape(a) for s, a in zip(st.inputs, args)
+                         if a is not None and s not in params],
+                        outputs=[_typed_shape(r) for r in results],
+                        output_bytes=sum(nbytes(r) for r in results),
+                        index=k,
                     )
                 )
                 for b in bodies:  # the body's nodes, named under this node
@@ -462,9 +471,17 @@ def nbytes(v: Any) -> int:
     return int(getattr(v, "nbytes", 0))
 
 
-def _traced_shape(v: Any) -> list[int]:
-    """A value's shape for a profile event (a sequence: its length)."""
-    return [len(v)] if isinstance(v, list) else list(np.shape(v))
+_TRACE_TYPES = {"float32": "float", "float64": "double", "object": "string", "str": "string"}
+
+
+def _typed_shape(v: Any) -> dict[str, list[int]]:
+    """A value's element type and shape as onnxruntime's profile writes them (``{"float": [2, 3]}``; a
+    sequence: its length)."""
+    if isinstance(v, list):
+        return {"sequence": [len(v)]}
+    dtype = np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype
+    name = "string" if dtype.kind in "OUS" else _TRACE_TYPES.get(dtype.name, dtype.name)
+    return {name: list(np.shape(v))}
 
 
 def _as_array(v: Any) -> Any:

@@ -454,8 +454,9 @@ def test_profiling_traces_the_nodes_of_bodies(tmp_path) -> None:
     with open(sess.end_profiling()) as f:
         names = [e["name"].removesuffix("_kernel_time") for e in json.load(f) if e["cat"] == "Node"]
     assert names.count("outer_loop") == 1 and names.count("outer_loop/choose") == 3
-    # iterations 0 and 2 take the then branch (Mul), iteration 1 the else branch (Add)
-    assert names.count("outer_loop/choose/Mul") == 2 and names.count("outer_loop/choose/Add") == 1
+    # iterations 0 and 2 take the then branch (Mul), iteration 1 the else branch (Add); an unnamed node is
+    # named by its op and index in its graph, as onnxruntime names it
+    assert names.count("outer_loop/choose/Mul_0") == 2 and names.count("outer_loop/choose/Add_0") == 1
 
 
 # ---- errors ----------------------------------------------------------------------------------------------

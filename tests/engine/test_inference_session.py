@@ -316,7 +316,18 @@ def test_profiling_writes_chrome_trace(tmp_path, model_bytes: bytes) -> None:
     assert len(events) == 3 * runs  # one per node run
     assert [e["args"]["op_name"] for e in events[:3]] == ["MatMul", "Add", "Cast"]
     assert events[0]["name"].startswith("mm")
-    assert events[0]["args"]["input_type_shape"] == [[4, 3], [3, 2]]
+    # each node's args as onnxruntime writes them (its profile of the same run is the oracle)
+    theirs_so = ort.SessionOptions()
+    theirs_so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # no fusion: node by node
+    theirs_so.enable_profiling = True
+    theirs_so.profile_file_prefix = str(tmp_path / "ort_")
+    theirs = ort.InferenceSession(model_bytes, theirs_so, providers=["CPUExecutionProvider"])
+    theirs.run(None, {"x": np.ones((4, 3), np.float32)})
+    with open(theirs.end_profiling()) as f:
+        want = [e for e in json.load(f) if e["cat"] == "Node"]
+    keys = ("op_name", "input_type_shape", "output_type_shape", "output_size", "node_index")
+    assert [(e["name"], {k: e["args"][k] for k in keys}) for e in events[:3]] == [
+        (e["name"], {k: e["args"][k] for k in keys}) for e in want]
 
 
 def test_traces_ended_at_once_keep_names_of_their_own(tmp_path, model_bytes: bytes) -> None:
