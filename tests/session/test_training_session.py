@@ -486,10 +486,12 @@ def test_importable_where_onnxruntime_had_it() -> None:
     assert TS is onnxtrain.TrainingSession and TP is onnxtrain.TrainingParameters
     assert GradientGraphBuilder is onnxtrain.GradientGraphBuilder
     from onnxtrain.capi._pybind_state import PropagateCastOpsStrategy as S
+    from onnxtrain.capi.training import TrainingParameters as TP3  # onnxruntime's deprecated package's names
+    from onnxtrain.capi.training import TrainingSession as TS3
     from onnxtrain.capi.training.training_session import TrainingSession as TS2
     from onnxtrain.training import PropagateCastOpsStrategy, TrainingParameters, TrainingSession
 
-    assert TS2 is TrainingSession is TS and TrainingParameters is TP
+    assert TS2 is TrainingSession is TS is TS3 and TrainingParameters is TP is TP3
     assert S is PropagateCastOpsStrategy is onnxtrain.PropagateCastOpsStrategy
     assert int(S.INSERT_AND_REDUCE | S.FLOOD_FILL) == 3 and S.NONE == 0
     sess = TS(mlp_model().SerializeToString(), params())
