@@ -117,7 +117,7 @@ def _reads(n: onnx.NodeProto) -> list[tuple[int, str]]:
 # is); nor are an inference-mode BatchNormalization's running statistics (never trained: select_trainable),
 # nor a Clip's bounds (the dynamo exporter keeps ReLU6's and clamp's as initializers)
 _DISCOVERY_STOP = {"Pow": frozenset({1}), "BatchNormalization": frozenset({3, 4}),
-                   "Clip": frozenset({1, 2})}
+                   "Clip": frozenset({1, 2}), "Pad": frozenset({1, 2})}
 
 
 def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, list]) -> list[str]:

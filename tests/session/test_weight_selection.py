@@ -107,6 +107,27 @@ def test_discovery_skips_clip_bounds_but_listed_ones_train_as_torch_clamp() -> N
     assert lo_grad == np.sum(h < -0.5) and hi_grad == np.sum(h > 0.5)
 
 
+def test_discovery_skips_the_value_of_pad_but_a_listed_one_trains() -> None:
+    """A Pad's constant_value is one of onnxruntime's stop-gradient slots (Pad 1, 2; spec §12.3): discovery
+    trained it (0.25 → 0.15 in a step). Listed, it gets its gradient: the sum of dY over the padding."""
+    rng = np.random.default_rng(0)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"]),
+         helper.make_node("Pad", ["h", "pads", "value"], ["p"]),
+         helper.make_node("ReduceSum", ["p"], ["loss"], keepdims=0)], "g",
+        [helper.make_tensor_value_info("x", T.FLOAT, [8, 3])],
+        [helper.make_tensor_value_info("loss", T.FLOAT, [])],
+        [numpy_helper.from_array(rng.standard_normal((3, 4)).astype(np.float32), "W"),
+         numpy_helper.from_array(np.array([0, 1, 0, 2], np.int64), "pads"),
+         numpy_helper.from_array(np.array(0.25, np.float32), "value")])
+    model = make_model(g, 17).SerializeToString()
+    assert TrainingSession(model, params("SGDOptimizer"))._graphs.trainable == ["W"]
+    p = params("SGDOptimizer", weights_to_train={"W", "value"}, set_gradients_as_graph_outputs=True)
+    x = rng.standard_normal((8, 3)).astype(np.float32)
+    (value_grad,) = TrainingSession(model, p).run(["value_grad"], {"x": x, "Learning_Rate": LR})
+    assert value_grad == 8 * 7 - 8 * 4  # the padded elements: (8 × 7) − (8 × 4)
+
+
 def test_running_statistics_listed_as_weights_are_updated_not_trained() -> None:
     """Frontends list every initializer: the BatchNormalization running statistics among them are left
     out with a warning and keep their forward-pass update, exactly as without the list."""
