@@ -404,7 +404,9 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         feeds = self._check(input_feed, required)
         self._check_loss_scale(feeds)
         if self._graphs.has_training_mode and TRAINING_MODE not in feeds:
-            feeds[TRAINING_MODE] = np.asarray(bool(ro.training_mode))
+            # (the model's own Dropout mode, as onnxruntime's shared initializer copied it, unless the run
+            # options turn it off)
+            feeds[TRAINING_MODE] = np.asarray(bool(ro.training_mode) and self._graphs.training_mode_default)
         if kind == "full" and self._dp is not None and self._opt is not None:
             return self._run_data_parallel(names, feeds)
         path = kind in ("gradients", "micro-path")

@@ -40,7 +40,7 @@ from onnxtrain.parallel.stage_graphs import NORM as GLOBAL_NORM
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession, serialized
 from onnxtrain.session_exchange import ReplicaExchange
-from onnxtrain.training_graph import TRAINING_MODE
+from onnxtrain.training_graph import TRAINING_MODE, dropout_mode
 from onnxtrain.user_warning import warn
 
 
@@ -140,6 +140,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         p, g = self._params, model.graph
         inits = {t.name: t for t in g.initializer}
         self._model = model
+        self._dropout_default = dropout_mode(model)  # a run feeding no training_mode: the model's own mode
         self._user_inputs = [v.name for v in g.input if v.name not in inits]
         self._inputs = [node_arg(v) for v in g.input if v.name not in inits]
         self._inputs.append(NodeArg(p.lr_params_feed_name, "tensor(float)", [1]))
@@ -201,7 +202,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         self._check_loss_scale(feeds)
         # as the single-process session: a run updates unless it asks for the forward's outputs alone or is
         # a micro-step; ``training_mode`` (run options, or fed) switches Dropout
-        dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode)))
+        dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode and self._dropout_default)))
         micro = self._is_micro_step(names, ro)
         # gradients fetched on the fetches' path alone: forward and backward, nothing added up or updated
         sources = self._grad_sources

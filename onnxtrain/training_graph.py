@@ -34,6 +34,8 @@ from onnxtrain.ir.graphs import (
     DEFAULT_DOMAINS,
     body_reads,
     chain_shared_batch_norms,
+    constant_arrays,
+    fed_initializers,
     is_training_batch_norm,
     last_statistics,
     node_reads,
@@ -72,6 +74,7 @@ class StepGraphs:
     user_outputs: list[str] = field(default_factory=list)
     extra_outputs: list[str] = field(default_factory=list)  # global_gradient_norm, <x>_grad, ...
     has_training_mode: bool = False
+    training_mode_default: bool = True  # Dropout's mode when a run feeds none (:func:`dropout_mode`)
     mixed_precision: MixedPrecisionInfo | None = None  # the pass's record when use_mixed_precision
     # builds the step's two halves (see split); the halves, once built
     make_halves: Callable[[], tuple] | None = field(default=None, repr=False)
@@ -197,6 +200,19 @@ def select_trainable(model: onnx.ModelProto, p: TrainingParameters) -> list[str]
     if absent:  # onnxruntime erases them from the set it trains: nothing to exclude
         warn(f"weights_not_to_train: {absent} are not initializers of the model; nothing to exclude")
     return [w for w in trainable if w not in p.weights_not_to_train]
+
+
+def dropout_mode(model: onnx.ModelProto) -> bool:
+    """The training mode a run takes when it feeds none: the value of the first Dropout's own training_mode
+    constant (an initializer or a Constant node), which onnxruntime's legacy session copied into the shared
+    ``training_mode`` initializer; True when no Dropout has one."""
+    first = next((n for n in model.graph.node if n.op_type == "Dropout" and len(n.input) >= 3 and n.input[2]),
+                 None)
+    if first is None:
+        return True
+    name = first.input[2]
+    values = constant_arrays(model.graph, {name}, fed_initializers(model))
+    return bool(np.asarray(values[name]).reshape(-1)[0]) if name in values and values[name].size else True
 
 
 def _rewire_dropout(model: onnx.ModelProto) -> bool:
@@ -341,6 +357,7 @@ def build_step_graphs(
             "no trainable weight reaches the loss; check weights_to_train and weights_not_to_train"
         )
     names = NameGen.for_model(m)
+    tm_default = dropout_mode(m)
     has_tm = _rewire_dropout(m)
     chain_shared_batch_norms(m, names)  # a layer applied twice updates its statistics twice
     untie_batch_norm_statistics(m, names)  # an exporter's merged ones: each layer keeps its own
@@ -539,6 +556,7 @@ def build_step_graphs(
         user_outputs=user_outputs,
         extra_outputs=extras,
         has_training_mode=has_tm,
+        training_mode_default=tm_default,
         mixed_precision=mp,
     )
 

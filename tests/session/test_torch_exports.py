@@ -237,3 +237,37 @@ def test_scripted_list_rnn_trains_like_torch() -> None:
         theirs.backward()
         topt.step()
         assert _rel(ours, theirs.item()) < 1e-5, (step, ours, theirs.item())
+
+
+@pytest.mark.parametrize("mode", [False, True])
+def test_a_run_feeding_no_training_mode_takes_the_models_own_dropout_mode(mode: bool) -> None:
+    """onnxruntime's legacy session copied the first Dropout's training_mode initializer into the shared one
+    (training_session.cc): a model holding False trained without dropout unless ``training_mode`` was fed
+    (onnxtrain dropped half the values, as the run options' default True said). Oracle: the dropout rate
+    seen, and plain onnxruntime's inference of the same model."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"]),
+         helper.make_node("Dropout", ["h", "ratio", "tm"], ["hd"]),
+         helper.make_node("ReduceSum", ["hd"], ["loss"], keepdims=0)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 16])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("hd", TensorProto.FLOAT, [64, 16])],
+        [numpy_helper.from_array(np.full((16, 16), 0.1, np.float32), "W"),
+         numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
+         numpy_helper.from_array(np.array(mode), "tm")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "SGDOptimizer"
+    sess = TrainingSession(model, p)
+    x = np.ones((64, 16), np.float32)
+    dropped = float(np.mean(sess.run(["hd"], {"x": x, "Learning_Rate": np.zeros(1, np.float32)})[0] == 0))
+    plain = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(["hd"], {"x": x})[0]
+    assert (0.4 < dropped < 0.6) if mode else dropped == 0.0
+    assert (0.4 < float(np.mean(plain == 0)) < 0.6) if mode else not (plain == 0).any()
+    lr = np.zeros(1, np.float32)
+    fed = sess.run(["hd"], {"x": x, "Learning_Rate": lr, "training_mode": np.array(True)})[0]
+    assert 0.4 < float(np.mean(fed == 0)) < 0.6  # fed, it switches dropout on
