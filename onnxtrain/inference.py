@@ -638,8 +638,9 @@ def check_severity(level: Any, owner: str) -> None:
 def with_option_overrides(model: onnx.ModelProto, options: Any) -> onnx.ModelProto:
     """``model`` with the initializers and free dimensions ``options`` override (``add_initializer``,
     ``add_free_dimension_override_by_name/denotation``, in the inputs' and outputs' declarations; a copy), or
-    ``model`` itself without any. An initializer name the model lacks is skipped, as onnxruntime skips it (one
-    ``SessionOptions`` may hold the weights several models share)."""
+    ``model`` itself without any. An ``add_initializer`` name the model lacks is skipped, as onnxruntime skips
+    it (one ``SessionOptions`` may hold the weights several models share); an ``add_external_initializers``
+    one is an error, as there."""
     inits, dims = getattr(options, "_initializers", {}), getattr(options, "_dims", {})
     if not inits and not dims:
         return model
@@ -651,6 +652,9 @@ def with_option_overrides(model: onnx.ModelProto, options: Any) -> onnx.ModelPro
     known = {t.name: t for t in g.initializer}
     for name, value in inits.items():
         if name not in known:
+            if name in getattr(options, "_external", ()):  # onnxruntime fails on these, skips the others
+                raise FailValueError(f"add_external_initializers: {name!r} is not an initializer of the "
+                                     f"model ({sorted(known)[:10]})")
             continue
         array = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
         old = known[name]

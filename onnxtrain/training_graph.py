@@ -35,7 +35,6 @@ from onnxtrain.ir.graphs import (
     body_reads,
     chain_shared_batch_norms,
     constant_arrays,
-    fed_initializers,
     is_training_batch_norm,
     last_statistics,
     node_reads,
@@ -211,7 +210,7 @@ def dropout_mode(model: onnx.ModelProto) -> bool:
     if first is None:
         return True
     name = first.input[2]
-    values = constant_arrays(model.graph, {name}, fed_initializers(model))
+    values = constant_arrays(model.graph, {name})  # (also one declared as an input: onnxruntime read it)
     return bool(np.asarray(values[name]).reshape(-1)[0]) if name in values and values[name].size else True
 
 

@@ -149,6 +149,7 @@ class SessionOptions(_Fields):
         self.use_per_session_threads = True  # (each session has its own threads; taken, not used)
         self._config: dict[str, str] = {}
         self._initializers: dict[str, Any] = {}  # name → the array to use for that initializer
+        self._external: set[str] = set()  # those given by add_external_initializers: the model must hold them
         self._dims: dict[tuple[str, str], int] = {}  # ("name" | "denotation", symbol) → its size
         self._fix_fields()
 
@@ -157,6 +158,7 @@ class SessionOptions(_Fields):
         copies them when the session is made)."""
         out = copy.copy(self)
         out._config, out._initializers = dict(self._config), dict(self._initializers)
+        out._external = set(self._external)
         out._dims = dict(self._dims)
         return out
 
@@ -174,6 +176,7 @@ class SessionOptions(_Fields):
             raise FailValueError(f"add_external_initializers: {len(names)} names for {len(values)} values")
         for name, value in zip(names, values):
             self.add_initializer(name, value)
+            self._external.add(str(name))
 
     def add_free_dimension_override_by_name(self, dim_name: str, dim_value: int) -> None:
         """Fix the symbolic dimension ``dim_name`` of the model's inputs to ``dim_value``."""

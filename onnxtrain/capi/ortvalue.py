@@ -174,7 +174,8 @@ class OrtValue:
         src = np.asarray(data)
         if src.size != self._array.size:
             raise ValueError(f"update_inplace: {src.size} values for an OrtValue of {self._array.size}")
-        if src.dtype != self._array.dtype and src.dtype.itemsize == self._array.dtype.itemsize:
+        numeric = src.dtype.kind not in "OUS" and self._array.dtype.kind not in "OUS"  # (not text)
+        if numeric and src.dtype != self._array.dtype and src.dtype.itemsize == self._array.dtype.itemsize:
             src = np.ascontiguousarray(src).view(self._array.dtype)
         np.copyto(self._array, src.reshape(self._array.shape))
 
@@ -297,6 +298,7 @@ class IOBinding:
         """Bind output ``name``; with ``buffer_ptr`` the result is written into that buffer."""
         name = self._output(name)
         _check_device(device_type)
+        self._made.pop(name, None)  # bound anew: the next run makes a value of its own, as onnxruntime's
         if buffer_ptr is not None:
             if element_type is None or shape is None:
                 raise ValueError(
@@ -307,7 +309,9 @@ class IOBinding:
             self._outputs[name] = None
 
     def bind_ortvalue_output(self, name: str, ortvalue: OrtValue) -> None:
-        self._outputs[self._output(name)] = ortvalue.numpy()
+        name = self._output(name)
+        self._made.pop(name, None)
+        self._outputs[name] = ortvalue.numpy()
 
     def get_outputs(self) -> list[OrtValue]:
         return list(self._results)

@@ -47,7 +47,7 @@ def half_scatters_in_float32(model: onnx.ModelProto, typed: Callable[[], dict]) 
         base = n.name or n.op_type
         data, indices, updates = n.input
         wide = [names(f"{data}/float32"), names(f"{updates}/float32"), names(f"{n.output[0]}/float32")]
-        scatter = helper.make_node(n.op_type, [wide[0], indices, wide[1]], [wide[2]], name=base)
+        scatter = helper.make_node(n.op_type, [wide[0], indices, wide[1]], [wide[2]], name=names(base))
         scatter.attribute.extend(n.attribute)
         return [
             helper.make_node("Cast", [data], [wide[0]], name=names(f"{base}_CastData"), to=TensorProto.FLOAT),

@@ -187,8 +187,6 @@ class Plan(GraphInterface):
         self._output_slots = [slot[n] for n in self.output_names]
         self._input_slots = [slot[n] for n in self.all_input_names]
         self._init_values = [(slot[n], v) for n, v in self.initializers.items()]
-        # initializers no run may feed (not declared as inputs): onnxruntime's profile calls them parameters
-        self._param_slots = {slot[n] for n in self.initializers} - set(self._input_slots)
         self._base_bytes = sum(v.nbytes for v in self.initializers.values())
         self._const_values: list[tuple[int, np.ndarray]] = []
         if fold_constants:
@@ -417,8 +415,6 @@ class Plan(GraphInterface):
         step's bodies held during it counted in the peak, and ``stop.terminate`` (RunOptions) read before
         each step; returns the peak of live bytes."""
         peak = live
-        # initializers and folded constants: onnxruntime's profile counts them apart (not in input_type_shape)
-        params = self._param_slots | {s for s, _ in self._const_values} if self.profiling else set()
         for k, (fn, get, in1, _, outs, attrs, free, st) in enumerate(self._program):
             if stop is not None and stop.terminate:
                 raise Terminated(_TERMINATED.format(st.node.name or st.node.op_type))
@@ -432,15 +428,15 @@ class Plan(GraphInterface):
             except Exception:
                 res = self._call(st, args)
             if self.profiling:
-                results = [r for r in res if r is not None]
+                results = [r for r in res if r is not None and not isinstance(r, list)]
+                named = st.node.name or f"{st.node.op_type}_{k}"  # an unnamed node as onnxruntime names it
                 self.profile.append(
                     ProfileEvent(
-                        st.node.name or f"{st.node.op_type}_{k}",  # an unnamed node as onnxruntime names it
+                        named,
                         st.node.op_type,
                         t0,
                         time.perf_counter_ns() - t0,
-                        [_typed_shape(a) for s, a in zip(st.inputs, args)
-                         if a is not None and s not in params],
+                        [_typed_shape(a) for a in args if a is not None and not isinstance(a, list)],
                         outputs=[_typed_shape(r) for r in results],
                         output_bytes=sum(nbytes(r) for r in results),
                         index=k,
@@ -448,7 +444,7 @@ class Plan(GraphInterface):
                 )
                 for b in bodies:  # the body's nodes, named under this node
                     for e in b.plan.profile:
-                        e.name = f"{st.node.name or st.node.op_type}/{e.name}"
+                        e.name = f"{named}/{e.name}"
                     self.profile.extend(b.plan.profile)
                     b.plan.profile.clear()
             if bodies:
@@ -475,10 +471,8 @@ _TRACE_TYPES = {"float32": "float", "float64": "double", "object": "string", "st
 
 
 def _typed_shape(v: Any) -> dict[str, list[int]]:
-    """A value's element type and shape as onnxruntime's profile writes them (``{"float": [2, 3]}``; a
-    sequence: its length)."""
-    if isinstance(v, list):
-        return {"sequence": [len(v)]}
+    """A tensor's element type and shape as onnxruntime's profile writes them (``{"float": [2, 3]}``; it
+    leaves sequences out, and so do the callers)."""
     dtype = np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype
     name = "string" if dtype.kind in "OUS" else _TRACE_TYPES.get(dtype.name, dtype.name)
     return {name: list(np.shape(v))}

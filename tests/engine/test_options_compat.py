@@ -101,3 +101,14 @@ def test_a_custom_ops_library_is_accepted_with_a_warning(tmp_path) -> None:
         so.register_custom_ops_library(str(tmp_path / "no_such.so"))
     with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail):
         ort.SessionOptions().register_custom_ops_library(str(tmp_path / "no_such.so"))
+
+
+@pytest.mark.parametrize("lib", [ort, onnxtrain], ids=["onnxruntime", "onnxtrain"])
+def test_an_external_initializer_the_model_lacks_is_an_error(lib) -> None:
+    """add_external_initializers, unlike add_initializer, names tensors the model must hold."""
+    so = lib.SessionOptions()
+    kept = [lib.OrtValue.ortvalue_from_numpy(np.array([3.0, 4.0], np.float32))]  # (onnxruntime keeps memory)
+    so.add_external_initializers(["w_typo"], kept)
+    fail = lib.capi.onnxruntime_pybind11_state.Fail
+    with pytest.raises(fail, match="w_typo"):
+        lib.InferenceSession(_model(), so, providers=["CPUExecutionProvider"])

@@ -55,6 +55,27 @@ def _train(model: bytes, feeds: dict, backend: str, steps: int = 3) -> tuple[lis
     return losses, next(iter(sess.get_state().values()))
 
 
+def test_two_unnamed_float16_scatters_in_one_graph() -> None:
+    """Two unnamed combining scatters keep names of their own once rewritten (onnxruntime refuses a graph
+    naming two nodes alike). Oracle: the numpy engine."""
+    from onnxtrain import InferenceSession
+
+    nodes = [h.make_node("ScatterElements", ["d", "i", "u"], ["a"], reduction="add"),
+             h.make_node("ScatterElements", ["a", "i", "u"], ["y"], reduction="add")]
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("d", T.FLOAT16, [4]),
+                                  h.make_tensor_value_info("i", T.INT64, [2]),
+                                  h.make_tensor_value_info("u", T.FLOAT16, [2])],
+                     [h.make_tensor_value_info("y", T.FLOAT16, [4])])
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 18)], ir_version=9).SerializeToString()
+    feeds = {"d": np.array([1, 2, 3, 4], np.float16), "i": np.array([2, 0]),
+             "u": np.array([8, 0.75], np.float16)}
+    so = SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    got = InferenceSession(model, so).run(None, feeds)[0]
+    np.testing.assert_array_equal(got, InferenceSession(model).run(None, feeds)[0])
+    np.testing.assert_array_equal(got, np.array([2.5, 2, 19, 4], np.float16))
+
+
 @pytest.mark.parametrize("make", [_classifier, _embedding], ids=["cross-entropy", "embedding"])
 def test_float16_model_with_combining_scatters_trains_on_the_onnxruntime_backend(make) -> None:
     model, feeds = make()

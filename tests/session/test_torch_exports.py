@@ -239,8 +239,9 @@ def test_scripted_list_rnn_trains_like_torch() -> None:
         assert _rel(ours, theirs.item()) < 1e-5, (step, ours, theirs.item())
 
 
+@pytest.mark.parametrize("declared", [False, True])
 @pytest.mark.parametrize("mode", [False, True])
-def test_a_run_feeding_no_training_mode_takes_the_models_own_dropout_mode(mode: bool) -> None:
+def test_a_run_feeding_no_training_mode_takes_the_models_own_dropout_mode(mode: bool, declared: bool) -> None:
     """onnxruntime's legacy session copied the first Dropout's training_mode initializer into the shared one
     (training_session.cc): a model holding False trained without dropout unless ``training_mode`` was fed
     (onnxtrain dropped half the values, as the run options' default True said). Oracle: the dropout rate
@@ -258,6 +259,8 @@ def test_a_run_feeding_no_training_mode_takes_the_models_own_dropout_mode(mode: 
         [numpy_helper.from_array(np.full((16, 16), 0.1, np.float32), "W"),
          numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
          numpy_helper.from_array(np.array(mode), "tm")])
+    if declared:  # the constant also a graph input (its initializer all the same to onnxruntime's copy)
+        g.input.append(helper.make_tensor_value_info("tm", TensorProto.BOOL, []))
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
     p = TrainingParameters()
     p.loss_output_name = "loss"
