@@ -29,3 +29,20 @@ def test_forward_matches_reference(case: OpCase, dtype) -> None:
         tol = 1e-5 if dtype == np.float32 else 1e-10
         np.testing.assert_allclose(a, b, rtol=max(tol, case.rtol if dtype == np.float32 else tol),
                                    atol=case.atol if dtype == np.float32 else 1e-10, err_msg=case.id)
+
+
+@pytest.mark.parametrize("op, inputs, attrs", [
+    ("Trilu", [np.arange(4, dtype=np.float32)], {}),  # the spec: rank 2 or more
+    ("OneHot", [np.array([0, 1]), np.array([0]), np.array([0.0, 1.0], np.float32)], {}),  # depth 0
+], ids=["Trilu rank 1", "OneHot depth 0"])
+def test_inputs_onnxruntime_refuses_are_refused(op: str, inputs: list, attrs: dict) -> None:
+    """Both ran (a rank-1 Trilu as numpy's, an empty one-hot axis); onnxruntime refuses both, as here."""
+    import onnxruntime as ort
+
+    case = OpCase(op, make_inputs=lambda: inputs, attrs=attrs, opset=17)
+    model = one_node_model(case, inputs)
+    with pytest.raises(Exception):  # noqa: B017 (onnxruntime's own exception classes)
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, feeds_of(inputs))
+    with pytest.raises(Exception, match="rank 2 or more" if op == "Trilu" else "depth must be at least 1"):
+        run_ours(model, feeds_of(inputs))

@@ -252,6 +252,8 @@ def tensor_scatter(inputs: Inputs, attrs: Attrs) -> Outputs:
 def one_hot(inputs: Inputs, attrs: Attrs) -> Outputs:
     idx, depth, values = inputs[0], inputs[1], inputs[2]
     depth = int(np.asarray(depth).reshape(-1)[0])
+    if depth < 1:  # (onnxruntime refuses it too)
+        raise ValueError(f"OneHot: depth must be at least 1, got {depth}")
     rank = idx.ndim + 1
     axis = _axis(attrs["axis"], rank)
     idx = np.asarray(idx)

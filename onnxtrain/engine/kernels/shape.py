@@ -350,6 +350,8 @@ def eye_like(inputs: Inputs, attrs: Attrs) -> Outputs:
 @kernel("Trilu", since=14)
 def trilu(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
+    if np.ndim(x) < 2:  # the spec's rank >= 2 (onnxruntime refuses rank 1 too)
+        raise ValueError(f"Trilu: the input must have rank 2 or more, got rank {np.ndim(x)}")
     k = _opt_input(inputs, 1)
     k = 0 if k is None else int(np.asarray(k).reshape(-1)[0])
     return ((np.triu if attrs["upper"] else np.tril)(x, k),)
