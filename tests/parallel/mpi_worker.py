@@ -272,7 +272,8 @@ def main() -> None:
             sess.run(["loss"], {"x": x_mine, "y": y, "Learning_Rate": LR})
             result[option] = {"W1": sess.get_state()["W1"].tolist(),
                               "warnings": [str(c.message) for c in caught]}
-        print(json.dumps({"rank": w.rank, **result}), flush=True)
+        with open(f"{out}.{w.rank}.json", "w") as f:  # (one file a rank: their stdout lines interleave)
+            json.dump(result, f)
     else:
         raise SystemExit(f"unknown command {what!r}")
 

@@ -181,7 +181,7 @@ def test_failing_rank_ends_the_job(how: str, tmp_path) -> None:
     assert 1 <= int(last.properties["step"]) <= 3 and sorted(last.trainable) == ["W1", "W2", "b1", "b2"]
 
 
-def test_sizes_of_one_assigned_under_mpiexec() -> None:
+def test_sizes_of_one_assigned_under_mpiexec(tmp_path) -> None:
     """``world_size = 1`` assigned under ``mpiexec -n 2``: each rank trains alone on its own data, as
     onnxruntime's legacy session did (it read MPI's sizes only for a world_size above 1), with a warning;
     ``data_parallel_size = 1``: the ranks train together (the world size wins), with a warning."""
@@ -189,10 +189,13 @@ def test_sizes_of_one_assigned_under_mpiexec() -> None:
 
     from onnxtrain import TrainingSession
 
-    r = run_mpi("sizes", timeout=120)
+    out = str(tmp_path / "sizes")
+    r = run_mpi("sizes", out, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
-    got = {d["rank"]: d for d in map(json.loads, lines)}
+    got = {}
+    for rank in (0, 1):
+        with open(f"{out}.{rank}.json") as f:
+            got[rank] = json.load(f)
     x, y = mpi_worker.batches(1, mpi_worker.GLOBAL_BATCH, din=mpi_worker.DIN)[0]
     alone = []
     for data in (x, 2 * x):  # rank 0's and rank 1's
