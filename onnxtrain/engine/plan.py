@@ -46,6 +46,7 @@ from onnxtrain.engine.registry import (
     parse_attributes,
 )
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, RANDOM_OPS, added_later
+from onnxtrain.ir.types import TENSOR_TYPE_STRINGS
 
 
 def _quiet() -> np.errstate:
@@ -467,15 +468,12 @@ def nbytes(v: Any) -> int:
     return int(getattr(v, "nbytes", 0))
 
 
-_TRACE_TYPES = {"float32": "float", "float64": "double", "object": "string", "str": "string"}
-
-
 def _typed_shape(v: Any) -> dict[str, list[int]]:
-    """A tensor's element type and shape as onnxruntime's profile writes them (``{"float": [2, 3]}``; it
-    leaves sequences out, and so do the callers)."""
+    """A tensor's element type and shape as onnxruntime's profile writes them (``{"float": [2, 3]}``: ONNX's
+    type name; it leaves sequences out, and so do the callers)."""
     dtype = np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype
-    name = "string" if dtype.kind in "OUS" else _TRACE_TYPES.get(dtype.name, dtype.name)
-    return {name: list(np.shape(v))}
+    elem = onnx.TensorProto.STRING if dtype.kind in "OUS" else onnx.helper.np_dtype_to_tensor_dtype(dtype)
+    return {TENSOR_TYPE_STRINGS[elem][len("tensor("):-1]: list(np.shape(v))}
 
 
 def _as_array(v: Any) -> Any:

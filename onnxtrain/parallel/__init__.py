@@ -96,12 +96,16 @@ def check_sizes(p: Any) -> None:
                          "onnxruntime's ort_trainer passed it, for the one MPI gives)")
 
 
+def _assigned(p: Any, name: str) -> bool:
+    """Whether ``TrainingParameters`` ``p`` had property ``name`` assigned (even to its default)."""
+    return bool(getattr(p, "is_set", lambda _: False)(name))
+
+
 def check_world_options(p: Any, w: World) -> None:
     """Explicit ``world_size`` / ``world_rank`` of ``TrainingParameters`` ``p`` must agree with MPI's ``w``
     (an assigned ``world_rank = 0`` too: it is told from the default by ``p.is_set``)."""
     # -1 (ort_trainer's create_ort_training_session_with_optimizer default) means unset, as 0 unassigned does
-    assigned = getattr(p, "is_set", lambda name: False)
-    given = p.world_rank > 0 or (p.world_rank == 0 and assigned("world_rank"))
+    given = p.world_rank > 0 or (p.world_rank == 0 and _assigned(p, "world_rank"))
     if w.size > 1:
         if p.world_size not in (1, w.size):
             raise ValueError(f"TrainingParameters.world_size={p.world_size} but mpiexec started {w.size} "
@@ -139,7 +143,7 @@ def resolve(p: Any) -> DataParallel | None:
     if w.size > 1:  # MPI first: a rank raising below then aborts the job instead of leaving the others in
         get_communicator()  # MPI_Init
     check_world_options(p, w)
-    if w.size > 1 and p.world_size == 1 and getattr(p, "is_set", lambda name: False)("world_size"):
+    if w.size > 1 and p.world_size == 1 and _assigned(p, "world_size"):
         warn(f"TrainingParameters.world_size=1 under mpiexec with {w.size} ranks: each rank trains alone, "
              "as in onnxruntime (leave world_size unset, or set it to the number of ranks, for data "
              "parallelism)")
@@ -149,7 +153,7 @@ def resolve(p: Any) -> DataParallel | None:
     if d > size:
         hint = f"; launch with: {launch_hint(d)}" if size == 1 else ""
         raise ValueError(f"TrainingParameters.data_parallel_size={d} exceeds the world size {size}{hint}")
-    if d != size and (d != 1 or getattr(p, "is_set", lambda name: False)("data_parallel_size")):
+    if d != size and (d != 1 or _assigned(p, "data_parallel_size")):
         warn(f"data_parallel_size={d} does not equal world_size {size} (horizontal and pipeline "
              f"sizes are 1); using {size}")
     mode = exchange_mode(p, size, "data-parallel rank")
