@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
+import pkgutil
 import re
 import sys
+import threading
 from collections.abc import Iterable
 
 TIER1 = [
@@ -251,19 +254,43 @@ EXPECTED_FAILURES: dict[str, str] = {
 }
 
 
-def load_cases(ops: Iterable[str]) -> list:
-    """Node cases whose op under test (the base case's single node) is in ``ops``."""
-    from onnx.backend.test.loader import load_model_tests
+_CASE_PACKAGE = "onnx.backend.test.case.node"
+_BY_MODULE: dict[str, list] = {}  # case module → the cases its import generated
+_IMPORT_LOCK = threading.Lock()
 
-    wanted = set(ops)
-    cases = load_model_tests(kind="node")
+
+def case_modules() -> list[str]:
+    """The modules of onnx's node cases (``"abs"``, ``"averagepool"``, …; not the ``ai.onnx.ml`` ones)."""
+    pkg = importlib.import_module(_CASE_PACKAGE)
+    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.ispkg)
+
+
+def module_cases(module: str) -> list[tuple[str, object]]:
+    """(op under test, case) for each node case onnx's case module ``module`` generates: on its first
+    import, which runs the case's numpy reference (the pooling modules take seconds); memoised."""
+    with _IMPORT_LOCK:
+        if module not in _BY_MODULE:
+            pkg = importlib.import_module(_CASE_PACKAGE)
+            name = f"{_CASE_PACKAGE}.{module}"
+            if name in sys.modules:
+                raise RuntimeError(f"{name} was imported before: its node cases are not known")
+            before = len(pkg._NodeTestCases)
+            importlib.import_module(name)
+            _BY_MODULE[module] = list(pkg._NodeTestCases[before:])
+        cases = _BY_MODULE[module]
     by_name = {c.name: c for c in cases}
 
-    def op_of(c) -> str:
+    def op_of(c) -> str:  # an expanded case tests the op of its base case
         base = by_name.get(re.sub(r"_expanded(_ver\d+)?$", "", c.name), c)
         return base.model.graph.node[0].op_type if base.model.graph.node else ""
 
-    return [(op_of(c), c) for c in cases if op_of(c) in wanted]
+    return [(op_of(c), c) for c in cases]
+
+
+def load_cases(ops: Iterable[str]) -> list:
+    """(op, case) for the node cases whose op under test (the base case's single node) is in ``ops``."""
+    wanted = set(ops)
+    return [(op, c) for m in case_modules() for op, c in module_cases(m) if op in wanted]
 
 
 def run_case(case) -> None:

@@ -1,5 +1,7 @@
 """Every bench model trains in onnxtrain's peers: the worker processes of `python -m bench` (legacy session
-and on-device API) take two steps on each case, and their first losses equal torch's on the same batch.
+and on-device API) take two steps on each case, and their first losses equal torch's on the same batch
+(torch's peer runs in this process: the same step function as its worker's, without a second import of
+torch).
 
 `--quick` runs only two of the cases, so a model the full run needs could break unseen (the GPT decoder's
 on-device peer did, refused by an input check); this runs all of them, briefly."""
@@ -15,7 +17,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from bench import models  # noqa: E402
+from bench import models, worker  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,11 +35,17 @@ def _first_losses(peer: str, folder: str) -> list[float]:
     return replies[-1]["first_losses"]
 
 
+def _torch_losses(folder: str) -> list[float]:
+    """The losses of torch's first two steps, by the worker's torch peer in this process."""
+    step, _ = worker.torch_peer(folder)
+    return [float(step(x, y)) for x, y in worker._batches(folder)[:2]]
+
+
 @pytest.mark.parametrize("case", models.ALL_CASES, ids=lambda c: c.key)
 def test_bench_case_trains_in_every_onnxtrain_peer(case, tmp_path) -> None:
     folder = str(tmp_path / case.key)  # the torch peer finds its model by the folder's name
     models.prepare(case, folder)
-    want = _first_losses("torch", folder)
+    want = _torch_losses(folder)
     for peer in ("legacy", "api"):
         got = _first_losses(peer, folder)
         assert len(got) == 2
