@@ -12,7 +12,13 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.conv_shapes import declared_outputs, refined_conv_transposes
-from onnxtrain.ir.graphs import DEFAULT_DOMAINS, mis_sized_initializer, misdefined_name, walk_graphs
+from onnxtrain.ir.graphs import (
+    DEFAULT_DOMAINS,
+    fed_initializers,
+    mis_sized_initializer,
+    misdefined_name,
+    walk_graphs,
+)
 from onnxtrain.ir.reshapes import refined_reshapes
 from onnxtrain.ir.shape_values import ShapeValues
 from onnxtrain.ir.slices import refined_slices
@@ -194,13 +200,15 @@ def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` without the values of its large float initializers (graph inputs of the same type instead):
     the same shapes for ONNX shape inference, whose data propagation only reads small integer tensors, for
     a fraction of the memory (inference copies the whole model, and on a 0.67 M-parameter MLP the copies
-    left about 10 MiB of resident memory behind)."""
+    left about 10 MiB of resident memory behind). The initializers a run may feed (:func:`fed_initializers`)
+    are left to their input declarations: a fed Reshape shape must not make its output's dims static."""
     src = model.graph
     big = [t for t in src.initializer
            if t.data_type in FLOAT_TYPES and int(np.prod(t.dims, dtype=np.int64)) > _DATA_KEPT]
-    if not big:
+    fed = fed_initializers(model)
+    if not big and not fed:
         return model
-    skip = {t.name for t in big}
+    skip = {t.name for t in big} | fed
     declared = {v.name for v in src.input}
     m = onnx.ModelProto()
     m.ir_version, m.producer_name = model.ir_version, model.producer_name
@@ -277,7 +285,7 @@ def _refined(model: onnx.ModelProto, types: dict[str, onnx.TypeProto]) -> list[o
     """The Slice and Reshape outputs' dims learnt from the shape values ``types`` lets read, and the
     ConvTranspose outputs' dims where inference's differ from the kernel's."""
     opset = model_opset(model)
-    values = ShapeValues(model, types, opset)
+    values = ShapeValues(model, types, opset, fed_initializers(model))
     return [*refined_slices(model, types, opset, values), *refined_reshapes(model, types, values),
             *refined_conv_transposes(model, types)]
 
@@ -301,8 +309,10 @@ def _inferred_types(model: onnx.ModelProto, skeleton: onnx.ModelProto,
     types: dict[str, onnx.TypeProto] = {}
     for v in (*g.value_info, *g.input, *g.output):
         types[v.name] = v.type
+    fed = fed_initializers(model)  # typed by their input declarations
     for t in model.graph.initializer:
-        types[t.name] = helper.make_tensor_type_proto(t.data_type, list(t.dims))
+        if t.name not in fed:
+            types[t.name] = helper.make_tensor_type_proto(t.data_type, list(t.dims))
     for n in g.node:
         if n.op_type == "Constant":
             for a in n.attribute:
