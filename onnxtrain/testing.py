@@ -113,9 +113,20 @@ def gradcheck(
         if grads[n].shape != values[n].shape:
             raise AssertionError(f"gradient of {n!r} has shape {grads[n].shape}, expected {values[n].shape}")
     lmodel = _loss_only(model, loss)
+    if runner is run_engine and not _draws(lmodel):  # compiled once for the many runs below (a plan
+        from onnxtrain.engine import compile_model  # with random ops draws anew at each of its runs)
+
+        plan = compile_model(lmodel)
+
+        def run_loss(vals: Mapping[str, np.ndarray]) -> np.ndarray:
+            return plan.run({**feeds, **vals})[0]
+    else:
+
+        def run_loss(vals: Mapping[str, np.ndarray]) -> np.ndarray:
+            return runner(lmodel, {**feeds, **vals})[0]
 
     def f(vals: Mapping[str, np.ndarray]) -> float:
-        return float(np.sum(runner(lmodel, {**feeds, **vals})[0]))
+        return float(np.sum(run_loss(vals)))
 
     rng = np.random.default_rng(seed)
     for k in range(directions):
@@ -140,6 +151,13 @@ def gradcheck(
                         f"d{loss}/d{n}{list(idx)}: autodiff {grads[n][idx]!r}, finite differences {fd!r}"
                     )
     return grads
+
+
+def _draws(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` (its control-flow bodies too) holds a random op."""
+    from onnxtrain.ir.graphs import RANDOM_OPS, walk_graphs
+
+    return any(n.op_type in RANDOM_OPS for g in walk_graphs(model.graph) for n in g.node)
 
 
 def _loss_only(model: onnx.ModelProto, loss: str) -> onnx.ModelProto:
