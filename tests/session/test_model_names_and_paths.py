@@ -118,6 +118,24 @@ def test_learning_rate_feed_named_like_a_value_of_the_model_is_refused(name: str
         onnxtrain.TrainingSession(_mlp().SerializeToString(), _params(lr_params_feed_name=name))
 
 
+@pytest.mark.parametrize("value", ["logits", "W"])
+def test_a_model_value_named_like_the_accumulation_output_is_refused_by_name(value: str) -> None:
+    """Under gradient accumulation the session adds ``Group_Accumulated_Gradients``; a model value of that
+    name (here a node output or an initializer) was refused as a type clash between two unrelated nodes."""
+    m = _mlp()
+    for n in m.graph.node:
+        n.input[:] = ["Group_Accumulated_Gradients" if x == value else x for x in n.input]
+        n.output[:] = ["Group_Accumulated_Gradients" if x == value else x for x in n.output]
+    for t in m.graph.initializer:
+        t.name = "Group_Accumulated_Gradients" if t.name == value else t.name
+    p = _params(gradient_accumulation_steps=2)
+    if value == "W":
+        p.weights_to_train = {"B"}
+    with pytest.raises(ValueError, match="a value named 'Group_Accumulated_Gradients'.*rename it"):
+        onnxtrain.TrainingSession(m.SerializeToString(), p)
+    onnxtrain.TrainingSession(_mlp().SerializeToString(), p)  # the same options train the model as it was
+
+
 def test_learning_rate_feed_may_be_a_one_value_float_input() -> None:
     m = _mlp()
     m.graph.input.append(helper.make_tensor_value_info("rate", TensorProto.FLOAT, [1]))
