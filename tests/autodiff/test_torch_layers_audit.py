@@ -664,35 +664,6 @@ def _build(case: str, dtype: torch.dtype) -> tuple[nn.Module, tuple]:
     return module.train(), args
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _torchlib_registry_once():  # noqa: ANN202
-    """The dynamo exporter rebuilds its registry of torchlib functions at every export (≈ 0.7 s of the 1.1 s
-    one of these small exports takes): build it once per opset for this module."""
-    try:
-        from torch.onnx._internal.exporter import _registration
-    except ImportError:
-        yield
-        return
-    cls = _registration.ONNXRegistry
-    original = cls.__dict__.get("from_torchlib")
-    if not isinstance(original, classmethod):
-        yield
-        return
-    built: dict = {}
-
-    def from_torchlib(klass, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        key = (args, tuple(sorted(kwargs.items())))
-        if key not in built:
-            built[key] = original.__func__(klass, *args, **kwargs)
-        return built[key]
-
-    cls.from_torchlib = classmethod(from_torchlib)
-    try:
-        yield
-    finally:
-        cls.from_torchlib = original
-
-
 def _export(module: nn.Module, args: tuple, exporter: str, dynamic: bool = False) -> onnx.ModelProto:
     """``dynamic``: every dim of every input dynamic (TorchScript: ``dynamic_axes`` naming each axis
     ``in{i}_{axis}``; dynamo: ``dynamic_shapes`` of ``Dim.AUTO`` for each axis of the module's ``*args``)."""

@@ -30,7 +30,6 @@ from tests.autodiff.test_torch_layers_audit import (
     _export,
     _gradient_model,
     _params,
-    _torchlib_registry_once,  # noqa: F401 (the module fixture, autouse here too)
 )
 from tests.autodiff.torch_layer_sizes import EXPORT_WRONG_DYNAMIC, SIZES
 
