@@ -255,7 +255,7 @@ EXPECTED_FAILURES: dict[str, str] = {
 
 
 _CASE_PACKAGE = "onnx.backend.test.case.node"
-_BY_MODULE: dict[str, list] = {}  # case module → the cases its import generated
+_BY_MODULE: dict[str, list] = {}  # case module → (op under test, case) for the cases its import generated
 _IMPORT_LOCK = threading.Lock()
 
 
@@ -276,15 +276,15 @@ def module_cases(module: str) -> list[tuple[str, object]]:
                 raise RuntimeError(f"{name} was imported before: its node cases are not known")
             before = len(pkg._NodeTestCases)
             importlib.import_module(name)
-            _BY_MODULE[module] = list(pkg._NodeTestCases[before:])
-        cases = _BY_MODULE[module]
-    by_name = {c.name: c for c in cases}
+            cases = pkg._NodeTestCases[before:]
+            by_name = {c.name: c for c in cases}
 
-    def op_of(c) -> str:  # an expanded case tests the op of its base case
-        base = by_name.get(re.sub(r"_expanded(_ver\d+)?$", "", c.name), c)
-        return base.model.graph.node[0].op_type if base.model.graph.node else ""
+            def op_of(c) -> str:  # an expanded case tests the op of its base case
+                base = by_name.get(re.sub(r"_expanded(_ver\d+)?$", "", c.name), c)
+                return base.model.graph.node[0].op_type if base.model.graph.node else ""
 
-    return [(op_of(c), c) for c in cases]
+            _BY_MODULE[module] = [(op_of(c), c) for c in cases]
+        return _BY_MODULE[module]
 
 
 def load_cases(ops: Iterable[str]) -> list:

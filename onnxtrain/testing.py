@@ -113,20 +113,17 @@ def gradcheck(
         if grads[n].shape != values[n].shape:
             raise AssertionError(f"gradient of {n!r} has shape {grads[n].shape}, expected {values[n].shape}")
     lmodel = _loss_only(model, loss)
+    run = runner
     if runner is run_engine and not _draws(lmodel):  # compiled once for the many runs below (a plan
         from onnxtrain.engine import compile_model  # with random ops draws anew at each of its runs)
 
         plan = compile_model(lmodel)
 
-        def run_loss(vals: Mapping[str, np.ndarray]) -> np.ndarray:
-            return plan.run({**feeds, **vals})[0]
-    else:
-
-        def run_loss(vals: Mapping[str, np.ndarray]) -> np.ndarray:
-            return runner(lmodel, {**feeds, **vals})[0]
+        def run(_: onnx.ModelProto, fed: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+            return plan.run(dict(fed))
 
     def f(vals: Mapping[str, np.ndarray]) -> float:
-        return float(np.sum(run_loss(vals)))
+        return float(np.sum(run(lmodel, {**feeds, **vals})[0]))
 
     rng = np.random.default_rng(seed)
     for k in range(directions):

@@ -421,8 +421,8 @@ def build_step_graphs(
             f"gradient_accumulation_steps={steps} needs an optimizer (training_optimizer_name); without "
             "one, fetch the gradients (set_gradients_as_graph_outputs) and sum them yourself"
         )
-    taken = _graph_values(model) | {t.name for t in model.graph.initializer}
-    if steps > 1 and accumulation.GROUP_OUTPUT in taken:
+    if steps > 1 and accumulation.GROUP_OUTPUT in (_graph_values(model)
+                                                   | {t.name for t in model.graph.initializer}):
         raise ValueError(
             f"gradient_accumulation_steps={steps}: the model has a value named "
             f"{accumulation.GROUP_OUTPUT!r}, the name of the session's accumulation output; rename it"
