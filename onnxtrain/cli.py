@@ -21,8 +21,10 @@ import math
 import os
 import sys
 import warnings
+from typing import TYPE_CHECKING
 
-import onnx
+if TYPE_CHECKING:
+    import onnx
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -34,6 +36,7 @@ class UsageError(Exception):
 def _load(path: str) -> onnx.ModelProto:
     """``onnx.load`` with a one-line error for a file that is not an ONNX model (an empty file parses as
     an empty ModelProto: no graph nodes, inputs or outputs) or whose external data cannot be read."""
+    import onnx
     from google.protobuf.message import DecodeError
 
     if os.path.isdir(path):
@@ -94,6 +97,8 @@ def _value_types(model: onnx.ModelProto, names) -> dict[str, int]:
     types = declared(model.graph)
     if all(n in types for n in names):
         return types
+    import onnx
+
     try:
         return declared(onnx.shape_inference.infer_shapes(model).graph)
     except Exception:  # noqa: BLE001 - inference is a help here, not a requirement
@@ -102,6 +107,8 @@ def _value_types(model: onnx.ModelProto, names) -> dict[str, int]:
 
 def _refuse_non_float(model: onnx.ModelProto, names: dict[str, str]) -> None:
     """UsageError for a value (name -> its option) whose known element type is not floating-point."""
+    import onnx
+
     from onnxtrain.ir.builder import FLOAT_TYPES
 
     types = _value_types(model, names)
@@ -149,6 +156,8 @@ def _refuse_overwriting_inputs(outputs: list[str], inputs: list[tuple[str, str |
 def _external_files(path: str) -> list[tuple[str, str]]:
     """(what, path) of the external-data files the ONNX model at ``path`` reads (its tensors are not
     loaded)."""
+    import onnx
+
     from onnxtrain.ir.graphs import walk_graphs
 
     try:
@@ -191,6 +200,8 @@ def _plural(n: int, word: str) -> str:
 
 def _differentiable(model: onnx.ModelProto) -> list[str]:
     """The graph inputs and initializers of float type: what --wrt usually names."""
+    import onnx
+
     floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
               onnx.TensorProto.BFLOAT16}
     g = model.graph
@@ -199,6 +210,8 @@ def _differentiable(model: onnx.ModelProto) -> list[str]:
 
 
 def _gradient_graph(a: argparse.Namespace) -> int:
+    import onnx
+
     from onnxtrain.autodiff import build_gradient_model
     from onnxtrain.autodiff.legacy import outputs_in_model_order
     from onnxtrain.ir.io import save_model_atomic
@@ -568,7 +581,11 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("model", help="an .onnx file")
     info.set_defaults(fn=_info)
     a = parser.parse_args(argv)
-    return _run(a)
+    try:
+        return _run(a)
+    except KeyboardInterrupt:  # Ctrl-C while the modules load, before the subcommand's own handler
+        print(f"onnxtrain {a.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _run(a: argparse.Namespace) -> int:
@@ -588,6 +605,8 @@ def _run(a: argparse.Namespace) -> int:
 
 def _guarded(a: argparse.Namespace) -> int:
     """Run the subcommand; known failures become one line on stderr and an exit code."""
+    import onnx
+
     from onnxtrain.engine.plan import EngineError
     from onnxtrain.parallel import world
     from onnxtrain.train.config import ConfigError

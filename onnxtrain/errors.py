@@ -95,26 +95,37 @@ class FailNotImplementedError(Fail, NotImplementedError):
     onnxruntime's ``Fail``."""
 
 
+class FailIsADirectoryError(IsADirectoryError, Fail):
+    """A folder where the call needs a file: an ``IsADirectoryError``, and onnxruntime's ``Fail``."""
+
+
+class FailNotADirectoryError(NotADirectoryError, Fail):
+    """A file where the call needs a folder: a ``NotADirectoryError``, and onnxruntime's ``Fail``."""
+
+
+class FailPermissionError(PermissionError, Fail):
+    """A file or folder the call may not read or write: a ``PermissionError``, and onnxruntime's ``Fail``."""
+
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def raises_as_onnxruntime(fn: _F) -> _F:
-    """``fn`` with its ``ValueError``, ``KeyError``, ``TypeError``, ``NotImplementedError`` and
-    ``FileNotFoundError`` raised as :class:`FailValueError`, :class:`FailKeyError`, :class:`FailTypeError`,
-    :class:`FailNotImplementedError` and :class:`NoSuchFileError` (subclasses, onnxtrain's own errors among
-    them, pass unchanged): onnxruntime's legacy binding raised a ``RuntimeError`` where onnxtrain's checks
-    raise these, so ported ``except RuntimeError`` clauses and code written for onnxtrain both catch
-    them."""
+    """``fn`` with its ``ValueError``, ``KeyError``, ``TypeError``, ``NotImplementedError``,
+    ``FileNotFoundError``, ``IsADirectoryError``, ``NotADirectoryError`` and ``PermissionError`` raised as
+    their duals above (subclasses, onnxtrain's own errors among them, pass unchanged): onnxruntime's
+    bindings raised a ``RuntimeError`` where onnxtrain's checks raise these, so ported ``except
+    RuntimeError`` clauses and code written for onnxtrain both catch them."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (FileNotFoundError, KeyError, ValueError, TypeError, NotImplementedError) as e:
+        except (OSError, KeyError, ValueError, TypeError, NotImplementedError) as e:
             dual = _DUALS.get(type(e))  # a subclass (TranslationError, ...) keeps its own class
             if dual is None:
                 raise
-            if dual is NoSuchFileError and e.filename is not None:
+            if isinstance(e, OSError) and e.filename is not None:
                 args: tuple = (e.errno, e.strerror, e.filename)
             else:
                 args = e.args
@@ -123,8 +134,9 @@ def raises_as_onnxruntime(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
-_DUALS: dict[type, type] = {FileNotFoundError: NoSuchFileError, KeyError: FailKeyError,
-                            ValueError: FailValueError, TypeError: FailTypeError,
+_DUALS: dict[type, type] = {FileNotFoundError: NoSuchFileError, IsADirectoryError: FailIsADirectoryError,
+                            NotADirectoryError: FailNotADirectoryError, PermissionError: FailPermissionError,
+                            KeyError: FailKeyError, ValueError: FailValueError, TypeError: FailTypeError,
                             NotImplementedError: FailNotImplementedError}
 
 

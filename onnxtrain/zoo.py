@@ -43,6 +43,8 @@ class _Graph:
     """Nodes and initializers of a model under construction, with unique value names."""
 
     def __init__(self, seed: int):
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise BuilderArgumentError("seed", f"expected an int >= 0, got {seed!r}")
         self.rng = np.random.default_rng(seed)
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []

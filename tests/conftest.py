@@ -44,3 +44,49 @@ def _torchlib_registry_once():  # noqa: ANN202
         yield
     finally:
         cls.from_torchlib = original
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _export_op_tables_once():  # noqa: ANN202
+    """torch's dynamo exporter walks the dispatcher for every CompositeImplicitAutograd op (about 0.45 s) and
+    builds its decomposition table (0.25 s) at every export, of a small export's 0.7 s: both are pure
+    functions of the registered ops, which no test adds to, so they are worked out once per set of op
+    namespaces (and of ONNX-implemented ops) and each export gets a copy."""
+    try:
+        from torch._export import utils as export_utils
+        from torch.export import decomp_utils, exported_program
+        from torch.onnx._internal.exporter import _decomp
+    except ImportError:
+        yield
+        return
+    import torch
+
+    collect = export_utils._collect_all_valid_cia_ops
+    table = _decomp.create_onnx_friendly_decomposition_table
+    cia: dict = {}
+    tables: dict = {}
+
+    def collect_once():  # noqa: ANN202
+        key = tuple(sorted(torch.ops._dir))
+        if key not in cia:
+            cia[key] = frozenset(collect())
+        return set(cia[key])
+
+    def table_once(onnx_registered_ops):  # noqa: ANN001, ANN202
+        key = frozenset(onnx_registered_ops)
+        if key not in tables:
+            tables[key] = table(onnx_registered_ops)
+        return dict(tables[key])
+
+    patched = [(exported_program, "_collect_all_valid_cia_ops", collect_once),
+               (decomp_utils, "_collect_all_valid_cia_ops", collect_once),
+               (_decomp, "create_onnx_friendly_decomposition_table", table_once)]
+    originals = [(m, name, getattr(m, name)) for m, name, _ in patched if hasattr(m, name)]
+    for m, name, fn in patched:
+        if hasattr(m, name):
+            setattr(m, name, fn)
+    try:
+        yield
+    finally:
+        for m, name, fn in originals:
+            setattr(m, name, fn)

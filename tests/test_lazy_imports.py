@@ -21,6 +21,13 @@ def test_import_loads_only_the_package():
     assert _run(code) == "['onnxtrain']"
 
 
+def test_command_line_module_loads_neither_numpy_nor_onnx():
+    """``onnxtrain`` parses its command line before the heavy imports, so that Ctrl-C while they load is
+    caught by its handler (one line, exit 130)."""
+    code = "import sys, onnxtrain.cli; print([m for m in ('numpy', 'onnx') if m in sys.modules])"
+    assert _run(code) == "[]"
+
+
 def test_on_device_api_does_not_load_the_legacy_session():
     code = (
         "import sys\n"

@@ -47,6 +47,7 @@ from onnxtrain.train.outputs import (
     foreign_files,
     inputs_in_the_way,
     list_checkpoints,
+    lock_folder,
     output_dir,
     plot_metrics,
     remove_checkpoint,
@@ -366,7 +367,29 @@ class Trainer:
     def run(self, resume: bool = False, overwrite: bool = True) -> RunResult:
         """Train; ``resume`` continues from the output folder's latest checkpoint. Without it, the
         folder's old checkpoints are deleted when ``overwrite`` (the CLI's --overwrite; the command
-        line refuses by default), else a ConfigError says that the folder holds a run."""
+        line refuses by default), else a ConfigError says that the folder holds a run. A folder another
+        run is training in is refused (a lock the process holds until it ends)."""
+        self._folder_lock: int | None = None
+        try:
+            return self._run(resume, overwrite)
+        finally:
+            if self._folder_lock is not None:
+                os.close(self._folder_lock)
+                self._folder_lock = None
+
+    def _lock_output_folder(self) -> None:
+        """Hold the output folder's lock (rank 0), or refuse on every rank when another run holds it."""
+        busy = False
+        if self.main:
+            try:
+                self._folder_lock = lock_folder(self.out)
+            except BlockingIOError:
+                busy = True
+        if self.agree(busy):
+            raise ConfigError("output.dir", f"another onnxtrain run is training in {self.out}; wait for it "
+                                            "to end or choose another --output-dir (or output.dir)")
+
+    def _run(self, resume: bool, overwrite: bool) -> RunResult:
         main = self.main
         if not resume:  # files that no run wrote are never replaced, with --overwrite or without
             foreign = self.agree(foreign_files(self.out) if main else [])
@@ -382,6 +405,11 @@ class Trainer:
                 raise ConfigError("", f"{self.out} already holds checkpoints of a run (the latest: step "
                                       f"{old[-1][0]}); pass --resume to continue it, --overwrite to start "
                                       "over (deleting them), or choose another --output-dir")
+        found = self.agree(list_checkpoints(self.out)) if resume else []
+        if resume and not found:  # refused before the output folder is made: a mistyped one stays unmade
+            raise ConfigError("--resume", f"no checkpoint in {os.path.join(self.out, 'checkpoints')} to "
+                                          "continue from; start without --resume, or give the run's "
+                                          "--output-dir")
         if main:
             try:  # the check above cannot see every refusal (a root process in a pseudo file system)
                 os.makedirs(self.out, exist_ok=True)
@@ -389,17 +417,14 @@ class Trainer:
                 why = f"cannot make the output folder {self.out}: {e.strerror}"
                 raise ConfigError("output.dir", f"{why} (the folder comes from output.dir or --output-dir)"
                                   ) from None
+        self._lock_output_folder()  # before anything of an earlier run is read, removed or replaced
+        if main:
             for f in remove_stale_temporaries(self.out):
                 print(f"onnxtrain: removed {f}, left by a run killed while writing it", file=sys.stderr)
         rng = data_mod.order_rng(self.cfg.training.seed)
         st = RunState(epoch_rng=data_mod.rng_state_to_str(rng))
         last_ckpt = None
         if resume:
-            found = self.agree(list_checkpoints(self.out))
-            if not found:
-                raise ConfigError("--resume", f"no checkpoint in {os.path.join(self.out, 'checkpoints')} to "
-                                              "continue from; start without --resume, or give the run's "
-                                              "--output-dir")
             last_ckpt = found[-1][1]
             st = self.restore(load_checkpoint(last_ckpt), last_ckpt)
             rng = data_mod.rng_from_str(st.epoch_rng)

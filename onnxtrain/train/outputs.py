@@ -61,6 +61,26 @@ def is_run_folder(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "metrics.jsonl")) or bool(list_checkpoints(folder))
 
 
+def lock_folder(folder: str) -> int | None:
+    """An open descriptor of ``folder`` holding an exclusive advisory lock (``flock``) until it is closed or
+    the process ends, however it ends; None where the system has no such locks. Raises
+    ``BlockingIOError`` when another process (or another descriptor) holds the lock."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory folder locks
+        return None
+    fd = os.open(folder, os.O_RDONLY)  # not inherited by the processes a run starts
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise
+    except OSError:  # a file system without flock (some network mounts): run unlocked
+        os.close(fd)
+        return None
+    return fd
+
+
 def foreign_files(folder: str) -> list[str]:
     """The files of ``folder`` that a new run would replace or delete though no run wrote them: those of
     :data:`RUN_FILES` in a folder that is not a run's (:func:`is_run_folder`)."""

@@ -209,6 +209,7 @@ def test_data_parallel_without_mpiexec_says_how_to_launch_this_command(tmp_path,
     ("tiny_transformer", "model.args.vocab=0", "model.args.vocab"),
     ("tiny_transformer", "model.args.length=0", "model.args.length"),
     ("tiny_transformer", "model.args.layers=-1", "model.args.layers"),
+    ("digits_mlp", "model.args.seed=-4", "model.args.seed"),
 ])
 def test_zero_sizes_in_builder_args_name_their_key(config, setting, key, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("ONNXTRAIN_DEBUG", raising=False)
@@ -461,3 +462,56 @@ def test_non_finite_data_values_are_refused_at_load_naming_key_and_index(tmp_pat
     code, line = _error_line(capsys, argv)
     assert code == 2 and "data.feeds.x" in line and "1 NaN or infinite value(s)" in line, line
     assert "(17, 3)" in line and "x.npy" in line, line
+
+
+def test_resume_without_a_checkpoint_makes_no_output_folder(tmp_path, capsys, monkeypatch):
+    """A refused --resume (a mistyped --output-dir) leaves no empty folders behind."""
+    monkeypatch.delenv("ONNXTRAIN_DEBUG", raising=False)
+    out = tmp_path / "typo" / "run"
+    code, line = _error_line(capsys, ["train", config_path("digits_mlp"), "-q", "--output-dir", str(out),
+                                      "--resume"])
+    assert code == 2 and "--resume: no checkpoint in" in line, line
+    assert not (tmp_path / "typo").exists()
+
+
+def test_ctrl_c_while_the_modules_load_is_one_line(capsys, monkeypatch):
+    """Ctrl-C before the subcommand's own handler (while numpy, onnx and the engine load): exit 130 and one
+    line, not a traceback."""
+    import onnxtrain.cli as cli
+
+    def interrupted(a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_run", interrupted)
+    code, line = _error_line(capsys, ["info", "model.onnx"])
+    assert (code, line) == (130, "onnxtrain info: interrupted")
+
+
+def test_a_folder_another_run_trains_in_is_refused(tmp_path, capsys, monkeypatch):
+    """A second run in a folder whose run is still training (its lock held; here by this test) is refused
+    before it reads or deletes anything, even with --overwrite; once the lock is released, it trains."""
+    from onnxtrain.train.outputs import lock_folder
+
+    monkeypatch.delenv("ONNXTRAIN_DEBUG", raising=False)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")  # a run's folder
+    fd = lock_folder(str(out))
+    if fd is None:
+        pytest.skip("no advisory folder locks here")
+    argv = ["train", config_path("digits_mlp"), "-q", "--output-dir", str(out), "--overwrite",
+            "--set", "training.steps=2"]
+    try:
+        code, line = _error_line(capsys, argv)
+        assert code == 2 and "another onnxtrain run is training in" in line and str(out) in line, line
+        assert os.listdir(out) == ["metrics.jsonl"]
+    finally:
+        os.close(fd)
+    assert main(argv) == 0
+    capsys.readouterr()
+    fd = lock_folder(str(out))  # the finished run released its lock
+    try:
+        with pytest.raises(BlockingIOError):  # and a held lock refuses a second holder
+            lock_folder(str(out))
+    finally:
+        os.close(fd)

@@ -430,6 +430,7 @@ class Module:
         return list(self._eval_outputs) if self._eval_model is not None else []
 
     # ---------------------------------------------------------------- steps
+    @raises_as_onnxruntime
     def __call__(self, *user_inputs: Any) -> Any:
         r"""Run one training step (training mode) or evaluation (eval mode) on positional inputs.
 
@@ -543,6 +544,7 @@ class Module:
                              f"model ({spec.describe_shape()})")
         return tuple(int(d) for d in spec.shape)  # type: ignore[arg-type]
 
+    @raises_as_onnxruntime
     def get_parameters_size(self, trainable_only: bool = True) -> int:
         """Number of parameter elements (trainable ones, or all with ``trainable_only=False``)."""
         return sum(math.prod(self._param_shape(n)) for n in self._selected(bool(trainable_only)))
@@ -554,6 +556,7 @@ class Module:
                             "buffer")
         return dtypes.pop() if dtypes else np.dtype(np.float32)
 
+    @raises_as_onnxruntime
     def get_contiguous_parameters(self, trainable_only: bool = False) -> ContiguousBuffer:
         """A new 1-D array of the parameters, flattened row-major in the training model's input order."""
         names = self._selected(bool(trainable_only))
@@ -566,6 +569,7 @@ class Module:
             at += a.size
         return out.view(ContiguousBuffer)
 
+    @raises_as_onnxruntime
     def copy_buffer_to_parameters(self, buffer: Any, trainable_only: bool = True) -> None:
         """Copy a 1-D buffer (as :meth:`get_contiguous_parameters` returns) into the parameters.
 
@@ -610,6 +614,7 @@ class Module:
                     p.grad = np.zeros_like(p.data)
 
     # ---------------------------------------------------------------- export
+    @raises_as_onnxruntime
     def export_model_for_inferencing(self, inference_model_uri: str | os.PathLike,
                                      graph_output_names: Sequence[str]) -> None:
         """Write the eval model reduced to ``graph_output_names``, the current parameters as initializers."""

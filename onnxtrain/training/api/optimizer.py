@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain import parallel
+from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
 from onnxtrain.training.api._graph import ModelLike, load_model
@@ -71,6 +72,7 @@ class Optimizer:
         loss = module(x, y); optimizer.step(); module.lazy_reset_grad()
     """
 
+    @raises_as_onnxruntime
     def __init__(self, optimizer_uri: ModelLike, module: Module) -> None:
         if not isinstance(module, Module):
             raise TypeError(f"module must be a Module, got {type(module).__name__}")
@@ -212,6 +214,7 @@ class Optimizer:
                     slot[key] = np.zeros_like(data)
 
     # ---------------------------------------------------------------- public API
+    @raises_as_onnxruntime
     def step(self) -> None:
         """Apply one update with the current learning rate; gradients are left as they are.
 
@@ -283,6 +286,7 @@ class Optimizer:
         if scaler is not None:
             self._state._loss_scaler = scaler  # the scaler the state's checkpoints record
 
+    @raises_as_onnxruntime
     def set_learning_rate(self, learning_rate: float) -> None:
         """Use ``learning_rate`` (stored as float32) from the next step on."""
         self._opt.lr = learning_rate_value(learning_rate)

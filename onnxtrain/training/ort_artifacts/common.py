@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxtrain.errors import Fail
 from onnxtrain.ir.builder import elem_type, static_shape
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 
@@ -18,8 +19,9 @@ ACCUMULATED_SUFFIX = "_grad.accumulation.out"
 BUFFER_SUFFIX = "_grad.accumulation.buffer"
 
 
-class TranslationError(ValueError):
-    """An onnxruntime-training artifact uses something that has no standard-ONNX translation here."""
+class TranslationError(Fail, ValueError):
+    """An onnxruntime-training artifact uses something that has no standard-ONNX translation here (a
+    ``ValueError``, and the ``RuntimeError`` onnxruntime-training raised for an artifact it could not use)."""
 
 
 def is_onnxruntime_training_model(model: onnx.ModelProto) -> bool:

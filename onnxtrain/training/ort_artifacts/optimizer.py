@@ -14,6 +14,8 @@ from onnxtrain.training.ort_artifacts.common import (
     node_label,
 )
 
+_OPTIMIZER_OPS = ("AdamWOptimizer", "SGDOptimizerV2")
+
 
 def _trainable(training_model: onnx.ModelProto) -> list[tuple[str, onnx.TypeProto]]:
     types = {v.name: v.type for v in training_model.graph.input}
@@ -37,6 +39,11 @@ def translate_optimizer_model(model: onnx.ModelProto, training_model: onnx.Model
 
     if not is_onnxruntime_training_model(model):
         return model
+    if not any(n.op_type in _OPTIMIZER_OPS for n in model.graph.node):
+        raise TranslationError(
+            "not an optimizer model: it has no AdamWOptimizer or SGDOptimizerV2 node (a training or eval "
+            "model given as the optimizer model?)"
+        )
     clip = None
     block = None
     for node in model.graph.node:
@@ -63,8 +70,6 @@ def translate_optimizer_model(model: onnx.ModelProto, training_model: onnx.Model
                 f"{node_label(node)}: not an optimizer operator this translation knows "
                 "(AdamWOptimizer, SGDOptimizerV2, InplaceClipGradNorm)"
             )
-    if block is None:
-        raise TranslationError("the optimizer model has no AdamWOptimizer or SGDOptimizerV2 node")
     block.clip_grad = clip
     opset = next((o.version for o in training_model.opset_import if o.domain in DEFAULT_DOMAINS), 17)
     return build_optimizer_model(block, _trainable(training_model), max(opset, 17))
