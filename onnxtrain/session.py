@@ -38,7 +38,7 @@ from onnxtrain.inference import (
 )
 from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import refuse_unloadable
-from onnxtrain.ir.graphs import model_for_outputs
+from onnxtrain.ir.graphs import model_for_outputs, with_input_values
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.locks import fork_safe_rlock
 from onnxtrain.optim import WeightSlot, get_optimizer
@@ -216,8 +216,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             # onnxruntime wrote its optimized training graph there; the graph the engine runs is this one
             (self._sess_options.optimized_model_filepath, g.full),
         ):
-            if path:
-                save_model_atomic(m, path)
+            if path:  # with the state's values, as onnxruntime's dumps held them: each graph runs on its own
+                save_model_atomic(with_input_values(m, self._store), path)
         self._model = g.full
         self._plans: dict[str, GraphInterface] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}  # random nodes' generators, shared by the plans

@@ -45,6 +45,7 @@ from onnxtrain.graph_transforms.mixed_precision import (
     mixed_precision,
     mixed_precision_info,
 )
+from onnxtrain.ir.graphs import with_input_values
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import get_optimizer
 from onnxtrain.parallel import exchange_mode, get_communicator
@@ -142,7 +143,8 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         ):
             if path:
                 root, ext = os.path.splitext(path)
-                save_model_atomic(sg.graphs[kind], f"{root}.stage{self._stage}{ext or '.onnx'}")
+                dump = with_input_values(sg.graphs[kind], self._store)  # the stage's state, as a legacy dump
+                save_model_atomic(dump, f"{root}.stage{self._stage}{ext or '.onnx'}")
         self._plans: dict[str, Any] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}
 

@@ -393,6 +393,34 @@ def fed_initializers(model: onnx.ModelProto) -> set[str]:
     return {i.name for i in model.graph.input} & {t.name for t in model.graph.initializer}
 
 
+def with_input_values(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """``model`` (a copy) whose graph inputs named in ``values`` also hold those values as initializers, each
+    of the input's declared element type and static shape (others are left out): a session's state written
+    into a dumped graph, so that it runs on its own; the inputs stay, so a run may still feed them. From IR
+    version 4 only (before it, every initializer was a graph input and a constant)."""
+    if model.ir_version < 4:
+        return model
+    have = {t.name for t in model.graph.initializer}
+    add = []
+    for v in model.graph.input:
+        a = values.get(v.name)
+        if a is None or v.name in have or not v.type.HasField("tensor_type"):
+            continue
+        tt = v.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+        a = np.asarray(a)
+        if (not tt.HasField("shape") or list(a.shape) != dims
+                or numpy_helper.from_array(a.reshape(-1)[:0]).data_type != tt.elem_type):
+            continue
+        add.append(numpy_helper.from_array(a, v.name))
+    if not add:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    out.graph.initializer.extend(add)
+    return out
+
+
 def constant_arrays(graph: onnx.GraphProto, wanted: Collection[str],
                     fed: Collection[str] = ()) -> dict[str, np.ndarray]:
     """Values of the initializers (but those in ``fed``: :func:`fed_initializers`) and Constant nodes (their

@@ -673,7 +673,17 @@ def main(out: str, cases: list[str]) -> None:
         backend = os.environ.get("ONNXTRAIN_TEST_BACKEND", "")
         if backend:
             so.add_session_config_entry("onnxtrain.backend", backend)
-        sess = TrainingSession(model.SerializeToString(), parameters(case, model, True), so)
+        p = parameters(case, model, True)
+        dump = f"{out}.{case}.onnx"  # each rank writes <out>.<case>.stage<k>.onnx
+        if case not in HORIZONTAL:
+            p.model_with_training_graph_path = dump
+        sess = TrainingSession(model.SerializeToString(), p, so)
+        if case not in HORIZONTAL:  # the stage's dump holds its state's values: it runs on its own
+            written = onnx.load(f"{out}.{case}.stage{sess._stage}.onnx")
+            onnx.checker.check_model(written, full_check=True)
+            inits = {t.name for t in written.graph.initializer}
+            state = [i.name for i in written.graph.input if i.name in sess._store]
+            assert set(state) <= inits, (case, sorted(set(state) - inits))
         graphs = (
             [g for sg in sess._pieces.values() for g in sg.graphs.values()]
             + [g for g in (sess._update_graph, sess._zero_graph) if g is not None]

@@ -465,12 +465,20 @@ def test_dumps_pass_the_checker_and_run_on_onnxruntime(tmp_path) -> None:
         onnx.checker.check_model(onnx.load(path), full_check=True)
     x, y = batches(1, 16)[0]
     train = onnx.load(paths["train"])
-    feed = {
-        **feeds(x, y),
-        **{i.name: sess._store[i.name] for i in train.graph.input if i.name in sess._store},
-    }
+    # the state's values are in the dumps (as onnxruntime's held them): the training graph runs on the feeds
+    # alone, and takes a fed weight still
+    state_inputs = {i.name for i in train.graph.input if i.name in sess._store}
+    assert state_inputs and state_inputs <= {t.name for t in train.graph.initializer}
+    for path in (paths["after"], paths["grad"]):
+        dumped = onnx.load(path)
+        assert {i.name for i in dumped.graph.input if i.name in sess._store} <= {
+            t.name for t in dumped.graph.initializer}
     names = [o.name for o in train.graph.output]
-    want = dict(zip(names, ort.InferenceSession(train.SerializeToString()).run(None, feed)))
+    run = ort.InferenceSession(train.SerializeToString()).run
+    want = dict(zip(names, run(None, feeds(x, y))))
+    w = next(n for n in state_inputs if n.endswith("weight") or n.startswith("W"))
+    fed = dict(zip(names, run(None, {**feeds(x, y), w: np.zeros_like(sess._store[w])})))
+    assert fed["loss"] != want["loss"]
     loss = sess.run(["loss"], feeds(x, y))[0]
     np.testing.assert_allclose(loss, want["loss"], rtol=1e-6)
     for k, v in sess.get_state().items():
