@@ -216,14 +216,19 @@ def test_properties(art, tmp_path):
     props["raw"] = b"bytes"
     props["np_float"] = np.float32(1.5)  # the reference truncates this to int 1; we keep a float
     props["np_int"] = np.int64(7)
+    # a 0-d array, such as the loss a Module call returns, is its scalar (the reference truncates 0.75 to 0)
+    props["last_loss"] = np.array(0.75, np.float32)
+    props["count"] = np.array(3, np.int32)
     assert props["pi"] == float(np.float32(np.pi)) and props["flag"] == 1 and props["raw"] == "bytes"
     assert props["np_float"] == 1.5 and isinstance(props["np_int"], int)
+    assert props["last_loss"] == 0.75 and isinstance(props["last_loss"], float)
+    assert props["count"] == 3 and isinstance(props["count"], int)
     props["name"] = 5  # type may change
-    assert "epoch" in props and len(props) == 7
+    assert "epoch" in props and len(props) == 9
     assert [k for k, _ in props] == sorted(k for k, _ in props)
     with pytest.raises(KeyError, match="Property missing not found"):
         props["missing"]
-    for bad in (None, [1, 2], {"a": 1}):
+    for bad in (None, [1, 2], {"a": 1}, np.array([1.0]), np.array("text")):
         with pytest.raises(TypeError):
             props["bad"] = bad
     with pytest.raises(ValueError, match="reserved"):

@@ -160,6 +160,8 @@ def _owned(a: np.ndarray) -> np.ndarray:
 
 
 def _property_value(name: str, value: Any) -> int | float | str:
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
+        value = value[()]  # a 0-d array (a loss Module returned) as its numpy scalar
     if isinstance(value, (bool, np.bool_, int, np.integer)):
         v = int(value)
         if not -(2**63) <= v < 2**63:
