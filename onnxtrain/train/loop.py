@@ -52,6 +52,7 @@ from onnxtrain.train.outputs import (
     plot_metrics,
     remove_checkpoint,
     remove_stale_temporaries,
+    unlock_folder,
 )
 from onnxtrain.train.schedule import learning_rate
 from onnxtrain.train.session import feed_names, make_session, training_parameters
@@ -374,7 +375,7 @@ class Trainer:
             return self._run(resume, overwrite)
         finally:
             if self._folder_lock is not None:
-                os.close(self._folder_lock)
+                unlock_folder(self._folder_lock)
                 self._folder_lock = None
 
     def _lock_output_folder(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -61,15 +62,18 @@ def is_run_folder(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "metrics.jsonl")) or bool(list_checkpoints(folder))
 
 
+_LOCKS: set[int] = set()  # the descriptors lock_folder handed out and unlock_folder has not closed
+
+
 def lock_folder(folder: str) -> int | None:
-    """An open descriptor of ``folder`` holding an exclusive advisory lock (``flock``) until it is closed or
-    the process ends, however it ends; None where the system has no such locks. Raises
-    ``BlockingIOError`` when another process (or another descriptor) holds the lock."""
+    """An open descriptor of ``folder`` holding an exclusive advisory lock (``flock``) until
+    :func:`unlock_folder` or the end of the process, however it ends; None where the system has no such
+    locks. Raises ``BlockingIOError`` when another process (or another descriptor) holds the lock."""
     try:
         import fcntl
     except ImportError:  # Windows: no advisory folder locks
         return None
-    fd = os.open(folder, os.O_RDONLY)  # not inherited by the processes a run starts
+    fd = os.open(folder, os.O_RDONLY)  # not inherited by the programs a run starts
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -78,7 +82,27 @@ def lock_folder(folder: str) -> int | None:
     except OSError:  # a file system without flock (some network mounts): run unlocked
         os.close(fd)
         return None
+    _LOCKS.add(fd)
     return fd
+
+
+def unlock_folder(fd: int) -> None:
+    """Release a lock of :func:`lock_folder`."""
+    _LOCKS.discard(fd)
+    os.close(fd)
+
+
+def _close_locks_in_child() -> None:
+    """A forked child (the engine's half-batch process, a user's worker) closes its copies of the locks: it
+    may outlive the run, and its copy would hold the folder's lock on (the parent's copy keeps it held)."""
+    for fd in _LOCKS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_locks_in_child)
 
 
 def foreign_files(folder: str) -> list[str]:

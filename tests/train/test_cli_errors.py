@@ -515,3 +515,34 @@ def test_a_folder_another_run_trains_in_is_refused(tmp_path, capsys, monkeypatch
             lock_folder(str(out))
     finally:
         os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks")
+def test_a_forked_child_does_not_keep_the_folder_locked(tmp_path):
+    """A process forked during a run (the engine's half-batch child, a user's worker) that outlives the run
+    does not keep its folder locked: it closes its copy of the lock at the fork."""
+    from onnxtrain.train.outputs import lock_folder, unlock_folder
+
+    fd = lock_folder(str(tmp_path))
+    if fd is None:
+        pytest.skip("no advisory folder locks here")
+    r, w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child outlives the parent's lock: it waits until the parent has tried to relock
+        os.close(w)
+        os.write(ready_w, b"x")  # (the fork's handlers have run)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    os.close(ready_w)
+    os.read(ready_r, 1)
+    os.close(ready_r)
+    try:
+        unlock_folder(fd)
+        again = lock_folder(str(tmp_path))  # BlockingIOError if the child's copy still held it
+        unlock_folder(again)
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
