@@ -4,7 +4,7 @@ constant values by name: :func:`constant_arrays`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 
 import numpy as np
 import onnx
@@ -393,7 +393,7 @@ def fed_initializers(model: onnx.ModelProto) -> set[str]:
     return {i.name for i in model.graph.input} & {t.name for t in model.graph.initializer}
 
 
-def with_input_values(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:
+def with_input_values(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:
     """``model`` (a copy) whose graph inputs named in ``values`` also hold those values as initializers, each
     of the input's declared element type and static shape (others are left out): a session's state written
     into a dumped graph, so that it runs on its own; the inputs stay, so a run may still feed them. From IR
@@ -410,7 +410,7 @@ def with_input_values(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> 
         dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
         a = np.asarray(a)
         if (not tt.HasField("shape") or list(a.shape) != dims
-                or numpy_helper.from_array(a.reshape(-1)[:0]).data_type != tt.elem_type):
+                or onnx.helper.np_dtype_to_tensor_dtype(a.dtype) != tt.elem_type):
             continue
         add.append(numpy_helper.from_array(a, v.name))
     if not add:
