@@ -117,7 +117,7 @@ from onnxtrain.training import onnxblock
 from onnxtrain.training.api._accumulation import ACCUMULATED_SUFFIX as ACC_OUT_SUFFIX
 from onnxtrain.training.api._accumulation import BUFFER_SUFFIX
 from onnxtrain.training.api._accumulation import RESET_INPUT as RESET
-from onnxtrain.training.onnxblock._base import BlockError, editing, value_info
+from onnxtrain.training.onnxblock.model_accessor import BlockError, editing, value_info
 from onnxtrain.training.onnxblock.optim import ALL_FINITE
 from onnxtrain.training.onnxblock.optim import Optimizer as OptimizerBlock
 from onnxtrain.user_warning import warn

@@ -214,3 +214,16 @@ def test_a_parameter_the_checkpoint_freezes_stays_frozen_through_the_optimizer(t
             np.testing.assert_array_equal(state.parameters["b"].data, b)  # frozen
     np.testing.assert_array_equal(steps["both"], steps["W only"])
     assert not np.array_equal(steps["both"], w)
+
+
+def test_onnxblock_submodules_import_under_onnxruntime_trainings_names():
+    """``onnxblock.model_accessor`` and ``onnxblock.onnxblock`` are modules there; ported imports of them
+    find the same objects here."""
+    from onnxtrain.training.onnxblock.model_accessor import ModelAccessor, base, custom_op_library, empty_base
+    from onnxtrain.training.onnxblock.onnxblock import ForwardBlock, TrainingBlock
+
+    assert (base, empty_base, custom_op_library) == (onnxblock.base, onnxblock.empty_base,
+                                                     onnxblock.custom_op_library)
+    assert (ForwardBlock, TrainingBlock) == (onnxblock.ForwardBlock, onnxblock.TrainingBlock)
+    with empty_base() as acc:
+        assert isinstance(acc, ModelAccessor) and not acc.has_path and acc.model.graph is not None

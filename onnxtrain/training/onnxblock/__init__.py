@@ -11,9 +11,9 @@ and ``save_checkpoint`` / ``load_checkpoint_to_model``. Every node is standard O
 from __future__ import annotations
 
 from onnxtrain.training.onnxblock import blocks, loss, optim
-from onnxtrain.training.onnxblock._base import BlockError, base, custom_op_library, empty_base
 from onnxtrain.training.onnxblock.blocks import Block
 from onnxtrain.training.onnxblock.checkpoint_utils import load_checkpoint_to_model, save_checkpoint
+from onnxtrain.training.onnxblock.model_accessor import BlockError, base, custom_op_library, empty_base
 from onnxtrain.training.onnxblock.model_blocks import ForwardBlock, TrainingBlock
 
 __all__ = [

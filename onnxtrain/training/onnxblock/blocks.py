@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from onnxtrain.training.onnxblock._base import BlockError, ModelBase, check_after_block, current
+from onnxtrain.training.onnxblock.model_accessor import BlockError, ModelBase, check_after_block, current
 
 
 class Block(abc.ABC):

@@ -10,7 +10,7 @@ from onnx import numpy_helper
 
 from onnxtrain.checkpoint import Checkpoint, load_checkpoint
 from onnxtrain.checkpoint import save_checkpoint as _save
-from onnxtrain.training.onnxblock._base import BlockError
+from onnxtrain.training.onnxblock.model_accessor import BlockError
 
 
 def save_checkpoint(

@@ -19,8 +19,8 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from onnxtrain.ir.types import np_dtype
-from onnxtrain.training.onnxblock._base import BlockError, ModelBase
 from onnxtrain.training.onnxblock.blocks import Block, InputLike, Softplus, _acc, reduce
+from onnxtrain.training.onnxblock.model_accessor import BlockError, ModelBase
 
 REDUCTIONS = ("mean", "sum", "none")
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import onnx
 
-from onnxtrain.training.onnxblock._base import BlockError, detached, value_info
 from onnxtrain.training.onnxblock.blocks import Block
+from onnxtrain.training.onnxblock.model_accessor import BlockError, detached, value_info
 
 _NOT_BUILT_PARAMS = "Please build the training model first before trying to retrieve the parameters."
 _NOT_BUILT_MODELS = "Please build the training and eval models first before trying to retrieve them."

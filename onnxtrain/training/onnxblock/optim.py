@@ -25,8 +25,8 @@ from onnx import TensorProto, helper
 
 from onnxtrain.graph_transforms.clipping import HALF_TYPES, norm_type
 from onnxtrain.ir.types import held
-from onnxtrain.training.onnxblock._base import BlockError, ModelBase, detached
 from onnxtrain.training.onnxblock.blocks import Block, _acc
+from onnxtrain.training.onnxblock.model_accessor import BlockError, ModelBase, detached
 from onnxtrain.training.onnxblock.model_blocks import NOT_BUILT_FORWARD
 
 CLIP_EPS = 1e-6

@@ -1,4 +1,5 @@
-"""The model under construction (spec §1.9): blocks append nodes, initializers and inputs to it.
+"""The model under construction (spec §1.9): blocks append nodes, initializers and inputs to it. The
+module's name is onnxruntime-training's (``onnxblock.model_accessor``), so ported imports of it work.
 
 As in onnxruntime-training one *base* model is edited at a time, set with the context managers
 ``base(model)`` or ``empty_base(opset_version)``; blocks called inside read and extend it and
@@ -28,7 +29,7 @@ class BlockError(RuntimeError, ValueError):
 
 
 class ModelBase:
-    """The model being edited plus name and type bookkeeping."""
+    """The model being edited plus name and type bookkeeping (onnxruntime-training's ``ModelAccessor``)."""
 
     def __init__(self, model: onnx.ModelProto):
         self.model = model
@@ -145,6 +146,9 @@ class ModelBase:
             if et and et != self.consts[b][1]:
                 b = self.scalar(self.consts[b][0], et)
         return a, b
+
+
+ModelAccessor = ModelBase  # onnxruntime-training's name of the class base() yields
 
 
 def value_info(name: str, types: dict[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
