@@ -99,7 +99,7 @@ def for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> onnx.Model
 
     def typed() -> dict:
         if not types:
-            types.update(value_types(model))
+            types.update(value_types(model, declared=False))  # declared intermediate types may be stale
         return types
 
     return rewrite_for_onnxruntime(checked_labels(model, typed), optimise, types)
@@ -116,7 +116,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
 
     def typed() -> dict:
         if not types:
-            types.update(value_types(model))
+            types.update(value_types(model, declared=False))  # declared intermediate types may be stale
         return types
 
     if optimise:

@@ -196,17 +196,18 @@ def refuse_unloadable(model: onnx.ModelProto, where: str = "") -> None:
 _DATA_KEPT = 1024  # initializers of at most this many elements keep their values for shape inference
 
 
-def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+def _skeleton(model: onnx.ModelProto, with_value_info: bool = True) -> onnx.ModelProto:
     """``model`` without the values of its large float initializers (graph inputs of the same type instead):
     the same shapes for ONNX shape inference, whose data propagation only reads small integer tensors, for
     a fraction of the memory (inference copies the whole model, and on a 0.67 M-parameter MLP the copies
     left about 10 MiB of resident memory behind). The initializers a run may feed (:func:`fed_initializers`)
-    are left to their input declarations: a fed Reshape shape must not make its output's dims static."""
+    are left to their input declarations: a fed Reshape shape must not make its output's dims static.
+    Without ``with_value_info``, the intermediate values' declared types (``value_info``) are left out too."""
     src = model.graph
     big = [t for t in src.initializer
            if t.data_type in FLOAT_TYPES and int(np.prod(t.dims, dtype=np.int64)) > _DATA_KEPT]
     fed = fed_initializers(model)
-    if not big and not fed:
+    if not big and not fed and (with_value_info or not src.value_info):
         return model
     skip = {t.name for t in big} | fed
     declared = {v.name for v in src.input}
@@ -221,7 +222,8 @@ def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     g.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
                    for t in big if t.name not in declared)
     g.output.extend(src.output)
-    g.value_info.extend(src.value_info)
+    if with_value_info:
+        g.value_info.extend(src.value_info)
     g.initializer.extend(t for t in src.initializer if t.name not in skip)
     g.sparse_initializer.extend(src.sparse_initializer)
     return m
@@ -240,13 +242,14 @@ def quiet_value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
         _QUIET.reset(token)
 
 
-def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+def value_types(model: onnx.ModelProto, declared: bool = True) -> dict[str, onnx.TypeProto]:
     """Type (element type and shape where known) of every value, from ONNX shape inference, with more
     rounds where the dims of a Slice or a Reshape can be read before a run though inference lost them
     (:mod:`onnxtrain.ir.slices`, :mod:`onnxtrain.ir.reshapes`), or where inference has a ConvTranspose's
     output dims wrong (:mod:`onnxtrain.ir.conv_shapes`: those rounds carry the kernel's dims to the values
-    after it)."""
-    skeleton = _skeleton(model)
+    after it). Without ``declared``, the model's declared types of intermediate values (``value_info``,
+    which may be stale: dims no run has) are not read, only inferred ones."""
+    skeleton = _skeleton(model, declared)
     types = _inferred_types(model, skeleton, model)
     assert types is not None  # a fallback was given
     known: dict[str, onnx.ValueInfoProto] = {}

@@ -91,3 +91,25 @@ def test_an_axes_constant_read_elsewhere_stays_and_old_opsets_are_left_alone() -
     np.testing.assert_array_equal(z, [0, 1])
     old = sum_model(["N", 64, 512], [0, 1], opset=12)
     assert rewrite_for_onnxruntime(old) is old
+
+
+def test_a_stale_declared_shape_does_not_plan_the_sum() -> None:
+    """A model whose value_info declares an intermediate with dims no run has (here [4, 64, 128] for a
+    [N, S, 128] value): plain onnxruntime runs it, and so does the backend, whose rewrites read only
+    inferred types (the leading-sum rewrite had planned a [256, 128] product from the stale dims)."""
+    import onnxtrain
+
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["h"]),
+         helper.make_node("ReduceSum", ["h", "axes"], ["s"], keepdims=0)],
+        "stale", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "S", 128])],
+        [helper.make_tensor_value_info("s", TensorProto.FLOAT, [128])],
+        [numpy_helper.from_array(np.array([0, 1], np.int64), "axes")],
+        value_info=[helper.make_tensor_value_info("h", TensorProto.FLOAT, [4, 64, 128])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.random.default_rng(0).standard_normal((3, 10, 128)).astype(np.float32)
+    so = onnxtrain.SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    got = onnxtrain.InferenceSession(model.SerializeToString(), so).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, run(model, x), rtol=1e-5)
+    np.testing.assert_allclose(got, np.maximum(x, 0).astype(np.float64).sum((0, 1)), rtol=1e-5)
