@@ -34,6 +34,7 @@ from onnxtrain.ir.builder import refuse_unloadable
 from onnxtrain.ir.graphs import model_for_outputs, path_to
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.ir.types import np_dtype_of, shape_dims, type_string, value_info_shape
+from onnxtrain.user_warning import warn
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,7 @@ class InferenceSession:
         if self._sess_options.optimized_model_filepath:  # the graph the engine runs: the model as loaded
             from onnxtrain.ir.io import save_model_atomic
 
-            save_model_atomic(self._model, self._sess_options.optimized_model_filepath)
+            save_model_atomic(self._model, optimized_model_path(self._sess_options))
         g = self._model.graph
         inits = {t.name for t in g.initializer}
         self._inputs = [node_arg(v) for v in g.input if v.name not in inits]
@@ -486,7 +487,9 @@ class InferenceSession:
         return {p: dict(o) for p, o in zip(self._providers, self._provider_options)}
 
     def get_session_options(self) -> SessionOptions:
-        return self._sess_options
+        """A copy of the options the session was made with: changing it changes nothing in the session
+        (as in onnxruntime)."""
+        return self._sess_options.snapshot()
 
     def disable_fallback(self) -> None:
         self._fallback = False
@@ -558,12 +561,23 @@ def profile_session_start(session: Any, begin: int, loaded: int) -> None:
         ]
 
 
+def optimized_model_path(options: SessionOptions) -> str:
+    """``options.optimized_model_filepath`` ("" when unset), with a warning when it names an ``.ort`` file:
+    onnxruntime wrote its own ORT format there, onnxtrain writes an ONNX model under any name."""
+    path = options.optimized_model_filepath
+    if path.lower().endswith(".ort"):
+        warn(f"SessionOptions.optimized_model_filepath {path!r}: onnxtrain writes an ONNX model (protobuf) "
+             "there, not onnxruntime's ORT format; name it .onnx, or convert it with onnxruntime's "
+             "convert_onnx_models_to_ort")
+    return path
+
+
 def _trace_path(prefix: str) -> str:
     """``<prefix>_<date>_<time>_<milliseconds>.json``, as onnxruntime names its traces, claimed (created
     empty) so that another session ending its profile in the same millisecond takes the next name
     (``…_2.json``) instead of overwriting it."""
     now = datetime.datetime.now()
-    stem = f"{prefix}_{now.strftime('%Y-%m-%d_%H-%M-%S')}_{now.microsecond // 1000}"
+    stem = f"{prefix}_{now.strftime('%Y-%m-%d_%H-%M-%S')}_{now.microsecond // 1000:03d}"
     for k in range(1, 10_000):
         path = f"{stem}.json" if k == 1 else f"{stem}_{k}.json"
         try:

@@ -32,6 +32,7 @@ from onnxtrain.inference import (
     end_profiling,
     metadata_of,
     node_arg,
+    optimized_model_path,
     options_snapshot,
     own_outputs,
     profile_session_start,
@@ -214,7 +215,7 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             (p.model_with_gradient_graph_path, g.gradient),
             (p.model_with_training_graph_path, g.full),
             # onnxruntime wrote its optimized training graph there; the graph the engine runs is this one
-            (self._sess_options.optimized_model_filepath, g.full),
+            (optimized_model_path(self._sess_options), g.full),
         ):
             if path:  # with the state's values, as onnxruntime's dumps held them: each graph runs on its own
                 save_model_atomic(with_input_values(m, self._store), path)

@@ -45,6 +45,7 @@ from onnxtrain.graph_transforms.mixed_precision import (
     mixed_precision,
     mixed_precision_info,
 )
+from onnxtrain.inference import optimized_model_path
 from onnxtrain.ir.graphs import with_input_values
 from onnxtrain.ir.io import save_model_atomic
 from onnxtrain.optim import get_optimizer
@@ -139,7 +140,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
             (p.model_with_gradient_graph_path, "backward"),
             (p.model_with_training_graph_path, "backward"),
             (p.model_after_graph_transforms_path, "stage"),
-            (self._sess_options.optimized_model_filepath, "backward"),
+            (optimized_model_path(self._sess_options), "backward"),
         ):
             if path:
                 root, ext = os.path.splitext(path)

@@ -116,9 +116,14 @@ class _Fields:
         if not name.startswith("_") and "_fields" in self.__dict__ and type(self) in _FIELDED:
             if name in self._defaults:
                 value = _field_value(type(self).__name__, name, self._defaults[name], value)
+                check = self._checks.get(name)
+                if check is not None:
+                    value = check(value)
             elif not hasattr(type(self), name):  # (subclasses: their own)
                 raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         object.__setattr__(self, name, value)
+
+    _checks: dict[str, Any] = {}  # field -> a function checking (and converting) a value of it
 
     def _fix_fields(self) -> None:
         fields = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
@@ -126,8 +131,26 @@ class _Fields:
         object.__setattr__(self, "_defaults", fields)
 
 
+def _execution_order(value: Any) -> ExecutionOrder | None:
+    """An ``execution_order`` value as an :class:`ExecutionOrder` (None: unset): a member, onnxruntime's
+    member of the same name, a member's name or value; a TypeError otherwise, as onnxruntime's binding
+    raises when it is given anything but its enum."""
+    if value is None or isinstance(value, ExecutionOrder):
+        return value
+    key = getattr(value, "name", value)
+    if isinstance(key, str) and key.upper() in ExecutionOrder.__members__:
+        return ExecutionOrder[key.upper()]
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) \
+            and int(value) in {m.value for m in ExecutionOrder}:
+        return ExecutionOrder(int(value))
+    raise TypeError(f"SessionOptions.execution_order takes an ExecutionOrder (one of "
+                    f"{', '.join(ExecutionOrder.__members__)}), got {type(value).__name__} {value!r}")
+
+
 class SessionOptions(_Fields):
     """Options of a session (onnxruntime.SessionOptions); unknown config entries are kept, not used."""
+
+    _checks = {"execution_order": _execution_order}
 
     def __init__(self) -> None:
         self.enable_profiling = False
@@ -264,6 +287,9 @@ def resolve_providers(
             raise ValueError(f"unknown provider {name!r}; valid names: {', '.join(KNOWN_PROVIDERS)}")
         if name not in AVAILABLE_PROVIDERS:
             warn(f"{name} is not available here; falling back to CPUExecutionProvider")
+            continue
+        if name in names:  # the first listing's options hold, as in onnxruntime
+            warn(f"duplicate provider {name} in the providers list: ignoring this one")
             continue
         names.append(name)
         opts.append({str(k2): str(v) for k2, v in o.items()})

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from onnx import helper
 
-from onnxtrain.errors import Fail, InvalidFeed, InvalidFeedType
+from onnxtrain.errors import Fail, FailValueError, InvalidFeed, InvalidFeedType
 
 if TYPE_CHECKING:
     from onnxtrain.inference import InferenceSession
@@ -61,7 +61,10 @@ def _check_device(device_type: str | Any) -> None:
 def _np_type(element_type: Any) -> np.dtype:
     """A numpy dtype from a numpy type or dtype, or from an ONNX type number (``TensorProto.FLOAT``)."""
     if isinstance(element_type, int) and not isinstance(element_type, bool):
-        return np.dtype(helper.tensor_dtype_to_np_dtype(element_type))
+        try:
+            return np.dtype(helper.tensor_dtype_to_np_dtype(element_type))
+        except KeyError:
+            raise FailValueError(f"unknown ONNX element type {element_type}") from None
     return np.dtype(element_type)
 
 
@@ -245,6 +248,8 @@ class IOBinding:
         # outputs bound without a buffer: the value a run made, which later runs of the same shape and type
         # write into, as onnxruntime reuses it (an OrtValue fetched once shows each run's result)
         self._made: dict[str, OrtValue] = {}
+        # the OrtValues bound as outputs, which get_outputs returns before the first run (as onnxruntime)
+        self._bound: dict[str, OrtValue] = {}
 
     def _input(self, name: str) -> str:
         """``name`` when the session has an input (or overridable initializer) of that name; else
@@ -299,6 +304,7 @@ class IOBinding:
         name = self._output(name)
         _check_device(device_type)
         self._made.pop(name, None)  # bound anew: the next run makes a value of its own, as onnxruntime's
+        self._bound.pop(name, None)
         if buffer_ptr is not None:
             if element_type is None or shape is None:
                 raise ValueError(
@@ -312,8 +318,13 @@ class IOBinding:
         name = self._output(name)
         self._made.pop(name, None)
         self._outputs[name] = ortvalue.numpy()
+        self._bound[name] = ortvalue
 
     def get_outputs(self) -> list[OrtValue]:
+        """The last run's outputs; before a run, the OrtValues bound as outputs (onnxruntime's are the
+        bound values too)."""
+        if not self._results:
+            return [self._bound[n] for n in self._outputs if n in self._bound]
         return list(self._results)
 
     def get_outputs_as_ortvaluevector(self) -> OrtValueVector:
@@ -334,6 +345,7 @@ class IOBinding:
     def clear_binding_outputs(self) -> None:
         self._outputs.clear()
         self._made.clear()
+        self._bound.clear()
         self._results = []
 
     def synchronize_inputs(self) -> None:

@@ -237,6 +237,12 @@ def _numpy_fuse(options: Any) -> bool | None:
             "SessionOptions.inter_op_num_threads has no effect on the numpy engine, which runs a graph's "
             "nodes one at a time (intra_op_num_threads sets how many threads each node may use)"
         )
+    mode = getattr(options, "execution_mode", None)
+    if mode is not None and int(mode) == 1:  # ORT_PARALLEL
+        warn(
+            "SessionOptions.execution_mode = ORT_PARALLEL has no effect on the numpy engine, which runs a "
+            "graph's nodes one at a time (intra_op_num_threads sets how many threads each node may use)"
+        )
     memory = [k for k in ("enable_mem_pattern", "enable_mem_reuse", "enable_cpu_mem_arena")
               if getattr(options, k, True) is False]
     if memory:
@@ -246,9 +252,10 @@ def _numpy_fuse(options: Any) -> bool | None:
             "memory to the system)"
         )
     order = getattr(options, "execution_order", None)
-    if order is not None and str(getattr(order, "name", order)).upper() not in ("DEFAULT", "0"):
+    name = str(getattr(order, "name", order)).upper()
+    if order is not None and name not in ("DEFAULT", "0"):
         warn(
-            f"SessionOptions.execution_order = {order!r} has no effect on the numpy engine, which runs the "
+            f"SessionOptions.execution_order = {name} has no effect on the numpy engine, which runs the "
             "nodes in the graph's order"
         )
     if getattr(options, "enable_profiling", False):

@@ -121,6 +121,9 @@ class OrtPlan(GraphInterface):
             value = getattr(options, key, None)
             if isinstance(value, int) and value > 0:
                 setattr(so, key, value)
+        mode = getattr(options, "execution_mode", None)
+        if mode is not None and int(mode) == int(ort.ExecutionMode.ORT_PARALLEL):
+            so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
         intra = getattr(options, "intra_op_num_threads", None)
         if not (isinstance(intra, int) and intra > 0) and local_ranks() > 1:
             # MPI ranks sharing a host: each takes its share of the CPUs, as the numpy engine and its BLAS do

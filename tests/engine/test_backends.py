@@ -697,9 +697,8 @@ def test_execution_order_keeps_the_graph_order_unless_the_options_say():
         so.execution_order = given
         assert _order(make_plan(mlp_model(), "onnxruntime", options=so)) == "DEFAULT"
     so = options("onnxruntime")
-    so.execution_order = "depth_first"
-    with pytest.raises(ValueError, match="execution_order: unknown value 'depth_first'; valid: DEFAULT"):
-        make_plan(mlp_model(), "onnxruntime", options=so)
+    with pytest.raises(TypeError, match="execution_order takes an ExecutionOrder .one of DEFAULT"):
+        so.execution_order = "depth_first"  # refused when set, as onnxruntime's binding refuses it
     # onnxruntime's own SessionOptions always carry an order: theirs is taken as it is
     ort_so = ort.SessionOptions()
     ort_so.add_session_config_entry(CONFIG_KEY, "onnxruntime")
@@ -709,7 +708,7 @@ def test_execution_order_keeps_the_graph_order_unless_the_options_say():
 def test_execution_order_warns_on_the_numpy_engine():
     so = SessionOptions()
     so.execution_order = "PRIORITY_BASED"
-    with pytest.warns(UserWarning, match="execution_order = 'PRIORITY_BASED' has no effect on the numpy"):
+    with pytest.warns(UserWarning, match="execution_order = PRIORITY_BASED has no effect on the numpy"):
         InferenceSession(mlp_model().SerializeToString(), so)
     so.execution_order = "DEFAULT"
     with warnings.catch_warnings():
