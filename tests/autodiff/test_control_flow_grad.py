@@ -645,6 +645,38 @@ def test_sequence_construct_and_concat_gradients(new_axis: int) -> None:
     onnx.checker.check_model(build_gradient_model(model, "loss", ["a", "b"]), full_check=True)
 
 
+@pytest.mark.parametrize("cond", [True, False])
+def test_if_branch_not_reading_an_outer_sequence_gives_it_zeros(cond: bool) -> None:
+    """An If whose then-branch concatenates an outer sequence and whose else-branch does not read it: the
+    backward else-branch gives the sequence a sequence of zeros (it made a tensor with Shape of a sequence,
+    which no runtime runs). Against central differences in float64, and in onnxruntime."""
+    d = T.DOUBLE
+    then_b = helper.make_graph([helper.make_node("ConcatFromSequence", ["seq"], ["t_out"], axis=0)], "then",
+                               [], [helper.make_tensor_value_info("t_out", d, None)])
+    else_b = helper.make_graph([helper.make_node("Sin", ["xw"], ["e_out"])], "else", [],
+                               [helper.make_tensor_value_info("e_out", d, None)])
+    nodes = [helper.make_node("Mul", ["x", "W"], ["xw"]),
+             helper.make_node("SplitToSequence", ["xw"], ["seq"], axis=0),
+             helper.make_node("If", ["c"], ["y"], then_branch=then_b, else_branch=else_b),
+             helper.make_node("Mul", ["y", "y"], ["yy"]),
+             helper.make_node("ReduceSum", ["yy"], ["loss"], keepdims=0)]
+    rng = np.random.default_rng(1)
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", d, [4, 3]),
+                                       helper.make_tensor_value_info("c", T.BOOL, [])],
+                          [helper.make_tensor_value_info("loss", d, [])],
+                          [numpy_helper.from_array(rng.standard_normal((4, 3)), "W")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"x": rng.standard_normal((4, 3)), "c": np.array(cond)}
+    grads = gradcheck(model, "loss", ["W"], feeds)
+    xw = feeds["x"] * numpy_helper.to_array(g.initializer[0])
+    want = 2 * xw * feeds["x"] if cond else 2 * np.sin(xw) * np.cos(xw) * feeds["x"]
+    np.testing.assert_allclose(grads["W"], want, rtol=1e-12)
+    gmodel = build_gradient_model(model, "loss", ["W"])
+    onnx.checker.check_model(gmodel, full_check=True)
+    got = ort.InferenceSession(gmodel.SerializeToString()).run(["W_grad"], feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
 def test_a_loop_sequence_read_back_has_no_gradient() -> None:
     """A carried sequence the body reads (not only appends to) is a clear error naming the Loop."""
     d = T.DOUBLE
