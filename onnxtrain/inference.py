@@ -488,8 +488,8 @@ class InferenceSession:
 
     def get_session_options(self) -> SessionOptions:
         """A copy of the options the session was made with: changing it changes nothing in the session
-        (as in onnxruntime)."""
-        return self._sess_options.snapshot()
+        (as in onnxruntime); another library's options object as it was given."""
+        return options_snapshot(self._sess_options)
 
     def disable_fallback(self) -> None:
         self._fallback = False
