@@ -854,3 +854,18 @@ def build_optimizer_model(
 
 
 __all__ = ["ArtifactError", "LossType", "OptimType", "generate_artifacts"]
+
+_CONVERTER_NAMES = ("OptimizationStyle", "convert_onnx_models_to_ort")
+
+
+def __getattr__(name: str) -> Any:
+    """onnxruntime's ORT-format converter names, which onnxruntime-training's ``artifacts`` module imports
+    (and ported scripts may import from there): onnxruntime's own objects, when it is installed."""
+    if name in _CONVERTER_NAMES:
+        try:
+            from onnxruntime.tools import convert_onnx_models_to_ort as tool
+        except ImportError:
+            raise AttributeError(f"artifacts.{name} is onnxruntime's ORT-format converter; install "
+                                 "onnxruntime to use it") from None
+        return getattr(tool, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 
 import onnxtrain.training.onnxblock as onnxblock
 from onnxtrain.training import artifacts
@@ -227,3 +228,15 @@ def test_onnxblock_submodules_import_under_onnxruntime_trainings_names():
     assert (ForwardBlock, TrainingBlock) == (onnxblock.ForwardBlock, onnxblock.TrainingBlock)
     with empty_base() as acc:
         assert isinstance(acc, ModelAccessor) and not acc.has_path and acc.model.graph is not None
+
+
+def test_artifacts_module_gives_onnxruntimes_converter_names():
+    """onnxruntime-training's ``artifacts`` imports onnxruntime's ORT-format converter, and ported scripts
+    may import ``OptimizationStyle`` and ``convert_onnx_models_to_ort`` from it: the same objects here."""
+    tool = pytest.importorskip("onnxruntime.tools.convert_onnx_models_to_ort")
+    from onnxtrain.training.artifacts import OptimizationStyle, convert_onnx_models_to_ort
+
+    assert OptimizationStyle is tool.OptimizationStyle
+    assert convert_onnx_models_to_ort is tool.convert_onnx_models_to_ort
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        artifacts.no_such_name  # noqa: B018
