@@ -411,6 +411,9 @@ SHARED_OPTIONS = (
     "use_fp16_moments",
     "mixed_precision_dtype",
     "gradient_accumulation_mode",
+    "weights_to_train",  # which weights train decides what a horizontal split cuts and a stage updates
+    "weights_not_to_train",
+    "immutable_weights",
 )
 
 

@@ -95,6 +95,13 @@ def setup_cases() -> dict[str, str]:
                 out[f"{mode}/{what}"] = "ok"
             except RuntimeError as e:
                 out[f"{mode}/{what}"] = str(e)[:300]
+    frozen = {"W1"} if rank == 1 else set()  # which weights train: what a split cuts, what a stage updates
+    for mode, kw in (("pipe", PIPE), ("horiz", HORIZ)):
+        try:
+            TrainingSession(model_bytes(), params("SGDOptimizer", weights_not_to_train=frozen, **kw))
+            out[f"{mode}/frozen"] = "ok"
+        except RuntimeError as e:
+            out[f"{mode}/frozen"] = str(e)[:300]
     return out
 
 

@@ -100,13 +100,15 @@ def test_setup_fingerprint_ignores_key_order() -> None:
 def test_setup_check_order_and_optimizer_attributes(tmp_path) -> None:
     """Maps in another key order on each rank are accepted (before: the data-parallel session aborted); maps
     with other values are refused, naming the option, in pipeline and horizontal sessions too (before:
-    accepted there)."""
+    accepted there); so are weights frozen on one rank only."""
     for rank, got in enumerate(guarded("setup", tmp_path)):
         for mode, what in (("dp", "training"), ("pipe", "pipeline"), ("horiz", "horizontal")):
             assert got[f"{mode}/order"] == "ok", (rank, mode, got[f"{mode}/order"])
             refused = got[f"{mode}/differ"]
             assert f"do not hold the same model and {what} setup" in refused, (rank, refused)
             assert "optimizer_attributes_map" in refused, (rank, refused)
+            if mode != "dp":  # weights frozen on one rank only (before: a horizontal split died in MPI)
+                assert "weights_not_to_train" in got[f"{mode}/frozen"], (rank, got[f"{mode}/frozen"])
 
 
 @pytest.mark.mpi
