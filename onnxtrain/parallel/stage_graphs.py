@@ -16,14 +16,15 @@ For stage ``s`` of a :class:`~onnxtrain.parallel.pipeline.Partition` (:func:`bui
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain.autodiff.builder import build_gradient_model, expand_for_gradient
+from onnxtrain.autodiff.builder import GradientError, build_gradient_model, expand_for_gradient
 from onnxtrain.autodiff.split import split_gradient_model
 from onnxtrain.graph_transforms.mixed_precision import MixedPrecisionInfo
 from onnxtrain.graph_transforms.recompute import recompute, transformer_layer_values
@@ -67,6 +68,21 @@ class StageGraphs:
     def base(self) -> onnx.ModelProto:
         """The stage's nodes as a model (weights as initializers)."""
         return self.graphs["stage"]
+
+
+@contextlib.contextmanager
+def _naming_the_cut(stage: int, params: TrainingParameters, integer_inputs: list[str]) -> Iterator[None]:
+    """A GradientError of stage ``stage``'s backward names the stage and the cut; with values of other
+    than float type received from the stage before (``integer_inputs``: a Reshape's shape, say), it says
+    that such a cut hides their values from this stage's shape inference, which one process has."""
+    try:
+        yield
+    except GradientError as e:
+        hint = (f"; the stage receives {integer_inputs}, not float activations: their values (shapes, say) "
+                "are unknown to its shape inference, so cut at float activations instead"
+                if integer_inputs else "")
+        raise GradientError(f"pipeline stage {stage} (pipeline_cut_info_string "
+                            f"{params.pipeline_cut_info_string!r}): {e}{hint}") from None
 
 
 def build_stage_graphs(
@@ -143,13 +159,15 @@ def build_stage_graphs(
         bw.graph.output.extend(stat_outputs)  # forward_train returns them
         bw = expand_for_gradient(bw)  # the forward the gradient model holds: split_gradient_model finds it
         forward_outputs = [*declared, *stats.values()]
-        full = build_gradient_model(bw, loss, wrt, outputs=forward_outputs, other_ys=seeded)
+        with _naming_the_cut(stage, params, [r for r in received if r not in diff_received]):
+            full = build_gradient_model(bw, loss, wrt, outputs=forward_outputs, other_ys=seeded)
         full = _recomputed(full, loss, params, model, layers, forward_outputs)
         full, initial = _with_weights_as_inputs(full, held)
         graphs["forward_train"], graphs["backward"], saved = split_gradient_model(full, bw)
     else:
         loss = mp.scaled_loss if mp is not None else params.loss_output_name
-        grad = build_gradient_model(base, loss, wrt, outputs=outputs, extra_outputs=list(stats.values()))
+        with _naming_the_cut(stage, params, [r for r in received if r not in diff_received]):
+            grad = build_gradient_model(base, loss, wrt, outputs=outputs, extra_outputs=list(stats.values()))
         full = _recomputed(grad, loss, params, model, layers)
         graphs["backward"], initial = _with_weights_as_inputs(full, held)
         saved = []

@@ -561,3 +561,36 @@ def test_mixed_precision_state_lists_the_half_twins(tmp_path) -> None:
     for w in weights:
         assert state[f"{w}_fp16"].dtype == np.float16, w
         np.testing.assert_array_equal(state[f"{w}_fp16"], state[w].astype(np.float16), err_msg=w)
+
+
+def test_a_cut_at_a_shape_names_the_cut_when_the_next_stage_cannot_be_differentiated(tmp_path) -> None:
+    """Cut at the shape an attention block's Reshape reads (torch's ``/Concat_output_0``): the next stage's
+    shape inference no longer knows the ranks after it, and its backward cannot be built. The error names the
+    stage and pipeline_cut_info_string and says why (before: an autodiff error about a MatMul alone)."""
+    torch = pytest.importorskip("torch")
+    from onnxtrain.autodiff import GradientError
+
+    torch.manual_seed(0)
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            b, t, _ = x.shape
+            q = self.q(x).reshape(b, t, 2, 4).transpose(1, 2)
+            k = self.k(x).reshape(b, t, 2, 4).transpose(1, 2)
+            return ((q @ k.transpose(-1, -2)).mean() - y.mean()) ** 2
+
+    path = str(tmp_path / "attention.onnx")
+    torch.onnx.export(Attention(), (torch.randn(2, 3, 8), torch.randn(2)), path, input_names=["x", "y"],
+                      output_names=["loss"], dynamic_axes={"x": {0: "N"}, "y": {0: "N"}}, dynamo=False,
+                      opset_version=17, do_constant_folding=False)
+    model = onnx.load(path)
+    cut = next(o for n in model.graph.node if n.op_type == "Concat" for o in n.output)
+    build, p = _stage_builder(model, cut)
+    p.pipeline_cut_info_string = cut  # as the session's options hold it
+    with pytest.raises(GradientError, match=rf"pipeline stage 1 \(pipeline_cut_info_string '{cut}'\).*"
+                                            r"not float activations"):
+        build(1)
