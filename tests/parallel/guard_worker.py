@@ -87,21 +87,19 @@ def setup_cases() -> dict[str, str]:
     order = list(WEIGHTS) if rank == 0 else list(reversed(WEIGHTS))
     same = {w: {"lambda": 0.01, "alpha": 0.9} if rank == 0 else {"alpha": 0.9, "lambda": 0.01} for w in order}
     differ = {w: {"lambda": 0.01 * (rank + 1)} for w in WEIGHTS}
+    frozen = {"W1"} if rank == 1 else set()  # which weights train: what a split cuts, what a stage updates
     out = {}
     for mode, kw in (("dp", {}), ("pipe", PIPE), ("horiz", HORIZ)):
-        for what, attrs in (("order", same), ("differ", differ)):
+        cases = [("order", "LambOptimizer", {"optimizer_attributes_map": same}),
+                 ("differ", "LambOptimizer", {"optimizer_attributes_map": differ})]
+        if mode != "dp":
+            cases.append(("frozen", "SGDOptimizer", {"weights_not_to_train": frozen}))
+        for what, opt, options in cases:
             try:
-                TrainingSession(model_bytes(), params("LambOptimizer", optimizer_attributes_map=attrs, **kw))
+                TrainingSession(model_bytes(), params(opt, **options, **kw))
                 out[f"{mode}/{what}"] = "ok"
             except RuntimeError as e:
                 out[f"{mode}/{what}"] = str(e)[:300]
-    frozen = {"W1"} if rank == 1 else set()  # which weights train: what a split cuts, what a stage updates
-    for mode, kw in (("pipe", PIPE), ("horiz", HORIZ)):
-        try:
-            TrainingSession(model_bytes(), params("SGDOptimizer", weights_not_to_train=frozen, **kw))
-            out[f"{mode}/frozen"] = "ok"
-        except RuntimeError as e:
-            out[f"{mode}/frozen"] = str(e)[:300]
     return out
 
 
