@@ -29,6 +29,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
+from onnxtrain.autodiff.rules.sequence import zeros_like_elements
 from onnxtrain.ir.bag_loops import BagLoop, match_bag_loop
 from onnxtrain.ir.builder import FLOAT_TYPES, elem_type, model_opset
 from onnxtrain.ir.graphs import captured_names, node_reads, rename_values, subgraphs, walk_graphs
@@ -588,21 +589,11 @@ def _zeros_like(g: GradCtx, name: str, nodes: list[onnx.NodeProto], label: str) 
     sequence of zero tensors shaped like its elements (a SequenceMap)."""
     bw = g._bw
     shape, out = bw.names(f"{label}/{name}_shape"), bw.names(f"{label}/{name}_zero_grad")
-    tp = bw.types.get(name)
-    if tp is not None and tp.HasField("sequence_type"):
+    if _is_sequence(g, name):
         if model_opset(bw.model) < 17:
             raise RuleError(f"the zero gradient of sequence {name!r} in a branch that does not read it needs "
                             "SequenceMap (opset 17); convert the model to opset 17 or later")
-        et = tp.sequence_type.elem_type.tensor_type.elem_type or g.dtype
-        element, zero = bw.names(f"{label}/{name}_element"), bw.names(f"{label}/{name}_element_zeros")
-        fill = helper.make_tensor("v", et, [1], [0])
-        body = helper.make_graph(  # typed, as onnxruntime needs a SequenceMap body to be
-            [helper.make_node("Shape", [element], [shape]),
-             helper.make_node("ConstantOfShape", [shape], [zero], value=fill)],
-            f"{label}_{name}_zeros",
-            [helper.make_tensor_value_info(element, et, None)],
-            [helper.make_tensor_value_info(zero, et, None)],
-        )
+        body = zeros_like_elements(g, name, f"{label}/{name}_zeros")
         nodes.append(helper.make_node("SequenceMap", [name], [out], body=body))
         return out
     et = elem_type(bw.types, name) or g.dtype

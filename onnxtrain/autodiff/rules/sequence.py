@@ -11,6 +11,7 @@ gradient."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 from onnx import TensorProto, helper
 
 from onnxtrain.autodiff.context import GradCtx
@@ -72,20 +73,7 @@ def sequence_insert_grad(g: GradCtx) -> None:
 def sequence_at_grad(g: GradCtx) -> None:
     # zeros for every element, then dY in place of the one read
     seq, dy = g.x(0), g.dy(0)
-    names = g._bw.names
-    e, shape, zero = (names(f"{g.node.name or 'SequenceAt'}_Grad/{s}") for s in ("element", "shape", "zeros"))
-    et = _element_type(g, seq)
-    body = helper.make_graph(
-        [
-            helper.make_node("Shape", [e], [shape]),
-            helper.make_node("ConstantOfShape", [shape], [zero], value=helper.make_tensor("v", et, [1], [0])),
-        ],
-        "zeros_like_element",
-        # typed: onnxruntime (1.32) cannot initialize a SequenceMap whose body output has no type when it
-        # runs the graph unoptimized ("Invalid tensor data type 0")
-        [helper.make_tensor_value_info(e, et, None)],
-        [helper.make_tensor_value_info(zero, et, None)],
-    )
+    body = zeros_like_elements(g, seq, f"{g.node.name or 'SequenceAt'}_Grad")
     zeros = g.emit("SequenceMap", seq, body=body)
     at = _position(g, seq, g.x(1), after_insert=False)
     g.set_dx(0, g.emit("SequenceInsert", g.emit("SequenceErase", zeros, at), dy, at))
@@ -115,6 +103,24 @@ def split_to_sequence_grad(g: GradCtx) -> None:
     stacked = g.emit("ConcatFromSequence", padded, axis=axis, new_axis=1)
     big = np.iinfo(np.int64).max
     g.set_dx(0, g.emit("Slice", stacked, g.ints([1]), g.ints([big]), g.ints([axis])))
+
+
+def zeros_like_elements(g: GradCtx, seq: str, label: str) -> onnx.GraphProto:
+    """A SequenceMap body giving zeros shaped like each element of sequence ``seq``, its values named under
+    ``label``. Typed: onnxruntime (1.32) cannot initialize a SequenceMap whose body output has no type when
+    it runs the graph unoptimized ("Invalid tensor data type 0")."""
+    names = g._bw.names
+    e, shape, zero = (names(f"{label}/{s}") for s in ("element", "shape", "zeros"))
+    et = _element_type(g, seq)
+    return helper.make_graph(
+        [
+            helper.make_node("Shape", [e], [shape]),
+            helper.make_node("ConstantOfShape", [shape], [zero], value=helper.make_tensor("v", et, [1], [0])),
+        ],
+        "zeros_like_element",
+        [helper.make_tensor_value_info(e, et, None)],
+        [helper.make_tensor_value_info(zero, et, None)],
+    )
 
 
 def _element_type(g: GradCtx, seq: str) -> int:
