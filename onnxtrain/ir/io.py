@@ -40,6 +40,7 @@ try:
     import fcntl
 except ImportError:  # (Windows) no locks: a journal is taken for one of a killed commit
     fcntl = None  # type: ignore[assignment]
+HAS_LOCKS = fcntl is not None  # whether try_lock can lock at all here
 
 
 def _umask() -> int:
@@ -127,7 +128,7 @@ class StagedFiles:
         lock = None
         try:
             lock = os.open(fresh, os.O_RDONLY)  # held (and locked) while the temporary is in flight
-            _lock(lock)
+            try_lock(lock)
             os.replace(fresh, tmp)
         except BaseException:
             os.close(fd)
@@ -254,7 +255,7 @@ def remove_unless_held(path: str) -> bool:
     except OSError:
         return False
     try:
-        if not _lock(fd):
+        if not try_lock(fd):
             return False
         _unlink_quietly(path)
         return True
@@ -269,9 +270,10 @@ _JOURNAL = re.compile(r"^.+\.[0-9a-f]{8,}\.journal\.tmp$")
 _BACKUP = re.compile(r"^(?P<target>.+)\.[0-9a-f]{8,}\.old\.tmp$")
 
 
-def _lock(fd: int) -> bool:
-    """Take the lock of an open journal without waiting; False when another process holds it (its commit
-    is running). True where there are no locks: every journal is then taken for a killed commit's."""
+def try_lock(fd: int) -> bool:
+    """Take an exclusive lock (``flock``) of the open file or folder ``fd`` without waiting; False when
+    another process (or descriptor) holds it. True where there are no locks (no ``fcntl``, or a file system
+    without them): a journal is then taken for a killed commit's, a run folder goes unlocked."""
     if fcntl is None:
         return True
     try:
@@ -323,7 +325,7 @@ class _Journal:
             fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=TMP_SUFFIX, dir=folder)
             self.fds.append(fd)
             try:
-                _lock(fd)
+                try_lock(fd)
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
@@ -431,7 +433,7 @@ def _recover_journal(path: str, wanted: set[str] | None, put_back: list[str], re
         return set()
     try:
         folder = os.path.dirname(path)
-        if not _lock(fd):  # a running commit: complete (journals are renamed in once written)
+        if not try_lock(fd):  # a running commit: complete (journals are renamed in once written)
             return {os.path.join(folder, e["backup"]) for e in _read_journal(fd, path) if e["backup"]}
         if not _still_there(fd, path):
             return set()  # its commit ended (and deleted it) between our open and our lock

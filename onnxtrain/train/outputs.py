@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import sys
@@ -11,7 +12,15 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxtrain.ir.io import TMP_SUFFIX, recover_commits, remove_unless_held, save_model_atomic, write_atomic
+from onnxtrain.ir.io import (
+    HAS_LOCKS,
+    TMP_SUFFIX,
+    recover_commits,
+    remove_unless_held,
+    save_model_atomic,
+    try_lock,
+    write_atomic,
+)
 from onnxtrain.train.config import Config
 from onnxtrain.train.model import inference_model
 
@@ -69,19 +78,12 @@ def lock_folder(folder: str) -> int | None:
     """An open descriptor of ``folder`` holding an exclusive advisory lock (``flock``) until
     :func:`unlock_folder` or the end of the process, however it ends; None where the system has no such
     locks. Raises ``BlockingIOError`` when another process (or another descriptor) holds the lock."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no advisory folder locks
+    if not HAS_LOCKS:  # (Windows, which cannot open a folder either)
         return None
     fd = os.open(folder, os.O_RDONLY)  # not inherited by the programs a run starts
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not try_lock(fd):
         os.close(fd)
-        raise
-    except OSError:  # a file system without flock (some network mounts): run unlocked
-        os.close(fd)
-        return None
+        raise BlockingIOError(errno.EAGAIN, "another process holds the folder's lock", folder)
     _LOCKS.add(fd)
     return fd
 
