@@ -147,6 +147,7 @@ def build_stage_graphs(
     # does not read them, and onnxruntime writes their new values into the buffer it is given for them
     graphs = {"stage": base, "forward": _with_weights_as_inputs(base, mine)[0]}
     wrt = [*mine, *diff_received]
+    integer_received = [r for r in received if r not in diff_received]  # named by a failing backward
     stat_outputs = [helper.make_tensor_value_info(o, inits[x].data_type, list(inits[x].dims))
                     for x, o in stats.items()]
     if not last:
@@ -159,14 +160,14 @@ def build_stage_graphs(
         bw.graph.output.extend(stat_outputs)  # forward_train returns them
         bw = expand_for_gradient(bw)  # the forward the gradient model holds: split_gradient_model finds it
         forward_outputs = [*declared, *stats.values()]
-        with _naming_the_cut(stage, params, [r for r in received if r not in diff_received]):
+        with _naming_the_cut(stage, params, integer_received):
             full = build_gradient_model(bw, loss, wrt, outputs=forward_outputs, other_ys=seeded)
         full = _recomputed(full, loss, params, model, layers, forward_outputs)
         full, initial = _with_weights_as_inputs(full, held)
         graphs["forward_train"], graphs["backward"], saved = split_gradient_model(full, bw)
     else:
         loss = mp.scaled_loss if mp is not None else params.loss_output_name
-        with _naming_the_cut(stage, params, [r for r in received if r not in diff_received]):
+        with _naming_the_cut(stage, params, integer_received):
             grad = build_gradient_model(base, loss, wrt, outputs=outputs, extra_outputs=list(stats.values()))
         full = _recomputed(grad, loss, params, model, layers)
         graphs["backward"], initial = _with_weights_as_inputs(full, held)
