@@ -91,18 +91,22 @@ _FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
 _MIN_OPSET = 11  # Range
 
 
+def _lazy_types(current: Callable[[], onnx.ModelProto], types: dict) -> Callable[[], dict]:
+    """A getter of ``types``, filled on its first call with the inferred value types of the model
+    ``current`` returns then (declared intermediate types may be stale, so only inferred ones)."""
+    def typed() -> dict:
+        if not types:
+            types.update(value_types(current(), declared=False))
+        return types
+    return typed
+
+
 def for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> onnx.ModelProto:
     """The graph onnxruntime runs for ``model``: its label losses' check (:func:`checked_labels`, whatever
     ``optimise`` says: it keeps the graph's meaning), then :func:`rewrite_for_onnxruntime`'s rewrites, which
     reuse the value types the check inferred. ``model`` itself when nothing applies."""
     types: dict = {}
-
-    def typed() -> dict:
-        if not types:
-            types.update(value_types(model, declared=False))  # declared intermediate types may be stale
-        return types
-
-    return rewrite_for_onnxruntime(checked_labels(model, typed), optimise, types)
+    return rewrite_for_onnxruntime(checked_labels(model, _lazy_types(lambda: model, types)), optimise, types)
 
 
 def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
@@ -113,12 +117,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
     ``model`` already inferred (empty: inferred when a rewrite needs them)."""
     # inferred once, when a rewrite needs them (the rewrites keep the types of the values they read)
     types = {} if types is None else types
-
-    def typed() -> dict:
-        if not types:
-            types.update(value_types(model, declared=False))  # declared intermediate types may be stale
-        return types
-
+    typed = _lazy_types(lambda: model, types)
     if optimise:
         model = _infinite_fills(_mask_multiplies(_pool_indices(model, typed), typed))
         model = conv_weight_grads(model, typed)
