@@ -9,6 +9,8 @@ whose state a checkpoint saves so that a resumed run sees the same batches.
 from __future__ import annotations
 
 import json
+import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +61,16 @@ def sequence_task(task: str, vocab: int, length: int, n: int,
     return {"x": x, "y": np.ascontiguousarray(y)}
 
 
+def _why_unreadable(e: BaseException) -> str:
+    """numpy's reason a data file did not load, in words about the file: numpy takes any file that is
+    neither .npy nor .npz for a pickle, which it refuses to load."""
+    if isinstance(e, ValueError) and "pickled" in str(e):
+        return "it is neither a .npy nor an .npz file, or it holds Python objects"
+    if isinstance(e, (zipfile.BadZipFile, zlib.error)):
+        return f"a damaged .npz archive: {_one_line(e)}"
+    return _one_line(e)
+
+
 def _load_files(d: FilesData, seed: int) -> Dataset:
     def read(npz_path: str | None, key: str, name: str, file_key: str) -> np.ndarray:
         npy = name.lower().endswith(".npy")
@@ -74,8 +86,9 @@ def _load_files(d: FilesData, seed: int) -> Dataset:
                     array = z[name]
         except ConfigError:
             raise
-        except (ValueError, OSError, EOFError) as e:  # not numpy's format, or arrays of Python objects
-            raise ConfigError(where, f"{path} could not be read as numpy arrays ({_one_line(e)})") from None
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+            # not numpy's format, a damaged archive, or arrays of Python objects
+            raise ConfigError(where, f"{path} could not be read as numpy arrays ({_why_unreadable(e)})") from None
         if not isinstance(array, np.ndarray) or array.ndim == 0 or array.dtype == object:
             what = "a scalar" if np.ndim(array) == 0 else str(array.dtype)
             source = path if npy else f"{name!r} in {path}"

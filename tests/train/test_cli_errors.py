@@ -290,16 +290,26 @@ def test_quiet_help_says_what_it_hides(capsys):
 
 
 def test_unreadable_data_files_name_the_key_and_the_file(tmp_path, capsys, mlp_with_loss, write_config):
-    """A file that is not numpy's (a pickle), an array of Python objects or a scalar: one line naming the
-    config key and the file, exit 2 (a pickle message naming neither, or a traceback, before)."""
+    """A file that is not numpy's (a pickle), a damaged .npz (cut short, or a byte changed), an array of
+    Python objects or a scalar: one line naming the config key and the file, exit 2 (a pickle message naming
+    neither, or a traceback, before)."""
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "good.npz", x=rng.standard_normal((8, 4)).astype(np.float32), y=np.zeros(8, np.int64))
     (tmp_path / "bad.npz").write_bytes(b"\x80\x04not numpy")
     np.save(tmp_path / "scalar.npy", np.float32(1.0))
     np.save(tmp_path / "objects.npy", np.array([1, "a"], dtype=object), allow_pickle=True)
+    whole = (tmp_path / "good.npz").read_bytes()
+    (tmp_path / "cut.npz").write_bytes(whole[: len(whole) // 2])  # a copy cut short
+    flipped = bytearray(whole)
+    flipped[len(whole) // 3] ^= 0xFF  # a byte of the first array's data: its CRC fails when it is read
+    (tmp_path / "flipped.npz").write_bytes(bytes(flipped))
     base = {"model": {"path": mlp_with_loss}, "training": {"steps": 1}}
     cases = [({"source": "files", "path": "bad.npz", "feeds": {"x": "x", "y": "y"}}, "data.path",
-              "bad.npz could not be read"),
+              "bad.npz could not be read as numpy arrays (it is neither a .npy nor an .npz file"),
+             ({"source": "files", "path": "cut.npz", "feeds": {"x": "x", "y": "y"}}, "data.path",
+              "cut.npz could not be read as numpy arrays (a damaged .npz archive"),
+             ({"source": "files", "path": "flipped.npz", "feeds": {"x": "x", "y": "y"}}, "data.path",
+              "flipped.npz could not be read as numpy arrays (a damaged .npz archive"),
              ({"source": "files", "path": "good.npz", "feeds": {"x": "scalar.npy", "y": "y"}}, "data.feeds.x",
               "scalar.npy is a scalar"),
              ({"source": "files", "path": "good.npz", "feeds": {"x": "objects.npy", "y": "y"}},
