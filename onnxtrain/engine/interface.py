@@ -77,8 +77,42 @@ def load_model(model: onnx.ModelProto | str | bytes | os.PathLike,
     as a Hugging Face cache lays them out) or, for bytes, from ``external_dir`` (onnxruntime's
     ``session.model_external_initializers_file_folder_path``); initializers named in ``supplied`` are not
     read (their values come from elsewhere: ``SessionOptions.add_external_initializers``)."""
-    m = _loaded(model, external_dir, supplied)
+    m = _text_names(_loaded(model, external_dir, supplied))
     return inline_local_functions(m)
+
+
+def _all_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    from onnxtrain.ir.graphs import subgraphs, walk_graphs
+
+    graphs = list(walk_graphs(model.graph))
+    graphs += [b for f in model.functions for n in f.node for g in subgraphs(n) for b in walk_graphs(g)]
+    return [n for g in graphs for n in g.node] + [n for f in model.functions for n in f.node]
+
+
+def _text_names(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model``, or a copy whose node names that are not valid UTF-8 (protobuf gives them as bytes) are
+    decoded with backslash escapes: they only label nodes, and onnxruntime runs such models. A value name
+    that is not valid UTF-8 is refused, naming the node or graph value."""
+    nodes = _all_nodes(model)
+    for n in nodes:
+        for v in (*n.input, *n.output):
+            if isinstance(v, bytes):
+                label = n.name if isinstance(n.name, str) and n.name else "(unnamed)"
+                raise ModelParseError(f"node {label!r} ({n.op_type}) names a value {v!r} that is not valid "
+                                      "UTF-8")
+    g = model.graph
+    for kind, values in (("input", g.input), ("output", g.output), ("initializer", g.initializer)):
+        for v in values:
+            if isinstance(v.name, bytes):
+                raise ModelParseError(f"graph {kind} {v.name!r} is not valid UTF-8")
+    if not any(isinstance(n.name, bytes) for n in nodes):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for n in _all_nodes(copy):
+        if isinstance(n.name, bytes):
+            n.name = n.name.decode("utf-8", errors="backslashreplace")
+    return copy
 
 
 def _external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:

@@ -88,7 +88,8 @@ def _load_files(d: FilesData, seed: int) -> Dataset:
             raise
         except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
             # not numpy's format, a damaged archive, or arrays of Python objects
-            raise ConfigError(where, f"{path} could not be read as numpy arrays ({_why_unreadable(e)})") from None
+            why = _why_unreadable(e)
+            raise ConfigError(where, f"{path} could not be read as numpy arrays ({why})") from None
         if not isinstance(array, np.ndarray) or array.ndim == 0 or array.dtype == object:
             what = "a scalar" if np.ndim(array) == 0 else str(array.dtype)
             source = path if npy else f"{name!r} in {path}"

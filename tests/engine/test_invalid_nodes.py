@@ -16,6 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
+from onnxtrain.engine.interface import ModelParseError
 from onnxtrain.engine.plan import EngineError, InvalidNodeError, UnsupportedOpError, compile_model
 from onnxtrain.errors import InvalidGraph
 
@@ -754,3 +755,35 @@ def test_an_op_used_before_its_opset_names_the_opset_that_added_it(op: str, opse
         onnxtrain.InferenceSession(model.SerializeToString())
     with pytest.raises(GradientError, match=why):
         build_gradient_model(model, "loss", ["x"])
+
+
+def _gemm_like(node_name: str) -> bytes:
+    """A MatMul + Add model (the engine fuses the pair, naming both in the fused step) whose MatMul node is
+    named ``node_name``, serialized; the name's placeholder ``mm0`` is swapped for bytes afterwards."""
+    w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3), "W")
+    b = numpy_helper.from_array(np.array([1, -2, 3], np.float32), "B")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"], name=node_name),
+             helper.make_node("Add", ["mm", "B"], ["y"], name="add0")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], [w, b])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m.SerializeToString()
+
+
+def test_a_node_name_that_is_not_utf8_only_labels_the_node():
+    """protobuf gives a string field that is not valid UTF-8 as bytes: such a node name crashed the fusion
+    pass with a bare TypeError; onnxruntime runs the model, and so does the engine now, and trains it."""
+    data = _gemm_like("mm0").replace(b"mm0", b"m\xff0")
+    assert isinstance(onnx.load_from_string(data).graph.node[0].name, bytes)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    want = ort.InferenceSession(data, providers=CPU).run(None, {"x": x})[0]
+    got = onnxtrain.InferenceSession(data).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_value_name_that_is_not_utf8_is_refused_naming_its_node():
+    data = _gemm_like("mm0").replace(b"\x12\x02mm", b"\x12\x02m\xff")  # the MatMul's output "mm"
+    with pytest.raises(ModelParseError, match=r"node 'mm0' \(MatMul\) names a value b'm\\xff' that is not "
+                                              r"valid UTF-8"):
+        onnxtrain.InferenceSession(data)
