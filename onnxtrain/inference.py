@@ -29,7 +29,7 @@ from onnxtrain.engine.interface import (
     Terminated,
     load_model,
 )
-from onnxtrain.errors import Fail, FailValueError, InvalidFeed, InvalidFeedType
+from onnxtrain.errors import Fail, FailValueError, InvalidFeed, InvalidFeedType, raises_as_onnxruntime
 from onnxtrain.ir.builder import refuse_unloadable
 from onnxtrain.ir.graphs import model_for_outputs, path_to
 from onnxtrain.ir.io import write_atomic
@@ -291,6 +291,7 @@ class InferenceSession:
 
     _changes_state = False  # a run changes state the session keeps (a training session's weights)
 
+    @raises_as_onnxruntime  # onnxruntime raised RuntimeErrors where the checks raise ValueError, OSError...
     def __init__(
         self,
         path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto,
@@ -315,9 +316,10 @@ class InferenceSession:
         self._start_ns = time.time_ns()
         self._plan.profiling = bool(self._sess_options.enable_profiling)
         if self._sess_options.optimized_model_filepath:  # the graph the engine runs: the model as loaded
-            from onnxtrain.ir.io import save_model_atomic
+            from onnxtrain.ir.io import save_dump
 
-            save_model_atomic(self._model, optimized_model_path(self._sess_options))
+            save_dump(self._model, optimized_model_path(self._sess_options),
+                      "SessionOptions.optimized_model_filepath")
         g = self._model.graph
         inits = {t.name for t in g.initializer}
         self._inputs = [node_arg(v) for v in g.input if v.name not in inits]

@@ -40,7 +40,7 @@ from onnxtrain.inference import (
 from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import refuse_unloadable
 from onnxtrain.ir.graphs import model_for_outputs, with_input_values
-from onnxtrain.ir.io import save_model_atomic
+from onnxtrain.ir.io import save_dump
 from onnxtrain.locks import fork_safe_rlock
 from onnxtrain.optim import WeightSlot, get_optimizer
 from onnxtrain.parallel import check_sizes
@@ -210,15 +210,15 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             if self._opt is not None:
                 self._setup_data_parallel()
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
-        for path, m in (
-            (p.model_after_graph_transforms_path, g.transformed),
-            (p.model_with_gradient_graph_path, g.gradient),
-            (p.model_with_training_graph_path, g.full),
-            # onnxruntime wrote its optimized training graph there; the graph the engine runs is this one
-            (optimized_model_path(self._sess_options), g.full),
-        ):
+        dumps = [(f"TrainingParameters.{name}", getattr(p, name), m) for name, m in (
+            ("model_after_graph_transforms_path", g.transformed),
+            ("model_with_gradient_graph_path", g.gradient), ("model_with_training_graph_path", g.full))]
+        # onnxruntime wrote its optimized training graph there; the graph the engine runs is this one
+        dumps.append(("SessionOptions.optimized_model_filepath", optimized_model_path(self._sess_options),
+                      g.full))
+        for where, path, m in dumps:
             if path:  # with the state's values, as onnxruntime's dumps held them: each graph runs on its own
-                save_model_atomic(with_input_values(m, self._store), path)
+                save_dump(with_input_values(m, self._store), path, where)
         self._model = g.full
         self._plans: dict[str, GraphInterface] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}  # random nodes' generators, shared by the plans

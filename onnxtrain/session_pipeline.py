@@ -47,7 +47,7 @@ from onnxtrain.graph_transforms.mixed_precision import (
 )
 from onnxtrain.inference import optimized_model_path
 from onnxtrain.ir.graphs import with_input_values
-from onnxtrain.ir.io import save_model_atomic
+from onnxtrain.ir.io import save_dump
 from onnxtrain.optim import get_optimizer
 from onnxtrain.parallel import exchange_mode, get_communicator
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
@@ -136,16 +136,16 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         self._bn_stats = sg.bn_stats
         self._specs = sg.specs
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
-        for path, kind in (
-            (p.model_with_gradient_graph_path, "backward"),
-            (p.model_with_training_graph_path, "backward"),
-            (p.model_after_graph_transforms_path, "stage"),
-            (optimized_model_path(self._sess_options), "backward"),
-        ):
+        dumps = [(f"TrainingParameters.{name}", getattr(p, name), kind) for name, kind in (
+            ("model_with_gradient_graph_path", "backward"), ("model_with_training_graph_path", "backward"),
+            ("model_after_graph_transforms_path", "stage"))]
+        dumps.append(("SessionOptions.optimized_model_filepath", optimized_model_path(self._sess_options),
+                      "backward"))
+        for where, path, kind in dumps:
             if path:
                 root, ext = os.path.splitext(path)
                 dump = with_input_values(sg.graphs[kind], self._store)  # the stage's state, as a legacy dump
-                save_model_atomic(dump, f"{root}.stage{self._stage}{ext or '.onnx'}")
+                save_dump(dump, f"{root}.stage{self._stage}{ext or '.onnx'}", where)
         self._plans: dict[str, Any] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}
 

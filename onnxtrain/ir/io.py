@@ -20,6 +20,7 @@ journal of a commit still running is locked (``flock``, where the system has it)
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -119,11 +120,20 @@ class StagedFiles:
         path = os.fspath(path)
         if os.path.abspath(path) in {os.path.abspath(t) for t in self.targets}:  # ./a/x and a/x alike
             raise ValueError(f"{path} is staged twice")
+        if os.path.isdir(path):  # (else found only at the rename, naming the temporary)
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
         folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        # made under a name no clean-up matches, locked, then named as a temporary: another writer's commit
-        # removes the unlocked temporaries of killed writes, and must never see this one unlocked
-        fd, fresh = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=_FRESH_SUFFIX, dir=folder)
+        try:
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except FileExistsError:  # a file where a folder on the way should be
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path) from None
+            # made under a name no clean-up matches, locked, then named as a temporary: another writer's
+            # commit removes the unlocked temporaries of killed writes, and must never see this one unlocked
+            fd, fresh = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=_FRESH_SUFFIX,
+                                         dir=folder)
+        except OSError as e:
+            raise _about(e, path) from None
         tmp = fresh[: -len(_FRESH_SUFFIX)] + TMP_SUFFIX
         lock = None
         try:
@@ -201,7 +211,10 @@ class StagedFiles:
                 journal.begin(staged, existed)
             while pending:
                 tmp, path = pending[0]
-                os.replace(tmp, path)
+                try:
+                    os.replace(tmp, path)
+                except OSError as e:
+                    raise _about(e, path) from None
                 pending.pop(0)
                 done.append(path)
         except BaseException:
@@ -532,6 +545,13 @@ def _warn_put_back(done: Recovered) -> None:
         warn(f"put back {', '.join(done.put_back)} as they were before a save that was killed part way")
 
 
+def _about(e: OSError, path: str) -> OSError:
+    """``e`` (of the same class) about ``path``, the file the caller named, not the temporary beside it."""
+    if e.errno is None:
+        return e
+    return OSError(e.errno, e.strerror, path)
+
+
 def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
     """Call ``write(f)`` on a temporary file beside ``path``, fsync it, then rename it onto ``path``."""
     with StagedFiles() as files:
@@ -543,6 +563,16 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike, *,
     """Save ``model`` to ``path`` atomically (with ``external_data``: see :func:`stage_model`)."""
     with StagedFiles() as files:
         stage_model(files, model, path, external_data=external_data, size_threshold=size_threshold)
+
+
+def save_dump(model: onnx.ModelProto, path: str | os.PathLike, where: str) -> None:
+    """:func:`save_model_atomic` for a path the user gave as the option ``where``, which its errors name."""
+    try:
+        save_model_atomic(model, path)
+    except OSError as e:
+        if e.errno is None:
+            raise
+        raise OSError(e.errno, f"{where}: {e.strerror}", os.fspath(path)) from None
 
 
 _DATA_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data",

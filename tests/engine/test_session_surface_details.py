@@ -106,3 +106,17 @@ def test_an_ort_named_optimized_model_path_warns_that_it_gets_onnx(tmp_path):
     assert any("not onnxruntime's ORT format" in m for m in _messages(caught))
     with open(tmp_path / "model.ort", "rb") as f:
         assert f.read(8)[4:8] != b"ORTM"  # an ONNX protobuf, as the warning says
+
+
+def test_an_optimized_model_path_that_is_a_folder_names_the_option_and_the_folder(tmp_path):
+    """onnxruntime refuses it at creation with a RuntimeError ("SystemError : 21"); onnxtrain's error named a
+    temporary beside the folder."""
+    so = onnxtrain.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path)
+    with pytest.raises(IsADirectoryError, match="SessionOptions.optimized_model_filepath") as e:
+        onnxtrain.InferenceSession(_relu(), so)
+    assert e.value.filename == str(tmp_path) and isinstance(e.value, RuntimeError)
+    ort_options = ort.SessionOptions()
+    ort_options.optimized_model_filepath = str(tmp_path)
+    with pytest.raises(RuntimeError):
+        ort.InferenceSession(_relu(), ort_options, providers=["CPUExecutionProvider"])

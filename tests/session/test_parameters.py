@@ -251,3 +251,19 @@ def test_scalars_of_numpy_and_torch_and_int_like_flags_are_taken() -> None:
     s = TrainingSession(mlp_model().SerializeToString(), params())
     s.load_state({}, strict=0)  # ints for the bool, as the binding took them
     s.load_state({}, strict=np.int64(1))
+
+
+@pytest.mark.parametrize("prop", ["model_with_training_graph_path", "model_with_gradient_graph_path",
+                                  "model_after_graph_transforms_path"])
+def test_a_dump_path_that_cannot_be_written_names_the_property_and_the_path(prop, tmp_path) -> None:
+    """A folder given as a dump path, or a path under a file: the error names the property and the path the
+    user gave (it named a temporary beside it before), and leaves no file behind."""
+    import os
+
+    (tmp_path / "file").write_text("x")
+    for path, kind in ((tmp_path, IsADirectoryError), (tmp_path / "file" / "m.onnx", NotADirectoryError)):
+        with pytest.raises(kind) as e:
+            TrainingSession(mlp_model().SerializeToString(), params(**{prop: str(path)}))
+        assert isinstance(e.value, RuntimeError)  # onnxruntime's Fail, as the session's other errors
+        assert e.value.filename == str(path) and f"TrainingParameters.{prop}: " in str(e.value), e.value
+    assert sorted(os.listdir(tmp_path)) == ["file"]
