@@ -41,7 +41,7 @@ def _load(path: str) -> onnx.ModelProto:
 
     if os.path.isdir(path):
         raise UsageError(f"{path} is a folder, not an ONNX model file")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):  # (a pipe or device is read as it is: `info <(cat m.onnx)`)
         raise UsageError(f"model file not found: {path}")
     try:
         model = onnx.load(path)

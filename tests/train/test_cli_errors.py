@@ -79,6 +79,28 @@ def test_info_on_a_file_that_is_not_onnx(tmp_path, capsys, monkeypatch):
     bad.write_bytes(b"not a model\xff\xff")
     code, line = _error_line(capsys, ["info", str(bad)])
     assert code == 1 and f"{bad} is not an ONNX model" in line, line
+    code, line = _error_line(capsys, ["info", os.devnull])  # a device: read, not "not found" as before
+    assert code == 1 and f"{os.devnull} is not an ONNX model (no graph" in line, line
+
+
+def test_info_reads_a_model_from_a_pipe(tmp_path, capsys, mlp_with_loss):
+    """`onnxtrain info <(cat m.onnx)`: the shell passes a pipe's path, which was "not found" before."""
+    import threading
+
+    fifo = str(tmp_path / "pipe")
+    os.mkfifo(fifo)
+
+    def feed() -> None:
+        with open(mlp_with_loss, "rb") as src, open(fifo, "wb") as dst:
+            dst.write(src.read())
+
+    writer = threading.Thread(target=feed, daemon=True)  # (blocks in open() if the pipe is never read)
+    writer.start()
+    try:
+        assert main(["info", fifo]) == 0
+    finally:
+        writer.join(timeout=30)
+    assert "loss" in capsys.readouterr().out
 
 
 def test_gradient_graph_wrt_errors(mlp_with_loss, tmp_path, capsys):
