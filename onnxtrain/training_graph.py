@@ -14,7 +14,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff import build_gradient_model
-from onnxtrain.autodiff.builder import GradientError, fake_quant_inputs, upgrade_opset
+from onnxtrain.autodiff.builder import GradientError, blocked_by, fake_quant_inputs, upgrade_opset
 from onnxtrain.autodiff.exporter_checks import export_hint, warn_folded_constants
 from onnxtrain.autodiff.registry import find_rule, has_no_gradient
 from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
@@ -201,6 +201,19 @@ def select_trainable(model: onnx.ModelProto, p: TrainingParameters) -> list[str]
     return [w for w in trainable if w not in p.weights_not_to_train]
 
 
+def _why_none_reach(model: onnx.ModelProto, p: TrainingParameters) -> str:
+    """": 'W' does not reach 'loss' through a differentiable path (...)" for the first float weight
+    the session would have found that reaches the loss through ops without a gradient alone, else ""."""
+    if p.weights_to_train:
+        return ""
+    for t in model.graph.initializer:
+        if t.data_type in FLOAT_TYPES and t.name not in p.weights_not_to_train:
+            blocked = blocked_by(list(model.graph.node), t.name, p.loss_output_name)
+            if blocked:
+                return f": {t.name!r} does not reach {p.loss_output_name!r}{blocked}"
+    return ""
+
+
 def dropout_mode(model: onnx.ModelProto) -> bool:
     """The training mode a run takes when it feeds none: the value of the first Dropout's own training_mode
     constant (an initializer or a Constant node), which onnxruntime's legacy session copied into the shared
@@ -352,9 +365,8 @@ def build_step_graphs(
         _check_learning_rate_name(m.graph, p.lr_params_feed_name)
     trainable = select_trainable(m, p)
     if opt is not None and not trainable:
-        raise ValueError(
-            "no trainable weight reaches the loss; check weights_to_train and weights_not_to_train"
-        )
+        why = _why_none_reach(m, p) or "; check weights_to_train and weights_not_to_train"
+        raise ValueError(f"no trainable weight reaches the loss{why}")
     names = NameGen.for_model(m)
     tm_default = dropout_mode(m)
     has_tm = _rewire_dropout(m)

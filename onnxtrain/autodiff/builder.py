@@ -55,7 +55,7 @@ from onnxtrain.user_warning import warn
 MIN_OPSET = 17
 
 
-def _blocked_by(nodes: list[onnx.NodeProto], x: str, loss: str) -> str:
+def blocked_by(nodes: list[onnx.NodeProto], x: str, loss: str) -> str:
     """" through a differentiable path (it passes only through <nodes>, which have no gradient)" when
     ``x`` does reach ``loss`` through ``nodes`` but only through ops without a gradient (Unique, ArgMax,
     Shape ...), else ""."""
@@ -631,7 +631,7 @@ def build_gradient_model(
         d = grad_of(x)
         if d is None:
             if not zero_unreachable:
-                raise GradientError(f"{x!r} does not reach {loss!r}{_blocked_by(bw.fwd_nodes, x, loss)}: no "
+                raise GradientError(f"{x!r} does not reach {loss!r}{blocked_by(bw.fwd_nodes, x, loss)}: no "
                                     "gradient flows back to it")
             zero = numpy_helper.from_array(_zeros(elem_type(bw.types, x) or TensorProto.FLOAT))
             tail.emit("ConstantOfShape", [bw.shape_of(x)], [gname], value=zero)

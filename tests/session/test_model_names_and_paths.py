@@ -108,6 +108,22 @@ def test_nodes_out_of_order_are_named_by_the_training_session() -> None:
         onnxtrain.TrainingSession(m.SerializeToString(), _params())
 
 
+def test_a_weight_that_reaches_the_loss_only_through_ops_without_a_gradient_is_named() -> None:
+    """Left to find its weights, the session said only "no trainable weight reaches the loss; check
+    weights_to_train": it now names the weight and the node that stops its gradient, as it does when the
+    weight is named in weights_to_train and as the gradient builder does."""
+    w = numpy_helper.from_array(np.ones(4, np.float32), "W")
+    nodes = [helper.make_node("Mul", ["x", "W"], ["a"], name="scale"),
+             helper.make_node("Round", ["a"], ["b"], name="rounding"),
+             helper.make_node("ReduceSum", ["b"], ["loss"], keepdims=0, name="total")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
+    data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    with pytest.raises(Fail, match="no trainable weight reaches the loss: 'W' does not reach 'loss' through "
+                                   "a differentiable path \\(it passes through 'rounding' \\(Round\\)"):
+        onnxtrain.TrainingSession(data, _params())
+
+
 @pytest.mark.parametrize("name, why", [("loss", "node 'mean' \\(ReduceMean\\) computes it"),
                                        ("logits", "node 'add' \\(Add\\) computes it"),
                                        ("W", "an initializer"), ("", "must name the learning-rate feed"),
