@@ -81,12 +81,16 @@ def load_model(model: onnx.ModelProto | str | bytes | os.PathLike,
     return inline_local_functions(m)
 
 
-def _all_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+def _all_graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
+    """The model's graph and every body in it or in its local functions' nodes."""
     from onnxtrain.ir.graphs import subgraphs, walk_graphs
 
     graphs = list(walk_graphs(model.graph))
-    graphs += [b for f in model.functions for n in f.node for g in subgraphs(n) for b in walk_graphs(g)]
-    return [n for g in graphs for n in g.node] + [n for f in model.functions for n in f.node]
+    return graphs + [b for f in model.functions for n in f.node for g in subgraphs(n) for b in walk_graphs(g)]
+
+
+def _all_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for g in _all_graphs(model) for n in g.node] + [n for f in model.functions for n in f.node]
 
 
 def _text_names(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -118,15 +122,9 @@ def _text_names(model: onnx.ModelProto) -> onnx.ModelProto:
 def _external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
     """The tensors of ``model`` kept in external files: initializers and tensor attributes (Constant values),
     of the graph, its bodies and its local functions, as onnx's loader finds them."""
-    from onnxtrain.ir.graphs import subgraphs, walk_graphs
-
-    graphs = list(walk_graphs(model.graph))
-    graphs += [b for f in model.functions for n in f.node for g in subgraphs(n) for b in walk_graphs(g)]
-    node_lists = [g.node for g in graphs] + [f.node for f in model.functions]
-    found = [t for g in graphs for t in g.initializer]
-    for nodes in node_lists:
-        for a in (a for n in nodes for a in n.attribute):
-            found += [a.t] if a.type == onnx.AttributeProto.TENSOR else list(a.tensors)
+    found = [t for g in _all_graphs(model) for t in g.initializer]
+    for a in (a for n in _all_nodes(model) for a in n.attribute):
+        found += [a.t] if a.type == onnx.AttributeProto.TENSOR else list(a.tensors)
     return [t for t in found if t.data_location == onnx.TensorProto.EXTERNAL]
 
 
