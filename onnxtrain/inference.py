@@ -433,9 +433,13 @@ class InferenceSession:
         return self._path_plans[key]
 
     def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
-        """The outputs asked for (all of the session's when None); InvalidFeed naming an unknown one."""
+        """The outputs asked for (all of the session's when None); InvalidFeed naming an unknown one,
+        InvalidFeedType one that is not a string."""
         names = list(output_names) if output_names else list(self._output_names)
         for n in names:
+            if not isinstance(n, str):  # (a nested list: onnxruntime's binding refuses the argument's type)
+                raise InvalidFeedType(f"output names must be strings; got {type(n).__name__} {n!r} in "
+                                      f"{output_names!r}")
             if n not in self._output_names:
                 raise InvalidFeed(f"unknown output {n!r}; the session's outputs are {self._output_names}")
         return names

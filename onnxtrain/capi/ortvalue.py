@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -146,6 +146,10 @@ class OrtValue:
                 return int(code)
         return int(helper.np_dtype_to_tensor_dtype(self._tensor("element_type()").dtype))
 
+    def proto_type(self) -> int:
+        """The ONNX element type number, as onnxruntime-training's builds named :meth:`element_type`."""
+        return self.element_type()
+
     def tensor_size_in_bytes(self) -> int:
         return int(self._tensor("tensor_size_in_bytes()").nbytes)
 
@@ -215,6 +219,18 @@ class OrtValueVector(list):
 
     def push_back(self, value: OrtValue) -> None:
         self.append(value)
+
+    def reserve(self, n: int) -> None:
+        """Accepted for onnxruntime's interface; a Python list needs no reservation."""
+
+    def element_type_at(self, index: int) -> int:
+        """The ONNX element type number of the value at ``index``."""
+        return self[index].element_type()
+
+    def to_dlpack(self, to_tensor: Callable[[Any], Any] | None = None) -> list[Any]:
+        """A DLPack capsule of each value (sharing its memory), or ``to_tensor(capsule)`` of each."""
+        capsules = [v.to_dlpack() for v in self]
+        return capsules if to_tensor is None else [to_tensor(c) for c in capsules]
 
 
 class _Capsule:

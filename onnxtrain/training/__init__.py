@@ -3,7 +3,7 @@ LinearLRScheduler), ``artifacts`` (generate_artifacts) and ``onnxblock`` (loss a
 
 
 def __getattr__(name: str):  # onnxruntime.training also held the legacy names; import them lazily
-    if name in ("TrainingSession", "TrainingParameters", "PropagateCastOpsStrategy"):
+    if name in ("TrainingSession", "TrainingParameters", "PropagateCastOpsStrategy", "GradientGraphBuilder"):
         import onnxtrain
 
         return getattr(onnxtrain, name)

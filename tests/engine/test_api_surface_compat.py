@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import onnxtrain
-from onnxtrain.capi.onnxruntime_pybind11_state import OrtValueVector  # noqa: F401 (the import itself)
+from onnxtrain.capi.onnxruntime_pybind11_state import OrtValueVector
 
 
 def _model() -> bytes:
@@ -63,3 +63,37 @@ def test_the_inference_collection_module(lib) -> None:
     mod = importlib.import_module(f"{lib.__name__}.capi.onnxruntime_inference_collection")
     assert mod.OrtValue is lib.OrtValue and mod.InferenceSession is lib.InferenceSession
     assert mod.IOBinding is lib.IOBinding and isinstance(mod.InferenceSession(_model()), mod.Session)
+
+
+@pytest.mark.parametrize("lib", [ort, onnxtrain], ids=["onnxruntime", "onnxtrain"])
+def test_output_names_that_are_not_strings_are_a_type_error(lib) -> None:
+    """A nested list of output names: onnxruntime's binding refuses the argument's type; onnxtrain said the
+    output was unknown, listing the same name among the session's."""
+    sess = lib.InferenceSession(_model(), providers=["CPUExecutionProvider"])
+    with pytest.raises(TypeError):
+        sess.run([["y"]], {"x": np.ones(2, np.float32)})
+
+
+def test_the_training_builds_value_helpers() -> None:
+    """What onnxruntime-training's own OrtValue tests used (its builds had them, plain onnxruntime has not):
+    ``OrtValue.proto_type()`` (the element type number), ``OrtValueVector.to_dlpack`` sharing each value's
+    memory, and ``GradientGraphBuilder`` importable from the training package."""
+    torch = pytest.importorskip("torch")
+    import onnxtrain.training
+
+    arrays = [np.arange(6, dtype=np.float32).reshape(3, 2), np.array([1, 0, 1], np.int64)]
+    values = [onnxtrain.OrtValue.ortvalue_from_numpy(a)._ortvalue for a in arrays]
+    assert [v.proto_type() for v in values] == [TensorProto.FLOAT, TensorProto.INT64]
+    vector = OrtValueVector()
+    vector.reserve(2)
+    for v in values:
+        vector.push_back(v)
+    assert [vector.element_type_at(i) for i in range(2)] == [TensorProto.FLOAT, TensorProto.INT64]
+    capsules = vector.to_dlpack(None)
+    assert all("PyCapsule" in str(type(c)) for c in capsules)
+    back = [onnxtrain.capi.onnxruntime_pybind11_state.OrtValue.from_dlpack(c, False) for c in capsules]
+    tensors = vector.to_dlpack(torch.from_dlpack)
+    for a, v, t in zip(arrays, back, tensors):
+        assert v.data_ptr() == a.ctypes.data == t.data_ptr()  # shared, not copied
+        np.testing.assert_array_equal(t.numpy(), a)
+    assert onnxtrain.training.GradientGraphBuilder is onnxtrain.GradientGraphBuilder
