@@ -95,26 +95,13 @@ def _all_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
 
 def _text_names(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model``, or a copy whose node names that are not valid UTF-8 (protobuf gives them as bytes) are
-    decoded with backslash escapes: they only label nodes, and onnxruntime runs such models. A value name
-    that is not valid UTF-8 is refused, naming the node or graph value."""
-    nodes = _all_nodes(model)
-    for n in nodes:
-        for v in (*n.input, *n.output):
-            if isinstance(v, bytes):
-                label = n.name if isinstance(n.name, str) and n.name else "(unnamed)"
-                raise ModelParseError(f"node {label!r} ({n.op_type}) names a value {v!r} that is not valid "
-                                      "UTF-8")
-    g = model.graph
-    for kind, values in (("input", g.input), ("output", g.output), ("initializer", g.initializer)):
-        for v in values:
-            if isinstance(v.name, bytes):
-                raise ModelParseError(f"graph {kind} {v.name!r} is not valid UTF-8")
-    if not any(isinstance(n.name, bytes) for n in nodes):
+    decoded with backslash escapes: they only label nodes, and onnxruntime runs such models."""
+    if not any(type(n.name) is bytes for n in _all_nodes(model)):
         return model
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     for n in _all_nodes(copy):
-        if isinstance(n.name, bytes):
+        if type(n.name) is bytes:
             n.name = n.name.decode("utf-8", errors="backslashreplace")
     return copy
 
