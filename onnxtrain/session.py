@@ -103,6 +103,17 @@ def all_or_nothing(load: Callable[..., None]) -> Callable[..., None]:
     return wrapper
 
 
+def requested_dumps(p: TrainingParameters, options: SessionOptions) -> list[tuple[str, str, str]]:
+    """(option, path, graph) of each model dump the session is asked for, the graph "transformed",
+    "gradient" or "training". onnxruntime wrote its optimized training graph at
+    ``optimized_model_filepath``; onnxtrain writes the training graph it runs there."""
+    asked = [(f"TrainingParameters.{name}", getattr(p, name), kind) for name, kind in (
+        ("model_after_graph_transforms_path", "transformed"), ("model_with_gradient_graph_path", "gradient"),
+        ("model_with_training_graph_path", "training"))]
+    asked.append(("SessionOptions.optimized_model_filepath", optimized_model_path(options), "training"))
+    return [(where, path, kind) for where, path, kind in asked if path]
+
+
 class TrainingSession(DataParallelSteps, InferenceSession):
     """Train an ONNX model whose graph computes its loss, with onnxruntime's legacy API.
 
@@ -210,15 +221,10 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             if self._opt is not None:
                 self._setup_data_parallel()
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
-        dumps = [(f"TrainingParameters.{name}", getattr(p, name), m) for name, m in (
-            ("model_after_graph_transforms_path", g.transformed),
-            ("model_with_gradient_graph_path", g.gradient), ("model_with_training_graph_path", g.full))]
-        # onnxruntime wrote its optimized training graph there; the graph the engine runs is this one
-        dumps.append(("SessionOptions.optimized_model_filepath", optimized_model_path(self._sess_options),
-                      g.full))
-        for where, path, m in dumps:
-            if path:  # with the state's values, as onnxruntime's dumps held them: each graph runs on its own
-                save_dump(with_input_values(m, self._store), path, where)
+        graphs = {"transformed": g.transformed, "gradient": g.gradient, "training": g.full}
+        for where, path, kind in requested_dumps(p, self._sess_options):
+            # with the state's values, as onnxruntime's dumps held them: each graph runs on its own
+            save_dump(with_input_values(graphs[kind], self._store), path, where)
         self._model = g.full
         self._plans: dict[str, GraphInterface] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}  # random nodes' generators, shared by the plans

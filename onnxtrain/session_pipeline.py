@@ -45,7 +45,6 @@ from onnxtrain.graph_transforms.mixed_precision import (
     mixed_precision,
     mixed_precision_info,
 )
-from onnxtrain.inference import optimized_model_path
 from onnxtrain.ir.graphs import with_input_values
 from onnxtrain.ir.io import save_dump
 from onnxtrain.optim import get_optimizer
@@ -54,7 +53,7 @@ from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs
 from onnxtrain.parallel.zero import gather_zero_state
-from onnxtrain.session import all_or_nothing, serialized
+from onnxtrain.session import all_or_nothing, requested_dumps, serialized
 from onnxtrain.session_cut import (
     SHARED_OPTIONS,
     CutModelSession,
@@ -136,16 +135,11 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         self._bn_stats = sg.bn_stats
         self._specs = sg.specs
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
-        dumps = [(f"TrainingParameters.{name}", getattr(p, name), kind) for name, kind in (
-            ("model_with_gradient_graph_path", "backward"), ("model_with_training_graph_path", "backward"),
-            ("model_after_graph_transforms_path", "stage"))]
-        dumps.append(("SessionOptions.optimized_model_filepath", optimized_model_path(self._sess_options),
-                      "backward"))
-        for where, path, kind in dumps:
-            if path:
-                root, ext = os.path.splitext(path)
-                dump = with_input_values(sg.graphs[kind], self._store)  # the stage's state, as a legacy dump
-                save_dump(dump, f"{root}.stage{self._stage}{ext or '.onnx'}", where)
+        stage_graph = {"transformed": "stage", "gradient": "backward", "training": "backward"}
+        for where, path, kind in requested_dumps(p, self._sess_options):
+            root, ext = os.path.splitext(path)
+            dump = with_input_values(sg.graphs[stage_graph[kind]], self._store)  # the stage's state
+            save_dump(dump, f"{root}.stage{self._stage}{ext or '.onnx'}", where)
         self._plans: dict[str, Any] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}
 
