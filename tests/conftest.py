@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import pytest
@@ -10,6 +11,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (0.4 s of each start). Compiled modules are cached for this run and the processes it starts.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
+
+# A job started in the background of a non-interactive shell inherits SIGINT ignored, and so does every
+# process it starts: the Ctrl-C tests (a step interrupted in process, a CLI run stopped and resumed) then saw
+# no KeyboardInterrupt. They test onnxtrain's handling of Ctrl-C, so the suite takes Python's own handler
+# (and the processes it starts, the default disposition, for which Python installs that handler).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_configure(config) -> None:
