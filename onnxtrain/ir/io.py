@@ -124,12 +124,14 @@ class StagedFiles:
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
         folder = os.path.dirname(os.path.abspath(path))
         try:
-            try:
-                os.makedirs(folder, exist_ok=True)
-            except FileExistsError:  # a file where a folder on the way should be
-                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path) from None
-            # made under a name no clean-up matches, locked, then named as a temporary: another writer's
-            # commit removes the unlocked temporaries of killed writes, and must never see this one unlocked
+            os.makedirs(folder, exist_ok=True)
+        except FileExistsError:  # a file where a folder on the way should be
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path) from None
+        except OSError as e:
+            raise _about(e, path) from None
+        # made under a name no clean-up matches, locked, then named as a temporary: another writer's commit
+        # removes the unlocked temporaries of killed writes, and must never see this one unlocked
+        try:
             fd, fresh = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=_FRESH_SUFFIX,
                                          dir=folder)
         except OSError as e:
@@ -545,11 +547,12 @@ def _warn_put_back(done: Recovered) -> None:
         warn(f"put back {', '.join(done.put_back)} as they were before a save that was killed part way")
 
 
-def _about(e: OSError, path: str) -> OSError:
-    """``e`` (of the same class) about ``path``, the file the caller named, not the temporary beside it."""
+def _about(e: OSError, path: str | os.PathLike, where: str = "") -> OSError:
+    """``e`` (of the same class) about ``path``, the file the caller named, not the temporary beside it;
+    its message led by ``where`` (the option that gave the path) when given."""
     if e.errno is None:
         return e
-    return OSError(e.errno, e.strerror, path)
+    return OSError(e.errno, f"{where}: {e.strerror}" if where else e.strerror, os.fspath(path))
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
@@ -570,9 +573,7 @@ def save_dump(model: onnx.ModelProto, path: str | os.PathLike, where: str) -> No
     try:
         save_model_atomic(model, path)
     except OSError as e:
-        if e.errno is None:
-            raise
-        raise OSError(e.errno, f"{where}: {e.strerror}", os.fspath(path)) from None
+        raise _about(e, path, where) from None
 
 
 _DATA_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data",
