@@ -6,6 +6,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests import tiers  # noqa: E402
+
 # The suite starts several hundred Python processes (MPI ranks, bench workers, the CLI), each importing
 # onnxtrain: with PYTHONDONTWRITEBYTECODE set (as on some CI images) every one compiled its modules again
 # (0.4 s of each start). Compiled modules are cached for this run and the processes it starts.
@@ -20,8 +22,39 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _blas_share_per_worker() -> None:
+    """Under pytest-xdist, each worker's OpenBLAS gets its share of the CPUs instead of all of them: a BLAS
+    helper thread busy-waits about 0.1 s after each call, on the core the other worker needs (with two
+    workers on two CPUs, a set of session tests took 100-115 s against 82-91 s with one BLAS thread each).
+    Set in the worker only, not through the environment: the processes the tests start (MPI ranks, the CLI)
+    choose their threads as a user's would. A thread count the user set is kept."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not workers.isdigit() or int(workers) < 2:
+        return
+    if any(os.environ.get(k, "").strip() for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):
+        return
+    from onnxtrain.engine.blas import _thread_count_functions
+
+    functions = _thread_count_functions()
+    if functions is not None:
+        functions[0](max(1, len(os.sched_getaffinity(0)) // int(workers)))
+
+
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: long or needs an optional environment (e.g. /tmp/ortt)")
+    config.addinivalue_line("markers", f"extended: a sweep's case run only when {tiers.VARIABLE}=1")
+    tiers.full()  # a wrong value fails the run here
+    _blas_share_per_worker()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The default suite leaves out the sweeps' ``extended`` cases (see :mod:`tests.tiers`)."""
+    if tiers.full():
+        return
+    left_out = [item for item in items if item.get_closest_marker("extended")]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if not item.get_closest_marker("extended")]
 
 
 @pytest.fixture(scope="session", autouse=True)

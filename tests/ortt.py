@@ -57,7 +57,14 @@ def run_script(script: str, *args: str, timeout: float = 600, python: str | None
     return json.loads(lines[-1]) if lines else None
 
 
+_WORKING: set[str] = set()  # venv pythons seen to import onnxruntime-training in this process
+
+
 def _works() -> bool:
+    """Whether the venv's python imports onnxruntime-training: asked once per process (a check starts
+    that python, about a second, and the peer tests call this a few dozen times in a run)."""
+    if PYTHON in _WORKING:
+        return True
     if not os.path.exists(PYTHON):
         return False
     r = subprocess.run(
@@ -65,6 +72,8 @@ def _works() -> bool:
         capture_output=True,
         timeout=120,
     )
+    if r.returncode == 0:
+        _WORKING.add(PYTHON)
     return r.returncode == 0
 
 

@@ -10,6 +10,8 @@ directions, positions and opset vary). For every case:
 * every gradient element (wrt graph inputs and initializers) matches float64 central differences of the
   loss, computed by onnxruntime on the forward model.
 
+The default suite runs the first third of each family's seeds, ``ONNXTRAIN_FULL_TESTS=1`` all of them.
+
 Where onnxruntime 1.32 or onnx.reference is known to compute a model wrong (each such case is a test at
 the end, the engine following the spec), the other one is the oracle. After the fuzz: a test per defect
 it found, on a small model.
@@ -30,6 +32,7 @@ from onnx.reference import ReferenceEvaluator
 from onnxtrain.autodiff import build_gradient_model
 from onnxtrain.ir.graphs import captured_names
 from onnxtrain.testing import run_engine
+from tests.tiers import extended
 
 D, I64, BOOL = TensorProto.DOUBLE, TensorProto.INT64, TensorProto.BOOL
 UNARY = ("Tanh", "Sin", "Cos", "Sigmoid", "Square", "Neg", "Identity", "Exp")
@@ -773,9 +776,15 @@ CASES: dict[str, Callable[[int], Case]] = {
 }
 SEEDS = {"if": range(60), "loop": range(100), "scan": range(60), "sequence_map": range(40),
          "sequence": range(80), "bag": range(40)}
+# the first third of each family's seeds runs in the default suite, the rest in the full one (tests/tiers.py)
+DEFAULT_SEEDS = {f: len(seeds) // 3 for f, seeds in SEEDS.items()}
 
 
-@pytest.mark.parametrize("family, seed", [(f, s) for f in CASES for s in SEEDS[f]])
+def _fuzz_params() -> list:
+    return [(f, s) if s < DEFAULT_SEEDS[f] else extended(f, s) for f in CASES for s in SEEDS[f]]
+
+
+@pytest.mark.parametrize("family, seed", _fuzz_params())
 def test_fuzz(family: str, seed: int) -> None:
     case = CASES[family](seed)
     try:

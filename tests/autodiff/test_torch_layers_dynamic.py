@@ -15,6 +15,10 @@ are an extra input ``r`` of the output's shape (dynamic as well, not differentia
 The case table, module construction, export, input naming, tolerances, FLOAT32, EXPORT_WRONG and NO_GRAD
 are the audit's; EXPORT_WRONG_DYNAMIC adds the exports that are torch's function only at the export's size
 (onnxruntime fails or agrees with onnxtrain at the other).
+
+The TorchScript exports run for every case; dynamo's dynamic exports (about 2.5 s each) for the cases of
+DEFAULT_DYNAMO in the default suite, for all of them with ``ONNXTRAIN_FULL_TESTS=1``; the static audit runs
+the others' static dynamo export in the default suite.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from tests.autodiff.test_torch_layers_audit import (
     _gradient_model,
     _params,
 )
-from tests.autodiff.torch_layer_sizes import EXPORT_WRONG_DYNAMIC, SIZES
+from tests.autodiff.torch_layer_sizes import EXPORT_WRONG_DYNAMIC, SIZES, dynamic_dynamo_cases
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -87,7 +91,15 @@ def _sized(case: str, dtype: torch.dtype) -> tuple[nn.Module, list[tuple]]:
     return module, sets
 
 
-@pytest.mark.parametrize("case,exporter", _params(SIZES))
+def _dynamic_params() -> list:
+    """The audit's params of the SIZES cases; a dynamo case the default suite leaves out is extended."""
+    run = dynamic_dynamo_cases()
+    return [p if p.values[1] != "dynamo" or p.values[0] in run
+            else pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.extended])
+            for p in _params(SIZES)]
+
+
+@pytest.mark.parametrize("case,exporter", _dynamic_params())
 def test_dynamic_layer_gradients_match_torch_at_two_sizes(case: str, exporter: str) -> None:
     if exporter == "dynamo":
         pytest.importorskip("onnxscript", reason="torch's dynamo exporter needs onnxscript")
