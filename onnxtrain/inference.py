@@ -624,7 +624,7 @@ def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str,
             "dur": e.dur_ns / 1000.0,
             "args": {"op_name": e.op, "input_type_shape": e.shapes, "output_type_shape": e.outputs,
                      "output_size": str(e.output_bytes), "provider": "CPUExecutionProvider",
-                     **({} if e.index is None else {"node_index": str(e.index)})},
+                     **({} if e.index is None else {"node_index": str(e.index)}), **e.stats},
         }
         for e in profile
     ]

@@ -26,6 +26,7 @@ from contextlib import contextmanager, suppress
 _lock = threading.Lock()
 _helpers: list[int] = []  # native ids of OpenBLAS's helper threads, once placed
 _pinned_runs = [0]  # runs placed now (at most one)
+_placed_caller: list[int | None] = [None]  # native id of the thread a placed run put on the first CPU
 
 
 @functools.cache
@@ -49,13 +50,17 @@ def helper_cpu(index: int) -> int | None:
     return cpus[1 + index % (len(cpus) - 1)] if len(cpus) > 1 else None
 
 
-def place_worker(index: int) -> None:
+def place_worker(index: int) -> int:
     """Put the calling engine worker thread on its CPU, when placement applies here and OpenBLAS's helpers
-    have been placed (the runs are placed only then)."""
+    have been placed (the runs are placed only then); returns that CPU, or −1 (left where it was)."""
     cpu = helper_cpu(index)
     if cpu is not None and _helpers:
-        with suppress(OSError):
+        try:
             os.sched_setaffinity(0, {cpu})
+        except OSError:
+            return -1
+        return cpu
+    return -1
 
 
 def thread_ids() -> set[int]:
@@ -90,6 +95,16 @@ def forget() -> None:
     """In a forked child: the parent's helper threads do not exist there."""
     _helpers.clear()
     _pinned_runs[0] = 0
+    _placed_caller[0] = None
+
+
+def caller_cpu() -> int:
+    """The CPU a placed run holds the calling thread on, or −1 (not placed here: the scheduler's choice)."""
+    if _placed_caller[0] is None or _placed_caller[0] != threading.get_native_id():
+        return -1
+    cpus = _cpus()
+    return cpus[0] if cpus else -1
+
 
 
 if hasattr(os, "register_at_fork"):
@@ -113,10 +128,13 @@ def placed(width: int) -> Iterator[None]:
         return
     try:
         before = _placed_first(cpus)
+        if before is not None:
+            _placed_caller[0] = threading.get_native_id()
         try:
             yield
         finally:
             if before is not None:
+                _placed_caller[0] = None
                 with suppress(OSError):  # a CPU set that can no longer be had: the thread stays placed
                     os.sched_setaffinity(0, before)
     finally:

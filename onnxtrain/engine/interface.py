@@ -47,7 +47,8 @@ class InvalidNodeError(EngineError, InvalidGraph):
 class ProfileEvent:
     """One span of a profile: a node's kernel (its inputs' and outputs' types and shapes as onnxruntime
     writes them, ``[{"float": [2, 3]}, ...]``, its outputs' bytes and its index in the graph) or a session's
-    own span."""
+    own span. ``stats``: more of the node's trace arguments under onnxruntime's names (its inputs' bytes as
+    ``activation_size`` and ``parameter_size``, the memory in use, the threads that ran it)."""
 
     name: str
     op: str
@@ -58,6 +59,7 @@ class ProfileEvent:
     outputs: list[Any] = field(default_factory=list)
     output_bytes: int = 0
     index: int | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 # the RunOptions of the run in progress in this context, when the caller gave some: the numpy plans check

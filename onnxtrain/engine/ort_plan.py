@@ -34,6 +34,9 @@ DISABLED_OPTIMIZERS = ("ConstantSharing", "EliminateDropout")
 SPIN_KEY = "session.intra_op.allow_spinning"
 ENV_ALLOCATORS_KEY = "session.use_env_allocators"
 STOP_KEY = "session.force_spinning_stop"  # "1": the threads stop spinning as soon as a run ends
+# a node event's arguments a ProfileEvent holds in fields of its own (the others go to its ``stats``)
+_WRITTEN_ARGS = frozenset({"op_name", "input_type_shape", "output_type_shape", "output_size", "node_index",
+                           "provider"})
 
 _arena_lock = threading.Lock()
 _arena: list[bool] = []  # [registered]: shared_cpu_arena's result, once per process
@@ -322,7 +325,8 @@ class OrtPlan(GraphInterface):
                                     list(args.get("input_type_shape", [])),
                                     outputs=list(args.get("output_type_shape", [])),
                                     output_bytes=int(args.get("output_size", 0) or 0),
-                                    index=int(index) if str(index).isdigit() else None))
+                                    index=int(index) if str(index).isdigit() else None,
+                                    stats={k: v for k, v in args.items() if k not in _WRITTEN_ARGS}))
         return out
 
     def _donated_outputs(self, arrays: Mapping[str, np.ndarray], names: list[str],

@@ -106,6 +106,8 @@ class _Workers:
     def __init__(self) -> None:
         self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self.count = 0
+        self.ids: list[int] = []  # native thread ids, in start order
+        self.cores: dict[int, int] = {}  # worker index → the CPU it was placed on (−1: not placed)
         self.lock = threading.Lock()
 
     def ensure(self, n: int) -> None:
@@ -113,12 +115,13 @@ class _Workers:
             while self.count < n:
                 name = f"onnxtrain-worker-{self.count}"
                 t = threading.Thread(target=self._loop, args=(self.count,), name=name, daemon=True)
-                t.start()
+                t.start()  # (returns once the thread runs: its native id is known)
+                self.ids.append(t.native_id or 0)
                 self.count += 1
 
     def _loop(self, index: int) -> None:
         _local.width = 1  # a part never splits again
-        affinity.place_worker(index)
+        self.cores[index] = affinity.place_worker(index)
         while True:
             self.jobs.get().work()
 
@@ -136,11 +139,33 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_workers)
 
 
+def worker_threads() -> dict[int, int]:
+    """The engine's worker threads started so far: native thread id → the CPU it was placed on (−1: the
+    scheduler's choice)."""
+    w = _workers
+    return {t: w.cores.get(i, -1) for i, t in enumerate(list(w.ids))}
+
+
+@contextmanager
+def recording_splits(parts: list[int]) -> Iterator[None]:
+    """Inside the block, each :func:`parallel_for` on this thread appends its count of parts to ``parts``
+    (a profiled node's ``block_size``)."""
+    before = getattr(_local, "splits", None)
+    _local.splits = parts
+    try:
+        yield
+    finally:
+        _local.splits = before
+
+
 def parallel_for(n: int, fn: Callable[[int], None]) -> None:
     """Call ``fn(i)`` for i in range(n), over up to :func:`width` threads (this one included), each under
     this thread's numpy error state; the first exception any call raised is raised here once all calls
     have ended."""
     threads = min(width(), n)
+    splits = getattr(_local, "splits", None)
+    if splits is not None:
+        splits.append(n if threads > 1 else 1)
     if threads <= 1:
         for i in range(n):
             fn(i)

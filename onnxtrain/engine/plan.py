@@ -9,6 +9,7 @@ floating-point warning: its kernels' infs and NaNs are their IEEE results, as in
 from __future__ import annotations
 
 import operator
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxtrain.engine.affinity import placed
+from onnxtrain.engine.affinity import caller_cpu, placed
 from onnxtrain.engine.allocator import tune_allocator
 from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow
 from onnxtrain.engine.donation import donated_slots, donating, reusable_inputs
@@ -36,7 +37,7 @@ from onnxtrain.engine.interface import (  # noqa: F401  (the engine's errors, im
 )
 from onnxtrain.engine.legacy_forms import legacy_form, refusal
 from onnxtrain.engine.node_checks import NodeChecker, check_nodes, checked_opsets  # noqa: F401 (re-exported)
-from onnxtrain.engine.parallel import default_width, running_with, width
+from onnxtrain.engine.parallel import default_width, recording_splits, running_with, width, worker_threads
 from onnxtrain.engine.registry import (
     SUBGRAPH_OPS,
     Attrs,
@@ -416,6 +417,7 @@ class Plan(GraphInterface):
         step's bodies held during it counted in the peak, and ``stop.terminate`` (RunOptions) read before
         each step; returns the peak of live bytes."""
         peak = live
+        constants = self._constant_slots() if self.profiling else frozenset()
         for k, (fn, get, in1, _, outs, attrs, free, st) in enumerate(self._program):
             if stop is not None and stop.terminate:
                 raise Terminated(_TERMINATED.format(st.node.name or st.node.op_type))
@@ -423,40 +425,73 @@ class Plan(GraphInterface):
             bodies = fn.bodies.values() if isinstance(fn, ControlFlow) else ()
             for b in bodies:
                 b.plan.profiling = self.profiling
+            splits: list[int] = []
+            before = live
             t0 = time.perf_counter_ns()
             try:
-                res = fn(args, attrs)
+                if self.profiling:
+                    with recording_splits(splits):
+                        res = fn(args, attrs)
+                else:
+                    res = fn(args, attrs)
             except Exception:
                 res = self._call(st, args)
-            if self.profiling:
-                results = [r for r in res if r is not None and not isinstance(r, list)]
-                named = st.node.name or f"{st.node.op_type}_{k}"  # an unnamed node as onnxruntime names it
-                self.profile.append(
-                    ProfileEvent(
-                        named,
-                        st.node.op_type,
-                        t0,
-                        time.perf_counter_ns() - t0,
-                        [_typed_shape(a) for a in args if a is not None and not isinstance(a, list)],
-                        outputs=[_typed_shape(r) for r in results],
-                        output_bytes=sum(nbytes(r) for r in results),
-                        index=k,
-                    )
-                )
-                for b in bodies:  # the body's nodes, named under this node
-                    for e in b.plan.profile:
-                        e.name = f"{named}/{e.name}"
-                    self.profile.extend(b.plan.profile)
-                    b.plan.profile.clear()
+            t1 = time.perf_counter_ns()
             if bodies:
                 peak = max(peak, live + fn.extra_bytes)
             live += self._store(vals, outs, res) - self._free_written(vals, free, res)
             peak = max(peak, live)
+            if self.profiling:
+                self._profile_step(k, st, args, res, t0, t1, constants, splits, (before, live, peak))
+                for b in bodies:  # the body's nodes, named under this node
+                    for e in b.plan.profile:
+                        e.name = f"{self.profile[-1].name}/{e.name}"
+                    self.profile.extend(b.plan.profile)
+                    b.plan.profile.clear()
             for s in free:
                 if vals[s] is not None:
                     live -= nbytes(vals[s])
                     vals[s] = None
         return peak
+
+
+    def _constant_slots(self) -> frozenset[int]:
+        """Slots of the values no run can feed (initializers that are no graph input, folded constants):
+        a profile counts their bytes as a node's ``parameter_size``, as onnxruntime counts constant inputs."""
+        fed = set(self.all_input_names)
+        return frozenset([self.slot[n] for n in self.initializers if n not in fed]
+                         + [s for s, _ in self._const_values])
+
+    def _profile_step(self, k: int, st: Step, args: Sequence[Any], res: Sequence[Any], t0: int, t1: int,
+                      constants: frozenset[int], splits: list[int], memory: tuple[int, int, int]) -> None:
+        """Append step ``k``'s :class:`ProfileEvent`: its inputs and outputs, their bytes, the bytes of live
+        tensors before and after it (``memory``: before, after, the run's peak so far) and its threads."""
+        results = [r for r in res if r is not None and not isinstance(r, list)]
+        tensors = [(s, a) for s, a in zip(st.inputs, args) if a is not None and not isinstance(a, list)]
+        parameters = sum(nbytes(a) for s, a in tensors if s in constants)
+        before, after, peak = memory
+        caller = str(threading.get_native_id())
+        threads = {
+            "main_thread": {"thread_pool_name": "onnxtrain-intra-op", "thread_id": caller,
+                            "core": caller_cpu(), "splits": splits},
+            "sub_threads": {str(t): {"core": c} for t, c in worker_threads().items()},
+        }
+        self.profile.append(
+            ProfileEvent(
+                st.node.name or f"{st.node.op_type}_{k}",  # an unnamed node as onnxruntime names it
+                st.node.op_type,
+                t0,
+                t1 - t0,
+                [_typed_shape(a) for _, a in tensors],
+                outputs=[_typed_shape(r) for r in results],
+                output_bytes=sum(nbytes(r) for r in results),
+                index=k,
+                stats={"activation_size": str(sum(nbytes(a) for _, a in tensors) - parameters),
+                       "parameter_size": str(parameters),
+                       "mem_bytes_in_use": str(after), "mem_in_use_delta": str(after - before),
+                       "mem_in_use_peak": str(peak), "thread_scheduling_stats": threads},
+            )
+        )
 
 
 def nbytes(v: Any) -> int:

@@ -319,7 +319,8 @@ def test_inference_profile_names_the_nodes_onnxruntime_profiles(tmp_path):
     feeds = {"x": x, "y": y}
     sess.run(None, feeds)
     with open(sess.end_profiling()) as f:
-        ours = {(e["name"], e["args"]["op_name"]) for e in json.load(f) if e["cat"] == "Node"}
+        our_events = [e for e in json.load(f) if e["cat"] == "Node"]
+    ours = {(e["name"], e["args"]["op_name"]) for e in our_events}
     plain = ort.SessionOptions()
     plain.enable_profiling = True
     plain.profile_file_prefix = str(tmp_path / "plain_")
@@ -328,8 +329,13 @@ def test_inference_profile_names_the_nodes_onnxruntime_profiles(tmp_path):
                                          providers=["CPUExecutionProvider"])
     theirs_session.run(None, feeds)
     with open(theirs_session.end_profiling()) as f:
-        theirs = {(e["name"], e["args"]["op_name"]) for e in json.load(f) if e["cat"] == "Node"}
+        their_events = [e for e in json.load(f) if e["cat"] == "Node"]
+    theirs = {(e["name"], e["args"]["op_name"]) for e in their_events}
     assert ours and ours == theirs
+    # each event carries onnxruntime's arguments, its memory and thread statistics among them
+    keys = {e["name"]: set(e["args"]) for e in their_events}
+    assert {e["name"]: set(e["args"]) for e in our_events} == keys
+    assert all({"activation_size", "mem_bytes_in_use", "thread_scheduling_stats"} <= k for k in keys.values())
 
 
 # ---- the on-device Module and Optimizer ---------------------------------------------------------
