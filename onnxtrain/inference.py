@@ -312,7 +312,8 @@ class InferenceSession:
         refuse_unloadable(self._model)
         loaded = time.perf_counter_ns()
         self._plan = make_plan(self._model, self._backend, self._providers, self._sess_options,
-                               self._provider_options)
+                               self._provider_options,
+                               initializers=supplied_arrays(self._model, self._sess_options))
         self._start_ns = time.time_ns()
         self._plan.profiling = bool(self._sess_options.enable_profiling)
         if self._sess_options.optimized_model_filepath:  # the graph the engine runs: the model as loaded
@@ -427,7 +428,8 @@ class InferenceSession:
                 self._path_plans[key] = (None, None)
             else:
                 plan = make_plan(model_for_outputs(self._model, names), self._backend, self._providers,
-                                 self._sess_options, self._provider_options)
+                                 self._sess_options, self._provider_options,
+                                 initializers=self._plan.initializers)  # the session's arrays, shared
                 plan.profiling = self._plan.profiling
                 self._path_plans[key] = (required, plan)
         return self._path_plans[key]
@@ -689,6 +691,19 @@ def with_option_overrides(model: onnx.ModelProto, options: Any) -> onnx.ModelPro
         _inferred_output_sizes(out)  # else as the overrides name them
         for v in g.output:
             _fix_dims(v, dims)
+    return out
+
+
+def supplied_arrays(model: onnx.ModelProto, options: Any) -> dict[str, np.ndarray]:
+    """The ``add_initializer`` values of ``model``'s initializers as arrays (checked against the model by
+    :func:`with_option_overrides`), for the numpy plan to read in place of copies of its own: the session
+    holds the caller's memory, as onnxruntime does."""
+    names = {t.name for t in model.graph.initializer}
+    out = {}
+    for name, value in getattr(options, "_initializers", {}).items():
+        if name in names:
+            array = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+            out[name] = np.ascontiguousarray(array)
     return out
 
 

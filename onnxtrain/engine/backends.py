@@ -18,12 +18,15 @@ A session picks its backend with the config entry ``onnxtrain.backend``::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
 
 from onnxtrain.ir.graphs import RANDOM_OPS
 from onnxtrain.user_warning import warn
+
+if TYPE_CHECKING:
+    import numpy as np
 
 BACKENDS = ("numpy", "onnxruntime")
 CONFIG_KEY = "onnxtrain.backend"
@@ -139,7 +142,8 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
               providers: Sequence[Any] | None = None, options: Any = None,
               provider_options: Sequence[dict] | None = None, follower: bool = False,
               updates: Mapping[str, str] | None = None, keep_binding: bool = False,
-              random_state: dict[Any, dict[Any, Any]] | None = None) -> Any:
+              random_state: dict[Any, dict[Any, Any]] | None = None,
+              initializers: Mapping[str, np.ndarray] | None = None) -> Any:
     """A compiled graph on ``backend``: a :class:`Plan` (numpy) or an :class:`OrtPlan` (onnxruntime).
 
     ``providers``/``provider_options`` and ``options`` (a SessionOptions: graph optimisation level,
@@ -156,12 +160,14 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
     whatever ``inter_op_num_threads`` says (a warning says so). ``random_state``: one dict shared by the
     plans of a session, so that a random node in several of its graphs does not repeat its draws: the
     numpy plans share the node's generator; onnxruntime keeps a generator per session, so each later
-    plan's copy of a seeded node gets a seed of its own (:func:`_distinct_seeds`)."""
+    plan's copy of a seeded node gets a seed of its own (:func:`_distinct_seeds`). ``initializers``: arrays
+    the numpy plan takes for the model's initializers of those names instead of converting its own copies
+    (the caller's ``add_initializer`` values, another plan's arrays); onnxruntime reads the model's."""
     if check_backend(backend) == "numpy":
         from onnxtrain.engine.plan import Plan  # here: onnxruntime sessions never load the numpy engine
 
         return Plan(model, fuse=_numpy_fuse(options), threads=_intra_op_threads(options),
-                    random_state=random_state)
+                    random_state=random_state, initializers=initializers)
     from onnxtrain.engine.ort_plan import OrtPlan  # here: numpy sessions never load it
 
     if random_state is not None and isinstance(model, onnx.ModelProto):

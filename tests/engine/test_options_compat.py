@@ -112,3 +112,48 @@ def test_an_external_initializer_the_model_lacks_is_an_error(lib) -> None:
     fail = lib.capi.onnxruntime_pybind11_state.Fail
     with pytest.raises(fail, match="w_typo"):
         lib.InferenceSession(_model(), so, providers=["CPUExecutionProvider"])
+
+
+def _two_output_model() -> bytes:
+    """``_model`` that also outputs m = x · w, whose path does not read lr."""
+    m = helper.make_model(helper.make_graph([], "g", [], []))
+    m.ParseFromString(_model())
+    m.graph.output.append(helper.make_tensor_value_info("m", F, ["batch", 2]))
+    return m.SerializeToString()
+
+
+@pytest.mark.parametrize("lib", [ort, onnxtrain], ids=["onnxruntime", "onnxtrain"])
+def test_an_added_initializer_is_the_callers_memory(lib) -> None:
+    """The session reads the caller's array for an add_initializer value (it held a copy, and a second one
+    in its model, before): a change made to the array later shows in the next run, as in onnxruntime."""
+    w = np.array([5.0, 7.0], np.float32)
+    so = lib.SessionOptions()
+    kept = lib.OrtValue.ortvalue_from_numpy(w)  # (onnxruntime keeps the memory, not the OrtValue)
+    so.add_initializer("w", kept)
+    sess = lib.InferenceSession(_two_output_model(), so, providers=["CPUExecutionProvider"])
+    feeds = {"x": np.ones((1, 2), np.float32), "lr": np.array(0.5, np.float32)}
+    np.testing.assert_array_equal(sess.run(["y"], feeds)[0], [[5.5, 7.5]])
+    w[:] = [1.0, 2.0]
+    np.testing.assert_array_equal(sess.run(["y"], feeds)[0], [[1.5, 2.5]])
+    np.testing.assert_array_equal(sess.run(["m"], feeds)[0], [[1.0, 2.0]])
+
+
+def test_the_numpy_plans_share_the_added_initializers_arrays() -> None:
+    """On the numpy engine the session's plan holds the caller's array itself, and so does the plan of a
+    run of only the path to some outputs (it converted the model's copy again)."""
+    w = np.array([5.0, 7.0], np.float32)
+    so = onnxtrain.SessionOptions()
+    so.add_initializer("w", w)
+    sess = onnxtrain.InferenceSession(_two_output_model(), so)
+    assert sess._plan.initializers["w"] is w
+    ro = onnxtrain.RunOptions()
+    ro.only_execute_path_to_fetches = True
+    np.testing.assert_array_equal(sess.run(["m"], {"x": np.ones((1, 2), np.float32)}, ro)[0], [[5.0, 7.0]])
+    plans = [p for _, p in sess._path_plans.values() if p is not None]
+    assert plans and all(p.initializers["w"] is w for p in plans)
+    # an array that is not contiguous is taken as a contiguous copy, with its values
+    strided = np.array([[9.0, 0.0], [8.0, 0.0]], np.float32)[:, 0]
+    so2 = onnxtrain.SessionOptions()
+    so2.add_initializer("w", strided)
+    sess2 = onnxtrain.InferenceSession(_two_output_model(), so2)
+    np.testing.assert_array_equal(sess2.run(["m"], {"x": np.ones((1, 2), np.float32)}, ro)[0], [[9.0, 8.0]])
