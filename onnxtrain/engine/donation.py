@@ -16,11 +16,13 @@ one the caller alone holds (:func:`donated_slots`); otherwise the output gets a 
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Collection, Mapping
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from onnxtrain.engine.thread_state import bound
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan
@@ -112,15 +114,9 @@ def donated_slots(plan: Plan, feeds: Mapping[str, Any], donate: Collection[str])
     return {plan.slot[name]: v for name, v in donatable(feeds, donate).items()}
 
 
-@contextmanager
-def donating(slots: frozenset[int]) -> Iterator[None]:
+def donating(slots: frozenset[int]) -> AbstractContextManager[None]:
     """Steps run on this thread inside the block may overwrite the inputs in ``slots``."""
-    before = getattr(_local, "slots", _NONE)
-    _local.slots = slots
-    try:
-        yield
-    finally:
-        _local.slots = before
+    return bound(_local, "slots", slots, _NONE)
 
 
 def donated_now() -> frozenset[int]:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import numpy as np
 
 from onnxtrain.engine import affinity
 from onnxtrain.engine.blas import shorten_blas_spin
+from onnxtrain.engine.thread_state import bound
 
 _local = threading.local()
 MIN_ROWS_WORK = 1 << 18  # elements per part of a row-wise kernel: below, splitting costs more than it saves
@@ -59,15 +60,9 @@ def width() -> int:
     return getattr(_local, "width", 1)
 
 
-@contextmanager
-def running_with(n: int) -> Iterator[None]:
+def running_with(n: int) -> AbstractContextManager[None]:
     """Kernels called on this thread inside the block may use ``n`` threads."""
-    before = getattr(_local, "width", 1)
-    _local.width = n
-    try:
-        yield
-    finally:
-        _local.width = before
+    return bound(_local, "width", n, 1)
 
 
 class _Job:
@@ -146,16 +141,10 @@ def worker_threads() -> dict[int, int]:
     return {t: w.cores.get(i, -1) for i, t in enumerate(list(w.ids))}
 
 
-@contextmanager
-def recording_splits(parts: list[int]) -> Iterator[None]:
+def recording_splits(parts: list[int]) -> AbstractContextManager[None]:
     """Inside the block, each :func:`parallel_for` on this thread appends its count of parts to ``parts``
-    (a profiled node's ``block_size``)."""
-    before = getattr(_local, "splits", None)
-    _local.splits = parts
-    try:
-        yield
-    finally:
-        _local.splits = before
+    (a profiled node's ``splits``)."""
+    return bound(_local, "splits", parts)
 
 
 def parallel_for(n: int, fn: Callable[[int], None]) -> None:
