@@ -106,7 +106,6 @@ def caller_cpu() -> int:
     return cpus[0] if cpus else -1
 
 
-
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=forget)
 

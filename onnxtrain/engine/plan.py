@@ -454,7 +454,6 @@ class Plan(GraphInterface):
                     vals[s] = None
         return peak
 
-
     def _constant_slots(self) -> frozenset[int]:
         """Slots of the values no run can feed (initializers that are no graph input, folded constants):
         a profile counts their bytes as a node's ``parameter_size``, as onnxruntime counts constant inputs."""
