@@ -42,6 +42,7 @@ from onnxtrain.engine.registry import (
     SUBGRAPH_OPS,
     Attrs,
     Kernel,
+    available_domain_ops,
     available_ops,
     find_kernel,
     parse_attributes,
@@ -131,6 +132,7 @@ class Plan(GraphInterface):
         ranks = _ranks_of(model)
         missing: list[str] = []
         captures: dict[int, list[str]] = {}  # node index → outer values its bodies read
+        domain_opsets = {o.domain: o.version for o in model.opset_import}
         for k, node in enumerate(g.node):
             in_names, out_names = tuple(node.input), tuple(node.output)
             if checker is not None and checker.invalid(node, in_names, out_names):
@@ -149,12 +151,14 @@ class Plan(GraphInterface):
                 missing.append(f"{label} ({node.domain + '.' if node.domain else ''}{node.op_type}"
                                f"{added_later(node, self.opset)})")
                 continue
+            # a node of another domain (ai.onnx.ml) is read at that domain's opset
+            opset = self.opset if node.domain in DEFAULT_DOMAINS else domain_opsets.get(node.domain, 1)
             try:
-                values = parse_attributes(node, self.opset)
+                values = parse_attributes(node, opset)
             except Exception as e:
                 raise EngineError(f"node {node.name!r} ({node.op_type}): bad attributes: {e}") from None
             used = tuple(bool(o) for o in out_names)
-            attrs = Attrs(values, node.op_type, node.name, self.opset, len(out_names), used)
+            attrs = Attrs(values, node.op_type, node.name, opset, len(out_names), used)
             if random_state is not None and node.op_type in RANDOM_OPS:
                 attrs.cache = random_state.setdefault(node.name or out_names, {})
             ins = [slot_of(n) if n else -1 for n in (*in_names, *captures.get(k, ()))]
@@ -162,7 +166,8 @@ class Plan(GraphInterface):
             raw_steps.append((node, fn, attrs, ins, outs))
         if missing:
             raise UnsupportedOpError(
-                f"no kernel for node(s) {', '.join(missing)}; ops with kernels: {', '.join(available_ops())}"
+                f"no kernel for node(s) {', '.join(missing)}; ops with kernels: "
+                f"{', '.join(available_ops() + available_domain_ops())}"
             )
         produced = set(init_names) | set(self.all_input_names)
         name_of = {s: n for n, s in slot.items()}

@@ -71,13 +71,21 @@ Kernel = Callable[[Inputs, Attrs], Outputs]
 
 SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})  # kernels made per node from their bodies
 _KERNELS: dict[str, list[tuple[int, Kernel]]] = {}
+# kernels of other domains than ONNX's default one, by (domain, op): one kernel for all of an op's versions
+# (those of ``ai.onnx.ml`` read whichever attributes the node's version has)
+_DOMAIN_KERNELS: dict[tuple[str, str], Kernel] = {}
 _LOADED = False
 
 
-def kernel(op: str, since: int = 1) -> Callable[[Kernel], Kernel]:
-    """Register ``fn`` as the kernel of ``op`` for opsets ``>= since``."""
+def kernel(op: str, since: int = 1, domain: str = "") -> Callable[[Kernel], Kernel]:
+    """Register ``fn`` as the kernel of ``op`` for opsets ``>= since`` (of ``domain``'s op: every version)."""
 
     def register(fn: Kernel) -> Kernel:
+        if domain not in DEFAULT_DOMAINS:
+            if (domain, op) in _DOMAIN_KERNELS:
+                raise ValueError(f"kernel for {domain}.{op} registered twice")
+            _DOMAIN_KERNELS[(domain, op)] = fn
+            return fn
         versions = _KERNELS.setdefault(op, [])
         if any(v == since for v, _ in versions):
             raise ValueError(f"kernel for {op} since opset {since} registered twice")
@@ -103,7 +111,7 @@ def find_kernel(op: str, opset: int, domain: str = "") -> Kernel | None:
     """The kernel for ``op`` at ``opset``, or None."""
     _load_all()
     if domain not in DEFAULT_DOMAINS:
-        return None
+        return _DOMAIN_KERNELS.get((domain, op))
     best = None
     for since, fn in _KERNELS.get(op, ()):
         if since <= opset:
@@ -119,9 +127,15 @@ def has_kernel(op: str, opset: int, domain: str = "") -> bool:
 
 
 def available_ops() -> list[str]:
-    """Names of every op that has a kernel."""
+    """Names of every op of ONNX's default domain that has a kernel."""
     _load_all()
     return sorted(_KERNELS)
+
+
+def available_domain_ops() -> list[str]:
+    """``domain.op`` of every op of another domain that has a kernel (``ai.onnx.ml.LabelEncoder``)."""
+    _load_all()
+    return sorted(f"{d}.{op}" for d, op in _DOMAIN_KERNELS)
 
 
 def as_array(x: Any, dtype: Any = None) -> np.ndarray:

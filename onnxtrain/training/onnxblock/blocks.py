@@ -364,8 +364,8 @@ class Linear(Block):
 
 class LabelEncoder(Block):
     """``ai.onnx.ml.LabelEncoder``: maps keys (floats, int64s or strings) to values. The block writes the node
-    (and the ``ai.onnx.ml`` opset) as onnxruntime's does; the numpy engine has no kernel for it, so a model
-    that runs it fails by name."""
+    (and the ``ai.onnx.ml`` opset) as onnxruntime's does (the numpy engine runs it:
+    :mod:`onnxtrain.engine.kernels.ml`)."""
 
     def __init__(self, default_float: float = 0.0, default_int64: int = -1, default_string: str = "_Unused",
                  keys_floats: list[float] | None = None, keys_int64s: list[int] | None = None,
