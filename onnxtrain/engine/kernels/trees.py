@@ -1,15 +1,17 @@
-"""``ai.onnx.ml`` TreeEnsembleRegressor (versions 1 and 3): every sample walks every tree at once.
+"""``ai.onnx.ml`` tree ensembles: TreeEnsembleRegressor (versions 1 and 3) and TreeEnsemble (version 5).
+Every sample walks every tree at once.
 
-The nodes are compiled once per node (cached on it) into flat arrays: feature, threshold, comparison,
-child indices and whether a missing value (NaN) takes the true branch; the leaves' weights into a dense
-(leaf, target) matrix. A walk is one vectorised step per tree level over a (samples, trees) array of node
-indices. What the spec leaves open follows onnxruntime, the oracle of the tests: features compare in the
-thresholds' type (float32 unless ``nodes_values_as_tensor`` is double; a double input compares in double),
-scores add up tree after tree in float32 (in double for a double input or double thresholds), AVERAGE
-divides by the number of trees, MIN and MAX take only the leaves that score a target (none: 0), and the
-post transforms are onnxruntime's formulas. Where the spec says otherwise than onnxruntime does, the spec
-is followed: base values are added to every target (onnxruntime leaves a target no leaf scored at 0) and a
-single target gets its post transform too (onnxruntime applies only PROBIT there).
+Both ops' nodes are compiled once per node (cached on it) into one :class:`_Forest` of flat arrays:
+feature, threshold, comparison, child indices, whether a missing value (NaN) takes the true branch, the set
+of a BRANCH_MEMBER node; the leaves' weights into a dense (leaf, target) matrix. A walk is one vectorised
+step per tree level over a (samples, trees) array of node indices. What the spec leaves open follows
+onnxruntime, the oracle of the tests: features compare in the thresholds' type (float32 unless they are
+double; a double input compares in double), scores add up tree after tree in float32 (in double for a
+double input or double thresholds), AVERAGE divides by the number of trees, MIN and MAX take only the
+leaves that score a target (none: 0), and the post transforms are onnxruntime's formulas. Where the spec
+says otherwise than onnxruntime does, the spec is followed: base values are added to every target
+(onnxruntime leaves a target no leaf scored at 0) and a single target gets its post transform too
+(onnxruntime applies only PROBIT there).
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ import numpy as np
 
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
+# comparison codes (version 5's own numbering), and a leaf
 _MODES = {"BRANCH_LEQ": 0, "BRANCH_LT": 1, "BRANCH_GTE": 2, "BRANCH_GT": 3, "BRANCH_EQ": 4, "BRANCH_NEQ": 5,
-          "LEAF": 6}
-_LEAF = 6
+          "BRANCH_MEMBER": 6, "LEAF": 7}
+_MEMBER, _LEAF = 6, 7
+_AGGREGATES = ("AVERAGE", "SUM", "MIN", "MAX")  # version 5's codes 0..3
+_TRANSFORMS = ("NONE", "SOFTMAX", "LOGISTIC", "SOFTMAX_ZERO", "PROBIT")  # version 5's codes 0..4
 
 
 def _text(v: Any) -> str:
@@ -40,63 +45,17 @@ def _tensor_or_list(attrs: Attrs, name: str, dtype: Any) -> np.ndarray | None:
 
 
 class _Forest:
-    """A tree ensemble's nodes as flat arrays (see the module docstring)."""
+    """A tree ensemble's nodes and leaves as flat arrays (see the module docstring); leaves are nodes of mode
+    LEAF. ``members``: for each node, its BRANCH_MEMBER set as a row padded with NaN (None: no such
+    node)."""
 
-    def __init__(self, attrs: Attrs):
-        name = attrs.name
-        tree_ids = np.asarray(attrs["nodes_treeids"], np.int64)
-        node_ids = np.asarray(attrs["nodes_nodeids"], np.int64)
-        n = len(tree_ids)
-        modes = [_MODES.get(_text(m)) for m in attrs["nodes_modes"]]
-        if None in modes:
-            bad = _text(attrs["nodes_modes"][modes.index(None)])
-            raise ValueError(f"TreeEnsembleRegressor {name!r}: unknown node mode {bad!r}")
-        values = _tensor_or_list(attrs, "nodes_values", np.float32)
-        lists = [node_ids, np.asarray(attrs["nodes_featureids"]), np.asarray(attrs["nodes_truenodeids"]),
-                 np.asarray(attrs["nodes_falsenodeids"]), modes, values]
-        if any(v is None or len(v) != n for v in lists):
-            raise ValueError(f"TreeEnsembleRegressor {name!r}: the nodes_* attributes differ in length")
-        index = {(int(t), int(i)): k for k, (t, i) in enumerate(zip(tree_ids, node_ids))}
-        if len(index) != n:
-            raise ValueError(f"TreeEnsembleRegressor {name!r}: a (tree, node) id pair is repeated")
-        self.mode = np.asarray(modes, np.int8)
-        self.feature = np.asarray(attrs["nodes_featureids"], np.int64)
-        self.threshold = values.astype(np.float64 if values.dtype == np.float64 else np.float32)
-        missing = attrs.get("nodes_missing_value_tracks_true")
-        self.missing_true = (np.zeros(n, bool) if missing is None or len(missing) == 0
-                             else np.asarray(missing, np.int64) != 0)
-
-        def child(k: int, ids: Any) -> int:
-            if self.mode[k] == _LEAF:
-                return k
-            key = (int(tree_ids[k]), int(ids[k]))
-            if key not in index:
-                raise ValueError(f"TreeEnsembleRegressor {name!r}: node {key} (a child of node "
-                                 f"{(int(tree_ids[k]), int(node_ids[k]))}) does not exist")
-            return index[key]
-
-        true_ids, false_ids = attrs["nodes_truenodeids"], attrs["nodes_falsenodeids"]
-        self.true = np.asarray([child(k, true_ids) for k in range(n)], np.int64)
-        self.false = np.asarray([child(k, false_ids) for k in range(n)], np.int64)
-        children = set(self.true[self.mode != _LEAF].tolist()) | set(self.false[self.mode != _LEAF].tolist())
-        self.roots = np.asarray([k for k in range(n) if k not in children], np.int64)
-        self.n_trees = len(set(tree_ids.tolist()))
-        if len(self.roots) != self.n_trees:
-            raise ValueError(f"TreeEnsembleRegressor {name!r}: {len(self.roots)} roots for "
-                             f"{self.n_trees} trees")
-        self.n_targets = int(attrs.get("n_targets") or 1)
-        weights = _tensor_or_list(attrs, "target_weights", np.float32)
-        # scores add up in the thresholds' type (float64 for double trees), as onnxruntime adds them
-        self.weights = np.zeros((n, self.n_targets), self.threshold.dtype)
-        self.scores = np.zeros((n, self.n_targets), bool)  # which (leaf, target) a leaf scores
-        for t, i, target, w in zip(attrs["target_treeids"], attrs["target_nodeids"], attrs["target_ids"],
-                                   weights if weights is not None else ()):
-            k = index.get((int(t), int(i)))
-            if k is None or not 0 <= int(target) < self.n_targets:
-                raise ValueError(f"TreeEnsembleRegressor {name!r}: target entry of node {(int(t), int(i))} "
-                                 f"and target {int(target)} names no leaf or target")
-            self.weights[k, int(target)] += self.threshold.dtype.type(w)
-            self.scores[k, int(target)] = True
+    def __init__(self, op: str, mode: np.ndarray, feature: np.ndarray, threshold: np.ndarray,
+                 missing_true: np.ndarray, true: np.ndarray, false: np.ndarray, roots: np.ndarray,
+                 weights: np.ndarray, scores: np.ndarray, members: np.ndarray | None = None):
+        self.op, self.mode, self.feature, self.threshold = op, mode, feature, threshold
+        self.missing_true, self.true, self.false, self.roots = missing_true, true, false, roots
+        self.weights, self.scores, self.members = weights, scores, members
+        self.n_trees, self.n_targets = len(roots), weights.shape[1]
         self.depth = self._depth()
 
     def _depth(self) -> int:
@@ -106,7 +65,7 @@ class _Forest:
         while len(frontier):
             level += 1
             if level > len(self.mode) + 1:
-                raise ValueError("TreeEnsembleRegressor: the nodes form a cycle")
+                raise ValueError(f"{self.op}: the nodes form a cycle")
             inner = frontier[self.mode[frontier] != _LEAF]
             depth[frontier] = level
             frontier = np.unique(np.concatenate([self.true[inner], self.false[inner]]))
@@ -125,6 +84,10 @@ class _Forest:
             m = self.mode[at]
             go = np.select([m == 0, m == 1, m == 2, m == 3, m == 4], [v <= t, v < t, v >= t, v > t, v == t],
                            v != t)
+            if self.members is not None:
+                member = m == _MEMBER
+                if member.any():
+                    go[member] = (self.members[at[member]] == v[member][:, None]).any(axis=1)
             go |= np.isnan(v) & self.missing_true[at]
             at = np.where(inner, np.where(go, self.true[at], self.false[at]), at)
         return at
@@ -165,21 +128,142 @@ def _probit(s: np.ndarray) -> np.ndarray:
     return np.vectorize(one, otypes=[np.float64])(s.astype(np.float64))
 
 
-@kernel("TreeEnsembleRegressor", domain="ai.onnx.ml")
-def tree_ensemble_regressor(inputs: Inputs, attrs: Attrs) -> Outputs:
-    forest: _Forest = attrs.cached("forest", lambda: _Forest(attrs))
-    x = np.asarray(inputs[0])
+def _regressor_forest(attrs: Attrs) -> _Forest:
+    """TreeEnsembleRegressor's nodes (identified by tree and node ids) and targets as a forest."""
+    op = f"TreeEnsembleRegressor {attrs.name!r}"
+    tree_ids = np.asarray(attrs["nodes_treeids"], np.int64)
+    node_ids = np.asarray(attrs["nodes_nodeids"], np.int64)
+    n = len(tree_ids)
+    modes = [_MODES.get(_text(m)) for m in attrs["nodes_modes"]]
+    if None in modes or _MEMBER in modes:
+        bad = _text(attrs["nodes_modes"][modes.index(None if None in modes else _MEMBER)])
+        raise ValueError(f"{op}: unknown node mode {bad!r}")
+    values = _tensor_or_list(attrs, "nodes_values", np.float32)
+    lists = [node_ids, np.asarray(attrs["nodes_featureids"]), np.asarray(attrs["nodes_truenodeids"]),
+             np.asarray(attrs["nodes_falsenodeids"]), modes, values]
+    if any(v is None or len(v) != n for v in lists):
+        raise ValueError(f"{op}: the nodes_* attributes differ in length")
+    index = {(int(t), int(i)): k for k, (t, i) in enumerate(zip(tree_ids, node_ids))}
+    if len(index) != n:
+        raise ValueError(f"{op}: a (tree, node) id pair is repeated")
+    mode = np.asarray(modes, np.int8)
+    threshold = values.astype(np.float64 if values.dtype == np.float64 else np.float32)
+
+    def child(k: int, ids: Any) -> int:
+        if mode[k] == _LEAF:
+            return k
+        key = (int(tree_ids[k]), int(ids[k]))
+        if key not in index:
+            raise ValueError(f"{op}: node {key} (a child of node {(int(tree_ids[k]), int(node_ids[k]))}) "
+                             "does not exist")
+        return index[key]
+
+    true = np.asarray([child(k, attrs["nodes_truenodeids"]) for k in range(n)], np.int64)
+    false = np.asarray([child(k, attrs["nodes_falsenodeids"]) for k in range(n)], np.int64)
+    children = set(true[mode != _LEAF].tolist()) | set(false[mode != _LEAF].tolist())
+    roots = np.asarray([k for k in range(n) if k not in children], np.int64)
+    if len(roots) != len(set(tree_ids.tolist())):
+        raise ValueError(f"{op}: {len(roots)} roots for {len(set(tree_ids.tolist()))} trees")
+    n_targets = int(attrs.get("n_targets") or 1)
+    weights = np.zeros((n, n_targets), threshold.dtype)
+    scores = np.zeros((n, n_targets), bool)  # which (leaf, target) a leaf scores
+    given = _tensor_or_list(attrs, "target_weights", np.float32)
+    for t, i, target, w in zip(attrs["target_treeids"], attrs["target_nodeids"], attrs["target_ids"],
+                               given if given is not None else ()):
+        k = index.get((int(t), int(i)))
+        if k is None or not 0 <= int(target) < n_targets:
+            raise ValueError(f"{op}: target entry of node {(int(t), int(i))} and target {int(target)} "
+                             "names no leaf or target")
+        weights[k, int(target)] += threshold.dtype.type(w)
+        scores[k, int(target)] = True
+    missing = attrs.get("nodes_missing_value_tracks_true")
+    missing_true = np.zeros(n, bool) if missing is None or len(missing) == 0 else np.asarray(missing) != 0
+    return _Forest(op, mode, np.asarray(attrs["nodes_featureids"], np.int64), threshold, missing_true, true,
+                   false, roots, weights, scores)
+
+
+def _v5_forest(attrs: Attrs) -> _Forest:
+    """TreeEnsemble's (version 5) nodes, by index, and its leaves, appended after them as LEAF nodes."""
+    op = f"TreeEnsemble {attrs.name!r}"
+    splits = np.asarray(attrs["nodes_splits"]).reshape(-1)
+    n = len(splits)
+    mode = np.asarray(attrs["nodes_modes"]).reshape(-1).astype(np.int8)
+    targets = np.asarray(attrs["leaf_targetids"], np.int64)
+    leaf_w = np.asarray(attrs["leaf_weights"]).reshape(-1)
+    n_leaves, n_targets = len(targets), int(attrs.get("n_targets") or 1)
+    lists = [mode, attrs["nodes_featureids"], attrs["nodes_truenodeids"], attrs["nodes_falsenodeids"],
+             attrs["nodes_trueleafs"], attrs["nodes_falseleafs"]]
+    if any(len(v) != n for v in lists) or len(leaf_w) != n_leaves:
+        raise ValueError(f"{op}: the nodes_* (or leaf_*) attributes differ in length")
+    if ((mode < 0) | (mode > _MEMBER)).any():
+        raise ValueError(f"{op}: unknown node mode {int(mode[(mode < 0) | (mode > _MEMBER)][0])}")
+    if ((targets < 0) | (targets >= n_targets)).any():
+        raise ValueError(f"{op}: a leaf's target is not below n_targets={n_targets}")
+
+    def child(ids: Any, leafs: Any) -> np.ndarray:
+        ids, leafs = np.asarray(ids, np.int64), np.asarray(leafs, np.int64) != 0
+        bad = (leafs & ((ids < 0) | (ids >= n_leaves))) | (~leafs & ((ids < 0) | (ids >= n)))
+        if bad.any():
+            raise ValueError(f"{op}: node {int(np.argmax(bad))} names a child that does not exist")
+        return np.where(leafs, ids + n, ids)
+
+    own = n + np.arange(n_leaves)  # a leaf's children are itself
+    true = np.concatenate([child(attrs["nodes_truenodeids"], attrs["nodes_trueleafs"]), own])
+    false = np.concatenate([child(attrs["nodes_falsenodeids"], attrs["nodes_falseleafs"]), own])
+    roots = np.asarray(attrs["tree_roots"], np.int64)
+    # a tree that is one leaf: its root's two branches name the same leaf
+    true_leaf = np.asarray(attrs["nodes_trueleafs"]) != 0
+    false_leaf = np.asarray(attrs["nodes_falseleafs"]) != 0
+    lone = true_leaf[roots] & false_leaf[roots] & (true[roots] == false[roots])
+    roots = np.where(lone, true[roots], roots)
+    dtype = np.float64 if splits.dtype == np.float64 else np.float32
+    weights = np.zeros((n + n_leaves, n_targets), dtype)
+    scores = np.zeros((n + n_leaves, n_targets), bool)
+    weights[n + np.arange(n_leaves), targets] = leaf_w.astype(dtype)
+    scores[n + np.arange(n_leaves), targets] = True
+    members = None
+    if (mode == _MEMBER).any():
+        values = np.asarray(attrs.get("membership_values") if attrs.get("membership_values") is not None
+                            else [], np.float64).reshape(-1)
+        sets, current = [], []
+        for v in values:  # one NaN-ended run of values per BRANCH_MEMBER node, in node order
+            if np.isnan(v):
+                sets.append(current)
+                current = []
+            else:
+                current.append(v)
+        if current:
+            sets.append(current)
+        at = np.flatnonzero(mode == _MEMBER)
+        if len(sets) != len(at):
+            raise ValueError(f"{op}: {len(sets)} membership sets for {len(at)} BRANCH_MEMBER nodes")
+        width = max(1, *(len(m) for m in sets))
+        members = np.full((n + n_leaves, width), np.nan, dtype)
+        for k, m in zip(at, sets):
+            members[k, : len(m)] = m
+    missing = attrs.get("nodes_missing_value_tracks_true")
+    missing_true = np.zeros(n + n_leaves, bool)
+    if missing is not None and len(missing):
+        missing_true[:n] = np.asarray(missing) != 0
+    feature = np.concatenate([np.asarray(attrs["nodes_featureids"], np.int64), np.zeros(n_leaves, np.int64)])
+    mode = np.concatenate([mode, np.full(n_leaves, _LEAF, np.int8)])
+    threshold = np.concatenate([splits.astype(dtype), np.zeros(n_leaves, dtype)])
+    return _Forest(op, mode, feature, threshold, missing_true, true, false, roots, weights, scores, members)
+
+
+def _predict(forest: _Forest, x: np.ndarray, how: str, base: np.ndarray | None, post: str,
+             out: Any = np.float32) -> np.ndarray:
+    """The forest's aggregated, shifted and transformed scores of the rows of ``x``, of dtype ``out``."""
     if x.ndim == 1:
         x = x.reshape(1, -1)
     x = x.reshape(len(x), -1)
     compare = np.float64 if x.dtype == np.float64 or forest.threshold.dtype == np.float64 else np.float32
     x = x.astype(compare, copy=False)
-    if len(forest.feature) and x.shape[1] <= int(forest.feature[forest.mode != _LEAF].max(initial=-1)):
-        raise ValueError(f"TreeEnsembleRegressor {attrs.name!r}: a node reads feature "
-                         f"{int(forest.feature.max())}, the input has {x.shape[1]}")
+    used = forest.feature[forest.mode != _LEAF]
+    if len(used) and x.shape[1] <= int(used.max()):
+        raise ValueError(f"{forest.op}: a node reads feature {int(used.max())}, the input has {x.shape[1]}")
     at = forest.leaves(x)
     w, hit = forest.weights[at].astype(compare, copy=False), forest.scores[at]  # (samples, trees, targets)
-    how = _text(attrs.get("aggregate_function") or "SUM")
     dt = w.dtype.type  # a double input or double trees add in double, as onnxruntime does
     if how in ("SUM", "AVERAGE"):  # tree after tree, as onnxruntime adds them (the same bits)
         s = np.zeros((len(x), forest.n_targets), dt)
@@ -192,20 +276,41 @@ def tree_ensemble_regressor(inputs: Inputs, attrs: Attrs) -> Outputs:
         fill = dt(np.inf if how == "MIN" else -np.inf)
         s = np.where(hit.any(axis=1), pick(np.where(hit, w, fill), axis=1), dt(0))
     else:
-        raise ValueError(f"TreeEnsembleRegressor {attrs.name!r}: unknown aggregate_function {how!r}")
-    base = _tensor_or_list(attrs, "base_values", np.float32)
+        raise ValueError(f"{forest.op}: unknown aggregate_function {how!r}")
     if base is not None and len(base) == forest.n_targets:  # (other lengths: none added, as onnxruntime)
         s = s + base.astype(dt)
-    s = s.astype(np.float32)
-    post = _text(attrs.get("post_transform") or "NONE")
+    s = s.astype(out)
     if post == "LOGISTIC":
-        s = _logistic(s)
-    elif post in ("SOFTMAX", "SOFTMAX_ZERO"):
-        s = _softmax(s, post == "SOFTMAX_ZERO")
-    elif post == "PROBIT":
+        return _logistic(s)
+    if post in ("SOFTMAX", "SOFTMAX_ZERO"):
+        return _softmax(s, post == "SOFTMAX_ZERO")
+    if post == "PROBIT":
         if forest.n_targets != 1:
-            raise ValueError(f"TreeEnsembleRegressor {attrs.name!r}: PROBIT needs one target")
-        s = _probit(s)
-    elif post != "NONE":
-        raise ValueError(f"TreeEnsembleRegressor {attrs.name!r}: unknown post_transform {post!r}")
+            raise ValueError(f"{forest.op}: PROBIT needs one target")
+        return _probit(s)
+    if post != "NONE":
+        raise ValueError(f"{forest.op}: unknown post_transform {post!r}")
+    return s
+
+
+@kernel("TreeEnsembleRegressor", domain="ai.onnx.ml")
+def tree_ensemble_regressor(inputs: Inputs, attrs: Attrs) -> Outputs:
+    forest: _Forest = attrs.cached("forest", lambda: _regressor_forest(attrs))
+    base = _tensor_or_list(attrs, "base_values", np.float32)
+    s = _predict(forest, np.asarray(inputs[0]), _text(attrs.get("aggregate_function") or "SUM"), base,
+                 _text(attrs.get("post_transform") or "NONE"))
     return (np.asarray(s, np.float32),)
+
+
+@kernel("TreeEnsemble", domain="ai.onnx.ml")
+def tree_ensemble(inputs: Inputs, attrs: Attrs) -> Outputs:
+    forest: _Forest = attrs.cached("forest", lambda: _v5_forest(attrs))
+    x = np.asarray(inputs[0])
+    how, post = attrs.get("aggregate_function"), attrs.get("post_transform")
+    how = 1 if how is None else int(how)
+    post = 0 if post is None else int(post)
+    if not 0 <= how < len(_AGGREGATES) or not 0 <= post < len(_TRANSFORMS):
+        raise ValueError(f"TreeEnsemble {attrs.name!r}: unknown aggregate_function {how} or post_transform "
+                         f"{post}")
+    out = x.dtype if x.dtype.kind == "f" else np.float32  # Y has X's type
+    return (np.asarray(_predict(forest, x, _AGGREGATES[how], None, _TRANSFORMS[post], out), out),)
