@@ -28,6 +28,7 @@ _MODES = {"BRANCH_LEQ": 0, "BRANCH_LT": 1, "BRANCH_GTE": 2, "BRANCH_GT": 3, "BRA
           "BRANCH_MEMBER": 6, "LEAF": 7}
 _MEMBER, _LEAF = 6, 7
 _AGGREGATES = ("AVERAGE", "SUM", "MIN", "MAX")  # version 5's codes 0..3
+_ROWS = 4096  # rows walked at once
 _TRANSFORMS = ("NONE", "SOFTMAX", "LOGISTIC", "SOFTMAX_ZERO", "PROBIT")  # version 5's codes 0..4
 
 
@@ -262,21 +263,27 @@ def _predict(forest: _Forest, x: np.ndarray, how: str, base: np.ndarray | None, 
     used = forest.feature[forest.mode != _LEAF]
     if len(used) and x.shape[1] <= int(used.max()):
         raise ValueError(f"{forest.op}: a node reads feature {int(used.max())}, the input has {x.shape[1]}")
-    at = forest.leaves(x)
-    w, hit = forest.weights[at].astype(compare, copy=False), forest.scores[at]  # (samples, trees, targets)
-    dt = w.dtype.type  # a double input or double trees add in double, as onnxruntime does
-    if how in ("SUM", "AVERAGE"):  # tree after tree, as onnxruntime adds them (the same bits)
-        s = np.zeros((len(x), forest.n_targets), dt)
-        for t in range(w.shape[1]):
-            s += w[:, t]
-        if how == "AVERAGE":
-            s = s / dt(forest.n_trees)
-    elif how in ("MIN", "MAX"):
-        pick = np.min if how == "MIN" else np.max
-        fill = dt(np.inf if how == "MIN" else -np.inf)
-        s = np.where(hit.any(axis=1), pick(np.where(hit, w, fill), axis=1), dt(0))
-    else:
+    if how not in _AGGREGATES:
         raise ValueError(f"{forest.op}: unknown aggregate_function {how!r}")
+    dt = np.dtype(compare).type  # a double input or double trees add in double, as onnxruntime does
+    weights = forest.weights.astype(compare, copy=False)
+    s = np.zeros((len(x), forest.n_targets), dt)
+    for lo in range(0, len(x), _ROWS):  # rows a block at a time: the walk holds (rows, trees) indices
+        at = forest.leaves(x[lo: lo + _ROWS])
+        part = s[lo: lo + _ROWS]
+        if how in ("SUM", "AVERAGE"):  # tree after tree, as onnxruntime adds them (the same bits)
+            for t in range(at.shape[1]):
+                part += weights[at[:, t]]
+        else:
+            better = np.less if how == "MIN" else np.greater
+            seen = np.zeros(part.shape, bool)
+            for t in range(at.shape[1]):
+                w, hit = weights[at[:, t]], forest.scores[at[:, t]]
+                take = hit & (~seen | better(w, part))
+                part[take] = w[take]
+                seen |= hit
+    if how == "AVERAGE":
+        s = s / dt(forest.n_trees)
     if base is not None and len(base) == forest.n_targets:  # (other lengths: none added, as onnxruntime)
         s = s + base.astype(dt)
     s = s.astype(out)
