@@ -61,14 +61,12 @@ class _Forest:
 
     def _depth(self) -> int:
         """The longest root-to-leaf path (a bound for the walk's steps; a cycle is an error)."""
-        depth = np.zeros(len(self.mode), np.int64)
         frontier, level = self.roots, 0
         while len(frontier):
             level += 1
             if level > len(self.mode) + 1:
                 raise ValueError(f"{self.op}: the nodes form a cycle")
             inner = frontier[self.mode[frontier] != _LEAF]
-            depth[frontier] = level
             frontier = np.unique(np.concatenate([self.true[inner], self.false[inner]]))
         return level
 
