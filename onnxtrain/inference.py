@@ -321,6 +321,9 @@ class InferenceSession:
             self._model = without_values(model)
         self._plan = make_plan(self._model, self._backend, self._providers, self._sess_options,
                                self._provider_options, initializers=arrays)
+        if self._backend != "numpy" and getattr(self._plan, "_tensor_io", False):
+            # onnxruntime holds the weights (its own run covers path-only runs: see _path_plan)
+            self._model = without_values(model)
         self._start_ns = time.time_ns()
         self._plan.profiling = bool(self._sess_options.enable_profiling)
         if self._sess_options.optimized_model_filepath:  # the graph the engine runs: the model as loaded
@@ -417,7 +420,9 @@ class InferenceSession:
         names = self._output_list(output_names) if output_names else None
         required, path = self._path_plan(names) if names and ro.only_execute_path_to_fetches else (None, None)
         feeds = self._check(input_feed, required)
-        if path is not None:
+        if path is self._plan:  # onnxruntime's own path-only run (see _path_plan)
+            outs = path.run(feeds, names, path_only=True)
+        elif path is not None:
             outs = path.run({n: v for n, v in feeds.items() if n in path.input_info}, names)
         elif self._splitter is not None:
             outs = self._splitter.run(feeds, names)
@@ -434,6 +439,10 @@ class InferenceSession:
             required = [n for n in self._check.required if n in needed]
             if len(required) == len(self._check.required):
                 self._path_plans[key] = (None, None)
+            elif self._backend != "numpy" and self._plan._tensor_io:
+                # onnxruntime runs only the path itself, the inputs off it fed empty: no second session
+                # (with a second copy of the weights)
+                self._path_plans[key] = (required, self._plan)
             else:
                 plan = make_plan(model_for_outputs(self._model, names), self._backend, self._providers,
                                  self._sess_options, self._provider_options,
@@ -543,7 +552,7 @@ class InferenceSession:
     def end_profiling(self) -> str:
         """Write the per-node profile as a chrome-trace JSON file and end profiling, as onnxruntime does;
         returns its path ('' when not profiling, or profiling has ended)."""
-        paths = [plan for _, plan in self._path_plans.values() if plan is not None]
+        paths = [plan for _, plan in self._path_plans.values() if plan not in (None, self._plan)]
         return end_profiling(self, [self._plan, *paths])
 
 

@@ -257,7 +257,7 @@ class GraphInterface:
         model = load_model(model)
         self.opset = default_opset(model)
         model = expand_functions(model, self._lacks_kernel)  # an op without a kernel: its ONNX body
-        self.model = model
+        self._hold_model(model)
         g = model.graph
         given = initializers or {}
         self.initializers: Mapping[str, np.ndarray] = {} if convert else TensorArrays(g)
@@ -276,13 +276,19 @@ class GraphInterface:
         self.input_names = [v.name for v in g.input if v.name not in inits]
         self.all_input_names = [v.name for v in g.input]
         self.output_names = [v.name for v in g.output]
-        self.input_info = {v.name: v for v in g.input}
-        self.output_info = {v.name: v for v in g.output}
         self.input_dtypes = {v.name: np_dtype_of(v.type) for v in g.input}
         self.input_shapes = {v.name: value_info_shape(v.type) for v in g.input}
         self.output_dtypes = {v.name: np_dtype_of(v.type) for v in g.output}
         self.output_shapes = {v.name: value_info_shape(v.type) for v in g.output}
         return model
+
+    def _hold_model(self, model: onnx.ModelProto) -> None:
+        """Hold ``model`` (the one read, or a copy of it without its weights' values) and its graph's inputs
+        and outputs, and no part of another model: a part of a message keeps all of it alive (protobuf's
+        arenas), so inputs kept from the read model kept its weights held after it was replaced."""
+        self.model = model
+        self.input_info = {v.name: v for v in model.graph.input}
+        self.output_info = {v.name: v for v in model.graph.output}
 
 
 class TensorArrays(Mapping):
@@ -292,7 +298,13 @@ class TensorArrays(Mapping):
         self._tensors = {t.name: t for t in graph.initializer}
 
     def __getitem__(self, name: str) -> np.ndarray:
-        v = numpy_helper.to_array(self._tensors[name])
+        t = self._tensors[name]
+        try:
+            v = numpy_helper.to_array(t)
+        except ValueError:
+            if heavy(t):  # emptied by without_values: the values are where the graph was handed (onnxruntime)
+                raise EngineError(f"initializer {name!r}: its values are held by onnxruntime only") from None
+            raise
         v.setflags(write=False)
         return v
 
@@ -317,6 +329,16 @@ def heavy(t: onnx.TensorProto, max_kept: int = KEPT_VALUES) -> bool:
         return False
     return (numeric and t.data_location != onnx.TensorProto.EXTERNAL
             and int(np.prod(t.dims, dtype=np.int64)) > max_kept)
+
+
+def heavy_bytes(model: onnx.ModelProto) -> int:
+    """The bytes of the values of the initializers of ``model`` that :func:`without_values` empties."""
+    total = 0
+    for t in model.graph.initializer:
+        if heavy(t):
+            itemsize = helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+            total += int(np.prod(t.dims, dtype=np.int64)) * itemsize
+    return total
 
 
 def heavy_arrays(model: onnx.ModelProto, given: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxtrain.engine.allocator import release_free_memory
 from onnxtrain.engine.backends import _optimizations_off, import_onnxruntime, resolve_providers
 from onnxtrain.engine.donation import check_fed, donatable
 from onnxtrain.engine.interface import (
@@ -19,12 +20,15 @@ from onnxtrain.engine.interface import (
     GraphInterface,
     InvalidNodeError,
     ProfileEvent,
+    TensorArrays,
+    heavy_bytes,
     repeats_copied,
     without_values,
 )
 from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.ort_rewrites import for_onnxruntime
 from onnxtrain.engine.parallel import default_width, local_ranks
+from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
 # onnxruntime's ConstantSharing merges equal initializers into one buffer; a training-mode
 # BatchNormalization then writes its running statistics into the shared buffer, corrupting the
@@ -39,8 +43,25 @@ STOP_KEY = "session.force_spinning_stop"  # "1": the threads stop spinning as so
 _WRITTEN_ARGS = frozenset({"op_name", "input_type_shape", "output_type_shape", "output_size", "node_index",
                            "provider"})
 
+RELEASE_AFTER_BYTES = 32 << 20  # weights loaded from which a plan gives freed memory back (see __init__)
 _arena_lock = threading.Lock()
 _arena: list[bool] = []  # [registered]: shared_cpu_arena's result, once per process
+
+
+def _unread_feed(tp: onnx.TypeProto) -> np.ndarray:
+    """An empty array of a tensor input's type and declared rank (its unnamed and symbolic dims 0, its fixed
+    ones as declared), fed for an input that a path-only run does not read."""
+    dims = value_info_shape(tp) or []
+    return np.zeros([d if isinstance(d, int) else 0 for d in dims], np_dtype_of(tp))
+
+
+def _without_model_bytes(session: Any) -> Any:
+    """``session`` without the serialized model its Python wrapper keeps to rebuild itself when a run on a
+    GPU provider falls back to the CPU (a second copy of every weight): dropped on CPU-only sessions,
+    which never fall back."""
+    if session.get_providers() == ["CPUExecutionProvider"] and getattr(session, "_model_bytes", None):
+        session._model_bytes = None
+    return session
 
 
 def shared_cpu_arena(ort: Any) -> bool:
@@ -107,9 +128,14 @@ class OrtPlan(GraphInterface):
         # judged on the graph onnxruntime runs, whose rewrites may add readers of an input
         self._inplace = (safe_updates(self.onnxruntime_model, updates)
                          if updates and self._device == "cpu" else {})
-        if self.onnxruntime_model is not model:  # the rewritten copy's weights are onnxruntime's now: kept
-            # as names, types and dims (a third copy of an inference model's weights otherwise)
-            self.onnxruntime_model = without_values(self.onnxruntime_model)
+        # onnxruntime holds the weights now: the plan keeps their names, types and dims (and the values of
+        # small tensors), so that a session holds its weights once (192 MiB of them: 868 -> 3xx MiB)
+        released = heavy_bytes(self.model)
+        self.onnxruntime_model = without_values(self.onnxruntime_model)
+        self._hold_model(without_values(self.model))
+        self.initializers = TensorArrays(self.model.graph)
+        if released >= RELEASE_AFTER_BYTES:  # the model's copies made to load it are freed: not kept
+            release_free_memory()
         # the IOBinding kept from run to run (see _run_bound), and the lock of the run using it
         self._kept: _KeptBinding | None = None
         self._kept_lock = threading.Lock()
@@ -201,7 +227,7 @@ class OrtPlan(GraphInterface):
         so = self._session_options(options, model.graph.name or "graph")
         kw = {"providers": names, "provider_options": opts, "disabled_optimizers": list(DISABLED_OPTIMIZERS)}
         try:
-            return ort.InferenceSession(model.SerializeToString(), so, **kw)
+            return _without_model_bytes(ort.InferenceSession(model.SerializeToString(), so, **kw))
         except Exception as e:
             if "IR version" not in str(e):
                 # a node its schema does not allow: the InvalidNodeError the numpy engine raises, with
@@ -216,7 +242,7 @@ class OrtPlan(GraphInterface):
         lowered.ir_version = onnx.helper.find_min_ir_version_for(list(model.opset_import),
                                                                  ignore_unknown=True)
         try:
-            return ort.InferenceSession(lowered.SerializeToString(), so, **kw)
+            return _without_model_bytes(ort.InferenceSession(lowered.SerializeToString(), so, **kw))
         except Exception as e:
             raise EngineError(f"onnxruntime could not load the graph {model.graph.name!r} (IR version "
                               f"{model.ir_version}: {first}; lowered to {lowered.ir_version}: {e})") from None
@@ -224,8 +250,11 @@ class OrtPlan(GraphInterface):
     # ---- running ---------------------------------------------------------------------
     def run(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None,
             overrides: Mapping[str, Any] | None = None, donate: Collection[str] = (),
-            reuse: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
+            reuse: Mapping[str, np.ndarray] | None = None, path_only: bool = False) -> list[np.ndarray]:
         """Run the graph on ``feeds`` (name → array) and return the requested outputs as numpy arrays.
+        ``path_only``: only the nodes on the outputs' path run (onnxruntime's
+        ``only_execute_path_to_fetches``), and the inputs not fed are fed empty (onnxruntime checks that each
+        is there; none of them is read).
         ``donate``: feeds the run may overwrite; an output paired with one of them by ``updates`` comes back
         in that very array when the graph allows it (see :mod:`onnxtrain.engine.ort_inplace`). ``reuse``:
         output name → an array the caller is done with; the output is written into it (and comes back in
@@ -257,8 +286,13 @@ class OrtPlan(GraphInterface):
         into = self._donated_outputs(arrays, names, donate) if bindable and donate and self._inplace else {}
         if reuse and bindable and self._device == "cpu":
             into.update(self._reused_outputs(reuse, names, into, arrays))
+        if path_only:
+            arrays.update((n, _unread_feed(self.input_info[n].type))
+                          for n in self.input_names if n not in arrays)
         t0 = time.perf_counter_ns()
         ro = self._shrink(arrays)
+        if path_only:
+            ro = self._path_options(shrink=ro is not None)
         try:
             out = (self._run_bound(arrays, names, into, ro) if bindable
                    else self._session.run(names, arrays, ro))
@@ -296,6 +330,14 @@ class OrtPlan(GraphInterface):
             ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
             self._shrink_options = ro
         return self._shrink_options
+
+    def _path_options(self, shrink: bool) -> Any:
+        """Run options that run only the nodes on the fetched outputs' path (and shrink the arena after)."""
+        ro = self._ort.RunOptions()
+        if shrink:
+            ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        ro.only_execute_path_to_fetches = True
+        return ro
 
     def drained_profile(self) -> list[ProfileEvent]:
         """onnxruntime's per-node events of the runs so far (its "Node" kernel times), on this process's
