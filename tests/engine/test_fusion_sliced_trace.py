@@ -1,0 +1,102 @@
+"""An elementwise cluster over large arrays traces its first run on a slice of two entries of the longest
+axis, then computes the whole with its program: the same bits as the unfused kernels from the first run on,
+and a first optimizer update that writes into its donated arrays instead of holding new ones beside them."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
+
+import onnxtrain.engine.fusion.elementwise as fe
+from onnxtrain.engine.plan import Plan
+from tests.engine.graphs import model
+from tests.engine.test_donation import momentum_model
+
+
+def _broadcast_model():
+    """Over x (300, 1000): rows scaled by v (1, 1000), a column c (300, 1) added, cast to float64, squared by
+    Pow, its square root, halved; and c·3 (which never meets the long axis), and x passed through Identity
+    then Neg."""
+    consts = [helper.make_node("Constant", [], ["two"], value=helper.make_tensor("", TensorProto.DOUBLE, [],
+                                                                                  [2.0])),
+              helper.make_node("Constant", [], ["half"], value_float=0.5),
+              helper.make_node("Constant", [], ["three"], value_float=3.0)]
+    nodes = consts + [
+        helper.make_node("Mul", ["x", "v"], ["a"]),
+        helper.make_node("Add", ["a", "c"], ["b"]),
+        helper.make_node("Cast", ["b"], ["b64"], to=TensorProto.DOUBLE),
+        helper.make_node("Pow", ["b64", "two"], ["sq"]),
+        helper.make_node("Sqrt", ["sq"], ["r"]),
+        helper.make_node("Cast", ["r"], ["r32"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["r32", "half"], ["y"]),
+        helper.make_node("Mul", ["c", "three"], ["c3"]),
+        helper.make_node("Identity", ["x"], ["xi"]),
+        helper.make_node("Neg", ["xi"], ["nx"]),
+    ]
+    return model(nodes, ["x", "v", "c"], ["y", "b", "c3", "nx", "sq"],
+                 output_types={"sq": TensorProto.DOUBLE})
+
+
+def _feeds() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((300, 1000)).astype(np.float32),
+            "v": rng.standard_normal((1, 1000)).astype(np.float32),
+            "c": rng.standard_normal((300, 1)).astype(np.float32)}
+
+
+def test_the_first_run_traces_a_slice_and_gives_the_unfused_bits(monkeypatch) -> None:
+    traced: list[list[tuple]] = []
+    original = fe.Cluster._traced_run
+
+    def spy(self, inputs, last):
+        traced.append([np.shape(a) for a in inputs])
+        return original(self, inputs, last)
+
+    monkeypatch.setattr(fe.Cluster, "_traced_run", spy)
+    m = _broadcast_model()
+    f = _feeds()
+    want = Plan(m, fuse=False).run(f)
+    plan = Plan(m)
+    first = plan.run(f)
+    assert traced and all((300, 2) in shapes for shapes in traced)  # the long axis (1) cut to two entries
+    assert all((1, 2) in shapes and (300, 1) in shapes for shapes in traced if len(shapes) == 3)
+    second = plan.run(f)
+    for a, b, w in zip(first, second, want):
+        assert a.shape == w.shape and a.dtype == w.dtype
+        np.testing.assert_array_equal(a, w)
+        np.testing.assert_array_equal(b, w)
+    for a, r in zip(first, ReferenceEvaluator(m).run(None, f)):
+        np.testing.assert_allclose(a, r, rtol=1e-6, atol=1e-6)
+
+
+def test_small_clusters_trace_whole(monkeypatch) -> None:
+    monkeypatch.setattr(fe, "TRACE_SLICE_MIN", 10 ** 9)
+    m = _broadcast_model()
+    f = _feeds()
+    for a, w in zip(Plan(m).run(f), Plan(m, fuse=False).run(f)):
+        np.testing.assert_array_equal(a, w)
+
+
+def test_a_first_donated_update_allocates_no_whole_array() -> None:
+    """The momentum update over 4 M values (16 MiB an array): its first run writes W' and M' into the donated
+    W and M, and allocates less than one array (a traced first run held two new ones, 32 MiB)."""
+    n = 1 << 22
+    rng = np.random.default_rng(1)
+    f = {k: rng.standard_normal(n).astype(np.float32) for k in ("W", "M", "G")}
+    m = momentum_model()
+    want = Plan(m, fuse=False).run(f)
+    plan = Plan(m)
+    given = {k: v.copy() for k, v in f.items()}
+    tracemalloc.start()
+    try:
+        out = plan.run(given, donate=["W", "M"])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out[0] is given["W"] and out[1] is given["M"]
+    np.testing.assert_array_equal(out[0], want[0])
+    np.testing.assert_array_equal(out[1], want[1])
+    assert peak < n * 4, peak
