@@ -114,6 +114,18 @@ def _root(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def drop_unheld_grads(params: Sequence[_Param]) -> list[_Param]:
+    """Let go of the gradient arrays that only the state holds (no caller's ``.grad``, view or base of
+    them), so that a training call that overwrites them computes the new ones in their memory instead of
+    beside them; returns the parameters whose gradient was dropped (:func:`replace_grads` sets them)."""
+    dropped = []
+    for p in params:
+        if p.grad is not None and p.grad.base is None and _grad_refs(p) <= _ALONE:
+            p.grad = None
+            dropped.append(p)
+    return dropped
+
+
 def replace_grads(params: Sequence[_Param], new: Sequence[np.ndarray]) -> None:
     """Make ``new[i]`` the gradient of ``params[i]``, keeping held ``.grad`` arrays live.
 

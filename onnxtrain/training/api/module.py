@@ -52,6 +52,7 @@ from onnxtrain.training.api.checkpoint_state import (
     LOAD_HINT,
     CheckpointState,
     NominalStateError,
+    drop_unheld_grads,
     replace_grads,
 )
 from onnxtrain.training.ort_artifacts import translate_training_model
@@ -486,8 +487,19 @@ class Module:
             # MiB, of the MLP 103.2 -> 99.0)
             kw["reuse"] = {self._accumulated[p]: params[p].grad for p in self._trainable
                            if params[p].grad is not None}
-        results = _checked_run(lambda: plan.run(feeds, wanted, **kw), self._train_inputs, feeds,
-                               "the training model")
+        dropped = []
+        if overwrite and not kw:
+            # the old gradients' memory is free for the new ones (the numpy engine's kernels allocate them):
+            # on-device AdamW over 192 MiB of weights, peak RSS 1,038 -> 846 MiB
+            # (onnxruntime-training 946)
+            dropped = drop_unheld_grads([params[p] for p in self._trainable])
+        try:
+            results = _checked_run(lambda: plan.run(feeds, wanted, **kw), self._train_inputs, feeds,
+                                   "the training model")
+        except BaseException:
+            for prm in dropped:  # a failed call leaves zeros where it dropped the stale gradients
+                prm.grad = np.zeros_like(prm.data) if prm.data is not None else None
+            raise
         kw.clear()  # (the old gradients, which replace_grads must see unshared)
         feeds.clear()  # (it references the gradient buffers, which replace_grads must see unshared)
         self._last_step_plan = plan
