@@ -353,19 +353,24 @@ def heavy_arrays(model: onnx.ModelProto, given: Mapping[str, np.ndarray]) -> dic
     return out
 
 
-def without_values(model: onnx.ModelProto, max_kept: int = KEPT_VALUES) -> onnx.ModelProto:
-    """A copy of ``model`` whose numeric initializers of more than ``max_kept`` values hold no values (names,
-    types and dims kept), made without copying those values: for a plan given the arrays themselves, so that a
-    session does not hold its weights twice. ``model`` itself when none is that large. A read of a cleared
-    tensor's values fails (its data is missing) rather than giving other values."""
-    if not any(heavy(t, max_kept) for t in model.graph.initializer):
+def without_values(model: onnx.ModelProto, max_kept: int = KEPT_VALUES,
+                   names: Collection[str] | None = None) -> onnx.ModelProto:
+    """A copy of ``model`` whose numeric initializers of more than ``max_kept`` values (of those ``names``,
+    when given) hold no values (names, types and dims kept), made without copying those values: for a plan
+    given the arrays themselves, so that a session does not hold its weights twice. ``model`` itself when none
+    is that large. A read of a cleared tensor's values fails (its data is missing) rather than giving other
+    values."""
+    def cleared(t: onnx.TensorProto) -> bool:
+        return heavy(t, max_kept) and (names is None or t.name in names)
+
+    if not any(cleared(t) for t in model.graph.initializer):
         return model
     out = onnx.ModelProto()
     _copy_fields(model, out, skip={"graph"})
     _copy_fields(model.graph, out.graph, skip={"initializer"})
     for t in model.graph.initializer:
         kept = out.graph.initializer.add()
-        if heavy(t, max_kept):
+        if cleared(t):
             _copy_fields(t, kept, skip=_TENSOR_VALUES)
         else:
             kept.CopyFrom(t)
