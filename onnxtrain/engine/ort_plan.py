@@ -129,7 +129,7 @@ class OrtPlan(GraphInterface):
         self._inplace = (safe_updates(self.onnxruntime_model, updates)
                          if updates and self._device == "cpu" else {})
         # onnxruntime holds the weights now: the plan keeps their names, types and dims (and the values of
-        # small tensors), so that a session holds its weights once (192 MiB of them: 868 -> 3xx MiB)
+        # small tensors), so that a session holds its weights once (192 MiB of them: 868 -> 290 MiB)
         released = heavy_bytes(self.model)
         self.onnxruntime_model = without_values(self.onnxruntime_model)
         self._hold_model(without_values(self.model))
