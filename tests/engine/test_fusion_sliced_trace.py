@@ -7,6 +7,7 @@ from __future__ import annotations
 import tracemalloc
 
 import numpy as np
+import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
@@ -100,3 +101,92 @@ def test_a_first_donated_update_allocates_no_whole_array() -> None:
     np.testing.assert_array_equal(out[0], want[0])
     np.testing.assert_array_equal(out[1], want[1])
     assert peak < n * 4, peak
+
+
+_UNARY = ["Neg", "Abs", "Exp", "Tanh", "Relu", "Erf", "Identity", "Sqrt", "Log", "Reciprocal"]
+_BINARY = ["Add", "Sub", "Mul", "Div", "Pow"]
+
+
+def _random_cluster(seed: int):
+    """A random chain of elementwise ops over inputs that broadcast to a shape of 64 K values or more
+    (some with a size-1 axis, some of lower rank), with two outputs; Sqrt, Log and Reciprocal take an Abs
+    plus one first, Pow an exponent input near 1; a Cast to float64 and back sits in the chain at random."""
+    rng = np.random.default_rng(seed)
+    rank = int(rng.integers(2, 5))
+    shape = [int(rng.integers(2, 9)) for _ in range(rank)]
+    shape[int(rng.integers(rank))] = int(rng.integers(600, 3000))  # the long axis, anywhere
+    while int(np.prod(shape)) < fe.TRACE_SLICE_MIN:
+        shape[0] *= 2
+    feeds, names = {}, []
+    for i in range(int(rng.integers(2, 5))):
+        s = list(shape)
+        kind = rng.integers(3)
+        if kind == 1:  # a size-1 axis (broadcast along it), never all of them
+            s[int(rng.integers(rank))] = 1
+        elif kind == 2:  # lower rank: the trailing axes
+            s = s[int(rng.integers(1, rank)):]
+        name = f"in{i}"
+        feeds[name] = rng.standard_normal(s).astype(np.float32)
+        names.append(name)
+    feeds[names[0]] = rng.standard_normal(shape).astype(np.float32)  # one of the whole shape
+    feeds["p"] = rng.uniform(0.5, 1.5, (1,)).astype(np.float32)
+    nodes, cur, k = [], names[0], 0
+
+    def new() -> str:
+        nonlocal k
+        k += 1
+        return f"v{k}"
+
+    one = helper.make_node("Constant", [], ["one"], value_float=1.0)
+    nodes.append(one)
+    outs = []
+    for _ in range(int(rng.integers(4, 10))):
+        if rng.random() < 0.5:
+            op = str(rng.choice(_UNARY))
+            src = cur
+            if op in ("Sqrt", "Log", "Reciprocal"):
+                a, b = new(), new()
+                nodes += [helper.make_node("Abs", [cur], [a]), helper.make_node("Add", [a, "one"], [b])]
+                src = b
+            if op == "Exp":
+                t = new()
+                nodes.append(helper.make_node("Tanh", [cur], [t]))
+                src = t
+            out = new()
+            nodes.append(helper.make_node(op, [src], [out]))
+        else:
+            op = str(rng.choice(_BINARY))
+            other = "p" if op == "Pow" else str(rng.choice(names))
+            src = cur
+            if op in ("Pow", "Div"):
+                a, b = new(), new()
+                nodes += [helper.make_node("Abs", [cur], [a]), helper.make_node("Add", [a, "one"], [b])]
+                src = b
+            out = new()
+            args = [src, other] if op in ("Pow", "Div") or rng.random() < 0.5 else [other, src]
+            if op == "Div" and args[1] != src:
+                args = [other, src]
+            nodes.append(helper.make_node(op, args, [out]))
+        if rng.random() < 0.2:
+            a, b = new(), new()
+            nodes += [helper.make_node("Cast", [out], [a], to=TensorProto.DOUBLE),
+                      helper.make_node("Cast", [a], [b], to=TensorProto.FLOAT)]
+            out = b
+        if rng.random() < 0.3:
+            outs.append(out)
+        cur = out
+    outs = list(dict.fromkeys([*outs, cur]))
+    return model(nodes, [*names, "p"], outs), feeds
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_clusters_first_run_gives_the_unfused_bits(seed) -> None:
+    m, f = _random_cluster(seed)
+    want = Plan(m, fuse=False).run(f)
+    plan = Plan(m)
+    first = plan.run(f)
+    second = plan.run(f)
+    for a, b, w in zip(first, second, want):
+        assert a.shape == w.shape and a.dtype == w.dtype
+        np.testing.assert_array_equal(a, w)
+        np.testing.assert_array_equal(b, w)
