@@ -321,8 +321,10 @@ class InferenceSession:
             self._model = without_values(model)
         self._plan = make_plan(self._model, self._backend, self._providers, self._sess_options,
                                self._provider_options, initializers=arrays)
-        if self._backend != "numpy" and getattr(self._plan, "_tensor_io", False):
-            # onnxruntime holds the weights (its own run covers path-only runs: see _path_plan)
+        # onnxruntime runs path-only runs itself when every input is a tensor (see _path_plan); it then holds
+        # the weights, and the session keeps their names, types and dims
+        self._own_path_runs = self._backend != "numpy" and bool(getattr(self._plan, "_tensor_io", False))
+        if self._own_path_runs:
             self._model = without_values(model)
         self._start_ns = time.time_ns()
         self._plan.profiling = bool(self._sess_options.enable_profiling)
@@ -439,7 +441,7 @@ class InferenceSession:
             required = [n for n in self._check.required if n in needed]
             if len(required) == len(self._check.required):
                 self._path_plans[key] = (None, None)
-            elif self._backend != "numpy" and self._plan._tensor_io:
+            elif self._own_path_runs:
                 # onnxruntime runs only the path itself, the inputs off it fed empty: no second session
                 # (with a second copy of the weights)
                 self._path_plans[key] = (required, self._plan)

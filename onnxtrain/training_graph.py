@@ -18,7 +18,7 @@ from onnxtrain.autodiff.builder import GradientError, blocked_by, fake_quant_inp
 from onnxtrain.autodiff.exporter_checks import export_hint, warn_folded_constants
 from onnxtrain.autodiff.registry import find_rule, has_no_gradient
 from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
-from onnxtrain.engine.interface import without_values
+from onnxtrain.engine.interface import holds_values, without_values
 from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.clipping import clip_divisor, global_norm, norm_type
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE
@@ -268,7 +268,7 @@ def _inits_to_inputs(model: onnx.ModelProto, names: list[str],
     full = {t.name: t for t in source.graph.initializer} if source is not None else {}
     for t in model.graph.initializer:
         if t.name in names:
-            src = t if _holds_values(t) else full.get(t.name, t)
+            src = t if holds_values(t) else full.get(t.name, t)
             values[t.name] = numpy_helper.to_array(src).copy()
             if t.name not in declared:
                 model.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
@@ -277,13 +277,6 @@ def _inits_to_inputs(model: onnx.ModelProto, names: list[str],
     del model.graph.initializer[:]
     model.graph.initializer.extend(keep)
     return values
-
-
-def _holds_values(t: onnx.TensorProto) -> bool:
-    """Whether tensor ``t`` has its values (or is external data), not emptied by :func:`without_values`."""
-    return (t.HasField("raw_data") or t.data_location == TensorProto.EXTERNAL
-            or any(len(getattr(t, f)) for f in ("float_data", "int32_data", "int64_data", "double_data",
-                                                "uint64_data", "string_data")))
 
 
 def _finish(

@@ -299,12 +299,9 @@ class TensorArrays(Mapping):
 
     def __getitem__(self, name: str) -> np.ndarray:
         t = self._tensors[name]
-        try:
-            v = numpy_helper.to_array(t)
-        except ValueError:
-            if heavy(t):  # emptied by without_values: the values are where the graph was handed (onnxruntime)
-                raise EngineError(f"initializer {name!r}: its values are held by onnxruntime only") from None
-            raise
+        if not holds_values(t):  # emptied by without_values: the values are where the graph was handed
+            raise EngineError(f"initializer {name!r}: its values are held by onnxruntime only")
+        v = numpy_helper.to_array(t)
         v.setflags(write=False)
         return v
 
@@ -379,6 +376,13 @@ def without_values(model: onnx.ModelProto, max_kept: int = KEPT_VALUES,
 
 _TENSOR_VALUES = frozenset({"raw_data", "float_data", "int32_data", "int64_data", "double_data",
                             "uint64_data", "string_data"})
+
+
+def holds_values(t: onnx.TensorProto) -> bool:
+    """Whether tensor ``t`` has its values (in the model or in an external file): False for one that
+    :func:`without_values` emptied."""
+    return (not heavy(t) or t.data_location == onnx.TensorProto.EXTERNAL or t.HasField("raw_data")
+            or any(len(getattr(t, f)) for f in _TENSOR_VALUES if f != "raw_data"))
 
 
 def _copy_fields(src: Any, dst: Any, skip: Collection[str]) -> None:
