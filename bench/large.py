@@ -60,6 +60,7 @@ def _child(peer: str, size: int, layers: int, steps: int, folder: str) -> dict:
     """One peer's figures (runs in its own process)."""
     import ctypes
     import gc
+    import time
 
     import numpy as np
 
@@ -79,6 +80,7 @@ def _child(peer: str, size: int, layers: int, steps: int, folder: str) -> dict:
     t = np.zeros((4, size), np.float32)
     model = _model(size, layers)
     out: dict = {"peer": peer}
+    times: list[float] = []
     if peer == "onnxtrain-legacy":
         data = model.SerializeToString()
         del model
@@ -94,6 +96,7 @@ def _child(peer: str, size: int, layers: int, steps: int, folder: str) -> dict:
         sess = onnxtrain.TrainingSession(loss_model, p)
         out["built"], out["build_peak"] = _status("VmRSS") - base, _status("VmHWM") - base
         for _ in range(steps):
+            times.append(time.perf_counter())
             loss = sess.run(["loss"], {"x": x, "target": t, "Learning_Rate": np.array([LR], np.float32)})[0]
     else:
         artifacts.generate_artifacts(model, requires_grad=[f"W{i}" for i in range(layers)],
@@ -115,10 +118,14 @@ def _child(peer: str, size: int, layers: int, steps: int, folder: str) -> dict:
         opt.set_learning_rate(LR)
         out["built"], out["build_peak"] = _status("VmRSS") - base, _status("VmHWM") - base
         for _ in range(steps):
+            times.append(time.perf_counter())
             loss = module(x, t)
             opt.step()
             module.lazy_reset_grad()
+    times.append(time.perf_counter())
     out["held"], out["peak"] = _status("VmRSS") - base, _status("VmHWM") - base
+    later = [b - a for a, b in zip(times[1:], times[2:])] or [times[-1] - times[0]]
+    out["step_ms"] = 1000 * sorted(later)[len(later) // 2]  # the median step after the first
     out["loss"] = float(np.asarray(loss).reshape(-1)[0])  # the last step's (the peers must agree)
     return out
 
@@ -162,26 +169,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {list(PEERS)}")
     ap.add_argument("--child", choices=PEERS, help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(_child(args.child, args.size, args.layers, args.steps, args.folder)))
         return 0
+    peers = [p for p in args.peers.split(",") if p]
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        ap.error(f"--peers: unknown peer(s) {unknown}; valid: {list(PEERS)}")
     weights = args.size * args.size * 4 * args.layers / 2**20
     print(f"{args.layers} × {args.size}² float32 weights ({weights:.0f} MiB), AdamW, {args.steps} steps; MiB "
           "above the RSS before the build (weights, moments and gradients are "
           f"{4 * weights:.0f} MiB)")
-    print("| peer | held after build | build peak | held after the steps | peak | last loss |")
-    print("|---|---|---|---|---|---|")
+    print("| peer | held after build | build peak | held after the steps | peak | ms a step | last loss |")
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="onnxtrain-bench-large-") as tmp:
-        for peer in PEERS:
+        for peer in peers:
             r = _run_peer(peer, args, tmp)
             if "skipped" in r:
-                print(f"| {peer} | skipped: {r['skipped']} | | | | |")
+                print(f"| {peer} | skipped: {r['skipped']} | | | | | |")
             else:
                 print(f"| {peer} | {r['built']} | {r['build_peak']} | {r['held']} | {r['peak']} | "
-                      f"{r['loss']:.6g} |")
+                      f"{r['step_ms']:.0f} | {r['loss']:.6g} |")
     return 0
 
 

@@ -17,7 +17,7 @@ A session picks its backend with the config entry ``onnxtrain.backend``::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import onnx
@@ -143,7 +143,8 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
               provider_options: Sequence[dict] | None = None, follower: bool = False,
               updates: Mapping[str, str] | None = None, keep_binding: bool = False,
               random_state: dict[Any, dict[Any, Any]] | None = None,
-              initializers: Mapping[str, np.ndarray] | None = None) -> Any:
+              initializers: Mapping[str, np.ndarray] | None = None,
+              scalar_inputs: Collection[str] | None = None) -> Any:
     """A compiled graph on ``backend``: a :class:`Plan` (numpy) or an :class:`OrtPlan` (onnxruntime).
 
     ``providers``/``provider_options`` and ``options`` (a SessionOptions: graph optimisation level,
@@ -162,7 +163,10 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
     numpy plans share the node's generator; onnxruntime keeps a generator per session, so each later
     plan's copy of a seeded node gets a seed of its own (:func:`_distinct_seeds`). ``initializers``: arrays
     the numpy plan takes for the model's initializers of those names instead of converting its own copies
-    (the caller's ``add_initializer`` values, another plan's arrays); onnxruntime reads the model's."""
+    (the caller's ``add_initializer`` values, another plan's arrays); onnxruntime reads the model's.
+    ``scalar_inputs``: the inputs that are one value for every element of an elementwise graph (an optimizer's
+    learning rate and step); given, onnxruntime runs a large such graph piece by piece
+    (:mod:`onnxtrain.engine.ort_chunks`)."""
     if check_backend(backend) == "numpy":
         from onnxtrain.engine.plan import Plan  # here: onnxruntime sessions never load the numpy engine
 
@@ -175,7 +179,7 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
     if isinstance(model, onnx.ModelProto):
         _warn_float16_products(model)
     return OrtPlan(model, providers, options, provider_options, follower=follower, updates=updates,
-                   keep_binding=keep_binding)
+                   keep_binding=keep_binding, scalar_inputs=scalar_inputs)
 
 
 _warned_float16: list[bool] = []

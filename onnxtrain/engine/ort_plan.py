@@ -25,6 +25,7 @@ from onnxtrain.engine.interface import (
     repeats_copied,
     without_values,
 )
+from onnxtrain.engine.ort_chunks import chunk_layout, chunked_model, piece_count, pieces_wanted
 from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.ort_rewrites import for_onnxruntime
 from onnxtrain.engine.parallel import default_width, local_ranks
@@ -101,7 +102,7 @@ class OrtPlan(GraphInterface):
     def __init__(self, model: onnx.ModelProto | str | bytes, providers: Sequence[Any] | None = None,
                  options: Any = None, provider_options: Sequence[dict] | None = None,
                  follower: bool = False, updates: Mapping[str, str] | None = None,
-                 keep_binding: bool = False):
+                 keep_binding: bool = False, scalar_inputs: Collection[str] | None = None):
         ort = import_onnxruntime()
         self._ort = ort
         self._follower = follower
@@ -121,7 +122,13 @@ class OrtPlan(GraphInterface):
         # onnxtrain's own rewrites (onnxtrain/engine/ort_rewrites.py): the label losses' check, and those
         # that speed it up unless optimisations are off
         self.onnxruntime_model = for_onnxruntime(model, optimise=not _optimizations_off(options))
-        self._session = self._create_session(self.onnxruntime_model, options, names, opts)
+        # a large elementwise graph (an optimizer's update) runs piece by piece (see ort_chunks)
+        layout = (chunk_layout(self.onnxruntime_model, scalar_inputs)
+                  if scalar_inputs is not None and self._tensor_io and self._device == "cpu" else None)
+        self._chunks = layout if pieces_wanted(layout) else None
+        self._session = self._create_session(
+            chunked_model(self.onnxruntime_model, self._chunks) if self._chunks else self.onnxruntime_model,
+            options, names, opts)
         # overridable initializers cannot be bound (onnxruntime's IOBinding knows the inputs proper only)
         self._bindable = {i.name for i in self._session.get_inputs()}
         # output → the input whose array it may be written into, when that input is donated (CPU only);
@@ -294,8 +301,12 @@ class OrtPlan(GraphInterface):
         if path_only:
             ro = self._path_options(shrink=ro is not None)
         try:
-            out = (self._run_bound(arrays, names, into, ro) if bindable
-                   else self._session.run(names, arrays, ro))
+            if self._chunks is not None:
+                out = self._run_pieces(arrays, names, into, ro, whole=path_only)
+            elif bindable:
+                out = self._run_bound(arrays, names, into, ro)
+            else:
+                out = self._session.run(names, arrays, ro)
         except Exception as e:
             shapes = ", ".join(f"{n}: {getattr(v, 'dtype', type(v).__name__)}{list(np.shape(v))}"
                                for n, v in arrays.items() if not isinstance(v, (list, tuple)))
@@ -452,6 +463,35 @@ class OrtPlan(GraphInterface):
         if len(into) == len(names):  # every output written into a donated array (an optimizer's update)
             return [into[n] for n in names]
         return [into[n] if n in into else o.numpy() for n, o in zip(names, io.get_outputs())]
+
+    def _run_pieces(self, arrays: Mapping[str, np.ndarray], names: list[str], into: Mapping[str, np.ndarray],
+                    ro: Any = None, whole: bool = False) -> list[np.ndarray]:
+        """A run of a graph of :class:`~onnxtrain.engine.ort_chunks.ChunkLayout` as ``piece_count`` runs
+        (``whole``: one), each binding every grouped array flat at its piece's address. Outputs go into the
+        donated arrays of ``into``, the others into arrays made here at their full size, so that onnxruntime
+        only ever holds piece-sized intermediates."""
+        layout = self._chunks
+        shapes, dtypes = self.output_shapes, self.output_dtypes
+        out = [into[n] if n in into else np.empty(shapes[n], dtypes[n]) for n in names]
+        io = self._session.io_binding()
+        bound = []  # (bind, name, dtype, its group, address, itemsize) of every grouped input and output
+        for name, v in arrays.items():
+            k = layout.group.get(name)
+            if k is None:
+                io.bind_cpu_input(name, v)
+                continue
+            if not whole and list(v.shape) != layout.shapes[k]:
+                raise EngineError(f"input {name!r} is {v.dtype}{list(v.shape)}; the graph declares "
+                                  f"{layout.shapes[k]}")
+            bound.append((io.bind_input, name, v.dtype, k, v.ctypes.data, v.itemsize, v.size))
+        bound.extend((io.bind_output, n, v.dtype, layout.group[n], v.ctypes.data, v.itemsize, v.size)
+                     for n, v in zip(names, out))
+        for piece in layout.pieces(1 if whole else piece_count(layout)):
+            for bind, name, dtype, k, address, itemsize, size in bound:
+                start, stop = (0, size) if whole else piece[k]
+                bind(name, "cpu", 0, dtype, [stop - start], address + start * itemsize)
+            self._session.run_with_iobinding(io, ro)
+        return out
 
     def __repr__(self) -> str:
         return f"OrtPlan({self.model.graph.name!r}, providers={self.providers})"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -194,16 +194,19 @@ def _expose_running_stats(model: onnx.ModelProto, state: CheckpointState
 
 def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, follower: bool = False,
              updates: dict[str, str] | None = None,
-             random_state: dict[Any, dict[Any, Any]] | None = None) -> GraphInterface:
+             random_state: dict[Any, dict[Any, Any]] | None = None,
+             scalar_inputs: Collection[str] | None = None) -> GraphInterface:
     """The model compiled on the backend ``session_options`` name (config entry ``onnxtrain.backend``);
     ``follower``: it runs right after the training model; ``updates``: output → the input it replaces
     (see ``make_plan``); ``random_state``: shared by the plans whose random nodes must not repeat each
-    other's draws. The training and optimizer models keep onnxruntime's binding between runs."""
+    other's draws; ``scalar_inputs``: see ``make_plan``. The training and optimizer models keep
+    onnxruntime's binding between runs."""
     backend = backend_of(session_options)
     try:
         if backend != "numpy":
             return make_plan(model, backend, None, session_options, follower=follower, updates=updates,
-                             keep_binding=what in ("training", "optimizer"), random_state=random_state)
+                             keep_binding=what in ("training", "optimizer"), random_state=random_state,
+                             scalar_inputs=scalar_inputs)
         from onnxtrain.engine.plan import compile_model  # here: onnxruntime sessions never load it
 
         return compile_model(model, random_state=random_state)

@@ -86,7 +86,9 @@ class Optimizer:
         # plan finds that itself)
         replaced = set(self._params) | set(self._moments)
         updates = {o: o[:-len(OUT_SUFFIX)] for o in self._outputs if o[:-len(OUT_SUFFIX)] in replaced}
-        self._plan = _compile(model, "optimizer", module._session_options, follower=True, updates=updates)
+        scalars = {LR_INPUT, STEP_INPUT} | ({self._loss_scale_input} if self._loss_scale_input else set())
+        self._plan = _compile(model, "optimizer", module._session_options, follower=True, updates=updates,
+                              scalar_inputs=scalars)
         self.algorithm = next((p.value for p in model.metadata_props if p.key == "onnxtrain.optimizer"),
                               "AdamW" if "momentum1" in self._moment_keys else "SGD")
         self._opt = self._bind_state()

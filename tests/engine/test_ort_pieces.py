@@ -1,0 +1,248 @@
+"""The onnxruntime backend runs a large elementwise graph (an optimizer's update) piece by piece
+(:mod:`onnxtrain.engine.ort_chunks`): which graphs qualify, the same values as plain onnxruntime running the
+whole graph (the oracle), outputs written into donated arrays, and the memory it saves."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.engine import ort_chunks
+from onnxtrain.engine.backends import make_plan
+from onnxtrain.engine.interface import EngineError
+from onnxtrain.training import artifacts
+
+SCALARS = {"learning_rate", "step"}
+
+
+def _small_pieces(monkeypatch) -> None:
+    """Pieces of 100 values, from groups of 1,000 values up (the defaults: 2^18 and 2^20)."""
+    monkeypatch.setattr(ort_chunks, "CHUNK_VALUES", 100)
+    monkeypatch.setattr(ort_chunks, "CHUNK_FROM", 1000)
+
+
+def _trained_model() -> onnx.ModelProto:
+    """y = (x · W + b) · s, with W 37 × 29, b 29 and s a one-element weight."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((37, 29)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal(29).astype(np.float32), "b"),
+             numpy_helper.from_array(np.array([0.7], np.float32), "s")]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "b"], ["a"]),
+             helper.make_node("Mul", ["a", "s"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 37])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 29])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    return m
+
+
+def _optimizer_model(tmp_path, optimizer=artifacts.OptimType.AdamW) -> onnx.ModelProto:
+    artifacts.generate_artifacts(_trained_model(), requires_grad=["W", "b", "s"],
+                                 loss=artifacts.LossType.MSELoss, optimizer=optimizer,
+                                 artifact_directory=str(tmp_path))
+    return onnx.load(os.path.join(tmp_path, "optimizer_model.onnx"))
+
+
+def _feeds(model: onnx.ModelProto, seed: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    feeds = {"learning_rate": np.array([0.01], np.float32), "step": np.array([3], np.int64)}
+    for vi in model.graph.input:
+        if vi.name not in feeds:
+            shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+            v = rng.standard_normal(shape).astype(np.float32)
+            feeds[vi.name] = np.abs(v) if vi.name.endswith("momentum1") else v
+    return feeds
+
+
+def test_an_adamw_update_falls_into_one_group_per_weight(tmp_path) -> None:
+    model = _optimizer_model(tmp_path)
+    layout = ort_chunks.chunk_layout(model, SCALARS)
+    assert layout is not None
+    groups = {}
+    for name, k in layout.group.items():
+        groups.setdefault(k, set()).add(name)
+    assert sorted(sorted(v) for v in groups.values()) == [
+        sorted(f"{p}{s}" for p in (w,) for s in ("", "_grad", ".momentum0", ".momentum1", ".out",
+                                                  ".momentum0.out", ".momentum1.out"))
+        for w in ("W", "b", "s")]
+    assert sorted(layout.sizes) == [1, 29, 37 * 29]
+    assert "learning_rate" not in layout.group and "step" not in layout.group
+    # its pieces cover each group once, in order, the same share of each
+    pieces = list(layout.pieces(7))
+    for k, n in enumerate(layout.sizes):
+        spans = [p[k] for p in pieces]
+        assert spans[0][0] == 0 and spans[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    # the graph onnxruntime runs on pieces is a valid model
+    onnx.checker.check_model(ort_chunks.chunked_model(model, layout), full_check=True)
+
+
+def _one_node(op: str, inputs: list, outputs: list, inits: list = (), **attrs) -> onnx.ModelProto:
+    g = helper.make_graph([helper.make_node(op, [i.name for i in inputs if i is not None], ["y"], **attrs)],
+                          "g", [i for i in inputs if i is not None], outputs, list(inits))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    return m
+
+
+def _vi(name: str, shape: list) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+@pytest.mark.parametrize("case", ["reduction", "mixed shapes", "big constant", "scalar output",
+                                  "wide scalar", "unknown shape"])
+def test_graphs_that_are_not_elementwise_do_not_qualify(case: str) -> None:
+    y = _vi("y", [8, 4])
+    if case == "reduction":
+        m = _one_node("ReduceSumSquare", [_vi("a", [8, 4])], [_vi("y", [])], keepdims=0)
+    elif case == "mixed shapes":  # a broadcast between two grouped values
+        m = _one_node("Add", [_vi("a", [8, 4]), _vi("b", [1, 4])], [y])
+    elif case == "big constant":
+        m = _one_node("Mul", [_vi("a", [8, 4]), _vi("c", [4])], [y],
+                      [numpy_helper.from_array(np.ones(4, np.float32), "c")])
+    elif case == "scalar output":  # an output from the scalars alone
+        m = _one_node("Neg", [_vi("learning_rate", [1])], [_vi("y", [1])])
+    elif case == "wide scalar":  # one value, but of rank 2: it would widen a flat piece
+        m = _one_node("Mul", [_vi("a", [8, 4]), _vi("learning_rate", [1, 1])], [y])
+    else:
+        m = _one_node("Neg", [_vi("a", ["n", 4])], [y])
+    assert ort_chunks.chunk_layout(m, SCALARS) is None
+    # a reduction over the scalars only is fine
+    ok = _one_node("Mul", [_vi("a", [8, 4]), _vi("learning_rate", [1])], [y])
+    assert ort_chunks.chunk_layout(ok, SCALARS) is not None
+
+
+@pytest.mark.parametrize("optimizer", [artifacts.OptimType.AdamW, artifacts.OptimType.SGD])
+def test_a_run_in_pieces_gives_onnxruntimes_values_in_the_donated_arrays(tmp_path, monkeypatch,
+                                                                          optimizer) -> None:
+    model = _optimizer_model(tmp_path, optimizer)
+    feeds = _feeds(model)
+    oracle = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    outputs = [v.name for v in model.graph.output]
+    want = oracle.run(outputs, feeds)
+    # 100 values a piece: W's 1,073 in 11 pieces, b's 29 in pieces of 2-3, s's one value in one of them
+    _small_pieces(monkeypatch)
+    updates = {o: o[:-len(".out")] for o in outputs}
+    plan = make_plan(model, "onnxruntime", updates=updates, keep_binding=True, scalar_inputs=SCALARS)
+    assert plan._chunks is not None and ort_chunks.piece_count(plan._chunks) == 11
+    mine = {k: v.copy() for k, v in feeds.items()}
+    donated = [o[:-len(".out")] for o in outputs]
+    got = plan.run(mine, outputs, donate=donated)
+    for name, a, b in zip(outputs, got, want):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    # the updates came back in the donated arrays (weights and moments), rewritten in place
+    for name, a in zip(outputs, got):
+        assert a is mine[name[:-len(".out")]], name
+    # without donation: new arrays, the inputs left as they were
+    fresh = {k: v.copy() for k, v in feeds.items()}
+    got = plan.run(fresh, outputs)
+    for name, a, b in zip(outputs, got, want):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+        np.testing.assert_array_equal(fresh[name[:-len(".out")]], feeds[name[:-len(".out")]])
+    # a subset of the outputs
+    np.testing.assert_array_equal(plan.run(feeds, [outputs[1]])[0], want[1])
+    # a wrong shape is an error naming the input
+    bad = {**feeds, "W": np.zeros((29, 37), np.float32)}
+    with pytest.raises(EngineError, match="'W'.*37, 29"):
+        plan.run(bad, outputs)
+
+
+def test_pieces_can_be_switched_off_and_small_graphs_run_whole(tmp_path, monkeypatch) -> None:
+    model = _optimizer_model(tmp_path)
+    updates = {v.name: v.name[:-len(".out")] for v in model.graph.output}
+    assert make_plan(model, "onnxruntime", updates=updates, scalar_inputs=SCALARS)._chunks is None  # 1 piece
+    _small_pieces(monkeypatch)
+    assert make_plan(model, "onnxruntime", updates=updates)._chunks is None  # no scalars named: not asked
+    monkeypatch.setenv("ONNXTRAIN_ORT_PIECES", "0")
+    assert make_plan(model, "onnxruntime", updates=updates, scalar_inputs=SCALARS)._chunks is None
+
+
+def test_on_device_training_on_the_backend_in_pieces_matches_the_numpy_engine(tmp_path, monkeypatch) -> None:
+    import onnxtrain
+    from onnxtrain.training import api
+
+    artifacts.generate_artifacts(_trained_model(), requires_grad=["W", "b", "s"],
+                                 loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=str(tmp_path))
+    _small_pieces(monkeypatch)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 37)).astype(np.float32)
+    t = rng.standard_normal((4, 29)).astype(np.float32)
+    runs = {}
+    for backend in ("numpy", "onnxruntime"):
+        so = onnxtrain.SessionOptions()
+        so.add_session_config_entry("onnxtrain.backend", backend)
+        state = api.CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+        module = api.Module(str(tmp_path / "training_model.onnx"), state, session_options=so)
+        opt = api.Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
+        if backend == "onnxruntime":
+            assert opt._plan._chunks is not None
+        losses = []
+        for _ in range(6):
+            losses.append(float(module(x, t)))
+            opt.step()
+            module.lazy_reset_grad()
+        runs[backend] = (losses, state.parameters["W"].data.copy())
+    np.testing.assert_allclose(runs["onnxruntime"][0], runs["numpy"][0], rtol=1e-5)
+    np.testing.assert_allclose(runs["onnxruntime"][1], runs["numpy"][1], rtol=1e-5, atol=1e-6)
+    assert runs["numpy"][0][-1] < runs["numpy"][0][0]
+
+
+_PEAK_CHILD = r"""
+import json, os, sys
+import numpy as np
+import onnx
+from onnxtrain.engine.backends import make_plan
+model = onnx.load(sys.argv[1])
+feeds = {"learning_rate": np.array([0.01], np.float32), "step": np.array([1], np.int64)}
+for vi in model.graph.input:
+    if vi.name not in feeds:
+        feeds[vi.name] = np.full([d.dim_value for d in vi.type.tensor_type.shape.dim], 0.5, np.float32)
+outputs = [v.name for v in model.graph.output]
+plan = make_plan(model, "onnxruntime", updates={o: o[:-4] for o in outputs}, keep_binding=True,
+                 scalar_inputs={"learning_rate", "step"})
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+base = status("VmRSS")
+for _ in range(2):
+    plan.run(feeds, outputs, donate=[o[:-4] for o in outputs])
+print(json.dumps({"pieces": plan._chunks is not None, "growth_kib": status("VmHWM") - base}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc peak reset")
+def test_an_update_in_pieces_holds_no_weight_sized_intermediates(tmp_path) -> None:
+    """AdamW over one 2048² weight (16 MiB): run whole, onnxruntime's arena holds weight-sized
+    intermediates; in pieces the run's peak grows by less than a weight (the oracle is the whole run)."""
+    w = numpy_helper.from_array(np.zeros((2048, 2048), np.float32), "W")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [_vi("x", [2, 2048])], [_vi("y", [2, 2048])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    artifacts.generate_artifacts(m, requires_grad=["W"], loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=str(tmp_path))
+    script = tmp_path / "child.py"
+    script.write_text(_PEAK_CHILD)
+    growth = {}
+    for pieces in ("1", "0"):
+        env = {**os.environ, "ONNXTRAIN_ORT_PIECES": pieces, "ONNXTRAIN_ALLOCATOR": "system"}
+        done = subprocess.run([sys.executable, str(script), str(tmp_path / "optimizer_model.onnx")],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        assert r["pieces"] == (pieces == "1")
+        growth[pieces] = r["growth_kib"] / 1024
+    weight_mib = 16
+    assert growth["0"] > 2 * weight_mib, growth  # whole: weight-sized intermediates
+    assert growth["1"] < weight_mib, growth
