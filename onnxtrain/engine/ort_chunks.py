@@ -9,9 +9,13 @@ onnxruntime's intermediates are piece-sized.
 
 A graph qualifies when its non-scalar values form *groups* of one static shape each: every node that reads
 a value of a group is an elementwise op of :data:`ELEMENTWISE` whose other operands are scalars (one element,
-rank 0 or 1), its outputs join the group, and every graph output belongs to a group. Nodes reading scalars
-only (the bias corrections) are unrestricted. Each group is cut into the same number of pieces, so a run
-reads and writes the same share of every group.
+rank 0 or 1), and its outputs join the group, or a reduction of :data:`REDUCTIONS` over all axes, whose
+output is a *reduced* scalar (a gradient's squared norm for clipping, mixed precision's finiteness check).
+Nodes reading scalars only (the bias corrections) are unrestricted. Every graph output belongs to a group or
+is reduced. A graph with reductions runs in two parts: its *prefix*, the nodes that compute the reduced
+scalars, runs once on the whole arrays (it reads them and outputs scalars), then the rest, which takes those
+scalars as inputs, runs in pieces. Each group is cut into the same number of pieces, so a run reads and
+writes the same share of every group.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ ELEMENTWISE = frozenset({
     "GreaterOrEqual", "Identity", "IsInf", "IsNaN", "Less", "LessOrEqual", "Log", "Max", "Min", "Mul", "Neg",
     "Not", "Or", "Pow", "Reciprocal", "Relu", "Sigmoid", "Sign", "Sqrt", "Sub", "Sum", "Tanh", "Where", "Xor",
 })
+# reductions to one value (over all axes, keepdims 0); a reduction of a group's values is a reduced scalar
+REDUCTIONS = frozenset({"ReduceL1", "ReduceL2", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceSum",
+                        "ReduceSumSquare"})
 CHUNK_VALUES = 1 << 18  # values of the largest group in one piece
 # values of the largest group from which a graph runs in pieces: each run of the graph costs about 5 µs a
 # node besides its arithmetic (0.2-0.35 ms for the MLP's AdamW over 0.67 M values: 1.38 ms whole, 1.80 ms in
@@ -41,11 +48,13 @@ CHUNK_FROM = 1 << 20
 @dataclass(frozen=True)
 class ChunkLayout:
     """How a graph's inputs and outputs fall into groups: ``group`` (input or output name → its group's index)
-    and each group's ``shapes``; inputs outside ``group`` are scalars. ``values``: every grouped value."""
+    and each group's ``shapes``; inputs outside ``group`` are scalars. ``values``: every grouped value;
+    ``reduced``: the reduced scalars the pieces read or the graph outputs (computed by the prefix)."""
 
     group: dict[str, int]
     shapes: list[list[int]]
     values: frozenset[str]
+    reduced: tuple[str, ...] = ()
 
     @property
     def sizes(self) -> list[int]:
@@ -92,6 +101,15 @@ def _scalar_dims(dims: list | None) -> bool:
     return dims is not None and len(dims) <= 1 and _numel(dims) == 1
 
 
+def _full_reduction(node: onnx.NodeProto) -> bool:
+    """Whether ``node`` reduces its input over all axes to a rank-0 value."""
+    attrs = {a.name: a for a in node.attribute}
+    keep = attrs["keepdims"].i if "keepdims" in attrs else 1
+    empty_noop = attrs["noop_with_empty_axes"].i if "noop_with_empty_axes" in attrs else 0
+    return (node.op_type in REDUCTIONS and keep == 0 and not empty_noop and "axes" not in attrs
+            and len([i for i in node.input if i]) == 1)
+
+
 def chunk_layout(model: onnx.ModelProto, scalar_inputs: Collection[str]) -> ChunkLayout | None:
     """The groups of a graph that may run piece by piece (see the module docstring), ``scalar_inputs``
     being the inputs the same for every element; None when the graph does not qualify."""
@@ -107,6 +125,8 @@ def chunk_layout(model: onnx.ModelProto, scalar_inputs: Collection[str]) -> Chun
     for vi in (*inferred.value_info, *inferred.input, *inferred.output):
         dims.setdefault(vi.name, value_info_shape(vi.type))
     parent: dict[str, str] = {}
+    reduced: set[str] = set()  # values computed from a reduction of grouped values
+    carried: set[str] = set()  # reduced values read by a node of the pieces
 
     def root(v: str) -> str:
         while parent[v] != v:
@@ -134,17 +154,26 @@ def chunk_layout(model: onnx.ModelProto, scalar_inputs: Collection[str]) -> Chun
             return None
         reads = [i for i in node.input if i]
         grouped = [i for i in reads if i in parent]
+        outputs = [o for o in node.output if o]
         if node.op_type == "Constant" and not grouped:
             value = next((a for a in node.attribute if a.name == "value"), None)
             if value is None or _numel(list(numpy_helper.to_array(value.t).shape)) != 1:
                 return None
             continue
         if not grouped:
+            if any(i in reduced for i in reads):
+                reduced.update(outputs)
             continue  # scalars only
-        if node.domain not in ("", "ai.onnx") or node.op_type not in ELEMENTWISE:
+        if node.domain not in ("", "ai.onnx"):
+            return None
+        if _full_reduction(node):
+            reduced.update(outputs)
+            continue
+        if node.op_type not in ELEMENTWISE:
             return None
         if any(i not in parent and not _scalar_dims(dims.get(i)) for i in reads):
             return None
+        carried.update(i for i in reads if i in reduced)
         top = root(grouped[0])
         for i in grouped[1:]:
             r = root(i)
@@ -152,13 +181,17 @@ def chunk_layout(model: onnx.ModelProto, scalar_inputs: Collection[str]) -> Chun
                 if shapes[r] != shapes[top]:
                     return None
                 parent[r] = top
-        for o in node.output:
-            if o:
-                parent[o] = top
+        for o in outputs:
+            parent[o] = top
     group: dict[str, int] = {}
     roots: dict[str, int] = {}
     passed = {vi.name for vi in g.input} & {vi.name for vi in g.output}
+    for vi in g.output:
+        if vi.name in reduced:
+            carried.add(vi.name)
     for name in [*(vi.name for vi in g.input if vi.name in parent), *(vi.name for vi in g.output)]:
+        if name in carried and name not in parent:
+            continue  # a reduced output: the prefix's
         if name not in parent or name in passed:
             return None  # an output computed from scalars only, or an input passed through
         r = root(name)
@@ -167,23 +200,72 @@ def chunk_layout(model: onnx.ModelProto, scalar_inputs: Collection[str]) -> Chun
             return None
         group[name] = roots.setdefault(r, len(roots))
     ordered = sorted(roots, key=roots.__getitem__)
-    return ChunkLayout(group, [shapes[r] for r in ordered], frozenset(parent))
+    order = {n: k for k, n in enumerate(v for node in g.node for v in node.output)}
+    return ChunkLayout(group, [shapes[r] for r in ordered], frozenset(parent),
+                       tuple(sorted(carried, key=order.__getitem__)))
 
 
-def chunked_model(model: onnx.ModelProto, layout: ChunkLayout) -> onnx.ModelProto:
-    """``model`` with each grouped input and output declared flat, of one symbolic length per group, and
-    the grouped intermediates' declared shapes dropped: the graph onnxruntime runs on pieces."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    g = out.graph
-    for vi in (*g.input, *g.output):
+def _slice(g: onnx.GraphProto, targets: Collection[str], given: Collection[str] = ()) -> list[onnx.NodeProto]:
+    """The nodes of ``g`` that compute ``targets``, in graph order, taking the values ``given`` as known."""
+    producer = {o: n for n in g.node for o in n.output if o}
+    needed: set[int] = set()
+    todo = [t for t in targets if t not in given]
+    seen = set(todo)
+    while todo:
+        node = producer.get(todo.pop())
+        if node is None or id(node) in needed:
+            continue
+        needed.add(id(node))
+        for i in node.input:
+            if i and i not in given and i not in seen:
+                seen.add(i)
+                todo.append(i)
+    return [n for n in g.node if id(n) in needed]
+
+
+def _submodel(model: onnx.ModelProto, nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto],
+              outputs: list[onnx.ValueInfoProto], name: str) -> onnx.ModelProto:
+    """A model of ``nodes`` of ``model``'s graph, with the given graph inputs and outputs, the initializers
+    they read and ``model``'s opsets."""
+    g = model.graph
+    read = {i for n in nodes for i in n.input}
+    graph = onnx.helper.make_graph(
+        nodes, name, [vi for vi in inputs if vi.name in read or vi.name in {o.name for o in outputs}],
+        outputs, [t for t in g.initializer if t.name in read])
+    out = onnx.helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
+    out.producer_name = model.producer_name
+    out.functions.extend(model.functions)
+    made = {o for n in nodes for o in n.output}
+    graph.value_info.extend(vi for vi in g.value_info if vi.name in made)
+    return out
+
+
+def split_models(model: onnx.ModelProto,
+                 layout: ChunkLayout) -> tuple[onnx.ModelProto | None, onnx.ModelProto]:
+    """The graph of ``layout`` as its prefix (None without reductions: the nodes computing
+    ``layout.reduced``, run on the whole arrays) and the part run on pieces: the rest, taking the reduced
+    scalars as inputs, with each grouped input and output declared flat, of one symbolic length per group,
+    and the grouped intermediates' declared shapes dropped."""
+    g = model.graph
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True).graph
+    infos = {vi.name: vi for vi in (*inferred.value_info, *inferred.input, *inferred.output)}
+    prefix = None
+    if layout.reduced:
+        nodes = _slice(g, layout.reduced)
+        prefix = _submodel(model, nodes, list(g.input), [infos[r] for r in layout.reduced],
+                           f"{g.name}_prefix")
+    outputs = [vi for vi in g.output if vi.name in layout.group]
+    nodes = _slice(g, [vi.name for vi in outputs], given=set(layout.reduced))
+    carried = [infos[r] for r in layout.reduced]
+    main = _submodel(model, nodes, [*g.input, *carried], outputs, g.name)
+    for vi in (*main.graph.input, *main.graph.output):
         k = layout.group.get(vi.name)
         if k is None:
             continue
         shape = vi.type.tensor_type.shape
         shape.ClearField("dim")
         shape.dim.add().dim_param = f"onnxtrain_piece_{k}"
-    kept = [vi for vi in g.value_info if vi.name not in layout.values]
-    g.ClearField("value_info")
-    g.value_info.extend(kept)
-    return out
+    kept = [vi for vi in main.graph.value_info if vi.name not in layout.values]
+    main.graph.ClearField("value_info")
+    main.graph.value_info.extend(kept)
+    return prefix, main

@@ -25,7 +25,7 @@ from onnxtrain.engine.interface import (
     repeats_copied,
     without_values,
 )
-from onnxtrain.engine.ort_chunks import chunk_layout, chunked_model, piece_count, pieces_wanted
+from onnxtrain.engine.ort_chunks import chunk_layout, piece_count, pieces_wanted, split_models
 from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.ort_rewrites import for_onnxruntime
 from onnxtrain.engine.parallel import default_width, local_ranks
@@ -126,11 +126,20 @@ class OrtPlan(GraphInterface):
         layout = (chunk_layout(self.onnxruntime_model, scalar_inputs)
                   if scalar_inputs is not None and self._tensor_io and self._device == "cpu" else None)
         self._chunks = layout if pieces_wanted(layout) else None
-        self._session = self._create_session(
-            chunked_model(self.onnxruntime_model, self._chunks) if self._chunks else self.onnxruntime_model,
-            options, names, opts)
-        # overridable initializers cannot be bound (onnxruntime's IOBinding knows the inputs proper only)
-        self._bindable = {i.name for i in self._session.get_inputs()}
+        self._prefix = None  # (its session, its inputs) when the pieces read reduced scalars
+        if self._chunks is not None:
+            prefix, main = split_models(self.onnxruntime_model, self._chunks)
+            if prefix is not None:
+                self._prefix = (self._create_session(prefix, options, names, opts),
+                                [vi.name for vi in prefix.graph.input])
+            self._session = self._create_session(main, options, names, opts)
+            self._piece_inputs = {vi.name for vi in main.graph.input}
+        else:
+            self._session = self._create_session(self.onnxruntime_model, options, names, opts)
+        # overridable initializers cannot be bound (onnxruntime's IOBinding knows the inputs proper only); a
+        # run in pieces binds what its two graphs read of the inputs (an optimizer's: all of them are inputs)
+        self._bindable = ({i.name for i in self._session.get_inputs()} if self._chunks is None
+                          else set(self.input_info))
         # output → the input whose array it may be written into, when that input is donated (CPU only);
         # judged on the graph onnxruntime runs, whose rewrites may add readers of an input
         self._inplace = (safe_updates(self.onnxruntime_model, updates)
@@ -466,32 +475,44 @@ class OrtPlan(GraphInterface):
 
     def _run_pieces(self, arrays: Mapping[str, np.ndarray], names: list[str], into: Mapping[str, np.ndarray],
                     ro: Any = None, whole: bool = False) -> list[np.ndarray]:
-        """A run of a graph of :class:`~onnxtrain.engine.ort_chunks.ChunkLayout` as ``piece_count`` runs
-        (``whole``: one), each binding every grouped array flat at its piece's address. Outputs go into the
-        donated arrays of ``into``, the others into arrays made here at their full size, so that onnxruntime
-        only ever holds piece-sized intermediates."""
+        """A run of a graph of :class:`~onnxtrain.engine.ort_chunks.ChunkLayout`: its prefix on the whole
+        arrays first (the reduced scalars), then the rest as ``piece_count`` runs (``whole``: one), each
+        binding every grouped array flat at its piece's address. Outputs go into the donated arrays of
+        ``into``, the others into arrays made here at their full size, so that onnxruntime only ever holds
+        piece-sized intermediates."""
         layout = self._chunks
-        shapes, dtypes = self.output_shapes, self.output_dtypes
-        out = [into[n] if n in into else np.empty(shapes[n], dtypes[n]) for n in names]
-        io = self._session.io_binding()
-        bound = []  # (bind, name, dtype, its group, address, itemsize) of every grouped input and output
         for name, v in arrays.items():
+            k = layout.group.get(name)
+            if k is not None and not whole and list(v.shape) != layout.shapes[k]:
+                raise EngineError(f"input {name!r} is {v.dtype}{list(v.shape)}; the graph declares "
+                                  f"{layout.shapes[k]}")
+        got: dict[str, np.ndarray] = {}
+        if self._prefix is not None:
+            session, inputs = self._prefix
+            got = dict(zip(layout.reduced, session.run(list(layout.reduced), {n: arrays[n] for n in inputs},
+                                                        ro)))
+        shapes, dtypes = self.output_shapes, self.output_dtypes
+        out = {n: into[n] if n in into else np.empty(shapes[n], dtypes[n])
+               for n in names if n in layout.group}
+        io = self._session.io_binding()
+        bound = []  # (bind, name, dtype, group, address, itemsize, size) of each grouped input and output
+        for name, v in (*arrays.items(), *got.items()):
+            if name not in self._piece_inputs:
+                continue
             k = layout.group.get(name)
             if k is None:
                 io.bind_cpu_input(name, v)
-                continue
-            if not whole and list(v.shape) != layout.shapes[k]:
-                raise EngineError(f"input {name!r} is {v.dtype}{list(v.shape)}; the graph declares "
-                                  f"{layout.shapes[k]}")
-            bound.append((io.bind_input, name, v.dtype, k, v.ctypes.data, v.itemsize, v.size))
+            else:
+                bound.append((io.bind_input, name, v.dtype, k, v.ctypes.data, v.itemsize, v.size))
         bound.extend((io.bind_output, n, v.dtype, layout.group[n], v.ctypes.data, v.itemsize, v.size)
-                     for n, v in zip(names, out))
-        for piece in layout.pieces(1 if whole else piece_count(layout)):
-            for bind, name, dtype, k, address, itemsize, size in bound:
-                start, stop = (0, size) if whole else piece[k]
-                bind(name, "cpu", 0, dtype, [stop - start], address + start * itemsize)
-            self._session.run_with_iobinding(io, ro)
-        return out
+                     for n, v in out.items())
+        if out:
+            for piece in layout.pieces(1 if whole else piece_count(layout)):
+                for bind, name, dtype, k, address, itemsize, size in bound:
+                    start, stop = (0, size) if whole else piece[k]
+                    bind(name, "cpu", 0, dtype, [stop - start], address + start * itemsize)
+                self._session.run_with_iobinding(io, ro)
+        return [out[n] if n in out else got[n] for n in names]
 
     def __repr__(self) -> str:
         return f"OrtPlan({self.model.graph.name!r}, providers={self.providers})"

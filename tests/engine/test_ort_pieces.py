@@ -18,9 +18,9 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.engine import ort_chunks
 from onnxtrain.engine.backends import make_plan
 from onnxtrain.engine.interface import EngineError
-from onnxtrain.training import artifacts
+from onnxtrain.training import artifacts, onnxblock
 
-SCALARS = {"learning_rate", "step"}
+SCALARS = {"learning_rate", "step", "loss_scale"}
 
 
 def _small_pieces(monkeypatch) -> None:
@@ -44,16 +44,32 @@ def _trained_model() -> onnx.ModelProto:
     return m
 
 
-def _optimizer_model(tmp_path, optimizer=artifacts.OptimType.AdamW) -> onnx.ModelProto:
+# the optimizer graphs: onnxtrain's AdamW and SGD, AdamW clipping the global norm, AdamW of mixed-precision
+# artifacts (loss-scaled gradients, the finiteness flag), the last two with reductions (a prefix)
+KINDS = ["adamw", "sgd", "adamw-clipped", "adamw-loss-scaled"]
+
+
+def _artifacts(tmp_path, kind: str = "adamw") -> None:
+    optimizer = {"adamw": artifacts.OptimType.AdamW, "sgd": artifacts.OptimType.SGD,
+                 "adamw-clipped": onnxblock.optim.AdamW(clip_grad=onnxblock.optim.ClipGradNorm(0.5)),
+                 "adamw-loss-scaled": artifacts.OptimType.AdamW}[kind]
+    extra = {"mixed_precision": "float16"} if kind == "adamw-loss-scaled" else {}
     artifacts.generate_artifacts(_trained_model(), requires_grad=["W", "b", "s"],
                                  loss=artifacts.LossType.MSELoss, optimizer=optimizer,
-                                 artifact_directory=str(tmp_path))
+                                 artifact_directory=str(tmp_path), **extra)
+
+
+def _optimizer_model(tmp_path, kind: str = "adamw") -> onnx.ModelProto:
+    _artifacts(tmp_path, kind)
     return onnx.load(os.path.join(tmp_path, "optimizer_model.onnx"))
 
 
 def _feeds(model: onnx.ModelProto, seed: int = 1) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    feeds = {"learning_rate": np.array([0.01], np.float32), "step": np.array([3], np.int64)}
+    feeds = {"learning_rate": np.array([0.01], np.float32), "step": np.array([3], np.int64),
+             "loss_scale": np.array([1024.0], np.float32)}
+    names = {vi.name for vi in model.graph.input}
+    feeds = {k: v for k, v in feeds.items() if k in names}
     for vi in model.graph.input:
         if vi.name not in feeds:
             shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
@@ -81,8 +97,28 @@ def test_an_adamw_update_falls_into_one_group_per_weight(tmp_path) -> None:
         spans = [p[k] for p in pieces]
         assert spans[0][0] == 0 and spans[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-    # the graph onnxruntime runs on pieces is a valid model
-    onnx.checker.check_model(ort_chunks.chunked_model(model, layout), full_check=True)
+    # no reductions: no prefix; the graph onnxruntime runs on pieces is a valid model
+    prefix, main = ort_chunks.split_models(model, layout)
+    assert prefix is None and len(main.graph.node) == len(model.graph.node)
+    onnx.checker.check_model(main, full_check=True)
+
+
+@pytest.mark.parametrize("kind", ["adamw-clipped", "adamw-loss-scaled"])
+def test_a_global_norm_goes_to_a_prefix_run_on_the_whole_arrays(tmp_path, kind: str) -> None:
+    model = _optimizer_model(tmp_path, kind)
+    layout = ort_chunks.chunk_layout(model, SCALARS)
+    assert layout is not None and sorted(layout.sizes) == [1, 29, 37 * 29]
+    prefix, main = ort_chunks.split_models(model, layout)
+    # the prefix reduces the gradients to scalars; the pieces never reduce
+    assert prefix is not None and {o.name for o in prefix.graph.output} == set(layout.reduced)
+    assert any(n.op_type == "ReduceSumSquare" for n in prefix.graph.node)
+    assert not any(n.op_type in ort_chunks.REDUCTIONS for n in main.graph.node)
+    assert {vi.name for vi in prefix.graph.input} <= {"W_grad", "b_grad", "s_grad", "loss_scale"}
+    for m in (prefix, main):
+        onnx.checker.check_model(m, full_check=True)
+    if kind == "adamw-loss-scaled":  # the flag is an output of the prefix
+        assert "all_gradients_finite" in layout.reduced
+        assert "all_gradients_finite" not in layout.group
 
 
 def _one_node(op: str, inputs: list, outputs: list, inits: list = (), **attrs) -> onnx.ModelProto:
@@ -101,8 +137,8 @@ def _vi(name: str, shape: list) -> onnx.ValueInfoProto:
                                   "wide scalar", "unknown shape"])
 def test_graphs_that_are_not_elementwise_do_not_qualify(case: str) -> None:
     y = _vi("y", [8, 4])
-    if case == "reduction":
-        m = _one_node("ReduceSumSquare", [_vi("a", [8, 4])], [_vi("y", [])], keepdims=0)
+    if case == "reduction":  # over some axes (over all of them it is a reduced scalar: see above)
+        m = _one_node("ReduceSumSquare", [_vi("a", [8, 4])], [_vi("y", [8])], keepdims=0, axes=[1])
     elif case == "mixed shapes":  # a broadcast between two grouped values
         m = _one_node("Add", [_vi("a", [8, 4]), _vi("b", [1, 4])], [y])
     elif case == "big constant":
@@ -120,39 +156,50 @@ def test_graphs_that_are_not_elementwise_do_not_qualify(case: str) -> None:
     assert ort_chunks.chunk_layout(ok, SCALARS) is not None
 
 
-@pytest.mark.parametrize("optimizer", [artifacts.OptimType.AdamW, artifacts.OptimType.SGD])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_run_in_pieces_gives_onnxruntimes_values_in_the_donated_arrays(tmp_path, monkeypatch,
-                                                                          optimizer) -> None:
-    model = _optimizer_model(tmp_path, optimizer)
+                                                                          kind: str) -> None:
+    model = _optimizer_model(tmp_path, kind)
     feeds = _feeds(model)
     oracle = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     outputs = [v.name for v in model.graph.output]
     want = oracle.run(outputs, feeds)
     # 100 values a piece: W's 1,073 in 11 pieces, b's 29 in pieces of 2-3, s's one value in one of them
     _small_pieces(monkeypatch)
-    updates = {o: o[:-len(".out")] for o in outputs}
+    updates = {o: o[:-len(".out")] for o in outputs if o.endswith(".out")}
     plan = make_plan(model, "onnxruntime", updates=updates, keep_binding=True, scalar_inputs=SCALARS)
     assert plan._chunks is not None and ort_chunks.piece_count(plan._chunks) == 11
+    assert (plan._prefix is not None) == (kind in ("adamw-clipped", "adamw-loss-scaled"))
     mine = {k: v.copy() for k, v in feeds.items()}
-    donated = [o[:-len(".out")] for o in outputs]
-    got = plan.run(mine, outputs, donate=donated)
+    got = plan.run(mine, outputs, donate=list(updates.values()))
     for name, a, b in zip(outputs, got, want):
         np.testing.assert_array_equal(a, b, err_msg=name)
-    # the updates came back in the donated arrays (weights and moments), rewritten in place
+    # the updates came back in the donated arrays (weights, moments, clipped gradients), rewritten in place
     for name, a in zip(outputs, got):
-        assert a is mine[name[:-len(".out")]], name
+        if name in updates:
+            assert a is mine[updates[name]], name
     # without donation: new arrays, the inputs left as they were
     fresh = {k: v.copy() for k, v in feeds.items()}
     got = plan.run(fresh, outputs)
     for name, a, b in zip(outputs, got, want):
         np.testing.assert_array_equal(a, b, err_msg=name)
-        np.testing.assert_array_equal(fresh[name[:-len(".out")]], feeds[name[:-len(".out")]])
-    # a subset of the outputs
-    np.testing.assert_array_equal(plan.run(feeds, [outputs[1]])[0], want[1])
+    for name, v in fresh.items():
+        np.testing.assert_array_equal(v, feeds[name], err_msg=name)
+    # a subset of the outputs, in another order
+    np.testing.assert_array_equal(plan.run(feeds, [outputs[-1], outputs[1]])[1], want[1])
     # a wrong shape is an error naming the input
     bad = {**feeds, "W": np.zeros((29, 37), np.float32)}
     with pytest.raises(EngineError, match="'W'.*37, 29"):
         plan.run(bad, outputs)
+    if kind == "adamw-loss-scaled":  # a gradient overflowed: the prefix's flag keeps every value as it was
+        inf = {**feeds, "b_grad": feeds["b_grad"].copy()}
+        inf["b_grad"][3] = np.inf
+        want = oracle.run(outputs, inf)
+        got = plan.run({k: v.copy() for k, v in inf.items()}, outputs)
+        assert not got[-1] and not want[-1]
+        for name, a, b in zip(outputs, got, want):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        np.testing.assert_array_equal(got[0], feeds["W"])
 
 
 def test_pieces_can_be_switched_off_and_small_graphs_run_whole(tmp_path, monkeypatch) -> None:
@@ -165,13 +212,13 @@ def test_pieces_can_be_switched_off_and_small_graphs_run_whole(tmp_path, monkeyp
     assert make_plan(model, "onnxruntime", updates=updates, scalar_inputs=SCALARS)._chunks is None
 
 
-def test_on_device_training_on_the_backend_in_pieces_matches_the_numpy_engine(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("kind", ["adamw", "adamw-clipped"])
+def test_on_device_training_on_the_backend_in_pieces_matches_the_numpy_engine(tmp_path, monkeypatch,
+                                                                              kind: str) -> None:
     import onnxtrain
     from onnxtrain.training import api
 
-    artifacts.generate_artifacts(_trained_model(), requires_grad=["W", "b", "s"],
-                                 loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.AdamW,
-                                 artifact_directory=str(tmp_path))
+    _artifacts(tmp_path, kind)
     _small_pieces(monkeypatch)
     rng = np.random.default_rng(2)
     x = rng.standard_normal((4, 37)).astype(np.float32)
