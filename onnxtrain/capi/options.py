@@ -225,9 +225,12 @@ class SessionOptions(_Fields):
 
 
 class RunOptions(_Fields):
-    """Options of one run (onnxruntime.RunOptions); ``training_mode`` is used by training sessions."""
+    """Options of one run (onnxruntime.RunOptions); ``training_mode`` is used by training sessions. On the
+    onnxruntime backend the logging fields and the run config entries go to onnxruntime's own run options,
+    and ``terminate`` set during a run reaches them too."""
 
     def __init__(self) -> None:
+        self._linked: list[Any] = []  # onnxruntime RunOptions of the backend's runs in progress
         self.log_severity_level = -1  # onnxruntime's: the default logger's (set_default_logger_severity)
         self.log_verbosity_level = 0
         self.logid = ""
@@ -237,6 +240,12 @@ class RunOptions(_Fields):
         self.training_mode = True
         self._config: dict[str, str] = {}
         self._fix_fields()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "terminate":  # a run in progress on the onnxruntime backend stops before its next node
+            for linked in tuple(self.__dict__.get("_linked", ())):
+                linked.terminate = bool(self.terminate)
 
     def add_run_config_entry(self, key: str, value: str) -> None:
         self._config[str(key)] = str(value)

@@ -16,11 +16,13 @@ from onnxtrain.engine.allocator import release_free_memory
 from onnxtrain.engine.backends import _optimizations_off, import_onnxruntime, resolve_providers
 from onnxtrain.engine.donation import check_fed, donatable
 from onnxtrain.engine.interface import (
+    RUN_OPTIONS,
     EngineError,
     GraphInterface,
     InvalidNodeError,
     ProfileEvent,
     TensorArrays,
+    Terminated,
     heavy_bytes,
     repeats_copied,
     without_values,
@@ -307,8 +309,12 @@ class OrtPlan(GraphInterface):
                           for n in self.input_names if n not in arrays)
         t0 = time.perf_counter_ns()
         ro = self._shrink(arrays)
-        if path_only:
-            ro = self._path_options(shrink=ro is not None)
+        given = RUN_OPTIONS.get()
+        if path_only or given is not None:
+            ro = self._run_options(given, shrink=ro is not None, path_only=path_only)
+        linked = getattr(given, "_linked", None)  # (onnxtrain's RunOptions forward terminate to it)
+        if linked is not None:
+            linked.append(ro)
         try:
             if self._chunks is not None:
                 out = self._run_pieces(arrays, names, into, ro, whole=path_only)
@@ -317,10 +323,16 @@ class OrtPlan(GraphInterface):
             else:
                 out = self._session.run(names, arrays, ro)
         except Exception as e:
+            if getattr(given, "terminate", False):
+                raise Terminated(f"Exiting due to terminate flag being set to true (RunOptions.terminate): "
+                                 f"onnxruntime stopped running graph {self.model.graph.name!r}") from None
             shapes = ", ".join(f"{n}: {getattr(v, 'dtype', type(v).__name__)}{list(np.shape(v))}"
                                for n, v in arrays.items() if not isinstance(v, (list, tuple)))
             raise EngineError(f"onnxruntime failed running graph {self.model.graph.name!r} on [{shapes}]: "
                               f"{type(e).__name__}: {e}") from e
+        finally:
+            if linked is not None:
+                linked.remove(ro)
         if self.profiling and not self._ort_profiling:  # (onnxruntime's own trace ended: one event a run)
             self.profile.append(ProfileEvent("onnxruntime_run", "onnxruntime", t0,
                                              time.perf_counter_ns() - t0,
@@ -351,12 +363,24 @@ class OrtPlan(GraphInterface):
             self._shrink_options = ro
         return self._shrink_options
 
-    def _path_options(self, shrink: bool) -> Any:
-        """Run options that run only the nodes on the fetched outputs' path (and shrink the arena after)."""
+    def _run_options(self, given: Any, shrink: bool, path_only: bool) -> Any:
+        """onnxruntime run options for a run that shrinks the arena after it (``shrink``), runs only the
+        nodes on the fetched outputs' path (``path_only``) and takes the logging fields and run config
+        entries of the caller's :class:`~onnxtrain.capi.options.RunOptions` ``given`` (None: none; its
+        ``only_execute_path_to_fetches`` and ``training_mode`` are the session's to apply, and its
+        ``terminate`` is checked before the run and forwarded during it)."""
         ro = self._ort.RunOptions()
+        if given is not None:
+            ro.log_severity_level = int(getattr(given, "log_severity_level", -1))
+            ro.log_verbosity_level = int(getattr(given, "log_verbosity_level", 0))
+            ro.logid = str(getattr(given, "logid", "") or getattr(given, "run_tag", ""))
+            for key, value in getattr(given, "_config", {}).items():
+                if not key.startswith("onnxtrain."):
+                    ro.add_run_config_entry(key, value)
+            ro.terminate = bool(getattr(given, "terminate", False))
         if shrink:
             ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-        ro.only_execute_path_to_fetches = True
+        ro.only_execute_path_to_fetches = path_only
         return ro
 
     def drained_profile(self) -> list[ProfileEvent]:
