@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 
 from onnxtrain.capi.options import RunOptions, SessionOptions
+from onnxtrain.engine.allocator import release_free_memory
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.interface import GraphInterface, InvalidNodeError, load_model
@@ -174,6 +175,10 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         self._fallback = True
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         self._build(path_or_bytes)
+        # the graphs, models and bytes made on the way are gone: their pages go back to the kernel (glibc
+        # keeps them in the heap otherwise). Peak RSS of the bench's MLP at batch 64, 30 steps: numpy
+        # 81.8 -> 81.0 MiB, onnxruntime backend 107.2 -> 106.3
+        release_free_memory()
         profile_session_start(self, begin, getattr(self, "_loaded_ns", begin))
 
     def _build(self, path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto) -> None:
