@@ -515,8 +515,7 @@ class OrtPlan(GraphInterface):
             session, inputs = self._prefix
             got = dict(zip(layout.reduced, session.run(list(layout.reduced), {n: arrays[n] for n in inputs},
                                                         ro)))
-        shapes, dtypes = self.output_shapes, self.output_dtypes
-        out = {n: into[n] if n in into else np.empty(shapes[n], dtypes[n])
+        out = {n: into[n] if n in into else np.empty(layout.shapes[layout.group[n]], self.output_dtypes[n])
                for n in names if n in layout.group}
         io = self._session.io_binding()
         bound = []  # (bind, name, dtype, group, address, itemsize, size) of each grouped input and output
