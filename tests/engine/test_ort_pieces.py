@@ -293,3 +293,25 @@ def test_an_update_in_pieces_holds_no_weight_sized_intermediates(tmp_path) -> No
     weight_mib = 16
     assert growth["0"] > 2 * weight_mib, growth  # whole: weight-sized intermediates
     assert growth["1"] < weight_mib, growth
+
+
+def test_an_output_without_a_declared_shape_comes_back_whole(monkeypatch) -> None:
+    """y = a · lr + b with y declared of unknown shape: made at its group's shape, piece by piece."""
+    nodes = [helper.make_node("Mul", ["a", "learning_rate"], ["t"]),
+             helper.make_node("Add", ["t", "b"], ["y"])]
+    g = helper.make_graph(nodes, "g", [_vi("learning_rate", [1]), _vi("a", [9, 5]), _vi("b", [9, 5])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    monkeypatch.setattr(ort_chunks, "CHUNK_VALUES", 10)
+    monkeypatch.setattr(ort_chunks, "CHUNK_FROM", 20)
+    plan = make_plan(m, "onnxruntime", scalar_inputs={"learning_rate"})
+    assert plan._chunks is not None and ort_chunks.piece_count(plan._chunks) == 5
+    rng = np.random.default_rng(3)
+    feeds = {"learning_rate": np.array([0.3], np.float32),
+             "a": rng.standard_normal((9, 5)).astype(np.float32),
+             "b": rng.standard_normal((9, 5)).astype(np.float32)}
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = plan.run(feeds)[0]
+    assert got.shape == (9, 5)
+    np.testing.assert_array_equal(got, want)
