@@ -1,7 +1,7 @@
 """Building a legacy TrainingSession reads the trained weights' values once, into the state: the graphs are
-built from a copy of the model without them, and what the build freed goes back to the kernel. Measured in a fresh process (VmHWM, reset just before the
-session is built, after a small session has loaded the modules); the session's values are checked against
-a float64 forward pass of the same weights in numpy."""
+built from a copy of the model without them, and what the build freed goes back to the kernel. Measured in
+a fresh process (VmHWM, reset just before the session is built, after a small session has loaded the
+modules); the session's values are checked against a float64 forward pass of the same weights in numpy."""
 
 from __future__ import annotations
 
