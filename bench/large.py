@@ -24,7 +24,7 @@ import sys
 import tempfile
 
 ORTT_PYTHON = os.environ.get("ORTT_PYTHON", "/tmp/ortt/bin/python")
-PEERS = ("onnxtrain", "onnxtrain-backend", "onnxruntime-training", "onnxtrain-legacy")
+PEERS = ("onnxtrain", "onnxtrain-backend", "onnxruntime-training", "onnxtrain-legacy", "onnxtrain-legacy-backend")
 LR = 1e-5  # small enough that wide layers' losses go down
 
 
@@ -81,7 +81,7 @@ def _child(peer: str, size: int, layers: int, steps: int, folder: str) -> dict:
     model = _model(size, layers)
     out: dict = {"peer": peer}
     times: list[float] = []
-    if peer == "onnxtrain-legacy":
+    if peer.startswith("onnxtrain-legacy"):
         data = model.SerializeToString()
         del model
         gc.collect()
@@ -93,7 +93,10 @@ def _child(peer: str, size: int, layers: int, steps: int, folder: str) -> dict:
         p.training_optimizer_name = "AdamOptimizer"
         loss_model = _with_mse(data, size, layers)
         del data
-        sess = onnxtrain.TrainingSession(loss_model, p)
+        so = onnxtrain.SessionOptions()
+        if peer == "onnxtrain-legacy-backend":
+            so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+        sess = onnxtrain.TrainingSession(loss_model, p, so)
         out["built"], out["build_peak"] = _status("VmRSS") - base, _status("VmHWM") - base
         for _ in range(steps):
             times.append(time.perf_counter())

@@ -11,11 +11,11 @@ A graph qualifies when its non-scalar values form *groups* of one static shape e
 a value of a group is an elementwise op of :data:`ELEMENTWISE` whose other operands are scalars (one element,
 rank 0 or 1), and its outputs join the group, or a reduction of :data:`REDUCTIONS` over all axes, whose
 output is a *reduced* scalar (a gradient's squared norm for clipping, mixed precision's finiteness check).
-Nodes reading scalars only (the bias corrections) are unrestricted. Every graph output belongs to a group or
-is reduced. A graph with reductions runs in two parts: its *prefix*, the nodes that compute the reduced
-scalars, runs once on the whole arrays (it reads them and outputs scalars), then the rest, which takes those
-scalars as inputs, runs in pieces. Each group is cut into the same number of pieces, so a run reads and
-writes the same share of every group.
+Nodes reading scalars only (the bias corrections, step counts) are unrestricted. A graph with reductions or
+with outputs of no group runs in two parts: its *prefix*, the nodes that compute the reduced scalars and
+those outputs, runs once on the whole arrays (it reads them and outputs scalars), then the rest, which takes
+the reduced scalars as inputs, runs in pieces. Each group is cut into the same number of pieces, so a run
+reads and writes the same share of every group.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import onnx
-from onnx import numpy_helper
 
 from onnxtrain.ir.types import value_info_shape
 
@@ -49,7 +48,8 @@ CHUNK_FROM = 1 << 20
 class ChunkLayout:
     """How a graph's inputs and outputs fall into groups: ``group`` (input or output name → its group's index)
     and each group's ``shapes``; inputs outside ``group`` are scalars. ``values``: every grouped value;
-    ``reduced``: the reduced scalars the pieces read or the graph outputs (computed by the prefix)."""
+    ``reduced``: what the prefix computes, the reduced scalars the pieces read and the graph outputs of no
+    group (reduced, or computed from scalars alone, as an optimizer's step counts)."""
 
     group: dict[str, int]
     shapes: list[list[int]]
@@ -114,19 +114,18 @@ def chunk_layout(model: onnx.ModelProto, scalar_inputs: Collection[str]) -> Chun
     """The groups of a graph that may run piece by piece (see the module docstring), ``scalar_inputs``
     being the inputs the same for every element; None when the graph does not qualify."""
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    if any(_numel(list(t.dims)) != 1 for t in g.initializer):
-        return None
-    dims: dict[str, list | None] = {t.name: list(t.dims) for t in g.initializer}
+    inits = {t.name for t in g.initializer}
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True).graph
     except Exception:
         return None
+    dims: dict[str, list | None] = {t.name: list(t.dims) for t in g.initializer}
     for vi in (*inferred.value_info, *inferred.input, *inferred.output):
         dims.setdefault(vi.name, value_info_shape(vi.type))
     parent: dict[str, str] = {}
     reduced: set[str] = set()  # values computed from a reduction of grouped values
-    carried: set[str] = set()  # reduced values read by a node of the pieces
+    made: set[str] = set()  # values some node outputs
+    carried: set[str] = set()  # what the prefix hands the pieces or outputs
 
     def root(v: str) -> str:
         while parent[v] != v:
@@ -155,15 +154,11 @@ def chunk_layout(model: onnx.ModelProto, scalar_inputs: Collection[str]) -> Chun
         reads = [i for i in node.input if i]
         grouped = [i for i in reads if i in parent]
         outputs = [o for o in node.output if o]
-        if node.op_type == "Constant" and not grouped:
-            value = next((a for a in node.attribute if a.name == "value"), None)
-            if value is None or _numel(list(numpy_helper.to_array(value.t).shape)) != 1:
-                return None
-            continue
+        made.update(outputs)
         if not grouped:
             if any(i in reduced for i in reads):
                 reduced.update(outputs)
-            continue  # scalars only
+            continue  # scalars only (the bias corrections, step counts)
         if node.domain not in ("", "ai.onnx"):
             return None
         if _full_reduction(node):
@@ -185,15 +180,15 @@ def chunk_layout(model: onnx.ModelProto, scalar_inputs: Collection[str]) -> Chun
             parent[o] = top
     group: dict[str, int] = {}
     roots: dict[str, int] = {}
-    passed = {vi.name for vi in g.input} & {vi.name for vi in g.output}
+    inputs = {vi.name for vi in g.input}
     for vi in g.output:
-        if vi.name in reduced:
-            carried.add(vi.name)
+        if vi.name in inputs or vi.name not in made:
+            return None  # an input or an initializer passed through
+        if vi.name not in parent:
+            carried.add(vi.name)  # reduced, or computed from scalars alone: the prefix's
     for name in [*(vi.name for vi in g.input if vi.name in parent), *(vi.name for vi in g.output)]:
-        if name in carried and name not in parent:
-            continue  # a reduced output: the prefix's
-        if name not in parent or name in passed:
-            return None  # an output computed from scalars only, or an input passed through
+        if name not in parent:
+            continue
         r = root(name)
         declared = dims.get(name)
         if declared is not None and declared != shapes[r]:

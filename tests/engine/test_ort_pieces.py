@@ -133,7 +133,7 @@ def _vi(name: str, shape: list) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
 
 
-@pytest.mark.parametrize("case", ["reduction", "mixed shapes", "big constant", "scalar output",
+@pytest.mark.parametrize("case", ["reduction", "mixed shapes", "big constant", "passed through",
                                   "wide scalar", "unknown shape"])
 def test_graphs_that_are_not_elementwise_do_not_qualify(case: str) -> None:
     y = _vi("y", [8, 4])
@@ -144,16 +144,20 @@ def test_graphs_that_are_not_elementwise_do_not_qualify(case: str) -> None:
     elif case == "big constant":
         m = _one_node("Mul", [_vi("a", [8, 4]), _vi("c", [4])], [y],
                       [numpy_helper.from_array(np.ones(4, np.float32), "c")])
-    elif case == "scalar output":  # an output from the scalars alone
-        m = _one_node("Neg", [_vi("learning_rate", [1])], [_vi("y", [1])])
+    elif case == "passed through":  # an output that is an input
+        m = _one_node("Neg", [_vi("a", [8, 4])], [y])
+        m.graph.output.append(_vi("a", [8, 4]))
     elif case == "wide scalar":  # one value, but of rank 2: it would widen a flat piece
         m = _one_node("Mul", [_vi("a", [8, 4]), _vi("learning_rate", [1, 1])], [y])
     else:
         m = _one_node("Neg", [_vi("a", ["n", 4])], [y])
     assert ort_chunks.chunk_layout(m, SCALARS) is None
-    # a reduction over the scalars only is fine
+    # a product with a scalar is fine; an output computed from the scalars alone is the prefix's
     ok = _one_node("Mul", [_vi("a", [8, 4]), _vi("learning_rate", [1])], [y])
-    assert ort_chunks.chunk_layout(ok, SCALARS) is not None
+    ok.graph.node.append(helper.make_node("Neg", ["learning_rate"], ["count"]))
+    ok.graph.output.append(_vi("count", [1]))
+    layout = ort_chunks.chunk_layout(ok, SCALARS)
+    assert layout is not None and layout.group == {"a": 0, "y": 0} and layout.reduced == ("count",)
 
 
 @pytest.mark.parametrize("kind", KINDS)
