@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.allocator import release_free_memory
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
-from onnxtrain.engine.interface import GraphInterface, InvalidNodeError, load_model
+from onnxtrain.engine.interface import GraphInterface, InvalidNodeError, graph_interface, load_model
 from onnxtrain.errors import InvalidFeed, program_hint, raises_as_onnxruntime
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE
@@ -50,6 +50,7 @@ from onnxtrain.parallel.adasum import ALL_DELTAS_FINITE
 from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.zero import ZeroLayout
 from onnxtrain.parameters import TrainingParameters
+from onnxtrain.session_halves import HalfSteps
 from onnxtrain.session_parallel import DataParallelSteps, fingerprint, with_value_outputs
 from onnxtrain.training_graph import TRAINING_MODE, build_step_graphs, update_clips
 from onnxtrain.user_warning import warn
@@ -115,7 +116,7 @@ def requested_dumps(p: TrainingParameters, options: SessionOptions) -> list[tupl
     return [(where, path, kind) for where, path, kind in asked if path]
 
 
-class TrainingSession(DataParallelSteps, InferenceSession):
+class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
     """Train an ONNX model whose graph computes its loss, with onnxruntime's legacy API.
 
     Example::
@@ -233,8 +234,11 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         self._model = g.full
         self._plans: dict[str, GraphInterface] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}  # random nodes' generators, shared by the plans
+        # on the backend, a step over large weights may run as two graphs (session_halves): the single
+        # graph's plan is then made only if a run asks for what neither half computes
+        self._halves = self._steps_in_halves()
         try:
-            self._plan = self._get_plan("full")
+            self._plan = self._get_plan("gradients" if self._halves else "full")
         except InvalidNodeError:
             if self._backend != "numpy":  # onnxruntime refused the training graph: the user's node if one is
                 _check_user_nodes(model)  # why (checked only now: the backend's memory)
@@ -253,7 +257,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             # made by the exchange
             self._outputs.append(NodeArg(ALL_DELTAS_FINITE, "tensor(bool)", FLAG_SHAPE))
         self._output_names = [o.name for o in self._outputs]
-        self._check = FeedChecker(self._plan, [TRAINING_MODE] if g.has_training_mode else [])
+        self._check = FeedChecker(graph_interface(g.full) if self._halves else self._plan,
+                                  [TRAINING_MODE] if g.has_training_mode else [])
         self._check.required = [n for n in self._check.required if n in feed_names]
         self._check.allowed = feed_names | ({TRAINING_MODE} if g.has_training_mode else set())
         self._micro_step = 0
@@ -322,7 +327,8 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             # against never spinning: 0.94-1.19 against 1.13-1.30 ms)
             updates = {o: state for state, o in self._graphs.updates.get(kind, {}).items()}
             self._plans[kind] = self._new_plan(
-                model, updates, keep_binding=kind in STEP_PLANS, follower=kind in FOLLOWER_PLANS
+                model, updates, keep_binding=kind in STEP_PLANS, follower=kind in FOLLOWER_PLANS,
+                scalar_inputs=self._update_scalars() if kind == "update" else None,
             )
         return self._plans[kind]
 
@@ -369,12 +375,12 @@ class TrainingSession(DataParallelSteps, InferenceSession):
         return [(b, o) for b, o in acc.items() if o in plan.output_info]
 
     def _new_plan(self, model: onnx.ModelProto, updates: Mapping[str, str] | None, keep_binding: bool,
-                  follower: bool = False) -> GraphInterface:
+                  follower: bool = False, scalar_inputs: Collection[str] | None = None) -> GraphInterface:
         """A plan of ``model`` on the session's backend, providers and options (``updates``: output → the
-        state input it may be written into)."""
+        state input it may be written into; ``scalar_inputs``: an update graph's, see ``make_plan``)."""
         plan = make_plan(model, self._backend, self._providers, self._sess_options, self._provider_options,
                          follower=follower, updates=updates, keep_binding=keep_binding,
-                         random_state=self._random_state)
+                         random_state=self._random_state, scalar_inputs=scalar_inputs)
         # every graph's runs go in the trace, until end_profiling
         ended = getattr(self, "_profiling_ended", False)
         plan.profiling = bool(self._sess_options.enable_profiling) and not ended
@@ -421,6 +427,10 @@ class TrainingSession(DataParallelSteps, InferenceSession):
             feeds[TRAINING_MODE] = np.asarray(bool(ro.training_mode) and self._graphs.training_mode_default)
         if kind == "full" and self._dp is not None and self._opt is not None:
             return self._run_data_parallel(names, feeds)
+        if kind == "full" and self._halves:
+            out = self._run_halves(names, feeds)
+            if out is not None:
+                return out
         path = kind in ("gradients", "micro-path")
         # under data parallelism the norm and the finiteness flag on the fetches' path are the ranks' (their
         # averaged gradients'), as in the step: the plan also returns what the rank's norm is taken from

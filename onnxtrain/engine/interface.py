@@ -291,6 +291,13 @@ class GraphInterface:
         self.output_info = {v.name: v for v in model.graph.output}
 
 
+def graph_interface(model: onnx.ModelProto) -> GraphInterface:
+    """The inputs' and outputs' names, types and shapes of ``model`` (a plan's interface), not compiled."""
+    interface = GraphInterface()
+    interface._read_interface(model, convert=False)
+    return interface
+
+
 class TensorArrays(Mapping):
     """A graph's initializers by name, each converted to a read-only array when it is read (not kept)."""
 

@@ -1,6 +1,6 @@
 """bench.large: every peer trains the same small model (the on-device peers to the same losses: one AdamW
-graph on the numpy engine, on the onnxruntime backend and in onnxruntime-training), and the table has a row
-of figures for each peer."""
+graph on the numpy engine, on the onnxruntime backend and in onnxruntime-training; the legacy session to the
+same loss on both backends), and the table has a row of figures for each peer."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ def test_onnxtrains_peers_run_and_its_backends_agree(tmp_path, capsys, monkeypat
     for r in rows.values():
         _figures(r)
     assert rows["onnxtrain-backend"]["loss"] == pytest.approx(rows["onnxtrain"]["loss"], rel=1e-5)
+    assert rows["onnxtrain-legacy-backend"]["loss"] == pytest.approx(rows["onnxtrain-legacy"]["loss"], rel=1e-5)
+    assert all(r["step_ms"] > 0 for r in rows.values())
     monkeypatch.setattr(large, "ORTT_PYTHON", str(tmp_path / "no-such-python"))
     assert large.main(["--size", "32", "--layers", "1", "--steps", "1"]) == 0
     table = capsys.readouterr().out

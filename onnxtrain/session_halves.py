@@ -1,0 +1,94 @@
+"""A legacy session's step as two graphs on the onnxruntime backend, for large weights.
+
+The session's single step graph (forward, backward, update) makes onnxruntime's arena hold the update's
+weight-sized intermediates beside the backward's: three 4096² weights with Adam peaked at 1,277 MiB above
+the RSS before the build, against 796 on the numpy engine. When the session's largest trained weight has
+``ort_chunks.CHUNK_FROM`` values or more and its update graph can run in pieces
+(:mod:`onnxtrain.engine.ort_chunks`), a step on the backend runs the step's two halves instead, as data
+parallelism does without the exchange: the gradients graph (forward and backward, the gradients out), then the
+update graph in pieces, written into the weights and moments in place. One process, no gradient
+accumulation; a run asking for an output neither half computes runs the single graph.
+
+``HalfSteps`` holds the session methods for it; :class:`onnxtrain.session.TrainingSession` mixes it in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from onnxtrain.engine import ort_chunks
+
+
+class HalfSteps:
+    """The two-graph step of ``TrainingSession`` (state: ``_graphs``, ``_store``, ``_specs``, ``_params``)."""
+
+    def _steps_in_halves(self) -> bool:
+        """Whether a step runs as its two halves (see the module docstring): decided once, when built."""
+        g = self._graphs
+        if (self._backend == "numpy" or self._dp is not None or self._opt is None or g.accumulate is not None
+                or not any(self._store[w].size >= ort_chunks.CHUNK_FROM for w in g.trainable)):
+            return False
+        # the halves are built here, for large weights only; the update's plan tells whether onnxruntime's
+        # graph of it (after onnxtrain's rewrites) runs in pieces
+        if getattr(self._get_plan("update"), "_chunks", None) is not None:
+            return True
+        del self._plans["update"]
+        return False
+
+    def _update_scalars(self) -> set[str]:
+        """The update graph's inputs that are one value for every element of their weight: the learning
+        rate, the loss scale, the per-weight step counts (optimizer state of another shape than its
+        weight's); the weights, gradients and moments are the others."""
+        g = self._graphs
+        update = g.update_graph
+        specs = {sp.name: sp for sp in self._specs}
+        trained = set(g.trainable) | {f"{w}_grad" for w in g.trainable}
+        out = set()
+        for vi in update.graph.input:
+            name = vi.name
+            sp = specs.get(name)
+            if name in trained:
+                continue
+            if (sp is not None and sp.weight and sp.initial.dtype.kind == "f"
+                    and np.shape(sp.initial) == np.shape(self._store[sp.weight])):
+                continue  # a moment (a step count is an integer)
+            out.add(name)
+        return out
+
+    def _run_halves(self, names: list[str], feeds: dict[str, Any]) -> list[np.ndarray] | None:
+        """One training step as the gradients graph, then the update graph; the outputs ``names``
+        (None when one of them is in neither half: the caller runs the single graph)."""
+        g, store = self._graphs, self._store
+        gp, up = self._get_plan("gradients"), self._get_plan("update")
+        if any(n not in gp.output_info and n not in up.output_info for n in names):
+            return None
+        grad_names = [f"{w}_grad" for w in g.trainable]
+        gitems = list(g.updates["gradients"].items())  # training-mode BatchNormalization statistics
+        local = [n for n in names if n in gp.output_info and n not in grad_names]
+        gfeeds = {n: feeds[n] for n in gp.all_input_names if n in feeds}
+        for s in gp.all_input_names:
+            if s in store:
+                gfeeds[s] = store[s]
+        res = gp.run(gfeeds, local + grad_names + [o for _, o in gitems],
+                     donate=[s for s, _ in gitems if s in gfeeds])
+        got = dict(zip(local, res))
+        grads = res[len(local):len(local) + len(grad_names)]
+        got.update(zip(grad_names, grads))
+        for (stat, _), v in zip(gitems, res[len(local) + len(grad_names):]):
+            store[stat] = v
+        ufeeds = dict(zip(grad_names, grads))
+        for s in up.all_input_names:
+            if s in store:
+                ufeeds[s] = store[s]
+            elif s not in ufeeds and s in feeds:  # the learning rate, a mixed-precision update's loss scale
+                ufeeds[s] = feeds[s]
+        uitems = list(g.updates["update"].items())
+        extra = [n for n in names if n in up.output_info and n not in got]
+        out = up.run(ufeeds, extra + [o for _, o in uitems], donate=[s for s, _ in uitems if s in ufeeds])
+        got.update(zip(extra, out))
+        for (state, _), v in zip(uitems, out[len(extra):]):
+            store[state] = v
+        self._micro_step = 0
+        return [got[n] for n in names]

@@ -1,0 +1,81 @@
+"""A legacy session on the onnxruntime backend with large weights steps as two graphs, the update in pieces
+(``onnxtrain/session_halves.py``): the same losses, weights and fetched values as the single graph on the
+backend and as the numpy engine (the reference), the global norm fetched from the update half. "Large" is
+made small here (pieces of 50 values from weights of 100)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import onnxtrain
+from onnxtrain.engine import ort_chunks
+from tests.session.helpers import mlp_model, params
+
+
+def _session(backend: str, opt: str, **kw) -> onnxtrain.TrainingSession:
+    so = onnxtrain.SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", backend)
+    model = mlp_model(din=12, dh=20, dout=5)  # W1 has 240 values, W2 100
+    return onnxtrain.TrainingSession(model.SerializeToString(), params(opt, **kw), so)
+
+
+def _train(sess: onnxtrain.TrainingSession, fetch: list[str], steps: int = 4) -> tuple[list, dict]:
+    rng = np.random.default_rng(5)
+    got = []
+    for _ in range(steps):
+        x = rng.standard_normal((6, 12)).astype(np.float32)
+        y = rng.integers(0, 5, 6).astype(np.int64)
+        feeds = {"x": x, "y": y, "Learning_Rate": np.array([0.05], np.float32)}
+        if sess.loss_scale_input_name:
+            feeds[sess.loss_scale_input_name] = np.array([1024.0], np.float32)
+        got.append(sess.run(fetch, feeds))
+    return got, sess.get_state()
+
+
+@pytest.mark.parametrize("opt,kw", [("AdamOptimizer", {}),
+                                    ("AdamOptimizer", {"enable_grad_norm_clip": False}),
+                                    ("SGDOptimizer", {}), ("LambOptimizer", {}),
+                                    ("AdamOptimizer", {"use_mixed_precision": True})],
+                         ids=["adam", "adam-unclipped", "sgd", "lamb", "adam-mixed-precision"])
+def test_two_graph_steps_train_as_the_single_graph(monkeypatch, opt: str, kw: dict) -> None:
+    monkeypatch.setattr(ort_chunks, "CHUNK_VALUES", 50)
+    monkeypatch.setattr(ort_chunks, "CHUNK_FROM", 100)
+    halves = _session("onnxruntime", opt, **kw)
+    if opt == "LambOptimizer":  # onnxtrain's rewrites for onnxruntime give its update an If: one graph
+        assert not halves._halves and "update" not in halves._plans
+    else:
+        assert halves._halves and "full" not in halves._plans
+        assert halves._get_plan("update")._chunks is not None
+    mixed = "use_mixed_precision" in kw
+    fetch = ["loss", "logits"] + (["all_gradients_finite"] if mixed else [])
+    got, state = _train(halves, fetch)
+    monkeypatch.setenv("ONNXTRAIN_ORT_PIECES", "0")
+    single = _session("onnxruntime", opt, **kw)
+    assert not single._halves
+    want, want_state = _train(single, fetch)
+    # the numpy engine computes float16 products in float16, onnxruntime in float32: compared without them
+    reference, ref_state = _train(_session("numpy", opt, **kw), fetch) if not mixed else (want, want_state)
+    for a, b, c in zip(got, want, reference):
+        for x, y, z in zip(a, b, c):
+            np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(x, z, rtol=1e-5, atol=1e-6)
+    assert state.keys() == want_state.keys() == ref_state.keys()
+    for k in state:
+        np.testing.assert_allclose(state[k], want_state[k], rtol=1e-6, atol=1e-7, err_msg=k)
+        np.testing.assert_allclose(state[k], ref_state[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert got[-1][0] != got[0][0]  # it trained
+
+
+def test_the_update_halfs_outputs_are_fetched(monkeypatch) -> None:
+    monkeypatch.setattr(ort_chunks, "CHUNK_VALUES", 50)
+    monkeypatch.setattr(ort_chunks, "CHUNK_FROM", 100)
+    sess = _session("onnxruntime", "AdamOptimizer")
+    assert sess._halves
+    fetched = [o.name for o in sess.get_outputs()]
+    norm = next(n for n in fetched if n.startswith("global_gradient_norm"))
+    got, _ = _train(sess, ["loss", norm], steps=2)  # the norm: the update half's
+    assert "full" not in sess._plans and all(np.isfinite(g[1]).all() for g in got)
+    ref, _ = _train(_session("numpy", "AdamOptimizer"), ["loss", norm], steps=2)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a[1], b[1], rtol=1e-5)
