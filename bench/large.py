@@ -1,6 +1,6 @@
 """Peak memory of training a model of large weights, onnxtrain against onnxruntime-training, in the same run.
 
-    python -m bench.large [--size 4096] [--layers 3] [--steps 3]
+    python -m bench.large [--size 4096] [--layers 3] [--steps 3] [--peers onnxtrain,...]
 
 The model is ``layers`` square MatMuls of ``size`` × ``size`` float32 weights (3 × 4096² = 192 MiB), with an
 MSE loss and AdamW (learning rate 1e-5). Each peer runs in a fresh process (this file, ``--child``) that
@@ -8,10 +8,10 @@ builds the model, writes its artifacts, then measures the peak RSS (VmHWM, reset
 user's script does: load the checkpoint and build ``Module`` and ``Optimizer``, then train ``steps`` steps.
 Peers: onnxtrain's on-device API on the numpy engine and on the onnxruntime backend, onnxruntime-training
 1.19.2 in its own environment (``$ORTT_PYTHON``, as ``python -m bench``; skipped with a message when it is
-missing), and onnxtrain's legacy ``TrainingSession`` (built from the serialized model with an MSE loss
-added, then the steps; no peer has that API any more). The engine's allocator settings, which keep freed
-pages, are off here, so that RSS after a phase is what is held. Figures are MiB above the RSS before the
-build.
+missing), and onnxtrain's legacy ``TrainingSession`` on either backend (built from the serialized model with
+an MSE loss added, then the steps; no peer has that API any more). The engine's allocator settings, which
+keep freed pages, are off here, so that RSS after a phase is what is held. Figures are MiB above the RSS
+before the build; "ms a step" is the median step after the first.
 """
 
 from __future__ import annotations
