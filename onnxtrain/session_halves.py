@@ -37,6 +37,14 @@ class HalfSteps:
         del self._plans["update"]
         return False
 
+    @property
+    def peak_bytes(self) -> int:
+        """Peak bytes of live tensors during the last run (weights included): of the larger half when the
+        step runs as two graphs."""
+        if getattr(self, "_halves", False):
+            return max(getattr(self._plans.get(k), "peak_bytes", 0) for k in ("gradients", "update"))
+        return self._plan.peak_bytes
+
     def _update_scalars(self) -> set[str]:
         """The update graph's inputs that are one value for every element of their weight: the learning
         rate, the loss scale, the per-weight step counts (optimizer state of another shape than its

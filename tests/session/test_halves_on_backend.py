@@ -76,6 +76,9 @@ def test_the_update_halfs_outputs_are_fetched(monkeypatch) -> None:
     norm = next(n for n in fetched if n.startswith("global_gradient_norm"))
     got, _ = _train(sess, ["loss", norm], steps=2)  # the norm: the update half's
     assert "full" not in sess._plans and all(np.isfinite(g[1]).all() for g in got)
+    # the step's peak: its larger half's, the update's, which holds at least the whole state
+    held = sum(v.nbytes for v in sess.get_state().values())
+    assert sess.peak_bytes >= held
     ref, _ = _train(_session("numpy", "AdamOptimizer"), ["loss", norm], steps=2)
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a[1], b[1], rtol=1e-5)
