@@ -22,7 +22,8 @@ def test_onnxtrains_peers_run_and_its_backends_agree(tmp_path, capsys, monkeypat
     for r in rows.values():
         _figures(r)
     assert rows["onnxtrain-backend"]["loss"] == pytest.approx(rows["onnxtrain"]["loss"], rel=1e-5)
-    assert rows["onnxtrain-legacy-backend"]["loss"] == pytest.approx(rows["onnxtrain-legacy"]["loss"], rel=1e-5)
+    legacy = rows["onnxtrain-legacy"]["loss"]
+    assert rows["onnxtrain-legacy-backend"]["loss"] == pytest.approx(legacy, rel=1e-5)
     assert all(r["step_ms"] > 0 for r in rows.values())
     monkeypatch.setattr(large, "ORTT_PYTHON", str(tmp_path / "no-such-python"))
     assert large.main(["--size", "32", "--layers", "1", "--steps", "1"]) == 0
