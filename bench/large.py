@@ -24,7 +24,8 @@ import sys
 import tempfile
 
 ORTT_PYTHON = os.environ.get("ORTT_PYTHON", "/tmp/ortt/bin/python")
-PEERS = ("onnxtrain", "onnxtrain-backend", "onnxruntime-training", "onnxtrain-legacy", "onnxtrain-legacy-backend")
+PEERS = ("onnxtrain", "onnxtrain-backend", "onnxruntime-training", "onnxtrain-legacy",
+         "onnxtrain-legacy-backend")
 LR = 1e-5  # small enough that wide layers' losses go down
 
 
