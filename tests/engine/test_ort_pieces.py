@@ -319,3 +319,38 @@ def test_an_output_without_a_declared_shape_comes_back_whole(monkeypatch) -> Non
     got = plan.run(feeds)[0]
     assert got.shape == (9, 5)
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_module_over_a_weight_of_2_to_the_20_values_updates_in_pieces_by_default(tmp_path) -> None:
+    """The default thresholds: a 1024² weight's AdamW runs in 4 pieces on the backend, and trains as the
+    numpy engine does."""
+    import onnxtrain
+    from onnxtrain.training import api
+
+    w = numpy_helper.from_array((np.random.default_rng(0).standard_normal((1024, 1024)) * 0.03)
+                                .astype(np.float32), "W")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g", [_vi("x", [2, 1024])],
+                          [_vi("y", [2, 1024])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    artifacts.generate_artifacts(m, requires_grad=["W"], loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=str(tmp_path))
+    x = np.full((2, 1024), 0.5, np.float32)
+    t = np.zeros((2, 1024), np.float32)
+    runs = {}
+    for backend in ("numpy", "onnxruntime"):
+        so = onnxtrain.SessionOptions()
+        so.add_session_config_entry("onnxtrain.backend", backend)
+        state = api.CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+        module = api.Module(str(tmp_path / "training_model.onnx"), state, session_options=so)
+        opt = api.Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
+        if backend == "onnxruntime":
+            assert opt._plan._chunks is not None and ort_chunks.piece_count(opt._plan._chunks) == 4
+        losses = []
+        for _ in range(3):
+            losses.append(float(module(x, t)))
+            opt.step()
+            module.lazy_reset_grad()
+        runs[backend] = (losses, state.parameters["W"].data.copy())
+    np.testing.assert_allclose(runs["onnxruntime"][0], runs["numpy"][0], rtol=1e-5)
+    np.testing.assert_allclose(runs["onnxruntime"][1], runs["numpy"][1], rtol=1e-5, atol=1e-6)
