@@ -82,3 +82,27 @@ def test_the_update_halfs_outputs_are_fetched(monkeypatch) -> None:
     ref, _ = _train(_session("numpy", "AdamOptimizer"), ["loss", norm], steps=2)
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a[1], b[1], rtol=1e-5)
+
+
+def test_a_session_over_a_weight_of_2_to_the_20_values_steps_in_halves_by_default() -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array((np.random.default_rng(0).standard_normal((1024, 1024)) * 0.03)
+                                .astype(np.float32), "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"]), helper.make_node("Mul", ["y", "y"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 1024])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    x = np.full((2, 1024), 0.5, np.float32)
+    losses = {}
+    for backend in ("numpy", "onnxruntime"):
+        so = onnxtrain.SessionOptions()
+        so.add_session_config_entry("onnxtrain.backend", backend)
+        sess = onnxtrain.TrainingSession(m.SerializeToString(), params("AdamOptimizer"), so)
+        assert sess._halves == (backend == "onnxruntime")
+        lr = np.array([1e-3], np.float32)
+        losses[backend] = [float(sess.run(["loss"], {"x": x, "Learning_Rate": lr})[0]) for _ in range(3)]
+    np.testing.assert_allclose(losses["onnxruntime"], losses["numpy"], rtol=1e-5)
+    assert losses["numpy"][-1] < losses["numpy"][0]
