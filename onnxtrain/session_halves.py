@@ -6,8 +6,9 @@ the RSS before the build, against 796 on the numpy engine. When the session's la
 ``ort_chunks.CHUNK_FROM`` values or more and its update graph can run in pieces
 (:mod:`onnxtrain.engine.ort_chunks`), a step on the backend runs the step's two halves instead, as data
 parallelism does without the exchange: the gradients graph (forward and backward, the gradients out), then the
-update graph in pieces, written into the weights and moments in place. One process, no gradient
-accumulation; a run asking for an output neither half computes runs the single graph.
+update graph in pieces, written into the weights and moments in place. One process (under gradient
+accumulation, the step that updates: the gradients graph then gives the sums, which the update reads
+averaged); a run asking for an output neither half computes runs the single graph.
 
 ``HalfSteps`` holds the session methods for it; :class:`onnxtrain.session.TrainingSession` mixes it in.
 """
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain.engine import ort_chunks
+from onnxtrain.graph_transforms.accumulation import buffer_name
 
 
 class HalfSteps:
@@ -27,7 +29,7 @@ class HalfSteps:
     def _steps_in_halves(self) -> bool:
         """Whether a step runs as its two halves (see the module docstring): decided once, when built."""
         g = self._graphs
-        if (self._backend == "numpy" or self._dp is not None or self._opt is None or g.accumulate is not None
+        if (self._backend == "numpy" or self._dp is not None or self._opt is None
                 or not any(self._store[w].size >= ort_chunks.CHUNK_FROM for w in g.trainable)):
             return False
         # the halves are built here, for large weights only; the update's plan tells whether onnxruntime's
@@ -72,8 +74,11 @@ class HalfSteps:
         gp, up = self._get_plan("gradients"), self._get_plan("update")
         if any(n not in gp.output_info and n not in up.output_info for n in names):
             return None
-        grad_names = [f"{w}_grad" for w in g.trainable]
-        gitems = list(g.updates["gradients"].items())  # training-mode BatchNormalization statistics
+        steps = self._params.gradient_accumulation_steps
+        gupd = g.updates["gradients"]
+        # the gradients the update reads: this run's, or the sums over the accumulation's micro-steps
+        grad_names = [gupd[buffer_name(f"{w}_grad")] if steps > 1 else f"{w}_grad" for w in g.trainable]
+        gitems = [(s, o) for s, o in gupd.items() if s in g.bn_stats]  # training-mode BatchNorm statistics
         local = [n for n in names if n in gp.output_info and n not in grad_names]
         gfeeds = {n: feeds[n] for n in gp.all_input_names if n in feeds}
         for s in gp.all_input_names:
@@ -86,7 +91,10 @@ class HalfSteps:
         got.update(zip(grad_names, grads))
         for (stat, _), v in zip(gitems, res[len(local) + len(grad_names):]):
             store[stat] = v
-        ufeeds = dict(zip(grad_names, grads))
+        if steps > 1:  # their mean, as the single graph's Mul by 1/N (the sums are this run's own arrays)
+            for a in grads:
+                np.multiply(a, a.dtype.type(1.0 / steps), out=a)
+        ufeeds = {f"{w}_grad": a for w, a in zip(g.trainable, grads)}
         for s in up.all_input_names:
             if s in store:
                 ufeeds[s] = store[s]
@@ -98,5 +106,7 @@ class HalfSteps:
         got.update(zip(extra, out))
         for (state, _), v in zip(uitems, out[len(extra):]):
             store[state] = v
+        for b in g.buffers:
+            store[b] = np.zeros_like(store[b])
         self._micro_step = 0
         return [got[n] for n in names]
