@@ -216,32 +216,36 @@ def test_pieces_can_be_switched_off_and_small_graphs_run_whole(tmp_path, monkeyp
     assert make_plan(model, "onnxruntime", updates=updates, scalar_inputs=SCALARS)._chunks is None
 
 
+def _train_on(backend: str, folder, x: np.ndarray, t: np.ndarray, steps: int) -> tuple:
+    """(losses, W after the steps, the optimizer plan's piece layout) of on-device training on ``backend``
+    with the artifacts in ``folder``."""
+    import onnxtrain
+    from onnxtrain.training import api
+
+    so = onnxtrain.SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", backend)
+    state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+    module = api.Module(str(folder / "training_model.onnx"), state, session_options=so)
+    opt = api.Optimizer(str(folder / "optimizer_model.onnx"), module)
+    losses = []
+    for _ in range(steps):
+        losses.append(float(module(x, t)))
+        opt.step()
+        module.lazy_reset_grad()
+    return losses, state.parameters["W"].data.copy(), getattr(opt._plan, "_chunks", None)
+
+
 @pytest.mark.parametrize("kind", ["adamw", "adamw-clipped"])
 def test_on_device_training_on_the_backend_in_pieces_matches_the_numpy_engine(tmp_path, monkeypatch,
                                                                               kind: str) -> None:
-    import onnxtrain
-    from onnxtrain.training import api
 
     _artifacts(tmp_path, kind)
     _small_pieces(monkeypatch)
     rng = np.random.default_rng(2)
     x = rng.standard_normal((4, 37)).astype(np.float32)
     t = rng.standard_normal((4, 29)).astype(np.float32)
-    runs = {}
-    for backend in ("numpy", "onnxruntime"):
-        so = onnxtrain.SessionOptions()
-        so.add_session_config_entry("onnxtrain.backend", backend)
-        state = api.CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
-        module = api.Module(str(tmp_path / "training_model.onnx"), state, session_options=so)
-        opt = api.Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
-        if backend == "onnxruntime":
-            assert opt._plan._chunks is not None
-        losses = []
-        for _ in range(6):
-            losses.append(float(module(x, t)))
-            opt.step()
-            module.lazy_reset_grad()
-        runs[backend] = (losses, state.parameters["W"].data.copy())
+    runs = {backend: _train_on(backend, tmp_path, x, t, 6) for backend in ("numpy", "onnxruntime")}
+    assert runs["onnxruntime"][2] is not None
     np.testing.assert_allclose(runs["onnxruntime"][0], runs["numpy"][0], rtol=1e-5)
     np.testing.assert_allclose(runs["onnxruntime"][1], runs["numpy"][1], rtol=1e-5, atol=1e-6)
     assert runs["numpy"][0][-1] < runs["numpy"][0][0]
@@ -324,8 +328,6 @@ def test_an_output_without_a_declared_shape_comes_back_whole(monkeypatch) -> Non
 def test_a_module_over_a_weight_of_2_to_the_20_values_updates_in_pieces_by_default(tmp_path) -> None:
     """The default thresholds: a 1024² weight's AdamW runs in 4 pieces on the backend, and trains as the
     numpy engine does."""
-    import onnxtrain
-    from onnxtrain.training import api
 
     w = numpy_helper.from_array((np.random.default_rng(0).standard_normal((1024, 1024)) * 0.03)
                                 .astype(np.float32), "W")
@@ -337,20 +339,7 @@ def test_a_module_over_a_weight_of_2_to_the_20_values_updates_in_pieces_by_defau
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=str(tmp_path))
     x = np.full((2, 1024), 0.5, np.float32)
     t = np.zeros((2, 1024), np.float32)
-    runs = {}
-    for backend in ("numpy", "onnxruntime"):
-        so = onnxtrain.SessionOptions()
-        so.add_session_config_entry("onnxtrain.backend", backend)
-        state = api.CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
-        module = api.Module(str(tmp_path / "training_model.onnx"), state, session_options=so)
-        opt = api.Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
-        if backend == "onnxruntime":
-            assert opt._plan._chunks is not None and ort_chunks.piece_count(opt._plan._chunks) == 4
-        losses = []
-        for _ in range(3):
-            losses.append(float(module(x, t)))
-            opt.step()
-            module.lazy_reset_grad()
-        runs[backend] = (losses, state.parameters["W"].data.copy())
+    runs = {backend: _train_on(backend, tmp_path, x, t, 3) for backend in ("numpy", "onnxruntime")}
+    assert runs["onnxruntime"][2] is not None and ort_chunks.piece_count(runs["onnxruntime"][2]) == 4
     np.testing.assert_allclose(runs["onnxruntime"][0], runs["numpy"][0], rtol=1e-5)
     np.testing.assert_allclose(runs["onnxruntime"][1], runs["numpy"][1], rtol=1e-5, atol=1e-6)
