@@ -38,9 +38,9 @@ ELEMENTWISE = frozenset({
 REDUCTIONS = frozenset({"ReduceL1", "ReduceL2", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceSum",
                         "ReduceSumSquare"})
 CHUNK_VALUES = 1 << 18  # values of the largest group in one piece
-# values of the largest group from which a graph runs in pieces: each run of the graph costs about 5 µs a
-# node besides its arithmetic (0.2-0.35 ms for the MLP's AdamW over 0.67 M values: 1.38 ms whole, 1.80 ms in
-# two pieces), which pieces of a large update win back in cache hits (three 1024² weights: 22 -> 15 ms a step)
+# values of the largest group from which a graph runs in pieces: each run of the graph costs 0.2-0.35 ms
+# besides its arithmetic (the MLP's AdamW over 0.67 M values: 1.38 ms whole, 1.80 ms in two pieces), which
+# pieces of a large update win back in cache hits (three 1024² weights: 22 -> 15 ms a step)
 CHUNK_FROM = 1 << 20
 
 
