@@ -447,11 +447,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                 raise ValueError(
                     f"output(s) {missing} are not computed on a gradient-accumulation micro-step"
                 )
-        plan_inputs = plan.all_input_names
-        feeds = {n: feeds[n] for n in plan_inputs if n in feeds}  # e.g. no learning rate when not updating
-        for s in plan_inputs:
-            if s in self._store:
-                feeds[s] = self._store[s]
+        feeds = self._feeds_of(plan, feeds)  # e.g. no learning rate when not updating
         if path and self._backend != "numpy":  # onnxruntime writes the new running statistics of a
             # training-mode BatchNormalization into the buffers of the old ones when the graph does not
             # return them (a path run's): it gets copies, so the session's stay as on the numpy engine
@@ -481,6 +477,16 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         out = results[: len(names)]
         # a path run's Identity of a weight is the session's array: the caller gets a copy
         return own_outputs(out, self._store) if kind != "full" else out
+
+    def _feeds_of(self, plan: GraphInterface, feeds: Mapping[str, Any],
+                  given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """What ``plan`` reads: the session's state, else the values ``given`` (gradients computed by another
+        graph), else the caller's ``feeds``; inputs none of them holds are left out."""
+        out = {n: feeds[n] for n in plan.all_input_names if n in feeds}
+        if given:
+            out.update(given)
+        out.update((n, self._store[n]) for n in plan.all_input_names if n in self._store)
+        return out
 
     def _kind(self, names: list[str], ro: RunOptions) -> str:
         g = self._graphs

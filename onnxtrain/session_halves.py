@@ -80,10 +80,7 @@ class HalfSteps:
         grad_names = [gupd[buffer_name(f"{w}_grad")] if steps > 1 else f"{w}_grad" for w in g.trainable]
         gitems = [(s, o) for s, o in gupd.items() if s in g.bn_stats]  # training-mode BatchNorm statistics
         local = [n for n in names if n in gp.output_info and n not in grad_names]
-        gfeeds = {n: feeds[n] for n in gp.all_input_names if n in feeds}
-        for s in gp.all_input_names:
-            if s in store:
-                gfeeds[s] = store[s]
+        gfeeds = self._feeds_of(gp, feeds)
         res = gp.run(gfeeds, local + grad_names + [o for _, o in gitems],
                      donate=[s for s, _ in gitems if s in gfeeds])
         got = dict(zip(local, res))
@@ -94,12 +91,8 @@ class HalfSteps:
         if steps > 1:  # their mean, as the single graph's Mul by 1/N (the sums are this run's own arrays)
             for a in grads:
                 np.multiply(a, a.dtype.type(1.0 / steps), out=a)
-        ufeeds = {f"{w}_grad": a for w, a in zip(g.trainable, grads)}
-        for s in up.all_input_names:
-            if s in store:
-                ufeeds[s] = store[s]
-            elif s not in ufeeds and s in feeds:  # the learning rate, a mixed-precision update's loss scale
-                ufeeds[s] = feeds[s]
+        # the learning rate and a mixed-precision update's loss scale from the caller's feeds
+        ufeeds = self._feeds_of(up, feeds, {f"{w}_grad": a for w, a in zip(g.trainable, grads)})
         uitems = list(g.updates["update"].items())
         extra = [n for n in names if n in up.output_info and n not in got]
         out = up.run(ufeeds, extra + [o for _, o in uitems], donate=[s for s, _ in uitems if s in ufeeds])

@@ -70,11 +70,7 @@ class DataParallelSteps:
         gp = self._get_plan("gradients")
         bn_items = [(s, o) for s, o in g.updates["gradients"].items() if s in g.bn_stats]
         local_names = [n for n in names if n in gp.output_info]
-        gfeeds = {n: feeds[n] for n in gp.all_input_names if n in feeds}
-        for s in gp.all_input_names:
-            if s in store:
-                gfeeds[s] = store[s]
-        res = gp.run(gfeeds, local_names + self._grad_outputs + [o for _, o in bn_items])
+        res = gp.run(self._feeds_of(gp, feeds), local_names + self._grad_outputs + [o for _, o in bn_items])
         got = dict(zip(local_names, res))
         grads = res[len(local_names) : len(local_names) + len(self._grad_outputs)]
         for (stat, _), v in zip(bn_items, res[len(local_names) + len(grads) :]):
@@ -105,13 +101,8 @@ class DataParallelSteps:
         else:  # adasum: the optimizer runs on the local (accumulation-averaged) gradients
             n = self._params.gradient_accumulation_steps
             eff = grads if n == 1 else [gr * gr.dtype.type(1.0 / n) for gr in grads]
-        lr = self._params.lr_params_feed_name
-        ufeeds = {lr: feeds[lr], **{f"{w}_grad": v for w, v in zip(g.trainable, eff)}}
-        for s in up.all_input_names:
-            if s in store:
-                ufeeds[s] = store[s]
-            elif s not in ufeeds and s in feeds:  # the loss scale of a mixed-precision update
-                ufeeds[s] = feeds[s]
+        # the learning rate and a mixed-precision update's loss scale from the caller's feeds
+        ufeeds = self._feeds_of(up, feeds, {f"{w}_grad": v for w, v in zip(g.trainable, eff)})
         extra = [n for n in wanted if n in up.output_info]
         local_flag = dp.mode == "adasum" and ALL_FINITE in up.output_info  # mixed precision
         if local_flag and ALL_FINITE not in extra:

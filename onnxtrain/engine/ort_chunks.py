@@ -55,16 +55,11 @@ class ChunkLayout:
     shapes: list[list[int]]
     values: frozenset[str]
     reduced: tuple[str, ...] = ()
+    reduced_infos: tuple[onnx.ValueInfoProto, ...] = ()  # their inferred types, in the same order
 
     @property
     def sizes(self) -> list[int]:
-        out = []
-        for shape in self.shapes:
-            n = 1
-            for d in shape:
-                n *= d
-            out.append(n)
-        return out
+        return [_numel(shape) for shape in self.shapes]
 
     def pieces(self, count: int) -> Iterator[list[tuple[int, int]]]:
         """For each of ``count`` runs, every group's piece as (start, stop) over its flattened values."""
@@ -73,12 +68,21 @@ class ChunkLayout:
             yield [(n * i // count, n * (i + 1) // count) for n in sizes]
 
 
-def pieces_wanted(layout: ChunkLayout | None) -> bool:
-    """Whether a graph of ``layout`` runs piece by piece: its largest group has ``CHUNK_FROM`` values or
-    more, and the environment does not say ``ONNXTRAIN_ORT_PIECES=0`` (for A/B runs)."""
-    if layout is None or os.environ.get("ONNXTRAIN_ORT_PIECES", "1") in ("0", "false", "no", "off"):
-        return False
-    return max(layout.sizes, default=0) >= CHUNK_FROM and piece_count(layout) > 1
+def layout_for_pieces(model: onnx.ModelProto, scalar_inputs: Collection[str]) -> ChunkLayout | None:
+    """The :func:`chunk_layout` of a graph that runs piece by piece: it qualifies, its largest group has
+    ``CHUNK_FROM`` values or more, and the environment does not say ``ONNXTRAIN_ORT_PIECES=0`` (for A/B
+    runs); else None, decided from the inputs' declared shapes before any analysis when none is that
+    large."""
+    if os.environ.get("ONNXTRAIN_ORT_PIECES", "1") in ("0", "false", "no", "off"):
+        return None
+    inits = {t.name for t in model.graph.initializer}
+    if not any((_numel(value_info_shape(vi.type)) or 0) >= CHUNK_FROM for vi in model.graph.input
+               if vi.name not in inits and vi.name not in scalar_inputs):
+        return None
+    layout = chunk_layout(model, scalar_inputs)
+    if layout is None or max(layout.sizes, default=0) < CHUNK_FROM or piece_count(layout) < 2:
+        return None
+    return layout
 
 
 def piece_count(layout: ChunkLayout) -> int:
@@ -196,8 +200,10 @@ def chunk_layout(model: onnx.ModelProto, scalar_inputs: Collection[str]) -> Chun
         group[name] = roots.setdefault(r, len(roots))
     ordered = sorted(roots, key=roots.__getitem__)
     order = {n: k for k, n in enumerate(v for node in g.node for v in node.output)}
-    return ChunkLayout(group, [shapes[r] for r in ordered], frozenset(parent),
-                       tuple(sorted(carried, key=order.__getitem__)))
+    reduced_order = tuple(sorted(carried, key=order.__getitem__))
+    infos = {vi.name: vi for vi in (*inferred.value_info, *inferred.output)}
+    return ChunkLayout(group, [shapes[r] for r in ordered], frozenset(parent), reduced_order,
+                       tuple(infos[r] for r in reduced_order))
 
 
 def _slice(g: onnx.GraphProto, targets: Collection[str], given: Collection[str] = ()) -> list[onnx.NodeProto]:
@@ -242,16 +248,12 @@ def split_models(model: onnx.ModelProto,
     scalars as inputs, with each grouped input and output declared flat, of one symbolic length per group,
     and the grouped intermediates' declared shapes dropped."""
     g = model.graph
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True).graph
-    infos = {vi.name: vi for vi in (*inferred.value_info, *inferred.input, *inferred.output)}
+    carried = list(layout.reduced_infos)
     prefix = None
     if layout.reduced:
-        nodes = _slice(g, layout.reduced)
-        prefix = _submodel(model, nodes, list(g.input), [infos[r] for r in layout.reduced],
-                           f"{g.name}_prefix")
+        prefix = _submodel(model, _slice(g, layout.reduced), list(g.input), carried, f"{g.name}_prefix")
     outputs = [vi for vi in g.output if vi.name in layout.group]
     nodes = _slice(g, [vi.name for vi in outputs], given=set(layout.reduced))
-    carried = [infos[r] for r in layout.reduced]
     main = _submodel(model, nodes, [*g.input, *carried], outputs, g.name)
     for vi in (*main.graph.input, *main.graph.output):
         k = layout.group.get(vi.name)

@@ -27,7 +27,7 @@ from onnxtrain.engine.interface import (
     repeats_copied,
     without_values,
 )
-from onnxtrain.engine.ort_chunks import chunk_layout, piece_count, pieces_wanted, split_models
+from onnxtrain.engine.ort_chunks import layout_for_pieces, piece_count, split_models
 from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.ort_rewrites import for_onnxruntime
 from onnxtrain.engine.parallel import default_width, local_ranks
@@ -125,9 +125,8 @@ class OrtPlan(GraphInterface):
         # that speed it up unless optimisations are off
         self.onnxruntime_model = for_onnxruntime(model, optimise=not _optimizations_off(options))
         # a large elementwise graph (an optimizer's update) runs piece by piece (see ort_chunks)
-        layout = (chunk_layout(self.onnxruntime_model, scalar_inputs)
-                  if scalar_inputs is not None and self._tensor_io and self._device == "cpu" else None)
-        self._chunks = layout if pieces_wanted(layout) else None
+        self._chunks = (layout_for_pieces(self.onnxruntime_model, scalar_inputs)
+                        if scalar_inputs is not None and self._tensor_io and self._device == "cpu" else None)
         self._prefix = None  # (its session, its inputs) when the pieces read reduced scalars
         if self._chunks is not None:
             prefix, main = split_models(self.onnxruntime_model, self._chunks)
