@@ -60,7 +60,7 @@ def set_seed(seed: int) -> None:
     the same order then draw the same values."""
     import numbers
 
-    from onnxtrain.engine.kernels.random import set_random_seed
+    from onnxtrain.engine.seeds import set_random_seed
 
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"set_seed: the seed must be an int, got {type(seed).__name__}")

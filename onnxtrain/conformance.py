@@ -298,7 +298,7 @@ def run_case(case) -> None:
     from onnx.backend.test.runner import Runner, _normalize_tensor
 
     from onnxtrain.backend import OnnxtrainBackend
-    from onnxtrain.engine.kernels.random import set_random_seed
+    from onnxtrain.engine.seeds import set_random_seed
 
     def similar(want: list, got: list) -> None:
         # onnx's runner compares sequence elements as if each were a list of outputs (a 0-d one fails):

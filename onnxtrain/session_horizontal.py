@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnxtrain.engine.kernels.random import unseeded_generator
+from onnxtrain.engine.seeds import unseeded_generator
 from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.flags import flag_array
 from onnxtrain.graph_transforms.mixed_precision import (

@@ -72,6 +72,9 @@ def batch_split_mode(options: Any) -> str:
     return BATCH_SPLIT_MODES[value]
 
 
+_ort_ready: list[bool] = []  # [True] once import_onnxruntime has passed on the settings made before it
+
+
 def import_onnxruntime() -> Any:
     """The ``onnxruntime`` module; ImportError with the install command when it is missing."""
     try:
@@ -79,8 +82,12 @@ def import_onnxruntime() -> Any:
     except ImportError as e:
         raise ImportError(f"{_INSTALL_HINT} ({e})") from e
     from onnxtrain.capi.runtime_info import apply_logger_settings
+    from onnxtrain.engine.seeds import seed_onnxruntime
 
-    apply_logger_settings(onnxruntime)  # onnxtrain.set_default_logger_severity called before the import
+    if not _ort_ready:  # settings made before onnxtrain first imported it
+        apply_logger_settings(onnxruntime)  # onnxtrain.set_default_logger_severity
+        seed_onnxruntime(onnxruntime)  # onnxtrain.set_seed (later calls pass it on themselves)
+        _ort_ready.append(True)
     return onnxruntime
 
 

@@ -33,7 +33,7 @@ import yaml
 
 from onnxtrain import parallel
 from onnxtrain.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from onnxtrain.engine.kernels.random import set_random_seed
+from onnxtrain.engine.seeds import set_random_seed
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.train import data as data_mod
 from onnxtrain.train.config import Config, ConfigError, changed_keys

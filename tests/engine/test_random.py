@@ -20,8 +20,8 @@ from onnx import helper, numpy_helper
 
 from onnxtrain.autodiff import build_gradient_model
 from onnxtrain.engine import Plan, compile_model
-from onnxtrain.engine.kernels.random import set_random_seed
 from onnxtrain.engine.plan import EngineError
+from onnxtrain.engine.seeds import set_random_seed
 from onnxtrain.ir.builder import make_model
 
 DELTA = 1e-9  # allowed false-alarm probability of each statistical check

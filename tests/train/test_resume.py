@@ -18,7 +18,7 @@ import pytest
 from onnxtrain import zoo
 from onnxtrain.checkpoint import load_checkpoint
 from onnxtrain.cli import main
-from onnxtrain.engine.kernels.random import set_random_seed
+from onnxtrain.engine.seeds import set_random_seed
 from onnxtrain.train import Trainer, load_config
 from onnxtrain.train.config import ConfigError
 from onnxtrain.train.outputs import list_checkpoints
@@ -240,12 +240,16 @@ def _interrupt_after_first_save(monkeypatch) -> None:
     monkeypatch.setattr(Trainer, "save", save_then_interrupt)
 
 
-def test_dropout_runs_repeat_and_resume_bit_for_bit(tmp_path, monkeypatch, write_config):
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
+def test_dropout_runs_repeat_and_resume_bit_for_bit(tmp_path, monkeypatch, write_config, backend):
     """A Dropout without a seed attribute draws from training.seed: two runs give the same weights, and a
-    run stopped at a checkpoint and resumed gives those of an uninterrupted one."""
+    run stopped at a checkpoint and resumed gives those of an uninterrupted one (on the onnxruntime backend
+    too, whose Dropout draws from onnxruntime's generator: the step's seed reaches it)."""
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
     save_dropout_mlp(str(tmp_path / "drop.onnx"))
     cfg = write_config({"model": {"path": "drop.onnx"}, "training": {
-        "steps": 30, "checkpoint_every": 15, "eval_every": 1000, "keep_checkpoints": 0}})
+        "steps": 30, "checkpoint_every": 15, "eval_every": 1000, "keep_checkpoints": 0, "backend": backend}})
     runs = [str(tmp_path / name) for name in ("a", "b", "halves")]
     for out in runs[:2]:
         Trainer(load_config(cfg), out, progress=False).run()

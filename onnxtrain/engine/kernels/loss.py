@@ -4,7 +4,7 @@ Dropout draws its mask from a numpy Generator kept in the node's cache, so succe
 new masks. A node with a ``seed`` attribute seeds its own generator and draws uniform doubles,
 the same stream as numpy's legacy ``np.random.seed(seed)`` that ONNX's reference cases use. The
 unseeded nodes (the usual case in training) draw from generators spawned off the random ops'
-module-level seed, which :func:`set_dropout_seed` (:func:`onnxtrain.engine.kernels.random.set_random_seed`)
+module-level seed, which :func:`set_dropout_seed` (:func:`onnxtrain.engine.seeds.set_random_seed`)
 resets, and use 8 or 16 random bits per element, which is several times faster (the drop probability is
 then ``ratio`` rounded to a multiple of 1/65536).
 """
@@ -17,10 +17,11 @@ import numpy as np
 
 from onnxtrain.engine.kernels.indexing import in_range, row_starts
 from onnxtrain.engine.kernels.normalization import log_softmax_along, row_sum
-from onnxtrain.engine.kernels.random import node_generator, set_random_seed
+from onnxtrain.engine.kernels.random import node_generator
 from onnxtrain.engine.kernels.reduce import empty_mean
 from onnxtrain.engine.parallel import for_rows
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+from onnxtrain.engine.seeds import set_random_seed
 
 _F32 = np.dtype(np.float32)
 

@@ -5,7 +5,8 @@ values. A node with a ``seed`` attribute seeds its generator once, from the seed
 then continue from run to run; a new plan of the same model starts the same sequence again (as a new
 onnxruntime session does), unless the plans share a ``random_state`` (the graphs of one training session).
 A node without a seed draws fresh randomness: its generator is spawned off one
-module-level seed sequence, made from OS entropy unless :func:`set_random_seed` fixed it.
+module-level seed sequence, made from OS entropy unless
+:func:`onnxtrain.engine.seeds.set_random_seed` fixed it.
 
 ONNX fixes no sampling algorithm, so the values differ from onnxruntime's and onnx.reference's for the same
 seed. The plan never folds, memoises or merges these steps (``RANDOM_OPS`` in ``engine/fusion/common.py``).
@@ -15,41 +16,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 from onnx import TensorProto, helper
 
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+from onnxtrain.engine.seeds import unseeded_generator
 
-_unseeded: dict[str, Any] = {"seq": np.random.SeedSequence(), "epoch": 0}
-
-
-def set_random_seed(seed: int | None) -> None:
-    """Reseed every random node (these ops and Dropout) that has no ``seed`` attribute (None: fresh OS
-    entropy).
-
-    After this call the unseeded nodes draw the same values, run after run, as after any other call with
-    the same seed (given the same graphs run in the same order).
-    """
-    _unseeded["seq"] = np.random.SeedSequence(seed)
-    _unseeded["epoch"] += 1
-
-
-_making = threading.Lock()  # makes a node's generator once, whichever thread runs the node first
-
-
-def unseeded_generator(cache: dict[Any, Any]) -> np.random.Generator:
-    """The generator of a node without a ``seed`` attribute (``cache``: the node's), spawned off the module's
-    seed sequence; a new one after each :func:`set_random_seed`."""
-    epoch, gen = cache.get("rng", (-1, None))
-    if epoch != _unseeded["epoch"]:
-        with _making:  # concurrent first runs share one generator (each made its own: the same draws)
-            epoch, gen = cache.get("rng", (-1, None))
-            if epoch != _unseeded["epoch"]:
-                gen = np.random.Generator(np.random.PCG64(_unseeded["seq"].spawn(1)[0]))
-                cache["rng"] = (_unseeded["epoch"], gen)
-    return gen
+_making = threading.Lock()  # makes a seeded node's generator once, whichever thread runs the node first
 
 
 def node_generator(attrs: Attrs, from_seed: Callable[[float], np.random.Generator]) -> np.random.Generator:
