@@ -304,6 +304,10 @@ class _Backward:
             node.output.append("")
         if not node.output[i]:
             node.output[i] = self.names(f"{node.name or node.op_type}_out{i}")
+            # known as the node's output from now on (a Shape of it then follows the node, not the inputs)
+            k = next((k for k, n in enumerate(self.fwd_nodes) if n is node), None)
+            if k is not None:
+                self.producer[node.output[i]] = (k, i)
         return node.output[i]
 
     def shape_of(self, name: str) -> str:
