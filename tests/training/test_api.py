@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 
 import numpy as np
 import onnx
@@ -811,6 +812,38 @@ def test_training_session_without_optimizer_or_eval(art):
     with pytest.raises(RuntimeError, match="Evaluation session not initialized"):
         sess.eval_step(list(batch()))
     assert sess.input_names(False) == []
+
+
+def test_training_session_steps_are_module_calls(art, monkeypatch):
+    """The facade's train_step holds the state as a Module call does (another thread cannot take it while
+    the step runs), and its errors are those of a Module call: onnxruntime's RuntimeError classes."""
+    state = CheckpointState.load_checkpoint(art["checkpoint"])
+    sess = TrainingSession(state, art["training"], art["eval"], art["sgd"])
+    taken_meanwhile = []
+    real = sess.module._train_step
+
+    def step(inputs):
+        def other():
+            got = state._lock.acquire(blocking=False)
+            taken_meanwhile.append(got)
+            if got:
+                state._lock.release()
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        return real(inputs)
+
+    monkeypatch.setattr(sess.module, "_train_step", step)
+    sess.train_step(list(batch()))
+    sess.module(*batch())
+    assert taken_meanwhile == [False, False]
+    x, t = batch()
+    for call in (lambda: sess.module(x, t[:3]), lambda: sess.train_step([x, t[:3]]),
+                 lambda: sess.eval_step([x, t[:3]]), lambda: sess.from_buffer(np.zeros(16, np.float32))):
+        with pytest.raises(RuntimeError) as e:
+            call()
+        assert isinstance(e.value, ValueError)  # still a ValueError for code written for onnxtrain
 
 
 def test_a_property_string_without_utf8_form_is_refused_when_set(art, tmp_path) -> None:

@@ -441,15 +441,20 @@ class Module:
         Returns one array for one output, else a tuple, in :meth:`output_names` order; when every input is
         an ``OrtValue`` (onnxtrain's or onnxruntime's), the outputs are ``OrtValue``\ s of the same class.
         """
-        if self.training:  # one call at a time on the state; Ctrl-C waits for its end (all or nothing)
-            with self._state._lock, sigint_deferred():
-                outs: list[Any] = self._train_step(user_inputs)
-        else:
-            outs = self._eval_step(user_inputs)
+        outs: list[Any] = self._run_step(user_inputs, self.training)
         wrap = _ortvalue_class(user_inputs)
         if wrap is not None:
             outs = [wrap.ortvalue_from_numpy(o) for o in outs]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _run_step(self, user_inputs: Sequence[Any], training: bool) -> list[np.ndarray]:
+        """One training step (``training``) or evaluation on positional inputs, whatever the mode: the
+        outputs as arrays. A training step holds the state (one call at a time with ``Optimizer.step`` and
+        saves) and lets Ctrl-C stop only after it (all or nothing)."""
+        if training:
+            with self._state._lock, sigint_deferred():
+                return self._train_step(user_inputs)
+        return self._eval_step(user_inputs)
 
     def _param_feeds(self, names: Sequence[str], refusal: str) -> dict[str, np.ndarray]:
         """The values of parameters ``names``; on a nominal state, NominalStateError(``refusal`` + how to

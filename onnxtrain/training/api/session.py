@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.training.api._graph import ModelLike
 from onnxtrain.training.api.checkpoint_state import CheckpointState
 from onnxtrain.training.api.lr_scheduler import LinearLRScheduler
@@ -72,6 +73,7 @@ class TrainingSession:
             np.copyto(buf, res, casting="same_kind")
         return list(outputs)
 
+    @raises_as_onnxruntime
     def train_step(self, inputs: Sequence[Any] | Mapping[str, Any],
                    outputs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         """Forward and backward on one batch; gradients accumulate until :meth:`lazy_reset_grad`.
@@ -79,13 +81,14 @@ class TrainingSession:
         ``inputs``: arrays in :meth:`input_names` order (training) or a dict by name. Returns the
         training model's outputs (loss first), or fills and returns the pre-allocated ``outputs``.
         """
-        results = self._module._train_step(self._feeds(inputs, True))
+        results = self._module._run_step(self._feeds(inputs, True), training=True)
         return self._deliver(results, outputs, self.output_names(True))
 
+    @raises_as_onnxruntime
     def eval_step(self, inputs: Sequence[Any] | Mapping[str, Any],
                   outputs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         """Run the eval model on one batch (gradients untouched)."""
-        results = self._module._eval_step(self._feeds(inputs, False))
+        results = self._module._run_step(self._feeds(inputs, False), training=False)
         return self._deliver(results, outputs, self.output_names(False))
 
     def lazy_reset_grad(self) -> None:
@@ -138,6 +141,7 @@ class TrainingSession:
         """The parameters as one 1-D array (training-model input order)."""
         return self._module.get_contiguous_parameters(bool(only_trainable)).numpy()
 
+    @raises_as_onnxruntime
     def from_buffer(self, buffer: Any) -> None:
         """Load a 1-D array of either the trainable or all parameters (chosen by its length)."""
         arr = buffer.numpy() if hasattr(buffer, "numpy") and not isinstance(buffer, np.ndarray) else buffer
