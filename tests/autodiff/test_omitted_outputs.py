@@ -33,7 +33,8 @@ def _lstm_model(outputs: list[str], loss_of: str) -> onnx.ModelProto:
     return m
 
 
-def _loss(m: onnx.ModelProto, x: np.ndarray, name: str | None = None, value: np.ndarray | None = None) -> float:
+def _loss(m: onnx.ModelProto, x: np.ndarray, name: str | None = None,
+          value: np.ndarray | None = None) -> float:
     if name is not None:
         m2 = onnx.ModelProto()
         m2.CopyFrom(m)
