@@ -455,6 +455,13 @@ def training_input_type(model: onnx.ModelProto, name: str) -> onnx.TypeProto:
 
 
 # ---- training and eval models ---------------------------------------------------------------------
+def _unknown_loss_input(name: str, model_outputs: list[str]) -> UnknownLossInput:
+    """The error for a loss input that is neither a value of the model nor one the loss block adds (a
+    LookupError too, as onnxruntime-training raised)."""
+    return UnknownLossInput(f"loss input {name!r} is not a value of the model, nor one the loss block adds; "
+                            f"outputs: {model_outputs}")
+
+
 def build_training_models(
     base: onnx.ModelProto,
     trainable: list[str],
@@ -483,12 +490,18 @@ def build_training_models(
     model_outputs = [o.name for o in g.output]
     args = model_outputs if loss_inputs is None else loss_inputs
     with editing(m) as acc:
-        for n in args:
-            if not acc.has_value(n):  # (a LookupError too, as onnxruntime-training raised)
-                raise UnknownLossInput(f"loss input {n!r} is not a value of the model; outputs: "
-                                       f"{model_outputs}")
         _check_arity(loss, args)
-        result = loss(*args)
+        # a loss input may be one the loss block adds itself (a teacher's logits, labels) as a graph input
+        absent = [n for n in args if not acc.has_value(n)]
+        try:
+            result = loss(*args)
+        except Exception as e:
+            if absent:
+                raise _unknown_loss_input(absent[0], model_outputs) from e
+            raise
+        for n in absent:
+            if not acc.has_value(n):
+                raise _unknown_loss_input(n, model_outputs)
         outs = [result] if isinstance(result, str) else list(result)
         if not outs or not all(isinstance(o, str) for o in outs):
             raise ArtifactError(
