@@ -101,3 +101,58 @@ def test_loss_inputs_the_loss_block_adds_itself(tmp_path) -> None:
     with pytest.raises(LookupError, match="loss input 'typo' is not a value of the model"):
         artifacts.generate_artifacts(model, requires_grad=["W"], loss=artifacts.LossType.MSELoss,
                                      loss_input_names=["typo", "target"], artifact_directory=str(tmp_path))
+
+
+def test_a_custom_loss_written_with_onnxruntime_trainings_graph_utils(tmp_path) -> None:
+    """A Dice loss in the style of public on-device scripts, which copy onnxruntime-training's own loss
+    blocks: ``_graph_utils`` to find the output's type, to ask whether the target exists and to name
+    constants, and the loss and optimizer blocks imported from ``onnxblock.loss.loss`` and
+    ``onnxblock.optim.optim``. Its loss is checked against numpy."""
+    import copy
+
+    from onnxtrain.training.api import CheckpointState, Module
+    from onnxtrain.training.onnxblock import _graph_utils
+    from onnxtrain.training.onnxblock.loss.loss import MSELoss
+    from onnxtrain.training.onnxblock.optim.optim import AdamW
+
+    assert MSELoss is onnxblock.loss.MSELoss and AdamW is onnxblock.optim.AdamW
+
+    class DiceLoss(onnxblock.Block):
+        def __init__(self) -> None:
+            super().__init__()
+            self._sum, self._mean = blocks.ReduceSum(keepdims=True), blocks.ReduceMean(keepdims=False)
+            self._mul, self._add = blocks.Mul(), blocks.Add()
+            self._div, self._sub = blocks.Div(), blocks.Sub()
+
+        def build(self, out: str, target: str = "target") -> str:
+            if not _graph_utils.node_arg_exists(self.base, target):
+                declared = copy.deepcopy(_graph_utils.get_output_from_output_name(self.base, out))
+                declared.name = target
+                self.base.graph.input.append(declared)
+            two = _graph_utils.generate_graph_name("dice.two")
+            one = _graph_utils.generate_graph_name("dice.one")
+            assert two != one and two.startswith("onnx::dice.two::")
+            self.base.graph.initializer.extend([helper.make_tensor(two, TensorProto.FLOAT, [1], [2.0]),
+                                                helper.make_tensor(one, TensorProto.FLOAT, [1], [1.0])])
+            inter = self._mul(two, self._sum(self._mul(out, target)))
+            return self._mean(self._sub(one, self._div(inter, self._add(self._sum(target), self._sum(out)))))
+
+    w = np.random.default_rng(0).random((3, 2)).astype(np.float32)
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["out"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [4, 2])],
+        [onnx.numpy_helper.from_array(w, "W")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    artifacts.generate_artifacts(model, requires_grad=["W"], loss=DiceLoss(),
+                                 artifact_directory=str(tmp_path))
+    module = Module(str(tmp_path / "training_model.onnx"),
+                    CheckpointState.load_checkpoint(str(tmp_path / "checkpoint")))
+    rng = np.random.default_rng(1)
+    x, t = rng.random((4, 3)).astype(np.float32), rng.random((4, 2)).astype(np.float32)
+    y = x @ w
+    np.testing.assert_allclose(module(x, t), 1 - 2 * np.sum(y * t) / (np.sum(t) + np.sum(y)), rtol=1e-6)
+    with pytest.raises(LookupError, match="'nope' is not a graph output"):
+        _graph_utils.get_output_from_output_name(model, "nope")
+    assert _graph_utils.get_input_from_input_name(model, "x").name == "x"
+    assert not _graph_utils.node_arg_exists(model, "nope")
