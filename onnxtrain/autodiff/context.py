@@ -116,12 +116,14 @@ class GradCtx:
         return self.attrs.get(name)
 
     def shape(self, name_or_index: str | int, output: bool = False) -> str:
-        """``Shape`` of a forward value, computed in the forward pass so the value itself can be freed."""
-        name = (
-            name_or_index
-            if isinstance(name_or_index, str)
-            else (self.node.output[name_or_index] if output else self.node.input[name_or_index])
-        )
+        """``Shape`` of a forward value, computed in the forward pass so the value itself can be freed (an
+        output the model left unnamed is named first)."""
+        if isinstance(name_or_index, str):
+            name = name_or_index
+        elif output:
+            name = self._bw.ensure_output(self.node, name_or_index)
+        else:
+            name = self.node.input[name_or_index]
         return self._bw.shape_of(name)
 
     def static_shape(self, name_or_index: str | int, output: bool = False) -> list[int | None] | None:

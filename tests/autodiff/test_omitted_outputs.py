@@ -68,3 +68,26 @@ def test_gradient_through_an_lstm_with_unnamed_outputs(outputs: list[str], loss_
         d[k] = eps
         want = (_loss(m, x, "R", r + d) - _loss(m, x, "R", r - d)) / (2 * eps)
         np.testing.assert_allclose(got["R_grad"][k], want, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("outputs, used", [(["", "b"], 1), (["a", ""], 0), (["", "b", ""], 1)])
+def test_gradient_through_a_split_with_unnamed_outputs(outputs: list[str], used: int) -> None:
+    """The pieces the model leaves unnamed get zeros of their shape in the gradient (the Shape of an
+    unnamed output was read from an empty name: check_model and the engine refused the graph)."""
+    sizes = [1, 3] if len(outputs) == 2 else [1, 2, 1]
+    nodes = [helper.make_node("Split", ["x", "sizes"], outputs, axis=1),
+             helper.make_node("Mul", [outputs[used], outputs[used]], ["sq"]),
+             helper.make_node("ReduceSum", ["sq"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.DOUBLE, [3, 4])],
+                          [helper.make_tensor_value_info("loss", T.DOUBLE, [])],
+                          [numpy_helper.from_array(np.array(sizes, np.int64), "sizes")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(m, full_check=True)
+    grad = build_gradient_model(m, "loss", ["x"])
+    onnx.checker.check_model(grad, full_check=True)
+    x = np.random.default_rng(2).standard_normal((3, 4))
+    got = dict(zip([o.name for o in grad.graph.output], run_engine(grad, {"x": x})))["x_grad"]
+    start = sum(sizes[:used])
+    want = np.zeros_like(x)
+    want[:, start:start + sizes[used]] = 2 * x[:, start:start + sizes[used]]  # d(sum y²)/dy = 2y
+    np.testing.assert_array_equal(got, want)
