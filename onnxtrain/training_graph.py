@@ -149,7 +149,7 @@ def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, l
                     i == idx
                     and t.data_type == TensorProto.FLOAT
                     and not t.dims
-                    and float(numpy_helper.to_array(t)) == float(v)
+                    and numpy_helper.to_array(t) == np.float32(v)  # as onnxruntime: float32 to float32
                     for idx, v in immutable.get(n.op_type, ())
                 ):
                     continue

@@ -44,7 +44,10 @@ class Lamb(Optimizer):
             value = self.INT_ATTRS.get(key, self.FLOAT_ATTRS.get(key))
         for s in slots[1:]:
             v = given(s)
-            if v is not None and v != value:
+            if v is None:
+                continue
+            # floats compared as the float32 attributes the graph holds (0.1 and np.float32(0.1) agree)
+            if (v != value) if key in self.INT_ATTRS else (np.float32(v) != np.float32(value)):
                 raise ValueError(
                     f"LambOptimizer: {key} is shared by all weights and taken from the first, "
                     f"{slots[0].name!r} ({value}); weight {s.name!r} sets {v}: give every weight that sets "

@@ -209,6 +209,13 @@ def test_lamb_shared_options_must_repeat_the_first_weights(maps: dict) -> None:
         TrainingSession(mlp_model(act="Tanh").SerializeToString(), p)
 
 
+def test_lamb_shared_float_options_agree_as_float32() -> None:
+    """0.1 and np.float32(0.1) are one attribute value in the graph (float32), as in onnxruntime: accepted."""
+    fmap = {"W1": {"ratio_min": 0.1}, "W2": {"ratio_min": float(np.float32(0.1))}, "b1": {}, "b2": {}}
+    p = params("LambOptimizer", enable_grad_norm_clip=False, optimizer_attributes_map=fmap)
+    TrainingSession(mlp_model(act="Tanh").SerializeToString(), p)
+
+
 def test_lamb_shared_option_of_the_first_weight_applies_to_all() -> None:
     """Set on the first weight only (the others leave it out), the shared value applies to every weight."""
     model = mlp_model(act="Tanh")

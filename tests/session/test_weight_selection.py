@@ -246,3 +246,39 @@ def test_attributes_the_optimizer_does_not_read_are_ignored_with_one_warning() -
         a, b = sess.get_state(), plain.get_state()
         for k in b:
             np.testing.assert_array_equal(a[k], b[k])
+
+
+def _scaled_square_model() -> tuple[bytes, np.ndarray]:
+    """loss = mean((((x·W) / sqrt2 + eps) / eight)²) with float32 scalar initializers sqrt2, eps, eight."""
+    w = np.random.default_rng(0).standard_normal((3, 2)).astype(np.float32)
+    consts = {"sqrt2": 1.4142135, "eps": 1e-12, "eight": 8.0}
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("Div", ["h", "sqrt2"], ["h1"]),
+             helper.make_node("Add", ["h1", "eps"], ["h2"]),
+             helper.make_node("Div", ["h2", "eight"], ["h3"]),
+             helper.make_node("Mul", ["h3", "h3"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0)]
+    inits = [numpy_helper.from_array(w, "W")] + [numpy_helper.from_array(np.array(v, np.float32), k)
+                                                 for k, v in consts.items()]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT, [4, 3])],
+                          [helper.make_tensor_value_info("loss", T.FLOAT, [])], inits)
+    return make_model(g, 17).SerializeToString(), w
+
+
+def test_immutable_weights_match_float32_scalars_as_onnxruntime_did() -> None:
+    """The BERT entries of onnxruntime's legacy tests, {"Div": [(1, 1.4142135)], "Add": [(1, 1e-12)]}, keep
+    float32 scalars that equal the values as float32 (onnxruntime compared float to float); compared in
+    float64 they matched only values exact in float32, and the others were trained."""
+    model, w = _scaled_square_model()
+    p = params("SGDOptimizer", enable_grad_norm_clip=False)
+    assert sorted(TrainingSession(model, p).get_state()) == ["W", "eight", "eps", "sqrt2"]
+    p.immutable_weights = {"Div": [(1, 8.0), (1, 1.4142135)], "Add": [(1, 1e-12)]}
+    s = TrainingSession(model, p)
+    assert sorted(s.get_state()) == ["W"]
+    x = np.random.default_rng(1).standard_normal((4, 3)).astype(np.float32)
+    s.run(["loss"], {"x": x, "Learning_Rate": LR})
+    # one SGD step, from the loss's gradient in float64
+    s2, eps = np.float64(np.float32(1.4142135)), np.float64(np.float32(1e-12))
+    h3 = (x.astype(np.float64) @ w / s2 + eps) / 8
+    grad = x.T.astype(np.float64) @ (2 * h3 / h3.size / 8 / s2)
+    np.testing.assert_allclose(s.get_state()["W"], w - LR[0] * grad, rtol=1e-6, atol=1e-7)
