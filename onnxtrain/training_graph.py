@@ -170,8 +170,16 @@ def select_trainable(model: onnx.ModelProto, p: TrainingParameters) -> list[str]
     wanted = p.weights_to_train
     if wanted:
         values = _graph_values(model)
+        # updated by the forward pass; an optimizer step would overwrite the update. (A statistic may be an
+        # Identity's output: an exporter's merged initializers, which the session gives each layer apart.)
+        stats = sorted(w for w in wanted if any(n.op_type == "BatchNormalization" and i in (3, 4)
+                                                 for n, i in consumers.get(w, ())))
+        if stats:
+            warn(
+                f"weights_to_train: {stats} are BatchNormalization running statistics and are not trained"
+            )
         for w in sorted(wanted):
-            if w in values and w not in inits:
+            if w in values and w not in inits and w not in stats:
                 raise ValueError(f"weights_to_train: {w!r} is a graph input or node output of the model, not "
                                  "an initializer: only initializers are trained")
         # as onnxruntime's FilterUnusedWeights: a name nothing reads (an unused module parameter that the
@@ -181,17 +189,12 @@ def select_trainable(model: onnx.ModelProto, p: TrainingParameters) -> list[str]
             missing = [w for w in unused if w not in inits]
             warn(f"weights_to_train: {unused} have no consumer and are not trained"
                  + (f" ({missing} are not in the model{export_hint(model)})" if missing else ""))
-        uses = [(w, n.op_type, i) for w in wanted for n, i in consumers.get(w, ())]
-        stats = sorted({w for w, op, i in uses if op == "BatchNormalization" and i > 2})
-        if stats:  # updated by the forward pass; an optimizer step would overwrite the update
-            warn(
-                f"weights_to_train: {stats} are BatchNormalization running statistics and are not trained"
-            )
-        not_float = sorted(w for w in wanted if w in consumers and inits[w].data_type not in FLOAT_TYPES)
+        not_float = sorted(w for w in wanted if w in consumers and w not in stats
+                           and inits[w].data_type not in FLOAT_TYPES)
         if not_float:  # (onnxruntime left them out without a word)
             warn(f"weights_to_train: {not_float} are not of a float type and are not trained")
         trainable = sorted(
-            w for w in wanted if w in consumers and inits[w].data_type in FLOAT_TYPES and w not in stats
+            w for w in wanted if w in consumers and w not in stats and inits[w].data_type in FLOAT_TYPES
         )
     else:
         trainable = discover_trainable(model, p.loss_output_name, p.immutable_weights)

@@ -282,3 +282,33 @@ def test_immutable_weights_match_float32_scalars_as_onnxruntime_did() -> None:
     h3 = (x.astype(np.float64) @ w / s2 + eps) / 8
     grad = x.T.astype(np.float64) @ (2 * h3 / h3.size / 8 / s2)
     np.testing.assert_allclose(s.get_state()["W"], w - LR[0] * grad, rtol=1e-6, atol=1e-7)
+
+
+def test_merged_running_statistics_in_weights_to_train_are_left_out_with_a_warning() -> None:
+    """torch's exporter merges a fresh BatchNorm's running statistics with its scale and bias (equal values),
+    reading them through Identity nodes named after the buffers. Listed in weights_to_train, those names
+    are running statistics as when they are initializers: left out with a warning, not an error, and
+    updated by the forward pass (checked against the batch's mean)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 4)).astype(np.float32)
+    nodes = [helper.make_node("Identity", ["bn.bias"], ["bn.running_mean"]),
+             helper.make_node("Identity", ["bn.weight"], ["bn.running_var"]),
+             helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("BatchNormalization", ["h", "bn.weight", "bn.bias", "bn.running_mean",
+                                                     "bn.running_var"], ["n", "m_out", "v_out"],
+                              training_mode=1, momentum=0.9),
+             helper.make_node("Mul", ["n", "n"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0)]
+    inits = {"W": w, "bn.weight": np.ones(4, np.float32), "bn.bias": np.zeros(4, np.float32)}
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT, [8, 3])],
+                          [helper.make_tensor_value_info("loss", T.FLOAT, [])],
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    p = params("SGDOptimizer", enable_grad_norm_clip=False)
+    p.weights_to_train = {"W", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"}
+    with pytest.warns(UserWarning, match=re.escape("['bn.running_mean', 'bn.running_var'] are BatchNorm")):
+        s = TrainingSession(make_model(g, 17).SerializeToString(), p)
+    x = rng.standard_normal((8, 3)).astype(np.float32)
+    s.run(["loss"], {"x": x, "Learning_Rate": LR})
+    state = s.get_state()
+    np.testing.assert_allclose(state["bn.running_mean"], 0.1 * (x @ w).mean(axis=0), rtol=1e-5, atol=1e-7)
+    assert not np.array_equal(state["bn.weight"], np.ones(4, np.float32))  # the scale trains on its own
