@@ -52,13 +52,18 @@ def test_ortvalue_wrapper_attribute() -> None:
     assert v._ortvalue is v
 
 
-def test_unknown_loss_input_is_a_lookup_error(tmp_path) -> None:
-    model = helper.make_model(helper.make_graph(
+def _matmul_model(w: np.ndarray, batch: int) -> onnx.ModelProto:
+    """out = x · W, x of shape (batch, rows of W)."""
+    return helper.make_model(helper.make_graph(
         [helper.make_node("MatMul", ["x", "W"], ["out"])], "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 2])],
-        [onnx.numpy_helper.from_array(np.ones((3, 2), np.float32), "W")]),
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, w.shape[0]])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [batch, w.shape[1]])],
+        [onnx.numpy_helper.from_array(w, "W")]),
         opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_unknown_loss_input_is_a_lookup_error(tmp_path) -> None:
+    model = _matmul_model(np.ones((3, 2), np.float32), 2)
     with pytest.raises(LookupError, match="loss input 'nope' is not a value of the model"):
         artifacts.generate_artifacts(model, requires_grad=["W"], loss=artifacts.LossType.MSELoss,
                                      loss_input_names=["nope"], artifact_directory=str(tmp_path))
@@ -69,12 +74,7 @@ def test_loss_inputs_the_loss_block_adds_itself(tmp_path) -> None:
     teacher logits), as onnxruntime-training allows: the artifacts train on them (the loss checked against
     numpy); a name neither the model nor the block has is still refused by name."""
     w = np.random.default_rng(0).standard_normal((3, 2)).astype(np.float32)
-    model = helper.make_model(helper.make_graph(
-        [helper.make_node("MatMul", ["x", "W"], ["out"])], "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 2])],
-        [onnx.numpy_helper.from_array(w, "W")]),
-        opset_imports=[helper.make_opsetid("", 17)])
+    model = _matmul_model(w, 2)
 
     class Distance(onnxblock.Block):
         """Mean squared distance to a ``teacher`` input the block declares when the graph lacks it."""
@@ -138,12 +138,7 @@ def test_a_custom_loss_written_with_onnxruntime_trainings_graph_utils(tmp_path) 
             return self._mean(self._sub(one, self._div(inter, self._add(self._sum(target), self._sum(out)))))
 
     w = np.random.default_rng(0).random((3, 2)).astype(np.float32)
-    model = helper.make_model(helper.make_graph(
-        [helper.make_node("MatMul", ["x", "W"], ["out"])], "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [4, 2])],
-        [onnx.numpy_helper.from_array(w, "W")]),
-        opset_imports=[helper.make_opsetid("", 17)])
+    model = _matmul_model(w, 4)
     artifacts.generate_artifacts(model, requires_grad=["W"], loss=DiceLoss(),
                                  artifact_directory=str(tmp_path))
     module = Module(str(tmp_path / "training_model.onnx"),

@@ -5,6 +5,7 @@ ask whether a node reads or writes a value."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import onnx
 
@@ -13,22 +14,21 @@ from onnxtrain.training.onnxblock import model_accessor
 _tokens = itertools.count(1)
 
 
+def _named(values: Sequence[onnx.ValueInfoProto], name: str, what: str) -> onnx.ValueInfoProto:
+    for v in values:
+        if v.name == name:
+            return v
+    raise LookupError(f"{name!r} is not a graph {what}; the {what}s are {[v.name for v in values]}")
+
+
 def get_output_from_output_name(onnx_model: onnx.ModelProto, output_name: str) -> onnx.ValueInfoProto:
     """The graph output ``output_name``; LookupError when the graph has none of that name."""
-    for out in onnx_model.graph.output:
-        if out.name == output_name:
-            return out
-    raise LookupError(f"{output_name!r} is not a graph output; the outputs are "
-                      f"{[o.name for o in onnx_model.graph.output]}")
+    return _named(onnx_model.graph.output, output_name, "output")
 
 
 def get_input_from_input_name(onnx_model: onnx.ModelProto, input_name: str) -> onnx.ValueInfoProto:
     """The graph input ``input_name``; LookupError when the graph has none of that name."""
-    for inp in onnx_model.graph.input:
-        if inp.name == input_name:
-            return inp
-    raise LookupError(f"{input_name!r} is not a graph input; the inputs are "
-                      f"{[i.name for i in onnx_model.graph.input]}")
+    return _named(onnx_model.graph.input, input_name, "input")
 
 
 def generate_graph_name(token: str) -> str:
