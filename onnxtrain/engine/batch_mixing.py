@@ -548,12 +548,33 @@ def _reshape_axis(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: Mapping[
     new_outer = start // n_out
     size = entries[j]
     if size == -1:
-        return [(j, len(entries), (new_outer, None))]
+        return _minus_one_rows(before[b + 1:], entries[j + 1:], inner, j, len(entries), new_outer)
     if size[1] is None:
         return None
     if size[1] % new_outer:
         return "moves samples across the batch axis"
     return [(j, len(entries), (new_outer, size[1] // new_outer))]
+
+
+def _minus_one_rows(after_in: Sequence[Entry], after_out: Sequence[Entry], inner: int | None, j: int,
+                    rank: int, new_outer: int) -> list[tuple] | str | None:
+    """The batch axis of a Reshape whose -1 takes the batch (axis ``j`` of ``rank``): nothing fixes its rows'
+    length to the samples', so a row (the values after the axis, ``after_out``) must lie within the values
+    of one sample at one outer position (``inner`` times the input's ``after_in``); a row that takes more
+    ([L·B, E] → [-1, L·E] after a sequence-first layout, [B, 4] → [-1, 8]) holds several samples."""
+    if not all(_known(e) for e in (*after_in, *after_out)):
+        return None
+    (n_in, sym_in), (n_out, sym_out) = _size_product(after_in), _size_product(after_out)
+    left = list(sym_in)
+    for sym in sym_out:  # the row's symbols must be the sample's (they cancel)
+        if sym not in left:
+            return None
+        left.remove(sym)
+    chunk = n_in * (inner if inner is not None else 1)
+    if chunk % n_out:
+        return "moves samples across the batch axis" if inner is not None and not sym_in else None
+    rows = None if inner is None or left else chunk // n_out
+    return [(j, rank, (new_outer, rows))]
 
 
 def _is_batch(e: Entry) -> bool:

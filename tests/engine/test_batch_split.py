@@ -318,6 +318,29 @@ SCREEN_CASES = {
                                helper.make_node("ReduceMean", ["r"], ["y"], axes=[0])],
                               [numpy_helper.from_array(np.array([0, -1], np.int64), "keep")], 17,
                               "ReduceMean"),
+    # a -1 that takes the batch: rows within one sample stay apart, rows longer than a sample hold several
+    "reshape_rows_within_samples": ([helper.make_node("Reshape", ["x", "rows4"], ["r"]),
+                                     helper.make_node("ReduceMax", ["r"], ["y"], axes=[1])],
+                                    [numpy_helper.from_array(np.array([-1, 4], np.int64), "rows4")], 17,
+                                    None),
+    "reshape_rows_of_two_samples": ([helper.make_node("Reshape", ["x", "rows24"], ["r"]),
+                                     helper.make_node("ReduceMax", ["r"], ["y"], axes=[1])],
+                                    [numpy_helper.from_array(np.array([-1, 24], np.int64), "rows24")], 17,
+                                    "Reshape"),
+    # [B, 3, 4] → [3, B, 4] → [3·B, 4] (rows position-major) → [-1, 12]: each row takes 3 samples' rows
+    "sequence_first_rows_regrouped": ([helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]),
+                                       helper.make_node("Reshape", ["t", "rows4"], ["r"]),
+                                       helper.make_node("Reshape", ["r", "rows12"], ["r2"]),
+                                       helper.make_node("ReduceMax", ["r2"], ["y"], axes=[1])],
+                                      [numpy_helper.from_array(np.array([-1, 4], np.int64), "rows4"),
+                                       numpy_helper.from_array(np.array([-1, 12], np.int64), "rows12")], 17,
+                                      "Reshape"),
+    "sequence_first_rows_halved": ([helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]),
+                                    helper.make_node("Reshape", ["t", "rows4"], ["r"]),
+                                    helper.make_node("Reshape", ["r", "rows2"], ["r2"]),
+                                    helper.make_node("ReduceMax", ["r2"], ["y"], axes=[1])],
+                                   [numpy_helper.from_array(np.array([-1, 4], np.int64), "rows4"),
+                                    numpy_helper.from_array(np.array([-1, 2], np.int64), "rows2")], 17, None),
     "cumsum_over_features_axis_input": ([helper.make_node("CumSum", ["x", "two"], ["y"])],
                                         [numpy_helper.from_array(np.array(2, np.int64), "two")], 17, None),
     "cumsum_over_batch_axis_input": ([helper.make_node("CumSum", ["x", "zero"], ["y"])],
@@ -565,3 +588,31 @@ def test_terminate_during_the_checked_halves_or_in_the_worker_half_fails_the_run
             splitter.run(x, None)
     finally:
         RUN_OPTIONS.reset(token)
+
+
+def test_rows_regrouped_across_samples_run_whole(no_minimum):
+    """[B, L, E] → [L, B, E] → [L·B, E] → [-1, L·E]: each row of the last holds L samples' values, so a
+    maximum over it combines samples. The session runs such a graph whole and gives onnxruntime's values on
+    a batch whose outlier a split would keep in one half (it split before, after a first batch of zeros)."""
+    import onnxruntime as ort
+
+    seq, width = 4, 8
+    shapes = {"rows": [-1, width], "merged": [-1, seq * width], "back": [seq, -1, width]}
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]),
+             helper.make_node("Reshape", ["t", "rows"], ["r"]),
+             helper.make_node("Reshape", ["r", "merged"], ["m"]),
+             helper.make_node("ReduceMax", ["m"], ["mx"], axes=[1], keepdims=1),
+             helper.make_node("Add", ["m", "mx"], ["a"]),
+             helper.make_node("Reshape", ["a", "back"], ["b"]),
+             helper.make_node("Transpose", ["b"], ["y"], perm=[1, 0, 2])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["batch", seq, width])],
+                          [helper.make_tensor_value_info("y", F, ["batch", seq, width])],
+                          [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in shapes.items()])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    sess = session(model)
+    assert sess._splitter is None
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    outlier = np.zeros((16, seq, width), np.float32)
+    outlier[0, 1, 0] = 100.0
+    for x in (np.zeros_like(outlier), outlier):
+        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], reference.run(None, {"x": x})[0])
