@@ -86,8 +86,10 @@ def node_arg(v: onnx.ValueInfoProto) -> NodeArg:
     shape = value_info_shape(tp)
     if tp.HasField("sparse_tensor_type") and tp.sparse_tensor_type.HasField("shape"):  # its dense shape
         shape = shape_dims(tp.sparse_tensor_type.shape)
-    # an unknown shape as [], as onnxruntime gives it
-    return NodeArg(v.name, type_string(v.type, "unknown"), [] if shape is None else shape)
+    # an unknown shape as [], and a negative dim_value (some converters' unknown size) as None, as
+    # onnxruntime gives them
+    dims = [] if shape is None else [None if isinstance(d, int) and d < 0 else d for d in shape]
+    return NodeArg(v.name, type_string(v.type, "unknown"), dims)
 
 
 class FeedChecker:

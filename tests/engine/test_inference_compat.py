@@ -134,3 +134,15 @@ def test_model_version_unset_set_to_zero_and_set() -> None:
             m.model_version = version
         ours, theirs = _both(m.SerializeToString())
         assert ours.get_modelmeta().version == theirs.get_modelmeta().version, version
+
+
+def test_a_negative_declared_dim_is_reported_unknown() -> None:
+    """Some converters declare an unknown size as dim_value -1: get_inputs/get_outputs give None there, as
+    onnxruntime does (a script that fills in the unknown dims would make a negative size of -1)."""
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [-1, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [-1, 3])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    ours, theirs = _both(model)
+    for get in ("get_inputs", "get_outputs"):
+        assert [a.shape for a in getattr(ours, get)()] == [a.shape for a in getattr(theirs, get)()] == [[None, 3]]
