@@ -142,7 +142,8 @@ def test_a_negative_declared_dim_is_reported_unknown() -> None:
     g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [-1, 3])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [-1, 3])])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
-    ours, theirs = _both(model)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    ours, theirs = _both(model.SerializeToString())
     for get in ("get_inputs", "get_outputs"):
-        assert [a.shape for a in getattr(ours, get)()] == [a.shape for a in getattr(theirs, get)()] == [[None, 3]]
+        shapes = [a.shape for a in getattr(ours, get)()]
+        assert shapes == [a.shape for a in getattr(theirs, get)()] == [[None, 3]]
