@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -31,7 +32,7 @@ from onnxtrain.engine.ort_chunks import layout_for_pieces, piece_count, split_mo
 from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.ort_rewrites import for_onnxruntime
 from onnxtrain.engine.parallel import default_width, local_ranks
-from onnxtrain.ir.types import np_dtype_of, value_info_shape
+from onnxtrain.ir.types import np_dtype, np_dtype_of, onnx_elem_type, value_info_shape
 
 # onnxruntime's ConstantSharing merges equal initializers into one buffer; a training-mode
 # BatchNormalization then writes its running statistics into the shared buffer, corrupting the
@@ -480,7 +481,11 @@ class OrtPlan(GraphInterface):
         io, held_in, held_out = kept.io, kept.inputs, kept.outputs
         for name, v in arrays.items():
             if not _still_bound(held_in.get(name), v):
-                io.bind_cpu_input(name, v)
+                if v.dtype in _WHOLE_BYTE_DTYPES:  # bfloat16, float8: no numpy type in onnxruntime's binding
+                    io.bind_ortvalue_input(name, self._ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                        v.view(f"u{v.itemsize}"), onnx_elem_type(v.dtype)))
+                else:
+                    io.bind_cpu_input(name, v)
                 held_in[name] = (v, v.shape, v.dtype)
         for n in names:
             v = into.get(n)
@@ -494,7 +499,8 @@ class OrtPlan(GraphInterface):
         self._session.run_with_iobinding(io, ro)
         if len(into) == len(names):  # every output written into a donated array (an optimizer's update)
             return [into[n] for n in names]
-        return [into[n] if n in into else o.numpy() for n, o in zip(names, io.get_outputs())]
+        return [into[n] if n in into else _numpy_of(o, self.output_dtypes.get(n))
+                for n, o in zip(names, io.get_outputs())]
 
     def _run_pieces(self, arrays: Mapping[str, np.ndarray], names: list[str], into: Mapping[str, np.ndarray],
                     ro: Any = None, whole: bool = False) -> list[np.ndarray]:
@@ -551,6 +557,24 @@ class _KeptBinding:
         self.names = list(names)
         self.inputs: dict[str, tuple] = {}
         self.outputs: dict[str, tuple] = {}
+
+
+def _numpy_of(value: Any, dtype: np.dtype | None) -> np.ndarray:
+    """An onnxruntime OrtValue's tensor as a numpy array; declared of an ml_dtypes type (``dtype``:
+    bfloat16, float8), for which ``OrtValue.numpy`` has no type or gives uint8, its bytes copied."""
+    if dtype not in _WHOLE_BYTE_DTYPES:
+        return value.numpy()
+    out = np.empty(value.shape(), dtype)
+    if out.nbytes:
+        ctypes.memmove(out.ctypes.data, value.data_ptr(), out.nbytes)
+    return out
+
+
+# the ml_dtypes element types onnxruntime stores a byte or two each, as numpy does (the 4-, 2- and 6-bit
+# ones it packs: not these)
+_WHOLE_BYTES = ("BFLOAT16", "FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2", "FLOAT8E5M2FNUZ", "FLOAT8E8M0")
+_WHOLE_BYTE_DTYPES = frozenset(np_dtype(getattr(onnx.TensorProto, name)) for name in _WHOLE_BYTES
+                               if hasattr(onnx.TensorProto, name))
 
 
 def _still_bound(held: tuple | None, v: np.ndarray) -> bool:

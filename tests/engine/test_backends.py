@@ -1053,3 +1053,38 @@ def test_a_sequence_output_asked_for_twice_comes_back_as_two_lists():
         np.testing.assert_array_equal(s2[1], np.concatenate([x, x]))
         s2[0][0] = 7.0
         assert s1[0][0] == 1.0, backend
+
+
+def test_bfloat16_and_float8_values_in_and_out_on_the_backend():
+    """onnxruntime's binding has no numpy type for bfloat16 or float8: the backend binds such feeds as
+    OrtValues over their memory and copies such outputs' bytes, so a graph that onnxruntime runs with them
+    runs here too, with onnxruntime's values (given as OrtValues of the same bits) and the numpy engine's."""
+    import onnxruntime as ort
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    from onnxtrain.ir.types import np_dtype
+
+    nodes = [helper.make_node("Cast", ["x"], ["xf"], to=T.FLOAT),
+             helper.make_node("Mul", ["xf", "xf"], ["y"]),
+             helper.make_node("Cast", ["y"], ["y16"], to=T.BFLOAT16),
+             helper.make_node("Cast", ["y"], ["y8"], to=T.FLOAT8E4M3FN)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.BFLOAT16, ["n"])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, ["n"]),
+                           helper.make_tensor_value_info("y16", T.BFLOAT16, ["n"]),
+                           helper.make_tensor_value_info("y8", T.FLOAT8E4M3FN, ["n"])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+    x = np.array([1.5, -2.25, 3.0, 0.1], np.float32).astype(np_dtype(T.BFLOAT16))
+    so = SessionOptions()
+    so.add_session_config_entry(CONFIG_KEY, "onnxruntime")
+    ours = InferenceSession(model.SerializeToString(), so).run(None, {"x": x})
+    numpy_engine = InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    theirs = plain.run_with_ort_values(None, {"x": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+        x.view(np.uint16), T.BFLOAT16)})
+    np.testing.assert_array_equal(ours[0], theirs[0].numpy())
+    for k, code in ((1, T.BFLOAT16), (2, T.FLOAT8E4M3FN)):
+        assert ours[k].dtype == np_dtype(code) and ours[k].shape == (4,)
+        raw = np.frombuffer(bytes(ours[k].view(f"u{ours[k].itemsize}")), f"u{ours[k].itemsize}")
+        np.testing.assert_array_equal(raw, numpy_engine[k].view(f"u{ours[k].itemsize}"))
+        assert theirs[k].data_type() == f"tensor({'bfloat16' if k == 1 else 'float8e4m3fn'})"
