@@ -125,9 +125,9 @@ class OrtValue:
         if declared.startswith("optional(") and value is not None:  # an optional holding a value: the value's
             declared = declared[len("optional("):-1]
         if isinstance(value, (list, tuple)):
+            if declared.startswith("seq(") and (not value or isinstance(value[0], dict)):
+                return declared  # empty, or of maps (ZipMap's): the graph's type
             first = next((np.asarray(v) for v in value), None)
-            if first is None and declared.startswith("seq("):  # empty: its element type is the graph's
-                return declared
             return f"seq(tensor({_type_name(first.dtype) if first is not None else 'float'}))"
         if value is None:
             return declared if declared.startswith("optional(") else "optional(tensor(float))"
@@ -349,8 +349,8 @@ class IOBinding:
     def copy_outputs_to_cpu(self) -> list[Any]:
         """Copies of the outputs: arrays, lists of arrays for sequences, None for empty optionals."""
         def copied(v: Any) -> Any:
-            if isinstance(v, (list, tuple)):
-                return [np.array(x, copy=True) for x in v]
+            if isinstance(v, (list, tuple)):  # (a sequence of maps: ZipMap's dicts)
+                return [dict(x) if isinstance(x, dict) else np.array(x, copy=True) for x in v]
             return None if v is None else np.array(v, copy=True)
 
         return [copied(v.numpy()) for v in self._results]

@@ -1088,3 +1088,43 @@ def test_bfloat16_and_float8_values_in_and_out_on_the_backend():
         raw = np.frombuffer(bytes(ours[k].view(f"u{ours[k].itemsize}")), f"u{ours[k].itemsize}")
         np.testing.assert_array_equal(raw, numpy_engine[k].view(f"u{ours[k].itemsize}"))
         assert theirs[k].data_type() == f"tensor({'bfloat16' if k == 1 else 'float8e4m3fn'})"
+
+
+def test_a_sequence_of_maps_on_the_backend_is_typed_and_copied_as_onnxruntime_does():
+    """ZipMap's output (a sequence of maps, which onnxruntime runs on this backend): OrtValue.data_type()
+    is the graph's type and IOBinding.copy_outputs_to_cpu() gives dicts, as plain onnxruntime does (it was
+    typed from the first item as a string tensor, its items 0-d object arrays)."""
+    import onnxruntime as ort
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    import onnxtrain
+
+    probs = helper.make_value_info("probabilities", helper.make_sequence_type_proto(
+        helper.make_map_type_proto(T.INT64, helper.make_tensor_type_proto(T.FLOAT, []))))
+    nodes = [helper.make_node("LinearClassifier", ["X"], ["label", "scores"], domain="ai.onnx.ml",
+                              coefficients=[0.1, 0.2, -0.3, 0.5, -0.1, 0.2], intercepts=[0.1, -0.2],
+                              classlabels_ints=[0, 1], post_transform="LOGISTIC"),
+             helper.make_node("ZipMap", ["scores"], ["probabilities"], domain="ai.onnx.ml",
+                              classlabels_int64s=[0, 1])]
+    g = helper.make_graph(nodes, "clf", [helper.make_tensor_value_info("X", T.FLOAT, ["N", 3])],
+                          [helper.make_tensor_value_info("label", T.INT64, ["N"]), probs])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)]
+    model = helper.make_model(g, opset_imports=opsets, ir_version=9).SerializeToString()
+    x = np.array([[1, 2, 3], [0.5, -1, 2]], np.float32)
+    so = SessionOptions()
+    so.add_session_config_entry(CONFIG_KEY, "onnxruntime")
+    got = {}
+    for name, mod, sess in (("ours", onnxtrain, InferenceSession(model, so)),
+                            ("theirs", ort, ort.InferenceSession(model, providers=["CPUExecutionProvider"]))):
+        values = sess.run_with_ort_values(None, {"X": mod.OrtValue.ortvalue_from_numpy(x)})
+        io = sess.io_binding()
+        io.bind_cpu_input("X", x)
+        io.bind_output("label")
+        io.bind_output("probabilities")
+        sess.run_with_iobinding(io)
+        got[name] = (values[1].data_type(), io.copy_outputs_to_cpu()[1])
+    assert got["ours"][0] == got["theirs"][0] == "seq(map(int64,tensor(float)))"
+    assert all(type(item) is dict for item in got["ours"][1])
+    for a, b in zip(got["ours"][1], got["theirs"][1]):
+        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-6 for k in a)
