@@ -40,7 +40,8 @@ def training_parameters(cfg: Config, model: onnx.ModelProto) -> TrainingParamete
     p.gradient_accumulation_steps = t.gradient_accumulation_steps
     p.gradient_accumulation_mode = "auto"
     p.use_mixed_precision = t.mixed_precision
-    p.data_parallel_size = t.data_parallel_size
+    if t.data_parallel_size != 1:  # the default leaves it to the world size under mpiexec, without a warning
+        p.data_parallel_size = t.data_parallel_size
     p.enable_grad_norm_clip = o.clip_grad_norm is not None
     for k, v in t.parameters.items():
         setattr(p, k, v)

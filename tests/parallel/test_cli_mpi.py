@@ -121,6 +121,7 @@ def test_two_ranks_equal_one_process_and_only_rank0_writes(reference: str, tmp_p
     assert list(stdout) == [0] and stdout[0].count("trained digits_mlp for 20 steps") == 1, r.stdout
     assert "20/20" in stderr.get(0, ""), r.stderr  # the progress bar, on rank 0 only
     assert "step/s" not in stderr.get(1, ""), r.stderr
+    assert "data_parallel_size" not in r.stderr, r.stderr  # the config's default is not an assigned size
 
 
 def test_zero_stage1_checkpoint_holds_the_whole_state_and_resumes(reference: str, tmp_path) -> None:

@@ -98,3 +98,15 @@ def test_optimizer_attributes_the_config_sets_are_refused_others_kept(write_conf
     cfg = load_config(write_config(raw))
     p = training_parameters(cfg, build_model(cfg))
     assert p.optimizer_attributes_map == {w: {"ratio_min": 0.25, "epsilon": 1e-4} for w in weights}
+
+
+def test_data_parallel_size_reaches_the_session_only_when_the_config_sets_it(write_config):
+    """Left at its default, training.data_parallel_size is not assigned, so that a run under mpiexec takes
+    the world size without the warning an assigned size that differs from it gets."""
+    cfg = load_config(write_config(MLP))
+    p = training_parameters(cfg, build_model(cfg))
+    assert not p.is_set("data_parallel_size")  # (parallel.resolve warns about an assigned one only)
+    raw = dict(MLP, training={**MLP.get("training", {}), "data_parallel_size": 2})
+    cfg = load_config(write_config(raw))
+    p = training_parameters(cfg, build_model(cfg))
+    assert p.is_set("data_parallel_size") and p.data_parallel_size == 2
