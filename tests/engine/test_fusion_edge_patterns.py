@@ -2,7 +2,8 @@
 onnxruntime: a shape computed from a small int initializer that is also a graph input was memoized by the
 feed array's identity (rewriting that array between runs gave the first run's shape), the Conv weight-
 gradient fusion's pointwise path took a strided 1×1 kernel over more rows than dY has (a matmul size error),
-and the Pad+Concat fusion took a -0.0 fill for a zero (the fused sum dropped the sign)."""
+and the Pad+Concat fusion took a -0.0 fill for a zero (the fused sum dropped the sign). A third fuzz: the
+Conv weight gradient's shifted-rows path made NaN of an input's inf, the masked softmax split a 1-D row."""
 
 from __future__ import annotations
 
@@ -84,3 +85,41 @@ def test_pads_summed_with_a_negative_zero_fill_keep_the_sign() -> None:
              "b": np.array([[-0.0, -0.0, 5], [-0.0, 6, -0.0]], np.float32)}
     fused, plain = Plan(m, fuse=True).run(feeds)[0], Plan(m, fuse=False).run(feeds)[0]
     assert fused.tobytes() == plain.tobytes() == _ort(m, feeds)[0].tobytes()
+
+
+def test_conv_weight_gradient_of_an_input_holding_inf() -> None:
+    """The shifted-rows path of the Conv weight-gradient fusion multiplies whole input rows by an output
+    gradient padded with zero columns: an inf outside a weight position's window made 0·inf = NaN there.
+    Such a result is computed again without the padding: the NaN and inf entries of onnxruntime's."""
+    t = [1, 0, 2, 3]
+    nodes = [N("Transpose", ["x"], ["xt"], perm=t), N("Transpose", ["dy"], ["dyt"], perm=t),
+             N("Conv", ["xt", "dyt"], ["c"]), N("Transpose", ["c"], ["dw"], perm=t)]
+    inputs = [helper.make_tensor_value_info("x", F, [1, 3, 6, 6]),
+              helper.make_tensor_value_info("dy", F, [1, 2, 4, 4])]
+    m = _model(nodes, inputs, [helper.make_tensor_value_info("dw", F, None)])
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 3, 6, 6)).astype(np.float32)
+    x[0, 0, 0, 5] = np.inf  # first row, last column: outside the window of weight position (0, 0)
+    feeds = {"x": x, "dy": rng.standard_normal((1, 2, 4, 4)).astype(np.float32)}
+    fused, plain = Plan(m, fuse=True).run(feeds)[0], Plan(m, fuse=False).run(feeds)[0]
+    theirs = _ort(m, feeds)[0]
+    assert np.isfinite(fused[:, 0, 0, 0]).all()
+    np.testing.assert_array_equal(np.isnan(fused), np.isnan(theirs))
+    np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fused, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_masked_softmax_of_one_long_row() -> None:
+    """Softmax(Where(mask, -inf, x)) over a 1-D x long enough to be split over threads: its one row is the
+    softmax's axis (the fused step split it by rows, and failed)."""
+    n = 1 << 19
+    nodes = [N("Constant", [], ["ninf"], value=numpy_helper.from_array(np.array(-np.inf, np.float32))),
+             N("Where", ["mask", "ninf", "x"], ["s"]), N("Softmax", ["s"], ["y"], axis=-1)]
+    inputs = [helper.make_tensor_value_info("x", F, [n]),
+              helper.make_tensor_value_info("mask", TensorProto.BOOL, [n])]
+    m = _model(nodes, inputs, [helper.make_tensor_value_info("y", F, [n])])
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal(n).astype(np.float32), "mask": rng.random(n) < 0.25}
+    fused = InferenceSession(m.SerializeToString()).run(None, feeds)[0]
+    np.testing.assert_allclose(fused, Plan(m, fuse=False).run(feeds)[0], rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(fused, _ort(m, feeds)[0], rtol=1e-5, atol=1e-12)

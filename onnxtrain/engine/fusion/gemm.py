@@ -171,8 +171,10 @@ def _conv_weight_grad(plan: Plan, members: list[Step]) -> Callable:
                 return (_pointwise_weight_grad(x, dy),)
             if (kh > 0 and kw > 0 and dil == [1, 1] and ci >= SHIFTED_MIN_CHANNELS
                     and ci * dy.shape[1] <= SHIFTED_MAX_CHANNEL_PAIRS and n * kh * kw <= SHIFTED_MAX_GEMMS):
-                return (_weight_grad_shifted(x, dy, kh, kw, strides),)
-            if kh > 0 and kw > 0 and ci >= PATCHES_MIN_CHANNELS:
+                dw = _weight_grad_shifted(x, dy, kh, kw, strides)
+                if np.isfinite(dw).all():  # else an inf or NaN in x met the padded zeros (0·inf): unfused
+                    return (dw,)
+            elif kh > 0 and kw > 0 and ci >= PATCHES_MIN_CHANNELS:
                 return (_weight_grad_patches(x, dy, kh, kw, strides, dil),)
             if kh > 0 and kw > 0:
                 x = np.ascontiguousarray(x)

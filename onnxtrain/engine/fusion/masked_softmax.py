@@ -105,7 +105,10 @@ def _masked_softmax(
                     y2 = yb.reshape(-1, n)
                     y2 /= row_sum(y2)
 
-                for_rows(x.shape[0], x.size, rows)
+                if x.ndim == 1:  # one row: its axis 0 is the softmax's, not to be split
+                    rows(0, n)
+                else:
+                    for_rows(x.shape[0], x.size, rows)
                 return (y,)
         return plan._call(soft, plan._call(where, [c, a, b]))
 
