@@ -43,6 +43,9 @@ def split_gradient_model(
                 "a value of the backward pass"
             )
     types = value_types(grad)
+    for name, t in value_types(forward_model).items():  # the forward's value_info may know ranks more
+        if _rank(types, name) is None:
+            types[name] = t
     # a forward value whose rank shape inference cannot find cannot be a graph output: the nodes making it
     # run again in the backward graph, from values that can be saved (reshapes of attention heads, say)
     redo: set[int] = set()

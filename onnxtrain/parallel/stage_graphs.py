@@ -139,6 +139,10 @@ def build_stage_graphs(
             inputs,
             [boundary_value(o, types) for o in declared],
             initializer=[inits[i] for i in sorted(reads & set(inits))],
+            # the ranks one process's shape inference finds for the stage's own values: a Reshape whose
+            # shape comes from another stage (a head count computed at run time) has none in the stage
+            value_info=[boundary_value(v, types) for v in sorted(produced - set(declared))
+                        if _ranked(types, v)],
         ),
         opset_imports=list(model.opset_import),
         ir_version=model.ir_version,
@@ -234,6 +238,13 @@ def _recomputed(
         forward_outputs=forward_outputs,
         values=layers & mine,
     )
+
+
+def _ranked(types: Mapping[str, onnx.TypeProto], name: str) -> bool:
+    """Whether ``name`` is a tensor of known element type and rank."""
+    t = types.get(name)
+    return (t is not None and t.HasField("tensor_type") and bool(t.tensor_type.elem_type)
+            and t.tensor_type.HasField("shape"))
 
 
 def boundary_value(name: str, types: Mapping[str, onnx.TypeProto]) -> onnx.ValueInfoProto:

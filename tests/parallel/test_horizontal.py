@@ -196,6 +196,21 @@ def test_torch_exported_gpt_attention_heads_split(tmp_path, monkeypatch) -> None
 
 
 @pytest.mark.mpi
+def test_torch_exported_gpt_of_two_layers_heads_split(tmp_path, monkeypatch) -> None:
+    """Two GPT layers: the second layer's head reshapes read shapes computed in a part the split cuts off
+    (its stage's own shape inference found no ranks, and building failed); the ranks one process's
+    inference finds are declared in each part, and SGD steps as one process takes them."""
+    pytest.importorskip("torch")
+    from tests.graph_transforms import nets
+
+    path = str(tmp_path / "gpt2.onnx")
+    onnx.save(nets.gpt(2, dropout=0.0, seq=10), path)
+    monkeypatch.setenv("PIPELINE_TORCH_MODEL", path)
+    case = "sgd_h2_torch_gpt"
+    compare(pipelined(tmp_path, [case], 2, env={"PIPELINE_TORCH_MODEL": path}), case, 2e-6)
+
+
+@pytest.mark.mpi
 def test_torch_opset23_attention_op_heads_split(tmp_path, monkeypatch) -> None:
     """torch's opset-23 Llama-style block (ONNX's Attention op, 4 query heads over 2 key/value heads, causal;
     a SwiGLU MLP) split over two ranks: Adam steps as one process takes them."""
