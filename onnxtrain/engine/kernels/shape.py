@@ -270,17 +270,37 @@ def _pad(x: np.ndarray, pads: list[int], mode: str, value: Any, axes: list[int] 
     width = [[0, 0] for _ in range(rank)]
     for i, a in enumerate(axes):
         width[a] = [pads[i], pads[len(axes) + i]]
+    if mode == "constant":
+        return _pad_constant(x, width, value)
+    if mode not in ("reflect", "edge", "wrap"):
+        raise ValueError(f"Pad mode {mode!r} is not one of constant, reflect, edge, wrap")
     if any(b < 0 or e < 0 for b, e in width):  # negative pads crop
         x = x[tuple(slice(-b if b < 0 else 0, x.shape[a] + e if e < 0 else None)
                     for a, (b, e) in enumerate(width))]
         width = [[max(b, 0), max(e, 0)] for b, e in width]
-    if mode == "constant":
-        out = np.full(tuple(d + b + e for d, (b, e) in zip(x.shape, width)), value, dtype=x.dtype)
-        out[tuple(slice(b, b + d) for d, (b, _) in zip(x.shape, width))] = x
-        return out
-    if mode not in ("reflect", "edge", "wrap"):
-        raise ValueError(f"Pad mode {mode!r} is not one of constant, reflect, edge, wrap")
     return np.pad(x, width, mode=mode)
+
+
+def _pad_constant(x: np.ndarray, width: list[list[int]], value: Any) -> np.ndarray:
+    """Constant padding, a negative pad cropping: output index i of an axis holds input index i - begin (the
+    value outside the input), so an axis has d + begin + end values, also when a crop on one side takes more
+    than the input holds and eats into the other side's padding."""
+    sizes = [d + b + e for d, (b, e) in zip(x.shape, width)]
+    bad = [a for a, n in enumerate(sizes) if n < 0]
+    if bad:
+        a = bad[0]
+        raise ValueError(f"Pad: axis {a} of size {x.shape[a]} with pads {width[a]} would have "
+                         f"{sizes[a]} values")
+    out = np.full(tuple(sizes), value, dtype=x.dtype)
+    src, dst = [], []
+    for d, (b, _), n in zip(x.shape, width, sizes):
+        lo, hi = max(0, -b), min(d, n - b)  # the input's part that lands in the output
+        if hi <= lo:
+            return out
+        src.append(slice(lo, hi))
+        dst.append(slice(lo + b, hi + b))
+    out[tuple(dst)] = x[tuple(src)]
+    return out
 
 
 @kernel("Pad", since=2)
@@ -354,6 +374,10 @@ def trilu(inputs: Inputs, attrs: Attrs) -> Outputs:
         raise ValueError(f"Trilu: the input must have rank 2 or more, got rank {np.ndim(x)}")
     k = _opt_input(inputs, 1)
     k = 0 if k is None else int(np.asarray(k).reshape(-1)[0])
+    # beyond the matrix's rows plus columns every k keeps all or nothing (numpy's own arithmetic on a k near
+    # int64's ends overflows)
+    reach = x.shape[-2] + x.shape[-1]
+    k = max(-reach, min(reach, k))
     return ((np.triu if attrs["upper"] else np.tril)(x, k),)
 
 
