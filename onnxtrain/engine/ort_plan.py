@@ -31,6 +31,7 @@ from onnxtrain.engine.interface import (
 from onnxtrain.engine.ort_chunks import layout_for_pieces, piece_count, split_models
 from onnxtrain.engine.ort_inplace import safe_updates
 from onnxtrain.engine.ort_rewrites import for_onnxruntime
+from onnxtrain.engine.ort_sums import two_level_sum_squares
 from onnxtrain.engine.parallel import default_width, local_ranks
 from onnxtrain.ir.types import np_dtype, np_dtype_of, onnx_elem_type, value_info_shape
 
@@ -129,14 +130,18 @@ class OrtPlan(GraphInterface):
         self._chunks = (layout_for_pieces(self.onnxruntime_model, scalar_inputs)
                         if scalar_inputs is not None and self._tensor_io and self._device == "cpu" else None)
         self._prefix = None  # (its session, its inputs) when the pieces read reduced scalars
+        # sums of squares over large tensors (a clipped update's norm) in two levels, for their rounding
+        squares = (lambda m: m) if _optimizations_off(options) else two_level_sum_squares
         if self._chunks is not None:
             prefix, main = split_models(self.onnxruntime_model, self._chunks)
             if prefix is not None:
+                prefix = squares(prefix)
                 self._prefix = (self._create_session(prefix, options, names, opts),
                                 [vi.name for vi in prefix.graph.input])
             self._session = self._create_session(main, options, names, opts)
             self._piece_inputs = {vi.name for vi in main.graph.input}
         else:
+            self.onnxruntime_model = squares(self.onnxruntime_model)
             self._session = self._create_session(self.onnxruntime_model, options, names, opts)
         # overridable initializers cannot be bound (onnxruntime's IOBinding knows the inputs proper only); a
         # run in pieces binds what its two graphs read of the inputs (an optimizer's: all of them are inputs)

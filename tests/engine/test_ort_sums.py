@@ -113,3 +113,58 @@ def test_a_stale_declared_shape_does_not_plan_the_sum() -> None:
     got = onnxtrain.InferenceSession(model.SerializeToString(), so).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, run(model, x), rtol=1e-5)
     np.testing.assert_allclose(got, np.maximum(x, 0).astype(np.float64).sum((0, 1)), rtol=1e-5)
+
+
+def _squares_model(shape: list, opset: int, keepdims: int = 0) -> onnx.ModelProto:
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, None if keepdims else [])
+    g = helper.make_graph([helper.make_node("ReduceSumSquare", ["x"], ["y"], keepdims=keepdims)], "squares",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)], [out])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+
+
+@pytest.mark.parametrize("shape, opset", [([1024, 1024], 17), ([256, 3, 3, 64], 18), ([2048, 1000], 13)])
+def test_large_sums_of_squares_in_two_levels(shape: list, opset: int) -> None:
+    """A gradient's sum of squares (clipping's norm) over a large tensor: onnxruntime's own ReduceSumSquare
+    is 2e-5 or more off the float64 sum at 2^20 values; row sums then their sum are within 1e-6."""
+    from onnxtrain.engine.ort_sums import two_level_sum_squares
+
+    model = _squares_model(shape, opset)
+    out = two_level_sum_squares(model)
+    onnx.checker.check_model(out, full_check=True)
+    assert [n.op_type for n in out.graph.node] == ["Reshape", "ReduceSumSquare", "ReduceSum"]
+    x = (np.random.default_rng(0).standard_normal(shape) * 1e-3 + 1e-4).astype(np.float32)
+    exact = np.sum(x.astype(np.float64) ** 2)
+    assert abs(run(out, x) - exact) / exact < 1e-6
+    if x.size >= 1 << 20:  # (what the rewrite is for)
+        assert abs(run(model, x) - exact) / exact > 1e-5
+
+
+@pytest.mark.parametrize("model", [
+    _squares_model([100, 100], 17),        # below the size it pays from
+    _squares_model([1024, 1024], 17, 1),   # keepdims
+    _squares_model(["N", 1024], 17),       # a size known at run time only
+    _squares_model([65537 * 2], 17),       # no split into rows of 64 or more (2 · a prime)
+])
+def test_other_sums_of_squares_are_left_alone(model: onnx.ModelProto) -> None:
+    from onnxtrain.engine.ort_sums import two_level_sum_squares
+
+    assert two_level_sum_squares(model) is model
+
+
+def test_a_clipped_update_on_the_backend_takes_the_float64_norm() -> None:
+    """A legacy session with clipping over a 1024² weight on the onnxruntime backend: its global norm is the
+    numpy engine's (they parted by 1e-5, and the moments of every step by as much)."""
+    from onnxtrain import SessionOptions, TrainingSession
+    from tests.session.helpers import mlp_model, params
+
+    model = mlp_model(1024, 1024, 4).SerializeToString()
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((8, 1024)).astype(np.float32),
+             "y": rng.integers(0, 4, 8).astype(np.int64), "Learning_Rate": np.array([1e-3], np.float32)}
+    norms = []
+    for backend in ("numpy", "onnxruntime"):
+        so = SessionOptions()
+        so.add_session_config_entry("onnxtrain.backend", backend)
+        s = TrainingSession(model, params("AdamOptimizer"), so)
+        norms.append(float(s.run(["global_gradient_norm"], feeds)[0]))
+    assert abs(norms[1] - norms[0]) / norms[0] < 1e-6, norms
