@@ -55,6 +55,37 @@ from onnxtrain.user_warning import warn
 MIN_OPSET = 17
 
 
+def _read_for_the_loss(nodes: list[onnx.NodeProto], reads: list[tuple[onnx.NodeProto, int]],
+                       loss: str) -> dict[str, tuple[onnx.NodeProto, int]]:
+    """Of ``reads`` (node, input slot), those whose node the loss depends on, by the value read."""
+    if not reads:
+        return {}
+    ancestors = {loss}
+    for n in reversed(nodes):
+        if ancestors.intersection(n.output):
+            ancestors.update(i for i in node_reads(n) if i)
+    return {node.input[i]: (node, i) for node, i in reads if ancestors.intersection(node.output)}
+
+
+def _refuse_uncomputed(nodes: list[onnx.NodeProto], x: str,
+                       uncomputed: dict[str, tuple[onnx.NodeProto, int]]) -> None:
+    """GradientError when ``x``, which got no gradient, reaches the loss through an input whose gradient the
+    rules do not compute though it is not zero (a loss's class weights): zeros would be wrong numbers."""
+    if not uncomputed:
+        return
+    reach = {x}
+    for n in nodes:
+        if reach.intersection(n.input):
+            reach.update(o for o in n.output if o)
+    hit = next((v for v in uncomputed if v in reach), None)
+    if hit is not None:
+        node, i = uncomputed[hit]
+        raise GradientError(
+            f"{x!r} reaches the loss only through input {i} ({hit!r}) of node {node.name!r} "
+            f"({node.op_type}), whose gradient onnxtrain does not compute: leave it out of the gradient's "
+            "inputs (keep it fixed)")
+
+
 def blocked_by(nodes: list[onnx.NodeProto], x: str, loss: str) -> str:
     """" through a differentiable path (it passes only through <nodes>, which have no gradient)" when
     ``x`` does reach ``loss`` through ``nodes`` but only through ops without a gradient (Unique, ArgMax,
@@ -501,6 +532,7 @@ def build_gradient_model(
     # QuantizeLinear -> DequantizeLinear pairs (quantization-aware training): their integer edge carries the
     # straight-through estimator from the DequantizeLinear's output to the QuantizeLinear's input
     fakes = find_fake_quants(bw)
+    uncomputed_reads: list[tuple[onnx.NodeProto, int]] = []
     for k, node in enumerate(bw.fwd_nodes):
         fake = fakes.get(k)
         if fake is not None:
@@ -512,6 +544,9 @@ def build_gradient_model(
             continue
         rule = find_rule(node.op_type, bw.opset, node.domain)
         stop = rule.stopped(node) if rule else frozenset()
+        for i in (stop & rule.uncomputed) if rule else ():  # left out by the rule, though not zero
+            if i < len(node.input) and node.input[i] in requires:
+                uncomputed_reads.append((node, i))
         if any(n in requires and i not in stop for i, n in enumerate(node.input)) or any(
             n in requires for n in body_reads(node)
         ):
@@ -519,6 +554,7 @@ def build_gradient_model(
             for o in node.output:
                 if o and _is_float(bw, o):
                     requires.add(o)
+    uncomputed = _read_for_the_loss(bw.fwd_nodes, uncomputed_reads, loss)
     if drop_non_differentiable_ys:
         other_ys = _differentiable_ys(bw, other_ys, requires)
     ys = [loss, *other_ys]
@@ -634,6 +670,7 @@ def build_gradient_model(
         gname = f"{x}{grad_suffix}"
         d = grad_of(x)
         if d is None:
+            _refuse_uncomputed(bw.fwd_nodes, x, uncomputed)
             if not zero_unreachable:
                 raise GradientError(f"{x!r} does not reach {loss!r}{blocked_by(bw.fwd_nodes, x, loss)}: no "
                                     "gradient flows back to it")

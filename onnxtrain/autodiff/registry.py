@@ -4,7 +4,9 @@ A rule is a plain function ``fn(g: GradCtx) -> None`` that emits standard ONNX n
 input gradients of one forward node. ``uses`` names the forward values the rule reads (``x0``,
 ``y0`` ...; ``x*``/``y*`` for all): the builder refuses any other, so the declaration is what the
 backward pass really keeps alive. ``stop`` lists input slots that never get a gradient (with ``stop_if``,
-only in the nodes for which it holds, e.g. an attribute's value).
+only in the nodes for which it holds, e.g. an attribute's value); ``uncomputed``, those of them whose
+gradient is not zero but is not computed (a loss's class weights): asking for a gradient that could only
+come through them is an error, not zeros.
 
 The rule modules are imported on demand: a lookup of an op imports the modules that
 :data:`onnxtrain.autodiff.rules.MODULES` lists for it, and the listings (``ops_with_rules``) import them
@@ -40,6 +42,7 @@ class Rule:
     stop: frozenset[int]
     linear: bool = False  # cheap to recompute: its gradient needs no forward values
     stop_if: NodeTest | None = None  # the nodes whose ``stop`` slots get no gradient (None: every node)
+    uncomputed: frozenset[int] = frozenset()  # stopped slots whose gradient is not zero (not computed)
 
     def stopped(self, node: onnx.NodeProto) -> frozenset[int]:
         """The input slots of ``node`` that get no gradient."""
@@ -57,8 +60,8 @@ _MODULES_OF: dict[str, tuple[str, ...]] = {}  # op → its modules (rules.MODULE
 
 
 def gradient(op: str, since: int = 1, uses: Iterable[str] = (), stop: Iterable[int] = (),
-             linear: bool = False, variant: str = "", stop_if: NodeTest | None = None
-             ) -> Callable[[RuleFn], RuleFn]:
+             linear: bool = False, variant: str = "", stop_if: NodeTest | None = None,
+             uncomputed: Iterable[int] = ()) -> Callable[[RuleFn], RuleFn]:
     """Register ``fn`` as the gradient rule of ``op`` for opsets ``>= since``; with ``variant``, as an
     alternative rule that the builder uses only where asked to (:func:`find_variant`)."""
 
@@ -67,12 +70,14 @@ def gradient(op: str, since: int = 1, uses: Iterable[str] = (), stop: Iterable[i
         if variant:
             if (op, variant) in _VARIANTS:
                 raise ValueError(f"gradient rule variant {variant!r} of {op} registered twice")
-            _VARIANTS[(op, variant)] = Rule(op, since, fn, frozenset(uses), frozenset(stop), linear, stop_if)
+            _VARIANTS[(op, variant)] = Rule(op, since, fn, frozenset(uses), frozenset(stop), linear, stop_if,
+                                            frozenset(uncomputed))
             return fn
         rules = _RULES.setdefault(op, [])
         if any(r.since == since for r in rules):
             raise ValueError(f"gradient rule for {op} since opset {since} registered twice")
-        rules.append(Rule(op, since, fn, frozenset(uses), frozenset(stop), linear, stop_if))
+        rules.append(Rule(op, since, fn, frozenset(uses), frozenset(stop), linear, stop_if,
+                          frozenset(uncomputed)))
         rules.sort(key=lambda r: r.since)
         return fn
 

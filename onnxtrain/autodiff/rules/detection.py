@@ -142,7 +142,7 @@ def _roi_axes(g: GradCtx, rois: str) -> tuple[_Axis, _Axis]:
             _Axis(g, x1, rw, int(g.attr("output_width")), 3))
 
 
-@gradient("RoiAlign", uses=("x0", "x1", "x2"), stop=(1, 2))
+@gradient("RoiAlign", uses=("x0", "x1", "x2"), stop=(1, 2), uncomputed=(1,))
 def roi_align_grad(g: GradCtx) -> None:
     # float16 and bfloat16 work in float32, as the kernel does: their sample positions are too coarse
     low = g.dtype if g.dtype in (TensorProto.FLOAT16, TensorProto.BFLOAT16) else None
@@ -233,7 +233,7 @@ def _windows(g: GradCtx, lo: str, hi: str, pooled: int, axis: int) -> tuple[str,
     return pos, inside, g.emit("Greater", span, zero)
 
 
-@gradient("MaxRoiPool", uses=("x0", "x1"), stop=(1,))
+@gradient("MaxRoiPool", uses=("x0", "x1"), stop=(1,), uncomputed=(1,))
 def max_roi_pool_grad(g: GradCtx) -> None:
     # candidates of bin (r, p, q) are X[b_r, c, rows(r, p), cols(r, q)], laid out (R, C, P, Q, Kh, Kw);
     # the bin's gradient goes to the first maximum in row-major window order

@@ -107,7 +107,7 @@ def _check_scores_rank(g: GradCtx) -> None:
                         f"rank {rl} ({g.node.input[1]!r}); the model is invalid")
 
 
-@gradient("SoftmaxCrossEntropyLoss", uses=("x1", "x2", "y1"), stop=(1, 2))
+@gradient("SoftmaxCrossEntropyLoss", uses=("x1", "x2", "y1"), stop=(1, 2), uncomputed=(2,))
 def softmax_cross_entropy_grad(g: GradCtx) -> None:
     # ℓ_i = −log_prob[i, label_i]:  dScores = (Exp(log_prob) − OneHot(label))·f  (f: see _class_factor);
     # a gradient into the log_prob output adds the LogSoftmax backward dLP − Exp(LP)·Σ_c dLP.
@@ -125,7 +125,7 @@ def softmax_cross_entropy_grad(g: GradCtx) -> None:
     g.set_dx(0, parts[0] if len(parts) == 1 else g.emit("Add", *parts))
 
 
-@gradient("NegativeLogLikelihoodLoss", uses=("x1", "x2"), stop=(1, 2))
+@gradient("NegativeLogLikelihoodLoss", uses=("x1", "x2"), stop=(1, 2), uncomputed=(2,))
 def nll_loss_grad(g: GradCtx) -> None:
     # ℓ_i = −input[i, label_i]:  dInput = −f at the label's class, 0 elsewhere
     _check_scores_rank(g)
@@ -134,7 +134,7 @@ def nll_loss_grad(g: GradCtx) -> None:
     g.set_dx(0, g.emit("Where", _is_label(g, lab), neg, g.const(0)))
 
 
-@gradient("Dropout", uses=("x1", "x2", "y1"), stop=(1, 2))
+@gradient("Dropout", uses=("x1", "x2", "y1"), stop=(1, 2), uncomputed=(1,))
 def dropout_grad(g: GradCtx) -> None:
     # training: dX = dY·mask/(1 − ratio) with the forward's own mask (output 1, added if omitted);
     # inference (training_mode absent or false): dX = dY. A dynamic training_mode selects the scale

@@ -56,7 +56,7 @@ def _vector(g: GradCtx, parts: list[Any], elem: int) -> str:
     return g.emit("Concat", *pieces, axis=0)
 
 
-@gradient("Resize", uses=("x1", "x2", "x3"), stop=(1, 2, 3), linear=True)
+@gradient("Resize", uses=("x1", "x2", "x3"), stop=(1, 2, 3), linear=True, uncomputed=(1, 2))
 def resize_grad(g: GradCtx) -> None:
     # Y = X ×_a M_aᵀ over the resized axes a  ⇒  dX = dY ×_a M_a
     xs = g.static_shape(0)
