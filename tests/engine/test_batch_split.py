@@ -277,6 +277,21 @@ def _screened(nodes, inits=(), opset=17):
     return batch_mixing_node(helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)]), {"x": 0})
 
 
+def _rows_then_max(lengths: list[int], sequence_first: bool = False) -> tuple[list, list]:
+    """Nodes and initializers: x (its batch and sequence axes swapped when ``sequence_first``) reshaped to
+    rows of each of ``lengths`` in turn (a -1 taking the batch), then the maximum of each row."""
+    nodes, inits, at = [], [], "x"
+    if sequence_first:
+        nodes.append(helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]))
+        at = "t"
+    for k, n in enumerate(lengths):
+        inits.append(numpy_helper.from_array(np.array([-1, n], np.int64), f"rows{k}"))
+        nodes.append(helper.make_node("Reshape", [at, f"rows{k}"], [f"r{k}"]))
+        at = f"r{k}"
+    nodes.append(helper.make_node("ReduceMax", [at], ["y"], axes=[1]))
+    return nodes, inits
+
+
 _AXES0 = numpy_helper.from_array(np.array([0], np.int64), "axes0")
 _AXES2 = numpy_helper.from_array(np.array([2], np.int64), "axes2")
 # nodes, initializers, opset → the op the screen names (None: nothing combines the samples)
@@ -319,28 +334,11 @@ SCREEN_CASES = {
                               [numpy_helper.from_array(np.array([0, -1], np.int64), "keep")], 17,
                               "ReduceMean"),
     # a -1 that takes the batch: rows within one sample stay apart, rows longer than a sample hold several
-    "reshape_rows_within_samples": ([helper.make_node("Reshape", ["x", "rows4"], ["r"]),
-                                     helper.make_node("ReduceMax", ["r"], ["y"], axes=[1])],
-                                    [numpy_helper.from_array(np.array([-1, 4], np.int64), "rows4")], 17,
-                                    None),
-    "reshape_rows_of_two_samples": ([helper.make_node("Reshape", ["x", "rows24"], ["r"]),
-                                     helper.make_node("ReduceMax", ["r"], ["y"], axes=[1])],
-                                    [numpy_helper.from_array(np.array([-1, 24], np.int64), "rows24")], 17,
-                                    "Reshape"),
+    "reshape_rows_within_samples": (*_rows_then_max([4]), 17, None),
+    "reshape_rows_of_two_samples": (*_rows_then_max([24]), 17, "Reshape"),
     # [B, 3, 4] → [3, B, 4] → [3·B, 4] (rows position-major) → [-1, 12]: each row takes 3 samples' rows
-    "sequence_first_rows_regrouped": ([helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]),
-                                       helper.make_node("Reshape", ["t", "rows4"], ["r"]),
-                                       helper.make_node("Reshape", ["r", "rows12"], ["r2"]),
-                                       helper.make_node("ReduceMax", ["r2"], ["y"], axes=[1])],
-                                      [numpy_helper.from_array(np.array([-1, 4], np.int64), "rows4"),
-                                       numpy_helper.from_array(np.array([-1, 12], np.int64), "rows12")], 17,
-                                      "Reshape"),
-    "sequence_first_rows_halved": ([helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]),
-                                    helper.make_node("Reshape", ["t", "rows4"], ["r"]),
-                                    helper.make_node("Reshape", ["r", "rows2"], ["r2"]),
-                                    helper.make_node("ReduceMax", ["r2"], ["y"], axes=[1])],
-                                   [numpy_helper.from_array(np.array([-1, 4], np.int64), "rows4"),
-                                    numpy_helper.from_array(np.array([-1, 2], np.int64), "rows2")], 17, None),
+    "sequence_first_rows_regrouped": (*_rows_then_max([4, 12], sequence_first=True), 17, "Reshape"),
+    "sequence_first_rows_halved": (*_rows_then_max([4, 2], sequence_first=True), 17, None),
     "cumsum_over_features_axis_input": ([helper.make_node("CumSum", ["x", "two"], ["y"])],
                                         [numpy_helper.from_array(np.array(2, np.int64), "two")], 17, None),
     "cumsum_over_batch_axis_input": ([helper.make_node("CumSum", ["x", "zero"], ["y"])],
