@@ -865,3 +865,33 @@ def test_a_loop_body_reading_an_outer_sequence_is_an_error_naming_the_loop_and_s
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises(GradientError, match=r"'the_loop' \(Loop\).*outer sequence\(s\) \['seq'\]"):
         build_gradient_model(model, "loss", ["x"])
+
+
+@pytest.mark.parametrize("start", [["c"], ["c", "d"]])
+def test_an_appended_list_that_starts_with_values(start: list[str]) -> None:
+    """TorchScript's ``outs = [h]`` before a loop that appends: the start's elements get the first elements
+    of the final list's gradient (it was refused). Checked against float64 finite differences."""
+    from onnxtrain.testing import gradcheck
+
+    def vi(name: str, shape: list | None = None, t: int = T.DOUBLE) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, t, shape)
+
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["hh", "a"], ["hm"]), helper.make_node("Sin", ["hm"], ["hn"]),
+         helper.make_node("SequenceInsert", ["sq", "hn"], ["sqn"]),
+         helper.make_node("Identity", ["cnd"], ["co"])],
+        "b", [vi("i", [], T.INT64), vi("cnd", [], T.BOOL), vi("hh", [2]),
+              helper.make_tensor_sequence_value_info("sq", T.DOUBLE, None)],
+        [vi("co", [], T.BOOL), vi("hn", [2]), helper.make_tensor_sequence_value_info("sqn", T.DOUBLE, None)])
+    g = helper.make_graph(
+        [helper.make_node("SequenceConstruct", start, ["s0"]),
+         helper.make_node("Constant", [], ["M"], value=helper.make_tensor("Mv", T.INT64, [], [3])),
+         helper.make_node("Loop", ["M", "", "c", "s0"], ["hf", "sf"], body=body),
+         helper.make_node("ConcatFromSequence", ["sf"], ["cs"], axis=0),
+         helper.make_node("Mul", ["cs", "cs"], ["sq2"]),
+         helper.make_node("ReduceSum", ["sq2"], ["L"], keepdims=0)],
+        "g", [vi("a", [2]), vi("c", [2]), vi("d", [2])], [vi("L", [])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.checker.check_model(m, full_check=True)
+    feeds = {"a": np.array([0.7, -1.2]), "c": np.array([0.3, 0.9]), "d": np.array([-0.4, 0.5])}
+    gradcheck(m, "L", ["a", *start], feeds)

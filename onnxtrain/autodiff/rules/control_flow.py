@@ -108,6 +108,33 @@ def loop_grad(g: GradCtx) -> None:
     dxs, _ = back.emit(forward, [])
     for j, d in zip(floats, dxs):
         g.set_dx(2 + j, d)
+    for j in appends:  # a list that starts with values: theirs are the first elements of the gradient's
+        if g.needs_dx(2 + j) and g.dy(j) is not None:
+            g.set_dx(2 + j, _leading_elements(g, g.dy(j), g.emit("SequenceLength", node.input[2 + j]),
+                                              node.input[2 + j]))
+
+
+def _leading_elements(g: GradCtx, seq: str, count: str, like: str) -> str:
+    """The first ``count`` elements of sequence ``seq`` as a sequence (a Loop taking them one by one: the
+    elements may differ in shape); ``like``: a sequence of the same element type."""
+    names = g._bw.names
+    tp = g._bw.types.get(like)
+    et = (tp.sequence_type.elem_type.tensor_type.elem_type
+          if tp is not None and tp.HasField("sequence_type") else g.dtype)
+    i, cond, acc = names("start_i"), names("start_cond"), names("start_acc")
+    item, cond_out, acc_out = names("start_item"), names("start_cond_out"), names("start_acc_out")
+    body = helper.make_graph(
+        [helper.make_node("SequenceAt", [seq, i], [item]),
+         helper.make_node("SequenceInsert", [acc, item], [acc_out]),
+         helper.make_node("Identity", [cond], [cond_out])],
+        names("start_elements"),
+        [helper.make_tensor_value_info(i, TensorProto.INT64, []),
+         helper.make_tensor_value_info(cond, TensorProto.BOOL, []),
+         helper.make_tensor_sequence_value_info(acc, et, None)],
+        [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
+         helper.make_tensor_sequence_value_info(acc_out, et, None)])
+    empty = g.emit("SequenceEmpty", dtype=et)
+    return g.emit("Loop", count, "", empty, body=body)
 
 
 def _bag_table_grad(g: GradCtx, bag: BagLoop) -> str:
@@ -187,8 +214,6 @@ def _appended_sequences(g: GradCtx, body: onnx.GraphProto, n: int) -> dict[int, 
                 f"loop-carried sequence {seq_in!r} has no gradient: only a sequence each iteration "
                 "appends one tensor to (SequenceInsert at the end) and does nothing else with has one"
             )
-        if g.needs_dx(2 + j):
-            raise RuleError(f"the start of loop-carried sequence {seq_in!r} has no gradient yet")
         out[j] = ins[1]
     return out
 
