@@ -47,6 +47,7 @@ from onnxtrain.ir.graphs import (
     added_later,
     body_reads,
     node_reads,
+    path_to,
     rename_values,
     walk_graphs,
 )
@@ -60,11 +61,8 @@ def _read_for_the_loss(nodes: list[onnx.NodeProto], reads: list[tuple[onnx.NodeP
     """Of ``reads`` (node, input slot), those whose node the loss depends on, by the value read."""
     if not reads:
         return {}
-    ancestors = {loss}
-    for n in reversed(nodes):
-        if ancestors.intersection(n.output):
-            ancestors.update(i for i in node_reads(n) if i)
-    return {node.input[i]: (node, i) for node, i in reads if ancestors.intersection(node.output)}
+    on_path = {id(n) for n in path_to(nodes, [loss])[0]}
+    return {node.input[i]: (node, i) for node, i in reads if id(node) in on_path}
 
 
 def _refuse_uncomputed(nodes: list[onnx.NodeProto], x: str,

@@ -242,9 +242,7 @@ def _recomputed(
 
 def _ranked(types: Mapping[str, onnx.TypeProto], name: str) -> bool:
     """Whether ``name`` is a tensor of known element type and rank."""
-    t = types.get(name)
-    return (t is not None and t.HasField("tensor_type") and bool(t.tensor_type.elem_type)
-            and t.tensor_type.HasField("shape"))
+    return bool(_elem(types, name)) and types[name].tensor_type.HasField("shape")
 
 
 def boundary_value(name: str, types: Mapping[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
