@@ -190,6 +190,9 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     of :data:`EARLY_OPS` go through unchanged, standard once ``target`` reaches their opset)."""
     if model_opset(model) >= target:
         return model
+    from onnxtrain.engine.node_checks import check_nodes
+
+    check_nodes(model)  # named here, as onnxruntime refuses them: the converter's failures name no node
     old_scans = [n.name or n.op_type for g in walk_graphs(model.graph) for n in g.node
                  if n.op_type == "Scan" and n.domain in DEFAULT_DOMAINS]
     if old_scans and model_opset(model) < 9:

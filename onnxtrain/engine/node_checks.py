@@ -26,8 +26,11 @@ What the engine runs beyond the schemas is let through (``_FLOAT64_TOO``: float6
 CausalConvWithState and LinearAttention, which the float64 gradient checks of the op tables run), although
 onnxruntime refuses it.
 
-Nodes of other domains (onnxtrain's gradient ops, ``com.microsoft``, ``ai.onnx.preview.training``) and ops
-without a schema at that opset are not checked: the engine's "no kernel" error names the latter. Nodes in the
+An op of ONNX's domains used at an opset before the one that defines it (HardSwish at opset 11), or whose
+schema there is a removed form (Upsample-10, Scatter-11), is invalid, as for onnxruntime (but for
+``_EARLIER_OPS``, which it runs). Nodes of other domains (onnxtrain's gradient ops,
+``com.microsoft``, ``ai.onnx.preview.training``) and ops ONNX does not define are not checked: the engine's
+"no kernel" error names the latter. Nodes in the
 bodies of control-flow ops are checked too, named under their node, their input types with the types the body
 declares (a Loop body's inputs) and its nodes give, and those of the enclosing graphs' values that the body
 reads (the plan compiling a body gets them from the plan of its node: ``outer_types``).
@@ -47,11 +50,13 @@ from typing import NamedTuple
 import onnx
 from onnx import AttributeProto, TensorProto
 
-from onnxtrain.ir.graphs import graph_values, named_subgraphs
+from onnxtrain.ir.graphs import first_opset, graph_values, named_subgraphs
 from onnxtrain.ir.types import TENSOR_TYPE_STRINGS as _TENSOR_TYPES
 from onnxtrain.ir.types import type_string
 
-_DOMAINS = {"": "", "ai.onnx": "", "ai.onnx.ml": "ai.onnx.ml"}  # checked domain → its name in onnx.defs
+# the domains whose ops onnx.defs defines (the checked ones), by their names in nodes → their names there
+ONNX_DOMAINS = {"": "", "ai.onnx": "", "ai.onnx.ml": "ai.onnx.ml"}
+_DOMAINS = ONNX_DOMAINS
 _OPTIONAL = onnx.defs.OpSchema.FormalParameterOption.Optional
 _VARIADIC = onnx.defs.OpSchema.FormalParameterOption.Variadic
 _UNBOUNDED = 2**31 - 1  # a variadic parameter's max_input / max_output
@@ -78,6 +83,14 @@ _CONSTANT_TYPES = {"value_float": _FLOAT, "value_floats": _FLOAT, "value_int": _
 # allow float32, although onnxruntime refuses it
 _FLOAT64_TOO = frozenset({"Celu", "RotaryEmbedding", "CausalConvWithState", "LinearAttention"})
 _DOUBLE = _TENSOR_TYPES[TensorProto.DOUBLE]
+# Ops of ONNX's domain that onnxruntime runs below the opset that defines them (LayerNormalization: its own
+# kernel, registered in ONNX's domain from opset 1; ThresholdedRelu: an experimental op before opset 10): not
+# refused there, and not checked (no schema)
+_EARLIER_OPS = frozenset({"LayerNormalization", "ThresholdedRelu"})
+# Ops of ONNX's domain whose deprecated schemas (a form ONNX removed: Upsample from opset 10, Scatter from 11)
+# onnxruntime refuses; it runs the other deprecated ones (GroupNormalization-18, the ai.onnx.ml tree
+# ensembles' 5), as the engine does
+_REMOVED_FORMS = frozenset({"Upsample", "Scatter"})
 
 
 class _Typed(NamedTuple):
@@ -110,6 +123,8 @@ def _form(op_type: str, opset: int, domain: str) -> _Form | None:
         s = onnx.defs.get_schema(op_type, opset, domain)
     except onnx.defs.SchemaError:
         return None
+    if s.deprecated and domain == "" and op_type in _REMOVED_FORMS:
+        return None  # _unavailable says so
 
     def params(formals: Iterable[onnx.defs.OpSchema.FormalParameter]) -> tuple[tuple[str, bool, bool], ...]:
         return tuple((f.name, f.option in (_OPTIONAL, _VARIADIC), f.option == _VARIADIC) for f in formals)
@@ -140,6 +155,20 @@ def _form(op_type: str, opset: int, domain: str) -> _Form | None:
     return _Form(f"{s.name}-{s.since_version}", ((s.min_input, s.max_input), params(s.inputs)),
                  ((s.min_output, s.max_output), params(s.outputs)), attrs, required, typed(s.inputs),
                  variadic(s.inputs), outputs, variadic(s.outputs))
+
+
+@cache
+def _unavailable(op_type: str, opset: int, domain: str) -> str | None:
+    """Why an op ONNX defines cannot be used at ``opset`` (it comes later, or is deprecated there), as
+    onnxruntime refuses it; None otherwise (also for ops ONNX does not define, and :data:`_EARLIER_OPS`)."""
+    if domain == "" and op_type in _EARLIER_OPS:
+        return None
+    first = first_opset(op_type, domain)
+    if first > opset:
+        return f"{op_type} is not an operator of opset {opset}: ONNX added it at opset {first}"
+    if domain == "" and op_type in _REMOVED_FORMS and onnx.defs.get_schema(op_type, opset, domain).deprecated:
+        return f"{op_type} is deprecated at opset {opset} (a removed form): re-export the model"
+    return None
 
 
 def graph_types(graph: onnx.GraphProto) -> dict[str, str]:
@@ -404,12 +433,17 @@ class NodeChecker:
             form = self._forms[op, domain] = _form(op, version, domain) if version is not None else None
         return form
 
+    def _unavailable(self, node: onnx.NodeProto) -> str | None:
+        domain = _DOMAINS.get(node.domain)
+        version = self.opsets.get(domain) if domain is not None else None
+        return None if version is None else _unavailable(node.op_type, version, domain)
+
     def invalid(self, node: onnx.NodeProto, ins: Sequence[str], outs: Sequence[str]) -> bool:
         """Whether ``node`` (its input names ``ins`` and output names ``outs``) is invalid. Call it on the
         nodes in order: a valid node's output types are kept for the nodes after it."""
         form = self.form(node)
         if form is None:
-            return False
+            return self._unavailable(node) is not None
         (ilo, ihi), _ = form.inputs
         (olo, ohi), _ = form.outputs
         if ilo <= len(ins) <= ihi and olo <= len(outs) <= ohi and "" not in ins and "" not in outs:
@@ -448,6 +482,8 @@ class NodeChecker:
             why = (_problem(node, form, ins, outs) or _type_problem(form, ins, self.types)
                    or _relation_problem(node, self.types)
                    or _declared_problem(node, form, ins, outs, self.types))
+        else:
+            why = self._unavailable(node)
         if why is None:
             return None
         version = self.opsets[_DOMAINS[node.domain]]

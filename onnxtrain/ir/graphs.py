@@ -5,6 +5,7 @@ constant values by name: :func:`constant_arrays`."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from functools import cache
 
 import numpy as np
 import onnx
@@ -20,15 +21,19 @@ RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomUniform", "RandomNorma
 def added_later(node: onnx.NodeProto, opset: int) -> str:
     """", not an operator of opset M: ONNX added it at opset N" for a default-domain op that ``opset`` does
     not have yet (a model using an op before its version), else ""."""
-    if node.domain not in DEFAULT_DOMAINS or not onnx.defs.has(node.op_type):
+    if node.domain not in DEFAULT_DOMAINS:
         return ""
-    try:
-        onnx.defs.get_schema(node.op_type, opset)
-        return ""
-    except onnx.defs.SchemaError:
-        first = min(s.since_version for s in onnx.defs.get_all_schemas_with_history()
-                    if s.name == node.op_type and s.domain in DEFAULT_DOMAINS)
-        return f", not an operator of opset {opset}: ONNX added it at opset {first}"
+    first = first_opset(node.op_type)
+    return f", not an operator of opset {opset}: ONNX added it at opset {first}" if first > opset else ""
+
+
+@cache
+def first_opset(op_type: str, domain: str = "") -> int:
+    """The first opset of ``domain`` (ONNX's own: ``""``) that defines ``op_type``; 0 for an op it never
+    defines."""
+    versions = [s.since_version for s in onnx.defs.get_all_schemas_with_history()
+                if s.name == op_type and (s.domain or "") == domain]
+    return min(versions, default=0)
 
 
 def is_training_batch_norm(n: onnx.NodeProto) -> bool:

@@ -21,6 +21,7 @@ from onnxtrain import backend
 from onnxtrain.capi import onnxruntime_pybind11_state as onnxtrain_state
 from onnxtrain.engine.plan import EngineError, UnsupportedOpError
 from onnxtrain.engine.registry import available_ops
+from onnxtrain.errors import InvalidGraph
 
 W = np.arange(6, dtype=np.float32).reshape(3, 2) / 4
 B = np.array([0.5, -1.0], np.float32)
@@ -477,11 +478,16 @@ def test_op_without_kernel_names_node_and_op() -> None:
                           [helper.make_opsetid("com.example", 1)])
     with pytest.raises(UnsupportedOpError, match=r"frob_1.*com\.example\.Frobnicate"):
         onnxtrain.InferenceSession(data)
-    # a standard op that has no kernel
+    # a standard op that has no kernel (at an opset that has it, fed the type it takes)
     op = "ImageDecoder"  # no image codecs among the dependencies
     assert op not in available_ops()
-    with pytest.raises(UnsupportedOpError, match=f"my_node.*{op}"):
-        onnxtrain.InferenceSession(one_node_model(helper.make_node(op, ["x"], ["y"], name="my_node")))
+    graph = helper.make_graph([helper.make_node(op, ["x"], ["y"], name="my_node")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.UINT8, [9])],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT8, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    with pytest.raises(UnsupportedOpError, match=f"my_node.*{op}") as e:
+        onnxtrain.InferenceSession(model.SerializeToString())
+    assert not isinstance(e.value, InvalidGraph)  # onnxruntime runs it: not an invalid graph
 
 
 def test_kernel_failure_names_node() -> None:
