@@ -291,6 +291,21 @@ def test_resize_align_corners_with_unrounded_scales_warns() -> None:
     np.testing.assert_allclose(a[0], b[0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("scale", [0.3, 0.5, 0.7, 1.3])
+@pytest.mark.parametrize("mode", ["linear", "nearest"])
+def test_resize_tf_crop_and_resize_with_unrounded_scales_matches_onnxruntime(scale: float, mode: str) -> None:
+    """tf_crop_and_resize spaces positions by the output length, as the operator's text and onnxruntime (a
+    single output takes the roi's centre); it used the unrounded scaled length (scale 0.3 on 5 pixels: 1.8,
+    not 3.0)."""
+    x = np.arange(1, 11, dtype=np.float32).reshape(1, 1, 2, 5)
+    roi = np.array([0, 0, 0, 0.2, 1, 1, 1, 0.8], np.float32)
+    scales = np.array([1, 1, 1, scale], np.float32)
+    attrs = {"mode": mode, "coordinate_transformation_mode": "tf_crop_and_resize"}
+    a = _ours("Resize", [x, roi, scales], opset=11, **attrs)[0]
+    b = _ort("Resize", [x, roi, scales], opset=11, **attrs)[0]
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 def test_bad_attributes_name_the_node() -> None:
     x = np.zeros((1, 2, 5, 5), np.float32)
     w = np.zeros((3, 2, 3, 3), np.float32)

@@ -50,11 +50,13 @@ def _source_coords(mode: str, out_len: int, in_len: int, scale: float, roi: tupl
         # that nearest modes round positions such as 1.5 / 0.6 the same way
         return ((y.astype(np.float32) + np.float32(0.5)) / np.float32(scale)).astype(np.float64), None
     if mode == "tf_crop_and_resize":
+        # spaced by the output length, as the operator's text and onnxruntime (unlike align_corners, whose
+        # ONNX test data spaces by the unrounded one, ONNX's tf_crop_and_resize data is given by sizes)
         lo, hi = roi if roi is not None else (0.0, 1.0)
-        if width == 1:
+        if out_len == 1:
             x = np.full(out_len, (hi - lo) * (in_len - 1) / 2)
         else:
-            x = y * (hi - lo) * (in_len - 1) / (width - 1)
+            x = y * (hi - lo) * (in_len - 1) / (out_len - 1)
         x = x + lo * (in_len - 1)
         return x, (x < 0) | (x > in_len - 1)
     raise ValueError(f"unknown coordinate_transformation_mode {mode!r}")
