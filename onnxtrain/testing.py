@@ -80,6 +80,27 @@ def _graph_to_float64(g: onnx.GraphProto) -> None:
                 a.CopyFrom(onnx.helper.make_attribute("value", numpy_helper.from_array(value)))
             if n.op_type in _TYPED_OUTPUT_OPS and a.name in ("to", "dtype") and a.i == TensorProto.FLOAT:
                 a.i = TensorProto.DOUBLE
+    _cast_back_float_only_inputs(g)
+
+
+# op → its input that only float32 may feed (Resize's and Upsample's scales)
+_FLOAT_ONLY_INPUTS = {"Resize": 2, "Upsample": 1}
+
+
+def _cast_back_float_only_inputs(g: onnx.GraphProto) -> None:
+    """Feed the float-only inputs of ``g``'s nodes through a Cast to float32 (in place): the values that
+    fed them are float64 now, which their schemas do not allow."""
+    nodes = []
+    for n in g.node:
+        k = _FLOAT_ONLY_INPUTS.get(n.op_type, -1) if n.domain in ("", "ai.onnx") else -1
+        if 0 <= k < len(n.input) and n.input[k]:
+            cast = f"{n.input[k]}_float32_for_{n.name or n.output[0]}"
+            nodes.append(onnx.helper.make_node("Cast", [n.input[k]], [cast], to=TensorProto.FLOAT))
+            n.input[k] = cast
+        nodes.append(n)
+    if len(nodes) > len(g.node):
+        del g.node[:]
+        g.node.extend(nodes)
 
 
 def gradcheck(

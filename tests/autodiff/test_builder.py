@@ -120,6 +120,23 @@ def test_gradients_match_finite_differences_on_an_mlp() -> None:
     gradcheck(model, "loss", ["W1", "b1", "W2", "b2"], feeds)
 
 
+@pytest.mark.parametrize("opset", [9, 13])
+def test_to_float64_keeps_resize_scales_float32(opset: int) -> None:
+    """Resize's and Upsample's scales take float32 only: to_float64 made them float64 (an invalid model that
+    gradcheck could not run); they are cast back, and the gradient matches finite differences."""
+    op, ins = ("Upsample", ["x", "s"]) if opset == 9 else ("Resize", ["x", "", "s"])
+    g = helper.make_graph([helper.make_node(op, ins, ["y"], name="up", mode="linear"),
+                           helper.make_node("Mul", ["y", "y"], ["y2"]),
+                           helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0)], "g",
+                          [helper.make_tensor_value_info("x", T.FLOAT, [1, 1, 2, 3])],
+                          [helper.make_tensor_value_info("loss", T.FLOAT, [])],
+                          [numpy_helper.from_array(np.array([1, 1, 2, 1.5], np.float32), "s")])
+    model = to_float64(helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8))
+    onnx.checker.check_model(model, full_check=True)
+    x = np.random.default_rng(0).standard_normal((1, 1, 2, 3))
+    gradcheck(model, "loss", ["x"], {"x": x})
+
+
 def test_value_used_twice_gets_one_sum() -> None:
     w = numpy_helper.from_array(np.array([1.5, -2.0]), "w")
     nodes = [
