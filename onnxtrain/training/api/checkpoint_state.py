@@ -381,8 +381,7 @@ class CheckpointState:
     @raises_as_onnxruntime
     def load_checkpoint(cls, checkpoint_uri: str | os.PathLike) -> CheckpointState:
         """Load a complete or nominal checkpoint file."""
-        if not isinstance(checkpoint_uri, (str, os.PathLike)):
-            raise TypeError(f"checkpoint_uri must be a path, got {type(checkpoint_uri).__name__}")
+        checkpoint_uri = _path(checkpoint_uri)
         state = cls(_load_file(checkpoint_uri))
         state.path = os.fspath(checkpoint_uri)
         return state
@@ -401,8 +400,7 @@ class CheckpointState:
         """
         if not isinstance(state, CheckpointState):
             raise TypeError(f"state must be a CheckpointState, got {type(state).__name__}")
-        if not isinstance(checkpoint_uri, (str, os.PathLike)):
-            raise TypeError(f"checkpoint_uri must be a path, got {type(checkpoint_uri).__name__}")
+        checkpoint_uri = _path(checkpoint_uri)
         if isinstance(include_optimizer_state, (str, bytes)):  # ("no" would be true)
             raise TypeError("include_optimizer_state must be a bool, got "
                             f"{type(include_optimizer_state).__name__} {include_optimizer_state!r}")
@@ -488,3 +486,11 @@ class CheckpointState:
         if self._optimizer is None:
             self._optimizer = _OptimizerState()
         return self._optimizer
+
+
+def _path(checkpoint_uri: object) -> str:
+    """``checkpoint_uri`` as a str path: a str, an os.PathLike or bytes (onnxruntime-training's
+    ``os.fspath`` lets bytes through to its loader)."""
+    if not isinstance(checkpoint_uri, (str, bytes, os.PathLike)):
+        raise TypeError(f"checkpoint_uri must be a path, got {type(checkpoint_uri).__name__}")
+    return os.fsdecode(checkpoint_uri)

@@ -24,6 +24,12 @@ def save_checkpoint(
     writes them (it sorts nothing; only ``CheckpointState.save_checkpoint`` writes names sorted)."""
     if not isinstance(parameters, (tuple, list)) or len(parameters) != 2:
         raise BlockError("parameters must be a pair (trainable TensorProtos, frozen TensorProtos)")
+    for group in parameters:
+        names = [t.name for t in group]
+        if len(set(names)) < len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise BlockError(f"Duplicated tensor proto named {twice!r}: a checkpoint holds one value per "
+                             "parameter name")
     trainable, frozen = ({t.name: numpy_helper.to_array(t) for t in group} for group in parameters)
     _save(Checkpoint(trainable, frozen, [], {}, nominal=bool(nominal_checkpoint)), path_to_checkpoint,
           sort_parameters=False)
