@@ -168,9 +168,10 @@ def _tensor_feed(name: str, v: Any, dtype: np.dtype | None, shape: list | None) 
 
 def check_feed_shape(name: str, a: np.ndarray, shape: Sequence[int | str | None]) -> None:
     """InvalidFeed naming input ``name`` when ``a`` has not the rank of its declared ``shape`` (ints, symbolic
-    names or None) or differs from one of its fixed dims. A one-value array fed to a scalar input is taken,
-    as onnxruntime takes it (``np.array([lr])``, ``[[7]]``)."""
-    if not shape and a.size == 1:
+    names or None) or differs from one of its fixed dims (0 included). Any array fed to an input declared a
+    scalar is taken, as onnxruntime takes it (``np.array([lr])``, ``[[7]]``; several values too: the
+    graph computes with the shape fed)."""
+    if not shape:
         return
     if a.ndim != len(shape):
         raise InvalidFeed(
@@ -178,7 +179,7 @@ def check_feed_shape(name: str, a: np.ndarray, shape: Sequence[int | str | None]
             f"got rank {a.ndim} (shape {list(a.shape)})"
         )
     for k, (want, got) in enumerate(zip(shape, a.shape)):
-        if isinstance(want, int) and want > 0 and want != got:
+        if isinstance(want, int) and want >= 0 and want != got:
             raise InvalidFeed(
                 f"input {name!r}: dimension {k} must be {want}, got {got} "
                 f"(shape {list(a.shape)}, expected {shape})"
@@ -310,9 +311,7 @@ class InferenceSession:
         self._providers, self._provider_options = backend_providers(self._backend, providers,
                                                                     provider_options)
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
-        folder = _config(self._sess_options).get("session.model_external_initializers_file_folder_path")
-        supplied = getattr(self._sess_options, "_initializers", {})
-        model = with_option_overrides(load_model(path_or_bytes, folder, supplied), self._sess_options)
+        model = load_with_options(path_or_bytes, self._sess_options)
         refuse_unloadable(model)
         loaded = time.perf_counter_ns()
         arrays = supplied_arrays(model, self._sess_options)
@@ -507,6 +506,7 @@ class InferenceSession:
     def get_providers(self) -> list[str]:
         return list(self._providers)
 
+    @raises_as_onnxruntime
     def set_providers(
         self, providers: Sequence[Any] | None = None, provider_options: Sequence[dict] | None = None
     ) -> None:
@@ -676,6 +676,16 @@ def check_severity(level: Any, owner: str) -> None:
     if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or not -1 <= level <= 4:
         raise FailValueError(f"{owner}.log_severity_level must be -1 (the default logger's) or 0 (verbose) "
                              f"to 4 (fatal), got {level!r}")
+
+
+def load_with_options(path_or_bytes: str | bytes | os.PathLike | onnx.ModelProto,
+                      options: Any) -> onnx.ModelProto:
+    """The model a session of ``options`` runs: loaded (its external data from the folder of config entry
+    ``session.model_external_initializers_file_folder_path`` or from ``add_external_initializers``), with
+    the initializers and free dimensions the options override (:func:`with_option_overrides`)."""
+    folder = _config(options).get("session.model_external_initializers_file_folder_path")
+    supplied = getattr(options, "_initializers", {})
+    return with_option_overrides(load_model(path_or_bytes, folder, supplied), options)
 
 
 def with_option_overrides(model: onnx.ModelProto, options: Any) -> onnx.ModelProto:

@@ -55,7 +55,7 @@ class OrtDevice:
 def _check_device(device_type: str | Any) -> None:
     name = device_type if isinstance(device_type, str) else "cpu"
     if name.lower() != "cpu":
-        raise ValueError(f"device {name!r} is not available: onnxtrain runs on the CPU only")
+        raise FailValueError(f"device {name!r} is not available: onnxtrain runs on the CPU only")
 
 
 def _np_type(element_type: Any) -> np.dtype:
@@ -98,7 +98,10 @@ class OrtValue:
         shape: Sequence[int], element_type: Any, device_type: str = "cpu", device_id: int = 0
     ) -> OrtValue:
         _check_device(device_type)
-        return OrtValue(np.empty(tuple(shape), dtype=_np_type(element_type)))
+        dims = tuple(int(d) for d in shape)
+        if any(d < 0 for d in dims):
+            raise FailValueError(f"ortvalue_from_shape_and_type: shape {list(dims)} has a negative dimension")
+        return OrtValue(np.empty(dims, dtype=_np_type(element_type)))
 
     @property
     def _ortvalue(self) -> OrtValue:
@@ -180,7 +183,7 @@ class OrtValue:
         given as uint16 or uint8 bits); values of another width are converted."""
         src = np.asarray(data)
         if src.size != self._array.size:
-            raise ValueError(f"update_inplace: {src.size} values for an OrtValue of {self._array.size}")
+            raise FailValueError(f"update_inplace: {src.size} values for an OrtValue of {self._array.size}")
         numeric = src.dtype.kind not in "OUS" and self._array.dtype.kind not in "OUS"  # (not text)
         if numeric and src.dtype != self._array.dtype and src.dtype.itemsize == self._array.dtype.itemsize:
             src = np.ascontiguousarray(src).view(self._array.dtype)
@@ -301,7 +304,7 @@ class IOBinding:
             return
         _check_device(device_type)
         if buffer_ptr is None or element_type is None or shape is None:
-            raise ValueError(f"bind_input({name!r}): element_type, shape and buffer_ptr are required")
+            raise FailValueError(f"bind_input({name!r}): element_type, shape and buffer_ptr are required")
         self._inputs[name] = array_from_pointer(buffer_ptr, element_type, shape)
 
     def bind_ortvalue_input(self, name: str, ortvalue: OrtValue) -> None:
@@ -323,7 +326,7 @@ class IOBinding:
         self._bound.pop(name, None)
         if buffer_ptr is not None:
             if element_type is None or shape is None:
-                raise ValueError(
+                raise FailValueError(
                     f"bind_output({name!r}): element_type and shape are required with buffer_ptr"
                 )
             self._outputs[name] = array_from_pointer(buffer_ptr, element_type, shape)
@@ -337,10 +340,10 @@ class IOBinding:
         self._bound[name] = ortvalue
 
     def get_outputs(self) -> list[OrtValue]:
-        """The last run's outputs; before a run, the OrtValues bound as outputs (onnxruntime's are the
-        bound values too)."""
+        """The last run's outputs; before a run, one per bound output, as onnxruntime: the OrtValue bound,
+        the bound buffer's, or an empty one (``has_value()`` False) for an output bound by name alone."""
         if not self._results:
-            return [self._bound[n] for n in self._outputs if n in self._bound]
+            return [self._bound[n] if n in self._bound else OrtValue(a) for n, a in self._outputs.items()]
         return list(self._results)
 
     def get_outputs_as_ortvaluevector(self) -> OrtValueVector:

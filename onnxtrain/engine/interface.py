@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxtrain.errors import Fail, InvalidGraph, InvalidProtobuf, ModelNotFound, program_hint
+from onnxtrain.errors import Fail, InvalidArgument, InvalidGraph, InvalidProtobuf, ModelNotFound, program_hint
 from onnxtrain.ir.functions import expand_functions
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
@@ -35,6 +35,16 @@ class ModelParseError(EngineError, InvalidProtobuf):
 
 class UnsupportedOpError(EngineError, NotImplementedError):
     """The graph holds an op that has no kernel (yet)."""
+
+
+class UnknownOpError(UnsupportedOpError, InvalidGraph):
+    """The graph holds an op of ONNX's domains that ONNX does not define (onnxruntime's ``InvalidGraph`` at
+    load: "No Op registered")."""
+
+
+class UndefinedValueError(EngineError, InvalidArgument):
+    """A node reads a value that no earlier node, graph input or initializer gives (onnxruntime's
+    ``InvalidArgument`` at load)."""
 
 
 class InvalidNodeError(EngineError, InvalidGraph):

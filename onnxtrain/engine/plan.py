@@ -30,13 +30,20 @@ from onnxtrain.engine.interface import (  # noqa: F401  (the engine's errors, im
     ModelParseError,
     ProfileEvent,
     Terminated,
+    UndefinedValueError,
+    UnknownOpError,
     UnsupportedOpError,
     default_opset,
     load_model,
     repeats_copied,
 )
 from onnxtrain.engine.legacy_forms import legacy_form, refusal
-from onnxtrain.engine.node_checks import NodeChecker, check_nodes, checked_opsets  # noqa: F401 (re-exported)
+from onnxtrain.engine.node_checks import (  # noqa: F401 (re-exported)
+    ONNX_DOMAINS,
+    NodeChecker,
+    check_nodes,
+    checked_opsets,
+)
 from onnxtrain.engine.parallel import default_width, recording_splits, running_with, width, worker_threads
 from onnxtrain.engine.registry import (
     SUBGRAPH_OPS,
@@ -47,7 +54,7 @@ from onnxtrain.engine.registry import (
     find_kernel,
     parse_attributes,
 )
-from onnxtrain.ir.graphs import DEFAULT_DOMAINS, RANDOM_OPS, added_later
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, RANDOM_OPS, added_later, first_opset
 from onnxtrain.ir.types import TENSOR_TYPE_STRINGS
 
 
@@ -131,6 +138,7 @@ class Plan(GraphInterface):
         raw_steps: list[tuple[onnx.NodeProto, Kernel, Attrs, list[int], list[int]]] = []
         ranks = _ranks_of(model)
         missing: list[str] = []
+        unknown = False  # a missing op that ONNX does not define
         captures: dict[int, list[str]] = {}  # node index → outer values its bodies read
         domain_opsets = {o.domain: o.version for o in model.opset_import}
         for k, node in enumerate(g.node):
@@ -147,6 +155,8 @@ class Plan(GraphInterface):
                 if why:
                     raise UnsupportedOpError(refusal(node, k, self.opset, why))
             if fn is None:
+                unknown = unknown or (node.domain in ONNX_DOMAINS
+                                      and not first_opset(node.op_type, ONNX_DOMAINS[node.domain]))
                 label = repr(node.name) if node.name else f"#{k} (unnamed)"
                 missing.append(f"{label} ({node.domain + '.' if node.domain else ''}{node.op_type}"
                                f"{added_later(node, self.opset)})")
@@ -165,7 +175,7 @@ class Plan(GraphInterface):
             outs = [slot_of(n) if n else -1 for n in out_names]
             raw_steps.append((node, fn, attrs, ins, outs))
         if missing:
-            raise UnsupportedOpError(
+            raise (UnknownOpError if unknown else UnsupportedOpError)(
                 f"no kernel for node(s) {', '.join(missing)}; ops with kernels: "
                 f"{', '.join(available_ops() + available_domain_ops())}"
             )
@@ -175,7 +185,7 @@ class Plan(GraphInterface):
             for n in (name_of[s] for s in ins if s >= 0):
                 if n not in produced:
                     what = "input" if n in node.input else "value read by its body"
-                    raise EngineError(
+                    raise UndefinedValueError(
                         f"node {node.name!r} ({node.op_type}): {what} {n!r} is not produced "
                         "by any earlier node, graph input or initializer"
                     )

@@ -1,0 +1,92 @@
+"""Errors and edge feeds of the inference API as onnxruntime (run side by side, the oracle) has them: the
+exception classes a ported ``except RuntimeError`` / ``except InvalidGraph`` / ``except InvalidArgument``
+clause catches (onnxtrain raised plain ValueErrors, and Fail where onnxruntime refuses a graph or an
+argument), a declared dimension of 0 checked, several values fed to an input declared a scalar taken, and
+IOBinding's outputs before the first run."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+import onnxtrain
+from onnxtrain.capi import onnxruntime_pybind11_state as ot_state
+
+CPU = ["CPUExecutionProvider"]
+LIBS = [pytest.param(ort, id="onnxruntime"), pytest.param(onnxtrain, id="onnxtrain")]
+
+
+def _model(node: Any, x_shape: list[int | None], y_shape: list[int] | None = None) -> bytes:
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, x_shape)],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, y_shape)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    return model.SerializeToString()
+
+
+RELU = _model(helper.make_node("Relu", ["X"], ["Y"]), [2], [2])
+
+CASES: dict[str, Callable[[Any], Any]] = {
+    "update_inplace_wrong_size": lambda lib: lib.OrtValue.ortvalue_from_numpy(np.zeros(6, np.float32))
+    .update_inplace(np.ones(4, np.float32)),
+    "ortvalue_on_cuda": lambda lib: lib.OrtValue.ortvalue_from_numpy(np.zeros(2, np.float32), "cuda", 0),
+    "negative_shape": lambda lib: lib.OrtValue.ortvalue_from_shape_and_type([-1], np.float32),
+    "unknown_provider": lambda lib: lib.InferenceSession(RELU, providers=CPU).set_providers(["FooProvider"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("lib", LIBS)
+def test_api_misuse_is_a_runtime_error(lib: Any, case: str) -> None:
+    with warnings.catch_warnings(), pytest.raises(RuntimeError):
+        warnings.simplefilter("ignore")  # onnxruntime warns of the unknown provider before it raises
+        CASES[case](lib)
+
+
+LOAD_CASES = {  # model → the class of onnxruntime's error at load
+    "op_onnx_does_not_define": (_model(helper.make_node("FooBar", ["X"], ["Y"]), [2]), "InvalidGraph"),
+    "input_nothing_defines": (_model(helper.make_node("Add", ["X", "Q"], ["Y"]), [2]), "InvalidArgument"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOAD_CASES))
+def test_a_bad_graph_is_refused_with_onnxruntimes_error_class(case: str) -> None:
+    model, cls = LOAD_CASES[case]
+    with pytest.raises(getattr(ort_state, cls)):
+        ort.InferenceSession(model, providers=CPU)
+    with pytest.raises(getattr(ot_state, cls)):
+        onnxtrain.InferenceSession(model)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_declared_zero_dimension_is_checked(lib: Any) -> None:
+    s = lib.InferenceSession(_model(helper.make_node("Relu", ["X"], ["Y"]), [0, 3]), providers=CPU)
+    assert s.run(None, {"X": np.zeros((0, 3), np.float32)})[0].shape == (0, 3)
+    with pytest.raises(lib.capi.onnxruntime_pybind11_state.InvalidArgument, match="X"):
+        s.run(None, {"X": np.ones((2, 3), np.float32)})
+
+
+def test_several_values_fed_to_a_declared_scalar_run_as_onnxruntime() -> None:
+    model = _model(helper.make_node("Neg", ["X"], ["Y"]), [], [])
+    x = np.array([2.0, 3.0], np.float32)
+    want = ort.InferenceSession(model, providers=CPU).run(None, {"X": x})[0]
+    np.testing.assert_array_equal(onnxtrain.InferenceSession(model).run(None, {"X": x})[0], want)
+    np.testing.assert_array_equal(want, -x)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_outputs_bound_by_name_are_empty_values_before_a_run(lib: Any) -> None:
+    s = lib.InferenceSession(RELU, providers=CPU)
+    b = s.io_binding()
+    b.bind_cpu_input("X", np.array([-1.0, 2.0], np.float32))
+    b.bind_output("Y")
+    before = b.get_outputs()
+    assert len(before) == 1 and not before[0].has_value()
+    s.run_with_iobinding(b)
+    np.testing.assert_array_equal(b.get_outputs()[0].numpy(), [0.0, 2.0])
