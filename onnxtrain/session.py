@@ -20,7 +20,7 @@ from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.allocator import release_free_memory
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
-from onnxtrain.engine.interface import GraphInterface, InvalidNodeError, graph_interface, load_model
+from onnxtrain.engine.interface import GraphInterface, InvalidNodeError, graph_interface
 from onnxtrain.errors import InvalidFeed, program_hint, raises_as_onnxruntime
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE
@@ -31,6 +31,7 @@ from onnxtrain.inference import (
     ModelMetadata,
     NodeArg,
     end_profiling,
+    load_with_options,
     metadata_of,
     node_arg,
     optimized_model_path,
@@ -202,7 +203,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                 f"gradient_accumulation_mode must be 'legacy' or 'auto', got {p.gradient_accumulation_mode!r}"
             )
         self._start_ns = time.time_ns()
-        model = load_model(path_or_bytes)
+        model = load_with_options(path_or_bytes, self._sess_options)
         refuse_unloadable(model)
         self._loaded_ns = time.perf_counter_ns()
         if self._backend == "numpy":  # the user's nodes first: an error names them, not the training graph's

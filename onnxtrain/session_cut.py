@@ -17,13 +17,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.capi.options import RunOptions
-from onnxtrain.engine.plan import load_model
 from onnxtrain.errors import InvalidFeed, InvalidFeedType
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.clipping import norm_dtype
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE, flag_array
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo
-from onnxtrain.inference import NodeArg, check_feed_shape, node_arg
+from onnxtrain.inference import NodeArg, check_feed_shape, load_with_options, node_arg
 from onnxtrain.ir.builder import NameGen, refuse_unloadable, value_types
 from onnxtrain.ir.graphs import chain_shared_batch_norms, untie_batch_norm_statistics
 from onnxtrain.ir.types import value_info_shape
@@ -49,12 +48,11 @@ class CutModelSession(ReplicaExchange, TrainingSession):
 
     what = "this parallelism"  # names the mode in errors
 
-    @staticmethod
-    def _training_model(path_or_bytes: Any) -> onnx.ModelProto:
+    def _training_model(self, path_or_bytes: Any) -> onnx.ModelProto:
         """The model a cut session trains: loaded, at the opset the autodiff needs (a caller's proto copied,
         not edited), each BatchNormalization with running statistics of its own, as the one-process
         session's graphs have them."""
-        model = load_model(path_or_bytes)
+        model = load_with_options(path_or_bytes, self._sess_options)
         refuse_unloadable(model)
         model = upgrade_opset(model)
         if model is path_or_bytes:
