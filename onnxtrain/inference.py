@@ -662,10 +662,15 @@ def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str,
 
 def options_snapshot(options: Any) -> Any:
     """The options a session keeps: a copy of onnxtrain's (later changes do not reach the session, as in
-    onnxruntime), new defaults without any; another library's object as it is."""
+    onnxruntime), new defaults without any; another library's SessionOptions (onnxruntime's) as it is;
+    anything else a TypeError naming the argument, as onnxruntime's constructor refuses it."""
     if options is None:
         return SessionOptions()
     if not isinstance(options, SessionOptions):
+        if not all(hasattr(options, a) for a in ("graph_optimization_level", "intra_op_num_threads")):
+            raise TypeError(f"sess_options must be a SessionOptions, got {type(options).__name__}"
+                            + (" (providers go in the providers argument)" if isinstance(options, list)
+                               else ""))
         return options
     check_severity(options.log_severity_level, "SessionOptions")
     return options.snapshot()

@@ -90,3 +90,19 @@ def test_outputs_bound_by_name_are_empty_values_before_a_run(lib: Any) -> None:
     assert len(before) == 1 and not before[0].has_value()
     s.run_with_iobinding(b)
     np.testing.assert_array_equal(b.get_outputs()[0].numpy(), [0.0, 2.0])
+
+
+@pytest.mark.parametrize("bad", [["CPUExecutionProvider"], "run_options", {"intra_op_num_threads": 1}],
+                         ids=["providers_list", "run_options", "dict"])
+def test_sess_options_of_another_kind_is_a_type_error(bad: Any) -> None:
+    """A providers list passed in the place of sess_options (or RunOptions, a dict): onnxruntime's
+    constructor raises a TypeError; onnxtrain failed later on an AttributeError of the list."""
+    with pytest.raises(TypeError):
+        ort.InferenceSession(RELU, ort.RunOptions() if bad == "run_options" else bad)
+    bad = onnxtrain.RunOptions() if bad == "run_options" else bad
+    p = onnxtrain.TrainingParameters()
+    p.loss_output_name = "Y"
+    for make in (lambda: onnxtrain.InferenceSession(RELU, bad), lambda: onnxtrain.TrainingSession(RELU, p, bad)):
+        with pytest.raises(TypeError, match="sess_options must be a SessionOptions"):
+            make()
+    onnxtrain.InferenceSession(RELU, ort.SessionOptions())  # onnxruntime's own options are read as ours
