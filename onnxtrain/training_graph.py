@@ -129,7 +129,7 @@ def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, l
     inits = {t.name: t for t in model.graph.initializer}
     producer = {o: n for n in model.graph.node for o in n.output if o}
     fake_quant = fake_quant_inputs(model)  # a pair's output passes the gradient to the pair's input
-    needed, found = {loss}, set()
+    needed, found, kept = {loss}, set(), set()
     for n in reversed(model.graph.node):
         if not any(o in needed for o in n.output if o):
             continue
@@ -152,10 +152,14 @@ def discover_trainable(model: onnx.ModelProto, loss: str, immutable: dict[str, l
                     and numpy_helper.to_array(t) == np.float32(v)  # as onnxruntime: float32 to float32
                     for idx, v in immutable.get(n.op_type, ())
                 ):
+                    kept.add(name)
                     continue
                 found.add(name)
             elif name in producer:
                 needed.add(name)
+    if immutable and not kept:
+        warn(f"immutable_weights: no entry matches a float32 scalar initializer the loss depends on "
+             f"(entries {dict(immutable)}): it keeps nothing from training")
     return sorted(found)
 
 
@@ -169,6 +173,9 @@ def select_trainable(model: onnx.ModelProto, p: TrainingParameters) -> list[str]
     consumers = _consumers(model)
     wanted = p.weights_to_train
     if wanted:
+        if p.immutable_weights:
+            warn("immutable_weights has no effect when weights_to_train is given (only the discovery of "
+                 "trainable weights without weights_to_train reads it)")
         values = _graph_values(model)
         # updated by the forward pass; an optimizer step would overwrite the update. (A statistic may be an
         # Identity's output: an exporter's merged initializers, which the session gives each layer apart.)

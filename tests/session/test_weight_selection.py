@@ -284,6 +284,25 @@ def test_immutable_weights_match_float32_scalars_as_onnxruntime_did() -> None:
     np.testing.assert_allclose(s.get_state()["W"], w - LR[0] * grad, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("case", ["with_weights_to_train", "no_entry_matches", "misspelt_op"])
+def test_immutable_weights_that_keep_nothing_warn(case: str) -> None:
+    """immutable_weights is read by the discovery of trainable weights only: given with weights_to_train,
+    or with no entry matching a scalar the loss reads, it keeps nothing from training, which went unsaid
+    (the scalars trained as without it); the weights trained are the same as without it."""
+    model, _ = _scaled_square_model()
+    p = params("SGDOptimizer", enable_grad_norm_clip=False)
+    p.immutable_weights = {"Div": [(1, 8.0)]}
+    if case == "with_weights_to_train":
+        p.weights_to_train = {"W", "eight"}
+        said, trained = "has no effect when weights_to_train is given", ["W", "eight"]
+    else:
+        p.immutable_weights = {"Div": [(1, 7.0)]} if case == "no_entry_matches" else {"Dvi": [(1, 8.0)]}
+        said, trained = "no entry matches a float32 scalar initializer", ["W", "eight", "eps", "sqrt2"]
+    with pytest.warns(UserWarning, match=f"immutable_weights.*{said}"):
+        s = TrainingSession(model, p)
+    assert sorted(s.get_state()) == trained
+
+
 def test_merged_running_statistics_in_weights_to_train_are_left_out_with_a_warning() -> None:
     """torch's exporter merges a fresh BatchNorm's running statistics with its scale and bias (equal values),
     reading them through Identity nodes named after the buffers. Listed in weights_to_train, those names
