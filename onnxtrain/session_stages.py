@@ -40,6 +40,10 @@ class MicroBatching:
         if unknown:
             raise ValueError(f"sliced_tensor_names: {unknown} are not inputs of the model; inputs: {inputs}")
         self._sliced = {n: int(p.sliced_axes.get(n, 0)) for n in inputs if n in sliced}
+        unknown = sorted(set(p.sliced_schema) - set(inputs))
+        if unknown:
+            raise ValueError(f"sliced_schema: {unknown} are not inputs of the model; inputs: {inputs}")
+        self._schema = {n: [int(d) for d in shape] for n, shape in p.sliced_schema.items()}
 
     def _micro_input(self, v: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
         """A user input as one micro-batch of it: ``sliced_schema``'s shape, else the sliced axis unnamed."""
@@ -63,8 +67,16 @@ class MicroBatching:
     def _micro_feeds(self, feeds: dict[str, np.ndarray], count: int) -> list[dict[str, np.ndarray]]:
         """``feeds`` cut into ``count`` micro-batches (the sliced inputs; the others go to every one)."""
         parts: list[dict[str, np.ndarray]] = [dict(feeds) for _ in range(count)]
-        if count == 1:
-            return parts
+        if count > 1:
+            self._slice(feeds, parts, count)
+        for name, shape in self._schema.items():  # the declared micro-batch shapes, as the stages read them
+            if name in feeds and list(parts[0][name].shape) != shape:
+                raise ValueError(f"sliced_schema[{name!r}] = {shape}, but a micro-batch of {name!r} has "
+                                 f"shape {list(parts[0][name].shape)} (fed {list(np.shape(feeds[name]))}, "
+                                 f"num_pipeline_micro_batches={count})")
+        return parts
+
+    def _slice(self, feeds: dict[str, np.ndarray], parts: list[dict[str, np.ndarray]], count: int) -> None:
         for name, axis in self._sliced.items():
             a = feeds[name]
             if a.ndim == 0 or a.shape[axis] % count:
@@ -74,7 +86,6 @@ class MicroBatching:
                 )
             for k, piece in enumerate(np.split(a, count, axis=axis)):
                 parts[k][name] = np.ascontiguousarray(piece)
-        return parts
 
 
 def tied_weights(

@@ -519,6 +519,31 @@ def test_partition_refuses_cuts_out_of_order_and_a_loss_outside_the_last_stage()
         partition(mlp_model(), parse_cut_info("logits", 2), "logits")
 
 
+def test_sliced_schema_is_checked_against_the_inputs_and_the_micro_batches() -> None:
+    """sliced_schema gives a micro-batch's input shapes: a name that is no input of the model, or a shape
+    that the micro-batches do not have, is an error naming it (both were accepted and changed nothing)."""
+    from onnxtrain.session_stages import MicroBatching
+
+    model = mlp_model()  # x [N, 8], y [N]
+
+    def micro(schema: dict) -> MicroBatching:
+        m = MicroBatching()
+        m._params = TrainingParameters()
+        m._params.num_pipeline_micro_batches = 2
+        m._params.sliced_schema = schema
+        m._setup_micro_batches(model, None)
+        return m
+
+    with pytest.raises(ValueError, match=r"sliced_schema: \['nope'\] are not inputs of the model"):
+        micro({"x": [2, 8], "nope": [7]})
+    feeds = {"x": np.zeros((4, 8), np.float32), "y": np.zeros(4, np.int64)}
+    parts = micro({"x": [2, 8], "y": [2]})._micro_feeds(feeds, 2)
+    assert [p["x"].shape for p in parts] == [(2, 8), (2, 8)]
+    with pytest.raises(ValueError, match=r"sliced_schema\['x'\] = \[9, 9, 9\], but a micro-batch of 'x' "
+                                         r"has shape \[2, 8\]"):
+        micro({"x": [9, 9, 9]})._micro_feeds(feeds, 2)
+
+
 def test_pipeline_session_errors_in_one_process() -> None:
     model = mlp_model().SerializeToString()
 
