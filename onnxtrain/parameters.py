@@ -155,6 +155,9 @@ class TrainingParameters:
                     f"TrainingParameters.{name} must be a set of names, got {type(value).__name__}"
                 )
             value = set(value)
+            odd = sorted(repr(v) for v in value if not isinstance(v, str))
+            if odd:  # (as the binding's set of strings refuses them)
+                raise TypeError(f"TrainingParameters.{name} must be a set of names (str), got {', '.join(odd)}")
         elif isinstance(default, bool):
             # as the legacy binding: a bool or an integer, not a string ("False" would be true)
             if not isinstance(value, (bool, int, np.bool_, np.integer)):

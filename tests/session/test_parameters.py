@@ -65,6 +65,8 @@ def test_initial_optimizer_state_is_checked_by_name() -> None:
         ("optimizer_attributes_map", ["W1"]),
         ("immutable_weights", "W1"),
         ("weights_to_train", "W1"),
+        ("weights_to_train", {1, 2}),  # the binding's set of strings refuses them (it was taken, and the
+        ("weights_not_to_train", ["W1", 3]),  # session said "no trainable weight reaches the loss")
         ("propagate_cast_ops_allow", "Relu"),
         ("loss_output_name", 3),
     ],
