@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.converter_fixes import (
     drop_idle_pad_values,
+    drop_idle_spatial,
     flatten_old_hardmax,
     match_clip_bounds,
     restore_legacy_resizes,
@@ -207,6 +208,7 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     held = _hold_early_ops(m)
     training_bns = _drop_saved_statistics(m)
     drop_idle_pad_values(m, model_opset(model))
+    drop_idle_spatial(m, model_opset(model))
     refused = flatten_old_hardmax(m, model_opset(model))
     if refused:
         raise GradientError(f"Hardmax node(s) {refused} of opset {model_opset(model)}: gradients need "

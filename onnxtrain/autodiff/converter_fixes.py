@@ -12,6 +12,8 @@
 * Pad before opset 11 may carry a ``value`` attribute in the edge and reflect modes, where it does
   nothing; the converter keeps it on the Pad-11+ node, whose schema has no such attribute (onnx.checker and
   onnxruntime refuse the gradient graph): :func:`drop_idle_pad_values` removes it before the conversion.
+* BatchNormalization before opset 9 may say ``spatial=0``, which the converter refuses; on an (N, C)
+  input it means what ``spatial=1`` does: :func:`drop_idle_spatial` removes it there.
 * Hardmax before opset 13 takes the maximum over all dims from ``axis`` on (the input read as a matrix);
   the converter keeps the node and its axis, which at 13 means one dim: :func:`flatten_old_hardmax`
   rewrites each as Flatten, a Hardmax over the matrix's rows, and a Reshape back, before the conversion.
@@ -106,6 +108,28 @@ def drop_idle_pad_values(model: onnx.ModelProto, opset: int) -> None:
                 kept = [a for a in n.attribute if a.name != "value"]
                 del n.attribute[:]
                 n.attribute.extend(kept)
+
+
+def drop_idle_spatial(model: onnx.ModelProto, opset: int) -> None:
+    """Remove (in place) ``spatial=0`` from the BatchNormalization nodes of ``model`` at default-domain
+    ``opset`` < 9 whose input is (N, C): there it means what ``spatial=1`` does (per-channel statistics),
+    which is the one form the converter lifts. Others keep it (the converter refuses them)."""
+    if opset >= 9:
+        return
+    bns = [n for g in walk_graphs(model.graph) for n in g.node if n.op_type == "BatchNormalization"
+           and n.domain in DEFAULT_DOMAINS and any(a.name == "spatial" and a.i == 0 for a in n.attribute)]
+    if not bns:
+        return
+    inferred = onnx.shape_inference.infer_shapes(model)
+    g = inferred.graph
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*g.input, *g.value_info, *g.output)
+             if v.type.tensor_type.HasField("shape")}
+    ranks.update({t.name: len(t.dims) for t in g.initializer})
+    for n in bns:
+        if ranks.get(n.input[0]) == 2:
+            kept = [a for a in n.attribute if a.name != "spatial"]
+            del n.attribute[:]
+            n.attribute.extend(kept)
 
 
 def flatten_old_hardmax(model: onnx.ModelProto, opset: int) -> list[str]:

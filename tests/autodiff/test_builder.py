@@ -137,6 +137,23 @@ def test_to_float64_keeps_resize_scales_float32(opset: int) -> None:
     gradcheck(model, "loss", ["x"], {"x": x})
 
 
+def test_batch_norm_7_spatial_0_on_a_matrix_has_its_gradient() -> None:
+    """BatchNormalization-7 with spatial=0 on an (N, C) input (per-channel statistics, as spatial=1): the
+    gradient builder failed in onnx's converter, naming no node; checked against finite differences."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(v, k) for k, v in
+             {"sc": np.array([1.5, 0.5]), "b": np.array([0.1, -0.2]), "mean": np.array([0.3, -0.1]),
+              "var": np.array([0.8, 1.3])}.items()]
+    nodes = [helper.make_node("BatchNormalization", ["x", "sc", "b", "mean", "var"], ["y"], name="bn",
+                              epsilon=1e-3, spatial=0),
+             helper.make_node("Mul", ["y", "y"], ["y2"]),
+             helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.DOUBLE, [3, 2])],
+                          [helper.make_tensor_value_info("loss", T.DOUBLE, [])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 7)], ir_version=7)
+    gradcheck(model, "loss", ["x", "sc", "b"], {"x": rng.standard_normal((3, 2))})
+
+
 def test_value_used_twice_gets_one_sum() -> None:
     w = numpy_helper.from_array(np.array([1.5, -2.0]), "w")
     nodes = [
