@@ -157,7 +157,8 @@ class TrainingParameters:
             value = set(value)
             odd = sorted(repr(v) for v in value if not isinstance(v, str))
             if odd:  # (as the binding's set of strings refuses them)
-                raise TypeError(f"TrainingParameters.{name} must be a set of names (str), got {', '.join(odd)}")
+                raise TypeError(f"TrainingParameters.{name} must be a set of names (str), got "
+                                f"{', '.join(odd)}")
         elif isinstance(default, bool):
             # as the legacy binding: a bool or an integer, not a string ("False" would be true)
             if not isinstance(value, (bool, int, np.bool_, np.integer)):

@@ -102,7 +102,8 @@ def test_sess_options_of_another_kind_is_a_type_error(bad: Any) -> None:
     bad = onnxtrain.RunOptions() if bad == "run_options" else bad
     p = onnxtrain.TrainingParameters()
     p.loss_output_name = "Y"
-    for make in (lambda: onnxtrain.InferenceSession(RELU, bad), lambda: onnxtrain.TrainingSession(RELU, p, bad)):
+    makers = (lambda: onnxtrain.InferenceSession(RELU, bad), lambda: onnxtrain.TrainingSession(RELU, p, bad))
+    for make in makers:
         with pytest.raises(TypeError, match="sess_options must be a SessionOptions"):
             make()
     onnxtrain.InferenceSession(RELU, ort.SessionOptions())  # onnxruntime's own options are read as ours
