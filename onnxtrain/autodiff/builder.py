@@ -67,9 +67,10 @@ def _read_for_the_loss(nodes: list[onnx.NodeProto], reads: list[tuple[onnx.NodeP
 
 
 def _refuse_uncomputed(nodes: list[onnx.NodeProto], x: str,
-                       uncomputed: dict[str, tuple[onnx.NodeProto, int]]) -> None:
-    """GradientError when ``x``, which got no gradient, reaches the loss through an input whose gradient the
-    rules do not compute though it is not zero (a loss's class weights): zeros would be wrong numbers."""
+                       uncomputed: dict[str, tuple[onnx.NodeProto, int]], only: bool = True) -> None:
+    """GradientError when ``x`` reaches the loss through an input whose gradient the rules do not compute
+    though it is not zero (a loss's class weights): zeros (``only``: x got no gradient otherwise), or the
+    part of the other paths alone, would be wrong numbers."""
     if not uncomputed:
         return
     reach = {x}
@@ -79,10 +80,14 @@ def _refuse_uncomputed(nodes: list[onnx.NodeProto], x: str,
     hit = next((v for v in uncomputed if v in reach), None)
     if hit is not None:
         node, i = uncomputed[hit]
-        raise GradientError(
-            f"{x!r} reaches the loss only through input {i} ({hit!r}) of node {node.name!r} "
-            f"({node.op_type}), whose gradient onnxtrain does not compute: leave it out of the gradient's "
-            "inputs (keep it fixed)")
+        where = (f"input {i} ({hit!r}) of node {node.name!r} ({node.op_type}), whose gradient onnxtrain "
+                 "does not compute")
+        if only:
+            raise GradientError(f"{x!r} reaches the loss only through {where}: leave it out of the "
+                                "gradient's inputs (keep it fixed)")
+        raise GradientError(f"{x!r} reaches the loss also through {where}: its gradient would lack that "
+                            "part; keep that input constant (torch: detach what feeds it) or leave it out of "
+                            "the gradient's inputs")
 
 
 def blocked_by(nodes: list[onnx.NodeProto], x: str, loss: str) -> str:
@@ -679,7 +684,9 @@ def build_gradient_model(
                                     "gradient flows back to it")
             zero = numpy_helper.from_array(_zeros(elem_type(bw.types, x) or TensorProto.FLOAT))
             tail.emit("ConstantOfShape", [bw.shape_of(x)], [gname], value=zero)
-        elif d != gname:
+        else:
+            _refuse_uncomputed(bw.fwd_nodes, x, uncomputed, only=False)
+        if d is not None and d != gname:
             if d in produced_by_backward and d not in renames and d not in (loss, *wrt):
                 renames[d] = gname  # name the last gradient node's output <x>_grad directly
             else:

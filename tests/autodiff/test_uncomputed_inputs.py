@@ -73,3 +73,19 @@ def test_an_uncomputed_input_off_the_losss_path_keeps_its_zeros() -> None:
     got = dict(zip([o.name for o in g.graph.output], run_engine(g, feeds)))
     np.testing.assert_array_equal(got["W_grad"], np.zeros(4))
     np.testing.assert_array_equal(got["S_grad"], np.ones((3, 4)))
+
+
+def test_a_value_reaching_the_loss_also_through_a_class_weight_is_refused() -> None:
+    """``P`` feeds the scores and, through Abs, the class weights: its gradient would hold the scores'
+    part alone, which went unsaid; it is an error naming the node."""
+    nodes = [helper.make_node("Mul", ["S", "P"], ["S2"]),
+             helper.make_node("Abs", ["P"], ["W"]),
+             helper.make_node("SoftmaxCrossEntropyLoss", ["S2", "L", "W"], ["loss"], reduction="sum",
+                              name="the_loss")]
+    m = _model(nodes, {"S": [3, 4], "P": [4]}, LABELS)
+    feeds = {"S": np.random.default_rng(0).standard_normal((3, 4)), "P": np.array([0.5, 1.0, 1.5, 2.0])}
+    g = build_gradient_model(m, "loss", ["S"])  # without P: as before
+    onnx.checker.check_model(g, full_check=True)
+    with pytest.raises(GradientError, match=r"'P' reaches the loss also through input 2 \('W'\) of node "
+                                            r"'the_loss' \(SoftmaxCrossEntropyLoss\)"):
+        build_gradient_model(m, "loss", ["S", "P"])
