@@ -29,6 +29,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
+from onnxtrain.autodiff.rules.body_draws import find_draws, read_draws
 from onnxtrain.autodiff.rules.sequence import zeros_like_elements
 from onnxtrain.ir.bag_loops import BagLoop, match_bag_loop
 from onnxtrain.ir.builder import FLOAT_TYPES, elem_type, model_opset
@@ -45,15 +46,16 @@ def if_grad(g: GradCtx) -> None:
     label = g.node.name or "If"
     branches = {}
     dy_local = [_for_body(g, g.dy(i)) for i in range(g.n_outputs)]
+    recomputed, binds = _if_draws(g, label)
     for key in ("then_branch", "else_branch"):
-        branch = g.attr(key)
+        branch = recomputed[key]
         reads = set(captured_names(branch))
         dys: dict[str, str] = {}
         for o, d in zip(branch.output, dy_local):  # a value the branch outputs twice: the sum of both
             if d is not None:
                 dys[o.name] = g.emit("Add", dys[o.name], d) if o.name in dys else d
         wrt = [c for c in wanted if c in reads]
-        nodes, inits, grads = _differentiate(g, branch, wrt, dys, {}, f"{label}_Grad_{key}")
+        nodes, inits, grads = _differentiate(g, branch, wrt, dys, binds[key], f"{label}_Grad_{key}")
         outputs = []
         for c in wanted:
             if c not in grads:  # the branch does not read c: its gradient is zero here
@@ -63,6 +65,30 @@ def if_grad(g: GradCtx) -> None:
     outs = [g.w.names(f"{c}_grad_{label}") for c in wanted]
     g.w.nodes.append(helper.make_node("If", [g.x(0)], outs, name=g.w.names(f"{label}_Grad"), **branches))
     g.body_dxs.update(zip(wanted, outs))
+
+
+def _if_draws(g: GradCtx, label: str) -> tuple[dict[str, onnx.GraphProto], dict[str, dict[str, str]]]:
+    """The branches to recompute, each reading what its random nodes drew from outputs the forward If
+    now gives (the other branch gives an empty value there), and the bindings of those reads."""
+    bw = g._bw
+    graphs = {a.name: a.g for a in g.node.attribute if a.name in ("then_branch", "else_branch")}
+    draws = {key: find_draws(g, graphs[key], f"If {label!r}") for key in graphs}
+    copies = {key: onnx.GraphProto() for key in graphs}
+    for key, copy in copies.items():
+        copy.CopyFrom(graphs[key])
+    binds: dict[str, dict[str, str]] = {key: {} for key in graphs}
+    for key, other in (("then_branch", "else_branch"), ("else_branch", "then_branch")):
+        names = read_draws(copies[key], draws[key], bw.names(f"{label}_{key}_draws") + "/")
+        for d, name in zip(draws[key], names):
+            empty = bw.names(f"{label}_no_draw")
+            dtype = helper.tensor_dtype_to_np_dtype(d.type.tensor_type.elem_type)
+            graphs[other].node.append(helper.make_node("Constant", [], [empty],
+                                                       value=numpy_helper.from_array(np.zeros(0, dtype))))
+            graphs[key].output.append(helper.make_value_info(d.value, d.type))
+            graphs[other].output.append(helper.make_value_info(empty, d.type))
+            g.node.output.append(bw.names(f"{label}_drawn"))
+            binds[key][name] = g.node.output[-1]
+    return copies, binds
 
 
 @gradient("Loop", uses=("x*",), stop=(0, 1))
@@ -82,18 +108,21 @@ def loop_grad(g: GradCtx) -> None:
     floats = [j for j in tensors if types[j].tensor_type.elem_type in FLOAT_TYPES]
     if not g.body_wrt and not any(g.needs_dx(2 + j) for j in floats):
         return
+    label = node.name or "Loop"
+    draws = find_draws(g, body, f"Loop {label!r}")
     forward = onnx.GraphProto()
     forward.CopyFrom(body)
     for j, v in appends.items():  # differentiate the appended tensor, not the sequence
         del forward.node[[k for k, nd in enumerate(forward.node) if body.output[1 + j].name in nd.output][0]]
         forward.output[1 + j].CopyFrom(helper.make_empty_tensor_value_info(v))
-    label = node.name or "Loop"
-    stashed = _stash(g, body, [(formal[2 + j], types[j]) for j in tensors], label, iterations=True)
+    drawn = read_draws(forward, draws, g._bw.names(f"{label}_draws") + "/")
+    kept = [(formal[2 + j], types[j]) for j in tensors] + [(d.value, d.type) for d in draws]
+    stashed = _stash(g, body, kept, label, iterations=True)
     back = _ReverseLoop(g, label, g.emit("Size", stashed[-1]))
     back.bind(formal[0], back.idx)
     back.bind(formal[1], back.true)
-    for j, st in zip(tensors, stashed):
-        back.bind(formal[2 + j], back.gather(st, back.idx, 0))
+    for name, st in zip([formal[2 + j] for j in tensors] + drawn, stashed):
+        back.bind(name, back.gather(st, back.idx, 0))
     for j in floats:
         back.carry(
             formal[2 + j], forward.output[1 + j].name, types[j], g.dy(j) or g.zeros_like(node.input[2 + j])
@@ -238,19 +267,22 @@ def scan_grad(g: GradCtx) -> None:
     ranks = [g.rank(node.input[n + q]) for q in range(m)]
     if any(r is None for r in ranks) or any(g.rank(o, output=True) is None for o in range(n, n + k)):
         raise RuleError("the ranks of the scan inputs and outputs must be known")
+    label = node.name or "Scan"
+    draws = find_draws(g, body, f"Scan {label!r}")
     forward = onnx.GraphProto()
     forward.CopyFrom(body)
-    label = node.name or "Scan"
-    stashed = _stash(g, body, [(formal[j], state_types[j]) for j in range(n)], label, iterations=False)
-    for attr_name, count in (("scan_output_axes", n), ("scan_output_directions", n)):
+    drawn = read_draws(forward, draws, g._bw.names(f"{label}_draws") + "/")
+    kept = [(formal[j], state_types[j]) for j in range(n)] + [(d.value, d.type) for d in draws]
+    stashed = _stash(g, body, kept, label, iterations=False)
+    for attr_name in ("scan_output_axes", "scan_output_directions"):
         a = next((a for a in node.attribute if a.name == attr_name), None)
         if a is not None:
-            a.ints.extend([0] * count)
+            a.ints.extend([0] * len(kept))
     axis0 = in_axes[0] % ranks[0]
     total = g.shape_entry(g.emit("Shape", node.input[n]), axis0)
     back = _ReverseLoop(g, label, total)
-    for j in range(n):
-        back.bind(formal[j], back.gather(stashed[j], back.idx, 0))
+    for name, st in zip(formal[:n] + drawn, stashed):
+        back.bind(name, back.gather(st, back.idx, 0))
     for q in range(m):
         pos = back.idx if not in_dirs[q] else back.mirror
         back.bind(formal[n + q], back.gather(node.input[n + q], pos, in_axes[q] % ranks[q]))
@@ -295,6 +327,7 @@ def sequence_map_grad(g: GradCtx) -> None:
     sequence it outputs; a tensor input's, and an outer value's, the sum over the elements."""
     node, bw = g.node, g._bw
     body = next(a for a in node.attribute if a.name == "body").g
+    find_draws(g, body, f"SequenceMap {node.name!r}", stacked=False)
     formal = [v.name for v in body.input]
     is_seq = [_is_sequence(g, name) for name in node.input]
     wanted_in = [j for j in range(len(node.input)) if g.needs_dx(j)]
