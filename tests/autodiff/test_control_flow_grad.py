@@ -850,14 +850,14 @@ def test_a_loop_body_reading_an_outer_sequence_is_an_error_naming_the_loop_and_s
          helper.make_node("Identity", ["cond"], ["cond_out"])],
         "body",
         [helper.make_tensor_value_info("i", TensorProto.INT64, []),
-         helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
-        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("cond", T.BOOL, [])],
+        [helper.make_tensor_value_info("cond_out", T.BOOL, []),
          helper.make_tensor_value_info("sq", TensorProto.FLOAT, [4])])
     nodes = [helper.make_node("SplitToSequence", ["x"], ["seq"], axis=0, keepdims=0),
              helper.make_node("Constant", [], ["n"],
                               value=helper.make_tensor("n", TensorProto.INT64, [], [3])),
              helper.make_node("Constant", [], ["t"],
-                              value=helper.make_tensor("t", TensorProto.BOOL, [], [True])),
+                              value=helper.make_tensor("t", T.BOOL, [], [True])),
              helper.make_node("Loop", ["n", "t"], ["rows"], name="the_loop", body=body),
              helper.make_node("ReduceSum", ["rows"], ["loss"], keepdims=0)]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["a", 4])],
@@ -895,3 +895,27 @@ def test_an_appended_list_that_starts_with_values(start: list[str]) -> None:
     onnx.checker.check_model(m, full_check=True)
     feeds = {"a": np.array([0.7, -1.2]), "c": np.array([0.3, 0.9]), "d": np.array([-0.4, 0.5])}
     gradcheck(m, "L", ["a", *start], feeds)
+
+
+def test_an_outer_optional_read_by_a_body_is_refused_by_name() -> None:
+    """An If branch reading an outer optional value (the other branch not): the gradient graph took the
+    Shape of the optional (onnx.checker, onnxruntime and the engine refused it); now an error naming the
+    node and the value, as for an outer sequence read by a loop body."""
+    vi = helper.make_tensor_value_info
+    then_g = helper.make_graph([helper.make_node("OptionalGetElement", ["opt"], ["v"]),
+                                helper.make_node("Mul", ["v", "W"], ["vw"])], "t", [],
+                               [vi("vw", T.DOUBLE, [3])])
+    else_g = helper.make_graph([helper.make_node("Identity", ["W"], ["wi"])], "e", [],
+                               [vi("wi", T.DOUBLE, [3])])
+    nodes = [helper.make_node("Optional", ["x"], ["opt"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g, name="branch"),
+             helper.make_node("ReduceSumSquare", ["y"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "g", [vi("c", T.BOOL, []), vi("x", T.DOUBLE, [3])],
+                          [vi("loss", T.DOUBLE, [])],
+                          [numpy_helper.from_array(np.array([0.5, -1.0, 2.0]), "W")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    with pytest.raises(GradientError, match=r"node 'branch' \(If\): the If's body reads outer optional "
+                                            r"value\(s\) \['opt'\]"):
+        build_gradient_model(model, "loss", ["W", "x"])
+    onnx.checker.check_model(build_gradient_model(model, "loss", ["W"]), full_check=True)  # W alone: fine

@@ -43,6 +43,7 @@ def if_grad(g: GradCtx) -> None:
     wanted = g.body_wrt
     if not wanted:
         return
+    _refuse_outer_optionals(g, wanted, "If")
     label = g.node.name or "If"
     branches = {}
     dy_local = [_for_body(g, g.dy(i)) for i in range(g.n_outputs)]
@@ -89,6 +90,16 @@ def _if_draws(g: GradCtx, label: str) -> tuple[dict[str, onnx.GraphProto], dict[
             g.node.output.append(bw.names(f"{label}_drawn"))
             binds[key][name] = g.node.output[-1]
     return copies, binds
+
+
+def _refuse_outer_optionals(g: GradCtx, wanted: list[str], what: str) -> None:
+    """RuleError naming the optional values of ``wanted`` (outer values a body reads that want gradients):
+    their zeros and sums, which a body that leaves one unread or a loop needs, are not built."""
+    opts = [c for c in wanted if (tp := g._bw.types.get(c)) is not None and tp.HasField("optional_type")]
+    if opts:
+        raise RuleError(f"the {what}'s body reads outer optional value(s) {opts}, whose gradients through it "
+                        "are not supported; take the element out (OptionalGetElement) before the "
+                        f"{what}, or keep what the optional holds fixed")
 
 
 @gradient("Loop", uses=("x*",), stop=(0, 1))
@@ -477,6 +488,7 @@ class _ReverseLoop:
             raise RuleError(f"the loop body reads outer sequence(s) {seqs}, whose gradients through the "
                             "loop are not supported; export with static shapes (torch then writes no loop "
                             "here) or index the sequence outside the loop")
+        _refuse_outer_optionals(g, wanted, "loop")
         acc = {formal: f"{pre}d{i}" for i, (formal, *_) in enumerate(self.carried)}
         acc_c = {c: f"{pre}dc{i}" for i, c in enumerate(wanted)}
         dys: dict[str, str] = {}
