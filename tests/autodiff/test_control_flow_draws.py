@@ -89,7 +89,8 @@ def test_the_gradient_follows_the_forward_draws(kind: str, op: str) -> None:
     onnx.checker.check_model(grad_model, full_check=True)
     w = numpy_helper.to_array(_inits()[0])
     data = grad_model.SerializeToString()
-    sessions = (onnxtrain.InferenceSession(data), ort.InferenceSession(data, providers=["CPUExecutionProvider"]))
+    sessions = (onnxtrain.InferenceSession(data),
+                ort.InferenceSession(data, providers=["CPUExecutionProvider"]))
     for session in sessions:
         for _ in range(3):
             loss, grad = session.run(["loss", "W_grad"], FEEDS[kind])

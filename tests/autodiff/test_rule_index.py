@@ -30,7 +30,7 @@ def test_index_lists_exactly_what_each_module_registers():
 def test_every_rule_module_is_listed_or_registers_nothing():
     registry.ops_with_rules()
     helpers = {m.name for m in pkgutil.iter_modules(rules.__path__)} - set(rules.MODULES)
-    assert helpers == {"rnn_loop", "rnn_unroll"}  # helpers of the RNN rules
+    assert helpers == {"rnn_loop", "rnn_unroll", "body_draws"}  # helpers of the RNN and control-flow rules
     for name in helpers:
         assert not any(PACKAGE + "." + name in ms for ms in registry._ORIGINS.values()), name
 

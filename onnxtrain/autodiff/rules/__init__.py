@@ -4,8 +4,8 @@
 ``MODULES`` names the ops that each module registers something for (a rule, a variant or a declaration
 that the op has no gradient), so that the registry imports only the modules of the ops a graph holds:
 a LeNet training graph imports 9 of the 20 modules listed (peak RSS of a session: see the registry's
-docstring). The modules that only hold helpers of the RNN rules (``rnn_loop``, ``rnn_unroll``) are not
-listed.
+docstring). The modules that only hold helpers of the RNN rules (``rnn_loop``, ``rnn_unroll``) and of the
+control-flow rules (``body_draws``) are not listed.
 ``tests/autodiff/test_rule_index.py`` checks the table against what the modules register.
 """
 
