@@ -171,6 +171,15 @@ class GradCtx:
         outs = self.w.emit(op, inputs, outputs, **attrs)
         return outs[0] if outputs == 1 else outs
 
+    def in_float32(self, op: str, *inputs: str, **attrs: Any) -> str:
+        """``op`` on ``inputs`` (all of the node's float type), computed in float32 when that type is
+        bfloat16, which ONNX does not define the op for (Einsum; Conv and EyeLike before opset 22): the
+        inputs cast to float32, the output cast back. Otherwise as :meth:`emit`."""
+        if self.dtype != TensorProto.BFLOAT16:
+            return self.emit(op, *inputs, **attrs)
+        wide = [self.emit("Cast", x, to=TensorProto.FLOAT) for x in inputs]
+        return self.emit("Cast", self.emit(op, *wide, **attrs), to=TensorProto.BFLOAT16)
+
     def const(self, value: Any, elem: int | None = None) -> str:
         """A Constant of the node's float type (or ``elem``)."""
         return self.w.const(value, self.dtype if elem is None else elem)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from onnx import TensorProto
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
@@ -460,14 +461,19 @@ def col2im_grad(g: GradCtx) -> None:
     else:
         shape = g.emit("Concat", g.ints([-1, 1]), g.x(1), axis=0)
     dy = g.emit("Reshape", g.dy(0), shape)
+    bf16 = g.dtype == TensorProto.BFLOAT16 and g.opset < 22
     if block is not None:
         b = [int(v) for v in np.asarray(block).reshape(-1)]
         k = int(np.prod(b))
         w = g.const(np.eye(k).reshape(k, 1, *b))
     else:
         k = g.emit("ReduceProd", g.x(2), keepdims=1)  # (1,)
-        eye = g.emit("EyeLike", g.emit("ConstantOfShape", g.emit("Concat", k, k, axis=0)), dtype=g.dtype)
+        eye = g.emit("EyeLike", g.emit("ConstantOfShape", g.emit("Concat", k, k, axis=0)),
+                     dtype=TensorProto.FLOAT if bf16 else g.dtype)  # (no bfloat16 EyeLike before opset 22)
         w = g.emit("Reshape", eye, g.emit("Concat", k, g.ints([1]), g.x(2), axis=0))
-    cols = g.emit("Conv", dy, w, **_attrs(strides=g.attr("strides"), pads=g.attr("pads"),
-                                          dilations=g.attr("dilations")))
+        if bf16:
+            w = g.emit("Cast", w, to=g.dtype)
+    conv = g.in_float32 if bf16 else g.emit  # (no bfloat16 Conv before opset 22)
+    cols = conv("Conv", dy, w, **_attrs(strides=g.attr("strides"), pads=g.attr("pads"),
+                                        dilations=g.attr("dilations")))
     g.set_dx(0, g.emit("Reshape", cols, g.shape(0)))

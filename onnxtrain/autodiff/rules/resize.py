@@ -99,7 +99,9 @@ def resize_grad(g: GradCtx) -> None:
         # axis resize along axis 0, giving Mᵀ (m, n) and dX = dY·Mᵀ; otherwise M (n, m), dX = M·dY
         along = 0 if a == r - 1 else 1
         nn = _vector(g, [n_t, n_t], TensorProto.INT64)
-        zero = numpy_helper.from_array(np.zeros(1, dtype=tensor_dtype_to_np_dtype(g.dtype)))
+        # the matrix in float32 for bfloat16 (EyeLike has no bfloat16 form before opset 22), cast after
+        wide = TensorProto.FLOAT if g.dtype == TensorProto.BFLOAT16 else g.dtype
+        zero = numpy_helper.from_array(np.zeros(1, dtype=tensor_dtype_to_np_dtype(wide)))
         eye = g.emit("EyeLike", g.emit("ConstantOfShape", nn, value=zero))
         roi_in = ""
         if ctm == "tf_crop_and_resize":
@@ -112,6 +114,8 @@ def resize_grad(g: GradCtx) -> None:
         else:
             sz = _vector(g, [s, n_t] if along == 0 else [n_t, s], TensorProto.INT64)
             m = g.emit("Resize", eye, roi_in, "", sz, **attrs)
+        if wide != g.dtype:
+            m = g.emit("Cast", m, to=g.dtype)
         if a == r - 1:
             d = g.emit("MatMul", d, m)  # (…, m)·(m, n)
         elif a == r - 2:
@@ -119,7 +123,7 @@ def resize_grad(g: GradCtx) -> None:
         else:
             letters = "abcdefghijklmnopqrstuvwxy"[:r]
             out = letters[:a] + "z" + letters[a + 1:]
-            d = g.emit("Einsum", d, m, equation=f"{letters},z{letters[a]}->{out}")
+            d = g.in_float32("Einsum", d, m, equation=f"{letters},z{letters[a]}->{out}")
     g.set_dx(0, d)
 
 
@@ -147,6 +151,6 @@ def _keep_aspect_ratio_grad(g: GradCtx, xs: list[int | None], roi: _Param, sizes
         else:
             letters = "abcdefghijklmnopqrstuvwxy"[:r]
             out = letters[:a] + "z" + letters[a + 1:]
-            d = g.emit("Einsum", d, g.const(np.ascontiguousarray(mat.T)),
-                       equation=f"{letters},z{letters[a]}->{out}")
+            d = g.in_float32("Einsum", d, g.const(np.ascontiguousarray(mat.T)),
+                             equation=f"{letters},z{letters[a]}->{out}")
     g.set_dx(0, d)

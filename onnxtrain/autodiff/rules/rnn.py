@@ -274,8 +274,8 @@ def gru_grad(g: GradCtx) -> None:
         # R_zr sees h_prev, R_h sees r·h_prev
         dr = u.e(
             "Concat",
-            u.e("Einsum", dzr, hprev, equation="dtbg,dtbh->dgh"),
-            u.e("Einsum", dah, rh, equation="dtbg,dtbh->dgh"),
+            g.in_float32("Einsum", dzr, hprev, equation="dtbg,dtbh->dgh"),
+            g.in_float32("Einsum", dah, rh, equation="dtbg,dtbh->dgh"),
             axis=1,
         )
     u.finish(dgx, dgx, xw, hprev, u.add(rec, u.frozen(ds_, 0)) if need_dh0 and not loop else None, dr=dr)

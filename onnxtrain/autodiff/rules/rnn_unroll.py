@@ -380,10 +380,10 @@ class Unroll:
                 g.set_dx(2, dr_)
         else:
             if g.needs_dx(1):
-                g.set_dx(1, self.e("Einsum", dgx, xw, equation="dtbg,dtbi->dgi"))  # dW = Σ_t,b dGᵀ·x
+                g.set_dx(1, g.in_float32("Einsum", dgx, xw, equation="dtbg,dtbi->dgi"))  # dW = Σ_t,b dGᵀ·x
             if g.needs_dx(2):
                 # dR = Σ dGᵀ·h_prev
-                g.set_dx(2, dr or self.e("Einsum", dgh, hprev, equation="dtbg,dtbh->dgh"))
+                g.set_dx(2, dr or g.in_float32("Einsum", dgh, hprev, equation="dtbg,dtbh->dgh"))
         if g.has_x(3) and g.needs_dx(3):
             sx = g.reduce("ReduceSum", dgx, [1, 2], keepdims=0)
             sh = sx if dgh == dgx else g.reduce("ReduceSum", dgh, [1, 2], keepdims=0)
