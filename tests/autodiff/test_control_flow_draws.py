@@ -41,12 +41,16 @@ def _drawing(op: str, x: str, out: str) -> list[onnx.NodeProto]:
 
 def _loop(op: str) -> onnx.ModelProto:
     """h ← h + draw(x·W) over N iterations; loss = Σ h."""
+    return _loop_of([helper.make_node("Mul", ["x", "W"], ["xw"]), *_drawing(op, "xw", "d")], "loop")
+
+
+def _loop_of(step: list[onnx.NodeProto], name: str) -> onnx.ModelProto:
+    """h ← h + d over N iterations, ``step`` computing d; loss = Σ h."""
     body = helper.make_graph(
-        [helper.make_node("Mul", ["x", "W"], ["xw"]), *_drawing(op, "xw", "d"),
-         helper.make_node("Add", ["h", "d"], ["hn"]), helper.make_node("Identity", ["c"], ["cn"])],
+        [*step, helper.make_node("Add", ["h", "d"], ["hn"]), helper.make_node("Identity", ["c"], ["cn"])],
         "b", [vi("i", T.INT64, []), vi("c", T.BOOL, []), vi("h", D, [N])],
         [vi("cn", T.BOOL, []), vi("hn", D, [N])])
-    nodes = [helper.make_node("Loop", ["K", "", "h0"], ["hf"], body=body, name="loop"),
+    nodes = [helper.make_node("Loop", ["K", "", "h0"], ["hf"], body=body, name=name),
              helper.make_node("ReduceSum", ["hf"], ["loss"], keepdims=0)]
     g = helper.make_graph(nodes, "g", [vi("K", T.INT64, []), vi("x", D, [N]), vi("h0", D, [N])],
                           [vi("loss", D, [])], _inits())
@@ -115,15 +119,7 @@ def test_a_draw_in_a_nested_body_is_refused_by_name() -> None:
     inner = helper.make_graph([helper.make_node("Mul", ["x", "W"], ["xw"]), *_drawing("Dropout", "xw", "d")],
                               "t", [], [vi("d", D, [N])])
     plain = helper.make_graph([helper.make_node("Mul", ["x", "W"], ["e"])], "e", [], [vi("e", D, [N])])
-    body = helper.make_graph(
-        [helper.make_node("If", ["c"], ["y"], then_branch=inner, else_branch=plain, name="inner_if"),
-         helper.make_node("Add", ["h", "y"], ["hn"]), helper.make_node("Identity", ["c"], ["cn"])],
-        "b", [vi("i", T.INT64, []), vi("c", T.BOOL, []), vi("h", D, [N])],
-        [vi("cn", T.BOOL, []), vi("hn", D, [N])])
-    nodes = [helper.make_node("Loop", ["K", "", "h0"], ["hf"], body=body, name="outer"),
-             helper.make_node("ReduceSum", ["hf"], ["loss"], keepdims=0)]
-    g = helper.make_graph(nodes, "g", [vi("K", T.INT64, []), vi("x", D, [N]), vi("h0", D, [N])],
-                          [vi("loss", D, [])], _inits())
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    step = [helper.make_node("If", ["c"], ["d"], then_branch=inner, else_branch=plain, name="inner_if")]
+    model = _loop_of(step, "outer")
     with pytest.raises(GradientError, match=r"Dropout node 'drop' draws in a body nested in Loop 'outer'"):
         build_gradient_model(model, "loss", ["W"])
