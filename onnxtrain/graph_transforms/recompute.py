@@ -129,6 +129,17 @@ class _Forward:
                 act.update(o for o in n.output if o)
         return act
 
+    def weight_fed(self) -> set[str]:
+        """Forward values that a weight feeds: a float initializer of more than one value (not a scalar
+        constant), or a graph input holding a parameter."""
+        fed = {n for n, t in self.initializers.items()
+               if t.data_type in FLOAT_TYPES and int(np.prod(t.dims)) > 1}
+        fed |= self.weights
+        for n in self.nodes[: self.boundary]:
+            if any(i in fed for i in n.input if i):
+                fed.update(o for o in n.output if o)
+        return fed
+
     def dropout_rebuild(self, n: onnx.NodeProto) -> tuple[str, Any] | None:
         """How a Dropout's output can be rebuilt: ("identity", None) in inference form, ("mask", (scale,
         training_mode or None)) in training form with a saved mask and a fixed ratio, else None."""
@@ -443,7 +454,9 @@ def _dominator_chain(fa: _Forward, act: set[str]) -> list[str]:
 def find_transformer_layers(model: onnx.ModelProto, loss: str) -> list[tuple[str, str, set[str]]]:
     """The transformer layers of a gradient graph: (start value, end value, activations inside), in order."""
     fa = model if isinstance(model, _Forward) else _Forward(model, loss)
-    act = fa.activations()
+    # values no weight feeds (a BERT's attention-mask bias, made from an input alone) join every layer from
+    # the side: in the analysis, no layer's output would dominate the loss
+    act = fa.activations() & fa.weight_fed()
     chain = _dominator_chain(fa, act)
     if len(chain) < 3:
         return []
