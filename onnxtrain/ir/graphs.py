@@ -9,7 +9,7 @@ from functools import cache
 
 import numpy as np
 import onnx
-from onnx import AttributeProto, numpy_helper
+from onnx import AttributeProto, helper, numpy_helper
 
 DEFAULT_DOMAINS = ("", "ai.onnx")  # the two names of ONNX's own operator domain
 
@@ -64,6 +64,32 @@ def inference_batch_norms(model: onnx.ModelProto) -> onnx.ModelProto:
     for k in found:
         del out.graph.node[k].output[1:]
     return out
+
+
+def inference_mode(graph: onnx.GraphProto) -> None:
+    """Put ``graph``'s Dropout and BatchNormalization nodes, those of the bodies nested in it too, in
+    inference mode (in place): a Dropout's ``training_mode`` left out (its slot kept empty), a
+    BatchNormalization's ``training_mode`` 0 and its running-statistics outputs Identities of its running
+    statistics inputs (other outputs dropped)."""
+    for g in walk_graphs(graph):
+        nodes: list[onnx.NodeProto] = []
+        for n in g.node:
+            nodes.append(n)
+            if n.domain not in DEFAULT_DOMAINS:
+                continue
+            if n.op_type == "Dropout" and len(n.input) >= 3:
+                n.input[2] = ""
+            elif n.op_type == "BatchNormalization":
+                for a in n.attribute:
+                    if a.name == "training_mode":
+                        a.i = 0
+                for k in (1, 2):  # not allowed in inference mode: they equal the inputs
+                    if len(n.output) > k and n.output[k]:
+                        nodes.append(helper.make_node("Identity", [n.input[k + 2]], [n.output[k]],
+                                                      name=f"{n.name}_running_stat{k}"))
+                del n.output[1:]
+        del g.node[:]
+        g.node.extend(nodes)
 
 
 def train_batch_norms(nodes: Iterable[onnx.NodeProto], names: Callable[[str], str]) -> list[str]:

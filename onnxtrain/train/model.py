@@ -9,7 +9,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.builder import value_types
-from onnxtrain.ir.graphs import graph_values, node_reads
+from onnxtrain.ir.graphs import graph_values, inference_mode, node_reads
 from onnxtrain.ir.types import value_info_shape
 from onnxtrain.train.config import Config, ConfigError
 
@@ -181,14 +181,7 @@ def inference_model(model: onnx.ModelProto, outputs: Sequence[str], weights: Map
             else:
                 vi = helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
         out_vis.append(vi)
-    for n in g.node:
-        if n.op_type == "BatchNormalization":
-            for a in n.attribute:
-                if a.name == "training_mode":
-                    a.i = 0
-            del n.output[1:]
-        elif n.op_type == "Dropout" and len(n.input) > 2:
-            del n.input[2:]
+    inference_mode(g)  # (the bodies' nodes too)
     needed = set(outputs)
     keep = []
     for n in reversed(g.node):

@@ -733,29 +733,13 @@ def _with_accumulation(m: onnx.ModelProto, trainable: list[str]) -> onnx.ModelPr
 
 
 def _inference_mode(m: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy with Dropout and BatchNormalization in inference mode (spec §1.3 step 5, §1.12 fixed)."""
+    """A copy with Dropout and BatchNormalization in inference mode, in the bodies of control-flow nodes
+    too (spec §1.3 step 5, §1.12 fixed)."""
+    from onnxtrain.ir.graphs import inference_mode
+
     e = onnx.ModelProto()
     e.CopyFrom(m)
-    nodes: list[onnx.NodeProto] = []
-    for n in e.graph.node:
-        nodes.append(n)
-        if n.op_type == "Dropout" and len(n.input) >= 3:
-            n.input[2] = ""  # training_mode omitted: inference (the slot kept, as onnxruntime-training does)
-        elif n.op_type == "BatchNormalization":
-            for a in n.attribute:
-                if a.name == "training_mode":
-                    a.i = 0
-            # running statistics outputs are not allowed in inference mode: they equal the inputs
-            for k in (1, 2):
-                if len(n.output) > k and n.output[k]:
-                    nodes.append(
-                        helper.make_node(
-                            "Identity", [n.input[k + 2]], [n.output[k]], name=f"{n.name}_running_stat{k}"
-                        )
-                    )
-            del n.output[1:]
-    del e.graph.node[:]
-    e.graph.node.extend(nodes)
+    inference_mode(e.graph)
     _warn_random_nodes(e)
     return e
 
