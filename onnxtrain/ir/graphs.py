@@ -180,7 +180,9 @@ def untie_batch_norm_statistics(model: onnx.ModelProto, names: Callable[[str], s
     named after the merged tensors: a layer's running variance is then another layer's scale, and training
     would write the new statistics over it (onnxruntime does, in place) or keep no statistics at all. Each
     such input becomes an initializer holding a copy of the value, named after the Identity's output (the
-    exported buffer's name) when nothing else reads that, else by ``names``. Returns the new initializers."""
+    exported buffer's name) when nothing else reads that, else by ``names``; a layer reading the initializer
+    itself keeps it (it is its buffer) when the others read it only as running statistics through Identity
+    nodes. Returns the new initializers."""
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     producers = {o: n for n in g.node for o in n.output if o}
@@ -189,6 +191,10 @@ def untie_batch_norm_statistics(model: onnx.ModelProto, names: Callable[[str], s
         for name in node_reads(n):
             readers[name] = readers.get(name, 0) + 1
     outside = {v.name for v in (*g.input, *g.output)}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for name in set(node_reads(n)):
+            consumers.setdefault(name, []).append(n)
     made: list[str] = []
     dropped: list[onnx.NodeProto] = []
     for n in g.node:
@@ -202,6 +208,9 @@ def untie_batch_norm_statistics(model: onnx.ModelProto, names: Callable[[str], s
                 source = chain[-1].input[0]
             if source not in inits or source in outside or (not chain and readers.get(source) == 1):
                 continue
+            if not chain and all(m is n or (m.op_type == "Identity" and _stats_only(m.output[0], consumers))
+                                 for m in consumers.get(source, [])) and list(n.input).count(source) == 1:
+                continue  # the layers reading it through Identity nodes get copies: it keeps its buffer
             only_here = readers.get(name) == 1 and name not in outside
             new = name if chain and only_here else names(f"{name}_{('mean', 'var')[k - 3]}")
             if new == name:
@@ -214,6 +223,18 @@ def untie_batch_norm_statistics(model: onnx.ModelProto, names: Callable[[str], s
     for d in dropped:
         g.node.remove(d)
     return made
+
+
+def _stats_only(value: str, consumers: Mapping[str, list[onnx.NodeProto]]) -> bool:
+    """Whether ``value`` is read only as BatchNormalization running statistics, directly or through
+    Identity nodes."""
+    for m in consumers.get(value, []):
+        if m.op_type == "Identity":
+            if not _stats_only(m.output[0], consumers):
+                return False
+        elif m.op_type != "BatchNormalization" or any(i == value for i in m.input[:3]):
+            return False
+    return True
 
 
 def named_subgraphs(node: onnx.NodeProto) -> Iterable[tuple[str, onnx.GraphProto]]:

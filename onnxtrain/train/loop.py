@@ -38,7 +38,7 @@ from onnxtrain.ir.io import write_atomic
 from onnxtrain.train import data as data_mod
 from onnxtrain.train.config import Config, ConfigError, changed_keys
 from onnxtrain.train.evaluate import Evaluator
-from onnxtrain.train.model import build_model, check_loss_value
+from onnxtrain.train.model import build_model, check_loss_value, with_own_statistics
 from onnxtrain.train.outputs import (
     RUN_OUTPUTS,
     check_output_dir,
@@ -194,7 +194,8 @@ class Trainer:
         self.sess = make_session(cfg, self.model, self.params)
         self.trained = trainable_names(self.sess)
         self.layout = optimizer_layout(self.sess, self.comm)
-        inits = {i.name for i in self.model.graph.initializer}
+        # (the statistics an exporter merged are held apart, under their layers' names)
+        inits = {i.name for i in with_own_statistics(self.model).graph.initializer}
         self.weight_names = [n for n in self.sess.get_state() if n in inits]
         self.evaluate = Evaluator(cfg, self.model, self.weight_names, self.comm)
         self.micro = t.gradient_accumulation_steps

@@ -8,8 +8,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain.ir.builder import value_types
-from onnxtrain.ir.graphs import graph_values, inference_mode, node_reads
+from onnxtrain.ir.builder import NameGen, value_types
+from onnxtrain.ir.graphs import (
+    chain_shared_batch_norms,
+    graph_values,
+    inference_mode,
+    node_reads,
+    untie_batch_norm_statistics,
+)
 from onnxtrain.ir.types import value_info_shape
 from onnxtrain.train.config import Config, ConfigError
 
@@ -159,16 +165,28 @@ def check_loss_value(loss: np.ndarray, name: str) -> float:
     return float(np.asarray(loss).reshape(()))
 
 
+def with_own_statistics(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` in which each BatchNormalization reads running statistics of its own, named as the
+    training graph names them (an exporter's merged statistics untied, a layer applied twice chained): the
+    names the session's state and the checkpoints hold them under."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    names = NameGen.for_model(m)
+    chain_shared_batch_norms(m, names)
+    untie_batch_norm_statistics(m, names)
+    return m
+
+
 def inference_model(model: onnx.ModelProto, outputs: Sequence[str], weights: Mapping[str, np.ndarray] = {},
                     as_inputs: Sequence[str] = ()) -> onnx.ModelProto:
     """``model`` for inference: BatchNormalization and Dropout in inference mode, only ``outputs`` kept.
 
     ``weights`` replace initializer values; initializers named in ``as_inputs`` become graph inputs
     (so one compiled plan can be fed fresh weights). Nodes, inputs and initializers that no output
-    needs are dropped.
+    needs are dropped. Each BatchNormalization reads running statistics of its own
+    (:func:`with_own_statistics`), so that the trained ones in ``weights`` reach it.
     """
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
+    m = with_own_statistics(model)
     g = m.graph
     types = None
     out_vis = []
@@ -196,9 +214,11 @@ def inference_model(model: onnx.ModelProto, outputs: Sequence[str], weights: Map
     moved = set(as_inputs)
     listed = {v.name for v in g.input}
     inits = []
-    for t in model.graph.initializer:
-        if t.name not in needed:
+    for held in m.graph.initializer:  # (the model's, and the statistics untied above)
+        if held.name not in needed:
             continue
+        t = onnx.TensorProto()
+        t.CopyFrom(held)
         if t.name in weights:
             arr = np.asarray(weights[t.name])
             dtype = helper.tensor_dtype_to_np_dtype(t.data_type)

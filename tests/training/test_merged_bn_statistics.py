@@ -21,7 +21,7 @@ from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState, Module, Optimizer
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("onnxruntime")
+ort = pytest.importorskip("onnxruntime")
 
 STEPS, LR = 3, 0.1
 BACKENDS = ["numpy", "onnxruntime"]
@@ -160,3 +160,87 @@ def test_on_device_training_keeps_each_layers_statistics(backend: str, tmp_path)
     for key, value in want.items():
         got = state.parameters[key].data
         np.testing.assert_allclose(got, value, rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+class _ApartNet(torch.nn.Module):
+    """Two BatchNorms with scales and biases drawn apart and fresh statistics: the exporter keeps bn1's
+    statistics as initializers that bn1 reads itself and bn2 reads through Identity nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn1 = torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)
+        self.fc2, self.bn2 = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)
+        self.fc3 = torch.nn.Linear(8, 3)
+        with torch.no_grad():
+            for bn in (self.bn1, self.bn2):
+                bn.weight.uniform_(0.5, 1.5)
+                bn.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.bn2(self.fc2(torch.relu(self.bn1(self.fc1(x)))))))
+
+
+def test_a_layer_reading_its_statistics_itself_keeps_their_names(tmp_path) -> None:
+    """bn1's statistics were renamed (``bn1.running_mean_mean``), so the state's ``bn1.running_mean`` never
+    changed and the exported model normalised layer 1 with 0 and 1; now bn1 keeps its buffers and bn2 gets
+    copies named after its own. Oracle: torch's running statistics after the same training forwards."""
+    torch.manual_seed(0)
+    net = _ApartNet()
+    x = np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32)
+    torch.onnx.export(net.eval(), (torch.from_numpy(x),), str(tmp_path / "net.onnx"), input_names=["x"],
+                      output_names=["logits"], dynamic_axes={"x": {0: "b"}}, dynamo=False, opset_version=17)
+    model = onnx.load(str(tmp_path / "net.onnx"))
+    stats = ["bn1.running_mean", "bn1.running_var", "bn2.running_mean", "bn2.running_var"]
+    inits = {t.name for t in model.graph.initializer}
+    assert {"bn1.running_mean", "bn1.running_var"} <= inits and not {"bn2.running_mean"} & inits
+    trained = [t.name for t in model.graph.initializer if t.name not in stats]
+    (tmp_path / "art").mkdir()
+    artifacts.generate_artifacts(model, requires_grad=trained, frozen_params=stats,
+                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=str(tmp_path / "art"))
+    state = CheckpointState.load_checkpoint(str(tmp_path / "art" / "checkpoint"))
+    module = Module(str(tmp_path / "art" / "training_model.onnx"), state,
+                    str(tmp_path / "art" / "eval_model.onnx"))
+    labels = np.arange(16) % 3
+    net.train()
+    for _ in range(STEPS):
+        module(x, labels)
+        with torch.no_grad():
+            net(torch.from_numpy(x))
+    for layer in (net.bn1, net.bn2):
+        name = "bn1" if layer is net.bn1 else "bn2"
+        np.testing.assert_allclose(state.parameters[f"{name}.running_mean"].data, layer.running_mean.numpy(),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_the_cli_exports_each_layers_trained_statistics(tmp_path) -> None:
+    """`onnxtrain train` on the same export: its model.onnx and `onnxtrain export` were built from the
+    exported graph, in which bn2 reads bn1's statistics through Identity nodes, so both layers normalised
+    with bn1's initial 0 and 1 (3.4 off). Oracle: torch in eval mode with the checkpoint's weights."""
+    from onnxtrain.checkpoint import load_checkpoint
+    from onnxtrain.cli import main
+
+    torch.manual_seed(0)
+    net = _ApartNet()
+    x = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+    torch.onnx.export(net.eval(), (torch.from_numpy(x[:2]),), str(tmp_path / "net.onnx"), input_names=["x"],
+                      output_names=["logits"], dynamic_axes={"x": {0: "b"}}, dynamo=False, opset_version=17)
+    np.savez(tmp_path / "data.npz", x=x, y=(x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{path: {tmp_path / 'net.onnx'}, add_loss: cross_entropy, labels: labels}}\n"
+                   f"data: {{source: files, path: {tmp_path / 'data.npz'}, feeds: {{x: x, labels: y}}, "
+                   "eval_fraction: 0.25}\noptimizer: {name: adam, lr: 1.0e-2}\n"
+                   "training: {batch_size: 16, steps: 12, seed: 0}\noutput: {plot: false}\n")
+    out = tmp_path / "run"
+    assert main(["train", str(cfg), "--output-dir", str(out)]) == 0
+    assert main(["export", str(cfg), "--checkpoint", str(out), "-o", str(tmp_path / "exported.onnx")]) == 0
+    ckpt = load_checkpoint(sorted((out / "checkpoints").glob("*.ckpt"))[-1])
+    weights = {**ckpt.trainable, **ckpt.frozen}
+    assert {"bn1.running_mean", "bn2.running_mean"} <= set(ckpt.frozen)
+    state = {k: torch.from_numpy(np.array(weights[k])) for k in net.state_dict() if k in weights}
+    net.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        want = net.eval()(torch.from_numpy(x)).numpy()
+    for path in (out / "model.onnx", tmp_path / "exported.onnx"):
+        got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
