@@ -317,7 +317,9 @@ class OrtPlan(GraphInterface):
         given = RUN_OPTIONS.get()
         if path_only or given is not None:
             ro = self._run_options(given, shrink=ro is not None, path_only=path_only)
-        linked = getattr(given, "_linked", None)  # (onnxtrain's RunOptions forward terminate to it)
+        # (onnxtrain's RunOptions forward terminate to it), but not to a run that writes state in place: a
+        # stop there would leave the weights and moments half updated
+        linked = getattr(given, "_linked", None) if not into else None
         if linked is not None:
             linked.append(ro)
         try:

@@ -238,10 +238,13 @@ class Plan(GraphInterface):
     def _offer_reuse(self) -> frozenset[int]:
         """Tell the steps that can write into donated inputs which ones they may take; returns them all."""
         taken: set[int] = set()
+        self._reuse_at: dict[int, int] = {}  # slot → the step that may write into it
         for i, slots in reusable_inputs(self).items():
             allow = getattr(self.steps[i].fn, "allow_reuse", None)
             if allow is not None:
-                taken.update(allow(slots))
+                for s in allow(slots):
+                    taken.add(s)
+                    self._reuse_at[s] = min(i, self._reuse_at.get(s, i))
         return frozenset(taken)
 
     def _fold_constants(self) -> None:
@@ -307,8 +310,10 @@ class Plan(GraphInterface):
             reuse = frozenset(s for s, a in given.items() if s in self._reusable and vals[s] is a)
         with running_with(self.threads), placed(self.threads), _quiet():
             if reuse:
+                # RunOptions.terminate is obeyed up to the first step that may write into a donated array
+                # (the update of a weight, a moment): past it a stop would leave the state half updated
                 with donating(reuse):
-                    peak = self._run_steps(vals, live)
+                    peak = self._run_steps(vals, live, min(self._reuse_at[s] for s in reuse))
             else:
                 peak = self._run_steps(vals, live)
         self.peak_bytes = peak + self.scratch.nbytes
@@ -351,12 +356,12 @@ class Plan(GraphInterface):
         self.peak_bytes = peak + self.scratch.nbytes
         return [_as_array(vals[s]) for s in self._output_slots]
 
-    def _run_steps(self, vals: list[Any], live: int) -> int:
+    def _run_steps(self, vals: list[Any], live: int, until: int | None = None) -> int:
         """Run every step on the slots ``vals``, freeing values after their last use; returns the peak of
-        live bytes."""
+        live bytes. ``RunOptions.terminate`` is read before each step up to step ``until`` (all: None)."""
         stop = RUN_OPTIONS.get()
-        if self.profiling or self._bodies:
-            peak = self._run_watched(vals, live, stop)
+        if self.profiling or self._bodies or (stop is not None and until is not None):
+            peak = self._run_watched(vals, live, stop, until)
         else:
             peak = live
             for fn, get, in1, out1, outs, attrs, free, st in self._program:
@@ -427,14 +432,15 @@ class Plan(GraphInterface):
                 freed += nbytes(v)
         return freed
 
-    def _run_watched(self, vals: list[Any], live: int, stop: Any = None) -> int:
+    def _run_watched(self, vals: list[Any], live: int, stop: Any = None, until: int | None = None) -> int:
         """The run loop with one :class:`ProfileEvent` per step when profiling, the bytes a control-flow
         step's bodies held during it counted in the peak, and ``stop.terminate`` (RunOptions) read before
-        each step; returns the peak of live bytes."""
+        each step up to step ``until`` (all: None); returns the peak of live bytes."""
         peak = live
         constants = self._constant_slots() if self.profiling else frozenset()
+        last = len(self.steps) if until is None else until
         for k, (fn, get, in1, _, outs, attrs, free, st) in enumerate(self._program):
-            if stop is not None and stop.terminate:
+            if stop is not None and k <= last and stop.terminate:
                 raise Terminated(_TERMINATED.format(st.node.name or st.node.op_type))
             args = get(vals) if get is not None else [vals[in1]] if in1 >= 0 else []
             bodies = fn.bodies.values() if isinstance(fn, ControlFlow) else ()

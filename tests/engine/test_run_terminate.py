@@ -103,3 +103,91 @@ def test_a_runs_config_entries_reach_onnxruntime(which: str) -> None:
     ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")  # a valid one: it runs
     assert sess.run(None, {"N": np.array(2, np.int64), "x": np.ones((64, 64), np.float32)}, ro)[0].shape \
         == (64, 64)
+
+
+class _StopAtRead(onnxtrain.RunOptions):
+    """RunOptions whose ``terminate`` reads True from its ``at``-th read on: a stop requested at each point
+    of a run in turn, without timing."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "_at", at)
+        object.__setattr__(self, "_reads", 0)
+
+    def __getattribute__(self, name: str):
+        if name == "terminate":
+            reads = object.__getattribute__(self, "_reads") + 1
+            object.__setattr__(self, "_reads", reads)
+            return reads >= object.__getattribute__(self, "_at")
+        return super().__getattribute__(name)
+
+
+def _wide_mlp() -> bytes:
+    """x [N, 256] → Gemm 512 → Relu → Gemm 128 → cross-entropy: weights large enough that the update of
+    each runs in steps of its own."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.05).astype(np.float32), n)
+             for n, s in (("W1", (512, 256)), ("b1", (512,)), ("W2", (128, 512)), ("b2", (128,)))]
+    nodes = [helper.make_node("Gemm", ["x", "W1", "b1"], ["h"], transB=1),
+             helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Gemm", ["r", "W2", "b2"], ["z"], transB=1),
+             helper.make_node("SoftmaxCrossEntropyLoss", ["z", "y"], ["loss"])]
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 256]),
+                                         helper.make_tensor_value_info("y", TensorProto.INT64, ["N"])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
+def test_terminate_never_leaves_a_training_step_half_applied(backend: str) -> None:
+    """A stop requested at each point of a legacy training step in turn: the state is the step's before or
+    after, never a mix (the numpy engine stopped between the update's steps, some weights and moments
+    written in place and others not; the backend forwarded the stop into onnxruntime's in-place update)."""
+    p = onnxtrain.TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "AdamOptimizer"
+    so = onnxtrain.SessionOptions()
+    if backend == "onnxruntime":
+        so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((4, 256)).astype(np.float32), "y": rng.integers(0, 128, 4),
+             "Learning_Rate": np.array([0.01], np.float32)}
+    s = onnxtrain.TrainingSession(_wide_mlp(), p, so)
+    s.run(["loss"], feeds)
+    before = {k: v.copy() for k, v in s.get_state().items()}
+    ref = onnxtrain.TrainingSession(_wide_mlp(), p, so)
+    ref.load_state(before)
+    ref.run(["loss"], feeds)
+    after = ref.get_state()
+    stopped = 0
+    for at in range(1, 1000):
+        try:
+            s.run(["loss"], feeds, run_options=_StopAtRead(at))
+        except RuntimeError as e:
+            assert "terminate" in str(e), e
+            stopped += 1
+            now = s.get_state()
+            assert all(np.array_equal(now[k], before[k]) for k in now), f"stopped at read {at}: state changed"
+            continue
+        now = s.get_state()
+        assert all(np.array_equal(now[k], after[k]) for k in now)
+        break
+    else:
+        raise AssertionError("no run got past the stops")
+    assert stopped >= 1
+    # stops set from another thread at random points of the run (the backend's are forwarded into
+    # onnxruntime's run, which the reads above do not reach): each leaves a whole step, old or new
+    stepped = {k for k in after if not np.array_equal(after[k], before[k])}  # what a whole step changes
+    for trial in range(20):
+        before = {k: v.copy() for k, v in s.get_state().items()}
+        ro = onnxtrain.RunOptions()
+        timer = threading.Timer(0.0005 * (trial % 10), ro.__setattr__, ("terminate", True))
+        timer.start()
+        try:
+            s.run(["loss"], feeds, run_options=ro)
+        except RuntimeError as e:
+            assert "terminate" in str(e), e
+        timer.join()
+        now = s.get_state()
+        moved = {k for k in now if not np.array_equal(now[k], before[k])}
+        assert moved in (set(), stepped), moved
