@@ -296,6 +296,12 @@ class InferenceSession:
 
     _changes_state = False  # a run changes state the session keeps (a training session's weights)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Sessions are not picklable, as onnxruntime's (a ``spawn`` worker builds its own): one TypeError
+        whatever the model (pickle failed on whichever compiled kernel or lock it met first)."""
+        raise TypeError(f"cannot pickle '{type(self).__module__}.{type(self).__qualname__}' object: build "
+                        "the session in the process that runs it")
+
     @raises_as_onnxruntime  # onnxruntime raised RuntimeErrors where the checks raise ValueError, OSError...
     def __init__(
         self,

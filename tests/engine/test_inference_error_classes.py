@@ -107,3 +107,23 @@ def test_sess_options_of_another_kind_is_a_type_error(bad: Any) -> None:
         with pytest.raises(TypeError, match="sess_options must be a SessionOptions"):
             make()
     onnxtrain.InferenceSession(RELU, ort.SessionOptions())  # onnxruntime's own options are read as ours
+
+
+@pytest.mark.parametrize("op", ["Relu", "Tanh", "Sigmoid"])
+def test_a_session_does_not_pickle_with_one_type_error(op: str) -> None:
+    """As onnxruntime's: a TypeError naming the class (it was a TypeError or an AttributeError depending on
+    the model's kernels, naming a lock or a local function)."""
+    import pickle
+
+    model = _model(helper.make_node(op, ["X"], ["Y"]), [2], [2])
+    with pytest.raises(TypeError, match="cannot pickle .*InferenceSession"):
+        pickle.dumps(ort.InferenceSession(model, providers=CPU))
+    with pytest.raises(TypeError, match="cannot pickle 'onnxtrain.inference.InferenceSession' object"):
+        pickle.dumps(onnxtrain.InferenceSession(model))
+    p = onnxtrain.TrainingParameters()
+    p.loss_output_name = "Y"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        training = onnxtrain.TrainingSession(model, p)
+    with pytest.raises(TypeError, match="cannot pickle 'onnxtrain.session.TrainingSession' object"):
+        pickle.dumps(training)
