@@ -303,7 +303,10 @@ def _batch_norm_train_grad(g: GradCtx, dy: str, axes: list[int], rank: int, eps:
         g.set_dx(0, _cast(g, g.emit("Mul", inner, k), xt, wt))
     flat = g.ints([-1])
     if need_scale:
-        dscale = g.emit("Reshape", g.emit("Mul", sum_dyd, r), flat)
+        # over an empty batch r is NaN (a mean over nothing) and Σ dY·d is 0: the scale's gradient is 0, as
+        # torch's and onnxruntime's (NaN would spread to every weight at the next step)
+        r0 = g.emit("Where", g.emit("IsNaN", r), g.const(0.0, wt), r)
+        dscale = g.emit("Reshape", g.emit("Mul", sum_dyd, r0), flat)
         g.set_dx(1, _cast(g, dscale, g.elem_type(g.node.input[1]) or g.dtype, wt))
     if need_bias:
         g.set_dx(2, _cast(g, g.emit("Reshape", sum_dy, flat), g.elem_type(g.node.input[2]) or g.dtype, wt))

@@ -306,10 +306,12 @@ def global_average_pool_grad(g: GradCtx) -> None:
 @gradient("GlobalMaxPool", uses=("x0",))
 def global_max_pool_grad(g: GradCtx) -> None:
     # the whole gradient goes to the first maximum of each (n, c) map (ArgMax picks the first)
-    x3 = g.emit("Reshape", g.x(0), g.ints([0, 0, -1]))
-    idx = g.emit("ArgMax", x3, axis=2, keepdims=1)
-    zeros = g.emit("ConstantOfShape", g.emit("Shape", x3), value=_zero(g))
-    d = g.emit("ScatterElements", zeros, idx, g.emit("Reshape", g.dy(0), g.ints([0, 0, 1])), axis=2)
+    # one row per (n, c) map: Flatten computes its sizes (a Reshape's -1 has nothing to divide by when the
+    # batch is empty)
+    x2 = g.emit("Flatten", g.x(0), axis=2)
+    idx = g.emit("ArgMax", x2, axis=1, keepdims=1)
+    zeros = g.emit("ConstantOfShape", g.emit("Shape", x2), value=_zero(g))
+    d = g.emit("ScatterElements", zeros, idx, g.emit("Reshape", g.dy(0), g.ints([-1, 1])), axis=1)
     g.set_dx(0, g.emit("Reshape", d, g.shape(0)))
 
 
