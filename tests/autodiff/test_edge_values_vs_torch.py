@@ -565,3 +565,25 @@ def test_extremum_with_a_trained_initializer_gets_its_gradient(op: str) -> None:
     (torch.maximum if op == "Max" else torch.minimum)(tx, tw).sum().backward()
     np.testing.assert_array_equal(got["W_grad"], tw.grad.numpy())
     np.testing.assert_array_equal(got["X_grad"], tx.grad.numpy())
+
+
+@pytest.mark.parametrize("op", ["Max", "Min"])
+def test_max_min_at_a_masked_nan_give_it_no_gradient(op: str) -> None:
+    """A NaN input masked out after Max/Min: its tie count is 0 there, so dY/0 made NaN for both inputs,
+    where torch.maximum/minimum give 0 at the masked position."""
+    x = np.array([1, math.nan, 2, 5], np.float32)
+    y = np.array([0, 1, 3, 4], np.float32)
+    mask = np.array([True, False, True, True])
+    nodes = [helper.make_node(op, ["x", "y"], ["m"]), helper.make_node("Where", ["mask", "m", "zero"], ["w"]),
+             helper.make_node("ReduceSum", ["w"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4]) for n in "xy"]
+                          + [helper.make_tensor_value_info("mask", TensorProto.BOOL, [4])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                          [numpy_helper.from_array(np.zeros((), np.float32), "zero")])
+    gm = build_gradient_model(make_model(g, 17), "loss", ["x", "y"])
+    outs = dict(zip([o.name for o in gm.graph.output], run_engine(gm, {"x": x, "y": y, "mask": mask})))
+    tx, ty = torch.tensor(x, requires_grad=True), torch.tensor(y, requires_grad=True)
+    f = torch.maximum if op == "Max" else torch.minimum
+    torch.where(torch.from_numpy(mask), f(tx, ty), torch.zeros(())).sum().backward()
+    np.testing.assert_array_equal(outs["x_grad"], tx.grad.numpy())
+    np.testing.assert_array_equal(outs["y_grad"], ty.grad.numpy())

@@ -152,9 +152,9 @@ def _extremum_grad(g: GradCtx) -> None:
     if len(live) == 1:
         share = g.dy(0)  # Max(x, c): dX = dY·[X == Y], no count
     else:
-        count = g.emit("Sum", *masks.values())
-        if len(live) < n:  # a constant alone may attain Y: a count of 0 there, where every mask is 0
-            count = g.emit("Max", count, g.const(1))
+        # a count of 0 where a constant alone attains Y, or where Y is NaN (every mask 0 there): no share
+        # instead of 0/0, as torch gives a masked NaN position nothing
+        count = g.emit("Max", g.emit("Sum", *masks.values()), g.const(1))
         share = g.emit("Div", g.dy(0), count)
     for i in live:
         if g.needs_dx(i):
