@@ -31,14 +31,16 @@ class Net(torch.nn.Module):
     """fc → bn1 (fresh: scale 1, bias 0, statistics 0 / 1) → relu → fc → bn2 (random affine, fresh
     statistics) → relu → fc."""
 
-    def __init__(self) -> None:
+    def __init__(self, drawn: tuple[str, ...] = ("bn2",)) -> None:
+        """``drawn``: the BatchNorms whose scale and bias are drawn at random (the others stay fresh)."""
         super().__init__()
         self.fc1, self.bn1 = torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)
         self.fc2, self.bn2 = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)
         self.fc3 = torch.nn.Linear(8, 3)
         with torch.no_grad():
-            self.bn2.weight.uniform_(0.5, 1.5)
-            self.bn2.bias.uniform_(-0.5, 0.5)
+            for name in drawn:
+                getattr(self, name).weight.uniform_(0.5, 1.5)
+                getattr(self, name).bias.uniform_(-0.5, 0.5)
 
     def forward(self, x):
         h = torch.relu(self.bn1(self.fc1(x)))
@@ -162,30 +164,12 @@ def test_on_device_training_keeps_each_layers_statistics(backend: str, tmp_path)
         np.testing.assert_allclose(got, value, rtol=1e-4, atol=1e-6, err_msg=key)
 
 
-class _ApartNet(torch.nn.Module):
-    """Two BatchNorms with scales and biases drawn apart and fresh statistics: the exporter keeps bn1's
-    statistics as initializers that bn1 reads itself and bn2 reads through Identity nodes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.bn1 = torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)
-        self.fc2, self.bn2 = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)
-        self.fc3 = torch.nn.Linear(8, 3)
-        with torch.no_grad():
-            for bn in (self.bn1, self.bn2):
-                bn.weight.uniform_(0.5, 1.5)
-                bn.bias.uniform_(-0.5, 0.5)
-
-    def forward(self, x):
-        return self.fc3(torch.relu(self.bn2(self.fc2(torch.relu(self.bn1(self.fc1(x)))))))
-
-
 def test_a_layer_reading_its_statistics_itself_keeps_their_names(tmp_path) -> None:
     """bn1's statistics were renamed (``bn1.running_mean_mean``), so the state's ``bn1.running_mean`` never
     changed and the exported model normalised layer 1 with 0 and 1; now bn1 keeps its buffers and bn2 gets
     copies named after its own. Oracle: torch's running statistics after the same training forwards."""
     torch.manual_seed(0)
-    net = _ApartNet()
+    net = Net(drawn=("bn1", "bn2"))  # scales and biases apart: the exporter merges the statistics only
     x = np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32)
     torch.onnx.export(net.eval(), (torch.from_numpy(x),), str(tmp_path / "net.onnx"), input_names=["x"],
                       output_names=["logits"], dynamic_axes={"x": {0: "b"}}, dynamo=False, opset_version=17)
@@ -221,7 +205,7 @@ def test_the_cli_exports_each_layers_trained_statistics(tmp_path) -> None:
     from onnxtrain.cli import main
 
     torch.manual_seed(0)
-    net = _ApartNet()
+    net = Net(drawn=("bn1", "bn2"))  # scales and biases apart: the exporter merges the statistics only
     x = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
     torch.onnx.export(net.eval(), (torch.from_numpy(x[:2]),), str(tmp_path / "net.onnx"), input_names=["x"],
                       output_names=["logits"], dynamic_axes={"x": {0: "b"}}, dynamo=False, opset_version=17)
