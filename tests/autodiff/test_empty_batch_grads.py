@@ -82,3 +82,17 @@ def test_global_max_pool_gradient_runs_over_an_empty_batch(batch: int) -> None:
         x_grad, w_grad = session.run(["x_grad", "w_grad"], {"x": x})
         np.testing.assert_allclose(x_grad, tx.grad.numpy(), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(w_grad, tw.grad.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_average_pool_over_no_position_is_a_gradient_error_naming_the_node() -> None:
+    """A static spatial size the kernel does not fit (0 here): a bare IndexError from the rule before."""
+    from onnxtrain.autodiff import GradientError
+
+    g = helper.make_graph([helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[2], name="pool"),
+                           helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)], "g",
+                          [helper.make_tensor_value_info("x", T.FLOAT, [1, 2, 0])],
+                          [helper.make_tensor_value_info("loss", T.FLOAT, [])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    with pytest.raises(GradientError, match=r"node 'pool' \(AveragePool\): the pooled output has no "
+                                            r"positions \(spatial size \[0\], kernel \[2\]\)"):
+        build_gradient_model(model, "loss", ["x"])

@@ -11,7 +11,7 @@ import numpy as np
 from onnx import TensorProto, numpy_helper
 from onnx.helper import tensor_dtype_to_np_dtype
 
-from onnxtrain.autodiff.context import GradCtx
+from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
 from onnxtrain.autodiff.rules.conv import ConvGeom, conv_geom, sp_dims, spatial, transposed_back
 
@@ -144,6 +144,9 @@ def average_pool_grad(g: GradCtx) -> None:
     static = in_sp is not None and all(v is not None for v in in_sp)
     if static:
         out = _pool_out(geo, in_sp, ceil_mode)  # type: ignore[arg-type]
+        if any(v <= 0 for v in out):
+            raise RuleError(f"the pooled output has no positions (spatial size {in_sp}, kernel "
+                            f"{list(geo.k)})")
         cnt = _counts(geo, in_sp, out, include_pad)  # type: ignore[arg-type]
         out_sp = out
     elif not ceil_mode and (include_pad or (geo.rt is None and not any(geo.pads))):
