@@ -253,7 +253,8 @@ def test_shortened_blas_spin_frees_the_cores_after_a_gemm() -> None:
             pytest.skip("numpy's BLAS is not an OpenBLAS with a pthreads server")
         if float(before) > 0.05:  # OpenBLAS's idle thread spun through most of the 0.3 s
             break
-    assert float(before) > 0.05
+    else:  # (another test process kept the spinning thread off its core each time: no spin to shorten)
+        pytest.skip(f"OpenBLAS's idle spin did not show here (last {float(before):.3f} s of CPU in 0.3 s)")
     assert float(after) < 0.03
 
 
