@@ -48,6 +48,7 @@ from onnxtrain.ir.graphs import (
     added_later,
     body_reads,
     node_reads,
+    path_from,
     path_to,
     rename_values,
     walk_graphs,
@@ -67,16 +68,13 @@ def _read_for_the_loss(nodes: list[onnx.NodeProto], reads: list[tuple[onnx.NodeP
 
 
 def _refuse_uncomputed(nodes: list[onnx.NodeProto], x: str,
-                       uncomputed: dict[str, tuple[onnx.NodeProto, int]], only: bool = True) -> None:
+                       uncomputed: dict[str, tuple[onnx.NodeProto, int]], only: bool) -> None:
     """GradientError when ``x`` reaches the loss through an input whose gradient the rules do not compute
     though it is not zero (a loss's class weights): zeros (``only``: x got no gradient otherwise), or the
     part of the other paths alone, would be wrong numbers."""
     if not uncomputed:
         return
-    reach = {x}
-    for n in nodes:
-        if reach.intersection(n.input):
-            reach.update(o for o in n.output if o)
+    _, reach = path_from(nodes, [x])
     hit = next((v for v in uncomputed if v in reach), None)
     if hit is not None:
         node, i = uncomputed[hit]
@@ -94,11 +92,7 @@ def blocked_by(nodes: list[onnx.NodeProto], x: str, loss: str) -> str:
     """" through a differentiable path (it passes only through <nodes>, which have no gradient)" when
     ``x`` does reach ``loss`` through ``nodes`` but only through ops without a gradient (Unique, ArgMax,
     Shape ...), else ""."""
-    reach, after_x = {x}, []
-    for n in nodes:
-        if any(i in reach for i in node_reads(n)):
-            reach.update(o for o in n.output if o)
-            after_x.append(n)
+    after_x, reach = path_from(nodes, [x])
     if loss not in reach:
         return ""
     back = {loss}
@@ -677,16 +671,14 @@ def build_gradient_model(
     for x in wrt:
         gname = f"{x}{grad_suffix}"
         d = grad_of(x)
+        _refuse_uncomputed(bw.fwd_nodes, x, uncomputed, only=d is None)
         if d is None:
-            _refuse_uncomputed(bw.fwd_nodes, x, uncomputed)
             if not zero_unreachable:
                 raise GradientError(f"{x!r} does not reach {loss!r}{blocked_by(bw.fwd_nodes, x, loss)}: no "
                                     "gradient flows back to it")
             zero = numpy_helper.from_array(_zeros(elem_type(bw.types, x) or TensorProto.FLOAT))
             tail.emit("ConstantOfShape", [bw.shape_of(x)], [gname], value=zero)
-        else:
-            _refuse_uncomputed(bw.fwd_nodes, x, uncomputed, only=False)
-        if d is not None and d != gname:
+        elif d != gname:
             if d in produced_by_backward and d not in renames and d not in (loss, *wrt):
                 renames[d] = gname  # name the last gradient node's output <x>_grad directly
             else:

@@ -416,6 +416,19 @@ def path_to(nodes: Iterable[onnx.NodeProto], outputs: Iterable[str]) -> tuple[li
     return kept, needed
 
 
+def path_from(nodes: Iterable[onnx.NodeProto],
+              values: Iterable[str]) -> tuple[list[onnx.NodeProto], set[str]]:
+    """The nodes (in order) that depend on ``values``, and ``values`` with every value those nodes make:
+    :func:`path_to` the other way."""
+    reach = set(values)
+    kept = []
+    for node in nodes:
+        if any(i in reach for i in node_reads(node)):
+            kept.append(node)
+            reach.update(o for o in node.output if o)
+    return kept, reach
+
+
 def model_for_outputs(model: onnx.ModelProto, outputs: Iterable[str]) -> onnx.ModelProto:
     """A copy of ``model`` computing only ``outputs`` (graph outputs of it): the nodes, inputs and
     initializers on their path, nothing else."""
