@@ -14,7 +14,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
-from onnxtrain.ir.graphs import DEFAULT_DOMAINS, RANDOM_OPS, subgraphs, walk_graphs
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, RANDOM_OPS, constant_arrays, subgraphs, walk_graphs
 
 
 @dataclass
@@ -28,13 +28,9 @@ class Draw:
 
 
 def _constant(g: GradCtx, body: onnx.GraphProto, name: str) -> np.ndarray | None:
-    for n in body.node:
-        if n.op_type == "Constant" and n.output[0] == name:
-            return next((numpy_helper.to_array(a.t) for a in n.attribute if a.name == "value"), None)
-    for t in body.initializer:
-        if t.name == name:
-            return numpy_helper.to_array(t)
-    return g.constant_value(name)
+    """The value of ``name`` when ``body`` or the graphs around it hold it as a constant."""
+    found = constant_arrays(body, {name})
+    return found[name] if name in found else g.constant_value(name)
 
 
 def _draws_at_all(g: GradCtx, body: onnx.GraphProto, node: onnx.NodeProto) -> bool:

@@ -74,6 +74,8 @@ def _if_draws(g: GradCtx, label: str) -> tuple[dict[str, onnx.GraphProto], dict[
     bw = g._bw
     graphs = {a.name: a.g for a in g.node.attribute if a.name in ("then_branch", "else_branch")}
     draws = {key: find_draws(g, graphs[key], f"If {label!r}") for key in graphs}
+    if not any(draws.values()):  # (the common case: the branches themselves, nothing to bind)
+        return graphs, {key: {} for key in graphs}
     copies = {key: onnx.GraphProto() for key in graphs}
     for key, copy in copies.items():
         copy.CopyFrom(graphs[key])
