@@ -123,3 +123,20 @@ def test_a_draw_in_a_nested_body_is_refused_by_name() -> None:
     model = _loop_of(step, "outer")
     with pytest.raises(GradientError, match=r"Dropout node 'drop' draws in a body nested in Loop 'outer'"):
         build_gradient_model(model, "loss", ["W"])
+
+
+def test_a_nested_dropout_in_inference_form_draws_nothing_and_builds() -> None:
+    """A Dropout without training_mode (an eval export) in a body nested in a Loop's draws nothing: the
+    nested check took every Dropout for a draw and refused it. Its gradient passes dY through (W·Σ check)."""
+    inner = helper.make_graph([helper.make_node("Mul", ["x", "W"], ["xw"]),
+                               helper.make_node("Dropout", ["xw"], ["d"], name="drop")],
+                              "t", [], [vi("d", D, [N])])
+    plain = helper.make_graph([helper.make_node("Mul", ["x", "W"], ["e"])], "e", [], [vi("e", D, [N])])
+    step = [helper.make_node("If", ["c"], ["d"], then_branch=inner, else_branch=plain, name="inner_if")]
+    model = _loop_of(step, "outer")
+    grad_model = build_gradient_model(model, "loss", ["W"])
+    onnx.checker.check_model(grad_model, full_check=True)
+    w = numpy_helper.to_array(_inits()[0])
+    session = onnxtrain.InferenceSession(grad_model.SerializeToString())
+    loss, grad = session.run(["loss", "W_grad"], FEEDS["loop"])
+    np.testing.assert_allclose(float(w @ grad), float(loss), rtol=1e-12)

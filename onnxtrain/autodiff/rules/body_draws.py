@@ -53,7 +53,7 @@ def find_draws(g: GradCtx, body: onnx.GraphProto, where: str, stacked: bool = Tr
         for inner in subgraphs(node):
             for sub in walk_graphs(inner):
                 for n in sub.node:
-                    if n.op_type in RANDOM_OPS and n.domain in DEFAULT_DOMAINS:
+                    if n.op_type in RANDOM_OPS and n.domain in DEFAULT_DOMAINS and _draws_at_all(g, sub, n):
                         raise RuleError(f"{n.op_type} node {n.name!r} draws in a body nested in {where}'s: "
                                         "its gradient would follow other draws than the forward pass; move "
                                         "the random op out of the inner body")
