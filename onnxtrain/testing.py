@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS
+
 Runner = Callable[[onnx.ModelProto, Mapping[str, np.ndarray]], list[np.ndarray]]
 
 
@@ -92,7 +94,7 @@ def _cast_back_float_only_inputs(g: onnx.GraphProto) -> None:
     fed them are float64 now, which their schemas do not allow."""
     nodes = []
     for n in g.node:
-        k = _FLOAT_ONLY_INPUTS.get(n.op_type, -1) if n.domain in ("", "ai.onnx") else -1
+        k = _FLOAT_ONLY_INPUTS.get(n.op_type, -1) if n.domain in DEFAULT_DOMAINS else -1
         if 0 <= k < len(n.input) and n.input[k]:
             cast = f"{n.input[k]}_float32_for_{n.name or n.output[0]}"
             nodes.append(onnx.helper.make_node("Cast", [n.input[k]], [cast], to=TensorProto.FLOAT))

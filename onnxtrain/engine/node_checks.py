@@ -56,7 +56,6 @@ from onnxtrain.ir.types import type_string
 
 # the domains whose ops onnx.defs defines (the checked ones), by their names in nodes → their names there
 ONNX_DOMAINS = {"": "", "ai.onnx": "", "ai.onnx.ml": "ai.onnx.ml"}
-_DOMAINS = ONNX_DOMAINS
 _OPTIONAL = onnx.defs.OpSchema.FormalParameterOption.Optional
 _VARIADIC = onnx.defs.OpSchema.FormalParameterOption.Variadic
 _UNBOUNDED = 2**31 - 1  # a variadic parameter's max_input / max_output
@@ -423,7 +422,7 @@ class NodeChecker:
 
     def form(self, node: onnx.NodeProto) -> _Form | None:
         """The node's schema's form, None when it is not checked (another domain, no schema)."""
-        domain = _DOMAINS.get(node.domain)
+        domain = ONNX_DOMAINS.get(node.domain)
         if domain is None:
             return None
         op = node.op_type
@@ -434,7 +433,7 @@ class NodeChecker:
         return form
 
     def _unavailable(self, node: onnx.NodeProto) -> str | None:
-        domain = _DOMAINS.get(node.domain)
+        domain = ONNX_DOMAINS.get(node.domain)
         version = self.opsets.get(domain) if domain is not None else None
         return None if version is None else _unavailable(node.op_type, version, domain)
 
@@ -486,7 +485,7 @@ class NodeChecker:
             why = self._unavailable(node)
         if why is None:
             return None
-        version = self.opsets[_DOMAINS[node.domain]]
+        version = self.opsets[ONNX_DOMAINS[node.domain]]
         return f"{where}node {_label(node, k)} ({_op(node)}, opset {version}): {why}"
 
 
@@ -514,7 +513,7 @@ def model_opsets(model: onnx.ModelProto) -> dict[str, int]:
     """The versions of the checked domains ``model`` imports ("" for ONNX's own under either name)."""
     out: dict[str, int] = {}
     for o in model.opset_import:
-        d = _DOMAINS.get(o.domain)
+        d = ONNX_DOMAINS.get(o.domain)
         if d is not None:
             out[d] = int(o.version)
     return out

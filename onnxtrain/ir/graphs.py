@@ -186,15 +186,15 @@ def untie_batch_norm_statistics(model: onnx.ModelProto, names: Callable[[str], s
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     producers = {o: n for n in g.node for o in n.output if o}
-    readers: dict[str, int] = {}
-    for n in g.node:
-        for name in node_reads(n):
-            readers[name] = readers.get(name, 0) + 1
-    outside = {v.name for v in (*g.input, *g.output)}
+    readers: dict[str, int] = {}  # reads of each value (a node reading it twice: 2)
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in g.node:
-        for name in set(node_reads(n)):
+        reads = node_reads(n)
+        for name in reads:
+            readers[name] = readers.get(name, 0) + 1
+        for name in set(reads):
             consumers.setdefault(name, []).append(n)
+    outside = {v.name for v in (*g.input, *g.output)}
     made: list[str] = []
     dropped: list[onnx.NodeProto] = []
     for n in g.node:

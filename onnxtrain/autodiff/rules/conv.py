@@ -471,9 +471,7 @@ def col2im_grad(g: GradCtx) -> None:
         eye = g.emit("EyeLike", g.emit("ConstantOfShape", g.emit("Concat", k, k, axis=0)),
                      dtype=TensorProto.FLOAT if bf16 else g.dtype)  # (no bfloat16 EyeLike before opset 22)
         w = g.emit("Reshape", eye, g.emit("Concat", k, g.ints([1]), g.x(2), axis=0))
-        if bf16:
-            w = g.emit("Cast", w, to=g.dtype)
-    conv = g.in_float32 if bf16 else g.emit  # (no bfloat16 Conv before opset 22)
+    conv = g.in_float32 if bf16 else g.emit  # (no bfloat16 Conv before opset 22; it casts w to float32)
     cols = conv("Conv", dy, w, **_attrs(strides=g.attr("strides"), pads=g.attr("pads"),
                                         dilations=g.attr("dilations")))
     g.set_dx(0, g.emit("Reshape", cols, g.shape(0)))
