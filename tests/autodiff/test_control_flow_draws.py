@@ -19,6 +19,7 @@ from onnx import helper, numpy_helper
 
 import onnxtrain
 from onnxtrain.autodiff import GradientError, build_gradient_model
+from tests.session.helpers import params
 
 D = T.DOUBLE
 N = 40
@@ -103,11 +104,7 @@ def test_the_gradient_follows_the_forward_draws(kind: str, op: str) -> None:
 
 def test_a_legacy_session_step_follows_the_forward_masks() -> None:
     """One SGD step over a Loop whose body drops out: W moves by lr·∂L/∂W of the masks the loss used."""
-    p = onnxtrain.TrainingParameters()
-    p.loss_output_name = "loss"
-    p.training_optimizer_name = "SGDOptimizer"
-    p.weights_to_train = {"W"}
-    p.set_gradients_as_graph_outputs = True
+    p = params(weights_to_train={"W"}, set_gradients_as_graph_outputs=True)
     s = onnxtrain.TrainingSession(_loop("Dropout").SerializeToString(), p)
     w = s.get_state()["W"].copy()
     loss, grad = s.run(["loss", "W_grad"], {**FEEDS["loop"], "Learning_Rate": np.array([0.1], np.float32)})

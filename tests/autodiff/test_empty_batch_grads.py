@@ -15,6 +15,7 @@ from onnx import helper, numpy_helper
 
 import onnxtrain
 from onnxtrain.autodiff import build_gradient_model
+from tests.session.helpers import backend_options, params
 
 torch = pytest.importorskip("torch")
 CPU = ["CPUExecutionProvider"]
@@ -48,13 +49,7 @@ def test_batch_norm_weight_gradients_over_an_empty_batch_are_zero(batch: int) ->
 
 @pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
 def test_a_legacy_step_over_an_empty_batch_keeps_the_weights(backend: str) -> None:
-    p = onnxtrain.TrainingParameters()
-    p.loss_output_name = "loss"
-    p.training_optimizer_name = "SGDOptimizer"
-    so = onnxtrain.SessionOptions()
-    if backend == "onnxruntime":
-        so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
-    s = onnxtrain.TrainingSession(_batch_norm().SerializeToString(), p, so)
+    s = onnxtrain.TrainingSession(_batch_norm().SerializeToString(), params(), backend_options(backend))
     s.run(["loss"], {"x": np.zeros((0, 3), np.float32), "Learning_Rate": np.array([0.1], np.float32)})
     np.testing.assert_array_equal(s.get_state()["s"], S0)
     np.testing.assert_array_equal(s.get_state()["b"], B0)

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxtrain
 from onnxtrain.engine.plan import EngineError, InvalidNodeError, UnsupportedOpError, compile_model
 from onnxtrain.errors import InvalidGraph
+from tests.session.helpers import params
 
 ort = pytest.importorskip("onnxruntime")
 CPU = ["CPUExecutionProvider"]
@@ -794,17 +795,10 @@ def test_an_op_outside_the_models_opset_is_refused_naming_the_node(case: str) ->
     expected = f"node 'm' ({node.op_type}, opset {opset}): {why}"
     for make in (lambda: onnxtrain.InferenceSession(model),
                  lambda: onnxtrain.GradientGraphBuilder(model, {"loss"}, {"x"}, "loss").build(),
-                 lambda: onnxtrain.TrainingSession(model, _sgd_parameters())):
+                 lambda: onnxtrain.TrainingSession(model, params())):
         with pytest.raises(InvalidNodeError) as e:
             make()
         assert str(e.value).startswith(expected), str(e.value)
-
-
-def _sgd_parameters() -> onnxtrain.TrainingParameters:
-    p = onnxtrain.TrainingParameters()
-    p.loss_output_name = "loss"
-    p.training_optimizer_name = "SGDOptimizer"
-    return p
 
 
 def test_layer_normalization_below_opset_17_runs_as_onnxruntime() -> None:

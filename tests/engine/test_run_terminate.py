@@ -16,6 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
+from tests.session.helpers import backend_options, params
 
 F = TensorProto.FLOAT
 
@@ -143,12 +144,7 @@ def test_terminate_never_leaves_a_training_step_half_applied(backend: str) -> No
     """A stop requested at each point of a legacy training step in turn: the state is the step's before or
     after, never a mix (the numpy engine stopped between the update's steps, some weights and moments
     written in place and others not; the backend forwarded the stop into onnxruntime's in-place update)."""
-    p = onnxtrain.TrainingParameters()
-    p.loss_output_name = "loss"
-    p.training_optimizer_name = "AdamOptimizer"
-    so = onnxtrain.SessionOptions()
-    if backend == "onnxruntime":
-        so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    p, so = params("AdamOptimizer"), backend_options(backend)
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal((4, 256)).astype(np.float32), "y": rng.integers(0, 128, 4),
              "Learning_Rate": np.array([0.01], np.float32)}

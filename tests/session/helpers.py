@@ -62,6 +62,20 @@ def params(opt: str = "SGDOptimizer", **kw) -> TrainingParameters:
     return p
 
 
+def backend_options(backend: str):
+    """SessionOptions of sessions on ``backend`` ("numpy" or "onnxruntime": config entry onnxtrain.backend;
+    skips the calling test without onnxruntime)."""
+    import pytest
+
+    from onnxtrain import SessionOptions
+
+    so = SessionOptions()
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+        so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    return so
+
+
 def batches(n: int, size: int, din: int = 8, dout: int = 4, seed: int = 1, loss: str = "sce"):
     rng = np.random.default_rng(seed)
     out = []

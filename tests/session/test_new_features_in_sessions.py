@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import RunOptions, SessionOptions, TrainingParameters, TrainingSession
 from onnxtrain.engine.plan import EngineError
+from tests.session.helpers import backend_options
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -51,14 +52,6 @@ def _params(opt: str = "SGDOptimizer", **kw: Any) -> TrainingParameters:
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, np.float64) - b).max() / max(np.abs(b).max(), 1e-12))
-
-
-def _so(backend: str) -> SessionOptions:
-    so = SessionOptions()
-    if backend == "onnxruntime":
-        pytest.importorskip("onnxruntime")
-        so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
-    return so
 
 
 # ---- (a) an LSTM classifier with a dynamic sequence axis ----------------------------------------------
@@ -249,7 +242,7 @@ def test_lstm_dynamic_length_artifacts_adamw_follows_torch_adamw(backend: str, t
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=str(tmp_path))
     state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
     ours = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"),
-                  session_options=_so(backend))
+                  session_options=backend_options(backend))
     opt = Optimizer(str(tmp_path / "optimizer_model.onnx"), ours)
     lr, b2 = 0.01, 0.999
     opt.set_learning_rate(lr)
@@ -302,7 +295,7 @@ def test_other_recurrent_layers_accumulate_over_lengths_as_torch(kind: str, back
     model = _export(module, (torch.randn(2, 5, N_IN), torch.zeros(2, dtype=torch.long)), ["x", "y"],
                     {"x": {0: "batch", 1: "seq"}, "y": {0: "batch"}})
     sess = TrainingSession(model, _params(gradient_accumulation_steps=2, gradient_accumulation_mode="auto"),
-                           sess_options=_so(backend))
+                           sess_options=backend_options(backend))
     data = _seq_batches((1, 4, 2, 7))
     ours = _step_losses(sess, data, 0.2)
     opt = torch.optim.SGD(module.parameters(), lr=0.2)
@@ -469,7 +462,7 @@ def test_ceil_mode_pools_train_at_several_sizes_as_torch(k: int, s: int, p: int,
     module = _CeilPools(k, s, p)
     model = _export(module, (torch.randn(3, 2, 8, 8), torch.zeros(3, dtype=torch.long)), ["x", "y"],
                     {"x": {0: "batch", 2: "h", 3: "w"}, "y": {0: "batch"}})
-    sess = TrainingSession(model, _params(), sess_options=_so(backend))
+    sess = TrainingSession(model, _params(), sess_options=backend_options(backend))
     data = _image_batches([(5, 6), (8, 7), (5, 5), (11, 4)])
     ours = _step_losses(sess, data, 0.3)
     theirs = _torch_sgd(module, data, 0.3)
@@ -634,7 +627,7 @@ def test_bce_large_logits_forward_only_run_equals_torch(backend: str) -> None:
     """The legacy session's evaluation graph (a forward-only run) computes the stable log-sigmoid loss too
     (it was the forward model as written: NaN where the training run and torch are finite)."""
     module, model = _bce_model()
-    sess = TrainingSession(model, _params(), sess_options=_so(backend))
+    sess = TrainingSession(model, _params(), sess_options=backend_options(backend))
     ro = RunOptions()
     ro.only_execute_path_to_fetches = True
     x, y = _bce_batches(1)[0]

@@ -16,17 +16,9 @@ import pytest
 
 import onnxtrain
 from onnxtrain.errors import InvalidArgument
-from tests.session.helpers import mlp_model
+from tests.session.helpers import mlp_model, params
 
 LR = 0.1
-
-
-def _params() -> onnxtrain.TrainingParameters:
-    p = onnxtrain.TrainingParameters()
-    p.loss_output_name = "loss"
-    p.training_optimizer_name = "SGDOptimizer"
-    p.set_gradients_as_graph_outputs = True
-    return p
 
 
 def _feeds() -> dict[str, np.ndarray]:
@@ -42,7 +34,7 @@ def test_add_initializer_is_the_starting_value_of_the_weight() -> None:
     ort_so.add_initializer("b1", held)
     so.add_initializer("b1", onnxtrain.OrtValue.ortvalue_from_numpy(b1.copy()))
     want = ort.InferenceSession(model, ort_so, providers=["CPUExecutionProvider"]).run(["loss"], _feeds())[0]
-    s = onnxtrain.TrainingSession(model, _params(), so)
+    s = onnxtrain.TrainingSession(model, params(set_gradients_as_graph_outputs=True), so)
     assert not np.allclose(want, ort.InferenceSession(model, providers=["CPUExecutionProvider"])
                            .run(["loss"], _feeds())[0])  # the override changes the loss
     np.testing.assert_array_equal(s.get_state()["b1"], b1)
@@ -59,7 +51,7 @@ def test_a_free_dimension_override_fixes_the_training_inputs() -> None:
     so.add_free_dimension_override_by_name("N", 5)
     want = {i.name: i.shape for i in ort.InferenceSession(model, ort_so, providers=["CPUExecutionProvider"])
             .get_inputs()}
-    s = onnxtrain.TrainingSession(model, _params(), so)
+    s = onnxtrain.TrainingSession(model, params(set_gradients_as_graph_outputs=True), so)
     got = {i.name: i.shape for i in s.get_inputs()}
     assert want == {"x": [5, 8], "y": [5]}
     assert {k: got[k] for k in want} == want
@@ -76,7 +68,7 @@ def test_external_data_of_a_model_given_as_bytes_is_found_in_the_configured_fold
     data = (folder / "m.onnx").read_bytes()
     so = onnxtrain.SessionOptions()
     so.add_session_config_entry("session.model_external_initializers_file_folder_path", os.fspath(folder))
-    s = onnxtrain.TrainingSession(data, _params(), so)
+    s = onnxtrain.TrainingSession(data, params(set_gradients_as_graph_outputs=True), so)
     want = ort.InferenceSession(mlp_model().SerializeToString(), providers=["CPUExecutionProvider"])
     loss = s.run(["loss"], {**_feeds(), "Learning_Rate": np.array([0.0], np.float32)})[0]
     np.testing.assert_allclose(loss, want.run(["loss"], _feeds())[0], rtol=1e-6)
