@@ -42,7 +42,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.registry import find_rule
 from onnxtrain.ir.attrs import attribute_value
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, elem_type, model_opset, value_types
-from onnxtrain.ir.graphs import RANDOM_OPS
+from onnxtrain.ir.graphs import RANDOM_OPS, path_from
 from onnxtrain.user_warning import warn
 
 GELU_OPS = frozenset({"Erf", "Tanh"})
@@ -132,13 +132,9 @@ class _Forward:
     def weight_fed(self) -> set[str]:
         """Forward values that a weight feeds: a float initializer of more than one value (not a scalar
         constant), or a graph input holding a parameter."""
-        fed = {n for n, t in self.initializers.items()
-               if t.data_type in FLOAT_TYPES and int(np.prod(t.dims)) > 1}
-        fed |= self.weights
-        for n in self.nodes[: self.boundary]:
-            if any(i in fed for i in n.input if i):
-                fed.update(o for o in n.output if o)
-        return fed
+        sources = {n for n, t in self.initializers.items()
+                   if t.data_type in FLOAT_TYPES and int(np.prod(t.dims)) > 1}
+        return path_from(self.nodes[: self.boundary], sources | self.weights)[1]
 
     def dropout_rebuild(self, n: onnx.NodeProto) -> tuple[str, Any] | None:
         """How a Dropout's output can be rebuilt: ("identity", None) in inference form, ("mask", (scale,
