@@ -157,6 +157,36 @@ def test_gradients_match_central_differences_at_several_lengths(op: str, variant
     assert all(np.abs(g).max() > 1e-3 for g in grads[4].values())  # every gradient is exercised
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["symbolic", "static"])
+@pytest.mark.parametrize("op,variant,kw", ROWS, ids=IDS)
+def test_gradients_over_no_step(op: str, variant: str, kw: dict[str, Any], static: bool) -> None:
+    """A sequence of length 0 (fed to the symbolic axis, or declared 0): the final states are zeros, as
+    for a sequence of length 0 in sequence_lens (and as onnxruntime's RNN and LSTM give Y_h at T = 0), so
+    the loss is 0 and every gradient is 0; dX is empty. The static case failed to build (no gradient
+    reached initial_h; LSTM: an IndexError), the symbolic one failed at run time on LSTM (the previous
+    states had one step), and the kernels gave the initial states as the final ones. The loss adds each
+    final state's sum, whose gradient at a zero state is 1, not 0."""
+    model, wrt = _node_model(op, kw, np.float64)
+    # plus Σ of each final state: a term whose gradient at a zero state is not 0
+    nodes = model.graph.node
+    nodes[-1].output[0] = "loss_smooth"
+    states = [o for o in nodes[0].output[1:] if o]
+    nodes.extend(helper.make_node("ReduceSum", [o], [f"{o}_sum"], keepdims=0) for o in states)
+    nodes.append(helper.make_node("Sum", ["loss_smooth", *(f"{o}_sum" for o in states)], ["loss"]))
+    if static:
+        x_dims = model.graph.input[0].type.tensor_type.shape.dim
+        x_dims[0 if kw.get("layout", 0) == 0 else 1].dim_value = 0
+    gmodel = build_gradient_model(model, "loss", wrt, outputs=["loss"])
+    onnx.checker.check_model(gmodel, full_check=True)
+    feeds = _feeds(model, 0, np.float64, [0] * BATCH if kw.get("lens") else None)
+    loss, *grads = run_engine(gmodel, feeds)
+    assert loss == 0.0
+    for name, got in zip(wrt, grads):
+        assert got.shape == feeds[name].shape, name
+        assert not got.any(), name
+    assert run_engine(model, feeds)[0] == 0.0  # the forward alone
+
+
 @pytest.mark.parametrize("op,variant,kw", ROWS, ids=IDS)
 def test_onnxruntime_gives_the_engine_values(op: str, variant: str, kw: dict[str, Any]) -> None:
     """The float32 gradient graph, at two lengths, on onnxruntime and on onnxtrain's engine."""

@@ -38,14 +38,15 @@ _INT64_MIN = int(np.iinfo(np.int64).min)
 def unroll(g: GradCtx) -> Unroll:
     """The unrolling helper of recurrent node ``g``: ``Unroll`` for a static sequence length, else
     ``LoopUnroll`` (whose ``T`` is None)."""
-    return Unroll(g) if sequence_length(g) is not None else LoopUnroll(g)
+    return Unroll(g) if sequence_length(g) else LoopUnroll(g)  # a static length of 0 too: no step to unroll
 
 
 class LoopUnroll(Unroll):
-    """``Unroll`` for a sequence length known only at run time; recurrences are emitted as ``Scan``s."""
+    """``Unroll`` for a sequence length known only at run time (or 0); recurrences are ``Scan`` nodes."""
 
     def __init__(self, g: GradCtx):
         super().__init__(g)
+        self.T = None
         self._zeros: str | None = None
 
     # ---- the length and layouts at run time -----------------------------------------------------
@@ -53,6 +54,10 @@ class LoopUnroll(Unroll):
         g = self.g
         steps = g.shape_entry(g.shape(0), 0 if self.layout == 0 else 1)  # T, a scalar
         return self.e("Unsqueeze", self.e("Range", g.int64(0), steps, g.int64(1)), g.ints([1]))
+
+    def _steps(self) -> str:
+        """T as a 1-D tensor [T] (read from X's shape at run time)."""
+        return self.e("Gather", self.g.shape(0), self.g.ints([0 if self.layout == 0 else 1]))
 
     def reverse(self, a: str, axis: int) -> str:
         """``a`` reversed along ``axis`` (a Slice with step −1)."""
@@ -92,12 +97,11 @@ class LoopUnroll(Unroll):
         return self.e("Transpose", dx, perm=[1, 0, 2]) if self.layout == 1 else dx
 
     def shift(self, a: str, init: str | None) -> str:
-        """[D, T, B, H] → the previous step's values: init (or zeros) then a[:, :T−1] (T ≥ 1)."""
+        """[D, T, B, H] → the previous step's values: init (or zeros) then a[:, :T−1] (none when T = 0)."""
         g = self.g
-        head = g.emit("Slice", a, g.ints([0]), g.ints([-1]), g.ints([1]))
-        if init is not None:
-            return self.e("Concat", init, head, axis=1)
-        return self.e("Pad", head, g.ints([0, 1, 0, 0, 0, 0, 0, 0]))
+        full = self.e("Concat", init, a, axis=1) if init is not None else self.e(
+            "Pad", a, g.ints([0, 1, 0, 0, 0, 0, 0, 0]))
+        return self.e("Slice", full, g.ints([0]), self._steps(), g.ints([1]))
 
     # ---- states of one step, [D, B, H] -----------------------------------------------------------
     def zeros3(self) -> str:
@@ -224,6 +228,15 @@ class LoopUnroll(Unroll):
             return new, outs
 
         return self.scan(body, inits, xs, backward=True, widths=sizes)
+
+    def final_grad(self, k: int) -> str | None:
+        """As :meth:`Unroll.final_grad`, and zero when the sequence has no step (the kernel then gives zero
+        final states, as it does a sequence of length 0 in sequence_lens)."""
+        d = super().final_grad(k)
+        if d is None or self.lens is not None:
+            return d
+        g = self.g
+        return self.mul(d, self.e("Cast", self.e("Greater", self._steps(), g.ints([0])), to=g.dtype))
 
     def final3(self, k: int) -> str:
         """The gradient of final-state output ``k`` as [D, B, H] (zeros when it has none)."""

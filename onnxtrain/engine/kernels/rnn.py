@@ -199,7 +199,9 @@ class _Seq:
             bias[:, :nb] += b[:, gh:gh + nb]
         self.mask: np.ndarray | None = None  # [steps, 1, batch, 1] bool, where a step is valid
         self.rev_idx: np.ndarray | None = None  # [steps, batch] per-sequence reversal, own inverse
-        self.empty: np.ndarray | None = None  # [batch] bool, sequences of length 0 (when there are any)
+        # [batch] bool, sequences of length 0 (when there are any): their final states are zeros, as
+        # onnxruntime gives them, also when the whole sequence axis has length 0
+        self.empty: np.ndarray | None = np.ones(batch, bool) if n_steps == 0 else None
         if gate_major:
             # rows: gates; columns: (step, sample)
             xw = np.matmul(w.reshape(n_dirs * gh, n_in), x.reshape(-1, n_in).T)
