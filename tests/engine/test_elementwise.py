@@ -425,3 +425,45 @@ def test_erf_into_writes_in_place_and_falls_back_for_strided_outputs() -> None:
     x64 = x.astype(np.float64)
     out64 = np.empty_like(x64)
     assert erf_into(x64, out64) is out64 and np.array_equal(out64, erf(x64))
+
+
+_F8 = [TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E4M3FNUZ, TensorProto.FLOAT8E5M2,
+       TensorProto.FLOAT8E5M2FNUZ]
+
+
+@pytest.mark.parametrize("src", [TensorProto.BFLOAT16, *_F8])
+@pytest.mark.parametrize("to", _F8)
+def test_cast_from_bfloat16_and_float8_saturates_as_onnx_reference(src: int, to: int) -> None:
+    """Every code of a bfloat16 or float8 source cast to a float8 type under saturate=1 (the default): values
+    past the range (and ±inf) go to the largest finite value. These sources skipped the clamp (NaN or inf
+    where onnx.reference and onnxruntime give ±448, ±57344, ±240); float32 sources did not."""
+    from onnx.reference import ReferenceEvaluator
+
+    if src == to:
+        pytest.skip("no conversion")
+    dt = np.dtype(helper.tensor_dtype_to_np_dtype(src))
+    x = np.arange(1 << (8 * dt.itemsize), dtype=np.uint16 if dt.itemsize == 2 else np.uint8).view(dt)
+    node = helper.make_node("Cast", ["x"], ["y"], to=to, saturate=1)
+    graph = helper.make_graph([node], "cast", [helper.make_tensor_value_info("x", src, [None])],
+                              [helper.make_tensor_value_info("y", to, [None])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0].astype(np.float32)
+    got = run("Cast", x, to=to, saturate=1, opset=21)
+    assert got.dtype == helper.tensor_dtype_to_np_dtype(to)
+    np.testing.assert_array_equal(got.astype(np.float32), want)
+    finite = np.isfinite(x.astype(np.float32))
+    assert np.isfinite(got.astype(np.float32)[finite]).all()
+
+
+@pytest.mark.parametrize("src", [TensorProto.BFLOAT16, TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E5M2])
+@pytest.mark.parametrize("to", [TensorProto.INT8, TensorProto.UINT8, TensorProto.INT32])
+def test_cast_from_bfloat16_and_float8_to_integers_as_from_float32(src: int, to: int) -> None:
+    """bfloat16/float8 → integer gives what the same values give from float32 (onnxruntime widens them so),
+    out-of-range ones too (bfloat16 300 → int8 is 44, as onnxruntime; it was 0)."""
+    dt = np.dtype(helper.tensor_dtype_to_np_dtype(src))
+    x = np.array([0.0, 2.5, -3.75, 100.0, 300.0, -300.0, 448.0, -448.0], np.float32).astype(dt)
+    got = run("Cast", x, to=to)
+    want = run("Cast", x.astype(np.float32), to=to)
+    np.testing.assert_array_equal(got, want)
+    if to == TensorProto.INT8:
+        assert got[4] == 44 or src != TensorProto.BFLOAT16

@@ -196,3 +196,17 @@ def test_qlinear_matmul_vector_b_with_per_row_scale() -> None:
                      21)[0]
     assert ours.shape == (4,)
     np.testing.assert_array_equal(ours, ref[:, 0])
+
+
+@pytest.mark.parametrize("out", [onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E5M2])
+def test_bfloat16_quantized_to_float8_saturates_as_onnx_reference(out: int) -> None:
+    """QuantizeLinear of bfloat16 values and scale to a float8 type (saturate=1, no zero point): values past
+    the range go to the largest finite one (they were NaN or ±inf: the bfloat16 source skipped the clamp)."""
+    import ml_dtypes
+
+    x = np.array([100, 1000, -1000, 1e5, -np.inf, 0.3], ml_dtypes.bfloat16)
+    scale = np.array(0.5, ml_dtypes.bfloat16)
+    got = _ours("QuantizeLinear", [x, scale], 21, output_dtype=out)[0]
+    want = _reference("QuantizeLinear", [x, scale], 21, output_dtype=out)[0]
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+    assert np.isfinite(got.astype(np.float32)).all()

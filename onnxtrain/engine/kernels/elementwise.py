@@ -534,6 +534,9 @@ def _to_e8m0(x: np.ndarray, dt: np.dtype, saturate: bool, round_mode: str) -> np
     return code.astype(np.uint8).view(dt)
 
 
+_NUMPY_FLOATS = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.longdouble))
+
+
 def cast_to(x: np.ndarray, to: int, saturate: bool = True, round_mode: str = "up",
             dt: np.dtype | None = None) -> np.ndarray:
     """``x`` converted to the ONNX element type ``to`` (Cast semantics, opset 19+ ``saturate``)."""
@@ -557,6 +560,11 @@ def cast_to(x: np.ndarray, to: int, saturate: bool = True, round_mode: str = "up
         x = np.array([_leading_number(v, _FLOAT) for v in flat], dtype=np.float64).reshape(x.shape)
         if dt != np.float64:  # read as a float32 first, then narrowed (float16 and the others)
             x = x.astype(np.float32)
+    narrow = x.dtype.kind in "Vf" and x.dtype not in _NUMPY_FLOATS
+    if narrow and (dt.kind in "iub" or (saturate and to in _F8_MAX)):
+        # ml_dtypes sources (bfloat16, float8, int4 ...) widened exactly, so that the clamp below and the
+        # integer conversion treat them as float32 sources (they skipped both: NaN where a value saturates)
+        x = x.astype(np.float32)
     if saturate and to in _F8_MAX and x.dtype.kind in "fiu":
         m = _F8_MAX[to]
         x = np.clip(x, -m, m)  # +-inf and out-of-range values (any source type) go to the largest finite one
