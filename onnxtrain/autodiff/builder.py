@@ -314,21 +314,33 @@ class _Backward:
         return None if where is None else self.fwd_nodes[where[0]]
 
     def constant_value(self, name: str) -> Any:
-        """The value of ``name`` when it is fixed (an initializer that is not a graph input, or a
-        Constant node's output), else None."""
+        """The value of ``name`` when it is fixed (an initializer that is not a graph input, a Constant
+        node's output, or an Identity or Cast of one: torch's dynamo exporter casts its constants), else
+        None."""
         if not name or name in self._graph_inputs:
             return None  # a graph input (even one with an initializer as its default) can be fed
         if name in self._initializers:
             return numpy_helper.to_array(self._initializers[name])
         where = self.producer.get(name)
-        if where is not None:
-            node = self.fwd_nodes[where[0]]
-            if node.op_type == "Constant" and len(node.attribute) == 1:
-                a = node.attribute[0]
-                if a.name in ("value", "value_int", "value_ints", "value_float", "value_floats"):
-                    import numpy as np
+        if where is None:
+            return None
+        node = self.fwd_nodes[where[0]]
+        if node.op_type == "Constant" and len(node.attribute) == 1:
+            a = node.attribute[0]
+            if a.name in ("value", "value_int", "value_ints", "value_float", "value_floats"):
+                import numpy as np
 
-                    return np.asarray(attribute_value(a))
+                return np.asarray(attribute_value(a))
+        elif node.op_type in ("Identity", "Cast") and node.domain in ("", "ai.onnx"):
+            v = self.constant_value(node.input[0])
+            if v is None or node.op_type == "Identity":
+                return v
+            from onnxtrain.engine.kernels.elementwise import cast_to
+
+            attrs = {a.name: attribute_value(a) for a in node.attribute}
+            mode = attrs.get("round_mode", "up")
+            return cast_to(v, int(attrs["to"]), bool(attrs.get("saturate", 1)),
+                           mode.decode() if isinstance(mode, bytes) else mode)
         return None
 
     def ensure_output(self, node: onnx.NodeProto, i: int) -> str:

@@ -185,9 +185,11 @@ def test_integer_clip_between_narrows_the_range_as_torch(q_type, zp, lo, hi, bet
     np.testing.assert_array_equal(_run_ort(g, {"x": x}), want)
 
 
-def test_torch_7bit_fake_quantize_export() -> None:
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_torch_7bit_fake_quantize_export(dynamo: bool) -> None:
     """torch.fake_quantize_per_tensor_affine(quant_min=0, quant_max=127), exported by TorchScript as
-    QuantizeLinear(uint8) -> Clip(0, 127) -> DequantizeLinear."""
+    QuantizeLinear(uint8) -> Clip(0, 127) -> DequantizeLinear; torch's dynamo exporter (optimize=False)
+    writes the Clip's max as a Cast of a Constant, which was refused as a bound that is not constant."""
     import io
     import warnings
 
@@ -202,11 +204,17 @@ def test_torch_7bit_fake_quantize_export() -> None:
     b = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(M(), (x,), b, dynamo=False, opset_version=17, input_names=["x"],
-                          output_names=["loss"])
-    m = onnx.load_from_string(b.getvalue())
-    ops = [n.op_type for n in m.graph.node if n.op_type != "Constant"]
+        if dynamo:
+            m = torch.onnx.export(M(), (x,), dynamo=True, optimize=False, opset_version=18, input_names=["x"],
+                                  output_names=["loss"], verbose=False).model_proto
+        else:
+            torch.onnx.export(M(), (x,), b, dynamo=False, opset_version=17, input_names=["x"],
+                              output_names=["loss"])
+            m = onnx.load_from_string(b.getvalue())
+    ops = [n.op_type for n in m.graph.node if n.op_type not in ("Constant", "Cast")]
     assert ops[:3] == ["QuantizeLinear", "Clip", "DequantizeLinear"]
+    clip = next(n for n in m.graph.node if n.op_type == "Clip")
+    assert dynamo == any(n.op_type == "Cast" and clip.input[2] in n.output for n in m.graph.node)
     xx = x.clone().requires_grad_(True)
     M()(xx).backward()
     g = build_gradient_model(m, "loss", ["x"], zero_unreachable=False)
