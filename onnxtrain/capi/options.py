@@ -15,24 +15,16 @@ from onnxtrain.user_warning import warn
 
 AVAILABLE_PROVIDERS = ["CPUExecutionProvider"]
 # providers onnxruntime knows; asking for one that is not available falls back to CPU with a warning
-KNOWN_PROVIDERS = [
-    "CPUExecutionProvider",
-    "CUDAExecutionProvider",
-    "TensorrtExecutionProvider",
-    "ROCMExecutionProvider",
-    "MIGraphXExecutionProvider",
-    "DnnlExecutionProvider",
-    "OpenVINOExecutionProvider",
-    "CoreMLExecutionProvider",
-    "DmlExecutionProvider",
-    "QNNExecutionProvider",
-    "XnnpackExecutionProvider",
-    "AzureExecutionProvider",
-    "WebGpuExecutionProvider",
-    "NnapiExecutionProvider",
-    "ACLExecutionProvider",
-    "ArmNNExecutionProvider",
+# onnxruntime 1.32's get_all_providers(), in its order (the CPU's last)
+ALL_PROVIDERS = [
+    "TensorrtExecutionProvider", "CUDAExecutionProvider", "MIGraphXExecutionProvider",
+    "OpenVINOExecutionProvider", "DnnlExecutionProvider", "VitisAIExecutionProvider", "QNNExecutionProvider",
+    "NnapiExecutionProvider", "VSINPUExecutionProvider", "JsExecutionProvider", "CoreMLExecutionProvider",
+    "DmlExecutionProvider", "RknpuExecutionProvider", "WebNNExecutionProvider", "WebGpuExecutionProvider",
+    "XnnpackExecutionProvider", "CANNExecutionProvider", "AzureExecutionProvider", "CPUExecutionProvider",
 ]
+# every name a session accepts (those not here fall back to the CPU): also providers of older onnxruntimes
+KNOWN_PROVIDERS = ALL_PROVIDERS + ["ROCMExecutionProvider", "ACLExecutionProvider", "ArmNNExecutionProvider"]
 
 
 class _Named(enum.IntEnum):
@@ -265,7 +257,7 @@ def get_available_providers() -> list[str]:
 
 def get_all_providers() -> list[str]:
     """onnxruntime's provider names, in its order: the CPU's last."""
-    return [p for p in KNOWN_PROVIDERS if p != "CPUExecutionProvider"] + ["CPUExecutionProvider"]
+    return list(ALL_PROVIDERS)
 
 
 def get_version_string() -> str:

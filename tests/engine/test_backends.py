@@ -956,6 +956,21 @@ def test_unknown_provider_is_a_value_error_on_both_backends():
             InferenceSession(mlp_model().SerializeToString(), options("onnxruntime"), providers=[absent])
 
 
+def test_every_provider_onnxruntime_lists_falls_back_to_the_cpu():
+    """Each name onnxruntime's get_all_providers() gives (VitisAI, WebNN, CANN, Js, Rknpu and VSINPU were
+    refused as unknown) runs on the CPU with a warning, as in onnxruntime; get_all_providers() is its list,
+    in its order."""
+    from onnxtrain import get_all_providers
+
+    assert get_all_providers() == ort.get_all_providers()
+    for name in ort.get_all_providers():
+        if name in ort.get_available_providers():
+            continue
+        with pytest.warns(UserWarning, match="falling back to CPUExecutionProvider"):
+            sess = InferenceSession(mlp_model().SerializeToString(), providers=[name, "CPUExecutionProvider"])
+        assert sess.get_providers() == ["CPUExecutionProvider"]
+
+
 def test_execution_order_is_none_until_set():
     so = SessionOptions()
     assert so.execution_order is None  # onnxruntime's object has the attribute too
