@@ -857,3 +857,40 @@ def test_a_property_string_without_utf8_form_is_refused_when_set(art, tmp_path) 
     state.properties["note"] = "ünïcode ✓"
     CheckpointState.save_checkpoint(state, str(tmp_path / "again"))
     assert CheckpointState.load_checkpoint(str(tmp_path / "again")).properties["note"] == "ünïcode ✓"
+
+
+@pytest.mark.parametrize("reader", ["get_contiguous_parameters", "copy_buffer_to_parameters",
+                                    "export_model_for_inferencing", "eval"])
+def test_module_readers_wait_for_an_optimizer_step_in_another_thread(art, tmp_path, monkeypatch, reader):
+    """Module calls that read or write the parameters take turns with an Optimizer.step running in another
+    thread, as onnxruntime-training's do: they ran during it and returned (or exported, or evaluated with)
+    parameters of no whole step (some tensors updated, others not), which the update, writing in place,
+    could also overwrite halfway. The reader, started while the step runs, finishes only after it."""
+    state = CheckpointState.load_checkpoint(art["checkpoint"])
+    module = Module(art["training"], state, art["eval"])
+    opt = Optimizer(art["sgd"], module)
+    module(*batch())
+    buf = module.get_contiguous_parameters(trainable_only=True)
+    calls = {
+        "get_contiguous_parameters": lambda: module.get_contiguous_parameters(),
+        "copy_buffer_to_parameters": lambda: module.copy_buffer_to_parameters(buf),
+        "export_model_for_inferencing":
+            lambda: module.export_model_for_inferencing(tmp_path / "inf.onnx", ["y"]),
+        "eval": lambda: module._run_step(list(batch()), training=False),
+    }
+    order: list[str] = []
+    real = opt._step
+
+    def step() -> None:
+        t = threading.Thread(target=lambda: (calls[reader](), order.append("reader")))
+        t.start()
+        t.join(0.3)  # long enough for an unblocked reader to finish
+        order.append("step")
+        real()
+        watch.append(t)
+
+    watch: list[threading.Thread] = []
+    monkeypatch.setattr(opt, "_step", step)
+    opt.step()
+    watch[0].join(10)
+    assert order == ["step", "reader"]

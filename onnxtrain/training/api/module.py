@@ -450,11 +450,13 @@ class Module:
     def _run_step(self, user_inputs: Sequence[Any], training: bool) -> list[np.ndarray]:
         """One training step (``training``) or evaluation on positional inputs, whatever the mode: the
         outputs as arrays. A training step holds the state (one call at a time with ``Optimizer.step`` and
-        saves) and lets Ctrl-C stop only after it (all or nothing)."""
+        saves) and lets Ctrl-C stop only after it (all or nothing); an evaluation holds it too, so it never
+        reads the parameters halfway through a step."""
         if training:
             with self._state._lock, sigint_deferred():
                 return self._train_step(user_inputs)
-        return self._eval_step(user_inputs)
+        with self._state._lock:  # an evaluation reads the parameters a step in another thread writes
+            return self._eval_step(user_inputs)
 
     def _param_feeds(self, names: Sequence[str], refusal: str) -> dict[str, np.ndarray]:
         """The values of parameters ``names``; on a nominal state, NominalStateError(``refusal`` + how to
@@ -580,13 +582,14 @@ class Module:
     def get_contiguous_parameters(self, trainable_only: bool = False) -> ContiguousBuffer:
         """A new 1-D array of the parameters, flattened row-major in the training model's input order."""
         names = self._selected(bool(trainable_only))
-        feeds = self._param_feeds(names, "Cannot copy parameters from a nominal checkpoint state.")
-        out = np.empty(self.get_parameters_size(bool(trainable_only)), self._buffer_dtype(names))
-        at = 0
-        for n in names:
-            a = feeds[n]
-            out[at:at + a.size] = a.reshape(-1)
-            at += a.size
+        with self._state._lock:  # one whole step's parameters, never a step in another thread half done
+            feeds = self._param_feeds(names, "Cannot copy parameters from a nominal checkpoint state.")
+            out = np.empty(self.get_parameters_size(bool(trainable_only)), self._buffer_dtype(names))
+            at = 0
+            for n in names:
+                a = feeds[n]
+                out[at:at + a.size] = a.reshape(-1)
+                at += a.size
         return out.view(ContiguousBuffer)
 
     @raises_as_onnxruntime
@@ -594,9 +597,12 @@ class Module:
         """Copy a 1-D buffer (as :meth:`get_contiguous_parameters` returns) into the parameters.
 
         On a nominal state all parameters must be given (``trainable_only=False``); the state becomes
-        complete.
+        complete. Takes turns with training steps and optimizer updates in other threads.
         """
-        trainable_only = bool(trainable_only)
+        with self._state._lock:
+            self._copy_buffer_to_parameters(buffer, bool(trainable_only))
+
+    def _copy_buffer_to_parameters(self, buffer: Any, trainable_only: bool) -> None:
         state = self._state
         nominal = state.is_nominal
         if nominal and trainable_only:
@@ -643,9 +649,10 @@ class Module:
         if self._state.is_nominal:
             raise NominalStateError(f"Cannot export the model with a nominal state. Please load the model "
                                     f"parameters first. {LOAD_HINT}")
-        values = self._param_feeds(self._eval_params, "Cannot export the model with a nominal state.")
-        export_for_inference(self._eval_model, values,
-                             inference_model_uri, graph_output_names)
+        with self._state._lock:  # the parameters of one whole step
+            values = self._param_feeds(self._eval_params, "Cannot export the model with a nominal state.")
+            export_for_inference(self._eval_model, values,
+                                 inference_model_uri, graph_output_names)
 
     # ---------------------------------------------------------------- for Optimizer/TrainingSession
     @property
