@@ -25,6 +25,7 @@ ALL_PROVIDERS = [
 ]
 # every name a session accepts (those not here fall back to the CPU): also providers of older onnxruntimes
 KNOWN_PROVIDERS = ALL_PROVIDERS + ["ROCMExecutionProvider", "ACLExecutionProvider", "ArmNNExecutionProvider"]
+_CPU_FIRST = ["CPUExecutionProvider", *(p for p in KNOWN_PROVIDERS if p != "CPUExecutionProvider")]
 
 
 class _Named(enum.IntEnum):
@@ -285,7 +286,7 @@ def resolve_providers(
     for k, p in enumerate(providers):
         name, o = (p[0], dict(p[1])) if isinstance(p, (tuple, list)) else (p, dict(given[k]) if given else {})
         if name not in KNOWN_PROVIDERS:
-            raise ValueError(f"unknown provider {name!r}; valid names: {', '.join(KNOWN_PROVIDERS)}")
+            raise ValueError(f"unknown provider {name!r}; valid names: {', '.join(_CPU_FIRST)}")
         if name not in AVAILABLE_PROVIDERS:
             warn(f"{name} is not available here; falling back to CPUExecutionProvider")
             continue

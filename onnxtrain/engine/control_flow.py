@@ -77,8 +77,8 @@ class Body:
 
         try:
             out = run(args)
-        except EngineError as e:
-            raise EngineError(f"{self.where}{f', {step} {index}' if step else ''}: {e}") from None
+        except EngineError as e:  # of its class (a Terminated stays one), named with the iteration
+            raise type(e)(f"{self.where}{f', {step} {index}' if step else ''}: {e}") from None
         plan = self.plan
         extra = plan.peak_bytes - plan.input_bytes
         if extra > self.peak_extra:

@@ -270,14 +270,18 @@ class Plan(GraphInterface):
     def _call(st: Step, vals: list[Any]) -> Sequence[Any]:
         try:
             return st.fn(vals, st.attrs)
-        except EngineError:
-            raise
         except Exception as e:
-            shapes = ", ".join(f"{n or '<none>'}: {_describe(v)}" for n, v in zip(st.node.input, vals))
-            raise EngineError(
-                f"node {st.node.name!r} ({st.node.op_type}) failed on inputs [{shapes}]: "
-                f"{type(e).__name__}: {e}"
-            ) from e
+            raise Plan._failed(st, vals, e) from e
+
+    @staticmethod
+    def _failed(st: Step, vals: list[Any], e: Exception) -> EngineError:
+        """The error to raise for step ``st`` that failed on inputs ``vals`` with ``e``: ``e`` itself when it
+        is already an EngineError (a body's, a Terminated), else one naming the node and its inputs."""
+        if isinstance(e, EngineError):
+            return e
+        shapes = ", ".join(f"{n or '<none>'}: {_describe(v)}" for n, v in zip(st.node.input, vals))
+        return EngineError(f"node {st.node.name!r} ({st.node.op_type}) failed on inputs [{shapes}]: "
+                           f"{type(e).__name__}: {e}")
 
     def run(
         self,
@@ -371,8 +375,9 @@ class Plan(GraphInterface):
                 args = get(vals) if get is not None else [vals[in1]] if in1 >= 0 else []
                 try:
                     res = fn(args, attrs)
-                except Exception:
-                    res = self._call(st, args)  # re-raises with the node named
+                except Exception as e:  # not run again: it may have written in place, drawn, or run a loop
+                    failed = self._failed(st, args, e)
+                    raise failed from (None if failed is e else e)
                 if out1 >= 0:  # one output (the common case)
                     r = vals[out1] = res[0]
                     try:
@@ -455,8 +460,9 @@ class Plan(GraphInterface):
                         res = fn(args, attrs)
                 else:
                     res = fn(args, attrs)
-            except Exception:
-                res = self._call(st, args)
+            except Exception as e:
+                failed = self._failed(st, args, e)
+                raise failed from (None if failed is e else e)
             t1 = time.perf_counter_ns()
             if bodies:
                 peak = max(peak, live + fn.extra_bytes)

@@ -5,6 +5,7 @@ backend the flag, the logging fields and the run config entries reach onnxruntim
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -60,10 +61,55 @@ def test_terminate_set_during_a_run_stops_it(which: str) -> None:
         sess.run(None, feeds, ro)
     assert type(e.value).__name__ in ("Fail", "Terminated", "EngineError")
     assert time.perf_counter() - start < 5.0
+    if lib is onnxtrain:
+        # a Terminated, as the README says (a Loop's body re-raised it as a plain EngineError), from the
+        # iteration it stopped at (the Loop was run again from the start to name the node: "iteration 0")
+        from onnxtrain.engine.interface import Terminated
+
+        assert isinstance(e.value, Terminated)
+        if which == "onnxtrain":
+            stopped_at = int(re.search(r"iteration (\d+)", str(e.value)).group(1))  # type: ignore[union-attr]
+            assert stopped_at > 10
     if lib is onnxtrain:  # the session runs again afterwards (onnxruntime 1.32's Loop stays terminated)
         y = sess.run(None, {"N": np.array(2, np.int64), "x": feeds["x"]}, lib.RunOptions())[0]
         assert y.shape == (64, 64)
         assert not ro._linked  # the backend's run options are let go with the run
+
+
+def test_a_failing_loop_runs_once(monkeypatch) -> None:
+    """A Loop whose body fails at iteration 3 runs its body 4 times and raises the body's error naming the
+    iteration: the engine ran a failed node a second time to name it (8 body runs; a node that wrote in place
+    or drew random values before failing would do it twice)."""
+    from onnxtrain.engine.control_flow import Body
+
+    body = helper.make_graph(
+        [helper.make_node("Less", ["i", "K"], ["ok"]),
+         helper.make_node("Where", ["ok", "good", "bad"], ["shape"]),
+         helper.make_node("Reshape", ["s_in", "shape"], ["s_out"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("s_in", F, [4])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("s_out", F, [4])])
+    consts = [numpy_helper.from_array(np.array(3, np.int64), "K"),
+              numpy_helper.from_array(np.array([4], np.int64), "good"),
+              numpy_helper.from_array(np.array([3], np.int64), "bad")]
+    g = helper.make_graph([helper.make_node("Loop", ["N", "", "x"], ["y"], body=body, name="loop")], "g",
+                          [helper.make_tensor_value_info("N", TensorProto.INT64, []),
+                           helper.make_tensor_value_info("x", F, [4])],
+                          [helper.make_tensor_value_info("y", F, [4])], consts)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    runs = []
+    real = Body.ran
+    monkeypatch.setattr(Body, "ran", lambda self, *a: (runs.append(1), real(self, *a))[1])
+    sess = onnxtrain.InferenceSession(model)
+    from onnxtrain.errors import Fail
+
+    with pytest.raises(Fail, match="iteration 3") as e:
+        sess.run(None, {"N": np.array(10, np.int64), "x": np.ones(4, np.float32)})
+    assert "Reshape" in str(e.value)
+    assert len(runs) == 4
 
 
 _TAGGED = r"""
