@@ -4,9 +4,10 @@ The numpy engine decides this on its own steps (:mod:`onnxtrain.engine.donation`
 nodes in an order of its choosing, so here the condition is on the graph alone: output ``o`` may be bound
 to the buffer of input ``x`` when ``o`` is made by an elementwise node, both have the same static shape and
 type, and every node that reads ``x``, or a value that might share its memory, is an ancestor of the
-node making ``o`` (it has run before ``o`` is written in any order onnxruntime may pick) or is that node
-itself (which reads each element before writing it, index by index). An optimizer update ``m' = β·m + …``
-qualifies; a weight that the backward pass still reads after its new value could be computed does not.
+node making ``o`` through data, not only a shape (it has run before ``o`` is written in any order
+onnxruntime may pick, whatever it folds) or is that node itself (which reads each element before writing
+it, index by index). An optimizer update ``m' = β·m + …`` qualifies; a weight that the backward pass still
+reads after its new value could be computed does not.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ ELEMENTWISE = frozenset({
 })
 # nodes whose output is a new buffer in any case (other nodes may hand out a view of an input)
 FRESH = ELEMENTWISE | frozenset({"MatMul", "Gemm", "Conv", "Softmax"})
+# nodes that read only their input's shape (and type): onnxruntime computes them at load time when that is
+# static, so the node making the input need not run before them
+SHAPE_ONLY = frozenset({"Shape", "Size", "EyeLike"})
 # x + 0, x - 0, x · 1, x / 1 and x ^ 1 with a constant operand: onnxruntime's NoopElimination removes them
 NEUTRAL = {"Add": 0.0, "Sub": 0.0, "Mul": 1.0, "Div": 1.0, "Pow": 1.0}
 
@@ -64,7 +68,10 @@ def safe_updates(model: onnx.ModelProto, updates: Mapping[str, str]) -> dict[str
     def ancestors(k: int) -> set[int]:
         todo, seen = [k], set()
         while todo:
-            for i in g.node[todo.pop()].input:
+            n = g.node[todo.pop()]
+            if n.op_type in SHAPE_ONLY:
+                continue  # onnxruntime folds it when the shape is static: no order with its input's node
+            for i in n.input:
                 p = producer.get(i)
                 if p is not None and p not in seen:
                     seen.add(p)

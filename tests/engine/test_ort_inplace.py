@@ -126,3 +126,34 @@ def test_optimizer_updates_parameters_in_their_arrays(tmp_path, monkeypatch) -> 
     assert len(copied) == 2 * 4 * 3 and not any(copied[-12:])  # onnxruntime's run: no copies
     for n in runs[0]:
         np.testing.assert_allclose(runs[1][n], runs[0][n], rtol=1e-5, atol=1e-6)
+
+
+def test_an_order_through_a_shape_alone_does_not_count() -> None:
+    """loss = ReduceSum(Gemm(Transpose(X), W, b, transA=1)) trained with SGD on the onnxruntime backend: the
+    forward Gemm was an ancestor of W's update only through Shape(y) (ReduceSum's gradient), which
+    onnxruntime folds when shapes are static; it then ran the update first and the Gemm read the new W (each
+    step's loss was the next step's). The losses and weights are those of float64 steps by hand."""
+    from onnxtrain import SessionOptions, TrainingParameters, TrainingSession
+
+    w0, b0 = np.array([[0.45], [-0.53]], np.float32), np.array([-0.17], np.float32)
+    nodes = [helper.make_node("Transpose", ["X"], ["t"], perm=[1, 0]),
+             helper.make_node("Gemm", ["t", "W", "b"], ["y"], transA=1),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [2, 2])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                          [onnx.numpy_helper.from_array(w0, "W"), onnx.numpy_helper.from_array(b0, "b")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.random.default_rng(1).standard_normal([2, 2]).astype(np.float32)
+    p = TrainingParameters()
+    p.loss_output_name, p.training_optimizer_name = "loss", "SGDOptimizer"
+    so = SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    sess = TrainingSession(model.SerializeToString(), p, so)
+    w, b = w0.astype(np.float64), b0.astype(np.float64)
+    for _ in range(3):
+        got = sess.run(["loss"], {"X": x, "Learning_Rate": np.array([0.1], np.float32)})[0]
+        np.testing.assert_allclose(got, np.sum(x @ w + b), rtol=1e-5)
+        w, b = w - 0.1 * x.T.sum(axis=1, keepdims=True), b - 0.1 * 2
+    state = sess.get_state()
+    np.testing.assert_allclose(state["W"], w, rtol=1e-5)
+    np.testing.assert_allclose(state["b"], b, rtol=1e-5)
