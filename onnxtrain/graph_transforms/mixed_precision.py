@@ -5,7 +5,8 @@ onnxruntime's mixed-precision transformer did), so the backward pass is generate
 
 * Each op is classed like an autocast policy. Compute-bound ops (``HALF_OPS``: MatMul, Gemm, Conv, ...)
   run in the half type. ``FP32_OPS`` (softmax/log-softmax, reductions, losses, batch/instance/group
-  norms, Exp/Log/Pow, recurrent ops, LRN, DFT/STFT, Det, steep trigonometric functions) run in float32:
+  norms, Exp/Log/Pow, recurrent ops, LRN, DFT/STFT, Det, steep trigonometric functions, Quantize/
+  DequantizeLinear) run in float32:
   their float inputs are cast up. Every other op follows its inputs: float32 if one of them is float32,
   else half. LayerNormalization follows its input with ``stash_type=1``, so its Mean/InvStdDev
   statistics are float32 whatever the input type.
@@ -68,6 +69,9 @@ FP32_OPS = frozenset({
     "Exp", "Log", "Pow", "Reciprocal", "Softplus", "RNN", "LSTM", "GRU",
     # sums of many terms or steep functions, as in torch's autocast float32 list
     "LRN", "DFT", "STFT", "Det", "Acos", "Asin", "Cosh", "Sinh", "Tan",
+    # a fake quantizer in float32, as at opset 13 (float32 only there): both nodes read the one float32
+    # scale (in half, one of them read a half copy of it, and the pair was no longer one quantizer)
+    "QuantizeLinear", "DequantizeLinear",
 })
 
 #: lookups of a float32 master table stay float32 (their rows are cast like weights)

@@ -364,3 +364,49 @@ def test_mixed_types_gradient_has_x_type(x_type: int, scale_dt, y_type: int | No
     want = _torch_dx(x, w, scale, zp, -128, 127, axis=None)
     np.testing.assert_array_equal(dx.astype(np.float32), want)
     np.testing.assert_array_equal(_run_ort(g, {"x": x}).astype(np.float32), want)
+
+
+@pytest.mark.parametrize("opset", [13, 19, 21])
+@pytest.mark.parametrize("scale_from", ["initializer", "Constant", "Cast(Constant)"])
+def test_fake_quantizer_trains_under_mixed_precision(opset: int, scale_from: str) -> None:
+    """A QuantizeLinear -> DequantizeLinear pair reading one scale, under the legacy session's float16 mixed
+    precision: at opset 19+ the rewrite gave the Quantize a float16 copy of the scale and left the Dequantize
+    on the float32 one (or the other way round for an initializer scale), and the pair was refused as two
+    scales. Both run in float32 now; the step's update is torch's straight-through one within float16
+    rounding (the MatMul runs in float16), and the same for every form of the scale and opset."""
+    from onnxtrain import TrainingParameters, TrainingSession
+
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 3)).astype(np.float32)
+    x = (rng.standard_normal((4, 6)) * 3).astype(np.float32)
+    def constant(name: str, v: np.ndarray) -> onnx.NodeProto:
+        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(v))
+
+    scale = {"initializer": [], "Constant": [constant("s", np.float32(0.1))],
+             "Cast(Constant)": [constant("s64", np.float64(0.1)),
+                                helper.make_node("Cast", ["s64"], ["s"], to=T.FLOAT)]}[scale_from]
+    nodes = [*scale, helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("QuantizeLinear", ["h", "s", "zp"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "s", "zp"], ["hq"]),
+             helper.make_node("Mul", ["hq", "hq"], ["h2"]),
+             helper.make_node("ReduceSum", ["h2"], ["loss"], keepdims=0)]
+    inits = [numpy_helper.from_array(w, "W"), numpy_helper.from_array(np.uint8(128), "zp")]
+    if scale_from == "initializer":
+        inits.append(numpy_helper.from_array(np.float32(0.1), "s"))
+    g = helper.make_graph(nodes, "qat", [helper.make_tensor_value_info("x", T.FLOAT, [4, 6])],
+                          [helper.make_tensor_value_info("loss", T.FLOAT, [])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    p = TrainingParameters()
+    p.loss_output_name, p.training_optimizer_name = "loss", "SGDOptimizer"
+    p.weights_to_train, p.use_mixed_precision = {"W"}, True
+    sess = TrainingSession(model.SerializeToString(), p)
+    sess.run(["loss"], {"x": x, "Learning_Rate": np.array([1.0], np.float32),
+                        sess.loss_scale_input_name: np.array([1.0], np.float32)})
+    got = w - sess.get_state()["W"]
+    tw = torch.tensor(w, requires_grad=True)
+    hq = torch.fake_quantize_per_tensor_affine(torch.tensor(x) @ tw, 0.1, 128, 0, 255)
+    (hq * hq).sum().backward()
+    want = tw.grad.numpy()
+    assert np.abs(want).max() > 10
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
