@@ -107,12 +107,18 @@ class FailPermissionError(PermissionError, Fail):
     """A file or folder the call may not read or write: a ``PermissionError``, and onnxruntime's ``Fail``."""
 
 
+class FailOSError(OSError, Fail):
+    """A file the call could not write or read for another reason (a full disk, a size limit, an I/O
+    error): an ``OSError`` with its errno and file name, and onnxruntime's ``Fail``."""
+
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def raises_as_onnxruntime(fn: _F) -> _F:
     """``fn`` with its ``ValueError``, ``KeyError``, ``TypeError``, ``NotImplementedError``,
-    ``FileNotFoundError``, ``IsADirectoryError``, ``NotADirectoryError`` and ``PermissionError`` raised as
+    ``FileNotFoundError``, ``IsADirectoryError``, ``NotADirectoryError``, ``PermissionError`` and a plain
+    ``OSError`` raised as
     their duals above (subclasses, onnxtrain's own errors among them, pass unchanged): onnxruntime's
     bindings raised a ``RuntimeError`` where onnxtrain's checks raise these, so ported ``except
     RuntimeError`` clauses and code written for onnxtrain both catch them."""
@@ -137,7 +143,7 @@ def raises_as_onnxruntime(fn: _F) -> _F:
 _DUALS: dict[type, type] = {FileNotFoundError: NoSuchFileError, IsADirectoryError: FailIsADirectoryError,
                             NotADirectoryError: FailNotADirectoryError, PermissionError: FailPermissionError,
                             KeyError: FailKeyError, ValueError: FailValueError, TypeError: FailTypeError,
-                            NotImplementedError: FailNotImplementedError}
+                            NotImplementedError: FailNotImplementedError, OSError: FailOSError}
 
 
 # the names of onnxruntime.capi._pybind_state

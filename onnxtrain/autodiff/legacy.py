@@ -9,7 +9,7 @@ from typing import Any
 import onnx
 
 from onnxtrain.autodiff.builder import GradientError, build_gradient_model
-from onnxtrain.errors import program_hint
+from onnxtrain.errors import program_hint, raises_as_onnxruntime
 from onnxtrain.ir.builder import refuse_unloadable
 from onnxtrain.ir.graphs import graph_values
 
@@ -92,11 +92,13 @@ class GradientGraphBuilder:
         """The built model (forward + backward), serialized; before ``build()``, the model as given."""
         return self._result().SerializeToString()
 
+    @raises_as_onnxruntime
     def save(self, path: str | os.PathLike) -> None:
-        """Write the built model to ``path`` (through a temporary file, then renamed)."""
+        """Write the built model to ``path`` (through a temporary file, then renamed); its folder must
+        exist, as for onnx.save."""
         from onnxtrain.ir.io import save_model_atomic
 
-        save_model_atomic(self._result(), path)
+        save_model_atomic(self._result(), path, make_folders=False)
 
 
 def outputs_in_model_order(built: onnx.ModelProto, model: onnx.ModelProto, wrt: Sequence[str],

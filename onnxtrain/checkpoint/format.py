@@ -48,7 +48,7 @@ from onnxtrain.checkpoint.flatbuf import (
     encode,
     root_table,
 )
-from onnxtrain.ir.io import StagedFiles, recover_commits
+from onnxtrain.ir.io import StagedFiles, recover_commits, written_through
 from onnxtrain.ir.types import np_dtype, onnx_elem_type
 from onnxtrain.user_warning import warn
 
@@ -133,7 +133,7 @@ def stage_checkpoint(files: StagedFiles, ckpt: Checkpoint, path: str | os.PathLi
     """Write ``ckpt`` for ``path`` (and ``<path>.data``) into ``files``, renamed when they are committed. A
     ``path`` that is a symbolic link is written through: the file it points to and its ``.data`` beside
     that file are replaced, the link stays (as onnxruntime-training's save writes through it)."""
-    path = os.path.realpath(path) if os.path.islink(path) else os.fspath(path)
+    path = written_through(path)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "Cannot save checkpoint, the path is a directory", path)
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
@@ -191,9 +191,22 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
             if attempt == _TORN_RETRIES:
                 raise ValueError(f"Cannot load checkpoint {given!r}: {e}") from None
             time.sleep(_TORN_WAIT)
+        except FileNotFoundError:  # no .data: gone with a save over the path that needs none, since read?
+            if attempt == _TORN_RETRIES or not _replaced(path, data):
+                raise
+            time.sleep(_TORN_WAIT)
         except (FlatBufferError, ValueError) as e:
             raise ValueError(f"Cannot load checkpoint {given!r}: {e}") from None
     raise AssertionError("unreachable")
+
+
+def _replaced(path: str, data: bytes) -> bool:
+    """Whether the file at ``path`` no longer holds ``data`` (a save replaced it after it was read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read() != data
+    except OSError:
+        return True
 
 
 # ---------------------------------------------------------------- encoding

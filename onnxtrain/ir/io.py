@@ -78,7 +78,7 @@ def _unlink_quietly(path: str) -> None:
 
 
 TMP_SUFFIX = ".onnxtrain.tmp"  # the end of StagedFiles' temporaries' names
-_FRESH_SUFFIX = ".onnxtrain.new"  # a temporary's name for the moment before its lock is taken
+FRESH_SUFFIX = ".onnxtrain.new"  # a temporary's name for the moment before its lock is taken
 _FRESH_MAX_AGE = 3600.0  # seconds: such a file older than this was left by a write killed in that moment
 
 
@@ -92,7 +92,10 @@ class StagedFiles:
             files.write("art/checkpoint", lambda f: f.write(data))
     """
 
-    def __init__(self) -> None:
+    def __init__(self, make_folders: bool = True) -> None:
+        """``make_folders``: create a target's missing folders (else a missing folder is an error naming the
+        target, as onnxruntime's and onnx's writers give)."""
+        self._make_folders = make_folders
         self._staged: list[tuple[str, str]] = []  # (temporary, target), in rename order
         self._remove: list[str] = []
         self._locks: list[int] = []  # open descriptors locking the temporaries until commit or discard
@@ -114,7 +117,8 @@ class StagedFiles:
         return [path for _, path in self._staged]
 
     def write(self, path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
-        """Call ``write(f)`` on a new temporary beside ``path`` and fsync it; renamed at :meth:`commit`."""
+        """Call ``write(f)`` on a new temporary beside ``path`` and fsync it; renamed at :meth:`commit` (onto
+        ``path`` itself: a symbolic link there is replaced; see :func:`written_through`)."""
         if self._closed:
             raise RuntimeError("these staged files were already committed or discarded")
         path = os.fspath(path)
@@ -124,7 +128,11 @@ class StagedFiles:
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
         folder = os.path.dirname(os.path.abspath(path))
         try:
-            os.makedirs(folder, exist_ok=True)
+            if self._make_folders:
+                os.makedirs(folder, exist_ok=True)
+            elif not os.path.isdir(folder):
+                os.stat(folder)  # the error onnxruntime's writers give: a missing (or not a) folder
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
         except FileExistsError:  # a file where a folder on the way should be
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path) from None
         except OSError as e:
@@ -132,11 +140,11 @@ class StagedFiles:
         # made under a name no clean-up matches, locked, then named as a temporary: another writer's commit
         # removes the unlocked temporaries of killed writes, and must never see this one unlocked
         try:
-            fd, fresh = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=_FRESH_SUFFIX,
+            fd, fresh = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=FRESH_SUFFIX,
                                          dir=folder)
         except OSError as e:
             raise _about(e, path) from None
-        tmp = fresh[: -len(_FRESH_SUFFIX)] + TMP_SUFFIX
+        tmp = fresh[: -len(FRESH_SUFFIX)] + TMP_SUFFIX
         lock = None
         try:
             lock = os.open(fresh, os.O_RDONLY)  # held (and locked) while the temporary is in flight
@@ -159,9 +167,11 @@ class StagedFiles:
             except OSError:
                 mode = 0o666 & ~_umask()
             os.chmod(tmp, mode)
-        except BaseException:
+        except BaseException as e:
             _unlink_quietly(tmp)
             os.close(self._locks.pop())
+            if isinstance(e, OSError):  # a full disk, a file size limit, an I/O error: about the file named
+                raise _about(e, path) from None
             raise
         self._staged.append((tmp, path))
 
@@ -251,7 +261,7 @@ def _remove_leftover_temporaries(path: str) -> None:
     the file now in place supersedes them."""
     folder, name = os.path.split(os.path.abspath(path))
     pattern = re.compile(re.escape(name) + r"\.[a-z0-9_]{8}" + re.escape(TMP_SUFFIX) + "$")
-    fresh = re.compile(re.escape(name) + r"\.[a-z0-9_]{8}" + re.escape(_FRESH_SUFFIX) + "$")
+    fresh = re.compile(re.escape(name) + r"\.[a-z0-9_]{8}" + re.escape(FRESH_SUFFIX) + "$")
     with contextlib.suppress(OSError):
         for f in os.listdir(folder):
             if pattern.match(f):
@@ -547,6 +557,13 @@ def _warn_put_back(done: Recovered) -> None:
         warn(f"put back {', '.join(done.put_back)} as they were before a save that was killed part way")
 
 
+def written_through(path: str | os.PathLike) -> str:
+    """Where a save to ``path`` writes: the file a symbolic link points to (the link stays, as onnxruntime's
+    and onnx's writers keep it), else ``path``."""
+    path = os.fspath(path)
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
 def _about(e: OSError, path: str | os.PathLike, where: str = "") -> OSError:
     """``e`` (of the same class) about ``path``, the file the caller named, not the temporary beside it;
     its message led by ``where`` (the option that gave the path) when given."""
@@ -556,22 +573,25 @@ def _about(e: OSError, path: str | os.PathLike, where: str = "") -> OSError:
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write(f)`` on a temporary file beside ``path``, fsync it, then rename it onto ``path``."""
+    """Call ``write(f)`` on a temporary file beside ``path``, fsync it, then rename it onto ``path`` (onto
+    the file it points to when it is a symbolic link)."""
     with StagedFiles() as files:
-        files.write(path, write)
+        files.write(written_through(path), write)
 
 
 def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike, *,
-                      external_data: str | None = None, size_threshold: int = 1024) -> None:
-    """Save ``model`` to ``path`` atomically (with ``external_data``: see :func:`stage_model`)."""
-    with StagedFiles() as files:
+                      external_data: str | None = None, size_threshold: int = 1024,
+                      make_folders: bool = True) -> None:
+    """Save ``model`` to ``path`` atomically (with ``external_data``: see :func:`stage_model`;
+    ``make_folders``: see :class:`StagedFiles`)."""
+    with StagedFiles(make_folders) as files:
         stage_model(files, model, path, external_data=external_data, size_threshold=size_threshold)
 
 
 def save_dump(model: onnx.ModelProto, path: str | os.PathLike, where: str) -> None:
     """:func:`save_model_atomic` for a path the user gave as the option ``where``, which its errors name."""
     try:
-        save_model_atomic(model, path)
+        save_model_atomic(model, path, make_folders=False)
     except OSError as e:
         raise _about(e, path, where) from None
 
@@ -593,7 +613,7 @@ def stage_model(files: StagedFiles, model: onnx.ModelProto, path: str | os.PathL
     itself is left unchanged. Raises ValueError if a tensor that is already external (a model loaded with
     ``load_external_data=False``) has its bytes in that very file, which would be rewritten without them;
     tensors external to other files stay as they are."""
-    path = os.fspath(path)
+    path = written_through(path)  # (its external data beside the file written)
     if external_data is None:
         files.save_model(model, path)
         return

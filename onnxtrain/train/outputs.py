@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 
 from onnxtrain.ir.io import (
+    FRESH_SUFFIX,
     HAS_LOCKS,
     TMP_SUFFIX,
     recover_commits,
@@ -29,7 +30,9 @@ _CKPT = re.compile(r"^step_(\d+)\.ckpt$")
 
 # write_atomic's temporaries of checkpoints (``<name>.<8 random>.onnxtrain.tmp``: a user's ``.tmp`` stays)
 # (also a commit journal's own temporary: ``<name>.<hex>.journal.tmp.<8 random>.onnxtrain.tmp``)
-_TMP_END = r"(\.[0-9a-f]{8,}\.journal\.tmp)?\.[a-z0-9_]{8}" + re.escape(TMP_SUFFIX) + "$"
+# (and a temporary killed in the moment before its lock was taken: ``<name>.<8 random>.onnxtrain.new``)
+_TMP_END = (r"(\.[0-9a-f]{8,}\.journal\.tmp)?\.[a-z0-9_]{8}(" + re.escape(TMP_SUFFIX) + "|"
+            + re.escape(FRESH_SUFFIX) + ")$")
 _STALE_TMP = re.compile(r"^step_\d+\.ckpt(\.data)?" + _TMP_END)
 RUN_OUTPUTS = ("metrics.png", "model.onnx")  # written at the end of a run
 RUN_FILES = ("metrics.jsonl", "config.yaml", *RUN_OUTPUTS)  # every file a run writes next to checkpoints/

@@ -10,9 +10,11 @@ from onnx import numpy_helper
 
 from onnxtrain.checkpoint import Checkpoint, load_checkpoint
 from onnxtrain.checkpoint import save_checkpoint as _save
+from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.training.onnxblock.model_accessor import BlockError
 
 
+@raises_as_onnxruntime
 def save_checkpoint(
     parameters: tuple[Sequence[onnx.TensorProto], Sequence[onnx.TensorProto]],
     path_to_checkpoint: str | os.PathLike,
