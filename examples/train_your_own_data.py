@@ -2,8 +2,10 @@
 
 Writes, into a folder (default ``runs/own_data``): ``blobs.npz`` (named arrays), ``net.onnx`` (an
 inference model without a loss: the config appends softmax cross-entropy), ``own_data.yaml``, and
-the run's outputs (in ``<folder>/out``). The equivalent command line is
-``onnxtrain train runs/own_data/own_data.yaml --output-dir runs/own_data/out``.
+the run's outputs (in ``<folder>/out``, replaced by each run: ``Trainer.run()`` overwrites by default). The
+equivalent command line is
+``onnxtrain train runs/own_data/own_data.yaml --output-dir runs/own_data/out --overwrite`` (without
+``--overwrite`` the command refuses a folder that holds a run's checkpoints; ``--resume`` continues it).
 """
 
 from __future__ import annotations
