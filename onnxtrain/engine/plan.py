@@ -279,8 +279,11 @@ class Plan(GraphInterface):
         is already an EngineError (a body's, a Terminated), else one naming the node and its inputs."""
         if isinstance(e, EngineError):
             return e
-        shapes = ", ".join(f"{n or '<none>'}: {_describe(v)}" for n, v in zip(st.node.input, vals))
-        return EngineError(f"node {st.node.name!r} ({st.node.op_type}) failed on inputs [{shapes}]: "
+        node = st.node
+        shapes = ", ".join(f"{n or '<none>'}: {_describe(v)}" for n, v in zip(node.input, vals))
+        made = next((o for o in node.output if o), "")
+        label = repr(node.name) if node.name or not made else f"(unnamed, making {made!r})"
+        return EngineError(f"node {label} ({node.op_type}) failed on inputs [{shapes}]: "
                            f"{type(e).__name__}: {e}")
 
     def run(

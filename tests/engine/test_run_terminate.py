@@ -233,3 +233,17 @@ def test_terminate_never_leaves_a_training_step_half_applied(backend: str) -> No
         now = s.get_state()
         moved = {k for k in now if not np.array_equal(now[k], before[k])}
         assert moved in (set(), stepped), moved
+
+
+def test_an_unnamed_failing_node_is_named_by_its_output() -> None:
+    """A failing node without a name was reported as "node '' (Reshape)"; its first output names it now."""
+    from onnxtrain.errors import Fail
+
+    g = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", F, [4])],
+                          [helper.make_tensor_value_info("y", F, None)],
+                          [numpy_helper.from_array(np.array([3], np.int64), "shape")])
+    sess = onnxtrain.InferenceSession(helper.make_model(
+        g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    with pytest.raises(Fail, match=r"node \(unnamed, making 'y'\) \(Reshape\) failed on inputs \[x: "):
+        sess.run(None, {"x": np.ones(4, np.float32)})
