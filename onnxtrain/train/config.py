@@ -136,7 +136,8 @@ class ScheduleConfig:
 
 @dataclass
 class TrainingConfig:
-    """How long and how to train; the last five keys are passed through to TrainingParameters."""
+    """How long and how to train; `backend` picks the session's engine, and the last four keys are passed
+    through to TrainingParameters."""
 
     batch_size: int = 32
     epochs: int | None = None  # give epochs or steps
