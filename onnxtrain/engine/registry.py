@@ -8,6 +8,7 @@ Lookup picks the kernel with the highest ``since`` that is not newer than the mo
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pkgutil
 from collections.abc import Callable, Sequence
@@ -22,6 +23,9 @@ Inputs = Sequence[Any]
 Outputs = Sequence[Any]
 
 
+_MISSING = object()
+
+
 class NodeCache(dict):
     """A node's memo of what its kernel derives per input shape (geometry, index tables), holding at most
     ``LIMIT`` entries (16 or more shapes): the oldest goes first, so a run over many shapes (every batch
@@ -29,15 +33,21 @@ class NodeCache(dict):
 
     LIMIT = 32  # entries: a kernel may keep two per shape (AveragePool's geometry and divisors)
 
+    # threads running one session share its nodes' caches: another may evict or add between two lines
     def __setitem__(self, key: Any, value: Any) -> None:
-        if key not in self and len(self) >= self.LIMIT:
-            del self[next(iter(self))]
+        if key not in self:
+            while len(self) >= self.LIMIT:
+                # (emptied, or changed during the look: look again)
+                with contextlib.suppress(StopIteration, RuntimeError):
+                    self.pop(next(iter(self)), None)
         super().__setitem__(key, value)
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
-        if key not in self:
+        value = self.get(key, _MISSING)
+        if value is _MISSING:
             self[key] = default
-        return self[key]
+            return default
+        return value
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         for key, value in dict(*args, **kwargs).items():
