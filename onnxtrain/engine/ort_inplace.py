@@ -30,8 +30,11 @@ ELEMENTWISE = frozenset({
 # nodes whose output is a new buffer in any case (other nodes may hand out a view of an input)
 FRESH = ELEMENTWISE | frozenset({"MatMul", "Gemm", "Conv", "Softmax"})
 # nodes that read only their input's shape (and type): onnxruntime computes them at load time when that is
-# static, so the node making the input need not run before them
+# static, so the node making the input need not run before them (CastLike reads only its second input's type)
 SHAPE_ONLY = frozenset({"Shape", "Size", "EyeLike"})
+# products onnxruntime's MatMulScaleFusion folds a constant scale of an operand into (alpha), which then
+# read the operand itself: a weight scaled by a constant and multiplied is read as the weight
+SCALED_PRODUCTS = frozenset({"MatMul", "Gemm", "Transpose"})
 # x + 0, x - 0, x · 1, x / 1 and x ^ 1 with a constant operand: onnxruntime's NoopElimination removes them
 NEUTRAL = {"Add": 0.0, "Sub": 0.0, "Mul": 1.0, "Div": 1.0, "Pow": 1.0}
 
@@ -51,8 +54,13 @@ def safe_updates(model: onnx.ModelProto, updates: Mapping[str, str]) -> dict[str
     consts = _constants(model)
     # the inputs each value might share memory with (through nodes outside FRESH, or that do nothing)
     roots: dict[str, frozenset[str]] = {x: frozenset((x,)) for x in inputs}
+    readers_of: dict[str, set[str]] = {}
     for n in g.node:
-        aliasing = n.op_type not in FRESH or _does_nothing(n, consts)
+        for i in n.input:
+            readers_of.setdefault(i, set()).add(n.op_type)
+    for n in g.node:
+        aliasing = (n.op_type not in FRESH or _does_nothing(n, consts)
+                    or _scale_of_a_product(n, consts, readers_of))
         reads = node_reads(n)
         src = frozenset().union(*(roots.get(i, frozenset()) for i in reads)) if aliasing else frozenset()
         for o in n.output:
@@ -69,9 +77,9 @@ def safe_updates(model: onnx.ModelProto, updates: Mapping[str, str]) -> dict[str
         todo, seen = [k], set()
         while todo:
             n = g.node[todo.pop()]
-            if n.op_type in SHAPE_ONLY:
-                continue  # onnxruntime folds it when the shape is static: no order with its input's node
-            for i in n.input:
+            # onnxruntime folds what reads only a shape or a type when that is static: no order with the
+            # node making it
+            for i in _data_inputs(n):
                 p = producer.get(i)
                 if p is not None and p not in seen:
                     seen.add(p)
@@ -97,11 +105,53 @@ def safe_updates(model: onnx.ModelProto, updates: Mapping[str, str]) -> dict[str
     return safe
 
 
+def _data_inputs(node: onnx.NodeProto) -> list[str]:
+    """The inputs whose values (not only shape or type) ``node`` reads."""
+    if node.op_type in SHAPE_ONLY:
+        return []
+    if node.op_type == "CastLike":
+        return list(node.input[:1])
+    return list(node.input)
+
+
 def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """Values of the initializers and Constant nodes that are operands of :data:`NEUTRAL` ops, by name."""
+    """Values of the initializers and Constant nodes that are operands of :data:`NEUTRAL` ops, by name, also
+    through Casts and Identities of them (onnxruntime folds those first)."""
     g = model.graph
     operands = {i for n in g.node if n.op_type in NEUTRAL for i in n.input}
-    return constant_arrays(g, operands, fed_initializers(model))
+    producer = {o: n for n in g.node for o in n.output if o}
+    chains: dict[str, list[onnx.NodeProto]] = {}  # operand -> the Casts/Identities from its constant up
+    for v in operands:
+        chain, u = [], v
+        while u in producer and producer[u].op_type in ("Cast", "Identity"):
+            chain.append(producer[u])
+            u = producer[u].input[0]
+        chains[v] = chain
+    starts = {v: (c[-1].input[0] if c else v) for v, c in chains.items()}
+    found = constant_arrays(g, set(starts.values()), fed_initializers(model))
+    values = {}
+    for v, u in starts.items():
+        if u not in found:
+            continue
+        a = found[u]
+        for c in reversed(chains[v]):
+            to = next((x.i for x in c.attribute if x.name == "to"), None)
+            if to is not None:  # a Cast (an Identity passes the value)
+                a = a.astype(onnx.helper.tensor_dtype_to_np_dtype(to))
+        values[v] = a
+    return values
+
+
+def _scale_of_a_product(node: onnx.NodeProto, consts: Mapping[str, np.ndarray],
+                        readers_of: Mapping[str, set[str]]) -> bool:
+    """True for ``x · c`` or ``x / c`` with a one-value constant ``c`` whose result a MatMul, Gemm or
+    Transpose reads (see :data:`SCALED_PRODUCTS`)."""
+    if node.op_type not in ("Mul", "Div") or len(node.input) != 2:
+        return False
+    sides = node.input[1:] if node.op_type == "Div" else node.input
+    if not any(i in consts and consts[i].size == 1 for i in sides):
+        return False
+    return bool(readers_of.get(node.output[0], set()) & SCALED_PRODUCTS)
 
 
 def _does_nothing(node: onnx.NodeProto, consts: Mapping[str, np.ndarray]) -> bool:

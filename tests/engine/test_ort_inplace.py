@@ -157,3 +157,94 @@ def test_an_order_through_a_shape_alone_does_not_count() -> None:
     state = sess.get_state()
     np.testing.assert_allclose(state["W"], w, rtol=1e-5)
     np.testing.assert_allclose(state["b"], b, rtol=1e-5)
+
+
+def _sgd_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], steps: int = 3):
+    """Losses and final weights of ``steps`` legacy SGD steps (lr 0.1) on the onnxruntime backend."""
+    from onnxtrain import SessionOptions, TrainingParameters, TrainingSession
+
+    p = TrainingParameters()
+    p.loss_output_name, p.training_optimizer_name = "loss", "SGDOptimizer"
+    so = SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    sess = TrainingSession(model.SerializeToString(), p, so)
+    losses = [float(sess.run(["loss"], {**feeds, "Learning_Rate": np.array([0.1], np.float32)})[0])
+              for _ in range(steps)]
+    return losses, sess.get_state()
+
+
+def _torch_sgd(fn, weights: dict[str, np.ndarray], steps: int = 3):
+    """The same steps in float64 with torch autograd: losses and final weights."""
+    torch = pytest.importorskip("torch")
+    w = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in weights.items()}
+    losses = []
+    for _ in range(steps):
+        loss = fn(torch, w)
+        losses.append(float(loss))
+        grads = torch.autograd.grad(loss, list(w.values()))
+        with torch.no_grad():
+            w = {k: (v - 0.1 * gr).requires_grad_(True) for (k, v), gr in zip(w.items(), grads)}
+    return losses, {k: v.detach().numpy() for k, v in w.items()}
+
+
+@pytest.mark.parametrize("scale", ["Mul", "Div", "Mul by Cast(1)"])
+def test_a_weight_scaled_into_a_product_is_not_updated_under_its_reader(scale: str) -> None:
+    """out = Tanh(x·W1)·(W2 ∘ c) with a constant c: onnxruntime's MatMulScaleFusion rewrote the backward
+    product over (W2 ∘ c) into a FusedMatMul reading W2 itself, which then ran after W2's update was written
+    in place (W1 off by 1e-3 after 3 steps); with c a Cast of 1, NoopElimination removed the Mul and its
+    readers read W2 (4e-3). Losses and weights are torch's float64 steps."""
+    rng = np.random.default_rng(0)
+    w1, w2 = (rng.standard_normal(s).astype(np.float32) for s in ((4, 5), (5, 3)))
+    w1 *= 0.5
+    x, y = (rng.standard_normal(s).astype(np.float32) for s in ((2, 3, 4), (2, 3, 3)))
+    f = TensorProto.FLOAT
+    c = {"Mul": 0.5, "Div": 2.0, "Mul by Cast(1)": 1.0}[scale]
+    op = "Div" if scale == "Div" else "Mul"
+    nodes = [helper.make_node("Constant", [], ["c64"], value=onnx.numpy_helper.from_array(np.array(c))),
+             helper.make_node("Cast", ["c64"], ["c"], to=f),
+             helper.make_node("MatMul", ["x", "W1"], ["a"]), helper.make_node("Tanh", ["a"], ["h"]),
+             helper.make_node(op, ["W2", "c"], ["W2s"]), helper.make_node("MatMul", ["h", "W2s"], ["out"]),
+             helper.make_node("Sub", ["out", "y"], ["d"]), helper.make_node("Mul", ["d", "d"], ["d2"]),
+             helper.make_node("ReduceMean", ["d2"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, [2, 3, 4]),
+                                       helper.make_tensor_value_info("y", f, [2, 3, 3])],
+                          [helper.make_tensor_value_info("loss", f, [])],
+                          [onnx.numpy_helper.from_array(w1, "W1"), onnx.numpy_helper.from_array(w2, "W2")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    losses, state = _sgd_run(model, {"x": x, "y": y})
+    tx, ty = (np.asarray(v, np.float64) for v in (x, y))
+
+    def fn(torch, w):
+        w2s = w["W2"] / c if op == "Div" else w["W2"] * c
+        return ((torch.tanh(torch.tensor(tx) @ w["W1"]) @ w2s - torch.tensor(ty)) ** 2).mean()
+
+    want_losses, want = _torch_sgd(fn, {"W1": w1, "W2": w2})
+    np.testing.assert_allclose(losses, want_losses, rtol=2e-6)
+    for k in want:
+        np.testing.assert_allclose(state[k], want[k], rtol=0, atol=2e-6)
+
+
+def test_an_order_through_castlike_alone_does_not_count() -> None:
+    """loss = Σ Gemm(Xᵀ, W, b)·CastLike(2, y): W's update depended on the forward Gemm only through the
+    CastLike's type input, which onnxruntime folds; the Gemm then read the updated W (each loss was the
+    next step's). Torch's float64 steps."""
+    rng = np.random.default_rng(1)
+    w0, b0 = rng.standard_normal((2, 1)).astype(np.float32), np.array([-0.17], np.float32)
+    x = rng.standard_normal((2, 2)).astype(np.float32)
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Transpose", ["X"], ["t"], perm=[1, 0]),
+             helper.make_node("Gemm", ["t", "W", "b"], ["y"], transA=1),
+             helper.make_node("Constant", [], ["two"], value=onnx.numpy_helper.from_array(np.array(2.0))),
+             helper.make_node("CastLike", ["two", "y"], ["k"]), helper.make_node("Mul", ["y", "k"], ["yk"]),
+             helper.make_node("ReduceSum", ["yk"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", f, [2, 2])],
+                          [helper.make_tensor_value_info("loss", f, [])],
+                          [onnx.numpy_helper.from_array(w0, "W"), onnx.numpy_helper.from_array(b0, "b")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    losses, state = _sgd_run(model, {"X": x})
+    tx = np.asarray(x, np.float64)
+    want_losses, want = _torch_sgd(lambda torch, w: ((torch.tensor(tx) @ w["W"] + w["b"]) * 2).sum(),
+                                   {"W": w0, "b": b0})
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for k in want:
+        np.testing.assert_allclose(state[k], want[k], rtol=1e-5)
