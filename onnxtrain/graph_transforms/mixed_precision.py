@@ -72,6 +72,9 @@ FP32_OPS = frozenset({
     # a fake quantizer in float32, as at opset 13 (float32 only there): both nodes read the one float32
     # scale (in half, one of them read a half copy of it, and the pair was no longer one quantizer)
     "QuantizeLinear", "DequantizeLinear",
+    # sequences hold float32 tensors: their element type is not tracked, so what SequenceAt takes out of
+    # one (and the gradients its backward puts in) must be what went in
+    "SplitToSequence", "SequenceConstruct", "SequenceInsert",
 })
 
 #: lookups of a float32 master table stay float32 (their rows are cast like weights)
@@ -251,6 +254,13 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
         out_t = formal_types(schema, len(node.output), outputs=True)
         allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
         half_str = "tensor(float16)" if half == TensorProto.FLOAT16 else "tensor(bfloat16)"
+        one_type = _runs_as_body(node, schema, opset)  # its body needs its float type variables alike
+        if one_type and policy == "follow":
+            floats = [node.input[i] for i, t in enumerate(in_t) if t in allowed and node.input[i]
+                      and orig.get(node.input[i]) == TensorProto.FLOAT]
+            kinds = {kind.get(v, _F32) for v in floats}
+            if _HALF in kinds and _F32 not in kinds:
+                policy = "half"  # a weak member (a constant scale or V) takes the half type with the rest
         for tv in sorted({t for t in (*in_t, *out_t) if t in allowed}):
             if node.op_type == "Dropout" and len(in_t) > 1 and tv == in_t[1]:
                 continue  # the ratio stays float32 (spec §8.2): 0.3 in bfloat16 is 0.30078125
@@ -468,6 +478,15 @@ def _beyond(arr: np.ndarray, half: int, name: str) -> bool:
         warn(f"mixed precision: {name!r} holds {int(big.sum())} value(s) beyond {SUFFIX[half]}'s range "
              f"(e.g. {float(arr[big].flat[0]):.4g}); they saturate to ±{HALF_MAX[half]:.6g}")
     return bool(big.any())
+
+
+def _runs_as_body(node: onnx.NodeProto, schema: onnx.defs.OpSchema, opset: int) -> bool:
+    """Whether ``node`` runs as its ONNX function body (no kernel of its own: RMSNormalization,
+    Attention ...), whose nodes need the node's float inputs to share one type."""
+    from onnxtrain.engine.registry import find_kernel
+
+    has_body = schema.has_function or schema.has_context_dependent_function
+    return has_body and node.domain in DEFAULT_DOMAINS and find_kernel(node.op_type, opset) is None
 
 
 def _schema(node: onnx.NodeProto, opset: int) -> onnx.defs.OpSchema | None:

@@ -205,3 +205,75 @@ def test_infinite_constants_stay_infinite() -> None:
             if n.op_type == "Constant" and n.attribute[0].t.data_type == TensorProto.FLOAT16]
     assert len(half) == 1
     np.testing.assert_array_equal(half[0].astype(np.float32), [-np.inf, -65504.0, 1.5])
+
+
+def _one_step(model: onnx.ModelProto, dtype: str, x: np.ndarray) -> tuple[float, np.ndarray]:
+    """Loss and W's change after one legacy SGD step (lr 0.01, loss scale 1) under ``dtype``."""
+    sess = TrainingSession(model.SerializeToString(), params(dtype, weights_to_train={"W"}))
+    w0 = np.array(sess.get_state()["W"])
+    loss = float(sess.run(["loss"], feeds(sess, x=x))[0])
+    return loss, w0 - sess.get_state()["W"]
+
+
+_n, _a = helper.make_node, numpy_helper.from_array
+
+
+def _split_model(w: np.ndarray) -> tuple:
+    """loss = mean(a·b), a, b = SplitToSequence(x·W) (torch's dynamo export of qkv.split)."""
+    nodes = [_n("MatMul", ["x", "W"], ["h"]),
+             _n("SplitToSequence", ["h", "sizes"], ["seq"], axis=-1),
+             _n("SequenceAt", ["seq", "i0"], ["a"]), _n("SequenceAt", ["seq", "i1"], ["b"]),
+             _n("Mul", ["a", "b"], ["ab"]), _n("ReduceMean", ["ab"], ["loss"], keepdims=0)]
+    inits = [_a(w, "W"), _a(np.array([4, 4], np.int64), "sizes"),
+             _a(np.array(0, np.int64), "i0"), _a(np.array(1, np.int64), "i1")]
+    return nodes, inits, lambda x, W: ((x @ W)[:, :4] * (x @ W)[:, 4:]).mean()
+
+
+def _rms_model(w: np.ndarray) -> tuple:
+    """loss = Σ RMSNorm(x·W, scale = a Constant of 0.5s)·t, as torch's export of a non-affine RMSNorm."""
+    t = np.linspace(-1, 1, 8, dtype=np.float32)
+    nodes = [_n("MatMul", ["x", "W"], ["h"]),
+             _n("Constant", [], ["s"], value=_a(np.full(8, 0.5, np.float32))),
+             _n("RMSNormalization", ["h", "s"], ["y"], epsilon=1e-5),
+             _n("Mul", ["y", "t"], ["yt"]), _n("ReduceSum", ["yt"], ["loss"], keepdims=0)]
+    return nodes, [_a(w, "W"), _a(t, "t")], (
+        lambda x, W: (torch.nn.functional.rms_norm(x @ W, (8,), eps=1e-5) * 0.5 * torch.tensor(t)).sum())
+
+
+def _attention_model(w: np.ndarray) -> tuple:
+    """loss = Σ Attention(x·W, x·W, V constant)·t (4-D, one head)."""
+    rng = np.random.default_rng(3)
+    v, t = (rng.standard_normal((1, 1, 4, 8)).astype(np.float32) for _ in range(2))
+    nodes = [_n("MatMul", ["x", "W"], ["q"]),
+             _n("Constant", [], ["v"], value=_a(v)),
+             _n("Attention", ["q", "q", "v"], ["y"]),
+             _n("Mul", ["y", "t"], ["yt"]), _n("ReduceSum", ["yt"], ["loss"], keepdims=0)]
+    return nodes, [_a(w, "W"), _a(t, "t")], (
+        lambda x, W: (torch.nn.functional.scaled_dot_product_attention(x @ W, x @ W, torch.tensor(v))
+                      * torch.tensor(t)).sum())
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", ["SplitToSequence", "RMSNormalization", "Attention"])
+def test_sequences_and_body_ops_under_mixed_precision(case: str, dtype: str) -> None:
+    """Graphs mixed precision made ill-typed (the sessions refused them): a sequence of half tensors whose
+    SequenceAt was taken as float32 (its gradient inserted float32 into it), and ops run as their ONNX
+    body (RMSNormalization, Attention) whose constant scale or V stayed float32 beside half inputs. The
+    step matches torch's float32 one within the half type's rounding."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((8, 8)) * 0.4).astype(np.float32)
+    nodes, inits, fn = {"SplitToSequence": _split_model, "RMSNormalization": _rms_model,
+                        "Attention": _attention_model}[case](w)
+    shape = [1, 1, 4, 8] if case == "Attention" else [4, 8]
+    x = rng.standard_normal(shape).astype(np.float32)
+    g = helper.make_graph(nodes, case, [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])
+    loss, step = _one_step(model, dtype, x)
+    tw = torch.tensor(w, requires_grad=True)
+    want = fn(torch.tensor(x), tw)
+    want.backward()
+    tol = 2e-2 if dtype == "bfloat16" else 4e-3
+    np.testing.assert_allclose(loss, float(want), rtol=tol, atol=tol)
+    grad = tw.grad.numpy()
+    np.testing.assert_allclose(step / 0.01, grad, rtol=0, atol=4 * tol * np.abs(grad).max())
