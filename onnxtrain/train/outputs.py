@@ -34,6 +34,7 @@ _CKPT = re.compile(r"^step_(\d+)\.ckpt$")
 _TMP_END = (r"(\.[0-9a-f]{8,}\.journal\.tmp)?\.[a-z0-9_]{8}(" + re.escape(TMP_SUFFIX) + "|"
             + re.escape(FRESH_SUFFIX) + ")$")
 _STALE_TMP = re.compile(r"^step_\d+\.ckpt(\.data)?" + _TMP_END)
+_ORPHAN_DATA = re.compile(r"^step_\d+\.ckpt\.data$")
 RUN_OUTPUTS = ("metrics.png", "model.onnx")  # written at the end of a run
 RUN_FILES = ("metrics.jsonl", "config.yaml", *RUN_OUTPUTS)  # every file a run writes next to checkpoints/
 # write_atomic's temporaries of those files
@@ -141,7 +142,8 @@ def remove_stale_temporaries(folder: str) -> list[str]:
     between its renames (a checkpoint and its ``.data`` file, a model and its data: see
     :func:`onnxtrain.ir.io.recover_commits`), saying so on stderr; then delete the partial files,
     temporaries of checkpoints (never loaded: :func:`list_checkpoints` matches whole names only) and of the
-    run's own files (``metrics.jsonl``, ``config.yaml``, ``metrics.png``, ``model.onnx``). Returns the
+    run's own files (``metrics.jsonl``, ``config.yaml``, ``metrics.png``, ``model.onnx``), and the ``.data``
+    of a checkpoint whose main file is gone (a prune or overwrite killed between the two). Returns the
     paths of the files deleted (temporaries, and the journals and backups of those saves)."""
     stale: list[str] = []
     for d, pattern in ((os.path.join(folder, "checkpoints"), _STALE_TMP), (folder, _STALE_RUN_TMP)):
@@ -153,6 +155,9 @@ def remove_stale_temporaries(folder: str) -> list[str]:
             stale += done.removed
             temporaries = [os.path.join(d, f) for f in sorted(os.listdir(d))
                            if pattern.match(f) and os.path.isfile(os.path.join(d, f))]
+            if pattern is _STALE_TMP:  # a pruned checkpoint's .data, its main file deleted before a kill
+                temporaries += [os.path.join(d, f) for f in sorted(os.listdir(d)) if _ORPHAN_DATA.match(f)
+                                and not os.path.lexists(os.path.join(d, f[: -len(".data")]))]
             stale += [f for f in temporaries if remove_unless_held(f)]  # (a live writer's stays)
     return stale
 

@@ -145,14 +145,16 @@ def test_a_load_while_a_save_drops_the_external_data(tmp_path):
 def test_the_cli_start_up_removes_a_killed_saves_fresh_temporary(tmp_path):
     """A save killed in the moment before its temporary is locked leaves `<name>.<8>.onnxtrain.new` (an
     auditor's SIGKILLs left one in 30): the CLI's start-up clean-up matched only `.onnxtrain.tmp`, so it
-    stayed in the run folder for good."""
+    stayed in the run folder for good; so did the .data of a checkpoint a prune deleted the main file of
+    before it was killed."""
     from onnxtrain.train.outputs import remove_stale_temporaries
 
     ckpts = tmp_path / "checkpoints"
     ckpts.mkdir()
     left = [ckpts / "step_00000005.ckpt.a1b2c3d4.onnxtrain.new",
-            tmp_path / "model.onnx.zz9_ab12.onnxtrain.new"]
-    kept = [ckpts / "step_00000005.ckpt", tmp_path / "notes.onnxtrain.new"]
+            tmp_path / "model.onnx.zz9_ab12.onnxtrain.new",
+            ckpts / "step_00000003.ckpt.data"]  # a prune killed between its two deletes
+    kept = [ckpts / "step_00000005.ckpt", ckpts / "step_00000005.ckpt.data", tmp_path / "notes.onnxtrain.new"]
     for f in left + kept:
         f.write_bytes(b"")
     removed = remove_stale_temporaries(str(tmp_path))
