@@ -39,11 +39,19 @@ from onnxtrain.ir.types import np_dtype, np_dtype_of, onnx_elem_type, value_info
 # BatchNormalization then writes its running statistics into the shared buffer, corrupting the
 # initializers it was merged with (scale/bias) from the second run on. Its EliminateDropout deletes a
 # Dropout whose training_mode is a constant true (a forward or inference graph of a model exported in
-# training mode then ran without dropout, where the numpy engine drops). Its GemmSumFusion fails an
-# assertion at load (gemm_sum_fusion.cc: src_arg_index < 2) on a Gemm that reads a node's third output (a
-# Split's v, LayerNormalization's InvStdDev) and feeds a Sum, as a weight's gradient summed over its uses
-# does. All three are always disabled.
-DISABLED_OPTIMIZERS = ("ConstantSharing", "EliminateDropout", "GemmSumFusion")
+# training mode then ran without dropout, where the numpy engine drops). Both are always disabled.
+DISABLED_OPTIMIZERS = ("ConstantSharing", "EliminateDropout")
+
+
+def disabled_optimizers(model: onnx.ModelProto) -> list[str]:
+    """:data:`DISABLED_OPTIMIZERS`, and GemmSumFusion for a graph where a Gemm or MatMul reads a node's third
+    or later output (a Split's v, LayerNormalization's InvStdDev): that fusion then fails an assertion
+    (gemm_sum_fusion.cc, src_arg_index < 2) when the product feeds a Sum, as a weight's gradient summed over
+    its uses does, and the session does not load."""
+    index = {o: k for n in model.graph.node for k, o in enumerate(n.output) if o}
+    late = any(index.get(i, 0) >= 2 for n in model.graph.node if n.op_type in ("Gemm", "MatMul")
+               for i in n.input)
+    return [*DISABLED_OPTIMIZERS, *(["GemmSumFusion"] if late else [])]
 SPIN_KEY = "session.intra_op.allow_spinning"
 ENV_ALLOCATORS_KEY = "session.use_env_allocators"
 STOP_KEY = "session.force_spinning_stop"  # "1": the threads stop spinning as soon as a run ends
@@ -169,7 +177,9 @@ class OrtPlan(GraphInterface):
         self._shapes: tuple | None = None
         self._shrink_options: Any = None
 
-    def _session_options(self, options: Any, model_name: str = "graph") -> Any:
+    def _session_options(self, options: Any, model_name: str = "graph",
+                         ours: Sequence[str] = DISABLED_OPTIMIZERS) -> Any:
+        """onnxruntime's SessionOptions from ``options``, the optimizers ``ours`` disabled."""
         ort = self._ort
         so = ort.SessionOptions()
         level = getattr(options, "graph_optimization_level", None)
@@ -219,7 +229,7 @@ class OrtPlan(GraphInterface):
             so.add_session_config_entry(ENV_ALLOCATORS_KEY, "1")
         if self._follower and STOP_KEY not in config:
             so.add_session_config_entry(STOP_KEY, "1")
-        disabled += [x for x in DISABLED_OPTIMIZERS if x not in disabled]
+        disabled += [x for x in ours if x not in disabled]
         so.add_session_config_entry("session.disable_optimizers", ",".join(disabled))
         return so
 
@@ -250,8 +260,9 @@ class OrtPlan(GraphInterface):
     def _create_session(self, model: onnx.ModelProto, options: Any, names: list[str],
                         opts: list[dict]) -> Any:
         ort = self._ort
-        so = self._session_options(options, model.graph.name or "graph")
-        kw = {"providers": names, "provider_options": opts, "disabled_optimizers": list(DISABLED_OPTIMIZERS)}
+        ours = disabled_optimizers(model)
+        so = self._session_options(options, model.graph.name or "graph", ours)
+        kw = {"providers": names, "provider_options": opts, "disabled_optimizers": ours}
         try:
             return _without_model_bytes(ort.InferenceSession(model.SerializeToString(), so, **kw))
         except Exception as e:
