@@ -4,7 +4,8 @@ A pattern is translated to Python's syntax with RE2's meaning (Unicode mode, who
 matching folds like RE2's but for the Turkish dotted and dotless i): ``\\d``, ``\\w``, ``\\s``, ``\\b`` and
 the POSIX classes ``[[:alpha:]]`` are ASCII, ``$`` matches at the end of the text only, ``a{,3}`` is
 literal, and ``\\z``, ``\\x{...}``, ``\\Q...\\E`` and ``(?<name>...)`` are read. What Python cannot run
-(``\\p{L}`` classes, ``\\C``) is refused with an error naming the pattern.
+(``\\p{L}`` classes, ``\\C``), and what RE2 refuses but Python would run (backreferences, lookaround, atomic
+groups, possessive quantifiers), is refused with an error naming the pattern.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ _POSIX = {"alnum": "0-9A-Za-z", "alpha": "A-Za-z", "ascii": "\\x00-\\x7f", "blan
 _W = "[0-9A-Za-z_]"  # a word boundary's classes do not fold case (the Kelvin sign is no word character)
 _BOUNDARY = {"b": f"(?-i:(?<={_W})(?!{_W})|(?<!{_W})(?={_W}))",
              "B": f"(?-i:(?<={_W})(?={_W})|(?<!{_W})(?!{_W}))"}
+
+
+# what Python's re runs and RE2 refuses (onnxruntime's RegexFullMatch fails on such a pattern)
+_NOT_RE2 = ("(?=", "(?!", "(?<=", "(?<!", "(?P=", "(?>")
+_REPEAT_END = re.compile(r"\{\d+(,\d*)?\}$")  # a pattern so far ending in a counted repetition
 
 
 class _Unsupported(Exception):
@@ -118,6 +124,8 @@ def _translate_re2(p: str) -> str:
                 continue
             elif e in "pPCZ":
                 raise _Unsupported(f"\\{e}")
+            elif e in "123456789":  # RE2 has no backreferences (Python would run one)
+                raise _Unsupported(f"\\{e}: a backreference, which RE2 refuses")
             else:
                 out.append(p[i : i + 2])
             i += 2
@@ -130,6 +138,11 @@ def _translate_re2(p: str) -> str:
         elif c == "{" and not re.match(r"\{\d+(,\d*)?\}", p[i:]):
             out.append("\\{")
             i += 1
+        elif any(p.startswith(t, i) for t in _NOT_RE2):
+            raise _Unsupported(f"{p[i:i + 4]!r}: lookaround, atomic groups and named backreferences, which "
+                               "RE2 refuses")
+        elif p.startswith("+", i + 1) and (c in "*+?" or c == "}" and _REPEAT_END.search(p[:i + 1])):
+            raise _Unsupported(f"{c}+: a possessive quantifier, which RE2 refuses")
         elif p.startswith("(?<", i) and i + 3 < len(p) and p[i + 3] not in "=!":
             out.append("(?P<")
             i += 3

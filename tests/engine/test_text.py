@@ -197,6 +197,25 @@ def test_regex_full_match_refuses_what_python_cannot_compile(pattern: str) -> No
     assert repr(pattern) in str(e.value)
 
 
+@pytest.mark.parametrize("pattern", [r"(a)\1", r"a(?=b)", r"a(?!b)", r"(?<=a)b", r"(?<!a)b",
+                                     r"(?P<n>a)(?P=n)", r"x(?>ab)", r"a*+", r"a++", r"a?+", r"a{2}+"])
+def test_regex_full_match_refuses_what_re2_refuses(pattern: str) -> None:
+    """Backreferences, lookaround, atomic groups and possessive quantifiers: RE2 has none of them, so
+    onnxruntime refuses such a pattern; Python's re ran them (with its own meaning)."""
+    x = _s("abc")
+    with pytest.raises(Exception):  # noqa: B017 (onnxruntime's error class is its own)
+        _ort(_model("RegexFullMatch", [x], {"pattern": pattern}), [x])
+    with pytest.raises(EngineError, match="RegexFullMatch: pattern") as e:
+        _ours(_model("RegexFullMatch", [x], {"pattern": pattern}), [x])
+    assert "RE2 refuses" in str(e.value)
+
+
+@pytest.mark.parametrize("pattern", [r"\{+", r"a}+", r"\++", r"[+*]+", r"a+?b", r"a{2,3}?"])
+def test_regex_full_match_runs_plus_after_literals(pattern: str) -> None:
+    """A + after a literal brace or an escaped plus, or a lazy quantifier, is no possessive one."""
+    _check("RegexFullMatch", [_s("{{", "a}}", "++", "+*", "aab", "aaa")], {"pattern": pattern})
+
+
 # ---------------------------------------------------------------- TfIdfVectorizer
 
 
