@@ -72,10 +72,13 @@ FP32_OPS = frozenset({
     # a fake quantizer in float32, as at opset 13 (float32 only there): both nodes read the one float32
     # scale (in half, one of them read a half copy of it, and the pair was no longer one quantizer)
     "QuantizeLinear", "DequantizeLinear",
-    # sequences hold float32 tensors: their element type is not tracked, so what SequenceAt takes out of
-    # one (and the gradients its backward puts in) must be what went in
-    "SplitToSequence", "SequenceConstruct", "SequenceInsert",
+    # sequences and optionals hold float32 tensors: their element type is not tracked, so what SequenceAt
+    # or OptionalGetElement takes out (and the gradients the backward puts in) must be what went in
+    "SplitToSequence", "SequenceConstruct", "SequenceInsert", "Optional",
 })
+#: ops whose output takes their input's type when they have no ``dtype``: float32 barriers then (their output
+#: is recorded as float32, so their input must be)
+COPIES_INPUT_TYPE = frozenset({"RandomNormalLike", "RandomUniformLike", "Bernoulli", "EyeLike"})
 
 #: lookups of a float32 master table stay float32 (their rows are cast like weights)
 GATHER_OPS = frozenset({"Gather", "GatherElements", "GatherND"})
@@ -248,7 +251,8 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
                     kind[o] = _HALF
             nodes.append(node)
             continue
-        policy = "f32" if node.op_type in f32_set or node.name in keep_nodes else (
+        copies = node.op_type in COPIES_INPUT_TYPE and _attr_int(node, "dtype") is None
+        policy = "f32" if node.op_type in f32_set or node.name in keep_nodes or copies else (
             "half" if node.op_type in half_set else "follow")
         in_t = formal_types(schema, len(node.input), outputs=False)
         out_t = formal_types(schema, len(node.output), outputs=True)
@@ -259,7 +263,9 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
             floats = [node.input[i] for i, t in enumerate(in_t) if t in allowed and node.input[i]
                       and orig.get(node.input[i]) == TensorProto.FLOAT]
             kinds = {kind.get(v, _F32) for v in floats}
-            if _HALF in kinds and _F32 not in kinds:
+            if _F32 in kinds:
+                policy = "f32"  # every member float32 (a half V beside a float32 Q was left half)
+            elif _HALF in kinds:
                 policy = "half"  # a weak member (a constant scale or V) takes the half type with the rest
         for tv in sorted({t for t in (*in_t, *out_t) if t in allowed}):
             if node.op_type == "Dropout" and len(in_t) > 1 and tv == in_t[1]:

@@ -277,3 +277,62 @@ def test_sequences_and_body_ops_under_mixed_precision(case: str, dtype: str) -> 
     np.testing.assert_allclose(loss, float(want), rtol=tol, atol=tol)
     grad = tw.grad.numpy()
     np.testing.assert_allclose(step / 0.01, grad, rtol=0, atol=4 * tol * np.abs(grad).max())
+
+
+def _typed_cases() -> dict[str, tuple[list, list, bool]]:
+    """Graphs whose mixed-precision forward was ill-typed: (nodes, initializers, deterministic)."""
+    rng = np.random.default_rng(0)
+    w = _a((rng.standard_normal((8, 8)) * 0.3).astype(np.float32), "W")
+    t = _a(rng.standard_normal((4, 8)).astype(np.float32), "t")
+    tail = [_n("Mul", ["y", "t"], ["yt"]), _n("ReduceSum", ["yt"], ["loss"], keepdims=0)]
+    mm = _n("MatMul", ["x", "W"], ["h"])
+    return {
+        # an output that takes its input's type at run time (no dtype): recorded float32, fed half
+        "Optional->GroupNormalization": ([
+            mm, _n("Optional", ["h"], ["o"]), _n("OptionalGetElement", ["o"], ["h2"]),
+            _n("Reshape", ["h2", "sh"], ["h3"]),
+            _n("GroupNormalization", ["h3", "S", "Bb"], ["g"], num_groups=2),
+            _n("Reshape", ["g", "shb"], ["y"]), *tail],
+            [w, t, _a(np.ones(8, np.float32), "S"), _a(np.zeros(8, np.float32), "Bb"),
+             _a(np.array([4, 8, 1], np.int64), "sh"), _a(np.array([4, 8], np.int64), "shb")], True),
+        "RandomNormalLike": ([mm, _n("RandomNormalLike", ["h"], ["n"], scale=0.01),
+                              _n("Softmax", ["h"], ["s"]), _n("Add", ["s", "n"], ["y"]), *tail],
+                             [w, t], False),
+        "Bernoulli": ([mm, _n("Sigmoid", ["h"], ["p"]), _n("Bernoulli", ["p"], ["m"]),
+                       _n("Exp", ["h"], ["e"]), _n("Mul", ["e", "m"], ["y"]), *tail], [w, t], False),
+        "EyeLike": ([_n("MatMul", ["W", "W"], ["ww"]), _n("EyeLike", ["ww"], ["e"]),
+                     _n("Softmax", ["W"], ["sw"]), _n("Add", ["e", "sw"], ["m"]),
+                     _n("MatMul", ["x", "m"], ["y"]), *tail], [w, t], True),
+        # an op run as its body whose members mix float32 and half: a float32 Q/K beside a half V
+        "Attention(float32 Q, half V)": ([
+            mm, _n("Softmax", ["x"], ["q"]), _n("Unsqueeze", ["q", "ax"], ["q4"]),
+            _n("Unsqueeze", ["h", "ax"], ["v4"]), _n("Attention", ["q4", "q4", "v4"], ["y4"]),
+            _n("Squeeze", ["y4", "ax"], ["y"]), *tail], [w, t, _a(np.array([0, 1], np.int64), "ax")], True),
+        # a float32 X beside a half scale
+        "RMSNormalization(float32 X, half scale)": ([
+            _n("LogSoftmax", ["x"], ["ls"]), _n("RMSNormalization", ["ls", "W8"], ["r"]),
+            _n("MatMul", ["r", "W"], ["y"]), *tail], [w, t, _a(np.ones(8, np.float32), "W8")], True),
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(_typed_cases()))
+def test_mixed_precision_keeps_graphs_well_typed(case: str, dtype: str) -> None:
+    """Each forward graph mixed precision writes passes onnx.checker (full_check); the legacy session trains
+    two steps where it refused the model, and a deterministic model's losses are the float32 ones within the
+    half type's rounding."""
+    from onnxtrain.graph_transforms.mixed_precision import mixed_precision
+
+    nodes, inits, deterministic = _typed_cases()[case]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])
+    onnx.checker.check_model(mixed_precision(model, "loss", dtype), full_check=True)
+    x = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
+    runs = {}
+    for dt in (None, dtype):
+        sess = TrainingSession(model.SerializeToString(), params(dt, weights_to_train={"W"}))
+        runs[dt] = [float(sess.run(["loss"], feeds(sess, x=x))[0]) for _ in range(2)]
+    assert np.isfinite(runs[dtype]).all()
+    if deterministic:
+        np.testing.assert_allclose(runs[dtype], runs[None], rtol=3e-2, atol=3e-2)
