@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import onnx
@@ -271,20 +271,21 @@ class Plan(GraphInterface):
         try:
             return st.fn(vals, st.attrs)
         except Exception as e:
-            raise Plan._failed(st, vals, e) from e
+            Plan._raise_failed(st, vals, e)
 
     @staticmethod
-    def _failed(st: Step, vals: list[Any], e: Exception) -> EngineError:
-        """The error to raise for step ``st`` that failed on inputs ``vals`` with ``e``: ``e`` itself when it
-        is already an EngineError (a body's, a Terminated), else one naming the node and its inputs."""
+    def _raise_failed(st: Step, vals: list[Any], e: Exception) -> NoReturn:
+        """Raise for step ``st`` that failed on inputs ``vals`` with ``e`` (the step is not run again: it may
+        have written in place, drawn, or run a loop): ``e`` itself when it is already an EngineError (a
+        body's, a Terminated), else an EngineError naming the node and its inputs, caused by ``e``."""
         if isinstance(e, EngineError):
-            return e
+            raise e
         node = st.node
         shapes = ", ".join(f"{n or '<none>'}: {_describe(v)}" for n, v in zip(node.input, vals))
         made = next((o for o in node.output if o), "")
         label = repr(node.name) if node.name or not made else f"(unnamed, making {made!r})"
-        return EngineError(f"node {label} ({node.op_type}) failed on inputs [{shapes}]: "
-                           f"{type(e).__name__}: {e}")
+        raise EngineError(f"node {label} ({node.op_type}) failed on inputs [{shapes}]: "
+                          f"{type(e).__name__}: {e}") from e
 
     def run(
         self,
@@ -378,9 +379,8 @@ class Plan(GraphInterface):
                 args = get(vals) if get is not None else [vals[in1]] if in1 >= 0 else []
                 try:
                     res = fn(args, attrs)
-                except Exception as e:  # not run again: it may have written in place, drawn, or run a loop
-                    failed = self._failed(st, args, e)
-                    raise failed from (None if failed is e else e)
+                except Exception as e:
+                    self._raise_failed(st, args, e)
                 if out1 >= 0:  # one output (the common case)
                     r = vals[out1] = res[0]
                     try:
@@ -464,8 +464,7 @@ class Plan(GraphInterface):
                 else:
                     res = fn(args, attrs)
             except Exception as e:
-                failed = self._failed(st, args, e)
-                raise failed from (None if failed is e else e)
+                self._raise_failed(st, args, e)
             t1 = time.perf_counter_ns()
             if bodies:
                 peak = max(peak, live + fn.extra_bytes)
