@@ -120,26 +120,27 @@ def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     g = model.graph
     operands = {i for n in g.node if n.op_type in NEUTRAL for i in n.input}
     producer = {o: n for n in g.node for o in n.output if o}
-    chains: dict[str, list[onnx.NodeProto]] = {}  # operand -> the Casts/Identities from its constant up
-    for v in operands:
-        chain, u = [], v
-        while u in producer and producer[u].op_type in ("Cast", "Identity"):
-            chain.append(producer[u])
-            u = producer[u].input[0]
-        chains[v] = chain
-    starts = {v: (c[-1].input[0] if c else v) for v, c in chains.items()}
-    found = constant_arrays(g, set(starts.values()), fed_initializers(model))
+    walks = {v: _cast_chain(v, producer) for v in operands}
+    found = constant_arrays(g, {start for start, _ in walks.values()}, fed_initializers(model))
     values = {}
-    for v, u in starts.items():
-        if u not in found:
-            continue
-        a = found[u]
-        for c in reversed(chains[v]):
-            to = next((x.i for x in c.attribute if x.name == "to"), None)
-            if to is not None:  # a Cast (an Identity passes the value)
+    for v, (start, casts) in walks.items():
+        if start in found:
+            a = found[start]
+            for to in casts:
                 a = a.astype(onnx.helper.tensor_dtype_to_np_dtype(to))
-        values[v] = a
+            values[v] = a
     return values
+
+
+def _cast_chain(name: str, producer: Mapping[str, onnx.NodeProto]) -> tuple[str, list[int]]:
+    """The value ``name`` is made from through Casts and Identities, and the Casts' types in the order they
+    apply."""
+    casts: list[int] = []
+    while name in producer and producer[name].op_type in ("Cast", "Identity"):
+        node = producer[name]
+        casts += [a.i for a in node.attribute if a.name == "to"]
+        name = node.input[0]
+    return name, casts[::-1]
 
 
 def _scale_of_a_product(node: onnx.NodeProto, consts: Mapping[str, np.ndarray],
