@@ -133,8 +133,6 @@ def test_an_order_through_a_shape_alone_does_not_count() -> None:
     forward Gemm was an ancestor of W's update only through Shape(y) (ReduceSum's gradient), which
     onnxruntime folds when shapes are static; it then ran the update first and the Gemm read the new W (each
     step's loss was the next step's). The losses and weights are those of float64 steps by hand."""
-    from onnxtrain import SessionOptions, TrainingParameters, TrainingSession
-
     w0, b0 = np.array([[0.45], [-0.53]], np.float32), np.array([-0.17], np.float32)
     nodes = [helper.make_node("Transpose", ["X"], ["t"], perm=[1, 0]),
              helper.make_node("Gemm", ["t", "W", "b"], ["y"], transA=1),
@@ -144,30 +142,21 @@ def test_an_order_through_a_shape_alone_does_not_count() -> None:
                           [onnx.numpy_helper.from_array(w0, "W"), onnx.numpy_helper.from_array(b0, "b")])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     x = np.random.default_rng(1).standard_normal([2, 2]).astype(np.float32)
-    p = TrainingParameters()
-    p.loss_output_name, p.training_optimizer_name = "loss", "SGDOptimizer"
-    so = SessionOptions()
-    so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
-    sess = TrainingSession(model.SerializeToString(), p, so)
+    losses, state = _sgd_run(model, {"X": x})
     w, b = w0.astype(np.float64), b0.astype(np.float64)
-    for _ in range(3):
-        got = sess.run(["loss"], {"X": x, "Learning_Rate": np.array([0.1], np.float32)})[0]
+    for got in losses:
         np.testing.assert_allclose(got, np.sum(x @ w + b), rtol=1e-5)
         w, b = w - 0.1 * x.T.sum(axis=1, keepdims=True), b - 0.1 * 2
-    state = sess.get_state()
     np.testing.assert_allclose(state["W"], w, rtol=1e-5)
     np.testing.assert_allclose(state["b"], b, rtol=1e-5)
 
 
 def _sgd_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], steps: int = 3):
     """Losses and final weights of ``steps`` legacy SGD steps (lr 0.1) on the onnxruntime backend."""
-    from onnxtrain import SessionOptions, TrainingParameters, TrainingSession
+    from onnxtrain import TrainingSession
+    from tests.session.helpers import backend_options, params
 
-    p = TrainingParameters()
-    p.loss_output_name, p.training_optimizer_name = "loss", "SGDOptimizer"
-    so = SessionOptions()
-    so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
-    sess = TrainingSession(model.SerializeToString(), p, so)
+    sess = TrainingSession(model.SerializeToString(), params(), backend_options("onnxruntime"))
     losses = [float(sess.run(["loss"], {**feeds, "Learning_Rate": np.array([0.1], np.float32)})[0])
               for _ in range(steps)]
     return losses, sess.get_state()
