@@ -153,11 +153,12 @@ def remove_stale_temporaries(folder: str) -> list[str]:
                 print(f"onnxtrain: warning: put back {f} as it was before the save a killed run left "
                       "half done (with the other files of that save)", file=sys.stderr)
             stale += done.removed
-            temporaries = [os.path.join(d, f) for f in sorted(os.listdir(d))
+            names = sorted(os.listdir(d))
+            temporaries = [os.path.join(d, f) for f in names
                            if pattern.match(f) and os.path.isfile(os.path.join(d, f))]
             if pattern is _STALE_TMP:  # a pruned checkpoint's .data, its main file deleted before a kill
-                temporaries += [os.path.join(d, f) for f in sorted(os.listdir(d)) if _ORPHAN_DATA.match(f)
-                                and not os.path.lexists(os.path.join(d, f[: -len(".data")]))]
+                temporaries += [os.path.join(d, f) for f in names if _ORPHAN_DATA.match(f)
+                                and f[: -len(".data")] not in names]
             stale += [f for f in temporaries if remove_unless_held(f)]  # (a live writer's stays)
     return stale
 
