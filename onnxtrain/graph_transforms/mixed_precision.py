@@ -44,6 +44,7 @@ from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.graph_transforms.clipping import global_norm
 from onnxtrain.ir.builder import NameGen, NodeWriter, elem_type, model_opset, value_types
 from onnxtrain.ir.elem_types import formal_types
+from onnxtrain.ir.functions import has_function
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, body_reads, rename_values, subgraphs
 from onnxtrain.ir.types import np_dtype
 from onnxtrain.user_warning import warn
@@ -258,7 +259,7 @@ def mixed_precision(model: onnx.ModelProto, loss: str, dtype: Any = "float16", *
         out_t = formal_types(schema, len(node.output), outputs=True)
         allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
         half_str = "tensor(float16)" if half == TensorProto.FLOAT16 else "tensor(bfloat16)"
-        one_type = _runs_as_body(node, schema, opset)  # its body needs its float type variables alike
+        one_type = _runs_as_body(node, opset)  # its body needs its float type variables alike
         if one_type and policy == "follow":
             floats = [node.input[i] for i, t in enumerate(in_t) if t in allowed and node.input[i]
                       and orig.get(node.input[i]) == TensorProto.FLOAT]
@@ -486,13 +487,13 @@ def _beyond(arr: np.ndarray, half: int, name: str) -> bool:
     return bool(big.any())
 
 
-def _runs_as_body(node: onnx.NodeProto, schema: onnx.defs.OpSchema, opset: int) -> bool:
+def _runs_as_body(node: onnx.NodeProto, opset: int) -> bool:
     """Whether ``node`` runs as its ONNX function body (no kernel of its own: RMSNormalization,
-    Attention ...), whose nodes need the node's float inputs to share one type."""
+    Attention ...), whose nodes need the node's float inputs to share one type. (The ops with a body
+    and no kernel are those with a body and no gradient rule: the gradient builder expands the same.)"""
     from onnxtrain.engine.registry import find_kernel
 
-    has_body = schema.has_function or schema.has_context_dependent_function
-    return has_body and node.domain in DEFAULT_DOMAINS and find_kernel(node.op_type, opset) is None
+    return has_function(node.op_type, opset, node.domain) and find_kernel(node.op_type, opset) is None
 
 
 def _schema(node: onnx.NodeProto, opset: int) -> onnx.defs.OpSchema | None:
