@@ -15,6 +15,7 @@ import pytest
 
 from onnxtrain import GradientGraphBuilder, SessionOptions
 from onnxtrain.errors import Fail
+from onnxtrain.ir.io import TMP_SUFFIX
 from onnxtrain.training import onnxblock
 from onnxtrain.training.api import CheckpointState
 from onnxtrain.zoo import mlp
@@ -32,7 +33,7 @@ def _full_disk(monkeypatch) -> None:
     real = os.fsync
 
     def fsync(fd: int) -> None:
-        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).endswith(".onnxtrain.tmp"):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(TMP_SUFFIX):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(fd)
 
