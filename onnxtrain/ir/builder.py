@@ -20,6 +20,7 @@ from onnxtrain.ir.graphs import (
     walk_graphs,
 )
 from onnxtrain.ir.reshapes import refined_reshapes
+from onnxtrain.ir.same_shapes import refined_same_shapes
 from onnxtrain.ir.shape_values import ShapeValues
 from onnxtrain.ir.slices import refined_slices
 from onnxtrain.ir.types import np_dtype
@@ -285,12 +286,13 @@ _SLICE_ROUNDS = 4
 
 
 def _refined(model: onnx.ModelProto, types: dict[str, onnx.TypeProto]) -> list[onnx.ValueInfoProto]:
-    """The Slice and Reshape outputs' dims learnt from the shape values ``types`` lets read, and the
-    ConvTranspose outputs' dims where inference's differ from the kernel's."""
+    """The Slice and Reshape outputs' dims learnt from the shape values ``types`` lets read, the
+    ConvTranspose outputs' dims where inference's differ from the kernel's, and the types of the outputs
+    inference leaves unknown though they are their input's (GroupNormalization)."""
     opset = model_opset(model)
     values = ShapeValues(model, types, opset, fed_initializers(model))
     return [*refined_slices(model, types, opset, values), *refined_reshapes(model, types, values),
-            *refined_conv_transposes(model, types)]
+            *refined_conv_transposes(model, types), *refined_same_shapes(model, types)]
 
 
 def _inferred_types(model: onnx.ModelProto, skeleton: onnx.ModelProto,

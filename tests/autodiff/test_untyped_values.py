@@ -1,6 +1,7 @@
 """Gradients through values that ONNX shape inference leaves untyped (GroupNormalization-21 in an IR 8 model):
 their element type comes from the schemas, so a float64 graph gets float64 gradient constants (a float32 one
-made the gradient graph invalid: the checker, onnxruntime and onnxtrain refused it)."""
+made the gradient graph invalid: the checker, onnxruntime and onnxtrain refused it), and their shape from
+their input's (the rules and function bodies after them need a rank and a type)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,14 @@ def group_norm_model() -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=8)
 
 
+def onnx_inferred_types(m: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    g = onnx.shape_inference.infer_shapes(m).graph
+    return {v.name: v.type for v in (*g.value_info, *g.input, *g.output)}
+
+
 def test_schema_types_fill_what_inference_left() -> None:
     m = group_norm_model()
-    types = value_types(m)
+    types = onnx_inferred_types(m)
     assert elem_type(types, "y") == TensorProto.UNDEFINED  # the premise: inference cannot type it
     fill_elem_types(m, types)
     assert [elem_type(types, v) for v in ("y", "l1", "sy", "l2")] == [TensorProto.DOUBLE] * 4
@@ -92,3 +98,60 @@ def test_loop_outputs_are_not_typed_from_their_first_carried_value() -> None:
     (torch.sin(torch.sin(y)) ** 2).sum().backward()
     for k, v in zip(("a", "s", "b"), got):
         np.testing.assert_allclose(v, t[k].grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def normalization_chain() -> onnx.ModelProto:
+    """GroupNormalization → MeanVarianceNormalization → InstanceNormalization → RMSNormalization at opset
+    23, float32 (MeanVarianceNormalization's function body adds a float32 epsilon): ONNX inference types none
+    of the values after the first (InstanceNormalization's rule needs a rank, RMSNormalization's function body
+    a type)."""
+    d = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("GroupNormalization", ["a", "s", "b"], ["y"], num_groups=2),
+        helper.make_node("MeanVarianceNormalization", ["y"], ["m"], axes=[0, 2]),
+        helper.make_node("InstanceNormalization", ["m", "s2", "b2"], ["i"]),
+        helper.make_node("RMSNormalization", ["i", "r"], ["z"], axis=-1),
+        helper.make_node("Sin", ["z"], ["sz"]),
+        helper.make_node("Mul", ["sz", "z"], ["p"]),
+        helper.make_node("ReduceSum", ["p"], ["loss"], keepdims=0),
+    ]
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph(
+        nodes, "g",
+        [vi("a", d, ["N", 4, 5]), vi("s", d, [4]), vi("b", d, [4]), vi("s2", d, [4]), vi("b2", d, [4]),
+         vi("r", d, [5])],
+        [vi("loss", d, [])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])
+
+
+def test_normalization_outputs_take_their_inputs_shape() -> None:
+    m = normalization_chain()
+    assert elem_type(onnx_inferred_types(m), "i") == TensorProto.UNDEFINED  # the premise
+    types = value_types(m)
+    for v in ("y", "m", "i", "z"):
+        t = types[v].tensor_type
+        assert t.elem_type == TensorProto.FLOAT
+        assert [d.dim_param or d.dim_value for d in t.shape.dim] == ["N", 4, 5], v
+
+
+def test_gradients_after_group_normalization_vs_torch() -> None:
+    m = normalization_chain()
+    names = ["a", "s", "b", "s2", "b2", "r"]
+    gm = build_gradient_model(m, "loss", names)
+    onnx.checker.check_model(gm, full_check=True)
+    rng = np.random.default_rng(1)
+    shapes = {"a": (3, 4, 5), "s": (4,), "b": (4,), "s2": (4,), "b2": (4,), "r": (5,)}
+    feeds = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    got = compile_model(gm).run(feeds, [f"{k}_grad" for k in names])
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in feeds.items()}
+    y = torch.nn.functional.group_norm(t["a"], 2, t["s"], t["b"], eps=1e-5)
+    mean = y.mean(dim=(0, 2), keepdim=True)
+    var = (y * y).mean(dim=(0, 2), keepdim=True) - mean * mean
+    mv = (y - mean) / (torch.sqrt(var) + 1e-9)
+    i = torch.nn.functional.instance_norm(mv, weight=t["s2"], bias=t["b2"], eps=1e-5)
+    z = torch.nn.functional.rms_norm(i, (5,), t["r"], eps=1e-5)
+    (torch.sin(z) * z).sum().backward()
+    # InstanceNormalization removes s and b: their gradients are float32 noise around 0
+    scale = max(float(np.abs(t[k].grad.numpy()).max()) for k in names)
+    for k, v in zip(names, got):
+        np.testing.assert_allclose(v, t[k].grad.numpy(), rtol=1e-4, atol=2e-5 * scale, err_msg=k)
