@@ -63,6 +63,10 @@ class InvalidFeedType(InvalidArgument, TypeError):
     """A feed of the wrong element type or kind."""
 
 
+class NoneFed(InvalidFeed, Fail):
+    """None fed to a tensor input: onnxruntime's ``Fail`` ("Missing Input"), and an ``InvalidFeed``."""
+
+
 class ModelNotFound(NoSuchFile, FileNotFoundError):
     """A model path that does not exist."""
 

@@ -31,7 +31,14 @@ from onnxtrain.engine.interface import (
     load_model,
     without_values,
 )
-from onnxtrain.errors import Fail, FailValueError, InvalidFeed, InvalidFeedType, raises_as_onnxruntime
+from onnxtrain.errors import (
+    Fail,
+    FailValueError,
+    InvalidFeed,
+    InvalidFeedType,
+    NoneFed,
+    raises_as_onnxruntime,
+)
 from onnxtrain.ir.builder import refuse_unloadable
 from onnxtrain.ir.graphs import model_for_outputs, path_to
 from onnxtrain.ir.io import write_atomic
@@ -145,16 +152,8 @@ class FeedChecker:
 
 def _tensor_feed(name: str, v: Any, dtype: np.dtype | None, shape: list | None) -> np.ndarray:
     """The array fed to tensor input ``name`` of ``dtype`` and ``shape`` (either None when not declared):
-    a list or a Python scalar takes the input's type, as in onnxruntime; another dtype or rank is refused."""
-    a = v.numpy() if isinstance(v, OrtValue) else v
-    if not isinstance(a, np.ndarray):
-        keep = dtype is None or isinstance(a, np.generic)
-        try:
-            a = np.asarray(a) if keep else np.asarray(a, dtype=dtype)
-        except (OverflowError, ValueError, TypeError) as e:  # a RuntimeError, as onnxruntime's
-            kind = "" if dtype is None else f" of {dtype}"
-            raise InvalidFeedType(f"input {name!r}: could not create a tensor{kind} from the value given: "
-                                  f"{e}") from None
+    :func:`feed_array`; another dtype or rank is refused."""
+    a = feed_array(name, v.numpy() if isinstance(v, OrtValue) else v, dtype)
     if dtype == np.dtype(object):  # str, bytes, raw bytes or other objects: str, as onnxruntime
         a = _as_strings(a)
     if dtype is not None and a.dtype != dtype:
@@ -164,6 +163,27 @@ def _tensor_feed(name: str, v: Any, dtype: np.dtype | None, shape: list | None) 
     if shape is not None:
         check_feed_shape(name, a, shape)
     return a
+
+
+def feed_array(name: str, v: Any, dtype: np.dtype | None) -> np.ndarray:
+    """``v`` fed to tensor input ``name`` of ``dtype`` (None when not declared) as an array, its dtype not yet
+    checked: a list, a tuple or a Python number takes the input's type, as in onnxruntime; an array or an
+    object that carries its own dtype (a numpy scalar, a torch tensor, anything with ``__array__``) keeps it.
+    None, and str or bytes for a numeric input, are refused (numpy would read them as NaN and as numbers)."""
+    if isinstance(v, np.ndarray):
+        return v
+    if v is None:
+        raise NoneFed(f"input {name!r}: None was fed; feed a tensor, or leave out an optional input")
+    numeric = dtype is not None and dtype != np.dtype(object)
+    if numeric and isinstance(v, (str, bytes)):
+        raise InvalidFeedType(f"input {name!r}: a {type(v).__name__} was fed to a tensor of {dtype}")
+    takes_type = numeric and not isinstance(v, np.generic) and isinstance(v, (list, tuple, bool, int, float))
+    try:
+        return np.asarray(v, dtype=dtype) if takes_type else np.asarray(v)
+    except (OverflowError, ValueError, TypeError) as e:  # a RuntimeError, as onnxruntime's
+        kind = "" if dtype is None else f" of {dtype}"
+        raise InvalidFeedType(f"input {name!r}: could not create a tensor{kind} from the value given: "
+                              f"{e}") from None
 
 
 def check_feed_shape(name: str, a: np.ndarray, shape: Sequence[int | str | None]) -> None:

@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxtrain.capi.ortvalue import OrtValue
 from onnxtrain.errors import InvalidFeed, InvalidFeedType
+from onnxtrain.inference import feed_array
 from onnxtrain.ir.builder import refuse_unloadable
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
@@ -65,16 +67,9 @@ class InputSpec:
     def check(self, value: Any) -> np.ndarray:
         """``value`` as an array of the right dtype and shape; InvalidFeedType / InvalidFeed (also TypeError /
         ValueError) name the input."""
-        if isinstance(value, np.ndarray):
-            arr = value
-        elif hasattr(value, "numpy") and callable(value.numpy):  # OrtValue and friends
-            arr = np.asarray(value.numpy())
-        else:  # lists and Python scalars take the declared type
-            try:
-                arr = np.asarray(value, dtype=self.dtype)
-            except (TypeError, ValueError) as e:
-                raise InvalidFeedType(f"input {self.name!r}: cannot convert {type(value).__name__} to "
-                                f"{self.dtype}: {e}") from None
+        if isinstance(value, OrtValue):
+            value = value.numpy()
+        arr = feed_array(self.name, value, self.dtype)
         if self.dtype == np.dtype(object) and arr.dtype.kind in "US":  # numpy strings for a string input
             arr = arr.astype(object)
         if self.dtype is not None and arr.dtype != self.dtype:
