@@ -206,6 +206,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         model = load_with_options(path_or_bytes, self._sess_options)
         refuse_unloadable(model)
         self._loaded_ns = time.perf_counter_ns()
+        _check_user_links(model)  # before the gradient is built: a broken link is not a gradient problem
         if self._backend == "numpy":  # the user's nodes first: an error names them, not the training graph's
             _check_user_nodes(model)
 
@@ -677,6 +678,14 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                     v = next((x for x in inferred.graph.value_info if x.name == output_name), None)
                 return v is not None and v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
         raise InvalidFeed(f"{output_name!r} is not produced by any node of the training graph")
+
+
+def _check_user_links(model: onnx.ModelProto) -> None:
+    """Raise, naming the node, for a value of the user's ``model`` that nothing gives or an op ONNX does not
+    define."""
+    from onnxtrain.engine.node_checks import check_graph_links
+
+    check_graph_links(model)
 
 
 def _check_user_nodes(model: onnx.ModelProto) -> None:

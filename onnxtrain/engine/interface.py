@@ -33,6 +33,15 @@ class ModelParseError(EngineError, InvalidProtobuf):
     """Bytes or a file that do not parse as an ONNX model (onnxruntime's ``InvalidProtobuf``)."""
 
 
+class NoGraphError(ModelParseError, InvalidArgument):
+    """Empty model bytes or file: onnxruntime's ``InvalidArgument`` ("No graph was found")."""
+
+
+class MissingOpsetImport(EngineError, InvalidGraph):
+    """A model that imports no opset, or a node of a domain the model does not import (onnxruntime's
+    ``Fail`` and ``InvalidGraph`` at load)."""
+
+
 class UnsupportedOpError(EngineError, NotImplementedError):
     """The graph holds an op that has no kernel (yet)."""
 
@@ -90,7 +99,25 @@ def load_model(model: onnx.ModelProto | str | bytes | os.PathLike,
     ``session.model_external_initializers_file_folder_path``); initializers named in ``supplied`` are not
     read (their values come from elsewhere: ``SessionOptions.add_external_initializers``)."""
     m = _text_names(_loaded(model, external_dir, supplied))
+    if not isinstance(model, onnx.ModelProto):
+        check_opset_imports(m, model if isinstance(model, (str, os.PathLike)) else None)
     return inline_local_functions(m)
+
+
+def check_opset_imports(model: onnx.ModelProto, path: str | os.PathLike | None = None) -> None:
+    """Refuse, as onnxruntime does, a model that imports no opset and a node (bodies and local functions'
+    included) of a domain neither the model nor a local function imports."""
+    where = f"model file {os.fspath(path)}" if path is not None else "the model bytes"
+    if not model.opset_import:
+        raise MissingOpsetImport(f"{where}: the model imports no opset (opset_import); an ONNX model must "
+                                 "import at least one, naming the ONNX version its nodes are written for")
+    imported = {o.domain for o in model.opset_import} | {o.domain for f in model.functions
+                                                        for o in f.opset_import}
+    for n in _all_nodes(model):
+        if n.domain not in imported and n.domain not in DEFAULT_DOMAINS:
+            label = repr(n.name) if n.name else f"writing {list(n.output)}"
+            raise MissingOpsetImport(f"{where}: node {label} ({n.domain}.{n.op_type}): the model has no "
+                                     f"opset import for domain {n.domain!r}")
 
 
 def _all_graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
@@ -216,7 +243,7 @@ def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike, external_dir: st
         except Exception as e:
             raise ModelParseError(f"could not parse the model bytes ({len(model)} bytes): {e}") from None
         if not m.graph.node and not m.graph.output:
-            raise ModelParseError(f"the model bytes ({len(model)} bytes) hold no graph")
+            raise NoGraphError(f"the model bytes ({len(model)} bytes) hold no graph")
         if _external_tensors(m):  # from the working directory, as onnxruntime, or the folder given
             where = "the model bytes (give the data's folder as the session config entry " \
                     "session.model_external_initializers_file_folder_path)"
@@ -230,7 +257,7 @@ def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike, external_dir: st
     except Exception as e:
         raise ModelParseError(f"could not load model file {path}: {e}") from None
     if not m.graph.node and not m.graph.output:  # (an empty file parses as an empty model)
-        raise ModelParseError(f"model file {path} ({os.path.getsize(path)} bytes) holds no graph")
+        raise NoGraphError(f"model file {path} ({os.path.getsize(path)} bytes) holds no graph")
     if _external_tensors(m):  # read here: onnx's loader refuses data files that are symbolic links
         _read_external(m, os.path.dirname(os.path.abspath(path)), f"model file {path}", supplied)
     return m

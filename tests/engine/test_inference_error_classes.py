@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
@@ -49,9 +50,21 @@ def test_api_misuse_is_a_runtime_error(lib: Any, case: str) -> None:
         CASES[case](lib)
 
 
+def _without_opset_import(model: bytes) -> bytes:
+    m = onnx.load_from_string(model)
+    del m.opset_import[:]
+    return m.SerializeToString()
+
+
 LOAD_CASES = {  # model → the class of onnxruntime's error at load
     "op_onnx_does_not_define": (_model(helper.make_node("FooBar", ["X"], ["Y"]), [2]), "InvalidGraph"),
     "input_nothing_defines": (_model(helper.make_node("Add", ["X", "Q"], ["Y"]), [2]), "InvalidArgument"),
+    # it loaded at the newest opset (a guess that changes what old ops mean)
+    "no_opset_import": (_without_opset_import(RELU), "Fail"),
+    # a Fail saying "no kernel", not that the import is missing
+    "domain_not_imported": (_model(helper.make_node("Relu", ["X"], ["Y"], domain="my.domain"), [2]),
+                            "InvalidGraph"),
+    "empty_bytes": (b"", "InvalidArgument"),  # was an InvalidProtobuf only
 }
 
 
@@ -62,6 +75,13 @@ def test_a_bad_graph_is_refused_with_onnxruntimes_error_class(case: str) -> None
         ort.InferenceSession(model, providers=CPU)
     with pytest.raises(getattr(ot_state, cls)):
         onnxtrain.InferenceSession(model)
+
+
+@pytest.mark.parametrize("case,pattern", [("no_opset_import", "imports no opset"),
+                                          ("domain_not_imported", "no opset import for domain 'my.domain'")])
+def test_opset_import_errors_say_so(case: str, pattern: str) -> None:
+    with pytest.raises(RuntimeError, match=pattern):
+        onnxtrain.InferenceSession(LOAD_CASES[case][0])
 
 
 @pytest.mark.parametrize("lib", LIBS)

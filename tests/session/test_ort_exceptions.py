@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnxtrain import InferenceSession, TrainingSession
+from onnxtrain import InferenceSession, SessionOptions, TrainingSession
 from onnxtrain.capi import _pybind_state as C
 from tests.session.helpers import batches, mlp_model, params
 
@@ -149,3 +149,20 @@ def test_a_wrong_output_buffer_fails_before_the_run() -> None:
     after = sess.get_state()
     for k in before:
         np.testing.assert_array_equal(after[k], before[k])
+
+
+@pytest.mark.parametrize("break_it,cls,pattern", [
+    (lambda m: m.graph.node[1].input.__setitem__(0, "zz"), "InvalidArgument",
+     r"node #1 \(unnamed\) \(Relu\): input 'zz' is not produced"),
+    (lambda m: setattr(m.graph.node[1], "op_type", "Reluu"), "InvalidGraph",
+     r"node #1 \(unnamed\) \(Reluu\): ONNX defines no op 'Reluu'"),
+], ids=["undefined-input", "unknown-op"])
+def test_graph_defects_are_load_errors_not_gradient_errors(break_it, cls: str, pattern: str) -> None:
+    """(they were a Fail saying no weight reaches the loss, or that Reluu has no gradient rule)"""
+    m = mlp_model()
+    break_it(m)
+    for backend in ("numpy", "onnxruntime"):
+        so = SessionOptions()
+        so.add_session_config_entry("onnxtrain.backend", backend)
+        with pytest.raises(getattr(C, cls), match=pattern):
+            TrainingSession(m.SerializeToString(), params("SGDOptimizer"), so)
