@@ -87,6 +87,24 @@ def test_seed_attribute_matches_numpy_legacy_seeding_and_ignores_set_dropout_see
     set_dropout_seed(None)
 
 
+@pytest.mark.parametrize("ratio", [0.9999, 0.99999, 1e-5, 0.01, 0.1])
+def test_dropout_keeps_each_value_with_probability_one_minus_ratio(ratio: float) -> None:
+    """The number kept out of 2**24 is within 5 standard deviations of Binomial(2**24, 1 - ratio) (16
+    random bits per value kept 256 at 0.99999 where 168 is expected, and dropped none at 1e-5), and the kept
+    values are scaled by 1 / (1 - ratio): the mean stays 1."""
+    set_dropout_seed(5)
+    try:
+        n = 1 << 24
+        y, m = compile_model(_dropout_model(ratio=ratio)).run({"x": np.ones(n, np.float32)})
+    finally:
+        set_dropout_seed(None)
+    r = float(np.float32(ratio))  # the ratio the model holds
+    dropped = n - int(m.sum())
+    mean, sd = n * r, (n * r * (1 - r)) ** 0.5
+    assert abs(dropped - mean) <= 5 * sd + 1, (dropped, mean, sd)
+    np.testing.assert_allclose(y[m], np.float32(1 / (1 - r)), rtol=1e-6)
+
+
 def test_dropout_inference_is_identity_with_a_full_mask() -> None:
     node = helper.make_node("Dropout", ["x"], ["y", "m"])
     g = helper.make_graph([node], "d", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, None)],
