@@ -225,22 +225,30 @@ def _why_none_reach(model: onnx.ModelProto, p: TrainingParameters) -> str:
     return ""
 
 
+def _shared_mode_dropouts(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The Dropouts whose training_mode input is a constant (an initializer, overridable or not, or a
+    Constant node): onnxruntime's legacy session made theirs one shared ``training_mode``. A Dropout whose
+    mode is a graph input or a computed value keeps it: the caller's feed decides."""
+    dropouts = [n for n in model.graph.node if n.op_type == "Dropout" and len(n.input) >= 3 and n.input[2]]
+    constant = constant_arrays(model.graph, {n.input[2] for n in dropouts})
+    return [n for n in dropouts if n.input[2] in constant]
+
+
 def dropout_mode(model: onnx.ModelProto) -> bool:
-    """The training mode a run takes when it feeds none: the value of the first Dropout's own training_mode
-    constant (an initializer or a Constant node), which onnxruntime's legacy session copied into the shared
-    ``training_mode`` initializer; True when no Dropout has one."""
-    first = next((n for n in model.graph.node if n.op_type == "Dropout" and len(n.input) >= 3 and n.input[2]),
-                 None)
+    """The training mode a run takes when it feeds none: the value of the first shared-mode Dropout's
+    training_mode constant (:func:`_shared_mode_dropouts`), which onnxruntime's legacy session copied into
+    the shared ``training_mode`` initializer; True when there is none."""
+    first = next(iter(_shared_mode_dropouts(model)), None)
     if first is None:
         return True
-    name = first.input[2]
-    values = constant_arrays(model.graph, {name})  # (also one declared as an input: onnxruntime read it)
-    return bool(np.asarray(values[name]).reshape(-1)[0]) if name in values and values[name].size else True
+    value = constant_arrays(model.graph, {first.input[2]})[first.input[2]]
+    return bool(np.asarray(value).reshape(-1)[0]) if value.size else True
 
 
 def _rewire_dropout(model: onnx.ModelProto) -> bool:
-    """Point every Dropout's training_mode input at one shared bool graph input ``training_mode``."""
-    dropouts = [n for n in model.graph.node if n.op_type == "Dropout" and len(n.input) >= 3 and n.input[2]]
+    """Point the training_mode input of every shared-mode Dropout at one bool graph input
+    ``training_mode``; whether there was one."""
+    dropouts = _shared_mode_dropouts(model)
     if not dropouts:
         return False
     for n in dropouts:
