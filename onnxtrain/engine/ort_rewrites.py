@@ -71,6 +71,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxtrain.engine.ort_bernoulli import bernoulli_complements
 from onnxtrain.engine.ort_conv_grads import conv_weight_grads
 from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
 from onnxtrain.engine.ort_losses import softmax_cross_entropy_losses
@@ -104,9 +105,12 @@ def _lazy_types(current: Callable[[], onnx.ModelProto], types: dict) -> Callable
 def for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> onnx.ModelProto:
     """The graph onnxruntime runs for ``model``: its label losses' check (:func:`checked_labels`, whatever
     ``optimise`` says: it keeps the graph's meaning), then :func:`rewrite_for_onnxruntime`'s rewrites, which
-    reuse the value types the check inferred. ``model`` itself when nothing applies."""
+    reuse the value types the check inferred, and Bernoulli's probabilities complemented
+    (:func:`~onnxtrain.engine.ort_bernoulli.bernoulli_complements`, whatever ``optimise`` says: onnxruntime's
+    kernel inverts them). ``model`` itself when nothing applies."""
     types: dict = {}
-    return rewrite_for_onnxruntime(checked_labels(model, _lazy_types(lambda: model, types)), optimise, types)
+    checked = checked_labels(model, _lazy_types(lambda: model, types))
+    return bernoulli_complements(rewrite_for_onnxruntime(checked, optimise, types))
 
 
 def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,

@@ -167,6 +167,29 @@ def test_bernoulli_draws_ones_at_the_given_rates(in_dtype, attrs, out_dtype) -> 
     assert rate[0] == 0.0 and rate[-1] == 1.0
 
 
+@pytest.mark.parametrize("in_dtype, attrs", [(np.float32, {}), (np.float64, {"dtype": T.BOOL})],
+                         ids=["f32", "f64_to_bool"])
+def test_bernoulli_on_the_onnxruntime_backend_draws_ones_at_the_given_rates(in_dtype, attrs) -> None:
+    """onnxruntime's kernel draws 1 with probability 1 - p; the backend hands it 1 - p (a body's too)."""
+    import onnxtrain
+
+    n = 20_000
+    p = np.tile(_P.astype(in_dtype), (n, 1))
+    so = onnxtrain.SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    model = _one("Bernoulli", p, **attrs)
+    et = attrs.get("dtype", helper.np_dtype_to_tensor_dtype(np.dtype(in_dtype)))
+    then = helper.make_graph([helper.make_node("Bernoulli", ["x"], ["b"], **attrs)], "then", [],
+                             [helper.make_tensor_value_info("b", et, None)])
+    model.graph.node.append(helper.make_node("If", ["on"], ["yb"], then_branch=then, else_branch=then))
+    model.graph.initializer.append(numpy_helper.from_array(np.array(True), "on"))
+    model.graph.output.append(helper.make_tensor_value_info("yb", et, None))
+    for y in onnxtrain.InferenceSession(model.SerializeToString(), so).run(None, {"x": p}):
+        rate = y.astype(np.float64).mean(axis=0)
+        q = _P.astype(in_dtype).astype(np.float64)
+        np.testing.assert_array_less(np.abs(rate - q), Z * np.sqrt(q * (1 - q) / n) + 1e-12)
+
+
 @pytest.mark.parametrize("p", [np.array([0.5, 1.5]), np.array([-0.1]), np.array([np.nan])],
                          ids=["above_one", "negative", "nan"])
 def test_bernoulli_refuses_probabilities_outside_0_1(p: np.ndarray) -> None:
