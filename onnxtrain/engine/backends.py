@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 
+from onnxtrain.engine.seeds import unseeded_generator
 from onnxtrain.ir.graphs import RANDOM_OPS
 from onnxtrain.user_warning import warn
 
@@ -214,8 +215,11 @@ _SEED_STRIDE = 1_000_003  # between the seeds of one node's copies in a session'
 
 
 def _distinct_seeds(model: onnx.ModelProto, random_state: dict[Any, dict[Any, Any]]) -> onnx.ModelProto:
-    """``model``, or a copy whose seeded random nodes already met in an earlier graph of the session
-    take the seed plus a multiple of a large stride (the n-th graph holding the node: n - 1 strides)."""
+    """``model``, or a copy whose random nodes already met in an earlier graph of the session draw apart:
+    a seeded one takes its seed plus a multiple of a large stride (the n-th graph holding the node: n - 1
+    strides), an unseeded one but Dropout a seed from onnxtrain's seed sequence (onnxruntime seeds every
+    session's unseeded random kernels alike, so each graph repeated the first one's draws; its Dropouts
+    draw from one generator of the process and do not)."""
     out = model
     for k, node in enumerate(model.graph.node):
         if node.op_type not in RANDOM_OPS:
@@ -223,12 +227,18 @@ def _distinct_seeds(model: onnx.ModelProto, random_state: dict[Any, dict[Any, An
         seen = random_state.setdefault(node.name or tuple(node.output), {})
         n = seen.get("onnxruntime_graphs", 0)
         seen["onnxruntime_graphs"] = n + 1
-        if n == 0 or not any(a.name == "seed" for a in node.attribute):
+        seeded = any(a.name == "seed" for a in node.attribute)
+        if n == 0 or (not seeded and node.op_type == "Dropout"):
             continue
         if out is model:
             out = onnx.ModelProto()
             out.CopyFrom(model)
-        a = next(a for a in out.graph.node[k].attribute if a.name == "seed")
+        copy = out.graph.node[k]
+        if not seeded:
+            drawn = int(unseeded_generator({}).integers(2**24))  # (seed is a float32 attribute: exact)
+            copy.attribute.append(onnx.helper.make_attribute("seed", float(drawn)))
+            continue
+        a = next(a for a in copy.attribute if a.name == "seed")
         if a.type == onnx.AttributeProto.INT:
             a.i = (a.i + n * _SEED_STRIDE) % 2**31
         else:

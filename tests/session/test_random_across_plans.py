@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxtrain import SessionOptions, TrainingSession
+from onnxtrain import SessionOptions, TrainingSession, set_seed
 from tests.session.helpers import batches, mlp_model, params
 
 LR0 = np.array([0.0], np.float32)  # the weights stay: only the masks change the gradients
@@ -53,3 +53,35 @@ def test_onnxruntime_backend_gives_each_graph_its_own_seed() -> None:
     for i in range(6):
         for j in range(i):
             assert not np.array_equal(g[i], g[j]), (i, j)
+
+
+def test_onnxruntime_backend_unseeded_noise_differs_between_graphs() -> None:
+    """An unseeded RandomUniformLike in the micro-step and update graphs: onnxruntime seeds every session's
+    unseeded kernels alike, so runs 0 and 1 (and 2 and 3) drew the same noise; each later graph's copy now
+    takes a seed of its own, and ``set_seed`` still makes the runs repeat."""
+    rng = np.random.default_rng(0)
+    vi = helper.make_tensor_value_info
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("RandomUniformLike", ["h"], ["u"]),
+             helper.make_node("Mul", ["h", "u"], ["z"]),
+             helper.make_node("ReduceSum", ["z"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "g", [vi("x", onnx.TensorProto.FLOAT, [4, 3])],
+                          [vi("loss", onnx.TensorProto.FLOAT, []), vi("u", onnx.TensorProto.FLOAT, [4, 6])],
+                          [numpy_helper.from_array(rng.standard_normal((3, 6)).astype(np.float32), "W")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    x = rng.standard_normal((4, 3)).astype(np.float32)
+
+    def draws() -> list[np.ndarray]:
+        set_seed(2)
+        so = SessionOptions()
+        so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+        s = TrainingSession(model, params("SGDOptimizer", gradient_accumulation_steps=2,
+                                          gradient_accumulation_mode="auto"), so)
+        return [s.run(["u"], {"x": x, "Learning_Rate": LR0})[0] for _ in range(4)]
+
+    first = draws()
+    for i in range(4):
+        for j in range(i):
+            assert not np.array_equal(first[i], first[j]), (i, j)
+    for a, b in zip(first, draws()):
+        np.testing.assert_array_equal(a, b)
