@@ -62,8 +62,10 @@ def set_seed(seed: int) -> None:
 
     from onnxtrain.engine.seeds import set_random_seed
 
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+    if not isinstance(seed, numbers.Integral):  # (a bool is one, as onnxruntime takes it)
         raise TypeError(f"set_seed: the seed must be an int, got {type(seed).__name__}")
+    if not -(2**63) <= int(seed) < 2**63:  # onnxruntime's int64
+        raise TypeError(f"set_seed: the seed must fit in an int64, got {int(seed)}")
     set_random_seed(int(seed) % 2**64)
 
 __all__ = [

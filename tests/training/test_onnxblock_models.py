@@ -211,4 +211,7 @@ def test_set_seed_makes_unseeded_dropout_reproducible() -> None:
     assert not np.array_equal(compile_model(dropout_model()).run({"x": x})[0], first[0])
     with pytest.raises(TypeError, match="int"):
         onnxtrain.set_seed(1.5)
-    onnxtrain.set_seed(-1)  # any int, as onnxruntime takes int64
+    onnxtrain.set_seed(-1)  # any int64, as onnxruntime takes them, a bool too
+    onnxtrain.set_seed(True)
+    with pytest.raises(TypeError, match="int64"):
+        onnxtrain.set_seed(2**63)
