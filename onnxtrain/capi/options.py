@@ -179,7 +179,7 @@ class SessionOptions(_Fields):
         return out
 
     def add_session_config_entry(self, key: str, value: str) -> None:
-        self._config[str(key)] = str(value)
+        self._config[_config_str("add_session_config_entry", key, value)] = value
 
     def add_initializer(self, name: str, value: Any) -> None:
         """Use ``value`` (an OrtValue or array) for the model's initializer ``name`` in the sessions made with
@@ -217,6 +217,14 @@ class SessionOptions(_Fields):
              "model using the library's ops is refused when a session loads it")
 
 
+def _config_str(method: str, key: Any, value: Any) -> str:
+    """``key``, after checking that it and ``value`` are str, as onnxruntime's binding takes only those."""
+    if not isinstance(key, str) or not isinstance(value, str):
+        raise TypeError(f"{method}() takes a str key and a str value, got {type(key).__name__} and "
+                        f"{type(value).__name__}")
+    return key
+
+
 class RunOptions(_Fields):
     """Options of one run (onnxruntime.RunOptions); ``training_mode`` is used by training sessions. On the
     onnxruntime backend the logging fields and the run config entries go to onnxruntime's own run options,
@@ -241,7 +249,7 @@ class RunOptions(_Fields):
                 linked.terminate = bool(self.terminate)
 
     def add_run_config_entry(self, key: str, value: str) -> None:
-        self._config[str(key)] = str(value)
+        self._config[_config_str("add_run_config_entry", key, value)] = value
 
     def get_run_config_entry(self, key: str) -> str:
         if key not in self._config:

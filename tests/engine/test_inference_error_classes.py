@@ -147,3 +147,17 @@ def test_a_session_does_not_pickle_with_one_type_error(op: str) -> None:
         training = onnxtrain.TrainingSession(model, p)
     with pytest.raises(TypeError, match="cannot pickle 'onnxtrain.session.TrainingSession' object"):
         pickle.dumps(training)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("key,value", [(1, "2"), ("k", 2)])
+def test_config_entries_take_strings_only(lib: Any, key: Any, value: Any) -> None:
+    """(onnxtrain stored str(1), str(2): a typo'd value reached the code reading it as text; None too,
+    which crashes onnxruntime's binding, so is not run there)"""
+    if lib is onnxtrain:
+        with pytest.raises(TypeError):
+            lib.SessionOptions().add_session_config_entry("k", None)
+    with pytest.raises(TypeError):
+        lib.SessionOptions().add_session_config_entry(key, value)
+    with pytest.raises(TypeError):
+        lib.RunOptions().add_run_config_entry(key, value)
