@@ -42,6 +42,10 @@ class MissingOpsetImport(EngineError, InvalidGraph):
     ``Fail`` and ``InvalidGraph`` at load)."""
 
 
+class DuplicateNodeNameError(EngineError):
+    """Two nodes of one graph with the same name (onnxruntime's ``Fail`` at load)."""
+
+
 class UnsupportedOpError(EngineError, NotImplementedError):
     """The graph holds an op that has no kernel (yet)."""
 
@@ -100,13 +104,14 @@ def load_model(model: onnx.ModelProto | str | bytes | os.PathLike,
     read (their values come from elsewhere: ``SessionOptions.add_external_initializers``)."""
     m = _text_names(_loaded(model, external_dir, supplied))
     if not isinstance(model, onnx.ModelProto):
-        check_opset_imports(m, model if isinstance(model, (str, os.PathLike)) else None)
+        check_model_structure(m, model if isinstance(model, (str, os.PathLike)) else None)
     return inline_local_functions(m)
 
 
-def check_opset_imports(model: onnx.ModelProto, path: str | os.PathLike | None = None) -> None:
-    """Refuse, as onnxruntime does, a model that imports no opset and a node (bodies and local functions'
-    included) of a domain neither the model nor a local function imports."""
+def check_model_structure(model: onnx.ModelProto, path: str | os.PathLike | None = None) -> None:
+    """Refuse, as onnxruntime does, a model that imports no opset, a node (bodies and local functions'
+    included) of a domain neither the model nor a local function imports, and a graph with two nodes of
+    one name."""
     where = f"model file {os.fspath(path)}" if path is not None else "the model bytes"
     if not model.opset_import:
         raise MissingOpsetImport(f"{where}: the model imports no opset (opset_import); an ONNX model must "
@@ -118,6 +123,12 @@ def check_opset_imports(model: onnx.ModelProto, path: str | os.PathLike | None =
             label = repr(n.name) if n.name else f"writing {list(n.output)}"
             raise MissingOpsetImport(f"{where}: node {label} ({n.domain}.{n.op_type}): the model has no "
                                      f"opset import for domain {n.domain!r}")
+    for g in _all_graphs(model):
+        names = [n.name for n in g.node if n.name]
+        if len(set(names)) < len(names):
+            twice = sorted({x for x in names if names.count(x) > 1})
+            raise DuplicateNodeNameError(f"{where}: graph {g.name!r} has several nodes named {twice[:5]} "
+                                         "(node names must be unique in a graph)")
 
 
 def _all_graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:

@@ -25,7 +25,8 @@ LIBS = [pytest.param(ort, id="onnxruntime"), pytest.param(onnxtrain, id="onnxtra
 
 
 def _model(node: Any, x_shape: list[int | None], y_shape: list[int] | None = None) -> bytes:
-    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, x_shape)],
+    nodes = node if isinstance(node, list) else [node]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, x_shape)],
                           [helper.make_tensor_value_info("Y", TensorProto.FLOAT, y_shape)])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
     return model.SerializeToString()
@@ -65,6 +66,8 @@ LOAD_CASES = {  # model → the class of onnxruntime's error at load
     "domain_not_imported": (_model(helper.make_node("Relu", ["X"], ["Y"], domain="my.domain"), [2]),
                             "InvalidGraph"),
     "empty_bytes": (b"", "InvalidArgument"),  # was an InvalidProtobuf only
+    "two_nodes_of_one_name": (_model([helper.make_node("Relu", ["X"], ["H"], name="a"),
+                                      helper.make_node("Relu", ["H"], ["Y"], name="a")], [2]), "Fail"),
 }
 
 
@@ -78,7 +81,8 @@ def test_a_bad_graph_is_refused_with_onnxruntimes_error_class(case: str) -> None
 
 
 @pytest.mark.parametrize("case,pattern", [("no_opset_import", "imports no opset"),
-                                          ("domain_not_imported", "no opset import for domain 'my.domain'")])
+                                          ("domain_not_imported", "no opset import for domain 'my.domain'"),
+                                          ("two_nodes_of_one_name", r"several nodes named \['a'\]")])
 def test_opset_import_errors_say_so(case: str, pattern: str) -> None:
     with pytest.raises(RuntimeError, match=pattern):
         onnxtrain.InferenceSession(LOAD_CASES[case][0])
