@@ -210,11 +210,11 @@ def _differentiable(model: onnx.ModelProto) -> list[str]:
 
 
 def _gradient_graph(a: argparse.Namespace) -> int:
-    import onnx
 
     from onnxtrain.autodiff import build_gradient_model
     from onnxtrain.autodiff.legacy import outputs_in_model_order
-    from onnxtrain.ir.io import save_model_atomic
+    from onnxtrain.ir.io import save_model_sized
+    from onnxtrain.ir.large import check_model_full
     from onnxtrain.training_graph import discover_trainable
 
     _check_output_file(a.output)
@@ -249,8 +249,8 @@ def _gradient_graph(a: argparse.Namespace) -> int:
             raise UsageError(f"--wrt: {_one_line(e)}") from None
         raise
     outputs_in_model_order(out, model, wrt, keep_others=True)  # a loss that was no output of the model first
-    onnx.checker.check_model(out, full_check=True)
-    save_model_atomic(out, a.output)
+    check_model_full(out)
+    save_model_sized(out, a.output)
     print(f"wrote {a.output}: {_plural(len(out.graph.node), 'node')}, gradients of {a.loss!r} "
           f"w.r.t. {_plural(len(wrt), 'value')}")
     return 0
@@ -482,8 +482,8 @@ def _artifacts(a: argparse.Namespace) -> int:
     made = not os.path.exists(a.output)
     os.makedirs(a.output, exist_ok=True)
     try:
-        artifacts.generate_artifacts(
-            model, requires_grad=requires, frozen_params=frozen, loss=loss,
+        artifacts.generate_artifacts(  # the path: it loads its own copy (a ModelProto is copied)
+            a.model, requires_grad=requires, frozen_params=frozen, loss=loss,
             optimizer=getattr(artifacts.OptimType, a.optimizer) if a.optimizer else None,
             artifact_directory=a.output, prefix=a.prefix, additional_output_names=extra or None,
             nominal_checkpoint=a.nominal_checkpoint, loss_input_names=loss_inputs,

@@ -9,7 +9,7 @@ from typing import Any
 import onnx
 
 from onnxtrain.autodiff.builder import GradientError, build_gradient_model
-from onnxtrain.errors import program_hint, raises_as_onnxruntime
+from onnxtrain.errors import FailValueError, program_hint, raises_as_onnxruntime
 from onnxtrain.ir.builder import refuse_unloadable
 from onnxtrain.ir.graphs import graph_values
 
@@ -90,15 +90,21 @@ class GradientGraphBuilder:
 
     def get_model(self) -> bytes:
         """The built model (forward + backward), serialized; before ``build()``, the model as given."""
-        return self._result().SerializeToString()
+        from onnxtrain.ir.large import is_large
+
+        model = self._result()
+        if is_large(model):
+            raise FailValueError("the model's tensors pass protobuf's 2 GiB, so it cannot be serialized: "
+                                 "save() it instead (its tensors go to an external-data file)")
+        return model.SerializeToString()
 
     @raises_as_onnxruntime
     def save(self, path: str | os.PathLike) -> None:
-        """Write the built model to ``path`` (through a temporary file, then renamed); its folder must
-        exist, as for onnx.save."""
-        from onnxtrain.ir.io import save_model_atomic
+        """Write the built model to ``path`` (through a temporary file, then renamed; past protobuf's 2 GiB
+        its tensors go to ``<file name>.data`` beside it); its folder must exist, as for onnx.save."""
+        from onnxtrain.ir.io import save_model_sized
 
-        save_model_atomic(self._result(), path, make_folders=False)
+        save_model_sized(self._result(), path, make_folders=False)
 
 
 def outputs_in_model_order(built: onnx.ModelProto, model: onnx.ModelProto, wrt: Sequence[str],

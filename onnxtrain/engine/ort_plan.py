@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from onnxtrain.engine.allocator import release_free_memory
 from onnxtrain.engine.backends import _optimizations_off, import_onnxruntime, resolve_providers
@@ -263,6 +264,7 @@ class OrtPlan(GraphInterface):
         ours = disabled_optimizers(model)
         so = self._session_options(options, model.graph.name or "graph", ours)
         kw = {"providers": names, "provider_options": opts, "disabled_optimizers": ours}
+        model = self._outside_the_proto(model, so)
         try:
             return _without_model_bytes(ort.InferenceSession(model.SerializeToString(), so, **kw))
         except Exception as e:
@@ -283,6 +285,21 @@ class OrtPlan(GraphInterface):
         except Exception as e:
             raise EngineError(f"onnxruntime could not load the graph {model.graph.name!r} (IR version "
                               f"{model.ir_version}: {first}; lowered to {lowered.ir_version}: {e})") from None
+
+    def _outside_the_proto(self, model: onnx.ModelProto, so: Any) -> onnx.ModelProto:
+        """``model`` itself, or past protobuf's 2 GiB (it cannot be serialized) a skeleton whose large
+        initializers onnxruntime takes from memory (``add_external_initializers`` on ``so``; the arrays
+        are kept with the plan, which onnxruntime reads without copying)."""
+        from onnxtrain.ir.large import external_skeleton, is_large
+
+        if not is_large(model):
+            return model
+        skeleton, moved = external_skeleton(model)
+        values = [numpy_helper.to_array(t) for t in moved]
+        self._external_values = getattr(self, "_external_values", []) + values
+        so.add_external_initializers([t.name for t in moved],
+                                     [self._ort.OrtValue.ortvalue_from_numpy(v) for v in values])
+        return skeleton
 
     # ---- running ---------------------------------------------------------------------
     def run(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None,

@@ -605,6 +605,25 @@ def _initializers(g: onnx.GraphProto) -> list[onnx.TensorProto]:
     return [t for sub in walk_graphs(g) for t in sub.initializer]
 
 
+def stage_model_sized(files: StagedFiles, model: onnx.ModelProto, path: str | os.PathLike) -> None:
+    """:func:`stage_model` for ``path``, its tensors in ``<file name>.data`` beside it when they pass
+    :data:`~onnxtrain.ir.large.LARGE_MODEL_BYTES` (such a file left by an earlier, larger save is removed
+    otherwise: the model written never reads it)."""
+    from onnxtrain.ir.large import is_large
+
+    data = os.path.basename(written_through(path)) + ".data"
+    big = is_large(model)
+    stage_model(files, model, path, external_data=data if big else None)
+    if not big:
+        files.remove_after(os.path.join(os.path.dirname(written_through(path)), data))
+
+
+def save_model_sized(model: onnx.ModelProto, path: str | os.PathLike, make_folders: bool = True) -> None:
+    """Save ``model`` to ``path`` atomically with :func:`stage_model_sized`."""
+    with StagedFiles(make_folders) as files:
+        stage_model_sized(files, model, path)
+
+
 def stage_model(files: StagedFiles, model: onnx.ModelProto, path: str | os.PathLike, *,
                 external_data: str | None = None, size_threshold: int = 1024) -> None:
     """Stage ``model`` for ``path`` in ``files``. With ``external_data`` (a file name in ``path``'s folder),
@@ -619,39 +638,59 @@ def stage_model(files: StagedFiles, model: onnx.ModelProto, path: str | os.PathL
         return
     if os.path.basename(external_data) != external_data or external_data in ("", ".", ".."):
         raise ValueError(f"external_data must be a file name (no folder), got {external_data!r}")
-    from onnx import numpy_helper
+    from onnxtrain.ir.large import skeleton
 
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    chunks: list[bytes] = []
+    chunks: list[onnx.TensorProto | bytes] = []  # main-graph tensors of ``model`` (read when written), bytes
     offset = 0
-    for t in _initializers(m.graph):
-        if t.data_location == onnx.TensorProto.EXTERNAL or t.data_type == onnx.TensorProto.STRING:
-            continue
-        if t.HasField("raw_data"):
-            raw = t.raw_data
-        else:
-            raw = numpy_helper.from_array(numpy_helper.to_array(t)).raw_data
-        if len(raw) < size_threshold:
-            continue
-        for f in _DATA_FIELDS:
-            t.ClearField(f)
-        t.data_location = onnx.TensorProto.EXTERNAL
-        del t.external_data[:]
-        for key, value in (("location", external_data), ("offset", str(offset)), ("length", str(len(raw)))):
-            entry = t.external_data.add()
+
+    def external(t: onnx.TensorProto, n: int) -> onnx.TensorProto:
+        nonlocal offset
+        e = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, doc_string=t.doc_string)
+        e.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", external_data), ("offset", str(offset)), ("length", str(n))):
+            entry = e.external_data.add()
             entry.key, entry.value = key, value
-        chunks.append(raw)
-        offset += len(raw)
+        offset += n
+        return e
+
+    def emptied(t: onnx.TensorProto) -> onnx.TensorProto | None:
+        if t.data_location == onnx.TensorProto.EXTERNAL or t.data_type == onnx.TensorProto.STRING:
+            return None
+        n = len(_raw_bytes(t))  # (one tensor's bytes at a time: the model's are not copied whole)
+        if n < size_threshold:
+            return None
+        chunks.append(t)
+        return external(t, n)
+
+    m = skeleton(model, emptied)
+    for sub in walk_graphs(m.graph):  # the bodies' tensors (copies in m): moved out in place
+        if sub is m.graph:
+            continue
+        for k, t in enumerate(sub.initializer):
+            if t.data_location == onnx.TensorProto.EXTERNAL or t.data_type == onnx.TensorProto.STRING:
+                continue
+            raw = _raw_bytes(t)
+            if len(raw) >= size_threshold:
+                chunks.append(raw)
+                sub.initializer[k].CopyFrom(external(t, len(raw)))
 
     def write_data(f: IO[bytes]) -> None:
         for c in chunks:
-            f.write(c)
+            f.write(c if isinstance(c, bytes) else _raw_bytes(c))
 
     if chunks:  # (no tensor that large: the model alone)
         _refuse_rewriting_own_data(model, path, external_data)
         files.write(os.path.join(os.path.dirname(path), external_data), write_data)
     files.save_model(m if chunks else model, path)
+
+
+def _raw_bytes(t: onnx.TensorProto) -> bytes:
+    """``t``'s values as its raw_data bytes."""
+    if t.HasField("raw_data"):
+        return t.raw_data
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(numpy_helper.to_array(t)).raw_data
 
 
 def _refuse_rewriting_own_data(model: onnx.ModelProto, path: str, external_data: str) -> None:

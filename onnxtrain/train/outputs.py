@@ -18,10 +18,11 @@ from onnxtrain.ir.io import (
     TMP_SUFFIX,
     recover_commits,
     remove_unless_held,
-    save_model_atomic,
+    save_model_sized,
     try_lock,
     write_atomic,
 )
+from onnxtrain.ir.large import check_model_full
 from onnxtrain.train.config import Config
 from onnxtrain.train.model import inference_model
 
@@ -199,8 +200,8 @@ def export_model(model: onnx.ModelProto, cfg: Config, weights: dict[str, np.ndar
     """Write the plain inference model (logits only, trained weights as initializers) to ``path``."""
     m = inference_model(model, [cfg.model.logits], weights=weights)
     m.producer_name = "onnxtrain"
-    onnx.checker.check_model(m, full_check=True)
-    save_model_atomic(m, path)
+    check_model_full(m)
+    save_model_sized(m, path)
 
 
 def plot_metrics(records: list[dict[str, Any]], path: str, title: str) -> None:

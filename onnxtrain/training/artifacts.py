@@ -111,7 +111,8 @@ from onnxtrain.ir.graphs import (
     train_batch_norms,
     untie_batch_norm_statistics,
 )
-from onnxtrain.ir.io import StagedFiles
+from onnxtrain.ir.io import StagedFiles, stage_model_sized
+from onnxtrain.ir.large import check_model_full
 from onnxtrain.ir.types import shown_dims
 from onnxtrain.training import onnxblock
 from onnxtrain.training.api._accumulation import ACCUMULATED_SUFFIX as ACC_OUT_SUFFIX
@@ -122,7 +123,6 @@ from onnxtrain.training.onnxblock.optim import ALL_FINITE
 from onnxtrain.training.onnxblock.optim import Optimizer as OptimizerBlock
 from onnxtrain.user_warning import warn
 
-MAX_PROTO_BYTES = 2147483648
 LOSS_SCALE = mp_pass.LOSS_SCALE
 LOSS_SCALING_KEY = "onnxtrain.loss_scaling"
 RECOMPUTE_KEY = "onnxtrain.recompute"
@@ -196,11 +196,7 @@ def _load(model: Any) -> onnx.ModelProto:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"model file not found: {path}")
         return onnx.load(path)
-    if isinstance(model, onnx.ModelProto):
-        if model.ByteSize() > MAX_PROTO_BYTES:
-            raise ArtifactError(
-                "This model is larger than 2 GB; pass the path of the model file instead of the ModelProto."
-            )
+    if isinstance(model, onnx.ModelProto):  # (past 2 GiB too: copied, never serialized)
         m = onnx.ModelProto()
         m.CopyFrom(model)
         return m
@@ -363,8 +359,8 @@ def generate_artifacts(
     if optimizer_model is not None:
         models["optimizer_model.onnx"] = optimizer_model
     with StagedFiles() as files:
-        files.save_model(training, path("training_model.onnx"))
-        files.save_model(evaluation, path("eval_model.onnx"))
+        stage_model_sized(files, training, path("training_model.onnx"))  # past 2 GiB: <file>.data
+        stage_model_sized(files, evaluation, path("eval_model.onnx"))
         # the parameters in the model's initializer order, as onnxruntime-training's generator writes them
         stage_checkpoint(files, Checkpoint(ckpt[0], ckpt[1], [], {}), path("checkpoint"),
                          sort_parameters=False)
@@ -372,7 +368,7 @@ def generate_artifacts(
             stage_checkpoint(files, Checkpoint(ckpt[0], ckpt[1], [], {}, nominal=True),
                              path("nominal_checkpoint"), sort_parameters=False)
         if optimizer_model is not None:
-            files.save_model(optimizer_model, path("optimizer_model.onnx"))
+            stage_model_sized(files, optimizer_model, path("optimizer_model.onnx"))
         if ort_format:
             _stage_ort_format(files, {prefix + n: m for n, m in models.items()}, folder)
             warn("ort_format=True: onnxruntime-training cannot train the .ort training and optimizer models "
@@ -777,7 +773,7 @@ def _finish(m: onnx.ModelProto, what: str) -> onnx.ModelProto:
     out.functions.extend(m.functions)
     out.metadata_props.extend(m.metadata_props)
     try:
-        onnx.checker.check_model(out, full_check=True)
+        check_model_full(out)
     except Exception as err:
         raise ArtifactError(f"the generated {what} model fails onnx.checker: {err}") from None
     return out

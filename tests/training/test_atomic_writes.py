@@ -210,12 +210,12 @@ def test_export_model_for_inferencing_survives_crashes(trained, tmp_path, monkey
 
 
 def _check_export_crashes(trained, tmp_path, monkeypatch, external: bool) -> None:
-    from onnxtrain.training.api import _export
+    from onnxtrain.ir import large
 
     tmp_path.mkdir()
     _, state, module, opt = trained
     if external:
-        monkeypatch.setattr(_export, "EXTERNAL_DATA_THRESHOLD", 0)
+        monkeypatch.setattr(large, "LARGE_MODEL_BYTES", 0)
     out = tmp_path / "exported"
     out.mkdir()
     path = str(out / "model.onnx")
@@ -248,7 +248,7 @@ def _check_export_crashes(trained, tmp_path, monkeypatch, external: bool) -> Non
             module.export_model_for_inferencing(path, ["logits"])
         monkeypatch.undo()
         if external:
-            monkeypatch.setattr(_export, "EXTERNAL_DATA_THRESHOLD", 0)
+            monkeypatch.setattr(large, "LARGE_MODEL_BYTES", 0)
         assert _snapshot(out) == before
         assert _temporaries(tmp_path) == []
         np.testing.assert_array_equal(_ort_logits(path, x), old_logits)
@@ -256,7 +256,7 @@ def _check_export_crashes(trained, tmp_path, monkeypatch, external: bool) -> Non
     onnx.checker.check_model(path, full_check=True)
     module.eval()
     fresh = str(tmp_path / "inline.onnx")
-    monkeypatch.setattr(_export, "EXTERNAL_DATA_THRESHOLD", 2**40)
+    monkeypatch.setattr(large, "LARGE_MODEL_BYTES", 2**40)
     module.export_model_for_inferencing(fresh, ["logits"])
     np.testing.assert_array_equal(_ort_logits(path, x), _ort_logits(fresh, x))
     assert not np.array_equal(_ort_logits(path, x), old_logits)
@@ -407,13 +407,13 @@ def test_train_outputs_survive_crashes_and_kills(tmp_path, monkeypatch, capsys):
 def test_an_inline_export_removes_the_earlier_external_data(trained, tmp_path, monkeypatch):
     """An export past the threshold writes ``model.onnx.data``; a later inline export of the same path takes
     it away with the renames (it would sit beside a model that never reads it), and the model runs alone."""
-    from onnxtrain.training.api import _export
+    from onnxtrain.ir import large
 
     _, _, module, _ = trained
     out = tmp_path / "exported"
     out.mkdir()
     path = str(out / "model.onnx")
-    monkeypatch.setattr(_export, "EXTERNAL_DATA_THRESHOLD", 0)
+    monkeypatch.setattr(large, "LARGE_MODEL_BYTES", 0)
     module.export_model_for_inferencing(path, ["logits"])
     assert sorted(os.listdir(out)) == ["model.onnx", "model.onnx.data"]
     external_logits = _ort_logits(path, _x(3))

@@ -12,10 +12,7 @@ from onnx import numpy_helper
 
 from onnxtrain.ir.builder import value_types
 from onnxtrain.ir.graphs import inference_batch_norms, path_to
-from onnxtrain.ir.io import StagedFiles, stage_model
-
-# Above this many parameter bytes the exported model keeps them in ``<file>.data`` (protobuf's 2 GiB limit).
-EXTERNAL_DATA_THRESHOLD = 1800 * 2**20
+from onnxtrain.ir.io import save_model_sized
 
 
 def _check_output_names(names: Sequence[str]) -> list[str]:
@@ -94,10 +91,5 @@ def export_for_inference(eval_model: onnx.ModelProto, params: Mapping[str, np.nd
     out = inference_batch_norms(out)  # inference BatchNorms' running-statistics outputs: checkers refuse them
 
     # past protobuf's 2 GiB the parameters go to <file>.data, written whole and renamed with the model
-    big = sum(t.ByteSize() for t in og.initializer) > EXTERNAL_DATA_THRESHOLD
-    data = os.path.basename(path) + ".data"
-    with StagedFiles() as files:
-        stage_model(files, out, path, external_data=data if big else None)
-        if not big:  # an earlier, larger export's data file would be left beside a model that never reads it
-            files.remove_after(os.path.join(os.path.dirname(path), data))
+    save_model_sized(out, path)
     return out
