@@ -12,6 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from onnxtrain.autodiff.legacy import GradientGraphBuilder
+    from onnxtrain.capi.allocators import (
+        OrtAllocatorType,
+        OrtArenaCfg,
+        OrtMemoryInfo,
+        OrtMemType,
+        create_and_register_allocator,
+    )
     from onnxtrain.capi.options import (
         ExecutionMode,
         ExecutionOrder,
@@ -26,7 +33,10 @@ if TYPE_CHECKING:
     )
     from onnxtrain.capi.ortvalue import IOBinding, OrtDevice, OrtValue
     from onnxtrain.capi.runtime_info import (
+        disable_telemetry_events,
+        enable_telemetry_events,
         get_build_info,
+        has_collective_ops,
         set_default_logger_severity,
         set_default_logger_verbosity,
     )
@@ -44,7 +54,10 @@ _LAZY = {
                      "get_device", "get_version_string"),
                     "onnxtrain.capi.options"),
     **dict.fromkeys(("IOBinding", "OrtDevice", "OrtValue"), "onnxtrain.capi.ortvalue"),
-    **dict.fromkeys(("get_build_info", "set_default_logger_severity", "set_default_logger_verbosity"),
+    **dict.fromkeys(("OrtAllocatorType", "OrtArenaCfg", "OrtMemType", "OrtMemoryInfo",
+                     "create_and_register_allocator"), "onnxtrain.capi.allocators"),
+    **dict.fromkeys(("disable_telemetry_events", "enable_telemetry_events", "get_build_info",
+                     "has_collective_ops", "set_default_logger_severity", "set_default_logger_verbosity"),
                     "onnxtrain.capi.runtime_info"),
     **dict.fromkeys(("InferenceSession", "ModelMetadata", "NodeArg"), "onnxtrain.inference"),
     "TrainingParameters": "onnxtrain.parameters",
@@ -77,18 +90,26 @@ __all__ = [
     "InferenceSession",
     "ModelMetadata",
     "NodeArg",
+    "OrtAllocatorType",
+    "OrtArenaCfg",
     "OrtDevice",
+    "OrtMemType",
+    "OrtMemoryInfo",
     "OrtValue",
     "PropagateCastOpsStrategy",
     "RunOptions",
     "SessionOptions",
     "TrainingParameters",
     "TrainingSession",
+    "create_and_register_allocator",
+    "disable_telemetry_events",
+    "enable_telemetry_events",
     "get_all_providers",
     "get_available_providers",
     "get_build_info",
     "get_device",
     "get_version_string",
+    "has_collective_ops",
     "set_default_logger_severity",
     "set_default_logger_verbosity",
     "set_seed",

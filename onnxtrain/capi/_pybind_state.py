@@ -1,6 +1,13 @@
 """The names onnxruntime exposed in ``onnxruntime.capi._pybind_state``."""
 
 from onnxtrain.autodiff.legacy import GradientGraphBuilder
+from onnxtrain.capi.allocators import (
+    OrtAllocatorType,
+    OrtArenaCfg,
+    OrtMemoryInfo,
+    OrtMemType,
+    create_and_register_allocator,
+)
 from onnxtrain.capi.options import (
     ExecutionMode,
     ExecutionOrder,
@@ -15,11 +22,14 @@ from onnxtrain.capi.options import (
 )
 from onnxtrain.capi.ortvalue import IOBinding, OrtDevice, OrtValue, OrtValueVector
 from onnxtrain.capi.runtime_info import (
+    disable_telemetry_events,
+    enable_telemetry_events,
     get_build_info,
     get_mpi_context_local_rank,
     get_mpi_context_local_size,
     get_mpi_context_world_rank,
     get_mpi_context_world_size,
+    has_collective_ops,
     set_default_logger_severity,
     set_default_logger_verbosity,
 )
@@ -34,28 +44,50 @@ __all__ = [
     "GradientGraphBuilder",
     "GraphOptimizationLevel",
     "IOBinding",
+    "OrtAllocatorType",
+    "OrtArenaCfg",
     "OrtDevice",
+    "OrtMemType",
+    "OrtMemoryInfo",
     "OrtValue",
     "OrtValueVector",
     "PropagateCastOpsStrategy",
     "RunOptions",
     "SessionOptions",
+    "create_and_register_allocator",
+    "disable_telemetry_events",
+    "enable_telemetry_events",
     "get_all_providers",
     "get_available_providers",
     "get_build_info",
+    "get_default_session_options",
     "get_device",
     "get_mpi_context_local_rank",
     "get_mpi_context_local_size",
     "get_mpi_context_world_rank",
     "get_mpi_context_world_size",
     "get_version_string",
+    "has_collective_ops",
     "set_default_logger_severity",
     "set_default_logger_verbosity",
+    "set_seed",
 ]
 
 
-def __getattr__(name: str):  # the training session lives above this layer; import it lazily
-    if name in ("TrainingSession", "TrainingParameters"):
+def get_default_session_options() -> SessionOptions:
+    """A SessionOptions with onnxruntime's defaults."""
+    return SessionOptions()
+
+
+def set_seed(seed: int) -> None:
+    """:func:`onnxtrain.set_seed`."""
+    import onnxtrain
+
+    onnxtrain.set_seed(seed)
+
+
+def __getattr__(name: str):  # the sessions live above this layer; import them lazily
+    if name in ("TrainingSession", "TrainingParameters", "InferenceSession", "NodeArg", "ModelMetadata"):
         import onnxtrain
 
         return getattr(onnxtrain, name)

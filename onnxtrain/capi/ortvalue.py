@@ -84,20 +84,27 @@ class OrtValue:
     optional one left empty (None), as a session's outputs are."""
 
     def __init__(self, array: Any, declared: str | None = None):
+        if isinstance(array, OrtValue):  # onnxruntime's OrtValue(ortvalue): the same value
+            array, declared = array._array, declared or array._declared
         self._array = array
         self._declared = declared  # the graph's type of the value ("seq(tensor(int64))"), when known
 
     @staticmethod
-    def ortvalue_from_numpy(numpy_obj: np.ndarray, device_type: str = "cpu", device_id: int = 0) -> OrtValue:
+    def ortvalue_from_numpy(numpy_obj: np.ndarray, device_type: str = "cpu", device_id: int = 0,
+                            vendor_id: int = -1) -> OrtValue:
         _check_device(device_type)
         arr = np.asarray(numpy_obj)
         return OrtValue(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr))
 
     @staticmethod
     def ortvalue_from_shape_and_type(
-        shape: Sequence[int], element_type: Any, device_type: str = "cpu", device_id: int = 0
+        shape: Sequence[int], element_type: Any, device_type: str = "cpu", device_id: int = 0,
+        vendor_id: int = -1, memory_info: Any = None
     ) -> OrtValue:
         _check_device(device_type)
+        if memory_info is not None and getattr(memory_info, "name", "Cpu").lower() != "cpu":
+            raise FailValueError(f"ortvalue_from_shape_and_type: onnxtrain allocates on the CPU only, got "
+                                 f"memory_info {memory_info!r}")
         dims = tuple(int(d) for d in shape)
         if any(d < 0 for d in dims):
             raise FailValueError(f"ortvalue_from_shape_and_type: shape {list(dims)} has a negative dimension")
@@ -170,6 +177,9 @@ class OrtValue:
 
     def is_tensor(self) -> bool:
         return isinstance(self._array, np.ndarray)
+
+    def is_sparse_tensor(self) -> bool:
+        return False  # (onnxtrain has no sparse tensors)
 
     def is_tensor_sequence(self) -> bool:
         return isinstance(self._array, (list, tuple))

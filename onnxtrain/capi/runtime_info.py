@@ -1,5 +1,5 @@
 """Module-level functions of onnxruntime's Python binding that scripts call before any session: the
-default logger's severity and verbosity, the build string, and the MPI context."""
+default logger's severity and verbosity, telemetry, the build string and features, and the MPI context."""
 
 from __future__ import annotations
 
@@ -56,6 +56,20 @@ def _pass_on() -> None:
     ort = sys.modules.get("onnxruntime")
     if ort is not None:
         apply_logger_settings(ort)
+
+
+def disable_telemetry_events() -> None:
+    """onnxtrain sends no telemetry: nothing to disable."""
+
+
+def enable_telemetry_events() -> None:
+    """onnxtrain sends no telemetry: nothing to enable."""
+
+
+def has_collective_ops() -> bool:
+    """Whether the build has collective (NCCL/MPI) operators: False (onnxtrain's data parallelism
+    reduces outside the graphs, over mpi4py)."""
+    return False
 
 
 def get_build_info() -> str:

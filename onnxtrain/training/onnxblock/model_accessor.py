@@ -31,14 +31,15 @@ class BlockError(RuntimeError, ValueError):
 class ModelBase:
     """The model being edited plus name and type bookkeeping (onnxruntime-training's ``ModelAccessor``)."""
 
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, model_path: str | None = None):
         self.model = model
         self.opset = model_opset(model) or DEFAULT_OPSET
         self.names = NameGen.for_model(model)
         self.counter = 0
         self.consts: dict[str, tuple[float, int]] = {}  # 0-d constants made by blocks: name -> (value, type)
         self._types: dict[str, onnx.TypeProto] | None = None
-        self.path: str | None = getattr(self, "path", None)  # base()'s model_path (kept by replace)
+        # the model's path, as given here or to base() (kept by replace)
+        self.path: str | None = model_path if model_path is not None else getattr(self, "path", None)
         # blocks being called (nested calls count), and whether the outermost call's result is checked;
         # both kept by replace, which a block may call midway
         self.depth: int = getattr(self, "depth", 0)
@@ -233,12 +234,12 @@ def empty_base(opset_version: int | None = None) -> Iterator[ModelBase]:
 
 
 def check_after_block(acc: ModelBase, block: str) -> None:
-    """BlockError naming ``block`` when the model it left fails onnx.checker's full check (skipped past
-    protobuf's 2 GiB limit, where the checker needs the model's path)."""
-    if acc.model.ByteSize() >= 2**31:
-        return
+    """BlockError naming ``block`` when the model it left fails onnx.checker's full check (past protobuf's
+    2 GiB, that of its skeleton: :func:`~onnxtrain.ir.large.check_model_full`)."""
+    from onnxtrain.ir.large import check_model_full
+
     try:
-        onnx.checker.check_model(acc.model, full_check=True)
+        check_model_full(acc.model)
     except Exception as err:  # checker ValidationError and shape inference's InferenceError
         raise BlockError(f"the model fails onnx.checker after block {block}: {err}") from None
 
