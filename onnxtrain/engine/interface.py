@@ -98,9 +98,10 @@ def load_model(model: onnx.ModelProto | str | bytes | os.PathLike,
                external_dir: str | None = None, supplied: Collection[str] = ()) -> onnx.ModelProto:
     """A ModelProto from a proto, a path or serialized bytes, its local functions (``model.functions``:
     torch's ``export_modules_as_functions``, say) inlined as onnxruntime inlines them; errors name the
-    file. Tensors kept in external files are read from beside the model file (through symbolic links too,
-    as a Hugging Face cache lays them out) or, for bytes, from ``external_dir`` (onnxruntime's
-    ``session.model_external_initializers_file_folder_path``); initializers named in ``supplied`` are not
+    file. Tensors kept in external files are read from ``external_dir`` when given (onnxruntime's
+    ``session.model_external_initializers_file_folder_path``), else from beside the model file (through
+    symbolic links too, as a Hugging Face cache lays them out) or, for bytes, the working folder;
+    initializers named in ``supplied`` are not
     read (their values come from elsewhere: ``SessionOptions.add_external_initializers``)."""
     m = _text_names(_loaded(model, external_dir, supplied))
     if not isinstance(model, onnx.ModelProto):
@@ -270,7 +271,9 @@ def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike, external_dir: st
     if not m.graph.node and not m.graph.output:  # (an empty file parses as an empty model)
         raise NoGraphError(f"model file {path} ({os.path.getsize(path)} bytes) holds no graph")
     if _external_tensors(m):  # read here: onnx's loader refuses data files that are symbolic links
-        _read_external(m, os.path.dirname(os.path.abspath(path)), f"model file {path}", supplied)
+        # from the folder given (onnxruntime 1.32's config entry; 1.19 ignored it for a path), else its own
+        folder = external_dir or os.path.dirname(os.path.abspath(path))
+        _read_external(m, folder, f"model file {path}", supplied)
     return m
 
 

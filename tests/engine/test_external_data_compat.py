@@ -63,6 +63,22 @@ def test_bytes_with_external_data_read_from_the_given_folder(tmp_path, monkeypat
         np.testing.assert_array_equal(y, WANT, err_msg=lib.__name__)
 
 
+def test_a_path_loaded_models_data_read_from_the_given_folder(tmp_path) -> None:
+    """onnxruntime 1.32 reads a model file's external data from the config entry's folder when it is set
+    (onnxtrain read it from the model's folder whatever the entry said)."""
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "model").mkdir()
+    _save(tmp_path / "weights")
+    os.rename(tmp_path / "weights" / "model.onnx", tmp_path / "model" / "model.onnx")
+    path = str(tmp_path / "model" / "model.onnx")
+    for lib in (ort, onnxtrain):
+        so = lib.SessionOptions()
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                    str(tmp_path / "weights"))
+        y = lib.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, {"X": X})[0]
+        np.testing.assert_array_equal(y, WANT, err_msg=lib.__name__)
+
+
 def test_a_location_outside_the_folder_is_refused(tmp_path) -> None:
     (tmp_path / "m").mkdir()
     _save(tmp_path / "m")
