@@ -487,3 +487,51 @@ def test_resize_of_an_empty_tensor_is_empty(mode: str, shape: tuple[int, ...]) -
     (ours,) = _ours("Resize", [x, None, scales], opset=19, mode=mode)
     (want,) = _ort("Resize", [x, None, scales], opset=19, mode=mode)
     assert ours.shape == want.shape == (shape[0], shape[1], 2 * shape[2], 2 * shape[3])
+
+
+@pytest.mark.parametrize("opset,mode,shape,scales", [
+    (13, "linear", (1, 1, 3, 4), [1, 1, 5 / 3, 7 / 4]),
+    (19, "nearest", (1, 1, 3, 3), [1, 1, 7 / 3, 10 / 3]),
+    (9, "nearest", (1, 1, 3, 3), [1, 1, 5 / 3, 7 / 3]),  # Upsample
+], ids=["resize13-linear", "resize19-nearest", "upsample9"])
+def test_float32_scales_size_the_output_as_onnxruntime(opset: int, mode: str, shape: tuple,
+                                                       scales: list) -> None:
+    """Scales of float32 just below their ratio (tf2onnx writes tf.image.resize to 5 rows as scale 5/3):
+    onnxruntime and TensorFlow size the output in float32 (3 · 1.6666666f = 5); the float64 product
+    4.99999988 made 4 rows. Values against onnxruntime, and the gradient against torch's."""
+    import onnxruntime
+    import torch
+    from onnx import numpy_helper
+
+    from onnxtrain.autodiff import build_gradient_model
+
+    s = np.array(scales, np.float32)
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    node = (helper.make_node("Upsample", ["x", "scales"], ["y"], mode=mode) if opset < 10 else
+            helper.make_node("Resize", ["x", "roi", "scales"], ["y"], mode=mode))
+    inits = [numpy_helper.from_array(s, "scales")]
+    if opset >= 10:
+        inits.append(numpy_helper.from_array(np.array([], np.float32), "roi"))
+    t, f32 = helper.make_tensor_value_info, onnx.TensorProto.FLOAT
+    g = helper.make_graph([node, helper.make_node("Mul", ["y", "w"], ["p"]),
+                           helper.make_node("ReduceSum", ["p"], ["loss"], keepdims=0)], "g",
+                          [t("x", f32, list(shape)), t("w", f32, list("abcd"))],
+                          [t("loss", f32, []), t("y", f32, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    so = onnxruntime.SessionOptions()
+    so.log_severity_level = 3  # (it warns that the inferred shape, 4 rows, is not the one it computes)
+    want_y = onnxruntime.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
+        ["y"], {"x": x, "w": np.ones((1, 1, 1, 1), np.float32)})[0]
+    w = np.random.default_rng(1).standard_normal(want_y.shape).astype(np.float32)
+    y, = compile_model(m).run({"x": x, "w": w}, ["y"])
+    assert y.shape == want_y.shape
+    assert y.shape[2] > int(shape[2] * float(s[2]))  # (the float64 product's floor)
+    np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-6)
+    if mode == "linear":
+        gm = build_gradient_model(m, "loss", ["x"])
+        onnx.checker.check_model(gm, full_check=True)
+        dx, = compile_model(gm).run({"x": x, "w": w}, ["x_grad"])
+        tx = torch.tensor(x, requires_grad=True)
+        ty = torch.nn.functional.interpolate(tx, size=want_y.shape[2:], mode="bilinear", align_corners=False)
+        (ty * torch.tensor(w)).sum().backward()
+        np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-5, atol=1e-5)

@@ -214,7 +214,9 @@ def _resize_plan(attrs: Attrs, xs: tuple[int, ...], dtype: np.dtype, roi: Any, s
             raise ValueError(f"scales {vals} must be positive")
         for a, v in zip(axes, vals, strict=True):
             scale[a] = v
-            out[a] = int(v * xs[a])
+            # in float32, as onnxruntime (and TensorFlow) size it: 3 · 1.6666666f is 5.0 there, where the
+            # float64 product 4.99999988 floors to 4 (tf2onnx writes tf.image.resize to 5 rows as scale 5/3)
+            out[a] = int(np.float32(v) * np.float32(xs[a]))
     else:
         raise ValueError("Resize needs scales or sizes")
     rois: list[tuple[float, float] | None] = [None] * r
