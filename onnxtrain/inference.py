@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from numpy.lib.array_utils import byte_bounds
 
+from onnxtrain.capi.feeds import feed_array
 from onnxtrain.capi.options import RunOptions, SessionOptions, resolve_providers
 from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
 from onnxtrain.engine.backends import backend_of, batch_split_mode, make_plan
@@ -36,10 +37,9 @@ from onnxtrain.errors import (
     FailValueError,
     InvalidFeed,
     InvalidFeedType,
-    NoneFed,
     raises_as_onnxruntime,
 )
-from onnxtrain.ir.builder import refuse_unloadable
+from onnxtrain.ir.builder import loadable_model
 from onnxtrain.ir.graphs import model_for_outputs, path_to
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.ir.types import np_dtype_of, shape_dims, type_string, value_info_shape
@@ -163,27 +163,6 @@ def _tensor_feed(name: str, v: Any, dtype: np.dtype | None, shape: list | None) 
     if shape is not None:
         check_feed_shape(name, a, shape)
     return a
-
-
-def feed_array(name: str, v: Any, dtype: np.dtype | None) -> np.ndarray:
-    """``v`` fed to tensor input ``name`` of ``dtype`` (None when not declared) as an array, its dtype not yet
-    checked: a list, a tuple or a Python number takes the input's type, as in onnxruntime; an array or an
-    object that carries its own dtype (a numpy scalar, a torch tensor, anything with ``__array__``) keeps it.
-    None, and str or bytes for a numeric input, are refused (numpy would read them as NaN and as numbers)."""
-    if isinstance(v, np.ndarray):
-        return v
-    if v is None:
-        raise NoneFed(f"input {name!r}: None was fed; feed a tensor, or leave out an optional input")
-    numeric = dtype is not None and dtype != np.dtype(object)
-    if numeric and isinstance(v, (str, bytes)):
-        raise InvalidFeedType(f"input {name!r}: a {type(v).__name__} was fed to a tensor of {dtype}")
-    takes_type = numeric and not isinstance(v, np.generic) and isinstance(v, (list, tuple, bool, int, float))
-    try:
-        return np.asarray(v, dtype=dtype) if takes_type else np.asarray(v)
-    except (OverflowError, ValueError, TypeError) as e:  # a RuntimeError, as onnxruntime's
-        kind = "" if dtype is None else f" of {dtype}"
-        raise InvalidFeedType(f"input {name!r}: could not create a tensor{kind} from the value given: "
-                              f"{e}") from None
 
 
 def check_feed_shape(name: str, a: np.ndarray, shape: Sequence[int | str | None]) -> None:
@@ -338,7 +317,7 @@ class InferenceSession:
                                                                     provider_options)
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         model = load_with_options(path_or_bytes, self._sess_options)
-        refuse_unloadable(model)
+        model = loadable_model(model)
         loaded = time.perf_counter_ns()
         arrays = supplied_arrays(model, self._sess_options)
         self._model = model

@@ -40,7 +40,7 @@ from onnxtrain.inference import (
     profile_session_start,
 )
 from onnxtrain.interrupts import sigint_deferred
-from onnxtrain.ir.builder import refuse_unloadable
+from onnxtrain.ir.builder import loadable_model
 from onnxtrain.ir.graphs import model_for_outputs, with_input_values
 from onnxtrain.ir.io import save_dump
 from onnxtrain.locks import fork_safe_rlock
@@ -204,7 +204,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
             )
         self._start_ns = time.time_ns()
         model = load_with_options(path_or_bytes, self._sess_options)
-        refuse_unloadable(model)
+        model = loadable_model(model)
         self._loaded_ns = time.perf_counter_ns()
         _check_user_links(model)  # before the gradient is built: a broken link is not a gradient problem
         if self._backend == "numpy":  # the user's nodes first: an error names them, not the training graph's
@@ -683,7 +683,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
 def _check_user_links(model: onnx.ModelProto) -> None:
     """Raise, naming the node, for a value of the user's ``model`` that nothing gives or an op ONNX does not
     define."""
-    from onnxtrain.engine.node_checks import check_graph_links
+    from onnxtrain.engine.interface import check_graph_links
 
     check_graph_links(model)
 

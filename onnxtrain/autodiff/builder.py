@@ -36,8 +36,8 @@ from onnxtrain.ir.builder import (
     NameGen,
     NodeWriter,
     elem_type,
+    loadable_model,
     model_opset,
-    refuse_unloadable,
     symbolic_shape,
     value_types,
 )
@@ -515,7 +515,7 @@ def build_gradient_model(
                         f"{type(model).__name__}{program_hint(model)}")
     from onnxtrain.engine.interface import inline_local_functions
 
-    refuse_unloadable(model)
+    model = loadable_model(model)
     model = inline_local_functions(model)  # (torch's export_modules_as_functions)
     warn_inference_batch_norms(model)
     # bfloat16 zeros and seeds (ConstantOfShape) are valid from opset 20, as mixed precision upgrades too

@@ -10,7 +10,7 @@ import onnx
 
 from onnxtrain.autodiff.builder import GradientError, build_gradient_model
 from onnxtrain.errors import FailValueError, program_hint, raises_as_onnxruntime
-from onnxtrain.ir.builder import refuse_unloadable
+from onnxtrain.ir.builder import loadable_model
 from onnxtrain.ir.graphs import graph_values
 
 
@@ -53,7 +53,7 @@ class GradientGraphBuilder:
         else:
             raise TypeError(f"serialized_model must be the model's bytes, its path or an onnx.ModelProto, "
                             f"got {type(serialized_model).__name__}{program_hint(serialized_model)}")
-        refuse_unloadable(self._model)
+        self._model = loadable_model(self._model)
         self._ys = _ordered(y_node_arg_names, "y_node_arg_names")
         self._xs = _ordered(x_node_arg_names, "x_node_arg_names")
         if not self._ys:

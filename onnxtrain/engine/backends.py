@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 
-from onnxtrain.engine.seeds import unseeded_generator
 from onnxtrain.ir.graphs import RANDOM_OPS
 from onnxtrain.user_warning import warn
 
@@ -235,6 +234,8 @@ def _distinct_seeds(model: onnx.ModelProto, random_state: dict[Any, dict[Any, An
             out.CopyFrom(model)
         copy = out.graph.node[k]
         if not seeded:
+            from onnxtrain.engine.seeds import unseeded_generator  # (numpy.random loads hashlib)
+
             drawn = int(unseeded_generator({}).integers(2**24))  # (seed is a float32 attribute: exact)
             copy.attribute.append(onnx.helper.make_attribute("seed", float(drawn)))
             continue

@@ -132,6 +132,36 @@ def check_model_structure(model: onnx.ModelProto, path: str | os.PathLike | None
                                          "(node names must be unique in a graph)")
 
 
+def check_graph_links(model: onnx.ModelProto) -> None:
+    """Raise, as onnxruntime's load does, for the first node of ``model``'s main graph that reads a value
+    no graph input, initializer or earlier node gives (:class:`UndefinedValueError`) or whose op ONNX's
+    domains do not define (:class:`UnknownOpError`). Bodies are left to the plans (they read the values
+    around them)."""
+    g = model.graph
+    known = {v.name for v in g.input} | {t.name for t in g.initializer} | {""}
+    for k, node in enumerate(g.node):
+        label = f"node {_node_label(node, k)} ({_op_name(node)})"
+        domain = _ONNX_DOMAINS.get(node.domain)
+        if domain is not None and not onnx.defs.has(node.op_type, domain):
+            raise UnknownOpError(f"{label}: ONNX defines no op {node.op_type!r} in domain "
+                                 f"{node.domain or 'ai.onnx'!r} (no op registered under that name)")
+        for name in node.input:
+            if name not in known:
+                raise UndefinedValueError(f"{label}: input {name!r} is not produced by any earlier node, "
+                                          "graph input or initializer")
+        known.update(node.output)
+
+
+_ONNX_DOMAINS = {"": "", "ai.onnx": "", "ai.onnx.ml": "ai.onnx.ml"}
+
+
+def _node_label(node: onnx.NodeProto, k: int) -> str:
+    return repr(node.name) if node.name else f"#{k} (unnamed)"
+
+
+def _op_name(node: onnx.NodeProto) -> str:
+    return f"{node.domain}.{node.op_type}" if node.domain else node.op_type
+
 def _all_graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
     """The model's graph and every body in it or in its local functions' nodes."""
     from onnxtrain.ir.graphs import subgraphs, walk_graphs

@@ -571,23 +571,3 @@ def check_nodes(model: onnx.ModelProto, outer_types: Mapping[str, str] | None = 
         more = "+" if len(found) >= 10 else ""
         raise InvalidNodeError(f"{len(found)}{more} invalid nodes:\n  " + "\n  ".join(found))
 
-
-def check_graph_links(model: onnx.ModelProto) -> None:
-    """Raise, as onnxruntime's load does, for the first node of ``model``'s main graph that reads a value
-    no graph input, initializer or earlier node gives (:class:`~onnxtrain.engine.interface.
-    UndefinedValueError`) or whose op ONNX's domains do not define (:class:`~onnxtrain.engine.interface.
-    UnknownOpError`). Bodies are left to the plans (they read the values around them)."""
-    from onnxtrain.engine.interface import UndefinedValueError, UnknownOpError
-
-    g = model.graph
-    known = {v.name for v in g.input} | {t.name for t in g.initializer} | {""}
-    for k, node in enumerate(g.node):
-        domain = ONNX_DOMAINS.get(node.domain)
-        if domain is not None and not onnx.defs.has(node.op_type, domain):
-            raise UnknownOpError(f"node {_label(node, k)} ({_op(node)}): ONNX defines no op {node.op_type!r} "
-                                 f"in domain {node.domain or 'ai.onnx'!r} (no op registered under that name)")
-        for name in node.input:
-            if name not in known:
-                raise UndefinedValueError(f"node {_label(node, k)} ({_op(node)}): input {name!r} is not "
-                                          "produced by any earlier node, graph input or initializer")
-        known.update(node.output)

@@ -15,6 +15,7 @@ from onnxtrain.ir.conv_shapes import declared_outputs, refined_conv_transposes
 from onnxtrain.ir.graphs import (
     DEFAULT_DOMAINS,
     fed_initializers,
+    in_topological_order,
     mis_sized_initializer,
     misdefined_name,
     walk_graphs,
@@ -179,19 +180,22 @@ def unknown_versions(model: onnx.ModelProto) -> str | None:
     return None
 
 
-def refuse_unloadable(model: onnx.ModelProto, where: str = "") -> None:
-    """Raise onnxruntime's ``Fail`` (its message after ``where``) for a model of versions
-    :func:`unknown_versions` finds, or one that :func:`misdefined_name` or :func:`mis_sized_initializer` finds
-    (onnxruntime refuses a name defined twice or a short initializer at load; a graph out of topological
-    order fails in the engine all the same)."""
+def loadable_model(model: onnx.ModelProto, where: str = "") -> onnx.ModelProto:
+    """``model`` as the sessions and builders take it: its nodes in topological order
+    (:func:`~onnxtrain.ir.graphs.in_topological_order`, as onnxruntime sorts them; a copy when they were
+    not). Raises onnxruntime's ``Fail`` (its message after ``where``) for a model of versions
+    :func:`unknown_versions` finds, or one that :func:`misdefined_name` or :func:`mis_sized_initializer`
+    finds (onnxruntime refuses a name defined twice, a cycle or a short initializer at load)."""
     from onnxtrain.errors import Fail
 
     newer = unknown_versions(model)
     if newer is not None:
         raise Fail(f"{where}the model's {newer}")
+    model = in_topological_order(model)
     wrong = misdefined_name(model.graph) or mis_sized_initializer(model.graph)
     if wrong is not None:
         raise Fail(f"{where}{wrong}")
+    return model
 
 
 _DATA_KEPT = 1024  # initializers of at most this many elements keep their values for shape inference

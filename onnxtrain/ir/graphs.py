@@ -262,6 +262,61 @@ def graph_values(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
+def in_topological_order(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model``, or a copy whose graphs (bodies too) list their nodes in an order where each node comes after
+    the nodes making what it reads, as onnxruntime sorts them at load (ONNX requires the order; hand-built
+    graphs may lack it). The given order is kept wherever it already allows; a graph with a cycle or a name
+    written twice is left as it is (:func:`misdefined_name` names the fault)."""
+    if all(_sorted_nodes(g) is None for g in walk_graphs(model.graph)):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for g in walk_graphs(out.graph):
+        order = _sorted_nodes(g)
+        if order is not None:
+            nodes = [g.node[k] for k in order]
+            copies = [onnx.NodeProto() for _ in nodes]
+            for c, n in zip(copies, nodes):
+                c.CopyFrom(n)
+            del g.node[:]
+            g.node.extend(copies)
+    return out
+
+
+def _sorted_nodes(graph: onnx.GraphProto) -> list[int] | None:
+    """The indices of ``graph``'s nodes in topological order (the lowest index first among those ready), or
+    None when they are in order already, or when no order exists or a name is written twice."""
+    import heapq
+
+    maker: dict[str, int] = {}
+    for k, n in enumerate(graph.node):
+        for o in n.output:
+            if o:
+                if o in maker:
+                    return None
+                maker[o] = k
+    needs = [{maker[r] for r in node_reads(n) if r in maker and maker[r] != k}
+             for k, n in enumerate(graph.node)]
+    if all(d < k for k, deps in enumerate(needs) for d in deps):
+        return None
+    waiting = [len(d) for d in needs]
+    feeds: list[list[int]] = [[] for _ in needs]
+    for k, deps in enumerate(needs):
+        for d in deps:
+            feeds[d].append(k)
+    ready = [k for k, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        k = heapq.heappop(ready)
+        order.append(k)
+        for j in feeds[k]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(ready, j)
+    return order if len(order) == len(needs) else None
+
+
 def misdefined_name(graph: onnx.GraphProto) -> str | None:
     """What first breaks ONNX's naming rules in ``graph`` or a body in it, or None: a name defined twice (two
     graph inputs, a node output named like an input, initializer or earlier output), or a node reading a

@@ -106,6 +106,7 @@ from onnxtrain.graph_transforms.recompute import recompute_or_warn
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset, unknown_versions
 from onnxtrain.ir.graphs import (
     chain_shared_batch_norms,
+    in_topological_order,
     node_reads,
     path_to,
     train_batch_norms,
@@ -195,10 +196,12 @@ def _load(model: Any) -> onnx.ModelProto:
         path = os.fspath(model)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"model file not found: {path}")
-        return onnx.load(path)
+        return in_topological_order(onnx.load(path))
     if isinstance(model, onnx.ModelProto):  # (past 2 GiB too: copied, never serialized)
-        m = onnx.ModelProto()
-        m.CopyFrom(model)
+        m = in_topological_order(model)
+        if m is model:
+            m = onnx.ModelProto()
+            m.CopyFrom(model)
         return m
     raise ArtifactError(
         f"Unknown model type {type(model).__name__}: pass an onnx.ModelProto or the path of an .onnx "

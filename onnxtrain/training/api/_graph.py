@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxtrain.capi.feeds import feed_array
 from onnxtrain.capi.ortvalue import OrtValue
 from onnxtrain.errors import InvalidFeed, InvalidFeedType
-from onnxtrain.inference import feed_array
-from onnxtrain.ir.builder import refuse_unloadable
+from onnxtrain.ir.builder import loadable_model
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
 ModelLike = str | os.PathLike | bytes | onnx.ModelProto
@@ -23,8 +23,7 @@ def load_model(uri: ModelLike, what: str) -> tuple[onnx.ModelProto, str | None]:
     """The ModelProto of ``uri`` (path, bytes or proto) and its path (None when not from a file); one of an
     IR version or opset the installed onnx (onnxruntime, for com.microsoft) does not know is refused."""
     model, path = _read(uri, what)
-    refuse_unloadable(model, f"the {what} model{f' {path}' if path else ''}: ")
-    return model, path
+    return loadable_model(model, f"the {what} model{f' {path}' if path else ''}: "), path
 
 
 def _read(uri: ModelLike, what: str) -> tuple[onnx.ModelProto, str | None]:
