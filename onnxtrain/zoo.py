@@ -58,7 +58,16 @@ class _Graph:
         return self.init(name, (self.rng.standard_normal(shape) * std).astype(np.float32))
 
     def const(self, name: str, value: float | Sequence[int] | np.ndarray, dtype: type = np.float32) -> str:
+        """An initializer (a float one is a weight the sessions train)."""
         return self.init(name, np.asarray(value, dtype))
+
+    def fixed(self, name: str, value: float | np.ndarray) -> str:
+        """A float32 Constant node: a value of the model's math (a scale, a sampling grid) that no session
+        trains, as an initializer would be."""
+        arr = np.ascontiguousarray(np.asarray(value, np.float32))
+        self.nodes.append(helper.make_node("Constant", [], [name], name=name,
+                                           value=numpy_helper.from_array(arr, name)))
+        return name
 
     def op(self, op_type: str, inputs: Sequence[str], out: str | None = None,
            extra_outputs: Sequence[str] = (), **attrs) -> str:
@@ -174,7 +183,7 @@ def spatial_transformer(channels: Sequence[int] = (8, 16), classes: int = 10,
     # the sampling grid: base (x, y, 1) per output pixel (align_corners=0 centres) times thetaᵀ
     ys, xs = ((np.arange(n) * 2 + 1) / n - 1 for n in (hgt, wid))
     base = np.stack([np.tile(xs, hgt), np.repeat(ys, wid), np.ones(hgt * wid)], 1)
-    grid = g.op("MatMul", [g.const("base_grid", base), g.op("Transpose", [theta], "theta_t", perm=[0, 2, 1])],
+    grid = g.op("MatMul", [g.fixed("base_grid", base), g.op("Transpose", [theta], "theta_t", perm=[0, 2, 1])],
                 "grid_flat")
     grid = g.op("Reshape", [grid, g.const("grid_shape", [-1, hgt, wid, 2], np.int64)], "grid")
     g.op("GridSample", ["x", grid], "warped", mode="bilinear", align_corners=0)
@@ -210,7 +219,7 @@ def _attention(g: _Graph, x: str, p: str, dim: int, heads: int) -> str:
         t = g.op("Reshape", [t, split], f"{p}.{which}_heads")  # [N, T, H, Dh]
         perm = [0, 2, 3, 1] if which == "k" else [0, 2, 1, 3]  # kᵀ: [N, H, Dh, T]; q, v: [N, H, T, Dh]
         qkv.append(g.op("Transpose", [t], f"{p}.{which}_t", perm=perm))
-    scale = g.const(f"{p}.scale", 1.0 / math.sqrt(dh))
+    scale = g.fixed(f"{p}.scale", 1.0 / math.sqrt(dh))
     scores = g.op("Mul", [g.op("MatMul", [qkv[0], qkv[1]], f"{p}.scores"), scale], f"{p}.scaled")
     attn = g.op("Softmax", [scores], f"{p}.attn", axis=-1)
     ctx = g.op("Transpose", [g.op("MatMul", [attn, qkv[2]], f"{p}.ctx")], f"{p}.ctx_t", perm=[0, 2, 1, 3])
@@ -220,8 +229,8 @@ def _attention(g: _Graph, x: str, p: str, dim: int, heads: int) -> str:
 
 def _gelu(g: _Graph, x: str, p: str) -> str:
     """Exact GELU as 0.5·x·(1 + erf(x/√2)) (the Gelu op needs opset 20)."""
-    inv_sqrt2 = g.const(f"{p}.inv_sqrt2", 1.0 / math.sqrt(2.0))
-    one, half = g.const(f"{p}.one", 1.0), g.const(f"{p}.half", 0.5)
+    inv_sqrt2 = g.fixed(f"{p}.inv_sqrt2", 1.0 / math.sqrt(2.0))
+    one, half = g.fixed(f"{p}.one", 1.0), g.fixed(f"{p}.half", 0.5)
     e = g.op("Add", [g.op("Erf", [g.op("Mul", [x, inv_sqrt2])]), one])
     return g.op("Mul", [g.op("Mul", [x, half]), e], f"{p}.gelu")
 

@@ -66,6 +66,10 @@ def _to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
         if t.data_type == onnx.TensorProto.FLOAT:
             m.graph.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64),
                                                                     t.name))
+    for n in m.graph.node:  # the fixed values (attention scale, GELU's constants, the sampling grid)
+        for a in n.attribute:
+            if n.op_type == "Constant" and a.name == "value" and a.t.data_type == onnx.TensorProto.FLOAT:
+                a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float64), a.t.name))
     for v in [*m.graph.input, *m.graph.output]:
         if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT:
             v.type.tensor_type.elem_type = onnx.TensorProto.DOUBLE
@@ -102,3 +106,22 @@ def test_spatial_transformer_starts_at_the_identity():
     x = np.random.default_rng(2).random((4, 1, 8, 8), np.float32)
     np.testing.assert_allclose(compile_model(stn).run({"x": x})[0], compile_model(head).run({"x": x})[0],
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["transformer", "spatial_transformer"])
+def test_the_models_fixed_values_are_not_trained(name):
+    """The attention scale, GELU's ½, 1 and 1/√2 and the sampling grid are Constant nodes: as float32
+    initializers the legacy session (and ``onnxtrain train``) trained them (½ became 0.5034 in 20 steps), so
+    the model stopped computing a GELU."""
+    import onnxtrain
+
+    model = CASES[name][0]()
+    gelu = {f"layer0.mlp.{c}" for c in ("half", "one", "inv_sqrt2")}
+    fixed = {"transformer": {"layer0.attn.scale", *gelu}, "spatial_transformer": {"base_grid"}}[name]
+    assert not fixed & {t.name for t in model.graph.initializer}
+    assert fixed <= {n.output[0] for n in model.graph.node if n.op_type == "Constant"}
+    p = onnxtrain.TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "SGDOptimizer"
+    sess = onnxtrain.TrainingSession(model.SerializeToString(), p)
+    assert not fixed & set(sess.get_state())
