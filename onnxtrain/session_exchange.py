@@ -65,7 +65,7 @@ class ReplicaExchange:
             full = whole.get(f"{sp.key}_{pc.weight}" if pc is not None else sp.name)
             if full is None:
                 store[sp.name] = sp.initial.copy()
-            elif pc is not None and sp.initial.shape == pc.shape and full.shape == z.shapes[pc.weight]:
+            elif pc is not None and sp.elementwise and full.shape == z.shapes[pc.weight]:
                 store[sp.name] = np.array(z.piece_view(pc, full)).reshape(pc.shape)
             else:
                 store[sp.name] = np.array(full)

@@ -246,7 +246,7 @@ class DataParallelSteps:
             pc = self._zero.piece_of.get(sp.weight) if self._zero is not None else None
             if pc is not None:
                 out.setdefault(f"{sp.key}_{pc.weight}", []).append(
-                    (sp.name, pc, sp.initial.shape == pc.shape)
+                    (sp.name, pc, sp.elementwise)  # (a one-element piece has a counter's shape)
                 )
         return out
 

@@ -34,12 +34,15 @@ class WeightSlot:
 
 @dataclass
 class StateSpec:
-    """A state tensor: store name, the weight it belongs to ('' when shared), key and initial value."""
+    """A state tensor: store name, the weight it belongs to ('' when shared), key and initial value;
+    ``elementwise`` when it holds a value per element of its weight (a moment, not a step counter: ZeRO
+    splits those with the weight)."""
 
     name: str
     weight: str
     key: str
     initial: np.ndarray
+    elementwise: bool = False
 
 
 class Optimizer:
@@ -73,7 +76,7 @@ class Optimizer:
     def moment_specs(self, s: WeightSlot) -> list[StateSpec]:
         """Zeroed first and second moments of weight ``s``, in the type they are kept in."""
         kept = self.kept_dtype(s.elem_type)
-        return [StateSpec(f"{key}_{s.name}", s.name, key, np.zeros(s.shape, kept))
+        return [StateSpec(f"{key}_{s.name}", s.name, key, np.zeros(s.shape, kept), elementwise=True)
                 for key in ("Moment_1", "Moment_2")]
 
     def store_moment(self, w: NodeWriter, value: str, out: str, elem_type: int,

@@ -257,3 +257,28 @@ def test_float64_model_in_cut_sessions_clips_with_a_float64_norm(mode: str, back
     assert list(got["dtypes"]) == ["<f8"] * 3
     want = np.stack(float64_cut_worker.train("single", "numpy"))
     np.testing.assert_allclose(got["norms"], want, rtol=1e-9)
+
+
+@pytest.mark.mpi
+def test_zero_state_with_a_one_element_piece_round_trips(tmp_path) -> None:
+    """Rank 0 holds one element of W2: its step counter (shape [1], as the piece) was taken for a moment,
+    so gather_state() gave Update_Count_W2 in W2's shape and no session (ZeRO or one process, the CLI's
+    --resume) loaded it. Oracle: one process trained on the whole batch."""
+    from tests.parallel import zero_piece_worker as wk
+
+    out = tmp_path / "state"
+    r = run_mpi(str(out), worker=wk.__file__, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ranks = [np.load(f"{out}.{k}.npz") for k in range(2)]
+    for got in ranks:
+        assert got["update_count_w2"].shape == (1,) and int(got["update_count_w2"][0]) == 4
+        assert got["update_count_w1"].shape == (1,)
+        assert bool(got["zero_load"])
+    from onnxtrain import TrainingSession
+    from tests.session.helpers import params
+
+    one = TrainingSession(wk.model_bytes(), params("AdamOptimizer"))
+    x, y = wk.batch()
+    for _ in range(4):
+        loss = one.run(["loss"], {"x": x, "y": y, "Learning_Rate": wk.LR})[0]
+    np.testing.assert_allclose(ranks[0]["one_loss"], loss, rtol=1e-5)
