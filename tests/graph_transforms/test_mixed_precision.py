@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import types
 
 import numpy as np
@@ -316,3 +317,26 @@ def test_control_flow_runs_in_float32(name: str) -> None:
         for w in weights:
             a, b = ref[f"{w}_grad"], got[f"{w}_grad"] / 64
             assert np.linalg.norm(b - a) / max(np.linalg.norm(a), 1e-6) < TOL["float16"], w
+
+
+def test_amp_module_is_where_onnxruntime_training_keeps_the_scalers() -> None:
+    """``from onnxruntime.training import amp`` ported (it raised ImportError): the scales after each step
+    of a sequence of finite flags are onnxruntime-training 1.19.2's (its amp module imported alone)."""
+    from onnxtrain.training import amp
+    from onnxtrain.training.amp.loss_scaler import DynamicLossScaler as Same
+    from tests.ortt import run_script
+
+    assert amp.DynamicLossScaler is Same is DynamicLossScaler and issubclass(Same, amp.LossScaler)
+    flags = [True, True, False, True, True, True, False, False, True]
+    script = (
+        "import json, sys, types\n"
+        "sys.modules['onnxruntime.training.optim'] = types.ModuleType('onnxruntime.training.optim')\n"
+        "from onnxruntime.training import amp\n"
+        "s = amp.DynamicLossScaler(loss_scale=4.0, up_scale_window=2, min_loss_scale=2.0)\n"
+        "flags = json.loads(sys.argv[1])\n"
+        "print(json.dumps([s.update(types.SimpleNamespace(all_finite=f)) for f in flags]))\n"
+    )
+
+    want = run_script(script, json.dumps(flags))
+    ours = amp.DynamicLossScaler(loss_scale=4.0, up_scale_window=2, min_loss_scale=2.0)
+    assert [ours.update(types.SimpleNamespace(all_finite=f)) for f in flags] == want
