@@ -327,16 +327,18 @@ def _decomposed_gelu(fa: _Forward, k: int) -> set[str]:
     cur, x = e.output[0], None
     for _ in range(6):
         cons = fa.data_consumers(cur)
+        if x is not None:  # after x·(...): at most one more scaling by a constant (the ½, when not first)
+            n = cons[0] if len(cons) == 1 else None
+            if n is not None and n.op_type in ("Mul", "Div") and len(n.output) == 1:
+                others = [i for i in n.input if i != cur]
+                if others and all(fa.constant(i) is not None for i in others):
+                    cur = n.output[0]
+            break
         if len(cons) != 1:
             return set()
         n = cons[0]
         if n.op_type not in ("Add", "Mul", "Div", "Sub") or len(n.output) != 1:
             return set()
-        if x is not None:  # after x·(...): at most one more scaling by a constant (the ½)
-            others = [i for i in n.input if i != cur]
-            if n.op_type in ("Mul", "Div") and others and all(fa.constant(i) is not None for i in others):
-                cur = n.output[0]
-            break
         if n.op_type == "Mul":
             for other in (i for i in n.input if i != cur):
                 if other in cone:
@@ -348,8 +350,6 @@ def _decomposed_gelu(fa: _Forward, k: int) -> set[str]:
                         if len(q) == 1 and q[0] in cone and len(p.input) == 2:
                             x = q[0]
         cur = n.output[0]
-        if x is not None and not fa.data_consumers(cur):
-            break
     if x is None:
         return set()
     region = _between(fa, x, cur)

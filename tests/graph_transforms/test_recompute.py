@@ -233,3 +233,58 @@ def test_transformer_layers_are_found_past_an_attention_mask() -> None:
     got, _ = _run(out, feeds)
     for a, b in zip(ref, got):
         np.testing.assert_array_equal(a, b)
+
+
+def _gelu_mlp(form: str) -> onnx.ModelProto:
+    """x @ W1 → GELU → @ W2, twice, loss = ReduceSumSquare; the GELU spelt as ``form``:
+    ``x*(1+erf)*0.5``, ``x*0.5*(1+erf)`` (HuggingFace, Megatron) or ``0.5*x*(1+tanh)`` (nanoGPT's NewGELU)."""
+    rng = np.random.default_rng(0)
+    nodes, inits, cur = [], [], "x"
+
+    def c(name: str, v: float) -> str:
+        inits.append(onnx.numpy_helper.from_array(np.array(v, np.float32), name))
+        return name
+
+    def n(op: str, ins: list[str], out: str) -> str:
+        nodes.append(helper.make_node(op, ins, [out]))
+        return out
+
+    for k in range(2):
+        for name, shape in ((f"W1_{k}", (64, 256)), (f"W2_{k}", (256, 64))):
+            w = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+            inits.append(onnx.numpy_helper.from_array(w, name))
+        h = n("MatMul", [cur, f"W1_{k}"], f"h{k}")
+        if form == "newgelu":
+            cube = n("Mul", [n("Mul", [h, h], f"sq{k}"), h], f"cube{k}")
+            inner = n("Add", [h, n("Mul", [cube, c(f"k{k}", 0.044715)], f"kc{k}")], f"in{k}")
+            t = n("Tanh", [n("Mul", [inner, c(f"s{k}", float(np.sqrt(2 / np.pi)))], f"si{k}")], f"t{k}")
+            one = n("Add", [t, c(f"one{k}", 1.0)], f"op{k}")
+            g = n("Mul", [n("Mul", [c(f"half{k}", 0.5), h], f"hh{k}"), one], f"g{k}")
+        else:
+            e = n("Erf", [n("Mul", [h, c(f"r{k}", float(1 / np.sqrt(2)))], f"hs{k}")], f"e{k}")
+            one = n("Add", [e, c(f"one{k}", 1.0)], f"op{k}")
+            if form == "half_first":
+                g = n("Mul", [n("Mul", [h, c(f"half{k}", 0.5)], f"hh{k}"), one], f"g{k}")
+            else:
+                g = n("Mul", [n("Mul", [h, one], f"ho{k}"), c(f"half{k}", 0.5)], f"g{k}")
+        cur = n("MatMul", [g, f"W2_{k}"], f"o{k}")
+    nodes.append(helper.make_node("ReduceSumSquare", [cur], ["loss"], keepdims=0))
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 64])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("form", ["last_half", "half_first", "newgelu"])
+def test_gelu_recompute_finds_each_spelling(form: str) -> None:
+    """The GELU with ½·x computed first (HuggingFace's, Megatron's, nanoGPT's NewGELU) was not found when its
+    output fed a MatMul: nothing was recomputed and a warning said nothing was kept."""
+    model = _gelu_mlp(form)
+    grad = build_gradient_model(model, "loss", ["W1_0", "W2_0", "W1_1", "W2_1"])
+    feeds = {"x": np.random.default_rng(1).standard_normal((256, 64)).astype(np.float32)}
+    ref, peak0 = _run(grad, feeds)
+    out = gelu_recompute(grad, "loss")
+    _assert_recomputed(grad, out)
+    got, peak = _run(out, feeds)
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a, b)
+    assert peak < peak0
