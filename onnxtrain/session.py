@@ -427,6 +427,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
             # (the model's own Dropout mode, as onnxruntime's shared initializer copied it, unless the run
             # options turn it off)
             feeds[TRAINING_MODE] = np.asarray(bool(ro.training_mode) and self._graphs.training_mode_default)
+        self._last_plan = None  # the plan this run runs, when one (peak_bytes)
         if kind == "full" and self._dp is not None and self._opt is not None:
             return self._run_data_parallel(names, feeds)
         if kind == "full" and self._halves:
@@ -466,6 +467,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         # its update below: the plan may write the new values into them
         donate = [s for s, _ in upd_items if s in feeds]
         results = plan.run(feeds, names + sources + [o for _, o in upd_items], donate=donate)
+        self._last_plan = plan
         for (state, _), v in zip(upd_items, results[len(names) + len(sources) :]):
             self._store[state] = v
         if path and self._dp is not None:

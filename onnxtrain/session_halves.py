@@ -41,8 +41,12 @@ class HalfSteps:
 
     @property
     def peak_bytes(self) -> int:
-        """Peak bytes of live tensors during the last run (weights included): of the larger half when the
-        step runs as two graphs."""
+        """Peak bytes of live tensors during the last run (weights included): of the graph that run ran (a
+        micro-step's, a forward-only evaluation's), of the larger half when the step runs as two graphs;
+        the training step's before any run."""
+        last = getattr(self, "_last_plan", None)
+        if last is not None:
+            return last.peak_bytes
         if getattr(self, "_halves", False):
             return max(getattr(self._plans.get(k), "peak_bytes", 0) for k in ("gradients", "update"))
         return self._plan.peak_bytes

@@ -216,3 +216,34 @@ def test_recompute_notes_do_not_take_other_threads_warnings(monkeypatch) -> None
     assert "thread B: its own warning" in shown, shown
     mine = [s for s in shown if "nothing in this model is recomputed" in s]
     assert len(mine) == 1 and "thread B" not in mine[0], shown
+
+
+def test_peak_bytes_is_the_run_that_ran() -> None:
+    """``peak_bytes`` after an accumulation micro-step, an update and a forward-only evaluation is each one's
+    plan's (it read the update's plan after every run: 0 after the first micro-step)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxtrain import RunOptions
+
+    rng = np.random.default_rng(0)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["z"]), helper.make_node("Relu", ["z"], ["h"]),
+         helper.make_node("SoftmaxCrossEntropyLoss", ["h", "y"], ["loss"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64]),
+         helper.make_tensor_value_info("y", TensorProto.INT64, ["N"])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(rng.standard_normal((64, 10)).astype(np.float32), "W")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    sess = TrainingSession(model, params("AdamOptimizer", gradient_accumulation_steps=2))
+    feeds = {"x": rng.standard_normal((512, 64)).astype(np.float32), "y": rng.integers(0, 10, 512)}
+    path = RunOptions()
+    path.only_execute_path_to_fetches = True
+    sess.run(["loss", "Group_Accumulated_Gradients"], feeds, path)
+    micro = sess.peak_bytes
+    sess.run(["loss"], {**feeds, "Learning_Rate": np.array([1e-3], np.float32)})
+    update = sess.peak_bytes
+    sess.run(["loss"], feeds, path)
+    forward = sess.peak_bytes
+    # the update holds the moments besides what a micro-step holds; the forward holds no gradients
+    assert forward < micro < update, (forward, micro, update)
+    assert micro >= 512 * 64 * 4  # at least the batch
