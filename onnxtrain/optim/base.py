@@ -98,14 +98,18 @@ class Optimizer:
         """One warning per map naming the attributes of ``weights``' entries that this optimizer does not
         read: onnxruntime's optimizer builders looked up the names they knew and ignored the others (a
         script may share one attribute function between optimizers)."""
-        for label, m, known in (("optimizer_attributes_map", floats, self.FLOAT_ATTRS),
-                                ("optimizer_int_attributes_map", ints, self.INT_ATTRS)):
+        maps = (("optimizer_attributes_map", floats, self.FLOAT_ATTRS),
+                ("optimizer_int_attributes_map", ints, self.INT_ATTRS))
+        for (label, m, known), (other_label, _, other) in zip(maps, maps[::-1]):
             where = [w for w in weights if any(k not in known for k in m.get(w, {}))]
             if where:
                 keys = sorted({k for w in where for k in m[w] if k not in known})
-                warn(f"{label}: {self.name} does not read {', '.join(map(repr, keys))} (given for "
-                     f"{len(where)} weight(s), e.g. {where[0]!r}); ignored, as onnxruntime's optimizer "
-                     f"builders ignored them; {self.name} reads {sorted(known) or 'none'}")
+                misplaced = [k for k in keys if k in other]
+                hint = (f" ({', '.join(map(repr, misplaced))} {'is' if len(misplaced) == 1 else 'are'} read "
+                        f"from {other_label})") if misplaced else ""
+                warn(f"{label}: {self.name} does not read {', '.join(map(repr, keys))} from this map (given "
+                     f"for {len(where)} weight(s), e.g. {where[0]!r}); ignored, as onnxruntime's optimizer "
+                     f"builders ignored them; {self.name} reads {sorted(known) or 'none'} here{hint}")
 
     def state(self, slots: list[WeightSlot]) -> list[StateSpec]:
         return []

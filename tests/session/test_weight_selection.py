@@ -225,11 +225,17 @@ def test_attributes_the_optimizer_does_not_read_are_ignored_with_one_warning() -
     for opt, fmap, imap, ignored in (
         ("SGDOptimizer", adam_keys, {n: {"do_bias_correction": 1} for n in names},
          [r"optimizer_attributes_map: SGDOptimizer does not read 'alpha', 'beta', 'epsilon', 'lambda' "
-          r"\(given for 4 weight\(s\), e.g. 'W1'\)",
+          r"from this map \(given for 4 weight\(s\), e.g. 'W1'\)",
           r"optimizer_int_attributes_map: SGDOptimizer does not read 'do_bias_correction'"]),
         ("AdamOptimizer", {n: {"momentum": 0.9} if n == "b2" else {} for n in names}, {},
-         [r"optimizer_attributes_map: AdamOptimizer does not read 'momentum' \(given for 1 weight\(s\), "
-          r"e.g. 'b2'\)"]),
+         [r"optimizer_attributes_map: AdamOptimizer does not read 'momentum' from this map \(given for 1 "
+          r"weight\(s\), e.g. 'b2'\)"]),
+        # a key in the other map: the warning says where it is read (it said Adam did not read it at all)
+        ("AdamOptimizer", {n: {"do_bias_correction": 0} for n in names}, {n: {"lambda": 0} for n in names},
+         [r"optimizer_attributes_map: AdamOptimizer does not read 'do_bias_correction' from this map.*"
+          r"\('do_bias_correction' is read from optimizer_int_attributes_map\)",
+          r"optimizer_int_attributes_map: AdamOptimizer does not read 'lambda' from this map.*"
+          r"\('lambda' is read from optimizer_attributes_map\)"]),
     ):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
