@@ -596,10 +596,6 @@ def save_dump(model: onnx.ModelProto, path: str | os.PathLike, where: str) -> No
         raise _about(e, path, where) from None
 
 
-_DATA_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data",
-                "raw_data")
-
-
 def _initializers(g: onnx.GraphProto) -> list[onnx.TensorProto]:
     """The initializers of ``g`` and of the graphs inside its nodes' attributes."""
     return [t for sub in walk_graphs(g) for t in sub.initializer]
@@ -638,20 +634,15 @@ def stage_model(files: StagedFiles, model: onnx.ModelProto, path: str | os.PathL
         return
     if os.path.basename(external_data) != external_data or external_data in ("", ".", ".."):
         raise ValueError(f"external_data must be a file name (no folder), got {external_data!r}")
-    from onnxtrain.ir.large import skeleton
+    from onnxtrain.ir.large import external_tensor, skeleton
 
     chunks: list[onnx.TensorProto | bytes] = []  # main-graph tensors of ``model`` (read when written), bytes
     offset = 0
 
     def external(t: onnx.TensorProto, n: int) -> onnx.TensorProto:
         nonlocal offset
-        e = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, doc_string=t.doc_string)
-        e.data_location = onnx.TensorProto.EXTERNAL
-        for key, value in (("location", external_data), ("offset", str(offset)), ("length", str(n))):
-            entry = e.external_data.add()
-            entry.key, entry.value = key, value
         offset += n
-        return e
+        return external_tensor(t, external_data, offset - n, n)
 
     def emptied(t: onnx.TensorProto) -> onnx.TensorProto | None:
         if t.data_location == onnx.TensorProto.EXTERNAL or t.data_type == onnx.TensorProto.STRING:

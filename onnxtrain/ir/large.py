@@ -72,9 +72,14 @@ def skeleton(model: onnx.ModelProto, emptied: Callable[[TensorProto], TensorProt
     return out
 
 
-def _empty_like(t: TensorProto) -> TensorProto:
+def external_tensor(t: TensorProto, location: str, offset: int, length: int) -> TensorProto:
+    """A tensor of ``t``'s name, type and dims without values: they are ``length`` bytes at ``offset`` in
+    external file ``location``."""
     e = TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, doc_string=t.doc_string)
     e.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = e.external_data.add()
+        entry.key, entry.value = key, value
     return e
 
 
@@ -89,11 +94,7 @@ def external_skeleton(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Ten
         if n < MOVED_TENSOR_BYTES:
             return None
         moved.append(t)
-        e = _empty_like(t)
-        for key, value in (("location", IN_MEMORY), ("offset", "0"), ("length", str(n))):
-            entry = e.external_data.add()
-            entry.key, entry.value = key, value
-        return e
+        return external_tensor(t, IN_MEMORY, 0, n)
 
     return skeleton(model, emptied), moved
 
@@ -124,4 +125,4 @@ def check_model_full(model: onnx.ModelProto) -> None:
 
 
 __all__ = ["IN_MEMORY", "LARGE_MODEL_BYTES", "MOVED_TENSOR_BYTES", "check_model_full", "external_skeleton",
-           "is_large", "skeleton", "tensor_bytes", "tensor_nbytes"]
+           "external_tensor", "is_large", "skeleton", "tensor_bytes", "tensor_nbytes"]
