@@ -162,6 +162,7 @@ def _node_label(node: onnx.NodeProto, k: int) -> str:
 def _op_name(node: onnx.NodeProto) -> str:
     return f"{node.domain}.{node.op_type}" if node.domain else node.op_type
 
+
 def _all_graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
     """The model's graph and every body in it or in its local functions' nodes."""
     from onnxtrain.ir.graphs import subgraphs, walk_graphs
