@@ -15,8 +15,8 @@ def feed_array(name: str, v: Any, dtype: np.dtype | None) -> np.ndarray:
     checked: a list, a tuple or a Python number takes the input's type, as in onnxruntime; an array or an
     object that carries its own dtype (a numpy scalar, a torch tensor, anything with ``__array__``) keeps it.
     None, and str or bytes for a numeric input, are refused (numpy would read them as NaN and as numbers)."""
-    if isinstance(v, np.ndarray):
-        return v
+    if isinstance(v, np.ndarray):  # a subclass (np.matrix, a masked array) as its plain data, as onnxruntime
+        return v if type(v) is np.ndarray else np.asarray(v)
     if v is None:
         raise NoneFed(f"input {name!r}: None was fed; feed a tensor, or leave out an optional input")
     numeric = dtype is not None and dtype != np.dtype(object)

@@ -18,22 +18,22 @@ from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 SAME_SHAPE_OPS = frozenset({"GroupNormalization", "MeanVarianceNormalization"})
 
 
-def _has_shape(t: onnx.TypeProto | None) -> bool:
-    return (t is not None and t.HasField("tensor_type") and bool(t.tensor_type.elem_type)
-            and t.tensor_type.HasField("shape"))
+def _known(t: onnx.TypeProto | None) -> tuple[bool, bool]:
+    """Whether ``t`` is a tensor type with an element type, and whether it has a shape too."""
+    typed = t is not None and t.HasField("tensor_type") and bool(t.tensor_type.elem_type)
+    return typed, typed and t is not None and t.tensor_type.HasField("shape")
 
 
 def refined_same_shapes(model: onnx.ModelProto,
                         types: dict[str, onnx.TypeProto]) -> list[onnx.ValueInfoProto]:
-    """Value infos giving each untyped or unshaped output of a :data:`SAME_SHAPE_OPS` node in ``model``'s
-    graph the type of the node's first input, where that one has a shape."""
+    """Value infos giving each output of a :data:`SAME_SHAPE_OPS` node in ``model``'s graph the type of the
+    node's first input where the input's type says more (an element type, or a shape too)."""
     out = []
     for n in model.graph.node:
         if n.op_type not in SAME_SHAPE_OPS or n.domain not in DEFAULT_DOMAINS or not n.input or not n.output:
             continue
         x, y = types.get(n.input[0]), n.output[0]
-        if y and _has_shape(x) and not _has_shape(types.get(y)):
-            assert x is not None
+        if y and x is not None and _known(x) > _known(types.get(y)):
             out.append(helper.make_value_info(y, x))
     return out
 

@@ -155,3 +155,23 @@ def test_gradients_after_group_normalization_vs_torch() -> None:
     scale = max(float(np.abs(t[k].grad.numpy()).max()) for k in names)
     for k, v in zip(names, got):
         np.testing.assert_allclose(v, t[k].grad.numpy(), rtol=1e-4, atol=2e-5 * scale, err_msg=k)
+
+
+def test_group_normalization_of_an_input_without_a_shape_keeps_its_type() -> None:
+    """A float input declared without a shape: GroupNormalization's output took no type, so the
+    RMSNormalization after it (a function body that needs its input's type) was refused; onnxruntime runs
+    it. Values against onnxruntime."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("GroupNormalization", ["x", "s", "b"], ["g"], num_groups=2),
+             helper.make_node("RMSNormalization", ["g", "r"], ["y"], axis=-1)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, None)],
+                          [helper.make_tensor_value_info("y", f, None)],
+                          [onnx.numpy_helper.from_array(np.array([1.0, 0.5, 2.0, 1.5], np.float32), "s"),
+                           onnx.numpy_helper.from_array(np.array([0.1, 0.2, 0.3, 0.4], np.float32), "b"),
+                           onnx.numpy_helper.from_array(np.array([1.0, 2.0, 0.5], np.float32), "r")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])
+    assert elem_type(value_types(m), "g") == f
+    x = np.random.default_rng(0).standard_normal((2, 4, 3)).astype(np.float32)
+    want = onnxruntime.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+    np.testing.assert_allclose(compile_model(m).run({"x": x})[0], want, rtol=1e-5, atol=1e-6)

@@ -90,3 +90,22 @@ def test_the_on_device_input_check_refuses_none_and_cast() -> None:
     with pytest.raises(InvalidArgument, match="float64"):
         spec.check(torch.tensor(1.5, dtype=torch.float64))
     assert spec.check(1.5).dtype == np.float32
+
+
+@pytest.mark.parametrize("make", [np.matrix, lambda a: np.ma.masked_array(a, mask=[[0, 1], [0, 0]])],
+                         ids=["matrix", "masked"])
+def test_array_subclasses_are_fed_as_their_data(make: Any) -> None:
+    """An np.matrix reached the kernels as one (ReduceSum failed on matrix.sum's keywords) and a masked array
+    dropped its masked values from a sum; onnxruntime takes their data."""
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph([helper.make_node("Mul", ["x", "x"], ["y"]),
+                           helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0)], "g",
+                          [vi("x", TensorProto.FLOAT, [2, 2])],
+                          [vi("y", TensorProto.FLOAT, None), vi("s", TensorProto.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10).SerializeToString()
+    x = make(np.array([[1, 2], [3, 4]], np.float32))
+    want = onnxruntime.InferenceSession(m, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    got = onnxtrain.InferenceSession(m).run(None, {"x": x})
+    for a, b in zip(got, want):
+        assert type(a) is np.ndarray
+        np.testing.assert_array_equal(a, b)
