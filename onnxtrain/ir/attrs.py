@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import onnx
@@ -44,3 +45,15 @@ def parse_attributes(node: onnx.NodeProto, opset: int) -> dict[str, Any]:
             raise ValueError(f"node {node.name!r} ({node.op_type}): attribute references are not supported")
         values[a.name] = attribute_value(a)
     return values
+
+
+MVN_DEFAULT_AXES = (0, 2, 3)
+
+
+def mvn_axes(axes: Sequence[int], rank: int | None) -> list[int]:
+    """MeanVarianceNormalization's axes for an input of ``rank``: the default [0, 2, 3] on an input of rank
+    below 4 keeps the axes it has (a 3-D input normalises over 0 and 2, as onnxruntime does)."""
+    axes = [int(a) for a in axes]
+    if rank is not None and tuple(axes) == MVN_DEFAULT_AXES and rank < 4:
+        return [a for a in axes if a < rank]
+    return axes

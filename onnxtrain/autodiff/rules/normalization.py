@@ -14,6 +14,7 @@ from onnx import TensorProto
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient
+from onnxtrain.ir.attrs import mvn_axes
 from onnxtrain.ir.graphs import is_training_batch_norm
 
 _LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -395,7 +396,7 @@ def lp_norm_grad(g: GradCtx) -> None:
 def mean_variance_norm_grad(g: GradCtx) -> None:
     # Y = xc / (s + ε), xc = X − mean(X), s = sqrt(mean(xc²)), ε = 1e-9 (the schema's function body):
     # dX = (dY − mean(dY)) / (s + ε) − xc · mean(dY·xc) / (s · (s + ε)²)   over the normalised axes
-    axes = [int(a) for a in g.attr("axes")]
+    axes = mvn_axes(g.attr("axes"), g.rank(0))
     xc = g.emit("Sub", g.x(0), _reduce_mean(g, g.x(0), axes))
     s = g.emit("Sqrt", _reduce_mean(g, g.emit("Mul", xc, xc), axes))
     d = g.emit("Add", s, g.const(1e-9))

@@ -15,6 +15,7 @@ from onnxtrain.engine.kernels.reduce import channel_sum
 from onnxtrain.engine.kernels.spread import spread, spread_shape
 from onnxtrain.engine.parallel import for_rows
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+from onnxtrain.ir.attrs import mvn_axes
 
 _F32 = np.dtype(np.float32)
 
@@ -400,7 +401,7 @@ def lp_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
 @kernel("MeanVarianceNormalization", since=9)
 def mean_variance_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
-    axes = tuple(attrs["axes"])
+    axes = tuple(mvn_axes(attrs["axes"], x.ndim))  # (onnxtrain.ir.attrs)
     w = _work(x)
     d = np.subtract(w, np.mean(w, axis=axes, keepdims=True))
     std = np.sqrt(np.mean(np.multiply(d, d), axis=axes, keepdims=True))
