@@ -140,8 +140,8 @@ def check_graph_links(model: onnx.ModelProto) -> None:
     g = model.graph
     known = {v.name for v in g.input} | {t.name for t in g.initializer} | {""}
     for k, node in enumerate(g.node):
-        label = f"node {_node_label(node, k)} ({_op_name(node)})"
-        domain = _ONNX_DOMAINS.get(node.domain)
+        label = f"node {node_label(node, k)} ({op_name(node)})"
+        domain = ONNX_DOMAINS.get(node.domain)
         if domain is not None and not onnx.defs.has(node.op_type, domain):
             raise UnknownOpError(f"{label}: ONNX defines no op {node.op_type!r} in domain "
                                  f"{node.domain or 'ai.onnx'!r} (no op registered under that name)")
@@ -152,14 +152,17 @@ def check_graph_links(model: onnx.ModelProto) -> None:
         known.update(node.output)
 
 
-_ONNX_DOMAINS = {"": "", "ai.onnx": "", "ai.onnx.ml": "ai.onnx.ml"}
+# the domains whose nodes are checked against ONNX's schemas ("" for ONNX's own under either name)
+ONNX_DOMAINS = {"": "", "ai.onnx": "", "ai.onnx.ml": "ai.onnx.ml"}
 
 
-def _node_label(node: onnx.NodeProto, k: int) -> str:
+def node_label(node: onnx.NodeProto, k: int) -> str:
+    """A node as errors name it: its name, or its index ``k`` when it has none."""
     return repr(node.name) if node.name else f"#{k} (unnamed)"
 
 
-def _op_name(node: onnx.NodeProto) -> str:
+def op_name(node: onnx.NodeProto) -> str:
+    """A node's op, with its domain when not ONNX's."""
     return f"{node.domain}.{node.op_type}" if node.domain else node.op_type
 
 

@@ -50,12 +50,12 @@ from typing import NamedTuple
 import onnx
 from onnx import AttributeProto, TensorProto
 
+from onnxtrain.engine.interface import ONNX_DOMAINS, node_label, op_name
 from onnxtrain.ir.graphs import first_opset, graph_values, named_subgraphs
 from onnxtrain.ir.types import TENSOR_TYPE_STRINGS as _TENSOR_TYPES
 from onnxtrain.ir.types import type_string
 
 # the domains whose ops onnx.defs defines (the checked ones), by their names in nodes → their names there
-ONNX_DOMAINS = {"": "", "ai.onnx": "", "ai.onnx.ml": "ai.onnx.ml"}
 _OPTIONAL = onnx.defs.OpSchema.FormalParameterOption.Optional
 _VARIADIC = onnx.defs.OpSchema.FormalParameterOption.Variadic
 _UNBOUNDED = 2**31 - 1  # a variadic parameter's max_input / max_output
@@ -486,7 +486,7 @@ class NodeChecker:
         if why is None:
             return None
         version = self.opsets[ONNX_DOMAINS[node.domain]]
-        return f"{where}node {_label(node, k)} ({_op(node)}, opset {version}): {why}"
+        return f"{where}node {node_label(node, k)} ({op_name(node)}, opset {version}): {why}"
 
 
 def _problem(node: onnx.NodeProto, form: _Form, ins: Sequence[str], outs: Sequence[str]) -> str | None:
@@ -519,14 +519,6 @@ def model_opsets(model: onnx.ModelProto) -> dict[str, int]:
     return out
 
 
-def _label(node: onnx.NodeProto, k: int) -> str:
-    return repr(node.name) if node.name else f"#{k} (unnamed)"
-
-
-def _op(node: onnx.NodeProto) -> str:
-    return f"{node.domain}.{node.op_type}" if node.domain else node.op_type
-
-
 def invalid_nodes(graph: onnx.GraphProto, opsets: Mapping[str, int] | NodeChecker, where: str = "",
                   limit: int = 10, outer: Mapping[str, str] | None = None) -> list[str]:
     """One message per invalid node of ``graph`` and of the bodies of its control-flow nodes (at most
@@ -543,7 +535,7 @@ def invalid_nodes(graph: onnx.GraphProto, opsets: Mapping[str, int] | NodeChecke
                 return out
         if node.op_type in _BODY_OPS:
             for name, g in named_subgraphs(node):
-                inside = f"{where}node {_label(node, k)} ({_op(node)}), {name}: "
+                inside = f"{where}node {node_label(node, k)} ({op_name(node)}), {name}: "
                 out += invalid_nodes(g, check, inside, limit - len(out))
                 if len(out) >= limit:
                     return out[:limit]
@@ -570,4 +562,3 @@ def check_nodes(model: onnx.ModelProto, outer_types: Mapping[str, str] | None = 
     if found:
         more = "+" if len(found) >= 10 else ""
         raise InvalidNodeError(f"{len(found)}{more} invalid nodes:\n  " + "\n  ".join(found))
-
