@@ -4,8 +4,7 @@ sessions runs unchanged.
 
 There is nothing to share on onnxtrain's side: the numpy engine pools its own buffers per plan, and the
 onnxruntime backend already registers one CPU arena for the graphs of a training step
-(:mod:`onnxtrain.engine.ort_plan`). The call checks its arguments as onnxruntime's binding does and keeps
-the last ones given (:func:`registered_allocator`).
+(:mod:`onnxtrain.engine.ort_plan`). The call checks its arguments as onnxruntime's binding does.
 """
 
 from __future__ import annotations
@@ -87,12 +86,9 @@ class OrtArenaCfg:
             setattr(self, key, value)
 
 
-_REGISTERED: list[tuple[OrtMemoryInfo, OrtArenaCfg]] = []
-
-
 def create_and_register_allocator(mem_info: OrtMemoryInfo, arena_cfg: OrtArenaCfg | None) -> None:
     """Register a shared allocator for sessions with ``session.use_env_allocators`` = "1" (onnxtrain's
-    sessions manage their memory themselves: the arguments are checked and kept, nothing else)."""
+    sessions manage their memory themselves: the arguments are checked, nothing else)."""
     if not isinstance(mem_info, OrtMemoryInfo):
         raise TypeError(f"create_and_register_allocator: mem_info must be an OrtMemoryInfo, got "
                         f"{type(mem_info).__name__}")
@@ -101,13 +97,6 @@ def create_and_register_allocator(mem_info: OrtMemoryInfo, arena_cfg: OrtArenaCf
                         f"{type(arena_cfg).__name__}")
     if mem_info.name.lower() != "cpu":
         raise ValueError(f"create_and_register_allocator: only CPU allocators, got {mem_info.name!r}")
-    _REGISTERED[:] = [(mem_info, arena_cfg if arena_cfg is not None else OrtArenaCfg(0, -1, -1, -1))]
 
 
-def registered_allocator() -> tuple[OrtMemoryInfo, OrtArenaCfg] | None:
-    """The last allocator :func:`create_and_register_allocator` registered, if any."""
-    return _REGISTERED[0] if _REGISTERED else None
-
-
-__all__ = ["OrtAllocatorType", "OrtArenaCfg", "OrtMemType", "OrtMemoryInfo", "create_and_register_allocator",
-           "registered_allocator"]
+__all__ = ["OrtAllocatorType", "OrtArenaCfg", "OrtMemType", "OrtMemoryInfo", "create_and_register_allocator"]
