@@ -210,7 +210,6 @@ def _differentiable(model: onnx.ModelProto) -> list[str]:
 
 
 def _gradient_graph(a: argparse.Namespace) -> int:
-
     from onnxtrain.autodiff import build_gradient_model
     from onnxtrain.autodiff.legacy import outputs_in_model_order
     from onnxtrain.ir.io import save_model_sized

@@ -20,7 +20,7 @@ from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.allocator import release_free_memory
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
-from onnxtrain.engine.interface import GraphInterface, InvalidNodeError, graph_interface
+from onnxtrain.engine.interface import GraphInterface, InvalidNodeError, check_graph_links, graph_interface
 from onnxtrain.errors import InvalidFeed, program_hint, raises_as_onnxruntime
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE
@@ -206,7 +206,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         model = load_with_options(path_or_bytes, self._sess_options)
         model = loadable_model(model)
         self._loaded_ns = time.perf_counter_ns()
-        _check_user_links(model)  # before the gradient is built: a broken link is not a gradient problem
+        check_graph_links(model)  # before the gradient is built: a broken link is not a gradient problem
         if self._backend == "numpy":  # the user's nodes first: an error names them, not the training graph's
             _check_user_nodes(model)
 
@@ -680,14 +680,6 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                     v = next((x for x in inferred.graph.value_info if x.name == output_name), None)
                 return v is not None and v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
         raise InvalidFeed(f"{output_name!r} is not produced by any node of the training graph")
-
-
-def _check_user_links(model: onnx.ModelProto) -> None:
-    """Raise, naming the node, for a value of the user's ``model`` that nothing gives or an op ONNX does not
-    define."""
-    from onnxtrain.engine.interface import check_graph_links
-
-    check_graph_links(model)
 
 
 def _check_user_nodes(model: onnx.ModelProto) -> None:
