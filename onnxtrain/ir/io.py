@@ -607,11 +607,12 @@ def stage_model_sized(files: StagedFiles, model: onnx.ModelProto, path: str | os
     otherwise: the model written never reads it)."""
     from onnxtrain.ir.large import is_large
 
-    data = os.path.basename(written_through(path)) + ".data"
+    target = written_through(path)
+    data = os.path.basename(target) + ".data"
     big = is_large(model)
-    stage_model(files, model, path, external_data=data if big else None)
+    stage_model(files, model, target, external_data=data if big else None)
     if not big:
-        files.remove_after(os.path.join(os.path.dirname(written_through(path)), data))
+        files.remove_after(os.path.join(os.path.dirname(target), data))
 
 
 def save_model_sized(model: onnx.ModelProto, path: str | os.PathLike, make_folders: bool = True) -> None:
@@ -644,24 +645,27 @@ def stage_model(files: StagedFiles, model: onnx.ModelProto, path: str | os.PathL
         offset += n
         return external_tensor(t, external_data, offset - n, n)
 
-    def emptied(t: onnx.TensorProto) -> onnx.TensorProto | None:
+    def moved_bytes(t: onnx.TensorProto) -> bytes | None:
+        """``t``'s bytes when they go to the data file (one tensor's at a time: never the whole model's)."""
         if t.data_location == onnx.TensorProto.EXTERNAL or t.data_type == onnx.TensorProto.STRING:
             return None
-        n = len(_raw_bytes(t))  # (one tensor's bytes at a time: the model's are not copied whole)
-        if n < size_threshold:
+        raw = _raw_bytes(t)
+        return raw if len(raw) >= size_threshold else None
+
+    def emptied(t: onnx.TensorProto) -> onnx.TensorProto | None:
+        raw = moved_bytes(t)
+        if raw is None:
             return None
-        chunks.append(t)
-        return external(t, n)
+        chunks.append(t)  # (read again when written: its bytes are not held meanwhile)
+        return external(t, len(raw))
 
     m = skeleton(model, emptied)
     for sub in walk_graphs(m.graph):  # the bodies' tensors (copies in m): moved out in place
         if sub is m.graph:
             continue
         for k, t in enumerate(sub.initializer):
-            if t.data_location == onnx.TensorProto.EXTERNAL or t.data_type == onnx.TensorProto.STRING:
-                continue
-            raw = _raw_bytes(t)
-            if len(raw) >= size_threshold:
+            raw = moved_bytes(t)
+            if raw is not None:
                 chunks.append(raw)
                 sub.initializer[k].CopyFrom(external(t, len(raw)))
 
