@@ -225,13 +225,14 @@ def _why_none_reach(model: onnx.ModelProto, p: TrainingParameters) -> str:
     return ""
 
 
-def _shared_mode_dropouts(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+def _shared_mode_dropouts(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, np.ndarray]]:
     """The Dropouts whose training_mode input is a constant (an initializer, overridable or not, or a
-    Constant node): onnxruntime's legacy session made theirs one shared ``training_mode``. A Dropout whose
-    mode is a graph input or a computed value keeps it: the caller's feed decides."""
+    Constant node), with that constant: onnxruntime's legacy session made their modes one shared
+    ``training_mode``. A Dropout whose mode is a graph input or a computed value keeps it: the caller's
+    feed decides."""
     dropouts = [n for n in model.graph.node if n.op_type == "Dropout" and len(n.input) >= 3 and n.input[2]]
     constant = constant_arrays(model.graph, {n.input[2] for n in dropouts})
-    return [n for n in dropouts if n.input[2] in constant]
+    return [(n, constant[n.input[2]]) for n in dropouts if n.input[2] in constant]
 
 
 def dropout_mode(model: onnx.ModelProto) -> bool:
@@ -241,14 +242,14 @@ def dropout_mode(model: onnx.ModelProto) -> bool:
     first = next(iter(_shared_mode_dropouts(model)), None)
     if first is None:
         return True
-    value = constant_arrays(model.graph, {first.input[2]})[first.input[2]]
-    return bool(np.asarray(value).reshape(-1)[0]) if value.size else True
+    value = np.asarray(first[1])
+    return bool(value.reshape(-1)[0]) if value.size else True
 
 
 def _rewire_dropout(model: onnx.ModelProto) -> bool:
     """Point the training_mode input of every shared-mode Dropout at one bool graph input
     ``training_mode``; whether there was one."""
-    dropouts = _shared_mode_dropouts(model)
+    dropouts = [n for n, _ in _shared_mode_dropouts(model)]
     if not dropouts:
         return False
     for n in dropouts:
