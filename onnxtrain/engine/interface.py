@@ -21,6 +21,7 @@ from onnx import helper, numpy_helper
 from onnxtrain.errors import Fail, InvalidArgument, InvalidGraph, InvalidProtobuf, ModelNotFound, program_hint
 from onnxtrain.ir.functions import expand_functions
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
+from onnxtrain.ir.large import copy_fields
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
 
@@ -455,12 +456,12 @@ def without_values(model: onnx.ModelProto, max_kept: int = KEPT_VALUES,
     if not any(cleared(t) for t in model.graph.initializer):
         return model
     out = onnx.ModelProto()
-    _copy_fields(model, out, skip={"graph"})
-    _copy_fields(model.graph, out.graph, skip={"initializer"})
+    copy_fields(model, out, skip={"graph"})
+    copy_fields(model.graph, out.graph, skip={"initializer"})
     for t in model.graph.initializer:
         kept = out.graph.initializer.add()
         if cleared(t):
-            _copy_fields(t, kept, skip=_TENSOR_VALUES)
+            copy_fields(t, kept, skip=_TENSOR_VALUES)
         else:
             kept.CopyFrom(t)
     return out
@@ -475,19 +476,6 @@ def holds_values(t: onnx.TensorProto) -> bool:
     :func:`without_values` emptied."""
     return (not heavy(t) or t.data_location == onnx.TensorProto.EXTERNAL or t.HasField("raw_data")
             or any(len(getattr(t, f)) for f in _TENSOR_VALUES if f != "raw_data"))
-
-
-def _copy_fields(src: Any, dst: Any, skip: Collection[str]) -> None:
-    """Copy the set fields of message ``src`` into ``dst`` (of the same type), but those named in ``skip``."""
-    for fd, value in src.ListFields():
-        if fd.name in skip:
-            continue
-        if fd.is_repeated:
-            getattr(dst, fd.name).extend(value)
-        elif fd.type == fd.TYPE_MESSAGE:
-            getattr(dst, fd.name).CopyFrom(value)
-        else:
-            setattr(dst, fd.name, value)
 
 
 def copied(value: Any) -> Any:

@@ -32,9 +32,19 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import IO, Any, NamedTuple
 
+import numpy as np
 import onnx
 
 from onnxtrain.ir.graphs import walk_graphs
+from onnxtrain.ir.stream import (
+    Arrays,
+    array_nbytes,
+    array_raw,
+    array_tensor,
+    elem_type,
+    total_nbytes,
+    write_model,
+)
 from onnxtrain.user_warning import warn
 
 try:
@@ -175,9 +185,10 @@ class StagedFiles:
             raise
         self._staged.append((tmp, path))
 
-    def save_model(self, model: onnx.ModelProto, path: str | os.PathLike) -> None:
-        """Stage ``model`` serialized (no external data) for ``path``."""
-        self.write(path, lambda f: f.write(model.SerializeToString()))
+    def save_model(self, model: onnx.ModelProto, path: str | os.PathLike, arrays: Arrays = ()) -> None:
+        """Stage ``model`` serialized (no external data) for ``path``, with ``arrays`` (name, values) as
+        initializers after its own (see :func:`~onnxtrain.ir.stream.write_model`)."""
+        self.write(path, lambda f: write_model(f, model, arrays))
 
     def remove_after(self, path: str | os.PathLike) -> None:
         """Delete ``path`` (if it is a file) once every staged file is in place: a side file now unused."""
@@ -601,7 +612,8 @@ def _initializers(g: onnx.GraphProto) -> list[onnx.TensorProto]:
     return [t for sub in walk_graphs(g) for t in sub.initializer]
 
 
-def stage_model_sized(files: StagedFiles, model: onnx.ModelProto, path: str | os.PathLike) -> None:
+def stage_model_sized(files: StagedFiles, model: onnx.ModelProto, path: str | os.PathLike,
+                      arrays: Arrays = ()) -> None:
     """:func:`stage_model` for ``path``, its tensors in ``<file name>.data`` beside it when they pass
     :data:`~onnxtrain.ir.large.LARGE_MODEL_BYTES` (such a file left by an earlier, larger save is removed
     otherwise: the model written never reads it)."""
@@ -609,21 +621,23 @@ def stage_model_sized(files: StagedFiles, model: onnx.ModelProto, path: str | os
 
     target = written_through(path)
     data = os.path.basename(target) + ".data"
-    big = is_large(model)
-    stage_model(files, model, target, external_data=data if big else None)
+    big = is_large(model, total_nbytes(arrays))
+    stage_model(files, model, target, external_data=data if big else None, arrays=arrays)
     if not big:
         files.remove_after(os.path.join(os.path.dirname(target), data))
 
 
-def save_model_sized(model: onnx.ModelProto, path: str | os.PathLike, make_folders: bool = True) -> None:
+def save_model_sized(model: onnx.ModelProto, path: str | os.PathLike, make_folders: bool = True,
+                     arrays: Arrays = ()) -> None:
     """Save ``model`` to ``path`` atomically with :func:`stage_model_sized`."""
     with StagedFiles(make_folders) as files:
-        stage_model_sized(files, model, path)
+        stage_model_sized(files, model, path, arrays)
 
 
 def stage_model(files: StagedFiles, model: onnx.ModelProto, path: str | os.PathLike, *,
-                external_data: str | None = None, size_threshold: int = 1024) -> None:
-    """Stage ``model`` for ``path`` in ``files``. With ``external_data`` (a file name in ``path``'s folder),
+                external_data: str | None = None, size_threshold: int = 1024, arrays: Arrays = ()) -> None:
+    """Stage ``model``, with ``arrays`` (name, values) as initializers after its own, for ``path`` in
+    ``files``. With ``external_data`` (a file name in ``path``'s folder),
     initializers of at least ``size_threshold`` bytes go to that file, written whole (never appended to an
     old one, as onnx.save_model's external-data writer does) and renamed just before the model; ``model``
     itself is left unchanged. Raises ValueError if a tensor that is already external (a model loaded with
@@ -631,13 +645,14 @@ def stage_model(files: StagedFiles, model: onnx.ModelProto, path: str | os.PathL
     tensors external to other files stay as they are."""
     path = written_through(path)  # (its external data beside the file written)
     if external_data is None:
-        files.save_model(model, path)
+        files.save_model(model, path, arrays)
         return
     if os.path.basename(external_data) != external_data or external_data in ("", ".", ".."):
         raise ValueError(f"external_data must be a file name (no folder), got {external_data!r}")
     from onnxtrain.ir.large import external_tensor, skeleton
 
-    chunks: list[onnx.TensorProto | bytes] = []  # main-graph tensors of ``model`` (read when written), bytes
+    # the data file's contents in order: main-graph tensors of ``model`` and arrays (read when written), bytes
+    chunks: list[onnx.TensorProto | bytes | np.ndarray] = []
     offset = 0
 
     def external(t: onnx.TensorProto, n: int) -> onnx.TensorProto:
@@ -668,15 +683,26 @@ def stage_model(files: StagedFiles, model: onnx.ModelProto, path: str | os.PathL
             if raw is not None:
                 chunks.append(raw)
                 sub.initializer[k].CopyFrom(external(t, len(raw)))
+    for name, a in arrays:
+        n = array_nbytes(a)
+        if n < size_threshold or a.dtype.kind in "OSU":  # (small: a copy in the model)
+            m.graph.initializer.append(array_tensor(name, a))
+            continue
+        chunks.append(a)
+        stub = onnx.TensorProto(name=name, data_type=elem_type(a), dims=a.shape)
+        m.graph.initializer.append(external(stub, n))
 
     def write_data(f: IO[bytes]) -> None:
         for c in chunks:
-            f.write(c if isinstance(c, bytes) else _raw_bytes(c))
+            raw = c if isinstance(c, bytes) else array_raw(c) if isinstance(c, np.ndarray) else _raw_bytes(c)
+            f.write(raw)
 
-    if chunks:  # (no tensor that large: the model alone)
-        _refuse_rewriting_own_data(model, path, external_data)
-        files.write(os.path.join(os.path.dirname(path), external_data), write_data)
-    files.save_model(m if chunks else model, path)
+    if not chunks:  # (no tensor that large: the model alone)
+        files.save_model(model, path, arrays)
+        return
+    _refuse_rewriting_own_data(model, path, external_data)
+    files.write(os.path.join(os.path.dirname(path), external_data), write_data)
+    files.save_model(m, path)
 
 
 def _raw_bytes(t: onnx.TensorProto) -> bytes:

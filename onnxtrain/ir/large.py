@@ -12,9 +12,10 @@ as a skeleton whose large initializers are external, their values given in memor
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import onnx
+from google.protobuf.message import Message
 from onnx import TensorProto, helper
 
 LARGE_MODEL_BYTES = 1800 * 2**20  # tensors beyond this leave the proto (protobuf's limit is 2 GiB)
@@ -40,20 +41,20 @@ def tensor_bytes(model: onnx.ModelProto) -> int:
     return sum(tensor_nbytes(t) for t in model.graph.initializer)
 
 
-def is_large(model: onnx.ModelProto) -> bool:
-    """Whether ``model``'s tensors pass :data:`LARGE_MODEL_BYTES`."""
-    return tensor_bytes(model) > LARGE_MODEL_BYTES
+def is_large(model: onnx.ModelProto, more: int = 0) -> bool:
+    """Whether ``model``'s tensors, with ``more`` bytes of others, pass :data:`LARGE_MODEL_BYTES`."""
+    return tensor_bytes(model) + more > LARGE_MODEL_BYTES
 
 
-def _copy_fields(src: onnx.ModelProto | onnx.GraphProto, dst: onnx.ModelProto | onnx.GraphProto,
-                 skip: str) -> None:
-    """Copy every field set in ``src`` but ``skip`` into ``dst`` (one message's copy, not a serialization)."""
+def copy_fields(src: Message, dst: Message, skip: Collection[str]) -> None:
+    """Copy the fields set in message ``src`` into ``dst`` (of the same type), but those named in ``skip``
+    (one message's copy, not a serialization)."""
     for fd, value in src.ListFields():
-        if fd.name == skip:
+        if fd.name in skip:
             continue
-        if getattr(fd, "is_repeated", False):
+        if fd.is_repeated:
             getattr(dst, fd.name).extend(value)
-        elif fd.message_type is not None:
+        elif fd.type == fd.TYPE_MESSAGE:
             getattr(dst, fd.name).CopyFrom(value)
         else:
             setattr(dst, fd.name, value)
@@ -65,8 +66,8 @@ def skeleton(model: onnx.ModelProto, emptied: Callable[[TensorProto], TensorProt
     values) take it; ``emptied`` returns None for those copied as they are. The large tensors' bytes are
     never copied."""
     out = onnx.ModelProto()
-    _copy_fields(model, out, "graph")
-    _copy_fields(model.graph, out.graph, "initializer")
+    copy_fields(model, out, {"graph"})
+    copy_fields(model.graph, out.graph, {"initializer"})
     for t in model.graph.initializer:
         out.graph.initializer.append(emptied(t) or t)
     return out
@@ -75,7 +76,9 @@ def skeleton(model: onnx.ModelProto, emptied: Callable[[TensorProto], TensorProt
 def external_tensor(t: TensorProto, location: str, offset: int, length: int) -> TensorProto:
     """A tensor of ``t``'s name, type and dims without values: they are ``length`` bytes at ``offset`` in
     external file ``location``."""
-    e = TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, doc_string=t.doc_string)
+    e = TensorProto(name=t.name, data_type=t.data_type, dims=t.dims)
+    if t.HasField("doc_string"):
+        e.doc_string = t.doc_string
     e.data_location = TensorProto.EXTERNAL
     for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
         entry = e.external_data.add()
@@ -124,5 +127,5 @@ def check_model_full(model: onnx.ModelProto) -> None:
     onnx.checker.check_model(sk, full_check=True)
 
 
-__all__ = ["IN_MEMORY", "LARGE_MODEL_BYTES", "MOVED_TENSOR_BYTES", "check_model_full", "external_skeleton",
-           "external_tensor", "is_large", "skeleton", "tensor_bytes", "tensor_nbytes"]
+__all__ = ["IN_MEMORY", "LARGE_MODEL_BYTES", "MOVED_TENSOR_BYTES", "check_model_full", "copy_fields",
+           "external_skeleton", "external_tensor", "is_large", "skeleton", "tensor_bytes", "tensor_nbytes"]

@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from onnxtrain.ir.builder import value_types
 from onnxtrain.ir.graphs import inference_batch_norms, path_to
@@ -44,8 +43,8 @@ def _last_reads(g: onnx.GraphProto) -> list[str]:
 
 
 def export_for_inference(eval_model: onnx.ModelProto, params: Mapping[str, np.ndarray],
-                         path: str | os.PathLike, graph_output_names: Sequence[str]) -> onnx.ModelProto:
-    """Write and return ``eval_model`` with outputs ``graph_output_names`` and ``params`` as initializers.
+                         path: str | os.PathLike, graph_output_names: Sequence[str]) -> None:
+    """Write ``eval_model`` with outputs ``graph_output_names`` and ``params`` as initializers.
 
     Nodes that do not lead to the outputs are removed, inputs nobody reads (e.g. ``target``) dropped.
     """
@@ -82,14 +81,13 @@ def export_for_inference(eval_model: onnx.ModelProto, params: Mapping[str, np.nd
     del og.input[:]
     og.input.extend(inputs)
     inits = [t for t in g.initializer if t.name in needed and t.name not in params]
-    inits += [numpy_helper.from_array(np.asarray(params[p]), p) for p in params if p in needed]
     del og.initializer[:]
     og.initializer.extend(inits)
+    arrays = [(p, np.asarray(params[p])) for p in params if p in needed]  # written as they are
     value_info = [v for v in g.value_info if v.name in needed and v.name not in set(names)]
     del og.value_info[:]
     og.value_info.extend(value_info)
     out = inference_batch_norms(out)  # inference BatchNorms' running-statistics outputs: checkers refuse them
 
     # past protobuf's 2 GiB the parameters go to <file>.data, written whole and renamed with the model
-    save_model_sized(out, path)
-    return out
+    save_model_sized(out, path, arrays=arrays)
