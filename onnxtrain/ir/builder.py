@@ -24,7 +24,7 @@ from onnxtrain.ir.reshapes import refined_reshapes
 from onnxtrain.ir.same_shapes import refined_same_shapes
 from onnxtrain.ir.shape_values import ShapeValues
 from onnxtrain.ir.slices import refined_slices
-from onnxtrain.ir.types import np_dtype
+from onnxtrain.ir.types import np_dtype, shown_dims
 from onnxtrain.ir.types import symbolic_shape as symbolic_shape  # re-exported for its callers
 from onnxtrain.user_warning import warn
 
@@ -255,6 +255,8 @@ def value_types(model: onnx.ModelProto, declared: bool = True) -> dict[str, onnx
     after it). Without ``declared``, the model's declared types of intermediate values (``value_info``,
     which may be stale: dims no run has) are not read, only inferred ones."""
     skeleton = _skeleton(model, declared)
+    if declared:
+        skeleton = _reconciled(skeleton)
     types = _inferred_types(model, skeleton, model)
     assert types is not None  # a fallback was given
     known: dict[str, onnx.ValueInfoProto] = {}
@@ -312,8 +314,6 @@ def _inferred_types(model: onnx.ModelProto, skeleton: onnx.ModelProto,
             if fallback is None:
                 return None
             inferred = fallback
-        else:
-            _drop_contradicted(skeleton, inferred)
     g = inferred.graph
     types: dict[str, onnx.TypeProto] = {}
     for v in (*g.value_info, *g.input, *g.output):
@@ -332,35 +332,73 @@ def _inferred_types(model: onnx.ModelProto, skeleton: onnx.ModelProto,
     return types
 
 
-def _drop_contradicted(skeleton: onnx.ModelProto, inferred: onnx.ModelProto) -> None:
-    """Replace, in ``inferred`` (in place), the value infos whose declared rank contradicts the rank that
-    inference gives the value from its producer, with the inferred type, and warn naming them: lenient
-    inference keeps a declaration its producer contradicts (an exporter's mistake, which onnx.checker
-    refuses), and a gradient built on a wrong rank is wrong without an error."""
+def _reconciled(skeleton: onnx.ModelProto) -> onnx.ModelProto:
+    """``skeleton`` with its declared types of intermediate values and outputs (``value_info``, which may
+    be stale) reconciled with those inference gives from the graph's inputs alone: a declared rank or
+    static dim that contradicts the computed one takes the computed type or dim (with a warning naming
+    them: lenient inference keeps such an exporter's mistake, which onnx.checker refuses), and a static dim
+    where the computed one is symbolic takes the symbol (a declaration recorded at one batch size is no
+    other's); a declaration is kept where inference knows nothing. A gradient built on a stale dim (a mean's
+    count, a broadcast's axes) is wrong without an error."""
+    g = skeleton.graph
+    if not g.value_info and not any(_shape_of(o.type) is not None for o in g.output):
+        return skeleton
     bare = onnx.ModelProto()
-    bare.CopyFrom(skeleton)
+    bare.CopyFrom(skeleton)  # (small: a skeleton holds no large values)
     del bare.graph.value_info[:]
-    for o in bare.graph.output:  # a graph output's declared shape is checked too: inference fills it anew
+    for o in bare.graph.output:  # inference fills a graph output's shape anew
         if o.type.HasField("tensor_type"):
             o.type.tensor_type.ClearField("shape")
     try:
-        fresh_graph = onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=True).graph
+        computed = onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=True).graph
     except Exception:
-        return
-    fresh = (*fresh_graph.value_info, *fresh_graph.output)
-    ranks = {v.name: (v, len(v.type.tensor_type.shape.dim)) for v in fresh
-             if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
-    wrong = []
-    for v in (*inferred.graph.value_info, *inferred.graph.output):
-        got = ranks.get(v.name)
-        if (got is not None and v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
-                and len(v.type.tensor_type.shape.dim) != got[1]):
-            wrong.append(f"{v.name} (rank {len(v.type.tensor_type.shape.dim)}, computed {got[1]})")
-            v.type.CopyFrom(got[0].type)
+        return skeleton
+    fresh = {v.name: v.type for v in (*computed.value_info, *computed.output)
+             if _shape_of(v.type) is not None}
+    symbols = {d.dim_param for v in g.input if (sh := _shape_of(v.type)) is not None for d in sh.dim
+               if d.HasField("dim_param")}  # (inference names the dims it does not know unk__<k>)
+    wrong: list[str] = []
+    bare.graph.value_info.extend(_reconcile(v, fresh.get(v.name), symbols, wrong) for v in g.value_info)
+    for k, o in enumerate(g.output):
+        bare.graph.output[k].CopyFrom(_reconcile(o, fresh.get(o.name), symbols, wrong))
     if wrong and not _QUIET.get():
-        warn(f"the model declares value(s) with a rank their producers do not compute: {wrong}; the computed "
-             "types are used (an exporter's mistake: onnx.checker.check_model(full_check=True) refuses the "
-             "model)")
+        warn(f"the model declares value(s) with a rank or dims their producers do not compute: {wrong}; the "
+             "computed types are used (an exporter's mistake: onnx.checker.check_model(full_check=True) "
+             "refuses the model)")
+    return bare
+
+
+def _shape_of(tp: onnx.TypeProto) -> onnx.TensorShapeProto | None:
+    if tp.HasField("tensor_type") and tp.tensor_type.HasField("shape"):
+        return tp.tensor_type.shape
+    return None
+
+
+def _reconcile(v: onnx.ValueInfoProto, computed: onnx.TypeProto | None, symbols: Collection[str],
+               wrong: list[str]) -> onnx.ValueInfoProto:
+    """``v`` with the computed rank or dims where its declared ones are contradicted or less general (see
+    :func:`_reconciled`; ``symbols``: the graph inputs' dim names); contradictions are added to ``wrong``."""
+    declared = _shape_of(v.type)
+    if computed is None or declared is None:
+        return v
+    dims, got = declared.dim, computed.tensor_type.shape.dim
+    out = onnx.ValueInfoProto()
+    out.CopyFrom(v)
+    if len(dims) != len(got):
+        wrong.append(f"{v.name} (rank {len(dims)}, computed {len(got)})")
+        out.type.tensor_type.shape.CopyFrom(computed.tensor_type.shape)
+        return out
+    contradicted = False
+    for k, (d, c) in enumerate(zip(dims, got)):
+        if c.HasField("dim_value"):
+            contradicted |= d.HasField("dim_value") and d.dim_value != c.dim_value
+            out.type.tensor_type.shape.dim[k].CopyFrom(c)
+        elif c.dim_param in symbols:
+            out.type.tensor_type.shape.dim[k].CopyFrom(c)
+    if contradicted:
+        shown = shown_dims(computed.tensor_type.shape)
+        wrong.append(f"{v.name} (dims {shown_dims(declared)}, computed {shown})")
+    return out
 
 
 def elem_type(types: dict[str, onnx.TypeProto], name: str) -> int:

@@ -1,0 +1,123 @@
+"""A model's declared types of intermediate values (``value_info``) may be stale: recorded at another batch
+size, or simply wrong. Gradients are built on the dims the graph's inputs give (a mean's count, a
+broadcast's axes): a declared static dim where inference computes a symbol takes the symbol, and one that
+contradicts the computed dim is replaced with a warning. Before, the declared dims were trusted: the mean's
+gradient was scaled by 1/35 for a declared [5, 7] (true [4, 2]), and by 1/8 at batch 3 for [4, 2] recorded
+at batch 4 (onnxruntime-training's builder gives the exact gradient, or refuses the run). Checked against
+float64 formulas on the GradientGraphBuilder, the legacy session and the on-device Module."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxtrain
+
+_RNG = np.random.default_rng(0)
+_X = _RNG.standard_normal((4, 3)).astype(np.float32)
+_W = _RNG.standard_normal((3, 2)).astype(np.float32)
+_B = _RNG.standard_normal(2).astype(np.float32)
+
+
+def _model(batch: int | str, declared: dict[str, list[int | str]]) -> onnx.ModelProto:
+    """loss = mean((x @ W + B)²), ``declared`` the value infos."""
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"]), helper.make_node("Add", ["y", "B"], ["z"]),
+         helper.make_node("Mul", ["z", "z"], ["sq"]),
+         helper.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0)],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(_W, "W"), numpy_helper.from_array(_B, "B")],
+        value_info=[helper.make_tensor_value_info(k, TensorProto.FLOAT, v) for k, v in declared.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _exact(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    x, w, b = x.astype(np.float64), _W.astype(np.float64), _B.astype(np.float64)
+    dz = 2.0 * (x @ w + b) / (x.shape[0] * 2)
+    return x.T @ dz, dz.sum(0)
+
+
+_CASES = {  # name: (input batch dim, declared value infos, batch run, warns)
+    "contradicted dims": (4, {"sq": [5, 7]}, 4, True),
+    "recorded at batch 4, run at 3": ("N", {"sq": [4, 2], "z": [4, 2]}, 3, False),
+    "a stale broadcast": ("N", {"z": [1, 2]}, 3, False),
+}
+
+
+def _built(case: str) -> tuple[onnx.ModelProto, np.ndarray]:
+    batch, declared, run, warns = _CASES[case]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        builder = onnxtrain.GradientGraphBuilder(_model(batch, declared).SerializeToString(), {"loss"},
+                                                 {"W", "B"}, "loss")
+        builder.build()
+    said = [str(w.message) for w in seen if "do not compute" in str(w.message)]
+    assert bool(said) == warns, said
+    return onnx.load_from_string(builder.get_model()), _X[:run]
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_gradient_graph_builder_uses_the_computed_dims(case) -> None:
+    model, x = _built(case)
+    onnx.checker.check_model(model, full_check=True)
+    dw, db = onnxtrain.InferenceSession(model.SerializeToString()).run(["W_grad", "B_grad"], {"x": x})
+    want_w, want_b = _exact(x)
+    np.testing.assert_allclose(dw, want_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(db, want_b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_the_legacy_session_steps_with_the_computed_dims(case) -> None:
+    batch, declared, run, _ = _CASES[case]
+    p = onnxtrain.TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "SGDOptimizer"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sess = onnxtrain.TrainingSession(_model(batch, declared).SerializeToString(), p)
+    x = _X[:run]
+    sess.run(None, {"x": x, "Learning_Rate": np.array([0.1], np.float32)})
+    want_w, want_b = _exact(x)
+    state = sess.get_state()
+    np.testing.assert_allclose(state["W"], _W - 0.1 * want_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state["B"], _B - 0.1 * want_b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_on_device_module_trains_with_the_computed_dims(tmp_path) -> None:
+    from onnxtrain.training import api, artifacts
+
+    batch, declared, run, _ = _CASES["recorded at batch 4, run at 3"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        artifacts.generate_artifacts(_model(batch, declared), requires_grad=["W", "B"], loss=None,
+                                     optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    state = api.CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    module = api.Module(str(tmp_path / "training_model.onnx"), state)
+    opt = api.Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
+    opt.set_learning_rate(0.1)
+    x = _X[:run]
+    module(x)
+    opt.step()
+    want_w, want_b = _exact(x)
+    np.testing.assert_allclose(state.parameters["W"].data, _W - 0.1 * want_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.parameters["B"].data, _B - 0.1 * want_b, rtol=1e-5, atol=1e-6)
+
+
+def test_declarations_inference_cannot_check_are_kept() -> None:
+    """A declared static dim where inference knows nothing (a Reshape to a shape fed at run time) stays: it
+    is the only source of that dim."""
+    from onnxtrain.ir.builder import value_types
+
+    g = helper.make_graph([helper.make_node("Reshape", ["x", "s"], ["r"]),
+                           helper.make_node("Relu", ["r"], ["y"])],
+                          "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6]),
+                                helper.make_tensor_value_info("s", TensorProto.INT64, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          value_info=[helper.make_tensor_value_info("r", TensorProto.FLOAT, [2, 3])])
+    types = value_types(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    assert [d.dim_value for d in types["y"].tensor_type.shape.dim] == [2, 3]
