@@ -86,33 +86,38 @@ def prelu_grad(g: GradCtx) -> None:
         g.set_dx(1, g.unbroadcast(g.emit("Where", pos, g.const(0), g.emit("Mul", dy, x)), 1))
 
 
+def _exp_neg(g: GradCtx, scale: float) -> str:
+    """``Exp(Min(X, 0)·scale)``: 1 where X ≥ 0 (no overflow), NaN where X is NaN."""
+    m = g.emit("Min", g.x(0), g.const(0))
+    return g.emit("Exp", m if scale == 1.0 else g.emit("Mul", m, g.const(scale)))
+
+
 def _exp_linear_grad(g: GradCtx, alpha: float, gamma: float) -> None:
-    # Y = gamma·(X > 0 ? X : alpha·(e^X - 1)): dX = X > 0 ? gamma·dY : dY·(Y + gamma·alpha).
-    # When alpha, gamma > 0, Y > 0 exactly where X > 0, so X need not be kept.
-    y, dy = g.y(0), g.dy(0)
-    pos = g.emit("Greater", y if alpha > 0 and gamma > 0 else g.x(0), g.const(0))
-    neg = g.emit("Mul", dy, g.emit("Add", y, g.const(gamma * alpha)))
+    # Y = gamma·(X > 0 ? X : alpha·(e^X - 1)): dX = X > 0 ? gamma·dY : dY·gamma·alpha·e^X, from X as torch's
+    # elu_backward (from Y, dY·(Y + gamma·alpha) cancelled as Y → -gamma·alpha: 0 from X ≈ -17 in float32).
+    # X == 0 takes the exponential side, as torch; a NaN X gives NaN (torch: gamma·dY)
+    dy = g.dy(0)
+    e = _exp_neg(g, 1.0)
+    neg = g.emit("Mul", dy, e if gamma * alpha == 1.0 else g.emit("Mul", e, g.const(gamma * alpha)))
+    pos = g.emit("Greater", g.x(0), g.const(0))
     g.set_dx(0, g.emit("Where", pos, dy if gamma == 1.0 else g.emit("Mul", dy, g.const(gamma)), neg))
 
 
-@gradient("Elu", uses=("x0", "y0"))
+@gradient("Elu", uses=("x0",))
 def elu_grad(g: GradCtx) -> None:
     _exp_linear_grad(g, g.attr("alpha"), 1.0)
 
 
-@gradient("Selu", uses=("x0", "y0"))
+@gradient("Selu", uses=("x0",))
 def selu_grad(g: GradCtx) -> None:
     _exp_linear_grad(g, g.attr("alpha"), g.attr("gamma"))
 
 
-@gradient("Celu", uses=("y0",))
+@gradient("Celu", uses=("x0",))
 def celu_grad(g: GradCtx) -> None:
-    # Y = max(0, X) + min(0, alpha·(e^(X/alpha) - 1)); Y ≤ 0 exactly where X ≤ 0, and there
-    # dY/dX = e^(X/alpha) = Y/alpha + 1, so dX = dY·(min(Y, 0)/alpha + 1) everywhere
-    alpha = g.attr("alpha")
-    m = g.emit("Min", g.y(0), g.const(0))
-    m = m if alpha == 1.0 else g.emit("Mul", m, g.const(1.0 / alpha))
-    g.set_dx(0, g.emit("Mul", g.dy(0), g.emit("Add", m, g.const(1))))
+    # Y = max(0, X) + min(0, alpha·(e^(X/alpha) - 1)): dX = dY·e^(min(X, 0)/alpha), from X as torch (from Y,
+    # dY·(min(Y, 0)/alpha + 1) cancelled as Y → -alpha); dY itself where X ≥ 0, NaN where X is NaN
+    g.set_dx(0, g.emit("Mul", g.dy(0), _exp_neg(g, 1.0 / g.attr("alpha"))))
 
 
 @gradient("HardSigmoid", uses=("y0",))

@@ -379,32 +379,36 @@ def group_norm_grad(g: GradCtx) -> None:
 @gradient("LpNormalization", uses=("x0", "y0"))
 def lp_norm_grad(g: GradCtx) -> None:
     # Y = X/n along the axis, n = ||X||_p:  dX = (dY − s·Σ dY·Y)/n with s = ∂n/∂X = Y (p=2) or
-    # Sign(X) (p=1); an all-zero slice (n = 0, Y = 0) gets dY/1 like the kernel's n := 1.
+    # Sign(X) (p=1); an all-zero slice (n = 0, Y = 0) gets dY/1 like the kernel's n := 1. Half types
+    # compute in float32, as the kernel does (a float16 norm past 65504 was inf, and dX 0)
     p = g.attr("p")
     if p not in (1, 2):
         raise RuleError(f"LpNormalization gradient supports p=1 or p=2, got p={p}")
     axis = g.attr("axis")
-    x, y = g.x(0), g.y(0)
+    xt, wt = g.dtype, _work_type(g)
+    x, y, dy = (_cast(g, t, wt, xt) for t in (g.x(0), g.y(0), g.dy(0)))
     n = g.reduce("ReduceL2" if p == 2 else "ReduceL1", x, [axis], keepdims=1)
-    n = g.emit("Where", g.emit("Equal", n, g.const(0)), g.const(1), n)
-    dot = g.reduce("ReduceSum", g.emit("Mul", g.dy(0), y), [axis], keepdims=1)
+    n = g.emit("Where", g.emit("Equal", n, g.const(0, wt)), g.const(1, wt), n)
+    dot = g.reduce("ReduceSum", g.emit("Mul", dy, y), [axis], keepdims=1)
     s = y if p == 2 else g.emit("Sign", x)
-    g.set_dx(0, g.emit("Div", g.emit("Sub", g.dy(0), g.emit("Mul", s, dot)), n))
+    g.set_dx(0, _cast(g, g.emit("Div", g.emit("Sub", dy, g.emit("Mul", s, dot)), n), xt, wt))
 
 
 @gradient("MeanVarianceNormalization", uses=("x0",))
 def mean_variance_norm_grad(g: GradCtx) -> None:
     # Y = xc / (s + ε), xc = X − mean(X), s = sqrt(mean(xc²)), ε = 1e-9 (the schema's function body):
-    # dX = (dY − mean(dY)) / (s + ε) − xc · mean(dY·xc) / (s · (s + ε)²)   over the normalised axes
+    # dX = (dY − mean(dY)) / (s + ε) − xc · mean(dY·xc) / (s · (s + ε)²)   over the normalised axes.
+    # Half types compute in float32 (s·(s + ε)² overflowed float16 from s ≈ 40)
     axes = mvn_axes(g.attr("axes"), g.rank(0))
-    xc = g.emit("Sub", g.x(0), _reduce_mean(g, g.x(0), axes))
+    xt, wt = g.dtype, _work_type(g)
+    x, dy = _cast(g, g.x(0), wt, xt), _cast(g, g.dy(0), wt, xt)
+    xc = g.emit("Sub", x, _reduce_mean(g, x, axes))
     s = g.emit("Sqrt", _reduce_mean(g, g.emit("Mul", xc, xc), axes))
-    d = g.emit("Add", s, g.const(1e-9))
-    dy = g.dy(0)
+    d = g.emit("Add", s, g.const(1e-9, wt))
     first = g.emit("Div", g.emit("Sub", dy, _reduce_mean(g, dy, axes)), d)
     second = g.emit("Div", g.emit("Mul", xc, _reduce_mean(g, g.emit("Mul", dy, xc), axes)),
                     g.emit("Mul", s, g.emit("Mul", d, d)))
-    g.set_dx(0, g.emit("Sub", first, second))
+    g.set_dx(0, _cast(g, g.emit("Sub", first, second), xt, wt))
 
 
 # ---------------------------------------------------------------- LRN
@@ -432,14 +436,15 @@ def _channel_window_sum(g: GradCtx, t: str, before: int, after: int) -> str:
 def lrn_grad(g: GradCtx) -> None:
     # Y = X·D^−β, D = bias + (α/n)·S, S[c] = Σ X[i]² over the window i ∈ [c − (n−1)//2, c + n//2]:
     # dX = dY·D^−β − (2αβ/n)·X·S′(dY·X·D^−β/D), where S′ sums over the mirrored window
-    # i ∈ [c − n//2, c + (n−1)//2] (the channels whose window holds c)
+    # i ∈ [c − n//2, c + (n−1)//2] (the channels whose window holds c). Half types compute in float32,
+    # as the kernel does (S overflowed float16 from |X| ≈ 256)
     size, alpha, beta = g.attr("size"), g.attr("alpha"), g.attr("beta")
-    x = g.x(0)
+    xt, wt = g.dtype, _work_type(g)
+    x, dy = _cast(g, g.x(0), wt, xt), _cast(g, g.dy(0), wt, xt)
     s = _channel_window_sum(g, g.emit("Mul", x, x), (size - 1) // 2, size // 2)
-    d = g.emit("Add", g.emit("Mul", s, g.const(alpha / size)), g.const(g.attr("bias")))
-    p = g.emit("Pow", d, g.const(-beta))  # D^−β
-    dy = g.dy(0)
+    d = g.emit("Add", g.emit("Mul", s, g.const(alpha / size, wt)), g.const(g.attr("bias"), wt))
+    p = g.emit("Pow", d, g.const(-beta, wt))  # D^−β
     u = g.emit("Div", g.emit("Mul", g.emit("Mul", dy, x), p), d)
     back = _channel_window_sum(g, u, size // 2, (size - 1) // 2)
-    cross = g.emit("Mul", g.emit("Mul", x, back), g.const(2 * alpha * beta / size))
-    g.set_dx(0, g.emit("Sub", g.emit("Mul", dy, p), cross))
+    cross = g.emit("Mul", g.emit("Mul", x, back), g.const(2 * alpha * beta / size, wt))
+    g.set_dx(0, _cast(g, g.emit("Sub", g.emit("Mul", dy, p), cross), xt, wt))
