@@ -84,13 +84,14 @@ def next_counts(w: NodeWriter, counts: list[str], names: list[str]) -> list[str]
 
 
 def moments(w: NodeWriter, g: str, m1: str, m2: str, alpha: float, beta: float, et: int) -> tuple[str, str]:
-    """m1 = α·m1 + (1−α)·g,  m2 = β·m2 + (1−β)·g² (α and β as onnxruntime holds them: :func:`held`)."""
+    """m1 = α·m1 + (1−α)·g,  m2 = β·m2 + ((1−β)·g)·g (α and β as onnxruntime holds them: :func:`held`; the
+    product in onnxruntime's order, finite up to |g| ≈ 5.8e20)."""
     alpha, beta = held(alpha, et), held(beta, et)
     m1n = w.one("Add", w.one("Mul", m1, scalar(w, alpha, et)), w.one("Mul", g, scalar(w, 1 - alpha, et)))
     m2n = w.one(
         "Add",
         w.one("Mul", m2, scalar(w, beta, et)),
-        w.one("Mul", w.one("Mul", g, g), scalar(w, 1 - beta, et)),
+        w.one("Mul", w.one("Mul", g, scalar(w, 1 - beta, et)), g),  # (g·g first overflowed from |g| ≈ 1.8e19)
     )
     return m1n, m2n
 

@@ -226,19 +226,17 @@ def _is_parameters(v: Any) -> bool:
             and all(isinstance(t, onnx.TensorProto) for g in v for t in g))
 
 
-def _moving_average(acc: ModelBase, old: str, new: str, beta: float, et: int, token: str) -> str:
-    """``old · β + new · (1 − β)``, the update of each of AdamW's two moments; 1 − β of the float32 β is
-    exact, as onnxruntime-training's ``1.f - beta`` (without bias correction nothing cancels the rounding of
-    1 − 0.999 to float32: its steps were 6e-6 larger)."""
+def _moving_average(acc: ModelBase, old: str, new: str, beta: float, et: int, token: str,
+                    squared: bool = False) -> str:
+    """``old · β + new · (1 − β)`` (``squared``: ``old · β + (new · (1 − β)) · new``, finite where ``new²``
+    overflows), the update of each of AdamW's two moments; 1 − β of the float32 β is exact, as
+    onnxruntime-training's ``1.f - beta`` (without bias correction nothing cancels the rounding of 1 − 0.999
+    to float32: its steps were 6e-6 larger)."""
     beta = held(beta, et)
-    return acc.node(
-        "Add",
-        [
-            acc.node("Mul", [old, acc.scalar(beta, et)], "mul_output")[0],
-            acc.node("Mul", [new, acc.scalar(1.0 - beta, et)], "mul_output")[0],
-        ],
-        token,
-    )[0]
+    scaled = acc.node("Mul", [new, acc.scalar(1.0 - beta, et)], "mul_output")[0]
+    if squared:
+        scaled = acc.node("Mul", [scaled, new], "mul_output")[0]
+    return acc.node("Add", [acc.node("Mul", [old, acc.scalar(beta, et)], "mul_output")[0], scaled], token)[0]
 
 
 def _as_type(acc: ModelBase, x: str, have: int, want: int) -> str:
@@ -337,8 +335,7 @@ class AdamW(Optimizer):
         b1, b2 = self.betas
         m, v = states["momentum0"], states["momentum1"]
         m_new = _moving_average(acc, m, g, b1, et, "momentum0")
-        g2 = acc.node("Mul", [g, g], "mul_output")[0]
-        v_new = _moving_average(acc, v, g2, b2, et, "momentum1")
+        v_new = _moving_average(acc, v, g, b2, et, "momentum1", squared=True)
         denom = acc.node(
             "Add", [acc.node("Sqrt", [v_new], "sqrt_output")[0], acc.scalar(self.eps, et)], "add_output"
         )[0]
