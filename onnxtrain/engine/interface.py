@@ -260,7 +260,12 @@ def inline_local_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     from onnx import inliner
 
     try:
+        model = _with_attribute_defaults(model)
         out = inliner.inline_local_functions(model)
+        if _calls_left(out, model):  # a function importing another version of a domain the model imports:
+            # inlined converted, which needs the types of the values around the calls
+            typed = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+            out = inliner.inline_local_functions(typed, convert_version=True)
     except Exception as e:
         raise ModelParseError(f"could not inline the model's local functions "
                               f"{[f.domain + '.' + f.name for f in model.functions]}: {e}") from None
@@ -274,6 +279,30 @@ def inline_local_functions(model: onnx.ModelProto) -> onnx.ModelProto:
         kept = [o for o in out.opset_import if o.domain not in gone]
         del out.opset_import[:]
         out.opset_import.extend(kept)
+    return out
+
+
+def _calls_left(out: onnx.ModelProto, model: onnx.ModelProto) -> bool:
+    """Whether a node of ``out`` still calls one of ``model``'s local functions."""
+    local = {(f.domain, f.name) for f in model.functions}
+    return any((n.domain, n.op_type) in local for n in _all_nodes(out))
+
+
+def _with_attribute_defaults(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` whose calls of a local function with attribute defaults (``attribute_proto``) give the
+    attributes they leave out (a copy), or itself without such a function: onnx's inliner drops a reference
+    to an attribute the call does not give, so the body's op took its own default (LeakyRelu's 0.01 for the
+    function's 0.5)."""
+    defaults = {(f.domain, f.name, f.overload): f.attribute_proto
+                for f in model.functions if f.attribute_proto}
+    if not defaults:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for n in _all_nodes(out):  # (nested calls too)
+        given = {a.name for a in n.attribute}
+        missing = defaults.get((n.domain, n.op_type, n.overload), ())
+        n.attribute.extend(a for a in missing if a.name not in given)
     return out
 
 
