@@ -513,10 +513,10 @@ def build_gradient_model(
     elif not isinstance(model, onnx.ModelProto):
         raise TypeError(f"model must be an onnx.ModelProto, its serialized bytes or a path, got "
                         f"{type(model).__name__}{program_hint(model)}")
-    from onnxtrain.engine.interface import inline_local_functions
+    from onnxtrain.engine.interface import standard_model
 
     model = loadable_model(model)
-    model = inline_local_functions(model)  # (torch's export_modules_as_functions)
+    model = standard_model(model)  # (torch's export_modules_as_functions, sparse initializers)
     warn_inference_batch_norms(model)
     # bfloat16 zeros and seeds (ConstantOfShape) are valid from opset 20, as mixed precision upgrades too
     model = expand_for_gradient(upgrade_opset(model, BF16_OPSET if _has_bfloat16(model) else MIN_OPSET))

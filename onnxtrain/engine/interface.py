@@ -20,7 +20,7 @@ from onnx import helper, numpy_helper
 
 from onnxtrain.errors import Fail, InvalidArgument, InvalidGraph, InvalidProtobuf, ModelNotFound, program_hint
 from onnxtrain.ir.functions import expand_functions
-from onnxtrain.ir.graphs import DEFAULT_DOMAINS
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, model_graphs, model_nodes
 from onnxtrain.ir.large import copy_fields
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
 
@@ -107,7 +107,15 @@ def load_model(model: onnx.ModelProto | str | bytes | os.PathLike,
     m = _text_names(_loaded(model, external_dir, supplied))
     if not isinstance(model, onnx.ModelProto):
         check_model_structure(m, model if isinstance(model, (str, os.PathLike)) else None)
-    return inline_local_functions(m)
+    return standard_model(m)
+
+
+def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` as kernels and gradient rules take it: its local functions inlined and its sparse tensors
+    dense (as onnxruntime loads a model); itself when it has neither."""
+    from onnxtrain.ir.sparse import dense_sparse_tensors
+
+    return inline_local_functions(dense_sparse_tensors(model))
 
 
 def check_model_structure(model: onnx.ModelProto, path: str | os.PathLike | None = None) -> None:
@@ -120,12 +128,12 @@ def check_model_structure(model: onnx.ModelProto, path: str | os.PathLike | None
                                  "import at least one, naming the ONNX version its nodes are written for")
     imported = {o.domain for o in model.opset_import} | {o.domain for f in model.functions
                                                         for o in f.opset_import}
-    for n in _all_nodes(model):
+    for n in model_nodes(model):
         if n.domain not in imported and n.domain not in DEFAULT_DOMAINS:
             label = repr(n.name) if n.name else f"writing {list(n.output)}"
             raise MissingOpsetImport(f"{where}: node {label} ({n.domain}.{n.op_type}): the model has no "
                                      f"opset import for domain {n.domain!r}")
-    for g in _all_graphs(model):
+    for g in model_graphs(model):
         names = [n.name for n in g.node if n.name]
         if len(set(names)) < len(names):
             twice = sorted({x for x in names if names.count(x) > 1})
@@ -167,26 +175,14 @@ def op_name(node: onnx.NodeProto) -> str:
     return f"{node.domain}.{node.op_type}" if node.domain else node.op_type
 
 
-def _all_graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
-    """The model's graph and every body in it or in its local functions' nodes."""
-    from onnxtrain.ir.graphs import subgraphs, walk_graphs
-
-    graphs = list(walk_graphs(model.graph))
-    return graphs + [b for f in model.functions for n in f.node for g in subgraphs(n) for b in walk_graphs(g)]
-
-
-def _all_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    return [n for g in _all_graphs(model) for n in g.node] + [n for f in model.functions for n in f.node]
-
-
 def _text_names(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model``, or a copy whose node names that are not valid UTF-8 (protobuf gives them as bytes) are
     decoded with backslash escapes: they only label nodes, and onnxruntime runs such models."""
-    if not any(type(n.name) is bytes for n in _all_nodes(model)):
+    if not any(type(n.name) is bytes for n in model_nodes(model)):
         return model
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    for n in _all_nodes(copy):
+    for n in model_nodes(copy):
         if type(n.name) is bytes:
             n.name = n.name.decode("utf-8", errors="backslashreplace")
     return copy
@@ -195,8 +191,8 @@ def _text_names(model: onnx.ModelProto) -> onnx.ModelProto:
 def _external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
     """The tensors of ``model`` kept in external files: initializers and tensor attributes (Constant values),
     of the graph, its bodies and its local functions, as onnx's loader finds them."""
-    found = [t for g in _all_graphs(model) for t in g.initializer]
-    for a in (a for n in _all_nodes(model) for a in n.attribute):
+    found = [t for g in model_graphs(model) for t in g.initializer]
+    for a in (a for n in model_nodes(model) for a in n.attribute):
         found += [a.t] if a.type == onnx.AttributeProto.TENSOR else list(a.tensors)
     return [t for t in found if t.data_location == onnx.TensorProto.EXTERNAL]
 
@@ -285,7 +281,7 @@ def inline_local_functions(model: onnx.ModelProto) -> onnx.ModelProto:
 def _calls_left(out: onnx.ModelProto, model: onnx.ModelProto) -> bool:
     """Whether a node of ``out`` still calls one of ``model``'s local functions."""
     local = {(f.domain, f.name) for f in model.functions}
-    return any((n.domain, n.op_type) in local for n in _all_nodes(out))
+    return any((n.domain, n.op_type) in local for n in model_nodes(out))
 
 
 def _with_attribute_defaults(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -299,7 +295,7 @@ def _with_attribute_defaults(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    for n in _all_nodes(out):  # (nested calls too)
+    for n in model_nodes(out):  # (nested calls too)
         given = {a.name for a in n.attribute}
         missing = defaults.get((n.domain, n.op_type, n.overload), ())
         n.attribute.extend(a for a in missing if a.name not in given)

@@ -437,6 +437,17 @@ def walk_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
             yield from walk_graphs(g)
 
 
+def model_graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
+    """The model's graph and every body in it or in its local functions' nodes."""
+    graphs = list(walk_graphs(model.graph))
+    return graphs + [b for f in model.functions for n in f.node for g in subgraphs(n) for b in walk_graphs(g)]
+
+
+def model_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The nodes of :func:`model_graphs` and of the local functions themselves."""
+    return [n for g in model_graphs(model) for n in g.node] + [n for f in model.functions for n in f.node]
+
+
 def rename_values(node: onnx.NodeProto, names: dict[str, str]) -> None:
     """Rename, in place, the values ``node`` reads or makes and those its bodies (nested ones too) read,
     make, take as inputs or initializers, declare or output, by ``names``."""

@@ -302,9 +302,9 @@ def generate_artifacts(
         )
     half = _mixed_precision_dtype(mixed_precision)
     recompute_opts = _recompute_options(recompute)
-    from onnxtrain.engine.interface import inline_local_functions
+    from onnxtrain.engine.interface import standard_model
 
-    base = inline_local_functions(_load(model))  # (torch's export_modules_as_functions)
+    base = standard_model(_load(model))  # (torch's export_modules_as_functions, sparse initializers)
     loss_block = _loss_block(loss)
     trainable = _names(requires_grad, "requires_grad")
     frozen = _names(frozen_params, "frozen_params")
