@@ -510,7 +510,8 @@ def build_training_models(
             if not acc.has_value(n):
                 raise LookupError(f"The provided name {n} is not a graph value info or a graph output.")
         all_outs = outs + extra_outputs
-        dup = sorted({n for n in all_outs if all_outs.count(n) > 1})
+        # (a model that lists an output twice keeps it twice, as onnxruntime-training's generator does)
+        dup = sorted({n for n in extra_outputs if all_outs.count(n) > 1})
         if dup:
             raise ArtifactError(
                 f"graph outputs would repeat {dup}: additional_output_names must not repeat the loss outputs"
@@ -550,6 +551,7 @@ def build_training_models(
     grad = _gradient_model(m, all_outs, wrt, mixed_precision=mixed_precision,
                            recompute=recompute, weights=params)
     training = _with_accumulation(grad, wrt)
+    _repeat_outputs(training, all_outs)
     if mixed_precision is not None:
         _add_metadata(training, LOSS_SCALING_KEY, {"dtype": mixed_precision, "loss_scale": LOSS_SCALE})
     if recompute is not None:
@@ -559,6 +561,22 @@ def build_training_models(
     _carry_model_info(base, training, own | ({RECOMPUTE_KEY} if recompute is not None else set()))
     _carry_model_info(base, evaluation, set())
     return training, evaluation, ckpt
+
+
+def _repeat_outputs(model: onnx.ModelProto, names: list[str]) -> None:
+    """Give ``model``'s outputs ``names`` first, in that order, repeats included (a model output listed twice
+    stays twice in the training model, as in onnxruntime-training's: the gradient graph lists it once), the
+    others after them."""
+    if len(set(names)) == len(names):
+        return
+    g = model.graph
+    by_name = {o.name: o for o in g.output}
+    outputs = [by_name[n] for n in names] + [o for o in g.output if o.name not in set(names)]
+    copies = [onnx.ValueInfoProto() for _ in outputs]
+    for c, o in zip(copies, outputs):
+        c.CopyFrom(o)
+    del g.output[:]
+    g.output.extend(copies)
 
 
 def _carry_model_info(base: onnx.ModelProto, m: onnx.ModelProto, own: set[str]) -> None:
