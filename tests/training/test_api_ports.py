@@ -240,3 +240,18 @@ def test_artifacts_module_gives_onnxruntimes_converter_names():
     assert convert_onnx_models_to_ort is tool.convert_onnx_models_to_ort
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         artifacts.no_such_name  # noqa: B018
+
+
+def test_onnxblock_submodules_are_attributes_of_the_package() -> None:
+    """A custom loss copied from onnxruntime-training's blocks reaches ``onnxblock._graph_utils`` (and
+    ``onnxblock.onnxblock``) through the package after ``from ... import onnxblock``, as
+    onnxruntime-training's package allows: it was an AttributeError unless some other import had loaded them
+    (a fresh process)."""
+    import subprocess
+    import sys
+
+    script = ("from onnxtrain.training import onnxblock\n"
+              "assert onnxblock._graph_utils.generate_graph_name('loss').startswith('onnx::loss::')\n"
+              "assert onnxblock.onnxblock.TrainingBlock is onnxblock.TrainingBlock\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

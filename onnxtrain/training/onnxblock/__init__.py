@@ -10,7 +10,10 @@ and ``save_checkpoint`` / ``load_checkpoint_to_model``. Every node is standard O
 
 from __future__ import annotations
 
+# (_graph_utils and onnxblock: submodules a ported custom loss reaches as attributes, as onnxruntime's)
+from onnxtrain.training.onnxblock import _graph_utils as _graph_utils
 from onnxtrain.training.onnxblock import blocks, loss, optim
+from onnxtrain.training.onnxblock import onnxblock as onnxblock
 from onnxtrain.training.onnxblock.blocks import Block
 from onnxtrain.training.onnxblock.checkpoint_utils import load_checkpoint_to_model, save_checkpoint
 from onnxtrain.training.onnxblock.model_accessor import BlockError, base, custom_op_library, empty_base
