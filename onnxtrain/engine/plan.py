@@ -35,6 +35,7 @@ from onnxtrain.engine.interface import (  # noqa: F401  (the engine's errors, im
     UnsupportedOpError,
     default_opset,
     load_model,
+    node_label,
     repeats_copied,
 )
 from onnxtrain.engine.legacy_forms import legacy_form, refusal
@@ -185,8 +186,9 @@ class Plan(GraphInterface):
             for n in (name_of[s] for s in ins if s >= 0):
                 if n not in produced:
                     what = "input" if n in node.input else "value read by its body"
+                    k = next(k for k, m in enumerate(g.node) if m is node)
                     raise UndefinedValueError(
-                        f"node {node.name!r} ({node.op_type}): {what} {n!r} is not produced "
+                        f"node {node_label(node, k)} ({node.op_type}): {what} {n!r} is not produced "
                         "by any earlier node, graph input or initializer"
                     )
             produced.update(o for o in node.output if o)
