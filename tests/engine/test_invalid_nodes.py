@@ -850,7 +850,8 @@ def test_a_value_name_that_is_not_utf8_is_refused_naming_its_node():
 def test_an_unnamed_node_reading_an_undefined_value_is_labelled_by_its_index():
     """Errors name an unnamed node ``#k (unnamed)``, as the README's error labels do (it was ``node ''``)."""
     g = onnx.helper.make_graph(
-        [onnx.helper.make_node("Relu", ["x"], ["r"]), onnx.helper.make_node("Add", ["r", "nope"], ["y"])], "g",
+        [onnx.helper.make_node("Relu", ["x"], ["r"]), onnx.helper.make_node("Add", ["r", "nope"], ["y"])],
+        "g",
         [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])])
     model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)])
