@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -94,16 +95,19 @@ def _matmul_weight_grad(plan: Plan, members: list[Step], nd: int) -> Callable:
 
 
 # ---- weight gradient of a Conv -------------------------------------------------------------------------
-_SWAP01 = [1, 0, 2, 3]
+def _swaps01(step: Step) -> bool:
+    """True for a Transpose that swaps the first two axes of a tensor of rank 3 or more (and no others)."""
+    perm = list(step.attrs.get("perm") or [])
+    return step.node.op_type == "Transpose" and len(perm) >= 3 and perm == [1, 0, *range(2, len(perm))]
 
 
 def fuse_conv_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
-    """Transpose(Conv(Transpose(X), Transpose(dY))) with batch/channel swaps (2-D, group 1) → one GEMM."""
+    """Transpose(Conv(Transpose(X), Transpose(dY))) with batch/channel swaps (group 1) → GEMMs."""
     cons, prod, kept = consumers(steps), producers(steps), protected_slots(plan)
     drop: set[int] = set()
     replace: dict[int, Step] = {}
     for k, last in enumerate(steps):
-        if last.node.op_type != "Transpose" or list(last.attrs.get("perm") or []) != _SWAP01:
+        if not _swaps01(last):
             continue
         c = prod.get(last.inputs[0])
         if c is None or steps[c].node.op_type != "Conv":
@@ -115,10 +119,7 @@ def fuse_conv_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
         tx, tdy = prod.get(conv.inputs[0]), prod.get(conv.inputs[1])
         if tx is None or tdy is None or tx == tdy:
             continue
-        if any(
-            steps[i].node.op_type != "Transpose" or list(steps[i].attrs.get("perm") or []) != _SWAP01
-            for i in (tx, tdy)
-        ):
+        if not (_swaps01(steps[tx]) and _swaps01(steps[tdy])):
             continue
         inner = [steps[tx].outputs[0], steps[tdy].outputs[0], conv.outputs[0]]
         if (
@@ -144,53 +145,82 @@ def fuse_conv_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
 def _conv_weight_grad(plan: Plan, members: list[Step]) -> Callable:
     tx, tdy, conv, last = members
     at = conv.attrs
-    strides = list(at.get("strides") or [1, 1])  # the forward conv's dilations
-    dil = list(at.get("dilations") or [1, 1])  # the forward conv's strides
-    pads = list(at.get("pads") or [0, 0, 0, 0])
 
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         x, dy = inputs
+        nd = x.ndim - 2
+        strides = list(at.get("strides") or [1] * nd)  # the forward conv's dilations
+        dil = list(at.get("dilations") or [1] * nd)  # the forward conv's strides
+        pads = list(at.get("pads") or [0] * (2 * nd))
         if (
-            x.ndim == 4
-            and dy.ndim == 4
+            nd >= 1
+            and dy.ndim == x.ndim
             and x.shape[0] == dy.shape[0]
             and x.dtype == dy.dtype
             and x.dtype in FLOATS
-            and len(strides) == 2
-            and len(dil) == 2
-            and len(pads) == 4
+            and len(strides) == nd
+            and len(dil) == nd
+            and len(pads) == 2 * nd
         ):
-            if any(pads):
-                x = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
-            n, ci, h, w = x.shape
-            oh, ow = dy.shape[2:]
-            kh = (h - dil[0] * (oh - 1) - 1) // strides[0] + 1
-            kw = (w - dil[1] * (ow - 1) - 1) // strides[1] + 1
-            # (position for position: a strided 1×1 kernel over more rows than dY has reads every s-th)
-            if kh == kw == 1 and dil == [1, 1] and (h, w) == (oh, ow) and oh * ow >= POINTWISE_MIN_POSITIONS:
-                return (_pointwise_weight_grad(x, dy),)
-            if (kh > 0 and kw > 0 and dil == [1, 1] and ci >= SHIFTED_MIN_CHANNELS
-                    and ci * dy.shape[1] <= SHIFTED_MAX_CHANNEL_PAIRS and n * kh * kw <= SHIFTED_MAX_GEMMS):
-                dw = _weight_grad_shifted(x, dy, kh, kw, strides)
-                if np.isfinite(dw).all():  # else an inf or NaN in x met the padded zeros (0·inf): unfused
-                    return (dw,)
-            elif kh > 0 and kw > 0 and ci >= PATCHES_MIN_CHANNELS:
-                return (_weight_grad_patches(x, dy, kh, kw, strides, dil),)
-            if kh > 0 and kw > 0:
-                x = np.ascontiguousarray(x)
-                sn, sc, sh, sw = x.strides
-                view = np.lib.stride_tricks.as_strided(
-                    x,
-                    (n, ci, kh, kw, oh, ow),
-                    (sn, sc, sh * strides[0], sw * strides[1], sh * dil[0], sw * dil[1]),
-                    writeable=False,
-                )
-                return (_weight_grad_gemm(dy, view),)
+            grad = _weight_grad_2d if nd == 2 else _weight_grad_nd
+            dw = grad(x, dy, strides, dil, pads)
+            if dw is not None:
+                return (dw,)
         env = {tx.inputs[0]: inputs[0], tdy.inputs[0]: inputs[1]}
         run_steps(plan, members, env)
         return (env[last.outputs[0]],)
 
     return run
+
+
+def _weight_grad_2d(x: np.ndarray, dy: np.ndarray, strides: list[int], dil: list[int],
+                    pads: list[int]) -> np.ndarray | None:
+    """A 2-D Conv's weight gradient (``strides``: the forward conv's dilations, ``dil`` its strides) by the
+    GEMMs that suit its shape; None when the unfused nodes must run."""
+    if any(pads):
+        x = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+    n, ci, h, w = x.shape
+    oh, ow = dy.shape[2:]
+    kh = (h - dil[0] * (oh - 1) - 1) // strides[0] + 1
+    kw = (w - dil[1] * (ow - 1) - 1) // strides[1] + 1
+    # (position for position: a strided 1×1 kernel over more rows than dY has reads every s-th)
+    if kh == kw == 1 and dil == [1, 1] and (h, w) == (oh, ow) and oh * ow >= POINTWISE_MIN_POSITIONS:
+        return _pointwise_weight_grad(x, dy)
+    if (kh > 0 and kw > 0 and dil == [1, 1] and ci >= SHIFTED_MIN_CHANNELS
+            and ci * dy.shape[1] <= SHIFTED_MAX_CHANNEL_PAIRS and n * kh * kw <= SHIFTED_MAX_GEMMS):
+        dw = _weight_grad_shifted(x, dy, [kh, kw], strides)
+        if np.isfinite(dw).all():  # else an inf or NaN in x met the padded zeros (0·inf): unfused
+            return dw
+    elif kh > 0 and kw > 0 and ci >= PATCHES_MIN_CHANNELS:
+        return _weight_grad_patches(x, dy, kh, kw, strides, dil)
+    if kh > 0 and kw > 0:
+        x = np.ascontiguousarray(x)
+        sn, sc, sh, sw = x.strides
+        view = np.lib.stride_tricks.as_strided(
+            x,
+            (n, ci, kh, kw, oh, ow),
+            (sn, sc, sh * strides[0], sw * strides[1], sh * dil[0], sw * dil[1]),
+            writeable=False,
+        )
+        return _weight_grad_gemm(dy, view)
+    return None
+
+
+def _weight_grad_nd(x: np.ndarray, dy: np.ndarray, strides: list[int], dil: list[int],
+                    pads: list[int]) -> np.ndarray | None:
+    """A 1-D or 3-D+ Conv's weight gradient by shifted GEMMs when its forward strides are 1 and its
+    channels and products fit them; else None (the unfused Conv: see kernels/conv.py's per-output GEMMs)."""
+    nd = x.ndim - 2
+    n, ci = x.shape[:2]
+    k = [(x.shape[2 + i] + pads[i] + pads[nd + i] - dil[i] * (dy.shape[2 + i] - 1) - 1) // strides[i] + 1
+         for i in range(nd)]
+    if (min(k) < 1 or any(d != 1 for d in dil) or ci < SHIFTED_MIN_CHANNELS
+            or ci * dy.shape[1] > SHIFTED_MAX_CHANNEL_PAIRS or n * int(np.prod(k)) > SHIFTED_MAX_GEMMS):
+        return None
+    if any(pads):
+        x = np.pad(x, ((0, 0), (0, 0), *zip(pads[:nd], pads[nd:], strict=True)))
+    dw = _weight_grad_shifted(x, dy, k, strides)
+    return dw if np.isfinite(dw).all() else None  # an inf or NaN in x met the padded zeros (0·inf): unfused
 
 
 COLS_BYTES = 512 << 10  # im2col columns per GEMM of a Conv weight gradient: a few samples, cache-sized
@@ -231,25 +261,29 @@ SHIFTED_MAX_CHANNEL_PAIRS = 1024
 SHIFTED_MAX_GEMMS = 512
 
 
-def _weight_grad_shifted(xp: np.ndarray, dy: np.ndarray, kh: int, kw: int, steps: list[int]) -> np.ndarray:
-    """dW[o, c, i, j] = Σ_n dy[n, o] · xp[n, c] shifted by (i·s, j·s') (``steps`` s: the forward conv's
-    dilations; its strides are 1): the output gradient zero-padded to the padded input's row width, so that
-    every shift of the input is a contiguous run of its rows (the padded columns meet zeros)."""
-    n, ci, hp, wp = xp.shape
-    co, oh, ow = dy.shape[1:]
-    plane, run = hp * wp, oh * wp
-    buf = np.zeros((n, ci, plane + wp), xp.dtype)  # a row of slack: the last shift's run passes the plane
+def _weight_grad_shifted(xp: np.ndarray, dy: np.ndarray, k: list[int], steps: list[int]) -> np.ndarray:
+    """dW[o, c, κ] = Σ_n dy[n, o] · xp[n, c] shifted by κ·s (``steps`` s: the forward conv's dilations; its
+    strides are 1): the output gradient zero-padded to the padded input's rows (all axes but the first), so
+    that every shift of the input is a contiguous run of its flattened planes (the padded places meet
+    zeros)."""
+    n, ci = xp.shape[:2]
+    sizes = xp.shape[2:]
+    co, out = dy.shape[1], dy.shape[2:]
+    plane = int(np.prod(sizes))
+    row = plane // sizes[0]
+    run = out[0] * row
+    buf = np.zeros((n, ci, plane + row), xp.dtype)  # a row of slack: the last shift's run passes the plane
     buf[:, :, :plane] = xp.reshape(n, ci, plane)
-    dyp = np.zeros((n, co, oh, wp), xp.dtype)
-    dyp[..., :ow] = dy
+    dyp = np.zeros((n, co, out[0], *sizes[1:]), xp.dtype)
+    dyp[(Ellipsis, *(slice(0, o) for o in out[1:]))] = dy
     dyp = dyp.reshape(n, co, run)
-    out = np.empty((co, ci, kh, kw), xp.dtype)
-    for i in range(kh):
-        for j in range(kw):
-            off = i * steps[0] * wp + j * steps[1]
-            per_sample = np.matmul(dyp, buf[:, :, off:off + run].transpose(0, 2, 1))
-            out[:, :, i, j] = np.add.reduce(per_sample, axis=0)
-    return out
+    flat = [plane // int(np.prod(sizes[:i + 1])) for i in range(len(sizes))]  # element strides of the axes
+    dw = np.empty((co, ci, *k), xp.dtype)
+    for kk in itertools.product(*(range(v) for v in k)):
+        off = sum(i * s * f for i, s, f in zip(kk, steps, flat, strict=True))
+        per_sample = np.matmul(dyp, buf[:, :, off:off + run].transpose(0, 2, 1))
+        dw[(slice(None), slice(None), *kk)] = np.add.reduce(per_sample, axis=0)
+    return dw
 
 
 def _weight_grad_patches(x: np.ndarray, dy: np.ndarray, kh: int, kw: int, strides: list[int],

@@ -1,4 +1,6 @@
-"""Convolution kernels: Conv (im2col on a strided view + one batched BLAS matmul), ConvTranspose
+"""Convolution kernels: Conv (im2col on a strided view + one batched BLAS matmul; at stride 1 with few
+channels one GEMM per kernel offset on shifted views; with a kernel larger than the output, as in a weight
+gradient, one GEMM per output position), ConvTranspose
 (matmul + col2im by strided adds, one per kernel offset) and Col2Im (the same strided adds). Grouped
 convolutions that are depthwise or have few outputs, and ConvTransposes with one output channel per group,
 go to engine/kernels/depthwise.py.
@@ -80,6 +82,22 @@ def pad_input(x: np.ndarray, pb: Sequence[int], sizes: Sequence[int], fill: Any 
 
 # ---------------------------------------------------------------------------------------------- Conv
 
+# The stride-1 im2col by flattened rows (_flat_cols) copies Q = out[0] · padded row columns per kernel offset
+# where L = prod(out) are needed; it is used while Q ≤ FLAT_MAX_COLUMNS · L, else the windowed im2col.
+# Measured on 1 core (ms, rows → windows): 3-D 3×3×3 at 5³ (Q/L 2.8) 0.09 → 0.17, at 8³ dilated (Q/L 4)
+# 0.58 → 0.30, 2 × 8 × 32³ by 5³ dilated (Q/L 4) 62 → 12; a 3-D weight gradient (kernel 16³, output 3³:
+# Q/L 36) 341 → 26
+FLAT_MAX_COLUMNS = 3
+# A kernel at least PER_OUTPUT_MIN_RATIO times larger than the output (the weight gradient of a Conv the GEMM
+# fusion does not take: 1-D, 3-D, grouped) whose im2col columns would pass PER_OUTPUT_MIN_COLUMNS elements:
+# one GEMM per output position on its copied window (_per_output_conv), no buffer prod(out) times the
+# input. Measured on 1 core (ms, im2col → per output): that 3-D weight gradient 26 → 9, a ConvTranspose
+# 3-D's (kernel 16³ dilated, output 2³) 789 → 3.5 (2 GB of columns by rows), 32 × 16 × 64² by 64² 699 → 33;
+# slower on small ones (4 × 256 × 4² by 3², 0.73 → 1.34)
+PER_OUTPUT_MIN_RATIO = 2
+PER_OUTPUT_MIN_COLUMNS = 1 << 18
+
+
 def _conv_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> dict[str, Any]:
     nd = len(xs) - 2
     if nd < 1 or len(ws) != len(xs):
@@ -104,12 +122,19 @@ def _conv_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> di
     sizes = [max(sizes[i], pb[i]) for i in range(nd)]
     plane = int(np.prod(sizes))
     row = plane // sizes[0]
+    big, small = int(np.prod(k)), int(np.prod(out))
+    flat = nd > 1 and all(v == 1 for v in strides)
     return {"nd": nd, "group": group, "k": k, "strides": strides, "dil": dil, "pb": pb, "sizes": sizes,
-            "out": out, "K": int(np.prod(k)), "L": int(np.prod(out)), "m": m, "cg": cg,
+            "out": out, "K": big, "L": small, "m": m, "cg": cg,
             "identity": all(v == 1 for v in k + strides) and not any(pb) and sizes == list(xs[2:]),
             # stride 1 on 2+ axes: im2col rows are contiguous runs of the flattened padded planes
-            "flat": nd > 1 and all(v == 1 for v in strides), "plane": plane, "row": row, "Q": out[0] * row,
-            "flat_strides": [dil[i] * plane // int(np.prod(sizes[:i + 1])) for i in range(nd)]}
+            "flat": flat, "plane": plane, "row": row, "Q": out[0] * row,
+            "flat_strides": [dil[i] * plane // int(np.prod(sizes[:i + 1])) for i in range(nd)],
+            # ... worth copying only while the runs' junk columns stay few (see FLAT_MAX_COLUMNS)
+            "flat_cols": flat and out[0] * row <= FLAT_MAX_COLUMNS * small,
+            # a kernel larger than the output (a weight gradient): one GEMM per output position
+            "per_output": (small * PER_OUTPUT_MIN_RATIO <= big
+                           and n * c * big * small >= PER_OUTPUT_MIN_COLUMNS)}
 
 
 def _flat_cols(x: np.ndarray, g: dict[str, Any]) -> np.ndarray:
@@ -158,6 +183,9 @@ def _view(base: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...]) ->
 SHIFTED_MIN_CHANNELS = 8
 SHIFTED_MAX_CHANNEL_PAIRS = 4096
 SHIFTED_MAX_OFFSETS = 9  # kernel positions (3×3): with LeNet's 5×5 input gradient, 1.20 → 2.96 ms a step
+# in 3-D (3×3×3) on 1 core, im2col → shifted (ms): 4 × 16 × 16³ to 16 channels 9.9 → 5.2, to 32 14.7 → 8.4,
+# 2 × 32 × 16³ to 32 12.9 → 7.3, 8 × 8 × 8³ to 8 0.86 → 0.59
+SHIFTED_MAX_OFFSETS_3D = 27
 
 
 def _shifted_fits(x: np.ndarray, g: dict[str, Any]) -> bool:
@@ -165,7 +193,8 @@ def _shifted_fits(x: np.ndarray, g: dict[str, Any]) -> bool:
     the dtype, channels and kernel offsets the shifted GEMMs are for."""
     c = x.shape[1]
     return (x.dtype in depthwise.FAST_DTYPES and c >= SHIFTED_MIN_CHANNELS
-            and c * g["m"] <= SHIFTED_MAX_CHANNEL_PAIRS and g["K"] <= SHIFTED_MAX_OFFSETS)
+            and c * g["m"] <= SHIFTED_MAX_CHANNEL_PAIRS
+            and g["K"] <= (SHIFTED_MAX_OFFSETS_3D if g["nd"] >= 3 else SHIFTED_MAX_OFFSETS))
 
 
 def _shifted_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
@@ -190,6 +219,37 @@ def _shifted_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray
     return np.ascontiguousarray(y.swapaxes(0, 1))
 
 
+def _per_output_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """Conv without bias as one GEMM per output position: its window (N, C·K), copied, times W^T (per
+    group), written into y laid positions first."""
+    n, c = x.shape[:2]
+    m, cg, group, K, L = g["m"], g["cg"], g["group"], g["K"], g["L"]
+    win = _windows(pad_input(x, g["pb"], g["sizes"]), g)
+    buf = np.empty((n, c) + tuple(g["k"]), dtype=x.dtype)
+    y = np.empty((L, n, m), dtype=x.dtype)
+    if group == 1:
+        wt = w.reshape(m, c * K).T
+        for p, o in enumerate(itertools.product(*(range(v) for v in g["out"]))):
+            np.copyto(buf, win[(Ellipsis,) + o])
+            np.matmul(buf.reshape(n, c * K), wt, out=y[p])
+    else:
+        wt = w.reshape(group, m // group, cg * K).transpose(0, 2, 1)  # (group, cg·K, m/group)
+        yg = y.reshape(L, n, group, m // group).transpose(0, 2, 1, 3)  # (L, group, n, m/group)
+        for p, o in enumerate(itertools.product(*(range(v) for v in g["out"]))):
+            np.copyto(buf, win[(Ellipsis,) + o])
+            yg[p] = np.matmul(buf.reshape(n, group, cg * K).transpose(1, 0, 2), wt)
+    return np.ascontiguousarray(y.transpose(1, 2, 0)).reshape((n, m) + tuple(g["out"]))
+
+
+def _conv_gemms(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """Conv without bias by shifted GEMMs, one GEMM per output position or im2col, as ``g`` suits."""
+    if g["flat"] and not g["identity"] and g["group"] == 1 and _shifted_fits(x, g):
+        return _shifted_conv(x, w, g)
+    if g["per_output"]:
+        return _per_output_conv(x, w, g)
+    return _im2col_conv(x, w, g)
+
+
 def _im2col_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     """Conv without bias as im2col (on a strided view) and one batched matmul."""
     n, c = x.shape[:2]
@@ -197,7 +257,7 @@ def _im2col_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     if g["identity"]:  # 1x1 kernel, stride 1, no pad: X itself is the column matrix
         cols = x.reshape(n, c, L)
         cols = cols if group == 1 else cols.reshape(n, group, cg, L)
-    elif g["flat"]:
+    elif g["flat_cols"]:
         cols, L = _flat_cols(x, g), g["Q"]
         cols = cols.reshape(n, c * K, L) if group == 1 else cols.reshape(n, group, cg * K, L)
     else:
@@ -210,7 +270,7 @@ def _im2col_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
         y = np.matmul(w.reshape(m, cg * K), cols)
     else:
         y = np.matmul(w.reshape(group, m // group, cg * K), cols)
-    if g["flat"] and not g["identity"]:
+    if g["flat_cols"] and not g["identity"]:
         # drop the columns that wrapped past the right edge of each padded row
         y = y.reshape((n, m, g["out"][0]) + tuple(g["sizes"][1:]))
         return np.ascontiguousarray(y[(Ellipsis,) + tuple(slice(0, o) for o in g["out"][1:])])
@@ -226,8 +286,7 @@ def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
     g = attrs.cached((x.shape, w.shape), lambda: _conv_geometry(attrs, x.shape, w.shape))
     y = depthwise.conv(x, w, g) if g["group"] > 1 and x.dtype in depthwise.FAST_DTYPES else None
     if y is None:
-        shifted = g["flat"] and not g["identity"] and g["group"] == 1 and _shifted_fits(x, g)
-        y = _shifted_conv(x, w, g) if shifted else _im2col_conv(x, w, g)
+        y = _conv_gemms(x, w, g)
     if b is not None:
         y += b.reshape((g["m"],) + (1,) * g["nd"])
     return (y,)
