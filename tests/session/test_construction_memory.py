@@ -12,23 +12,14 @@ import sys
 
 import pytest
 
-_SCRIPT = r"""
+from tests.memory_scripts import MATMUL_CHAIN
+
+_SCRIPT = MATMUL_CHAIN + r"""
 import ctypes, json, gc
-import numpy as np
-from onnx import TensorProto, helper, numpy_helper
 import onnxtrain
 
 def model(n, size):
-    rng = np.random.default_rng(0)
-    inits, nodes, prev = [], [], "x"
-    for i in range(n):
-        inits.append(numpy_helper.from_array(rng.standard_normal((size, size), np.float32) * 0.05, f"W{i}"))
-        nodes.append(helper.make_node("MatMul", [prev, f"W{i}"], [f"h{i}"]))
-        prev = f"h{i}"
-    nodes.append(helper.make_node("ReduceSumSquare", [prev], ["loss"], keepdims=0))
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, size])],
-                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m = matmul_chain(n, size, 2, loss=True)
     m.ir_version = 9
     return m.SerializeToString()
 

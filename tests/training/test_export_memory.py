@@ -13,26 +13,19 @@ import sys
 import numpy as np
 import pytest
 
-_SCRIPT = r"""
+from tests.memory_scripts import MATMUL_CHAIN
+
+_SCRIPT = MATMUL_CHAIN + r"""
 import ctypes, gc, json, sys
-import numpy as np
-from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.training import api, artifacts
 
 folder, n, size = sys.argv[1], 16, 1024
-rng = np.random.default_rng(0)
-inits, nodes, prev = [], [], "x"
-for i in range(n):
-    inits.append(numpy_helper.from_array(rng.standard_normal((size, size), np.float32) * 0.05, f"W{i}"))
-    nodes.append(helper.make_node("MatMul", [prev, f"W{i}"], [f"h{i}"]))
-    prev = f"h{i}"
-g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", size])],
-                      [helper.make_tensor_value_info(prev, TensorProto.FLOAT, ["N", size])], inits)
-model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+model = matmul_chain(n, size, "N", loss=False)
+prev = model.graph.output[0].name
 artifacts.generate_artifacts(model, requires_grad=[f"W{i}" for i in range(n)],
                              loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.AdamW,
                              artifact_directory=folder)
-del model, g, inits
+del model
 state = api.CheckpointState.load_checkpoint(f"{folder}/checkpoint")
 module = api.Module(f"{folder}/training_model.onnx", state, f"{folder}/eval_model.onnx")
 module.export_model_for_inferencing(f"{folder}/warm.onnx", [prev])  # the modules an export needs, loaded
