@@ -91,17 +91,25 @@ def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
 
 def all_or_nothing(load: Callable[..., None]) -> Callable[..., None]:
     """A ``load_state`` that leaves the session's state as it was when it fails part way (an entry of the
-    wrong shape after good ones), as onnxruntime's checked every tensor before it changed one."""
+    wrong shape after good ones), as onnxruntime's checked every tensor before it changed one: its
+    ``_assign`` calls only check and note the values, which are copied into the state's arrays once every
+    one passed (as a training step updates them: the graphs' specs hold the same arrays; a load of Adam's
+    whole state held three times the weights over it when it made new arrays)."""
 
     @functools.wraps(load)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        saved = dict(self._store)  # _assign replaces arrays, never writes into them
+        self._pending = {}
         try:
             load(self, *args, **kwargs)
-        except BaseException:
-            self._store.clear()
-            self._store.update(saved)
-            raise
+            pending = self._pending
+        finally:
+            self._pending = None
+        for name, value in pending.items():
+            cur = self._store[name]
+            if cur.flags.writeable:
+                np.copyto(cur, value, casting="unsafe")  # (a lossless cast: checked)
+            else:
+                self._store[name] = value.astype(cur.dtype)
 
     return wrapper
 
@@ -128,6 +136,8 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         sess = TrainingSession(model_bytes, p)
         loss, = sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)})
     """
+
+    _pending: dict[str, np.ndarray] | None = None  # the values an all_or_nothing load has checked so far
 
     def __new__(cls, *args: Any, **kwargs: Any) -> TrainingSession:
         """A :class:`~onnxtrain.session_pipeline.PipelineTrainingSession` when the parameters ask for
@@ -593,7 +603,10 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                         and np.can_cast(arr.dtype, cur.dtype, "safe"))
             if not lossless:
                 raise TypeError(f"state {name!r}: expected dtype {cur.dtype}, got {arr.dtype}")
-        self._store[name] = arr.astype(cur.dtype)  # a copy
+        if self._pending is not None:  # (an all_or_nothing load: copied once every value passed)
+            self._pending[name] = arr
+        else:
+            self._store[name] = arr.astype(cur.dtype)  # a copy
 
     @raises_as_onnxruntime
     @serialized
