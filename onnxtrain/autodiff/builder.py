@@ -714,12 +714,11 @@ def build_gradient_model(
     value_infos = {v.name: v for v in (*g.output, *g.input, *g.value_info)}
     outs = [_vi(bw, n, value_infos.get(n)) for n in out_names] + grad_outputs
     keep = _live_nodes(nodes, [o.name for o in outs])
-    graph = helper.make_graph(
-        keep, g.name or "gradient_graph", list(g.input) + new_inputs, outs, initializer=list(g.initializer)
-    )
     result = helper.make_model(
-        graph, opset_imports=list(model.opset_import), producer_name="onnxtrain", ir_version=model.ir_version
+        helper.make_graph(keep, g.name or "gradient_graph", list(g.input) + new_inputs, outs),
+        opset_imports=list(model.opset_import), producer_name="onnxtrain", ir_version=model.ir_version,
     )
+    result.graph.initializer.extend(g.initializer)  # (once: make_graph and make_model copy what they take)
     result.functions.extend(model.functions)
     return result
 

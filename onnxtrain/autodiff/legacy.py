@@ -63,6 +63,10 @@ class GradientGraphBuilder:
         self._built: onnx.ModelProto | None = None
 
     def build(self) -> None:
+        """Build the gradient graph (once: the model given is released then, a second call keeps the
+        result)."""
+        if self._built is not None:
+            return
         g = self._model.graph
         known = graph_values(g)
         for what, names in (("y_node_arg_names", self._ys), ("x_node_arg_names", self._xs)):
@@ -84,6 +88,7 @@ class GradientGraphBuilder:
         # as onnxruntime's builder: a loss that was no output of the model stays none
         outputs_in_model_order(built, self._model, self._xs, keep_others=False)
         self._built = built
+        self._model = None  # (its weights are in the result too: the builder held them twice)
 
     def _result(self) -> onnx.ModelProto:
         return self._model if self._built is None else self._built
