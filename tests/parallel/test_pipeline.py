@@ -209,7 +209,10 @@ def test_zero_and_adasum_under_mixed_precision(tmp_path) -> None:
         np.testing.assert_allclose(got[f"{case}/losses"], losses, rtol=1e-5, err_msg=case)
         assert sorted(k.split("/", 2)[2] for k in got if k.startswith(f"{case}/state/")) == sorted(state)
         for k, v in state.items():
-            np.testing.assert_allclose(got[f"{case}/state/{k}"], v, rtol=1e-5, atol=1e-6, err_msg=k)
+            # the pipeline combines the deltas in float32, the oracle in float64: a weight within float32
+            # rounding of a float16 rounding boundary may give its half twin the other value, and the steps
+            # after it other gradients (W1[15, 1]: 6e-6 apart after 7 steps, its moments within 2e-12)
+            np.testing.assert_allclose(got[f"{case}/state/{k}"], v, rtol=1e-5, atol=1e-5, err_msg=k)
     assert not np.allclose(got["adam2x2_mp_adasum_clip/state/W1"], got["adam2x2_mp_clip/state/W1"], rtol=1e-4)
 
 
