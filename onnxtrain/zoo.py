@@ -1,8 +1,9 @@
 """Built-in models made with onnx.helper: forward graph plus an in-graph loss, ready to train.
 
-Every builder returns a checked model (``onnx.checker`` full check) with inputs ``x`` (and ``y``,
-the labels, when ``loss`` is set) and outputs ``loss`` (when ``loss`` is set) and ``logits``, whose
-class axis is 1. Weights are drawn from ``seed``, so the same arguments give the same model.
+Every builder returns a checked model (``onnx.checker`` full check, the large weights' values aside: see
+:func:`~onnxtrain.ir.large.check_model_arrays`) with inputs ``x`` (and ``y``, the labels, when ``loss`` is
+set) and outputs ``loss`` (when ``loss`` is set) and ``logits``, whose class axis is 1. Weights are drawn
+from ``seed``, so the same arguments give the same model.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.builder import make_model
+from onnxtrain.ir.large import check_model_arrays
+from onnxtrain.ir.stream import elem_type
 
 OPSET = 17
+_DRAW_CHUNK = 1 << 18  # the values :meth:`_Graph.normal` draws at a time
 
 
 class BuilderArgumentError(ValueError):
@@ -47,15 +51,23 @@ class _Graph:
             raise BuilderArgumentError("seed", f"expected an int >= 0, got {seed!r}")
         self.rng = np.random.default_rng(seed)
         self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
+        self.inits: list[tuple[str, np.ndarray]] = []  # (name, value): the initializers, in order
         self._count = 0
 
     def init(self, name: str, value: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        self.inits.append((name, np.ascontiguousarray(value)))
         return name
 
     def normal(self, name: str, shape: Sequence[int], std: float) -> str:
-        return self.init(name, (self.rng.standard_normal(shape) * std).astype(np.float32))
+        """A float32 initializer of normal values times ``std``, drawn in float64 a chunk at a time (the
+        values of one draw of the whole: the generator takes its values one after the other)."""
+        value = np.empty(shape, np.float32)
+        flat = value.reshape(-1)
+        for at in range(0, flat.size, _DRAW_CHUNK):
+            part = self.rng.standard_normal(min(_DRAW_CHUNK, flat.size - at))
+            part *= std
+            flat[at:at + part.size] = part
+        return self.init(name, value)
 
     def const(self, name: str, value: float | Sequence[int] | np.ndarray, dtype: type = np.float32) -> str:
         """An initializer (a float one is a weight the sessions train)."""
@@ -87,9 +99,17 @@ class _Graph:
             self.op("SoftmaxCrossEntropyLoss", ["logits", "y"], "loss")
             inputs = [*inputs, helper.make_tensor_value_info("y", TensorProto.INT64, labels_shape)]
             outputs.insert(0, helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
-        graph = helper.make_graph(self.nodes, name, inputs, outputs, self.inits)
+        graph = helper.make_graph(self.nodes, name, inputs, outputs)
         model = make_model(graph, OPSET, producer_name="onnxtrain")
-        onnx.checker.check_model(model, full_check=True)
+        check_model_arrays(model, self.inits)
+        self.inits.reverse()
+        while self.inits:  # each value held once: an array until it is the bytes of the model's tensor
+            init, value = self.inits.pop()
+            t = model.graph.initializer.add(name=init, data_type=elem_type(value), dims=value.shape)
+            raw = value.tobytes()  # (as numpy_helper.from_array: raw little-endian bytes)
+            del value
+            t.raw_data = raw
+            del raw
         return model
 
 

@@ -259,6 +259,10 @@ class TableView:
         v = self._vector(slot, 1)
         return None if v is None else self.buf[v[0]:v[0] + v[1]]
 
+    def span(self, slot: int) -> tuple[int, int] | None:
+        """(position in the buffer, length) of the bytes of vector field ``slot``; None when absent."""
+        return self._vector(slot, 1)
+
     def scalars(self, slot: int, dtype: str) -> np.ndarray | None:
         """A vector of scalars as a read-only numpy array (``dtype`` like ``"<i8"``)."""
         dt = np.dtype(dtype)

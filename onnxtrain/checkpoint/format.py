@@ -25,9 +25,11 @@ only metadata with ``external_data_offset`` set.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import math
+import mmap
 import os
 import time
 from collections.abc import Callable
@@ -156,8 +158,12 @@ def stage_checkpoint(files: StagedFiles, ckpt: Checkpoint, path: str | os.PathLi
         files.remove_after(data_path)
 
 
-def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read a checkpoint file (complete or nominal, inline or with ``<path>.data``).
+def load_checkpoint(path: str | os.PathLike, *, optimizer_state: bool = True) -> Checkpoint:
+    """Read a checkpoint file (complete or nominal, inline or with ``<path>.data``). With
+    ``optimizer_state=False`` its optimizer groups are left out, never read (the parameters of an export).
+
+    The file is mapped, not read whole: each tensor's bytes are copied out and their pages let go, so the
+    load holds little more than the arrays it returns.
 
     If a save of ``path`` was killed between its two renames (its journal is beside it), the old pair is
     put back first (:func:`onnxtrain.ir.io.recover_commits`), with a warning saying so (an OSError
@@ -181,12 +187,12 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     data_path = path + ".data" if path == given or os.path.exists(path + ".data") else given + ".data"
     for attempt in range(_TORN_RETRIES + 1):
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            main = _MainFile(path)
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "Checkpoint file not found", given) from None
+        data = main.data
         try:
-            return _decode(data, data_path)
+            return _decode(data, data_path, optimizer_state, main.let_go)
         except _TornRead as e:  # a save over the path ran between the two reads: read them again
             if attempt == _TORN_RETRIES:
                 raise ValueError(f"Cannot load checkpoint {given!r}: {e}") from None
@@ -197,16 +203,53 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
             time.sleep(_TORN_WAIT)
         except (FlatBufferError, ValueError) as e:
             raise ValueError(f"Cannot load checkpoint {given!r}: {e}") from None
+        finally:
+            main.close()
     raise AssertionError("unreachable")
 
 
-def _replaced(path: str, data: bytes) -> bool:
+class _MainFile:
+    """A checkpoint's main file, mapped (read whole where it cannot be: an empty file, a pipe)."""
+
+    def __init__(self, path: str) -> None:
+        self.map: mmap.mmap | None = None
+        with open(path, "rb") as f:
+            try:
+                self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):
+                self.data: bytes | mmap.mmap = f.read()
+            else:
+                self.data = self.map
+
+    def let_go(self, start: int, length: int) -> None:
+        """Drop the pages of bytes ``start`` to ``start + length`` (read again if touched again)."""
+        if self.map is None or not hasattr(mmap, "MADV_DONTNEED") or length < mmap.PAGESIZE:
+            return
+        begin = start - start % mmap.PAGESIZE
+        with contextlib.suppress(OSError):
+            self.map.madvise(mmap.MADV_DONTNEED, begin, start + length - begin)
+
+    def close(self) -> None:
+        if self.map is not None:
+            with contextlib.suppress(BufferError):  # a view still held (an error's traceback): unmapped
+                self.map.close()  # when collected
+
+
+def _replaced(path: str, data: bytes | mmap.mmap) -> bool:
     """Whether the file at ``path`` no longer holds ``data`` (a save replaced it after it was read)."""
+    view = memoryview(data)
     try:
         with open(path, "rb") as f:
-            return f.read() != data
+            at = 0
+            while chunk := f.read(1 << 24):
+                if view[at:at + len(chunk)] != chunk:
+                    return True
+                at += len(chunk)
+            return at != len(view)
     except OSError:
         return True
+    finally:
+        view.release()
 
 
 # ---------------------------------------------------------------- encoding
@@ -368,7 +411,12 @@ class _DataFile:
             self.file.close()
 
 
-def _read_tensor(t: TableView, nominal: bool, data: _DataFile) -> tuple[str, np.ndarray]:
+def _keep(start: int, length: int) -> None:
+    """A buffer's bytes read stay as they are (a buffer in memory)."""
+
+
+def _read_tensor(t: TableView, nominal: bool, data: _DataFile, let_go: Callable[[int, int], None] = _keep
+                 ) -> tuple[str, np.ndarray]:
     name = t.string(0)
     if name is None:
         raise ValueError("a tensor has no name")
@@ -392,19 +440,24 @@ def _read_tensor(t: TableView, nominal: bool, data: _DataFile) -> tuple[str, np.
     if len(raw) != count * dtype.itemsize:
         raise ValueError(f"tensor {name!r} of shape {shape} and type {dtype} has {len(raw)} data bytes, "
                          f"expected {count * dtype.itemsize}")
-    return name, np.frombuffer(raw, dtype, count).reshape(shape).copy()
+    arr = np.frombuffer(raw, dtype, count).reshape(shape).copy()
+    let_go(*t.span(4))
+    return name, arr
 
 
 def _read_tensors(tables: list[TableView] | None, nominal: bool, data: _DataFile,
-                  into: dict[str, np.ndarray], what: str) -> None:
+                  into: dict[str, np.ndarray], what: str, let_go: Callable[[int, int], None] = _keep) -> None:
     for t in tables or []:
-        name, arr = _read_tensor(t, nominal, data)
+        name, arr = _read_tensor(t, nominal, data, let_go)
         if name in into:
             raise ValueError(f"{what} {name!r} appears twice")
         into[name] = arr
 
 
-def _decode(buf: bytes, data_path: str | None) -> Checkpoint:
+def _decode(buf: bytes | mmap.mmap, data_path: str | None, optimizer_state: bool = True,
+            let_go: Callable[[int, int], None] = _keep) -> Checkpoint:
+    """The checkpoint in ``buf`` (without its optimizer groups unless ``optimizer_state``), ``let_go`` told
+    the span of each tensor's bytes once they are copied out."""
     root = root_table(buf, IDENTIFIER)
     version = root.scalar(0, "i", 0)
     if version not in _READABLE_VERSIONS:
@@ -430,12 +483,12 @@ def _decode(buf: bytes, data_path: str | None) -> Checkpoint:
         module = root.table(1)
         if module is not None:
             ckpt.nominal = bool(module.scalar(2, "?", False))
-            _read_tensors(module.tables(0), ckpt.nominal, data, ckpt.trainable, "parameter")
-            _read_tensors(module.tables(1), ckpt.nominal, data, ckpt.frozen, "parameter")
+            _read_tensors(module.tables(0), ckpt.nominal, data, ckpt.trainable, "parameter", let_go)
+            _read_tensors(module.tables(1), ckpt.nominal, data, ckpt.frozen, "parameter", let_go)
             both = set(ckpt.trainable) & set(ckpt.frozen)
             if both:
                 raise ValueError(f"parameters both trainable and frozen: {sorted(both)}")
-        for g in root.tables(2) or []:
+        for g in (root.tables(2) or []) if optimizer_state else []:
             name = g.string(0)
             if name is None:
                 raise ValueError("an optimizer group has no name")
@@ -447,7 +500,7 @@ def _decode(buf: bytes, data_path: str | None) -> Checkpoint:
                 if param is None:
                     raise ValueError(f"an optimizer state of group {group.name!r} has no parameter name")
                 moments: dict[str, np.ndarray] = {}
-                _read_tensors(s.tables(1), False, data, moments, f"optimizer state of {param!r}")
+                _read_tensors(s.tables(1), False, data, moments, f"optimizer state of {param!r}", let_go)
                 group.states[param] = moments
             ckpt.optimizer_groups.append(group)
     finally:

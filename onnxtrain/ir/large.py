@@ -12,8 +12,9 @@ as a skeleton whose large initializers are external, their values given in memor
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
+import numpy as np
 import onnx
 from google.protobuf.message import Message
 from onnx import TensorProto, helper
@@ -127,5 +128,22 @@ def check_model_full(model: onnx.ModelProto) -> None:
     onnx.checker.check_model(sk, full_check=True)
 
 
-__all__ = ["IN_MEMORY", "LARGE_MODEL_BYTES", "MOVED_TENSOR_BYTES", "check_model_full", "copy_fields",
-           "external_skeleton", "external_tensor", "is_large", "skeleton", "tensor_bytes", "tensor_nbytes"]
+def check_model_arrays(model: onnx.ModelProto, arrays: Sequence[tuple[str, np.ndarray]]) -> None:
+    """onnx.checker's full check of ``model`` holding ``arrays`` (name, value) as initializers too, made
+    without serializing the large ones: those of :data:`MOVED_TENSOR_BYTES` or more are checked as graph
+    inputs of their type and shape (their values are not checked), the others as initializers."""
+    from onnxtrain.ir.stream import array_tensor, elem_type  # (stream imports this module)
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for name, a in arrays:
+        if a.nbytes < MOVED_TENSOR_BYTES or a.dtype.kind in "OSU":
+            m.graph.initializer.append(array_tensor(name, a))
+        else:
+            m.graph.input.append(helper.make_tensor_value_info(name, elem_type(a), a.shape))
+    check_model_full(m)
+
+
+__all__ = ["IN_MEMORY", "LARGE_MODEL_BYTES", "MOVED_TENSOR_BYTES", "check_model_arrays", "check_model_full",
+           "copy_fields", "external_skeleton", "external_tensor", "is_large", "skeleton", "tensor_bytes",
+           "tensor_nbytes"]

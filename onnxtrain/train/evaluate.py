@@ -69,10 +69,10 @@ def load_for_inference(cfg: Config, checkpoint: str, data_split: bool = False
     from onnxtrain.training_graph import select_trainable
 
     path = find_checkpoint(checkpoint)
-    ckpt = load_checkpoint(path)
+    model = build_model(cfg)  # (its building's transient copies before the checkpoint's weights are held)
+    ckpt = load_checkpoint(path, optimizer_state=False)  # (the moments: twice the weights, never used)
     if data_split:
         _warn_split_changes(cfg, ckpt.properties.get("config"), path)
-    model = build_model(cfg)
     weights = checkpoint_weights(ckpt)
     inits = {t.name: list(t.dims) for t in model.graph.initializer}
     problems = []

@@ -16,6 +16,7 @@ from onnxtrain.ir.graphs import (
     node_reads,
     untie_batch_norm_statistics,
 )
+from onnxtrain.ir.large import IN_MEMORY, MOVED_TENSOR_BYTES, external_tensor, skeleton, tensor_nbytes
 from onnxtrain.ir.types import value_info_shape
 from onnxtrain.train.config import Config, ConfigError
 
@@ -234,3 +235,30 @@ def inference_model(model: onnx.ModelProto, outputs: Sequence[str], weights: Map
     del g.input[:]
     g.input.extend(kept_inputs)
     return m
+
+
+Arrays = list[tuple[str, np.ndarray]]  # initializers given as (name, values)
+
+
+def inference_parts(model: onnx.ModelProto, outputs: Sequence[str], weights: Mapping[str, np.ndarray]
+                    ) -> tuple[onnx.ModelProto, Arrays]:
+    """:func:`inference_model` of ``model`` with ``weights``, as a model without the large weights (those
+    of :data:`MOVED_TENSOR_BYTES` or more) and those weights (name, array in the initializer's type), in
+    the order of its initializers: built without copying their values (nor ``model``'s stale ones)."""
+    big = {t.name for t in model.graph.initializer
+           if t.name in weights and tensor_nbytes(t) >= MOVED_TENSOR_BYTES}
+    hollow = skeleton(model, lambda t: external_tensor(t, IN_MEMORY, 0, 0) if t.name in big else None)
+    m = inference_model(hollow, outputs, weights={n: w for n, w in weights.items() if n not in big})
+    inits = m.graph.initializer
+    if any(t.data_location == TensorProto.EXTERNAL and t.name not in big for t in inits):
+        return inference_model(model, outputs, weights), []  # a large weight copied under a new name
+    arrays = [(t.name, _as_type(weights[t.name], t.data_type)) for t in inits if t.name in big]
+    kept = [t for t in inits if t.name not in big]
+    del inits[:]
+    inits.extend(kept)
+    return m, arrays
+
+
+def _as_type(value: np.ndarray, data_type: int) -> np.ndarray:
+    """``value`` in the numpy type of ONNX element type ``data_type`` (itself when it is)."""
+    return np.asarray(value).astype(helper.tensor_dtype_to_np_dtype(data_type), copy=False)

@@ -22,9 +22,9 @@ from onnxtrain.ir.io import (
     try_lock,
     write_atomic,
 )
-from onnxtrain.ir.large import check_model_full
+from onnxtrain.ir.large import check_model_arrays
 from onnxtrain.train.config import Config
-from onnxtrain.train.model import inference_model
+from onnxtrain.train.model import inference_parts
 
 _CKPT = re.compile(r"^step_(\d+)\.ckpt$")
 
@@ -197,11 +197,12 @@ def find_checkpoint(path: str) -> str:
 
 
 def export_model(model: onnx.ModelProto, cfg: Config, weights: dict[str, np.ndarray], path: str) -> None:
-    """Write the plain inference model (logits only, trained weights as initializers) to ``path``."""
-    m = inference_model(model, [cfg.model.logits], weights=weights)
+    """Write the plain inference model (logits only, trained weights as initializers) to ``path``, the large
+    weights written from ``weights`` as they are (no proto copy of them, no whole serialization)."""
+    m, arrays = inference_parts(model, [cfg.model.logits], weights)
     m.producer_name = "onnxtrain"
-    check_model_full(m)
-    save_model_sized(m, path)
+    check_model_arrays(m, arrays)
+    save_model_sized(m, path, arrays=arrays)
 
 
 def plot_metrics(records: list[dict[str, Any]], path: str, title: str) -> None:
