@@ -35,18 +35,22 @@ class NameGen:
     """Unique value and node names within one graph."""
 
     def __init__(self, taken: Iterable[str] = ()):
-        self.taken: set[str] = set(taken)
+        self.taken: set[str] = set(taken)  # (names are only ever added, here or by the callers)
+        self._next: dict[str, int] = {}  # base → the suffix to try first: those below it are taken
 
     def __call__(self, base: str) -> str:
+        """``base``, or ``base_<i>`` for the smallest i whose name is free (probing from where the last name
+        of ``base`` was found: from 1 each time, a graph of n names of one base took n² probes)."""
         base = base or "v"
         if base not in self.taken:
             self.taken.add(base)
             return base
-        i = 1
+        i = self._next.get(base, 1)
         while f"{base}_{i}" in self.taken:
             i += 1
         name = f"{base}_{i}"
         self.taken.add(name)
+        self._next[base] = i + 1
         return name
 
     @classmethod

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -58,10 +60,26 @@ def run_steps(plan: Plan, steps: Sequence[Step], env: dict[int, Any]) -> None:
                 env[s] = r
 
 
+# per plan: how many of its ``slot`` entries were read, and slot → name from them
+_SLOT_NAMES: weakref.WeakKeyDictionary[Plan, tuple[int, dict[int, str]]] = weakref.WeakKeyDictionary()
+
+
+def slot_names(plan: Plan) -> dict[int, str]:
+    """Slot → value name of ``plan`` (the last name of a slot several share), kept with it and brought up
+    to date with the names added since (they are only ever added, at the end of ``plan.slot``): made anew for
+    each fused step, the map cost the build steps × values (7.6 of 10.1 s building an 8,000-node MLP)."""
+    read, names = _SLOT_NAMES.get(plan, (0, {}))
+    if read < len(plan.slot):  # the new entries, read from the end
+        new = list(itertools.islice(reversed(plan.slot.items()), len(plan.slot) - read))
+        names.update((s, n) for n, s in reversed(new))
+        _SLOT_NAMES[plan] = (len(plan.slot), names)
+    return names
+
+
 def synthetic_step(
     plan: Plan, op: str, name: str, members: Sequence[Step], ins: Sequence[int], outs: Sequence[int]
 ) -> tuple[onnx.NodeProto, Attrs]:
-    names = {s: n for n, s in plan.slot.items()}
+    names = slot_names(plan)
     node = helper.make_node(
         op,
         [names.get(s, "") for s in ins],
