@@ -23,3 +23,18 @@ def matmul_chain(n, size, batch, loss):
                           [out], inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 '''
+
+
+def run_measured(script: str, *args: str) -> dict:
+    """Run ``script`` in a fresh process (glibc's allocator as it is, one BLAS thread) with ``args``; the
+    JSON object its last output line prints."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ONNXTRAIN_ALLOCATOR": "system", "OPENBLAS_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

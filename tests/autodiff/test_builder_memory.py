@@ -5,14 +5,11 @@ built model's gradients are checked against a float64 formula on a small chain i
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.memory_scripts import MATMUL_CHAIN
+from tests.memory_scripts import MATMUL_CHAIN, run_measured
 
 _SCRIPT = MATMUL_CHAIN + r"""
 import ctypes, gc, json
@@ -47,11 +44,7 @@ print(json.dumps({"peak": peak, "held": status("VmRSS:") - before,
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_a_built_gradient_graph_holds_the_weights_once() -> None:
-    env = {**os.environ, "ONNXTRAIN_ALLOCATOR": "system", "OPENBLAS_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = run_measured(_SCRIPT)
     weights = 16 * 1024 * 1024 * 4
     assert got["grad_error"] < 1e-5
     assert got["held"] < 1.3 * weights, got["held"] / weights  # (2.0 before)

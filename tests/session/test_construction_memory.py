@@ -5,14 +5,11 @@ modules); the session's values are checked against a float64 forward pass of the
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.memory_scripts import MATMUL_CHAIN
+from tests.memory_scripts import MATMUL_CHAIN, run_measured
 
 _SCRIPT = MATMUL_CHAIN + r"""
 import ctypes, json, gc
@@ -52,11 +49,7 @@ print(json.dumps({"peak": peak, "held": held, "loss": float(loss), "w0": float(s
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_a_session_reads_the_trained_weights_once() -> None:
     # glibc's allocator as it is (the engine's settings keep freed pages, which a peak would not show)
-    env = {**os.environ, "ONNXTRAIN_ALLOCATOR": "system"}
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = run_measured(_SCRIPT)
     weights = 16 * 1024 * 1024 * 4
     # the loaded model and the state (one copy each, and one tensor in flight); a copy of the model with the
     # weights for the graphs made it three (2.07 against 3.07 times the weights)

@@ -6,16 +6,13 @@ a failing load after good entries changes nothing."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 import onnxtrain
-from tests.memory_scripts import MATMUL_CHAIN
+from tests.memory_scripts import MATMUL_CHAIN, run_measured
 
 _SCRIPT = MATMUL_CHAIN + r"""
 import ctypes, gc, json
@@ -45,11 +42,7 @@ print(json.dumps({"peak": peak, "same": all(np.array_equal(got[k], v) for k, v i
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_loading_adams_state_holds_no_second_copy() -> None:
-    env = {**os.environ, "ONNXTRAIN_ALLOCATOR": "system", "OPENBLAS_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = run_measured(_SCRIPT)
     weights = 16 * 1024 * 1024 * 4
     assert got["same"]
     assert got["peak"] < 0.5 * weights, got["peak"] / weights  # (3.0 before)

@@ -5,15 +5,12 @@ export); onnxruntime runs the exported file to a float64 forward pass of the che
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.memory_scripts import MATMUL_CHAIN
+from tests.memory_scripts import MATMUL_CHAIN, run_measured
 
 _SCRIPT = MATMUL_CHAIN + r"""
 import ctypes, gc, json, sys
@@ -47,11 +44,7 @@ def test_an_export_holds_no_copy_of_the_parameters(tmp_path) -> None:
     import onnx
     import onnxruntime
 
-    env = {**os.environ, "ONNXTRAIN_ALLOCATOR": "system", "OPENBLAS_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                          timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = run_measured(_SCRIPT, str(tmp_path))
     weights = 16 * 1024 * 1024 * 4
     # one parameter's bytes in flight at most (4 MiB); the proto and serialized copies made it 4.7 times
     assert got["peak"] < 0.25 * weights, got["peak"] / weights
