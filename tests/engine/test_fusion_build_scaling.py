@@ -4,7 +4,7 @@ The on-device Optimizer of a deep chain (one AdamW graph whose updates form one 
 learning rate, and one segment per weight shape) is built at two sizes, ``n`` and ``4n`` weights: the Python
 lines run in the fusion's cluster and segment code (``fusion/elementwise.py``, ``fusion/blocked.py``),
 counted by a trace function, while the Optimizer is made (``fuse_elementwise``) and while its first step
-traces the cluster (``Cluster._build``, ``Blocked.build``, ``Segment.build``) must grow less than 6× (a
+traces the cluster (``Cluster._build``, ``Blocked.build``, ``Segment.build``) must grow less than 5× (a
 quadratic build grew ~16×, the cubic first step more). Counting lines, not seconds, keeps it independent
 of the machine's load.
 """
@@ -27,7 +27,7 @@ from onnxtrain.training.api import CheckpointState, Module, Optimizer
 
 WIDTH, BATCH = 8, 4
 SMALL, LARGE = 12, 48  # layers: each a [8, 8] weight and an [8] bias
-MAX_GROWTH = 6.0  # line counts at LARGE over SMALL (4× the parameters): near-linear is ~4-5
+MAX_GROWTH = 5.0  # line counts at LARGE over SMALL (4× the parameters): ~3.9 now, 7.9-9.5 when quadratic
 
 
 def _chain(layers: int) -> Any:
@@ -86,8 +86,8 @@ def _build_counts(layers: int, folder: str) -> tuple[int, int]:
     module = Module(os.path.join(folder, "training_model.onnx"), state)
     files = (elementwise.__file__, blocked.__file__)
     made: list[Optimizer] = []
-    construct = _lines_run(lambda: made.append(Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)),
-                           files)
+    path = os.path.join(folder, "optimizer_model.onnx")
+    construct = _lines_run(lambda: made.append(Optimizer(path, module)), files)
     module(np.ones((BATCH, WIDTH), np.float32))
     first_step = _lines_run(made[0].step, files)
     return construct, first_step
@@ -104,7 +104,9 @@ def test_optimizer_construction_fuses_in_near_linear_work(counts: dict[int, tupl
     assert large / small < MAX_GROWTH, (small, large)
 
 
-def test_first_step_builds_the_blocked_program_in_near_linear_work(counts: dict[int, tuple[int, int]]) -> None:
+def test_first_step_builds_the_blocked_program_in_near_linear_work(
+    counts: dict[int, tuple[int, int]],
+) -> None:
     small, large = counts[SMALL][1], counts[LARGE][1]
     assert small > 0
     assert large / small < MAX_GROWTH, (small, large)

@@ -3,9 +3,11 @@ with block-sized scratch buffers, split over threads when the work is large enou
 
 from __future__ import annotations
 
+import bisect
 import functools
+import heapq
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -169,8 +171,9 @@ class Blocked:
         for k, st in enumerate(members):
             for s in st.inputs:
                 readers.setdefault(s, []).append(k)
+        escaping = set(cl.escaping)
         segments = [
-            Segment.build(cl, env, local, last_use, kinds, readers, phase, shape, ops)
+            Segment.build(cl, env, local, last_use, kinds, readers, phase, shape, ops, escaping)
             for shape, ops in by_shape.items()
         ]
         # a cluster that may write into donated inputs (an optimizer update's weights and moments) but needs
@@ -221,7 +224,7 @@ class Blocked:
         threads = width()
         split = [seg for seg in self.segments if seg.par] if threads > 1 else []
         for seg in self.segments:
-            if seg not in split:
+            if not (seg.par and threads > 1):  # not in ``split``
                 seg.run(vals, donated)
         if split:
             # the split segments as one job: each thread runs its piece of every segment in turn, so the
@@ -238,6 +241,117 @@ class Blocked:
         if self.run_post is not None:
             self.run_post(vals)
         return [vals[i] for i in self.out_idx]
+
+
+def _claims(
+    whole_at: list[tuple[int, int]], last_read: dict[int, int], env: dict[int, Any]
+) -> dict[int, int]:
+    """Each whole output (with its position ``whole_at``, ascending) → the unclaimed input of its dtype read
+    last (the highest slot among equals) no later than that position, where there is one."""
+    order = sorted(last_read, key=last_read.__getitem__)
+    ready: dict[np.dtype, list[tuple[int, int]]] = {}  # dtype → heap of (-last read, -slot) of free inputs
+    claim: dict[int, int] = {}
+    nxt = 0
+    for at, o in whole_at:
+        while nxt < len(order) and last_read[order[nxt]] <= at:
+            s = order[nxt]
+            heapq.heappush(ready.setdefault(env[s].dtype, []), (-last_read[s], -s))
+            nxt += 1
+        heap = ready.get(env[o].dtype)
+        if heap:
+            claim[o] = -heapq.heappop(heap)[1]
+    return claim
+
+
+def _scratch_buffers(
+    blocked_ops: list[int],
+    starts: list[int | None],
+    end: dict[int, int],
+    env: dict[int, Any],
+    local: dict[int, int],
+) -> list[tuple[int, np.dtype, int]]:
+    """The pool buffers (slot, dtype, index) of the chains started at ``blocked_ops`` (``starts``: the
+    chain's root there, else None), by liveness: a buffer is free again from the first op at or after the
+    chain's ``end``; buffers freed at the same op return to the free list in the order they were taken."""
+    free: dict[np.dtype, list[int]] = {}
+    counts: dict[np.dtype, int] = {}
+    held: list[tuple[int, int, np.dtype, int]] = []  # heap of (end, order taken, dtype, index)
+    scratch: list[tuple[int, np.dtype, int]] = []
+    for k, out in zip(blocked_ops, starts):
+        if out is not None:
+            dt = env[out].dtype
+            lst = free.get(dt)
+            if lst:
+                bi = lst.pop()
+            else:
+                bi = counts.get(dt, 0)
+                counts[dt] = bi + 1
+            heapq.heappush(held, (end[out], len(scratch), dt, bi))
+            scratch.append((local[out], dt, bi))
+        done = []
+        while held and held[0][0] <= k:
+            done.append(heapq.heappop(held))
+        done.sort(key=lambda h: h[1])
+        for _, _, dt, bi in done:
+            free.setdefault(dt, []).append(bi)
+    return scratch
+
+
+class Candidates:
+    """A whole output's donation candidates (slot, value) in order: its claimed input, then the others
+    ascending by value, which are the first ``count`` of the shared ``pool`` (inputs of its dtype by last
+    read), sorted on first need."""
+
+    __slots__ = ("claimed", "pool", "count", "_rest")
+
+    def __init__(self, claimed: tuple[int, int] | None, pool: list[tuple[int, int]], count: int) -> None:
+        self.claimed = claimed
+        self.pool = pool
+        self.count = count
+        self._rest: list[tuple[int, int]] | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        if self.claimed is not None:
+            yield self.claimed
+        rest = self._rest
+        if rest is None:
+            rest = self._rest = sorted((p for p in self.pool[:self.count] if p != self.claimed),
+                                       key=lambda p: p[1])
+        yield from rest
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+
+def _candidates(
+    wholes: list[int],
+    ops: list[tuple],
+    last_read: dict[int, int],
+    claim: dict[int, int],
+    env: dict[int, Any],
+    local: dict[int, int],
+) -> list[Candidates]:
+    """Each whole output's donation candidates: the inputs of its dtype whose last read comes no later than
+    the first op writing into its slot, its claimed input first."""
+    first: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        first.setdefault(op[3], i)
+    pools: dict[np.dtype, tuple[list[int], list[tuple[int, int]]]] = {}  # dtype → (last reads, pool)
+    for s in sorted(last_read, key=lambda s: (last_read[s], s)):
+        reads, pool = pools.setdefault(env[s].dtype, ([], []))
+        reads.append(last_read[s])
+        pool.append((local[s], s))
+    out = []
+    for o in wholes:
+        reads, pool = pools.get(env[o].dtype, ((), []))
+        at = first[local[o]]
+        c = claim.get(o)
+        claimed = (local[c], c) if c is not None and last_read[c] <= at else None
+        out.append(Candidates(claimed, pool, bisect.bisect_right(reads, at)))
+    return out
 
 
 class Segment:
@@ -265,7 +379,9 @@ class Segment:
         phase: dict[int, str],
         full: tuple[int, ...],
         blocked_ops: list[int],
+        escaping: set[int],
     ) -> Segment:
+        """The segment of the blocked ops ``blocked_ops`` (member indices, in order) of shape ``full``."""
         members = cl.members
         n = int(np.prod(full))
         mine = set(blocked_ops)
@@ -274,7 +390,6 @@ class Segment:
             v = env.get(s)
             return type(v) is np.ndarray and v.shape == full
 
-        escaping = set(cl.escaping)
         outs = [members[k].outputs[0] for k in blocked_ops]
         wholes = [o for o in outs if o in escaping or any(j not in mine for j in readers.get(o, ()))]
         whole_set = set(wholes)
@@ -288,14 +403,7 @@ class Segment:
             rd = readers.get(s, ())
             if whole(s) and all(j in mine for j in rd):
                 last_read[s] = max(pos[j] for j in rd)
-        claim: dict[int, int] = {}
-        for k in blocked_ops:
-            o = members[k].outputs[0]
-            if o in whole_set:
-                free_in = [s for s in last_read if s not in claim.values()
-                           and env[s].dtype == env[o].dtype and last_read[s] <= pos[k]]
-                if free_in:
-                    claim[o] = max(free_in, key=lambda s: (last_read[s], s))
+        claim = _claims([(i, o) for i, o in enumerate(outs) if o in whole_set], last_read, env)
         # block values: chains of ops whose input dies there share that input's buffer; a chain that dies
         # into a whole value runs in that value's slice ("sinks" into it) and needs no scratch buffer
         root: dict[int, int] = {}
@@ -321,25 +429,9 @@ class Segment:
         for v, r in root.items():
             end[r] = max(end.get(r, -1), last_use.get(v, -1))
         # scratch buffers of the pool by liveness, block-sized
-        free: dict[np.dtype, list[int]] = {}
-        counts: dict[np.dtype, int] = {}
-        held: list[tuple[int, np.dtype, int]] = []
-        scratch: list[tuple[int, np.dtype, int]] = []
-        for k in blocked_ops:
-            out = members[k].outputs[0]
-            if root.get(out) == out and out not in sink:
-                dt = env[out].dtype
-                lst = free.get(dt)
-                if lst:
-                    bi = lst.pop()
-                else:
-                    bi = counts.get(dt, 0)
-                    counts[dt] = bi + 1
-                held.append((end[out], dt, bi))
-                scratch.append((local[out], dt, bi))
-            for item in [h for h in held if h[0] <= k]:
-                held.remove(item)
-                free.setdefault(item[1], []).append(item[2])
+        starts = [members[k].outputs[0] for k in blocked_ops]
+        starts = [o if root.get(o) == o and o not in sink else None for o in starts]
+        scratch = _scratch_buffers(blocked_ops, starts, end, env, local)
 
         def slot(s: int) -> int:
             if s not in root:
@@ -370,12 +462,7 @@ class Segment:
         # each whole output's donation candidates, its claimed input first: inputs whose every read comes no
         # later than the first write into the output's slice (then each block reads an input's slice before
         # it writes the same slice)
-        reuse: list[list[tuple[int, int]]] = []
-        for o in wholes:
-            first = min(i for i, op in enumerate(ops) if op[3] == local[o])
-            ok = [s for s in last_read if env[s].dtype == env[o].dtype and last_read[s] <= first]
-            ok.sort(key=lambda s: (s != claim.get(o), s))
-            reuse.append([(local[s], s) for s in ok])
+        reuse = _candidates(wholes, ops, last_read, claim, env, local)
         return cls(
             reuse=reuse,
             n=n,
@@ -423,14 +510,14 @@ class Segment:
             v = vals[i]
             bv[i] = v if v.ndim <= 1 else v.reshape(1)
         flats = [vals[i].reshape(-1) for i in self.whole_in]
-        taken: list[int] = []
+        taken: set[int] = set()
         for (i, shape, dt), reuse in zip(self.whole_out, self.reuse):
             a = None
             if donated:
                 for j, ext in reuse:
                     if ext in donated and j not in taken:
                         a = vals[j]
-                        taken.append(j)
+                        taken.add(j)
                         break
             if a is None:
                 a = np.empty(shape, dt)

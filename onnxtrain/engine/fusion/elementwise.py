@@ -4,6 +4,7 @@ large arrays: :mod:`onnxtrain.engine.fusion.blocked`)."""
 from __future__ import annotations
 
 import functools
+import heapq
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -104,18 +105,30 @@ def _sum_dtypes(plan: Plan, sums: Sequence[Step]) -> list[np.dtype | None]:
 
 def fuse_elementwise(plan: Plan, steps: list[Step]) -> list[Step]:
     """Group connected elementwise steps into clusters of two or more and run each as one step."""
-    eligible = set(UFUNCS) | OWN_KERNEL_OPS
     cons, kept = consumers(steps), protected_slots(plan)
+    members = _clusters(steps, _fusable(plan, steps, cons, kept), cons)
+    groups = [
+        sorted(v)
+        for v in members.values()
+        if len(v) >= 2 and sum(steps[i].node.op_type in UFUNCS for i in v) >= 2
+    ]
+    if not groups:
+        return steps
+    replace: dict[int, Step] = {}
+    drop: set[int] = set()
+    for idx in groups:
+        step = _cluster_step(plan, steps, idx, cons, kept)
+        if step is not None:
+            replace[idx[-1]] = step
+            drop.update(idx[:-1])
+    return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
+
+
+def _fusable(plan: Plan, steps: list[Step], cons: dict[int, list[int]], kept: set[int]) -> list[bool]:
+    """Whether each step may join an elementwise cluster."""
+    eligible = set(UFUNCS) | OWN_KERNEL_OPS
     bias_adds = _matmul_bias_adds(plan, steps, cons, kept)
-    cluster_of_slot: dict[int, int] = {}  # slot → cluster id of its producer
-    members: dict[int, list[int]] = {}  # cluster id → step indices
-    merged_into: dict[int, int] = {}
-
-    def find(c: int) -> int:
-        while c in merged_into:
-            c = merged_into[c]
-        return c
-
+    out = []
     for k, st in enumerate(steps):
         ok = (
             st.node.op_type in eligible
@@ -125,62 +138,101 @@ def fuse_elementwise(plan: Plan, steps: list[Step]) -> list[Step]:
         )
         if (st.node.op_type == "Relu" and len(st.inputs) != 1) or k in bias_adds:
             ok = False
-        if not ok:
+        out.append(ok)
+    return out
+
+
+def _clusters(steps: list[Step], fusable: list[bool], cons: dict[int, list[int]]) -> dict[int, list[int]]:
+    """The clusters (id → step indices, in no particular order) of the ``fusable`` steps: each joins the
+    clusters it reads from whose every consumer before it lies inside them (the fused step runs at the
+    position of its last member), merged into the one of lowest id, else starts its own."""
+    cluster_of_slot: dict[int, int] = {}  # slot → cluster id of its producer
+    members: dict[int, list[int]] = {}  # cluster id → step indices
+    merged_into: dict[int, int] = {}
+    joined: dict[int, int] = {}  # step index → id of the cluster it joined (before later merges)
+    # cluster id → heap of the consumers of its values; those that joined it since are dropped on the way
+    readers: dict[int, list[int]] = {}
+
+    def find(c: int) -> int:
+        root = c
+        while root in merged_into:
+            root = merged_into[root]
+        while c != root:  # path compression
+            nxt = merged_into[c]
+            merged_into[c] = root
+            c = nxt
+        return root
+
+    def legal(c: int, k: int) -> bool:
+        """Every consumer of cluster ``c``'s values before step ``k`` lies inside ``c``."""
+        heap = readers[c]
+        while heap and heap[0] < k and joined.get(heap[0]) is not None and find(joined[heap[0]]) == c:
+            heapq.heappop(heap)
+        return not heap or heap[0] >= k
+
+    for k, st in enumerate(steps):
+        if not fusable[k]:
             continue
         cands = {find(cluster_of_slot[s]) for s in st.inputs if s in cluster_of_slot}
-        legal: list[int] = []
-        for c in sorted(cands):
-            group = set(members[c])
-            # every consumer of the cluster's values that ran before this step must be inside the cluster:
-            # the fused step runs at the position of its last member
-            early = {j for i in members[c] for s in steps[i].outputs for j in cons.get(s, ()) if j < k}
-            if early <= group:
-                legal.append(c)
-        if legal:
+        legal_ids = [c for c in sorted(cands) if legal(c, k)]
+        if legal_ids:
             # each legal cluster's early consumers lie inside it, so those of the union lie in the union
-            cid = legal[0]
-            for c in legal[1:]:
-                members[cid] += members.pop(c)
+            cid = legal_ids[0]
+            for c in legal_ids[1:]:
+                members[cid] = _union(members[cid], members.pop(c))
+                readers[cid] = _merge_heaps(readers[cid], readers.pop(c))
                 merged_into[c] = cid
             members[cid].append(k)
         else:
             cid = k
-            members[cid] = [k]
+            members[cid], readers[cid] = [k], []
+        joined[k] = cid
+        heap = readers[cid]
         for s in st.outputs:
             cluster_of_slot[s] = cid
-    groups = [
-        sorted(v)
-        for v in members.values()
-        if len(v) >= 2 and sum(steps[i].node.op_type in UFUNCS for i in v) >= 2
+            for j in cons.get(s, ()):
+                heapq.heappush(heap, j)
+    return members
+
+
+def _union(a: list[int], b: list[int]) -> list[int]:
+    """``a`` and ``b`` as one list: the smaller appended to the larger (the order does not matter)."""
+    if len(a) < len(b):
+        a, b = b, a
+    a += b
+    return a
+
+
+def _merge_heaps(a: list[int], b: list[int]) -> list[int]:
+    """The heaps ``a`` and ``b`` as one: the smaller pushed into the larger."""
+    if len(a) < len(b):
+        a, b = b, a
+    for j in b:
+        heapq.heappush(a, j)
+    return a
+
+
+def _cluster_step(
+    plan: Plan, steps: list[Step], idx: list[int], cons: dict[int, list[int]], kept: set[int]
+) -> Step | None:
+    """The fused step of the steps ``idx`` (ascending), or None when none of their outputs is read outside."""
+    group = set(idx)
+    mem = [steps[i] for i in idx]
+    produced = {s for st in mem for s in st.outputs}
+    ext = list(dict.fromkeys(s for st in mem for s in st.inputs if s not in produced))
+    escaping = [
+        s for st in mem for s in st.outputs if s in kept or any(j not in group for j in cons.get(s, ()))
     ]
-    if not groups:
-        return steps
-    pool = plan.scratch
-    replace: dict[int, Step] = {}
-    drop: set[int] = set()
-    for idx in groups:
-        group = set(idx)
-        mem = [steps[i] for i in idx]
-        produced = {s for st in mem for s in st.outputs}
-        ext: list[int] = []
-        for st in mem:
-            for s in st.inputs:
-                if s not in produced and s not in ext:
-                    ext.append(s)
-        escaping = [
-            s for st in mem for s in st.outputs if s in kept or any(j not in group for j in cons.get(s, ()))
-        ]
-        if not escaping:
-            continue
-        internal_only = {
-            s
-            for s in produced
-            if s not in escaping and all(steps[j].node.op_type in UFUNCS for j in cons.get(s, ()))
-        }
-        fn = Cluster(plan, mem, ext, escaping, internal_only, pool)
-        replace[idx[-1]] = make_step(plan, "FusedElementwise", mem, ext, escaping, fn)
-        drop.update(idx[:-1])
-    return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
+    if not escaping:
+        return None
+    escaping_set = set(escaping)
+    internal_only = {
+        s
+        for s in produced
+        if s not in escaping_set and all(steps[j].node.op_type in UFUNCS for j in cons.get(s, ()))
+    }
+    fn = Cluster(plan, mem, ext, escaping, internal_only, plan.scratch)
+    return make_step(plan, "FusedElementwise", mem, ext, escaping, fn)
 
 
 def _matmul_bias_adds(plan: Plan, steps: list[Step], cons: dict[int, list[int]], kept: set[int]) -> set[int]:
@@ -370,7 +422,7 @@ class Cluster:
         # pass 2: the program; pooled groups take scratch buffers by liveness
         free_bufs: dict[tuple, list[int]] = {}
         counts: dict[tuple, int] = {}
-        held: list[tuple[int, tuple, int]] = []  # (end op, key, index)
+        held: list[tuple[int, int, tuple, int]] = []  # heap of (end op, order taken, key, index)
         ops: list[tuple] = []
         spread_of: dict[tuple[int, tuple], int] = {}  # (slot, shape) → the value copied out to that shape
         for k, st in enumerate(self.members):
@@ -399,12 +451,10 @@ class Cluster:
                     bi = lst.pop() if lst else counts.setdefault(key, 0)
                     if not lst and bi == counts[key]:
                         counts[key] += 1
-                    held.append((group_end[gid], key, bi))
+                    heapq.heappush(held, (group_end[gid], len(ops), key, bi))
                     self.pool.reserve(r.size, r.dtype, bi)
                     ops.append((0, ufunc, ins, local[out], (r.shape, r.dtype, bi), extra))
-            for item in [h for h in held if h[0] <= k]:
-                held.remove(item)
-                free_bufs.setdefault(item[1], []).append(item[2])
+            _release(held, k, free_bufs)
         self.programs[sig] = [
             ops,
             len(local) + len(spread_of) - len(self.ext),
@@ -414,6 +464,17 @@ class Cluster:
             None,
             blocked,  # None, or the blocked program for runs that donate (Blocked.for_donation)
         ]
+
+
+def _release(held: list[tuple[int, int, Any, int]], k: int, free: dict[Any, list[int]]) -> None:
+    """Pop the buffers of ``held`` (a heap of (end op, order taken, key, index)) whose end op is ``k`` or
+    earlier onto their free lists, in the order they were taken."""
+    done = []
+    while held and held[0][0] <= k:
+        done.append(heapq.heappop(held))
+    done.sort(key=lambda h: h[1])
+    for _, _, key, bi in done:
+        free.setdefault(key, []).append(bi)
 
 
 TRACE_SLICE_MIN = 1 << 16  # elements of a cluster's shape from which its first run traces a slice of it
@@ -480,15 +541,18 @@ def group_sibling_clusters(plan: Plan, steps: list[Step]) -> list[Step]:
             out.extend(run)
         run.clear()
 
+    produced: set[int] = set()  # the outputs of ``run``
     for st in steps:
         if not isinstance(st.fn, Cluster):
             flush()
+            produced.clear()
             out.append(st)
             continue
-        produced = {s for m in run for s in m.outputs}
         if produced.intersection(st.inputs):
             flush()
+            produced.clear()
         run.append(st)
+        produced.update(st.outputs)
     flush()
     return out
 
@@ -500,16 +564,23 @@ class ClusterGroup:
     def __init__(self, plan: Plan, members: list[Step], ins: list[int]):
         self.plan = plan
         self.members = members
-        self.positions = [[ins.index(s) for s in m.inputs] for m in members]
+        at = {s: i for i, s in reversed(list(enumerate(ins)))}  # each slot's first position
+        self.positions = [[at[s] for s in m.inputs] for m in members]
         self.fresh_outputs = all(m.fn.fresh_outputs for m in members)
 
     def allow_reuse(self, slots: frozenset[int]) -> frozenset[int]:
         """Donated inputs each member may write into: those it reads and no other member does (a later member
         must still find an input as it was)."""
+        n_readers: dict[int, int] = {}
+        for m in self.members:
+            for s in set(m.inputs):
+                n_readers[s] = n_readers.get(s, 0) + 1
         taken: set[int] = set()
         for m in self.members:
-            others = {s for o in self.members if o is not m for s in o.inputs}
-            taken.update(m.fn.allow_reuse(frozenset(slots) - others))
+            # its cluster's inputs among ``slots`` that no other member reads (allow_reuse keeps only those)
+            mine = set(m.inputs)
+            own = frozenset(s for s in m.fn.ext if s in slots and n_readers.get(s, 0) == (s in mine))
+            taken.update(m.fn.allow_reuse(own))
         return frozenset(taken)
 
     def __call__(self, inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
