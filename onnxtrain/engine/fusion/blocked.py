@@ -288,13 +288,19 @@ def _scratch_buffers(
                 counts[dt] = bi + 1
             heapq.heappush(held, (end[out], len(scratch), dt, bi))
             scratch.append((local[out], dt, bi))
-        done = []
-        while held and held[0][0] <= k:
-            done.append(heapq.heappop(held))
-        done.sort(key=lambda h: h[1])
-        for _, _, dt, bi in done:
-            free.setdefault(dt, []).append(bi)
+        release_ended(held, k, free)
     return scratch
+
+
+def release_ended(held: list[tuple[int, int, Any, int]], k: int, free: dict[Any, list[int]]) -> None:
+    """Pop the buffers of ``held`` (a heap of (end op, order taken, key, index)) whose end op is ``k`` or
+    earlier onto their free lists, in the order they were taken."""
+    done = []
+    while held and held[0][0] <= k:
+        done.append(heapq.heappop(held))
+    done.sort(key=lambda h: h[1])
+    for _, _, key, bi in done:
+        free.setdefault(key, []).append(bi)
 
 
 class Candidates:

@@ -13,7 +13,7 @@ import onnx
 from onnx import helper
 
 from onnxtrain.engine.donation import donated_now
-from onnxtrain.engine.fusion.blocked import Blocked, ScratchPool, run_group
+from onnxtrain.engine.fusion.blocked import Blocked, ScratchPool, release_ended, run_group
 from onnxtrain.engine.fusion.common import consumers, make_step, producers, protected_slots, run_steps
 from onnxtrain.engine.fusion.gemm import matmul_product_side
 from onnxtrain.engine.fusion.shapes import is_memoized
@@ -454,7 +454,7 @@ class Cluster:
                     heapq.heappush(held, (group_end[gid], len(ops), key, bi))
                     self.pool.reserve(r.size, r.dtype, bi)
                     ops.append((0, ufunc, ins, local[out], (r.shape, r.dtype, bi), extra))
-            _release(held, k, free_bufs)
+            release_ended(held, k, free_bufs)
         self.programs[sig] = [
             ops,
             len(local) + len(spread_of) - len(self.ext),
@@ -464,17 +464,6 @@ class Cluster:
             None,
             blocked,  # None, or the blocked program for runs that donate (Blocked.for_donation)
         ]
-
-
-def _release(held: list[tuple[int, int, Any, int]], k: int, free: dict[Any, list[int]]) -> None:
-    """Pop the buffers of ``held`` (a heap of (end op, order taken, key, index)) whose end op is ``k`` or
-    earlier onto their free lists, in the order they were taken."""
-    done = []
-    while held and held[0][0] <= k:
-        done.append(heapq.heappop(held))
-    done.sort(key=lambda h: h[1])
-    for _, _, key, bi in done:
-        free.setdefault(key, []).append(bi)
 
 
 TRACE_SLICE_MIN = 1 << 16  # elements of a cluster's shape from which its first run traces a slice of it
