@@ -147,15 +147,19 @@ class Optimizer:
             else:
                 raise ValueError(f"unexpected optimizer model input {n!r}: it is no trainable parameter, "
                                  "gradient ('<p>_grad') or moment ('<p>.momentumK') of the module")
-        missing = [p for p in trainable if p not in params or p not in grads]
+        listed = set(params)
+        missing = [p for p in trainable if p not in listed or p not in grads]
         if missing:
             raise ValueError(f"the optimizer model does not update trainable parameter(s) {missing}")
         self._params = list(trainable)
         self._grads = grads
         self._moments = moments
         self._moment_keys = sorted({k for _, k in moments.values()})
+        keys_of: dict[str, list[str]] = {}  # parameter → its moments' keys (one pass: per parameter, n²)
+        for q, k in moments.values():
+            keys_of.setdefault(q, []).append(k)
         for p in trainable:
-            have = sorted(k for q, k in moments.values() if q == p)
+            have = sorted(keys_of.get(p, ()))
             if have != self._moment_keys:
                 raise ValueError(f"the optimizer model gives parameter {p!r} moments {have}, others "
                                  f"{self._moment_keys}")
@@ -163,7 +167,8 @@ class Optimizer:
         if self._loss_scale_input is not None and self._finite_output not in outputs:
             raise ValueError(f"the mixed-precision optimizer model has no {self._finite_output!r} output")
         outputs = [o for o in outputs if o != self._finite_output]
-        bad = [o for o in outputs if not o.endswith(OUT_SUFFIX) or o[:-len(OUT_SUFFIX)] not in inputs[2:]]
+        updated = set(inputs[2:])
+        bad = [o for o in outputs if not o.endswith(OUT_SUFFIX) or o[:-len(OUT_SUFFIX)] not in updated]
         if bad:
             raise ValueError(f"optimizer model outputs {bad} are not '<input>.out' of a parameter, "
                              "gradient or moment input")
