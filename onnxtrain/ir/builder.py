@@ -361,6 +361,10 @@ def _reconciled(skeleton: onnx.ModelProto) -> onnx.ModelProto:
              if _shape_of(v.type) is not None}
     symbols = {d.dim_param for v in g.input if (sh := _shape_of(v.type)) is not None for d in sh.dim
                if d.HasField("dim_param")}  # (inference names the dims it does not know unk__<k>)
+    # ONNX's inference has some ConvTranspose outputs wrong (see ir.conv_shapes, whose rounds correct them
+    # later): the declarations of the values from a ConvTranspose on are kept as they are
+    for name in _after_conv_transposes(g):
+        fresh.pop(name, None)
     wrong: list[str] = []
     bare.graph.value_info.extend(_reconcile(v, fresh.get(v.name), symbols, wrong) for v in g.value_info)
     for k, o in enumerate(g.output):
@@ -370,6 +374,15 @@ def _reconciled(skeleton: onnx.ModelProto) -> onnx.ModelProto:
              "computed types are used (an exporter's mistake: onnx.checker.check_model(full_check=True) "
              "refuses the model)")
     return bare
+
+
+def _after_conv_transposes(g: onnx.GraphProto) -> set[str]:
+    """The values of ``g`` a ConvTranspose makes, and those computed from them (``g``'s nodes are sorted)."""
+    after: set[str] = set()
+    for n in g.node:
+        if (n.op_type == "ConvTranspose" and n.domain in DEFAULT_DOMAINS) or any(i in after for i in n.input):
+            after.update(o for o in n.output if o)
+    return after
 
 
 def _shape_of(tp: onnx.TypeProto) -> onnx.TensorShapeProto | None:

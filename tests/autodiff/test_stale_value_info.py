@@ -121,3 +121,41 @@ def test_declarations_inference_cannot_check_are_kept() -> None:
                           value_info=[helper.make_tensor_value_info("r", TensorProto.FLOAT, [2, 3])])
     types = value_types(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
     assert [d.dim_value for d in types["y"].tensor_type.shape.dim] == [2, 3]
+
+
+def test_a_conv_transpose_declaration_inference_gets_wrong_is_kept_without_a_warning() -> None:
+    """ONNX's inference gives a ConvTranspose with ``output_shape`` shorter than its input a wrong rank: the
+    model's correct declaration of its output was reported as an exporter's mistake. It is kept, no warning;
+    the gradient matches central differences of onnxruntime's forward."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((2, 3, 3)).astype(np.float32)
+    gain = rng.standard_normal((1, 3, 3)).astype(np.float32)
+    x = rng.standard_normal((1, 2, 4)).astype(np.float32)
+
+    def model(weight: np.ndarray) -> bytes:
+        g = helper.make_graph(
+            [helper.make_node("ConvTranspose", ["X", "W"], ["Y"], kernel_shape=[3], output_shape=[3]),
+             helper.make_node("Mul", ["Y", "G"], ["YG"]),
+             helper.make_node("ReduceSum", ["YG"], ["loss"], keepdims=0)], "g",
+            [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 2, 4])],
+            [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+            [numpy_helper.from_array(weight, "W"), numpy_helper.from_array(gain, "G")],
+            value_info=[helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 3, 3])])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        builder = onnxtrain.GradientGraphBuilder(model(w), {"loss"}, {"W"}, "loss")
+        builder.build()
+    assert not [str(m.message) for m in seen if "do not compute" in str(m.message)]
+    grad = onnxtrain.InferenceSession(builder.get_model()).run(["W_grad"], {"X": x})[0]
+    fd = np.zeros(w.shape)
+    for i in np.ndindex(w.shape):
+        for sign in (1, -1):
+            moved = w.copy()
+            moved[i] += sign * 1e-2
+            run = ort.InferenceSession(model(moved), providers=["CPUExecutionProvider"]).run(None, {"X": x})
+            fd[i] += sign * float(run[0]) / 2e-2
+    np.testing.assert_allclose(grad, fd, rtol=1e-3, atol=1e-3)
