@@ -178,16 +178,14 @@ def _weight_grad_2d(x: np.ndarray, dy: np.ndarray, strides: list[int], dil: list
     """A 2-D Conv's weight gradient (``strides``: the forward conv's dilations, ``dil`` its strides) by the
     GEMMs that suit its shape; None when the unfused nodes must run."""
     if any(pads):
-        x = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+        x = _padded(x, pads)
     n, ci, h, w = x.shape
     oh, ow = dy.shape[2:]
-    kh = (h - dil[0] * (oh - 1) - 1) // strides[0] + 1
-    kw = (w - dil[1] * (ow - 1) - 1) // strides[1] + 1
+    kh, kw = _kernel_dims(x.shape[2:], dy.shape[2:], strides, dil)
     # (position for position: a strided 1×1 kernel over more rows than dY has reads every s-th)
     if kh == kw == 1 and dil == [1, 1] and (h, w) == (oh, ow) and oh * ow >= POINTWISE_MIN_POSITIONS:
         return _pointwise_weight_grad(x, dy)
-    if (kh > 0 and kw > 0 and dil == [1, 1] and ci >= SHIFTED_MIN_CHANNELS
-            and ci * dy.shape[1] <= SHIFTED_MAX_CHANNEL_PAIRS and n * kh * kw <= SHIFTED_MAX_GEMMS):
+    if _shifted_grad_fits(x, dy, [kh, kw], dil):
         dw = _weight_grad_shifted(x, dy, [kh, kw], strides)
         if np.isfinite(dw).all():  # else an inf or NaN in x met the padded zeros (0·inf): unfused
             return dw
@@ -211,16 +209,34 @@ def _weight_grad_nd(x: np.ndarray, dy: np.ndarray, strides: list[int], dil: list
     """A 1-D or 3-D+ Conv's weight gradient by shifted GEMMs when its forward strides are 1 and its
     channels and products fit them; else None (the unfused Conv: see kernels/conv.py's per-output GEMMs)."""
     nd = x.ndim - 2
-    n, ci = x.shape[:2]
-    k = [(x.shape[2 + i] + pads[i] + pads[nd + i] - dil[i] * (dy.shape[2 + i] - 1) - 1) // strides[i] + 1
-         for i in range(nd)]
-    if (min(k) < 1 or any(d != 1 for d in dil) or ci < SHIFTED_MIN_CHANNELS
-            or ci * dy.shape[1] > SHIFTED_MAX_CHANNEL_PAIRS or n * int(np.prod(k)) > SHIFTED_MAX_GEMMS):
+    padded = [x.shape[2 + i] + pads[i] + pads[nd + i] for i in range(nd)]
+    k = _kernel_dims(padded, dy.shape[2:], strides, dil)
+    if not _shifted_grad_fits(x, dy, k, dil):
         return None
     if any(pads):
-        x = np.pad(x, ((0, 0), (0, 0), *zip(pads[:nd], pads[nd:], strict=True)))
+        x = _padded(x, pads)
     dw = _weight_grad_shifted(x, dy, k, strides)
     return dw if np.isfinite(dw).all() else None  # an inf or NaN in x met the padded zeros (0·inf): unfused
+
+
+def _padded(x: np.ndarray, pads: list[int]) -> np.ndarray:
+    """``x`` (N, C, spatial...) zero-padded by ONNX ``pads`` (the begins of every axis, then the ends)."""
+    nd = x.ndim - 2
+    return np.pad(x, ((0, 0), (0, 0), *zip(pads[:nd], pads[nd:], strict=True)))
+
+
+def _kernel_dims(padded: Sequence[int], out: Sequence[int], strides: list[int], dil: list[int]) -> list[int]:
+    """The forward kernel's dims from the padded input's and the output gradient's (``strides``: the forward
+    conv's dilations, ``dil`` its strides)."""
+    return [(p - d * (o - 1) - 1) // s + 1 for p, o, s, d in zip(padded, out, strides, dil, strict=True)]
+
+
+def _shifted_grad_fits(x: np.ndarray, dy: np.ndarray, k: list[int], dil: list[int]) -> bool:
+    """Whether the shifted GEMMs suit this weight gradient: forward strides 1, and channels and GEMMs
+    within their bounds."""
+    n, ci = x.shape[:2]
+    return (min(k) > 0 and all(d == 1 for d in dil) and ci >= SHIFTED_MIN_CHANNELS
+            and ci * dy.shape[1] <= SHIFTED_MAX_CHANNEL_PAIRS and n * int(np.prod(k)) <= SHIFTED_MAX_GEMMS)
 
 
 COLS_BYTES = 512 << 10  # im2col columns per GEMM of a Conv weight gradient: a few samples, cache-sized
