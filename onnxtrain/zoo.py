@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.builder import make_model
 from onnxtrain.ir.large import check_model_arrays
-from onnxtrain.ir.stream import elem_type
+from onnxtrain.ir.stream import array_raw, elem_type
 
 OPSET = 17
 _DRAW_CHUNK = 1 << 18  # the values :meth:`_Graph.normal` draws at a time
@@ -106,7 +106,7 @@ class _Graph:
         while self.inits:  # each value held once: an array until it is the bytes of the model's tensor
             init, value = self.inits.pop()
             t = model.graph.initializer.add(name=init, data_type=elem_type(value), dims=value.shape)
-            raw = value.tobytes()  # (as numpy_helper.from_array: raw little-endian bytes)
+            raw = bytes(array_raw(value))
             del value
             t.raw_data = raw
             del raw

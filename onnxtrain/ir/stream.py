@@ -125,7 +125,8 @@ def write_model(f: IO[bytes], model: onnx.ModelProto, arrays: Arrays = ()) -> No
     own = [t.ByteSize() for t in model.graph.initializer]
     sizes = own + [t.size for t in given]
     f.write(head)
-    f.write(_field_head(_GRAPH, len(before) + len(after) + sum(len(_varint(n)) + 1 + n for n in sizes)))
+    framed = sum(len(_field_head(_INITIALIZER, n)) + n for n in sizes)
+    f.write(_field_head(_GRAPH, len(before) + len(after) + framed))
     f.write(before)
     for t, n in zip(model.graph.initializer, own):
         f.write(_field_head(_INITIALIZER, n))

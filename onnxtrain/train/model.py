@@ -17,7 +17,8 @@ from onnxtrain.ir.graphs import (
     untie_batch_norm_statistics,
 )
 from onnxtrain.ir.large import IN_MEMORY, MOVED_TENSOR_BYTES, external_tensor, skeleton, tensor_nbytes
-from onnxtrain.ir.types import value_info_shape
+from onnxtrain.ir.stream import Arrays
+from onnxtrain.ir.types import np_dtype, value_info_shape
 from onnxtrain.train.config import Config, ConfigError
 
 
@@ -218,12 +219,11 @@ def inference_model(model: onnx.ModelProto, outputs: Sequence[str], weights: Map
     for held in m.graph.initializer:  # (the model's, and the statistics untied above)
         if held.name not in needed:
             continue
-        t = onnx.TensorProto()
-        t.CopyFrom(held)
-        if t.name in weights:
-            arr = np.asarray(weights[t.name])
-            dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
-            t = numpy_helper.from_array(arr.astype(dtype, copy=False), t.name)
+        if held.name in weights:  # (the stale values are not copied first)
+            t = numpy_helper.from_array(_as_type(weights[held.name], held.data_type), held.name)
+        else:
+            t = onnx.TensorProto()
+            t.CopyFrom(held)
         if t.name in moved:
             if t.name not in listed:
                 g.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
@@ -235,9 +235,6 @@ def inference_model(model: onnx.ModelProto, outputs: Sequence[str], weights: Map
     del g.input[:]
     g.input.extend(kept_inputs)
     return m
-
-
-Arrays = list[tuple[str, np.ndarray]]  # initializers given as (name, values)
 
 
 def inference_parts(model: onnx.ModelProto, outputs: Sequence[str], weights: Mapping[str, np.ndarray]
@@ -261,4 +258,4 @@ def inference_parts(model: onnx.ModelProto, outputs: Sequence[str], weights: Map
 
 def _as_type(value: np.ndarray, data_type: int) -> np.ndarray:
     """``value`` in the numpy type of ONNX element type ``data_type`` (itself when it is)."""
-    return np.asarray(value).astype(helper.tensor_dtype_to_np_dtype(data_type), copy=False)
+    return np.asarray(value).astype(np_dtype(data_type), copy=False)

@@ -570,8 +570,8 @@ def _repeat_outputs(model: onnx.ModelProto, names: list[str]) -> None:
     if len(set(names)) == len(names):
         return
     g = model.graph
-    by_name = {o.name: o for o in g.output}
-    outputs = [by_name[n] for n in names] + [o for o in g.output if o.name not in set(names)]
+    by_name, listed = {o.name: o for o in g.output}, set(names)
+    outputs = [by_name[n] for n in names] + [o for o in g.output if o.name not in listed]
     copies = [onnx.ValueInfoProto() for _ in outputs]
     for c, o in zip(copies, outputs):
         c.CopyFrom(o)
