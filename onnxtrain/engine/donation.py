@@ -16,6 +16,7 @@ one the caller alone holds (:func:`donated_slots`); otherwise the output gets a 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Collection, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -46,32 +47,39 @@ def reusable_inputs(plan: Plan) -> dict[int, frozenset[int]]:
     inits = {s for s, _ in plan._init_values}
     outputs = set(plan._output_slots)
     inputs = [s for s in plan._input_slots if s not in inits and s not in outputs]
-    roots: dict[int, frozenset[int]] = {s: frozenset((s,)) for s in inputs}
-    last: dict[int, int] = {}
-    for i, st in enumerate(plan.steps):
-        ins = [s for s in st.inputs if s >= 0]
-        for s in ins:
-            last[s] = i
-        if st.node.op_type in FRESH_OPS or getattr(st.fn, "fresh_outputs", False):
-            src = _NONE
-        else:
-            src = frozenset().union(*(roots.get(s, _NONE) for s in ins))
+    steps = plan.steps
+    last: dict[int, int] = {}  # slot → the last step reading or writing it
+    for i, st in enumerate(steps):
+        for s in st.inputs:
+            if s >= 0:
+                last[s] = i
         for s in st.outputs:
             if s >= 0:
-                roots[s] = src
-                last[s] = max(last.get(s, i), i)
-    viewed_until: dict[int, int] = {}  # input slot → the last step reading a possible view of it
-    for v, rs in roots.items():
-        end = len(plan.steps) if v in outputs else last.get(v, -1)
-        for r in rs:
-            if r != v:
-                viewed_until[r] = max(viewed_until.get(r, -1), end)
+                last[s] = i
+    n = len(steps)
+    # slot → the last step reading a value that may be a view of it (a graph output counts as read at n);
+    # found backwards, each step once, since a view's views are views of the slot too
+    viewed_until: dict[int, int] = {}
+    for st in reversed(steps):
+        if st.node.op_type in FRESH_OPS or getattr(st.fn, "fresh_outputs", False):
+            continue
+        end = -1
+        for o in st.outputs:
+            if o >= 0:
+                end = max(end, n if o in outputs else last.get(o, -1), viewed_until.get(o, -1))
+        for s in st.inputs:
+            if s >= 0 and viewed_until.get(s, -1) < end:
+                viewed_until[s] = end
     found: dict[int, set[int]] = {}
+    reads: dict[int, Counter[int]] = {}  # step → how often it reads each slot, counted once a step
     for s in inputs:
         i = last.get(s)
-        if i is None or viewed_until.get(s, -1) >= i or plan.steps[i].inputs.count(s) != 1:
+        if i is None or viewed_until.get(s, -1) >= i:
             continue
-        found.setdefault(i, set()).add(s)
+        if i not in reads:
+            reads[i] = Counter(steps[i].inputs)
+        if reads[i][s] == 1:
+            found.setdefault(i, set()).add(s)
     return {i: frozenset(v) for i, v in found.items()}
 
 

@@ -94,3 +94,97 @@ def test_the_slot_map_is_read_once_per_value() -> None:
         names = slot_names(plan)
     assert names == {s: v for v, s in dict(plan.slot).items()}
     assert _CountingDict.read <= n, _CountingDict.read  # (n² / 2 before)
+
+
+# ---- donation analysis -------------------------------------------------------------------------------------
+class _Reads(tuple):
+    """A step's input slots that count the entries read, by iteration or by ``count``."""
+
+    read = 0
+
+    def __iter__(self):
+        _Reads.read += len(self)
+        return super().__iter__()
+
+    def count(self, value: object) -> int:  # type: ignore[override]
+        _Reads.read += len(self)
+        return super().count(value)
+
+
+class _Step:
+    def __init__(self, op: str, inputs: list[int], outputs: list[int]) -> None:
+        self.node = type("N", (), {"op_type": op})()
+        self.fn = None
+        self.inputs = _Reads(inputs)
+        self.outputs = tuple(outputs)
+
+
+class _DonationPlan:
+    def __init__(self, n_in: int, steps: list[_Step], outputs: list[int]) -> None:
+        self._init_values: list = []
+        self._input_slots = list(range(n_in))
+        self._output_slots = outputs
+        self.steps = steps
+
+
+def _reusable_by_definition(plan: _DonationPlan) -> dict[int, frozenset[int]]:
+    """The rule spelt out: an input is reusable at its last read when that step reads it once and no value
+    reached from it through non-fresh steps (a possible view) is read at that step or later or is an
+    output."""
+    from onnxtrain.engine.donation import FRESH_OPS
+
+    steps, n = plan.steps, len(plan.steps)
+    outputs = set(plan._output_slots)
+    last: dict[int, int] = {}
+    for i, st in enumerate(steps):
+        for s in (*tuple.__iter__(st.inputs), *st.outputs):
+            last[s] = i
+    out: dict[int, set[int]] = {}
+    for r in plan._input_slots:
+        if r in outputs or r not in last:
+            continue
+        views, frontier = set(), {r}
+        for st in steps:
+            if st.node.op_type not in FRESH_OPS and frontier & set(tuple.__iter__(st.inputs)):
+                views.update(st.outputs)
+                frontier.update(st.outputs)
+        until = max((n if v in outputs else last.get(v, -1) for v in views), default=-1)
+        i = last[r]
+        if until < i and tuple.count(steps[i].inputs, r) == 1:
+            out.setdefault(i, set()).add(r)
+    return {i: frozenset(v) for i, v in out.items()}
+
+
+def test_reusable_inputs_follow_the_rule_on_random_plans() -> None:
+    from onnxtrain.engine.donation import reusable_inputs
+
+    rng = random.Random(1)
+    for _ in range(300):
+        n_in = rng.randint(1, 6)
+        steps, made = [], list(range(n_in))
+        for k in range(rng.randint(1, 12)):
+            ins = [rng.choice(made) for _ in range(rng.randint(1, 3))]
+            out = n_in + k
+            steps.append(_Step(rng.choice(["Add", "Reshape", "Identity", "Mul", "Slice"]), ins, [out]))
+            made.append(out)
+        outputs = rng.sample(made, rng.randint(1, 2))
+        plan = _DonationPlan(n_in, steps, outputs)
+        assert reusable_inputs(plan) == _reusable_by_definition(plan)  # type: ignore[arg-type]
+
+
+def test_the_donation_analysis_reads_each_input_list_a_few_times() -> None:
+    """A fused update reading thousands of inputs once each, and a Concat of thousands more viewed by a chain
+    of Reshapes: each input was counted in the whole list (k²), each view carried the set of all the Concat's
+    inputs (k × chain). The reads of the input lists are counted."""
+    from onnxtrain.engine.donation import reusable_inputs
+
+    k, chain = 3000, 300
+    steps = [_Step("Add", list(range(k)), [2 * k]), _Step("Concat", list(range(k, 2 * k)), [2 * k + 1])]
+    steps += [_Step("Reshape", [2 * k + 1 + j], [2 * k + 2 + j]) for j in range(chain)]
+    steps.append(_Step("Relu", [2 * k, *range(2 * k + 1, 2 * k + chain + 2)], [2 * k + chain + 2]))
+    plan = _DonationPlan(2 * k, steps, [2 * k + chain + 2])
+    _Reads.read = 0
+    got = reusable_inputs(plan)  # type: ignore[arg-type]
+    assert got == {0: frozenset(range(k))}  # the Concat's inputs have views read later
+    assert _Reads.read <= 4 * (2 * k + 2 * chain), _Reads.read
+    assert got == _reusable_by_definition(plan)  # type: ignore[arg-type]
