@@ -217,7 +217,9 @@ def grad_by_rule(node: onnx.NodeProto, spec: Grad, ctx: Context) -> list[onnx.No
             out.append(onnx.NodeProto())
             out[-1].CopyFrom(n)
     # every other value gets a name of its own in the model; the forward values must exist there
-    inner = {o for n in out for o in n.output} - set(rename)
+    # (in the nodes' order: the names must not depend on the process's string hashing, or the ranks of an
+    # mpiexec run would translate one model differently)
+    inner = dict.fromkeys(o for n in out for o in n.output if o not in rename)
     local = {v: ctx.fresh(f"{node.name or node.op_type}/{v}") for v in inner}
     for n in out:
         n.name = ctx.fresh(f"{node.name or node.op_type}/{n.op_type}")
