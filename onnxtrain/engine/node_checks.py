@@ -21,7 +21,9 @@ control-flow node's outputs, the types its body declares for them). An output wh
 the type the graph declares for it, if it declares one (its value_info, the graph's outputs), as onnxruntime's
 "does not match expected type"; the nodes after it are checked with the type the node makes. Nothing is
 inferred beyond that (no shape inference runs): an input of no type found so is not checked (the output of a
-node of another domain or of a control-flow node whose body declares no type for it, a map, a sparse tensor).
+node of another domain or of a control-flow node whose body declares no type for it, a sparse tensor). A
+map's type is compared in one spelling (the ai.onnx.ml schemas' ``map(int64, float)`` is a value's
+``map(int64,tensor(float))``).
 What the engine runs beyond the schemas is let through (``_FLOAT64_TOO``: float64 Celu, RotaryEmbedding,
 CausalConvWithState and LinearAttention, which the float64 gradient checks of the op tables run), although
 onnxruntime refuses it.
@@ -116,6 +118,21 @@ class _Form(NamedTuple):
     variadic_output: bool
 
 
+def _spelled(t: str) -> str:
+    """A schema's type string as :func:`~onnxtrain.ir.types.type_string` spells a value's type: no spaces, a
+    map's values a tensor type (the ai.onnx.ml schemas write ``map(int64, float)`` for
+    ``map(int64,tensor(float))``, also inside a ``seq``)."""
+    t = t.replace(" ", "")
+    for kind in ("seq(", "optional("):
+        if t.startswith(kind) and t.endswith(")"):
+            return f"{kind}{_spelled(t[len(kind):-1])})"
+    if t.startswith("map(") and t.endswith(")") and "," in t:
+        key, value = t[4:-1].split(",", 1)
+        value = _spelled(value)
+        return f"map({key},{value if '(' in value else f'tensor({value})'})"
+    return t
+
+
 @cache
 def _form(op_type: str, opset: int, domain: str) -> _Form | None:
     try:
@@ -128,7 +145,7 @@ def _form(op_type: str, opset: int, domain: str) -> _Form | None:
     def params(formals: Iterable[onnx.defs.OpSchema.FormalParameter]) -> tuple[tuple[str, bool, bool], ...]:
         return tuple((f.name, f.option in (_OPTIONAL, _VARIADIC), f.option == _VARIADIC) for f in formals)
 
-    constraints = {c.type_param_str: tuple(c.allowed_type_strs) for c in s.type_constraints}
+    constraints = {c.type_param_str: tuple(map(_spelled, c.allowed_type_strs)) for c in s.type_constraints}
     if domain == "" and op_type in _FLOAT64_TOO:
         constraints = {v: (*a, _DOUBLE) if _FLOAT in a and _DOUBLE not in a else a
                        for v, a in constraints.items()}
@@ -136,7 +153,7 @@ def _form(op_type: str, opset: int, domain: str) -> _Form | None:
     def typed(formals: Iterable[onnx.defs.OpSchema.FormalParameter]) -> tuple[_Typed, ...]:
         out = []
         for f in formals:
-            var = f.type_str
+            var = _spelled(f.type_str)  # (a type variable's name stays as it is)
             allowed = constraints.get(var)
             if allowed is None:  # a literal type, not a variable
                 out.append(_Typed(var, frozenset((var,)), var, False))

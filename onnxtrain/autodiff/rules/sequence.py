@@ -85,7 +85,9 @@ def split_to_sequence_grad(g: GradCtx) -> None:
     engine concatenates an empty sequence: when x's rank is known, a first element of zeros (an empty piece,
     or a stacked slice taken off again) keeps the sequence from being empty."""
     dseq, axis = g.dy(0), g.attr("axis") or 0
-    stack = not g.has_x(1) and g.attr("keepdims") == 0  # size-1 pieces with the axis squeezed: a stack
+    split = g.constant_value(1)
+    no_split = not g.has_x(1) or (split is not None and np.size(split) == 0)  # (an empty split is none)
+    stack = no_split and g.attr("keepdims") == 0  # size-1 pieces with the axis squeezed: a stack
     rank = g.rank(0)
     if rank is None:
         g.set_dx(0, g.emit("ConcatFromSequence", dseq, axis=axis, new_axis=int(stack)))
@@ -124,12 +126,26 @@ def zeros_like_elements(g: GradCtx, seq: str, label: str) -> onnx.GraphProto:
 
 
 def _element_type(g: GradCtx, seq: str) -> int:
-    """The element type of sequence ``seq`` (the node's float type when the graph does not say)."""
-    tp = g._bw.types.get(seq)
-    if tp is not None and tp.HasField("sequence_type"):
-        elem = tp.sequence_type.elem_type
-        if elem.HasField("tensor_type") and elem.tensor_type.elem_type:
-            return elem.tensor_type.elem_type
+    """The element type of sequence ``seq``: as typed, else as the nodes making it say (shape inference
+    types no sequence split by an empty tensor), else the node's float type."""
+    for _ in range(64):  # (a chain of inserts and erases)
+        tp = g._bw.types.get(seq)
+        if tp is not None and tp.HasField("sequence_type"):
+            elem = tp.sequence_type.elem_type
+            if elem.HasField("tensor_type") and elem.tensor_type.elem_type:
+                return elem.tensor_type.elem_type
+        made = g.producer(seq)
+        if made is None:
+            break
+        if made.op_type in ("SplitToSequence", "SequenceConstruct") and made.input and made.input[0]:
+            return g.elem_type(made.input[0]) or g.dtype
+        if made.op_type == "SequenceInsert" and len(made.input) > 1 and g.elem_type(made.input[1]):
+            return g.elem_type(made.input[1])
+        if made.op_type == "SequenceEmpty":
+            return next((a.i for a in made.attribute if a.name == "dtype"), TensorProto.FLOAT)
+        if made.op_type not in ("SequenceInsert", "SequenceErase"):
+            break
+        seq = made.input[0]
     return g.dtype
 
 

@@ -77,6 +77,19 @@ def concat_from_sequence(inputs: Inputs, attrs: Attrs) -> Outputs:
     return ((np.stack if stack else np.concatenate)(seq, axis=axis),)
 
 
+def _split_sizes(split: np.ndarray, dim: int, axis: int) -> list[int]:
+    """The lengths of SplitToSequence's pieces by its ``split`` input along an axis of length ``dim``."""
+    if split.ndim == 0:
+        size = int(split)
+        if size <= 0:
+            raise ValueError(f"split must be positive, got {size}")
+        return [size] * (dim // size) + ([dim % size] if dim % size else [])
+    sizes = [int(v) for v in split.ravel()]
+    if any(v < 0 for v in sizes) or sum(sizes) != dim:
+        raise ValueError(f"split sizes {sizes} do not add up to dimension {dim} of axis {axis}")
+    return sizes
+
+
 @kernel("SplitToSequence", since=11)
 def split_to_sequence(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
@@ -86,23 +99,17 @@ def split_to_sequence(inputs: Inputs, attrs: Attrs) -> Outputs:
     axis %= x.ndim
     dim = x.shape[axis]
     split = inputs[1] if len(inputs) > 1 and inputs[1] is not None else None
+    if split is not None and np.size(split) == 0:
+        split = None  # an empty split tensor counts as none given, as onnxruntime takes it
     if split is None:
         parts = np.split(x, dim, axis=axis) if dim else []
         if not attrs.get("keepdims", 1):
             parts = [p.squeeze(axis) for p in parts]
         return (parts,)
-    s = np.asarray(split)
-    if s.ndim == 0:
-        size = int(s)
-        if size <= 0:
-            raise ValueError(f"split must be positive, got {size}")
-        sizes = [size] * (dim // size) + ([dim % size] if dim % size else [])
-    else:
-        sizes = [int(v) for v in s.ravel()]
-        if any(v < 0 for v in sizes) or sum(sizes) != dim:
-            raise ValueError(f"split sizes {sizes} do not add up to dimension {dim} of axis {axis}")
-    cuts = np.cumsum(sizes)[:-1]
-    return (np.split(x, cuts, axis=axis),)
+    sizes = _split_sizes(np.asarray(split), dim, axis)
+    if not sizes:  # a scalar split of an empty axis: no piece (np.split would give the whole)
+        return ([],)
+    return (np.split(x, np.cumsum(sizes)[:-1], axis=axis),)
 
 
 @kernel("Optional", since=15)

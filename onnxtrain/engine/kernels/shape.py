@@ -303,14 +303,30 @@ def _pad_constant(x: np.ndarray, width: list[list[int]], value: Any) -> np.ndarr
     return out
 
 
+def _pad_default(x: np.ndarray) -> Any:
+    """Pad's constant when none is given: 0, an empty string for strings, False for bools (the spec's)."""
+    if x.dtype.kind in "OSU":
+        return ""
+    return False if x.dtype == np.bool_ else 0
+
+
+def _attribute_value(x: np.ndarray, value: Any) -> Any:
+    """What opset 2's Pad pads ``x`` with: its float ``value`` (the schema's 0.0 when left out)."""
+    if value is None or (value == 0 and x.dtype.kind in "OSUb"):
+        return _pad_default(x)
+    if x.dtype.kind in "OSU":
+        raise ValueError(f"Pad: the float value attribute ({value}) cannot pad a string tensor")
+    return value
+
+
 @kernel("Pad", since=2)
 def pad(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
     mode = attrs.get("mode") or "constant"
     if len(inputs) == 1:  # opset 2: attributes
-        return (_pad(x, list(attrs["pads"]), mode, attrs.get("value") or 0.0, None),)
+        return (_pad(x, list(attrs["pads"]), mode, _attribute_value(x, attrs.get("value")), None),)
     value = _opt_input(inputs, 2)
-    value = 0 if value is None else np.asarray(value).reshape(-1)[0]
+    value = _pad_default(x) if value is None else np.asarray(value).reshape(-1)[0]
     axes = _opt_input(inputs, 3)
     return (_pad(x, _ints(inputs[1]), mode, value, None if axes is None else _ints(axes)),)
 
