@@ -317,12 +317,30 @@ def _sorted_nodes(graph: onnx.GraphProto) -> list[int] | None:
     return order if len(order) == len(needs) else None
 
 
-def misdefined_name(graph: onnx.GraphProto) -> str | None:
+class _Enclosing:
+    """The names the graphs around a body define so far, innermost graph first."""
+
+    def __init__(self, defined: dict[str, str], graph: str, outer: _Enclosing | None):
+        self.defined, self.graph, self.outer = defined, graph, outer
+
+    def find(self, name: str) -> str | None:
+        """What defines ``name`` in an enclosing graph (and which graph), or None."""
+        scope: _Enclosing | None = self
+        while scope is not None:
+            if name in scope.defined:
+                return f"{scope.defined[name]} of graph {scope.graph!r}"
+            scope = scope.outer
+        return None
+
+
+def misdefined_name(graph: onnx.GraphProto, outer: _Enclosing | None = None) -> str | None:
     """What first breaks ONNX's naming rules in ``graph`` or a body in it, or None: a name defined twice (two
-    graph inputs, a node output named like an input, initializer or earlier output), or a node reading a
-    value that a later node defines (nodes out of topological order). onnxruntime refuses the first at load.
-    A graph input may share an initializer's name (the initializer is its default), and initializers and
-    Constant outputs may repeat a name (onnxruntime warns and takes the last, as the engine does)."""
+    graph inputs, a node output named like an input, initializer or earlier output, or a body's node output
+    named like a value an enclosing graph defines before the body's node), or a node reading a value that a
+    later node defines (nodes out of topological order). onnxruntime refuses the first at load. A graph
+    input may share an initializer's name (the initializer is its default), and initializers and Constant
+    outputs may repeat a name (onnxruntime warns and takes the last, as the engine does); a body's inputs
+    and initializers may take an enclosing graph's names (they hide them inside the body)."""
     where: dict[str, str] = {}
     for v in graph.input:
         if v.name in where:
@@ -333,25 +351,42 @@ def misdefined_name(graph: onnx.GraphProto) -> str | None:
         constants.add(name)
         where.setdefault(name, "an initializer")
     later = {o for n in graph.node for o in n.output if o}
+    scope = _Enclosing(where, graph.name, outer)  # what a body of this graph sees (``where`` as it grows)
     for k, node in enumerate(graph.node):
         label = f"node {node.name!r}" if node.name else f"node #{k} (unnamed)"
-        early = next((r for r in node_reads(node) if r and r not in where and r in later), None)
+        early = next((r for r in node_reads(node) if r and r not in where and r in later
+                      and (outer is None or outer.find(r) is None)), None)
         if early is not None:
             return (f"{label} ({node.op_type}) in graph {graph.name!r} reads {early!r} before the node that "
                     "writes it: the nodes are not in topological order")
-        constant = node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS
-        for o in node.output:
-            if o and o in where and not (constant and o in constants):
-                return (f"{label} ({node.op_type}) in graph {graph.name!r} writes {o!r}, which {where[o]} "
-                        "already defines (each name has one definition)")
-            if o:
-                where[o] = f"{label} ({node.op_type})"
-                if constant:
-                    constants.add(o)
-        for body in subgraphs(node):
-            found = misdefined_name(body)
+        for body in subgraphs(node):  # before the node's own outputs, which its bodies do not see
+            found = misdefined_name(body, scope)
             if found:
                 return found
+        found = _redefined(graph, node, label, where, constants, outer)
+        if found:
+            return found
+    return None
+
+
+def _redefined(graph: onnx.GraphProto, node: onnx.NodeProto, label: str, where: dict[str, str],
+               constants: set[str], outer: _Enclosing | None) -> str | None:
+    """The error for an output of ``node`` whose name is already defined, in its graph or (for a body) in an
+    enclosing one, else None; records the outputs in ``where`` (and ``constants``)."""
+    constant = node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS
+    for o in node.output:
+        if not o:
+            continue
+        if o in where and not (constant and o in constants):
+            return (f"{label} ({node.op_type}) in graph {graph.name!r} writes {o!r}, which {where[o]} "
+                    "already defines (each name has one definition)")
+        above = outer.find(o) if outer is not None and o not in where else None
+        if above is not None:
+            return (f"{label} ({node.op_type}) in body {graph.name!r} writes {o!r}, which {above} already "
+                    "defines (a body may not define again a name of an enclosing graph)")
+        where[o] = f"{label} ({node.op_type})"
+        if constant:
+            constants.add(o)
     return None
 
 
