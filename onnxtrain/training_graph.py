@@ -39,8 +39,10 @@ from onnxtrain.ir.graphs import (
     is_training_batch_norm,
     last_statistics,
     node_reads,
+    rename_in_graph,
     train_batch_norms,
     untie_batch_norm_statistics,
+    walk_graphs,
 )
 from onnxtrain.ir.types import np_dtype, shown_dims
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
@@ -298,6 +300,65 @@ def _inits_to_inputs(model: onnx.ModelProto, names: list[str],
     return values
 
 
+def state_names(opt: Optimizer | None, weights: list[str], steps: int = 1) -> dict[str, str]:
+    """The names of the state tensors a legacy session adds for ``weights`` (the optimizer's, and the
+    accumulation buffers with ``steps`` > 1; onnxruntime's names, the keys of ``get_state()``) → what
+    each holds, for messages."""
+    out: dict[str, str] = {}
+    if opt is not None:
+        probe = [WeightSlot(wt, f"{wt}_grad", (), TensorProto.FLOAT) for wt in weights]
+        for sp in opt.state(probe):
+            whose = f" of weight {sp.weight!r}" if sp.weight else ""
+            out[sp.name] = f"{opt.name}'s state {sp.key!r}{whose} (a get_state() entry)"
+    if steps > 1:
+        for wt in weights:
+            buf = accumulation.buffer_name(f"{wt}_grad")
+            out[buf] = f"the gradient accumulation buffer of weight {wt!r} (an input of the training graph)"
+    return out
+
+
+def _user_names(model: onnx.ModelProto, loss: str, trainable: list[str],
+                stats: dict[str, str]) -> dict[str, str]:
+    """The names a user feeds, fetches or finds in ``get_state()`` → what each is: the session keeps them."""
+    inits = {t.name for t in model.graph.initializer}
+    out = {v.name: "input" for v in model.graph.input if v.name not in inits}
+    out.update((v.name, "output") for v in model.graph.output)
+    out.setdefault(loss, "loss")
+    out.update((wt, "trained weight") for wt in trainable)
+    out.update((s, "BatchNormalization running statistic") for s in stats)
+    return out
+
+
+def _model_values(model: onnx.ModelProto) -> set[str]:
+    """Every value name of ``model``'s graph and of the bodies in it."""
+    out: set[str] = set()
+    for g in walk_graphs(model.graph):
+        out.update(v.name for v in (*g.input, *g.output, *g.value_info))
+        out.update(t.name for t in g.initializer)
+        for n in g.node:
+            out.update(n.input)
+            out.update(n.output)
+    return out
+
+
+def _rename_state_clashes(model: onnx.ModelProto, reserved: dict[str, str], user: dict[str, str],
+                          names: NameGen) -> dict[str, str]:
+    """Give the values of ``model`` (in place) that carry a name of the session's state (``reserved``) a
+    name of their own, so the state input does not take their place; returns old → new name. A name the
+    user feeds, fetches or reads in the state (``user``) cannot change: that is an error."""
+    clashes = sorted(_model_values(model) & set(reserved))
+    for name in clashes:
+        if name in user:
+            kind = user[name]
+            hint = " (or leave it out of training: weights_not_to_train)" if kind == "trained weight" else ""
+            raise ValueError(f"the model's {kind} {name!r} has the name the session gives {reserved[name]}; "
+                             f"rename the {kind}{hint}")
+    renamed = {name: names(name) for name in clashes}
+    if renamed:
+        rename_in_graph(model.graph, renamed)
+    return renamed
+
+
 def _finish(
     graph_nodes: list[onnx.NodeProto],
     base: onnx.ModelProto,
@@ -400,12 +461,16 @@ def build_step_graphs(
         m = onnx.ModelProto()
         m.CopyFrom(model)
     names = NameGen.for_model(m)
+    reserved = state_names(opt, trainable, p.gradient_accumulation_steps)
+    names.taken.update(reserved)  # no value our passes add takes a name of the session's state
     tm_default = dropout_mode(m)
     has_tm = _rewire_dropout(m)
     chain_shared_batch_norms(m, names)  # a layer applied twice updates its statistics twice
     untie_batch_norm_statistics(m, names)  # an exporter's merged ones: each layer keeps its own
     train_batch_norms(m.graph.node, names)  # as onnxruntime's training graphs: batch statistics
     bn = running_stats(m.graph.node, {t.name for t in m.graph.initializer}, names)
+    renamed = _rename_state_clashes(m, reserved, _user_names(model, loss, trainable, bn), names)
+    bn = {s: renamed.get(o, o) for s, o in bn.items()}
     state = _inits_to_inputs(m, trainable + sorted(bn), source=model)
     # a copy without the moved weights, whose bytes m's protobuf arena keeps as long as m lives (peak RSS on
     # the onnxruntime backend, 20 steps: the MLP 108.8 -> 107.1 MiB, LeNet 93.0 -> 91.6)
@@ -446,7 +511,7 @@ def build_step_graphs(
                                  "flows back from it") from None
             raise ValueError(f"weights_to_train: {e}" if p.weights_to_train else str(e)) from None
         raise
-    grad = _legacy_recompute(grad, gloss, p, [*trainable, *bn])
+    grad = _legacy_recompute(grad, gloss, p, [*trainable, *bn], renamed)
     grads = {w: f"{w}_grad" for w in trainable}
     types = {v.name: v for v in grad.graph.input}
 
@@ -507,7 +572,9 @@ def build_step_graphs(
         update: bool, expose_grads: bool = False
     ) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
         nodes = list(grad.graph.node)
-        w = NodeWriter(NameGen.for_model(grad), nodes, prefix="")  # value and node names stay unique
+        gen = NameGen.for_model(grad)
+        gen.taken.update(reserved)  # the state inputs declared below keep their names
+        w = NodeWriter(gen, nodes, prefix="")  # value and node names stay unique
         inputs = list(base_inputs)
         outputs = list(out_user)
         extras: list[str] = []
@@ -534,7 +601,7 @@ def build_step_graphs(
             if mp is not None:  # onnxruntime's name and type: the gradient of the half twin
                 for wt, g in grads.items():
                     if wt in mp.twins:
-                        half = w.emit("Cast", [g], [f"{mp.twins[wt]}_grad"], to=mp.dtype)[0]
+                        half = w.emit("Cast", [g], [w.names(f"{mp.twins[wt]}_grad")], to=mp.dtype)[0]
                         info = vi(g, wt)
                         info.name = half
                         info.type.tensor_type.elem_type = mp.dtype
@@ -660,6 +727,7 @@ def _emit_update(
     over ZeRO partitions across ranks) instead of being computed from the slots' gradients. With ``mp`` the
     gradients are loss-scaled: the update unscales them (and clips), and is skipped when not all are finite.
     """
+    w.names.taken.update(state_names(opt, [s.name for s in slots]))  # the values made here take others
     _add_learning_rate_input(inputs, p.lr_params_feed_name)
     if mp is not None and mp.loss_scale not in {i.name for i in inputs}:
         inputs.append(helper.make_tensor_value_info(mp.loss_scale, TensorProto.FLOAT, [1]))
@@ -689,9 +757,10 @@ def _emit_update(
 
 
 def _legacy_recompute(grad: onnx.ModelProto, loss: str, p: TrainingParameters,
-                      weights: list[str]) -> onnx.ModelProto:
+                      weights: list[str], renamed: dict[str, str]) -> onnx.ModelProto:
     """The recompute pass the parameters ask for; errors name the parameter, and options that select
-    nothing in this model are named in a warning (onnxruntime said nothing either way)."""
+    nothing in this model are named in a warning (onnxruntime said nothing either way). ``renamed``: the
+    model's values renamed apart from the session's state (:func:`_rename_state_clashes`)."""
     asked = [k for k in ("gelu_recompute", "attn_dropout_recompute", "transformer_layer_recompute")
              if getattr(p, k)] + (["recompute_checkpoints"] if p.recompute_checkpoints else [])
     if not asked:
@@ -702,7 +771,8 @@ def _legacy_recompute(grad: onnx.ModelProto, loss: str, p: TrainingParameters,
                                  attn_dropout=p.attn_dropout_recompute,
                                  transformer_layer=p.transformer_layer_recompute,
                                  number_recompute_layers=p.number_recompute_layers,
-                                 checkpoints=p.recompute_checkpoints or None, weights=weights)
+                                 checkpoints=[renamed.get(c, c) for c in p.recompute_checkpoints] or None,
+                                 weights=weights)
     except ValueError as e:
         raise ValueError(f"{label}: {e}") from None
 
