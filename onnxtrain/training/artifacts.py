@@ -50,6 +50,12 @@ group lists the trainable parameters in checkpoint order)
              (the clipped gradient, which onnxruntime writes back in place) for every p.
     Rule: every output ``X.out`` is the new value of input ``X``. The per-parameter state keys
     are the checkpoint's momentum names (``momentum0``, ``momentum1``).
+    Names that collide (parameters ``learning_rate``/``step``, ``W`` beside ``W.momentum0`` or
+    ``W.out``): the fixed inputs keep theirs, then parameters, gradients and states in that order;
+    a later input or an output whose name is taken gets a fresh one (``learning_rate_1``,
+    ``W.momentum0_1``, ``W.out_1``), and metadata_props ``onnxtrain.optimizer_io`` = JSON
+    ``{"inputs": {name: [parameter, role]}, "outputs": {name: input}}`` (role ``param``,
+    ``gradient`` or a state key) says what each is. Without collisions there is no such record.
     metadata_props: ``onnxtrain.optimizer`` = ``AdamW`` | ``SGD``.
 
 ``checkpoint``: onnxruntime-training's format via ``onnxtrain.checkpoint`` — trainable
@@ -127,6 +133,7 @@ from onnxtrain.user_warning import warn
 LOSS_SCALE = mp_pass.LOSS_SCALE
 LOSS_SCALING_KEY = "onnxtrain.loss_scaling"
 RECOMPUTE_KEY = "onnxtrain.recompute"
+OPTIMIZER_IO_KEY = "onnxtrain.optimizer_io"
 RECOMPUTE_KEYS = ("gelu", "attn_dropout", "transformer_layer", "number_recompute_layers", "checkpoints")
 
 
@@ -553,7 +560,10 @@ def build_training_models(
     training = _with_accumulation(grad, wrt)
     _repeat_outputs(training, all_outs)
     if mixed_precision is not None:
-        _add_metadata(training, LOSS_SCALING_KEY, {"dtype": mixed_precision, "loss_scale": LOSS_SCALE})
+        # the pass names the input 'loss_scale', or a fresh name when a parameter has that one
+        info = mp_pass.mixed_precision_info(training)
+        scale = LOSS_SCALE if info is None else info.loss_scale
+        _add_metadata(training, LOSS_SCALING_KEY, {"dtype": mixed_precision, "loss_scale": scale})
     if recompute is not None:
         _add_metadata(training, RECOMPUTE_KEY, recompute)
     training = _finish(training, "training")
@@ -734,19 +744,35 @@ def _with_accumulation(m: onnx.ModelProto, trainable: list[str]) -> onnx.ModelPr
     kept = [o for o in g.output if o.name not in grads]
     del g.output[:]
     g.output.extend(kept)
-    reset = f"{RESET}.scalar"
-    g.node.append(helper.make_node("Squeeze", [RESET], [reset], name="lazy_reset_grad_Squeeze"))
+    fresh = _accumulation_names(m, trainable)
+    reset = fresh(f"{RESET}.scalar")
+    g.node.append(helper.make_node("Squeeze", [RESET], [reset], name=fresh("lazy_reset_grad_Squeeze")))
     for k, p in enumerate(trainable):
         tp = by_name[p].type
         buf, grad, out = f"{p}{BUFFER_SUFFIX}", f"{p}_grad", f"{p}{ACC_OUT_SUFFIX}"
         g.input.append(helper.make_value_info(buf, tp))
-        total = f"{p}_grad.accumulation.sum"
-        g.node.append(helper.make_node("Add", [buf, grad], [total], name=f"GradientAccumulator{k}_Add"))
+        total = fresh(f"{p}_grad.accumulation.sum")
+        add, where = fresh(f"GradientAccumulator{k}_Add"), fresh(f"GradientAccumulator{k}")
+        g.node.append(helper.make_node("Add", [buf, grad], [total], name=add))
         # overwrite when the reset flag is set, else accumulate (onnxruntime's InPlaceAccumulatorV2)
-        g.node.append(helper.make_node("Where", [reset, grad, total], [out], name=f"GradientAccumulator{k}"))
+        g.node.append(helper.make_node("Where", [reset, grad, total], [out], name=where))
         g.output.append(helper.make_value_info(out, tp))
     g.input.append(helper.make_tensor_value_info(RESET, TensorProto.BOOL, [1]))
     return m
+
+
+def _accumulation_names(m: onnx.ModelProto, trainable: list[str]) -> NameGen:
+    """Fresh names for the accumulators' temporaries and nodes (a model value may be called
+    ``lazy_reset_grad.scalar``); an error naming a model value that has one of the interface's names
+    (``lazy_reset_grad``, ``<p>_grad.accumulation.buffer`` / ``.out``), which the runtimes bind by."""
+    fresh = NameGen.for_model(m)
+    fixed = [RESET, *(f"{p}{s}" for p in trainable for s in (BUFFER_SUFFIX, ACC_OUT_SUFFIX))]
+    used = [n for n in fixed if n in fresh.taken]
+    if used:
+        raise ArtifactError(f"the model has value(s) {used}, names the training model's gradient "
+                            "accumulation interface uses: rename them")
+    fresh.taken.update(fixed)
+    return fresh
 
 
 def _inference_mode(m: onnx.ModelProto) -> onnx.ModelProto:
@@ -801,6 +827,29 @@ def _finish(m: onnx.ModelProto, what: str) -> onnx.ModelProto:
 
 
 # ---- optimizer model -------------------------------------------------------------------------------
+def _optimizer_input_names(names: list[str], state_names: Sequence[str],
+                           reserved: Sequence[str]) -> dict[tuple[str, str], str]:
+    """(parameter, role) -> the optimizer graph's input name, role ``param``, ``gradient`` or a state key.
+
+    Each input is named as the interface note says (``<p>``, ``<p>_grad``, ``<p>.<state>``) unless that
+    name is reserved or went to an earlier input (parameters come first, then gradients, then states);
+    such an input gets a fresh name, ``<name>_<i>``."""
+    wanted = ([((p, "param"), p) for p in names] + [((p, "gradient"), f"{p}_grad") for p in names]
+              + [((p, k), f"{p}.{k}") for k in state_names for p in names])
+    fresh = NameGen([*reserved, *(n for _, n in wanted)])
+    used = set(reserved)
+    out: dict[tuple[str, str], str] = {}
+    for key, n in wanted:
+        out[key] = fresh(n) if n in used else n
+        used.add(out[key])
+    return out
+
+
+def _default_input_name(key: tuple[str, str]) -> str:
+    p, role = key
+    return {"param": p, "gradient": f"{p}_grad"}.get(role, f"{p}.{role}")
+
+
 def build_optimizer_model(
     block: OptimizerBlock, params: list[tuple[str, onnx.TypeProto]], opset: int,
     mixed_precision: str | None = None,
@@ -810,41 +859,38 @@ def build_optimizer_model(
     ``mixed_precision`` ("float16"/"bfloat16"): loss-scaled gradients (``loss_scale`` input, guarded
     update, ``all_gradients_finite`` output)."""
     names = [p for p, _ in params]
-    grads = [f"{p}_grad" for p in names]
-    states = {k: [f"{p}.{k}" for p in names] for k in block.state_names}
-    taken = {"learning_rate", "step", *names, *grads, *(s for v in states.values() for s in v)}
-    fixed = 2
-    if mixed_precision is not None:
-        taken |= {LOSS_SCALE, ALL_FINITE}
-        fixed += 2
-    if len(taken) != fixed + len(names) * (2 + len(states)):
-        raise ArtifactError(f"parameter names {names} clash with the optimizer graph's input names")
-    vtypes = dict(params)
-    for group in (grads, *states.values()):
-        vtypes.update((n, vtypes[p]) for n, p in zip(group, names))
+    fixed = ["learning_rate", "step"] + ([LOSS_SCALE] if mixed_precision is not None else [])
+    reserved = fixed + ([ALL_FINITE] if mixed_precision is not None else [])
+    io = _optimizer_input_names(names, block.state_names, reserved)
+    inputs = [io[p, "param"] for p in names]
+    grads = [io[p, "gradient"] for p in names]
+    states = {k: [io[p, k] for p in names] for k in block.state_names}
+    ptypes = dict(params)
+    vtypes = {n: ptypes[p] for (p, _), n in io.items()}
     with onnxblock.empty_base(opset) as acc:
         acc.add_input("learning_rate", helper.make_tensor_type_proto(TensorProto.FLOAT, [1]))
         acc.add_input("step", helper.make_tensor_type_proto(TensorProto.INT64, [1]))
         if mixed_precision is not None:
             acc.add_input(LOSS_SCALE, helper.make_tensor_type_proto(TensorProto.FLOAT, [1]))
-        for group in (names, grads, *states.values()):
+        for group in (inputs, grads, *states.values()):
             for n in group:
                 acc.add_input(n, vtypes[n])
         if mixed_precision is None:
-            new = block("learning_rate", "step", names, grads, states)
+            new = block("learning_rate", "step", inputs, grads, states)
         else:
-            new = block("learning_rate", "step", names, grads, states, loss_scale=LOSS_SCALE)
+            new = block("learning_rate", "step", inputs, grads, states, loss_scale=LOSS_SCALE)
         model = acc.model
     g = model.graph
     flag = new.pop(ALL_FINITE, None)
-    order = [x for x in names + [s for k in block.state_names for s in states[k]] + grads if x in new]
-    rename = {new[x]: f"{x}.out" for x in order}
+    order = [x for x in inputs + [s for k in block.state_names for s in states[k]] + grads if x in new]
+    outs = _output_names(model, order, reserved)
+    rename = {new[x]: outs[x] for x in order}
     if flag is not None:
         rename[flag] = ALL_FINITE
     graph_inputs = {v.name for v in g.input}
     for x in order:
         if new[x] in graph_inputs:  # returned unchanged
-            g.node.append(helper.make_node("Identity", [new[x]], [f"{x}.out"], name=f"{x}.out_Identity"))
+            g.node.append(helper.make_node("Identity", [new[x]], [outs[x]], name=f"{outs[x]}_Identity"))
     for n in g.node:
         for j, v in enumerate(n.output):
             if v in rename:
@@ -852,7 +898,7 @@ def build_optimizer_model(
         for j, v in enumerate(n.input):
             if v in rename and v not in graph_inputs:
                 n.input[j] = rename[v]
-    g.output.extend(helper.make_value_info(f"{x}.out", vtypes[x]) for x in order)
+    g.output.extend(helper.make_value_info(outs[x], vtypes[x]) for x in order)
     if flag is not None:
         g.output.append(helper.make_tensor_value_info(ALL_FINITE, TensorProto.BOOL, []))
     label = block.name or type(block).__name__
@@ -864,7 +910,26 @@ def build_optimizer_model(
     if mixed_precision is not None:
         _add_metadata(model, LOSS_SCALING_KEY, {"dtype": mixed_precision, "loss_scale": LOSS_SCALE,
                                                 "all_gradients_finite": ALL_FINITE})
+    _record_renamed_io(model, io, outs)
     return _finish(model, "optimizer")
+
+
+def _output_names(model: onnx.ModelProto, order: list[str], reserved: Sequence[str]) -> dict[str, str]:
+    """Input name -> the name of its new value: ``<input>.out``, or a fresh name when the graph has that
+    one already (a parameter ``W.out`` beside ``W``)."""
+    fresh = NameGen.for_model(model)
+    fresh.taken.update(reserved)
+    return {x: fresh(f"{x}.out") for x in order}
+
+
+def _record_renamed_io(model: onnx.ModelProto, io: dict[tuple[str, str], str], outs: dict[str, str]) -> None:
+    """When some input or output is not named as the interface note says: metadata_props
+    ``onnxtrain.optimizer_io`` = JSON ``{"inputs": {name: [parameter, role]}, "outputs": {name: input}}``,
+    which the Optimizer binds by instead of the names."""
+    renamed = any(n != _default_input_name(key) for key, n in io.items())
+    if renamed or any(o != f"{x}.out" for x, o in outs.items()):
+        _add_metadata(model, OPTIMIZER_IO_KEY, {"inputs": {n: list(key) for key, n in io.items()},
+                                                "outputs": {o: x for x, o in outs.items()}})
 
 
 __all__ = ["ArtifactError", "LossType", "OptimType", "generate_artifacts"]

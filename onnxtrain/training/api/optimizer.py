@@ -2,7 +2,10 @@
 
 The optimizer model takes ``learning_rate``, ``step`` (completed steps + 1), and per trainable
 parameter ``<p>``, ``<p>_grad`` and its moments ``<p>.momentum0`` (``<p>.momentum1``); every
-output ``X.out`` is the new value of input ``X``, swapped into the state. Gradients are never
+output ``X.out`` is the new value of input ``X``, swapped into the state. A model whose parameter
+names would clash with those (parameters ``step``, ``W`` and ``W.momentum0``, ``W`` and ``W.out``)
+names the clashing inputs and outputs otherwise and says in its ``onnxtrain.optimizer_io`` metadata
+what each one is; the Optimizer then binds them by that record. Gradients are never
 cleared by a step (only replaced when the model clips them in place, as onnxruntime does).
 
 Under ``mpiexec -n N`` each step first averages the gradients over the ranks
@@ -20,6 +23,7 @@ its window of clean steps), and :attr:`Optimizer.last_step_finite` tells what ha
 
 from __future__ import annotations
 
+import json
 import numbers
 from typing import Any
 
@@ -43,6 +47,8 @@ LR_INPUT = "learning_rate"
 STEP_INPUT = "step"
 GRAD_SUFFIX = "_grad"
 OUT_SUFFIX = ".out"
+IO_KEY = "onnxtrain.optimizer_io"  # what each input and output is, when the names do not say it
+PARAM, GRADIENT = "param", "gradient"  # the roles of an input besides its moments' keys
 
 
 def _into(current: np.ndarray, value: np.ndarray) -> np.ndarray:
@@ -61,6 +67,73 @@ def learning_rate_value(lr: Any) -> float:
     if isinstance(lr, (bool, np.bool_)) or not isinstance(lr, numbers.Real):
         raise TypeError(f"the learning rate must be a float, got {type(lr).__name__}")
     return float(np.float32(lr))
+
+
+def _io_record(model: Any) -> dict[str, Any] | None:
+    """The model's ``onnxtrain.optimizer_io`` record (None without one); an error when it is malformed."""
+    text = next((p.value for p in model.metadata_props if p.key == IO_KEY), None)
+    if text is None:
+        return None
+    try:
+        record = json.loads(text)
+        ok = isinstance(record["inputs"], dict) and isinstance(record["outputs"], dict)
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"the optimizer model's {IO_KEY} metadata is no JSON "
+                         '{"inputs": {name: [parameter, role]}, "outputs": {name: input}}')
+    return record
+
+
+def _recorded_roles(record: dict[str, Any], names: list[str]) -> dict[str, tuple[str, str]]:
+    """Input name -> (parameter, role) from the record, which must describe every one of ``names``."""
+    roles = {}
+    for n in names:
+        entry = record["inputs"].get(n)
+        if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, str) for x in entry)):
+            raise ValueError(f"optimizer model input {n!r} has no [parameter, role] entry in its {IO_KEY} "
+                             "metadata")
+        roles[n] = (entry[0], entry[1])
+    return roles
+
+
+def _roles_by_name(names: list[str], trainable: set[str], frozen: set[str]) -> dict[str, tuple[str, str]]:
+    """Input name -> (parameter, role) read from the names: ``<p>``, ``<p>_grad``, ``<p>.<moment key>``
+    (trainable parameters first, then frozen ones)."""
+    roles = {}
+    for n in names:
+        role = _named_role(n, trainable) or _named_role(n, frozen)
+        if role is None:
+            if n in ("params", "gradients", "first_order_moments"):
+                raise ValueError("this optimizer model takes tensor sequences (onnxruntime-training's "
+                                 "com.microsoft optimizer); regenerate it with onnxtrain.training.artifacts")
+            raise ValueError(f"unexpected optimizer model input {n!r}: it is no trainable parameter, "
+                             "gradient ('<p>_grad') or moment ('<p>.momentumK') of the module")
+        roles[n] = role
+    return roles
+
+
+def _named_role(n: str, params: set[str]) -> tuple[str, str] | None:
+    if n in params:
+        return n, PARAM
+    if n.endswith(GRAD_SUFFIX) and n[:-len(GRAD_SUFFIX)] in params:
+        return n[:-len(GRAD_SUFFIX)], GRADIENT
+    p, _, key = n.rpartition(".")
+    return (p, key) if p in params else None
+
+
+def _output_targets(record: dict[str, Any] | None, outputs: list[str], inputs: set[str]) -> dict[str, str]:
+    """Output name -> the input it is the new value of: from the record, else ``<input>.out``."""
+    if record is not None:
+        targets = {o: record["outputs"].get(o) for o in outputs}
+    else:
+        targets = {o: o[:-len(OUT_SUFFIX)] if o.endswith(OUT_SUFFIX) else None for o in outputs}
+    bad = [o for o, x in targets.items() if x not in inputs]
+    if bad:
+        how = f"in its {IO_KEY} metadata" if record is not None else "'<input>.out'"
+        raise ValueError(f"optimizer model outputs {bad} are not the new value ({how}) of a parameter, "
+                         "gradient or moment input")
+    return targets
 
 
 class Optimizer:
@@ -84,8 +157,8 @@ class Optimizer:
         # the module's backend; on onnxruntime, its threads stop spinning when its run ends (the training
         # model's run next), and a weight's or moment's update may be written into the old array (the numpy
         # plan finds that itself)
-        replaced = set(self._params) | set(self._moments)
-        updates = {o: o[:-len(OUT_SUFFIX)] for o in self._outputs if o[:-len(OUT_SUFFIX)] in replaced}
+        replaced = set(self._param_inputs.values()) | set(self._moments)
+        updates = {o: self._targets[o] for o in self._outputs if self._targets[o] in replaced}
         scalars = {LR_INPUT, STEP_INPUT} | ({self._loss_scale_input} if self._loss_scale_input else set())
         self._plan = _compile(model, "optimizer", module._session_options, follower=True, updates=updates,
                               scalar_inputs=scalars)
@@ -124,39 +197,29 @@ class Optimizer:
         # their gradients): the optimizer model still takes them, fed as they are with zero gradients and
         # moments, and their updates are discarded
         frozen = {n for n in self._state._params if n not in tset}
-        self._frozen_inputs: dict[str, str] = {}  # input name -> the frozen parameter it belongs to
-        params: list[str] = []
-        grads: dict[str, str] = {}
-        moments: dict[str, tuple[str, str]] = {}  # input name -> (param, key)
-        for n in inputs[2:]:
-            if n == self._loss_scale_input:
-                continue
-            owner = n[:-len(GRAD_SUFFIX)] if n.endswith(GRAD_SUFFIX) else n.rsplit(".", 1)[0]
-            if n in tset:
-                params.append(n)
-            elif n.endswith(GRAD_SUFFIX) and n[:-len(GRAD_SUFFIX)] in tset:
-                grads[n[:-len(GRAD_SUFFIX)]] = n
-            elif "." in n and n.rsplit(".", 1)[0] in tset:
-                p, key = n.rsplit(".", 1)
-                moments[n] = (p, key)
-            elif n in frozen or owner in frozen:
-                self._frozen_inputs[n] = n if n in frozen else owner
-            elif n in ("params", "gradients", "first_order_moments"):
-                raise ValueError("this optimizer model takes tensor sequences (onnxruntime-training's "
-                                 "com.microsoft optimizer); regenerate it with onnxtrain.training.artifacts")
+        record = _io_record(model)
+        names = [n for n in inputs[2:] if n != self._loss_scale_input]
+        roles = _recorded_roles(record, names) if record else _roles_by_name(names, tset, frozen)
+        self._frozen_inputs: dict[str, tuple[str, str]] = {}  # input name -> (frozen parameter, role)
+        self._roles: dict[str, tuple[str, str]] = {}  # input name -> (trainable parameter, role)
+        for n, (p, role) in roles.items():
+            if p in tset:
+                self._roles[n] = (p, role)
+            elif p in frozen:
+                self._frozen_inputs[n] = (p, role)
             else:
-                raise ValueError(f"unexpected optimizer model input {n!r}: it is no trainable parameter, "
-                                 "gradient ('<p>_grad') or moment ('<p>.momentumK') of the module")
-        listed = set(params)
-        missing = [p for p in trainable if p not in listed or p not in grads]
+                raise ValueError(f"optimizer model input {n!r} is the {role} of {p!r}, which is no parameter "
+                                 "of the module")
+        self._param_inputs = {p: n for n, (p, role) in self._roles.items() if role == PARAM}
+        self._grads = {p: n for n, (p, role) in self._roles.items() if role == GRADIENT}
+        self._moments = {n: pk for n, pk in self._roles.items() if pk[1] not in (PARAM, GRADIENT)}
+        missing = [p for p in trainable if p not in self._param_inputs or p not in self._grads]
         if missing:
             raise ValueError(f"the optimizer model does not update trainable parameter(s) {missing}")
         self._params = list(trainable)
-        self._grads = grads
-        self._moments = moments
-        self._moment_keys = sorted({k for _, k in moments.values()})
+        self._moment_keys = sorted({k for _, k in self._moments.values()})
         keys_of: dict[str, list[str]] = {}  # parameter → its moments' keys (one pass: per parameter, n²)
-        for q, k in moments.values():
+        for q, k in self._moments.values():
             keys_of.setdefault(q, []).append(k)
         for p in trainable:
             have = sorted(keys_of.get(p, ()))
@@ -167,11 +230,7 @@ class Optimizer:
         if self._loss_scale_input is not None and self._finite_output not in outputs:
             raise ValueError(f"the mixed-precision optimizer model has no {self._finite_output!r} output")
         outputs = [o for o in outputs if o != self._finite_output]
-        updated = set(inputs[2:])
-        bad = [o for o in outputs if not o.endswith(OUT_SUFFIX) or o[:-len(OUT_SUFFIX)] not in updated]
-        if bad:
-            raise ValueError(f"optimizer model outputs {bad} are not '<input>.out' of a parameter, "
-                             "gradient or moment input")
+        self._targets = _output_targets(record, outputs, set(roles))
         self._outputs = outputs
         lr_vi = next(v for v in g.input if v.name == LR_INPUT)
         self._lr_dtype = np.float64 if lr_vi.type.tensor_type.elem_type == 11 else np.float32
@@ -245,22 +304,22 @@ class Optimizer:
             if prm.data is None:
                 raise NominalStateError("The optimizer state cannot be constructed from a nominal state. "
                                         f"Please load the model parameters first. {LOAD_HINT}")
-            feeds[p] = prm.data
+            feeds[self._param_inputs[p]] = prm.data
             feeds[self._grads[p]] = prm.grad if prm.grad is not None else np.zeros_like(prm.data)
         if self._data_parallel:  # fresh arrays: the averages never alias weights or .grad
             names = [self._grads[p] for p in self._params]
             feeds.update(zip(names, parallel.allreduce_gradients([feeds[n] for n in names], inplace=False)))
         for name, (p, key) in self._moments.items():
             feeds[name] = opt.moments[p][key]
-        for name, p in self._frozen_inputs.items():  # kept as they are: the updates are discarded
+        for name, (p, role) in self._frozen_inputs.items():  # kept as they are: the updates are discarded
             data = params[p].data
             if data is None:
                 raise NominalStateError(f"The optimizer model reads frozen parameter {p!r}, which the "
                                         f"nominal state holds no value of. {LOAD_HINT}")
-            feeds[name] = data if name == p else np.zeros_like(data)
+            feeds[name] = data if role == PARAM else np.zeros_like(data)
         # weights and moments are replaced by their updates: the plan may write the new values into them,
         # which is also what keeps a Parameter's .data aliasing the live weights, as onnxruntime's does
-        donate = [*self._params, *self._moments]
+        donate = [*self._param_inputs.values(), *self._moments]
         if self._loss_scale_input is not None:
             feeds[self._loss_scale_input] = self._module._grad_loss_scale_for_step()
             results = self._plan.run(feeds, [*self._outputs, self._finite_output], donate=donate)
@@ -271,16 +330,16 @@ class Optimizer:
         feeds.clear()  # (it references the gradients, which replace_grads must see unshared)
         clipped: list[tuple[Any, np.ndarray]] = []
         for out, value in zip(self._outputs, results):
-            target = out[:-len(OUT_SUFFIX)]
+            target = self._targets[out]
             if target in self._frozen_inputs:
                 continue
-            if target in params:
-                params[target].data = _into(params[target].data, value)
-            elif target in self._moments:
-                p, key = self._moments[target]
-                opt.moments[p][key] = value
-            else:  # a clipped gradient
-                clipped.append((params[target[:-len(GRAD_SUFFIX)]], value))
+            p, role = self._roles[target]
+            if role == PARAM:
+                params[p].data = _into(params[p].data, value)
+            elif role == GRADIENT:  # a clipped gradient
+                clipped.append((params[p], value))
+            else:
+                opt.moments[p][role] = value
         if clipped:
             replace_grads([p for p, _ in clipped], [v for _, v in clipped])
         self.last_step_finite = finite
