@@ -297,10 +297,12 @@ class Trainer:
             diff = [k for k in changed_keys(saved, self.cfg) if not _cannot_change_weights(k)]
         own = self.adasum and ckpt.properties.get(ADASUM_RANKS) == self.ranks
         if self.adasum and not own and self.main:
+            written = ckpt.properties.get(ADASUM_RANKS)
+            held = (f"holds those of {written} ranks, and this run has {self.ranks}" if written else
+                    "holds rank 0's only (written without Adasum or by an earlier version)")
             print(f"onnxtrain: warning: under Adasum each rank keeps optimizer state of its own, and "
-                  f"{path or 'the checkpoint'} holds rank 0's only (written by another number of ranks or "
-                  "an earlier version): every rank continues from it, so the run goes on close to, not "
-                  "exactly as, an uninterrupted one", file=sys.stderr)
+                  f"{path or 'the checkpoint'} {held}: every rank continues from rank 0's, so the run goes "
+                  "on close to, not exactly as, an uninterrupted one", file=sys.stderr)
         try:
             state = checkpoint_to_state(ckpt, self.sess, self.sess.gather_state(), self.layout,
                                         rank_group_name(self.rank) if own and self.rank else None)

@@ -195,7 +195,28 @@ def test_adasum_resume_from_rank0_state_only_warns(tmp_path) -> None:
     r = mpiexec(["-n", "2", *train_cmd(*adasum, "--resume")])
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stderr.count("under Adasum each rank keeps optimizer state of its own") == 1, r.stderr
+    assert "holds rank 0's only (written without Adasum or by an earlier version)" in r.stderr
     assert load_checkpoint(os.path.join(out, LAST)).properties["adasum_ranks"] == 2
+
+
+def test_adasum_resume_at_another_number_of_ranks_says_how_many_wrote_it(tmp_path) -> None:
+    """A checkpoint of another number of ranks' Adasum states (a 2-rank one marked as written by 4, as a
+    4-rank run writes it) resumed at 2 ranks: the warning says how many ranks wrote it (it said the
+    checkpoint held rank 0's state only, which it does not)."""
+    from onnxtrain.checkpoint import save_checkpoint
+
+    out = str(tmp_path / "run")
+    adasum = ["--set", "training.parameters.enable_adasum=true", "--output-dir", out, "-q"]
+    r = mpiexec(["-n", "2", *train_cmd(*adasum, "--set", "training.steps=10")])
+    assert r.returncode == 0, r.stdout + r.stderr
+    path = os.path.join(out, "checkpoints", "step_00000010.ckpt")
+    ckpt = load_checkpoint(path)
+    ckpt.properties["adasum_ranks"] = 4
+    save_checkpoint(ckpt, path)
+    r = mpiexec(["-n", "2", *train_cmd(*adasum, "--resume")])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "holds those of 4 ranks, and this run has 2: every rank continues from rank 0's" in r.stderr, \
+        r.stderr
 
 
 def test_adasum_ignored_under_zero_keeps_one_optimizer_group(tmp_path) -> None:
