@@ -183,6 +183,37 @@ def _loss_block(loss: LossType | onnxblock.Block | None) -> onnxblock.Block:
     )
 
 
+class _LabelsNamed(onnxblock.Block):
+    """A built-in loss whose labels input takes the name ``labels``."""
+
+    def __init__(self, inner: onnxblock.Block, labels: str) -> None:
+        super().__init__()
+        self.inner, self.labels = inner, labels
+
+    def build(self, prediction: str) -> str:
+        return self.inner(prediction, self.labels)
+
+
+def _labels_apart(base: onnx.ModelProto, loss: Any, block: onnxblock.Block) -> onnxblock.Block:
+    """``block``, a built-in loss, with a labels input of its own when the model computes or holds a value of
+    the labels' default name (``target``, CrossEntropyLoss's ``labels``) that is no graph input: the loss
+    would take that value for the labels (as onnxruntime-training's does, silently), and the training model
+    would have no labels input. A graph input of that name is the labels, as there."""
+    if not isinstance(loss, LossType):
+        return block
+    default = "labels" if loss is LossType.CrossEntropyLoss else "target"
+    g = base.graph
+    inputs = {v.name for v in g.input}
+    made = {o for n in g.node for o in n.output} | {t.name for t in g.initializer}
+    if default in inputs or default not in made:
+        return block
+    name = NameGen.for_model(base)(default)
+    warn(f"generate_artifacts: the model has a value named {default!r} that is not a graph input; the "
+         f"{loss.name} labels input is named {name!r} instead, so that the loss does not take that value "
+         "for its labels")
+    return _LabelsNamed(block, name)
+
+
 def _optimizer_block(optimizer: Any) -> OptimizerBlock | None:
     if optimizer is None:
         return None
@@ -312,7 +343,7 @@ def generate_artifacts(
     from onnxtrain.engine.interface import standard_model
 
     base = standard_model(_load(model))  # (torch's export_modules_as_functions, sparse initializers)
-    loss_block = _loss_block(loss)
+    loss_block = _labels_apart(base, loss, _loss_block(loss))
     trainable = _names(requires_grad, "requires_grad")
     frozen = _names(frozen_params, "frozen_params")
     both = set(trainable) & set(frozen)

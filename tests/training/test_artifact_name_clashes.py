@@ -214,3 +214,29 @@ def test_onnxruntime_training_artifacts_train(ort_artifacts, tmp_path, case):
     np.testing.assert_allclose(losses, ort_losses, rtol=1e-5)
     ref_losses, _ = _train(_generate(_model(), str(tmp_path)))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+# ---- (c) a model value named like the built-in loss's labels input -------------------------------------
+def test_a_hidden_value_named_target_is_not_taken_for_the_labels(tmp_path) -> None:
+    """The product called ``target``: MSELoss took it for its labels (the training model had no labels
+    input; onnxruntime-training does the same, silently); the labels input is ``target_1`` now, with a
+    warning, and trains as the model whose product has another name."""
+    with pytest.warns(UserWarning, match=r"value named 'target' that is not a graph input.*'target_1'"):
+        got = _generate(_model(hname="target"), str(tmp_path / "clash"))
+    inputs = [v.name for v in onnx.load(os.path.join(got, "training_model.onnx")).graph.input]
+    assert inputs[:2] == ["x", "target_1"], inputs
+    _same_training(got, _generate(_model(), str(tmp_path / "plain")))
+
+
+def test_a_graph_input_named_target_is_the_labels(tmp_path) -> None:
+    """A graph input of the labels' name is taken for them, as onnxruntime-training takes it (no warning)."""
+    m = _model()
+    m.graph.input.append(helper.make_tensor_value_info("target", TensorProto.FLOAT, ["N", 3]))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        folder = _generate(m, str(tmp_path / "in"))
+    inputs = [v.name for v in onnx.load(os.path.join(folder, "training_model.onnx")).graph.input]
+    assert inputs[:2] == ["x", "target"], inputs
+    _same_training(folder, _generate(_model(), str(tmp_path / "plain")))
