@@ -248,10 +248,11 @@ def named_subgraphs(node: onnx.NodeProto) -> Iterable[tuple[str, onnx.GraphProto
                 yield a.name, g
 
 
-def subgraphs(node: onnx.NodeProto) -> Iterable[onnx.GraphProto]:
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
     """The graphs held by a node's attributes (If's branches, Loop's and Scan's bodies)."""
-    for _, g in named_subgraphs(node):
-        yield g
+    if not node.attribute:  # (most nodes: this runs several times a node in every graph pass)
+        return []
+    return [g for _, g in named_subgraphs(node)]
 
 
 def graph_values(graph: onnx.GraphProto) -> set[str]:
