@@ -10,8 +10,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from onnxtrain.autodiff import build_gradient_model
 from onnxtrain.engine import compile_model
+from tests.autodiff.grad_runs import gradients_by_both
 
 ort = pytest.importorskip("onnxruntime")
 N, D = helper.make_node, TensorProto.DOUBLE
@@ -31,14 +31,7 @@ def _loss(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> float:
 
 
 def _check(model: onnx.ModelProto, feeds: dict[str, np.ndarray], wrt: list[str]) -> None:
-    grad = build_gradient_model(model, "loss", wrt)
-    onnx.checker.check_model(grad, full_check=True)
-    names = [o.name for o in grad.graph.output]
-    so = ort.SessionOptions()
-    so.log_severity_level = 4
-    theirs = ort.InferenceSession(grad.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
-        None, feeds)
-    ours = compile_model(grad).run(dict(feeds))
+    _, runs = gradients_by_both(model, feeds, wrt)
     for w in wrt:
         want = np.zeros_like(feeds[w])
         for idx in np.ndindex(want.shape):
@@ -47,8 +40,8 @@ def _check(model: onnx.ModelProto, feeds: dict[str, np.ndarray], wrt: list[str])
             up[w][idx] += 1e-6
             down[w][idx] -= 1e-6
             want[idx] = (_loss(model, up) - _loss(model, down)) / 2e-6
-        for got in (ours, theirs):
-            g = np.asarray(got[names.index(f"{w}_grad")])
+        for got in runs:
+            g = np.asarray(got[f"{w}_grad"])
             assert g.shape == want.shape
             np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-7, err_msg=w)
 

@@ -13,8 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
-from onnxtrain.autodiff import build_gradient_model
-from onnxtrain.engine import compile_model
+from tests.autodiff.grad_runs import gradients_by_both
 
 ort = pytest.importorskip("onnxruntime")
 N, D = helper.make_node, TensorProto.DOUBLE
@@ -72,18 +71,11 @@ def _fd(model: onnx.ModelProto, feeds: dict[str, np.ndarray], w: str, eps: float
 
 
 def _check(model: onnx.ModelProto, feeds: dict[str, np.ndarray], wrt: list[str]) -> onnx.ModelProto:
-    grad = build_gradient_model(model, "loss", wrt)
-    onnx.checker.check_model(grad, full_check=True)
-    names = [o.name for o in grad.graph.output]
-    so = ort.SessionOptions()
-    so.log_severity_level = 4
-    theirs = ort.InferenceSession(grad.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
-        None, feeds)
-    ours = compile_model(grad).run(dict(feeds))
+    grad, runs = gradients_by_both(model, feeds, wrt)
     for w in wrt:
         want = _fd(model, feeds, w)
-        for got in (ours, theirs):
-            g = np.asarray(got[names.index(f"{w}_grad")])
+        for got in runs:
+            g = np.asarray(got[f"{w}_grad"])
             assert g.shape == want.shape, (w, g.shape, want.shape)
             np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7, err_msg=w)
     return grad

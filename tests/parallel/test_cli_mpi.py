@@ -177,10 +177,9 @@ def test_adasum_resume_gives_each_rank_its_own_optimizer_state(tmp_path) -> None
     assert losses(cut) == losses(whole)
 
 
-def test_adasum_resume_from_rank0_state_only_warns(tmp_path) -> None:
-    """A checkpoint that holds rank 0's optimizer state only (an earlier version's, or another number of
-    ranks') still resumes every rank, from rank 0's state, and says once that the run is then close to,
-    not the same as, an uninterrupted one."""
+def _adasum_resumed(tmp_path, edit) -> tuple[str, subprocess.CompletedProcess]:
+    """A 2-rank Adasum run of 10 steps whose last checkpoint ``edit`` changes, resumed at 2 ranks: the
+    output folder and the resumed run."""
     from onnxtrain.checkpoint import save_checkpoint
 
     out = str(tmp_path / "run")
@@ -189,11 +188,23 @@ def test_adasum_resume_from_rank0_state_only_warns(tmp_path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     path = os.path.join(out, "checkpoints", "step_00000010.ckpt")
     ckpt = load_checkpoint(path)
-    ckpt.optimizer_groups = ckpt.optimizer_groups[:1]
-    del ckpt.properties["adasum_ranks"]
+    edit(ckpt)
     save_checkpoint(ckpt, path)
     r = mpiexec(["-n", "2", *train_cmd(*adasum, "--resume")])
     assert r.returncode == 0, r.stdout + r.stderr
+    return out, r
+
+
+def test_adasum_resume_from_rank0_state_only_warns(tmp_path) -> None:
+    """A checkpoint that holds rank 0's optimizer state only (an earlier version's, or another number of
+    ranks') still resumes every rank, from rank 0's state, and says once that the run is then close to,
+    not the same as, an uninterrupted one."""
+
+    def rank0_only(ckpt) -> None:
+        ckpt.optimizer_groups = ckpt.optimizer_groups[:1]
+        del ckpt.properties["adasum_ranks"]
+
+    out, r = _adasum_resumed(tmp_path, rank0_only)
     assert r.stderr.count("under Adasum each rank keeps optimizer state of its own") == 1, r.stderr
     assert "holds rank 0's only (written without Adasum or by an earlier version)" in r.stderr
     assert load_checkpoint(os.path.join(out, LAST)).properties["adasum_ranks"] == 2
@@ -203,18 +214,7 @@ def test_adasum_resume_at_another_number_of_ranks_says_how_many_wrote_it(tmp_pat
     """A checkpoint of another number of ranks' Adasum states (a 2-rank one marked as written by 4, as a
     4-rank run writes it) resumed at 2 ranks: the warning says how many ranks wrote it (it said the
     checkpoint held rank 0's state only, which it does not)."""
-    from onnxtrain.checkpoint import save_checkpoint
-
-    out = str(tmp_path / "run")
-    adasum = ["--set", "training.parameters.enable_adasum=true", "--output-dir", out, "-q"]
-    r = mpiexec(["-n", "2", *train_cmd(*adasum, "--set", "training.steps=10")])
-    assert r.returncode == 0, r.stdout + r.stderr
-    path = os.path.join(out, "checkpoints", "step_00000010.ckpt")
-    ckpt = load_checkpoint(path)
-    ckpt.properties["adasum_ranks"] = 4
-    save_checkpoint(ckpt, path)
-    r = mpiexec(["-n", "2", *train_cmd(*adasum, "--resume")])
-    assert r.returncode == 0, r.stdout + r.stderr
+    _, r = _adasum_resumed(tmp_path, lambda ckpt: ckpt.properties.__setitem__("adasum_ranks", 4))
     assert "holds those of 4 ranks, and this run has 2: every rank continues from rank 0's" in r.stderr, \
         r.stderr
 
