@@ -370,9 +370,40 @@ class Cluster:
             env.update(zip(self.ext, inputs))
             self._build(sig, env, last_use)
             return self(inputs, None)
+        corner = self._trace_corners(inputs, last_use)
+        if corner is not None:  # inputs of shapes that do not broadcast together (one chain per weight)
+            self._build(sig, corner, last_use)
+            return self(inputs, None)
         env = self._traced_run(inputs, last_use)
         self._build(sig, env, last_use)
         return [env[s] for s in self.escaping]
+
+    def _trace_corners(self, inputs: Sequence[Any], last_use: dict[int, int]) -> dict[int, Any] | None:
+        """The traced values of a run on every input cut to its first two entries along every axis (which
+        keeps the inputs that broadcast together doing so), as zero-stride stand-ins of the whole run's
+        shapes, which every member gives by broadcasting its inputs' (members are elementwise); the inputs
+        themselves. For clusters over large arrays whose inputs do not all broadcast together, which
+        :func:`_trace_slice` leaves whole: an on-device optimizer's update of weights of several shapes
+        (a first Optimizer.step held 5 weights' worth beside them). None when no input is large."""
+        if not any(type(a) is np.ndarray and a.size >= TRACE_SLICE_MIN for a in inputs):
+            return None
+        whole = {s: np.shape(a) for s, a in zip(self.ext, inputs) if a is not None}
+        try:
+            for st in self.members:
+                shape = np.broadcast_shapes(*(whole[s] for s in st.inputs if s in whole))
+                whole.update((s, shape) for s in st.outputs if s >= 0)
+        except (ValueError, KeyError):
+            return None
+        corner = (slice(0, _TRACE_ROWS),)
+        cut = [a[corner * a.ndim] if type(a) is np.ndarray else a for a in inputs]
+        env = self._traced_run(cut, last_use)
+        for s, v in env.items():
+            if type(v) is np.ndarray:
+                if v.shape != tuple(min(d, _TRACE_ROWS) for d in whole.get(s, ())):
+                    return None  # (a member that is not elementwise after all: trace whole)
+                env[s] = np.broadcast_to(np.zeros((), v.dtype), whole[s])
+        env.update(zip(self.ext, inputs))
+        return env
 
     def _build(self, sig: tuple, env: dict[int, Any], last_use: dict[int, int]) -> None:
         """The program for signature ``sig`` from the traced values ``env`` (their shapes and dtypes)."""
