@@ -104,11 +104,11 @@ def _refuse_outer_optionals(g: GradCtx, wanted: list[str], what: str) -> None:
                         f"{what}, or keep what the optional holds fixed")
 
 
-@gradient("Loop", uses=("x*",), stop=(0, 1))
+@gradient("Loop", uses=("x*", "y0"), stop=(0, 1))  # y0: a max-pooling bag loop's pooled bags
 def loop_grad(g: GradCtx) -> None:
     node = g.node
     bag = match_bag_loop(node, g.constant_value)
-    if bag is not None and bag.reduce != "max" and not bag.checks and set(g.body_wrt) <= {bag.table}:
+    if bag is not None and not bag.checks and set(g.body_wrt) <= {bag.table}:
         if g.body_wrt and g.dy(0) is not None:
             g.body_dxs[bag.table] = _bag_table_grad(g, bag)
         return
@@ -181,25 +181,42 @@ def _leading_elements(g: GradCtx, seq: str, count: str, like: str) -> str:
 
 def _bag_table_grad(g: GradCtx, bag: BagLoop) -> str:
     """The table's gradient of a bag-pooling Loop (onnxtrain.ir.bag_loops), with no loop: each id position
-    of a bag takes the bag's output gradient (divided by the bag's size for a mean), and one ScatterND adds
-    them into the table's rows. The bags are the loop's K iterations (the rows of its output's gradient),
-    with any bounds, as the loop's Slice reads them: overlapping, out of order, with gaps or empty.
-
-    The P = Σ counts (position, bag) pairs are laid out bag after bag: pair q belongs to the bag ``owner[q]``
-    whose first pair ``first[owner]`` (an exclusive cumulative sum of the counts) is the last at or before
-    q (empty bags start where the next one does, and are passed over), and reads id position
-    ``s[owner] + q - first[owner]``."""
+    of a bag takes its share of the bag's output gradient (all of it for a sum, divided by the bag's size
+    for a mean, for a max where its row attains the bag's maximum, split evenly among the ties as
+    ReduceMax's rule splits it), and one ScatterND adds them into the table's rows. The bags are the loop's
+    K iterations (the rows of its output's gradient), with any bounds, as the loop's Slice reads them:
+    overlapping, out of order, with gaps or empty."""
     i64 = TensorProto.INT64
     dy = g.dy(0)
-    et = g.elem_type(bag.table)
+    ids = g.emit("Cast", bag.ids, to=i64)
+    k = g.emit("Slice", g.emit("Shape", dy), g.ints([0]), g.ints([1]))  # [K]
+    # max: the bags last first, so each table row sums its shares in the backward loop's order (same bits)
+    owner, pos, counts = _bag_pairs(g, bag, ids, k, last_first=bag.reduce == "max")
+    read = g.emit("Gather", ids, pos, axis=0)  # the table row each pair reads
+    if bag.reduce == "max":
+        rows = _max_shares(g, bag, dy, read, owner)
+    elif bag.reduce == "mean":
+        rows = g.emit("Gather", _per_mean(g, dy, k, counts, g.elem_type(bag.table)), owner, axis=0)
+    else:
+        rows = g.emit("Gather", dy, owner, axis=0)
+    at = g.emit("Unsqueeze", read, g.ints([1]))
+    return g.emit("ScatterND", g.zeros_like(bag.table), at, rows, reduction="add")
+
+
+def _bag_pairs(g: GradCtx, bag: BagLoop, ids: str, k: str, last_first: bool) -> tuple[str, str, str]:
+    """The P = Σ counts (id position, bag) pairs of the loop's K bags: each pair's bag and id position, and
+    the bags' sizes. ``last_first``: the pairs of bag K - 1 come first, else those of bag 0.
+
+    The pairs are laid out bag after bag: pair q belongs to the bag in slot ``slot[q]``, the slot whose
+    first pair ``first[slot]`` (an exclusive cumulative sum of the slots' counts) is the last at or before
+    q (empty bags start where the next one does, and are passed over), and reads id position
+    ``s[bag] + q - first[slot]``."""
+    i64 = TensorProto.INT64
 
     def i(v: int) -> str:
         return g.const(v, i64)
 
-    ids = g.emit("Cast", bag.ids, to=i64)
     n = g.emit("Shape", ids)  # [N]
-    dy_shape = g.emit("Shape", dy)
-    k = g.emit("Slice", dy_shape, g.ints([0]), g.ints([1]))  # [K]
 
     def bounds(v: str) -> str:  # the first K, as Slice reads them on the ids: from the end, clamped
         b = g.emit("Slice", g.emit("Cast", v, to=i64), g.ints([0]), k)
@@ -208,25 +225,47 @@ def _bag_table_grad(g: GradCtx, bag: BagLoop) -> str:
 
     s, e = bounds(bag.starts), bounds(bag.ends)
     counts = g.emit("Max", g.emit("Sub", e, s), i(0))  # a bag ending before it starts is empty
-    first = g.emit("Sub", g.emit("CumSum", counts, i(0)), counts)
-    pairs = g.emit("ReduceSum", counts, keepdims=1)  # [P]
+    order = None
+    laid = counts
+    if last_first:  # slot j holds bag K - 1 - j
+        last = g.emit("Sub", g.emit("Squeeze", k, g.ints([0])), g.int64(1))
+        order = g.emit("Range", last, g.int64(-1), g.int64(-1))
+        laid = g.emit("Gather", counts, order, axis=0)
+    first = g.emit("Sub", g.emit("CumSum", laid, i(0)), laid)
+    pairs = g.emit("ReduceSum", laid, keepdims=1)  # [P]
     q = g.emit("Range", i(0), g.emit("Squeeze", pairs, g.ints([0])), i(1))
     zeros = g.emit("ConstantOfShape", g.emit("Add", pairs, g.ints([1])),
                    value=numpy_helper.from_array(np.zeros(1, np.int64)))
     ones = g.emit("Expand", g.ints([1]), k)
-    marks = g.emit("ScatterElements", zeros, first, ones, axis=0, reduction="add")  # bags starting at q
-    owner = g.emit("Sub", g.emit("CumSum", g.emit("Slice", marks, g.ints([0]), pairs), i(0)), i(1))
+    marks = g.emit("ScatterElements", zeros, first, ones, axis=0, reduction="add")  # slots starting at q
+    slot = g.emit("Sub", g.emit("CumSum", g.emit("Slice", marks, g.ints([0]), pairs), i(0)), i(1))
+    owner = slot if order is None else g.emit("Gather", order, slot, axis=0)
     pos = g.emit("Sub", g.emit("Add", g.emit("Gather", s, owner, axis=0), q),
-                 g.emit("Gather", first, owner, axis=0))
-    per_bag = dy
-    if bag.reduce == "mean":
-        ones_tail = g.emit("ConstantOfShape", g.emit("Sub", g.emit("Shape", dy_shape), g.ints([1])),
-                           value=numpy_helper.from_array(np.ones(1, np.int64)))
-        size = g.emit("Reshape", g.emit("Cast", counts, to=et), g.emit("Concat", k, ones_tail, axis=0))
-        per_bag = g.emit("Div", dy, size)  # an empty bag's row is never read
-    rows = g.emit("Gather", per_bag, owner, axis=0)
-    at = g.emit("Unsqueeze", g.emit("Gather", ids, pos, axis=0), g.ints([1]))
-    return g.emit("ScatterND", g.zeros_like(bag.table), at, rows, reduction="add")
+                 g.emit("Gather", first, slot, axis=0))
+    return owner, pos, counts
+
+
+def _per_mean(g: GradCtx, dy: str, k: str, counts: str, et: int) -> str:
+    """A mean's output gradient divided by each bag's size (an empty bag's row is never read)."""
+    ones_tail = g.emit("ConstantOfShape", g.emit("Sub", g.emit("Shape", g.emit("Shape", dy)), g.ints([1])),
+                       value=numpy_helper.from_array(np.ones(1, np.int64)))
+    size = g.emit("Reshape", g.emit("Cast", counts, to=et),
+                  g.emit("Concat", k, ones_tail, axis=0))
+    return g.emit("Div", dy, size)
+
+
+def _max_shares(g: GradCtx, bag: BagLoop, dy: str, read: str, owner: str) -> str:
+    """Each pair's share of a max-pooled bag's output gradient, elementwise (``read``: the table row of each
+    pair, ``owner``: its bag): its bag's gradient where its row equals the bag's maximum, divided by the
+    number of the bag's rows that do (ReduceMax's rule in the loop's body, onnxtrain.autodiff.rules.reduce),
+    else zero."""
+    pooled = g.y(0)
+    rows = g.emit("Gather", bag.table, read, axis=0)
+    hit = g.emit("Cast", g.emit("Equal", rows, g.emit("Gather", pooled, owner, axis=0)),
+                 to=g.elem_type(bag.table))
+    ties = g.emit("ScatterND", g.zeros_like(pooled), g.emit("Unsqueeze", owner, g.ints([1])), hit,
+                  reduction="add")  # per bag and element: how many rows attain the maximum
+    return g.emit("Mul", hit, g.emit("Gather", g.emit("Div", dy, ties), owner, axis=0))
 
 
 def _appended_sequences(g: GradCtx, body: onnx.GraphProto, n: int) -> dict[int, str]:
