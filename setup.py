@@ -16,8 +16,10 @@ setup(
     packages=find_packages(include=["onnxtrain", "onnxtrain.*"]),
     package_data={"onnxtrain": ["data/*.npz"]},
     python_requires=">=3.10",
-    # typing_extensions >= 4.16: older ones import asyncio (and ssl) for onnx.helper's deprecated functions
-    install_requires=["numpy>=2", "onnx>=1.16", "protobuf>=4", "PyYAML>=6", "tqdm>=4", "matplotlib>=3.7",
+    # typing_extensions >= 4.16: older ones import asyncio (and ssl) for onnx.helper's deprecated functions;
+    # onnx >= 1.18: its float4 type (1.16-1.17 fail at import); protobuf 6.31 with onnx 1.18 trained the main
+    # job, 5.29 failed in a session; matplotlib 3.7 is built for numpy 1 (the plot failed)
+    install_requires=["numpy>=2", "onnx>=1.18", "protobuf>=6.31", "PyYAML>=6", "tqdm>=4", "matplotlib>=3.8.4",
                       "typing_extensions>=4.16"],
     extras_require={"mpi": MPI, "test": TEST, "all": MPI + TEST},
     entry_points={"console_scripts": ["onnxtrain=onnxtrain.cli:main"]},

@@ -594,7 +594,12 @@ def _run(a: argparse.Namespace) -> int:
 
     if a.command != "train" or not parallel.launched_by_mpi() or parallel.world().size == 1:
         return _guarded(a)
-    parallel.get_communicator()  # before anything can fail, so that a failure can abort the job
+    try:
+        parallel.get_communicator()  # before anything can fail, so that a failure can abort the job
+    except ImportError as e:  # no mpi4py: no job to abort either; every rank ends, rank 0 says why
+        if parallel.world().rank == 0:
+            print(f"onnxtrain {a.command}: {_one_line(e)}", file=sys.stderr)
+        return EXIT_ERROR
     with parallel.abort_on_error():
         code = _guarded(a)
         if code and not getattr(a, "stopped_together", False):
@@ -608,10 +613,14 @@ def _guarded(a: argparse.Namespace) -> int:
 
     from onnxtrain.engine.plan import EngineError
     from onnxtrain.parallel import world
-    from onnxtrain.train.config import ConfigError
 
     w = world()
     prog = f"onnxtrain {a.command}" + (f" [rank {w.rank}/{w.size}]" if w.size > 1 else "")
+    try:
+        from onnxtrain.train.config import ConfigError  # (reads PyYAML)
+    except ImportError as e:
+        print(f"{prog}: {_missing_package(e)}", file=sys.stderr)
+        return EXIT_ERROR
     try:
         with warnings.catch_warnings():  # restores warnings.showwarning afterwards
             warnings.showwarning = _warning_printer(w.rank == 0)
@@ -638,6 +647,11 @@ def _guarded(a: argparse.Namespace) -> int:
         text = " ".join(str(e).split("\n"))
         print(f"{prog}: {text} (set ONNXTRAIN_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_ERROR
+    except ImportError as e:  # a package the command needs is missing or broken
+        if _debug():
+            raise
+        print(f"{prog}: {_missing_package(e)} (set ONNXTRAIN_DEBUG=1 for the traceback)", file=sys.stderr)
+        return EXIT_ERROR
     except BrokenPipeError:  # the output went to a pipe that closed (| head): nothing more to say
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python would complain again at exit
         return EXIT_ERROR
@@ -654,6 +668,19 @@ def _guarded(a: argparse.Namespace) -> int:
             raise
         print(f"{prog}: {_one_line(e)} (set ONNXTRAIN_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_ERROR
+
+
+_PIP_NAMES = {"yaml": "PyYAML", "mpi4py": "mpi4py mpich"}  # import name -> what pip installs it as
+
+
+def _missing_package(e: ImportError) -> str:
+    """One line for an ImportError: onnxtrain's own messages as they are (they name the package), else
+    the package that failed to import and the pip command that installs it."""
+    top = (e.name or "").split(".")[0]
+    if not top or top == "onnxtrain":
+        return _one_line(e)
+    return (f"the Python package {top!r} cannot be imported ({_one_line(e)}): "
+            f"pip install {_PIP_NAMES.get(top, top)}")
 
 
 def _warning_printer(shown: bool):

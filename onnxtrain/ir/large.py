@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -47,13 +48,20 @@ def is_large(model: onnx.ModelProto, more: int = 0) -> bool:
     return tensor_bytes(model) + more > LARGE_MODEL_BYTES
 
 
+def _repeated(fd: Any) -> bool:
+    """Whether field ``fd`` is repeated (protobuf from 6.31 says so itself; older ones by its label, which
+    7 no longer has)."""
+    known = getattr(fd, "is_repeated", None)
+    return bool(known) if known is not None else fd.label == fd.LABEL_REPEATED
+
+
 def copy_fields(src: Message, dst: Message, skip: Collection[str]) -> None:
     """Copy the fields set in message ``src`` into ``dst`` (of the same type), but those named in ``skip``
     (one message's copy, not a serialization)."""
     for fd, value in src.ListFields():
         if fd.name in skip:
             continue
-        if fd.is_repeated:
+        if _repeated(fd):
             getattr(dst, fd.name).extend(value)
         elif fd.type == fd.TYPE_MESSAGE:
             getattr(dst, fd.name).CopyFrom(value)

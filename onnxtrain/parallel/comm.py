@@ -110,8 +110,8 @@ def _import_mpi() -> Any:
     try:
         from mpi4py import MPI
     except ImportError as e:
-        raise ImportError("data parallelism needs mpi4py and an MPI library: pip install 'onnxtrain[mpi]' "
-                          "(mpi4py + the mpich wheel), or mpi4py built against your cluster's MPI "
+        raise ImportError("data parallelism needs mpi4py and an MPI library: pip install mpi4py mpich (from "
+                          "a checkout: pip install -e '.[mpi]'), or mpi4py built against your cluster's MPI "
                           f"({e})") from e
     return MPI
 

@@ -525,7 +525,11 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Confi
     if os.path.isdir(path):
         raise ConfigError("", f"{path} is a folder; give the config's .yaml file")
     if not os.path.isfile(path):
-        raise ConfigError("", f"config file not found: {path}")
+        hint = ""
+        if not os.path.isabs(path) and os.path.normpath(path).split(os.sep)[0] == "configs":
+            hint = (f" (in {os.getcwd()}; the example configs are in the repository's configs/ folder, not "
+                    "in the installed package: run from the repository root, or give the path of a copy)")
+        raise ConfigError("", f"config file not found: {path}{hint}")
     with open(path, encoding="utf-8") as f:
         try:
             raw = parse_yaml(f.read())

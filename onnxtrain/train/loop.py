@@ -458,11 +458,8 @@ class Trainer:
             scaler = DynamicLossScaler()
             if st.loss_scale:
                 scaler.loss_scale, scaler.stable_steps = st.loss_scale, st.loss_scale_stable_steps
-        from tqdm import tqdm
-
         show = self.progress and main
-        bar = tqdm(total=self.total, initial=st.global_step, desc=self.cfg.name, unit="step",
-                   disable=not show, dynamic_ncols=True, file=sys.stderr)
+        bar = _progress_bar(show, total=self.total, initial=st.global_step, desc=self.cfg.name)
         status = "finished"
         try:
             with (open(self.metrics_path, "a", encoding="utf-8") if main else nullcontext()) as fh, \
@@ -556,12 +553,16 @@ class Trainer:
         last_eval = next(({k: math.nan if v is None else v for k, v in r.items() if k.startswith("eval_")}
                           for r in reversed(records) if "eval_loss" in r), last_eval)
         exported = None
-        if self.cfg.output.plot and main:
-            plot_metrics(records, os.path.join(self.out, "metrics.png"), self.cfg.name)
-        if self.cfg.output.export:
+        if self.cfg.output.export:  # (before the plot, which needs matplotlib)
             exported = os.path.join(self.out, "model.onnx")
             if main:
                 export_model(self.model, self.cfg, self.weights(), exported)
+        if self.cfg.output.plot and main:
+            try:
+                plot_metrics(records, os.path.join(self.out, "metrics.png"), self.cfg.name)
+            except ImportError as e:  # the run and its outputs stand; only the picture is missing
+                print(f"onnxtrain: warning: no plot (metrics.png): matplotlib cannot be imported ({e}); "
+                      "pip install matplotlib, or set output.plot=false", file=sys.stderr)
         return last_eval, exported
 
 
@@ -589,3 +590,28 @@ def json_line(record: dict[str, Any]) -> str:
     JSON: other readers refuse the line)."""
     clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
     return json.dumps(clean, allow_nan=False) + "\n"
+
+
+class _NoBar:
+    """What the loop calls of a progress bar, doing nothing (no bar is shown)."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def write(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(show: bool, total: int, initial: int, desc: str) -> Any:
+    """tqdm's bar on stderr when ``show``, else one that does nothing (tqdm is then not imported)."""
+    if not show:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr)

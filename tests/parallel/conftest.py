@@ -21,9 +21,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def mpi_missing() -> str | None:
     if shutil.which("mpiexec") is None:
-        return "mpiexec is not on PATH (pip install 'onnxtrain[mpi]' brings the mpich wheel)"
+        return "mpiexec is not on PATH (pip install mpich, or pip install -e '.[mpi]' from a checkout)"
     if importlib.util.find_spec("mpi4py") is None:
-        return "mpi4py is not importable (pip install 'onnxtrain[mpi]')"
+        return "mpi4py is not importable (pip install mpi4py mpich)"
     return None
 
 

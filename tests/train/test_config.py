@@ -71,7 +71,16 @@ def test_missing_data_file_names_its_path(write_config, capsys):
 
 def test_missing_config_file(capsys):
     code, line = _error_line(capsys, ["train", "no/such/config.yaml"])
-    assert code == 2 and "config file not found" in line
+    assert code == 2 and "config file not found" in line and "repository" not in line
+
+
+def test_missing_example_config_says_where_the_examples_are(capsys, tmp_path, monkeypatch):
+    """The README's configs/<name>.yaml run outside the repository (an install from a wheel, which holds
+    no configs): the message says where it looked and where the example configs are."""
+    monkeypatch.chdir(tmp_path)
+    code, line = _error_line(capsys, ["train", "configs/digits_mlp.yaml"])
+    assert code == 2 and "config file not found: configs/digits_mlp.yaml" in line
+    assert str(tmp_path) in line and "repository's configs/ folder" in line
 
 
 def test_cross_key_checks(write_config):
