@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from onnxtrain.engine import half_process
 from onnxtrain.engine.affinity import placed
@@ -45,6 +46,7 @@ from onnxtrain.engine.blas import can_pin_blas_threads, single_threaded_blas
 from onnxtrain.engine.interface import RUN_OPTIONS, Terminated
 from onnxtrain.engine.parallel import parallel_for, running_with
 from onnxtrain.engine.plan import Plan
+from onnxtrain.ir.graphs import RANDOM_OPS, walk_graphs
 from onnxtrain.user_warning import warn
 
 MIN_ACTIVATION_BYTES = 1 << 20  # a run whose live activations peak lower is not split (too little work to
@@ -112,6 +114,8 @@ class BatchSplitter:
             return None
         if batch_mixing_node(plan.model, axes[0], axes[1]) is not None:  # samples may meet: never split
             return None
+        if draws(plan.model):  # halves draw other values than the whole, and their trial run would take
+            return None  # generators off set_seed's sequence: later draws would depend on the threads
         if mode == "process" and (why := half_process.available()) is not None:
             warn(f"{BATCH_SPLIT_KEY} = process: {why}; the halves run on threads")
             mode = "threads"
@@ -251,3 +255,19 @@ def _agree(whole: Any, half: Any) -> bool:
     scale = float(np.max(np.abs(a[np.isfinite(a)]), initial=0.0))
     tol = RTOL[whole.dtype.itemsize]
     return bool(np.allclose(b, a, rtol=tol, atol=tol * scale, equal_nan=True))
+
+
+def draws(model: onnx.ModelProto) -> bool:
+    """Whether a run of ``model`` (its bodies too) may draw random values: a random op, or a Dropout whose
+    training_mode input is not an initializer holding false."""
+    for g in walk_graphs(model.graph):
+        fixed = {t.name: t for t in g.initializer}
+        for n in g.node:
+            if n.op_type not in RANDOM_OPS:
+                continue
+            if n.op_type != "Dropout":
+                return True
+            mode = n.input[2] if len(n.input) > 2 else ""
+            if mode and not (mode in fixed and not numpy_helper.to_array(fixed[mode]).any()):
+                return True
+    return False

@@ -614,3 +614,55 @@ def test_rows_regrouped_across_samples_run_whole(no_minimum):
     outlier[0, 1, 0] = 100.0
     for x in (np.zeros_like(outlier), outlier):
         np.testing.assert_array_equal(sess.run(None, {"x": x})[0], reference.run(None, {"x": x})[0])
+
+
+_SEEDED_DRAWS = r"""
+import hashlib, sys
+import numpy as np
+from onnx import TensorProto as T, helper, numpy_helper
+import onnxtrain
+from onnxtrain.engine import batch_split
+
+batch_split.MIN_ACTIVATION_BYTES, batch_split.ACTIVATIONS_PER_WEIGHT = 0, 0.0  # (a trial at any size)
+D = 64
+w = np.random.default_rng(0).standard_normal((D, D)).astype(np.float32) * 0.05
+
+
+def model(train: bool) -> bytes:
+    inits = [numpy_helper.from_array(w, "W"), numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
+             numpy_helper.from_array(np.array(train), "train")]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("Dropout", ["h", "ratio", "train"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT, ["batch", D])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, ["batch", D])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+x = np.random.default_rng(1).standard_normal((512, D)).astype(np.float32)
+onnxtrain.set_seed(0)
+first = onnxtrain.InferenceSession(model(True))
+first.run(None, {"x": x})
+kept = onnxtrain.InferenceSession(model(False))  # no draws: its batches may still split
+kept.run(None, {"x": x})
+later = onnxtrain.InferenceSession(model(True)).run(None, {"x": x[:4]})[0]
+print(first._splitter is None, kept._splitter is not None, hashlib.sha256(later.tobytes()).hexdigest())
+"""
+
+
+def test_draws_after_a_random_model_do_not_depend_on_the_threads() -> None:
+    """set_seed(0), a model with a training-mode Dropout run on a large batch, then another: the later
+    draws were other at 2 threads than at 1 (the first model's trial run in two halves took generators off
+    set_seed's sequence); onnxruntime's draws do not depend on its thread count. A model that draws no
+    value still splits."""
+    import subprocess
+    import sys
+
+    outs = []
+    for threads in ("1", "2"):
+        env = {**os.environ, "ONNXTRAIN_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": "1"}
+        r = subprocess.run([sys.executable, "-c", _SEEDED_DRAWS], capture_output=True, text=True, timeout=120,
+                           env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs.append(r.stdout.split())
+    assert outs[0][2] == outs[1][2], outs
+    assert outs[1][:2] == ["True", "True"], outs  # at 2 threads: no splitter for the drawing model
