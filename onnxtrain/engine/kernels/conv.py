@@ -124,7 +124,8 @@ def _conv_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> di
     row = plane // sizes[0]
     big, small = int(np.prod(k)), int(np.prod(out))
     flat = nd > 1 and all(v == 1 for v in strides)
-    return {"nd": nd, "group": group, "k": k, "strides": strides, "dil": dil, "pb": pb, "sizes": sizes,
+    return {"nd": nd, "n": n, "group": group, "k": k, "strides": strides, "dil": dil, "pb": pb,
+            "sizes": sizes,
             "out": out, "K": big, "L": small, "m": m, "cg": cg,
             "identity": all(v == 1 for v in k + strides) and not any(pb) and sizes == list(xs[2:]),
             # stride 1 on 2+ axes: im2col rows are contiguous runs of the flattened padded planes
@@ -186,21 +187,29 @@ SHIFTED_MAX_OFFSETS = 9  # kernel positions (3×3): with LeNet's 5×5 input grad
 # in 3-D (3×3×3) on 1 core, im2col → shifted (ms): 4 × 16 × 16³ to 16 channels 9.9 → 5.2, to 32 14.7 → 8.4,
 # 2 × 32 × 16³ to 32 12.9 → 7.3, 8 × 8 × 8³ to 8 0.86 → 0.59
 SHIFTED_MAX_OFFSETS_3D = 27
+# 2-D kernels up to 5×5 where both sides have this many channels per group (1 core, im2col → shifted, ms:
+# 16 × 32 × 32² by 32@5×5 83.8 → 36.6)
+SHIFTED_WIDE_MIN_CHANNELS = 16
+SHIFTED_MAX_OFFSETS_WIDE = 25
 
 
 def _shifted_fits(x: np.ndarray, g: dict[str, Any]) -> bool:
-    """True when a stride-1, group-1 Conv (or ConvTranspose taken as one) of ``x``, of geometry ``g``, has
-    the dtype, channels and kernel offsets the shifted GEMMs are for."""
-    c = x.shape[1]
-    return (x.dtype in depthwise.FAST_DTYPES and c >= SHIFTED_MIN_CHANNELS
-            and c * g["m"] <= SHIFTED_MAX_CHANNEL_PAIRS
-            and g["K"] <= (SHIFTED_MAX_OFFSETS_3D if g["nd"] >= 3 else SHIFTED_MAX_OFFSETS))
+    """True when a stride-1 Conv (or ConvTranspose taken as one) of ``x``, of geometry ``g``, has the
+    dtype, channels (per group) and kernel offsets the shifted GEMMs are for."""
+    cg, mg = x.shape[1] // g["group"], g["m"] // g["group"]
+    if g["nd"] >= 3:
+        offsets = SHIFTED_MAX_OFFSETS_3D
+    else:
+        wide = min(cg, mg) >= SHIFTED_WIDE_MIN_CHANNELS
+        offsets = SHIFTED_MAX_OFFSETS_WIDE if wide else SHIFTED_MAX_OFFSETS
+    return (x.dtype in depthwise.FAST_DTYPES and cg >= SHIFTED_MIN_CHANNELS
+            and cg * mg <= SHIFTED_MAX_CHANNEL_PAIRS and g["K"] <= offsets)
 
 
 def _shifted_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
-    """Stride-1, group-1 Conv without bias as one GEMM per kernel offset on shifted views, summed."""
+    """Stride-1 Conv without bias as one GEMM per kernel offset (and group) on shifted views, summed."""
     n, c = x.shape[:2]
-    m, plane, sizes = g["m"], g["plane"], g["sizes"]
+    m, plane, sizes, group = g["m"], g["plane"], g["sizes"], g["group"]
     span = n * plane
     offsets = g.get("offsets")
     if offsets is None:
@@ -211,10 +220,12 @@ def _shifted_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray
     keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], sizes, g["pb"], strict=True)]
     xp[(Ellipsis,) + tuple(slice(b, b + v) for b, v in zip(g["pb"], keep, strict=True))] = \
         x[(Ellipsis,) + tuple(slice(0, v) for v in keep)].swapaxes(0, 1)
-    wk = np.ascontiguousarray(w.reshape(m, c, -1).transpose(2, 0, 1))  # (offset, m, c)
+    cg, mg = c // group, m // group
+    wk = np.ascontiguousarray(w.reshape(group, mg, cg, -1).transpose(3, 0, 1, 2))  # (offset, group, mg, cg)
     y = np.empty((m, span), dtype=x.dtype)
     for j, off in enumerate(offsets):  # each product added into y by BLAS as it is written (cblas.py)
-        gemm(wk[j], buf[:, off:off + span], y, accumulate=j > 0)
+        for q in range(group):
+            gemm(wk[j, q], buf[q * cg:(q + 1) * cg, off:off + span], y[q * mg:(q + 1) * mg], accumulate=j > 0)
     y = y.reshape((m, n) + tuple(sizes))[(slice(None), slice(None)) + tuple(slice(0, o) for o in g["out"])]
     return np.ascontiguousarray(y.swapaxes(0, 1))
 
@@ -243,7 +254,7 @@ def _per_output_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndar
 
 def _conv_gemms(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     """Conv without bias by shifted GEMMs, one GEMM per output position or im2col, as ``g`` suits."""
-    if g["flat"] and not g["identity"] and g["group"] == 1 and _shifted_fits(x, g):
+    if g["flat"] and not g["identity"] and _shifted_fits(x, g):
         return _shifted_conv(x, w, g)
     if g["per_output"]:
         return _per_output_conv(x, w, g)
@@ -345,23 +356,50 @@ def _convt_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> d
             # one output channel per group (a depthwise Conv's input gradient), the output on the canvas
             "depthwise": group > 1 and mg == 1 and all(pb[i] >= 0 and pb[i] + out[i] <= full[i]
                                                        for i in range(nd)),
-            # stride 1, group 1: the same as a Conv with the kernel flipped and pads k_eff − 1 − pads
-            "as_conv": _as_conv_pads(nd, group, strides, k, dil, pb, full, out, out_pad)}
+            # stride 1: the same as a Conv with the kernel flipped and pads k_eff − 1 − pads
+            "as_conv": _as_conv_pads(nd, strides, k, dil, pb, full, out, out_pad)}
 
 
-def _as_conv_pads(nd: int, group: int, strides: list[int], k: list[int], dil: list[int], pb: list[int],
+def _as_conv_pads(nd: int, strides: list[int], k: list[int], dil: list[int], pb: list[int],
                   full: list[int], out: list[int], out_pad: list[int]) -> list[int] | None:
-    """Pads of the Conv equal to a stride-1, group-1 ConvTranspose (its kernel flipped, channels swapped),
-    or None when there is none (other strides or groups, or an output beyond the canvas).
+    """Pads of the Conv equal to a stride-1 ConvTranspose (its kernel flipped, channels swapped within
+    each group), or None when there is none (other strides, or an output beyond the canvas).
 
     The Conv of X padded by k_eff − 1 on each side gives the S + k_eff − 1 rows the input reaches, the
     full output less its output_padding rows (zeros; at stride 1 the spec allows them below the dilation)."""
-    if group != 1 or any(s != 1 for s in strides) or nd < 2:
+    if any(s != 1 for s in strides) or nd < 2:
         return None
     k_eff = [(k[i] - 1) * dil[i] + 1 for i in range(nd)]
     begin = [k_eff[i] - 1 - pb[i] for i in range(nd)]
     end = [k_eff[i] - 1 - (full[i] - out_pad[i] - pb[i] - out[i]) for i in range(nd)]
     return begin + end if min(begin + end) >= 0 else None
+
+
+def _flipped(w: np.ndarray, group: int) -> np.ndarray:
+    """ConvTranspose weights (C, M/group, *k) as the equivalent Conv's (M, C/group, *k): channels swapped
+    within each group, the kernel reversed on every axis."""
+    c, mg = w.shape[:2]
+    wg = w.reshape((group, c // group, mg) + w.shape[2:]).swapaxes(1, 2)
+    wc = wg.reshape((group * mg, c // group) + w.shape[2:])
+    return np.ascontiguousarray(np.flip(wc, axis=tuple(range(2, w.ndim))))
+
+
+def _conv_transpose_as_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any],
+                            attrs: Attrs) -> np.ndarray | None:
+    """A stride-1 ConvTranspose as the equivalent Conv, where that runs by shifted GEMMs (ResNet's
+    16-channel input gradient: 5.91 → 2.46 ms; 4 groups of 16: 4.2 → 1.4 ms) or by the depthwise
+    kernel's banded GEMMs; else None."""
+    if x.dtype not in depthwise.FAST_DTYPES:
+        return None
+    group = g["group"]
+    ws = (g["m"], x.shape[1] // group) + w.shape[2:]
+    cg = attrs.cached(("as_conv", x.shape, w.shape), lambda: _conv_geometry(
+        Attrs({"pads": g["as_conv"], "dilations": g["dil"], "group": group}), x.shape, ws))
+    if group > 1 and cg["cg"] == 1 and depthwise.banded_fits(x, cg):
+        return depthwise.conv(x, _flipped(w, group), cg)
+    if _shifted_fits(x, cg):
+        return _shifted_conv(x, _flipped(w, group), cg)
+    return None
 
 
 def _conv_transpose_flat(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
@@ -418,13 +456,9 @@ def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
     if is_half(x.dtype):  # the overlapping contributions summed in float32, rounded once
         return in_float32(conv_transpose, inputs, attrs)
     g = attrs.cached((x.shape, w.shape), lambda: _convt_geometry(attrs, x.shape, w.shape))
-    y = depthwise.conv_transpose(x, w, g) if g["depthwise"] and x.dtype in depthwise.FAST_DTYPES else None
-    if y is None and g["as_conv"] is not None and _shifted_fits(x, g):
-        # as the equivalent Conv by shifted GEMMs (ResNet's 16-channel input gradient: 5.91 → 2.46 ms)
-        flipped = np.ascontiguousarray(np.flip(w.swapaxes(0, 1), axis=tuple(range(2, w.ndim))))
-        cg = attrs.cached(("as_conv", x.shape, w.shape), lambda: _conv_geometry(
-            Attrs({"pads": g["as_conv"], "dilations": g["dil"]}), x.shape, flipped.shape))
-        y = _shifted_conv(x, flipped, cg)
+    y = _conv_transpose_as_conv(x, w, g, attrs) if g["as_conv"] is not None else None
+    if y is None and g["depthwise"] and x.dtype in depthwise.FAST_DTYPES:
+        y = depthwise.conv_transpose(x, w, g)
     if y is None:
         y = _conv_transpose_flat(x, w, g) if g["flat"] else _col2im_conv_transpose(x, w, g)
     if b is not None:

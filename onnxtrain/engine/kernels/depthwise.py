@@ -42,6 +42,13 @@ MIN_TRANSPOSED = 1 << 13  # output elements of a transposed depthwise Conv
 MIN_WINDOW = 32  # kernel offsets of a few-outputs Conv (the dot products' length)
 FAST_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 MAX_CHANNEL_MAJOR_PLANE = 2048  # elements of a (phase) plane: larger planes go plane by plane (see _lanes)
+# a stride-1 2-D depthwise Conv whose padded rows have at most this many values per kernel column goes by
+# banded GEMMs (_depthwise_rows): each output takes Wp / kw times the products of the shifted adds, in BLAS
+ROWS_MAX_WIDTH_PER_TAP = 12
+# ... and has at least this many output elements (measured 1.5-3.5x faster than the shifted adds from 16 × 64
+# × 32² by 3×3 and 7×7 down to 4 × 16 × 16²; smaller ones keep the shifted adds, which
+# tests/engine/test_depthwise.py drives at small sizes)
+MIN_BANDED = 1 << 15
 
 
 def _steps(sizes: Sequence[int]) -> list[int]:
@@ -150,8 +157,66 @@ def conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray | None:
     if g["L"] < g["K"] and g["K"] >= MIN_WINDOW:
         return _few_outputs(x, w, g)
     if g["cg"] == 1 and x.shape[0] * g["m"] * g["L"] > MIN_DEPTHWISE:
-        return _depthwise(x, w, g)
+        return _depthwise_rows(x, w, g) if _rows_fit(g) else _depthwise(x, w, g)
     return None
+
+
+def banded_fits(x: np.ndarray, g: dict[str, Any]) -> bool:
+    """True when :func:`conv` would take a depthwise Conv of ``x``, of geometry ``g``, by banded GEMMs."""
+    return (x.dtype in FAST_DTYPES and g["cg"] == 1 and x.shape[0] * g["m"] * g["L"] > MIN_DEPTHWISE
+            and not (g["L"] < g["K"] and g["K"] >= MIN_WINDOW) and _rows_fit(g))
+
+
+def _rows_fit(g: dict[str, Any]) -> bool:
+    """True when a depthwise Conv of geometry ``g`` is for :func:`_depthwise_rows`: 2-D, stride 1, output
+    rows narrow enough that its banded matrices stay mostly useful products."""
+    return (g["nd"] == 2 and g["strides"] == [1, 1] and g["k"][1] > 1
+            and g["sizes"][1] <= ROWS_MAX_WIDTH_PER_TAP * g["k"][1]
+            and g["n"] * g["m"] * g["L"] >= MIN_BANDED)
+
+
+def _banded(w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """The depthwise weights (M, 1, kh, kw) as (M, kh, Wp, Wout) banded matrices: band[m, i, t, b] =
+    w[m, 0, i, j] where t = b + j·dilation (a padded row's value t times it gives output column b)."""
+    m, (kh, kw), wp, wo = w.shape[0], g["k"], g["sizes"][1], g["out"][1]
+    band = np.zeros((m, kh, wp, wo), dtype=w.dtype)
+    it = band.itemsize
+    diagonal = np.ndarray((m, kh, kw, wo), w.dtype, band, 0,
+                          (kh * wp * wo * it, wp * wo * it, g["dil"][1] * wo * it, (wo + 1) * it))
+    diagonal[...] = w.reshape(m, kh, kw)[..., None]
+    return band
+
+
+def _depthwise_rows(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """Stride-1 2-D depthwise Conv as, per kernel row, one GEMM per channel: the channel's padded rows (all
+    its images end to end) times a banded (Wp, Wout) matrix of that kernel row's taps, summed over the
+    kernel rows; the rows past each image's last output row are junk, cropped."""
+    n, c = x.shape[:2]
+    (hp, wp), (ho, wo), m = g["sizes"], g["out"], g["m"]
+    mult, kh, dh = m // c, g["k"][0], g["dil"][0]
+    rows = n * hp
+    buf = np.zeros((c, rows + (kh - 1) * dh, wp), dtype=x.dtype)  # zero rows after: the last shifts' slack
+    keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], g["sizes"], g["pb"], strict=True)]
+    planes = buf[:, :rows].reshape(c, n, hp, wp)
+    planes[:, :, g["pb"][0]:g["pb"][0] + keep[0], g["pb"][1]:g["pb"][1] + keep[1]] = \
+        x[:, :, :keep[0], :keep[1]].swapaxes(0, 1)
+    band = _banded(w, g).reshape(c, mult, kh, wp, wo)
+    y = np.empty((c, mult, rows, wo), dtype=x.dtype)
+
+    def block(lo: int, hi: int, tmp: np.ndarray, edge: bool) -> None:
+        for j in range(mult):
+            yb = y[lo:hi, j]
+            for i in range(kh):
+                a = buf[lo:hi, i * dh:i * dh + rows]
+                if i == 0:
+                    np.matmul(a, band[lo:hi, j, i], out=yb)
+                else:
+                    np.matmul(a, band[lo:hi, j, i], out=tmp)
+                    yb += tmp
+
+    _blocks(c, mult * rows * wo, c * mult * rows * wo * kh * wp, block, ((rows, wo), x.dtype))
+    y = y.reshape(c, mult, n, hp, wo)[:, :, :, :ho]
+    return np.ascontiguousarray(y.transpose(2, 0, 1, 3, 4)).reshape(n, m, ho, wo)
 
 
 def _lanes(n: int, c: int, plane: int) -> tuple[bool, int, int]:

@@ -1,0 +1,179 @@
+"""Faster paths of the Conv and ConvTranspose kernels against onnxruntime and torch.
+
+- a stride-1 2-D depthwise Conv with narrow rows runs as banded GEMMs, one per kernel row and channel
+  (engine/kernels/depthwise.py ``_depthwise_rows``);
+- a stride-1 ConvTranspose with groups runs as the equivalent grouped Conv: a depthwise one by those banded
+  GEMMs, others by shifted GEMMs per group (engine/kernels/conv.py ``_conv_transpose_as_conv``);
+- a stride-1 grouped Conv, and a 5×5 kernel with 16 or more channels a side, run by shifted GEMMs.
+
+Each case checks which path ran, and the values against onnxruntime (and torch's input gradient for the
+ConvTransposes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from onnxtrain.engine.kernels import conv as conv_kernels
+from onnxtrain.engine.kernels import depthwise
+from onnxtrain.engine.parallel import running_with
+from onnxtrain.engine.registry import Attrs
+
+ort = pytest.importorskip("onnxruntime")
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+def _model(op: str, xs: tuple[int, ...], ws: tuple[int, ...], attrs: dict[str, Any]) -> onnx.ModelProto:
+    node = helper.make_node(op, ["x", "w"], ["y"], **attrs)
+    graph = helper.make_graph([node], op, [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, xs),
+                                           helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, ws)],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT,
+                                                             ["n", "m", "h", "w"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _ort(op: str, x: np.ndarray, w: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
+    sess = ort.InferenceSession(_model(op, x.shape, w.shape, attrs).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x, "w": w})[0]
+
+
+def _ours(op: str, x: np.ndarray, w: np.ndarray, attrs: dict[str, Any], threads: int = 1) -> np.ndarray:
+    kernel = conv_kernels.conv if op == "Conv" else conv_kernels.conv_transpose
+    with running_with(threads):
+        return kernel([x, w], Attrs(dict(attrs), op=op))[0]
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[dict[str, Any]]:
+    """The geometries that ``module.name`` (a kernel path taking x, w, g) is called with from now on (small
+    depthwise cases too)."""
+    monkeypatch.setattr(depthwise, "MIN_DEPTHWISE", 0)
+    monkeypatch.setattr(depthwise, "MIN_BANDED", 0)
+    seen: list[dict[str, Any]] = []
+    real = getattr(module, name)
+
+    def spy(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+        seen.append(g)
+        return real(x, w, g)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+def _close(y: np.ndarray, want: np.ndarray) -> None:
+    assert y.shape == want.shape and y.dtype == want.dtype
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def _data(seed: int, xs: tuple[int, ...], ws: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(xs).astype(np.float32), rng.standard_normal(ws).astype(np.float32)
+
+
+# x shape, channel multiplier, kernel, dilations, pads (begin + end)
+BANDED = [
+    ((16, 64, 32, 32), 1, (3, 3), (1, 1), (1, 1, 1, 1)),
+    ((4, 16, 20, 24), 1, (7, 7), (1, 1), (3, 3, 3, 3)),
+    ((3, 12, 17, 19), 2, (5, 3), (1, 2), (2, 0, 1, 3)),
+    ((2, 10, 30, 13), 1, (3, 5), (2, 1), (0, 2, 2, 1)),
+    ((5, 40, 7, 7), 3, (3, 3), (1, 1), (1, 1, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("case", BANDED, ids=str)
+def test_depthwise_banded_conv_matches_onnxruntime(case, monkeypatch) -> None:
+    xs, mult, k, d, p = case
+    c = xs[1]
+    seen = _spy(monkeypatch, depthwise, "_depthwise_rows")
+    x, w = _data(1, xs, (c * mult, 1, *k))
+    attrs = {"group": c, "dilations": list(d), "pads": list(p)}
+    y = _ours("Conv", x, w, attrs)
+    assert len(seen) == 1
+    _close(y, _ort("Conv", x, w, attrs))
+    np.testing.assert_array_equal(_ours("Conv", x, w, attrs, threads=2), y)  # the split keeps the bits
+
+
+def test_depthwise_banded_float64_matches_torch(monkeypatch) -> None:
+    seen = _spy(monkeypatch, depthwise, "_depthwise_rows")
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((6, 24, 18, 22)), rng.standard_normal((24, 1, 5, 5))
+    y = _ours("Conv", x, w, {"group": 24, "pads": [2, 2, 2, 2]})
+    want = F.conv2d(torch.tensor(x), torch.tensor(w), padding=2, groups=24).numpy()
+    assert len(seen) == 1
+    np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+
+
+def test_wide_depthwise_rows_keep_shifted_adds(monkeypatch) -> None:
+    """Rows much wider than the kernel stay on the shifted adds (the banded matrices would be mostly
+    zeros), and strided ones too."""
+    seen = _spy(monkeypatch, depthwise, "_depthwise_rows")
+    for xs, s in (((2, 32, 60, 60), 1), ((4, 32, 32, 32), 2)):
+        x, w = _data(2, xs, (32, 1, 3, 3))
+        attrs = {"group": 32, "pads": [1, 1, 1, 1], "strides": [s, s]}
+        _close(_ours("Conv", x, w, attrs), _ort("Conv", x, w, attrs))
+    assert seen == []
+
+
+def _torch_input_grad(x_shape: tuple[int, ...], w: np.ndarray, dy: np.ndarray, attrs: dict[str, Any],
+                      group: int) -> np.ndarray:
+    """dX of torch's conv2d (weights ``w`` as a Conv's) for output gradient ``dy``."""
+    p = attrs.get("pads", [0, 0, 0, 0])
+    xt = torch.zeros(x_shape, dtype=torch.float32, requires_grad=True)
+    xp = F.pad(xt, [p[1], p[3], p[0], p[2]])
+    y = F.conv2d(xp, torch.tensor(w), dilation=attrs.get("dilations", [1, 1]), groups=group)
+    (dx,) = torch.autograd.grad(y, xt, torch.tensor(dy))
+    return dx.numpy()
+
+
+# dY shape (N, C, ...), W shape (C, M/group, kh, kw), group, dilations, pads: a stride-1 Conv's input
+# gradient, so the ConvTranspose's output is that Conv's input
+TRANSPOSED = [
+    ((16, 64, 32, 32), (64, 1, 7, 7), 64, (1, 1), (3, 3, 3, 3), "_depthwise_rows"),
+    ((3, 20, 14, 15), (20, 1, 3, 5), 20, (2, 1), (1, 2, 2, 1), "_depthwise_rows"),
+    ((16, 64, 16, 16), (64, 16, 3, 3), 4, (1, 1), (1, 1, 1, 1), "_shifted_conv"),
+    ((2, 32, 11, 9), (32, 8, 3, 2), 2, (1, 2), (0, 1, 2, 1), "_shifted_conv"),
+    ((2, 48, 10, 12), (48, 16, 5, 5), 3, (1, 1), (2, 2, 2, 2), "_shifted_conv"),
+]
+
+
+@pytest.mark.parametrize("case", TRANSPOSED, ids=str)
+def test_grouped_conv_transpose_as_conv(case, monkeypatch) -> None:
+    ys, ws, group, d, p, path = case
+    module = depthwise if path == "_depthwise_rows" else conv_kernels
+    seen = _spy(monkeypatch, module, path)
+    dy, w = _data(4, ys, ws)
+    attrs = {"group": group, "dilations": list(d), "pads": list(p)}
+    y = _ours("ConvTranspose", dy, w, attrs)
+    assert len(seen) == 1 and seen[0]["group"] == group
+    _close(y, _ort("ConvTranspose", dy, w, attrs))
+    kd = [(ws[2 + i] - 1) * d[i] + 1 for i in range(2)]
+    x_shape = (ys[0], ws[1] * group) + tuple(ys[2 + i] + kd[i] - 1 - p[i] - p[2 + i] for i in range(2))
+    _close(y, _torch_input_grad(x_shape, w, dy, attrs, group))  # the Conv's weights are W as they are
+
+
+# x shape, W shape, group, dilations, pads
+SHIFTED = [
+    ((16, 64, 16, 16), (64, 16, 3, 3), 4, (1, 1), (1, 1, 1, 1)),
+    ((2, 24, 13, 10), (36, 8, 3, 2), 3, (2, 1), (1, 0, 2, 1)),
+    ((16, 32, 32, 32), (32, 32, 5, 5), 1, (1, 1), (2, 2, 2, 2)),
+    ((2, 16, 15, 12), (24, 16, 5, 3), 1, (1, 2), (2, 1, 0, 3)),
+]
+
+
+@pytest.mark.parametrize("case", SHIFTED, ids=str)
+def test_grouped_and_wide_conv_by_shifted_gemms(case, monkeypatch) -> None:
+    xs, ws, group, d, p = case
+    seen = _spy(monkeypatch, conv_kernels, "_shifted_conv")
+    x, w = _data(5, xs, ws)
+    attrs = {"group": group, "dilations": list(d), "pads": list(p)}
+    y = _ours("Conv", x, w, attrs)
+    assert len(seen) == 1
+    _close(y, _ort("Conv", x, w, attrs))
