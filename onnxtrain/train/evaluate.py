@@ -17,6 +17,21 @@ from onnxtrain.train.session import feed_names, training_parameters
 from onnxtrain.train.state import checkpoint_weights
 
 
+def any_batch(model: onnx.ModelProto, weights: list[str]) -> onnx.ModelProto:
+    """``model`` (changed in place) taking batches of any size: the fixed first dim of its data inputs and
+    outputs made a symbol, its main graph's value_info (which may repeat the fixed size) dropped. Eval runs
+    ``training.eval_batch_size`` rows at once, not the batch a torch export without ``dynamic_axes``
+    declares: the numpy engine runs that as it is; onnxruntime refused it after the whole run had trained."""
+    g = model.graph
+    fixed = set(weights) | {t.name for t in g.initializer}
+    for v in [*(i for i in g.input if i.name not in fixed), *g.output]:
+        dims = v.type.tensor_type.shape.dim if v.type.HasField("tensor_type") else ()
+        if len(dims) and dims[0].HasField("dim_value"):
+            dims[0].dim_param = "eval_batch"
+    del g.value_info[:]
+    return model
+
+
 class Evaluator:
     """Loss and accuracy over the eval set, on an inference-mode copy of the model fed the current weights.
 
@@ -30,7 +45,7 @@ class Evaluator:
         self.names = [cfg.model.loss, cfg.model.logits]
         # the loss as training computes it (the exporters' log σ terms in stable form)
         scored = stable_log_sigmoids(inference_model(model, self.names, as_inputs=weight_names))
-        self.plan = make_plan(scored, cfg.training.backend)
+        self.plan = make_plan(any_batch(scored, weight_names), cfg.training.backend)
         # the weights the inference-mode model still reads (a Dropout's training_mode initializer goes)
         taken = {v.name for v in scored.graph.input}
         self.weight_names = [n for n in weight_names if n in taken]
