@@ -670,7 +670,8 @@ def _guarded(a: argparse.Namespace) -> int:
         return EXIT_ERROR
 
 
-_PIP_NAMES = {"yaml": "PyYAML", "mpi4py": "mpi4py mpich"}  # import name -> what pip installs it as
+# import name -> what pip installs it as
+_PIP_NAMES = {"yaml": "PyYAML", "mpi4py": "mpi4py mpich", "google": "protobuf"}
 
 
 def _missing_package(e: ImportError) -> str:

@@ -108,3 +108,12 @@ def test_repeated_fields_are_found_on_protobufs_with_and_without_is_repeated() -
     fields = onnx.ModelProto.DESCRIPTOR.fields_by_name
     assert _repeated(fields["opset_import"]) and not _repeated(fields["graph"])
     assert _repeated(Old(3)) and not _repeated(Old(1))
+
+
+def test_pip_hints_name_the_distribution() -> None:
+    """Import names whose distribution is called otherwise: protobuf's google.protobuf, PyYAML's yaml."""
+    from onnxtrain.cli import _missing_package
+
+    for module, pip in (("google.protobuf.message", "protobuf"), ("yaml", "PyYAML"), ("tqdm", "tqdm")):
+        line = _missing_package(ModuleNotFoundError(f"No module named {module!r}", name=module))
+        assert line.endswith(f"pip install {pip}"), line
