@@ -1,6 +1,8 @@
 """Grouped convolutions whose groups are too small or too lopsided for im2col + one batched matmul.
 
-Conv's and ConvTranspose's kernels (engine/kernels/conv.py) hand three shapes here:
+Conv's and ConvTranspose's kernels (engine/kernels/conv.py) hand three shapes here (a depthwise Conv with
+tiny output planes goes channels last, one einsum over all the channels; one with narrow rows at stride 1 or
+2 by banded GEMMs):
 
 - **depthwise** (each group reads one input channel): the output is a sum over kernel offsets of the
   input shifted by that offset times one weight per plane, K multiply-adds on views of the padded input
@@ -42,13 +44,23 @@ MIN_TRANSPOSED = 1 << 13  # output elements of a transposed depthwise Conv
 MIN_WINDOW = 32  # kernel offsets of a few-outputs Conv (the dot products' length)
 FAST_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 MAX_CHANNEL_MAJOR_PLANE = 2048  # elements of a (phase) plane: larger planes go plane by plane (see _lanes)
-# a stride-1 2-D depthwise Conv whose padded rows have at most this many values per kernel column goes by
+# a 2-D depthwise Conv whose padded rows have at most this many values per kernel column goes by
 # banded GEMMs (_depthwise_rows): each output takes Wp / kw times the products of the shifted adds, in BLAS
 ROWS_MAX_WIDTH_PER_TAP = 12
 # ... and has at least this many output elements (measured 1.5-3.5x faster than the shifted adds from 16 × 64
 # × 32² by 3×3 and 7×7 down to 4 × 16 × 16²; smaller ones keep the shifted adds, which
 # tests/engine/test_depthwise.py drives at small sizes)
 MIN_BANDED = 1 << 15
+# ... at strides up to this, the width limit divided by the stride (stride 2 reads every other padded row, its
+# band every other column; 1 core, ms, shifted adds → banded: 16 × 144 × 16² 2.8 → 1.3, 4 × 40 × 31² 0.57 →
+# 0.31; at 32² about even, 16 × 96 × 32² 4.9 → 4.6, so left to the shifted adds)
+ROWS_MAX_STRIDE = 2
+# a depthwise Conv with at most this many output elements a plane and this many channels goes channels
+# innermost (_depthwise_channels_last): one einsum over runs of all the channels, where per-plane and
+# per-channel calls cost more than their values (1 core, ms, banded GEMMs → channels last: 16 × 576 × 4²
+# 0.96 → 0.51, 16 × 384 × 4² 0.61 → 0.33, 1 × 576 × 4² 0.085 → 0.058; about even at 8², slower above)
+CHANNELS_LAST_MAX_PLANE = 16
+CHANNELS_LAST_MIN_CHANNELS = 32
 
 
 def _steps(sizes: Sequence[int]) -> list[int]:
@@ -156,66 +168,113 @@ def conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray | None:
     gain; else None."""
     if g["L"] < g["K"] and g["K"] >= MIN_WINDOW:
         return _few_outputs(x, w, g)
+    if g["cg"] == 1 and _channels_last_fits(x, g):
+        return _depthwise_channels_last(x, w, g)
     if g["cg"] == 1 and x.shape[0] * g["m"] * g["L"] > MIN_DEPTHWISE:
         return _depthwise_rows(x, w, g) if _rows_fit(g) else _depthwise(x, w, g)
     return None
 
 
 def banded_fits(x: np.ndarray, g: dict[str, Any]) -> bool:
-    """True when :func:`conv` would take a depthwise Conv of ``x``, of geometry ``g``, by banded GEMMs."""
+    """True when :func:`conv` would take a depthwise Conv of ``x``, of geometry ``g``, by banded GEMMs (or,
+    over tiny planes, channels last)."""
     return (x.dtype in FAST_DTYPES and g["cg"] == 1 and x.shape[0] * g["m"] * g["L"] > MIN_DEPTHWISE
             and not (g["L"] < g["K"] and g["K"] >= MIN_WINDOW) and _rows_fit(g))
 
 
 def _rows_fit(g: dict[str, Any]) -> bool:
-    """True when a depthwise Conv of geometry ``g`` is for :func:`_depthwise_rows`: 2-D, stride 1, output
-    rows narrow enough that its banded matrices stay mostly useful products."""
-    return (g["nd"] == 2 and g["strides"] == [1, 1] and g["k"][1] > 1
-            and g["sizes"][1] <= ROWS_MAX_WIDTH_PER_TAP * g["k"][1]
+    """True when a depthwise Conv of geometry ``g`` is for :func:`_depthwise_rows`: 2-D, stride 1 or 2,
+    output rows narrow enough that its banded matrices stay mostly useful products."""
+    return (g["nd"] == 2 and max(g["strides"]) <= ROWS_MAX_STRIDE and g["k"][1] > 1
+            and g["sizes"][1] * g["strides"][1] <= ROWS_MAX_WIDTH_PER_TAP * g["k"][1]
             and g["n"] * g["m"] * g["L"] >= MIN_BANDED)
+
+
+def _channels_last_fits(x: np.ndarray, g: dict[str, Any]) -> bool:
+    """True when a depthwise Conv of ``x``, of geometry ``g``, is for :func:`_depthwise_channels_last`:
+    tiny output planes over many channels."""
+    return (not (g["L"] < g["K"] and g["K"] >= MIN_WINDOW) and g["L"] <= CHANNELS_LAST_MAX_PLANE
+            and x.shape[1] >= CHANNELS_LAST_MIN_CHANNELS and x.size > 0)
+
+
+def _depthwise_channels_last(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """Depthwise Conv with the channels innermost: X padded as (N, *sizes, C), then one einsum of its
+    windows (N, *out, *kernel, C), a strided view, with the weights (*kernel, C, mult): each output's taps
+    summed in kernel order, every call walking runs of all the channels instead of one run per plane."""
+    n, c = x.shape[:2]
+    out, m, k, nd = g["out"], g["m"], g["k"], g["nd"]
+    mult = m // c
+    xp = np.zeros((n,) + tuple(g["sizes"]) + (c,), dtype=x.dtype)
+    keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], g["sizes"], g["pb"], strict=True)]
+    xp[(slice(None),) + tuple(slice(b, b + v) for b, v in zip(g["pb"], keep, strict=True))] = \
+        np.moveaxis(x[(Ellipsis,) + tuple(slice(0, v) for v in keep)], 1, -1)
+    steps = xp.strides[1:-1]
+    view_strides = (tuple(st * s for st, s in zip(steps, g["strides"], strict=True))
+                    + tuple(st * d for st, d in zip(steps, g["dil"], strict=True)) + (xp.strides[-1],))
+    # (*kernel, C, mult), contiguous: einsum's inner loop runs over C (strided C measured 4x slower)
+    wk = np.ascontiguousarray(np.moveaxis(w.reshape((c, mult) + tuple(k)), (0, 1), (-2, -1)))
+    o_ix, k_ix = "".join(chr(ord("a") + i) for i in range(nd)), "".join(chr(ord("p") + i) for i in range(nd))
+    y = np.empty((n,) + tuple(out) + (c, mult), dtype=x.dtype)
+    if mult == 1:
+        wk, y2, spec = wk[..., 0], y[..., 0], f"n{o_ix}{k_ix}z,{k_ix}z->n{o_ix}z"
+    else:
+        y2, spec = y, f"n{o_ix}{k_ix}z,{k_ix}zj->n{o_ix}zj"
+    per_image = int(np.prod(out)) * m
+
+    def block(lo: int, hi: int, buffer: None, edge: bool) -> None:
+        v = np.ndarray((hi - lo,) + tuple(out) + tuple(k) + (c,), x.dtype, xp, lo * xp.strides[0],
+                       (xp.strides[0],) + view_strides)
+        np.einsum(spec, v, wk, out=y2[lo:hi])
+
+    _blocks(n, per_image, n * per_image * g["K"], block)
+    y = y.reshape((n,) + tuple(out) + (m,))
+    return np.ascontiguousarray(np.moveaxis(y, -1, 1))
 
 
 def _banded(w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     """The depthwise weights (M, 1, kh, kw) as (M, kh, Wp, Wout) banded matrices: band[m, i, t, b] =
-    w[m, 0, i, j] where t = b + j·dilation (a padded row's value t times it gives output column b)."""
+    w[m, 0, i, j] where t = b·stride + j·dilation (a padded row's value t times it gives output column b)."""
     m, (kh, kw), wp, wo = w.shape[0], g["k"], g["sizes"][1], g["out"][1]
+    sw = g["strides"][1]
     band = np.zeros((m, kh, wp, wo), dtype=w.dtype)
     it = band.itemsize
     diagonal = np.ndarray((m, kh, kw, wo), w.dtype, band, 0,
-                          (kh * wp * wo * it, wp * wo * it, g["dil"][1] * wo * it, (wo + 1) * it))
+                          (kh * wp * wo * it, wp * wo * it, g["dil"][1] * wo * it, (sw * wo + 1) * it))
     diagonal[...] = w.reshape(m, kh, kw)[..., None]
     return band
 
 
 def _depthwise_rows(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
-    """Stride-1 2-D depthwise Conv as, per kernel row, one GEMM per channel: the channel's padded rows (all
-    its images end to end) times a banded (Wp, Wout) matrix of that kernel row's taps, summed over the
-    kernel rows; the rows past each image's last output row are junk, cropped."""
+    """2-D depthwise Conv as, per kernel row, one GEMM per channel: the channel's padded rows (all its
+    images end to end, every stride-th row from the kernel row on) times a banded (Wp, Wout) matrix of that
+    kernel row's taps, summed over the kernel rows; the rows past each image's last output row are junk,
+    cropped."""
     n, c = x.shape[:2]
     (hp, wp), (ho, wo), m = g["sizes"], g["out"], g["m"]
-    mult, kh, dh = m // c, g["k"][0], g["dil"][0]
-    rows = n * hp
+    mult, kh, dh, sh = m // c, g["k"][0], g["dil"][0], g["strides"][0]
+    hq = -(-hp // sh) * sh  # an image's padded rows, a whole number of strides
+    rows, per = n * hq, n * hq // sh  # padded rows of a channel; output rows (junk ones too)
     buf = np.zeros((c, rows + (kh - 1) * dh, wp), dtype=x.dtype)  # zero rows after: the last shifts' slack
     keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], g["sizes"], g["pb"], strict=True)]
-    planes = buf[:, :rows].reshape(c, n, hp, wp)
+    planes = buf[:, :rows].reshape(c, n, hq, wp)
     planes[:, :, g["pb"][0]:g["pb"][0] + keep[0], g["pb"][1]:g["pb"][1] + keep[1]] = \
         x[:, :, :keep[0], :keep[1]].swapaxes(0, 1)
     band = _banded(w, g).reshape(c, mult, kh, wp, wo)
-    y = np.empty((c, mult, rows, wo), dtype=x.dtype)
+    y = np.empty((c, mult, per, wo), dtype=x.dtype)
 
     def block(lo: int, hi: int, tmp: np.ndarray, edge: bool) -> None:
         for j in range(mult):
             yb = y[lo:hi, j]
             for i in range(kh):
-                a = buf[lo:hi, i * dh:i * dh + rows]
+                a = buf[lo:hi, i * dh:i * dh + rows:sh]
                 if i == 0:
                     np.matmul(a, band[lo:hi, j, i], out=yb)
                 else:
                     np.matmul(a, band[lo:hi, j, i], out=tmp)
                     yb += tmp
 
-    _blocks(c, mult * rows * wo, c * mult * rows * wo * kh * wp, block, ((rows, wo), x.dtype))
-    y = y.reshape(c, mult, n, hp, wo)[:, :, :, :ho]
+    _blocks(c, mult * per * wo, c * mult * per * wo * kh * wp, block, ((per, wo), x.dtype))
+    y = y.reshape(c, mult, n, hq // sh, wo)[:, :, :, :ho]
     return np.ascontiguousarray(y.transpose(2, 0, 1, 3, 4)).reshape(n, m, ho, wo)
 
 
