@@ -40,7 +40,7 @@ from onnxtrain.inference import (
     profile_session_start,
 )
 from onnxtrain.interrupts import sigint_deferred
-from onnxtrain.ir.builder import loadable_model
+from onnxtrain.ir.builder import gc_paused, loadable_model
 from onnxtrain.ir.graphs import model_for_outputs, with_input_values
 from onnxtrain.ir.io import save_dump
 from onnxtrain.locks import fork_safe_rlock
@@ -186,7 +186,8 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         )
         self._fallback = True
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
-        self._build(path_or_bytes)
+        with gc_paused():
+            self._build(path_or_bytes)
         # the graphs, models and bytes made on the way are gone: their pages go back to the kernel (glibc
         # keeps them in the heap otherwise). Peak RSS of the bench's MLP at batch 64, 30 steps: numpy
         # 81.8 -> 81.0 MiB, onnxruntime backend 107.2 -> 106.3

@@ -369,7 +369,9 @@ def _finish(
     from onnxtrain.autodiff.builder import _live_nodes
 
     keep = _fold_output_identities(_live_nodes(graph_nodes, [o.name for o in outputs]), outputs)
-    used = {i for n in keep for i in node_reads(n)} | {o.name for o in outputs}
+    used = set().union(*(n.input for n in keep), *(body_reads(n) for n in keep if n.attribute))
+    used.discard("")  # (an omitted input)
+    used.update(o.name for o in outputs)
     g = helper.make_graph(
         keep, name, list(inputs), outputs, initializer=[t for t in base.graph.initializer if t.name in used]
     )
@@ -386,8 +388,10 @@ def _fold_output_identities(
     ``t`` writes the output under its name instead. A runtime that cannot alias a graph output (onnxruntime)
     would otherwise copy every new weight and moment once more per step (MLP: 0.29 ms of a 2.2 ms step)."""
     out_names = {o.name for o in outputs}
-    made = {o for n in nodes for o in n.output if o}
-    made -= {name for n in nodes for name in body_reads(n)}  # a body reads it by that name: kept
+    made = set().union(*(n.output for n in nodes))
+    made.discard("")
+    # a body reads it by that name: kept
+    made.difference_update(*(body_reads(n) for n in nodes if n.attribute))
     renamed: dict[str, str] = {}
     drop: set[int] = set()
     for k, n in enumerate(nodes):
@@ -403,7 +407,7 @@ def _fold_output_identities(
     for k, n in enumerate(nodes):
         if k in drop:
             continue
-        if any(v in renamed for v in (*n.input, *n.output)):
+        if not (renamed.keys().isdisjoint(n.input) and renamed.keys().isdisjoint(n.output)):
             m = onnx.NodeProto()
             m.CopyFrom(n)  # the caller's nodes are shared with other graphs: never edit them in place
             for i, v in enumerate(m.input):

@@ -909,8 +909,9 @@ def _live_nodes(nodes: list[onnx.NodeProto], outputs: Iterable[str]) -> list[onn
     """Drop nodes none of whose outputs is needed (dead code), keeping the order."""
     needed = set(outputs)
     keep: list[onnx.NodeProto] = []
+    needed.discard("")  # (an omitted output is never needed)
     for n in reversed(nodes):
-        if any(o in needed for o in n.output if o):
+        if not needed.isdisjoint(n.output):
             keep.append(n)
             needed.update(node_reads(n))
     keep.reverse()

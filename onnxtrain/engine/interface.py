@@ -360,12 +360,14 @@ class GraphInterface:
 
     def _read_interface(self, model: onnx.ModelProto | str | bytes | os.PathLike,
                         initializers: Mapping[str, np.ndarray] | None = None,
-                        convert: bool = True) -> onnx.ModelProto:
+                        convert: bool = True, loaded: bool = False) -> onnx.ModelProto:
         """Read the model's interface; ``initializers``: arrays to take for the model's initializers of those
         names instead of converting them (another plan's of the same model). ``convert=False``: the
         initializers are converted only when read (:class:`TensorArrays`: a backend that reads the model's
-        own tensors keeps no second copy of its weights)."""
-        model = load_model(model)
+        own tensors keeps no second copy of its weights). ``loaded``: ``model`` is already what
+        :func:`load_model` returned (loading it again gives itself)."""
+        if not loaded:  # each load walks every node of the model several times
+            model = load_model(model)
         self.opset = default_opset(model)
         model = expand_functions(model, self._lacks_kernel)  # an op without a kernel: its ONNX body
         self._hold_model(model)

@@ -55,6 +55,7 @@ from onnxtrain.engine.registry import (
     find_kernel,
     parse_attributes,
 )
+from onnxtrain.ir.builder import pausing_gc
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, RANDOM_OPS, added_later, first_opset
 from onnxtrain.ir.types import TENSOR_TYPE_STRINGS
 
@@ -83,6 +84,7 @@ class Plan(GraphInterface):
     def _lacks_kernel(self, node: onnx.NodeProto) -> bool:
         return node.op_type not in SUBGRAPH_OPS and find_kernel(node.op_type, self.opset, node.domain) is None
 
+    @pausing_gc
     def __init__(
         self,
         model: onnx.ModelProto | str | bytes,
@@ -112,7 +114,7 @@ class Plan(GraphInterface):
         # model's own nodes, before the ops without a kernel are replaced by their function bodies
         original = load_model(model)
         try:
-            model = self._read_interface(original, initializers)
+            model = self._read_interface(original, initializers, loaded=True)
         except Exception:
             check_nodes(original)  # an invalid node may be why its function body could not be built
             raise
@@ -180,21 +182,7 @@ class Plan(GraphInterface):
                 f"no kernel for node(s) {', '.join(missing)}; ops with kernels: "
                 f"{', '.join(available_ops() + available_domain_ops())}"
             )
-        produced = set(init_names) | set(self.all_input_names)
-        name_of = {s: n for n, s in slot.items()}
-        for node, _, _, ins, _ in raw_steps:
-            for n in (name_of[s] for s in ins if s >= 0):
-                if n not in produced:
-                    what = "input" if n in node.input else "value read by its body"
-                    k = next(k for k, m in enumerate(g.node) if m is node)
-                    raise UndefinedValueError(
-                        f"node {node_label(node, k)} ({node.op_type}): {what} {n!r} is not produced "
-                        "by any earlier node, graph input or initializer"
-                    )
-            produced.update(o for o in node.output if o)
-        for n in self.output_names:
-            if n not in produced:
-                raise EngineError(f"graph output {n!r} is not produced by any node")
+        self._check_produced(raw_steps, slot, g, init_names)
         self.slot = slot
         self.n_slots = len(slot)
         self.steps = [
@@ -216,6 +204,27 @@ class Plan(GraphInterface):
         self._assign_frees()
         self._reusable = self._offer_reuse()
         self._bodies = any(isinstance(st.fn, ControlFlow) for st in self.steps)
+
+    def _check_produced(self, raw_steps: list[tuple[onnx.NodeProto, Kernel, Attrs, list[int], list[int]]],
+                        slot: Mapping[str, int], g: onnx.GraphProto, init_names: set[str]) -> None:
+        """Raise for the first node reading a value that no earlier node, graph input or initializer gives,
+        and for a graph output no node gives."""
+        # by slot (one a name); -1, an omitted input, counts as given
+        produced = {-1, *(slot[n] for n in init_names), *(slot[n] for n in self.all_input_names)}
+        for node, _, _, ins, outs in raw_steps:
+            if not produced.issuperset(ins):
+                name_of = {s: n for n, s in slot.items()}
+                n = next(name_of[s] for s in ins if s not in produced)
+                what = "input" if n in node.input else "value read by its body"
+                k = next(k for k, m in enumerate(g.node) if m is node)
+                raise UndefinedValueError(
+                    f"node {node_label(node, k)} ({node.op_type}): {what} {n!r} is not produced "
+                    "by any earlier node, graph input or initializer"
+                )
+            produced.update(outs)
+        for n in self.output_names:
+            if slot.get(n, -1) < 0 or slot[n] not in produced:
+                raise EngineError(f"graph output {n!r} is not produced by any node")
 
     def _assign_frees(self) -> None:
         """Give every step the slots whose last use it is; graph outputs and initializers are never freed."""

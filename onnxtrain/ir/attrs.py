@@ -29,17 +29,37 @@ def attribute_value(attr: AttributeProto) -> Any:
     return onnx.helper.get_attribute_value(attr)
 
 
+# (op, opset, domain) → the schema's attributes: (name, default or None); the schema lookup and its
+# attribute objects cost more than the node's own attributes, once per node of a large graph
+_DEFAULTS: dict[tuple[str, int, str], tuple[tuple[str, AttributeProto | None], ...]] = {}
+
+
+def _default(d: AttributeProto) -> AttributeProto | None:
+    return d if d.type != AttributeProto.UNDEFINED and d.name else None
+
+
+def schema_defaults(op: str, opset: int, domain: str) -> tuple[tuple[str, AttributeProto | None], ...]:
+    """(name, default value or None) of each attribute of the schema of ``op`` at ``opset`` in ``domain``;
+    none for an op without a schema."""
+    key = (op, opset, domain)
+    found = _DEFAULTS.get(key)
+    if found is None:
+        try:
+            schema = onnx.defs.get_schema(op, opset, domain)
+        except Exception:
+            schema = None
+        found = () if schema is None else tuple(
+            (name, _default(a.default_value)) for name, a in schema.attributes.items()
+        )
+        _DEFAULTS[key] = found
+    return found
+
+
 def parse_attributes(node: onnx.NodeProto, opset: int) -> dict[str, Any]:
     """Node attributes with the schema's defaults filled in (absent optional ones are None)."""
-    values: dict[str, Any] = {}
-    try:
-        schema = onnx.defs.get_schema(node.op_type, opset, node.domain or "")
-    except Exception:
-        schema = None
-    if schema is not None:
-        for name, a in schema.attributes.items():
-            d = a.default_value
-            values[name] = attribute_value(d) if d.type != AttributeProto.UNDEFINED and d.name else None
+    # each default is read anew: its value (a list, an array) is the node's own to change
+    values = {name: None if d is None else attribute_value(d)
+              for name, d in schema_defaults(node.op_type, opset, node.domain or "")}
     for a in node.attribute:
         if a.ref_attr_name:
             raise ValueError(f"node {node.name!r} ({node.op_type}): attribute references are not supported")

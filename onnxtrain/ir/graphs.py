@@ -296,10 +296,10 @@ def _sorted_nodes(graph: onnx.GraphProto) -> list[int] | None:
                 if o in maker:
                     return None
                 maker[o] = k
+    if _in_order(graph, maker):  # (the common case: no node's dependencies need be mapped)
+        return None
     needs = [{maker[r] for r in node_reads(n) if r in maker and maker[r] != k}
              for k, n in enumerate(graph.node)]
-    if all(d < k for k, deps in enumerate(needs) for d in deps):
-        return None
     waiting = [len(d) for d in needs]
     feeds: list[list[int]] = [[] for _ in needs]
     for k, deps in enumerate(needs):
@@ -316,6 +316,16 @@ def _sorted_nodes(graph: onnx.GraphProto) -> list[int] | None:
             if waiting[j] == 0:
                 heapq.heappush(ready, j)
     return order if len(order) == len(needs) else None
+
+
+def _in_order(graph: onnx.GraphProto, maker: Mapping[str, int]) -> bool:
+    """Whether every node of ``graph`` comes after the nodes making what it reads (``maker``: value → index
+    of the node making it)."""
+    for k, n in enumerate(graph.node):
+        for r in node_reads(n):
+            if maker.get(r, -1) > k:
+                return False
+    return True
 
 
 class _Enclosing:
@@ -452,6 +462,8 @@ def captured_names(graph: onnx.GraphProto) -> list[str]:
 
 def body_reads(node: onnx.NodeProto) -> list[str]:
     """The values of enclosing graphs that a node's bodies read (none for a node without a body)."""
+    if not node.attribute:  # (most nodes; asked of every node by several passes)
+        return []
     reads: list[str] = []
     for g in subgraphs(node):
         reads.extend(n for n in captured_names(g) if n not in reads)
@@ -461,7 +473,8 @@ def body_reads(node: onnx.NodeProto) -> list[str]:
 def node_reads(node: onnx.NodeProto) -> list[str]:
     """Every value a node reads: its inputs (omitted ones skipped), then what its bodies capture."""
     reads = [n for n in node.input if n]
-    reads.extend(n for n in body_reads(node) if n not in reads)
+    if node.attribute:  # only a node with attributes may have a body
+        reads.extend(n for n in body_reads(node) if n not in reads)
     return reads
 
 
@@ -469,8 +482,9 @@ def walk_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     """``graph`` and every body nested in its nodes."""
     yield graph
     for node in graph.node:
-        for g in subgraphs(node):
-            yield from walk_graphs(g)
+        if node.attribute:
+            for g in subgraphs(node):
+                yield from walk_graphs(g)
 
 
 def model_graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:

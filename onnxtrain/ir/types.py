@@ -8,10 +8,15 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+_NP_DTYPES: dict[int, np.dtype] = {}  # element type → dtype, as found (a graph pass asks once a value)
+
 
 def np_dtype(elem_type: int) -> np.dtype:
     """The numpy dtype of an ONNX element type (bfloat16 and float8 through ml_dtypes)."""
-    return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+    dt = _NP_DTYPES.get(elem_type)
+    if dt is None:  # (an unknown type raises here, every time)
+        dt = _NP_DTYPES[elem_type] = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+    return dt
 
 
 def onnx_elem_type(dtype: Any) -> int:

@@ -109,7 +109,7 @@ from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
 from onnxtrain.errors import program_hint
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute_or_warn
-from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset, unknown_versions
+from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset, pausing_gc, unknown_versions
 from onnxtrain.ir.graphs import (
     chain_shared_batch_norms,
     in_topological_order,
@@ -299,6 +299,7 @@ def _recompute_options(value: Any) -> dict[str, Any] | None:
     return out or None
 
 
+@pausing_gc
 def generate_artifacts(
     model: onnx.ModelProto | str | os.PathLike,
     requires_grad: Sequence[str] | None = None,
@@ -386,7 +387,7 @@ def generate_artifacts(
     if opt_block is not None and not ckpt[0]:  # requires_grad named graph inputs only
         _refuse_optimizer_without_parameters(trainable)
     if opt_block is not None:
-        params = [(n, training_input_type(training, n)) for n in ckpt[0]]
+        params = training_input_types(training, ckpt[0])
         optimizer_model = build_optimizer_model(opt_block, params, model_opset(training),
                                                 mixed_precision=half)
     from onnxtrain.checkpoint import Checkpoint, stage_checkpoint
@@ -489,6 +490,18 @@ def training_input_type(model: onnx.ModelProto, name: str) -> onnx.TypeProto:
         if v.name == name:
             return v.type
     raise ArtifactError(f"{name!r} is not an input of the model")
+
+
+def training_input_types(model: onnx.ModelProto, names: list[str]) -> list[tuple[str, onnx.TypeProto]]:
+    """(name, type) of the graph inputs ``names`` of ``model``, as :func:`training_input_type` gives them
+    (the first input of a name), reading the inputs once (not once a name)."""
+    types: dict[str, onnx.TypeProto] = {}
+    for v in model.graph.input:
+        types.setdefault(v.name, v.type)
+    missing = next((n for n in names if n not in types), None)
+    if missing is not None:
+        raise ArtifactError(f"{missing!r} is not an input of the model")
+    return [(n, types[n]) for n in names]
 
 
 # ---- training and eval models ---------------------------------------------------------------------

@@ -61,6 +61,7 @@ import os
 from typing import TYPE_CHECKING
 
 from onnxtrain.engine.fusion.blocked import ScratchPool
+from onnxtrain.engine.fusion.common import forget_step_maps
 from onnxtrain.engine.fusion.concat_mul import fuse_concat_products
 from onnxtrain.engine.fusion.cse import eliminate_common_steps
 from onnxtrain.engine.fusion.elementwise import expand_sums, fuse_elementwise, group_sibling_clusters
@@ -86,18 +87,21 @@ def enabled() -> bool:
 def fuse(plan: Plan) -> None:
     """Rewrite ``plan.steps`` in place (frees are recomputed by the plan afterwards)."""
     steps = list(plan.steps)
-    steps = eliminate_common_steps(plan, steps)
-    steps = memoize_shape_steps(plan, steps)
-    steps = fuse_matmul_weight_grads(plan, steps)
-    steps = fuse_conv_weight_grads(plan, steps)
-    steps = fuse_pad_sums(plan, steps)
-    steps = expand_sums(plan, steps)
-    steps = fuse_channel_dots(plan, steps)
-    steps = fuse_masked_softmax(plan, steps)
-    steps = fuse_lazy_selects(plan, steps)
-    steps = fuse_concat_products(plan, steps)
-    steps = fuse_elementwise(plan, steps)
-    steps = group_sibling_clusters(plan, steps)
-    steps = fuse_matmul_bias(plan, steps)
-    steps = fuse_inplace_activations(plan, steps)
+    try:
+        steps = eliminate_common_steps(plan, steps)
+        steps = memoize_shape_steps(plan, steps)
+        steps = fuse_matmul_weight_grads(plan, steps)
+        steps = fuse_conv_weight_grads(plan, steps)
+        steps = fuse_pad_sums(plan, steps)
+        steps = expand_sums(plan, steps)
+        steps = fuse_channel_dots(plan, steps)
+        steps = fuse_masked_softmax(plan, steps)
+        steps = fuse_lazy_selects(plan, steps)
+        steps = fuse_concat_products(plan, steps)
+        steps = fuse_elementwise(plan, steps)
+        steps = group_sibling_clusters(plan, steps)
+        steps = fuse_matmul_bias(plan, steps)
+        steps = fuse_inplace_activations(plan, steps)
+    finally:
+        forget_step_maps()  # the plan's steps are not held past its build
     plan.steps = steps

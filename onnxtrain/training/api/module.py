@@ -32,7 +32,7 @@ from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
 from onnxtrain.interrupts import sigint_deferred
-from onnxtrain.ir.builder import NameGen
+from onnxtrain.ir.builder import NameGen, pausing_gc
 from onnxtrain.ir.graphs import last_statistics
 from onnxtrain.training.api._accumulation import (
     ACCUMULATED_SUFFIX,
@@ -235,6 +235,7 @@ class Module:
     """
 
     @raises_as_onnxruntime
+    @pausing_gc
     def __init__(self, train_model_uri: ModelLike, state: CheckpointState,
                  eval_model_uri: ModelLike | None = None, device: str = "cpu",
                  session_options: Any = None, *, loss_scaler: LossScaler | None = None) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 from onnxtrain import parallel
 from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.interrupts import sigint_deferred
+from onnxtrain.ir.builder import pausing_gc
 from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
 from onnxtrain.training.api._graph import ModelLike, load_model
 from onnxtrain.training.api.checkpoint_state import (
@@ -146,6 +147,7 @@ class Optimizer:
     """
 
     @raises_as_onnxruntime
+    @pausing_gc
     def __init__(self, optimizer_uri: ModelLike, module: Module) -> None:
         if not isinstance(module, Module):
             raise TypeError(f"module must be a Module, got {type(module).__name__}")

@@ -38,6 +38,8 @@ class ModelBase:
         self.counter = 0
         self.consts: dict[str, tuple[float, int]] = {}  # 0-d constants made by blocks: name -> (value, type)
         self._types: dict[str, onnx.TypeProto] | None = None
+        # graph input name → its index (the first of the name), for as many inputs as the graph had then
+        self._inputs: tuple[int, dict[str, int]] = (-1, {})
         # the model's path, as given here or to base() (kept by replace)
         self.path: str | None = model_path if model_path is not None else getattr(self, "path", None)
         # blocks being called (nested calls count), and whether the outermost call's result is checked;
@@ -74,10 +76,29 @@ class ModelBase:
             self._types = value_types(self.model)
         return self._types
 
+    def _input_named(self, name: str) -> onnx.ValueInfoProto | None:
+        """The first graph input named ``name``, or None; the inputs are indexed as they are added (an
+        optimizer block asks for the type of each of thousands of inputs)."""
+        inputs = self.graph.input
+        count, index = self._inputs
+        if count != len(inputs):
+            if count < 0 or count > len(inputs):
+                count, index = 0, {}
+            for k in range(count, len(inputs)):  # the inputs added since (add_input appends)
+                index.setdefault(inputs[k].name, k)
+            self._inputs = (len(inputs), index)
+        k = index.get(name)
+        if k is not None and inputs[k].name == name:
+            return inputs[k]
+        if k is None:
+            return None
+        self._inputs = (-1, {})  # an input renamed in place: indexed anew
+        return self._input_named(name)
+
     def elem_type(self, name: str) -> int:
-        for v in self.graph.input:  # graph inputs and initializers without shape inference
-            if v.name == name and v.type.HasField("tensor_type") and v.type.tensor_type.elem_type:
-                return v.type.tensor_type.elem_type
+        v = self._input_named(name)  # graph inputs and initializers without shape inference
+        if v is not None and v.type.HasField("tensor_type") and v.type.tensor_type.elem_type:
+            return v.type.tensor_type.elem_type
         if name in self.consts:
             return self.consts[name][1]
         return elem_type(self.types(), name)

@@ -47,7 +47,7 @@ class ClipGradNorm(Block):
         if not gradient_names:
             return ()
         for g in gradient_names:
-            vi = next((v for v in acc.graph.input if v.name == g), None)
+            vi = acc._input_named(g)
             if vi is not None and vi.type.HasField("sequence_type"):
                 raise BlockError(f"ClipGradNorm: {g!r} is a tensor sequence; onnxtrain's optimizer blocks "
                                  "take the gradients as separate tensors, ClipGradNorm(max_norm)(*names) (a "
