@@ -11,9 +11,6 @@ the graphs built still compute what onnxruntime computes."""
 from __future__ import annotations
 
 import gc
-import sys
-from collections.abc import Callable
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -27,6 +24,7 @@ from onnxtrain.engine.plan import Plan, Step
 from onnxtrain.ir import attrs, builder, graphs
 from onnxtrain.training import artifacts
 from onnxtrain.training.onnxblock import model_accessor
+from tests.engine.test_fusion_build_scaling import _lines_run
 
 WIDTH = 4
 
@@ -223,28 +221,6 @@ def test_the_training_graph_computes_the_model_loss_as_onnxruntime() -> None:
 
 
 # ---- on-device artifacts ---------------------------------------------------------------------------------
-def _lines_run(fn: Callable[[], Any], files: tuple[str, ...]) -> int:
-    """The number of line events in ``files`` while ``fn`` runs on this thread."""
-    count = 0
-
-    def local(frame: FrameType, event: str, arg: Any) -> Any:
-        nonlocal count
-        if event == "line":
-            count += 1
-        return local
-
-    def call(frame: FrameType, event: str, arg: Any) -> Any:
-        return local if frame.f_code.co_filename in files else None
-
-    old = sys.gettrace()
-    sys.settrace(call)
-    try:
-        fn()
-    finally:
-        sys.settrace(old)
-    return count
-
-
 def _artifact_lines(layers: int, folder: Any) -> int:
     """Line events of the accessor and the artifact builder while the chain's artifacts are generated."""
     folder.mkdir()

@@ -48,15 +48,21 @@ def _feeds() -> dict[str, np.ndarray]:
             "c": rng.standard_normal((300, 1)).astype(np.float32)}
 
 
-def test_the_first_run_traces_a_slice_and_gives_the_unfused_bits(monkeypatch) -> None:
-    traced: list[list[tuple]] = []
+@pytest.fixture
+def traced(monkeypatch) -> list[list[tuple]]:
+    """The shapes of the inputs of every traced run of a cluster (a spy on ``Cluster._traced_run``)."""
+    shapes: list[list[tuple]] = []
     original = fe.Cluster._traced_run
 
     def spy(self, inputs, last):
-        traced.append([np.shape(a) for a in inputs])
+        shapes.append([np.shape(a) for a in inputs])
         return original(self, inputs, last)
 
     monkeypatch.setattr(fe.Cluster, "_traced_run", spy)
+    return shapes
+
+
+def test_the_first_run_traces_a_slice_and_gives_the_unfused_bits(traced) -> None:
     m = _broadcast_model()
     f = _feeds()
     want = Plan(m, fuse=False).run(f)
@@ -121,20 +127,12 @@ def _two_weight_momentum_model():
     return model(nodes, ["W1", "M1", "G1", "W2", "M2", "G2", "lr"], ["W1_new", "M1_new", "W2_new", "M2_new"])
 
 
-def test_a_first_update_of_weights_of_several_shapes_allocates_no_whole_array(monkeypatch) -> None:
+def test_a_first_update_of_weights_of_several_shapes_allocates_no_whole_array(traced) -> None:
     """Weights [2048, 512] and [512, 10] in one cluster: their shapes do not broadcast together, so the first
     run traced the whole arrays and held new weights and moments beside the donated ones (an on-device
     AdamW step over a 2048² and a 2048 × 10 weight: +80 MiB, 5 weights' worth). It traces every input cut
     to its corner now: the same bits as unfused, written into the donated arrays, with less than one
     array allocated."""
-    traced: list[list[tuple]] = []
-    original = fe.Cluster._traced_run
-
-    def spy(self, inputs, last):
-        traced.append([np.shape(a) for a in inputs])
-        return original(self, inputs, last)
-
-    monkeypatch.setattr(fe.Cluster, "_traced_run", spy)
     rng = np.random.default_rng(2)
     shapes = {"1": (2048, 512), "2": (512, 10)}
     f = {f"{k}{i}": rng.standard_normal(shp).astype(np.float32) for i, shp in shapes.items() for k in "WMG"}
