@@ -61,8 +61,30 @@ _DEFAULTS: dict[str, Any] = {
     "number_recompute_layers": 0,
     "recompute_checkpoints": [],  # ours: recompute every activation between these kept tensors
     "horizontal_parallel_size": 1,
+    # onnxruntime 1.5-1.7: True summed half-precision gradients across ranks in float16; onnxtrain sums
+    # the float32 master gradients (the results of False), and warns when True is set under mixed precision
+    "perform_fp16_allreduce": True,
     **NOT_YET,
     **PIPELINE,
+}
+
+
+def _flag(v: Any) -> bool:
+    """A bool option's value as the binding took it: a bool or an integer, not a string."""
+    if not isinstance(v, (bool, int, np.bool_, np.integer)):
+        raise TypeError(f"must be a bool, got {type(v).__name__}")
+    return bool(v)
+
+
+# older bindings' names of options that onnxruntime renamed: {old name: (new name, old value -> new value,
+# new value -> old value)}. Scripts of those releases set them on every session (their frontends'
+# session factories), so they are read and written through the new option.
+RENAMED: dict[str, tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = {
+    # onnxruntime 1.3-1.4: partitioning the optimizer state was ZeRO stage 1
+    "partition_optimizer": ("deepspeed_zero_stage", lambda on: int(_flag(on)), lambda stage: stage >= 1),
+    # onnxruntime 1.5-1.7
+    "use_invertible_layernorm_grad": ("use_memory_efficient_gradient", _flag, lambda on: on),
+    "use_adasum": ("enable_adasum", _flag, lambda on: on),
 }
 
 
@@ -141,9 +163,20 @@ class TrainingParameters:
         values = object.__getattribute__(self, "_values")
         if name in values:
             return copy.deepcopy(values[name])
+        if name in RENAMED:
+            new, _, back = RENAMED[name]
+            return back(values[new])
         raise AttributeError(f"TrainingParameters has no property {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name in RENAMED:
+            new, forth, _ = RENAMED[name]
+            try:
+                value = forth(value)
+            except TypeError as e:
+                raise TypeError(f"TrainingParameters.{name} {e}") from None
+            setattr(self, new, value)
+            return
         if name not in self._values:
             raise AttributeError(
                 f"TrainingParameters has no property {name!r}; properties: {sorted(self._values)}"
@@ -161,9 +194,10 @@ class TrainingParameters:
                                 f"{', '.join(odd)}")
         elif isinstance(default, bool):
             # as the legacy binding: a bool or an integer, not a string ("False" would be true)
-            if not isinstance(value, (bool, int, np.bool_, np.integer)):
-                raise TypeError(f"TrainingParameters.{name} must be a bool, got {type(value).__name__}")
-            value = bool(value)
+            try:
+                value = _flag(value)
+            except TypeError as e:
+                raise TypeError(f"TrainingParameters.{name} {e}") from None
         elif isinstance(default, int):
             if isinstance(value, (str, bytes)) or not isinstance(value, (int, float, np.number)):
                 raise TypeError(f"TrainingParameters.{name} must be an int, got {type(value).__name__}")
@@ -218,6 +252,9 @@ class TrainingParameters:
         if v["loss_scale"] != _DEFAULTS["loss_scale"]:
             idle.append("loss_scale has no effect, as in onnxruntime's legacy session: under mixed precision "
                         "the loss scale is the loss_scale input fed to each run")
+        if self.is_set("perform_fp16_allreduce") and v["perform_fp16_allreduce"] and v["use_mixed_precision"]:
+            idle.append("perform_fp16_allreduce has no effect: onnxtrain sums the float32 master gradients "
+                        "across ranks (as onnxruntime did with False)")
         if (v["propagate_cast_ops_level"] != _DEFAULTS["propagate_cast_ops_level"]
                 or v["propagate_cast_ops_allow"]):
             idle.append("propagate_cast_ops_level / propagate_cast_ops_allow have no effect in onnxtrain "

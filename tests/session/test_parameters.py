@@ -269,3 +269,56 @@ def test_a_dump_path_that_cannot_be_written_names_the_property_and_the_path(prop
         assert isinstance(e.value, RuntimeError)  # onnxruntime's Fail, as the session's other errors
         assert e.value.filename == str(path) and f"TrainingParameters.{prop}: " in str(e.value), e.value
     assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+@pytest.mark.parametrize("old, new, value, expected", [
+    ("partition_optimizer", "deepspeed_zero_stage", True, 1),
+    ("partition_optimizer", "deepspeed_zero_stage", False, 0),
+    ("use_invertible_layernorm_grad", "use_memory_efficient_gradient", True, True),
+    ("use_adasum", "enable_adasum", True, True),
+])
+def test_renamed_options_of_older_bindings_set_the_new_one(old: str, new: str, value, expected) -> None:
+    """onnxruntime 1.3-1.7's frontends set ``partition_optimizer``, ``use_invertible_layernorm_grad`` and
+    ``use_adasum`` on every session; a port of them reads and writes the option that replaced each."""
+    p = TrainingParameters()
+    setattr(p, old, value)
+    assert getattr(p, new) == expected and getattr(p, old) == value and p.is_set(new)
+    with pytest.raises(TypeError, match=f"TrainingParameters.{old} must be a bool, got str"):
+        setattr(p, old, "False")
+
+
+def test_partition_optimizer_trains_as_zero_stage_one() -> None:
+    """The old name builds the same session as ``deepspeed_zero_stage = 1`` (one rank: it warns that it
+    does nothing, and the weights after three Adam steps equal a session without it)."""
+    x, y = batches(1, 8)[0]
+    states = []
+    for kw in ({"partition_optimizer": True}, {"deepspeed_zero_stage": 1}, {}):
+        p = params("AdamOptimizer", **kw)
+        if kw:
+            with pytest.warns(UserWarning, match="deepspeed_zero_stage has no effect with one data-parallel"):
+                sess = TrainingSession(mlp_model().SerializeToString(), p)
+        else:
+            sess = TrainingSession(mlp_model().SerializeToString(), p)
+        for _ in range(3):
+            sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})
+        states.append(sess.get_state())
+    for state in states[1:]:
+        assert state.keys() == states[0].keys()
+        for k in state:
+            np.testing.assert_array_equal(state[k], states[0][k])
+
+
+def test_perform_fp16_allreduce_is_taken_and_says_what_onnxtrain_sums() -> None:
+    """onnxruntime 1.5-1.7's ``perform_fp16_allreduce`` (default True) is a property; set True under mixed
+    precision it warns that the float32 master gradients are summed."""
+    import warnings
+
+    p = params("SGDOptimizer")
+    assert p.perform_fp16_allreduce is True
+    p.perform_fp16_allreduce = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TrainingSession(mlp_model().SerializeToString(), p)
+    p = params("SGDOptimizer", use_mixed_precision=True, perform_fp16_allreduce=True)
+    with pytest.warns(UserWarning, match="perform_fp16_allreduce has no effect: onnxtrain sums the float32"):
+        TrainingSession(mlp_model().SerializeToString(), p)
