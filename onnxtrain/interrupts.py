@@ -5,6 +5,7 @@ the signal. A step interrupted part way left weights updated and their moments n
 from __future__ import annotations
 
 import _signal  # signal's C module: its signal() without the enum conversions (0.4 against 5 µs a pair)
+import os
 import signal
 import threading
 from types import TracebackType
@@ -19,7 +20,7 @@ class sigint_deferred:  # noqa: N801 - used as a function: ``with sigint_deferre
     stops a long step). Only in the main thread (where Python runs signal handlers), and only when
     ``active``. About 1 µs a block (two handler swaps)."""
 
-    __slots__ = ("_active", "_caught", "_previous")
+    __slots__ = ("_active", "_caught", "_previous", "_thread")
 
     def __init__(self, active: bool = True) -> None:
         self._active = active and threading.current_thread() is threading.main_thread()
@@ -49,8 +50,32 @@ class sigint_deferred:  # noqa: N801 - used as a function: ``with sigint_deferre
                 self._previous = _signal.signal(_SIGINT, self._record)
             except (ValueError, OSError):  # (no signals here, e.g. an embedded interpreter)
                 self._active = False
+            else:
+                self._thread = threading.get_ident()
+                _ENTERED.append(self)
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if self in _ENTERED:
+            _ENTERED.remove(self)
         if self._active:
             self._release()
+
+
+_ENTERED: list[sigint_deferred] = []  # blocks entered and not left, innermost last
+
+
+def _restore_in_child() -> None:
+    """A child forked by another thread while the main thread was in a block: that block never ends there,
+    so its handler goes back now (Ctrl-C stops the child as it would have without onnxtrain)."""
+    me = threading.get_ident()
+    for block in reversed(_ENTERED):
+        if block._active and block._thread != me:  # (the forking thread's own blocks end as usual)
+            block._active = False
+            block._caught = []
+            _signal.signal(_SIGINT, signal.SIG_DFL if block._previous is None else block._previous)
+    _ENTERED[:] = [b for b in _ENTERED if b._thread == me]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_restore_in_child)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import os
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextvars import ContextVar
@@ -36,7 +37,7 @@ FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOA
 
 # ---- the cyclic garbage collector during a build -------------------------------------------------------
 _GC_LOCK = threading.Lock()
-_gc_builds = 0  # builds under way (in any thread) that paused the collector
+_gc_builds: dict[int, int] = {}  # builds under way that paused the collector, by thread
 _gc_was_enabled = False
 
 
@@ -47,22 +48,44 @@ def gc_paused() -> Iterator[None]:
     them, and each full collection walked them all again (nine of them, ~1 s of a 4 s build of a 34k-node
     training graph). Its cyclic garbage is collected as it ends, by one collection of the youngest objects
     (all that the build made and kept: no collection moved them on)."""
-    global _gc_builds, _gc_was_enabled
+    global _gc_was_enabled
+    me = threading.get_ident()
     with _GC_LOCK:
-        if _gc_builds == 0:
+        if not _gc_builds:
             _gc_was_enabled = gc.isenabled()
             gc.disable()
-        _gc_builds += 1
+        _gc_builds[me] = _gc_builds.get(me, 0) + 1
     try:
         yield
     finally:
         with _GC_LOCK:
-            _gc_builds -= 1
-            resume = _gc_builds == 0 and _gc_was_enabled
+            _gc_builds[me] -= 1
+            if not _gc_builds[me]:
+                del _gc_builds[me]
+            resume = not _gc_builds and _gc_was_enabled
             if resume:
                 gc.enable()
         if resume:
             gc.collect(0)
+
+
+def _gc_after_fork_in_child() -> None:
+    """A child forked while other threads were building: their builds will never end there, so only the
+    forking thread's count stays, and the collector comes back now if that leaves none (a new lock too:
+    the old one may have been held by a thread the child does not have)."""
+    global _GC_LOCK
+    _GC_LOCK = threading.Lock()
+    me = threading.get_ident()
+    mine = _gc_builds.get(me, 0)
+    _gc_builds.clear()
+    if mine:
+        _gc_builds[me] = mine
+    elif _gc_was_enabled:
+        gc.enable()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_gc_after_fork_in_child)
 
 
 def pausing_gc(fn: Callable[..., Any]) -> Callable[..., Any]:
