@@ -129,7 +129,12 @@ class BatchSplitter:
             return self.plan.run(feeds, output_names)
         if verdict and can_pin_blas_threads():
             self.split_runs += 1
-            return self._run_halves(feeds, output_names, batch)
+            try:
+                return self._run_halves(feeds, output_names, batch)
+            except (Terminated, KeyboardInterrupt):
+                raise
+            except Exception:  # (an input a node refuses): the whole batch's run raises it with its shapes
+                return self.plan.run(feeds, output_names)
         whole = self.plan.run(feeds, output_names)
         if verdict is None and len(self.verdicts) < MAX_VERDICTS:
             activations = self.plan.peak_bytes - self.plan._base_bytes
