@@ -12,7 +12,8 @@ folder), naming each target with its backup ``<target name>.<hex>.old.tmp``, or 
 the journal goes only once every rename is on disk, and the backups after it. :func:`recover_commits` puts
 back, from the journals it finds, the old files of every commit that did not finish, so that the targets of
 a commit in one folder are afterwards all old or all new, never some of each (a commit that spans folders
-is kept whole folder by folder). It can itself be killed and run again. A commit first recovers the
+is kept whole folder by folder); a commit in one folder killed after its last rename (before its journal
+went) stands, its backups deleted. It can itself be killed and run again. A commit first recovers the
 unfinished commits of its own targets, so that a journal left behind never undoes a later commit; the
 journal of a commit still running is locked (``flock``, where the system has it) and left alone.
 """
@@ -356,7 +357,8 @@ class _Journal:
             files = [{"target": os.path.basename(p), "temporary": os.path.basename(tmp),
                       "backup": os.path.basename(backups[p]) if p in backups else None,
                       "existed": existed[p]} for tmp, p in entries]
-            data = json.dumps({"format": _JOURNAL_FORMAT, "version": 1, "files": files}, indent=1).encode()
+            data = json.dumps({"format": _JOURNAL_FORMAT, "version": 1, "folders": len(by_folder),
+                               "files": files}, indent=1).encode()
             # written whole under a temporary name, then renamed: a journal that exists is complete
             fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=TMP_SUFFIX, dir=folder)
             self.fds.append(fd)
@@ -420,6 +422,12 @@ def _keep_old(path: str, backup: str) -> None:
 
 def _read_journal(fd: int, path: str) -> list[dict[str, Any]]:
     """The entries of the journal open as ``fd``; a ValueError naming it when it is not one of ours."""
+    return _read_journal_whole(fd, path)[0]
+
+
+def _read_journal_whole(fd: int, path: str) -> tuple[list[dict[str, Any]], bool]:
+    """The entries of the journal open as ``fd`` and whether its commit had all its targets in this folder
+    (journals of older versions do not say: taken as not); a ValueError naming it when it is not ours."""
     chunks = []
     while chunk := os.read(fd, 1 << 16):
         chunks.append(chunk)
@@ -437,7 +445,7 @@ def _read_journal(fd: int, path: str) -> list[dict[str, Any]]:
     if not ok:
         raise ValueError(f"{path} is not a readable onnxtrain commit journal; the files it is beside may be "
                          "a mix of two saves: check them, then delete it")
-    return files
+    return files, j.get("folders") == 1
 
 
 def _same_entry(a: str, b: str) -> bool:
@@ -474,7 +482,7 @@ def _recover_journal(path: str, wanted: set[str] | None, put_back: list[str], re
         if not _still_there(fd, path):
             return set()  # its commit ended (and deleted it) between our open and our lock
         try:
-            files = _read_journal(fd, path)
+            files, one_folder = _read_journal_whole(fd, path)
         except ValueError as e:  # a commit of these files is not held up by a journal it cannot read
             if wanted is None:
                 raise
@@ -482,6 +490,15 @@ def _recover_journal(path: str, wanted: set[str] | None, put_back: list[str], re
             return set()
         if wanted is not None and not any(os.path.abspath(os.path.join(folder, e["target"])) in wanted
                                           for e in files):
+            return set()
+        if one_folder and _all_renamed(folder, files):  # killed after its last rename: the commit stands
+            os.unlink(path)  # as the commit would have ended: the journal, then its backups
+            removed.append(path)
+            _fsync_dir(folder)
+            for e in files:
+                if e["backup"] is not None and os.path.lexists(backup := os.path.join(folder, e["backup"])):
+                    _unlink_quietly(backup)
+                    removed.append(backup)
             return set()
         for e in reversed(files):
             target = os.path.join(folder, e["target"])
@@ -509,6 +526,23 @@ def _recover_journal(path: str, wanted: set[str] | None, put_back: list[str], re
         os.close(fd)
 
 
+def _all_renamed(folder: str, files: list[dict[str, Any]]) -> bool:
+    """Whether every rename of a commit's entries landed and none was undone: no temporary is left, every
+    target is there and every old file's backup still is (undoing an entry removes its backup or its new
+    target, so a recovery killed part way is never taken for a finished commit)."""
+    for e in files:
+        if os.path.lexists(os.path.join(folder, e["temporary"])):
+            return False
+        target = os.path.join(folder, e["target"])
+        if not os.path.lexists(target):
+            return False
+        if e["backup"] is not None:
+            backup = os.path.join(folder, e["backup"])
+            if not os.path.lexists(backup) or _same_entry(backup, target):
+                return False
+    return True
+
+
 def _still_there(fd: int, path: str) -> bool:
     """Whether ``path`` still names the file open as ``fd``."""
     try:
@@ -532,7 +566,8 @@ def recover_commits(folder: str | os.PathLike, *, naming: Iterable[str | os.Path
                     ) -> Recovered:
     """Put back the files of every commit in ``folder`` that a killed process left unfinished (its journal
     is there): each target from its backup, or deleted where it had no old file, then the journal deleted;
-    afterwards the targets of each such commit are all as they were before it. Backups without a journal
+    afterwards the targets of each such commit are all as they were before it. A commit in one folder whose
+    every rename had landed stands (its journal and backups deleted). Backups without a journal
     come from commits that finished and are deleted. The journals of commits still running (locked by
     their process) are left alone, with their backups. Safe to run again after being killed itself.
 

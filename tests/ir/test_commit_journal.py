@@ -124,12 +124,11 @@ def _prepare(folder, name: str) -> tuple[StagedFiles, dict, dict]:
     return files, old, new
 
 
-def _check_recovered(folder, old, new, journal: bool) -> str:
-    """After recover_commits: the targets all old (always, when the kill left a journal) or all new, no
-    journal or backup, and only plain temporaries besides; a second recovery does nothing. "old" or
-    "new"."""
+def _check_recovered(folder, old, new, want: dict | None) -> str:
+    """After recover_commits: the targets all old or all new (``want`` when given), no journal or backup,
+    and only plain temporaries besides; a second recovery does nothing. "old" or "new"."""
     now = _state(folder, list(new))
-    assert now == old if journal else now in (old, new)
+    assert now == want if want is not None else now in (old, new)
     assert _commit_files(folder) == []
     extra = set(os.listdir(folder)) - set(new) - {"real_c"}
     assert all(f.endswith(".tmp") for f in extra), extra
@@ -142,14 +141,15 @@ def _check_recovered(folder, old, new, journal: bool) -> str:
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_a_commit_killed_at_any_point_is_recovered_whole(name, links, tmp_path, monkeypatch):
     """Kill the commit before each of its file-system calls in turn: recover_commits leaves the old set
-    (the journal was there) or the new one (the commit had deleted it), byte for byte; the outcomes go old
-    ... old, new ... new, and the kills between two renames left a mix that recovery undid."""
+    (the journal was there and a rename had not landed) or the new one (every rename had landed: the
+    commit stands, even with its journal left), byte for byte; the outcomes go old ... old, new ... new,
+    and the kills between two renames left a mix that recovery undid."""
     if not links:  # backups are then copies, flushed to disk
         def refuse(*args, **kwargs):
             raise PermissionError(1, "Operation not permitted")
 
         monkeypatch.setattr(os, "link", refuse)
-    outcomes, mixed = [], 0
+    outcomes, mixed, stood = [], 0, 0
     for k in range(1, 200):
         folder = str(tmp_path / f"k{k}")
         files, old, new = _prepare(folder, name)
@@ -158,10 +158,14 @@ def test_a_commit_killed_at_any_point_is_recovered_whole(name, links, tmp_path, 
         if now not in (old, new):
             mixed += 1
         journal = _journal_of_kill(folder)
+        stood += journal and now == new
         done = recover_commits(folder)
-        if journal:
+        if journal and now != new:
             assert set(done.put_back) >= {os.path.join(folder, n) for n in new if now[n] != old[n]}
-        outcomes.append(_check_recovered(folder, old, new, journal))
+        if now == new:
+            assert not done.put_back
+        outcomes.append(_check_recovered(folder, old, new, old if journal and now != new
+                                         else new if journal else None))
         if not killed:
             break
     else:
@@ -169,6 +173,7 @@ def test_a_commit_killed_at_any_point_is_recovered_whole(name, links, tmp_path, 
     assert outcomes[-1] == "new" and outcomes[0] == "old"
     assert outcomes == sorted(outcomes, key=lambda o: o == "new"), outcomes
     assert mixed >= len(new) - 1, "no kill fell between two renames"
+    assert stood >= 1, "no kill fell between the last rename and the journal's deletion"
 
 
 def _in_a_small_process(fn: Callable[..., object], *args: object) -> None:
@@ -202,11 +207,12 @@ def _recovery_killed_at_any_point(name: str, root: str) -> None:
             folder = str(tmp_path / f"k{k}_j{j}")
             files, old, new = _prepare(folder, name)
             assert _killed(files.commit, k)
+            stands = _state(folder, list(new)) == new  # every rename landed before the kill
             killed = _killed(lambda f=folder: recover_commits(f), j)
             pairs += 1
             if killed:
                 recover_commits(folder)
-            _check_recovered(folder, old, new, journal=True)
+            _check_recovered(folder, old, new, new if stands else old)
             if not killed:
                 break
     assert pairs > 10
@@ -231,8 +237,8 @@ def _same(a: Checkpoint, b: Checkpoint) -> bool:
 
 def test_load_checkpoint_puts_back_the_pair_of_a_killed_save(tmp_path):
     """save_checkpoint(path) with every tensor in ``path.data``, killed at every point: load_checkpoint
-    gives the old state's arrays exactly while the save had not finished (with a warning naming the files
-    it put back, when they were mixed), the new state's once it had."""
+    gives the old state's arrays exactly while a rename had not landed (with a warning naming the files
+    it put back, when they were mixed), the new state's once both had (even with the journal left)."""
     old, new = _ckpt(1), _ckpt(2)
     seen = set()
     for k in range(1, 200):
@@ -244,12 +250,18 @@ def test_load_checkpoint_puts_back_the_pair_of_a_killed_save(tmp_path):
         before = _state(folder, ["ckpt", "ckpt.data"])
         killed = _killed(lambda p=path: save_checkpoint(new, p, external_threshold=0), k)
         journal = _journal_of_kill(folder)
-        mixed = _state(folder, ["ckpt", "ckpt.data"])["ckpt.data"] != before["ckpt.data"] and journal
+        now = _state(folder, ["ckpt", "ckpt.data"])
+        stood = journal and all(now[n] != before[n] for n in now)  # both renames landed: the save stands
+        mixed = now["ckpt.data"] != before["ckpt.data"] and journal and not stood
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             loaded = load_checkpoint(path)
         put_back = [str(w.message) for w in caught if "killed part way" in str(w.message)]
-        if journal:
+        if stood:
+            seen.add("stood")
+            assert _same(loaded, new) and not put_back
+            assert _state(folder, ["ckpt", "ckpt.data"]) == now
+        elif journal:
             assert _same(loaded, old)
             assert _state(folder, ["ckpt", "ckpt.data"]) == before
         else:
@@ -261,7 +273,7 @@ def test_load_checkpoint_puts_back_the_pair_of_a_killed_save(tmp_path):
         if not killed:
             assert _same(loaded, new)
             break
-    assert "mixed" in seen
+    assert seen == {"mixed", "stood"}
 
 
 def test_load_checkpoint_that_cannot_put_back_a_killed_save_says_why(tmp_path, monkeypatch):
