@@ -33,6 +33,7 @@ from onnxtrain.errors import Fail, program_hint
 from onnxtrain.ir.attrs import attribute_value, parse_attributes
 from onnxtrain.ir.builder import (
     FLOAT_TYPES,
+    LOW_FLOAT_TYPES,
     NameGen,
     NodeWriter,
     elem_type,
@@ -88,10 +89,13 @@ def _refuse_uncomputed(nodes: list[onnx.NodeProto], x: str,
                             "the gradient's inputs")
 
 
-def blocked_by(nodes: list[onnx.NodeProto], x: str, loss: str) -> str:
-    """" through a differentiable path (it passes only through <nodes>, which have no gradient)" when
-    ``x`` does reach ``loss`` through ``nodes`` but only through ops without a gradient (Unique, ArgMax,
-    Shape ...), else ""."""
+def blocked_by(nodes: list[onnx.NodeProto], x: str, loss: str, types: dict[str, onnx.TypeProto] | None = None,
+               opset: int | None = None) -> str:
+    """" through a differentiable path (it passes through <nodes>, which have no gradient)" when ``x`` does
+    reach ``loss`` through ``nodes`` but a gradient cannot follow: ops without a gradient (Unique, ArgMax,
+    Shape ...), nodes that turn the path into a non-float value (a Cast to int64; its type from ``types``,
+    else from the Cast), or, given the ``opset``, that read it only at inputs their rule gives no gradient
+    (CastLike's target). "" when ``x`` does not reach ``loss`` at all or nothing of the kind is found."""
     after_x, reach = path_from(nodes, [x])
     if loss not in reach:
         return ""
@@ -99,10 +103,49 @@ def blocked_by(nodes: list[onnx.NodeProto], x: str, loss: str) -> str:
     for n in reversed(after_x):
         if any(o in back for o in n.output):
             back.update(node_reads(n))
-    stops = [f"{n.name or n.output[0]!r} ({n.op_type})" for n in after_x
-             if any(o in back for o in n.output) and has_no_gradient(n.op_type, n.domain)]
-    return (f" through a differentiable path (it passes through {', '.join(stops)}, which "
-            f"{'has' if len(stops) == 1 else 'have'} no gradient)" if stops else "")
+    on_path = [n for n in after_x if any(o in back for o in n.output)]
+    path = reach & back
+    known = {n.output[0]: attribute_value(a) for n in on_path if n.op_type == "Cast" and n.output
+             for a in n.attribute if a.name == "to"}
+    no_grad = [_named(n) for n in on_path if has_no_gradient(n.op_type, n.domain)]
+    others = [why for n in on_path if not has_no_gradient(n.op_type, n.domain)
+              for why in (_why_stopped(n, path, types, known, opset),) if why]
+    verb = "has" if len(no_grad) == 1 else "have"
+    parts = [f"{', '.join(no_grad)}, which {verb} no gradient"] if no_grad else []
+    parts += others
+    return f" through a differentiable path (it passes through {'; '.join(parts)})" if parts else ""
+
+
+def _named(n: onnx.NodeProto) -> str:
+    return f"{n.name or n.output[0]!r} ({n.op_type})"
+
+
+def _type_name(et: int) -> str:
+    return TensorProto.DataType.Name(et).lower()
+
+
+def _why_stopped(n: onnx.NodeProto, path: set[str], types: dict[str, onnx.TypeProto] | None,
+                 known: dict[str, int], opset: int | None) -> str:
+    """Why node ``n`` (with a gradient rule) passes no gradient along ``path``, or "": it reads float values
+    of the path and makes only non-float ones of it, or reads the path only at slots its rule stops."""
+    def code(v: str) -> int:
+        return (elem_type(types, v) if types is not None else 0) or known.get(v, 0)
+
+    def floating(v: str) -> bool:
+        return code(v) in (0, *FLOAT_TYPES, *LOW_FLOAT_TYPES)
+
+    ins = [(i, v) for i, v in enumerate(n.input) if v in path]
+    if not ins or not all(floating(v) for _, v in ins):
+        return ""  # (a non-float path value: the node that made it is the one to name)
+    outs = [o for o in n.output if o in path]
+    if outs and not any(floating(o) for o in outs):
+        return f"{_named(n)}, whose output {outs[0]!r} is {_type_name(code(outs[0]))}, not a float"
+    rule = find_rule(n.op_type, opset, n.domain) if opset is not None else None
+    stop = rule.stopped(n) if rule is not None else frozenset()
+    if all(i in stop for i, _ in ins):
+        i, v = ins[0]
+        return f"{_named(n)} only at its input {i} ({v!r}), which takes no gradient"
+    return ""
 
 
 class GradientError(Fail, ValueError):
@@ -621,6 +664,7 @@ def build_gradient_model(
                 requires.add(node.output[0])
             continue
         if has_no_gradient(node.op_type, node.domain):
+            uncomputed_reads.extend(_smooth_low_float_reads(bw, node, requires))
             continue
         rule = find_rule(node.op_type, bw.opset, node.domain)
         stop = rule.stopped(node) if rule else frozenset()
@@ -680,6 +724,7 @@ def build_gradient_model(
         new_inputs.append(helper.make_value_info(name, tp))
         contributions[loss] = [name]
     elif loss in needed:
+        _refuse_low_float_constant(bw, loss, "its seed (ones)", zeros=False)
         one = numpy_helper.from_array(_ones(elem_type(bw.types, loss) or TensorProto.FLOAT))
         seed = seed_w.emit(
             "ConstantOfShape",
@@ -700,6 +745,7 @@ def build_gradient_model(
         if not parts:
             return None
         if len(parts) > 1:
+            _refuse_low_float_sum(bw, name)
             tp = bw.types.get(name)
             if tp is not None and tp.HasField("sequence_type"):  # element by element
                 et = tp.sequence_type.elem_type.tensor_type.elem_type or TensorProto.FLOAT
@@ -729,6 +775,8 @@ def build_gradient_model(
         needs = [bool(n) and n in needed and i not in stop for i, n in enumerate(node.input)]
         ctx = GradCtx(bw, node, rule, parse_attributes(node, bw.opset), dys, needs)
         ctx.body_wrt = [n for n in body_reads(node) if n in needed]
+        passed = [o for o, d in zip(node.output, dys) if d] + [n for n, w in zip(node.input, needs) if w]
+        _refuse_low_float_backward(bw, node, passed + ctx.body_wrt)
         try:
             rule.fn(ctx)
         except RuleError as e:
@@ -752,8 +800,9 @@ def build_gradient_model(
         _refuse_uncomputed(bw.fwd_nodes, x, uncomputed, only=d is None)
         if d is None:
             if not zero_unreachable:
-                raise GradientError(f"{x!r} does not reach {loss!r}{blocked_by(bw.fwd_nodes, x, loss)}: no "
-                                    "gradient flows back to it")
+                why = blocked_by(bw.fwd_nodes, x, loss, bw.types, bw.opset)
+                raise GradientError(f"{x!r} does not reach {loss!r}{why}: no gradient flows back to it")
+            _refuse_low_float_constant(bw, x, f"its gradient (zeros: it does not reach {loss!r})", zeros=True)
             zero = numpy_helper.from_array(_zeros(elem_type(bw.types, x) or TensorProto.FLOAT))
             tail.emit("ConstantOfShape", [bw.shape_of(x)], [gname], value=zero)
         elif d != gname:
@@ -855,8 +904,91 @@ def _sum_sequences(bw: _Backward, w: NodeWriter, parts: list[str], base: str, et
 
 
 def _is_float(bw: _Backward, name: str) -> bool:
+    """Whether ``name`` can carry a gradient: a float of any width (float8 and float4 too, as in torch) or of
+    unknown type."""
     et = elem_type(bw.types, name)
-    return et == TensorProto.UNDEFINED or et in FLOAT_TYPES
+    return et == TensorProto.UNDEFINED or et in FLOAT_TYPES or et in LOW_FLOAT_TYPES
+
+
+# ops with a gradient rule that ONNX can run on a float8/float4 gradient: the ops each rule emits on it (their
+# schemas decide, at the model's opset). Cast's rule casts dY back, Identity's passes it on, the reshapes
+# reshape it to Shape(X). Every other rule computes on dY (Mul, Slice, Sum ...), which ONNX defines for no
+# float8/float4 type.
+_LOW_FLOAT_BACKWARDS: dict[str, tuple[str, ...]] = {
+    "Cast": ("Cast",), "CastLike": ("Cast",), "Identity": (), "Transpose": ("Transpose",),
+    **{op: ("Shape", "Reshape") for op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze")},
+}
+# ops without a gradient rule whose float output varies smoothly with a float8/float4 input (at these slots):
+# that input's gradient is not zero, so a path to the loss through one is an error, not a silent zero
+_SMOOTH_LOW_FLOAT_READS: dict[str, tuple[int, ...]] = {"DequantizeLinear": (0,), "QLinearMatMul": (0, 3)}
+
+
+def _onnx_defines(op: str, opset: int, et: int) -> bool:
+    """Whether ONNX's ``op`` at ``opset`` takes tensors of element type ``et``."""
+    try:
+        schema = onnx.defs.get_schema(op, opset, "")
+    except onnx.defs.SchemaError:
+        return False
+    want = f"tensor({_type_name(et)})"
+    return any(want in tc.allowed_type_strs for tc in schema.type_constraints)
+
+
+def _refuse_low_float_backward(bw: _Backward, node: onnx.NodeProto, names: Iterable[str]) -> None:
+    """GradientError naming ``node`` when its gradient would compute on one of ``names`` (its inputs and
+    outputs the gradient passes) that is a float8/float4 value, with ops ONNX does not define on that type."""
+    ops = _LOW_FLOAT_BACKWARDS.get(node.op_type) if node.domain in DEFAULT_DOMAINS else None
+    for v in names:
+        et = elem_type(bw.types, v)
+        if et not in LOW_FLOAT_TYPES:
+            continue
+        missing = [o for o in ops or () if not _onnx_defines(o, bw.opset, et)]
+        if ops is not None and not missing:
+            continue
+        lacking = "any of its arithmetic" if ops is None else ", ".join(missing)
+        raise GradientError(
+            f"node {node.name or node.output[0]!r} ({node.op_type}): its gradient would be computed on "
+            f"{v!r}, of type {_type_name(et)}, for which ONNX (opset {bw.opset}) defines no {lacking} "
+            f"(only casts, copies and reshapes); cast {v!r} to float before {node.op_type} reads it "
+            "(and back after it, to keep the rounding)"
+        )
+
+
+def _refuse_low_float_sum(bw: _Backward, name: str) -> None:
+    """GradientError when ``name``, a float8/float4 value, gets gradients from several nodes: ONNX has no
+    Sum or Add of that type (nor does torch's autograd: it fails adding them)."""
+    et = elem_type(bw.types, name)
+    if et not in LOW_FLOAT_TYPES:
+        return
+    readers = ", ".join(_named(n) for n in bw.readers(name))
+    raise GradientError(
+        f"{name!r}, of type {_type_name(et)}, is read by several nodes ({readers}): its gradient is the sum "
+        f"of theirs, which ONNX (Sum, Add) cannot compute in {_type_name(et)}, nor can torch; cast it to "
+        "float once and let the nodes read that"
+    )
+
+
+def _refuse_low_float_constant(bw: _Backward, name: str, what: str, zeros: bool) -> None:
+    """GradientError when ``what`` (a ConstantOfShape of ``name``'s type, of ``zeros`` or ones) cannot be
+    written: a float8/float4 type that ConstantOfShape lacks at the model's opset, or zeros of float8e8m0,
+    which has no zero."""
+    et = elem_type(bw.types, name)
+    if et not in LOW_FLOAT_TYPES:
+        return
+    no_zero = zeros and et == getattr(TensorProto, "FLOAT8E8M0", -1)
+    if no_zero or not _onnx_defines("ConstantOfShape", bw.opset, et):
+        why = "has no zero" if no_zero else f"has no ConstantOfShape at opset {bw.opset}"
+        raise GradientError(f"{name!r}: {what} would be of type {_type_name(et)}, which {why}")
+
+
+def _smooth_low_float_reads(bw: _Backward, node: onnx.NodeProto,
+                            requires: set[str]) -> list[tuple[onnx.NodeProto, int]]:
+    """The (node, slot) pairs where ``node``, an op without a gradient, reads a float8/float4 value that
+    depends on the wrt and its output depends smoothly on it (:data:`_SMOOTH_LOW_FLOAT_READS`)."""
+    if node.domain not in DEFAULT_DOMAINS:
+        return []
+    return [(node, i) for i in _SMOOTH_LOW_FLOAT_READS.get(node.op_type, ())
+            if i < len(node.input) and node.input[i] in requires
+            and elem_type(bw.types, node.input[i]) in LOW_FLOAT_TYPES]
 
 
 def _ones(et: int) -> Any:

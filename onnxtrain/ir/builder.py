@@ -33,6 +33,12 @@ from onnxtrain.ir.types import symbolic_shape as symbolic_shape  # re-exported f
 from onnxtrain.user_warning import warn
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
+# the float8 and float4 types: floats whose values torch's autograd differentiates through (x.to(float8)),
+# though ONNX defines only casts, copies and reshapes on them (no arithmetic)
+LOW_FLOAT_TYPES = frozenset(
+    getattr(TensorProto, n) for n in ("FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2", "FLOAT8E5M2FNUZ",
+                                      "FLOAT4E2M1", "FLOAT8E8M0") if hasattr(TensorProto, n)
+)
 
 
 # ---- the cyclic garbage collector during a build -------------------------------------------------------

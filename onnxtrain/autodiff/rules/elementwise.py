@@ -177,15 +177,39 @@ def where_grad(g: GradCtx) -> None:
 
 # ---- casts and copies ---------------------------------------------------------------------------
 
+# how torch's ``.to()`` converts to each float8 type, as Cast attributes (the defaults elsewhere):
+# float8e4m3fn saturates to ±448 (as Cast's default), float8e5m2 and the fnuz types overflow to inf or NaN,
+# and float8e8m0 rounds to the nearest power of two (ties up) where Cast's default rounds up; its zero and
+# tiny values become its smallest, as with Cast's default saturate (only beyond its largest, 2^127, torch
+# gives NaN where Cast saturates). float4e2m1 has no such choice.
+_TORCH_CASTS: dict[int, dict[str, object]] = {
+    TensorProto.FLOAT8E5M2: {"saturate": 0},
+    TensorProto.FLOAT8E4M3FNUZ: {"saturate": 0},
+    TensorProto.FLOAT8E5M2FNUZ: {"saturate": 0},
+}
+_E8M0 = getattr(TensorProto, "FLOAT8E8M0", None)
+if _E8M0 is not None:
+    _TORCH_CASTS[_E8M0] = {"round_mode": "nearest"}
+_WIDE_FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
 def _cast_back(g: GradCtx) -> None:
-    # float -> float: cast dY back to the input's type (no node when the cast was a no-op). Casts to
-    # integer/bool outputs never get here: the builder stops the gradient at non-float values.
+    # float -> float: cast dY back to the input's type (no node when the cast was a no-op), straight through
+    # as torch's x.to(dtype), whose backward is grad.to(x.dtype): a float8/float4 input gets dY rounded
+    # through its type as torch rounds it. Casts to integer/bool outputs never get here: the builder stops
+    # the gradient at non-float values.
     x = g.node.input[0]
     tx = g.elem_type(x)
     if tx == TensorProto.UNDEFINED:
         raise RuleError(f"the element type of {x!r} is unknown; cannot cast its gradient back")
     ty = g.elem_type(g.node.output[0])
-    g.set_dx(0, g.dy(0) if tx == ty else g.emit("Cast", g.dy(0), to=tx))
+    if tx == ty:
+        g.set_dx(0, g.dy(0))
+        return
+    dy = g.dy(0)
+    if tx == _E8M0 and ty in _WIDE_FLOATS:  # float8e8m0 has no sign: torch keeps the magnitude, where
+        dy = g.emit("Abs", dy)  # ONNX leaves the cast of a negative undefined
+    g.set_dx(0, g.emit("Cast", dy, to=tx, **_TORCH_CASTS.get(tx, {})))
 
 
 gradient("Cast", linear=True)(_cast_back)
