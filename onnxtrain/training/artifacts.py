@@ -725,6 +725,7 @@ def _gradient_model(
     loss = outputs[0]  # a non-scalar one: seeded with ones, i.e. the gradient of the sum of its elements
     _, ancestors = path_to(m.graph.node, [loss])
     unreachable = [p for p in trainable if p not in ancestors]
+    why = ""
     if not unreachable:
         try:
             if mixed_precision is None:
@@ -744,10 +745,11 @@ def _gradient_model(
             unreachable = [p for p in trainable if f"{p!r} does not reach" in str(e)]
             if not unreachable:
                 raise ArtifactError(f"cannot build the gradient graph: {e}") from None
+            why = f" (the gradient builder: {e})"
     names = ", ".join(repr(p) for p in unreachable)
     raise ArtifactError(
         f"Cannot compute the partial derivative for {names} as it's unreachable from the output "
-        f"node(s) ({loss!r}): remove it from requires_grad (or freeze it)."
+        f"node(s) ({loss!r}){why}: remove it from requires_grad (or freeze it)."
     )
 
 

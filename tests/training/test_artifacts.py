@@ -908,7 +908,8 @@ def test_error_parameter_reaching_the_loss_only_through_shape(tmp_path):
         inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    with pytest.raises(ArtifactError, match=r"partial derivative for 'B' as it's unreachable"):
+    # the message names the node that cuts the path (here an op without a gradient)
+    with pytest.raises(ArtifactError, match=r"derivative for 'B' as it's unreachable.*'shape' \(Shape\)"):
         generate_artifacts(model, requires_grad=["W", "B"], artifact_directory=tmp_path)
     generate_artifacts(model, requires_grad=["W"], frozen_params=["B"], artifact_directory=tmp_path)
 
