@@ -18,6 +18,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
+from onnxtrain.user_warning import warn
 
 Runner = Callable[[onnx.ModelProto, Mapping[str, np.ndarray]], list[np.ndarray]]
 
@@ -126,6 +127,9 @@ def gradcheck(
     """
     from onnxtrain.autodiff import build_gradient_model
 
+    hint = _not_float64(model, [loss, *wrt])
+    if hint:
+        warn(f"gradcheck: {hint}; finite differences at eps={eps} will likely fail")
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     values = {n: np.array(feeds[n] if n in feeds else inits[n], dtype=np.float64) for n in wrt}
     gmodel = build_gradient_model(model, loss, list(wrt), outputs=[loss])
@@ -158,6 +162,7 @@ def gradcheck(
         if not np.isclose(ad, fd, rtol=rtol, atol=atol):
             raise AssertionError(
                 f"direction {k} (seed {seed}): autodiff ⟨∇L, v⟩ = {ad!r}, finite differences = {fd!r}"
+                + (f" ({hint})" if hint else "")
             )
     if sum(v.size for v in values.values()) <= full_jacobian_max:
         for n in wrt:
@@ -171,6 +176,23 @@ def gradcheck(
                         f"d{loss}/d{n}{list(idx)}: autodiff {grads[n][idx]!r}, finite differences {fd!r}"
                     )
     return grads
+
+
+def _not_float64(model: onnx.ModelProto, names: Sequence[str]) -> str:
+    """"" when the model computes the loss and the values differentiated in float64, else which it does
+    not, with the fix."""
+    from onnxtrain.ir.builder import elem_type, value_types
+
+    types = value_types(model)
+    narrow = []
+    for n in names:
+        et = elem_type(types, n)
+        if et not in (TensorProto.DOUBLE, TensorProto.UNDEFINED):
+            narrow.append(f"{n!r} is {TensorProto.DataType.Name(et).lower()}")
+    if not narrow:
+        return ""
+    return (f"{', '.join(narrow)}, not float64 (convert the model with onnxtrain.testing.to_float64 and feed "
+            "float64 arrays)")
 
 
 def _draws(model: onnx.ModelProto) -> bool:
