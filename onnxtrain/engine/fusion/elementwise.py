@@ -3,6 +3,7 @@ large arrays: :mod:`onnxtrain.engine.fusion.blocked`)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 from collections.abc import Sequence
@@ -28,6 +29,10 @@ if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
 
 MIN_POOLED = 256  # elements: smaller values are cheaper to allocate than to look up
+# input signatures (shapes and dtypes) a cluster keeps a program for, the oldest dropped first: a run over
+# many shapes (every (batch, seq) of a data set) would otherwise keep one per shape for the session's life
+# (a tiny GPT over 1,000 shapes: +14 MiB); a fixed-shape loop keeps its one program and its one lookup
+MAX_PROGRAMS = 64
 
 
 def expand_sums(plan: Plan, steps: list[Step]) -> list[Step]:
@@ -256,7 +261,8 @@ def _matmul_bias_adds(plan: Plan, steps: list[Step], cons: dict[int, list[int]],
 
 
 class Cluster:
-    """The kernel of one elementwise cluster; specialised per signature of its inputs on first use."""
+    """The kernel of one elementwise cluster; specialised per signature of its inputs on first use (the
+    last :data:`MAX_PROGRAMS` signatures kept)."""
 
     def __init__(
         self,
@@ -280,7 +286,7 @@ class Cluster:
                 passed.update(m.outputs)
         self.fresh_outputs = not passed.intersection(escaping)
         self.reusable: frozenset[int] = frozenset()
-        self.programs: dict[tuple, tuple] = {}
+        self.programs: dict[tuple, list] = {}  # signature → program, oldest first
 
     def __call__(self, inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         sig = tuple((a.shape, a.dtype) if type(a) is np.ndarray else type(a) for a in inputs)
@@ -415,7 +421,7 @@ class Cluster:
         blocked = Blocked.build(self, env, local, fast, last_use)
         if blocked is not None and not blocked.for_donation:
             blocked.take_views(self.pool)
-            self.programs[sig] = [None, 0, None, None, self.pool.version, blocked, None]
+            self._store(sig, [None, 0, None, None, self.pool.version, blocked, None])
             return
         escaping = set(self.escaping)
         pinned = escaping | {s for st in self.members if st.node.op_type not in UFUNCS for s in st.inputs}
@@ -486,7 +492,7 @@ class Cluster:
                     self.pool.reserve(r.size, r.dtype, bi)
                     ops.append((0, ufunc, ins, local[out], (r.shape, r.dtype, bi), extra))
             release_ended(held, k, free_bufs)
-        self.programs[sig] = [
+        self._store(sig, [
             ops,
             len(local) + len(spread_of) - len(self.ext),
             [local[s] for s in self.escaping],
@@ -494,7 +500,16 @@ class Cluster:
             -1,
             None,
             blocked,  # None, or the blocked program for runs that donate (Blocked.for_donation)
-        ]
+        ])
+
+    def _store(self, sig: tuple, prog: list) -> None:
+        """Keep ``prog`` as the program of ``sig``, dropping the oldest ones beyond :data:`MAX_PROGRAMS`."""
+        programs = self.programs
+        while len(programs) >= MAX_PROGRAMS:
+            # threads running one plan share its clusters: another may add or drop one during the look
+            with contextlib.suppress(StopIteration, RuntimeError):
+                programs.pop(next(iter(programs)), None)
+        programs[sig] = prog
 
 
 TRACE_SLICE_MIN = 1 << 16  # elements of a cluster's shape from which its first run traces a slice of it
