@@ -178,8 +178,9 @@ class Plan(GraphInterface):
             outs = [slot_of(n) if n else -1 for n in out_names]
             raw_steps.append((node, fn, attrs, ins, outs))
         if missing:
+            why = " (ONNX defines no such op: a typo, or a custom op's domain left out?)" if unknown else ""
             raise (UnknownOpError if unknown else UnsupportedOpError)(
-                f"no kernel for node(s) {', '.join(missing)}; ops with kernels: "
+                f"no kernel for node(s) {', '.join(missing)}{why}; ops with kernels: "
                 f"{', '.join(available_ops() + available_domain_ops())}"
             )
         self._check_produced(raw_steps, slot, g, init_names)

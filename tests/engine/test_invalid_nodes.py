@@ -157,7 +157,7 @@ def test_ai_onnx_ml_node_is_checked_at_its_domain_opset() -> None:
 
 def test_op_without_a_schema_keeps_the_no_kernel_error() -> None:
     model = one_node(helper.make_node("NoSuchOp", ["x"], ["y"], name="odd", foo=1))
-    with pytest.raises(UnsupportedOpError, match="no kernel for node"):
+    with pytest.raises(UnsupportedOpError, match=r"no kernel for node.*\(ONNX defines no such op"):
         onnxtrain.InferenceSession(model.SerializeToString())
 
 
