@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import warnings
 from typing import TYPE_CHECKING
 
@@ -496,7 +499,8 @@ def _artifacts(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The ``onnxtrain`` command line and its subcommands."""
     parser = argparse.ArgumentParser(prog="onnxtrain", description="Train ONNX models with numpy.")
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train a model from a YAML config",
@@ -579,12 +583,78 @@ def main(argv: list[str] | None = None) -> int:
                                       "ops lack a kernel or a gradient rule.")
     info.add_argument("model", help="an .onnx file")
     info.set_defaults(fn=_info)
-    a = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``onnxtrain`` with the arguments ``argv`` (default: the command line); the exit code."""
+    held = _SigintHeld()
+    a = None
+    try:
+        with held:  # a Ctrl-C here waits until the modules are loaded
+            a = _parser().parse_args(argv)
+            _preload(a.command)
+    except KeyboardInterrupt:  # (a thread that does not block SIGINT received it)
+        held.came = True
+    except SystemExit:  # --help, or a bad command line
+        if not held.came:
+            raise
+    if held.came:
+        return _interrupted(a)
     try:
         return _run(a)
-    except KeyboardInterrupt:  # Ctrl-C while the modules load, before the subcommand's own handler
-        print(f"onnxtrain {a.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # Ctrl-C before the subcommand's own handler
+        return _interrupted(a)
+
+
+def _interrupted(a: argparse.Namespace | None) -> int:
+    """Say that Ctrl-C stopped the command (one line); the exit code."""
+    print(f"onnxtrain{' ' + a.command if a else ''}: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+class _SigintHeld:
+    """Within the block SIGINT is blocked, not handled: a Ctrl-C landing in the import of a C extension
+    (numpy, onnx) breaks that import (numpy's "bad install" error, an abort, a crash) instead of stopping
+    the command. ``came`` says afterwards whether one arrived; it is taken off, never delivered. Only in
+    the main thread where signals can be blocked (POSIX), and only if SIGINT was not blocked already."""
+
+    def __init__(self) -> None:
+        self.came = False
+        self._mask: set[signal.Signals] | None = None
+
+    def __enter__(self) -> _SigintHeld:
+        if hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread():
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            if signal.SIGINT not in mask:  # (blocked already by whoever started us: left to them)
+                self._mask = mask
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._mask is None:
+            return
+        if signal.SIGINT in signal.sigpending():
+            signal.sigwait({signal.SIGINT})  # taken off while still blocked
+            self.came = True
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
+        self._mask = None
+
+
+# the modules with C extensions (numpy, onnx, PyYAML, protobuf) that each subcommand imports first
+_COMMON_MODULES = ("numpy", "onnx", "onnxtrain.engine.plan", "onnxtrain.parallel")
+_COMMAND_MODULES = {"train": ("onnxtrain.train",), "eval": ("onnxtrain.train",),
+                    "export": ("onnxtrain.train",), "gradient-graph": ("onnxtrain.autodiff",),
+                    "artifacts": ("onnxtrain.training.artifacts",)}
+
+
+def _preload(command: str) -> None:
+    """Import the modules ``command`` needs first. At one that fails this stops: the command imports it
+    again where it is used, and reports the failure as it always did."""
+    for name in (*_COMMON_MODULES, *_COMMAND_MODULES.get(command, ())):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - reported by the command itself
+            return
 
 
 def _run(a: argparse.Namespace) -> int:

@@ -101,7 +101,7 @@ class RunState:
 
     global_step: int = 0  # optimizer steps done
     epoch: int = 0
-    epoch_pos: int = 0  # micro-batches of this epoch already used
+    epoch_pos: int = 0  # samples of this epoch's permutation already used (whatever the batch size)
     epoch_rng: str = ""  # data-order generator state that this epoch's permutation is drawn from
     samples: int = 0
     loss_scale: float = 0.0  # mixed precision: the dynamic loss scaler's state (0: no scaler)
@@ -112,8 +112,11 @@ class RunState:
     window_n: int = 0
 
     def properties(self, lr: float, cfg: Config) -> dict[str, int | float | str]:
+        # epoch_position counts micro-batches of the run's batch size, as checkpoints always did;
+        # epoch_samples is exact when a resumed run changed the batch size
         props: dict[str, int | float | str] = {
-            "global_step": self.global_step, "epoch": self.epoch, "epoch_position": self.epoch_pos,
+            "global_step": self.global_step, "epoch": self.epoch,
+            "epoch_position": self.epoch_pos // cfg.training.batch_size, "epoch_samples": self.epoch_pos,
             "data_order_rng": self.epoch_rng, "samples_seen": self.samples, "learning_rate": lr,
             "config": json.dumps(cfg.to_dict(), sort_keys=True)}
         if self.loss_scale:  # powers of two: exact in the checkpoint's float32
@@ -121,9 +124,13 @@ class RunState:
         return props
 
     @classmethod
-    def from_properties(cls, props: dict[str, Any]) -> RunState:
+    def from_properties(cls, props: dict[str, Any], batch_size: int) -> RunState:
+        """The state a checkpoint's properties hold; ``batch_size`` is the one it was written with (an
+        older checkpoint counts its position in the epoch in micro-batches of that size only)."""
         try:
-            return cls(int(props["global_step"]), int(props["epoch"]), int(props["epoch_position"]),
+            pos = props.get("epoch_samples")
+            pos = int(pos) if pos is not None else int(props["epoch_position"]) * batch_size
+            return cls(int(props["global_step"]), int(props["epoch"]), pos,
                        str(props["data_order_rng"]), int(props.get("samples_seen", 0)),
                        float(props.get("loss_scale", 0.0)), int(props.get("loss_scale_stable_steps", 0)))
         except KeyError as e:
@@ -313,7 +320,7 @@ class Trainer:
             changed = f"; config keys changed since it was written: {', '.join(diff)}" if diff else ""
             raise ConfigError("--resume", f"the checkpoint {path or ''} does not fit this config's model "
                                           f"({e}){changed}") from None
-        st = RunState.from_properties(ckpt.properties)
+        st = RunState.from_properties(ckpt.properties, _saved_batch_size(saved, self.cfg.training.batch_size))
         windows = ckpt.properties.get("log_windows")
         if isinstance(windows, str):  # written by the same number of ranks: each takes its own back
             windows = json.loads(windows)
@@ -368,6 +375,11 @@ class Trainer:
         return self.comm.allreduce_scalar(float(hit), "agreeing on a stop request") > 0
 
     # ---- the loop ----
+    def _full_step_left(self, st: RunState) -> bool:
+        """Whether this epoch's order holds the samples of one more optimizer step."""
+        t = self.cfg.training
+        return st.epoch_pos + t.batch_size * self.micro <= self.data.n_train
+
     def run(self, resume: bool = False, overwrite: bool = True) -> RunResult:
         """Train; ``resume`` continues from the output folder's latest checkpoint. Without it, the
         folder's old checkpoints are deleted when ``overwrite`` (the CLI's --overwrite; the command
@@ -445,6 +457,9 @@ class Trainer:
             write_atomic(os.path.join(self.out, "config.yaml"), lambda f: f.write(text.encode()))
         perm = rng.permutation(self.data.n_train) if st.epoch_pos else None
         t, n = self.cfg.training, self.data.n_train
+        if not self._full_step_left(st):  # resumed with a larger batch: none left in this epoch's order
+            _end_epoch(st, rng)
+            perm = None
         eval_every = t.eval_every or self.steps_per_epoch
         ckpt_every = t.checkpoint_every or self.steps_per_epoch
         last_eval: dict[str, float] = {}
@@ -475,7 +490,7 @@ class Trainer:
                         if perm is None:
                             st.epoch_rng = data_mod.rng_state_to_str(rng)
                             perm = rng.permutation(n)
-                        idx = perm[st.epoch_pos * t.batch_size:(st.epoch_pos + 1) * t.batch_size]
+                        idx = perm[st.epoch_pos:st.epoch_pos + t.batch_size]
                         mine = parallel.split_batch(idx, size=self.ranks) if self.ranks > 1 else idx
                         feeds = {k: v[mine] for k, v in self.data.train.items()}
                         feeds[name] = lr_feed
@@ -494,15 +509,13 @@ class Trainer:
                         st.window_loss += check_loss_value(loss, self.cfg.model.loss)
                         st.window_n += 1
                         window_samples += len(idx)
-                        st.epoch_pos += 1
+                        st.epoch_pos += len(idx)
                         st.samples += len(idx)
                     st.global_step += 1
                     s = st.global_step
-                    if st.epoch_pos >= self.steps_per_epoch * self.micro:
-                        st.epoch += 1
-                        st.epoch_pos = 0
+                    if not self._full_step_left(st):  # the rest of the order is shorter than a step: dropped
+                        _end_epoch(st, rng)
                         perm = None
-                        st.epoch_rng = data_mod.rng_state_to_str(rng)
                     bar.update(1)
                     if s % t.log_every == 0 or s == self.total:
                         now = time.perf_counter()
@@ -566,6 +579,13 @@ class Trainer:
         return last_eval, exported
 
 
+def _end_epoch(st: RunState, rng: np.random.Generator) -> None:
+    """Move ``st`` to the start of the next epoch, whose order ``rng`` draws next."""
+    st.epoch += 1
+    st.epoch_pos = 0
+    st.epoch_rng = data_mod.rng_state_to_str(rng)
+
+
 # config keys that only say when to log, eval or checkpoint and where outputs go: changing them before a
 # --resume leaves the weights as in an uninterrupted run
 WEIGHT_NEUTRAL_KEYS = frozenset({"training.keep_checkpoints", "training.checkpoint_every",
@@ -574,6 +594,14 @@ WEIGHT_NEUTRAL_KEYS = frozenset({"training.keep_checkpoints", "training.checkpoi
 
 def _cannot_change_weights(key: str) -> bool:
     return key in WEIGHT_NEUTRAL_KEYS or key.startswith("output.")
+
+
+def _saved_batch_size(saved: Any, default: int) -> int:
+    """``training.batch_size`` of a checkpoint's saved config (JSON text), else ``default``."""
+    try:
+        return int(json.loads(saved)["training"]["batch_size"])
+    except (TypeError, ValueError, KeyError):
+        return default
 
 
 def _holds(path: str, text: str) -> bool:
@@ -608,10 +636,61 @@ class _NoBar:
         pass
 
 
+class _LogProgress:
+    """The progress bar for a stderr that is not a terminal (a log file, a pipe): the bar's text as a line of
+    its own every ``every`` seconds and at the end, where tqdm redraws it ten times a second. The per-eval
+    lines go to stdout, as tqdm's ``write`` sends them."""
+
+    def __init__(self, total: int, initial: int, desc: str, every: float) -> None:
+        from tqdm import tqdm
+
+        self._format = tqdm.format_meter
+        self.total, self.initial, self.desc, self.every = total, initial, desc, every
+        self.n = initial
+        self.postfix = ""
+        self._shown: tuple[int, str] = (initial, "")  # what the last line showed
+        self.start = self.last = time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if time.perf_counter() - self.last >= self.every:
+            self._show()
+
+    def set_postfix(self, values: dict[str, Any], refresh: bool = False) -> None:
+        self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
+
+    def write(self, text: str) -> None:
+        print(text, flush=True)
+
+    def close(self) -> None:
+        if (self.n, self.postfix) != self._shown:
+            self._show()
+
+    def _show(self) -> None:
+        self.last = time.perf_counter()
+        self._shown = (self.n, self.postfix)
+        print(self._format(self.n, self.total, self.last - self.start, prefix=self.desc, unit="step",
+                           postfix=self.postfix or None, initial=self.initial, ascii=True),
+              file=sys.stderr, flush=True)
+
+
+LOG_PROGRESS_EVERY = 30.0  # seconds between the progress lines on a stderr that is not a terminal
+
+
+def _on_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no such method, or a closed stream
+        return False
+
+
 def _progress_bar(show: bool, total: int, initial: int, desc: str) -> Any:
-    """tqdm's bar on stderr when ``show``, else one that does nothing (tqdm is then not imported)."""
+    """tqdm's bar on stderr when ``show`` (a line every LOG_PROGRESS_EVERY seconds when stderr is not a
+    terminal), else one that does nothing (tqdm is then not imported)."""
     if not show:
         return _NoBar()
+    if not _on_terminal(sys.stderr):
+        return _LogProgress(total, initial, desc, LOG_PROGRESS_EVERY)
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr)
