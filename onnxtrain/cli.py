@@ -337,7 +337,8 @@ def _train(a: argparse.Namespace) -> int:
         return 0
     scores = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
     print(f"trained {cfg.name} for {result.global_step} steps: {scores}")
-    files = ["metrics.jsonl", *(["metrics.png"] if cfg.output.plot else []), result.checkpoint,
+    plotted = cfg.output.plot and os.path.exists(os.path.join(result.output_dir, "metrics.png"))
+    files = ["metrics.jsonl", *(["metrics.png"] if plotted else []), result.checkpoint,
              *([result.exported] if result.exported else [])]
     print(f"outputs in {result.output_dir}: {', '.join(f for f in files if f)}")
     diverged = [k for k, v in result.metrics.items() if isinstance(v, float) and not math.isfinite(v)]
@@ -677,6 +678,14 @@ def _run(a: argparse.Namespace) -> int:
     return code
 
 
+# the subcommands that read a YAML config (theirs or a run folder's)
+_READ_CONFIGS = frozenset({"train", "eval", "export"})
+
+
+class _NoConfigError(Exception):
+    """Stands for the config module's ConfigError where PyYAML is missing and no config is read."""
+
+
 def _guarded(a: argparse.Namespace) -> int:
     """Run the subcommand; known failures become one line on stderr and an exit code."""
     import onnx
@@ -689,8 +698,10 @@ def _guarded(a: argparse.Namespace) -> int:
     try:
         from onnxtrain.train.config import ConfigError  # (reads PyYAML)
     except ImportError as e:
-        print(f"{prog}: {_missing_package(e)}", file=sys.stderr)
-        return EXIT_ERROR
+        if a.command in _READ_CONFIGS:
+            print(f"{prog}: {_missing_package(e)}", file=sys.stderr)
+            return EXIT_ERROR
+        ConfigError = _NoConfigError  # noqa: N806 - the commands that read no YAML run without PyYAML
     try:
         with warnings.catch_warnings():  # restores warnings.showwarning afterwards
             warnings.showwarning = _warning_printer(w.rank == 0)

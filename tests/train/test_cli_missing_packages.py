@@ -65,6 +65,8 @@ def test_no_matplotlib_still_exports_the_model(tmp_path) -> None:
     assert "no plot (metrics.png): matplotlib cannot be imported" in r.stderr
     assert "pip install matplotlib" in r.stderr
     assert not os.path.exists(tmp_path / "run" / "metrics.png")
+    summary = [line for line in r.stdout.splitlines() if line.startswith("outputs in")]
+    assert summary and "metrics.png" not in summary[0] and "model.onnx" in summary[0], r.stdout
     model = str(tmp_path / "run" / "model.onnx")
     sess = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])  # a whole model
     assert [i.name for i in sess.get_inputs()]
@@ -117,3 +119,29 @@ def test_pip_hints_name_the_distribution() -> None:
     for module, pip in (("google.protobuf.message", "protobuf"), ("yaml", "PyYAML"), ("tqdm", "tqdm")):
         line = _missing_package(ModuleNotFoundError(f"No module named {module!r}", name=module))
         assert line.endswith(f"pip install {pip}"), line
+
+
+def test_commands_that_read_no_yaml_run_without_it(tmp_path) -> None:
+    """``info`` and ``gradient-graph`` read only an ONNX model: they run without PyYAML (it stopped them);
+    the gradient graph written runs on onnxruntime and gives d(sum(x·W))/dW = xᵀ·1."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(3, 2), "W")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"]),
+                           helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
+    path = str(tmp_path / "m.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    r = _run_without("yaml", ["info", path])
+    assert r.returncode == 0, r.stderr
+    assert "MatMul" in r.stdout
+    out = str(tmp_path / "grad.onnx")
+    r = _run_without("yaml", ["gradient-graph", path, "--loss", "loss", "--wrt", "W", "-o", out])
+    assert r.returncode == 0, r.stderr
+    x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    sess = onnxruntime.InferenceSession(out, providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {"x": x})))
+    np.testing.assert_allclose(got["W_grad"], np.repeat(x.sum(0)[:, None], 2, axis=1), rtol=1e-6)
