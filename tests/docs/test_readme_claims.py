@@ -137,3 +137,26 @@ def test_ci_runs_the_readmes_test_command() -> None:
     for flag, package in (("--timeout", "pytest-timeout"), ("-n ", "pytest-xdist")):
         if flag in commands[0]:
             assert f'"{package}"' in setup, package
+
+
+def test_the_config_table_lists_every_key() -> None:
+    """Each config section's row in "The main job" names every key the config accepts there, with the
+    default the dataclass has where the row gives one."""
+    import dataclasses
+
+    from onnxtrain.train import config as c
+
+    text = section("The main job: `onnxtrain train`")
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.*) \|$", text, flags=re.M))
+    classes = {"model": [c.ModelConfig], "data": list(c.DATA_SOURCES.values()),
+               "optimizer": [c.OptimizerConfig], "schedule": [c.ScheduleConfig],
+               "training": [c.TrainingConfig], "output": [c.OutputConfig]}
+    assert set(rows) == set(classes)
+    for name, kinds in classes.items():
+        keys = {f.name for k in kinds for f in dataclasses.fields(k)}
+        missing = sorted(k for k in keys if f"`{k}" not in rows[name] and k != "source")
+        assert not missing, f"config section {name!r}: keys not in the README's table: {missing}"
+    defaults = (("batch_size", 32), ("keep_checkpoints", 3), ("log_every", 10), ("eval_batch_size", 1024))
+    for key, value in defaults:
+        assert f"`{key}` ({value}" in rows["training"]
+        assert getattr(c.TrainingConfig(), key) == value
