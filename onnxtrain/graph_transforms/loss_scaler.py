@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from onnxtrain.user_warning import warn
+
 
 class LossScaler:
     """A loss scale fed to the graph as a float32 ``[1]`` array; the base class keeps it fixed (static)."""
@@ -71,6 +73,7 @@ class DynamicLossScaler(LossScaler):
         self.min_loss_scale = float(min_loss_scale)
         self.max_loss_scale = float(max_loss_scale)
         self.stable_steps = 0
+        self._warned_at_floor = False
 
     def update(self, train_step_info: Any) -> float:
         """Halve after a non-finite step (its update was skipped); double after a window of clean ones;
@@ -83,6 +86,13 @@ class DynamicLossScaler(LossScaler):
                 self.loss_scale = min(self.max_loss_scale, self.loss_scale * 2)
                 self.stable_steps = 0
         else:
+            if self.loss_scale <= self.min_loss_scale and not self._warned_at_floor:
+                self._warned_at_floor = True
+                warn(f"DynamicLossScaler: a step was not finite at the smallest loss scale "
+                     f"({self.min_loss_scale:g}): the overflow is not the scaling's; under float16, values "
+                     "beyond ±65504 (float32 graph inputs are cast to float16, as in onnxruntime: regression "
+                     "targets, unnormalised features) or NaN in the data make every step non-finite, and "
+                     "such steps update nothing; scale the data, or use bfloat16")
             self.loss_scale = max(self.min_loss_scale, self.loss_scale / 2)
             self.stable_steps = 0
         return self.loss_scale
