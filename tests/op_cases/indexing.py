@@ -102,6 +102,12 @@ CASES = [
         variant="axis1",
     ),
     OpCase("GatherND", make_inputs=_x(3, 4, 2)(_i64([[0, 1], [2, -1], [1, 3]])), wrt=(0,)),
+    OpCase("GatherND", make_inputs=_x(1, 0)(_i64([0])), wrt=(0,), variant="empty_inner"),
+    OpCase("GatherND", make_inputs=_x(3, 1, 0)(_i64([[0], [0], [0]])), attrs={"batch_dims": 1}, wrt=(0,),
+           variant="empty_inner_batch_dims"),
+    OpCase("ScatterND", make_inputs=lambda rng, dt: [rng.uniform(-2, 2, (4, 0)).astype(dt), _i64([[1], [3]]),
+                                                     np.zeros((2, 0), dt)], wrt=(0, 2), opset=16,
+           variant="empty_inner"),
     OpCase("GatherND", make_inputs=_x(3, 4, 2)(_i64([[[1], [0]], [[2], [2]]])), wrt=(0,), variant="k1"),
     OpCase(
         "GatherND",

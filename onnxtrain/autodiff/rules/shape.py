@@ -239,6 +239,8 @@ def pad_grad(g: GradCtx) -> None:
     dy = g.dy(0)
     mode = g.attr("mode") or "constant"
     axes = g.x(3) if g.has_x(3) else None
+    if axes is not None and g.elem_type(g.node.input[3]) != I64:  # (int32 axes beside the int64 starts)
+        axes = g.emit("Cast", axes, to=I64)
     if mode != "constant":
         if g.needs_dx(2):  # the constant value is not used by the other modes
             g.set_dx(2, g.zeros_like(g.x(2)))

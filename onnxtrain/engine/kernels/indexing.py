@@ -256,8 +256,9 @@ def gather_nd(inputs: Inputs, attrs: Attrs) -> Outputs:
         raise ValueError(f"GatherND: batch dims of data {x.shape[:b]} and indices {idx.shape[:b]} differ")
     nb = int(np.prod(x.shape[:b], dtype=np.int64))
     inner_shape = x.shape[b + k:]
-    rows = _nd_rows(x.shape[b:], idx.reshape((nb, -1, k)), "GatherND").reshape(nb, -1)
-    xr = x.reshape((nb, -1) + inner_shape)
+    per_batch = int(np.prod(idx.shape[b:-1], dtype=np.int64))  # (sizes spelled out: a 0 dim leaves no -1)
+    rows = _nd_rows(x.shape[b:], idx.reshape((nb, per_batch, k)), "GatherND").reshape(nb, per_batch)
+    xr = x.reshape((nb, int(np.prod(x.shape[b:b + k], dtype=np.int64))) + inner_shape)
     out = xr[np.arange(nb)[:, None], rows]
     return (out.reshape(idx.shape[:-1] + inner_shape),)
 

@@ -183,8 +183,11 @@ def einsum(inputs: Inputs, attrs: Attrs) -> Outputs:
     eq = cache.get("equation")
     if eq is None:
         eq = cache["equation"] = "".join(attrs["equation"].split())
-        if not eq:
-            raise ValueError("Einsum needs a non-empty equation")
+    if not eq:  # implicit mode with no subscripts: a scalar's identity, as numpy reads it
+        if len(inputs) == 1 and inputs[0].ndim == 0:
+            return (inputs[0].copy(),)
+        raise ValueError(f"Einsum: an empty equation takes one scalar operand, got shapes "
+                         f"{[list(x.shape) for x in inputs]}")
     dt = inputs[0].dtype
     ops = [x.astype(_F32) for x in inputs] if _low_precision(dt) else inputs
     paths = cache.get("paths")
