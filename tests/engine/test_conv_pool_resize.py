@@ -535,3 +535,25 @@ def test_float32_scales_size_the_output_as_onnxruntime(opset: int, mode: str, sh
         ty = torch.nn.functional.interpolate(tx, size=want_y.shape[2:], mode="bilinear", align_corners=False)
         (ty * torch.tensor(w)).sum().backward()
         np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["cubic", "linear", "nearest"])
+def test_resize_pytorch_half_pixel_to_one_element_samples_position_zero(mode: str) -> None:
+    """ONNX: x_original = length_resized > 1 ? (x_resized + 0.5) / scale - 0.5 : 0; onnxruntime 1.32 gives
+    X[0] there. The cubic kernel read position -0.5 (onnx.reference's code), 1.8377 where X[0] is 1.7641."""
+    import onnxruntime as ort
+    from onnx import TensorProto, numpy_helper
+
+    import onnxtrain
+
+    x = np.array([1.76405235, 0.97873798, 1.86755799, 0.95008842], np.float32).reshape(1, 1, 4, 1)
+    sizes = numpy_helper.from_array(np.array([1, 1, 1, 1], np.int64), "sizes")
+    g = helper.make_graph([helper.make_node("Resize", ["X", "", "", "sizes"], ["Y"], mode=mode,
+                                            coordinate_transformation_mode="pytorch_half_pixel")], "g",
+                          [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 1, 4, 1])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], [sizes])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)]).SerializeToString()
+    want = ort.InferenceSession(m, providers=["CPUExecutionProvider"]).run(None, {"X": x})[0]
+    got = onnxtrain.InferenceSession(m).run(None, {"X": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert got.ravel()[0] == x.ravel()[0]

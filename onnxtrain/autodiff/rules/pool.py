@@ -29,7 +29,10 @@ def max_pool_grad(g: GradCtx) -> None:
     # Indices hold the flat (N·C·spatial) position of each window's maximum:
     # dX = Reshape(ScatterElements(zeros[numel], Indices, dY, reduction=add), Shape(X)), or, when no two
     # windows share an element, MaxUnpool(dY, Indices)
-    unpool = _unpool_attrs(g)
+    # a window wholly in the padding (possible with dilations or pads as long as the kernel) has Indices -1:
+    # its dY goes nowhere (Y does not depend on X there), masked before the scatter
+    empty = _empty_windows_possible(g)
+    unpool = None if empty else _unpool_attrs(g)
     if unpool is not None:
         g.set_dx(0, g.emit("MaxUnpool", g.dy(0), g.y(1), **unpool))
         return
@@ -37,10 +40,28 @@ def max_pool_grad(g: GradCtx) -> None:
     flat = g.ints([-1])
     zeros = g.emit("ConstantOfShape", _numel(g, shape), value=_zero(g))
     idx = g.emit("Reshape", g.y(1), flat)
+    dy = g.emit("Reshape", g.dy(0), flat)
+    if empty:
+        dy = g.emit("Where", g.emit("Less", idx, g.const(0, TensorProto.INT64)), g.zeros_like(dy), dy)
     if int(g.attr("storage_order") or 0) == 1:
         idx = _row_major(g, idx)
-    acc = g.emit("ScatterElements", zeros, idx, g.emit("Reshape", g.dy(0), flat), axis=0, reduction="add")
+    acc = g.emit("ScatterElements", zeros, idx, dy, axis=0, reduction="add")
     g.set_dx(0, g.emit("Reshape", acc, shape))
+
+
+def _empty_windows_possible(g: GradCtx) -> bool:
+    """Whether a MaxPool window may lie wholly in the padding: counted from the static sizes, else assumed
+    wherever a pad reaches the kernel's extent or a dilation skips positions."""
+    geo = conv_geom(g, w_index=None, runtime=True)
+    if geo.rt is not None:  # auto_pad SAME with sizes known at run time: pads of up to the kernel's extent
+        return any(d > 1 for d in geo.dil)
+    if not any(geo.pads):
+        return False
+    in_sp = spatial(g, 0)
+    if in_sp is not None and all(v is not None for v in in_sp):
+        out = _pool_out(geo, in_sp, bool(g.attr("ceil_mode") or 0))  # type: ignore[arg-type]
+        return all(v > 0 for v in out) and bool((_counts(geo, in_sp, out, False) == 0).any())  # type: ignore[arg-type]
+    return any(d > 1 for d in geo.dil) or any(p >= k for p, k in zip(geo.pads, (*geo.k, *geo.k)))
 
 
 def _unpool_attrs(g: GradCtx) -> dict[str, list[int]] | None:
@@ -160,16 +181,18 @@ def average_pool_grad(g: GradCtx) -> None:
         scaled = g.emit("Div", g.dy(0), _counts_at_run_time(g, geo, include_pad))
         g.set_dx(0, _window_adjoint(g, scaled, geo, in_sp, out_sp, static))
         return
+    # a window wholly in the padding counts nothing (its Y is 0/0) and no X reads it: it passes no gradient
+    recip = np.divide(1.0, cnt, out=np.zeros(np.shape(cnt)), where=cnt > 0)
     if np.all(cnt == cnt.flat[0]):
-        inv = g.const(1.0 / float(cnt.flat[0]))
+        inv = g.const(float(recip.flat[0]))
     elif out_sp == spatial(g, 0, output=True):
-        inv = g.const((1.0 / cnt).reshape((1, 1, *cnt.shape)))
+        inv = g.const(recip.reshape((1, 1, *cnt.shape)))
     else:
         # ONNX shape inference ignores the ceil-mode rule "a window must start inside the input or
         # its begin pad" and infers a larger Y; shape the constant from dY's runtime shape instead
         sp = g.emit("Slice", g.shape(0, output=True), g.ints([2]), g.ints([geo.nd + 2]), g.ints([0]))
         inv = g.emit(
-            "Reshape", g.const((1.0 / cnt).reshape(-1)), g.emit("Concat", g.ints([1, 1]), sp, axis=0)
+            "Reshape", g.const(recip.reshape(-1)), g.emit("Concat", g.ints([1, 1]), sp, axis=0)
         )
     scaled = g.emit("Mul", g.dy(0), inv)
     g.set_dx(0, _window_adjoint(g, scaled, geo, in_sp, out_sp, static))

@@ -104,15 +104,18 @@ def max_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
         better = np.greater(v, y)  # strict: the first maximum in row-major window order wins
         np.maximum(y, v, out=y)
         np.maximum(code, np.multiply(better, ct(j), dtype=ct), out=code)
+    no_real = None
     if y.size:
         low = np.min(y)  # one pass; the two rare cases below only where it says so
         nan = is_float(y.dtype) and bool(np.isnan(low))
         if nan:
             _last_nan_window(xp, y, code, g)
         if (any(g["pb"]) or any(g["pe"])) and (nan or low <= _lowest(x.dtype)):
-            _first_real_where_lowest(x, y, code, g)
+            no_real = _first_real_where_lowest(x, y, code, g)
     idx = np.take(np.asarray(koff, dtype=np.int64), code)
     idx += base
+    if no_real is not None:
+        idx[no_real] = -1  # a window wholly in the padding has no element to point at
     return (y, idx)
 
 
@@ -127,13 +130,15 @@ def _last_nan_window(xp: np.ndarray, y: np.ndarray, code: np.ndarray, g: dict[st
     code[sel] = pick
 
 
-def _first_real_where_lowest(x: np.ndarray, y: np.ndarray, code: np.ndarray, g: dict[str, Any]) -> None:
+def _first_real_where_lowest(x: np.ndarray, y: np.ndarray, code: np.ndarray,
+                             g: dict[str, Any]) -> tuple[np.ndarray, ...] | None:
     """In place: a padded window whose maximum is the padding's own lowest value (its real values all -inf)
     takes its first real position, as onnxruntime's Indices, not the first padded one (only such windows can
-    have picked the padding: any higher value is a real one)."""
+    have picked the padding: any higher value is a real one). Returns the windows with no real position
+    (wholly in the padding, with dilations), or None."""
     sel = np.nonzero(y == _lowest(x.dtype))
     if not sel[0].size:
-        return
+        return None
     inside = pad_input(np.ones(x.shape, bool), g["pb"], g["sizes"], False)
     found = np.zeros(sel[0].size, bool)
     pick = np.zeros(sel[0].size, code.dtype)
@@ -142,6 +147,7 @@ def _first_real_where_lowest(x: np.ndarray, y: np.ndarray, code: np.ndarray, g: 
         pick[real] = j
         found |= real
     code[sel] = pick
+    return tuple(a[~found] for a in sel) if not found.all() else None
 
 
 def _index_tables(attrs: Attrs, g: dict[str, Any], xs: tuple[int, ...]) -> tuple[list[int], np.ndarray]:

@@ -28,7 +28,9 @@ def _source_coords(mode: str, out_len: int, in_len: int, scale: float, roi: tupl
     if mode == "half_pixel":
         return (y + 0.5) / scale - 0.5, None
     if mode == "pytorch_half_pixel":
-        return (np.full(out_len, -0.5) if width == 1 else (y + 0.5) / scale - 0.5), None
+        # an output of one element samples position 0, as the operator's text and onnxruntime say
+        # (onnx.reference's code samples -0.5, which a cubic kernel reads apart from X[0])
+        return (np.zeros(out_len) if out_len == 1 else (y + 0.5) / scale - 0.5), None
     if mode == "half_pixel_symmetric":
         # as onnxruntime computes it for inputs below float64: the offset in float32, the rest in float64,
         # the position rounded to float32 (in float64 throughout, the offset of 7 pixels at scale 0.5 lands
