@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import itertools
 import json
 import math
 import os
 import re
+import reprlib
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -29,16 +31,64 @@ class ConfigError(ValueError):
 
     def __init__(self, path: str, message: str):
         self.path = path
+        self.message = message
         super().__init__(f"{path}: {message}" if path else message)
+
+
+MAX_DEPTH = 100  # lists and mappings nested deeper than this are refused (a config needs a handful)
+MAX_ALIAS_VALUES = 100_000  # values that aliases may repeat in one document (a "billion laughs" stops here)
 
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads ``1e-3`` as a float (YAML 1.1 wants ``1.0e-3``) and refuses a key given
-    twice in one mapping (YAML would keep the last silently)."""
+    twice in one mapping (YAML would keep the last silently); values nested too deeply, aliases that repeat
+    too many values in all and aliases to a value that holds them, as ConfigErrors naming the key."""
+
+    def __init__(self, stream: str, key: str = ""):
+        super().__init__(stream)
+        self.key = key  # the key path the document's values sit at ("" for a whole config)
+        self.steps: list[Any] = []  # compose_node's index of each node being composed, outermost first
+        self.sizes: dict[int, int] = {}  # id(node) → values in it with its aliases expanded
+        self.repeated = 0  # values that aliases repeated so far
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        event = self.peek_event()
+        where = f"line {event.start_mark.line + 1}"
+        if len(self.steps) >= MAX_DEPTH:
+            raise ConfigError(self._path(index), f"lists and mappings nested more than {MAX_DEPTH} levels "
+                                                 f"deep ({where})")
+        self.steps.append(index)
+        node = super().compose_node(parent, index)
+        self.steps.pop()
+        if not isinstance(event, yaml.AliasEvent):
+            self.sizes[id(node)] = 1 + sum(self.sizes[id(c)] for c in _children(node))
+            return node
+        size = self.sizes.get(id(node))
+        if size is None:  # its anchor's node is still being composed: the alias is inside it
+            raise ConfigError(self._path(index), f"alias *{event.anchor} ({where}) is inside the value it "
+                                                 "names: a recursive structure")
+        self.repeated += size
+        if self.repeated > MAX_ALIAS_VALUES:
+            raise ConfigError(self._path(index), f"aliases repeat more than {MAX_ALIAS_VALUES} values in all "
+                                                 f"(at *{event.anchor}, {where}); write the values out")
+        return node
+
+    def _path(self, index: Any) -> str:
+        """The key path of the node at ``index`` below the current one: its mapping keys down to the first
+        list (an index deep in nested lists says little)."""
+        path = self.key
+        for step in [*self.steps, index]:
+            if isinstance(step, int):
+                break
+            if isinstance(step, yaml.ScalarNode):
+                path = f"{path}.{step.value}" if path else str(step.value)
+        return path
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<": SafeLoader merges it below (keys given
+                continue  # here override merged ones)
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, str) and key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -54,8 +104,23 @@ _Loader.add_implicit_resolver(
     list("-+0123456789."))
 
 
-def parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def parse_yaml(text: str, key: str = "") -> Any:
+    """The YAML document ``text``, read safely; ``key`` is the key path it is the value of (for errors)."""
+    loader = _Loader(text, key)
+    try:
+        return loader.get_single_data()
+    except RecursionError:  # a fallback: MAX_DEPTH stops nesting first unless the stack is already deep
+        raise ConfigError(key, "lists and mappings nested too deeply to read") from None
+    finally:
+        loader.dispose()
 
 
 # ---- the schema -------------------------------------------------------------------------------
@@ -211,8 +276,28 @@ def _describe(tp: Any) -> str:
     return _TYPE_WORDS.get(tp, getattr(tp, "__name__", str(tp)))
 
 
+class _ShortRepr(reprlib.Repr):
+    """reprlib's bounded repr, mappings in their own order (reprlib sorts them)."""
+
+    def repr_dict(self, x: dict, level: int) -> str:
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
+                 for k, v in itertools.islice(x.items(), self.maxdict)]
+        return "{" + ", ".join(items) + (", ...}" if len(x) > self.maxdict else "}")
+
+
+_REPR = _ShortRepr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxset, _REPR.maxdict = 4, 10, 10, 10, 6
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 60
+
+
 def _show(value: Any) -> str:
-    text = repr(value)
+    """``value`` for a message, at most 60 characters; a container's repr is bounded as it is built (its
+    aliases may repeat a list a billion times)."""
+    text = _REPR.repr(value) if isinstance(value, (list, tuple, dict, set)) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -297,7 +382,7 @@ def _data_from_dict(raw: Any, path: str) -> DataConfig:
     if not isinstance(raw, dict):
         raise ConfigError(path, f"expected a mapping, got {_show(raw)}")
     source = raw.get("source", "digits")
-    if source not in DATA_SOURCES:
+    if not isinstance(source, str) or source not in DATA_SOURCES:  # (a list is not hashable)
         raise ConfigError(f"{path}.source", f"expected one of {', '.join(map(repr, DATA_SOURCES))}, "
                                             f"got {_show(source)}")
     # both would choose the eval set (the default's value is the one a saved config holds: not refused)
@@ -318,9 +403,12 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     if not all(parts):
         raise ConfigError("", f"--set {assignment!r}: empty key in {key!r}")
     try:
-        value = parse_yaml(text) if text.strip() else None
+        value = parse_yaml(text, key.strip()) if text.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(key, f"--set value {text!r} is not valid YAML ({e.__class__.__name__})") from None
+        why = e.__class__.__name__
+        raise ConfigError(key, f"--set value {_show(text)} is not valid YAML ({why})") from None
+    except ConfigError as e:
+        raise ConfigError(e.path, f"--set value: {e.message}") from None
     node = raw
     for i, p in enumerate(parts[:-1]):
         nxt = node.get(p)

@@ -9,6 +9,8 @@ whose state a checkpoint saves so that a resumed run sees the same batches.
 from __future__ import annotations
 
 import json
+import math
+import os
 import zipfile
 import zlib
 from collections.abc import Iterator
@@ -71,18 +73,66 @@ def _why_unreadable(e: BaseException) -> str:
     return _one_line(e)
 
 
+def _declared(fp: Any) -> tuple[tuple[int, ...], np.dtype] | None:
+    """The shape and dtype that the .npy header at ``fp`` declares; None when numpy's reader would refuse
+    the header or its data is pickled (np.load then says why)."""
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(fp)
+        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, _, dtype = read(fp)
+    except (ValueError, TypeError, OSError, EOFError, zipfile.BadZipFile, zlib.error):
+        return None
+    return None if dtype.hasobject else (tuple(shape), dtype)
+
+
+def _bytes_text(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} TiB"
+
+
+def _check_declared_size(fp: Any, size: int, what: str) -> None:
+    """Refuse a header at ``fp`` (a stream of ``size`` bytes) that declares more data than follows it,
+    before numpy allocates the array it declares; raises ValueError saying so about ``what``."""
+    declared = _declared(fp)
+    if declared is None:
+        return
+    shape, dtype = declared
+    need, have = math.prod(shape) * dtype.itemsize, max(size - fp.tell(), 0)
+    if need > have:
+        raise ValueError(f"{what}its header declares shape {shape} of {dtype} ({_bytes_text(need)}) but only "
+                         f"{_bytes_text(have)} of data follow it: the file is truncated or damaged")
+
+
+def _check_npy(path: str) -> None:
+    with open(path, "rb") as fp:
+        _check_declared_size(fp, os.fstat(fp.fileno()).st_size, "")
+
+
+def _check_npz_member(archive: zipfile.ZipFile, name: str) -> None:
+    member = name if name in archive.namelist() else f"{name}.npy"
+    info = archive.getinfo(member)
+    with archive.open(info) as fp:
+        _check_declared_size(fp, info.file_size, f"array {name!r}: ")
+
+
 def _load_files(d: FilesData, seed: int) -> Dataset:
     def read(npz_path: str | None, key: str, name: str, file_key: str) -> np.ndarray:
         npy = name.lower().endswith(".npy")
         where, path = (f"data.feeds.{key}", name) if npy else (file_key, npz_path)
         try:
             if npy:
+                _check_npy(name)
                 array = np.load(name, allow_pickle=False)
             else:
                 with np.load(npz_path, allow_pickle=False) as z:
                     if name not in z.files:
                         raise ConfigError(f"data.feeds.{key}", f"no array {name!r} in {npz_path}; it holds "
                                                                f"{z.files}")
+                    _check_npz_member(z.zip, name)
                     array = z[name]
         except ConfigError:
             raise
