@@ -80,7 +80,11 @@ def mod_grad(g: GradCtx) -> None:
     if g.needs_dx(0):
         g.set_dx(0, g.unbroadcast(g.dy(0), 0))
     if g.needs_dx(1):
-        q = g.emit("Round", g.emit("Div", g.emit("Sub", g.x(0), g.y(0)), g.x(1)))
+        ratio = g.emit("Div", g.emit("Sub", g.x(0), g.y(0)), g.x(1))
+        if g.dtype == TensorProto.BFLOAT16 and g.opset < 22:  # Round takes bfloat16 from opset 22
+            q = g.emit("Cast", g.emit("Round", g.emit("Cast", ratio, to=TensorProto.FLOAT)), to=g.dtype)
+        else:
+            q = g.emit("Round", ratio)
         g.set_dx(1, g.emit("Neg", g.unbroadcast(g.emit("Mul", g.dy(0), q), 1)))
 
 

@@ -329,6 +329,13 @@ def instance_norm_grad(g: GradCtx) -> None:
     spatial = list(range(2, r))
     xt, wt = g.dtype, _work_type(g)
     dy = _cast(g, g.dy(0), wt, xt)
+    if not spatial:  # (N, C): statistics over no axis, Y = B (as the kernel computes it): only B has one
+        for i in (0, 1):
+            if g.needs_dx(i):
+                g.set_dx(i, g.zeros_like(g.x(i)))
+        if g.needs_dx(2):
+            g.set_dx(2, _sum_to(g, dy, [0], 2, wt))
+        return
     xhat, rstd = _standardize(g, _cast(g, g.x(0), wt, xt), spatial, g.attr("epsilon"), wt)
     if g.needs_dx(0):
         gs = g.emit("Mul", dy, _per_channel(g, _cast(g, g.x(1), wt, xt), r))
@@ -406,8 +413,10 @@ def mean_variance_norm_grad(g: GradCtx) -> None:
     s = g.emit("Sqrt", _reduce_mean(g, g.emit("Mul", xc, xc), axes))
     d = g.emit("Add", s, g.const(1e-9, wt))
     first = g.emit("Div", g.emit("Sub", dy, _reduce_mean(g, dy, axes)), d)
+    # over a constant slice (s = 0, and xc = 0 with it) the second term is 0, not 0/0: s taken as 1 there
+    s_safe = g.emit("Where", g.emit("Greater", s, g.const(0.0, wt)), s, g.const(1.0, wt))
     second = g.emit("Div", g.emit("Mul", xc, _reduce_mean(g, g.emit("Mul", dy, xc), axes)),
-                    g.emit("Mul", s, g.emit("Mul", d, d)))
+                    g.emit("Mul", s_safe, g.emit("Mul", d, d)))
     g.set_dx(0, _cast(g, g.emit("Sub", first, second), xt, wt))
 
 
