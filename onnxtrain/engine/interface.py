@@ -8,7 +8,9 @@ LeNet session).
 
 from __future__ import annotations
 
+import math
 import os
+import stat
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -61,6 +63,12 @@ class UndefinedValueError(EngineError, InvalidArgument):
     ``InvalidArgument`` at load)."""
 
 
+class InitializerError(EngineError, InvalidGraph):
+    """An initializer of negative dims, or one that a graph input of the same name declares with another
+    element type or static shape (onnxruntime's ``Fail`` at load); the message names the tensor and the
+    model."""
+
+
 class InvalidNodeError(EngineError, InvalidGraph):
     """A node of a standard domain that its ONNX schema does not allow (inputs, outputs or attributes), found
     when the plan is compiled (onnxruntime's ``InvalidGraph`` at load); the message names the node, op,
@@ -100,13 +108,19 @@ def load_model(model: onnx.ModelProto | str | bytes | os.PathLike,
     """A ModelProto from a proto, a path or serialized bytes, its local functions (``model.functions``:
     torch's ``export_modules_as_functions``, say) inlined as onnxruntime inlines them; errors name the
     file. Tensors kept in external files are read from ``external_dir`` when given (onnxruntime's
-    ``session.model_external_initializers_file_folder_path``), else from beside the model file (through
-    symbolic links too, as a Hugging Face cache lays them out) or, for bytes, the working folder;
-    initializers named in ``supplied`` are not
-    read (their values come from elsewhere: ``SessionOptions.add_external_initializers``)."""
+    ``session.model_external_initializers_file_folder_path``), else from beside the model file or, for
+    bytes, the working folder; a data file reached through symbolic links must resolve into that folder
+    or, for a model file, into the folder of the file the model's own path resolves to (a Hugging Face
+    cache: both are links into its blobs), as onnxruntime 1.32 requires. Initializers named in
+    ``supplied`` are not read (their values come from elsewhere:
+    ``SessionOptions.add_external_initializers``)."""
     m = _text_names(_loaded(model, external_dir, supplied))
+    path = model if isinstance(model, (str, os.PathLike)) else None
     if not isinstance(model, onnx.ModelProto):
-        check_model_structure(m, model if isinstance(model, (str, os.PathLike)) else None)
+        check_model_structure(m, path)
+    where = (f"model file {os.fspath(path)}" if path is not None
+             else "the model" if isinstance(model, onnx.ModelProto) else "the model bytes")
+    check_initializers(m.graph, where)
     return standard_model(m)
 
 
@@ -197,37 +211,109 @@ def _external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
     return [t for t in found if t.data_location == onnx.TensorProto.EXTERNAL]
 
 
-def _read_external(model: onnx.ModelProto, folder: str, what: str, supplied: Collection[str] = ()) -> None:
-    """Read the external tensors of ``model`` from ``folder`` into the model (in place), following symbolic
-    links, but for the graph's initializers named in ``supplied``; a location that leaves the folder ("..",
-    absolute) is refused."""
+def _read_external(model: onnx.ModelProto, folder: str, what: str, supplied: Collection[str] = (),
+                   roots: Sequence[str] = ()) -> None:
+    """Read the external tensors of ``model`` from ``folder`` into the model (in place), but for the graph's
+    initializers named in ``supplied``. A location must be relative and stay in the folder ("..",
+    absolute: refused), and the file it names, its symbolic links resolved, must lie under one of the real
+    folders ``roots`` (default: the folder's own); each span is checked against the file's size before it
+    is read."""
     for t in model.graph.initializer:
         if t.name in supplied and t.data_location == onnx.TensorProto.EXTERNAL:  # no data until replaced
             t.data_location = onnx.TensorProto.DEFAULT
             del t.external_data[:]
+    allowed = list(roots) or [os.path.realpath(folder)]
     for t in _external_tensors(model):
-        info = {e.key: e.value for e in t.external_data}
-        location = info.get("location", "")
-        rel = os.path.normpath(location)
-        if not location or os.path.isabs(rel) or rel.startswith(".."):
-            raise ModelParseError(f"{what}: tensor {t.name!r} has its data at {location!r}, outside the "
-                                  f"folder {folder}")
-        path = os.path.join(folder, rel)
-        try:
-            with open(path, "rb") as f:
-                f.seek(int(info.get("offset", 0)))
-                length = info.get("length")
-                wanted = _external_size(t, length)  # without a length: the bytes its shape takes
-                data = f.read(wanted) if wanted is not None else f.read()
-        except OSError as e:
-            raise ModelParseError(f"{what}: could not read the data of tensor {t.name!r} from {path}: {e}") \
-                from None
-        if wanted is not None and len(data) != wanted:
-            raise ModelParseError(f"{what}: tensor {t.name!r} takes {wanted} bytes from {path} at offset "
-                                  f"{int(info.get('offset', 0))}, the file holds {len(data)} there")
-        t.raw_data = data
+        location, offset, length = _external_entries(t, what)
+        path = _data_path(t, location, folder, allowed, what)
+        t.raw_data = _read_span(t, path, offset, length, what)
         t.data_location = onnx.TensorProto.DEFAULT
         del t.external_data[:]
+
+
+def _external_entries(t: onnx.TensorProto, what: str) -> tuple[str, int, int | None]:
+    """An external tensor's ``location``, ``offset`` (0 when not given) and ``length`` (None when not
+    given), checked: a location without NUL bytes, offsets and lengths that are whole numbers >= 0."""
+    info = {e.key: e.value for e in t.external_data}
+    location = info.get("location", "")
+    if "\0" in location:
+        raise ModelParseError(f"{what}: tensor {t.name!r} has its data at {location!r}, a location holding "
+                              "a NUL byte")
+    offset = _entry_number(t, info, "offset", what)
+    return location, 0 if offset is None else offset, _entry_number(t, info, "length", what)
+
+
+def _entry_number(t: onnx.TensorProto, info: Mapping[str, str], key: str, what: str) -> int | None:
+    """The whole number >= 0 of an external tensor's entry ``key``, None when it has none."""
+    text = info.get(key)
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ModelParseError(f"{what}: tensor {t.name!r} (data at {info.get('location', '')!r}) has "
+                              f"{key} {text!r}, not a whole number >= 0")
+    return value
+
+
+def _data_path(t: onnx.TensorProto, location: str, folder: str, allowed: Sequence[str], what: str) -> str:
+    """The real path of the file holding ``t``'s data: ``location`` in ``folder``, its symbolic links
+    resolved, refused when outside every folder of ``allowed``."""
+    if not location:
+        raise ModelParseError(f"{what}: tensor {t.name!r} is kept in an external file but has no location")
+    rel = os.path.normpath(location)
+    if os.path.isabs(rel) or rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        raise ModelParseError(f"{what}: tensor {t.name!r} has its data at {location!r}, outside the "
+                              f"folder {folder}")
+    real = os.path.realpath(os.path.join(folder, rel))
+    if not any(_within(real, root) for root in allowed):
+        raise ModelParseError(f"{what}: tensor {t.name!r} has its data at {location!r}, which resolves "
+                              f"through symbolic links to {real}, outside the model's folder "
+                              f"{' and '.join(dict.fromkeys(allowed))} (refused, as onnxruntime refuses "
+                              "an external data path that escapes the model directory)")
+    return real
+
+
+def _within(path: str, folder: str) -> bool:
+    """Whether the real path ``path`` is ``folder`` (a real path) or lies under it."""
+    try:
+        return os.path.commonpath([path, folder]) == folder
+    except ValueError:  # (Windows: another drive)
+        return False
+
+
+def _read_span(t: onnx.TensorProto, path: str, offset: int, length: int | None, what: str) -> bytes:
+    """The bytes of ``t``'s data in the regular file ``path`` from ``offset``: ``length`` of them, else
+    those its shape takes (strings: the rest of the file); refused, before anything is read, when the file
+    holds fewer."""
+    try:
+        info = os.stat(path)
+    except OSError as e:
+        raise ModelParseError(f"{what}: could not read the data of tensor {t.name!r} from {path}: {e}") \
+            from None
+    size = info.st_size
+    if not stat.S_ISREG(info.st_mode):
+        raise ModelParseError(f"{what}: the data of tensor {t.name!r} is at {path}, not a regular file")
+    wanted = _external_size(t, length, what)  # without a length: the bytes its shape takes
+    if wanted is None:
+        wanted = max(size - offset, 0)
+    if offset + wanted > size:
+        raise ModelParseError(f"{what}: tensor {t.name!r} takes {wanted} bytes from {path} at offset "
+                              f"{offset}, the file holds {max(size - offset, 0)} there")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            f.seek(offset)
+            data = f.read(wanted)
+    except OSError as e:
+        raise ModelParseError(f"{what}: could not read the data of tensor {t.name!r} from {path}: {e}") \
+            from None
+    if len(data) != wanted:  # (the file changed since)
+        raise ModelParseError(f"{what}: tensor {t.name!r} takes {wanted} bytes from {path} at offset "
+                              f"{offset}, the file holds {len(data)} there")
+    return data
 
 
 # elements a byte holds, of the types packed below a byte
@@ -236,17 +322,67 @@ _PER_BYTE = {getattr(onnx.TensorProto, n): k for n, k in (("INT4", 2), ("UINT4",
              if hasattr(onnx.TensorProto, n)}
 
 
-def _external_size(t: onnx.TensorProto, length: str | None) -> int | None:
+def _external_size(t: onnx.TensorProto, length: int | None, what: str) -> int | None:
     """The bytes an external tensor's data takes: its ``length`` entry, else its shape's (None: strings)."""
+    _check_dims(t, what)
     if length is not None:
-        return int(length)
+        return length
     if t.data_type == onnx.TensorProto.STRING:
         return None
-    count = int(np.prod(t.dims, dtype=np.int64))
+    count = math.prod(t.dims)  # (Python ints: no overflow)
     per_byte = _PER_BYTE.get(t.data_type)
     if per_byte is not None:
         return -(-count // per_byte)
     return count * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+
+
+def _check_dims(t: onnx.TensorProto, what: str) -> None:
+    """Refuse tensor ``t`` when a dim of its shape is negative."""
+    if any(d < 0 for d in t.dims):
+        raise InitializerError(f"{what}: tensor {t.name!r} has negative dims {list(t.dims)} (a tensor's "
+                               "dims are sizes, >= 0)")
+
+
+def check_initializers(graph: onnx.GraphProto, where: str) -> None:
+    """Refuse, as onnxruntime does at load, an initializer of ``graph`` with a negative dim, or one whose
+    graph input of the same name declares another element type, rank or static dim (a symbolic or unknown
+    dim, or no shape, fits any)."""
+    inits = {t.name: t for t in graph.initializer}
+    for t in graph.initializer:
+        _check_dims(t, where)
+    for v in graph.input:
+        t = inits.get(v.name)
+        if t is None or not v.type.HasField("tensor_type"):
+            continue
+        declared = v.type.tensor_type
+        same_type = declared.elem_type in (0, t.data_type)
+        if same_type and (not declared.HasField("shape") or _dims_fit(declared.shape, t.dims)):
+            continue
+        shape = _declared_dims(declared) if declared.HasField("shape") else ""
+        raise InitializerError(f"{where}: graph input {v.name!r} is also an initializer and is declared "
+                               f"{_type_name(declared.elem_type)}{shape}, where the initializer is "
+                               f"{_type_name(t.data_type)}{list(t.dims)} (a value fed for it replaces the "
+                               "initializer, so both must agree)")
+
+
+def _dims_fit(shape: onnx.TensorShapeProto, dims: Sequence[int]) -> bool:
+    """Whether a declared shape allows ``dims``: the same rank, and each static dim equal."""
+    return len(shape.dim) == len(dims) and all(
+        not d.HasField("dim_value") or d.dim_value == n for d, n in zip(shape.dim, dims))
+
+
+def _declared_dims(declared: onnx.TypeProto.Tensor) -> str:
+    """A declared shape as errors write it: ``[N, 4]`` (static dims, symbols, ``?`` for unknown ones)."""
+    dims = (str(d.dim_value) if d.HasField("dim_value") else d.dim_param or "?" for d in declared.shape.dim)
+    return f"[{', '.join(dims)}]"
+
+
+def _type_name(code: int) -> str:
+    """An ONNX element type by its name (``FLOAT``), or its number when ONNX has none for it."""
+    try:
+        return onnx.TensorProto.DataType.Name(code)
+    except ValueError:
+        return str(code)
 
 
 def inline_local_functions(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -331,9 +467,12 @@ def _loaded(model: onnx.ModelProto | str | bytes | os.PathLike, external_dir: st
     if not m.graph.node and not m.graph.output:  # (an empty file parses as an empty model)
         raise NoGraphError(f"model file {path} ({os.path.getsize(path)} bytes) holds no graph")
     if _external_tensors(m):  # read here: onnx's loader refuses data files that are symbolic links
-        # from the folder given (onnxruntime 1.32's config entry; 1.19 ignored it for a path), else its own
+        # from the folder given (onnxruntime 1.32's config entry; 1.19 ignored it for a path), else its own;
+        # links must resolve into that folder or, without a folder given, that of the file the model's own
+        # path resolves to (a Hugging Face cache), as onnxruntime 1.32 requires
         folder = external_dir or os.path.dirname(os.path.abspath(path))
-        _read_external(m, folder, f"model file {path}", supplied)
+        roots = [] if external_dir else [os.path.realpath(folder), os.path.dirname(os.path.realpath(path))]
+        _read_external(m, folder, f"model file {path}", supplied, roots)
     return m
 
 

@@ -234,7 +234,17 @@ def _load(model: Any) -> onnx.ModelProto:
         path = os.fspath(model)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"model file not found: {path}")
-        return in_topological_order(onnx.load(path))
+        try:  # (worded as the training Module's loader words it)
+            m = onnx.load(path)
+        except Exception as e:
+            raise ValueError(f"Load model from {path} failed: not a valid ONNX model ({e})") from None
+        if not m.graph.node and not m.graph.output:  # (an empty file parses as an empty model)
+            raise ValueError(f"Load model from {path} failed: not a valid ONNX model (its "
+                             f"{os.path.getsize(path)} bytes hold no graph)")
+        from onnxtrain.engine.interface import check_initializers
+
+        check_initializers(m.graph, f"model file {path}")
+        return in_topological_order(m)
     if isinstance(model, onnx.ModelProto):  # (past 2 GiB too: copied, never serialized)
         m = in_topological_order(model)
         if m is model:
