@@ -82,11 +82,12 @@ def _gc_after_fork_in_child() -> None:
     global _GC_LOCK
     _GC_LOCK = threading.Lock()
     me = threading.get_ident()
+    paused = bool(_gc_builds)  # (else the collector is as the program left it: nothing to give back)
     mine = _gc_builds.get(me, 0)
     _gc_builds.clear()
     if mine:
         _gc_builds[me] = mine
-    elif _gc_was_enabled:
+    elif paused and _gc_was_enabled:
         gc.enable()
 
 

@@ -6,6 +6,7 @@ float64 central differences of the sum of the finite outputs."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx.reference
 import pytest
 from onnx import TensorProto, helper
@@ -54,6 +55,7 @@ def test_average_pool_window_in_the_padding(attrs: dict, want_y: list[float]) ->
     np.testing.assert_array_equal(y.ravel(), np.array(want_y))
     np.testing.assert_array_equal(y, ref)
     gm = build_gradient_model(m, "loss", ["X"])
+    onnx.checker.check_model(gm, full_check=True)
     got = dict(zip([o.name for o in gm.graph.output],
                    onnxtrain.InferenceSession(gm.SerializeToString()).run(None, {"X": x})))
     np.testing.assert_allclose(got["X_grad"], _fd(m, x), atol=1e-8)
@@ -69,6 +71,7 @@ def test_max_pool_window_in_the_padding_has_index_minus_one_and_no_gradient() ->
     m1 = _pool("MaxPool", [1, 1, 2, 1], attrs, indices=True)
     m1.graph.node[-1].CopyFrom(helper.make_node("ReduceSum", ["Y"], ["loss"], keepdims=0))
     gm = build_gradient_model(m1, "loss", ["X"])
+    onnx.checker.check_model(gm, full_check=True)
     got = dict(zip([o.name for o in gm.graph.output],
                    onnxtrain.InferenceSession(gm.SerializeToString()).run(None, {"X": x})))
     np.testing.assert_array_equal(got["X_grad"], np.zeros_like(x))

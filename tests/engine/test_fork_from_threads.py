@@ -130,3 +130,13 @@ def test_a_child_forked_by_the_stepping_thread_still_defers_ctrl_c_to_the_steps_
         return status
 
     assert step_then_fork() == 0
+
+
+def test_a_child_forked_with_no_build_under_way_keeps_the_programs_collector_setting() -> None:
+    with gc_paused():
+        pass
+    gc.disable()  # the program's own choice, after a build
+    try:
+        assert _child_status(lambda: 0 if not gc.isenabled() else 1) == 0
+    finally:
+        gc.enable()

@@ -129,3 +129,29 @@ def test_memory_levels_off_over_many_distinct_shapes(n: int) -> None:
     assert first > 0
     assert second < 0.1 * first, (first, second)
     assert len(cluster.programs) <= fe.MAX_PROGRAMS
+
+
+def test_a_cycle_through_more_shapes_than_the_bound_does_not_trace_each_visit(monkeypatch) -> None:
+    """Past the bound, a new shape runs unfused until it has come back PROMOTE_AFTER times (a cycle of 12
+    shapes over 8 programs traced on every visit once the oldest were dropped first: 96 traces in 8
+    cycles); values stay the reference's."""
+    monkeypatch.setattr(fe, "MAX_PROGRAMS", 8)
+    traces: list[tuple] = []
+    original = fe.Cluster._traced_run
+
+    def spy(self, inputs, last):
+        traces.append(tuple(np.shape(a) for a in inputs))
+        return original(self, inputs, last)
+
+    monkeypatch.setattr(fe.Cluster, "_traced_run", spy)
+    sess, cluster = _session()
+    ref = ReferenceEvaluator(_chain_model())
+    rng = np.random.default_rng(5)
+    shapes = _shapes(12, seed=6)
+    for _ in range(8):
+        for shape in shapes:
+            feeds = _feeds(shape, rng)
+            (got,) = sess.run(None, feeds)
+            np.testing.assert_allclose(got, ref.run(None, feeds)[0], rtol=1e-6, atol=1e-6)
+    assert len(cluster.programs) <= 8
+    assert len(traces) <= 8 + 4 * 8 // fe.PROMOTE_AFTER * 3, len(traces)

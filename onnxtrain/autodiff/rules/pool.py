@@ -42,7 +42,7 @@ def max_pool_grad(g: GradCtx) -> None:
     idx = g.emit("Reshape", g.y(1), flat)
     dy = g.emit("Reshape", g.dy(0), flat)
     if empty:
-        dy = g.emit("Where", g.emit("Less", idx, g.const(0, TensorProto.INT64)), g.zeros_like(dy), dy)
+        dy = g.emit("Where", g.emit("Less", idx, g.const(0, TensorProto.INT64)), g.const(0), dy)
     if int(g.attr("storage_order") or 0) == 1:
         idx = _row_major(g, idx)
     acc = g.emit("ScatterElements", zeros, idx, dy, axis=0, reduction="add")

@@ -29,10 +29,14 @@ if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
 
 MIN_POOLED = 256  # elements: smaller values are cheaper to allocate than to look up
-# input signatures (shapes and dtypes) a cluster keeps a program for, the oldest dropped first: a run over
-# many shapes (every (batch, seq) of a data set) would otherwise keep one per shape for the session's life
-# (a tiny GPT over 1,000 shapes: +14 MiB); a fixed-shape loop keeps its one program and its one lookup
-MAX_PROGRAMS = 64
+# input signatures (shapes and dtypes) a cluster keeps a program for: a run over many shapes (every
+# (batch, seq) of a data set) would otherwise keep one per shape for the session's life (a tiny GPT over
+# 1,000 shapes: +14 MiB); a fixed-shape loop keeps its one program and its one lookup. Once the cluster
+# holds that many, a new signature runs its members one by one (no trace) until it has come back
+# PROMOTE_AFTER times; then it is traced and the oldest program dropped (a hot shape that comes late is
+# compiled; a cycle through more shapes than the bound traces a quarter as often as it would)
+MAX_PROGRAMS = 128
+PROMOTE_AFTER = 4
 
 
 def expand_sums(plan: Plan, steps: list[Step]) -> list[Step]:
@@ -287,12 +291,15 @@ class Cluster:
         self.fresh_outputs = not passed.intersection(escaping)
         self.reusable: frozenset[int] = frozenset()
         self.programs: dict[tuple, list] = {}  # signature → program, oldest first
+        self.misses: dict[tuple, int] = {}  # signatures run unfused since the programs were full → runs
 
     def __call__(self, inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         sig = tuple((a.shape, a.dtype) if type(a) is np.ndarray else type(a) for a in inputs)
         prog = self.programs.get(sig)
         if prog is None:
-            return self._trace(sig, inputs)
+            if len(self.programs) < MAX_PROGRAMS:
+                return self._trace(sig, inputs)
+            return self._miss(sig, inputs)
         pool = self.pool
         if not pool.lock.acquire(blocking=False):
             return self._fallback(inputs)
@@ -327,6 +334,17 @@ class Cluster:
         found nothing reads them after this step); returns the ones among its inputs."""
         self.reusable = frozenset(slots) & frozenset(self.ext)
         return self.reusable
+
+    def _miss(self, sig: tuple, inputs: Sequence[Any]) -> list[Any]:
+        """A signature beyond the programs kept: its members one by one, traced once it comes back often."""
+        misses = self.misses
+        n = misses.pop(sig, 0) + 1
+        if n >= PROMOTE_AFTER:
+            return self._trace(sig, inputs)  # (_store drops the oldest program)
+        if len(misses) >= 2 * MAX_PROGRAMS:  # (a bound on the counts too)
+            misses.clear()
+        misses[sig] = n
+        return self._fallback(inputs)
 
     def _fallback(self, inputs: Sequence[Any]) -> list[Any]:
         env = dict(zip(self.ext, inputs))
