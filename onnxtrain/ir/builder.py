@@ -279,6 +279,22 @@ def loadable_model(model: onnx.ModelProto, where: str = "") -> onnx.ModelProto:
 _DATA_KEPT = 1024  # initializers of at most this many elements keep their values for shape inference
 
 
+def _inputs_output_as_declared(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model``, or a copy whose graph outputs that are graph inputs too take the input's declared type: ONNX
+    inference lets an output declared without a shape hide the input's (a rank-0 input then lost its rank,
+    and every value after it)."""
+    g = model.graph
+    inputs = {v.name: v for v in g.input}
+    hidden = [k for k, o in enumerate(g.output) if o.name in inputs and o.type != inputs[o.name].type]
+    if not hidden:
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for k in hidden:
+        m.graph.output[k].type.CopyFrom(inputs[m.graph.output[k].name].type)
+    return m
+
+
 def _skeleton(model: onnx.ModelProto, with_value_info: bool = True) -> onnx.ModelProto:
     """``model`` without the values of its large float initializers (graph inputs of the same type instead):
     the same shapes for ONNX shape inference, whose data propagation only reads small integer tensors, for
@@ -332,7 +348,7 @@ def value_types(model: onnx.ModelProto, declared: bool = True) -> dict[str, onnx
     output dims wrong (:mod:`onnxtrain.ir.conv_shapes`: those rounds carry the kernel's dims to the values
     after it). Without ``declared``, the model's declared types of intermediate values (``value_info``,
     which may be stale: dims no run has) are not read, only inferred ones."""
-    skeleton = _skeleton(model, declared)
+    skeleton = _inputs_output_as_declared(_skeleton(model, declared))
     if declared:
         skeleton = _reconciled(skeleton)
     types = _inferred_types(model, skeleton, model)
