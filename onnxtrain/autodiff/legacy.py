@@ -43,10 +43,16 @@ class GradientGraphBuilder:
                  x_node_arg_names: Iterable[str], loss_node_arg_name: str, options: Any = None):
         from onnxtrain.engine.interface import load_model  # (read and refused as the sessions read them)
 
+        if options is not None and isinstance(options, (str, bytes, dict, list, tuple, int, float)):
+            raise TypeError(f"options must be a SessionOptions (or an object with the option as attribute), "
+                            f"got {type(options).__name__}")
+        if not isinstance(loss_node_arg_name, str):
+            raise TypeError(f"loss_node_arg_name must be a str, got {type(loss_node_arg_name).__name__}")
+        folder = _external_folder(options)
         if isinstance(serialized_model, (bytes, bytearray)):
-            self._model = load_model(bytes(serialized_model))
+            self._model = load_model(bytes(serialized_model), folder)
         elif isinstance(serialized_model, (str, os.PathLike)):
-            self._model = load_model(os.fspath(serialized_model))
+            self._model = load_model(os.fspath(serialized_model), folder)
         elif isinstance(serialized_model, onnx.ModelProto):  # also taken (onnxruntime's took bytes or a path)
             self._model = onnx.ModelProto()
             self._model.CopyFrom(serialized_model)
@@ -124,3 +130,14 @@ def outputs_in_model_order(built: onnx.ModelProto, model: onnx.ModelProto, wrt: 
     others = [o for o in built.graph.output if o.name not in named] if keep_others else []
     del built.graph.output[:]
     built.graph.output.extend([*others, *kept, *grads])
+
+
+def _external_folder(options: Any) -> str | None:
+    """The folder of a SessionOptions' ``session.model_external_initializers_file_folder_path``, if set."""
+    get = getattr(options, "get_session_config_entry", None)
+    if get is None:
+        return None
+    try:
+        return get("session.model_external_initializers_file_folder_path") or None
+    except Exception:  # noqa: BLE001 - an entry not set (onnxruntime's options raise there)
+        return None
