@@ -59,15 +59,21 @@ def _shapes(n: int, seed: int) -> list[tuple[int, int]]:
     return shapes[:n]
 
 
-def test_programs_stay_bounded_and_evicted_shapes_give_the_reference_values(monkeypatch) -> None:
-    traces: list[tuple] = []
+@pytest.fixture
+def traces(monkeypatch) -> list[tuple]:
+    """The input shapes of every cluster trace run while the test runs."""
+    seen: list[tuple] = []
     original = fe.Cluster._traced_run
 
     def spy(self, inputs, last):
-        traces.append(tuple(np.shape(a) for a in inputs))
+        seen.append(tuple(np.shape(a) for a in inputs))
         return original(self, inputs, last)
 
     monkeypatch.setattr(fe.Cluster, "_traced_run", spy)
+    return seen
+
+
+def test_programs_stay_bounded_and_evicted_shapes_give_the_reference_values(traces: list[tuple]) -> None:
     sess, cluster = _session()
     ref = ReferenceEvaluator(_chain_model())
     rng = np.random.default_rng(1)
@@ -131,19 +137,12 @@ def test_memory_levels_off_over_many_distinct_shapes(n: int) -> None:
     assert len(cluster.programs) <= fe.MAX_PROGRAMS
 
 
-def test_a_cycle_through_more_shapes_than_the_bound_does_not_trace_each_visit(monkeypatch) -> None:
+def test_a_cycle_through_more_shapes_than_the_bound_does_not_trace_each_visit(monkeypatch,
+                                                                              traces: list[tuple]) -> None:
     """Past the bound, a new shape runs unfused until it has come back PROMOTE_AFTER times (a cycle of 12
     shapes over 8 programs traced on every visit once the oldest were dropped first: 96 traces in 8
     cycles); values stay the reference's."""
     monkeypatch.setattr(fe, "MAX_PROGRAMS", 8)
-    traces: list[tuple] = []
-    original = fe.Cluster._traced_run
-
-    def spy(self, inputs, last):
-        traces.append(tuple(np.shape(a) for a in inputs))
-        return original(self, inputs, last)
-
-    monkeypatch.setattr(fe.Cluster, "_traced_run", spy)
     sess, cluster = _session()
     ref = ReferenceEvaluator(_chain_model())
     rng = np.random.default_rng(5)
