@@ -473,6 +473,9 @@ class Module:
 
     def _train_step(self, user_inputs: Sequence[Any]) -> list[np.ndarray]:
         feeds = check_user_inputs(self._train_inputs, user_inputs, "the training model")
+        # an empty batch (a size-0 input) leaves BatchNorm's running statistics as they were, as torch's
+        # training-mode BatchNorm does (its batch statistics are 0/0: NaN kept for good in the state)
+        empty_batch = any(getattr(v, "size", 1) == 0 for v in feeds.values())
         feeds.update(self._param_feeds(self._param_order, "Cannot perform TrainStep with a nominal state."))
         params = self._state._params
         overwrite = self._overwrite_plan is not None and not self._accumulate
@@ -517,7 +520,8 @@ class Module:
         n = len(self._train_outputs)
         replace_grads([params[p] for p in self._trainable], results[n:n + len(self._trainable)])
         for stat, new in zip(self._running_stats, results[n + len(self._trainable):]):
-            np.copyto(params[stat].data, new)  # in place: held .data arrays see the new statistics
+            if not empty_batch:
+                np.copyto(params[stat].data, new)  # in place: held .data arrays see the new statistics
         self._accumulate = True
         return _unshared(results[:n], params.values())
 

@@ -1,0 +1,44 @@
+"""A training call on an empty batch leaves BatchNorm's running statistics as they were, as torch's
+training-mode BatchNorm1d does (they became NaN for good: every later eval, export and checkpoint NaN)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from onnxtrain.training import artifacts
+from onnxtrain.training.api import CheckpointState, Module
+
+
+def test_an_empty_batch_keeps_the_running_statistics(tmp_path) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3)).train()
+    path = str(tmp_path / "m.onnx")
+    torch.onnx.export(net, (torch.randn(5, 4),), path, input_names=["x"], output_names=["logits"],
+                      dynamic_axes={"x": {0: "N"}}, training=torch.onnx.TrainingMode.TRAINING, dynamo=False)
+    import onnx
+
+    model = onnx.load(path)
+    inits = [t.name for t in model.graph.initializer]
+    stats = [n for n in inits if "running" in n]
+    frozen = [n for n in inits if n in stats or "num_batches" in n]
+    artifacts.generate_artifacts(model, requires_grad=[n for n in inits if n not in frozen],
+                                 frozen_params=frozen, loss=artifacts.LossType.CrossEntropyLoss,
+                                 artifact_directory=str(tmp_path))
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    module = Module(str(tmp_path / "training_model.onnx"), state)
+    before = {n: state.parameters[n].data.copy() for n in stats}
+    module(np.zeros((0, 4), np.float32), np.zeros(0, np.int64))
+    bn = net[1]
+    bn(torch.zeros(0, 6))  # the oracle: torch leaves them as they were
+    for n in stats:
+        np.testing.assert_array_equal(state.parameters[n].data, before[n])
+    np.testing.assert_allclose(before[stats[0]], bn.running_mean.numpy(), rtol=1e-6)
+    # a real batch still updates them, as torch does
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    module(x, np.zeros(5, np.int64))
+    bn_net = net.train()
+    with torch.no_grad():
+        bn_net(torch.from_numpy(x))
+    np.testing.assert_allclose(state.parameters[stats[0]].data, bn.running_mean.numpy(), rtol=1e-5, atol=1e-6)
