@@ -461,6 +461,9 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                 raise ValueError(
                     f"output(s) {missing} are not computed on a gradient-accumulation micro-step"
                 )
+        # an empty batch (a size-0 feed) leaves BatchNorm's running statistics as they were, as torch's
+        # training-mode BatchNorm does (its batch statistics are 0/0: NaN kept for good in the state)
+        kept = self._graphs.bn_stats if any(getattr(v, "size", 1) == 0 for v in feeds.values()) else ()
         feeds = self._feeds_of(plan, feeds)  # e.g. no learning rate when not updating
         if path and self._backend != "numpy":  # onnxruntime writes the new running statistics of a
             # training-mode BatchNormalization into the buffers of the old ones when the graph does not
@@ -476,11 +479,12 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
             upd_items = list(self._graphs.updates[kind].items())
         # the old state arrays are the session's own (get_state and load_state copy), and each is replaced by
         # its update below: the plan may write the new values into them
-        donate = [s for s, _ in upd_items if s in feeds]
+        donate = [s for s, _ in upd_items if s in feeds and s not in kept]
         results = plan.run(feeds, names + sources + [o for _, o in upd_items], donate=donate)
         self._last_plan = plan
         for (state, _), v in zip(upd_items, results[len(names) + len(sources) :]):
-            self._store[state] = v
+            if state not in kept:
+                self._store[state] = v
         if path and self._dp is not None:
             got = dict(zip(names + sources, results))
             results[: len(names)] = self._path_checks_across_ranks(names, got)

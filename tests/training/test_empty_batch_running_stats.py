@@ -42,3 +42,43 @@ def test_an_empty_batch_keeps_the_running_statistics(tmp_path) -> None:
     with torch.no_grad():
         bn_net(torch.from_numpy(x))
     np.testing.assert_allclose(state.parameters[stats[0]].data, bn.running_mean.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_legacy_session_keeps_them_too(tmp_path) -> None:
+    import onnx
+
+    from onnxtrain import TrainingParameters, TrainingSession
+
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(self.net(x), y)
+
+    net = Net().train()
+    path = str(tmp_path / "m.onnx")
+    torch.onnx.export(net, (torch.randn(5, 4), torch.zeros(5, dtype=torch.long)), path,
+                      input_names=["x", "y"], output_names=["loss"],
+                      dynamic_axes={"x": {0: "N"}, "y": {0: "N"}},
+                      training=torch.onnx.TrainingMode.TRAINING, dynamo=False)
+    p = TrainingParameters()
+    p.loss_output_name = "loss"
+    p.training_optimizer_name = "SGDOptimizer"
+    sess = TrainingSession(onnx.load(path).SerializeToString(), p)
+    lr = np.array([0.1], np.float32)
+    before = sess.get_state()
+    stats = [k for k in before if "running" in k]
+    sess.run(None, {"x": np.zeros((0, 4), np.float32), "y": np.zeros(0, np.int64), "Learning_Rate": lr})
+    after = sess.get_state()
+    for k in stats:
+        np.testing.assert_array_equal(after[k], before[k])
+    x = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
+    sess.run(None, {"x": x, "y": np.zeros(5, np.int64), "Learning_Rate": lr})
+    with torch.no_grad():
+        net(torch.from_numpy(x), torch.zeros(5, dtype=torch.long))  # torch's update from the same statistics
+    np.testing.assert_allclose(sess.get_state()[stats[0]], net.net[1].running_mean.numpy(),
+                               rtol=1e-5, atol=1e-6)
