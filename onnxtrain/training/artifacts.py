@@ -125,6 +125,7 @@ from onnxtrain.training import onnxblock
 from onnxtrain.training.api._accumulation import ACCUMULATED_SUFFIX as ACC_OUT_SUFFIX
 from onnxtrain.training.api._accumulation import BUFFER_SUFFIX
 from onnxtrain.training.api._accumulation import RESET_INPUT as RESET
+from onnxtrain.training.api._graph import parse_model_file
 from onnxtrain.training.onnxblock.model_accessor import BlockError, editing, value_info
 from onnxtrain.training.onnxblock.optim import ALL_FINITE
 from onnxtrain.training.onnxblock.optim import Optimizer as OptimizerBlock
@@ -234,10 +235,7 @@ def _load(model: Any) -> onnx.ModelProto:
         path = os.fspath(model)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"model file not found: {path}")
-        try:  # (worded as the training Module's loader words it)
-            m = onnx.load(path)
-        except Exception as e:
-            raise ValueError(f"Load model from {path} failed: not a valid ONNX model ({e})") from None
+        m = parse_model_file(path)  # (refused as the training Module's loader refuses it)
         if not m.graph.node and not m.graph.output:  # (an empty file parses as an empty model)
             raise ValueError(f"Load model from {path} failed: not a valid ONNX model (its "
                              f"{os.path.getsize(path)} bytes hold no graph)")

@@ -265,8 +265,8 @@ def _matmul_bias_adds(plan: Plan, steps: list[Step], cons: dict[int, list[int]],
 
 
 class Cluster:
-    """The kernel of one elementwise cluster; specialised per signature of its inputs on first use (the
-    last :data:`MAX_PROGRAMS` signatures kept)."""
+    """The kernel of one elementwise cluster; specialised per signature of its inputs on first use (at most
+    :data:`MAX_PROGRAMS` signatures kept, see there)."""
 
     def __init__(
         self,

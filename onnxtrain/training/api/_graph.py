@@ -44,8 +44,14 @@ def _read(uri: ModelLike, what: str) -> tuple[onnx.ModelProto, str | None]:
         raise IsADirectoryError(f"the {what} model path is a directory: {path}")
     if not os.path.exists(path):
         raise FileNotFoundError(f"Load model from {path} failed: the {what} model file does not exist")
+    return parse_model_file(path), path
+
+
+def parse_model_file(path: str) -> onnx.ModelProto:
+    """The ONNX model in file ``path``; a ValueError "Load model from <path> failed: not a valid ONNX model"
+    when it does not parse."""
     try:
-        return onnx.load(path), path
+        return onnx.load(path)
     except Exception as e:
         raise ValueError(f"Load model from {path} failed: not a valid ONNX model ({e})") from None
 
