@@ -74,6 +74,13 @@ def test_lp_normalization_l1_uses_absolute_values() -> None:
     assert not ours[1].any()
 
 
+@pytest.mark.parametrize("p", [1, 2])
+def test_lp_normalization_of_a_slice_whose_norm_underflows_is_zero_as_onnxruntime(p: int) -> None:
+    x = np.array([[0, 0, 0], [1e-30, -2e-30, 0], [3, 4, 0]], np.float32)  # 1e-60 underflows float32
+    (ours,), (theirs,) = _run_both("LpNormalization", [x], 13, axis=1, p=p)
+    np.testing.assert_array_equal(ours, theirs)
+
+
 @pytest.mark.parametrize("axes", [[0, 2, 3], [1], [2, 3]])
 def test_mean_variance_normalization_matches_onnxruntime(axes: list[int]) -> None:
     x = _rng.uniform(-2, 2, (2, 3, 2, 4)).astype(np.float32)

@@ -386,7 +386,7 @@ def group_norm_grad(g: GradCtx) -> None:
 @gradient("LpNormalization", uses=("x0", "y0"))
 def lp_norm_grad(g: GradCtx) -> None:
     # Y = X/n along the axis, n = ||X||_p:  dX = (dY − s·Σ dY·Y)/n with s = ∂n/∂X = Y (p=2) or
-    # Sign(X) (p=1); an all-zero slice (n = 0, Y = 0) gets dY/1 like the kernel's n := 1. Half types
+    # Sign(X) (p=1); a slice of norm 0 (Y = 0) gets dY/1, so an all-zero weight can leave 0. Half types
     # compute in float32, as the kernel does (a float16 norm past 65504 was inf, and dX 0)
     p = g.attr("p")
     if p not in (1, 2):
