@@ -57,7 +57,8 @@ def div_grad(g: GradCtx) -> None:
 def pow_grad(g: GradCtx) -> None:
     # Y = A^B: dA = dY·B·A^(B-1), 0 where B == 0 (as torch: the exponent B-1 is replaced there so
     #          0·0^-1 = nan cannot occur; the Where runs on B's shape, often a scalar);
-    #          dB = dY·Y·log(A), 0 where A <= 0 (log undefined; torch gives nan for A < 0)
+    #          dB = dY·Y·log(A), 0 where A < 0 (log undefined; torch gives nan) and where A == 0 <= B
+    #          (torch's mask); A == 0 > B gives Y·log(0) = inf·(−inf) = −inf·dY, as torch
     a, b = g.x(0), g.x(1)
     ta, tb = g.elem_type(a) or g.dtype, g.elem_type(b) or g.dtype
     bf = b if tb == ta else g.emit("Cast", b, to=ta)  # B may be an integer or another float type
@@ -67,9 +68,10 @@ def pow_grad(g: GradCtx) -> None:
         da = g.emit("Mul", g.emit("Mul", g.dy(0), bf), g.emit("Pow", a, e))
         g.set_dx(0, g.unbroadcast(da, 0))
     if g.needs_dx(1):
-        pos = g.emit("Greater", a, zero)
-        log_a = g.emit("Log", g.emit("Where", pos, a, one))
-        db = g.unbroadcast(g.emit("Mul", g.emit("Mul", g.dy(0), g.y(0)), log_a), 1)
+        log_a = g.emit("Log", g.emit("Where", g.emit("Less", a, zero), one, a))
+        flat = g.emit("And", g.emit("Equal", a, zero), g.emit("Not", g.emit("Less", bf, zero)))
+        t = g.emit("Where", flat, zero, g.emit("Mul", g.emit("Mul", g.dy(0), g.y(0)), log_a))
+        db = g.unbroadcast(t, 1)
         g.set_dx(1, db if tb == ta else g.emit("Cast", db, to=tb))
 
 
