@@ -329,3 +329,15 @@ def test_layer_norm_statistics_are_of_the_stash_type_and_match_onnxruntime(dtype
             assert a.dtype == b.dtype
             tol = 1e-12 if a.dtype == np.float64 else 1e-5
             np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax", "Hardmax"])
+@pytest.mark.parametrize("opset", [11, 13])
+def test_softmax_family_refuses_a_scalar_input_as_onnxruntime(op: str, opset: int) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    x = np.array(1.5, np.float32)
+    model = _model(op, [x], opset)
+    with pytest.raises(Exception, match="rank must be >= 1"):
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception, match=f"{op}.*rank >= 1"):
+        compile_model(model).run(_feeds([x]))

@@ -244,9 +244,15 @@ def _one_hot_max(x: np.ndarray, axis: int) -> np.ndarray:
     return (iota == first).astype(x.dtype)
 
 
+def _check_rank(x: np.ndarray) -> None:
+    if not x.ndim:
+        raise ValueError("Hardmax: the input must have rank >= 1 (it is a scalar)")
+
+
 @kernel("Hardmax", since=1)
 def hardmax_1(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]  # opsets 1-11: flatten to 2-D at ``axis``, one max per row
+    _check_rank(x)
     axis = attrs["axis"] + (x.ndim if attrs["axis"] < 0 else 0)
     flat = x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))
     return (_one_hot_max(flat, 1).reshape(x.shape),)
@@ -256,6 +262,7 @@ def hardmax_1(inputs: Inputs, attrs: Attrs) -> Outputs:
 def hardmax(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
     axis = attrs["axis"]
+    _check_rank(x)
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"Hardmax: axis {axis} is out of range for rank {x.ndim}")
     return (_one_hot_max(x, axis % x.ndim),)

@@ -174,9 +174,9 @@ def _flat_2d(fn, inputs: Inputs, attrs: Attrs) -> Outputs:
 
 
 def _axis(axis: int, rank: int) -> int:
-    """``axis`` in [0, rank), from [-rank, rank) (a rank-0 input keeps it as given)."""
+    """``axis`` in [0, rank), from [-rank, rank); a scalar input is refused, as ONNX's shape rule does."""
     if not rank:
-        return axis
+        raise ValueError("the input must have rank >= 1 (it is a scalar)")
     if not -rank <= axis < rank:
         raise ValueError(f"axis {axis} is out of range for an input of rank {rank}")
     return axis % rank
