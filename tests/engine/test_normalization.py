@@ -341,3 +341,16 @@ def test_softmax_family_refuses_a_scalar_input_as_onnxruntime(op: str, opset: in
         ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     with pytest.raises(Exception, match=f"{op}.*rank >= 1"):
         compile_model(model).run(_feeds([x]))
+
+
+def test_layer_normalization_over_no_element_is_refused_naming_the_axis_as_onnxruntime() -> None:
+    ort = pytest.importorskip("onnxruntime")
+    x, scale = np.zeros((2, 0), np.float32), np.ones(0, np.float32)
+    model = _model("LayerNormalization", [x, scale], 18, axis=-1)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception, match="must be at least 1"):
+        sess.run(None, _feeds([x, scale]))
+    with pytest.raises(Exception, match=r"LayerNormalization normalizes X.shape\[1:\] = \(0,\), of no element"):
+        _ours("LayerNormalization", [x, scale], 18, axis=-1)
+    (y,), (want,) = _run_both("LayerNormalization", [np.zeros((0, 3), np.float32), np.ones(3, np.float32)], 18)
+    assert y.shape == want.shape == (0, 3)

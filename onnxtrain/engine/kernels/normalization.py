@@ -249,6 +249,9 @@ def layer_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
     axis %= nd
     inner = x.shape[axis:]
     cols = math.prod(inner)
+    if not cols:
+        raise ValueError(f"LayerNormalization normalizes X.shape[{axis}:] = {inner}, of no element; "
+                         "it must hold at least one (onnxruntime refuses it too)")
     sdt = _stash_dtype(x, attrs.get("stash_type"))
     x2 = x.reshape(-1, cols).astype(sdt, copy=False)
     y, mean, inv = _standardize_rows(x2, attrs["epsilon"])
