@@ -106,6 +106,20 @@ def test_random_uniform_draws_the_uniform_distribution(dtype: int, low: float, h
     _check_moments(y, (low + high) / 2, w**2 / 12, w**4 / 80)
 
 
+@pytest.mark.parametrize("dtype, low, high", [
+    (T.FLOAT16, 1.0, 2.0), (T.BFLOAT16, 1.0, 2.0), (T.FLOAT, 1.0, 2.0), (T.FLOAT16, 0.0, 0.1)],
+    ids=["f16", "bf16", "f32", "f16-0.1"])
+@pytest.mark.parametrize("op", ["RandomUniform", "RandomUniformLike"])
+def test_random_uniform_never_draws_high_after_rounding(op: str, dtype: int, low: float, high: float) -> None:
+    # the schema's interval is [low, high): a draw close to high that rounds up to it takes the value below
+    shape, np_dt = [2_000_000], helper.tensor_dtype_to_np_dtype(dtype)
+    like = {"x": np.zeros(shape, np.float32)} if op.endswith("Like") else {"shape": shape}
+    (y,) = _run(_one(op, like.get("x"), dtype=dtype, low=low, high=high, seed=3.0,
+                     **({} if "x" in like else like)), like.get("x"))
+    assert y.dtype == np_dt and float(y.min()) >= low and float(y.max()) < high
+    assert (y == np.nextafter(np.array(high, np_dt), np.array(low, np_dt))).any() or dtype == T.FLOAT
+
+
 @pytest.mark.parametrize("op", ["RandomNormalLike", "RandomUniformLike"])
 def test_like_ops_take_shape_and_dtype_from_the_input_unless_told(op: str) -> None:
     for x in (np.zeros((3, 0, 2), np.float16), np.zeros((4, 5), np.float64), np.zeros((), np.float32)):

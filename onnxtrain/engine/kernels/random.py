@@ -106,7 +106,18 @@ def _uniform(attrs: Attrs, shape: tuple[int, ...], dt: np.dtype) -> Outputs:
     y = _generator(attrs).random(shape, dtype=_work(dt))
     y *= high - low
     y += low
-    return (y.astype(dt, copy=False),)
+    y = y.astype(dt, copy=False)
+    if high > low:  # the draws are in [low, high): a value rounded up to ``high`` takes the one below it
+        np.minimum(y, _below(high, low, dt), out=y)
+    return (y,)
+
+
+def _below(high: float, low: float, dt: np.dtype) -> np.ndarray:
+    """The largest value of ``dt`` under ``high`` (``low`` if none is above it)."""
+    top, floor = np.array(high, dt), np.array(low, dt)
+    while float(top) >= high and top > floor:
+        top = np.nextafter(top, floor)
+    return top
 
 
 @kernel("RandomNormal", since=1)
