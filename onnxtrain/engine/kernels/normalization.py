@@ -411,7 +411,7 @@ def lp_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
         norm = np.add.reduce(np.abs(w), axis=axis, keepdims=True)
     else:
         raise ValueError(f"LpNormalization supports p=1 or p=2, got p={p}")
-    norm[norm == 0] = np.inf  # a slice of norm 0 (all zero, or whose squares underflow) gives 0, as onnxruntime
+    norm[norm == 0] = np.inf  # a slice of norm 0 (all zero, or its squares underflow) gives 0, as onnxruntime
     return (_back(np.divide(w, norm), x.dtype),)
 
 
