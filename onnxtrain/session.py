@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxtrain.capi.feeds import empty_run
 from onnxtrain.capi.options import RunOptions, SessionOptions
 from onnxtrain.engine.allocator import release_free_memory
 from onnxtrain.engine.backends import backend_of, make_plan
@@ -461,9 +462,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                 raise ValueError(
                     f"output(s) {missing} are not computed on a gradient-accumulation micro-step"
                 )
-        # an empty batch (a size-0 feed) leaves BatchNorm's running statistics as they were, as torch's
-        # training-mode BatchNorm does (its batch statistics are 0/0: NaN kept for good in the state)
-        kept = self._graphs.bn_stats if any(getattr(v, "size", 1) == 0 for v in feeds.values()) else ()
+        kept = self._graphs.bn_stats if empty_run(feeds) else ()  # running statistics left as they were
         feeds = self._feeds_of(plan, feeds)  # e.g. no learning rate when not updating
         if path and self._backend != "numpy":  # onnxruntime writes the new running statistics of a
             # training-mode BatchNormalization into the buffers of the old ones when the graph does not

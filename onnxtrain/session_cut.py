@@ -16,6 +16,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.builder import upgrade_opset
+from onnxtrain.capi.feeds import empty_run
 from onnxtrain.capi.options import RunOptions
 from onnxtrain.errors import InvalidFeed, InvalidFeedType
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
@@ -336,9 +337,13 @@ class CutModelSession(ReplicaExchange, TrainingSession):
     def _state_names(self) -> list[str]:
         return sorted([*self._trained(), *(sp.name for sp in self._specs), *self._bn_stats])
 
-    def _keep_running_stats(self, values: Mapping[str, np.ndarray], stats: Mapping[str, str]) -> None:
+    def _keep_running_stats(self, values: Mapping[str, np.ndarray], stats: Mapping[str, str],
+                            fed: Mapping[str, Any]) -> None:
         """Write the new running statistics ``stats`` (state name → output) a training run returned in
-        ``values`` into the state, as one process's session does after each of its micro-steps."""
+        ``values`` into the state, as one process's session does after each of its micro-steps; a run
+        ``fed`` an empty tensor (an empty micro-batch) leaves them as they were, as torch does."""
+        if empty_run(fed):
+            return
         for stat, out in stats.items():
             self._store[stat] = values[out]
 

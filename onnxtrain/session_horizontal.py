@@ -329,10 +329,11 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         for s in range(self._first, self._end + 1 if kind == "forward" or self._end < last else last):
             plan = self._plan(s, kind)
             names = list(plan.output_names)
-            out = dict(zip(names, plan.run(self._feeds(s, kind, values, dropout), names)))
+            fed = self._feeds(s, kind, values, dropout)
+            out = dict(zip(names, plan.run(fed, names)))
             saved[s] = {n: out[n] for n in self._pieces[s].saved if n in out}  # later pieces may read them
             if kind == "forward_train":
-                self._keep_running_stats(out, self._pieces[s].bn_stats)
+                self._keep_running_stats(out, self._pieces[s].bn_stats, fed)
             values.update(out)
             if s in self._g_sum:  # after a block: its output is the ranks' sum
                 t = self._g_sum[s]
@@ -378,10 +379,11 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
             if not wanted:  # a piece with no weight and nothing to pass back (the Identity before a block)
                 continue
             plan = self._plan(s, "backward")
-            res = dict(zip(wanted, plan.run(self._feeds(s, "backward", given, dropout), wanted)))
+            fed = self._feeds(s, "backward", given, dropout)
+            res = dict(zip(wanted, plan.run(fed, wanted)))
             if s == last:
                 values.update({n: res[n] for n in sg.outputs})
-                self._keep_running_stats(res, sg.bn_stats)
+                self._keep_running_stats(res, sg.bn_stats, fed)
             for x in (*sg.trainable, *sg.diff_received):
                 g = res[f"{x}_grad"]
                 grads[x] = grads[x] + g if x in grads else g

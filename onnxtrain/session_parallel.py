@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from onnxtrain.capi.feeds import empty_run
 from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.clipping import norm_dtype
 from onnxtrain.graph_transforms.flags import flag_array
@@ -74,7 +75,8 @@ class DataParallelSteps:
         got = dict(zip(local_names, res))
         grads = res[len(local_names) : len(local_names) + len(self._grad_outputs)]
         for (stat, _), v in zip(bn_items, res[len(local_names) + len(grads) :]):
-            store[stat] = v
+            if not empty_run(feeds):  # this rank's part of the batch is empty: its statistics stay
+                store[stat] = v
         if dp.mode == "zero1":
             scale = self.loss_scale_input_name
             lr = feeds[self._params.lr_params_feed_name]

@@ -196,7 +196,8 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         received = self._comm.recv_object(s - 1, tag, f"stage {s} receiving its inputs") if s > 0 else {}
         plan = self._get_plan(kind)
         names = list(plan.output_names)
-        out = dict(zip(names, plan.run(self._stage_feeds(kind, feeds, received, training), names)))
+        fed = self._stage_feeds(kind, feeds, received, training)
+        out = dict(zip(names, plan.run(fed, names)))
         if s < self._part.stages - 1:
             send = {t: out[t] if t in out else received[t] for t in self._sg.sends}
             req = self._comm.isend_object(send, s + 1, tag, f"stage {s} sending its outputs")
@@ -206,7 +207,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
                 pending.append(req)
         saved = {n: out[n] for n in self._sg.saved} if kind == "forward_train" else {}
         if kind == "forward_train":
-            self._keep_running_stats(out, self._sg.bn_stats)
+            self._keep_running_stats(out, self._sg.bn_stats, fed)
         return {"received": received, "saved": saved, **{n: out[n] for n in self._sg.outputs}}
 
     def _train_step(
@@ -237,20 +238,11 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
             extra = {f"{t}_grad": seeds[t] for t in self._sg.seeded}
             if not last:
                 extra.update(kept[k].pop("saved"))  # freed once this micro-batch's backward has run
-            res = (  # a first stage without weights has nothing to compute or pass back
-                dict(
-                    zip(
-                        wanted,
-                        self._get_plan("backward").run(
-                            self._stage_feeds("backward", micro[k], received, dropout, extra), wanted
-                        ),
-                    )
-                )
-                if wanted
-                else {}
-            )
+            fed = self._stage_feeds("backward", micro[k], received, dropout, extra) if wanted else {}
+            # a first stage without weights has nothing to compute or pass back
+            res = dict(zip(wanted, self._get_plan("backward").run(fed, wanted))) if wanted else {}
             if last:
-                self._keep_running_stats(res, self._sg.bn_stats)
+                self._keep_running_stats(res, self._sg.bn_stats, fed)
             for gname in grads:  # summed over the micro-batches, and over the runs of an accumulation
                 if accumulate:
                     self._add_gradient(gname, res[gname])

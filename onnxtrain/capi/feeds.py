@@ -3,6 +3,7 @@ sessions, the legacy session and the on-device ``Module`` (which does not load t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -38,3 +39,9 @@ def _row_major(a: np.ndarray) -> np.ndarray:
 
 
 __all__ = ["feed_array"]
+
+
+def empty_run(feeds: Mapping[str, Any]) -> bool:
+    """Whether a training run is fed an empty tensor (a batch of no sample): such a run leaves BatchNorm's
+    running statistics as they were, as torch's training-mode BatchNorm does (its batch statistics are 0/0)."""
+    return any(getattr(v, "size", 1) == 0 for v in feeds.values())

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxtrain.capi.feeds import empty_run
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.feed_sizes import shared_dim_mismatch
 from onnxtrain.engine.interface import GraphInterface, UnsupportedOpError
@@ -473,9 +474,7 @@ class Module:
 
     def _train_step(self, user_inputs: Sequence[Any]) -> list[np.ndarray]:
         feeds = check_user_inputs(self._train_inputs, user_inputs, "the training model")
-        # an empty batch (a size-0 input) leaves BatchNorm's running statistics as they were, as torch's
-        # training-mode BatchNorm does (its batch statistics are 0/0: NaN kept for good in the state)
-        empty_batch = any(getattr(v, "size", 1) == 0 for v in feeds.values())
+        empty_batch = empty_run(feeds)  # BatchNorm's running statistics are left as they were
         feeds.update(self._param_feeds(self._param_order, "Cannot perform TrainStep with a nominal state."))
         params = self._state._params
         overwrite = self._overwrite_plan is not None and not self._accumulate
