@@ -43,5 +43,5 @@ __all__ = ["feed_array"]
 
 def empty_run(feeds: Mapping[str, Any]) -> bool:
     """Whether a training run is fed an empty tensor (a batch of no sample): such a run leaves BatchNorm's
-    running statistics as they were, as torch's training-mode BatchNorm does (its batch statistics are 0/0)."""
+    running statistics as they were, as torch's training-mode BatchNorm does (batch statistics of 0/0)."""
     return any(getattr(v, "size", 1) == 0 for v in feeds.values())
