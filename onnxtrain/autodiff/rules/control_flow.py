@@ -566,8 +566,10 @@ class _ReverseLoop:
         from onnxtrain.autodiff.builder import _live_nodes
 
         nodes = _live_nodes(nodes, [o.name for o in outputs] + [n for node in tail for n in node.input])
+        read = {i for node in self.head + nodes + tail for i in node_reads(node)}  # nested bodies too
+        head = [h for h in self.head if h.output[0] != self.true or self.true in read]  # a Scan's: unread
         body = helper.make_graph(
-            self.head + nodes + tail, f"{self.label}_grad_body", inputs, outputs, initializer=inits
+            head + nodes + tail, f"{self.label}_grad_body", inputs, outputs, initializer=inits
         )
         starts = [start for *_, start in self.carried] + [g.zeros_like(c) for c in wanted]
         n_out = len(starts) + len(stacked)
