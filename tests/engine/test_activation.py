@@ -104,6 +104,16 @@ def test_clip_variants() -> None:
     assert run("Clip", np.array(5.0, np.float32), None, np.array(1.0, np.float32), opset=13).shape == ()
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_prelu_of_a_positive_x_is_x_whatever_the_slope(dtype) -> None:
+    torch = pytest.importorskip("torch")
+    x = np.array([[1.5, -2.0, 0.0, np.nan], [3.0, -1.0, 2.0, -0.5]], dtype)
+    slope = np.array([[np.inf, np.nan, 0.5, np.inf]], dtype)  # torch: Where(X > 0, X, slope·X)
+    want = torch.where(torch.tensor(x) > 0, torch.tensor(x), torch.tensor(slope) * torch.tensor(x)).numpy()
+    with np.errstate(invalid="ignore"):  # 0·inf, as the plan runs its kernels
+        np.testing.assert_array_equal(run("PRelu", x, slope), want)
+
+
 def test_prelu_and_shrink() -> None:
     x = np.array([[-2.0, 1.0], [3.0, -4.0]], np.float32)
     np.testing.assert_array_equal(run("PRelu", x, np.array([0.5, 0.25], np.float32)), [[-1, 1], [3, -1]])

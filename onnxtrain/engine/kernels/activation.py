@@ -147,6 +147,9 @@ def prelu(inputs: Inputs, attrs: Attrs) -> Outputs:
     y = np.asarray(negative_part(x) * slope)  # slope * min(x, 0) + max(x, 0)
     if y.shape != x.shape:
         raise ValueError(f"PRelu: slope of shape {slope.shape} does not broadcast to X's shape {x.shape}")
+    if not np.isfinite(slope).all():  # X > 0 gives X whatever the slope (0 · inf was nan), as onnxruntime
+        np.copyto(y, x, where=np.asarray(x > 0))
+        return (y,)
     y += relu_into(x)
     return (y,)
 
