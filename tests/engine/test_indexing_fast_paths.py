@@ -77,6 +77,33 @@ def test_topk_partition_matches_onnxruntime(dtype, kind, largest, shape, axis, k
     assert _same_bits(ours[1], ref[1]) and _same_bits(ours[0], ref[0])
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int32, np.int64])
+@pytest.mark.parametrize("kind", ["distinct", "top_ties", "ties", "zeros"])
+@pytest.mark.parametrize("largest", [1, 0])
+@pytest.mark.parametrize(("shape", "axis", "k"), [((4, 8192), -1, 1), ((4, 8200), 1, 7), ((3, 9000, 2), 1, 30)])
+def test_topk_of_long_rows_narrowed_by_block_extremes_matches_onnxruntime(dtype, kind, largest, shape, axis,
+                                                                           k) -> None:
+    if kind == "zeros" and np.dtype(dtype).kind == "i":
+        pytest.skip("no -0.0 or -inf in integers")
+    x = _topk_input(shape, dtype, "distinct" if kind == "top_ties" else kind)
+    if kind == "top_ties":  # every 97th element ties at the top: the k picked are the first of them
+        x.reshape(-1)[::97] = x.max() if largest else x.min()
+    rows = np.moveaxis(x, axis, -1).reshape(-1, shape[axis])
+    taken = indexing._block_narrowed(rows, k, bool(largest)) is not None
+    assert taken or kind in ("ties", "zeros")  # (few distinct values: the narrowing would keep too many)
+    ours, ref = _both("TopK", [x, np.array([k], np.int64)], [ELEM[np.dtype(dtype)], 7], 11, axis=axis,
+                      largest=largest)
+    assert _same_bits(ours[1], ref[1]) and _same_bits(ours[0], ref[0])
+
+
+def test_topk_of_long_rows_with_a_nan_takes_the_sort() -> None:
+    x = RNG.standard_normal((3, 8192)).astype(np.float32)
+    x[1, 5000] = np.nan  # above every number: the first of row 1's top 5
+    assert indexing._block_narrowed(x, 5, True) is None
+    ours, ref = _both("TopK", [x, np.array([5], np.int64)], [1, 7], 11)
+    assert _same_bits(ours[1], ref[1]) and np.array_equal(ours[0], ref[0], equal_nan=True)
+
+
 @pytest.mark.parametrize("largest", [1, 0])
 @pytest.mark.parametrize("k", [0, 1, 9, 64, 1024])
 def test_topk_edge_k_nan_and_unsorted(largest, k) -> None:

@@ -426,9 +426,50 @@ def _top_k_candidates(x: np.ndarray, k: int, largest: bool) -> np.ndarray | None
     return np.flatnonzero(keep).reshape(x.shape[0], k) - row_starts(x.shape[0], n)[:, None]
 
 
+BLOCK = 64  # elements a block of a long row holds, for TopK's block extremes
+
+
+def _block_narrowed(x: np.ndarray, k: int, largest: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """For 2-D ``x`` whose rows hold at least 4·k blocks of ``BLOCK``: (values, columns) of the elements of
+    each row that can be among its top k, left-aligned and padded by the type's extreme, the k-th largest
+    (smallest) block extreme being a lower (upper) bound of the k-th value. None when a NaN is present or
+    the narrowing keeps over a quarter of a row."""
+    rows, n = x.shape
+    nb = n // BLOCK
+    if nb < 4 * k or not rows:
+        return None
+    blocks = x[:, : nb * BLOCK].reshape(rows, nb, BLOCK)
+    ext = blocks.max(axis=2) if largest else blocks.min(axis=2)
+    if ext.dtype.kind in "fc" and np.isnan(ext).any():
+        return None
+    at = nb - k if largest else k - 1
+    bound = np.partition(ext, at, axis=1)[:, at : at + 1]
+    keep = x >= bound if largest else x <= bound
+    counts = np.count_nonzero(keep, axis=1)
+    width = int(counts.max())
+    if 4 * width > n:
+        return None
+    info = np.finfo(x.dtype) if x.dtype.kind == "f" else np.iinfo(x.dtype)
+    fill = (-np.inf if largest else np.inf) if x.dtype.kind == "f" else (info.min if largest else info.max)
+    flat = np.flatnonzero(keep)
+    row = flat // n
+    slot = np.arange(flat.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    values = np.full((rows, width), fill, x.dtype)
+    cols = np.zeros((rows, width), np.int64)
+    values[row, slot] = x.reshape(-1)[flat]
+    cols[row, slot] = flat - row * n
+    return values, cols
+
+
 def _top_k_rows(x: np.ndarray, k: int, largest: bool) -> np.ndarray | None:
-    """TopK's indices along the last axis of 2-D ``x`` by a partition then a sort of the k kept; None when
-    a NaN reaches the top k."""
+    """TopK's indices along the last axis of 2-D ``x`` by a partition then a sort of the k kept (long rows
+    narrowed first to the elements their block extremes allow); None when a NaN reaches the top k."""
+    narrowed = _block_narrowed(x, k, largest)
+    if narrowed is not None:  # the padding ranks below every kept element: it is never picked
+        values, cols = narrowed
+        picked = _top_k_rows(values, k, largest)
+        if picked is not None:
+            return np.take_along_axis(cols, picked, axis=1)
     cand = _top_k_candidates(x, k, largest)
     if cand is None:
         return None
