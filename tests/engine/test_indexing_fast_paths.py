@@ -80,7 +80,8 @@ def test_topk_partition_matches_onnxruntime(dtype, kind, largest, shape, axis, k
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int32, np.int64])
 @pytest.mark.parametrize("kind", ["distinct", "top_ties", "ties", "zeros"])
 @pytest.mark.parametrize("largest", [1, 0])
-@pytest.mark.parametrize(("shape", "axis", "k"), [((4, 8192), -1, 1), ((4, 8200), 1, 7), ((3, 9000, 2), 1, 30)])
+@pytest.mark.parametrize(("shape", "axis", "k"),
+                         [((4, 8192), -1, 1), ((4, 8200), 1, 7), ((3, 9000, 2), 1, 30)])
 def test_topk_of_long_rows_narrowed_by_block_extremes_matches_onnxruntime(dtype, kind, largest, shape, axis,
                                                                            k) -> None:
     if kind == "zeros" and np.dtype(dtype).kind == "i":
