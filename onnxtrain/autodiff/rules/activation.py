@@ -95,12 +95,19 @@ def _exp_neg(g: GradCtx, scale: float) -> str:
 def _exp_linear_grad(g: GradCtx, alpha: float, gamma: float) -> None:
     # Y = gamma·(X > 0 ? X : alpha·(e^X - 1)): dX = X > 0 ? gamma·dY : dY·gamma·alpha·e^X, from X as torch's
     # elu_backward (from Y, dY·(Y + gamma·alpha) cancelled as Y → -gamma·alpha: 0 from X ≈ -17 in float32).
-    # X == 0 takes the exponential side, as torch; a NaN X gives NaN (torch: gamma·dY)
+    # X == 0 takes the exponential side, a NaN X the linear one (gamma·dY: 0 where masked out), as torch
     dy = g.dy(0)
     e = _exp_neg(g, 1.0)
     neg = g.emit("Mul", dy, e if gamma * alpha == 1.0 else g.emit("Mul", e, g.const(gamma * alpha)))
-    pos = g.emit("Greater", g.x(0), g.const(0))
-    g.set_dx(0, g.emit("Where", pos, dy if gamma == 1.0 else g.emit("Mul", dy, g.const(gamma)), neg))
+    lin = dy if gamma == 1.0 else g.emit("Mul", dy, g.const(gamma))
+    g.set_dx(0, g.emit("Where", _at_most_zero(g), neg, lin))
+
+
+def _at_most_zero(g: GradCtx) -> str:
+    """X ≤ 0, false at a NaN X (before opset 12, where LessOrEqual is missing: not X > 0, true there)."""
+    if g.opset >= 12:
+        return g.emit("LessOrEqual", g.x(0), g.const(0))
+    return g.emit("Not", g.emit("Greater", g.x(0), g.const(0)))
 
 
 @gradient("Elu", uses=("x0",))
@@ -116,8 +123,9 @@ def selu_grad(g: GradCtx) -> None:
 @gradient("Celu", uses=("x0",))
 def celu_grad(g: GradCtx) -> None:
     # Y = max(0, X) + min(0, alpha·(e^(X/alpha) - 1)): dX = dY·e^(min(X, 0)/alpha), from X as torch (from Y,
-    # dY·(min(Y, 0)/alpha + 1) cancelled as Y → -alpha); dY itself where X ≥ 0, NaN where X is NaN
-    g.set_dx(0, g.emit("Mul", g.dy(0), _exp_neg(g, 1.0 / g.attr("alpha"))))
+    # dY·(min(Y, 0)/alpha + 1) cancelled as Y → -alpha); dY itself where X > 0 or X is NaN, as torch
+    dy = g.dy(0)
+    g.set_dx(0, g.emit("Where", _at_most_zero(g), g.emit("Mul", dy, _exp_neg(g, 1.0 / g.attr("alpha"))), dy))
 
 
 @gradient("HardSigmoid", uses=("y0",))

@@ -97,8 +97,12 @@ def neg_grad(g: GradCtx) -> None:
 
 @gradient("Abs", uses=("x0",))
 def abs_grad(g: GradCtx) -> None:
-    # dX = dY·sign(X); 0 at X == 0 (torch's choice)
-    g.set_dx(0, g.emit("Mul", g.dy(0), g.emit("Sign", g.x(0))))
+    # dX = dY·sign(X); 0 at X == 0 and at a NaN X (torch's sign), so a NaN masked out downstream (dY = 0)
+    # sends no NaN back
+    x, dy = g.x(0), g.dy(0)
+    zero = g.const(0)
+    pos = g.emit("Where", g.emit("Greater", x, zero), dy, zero)
+    g.set_dx(0, g.emit("Where", g.emit("Less", x, zero), g.emit("Neg", dy), pos))
 
 
 @gradient("Reciprocal", uses=("y0",))
