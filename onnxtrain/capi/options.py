@@ -36,6 +36,10 @@ class _Named(enum.IntEnum):
 
 
 class GraphOptimizationLevel(_Named):
+    """onnxruntime's graph optimization levels, for ``SessionOptions.graph_optimization_level``: the
+    onnxruntime backend passes the level on; on the numpy engine ``ORT_DISABLE_ALL`` turns the plan-time
+    fusions off and the other levels keep them."""
+
     ORT_DISABLE_ALL = 0
     ORT_ENABLE_BASIC = 1
     ORT_ENABLE_EXTENDED = 2
@@ -44,6 +48,9 @@ class GraphOptimizationLevel(_Named):
 
 
 class ExecutionMode(_Named):
+    """onnxruntime's execution modes, for ``SessionOptions.execution_mode`` (the numpy engine runs nodes one
+    at a time and warns of ``ORT_PARALLEL``; the onnxruntime backend passes the mode on)."""
+
     ORT_SEQUENTIAL = 0
     ORT_PARALLEL = 1
 
@@ -261,6 +268,7 @@ _FIELDED = (SessionOptions, RunOptions)
 
 
 def get_available_providers() -> list[str]:
+    """The execution providers this installation can run (the CPU's, and CUDA's with onnxruntime-gpu)."""
     return list(AVAILABLE_PROVIDERS)
 
 
@@ -277,6 +285,7 @@ def get_version_string() -> str:
 
 
 def get_device() -> str:
+    """The device the numpy engine runs on, as onnxruntime names it: always "CPU"."""
     return "CPU"
 
 
