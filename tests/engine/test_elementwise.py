@@ -467,3 +467,25 @@ def test_cast_from_bfloat16_and_float8_to_integers_as_from_float32(src: int, to:
     np.testing.assert_array_equal(got, want)
     if to == TensorProto.INT8:
         assert got[4] == 44 or src != TensorProto.BFLOAT16
+
+
+@pytest.mark.parametrize(("op", "attrs"), [("Div", {}), ("Mod", {"fmod": 0}), ("Mod", {"fmod": 1})])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8])
+def test_integer_division_by_zero_is_an_error_as_in_onnxruntime(op: str, attrs: dict, dtype) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    import onnxtrain
+
+    et = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    g = helper.make_graph([helper.make_node(op, ["a", "b"], ["y"], name="q", **attrs)], "g",
+                          [helper.make_tensor_value_info(n, et, [3]) for n in "ab"],
+                          [helper.make_tensor_value_info("y", et, [3])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+    a, b = np.array([5, 7, 3], dtype), np.array([2, 0, 1], dtype)
+    sess = ort.InferenceSession(m, providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception, match="by zero"):
+        sess.run(None, {"a": a, "b": b})
+    ours = onnxtrain.InferenceSession(m)
+    with pytest.raises(Exception, match=rf"'q' \({op}\).*integer (division|modulo) by zero"):
+        ours.run(None, {"a": a, "b": b})
+    b[1] = 4  # and without a zero, onnxruntime's values
+    np.testing.assert_array_equal(ours.run(None, {"a": a, "b": b})[0], sess.run(None, {"a": a, "b": b})[0])

@@ -134,11 +134,18 @@ def div(inputs: Inputs, attrs: Attrs) -> Outputs:
     if a.dtype.kind not in "iu":
         with np.errstate(divide="ignore", invalid="ignore"):
             return (_arr(np.divide(a, b)),)
+    _nonzero_divisor(b, "division")
     with np.errstate(divide="ignore", over="ignore"):
         q = _arr(np.floor_divide(a, b))
         if a.dtype.kind == "i":  # C truncation: floor differs where the quotient is negative and inexact
             q += (q < 0) & (q * b != a)
     return (q,)
+
+
+def _nonzero_divisor(b: np.ndarray, what: str) -> None:
+    """An integer divisor holding 0 is an error, as in onnxruntime and torch (numpy's quotient would be 0)."""
+    if not np.all(b):
+        raise ZeroDivisionError(f"integer {what} by zero (the divisor holds 0)")
 
 
 @kernel("Pow", since=7)
@@ -162,6 +169,8 @@ def pow_(inputs: Inputs, attrs: Attrs) -> Outputs:
 
 @kernel("Mod", since=10)
 def mod(inputs: Inputs, attrs: Attrs) -> Outputs:
+    if inputs[1].dtype.kind in "iu":
+        _nonzero_divisor(inputs[1], "modulo")
     with np.errstate(divide="ignore", invalid="ignore"):
         # fmod=1: sign of the dividend (C fmod); fmod=0: sign of the divisor (Python %)
         r = np.fmod(inputs[0], inputs[1]) if attrs["fmod"] else np.mod(inputs[0], inputs[1])
