@@ -171,3 +171,17 @@ def test_tensor_scatter_errors(update, write, axis, match) -> None:
     plan = compile_model(_model("TensorScatter", inputs, 24, axis=axis))
     with pytest.raises(Exception, match=match):
         plan.run({f"x{i}": v for i, v in enumerate(inputs)})
+
+
+@pytest.mark.parametrize(("values", "dtype", "match"), [
+    ((0, 10, 0), np.int64, "delta must not be 0"), ((0.0, 1.0, 0.0), np.float32, "delta must not be 0"),
+    ((0.0, np.inf, 1.0), np.float32, "must be finite"), ((np.nan, 1.0, 0.5), np.float64, "must be finite")])
+def test_range_with_a_zero_delta_or_a_bound_not_finite_is_refused_by_name(values, dtype, match) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    inputs = [np.array(v, dtype) for v in values]
+    model = _model("Range", inputs, 11)
+    feeds = {f"x{i}": v for i, v in enumerate(inputs)}
+    with pytest.raises(Exception):  # onnxruntime refuses each (an infinite range: out of memory)
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    with pytest.raises(Exception, match=f"Range: .*{match}"):
+        compile_model(model).run(feeds)

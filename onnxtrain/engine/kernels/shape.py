@@ -246,6 +246,10 @@ def constant_of_shape(inputs: Inputs, attrs: Attrs) -> Outputs:
 def range_(inputs: Inputs, attrs: Attrs) -> Outputs:
     start, limit, delta = (np.asarray(v).reshape(()) for v in inputs[:3])
     dtype = start.dtype
+    if delta == 0:
+        raise ValueError("Range: delta must not be 0 (onnxruntime refuses it too)")
+    if dtype.kind == "f" and not np.isfinite([start, limit, delta]).all():
+        raise ValueError(f"Range: start, limit and delta must be finite; got {start}, {limit}, {delta}")
     if np.issubdtype(dtype, np.integer):
         s, lim, d = int(start), int(limit), int(delta)
         n = max(-(-(lim - s) // d), 0)
