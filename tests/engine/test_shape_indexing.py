@@ -181,7 +181,7 @@ def test_range_with_a_zero_delta_or_a_bound_not_finite_is_refused_by_name(values
     inputs = [np.array(v, dtype) for v in values]
     model = _model("Range", inputs, 11)
     feeds = {f"x{i}": v for i, v in enumerate(inputs)}
-    with pytest.raises(Exception):  # onnxruntime refuses each (an infinite range: out of memory)
+    with pytest.raises(Exception, match="."):  # onnxruntime refuses each (an infinite range: no memory)
         ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
     with pytest.raises(Exception, match=f"Range: .*{match}"):
         compile_model(model).run(feeds)
