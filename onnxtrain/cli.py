@@ -589,6 +589,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``onnxtrain`` with the arguments ``argv`` (default: the command line); the exit code."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # a Ctrl-C in the instants before SIGINT is held (the command not yet known)
+        return _interrupted(None)
+
+
+def _main(argv: list[str] | None) -> int:
     held = _SigintHeld()
     a = None
     try:
