@@ -1,0 +1,113 @@
+"""Kernels of the ``ai.onnx.ml`` domain that scikit-learn's converters write for preprocessing and linear
+regression: Scaler, Normalizer, Imputer and LinearRegressor (inference only: none has a gradient).
+
+Each takes a [N, C] or [C] input of float, double, int32 or int64; Scaler, Normalizer and LinearRegressor
+give float32, as their schemas say, Imputer its input's type. A [C] input is one row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from onnxtrain.engine.kernels.ml import ML
+from onnxtrain.engine.kernels.trees import _probit
+from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+
+
+def _rows(x: np.ndarray, op: str) -> np.ndarray:
+    """``x`` as [N, C] (a vector as one row)."""
+    if x.ndim not in (1, 2):
+        raise ValueError(f"{op}: the input must be [N, C] or [C], got shape {list(x.shape)}")
+    return x.reshape(1, -1) if x.ndim == 1 else x
+
+
+def _per_feature(values: list[float] | None, c: int, what: str, op: str) -> np.ndarray:
+    """An attribute of one value or one per feature, as float32 values broadcasting over [N, C]."""
+    v = np.asarray(values if values else [0.0], np.float32)
+    if v.size not in (1, c):
+        raise ValueError(f"{op}: {what} has {v.size} values; give one, or one per feature ({c})")
+    return v
+
+
+@kernel("Scaler", domain=ML)
+def scaler(inputs: Inputs, attrs: Attrs) -> Outputs:
+    """(X - offset) · scale, per feature or for all."""
+    op = f"Scaler {attrs.name!r}"
+    x = np.asarray(inputs[0])
+    c = x.shape[-1] if x.ndim else 1
+    offset = _per_feature(attrs.get("offset"), c, "offset", op)
+    scale = np.asarray(attrs.get("scale") or [1.0], np.float32)
+    if scale.size not in (1, c):
+        raise ValueError(f"{op}: scale has {scale.size} values; give one, or one per feature ({c})")
+    y = x.astype(np.float32)
+    y -= offset
+    y *= scale
+    return (y,)
+
+
+@kernel("Normalizer", domain=ML)
+def normalizer(inputs: Inputs, attrs: Attrs) -> Outputs:
+    """Each row divided by its max, its sum of absolute values (L1) or its Euclidean length (L2); a row
+    whose divisor is 0 unchanged."""
+    op = f"Normalizer {attrs.name!r}"
+    x = np.asarray(inputs[0])
+    rows = _rows(x, op).astype(np.float32)
+    norm = attrs.get("norm") or "MAX"
+    norm = norm.decode() if isinstance(norm, bytes) else norm
+    if norm == "MAX":
+        d = rows.max(axis=1, keepdims=True)
+    elif norm == "L1":
+        d = np.abs(rows).sum(axis=1, keepdims=True)
+    elif norm == "L2":
+        d = np.sqrt(np.square(rows).sum(axis=1, keepdims=True))
+    else:
+        raise ValueError(f"{op}: norm must be MAX, L1 or L2, got {norm!r}")
+    d[d == 0] = 1  # a row of norm 0 (a max of 0) is left as it is, as onnxruntime leaves it
+    return ((rows / d).reshape(x.shape),)
+
+
+@kernel("Imputer", domain=ML)
+def imputer(inputs: Inputs, attrs: Attrs) -> Outputs:
+    """X with each occurrence of the replaced value (NaN by default for floats) replaced by the feature's
+    imputed value."""
+    op = f"Imputer {attrs.name!r}"
+    x = np.asarray(inputs[0])
+    c = x.shape[-1] if x.ndim else 1
+    if x.dtype.kind == "f":
+        values, missing = attrs.get("imputed_value_floats"), attrs.get("replaced_value_float")
+        missing = np.float32(np.nan if missing is None else missing)
+        hit = np.isnan(x) if np.isnan(missing) else x == missing
+    elif x.dtype.kind == "i":
+        values, missing = attrs.get("imputed_value_int64s"), attrs.get("replaced_value_int64")
+        hit = x == (0 if missing is None else missing)
+    else:
+        raise ValueError(f"{op}: the input must be a float or integer tensor, got {x.dtype}")
+    if not values or len(values) not in (1, c):
+        raise ValueError(f"{op}: give one imputed value, or one per feature ({c}), of the input's kind")
+    fill = np.broadcast_to(np.asarray(values, x.dtype), x.shape)
+    return (np.where(hit, fill, x),)
+
+
+@kernel("LinearRegressor", domain=ML)
+def linear_regressor(inputs: Inputs, attrs: Attrs) -> Outputs:
+    """X · coefficientsᵀ + intercepts for ``targets`` outputs per row (PROBIT on one target if asked)."""
+    op = f"LinearRegressor {attrs.name!r}"
+    rows = _rows(np.asarray(inputs[0]), op).astype(np.float32)
+    targets = int(attrs.get("targets") or 1)
+    coef = np.asarray(attrs.get("coefficients") or [], np.float32)
+    c = rows.shape[1]
+    if coef.size != targets * c:
+        raise ValueError(f"{op}: {coef.size} coefficients for {targets} target(s) of {c} features")
+    y = rows @ coef.reshape(targets, c).T
+    intercepts = attrs.get("intercepts")
+    if intercepts:
+        if len(intercepts) != targets:
+            raise ValueError(f"{op}: {len(intercepts)} intercepts for {targets} target(s)")
+        y += np.asarray(intercepts, np.float32)
+    post = attrs.get("post_transform") or "NONE"
+    post = post.decode() if isinstance(post, bytes) else post
+    if post == "PROBIT" and targets == 1:
+        return (_probit(y).astype(np.float32),)
+    if post != "NONE":
+        raise ValueError(f"{op}: post_transform {post!r} is not supported (NONE, or PROBIT on one target)")
+    return (y,)
