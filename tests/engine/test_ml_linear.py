@@ -1,6 +1,6 @@
-"""The scikit-learn preprocessing and regression kernels of ``ai.onnx.ml`` (Scaler, Normalizer, Imputer,
-LinearRegressor; engine/kernels/ml_linear.py) against onnxruntime, whose CPU provider runs the domain, and
-torch's ndtri for LinearRegressor's PROBIT (onnxruntime approximates erfinv)."""
+"""The scikit-learn preprocessing and linear-model kernels of ``ai.onnx.ml`` (Scaler, Normalizer, Imputer,
+LinearRegressor, LinearClassifier; engine/kernels/ml_linear.py) against onnxruntime, whose CPU provider runs
+the domain, and torch's ndtri for PROBIT (onnxruntime approximates erfinv)."""
 
 from __future__ import annotations
 
@@ -84,3 +84,52 @@ def test_bad_attributes_are_refused_naming_the_node(op: str, attrs: dict, match:
     model = _model(op, attrs, X, TensorProto.FLOAT)
     with pytest.raises(Exception, match=rf"{op} 'n'.*{match}"):
         compile_model(model).run({"x": X})
+
+
+def _classifier(attrs: dict[str, Any], x: np.ndarray) -> onnx.ModelProto:
+    label = TensorProto.STRING if "classlabels_strings" in attrs else TensorProto.INT64
+    node = helper.make_node("LinearClassifier", ["x"], ["y", "z"], name="n", domain="ai.onnx.ml", **attrs)
+    outs = [helper.make_tensor_value_info("y", label, [None]),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, [None, None])]
+    x_info = helper.make_tensor_value_info("x", helper.np_dtype_to_tensor_dtype(x.dtype), x.shape)
+    g = helper.make_graph([node], "g", [x_info], outs)
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("ai.onnx.ml", 1)]
+    return helper.make_model(g, opset_imports=opsets)
+
+
+@pytest.mark.parametrize("post", ["NONE", "LOGISTIC", "SOFTMAX", "SOFTMAX_ZERO"])
+@pytest.mark.parametrize("labels", ["ints", "strings"])
+@pytest.mark.parametrize("classes", [3, 2, 1])  # 1: one set of coefficients for two labels (binary)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+def test_linear_classifier_matches_onnxruntime(post: str, labels: str, classes: int, dtype) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    x = (X * 4).astype(dtype)
+    names = ([3, 7, 9] if labels == "ints" else ["a", "b", "c"])[: max(classes, 2)]
+    attrs = {"coefficients": list(RNG.standard_normal(3 * classes)),
+             "intercepts": list(RNG.standard_normal(classes)), f"classlabels_{labels}": names,
+             "post_transform": post}
+    model = _classifier(attrs, x)
+    onnx.checker.check_model(model, full_check=True)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = sess.run(None, {"x": x})
+    got = compile_model(model).run({"x": x})
+    assert list(got[0]) == list(want[0]) and got[1].dtype == want[1].dtype and got[1].shape == want[1].shape
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
+
+
+def test_linear_classifier_probit_and_bad_attributes() -> None:
+    torch = pytest.importorskip("torch")
+    coef, b = [0.05, -0.1, 0.2, 0.1, 0.0, -0.1], [0.4, 0.6]
+    model = _classifier({"coefficients": coef, "intercepts": b, "classlabels_ints": [0, 1],
+                         "post_transform": "PROBIT"}, X)
+    got = compile_model(model).run({"x": X})
+    p = X.astype(np.float64) @ np.asarray(coef, np.float32).reshape(2, 3).T.astype(np.float64)
+    p += np.asarray(b, np.float32)
+    np.testing.assert_allclose(got[1], torch.special.ndtri(torch.tensor(p)).numpy(), rtol=2e-6, atol=1e-6)
+    binary_probit = _classifier({"coefficients": coef[:3], "classlabels_ints": [0, 1],
+                                 "post_transform": "PROBIT"}, X)
+    with pytest.raises(Exception, match="LinearClassifier 'n'.*PROBIT"):
+        compile_model(binary_probit).run({"x": X})
+    few_labels = _classifier({"coefficients": coef, "classlabels_ints": [0, 1, 2]}, X)
+    with pytest.raises(Exception, match="LinearClassifier 'n': 3 class labels for 2 sets"):
+        compile_model(few_labels).run({"x": X})

@@ -1,8 +1,9 @@
 """Kernels of the ``ai.onnx.ml`` domain that scikit-learn's converters write for preprocessing and linear
-regression: Scaler, Normalizer, Imputer and LinearRegressor (inference only: none has a gradient).
+models: Scaler, Normalizer, Imputer, LinearRegressor and LinearClassifier (inference only: none has a
+gradient).
 
-Each takes a [N, C] or [C] input of float, double, int32 or int64; Scaler, Normalizer and LinearRegressor
-give float32, as their schemas say, Imputer its input's type. A [C] input is one row.
+Each takes a [N, C] or [C] input of float, double, int32 or int64; Scaler, Normalizer and the linear models
+give float32 values, as their schemas say, Imputer its input's type. A [C] input is one row.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnxtrain.engine.kernels.ml import ML
-from onnxtrain.engine.kernels.trees import _probit
+from onnxtrain.engine.kernels.trees import _logistic, _probit, _softmax
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 
@@ -111,3 +112,58 @@ def linear_regressor(inputs: Inputs, attrs: Attrs) -> Outputs:
     if post != "NONE":
         raise ValueError(f"{op}: post_transform {post!r} is not supported (NONE, or PROBIT on one target)")
     return (y,)
+
+
+@kernel("LinearClassifier", domain=ML)
+def linear_classifier(inputs: Inputs, attrs: Attrs) -> Outputs:
+    """Labels and scores of X · coefficientsᵀ + intercepts: a label per row (the class of the largest score;
+    with one set of coefficients, the second label where the score is above 0), and the scores after the
+    post transform. One set of coefficients with two labels scores both classes: [1 − p, p] of the
+    logistic p (LOGISTIC), else [1 − s, s], as onnxruntime does."""
+    op = f"LinearClassifier {attrs.name!r}"
+    rows = _rows(np.asarray(inputs[0]), op).astype(np.float32)
+    c = rows.shape[1]
+    coef = np.asarray(attrs.get("coefficients") or [], np.float32)
+    if not coef.size or coef.size % c:
+        raise ValueError(f"{op}: {coef.size} coefficients do not make rows of the {c} features")
+    k = coef.size // c
+    scores = rows @ coef.reshape(k, c).T
+    intercepts = attrs.get("intercepts")
+    if intercepts:
+        if len(intercepts) != k:
+            raise ValueError(f"{op}: {len(intercepts)} intercepts for {k} sets of coefficients")
+        scores += np.asarray(intercepts, np.float32)
+    strings = attrs.get("classlabels_strings")
+    labels = ([s.decode() if isinstance(s, bytes) else s for s in strings] if strings
+              else list(attrs.get("classlabels_ints") or []))
+    if k == 1:
+        binary = labels if len(labels) == 2 else (["0", "1"] if strings else [0, 1])
+        picked = [binary[int(v)] for v in (scores[:, 0] > 0)]
+    else:
+        if len(labels) != k:
+            raise ValueError(f"{op}: {len(labels)} class labels for {k} sets of coefficients")
+        picked = [labels[int(i)] for i in np.argmax(scores, axis=1)]
+    y = np.array(picked, dtype=object if strings else np.int64)
+    post = attrs.get("post_transform") or "NONE"
+    post = post.decode() if isinstance(post, bytes) else post
+    return y, _classifier_scores(scores, post, k == 1 and len(labels) == 2, op)
+
+
+def _classifier_scores(s: np.ndarray, post: str, second: bool, op: str) -> np.ndarray:
+    """The post transform of LinearClassifier's scores; ``second``: one score column for two classes."""
+    if second:  # SOFTMAX and SOFTMAX_ZERO leave the score as NONE does, as in onnxruntime
+        if post == "LOGISTIC":
+            s = _logistic(s)
+        elif post not in ("NONE", "SOFTMAX", "SOFTMAX_ZERO"):
+            raise ValueError(f"{op}: post_transform {post!r} with one set of coefficients for two classes "
+                             "is not supported (onnxruntime's scores there are not defined)")
+        return np.concatenate([1 - s, s], axis=1).astype(np.float32)
+    if post == "LOGISTIC":
+        return _logistic(s).astype(np.float32)
+    if post in ("SOFTMAX", "SOFTMAX_ZERO"):
+        return _softmax(s, post == "SOFTMAX_ZERO").astype(np.float32)
+    if post == "PROBIT":
+        return _probit(s).astype(np.float32)
+    if post != "NONE":
+        raise ValueError(f"{op}: unknown post_transform {post!r}")
+    return s
