@@ -53,8 +53,7 @@ def normalizer(inputs: Inputs, attrs: Attrs) -> Outputs:
     op = f"Normalizer {attrs.name!r}"
     x = np.asarray(inputs[0])
     rows = _rows(x, op).astype(np.float32)
-    norm = attrs.get("norm") or "MAX"
-    norm = norm.decode() if isinstance(norm, bytes) else norm
+    norm = _text(attrs.get("norm") or "MAX")
     if norm == "MAX":
         d = rows.max(axis=1, keepdims=True)
     elif norm == "L1":
@@ -93,20 +92,9 @@ def imputer(inputs: Inputs, attrs: Attrs) -> Outputs:
 def linear_regressor(inputs: Inputs, attrs: Attrs) -> Outputs:
     """X · coefficientsᵀ + intercepts for ``targets`` outputs per row (PROBIT on one target if asked)."""
     op = f"LinearRegressor {attrs.name!r}"
-    rows = _rows(np.asarray(inputs[0]), op).astype(np.float32)
     targets = int(attrs.get("targets") or 1)
-    coef = np.asarray(attrs.get("coefficients") or [], np.float32)
-    c = rows.shape[1]
-    if coef.size != targets * c:
-        raise ValueError(f"{op}: {coef.size} coefficients for {targets} target(s) of {c} features")
-    y = rows @ coef.reshape(targets, c).T
-    intercepts = attrs.get("intercepts")
-    if intercepts:
-        if len(intercepts) != targets:
-            raise ValueError(f"{op}: {len(intercepts)} intercepts for {targets} target(s)")
-        y += np.asarray(intercepts, np.float32)
-    post = attrs.get("post_transform") or "NONE"
-    post = post.decode() if isinstance(post, bytes) else post
+    y = _linear(inputs, attrs, op, targets)
+    post = _text(attrs.get("post_transform") or "NONE")
     if post == "PROBIT" and targets == 1:
         return (_probit(y).astype(np.float32),)
     if post != "NONE":
@@ -121,21 +109,10 @@ def linear_classifier(inputs: Inputs, attrs: Attrs) -> Outputs:
     post transform. One set of coefficients with two labels scores both classes: [1 − p, p] of the
     logistic p (LOGISTIC), else [1 − s, s], as onnxruntime does."""
     op = f"LinearClassifier {attrs.name!r}"
-    rows = _rows(np.asarray(inputs[0]), op).astype(np.float32)
-    c = rows.shape[1]
-    coef = np.asarray(attrs.get("coefficients") or [], np.float32)
-    if not coef.size or coef.size % c:
-        raise ValueError(f"{op}: {coef.size} coefficients do not make rows of the {c} features")
-    k = coef.size // c
-    scores = rows @ coef.reshape(k, c).T
-    intercepts = attrs.get("intercepts")
-    if intercepts:
-        if len(intercepts) != k:
-            raise ValueError(f"{op}: {len(intercepts)} intercepts for {k} sets of coefficients")
-        scores += np.asarray(intercepts, np.float32)
+    scores = _linear(inputs, attrs, op, None)
+    k = scores.shape[1]
     strings = attrs.get("classlabels_strings")
-    labels = ([s.decode() if isinstance(s, bytes) else s for s in strings] if strings
-              else list(attrs.get("classlabels_ints") or []))
+    labels = [_text(v) for v in strings] if strings else list(attrs.get("classlabels_ints") or [])
     if k == 1:
         binary = labels if len(labels) == 2 else (["0", "1"] if strings else [0, 1])
         picked = [binary[int(v)] for v in (scores[:, 0] > 0)]
@@ -144,9 +121,33 @@ def linear_classifier(inputs: Inputs, attrs: Attrs) -> Outputs:
             raise ValueError(f"{op}: {len(labels)} class labels for {k} sets of coefficients")
         picked = [labels[int(i)] for i in np.argmax(scores, axis=1)]
     y = np.array(picked, dtype=object if strings else np.int64)
-    post = attrs.get("post_transform") or "NONE"
-    post = post.decode() if isinstance(post, bytes) else post
+    post = _text(attrs.get("post_transform") or "NONE")
     return y, _classifier_scores(scores, post, k == 1 and len(labels) == 2, op)
+
+
+def _text(v: str | bytes) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _linear(inputs: Inputs, attrs: Attrs, op: str, sets: int | None) -> np.ndarray:
+    """X · coefficientsᵀ + intercepts, [N, sets] float32 (``sets`` None: as many as the coefficients make)."""
+    rows = _rows(np.asarray(inputs[0]), op).astype(np.float32)
+    c = rows.shape[1]
+    coef = np.asarray(attrs.get("coefficients") or [], np.float32)
+    if sets is None:
+        if not coef.size or coef.size % c:
+            raise ValueError(f"{op}: {coef.size} coefficients do not make rows of the {c} features")
+        sets = coef.size // c
+    elif coef.size != sets * c:
+        raise ValueError(f"{op}: {coef.size} coefficients for {sets} target(s) of {c} features")
+    k = sets
+    y = rows @ coef.reshape(k, c).T
+    intercepts = attrs.get("intercepts")
+    if intercepts:
+        if len(intercepts) != k:
+            raise ValueError(f"{op}: {len(intercepts)} intercepts for {k} sets of coefficients")
+        y += np.asarray(intercepts, np.float32)
+    return y
 
 
 def _classifier_scores(s: np.ndarray, post: str, second: bool, op: str) -> np.ndarray:
