@@ -4,7 +4,7 @@ check of map-typed ai.onnx.ml inputs.
 Oracles: the ONNX spec for a string Pad (its default constant is "0, empty string or False"; onnxruntime
 has no string Pad and onnx.reference pads with the integer 0), onnxruntime 1.32 for bool Pads and for
 SplitToSequence (onnx.reference agrees on an empty axis only), and the engine's own refusal of another
-ai.onnx.ml op it has no kernel for (Normalizer) for the map-typed ops."""
+ai.onnx.ml op it has no kernel for (FeatureVectorizer) for the map-typed ops."""
 
 from __future__ import annotations
 
@@ -192,12 +192,13 @@ def _no_kernel_message(model: onnx.ModelProto) -> str:
 
 
 def _normalizer_refusal(op: str) -> str:
-    """The engine's refusal of a Normalizer (an ai.onnx.ml op of no kernel), as it would name ``op``."""
+    """The engine's refusal of a FeatureVectorizer (an ai.onnx.ml op of no kernel, of tensor inputs), as it
+    would name ``op``."""
     f = _F
-    m = _model([helper.make_node("Normalizer", ["x"], ["y"], domain=_ML, norm="L2")],
+    m = _model([helper.make_node("FeatureVectorizer", ["x"], ["y"], domain=_ML, inputdimensions=[2])],
                [_vi("x", f, [1, 2])], [_vi("y", f, [1, 2])], ml=3)
     head, tail = _no_kernel_message(m).split("; ", 1)
-    return f"{head.replace('.Normalizer)', f'.{op})')}; {tail}"
+    return f"{head.replace('.FeatureVectorizer)', f'.{op})')}; {tail}"
 
 
 def _dict_vectorizer(key: int, value: int, out: int, **vocab: list) -> onnx.ModelProto:
