@@ -127,9 +127,11 @@ def _probit(s: np.ndarray) -> np.ndarray:
     return np.vectorize(one, otypes=[np.float64])(s.astype(np.float64))
 
 
-def _regressor_forest(attrs: Attrs) -> _Forest:
-    """TreeEnsembleRegressor's nodes (identified by tree and node ids) and targets as a forest."""
-    op = f"TreeEnsembleRegressor {attrs.name!r}"
+def _regressor_forest(attrs: Attrs, leaf: str = "target", n_targets: int | None = None,
+                      op: str = "TreeEnsembleRegressor") -> _Forest:
+    """TreeEnsembleRegressor's nodes (identified by tree and node ids) and targets as a forest; with
+    ``leaf="class"``, TreeEnsembleClassifier's, whose ``n_targets`` classes the ``class_*`` entries score."""
+    op = f"{op} {attrs.name!r}"
     tree_ids = np.asarray(attrs["nodes_treeids"], np.int64)
     node_ids = np.asarray(attrs["nodes_nodeids"], np.int64)
     n = len(tree_ids)
@@ -163,11 +165,11 @@ def _regressor_forest(attrs: Attrs) -> _Forest:
     roots = np.asarray([k for k in range(n) if k not in children], np.int64)
     if len(roots) != len(set(tree_ids.tolist())):
         raise ValueError(f"{op}: {len(roots)} roots for {len(set(tree_ids.tolist()))} trees")
-    n_targets = int(attrs.get("n_targets") or 1)
+    n_targets = int(attrs.get("n_targets") or 1) if n_targets is None else n_targets
     weights = np.zeros((n, n_targets), threshold.dtype)
     scores = np.zeros((n, n_targets), bool)  # which (leaf, target) a leaf scores
-    given = _tensor_or_list(attrs, "target_weights", np.float32)
-    for t, i, target, w in zip(attrs["target_treeids"], attrs["target_nodeids"], attrs["target_ids"],
+    given = _tensor_or_list(attrs, f"{leaf}_weights", np.float32)
+    for t, i, target, w in zip(attrs[f"{leaf}_treeids"], attrs[f"{leaf}_nodeids"], attrs[f"{leaf}_ids"],
                                given if given is not None else ()):
         k = index.get((int(t), int(i)))
         if k is None or not 0 <= int(target) < n_targets:
