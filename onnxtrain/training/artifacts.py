@@ -94,7 +94,6 @@ from __future__ import annotations
 
 import enum
 import inspect
-import json
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -109,7 +108,7 @@ from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
 from onnxtrain.errors import program_hint
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute_or_warn
-from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset, pausing_gc, unknown_versions
+from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset, pausing_gc
 from onnxtrain.ir.graphs import (
     chain_shared_batch_norms,
     in_topological_order,
@@ -119,35 +118,27 @@ from onnxtrain.ir.graphs import (
     untie_batch_norm_statistics,
 )
 from onnxtrain.ir.io import StagedFiles, stage_model_sized
-from onnxtrain.ir.large import check_model_full
 from onnxtrain.ir.types import shown_dims
 from onnxtrain.training import onnxblock
 from onnxtrain.training.api._accumulation import ACCUMULATED_SUFFIX as ACC_OUT_SUFFIX
 from onnxtrain.training.api._accumulation import BUFFER_SUFFIX
 from onnxtrain.training.api._accumulation import RESET_INPUT as RESET
 from onnxtrain.training.api._graph import parse_model_file
-from onnxtrain.training.onnxblock.model_accessor import BlockError, editing, value_info
-from onnxtrain.training.onnxblock.optim import ALL_FINITE
+from onnxtrain.training.artifact_meta import (
+    LOSS_SCALE,
+    LOSS_SCALING_KEY,
+    RECOMPUTE_KEY,
+    ArtifactError,
+    UnknownLossInput,
+    add_metadata,
+    finish_model,
+)
+from onnxtrain.training.onnxblock.model_accessor import editing, value_info
 from onnxtrain.training.onnxblock.optim import Optimizer as OptimizerBlock
+from onnxtrain.training.optimizer_model import build_optimizer_model
 from onnxtrain.user_warning import warn
 
-LOSS_SCALE = mp_pass.LOSS_SCALE
-LOSS_SCALING_KEY = "onnxtrain.loss_scaling"
-RECOMPUTE_KEY = "onnxtrain.recompute"
-OPTIMIZER_IO_KEY = "onnxtrain.optimizer_io"
 RECOMPUTE_KEYS = ("gelu", "attn_dropout", "transformer_layer", "number_recompute_layers", "checkpoints")
-
-
-class ArtifactError(BlockError):
-    """Artifacts cannot be generated; the message names the argument, parameter or value at fault.
-
-    A ``RuntimeError`` (what onnxruntime-training raises) and a ``ValueError``.
-    """
-
-
-class UnknownLossInput(ArtifactError, LookupError):
-    """A ``loss_input_names`` entry that is no value of the model (onnxruntime-training raised
-    LookupError)."""
 
 
 class LossType(enum.Enum):
@@ -593,7 +584,7 @@ def build_training_models(
     ckpt = ({n: values[n] for n in params if n in trainable}, {n: values[n] for n in params if n in frozen})
 
     # the loss the eval model computes in the stable form the training model differentiates (log σ terms)
-    evaluation = _finish(stable_log_sigmoids(_inference_mode(m)), "eval")
+    evaluation = finish_model(stable_log_sigmoids(_inference_mode(m)), "eval")
     # as onnxruntime-training's generator: batch statistics, whatever mode the model was exported in
     train_batch_norms(m.graph.node, NameGen.for_model(m))
     train_names = list(ckpt[0])
@@ -615,10 +606,10 @@ def build_training_models(
         # the pass names the input 'loss_scale', or a fresh name when a parameter has that one
         info = mp_pass.mixed_precision_info(training)
         scale = LOSS_SCALE if info is None else info.loss_scale
-        _add_metadata(training, LOSS_SCALING_KEY, {"dtype": mixed_precision, "loss_scale": scale})
+        add_metadata(training, LOSS_SCALING_KEY, {"dtype": mixed_precision, "loss_scale": scale})
     if recompute is not None:
-        _add_metadata(training, RECOMPUTE_KEY, recompute)
-    training = _finish(training, "training")
+        add_metadata(training, RECOMPUTE_KEY, recompute)
+    training = finish_model(training, "training")
     own = {LOSS_SCALING_KEY, mp_pass.METADATA_KEY} if mixed_precision is not None else set()
     _carry_model_info(base, training, own | ({RECOMPUTE_KEY} if recompute is not None else set()))
     _carry_model_info(base, evaluation, set())
@@ -699,12 +690,6 @@ def _warn_non_scalar_output(loss: str, types: dict[str, onnx.TypeProto]) -> None
         warn(f"no loss was given and the differentiated model output {loss!r} has shape {shape}: the "
              "training model differentiates the sum of its elements (as onnxruntime-training does); "
              "give a loss (loss=LossType..., a custom block) if that is not intended")
-
-
-def _add_metadata(m: onnx.ModelProto, key: str, value: dict[str, Any]) -> None:
-    p = m.metadata_props.add()
-    p.key = key
-    p.value = json.dumps(value, sort_keys=True)
 
 
 def _check_arity(block: onnxblock.Block, args: list[str]) -> None:
@@ -855,135 +840,6 @@ def _warn_random_nodes(model: onnx.ModelProto) -> None:
              "and torch exports Dropout1d/2d/3d, AlphaDropout and FeatureAlphaDropout as random ops, so "
              "evaluation differs from run to run; export the model with those layers replaced by "
              "nn.Identity() (for evaluation), or use nn.Dropout")
-
-
-def _finish(m: onnx.ModelProto, what: str) -> onnx.ModelProto:
-    """Lowest IR version the opsets allow; onnx.checker full check (an error here is a bug of ours). Opsets
-    or an IR version newer than the installed onnx knows are refused (it would stamp an IR version too old
-    for them)."""
-    opsets = list(m.opset_import)
-    unknown = unknown_versions(m)
-    if unknown:
-        raise ArtifactError(f"the model's {unknown}")
-    out = helper.make_model(
-        m.graph,
-        opset_imports=opsets,
-        producer_name="onnxtrain",
-        ir_version=max(helper.find_min_ir_version_for(opsets, True), 3),
-    )
-    out.functions.extend(m.functions)
-    out.metadata_props.extend(m.metadata_props)
-    try:
-        check_model_full(out)
-    except Exception as err:
-        raise ArtifactError(f"the generated {what} model fails onnx.checker: {err}") from None
-    return out
-
-
-# ---- optimizer model -------------------------------------------------------------------------------
-def _optimizer_input_names(names: list[str], state_names: Sequence[str],
-                           reserved: Sequence[str]) -> dict[tuple[str, str], str]:
-    """(parameter, role) -> the optimizer graph's input name, role ``param``, ``gradient`` or a state key.
-
-    Each input is named as the interface note says (``<p>``, ``<p>_grad``, ``<p>.<state>``) unless that
-    name is reserved or went to an earlier input (parameters come first, then gradients, then states);
-    such an input gets a fresh name, ``<name>_<i>``."""
-    wanted = ([((p, "param"), p) for p in names] + [((p, "gradient"), f"{p}_grad") for p in names]
-              + [((p, k), f"{p}.{k}") for k in state_names for p in names])
-    fresh = NameGen([*reserved, *(n for _, n in wanted)])
-    used = set(reserved)
-    out: dict[tuple[str, str], str] = {}
-    for key, n in wanted:
-        out[key] = fresh(n) if n in used else n
-        used.add(out[key])
-    return out
-
-
-def _default_input_name(key: tuple[str, str]) -> str:
-    p, role = key
-    return {"param": p, "gradient": f"{p}_grad"}.get(role, f"{p}.{role}")
-
-
-def build_optimizer_model(
-    block: OptimizerBlock, params: list[tuple[str, onnx.TypeProto]], opset: int,
-    mixed_precision: str | None = None,
-) -> onnx.ModelProto:
-    """The optimizer graph over the trainable ``params`` (name, type) — see the interface note.
-
-    ``mixed_precision`` ("float16"/"bfloat16"): loss-scaled gradients (``loss_scale`` input, guarded
-    update, ``all_gradients_finite`` output)."""
-    names = [p for p, _ in params]
-    fixed = ["learning_rate", "step"] + ([LOSS_SCALE] if mixed_precision is not None else [])
-    reserved = fixed + ([ALL_FINITE] if mixed_precision is not None else [])
-    io = _optimizer_input_names(names, block.state_names, reserved)
-    inputs = [io[p, "param"] for p in names]
-    grads = [io[p, "gradient"] for p in names]
-    states = {k: [io[p, k] for p in names] for k in block.state_names}
-    ptypes = dict(params)
-    vtypes = {n: ptypes[p] for (p, _), n in io.items()}
-    with onnxblock.empty_base(opset) as acc:
-        acc.add_input("learning_rate", helper.make_tensor_type_proto(TensorProto.FLOAT, [1]))
-        acc.add_input("step", helper.make_tensor_type_proto(TensorProto.INT64, [1]))
-        if mixed_precision is not None:
-            acc.add_input(LOSS_SCALE, helper.make_tensor_type_proto(TensorProto.FLOAT, [1]))
-        for group in (inputs, grads, *states.values()):
-            for n in group:
-                acc.add_input(n, vtypes[n])
-        if mixed_precision is None:
-            new = block("learning_rate", "step", inputs, grads, states)
-        else:
-            new = block("learning_rate", "step", inputs, grads, states, loss_scale=LOSS_SCALE)
-        model = acc.model
-    g = model.graph
-    flag = new.pop(ALL_FINITE, None)
-    order = [x for x in inputs + [s for k in block.state_names for s in states[k]] + grads if x in new]
-    outs = _output_names(model, order, reserved)
-    rename = {new[x]: outs[x] for x in order}
-    if flag is not None:
-        rename[flag] = ALL_FINITE
-    graph_inputs = {v.name for v in g.input}
-    for x in order:
-        if new[x] in graph_inputs:  # returned unchanged
-            g.node.append(helper.make_node("Identity", [new[x]], [outs[x]], name=f"{outs[x]}_Identity"))
-    for n in g.node:
-        for j, v in enumerate(n.output):
-            if v in rename:
-                n.output[j] = rename[v]
-        for j, v in enumerate(n.input):
-            if v in rename and v not in graph_inputs:
-                n.input[j] = rename[v]
-    g.output.extend(helper.make_value_info(outs[x], vtypes[x]) for x in order)
-    if flag is not None:
-        g.output.append(helper.make_tensor_value_info(ALL_FINITE, TensorProto.BOOL, []))
-    label = block.name or type(block).__name__
-    g.name = f"{label}_optimizer"
-    helper.set_model_props(
-        model,
-        {"onnxtrain.optimizer": label, "onnxtrain.hyperparameters": json.dumps(block.hyperparameters())},
-    )
-    if mixed_precision is not None:
-        _add_metadata(model, LOSS_SCALING_KEY, {"dtype": mixed_precision, "loss_scale": LOSS_SCALE,
-                                                "all_gradients_finite": ALL_FINITE})
-    _record_renamed_io(model, io, outs)
-    return _finish(model, "optimizer")
-
-
-def _output_names(model: onnx.ModelProto, order: list[str], reserved: Sequence[str]) -> dict[str, str]:
-    """Input name -> the name of its new value: ``<input>.out``, or a fresh name when the graph has that
-    one already (a parameter ``W.out`` beside ``W``)."""
-    fresh = NameGen.for_model(model)
-    fresh.taken.update(reserved)
-    return {x: fresh(f"{x}.out") for x in order}
-
-
-def _record_renamed_io(model: onnx.ModelProto, io: dict[tuple[str, str], str], outs: dict[str, str]) -> None:
-    """When some input or output is not named as the interface note says: metadata_props
-    ``onnxtrain.optimizer_io`` = JSON ``{"inputs": {name: [parameter, role]}, "outputs": {name: input}}``,
-    which the Optimizer binds by instead of the names."""
-    renamed = any(n != _default_input_name(key) for key, n in io.items())
-    if renamed or any(o != f"{x}.out" for x, o in outs.items()):
-        _add_metadata(model, OPTIMIZER_IO_KEY, {"inputs": {n: list(key) for key, n in io.items()},
-                                                "outputs": {o: x for x, o in outs.items()}})
 
 
 __all__ = ["ArtifactError", "LossType", "OptimType", "generate_artifacts"]

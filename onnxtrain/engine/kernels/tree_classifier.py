@@ -3,10 +3,10 @@
 
 Each row's class scores are the sums of its leaves' ``class_weights`` plus ``base_values``, returned after
 ``post_transform``; its label is the class of the largest score (the first of ties), among the classes its
-leaves score when there are no base values, as onnxruntime gives them for three classes or more. A forest of two class labels is refused by name: there
-onnxruntime departs from the spec in ways that depend on which classes the leaves score (labels that are no
-class label, base values added to one column, a second column left at 0), and no oracle says what it
-should be.
+leaves score when there are no base values, as onnxruntime gives them for three classes or more. A forest
+of two class labels is refused by name: there onnxruntime departs from the spec in ways that depend on
+which classes the leaves score (labels that are no class label, base values added to one column, a second
+column left at 0), and no oracle says what it should be.
 """
 
 from __future__ import annotations
