@@ -30,6 +30,8 @@ CASES: list[tuple[str, dict[str, Any], np.ndarray, int]] = [
       for x in (X, X.astype(np.float64), (X * 9).astype(np.int32), X[0], ZERO_ROWS)],
     ("Imputer", {"imputed_value_floats": [1.5, 2.5, 3.5]}, X_NAN, TensorProto.FLOAT),
     ("Imputer", {"imputed_value_floats": [9.0]}, X_NAN, TensorProto.FLOAT),
+    ("Imputer", {"imputed_value_floats": [1.5, 2.5, 3.5], "replaced_value_float": float("nan")}, X_NAN,
+     TensorProto.FLOAT),
     ("Imputer", {"imputed_value_floats": [7.0], "replaced_value_float": 0.0}, X.round(), TensorProto.FLOAT),
     ("Imputer", {"imputed_value_int64s": [5, 6, 7], "replaced_value_int64": 0}, (X * 2).astype(np.int64),
      TensorProto.INT64),

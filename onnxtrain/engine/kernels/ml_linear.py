@@ -68,14 +68,14 @@ def normalizer(inputs: Inputs, attrs: Attrs) -> Outputs:
 
 @kernel("Imputer", domain=ML)
 def imputer(inputs: Inputs, attrs: Attrs) -> Outputs:
-    """X with each occurrence of the replaced value (NaN by default for floats) replaced by the feature's
-    imputed value."""
+    """X with each occurrence of the replaced value (``replaced_value_float``/``_int64``, 0 by default; a NaN
+    one matches NaN, as scikit-learn's SimpleImputer exports it) replaced by the feature's imputed value."""
     op = f"Imputer {attrs.name!r}"
     x = np.asarray(inputs[0])
     c = x.shape[-1] if x.ndim else 1
     if x.dtype.kind == "f":
         values, missing = attrs.get("imputed_value_floats"), attrs.get("replaced_value_float")
-        missing = np.float32(np.nan if missing is None else missing)
+        missing = np.float32(0.0 if missing is None else missing)
         hit = np.isnan(x) if np.isnan(missing) else x == missing
     elif x.dtype.kind == "i":
         values, missing = attrs.get("imputed_value_int64s"), attrs.get("replaced_value_int64")
