@@ -53,15 +53,18 @@ def _model(op: str, attrs: dict[str, Any], x: np.ndarray, out_type: int) -> onnx
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=lambda i: f"{CASES[i][0]}-{i}")
 def test_matches_onnxruntime(case: int) -> None:
-    ort = pytest.importorskip("onnxruntime")
     op, attrs, x, out_type = CASES[case]
-    model = _model(op, attrs, x, out_type)
+    assert_like_onnxruntime(_model(op, attrs, x, out_type), x, 1e-6, 1e-7)
+
+
+def assert_like_onnxruntime(model: onnx.ModelProto, x: np.ndarray, rtol: float, atol: float) -> None:
+    """The model (checked in full) gives onnxruntime's one output on input ``x``: dtype, shape and values."""
+    ort = pytest.importorskip("onnxruntime")
     onnx.checker.check_model(model, full_check=True)
-    (want,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        None, {"x": x})
-    (got,) = compile_model(model).run({"x": x})
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (want,), (got,) = sess.run(None, {"x": x}), compile_model(model).run({"x": x})
     assert got.dtype == want.dtype and got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
 def test_linear_regressor_probit_is_the_normal_quantile() -> None:

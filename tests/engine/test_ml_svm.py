@@ -11,6 +11,7 @@ import pytest
 from onnx import AttributeProto, TensorProto, helper
 
 from onnxtrain.engine import compile_model
+from tests.engine.test_ml_linear import assert_like_onnxruntime
 
 RNG = np.random.default_rng(11)
 X = RNG.standard_normal((7, 3)).astype(np.float32)
@@ -35,27 +36,15 @@ def _supports(kind: str, params: list[float], one_class: int) -> dict[str, Any]:
 @pytest.mark.parametrize(("kind", "params"), [("LINEAR", [0.1, 0.0, 1.0]), ("POLY", [0.5, 1.0, 3.0]),
                                               ("RBF", [0.7, 0.0, 0.0]), ("SIGMOID", [0.3, 0.2, 0.0])])
 def test_kernels_match_onnxruntime(kind: str, params: list[float], one_class: int) -> None:
-    ort = pytest.importorskip("onnxruntime")
     for x in (X, X[0]):
-        model = _model(_supports(kind, params, one_class), x)
-        onnx.checker.check_model(model, full_check=True)
-        (want,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-            None, {"x": x})
-        (got,) = compile_model(model).run({"x": x})
-        assert got.dtype == want.dtype and got.shape == want.shape
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert_like_onnxruntime(_model(_supports(kind, params, one_class), x), x, 1e-5, 1e-5)
 
 
 @pytest.mark.parametrize("one_class", [0, 1])
 def test_the_linear_form_without_support_vectors_matches_onnxruntime(one_class: int) -> None:
-    ort = pytest.importorskip("onnxruntime")
     attrs = {"n_supports": 0, "kernel_type": "LINEAR", "coefficients": [0.5, -1.0, 2.0], "rho": [0.1],
              "one_class": one_class}
-    model = _model(attrs, X, empty=("support_vectors", "kernel_params"))
-    (want,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        None, {"x": X})
-    (got,) = compile_model(model).run({"x": X})
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert_like_onnxruntime(_model(attrs, X, empty=("support_vectors", "kernel_params")), X, 1e-6, 1e-6)
 
 
 @pytest.mark.parametrize(("attrs", "match"), [
