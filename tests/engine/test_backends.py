@@ -1108,7 +1108,8 @@ def test_bfloat16_and_float8_values_in_and_out_on_the_backend():
 def test_a_sequence_of_maps_on_the_backend_is_typed_and_copied_as_onnxruntime_does():
     """ZipMap's output (a sequence of maps, which onnxruntime runs on this backend): OrtValue.data_type()
     is the graph's type and IOBinding.copy_outputs_to_cpu() gives dicts, as plain onnxruntime does (it was
-    typed from the first item as a string tensor, its items 0-d object arrays)."""
+    typed from the first item as a string tensor, its items 0-d object arrays); so on the numpy engine,
+    which has a ZipMap kernel too."""
     import onnxruntime as ort
     from onnx import TensorProto as T
     from onnx import helper
@@ -1131,6 +1132,7 @@ def test_a_sequence_of_maps_on_the_backend_is_typed_and_copied_as_onnxruntime_do
     so.add_session_config_entry(CONFIG_KEY, "onnxruntime")
     got = {}
     for name, mod, sess in (("ours", onnxtrain, InferenceSession(model, so)),
+                            ("numpy", onnxtrain, InferenceSession(model)),
                             ("theirs", ort, ort.InferenceSession(model, providers=["CPUExecutionProvider"]))):
         values = sess.run_with_ort_values(None, {"X": mod.OrtValue.ortvalue_from_numpy(x)})
         io = sess.io_binding()
@@ -1139,10 +1141,11 @@ def test_a_sequence_of_maps_on_the_backend_is_typed_and_copied_as_onnxruntime_do
         io.bind_output("probabilities")
         sess.run_with_iobinding(io)
         got[name] = (values[1].data_type(), io.copy_outputs_to_cpu()[1])
-    assert got["ours"][0] == got["theirs"][0] == "seq(map(int64,tensor(float)))"
-    assert all(type(item) is dict for item in got["ours"][1])
-    for a, b in zip(got["ours"][1], got["theirs"][1]):
-        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-6 for k in a)
+    for ours in ("ours", "numpy"):
+        assert got[ours][0] == got["theirs"][0] == "seq(map(int64,tensor(float)))"
+        assert all(type(item) is dict for item in got[ours][1])
+        for a, b in zip(got[ours][1], got["theirs"][1]):
+            assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-6 for k in a)
 
 
 def test_a_weight_used_by_two_outputs_of_a_split_trains_on_the_backend():
