@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from numpy.lib.array_utils import byte_bounds
 
-from onnxtrain.capi.feeds import feed_array
+from onnxtrain.capi.feeds import feed_array, map_feed
 from onnxtrain.capi.options import RunOptions, SessionOptions, resolve_providers
 from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
 from onnxtrain.engine.backends import backend_of, batch_split_mode, make_plan
@@ -108,6 +108,10 @@ class FeedChecker:
         # sequence- and optional-typed inputs: name → "seq" or "optional"; fed as lists (or None) as they are
         self.containers = {n: kind for n, v in plan.input_info.items()
                            if (kind := _container_kind(v.type)) is not None}
+        # map-typed inputs (DictVectorizer's, CastMap's): name → how map_feed checks the dict fed
+        self.maps = {n: (v.type.map_type.key_type == onnx.TensorProto.STRING,
+                         np_dtype_of(v.type.map_type.value_type), type_string(v.type, "map"))
+                     for n, v in plan.input_info.items() if v.type.WhichOneof("value") == "map_type"}
         # a sequence input's element type, where declared
         self.elements = {n: np_dtype_of(v.type.sequence_type.elem_type)
                          for n, v in plan.input_info.items() if self.containers.get(n) == "seq"
@@ -137,7 +141,9 @@ class FeedChecker:
             if name not in self.allowed:
                 raise InvalidFeed(f"unknown input {name!r}; the model's inputs are {self.required}")
             kind = self.containers.get(name)
-            if kind is None:
+            if kind is None and name in self.maps:  # a dict, its keys and values checked
+                out[name] = map_feed(name, v, *self.maps[name])
+            elif kind is None:
                 out[name] = _tensor_feed(name, v, *self.specs[name])
             elif name in self.optional_tensors:  # an optional tensor: None, or a tensor input's feed
                 a = v._array if isinstance(v, OrtValue) and v._array is None else v

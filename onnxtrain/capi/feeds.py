@@ -1,8 +1,10 @@
 """What a value fed to a tensor input becomes before its dtype and shape are checked: shared by the inference
-sessions, the legacy session and the on-device ``Module`` (which does not load the inference module)."""
+sessions, the legacy session and the on-device ``Module`` (which does not load the inference module); and
+what a dict fed to a map input (an ai.onnx.ml DictVectorizer's or CastMap's) must hold."""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,7 +40,42 @@ def _row_major(a: np.ndarray) -> np.ndarray:
     return a if a.flags.c_contiguous else a.copy(order="C")
 
 
-__all__ = ["feed_array"]
+_INT64_RANGE = (-(2**63), 2**63 - 1)
+
+
+def map_feed(name: str, v: Any, string_keys: bool, value_dtype: np.dtype | None, spelled: str) -> dict:
+    """``v`` fed to input ``name`` of map type ``spelled`` ("map(string,tensor(float))"): a dict of str keys
+    (``string_keys``) or int keys in int64's range (Python or numpy integers, bool too, as onnxruntime's
+    binding takes them), whose values are of the tensor type ``value_dtype`` where known (any real number for
+    a float one, integers for an integer one, str for strings), as a new dict of Python keys and the same
+    values. Anything else is refused naming the input, as onnxruntime refuses a value of another type (an
+    array, a dict of keys of the other type, a str value for a float map). An empty dict is taken: the
+    spec's maps may be empty (onnxruntime's binding alone refuses one)."""
+    if not isinstance(v, Mapping):
+        raise InvalidFeedType(f"input {name!r}: expected a dict for {spelled}, got {type(v).__name__}")
+    kind = None if value_dtype is None else value_dtype.kind
+    takes = {"f": (numbers.Real, np.bool_), "i": (numbers.Integral, np.bool_), "O": (str,)}.get(kind or "")
+    out: dict = {}
+    for k, x in v.items():
+        if string_keys and not isinstance(k, str) or not string_keys and not isinstance(k, numbers.Integral):
+            raise InvalidFeedType(f"input {name!r}: {spelled} takes {'str' if string_keys else 'int'} keys, "
+                                  f"got key {k!r} of type {type(k).__name__}")
+        if not string_keys and not _INT64_RANGE[0] <= k <= _INT64_RANGE[1]:
+            raise InvalidFeedType(f"input {name!r}: key {k} is out of int64's range")
+        if takes is not None:
+            x0 = x.item() if isinstance(x, np.ndarray) and x.ndim == 0 else x  # a 0-d array, as its number
+            if not isinstance(x0, takes):
+                raise InvalidFeedType(f"input {name!r}: {spelled} takes {_VALUES[kind]} as values, got "
+                                      f"{x!r} of type {type(x).__name__} for key {k!r}")
+            if kind == "i" and not _INT64_RANGE[0] <= x0 <= _INT64_RANGE[1]:
+                raise InvalidFeedType(f"input {name!r}: the value {x0} of key {k!r} is out of int64's range")
+        out[str(k) if string_keys else int(k)] = x
+    return out
+
+
+_VALUES = {"f": "real numbers", "i": "integers", "O": "str"}
+
+__all__ = ["feed_array", "map_feed"]
 
 
 def empty_run(feeds: Mapping[str, Any]) -> bool:

@@ -44,6 +44,7 @@ from onnxtrain.engine.node_checks import (  # noqa: F401 (re-exported)
     NodeChecker,
     check_nodes,
     checked_opsets,
+    graph_types,
 )
 from onnxtrain.engine.parallel import default_width, recording_splits, running_with, width, worker_threads
 from onnxtrain.engine.registry import (
@@ -144,6 +145,7 @@ class Plan(GraphInterface):
         unknown = False  # a missing op that ONNX does not define
         captures: dict[int, list[str]] = {}  # node index → outer values its bodies read
         domain_opsets = {o.domain: o.version for o in model.opset_import}
+        declared: dict[str, str] | None = None  # the value types the graph declares, read when first needed
         for k, node in enumerate(g.node):
             in_names, out_names = tuple(node.input), tuple(node.output)
             if checker is not None and checker.invalid(node, in_names, out_names):
@@ -171,7 +173,13 @@ class Plan(GraphInterface):
             except Exception as e:
                 raise EngineError(f"node {node.name!r} ({node.op_type}): bad attributes: {e}") from None
             used = tuple(bool(o) for o in out_names)
-            attrs = Attrs(values, node.op_type, node.name, opset, len(out_names), used)
+            input_types: tuple[str | None, ...] = ()
+            if node.domain == "ai.onnx.ml":  # a map input's value type is known from the graph only
+                if checker is None and declared is None:
+                    declared = graph_types(g)
+                types = checker.types if checker is not None else declared
+                input_types = tuple(types.get(n) if n else None for n in in_names)
+            attrs = Attrs(values, node.op_type, node.name, opset, len(out_names), used, input_types)
             if random_state is not None and node.op_type in RANDOM_OPS:
                 attrs.cache = random_state.setdefault(node.name or out_names, {})
             ins = [slot_of(n) if n else -1 for n in (*in_names, *captures.get(k, ()))]

@@ -55,18 +55,22 @@ class NodeCache(dict):
 
 
 class Attrs(dict):
-    """Parsed attributes of one node, plus what a kernel may need to know about the node."""
+    """Parsed attributes of one node, plus what a kernel may need to know about the node: ``input_types``,
+    the declared type of each input where the graph gives it ("map(string,tensor(double))"; None where
+    unknown, and empty when the plan did not say)."""
 
-    __slots__ = ("op", "name", "opset", "n_outputs", "output_used", "cache")
+    __slots__ = ("op", "name", "opset", "n_outputs", "output_used", "cache", "input_types")
 
     def __init__(self, values: dict[str, Any], op: str = "", name: str = "", opset: int = 0,
-                 n_outputs: int = 1, output_used: tuple[bool, ...] = (True,)):
+                 n_outputs: int = 1, output_used: tuple[bool, ...] = (True,),
+                 input_types: tuple[str | None, ...] = ()):
         super().__init__(values)
         self.op = op
         self.name = name
         self.opset = opset
         self.n_outputs = n_outputs
         self.output_used = output_used
+        self.input_types = input_types
         self.cache: dict[Any, Any] = NodeCache()  # per-node memo a kernel may keep between runs
 
     def cached(self, key: Any, make: Callable[[], Any]) -> Any:
