@@ -149,3 +149,14 @@ def test_onnx_node_conformance_cases(module) -> None:
     assert cases
     for _, case in cases:
         run_case(case)
+
+
+def test_every_ml_op_version_of_onnx_has_a_kernel() -> None:
+    """Each operator version the installed onnx defines in ``ai.onnx.ml`` runs (none is refused for want of a
+    kernel); the per-op tests check their values."""
+    from onnxtrain.engine.registry import has_kernel
+
+    versions = {(s.name, s.since_version) for s in onnx.defs.get_all_schemas_with_history()
+                if s.domain == "ai.onnx.ml"}
+    assert len(versions) >= 24
+    assert sorted(f"{op}-{v}" for op, v in versions if not has_kernel(op, v, "ai.onnx.ml")) == []
