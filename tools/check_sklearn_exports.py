@@ -44,8 +44,19 @@ def _gap(want: Any, got: Any) -> float:
 def _sklearn_models(rows: int) -> Iterator[tuple[str, Callable[[], Any], np.ndarray]]:
     """(name, a function fitting and exporting the model, the rows to run)."""
     from skl2onnx import to_onnx
-    from sklearn import cluster, ensemble, linear_model, mixture, naive_bayes, neighbors, neural_network, svm
-    from sklearn import decomposition, preprocessing, tree
+    from sklearn import (
+        cluster,
+        decomposition,
+        ensemble,
+        linear_model,
+        mixture,
+        naive_bayes,
+        neighbors,
+        neural_network,
+        preprocessing,
+        svm,
+        tree,
+    )
     from sklearn.datasets import make_classification, make_regression
     from sklearn.pipeline import make_pipeline
 
