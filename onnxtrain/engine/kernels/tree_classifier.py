@@ -78,12 +78,12 @@ def tree_ensemble_classifier(inputs: Inputs, attrs: Attrs) -> Outputs:
         return _binary(forest, x, base, post, op, one_class, positive, labels, bool(strings))
     if base is not None and len(base) not in (0, len(labels)):
         raise ValueError(f"{op}: {len(base)} base values for {len(labels)} classes (give none, or one each)")
-    s = _predict(forest, x, "SUM", base, "NONE")
+    hit = np.zeros((1 if x.ndim == 1 else len(x), len(labels)), bool)
+    s = _predict(forest, x, "SUM", base, "NONE", scored=hit)
     # the label: the largest score among the classes some leaf of the row scored (all, with base values)
     if base is not None and len(base):
         ranked = s
     else:
-        hit = _hits(forest, x)
         hit[~hit.any(axis=1)] = True
         ranked = np.where(hit, s, -np.inf)
     y = np.array([labels[int(i)] for i in np.argmax(ranked, axis=1)], dtype=object if strings else np.int64)
@@ -104,8 +104,8 @@ def _binary(forest: _Forest, x: np.ndarray, base: np.ndarray | None, post: str, 
     """A two-class forest's labels and scores as onnxruntime gives them (see the module docstring)."""
     x2 = x.reshape(1, -1) if x.ndim == 1 else x.reshape(len(x), -1)
     dt = np.float64 if x2.dtype == np.float64 or forest.threshold.dtype == np.float64 else np.float32
-    s = _predict(forest, x2, "SUM", None, "NONE", dt)  # sums in the trees' type, base values apart
-    hit = _hits(forest, x2)
+    hit = np.zeros((len(x2), 2), bool)
+    s = _predict(forest, x2, "SUM", None, "NONE", dt, scored=hit)  # in the trees' type, base values apart
     has0, has1 = hit[:, 0], hit[:, 1]
     n_base = 0 if base is None else len(base)
     b = np.zeros(2, dt) if base is None else base.astype(dt)
@@ -134,13 +134,6 @@ def _binary(forest: _Forest, x: np.ndarray, base: np.ndarray | None, post: str, 
             right, left = c, (1 - c if one_class and positive else -c)
         z[single] = np.stack([left, right], axis=1).astype(np.float32)
     return y, z
-
-
-def _hits(forest: _Forest, x: np.ndarray) -> np.ndarray:
-    """(rows, classes): whether a leaf the row reaches scores the class."""
-    x = x.reshape(1, -1) if x.ndim == 1 else x.reshape(len(x), -1)
-    compare = np.float64 if x.dtype == np.float64 or forest.threshold.dtype == np.float64 else np.float32
-    return forest.scores[forest.leaves(x.astype(compare, copy=False))].any(axis=1)
 
 
 def _transformed(s: np.ndarray, post: str, op: str) -> np.ndarray:

@@ -27,6 +27,7 @@ from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 _MODES = {"BRANCH_LEQ": 0, "BRANCH_LT": 1, "BRANCH_GTE": 2, "BRANCH_GT": 3, "BRANCH_EQ": 4, "BRANCH_NEQ": 5,
           "BRANCH_MEMBER": 6, "LEAF": 7}
 _MEMBER, _LEAF = 6, 7
+_COMPARE = {0: np.less_equal, 1: np.less, 2: np.greater_equal, 3: np.greater, 4: np.equal, 5: np.not_equal}
 _AGGREGATES = ("AVERAGE", "SUM", "MIN", "MAX")  # version 5's codes 0..3
 _ROWS = 4096  # rows walked at once
 _TRANSFORMS = ("NONE", "SOFTMAX", "LOGISTIC", "SOFTMAX_ZERO", "PROBIT")  # version 5's codes 0..4
@@ -58,6 +59,14 @@ class _Forest:
         self.weights, self.scores, self.members = weights, scores, members
         self.n_trees, self.n_targets = len(roots), weights.shape[1]
         self.depth = self._depth()
+        # the walk's tables: the feature a node reads (0 for a leaf), node k's children at 2k (false) and
+        # 2k + 1 (true), and the one comparison of all the inner nodes when they share one
+        self._reads = np.where(mode == _LEAF, 0, feature).astype(np.int64)
+        self._next = np.stack([false, true], axis=1).reshape(-1).astype(np.int64)
+        inner = np.unique(mode[mode != _LEAF])
+        self._compare = _COMPARE.get(int(inner[0])) if len(inner) == 1 else None
+        if self.n_targets <= 63:  # each node's scored targets as the bits of one integer
+            self._bits = scores.astype(np.int64) @ (np.int64(1) << np.arange(self.n_targets, dtype=np.int64))
 
     def _depth(self) -> int:
         """The longest root-to-leaf path (a bound for the walk's steps; a cycle is an error)."""
@@ -71,25 +80,46 @@ class _Forest:
         return level
 
     def leaves(self, x: np.ndarray) -> np.ndarray:
-        """The leaf each sample (row of ``x``) reaches in each tree: (samples, trees)."""
-        rows = np.arange(len(x))[:, None]
-        at = np.broadcast_to(self.roots, (len(x), len(self.roots))).copy()
+        """The leaf each sample (row of ``x``) reaches in each tree: (samples, trees). A step is a handful of
+        gathers over the (samples, trees) node indices: a leaf's two children are itself, so it stays."""
+        rows, width = x.reshape(len(x), -1).shape
+        at = np.broadcast_to(self.roots, (rows, len(self.roots))).copy()
+        if not at.size:
+            return at
+        flat = np.ascontiguousarray(x).reshape(-1)
+        first = (np.arange(rows, dtype=np.int64) * width)[:, None]  # each row's first feature in ``flat``
+        missing = bool(self.missing_true.any()) and bool(np.isnan(flat).any())
         for _ in range(self.depth):
-            inner = self.mode[at] != _LEAF
-            if not inner.any():
-                break
-            v = x[rows, self.feature[at]]
-            t = self.threshold[at]
-            m = self.mode[at]
-            go = np.select([m == 0, m == 1, m == 2, m == 3, m == 4], [v <= t, v < t, v >= t, v > t, v == t],
-                           v != t)
-            if self.members is not None:
-                member = m == _MEMBER
-                if member.any():
-                    go[member] = (self.members[at[member]] == v[member][:, None]).any(axis=1)
-            go |= np.isnan(v) & self.missing_true[at]
-            at = np.where(inner, np.where(go, self.true[at], self.false[at]), at)
+            where = self._reads.take(at)
+            where += first
+            v = flat.take(where)
+            t = self.threshold.take(at)
+            go = self._compare(v, t) if self._compare is not None else self._go(at, v, t)
+            if missing:
+                go |= np.isnan(v) & self.missing_true.take(at)
+            at <<= 1
+            at += go
+            at = self._next.take(at)
         return at
+
+    def scored(self, at: np.ndarray) -> np.ndarray:
+        """(samples, targets): whether a leaf of ``at`` (samples, trees) scores the target; up to 63 targets
+        as bit masks OR-ed over the trees."""
+        if self.n_targets > 63:
+            return self.scores[at].any(axis=1)
+        bits = np.bitwise_or.reduce(self._bits.take(at), axis=1)
+        return (bits[:, None] >> np.arange(self.n_targets, dtype=np.int64)) & 1 != 0
+
+    def _go(self, at: np.ndarray, v: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """Whether each sample takes the true branch, for forests of several comparison modes."""
+        m = self.mode.take(at)
+        go = np.select([m == 0, m == 1, m == 2, m == 3, m == 4], [v <= t, v < t, v >= t, v > t, v == t],
+                       v != t)
+        if self.members is not None:
+            member = m == _MEMBER
+            if member.any():
+                go[member] = (self.members[at[member]] == v[member][:, None]).any(axis=1)
+        return go
 
 
 def _logistic(s: np.ndarray) -> np.ndarray:
@@ -253,8 +283,10 @@ def _v5_forest(attrs: Attrs) -> _Forest:
 
 
 def _predict(forest: _Forest, x: np.ndarray, how: str, base: np.ndarray | None, post: str,
-             out: Any = np.float32) -> np.ndarray:
-    """The forest's aggregated, shifted and transformed scores of the rows of ``x``, of dtype ``out``."""
+             out: Any = np.float32, scored: np.ndarray | None = None) -> np.ndarray:
+    """The forest's aggregated, shifted and transformed scores of the rows of ``x``, of dtype ``out``; with
+    ``scored`` (rows, targets) booleans, also whether a leaf each row reaches scores each target (the same
+    walk)."""
     if x.ndim == 1:
         x = x.reshape(1, -1)
     x = x.reshape(len(x), -1)
@@ -271,9 +303,10 @@ def _predict(forest: _Forest, x: np.ndarray, how: str, base: np.ndarray | None, 
     for lo in range(0, len(x), _ROWS):  # rows a block at a time: the walk holds (rows, trees) indices
         at = forest.leaves(x[lo: lo + _ROWS])
         part = s[lo: lo + _ROWS]
-        if how in ("SUM", "AVERAGE"):  # tree after tree, as onnxruntime adds them (the same bits)
-            for t in range(at.shape[1]):
-                part += weights[at[:, t]]
+        if scored is not None:
+            scored[lo: lo + _ROWS] = forest.scored(at)
+        if how in ("SUM", "AVERAGE"):  # tree after tree, as onnxruntime adds them (the same bits): a
+            part += np.add.reduce(weights[at.T], axis=0)  # reduction over the outer axis adds in order
         else:
             better = np.less if how == "MIN" else np.greater
             seen = np.zeros(part.shape, bool)
