@@ -66,11 +66,11 @@ def forest(trees: int, depth: int, one_class: bool, seed: int = 0) -> onnx.Model
     return helper.make_model(g, opset_imports=opsets, ir_version=9)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="smaller forests, fewer rounds")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     import onnxruntime as ort
 
     cases = [("random forest, 100 trees of depth 10", 100, 10, False),
@@ -91,7 +91,8 @@ def main() -> None:
                         repeats=max(5, args.repeats), min_time=0.02 if args.quick else 0.05)
             print(ratio_line(f"{label}, {rows} row{'s' if rows > 1 else ''}", t["onnxtrain"].median * 1e3,
                              t["onnxruntime"].median * 1e3, " ms"))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
