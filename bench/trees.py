@@ -36,9 +36,10 @@ def forest(trees: int, depth: int, one_class: bool, seed: int = 0) -> onnx.Model
     """A TreeEnsembleClassifier of ``trees`` complete trees of ``depth`` levels (BRANCH_LEQ), random
     features and thresholds; each leaf scores every class, or (``one_class``) its tree's class."""
     rng = np.random.default_rng(seed)
-    a: dict[str, list] = {k: [] for k in ("nodes_treeids", "nodes_nodeids", "nodes_featureids", "nodes_values",
-                                          "nodes_modes", "nodes_truenodeids", "nodes_falsenodeids",
-                                          "class_treeids", "class_nodeids", "class_ids", "class_weights")}
+    names = ("nodes_treeids", "nodes_nodeids", "nodes_featureids", "nodes_values", "nodes_modes",
+             "nodes_truenodeids", "nodes_falsenodeids", "class_treeids", "class_nodeids", "class_ids",
+             "class_weights")
+    a: dict[str, list] = {k: [] for k in names}
     inner = 2 ** depth - 1
     for t in range(trees):
         for k in range(2 * inner + 1):
@@ -87,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             want, got = theirs.run(None, feeds), ours.run(feeds)
             assert np.array_equal(want[0], got[0]), "labels differ"
             np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
-            t = compare({"onnxtrain": lambda: ours.run(feeds), "onnxruntime": lambda: theirs.run(None, feeds)},
-                        repeats=max(5, args.repeats), min_time=0.02 if args.quick else 0.05)
+            peers = {"onnxtrain": lambda f=feeds, e=ours: e.run(f),
+                     "onnxruntime": lambda f=feeds, e=theirs: e.run(None, f)}
+            t = compare(peers, repeats=max(5, args.repeats), min_time=0.02 if args.quick else 0.05)
             print(ratio_line(f"{label}, {rows} row{'s' if rows > 1 else ''}", t["onnxtrain"].median * 1e3,
                              t["onnxruntime"].median * 1e3, " ms"))
     return 0
