@@ -378,7 +378,7 @@ class InferenceSession:
         if isinstance(output_names, (str, bytes)):
             raise TypeError("output_names must be a list of names or None, got "
                             f"{type(output_names).__name__} {output_names!r}")
-        ro = run_options or RunOptions()
+        ro = run_options or RunOptions._default()
         if not all(hasattr(ro, a) for a in ("terminate", "only_execute_path_to_fetches")):
             raise TypeError(f"run_options must be a RunOptions, got {type(ro).__name__} {ro!r}")
         if isinstance(ro, RunOptions):

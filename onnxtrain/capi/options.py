@@ -249,6 +249,19 @@ class RunOptions(_Fields):
         self._config: dict[str, str] = {}
         self._fix_fields()
 
+    @classmethod
+    def _default(cls) -> RunOptions:
+        """A new RunOptions of the default values, made without the fields' checks (for a run given none:
+        the checked constructor took most of a small model's run)."""
+        template = cls.__dict__.get("_template")
+        if template is None:
+            template = dict(cls().__dict__)
+            type.__setattr__(cls, "_template", template)
+        ro = object.__new__(cls)
+        ro.__dict__.update(template)
+        ro.__dict__["_linked"], ro.__dict__["_config"] = [], {}
+        return ro
+
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
         if name == "terminate":  # a run in progress on the onnxruntime backend stops before its next node

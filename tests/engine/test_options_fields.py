@@ -182,3 +182,17 @@ def test_every_onnxruntime_optimization_level_is_taken() -> None:
         so = SessionOptions()
         so.graph_optimization_level = member  # ORT_ENABLE_LAYOUT was refused
         assert so.graph_optimization_level == GraphOptimizationLevel[member.name] == int(member)
+
+
+def test_a_run_given_no_options_gets_fresh_defaults() -> None:
+    """``InferenceSession.run`` without run options makes its defaults without the fields' checks (they
+    took half of a one-node run): each is a new object, equal to ``RunOptions()``, whose state (the config
+    entries, the backend's linked options) is its own, and which still refuses a misspelt field."""
+    a, b, made = RunOptions._default(), RunOptions._default(), RunOptions()
+    assert a is not b and a._config is not b._config and a._linked is not b._linked
+    assert {k: v for k, v in a.__dict__.items()} == {k: v for k, v in made.__dict__.items()}
+    a.add_run_config_entry("k", "v")
+    a.terminate = True
+    assert RunOptions._default()._config == {} and not RunOptions._default().terminate
+    with pytest.raises(AttributeError, match="no attribute 'terminat'"):
+        a.terminat = True
