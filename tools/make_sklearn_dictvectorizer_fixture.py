@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "sklearn_dict")
-OPSETS = {"": 17, "ai.onnx.ml": 3}
+from sklearn_fixtures import DATA, OPSETS, save_model
+
+OUT = os.path.join(DATA, "sklearn_dict")
 
 # the training dicts (a few keys each, of a vocabulary of six) and their classes
 ROWS = [
@@ -48,10 +49,7 @@ def main() -> None:
     pipeline = make_pipeline(DictVectorizer(sparse=False), LogisticRegression(max_iter=500)).fit(ROWS, LABELS)
     for name, model in (("dict_vectorizer", vectorizer), ("dict_logreg_3c", pipeline)):
         onx = to_onnx(model, initial_types=types, target_opset=OPSETS)
-        path = os.path.join(out, f"{name}.onnx")
-        with open(path, "wb") as f:
-            f.write(onx.SerializeToString())
-        print(f"{os.path.relpath(path)}: {os.path.getsize(path)} bytes")
+        save_model(onx, os.path.join(out, f"{name}.onnx"))
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ import warnings
 from typing import Any
 
 import numpy as np
+from sklearn_fixtures import DATA, OPSETS, save_model
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "sklearn_pipelines")
-OPSETS = {"": 17, "ai.onnx.ml": 3}
+OUT = os.path.join(DATA, "sklearn_pipelines")
 
 
 def _numeric(classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -76,12 +76,10 @@ def main() -> None:
             inputs = {onx.graph.input[0].name: x}
         else:
             inputs = {c: x[[c]].to_numpy().astype(np.float32 if x[c].dtype.kind == "f" else str) for c in x}
-        with open(os.path.join(out, f"{name}.onnx"), "wb") as f:
-            f.write(onx.SerializeToString())
+        save_model(onx, os.path.join(out, f"{name}.onnx"))
         np.savez(os.path.join(out, f"{name}.npz"), **{f"in_{k}": v for k, v in inputs.items()},
                  label=np.asarray(est.predict(x)), proba=est.predict_proba(x).astype(np.float32),
                  classes=np.asarray(est.classes_))
-        print(f"{name}: {os.path.getsize(os.path.join(out, f'{name}.onnx'))} bytes")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ import os
 import warnings
 
 import numpy as np
+from sklearn_fixtures import DATA, OPSETS, save_model
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "sklearn_svm")
+OUT = os.path.join(DATA, "sklearn_svm")
 ROWS, FEATURES = 60, 4
 
 
@@ -42,12 +43,8 @@ def main() -> None:
                    for proba in (False, True)]
         for name, model, proba in models:
             model.fit(x, y)
-            onx = to_onnx(model, x[:1], target_opset={"": 17, "ai.onnx.ml": 3},
-                          options={id(model): {"zipmap": False}})
-            path = os.path.join(out, f"{name}{'_proba' if proba else ''}_{k}c.onnx")
-            with open(path, "wb") as f:
-                f.write(onx.SerializeToString())
-            print(f"{os.path.relpath(path)}: {os.path.getsize(path)} bytes")
+            onx = to_onnx(model, x[:1], target_opset=OPSETS, options={id(model): {"zipmap": False}})
+            save_model(onx, os.path.join(out, f"{name}{'_proba' if proba else ''}_{k}c.onnx"))
 
 
 if __name__ == "__main__":

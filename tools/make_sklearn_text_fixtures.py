@@ -20,9 +20,9 @@ import argparse
 import os
 
 import numpy as np
+from sklearn_fixtures import DATA, OPSETS, save_model
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "sklearn_text")
-OPSETS = {"": 17, "ai.onnx.ml": 3}
+OUT = os.path.join(DATA, "sklearn_text")
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -56,11 +56,8 @@ def main() -> None:
     for name, est in models.items():
         est.fit(SENTENCES)
         onx = to_onnx(est, initial_types=[("X", StringTensorType([None, 1]))], target_opset=OPSETS)
-        with open(os.path.join(out, f"{name}.onnx"), "wb") as f:
-            f.write(onx.SerializeToString())
+        save_model(onx, os.path.join(out, f"{name}.onnx"))
         np.save(os.path.join(out, f"{name}.npy"), est.transform(SENTENCES).toarray().astype(np.float32))
-        size = os.path.getsize(os.path.join(out, f"{name}.onnx"))
-        print(f"{name}: {len(est.vocabulary_)} terms, {size} bytes")
 
 
 if __name__ == "__main__":

@@ -18,10 +18,10 @@ import argparse
 import os
 
 import numpy as np
+from sklearn_fixtures import DATA, OPSETS, save_model
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "sklearn_trees")
+OUT = os.path.join(DATA, "sklearn_trees")
 ROWS, FEATURES = 40, 4
-OPSETS = {"": 17, "ai.onnx.ml": 3}
 
 
 def main() -> None:
@@ -54,10 +54,7 @@ def main() -> None:
     for name, model, target in models:
         model.fit(x, target)
         onx = to_onnx(model, x[:1], target_opset=OPSETS, options={id(model): {"zipmap": False}})
-        path = os.path.join(out, f"{name}.onnx")
-        with open(path, "wb") as f:
-            f.write(onx.SerializeToString())
-        print(f"{os.path.relpath(path)}: {os.path.getsize(path)} bytes")
+        save_model(onx, os.path.join(out, f"{name}.onnx"))
 
 
 if __name__ == "__main__":

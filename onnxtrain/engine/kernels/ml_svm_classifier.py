@@ -41,7 +41,7 @@ import numpy as np
 from onnxtrain.engine.kernels.ml import ML
 from onnxtrain.engine.kernels.ml_linear import _rows, _text
 from onnxtrain.engine.kernels.ml_svm import _kernel_matrix
-from onnxtrain.engine.kernels.trees import _logistic, _probit, _softmax
+from onnxtrain.engine.kernels.trees import _logistic, _transformed
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 _KERNELS = ("LINEAR", "POLY", "RBF", "SIGMOID")
@@ -154,7 +154,7 @@ def svm_classifier(inputs: Inputs, attrs: Attrs) -> Outputs:
     if x.shape[1] != svm.features:
         raise ValueError(f"{op}: the input has {x.shape[1]} features, the model {svm.features}")
     if svm.vectors is None:
-        return _linear_form(x, svm)
+        return _linear_form(x, svm, op)
     k = len(svm.labels)
     decision = _kernel_matrix(x, svm.vectors, svm.kind, svm.params, op).astype(np.float64) @ svm.weights.T
     decision += svm.rho
@@ -166,16 +166,16 @@ def svm_classifier(inputs: Inputs, attrs: Attrs) -> Outputs:
     if svm.prob_a is not None:
         pair = 1 - _logistic(s * svm.prob_a + svm.prob_b)
         pair = np.clip(pair, np.float32(1e-7), np.float32(1) - np.float32(1e-7))
-        return y, _transformed(_coupled(pair, svm.first, svm.second, k), svm.post)
+        return y, _transformed(_coupled(pair, svm.first, svm.second, k), svm.post, op)
     if k == 2:
         if svm.post == "LOGISTIC":
             return y, np.concatenate([_logistic(-s), _logistic(s)], axis=1).astype(np.float32)
         other = -s if svm.post == "NONE" else 1 - s  # SOFTMAX, SOFTMAX_ZERO: as onnxruntime does
         return y, np.concatenate([other, s], axis=1)
-    return y, _transformed(s, svm.post)
+    return y, _transformed(s, svm.post, op)
 
 
-def _linear_form(x: np.ndarray, svm: _Svm) -> Outputs:
+def _linear_form(x: np.ndarray, svm: _Svm, op: str) -> Outputs:
     """Labels and scores without support vectors (see the module docstring)."""
     s = x @ svm.weights.T + svm.rho[0]
     top = np.argmax(s, axis=1)
@@ -183,18 +183,7 @@ def _linear_form(x: np.ndarray, svm: _Svm) -> Outputs:
         best = s.max(axis=1)
         second = best >= 0.5 if svm.all_positive else best > 0
         top = np.where(second, 1, top)
-    return svm.labels[top], _transformed(s, svm.post)
-
-
-def _transformed(s: np.ndarray, post: str) -> np.ndarray:
-    """Every score column after ``post``, float32."""
-    if post == "LOGISTIC":
-        s = _logistic(s)
-    elif post in ("SOFTMAX", "SOFTMAX_ZERO"):
-        s = _softmax(s, post == "SOFTMAX_ZERO")
-    elif post == "PROBIT":
-        s = _probit(s)
-    return np.asarray(s, np.float32)
+    return svm.labels[top], _transformed(s, svm.post, op)
 
 
 def _coupled(pair: np.ndarray, first: np.ndarray, second: np.ndarray, k: int) -> np.ndarray:

@@ -45,11 +45,10 @@ from onnxtrain.engine.kernels.trees import (
     _Forest,
     _logistic,
     _predict,
-    _probit,
     _regressor_forest,
-    _softmax,
     _tensor_or_list,
     _text,
+    _transformed,
 )
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
@@ -134,16 +133,3 @@ def _binary(forest: _Forest, x: np.ndarray, base: np.ndarray | None, post: str, 
             right, left = c, (1 - c if one_class and positive else -c)
         z[single] = np.stack([left, right], axis=1).astype(np.float32)
     return y, z
-
-
-def _transformed(s: np.ndarray, post: str, op: str) -> np.ndarray:
-    """The class scores after ``post``, float32."""
-    if post == "LOGISTIC":
-        s = _logistic(s)
-    elif post in ("SOFTMAX", "SOFTMAX_ZERO"):
-        s = _softmax(s, post == "SOFTMAX_ZERO")
-    elif post == "PROBIT":
-        s = _probit(s)
-    elif post != "NONE":
-        raise ValueError(f"{op}: unknown post_transform {post!r}")
-    return np.asarray(s, np.float32)

@@ -157,6 +157,19 @@ def _probit(s: np.ndarray) -> np.ndarray:
     return np.vectorize(one, otypes=[np.float64])(s.astype(np.float64))
 
 
+def _transformed(s: np.ndarray, post: str, op: str) -> np.ndarray:
+    """Every score column after ``post`` (a classifier's: PROBIT too on several columns), float32."""
+    if post == "LOGISTIC":
+        s = _logistic(s)
+    elif post in ("SOFTMAX", "SOFTMAX_ZERO"):
+        s = _softmax(s, post == "SOFTMAX_ZERO")
+    elif post == "PROBIT":
+        s = _probit(s)
+    elif post != "NONE":
+        raise ValueError(f"{op}: unknown post_transform {post!r}")
+    return np.asarray(s, np.float32)
+
+
 def _regressor_forest(attrs: Attrs, leaf: str = "target", n_targets: int | None = None,
                       op: str = "TreeEnsembleRegressor") -> _Forest:
     """TreeEnsembleRegressor's nodes (identified by tree and node ids) and targets as a forest; with
