@@ -11,12 +11,9 @@ skl2onnx's exports of them for a ``map(string, tensor(float))`` input: ``dict_ve
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from sklearn_fixtures import DATA, OPSETS, save_model
-
-OUT = os.path.join(DATA, "sklearn_dict")
+from sklearn_fixtures import OPSETS, out_dir, save_model
 
 # the training dicts (a few keys each, of a vocabulary of six) and their classes
 ROWS = [
@@ -34,16 +31,13 @@ LABELS = [0, 1, 2, 0, 1, 2, 0, 1, 2]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=OUT, help="the directory to write (default: %(default)s)")
-    out = parser.parse_args().out
+    out = out_dir(__doc__, "sklearn_dict")
     from skl2onnx import to_onnx
     from skl2onnx.common.data_types import DictionaryType, FloatTensorType, StringTensorType
     from sklearn.feature_extraction import DictVectorizer
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
 
-    os.makedirs(out, exist_ok=True)
     types = [("X", DictionaryType(StringTensorType([]), FloatTensorType([])))]
     vectorizer = DictVectorizer(sparse=False).fit(ROWS)
     pipeline = make_pipeline(DictVectorizer(sparse=False), LogisticRegression(max_iter=500)).fit(ROWS, LABELS)

@@ -15,15 +15,12 @@ on a pandas frame: one graph input per column).
 
 from __future__ import annotations
 
-import argparse
 import os
 import warnings
 from typing import Any
 
 import numpy as np
-from sklearn_fixtures import DATA, OPSETS, save_model
-
-OUT = os.path.join(DATA, "sklearn_pipelines")
+from sklearn_fixtures import OPSETS, out_dir, save_model
 
 
 def _numeric(classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -62,13 +59,10 @@ def _fixtures() -> list[tuple[str, Any, Any, np.ndarray]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=OUT, help="the directory to write (default: %(default)s)")
-    out = parser.parse_args().out
+    out = out_dir(__doc__, "sklearn_pipelines")
     from skl2onnx import to_onnx
 
     warnings.filterwarnings("ignore")  # convergence warnings of the small fits
-    os.makedirs(out, exist_ok=True)
     for name, est, x, y in _fixtures():
         est.fit(x, y)
         onx = to_onnx(est, x[:1], target_opset=OPSETS)  # a frame: one input per column, as skl2onnx names

@@ -11,27 +11,22 @@ rows as float32 (``x_<k>c.npy``).
 
 from __future__ import annotations
 
-import argparse
 import os
 import warnings
 
 import numpy as np
-from sklearn_fixtures import DATA, OPSETS, save_model
+from sklearn_fixtures import OPSETS, out_dir, save_model
 
-OUT = os.path.join(DATA, "sklearn_svm")
 ROWS, FEATURES = 60, 4
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=OUT, help="the directory to write (default: %(default)s)")
-    out = parser.parse_args().out
+    out = out_dir(__doc__, "sklearn_svm")
     from skl2onnx import to_onnx
     from sklearn.datasets import make_classification
     from sklearn.svm import SVC, NuSVC
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # probability=True is deprecated in 1.9
-    os.makedirs(out, exist_ok=True)
     for k in (2, 3):
         x, y = make_classification(n_samples=ROWS, n_features=FEATURES, n_informative=3, n_redundant=0,
                                    n_classes=k, n_clusters_per_class=1, class_sep=0.8, random_state=10 + k)

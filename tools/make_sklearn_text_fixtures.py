@@ -16,13 +16,10 @@ bigrams across them differ from scikit-learn's (onnxruntime's runs of the export
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import numpy as np
-from sklearn_fixtures import DATA, OPSETS, save_model
-
-OUT = os.path.join(DATA, "sklearn_text")
+from sklearn_fixtures import OPSETS, out_dir, save_model
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -41,14 +38,11 @@ SENTENCES = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=OUT, help="the directory to write (default: %(default)s)")
-    out = parser.parse_args().out
+    out = out_dir(__doc__, "sklearn_text")
     from skl2onnx import to_onnx
     from skl2onnx.common.data_types import StringTensorType
     from sklearn.feature_extraction.text import CountVectorizer, TfidfVectorizer
 
-    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "sentences.txt"), "w", encoding="utf-8", newline="\n") as f:
         f.write("".join(f"{s}\n" for s in SENTENCES))
     models = {"count_vectorizer": CountVectorizer(), "tfidf_vectorizer": TfidfVectorizer(),

@@ -14,26 +14,21 @@ last eight with one feature each set to NaN).
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import numpy as np
-from sklearn_fixtures import DATA, OPSETS, save_model
+from sklearn_fixtures import OPSETS, out_dir, save_model
 
-OUT = os.path.join(DATA, "sklearn_trees")
 ROWS, FEATURES = 40, 4
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=OUT, help="the directory to write (default: %(default)s)")
-    out = parser.parse_args().out
+    out = out_dir(__doc__, "sklearn_trees")
     from skl2onnx import to_onnx
     from sklearn.datasets import make_classification
     from sklearn.ensemble import ExtraTreesClassifier, GradientBoostingClassifier, RandomForestClassifier
     from sklearn.tree import DecisionTreeClassifier
 
-    os.makedirs(out, exist_ok=True)
     x, y = make_classification(n_samples=ROWS, n_features=FEATURES, n_informative=3, n_redundant=0,
                                n_clusters_per_class=1, class_sep=0.8, random_state=7)
     x = x.astype(np.float32)

@@ -17,3 +17,15 @@ def save_model(model: Any, path: str) -> None:
         f.write(model.SerializeToString())
     os.replace(tmp, path)
     print(f"{os.path.relpath(path)}: {os.path.getsize(path)} bytes")
+
+
+def out_dir(doc: str, folder: str) -> str:
+    """The directory a fixture script writes (``--out``, by default ``tests/data/<folder>``), made if new."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join(DATA, folder),
+                        help="the directory to write (default: %(default)s)")
+    out = parser.parse_args().out
+    os.makedirs(out, exist_ok=True)
+    return out
