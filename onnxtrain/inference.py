@@ -256,7 +256,8 @@ def own_outputs(outs: list[Any], feeds: Any) -> list[Any]:
             return o.copy()
         return o
 
-    return [[own(v) for v in o] if isinstance(o, list) else own(o) for o in outs]
+    return [[own(v) for v in o] if isinstance(o, list) and o and isinstance(o[0], np.ndarray) else own(o)
+            for o in outs]
 
 
 def outputs_apart(outs: list[Any]) -> list[Any]:
@@ -285,7 +286,7 @@ def outputs_apart(outs: list[Any]) -> list[Any]:
     for k, o in enumerate(outs):
         if isinstance(o, np.ndarray):
             outs[k] = apart(o)
-        elif isinstance(o, list):  # a sequence: its items too
+        elif isinstance(o, list) and o and isinstance(o[0], np.ndarray):  # a sequence of tensors: its items
             outs[k] = [apart(v) if isinstance(v, np.ndarray) else v for v in o]
     return outs
 

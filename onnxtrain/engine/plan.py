@@ -543,11 +543,12 @@ class Plan(GraphInterface):
 
 
 def nbytes(v: Any) -> int:
-    """Bytes held by a value: an array, a sequence of arrays, or None (an empty optional)."""
+    """Bytes held by a value: an array, a sequence of arrays, or None (an empty optional); a sequence of maps
+    (ZipMap's dicts) is not counted."""
     if isinstance(v, np.ndarray):
         return v.nbytes
     if isinstance(v, (list, tuple)):
-        return sum(map(nbytes, v))
+        return sum(map(nbytes, v)) if v and not isinstance(v[0], dict) else 0
     return int(getattr(v, "nbytes", 0))
 
 

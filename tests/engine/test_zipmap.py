@@ -70,3 +70,14 @@ def test_one_label_kind_is_required(kinds: str) -> None:
         model.graph.node[0].attribute.append(helper.make_attribute("classlabels_strings", ["a", "b", "c"]))
     with pytest.raises(Exception, match="ZipMap 'zm': give classlabels_strings or classlabels_int64s, one"):
         onnxtrain.InferenceSession(model.SerializeToString()).run(None, {"x": X[:, :3]})
+
+
+def test_each_run_gives_the_caller_dicts_of_its_own() -> None:
+    """The dicts are made anew by every run (the engine neither copies nor counts them item by item: a
+    scikit-learn classifier's 1,000-row run spent 5 of its 8 ms there): changing one run's result leaves the
+    next run's as it was."""
+    sess = onnxtrain.InferenceSession(_model([0, 1, 2], False, [None, 3]).SerializeToString())
+    (first,) = sess.run(None, {"x": X[:, :3]})
+    first[0][0] = 99.0
+    (second,) = sess.run(None, {"x": X[:, :3]})
+    assert second[0][0] == float(X[0, 0]) and first[0] is not second[0]

@@ -113,14 +113,14 @@ def linear_classifier(inputs: Inputs, attrs: Attrs) -> Outputs:
     k = scores.shape[1]
     strings = attrs.get("classlabels_strings")
     labels = [_text(v) for v in strings] if strings else list(attrs.get("classlabels_ints") or [])
+    dtype = object if strings else np.int64
     if k == 1:
         binary = labels if len(labels) == 2 else (["0", "1"] if strings else [0, 1])
-        picked = [binary[int(v)] for v in (scores[:, 0] > 0)]
+        y = np.array(binary, dtype=dtype)[(scores[:, 0] > 0).astype(np.intp)]
     else:
         if len(labels) != k:
             raise ValueError(f"{op}: {len(labels)} class labels for {k} sets of coefficients")
-        picked = [labels[int(i)] for i in np.argmax(scores, axis=1)]
-    y = np.array(picked, dtype=object if strings else np.int64)
+        y = np.array(labels, dtype=dtype)[np.argmax(scores, axis=1)]
     post = _text(attrs.get("post_transform") or "NONE")
     return y, _classifier_scores(scores, post, k == 1 and len(labels) == 2, op)
 
