@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxtrain.engine.parallel import parallel_for, split, width
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 CUBIC_A = -0.75  # the Keys cubic coefficient GridSample uses (as torch's bicubic grid_sample)
@@ -121,41 +122,120 @@ def _axis_taps(ua: np.ndarray, size: int, mode: str, padding: str,
     return out
 
 
-def _bilinear(x: np.ndarray, u: np.ndarray, padding: str) -> np.ndarray:
-    """:func:`sample` for 2-D linear sampling with zeros, border or (half-pixel) reflection padding: the
-    channels-last image gets a frame of one pixel before and two after each axis (zeros, or its edge
-    pixels, which is what border and half-pixel reflection read there), so that every point's four taps
-    are one base index plus fixed offsets, with no per-tap masks. Zeros padding first clips coordinates to
-    [-1, size], where all their taps read the frame. The weights are those of ``TAPS["linear"]``, combined
-    and summed in :func:`sample`'s order, each product in the weights' dtype (the same bits, but that a
-    point with no tap inside under zeros padding is +0 here and may be -0 there). 32×3×64×64 from a 64×64
-    grid: the sampling 10.2 → 4.6 ms, the whole GridSample 12.2 → 6.9 ms (onnxruntime 2.4–3.1 ms)."""
+def _framed(x: np.ndarray, padding: str, last: bool) -> np.ndarray:
+    """``x`` (B, C, H, W) inside a frame of one pixel before and two after each spatial axis, as
+    (B, H + 3, W + 3, C) (``last``) or (B, C, H + 3, W + 3): zeros, or (border, reflection) the edge pixels,
+    which is what border and half-pixel reflection read there."""
+    b, c, h, w = x.shape
+    shape = (b, h + 3, w + 3, c) if last else (b, c, h + 3, w + 3)
+    out = np.zeros(shape, x.dtype) if padding == "zeros" else np.empty(shape, x.dtype)
+    img = out.transpose(0, 3, 1, 2) if last else out  # (B, C, H + 3, W + 3) view
+    step = TRANSPOSE_CHANNELS if last else c
+    for j in range(0, c, step):  # see TRANSPOSE_CHANNELS
+        img[:, j:j + step, 1:h + 1, 1:w + 1] = x[:, j:j + step]
+    if padding != "zeros":
+        img[:, :, :1], img[:, :, h + 1:] = img[:, :, 1:2], img[:, :, h:h + 1]
+        img[:, :, :, :1], img[:, :, :, w + 1:] = img[:, :, :, 1:2], img[:, :, :, w:w + 1]
+    return out
+
+
+# numpy's transposing copy of NCHW into channels-last runs 2-3× faster 8 channels at a time than on all
+# (16×32×32×32: 2.2 → 0.8 ms; 8×64×64×64: 11 → 5.7 ms)
+TRANSPOSE_CHANNELS = 8
+# channels up to which the framed image stays channels-first and each channel is gathered on its own; above,
+# a channels-last copy gives one gather of a C-vector per tap
+FEW_CHANNELS = 4
+# a part of the batch holds whole images, up to PART_POINTS points and PART_VALUES sampled values (points ×
+# channels), at least one image: its arrays stay in the caches (and out of fresh pages: 64×1×28×28 from a
+# 28×28 grid, 1.5 ms of CPU at once, 0.55 ms in parts of 16K points), and parts are shared out among threads
+PART_POINTS = 1 << 14
+PART_VALUES = 1 << 16
+
+
+def _bilinear_part(x: np.ndarray, uy: np.ndarray, ux: np.ndarray, padding: str, out: np.ndarray) -> None:
+    """:func:`_bilinear` of ``x`` (B, C, H, W) at coordinates ``uy``, ``ux`` (B, P) into ``out`` (B, C, P)."""
     b, c, h, w = x.shape
     hp, wp = h + 3, w + 3
-    rows = np.zeros((b, hp, wp, c), x.dtype) if padding == "zeros" else np.empty((b, hp, wp, c), x.dtype)
-    rows[:, 1:h + 1, 1:w + 1] = x.transpose(0, 2, 3, 1)
-    if padding != "zeros":  # the frame repeats the edge pixels
-        rows[:, :1], rows[:, h + 1:] = rows[:, 1:2], rows[:, h:h + 1]
-        rows[:, :, :1], rows[:, :, w + 1:] = rows[:, :, 1:2], rows[:, :, w:w + 1]
-    rows = rows.reshape(-1, c)
-    uy, ux = u[:, :, 0], u[:, :, 1]
+    last = c > FEW_CHANNELS
+    rows = _framed(x, padding, last).reshape(-1, c) if last else _framed(x, padding, False).reshape(-1)
     if padding == "zeros":
         uy, ux = np.clip(uy, -1, h), np.clip(ux, -1, w)
     fy, fx = np.floor(uy), np.floor(ux)
     ty, tx = uy - fy, ux - fx
     wy0, wx0 = 1 - ty, 1 - tx  # TAPS["linear"]: w = 1 - d, d = t for the tap at floor(u)
-    wy1, wx1 = 1 - (ty - 1) * -1, 1 - (tx - 1) * -1  # and d = (t - 1)·(-1) for the tap after it
-    base = (fy.astype(np.int64) + 1) * wp + (fx.astype(np.int64) + 1)
-    base += (np.arange(b, dtype=np.int64) * (hp * wp))[:, None]
+    # and d = (t - 1)·(-1) for the tap after it: rounding to nearest is symmetric, so (t - 1)·(-1) is
+    # exactly 1 - t as rounded, and that tap's weight 1 - (1 - t) as rounded
+    wy1, wx1 = np.subtract(1, wy0, out=ty), np.subtract(1, wx0, out=tx)
+    if hp * wp < 1 << 24:  # (floor(uy)·wp + floor(ux)) exact in float32 and float64
+        fy *= wp
+        fy += fx
+        base = fy.astype(np.intp)
+    else:
+        base = fy.astype(np.intp) * wp + fx.astype(np.intp)
+    # + 1 row and column of frame, and the image's (or the image's channel's) offset
+    first = np.arange(b * (1 if last else c), dtype=np.intp) * (hp * wp) + (wp + 1)
+    if last:
+        base += first[:, None]
+        weights = ((0, wy0 * wx0), (1, wy0 * wx1), (wp, wy1 * wx0), (wp + 1, wy1 * wx1))
+        y = None
+        for off, weight in weights:
+            v = rows[off:].take(base, axis=0)  # (B, P, C)
+            v *= weight[:, :, None]  # in the weights' (coordinates') precision, rounded once to X's dtype
+            if y is None:
+                y = v
+            else:
+                y += v
+        out[...] = y.transpose(0, 2, 1)  # type: ignore[union-attr]
+        return
+    idx = base[:, None, :] + first.reshape(b, c, 1)  # (B, C, P)
     y = None
-    for off, weight in ((0, wy0 * wx0), (1, wy0 * wx1), (wp, wy1 * wx0), (wp + 1, wy1 * wx1)):
-        v = rows.take(base + off if off else base, axis=0)
-        v *= weight[:, :, None]  # in the weights' (coordinates') precision, rounded once to X's dtype
+    for k, (off, wa, wb) in enumerate(((0, wy0, wx0), (1, wy0, wx1), (wp, wy1, wx0), (wp + 1, wy1, wx1))):
+        v = rows[off:].take(idx)  # (B, C, P)
+        v *= (wa * wb)[:, None, :]
         if y is None:
             y = v
         else:
-            y += v
-    return y.transpose(0, 2, 1)  # type: ignore[union-attr]
+            np.add(y, v, out=out if k == 3 else y)
+
+
+def _bilinear(x: np.ndarray, u: np.ndarray | None, padding: str, uy: np.ndarray | None = None,
+              ux: np.ndarray | None = None) -> np.ndarray:
+    """:func:`sample` for 2-D linear sampling with zeros, border or (half-pixel) reflection padding: the
+    image gets a frame of one pixel before and two after each axis (zeros, or its edge pixels, which is what
+    border and half-pixel reflection read there), so that every point's four taps are one base index plus
+    fixed offsets, with no per-tap masks. Zeros padding first clips coordinates to [-1, size], where all
+    their taps read the frame. The weights are those of ``TAPS["linear"]``, combined and summed in
+    :func:`sample`'s order, each product in the weights' dtype (the same bits, but that a point with no tap
+    inside under zeros padding is +0 here and may be -0 there). ``u`` (B, P, 2), or its axes ``uy``, ``ux``
+    (B, P) with ``u`` None.
+
+    Up to FEW_CHANNELS channels, each channel is gathered from the channels-first framed image (flat
+    indices: no transposes); above, whole pixels from a channels-last copy, the sum transposed back. The
+    batch is cut into parts (PART_POINTS, PART_VALUES) shared out among the run's threads; every value is
+    computed by the same operations in the same order either way. 32×3×64×64 from a 64×64 grid: the
+    sampling 10.2 → 4.6 ms, the whole GridSample 12.2 → 6.9 ms (onnxruntime 2.4–3.1 ms); then in parts,
+    per-channel below 5 channels, see bench/HISTORY.md (2026-12-03) and ``python -m bench.grid_sample``."""
+    b, c = x.shape[:2]
+    if u is not None:
+        uy, ux = u[:, :, 0], u[:, :, 1]
+    assert uy is not None and ux is not None
+    p = uy.shape[1]
+    out = np.empty((b, c, p), x.dtype)
+    per = max(1, min(PART_POINTS // max(1, p), PART_VALUES // max(1, p * c)))
+    parts = max(-(-b // per), min(width(), b) if b * p * c >= PART_VALUES else 1)
+    ranges = split(b, parts)
+    if len(ranges) == 1:
+        _bilinear_part(x, uy, ux, padding, out)
+    else:
+        parallel_for(len(ranges), lambda i: _bilinear_part(
+            x[ranges[i][0]:ranges[i][1]], uy[ranges[i][0]:ranges[i][1]], ux[ranges[i][0]:ranges[i][1]],
+            padding, out[ranges[i][0]:ranges[i][1]]))
+    return out
+
+
+def _bilinear_pads(padding: str, align_corners: bool) -> bool:
+    """Whether :func:`_bilinear`'s frame stands for ``padding``."""
+    return padding in ("zeros", "border") or (padding == "reflection" and not align_corners)
 
 
 def sample(x: np.ndarray, u: np.ndarray, mode: str, padding: str, align_corners: bool) -> np.ndarray:
@@ -164,15 +244,14 @@ def sample(x: np.ndarray, u: np.ndarray, mode: str, padding: str, align_corners:
     ``u`` has already been moved by ``adjust_coords``; here each tap index is padded on its own:
     zeros drops taps outside the image, border clamps them, reflection reflects them. Arrays stay
     (B, P)-shaped: the loops run over the k taps per axis and their k**r combinations."""
-    finite = np.isfinite(u).all(axis=-1)  # (B, P): a NaN or infinite coordinate has no tap to read
-    if not finite.all():
+    if not np.isfinite(u).all():  # one pass (.all(axis=-1) over r = 2: 0.7 ms instead of 7 µs on 50K points)
+        finite = np.isfinite(u).all(axis=-1)  # (B, P): a NaN or infinite coordinate has no tap to read
         y = sample(x, np.where(finite[..., None], u, 0), mode, padding, align_corners)
         if y.dtype.kind != "f":
             y = y.astype(np.float64)
         y.transpose(0, 2, 1)[~finite] = np.nan  # such a point is NaN
         return y
-    if (mode == "linear" and x.ndim == 4 and x.dtype.kind == "f"
-            and (padding in ("zeros", "border") or (padding == "reflection" and not align_corners))):
+    if mode == "linear" and x.ndim == 4 and x.dtype.kind == "f" and _bilinear_pads(padding, align_corners):
         return _bilinear(x, u, padding)
     b, c = x.shape[:2]
     sp = x.shape[2:]
@@ -184,7 +263,11 @@ def sample(x: np.ndarray, u: np.ndarray, mode: str, padding: str, align_corners:
     # gather whole pixels (rows of C values) from a channels-last copy of X: per tap, on 4096 points per
     # image, 0.4 ms instead of 1.2 ms for per-channel gathers at 32x3 channels, 1.1 ms instead of 12 ms
     # at 8x64 (the transposes of X and Y cost about one tap each)
-    rows = np.ascontiguousarray(x.reshape(b, c, size).transpose(0, 2, 1)).reshape(b * size, c)
+    rows = np.empty((b, size, c), x.dtype)
+    step = TRANSPOSE_CHANNELS
+    for j in range(0, c, step):  # as in _framed
+        rows[:, :, j:j + step] = x.reshape(b, c, size)[:, j:j + step].transpose(0, 2, 1)
+    rows = rows.reshape(b * size, c)
     first = (np.arange(b, dtype=np.int64) * size)[:, None]
     y = None
     for combo in itertools.product(*axes):
@@ -227,12 +310,21 @@ def grid_sample(inputs: Inputs, attrs: Attrs) -> Outputs:
     ct = np.promote_types(grid.dtype, np.float32)  # coordinates in float32 at least
     sizes = np.asarray(x.shape[2:], dtype=ct)
     scale, shift = unnormalize(sizes, align)
-    u = grid.reshape(n, -1, r)[..., ::-1].astype(ct) * scale + shift  # grid lists the last axis first
-    if mode == "nearest":
-        u = np.rint(u)
-    if mode != "cubic":  # cubic pads each tap on its own (as torch and onnxruntime; see adjust_coords)
-        u = adjust_coords(u, sizes, padding, align)
-    y = sample(x, u, mode, padding, align)
+    g = grid.reshape(n, -1, r)
+    axes = []  # per axis, (N, P): numpy's loops over a last axis of 2 or 3 cost 20-30× a contiguous pass
+    for a in range(r):
+        ua = np.multiply(g[:, :, r - 1 - a], scale[a], dtype=ct)  # grid lists the last axis first
+        ua += shift[a]
+        if mode == "nearest":
+            np.rint(ua, out=ua)
+        if mode != "cubic":  # cubic pads each tap on its own (as torch and onnxruntime; see adjust_coords)
+            ua = adjust_coords(ua, sizes[a:a + 1], padding, align)
+        axes.append(ua)
+    if (mode == "linear" and r == 2 and x.dtype.kind == "f" and _bilinear_pads(padding, align)
+            and all(np.isfinite(ua).all() for ua in axes)):
+        y = _bilinear(x, None, padding, axes[0], axes[1])
+    else:
+        y = sample(x, np.stack(axes, axis=-1), mode, padding, align)
     return (y.reshape(n, c, *out_sp).astype(x.dtype, copy=False),)
 
 
