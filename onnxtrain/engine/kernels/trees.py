@@ -62,6 +62,7 @@ class _Forest:
         # the walk's tables: the feature a node reads (0 for a leaf), node k's children at 2k (false) and
         # 2k + 1 (true), and the one comparison of all the inner nodes when they share one
         self._reads = np.where(mode == _LEAF, 0, feature).astype(np.int64)
+        self.last_feature = int(self._reads.max(initial=-1))  # the highest feature a node reads (-1: none)
         self._next = np.stack([false, true], axis=1).reshape(-1).astype(np.int64)
         inner = np.unique(mode[mode != _LEAF])
         self._compare = _COMPARE.get(int(inner[0])) if len(inner) == 1 else None
@@ -305,9 +306,8 @@ def _predict(forest: _Forest, x: np.ndarray, how: str, base: np.ndarray | None, 
     x = x.reshape(len(x), -1)
     compare = np.float64 if x.dtype == np.float64 or forest.threshold.dtype == np.float64 else np.float32
     x = x.astype(compare, copy=False)
-    used = forest.feature[forest.mode != _LEAF]
-    if len(used) and x.shape[1] <= int(used.max()):
-        raise ValueError(f"{forest.op}: a node reads feature {int(used.max())}, the input has {x.shape[1]}")
+    if x.shape[1] <= forest.last_feature:
+        raise ValueError(f"{forest.op}: a node reads feature {forest.last_feature}, the input has {x.shape[1]}")
     if how not in _AGGREGATES:
         raise ValueError(f"{forest.op}: unknown aggregate_function {how!r}")
     dt = np.dtype(compare).type  # a double input or double trees add in double, as onnxruntime does
