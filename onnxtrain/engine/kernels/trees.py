@@ -307,7 +307,8 @@ def _predict(forest: _Forest, x: np.ndarray, how: str, base: np.ndarray | None, 
     compare = np.float64 if x.dtype == np.float64 or forest.threshold.dtype == np.float64 else np.float32
     x = x.astype(compare, copy=False)
     if x.shape[1] <= forest.last_feature:
-        raise ValueError(f"{forest.op}: a node reads feature {forest.last_feature}, the input has {x.shape[1]}")
+        raise ValueError(f"{forest.op}: a node reads feature {forest.last_feature}, the input has "
+                         f"{x.shape[1]}")
     if how not in _AGGREGATES:
         raise ValueError(f"{forest.op}: unknown aggregate_function {how!r}")
     dt = np.dtype(compare).type  # a double input or double trees add in double, as onnxruntime does
