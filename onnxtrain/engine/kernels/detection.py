@@ -6,7 +6,8 @@ factor into a row table and a column table, so each box costs two small products
 under it. RoiAlign max and MaxRoiPool gather every candidate of every bin of the chunk, (candidate,
 boxes, P, Q, C) with the channels last, and take the max over the leading axes.
 NonMaxSuppression runs the greedy pass of every (batch, class) pair together, a block of candidates per
-step.
+step; with few pairs, the boxes a step keeps suppress ahead (their pair's later candidates die at once, the
+survivors are compacted), so a pair of thousands of boxes takes a few steps.
 """
 
 from __future__ import annotations
@@ -288,7 +289,8 @@ def max_roi_pool(inputs: Inputs, attrs: Attrs) -> Outputs:
 # ---- NonMaxSuppression --------------------------------------------------------------------------
 
 _NMS_BLOCK = 32  # candidates decided per step of the blocked greedy pass
-_NMS_BUDGET = 1 << 21  # elements of the largest (pairs, selected, block) IoU table
+_NMS_BUDGET = 1 << 21  # elements of the largest IoU table of a step
+_NMS_AHEAD_PAIRS = 16  # up to this many (batch, class) pairs suppress ahead (_nms_pairs), more go by blocks
 
 
 def _box_table(boxes: np.ndarray, center: bool) -> np.ndarray:
@@ -349,9 +351,9 @@ def _nms_block(tab: np.ndarray, prev: np.ndarray, alive: np.ndarray, thr: Any) -
     return _greedy(inner, alive)
 
 
-def _nms_pairs(tab: np.ndarray, counts: np.ndarray, limit: int, thr: Any) -> np.ndarray:
-    """Greedy NMS of P (batch, class) pairs at once: ``tab`` (5, P, m) candidate boxes in score order, the
-    first ``counts`` of each pair live. Returns the (P, m) mask of kept candidates (at most ``limit``)."""
+def _nms_pairs_blocked(tab: np.ndarray, counts: np.ndarray, limit: int, thr: Any) -> np.ndarray:
+    """_nms_pairs by blocks tested against the boxes kept before them (prev): many steps of small tables,
+    better when many pairs share each step."""
     _, p, m = tab.shape
     cap = min(limit, m)
     sel = np.full((5, p, cap), np.nan, dtype=tab.dtype)
@@ -370,6 +372,63 @@ def _nms_pairs(tab: np.ndarray, counts: np.ndarray, limit: int, thr: Any) -> np.
         r, c = np.nonzero(keep)
         sel[:, rows[r], nsel[rows[r]] + rank[r, c] - 1] = blk[:, r, c]
         nsel[rows] += keep.sum(axis=1)
+    return kept
+
+
+def _compact(live: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's live positions moved to the front, in order: (pos (P, W), live (P, W)), W the most live
+    in a row; the padding slots hold position 0 and are dead."""
+    rank = np.cumsum(live, axis=1)
+    width = int(rank[:, -1].max()) if rank.size else 0
+    r, c = np.nonzero(live)
+    out = np.zeros((live.shape[0], width), dtype=np.int64)
+    out[r, rank[r, c] - 1] = pos[r, c]
+    return out, np.arange(width) < rank[:, -1:]
+
+
+def _nms_pairs(tab: np.ndarray, counts: np.ndarray, limit: int, thr: Any) -> np.ndarray:
+    """Greedy NMS of P (batch, class) pairs at once: ``tab`` (5, P, m) candidate boxes in score order, the
+    first ``counts`` of each pair live. Returns the (P, m) mask of kept candidates (at most ``limit``).
+
+    A step decides the first block of live candidates of every pair still short of ``limit`` (the greedy
+    pass within the block), then the boxes it kept suppress ahead: every later live candidate of their pair
+    they suppress dies, and the survivors move to the front. A live candidate has so been tested against
+    every box kept before it, and clustered boxes die by the cluster, in a few steps."""
+    _, p, m = tab.shape
+    kept = np.zeros((p, m), dtype=bool)
+    nsel = np.zeros(p, dtype=np.int64)
+    rows = np.arange(p)
+    width = int(counts.max()) if p else 0
+    pos = np.broadcast_to(np.arange(width), (p, width))
+    live = pos < counts[:, None]
+    block = _NMS_BLOCK
+    tri = np.triu(np.ones((block, block), dtype=bool), 1)
+    while rows.size and pos.shape[1]:
+        cur = tab[:, rows[:, None], pos]
+        k = min(block, pos.shape[1])
+        blk = cur[:, :, :k]
+        inner = _suppresses(blk[:, :, :, None], blk[:, :, None, :], thr)
+        inner &= tri[:k, :k]
+        keep = _greedy(inner, live[:, :k])
+        rank = np.cumsum(keep, axis=1)
+        keep &= rank <= (limit - nsel[rows])[:, None]
+        r, c = np.nonzero(keep)
+        kept[rows[r], pos[r, c]] = True
+        nsel[rows] += rank[:, -1].clip(max=limit - nsel[rows])
+        go = nsel[rows] < limit
+        rest, live = cur[:, go, k:], live[go, k:]
+        rows, pos, keep, blk = rows[go], pos[go, k:], keep[go], blk[:, go]
+        if rest.shape[2] == 0 or rows.size == 0:
+            break
+        nk = int(keep.sum(axis=1).max())
+        if nk:  # the kept boxes first in each row, NaN (never suppressing) after them
+            first = np.argsort(~keep, axis=1, kind="stable")[:, :nk]
+            sup = np.take_along_axis(blk, first[None], axis=2)
+            sup[:, ~np.take_along_axis(keep, first, axis=1)] = np.nan
+            live &= ~_suppresses(sup[:, :, :, None], rest[:, :, None, :], thr).any(axis=1)
+        pos, live = _compact(live, pos)
+        alive = live.any(axis=1)
+        rows, pos, live = rows[alive], pos[alive], live[alive]
     return kept
 
 
@@ -404,7 +463,8 @@ def _nms_check(boxes: np.ndarray, scores: np.ndarray, center: int) -> None:
 @kernel("NonMaxSuppression", since=10)
 def non_max_suppression(inputs: Inputs, attrs: Attrs) -> Outputs:
     # candidates of each (batch, class) pair in onnxruntime's order (score descending, ties by index);
-    # the greedy pass runs on all pairs at once, a block of candidates per step (see _nms_pairs)
+    # the greedy pass runs on all pairs at once, a block of candidates per step (see _nms_pairs: few pairs
+    # suppress ahead, many go by blocks tested against the boxes kept before them)
     boxes, scores = inputs[0], inputs[1]
     get = lambda i: inputs[i] if len(inputs) > i else None  # noqa: E731
     limit = int(_scalar(get(2), 0))
@@ -422,12 +482,14 @@ def non_max_suppression(inputs: Inputs, attrs: Attrs) -> Outputs:
         counts = (flat > score_thr).sum(axis=1)
     table = _box_table(boxes, bool(center)).reshape(5, nb * n)
     img = np.arange(nb * nc) // nc
-    step = max(_NMS_BUDGET // (min(limit, n) * _NMS_BLOCK), 1)
+    ahead = nb * nc <= _NMS_AHEAD_PAIRS
+    run = _nms_pairs if ahead else _nms_pairs_blocked
+    step = max(_NMS_BUDGET // ((max(int(counts.max()), 1) if ahead else min(limit, n)) * _NMS_BLOCK), 1)
     picks = []
     for s in range(0, nb * nc, step):
         sl = slice(s, s + step)
         tab = np.take(table, img[sl, None] * n + order[sl], axis=1)
-        pair, pos = np.nonzero(_nms_pairs(tab, counts[sl], limit, iou_thr))
+        pair, pos = np.nonzero(run(tab, counts[sl], limit, iou_thr))
         pair += s
         picks.append(np.stack([img[pair], pair % nc, order[pair, pos]], axis=1))
     return (np.concatenate(picks).astype(np.int64),)
