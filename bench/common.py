@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -112,3 +113,12 @@ def ratio_line(label: str, ours: float, theirs: float, unit: str = "", target: f
     r = ours / theirs
     verdict = "" if target is None else f" (target ≤ {target:g}×: {'met' if r <= target else 'MISSED'})"
     return f"{label}: onnxtrain {ours:.3g}{unit} vs onnxruntime {theirs:.3g}{unit} → ratio {r:.2f}×{verdict}"
+
+
+def timed_against_onnxruntime(label: str, ours: Any, theirs: Any, feeds: Mapping[str, Any], repeats: int,
+                              min_time: float) -> str:
+    """The ratio line of one model run by an onnxtrain plan (``ours.run(feeds)``) and an onnxruntime session
+    (``theirs.run(None, feeds)``), timed interleaved (:func:`compare`), in ms."""
+    peers = {"onnxtrain": lambda: ours.run(feeds), "onnxruntime": lambda: theirs.run(None, feeds)}
+    t = compare(peers, repeats=max(5, repeats), min_time=min_time)
+    return ratio_line(label, t["onnxtrain"].median * 1e3, t["onnxruntime"].median * 1e3, " ms")

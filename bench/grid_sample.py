@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from bench.common import add_repo_to_path, compare, ratio_line
+from bench.common import add_repo_to_path, timed_against_onnxruntime
 
 add_repo_to_path()
 from onnxtrain.engine import compile_model  # noqa: E402
@@ -68,12 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             f = feeds(shape)
             want, got = theirs.run(None, f)[0], ours.run(f)[0]
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-            peers = {"onnxtrain": lambda f=f, e=ours: e.run(f),
-                     "onnxruntime": lambda f=f, e=theirs: e.run(None, f)}
-            t = compare(peers, repeats=max(5, args.repeats), min_time=0.02 if args.quick else 0.05)
             label = f"{mode}/{padding} {'×'.join(map(str, shape))}"
-            print(ratio_line(label, t["onnxtrain"].median * 1e3, t["onnxruntime"].median * 1e3, " ms"),
-                  flush=True)
+            least = 0.02 if args.quick else 0.05
+            line = timed_against_onnxruntime(label, ours, theirs, f, args.repeats, least)
+            print(line, flush=True)
     return 0
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from bench.common import add_repo_to_path, compare, ratio_line
+from bench.common import add_repo_to_path, timed_against_onnxruntime
 
 add_repo_to_path()
 from onnxtrain.engine import compile_model  # noqa: E402
@@ -94,11 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         feeds = inputs(*shape, limit, center)
         want, got = theirs.run(None, feeds)[0], ours.run(feeds)[0]
         assert got.dtype == want.dtype and np.array_equal(got, want), f"{label}: selected indices differ"
-        peers = {"onnxtrain": lambda f=feeds, e=ours: e.run(f),
-                 "onnxruntime": lambda f=feeds, e=theirs: e.run(None, f)}
-        t = compare(peers, repeats=max(5, args.repeats), min_time=0.02 if args.quick else 0.1)
-        print(ratio_line(f"{label} ({len(want)} selected)", t["onnxtrain"].median * 1e3,
-                         t["onnxruntime"].median * 1e3, " ms"))
+        print(timed_against_onnxruntime(f"{label} ({len(want)} selected)", ours, theirs, feeds, args.repeats,
+                                        0.02 if args.quick else 0.1))
     return 0
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from bench.common import add_repo_to_path, compare, ratio_line
+from bench.common import add_repo_to_path, timed_against_onnxruntime
 
 add_repo_to_path()
 from onnxtrain.engine import compile_model  # noqa: E402
@@ -88,11 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             want, got = theirs.run(None, feeds), ours.run(feeds)
             assert np.array_equal(want[0], got[0]), "labels differ"
             np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
-            peers = {"onnxtrain": lambda f=feeds, e=ours: e.run(f),
-                     "onnxruntime": lambda f=feeds, e=theirs: e.run(None, f)}
-            t = compare(peers, repeats=max(5, args.repeats), min_time=0.02 if args.quick else 0.05)
-            print(ratio_line(f"{label}, {rows} row{'s' if rows > 1 else ''}", t["onnxtrain"].median * 1e3,
-                             t["onnxruntime"].median * 1e3, " ms"))
+            print(timed_against_onnxruntime(f"{label}, {rows} row{'s' if rows > 1 else ''}", ours, theirs,
+                                            feeds, args.repeats, 0.02 if args.quick else 0.05))
     return 0
 
 
