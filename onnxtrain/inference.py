@@ -324,7 +324,7 @@ class InferenceSession:
                                                                     provider_options)
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         model = load_with_options(path_or_bytes, self._sess_options)
-        model = loadable_model(model)
+        model = loadable_model(model, text_names=False)  # (the plans take bytes names as they are)
         loaded = time.perf_counter_ns()
         arrays = supplied_arrays(model, self._sess_options)
         self._model = model

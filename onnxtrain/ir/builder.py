@@ -22,6 +22,7 @@ from onnxtrain.ir.graphs import (
     in_topological_order,
     mis_sized_initializer,
     misdefined_name,
+    text_value_names,
     walk_graphs,
 )
 from onnxtrain.ir.reshapes import refined_reshapes
@@ -258,17 +259,24 @@ def unknown_versions(model: onnx.ModelProto) -> str | None:
     return None
 
 
-def loadable_model(model: onnx.ModelProto, where: str = "") -> onnx.ModelProto:
+def loadable_model(model: onnx.ModelProto, where: str = "", text_names: bool = True) -> onnx.ModelProto:
     """``model`` as the sessions and builders take it: its nodes in topological order
     (:func:`~onnxtrain.ir.graphs.in_topological_order`, as onnxruntime sorts them; a copy when they were
-    not). Raises onnxruntime's ``Fail`` (its message after ``where``) for a model of versions
-    :func:`unknown_versions` finds, or one that :func:`misdefined_name` or :func:`mis_sized_initializer`
-    finds (onnxruntime refuses a name defined twice, a cycle or a short initializer at load)."""
+    not) and, with ``text_names`` (the training graphs make names from the model's), its value names that
+    are not valid UTF-8 decoded (:func:`~onnxtrain.ir.graphs.text_value_names`). Raises onnxruntime's
+    ``Fail`` (its message after ``where``) for a model of versions :func:`unknown_versions` finds, or one
+    that :func:`misdefined_name` or :func:`mis_sized_initializer` finds (onnxruntime refuses a name defined
+    twice, a cycle or a short initializer at load)."""
     from onnxtrain.errors import Fail
 
     newer = unknown_versions(model)
     if newer is not None:
         raise Fail(f"{where}the model's {newer}")
+    if text_names:
+        try:
+            model = text_value_names(model)
+        except ValueError as e:
+            raise Fail(f"{where}{e}") from None
     model = in_topological_order(model)
     wrong = misdefined_name(model.graph) or mis_sized_initializer(model.graph)
     if wrong is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from functools import cache
+from typing import Any
 
 import numpy as np
 import onnx
@@ -636,3 +637,51 @@ def drop_unread(graph: onnx.GraphProto, names: Collection[str], ops: Collection[
             kept = [n for k, n in enumerate(graph.node) if k not in gone]
             del graph.node[:]
             graph.node.extend(kept)
+
+
+def _name_lists(model: onnx.ModelProto) -> Iterator[tuple[Any, str | int]]:
+    """Every (message or repeated field, attribute or index) that holds a value name in ``model``."""
+    for g in model_graphs(model):
+        for v in (*g.input, *g.output, *g.value_info, *g.initializer):
+            yield v, "name"
+        for s in g.sparse_initializer:
+            yield s.values, "name"
+            yield s.indices, "name"
+        for n in g.node:
+            yield from ((n.input, k) for k in range(len(n.input)))
+            yield from ((n.output, k) for k in range(len(n.output)))
+    for f in model.functions:
+        yield from ((f.input, k) for k in range(len(f.input)))
+        yield from ((f.output, k) for k in range(len(f.output)))
+        for n in f.node:
+            yield from ((n.input, k) for k in range(len(n.input)))
+            yield from ((n.output, k) for k in range(len(n.output)))
+
+
+def _get(holder: Any, key: Any) -> Any:
+    return getattr(holder, key) if isinstance(key, str) else holder[key]
+
+
+def text_value_names(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model``, or a copy whose value names that are not valid UTF-8 (protobuf gives them as bytes) are
+    decoded with backslash escapes, the same everywhere they occur, so that names made from them are text.
+    A decoded name that another value already has is refused (:class:`ValueError`)."""
+    if not any(type(_get(h, k)) is bytes for h, k in _name_lists(model)):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    spots = list(_name_lists(copy))
+    texts = {v for v in (_get(h, k) for h, k in spots) if type(v) is str}
+    for holder, key in spots:
+        raw = _get(holder, key)
+        if type(raw) is not bytes:
+            continue
+        text = raw.decode("utf-8", errors="backslashreplace")
+        if text in texts:
+            raise ValueError(f"value name {raw!r} is not valid UTF-8, and its decoded form {text!r} names "
+                             "another value of the model")
+        if isinstance(key, str):
+            setattr(holder, key, text)
+        else:
+            holder[key] = text
+    return copy

@@ -114,6 +114,7 @@ from onnxtrain.ir.graphs import (
     in_topological_order,
     node_reads,
     path_to,
+    text_value_names,
     train_batch_norms,
     untie_batch_norm_statistics,
 )
@@ -233,9 +234,9 @@ def _load(model: Any) -> onnx.ModelProto:
         from onnxtrain.engine.interface import check_initializers
 
         check_initializers(m.graph, f"model file {path}")
-        return in_topological_order(m)
+        return in_topological_order(_text_names(m))
     if isinstance(model, onnx.ModelProto):  # (past 2 GiB too: copied, never serialized)
-        m = in_topological_order(model)
+        m = in_topological_order(_text_names(model))
         if m is model:
             m = onnx.ModelProto()
             m.CopyFrom(model)
@@ -244,6 +245,14 @@ def _load(model: Any) -> onnx.ModelProto:
         f"Unknown model type {type(model).__name__}: pass an onnx.ModelProto or the path of an .onnx "
         f"file{program_hint(model)}."
     )
+
+
+def _text_names(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with value names that are not valid UTF-8 decoded (the artifacts make names from them)."""
+    try:
+        return text_value_names(model)
+    except ValueError as e:
+        raise ArtifactError(str(e)) from None
 
 
 def _names(value: Any, what: str) -> list[str]:
