@@ -263,7 +263,12 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         if self.loss_scale_input_name:
             feed_names.add(self.loss_scale_input_name)
         self._inputs = [node_arg(v) for v in g.full.graph.input if v.name in feed_names]
-        self._overridable = [NodeArg(TRAINING_MODE, "tensor(bool)", [])] if g.has_training_mode else []
+        # a frozen weight that the model also declares as a graph input (below IR 4 exporters listed every
+        # initializer there) may be fed, as onnxruntime's sessions let a feed override such an initializer
+        inits = {t.name for t in g.full.graph.initializer}
+        frozen = [node_arg(v) for v in g.full.graph.input if v.name in inits and v.name not in self._store]
+        self._overridable = [*frozen, *([NodeArg(TRAINING_MODE, "tensor(bool)", [])]
+                                        if g.has_training_mode else [])]
         self._outputs = [
             node_arg(v) for v in g.full.graph.output if v.name in set(g.user_outputs) | set(g.extra_outputs)
         ]
@@ -274,7 +279,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         self._check = FeedChecker(graph_interface(g.full) if self._halves else self._plan,
                                   [TRAINING_MODE] if g.has_training_mode else [])
         self._check.required = [n for n in self._check.required if n in feed_names]
-        self._check.allowed = feed_names | ({TRAINING_MODE} if g.has_training_mode else set())
+        self._check.allowed = feed_names | {a.name for a in self._overridable}
         self._micro_step = 0
 
     # ---- construction helpers ---------------------------------------------------------
