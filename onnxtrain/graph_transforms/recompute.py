@@ -50,6 +50,9 @@ _GELU_BODY = frozenset({"Add", "Mul", "Div", "Sub", "Erf", "Tanh", "Pow", "Sqrt"
 ACTIVATIONS = frozenset({"Gelu", "Erf", "Tanh", "Relu", "Sigmoid", "Elu", "Selu", "LeakyRelu", "Softplus",
                          "HardSigmoid", "HardSwish", "Mish"})
 IGNORED_INPUTS = frozenset({"training_mode", "loss_scale"})  # graph inputs that are no activations
+# a recompute whose clones are nearly all (EARLY_SHARE) made within the first EARLY_PART of the backward
+# pass's nodes holds its activations as long as the plain graph: it saves nothing, and says so
+EARLY_PART, EARLY_SHARE, MIN_REBUILT = 0.1, 0.9, 2
 
 
 class _Forward:
@@ -171,11 +174,14 @@ class _Forward:
 # ---- the clone pass ---------------------------------------------------------------------------------------
 
 def recompute_values(model: onnx.ModelProto, loss: str, values: Iterable[str],
-                     forward_outputs: Iterable[str] = (), weights: Iterable[str] = ()) -> onnx.ModelProto:
+                     forward_outputs: Iterable[str] = (), weights: Iterable[str] = (),
+                     one_graph: bool = False) -> onnx.ModelProto:
     """Recompute the forward ``values`` in the backward pass instead of keeping them alive.
 
     Values that cannot be recomputed (graph outputs, non-float values, outputs of random ops other than
-    a Dropout's output with a saved mask, backward values) are kept and silently skipped.
+    a Dropout's output with a saved mask, backward values) are kept and silently skipped. With
+    ``one_graph`` (forward and backward run as one graph), a note says when nearly every clone is made as
+    the backward starts, which saves nothing (a pipeline stage's, run apart, still saves what it stashes).
     """
     fa = _Forward(model, loss, forward_outputs, weights=weights)
     marked = {v for v in values if fa.recomputable(v)}
@@ -189,7 +195,10 @@ def recompute_values(model: onnx.ModelProto, loss: str, values: Iterable[str],
             return [n.input[0]]
         return [i for i in n.input if i]
 
-    def materialize(v: str) -> None:
+    early: list[int] = []  # nodes cloned while the backward pass is in its first EARLY_PART of nodes
+
+    def materialize(v: str, at: int) -> None:
+        """Clone the nodes ``v`` needs for the backward's node ``at``."""
         todo: set[int] = set()
         stack = [fa.producer[v]]
         while stack:
@@ -202,15 +211,23 @@ def recompute_values(model: onnx.ModelProto, loss: str, values: Iterable[str],
         for k in sorted(todo):  # the original (topological) order
             new_nodes.extend(_clone(fa, k, marked, clone_of, names))
             cloned.add(k)
+        if at <= EARLY_PART * backward:
+            early.extend(todo)
 
-    for n in fa.nodes[fa.boundary:]:
+    backward = len(fa.nodes) - fa.boundary
+    for at, n in enumerate(fa.nodes[fa.boundary:]):
         node = _copy(n)
         for j, v in enumerate(node.input):
             if v in marked:
                 if v not in clone_of:
-                    materialize(v)
+                    materialize(v, at)
                 node.input[j] = clone_of[v]
         new_nodes.append(node)
+    if one_graph and len(cloned) >= MIN_REBUILT and len(early) >= EARLY_SHARE * len(cloned):
+        _note(f"recompute: {len(early)} of the {len(cloned)} recomputed nodes are rebuilt as the backward "
+              "pass starts (they feed its first nodes), so recomputing saves no memory (recompute "
+              "checkpoints must include values that every later part of the model reads: a "
+              "transformer's residual Add outputs, say)")
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.graph.node[:]
@@ -553,19 +570,21 @@ def transformer_layer_recompute(model: onnx.ModelProto, loss: str,
 
 def checkpoint_recompute(model: onnx.ModelProto, loss: str, checkpoints: Sequence[str]) -> onnx.ModelProto:
     """Recompute every activation between the given checkpoint tensors (names of forward values)."""
-    return recompute_values(model, loss, checkpoint_values(model, loss, checkpoints))
+    return recompute_values(model, loss, checkpoint_values(model, loss, checkpoints), one_graph=True)
 
 
 def recompute(model: onnx.ModelProto, loss: str, *, gelu: bool = False, attn_dropout: bool = False,
               transformer_layer: bool = False, number_recompute_layers: int = 0,
               checkpoints: Sequence[str] | None = None, weights: Iterable[str] = (),
-              forward_outputs: Iterable[str] = (), values: Iterable[str] = ()) -> onnx.ModelProto:
+              forward_outputs: Iterable[str] = (), values: Iterable[str] = (),
+              one_graph: bool = False) -> onnx.ModelProto:
     """The union of the selected strategies, in one clone pass (the session's entry point).
 
     ``weights`` names graph inputs that hold parameters (the legacy session feeds its trained weights
     as inputs): they are not activations. ``forward_outputs``: forward values other than the loss's
     ancestors (a pipeline stage's outputs, which its backward does not start from). ``values``: more
     activations to recompute, chosen elsewhere (a cut session's transformer layers, found on the whole model).
+    ``one_graph``: see :func:`recompute_values`.
     """
     values = set(values)
     if not (gelu or attn_dropout or transformer_layer or checkpoints is not None or values):
@@ -580,7 +599,8 @@ def recompute(model: onnx.ModelProto, loss: str, *, gelu: bool = False, attn_dro
         values |= transformer_layer_values(fa, loss, number_recompute_layers)
     if checkpoints is not None:
         values |= checkpoint_values(fa, loss, checkpoints)
-    return recompute_values(model, loss, values, forward_outputs, weights=weights) if values else model
+    return (recompute_values(model, loss, values, forward_outputs, weights=weights, one_graph=one_graph)
+            if values else model)
 
 
 # the notes of the pass running in this thread, when :func:`recompute_or_warn` collects them (else warnings)
@@ -603,7 +623,7 @@ def recompute_or_warn(model: onnx.ModelProto, loss: str, label: str, **options: 
     before = len(model.graph.node)
     token = _NOTES.set([])
     try:
-        out = recompute(model, loss, **options)
+        out = recompute(model, loss, one_graph=True, **options)
         notes = _NOTES.get() or []
     finally:
         _NOTES.reset(token)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import onnx
 import pytest
@@ -112,10 +114,35 @@ def test_checkpoints_generic() -> None:
     with pytest.raises(ValueError, match="not values"):
         checkpoint_recompute(grad, "loss", ["nope"])
     mlp = _grad(nets.mlp())
-    out = checkpoint_recompute(mlp, "loss", ["h0"])
+    with pytest.warns(UserWarning, match="rebuilt as the backward pass starts"):  # (an MLP's two layers)
+        out = checkpoint_recompute(mlp, "loss", ["h0"])
     got = compile_model(out).run(nets.mlp_feeds(32))
     for a, b in zip(compile_model(mlp).run(nets.mlp_feeds(32)), got):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("which", ["layer inputs", "layer norms", "graph input"])
+def test_checkpoints_that_save_nothing_warn(which: str) -> None:
+    """Checkpoints that leave the residual stream out make the backward pass rebuild nearly everything as it
+    starts: the pass says so, and the engine's peak live bytes confirm it (they do not drop); checkpoints
+    at the layers' inputs keep quiet and lower the peak."""
+    model, feeds = nets.gpt(3), nets.gpt_feeds(8)
+    grad = _grad(model)
+    _, peak0 = _run(grad, feeds)
+    cps = {"layer inputs": [start for start, _, _ in find_transformer_layers(grad, "loss")],
+           "layer norms": [n.output[0] for n in grad.graph.node if n.op_type == "LayerNormalization"][:7],
+           "graph input": [grad.graph.input[0].name]}[which]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = checkpoint_recompute(grad, "loss", cps)
+    notes = [str(w.message) for w in caught if "recompute" in str(w.message)]
+    _, peak = _run(out, feeds)
+    if which == "layer inputs":
+        assert not notes, notes
+        assert peak < 0.8 * peak0
+    else:
+        assert len(notes) == 1 and "rebuilt as the backward pass starts" in notes[0], notes
+        assert peak >= 0.95 * peak0
 
 
 def test_fed_training_mode() -> None:
