@@ -57,6 +57,9 @@ does not check either (:func:`for_onnxruntime`: the check, then the other rewrit
 shapes are mostly not known before the run, the check is written unless they are and agree; its constants
 (opsets before 15) are Constant nodes of the body.
 
+A dilated Conv with ``auto_pad`` SAME_*, which onnxruntime refuses, takes explicit pads
+(:mod:`onnxtrain.engine.ort_same_pads`), even with onnxruntime's optimisations off.
+
 A BatchNormalization in inference mode that names running-statistics outputs nothing reads (the eval model
 onnxruntime-training's artifact generator writes for a model exported in training mode) loses them, even
 with onnxruntime's optimisations off: onnxruntime refuses to load the node otherwise ("should be 1 when
@@ -76,6 +79,7 @@ from onnxtrain.engine.ort_conv_grads import conv_weight_grads
 from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
 from onnxtrain.engine.ort_losses import softmax_cross_entropy_losses
 from onnxtrain.engine.ort_pads import pads_as_concat
+from onnxtrain.engine.ort_same_pads import dilated_same_pads
 from onnxtrain.engine.ort_sums import leading_sums
 from onnxtrain.ir.builder import NameGen, model_opset, static_shape, value_types, with_nodes_replaced
 from onnxtrain.ir.graphs import (
@@ -117,8 +121,8 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
                             types: dict | None = None) -> onnx.ModelProto:
     """``model`` with the rewrites above but the labels' check applied (a copy), or ``model`` itself when none
     applies; without ``optimise`` (onnxruntime's optimisations turned off) only those onnxruntime needs to
-    load the graph: the BatchNormalization outputs' and float16 scatters'. ``types``: value types of
-    ``model`` already inferred (empty: inferred when a rewrite needs them)."""
+    load or run the graph: the BatchNormalization outputs', float16 scatters' and dilated SAME Convs' pads.
+    ``types``: value types of ``model`` already inferred (empty: inferred when a rewrite needs them)."""
     # inferred once, when a rewrite needs them (the rewrites keep the types of the values they read)
     types = {} if types is None else types
     typed = _lazy_types(lambda: model, types)
@@ -128,7 +132,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
         model = softmax_cross_entropy_losses(model, typed)
         model = leading_sums(model, typed)
         model = pads_as_concat(model, typed)
-    return inference_batch_norms(half_scatters_in_float32(model, typed))
+    return inference_batch_norms(half_scatters_in_float32(dilated_same_pads(model, typed), typed))
 
 
 _LABEL_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")

@@ -1,0 +1,85 @@
+"""Dilated Convs with ``auto_pad`` SAME_* given explicit pads for onnxruntime, which refuses the combination.
+
+onnxruntime 1.32's Conv kernel fails at run time on a Conv that has both dilations and ``auto_pad``
+SAME_UPPER or SAME_LOWER ("Dilation not supported for AutoPadType::SAME_UPPER or AutoPadType::SAME_LOWER"),
+a node torch's TorchScript exporter writes for ``nn.Conv2d(..., padding="same", dilation=2)``. ONNX defines
+SAME padding from the output size ``ceil(in / stride)``: a total of
+``(out - 1)·stride + (k - 1)·dilation + 1 - in`` per spatial axis, the odd one at the end (SAME_UPPER) or
+the beginning (SAME_LOWER). At stride 1 the total is ``(k - 1)·dilation`` whatever the input size, so the
+node takes those pads as its ``pads`` attribute; at a larger stride only where the input's spatial sizes
+are known. The values are the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import onnx
+from onnx import helper
+
+from onnxtrain.ir.builder import static_shape
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, walk_graphs
+
+_SAME = (b"SAME_UPPER", b"SAME_LOWER")
+
+
+def dilated_same_pads(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
+    """``model`` with each dilated SAME-padded Conv (bodies' too) given explicit pads (module docstring); a
+    copy, or ``model`` itself when none needs them or their pads cannot be known before the run."""
+    if not any(_candidate(n) for g in walk_graphs(model.graph) for n in g.node):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    types = typed()
+    changed = False
+    for g in walk_graphs(out.graph):
+        for n in g.node:
+            pads = _explicit_pads(n, types) if _candidate(n) else None
+            if pads is None:
+                continue
+            kept = [a for a in n.attribute if a.name not in ("auto_pad", "pads")]
+            del n.attribute[:]
+            n.attribute.extend(kept)
+            n.attribute.append(helper.make_attribute("pads", pads))
+            changed = True
+    return out if changed else model
+
+
+def _attrs(node: onnx.NodeProto) -> dict[str, onnx.AttributeProto]:
+    return {a.name: a for a in node.attribute}
+
+
+def _candidate(node: onnx.NodeProto) -> bool:
+    if node.op_type != "Conv" or node.domain not in DEFAULT_DOMAINS:
+        return False
+    a = _attrs(node)
+    return ("auto_pad" in a and a["auto_pad"].s in _SAME and "dilations" in a
+            and any(d != 1 for d in a["dilations"].ints))
+
+
+def _explicit_pads(node: onnx.NodeProto, types: dict) -> list[int] | None:
+    """The begin and end pads of every spatial axis, or None when a size they need is unknown."""
+    a = _attrs(node)
+    dil = list(a["dilations"].ints)
+    kernel = list(a["kernel_shape"].ints) if "kernel_shape" in a else None
+    if kernel is None:
+        w = static_shape(types, node.input[1])
+        kernel = w[2:] if w is not None else None
+    if kernel is None or len(kernel) != len(dil) or any(k is None for k in kernel):
+        return None
+    strides = list(a["strides"].ints) if "strides" in a else [1] * len(dil)
+    sizes: list[int | None] = [None] * len(dil)
+    if any(s != 1 for s in strides):
+        x = static_shape(types, node.input[0])
+        if x is None or len(x) != len(dil) + 2 or any(d is None for d in x[2:]):
+            return None
+        sizes = x[2:]
+    begins, ends = [], []
+    for k, d, s, size in zip(kernel, dil, strides, sizes, strict=True):
+        reach = (k - 1) * d + 1  # the window's extent
+        total = reach - 1 if s == 1 else max(0, (-(-size // s) - 1) * s + reach - size)
+        small, large = total // 2, total - total // 2
+        begin, end = (small, large) if a["auto_pad"].s == b"SAME_UPPER" else (large, small)
+        begins.append(begin)
+        ends.append(end)
+    return begins + ends
