@@ -25,7 +25,7 @@ from onnxtrain.graph_transforms.flags import FLAG_SHAPE, flag_array
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE, MixedPrecisionInfo
 from onnxtrain.inference import NodeArg, check_feed_shape, load_with_options, node_arg
 from onnxtrain.ir.builder import NameGen, loadable_model, value_types
-from onnxtrain.ir.graphs import chain_shared_batch_norms, untie_batch_norm_statistics
+from onnxtrain.ir.graphs import chain_shared_batch_norms, node_reads, path_to, untie_batch_norm_statistics
 from onnxtrain.ir.types import value_info_shape
 from onnxtrain.parallel import (
     BucketReducer,
@@ -174,6 +174,19 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         self._input_shapes = {v.name: shape for v in g.input
                               if v.name not in inits and (shape := value_info_shape(v.type)) is not None}
 
+    def _forward_for(self, key: Any, plan: Any, model: onnx.ModelProto, feeds: Mapping[str, Any]) -> Any:
+        """``plan``, the forward ``model`` of this rank's part, or when the run leaves out model inputs that
+        it reads (a forward-only run without the labels), a plan of ``model`` without the outputs that read
+        them (cached under ``key`` and the inputs left out)."""
+        user = set(self._user_inputs)
+        missing = frozenset(n for n in plan.all_input_names if n in user and n not in feeds)
+        if not missing:
+            return plan
+        cache = self.__dict__.setdefault("_partial_plans", {})
+        if (key, missing) not in cache:
+            cache[key, missing] = self._new_plan(forward_without(model, missing), None, keep_binding=False)
+        return cache[key, missing]
+
     def _plan_feeds(self, plan: Any, sources: Sequence[Mapping[str, Any]], training: bool) -> dict[str, Any]:
         """The inputs of ``plan``: each from the first of ``sources`` that has it, else this rank's state,
         else the Dropout switch ``training``."""
@@ -197,16 +210,18 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         ``only_execute_path_to_fetches`` a forward pass); a collective: every rank calls it with the same
         feeds (a replica's ranks, with data parallelism)."""
         names = self._output_list(output_names)
-        feeds = self._checked(input_feed)
-        self._check_loss_scale(feeds)
         # as the single-process session: a run updates unless it asks for the forward's outputs alone or is
         # a micro-step; ``training_mode`` (run options, or fed) switches Dropout
-        dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode and self._dropout_default)))
         micro = self._is_micro_step(names, ro)
         # gradients fetched on the fetches' path alone: forward and backward, nothing added up or updated
         sources = self._grad_sources
         inspect = ro.only_execute_path_to_fetches and not micro and any(n in sources for n in names)
-        if ro.only_execute_path_to_fetches and not micro and not inspect:
+        forward_only = ro.only_execute_path_to_fetches and not micro and not inspect
+        # a forward-only run needs only the inputs its fetches and the tensors passed between ranks read
+        feeds = self._checked(input_feed, self._inputs_read(names) if forward_only else None)
+        self._check_loss_scale(feeds)
+        dropout = bool(np.asarray(feeds.pop(TRAINING_MODE, ro.training_mode and self._dropout_default)))
+        if forward_only:
             values = self._forward_only(feeds, dropout)
         else:
             lr = self._params.lr_params_feed_name
@@ -285,9 +300,21 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         for (state, _), v in zip(items, out):
             self._store[state] = v
 
-    def _checked(self, input_feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def _inputs_read(self, names: Sequence[str]) -> list[str]:
+        """The model's inputs that the outputs ``names`` and the tensors the ranks pass on (``_part.sends``)
+        read, in the model's order: the same on every rank, which all run the forward."""
+        key = tuple(names)
+        cached = self._reads.get(key) if hasattr(self, "_reads") else None
+        if cached is None:
+            _, read = path_to(self._model.graph.node, [*names, *(t for ts in self._part.sends for t in ts)])
+            cached = [n for n in self._user_inputs if n in read or n in names]
+            self.__dict__.setdefault("_reads", {})[key] = cached
+        return cached
+
+    def _checked(self, input_feed: Mapping[str, Any], required: Sequence[str] | None = None
+                 ) -> dict[str, np.ndarray]:
         """The feeds as arrays, checked by name, dtype, rank and fixed dimensions as one process's session
-        checks them (all the model's inputs are required)."""
+        checks them (``required``: the inputs that must be given; default all the model's)."""
         allowed = set(self._user_inputs) | {self._params.lr_params_feed_name, TRAINING_MODE}
         shapes = getattr(self, "_input_shapes", {})
         out: dict[str, np.ndarray] = {}
@@ -301,7 +328,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
             if name in shapes:
                 check_feed_shape(name, a, shapes[name])
             out[name] = a
-        missing = [n for n in self._user_inputs if n not in out]
+        missing = [n for n in (self._user_inputs if required is None else required) if n not in out]
         if missing:
             raise InvalidFeed(f"missing input(s) {missing}; the model's inputs are {self._user_inputs}")
         return out
@@ -433,3 +460,29 @@ def model_fingerprint(
         # a difference names the option; dicts and sets compare whatever their order
         "training parameters": {k: canonical(getattr(p, k)) for k in options},
     }
+
+
+def forward_without(model: onnx.ModelProto, missing: Iterable[str]) -> onnx.ModelProto:
+    """A forward ``model`` (a stage's or a piece's) cut down to the outputs that do not read the inputs
+    ``missing``, with only the nodes, inputs and initializers those outputs need."""
+    g = model.graph
+    tainted = set(missing)
+    for n in g.node:
+        if any(i in tainted for i in node_reads(n)):
+            tainted.update(o for o in n.output if o)
+    outputs = [o for o in g.output if o.name not in tainted]
+    nodes, read = path_to(g.node, [o.name for o in outputs])
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    kept = out.graph
+    del kept.node[:]
+    kept.node.extend(nodes)
+    inputs = [i for i in g.input if i.name in read]
+    del kept.input[:]
+    kept.input.extend(inputs)
+    del kept.output[:]
+    kept.output.extend(outputs)
+    initializers = [t for t in g.initializer if t.name in read]
+    del kept.initializer[:]
+    kept.initializer.extend(initializers)
+    return out

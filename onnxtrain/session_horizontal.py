@@ -328,8 +328,10 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         saved: dict[int, dict[str, np.ndarray]] = {}
         for s in range(self._first, self._end + 1 if kind == "forward" or self._end < last else last):
             plan = self._plan(s, kind)
+            if kind == "forward":  # a forward-only run may leave out inputs its fetches do not read
+                plan = self._forward_for((s, kind), plan, self._pieces[s].graphs[kind], values)
             names = list(plan.output_names)
-            fed = self._feeds(s, kind, values, dropout)
+            fed = self._plan_feeds(plan, (values,), dropout)
             out = dict(zip(names, plan.run(fed, names)))
             saved[s] = {n: out[n] for n in self._pieces[s].saved if n in out}  # later pieces may read them
             if kind == "forward_train":

@@ -195,8 +195,10 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         s = self._stage
         received = self._comm.recv_object(s - 1, tag, f"stage {s} receiving its inputs") if s > 0 else {}
         plan = self._get_plan(kind)
+        if kind == "forward":  # a forward-only run may leave out inputs its fetches do not read
+            plan = self._forward_for(kind, plan, self._sg.graphs[kind], feeds)
         names = list(plan.output_names)
-        fed = self._stage_feeds(kind, feeds, received, training)
+        fed = self._plan_feeds(plan, (feeds, received), training)
         out = dict(zip(names, plan.run(fed, names)))
         if s < self._part.stages - 1:
             send = {t: out[t] if t in out else received[t] for t in self._sg.sends}
@@ -208,7 +210,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         saved = {n: out[n] for n in self._sg.saved} if kind == "forward_train" else {}
         if kind == "forward_train":
             self._keep_running_stats(out, self._sg.bn_stats, fed)
-        return {"received": received, "saved": saved, **{n: out[n] for n in self._sg.outputs}}
+        return {"received": received, "saved": saved, **{n: out[n] for n in self._sg.outputs if n in out}}
 
     def _train_step(
         self, feeds: dict[str, np.ndarray], dropout: bool, update: bool, accumulate: bool = True

@@ -728,6 +728,13 @@ def main(out: str, cases: list[str]) -> None:
         (saved[f"{case}/eval"],) = sess.run(
             [fetch], {**case_feeds(case, 1, seed=9)[0], **scale_feed(case)}, ro
         )
+        if fetch != "loss":  # a forward-only run may leave the labels out, as one process's may (Dropout off)
+            quiet = RunOptions()
+            quiet.only_execute_path_to_fetches, quiet.training_mode = True, False
+            labelled = case_feeds(case, 1, seed=9)[0]
+            unlabelled = {n: v for n, v in labelled.items() if n != "y"}
+            (saved[f"{case}/eval_labelled"],) = sess.run([fetch], labelled, quiet)
+            (saved[f"{case}/eval_unlabelled"],) = sess.run([fetch], unlabelled, quiet)
         if case in GRADIENTS:  # on the fetches' path alone: no update (the state is the plain case's)
             names = gradient_names(sess)
             got = sess.run(names, {**case_feeds(case, 1, seed=9)[0], **scale_feed(case)}, ro)

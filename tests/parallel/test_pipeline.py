@@ -98,6 +98,9 @@ def compare(got: dict[str, np.ndarray], case: str, tol: float, model: onnx.Model
             got[f"{case}/state/{k}"], v, rtol=tol, atol=tol * float(np.abs(v).max()), err_msg=f"{case}: {k}"
         )
     np.testing.assert_allclose(got[f"{case}/eval"], out, rtol=tol, atol=tol, err_msg=case)
+    if f"{case}/eval_unlabelled" in got:  # the same forward without the labels
+        np.testing.assert_array_equal(got[f"{case}/eval_unlabelled"], got[f"{case}/eval_labelled"],
+                                      err_msg=case)
 
 
 def compare_half(got: dict[str, np.ndarray], case: str) -> None:
