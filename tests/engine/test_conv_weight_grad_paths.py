@@ -87,6 +87,15 @@ CONV = {
                    {"dilations": [2, 1, 2], "pads": [2, 1, 0, 2, 0, 1]}, True),
     "3d-grouped": ((2, 4, 5, 6, 5), (6, 2, 3, 3, 2), {"group": 2, "pads": [1] * 6}, False),
     "3d-shifted": ((2, 8, 5, 6, 4), (8, 8, 3, 3, 3), {"pads": [1, 0, 1, 1, 2, 1]}, True),
+    # strided, above gemm.PATCHES_ND_MIN_VALUES: channels-last patches (whole samples, or rows of one)
+    "1d-strided-patch-rows": ((4, 2, 20000), (3, 2, 5), {"strides": [2], "pads": [2, 1]}, True),
+    "3d-strided-patches": ((3, 8, 20, 18, 16), (5, 8, 3, 3, 3), {"strides": [2, 2, 2], "pads": [1] * 6},
+                           True),
+    "3d-strided-patch-rows": ((1, 2, 48, 48, 32), (3, 2, 3, 3, 3), {"strides": [2, 2, 2], "pads": [1] * 6},
+                              True),
+    "3d-strided-dilated-patches": ((3, 6, 17, 16, 15), (4, 6, 3, 2, 3),
+                                   {"strides": [2, 1, 2], "dilations": [1, 2, 1], "pads": [1, 0, 1, 1, 1, 0]},
+                                   True),
     "2d-large-kernel": ((2, 3, 12, 11), (4, 3, 10, 9), {"pads": [1, 0, 2, 1]}, True),
     "2d-grouped-large-kernel": ((3, 4, 7, 7), (4, 2, 5, 5), {"group": 2}, False),
 }
@@ -131,6 +140,18 @@ def test_training_grads_match_torch_float64(op, xs, ws, attrs, fused, per_output
     np.testing.assert_allclose(dw, tdw, rtol=1e-10, atol=1e-10, err_msg="weight gradient")
     np.testing.assert_allclose(dx, tdx, rtol=1e-10, atol=1e-10, err_msg="input gradient")
     assert ("FusedConvWeightGrad" in ops) == fused
+
+
+@pytest.mark.parametrize("case", [k for k in CONV if "patch" in k])
+def test_large_strided_weight_grads_take_the_patches(case: str, monkeypatch) -> None:
+    """The strided 1-D and 3-D cases above gemm.PATCHES_ND_MIN_VALUES take the channels-last patches (the
+    float64 and float32 tests compare their values with torch's)."""
+    calls = []
+    real = gemm._weight_grad_patches_nd
+    monkeypatch.setattr(gemm, "_weight_grad_patches_nd", lambda *a: calls.append(1) or real(*a))
+    xs, ws, attrs, _ = CONV[case]
+    _engine_grads("Conv", *_inputs("Conv", xs, ws, attrs, np.float32)[:3], attrs)
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("op,xs,ws,attrs,fused", CASES, ids=IDS)
