@@ -93,6 +93,7 @@ CONV = {
                            True),
     "3d-strided-patch-rows": ((1, 2, 48, 48, 32), (3, 2, 3, 3, 3), {"strides": [2, 2, 2], "pads": [1] * 6},
                               True),
+    "3d-patches-stride-1": ((2, 8, 16, 16, 12), (6, 8, 3, 3, 3), {"pads": [1, 0, 1, 1, 2, 1]}, True),
     "3d-strided-dilated-patches": ((3, 6, 17, 16, 15), (4, 6, 3, 2, 3),
                                    {"strides": [2, 1, 2], "dilations": [1, 2, 1], "pads": [1, 0, 1, 1, 1, 0]},
                                    True),
@@ -144,7 +145,7 @@ def test_training_grads_match_torch_float64(op, xs, ws, attrs, fused, per_output
 
 @pytest.mark.parametrize("case", [k for k in CONV if "patch" in k])
 def test_large_strided_weight_grads_take_the_patches(case: str, monkeypatch) -> None:
-    """The strided 1-D and 3-D cases above gemm.PATCHES_ND_MIN_VALUES take the channels-last patches (the
+    """The strided 1-D and the 3-D cases above gemm.PATCHES_ND_MIN_VALUES take the channels-last patches (the
     float64 and float32 tests compare their values with torch's)."""
     calls = []
     real = gemm._weight_grad_patches_nd

@@ -212,13 +212,16 @@ def _weight_grad_nd(x: np.ndarray, dy: np.ndarray, strides: list[int], dil: list
     nd = x.ndim - 2
     padded = [x.shape[2 + i] + pads[i] + pads[nd + i] for i in range(nd)]
     k = _kernel_dims(padded, dy.shape[2:], strides, dil)
+    patch_values = x.shape[0] * x.shape[1] * int(np.prod(dy.shape[2:])) * int(np.prod(k))
+    patches = min(k) > 0 and patch_values >= PATCHES_ND_MIN_VALUES
+    if patches and nd >= PATCHES_ND_STRIDE_1_RANK:  # (stride 1 too: faster than the shifted GEMMs there)
+        return _weight_grad_patches_nd(_padded(x, pads) if any(pads) else x, dy, k, strides, dil)
     if _shifted_grad_fits(x, dy, k, dil):
         if any(pads):
             x = _padded(x, pads)
         dw = _weight_grad_shifted(x, dy, k, strides)
         return dw if np.isfinite(dw).all() else None  # an inf or NaN in x met dY's padded zeros: unfused
-    patch_values = x.shape[0] * x.shape[1] * int(np.prod(dy.shape[2:])) * int(np.prod(k))
-    if min(k) > 0 and any(d != 1 for d in dil) and patch_values >= PATCHES_ND_MIN_VALUES:
+    if patches and any(d != 1 for d in dil):
         return _weight_grad_patches_nd(_padded(x, pads) if any(pads) else x, dy, k, strides, dil)
     return None
 
@@ -258,6 +261,11 @@ PATCH_POSITIONS = 8192  # output positions per GEMM (a chunk of samples)
 # stride 2: 1 → 16 channels by 9 over 16,000 samples 10.4 → 2.4, 16 → 32 by 5 over 4,000 10.6 → 7.1, 64 → 64
 # by 3 over 1,000 7.4 → 7.2; 3 → 8 by 7 over 1,000, stride 3, batch 32 (224 K values) 0.83 → 1.13
 PATCHES_ND_MIN_VALUES = 1 << 18
+# ... and from this many spatial axes on, also at stride 1, where the shifted GEMMs lose (3-D, kernels alone,
+# ms, shifted → patches: 16 → 32 channels at 32³, batch 4 97 → 59; 8 → 8 at 24³ 15.3 → 9.2; 3 → 16 at 32³
+# 34.7 → 19.8; 16 → 16 at 16³, batch 8 16.6 → 9.6). 1-D keeps them (8 × 16 → 16 over 4,000 by 5: 3.2 shifted
+# against 10.9 by patches)
+PATCHES_ND_STRIDE_1_RANK = 3
 
 
 # A 1×1 Conv's weight gradient over at least this many output positions is one GEMM per sample on the
