@@ -84,3 +84,12 @@ def test_a_decoded_name_that_another_value_has_is_refused() -> None:
 def test_a_model_of_text_names_is_returned_as_it_is() -> None:
     m = onnx.load_from_string(_damaged(b"W", b"h"))
     assert text_value_names(m) is m
+
+
+def test_inference_keeps_such_names_as_bytes() -> None:
+    """The inference session takes the names as protobuf gives them: an input so named is fed by its bytes."""
+    data = _damaged(b"W", b"h").replace(b"\x01x", b"\x01\xfc")
+    sess = onnxtrain.InferenceSession(data)
+    assert [i.name for i in sess.get_inputs()] == [b"\xfc"]
+    (loss,) = sess.run(None, {b"\xfc": X})
+    np.testing.assert_allclose(loss, (X @ W0).sum(), rtol=1e-6)
