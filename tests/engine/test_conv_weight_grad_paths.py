@@ -91,9 +91,13 @@ CONV = {
     "1d-strided-patch-rows": ((4, 2, 20000), (3, 2, 5), {"strides": [2], "pads": [2, 1]}, True),
     "3d-strided-patches": ((3, 8, 20, 18, 16), (5, 8, 3, 3, 3), {"strides": [2, 2, 2], "pads": [1] * 6},
                            True),
-    "3d-strided-patch-rows": ((1, 2, 48, 48, 32), (3, 2, 3, 3, 3), {"strides": [2, 2, 2], "pads": [1] * 6},
+    "3d-strided-patch-rows": ((1, 6, 48, 48, 32), (3, 6, 3, 3, 3), {"strides": [2, 2, 2], "pads": [1] * 6},
                               True),
     "3d-patches-stride-1": ((2, 8, 16, 16, 12), (6, 8, 3, 3, 3), {"pads": [1, 0, 1, 1, 2, 1]}, True),
+    # few input channels: channels-first columns (gemm.PATCH_RUN_MIN)
+    "3d-columns-one-channel": ((4, 1, 26, 24, 22), (5, 1, 3, 3, 3), {"strides": [2, 2, 2], "pads": [1] * 6},
+                               True),
+    "3d-columns-stride-1": ((2, 3, 20, 18, 16), (4, 3, 3, 3, 3), {"pads": [1, 1, 0, 1, 1, 2]}, True),
     "3d-strided-dilated-patches": ((3, 6, 17, 16, 15), (4, 6, 3, 2, 3),
                                    {"strides": [2, 1, 2], "dilations": [1, 2, 1], "pads": [1, 0, 1, 1, 1, 0]},
                                    True),
@@ -143,13 +147,14 @@ def test_training_grads_match_torch_float64(op, xs, ws, attrs, fused, per_output
     assert ("FusedConvWeightGrad" in ops) == fused
 
 
-@pytest.mark.parametrize("case", [k for k in CONV if "patch" in k])
+@pytest.mark.parametrize("case", [k for k in CONV if "patch" in k or "columns" in k])
 def test_large_strided_weight_grads_take_the_patches(case: str, monkeypatch) -> None:
-    """The strided 1-D and the 3-D cases above gemm.PATCHES_ND_MIN_VALUES take the channels-last patches (the
-    float64 and float32 tests compare their values with torch's)."""
+    """The strided 1-D and the 3-D cases above gemm.PATCHES_ND_MIN_VALUES take the channels-last patches, or
+    with few channels the columns (the float64 and float32 tests compare their values with torch's)."""
     calls = []
-    real = gemm._weight_grad_patches_nd
-    monkeypatch.setattr(gemm, "_weight_grad_patches_nd", lambda *a: calls.append(1) or real(*a))
+    kernel = "_weight_grad_columns_nd" if "columns" in case else "_weight_grad_patches_nd"
+    real = getattr(gemm, kernel)
+    monkeypatch.setattr(gemm, kernel, lambda *a: calls.append(1) or real(*a))
     xs, ws, attrs, _ = CONV[case]
     _engine_grads("Conv", *_inputs("Conv", xs, ws, attrs, np.float32)[:3], attrs)
     assert calls == [1]
