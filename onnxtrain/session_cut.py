@@ -303,13 +303,11 @@ class CutModelSession(ReplicaExchange, TrainingSession):
     def _inputs_read(self, names: Sequence[str]) -> list[str]:
         """The model's inputs that the outputs ``names`` and the tensors the ranks pass on (``_part.sends``)
         read, in the model's order: the same on every rank, which all run the forward."""
-        key = tuple(names)
-        cached = self._reads.get(key) if hasattr(self, "_reads") else None
-        if cached is None:
+        reads, key = self.__dict__.setdefault("_reads", {}), tuple(names)
+        if key not in reads:
             _, read = path_to(self._model.graph.node, [*names, *(t for ts in self._part.sends for t in ts)])
-            cached = [n for n in self._user_inputs if n in read or n in names]
-            self.__dict__.setdefault("_reads", {})[key] = cached
-        return cached
+            reads[key] = [n for n in self._user_inputs if n in read or n in names]
+        return reads[key]
 
     def _checked(self, input_feed: Mapping[str, Any], required: Sequence[str] | None = None
                  ) -> dict[str, np.ndarray]:
