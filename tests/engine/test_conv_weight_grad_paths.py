@@ -112,6 +112,12 @@ CONV_TRANSPOSE = {
                            {"strides": [2, 1, 3], "dilations": [1, 2, 1], "output_padding": [1, 0, 2]}, True),
     "3d-grouped": ((2, 4, 3, 3, 4), (4, 2, 2, 3, 2), {"strides": [2, 1, 1], "group": 2}, False),
     "1d-stride-2": ((3, 5, 9), (5, 4, 4), {"strides": [2], "pads": [1, 1], "output_padding": [1]}, True),
+    # above conv.PHASES_MIN_OUTPUT: col2im by stride phases
+    "3d-stride-2-phases": ((2, 8, 10, 9, 8), (8, 4, 3, 3, 3),
+                           {"strides": [2, 2, 2], "pads": [1] * 6, "output_padding": [1, 0, 1]},
+                           True),
+    "3d-strides-2-1-3-phases": ((2, 6, 9, 7, 6), (6, 5, 2, 3, 4),
+                                {"strides": [2, 1, 3], "dilations": [1, 2, 1]}, True),
 }
 CASES = [("Conv", *v) for v in CONV.values()] + [("ConvTranspose", *v) for v in CONV_TRANSPOSE.values()]
 IDS = [f"conv-{k}" for k in CONV] + [f"convtranspose-{k}" for k in CONV_TRANSPOSE]
@@ -158,6 +164,21 @@ def test_large_strided_weight_grads_take_the_patches(case: str, monkeypatch) -> 
     xs, ws, attrs, _ = CONV[case]
     _engine_grads("Conv", *_inputs("Conv", xs, ws, attrs, np.float32)[:3], attrs)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("case", [k for k in CONV_TRANSPOSE if "phases" in k])
+def test_strided_3d_conv_transpose_by_phases_gives_the_strided_adds_bits(case: str, monkeypatch) -> None:
+    """col2im by stride phases adds the same values in the same order as the strided adds: the same bits."""
+    xs, ws, attrs, _ = CONV_TRANSPOSE[case]
+    x, w = _inputs("ConvTranspose", xs, ws, attrs, np.float32)[:2]
+    calls = []
+    real = conv_kernels._col2im_by_phases
+    monkeypatch.setattr(conv_kernels, "_col2im_by_phases", lambda *a: calls.append(1) or real(*a))
+    got = conv_kernels.conv_transpose([x, w], Attrs(dict(attrs)))[0]
+    assert calls == [1]
+    monkeypatch.setattr(conv_kernels, "PHASES_MIN_OUTPUT", 1 << 60)
+    want = conv_kernels.conv_transpose([x, w], Attrs(dict(attrs)))[0]
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("op,xs,ws,attrs,fused", CASES, ids=IDS)

@@ -463,10 +463,40 @@ def _col2im_conv_transpose(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> n
         wt = w.reshape(group, cg, mg * K).transpose(0, 2, 1)
         cols = np.matmul(wt, x.reshape(n, group, cg, lin))
     cols = cols.reshape((n, m, K) + in_sp)
+    strided = any(s > 1 for s in g["strides"])
+    if g["nd"] >= 3 and strided and n * m * int(np.prod(g["out"])) >= PHASES_MIN_OUTPUT:
+        return _col2im_by_phases(cols, g)
     y = np.zeros((n, m) + tuple(g["out"]), dtype=x.dtype)
     for j, src, dst in g["steps"]:
         y[(slice(None), slice(None)) + dst] += cols[(slice(None), slice(None), j) + src]
     return y
+
+
+# A strided 3-D ConvTranspose with at least this many output values adds its kernel offsets' contributions
+# into the output laid out by stride phases (the positions equal modulo the stride on every axis, each phase a
+# dense block), where each add is unit-stride, then interleaves the phases in one copy; the same bits. col2im
+# alone, strided adds → phases (ms): 2 × 32 → 16 channels from 16³ by 3×3×3 at stride 2 8.1 → 5.9. In 2-D
+# the strided adds stay faster (1.0-1.5x on six decoder and input-gradient shapes)
+PHASES_MIN_OUTPUT = 1 << 15
+
+
+def _col2im_by_phases(cols: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """col2im of ``cols`` (N, M, K, *in) into the output of geometry ``g`` by stride phases (see
+    PHASES_MIN_OUTPUT): phases[n, m, r, q] holds y[n, m, q·s + r] (per axis)."""
+    n, m = cols.shape[:2]
+    strides, out = g["strides"], g["out"]
+    nd = len(out)
+    per = [-(-o // s) for o, s in zip(out, strides, strict=True)]  # positions per phase, per axis
+    phases = np.zeros((n, m, *strides, *per), dtype=cols.dtype)
+    for j, src, dst in g["steps"]:
+        where = tuple(d.start % s for d, s in zip(dst, strides, strict=True)) + tuple(
+            slice(d.start // s, d.start // s + (sl.stop - sl.start))
+            for d, s, sl in zip(dst, strides, src, strict=True))
+        phases[(slice(None), slice(None)) + where] += cols[(slice(None), slice(None), j) + src]
+    # (n, m, r_0.., q_0..) → (n, m, q_0, r_0, q_1, r_1, ...): each axis's position q·s + r
+    order = [0, 1] + [a for i in range(nd) for a in (2 + nd + i, 2 + i)]
+    y = phases.transpose(order).reshape((n, m) + tuple(p * s for p, s in zip(per, strides, strict=True)))
+    return np.ascontiguousarray(y[(slice(None), slice(None)) + tuple(slice(0, o) for o in out)])
 
 
 @kernel("ConvTranspose", since=1)
