@@ -44,7 +44,16 @@ def _nms_inputs(rng: np.random.Generator, shape: tuple[int, int, int], center: b
     if grid:
         c, size = np.round(c), np.round(size / 2) * 2
     size[rng.random((nb, n, 2)) < 0.02] = 0  # some degenerate boxes
-    if center:
+    return nms_feeds(rng, c, size, nc, center, limit, iou, score, ties)
+
+
+def nms_feeds(rng: np.random.Generator, c: np.ndarray, size: np.ndarray, nc: int, center: bool, limit: int,
+              iou: float, score: float | None, ties: bool, nan: float | None = None) -> list[Any]:
+    """NonMaxSuppression's inputs for boxes of centres ``c`` and sizes ``size`` (nb, n, 2): the boxes as
+    centre boxes or as corners in either order, ``nc`` classes of scores (rounded to eighths when ``ties``;
+    a fraction ``nan`` NaN, drawn unless None), and the scalar inputs."""
+    nb, n = c.shape[:2]
+    if center:  # [x_centre, y_centre, width, height]
         boxes = np.concatenate([c, size], axis=2)
     else:  # [y1, x1, y2, x2], corners in either order
         flip = rng.random((nb, n, 1)) < 0.3
@@ -53,6 +62,8 @@ def _nms_inputs(rng: np.random.Generator, shape: tuple[int, int, int], center: b
     scores = rng.random((nb, nc, n))
     if ties:
         scores = np.round(scores * 8) / 8
+    if nan is not None:
+        scores[rng.random(scores.shape) < nan] = np.nan
     out = [boxes.astype(np.float32), scores.astype(np.float32), np.array([limit], np.int64),
            np.array([iou], np.float32)]
     return out if score is None else [*out, np.array([score], np.float32)]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from onnxtrain.engine.kernels import detection
+from tests.engine.test_detection_fast_paths import nms_feeds
 from tests.op_cases import OpCase
 from tests.op_cases.harness import feeds_of, one_node_model, run_ours
 
@@ -45,19 +46,7 @@ def _clustered(rng: np.random.Generator, shape: tuple[int, int, int], center: bo
     c = c + rng.normal(0, 0.08, (nb, n, 2)) * s
     s = s * rng.uniform(0.8, 1.2, (nb, n, 2))
     s[rng.random((nb, n, 2)) < degenerate] = 0
-    if center:  # [x_centre, y_centre, width, height]
-        boxes = np.concatenate([c, s], axis=2)
-    else:  # [y1, x1, y2, x2], corners in either order
-        flip = rng.random((nb, n, 1)) < 0.3
-        lo, hi = c - s / 2, c + s / 2
-        boxes = np.concatenate([np.where(flip, hi, lo), np.where(flip, lo, hi)], axis=2)
-    scores = rng.random((nb, nc, n))
-    if ties:
-        scores = np.round(scores * 8) / 8
-    scores[rng.random(scores.shape) < nan] = np.nan
-    out = [boxes.astype(np.float32), scores.astype(np.float32), np.array([limit], np.int64),
-           np.array([iou], np.float32)]
-    return out if score is None else [*out, np.array([score], np.float32)]
+    return nms_feeds(rng, c, s, nc, center, limit, iou, score, ties, nan)
 
 
 _CASES = {
