@@ -18,6 +18,7 @@ import onnx
 from onnx import helper
 
 from onnxtrain.ir.builder import static_shape
+from onnxtrain.ir.conv_shapes import same_pads
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, walk_graphs
 
 _SAME = (b"SAME_UPPER", b"SAME_LOWER")
@@ -74,12 +75,8 @@ def _explicit_pads(node: onnx.NodeProto, types: dict) -> list[int] | None:
         if x is None or len(x) != len(dil) + 2 or any(d is None for d in x[2:]):
             return None
         sizes = x[2:]
-    begins, ends = [], []
-    for k, d, s, size in zip(kernel, dil, strides, sizes, strict=True):
-        reach = (k - 1) * d + 1  # the window's extent
-        total = reach - 1 if s == 1 else max(0, (-(-size // s) - 1) * s + reach - size)
-        small, large = total // 2, total - total // 2
-        begin, end = (small, large) if a["auto_pad"].s == b"SAME_UPPER" else (large, small)
-        begins.append(begin)
-        ends.append(end)
-    return begins + ends
+    auto_pad = a["auto_pad"].s.decode()
+    # (at stride 1 the pads do not depend on the size: any size gives them)
+    pairs = [same_pads(auto_pad, 1 if size is None else size, (kk - 1) * d + 1, s)
+             for kk, d, s, size in zip(kernel, dil, strides, sizes, strict=True)]
+    return [b for b, _ in pairs] + [e for _, e in pairs]

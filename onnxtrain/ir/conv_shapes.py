@@ -223,3 +223,11 @@ def declared_outputs(model: onnx.ModelProto, infos: Iterable[onnx.ValueInfoProto
         elif o.name in after and o.type.HasField("tensor_type"):
             o.type.tensor_type.ClearField("shape")
     return out, added
+
+
+def same_pads(auto_pad: str, size: int, k_eff: int, stride: int) -> tuple[int, int]:
+    """(begin, end) pads of auto_pad SAME_UPPER/SAME_LOWER: output size is ceil(size / stride)."""
+    out = -(-size // stride)
+    total = max(0, (out - 1) * stride + k_eff - size)
+    small = total // 2
+    return (small, total - small) if auto_pad == "SAME_UPPER" else (total - small, small)

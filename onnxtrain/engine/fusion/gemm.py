@@ -213,17 +213,16 @@ def _weight_grad_nd(x: np.ndarray, dy: np.ndarray, strides: list[int], dil: list
     padded = [x.shape[2 + i] + pads[i] + pads[nd + i] for i in range(nd)]
     k = _kernel_dims(padded, dy.shape[2:], strides, dil)
     patch_values = x.shape[0] * x.shape[1] * int(np.prod(dy.shape[2:])) * int(np.prod(k))
-    patches = min(k) > 0 and patch_values >= PATCHES_ND_MIN_VALUES
-    if patches and nd >= PATCHES_ND_STRIDE_1_RANK:  # (stride 1 too: faster than the shifted GEMMs there)
+    # windows when strided (the shifted GEMMs need stride 1) or 3-D+ (faster than them at stride 1 too)
+    windows = nd >= PATCHES_ND_STRIDE_1_RANK or any(d != 1 for d in dil)
+    if windows and min(k) > 0 and patch_values >= PATCHES_ND_MIN_VALUES:
         return _weight_grad_windows_nd(_padded(x, pads) if any(pads) else x, dy, k, strides, dil)
-    if _shifted_grad_fits(x, dy, k, dil):
-        if any(pads):
-            x = _padded(x, pads)
-        dw = _weight_grad_shifted(x, dy, k, strides)
-        return dw if np.isfinite(dw).all() else None  # an inf or NaN in x met dY's padded zeros: unfused
-    if patches and any(d != 1 for d in dil):
-        return _weight_grad_windows_nd(_padded(x, pads) if any(pads) else x, dy, k, strides, dil)
-    return None
+    if not _shifted_grad_fits(x, dy, k, dil):
+        return None
+    if any(pads):
+        x = _padded(x, pads)
+    dw = _weight_grad_shifted(x, dy, k, strides)
+    return dw if np.isfinite(dw).all() else None  # an inf or NaN in x met dY's padded zeros: unfused
 
 
 def _weight_grad_windows_nd(x: np.ndarray, dy: np.ndarray, k: list[int], strides: list[int],

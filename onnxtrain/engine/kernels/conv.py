@@ -7,8 +7,9 @@ convolutions that are depthwise or have few outputs, and ConvTransposes with one
 go to engine/kernels/depthwise.py.
 
 The geometry of a node (pads, output size, window strides, slices) depends only on the input shapes,
-so it is computed once per shape and kept in ``attrs.cache``. The helpers ``spatial_attrs`` and
-``same_pads`` are shared with the pooling kernels.
+so it is computed once per shape and kept in ``attrs.cache``. The helpers ``spatial_attrs``,
+``explicit_pads`` and ``pad_input`` are shared with the pooling kernels (SAME pads come from
+:func:`onnxtrain.ir.conv_shapes.same_pads`, which the onnxruntime backend's rewrites use too).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from onnxtrain.engine.cblas import gemm
 from onnxtrain.engine.kernels import depthwise
 from onnxtrain.engine.kernels.half import F32, in_float32, is_half
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
-from onnxtrain.ir.conv_shapes import conv_transpose_geometry
+from onnxtrain.ir.conv_shapes import conv_transpose_geometry, same_pads
 
 
 def spatial_attrs(attrs: Attrs, nd: int) -> tuple[list[int], list[int]]:
@@ -36,14 +37,6 @@ def spatial_attrs(attrs: Attrs, nd: int) -> tuple[list[int], list[int]]:
     if min(strides + dilations, default=1) < 1:
         raise ValueError(f"strides {strides} and dilations {dilations} must be >= 1")
     return strides, dilations
-
-
-def same_pads(auto_pad: str, size: int, k_eff: int, stride: int) -> tuple[int, int]:
-    """(begin, end) pads of auto_pad SAME_UPPER/SAME_LOWER: output size is ceil(size / stride)."""
-    out = -(-size // stride)
-    total = max(0, (out - 1) * stride + k_eff - size)
-    small = total // 2
-    return (small, total - small) if auto_pad == "SAME_UPPER" else (total - small, small)
 
 
 def explicit_pads(attrs: Attrs, in_sp: Sequence[int], k: Sequence[int], strides: Sequence[int],
