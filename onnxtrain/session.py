@@ -276,10 +276,10 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
             # made by the exchange
             self._outputs.append(NodeArg(ALL_DELTAS_FINITE, "tensor(bool)", FLAG_SHAPE))
         self._output_names = [o.name for o in self._outputs]
-        self._check = FeedChecker(graph_interface(g.full) if self._halves else self._plan,
-                                  [TRAINING_MODE] if g.has_training_mode else [])
+        overridable = [a.name for a in self._overridable]
+        self._check = FeedChecker(graph_interface(g.full) if self._halves else self._plan, overridable)
         self._check.required = [n for n in self._check.required if n in feed_names]
-        self._check.allowed = feed_names | {a.name for a in self._overridable}
+        self._check.allowed = feed_names | set(overridable)
         self._micro_step = 0
 
     # ---- construction helpers ---------------------------------------------------------
