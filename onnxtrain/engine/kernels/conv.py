@@ -2,7 +2,8 @@
 batch's columns where an image has very few output positions; at stride 1 with few channels one GEMM per
 kernel offset on shifted views; with a kernel larger than the output, as in a weight gradient, one GEMM per
 output position), ConvTranspose
-(matmul + col2im by strided adds, one per kernel offset) and Col2Im (the same strided adds). Grouped
+(strided and wide enough: one GEMM per kernel shift, engine/kernels/conv_transpose_shifts.py; else matmul +
+col2im by strided adds, one per kernel offset) and Col2Im (the same strided adds). Grouped
 convolutions that are depthwise or have few outputs, and ConvTransposes with one output channel per group,
 go to engine/kernels/depthwise.py.
 
@@ -22,6 +23,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from onnxtrain.engine.cblas import gemm
+from onnxtrain.engine.kernels import conv_transpose_shifts as shifts
 from onnxtrain.engine.kernels import depthwise
 from onnxtrain.engine.kernels.half import F32, in_float32, is_half
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
@@ -502,6 +504,8 @@ def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
     y = _conv_transpose_as_conv(x, w, g, attrs) if g["as_conv"] is not None else None
     if y is None and g["depthwise"] and x.dtype in depthwise.FAST_DTYPES:
         y = depthwise.conv_transpose(x, w, g)
+    if y is None and shifts.fits(x, g):
+        y = shifts.conv_transpose(x, w, g)
     if y is None:
         y = _conv_transpose_flat(x, w, g) if g["flat"] else _col2im_conv_transpose(x, w, g)
     if b is not None:
