@@ -20,6 +20,7 @@ if __package__ in (None, ""):  # run as a script: make the checkout importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
+import onnx
 from onnx import helper
 
 from bench.common import add_repo_to_path, compare
@@ -50,11 +51,14 @@ QUICK = [("dcgan 4×64×8² → 32, 4×4", (4, 64, 8, 8), (64, 32, 4, 4), _P1),
          ("1-D 2×16×64 → 16, 4", (2, 16, 64), (16, 16, 4), {"strides": [2], "pads": [1, 1]})]
 
 
-def one_node(xs: tuple[int, ...], ws: tuple[int, ...], attrs: dict):
+def one_node(xs: tuple[int, ...], ws: tuple[int, ...], attrs: dict) -> onnx.ModelProto:
+    """The ConvTranspose of float32 X and W as a model (opset 17)."""
+    geometry = conv._convt_geometry(Attrs(attrs), xs, ws)
+    y_shape = (xs[0], ws[1] * attrs.get("group", 1), *geometry["out"])
     node = helper.make_node("ConvTranspose", ["x", "w"], ["y"], **attrs)
     graph = helper.make_graph([node], "convtranspose", [helper.make_tensor_value_info("x", 1, xs),
                                                         helper.make_tensor_value_info("w", 1, ws)],
-                              [helper.make_tensor_value_info("y", 1, None)])
+                              [helper.make_tensor_value_info("y", 1, y_shape)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
