@@ -6,6 +6,7 @@ them alike; the figure quoted is the median over the repeats of the mean time of
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import statistics
@@ -122,3 +123,15 @@ def timed_against_onnxruntime(label: str, ours: Any, theirs: Any, feeds: Mapping
     peers = {"onnxtrain": lambda: ours.run(feeds), "onnxruntime": lambda: theirs.run(None, feeds)}
     t = compare(peers, repeats=max(5, repeats), min_time=min_time)
     return ratio_line(label, t["onnxtrain"].median * 1e3, t["onnxruntime"].median * 1e3, " ms")
+
+
+def layer_bench_args(prog: str, doc: str, argv: list[str] | None, repeats: int,
+                     quick_repeats: int) -> tuple[bool, int]:
+    """(quick, repeats) from the command line of a per-layer bench: ``--repeats`` (default ``repeats``) and
+    ``--quick`` (its small layers, ``quick_repeats`` repeats)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--quick", action="store_true",
+                   help=f"two small layers, {quick_repeats} repeats (a smoke run)")
+    a = p.parse_args(argv)
+    return a.quick, quick_repeats if a.quick else a.repeats

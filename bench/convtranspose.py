@@ -12,7 +12,6 @@ strided add per kernel offset, what every strided ConvTranspose ran before the s
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -23,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from bench.common import add_repo_to_path, compare
+from bench.common import add_repo_to_path, compare, layer_bench_args
 
 add_repo_to_path()
 from onnxtrain.engine import compile_model  # noqa: E402
@@ -65,13 +64,9 @@ def one_node(xs: tuple[int, ...], ws: tuple[int, ...], attrs: dict) -> onnx.Mode
 def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
 
-    p = argparse.ArgumentParser(prog="python -m bench.convtranspose", description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--quick", action="store_true", help="two small layers, five repeats (a smoke run)")
-    a = p.parse_args(argv)
-    repeats = 5 if a.quick else a.repeats
+    quick, repeats = layer_bench_args("python -m bench.convtranspose", __doc__, argv, 7, 5)
     print(f"{'layer':34s} {'onnxtrain ms':>12s} {'col2im ms':>10s} {'onnxruntime ms':>14s} {'ratio':>6s}")
-    for name, xs, ws, attrs in QUICK if a.quick else CASES:
+    for name, xs, ws, attrs in QUICK if quick else CASES:
         rng = np.random.default_rng(0)
         feeds = {"x": rng.standard_normal(xs, dtype=np.float32),
                  "w": rng.standard_normal(ws, dtype=np.float32)}

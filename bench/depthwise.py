@@ -12,7 +12,6 @@ runs, quoted as ms and as onnxtrain's time over onnxruntime's, with the engine's
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import sys
@@ -25,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from bench.common import add_repo_to_path
+from bench.common import add_repo_to_path, layer_bench_args
 
 add_repo_to_path()
 from onnxtrain.autodiff import build_gradient_model  # noqa: E402
@@ -64,13 +63,9 @@ def median_ms(fn, repeats: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
 
-    p = argparse.ArgumentParser(prog="python -m bench.depthwise", description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--quick", action="store_true", help="two small layers, three repeats (a smoke run)")
-    a = p.parse_args(argv)
-    repeats = 3 if a.quick else a.repeats
+    quick, repeats = layer_bench_args("python -m bench.depthwise", __doc__, argv, 15, 3)
     print(f"{'layer':28s} {'onnxtrain ms':>12s} {'onnxruntime ms':>14s} {'ratio':>6s}  slowest ops (ms)")
-    for n, c, size, stride in QUICK if a.quick else CASES:
+    for n, c, size, stride in QUICK if quick else CASES:
         gm = gradient_graph(n, c, size, stride)
         x = np.random.default_rng(1).standard_normal((n, c, size, size)).astype(np.float32)
         plan = compile_model(gm)
