@@ -60,6 +60,10 @@ shapes are mostly not known before the run, the check is written unless they are
 A dilated Conv with ``auto_pad`` SAME_*, which onnxruntime refuses, takes explicit pads
 (:mod:`onnxtrain.engine.ort_same_pads`), even with onnxruntime's optimisations off.
 
+A ConvTranspose whose ``output_padding`` reaches its stride (the spec allows it below the dilation), which
+onnxruntime refuses too, takes no output_padding on that axis, a smaller end pad and where needed a Pad of
+zeros after it (:mod:`onnxtrain.engine.ort_output_padding`), even with onnxruntime's optimisations off.
+
 A BatchNormalization in inference mode that names running-statistics outputs nothing reads (the eval model
 onnxruntime-training's artifact generator writes for a model exported in training mode) loses them, even
 with onnxruntime's optimisations off: onnxruntime refuses to load the node otherwise ("should be 1 when
@@ -78,6 +82,7 @@ from onnxtrain.engine.ort_bernoulli import bernoulli_complements
 from onnxtrain.engine.ort_conv_grads import conv_weight_grads
 from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
 from onnxtrain.engine.ort_losses import softmax_cross_entropy_losses
+from onnxtrain.engine.ort_output_padding import large_output_paddings
 from onnxtrain.engine.ort_pads import pads_as_concat
 from onnxtrain.engine.ort_same_pads import dilated_same_pads
 from onnxtrain.engine.ort_sums import leading_sums
@@ -121,7 +126,8 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
                             types: dict | None = None) -> onnx.ModelProto:
     """``model`` with the rewrites above but the labels' check applied (a copy), or ``model`` itself when none
     applies; without ``optimise`` (onnxruntime's optimisations turned off) only those onnxruntime needs to
-    load or run the graph: the BatchNormalization outputs', float16 scatters' and dilated SAME Convs' pads.
+    load or run the graph: the BatchNormalization outputs', float16 scatters', dilated SAME Convs' pads and
+    ConvTransposes' large output_paddings.
     ``types``: value types of ``model`` already inferred (empty: inferred when a rewrite needs them)."""
     # inferred once, when a rewrite needs them (the rewrites keep the types of the values they read)
     types = {} if types is None else types
@@ -132,7 +138,8 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
         model = softmax_cross_entropy_losses(model, typed)
         model = leading_sums(model, typed)
         model = pads_as_concat(model, typed)
-    return inference_batch_norms(half_scatters_in_float32(dilated_same_pads(model, typed), typed))
+    model = large_output_paddings(dilated_same_pads(model, typed))
+    return inference_batch_norms(half_scatters_in_float32(model, typed))
 
 
 _LABEL_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")

@@ -1,0 +1,97 @@
+"""ConvTransposes whose ``output_padding`` reaches their stride rewritten for onnxruntime (it refuses them).
+
+ONNX (and torch) allow an ``output_padding`` below max(stride, dilation); onnxruntime 1.32 fails at run time
+on one at or above the stride ("output_padding may be too large for stride"). The output is the full
+transposed convolution (s·(S − 1) + k_eff rows) followed by ``output_padding`` rows of zeros, cropped by the
+pads: rows [begin, full + output_padding − end). On such an axis the node takes no output_padding and the
+end pad less it, and where the end pad is smaller than the output_padding, a ``Pad`` appends the rows of
+zeros the pad did not crop. The same values. Only nodes with explicit pads (no ``auto_pad`` SAME_*, no
+``output_shape``) are rewritten; the others stay as they are.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from onnxtrain.ir.builder import NameGen, model_opset
+from onnxtrain.ir.graphs import DEFAULT_DOMAINS, walk_graphs
+
+
+def large_output_paddings(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each ConvTranspose (bodies' too) whose output_padding reaches its stride rewritten
+    (module docstring); a copy, or ``model`` itself when there is none."""
+    if not any(_split(n) is not None for g in walk_graphs(model.graph) for n in g.node):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    names = NameGen.for_model(out)
+    opset = model_opset(out)
+    for g in walk_graphs(out.graph):
+        nodes: list[onnx.NodeProto] = []
+        for n in g.node:
+            split = _split(n)
+            if split is None:
+                nodes.append(n)
+                continue
+            op, pads, zeros = split
+            attrs = [a for a in n.attribute if a.name not in ("output_padding", "pads")]
+            del n.attribute[:]
+            n.attribute.extend(attrs)
+            n.attribute.append(helper.make_attribute("output_padding", op))
+            n.attribute.append(helper.make_attribute("pads", pads))
+            nodes.append(n)
+            if any(zeros):
+                nodes.extend(_append_zeros(n, zeros, names, opset))
+        del g.node[:]
+        g.node.extend(nodes)
+    return out
+
+
+def _split(node: onnx.NodeProto) -> tuple[list[int], list[int], list[int]] | None:
+    """(output_padding, pads, rows of zeros to append per spatial axis) that onnxruntime runs for ``node``, or
+    None when it needs no rewrite or cannot have one."""
+    if node.op_type != "ConvTranspose" or node.domain not in DEFAULT_DOMAINS:
+        return None
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    op = list(a.get("output_padding") or [])
+    nd = len(op)
+    strides = list(a.get("strides") or [1] * nd)
+    if not op or len(strides) != nd or all(p < s for p, s in zip(op, strides, strict=True)):
+        return None
+    auto_pad = a.get("auto_pad", b"NOTSET")
+    if "output_shape" in a or (auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad) not in (
+            "NOTSET", "VALID"):
+        return None
+    pads = list(a.get("pads") or [0] * (2 * nd))
+    if len(pads) != 2 * nd:
+        return None
+    new_op, ends, zeros = [], [], []
+    for i in range(nd):
+        p, end = op[i], pads[nd + i]
+        if p < strides[i]:
+            new_op.append(p)
+            ends.append(end)
+            zeros.append(0)
+        else:
+            new_op.append(0)
+            ends.append(max(0, end - p))
+            zeros.append(max(0, p - end))
+    return new_op, pads[:nd] + ends, zeros
+
+
+def _append_zeros(node: onnx.NodeProto, zeros: list[int], names: NameGen, opset: int) -> list[onnx.NodeProto]:
+    """Nodes that rename ``node``'s output and append ``zeros`` rows of zeros at the end of each spatial axis
+    under its old name."""
+    y = node.output[0]
+    inner = names(f"{y}_unpadded")
+    node.output[0] = inner
+    spec = [0] * (2 + len(zeros)) + [0, 0] + list(zeros)
+    label = names(f"{node.name or y}_output_padding")
+    if opset < 11:
+        return [helper.make_node("Pad", [inner], [y], name=label, pads=spec)]
+    amounts = names(f"{y}_pads")
+    const = helper.make_node("Constant", [], [amounts], name=names(f"{label}_pads"),
+                             value=numpy_helper.from_array(np.array(spec, np.int64), amounts))
+    return [const, helper.make_node("Pad", [inner, amounts], [y], name=label)]

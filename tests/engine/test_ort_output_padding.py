@@ -1,0 +1,133 @@
+"""ConvTransposes whose output_padding reaches their stride on the onnxruntime backend: onnxruntime 1.32
+refuses them, so the backend rewrites them (onnxtrain/engine/ort_output_padding.py). Oracles: torch's
+conv_transpose with the original attributes (forward values, and a training step by autograd)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxtrain
+from onnxtrain.engine.ort_output_padding import large_output_paddings
+from tests.session.helpers import backend_options, params
+
+ort = pytest.importorskip("onnxruntime")
+torch = pytest.importorskip("torch")
+
+# X shape, W shape, attributes (output_padding at or above the stride on at least one axis)
+CASES: dict[str, tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]] = {
+    "stride-1-dilation-2": ((2, 3, 5, 4), (3, 2, 3, 3), {"dilations": [2, 2], "output_padding": [1, 1]}),
+    "end-pad-below": ((2, 3, 4, 5), (3, 4, 3, 2), {"strides": [2, 2], "dilations": [3, 3],
+                                                   "pads": [1, 1, 1, 1], "output_padding": [2, 2]}),
+    "end-pad-above": ((1, 2, 4, 4), (2, 3, 3, 3), {"strides": [2, 1], "dilations": [3, 2],
+                                                   "pads": [0, 1, 3, 0], "output_padding": [2, 1]}),
+    "one-axis": ((2, 2, 4, 5), (2, 2, 2, 3), {"strides": [3, 1], "dilations": [4, 3],
+                                              "output_padding": [1, 2], "group": 1}),
+    "grouped": ((2, 4, 5), (4, 1, 3), {"strides": [2], "dilations": [4], "output_padding": [3], "group": 2}),
+    "3d": ((1, 2, 3, 3, 2), (2, 2, 2, 2, 2), {"dilations": [2, 2, 3], "output_padding": [1, 0, 2],
+                                              "pads": [0, 1, 0, 1, 0, 2]}),
+}
+
+
+def _model(xs: tuple[int, ...], ws: tuple[int, ...], attrs: dict[str, Any],
+           opset: int = 17) -> onnx.ModelProto:
+    node = helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="up", **attrs)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, xs),
+                                        helper.make_tensor_value_info("w", TensorProto.FLOAT, ws)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None] * len(xs))])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def _torch(x: Any, w: Any, attrs: dict[str, Any]) -> Any:
+    nd = x.ndim - 2
+    pads = attrs.get("pads", [0] * 2 * nd)
+    begin, end = pads[:nd], pads[nd:]
+    fn = (torch.nn.functional.conv_transpose1d, torch.nn.functional.conv_transpose2d,
+          torch.nn.functional.conv_transpose3d)[nd - 1]
+    # torch's pads are one per axis: take none, then crop ONNX's begin and end pads off the full output and
+    # its output_padding rows
+    y = fn(x, w, stride=attrs.get("strides", 1), dilation=attrs.get("dilations", 1),
+           groups=attrs.get("group", 1), output_padding=attrs["output_padding"])
+    idx = (slice(None), slice(None)) + tuple(slice(b, y.shape[2 + i] - e) for i, (b, e) in
+                                             enumerate(zip(begin, end, strict=True)))
+    return y[idx]
+
+
+@pytest.mark.parametrize("opset", [17, 10])
+@pytest.mark.parametrize("case", list(CASES))
+def test_onnxruntime_runs_the_rewrite_with_torchs_values(case: str, opset: int) -> None:
+    xs, ws, attrs = CASES[case]
+    model = _model(xs, ws, attrs, opset)
+    sess_opts = ort.SessionOptions()
+    with pytest.raises(Exception, match="output_padding"):  # what the rewrite is for
+        ort.InferenceSession(model.SerializeToString(), sess_opts, providers=["CPUExecutionProvider"]).run(
+            None, {"x": np.ones(xs, np.float32), "w": np.ones(ws, np.float32)})
+    out = large_output_paddings(model)
+    onnx.checker.check_model(out, full_check=True)
+    ops = [n.op_type for n in out.graph.node]
+    assert ops[0] == "ConvTranspose" and set(ops) <= {"ConvTranspose", "Constant", "Pad"}
+    rng = np.random.default_rng(len(case))
+    x, w = rng.standard_normal(xs).astype(np.float32), rng.standard_normal(ws).astype(np.float32)
+    got = ort.InferenceSession(out.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x, "w": w})[0]
+    want = _torch(torch.tensor(x, dtype=torch.float64), torch.tensor(w, dtype=torch.float64), attrs).numpy()
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_nodes_onnxruntime_accepts_are_left_as_they_are() -> None:
+    for attrs in ({"strides": [2, 2], "output_padding": [1, 1]}, {"strides": [2, 2]},
+                  {"dilations": [2, 2], "output_padding": [1, 1], "auto_pad": "SAME_UPPER"}):
+        model = _model((1, 2, 4, 4), (2, 2, 3, 3), attrs)
+        assert large_output_paddings(model) is model
+
+
+def test_a_body_node_is_rewritten() -> None:
+    xs, ws, attrs = CASES["end-pad-below"]
+    inner = _model(xs, ws, attrs).graph
+    body = helper.make_graph(list(inner.node), "then", [],
+                             [helper.make_tensor_value_info("y", 1, [None] * 4)])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["z"])], "else", [],
+                              [helper.make_tensor_value_info("z", 1, [None] * 4)])
+    node = helper.make_node("If", ["c"], ["out"], then_branch=body, else_branch=other)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+                                        *inner.input], [helper.make_tensor_value_info("out", 1, [None] * 4)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    out = large_output_paddings(model)
+    onnx.checker.check_model(out, full_check=True)
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal(xs).astype(np.float32), rng.standard_normal(ws).astype(np.float32)
+    got = ort.InferenceSession(out.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"c": np.array(True), "x": x, "w": w})[0]
+    want = _torch(torch.tensor(x, dtype=torch.float64), torch.tensor(w, dtype=torch.float64), attrs).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_backend_trains_it_as_torch() -> None:
+    xs, ws, attrs = CASES["end-pad-below"]
+    rng = np.random.default_rng(0)
+    w0 = (rng.standard_normal(ws) * 0.3).astype(np.float32)
+    nodes = [helper.make_node("ConvTranspose", ["x", "W"], ["y"], **attrs),
+             helper.make_node("Mul", ["y", "y"], ["y2"]),
+             helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, xs)],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                          [numpy_helper.from_array(w0, "W")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    sess = onnxtrain.TrainingSession(model.SerializeToString(), params("SGDOptimizer"),
+                                     backend_options("onnxruntime"))
+    wt = torch.tensor(w0, requires_grad=True)
+    opt = torch.optim.SGD([wt], lr=1e-3)
+    for _ in range(2):
+        x = rng.standard_normal(xs).astype(np.float32)
+        loss = sess.run(["loss"], {"x": x, "Learning_Rate": np.array([1e-3], np.float32)})[0]
+        opt.zero_grad()
+        ref = _torch(torch.tensor(x), wt, attrs).pow(2).sum()
+        ref.backward()
+        opt.step()
+        np.testing.assert_allclose(loss, ref.item(), rtol=1e-5)
+        np.testing.assert_allclose(sess.get_state()["W"], wt.detach().numpy(), rtol=1e-5, atol=1e-6)
