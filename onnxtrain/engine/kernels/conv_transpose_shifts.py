@@ -99,7 +99,8 @@ def plan(xs: tuple[int, ...], g: dict[str, Any]) -> dict[str, Any]:
             steps.append((ph, off, run[0][0], [jj for _, jj in run]))
             run = [(rl, j)]
         steps.append((ph, off, run[0][0], [jj for _, jj in run]))
-    copies, whole = [], True
+    # copies: (outer phase, output slices, canvas slices); whole: they write every output (else zeros first)
+    copies = []
     lo, hi = max(0, -pb[-1]), min(out[-1], ext[-1] * s[-1] - pb[-1])
     last = (slice(lo, max(lo, hi)), slice(lo + pb[-1], max(lo, hi) + pb[-1]))
     whole = lo == 0 and hi == out[-1]
