@@ -24,7 +24,9 @@ CASES: dict[str, tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]] = {
     "2d-k4-s2-p1": ((2, 8, 4, 5), (8, 6, 4, 4), {"strides": [2, 2], "pads": [1, 1, 1, 1]}),
     "2d-k3-s2-output-padding": ((2, 5, 3, 4), (5, 4, 3, 3),
                                 {"strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 1]}),
-    "2d-k2-s2": ((3, 4, 5, 3), (4, 3, 2, 2), {"strides": [2, 2]}),
+    "2d-k2-s2": ((3, 4, 5, 3), (4, 3, 2, 2), {"strides": [2, 2]}),  # aligned: one copy out
+    "2d-k4-s2-p2": ((2, 4, 4, 3), (4, 3, 4, 4), {"strides": [2, 2], "pads": [2, 2, 2, 2]}),  # aligned
+    "3d-k2-s2": ((2, 3, 3, 2, 3), (3, 4, 2, 2, 2), {"strides": [2, 2, 2]}),  # aligned
     "2d-stride-above-kernel": ((2, 3, 3, 4), (3, 2, 2, 3), {"strides": [3, 4]}),  # phases without taps
     "2d-dilated": ((2, 4, 4, 3), (4, 3, 3, 2), {"strides": [2, 3], "dilations": [3, 2],
                                                 "output_padding": [1, 2]}),
@@ -122,6 +124,25 @@ def test_non_finite_inputs_reach_their_outputs_only(any_size: list[int]) -> None
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
     finite = np.isfinite(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-12, atol=1e-12)
+
+
+# worked out by hand: begin pads (SAME_UPPER's 0) and output sizes multiples of the stride, the canvas rows
+# enough (extent = input + ⌊(k − 1)·d / s⌋)
+ALIGNED = {"2d-k2-s2", "2d-k4-s2-p2", "3d-k2-s2", "2d-first-axis-strided", "2d-one-axis-strided",
+           "2d-same-upper", "3d-grouped"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_aligned_outputs_take_one_copy(case: str, any_size: list[int], monkeypatch) -> None:
+    """Begin pads and output sizes that are multiples of the stride on every axis but the last (with the
+    last axis whole) write the output in one copy; the float64 test above checks its values."""
+    calls: list[int] = []
+    real = shifts._copy_aligned
+    monkeypatch.setattr(shifts, "_copy_aligned", lambda *a: calls.append(1) or real(*a))
+    xs, ws, attrs = CASES[case]
+    rng = np.random.default_rng(0)
+    conv_kernels.conv_transpose([rng.standard_normal(xs), rng.standard_normal(ws)], Attrs(dict(attrs)))
+    assert calls == ([1] if case in ALIGNED else [])
 
 
 # (X shape, W shape, attributes, whether the shifted GEMMs take it at the default limits)

@@ -109,8 +109,17 @@ def plan(xs: tuple[int, ...], g: dict[str, Any]) -> dict[str, Any]:
         whole = whole and all(a[2] for a in axes)
         if all(a[1].stop > a[1].start for a in axes) and hi > lo:
             copies.append((ph, tuple(a[0] for a in axes) + last[:1], tuple(a[1] for a in axes) + last[1:]))
+    # aligned: every phase of the other axes starts on the output's first row and fills it to the end (begin
+    # pads and output sizes multiples of the stride, as a U-Net's 2×2 up-convolution): then one copy writes
+    # the output whole, from the canvas's rows selected here (2.5 against 3.9 ms over two phases of 16 × 32 ×
+    # 64²)
+    aligned = None
+    first = [pb[i] // s[i] for i in range(nd - 1)]  # the canvas row of each axis's first output
+    if nd >= 2 and whole and all(pb[i] % s[i] == 0 and out[i] % s[i] == 0 and first[i] + out[i] // s[i]
+                                 <= ext[i] for i in range(nd - 1)):
+        aligned = tuple(slice(first[i], first[i] + out[i] // s[i]) for i in range(nd - 1)) + last[1:]
     return {"xdims": xdims, "cdims": cdims, "ext": ext, "rows": rows, "slack": slack, "phases": len(outer),
-            "span": int(np.prod(xdims)), "steps": steps, "copies": copies, "whole": whole}
+            "span": int(np.prod(xdims)), "steps": steps, "copies": copies, "whole": whole, "aligned": aligned}
 
 
 def conv_transpose(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
@@ -147,6 +156,9 @@ def conv_transpose(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarra
                  dst[:, r * m + q * mg:r * m + (q + 1) * mg], accumulate=True)
     y = (np.empty if p["whole"] else np.zeros)((n, m) + tuple(g["out"]), x.dtype)
     ext, cd = p["ext"], p["cdims"]
+    if p["aligned"] is not None:
+        _copy_aligned(buf, y, p, g)
+        return y
     for ph, dst, src in p["copies"]:
         v = buf[ph * rows * cols:(ph + 1) * rows * cols]
         if nd == 1:
@@ -156,3 +168,22 @@ def conv_transpose(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarra
             v = np.moveaxis(v, (1, nd + 1), (0, 1))
         y[(slice(None), slice(None)) + dst] = v
     return y
+
+
+def _copy_aligned(buf: np.ndarray, y: np.ndarray, p: dict[str, Any], g: dict[str, Any]) -> None:
+    """Write every outer phase of the canvas ``buf`` into ``y`` in one copy (``p["aligned"]``)."""
+    n, m = y.shape[:2]
+    s, ext, out = g["strides"], p["ext"], g["out"]
+    outer = len(out) - 1  # axes split into phases outside the columns
+    # (phases.., axis 0, N, axes 1.., last axis with its phases, M), the rows and columns that are output
+    v = buf[:p["phases"] * p["rows"] * s[-1] * m].reshape(
+        tuple(s[:-1]) + (ext[0], n) + tuple(ext[1:-1]) + (ext[-1] * s[-1], m))
+    sel = p["aligned"]
+    v = v[(slice(None),) * outer + (sel[0], slice(None)) + sel[1:]]
+    # → (N, M, axis 0, its phase, axis 1, its phase, ..., last axis)
+    order = [outer + 1, 2 * outer + 2]
+    for i in range(outer):
+        order += [outer if i == 0 else outer + 1 + i, i]
+    order.append(2 * outer + 1)
+    shape = (n, m) + tuple(d for i in range(outer) for d in (out[i] // s[i], s[i])) + (out[-1],)
+    y.reshape(shape)[...] = v.transpose(order)
