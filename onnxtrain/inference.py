@@ -32,6 +32,7 @@ from onnxtrain.engine.interface import (
     load_model,
     without_values,
 )
+from onnxtrain.engine.transpose_copy import contiguous
 from onnxtrain.errors import (
     Fail,
     FailValueError,
@@ -252,7 +253,9 @@ def own_outputs(outs: list[Any], feeds: Any) -> list[Any]:
         if not isinstance(o, np.ndarray):
             return o
         flags = o.flags
-        if not flags.writeable or not flags.c_contiguous or any(np.may_share_memory(o, f) for f in fed):
+        if not flags.c_contiguous:  # (a Transpose's view: by tiles where it swaps blocks of axes)
+            return contiguous(o)
+        if not flags.writeable or any(np.may_share_memory(o, f) for f in fed):
             return o.copy()
         return o
 

@@ -10,6 +10,7 @@ import numpy as np
 from onnx import helper
 
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
+from onnxtrain.engine.transpose_copy import contiguous
 
 
 def _ints(v: Any) -> list[int]:
@@ -58,6 +59,11 @@ def reshape(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, shape = inputs[0], inputs[1]
     target = _memo(attrs, (x.shape, _key(shape)),
                    lambda: _reshape_target(x.shape, shape, bool(attrs.get("allowzero"))))
+    if not x.flags.c_contiguous:  # a view numpy would copy to reshape: a Transpose's by tiles if it can
+        try:
+            return (x.reshape(target, copy=False),)
+        except ValueError:
+            x = contiguous(x)
     return (x.reshape(target),)
 
 
