@@ -21,7 +21,7 @@ import functools
 import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 
 _lock = threading.Lock()
 _helpers: list[int] = []  # native ids of OpenBLAS's helper threads, once placed
@@ -110,14 +110,22 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=forget)
 
 
-@contextmanager
-def placed(width: int) -> Iterator[None]:
+_AS_IT_IS = nullcontext()
+
+
+def placed(width: int) -> AbstractContextManager[None]:
     """Run the block with the calling thread on the first CPU, when a run of ``width`` threads uses all of
-    this process's CPUs and the conditions of the module hold; else as it is."""
+    this process's CPUs and the conditions of the module hold; else as it is (no generator to enter: every
+    run of a plan asks)."""
     cpus = _cpus()
     if width < 2 or width != len(cpus) or not _helpers:
-        yield
-        return
+        return _AS_IT_IS
+    return _placed(cpus)
+
+
+@contextmanager
+def _placed(cpus: tuple[int, ...]) -> Iterator[None]:
+    """:func:`placed`'s placement on ``cpus``, one run at a time (another run meanwhile stays as it is)."""
     with _lock:
         mine = _pinned_runs[0] == 0
         if mine:

@@ -4,17 +4,27 @@ splits)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 
-@contextmanager
-def bound(local: threading.local, name: str, value: Any, default: Any = None) -> Iterator[None]:
+class _Bound:
+    """The context manager :func:`bound` returns (a class: entering and leaving it cost a fifth of a
+    generator-based one's, and every run of a plan enters one)."""
+
+    __slots__ = ("local", "name", "value", "default", "before")
+
+    def __init__(self, local: threading.local, name: str, value: Any, default: Any) -> None:
+        self.local, self.name, self.value, self.default = local, name, value, default
+
+    def __enter__(self) -> None:
+        self.before = getattr(self.local, self.name, self.default)
+        setattr(self.local, self.name, self.value)
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(self.local, self.name, self.before)
+
+
+def bound(local: threading.local, name: str, value: Any, default: Any = None) -> AbstractContextManager[None]:
     """Set ``local.<name>`` to ``value`` for the block, then back to what it was (``default`` when unset)."""
-    before = getattr(local, name, default)
-    setattr(local, name, value)
-    try:
-        yield
-    finally:
-        setattr(local, name, before)
+    return _Bound(local, name, value, default)
