@@ -12,7 +12,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,3 +135,13 @@ def layer_bench_args(prog: str, doc: str, argv: list[str] | None, repeats: int,
                    help=f"two small layers, {quick_repeats} repeats (a smoke run)")
     a = p.parse_args(argv)
     return a.quick, quick_repeats if a.quick else a.repeats
+
+
+def peers_row(label: str, peers: Mapping[str, Callable[[], object]], widths: Sequence[int],
+              repeats: int) -> str:
+    """One table row of a per-layer bench: ``peers`` timed interleaved (:func:`compare`, 0.1 s apart), their
+    medians in ms in the columns ``widths`` (the label's first), and the first peer's time over the last's."""
+    t = compare(peers, repeats=repeats, pause=0.1)
+    ms = [t[k].median * 1e3 for k in peers]
+    cells = "".join(f" {v:{w}.2f}" for v, w in zip(ms, widths[1:], strict=False))
+    return f"{label:{widths[0]}s}{cells} {ms[0] / ms[-1]:6.2f}"

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from bench.common import add_repo_to_path, compare, layer_bench_args
+from bench.common import add_repo_to_path, layer_bench_args, peers_row
 
 add_repo_to_path()
 from onnxtrain.engine import compile_model  # noqa: E402
@@ -77,12 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         theirs = sess.run(None, feeds)[0]
         for ours in (plan.run(feeds)[0], conv._col2im_conv_transpose(feeds["x"], feeds["w"], geometry)):
             np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-3 * float(np.abs(theirs).max()))
-        t = compare({"onnxtrain": lambda: plan.run(feeds),  # noqa: B023 - timed right here
-                     "col2im": lambda: conv._col2im_conv_transpose(feeds["x"], feeds["w"], geometry),  # noqa: B023
-                     "onnxruntime": lambda: sess.run(None, feeds)},  # noqa: B023
-                    repeats=repeats, pause=0.1)
-        ours, old, peer = (t[k].median * 1e3 for k in ("onnxtrain", "col2im", "onnxruntime"))
-        print(f"{name:34s} {ours:12.2f} {old:10.2f} {peer:14.2f} {ours / peer:6.2f}", flush=True)
+        peers = {"onnxtrain": lambda: plan.run(feeds),  # noqa: B023 - timed right here
+                 "col2im": lambda: conv._col2im_conv_transpose(feeds["x"], feeds["w"], geometry),  # noqa: B023
+                 "onnxruntime": lambda: sess.run(None, feeds)}  # noqa: B023
+        print(peers_row(name, peers, (34, 12, 10, 14), repeats), flush=True)
     return 0
 
 

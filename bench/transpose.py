@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from bench.common import add_repo_to_path, compare, layer_bench_args
+from bench.common import add_repo_to_path, layer_bench_args, peers_row
 
 add_repo_to_path()
 import onnxtrain  # noqa: E402
@@ -71,12 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             y = x.transpose(perm).copy()
             return y.reshape(target) if target else y
 
-        t = compare({"onnxtrain": lambda: ours.run(None, {"x": x}),  # noqa: B023 - timed right here
-                     "numpy": numpy_copy,
-                     "onnxruntime": lambda: theirs.run(None, {"x": x})},  # noqa: B023
-                    repeats=repeats, pause=0.1)
-        mine, old, peer = (t[k].median * 1e3 for k in ("onnxtrain", "numpy", "onnxruntime"))
-        print(f"{name:36s} {mine:12.2f} {old:13.2f} {peer:14.2f} {mine / peer:6.2f}", flush=True)
+        peers = {"onnxtrain": lambda: ours.run(None, {"x": x}),  # noqa: B023 - timed right here
+                 "numpy": numpy_copy,
+                 "onnxruntime": lambda: theirs.run(None, {"x": x})}  # noqa: B023
+        print(peers_row(name, peers, (36, 12, 13, 14), repeats), flush=True)
     return 0
 
 

@@ -25,7 +25,7 @@ import ctypes
 import functools
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -47,6 +47,20 @@ def _loaded_openblas() -> list[str]:
     except OSError:
         return []
     return sorted(p for p in paths if os.path.isabs(p))
+
+
+def openblas_symbols(candidates: Sequence[Sequence[str]]) -> Iterator[tuple[Sequence[str], tuple[Any, ...]]]:
+    """For each OpenBLAS library mapped into this process, in order, and each tuple of symbol names in
+    ``candidates`` it exports all of: (the names, their functions as ctypes objects, argument types unset)."""
+    for path in _loaded_openblas():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for names in candidates:
+            found = tuple(getattr(lib, n, None) for n in names)
+            if all(f is not None for f in found):
+                yield names, found
 
 
 # modules whose threads never call numpy: tqdm's monitor thread, alive while a progress bar is

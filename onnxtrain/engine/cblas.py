@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from onnxtrain.engine.blas import _loaded_openblas
+from onnxtrain.engine.blas import openblas_symbols
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 # (single, double, configuration) symbol names, and whether the names alone say the integers are 64-bit
@@ -31,25 +31,17 @@ _NAMES = (
 @functools.cache
 def _functions() -> dict[np.dtype, Callable[..., None]] | None:
     """dtype → numpy's OpenBLAS ``cblas_?gemm`` with its argument types set; None when not found."""
-    for path in _loaded_openblas():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
+    for (single, _, _), (fs, fd, fc) in openblas_symbols(_NAMES):
+        fc.restype = ctypes.c_char_p
+        wide = b"USE64BITINT" in (fc() or b"")
+        if single.endswith("64_") != wide:  # a build whose names and integers disagree: leave it
             continue
-        for single, double, config in _NAMES:
-            fs, fd, fc = (getattr(lib, n, None) for n in (single, double, config))
-            if fs is None or fd is None or fc is None:
-                continue
-            fc.restype = ctypes.c_char_p
-            wide = b"USE64BITINT" in (fc() or b"")
-            if single.endswith("64_") != wide:  # a build whose names and integers disagree: leave it
-                continue
-            n = ctypes.c_int64 if wide else ctypes.c_int
-            p = ctypes.c_void_p
-            for f, real in ((fs, ctypes.c_float), (fd, ctypes.c_double)):
-                f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, n, n, n, real, p, n, p, n, real, p, n]
-                f.restype = None
-            return {np.dtype(np.float32): fs, np.dtype(np.float64): fd}
+        n = ctypes.c_int64 if wide else ctypes.c_int
+        p = ctypes.c_void_p
+        for f, real in ((fs, ctypes.c_float), (fd, ctypes.c_double)):
+            f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, n, n, n, real, p, n, p, n, real, p, n]
+            f.restype = None
+        return {np.dtype(np.float32): fs, np.dtype(np.float64): fd}
     return None
 
 

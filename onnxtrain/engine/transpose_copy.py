@@ -17,14 +17,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from onnxtrain.engine.blas import _loaded_openblas
+from onnxtrain.engine.blas import openblas_symbols
 
 _ROW_MAJOR, _TRANS = 101, 112
-# (single, double) names, and whether their integers are 64-bit (as cblas.py's GEMMs)
-_NAMES = (("scipy_cblas_somatcopy64_", "scipy_cblas_domatcopy64_", True),
-          ("cblas_somatcopy64_", "cblas_domatcopy64_", True),
-          ("scipy_cblas_somatcopy", "scipy_cblas_domatcopy", False),
-          ("cblas_somatcopy", "cblas_domatcopy", False))
+# (single, double) names; a "64_" suffix says the integers are 64-bit (as cblas.py's GEMMs)
+_NAMES = (("scipy_cblas_somatcopy64_", "scipy_cblas_domatcopy64_"),
+          ("cblas_somatcopy64_", "cblas_domatcopy64_"),
+          ("scipy_cblas_somatcopy", "scipy_cblas_domatcopy"),
+          ("cblas_somatcopy", "cblas_domatcopy"))
 # numpy / omatcopy time (float32, about 4 M values in all; rows × columns of each transpose's output): below
 # 8 K values a transpose numpy's copy is faster (16 × 256 0.73, 64 × 64 0.83, 256 × 16 0.56), above it
 # omatcopy (16 × 1024 1.56, 256 × 64 1.28, 4096 × 4096 4.6), except with fewer than 128 columns (3136 × 64,
@@ -38,21 +38,13 @@ ALIASED_ROWS = 256
 @functools.cache
 def _functions() -> dict[np.dtype, Callable[..., None]] | None:
     """dtype → numpy's OpenBLAS ``cblas_?omatcopy`` with its argument types set; None when not found."""
-    for path in _loaded_openblas():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for single, double, wide in _NAMES:
-            fs, fd = getattr(lib, single, None), getattr(lib, double, None)
-            if fs is None or fd is None:
-                continue
-            n = ctypes.c_int64 if wide else ctypes.c_int
-            p = ctypes.c_void_p
-            for f, real in ((fs, ctypes.c_float), (fd, ctypes.c_double)):
-                f.argtypes = [ctypes.c_int, ctypes.c_int, n, n, real, p, n, p, n]
-                f.restype = None
-            return {np.dtype(np.float32): fs, np.dtype(np.float64): fd}
+    for (single, _), (fs, fd) in openblas_symbols(_NAMES):
+        n = ctypes.c_int64 if single.endswith("64_") else ctypes.c_int
+        p = ctypes.c_void_p
+        for f, real in ((fs, ctypes.c_float), (fd, ctypes.c_double)):
+            f.argtypes = [ctypes.c_int, ctypes.c_int, n, n, real, p, n, p, n]
+            f.restype = None
+        return {np.dtype(np.float32): fs, np.dtype(np.float64): fd}
     return None
 
 
