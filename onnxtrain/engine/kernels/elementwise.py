@@ -148,23 +148,65 @@ def _nonzero_divisor(b: np.ndarray, what: str) -> None:
         raise ZeroDivisionError(f"integer {what} by zero (the divisor holds 0)")
 
 
+# float32 powers other than these are computed in float64 and rounded once: numpy's float32 pow is SIMD code
+# whose results are 1 ulp off on about half of the values (exponent 1.7) and that takes a scalar path, ~40×
+# slower, for negative bases; the float64 result rounds to the correctly rounded float32 (as glibc's powf
+# gives, onnxruntime's kernel)
+_FLOAT64_POW = (np.dtype(np.float32),)
+
+
 @kernel("Pow", since=7)
 def pow_(inputs: Inputs, attrs: Attrs) -> Outputs:
     a, b = inputs
     dt = a.dtype
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         if _is_float(dt):
-            if b.ndim == 0 and b == 2:
-                return (_arr(np.multiply(a, a)),)
+            if b.size == 1 and b.ndim <= a.ndim:  # one exponent for every element: the output has A's shape
+                y = _pow_scalar(a, float(b.reshape(-1)[0]))
+                if y is not None:
+                    return (_arr(y),)
             if b.dtype.kind in "iub":
                 b = b.astype(dt)
-            r = np.power(a, b)  # a float16 base with a float32 exponent is computed in float32
+            if dt in _FLOAT64_POW:
+                r = np.power(a.astype(np.float64), b.astype(np.float64, copy=False))
+            else:
+                r = np.power(a, b)  # a float16 base with a float32 exponent is computed in float32
         elif b.dtype.kind == "f" or (b.dtype.kind == "i" and (b < 0).any()):
             r = np.power(a.astype(np.float64), b)  # integer base, negative or fractional exponent
         else:
             r = np.power(a, b)
-    r = _arr(r)
-    return (r if r.dtype == dt else r.astype(dt),)
+        r = _arr(r)
+        return (r if r.dtype == dt else r.astype(dt),)  # (float32 from float64: overflow to inf, quietly)
+
+
+def _pow_scalar(a: np.ndarray, e: float) -> np.ndarray | None:
+    """``a ** e`` for a float array and one exponent. Squares and (float32/float64) cubes are products,
+    (a·a)·a, as in onnxruntime's and torch's kernels (the same bits). For float32: ``e`` = 0.5 is the square
+    root and −1 the reciprocal (both correctly rounded, as the power is; the square root's −0 and NaN at −0
+    and −inf are numpy's, onnx.reference's and torch's); other exponents the float64 power of |a| rounded
+    once, with C's signs: negative for a negative base (−0 and −inf included) and an odd integer exponent,
+    NaN for a finite negative base and a non-integer one. None for the other dtypes' other powers."""
+    if e == 2:
+        return np.multiply(a, a)
+    if e == 3 and a.dtype.kind == "f" and a.dtype.itemsize >= 4:  # (halves: one rounding of the float32 cube)
+        y = np.multiply(a, a)
+        y *= a
+        return y
+    if a.dtype not in _FLOAT64_POW:
+        return None
+    if e == 0.5:  # as numpy's and torch's power: NaN at −inf, −0 at −0 (C's pow, onnxruntime's: +inf, +0)
+        return np.sqrt(a)
+    if e == -1:
+        return np.reciprocal(a)
+    if math.isnan(e):
+        return np.power(a.astype(np.float64), e).astype(a.dtype)
+    y = np.power(np.abs(a, dtype=np.float64), e)
+    if math.isfinite(e) and e.is_integer():
+        if int(e) % 2:
+            np.negative(y, out=y, where=np.signbit(a))
+    elif math.isfinite(e):  # (an infinite exponent reads only |a|)
+        y[(a < 0) & (a > -np.inf)] = np.nan
+    return y.astype(a.dtype)
 
 
 @kernel("Mod", since=10)
