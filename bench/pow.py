@@ -38,7 +38,8 @@ def pow_model(shape: tuple[int, ...], exponent: float) -> onnx.ModelProto:
     e = helper.make_tensor("e", TensorProto.FLOAT, [], [exponent])
     g = helper.make_graph([helper.make_node("Pow", ["X", "e"], ["Y"])], "pow",
                           [helper.make_tensor_value_info("X", TensorProto.FLOAT, list(shape))],
-                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, list(shape))], initializer=[e])
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, list(shape))],
+                          initializer=[e])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         ours = compile_model(model)
         feeds = {"X": x if signed else np.abs(x)}
         np.testing.assert_array_max_ulp(ours.run(feeds)[0], theirs.run(None, feeds)[0], maxulp=1)
-        print(timed_against_onnxruntime(label, ours, theirs, feeds, repeats, 0.02 if quick else 0.05), flush=True)
+        line = timed_against_onnxruntime(label, ours, theirs, feeds, repeats, 0.02 if quick else 0.05)
+        print(line, flush=True)
     return 0
 
 

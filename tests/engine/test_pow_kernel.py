@@ -139,3 +139,19 @@ def test_tanh_gelu_cube_trains_as_torch():
     np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-12)
     dx = got["x_grad"]
     np.testing.assert_allclose(dx, t.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("e", [2.0, 3.0, 0.5, -1.0, 4.0, 5.0, 1.5, np.nan])
+def test_zero_dimensional_base(e):
+    """A 0-d base (a scalar loss's power, as a pipeline stage's gradient has it) gives a 0-d array."""
+    x = np.asarray(-2.5, np.float32)
+    g = helper.make_graph([helper.make_node("Pow", ["x", "e"], ["y"])], "pow",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, []),
+                           helper.make_tensor_value_info("e", TensorProto.FLOAT, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    got = compile_model(model).run({"x": x, "e": np.asarray(e, np.float32)})[0]
+    with np.errstate(all="ignore"):
+        want = np.power(np.float64(x), np.float64(e)).astype(np.float32) if e != 3.0 else (x * x) * x
+    assert isinstance(got, np.ndarray) and got.shape == () and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)

@@ -200,7 +200,7 @@ def _pow_scalar(a: np.ndarray, e: float) -> np.ndarray | None:
         return np.reciprocal(a)
     if math.isnan(e):
         return np.power(a.astype(np.float64), e).astype(a.dtype)
-    y = np.power(np.abs(a, dtype=np.float64), e)
+    y = _arr(np.power(np.abs(a, dtype=np.float64), e))  # (an array for a 0-d base too)
     if math.isfinite(e) and e.is_integer():
         if int(e) % 2:
             np.negative(y, out=y, where=np.signbit(a))
