@@ -17,10 +17,12 @@ from onnxtrain.engine import compile_model
 FLOATS = {np.float32: TensorProto.FLOAT, np.float64: TensorProto.DOUBLE}
 
 
-def _model(dtype, exp_shape: list[int], exp_type: int | None = None) -> onnx.ModelProto:
+def _model(dtype, exp_shape: list[int], exp_type: int | None = None,
+           x_shape: list[int | None] | None = None) -> onnx.ModelProto:
+    """One Pow node of x (a vector, or ``x_shape``) by an input exponent e of ``exp_shape``."""
     g = helper.make_graph(
         [helper.make_node("Pow", ["x", "e"], ["y"])], "pow",
-        [helper.make_tensor_value_info("x", FLOATS[dtype], [None]),
+        [helper.make_tensor_value_info("x", FLOATS[dtype], [None] if x_shape is None else x_shape),
          helper.make_tensor_value_info("e", exp_type or FLOATS[dtype], exp_shape)],
         [helper.make_tensor_value_info("y", FLOATS[dtype], None)])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
@@ -145,12 +147,7 @@ def test_tanh_gelu_cube_trains_as_torch():
 def test_zero_dimensional_base(e):
     """A 0-d base (a scalar loss's power, as a pipeline stage's gradient has it) gives a 0-d array."""
     x = np.asarray(-2.5, np.float32)
-    g = helper.make_graph([helper.make_node("Pow", ["x", "e"], ["y"])], "pow",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, []),
-                           helper.make_tensor_value_info("e", TensorProto.FLOAT, [])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    got = compile_model(model).run({"x": x, "e": np.asarray(e, np.float32)})[0]
+    got = compile_model(_model(np.float32, [], x_shape=[])).run({"x": x, "e": np.asarray(e, np.float32)})[0]
     with np.errstate(all="ignore"):
         want = np.power(np.float64(x), np.float64(e)).astype(np.float32) if e != 3.0 else (x * x) * x
     assert isinstance(got, np.ndarray) and got.shape == () and got.dtype == np.float32
