@@ -19,6 +19,10 @@ r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph it
   projection) concatenates the pieces, checked at run time; the same bits;
 * **Sum as Adds**: a ``Sum`` becomes a chain of ``Add`` steps in the kernel's order (bit-identical), so that
   summing a tensor's gradient contributions joins the cluster that computes them;
+* **batch statistics handed over** (:mod:`~onnxtrain.engine.fusion.batch_stats`): a training-mode
+  ``BatchNormalization`` also writes its batch mean and variance into the slots of the gradient's
+  ``ReduceMean(X)`` and ``ReduceMean((X − mean)²)``, which are dropped: the same sums of the same arrays,
+  the same bits;
 * **per-channel sums of products** (:mod:`~onnxtrain.engine.fusion.products`): ``ReduceSum(Mul(a, b))`` or
   ``ReduceMean`` over every axis but 1 (BatchNorm's gradient) sums a·b per channel by BLAS dot products,
   without writing the product;
@@ -60,6 +64,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from onnxtrain.engine.fusion.batch_stats import share_batch_statistics
 from onnxtrain.engine.fusion.blocked import ScratchPool
 from onnxtrain.engine.fusion.common import forget_step_maps
 from onnxtrain.engine.fusion.concat_mul import fuse_concat_products
@@ -94,6 +99,7 @@ def fuse(plan: Plan) -> None:
         steps = fuse_conv_weight_grads(plan, steps)
         steps = fuse_pad_sums(plan, steps)
         steps = expand_sums(plan, steps)
+        steps = share_batch_statistics(plan, steps)
         steps = fuse_channel_dots(plan, steps)
         steps = fuse_masked_softmax(plan, steps)
         steps = fuse_lazy_selects(plan, steps)

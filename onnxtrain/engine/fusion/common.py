@@ -84,6 +84,17 @@ def constant_of(plan: Plan, s: int) -> np.ndarray | None:
     return None
 
 
+def static_axes(plan: Plan, red: Step) -> list[int] | None:
+    """A reduction step's axes when an attribute or a constant input gives them, else None."""
+    for a in red.node.attribute:
+        if a.name == "axes":
+            return list(a.ints)
+    if len(red.inputs) > 1 and red.inputs[1] >= 0:
+        v = constant_of(plan, red.inputs[1])
+        return None if v is None else [int(i) for i in np.asarray(v).reshape(-1)]
+    return None
+
+
 def attr_key(node: onnx.NodeProto) -> bytes:
     return b"".join(a.SerializeToString(deterministic=True) for a in node.attribute)
 

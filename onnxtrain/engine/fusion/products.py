@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from onnxtrain.engine.fusion.common import (
-    constant_of,
     consumers,
     make_step,
     producers,
     protected_slots,
     run_steps,
+    static_axes,
 )
 from onnxtrain.engine.kernels.reduce import channel_axes_sum
 from onnxtrain.engine.registry import Attrs
@@ -37,7 +37,7 @@ def fuse_channel_dots(plan: Plan, steps: list[Step]) -> list[Step]:
     for k, red in enumerate(steps):
         if red.node.op_type not in REDUCTIONS or red.node.domain not in DEFAULT_DOMAINS or red.inputs[0] < 0:
             continue
-        axes = _static_axes(plan, red)
+        axes = static_axes(plan, red)
         s = red.inputs[0]
         m = prod.get(s)
         if axes is None or m is None or m in drop or s in kept or cons.get(s) != [k]:
@@ -48,25 +48,14 @@ def fuse_channel_dots(plan: Plan, steps: list[Step]) -> list[Step]:
             continue
         keepdims = next((a.i for a in red.node.attribute if a.name == "keepdims"), 1) != 0
         ins = (*mul.inputs, *red.inputs[1:])
-        fn = _channel_dot(plan, [mul, red], ins, axes, keepdims, red.node.op_type == "ReduceMean")
+        fn = channel_dot_kernel(plan, [mul, red], ins, axes, keepdims, red.node.op_type == "ReduceMean")
         replace[k] = make_step(plan, "ChannelDot", [mul, red], ins, red.outputs, fn)
         drop.add(m)
     return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
 
 
-def _static_axes(plan: Plan, red: Step) -> list[int] | None:
-    """The reduction's axes when an attribute or a constant input gives them, else None."""
-    for a in red.node.attribute:
-        if a.name == "axes":
-            return list(a.ints)
-    if len(red.inputs) > 1 and red.inputs[1] >= 0:
-        v = constant_of(plan, red.inputs[1])
-        return None if v is None else [int(i) for i in np.asarray(v).reshape(-1)]
-    return None
-
-
-def _channel_dot(plan: Plan, members: list[Step], ins: Sequence[int], axes: list[int], keepdims: bool,
-                 mean: bool) -> Callable[[Sequence[Any], Attrs], Sequence[Any]]:
+def channel_dot_kernel(plan: Plan, members: list[Step], ins: Sequence[int], axes: list[int], keepdims: bool,
+                       mean: bool) -> Callable[[Sequence[Any], Attrs], Sequence[Any]]:
     """The fused step's kernel: per-channel dot products for contiguous float32/64 operands of one shape
     reduced over every axis but 1; the original two steps for anything else."""
     out = members[-1].outputs[0]

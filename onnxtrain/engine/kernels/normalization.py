@@ -340,13 +340,13 @@ def batch_normalization_9(inputs: Inputs, attrs: Attrs) -> Outputs:
     return outs[: attrs.n_outputs]
 
 
-@kernel("BatchNormalization", since=14)
-def batch_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
+def batch_norm_training(inputs: Inputs,
+                        attrs: Attrs) -> tuple[list[np.ndarray | None], np.ndarray, np.ndarray]:
+    """The outputs of a training-mode BatchNormalization of opset 14+, and the batch mean and (population)
+    variance per channel they were made from, (C,) in the work type: the engine's fusion hands the two to
+    the gradient's recomputation of them (:mod:`onnxtrain.engine.fusion.batch_stats`)."""
     x, scale, bias, mean, var = inputs[:5]
-    eps = attrs["epsilon"]
-    if not attrs["training_mode"]:
-        return (_batch_norm_infer(x, scale, bias, mean, var, eps),)
-    y, bm, bv = _batch_norm_train(x, scale, bias, eps)
+    y, bm, bv = _batch_norm_train(x, scale, bias, attrs["epsilon"])
     m = attrs["momentum"]
     used = attrs.output_used
     outs: list[np.ndarray | None] = [y]
@@ -354,7 +354,15 @@ def batch_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
         outs.append((mean * m + bm * (1 - m)).astype(mean.dtype, copy=False) if used[1] else None)
     if attrs.n_outputs > 2:
         outs.append((var * m + bv * (1 - m)).astype(var.dtype, copy=False) if used[2] else None)
-    return outs
+    return outs, bm, bv
+
+
+@kernel("BatchNormalization", since=14)
+def batch_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
+    if not attrs["training_mode"]:
+        x, scale, bias, mean, var = inputs[:5]
+        return (_batch_norm_infer(x, scale, bias, mean, var, attrs["epsilon"]),)
+    return batch_norm_training(inputs, attrs)[0]
 
 
 @kernel("InstanceNormalization", since=6)
