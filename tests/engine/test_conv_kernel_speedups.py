@@ -2,9 +2,11 @@
 
 - a stride-1 2-D depthwise Conv with narrow rows runs as banded GEMMs, one per kernel row and channel
   (engine/kernels/depthwise.py ``_depthwise_rows``);
-- a stride-1 ConvTranspose with groups runs as the equivalent grouped Conv: a depthwise one by those banded
-  GEMMs, others by shifted GEMMs per group (engine/kernels/conv.py ``_conv_transpose_as_conv``);
-- a stride-1 grouped Conv, and a 5×5 kernel with 16 or more channels a side, run by shifted GEMMs.
+- a stride-1 ConvTranspose with groups runs as the equivalent grouped Conv: a depthwise one by the depthwise
+  Conv's routes (banded GEMMs, few-outputs dot products) or im2col, others by shifted GEMMs per group where
+  each group has enough work (engine/kernels/conv.py ``_conv_transpose_as_conv``);
+- a stride-1 grouped Conv, and a 5×5 kernel with 16 or more channels a side, run by shifted GEMMs; a grouped
+  one with little work per group (a depthwise weight gradient, ResNeXt's groups of 8) by im2col.
 
 Each case checks which path ran, and the values against onnxruntime (and torch's input gradient for the
 ConvTransposes).
@@ -52,11 +54,12 @@ def _ours(op: str, x: np.ndarray, w: np.ndarray, attrs: dict[str, Any], threads:
         return kernel([x, w], Attrs(dict(attrs), op=op))[0]
 
 
-def _spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[dict[str, Any]]:
-    """The geometries that ``module.name`` (a kernel path taking x, w, g) is called with from now on (small
-    depthwise cases too)."""
-    monkeypatch.setattr(depthwise, "MIN_DEPTHWISE", 0)
-    monkeypatch.setattr(depthwise, "MIN_BANDED", 0)
+def _spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, small: bool = True) -> list[dict[str, Any]]:
+    """The geometries that ``module.name`` (a kernel path taking x, w, g) is called with from now on (with
+    ``small``, small depthwise cases too)."""
+    if small:
+        monkeypatch.setattr(depthwise, "MIN_DEPTHWISE", 0)
+        monkeypatch.setattr(depthwise, "MIN_BANDED", 0)
     seen: list[dict[str, Any]] = []
     real = getattr(module, name)
 
@@ -139,20 +142,27 @@ TRANSPOSED = [
     ((16, 64, 32, 32), (64, 1, 7, 7), 64, (1, 1), (3, 3, 3, 3), "_depthwise_rows"),
     ((3, 20, 14, 15), (20, 1, 3, 5), 20, (2, 1), (1, 2, 2, 1), "_depthwise_rows"),
     ((16, 64, 16, 16), (64, 16, 3, 3), 4, (1, 1), (1, 1, 1, 1), "_shifted_conv"),
-    ((2, 32, 11, 9), (32, 8, 3, 2), 2, (1, 2), (0, 1, 2, 1), "_shifted_conv"),
-    ((2, 48, 10, 12), (48, 16, 5, 5), 3, (1, 1), (2, 2, 2, 2), "_shifted_conv"),
+    ((8, 64, 11, 9), (64, 32, 3, 2), 2, (1, 2), (0, 1, 2, 1), "_shifted_conv"),
+    ((20, 48, 10, 12), (48, 16, 5, 5), 3, (1, 1), (2, 2, 2, 2), "_shifted_conv"),
+    # too little work per group for a GEMM call each: the ConvTranspose's own col2im
+    ((2, 32, 11, 9), (32, 8, 3, 2), 2, (1, 2), (0, 1, 2, 1), "_col2im_conv_transpose"),
+    # depthwise, 7×7 over tiny planes (ConvNeXt's last stages): the Conv's few-outputs dot products or im2col,
+    # not shifted adds on a canvas 6-12× the input (4.4 → 0.9 ms, 3.0 → 0.65 ms)
+    ((8, 128, 4, 4), (128, 1, 7, 7), 128, (1, 1), (3, 3, 3, 3), "_few_outputs"),
+    ((8, 64, 8, 8), (64, 1, 7, 7), 64, (1, 1), (3, 3, 3, 3), "_im2col_conv"),
 ]
 
 
 @pytest.mark.parametrize("case", TRANSPOSED, ids=str)
 def test_grouped_conv_transpose_as_conv(case, monkeypatch) -> None:
     ys, ws, group, d, p, path = case
-    module = depthwise if path == "_depthwise_rows" else conv_kernels
-    seen = _spy(monkeypatch, module, path)
+    module = depthwise if path.startswith("_depthwise") or path == "_few_outputs" else conv_kernels
+    small = path not in ("_im2col_conv", "_col2im_conv_transpose")  # (those at the real thresholds)
+    seen = _spy(monkeypatch, module, path, small=small)
     dy, w = _data(4, ys, ws)
     attrs = {"group": group, "dilations": list(d), "pads": list(p)}
     y = _ours("ConvTranspose", dy, w, attrs)
-    assert len(seen) == 1 and seen[0]["group"] == group
+    assert len(seen) == 1 and (path == "_col2im_conv_transpose" or seen[0]["group"] == group)
     _close(y, _ort("ConvTranspose", dy, w, attrs))
     kd = [(ws[2 + i] - 1) * d[i] + 1 for i in range(2)]
     x_shape = (ys[0], ws[1] * group) + tuple(ys[2 + i] + kd[i] - 1 - p[i] - p[2 + i] for i in range(2))
@@ -162,7 +172,7 @@ def test_grouped_conv_transpose_as_conv(case, monkeypatch) -> None:
 # x shape, W shape, group, dilations, pads
 SHIFTED = [
     ((16, 64, 16, 16), (64, 16, 3, 3), 4, (1, 1), (1, 1, 1, 1)),
-    ((2, 24, 13, 10), (36, 8, 3, 2), 3, (2, 1), (1, 0, 2, 1)),
+    ((4, 96, 13, 10), (144, 32, 3, 2), 3, (2, 1), (1, 0, 2, 1)),
     ((16, 32, 32, 32), (32, 32, 5, 5), 1, (1, 1), (2, 2, 2, 2)),
     ((2, 16, 15, 12), (24, 16, 5, 3), 1, (1, 2), (2, 1, 0, 3)),
 ]
@@ -177,3 +187,26 @@ def test_grouped_and_wide_conv_by_shifted_gemms(case, monkeypatch) -> None:
     y = _ours("Conv", x, w, attrs)
     assert len(seen) == 1
     _close(y, _ort("Conv", x, w, attrs))
+
+
+# x shape, W shape, group, pads: grouped Convs with too little work per group and kernel offset for one GEMM
+# call each (engine/kernels/conv.py SHIFTED_MIN_GROUP_WORK): im2col and one batched matmul
+FEW_PER_GROUP = [
+    ((1, 2048, 2, 2), (256, 8, 2, 2), 256, (3, 3, 3, 3)),  # a depthwise 7×7's weight gradient: 12.5 → 0.19 ms
+    ((16, 256, 8, 8), (256, 8, 3, 3), 32, (1, 1, 1, 1)),  # ResNeXt's 32 groups of 8: 4.8 → 1.7 ms
+    ((8, 64, 16, 16), (64, 8, 3, 3), 8, (1, 1, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("case", FEW_PER_GROUP, ids=str)
+def test_grouped_conv_with_little_work_per_group_goes_by_im2col(case, monkeypatch) -> None:
+    xs, ws, group, p = case
+    shifted = _spy(monkeypatch, conv_kernels, "_shifted_conv", small=False)
+    im2col = _spy(monkeypatch, conv_kernels, "_im2col_conv", small=False)
+    x, w = _data(6, xs, ws)
+    attrs = {"group": group, "pads": list(p)}
+    y = _ours("Conv", x, w, attrs)
+    assert shifted == [] and len(im2col) == 1
+    _close(y, _ort("Conv", x, w, attrs))
+    want = F.conv2d(F.pad(torch.tensor(x), [p[1], p[3], p[0], p[2]]), torch.tensor(w), groups=group)
+    _close(y, want.numpy())

@@ -192,6 +192,13 @@ SHIFTED_MAX_OFFSETS_3D = 27
 # 16 × 32 × 32² by 32@5×5 83.8 → 36.6)
 SHIFTED_WIDE_MIN_CHANNELS = 16
 SHIFTED_MAX_OFFSETS_WIDE = 25
+# a grouped Conv makes one GEMM call per group and kernel offset: each must have at least this many
+# multiply-adds (output channels × input channels per group × batch × padded plane), else im2col and one
+# batched matmul cost less than the calls. 2 cores, ms, shifted → im2col: 8 groups of 8 channels at 8 × 16²
+# (166 K a call) 1.14 → 0.50, 32 of 8 at 16 × 8² (102 K) 4.77 → 1.68, a depthwise weight gradient (256 groups
+# of 8 images, 512 a call) 12.5 → 0.19; kept from 2.4 M a call: 4 groups of 8 at 32 × 32² 5.13 / 9.43, 4 of 16
+# at 32 × 16² 3.16 / 5.86, 2 of 32 at 16 × 16² 1.87 / 2.55
+SHIFTED_MIN_GROUP_WORK = 1 << 20
 
 
 def _shifted_fits(x: np.ndarray, g: dict[str, Any]) -> bool:
@@ -204,7 +211,8 @@ def _shifted_fits(x: np.ndarray, g: dict[str, Any]) -> bool:
         wide = min(cg, mg) >= SHIFTED_WIDE_MIN_CHANNELS
         offsets = SHIFTED_MAX_OFFSETS_WIDE if wide else SHIFTED_MAX_OFFSETS
     return (x.dtype in depthwise.FAST_DTYPES and cg >= SHIFTED_MIN_CHANNELS
-            and cg * mg <= SHIFTED_MAX_CHANNEL_PAIRS and g["K"] <= offsets)
+            and cg * mg <= SHIFTED_MAX_CHANNEL_PAIRS and g["K"] <= offsets
+            and (g["group"] == 1 or mg * cg * x.shape[0] * g["plane"] >= SHIFTED_MIN_GROUP_WORK))
 
 
 def _shifted_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
@@ -399,11 +407,20 @@ def _flipped(w: np.ndarray, group: int) -> np.ndarray:
     return np.ascontiguousarray(np.flip(wc, axis=tuple(range(2, w.ndim))))
 
 
+# kernel offsets up to which a stride-1 depthwise ConvTranspose that the banded GEMMs do not take keeps the
+# shifted adds on a canvas (depthwise.conv_transpose): with 3×3 the Conv's routes measured no faster (2 cores,
+# ms, canvas / Conv: 16 × 144 × 8² 2.5 / 3.2 in a MobileNet step, 16 × 96 × 16² 0.78 / 0.81 alone); with 5×5
+# and 7×7 over small planes the canvas's junk dominates (4 × 32 × 16² 5×5 2.35 / 0.30, 8 × 64 × 8² 7×7 3.0 /
+# 0.65, 8 × 128 × 4² 4.4 / 0.9)
+CANVAS_MAX_OFFSETS = 9
+
+
 def _conv_transpose_as_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any],
                             attrs: Attrs) -> np.ndarray | None:
     """A stride-1 ConvTranspose as the equivalent Conv, where that runs by shifted GEMMs (ResNet's
-    16-channel input gradient: 5.91 → 2.46 ms; 4 groups of 16: 4.2 → 1.4 ms) or by the depthwise
-    kernel's banded GEMMs; else None."""
+    16-channel input gradient: 5.91 → 2.46 ms; 4 groups of 16: 4.2 → 1.4 ms), by the depthwise kernel's
+    banded GEMMs, or, depthwise with more than :data:`CANVAS_MAX_OFFSETS` kernel offsets, by the depthwise
+    Conv's other routes or its im2col; else None."""
     if x.dtype not in depthwise.FAST_DTYPES:
         return None
     group = g["group"]
@@ -412,6 +429,11 @@ def _conv_transpose_as_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any],
         Attrs({"pads": g["as_conv"], "dilations": g["dil"], "group": group}), x.shape, ws))
     if group > 1 and cg["cg"] == 1 and depthwise.banded_fits(x, cg):
         return depthwise.conv(x, _flipped(w, group), cg)
+    if group > 1 and cg["cg"] == 1 and cg["K"] > CANVAS_MAX_OFFSETS:
+        # a depthwise kernel larger than 3×3: the Conv's own routes (or its im2col), not the canvas's
+        wf = _flipped(w, group)
+        y = depthwise.conv(x, wf, cg)
+        return y if y is not None else _conv_gemms(x, wf, cg)
     if _shifted_fits(x, cg):
         return _shifted_conv(x, _flipped(w, group), cg)
     return None
