@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from onnxtrain.engine.fusion.common import FLOATS, consumers, make_step, protected_slots, static_axes
+from onnxtrain.engine.fusion.common import (
+    FLOATS,
+    consumers,
+    keeps_dims,
+    make_step,
+    protected_slots,
+    static_axes,
+)
 from onnxtrain.engine.fusion.products import channel_dot_kernel
 from onnxtrain.engine.kernels.normalization import batch_norm_training, batch_normalization
 from onnxtrain.engine.registry import Attrs
@@ -75,8 +82,7 @@ def _mean_of(plan: Plan, steps: list[Step], cons: dict[int, list[int]], x: int, 
         rank = len(axes) + 1 if axes else 0
         if (axes and rank >= 3 and all(-rank <= a < rank for a in axes)
                 and sorted(a % rank for a in axes) == [0, *range(2, rank)]):
-            keepdims = next((a.i for a in st.node.attribute if a.name == "keepdims"), 1) != 0
-            return m, axes, keepdims
+            return m, axes, keeps_dims(st)
     return None
 
 
@@ -98,16 +104,14 @@ def _variance_of(plan: Plan, steps: list[Step], cons: dict[int, list[int]], kept
                 continue
             r = cons[mul.outputs[0]][0]
             red = steps[r]
-            if (red.node.op_type == "ReduceMean" and red.node.domain in DEFAULT_DOMAINS and r not in drop
-                    and red.inputs[0] == mul.outputs[0] and static_axes(plan, red) is not None
-                    and sorted(static_axes(plan, red) or ()) == sorted(axes)
-                    and _keepdims(red) == _keepdims(mean)):
+            if (red.node.op_type != "ReduceMean" or red.node.domain not in DEFAULT_DOMAINS or r in drop
+                    or red.inputs[0] != mul.outputs[0]):
+                continue
+            red_axes = static_axes(plan, red)
+            if (red_axes is not None and sorted(red_axes) == sorted(axes)
+                    and keeps_dims(red) == keeps_dims(mean)):
                 return s, p, r
     return None
-
-
-def _keepdims(st: Step) -> bool:
-    return next((a.i for a in st.node.attribute if a.name == "keepdims"), 1) != 0
 
 
 def _kernel(plan: Plan, members: list[Step], axes: list[int], keepdims: bool, n_bn: int,

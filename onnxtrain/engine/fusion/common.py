@@ -95,6 +95,11 @@ def static_axes(plan: Plan, red: Step) -> list[int] | None:
     return None
 
 
+def keeps_dims(red: Step) -> bool:
+    """A reduction step's ``keepdims`` (1 unless the node says otherwise)."""
+    return next((a.i for a in red.node.attribute if a.name == "keepdims"), 1) != 0
+
+
 def attr_key(node: onnx.NodeProto) -> bytes:
     return b"".join(a.SerializeToString(deterministic=True) for a in node.attribute)
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from onnxtrain.engine.fusion.common import (
     consumers,
+    keeps_dims,
     make_step,
     producers,
     protected_slots,
@@ -46,7 +47,7 @@ def fuse_channel_dots(plan: Plan, steps: list[Step]) -> list[Step]:
         if (mul.node.op_type != "Mul" or mul.node.domain not in DEFAULT_DOMAINS or len(mul.inputs) != 2
                 or min(mul.inputs) < 0):
             continue
-        keepdims = next((a.i for a in red.node.attribute if a.name == "keepdims"), 1) != 0
+        keepdims = keeps_dims(red)
         ins = (*mul.inputs, *red.inputs[1:])
         fn = channel_dot_kernel(plan, [mul, red], ins, axes, keepdims, red.node.op_type == "ReduceMean")
         replace[k] = make_step(plan, "ChannelDot", [mul, red], ins, red.outputs, fn)
