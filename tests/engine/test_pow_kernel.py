@@ -54,10 +54,12 @@ def test_square_and_cube_are_onnxruntimes_bits(dtype, e, exp_shape):
     np.testing.assert_array_equal(_bits(got), _bits(torch.pow(torch.from_numpy(x), e).numpy()))
 
 
-@pytest.mark.parametrize("e", [4.0, 5.0, 7.0, -2.0, -3.0, 1.5, 2.5, -0.5, 0.25, 1.0 / 3.0])
+@pytest.mark.parametrize("e", [4.0, 5.0, 7.0, -2.0, -3.0, -4.0, 1.5, 2.5, 3.5, -0.5, -1.5, -3.5, 0.25,
+                               1.0 / 3.0])
 def test_float32_powers_are_correctly_rounded(e):
     """Against the float32 rounding of an extended-precision power (numpy's float32 pow is 1 ulp off on
-    a large share of the values); within 1 ulp of onnxruntime's (glibc's powf), equal on nearly all."""
+    a large share of the values); within 1 ulp of onnxruntime's (glibc's powf), equal on nearly all.
+    Integer and half-integer exponents up to 4 are float64 products, square roots and a reciprocal."""
     x = _bases(np.float32)
     e32 = np.float32(e)
     model = _model(np.float32, [])
@@ -80,8 +82,8 @@ SPECIAL = np.array([-np.inf, -1e30, -3.5, -2, -1, -0.5, -1e-30, -0.0, 0.0, 1e-30
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("e", [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, -1.0, -2.0, -3.0, 0.5, -0.5, 1.5, 2.5, 40.0,
-                               41.0, np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("e", [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, -1.0, -2.0, -3.0, -4.0, 0.5, -0.5, 1.5, 2.5, 3.5,
+                               -1.5, -3.5, 40.0, 41.0, -41.0, 0.3, np.inf, -np.inf, np.nan])
 def test_special_values_follow_numpy_float64(dtype, e):
     """Signs of zeros, infinities, NaN and overflow as numpy's float64 power gives them (C's pow; for the
     exponent 0.5 numpy's square root: −0 at −0 and NaN at −inf, as onnx.reference and torch), rounded once;
@@ -146,7 +148,7 @@ def test_tanh_gelu_cube_trains_as_torch():
     np.testing.assert_allclose(theirs.run(["x_grad"], {"x": x})[0], dx, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("e", [2.0, 3.0, 0.5, -1.0, 4.0, 5.0, 1.5, np.nan])
+@pytest.mark.parametrize("e", [2.0, 3.0, 0.5, -1.0, 4.0, 5.0, 1.5, -2.5, 1.0, 0.0, 7.0, 0.3, np.nan])
 def test_zero_dimensional_base(e):
     """A 0-d base (a scalar loss's power, as a pipeline stage's gradient has it) gives a 0-d array."""
     x = np.asarray(-2.5, np.float32)
@@ -155,3 +157,28 @@ def test_zero_dimensional_base(e):
         want = np.power(np.float64(x), np.float64(e)).astype(np.float32) if e != 3.0 else (x * x) * x
     assert isinstance(got, np.ndarray) and got.shape == () and got.dtype == np.float32
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("e", [0.0, 1.0])
+def test_zeroth_and_first_powers_are_one_and_the_base(dtype, e):
+    """x⁰ = 1 for every x (NaN included, as C's pow and onnxruntime's), x¹ = x bit for bit; a new array."""
+    with np.errstate(over="ignore"):  # (float16: the large bases are inf)
+        x = np.concatenate([SPECIAL, _bases(np.float64, 1000)]).astype(dtype)
+    model = _model(dtype, []) if dtype != np.float16 else _half_model()
+    got = compile_model(model).run({"x": x, "e": np.asarray(e, dtype)})[0]
+    want = np.ones_like(x) if e == 0 else x
+    assert got.dtype == dtype and got is not x
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    theirs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x, "e": np.asarray(e, dtype)})[0]
+    np.testing.assert_array_equal(got.view(np.uint8), theirs.view(np.uint8))
+
+
+def _half_model() -> onnx.ModelProto:
+    g = helper.make_graph(
+        [helper.make_node("Pow", ["x", "e"], ["y"])], "pow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [None]),
+         helper.make_tensor_value_info("e", TensorProto.FLOAT16, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)

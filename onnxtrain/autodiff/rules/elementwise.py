@@ -64,15 +64,35 @@ def pow_grad(g: GradCtx) -> None:
     bf = b if tb == ta else g.emit("Cast", b, to=ta)  # B may be an integer or another float type
     zero, one = g.const(0), g.const(1)
     if g.needs_dx(0):
-        e = g.emit("Sub", g.emit("Where", g.emit("Equal", bf, zero), one, bf), one)
-        da = g.emit("Mul", g.emit("Mul", g.dy(0), bf), g.emit("Pow", a, e))
-        g.set_dx(0, g.unbroadcast(da, 0))
+        c = _fixed_exponent(g, b)
+        if c == 1:  # dY·1·A⁰ = dY, A⁰ being 1 for every A
+            g.set_dx(0, g.unbroadcast(g.dy(0), 0))
+        else:
+            if c is None:
+                e = g.emit("Sub", g.emit("Where", g.emit("Equal", bf, zero), one, bf), one)
+                power = g.emit("Pow", a, e)
+            else:  # A¹ is A: a square's gradient is (dY·2)·A
+                power = a if c == 2 else g.emit("Pow", a, g.const(c - 1, ta))
+            da = g.emit("Mul", g.emit("Mul", g.dy(0), bf if c is None else g.const(c, ta)), power)
+            g.set_dx(0, g.unbroadcast(da, 0))
     if g.needs_dx(1):
         log_a = g.emit("Log", g.emit("Where", g.emit("Less", a, zero), one, a))
         flat = g.emit("And", g.emit("Equal", a, zero), g.emit("Not", g.emit("Less", bf, zero)))
         t = g.emit("Where", flat, zero, g.emit("Mul", g.emit("Mul", g.dy(0), g.y(0)), log_a))
         db = g.unbroadcast(t, 1)
         g.set_dx(1, db if tb == ta else g.emit("Cast", db, to=tb))
+
+
+def _fixed_exponent(g: GradCtx, b: str) -> float | None:
+    """A Pow's exponent when it is one fixed element, an integer or half-integer of magnitude ≤ 64 other
+    than 0 (exact in every float type, so the gradient's B − 1 can be a constant), else None."""
+    if g.varies(b):
+        return None
+    v = g.constant_value(b)
+    if v is None or np.size(v) != 1:
+        return None
+    c = float(np.asarray(v).reshape(-1)[0])
+    return c if c != 0 and abs(c) <= 64 and (2 * c).is_integer() else None
 
 
 @gradient("Mod", uses=("x0", "x1", "y0"))
