@@ -10,9 +10,9 @@ tiny output planes goes channels last, one einsum over all the channels; one wit
 - **transposed depthwise** (ConvTranspose with one output channel per group, the input gradient of a
   depthwise Conv): the same shifted adds, into a canvas;
 - **few outputs** (a grouped Conv with fewer output positions than kernel offsets: the weight gradient of
-  a grouped Conv, whose "kernel" is the output gradient): per group and output position one dot product
-  of its planes' windows with the taps, instead of an im2col copy as many times the input as there are
-  output positions.
+  a grouped Conv, whose "kernel" is the output gradient): per output position one product of each group's
+  taps with its planes' windows in every image (a GEMM over the images), instead of an im2col copy as many
+  times the input as there are output positions.
 
 Strided access becomes unit-stride by splitting the padded image into phases (the pixels whose
 coordinates are equal modulo the stride, or the dilation for few outputs), and the rows of a plane are
@@ -338,8 +338,8 @@ def _depthwise(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
 
 def _few_outputs(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     """y[i, m, o] = Σ_{c, κ} w[m, c, κ] · xpad[i, g(m)·cg + c, o·s + κ·d]: the image split by the
-    dilation so that a window's taps are dense, then per group and output position one dot product of the
-    taps, laid on the grid of the group's planes, with the run of their windows."""
+    dilation so that a window's taps are dense, then per output position and group one product of the
+    taps, laid on the grid of the group's planes, with the run of their windows in every image."""
     n, c = x.shape[:2]
     k, out, m, group, cg = g["k"], g["out"], g["m"], g["group"], g["cg"]
     mg, it = m // group, x.itemsize
@@ -362,18 +362,19 @@ def _few_outputs(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
                          taps.strides[:2] + (plane * it,) + tuple(s * it for s in split.steps))
     on_grid[...] = w.reshape((group, mg, cg, *k))
     taps = taps[:, :, :length]
-    dots = np.empty((n, group, positions_n, mg, 1), dtype=x.dtype)
+    # per position one product of each group's taps with its windows in every image, side by side (the
+    # images' windows are columns c·plane apart): a GEMM over the images, not one matrix-vector product each
+    dots = np.empty((positions_n, group, mg, n), dtype=x.dtype)
     step = cg * plane * it
 
     def block(lo: int, hi: int, buffer: None, edge: bool) -> None:
-        for i in range(n):
-            for p, off in enumerate(positions):
-                v = np.ndarray((hi - lo, length, 1), x.dtype, buf, (i * c * plane + off) * it + lo * step,
-                               (step, it, it))
-                np.matmul(taps[lo:hi], v, out=dots[i, lo:hi, p])
+        for p, off in enumerate(positions):
+            v = np.ndarray((hi - lo, length, n), x.dtype, buf, off * it + lo * step,
+                           (step, it, c * plane * it))
+            np.matmul(taps[lo:hi], v, out=dots[p, lo:hi])
 
-    _blocks(group, length * (1 + mg), n * group * length * mg * positions_n, block)
-    return dots.reshape(n, group, positions_n, mg).transpose(0, 1, 3, 2).reshape((n, m) + tuple(out))
+    _blocks(group, length * (n + mg), n * group * length * mg * positions_n, block)
+    return np.ascontiguousarray(dots.transpose(3, 1, 2, 0)).reshape((n, m) + tuple(out))
 
 
 # ------------------------------------------------------------------------------------ ConvTranspose
