@@ -23,7 +23,7 @@ from onnx import helper
 
 from onnxtrain.engine.kernels import conv as conv_kernels
 from onnxtrain.engine.kernels import depthwise
-from onnxtrain.engine.parallel import running_with
+from onnxtrain.engine.parallel import recording_splits, running_with
 from onnxtrain.engine.registry import Attrs
 
 ort = pytest.importorskip("onnxruntime")
@@ -239,9 +239,29 @@ def test_grouped_weight_gradient_by_few_outputs(case, threads, monkeypatch) -> N
     a = np.ascontiguousarray(images_last).reshape((cg, group * xs[0]) + xs[2:])
     b = np.ascontiguousarray(dy.swapaxes(0, 1))
     seen = _spy(monkeypatch, depthwise, "_few_outputs", small=False)
-    got = _ours("Conv", a, b, {"group": group, "pads": list(p)}, threads=threads)
+    parts: list[int] = []
+    with recording_splits(parts):
+        got = _ours("Conv", a, b, {"group": group, "pads": list(p)}, threads=threads)
     assert len(seen) == 1 and seen[0]["n"] == cg > 1
+    # GEMMs, which OpenBLAS threads itself: none split over the engine's threads (two at once stalled each
+    # other for 16-25 ms in SqueezeBERT's step)
+    assert parts == []
     tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
     conv = F.conv1d if nd == 1 else F.conv2d
     conv(tx, tw, padding=list(p[:nd]), groups=group).backward(torch.tensor(dy))
     _close(np.ascontiguousarray(got.swapaxes(0, 1)), tw.grad.numpy())
+
+
+def test_depthwise_weight_gradient_still_splits_over_threads(monkeypatch) -> None:
+    """One image a group (a depthwise weight gradient): matrix-vector products, split over two threads, the
+    values those of one thread and of onnxruntime."""
+    xs, ws, group = (1, 2048, 8, 8), (256, 8, 8, 8), 256
+    x, w = _data(8, xs, ws)
+    seen = _spy(monkeypatch, depthwise, "_few_outputs", small=False)
+    parts: list[int] = []
+    with recording_splits(parts):
+        two = _ours("Conv", x, w, {"group": group, "pads": [1, 1, 1, 1]}, threads=2)
+    assert len(seen) == 1 and seen[0]["n"] == 1 and parts == [2]
+    one = _ours("Conv", x, w, {"group": group, "pads": [1, 1, 1, 1]}, threads=1)
+    np.testing.assert_array_equal(two, one)
+    _close(two, _ort("Conv", x, w, {"group": group, "pads": [1, 1, 1, 1]}))

@@ -373,7 +373,12 @@ def _few_outputs(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
                            (step, it, c * plane * it))
             np.matmul(taps[lo:hi], v, out=dots[p, lo:hi])
 
-    _blocks(group, length * (n + mg), n * group * length * mg * positions_n, block)
+    if n > 1:
+        # GEMMs: OpenBLAS threads them itself; two of them at once on the engine's threads stall each other
+        # (SqueezeBERT's grouped 1×1 weight gradient: 0.3 ms alone, 16-25 ms in a step when split)
+        block(0, group, None, False)
+    else:  # matrix-vector products (one image a group: a depthwise weight gradient), one thread's each
+        _blocks(group, length * (n + mg), n * group * length * mg * positions_n, block)
     return np.ascontiguousarray(dots.transpose(3, 1, 2, 0)).reshape((n, m) + tuple(out))
 
 
