@@ -184,9 +184,10 @@ def _pow_scalar(a: np.ndarray, e: float) -> np.ndarray | None:
     included, as C's pow). Squares and (float32/float64) cubes are products, (a·a)·a, as in onnxruntime's
     and torch's kernels (the same bits). For float32: ``e`` = 0.5 is the square root and −1 the reciprocal
     (both correctly rounded, as the power is; the square root's −0 and NaN at −0 and −inf are numpy's,
-    onnx.reference's and torch's); other exponents are computed in float64 and rounded once, with C's
-    signs: negative for a negative base (−0 and −inf included) and an odd integer exponent, NaN for a
-    finite negative base and a non-integer one. None for the other dtypes' other powers."""
+    onnx.reference's and torch's); other exponents are computed in float64 (integer and half-integer ones
+    up to 4 by products: :func:`_float64_products`) and rounded to float32 once, with C's signs: negative for
+    a negative base (−0 and −inf included) and an odd integer exponent, NaN for a finite negative base and a
+    non-integer one. None for the other dtypes' other powers."""
     if e == 1:
         return a.copy()
     if e == 0:
@@ -218,7 +219,7 @@ def _pow_scalar(a: np.ndarray, e: float) -> np.ndarray | None:
 
 # integer and half-integer float32 powers up to this magnitude are float64 products, square roots and a
 # reciprocal (3 to 5 roundings at 2^-53, so the float32 rounding differs from the correctly rounded one only
-# for a power within ~2^-50 of a float32 rounding boundary), 5-10× faster than numpy's float64 power
+# for a power within ~2^-50 of a float32 rounding boundary), 2-5× faster than numpy's float64 power
 _PRODUCT_POW_MAX = 4
 
 
