@@ -30,8 +30,8 @@ from onnxtrain.engine import compile_model  # noqa: E402
 SHAPE = (16, 64, 512)
 QUICK_SHAPE = (4, 8, 16)
 # (label, exponent, bases of both signs)
-CASES = [("x ** 3, GPT-2's GELU", 3.0, True), ("x ** 1, a square's gradient", 1.0, True), ("x ** 4", 4.0, True),
-         ("|x| ** 1.5", 1.5, False), ("|x| ** 0.5", 0.5, False), ("|x| ** -0.5", -0.5, False),
+CASES = [("x ** 3, GPT-2's GELU", 3.0, True), ("x ** 1, a square's gradient", 1.0, True),
+         ("x ** 4", 4.0, True), ("|x| ** 1.5", 1.5, False), ("|x| ** 0.5", 0.5, False), ("|x| ** -0.5", -0.5, False),
          ("x ** 5", 5.0, True)]
 
 
