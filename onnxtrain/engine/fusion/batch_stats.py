@@ -147,4 +147,4 @@ def _hands_over(x: Any, axes: list[int]) -> bool:
     """True when the forward kernel's batch sums of ``x`` are, bit for bit, what the reductions over
     ``axes`` would give: both go by :func:`onnxtrain.engine.kernels.reduce.channel_sum`."""
     return (type(x) is np.ndarray and x.dtype in FLOATS and x.ndim >= 3 and x.ndim == len(axes) + 1
-            and x.flags.c_contiguous and x.size > 0 and x.size > x.shape[0] * x.shape[1])
+            and x.flags.c_contiguous and x.size > x.shape[0] * x.shape[1])
