@@ -16,7 +16,8 @@ _TRAINING_BATCH_NORM = ("_native_batch_norm_legit_functional", "native_batch_nor
 _EXPORT_HINT = (
     "torch.onnx.export renames, folds or merges parameters unless asked not to: pass optimize=False "
     "(dynamo, the default exporter) or do_constant_folding=False with "
-    "training=torch.onnx.TrainingMode.TRAINING (dynamo=False)"
+    "training=torch.onnx.TrainingMode.TRAINING (dynamo=False); a weight that modules share (tied) is written "
+    "once, under one of its names, which named_parameters(remove_duplicate=False) lists among the others"
 )
 
 

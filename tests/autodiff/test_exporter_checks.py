@@ -76,3 +76,53 @@ def test_legacy_session_warns_when_it_would_train_folded_constants() -> None:
     params.loss_output_name = "loss"
     with pytest.warns(UserWarning, match=rf"training \['{folded[0]}'.*optimize=False"):
         TrainingSession(model.SerializeToString(), params)
+
+
+class _Tied(torch.nn.Module):
+    """A language-model-style tying: the input embedding, a second module's embedding and the output head
+    share one weight, which torch names ``shared.weight`` and its exporter writes as ``head.weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = torch.nn.Embedding(20, 8)
+        self.enc = torch.nn.Embedding(20, 8)
+        self.enc.weight = self.shared.weight
+        self.head = torch.nn.Linear(8, 20, bias=False)
+        self.head.weight = self.shared.weight
+        self.mix = torch.nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.mix(self.enc(ids))))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
+def test_tied_weight_trains_under_the_name_the_export_keeps(tmp_path) -> None:
+    """A tied weight is one initializer under one of torch's names for it: asking for another name is an
+    error that says how to list them all; the name kept gets the gradient of every use, as torch's."""
+    from onnxtrain.testing import run_engine
+    from onnxtrain.training.artifacts import LossType, generate_artifacts
+
+    torch.manual_seed(0)
+    net = _Tied()
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 20, (3, 5)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = torch.onnx.export(net, (ids,), dynamo=True, optimize=False, input_names=["ids"],
+                                  output_names=["loss"], verbose=False).model_proto
+    inits = {t.name for t in model.graph.initializer}
+    deduplicated = [n for n, _ in net.named_parameters()]
+    assert "shared.weight" in deduplicated and "shared.weight" not in inits, inits
+    with pytest.raises(RuntimeError, match=r"\['shared.weight'\].*tied.*remove_duplicate=False"):
+        generate_artifacts(model, requires_grad=deduplicated, loss=LossType.MSELoss,
+                           artifact_directory=tmp_path)
+
+    params = dict(net.named_parameters(remove_duplicate=False))
+    wrt = [n for n in params if n in inits]
+    assert sorted(wrt) == ["head.weight", "mix.bias", "mix.weight"], wrt
+    grads = build_gradient_model(model, "loss", wrt)
+    got = dict(zip([o.name for o in grads.graph.output], run_engine(grads, {"ids": ids.numpy()})))
+    loss = net(ids)
+    loss.backward()
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-6)
+    for n in wrt:  # head.weight's gradient sums the embedding's and the head's, as torch's shared.weight
+        np.testing.assert_allclose(got[f"{n}_grad"], params[n].grad.numpy(), rtol=1e-5, atol=1e-7)
