@@ -29,6 +29,9 @@ r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph it
 * **masked softmax** (:mod:`~onnxtrain.engine.fusion.masked_softmax`): ``Softmax(Where(mask, -inf, scores))``
   (causal attention) takes exp of the scores themselves and zeroes the masked entries, without building the
   masked copy or shifting by the row maxima;
+* **NaN selects** (:mod:`~onnxtrain.engine.fusion.nan_select`): ``Where(IsNaN(x), a, b)`` (torch's export of
+  masked ``scaled_dot_product_attention``, and its gradient) returns ``b`` itself when ``x.max()`` is not
+  NaN, without the boolean mask or the select's copy;
 * **lazy selects** (:mod:`~onnxtrain.engine.fusion.select`): ``Where(c, x, a + b)`` with a one-element ``c``
   runs the Add (Sub, Mul, Div) only when ``c`` picks it and otherwise returns ``x`` itself: the on-device
   gradient accumulator ``Where(reset, g, buffer + g)`` costs nothing on a step that resets;
@@ -73,6 +76,7 @@ from onnxtrain.engine.fusion.elementwise import expand_sums, fuse_elementwise, g
 from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_bias, fuse_matmul_weight_grads
 from onnxtrain.engine.fusion.inplace import fuse_inplace_activations
 from onnxtrain.engine.fusion.masked_softmax import fuse_masked_softmax
+from onnxtrain.engine.fusion.nan_select import fuse_nan_selects
 from onnxtrain.engine.fusion.pads import fuse_pad_sums
 from onnxtrain.engine.fusion.products import fuse_channel_dots
 from onnxtrain.engine.fusion.select import fuse_lazy_selects
@@ -102,6 +106,7 @@ def fuse(plan: Plan) -> None:
         steps = share_batch_statistics(plan, steps)
         steps = fuse_channel_dots(plan, steps)
         steps = fuse_masked_softmax(plan, steps)
+        steps = fuse_nan_selects(plan, steps)
         steps = fuse_lazy_selects(plan, steps)
         steps = fuse_concat_products(plan, steps)
         steps = fuse_elementwise(plan, steps)
