@@ -60,6 +60,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, small: bool = 
     if small:
         monkeypatch.setattr(depthwise, "MIN_DEPTHWISE", 0)
         monkeypatch.setattr(depthwise, "MIN_BANDED", 0)
+        monkeypatch.setattr(depthwise, "MIN_BANDED_WIDE", 0)
     seen: list[dict[str, Any]] = []
     real = getattr(module, name)
 
@@ -114,6 +115,31 @@ def test_depthwise_banded_float64_matches_torch(monkeypatch) -> None:
     np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
 
 
+# x shape, kernel, route at the real thresholds: a kernel of 25+ taps goes banded from 8 K outputs (ConvNeXt's
+# 7×7 over 8² planes), a 3×3 from 32 K; below, im2col
+WIDE_KERNELS = [
+    ((8, 64, 8, 8), 7, True),
+    ((2, 64, 8, 8), 7, True),
+    ((8, 32, 8, 8), 5, True),
+    ((1, 64, 8, 8), 7, False),
+    ((4, 64, 8, 8), 3, False),
+    ((8, 64, 8, 8), 3, True),
+]
+
+
+@pytest.mark.parametrize("case", WIDE_KERNELS, ids=str)
+def test_depthwise_wide_kernels_go_banded_from_fewer_outputs(case, monkeypatch) -> None:
+    xs, k, banded = case
+    seen = _spy(monkeypatch, depthwise, "_depthwise_rows", small=False)
+    x, w = _data(5, xs, (xs[1], 1, k, k))
+    attrs = {"group": xs[1], "pads": [k // 2] * 4}
+    y = _ours("Conv", x, w, attrs)
+    assert len(seen) == int(banded)
+    _close(y, _ort("Conv", x, w, attrs))
+    want = F.conv2d(torch.tensor(x), torch.tensor(w), padding=k // 2, groups=xs[1]).numpy()
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
 def test_wide_depthwise_rows_keep_shifted_adds(monkeypatch) -> None:
     """Rows much wider than the kernel stay on the shifted adds (the banded matrices would be mostly
     zeros), and strided ones too."""
@@ -146,18 +172,20 @@ TRANSPOSED = [
     ((20, 48, 10, 12), (48, 16, 5, 5), 3, (1, 1), (2, 2, 2, 2), "_shifted_conv"),
     # too little work per group for a GEMM call each: the ConvTranspose's own col2im
     ((2, 32, 11, 9), (32, 8, 3, 2), 2, (1, 2), (0, 1, 2, 1), "_col2im_conv_transpose"),
-    # depthwise, 7×7 over tiny planes (ConvNeXt's last stages): the Conv's few-outputs dot products or im2col,
-    # not shifted adds on a canvas 6-12× the input (4.4 → 0.9 ms, 3.0 → 0.65 ms)
+    # depthwise, 7×7 over tiny planes (ConvNeXt's last stages): the Conv's few-outputs dot products or banded
+    # GEMMs, not shifted adds on a canvas 6-12× the input (4.4 → 0.9 ms, 3.0 → 0.65 ms; im2col's 0.65 → 0.35)
     ((8, 128, 4, 4), (128, 1, 7, 7), 128, (1, 1), (3, 3, 3, 3), "_few_outputs"),
-    ((8, 64, 8, 8), (64, 1, 7, 7), 64, (1, 1), (3, 3, 3, 3), "_im2col_conv"),
+    ((8, 64, 8, 8), (64, 1, 7, 7), 64, (1, 1), (3, 3, 3, 3), "_depthwise_rows"),
 ]
+AT_REAL_THRESHOLDS = {"_im2col_conv", "_col2im_conv_transpose"}  # routes taken where the sizes say so
+REAL_SIZES = {(8, 64, 8, 8)}  # ... and cases of other routes checked at the real thresholds
 
 
 @pytest.mark.parametrize("case", TRANSPOSED, ids=str)
 def test_grouped_conv_transpose_as_conv(case, monkeypatch) -> None:
     ys, ws, group, d, p, path = case
     module = depthwise if path.startswith("_depthwise") or path == "_few_outputs" else conv_kernels
-    small = path not in ("_im2col_conv", "_col2im_conv_transpose")  # (those at the real thresholds)
+    small = path not in AT_REAL_THRESHOLDS and ys not in REAL_SIZES
     seen = _spy(monkeypatch, module, path, small=small)
     dy, w = _data(4, ys, ws)
     attrs = {"group": group, "dilations": list(d), "pads": list(p)}
@@ -253,15 +281,51 @@ def test_grouped_weight_gradient_by_few_outputs(case, threads, monkeypatch) -> N
 
 
 def test_depthwise_weight_gradient_still_splits_over_threads(monkeypatch) -> None:
-    """One image a group (a depthwise weight gradient): matrix-vector products, split over two threads, the
-    values those of one thread and of onnxruntime."""
-    xs, ws, group = (1, 2048, 8, 8), (256, 8, 8, 8), 256
+    """One image a group (a strided depthwise Conv's weight gradient, dilated: not for the row products):
+    matrix-vector products, split over two threads, the values those of one thread and of onnxruntime."""
+    xs, ws, group = (1, 2048, 16, 16), (256, 8, 8, 8), 256
+    attrs = {"group": group, "pads": [1, 1, 1, 1], "dilations": [2, 2]}
     x, w = _data(8, xs, ws)
     seen = _spy(monkeypatch, depthwise, "_few_outputs", small=False)
     parts: list[int] = []
     with recording_splits(parts):
-        two = _ours("Conv", x, w, {"group": group, "pads": [1, 1, 1, 1]}, threads=2)
+        two = _ours("Conv", x, w, attrs, threads=2)
     assert len(seen) == 1 and seen[0]["n"] == 1 and parts == [2]
-    one = _ours("Conv", x, w, {"group": group, "pads": [1, 1, 1, 1]}, threads=1)
+    one = _ours("Conv", x, w, attrs, threads=1)
     np.testing.assert_array_equal(two, one)
-    _close(two, _ort("Conv", x, w, {"group": group, "pads": [1, 1, 1, 1]}))
+    _close(two, _ort("Conv", x, w, attrs))
+
+
+# a depthwise Conv's weight gradient as the gradient graph writes it: a Conv of one image whose group c holds
+# channel c of every image, with the output gradients as weights. X shape, kernel, pads, dtype, whether the
+# row products take it (padded rows of at most 8 values per kernel column; stride 1)
+WEIGHT_GRADS = [
+    ((8, 64, 8, 8), (7, 7), (3, 3, 3, 3), np.float32, True),  # ConvNeXt's 7×7 over 8²
+    ((8, 32, 16, 16), (7, 7), (3, 3, 3, 3), np.float32, True),
+    ((8, 128, 4, 4), (7, 7), (3, 3, 3, 3), np.float32, False),  # 49 outputs of 16 taps: not few outputs
+    ((16, 24, 16, 16), (3, 3), (1, 1, 1, 1), np.float32, True),  # MobileNet's 3×3
+    ((3, 10, 9, 11), (3, 5), (0, 2, 1, 1), np.float64, True),  # uneven pads, a non-square kernel
+    ((4, 16, 32, 32), (3, 3), (1, 1, 1, 1), np.float32, False),  # 34 values a row for 3 columns
+]
+
+
+@pytest.mark.parametrize("case", WEIGHT_GRADS, ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_depthwise_weight_gradient_by_row_products(case, threads, monkeypatch) -> None:
+    xs, k, p, dtype, rows = case
+    n, c, h, w_ = xs
+    seen = _spy(monkeypatch, depthwise, "_rows_weight_grad", small=False)
+    rng = np.random.default_rng(sum(xs))
+    x = rng.standard_normal(xs).astype(dtype)
+    xt = torch.tensor(x, requires_grad=True)
+    wt = torch.tensor(rng.standard_normal((c, 1) + k).astype(dtype), requires_grad=True)
+    y = F.conv2d(F.pad(xt, [p[1], p[3], p[0], p[2]]), wt, groups=c)
+    dy = rng.standard_normal(tuple(y.shape)).astype(dtype)
+    y.backward(torch.tensor(dy))
+    images_as_channels = np.ascontiguousarray(x.transpose(1, 0, 2, 3)).reshape(1, c * n, h, w_)
+    grads_as_weights = np.ascontiguousarray(dy.transpose(1, 0, 2, 3))
+    got = _ours("Conv", images_as_channels, grads_as_weights, {"group": c, "pads": list(p)}, threads)
+    assert len(seen) == int(rows)
+    want = wt.grad.numpy()
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got.reshape(want.shape), want, rtol=tol, atol=tol * np.abs(want).max())

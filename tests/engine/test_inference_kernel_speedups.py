@@ -117,6 +117,7 @@ def test_strided_depthwise_runs_by_banded_gemms(monkeypatch: pytest.MonkeyPatch,
                                                 dil: int) -> None:
     monkeypatch.setattr(depthwise, "MIN_DEPTHWISE", 0)
     monkeypatch.setattr(depthwise, "MIN_BANDED", 0)
+    monkeypatch.setattr(depthwise, "MIN_BANDED_WIDE", 0)
     seen = _spy(monkeypatch, depthwise, "_depthwise_rows")
     for threads in (1, 2):
         attrs = _depthwise_attrs(c, k, stride, pads, dil)

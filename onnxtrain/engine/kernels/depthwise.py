@@ -51,6 +51,11 @@ ROWS_MAX_WIDTH_PER_TAP = 12
 # × 32² by 3×3 and 7×7 down to 4 × 16 × 16²; smaller ones keep the shifted adds, which
 # tests/engine/test_depthwise.py drives at small sizes)
 MIN_BANDED = 1 << 15
+# ... or this many with a kernel of at least WIDE_TAPS offsets (5×5, ConvNeXt's 7×7), where the banded GEMMs
+# also beat im2col's batched matmul below MIN_DEPTHWISE (2 cores, ms, im2col → banded: 8 × 64 × 8² by 7×7
+# 0.66 → 0.35, 2 × 64 × 8² 0.15 → 0.13, 8 × 32 × 8² by 5×5 0.15 → 0.11; 3×3 about even there)
+MIN_BANDED_WIDE = 1 << 13
+WIDE_TAPS = 25
 # ... at strides up to this, the width limit divided by the stride (stride 2 reads every other padded row, its
 # band every other column; 1 core, ms, shifted adds → banded: 16 × 144 × 16² 2.8 → 1.3, 4 × 40 × 31² 0.57 →
 # 0.31; at 32² about even, 16 × 96 × 32² 4.9 → 4.6, so left to the shifted adds)
@@ -61,6 +66,12 @@ ROWS_MAX_STRIDE = 2
 # 0.96 → 0.51, 16 × 384 × 4² 0.61 → 0.33, 1 × 576 × 4² 0.085 → 0.058; about even at 8², slower above)
 CHANNELS_LAST_MAX_PLANE = 16
 CHANNELS_LAST_MIN_CHANNELS = 32
+# a depthwise Conv's weight gradient (a few-outputs Conv of one image whose groups hold the batch's planes,
+# stride and dilation 1) goes by row products (_rows_weight_grad) while its padded rows have at most this
+# many values per output column: each product also makes Wp / kw times the sums needed (2 cores, ms,
+# few outputs → rows: 8 × 64 × 8² by 7×7 0.82 → 0.28, 8 × 32 × 16² 7×7 0.88 → 0.40, 16 × 144 × 16² 3×3
+# 1.42 → 1.24; 16 × 32 × 32² 3×3, 34 values a column of 3, 0.97 → 1.33 kept)
+ROWS_GRAD_MAX_WIDTH_PER_TAP = 8
 
 
 def _steps(sizes: Sequence[int]) -> list[int]:
@@ -167,19 +178,21 @@ def conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray | None:
     """A grouped Conv that has few outputs or is depthwise (``g``: Conv's geometry), if big enough to
     gain; else None."""
     if g["L"] < g["K"] and g["K"] >= MIN_WINDOW:
-        return _few_outputs(x, w, g)
+        return _rows_weight_grad(x, w, g) if _rows_grad_fit(x, g) else _few_outputs(x, w, g)
     if g["cg"] == 1 and _channels_last_fits(x, g):
         return _depthwise_channels_last(x, w, g)
+    if g["cg"] == 1 and _rows_fit(g):
+        return _depthwise_rows(x, w, g)
     if g["cg"] == 1 and x.shape[0] * g["m"] * g["L"] > MIN_DEPTHWISE:
-        return _depthwise_rows(x, w, g) if _rows_fit(g) else _depthwise(x, w, g)
+        return _depthwise(x, w, g)
     return None
 
 
 def banded_fits(x: np.ndarray, g: dict[str, Any]) -> bool:
     """True when :func:`conv` would take a depthwise Conv of ``x``, of geometry ``g``, by banded GEMMs (or,
     over tiny planes, channels last)."""
-    return (x.dtype in FAST_DTYPES and g["cg"] == 1 and x.shape[0] * g["m"] * g["L"] > MIN_DEPTHWISE
-            and not (g["L"] < g["K"] and g["K"] >= MIN_WINDOW) and _rows_fit(g))
+    return (x.dtype in FAST_DTYPES and g["cg"] == 1 and not (g["L"] < g["K"] and g["K"] >= MIN_WINDOW)
+            and _rows_fit(g))
 
 
 def _rows_fit(g: dict[str, Any]) -> bool:
@@ -187,7 +200,7 @@ def _rows_fit(g: dict[str, Any]) -> bool:
     output rows narrow enough that its banded matrices stay mostly useful products."""
     return (g["nd"] == 2 and max(g["strides"]) <= ROWS_MAX_STRIDE and g["k"][1] > 1
             and g["sizes"][1] * g["strides"][1] <= ROWS_MAX_WIDTH_PER_TAP * g["k"][1]
-            and g["n"] * g["m"] * g["L"] >= MIN_BANDED)
+            and g["n"] * g["m"] * g["L"] >= (MIN_BANDED_WIDE if g["K"] >= WIDE_TAPS else MIN_BANDED))
 
 
 def _channels_last_fits(x: np.ndarray, g: dict[str, Any]) -> bool:
@@ -334,6 +347,43 @@ def _depthwise(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     if channel_major:  # (C, mult, N, *out) → (N, C, mult, *out), in the crop's copy
         y = y.transpose((2, 0, 1) + tuple(range(3, y.ndim)))
     return np.ascontiguousarray(y).reshape((n, m) + tuple(out))
+
+
+def _rows_grad_fit(x: np.ndarray, g: dict[str, Any]) -> bool:
+    """True when a few-outputs Conv of ``x``, of geometry ``g``, is for :func:`_rows_weight_grad`: one image,
+    2-D, stride and dilation 1, one output channel a group, padded rows narrow enough for its products."""
+    return (x.shape[0] == 1 and g["nd"] == 2 and g["m"] == g["group"] and g["strides"] == [1, 1]
+            and g["dil"] == [1, 1] and g["sizes"][1] <= ROWS_GRAD_MAX_WIDTH_PER_TAP * g["out"][1]
+            and x.size > 0)
+
+
+def _rows_weight_grad(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """y[0, c, i, j] = Σ_{q, a, b} w[c, q, a, b] · xpad[0, c·cg + q, a + i, b + j] (a depthwise weight
+    gradient: x the batch's planes of channel c, w their output gradients) by row products: for each output
+    row i, per group, the padded rows a + i of every plane (a (Wp, cg·Hp) view, the rows past each plane's
+    last window meeting zero rows of w) times w's rows (cg·Hp, kw): P[t, b] = Σ x[a + i, t]·w[a, b], of
+    which y[i, j] = Σ_b P[b + j, b] sums a diagonal."""
+    group, cg, (kh, kw) = g["group"], g["cg"], g["k"]
+    (hp, wp), (oh, ow), pb = g["sizes"], g["out"], g["pb"]
+    rows = cg * hp
+    buf = np.zeros((group, rows + oh, wp), dtype=x.dtype)  # zero rows after: the last offsets' slack
+    keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], g["sizes"], pb, strict=True)]
+    buf[:, :rows].reshape(group, cg, hp, wp)[:, :, pb[0]:pb[0] + keep[0], pb[1]:pb[1] + keep[1]] = \
+        x[0, :, :keep[0], :keep[1]].reshape(group, cg, keep[0], keep[1])
+    wr = np.zeros((group, cg, hp, kw), dtype=x.dtype)
+    wr[:, :, :kh] = w.reshape(group, cg, kh, kw)
+    wr = wr.reshape(group, rows, kw)
+    prods = np.empty((group, oh, wp, kw), dtype=x.dtype)
+
+    def block(lo: int, hi: int, buffer: None, edge: bool) -> None:
+        for i in range(oh):
+            np.matmul(buf[lo:hi, i:i + rows].transpose(0, 2, 1), wr[lo:hi], out=prods[lo:hi, i])
+
+    _blocks(group, oh * wp * kw, group * oh * wp * kw * rows, block)
+    it = prods.itemsize
+    diagonals = np.ndarray((group, oh, ow, kw), x.dtype, prods, 0,
+                           prods.strides[:2] + (kw * it, (kw + 1) * it))
+    return diagonals.sum(axis=-1).reshape(1, group, oh, ow)
 
 
 def _few_outputs(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
