@@ -281,10 +281,10 @@ def test_grouped_weight_gradient_by_few_outputs(case, threads, monkeypatch) -> N
 
 
 def test_depthwise_weight_gradient_still_splits_over_threads(monkeypatch) -> None:
-    """One image a group (a strided depthwise Conv's weight gradient, dilated: not for the row products):
+    """One image a group (a depthwise weight gradient whose padded rows are too wide for the row products):
     matrix-vector products, split over two threads, the values those of one thread and of onnxruntime."""
-    xs, ws, group = (1, 2048, 16, 16), (256, 8, 8, 8), 256
-    attrs = {"group": group, "pads": [1, 1, 1, 1], "dilations": [2, 2]}
+    xs, ws, group = (1, 2048, 17, 17), (256, 8, 16, 16), 256  # 17 values a row for 2 columns
+    attrs = {"group": group, "pads": [0, 0, 0, 0]}
     x, w = _data(8, xs, ws)
     seen = _spy(monkeypatch, depthwise, "_few_outputs", small=False)
     parts: list[int] = []
@@ -297,35 +297,42 @@ def test_depthwise_weight_gradient_still_splits_over_threads(monkeypatch) -> Non
 
 
 # a depthwise Conv's weight gradient as the gradient graph writes it: a Conv of one image whose group c holds
-# channel c of every image, with the output gradients as weights. X shape, kernel, pads, dtype, whether the
-# row products take it (padded rows of at most 8 values per kernel column; stride 1)
+# channel c of every image, with the output gradients as weights (dilated by the Conv's strides). X shape,
+# kernel, pads, strides, dtype, whether the row products take it (padded rows of at most 8 values per kernel
+# column)
 WEIGHT_GRADS = [
-    ((8, 64, 8, 8), (7, 7), (3, 3, 3, 3), np.float32, True),  # ConvNeXt's 7×7 over 8²
-    ((8, 32, 16, 16), (7, 7), (3, 3, 3, 3), np.float32, True),
-    ((8, 128, 4, 4), (7, 7), (3, 3, 3, 3), np.float32, False),  # 49 outputs of 16 taps: not few outputs
-    ((16, 24, 16, 16), (3, 3), (1, 1, 1, 1), np.float32, True),  # MobileNet's 3×3
-    ((3, 10, 9, 11), (3, 5), (0, 2, 1, 1), np.float64, True),  # uneven pads, a non-square kernel
-    ((4, 16, 32, 32), (3, 3), (1, 1, 1, 1), np.float32, False),  # 34 values a row for 3 columns
+    ((8, 64, 8, 8), (7, 7), (3, 3, 3, 3), (1, 1), np.float32, True),  # ConvNeXt's 7×7 over 8²
+    ((8, 32, 16, 16), (7, 7), (3, 3, 3, 3), (1, 1), np.float32, True),
+    ((8, 128, 4, 4), (7, 7), (3, 3, 3, 3), (1, 1), np.float32, True),  # 49 outputs of 16 taps: not few
+    ((16, 64, 4, 4), (3, 3), (1, 1, 1, 1), (1, 1), np.float32, True),  # MobileNet's last 3×3s
+    ((16, 64, 2, 2), (3, 3), (1, 1, 1, 1), (1, 1), np.float32, False),  # 4 taps (2² gradient planes)
+    ((16, 24, 16, 16), (3, 3), (1, 1, 1, 1), (1, 1), np.float32, True),  # MobileNet's 3×3
+    ((16, 24, 16, 16), (3, 3), (1, 1, 1, 1), (2, 2), np.float32, True),  # ... and its strided ones
+    ((4, 12, 15, 13), (3, 3), (1, 0, 1, 1), (2, 3), np.float32, True),  # odd sizes, uneven strides
+    ((3, 10, 9, 11), (3, 5), (0, 2, 1, 1), (1, 1), np.float64, True),  # uneven pads, a non-square kernel
+    ((4, 16, 32, 32), (3, 3), (1, 1, 1, 1), (1, 1), np.float32, False),  # 34 values a row for 3 columns
 ]
 
 
 @pytest.mark.parametrize("case", WEIGHT_GRADS, ids=str)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_depthwise_weight_gradient_by_row_products(case, threads, monkeypatch) -> None:
-    xs, k, p, dtype, rows = case
+    xs, k, p, s, dtype, rows = case
     n, c, h, w_ = xs
     seen = _spy(monkeypatch, depthwise, "_rows_weight_grad", small=False)
     rng = np.random.default_rng(sum(xs))
     x = rng.standard_normal(xs).astype(dtype)
     xt = torch.tensor(x, requires_grad=True)
     wt = torch.tensor(rng.standard_normal((c, 1) + k).astype(dtype), requires_grad=True)
-    y = F.conv2d(F.pad(xt, [p[1], p[3], p[0], p[2]]), wt, groups=c)
+    y = F.conv2d(F.pad(xt, [p[1], p[3], p[0], p[2]]), wt, groups=c, stride=s)
     dy = rng.standard_normal(tuple(y.shape)).astype(dtype)
     y.backward(torch.tensor(dy))
     images_as_channels = np.ascontiguousarray(x.transpose(1, 0, 2, 3)).reshape(1, c * n, h, w_)
     grads_as_weights = np.ascontiguousarray(dy.transpose(1, 0, 2, 3))
-    got = _ours("Conv", images_as_channels, grads_as_weights, {"group": c, "pads": list(p)}, threads)
+    attrs = {"group": c, "pads": list(p), "dilations": list(s)}
+    got = _ours("Conv", images_as_channels, grads_as_weights, attrs, threads)
     assert len(seen) == int(rows)
     want = wt.grad.numpy()
+    got = got[:, :, :k[0], :k[1]]  # (the gradient graph drops the taps past a strided Conv's last window)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(got.reshape(want.shape), want, rtol=tol, atol=tol * np.abs(want).max())

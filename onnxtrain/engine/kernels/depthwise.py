@@ -72,6 +72,10 @@ CHANNELS_LAST_MIN_CHANNELS = 32
 # few outputs → rows: 8 × 64 × 8² by 7×7 0.82 → 0.28, 8 × 32 × 16² 7×7 0.88 → 0.40, 16 × 144 × 16² 3×3
 # 1.42 → 1.24; 16 × 32 × 32² 3×3, 34 values a column of 3, 0.97 → 1.33 kept)
 ROWS_GRAD_MAX_WIDTH_PER_TAP = 8
+# ... and with at least this many kernel offsets (the output gradient's plane) whether it has few outputs or
+# not (ms, im2col → rows: 16 × 576 × 4² by 3×3 2.28 → 0.84, 16 × 192 × 8² stride 2 0.88 → 0.40; over 2²
+# planes, 4 offsets, 0.61 → 0.79 kept)
+ROWS_GRAD_MIN_TAPS = 9
 
 
 def _steps(sizes: Sequence[int]) -> list[int]:
@@ -177,8 +181,10 @@ def _shifted(planes: int, sizes: Sequence[int], stride: Sequence[int],
 def conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray | None:
     """A grouped Conv that has few outputs or is depthwise (``g``: Conv's geometry), if big enough to
     gain; else None."""
+    if _rows_grad_fit(x, g):
+        return _rows_weight_grad(x, w, g)
     if g["L"] < g["K"] and g["K"] >= MIN_WINDOW:
-        return _rows_weight_grad(x, w, g) if _rows_grad_fit(x, g) else _few_outputs(x, w, g)
+        return _few_outputs(x, w, g)
     if g["cg"] == 1 and _channels_last_fits(x, g):
         return _depthwise_channels_last(x, w, g)
     if g["cg"] == 1 and _rows_fit(g):
@@ -350,39 +356,42 @@ def _depthwise(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
 
 
 def _rows_grad_fit(x: np.ndarray, g: dict[str, Any]) -> bool:
-    """True when a few-outputs Conv of ``x``, of geometry ``g``, is for :func:`_rows_weight_grad`: one image,
-    2-D, stride and dilation 1, one output channel a group, padded rows narrow enough for its products."""
-    return (x.shape[0] == 1 and g["nd"] == 2 and g["m"] == g["group"] and g["strides"] == [1, 1]
-            and g["dil"] == [1, 1] and g["sizes"][1] <= ROWS_GRAD_MAX_WIDTH_PER_TAP * g["out"][1]
-            and x.size > 0)
+    """True when a grouped Conv of ``x``, of geometry ``g``, is for :func:`_rows_weight_grad`: one image,
+    2-D, stride 1 (dilated or not: the Conv's own stride), one output channel and several planes a group,
+    enough kernel offsets, padded rows narrow enough for its products."""
+    return (x.shape[0] == 1 and g["nd"] == 2 and g["m"] == g["group"] and g["cg"] > 1
+            and g["strides"] == [1, 1] and g["K"] >= ROWS_GRAD_MIN_TAPS
+            and g["sizes"][1] <= ROWS_GRAD_MAX_WIDTH_PER_TAP * g["out"][1] and x.size > 0)
 
 
 def _rows_weight_grad(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
-    """y[0, c, i, j] = Σ_{q, a, b} w[c, q, a, b] · xpad[0, c·cg + q, a + i, b + j] (a depthwise weight
-    gradient: x the batch's planes of channel c, w their output gradients) by row products: for each output
-    row i, per group, the padded rows a + i of every plane (a (Wp, cg·Hp) view, the rows past each plane's
-    last window meeting zero rows of w) times w's rows (cg·Hp, kw): P[t, b] = Σ x[a + i, t]·w[a, b], of
-    which y[i, j] = Σ_b P[b + j, b] sums a diagonal."""
-    group, cg, (kh, kw) = g["group"], g["cg"], g["k"]
+    """y[0, c, i, j] = Σ_{q, a, b} w[c, q, a, b] · xpad[0, c·cg + q, a·d + i, b·e + j] (a depthwise weight
+    gradient: x the batch's planes of channel c, w their output gradients, (d, e) the dilations, which are
+    the Conv's strides) by row products: for each output row i, per group, every d-th padded row from i of
+    every plane (a (Wp, cg·Hq/d) view, the rows past each plane's last window meeting zero rows of w) times
+    w's rows (cg·Hq/d, kw): P[t, b] = Σ_a x[a·d + i, t]·w[a, b], of which y[i, j] = Σ_b P[b·e + j, b] sums
+    a diagonal."""
+    group, cg, (kh, kw), (dh, dw) = g["group"], g["cg"], g["k"], g["dil"]
     (hp, wp), (oh, ow), pb = g["sizes"], g["out"], g["pb"]
-    rows = cg * hp
+    hq = -(-hp // dh) * dh  # a plane's padded rows, a whole number of dilations
+    rows = cg * hq
     buf = np.zeros((group, rows + oh, wp), dtype=x.dtype)  # zero rows after: the last offsets' slack
     keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], g["sizes"], pb, strict=True)]
-    buf[:, :rows].reshape(group, cg, hp, wp)[:, :, pb[0]:pb[0] + keep[0], pb[1]:pb[1] + keep[1]] = \
+    buf[:, :rows].reshape(group, cg, hq, wp)[:, :, pb[0]:pb[0] + keep[0], pb[1]:pb[1] + keep[1]] = \
         x[0, :, :keep[0], :keep[1]].reshape(group, cg, keep[0], keep[1])
-    wr = np.zeros((group, cg, hp, kw), dtype=x.dtype)
+    wr = np.zeros((group, cg, hq // dh, kw), dtype=x.dtype)
     wr[:, :, :kh] = w.reshape(group, cg, kh, kw)
-    wr = wr.reshape(group, rows, kw)
+    wr = wr.reshape(group, rows // dh, kw)
     prods = np.empty((group, oh, wp, kw), dtype=x.dtype)
 
     def block(lo: int, hi: int, buffer: None, edge: bool) -> None:
         for i in range(oh):
-            np.matmul(buf[lo:hi, i:i + rows].transpose(0, 2, 1), wr[lo:hi], out=prods[lo:hi, i])
+            np.matmul(buf[lo:hi, i:i + rows:dh].transpose(0, 2, 1), wr[lo:hi], out=prods[lo:hi, i])
 
-    _blocks(group, oh * wp * kw, group * oh * wp * kw * rows, block)
+    _blocks(group, oh * wp * kw, group * oh * wp * kw * rows // dh, block)
     it = prods.itemsize
     diagonals = np.ndarray((group, oh, ow, kw), x.dtype, prods, 0,
-                           prods.strides[:2] + (kw * it, (kw + 1) * it))
+                           prods.strides[:2] + (kw * it, (dw * kw + 1) * it))
     return diagonals.sum(axis=-1).reshape(1, group, oh, ow)
 
 
