@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import onnx
 import pytest
 
 from onnxtrain.autodiff import build_gradient_model
@@ -120,6 +121,7 @@ def test_tied_weight_trains_under_the_name_the_export_keeps(tmp_path) -> None:
     wrt = [n for n in params if n in inits]
     assert sorted(wrt) == ["head.weight", "mix.bias", "mix.weight"], wrt
     grads = build_gradient_model(model, "loss", wrt)
+    onnx.checker.check_model(grads, full_check=True)
     got = dict(zip([o.name for o in grads.graph.output], run_engine(grads, {"ids": ids.numpy()})))
     loss = net(ids)
     loss.backward()
