@@ -54,7 +54,7 @@ def _selects_by(st: Step, mask: int) -> bool:
             and mask not in st.inputs[1:] and min(st.inputs) >= 0)
 
 
-def has_no_nan(x: Any) -> bool:
+def _has_no_nan(x: Any) -> bool:
     """True when ``x`` is a non-empty float16/32/64 array without a NaN (its maximum is not NaN)."""
     return type(x) is np.ndarray and x.dtype in _FLOATS and x.size > 0 and not np.isnan(x.max())
 
@@ -74,7 +74,7 @@ def _nan_select(plan: Plan, isnan: Step, where: Step) -> Callable:
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         x, a, b = inputs
         if (type(b) is np.ndarray and type(a) is np.ndarray and type(x) is np.ndarray and a.dtype == b.dtype
-                and _broadcast(x.shape, a.shape, b.shape) == b.shape and has_no_nan(x)):
+                and _broadcast(x.shape, a.shape, b.shape) == b.shape and _has_no_nan(x)):
             return (b,)
         return plan._call(where, [plan._call(isnan, [x])[0], a, b])
 
