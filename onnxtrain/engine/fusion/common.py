@@ -100,6 +100,14 @@ def keeps_dims(red: Step) -> bool:
     return next((a.i for a in red.node.attribute if a.name == "keepdims"), 1) != 0
 
 
+def broadcasts_onto(small: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """True when an array of shape ``small`` broadcasts to ``shape`` without enlarging it."""
+    try:
+        return np.broadcast_shapes(small, shape) == shape
+    except ValueError:
+        return False
+
+
 def attr_key(node: onnx.NodeProto) -> bytes:
     return b"".join(a.SerializeToString(deterministic=True) for a in node.attribute)
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from onnxtrain.engine.fusion.common import (
     FLOATS,
+    broadcasts_onto,
     constant_of,
     consumers,
     make_step,
@@ -69,14 +70,6 @@ def _is_minus_inf(fill: np.ndarray) -> bool:
     return fill.size == 1 and fill.dtype in FLOATS and bool(fill.reshape(()) == -np.inf)
 
 
-def _broadcasts_onto(small: tuple[int, ...], shape: tuple[int, ...]) -> bool:
-    """True when an array of shape ``small`` broadcasts to ``shape`` without enlarging it."""
-    try:
-        return np.broadcast_shapes(small, shape) == shape
-    except ValueError:
-        return False
-
-
 def _masked_softmax(
     plan: Plan, where: Step, soft: Step, side: int, dtype: np.dtype, fill_rank: int
 ) -> Callable:
@@ -90,7 +83,7 @@ def _masked_softmax(
             type(x) is np.ndarray and type(c) is np.ndarray and c.dtype == np.bool_
             and x.dtype == dtype and x.ndim >= max(fill_rank, 1) and x.flags.c_contiguous and x.size
             and soft.attrs["axis"] % x.ndim == x.ndim - 1
-            and _broadcasts_onto(c.shape, x.shape)
+            and broadcasts_onto(c.shape, x.shape)
         ):
             n = x.shape[-1]
             if exp_is_safe(x, n):

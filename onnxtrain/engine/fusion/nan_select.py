@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from onnxtrain.engine.fusion.common import consumers, make_step, protected_slots
+from onnxtrain.engine.fusion.common import broadcasts_onto, consumers, make_step, protected_slots
 from onnxtrain.engine.registry import Attrs
 
 if TYPE_CHECKING:
@@ -59,14 +59,6 @@ def _has_no_nan(x: Any) -> bool:
     return type(x) is np.ndarray and x.dtype in _FLOATS and x.size > 0 and not np.isnan(x.max())
 
 
-def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The shapes broadcast together, or None when they do not (the Where then raises its own error)."""
-    try:
-        return np.broadcast_shapes(*shapes)
-    except ValueError:
-        return None
-
-
 def _nan_select(plan: Plan, isnan: Step, where: Step) -> Callable:
     """The fused step's kernel: ``b`` itself when ``x`` has no NaN and ``b`` already has the select's
     shape and dtype; else the IsNaN and the Where."""
@@ -74,7 +66,8 @@ def _nan_select(plan: Plan, isnan: Step, where: Step) -> Callable:
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         x, a, b = inputs
         if (type(b) is np.ndarray and type(a) is np.ndarray and type(x) is np.ndarray and a.dtype == b.dtype
-                and _broadcast(x.shape, a.shape, b.shape) == b.shape and _has_no_nan(x)):
+                and broadcasts_onto(x.shape, b.shape) and broadcasts_onto(a.shape, b.shape)
+                and _has_no_nan(x)):
             return (b,)
         return plan._call(where, [plan._call(isnan, [x])[0], a, b])
 
