@@ -41,8 +41,8 @@ def _small(monkeypatch, block: int = 256) -> list[bool]:
     from onnxtrain.engine import parallel
     from onnxtrain.engine.kernels import depthwise
 
-    for name, value in (("BLOCK", block), ("CHANNEL_MAJOR_RUN", block), ("MIN_DEPTHWISE", 0),
-                        ("MIN_TRANSPOSED", 0), ("MIN_WINDOW", 0)):
+    for name, value in (("BLOCK", block), ("SCRATCH", block), ("CHANNEL_MAJOR_RUN", block),
+                        ("MIN_DEPTHWISE", 0), ("MIN_TRANSPOSED", 0), ("MIN_WINDOW", 0)):
         monkeypatch.setattr(depthwise, name, value)
     monkeypatch.setattr(parallel, "MIN_ROWS_WORK", 1)  # two threads split even these small cases
     layouts: list[bool] = []

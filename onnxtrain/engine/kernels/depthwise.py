@@ -37,6 +37,11 @@ from onnxtrain.engine.parallel import parallel_for, row_ranges
 # output elements of a block of planes, one numpy call per kernel offset each: fewer, longer calls measured
 # faster up to here (MobileNet step 42.0 -> 40.4 ms from 64 K; forward 16 x 96 x 32^2: 4.3 -> 2.8 ms)
 BLOCK = 1 << 18
+# elements of a thread's scratch for a block of depthwise planes (their phases, sums and products): smaller
+# blocks cost more in numpy calls than they keep in cache (16 × 96 × 112², stride 2, one thread: 2^17 40 ms,
+# 2^19 22 ms); against splitting the whole input first (2 threads, ms): 16 × 96 × 112² stride 2 25.6-35.4 →
+# 19.8-20.5, 16 × 144 × 56² stride 2 18.5-24.0 → 6.4-9.6, 16 × 32 × 112² 14.4-17.5 → 10.9-12.6
+SCRATCH = 1 << 19
 CHANNEL_MAJOR_RUN = 1 << 16  # elements of a channel's planes laid end to end, at most (see _lanes)
 # below these sizes im2col and a batched matmul cost less than the Python loop over kernel offsets
 MIN_DEPTHWISE = 1 << 15  # output elements of a depthwise Conv
@@ -89,16 +94,22 @@ def _grid(sizes: Sequence[int]) -> Iterator[tuple[int, ...]]:
 
 
 def _blocks(units: int, per_unit: int, work: int, fn: Callable[..., None],
-            scratch: tuple[tuple[int, ...], np.dtype] | None = None) -> None:
-    """``fn(lo, hi, buffer, edge)`` over ranges of units of about :data:`BLOCK` elements, split over the
-    threads. ``buffer``: with ``scratch`` (a block's shape after its units, dtype), a block-sized buffer of
-    the thread's own, allocated here in the calling thread (the worker's own allocations measured slower:
-    16 × 144 × 16² depthwise forward 2.2 ms against 1.6 on two threads); ``edge``: ``hi`` ends one of several
-    threads' parts, so whatever lies past unit ``hi - 1`` may be another thread's."""
-    rows = max(1, BLOCK // max(per_unit, 1))
+            scratch: tuple[tuple[int, ...], np.dtype] | Callable[[int], Any] | None = None,
+            block: int | None = None) -> None:
+    """``fn(lo, hi, buffer, edge)`` over ranges of units of about ``block`` (by default :data:`BLOCK`)
+    elements, split over the threads. ``buffer``: with ``scratch`` (a block's shape after its units, dtype),
+    a block-sized buffer of the thread's own, allocated here in the calling thread (the worker's own
+    allocations measured slower: 16 × 144 × 16² depthwise forward 2.2 ms against 1.6 on two threads); with
+    ``scratch`` a function, what it returns for a block's most units, made once per thread here too;
+    ``edge``: ``hi`` ends one of several threads' parts, so whatever lies past unit ``hi - 1`` may be
+    another thread's."""
+    rows = max(1, (BLOCK if block is None else block) // max(per_unit, 1))
     parts = row_ranges(units, work)
-    buffers = [np.empty((min(rows, hi - lo),) + scratch[0], scratch[1]) if scratch else None
-               for lo, hi in parts]
+    if callable(scratch):
+        buffers = [scratch(min(rows, hi - lo)) for lo, hi in parts]
+    else:
+        buffers = [np.empty((min(rows, hi - lo),) + scratch[0], scratch[1]) if scratch else None
+                   for lo, hi in parts]
     shared = len(parts) > 1
 
     def part(i: int) -> None:
@@ -106,7 +117,8 @@ def _blocks(units: int, per_unit: int, work: int, fn: Callable[..., None],
         buffer = buffers[i]
         for a in range(lo, hi, rows):
             b = min(a + rows, hi)
-            fn(a, b, None if buffer is None else buffer[:b - a], shared and b == hi)
+            fn(a, b, buffer if callable(scratch) or buffer is None else buffer[:b - a],
+               shared and b == hi)
 
     parallel_for(len(parts), part)
 
@@ -153,19 +165,25 @@ class _Phases:
         buf = np.zeros(self.length, dtype=x.dtype)
         xs = x.swapaxes(0, 1) if channel_major else x
         blocks = self.blocks(buf).reshape((self.count,) + xs.shape[:2] + tuple(self.sizes))
+        self.fill(blocks.swapaxes(0, 1), xs, pads, sizes)
+        return buf
+
+    def fill(self, dst: np.ndarray, xs: np.ndarray, pads: Sequence[int], sizes: Sequence[int]) -> None:
+        """Write the planes ``xs`` (units, planes, *spatial), placed at ``pads`` in images of ``sizes``
+        (cropped to fit), into the phases ``dst`` (units, phase, planes, *phase sizes); the padding is left
+        as it is."""
         for index, phase in enumerate(_grid(self.factor)):
-            src, dst = [slice(None)] * 2, [slice(None)] * 2
-            for r, f, p, size, have in zip(phase, self.factor, pads, sizes, x.shape[2:], strict=True):
+            src, at = [slice(None)] * 2, [slice(None)] * 2
+            for r, f, p, size, have in zip(phase, self.factor, pads, sizes, xs.shape[2:], strict=True):
                 lo = max(0, -(-(p - r) // f))  # first phase index whose pixel lies in X
                 hi = -(-(p + min(have, size - p) - r) // f)
                 if hi <= lo:
                     break
                 start = r + f * lo - p
                 src.append(slice(start, start + f * (hi - lo - 1) + 1, f))
-                dst.append(slice(lo, hi))
+                at.append(slice(lo, hi))
             else:
-                blocks[index][tuple(dst)] = xs[tuple(src)]
-        return buf
+                dst[:, index][tuple(at)] = xs[tuple(src)]
 
 
 def _shifted(planes: int, sizes: Sequence[int], stride: Sequence[int],
@@ -320,39 +338,49 @@ def _unit_weights(w: np.ndarray, n: int, c: int, per: int, channel_major: bool) 
 
 def _depthwise(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     """y[p, j, o] = Σ_κ w[c(p)·mult + j, 0, κ] · xpad[p, o·s + κ·d]: per kernel offset one product with
-    one weight per plane over the run of its phase, added up in kernel order."""
+    one weight per plane over the run of its phase, added up in kernel order. Each thread splits a block of
+    units at a time into phases of its own, sums them there and writes the block's outputs cropped, so the
+    padded, split input and the junk columns never leave the cache."""
     n, c = x.shape[:2]
     out, m, K = g["out"], g["m"], g["K"]
-    mult, planes, it = m // c, n * c, x.itemsize
-    split, offsets = _cached(g, "shifted", lambda: _shifted(planes, g["sizes"], g["strides"], g))
-    plane = split.plane
+    mult, it = m // c, x.itemsize
+    plane = _Phases(1, g["sizes"], g["strides"]).plane
     channel_major, units, per_unit = _lanes(n, c, plane)
-    buf = split.split(x, g["pb"], g["sizes"], channel_major)
+    split, offsets = _cached(g, f"shifted{per_unit}", lambda: _shifted(per_unit, g["sizes"], g["strides"], g))
     # a channel's planes whole, one contiguous run (the rows past out[0] junk); a lone plane only to out[0],
     # which measured faster for large planes (16 × 144 × 56²: 22.5 against 30.8 ms for whole planes)
     length = per_unit * plane if channel_major else out[0] * split.row
+    rows = split.sizes[0] if channel_major else out[0]
+    unit = split.count * per_unit * plane  # a unit's phases; a plane of zeros after a block's: runs' slack
     wu = _unit_weights(w, n, c, mult, channel_major)
-    y = np.empty((units, mult, length), dtype=x.dtype)
-    step = per_unit * plane * it
+    xs = x.swapaxes(0, 1) if channel_major else x.reshape((n * c, 1) + x.shape[2:])
+    y = np.empty((n, c, mult) + tuple(out), dtype=x.dtype)
+    ys = y.transpose((1, 2, 0) + tuple(range(3, y.ndim))) if channel_major else y.reshape(
+        (n * c, mult, 1) + tuple(out))
+    crop = (Ellipsis,) + tuple(slice(0, o) for o in out)
 
-    def block(lo: int, hi: int, tmp: np.ndarray, edge: bool) -> None:
-        yb = y[lo:hi]
+    def scratch(most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (np.zeros(most * unit + plane, dtype=x.dtype), np.empty((most, mult, length), dtype=x.dtype),
+                np.empty((most, mult, length), dtype=x.dtype))
+
+    def block(lo: int, hi: int, buffers: tuple[np.ndarray, np.ndarray, np.ndarray], edge: bool) -> None:
+        phases, sums, tmp = buffers
+        count = hi - lo
+        split.fill(phases[:count * unit].reshape((count, split.count, per_unit) + tuple(split.sizes)),
+                   xs[lo:hi], g["pb"], g["sizes"])
+        yb, t = sums[:count], tmp[:count]
         for j, off in enumerate(offsets):
-            v = np.ndarray((hi - lo, 1, length), x.dtype, buf, lo * step + off * it, (step, 0, it))
+            v = np.ndarray((count, 1, length), x.dtype, phases, off * it, (unit * it, 0, it))
             wj = wu[lo:hi, :, j, None]
             if j == 0:
                 np.multiply(v, wj, out=yb)
             else:
-                np.multiply(v, wj, out=tmp)
-                yb += tmp
+                np.multiply(v, wj, out=t)
+                yb += t
+        ys[lo:hi] = yb.reshape((count, mult, per_unit, rows) + tuple(split.sizes[1:]))[crop]
 
-    _blocks(units, mult * length, units * mult * length * K, block, ((mult, length), x.dtype))
-    rows = split.sizes[0] if channel_major else out[0]
-    y = y.reshape((units, mult, per_unit, rows) + tuple(split.sizes[1:]))
-    y = y[(Ellipsis,) + tuple(slice(0, o) for o in out)]
-    if channel_major:  # (C, mult, N, *out) → (N, C, mult, *out), in the crop's copy
-        y = y.transpose((2, 0, 1) + tuple(range(3, y.ndim)))
-    return np.ascontiguousarray(y).reshape((n, m) + tuple(out))
+    _blocks(units, unit + 2 * mult * length, units * mult * length * K, block, scratch, SCRATCH)
+    return y.reshape((n, m) + tuple(out))
 
 
 def _rows_grad_fit(x: np.ndarray, g: dict[str, Any]) -> bool:
