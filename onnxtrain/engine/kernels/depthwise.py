@@ -475,58 +475,62 @@ def conv_transpose(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarra
     """ConvTranspose with one output channel per group (``g``: its geometry, ``g["depthwise"]`` true), if
     big enough to gain (else None):
     canvas[p, o·s + κ·d] += Σ_j w[g(p)·cg + j, 0, κ] · x[image(p), g(p)·cg + j, o] on the canvas split
-    by the stride, each kernel offset one contiguous add per input channel and plane."""
+    by the stride, each kernel offset one contiguous add per input channel and plane. Each thread lays out a
+    block of units' inputs and canvases at a time in buffers of its own and writes the block's outputs from
+    its canvas's phases."""
     n, cin = x.shape[:2]
     out, full, s, group = g["out"], g["full"], g["strides"], g["group"]
     if n * group * int(np.prod(out)) < MIN_TRANSPOSED or x.size == 0:
         return None
     in_sp, cg, K = x.shape[2:], cin // group, g["K"]
-    planes, it = n * group, x.itemsize
-    split, offsets = _cached(g, "shifted", lambda: _shifted(planes, full, s, g))
-    plane = split.plane
+    it = x.itemsize
+    plane = _Phases(1, full, s).plane
     channel_major, units, per_unit = _lanes(n, group, plane)
+    split, offsets = _cached(g, f"shifted{per_unit}", lambda: _shifted(per_unit, full, s, g))
     # X laid out as the canvas's planes, its rows padded to the phase width and its planes to the phase's
     # height: input pixel o sits at o's offset in a phase's plane, and a unit's planes are one run
     xv = x.reshape((n, group, cg) + tuple(in_sp))
     xv = xv.transpose((1, 2, 0) + tuple(range(3, xv.ndim))) if channel_major else xv.reshape(
-        (planes, cg, 1) + tuple(in_sp))
-    xf = np.zeros((units, cg, per_unit) + tuple(split.sizes), dtype=x.dtype)
-    xf[(Ellipsis,) + tuple(slice(0, v) for v in in_sp)] = xv
+        (n * group, cg, 1) + tuple(in_sp))
     length = per_unit * plane
-    xf = xf.reshape(units, cg, length)
-    # a unit's run adds its zero rows past the unit, into the next one; where that is another thread's (an
-    # edge), the unit's last plane stops at its last pixel (whole runs measured up to 2x faster than runs so
-    # cut, which numpy cannot walk as one)
-    last = length - plane + sum((v - 1) * st for v, st in zip(in_sp, split.steps, strict=True)) + 1
+    unit = split.count * length  # a unit's canvas, its phases; a plane after a block's: the runs' slack
     wu = _unit_weights(w, n, group, cg, channel_major)
-    canvas = np.zeros(split.length, dtype=x.dtype)
-    step = length * it
-
-    def block(lo: int, hi: int, tmp: np.ndarray, edge: bool) -> None:
-        cut = hi - 1 if edge else hi
-        for j, off in enumerate(offsets):
-            for a, b, run in ((lo, cut, length), (cut, hi, last)):
-                if b > a:
-                    v = np.ndarray((b - a, run), x.dtype, canvas, a * step + off * it, (step, it))
-                    t = tmp[:b - a, :run]
-                    for q in range(cg):
-                        np.multiply(xf[a:b, q, :run], wu[a:b, q, j, None], out=t)
-                        v += t
-
-    _blocks(units, length * cg, units * length * cg * K, block, ((length,), x.dtype))
-    # each output pixel j is canvas pixel pads + j, in the phase (pads + j) mod s
-    phases = split.blocks(canvas)
     y = np.empty((n, group) + tuple(out), dtype=x.dtype)
-    yv = y.swapaxes(0, 1) if channel_major else y.reshape((planes, 1) + tuple(out))
+    yv = y.swapaxes(0, 1) if channel_major else y.reshape((n * group, 1) + tuple(out))
+    # each output pixel j is canvas pixel pads + j, in the phase (pads + j) mod s
+    merges = []
     for index, phase in enumerate(_grid(s)):
         dst, src = [slice(None)] * 2, [slice(None)] * 2
         for r, f, p, size in zip(phase, s, g["pb"], out, strict=True):
             first = (r - p) % f  # first output index in this phase
             if first >= size:
                 break
-            count = len(range(first, size, f))
+            at = (p + first - r) // f
             dst.append(slice(first, size, f))
-            src.append(slice((p + first - r) // f, (p + first - r) // f + count))
+            src.append(slice(at, at + len(range(first, size, f))))
         else:
-            yv[tuple(dst)] = phases[index].reshape(yv.shape[:2] + tuple(split.sizes))[tuple(src)]
+            merges.append((index, tuple(dst), tuple(src)))
+    inside = (Ellipsis,) + tuple(slice(0, v) for v in in_sp)
+
+    def scratch(most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (np.zeros((most, cg, per_unit) + tuple(split.sizes), dtype=x.dtype),
+                np.empty(most * unit + plane, dtype=x.dtype), np.empty((most, length), dtype=x.dtype))
+
+    def block(lo: int, hi: int, buffers: tuple[np.ndarray, np.ndarray, np.ndarray], edge: bool) -> None:
+        xs, canvas, tmp = buffers
+        count = hi - lo
+        xs[:count][inside] = xv[lo:hi]
+        xf = xs[:count].reshape(count, cg, length)
+        canvas[:count * unit + plane] = 0
+        t = tmp[:count]
+        for j, off in enumerate(offsets):
+            v = np.ndarray((count, length), x.dtype, canvas, off * it, (unit * it, it))
+            for q in range(cg):
+                np.multiply(xf[:, q], wu[lo:hi, q, j, None], out=t)
+                v += t
+        phases = canvas[:count * unit].reshape((count, split.count, per_unit) + tuple(split.sizes))
+        for index, dst, src in merges:
+            yv[lo:hi][dst] = phases[:, index][src]
+
+    _blocks(units, cg * length + unit + length, units * length * cg * K, block, scratch, SCRATCH)
     return y.reshape((n, g["m"]) + tuple(out))
