@@ -149,10 +149,11 @@ FEW_OUTPUTS = [
 ]
 
 
+@pytest.mark.parametrize("block", [256, 4096])  # one group a block; several (one image: blocks of groups)
 @pytest.mark.parametrize("case", FEW_OUTPUTS, ids=str)
-def test_few_outputs_conv_matches_torch(case, monkeypatch) -> None:
+def test_few_outputs_conv_matches_torch(case, block, monkeypatch) -> None:
     xs, ws, group, s, d, p = case
-    _small(monkeypatch)
+    _small(monkeypatch, block)
     rng = np.random.default_rng(2)
     nd = len(xs) - 2
     x, w = rng.standard_normal(xs), rng.standard_normal(ws)

@@ -430,14 +430,16 @@ def _few_outputs(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     n, c = x.shape[:2]
     k, out, m, group, cg = g["k"], g["out"], g["m"], g["group"], g["cg"]
     mg, it = m // group, x.itemsize
+    # one image (a depthwise weight gradient): each thread splits a block of groups at a time, in a buffer
+    # of its own laid out group by group; else the whole batch at once, its planes in (N, C) order
+    planes = cg if n == 1 else n * c
 
     def plan() -> tuple[_Phases, list[int]]:
-        split = _Phases(n * c, g["sizes"], g["dil"])
+        split = _Phases(planes, g["sizes"], g["dil"])
         strides = g["strides"]
         return split, [split.offset([i * s for i, s in zip(o, strides, strict=True)]) for o in _grid(out)]
 
     split, positions = _cached(g, "few_outputs", plan)
-    buf = split.split(x, g["pb"], g["sizes"])
     run = sum((kk - 1) * s for kk, s in zip(k, split.steps, strict=True)) + 1
     plane, positions_n = split.plane, len(positions)
     # a group's cg planes lie one after the other: one dot product over all of them per group and position
@@ -452,20 +454,28 @@ def _few_outputs(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     # per position one product of each group's taps with its windows in every image, side by side (the
     # images' windows are columns c·plane apart): a GEMM over the images, not one matrix-vector product each
     dots = np.empty((positions_n, group, mg, n), dtype=x.dtype)
-    step = cg * plane * it
+    if n == 1:  # matrix-vector products, one thread's each
+        unit = split.length  # a group's phases
+        xs = x[0].reshape((group, cg) + x.shape[2:])
 
-    def block(lo: int, hi: int, buffer: None, edge: bool) -> None:
-        for p, off in enumerate(positions):
-            v = np.ndarray((hi - lo, length, n), x.dtype, buf, off * it + lo * step,
-                           (step, it, c * plane * it))
-            np.matmul(taps[lo:hi], v, out=dots[p, lo:hi])
+        def scratch(most: int) -> np.ndarray:
+            return np.zeros((most, split.count, cg) + tuple(split.sizes), dtype=x.dtype)
 
-    if n > 1:
+        def block(lo: int, hi: int, phases: np.ndarray, edge: bool) -> None:
+            split.fill(phases[:hi - lo], xs[lo:hi], g["pb"], g["sizes"])
+            for p, off in enumerate(positions):
+                v = np.ndarray((hi - lo, length, 1), x.dtype, phases, off * it, (unit * it, it, it))
+                np.matmul(taps[lo:hi], v, out=dots[p, lo:hi])
+
+        _blocks(group, unit, n * group * length * mg * positions_n, block, scratch, SCRATCH)
+    else:
         # GEMMs: OpenBLAS threads them itself; two of them at once on the engine's threads stall each other
         # (SqueezeBERT's grouped 1×1 weight gradient: 0.3 ms alone, 16-25 ms in a step when split)
-        block(0, group, None, False)
-    else:  # matrix-vector products (one image a group: a depthwise weight gradient), one thread's each
-        _blocks(group, length * (n + mg), n * group * length * mg * positions_n, block)
+        buf = split.split(x, g["pb"], g["sizes"])
+        step = cg * plane * it
+        for p, off in enumerate(positions):
+            v = np.ndarray((group, length, n), x.dtype, buf, off * it, (step, it, c * plane * it))
+            np.matmul(taps, v, out=dots[p])
     return np.ascontiguousarray(dots.transpose(3, 1, 2, 0)).reshape((n, m) + tuple(out))
 
 
