@@ -84,9 +84,9 @@ def _data(seed: int, xs: tuple[int, ...], ws: tuple[int, ...]) -> tuple[np.ndarr
 
 # x shape, channel multiplier, kernel, dilations, pads (begin + end)
 BANDED = [
-    ((16, 64, 32, 32), 1, (3, 3), (1, 1), (1, 1, 1, 1)),
+    ((16, 64, 16, 16), 1, (3, 3), (1, 1), (1, 1, 1, 1)),
     ((4, 16, 20, 24), 1, (7, 7), (1, 1), (3, 3, 3, 3)),
-    ((3, 12, 17, 19), 2, (5, 3), (1, 2), (2, 0, 1, 3)),
+    ((3, 12, 17, 15), 2, (5, 3), (1, 2), (2, 0, 1, 3)),
     ((2, 10, 30, 13), 1, (3, 5), (2, 1), (0, 2, 2, 1)),
     ((5, 40, 7, 7), 3, (3, 3), (1, 1), (1, 1, 1, 1)),
 ]
@@ -140,15 +140,30 @@ def test_depthwise_wide_kernels_go_banded_from_fewer_outputs(case, monkeypatch) 
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
 
 
-def test_wide_depthwise_rows_keep_shifted_adds(monkeypatch) -> None:
-    """Rows much wider than the kernel stay on the shifted adds (the banded matrices would be mostly
-    zeros), and strided ones too."""
+# x shape, kernel, stride, banded: padded rows of at most kw + 3 values a kernel column at stride 1, 6 a
+# kernel column and stride at stride 2, go banded; wider ones keep the shifted adds
+ROW_WIDTHS = [
+    ((2, 32, 16, 16), 3, 1, True),  # Wp 18
+    ((2, 32, 17, 17), 3, 1, False),  # Wp 19
+    ((2, 16, 36, 36), 5, 1, True),  # Wp 40
+    ((2, 16, 37, 37), 5, 1, False),
+    ((2, 16, 64, 64), 7, 1, True),  # Wp 70
+    ((4, 32, 34, 34), 3, 2, True),  # Wp 35
+    ((4, 32, 36, 36), 3, 2, False),  # Wp 37
+    ((2, 32, 60, 60), 3, 1, False),
+]
+
+
+@pytest.mark.parametrize("case", ROW_WIDTHS, ids=str)
+def test_depthwise_rows_up_to_their_width(case, monkeypatch) -> None:
+    xs, k, s, banded = case
     seen = _spy(monkeypatch, depthwise, "_depthwise_rows")
-    for xs, s in (((2, 32, 60, 60), 1), ((4, 32, 32, 32), 2)):
-        x, w = _data(2, xs, (32, 1, 3, 3))
-        attrs = {"group": 32, "pads": [1, 1, 1, 1], "strides": [s, s]}
-        _close(_ours("Conv", x, w, attrs), _ort("Conv", x, w, attrs))
-    assert seen == []
+    x, w = _data(2, xs, (xs[1], 1, k, k))
+    attrs = {"group": xs[1], "pads": [k // 2] * 4, "strides": [s, s]}
+    y = _ours("Conv", x, w, attrs)
+    assert len(seen) == int(banded)
+    _close(y, _ort("Conv", x, w, attrs))
+    np.testing.assert_array_equal(_ours("Conv", x, w, attrs, threads=2), y)
 
 
 def _torch_input_grad(x_shape: tuple[int, ...], w: np.ndarray, dy: np.ndarray, attrs: dict[str, Any],

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxtrain.engine.blas import can_pin_blas_threads, single_threaded_blas
 from onnxtrain.engine.parallel import parallel_for, row_ranges
 
 # output elements of a block of planes, one numpy call per kernel offset each: fewer, longer calls measured
@@ -49,9 +50,14 @@ MIN_TRANSPOSED = 1 << 13  # output elements of a transposed depthwise Conv
 MIN_WINDOW = 32  # kernel offsets of a few-outputs Conv (the dot products' length)
 FAST_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 MAX_CHANNEL_MAJOR_PLANE = 2048  # elements of a (phase) plane: larger planes go plane by plane (see _lanes)
-# a 2-D depthwise Conv whose padded rows have at most this many values per kernel column goes by
-# banded GEMMs (_depthwise_rows): each output takes Wp / kw times the products of the shifted adds, in BLAS
-ROWS_MAX_WIDTH_PER_TAP = 12
+# a 2-D depthwise Conv whose padded rows are narrow goes by banded GEMMs (_depthwise_rows): each output takes
+# Wp / (kw · stride) times the products of the shifted adds, in BLAS. Narrow: at most kw + this many values a
+# kernel column at stride 1 (2 cores, ms, banded / shifted adds: 3×3 16 × 192 × 16², Wp 18, 2.25 / 2.76, at
+# 18² 4.08 / 3.65; 5×5 16 × 64 × 36² 5.97 / 9.77, at 40² 11.95 / 11.69; 7×7 8 × 64 × 64² 21.9 / 24.3)
+ROWS_EXTRA_WIDTH_PER_TAP = 3
+# ... and at stride 2, at most this many a kernel column and stride (its band is every other column; 3×3 16 ×
+# 96 × 32², Wp 33, 0.72-0.96×, at 40² 1.34×; 5×5 16 × 48 × 56² 0.96×, at 72² 1.23×)
+ROWS_MAX_WIDTH_PER_TAP = 6
 # ... and has at least this many output elements (measured 1.5-3.5x faster than the shifted adds from 16 × 64
 # × 32² by 3×3 and 7×7 down to 4 × 16 × 16²; smaller ones keep the shifted adds, which
 # tests/engine/test_depthwise.py drives at small sizes)
@@ -61,9 +67,8 @@ MIN_BANDED = 1 << 15
 # 0.66 → 0.35, 2 × 64 × 8² 0.15 → 0.13, 8 × 32 × 8² by 5×5 0.15 → 0.11; 3×3 about even there)
 MIN_BANDED_WIDE = 1 << 13
 WIDE_TAPS = 25
-# ... at strides up to this, the width limit divided by the stride (stride 2 reads every other padded row, its
-# band every other column; 1 core, ms, shifted adds → banded: 16 × 144 × 16² 2.8 → 1.3, 4 × 40 × 31² 0.57 →
-# 0.31; at 32² about even, 16 × 96 × 32² 4.9 → 4.6, so left to the shifted adds)
+# ... at strides up to this (1 core, ms, shifted adds → banded: 16 × 144 × 16² 2.8 → 1.3, 4 × 40 × 31² 0.57 →
+# 0.31)
 ROWS_MAX_STRIDE = 2
 # a depthwise Conv with at most this many output elements a plane and this many channels goes channels
 # innermost (_depthwise_channels_last): one einsum over runs of all the channels, where per-plane and
@@ -95,14 +100,16 @@ def _grid(sizes: Sequence[int]) -> Iterator[tuple[int, ...]]:
 
 def _blocks(units: int, per_unit: int, work: int, fn: Callable[..., None],
             scratch: tuple[tuple[int, ...], np.dtype] | Callable[[int], Any] | None = None,
-            block: int | None = None) -> None:
+            block: int | None = None, gemms: bool = False) -> None:
     """``fn(lo, hi, buffer, edge)`` over ranges of units of about ``block`` (by default :data:`BLOCK`)
     elements, split over the threads. ``buffer``: with ``scratch`` (a block's shape after its units, dtype),
     a block-sized buffer of the thread's own, allocated here in the calling thread (the worker's own
     allocations measured slower: 16 × 144 × 16² depthwise forward 2.2 ms against 1.6 on two threads); with
     ``scratch`` a function, what it returns for a block's most units, made once per thread here too;
     ``edge``: ``hi`` ends one of several threads' parts, so whatever lies past unit ``hi - 1`` may be
-    another thread's."""
+    another thread's. With ``gemms`` (``fn`` makes BLAS calls), OpenBLAS runs each call on the thread that
+    makes it while there are several (where OpenBLAS split them over its own threads too, both stalled:
+    8 × 64 × 56² by 7×7 on banded GEMMs, 2 threads, 89 → 15 ms)."""
     rows = max(1, (BLOCK if block is None else block) // max(per_unit, 1))
     parts = row_ranges(units, work)
     if callable(scratch):
@@ -120,7 +127,11 @@ def _blocks(units: int, per_unit: int, work: int, fn: Callable[..., None],
             fn(a, b, buffer if callable(scratch) or buffer is None else buffer[:b - a],
                shared and b == hi)
 
-    parallel_for(len(parts), part)
+    if gemms and shared and can_pin_blas_threads():
+        with single_threaded_blas():
+            parallel_for(len(parts), part)
+    else:
+        parallel_for(len(parts), part)
 
 
 def _cached(g: dict[str, Any], key: str, make: Callable[[], Any]) -> Any:
@@ -222,8 +233,11 @@ def banded_fits(x: np.ndarray, g: dict[str, Any]) -> bool:
 def _rows_fit(g: dict[str, Any]) -> bool:
     """True when a depthwise Conv of geometry ``g`` is for :func:`_depthwise_rows`: 2-D, stride 1 or 2,
     output rows narrow enough that its banded matrices stay mostly useful products."""
-    return (g["nd"] == 2 and max(g["strides"]) <= ROWS_MAX_STRIDE and g["k"][1] > 1
-            and g["sizes"][1] * g["strides"][1] <= ROWS_MAX_WIDTH_PER_TAP * g["k"][1]
+    if g["nd"] != 2 or max(g["strides"]) > ROWS_MAX_STRIDE or g["k"][1] < 2:
+        return False
+    kw, sw = g["k"][1], g["strides"][1]
+    per_tap = kw + ROWS_EXTRA_WIDTH_PER_TAP if sw == 1 else ROWS_MAX_WIDTH_PER_TAP * sw
+    return (g["sizes"][1] <= per_tap * kw
             and g["n"] * g["m"] * g["L"] >= (MIN_BANDED_WIDE if g["K"] >= WIDE_TAPS else MIN_BANDED))
 
 
@@ -310,7 +324,7 @@ def _depthwise_rows(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarr
                     np.matmul(a, band[lo:hi, j, i], out=tmp)
                     yb += tmp
 
-    _blocks(c, mult * per * wo, c * mult * per * wo * kh * wp, block, ((per, wo), x.dtype))
+    _blocks(c, mult * per * wo, c * mult * per * wo * kh * wp, block, ((per, wo), x.dtype), gemms=True)
     y = y.reshape(c, mult, n, hq // sh, wo)[:, :, :, :ho]
     return np.ascontiguousarray(y.transpose(2, 0, 1, 3, 4)).reshape(n, m, ho, wo)
 
@@ -416,7 +430,7 @@ def _rows_weight_grad(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.nda
         for i in range(oh):
             np.matmul(buf[lo:hi, i:i + rows:dh].transpose(0, 2, 1), wr[lo:hi], out=prods[lo:hi, i])
 
-    _blocks(group, oh * wp * kw, group * oh * wp * kw * rows // dh, block)
+    _blocks(group, oh * wp * kw, group * oh * wp * kw * rows // dh, block, gemms=True)
     it = prods.itemsize
     diagonals = np.ndarray((group, oh, ow, kw), x.dtype, prods, 0,
                            prods.strides[:2] + (kw * it, (dw * kw + 1) * it))
@@ -467,7 +481,7 @@ def _few_outputs(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
                 v = np.ndarray((hi - lo, length, 1), x.dtype, phases, off * it, (unit * it, it, it))
                 np.matmul(taps[lo:hi], v, out=dots[p, lo:hi])
 
-        _blocks(group, unit, n * group * length * mg * positions_n, block, scratch, SCRATCH)
+        _blocks(group, unit, n * group * length * mg * positions_n, block, scratch, SCRATCH, gemms=True)
     else:
         # GEMMs: OpenBLAS threads them itself; two of them at once on the engine's threads stall each other
         # (SqueezeBERT's grouped 1×1 weight gradient: 0.3 ms alone, 16-25 ms in a step when split)
