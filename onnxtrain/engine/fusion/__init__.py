@@ -14,6 +14,9 @@ r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph it
   one small GEMM per batch entry and a reduction;
 * **weight gradient of a Conv**: ``Transpose(Conv(Transpose(X), Transpose(dY)))`` (each swapping the batch
   and channel axes) becomes one GEMM of ``dY`` with a strided im2col view of ``X``;
+* **weight gradient of a depthwise Conv** (:mod:`~onnxtrain.engine.fusion.grouped_weight_grad`): the
+  Reshapes and Transposes that lay X and dY out as one image of the batch's planes (copying both) go, and
+  the depthwise kernels read X and dY as views in that order; the same sums;
 * **padded pieces as a Concat** (:mod:`~onnxtrain.engine.fusion.pads`): a ``Sum`` of zero ``Pad``\ s that
   place their pieces side by side along one axis (the gradients of q, k and v gathered from one
   projection) concatenates the pieces, checked at run time; the same bits;
@@ -74,6 +77,7 @@ from onnxtrain.engine.fusion.concat_mul import fuse_concat_products
 from onnxtrain.engine.fusion.cse import eliminate_common_steps
 from onnxtrain.engine.fusion.elementwise import expand_sums, fuse_elementwise, group_sibling_clusters
 from onnxtrain.engine.fusion.gemm import fuse_conv_weight_grads, fuse_matmul_bias, fuse_matmul_weight_grads
+from onnxtrain.engine.fusion.grouped_weight_grad import fuse_grouped_weight_grads
 from onnxtrain.engine.fusion.inplace import fuse_inplace_activations
 from onnxtrain.engine.fusion.masked_softmax import fuse_masked_softmax
 from onnxtrain.engine.fusion.nan_select import fuse_nan_selects
@@ -101,6 +105,7 @@ def fuse(plan: Plan) -> None:
         steps = memoize_shape_steps(plan, steps)
         steps = fuse_matmul_weight_grads(plan, steps)
         steps = fuse_conv_weight_grads(plan, steps)
+        steps = fuse_grouped_weight_grads(plan, steps)
         steps = fuse_pad_sums(plan, steps)
         steps = expand_sums(plan, steps)
         steps = share_batch_statistics(plan, steps)

@@ -108,6 +108,17 @@ def broadcasts_onto(small: tuple[int, ...], shape: tuple[int, ...]) -> bool:
         return False
 
 
+SWAP01 = (1, 0)  # a Transpose's perm that swaps the first two axes (and keeps the rest), for transposes_by
+
+
+def transposes_by(step: Step, lead: Sequence[int]) -> bool:
+    """True for a Transpose of a tensor of rank len(``lead``) + 1 or more whose perm is ``lead`` and then
+    the remaining axes in order."""
+    perm = list(step.attrs.get("perm") or [])
+    return (step.node.op_type == "Transpose" and len(perm) > len(lead)
+            and perm == [*lead, *range(len(lead), len(perm))])
+
+
 def attr_key(node: onnx.NodeProto) -> bytes:
     return b"".join(a.SerializeToString(deterministic=True) for a in node.attribute)
 

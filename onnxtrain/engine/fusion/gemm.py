@@ -10,12 +10,14 @@ import numpy as np
 
 from onnxtrain.engine.fusion.common import (
     FLOATS,
+    SWAP01,
     constant_of,
     consumers,
     make_step,
     producers,
     protected_slots,
     run_steps,
+    transposes_by,
 )
 from onnxtrain.engine.registry import Attrs
 
@@ -95,19 +97,13 @@ def _matmul_weight_grad(plan: Plan, members: list[Step], nd: int) -> Callable:
 
 
 # ---- weight gradient of a Conv -------------------------------------------------------------------------
-def _swaps01(step: Step) -> bool:
-    """True for a Transpose that swaps the first two axes of a tensor of rank 3 or more (and no others)."""
-    perm = list(step.attrs.get("perm") or [])
-    return step.node.op_type == "Transpose" and len(perm) >= 3 and perm == [1, 0, *range(2, len(perm))]
-
-
 def fuse_conv_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
     """Transpose(Conv(Transpose(X), Transpose(dY))) with batch/channel swaps (group 1) → GEMMs."""
     cons, prod, kept = consumers(steps), producers(steps), protected_slots(plan)
     drop: set[int] = set()
     replace: dict[int, Step] = {}
     for k, last in enumerate(steps):
-        if not _swaps01(last):
+        if not transposes_by(last, SWAP01):
             continue
         c = prod.get(last.inputs[0])
         if c is None or steps[c].node.op_type != "Conv":
@@ -119,7 +115,7 @@ def fuse_conv_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
         tx, tdy = prod.get(conv.inputs[0]), prod.get(conv.inputs[1])
         if tx is None or tdy is None or tx == tdy:
             continue
-        if not (_swaps01(steps[tx]) and _swaps01(steps[tdy])):
+        if not (transposes_by(steps[tx], SWAP01) and transposes_by(steps[tdy], SWAP01)):
             continue
         inner = [steps[tx].outputs[0], steps[tdy].outputs[0], conv.outputs[0]]
         if (

@@ -311,13 +311,19 @@ def _im2col_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     return y.reshape((n, m) + tuple(g["out"]))
 
 
+def conv_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> dict[str, Any]:
+    """A Conv's geometry (strides, pads, sizes, routes' facts) for X of shape ``xs`` and W of ``ws``, kept
+    by ``attrs``."""
+    return attrs.cached((xs, ws), lambda: _conv_geometry(attrs, xs, ws))
+
+
 @kernel("Conv", since=1)
 def conv(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
     if is_half(x.dtype):  # float32 products, sums and bias, rounded once (numpy's bfloat16 matmul is float32)
         return in_float32(conv, inputs, attrs)
-    g = attrs.cached((x.shape, w.shape), lambda: _conv_geometry(attrs, x.shape, w.shape))
+    g = conv_geometry(attrs, x.shape, w.shape)
     y = depthwise.conv(x, w, g) if g["group"] > 1 and x.dtype in depthwise.FAST_DTYPES else None
     if y is None:
         y = _conv_gemms(x, w, g)

@@ -210,9 +210,9 @@ def _shifted(planes: int, sizes: Sequence[int], stride: Sequence[int],
 def conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray | None:
     """A grouped Conv that has few outputs or is depthwise (``g``: Conv's geometry), if big enough to
     gain; else None."""
-    if _rows_grad_fit(x, g):
+    if _rows_grad_fit(g) and x.size > 0:
         return _rows_weight_grad(x, w, g)
-    if g["L"] < g["K"] and g["K"] >= MIN_WINDOW:
+    if _few_fit(g):
         return _few_outputs(x, w, g)
     if g["cg"] == 1 and _channels_last_fits(x, g):
         return _depthwise_channels_last(x, w, g)
@@ -226,7 +226,7 @@ def conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray | None:
 def banded_fits(x: np.ndarray, g: dict[str, Any]) -> bool:
     """True when :func:`conv` would take a depthwise Conv of ``x``, of geometry ``g``, by banded GEMMs (or,
     over tiny planes, channels last)."""
-    return (x.dtype in FAST_DTYPES and g["cg"] == 1 and not (g["L"] < g["K"] and g["K"] >= MIN_WINDOW)
+    return (x.dtype in FAST_DTYPES and g["cg"] == 1 and not _few_fit(g)
             and _rows_fit(g))
 
 
@@ -244,7 +244,7 @@ def _rows_fit(g: dict[str, Any]) -> bool:
 def _channels_last_fits(x: np.ndarray, g: dict[str, Any]) -> bool:
     """True when a depthwise Conv of ``x``, of geometry ``g``, is for :func:`_depthwise_channels_last`:
     tiny output planes over many channels."""
-    return (not (g["L"] < g["K"] and g["K"] >= MIN_WINDOW) and g["L"] <= CHANNELS_LAST_MAX_PLANE
+    return (not _few_fit(g) and g["L"] <= CHANNELS_LAST_MAX_PLANE
             and x.shape[1] >= CHANNELS_LAST_MIN_CHANNELS and x.size > 0)
 
 
@@ -397,34 +397,64 @@ def _depthwise(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     return y.reshape((n, m) + tuple(out))
 
 
-def _rows_grad_fit(x: np.ndarray, g: dict[str, Any]) -> bool:
-    """True when a grouped Conv of ``x``, of geometry ``g``, is for :func:`_rows_weight_grad`: one image,
-    2-D, stride 1 (dilated or not: the Conv's own stride), one output channel and several planes a group,
-    enough kernel offsets, padded rows narrow enough for its products."""
-    return (x.shape[0] == 1 and g["nd"] == 2 and g["m"] == g["group"] and g["cg"] > 1
+def _rows_grad_fit(g: dict[str, Any]) -> bool:
+    """True when a grouped Conv of geometry ``g`` is for :func:`_rows_weight_grad`: one image, 2-D, stride 1
+    (dilated or not: the Conv's own stride), one output channel and several planes a group, enough kernel
+    offsets, padded rows narrow enough for its products."""
+    return (g["n"] == 1 and g["nd"] == 2 and g["m"] == g["group"] and g["cg"] > 1
             and g["strides"] == [1, 1] and g["K"] >= ROWS_GRAD_MIN_TAPS
-            and g["sizes"][1] <= ROWS_GRAD_MAX_WIDTH_PER_TAP * g["out"][1] and x.size > 0)
+            and g["sizes"][1] <= ROWS_GRAD_MAX_WIDTH_PER_TAP * g["out"][1])
+
+
+def _few_fit(g: dict[str, Any]) -> bool:
+    """True when a grouped Conv of geometry ``g`` is for :func:`_few_outputs`."""
+    return g["L"] < g["K"] and g["K"] >= MIN_WINDOW
+
+
+def weight_grad_planes(xs: np.ndarray, wv: np.ndarray, g: dict[str, Any]) -> np.ndarray | None:
+    """A grouped Conv of one image, given as its groups' planes ``xs`` (group, cg, *spatial) and weights
+    ``wv`` (group, M/group, cg, *kernel), views in any layout, of geometry ``g``: (M, *out) by row products
+    or few-outputs dot products where one fits, else None. A depthwise weight gradient hands the batch's X
+    and dY here as they are (engine/fusion/grouped_weight_grad.py), without the copies that lay them out as
+    that one image."""
+    if xs.dtype not in FAST_DTYPES or xs.size == 0 or wv.size == 0:
+        return None
+    if _rows_grad_fit(g):
+        return _rows_weight_grad_planes(xs, wv, g)
+    if _few_fit(g):
+        return _few_outputs_planes(xs, wv, g)
+    return None
 
 
 def _rows_weight_grad(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """:func:`_rows_weight_grad_planes` of a one-image Conv's X and W."""
+    group, cg = g["group"], g["cg"]
+    y = _rows_weight_grad_planes(x[0].reshape((group, cg) + x.shape[2:]), w.reshape((group, 1) + w.shape[1:]),
+                                 g)
+    return y.reshape((1,) + y.shape)
+
+
+def _rows_weight_grad_planes(xs: np.ndarray, wv: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     """y[0, c, i, j] = Σ_{q, a, b} w[c, q, a, b] · xpad[0, c·cg + q, a·d + i, b·e + j] (a depthwise weight
     gradient: x the batch's planes of channel c, w their output gradients, (d, e) the dilations, which are
     the Conv's strides) by row products: for each output row i, per group, every d-th padded row from i of
     every plane (a (Wp, cg·Hq/d) view, the rows past each plane's last window meeting zero rows of w) times
     w's rows (cg·Hq/d, kw): P[t, b] = Σ_a x[a·d + i, t]·w[a, b], of which y[i, j] = Σ_b P[b·e + j, b] sums
-    a diagonal."""
+    a diagonal. ``xs``: the groups' planes (group, cg, *spatial), ``wv`` their weights (group, 1, cg, kh, kw);
+    returns (group, oh, ow)."""
     group, cg, (kh, kw), (dh, dw) = g["group"], g["cg"], g["k"], g["dil"]
     (hp, wp), (oh, ow), pb = g["sizes"], g["out"], g["pb"]
     hq = -(-hp // dh) * dh  # a plane's padded rows, a whole number of dilations
     rows = cg * hq
-    buf = np.zeros((group, rows + oh, wp), dtype=x.dtype)  # zero rows after: the last offsets' slack
-    keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], g["sizes"], pb, strict=True)]
+    dtype = xs.dtype
+    buf = np.zeros((group, rows + oh, wp), dtype=dtype)  # zero rows after: the last offsets' slack
+    keep = [min(v, s - b) for v, s, b in zip(xs.shape[2:], g["sizes"], pb, strict=True)]
     buf[:, :rows].reshape(group, cg, hq, wp)[:, :, pb[0]:pb[0] + keep[0], pb[1]:pb[1] + keep[1]] = \
-        x[0, :, :keep[0], :keep[1]].reshape(group, cg, keep[0], keep[1])
-    wr = np.zeros((group, cg, hq // dh, kw), dtype=x.dtype)
-    wr[:, :, :kh] = w.reshape(group, cg, kh, kw)
+        xs[:, :, :keep[0], :keep[1]]
+    wr = np.zeros((group, cg, hq // dh, kw), dtype=dtype)
+    wr[:, :, :kh] = wv[:, 0]
     wr = wr.reshape(group, rows // dh, kw)
-    prods = np.empty((group, oh, wp, kw), dtype=x.dtype)
+    prods = np.empty((group, oh, wp, kw), dtype=dtype)
 
     def block(lo: int, hi: int, buffer: None, edge: bool) -> None:
         for i in range(oh):
@@ -432,9 +462,9 @@ def _rows_weight_grad(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.nda
 
     _blocks(group, oh * wp * kw, group * oh * wp * kw * rows // dh, block, gemms=True)
     it = prods.itemsize
-    diagonals = np.ndarray((group, oh, ow, kw), x.dtype, prods, 0,
+    diagonals = np.ndarray((group, oh, ow, kw), dtype, prods, 0,
                            prods.strides[:2] + (kw * it, (dw * kw + 1) * it))
-    return diagonals.sum(axis=-1).reshape(1, group, oh, ow)
+    return diagonals.sum(axis=-1)
 
 
 def _few_outputs(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
@@ -442,55 +472,72 @@ def _few_outputs(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     dilation so that a window's taps are dense, then per output position and group one product of the
     taps, laid on the grid of the group's planes, with the run of their windows in every image."""
     n, c = x.shape[:2]
-    k, out, m, group, cg = g["k"], g["out"], g["m"], g["group"], g["cg"]
-    mg, it = m // group, x.itemsize
-    # one image (a depthwise weight gradient): each thread splits a block of groups at a time, in a buffer
-    # of its own laid out group by group; else the whole batch at once, its planes in (N, C) order
-    planes = cg if n == 1 else n * c
-
-    def plan() -> tuple[_Phases, list[int]]:
-        split = _Phases(planes, g["sizes"], g["dil"])
-        strides = g["strides"]
-        return split, [split.offset([i * s for i, s in zip(o, strides, strict=True)]) for o in _grid(out)]
-
-    split, positions = _cached(g, "few_outputs", plan)
-    run = sum((kk - 1) * s for kk, s in zip(k, split.steps, strict=True)) + 1
-    plane, positions_n = split.plane, len(positions)
-    # a group's cg planes lie one after the other: one dot product over all of them per group and position
-    # (zero taps between the planes' windows), not one per plane (a depthwise weight gradient, the 16
-    # images as each group's planes: 192 channels at 8² 0.91 → 0.71 ms, 32 at 112² 17.1 → 14.8 ms)
-    length = (cg - 1) * plane + run
-    taps = np.zeros((group, mg, cg * plane), dtype=x.dtype)
-    on_grid = np.ndarray((group, mg, cg, *k), x.dtype, taps, 0,
-                         taps.strides[:2] + (plane * it,) + tuple(s * it for s in split.steps))
-    on_grid[...] = w.reshape((group, mg, cg, *k))
-    taps = taps[:, :, :length]
+    group, cg, m = g["group"], g["cg"], g["m"]
+    wv = w.reshape((group, m // group) + w.shape[1:])
+    if n == 1:
+        y = _few_outputs_planes(x[0].reshape((group, cg) + x.shape[2:]), wv, g)
+        return y.reshape((1,) + y.shape)
+    split, positions = _cached(g, "few_outputs", lambda: _few_outputs_plan(n * c, g))
+    taps, length = _few_outputs_taps(wv, split, g)
     # per position one product of each group's taps with its windows in every image, side by side (the
-    # images' windows are columns c·plane apart): a GEMM over the images, not one matrix-vector product each
-    dots = np.empty((positions_n, group, mg, n), dtype=x.dtype)
-    if n == 1:  # matrix-vector products, one thread's each
-        unit = split.length  # a group's phases
-        xs = x[0].reshape((group, cg) + x.shape[2:])
+    # images' windows are columns c·plane apart): a GEMM over the images, not one matrix-vector product
+    # each; OpenBLAS threads them itself (two of them at once on the engine's threads stall each other:
+    # SqueezeBERT's grouped 1×1 weight gradient, 0.3 ms alone, 16-25 ms in a step when split)
+    dots = np.empty((len(positions), group, m // group, n), dtype=x.dtype)
+    buf = split.split(x, g["pb"], g["sizes"])
+    it = x.itemsize
+    step = cg * split.plane * it
+    for p, off in enumerate(positions):
+        v = np.ndarray((group, length, n), x.dtype, buf, off * it, (step, it, c * split.plane * it))
+        np.matmul(taps, v, out=dots[p])
+    return np.ascontiguousarray(dots.transpose(3, 1, 2, 0)).reshape((n, m) + tuple(g["out"]))
 
-        def scratch(most: int) -> np.ndarray:
-            return np.zeros((most, split.count, cg) + tuple(split.sizes), dtype=x.dtype)
 
-        def block(lo: int, hi: int, phases: np.ndarray, edge: bool) -> None:
-            split.fill(phases[:hi - lo], xs[lo:hi], g["pb"], g["sizes"])
-            for p, off in enumerate(positions):
-                v = np.ndarray((hi - lo, length, 1), x.dtype, phases, off * it, (unit * it, it, it))
-                np.matmul(taps[lo:hi], v, out=dots[p, lo:hi])
+def _few_outputs_plan(planes: int, g: dict[str, Any]) -> tuple[_Phases, list[int]]:
+    """The phases (by the dilation) of ``planes`` padded planes, and each output position's offset in
+    them."""
+    split, strides = _Phases(planes, g["sizes"], g["dil"]), g["strides"]
+    return split, [split.offset([i * s for i, s in zip(o, strides, strict=True)]) for o in _grid(g["out"])]
 
-        _blocks(group, unit, n * group * length * mg * positions_n, block, scratch, SCRATCH, gemms=True)
-    else:
-        # GEMMs: OpenBLAS threads them itself; two of them at once on the engine's threads stall each other
-        # (SqueezeBERT's grouped 1×1 weight gradient: 0.3 ms alone, 16-25 ms in a step when split)
-        buf = split.split(x, g["pb"], g["sizes"])
-        step = cg * plane * it
+
+def _few_outputs_taps(wv: np.ndarray, split: _Phases, g: dict[str, Any]) -> tuple[np.ndarray, int]:
+    """The weights ``wv`` (group, mg, cg, *kernel) laid on the grid of a group's cg phase planes end to end
+    (group, mg, length), and that length: a group's planes lie one after the other, so each group and
+    position takes one dot product over all of them (zero taps between the planes' windows), not one per
+    plane (a depthwise weight gradient, the 16 images as each group's planes: 192 channels at 8² 0.91 →
+    0.71 ms, 32 at 112² 17.1 → 14.8 ms)."""
+    group, mg, cg = wv.shape[:3]
+    k, plane, it = g["k"], split.plane, wv.itemsize
+    run = sum((kk - 1) * s for kk, s in zip(k, split.steps, strict=True)) + 1
+    length = (cg - 1) * plane + run
+    taps = np.zeros((group, mg, cg * plane), dtype=wv.dtype)
+    on_grid = np.ndarray((group, mg, cg, *k), wv.dtype, taps, 0,
+                         taps.strides[:2] + (plane * it,) + tuple(s * it for s in split.steps))
+    on_grid[...] = wv
+    return taps[:, :, :length], length
+
+
+def _few_outputs_planes(xs: np.ndarray, wv: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """:func:`_few_outputs` of one image given as its groups' planes ``xs`` (group, cg, *spatial) and weights
+    ``wv`` (group, mg, cg, *kernel): (M, *out) by matrix-vector products, each thread splitting a block of
+    groups at a time into phases of its own, laid out group by group."""
+    group, cg, mg, dtype = g["group"], g["cg"], wv.shape[1], xs.dtype
+    split, positions = _cached(g, "few_outputs_planes", lambda: _few_outputs_plan(cg, g))
+    taps, length = _few_outputs_taps(wv, split, g)
+    dots = np.empty((len(positions), group, mg, 1), dtype=dtype)
+    unit, it = split.length, xs.itemsize  # a group's phases
+
+    def scratch(most: int) -> np.ndarray:
+        return np.zeros((most, split.count, cg) + tuple(split.sizes), dtype=dtype)
+
+    def block(lo: int, hi: int, phases: np.ndarray, edge: bool) -> None:
+        split.fill(phases[:hi - lo], xs[lo:hi], g["pb"], g["sizes"])
         for p, off in enumerate(positions):
-            v = np.ndarray((group, length, n), x.dtype, buf, off * it, (step, it, c * plane * it))
-            np.matmul(taps, v, out=dots[p])
-    return np.ascontiguousarray(dots.transpose(3, 1, 2, 0)).reshape((n, m) + tuple(out))
+            v = np.ndarray((hi - lo, length, 1), dtype, phases, off * it, (unit * it, it, it))
+            np.matmul(taps[lo:hi], v, out=dots[p, lo:hi])
+
+    _blocks(group, unit, group * length * mg * len(positions), block, scratch, SCRATCH, gemms=True)
+    return np.ascontiguousarray(dots[..., 0].transpose(1, 2, 0)).reshape((group * mg,) + tuple(g["out"]))
 
 
 # ------------------------------------------------------------------------------------ ConvTranspose

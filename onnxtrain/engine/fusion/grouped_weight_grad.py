@@ -1,0 +1,136 @@
+"""A depthwise Conv's weight gradient read straight from X and dY.
+
+The gradient builder writes a grouped Conv's weight gradient (``weight_grad`` in autodiff/rules/conv.py) as
+one Conv whose images are the input channels of a group and whose channels are the batch's planes:
+X (N, C, S…) → Reshape (N, G, C/G, L) → Transpose (C/G, G, N, L) → Reshape (C/G, G·N, S…), dY (N, M, O…) →
+(N, G, M/G, L′) → (G, M/G, N, L′) → (M, N, O…), Conv(group=G), then a Transpose to (M, C/G, k…). Each
+Reshape after a Transpose copies its tensor whole (16 × 96 × 112², MobileNetV2's first strided depthwise
+layer at 224 px: 8.5 ms of a 90 ms step). With one input channel a group (a depthwise Conv), that Conv's one
+image is X's planes in channel-major order, so the fused step hands X and dY as views in that order to the
+depthwise kernels (:func:`onnxtrain.engine.kernels.depthwise.weight_grad_planes`), which copy them into their
+own padded, split buffers anyway, block by block; where those decline, the original steps run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from onnxtrain.engine.fusion.common import (
+    SWAP01,
+    constant_of,
+    consumers,
+    make_step,
+    producers,
+    protected_slots,
+    run_steps,
+    transposes_by,
+)
+from onnxtrain.engine.kernels import depthwise
+from onnxtrain.engine.kernels.conv import conv_geometry
+from onnxtrain.engine.registry import Attrs
+
+if TYPE_CHECKING:
+    from onnxtrain.engine.plan import Plan, Step
+
+X_PERM = (2, 1, 0)  # (N, G, C/G, L) → (C/G, G, N, L)
+DY_PERM = (1, 2, 0)  # (N, G, M/G, L′) → (G, M/G, N, L′)
+
+
+def fuse_grouped_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
+    """Transpose(Conv(Reshape(Transpose(Reshape(X))), Reshape(Transpose(Reshape(dY)))), swapping the first
+    two axes) as the gradient builder writes a depthwise Conv's weight gradient → one step of (X, dY)."""
+    cons, prod, kept = consumers(steps), producers(steps), protected_slots(plan)
+    drop: set[int] = set()
+    replace: dict[int, Step] = {}
+    for k, last in enumerate(steps):
+        if not transposes_by(last, SWAP01):
+            continue
+        c = prod.get(last.inputs[0])
+        if c is None or steps[c].node.op_type != "Conv" or len(steps[c].inputs) != 2:
+            continue
+        conv = steps[c]
+        group = int(conv.attrs.get("group") or 1)
+        if group < 2 or (conv.attrs.get("auto_pad") or "NOTSET") != "NOTSET":
+            continue
+        xa = _laid_out(plan, steps, prod, conv.inputs[0], X_PERM, group)
+        da = _laid_out(plan, steps, prod, conv.inputs[1], DY_PERM, group)
+        if xa is None or da is None or xa[1] != 1:  # one input channel a group only
+            continue
+        chain = [*xa[0], *da[0]]
+        links = [*zip(xa[0], [*xa[0][1:], c]), *zip(da[0], [*da[0][1:], c]), (c, k)]
+        if any(cons.get(steps[a].outputs[0]) != [b] or steps[a].outputs[0] in kept for a, b in links):
+            continue
+        members = [steps[i] for i in chain] + [conv, last]
+        inner = {steps[a].outputs[0] for a, _ in links}
+        ins = tuple(dict.fromkeys(s for m in members[:-2] for s in m.inputs if s not in inner))
+        replace[k] = make_step(plan, "FusedDepthwiseWeightGrad", members, ins, last.outputs,
+                               _weight_grad(plan, members, ins, group, da[1], (xa[2], da[2])))
+        drop.update((*chain, c))
+    return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
+
+
+def _laid_out(plan: Plan, steps: list[Step], prod: dict[int, int], slot: int, perm: tuple[int, ...],
+              group: int) -> tuple[list[int], int, list[int]] | None:
+    """When ``slot`` is Reshape(Transpose(Reshape(T, [0, group, per, -1]), perm), shape) with a constant
+    shape: the three steps' indices (first one first), ``per`` and that shape; else None."""
+    r2 = prod.get(slot)
+    if r2 is None or steps[r2].node.op_type != "Reshape" or len(steps[r2].inputs) != 2:
+        return None
+    t = prod.get(steps[r2].inputs[0])
+    if t is None or not transposes_by(steps[t], perm) or len(steps[t].attrs.get("perm") or []) != 4:
+        return None
+    r1 = prod.get(steps[t].inputs[0])
+    if r1 is None or steps[r1].node.op_type != "Reshape" or len(steps[r1].inputs) != 2:
+        return None
+    first, second = constant_of(plan, steps[r1].inputs[1]), constant_of(plan, steps[r2].inputs[1])
+    if first is None or second is None:
+        return None
+    first = [int(v) for v in np.asarray(first).reshape(-1)]
+    if len(first) != 4 or first[0] != 0 or first[1] != group or first[2] < 1 or first[3] != -1:
+        return None
+    if int(steps[r1].attrs.get("allowzero") or 0) or int(steps[r2].attrs.get("allowzero") or 0):
+        return None
+    return [r1, t, r2], first[2], [int(v) for v in np.asarray(second).reshape(-1)]
+
+
+def _weight_grad(plan: Plan, members: list[Step], ins: tuple[int, ...], group: int, per_group: int,
+                 shapes: tuple[list[int], list[int]]) -> Callable:
+    conv, last = members[-2], members[-1]
+    at: Attrs = conv.attrs
+    x_at, dy_at = ins.index(members[0].inputs[0]), ins.index(members[3].inputs[0])
+
+    def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
+        x, dy = inputs[x_at], inputs[dy_at]
+        y = _direct(x, dy, at, group, per_group, shapes)
+        if y is not None:
+            return (y,)
+        env = dict(zip(ins, inputs, strict=True))
+        run_steps(plan, members, env)
+        return (env[last.outputs[0]],)
+
+    return run
+
+
+def _direct(x: Any, dy: Any, at: Attrs, group: int, mg: int,
+            shapes: tuple[list[int], list[int]]) -> np.ndarray | None:
+    """The weight gradient (M, 1, k…) of a depthwise Conv with input ``x`` (N, G, S…) and output gradient
+    ``dy`` (N, G·mg, O…) by the depthwise kernels, or None where they do not take it (or where the
+    Reshapes' ``shapes`` would not lay them out as (1, G·N, S…) and (M, N, O…))."""
+    if (type(x) is not np.ndarray or type(dy) is not np.ndarray or x.ndim < 3 or dy.ndim != x.ndim
+            or x.dtype != dy.dtype or x.shape[0] != dy.shape[0] or x.shape[1] != group
+            or dy.shape[1] != group * mg):
+        return None
+    n, m, sp, osp = x.shape[0], dy.shape[1], x.shape[2:], dy.shape[2:]
+    if (shapes[0] not in ([1, -1, *sp], [1, group * n, *sp])
+            or shapes[1] not in ([m, -1, *osp], [m, n, *osp])):
+        return None
+    try:
+        g = conv_geometry(at, (1, group * n) + sp, (m, n) + osp)
+    except ValueError:
+        return None  # let the Conv itself say what is wrong
+    wv = dy.reshape((n, group, mg) + osp).transpose((1, 2, 0) + tuple(range(3, 3 + len(osp))))
+    y = depthwise.weight_grad_planes(x.swapaxes(0, 1), wv, g)
+    return None if y is None else y.reshape((m, 1) + y.shape[1:])
