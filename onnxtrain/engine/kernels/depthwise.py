@@ -20,8 +20,9 @@ laid end to end, so each kernel offset reads or writes one contiguous run per pl
 past a row's end are junk, cropped at the end. Where planes are small, the planes that share a weight are
 laid end to end too (a channel's images; a group's channels for few outputs), one run for them all, as a
 numpy call per short plane costs more than its values. Planes go in blocks that stay in cache across the
-kernel offsets, split over the run's threads: every output element is summed in the same order whatever
-the split.
+kernel offsets, split over the run's threads, each thread padding and splitting its block into a buffer of
+its own and writing the block's outputs cropped (the padded, split image never goes through memory whole):
+every output element is summed in the same order whatever the split.
 """
 
 from __future__ import annotations
