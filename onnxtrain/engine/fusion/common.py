@@ -119,6 +119,17 @@ def transposes_by(step: Step, lead: Sequence[int]) -> bool:
             and perm == [*lead, *range(len(lead), len(perm))])
 
 
+def swapped_conv(steps: Sequence[Step], prod: dict[int, int], last: Step) -> int | None:
+    """When ``last`` is a Transpose swapping the first two axes of a two-input Conv's output (explicit pads):
+    that Conv's index (the tail of the gradient builder's Conv weight gradients); else None."""
+    if not transposes_by(last, SWAP01):
+        return None
+    c = prod.get(last.inputs[0])
+    if c is None or steps[c].node.op_type != "Conv" or len(steps[c].inputs) != 2:
+        return None
+    return c if (steps[c].attrs.get("auto_pad") or "NOTSET") == "NOTSET" else None
+
+
 def attr_key(node: onnx.NodeProto) -> bytes:
     return b"".join(a.SerializeToString(deterministic=True) for a in node.attribute)
 

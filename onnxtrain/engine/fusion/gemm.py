@@ -17,6 +17,7 @@ from onnxtrain.engine.fusion.common import (
     producers,
     protected_slots,
     run_steps,
+    swapped_conv,
     transposes_by,
 )
 from onnxtrain.engine.registry import Attrs
@@ -103,15 +104,10 @@ def fuse_conv_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
     drop: set[int] = set()
     replace: dict[int, Step] = {}
     for k, last in enumerate(steps):
-        if not transposes_by(last, SWAP01):
-            continue
-        c = prod.get(last.inputs[0])
-        if c is None or steps[c].node.op_type != "Conv":
+        c = swapped_conv(steps, prod, last)
+        if c is None or steps[c].attrs.get("group", 1) != 1:
             continue
         conv = steps[c]
-        at = conv.attrs
-        if len(conv.inputs) != 2 or at.get("group", 1) != 1 or (at.get("auto_pad") or "NOTSET") != "NOTSET":
-            continue
         tx, tdy = prod.get(conv.inputs[0]), prod.get(conv.inputs[1])
         if tx is None or tdy is None or tx == tdy:
             continue

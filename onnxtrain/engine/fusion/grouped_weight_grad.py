@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from onnxtrain.engine.fusion.common import (
-    SWAP01,
     constant_of,
     consumers,
     make_step,
     producers,
     protected_slots,
     run_steps,
+    swapped_conv,
     transposes_by,
 )
 from onnxtrain.engine.kernels import depthwise
@@ -46,15 +46,11 @@ def fuse_grouped_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
     drop: set[int] = set()
     replace: dict[int, Step] = {}
     for k, last in enumerate(steps):
-        if not transposes_by(last, SWAP01):
-            continue
-        c = prod.get(last.inputs[0])
-        if c is None or steps[c].node.op_type != "Conv" or len(steps[c].inputs) != 2:
+        c = swapped_conv(steps, prod, last)
+        if c is None or int(steps[c].attrs.get("group") or 1) < 2:
             continue
         conv = steps[c]
         group = int(conv.attrs.get("group") or 1)
-        if group < 2 or (conv.attrs.get("auto_pad") or "NOTSET") != "NOTSET":
-            continue
         xa = _laid_out(plan, steps, prod, conv.inputs[0], X_PERM, group)
         da = _laid_out(plan, steps, prod, conv.inputs[1], DY_PERM, group)
         if xa is None or da is None or xa[1] != 1:  # one input channel a group only
