@@ -145,10 +145,9 @@ def _cached(g: dict[str, Any], key: str, make: Callable[[], Any]) -> Any:
 
 class _Phases:
     """An image of ``sizes`` per plane split by ``factor`` per axis into phases of ``sizes``/factor
-    (rounded up), each phase a block of ``planes`` planes, laid out flat (with a plane of zeros after when
-    ``tail``: reads of a whole plane from any offset in a plane stay inside)."""
+    (rounded up), each phase a block of ``planes`` planes, laid out flat (``length`` values)."""
 
-    def __init__(self, planes: int, sizes: Sequence[int], factor: Sequence[int], tail: bool = False):
+    def __init__(self, planes: int, sizes: Sequence[int], factor: Sequence[int]):
         self.factor = list(factor)
         self.sizes = [-(-v // f) for v, f in zip(sizes, factor, strict=True)]
         self.plane = int(np.prod(self.sizes))
@@ -156,7 +155,7 @@ class _Phases:
         self.planes = planes
         self.steps = _steps(self.sizes)
         self.count = int(np.prod(factor))
-        self.length = self.count * planes * self.plane + (self.plane if tail else 0)
+        self.length = self.count * planes * self.plane
 
     def offset(self, coords: Sequence[int]) -> int:
         """Element offset, within a plane of phase 0, of the pixel at image ``coords``."""
@@ -200,9 +199,9 @@ class _Phases:
 
 def _shifted(planes: int, sizes: Sequence[int], stride: Sequence[int],
              g: dict[str, Any]) -> tuple[_Phases, list[int]]:
-    """The phases of an image of ``sizes`` split by ``stride`` (a plane of slack after them), and the offset
-    of each kernel position (dilated) in them."""
-    split = _Phases(planes, sizes, stride, tail=True)
+    """The phases of an image of ``sizes`` split by ``stride``, and the offset of each kernel position
+    (dilated) in them."""
+    split = _Phases(planes, sizes, stride)
     return split, [split.offset([i * d for i, d in zip(kk, g["dil"], strict=True)]) for kk in _grid(g["k"])]
 
 
@@ -366,7 +365,7 @@ def _depthwise(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     # which measured faster for large planes (16 × 144 × 56²: 22.5 against 30.8 ms for whole planes)
     length = per_unit * plane if channel_major else out[0] * split.row
     rows = split.sizes[0] if channel_major else out[0]
-    unit = split.count * per_unit * plane  # a unit's phases; a plane of zeros after a block's: runs' slack
+    unit = split.length  # a unit's phases; a plane of zeros after a block's: the runs' slack
     wu = _unit_weights(w, n, c, mult, channel_major)
     xs = x.swapaxes(0, 1) if channel_major else x.reshape((n * c, 1) + x.shape[2:])
     y = np.empty((n, c, mult) + tuple(out), dtype=x.dtype)
@@ -565,7 +564,7 @@ def conv_transpose(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarra
     xv = xv.transpose((1, 2, 0) + tuple(range(3, xv.ndim))) if channel_major else xv.reshape(
         (n * group, cg, 1) + tuple(in_sp))
     length = per_unit * plane
-    unit = split.count * length  # a unit's canvas, its phases; a plane after a block's: the runs' slack
+    unit = split.length  # a unit's canvas, its phases; a plane after a block's: the runs' slack
     wu = _unit_weights(w, n, group, cg, channel_major)
     y = np.empty((n, group) + tuple(out), dtype=x.dtype)
     yv = y.swapaxes(0, 1) if channel_major else y.reshape((n * group, 1) + tuple(out))
