@@ -47,10 +47,10 @@ def fuse_grouped_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
     replace: dict[int, Step] = {}
     for k, last in enumerate(steps):
         c = swapped_conv(steps, prod, last)
-        if c is None or int(steps[c].attrs.get("group") or 1) < 2:
+        group = 1 if c is None else int(steps[c].attrs.get("group") or 1)
+        if group < 2:
             continue
         conv = steps[c]
-        group = int(conv.attrs.get("group") or 1)
         xa = _laid_out(plan, steps, prod, conv.inputs[0], X_PERM, group)
         da = _laid_out(plan, steps, prod, conv.inputs[1], DY_PERM, group)
         if xa is None or da is None or xa[1] != 1:  # one input channel a group only

@@ -100,35 +100,25 @@ def _grid(sizes: Sequence[int]) -> Iterator[tuple[int, ...]]:
 
 
 def _blocks(units: int, per_unit: int, work: int, fn: Callable[..., None],
-            scratch: tuple[tuple[int, ...], np.dtype] | Callable[[int], Any] | None = None,
-            block: int | None = None, gemms: bool = False) -> None:
-    """``fn(lo, hi, buffer, edge)`` over ranges of units of about ``block`` (by default :data:`BLOCK`)
-    elements, split over the threads. ``buffer``: with ``scratch`` (a block's shape after its units, dtype),
-    a block-sized buffer of the thread's own, allocated here in the calling thread (the worker's own
-    allocations measured slower: 16 × 144 × 16² depthwise forward 2.2 ms against 1.6 on two threads); with
-    ``scratch`` a function, what it returns for a block's most units, made once per thread here too;
-    ``edge``: ``hi`` ends one of several threads' parts, so whatever lies past unit ``hi - 1`` may be
-    another thread's. With ``gemms`` (``fn`` makes BLAS calls), OpenBLAS runs each call on the thread that
-    makes it while there are several (where OpenBLAS split them over its own threads too, both stalled:
-    8 × 64 × 56² by 7×7 on banded GEMMs, 2 threads, 89 → 15 ms)."""
+            scratch: Callable[[int], Any] | None = None, block: int | None = None,
+            gemms: bool = False) -> None:
+    """``fn(lo, hi, buffer)`` over ranges of units of about ``block`` (by default :data:`BLOCK`) elements,
+    split over the threads. ``buffer``: what ``scratch`` returns for a block's most units (None without
+    it), made once per thread, here in the calling thread (the worker's own allocations measured slower:
+    16 × 144 × 16² depthwise forward 2.2 ms against 1.6 on two threads). With ``gemms`` (``fn`` makes BLAS
+    calls), OpenBLAS runs each call on the thread that makes it while there are several (where OpenBLAS
+    split them over its own threads too, both stalled: 8 × 64 × 56² by 7×7 on banded GEMMs, 2 threads, 89 →
+    15 ms)."""
     rows = max(1, (BLOCK if block is None else block) // max(per_unit, 1))
     parts = row_ranges(units, work)
-    if callable(scratch):
-        buffers = [scratch(min(rows, hi - lo)) for lo, hi in parts]
-    else:
-        buffers = [np.empty((min(rows, hi - lo),) + scratch[0], scratch[1]) if scratch else None
-                   for lo, hi in parts]
-    shared = len(parts) > 1
+    buffers = [scratch(min(rows, hi - lo)) if scratch else None for lo, hi in parts]
 
     def part(i: int) -> None:
         lo, hi = parts[i]
-        buffer = buffers[i]
         for a in range(lo, hi, rows):
-            b = min(a + rows, hi)
-            fn(a, b, buffer if callable(scratch) or buffer is None else buffer[:b - a],
-               shared and b == hi)
+            fn(a, min(a + rows, hi), buffers[i])
 
-    if gemms and shared and can_pin_blas_threads():
+    if gemms and len(parts) > 1 and can_pin_blas_threads():
         with single_threaded_blas():
             parallel_for(len(parts), part)
     else:
@@ -272,7 +262,7 @@ def _depthwise_channels_last(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) ->
         y2, spec = y, f"n{o_ix}{k_ix}z,{k_ix}zj->n{o_ix}zj"
     per_image = int(np.prod(out)) * m
 
-    def block(lo: int, hi: int, buffer: None, edge: bool) -> None:
+    def block(lo: int, hi: int, buffer: None) -> None:
         v = np.ndarray((hi - lo,) + tuple(out) + tuple(k) + (c,), x.dtype, xp, lo * xp.strides[0],
                        (xp.strides[0],) + view_strides)
         np.einsum(spec, v, wk, out=y2[lo:hi])
@@ -313,7 +303,8 @@ def _depthwise_rows(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarr
     band = _banded(w, g).reshape(c, mult, kh, wp, wo)
     y = np.empty((c, mult, per, wo), dtype=x.dtype)
 
-    def block(lo: int, hi: int, tmp: np.ndarray, edge: bool) -> None:
+    def block(lo: int, hi: int, products: np.ndarray) -> None:
+        tmp = products[:hi - lo]
         for j in range(mult):
             yb = y[lo:hi, j]
             for i in range(kh):
@@ -324,7 +315,8 @@ def _depthwise_rows(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarr
                     np.matmul(a, band[lo:hi, j, i], out=tmp)
                     yb += tmp
 
-    _blocks(c, mult * per * wo, c * mult * per * wo * kh * wp, block, ((per, wo), x.dtype), gemms=True)
+    _blocks(c, mult * per * wo, c * mult * per * wo * kh * wp, block,
+            lambda most: np.empty((most, per, wo), dtype=x.dtype), gemms=True)
     y = y.reshape(c, mult, n, hq // sh, wo)[:, :, :, :ho]
     return np.ascontiguousarray(y.transpose(2, 0, 1, 3, 4)).reshape(n, m, ho, wo)
 
@@ -377,7 +369,7 @@ def _depthwise(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
         return (np.zeros(most * unit + plane, dtype=x.dtype), np.empty((most, mult, length), dtype=x.dtype),
                 np.empty((most, mult, length), dtype=x.dtype))
 
-    def block(lo: int, hi: int, buffers: tuple[np.ndarray, np.ndarray, np.ndarray], edge: bool) -> None:
+    def block(lo: int, hi: int, buffers: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
         phases, sums, tmp = buffers
         count = hi - lo
         split.fill(phases[:count * unit].reshape((count, split.count, per_unit) + tuple(split.sizes)),
@@ -456,7 +448,7 @@ def _rows_weight_grad_planes(xs: np.ndarray, wv: np.ndarray, g: dict[str, Any]) 
     wr = wr.reshape(group, rows // dh, kw)
     prods = np.empty((group, oh, wp, kw), dtype=dtype)
 
-    def block(lo: int, hi: int, buffer: None, edge: bool) -> None:
+    def block(lo: int, hi: int, buffer: None) -> None:
         for i in range(oh):
             np.matmul(buf[lo:hi, i:i + rows:dh].transpose(0, 2, 1), wr[lo:hi], out=prods[lo:hi, i])
 
@@ -530,7 +522,7 @@ def _few_outputs_planes(xs: np.ndarray, wv: np.ndarray, g: dict[str, Any]) -> np
     def scratch(most: int) -> np.ndarray:
         return np.zeros((most, split.count, cg) + tuple(split.sizes), dtype=dtype)
 
-    def block(lo: int, hi: int, phases: np.ndarray, edge: bool) -> None:
+    def block(lo: int, hi: int, phases: np.ndarray) -> None:
         split.fill(phases[:hi - lo], xs[lo:hi], g["pb"], g["sizes"])
         for p, off in enumerate(positions):
             v = np.ndarray((hi - lo, length, 1), dtype, phases, off * it, (unit * it, it, it))
@@ -587,7 +579,7 @@ def conv_transpose(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarra
         return (np.zeros((most, cg, per_unit) + tuple(split.sizes), dtype=x.dtype),
                 np.empty(most * unit + plane, dtype=x.dtype), np.empty((most, length), dtype=x.dtype))
 
-    def block(lo: int, hi: int, buffers: tuple[np.ndarray, np.ndarray, np.ndarray], edge: bool) -> None:
+    def block(lo: int, hi: int, buffers: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
         xs, canvas, tmp = buffers
         count = hi - lo
         xs[:count][inside] = xv[lo:hi]
