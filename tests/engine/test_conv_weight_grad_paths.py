@@ -102,6 +102,12 @@ CONV = {
                                    {"strides": [2, 1, 2], "dilations": [1, 2, 1], "pads": [1, 0, 1, 1, 1, 0]},
                                    True),
     "2d-large-kernel": ((2, 3, 12, 11), (4, 3, 10, 9), {"pads": [1, 0, 2, 1]}, True),
+    # strided 2-D: the gradient's Slice keeps the first k taps of a longer kernel, and only those are computed
+    "2d-strided-3x3": ((4, 8, 12, 12), (6, 8, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1]}, True),
+    "2d-strided-uneven": ((3, 7, 11, 10), (5, 7, 3, 2), {"strides": [2, 3], "pads": [1, 0, 0, 1]}, True),
+    "2d-strided-few-channels": ((3, 2, 11, 10), (5, 2, 3, 3), {"strides": [2, 2], "pads": [1] * 4}, True),
+    "2d-strided-1x1": ((4, 8, 12, 12), (6, 8, 1, 1), {"strides": [2, 2]}, True),
+    "2d-strided-1x1-pointwise": ((2, 8, 24, 23), (6, 8, 1, 1), {"strides": [2, 2]}, True),
     "2d-grouped-large-kernel": ((3, 4, 7, 7), (4, 2, 5, 5), {"group": 2}, False),
 }
 CONV_TRANSPOSE = {
@@ -164,6 +170,50 @@ def test_large_strided_weight_grads_take_the_patches(case: str, monkeypatch) -> 
     xs, ws, attrs, _ = CONV[case]
     _engine_grads("Conv", *_inputs("Conv", xs, ws, attrs, np.float32)[:3], attrs)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("case", [k for k in CONV if k.startswith("2d-strided") or (
+    "strided" in k and ("patch" in k or "columns" in k))])
+def test_strided_weight_grads_compute_only_the_kernel(case: str, monkeypatch) -> None:
+    """A strided Conv's weight gradient is a longer kernel the gradient builder crops with a Slice: the fused
+    step takes the Slice in and its GEMMs see the kernel's own taps (the values: the torch tests above)."""
+    xs, ws, attrs, _ = CONV[case]
+    seen: list[tuple[int, ...]] = []
+    for name in ("_weight_grad_patches", "_weight_grad_patches_nd", "_weight_grad_columns_nd",
+                 "_weight_grad_gemm", "_pointwise_weight_grad"):
+        real = getattr(gemm, name)
+        monkeypatch.setattr(gemm, name, lambda *a, _r=real: seen.append(_r(*a).shape[2:]) or _r(*a))
+    ops = _engine_grads("Conv", *_inputs("Conv", xs, ws, attrs, np.float32)[:3], attrs)[2]
+    assert "Slice" not in ops and "FusedConvWeightGrad" in ops
+    assert seen == [ws[2:]]
+
+
+@pytest.mark.parametrize("starts, steps, absorbed", [([0, 0], [1, 1], True), ([1, 0], [1, 1], False),
+                                                     ([0, 0], [1, 2], False)],
+                         ids=["prefix", "offset", "step-2"])
+def test_fused_weight_grad_takes_in_only_a_prefix_slice(starts, steps, absorbed) -> None:
+    """Only a Slice that keeps the first entries of the kernel's axes joins the fused step; the values equal
+    the unfused steps' either way."""
+    n = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2, 3]),
+         helper.make_node("Transpose", ["dy"], ["dyt"], perm=[1, 0, 2, 3]),
+         helper.make_node("Conv", ["xt", "dyt"], ["c"], dilations=[2, 2], pads=[1, 1, 1, 1]),
+         helper.make_node("Transpose", ["c"], ["dwl"], perm=[1, 0, 2, 3])]
+    for name, v in (("starts", starts), ("ends", [3, 3]), ("axes", [-2, 3]), ("steps", steps)):
+        value = numpy_helper.from_array(np.array(v, np.int64))
+        n.append(helper.make_node("Constant", [], [name], value=value))
+    n.append(helper.make_node("Slice", ["dwl", "starts", "ends", "axes", "steps"], ["dw"]))
+    graph = helper.make_graph(n, "g", [helper.make_tensor_value_info(v, 1, None) for v in ("x", "dy")],
+                              [helper.make_tensor_value_info("dw", 1, None)])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    want_ops = ["FusedConvWeightGrad"] + ([] if absorbed else ["Slice"])
+    assert [st.node.op_type for st in fused.steps] == want_ops
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3, 8, 11, 12)).astype(np.float32)
+    dy = rng.standard_normal((3, 5, 6, 6)).astype(np.float32)
+    got, want = fused.run({"x": x, "dy": dy})[0], plain.run({"x": x, "dy": dy})[0]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", [k for k in CONV_TRANSPOSE if "phases" in k])

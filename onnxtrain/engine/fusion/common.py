@@ -130,6 +130,38 @@ def swapped_conv(steps: Sequence[Step], prod: dict[int, int], last: Step) -> int
     return c if (steps[c].attrs.get("auto_pad") or "NOTSET") == "NOTSET" else None
 
 
+def _ints(v: Any) -> list[int]:
+    return [int(i) for i in np.asarray(v).reshape(-1)]
+
+
+def prefix_crop(plan: Plan, step: Step) -> dict[int, int] | None:
+    """For a Slice that keeps the first ``end`` entries of each axis it names (constant starts of 0, steps of
+    1, ends of 0 or more): axis → end, the axes as the node gives them (negative ones too); else None."""
+    if step.node.op_type != "Slice":
+        return None
+    if len(step.inputs) == 1:  # Slice-1: the attributes
+        starts, ends = step.attrs.get("starts"), step.attrs.get("ends")
+        axes, stepping = step.attrs.get("axes"), None
+    else:
+        given = [s for s in step.inputs[1:] if s >= 0]
+        values = [constant_of(plan, s) if s >= 0 else None for s in step.inputs[1:]]
+        if len(given) != sum(v is not None for v in values) or len(values) < 2:
+            return None  # a bound read at run time
+        starts, ends = values[0], values[1]
+        axes = values[2] if len(values) > 2 else None
+        stepping = values[3] if len(values) > 3 else None
+    if starts is None or ends is None:
+        return None
+    starts, ends = _ints(starts), _ints(ends)
+    axes = list(range(len(starts))) if axes is None else _ints(axes)
+    if stepping is not None and any(v != 1 for v in _ints(stepping)):
+        return None
+    if not len(starts) == len(ends) == len(axes) or any(starts) or min(ends, default=0) < 0:
+        return None
+    crop = dict(zip(axes, ends, strict=True))
+    return crop if len(crop) == len(axes) else None
+
+
 def attr_key(node: onnx.NodeProto) -> bytes:
     return b"".join(a.SerializeToString(deterministic=True) for a in node.attribute)
 

@@ -14,6 +14,7 @@ from onnxtrain.engine.fusion.common import (
     constant_of,
     consumers,
     make_step,
+    prefix_crop,
     producers,
     protected_slots,
     run_steps,
@@ -122,25 +123,31 @@ def fuse_conv_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
         ):
             continue
         members = [steps[tx], steps[tdy], conv, last]
-        replace[k] = make_step(
-            plan,
-            "FusedConvWeightGrad",
-            members,
-            (steps[tx].inputs[0], steps[tdy].inputs[0]),
-            last.outputs,
-            _conv_weight_grad(plan, members),
-        )
+        # a strided Conv's gradient keeps the first k taps of a longer kernel: only those are computed
+        after = cons.get(last.outputs[0], [])
+        crop = prefix_crop(plan, steps[after[0]]) if len(after) == 1 and last.outputs[0] not in kept else None
+        at, ins = k, (steps[tx].inputs[0], steps[tdy].inputs[0])
+        if crop is not None:
+            at = after[0]
+            members.append(steps[at])
+            ins += tuple(steps[at].inputs[1:])  # its bounds, for the unfused steps
+            drop.add(k)
+        replace[at] = make_step(plan, "FusedConvWeightGrad", members, ins, members[-1].outputs,
+                                _conv_weight_grad(plan, members, crop))
         drop.update((tx, tdy, c))
     return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
 
 
-def _conv_weight_grad(plan: Plan, members: list[Step]) -> Callable:
-    tx, tdy, conv, last = members
+def _conv_weight_grad(plan: Plan, members: list[Step], crop: dict[int, int] | None) -> Callable:
+    """The fused step's kernel; ``crop``: the Slice after it (members[-1]) as axis → end, or None."""
+    tx, tdy, conv = members[:3]
     at = conv.attrs
 
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
-        x, dy = inputs
+        x, dy = inputs[:2]
         nd = x.ndim - 2
+        axes = {} if crop is None else {a + x.ndim if a < 0 else a: e for a, e in crop.items()}
+        limit = [axes.get(2 + i) for i in range(nd)]
         strides = list(at.get("strides") or [1] * nd)  # the forward conv's dilations
         dil = list(at.get("dilations") or [1] * nd)  # the forward conv's strides
         pads = list(at.get("pads") or [0] * (2 * nd))
@@ -153,29 +160,36 @@ def _conv_weight_grad(plan: Plan, members: list[Step]) -> Callable:
             and len(strides) == nd
             and len(dil) == nd
             and len(pads) == 2 * nd
+            and all(0 <= a < x.ndim for a in axes)  # else the Slice itself says what is wrong
         ):
             grad = _weight_grad_2d if nd == 2 else _weight_grad_nd
-            dw = grad(x, dy, strides, dil, pads)
+            dw = grad(x, dy, strides, dil, pads, limit)
             if dw is not None:
+                if any(a < 2 for a in axes):  # a crop of the channels too
+                    return (np.ascontiguousarray(dw[tuple(slice(0, axes.get(a)) for a in range(dw.ndim))]),)
                 return (dw,)
         env = {tx.inputs[0]: inputs[0], tdy.inputs[0]: inputs[1]}
+        if crop is not None:
+            env.update(zip(members[-1].inputs[1:], inputs[2:], strict=True))
         run_steps(plan, members, env)
-        return (env[last.outputs[0]],)
+        return (env[members[-1].outputs[0]],)
 
     return run
 
 
 def _weight_grad_2d(x: np.ndarray, dy: np.ndarray, strides: list[int], dil: list[int],
-                    pads: list[int]) -> np.ndarray | None:
+                    pads: list[int], limit: list[int | None]) -> np.ndarray | None:
     """A 2-D Conv's weight gradient (``strides``: the forward conv's dilations, ``dil`` its strides) by the
-    GEMMs that suit its shape; None when the unfused nodes must run."""
+    GEMMs that suit its shape, each kernel axis cut to its ``limit`` (None: whole); None when the unfused
+    nodes must run."""
     if any(pads):
         x = _padded(x, pads)
     n, ci, h, w = x.shape
     oh, ow = dy.shape[2:]
-    kh, kw = _kernel_dims(x.shape[2:], dy.shape[2:], strides, dil)
-    # (position for position: a strided 1×1 kernel over more rows than dY has reads every s-th)
-    if kh == kw == 1 and dil == [1, 1] and (h, w) == (oh, ow) and oh * ow >= POINTWISE_MIN_POSITIONS:
+    kh, kw = _kernel_dims(x.shape[2:], dy.shape[2:], strides, dil, limit)
+    if kh == kw == 1 and oh * ow >= POINTWISE_MIN_POSITIONS:  # a 1×1 kernel reads every dil-th position
+        if (h, w) != (oh, ow) or dil != [1, 1]:
+            x = x[:, :, : (oh - 1) * dil[0] + 1 : dil[0], : (ow - 1) * dil[1] + 1 : dil[1]]
         return _pointwise_weight_grad(x, dy)
     if _shifted_grad_fits(x, dy, [kh, kw], dil):
         dw = _weight_grad_shifted(x, dy, [kh, kw], strides)
@@ -197,14 +211,15 @@ def _weight_grad_2d(x: np.ndarray, dy: np.ndarray, strides: list[int], dil: list
 
 
 def _weight_grad_nd(x: np.ndarray, dy: np.ndarray, strides: list[int], dil: list[int],
-                    pads: list[int]) -> np.ndarray | None:
+                    pads: list[int], limit: list[int | None]) -> np.ndarray | None:
     """A 1-D or 3-D+ Conv's weight gradient by shifted GEMMs when its forward strides are 1 and its
-    channels and products fit them, by channels-last patches when it is strided and large enough; else None
-    (the unfused Conv: see kernels/conv.py's per-output GEMMs)."""
+    channels and products fit them, by channels-last patches when it is strided and large enough, each
+    kernel axis cut to its ``limit``; else None (the unfused Conv: see kernels/conv.py's per-output GEMMs)."""
     nd = x.ndim - 2
     padded = [x.shape[2 + i] + pads[i] + pads[nd + i] for i in range(nd)]
-    k = _kernel_dims(padded, dy.shape[2:], strides, dil)
-    patch_values = x.shape[0] * x.shape[1] * int(np.prod(dy.shape[2:])) * int(np.prod(k))
+    k = _kernel_dims(padded, dy.shape[2:], strides, dil, limit)
+    whole = _kernel_dims(padded, dy.shape[2:], strides, dil, [None] * nd)  # what the unfused Conv computes
+    patch_values = x.shape[0] * x.shape[1] * int(np.prod(dy.shape[2:])) * int(np.prod(whole))
     # windows when strided (the shifted GEMMs need stride 1) or 3-D+ (faster than them at stride 1 too)
     windows = nd >= PATCHES_ND_STRIDE_1_RANK or any(d != 1 for d in dil)
     if windows and min(k) > 0 and patch_values >= PATCHES_ND_MIN_VALUES:
@@ -233,10 +248,12 @@ def _padded(x: np.ndarray, pads: list[int]) -> np.ndarray:
     return np.pad(x, ((0, 0), (0, 0), *zip(pads[:nd], pads[nd:], strict=True)))
 
 
-def _kernel_dims(padded: Sequence[int], out: Sequence[int], strides: list[int], dil: list[int]) -> list[int]:
+def _kernel_dims(padded: Sequence[int], out: Sequence[int], strides: list[int], dil: list[int],
+                 limit: Sequence[int | None]) -> list[int]:
     """The forward kernel's dims from the padded input's and the output gradient's (``strides``: the forward
-    conv's dilations, ``dil`` its strides)."""
-    return [(p - d * (o - 1) - 1) // s + 1 for p, o, s, d in zip(padded, out, strides, dil, strict=True)]
+    conv's dilations, ``dil`` its strides), each at most its ``limit`` (None: no limit)."""
+    dims = [(p - d * (o - 1) - 1) // s + 1 for p, o, s, d in zip(padded, out, strides, dil, strict=True)]
+    return [v if c is None else min(v, c) for v, c in zip(dims, limit, strict=True)]
 
 
 def _shifted_grad_fits(x: np.ndarray, dy: np.ndarray, k: list[int], dil: list[int]) -> bool:
