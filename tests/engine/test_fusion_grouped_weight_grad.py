@@ -56,6 +56,8 @@ CASES = [
     ((8, 16, 8, 8), 1, (7, 7), [1, 1], [1, 1], [3, 3, 3, 3]),
     ((2, 6, 80), 1, (5,), [2], [1], [2, 2]),
     ((2, 4, 9, 8, 10), 1, (3, 3, 3), [1, 2, 1], [1, 1, 1], [1, 1, 1, 1, 1, 1]),
+    # strided with no end pads: computing only the kernel's taps means reading less of X (fusion's _cut)
+    ((3, 6, 21, 22), 1, (3, 3), [2, 2], [1, 1], [1, 1, 0, 0]),
 ]
 
 
@@ -95,6 +97,25 @@ def test_depthwise_weight_grad_fused(case, threads, monkeypatch) -> None:
     want_dx, want_dw = torch_grads(x.astype(np.float64), w.astype(np.float64), c, s, d, p)
     np.testing.assert_allclose(dw, want_dw, rtol=2e-5, atol=2e-5 * np.abs(want_dw).max())
     np.testing.assert_allclose(dx, want_dx, rtol=2e-5, atol=2e-5 * np.abs(want_dx).max())
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if max(c[3]) > 1], ids=str)
+def test_strided_weight_grad_computes_only_the_kernel(case, monkeypatch) -> None:
+    """A strided Conv's weight gradient is a longer kernel the gradient builder crops with a Slice: the fused
+    step takes the Slice in and the depthwise kernels compute the kernel's own taps (values: above)."""
+    from onnxtrain.engine.kernels import depthwise
+
+    xs, mult, k, s, d, p = case
+    outs: list[list[int]] = []
+    real = depthwise.weight_grad_planes
+    monkeypatch.setattr(depthwise, "weight_grad_planes",
+                        lambda xv, wv, g: outs.append(g["out"]) or real(xv, wv, g))
+    grads = conv_loss_grads(xs, (xs[1] * mult, 1, *k), xs[1], s, d, p)
+    assert "Slice" in [n.op_type for n in grads.graph.node]
+    fused = Plan(grads)
+    assert "Slice" not in [st.node.op_type for st in fused.steps]
+    fused.run({"x": np.random.default_rng(4).standard_normal(xs).astype(np.float32)})
+    assert outs == [list(k)]
 
 
 def test_float64_matches_torch() -> None:

@@ -22,6 +22,7 @@ from onnxtrain.engine.fusion.common import (
     constant_of,
     consumers,
     make_step,
+    prefix_crop,
     producers,
     protected_slots,
     run_steps,
@@ -62,8 +63,17 @@ def fuse_grouped_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
         members = [steps[i] for i in chain] + [conv, last]
         inner = {steps[a].outputs[0] for a, _ in links}
         ins = tuple(dict.fromkeys(s for m in members[:-2] for s in m.inputs if s not in inner))
-        replace[k] = make_step(plan, "FusedDepthwiseWeightGrad", members, ins, last.outputs,
-                               _weight_grad(plan, members, ins, group, da[1], (xa[2], da[2])))
+        # a strided Conv's gradient keeps the first k taps of a longer kernel: only those are computed
+        after = cons.get(last.outputs[0], [])
+        crop = prefix_crop(plan, steps[after[0]]) if len(after) == 1 and last.outputs[0] not in kept else None
+        at = k
+        if crop is not None:
+            at = after[0]
+            members.append(steps[at])
+            ins = tuple(dict.fromkeys((*ins, *(s for s in steps[at].inputs[1:] if s >= 0))))
+            drop.add(k)
+        replace[at] = make_step(plan, "FusedDepthwiseWeightGrad", members, ins, members[-1].outputs,
+                                _weight_grad(plan, members, ins, group, da[1], (xa[2], da[2]), crop))
         drop.update((*chain, c))
     return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
 
@@ -93,28 +103,31 @@ def _laid_out(plan: Plan, steps: list[Step], prod: dict[int, int], slot: int, pe
 
 
 def _weight_grad(plan: Plan, members: list[Step], ins: tuple[int, ...], group: int, per_group: int,
-                 shapes: tuple[list[int], list[int]]) -> Callable:
-    conv, last = members[-2], members[-1]
+                 shapes: tuple[list[int], list[int]], crop: dict[int, int] | None) -> Callable:
+    """The fused step's kernel; ``crop``: the Slice after the Transpose (the last member) as axis → end, or
+    None (then the Conv and the Transpose are the last two members)."""
+    conv = members[-3] if crop is not None else members[-2]
     at: Attrs = conv.attrs
     x_at, dy_at = ins.index(members[0].inputs[0]), ins.index(members[3].inputs[0])
 
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         x, dy = inputs[x_at], inputs[dy_at]
-        y = _direct(x, dy, at, group, per_group, shapes)
+        y = _direct(x, dy, at, group, per_group, shapes, crop)
         if y is not None:
             return (y,)
         env = dict(zip(ins, inputs, strict=True))
         run_steps(plan, members, env)
-        return (env[last.outputs[0]],)
+        return (env[members[-1].outputs[0]],)
 
     return run
 
 
-def _direct(x: Any, dy: Any, at: Attrs, group: int, mg: int,
-            shapes: tuple[list[int], list[int]]) -> np.ndarray | None:
+def _direct(x: Any, dy: Any, at: Attrs, group: int, mg: int, shapes: tuple[list[int], list[int]],
+            crop: dict[int, int] | None) -> np.ndarray | None:
     """The weight gradient (M, 1, k…) of a depthwise Conv with input ``x`` (N, G, S…) and output gradient
-    ``dy`` (N, G·mg, O…) by the depthwise kernels, or None where they do not take it (or where the
-    Reshapes' ``shapes`` would not lay them out as (1, G·N, S…) and (M, N, O…))."""
+    ``dy`` (N, G·mg, O…) by the depthwise kernels, its kernel axes cut to the ends ``crop`` gives, or None
+    where they do not take it (or where the Reshapes' ``shapes`` would not lay them out as (1, G·N, S…) and
+    (M, N, O…), or the crop is not of the kernel's axes alone)."""
     if (type(x) is not np.ndarray or type(dy) is not np.ndarray or x.ndim < 3 or dy.ndim != x.ndim
             or x.dtype != dy.dtype or x.shape[0] != dy.shape[0] or x.shape[1] != group
             or dy.shape[1] != group * mg):
@@ -123,10 +136,36 @@ def _direct(x: Any, dy: Any, at: Attrs, group: int, mg: int,
     if (shapes[0] not in ([1, -1, *sp], [1, group * n, *sp])
             or shapes[1] not in ([m, -1, *osp], [m, n, *osp])):
         return None
+    axes = {} if crop is None else {a + x.ndim if a < 0 else a: e for a, e in crop.items()}
+    if any(not 2 <= a < x.ndim for a in axes):
+        return None
+    xs = x.swapaxes(0, 1)
     try:
         g = conv_geometry(at, (1, group * n) + sp, (m, n) + osp)
+        if any(axes.get(2 + i, o) < o for i, o in enumerate(g["out"])):
+            cut, xs = _cut(at, g, [axes.get(2 + i) for i in range(len(sp))], xs)
+            g = conv_geometry(cut, (1, group * n) + xs.shape[2:], (m, n) + osp)
     except ValueError:
         return None  # let the Conv itself say what is wrong
     wv = dy.reshape((n, group, mg) + osp).transpose((1, 2, 0) + tuple(range(3, 3 + len(osp))))
-    y = depthwise.weight_grad_planes(x.swapaxes(0, 1), wv, g)
+    y = depthwise.weight_grad_planes(xs, wv, g)
     return None if y is None else y.reshape((m, 1) + y.shape[1:])
+
+
+def _cut(at: Attrs, g: dict[str, Any], limit: list[int | None], xs: np.ndarray) -> tuple[Attrs, np.ndarray]:
+    """The weight-gradient Conv of geometry ``g`` (attributes ``at``) made to compute only its first
+    ``limit`` outputs per axis (None: all): its end pads less the inputs the dropped outputs alone read, and
+    where those pads run out, ``xs`` (group, cg, S…) cut short; returns its attributes and the cut input."""
+    nd = g["nd"]
+    pe = [int(v) for v in (at.get("pads") or [0] * 2 * nd)[nd:]]
+    sizes = list(xs.shape[2:])
+    for i, c in enumerate(limit):
+        if c is not None and c < g["out"][i]:
+            pe[i] -= (g["out"][i] - c) * g["strides"][i]
+            if pe[i] < 0:
+                sizes[i] += pe[i]
+                pe[i] = 0
+    pads = [*g["pb"], *pe]
+    cut = at.cached(("cut", tuple(pads)), lambda: Attrs(
+        {"pads": pads, "strides": g["strides"], "dilations": g["dil"], "group": g["group"]}))
+    return cut, xs[(Ellipsis, *(slice(0, s) for s in sizes))]
