@@ -71,7 +71,7 @@ def _oracle(x: np.ndarray, w: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
 @pytest.fixture
 def any_size(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Every strided float ConvTranspose takes the shifted GEMMs; the list counts their calls."""
-    for name in ("MIN_CHANNELS_PER_GROUP", "MIN_COLUMNS", "MIN_MACS"):
+    for name in ("MIN_CHANNELS_PER_GROUP", "MIN_COLUMNS", "MIN_MACS", "MIN_OFFSETS"):
         monkeypatch.setattr(shifts, name, 0)
     calls: list[int] = []
     real = shifts.conv_transpose
@@ -165,6 +165,22 @@ def test_path_by_shape(xs, ws, attrs, taken, monkeypatch) -> None:
     x, w = rng.standard_normal(xs, dtype=np.float32), rng.standard_normal(ws, dtype=np.float32)
     conv_kernels.conv_transpose([x, w], Attrs(dict(attrs)))
     assert calls == ([1] if taken else [])
+
+
+@pytest.mark.parametrize("attrs", [{"strides": [2, 2]}, {"strides": [2, 3], "pads": [1, 0, 0, 2],
+                                                       "output_padding": [1, 2]}], ids=["plain", "pads"])
+def test_strided_one_by_one_kernel_takes_col2im(attrs: dict[str, Any]) -> None:
+    """A 1×1 kernel (a strided 1×1 Conv's input gradient) has a single offset: col2im's one strided copy,
+    not the shifted GEMMs, however large; the values against torch."""
+    xs, ws = (8, 32, 16, 16), (32, 16, 1, 1)
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal(xs).astype(np.float32), rng.standard_normal(ws).astype(np.float32)
+    g = conv_kernels._convt_geometry(Attrs(dict(attrs)), xs, ws)
+    assert x.size * g["mg"] >= shifts.MIN_MACS and not shifts.fits(x, g)
+    got = conv_kernels.conv_transpose([x, w], Attrs(dict(attrs)))[0]
+    want = _oracle(x.astype(np.float64), w.astype(np.float64), attrs)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
 def test_one_node_model_with_bias_matches_onnxruntime() -> None:

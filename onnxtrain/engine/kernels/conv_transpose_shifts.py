@@ -30,6 +30,10 @@ from onnxtrain.engine.cblas import gemm
 MIN_CHANNELS_PER_GROUP = 8  # input channels: the GEMMs' inner dimension
 MIN_COLUMNS = 32  # last-axis stride × output channels per group: the GEMMs' width
 MIN_MACS = 1 << 19  # multiply-adds: below, the per-GEMM calls cost more than the strided adds
+# a 1×1 kernel (a strided 1×1 Conv's input gradient: ResNet's projection shortcut) has one offset, whose one
+# strided copy col2im makes anyway: 2 cores, ms, shifts / col2im: 32 × 32 × 16² → 16, 4.75 / 0.24; 32 × 64 ×
+# 8² → 32, 0.43 / 0.18; 16 × 144 × 8² → 24, 0.31 / 0.11 (3×3 kernels keep the shifts: 1.23 / 2.36)
+MIN_OFFSETS = 2
 
 
 def fits(x: np.ndarray, g: dict[str, Any]) -> bool:
@@ -38,7 +42,7 @@ def fits(x: np.ndarray, g: dict[str, Any]) -> bool:
     s = g["strides"]
     return (any(v > 1 for v in s) and x.dtype in (np.float32, np.float64)
             and g["cg"] >= MIN_CHANNELS_PER_GROUP and s[-1] * g["mg"] >= MIN_COLUMNS
-            and x.size * g["mg"] * g["K"] >= MIN_MACS)
+            and x.size * g["mg"] * g["K"] >= MIN_MACS and g["K"] >= MIN_OFFSETS)
 
 
 def _row_layout(n: int, ins: list[int], ext: list[int]) -> tuple[list[int], list[int], list[int]]:
