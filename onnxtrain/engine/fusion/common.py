@@ -162,6 +162,24 @@ def prefix_crop(plan: Plan, step: Step) -> dict[int, int] | None:
     return crop if len(crop) == len(axes) else None
 
 
+def crop_after(plan: Plan, steps: Sequence[Step], cons: dict[int, list[int]], kept: set[int],
+               k: int) -> tuple[int, dict[int, int]] | None:
+    """When step ``k``'s output (not a graph output) is read by one step alone, a Slice keeping a prefix
+    (:func:`prefix_crop`): that Slice's index and crop; else None. (A strided Conv's weight gradient, as the
+    gradient builder writes it, is a longer kernel cut so.)"""
+    out = steps[k].outputs[0]
+    after = cons.get(out, [])
+    if len(after) != 1 or out in kept:
+        return None
+    crop = prefix_crop(plan, steps[after[0]])
+    return None if crop is None else (after[0], crop)
+
+
+def crop_axes(crop: dict[int, int] | None, rank: int) -> dict[int, int]:
+    """A :func:`prefix_crop`'s ends by axis of a tensor of ``rank``, negative axes counted from the end."""
+    return {} if crop is None else {a + rank if a < 0 else a: e for a, e in crop.items()}
+
+
 def attr_key(node: onnx.NodeProto) -> bytes:
     return b"".join(a.SerializeToString(deterministic=True) for a in node.attribute)
 

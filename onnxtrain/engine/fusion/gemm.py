@@ -13,8 +13,9 @@ from onnxtrain.engine.fusion.common import (
     SWAP01,
     constant_of,
     consumers,
+    crop_after,
+    crop_axes,
     make_step,
-    prefix_crop,
     producers,
     protected_slots,
     run_steps,
@@ -123,12 +124,10 @@ def fuse_conv_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
         ):
             continue
         members = [steps[tx], steps[tdy], conv, last]
-        # a strided Conv's gradient keeps the first k taps of a longer kernel: only those are computed
-        after = cons.get(last.outputs[0], [])
-        crop = prefix_crop(plan, steps[after[0]]) if len(after) == 1 and last.outputs[0] not in kept else None
-        at, ins = k, (steps[tx].inputs[0], steps[tdy].inputs[0])
-        if crop is not None:
-            at = after[0]
+        at, ins, crop = k, (steps[tx].inputs[0], steps[tdy].inputs[0]), None
+        found = crop_after(plan, steps, cons, kept, k)  # then only the kernel's own taps are computed
+        if found is not None:
+            at, crop = found
             members.append(steps[at])
             ins += tuple(steps[at].inputs[1:])  # its bounds, for the unfused steps
             drop.add(k)
@@ -146,7 +145,7 @@ def _conv_weight_grad(plan: Plan, members: list[Step], crop: dict[int, int] | No
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         x, dy = inputs[:2]
         nd = x.ndim - 2
-        axes = {} if crop is None else {a + x.ndim if a < 0 else a: e for a, e in crop.items()}
+        axes = crop_axes(crop, x.ndim)
         limit = [axes.get(2 + i) for i in range(nd)]
         strides = list(at.get("strides") or [1] * nd)  # the forward conv's dilations
         dil = list(at.get("dilations") or [1] * nd)  # the forward conv's strides

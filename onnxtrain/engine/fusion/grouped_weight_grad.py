@@ -21,8 +21,9 @@ import numpy as np
 from onnxtrain.engine.fusion.common import (
     constant_of,
     consumers,
+    crop_after,
+    crop_axes,
     make_step,
-    prefix_crop,
     producers,
     protected_slots,
     run_steps,
@@ -63,12 +64,10 @@ def fuse_grouped_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
         members = [steps[i] for i in chain] + [conv, last]
         inner = {steps[a].outputs[0] for a, _ in links}
         ins = tuple(dict.fromkeys(s for m in members[:-2] for s in m.inputs if s not in inner))
-        # a strided Conv's gradient keeps the first k taps of a longer kernel: only those are computed
-        after = cons.get(last.outputs[0], [])
-        crop = prefix_crop(plan, steps[after[0]]) if len(after) == 1 and last.outputs[0] not in kept else None
-        at = k
-        if crop is not None:
-            at = after[0]
+        at, crop = k, None
+        found = crop_after(plan, steps, cons, kept, k)  # then only the kernel's own taps are computed
+        if found is not None:
+            at, crop = found
             members.append(steps[at])
             ins = tuple(dict.fromkeys((*ins, *(s for s in steps[at].inputs[1:] if s >= 0))))
             drop.add(k)
@@ -136,7 +135,7 @@ def _direct(x: Any, dy: Any, at: Attrs, group: int, mg: int, shapes: tuple[list[
     if (shapes[0] not in ([1, -1, *sp], [1, group * n, *sp])
             or shapes[1] not in ([m, -1, *osp], [m, n, *osp])):
         return None
-    axes = {} if crop is None else {a + x.ndim if a < 0 else a: e for a, e in crop.items()}
+    axes = crop_axes(crop, x.ndim)
     if any(not 2 <= a < x.ndim for a in axes):
         return None
     xs = x.swapaxes(0, 1)
