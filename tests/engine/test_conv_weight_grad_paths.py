@@ -216,6 +216,26 @@ def test_fused_weight_grad_takes_in_only_a_prefix_slice(starts, steps, absorbed)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_weight_grad_takes_in_slice_1() -> None:
+    """Slice-1 (opset < 10) gives its bounds as attributes: the same prefix crop."""
+    n = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2, 3]),
+         helper.make_node("Transpose", ["dy"], ["dyt"], perm=[1, 0, 2, 3]),
+         helper.make_node("Conv", ["xt", "dyt"], ["c"], dilations=[2, 2], pads=[1, 1, 1, 1]),
+         helper.make_node("Transpose", ["c"], ["dwl"], perm=[1, 0, 2, 3]),
+         helper.make_node("Slice", ["dwl"], ["dw"], starts=[0, 0], ends=[3, 3], axes=[2, 3])]
+    graph = helper.make_graph(n, "g", [helper.make_tensor_value_info(v, 1, None) for v in ("x", "dy")],
+                              [helper.make_tensor_value_info("dw", 1, None)])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], ir_version=4)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert [st.node.op_type for st in fused.steps] == ["FusedConvWeightGrad"]
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 8, 11, 12)).astype(np.float32)
+    dy = rng.standard_normal((3, 5, 6, 6)).astype(np.float32)
+    got, want = fused.run({"x": x, "dy": dy})[0], plain.run({"x": x, "dy": dy})[0]
+    assert got.shape == want.shape == (5, 8, 3, 3)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", [k for k in CONV_TRANSPOSE if "phases" in k])
 def test_strided_3d_conv_transpose_by_phases_gives_the_strided_adds_bits(case: str, monkeypatch) -> None:
     """col2im by stride phases adds the same values in the same order as the strided adds: the same bits."""
