@@ -232,6 +232,41 @@ def test_grouped_and_wide_conv_by_shifted_gemms(case, monkeypatch) -> None:
     _close(y, _ort("Conv", x, w, attrs))
 
 
+# x shape, W shape, group, dilations, pads, whether the padding is shared (else the plain layout)
+SHARED_PADS = [
+    ((8, 32, 8, 8), (32, 32, 3, 3), 1, (1, 1), (1, 1, 1, 1), True),
+    ((3, 16, 9, 7), (8, 16, 3, 3), 1, (1, 1), (2, 1, 1, 1), True),  # uneven
+    ((3, 16, 9, 7), (8, 16, 3, 3), 1, (1, 1), (2, 0, 0, 1), False),  # each axis padded on one side only
+    ((2, 16, 11, 10), (16, 16, 3, 3), 1, (2, 2), (2, 1, 1, 2), True),  # dilated
+    ((16, 64, 16, 15), (64, 16, 3, 3), 4, (1, 1), (1, 1, 1, 1), True),  # grouped
+    ((2, 16, 5, 6, 4), (16, 16, 3, 3, 3), 1, (1, 1, 1), (1, 1, 0, 1, 1, 2), True),  # 3-D
+    ((2, 16, 8, 8), (16, 16, 3, 3), 1, (1, 1), (0, 0, 0, 0), False),  # no pads to share
+    ((2, 16, 8, 8), (16, 16, 3, 3), 1, (1, 1), (3, 1, 3, 1), False),  # pads past the kernel: rows too long
+]
+
+
+@pytest.mark.parametrize("case", SHARED_PADS, ids=str)
+def test_shifted_gemms_share_the_padding(case, monkeypatch) -> None:
+    """Neighbouring rows and images share their zero padding in the shifted GEMMs' layout: the same sums as
+    the plain layout (bit for bit), and onnxruntime's values."""
+    xs, ws, group, d, p, shared = case
+    nd = len(xs) - 2
+    seen = _spy(monkeypatch, conv_kernels, "_shifted_conv")
+    x, w = _data(6, xs, ws)
+    attrs = {"group": group, "dilations": list(d), "pads": list(p)}
+    y = _ours("Conv", x, w, attrs)
+    assert len(seen) == 1 and (seen[0]["shared"] is not None) == shared
+    if shared:  # fewer positions than the plain layout's padded planes
+        assert np.prod(seen[0]["shared"]["pitch"]) < np.prod(seen[0]["sizes"])
+    monkeypatch.setattr(conv_kernels, "_shared_pads", lambda *a: None)
+    np.testing.assert_array_equal(y, _ours("Conv", x, w, attrs))
+    pads = [v for i in reversed(range(nd)) for v in (p[i], p[nd + i])]
+    conv = F.conv2d if nd == 2 else F.conv3d
+    want = conv(F.pad(torch.tensor(x, dtype=torch.float64), pads), torch.tensor(w, dtype=torch.float64),
+                dilation=list(d), groups=group)
+    _close(y, want.numpy().astype(np.float32))
+
+
 # x shape, W shape, group, pads: grouped Convs with too little work per group and kernel offset for one GEMM
 # call each (engine/kernels/conv.py SHIFTED_MIN_GROUP_WORK): im2col and one batched matmul
 FEW_PER_GROUP = [
