@@ -283,6 +283,16 @@ FORWARD = {
     "3d-rows": ((4, 4, 8, 8, 8), (16, 4, 3, 3, 3), {"pads": [1] * 6}, "rows"),
     "3d-shifted": ((4, 16, 8, 8, 8), (16, 16, 3, 3, 3), {"pads": [1, 0, 1, 1, 2, 0]}, "shifted"),
     "2d-rows-dilated": ((4, 4, 20, 20), (8, 4, 3, 3), {"dilations": [4, 4]}, "rows"),
+    # at most conv.ONE_GEMM_WINDOWS_MAX_COLUMNS outputs an image: the batch's windows as one GEMM's columns
+    "2d-strided-small-planes": ((8, 16, 16, 16), (32, 16, 3, 3), {"strides": [2, 2], "pads": [1] * 4},
+                                "one_gemm"),
+    "1d-strided-one-gemm": ((8, 16, 40), (8, 16, 5), {"strides": [2], "pads": [2, 1]}, "one_gemm"),
+    "3d-strided-one-gemm": ((4, 4, 7, 7, 7), (8, 4, 3, 3, 3), {"strides": [2] * 3, "pads": [1] * 6},
+                            "one_gemm"),
+    "2d-wide-dilated-one-gemm": ((4, 80, 6, 7), (64, 80, 3, 3), {"dilations": [2, 1], "pads": [2, 1, 1, 0]},
+                                 "one_gemm"),
+    "2d-one-image-windows": ((1, 16, 16, 16), (32, 16, 3, 3), {"strides": [2, 2], "pads": [1] * 4},
+                             "windows"),
 }
 
 
@@ -297,19 +307,26 @@ def _ort_conv(x: np.ndarray, w: np.ndarray, attrs: dict[str, Any]) -> np.ndarray
 
 
 def _count_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts of the Conv kernel's per-output GEMMs, im2col by windows and by rows and shifted GEMMs, from
-    now on."""
-    seen = {"per_output": 0, "windows": 0, "rows": 0, "shifted": 0}
+    """Counts of the Conv kernel's per-output GEMMs, im2col by windows and by rows, shifted GEMMs and the one
+    GEMM over the batch's windows, from now on."""
+    seen = {"per_output": 0, "windows": 0, "rows": 0, "shifted": 0, "one_gemm": 0}
     per_output, im2col = conv_kernels._per_output_conv, conv_kernels._im2col_conv
-    shifted = conv_kernels._shifted_conv
+    shifted, one_gemm = conv_kernels._shifted_conv, conv_kernels._one_gemm_windows
 
     def count_per_output(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
         seen["per_output"] += 1
         return per_output(x, w, g)
 
     def count_im2col(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
-        seen["rows" if g["flat_cols"] else "windows"] += 1
-        return im2col(x, w, g)
+        before = seen["one_gemm"]
+        y = im2col(x, w, g)
+        if seen["one_gemm"] == before:
+            seen["rows" if g["flat_cols"] else "windows"] += 1
+        return y
+
+    def count_one_gemm(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+        seen["one_gemm"] += 1
+        return one_gemm(x, w, g)
 
     def count_shifted(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
         seen["shifted"] += 1
@@ -318,6 +335,7 @@ def _count_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     monkeypatch.setattr(conv_kernels, "_per_output_conv", count_per_output)
     monkeypatch.setattr(conv_kernels, "_shifted_conv", count_shifted)
     monkeypatch.setattr(conv_kernels, "_im2col_conv", count_im2col)
+    monkeypatch.setattr(conv_kernels, "_one_gemm_windows", count_one_gemm)
     return seen
 
 

@@ -97,6 +97,13 @@ PER_OUTPUT_MIN_COLUMNS = 1 << 18
 # 1×1 to 1280 channels 1.9 → 0.56, 16 × 960 × 2² to 320 1.4 → 0.43); at 4² the transposes cost about what the
 # GEMM saves (16 × 96 × 4² to 576: 0.24 → 0.26)
 ONE_GEMM_MAX_COLUMNS = 4
+# ... and with a kernel (or stride) to take windows of, up to this many output positions an image: the windows
+# copied straight into columns laid (C·K, N·L), no transposing copy after (_one_gemm_windows). 2 cores, ms,
+# medians of 9 interleaved rounds, a GEMM per image → one: 32 × 32 × 16² to 64 at stride 2 (ResNet's) 1.89 →
+# 1.37, 32 × 128 × 8² to 256 at stride 2 4.07 → 3.30, 16 × 144 × 16² to 24 at stride 2 3.45 → 2.50, 16 × 256
+# × 7² to 256 (stride 1, too wide for the shifted GEMMs) 10.8 → 8.0; even from 196 positions (16 × 64 × 28²
+# at stride 2 4.17 / 4.04, 32 × 16 × 32² at stride 2 1.97 / 1.97)
+ONE_GEMM_WINDOWS_MAX_COLUMNS = 64
 
 
 def _conv_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> dict[str, Any]:
@@ -325,10 +332,24 @@ def _one_gemm(wm: np.ndarray, cols: np.ndarray, g: dict[str, Any]) -> np.ndarray
     return np.ascontiguousarray(y).reshape((n, g["m"]) + tuple(g["out"]))
 
 
+def _one_gemm_windows(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
+    """Conv without bias, group 1, as one GEMM of W (M, C·K) with every image's windows copied into columns
+    laid (C, *kernel, N, *out)."""
+    n, c = x.shape[:2]
+    nd = g["nd"]
+    win = _windows(pad_input(x, g["pb"], g["sizes"]), g)  # (N, C, *kernel, *out)
+    cols = np.empty((c, *g["k"], n, *g["out"]), dtype=x.dtype)
+    np.copyto(cols, win.transpose((1, *range(2, 2 + nd), 0, *range(2 + nd, 2 + 2 * nd))))
+    y = np.matmul(w.reshape(g["m"], c * g["K"]), cols.reshape(c * g["K"], n * g["L"]))
+    return np.ascontiguousarray(y.reshape((g["m"], n, *g["out"])).swapaxes(0, 1))
+
+
 def _im2col_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     """Conv without bias as im2col (on a strided view) and one batched matmul."""
     n, c = x.shape[:2]
     m, cg, group, K, L = g["m"], g["cg"], g["group"], g["K"], g["L"]
+    if group == 1 and n > 1 and L <= ONE_GEMM_WINDOWS_MAX_COLUMNS and not g["identity"]:
+        return _one_gemm_windows(x, w, g)
     if g["identity"]:  # 1x1 kernel, stride 1, no pad: X itself is the column matrix
         cols = x.reshape(n, c, L)
         cols = cols if group == 1 else cols.reshape(n, group, cg, L)
