@@ -188,50 +188,47 @@ def test_strided_weight_grads_compute_only_the_kernel(case: str, monkeypatch) ->
     assert seen == [ws[2:]]
 
 
+def _cropped_weight_grad(tail: list[onnx.NodeProto], opset: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The gradient builder's weight-gradient pattern of a 3×3 Conv at stride 2 (the swapped Conv dilated by
+    2, a 4×4 result ``dwl``), then ``tail`` making ``dw`` of it: the fused plan's op types, and ``dw`` from
+    the fused and the unfused plans."""
+    n = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2, 3]),
+         helper.make_node("Transpose", ["dy"], ["dyt"], perm=[1, 0, 2, 3]),
+         helper.make_node("Conv", ["xt", "dyt"], ["c"], dilations=[2, 2], pads=[1, 1, 1, 1]),
+         helper.make_node("Transpose", ["c"], ["dwl"], perm=[1, 0, 2, 3]), *tail]
+    graph = helper.make_graph(n, "g", [helper.make_tensor_value_info(v, 1, None) for v in ("x", "dy")],
+                              [helper.make_tensor_value_info("dw", 1, None)])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
+                          ir_version=8 if opset > 9 else 4)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    rng = np.random.default_rng(6)
+    feeds = {"x": rng.standard_normal((3, 8, 11, 12)).astype(np.float32),
+             "dy": rng.standard_normal((3, 5, 6, 6)).astype(np.float32)}
+    return [st.node.op_type for st in fused.steps], fused.run(feeds)[0], plain.run(feeds)[0]
+
+
 @pytest.mark.parametrize("starts, steps, absorbed", [([0, 0], [1, 1], True), ([1, 0], [1, 1], False),
                                                      ([0, 0], [1, 2], False)],
                          ids=["prefix", "offset", "step-2"])
 def test_fused_weight_grad_takes_in_only_a_prefix_slice(starts, steps, absorbed) -> None:
     """Only a Slice that keeps the first entries of the kernel's axes joins the fused step; the values equal
     the unfused steps' either way."""
-    n = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2, 3]),
-         helper.make_node("Transpose", ["dy"], ["dyt"], perm=[1, 0, 2, 3]),
-         helper.make_node("Conv", ["xt", "dyt"], ["c"], dilations=[2, 2], pads=[1, 1, 1, 1]),
-         helper.make_node("Transpose", ["c"], ["dwl"], perm=[1, 0, 2, 3])]
+    tail = []
     for name, v in (("starts", starts), ("ends", [3, 3]), ("axes", [-2, 3]), ("steps", steps)):
         value = numpy_helper.from_array(np.array(v, np.int64))
-        n.append(helper.make_node("Constant", [], [name], value=value))
-    n.append(helper.make_node("Slice", ["dwl", "starts", "ends", "axes", "steps"], ["dw"]))
-    graph = helper.make_graph(n, "g", [helper.make_tensor_value_info(v, 1, None) for v in ("x", "dy")],
-                              [helper.make_tensor_value_info("dw", 1, None)])
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    fused, plain = Plan(m), Plan(m, fuse=False)
-    want_ops = ["FusedConvWeightGrad"] + ([] if absorbed else ["Slice"])
-    assert [st.node.op_type for st in fused.steps] == want_ops
-    rng = np.random.default_rng(6)
-    x = rng.standard_normal((3, 8, 11, 12)).astype(np.float32)
-    dy = rng.standard_normal((3, 5, 6, 6)).astype(np.float32)
-    got, want = fused.run({"x": x, "dy": dy})[0], plain.run({"x": x, "dy": dy})[0]
+        tail.append(helper.make_node("Constant", [], [name], value=value))
+    tail.append(helper.make_node("Slice", ["dwl", "starts", "ends", "axes", "steps"], ["dw"]))
+    ops, got, want = _cropped_weight_grad(tail, 17)
+    assert ops == ["FusedConvWeightGrad"] + ([] if absorbed else ["Slice"])
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_weight_grad_takes_in_slice_1() -> None:
     """Slice-1 (opset < 10) gives its bounds as attributes: the same prefix crop."""
-    n = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2, 3]),
-         helper.make_node("Transpose", ["dy"], ["dyt"], perm=[1, 0, 2, 3]),
-         helper.make_node("Conv", ["xt", "dyt"], ["c"], dilations=[2, 2], pads=[1, 1, 1, 1]),
-         helper.make_node("Transpose", ["c"], ["dwl"], perm=[1, 0, 2, 3]),
-         helper.make_node("Slice", ["dwl"], ["dw"], starts=[0, 0], ends=[3, 3], axes=[2, 3])]
-    graph = helper.make_graph(n, "g", [helper.make_tensor_value_info(v, 1, None) for v in ("x", "dy")],
-                              [helper.make_tensor_value_info("dw", 1, None)])
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], ir_version=4)
-    fused, plain = Plan(m), Plan(m, fuse=False)
-    assert [st.node.op_type for st in fused.steps] == ["FusedConvWeightGrad"]
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal((3, 8, 11, 12)).astype(np.float32)
-    dy = rng.standard_normal((3, 5, 6, 6)).astype(np.float32)
-    got, want = fused.run({"x": x, "dy": dy})[0], plain.run({"x": x, "dy": dy})[0]
+    tail = [helper.make_node("Slice", ["dwl"], ["dw"], starts=[0, 0], ends=[3, 3], axes=[2, 3])]
+    ops, got, want = _cropped_weight_grad(tail, 9)
+    assert ops == ["FusedConvWeightGrad"]
     assert got.shape == want.shape == (5, 8, 3, 3)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
