@@ -125,18 +125,21 @@ def test_strided_depthwise_runs_by_banded_gemms(monkeypatch: pytest.MonkeyPatch,
     assert seen == [(n, c, hw, hw)] * 2
 
 
-@pytest.mark.parametrize("n,c,hw,m,k,stride,pads", [
-    (16, 64, 2, 160, 1, 1, [0, 0, 0, 0]),  # MobileNetV2's 1×1 layers over 2², fewer channels
-    (5, 24, 1, 7, 1, 1, [0, 0, 0, 0]),
-    (6, 5, 2, 12, 3, 1, [1, 1, 1, 1]),  # im2col by flattened rows, its junk columns cropped
-    (3, 8, 4, 10, 3, 2, [1, 0, 1, 1]),  # windowed im2col, stride 2 to 2²
+@pytest.mark.parametrize("n,c,hw,m,k,stride,pads,route", [
+    (16, 64, 2, 160, 1, 1, [0, 0, 0, 0], "_one_gemm"),  # MobileNetV2's 1×1 layers over 2², fewer channels
+    (5, 24, 1, 7, 1, 1, [0, 0, 0, 0], "_one_gemm"),
+    # a kernel or stride to take windows of: copied straight into the one GEMM's columns
+    (6, 5, 2, 12, 3, 1, [1, 1, 1, 1], "_one_gemm_windows"),
+    (3, 8, 4, 10, 3, 2, [1, 0, 1, 1], "_one_gemm_windows"),  # stride 2 to 2²
 ])
 def test_small_planes_of_a_batch_run_as_one_gemm(monkeypatch: pytest.MonkeyPatch, n: int, c: int, hw: int,
-                                                 m: int, k: int, stride: int, pads: list[int]) -> None:
-    seen = _spy(monkeypatch, conv_kernels, "_one_gemm")
+                                                 m: int, k: int, stride: int, pads: list[int],
+                                                 route: str) -> None:
+    seen = {name: _spy(monkeypatch, conv_kernels, name) for name in ("_one_gemm", "_one_gemm_windows")}
     attrs = dict(strides=[stride, stride], pads=pads, kernel_shape=[k, k])
     _check(n * hw, (n, c, hw, hw), (m, c, k, k), attrs)
-    assert len(seen) == 1
+    assert {name: len(calls) for name, calls in seen.items()} == {
+        name: int(name == route) for name in seen}
 
 
 def test_one_image_or_larger_planes_keep_the_batched_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
