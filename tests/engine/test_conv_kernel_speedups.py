@@ -386,3 +386,39 @@ def test_depthwise_weight_gradient_by_row_products(case, threads, monkeypatch) -
     got = got[:, :, :k[0], :k[1]]  # (the gradient graph drops the taps past a strided Conv's last window)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(got.reshape(want.shape), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+# x shape, W shape, attributes: im2col Convs whose columns pass conv.IM2COL_CHUNK_BYTES (made a few images at
+# a time: by rows, or one image at a time where an image's columns alone fill a chunk)
+IM2COL_CHUNKS = [
+    ((64, 1, 28, 28), (6, 1, 5, 5), {"pads": [2, 2, 2, 2]}),  # LeNet's conv1, by rows
+    ((9, 3, 20, 21), (8, 3, 3, 3), {"pads": [1, 0, 2, 1]}),  # by rows, uneven pads, a last short chunk
+    ((3, 3, 70, 66), (8, 3, 7, 7), {"pads": [3] * 4, "strides": [2, 2]}),  # windows, an image a chunk
+]
+
+
+@pytest.mark.parametrize("case", IM2COL_CHUNKS, ids=str)
+def test_im2col_in_chunks_of_images(case, monkeypatch) -> None:
+    """Large im2col columns are made a few images at a time: the same bits as all at once, onnxruntime's
+    values, and less memory at the peak."""
+    import tracemalloc
+
+    xs, ws, attrs = case
+    x, w = _data(7, xs, ws)
+    monkeypatch.setattr(conv_kernels, "IM2COL_CHUNK_BYTES", 16 << 10)
+    calls = []
+    real = conv_kernels._im2col_conv
+    monkeypatch.setattr(conv_kernels, "_im2col_conv", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    tracemalloc.start()
+    y = _ours("Conv", x, w, attrs)
+    chunked_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert calls[0] == xs[0] and len(calls) > 1 and max(calls[1:]) < xs[0]  # the whole batch, then chunks
+    monkeypatch.setattr(conv_kernels, "IM2COL_CHUNK_BYTES", 1 << 60)
+    tracemalloc.start()
+    whole = _ours("Conv", x, w, attrs)
+    whole_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    np.testing.assert_array_equal(y, whole)
+    assert chunked_peak < whole_peak
+    _close(y, _ort("Conv", x, w, attrs))

@@ -104,6 +104,14 @@ ONE_GEMM_MAX_COLUMNS = 4
 # × 7² to 256 (stride 1, too wide for the shifted GEMMs) 10.8 → 8.0; even from 196 positions (16 × 64 × 28²
 # at stride 2 4.17 / 4.04, 32 × 16 × 32² at stride 2 1.97 / 1.97)
 ONE_GEMM_WINDOWS_MAX_COLUMNS = 64
+# group-1 im2col columns of more than this many bytes are made and multiplied a few images at a time, each
+# chunk's columns about this size, so that they are read back from cache rather than memory: by rows (stride
+# 1), or one image at a time where an image's columns alone fill a chunk. Alone, after 5 ms of other work (as
+# in a step; ms, 9 interleaved rounds, whole → chunks): LeNet's conv1 64 × 1 × 28² 5×5 1.28 → 0.83, its conv2
+# 1.07 → 1.02, a CIFAR ResNet's stem 32 × 3 × 32² 1.24 → 0.99, ResNet-50's 64 × 3 × 224² 7×7 stride 2 253 →
+# 193 (its columns 470 MB → 7.4 MB); strided windows a few images a chunk measured slower (MobileNet's stem
+# 16 × 3 × 64² 0.66 → 0.79, 32 × 16 × 32² to 32 at stride 2 1.76 → 2.21), so they stay whole
+IM2COL_CHUNK_BYTES = 512 << 10
 
 
 def _conv_geometry(attrs: Attrs, xs: tuple[int, ...], ws: tuple[int, ...]) -> dict[str, Any]:
@@ -350,6 +358,14 @@ def _im2col_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     m, cg, group, K, L = g["m"], g["cg"], g["group"], g["K"], g["L"]
     if group == 1 and n > 1 and L <= ONE_GEMM_WINDOWS_MAX_COLUMNS and not g["identity"]:
         return _one_gemm_windows(x, w, g)
+    per_image = c * K * (g["Q"] if g["flat_cols"] else L) * x.itemsize
+    if (group == 1 and not g["identity"] and n > 1 and n * per_image > IM2COL_CHUNK_BYTES
+            and (g["flat_cols"] or per_image >= IM2COL_CHUNK_BYTES)):
+        per = max(1, IM2COL_CHUNK_BYTES // per_image)
+        y = np.empty((n, m, *g["out"]), dtype=x.dtype)
+        for lo in range(0, n, per):
+            y[lo:lo + per] = _im2col_conv(x[lo:lo + per], w, g)  # (fits: no further chunks)
+        return y
     if g["identity"]:  # 1x1 kernel, stride 1, no pad: X itself is the column matrix
         cols = x.reshape(n, c, L)
         cols = cols if group == 1 else cols.reshape(n, group, cg, L)
