@@ -187,9 +187,8 @@ def _weight_grad_2d(x: np.ndarray, dy: np.ndarray, strides: list[int], dil: list
     oh, ow = dy.shape[2:]
     kh, kw = _kernel_dims(x.shape[2:], dy.shape[2:], strides, dil, limit)
     if kh == kw == 1 and oh * ow >= POINTWISE_MIN_POSITIONS:  # a 1×1 kernel reads every dil-th position
-        if (h, w) != (oh, ow) or dil != [1, 1]:
-            x = x[:, :, : (oh - 1) * dil[0] + 1 : dil[0], : (ow - 1) * dil[1] + 1 : dil[1]]
-        return _pointwise_weight_grad(x, dy)
+        taps = x[:, :, : (oh - 1) * dil[0] + 1 : dil[0], : (ow - 1) * dil[1] + 1 : dil[1]]  # at stride 1: X
+        return _pointwise_weight_grad(taps, dy)
     if _shifted_grad_fits(x, dy, [kh, kw], dil):
         dw = _weight_grad_shifted(x, dy, [kh, kw], strides)
         if np.isfinite(dw).all():  # else an inf or NaN in x met the padded zeros (0·inf): unfused

@@ -233,19 +233,19 @@ def _shifted_fits(x: np.ndarray, g: dict[str, Any]) -> bool:
 # Shared padding (below) against the plain padded planes, ResNet's 3×3 Convs at batch 32 alone (2 cores, ms,
 # medians of 15 interleaved rounds; the same bits): 16 channels at 32² 6.59 → 6.25, 32 at 16² 2.05 → 1.87
 # (faster in 14 of 15 rounds), 64 at 8² 1.95 → 1.71 (15 of 15)
-def _shared_pads(x_sp: Sequence[int], g: dict[str, Any]) -> dict[str, Any] | None:
+def _shared_pads(keep: Sequence[int], g: dict[str, Any]) -> dict[str, Any] | None:
     """The shifted GEMMs' layout with each padding shared by the neighbours it separates: along every axis
     a run of the input, then max(begin pad, end pad) zeros before the next run (a row's end pad is the next
     row's begin pad; an image's last rows pad the next image's first), where the plain layout pads both
     sides. Outputs then take (extent + max pad) positions per axis instead of (extent + both pads): 8² planes
-    padded by 1, 81 positions instead of 100. None where nothing is shared or an output row would not fit."""
-    keep = [min(v, s - b) for v, s, b in zip(x_sp, g["sizes"], g["pb"], strict=True)]
+    padded by 1, 81 positions instead of 100. ``keep``: the input's extents that the windows read. None where
+    nothing is shared or an output row would not fit."""
     ends = [s - b - v for s, b, v in zip(g["sizes"], g["pb"], keep, strict=True)]
     pitch = [v + max(b, e) for v, b, e in zip(keep, g["pb"], ends, strict=True)]
     if min(keep) < 1 or pitch == list(g["sizes"]) or any(o > p for o, p in zip(g["out"], pitch, strict=True)):
         return None
     flat = [int(np.prod(pitch[i + 1:])) for i in range(g["nd"])]  # element strides of the axes
-    return {"keep": keep, "pitch": pitch, "lead": sum(b * f for b, f in zip(g["pb"], flat, strict=True)),
+    return {"pitch": pitch, "lead": sum(b * f for b, f in zip(g["pb"], flat, strict=True)),
             "offsets": _offsets(g, flat)}
 
 
@@ -261,18 +261,16 @@ def _shifted_layout(x: np.ndarray, g: dict[str, Any]) -> tuple[np.ndarray, list[
     the zero-filled buffer (C, positions + slack), the kernel offsets' shifts and the positions' extents per
     axis (output o of image b at b·prod(extents) + Σ o_i·stride_i)."""
     n, c = x.shape[:2]
+    keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], g["sizes"], g["pb"], strict=True)]
     lay = g.get("shared", False)
     if lay is False:
-        lay = g["shared"] = _shared_pads(x.shape[2:], g)
+        lay = g["shared"] = _shared_pads(keep, g)
     if lay is None:
-        keep = [min(v, s - b) for v, s, b in zip(x.shape[2:], g["sizes"], g["pb"], strict=True)]
-        extents, lead, offsets = list(g["sizes"]), 0, g.get("offsets")
+        extents, lead, offsets, starts = list(g["sizes"]), 0, g.get("offsets"), g["pb"]
         if offsets is None:
             offsets = g["offsets"] = _offsets(g, [int(np.prod(g["sizes"][i + 1:])) for i in range(g["nd"])])
-        starts = g["pb"]
     else:
-        keep, extents, lead, offsets = lay["keep"], lay["pitch"], lay["lead"], lay["offsets"]
-        starts = [0] * g["nd"]
+        extents, lead, offsets, starts = lay["pitch"], lay["lead"], lay["offsets"], [0] * g["nd"]
     span = n * int(np.prod(extents))
     buf = np.zeros((c, max(span + offsets[-1], lead + span)), dtype=x.dtype)  # slack past the last image
     xp = buf[:, lead:lead + span].reshape((c, n, *extents))
