@@ -148,3 +148,87 @@ def test_cross_entropy_gradient_scatters_into_the_exp_bit_identically(axis: int)
     got, neg_p = fused2.run(f)
     assert got.tobytes() == want.tobytes()
     np.testing.assert_array_equal(neg_p, -np.exp(f["logp"]))
+
+
+def scaled_cross_entropy_grad(rows: int, cols: int, scale_first: bool, extra_reader: bool) -> onnx.ModelProto:
+    """dz = ScatterElements(Exp(logp), labels, −1) · scale[rows, 1]: the per-row factor of a loss gradient."""
+    f, i64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
+    mul_ins = ["scale", "d"] if scale_first else ["d", "scale"]
+    nodes = [
+        helper.make_node("Exp", ["logp"], ["p"]),
+        helper.make_node("ScatterElements", ["p", "labels", "minus"], ["d"], axis=1),
+        helper.make_node("Mul", mul_ins, ["dz"]),
+    ]
+    outputs = [helper.make_tensor_value_info("dz", f, [rows, cols])]
+    if extra_reader:  # the scattered array is read again: the scaling must not overwrite it
+        nodes.append(helper.make_node("Neg", ["d"], ["nd"]))
+        outputs.append(helper.make_tensor_value_info("nd", f, [rows, cols]))
+    graph = helper.make_graph(
+        nodes, "scaled_ce_grad",
+        [helper.make_tensor_value_info("logp", f, [rows, cols]),
+         helper.make_tensor_value_info("labels", i64, [rows, 1]),
+         helper.make_tensor_value_info("minus", f, [rows, 1]),
+         helper.make_tensor_value_info("scale", f, [rows, 1])],
+        outputs)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+@pytest.mark.parametrize("scale_first", [False, True])
+@pytest.mark.parametrize("column", ["uniform", "varied", "signed_zeros", "nan"])
+def test_cross_entropy_gradient_scales_into_the_scatter_bit_identically(scale_first: bool,
+                                                                         column: str) -> None:
+    from onnx.reference import ReferenceEvaluator
+
+    from onnxtrain.engine.fusion.inplace import UNIFORM_MIN
+
+    rows, cols = 256, 200
+    assert rows * cols >= UNIFORM_MIN  # the uniform-column test runs
+    rng = np.random.default_rng(7)
+    scale = {
+        "uniform": np.full((rows, 1), 1 / 3, np.float32),
+        "varied": rng.standard_normal((rows, 1)).astype(np.float32),
+        # +0.0 and −0.0 compare equal but give products of different signs: not one scalar
+        "signed_zeros": np.where(np.arange(rows)[:, None] % 2 == 0, np.float32(0.0), np.float32(-0.0)),
+        "nan": np.full((rows, 1), np.nan, np.float32),
+    }[column]
+    f = {"logp": rng.standard_normal((rows, cols)).astype(np.float32) - 5,
+         "labels": rng.integers(0, cols, (rows, 1)).astype(np.int64),
+         "minus": np.full((rows, 1), -1.0, np.float32), "scale": scale}
+    m = scaled_cross_entropy_grad(rows, cols, scale_first, extra_reader=False)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert "InplaceMul" in ops(fused) and "Mul" not in ops(fused)
+    want = plain.run(f)[0]
+    for _ in range(2):
+        got = fused.run(f)[0]
+        assert got.tobytes() == want.tobytes()
+    np.testing.assert_allclose(want, ReferenceEvaluator(m).run(None, f)[0], rtol=1e-6, atol=1e-7)
+    if column == "signed_zeros":  # (one scalar for the column would give every row the same signs)
+        assert np.signbit(want[0]).sum() == 1 and np.signbit(want[1]).sum() == cols - 1
+
+
+def test_scaling_leaves_a_scatter_read_elsewhere_alone() -> None:
+    rows, cols = 256, 200
+    rng = np.random.default_rng(8)
+    f = {"logp": rng.standard_normal((rows, cols)).astype(np.float32),
+         "labels": rng.integers(0, cols, (rows, 1)).astype(np.int64),
+         "minus": np.full((rows, 1), -1.0, np.float32), "scale": np.full((rows, 1), 0.5, np.float32)}
+    m = scaled_cross_entropy_grad(rows, cols, False, extra_reader=True)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert "Mul" in ops(fused) and "InplaceMul" not in ops(fused)
+    for got, want in zip(fused.run(f), plain.run(f)):
+        assert got.tobytes() == want.tobytes()
+
+
+def test_uniform_column_is_tested_by_its_bits() -> None:
+    from onnxtrain.engine.fusion.inplace import uniform
+
+    c = np.full((5, 1), 0.25, np.float32)
+    assert uniform(c).shape == () and uniform(c) == np.float32(0.25)
+    mixed = np.array([[0.0], [-0.0]], np.float32)
+    assert uniform(mixed) is mixed
+    nan = np.full((3, 1), np.nan, np.float32)  # one NaN pattern repeated: the same bits, one scalar
+    assert uniform(nan).shape == ()
+    one = np.ones((1, 1), np.float32)
+    assert uniform(one) is one

@@ -45,6 +45,8 @@ def fuse_inplace_activations(plan: Plan, steps: list[Step]) -> list[Step]:
             data = st.inputs[1]
         elif op == "ScatterElements" and len(st.inputs) == 3:
             data, fresh = st.inputs[0], SCATTER_FRESH_OPS
+        elif op == "Mul" and len(st.inputs) == 2:
+            data, fresh = _scattered(steps, prod, st), SCATTERS
         if data is None or data in kept or cons.get(data) != [k] or st.node.domain not in DEFAULT_DOMAINS:
             out.append(st)
             continue
@@ -52,13 +54,30 @@ def fuse_inplace_activations(plan: Plan, steps: list[Step]) -> list[Step]:
         if m is None or steps[m].node.op_type not in fresh:
             out.append(st)
             continue
-        run = {"Relu": _relu_over, "Where": _where_zero_over, "ScatterElements": _scatter_over}[op](plan, st)
+        if op == "Mul":
+            run = _scale_over(plan, st, st.inputs.index(data))
+        else:
+            over = {"Relu": _relu_over, "Where": _where_zero_over, "ScatterElements": _scatter_over}[op]
+            run = over(plan, st)
         out.append(make_step(plan, f"Inplace{op}", [st], st.inputs, st.outputs, run))
     return out
 
 
 # a cross-entropy gradient scatters −1 at the labels of exp(log-probabilities): the Exp's array is new too
 SCATTER_FRESH_OPS = FRESH_OPS | {"Exp"}
+# a scatter's output is a new array (or its input's, when that was new: above): its scaling may write into it
+SCATTERS = frozenset({"ScatterElements"})
+# a column operand is tested for one value from this many values of the product (a test costs about 2 µs)
+UNIFORM_MIN = 1 << 15
+
+
+def _scattered(steps: list[Step], prod: dict[int, int], st: Step) -> int | None:
+    """The input of a ``Mul`` that a ScatterElements wrote, or None."""
+    for s in st.inputs:
+        m = prod.get(s)
+        if m is not None and steps[m].node.op_type in SCATTERS:
+            return s
+    return None
 
 
 def _is_zero(plan: Plan, s: int) -> bool:
@@ -104,6 +123,36 @@ def _where_zero_over(plan: Plan, st: Step) -> Callable:
         return plan._call(st, list(inputs))
 
     return run
+
+
+def _scale_over(plan: Plan, st: Step, pos: int) -> Callable:
+    """``Mul`` written into its input ``pos`` (d); the other (c) applied as one scalar when all its values
+    have the same bits."""
+
+    def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
+        d, c = inputs[pos], inputs[1 - pos]
+        if (
+            _own(d)
+            and d.dtype.kind == "f"
+            and type(c) is np.ndarray
+            and c.dtype == d.dtype
+            and c.ndim <= d.ndim
+            and all(k in (1, n) for k, n in zip(c.shape[::-1], d.shape[::-1]))
+            and not np.may_share_memory(c, d)
+        ):
+            return (np.multiply(d, uniform(c) if d.size >= UNIFORM_MIN else c, out=d),)
+        return plan._call(st, list(inputs))
+
+    return run
+
+
+def uniform(c: np.ndarray) -> np.ndarray:
+    """``c``'s one value as a 0-d array when all of ``c``'s values have the same bits, else ``c``."""
+    it = BITS_INT.get(c.itemsize)
+    if c.size < 2 or it is None:
+        return c
+    bits = c.reshape(-1).view(it)
+    return c.reshape(-1)[0:1].reshape(()) if bool((bits == bits[0]).all()) else c
 
 
 def _scatter_over(plan: Plan, st: Step) -> Callable:
