@@ -19,6 +19,7 @@ from onnxtrain.engine.fusion.common import consumers, make_step, producers, prot
 from onnxtrain.engine.fusion.gemm import matmul_product_side
 from onnxtrain.engine.fusion.shapes import is_memoized
 from onnxtrain.engine.fusion.ufuncs import OWN_KERNEL_OPS, UFUNCS, compile_program, runs_as_ufunc
+from onnxtrain.engine.kernels.buffering import UnbufferedUfunc, broadcast_size
 from onnxtrain.engine.kernels.half import is_half
 from onnxtrain.engine.kernels.spread import spread, spread_shape
 from onnxtrain.engine.registry import Attrs, find_kernel
@@ -487,6 +488,7 @@ class Cluster:
             else:
                 ufunc, extra = UFUNCS[st.node.op_type]
                 out = st.outputs[0]
+                in_shapes = [env[s].shape for s in st.inputs]
                 for j, s in enumerate(st.inputs):  # broadcast over small planes: copied out once (spread.py)
                     shape = spread_shape(env[s].shape, env[out].shape) if len(st.inputs) > 1 else None
                     if shape is not None:
@@ -494,6 +496,10 @@ class Cluster:
                             spread_of[s, shape] = len(local) + len(spread_of)
                             ops.append((2, _spread_kernel, [local[s]], [spread_of[s, shape]], None, shape))
                         ins[j] = spread_of[s, shape]
+                        in_shapes[j] = shape
+                size = broadcast_size(tuple(in_shapes), env[out].shape, env[out].size) if len(ins) > 1 else 0
+                if size:  # broadcast along runs numpy would copy through its buffer (buffering.py)
+                    ufunc = UnbufferedUfunc(ufunc, size)
                 gid = group[out]
                 if k in reuse:
                     ops.append((3, ufunc, ins, local[out], local[reuse[k]], extra))

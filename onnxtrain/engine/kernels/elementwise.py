@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto, helper
 
+from onnxtrain.engine.kernels import buffering
 from onnxtrain.engine.kernels.clamp import clip_ufunc
 from onnxtrain.engine.kernels.half import F32, is_half
 from onnxtrain.engine.kernels.spread import spread, spread_shape
@@ -72,7 +73,14 @@ def spread_operands(a: Any, b: Any) -> tuple[Any, Any]:
 
 def _binary(fn: Callable[..., Any]) -> Callable[[Inputs, Attrs], Outputs]:
     def run(inputs: Inputs, attrs: Attrs) -> Outputs:
-        r = fn(*spread_operands(inputs[0], inputs[1]))
+        a, b = spread_operands(inputs[0], inputs[1])
+        size = buffering.binary_size(a, b)
+        if size:  # broadcast along runs numpy would copy through its buffer (buffering.py)
+            with np.errstate():  # (which restores the buffer size)
+                np.setbufsize(size)
+                r = fn(a, b)
+        else:
+            r = fn(a, b)
         return (r if type(r) is np.ndarray else np.asarray(r),)
 
     return run
@@ -132,7 +140,10 @@ for _op, _since, _fn in _UNARY_QUIET:
 def div(inputs: Inputs, attrs: Attrs) -> Outputs:
     a, b = inputs
     if a.dtype.kind not in "iu":
-        with np.errstate(divide="ignore", invalid="ignore"):
+        size = buffering.binary_size(a, b)
+        with np.errstate(divide="ignore", invalid="ignore"):  # (which restores the buffer size)
+            if size:
+                np.setbufsize(size)
             return (_arr(np.divide(a, b)),)
     _nonzero_divisor(b, "division")
     with np.errstate(divide="ignore", over="ignore"):

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxtrain.engine.kernels.buffering import run_size
 from onnxtrain.engine.kernels.indexing import in_range, row_starts
 from onnxtrain.engine.kernels.normalization import log_softmax_along, row_sum
 from onnxtrain.engine.kernels.random import node_generator
@@ -97,10 +98,14 @@ def _sce_rows(x: np.ndarray, target: np.ndarray, reduction: str, weighed: bool =
 
     def rows(lo: int, hi: int) -> None:
         xb, lb = x[lo:hi], logp[lo:hi]
-        # row maxima as one reduceat over the row starts (a maximum is exact in any order)
-        np.subtract(xb, np.maximum.reduceat(xb.reshape(-1), row_starts(hi - lo, c))[:, None], out=lb)
-        s = row_sum(np.exp(lb))
-        lb -= np.log(s, out=s)
+        with np.errstate():  # (which restores numpy's buffer size)
+            size = run_size(c, lb.size)
+            if size:  # the per-row subtractions walk rows in place (buffering.py)
+                np.setbufsize(size)
+            # row maxima as one reduceat over the row starts (a maximum is exact in any order)
+            np.subtract(xb, np.maximum.reduceat(xb.reshape(-1), row_starts(hi - lo, c))[:, None], out=lb)
+            s = row_sum(np.exp(lb))
+            lb -= np.log(s, out=s)
 
     # split by rows over the run's threads from about 786 K scores (each row computed as in one piece: the
     # same bits). One thread against two, alone: (512, 1000) 542 / 553 µs, (256, 3000) 833 / 678, (1024,

@@ -11,6 +11,7 @@ import math
 import numpy as np
 from onnx import helper
 
+from onnxtrain.engine.kernels.buffering import run_size
 from onnxtrain.engine.kernels.reduce import channel_sum
 from onnxtrain.engine.kernels.spread import spread, spread_shape
 from onnxtrain.engine.parallel import for_rows
@@ -254,10 +255,14 @@ def layer_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
                          "it must hold at least one (onnxruntime refuses it too)")
     sdt = _stash_dtype(x, attrs.get("stash_type"))
     x2 = x.reshape(-1, cols).astype(sdt, copy=False)
-    y, mean, inv = _standardize_rows(x2, attrs["epsilon"])
-    y *= _as_flat(scale, inner, cols)
-    if bias is not None:
-        y += _as_flat(bias, inner, cols)
+    with np.errstate():  # (which restores numpy's buffer size)
+        size = run_size(cols, x2.size)
+        if size:  # the per-row and per-column operands walk rows in place (buffering.py)
+            np.setbufsize(size)
+        y, mean, inv = _standardize_rows(x2, attrs["epsilon"])
+        y *= _as_flat(scale, inner, cols)
+        if bias is not None:
+            y += _as_flat(bias, inner, cols)
     outs: list[np.ndarray | None] = [_back(y.reshape(x.shape), x.dtype)]
     if attrs.n_outputs > 1:
         # Mean and InvStdDev are of the stash type (float32 by default) even when computed wider
