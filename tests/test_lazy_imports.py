@@ -109,3 +109,49 @@ def test_subpackages_are_attributes_and_unknown_names_raise():
     assert onnxtrain.checkpoint.__name__ == "onnxtrain.checkpoint"
     with pytest.raises(AttributeError, match="no_such_name"):
         _ = onnxtrain.no_such_name
+
+
+def test_onnxruntime_backend_sessions_do_not_load_numpy_random(tmp_path):
+    """numpy.random imports ``secrets``, hence hashlib and OpenSSL (5.8 MiB of the bench's backend peak RSS):
+    a legacy session and a Module + Optimizer on the backend, built and trained, leave it unloaded (the model
+    and batches are made here, where numpy.random may load)."""
+    import numpy as np
+    import onnx
+
+    from onnxtrain.training import artifacts
+    from tests.session.helpers import batches, mlp_model
+
+    model = mlp_model()
+    onnx.save(model, tmp_path / "model.onnx")
+    x, y = batches(1, 4)[0]
+    np.savez(tmp_path / "batch.npz", x=x, y=y)
+    forward = onnx.load(tmp_path / "model.onnx")  # the logits alone, for the artifacts' own loss
+    del forward.graph.node[-1]
+    forward.graph.ClearField("output")
+    forward.graph.output.append(onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, None))
+    del forward.graph.input[1:]
+    (tmp_path / "art").mkdir()
+    artifacts.generate_artifacts(forward, requires_grad=["W1", "b1", "W2", "b2"],
+                                 loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path / "art")
+    code = (
+        "import sys\n"
+        "import numpy as np, onnx\n"
+        "from onnxtrain import SessionOptions, TrainingParameters, TrainingSession\n"
+        "from onnxtrain.training import api\n"
+        f"d = {str(tmp_path)!r}\n"
+        "so = SessionOptions()\n"
+        "so.add_session_config_entry('onnxtrain.backend', 'onnxruntime')\n"
+        "p = TrainingParameters()\n"
+        "p.loss_output_name, p.training_optimizer_name = 'loss', 'AdamOptimizer'\n"
+        "b = np.load(d + '/batch.npz')\n"
+        "sess = TrainingSession(onnx.load(d + '/model.onnx').SerializeToString(), p, so)\n"
+        "sess.run(['loss'], {'x': b['x'], 'y': b['y'], 'Learning_Rate': np.array([0.1], np.float32)})\n"
+        "state = api.CheckpointState.load_checkpoint(d + '/art/checkpoint')\n"
+        "module = api.Module(d + '/art/training_model.onnx', state, session_options=so)\n"
+        "opt = api.Optimizer(d + '/art/optimizer_model.onnx', module)\n"
+        "module(b['x'], b['y'])\n"
+        "opt.step()\n"
+        "print([m for m in ('numpy.random', 'secrets', 'hashlib', '_hashlib') if m in sys.modules])"
+    )
+    assert _run(code) == "[]"

@@ -1,7 +1,9 @@
 """The seed of random nodes without a ``seed`` attribute (Dropout, RandomNormal, ...): one module-level seed
 sequence for the numpy engine's nodes, and the seed passed on to onnxruntime's generators for the backend.
 
-Kept apart from the kernels so that the onnxruntime backend reads it without importing the numpy engine.
+Kept apart from the kernels so that the onnxruntime backend reads it without importing the numpy engine,
+and without ``numpy.random`` until a seed is set or drawn: numpy.random imports ``secrets``, hence hashlib and
+OpenSSL's libcrypto (with its own extension modules, 5.8 MiB of a backend session's peak RSS).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-_unseeded: dict[str, Any] = {"seq": np.random.SeedSequence(), "epoch": 0}
+# "seq": the seed sequence the unseeded nodes' generators spawn from, made from fresh OS entropy on first use
+# unless set_random_seed made it first
+_unseeded: dict[str, Any] = {"seq": None, "epoch": 0}
 
 
 def set_random_seed(seed: int | None) -> None:
@@ -59,6 +63,8 @@ def unseeded_generator(cache: dict[Any, Any]) -> np.random.Generator:
         with _making:  # concurrent first runs share one generator (each made its own: the same draws)
             epoch, gen = cache.get("rng", (-1, None))
             if epoch != _unseeded["epoch"]:
+                if _unseeded["seq"] is None:
+                    _unseeded["seq"] = np.random.SeedSequence()
                 gen = np.random.Generator(np.random.PCG64(_unseeded["seq"].spawn(1)[0]))
                 cache["rng"] = (_unseeded["epoch"], gen)
     return gen
