@@ -123,9 +123,23 @@ def cross_entropy_grad(extra_reader: bool = False, axis: int = 1) -> onnx.ModelP
     return m
 
 
+def _runs_in_place_like_plain(m: onnx.ModelProto, f: dict[str, np.ndarray], op: str) -> np.ndarray:
+    """The fused plan runs ``op`` in place (twice: the unfused plan's bits, close to onnx.reference); returns
+    the unfused plan's first output."""
+    from onnx.reference import ReferenceEvaluator
+
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert f"Inplace{op}" in ops(fused) and op not in ops(fused)
+    want = plain.run(f)[0]
+    for _ in range(2):
+        got = fused.run(f)[0]
+        assert got.tobytes() == want.tobytes()
+    np.testing.assert_allclose(want, ReferenceEvaluator(m).run(None, f)[0], rtol=1e-6, atol=1e-7)
+    return want
+
+
 @pytest.mark.parametrize("axis", [1, 0])
 def test_cross_entropy_gradient_scatters_into_the_exp_bit_identically(axis: int) -> None:
-    from onnx.reference import ReferenceEvaluator
 
     rng = np.random.default_rng(4)
     n = 16 if axis == 1 else 30
@@ -133,14 +147,7 @@ def test_cross_entropy_gradient_scatters_into_the_exp_bit_identically(axis: int)
     f = {"logp": rng.standard_normal((16, 30)).astype(np.float32) - 3,
          "labels": rng.integers(0, 30 if axis == 1 else 16, n).reshape(idx_shape).astype(np.int64),
          "minus": np.full(idx_shape, -1.0, np.float32), "scale": np.float32(1 / 16)}
-    m = cross_entropy_grad(axis=axis)
-    fused, plain = Plan(m), Plan(m, fuse=False)
-    assert "InplaceScatterElements" in ops(fused) and "ScatterElements" not in ops(fused)
-    want = plain.run(f)[0]
-    for _ in range(2):
-        got = fused.run(f)[0]
-        assert got.tobytes() == want.tobytes()
-    np.testing.assert_allclose(want, ReferenceEvaluator(m).run(None, f)[0], rtol=1e-6, atol=1e-7)
+    want = _runs_in_place_like_plain(cross_entropy_grad(axis=axis), f, "ScatterElements")
     # read again after the scatter: the Exp's array stays as it was
     m2 = cross_entropy_grad(extra_reader=True, axis=axis)
     fused2 = Plan(m2)
@@ -179,8 +186,6 @@ def scaled_cross_entropy_grad(rows: int, cols: int, scale_first: bool, extra_rea
 @pytest.mark.parametrize("column", ["uniform", "varied", "signed_zeros", "nan"])
 def test_cross_entropy_gradient_scales_into_the_scatter_bit_identically(scale_first: bool,
                                                                          column: str) -> None:
-    from onnx.reference import ReferenceEvaluator
-
     from onnxtrain.engine.fusion.inplace import UNIFORM_MIN
 
     rows, cols = 256, 200
@@ -197,13 +202,7 @@ def test_cross_entropy_gradient_scales_into_the_scatter_bit_identically(scale_fi
          "labels": rng.integers(0, cols, (rows, 1)).astype(np.int64),
          "minus": np.full((rows, 1), -1.0, np.float32), "scale": scale}
     m = scaled_cross_entropy_grad(rows, cols, scale_first, extra_reader=False)
-    fused, plain = Plan(m), Plan(m, fuse=False)
-    assert "InplaceMul" in ops(fused) and "Mul" not in ops(fused)
-    want = plain.run(f)[0]
-    for _ in range(2):
-        got = fused.run(f)[0]
-        assert got.tobytes() == want.tobytes()
-    np.testing.assert_allclose(want, ReferenceEvaluator(m).run(None, f)[0], rtol=1e-6, atol=1e-7)
+    want = _runs_in_place_like_plain(m, f, "Mul")
     if column == "signed_zeros":  # (one scalar for the column would give every row the same signs)
         assert np.signbit(want[0]).sum() == 1 and np.signbit(want[1]).sum() == cols - 1
 
