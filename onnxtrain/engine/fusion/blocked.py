@@ -32,9 +32,9 @@ _BLOCK_ALIGN = 64
 # against two in the same run): the exported GELU of the transformer (1 M elements × 13) gained 0.5 ms of
 # 2.3; the Adam update of the MLP's weights (0.4 M × 13) lost, as splitting at all makes OpenBLAS's threads
 # sleep between GEMMs (onnxtrain/engine/blas.py), which the MLP's GEMMs pay for in waking them (updates now
-# have their own threshold, below). 8 M → 4 M: the GPT decoder's tanh GELU forward and gradient clusters (0.5 M
-# elements × 9 and × 12) 3.23 → 2.76 ms a step, the step 40.3 → 39.8 ms (two sessions in one process, 12
-# alternating rounds); LeNet, both MLPs, the transformer, MobileNet and the ResNet unchanged
+# have their own threshold, below). 8 M → 4 M: the GPT decoder's tanh GELU forward and gradient clusters
+# (0.5 M elements × 9 and × 12) 3.23 → 2.76 ms a step, the step 40.3 → 39.8 ms (two sessions in one
+# process, 12 alternating rounds); LeNet, both MLPs, the transformer, MobileNet and the ResNet unchanged
 PAR_MIN_WORK = 4 << 20
 # an optimizer update's segment (one that may write into donated weights or moments) splits from
 # UPDATE_PAR_MIN_WORK: in the on-device Optimizer.step, which starts after OpenBLAS's threads have stopped

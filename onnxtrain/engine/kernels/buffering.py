@@ -60,6 +60,15 @@ def broadcast_size(shapes: tuple[tuple[int, ...], ...], result: tuple[int, ...],
     return run_size(broadcast_run(shapes, result), values)
 
 
+def call_with_buffer(size: int, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` with numpy's ufunc buffer cut to ``size`` values (0: as it is), given back after."""
+    if not size:
+        return fn(*args)
+    with np.errstate():  # (which restores the buffer size)
+        np.setbufsize(size)
+        return fn(*args)
+
+
 class UnbufferedUfunc:
     """A ufunc called with numpy's buffer cut to ``size`` values (a cluster's op; :func:`broadcast_size`)."""
 

@@ -74,13 +74,8 @@ def spread_operands(a: Any, b: Any) -> tuple[Any, Any]:
 def _binary(fn: Callable[..., Any]) -> Callable[[Inputs, Attrs], Outputs]:
     def run(inputs: Inputs, attrs: Attrs) -> Outputs:
         a, b = spread_operands(inputs[0], inputs[1])
-        size = buffering.binary_size(a, b)
-        if size:  # broadcast along runs numpy would copy through its buffer (buffering.py)
-            with np.errstate():  # (which restores the buffer size)
-                np.setbufsize(size)
-                r = fn(a, b)
-        else:
-            r = fn(a, b)
+        # (a broadcast along runs numpy would copy through its buffer: buffering.py)
+        r = buffering.call_with_buffer(buffering.binary_size(a, b), fn, a, b)
         return (r if type(r) is np.ndarray else np.asarray(r),)
 
     return run

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxtrain.engine.kernels.buffering import run_size
+from onnxtrain.engine.kernels.buffering import call_with_buffer, run_size
 from onnxtrain.engine.kernels.indexing import in_range, row_starts
 from onnxtrain.engine.kernels.normalization import log_softmax_along, row_sum
 from onnxtrain.engine.kernels.random import node_generator
@@ -96,16 +96,15 @@ def _sce_rows(x: np.ndarray, target: np.ndarray, reduction: str, weighed: bool =
     n, c = x.shape
     logp = np.empty_like(x)
 
+    def rows_of(xb: np.ndarray, lb: np.ndarray) -> None:
+        # row maxima as one reduceat over the row starts (a maximum is exact in any order)
+        np.subtract(xb, np.maximum.reduceat(xb.reshape(-1), row_starts(xb.shape[0], c))[:, None], out=lb)
+        s = row_sum(np.exp(lb))
+        lb -= np.log(s, out=s)
+
     def rows(lo: int, hi: int) -> None:
-        xb, lb = x[lo:hi], logp[lo:hi]
-        with np.errstate():  # (which restores numpy's buffer size)
-            size = run_size(c, lb.size)
-            if size:  # the per-row subtractions walk rows in place (buffering.py)
-                np.setbufsize(size)
-            # row maxima as one reduceat over the row starts (a maximum is exact in any order)
-            np.subtract(xb, np.maximum.reduceat(xb.reshape(-1), row_starts(hi - lo, c))[:, None], out=lb)
-            s = row_sum(np.exp(lb))
-            lb -= np.log(s, out=s)
+        # (the per-row subtractions walk long rows in place, not through numpy's buffer: buffering.py)
+        call_with_buffer(run_size(c, (hi - lo) * c), rows_of, x[lo:hi], logp[lo:hi])
 
     # split by rows over the run's threads from about 786 K scores (each row computed as in one piece: the
     # same bits). One thread against two, alone: (512, 1000) 542 / 553 µs, (256, 3000) 833 / 678, (1024,

@@ -11,7 +11,7 @@ import math
 import numpy as np
 from onnx import helper
 
-from onnxtrain.engine.kernels.buffering import run_size
+from onnxtrain.engine.kernels.buffering import call_with_buffer, run_size
 from onnxtrain.engine.kernels.reduce import channel_sum
 from onnxtrain.engine.kernels.spread import spread, spread_shape
 from onnxtrain.engine.parallel import for_rows
@@ -223,6 +223,16 @@ def _standardize_rows(x2: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarra
     return d, mean, inv
 
 
+def _affine_rows(x2: np.ndarray, eps: float, scale: np.ndarray, bias: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_standardize_rows`, then times ``scale`` plus ``bias`` (flat, one value per column)."""
+    y, mean, inv = _standardize_rows(x2, eps)
+    y *= scale
+    if bias is not None:
+        y += bias
+    return y, mean, inv
+
+
 def _stash_type(stash_type: int | None) -> np.dtype:
     """The numpy dtype of a ``stash_type`` attribute (float32 when absent)."""
     return np.dtype(helper.tensor_dtype_to_np_dtype(stash_type)) if stash_type else _F32
@@ -255,14 +265,10 @@ def layer_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
                          "it must hold at least one (onnxruntime refuses it too)")
     sdt = _stash_dtype(x, attrs.get("stash_type"))
     x2 = x.reshape(-1, cols).astype(sdt, copy=False)
-    with np.errstate():  # (which restores numpy's buffer size)
-        size = run_size(cols, x2.size)
-        if size:  # the per-row and per-column operands walk rows in place (buffering.py)
-            np.setbufsize(size)
-        y, mean, inv = _standardize_rows(x2, attrs["epsilon"])
-        y *= _as_flat(scale, inner, cols)
-        if bias is not None:
-            y += _as_flat(bias, inner, cols)
+    # (the per-row and per-column operands walk long rows in place, not through numpy's buffer: buffering.py)
+    b = None if bias is None else _as_flat(bias, inner, cols)
+    y, mean, inv = call_with_buffer(run_size(cols, x2.size), _affine_rows, x2, attrs["epsilon"],
+                                    _as_flat(scale, inner, cols), b)
     outs: list[np.ndarray | None] = [_back(y.reshape(x.shape), x.dtype)]
     if attrs.n_outputs > 1:
         # Mean and InvStdDev are of the stash type (float32 by default) even when computed wider
