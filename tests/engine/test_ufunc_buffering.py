@@ -110,3 +110,40 @@ def test_buffer_size_given_back_after_an_error() -> None:
     with pytest.raises(FloatingPointError, match="raised inside"):
         buffering.UnbufferedUfunc(fails, 992)(np.ones(3))
     assert np.getbufsize() == default
+
+
+@pytest.mark.parametrize(("big", "small", "cut"), [
+    ((400, 383), (400, 1), set()),  # one value under the run limit: left to numpy's buffer
+    ((400, 384), (400, 1), {384}),
+    ((40, 4096), (40, 1), {4096}),  # the longest run cut
+    ((40, 4097), (40, 1), set()),  # longer: numpy walks it in place by itself
+    ((100, 3, 500), (100, 3, 1), {496}),
+    ((100, 3, 500), (3, 500), {1488}),  # a (C, L) block repeated over the batch: one run of 1,500
+    # per channel over planes of 500: Div as it is; the cluster's ops after spreading the operand over the
+    # planes (spread.py), which makes one run of 6 · 500
+    ((50, 6, 20, 25), (1, 6, 1, 1), {496, 2992}),
+    ((2, 300, 700), (300, 1), {688}),
+    ((300, 400), (300, 1), set()),  # 120,000 values: too few to pay for the switch
+])
+def test_ops_and_clusters_near_the_limits_give_numpys_bits(big: tuple, small: tuple, cut: set[int],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(big).astype(np.float32)
+    c = rng.uniform(0.5, 2.0, small).astype(np.float32)
+    m = _model([helper.make_node("Div", ["a", "c"], ["o"]),
+                helper.make_node("Sub", ["a", "c"], ["t"]), helper.make_node("Mul", ["t", "c"], ["u"])],
+               [("a", F, list(big)), ("c", F, list(small))], [("o", list(big)), ("u", list(big))])
+    sizes: list[int] = []
+    set_size = np.setbufsize
+
+    def recording(size: int) -> int:
+        sizes.append(size)
+        return set_size(size)
+
+    default = np.getbufsize()
+    monkeypatch.setattr(np, "setbufsize", recording)
+    o, u = Plan(m).run({"a": a, "c": c})
+    assert o.tobytes() == np.divide(a, c).tobytes()
+    assert u.tobytes() == np.multiply(np.subtract(a, c), c).tobytes()
+    assert np.getbufsize() == default
+    assert set(sizes) - {default} == cut
