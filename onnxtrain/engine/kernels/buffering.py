@@ -60,13 +60,14 @@ def broadcast_size(shapes: tuple[tuple[int, ...], ...], result: tuple[int, ...],
     return run_size(broadcast_run(shapes, result), values)
 
 
-def call_with_buffer(size: int, fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` with numpy's ufunc buffer cut to ``size`` values (0: as it is), given back after."""
+def call_with_buffer(size: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with numpy's ufunc buffer cut to ``size`` values (0: as it is), given back
+    after; the error handling stays as the caller set it."""
     if not size:
-        return fn(*args)
+        return fn(*args, **kwargs)
     with np.errstate():  # (which restores the buffer size)
         np.setbufsize(size)
-        return fn(*args)
+        return fn(*args, **kwargs)
 
 
 class UnbufferedUfunc:
@@ -79,11 +80,7 @@ class UnbufferedUfunc:
         self.size = size
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        old = np.setbufsize(self.size)
-        try:
-            return self.ufunc(*args, **kwargs)
-        finally:
-            np.setbufsize(old)
+        return call_with_buffer(self.size, self.ufunc, *args, **kwargs)
 
 
 def binary_size(a: Any, b: Any) -> int:

@@ -135,11 +135,8 @@ for _op, _since, _fn in _UNARY_QUIET:
 def div(inputs: Inputs, attrs: Attrs) -> Outputs:
     a, b = inputs
     if a.dtype.kind not in "iu":
-        size = buffering.binary_size(a, b)
-        with np.errstate(divide="ignore", invalid="ignore"):  # (which restores the buffer size)
-            if size:
-                np.setbufsize(size)
-            return (_arr(np.divide(a, b)),)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return (_arr(buffering.call_with_buffer(buffering.binary_size(a, b), np.divide, a, b)),)
     _nonzero_divisor(b, "division")
     with np.errstate(divide="ignore", over="ignore"):
         q = _arr(np.floor_divide(a, b))
