@@ -18,8 +18,9 @@ Timing: after a warm-up, every round runs each peer in turn (the order rotates e
 steps to last ``--min-time``; a peer's figure is the median over ``--repeats`` rounds. The notes also give,
 for each peer, the middle half of its round-by-round ratios to onnxruntime-training (the two ran in the same
 round, under nearly the same load): how far a ratio moves with the machine's load, and for the on-device
-peers the time their ``Optimizer.step`` takes per step (the update, timed inside the step). Memory: peak RSS
-of the peer's process (VmHWM: interpreter, imports, model, training) and, for onnxtrain, the
+peers the time their ``Optimizer.step`` takes per step (the update, timed inside the step), and the CPU
+steal of the samples with each peer's ratio again over the rounds that had none (:mod:`bench.steal`).
+Memory: peak RSS of the peer's process (VmHWM: interpreter, imports, model, training) and, for onnxtrain, the
 engine's peak live bytes (``Plan.peak_bytes``, the largest over its plans). FLOPs: bench/flops.py;
 "% peak" is step FLOPs / step time / the best numpy float32 GEMM figure measured in this run.
 
@@ -55,6 +56,7 @@ if __package__ in (None, ""):  # run as a script: make the checkout importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import ROOT, calls_per_sample  # noqa: E402
+from bench.steal import QUIET_SHARE, quiet_rounds, steal_seconds, stolen_share  # noqa: E402
 from bench.worker import ORT_SPIN_ENV  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,6 +84,7 @@ class Peer:
     number: int = 1
     samples: list[float] = field(default_factory=list)
     update_samples: list[float] = field(default_factory=list)  # on-device peers: Optimizer.step per step
+    steal: list[float | None] = field(default_factory=list)  # per sample: share of the CPUs' time stolen
     stats: dict = field(default_factory=dict)
     loss: float = math.nan
 
@@ -203,7 +206,10 @@ def measure(peers: list[Peer], repeats: int, warmup: int, min_time: float) -> No
         k = r % len(live) if live else 0
         for p in live[k:] + live[:k]:
             time.sleep(SETTLE_S)
+            stolen, t0 = steal_seconds(), time.perf_counter()
             res = p.send(f"run {p.number}")
+            wall = time.perf_counter() - t0
+            p.steal.append(stolen_share(stolen, steal_seconds(), wall, os.cpu_count() or 1))
             p.samples.append(res["seconds"] / p.number)
             if "update_seconds" in res:
                 p.update_samples.append(res["update_seconds"] / p.number)
@@ -300,6 +306,7 @@ def run_case(
     if spreads:
         head = f"{case.title}: × ORT-T round by round, the middle half of the rounds: "
         notes.append(head + "; ".join(spreads))
+    notes += steal_notes(case.title, [p for p in peers if p.samples], ort_peer)
     updates = update_split(peers)
     if updates:
         notes.append(f"{case.title}: {updates}")
@@ -316,6 +323,27 @@ def run_case(
         + ")"
     )
     return rows, notes
+
+
+def steal_notes(title: str, peers: list[Peer], ort_peer: Peer | None) -> list[str]:
+    """The CPU steal of the timed samples and, when some rounds had none worth counting, each peer's
+    median ratio to onnxruntime-training over those rounds (:mod:`bench.steal`); none where the kernel does
+    not report steal."""
+    shares = [s for p in peers for s in p.steal if s is not None]
+    if not peers or not shares:
+        return []
+    quiet = quiet_rounds([p.steal for p in peers])
+    rounds = len(peers[0].steal)
+    out = [f"{title}: CPU steal (the host running other guests) in the timed samples: median "
+           f"{100 * statistics.median(shares):.1f} %, at most {100 * max(shares):.1f} % of the CPUs' time; "
+           f"{len(quiet)} of {rounds} rounds quiet (every peer under {100 * QUIET_SHARE:.0f} %)"]
+    if ort_peer is not None and len(quiet) >= 3:
+        ratios = [
+            f"{p.name}: {statistics.median(ort_peer.samples[r] / p.samples[r] for r in quiet):.2f}"
+            for p in peers if p is not ort_peer
+        ]
+        out.append(f"{title}: × ORT-T over the quiet rounds only (medians): " + "; ".join(ratios))
+    return out
 
 
 def update_split(peers: list[Peer]) -> str:
