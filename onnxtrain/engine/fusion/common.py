@@ -162,17 +162,21 @@ def prefix_crop(plan: Plan, step: Step) -> dict[int, int] | None:
     return crop if len(crop) == len(axes) else None
 
 
-def crop_after(plan: Plan, steps: Sequence[Step], cons: dict[int, list[int]], kept: set[int],
-               k: int) -> tuple[int, dict[int, int]] | None:
-    """When step ``k``'s output (not a graph output) is read by one step alone, a Slice keeping a prefix
-    (:func:`prefix_crop`): that Slice's index and crop; else None. (A strided Conv's weight gradient, as the
-    gradient builder writes it, is a longer kernel cut so.)"""
+def absorb_crop(plan: Plan, steps: Sequence[Step], cons: dict[int, list[int]], kept: set[int], k: int,
+                members: list[Step], drop: set[int]) -> tuple[int, dict[int, int] | None, tuple[int, ...]]:
+    """Where step ``k``'s output (not a graph output) is read by one step alone, a Slice keeping a prefix
+    (:func:`prefix_crop`), that Slice joins ``members`` and ``k`` joins ``drop``: returns (the index the fused
+    step takes, the crop, the Slice's bound inputs as slots, -1 for an omitted one); else (k, None, ()).
+    (A strided Conv's weight gradient, as the gradient builder writes it, is a longer kernel cut so.)"""
     out = steps[k].outputs[0]
     after = cons.get(out, [])
-    if len(after) != 1 or out in kept:
-        return None
-    crop = prefix_crop(plan, steps[after[0]])
-    return None if crop is None else (after[0], crop)
+    crop = prefix_crop(plan, steps[after[0]]) if len(after) == 1 and out not in kept else None
+    if crop is None:
+        return k, None, ()
+    at = after[0]
+    members.append(steps[at])
+    drop.add(k)
+    return at, crop, tuple(steps[at].inputs[1:])
 
 
 def crop_axes(crop: dict[int, int] | None, rank: int) -> dict[int, int]:

@@ -11,9 +11,9 @@ import numpy as np
 from onnxtrain.engine.fusion.common import (
     FLOATS,
     SWAP01,
+    absorb_crop,
     constant_of,
     consumers,
-    crop_after,
     crop_axes,
     make_step,
     producers,
@@ -124,13 +124,9 @@ def fuse_conv_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
         ):
             continue
         members = [steps[tx], steps[tdy], conv, last]
-        at, ins, crop = k, (steps[tx].inputs[0], steps[tdy].inputs[0]), None
-        found = crop_after(plan, steps, cons, kept, k)  # then only the kernel's own taps are computed
-        if found is not None:
-            at, crop = found
-            members.append(steps[at])
-            ins += tuple(steps[at].inputs[1:])  # its bounds, for the unfused steps
-            drop.add(k)
+        # a Slice after it: only the kernel's own taps are computed (its bounds: inputs of the unfused steps)
+        at, crop, bounds = absorb_crop(plan, steps, cons, kept, k, members, drop)
+        ins = (steps[tx].inputs[0], steps[tdy].inputs[0], *bounds)
         replace[at] = make_step(plan, "FusedConvWeightGrad", members, ins, members[-1].outputs,
                                 _conv_weight_grad(plan, members, crop))
         drop.update((tx, tdy, c))

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from onnxtrain.engine.fusion.common import (
+    absorb_crop,
     constant_of,
     consumers,
-    crop_after,
     crop_axes,
     make_step,
     producers,
@@ -64,13 +64,9 @@ def fuse_grouped_weight_grads(plan: Plan, steps: list[Step]) -> list[Step]:
         members = [steps[i] for i in chain] + [conv, last]
         inner = {steps[a].outputs[0] for a, _ in links}
         ins = tuple(dict.fromkeys(s for m in members[:-2] for s in m.inputs if s not in inner))
-        at, crop = k, None
-        found = crop_after(plan, steps, cons, kept, k)  # then only the kernel's own taps are computed
-        if found is not None:
-            at, crop = found
-            members.append(steps[at])
-            ins = tuple(dict.fromkeys((*ins, *(s for s in steps[at].inputs[1:] if s >= 0))))
-            drop.add(k)
+        # a Slice after it: only the kernel's own taps are computed (its bounds: inputs of the unfused steps)
+        at, crop, bounds = absorb_crop(plan, steps, cons, kept, k, members, drop)
+        ins = tuple(dict.fromkeys((*ins, *(s for s in bounds if s >= 0))))
         replace[at] = make_step(plan, "FusedDepthwiseWeightGrad", members, ins, members[-1].outputs,
                                 _weight_grad(plan, members, ins, group, da[1], (xa[2], da[2]), crop))
         drop.update((*chain, c))
