@@ -338,10 +338,9 @@ def steal_notes(title: str, peers: list[Peer], ort_peer: Peer | None) -> list[st
            f"{100 * statistics.median(shares):.1f} %, at most {100 * max(shares):.1f} % of the CPUs' time; "
            f"{len(quiet)} of {rounds} rounds quiet (every peer under {100 * QUIET_SHARE:.0f} %)"]
     if ort_peer is not None and len(quiet) >= 3:
-        ratios = [
-            f"{p.name}: {statistics.median(ort_peer.samples[r] / p.samples[r] for r in quiet):.2f}"
-            for p in peers if p is not ort_peer
-        ]
+        reference = [ort_peer.samples[r] for r in quiet]
+        ratios = [f"{p.name}: {round_ratios(reference, [p.samples[r] for r in quiet])[1]:.2f}"
+                  for p in peers if p is not ort_peer]
         out.append(f"{title}: × ORT-T over the quiet rounds only (medians): " + "; ".join(ratios))
     return out
 
