@@ -11,7 +11,7 @@ the graph) and its on-device ``Module`` + ``Optimizer``, onnxruntime-training 1.
 the virtual environment at ``$ORTT_PYTHON``, default /tmp/ortt/bin/python) and torch eager; numpy peers
 and torch run with the inherited ``OPENBLAS_CORETYPE`` and, where the environment pins it, also with it and
 ``OPENBLAS_L2_SIZE`` unset ("native": OpenBLAS picks the kernels for this CPU, shown on the GEMM line).
-Every peer trains with Adam(W), lr 1e-3, weight decay 0.01, no clipping. A peer that cannot start is
+Every peer trains with Adam(W), lr 1e-3, weight decay 0.01, eps 1e-8, no clipping. A peer that cannot start is
 skipped with its error.
 
 Timing: after a warm-up, every round runs each peer in turn (the order rotates every round) for enough
@@ -607,7 +607,8 @@ def write_results(
         f"Made by `{cmd}` on {time.strftime('%Y-%m-%d %H:%M %Z')} ({seconds / 60:.0f} min), "
         f"{cpu_name()}, {os.cpu_count()} CPUs; {versions()}.",
         "",
-        "Training step = forward + backward + Adam(W) update, lr 1e-3, weight decay 0.01, no clipping. "
+        "Training step = forward + backward + Adam(W) update, lr 1e-3, weight decay 0.01, eps 1e-8, "
+        "no clipping. "
         "Each peer runs in its own process; figures are medians of interleaved rounds after warm-up. "
         "`× ORT-T`: samples/s relative to onnxruntime-training 1.19.2's on-device API; `× torch`: relative "
         "to "

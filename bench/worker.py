@@ -3,8 +3,8 @@
     python bench/worker.py PEER FOLDER          # PEER: legacy | api | torch | ort
 
 The worker loads the model files that ``bench/models.prepare`` wrote in FOLDER, builds its trainer
-(AdamW-style Adam, lr 1e-3, weight decay 0.01, no clipping — the same for every peer) and answers one
-JSON line per command line:
+(AdamW-style Adam, lr 1e-3, weight decay 0.01, eps 1e-8, no clipping — the same for every peer) and
+answers one JSON line per command line:
 
     run N   → {"seconds": wall time of N training steps, "loss": last loss}
     stats   → {"rss_peak": bytes (VmHWM), "rss_base": bytes after imports, "plan_peak": bytes or null}
@@ -25,7 +25,7 @@ import sys
 import time
 import types
 
-LR, WEIGHT_DECAY = 1e-3, 0.01
+LR, WEIGHT_DECAY, EPS = 1e-3, 0.01, 1e-8
 
 
 def _rss_now() -> int:
@@ -99,7 +99,7 @@ def legacy_peer(folder: str):
 
     model = onnx.load(os.path.join(folder, "model_loss.onnx"))
     names = _params(folder, "loss_model")
-    p.optimizer_attributes_map = {n: {"lambda": WEIGHT_DECAY, "epsilon": 1e-8} for n in names}
+    p.optimizer_attributes_map = {n: {"lambda": WEIGHT_DECAY, "epsilon": EPS} for n in names}
     p.optimizer_int_attributes_map = {n: {"weight_decay_mode": 1} for n in names}
     sess = TrainingSession(model.SerializeToString(), p, _backend_options())
     inputs = [i.name for i in sess.get_inputs()]
@@ -112,8 +112,9 @@ def legacy_peer(folder: str):
     return step, lambda: max(getattr(pl, "peak_bytes", 0) for pl in sess._plans.values()) or None
 
 
-def _on_device_step(artifacts, api, model, folder: str, subdir: str, session_options):
-    """Artifacts (cross-entropy, AdamW) in ``folder/subdir``, then a Module + Optimizer of ``api``: the same
+def _on_device_step(artifacts, api, onnxblock, model, folder: str, subdir: str, session_options):
+    """Artifacts (cross-entropy; AdamW with the weight decay and epsilon of the other peers, not the
+    generator's defaults of 0 and 1e-6) in ``folder/subdir``, then a Module + Optimizer of ``api``: the same
     calls for onnxtrain and onnxruntime-training, whose on-device APIs share their names. Returns
     (step(x, y) -> loss, module, optimizer); ``step.update_seconds[0]`` adds up the time in
     ``Optimizer.step``."""
@@ -123,7 +124,7 @@ def _on_device_step(artifacts, api, model, folder: str, subdir: str, session_opt
         model,
         requires_grad=_params(folder, "model"),
         loss=artifacts.LossType.CrossEntropyLoss,
-        optimizer=artifacts.OptimType.AdamW,
+        optimizer=onnxblock.optim.AdamW(eps=EPS, weight_decay=WEIGHT_DECAY),
         artifact_directory=out,
     )
     state = api.CheckpointState.load_checkpoint(os.path.join(out, "checkpoint"))
@@ -148,11 +149,12 @@ def _on_device_step(artifacts, api, model, folder: str, subdir: str, session_opt
 def api_peer(folder: str):
     import onnx
 
-    from onnxtrain.training import api, artifacts
+    from onnxtrain.training import api, artifacts, onnxblock
 
     model = onnx.load(os.path.join(folder, "model.onnx"))
     options = _backend_options()
-    step, module, opt = _on_device_step(artifacts, api, model, folder, "onnxtrain_artifacts", options)
+    step, module, opt = _on_device_step(artifacts, api, onnxblock, model, folder, "onnxtrain_artifacts",
+                                        options)
     return (
         step,
         lambda: (
@@ -192,7 +194,7 @@ def ort_peer(folder: str):
 
     onnx.IR_VERSION = 10  # onnxruntime 1.19 reads IR <= 10; the generator stamps onnx.IR_VERSION
     import onnxruntime as ort
-    from onnxruntime.training import api, artifacts
+    from onnxruntime.training import api, artifacts, onnxblock
 
     model = onnx.load(os.path.join(folder, "model.onnx"))
     model.ir_version = 10
@@ -203,7 +205,7 @@ def ort_peer(folder: str):
             node.output.extend([f"{node.output[0]}.mean{i}", f"{node.output[0]}.inv_std_dev{i}"])
     so = ort.SessionOptions()
     _ort_spin(so)
-    step, _, _ = _on_device_step(artifacts, api, model, folder, "ort_artifacts", so)
+    step, _, _ = _on_device_step(artifacts, api, onnxblock, model, folder, "ort_artifacts", so)
     return step, lambda: None
 
 

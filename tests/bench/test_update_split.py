@@ -41,12 +41,27 @@ def test_optimizer_step_time_is_added_up(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(worker.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(worker, "_params", lambda folder, graph: [])
     artifacts = types.SimpleNamespace(generate_artifacts=lambda *a, **k: None,
-                                      LossType=types.SimpleNamespace(CrossEntropyLoss=0),
-                                      OptimType=types.SimpleNamespace(AdamW=0))
-    step, _, _ = worker._on_device_step(artifacts, FakeApi(clock), None, str(tmp_path), "a", None)
+                                      LossType=types.SimpleNamespace(CrossEntropyLoss=0))
+    onnxblock = types.SimpleNamespace(optim=types.SimpleNamespace(AdamW=lambda **k: None))
+    step, _, _ = worker._on_device_step(artifacts, FakeApi(clock), onnxblock, None, str(tmp_path), "a", None)
     for _ in range(4):
         step(None, types.SimpleNamespace(reshape=lambda *a: None))
     assert step.update_seconds == [2.0]
+
+
+def test_on_device_peers_train_with_the_other_peers_weight_decay_and_epsilon(tmp_path, monkeypatch) -> None:
+    # the generator's AdamW defaults (no weight decay, eps 1e-6) would give the on-device peers another update
+    # than the legacy session's and torch's (weight decay 0.01, eps 1e-8)
+    from onnxtrain.training import onnxblock
+
+    monkeypatch.setattr(worker, "_params", lambda folder, graph: [])
+    given = {}
+    artifacts = types.SimpleNamespace(generate_artifacts=lambda *a, **k: given.update(k),
+                                      LossType=types.SimpleNamespace(CrossEntropyLoss=0))
+    worker._on_device_step(artifacts, FakeApi([0.0]), onnxblock, None, str(tmp_path), "a", None)
+    opt = given["optimizer"]
+    assert isinstance(opt, onnxblock.optim.AdamW)
+    assert (opt.weight_decay, opt.eps) == (worker.WEIGHT_DECAY, worker.EPS) == (0.01, 1e-8)
 
 
 def test_the_split_note_names_each_on_device_peer() -> None:
