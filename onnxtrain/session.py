@@ -248,8 +248,9 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         self._model = g.full
         self._plans: dict[str, GraphInterface] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}  # random nodes' generators, shared by the plans
-        # on the backend, a step over large weights may run as two graphs (session_halves): the single
-        # graph's plan is then made only if a run asks for what neither half computes
+        # on the backend, a step runs as two graphs (session_halves): the single graph's plan is then made
+        # only if a run asks for what neither half computes
+        self._grad_arrays: dict[str, np.ndarray] = {}  # a two-graph step's gradients, written into next step
         self._halves = self._steps_in_halves()
         try:
             self._plan = self._get_plan("gradients" if self._halves else "full")

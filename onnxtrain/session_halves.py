@@ -1,14 +1,18 @@
-"""A legacy session's step as two graphs on the onnxruntime backend, for large weights.
+"""A legacy session's step as two graphs on the onnxruntime backend.
 
 The session's single step graph (forward, backward, update) makes onnxruntime's arena hold the update's
 weight-sized intermediates beside the backward's: three 4096² weights with Adam peaked at 1,277 MiB above
-the RSS before the build, against 796 on the numpy engine. When the session's largest trained weight has
-``ort_chunks.CHUNK_FROM`` values or more and its update graph can run in pieces
-(:mod:`onnxtrain.engine.ort_chunks`), a step on the backend runs the step's two halves instead, as data
-parallelism does without the exchange: the gradients graph (forward and backward, the gradients out), then the
-update graph in pieces, written into the weights and moments in place. One process (under gradient
-accumulation, the step that updates: the gradients graph then gives the sums, which the update reads
-averaged); a run asking for an output neither half computes runs the single graph.
+the RSS before the build, against 796 on the numpy engine; the bench's MLP 784-512-512-10 at 108 MiB against
+onnxruntime-training's 104. So a step on the backend runs the step's two halves instead, as data parallelism
+does without the exchange: the gradients graph (forward and backward), whose gradients onnxruntime writes
+into the arrays of the step before, then the update graph, written into the weights and moments in place
+(in pieces when its largest weight has ``ort_chunks.CHUNK_FROM`` values or more and the graph allows it:
+:mod:`onnxtrain.engine.ort_chunks`). Peak RSS of the bench's models, single graph → halves (MiB): MLP at
+batch 64 108.5 → 105.4, at 256 113.2 → 110.2, LeNet 99.6 → 99.0, transformer 171.0 → 161.4, GPT decoder
+147.9 → 146.8; the steps as fast (two sessions in one process, alternating rounds, halves / single: 0.99,
+0.95, 0.94). One process (under gradient accumulation, the step that updates: the gradients graph then gives
+the sums, which the update reads averaged); a run asking for an output neither half computes runs the
+single graph.
 
 ``HalfSteps`` holds the session methods for it; :class:`onnxtrain.session.TrainingSession` mixes it in.
 """
@@ -27,17 +31,13 @@ class HalfSteps:
     """The two-graph step of ``TrainingSession`` (state: ``_graphs``, ``_store``, ``_specs``, ``_params``)."""
 
     def _steps_in_halves(self) -> bool:
-        """Whether a step runs as its two halves (see the module docstring): decided once, when built."""
-        g = self._graphs
-        if (self._backend == "numpy" or self._dp is not None or self._opt is None
-                or not any(self._store[w].size >= ort_chunks.CHUNK_FROM for w in g.trainable)):
+        """Whether a step runs as its two halves (see the module docstring): on the onnxruntime backend, in
+        one process, with an optimizer, unless ``ONNXTRAIN_ORT_PIECES=0`` (A/B runs); decided once, when
+        built (the update's plan is made here)."""
+        if self._backend == "numpy" or self._dp is not None or self._opt is None or ort_chunks.pieces_off():
             return False
-        # the halves are built here, for large weights only; the update's plan tells whether onnxruntime's
-        # graph of it (after onnxtrain's rewrites) runs in pieces
-        if getattr(self._get_plan("update"), "_chunks", None) is not None:
-            return True
-        del self._plans["update"]
-        return False
+        self._get_plan("update")
+        return True
 
     @property
     def peak_bytes(self) -> int:
@@ -85,11 +85,17 @@ class HalfSteps:
         gitems = [(s, o) for s, o in gupd.items() if s in g.bn_stats]  # training-mode BatchNorm statistics
         local = [n for n in names if n in gp.output_info and n not in grad_names]
         gfeeds = self._feeds_of(gp, feeds)
+        # the step's gradients go into the step before's arrays (zeros before the first), so that the arena
+        # does not hold them beside the update's intermediates; under accumulation they are the sums' own
+        reuse = None
+        if steps == 1:
+            reuse = self._grad_arrays or {n: np.zeros_like(store[w]) for n, w in zip(grad_names, g.trainable)}
         res = gp.run(gfeeds, local + grad_names + [o for _, o in gitems],
-                     donate=[s for s, _ in gitems if s in gfeeds])
+                     donate=[s for s, _ in gitems if s in gfeeds], reuse=reuse)
+        reuse = None
         got = dict(zip(local, res))
         grads = res[len(local):len(local) + len(grad_names)]
-        got.update(zip(grad_names, grads))
+        got.update((n, a.copy()) for n, a in zip(grad_names, grads) if n in names)  # the next step's arrays
         for (stat, _), v in zip(gitems, res[len(local) + len(grad_names):]):
             store[stat] = v
         if steps > 1:  # their mean, as the single graph's Mul by 1/N (the sums are this run's own arrays)
@@ -106,4 +112,6 @@ class HalfSteps:
         for b in g.buffers:
             store[b] = np.zeros_like(store[b])
         self._micro_step = 0
+        if steps == 1:
+            self._grad_arrays = dict(zip(grad_names, grads))
         return [got[n] for n in names]

@@ -68,12 +68,18 @@ class ChunkLayout:
             yield [(n * i // count, n * (i + 1) // count) for n in sizes]
 
 
+def pieces_off() -> bool:
+    """Whether the environment says ``ONNXTRAIN_ORT_PIECES=0`` (for A/B runs): every update runs whole, and
+    a legacy session's step as one graph (:mod:`onnxtrain.session_halves`)."""
+    return os.environ.get("ONNXTRAIN_ORT_PIECES", "1") in ("0", "false", "no", "off")
+
+
 def layout_for_pieces(model: onnx.ModelProto, scalar_inputs: Collection[str]) -> ChunkLayout | None:
     """The :func:`chunk_layout` of a graph that runs piece by piece: it qualifies, its largest group has
     ``CHUNK_FROM`` values or more, and the environment does not say ``ONNXTRAIN_ORT_PIECES=0`` (for A/B
     runs); else None, decided from the inputs' declared shapes before any analysis when none is that
     large."""
-    if os.environ.get("ONNXTRAIN_ORT_PIECES", "1") in ("0", "false", "no", "off"):
+    if pieces_off():
         return None
     inits = {t.name for t in model.graph.initializer}
     if not any((_numel(value_info_shape(vi.type)) or 0) >= CHUNK_FROM for vi in model.graph.input

@@ -240,12 +240,14 @@ def test_legacy_gradient_accumulation_and_forward_only_match_numpy():
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6, atol=1e-6)
 
 
-def test_state_is_bound_not_copied_and_arrays_held_elsewhere_survive_the_next_step():
-    """The store's arrays are bound as the next step's inputs (no copy in). A weight whose old value nothing
+def test_state_is_bound_not_copied_and_arrays_held_elsewhere_survive_the_next_step(monkeypatch):
+    """The single step graph (``ONNXTRAIN_ORT_PIECES=0``; by default the step runs as two graphs): the
+    store's arrays are bound as the next step's inputs (no copy in). A weight whose old value nothing
     reads once its update can be computed (the first layer's: no input gradient) is updated in its own
     array; the second layer's, which the backward pass still reads, comes back in onnxruntime's buffer (no
     copy back), and the array of the step before keeps its values. Feeds and get_state() copies are never
     written."""
+    monkeypatch.setenv("ONNXTRAIN_ORT_PIECES", "0")
     feeds = [{"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)} for x, y in batches(3, 8)]
     sess = TrainingSession(mlp_model(), _sgd_params(), options("onnxruntime"))
     plan = sess._plans["full"]
@@ -607,10 +609,13 @@ def test_ondevice_steps_that_overwrite_run_without_the_accumulators(mlp_artifact
     assert max(rel(ref_params[n], params[n]) for n in ref_params) < TOL
 
 
-def test_legacy_accumulation_plan_threads_stop_spinning_after_their_run():
-    """With gradient accumulation the session runs two onnxruntime graphs in turn: the accumulating one's
-    threads spin during its run and stop when it ends, the full step's spin on as onnxruntime's do by
-    default."""
+@pytest.mark.parametrize("one_graph", [False, True], ids=["two-graph-step", "single-graph-step"])
+def test_legacy_accumulation_plan_threads_stop_spinning_after_their_run(monkeypatch, one_graph: bool):
+    """With gradient accumulation the session runs its onnxruntime graphs in turn: the accumulating one's
+    and the update's threads spin during their runs and stop when they end, those of the graph that starts
+    a step (the gradients graph, or the single step graph) spin on as onnxruntime's do by default."""
+    if one_graph:
+        monkeypatch.setenv("ONNXTRAIN_ORT_PIECES", "0")
     p = _sgd_params()
     p.gradient_accumulation_steps = 2
     p.gradient_accumulation_mode = "auto"
@@ -618,9 +623,12 @@ def test_legacy_accumulation_plan_threads_stop_spinning_after_their_run():
     lr = np.array([0.1], np.float32)
     for x, y in batches(2, 8):
         sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})
-    full, accumulate = sess._plans["full"], sess._plans["accumulate"]
-    assert _entry(full, SPIN_KEY) is None and _entry(full, STOP_KEY) is None
-    assert _entry(accumulate, SPIN_KEY) is None and _entry(accumulate, STOP_KEY) == "1"
+    assert sess._halves != one_graph
+    first = sess._plans["full" if one_graph else "gradients"]
+    assert _entry(first, SPIN_KEY) is None and _entry(first, STOP_KEY) is None
+    followers = ["accumulate"] + ([] if one_graph else ["update"])
+    for plan in (sess._plans[k] for k in followers):
+        assert _entry(plan, SPIN_KEY) is None and _entry(plan, STOP_KEY) == "1"
 
 
 def _entry(plan: OrtPlan, key: str) -> str | None:
@@ -795,7 +803,7 @@ def test_only_training_plans_keep_their_binding(mlp_artifacts):
     sess = TrainingSession(mlp_model(), _sgd_params(), options("onnxruntime"))
     sess.run(["loss"], {"x": np.ones((4, 8), np.float32), "y": np.zeros(4, np.int64),
                         "Learning_Rate": np.array([0.1], np.float32)})
-    assert sess._plans["full"]._keep_binding
+    assert sess._halves and sess._plans["gradients"]._keep_binding and sess._plans["update"]._keep_binding
     state = CheckpointState.load_checkpoint(os.path.join(mlp_artifacts, "checkpoint"))
     module = Module(os.path.join(mlp_artifacts, "training_model.onnx"), state,
                     os.path.join(mlp_artifacts, "eval_model.onnx"), session_options=options("onnxruntime"))

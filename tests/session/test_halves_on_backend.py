@@ -49,11 +49,9 @@ def test_two_graph_steps_train_as_the_single_graph(monkeypatch, opt: str, kw: di
     monkeypatch.setattr(ort_chunks, "CHUNK_VALUES", 50)
     monkeypatch.setattr(ort_chunks, "CHUNK_FROM", 100)
     halves = _session("onnxruntime", opt, **kw)
-    if opt == "LambOptimizer":  # onnxtrain's rewrites for onnxruntime give its update an If: one graph
-        assert not halves._halves and "update" not in halves._plans
-    else:
-        assert halves._halves and "full" not in halves._plans
-        assert halves._get_plan("update")._chunks is not None
+    assert halves._halves and "full" not in halves._plans
+    # onnxtrain's rewrites for onnxruntime give Lamb's update an If: it runs whole
+    assert (halves._get_plan("update")._chunks is None) == (opt == "LambOptimizer")
     mixed = "use_mixed_precision" in kw
     fetch = ["loss", "logits"] + (["all_gradients_finite"] if mixed else [])
     got, state = _train(halves, fetch, steps=6)
@@ -114,3 +112,39 @@ def test_a_session_over_a_weight_of_2_to_the_20_values_steps_in_halves_by_defaul
         losses[backend] = [float(sess.run(["loss"], {"x": x, "Learning_Rate": lr})[0]) for _ in range(3)]
     np.testing.assert_allclose(losses["onnxruntime"], losses["numpy"], rtol=1e-5)
     assert losses["numpy"][-1] < losses["numpy"][0]
+
+
+def test_a_step_of_any_size_runs_as_two_graphs_its_gradients_and_state_kept_in_their_arrays() -> None:
+    """The default on the backend, small weights included: the single graph is never made, each step's
+    gradients are written into the arrays of the step before (onnxruntime's arena does not hold them beside
+    the update's intermediates) and the weights and moments are updated in their own arrays; the losses
+    are the numpy engine's."""
+    sess = _session("onnxruntime", "AdamOptimizer")
+    assert sess._halves
+    got, _ = _train(sess, ["loss"], steps=2)
+    grads = dict(sess._grad_arrays)
+    state = dict(sess._store)
+    assert sorted(grads) == sorted(f"{w}_grad" for w in sess._graphs.trainable)
+    more, _ = _train(sess, ["loss"], steps=2)
+    assert all(sess._grad_arrays[n] is a for n, a in grads.items())
+    moments = [k for k in state if k.startswith(("Moment_1_", "Moment_2_"))]
+    assert moments and all(sess._store[k] is state[k] for k in [*sess._graphs.trainable, *moments])
+    assert "full" not in sess._plans
+    ref, _ = _train(_session("numpy", "AdamOptimizer"), ["loss"], steps=2)
+    np.testing.assert_allclose([g[0] for g in got], [r[0] for r in ref], rtol=1e-5)
+
+
+def test_fetched_gradients_are_not_overwritten_by_the_next_step() -> None:
+    """``set_gradients_as_graph_outputs``: a fetched gradient is the caller's array, not the one the next
+    step's gradients are written into; each step's equals the numpy engine's."""
+    kw = {"set_gradients_as_graph_outputs": True}
+    sess = _session("onnxruntime", "AdamOptimizer", **kw)
+    assert sess._halves
+    got, _ = _train(sess, ["loss", "W1_grad"], steps=3)
+    firsts = [g[1].copy() for g in got]
+    ref, _ = _train(_session("numpy", "AdamOptimizer", **kw), ["loss", "W1_grad"], steps=3)
+    for g, kept, r in zip(got, firsts, ref):
+        np.testing.assert_array_equal(g[1], kept)
+        np.testing.assert_allclose(g[1], r[1], rtol=1e-5, atol=1e-7)
+    assert not np.array_equal(firsts[0], firsts[-1])
+    assert not any(np.shares_memory(g[1], a) for g in got for a in sess._grad_arrays.values())
