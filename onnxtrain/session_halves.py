@@ -9,10 +9,10 @@ into the arrays of the step before, then the update graph, written into the weig
 (in pieces when its largest weight has ``ort_chunks.CHUNK_FROM`` values or more and the graph allows it:
 :mod:`onnxtrain.engine.ort_chunks`). Peak RSS of the bench's models, single graph → halves (MiB): MLP at
 batch 64 108.5 → 105.4, at 256 113.2 → 110.2, LeNet 99.6 → 99.0, transformer 171.0 → 161.4, GPT decoder
-147.9 → 146.8; the steps as fast (two sessions in one process, alternating rounds, halves / single: 0.99,
-0.95, 0.94). One process (under gradient accumulation, the step that updates: the gradients graph then gives
-the sums, which the update reads averaged); a run asking for an output neither half computes runs the
-single graph.
+147.9 → 146.8; the steps as fast (two sessions in one process, alternating rounds, halves / single: MLP
+0.99 and 0.95, LeNet 0.94). One process (under gradient accumulation, the step that updates: the gradients
+graph then gives the sums, which the update reads averaged); a run asking for an output neither half
+computes runs the single graph.
 
 ``HalfSteps`` holds the session methods for it; :class:`onnxtrain.session.TrainingSession` mixes it in.
 """
