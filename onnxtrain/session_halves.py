@@ -92,15 +92,14 @@ class HalfSteps:
             reuse = self._grad_arrays or {n: np.zeros_like(store[w]) for n, w in zip(grad_names, g.trainable)}
         res = gp.run(gfeeds, local + grad_names + [o for _, o in gitems],
                      donate=[s for s, _ in gitems if s in gfeeds], reuse=reuse)
-        reuse = None
         got = dict(zip(local, res))
         grads = res[len(local):len(local) + len(grad_names)]
-        got.update((n, a.copy()) for n, a in zip(grad_names, grads) if n in names)  # the next step's arrays
         for (stat, _), v in zip(gitems, res[len(local) + len(grad_names):]):
             store[stat] = v
         if steps > 1:  # their mean, as the single graph's Mul by 1/N (the sums are this run's own arrays)
             for a in grads:
                 np.multiply(a, a.dtype.type(1.0 / steps), out=a)
+        got.update((n, a.copy()) for n, a in zip(grad_names, grads) if n in names)  # the next step's arrays
         # the learning rate and a mixed-precision update's loss scale from the caller's feeds
         ufeeds = self._feeds_of(up, feeds, {f"{w}_grad": a for w, a in zip(g.trainable, grads)})
         uitems = list(g.updates["update"].items())
