@@ -422,3 +422,46 @@ def test_im2col_in_chunks_of_images(case, monkeypatch) -> None:
     np.testing.assert_array_equal(y, whole)
     assert chunked_peak < whole_peak
     _close(y, _ort("Conv", x, w, attrs))
+
+
+# dY shape (N, C, ...), W shape (C, M, 1, ...), dtype, attributes, whether it goes pointwise: 1×1
+# ConvTransposes (a pointwise Conv's input gradient), by one batched product over planes of more than
+# conv.POINTWISE_MIN_PLANE positions
+POINTWISE = [
+    ((16, 144, 16, 16), (144, 24, 1, 1), np.float32, {}, True),  # MobileNetV2's projection
+    ((3, 20, 7, 5), (20, 36, 1, 1), np.float32, {"dilations": [2, 3]}, True),  # dilation: no effect at 1×1
+    ((2, 8, 3, 4, 5), (8, 6, 1, 1, 1), np.float64, {}, True),  # 3-D, float64
+    ((16, 96, 4, 4), (96, 40, 1, 1), np.float32, {}, False),  # a small plane: the shifted GEMMs
+    ((4, 16, 6, 6), (16, 8, 1, 1), np.float32, {"pads": [0, 0, 0, 0]}, True),
+    # pads or a group keep the other routes
+    ((4, 16, 6, 6), (16, 8, 1, 1), np.float32, {"pads": [1, 0, 1, 0]}, False),
+    ((4, 16, 6, 6), (16, 4, 1, 1), np.float32, {"group": 2}, False),
+]
+
+
+@pytest.mark.parametrize("case", POINTWISE, ids=str)
+def test_pointwise_conv_transpose_as_one_batched_product(case, monkeypatch) -> None:
+    """The batched product runs only where it should (no other route is called), and gives torch's input
+    gradient of the 1×1 Conv in float64 (and onnxruntime's values in float32)."""
+    ys, ws, dtype, attrs, pointwise = case
+    others = [_spy(monkeypatch, conv_kernels, name, small=False)
+              for name in ("_shifted_conv", "_conv_transpose_flat", "_col2im_conv_transpose", "_im2col_conv")]
+    rng = np.random.default_rng(8)
+    dy, w = rng.standard_normal(ys).astype(dtype), rng.standard_normal(ws).astype(dtype)
+    y = _ours("ConvTranspose", dy, w, attrs)
+    assert (sum(map(len, others)) == 0) == pointwise
+    group = attrs.get("group", 1)
+    p = attrs.get("pads", [0] * (2 * (len(ys) - 2)))
+    nd = len(ys) - 2
+    x_shape = (ys[0], ws[1] * group) + tuple(ys[2 + i] - p[i] - p[nd + i] for i in range(nd))
+    conv = {2: F.conv2d, 3: F.conv3d}[nd]
+    xt = torch.zeros(x_shape, dtype=torch.float64, requires_grad=True)
+    pad = [v for i in reversed(range(nd)) for v in (p[i], p[nd + i])]
+    out = conv(F.pad(xt, pad), torch.tensor(w.astype(np.float64)), dilation=attrs.get("dilations", 1),
+               groups=group)
+    (want,) = torch.autograd.grad(out, xt, torch.tensor(dy.astype(np.float64)))
+    assert y.shape == x_shape and y.dtype == dtype
+    np.testing.assert_allclose(y, want.numpy(), rtol=1e-5 if dtype == np.float32 else 1e-12,
+                               atol=1e-5 if dtype == np.float32 else 1e-12)
+    if dtype == np.float32:
+        _close(y, _ort("ConvTranspose", dy, w, attrs))

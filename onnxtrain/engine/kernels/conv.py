@@ -499,9 +499,19 @@ def _flipped(w: np.ndarray, group: int) -> np.ndarray:
 CANVAS_MAX_OFFSETS = 9
 
 
+# A 1×1 ConvTranspose (stride 1, no pads, group 1: a Conv's input gradient through a pointwise layer) over
+# planes of more than this many positions runs as one batched product Wᵀ·X[n], as the 1×1 Conv does, not by
+# the shifted GEMMs (which lay X out channels first and copy the output back). 2 cores, ms, alone (shifted or
+# flat → batched): MobileNetV2's 16 × 144 × 16² to 24 0.51 → 0.28, 16 × 96 × 32² to 16 1.20 → 0.80, 16 × 64 ×
+# 8² to 384 0.50 → 0.34, 16 × 144 × 6² to 24 0.12 → 0.06, 32 × 64 × 32² to 256 19.1 → 9.6; at 4² and below the
+# batched products are the slower (16 × 96 × 4² to 576 0.26 → 0.29, 32 × 512 × 2² to 2048 2.0 → 5.4)
+POINTWISE_MIN_PLANE = 16
+
+
 def _conv_transpose_as_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any],
                             attrs: Attrs) -> np.ndarray | None:
-    """A stride-1 ConvTranspose as the equivalent Conv, where that runs by shifted GEMMs (ResNet's
+    """A stride-1 ConvTranspose as the equivalent Conv, where that runs as one batched product (1×1, see
+    :data:`POINTWISE_MIN_PLANE`), by shifted GEMMs (ResNet's
     16-channel input gradient: 5.91 → 2.46 ms; 4 groups of 16: 4.2 → 1.4 ms), by the depthwise kernel's
     banded GEMMs, or, depthwise with more than :data:`CANVAS_MAX_OFFSETS` kernel offsets, by the depthwise
     Conv's other routes or its im2col; else None."""
@@ -511,6 +521,10 @@ def _conv_transpose_as_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any],
     ws = (g["m"], x.shape[1] // group) + w.shape[2:]
     cg = attrs.cached(("as_conv", x.shape, w.shape), lambda: _conv_geometry(
         Attrs({"pads": g["as_conv"], "dilations": g["dil"], "group": group}), x.shape, ws))
+    if group == 1 and cg["identity"] and cg["L"] > POINTWISE_MIN_PLANE:
+        n, c = x.shape[:2]
+        y = np.matmul(w.reshape(c, g["m"]).T, x.reshape(n, c, cg["L"]))
+        return y.reshape((n, g["m"], *cg["out"]))
     if group > 1 and cg["cg"] == 1 and depthwise.banded_fits(x, cg):
         return depthwise.conv(x, _flipped(w, group), cg)
     if group > 1 and cg["cg"] == 1 and cg["K"] > CANVAS_MAX_OFFSETS:
