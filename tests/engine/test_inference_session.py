@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 
 import numpy as np
@@ -383,6 +384,42 @@ def test_profile_write_that_fails_leaves_no_file(tmp_path, model_bytes: bytes, m
     with pytest.raises(OSError, match="simulated crash"):
         s.end_profiling()
     assert os.listdir(tmp_path) == []
+
+
+def test_profiled_nodes_do_not_hold_garbage_collections(model_bytes: bytes) -> None:
+    """A cyclic collection set off while a profiled node runs waits until the node's span ends, so a
+    profile does not charge a node with the collector's time (with a threshold of one allocation, some
+    collection starts within every step; each one's start lies outside every node's span)."""
+    import gc
+
+    from onnxtrain.engine.plan import Plan
+
+    plan = Plan(small_model())
+    plan.profiling = True
+    feeds = {"x": np.ones((4, 3), np.float32)}
+    starts: list[int] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            starts.append(time.perf_counter_ns())
+
+    threshold, enabled = gc.get_threshold(), gc.isenabled()
+    gc.enable()
+    gc.set_threshold(1, 1, 1)
+    gc.callbacks.append(seen)
+    try:
+        for _ in range(20):
+            want = plan.run(feeds)
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*threshold)
+        if not enabled:
+            gc.disable()
+    spans = [(e.start_ns, e.start_ns + e.dur_ns) for e in plan.profile if e.cat == "Node"]
+    assert len(spans) == len(plan.steps) * 20 and len(starts) > 20
+    assert not [t for t in starts for lo, hi in spans if lo < t < hi]
+    assert gc.isenabled() == enabled
+    np.testing.assert_allclose(want[0], np.ones((4, 3), np.float32) @ W + B, rtol=1e-6)
 
 
 def test_no_profiling_by_default(model_bytes: bytes) -> None:
