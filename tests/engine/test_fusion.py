@@ -389,9 +389,12 @@ def test_conv_weight_grad_matches_the_conv_form(strides, dilations, pads, chunke
 
 @pytest.mark.parametrize("size, pointwise", [(12, True), (8, False)], ids=["144-positions", "64-positions"])
 @pytest.mark.parametrize("strides", [[1, 1], [2, 2]])
-def test_pointwise_conv_weight_grad_matches_float64(size: int, pointwise: bool, strides, monkeypatch) -> None:
+@pytest.mark.parametrize("ci, co", [(7, 5), (5, 7)], ids=["more-inputs", "more-outputs"])
+def test_pointwise_conv_weight_grad_matches_float64(size: int, pointwise: bool, strides, ci: int, co: int,
+                                                    monkeypatch) -> None:
     """A 1×1 Conv's weight gradient over many output positions is one GEMM per sample on the tensors as they
-    are (strided: on every stride-th position); against the float64 sum and the unfused steps."""
+    are (strided: on every stride-th position), its rows the side with more channels; against the float64
+    sum and the unfused steps."""
     from onnxtrain.engine.fusion import gemm
 
     calls: list[int] = []
@@ -408,9 +411,10 @@ def test_pointwise_conv_weight_grad_matches_float64(size: int, pointwise: bool, 
     assert ops(fused) == ["FusedConvWeightGrad"]
     rng = np.random.default_rng(5)
     side = (size - 1) * strides[0] + 1  # a 1×1 kernel exactly
-    x = rng.standard_normal((3, 7, side, side)).astype(np.float32)
-    dy = rng.standard_normal((3, 5, size, size)).astype(np.float32)
+    x = rng.standard_normal((3, ci, side, side)).astype(np.float32)
+    dy = rng.standard_normal((3, co, size, size)).astype(np.float32)
     got = fused.run({"x": x, "dy": dy})[0]
+    assert got.shape == (co, ci, 1, 1) and got.flags.c_contiguous
     xs = x[:, :, ::strides[0], ::strides[1]].astype(np.float64)
     want = np.einsum("nohw,nchw->oc", dy.astype(np.float64), xs)[:, :, None, None]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -295,10 +295,17 @@ POINTWISE_MIN_POSITIONS = 128
 
 
 def _pointwise_weight_grad(x: np.ndarray, dy: np.ndarray) -> np.ndarray:
-    """dW[o, c, 0, 0] = Σ_n dy[n, o, :] · x[n, c, :] (the positions flattened), a batched GEMM then a sum."""
+    """dW[o, c, 0, 0] = Σ_n dy[n, o, :] · x[n, c, :] (the positions flattened), a batched GEMM then a sum;
+    the side with more channels gives the products' rows (OpenBLAS is faster so, the same dot products: 2
+    cores, ms, MobileNetV2's 144 → 24 channels at 16², batch 16, 0.41 → 0.26 alone, 0.64 → 0.49 in its
+    training step; 24 → 144 0.38 against 0.26 the other way round; 16 → 96 at 32² 0.94 against 0.60)."""
     n, ci = x.shape[:2]
     co = dy.shape[1]
-    per_sample = np.matmul(dy.reshape(n, co, -1), x.reshape(n, ci, -1).transpose(0, 2, 1))
+    xs, dys = x.reshape(n, ci, -1), dy.reshape(n, co, -1)
+    if ci > co:  # dWᵀ = Σ_n x[n] · dy[n]ᵀ
+        dwt = np.add.reduce(np.matmul(xs, dys.transpose(0, 2, 1)), axis=0)
+        return np.ascontiguousarray(dwt.T).reshape(co, ci, 1, 1)
+    per_sample = np.matmul(dys, xs.transpose(0, 2, 1))
     return np.add.reduce(per_sample, axis=0).reshape(co, ci, 1, 1)
 
 
