@@ -221,7 +221,7 @@ class Blocked:
 
     def run(self, inputs: Sequence[Any], donated: frozenset[int] | None = None) -> list[Any]:
         vals = list(inputs)
-        vals.extend(None for _ in range(self.n_new))
+        vals.extend([None] * self.n_new)
         if self.run_pre is not None:
             self.run_pre(vals)
         threads = width()

@@ -324,7 +324,7 @@ class Cluster:
             if blocked is not None:
                 return blocked.run(inputs, donated)
             vals = list(inputs)
-            vals.extend(None for _ in range(prog[1]))
+            vals.extend([None] * prog[1])
             prog[3](vals)
             return [vals[i] for i in prog[2]]
         finally:
