@@ -158,6 +158,120 @@ def test_split_segments_of_one_cluster_run_as_one_job_with_the_same_bits(monkeyp
     assert jobs == [2]  # one job of two pieces for both segments, not one per segment
 
 
+@pytest.mark.parametrize(("loads", "work", "want"), [
+    ([0.0, 0.0], 10.0, [0.5, 0.5]),  # nothing else to run: halves
+    ([6.0, 0.0], 10.0, [0.2, 0.8]),  # the loaded thread takes less: both end at 8
+    ([12.0, 0.0], 10.0, [0.0, 1.0]),  # more than the work on one thread: all of it on the other
+    ([3.0, 1.0, 0.0], 2.0, [0.0, 0.25, 0.75]),  # level 1.5: the most loaded thread gets none
+    ([1.0, 1.0], 0.0, [0.5, 0.5]),  # no work: any shares
+])
+def test_water_fill_evens_out_the_threads_loads(loads: list[float], work: float, want: list[float]) -> None:
+    from onnxtrain.engine.fusion.blocked import water_fill
+
+    got = water_fill(loads, work)
+    np.testing.assert_allclose(got, want, atol=1e-12)
+    assert sum(got) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(("n", "shares", "align"), [
+    (1000, [0.5, 0.5], 64), (1000, [0.0, 1.0], 64), (1000, [0.3, 0.3, 0.4], 8), (5, [0.9, 0.1], 64),
+])
+def test_cut_covers_the_range_in_order_on_aligned_boundaries(n: int, shares: list[float], align: int) -> None:
+    from onnxtrain.engine.fusion.blocked import _cut
+
+    ranges = _cut(n, shares, align)
+    assert len(ranges) == len(shares) and ranges[0][0] == 0 and ranges[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(lo <= hi and (lo % align == 0 or lo == n) for lo, hi in ranges)
+    for k, (_, hi) in enumerate(ranges[:-1]):  # each boundary within one alignment step of its share
+        assert abs(hi - sum(shares[:k + 1]) * n) <= align
+
+
+def _recorded_parts(monkeypatch, fusion) -> list[tuple[int, int, int, int]]:
+    """From now on, jobs run their parts in order on the calling thread (which thread takes a part is the
+    scheduler's choice; what each part holds is the plan's), recording (part, segment size, start, stop) of
+    each Segment._run_range call (part −1: outside a job)."""
+    calls: list[tuple[int, int, int, int]] = []
+    part = [-1]
+    real = fusion.Segment._run_range
+
+    def spy(self, bv, slots, start, stop, block, views):
+        calls.append((part[0], self.n, start, stop))
+        return real(self, bv, slots, start, stop, block, views)
+
+    def in_order(n, fn):
+        for i in range(n):
+            part[0] = i
+            fn(i)
+        part[0] = -1  # outside a job
+
+    monkeypatch.setattr(fusion.Segment, "_run_range", spy)
+    monkeypatch.setattr(fusion, "parallel_for", in_order)
+    return calls
+
+
+def test_whole_segments_are_dealt_out_to_the_threads_with_the_same_bits(monkeypatch) -> None:
+    """An update over two weights, neither split: each weight's segment runs whole on a thread of its own in
+    one job, and the bits are those of one thread and of the unfused graph."""
+    from onnxtrain.engine.fusion import blocked as fusion
+    from tests.engine.test_fusion import two_weight_update
+
+    monkeypatch.setattr(fusion, "RIDE_MIN", 0)
+    monkeypatch.setattr(fusion, "JOB_MIN_WORK", 0)
+    monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
+    monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)  # several blocks each, in each thread's own scratch
+    rng = np.random.default_rng(21)
+    feeds = {"lr": np.array([0.01], np.float32)}
+    for w, shape in (("a", (96, 40)), ("b", (300, 7))):
+        feeds[f"w_{w}"], feeds[f"g_{w}"] = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    serial, dealt, plain = (Plan(two_weight_update(), threads=1), Plan(two_weight_update(), threads=2),
+                            Plan(two_weight_update(), fuse=False))
+    want = plain.run(feeds)
+    for plan in (serial, dealt, dealt):
+        for got, ref in zip(plan.run(feeds), want):
+            assert got.tobytes() == ref.tobytes()
+    (prog,) = dealt.steps[0].fn.programs.values()
+    assert not any(seg.par for seg in prog[5].segments)
+    calls = _recorded_parts(monkeypatch, fusion)
+    dealt.run(feeds)
+    assert sorted(calls) == [(0, 3840, 0, 3840), (1, 2100, 0, 2100)]  # the larger first, one per thread
+    monkeypatch.setattr(fusion, "JOB_MIN_WORK", 1 << 40)  # too little work to share: no job at all
+    calls.clear()
+    dealt.run(feeds)
+    assert sorted(calls) == [(-1, 2100, 0, 2100), (-1, 3840, 0, 3840)]
+
+
+def test_split_work_fills_up_the_thread_that_runs_no_whole_segment(monkeypatch) -> None:
+    """One weight split, one run whole: the whole segment's thread takes the smaller piece of the split one
+    (equal loads), with the same bits as one thread and the unfused graph."""
+    from onnxtrain.engine.fusion import blocked as fusion
+    from tests.engine.test_fusion import two_weight_update
+
+    monkeypatch.setattr(fusion, "RIDE_MIN", 0)
+    monkeypatch.setattr(fusion, "UPDATE_PAR_MIN_WORK", 6 * 10_000)  # a (10,000 values × 6 ufuncs) splits
+    monkeypatch.setattr(fusion, "PAR_MIN_WORK", 6 * 10_000)
+    monkeypatch.setattr(fusion, "CALL_COST", 0)
+    monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
+    rng = np.random.default_rng(22)
+    feeds = {"lr": np.array([0.01], np.float32)}
+    for w, shape in (("a", (100, 100)), ("b", (50, 60))):
+        feeds[f"w_{w}"], feeds[f"g_{w}"] = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    serial, split, plain = (Plan(two_weight_update(), threads=1), Plan(two_weight_update(), threads=2),
+                            Plan(two_weight_update(), fuse=False))
+    want = plain.run(feeds)
+    for plan in (serial, split, split):
+        for got, ref in zip(plan.run(feeds), want):
+            assert got.tobytes() == ref.tobytes()
+    (prog,) = split.steps[0].fn.programs.values()
+    assert [seg.par for seg in prog[5].segments] == [True, False]
+    calls = _recorded_parts(monkeypatch, fusion)
+    split.run(feeds)
+    (whole_part,) = {t for t, n, *_ in calls if n == 3000}
+    pieces = {t: hi - lo for t, n, lo, hi in calls if n == 10_000}
+    # equal loads: 3,000 + x = 10,000 − x, so x = 3,500 (to a 64-value boundary) with the whole segment
+    assert abs(pieces[whole_part] - 3500) <= 64 and sum(pieces.values()) == 10_000
+
+
 def sibling_updates() -> onnx.ModelProto:
     """Two weights updated by chains that share no computed value (a legacy optimizer graph's per-weight
     updates, each with its own step size input): two clusters side by side."""

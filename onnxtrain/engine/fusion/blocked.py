@@ -48,6 +48,13 @@ UPDATE_PAR_MIN_WORK = 3 << 20
 # 1.47 -> 1.16 ms)
 DONATE_MIN = 1 << 17
 ERF_COST = 8  # an Erf costs about as much as eight plain ufuncs (two gathers and nine passes)
+# whole segments of at least RIDE_MIN elements run inside a job (:func:`run_job`); smaller ones,
+# whose ufunc calls are too short for numpy to let go of the GIL, run before it: inside, the other threads
+# would wait on the GIL for them
+RIDE_MIN = 1 << 13
+# ... and whole segments alone make a job (dealt out to the threads) from this much work (element-ops)
+JOB_MIN_WORK = 1 << 20
+CALL_COST = 8000  # a ufunc call's own time, in element-ops (about 1 µs against 0.12 ns a value, 2 cores)
 
 
 class ScratchPool:
@@ -81,18 +88,68 @@ class ScratchPool:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-_group = threading.local()  # .work: the split pieces that a group's clusters leave to the group's one job
+_group = threading.local()  # .work: the prepared segments that a group's clusters leave to its one job
 
 
-def run_pieces(work: list[list[Callable[[], None]]]) -> None:
-    """Run segments' pieces as one job: thread ``t`` runs piece ``t`` of every segment, in order."""
-    parallel_for(max(len(w) for w in work), lambda t: [w[t]() for w in work if t < len(w)])
+_Item = tuple  # (segment, block values, whole arrays, split): a prepared segment waiting for a job
+
+
+def run_job(items: list[_Item], threads: int) -> None:
+    """Run prepared segments (``(segment, bv, slots, split)``, from :meth:`Segment.prepare`) as one job over
+    ``threads``: the split ones cut over all the threads, the others whole on one thread each; or all on
+    this thread when there is nothing to split and too little work to share (:data:`JOB_MIN_WORK`).
+
+    The split segments' pieces run together, each thread its piece of every segment in turn, so the threads
+    wake and meet once instead of once per segment (the MLP's on-device update, two split weights:
+    Optimizer.step 0.81 → 0.73 ms at batch 64, 1.25 → 1.16 ms at 256). The whole segments are dealt out
+    first, largest first to the least loaded thread, and the split work then fills up the threads to equal
+    loads (:func:`water_fill`), instead of the whole segments running before the job while the other threads
+    wait: the on-device update of the GPT decoder (21 weights, the two largest split) Optimizer.step 1.46 →
+    1.25 ms, of the transformer encoder (19 weights, none split) 1.24 → 1.03 ms (medians of 16 interleaved
+    rounds; the MLP's and LeNet's unchanged).
+    """
+    whole = [it for it in items if not it[3]]
+    split = [it for it in items if it[3]]
+    if not split and (len(whole) < 2 or sum(it[0].cost for it in whole) < JOB_MIN_WORK):
+        for seg, bv, slots, _ in whole:
+            seg.run_prepared(bv, slots)
+        return
+    loads = [0.0] * threads
+    mine: list[list[Callable[[], None]]] = [[] for _ in range(threads)]
+    for seg, bv, slots, _ in sorted(whole, key=lambda it: -it[0].cost):
+        t = loads.index(min(loads))
+        loads[t] += seg.cost
+        views = seg._views(t, seg.block)  # taken here: the pool is not thread-safe
+        mine[t].append(functools.partial(seg._run_range, bv, slots, 0, seg.n, seg.block, views))
+    if split:
+        shares = water_fill(loads, sum(it[0].cost for it in split))
+        for seg, bv, slots, _ in split:
+            for t, piece in enumerate(seg.split_work(bv, slots, threads, shares)):
+                mine[t].append(piece)
+    parallel_for(threads, lambda t: [f() for f in mine[t]])
+
+
+def water_fill(loads: Sequence[float], work: float) -> list[float]:
+    """Each thread's fraction of ``work`` (divisible) that brings the threads' ``loads`` closest to equal:
+    the least loaded filled up first."""
+    if work <= 0:
+        return [1.0 / len(loads)] * len(loads)
+    order = sorted(loads)
+    level, left = order[0], work
+    for k in range(1, len(order) + 1):
+        nxt = order[k] if k < len(order) else float("inf")
+        if (nxt - level) * k >= left:
+            level += left / k
+            break
+        left -= (nxt - level) * k
+        level = nxt
+    return [max(level - x, 0.0) / work for x in loads]
 
 
 def run_group(pool: ScratchPool, members: Sequence[Callable[[], Any]]) -> list[Any] | None:
     """Call ``members`` (clusters of one plan, none reading another's outputs) in turn, holding the pool, with
-    their split segments' pieces run together at the end as one job; None (nothing run) when the pool is
-    busy."""
+    their split and larger segments run together at the end as one job (:func:`run_job`); None (nothing
+    run) when the pool is busy."""
     if not pool.lock.acquire(blocking=False):
         return None
     try:
@@ -102,7 +159,7 @@ def run_group(pool: ScratchPool, members: Sequence[Callable[[], Any]]) -> list[A
         finally:
             _group.work = None
         if work:
-            run_pieces(work)
+            run_job(work, width())
         return results
     finally:
         pool.lock.release()
@@ -225,22 +282,24 @@ class Blocked:
         if self.run_pre is not None:
             self.run_pre(vals)
         threads = width()
-        split = [seg for seg in self.segments if seg.par] if threads > 1 else []
-        for seg in self.segments:
-            if not (seg.par and threads > 1):  # not in ``split``
+        if threads < 2:
+            for seg in self.segments:
                 seg.run(vals, donated)
-        if split:
-            # the split segments as one job: each thread runs its piece of every segment in turn, so the
-            # threads wake and meet once instead of once per segment (a thread's scratch serves its pieces).
-            # The MLP's on-device update (two split weights): Optimizer.step 0.81 → 0.73 ms at batch 64, 1.25
-            # → 1.16 ms at 256 (medians of 12 interleaved rounds). Inside a group of clusters the pieces wait
-            # for the group's one job (nothing reads these outputs before the group ends)
-            work = [seg.split_work(*seg.prepare(vals, donated), threads) for seg in split]
-            deferred = getattr(_group, "work", None) if self.run_post is None else None
-            if deferred is not None:
-                deferred.extend(work)
-            else:
-                run_pieces(work)
+        else:
+            # segments too small for numpy to let go of the GIL run now; the others as one job (run_job), or
+            # inside a group of clusters in the group's one job (nothing reads these outputs before the
+            # group ends), unless a post phase reads them
+            group = getattr(_group, "work", None) if self.run_post is None else None
+            items = []
+            for seg in self.segments:
+                if seg.par or seg.n >= RIDE_MIN:
+                    items.append((seg, *seg.prepare(vals, donated), seg.par))
+                else:
+                    seg.run(vals, donated)
+            if group is not None:
+                group.extend(items)
+            elif items:
+                run_job(items, threads)
         if self.run_post is not None:
             self.run_post(vals)
         return [vals[i] for i in self.out_idx]
@@ -477,6 +536,7 @@ class Segment:
             n=n,
             block=block,
             par=n >= 2 * _BLOCK_ALIGN and n * cost >= (UPDATE_PAR_MIN_WORK if any(reuse) else PAR_MIN_WORK),
+            per_element=cost,
             n_bv=n_slots + len(consts),
             consts=consts,
             small=sorted(local[s] for s in m_inputs if not whole(s)),
@@ -507,8 +567,18 @@ class Segment:
 
     def run(self, vals: list[Any], donated: frozenset[int] | None = None) -> None:
         """The whole segment on this thread (a split one runs as pieces: :meth:`split_work`)."""
-        bv, slots = self.prepare(vals, donated)
+        self.run_prepared(*self.prepare(vals, donated))
+
+    def run_prepared(self, bv: list[Any], slots: list[tuple]) -> None:
+        """The whole segment on the calling thread, in thread 0's scratch, from :meth:`prepare`'s values."""
         self._run_range(bv, slots, 0, self.n, self.block, self._views(0, self.block))
+
+    @property
+    def cost(self) -> float:
+        """The segment's time in element-ops (elements × ufuncs, an Erf counting ERF_COST), each ufunc call
+        counted as :data:`CALL_COST` more."""
+        blocks = -(-self.n // self.block)
+        return self.n * self.per_element + CALL_COST * len(self.ops) * blocks
 
     def prepare(self, vals: list[Any], donated: frozenset[int] | None) -> tuple[list[Any], list[tuple]]:
         """The run's block-value slots and its whole arrays (the outputs allocated, or donated inputs)."""
@@ -534,11 +604,14 @@ class Segment:
             flats.append(a.reshape(-1))
         return bv, list(zip(self.flat_slots, flats))
 
-    def split_work(self, bv: list[Any], slots: list[tuple], parts: int) -> list[Callable[[], None]]:
-        """The segment cut into up to ``parts`` pieces, one per thread (thread ``t`` runs piece ``t``)."""
-        ranges = split(self.n, parts, _BLOCK_ALIGN)
-        block = min(self.block, ranges[0][1])
-        views = [self._views(t, block) for t in range(len(ranges))]  # taken here: the pool is not thread-safe
+    def split_work(self, bv: list[Any], slots: list[tuple], parts: int,
+                   shares: Sequence[float] | None = None) -> list[Callable[[], None]]:
+        """The segment cut into up to ``parts`` pieces, one per thread (thread ``t`` runs piece ``t``), of
+        equal lengths or of the fractions ``shares`` (one per thread; a piece may be empty)."""
+        ranges = split(self.n, parts, _BLOCK_ALIGN) if shares is None else _cut(self.n, shares, _BLOCK_ALIGN)
+        block = min(self.block, max(hi - lo for lo, hi in ranges))
+        views = [self._views(t, block) if hi > lo else [] for t, (lo, hi) in enumerate(ranges)]  # taken here:
+        # the pool is not thread-safe
         return [functools.partial(self._run_range, list(bv), slots, lo, hi, block, views[t])
                 for t, (lo, hi) in enumerate(ranges)]
 
@@ -552,6 +625,8 @@ class Segment:
         views: list[tuple[int, np.ndarray]],
     ) -> None:
         """The segment's ufuncs over elements [start, stop), ``block`` at a time, in the scratch ``views``."""
+        if start >= stop:
+            return
         for i, v in views:
             bv[i] = v
         if start == 0 and stop == self.n == block:  # one block: the generated straight-line program
@@ -573,3 +648,17 @@ class Segment:
                     fn(bv[a], out=bv[o])
                 else:
                     fn(bv[a], bv[b], out=bv[o])
+
+
+def _cut(n: int, shares: Sequence[float], align: int) -> list[tuple[int, int]]:
+    """``[0, n)`` as one contiguous range per share (fractions summing to 1), in order, each boundary on a
+    multiple of ``align``; a range may be empty."""
+    ranges = []
+    lo = 0
+    acc = 0.0
+    for k, f in enumerate(shares):
+        acc += f
+        hi = n if k == len(shares) - 1 else min(n, max(lo, int(round(acc * n / align)) * align))
+        ranges.append((lo, hi))
+        lo = hi
+    return ranges
