@@ -314,6 +314,31 @@ def test_sibling_clusters_run_as_one_step_and_their_split_pieces_as_one_job(monk
     assert jobs == [2]  # both clusters' split segments in one job of two pieces
 
 
+def test_sibling_clusters_too_small_to_block_deal_their_loops_out_in_the_groups_job(monkeypatch) -> None:
+    """A legacy optimizer's per-weight updates (a group of clusters), each too small for blocks or a split:
+    with two threads each weight's loop runs whole on a thread of its own, in the group's one job, with the
+    bits of one thread and of the unfused graph."""
+    from onnxtrain.engine.fusion import blocked as fusion
+
+    monkeypatch.setattr(fusion, "RIDE_MIN", 0)
+    monkeypatch.setattr(fusion, "JOB_MIN_WORK", 0)
+    rng = np.random.default_rng(23)
+    feeds = {}
+    for w, shape in (("a", (96, 40)), ("b", (300, 7))):
+        feeds[f"lr_{w}"] = np.array([0.01], np.float32)
+        feeds[f"w_{w}"], feeds[f"g_{w}"] = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    serial, dealt, plain = (Plan(sibling_updates(), threads=1), Plan(sibling_updates(), threads=2),
+                            Plan(sibling_updates(), fuse=False))
+    assert [st.node.op_type for st in dealt.steps] == ["FusedElementwiseGroup"]
+    want = plain.run(feeds)
+    for plan in (serial, dealt, dealt):
+        for got, ref in zip(plan.run(feeds), want):
+            assert got.tobytes() == ref.tobytes()
+    calls = _recorded_parts(monkeypatch, fusion)
+    dealt.run(feeds)
+    assert sorted(calls) == [(0, 3840, 0, 3840), (1, 2100, 0, 2100)]
+
+
 def test_an_input_two_sibling_clusters_read_is_donated_to_neither(monkeypatch) -> None:
     """A donated input that both clusters of a group read must reach the second one unchanged (blocked
     clusters write into donated inputs they alone read)."""

@@ -242,6 +242,11 @@ class Blocked:
         # then copy into its weights). The transformer's on-device update (no segment big enough to split):
         # Optimizer.step 2.42-2.56 -> 1.50-2.14 ms alone
         needed = any(seg.block < seg.n or seg.par for seg in segments)
+        # a member of a group of clusters (a legacy optimizer's per-weight updates) with loops that may run
+        # on another thread: blocked, so that they go to the group's one job (run_job)
+        shared = (width() > 1 and getattr(_group, "work", None) is not None
+                  and any(seg.n >= RIDE_MIN for seg in segments))
+        needed = needed or shared
         if not needed and (not any(any(seg.reuse) for seg in segments)
                            or sum(seg.n for seg in segments) < DONATE_MIN):
             return None
