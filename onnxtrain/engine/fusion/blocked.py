@@ -8,7 +8,7 @@ import functools
 import heapq
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -91,13 +91,20 @@ class ScratchPool:
 _group = threading.local()  # .work: the prepared segments that a group's clusters leave to its one job
 
 
-_Item = tuple  # (segment, block values, whole arrays, split): a prepared segment waiting for a job
+class Prepared(NamedTuple):
+    """A segment waiting for a job: its run's block values and whole arrays (:meth:`Segment.prepare`), and
+    whether it is cut over the threads."""
+
+    seg: Segment
+    bv: list[Any]
+    slots: list[tuple]
+    split: bool
 
 
-def run_job(items: list[_Item], threads: int) -> None:
-    """Run prepared segments (``(segment, bv, slots, split)``, from :meth:`Segment.prepare`) as one job over
-    ``threads``: the split ones cut over all the threads, the others whole on one thread each; or all on
-    this thread when there is nothing to split and too little work to share (:data:`JOB_MIN_WORK`).
+def run_job(items: list[Prepared], threads: int) -> None:
+    """Run prepared segments as one job over ``threads``: the split ones cut over all the threads, the others
+    whole on one thread each; or all on this thread when there is nothing to split and too little work to
+    share (:data:`JOB_MIN_WORK`).
 
     The split segments' pieces run together, each thread its piece of every segment in turn, so the threads
     wake and meet once instead of once per segment (the MLP's on-device update, two split weights:
@@ -108,21 +115,21 @@ def run_job(items: list[_Item], threads: int) -> None:
     1.25 ms, of the transformer encoder (19 weights, none split) 1.24 → 1.03 ms (medians of 16 interleaved
     rounds; the MLP's and LeNet's unchanged).
     """
-    whole = [it for it in items if not it[3]]
-    split = [it for it in items if it[3]]
-    if not split and (len(whole) < 2 or sum(it[0].cost for it in whole) < JOB_MIN_WORK):
+    whole = [it for it in items if not it.split]
+    split = [it for it in items if it.split]
+    if not split and (len(whole) < 2 or sum(it.seg.cost for it in whole) < JOB_MIN_WORK):
         for seg, bv, slots, _ in whole:
             seg.run_prepared(bv, slots)
         return
     loads = [0.0] * threads
     mine: list[list[Callable[[], None]]] = [[] for _ in range(threads)]
-    for seg, bv, slots, _ in sorted(whole, key=lambda it: -it[0].cost):
+    for seg, bv, slots, _ in sorted(whole, key=lambda it: -it.seg.cost):
         t = loads.index(min(loads))
         loads[t] += seg.cost
         views = seg._views(t, seg.block)  # taken here: the pool is not thread-safe
         mine[t].append(functools.partial(seg._run_range, bv, slots, 0, seg.n, seg.block, views))
     if split:
-        shares = water_fill(loads, sum(it[0].cost for it in split))
+        shares = water_fill(loads, sum(it.seg.cost for it in split))
         for seg, bv, slots, _ in split:
             for t, piece in enumerate(seg.split_work(bv, slots, threads, shares)):
                 mine[t].append(piece)
@@ -298,7 +305,7 @@ class Blocked:
             items = []
             for seg in self.segments:
                 if seg.par or seg.n >= RIDE_MIN:
-                    items.append((seg, *seg.prepare(vals, donated), seg.par))
+                    items.append(Prepared(seg, *seg.prepare(vals, donated), seg.par))
                 else:
                     seg.run(vals, donated)
             if group is not None:
