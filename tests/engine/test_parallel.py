@@ -187,6 +187,28 @@ def test_cut_covers_the_range_in_order_on_aligned_boundaries(n: int, shares: lis
         assert abs(hi - sum(shares[:k + 1]) * n) <= align
 
 
+def _weight_feeds(seed: int, shapes: tuple, own_lr: bool) -> dict[str, np.ndarray]:
+    """Feeds of a two-weight update (``two_weight_update``: one ``lr``; ``sibling_updates``: one a weight)."""
+    rng = np.random.default_rng(seed)
+    feeds = {} if own_lr else {"lr": np.array([0.01], np.float32)}
+    for w, shape in zip("ab", shapes):
+        if own_lr:
+            feeds[f"lr_{w}"] = np.array([0.01], np.float32)
+        feeds[f"w_{w}"], feeds[f"g_{w}"] = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    return feeds
+
+
+def _threaded_plan_with_the_same_bits(make, feeds: dict[str, np.ndarray]) -> Plan:
+    """A two-thread plan of ``make()``, checked (twice) to give the bits of a one-thread one and of the
+    unfused graph."""
+    serial, threaded, plain = Plan(make(), threads=1), Plan(make(), threads=2), Plan(make(), fuse=False)
+    want = plain.run(feeds)
+    for plan in (serial, threaded, threaded):
+        for got, ref in zip(plan.run(feeds), want):
+            assert got.tobytes() == ref.tobytes()
+    return threaded
+
+
 def _recorded_parts(monkeypatch, fusion) -> list[tuple[int, int, int, int]]:
     """From now on, jobs run their parts in order on the calling thread (which thread takes a part is the
     scheduler's choice; what each part holds is the plan's), recording (part, segment size, start, stop) of
@@ -220,16 +242,8 @@ def test_whole_segments_are_dealt_out_to_the_threads_with_the_same_bits(monkeypa
     monkeypatch.setattr(fusion, "JOB_MIN_WORK", 0)
     monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
     monkeypatch.setattr(fusion, "BLOCK_BYTES", 4096)  # several blocks each, in each thread's own scratch
-    rng = np.random.default_rng(21)
-    feeds = {"lr": np.array([0.01], np.float32)}
-    for w, shape in (("a", (96, 40)), ("b", (300, 7))):
-        feeds[f"w_{w}"], feeds[f"g_{w}"] = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
-    serial, dealt, plain = (Plan(two_weight_update(), threads=1), Plan(two_weight_update(), threads=2),
-                            Plan(two_weight_update(), fuse=False))
-    want = plain.run(feeds)
-    for plan in (serial, dealt, dealt):
-        for got, ref in zip(plan.run(feeds), want):
-            assert got.tobytes() == ref.tobytes()
+    feeds = _weight_feeds(21, ((96, 40), (300, 7)), own_lr=False)
+    dealt = _threaded_plan_with_the_same_bits(two_weight_update, feeds)
     (prog,) = dealt.steps[0].fn.programs.values()
     assert not any(seg.par for seg in prog[5].segments)
     calls = _recorded_parts(monkeypatch, fusion)
@@ -252,16 +266,8 @@ def test_split_work_fills_up_the_thread_that_runs_no_whole_segment(monkeypatch) 
     monkeypatch.setattr(fusion, "PAR_MIN_WORK", 6 * 10_000)
     monkeypatch.setattr(fusion, "CALL_COST", 0)
     monkeypatch.setattr(fusion, "BLOCK_MIN_BYTES", 0)
-    rng = np.random.default_rng(22)
-    feeds = {"lr": np.array([0.01], np.float32)}
-    for w, shape in (("a", (100, 100)), ("b", (50, 60))):
-        feeds[f"w_{w}"], feeds[f"g_{w}"] = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
-    serial, split, plain = (Plan(two_weight_update(), threads=1), Plan(two_weight_update(), threads=2),
-                            Plan(two_weight_update(), fuse=False))
-    want = plain.run(feeds)
-    for plan in (serial, split, split):
-        for got, ref in zip(plan.run(feeds), want):
-            assert got.tobytes() == ref.tobytes()
+    feeds = _weight_feeds(22, ((100, 100), (50, 60)), own_lr=False)
+    split = _threaded_plan_with_the_same_bits(two_weight_update, feeds)
     (prog,) = split.steps[0].fn.programs.values()
     assert [seg.par for seg in prog[5].segments] == [True, False]
     calls = _recorded_parts(monkeypatch, fusion)
@@ -297,18 +303,9 @@ def test_sibling_clusters_run_as_one_step_and_their_split_pieces_as_one_job(monk
     jobs = []
     real = fusion.parallel_for
     monkeypatch.setattr(fusion, "parallel_for", lambda n, fn: (jobs.append(n), real(n, fn)))
-    rng = np.random.default_rng(13)
-    feeds = {}
-    for w, shape in (("a", (96, 40)), ("b", (300, 7))):
-        feeds[f"lr_{w}"] = np.array([0.01], np.float32)
-        feeds[f"w_{w}"], feeds[f"g_{w}"] = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
-    serial, split, plain = (Plan(sibling_updates(), threads=1), Plan(sibling_updates(), threads=2),
-                            Plan(sibling_updates(), fuse=False))
+    feeds = _weight_feeds(13, ((96, 40), (300, 7)), own_lr=True)
+    split = _threaded_plan_with_the_same_bits(sibling_updates, feeds)
     assert [st.node.op_type for st in split.steps] == ["FusedElementwiseGroup"]
-    want = plain.run(feeds)
-    for plan in (serial, split, split):
-        for got, ref in zip(plan.run(feeds), want):
-            assert got.tobytes() == ref.tobytes()
     jobs.clear()
     split.run(feeds)
     assert jobs == [2]  # both clusters' split segments in one job of two pieces
@@ -322,18 +319,9 @@ def test_sibling_clusters_too_small_to_block_deal_their_loops_out_in_the_groups_
 
     monkeypatch.setattr(fusion, "RIDE_MIN", 0)
     monkeypatch.setattr(fusion, "JOB_MIN_WORK", 0)
-    rng = np.random.default_rng(23)
-    feeds = {}
-    for w, shape in (("a", (96, 40)), ("b", (300, 7))):
-        feeds[f"lr_{w}"] = np.array([0.01], np.float32)
-        feeds[f"w_{w}"], feeds[f"g_{w}"] = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
-    serial, dealt, plain = (Plan(sibling_updates(), threads=1), Plan(sibling_updates(), threads=2),
-                            Plan(sibling_updates(), fuse=False))
+    feeds = _weight_feeds(23, ((96, 40), (300, 7)), own_lr=True)
+    dealt = _threaded_plan_with_the_same_bits(sibling_updates, feeds)
     assert [st.node.op_type for st in dealt.steps] == ["FusedElementwiseGroup"]
-    want = plain.run(feeds)
-    for plan in (serial, dealt, dealt):
-        for got, ref in zip(plan.run(feeds), want):
-            assert got.tobytes() == ref.tobytes()
     calls = _recorded_parts(monkeypatch, fusion)
     dealt.run(feeds)
     assert sorted(calls) == [(0, 3840, 0, 3840), (1, 2100, 0, 2100)]
