@@ -14,7 +14,7 @@ import numpy as np
 
 from onnxtrain.engine.fusion.ufuncs import UFUNCS, compile_program
 from onnxtrain.engine.kernels.elementwise import erf_into
-from onnxtrain.engine.parallel import parallel_for, split, width
+from onnxtrain.engine.parallel import parallel_for, width
 
 if TYPE_CHECKING:
     from onnxtrain.engine.fusion.elementwise import Cluster
@@ -131,7 +131,7 @@ def run_job(items: list[Prepared], threads: int) -> None:
     if split:
         shares = water_fill(loads, sum(it.seg.cost for it in split))
         for seg, bv, slots, _ in split:
-            for t, piece in enumerate(seg.split_work(bv, slots, threads, shares)):
+            for t, piece in enumerate(seg.split_work(bv, slots, shares)):
                 mine[t].append(piece)
     parallel_for(threads, lambda t: [f() for f in mine[t]])
 
@@ -251,8 +251,7 @@ class Blocked:
         needed = any(seg.block < seg.n or seg.par for seg in segments)
         # a member of a group of clusters (a legacy optimizer's per-weight updates) with loops that may run
         # on another thread: blocked, so that they go to the group's one job (run_job)
-        shared = (width() > 1 and getattr(_group, "work", None) is not None
-                  and any(seg.n >= RIDE_MIN for seg in segments))
+        shared = cl.grouped and width() > 1 and any(seg.n >= RIDE_MIN for seg in segments)
         needed = needed or shared
         if not needed and (not any(any(seg.reuse) for seg in segments)
                            or sum(seg.n for seg in segments) < DONATE_MIN):
@@ -616,11 +615,11 @@ class Segment:
             flats.append(a.reshape(-1))
         return bv, list(zip(self.flat_slots, flats))
 
-    def split_work(self, bv: list[Any], slots: list[tuple], parts: int,
-                   shares: Sequence[float] | None = None) -> list[Callable[[], None]]:
-        """The segment cut into up to ``parts`` pieces, one per thread (thread ``t`` runs piece ``t``), of
-        equal lengths or of the fractions ``shares`` (one per thread; a piece may be empty)."""
-        ranges = split(self.n, parts, _BLOCK_ALIGN) if shares is None else _cut(self.n, shares, _BLOCK_ALIGN)
+    def split_work(self, bv: list[Any], slots: list[tuple],
+                   shares: Sequence[float]) -> list[Callable[[], None]]:
+        """The segment cut into one piece per thread (thread ``t`` runs piece ``t``), of the fractions
+        ``shares`` of its elements (a piece may be empty)."""
+        ranges = _cut(self.n, shares, _BLOCK_ALIGN)
         block = min(self.block, max(hi - lo for lo, hi in ranges))
         views = [self._views(t, block) if hi > lo else [] for t, (lo, hi) in enumerate(ranges)]  # taken here:
         # the pool is not thread-safe

@@ -291,6 +291,7 @@ class Cluster:
                 passed.update(m.outputs)
         self.fresh_outputs = not passed.intersection(escaping)
         self.reusable: frozenset[int] = frozenset()
+        self.grouped = False  # a member of a ClusterGroup: its larger loops go to the group's one job
         self.programs: dict[tuple, list] = {}  # signature → program, oldest first
         self.misses: dict[tuple, int] = {}  # signatures run unfused since the programs were full → runs
 
@@ -626,6 +627,8 @@ class ClusterGroup:
         at = {s: i for i, s in reversed(list(enumerate(ins)))}  # each slot's first position
         self.positions = [[at[s] for s in m.inputs] for m in members]
         self.fresh_outputs = all(m.fn.fresh_outputs for m in members)
+        for m in members:
+            m.fn.grouped = True
 
     def allow_reuse(self, slots: frozenset[int]) -> frozenset[int]:
         """Donated inputs each member may write into: those it reads and no other member does (a later member
