@@ -489,3 +489,62 @@ def test_integer_division_by_zero_is_an_error_as_in_onnxruntime(op: str, attrs: 
         ours.run(None, {"a": a, "b": b})
     b[1] = 4  # and without a zero, onnxruntime's values
     np.testing.assert_array_equal(ours.run(None, {"a": a, "b": b})[0], sess.run(None, {"a": a, "b": b})[0])
+
+
+def _bit_patterns(dt: np.dtype) -> np.ndarray:
+    """Every float16; for wider floats, random bit patterns (subnormals, infinities and NaNs among them)
+    and the special values."""
+    if dt == np.float16:
+        return np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    ui = np.uint32 if dt == np.float32 else np.uint64
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, np.iinfo(ui).max, 200_000, dtype=ui, endpoint=True)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, np.finfo(dt).tiny,
+                         np.finfo(dt).smallest_subnormal, np.finfo(dt).max], dt)
+    return np.concatenate([bits.view(dt), specials])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_reciprocal_by_divide_has_onnx_references_bits(dtype) -> None:
+    """Reciprocal runs as numpy's divide of one (numpy's own reciprocal loops are scalar): the same bits
+    as onnx.reference's Reciprocal, alone and as the member of a fused cluster."""
+    from onnx.reference import ReferenceEvaluator
+
+    from onnxtrain.engine.plan import Plan
+
+    x = _bit_patterns(np.dtype(dtype))
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+    def model(nodes):
+        io = [helper.make_tensor_value_info(n, elem, None) for n in ("x", "y")]
+        g = helper.make_graph(nodes, "g", io[:1], io[1:])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+    alone = model([helper.make_node("Reciprocal", ["x"], ["y"])])
+    with np.errstate(all="ignore"):
+        want = ReferenceEvaluator(alone).run(None, {"x": x})[0]
+        got = run("Reciprocal", x)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    # in a cluster: Neg -> Reciprocal -> Mul, each a pass over the same arrays
+    chain = model([helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Reciprocal", ["n"], ["r"]),
+                   helper.make_node("Mul", ["r", "x"], ["y"])])
+    plan = Plan(chain)
+    assert "FusedElementwise" in [st.node.op_type for st in plan.steps]
+    with np.errstate(all="ignore"):
+        want = ReferenceEvaluator(chain).run(None, {"x": x})[0]
+    got = plan.run({"x": x})[0]
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_reciprocal_keeps_other_types_to_numpy() -> None:
+    from onnxtrain.engine.kernels.elementwise import reciprocal
+
+    bf = helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16)
+    x = np.array([0.5, -4.0, 3.0, 0.0], np.float32).astype(bf)
+    with np.errstate(divide="ignore"):
+        np.testing.assert_array_equal(reciprocal(x).astype(np.float32), np.reciprocal(x).astype(np.float32))
+    y = np.arange(1, 5, dtype=np.float32)
+    out = np.empty_like(y)
+    assert reciprocal(y, out=out) is out
+    np.testing.assert_array_equal(out, np.float32(1) / y)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from onnxtrain.engine.kernels.clamp import relu_into
-from onnxtrain.engine.kernels.elementwise import erf_into
+from onnxtrain.engine.kernels.elementwise import erf_into, reciprocal
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Step
@@ -24,7 +24,7 @@ UFUNCS: dict[str, tuple[np.ufunc, Any]] = {
     "Abs": (np.absolute, None),
     "Exp": (np.exp, None),
     "Log": (np.log, None),
-    "Reciprocal": (np.reciprocal, None),
+    "Reciprocal": (reciprocal, None),  # numpy's divide of one: its reciprocal is not vectorised
     "Tanh": (np.tanh, None),
     "Relu": (relu_into, None),  # max(x, 0) by the clip ufunc: numpy's scalar maximum is 1.7-3x slower
     "Erf": (erf_into, None),  # not a ufunc, but called as one: the exported GELU chain is one cluster

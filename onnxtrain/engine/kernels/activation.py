@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from onnxtrain.engine.kernels.clamp import clamp, negative_part, relu_into
-from onnxtrain.engine.kernels.elementwise import erf
+from onnxtrain.engine.kernels.elementwise import erf, reciprocal
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 _NATIVE = (np.dtype(np.float32), np.dtype(np.float64))
@@ -50,7 +50,7 @@ def logistic(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     r = np.negative(x, out=out)
     np.exp(r, out=r)
     r += 1
-    np.reciprocal(r, out=r)
+    reciprocal(r, out=r)
     return r
 
 

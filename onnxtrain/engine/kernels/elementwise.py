@@ -35,6 +35,19 @@ def _is_float(dt: np.dtype) -> bool:
 
 # --- one-ufunc ops ---------------------------------------------------------------------------------
 
+_DIVIDES_ONE = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
+
+
+def reciprocal(x: Any, out: np.ndarray | None = None) -> Any:
+    """1 / x with a ufunc's signature: numpy's divide of the type's one for its own floats (the same bits
+    as ``np.reciprocal``, every float16 and 200 M float32 bit patterns checked, whose float loops numpy 2.4
+    does not vectorise: 614 K float32 values 126 → 64 µs), ``np.reciprocal`` for any other type."""
+    dt = x.dtype
+    if dt in _DIVIDES_ONE:
+        return np.divide(dt.type(1), x, out=out)
+    return np.reciprocal(x, out=out)
+
+
 _BINARY: list[tuple[str, int, Callable[..., Any]]] = [
     ("Add", 7, np.add), ("Sub", 7, np.subtract), ("Mul", 7, np.multiply),
     ("Equal", 7, np.equal), ("Greater", 7, np.greater), ("Less", 7, np.less),
@@ -53,7 +66,7 @@ _UNARY: list[tuple[str, int, Callable[..., Any]]] = [
 
 # ops whose domain errors (log(0), sqrt(-1), 1/0) are expected and must not warn
 _UNARY_QUIET: list[tuple[str, int, Callable[..., Any]]] = [
-    ("Log", 6, np.log), ("Sqrt", 6, np.sqrt), ("Reciprocal", 6, np.reciprocal),
+    ("Log", 6, np.log), ("Sqrt", 6, np.sqrt), ("Reciprocal", 6, reciprocal),
     ("Asin", 7, np.arcsin), ("Acos", 7, np.arccos), ("Acosh", 9, np.arccosh), ("Atanh", 9, np.arctanh),
 ]
 
@@ -206,7 +219,7 @@ def _pow_scalar(a: np.ndarray, e: float) -> np.ndarray | None:
     if e == 0.5:  # as numpy's and torch's power: NaN at −inf, −0 at −0 (C's pow, onnxruntime's: +inf, +0)
         return np.sqrt(a)
     if e == -1:
-        return np.reciprocal(a)
+        return reciprocal(a)
     if math.isnan(e):
         return np.power(a.astype(np.float64), e).astype(a.dtype)
     if abs(e) <= _PRODUCT_POW_MAX and (2 * e).is_integer():

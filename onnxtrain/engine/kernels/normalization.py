@@ -12,6 +12,7 @@ import numpy as np
 from onnx import helper
 
 from onnxtrain.engine.kernels.buffering import call_with_buffer, run_size
+from onnxtrain.engine.kernels.elementwise import reciprocal
 from onnxtrain.engine.kernels.reduce import channel_sum
 from onnxtrain.engine.kernels.spread import spread, spread_shape
 from onnxtrain.engine.parallel import for_rows
@@ -218,7 +219,7 @@ def _standardize_rows(x2: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarra
     var /= n
     var += eps
     inv = np.sqrt(var, out=var)
-    np.reciprocal(inv, out=inv)
+    reciprocal(inv, out=inv)
     d *= inv
     return d, mean, inv
 
