@@ -191,3 +191,60 @@ def test_clamps_of_bfloat16_keep_maximum_and_minimum() -> None:
                       (clamp(x, None, hi), np.minimum(x32, 5)), (negative_part(x), np.minimum(x32, 0))):
         assert got.dtype == bf16
         np.testing.assert_array_equal(got.astype(np.float32), want)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("op, attrs", [("HardSigmoid", {}), ("HardSigmoid", {"alpha": -0.3, "beta": 0.0}),
+                                       ("HardSigmoid", {"alpha": 0.25, "beta": -0.0}),
+                                       ("HardSigmoid", {"alpha": 0.0, "beta": 1.5}), ("HardSwish", {})])
+def test_hard_sigmoid_and_swish_clamp_by_clip_with_the_two_sided_bits(dtype, op, attrs) -> None:
+    """The clamp to [0, 1] runs as numpy's clip ufunc: the bits of max(., 0) then min(., 1) over random
+    values, both zeros, infinities, NaN and the clamp's edges (an exact zero sum comes out +0.0 either
+    way), and onnx.reference's values."""
+    import warnings
+
+    warnings.filterwarnings("ignore", "invalid value", RuntimeWarning)  # HardSwish of ±inf: 0·inf
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(5000) * 4, [0.0, -0.0, np.inf, -np.inf, np.nan, 2.5, -2.5, 3.0,
+                                                        -3.0, 1e-40, -1e-40, 6.0, -6.0]]).astype(dtype)
+    y = run(op, x, **attrs)
+    # the two-sided formula, in float32 for float16 as the kernel computes
+    x32 = x.astype(np.float32) if dtype == np.float16 else x
+    alpha = attrs.get("alpha", float(np.float32(0.2)))  # (a default is the schema's float32 value)
+    if op == "HardSigmoid":
+        t = x32 * alpha
+        t += attrs.get("beta", 0.5)
+    else:
+        t = x32 * float(np.float32(1 / 6))
+        t += 0.5
+    with np.errstate(invalid="ignore"):
+        t = np.minimum(np.maximum(t, 0), 1)
+        if op == "HardSwish":
+            t *= x32
+    want = t.astype(dtype)
+    assert y.dtype == want.dtype
+    np.testing.assert_array_equal(y.view(np.uint8), want.view(np.uint8))
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    io = [helper.make_tensor_value_info(n, elem, None) for n in ("x", "y")]
+    node = helper.make_node(op, ["x"], ["y"], **attrs)
+    m = helper.make_model(helper.make_graph([node], "g", io[:1], io[1:]),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    with np.errstate(all="ignore"):
+        ref = ReferenceEvaluator(m).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y.astype(np.float64), ref.astype(np.float64), rtol=1e-3 if dtype == np.float16
+                               else 1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_thresholded_relu_selects_by_bits_as_np_where(dtype) -> None:
+    rng = np.random.default_rng(4)
+    specials = [0.0, -0.0, 0.5, np.inf, -np.inf, np.nan]
+    x = np.concatenate([rng.standard_normal(70_000) * 2, specials]).astype(dtype)
+    y = run("ThresholdedRelu", x, alpha=0.5)
+    with np.errstate(invalid="ignore"):
+        want = np.where(x > 0.5, x, dtype(0))
+    assert y.dtype == x.dtype
+    np.testing.assert_array_equal(y.view(np.uint8), want.view(np.uint8))
