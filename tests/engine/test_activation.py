@@ -248,3 +248,26 @@ def test_thresholded_relu_selects_by_bits_as_np_where(dtype) -> None:
         want = np.where(x > 0.5, x, dtype(0))
     assert y.dtype == x.dtype
     np.testing.assert_array_equal(y.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32])
+@pytest.mark.parametrize("lambd, bias", [(0.5, 0.0), (1.5, 0.25), (0.0, 0.0)])
+def test_shrink_by_bit_selects_has_onnx_references_bits(dtype, lambd, bias) -> None:
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(50_000) * 3
+    if np.dtype(dtype).kind == "f":
+        x = np.concatenate([x, [0.0, -0.0, lambd, -lambd, np.inf, -np.inf, np.nan]])
+    x = x.astype(dtype)
+    y = run("Shrink", x, lambd=lambd, bias=bias)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    io = [helper.make_tensor_value_info(n, elem, None) for n in ("x", "y")]
+    node = helper.make_node("Shrink", ["x"], ["y"], lambd=lambd, bias=bias)
+    m = helper.make_model(helper.make_graph([node], "g", io[:1], io[1:]),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    with np.errstate(all="ignore"):
+        want = ReferenceEvaluator(m).run(None, {"x": x})[0]
+    assert y.dtype == want.dtype == x.dtype
+    np.testing.assert_array_equal(y.view(np.uint8), want.view(np.uint8))
