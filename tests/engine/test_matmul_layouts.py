@@ -121,3 +121,51 @@ def test_einsum_as_batched_matmul_matches_numpy(equation, shapes) -> None:
     lowered = mm._Contraction.of(equation, *ops)
     assert (lowered is not None) == (equation.count(",") == 1 and "->" in equation and "." not in equation
                                      and equation not in ("ij,ij->ij", "ii,ij->j"))
+
+
+def _split_kernel_run(a: np.ndarray, b: np.ndarray, threads: int) -> tuple[np.ndarray, list[int]]:
+    """The MatMul kernel on (a, b) with ``threads`` threads, and the parts each of its splits made."""
+    from onnxtrain.engine.parallel import recording_splits, running_with
+    from onnxtrain.engine.registry import Attrs, find_kernel
+
+    parts: list[int] = []
+    with running_with(threads), recording_splits(parts):
+        (y,) = find_kernel("MatMul", 17)([a, b], Attrs({}, op="MatMul", opset=17))
+    return y, parts
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "views", "broadcast_a", "broadcast_b"])
+def test_batched_matmul_split_over_threads_has_numpys_bits(dtype, layout) -> None:
+    """Attention-score-shaped batches are split over the threads along the first batch axis (one part per
+    thread, OpenBLAS on the calling thread): every layout gives numpy's own batched product to the bit."""
+    rng = np.random.default_rng(1)
+    batch, heads, s, d = 16, 8, 64, 32
+    if layout == "views":  # q and k as the attention's transposes of (S, B, H, d) tensors
+        a = rng.standard_normal((s, batch, heads, d)).astype(dtype).transpose(1, 2, 0, 3)
+        b = rng.standard_normal((s, batch, heads, d)).astype(dtype).transpose(1, 2, 3, 0)
+    else:
+        a = rng.standard_normal((1 if layout == "broadcast_a" else batch, heads, s, d)).astype(dtype)
+        b = rng.standard_normal((1 if layout == "broadcast_b" else batch, heads, d, s)).astype(dtype)
+    assert s * d * s * batch * heads >= mm.SPLIT_BATCH_MIN_WORK
+    y, parts = _split_kernel_run(a, b, 2)
+    assert parts == [2]
+    want = np.matmul(a, b)
+    assert y.shape == want.shape and y.dtype == want.dtype
+    np.testing.assert_array_equal(y, want)
+    (ref,) = _split_kernel_run(a, b, 1)[:1]
+    np.testing.assert_array_equal(y, ref)
+
+
+@pytest.mark.parametrize("shapes", [
+    ((16, 8, 64, 64), (16, 8, 64, 32)),  # narrow products (attention's P·V): numpy's loop is as fast
+    ((16, 8, 64, 128), (16, 8, 128, 64)),  # deeper than wide
+    ((2, 4, 64, 32), (2, 4, 32, 64)),  # too little work to wake a thread for
+    ((16, 64, 32), (32, 64)),  # one matrix B: a single GEMM already
+])
+def test_batched_matmul_not_split_where_numpys_loop_wins(shapes) -> None:
+    rng = np.random.default_rng(2)
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    y, parts = _split_kernel_run(a, b, 2)
+    assert parts == []
+    np.testing.assert_array_equal(y, np.matmul(a, b))
