@@ -416,3 +416,33 @@ def test_fused_weight_grad_plan_1d_3d(rank: int) -> None:
     x[0, 1, 0] = np.inf  # an inf meets the padded zeros: the unfused Conv's NaNs, not a finite guess
     got, want = fused.run({"x": x, "dy": dy})[0], plain.run({"x": x, "dy": dy})[0]
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n, ci, co, size, k",
+                         [(9, 16, 16, 12, (3, 3)), (6, 4, 8, 10, (3, 5)), (5, 3, 4, 20, (4,))])
+def test_shifted_weight_grad_splits_samples_over_threads_bit_for_bit(dtype, n, ci, co, size, k) -> None:
+    """The shifted GEMMs' per-sample products run on the threads by sample groups (OpenBLAS on each calling
+    thread) and are summed in sample order afterwards: the bits of one thread, and torch's gradient."""
+    from onnxtrain.engine.parallel import recording_splits, running_with
+
+    nd = len(k)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((n, ci, *[size] * nd)).astype(dtype)
+    out = [size + 2 - kk + 1 for kk in k]  # padded by 1 on both sides, stride 1
+    dy = rng.standard_normal((n, co, *out)).astype(dtype)
+    xp = gemm._padded(x, [1] * nd * 2)
+    assert gemm._shifted_grad_fits(xp, dy, list(k), [1] * nd)
+    parts: list[int] = []
+    with running_with(2), recording_splits(parts):
+        two = gemm._weight_grad_shifted(xp, dy, list(k), [1] * nd)
+    with running_with(1):
+        one = gemm._weight_grad_shifted(xp, dy, list(k), [1] * nd)
+    assert parts == [2]
+    np.testing.assert_array_equal(two, one)
+    conv = F.conv2d if nd == 2 else F.conv1d
+    w = torch.zeros((co, ci, *k), dtype=torch.float64, requires_grad=True)
+    y = conv(torch.from_numpy(x.astype(np.float64)), w, padding=1)
+    y.backward(torch.from_numpy(dy.astype(np.float64)))
+    np.testing.assert_allclose(two, w.grad.numpy(), rtol=1e-4 if dtype == np.float32 else 1e-10,
+                               atol=1e-3 if dtype == np.float32 else 1e-9)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from onnxtrain.engine.blas import can_pin_blas_threads, single_threaded_blas
 from onnxtrain.engine.fusion.common import (
     FLOATS,
     SWAP01,
@@ -22,6 +23,7 @@ from onnxtrain.engine.fusion.common import (
     swapped_conv,
     transposes_by,
 )
+from onnxtrain.engine.parallel import parallel_for, split, width
 from onnxtrain.engine.registry import Attrs
 
 if TYPE_CHECKING:
@@ -319,6 +321,12 @@ def _pointwise_weight_grad(x: np.ndarray, dy: np.ndarray) -> np.ndarray:
 SHIFTED_MIN_CHANNELS = 3
 SHIFTED_MAX_CHANNEL_PAIRS = 1024
 SHIFTED_MAX_GEMMS = 512
+# The per-sample products are too small for OpenBLAS to split over its threads, so the samples are split
+# over the run's threads instead (each GEMM on the thread that makes it: the same products, summed in the
+# same order, so the same bits), SHIFTED_GRAD_GROUP samples at a time over all the kernel's offsets (their
+# planes stay in cache). ResNet's 3×3 layers at batch 32 alone, 2 cores, ms: 16 channels at 32² 1.89 →
+# 1.30, 16 → 32 at 32² 3.99 → 2.46, 32 at 16² 2.02 → 1.33
+SHIFTED_GRAD_GROUP = 4
 
 
 def _weight_grad_shifted(xp: np.ndarray, dy: np.ndarray, k: list[int], steps: list[int]) -> np.ndarray:
@@ -338,11 +346,25 @@ def _weight_grad_shifted(xp: np.ndarray, dy: np.ndarray, k: list[int], steps: li
     dyp[(Ellipsis, *(slice(0, o) for o in out[1:]))] = dy
     dyp = dyp.reshape(n, co, run)
     flat = [plane // int(np.prod(sizes[:i + 1])) for i in range(len(sizes))]  # element strides of the axes
+    taps = list(itertools.product(*(range(v) for v in k)))
+    offsets = [sum(i * s * f for i, s, f in zip(kk, steps, flat, strict=True)) for kk in taps]
+    per_sample = np.empty((len(taps), n, co, ci), xp.dtype)  # every offset's product of every sample
+
+    def samples(lo: int, hi: int) -> None:
+        for a in range(lo, hi, SHIFTED_GRAD_GROUP):  # a few samples' planes stay in cache over the offsets
+            b = min(hi, a + SHIFTED_GRAD_GROUP)
+            for j, off in enumerate(offsets):
+                np.matmul(dyp[a:b], buf[a:b, :, off:off + run].transpose(0, 2, 1), out=per_sample[j, a:b])
+
+    parts = split(n, width()) if width() > 1 and n > 1 else [(0, n)]
+    if len(parts) > 1 and can_pin_blas_threads():
+        with single_threaded_blas():
+            parallel_for(len(parts), lambda i: samples(*parts[i]))
+    else:
+        samples(0, n)
     dw = np.empty((co, ci, *k), xp.dtype)
-    for kk in itertools.product(*(range(v) for v in k)):
-        off = sum(i * s * f for i, s, f in zip(kk, steps, flat, strict=True))
-        per_sample = np.matmul(dyp, buf[:, :, off:off + run].transpose(0, 2, 1))
-        dw[(slice(None), slice(None), *kk)] = np.add.reduce(per_sample, axis=0)
+    for j, kk in enumerate(taps):  # the samples summed in order, as before the split
+        dw[(slice(None), slice(None), *kk)] = np.add.reduce(per_sample[j], axis=0)
     return dw
 
 
