@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 import numpy as np
 
 from onnxtrain.engine import affinity
-from onnxtrain.engine.blas import shorten_blas_spin
+from onnxtrain.engine.blas import can_pin_blas_threads, shorten_blas_spin, single_threaded_blas
 from onnxtrain.engine.thread_state import bound
 
 _local = threading.local()
@@ -194,6 +194,19 @@ def for_rows(rows: int, work: int, fn: Callable[[int, int], None], align: int = 
         fn(*ranges[0])
         return
     parallel_for(len(ranges), lambda i: fn(*ranges[i]))
+
+
+def for_ranges_with_own_blas(n: int, fn: Callable[[int, int], None]) -> None:
+    """Call ``fn(lo, hi)`` on one range of ``[0, n)`` per thread of the run, each thread's BLAS calls made at
+    one OpenBLAS thread on that thread (for work of many GEMMs each too small for OpenBLAS to split); on
+    this thread alone as ``fn(0, n)`` when the run has one thread or OpenBLAS cannot be pinned
+    (:func:`~onnxtrain.engine.blas.can_pin_blas_threads`)."""
+    ranges = split(n, width()) if width() > 1 and n > 1 else [(0, n)]
+    if len(ranges) > 1 and can_pin_blas_threads():
+        with single_threaded_blas():
+            parallel_for(len(ranges), lambda i: fn(*ranges[i]))
+    else:
+        fn(0, n)
 
 
 def split(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from onnxtrain.engine.blas import can_pin_blas_threads, single_threaded_blas
 from onnxtrain.engine.fusion.common import (
     FLOATS,
     SWAP01,
@@ -23,7 +22,7 @@ from onnxtrain.engine.fusion.common import (
     swapped_conv,
     transposes_by,
 )
-from onnxtrain.engine.parallel import parallel_for, split, width
+from onnxtrain.engine.parallel import for_ranges_with_own_blas
 from onnxtrain.engine.registry import Attrs
 
 if TYPE_CHECKING:
@@ -356,12 +355,7 @@ def _weight_grad_shifted(xp: np.ndarray, dy: np.ndarray, k: list[int], steps: li
             for j, off in enumerate(offsets):
                 np.matmul(dyp[a:b], buf[a:b, :, off:off + run].transpose(0, 2, 1), out=per_sample[j, a:b])
 
-    parts = split(n, width()) if width() > 1 and n > 1 else [(0, n)]
-    if len(parts) > 1 and can_pin_blas_threads():
-        with single_threaded_blas():
-            parallel_for(len(parts), lambda i: samples(*parts[i]))
-    else:
-        samples(0, n)
+    for_ranges_with_own_blas(n, samples)
     dw = np.empty((co, ci, *k), xp.dtype)
     for j, kk in enumerate(taps):  # the samples summed in order, as before the split
         dw[(slice(None), slice(None), *kk)] = np.add.reduce(per_sample[j], axis=0)

@@ -220,8 +220,7 @@ def _thresholded_relu(x: np.ndarray, attrs: Attrs) -> np.ndarray:
 def shrink(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
     lambd, bias = attrs["lambd"], attrs["bias"]
-    with np.errstate(invalid="ignore"):  # (NaN compares False: it shrinks to 0, as np.where gave)
-        lo, hi = np.less(x, -lambd), np.greater(x, lambd)
+    lo, hi = np.less(x, -lambd), np.greater(x, lambd)  # (NaN compares False: it shrinks to 0)
     up, down = np.add(x, bias), np.subtract(x, bias)
     # selects by bit masks (numpy's where loop is 10-30x slower), the same bits as np.where
     y = select(lo, up, select(hi, down, np.zeros((), down.dtype)))

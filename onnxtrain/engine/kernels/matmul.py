@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnxtrain.engine.blas import can_pin_blas_threads, single_threaded_blas
-from onnxtrain.engine.parallel import parallel_for, split, width
+from onnxtrain.engine.parallel import for_ranges_with_own_blas, width
 from onnxtrain.engine.registry import Attrs, Inputs, NodeCache, Outputs, kernel
 
 _F32 = np.dtype(np.float32)
@@ -65,7 +64,8 @@ def matmul(inputs: Inputs, attrs: Attrs) -> Outputs:
 
 def _split_batch(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     """``a @ b`` for a batch of products of equal rank split over the run's threads along the batch's first
-    axis (:data:`SPLIT_BATCH_MIN_WORK`), or None where numpy's own loop is taken."""
+    axis (:data:`SPLIT_BATCH_MIN_WORK`; whole on this thread where OpenBLAS cannot be pinned), or None where
+    numpy's own loop is taken."""
     if a.ndim != b.ndim or a.ndim < 3 or width() < 2 or a.dtype != b.dtype or a.dtype not in _BLAS_FLOATS:
         return None
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
@@ -75,17 +75,12 @@ def _split_batch(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     each = m * k * n
     if lead[0] < 2 or each > SPLIT_BATCH_MAX_EACH or each * int(np.prod(lead)) < SPLIT_BATCH_MIN_WORK:
         return None
-    if not can_pin_blas_threads():
-        return None
     y = np.empty((*lead, m, n), a.dtype)
-    parts = split(lead[0], width())
 
-    def part(i: int) -> None:
-        lo, hi = parts[i]
+    def part(lo: int, hi: int) -> None:
         np.matmul(a if a.shape[0] == 1 else a[lo:hi], b if b.shape[0] == 1 else b[lo:hi], out=y[lo:hi])
 
-    with single_threaded_blas():
-        parallel_for(len(parts), part)
+    for_ranges_with_own_blas(lead[0], part)
     return y
 
 
