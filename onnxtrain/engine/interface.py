@@ -486,6 +486,10 @@ def default_opset(model: onnx.ModelProto) -> int:
 class GraphInterface:
     """What every plan exposes of its model: opset, initializers, input and output names and types."""
 
+    def release_binding(self) -> None:
+        """Let go of the arrays a kept binding holds between runs (the next run binds afresh); nothing to
+        do on the numpy engine, which holds no array between runs."""
+
     def drained_profile(self) -> list[ProfileEvent]:
         """Profile events the backend kept outside ``profile`` (onnxruntime's own per-node trace), handed
         over once; none on the numpy engine, whose events are all in ``profile``."""

@@ -489,6 +489,10 @@ class OrtPlan(GraphInterface):
                 used.add(id(v))
         return out
 
+    def release_binding(self) -> None:
+        with self._kept_lock:
+            self._kept = None
+
     def _run_bound(self, arrays: Mapping[str, np.ndarray], names: list[str],
                    into: Mapping[str, np.ndarray] | None = None, ro: Any = None) -> list[np.ndarray]:
         """Inputs bound in place (numpy memory); an output of ``into`` is written into the donated array given

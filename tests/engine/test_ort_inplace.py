@@ -109,11 +109,14 @@ def test_optimizer_updates_parameters_in_their_arrays(tmp_path, monkeypatch) -> 
 
     monkeypatch.setattr(optimizer_module, "_into", recording)
 
-    so = SessionOptions()
+    # the model as it is, not the flat variant (tests/training/test_flat_update.py)
+    plain, so = SessionOptions(), SessionOptions()
+    for o in (plain, so):
+        o.add_session_config_entry("onnxtrain.flat_update", "0")
     so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
     open_ = on_device_mlp(tmp_path)
     runs = []
-    for options in (None, so):
+    for options in (plain, so):
         state, module, opt = open_(options)
         arrays = {n: p.data for n, p in state.parameters}
         for x, y in batches(4, 16):

@@ -108,6 +108,19 @@ def _grad_refs(p: _Param) -> int:
 _ALONE = _grad_refs(_Param("probe", np.dtype(np.float32), True, None, np.zeros(1, np.float32)))
 
 
+def _data_refs(p: _Param) -> int:
+    return sys.getrefcount(p.data)
+
+
+_ALONE_DATA = _data_refs(_Param("probe", np.dtype(np.float32), True, np.zeros(1, np.float32)))
+
+
+def data_unheld(p: _Param) -> bool:
+    """Whether only the state holds ``p``'s value array (no caller's ``.data``, view or base of it): then
+    it may be replaced by another array of the same values without anyone seeing the change."""
+    return p.data is not None and p.data.base is None and _data_refs(p) <= _ALONE_DATA
+
+
 def _root(a: np.ndarray) -> np.ndarray:
     while isinstance(a.base, np.ndarray):
         a = a.base

@@ -316,6 +316,13 @@ class Module:
                                        random_state=self._random_state)
         return self._full_plan
 
+    def _release_bindings(self) -> None:
+        """Let the training plans drop the arrays their kept bindings hold (before an Optimizer moves the
+        weights into its flat buffers: it keeps the arrays that something else holds)."""
+        for plan in (self._overwrite_plan, self._full_plan):
+            if plan is not None:
+                plan.release_binding()
+
     # ---------------------------------------------------------------- graph interface
     def _classify_training_graph(self) -> None:
         g = self._train_model.graph

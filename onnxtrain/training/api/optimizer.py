@@ -41,6 +41,7 @@ from onnxtrain.training.api.checkpoint_state import (
     _OptimizerState,
     replace_grads,
 )
+from onnxtrain.training.api.flat_update import FlatUpdate, flat_update_enabled
 from onnxtrain.training.api.module import Module, _compile, loss_scaling
 from onnxtrain.training.ort_artifacts import translate_optimizer_model
 
@@ -162,8 +163,13 @@ class Optimizer:
         replaced = set(self._param_inputs.values()) | set(self._moments)
         updates = {o: self._targets[o] for o in self._outputs if self._targets[o] in replaced}
         scalars = {LR_INPUT, STEP_INPUT} | ({self._loss_scale_input} if self._loss_scale_input else set())
-        self._plan = _compile(model, "optimizer", module._session_options, follower=True, updates=updates,
-                              scalar_inputs=scalars)
+        # the model of onnxtrain's AdamW or SGD runs as one update over flat buffers (flat_update.py)
+        self._flat = self._flat_update(model, scalars)
+        if self._flat is not None:
+            self._plan = self._flat.plan
+        else:
+            self._plan = _compile(model, "optimizer", module._session_options, follower=True, updates=updates,
+                                  scalar_inputs=scalars)
         self.algorithm = next((p.value for p in model.metadata_props if p.key == "onnxtrain.optimizer"),
                               "AdamW" if "momentum1" in self._moment_keys else "SGD")
         self._opt = self._bind_state()
@@ -237,6 +243,22 @@ class Optimizer:
         lr_vi = next(v for v in g.input if v.name == LR_INPUT)
         self._lr_dtype = np.float64 if lr_vi.type.tensor_type.elem_type == 11 else np.float32
 
+    def _flat_update(self, model: Any, scalars: set[str]) -> FlatUpdate | None:
+        """The update over flat buffers when the model allows it (no loss scaling, every input a trainable
+        parameter's, the model its recorded block generates) and the session options do not turn it off."""
+        if (self._loss_scale_input is not None or self._frozen_inputs
+                or not flat_update_enabled(self._module._session_options)):
+            return None
+        types = {v.name: v.type for v in model.graph.input}
+        params = [(p, types[n]) for n, (p, role) in self._roles.items() if role == PARAM]
+        options = self._module._session_options
+
+        def compile_flat(flat: Any, updates: dict[str, str]) -> Any:
+            return _compile(flat, "optimizer", options, follower=True, updates=updates, scalar_inputs=scalars)
+
+        return FlatUpdate.build(model, params, self._moment_keys, compile_flat,
+                                self._module._release_bindings)
+
     def _fingerprint(self, optimizer_model: Any) -> dict[str, Any]:
         """What every data-parallel rank must hold identically (digests of graphs and values)."""
         params = self._state._params
@@ -302,10 +324,20 @@ class Optimizer:
         feeds: dict[str, Any] = {LR_INPUT: np.array([opt.lr], self._lr_dtype),
                                  STEP_INPUT: np.array([opt.step + 1], np.int64)}
         for p in self._params:
-            prm = params[p]
-            if prm.data is None:
+            if params[p].data is None:
                 raise NominalStateError("The optimizer state cannot be constructed from a nominal state. "
                                         f"Please load the model parameters first. {LOAD_HINT}")
+        if self._flat is not None:
+            reduce = None
+            if self._data_parallel:
+                def reduce(grads: list[np.ndarray]) -> list[np.ndarray]:
+                    return parallel.allreduce_gradients(grads, inplace=False)
+            self._flat.step(feeds[LR_INPUT], feeds[STEP_INPUT], params, opt.moments, reduce)
+            self.last_step_finite = True
+            opt.step += 1
+            return
+        for p in self._params:
+            prm = params[p]
             feeds[self._param_inputs[p]] = prm.data
             feeds[self._grads[p]] = prm.grad if prm.grad is not None else np.zeros_like(prm.data)
         if self._data_parallel:  # fresh arrays: the averages never alias weights or .grad

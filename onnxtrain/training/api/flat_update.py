@@ -1,0 +1,245 @@
+"""The Optimizer's update over flat buffers, for optimizer models that onnxtrain generated.
+
+onnxtrain's AdamW and SGD blocks give every parameter the same elementwise program over the same scalars, so
+the model they generate for one "parameter" that holds all trainable parameters of a dtype end to end computes
+each element with the same operations in the same order as the per-parameter model: the same bits, in one
+run of a dozen array passes instead of a dozen passes per parameter. An Optimizer whose model is exactly what
+its recorded block and hyperparameters generate (``onnxtrain.optimizer``, ``onnxtrain.hyperparameters``),
+without gradient clipping or loss scaling (their global norm would sum in another order), runs that flat
+model instead. Weights and moments then live in one buffer per dtype: ``Parameter.data`` becomes a view of
+it, except an array that something besides the state holds, which keeps its identity and has its values
+copied in before each step and out after it (an array taken earlier sees the updates). Gradients are
+gathered into one buffer per dtype each step (one pass over them).
+
+Session config entry ``onnxtrain.flat_update = "0"`` runs the optimizer model as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from onnxtrain.engine.backends import session_config_entry
+from onnxtrain.engine.interface import GraphInterface
+from onnxtrain.training.api.checkpoint_state import _Param, data_unheld
+from onnxtrain.training.onnxblock.model_accessor import BlockError
+
+CONFIG_KEY = "onnxtrain.flat_update"
+# a parameter of this many values or more keeps its own arrays (a single group): gathering its gradient would
+# cost about what its own dozen ufunc calls do (0.1 ns a value against 15-20 µs a parameter)
+SINGLE_MIN = 1 << 17
+_META_ALGORITHM, _META_HYPER = "onnxtrain.optimizer", "onnxtrain.hyperparameters"
+
+
+def flat_update_enabled(session_options: Any) -> bool:
+    """The session options' ``onnxtrain.flat_update`` entry: "1" (the default) or "0" (off)."""
+    value = session_config_entry(session_options, CONFIG_KEY) or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"session config entry {CONFIG_KEY!r} must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
+def _block_of(model: onnx.ModelProto) -> Any:
+    """The onnxblock optimizer the model's metadata names, with its recorded hyperparameters; None when the
+    metadata names none of onnxtrain's per-element blocks, or records clipping."""
+    from onnxtrain.training.onnxblock import optim  # here: the blocks import the artifacts package
+
+    meta = {p.key: p.value for p in model.metadata_props}
+    try:
+        hp = json.loads(meta.get(_META_HYPER, ""))
+    except ValueError:
+        return None
+    if not isinstance(hp, dict) or hp.get("clip_grad_max_norm") is not None:
+        return None
+    label = meta.get(_META_ALGORITHM)
+    try:
+        if label == "AdamW" and set(hp) == {"bias_correction", "betas", "eps", "weight_decay",
+                                            "clip_grad_max_norm"}:
+            return optim.AdamW(bias_correction=hp["bias_correction"], betas=tuple(hp["betas"]),
+                               eps=hp["eps"], weight_decay=hp["weight_decay"])
+        if label == "SGD" and set(hp) == {"clip_grad_max_norm"}:
+            return optim.SGD()
+    except (TypeError, ValueError):
+        return None
+    return None
+
+
+def _opset(model: onnx.ModelProto) -> int | None:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+
+
+@dataclass
+class _Group:
+    """Trainable parameters of one dtype, laid end to end in one "parameter" of the flat model; a ``single``
+    one (a large parameter) is that parameter as it is, fed its own arrays (no gathering)."""
+
+    name: str  # the flat model's parameter
+    dtype: np.dtype
+    params: list[str]
+    shapes: list[tuple[int, ...]]
+    size: int
+    single: bool = False
+    flat: np.ndarray | None = None  # the weights (None until the first step)
+    grad: np.ndarray | None = None
+    moments: dict[str, np.ndarray] = field(default_factory=dict)
+    views: list[tuple[str, np.ndarray]] = field(default_factory=list)  # parameter → its view of ``flat``
+    moment_views: list[tuple[str, str, np.ndarray]] = field(default_factory=list)  # (parameter, key, view)
+    held: set[str] = field(default_factory=set)  # parameters whose own arrays are copied in and out
+
+    def allocate(self, keys: Sequence[str]) -> None:
+        self.flat = np.empty(self.size, self.dtype)
+        self.grad = np.empty(self.size, self.dtype)
+        self.moments = {k: np.empty(self.size, self.dtype) for k in keys}
+        at = 0
+        for p, shape in zip(self.params, self.shapes):
+            n = int(np.prod(shape))
+            self.views.append((p, self.flat[at:at + n].reshape(shape)))
+            self.moment_views += [(p, k, m[at:at + n].reshape(shape)) for k, m in self.moments.items()]
+            at += n
+
+
+class FlatUpdate:
+    """The flat model's plan and buffers; :meth:`step` is one optimizer step over the state's arrays."""
+
+    def __init__(self, plan: GraphInterface, groups: list[_Group], keys: list[str], updated: list[str],
+                 release_bindings: Callable[[], None]) -> None:
+        self.plan = plan
+        self.groups = groups
+        self.keys = keys  # the moments the model reads
+        self.updated = updated  # ... and those it returns new values of
+        self._release_bindings = release_bindings
+        self.outputs = [f"{g.name}{suffix}.out" for g in groups
+                        for suffix in ["", *(f".{k}" for k in updated)]]
+
+    @classmethod
+    def build(cls, model: onnx.ModelProto, params: list[tuple[str, onnx.TypeProto]], keys: list[str],
+              compile_model: Callable[[onnx.ModelProto, dict[str, str]], GraphInterface],
+              release_bindings: Callable[[], None]) -> FlatUpdate | None:
+        """The flat update of the optimizer ``model`` over ``params`` (parameter, input type, in the model's
+        input order) with moments ``keys``, when the model is exactly what its recorded block generates for
+        them; else None. ``compile_model(model, updates)`` compiles the flat model (``updates``: output →
+        the input it replaces)."""
+        from onnxtrain.training.optimizer_model import build_optimizer_model
+
+        block = _block_of(model)
+        opset = _opset(model)
+        if block is None or opset is None or sorted(block.state_names) != sorted(keys):
+            return None
+        try:
+            same = build_optimizer_model(block, params, opset)
+        except (BlockError, TypeError, ValueError):  # not a model this block makes (a type it refuses)
+            return None
+        if (same.graph.SerializeToString(deterministic=True)
+                != model.graph.SerializeToString(deterministic=True)):
+            return None
+        ordered: list[_Group] = []
+        merged: dict[np.dtype, _Group] = {}  # dtype → the group of its smaller parameters
+        for p, tp in params:
+            tt = tp.tensor_type
+            dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim]
+            if any(d < 0 for d in dims):
+                return None
+            dt = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))
+            n = int(np.prod(dims))
+            if n >= SINGLE_MIN:
+                g = _Group(f"flat_{dt.name}_{len(ordered)}", dt, [], [], 0, single=True)
+                ordered.append(g)
+            else:
+                g = merged.get(dt)
+                if g is None:
+                    g = merged[dt] = _Group(f"flat_{dt.name}", dt, [], [], 0)
+                    ordered.append(g)
+            g.params.append(p)
+            g.shapes.append(tuple(dims))
+            g.size += n
+        if len(ordered) == len(params):
+            return None  # nothing to merge: the model as it is
+        for g in ordered:
+            g.single = g.single or len(g.params) == 1
+        types = [(g.name, helper.make_tensor_type_proto(helper.np_dtype_to_tensor_dtype(g.dtype),
+                                                        list(g.shapes[0]) if g.single else [g.size]))
+                 for g in ordered]
+        flat = build_optimizer_model(block, types, opset)
+        have = {o.name for o in flat.graph.output}
+        state_keys = list(block.state_names)
+        updated = [k for k in state_keys if f"{ordered[0].name}.{k}.out" in have]  # SGD's moment: none
+        updates = {f"{x}.out": x for g in ordered for x in [g.name, *(f"{g.name}.{k}" for k in updated)]}
+        if not set(updates) <= have:
+            return None
+        return cls(compile_model(flat, updates), ordered, state_keys, updated, release_bindings)
+
+    def step(self, lr: np.ndarray, count: np.ndarray, params: dict[str, _Param],
+             moments: dict[str, dict[str, np.ndarray]],
+             reduce: Callable[[list[np.ndarray]], Any] | None = None) -> None:
+        """One update of every parameter of the groups (each with a value and moments allocated) with the
+        learning rate ``lr`` and step ``count`` feeds; ``reduce`` (data parallel) returns the average over
+        the ranks of the flat gradients it is given (new arrays: a single group's are the state's)."""
+        feeds: dict[str, Any] = {"learning_rate": lr, "step": count}
+        donate = []
+        targets: list[np.ndarray] = []  # the arrays the outputs are the new values of, in order
+        grads: list[np.ndarray] = []
+        for g in self.groups:
+            if g.single:  # the state's own arrays (a donated weight must own its memory)
+                prm = params[g.params[0]]
+                flat = prm.data
+                grad = prm.grad if prm.grad is not None else np.zeros_like(prm.data)
+                slot = moments[g.params[0]]
+                kept = [slot[k] for k in self.keys]
+            else:
+                self._gather(g, params, moments)
+                parts = [params[p].grad for p in g.params]
+                if any(x is None for x in parts):
+                    parts = [x if x is not None else np.zeros(s, g.dtype) for x, s in zip(parts, g.shapes)]
+                grad = np.concatenate(parts, axis=None, out=g.grad)
+                flat = g.flat
+                kept = [g.moments[k] for k in self.keys]
+            feeds[g.name] = flat
+            feeds[f"{g.name}_grad"] = grad
+            feeds.update((f"{g.name}.{k}", m) for k, m in zip(self.keys, kept))
+            donate += [g.name, *(f"{g.name}.{k}" for k in self.updated)]
+            targets += [flat, *(m for k, m in zip(self.keys, kept) if k in self.updated)]
+            grads.append(grad)
+        if reduce is not None:
+            feeds.update(zip((f"{g.name}_grad" for g in self.groups), reduce(grads)))
+        results = self.plan.run(feeds, self.outputs, donate=donate)
+        feeds.clear()
+        for target, value in zip(targets, results):
+            if value is not target:  # not written in place: the arrays keep their identity
+                np.copyto(target, value)
+        for g in self.groups:
+            if g.held:
+                for p, view in g.views:
+                    if p in g.held:
+                        np.copyto(params[p].data, view)
+
+    def _gather(self, g: _Group, params: dict[str, _Param],
+                moments: dict[str, dict[str, np.ndarray]]) -> None:
+        """Make the group's views the state's arrays where they are not (the first step, a load since):
+        values copied in, a parameter's array replaced by its view unless something else holds it."""
+        if g.flat is None:
+            g.allocate(self.keys)
+        released = False
+        for p, view in g.views:
+            prm = params[p]
+            if prm.data is view:
+                continue
+            if p not in g.held and not released:  # the training plans' kept bindings: not a caller's hold
+                self._release_bindings()
+                released = True
+            np.copyto(view, prm.data)
+            if data_unheld(prm):
+                prm.data = view
+                g.held.discard(p)
+            else:
+                g.held.add(p)
+        for p, k, view in g.moment_views:
+            slot = moments[p]
+            if slot[k] is not view:
+                np.copyto(view, slot[k])
+                slot[k] = view
