@@ -70,7 +70,7 @@ def worker(folder: str, out: str) -> None:
     except RuntimeError as e:
         refused = str(e)
     with open(os.path.join(out, f"rank{w.rank}.json"), "w") as f:
-        json.dump({"losses": losses, "refused": refused, "world": list(w)}, f)
+        json.dump({"losses": losses, "refused": refused, "world": list(w), "flat": opt._flat is not None}, f)
 
 
 # ---- the tests (run by pytest in one process) ---------------------------------------------------
@@ -113,6 +113,7 @@ def test_two_ranks_half_batch_equal_one_process_whole_batch(artifacts_dir: str, 
             assert err <= 1e-6, f"rank {rank} {k}: relative error {err:.3g}"
         info = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert info["world"][:2] == [rank, 2]
+        assert info["flat"]  # the update over flat buffers, its gathered gradients averaged over the ranks
         # the mean of the two half-batch losses is the whole-batch loss
         assert "parameter values" in info["refused"] and "rank 1 differs" in info["refused"], info
     halves = [json.loads((tmp_path / f"rank{k}.json").read_text())["losses"] for k in range(2)]
