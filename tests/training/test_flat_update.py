@@ -25,11 +25,11 @@ WIDE = 416  # W2 is WIDE × WIDE: at least SINGLE_MIN values, a group of its own
 assert WIDE * WIDE >= SINGLE_MIN
 
 
-def _model() -> onnx.ModelProto:
+def _model(dtype: type = np.float32) -> onnx.ModelProto:
     """x·W1 + b1 → ReLU → ·W2 + b2 → ReLU → ·W3 (6 → WIDE → WIDE → 3)."""
     rng = np.random.default_rng(3)
     shapes = {"W1": (6, WIDE), "b1": (WIDE,), "W2": (WIDE, WIDE), "b2": (WIDE,), "W3": (WIDE, 3)}
-    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.2).astype(np.float32), n)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.2).astype(dtype), n)
              for n, s in shapes.items()]
     nodes = [
         helper.make_node("MatMul", ["x", "W1"], ["h1"]), helper.make_node("Add", ["h1", "b1"], ["a1"]),
@@ -37,7 +37,7 @@ def _model() -> onnx.ModelProto:
         helper.make_node("Add", ["h2", "b2"], ["a2"]), helper.make_node("Relu", ["a2"], ["r2"]),
         helper.make_node("MatMul", ["r2", "W3"], ["logits"]),
     ]
-    f = TensorProto.FLOAT
+    f = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", f, ["N", 6])],
                           [helper.make_tensor_value_info("logits", f, ["N", 3])], inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
@@ -51,9 +51,9 @@ OPTIMIZERS = {
 }
 
 
-def _artifacts(folder: Path, optimizer: Any, **kw: Any) -> str:
+def _artifacts(folder: Path, optimizer: Any, dtype: type = np.float32, **kw: Any) -> str:
     folder.mkdir(parents=True, exist_ok=True)
-    artifacts.generate_artifacts(_model(), requires_grad=["W1", "b1", "W2", "b2", "W3"],
+    artifacts.generate_artifacts(_model(dtype), requires_grad=["W1", "b1", "W2", "b2", "W3"],
                                  loss=artifacts.LossType.CrossEntropyLoss, optimizer=optimizer,
                                  artifact_directory=str(folder), **kw)
     return str(folder)
@@ -71,9 +71,9 @@ def _open(folder: str, backend: str | None = None, flat: str | None = None
     return state, module, Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
 
 
-def _batch(i: int) -> tuple[np.ndarray, np.ndarray]:
+def _batch(i: int, dtype: type = np.float32) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(100 + i)
-    return rng.standard_normal((16, 6)).astype(np.float32), rng.integers(0, 3, 16).astype(np.int64)
+    return rng.standard_normal((16, 6)).astype(dtype), rng.integers(0, 3, 16).astype(np.int64)
 
 
 def _reference_step(folder: str, state: CheckpointState, opt: Optimizer) -> dict[str, np.ndarray]:
@@ -92,19 +92,20 @@ def _reference_step(folder: str, state: CheckpointState, opt: Optimizer) -> dict
         return dict(zip(names, onnx.reference.ReferenceEvaluator(model).run(names, feeds)))
 
 
-@pytest.mark.parametrize("backend", [None, "onnxruntime"])
+@pytest.mark.parametrize("backend,dtype",
+                         [(None, np.float32), ("onnxruntime", np.float32), (None, np.float64)])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_each_step_is_the_per_parameter_model_bit_for_bit(tmp_path, name, backend) -> None:
+def test_each_step_is_the_per_parameter_model_bit_for_bit(tmp_path, name, backend, dtype) -> None:
     if backend == "onnxruntime":
         pytest.importorskip("onnxruntime")
-    folder = _artifacts(tmp_path, OPTIMIZERS[name]())
+    folder = _artifacts(tmp_path, OPTIMIZERS[name](), dtype)
     state, module, opt = _open(folder, backend)
     assert opt._flat is not None
     groups = {tuple(g.params): g.single for g in opt._flat.groups}
     assert groups == {("W1", "b1", "b2", "W3"): False, ("W2",): True}
     opt.set_learning_rate(0.05)
     for i in range(3):
-        module(*_batch(i))
+        module(*_batch(i, dtype))
         want = _reference_step(folder, state, opt)
         opt.step()
         module.lazy_reset_grad()
