@@ -123,3 +123,45 @@ def test_masked_softmax_of_one_long_row() -> None:
     fused = InferenceSession(m.SerializeToString()).run(None, feeds)[0]
     np.testing.assert_allclose(fused, Plan(m, fuse=False).run(feeds)[0], rtol=1e-6, atol=1e-12)
     np.testing.assert_allclose(fused, _ort(m, feeds)[0], rtol=1e-5, atol=1e-12)
+
+
+def test_a_cluster_of_scalar_ops_keeps_the_kernels_bits() -> None:
+    """An optimizer's prologue on 0-d values (bias corrections: Sub, Sqrt, Mul, Div of scalars beside a Pow
+    and a Cast) fused into one step: the same bits as onnx.reference and as the unfused run, 0-d arrays out,
+    and no warning for sqrt(-1) or a division by zero."""
+    import warnings
+
+    import onnx.reference
+
+    d = TensorProto.DOUBLE
+    nodes = [N("Cast", ["t"], ["td"], to=d), N("Pow", ["b", "td"], ["bt"]), N("Sub", ["one", "bt"], ["c"]),
+             N("Sqrt", ["c"], ["s"]), N("Mul", ["lr", "s"], ["m"]), N("Div", ["m", "c"], ["q"]),
+             N("Cast", ["q"], ["y"], to=F), N("Sub", ["y", "z"], ["w"])]
+    scalar = [helper.make_tensor_value_info(n, d, []) for n in ("b", "one", "lr")]
+    inputs = [helper.make_tensor_value_info("t", TensorProto.INT64, []), *scalar,
+              helper.make_tensor_value_info("z", F, [])]
+    outputs = [helper.make_tensor_value_info(n, t, []) for n, t in (("q", d), ("w", F))]
+    m = _model(nodes, inputs, outputs)
+    fused = Plan(m)
+    assert any(st.node.op_type == "FusedElementwise" for st in fused.steps)
+    so = SessionOptions()
+    so.graph_optimization_level = GraphOptimizationLevel.ORT_DISABLE_ALL  # no fusions
+    unfused = InferenceSession(m.SerializeToString(), so)
+    ref = onnx.reference.ReferenceEvaluator(m)
+    cases = [(3, 0.999, 1.0, 1e-3, 0.25), (1, 0.9, 1.0, 0.05, -0.0), (0, 0.9, 1.0, 0.01, 1.0),
+             (2, 1.5, 1.0, 1e-3, 2.0)]  # t = 0: c = 0, a 0/0; β > 1: sqrt of a negative
+    for t, b, one, lr, z in cases:
+        feeds = {"t": np.array(t, np.int64), "b": np.array(b), "one": np.array(one), "lr": np.array(lr),
+                 "z": np.array(z, np.float32)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = fused.run(dict(feeds))
+            plain = unfused.run(None, dict(feeds))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (onnx.reference's divide warns of 0/0)
+            want = ref.run(None, feeds)
+        for g, p, w in zip(got, plain, want):
+            assert type(g) is np.ndarray and g.shape == () and g.dtype == w.dtype
+            np.testing.assert_array_equal(g, w)
+            np.testing.assert_array_equal(g, p)
+            assert np.signbit(g) == np.signbit(w)
