@@ -256,3 +256,23 @@ def test_onnxruntime_training_artifacts_train_as_there(tmp_path) -> None:
         got, want = state.parameters[p].data, np.array(want, np.float32)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1.5e-4, err_msg=p)
         assert np.median(np.abs(got - want)) <= 1e-7, p
+
+
+def test_two_optimizers_over_one_state_take_turns(tmp_path) -> None:
+    """Two Optimizers over one state (each moves the weights and moments into its own buffers when its turn
+    comes) step as one per-parameter Optimizer does."""
+    folder = _artifacts(tmp_path, onnxblock.optim.AdamW(weight_decay=0.01))
+    state, module, opt = _open(folder)
+    other = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
+    plain_state, plain_module, plain_opt = _open(folder, flat="0")
+    for i in range(4):
+        for m in (module, plain_module):
+            m(*_batch(i))
+        (opt if i % 2 == 0 else other).step()
+        plain_opt.step()
+        for m in (module, plain_module):
+            m.lazy_reset_grad()
+    for p in plain_opt._params:
+        np.testing.assert_array_equal(state.parameters[p].data, plain_state.parameters[p].data, err_msg=p)
+        for k, mom in plain_opt._opt.moments[p].items():
+            np.testing.assert_array_equal(state._optimizer_state().moments[p][k], mom, err_msg=f"{p}.{k}")
