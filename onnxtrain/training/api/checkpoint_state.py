@@ -100,25 +100,20 @@ class _Param:
     grad: np.ndarray | None = None
 
 
-def _grad_refs(p: _Param) -> int:
-    return sys.getrefcount(p.grad)
+def _refs(a: np.ndarray | None) -> int:
+    return sys.getrefcount(a)
 
 
-# the references to a gradient array that only the state holds, counted as _grad_refs counts them
-_ALONE = _grad_refs(_Param("probe", np.dtype(np.float32), True, None, np.zeros(1, np.float32)))
-
-
-def _data_refs(p: _Param) -> int:
-    return sys.getrefcount(p.data)
-
-
-_ALONE_DATA = _data_refs(_Param("probe", np.dtype(np.float32), True, np.zeros(1, np.float32)))
+# the references to an array that only the state holds (one _Param field), counted as _refs counts them
+_probe = _Param("probe", np.dtype(np.float32), True, np.zeros(1, np.float32))
+_ALONE = _refs(_probe.data)
+del _probe
 
 
 def data_unheld(p: _Param) -> bool:
     """Whether only the state holds ``p``'s value array (no caller's ``.data``, view or base of it): then
     it may be replaced by another array of the same values without anyone seeing the change."""
-    return p.data is not None and p.data.base is None and _data_refs(p) <= _ALONE_DATA
+    return p.data is not None and p.data.base is None and _refs(p.data) <= _ALONE
 
 
 def _root(a: np.ndarray) -> np.ndarray:
@@ -133,7 +128,7 @@ def drop_unheld_grads(params: Sequence[_Param]) -> list[_Param]:
     beside them; returns the parameters whose gradient was dropped (:func:`replace_grads` sets them)."""
     dropped = []
     for p in params:
-        if p.grad is not None and p.grad.base is None and _grad_refs(p) <= _ALONE:
+        if p.grad is not None and p.grad.base is None and _refs(p.grad) <= _ALONE:
             p.grad = None
             dropped.append(p)
     return dropped
@@ -159,7 +154,7 @@ def replace_grads(params: Sequence[_Param], new: Sequence[np.ndarray]) -> None:
         if p.grad is None or p.grad is value:
             p.grad = value
             continue
-        if _grad_refs(p) > _ALONE:
+        if _refs(p.grad) > _ALONE:
             held = p.grad
             assert held is not None
             if held.shape == value.shape and held.dtype == value.dtype and held.flags.writeable:

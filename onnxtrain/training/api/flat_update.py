@@ -27,6 +27,7 @@ from onnx import helper
 
 from onnxtrain.engine.backends import session_config_entry
 from onnxtrain.engine.interface import GraphInterface
+from onnxtrain.ir.builder import model_opset
 from onnxtrain.training.api.checkpoint_state import _Param, data_unheld
 from onnxtrain.training.onnxblock.model_accessor import BlockError
 
@@ -68,10 +69,6 @@ def _block_of(model: onnx.ModelProto) -> Any:
     except (TypeError, ValueError):
         return None
     return None
-
-
-def _opset(model: onnx.ModelProto) -> int | None:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
 
 
 @dataclass
@@ -128,8 +125,8 @@ class FlatUpdate:
         from onnxtrain.training.optimizer_model import build_optimizer_model
 
         block = _block_of(model)
-        opset = _opset(model)
-        if block is None or opset is None or sorted(block.state_names) != sorted(keys):
+        opset = model_opset(model)  # (0: none imported)
+        if block is None or not opset or sorted(block.state_names) != sorted(keys):
             return None
         try:
             same = build_optimizer_model(block, params, opset)
