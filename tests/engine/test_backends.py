@@ -27,6 +27,7 @@ from onnxtrain.engine.backends import (
 )
 from onnxtrain.engine.ort_plan import DISABLED_OPTIMIZERS, ENV_ALLOCATORS_KEY, SPIN_KEY, STOP_KEY, OrtPlan
 from onnxtrain.engine.plan import Plan
+from onnxtrain.ir.graphs import walk_graphs
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session import TrainingSession
 from tests.session.helpers import batches, mlp_model, params
@@ -205,7 +206,8 @@ def test_legacy_gpt_block_20_steps_match_numpy():
     feeds = [models.example_inputs("gpt_block", batch=4, with_loss=True, seed=k) for k in range(STEPS)]
     losses, _, sess = legacy_run(model.SerializeToString(), "AdamOptimizer", "onnxruntime", feeds[:1],
                                  lr=0.001)
-    where_fills = [n for n in sess._plan.onnxruntime_model.graph.node if n.name.endswith("_Fill")]
+    where_fills = [n for g in walk_graphs(sess._plan.onnxruntime_model.graph) for n in g.node
+                   if n.name.endswith("_Fill")]
     assert where_fills, "the attention mask's Where was not rewritten"
     # the key part of the qkv bias shifts each row of scores by a constant, which softmax ignores: its
     # gradient is rounding noise, which Adam scales to full-size steps (as LeNet's pre-BN biases above)

@@ -10,6 +10,7 @@ from onnx import TensorProto, helper
 
 from onnxtrain.engine.backends import make_plan
 from onnxtrain.engine.ort_rewrites import rewrite_for_onnxruntime
+from onnxtrain.ir.graphs import node_reads
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -161,8 +162,10 @@ def test_where_with_a_zero_becomes_a_mask_multiply(elem: int, zero_first: bool) 
     new = rewrite_for_onnxruntime(model)
     onnx.checker.check_model(new, full_check=True)
     ops = [n.op_type for n in new.graph.node]
-    assert "Where" not in ops and ops[-4:] == ["Mul", "ReduceSum", "IsNaN", "If"], ops
-    assert ("Not" in ops) == zero_first, ops
+    assert "Where" not in ops and ops[-4:] == ["ReduceSum", "Sub", "IsNaN", "If"], ops
+    assert new.graph.node[-4].input[0] == "dy"  # the check reads the masked operand, not the product
+    fast = branch_ops(new.graph.node[-1], "else_branch")
+    assert fast == ["Not", "Cast", "Mul"] if zero_first else ["Cast", "Mul"], fast
     rng = np.random.default_rng(3)
     np_t = helper.tensor_dtype_to_np_dtype(elem)
     x = rng.standard_normal((7, 5)).astype(np_t)
@@ -177,6 +180,11 @@ def test_where_with_a_zero_becomes_a_mask_multiply(elem: int, zero_first: bool) 
     ]
     np.testing.assert_array_equal(got, want)  # -0 where a negative dy is masked: equal to +0
     _same_non_finite_values(model, new, feeds, "dy", x > 0 if not zero_first else x > 0)
+
+
+def branch_ops(node: onnx.NodeProto, branch: str) -> list[str]:
+    """The op types of an If node's ``then_branch`` or ``else_branch``."""
+    return [n.op_type for n in next(a.g for a in node.attribute if a.name == branch).node]
 
 
 def _same_non_finite_values(model: onnx.ModelProto, new: onnx.ModelProto, feeds: dict, name: str,
@@ -237,8 +245,8 @@ def test_the_fallback_where_keeps_its_zero() -> None:
     new = rewrite_for_onnxruntime(
         helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
     )
-    assert [n.op_type for n in new.graph.node] == ["Constant", "Greater", "Cast", "Mul", "ReduceSum", "IsNaN",
-                                                   "If"]
+    assert [n.op_type for n in new.graph.node] == ["Constant", "Greater", "ReduceSum", "Sub", "IsNaN", "If"]
+    assert branch_ops(new.graph.node[-1], "else_branch") == ["Cast", "Mul"]
     then = next(a.g for a in new.graph.node[-1].attribute if a.name == "then_branch")
     assert [(n.op_type, n.input[2]) for n in then.node] == [("Where", "zero")]  # the fallback
     onnx.checker.check_model(new, full_check=True)
@@ -276,8 +284,9 @@ def test_where_with_an_infinite_fill_becomes_an_add(elem: int, fill: float, fill
     model = causal_model(elem, fill, fill_first)
     new = rewrite_for_onnxruntime(model)
     onnx.checker.check_model(new, full_check=True)
-    assert [n.op_type for n in new.graph.node][-5:] == ["Where", "Add", "ReduceSum", "IsNaN", "If"]
-    read = {i for n in new.graph.node for i in n.input}
+    assert [n.op_type for n in new.graph.node][-4:] == ["ReduceSum", "Sub", "IsNaN", "If"]
+    assert branch_ops(new.graph.node[-1], "else_branch") == ["Where", "Add"]
+    read = {i for n in new.graph.node for i in node_reads(n)}  # the fast branch reads the zero
     assert [t.name for t in new.graph.initializer if t.name not in read] == []
     np_t = helper.tensor_dtype_to_np_dtype(elem)
     rng = np.random.default_rng(4)

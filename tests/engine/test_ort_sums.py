@@ -42,6 +42,10 @@ def run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     ([4, 8, 8, 96], [-4, -3, -2], 0, (4,)),       # all static, reshaped
     (["N", 4, 16, 128], [0, 1, 2], 0, (5,)),      # dynamic batch, two static dims into the product
     (["N", 64, 8, 16], [0, 1], 1, (3,)),          # several trailing dims
+    (["N", 512], [0], 0, (256, 1)),               # a Linear layer's bias gradient: ones made at run time
+    (["N", 512], [0], 1, (3,)),
+    (["N", "S", 512], [0, 1], 0, (2,)),           # no static leading dim
+    (["N", 2, 8, 16], [0, 1], 0, (3,)),           # too few static rows, several trailing dims
 ])
 @pytest.mark.parametrize("elem", [TensorProto.FLOAT, TensorProto.DOUBLE])
 def test_leading_sums_by_products_with_ones(shape, axes, keepdims, batches, elem) -> None:
@@ -67,14 +71,24 @@ def test_leading_sums_by_products_with_ones(shape, axes, keepdims, batches, elem
     (["N", 64, 512], [1]),          # not the leading axes
     (["N", 64, 512], [0, 2]),
     (["N", 64, 10], [0, 1]),        # too few trailing values
-    (["N", "S", 512], [0, 1]),      # no static leading dim
-    (["N", 2, 512], [0, 1]),        # too few static rows
+    ([2, 512], [0]),                # too few static rows and no dynamic ones
     (["N", 64, "C"], [0, 1]),       # unknown trailing dim
     ([64, 512], [0, 1]),            # every axis
 ])
 def test_other_sums_are_left_alone(shape, axes) -> None:
     model = sum_model(shape, axes)
     assert rewrite_for_onnxruntime(model) is model
+
+
+def test_runtime_ones_need_opset_15_and_take_an_empty_batch() -> None:
+    for opset in (13, 14):  # Shape has no range before opset 15
+        old = sum_model(["N", 512], [0], opset=opset)
+        assert rewrite_for_onnxruntime(old) is old
+    new = rewrite_for_onnxruntime(sum_model(["N", 2, 512], [0, 1], keepdims=1, opset=15))
+    onnx.checker.check_model(new, full_check=True)
+    assert [n.op_type for n in new.graph.node] == ["Reshape", "Shape", "ConstantOfShape", "MatMul", "Reshape"]
+    got = run(new, np.ones((0, 2, 512), np.float32))
+    assert got.shape == (1, 1, 512) and not got.any()
 
 
 def test_an_axes_constant_read_elsewhere_stays_and_old_opsets_are_left_alone() -> None:
