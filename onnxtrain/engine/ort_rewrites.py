@@ -330,20 +330,31 @@ def _unless_not_finite(x: str, fast: list[onnx.NodeProto], where: onnx.NodeProto
     """Nodes giving ``where``'s output by the ``fast`` nodes (its Mul or Add form; the last one's output is
     the result) when every value of its operand ``x`` is finite, and by the Where itself otherwise (0·inf, a
     masked NaN, inf − inf): an ``If`` on whether ``s − s`` is NaN for ``x``'s sum ``s`` (one pass; a sum
-    that overflows takes the Where too). The fast nodes run inside the If's branch, which writes the If's
-    output: checking the fast form's own result instead needed an Identity copying it out of the branch
-    (the MLP's ReLU gradients at batch 256, 131,072 values: 130 → 85 µs a mask with the check, 70 without)."""
+    that overflows takes the Where too, which float32 sums of gradients never do). A float16 sum overflows
+    from 65,504 (65,504 values of 1), so there the If asks whether the sum of ``x · 0`` is NaN, which it is
+    only when a value is not finite (two passes; onnxruntime's float16 ``s − s`` of an overflowed sum even
+    gave 0). The fast nodes run inside the If's branch, which writes the If's output:
+    checking the fast form's own result instead needed an Identity copying it out of the branch (the MLP's
+    ReLU gradients at batch 256, 131,072 values: 130 → 85 µs a mask with the check, 70 without)."""
     label = where.name or "Where"
     total, spread, bad = (names(f"{where.output[0]}/{k}") for k in ("check", "spread", "not_finite"))
     out = where.output[0]
+    if et == TensorProto.FLOAT16:
+        zero, zeroed = names(f"{where.output[0]}/zero"), names(f"{where.output[0]}/zeroed")
+        check = [helper.make_node("Constant", [], [zero], name=names(f"{label}_Zero"),
+                                  value=numpy_helper.from_array(np.zeros((), np.float16))),
+                 helper.make_node("Mul", [x, zero], [zeroed], name=names(f"{label}_Zeroed")),
+                 helper.make_node("ReduceSum", [zeroed], [spread], name=names(f"{label}_Check"), keepdims=0)]
+    else:
+        check = [helper.make_node("ReduceSum", [x], [total], name=names(f"{label}_Check"), keepdims=0),
+                 helper.make_node("Sub", [total, total], [spread], name=names(f"{label}_Spread"))]
     slow_out = names(f"{out}/where")
     slow = helper.make_graph([helper.make_node("Where", list(where.input), [slow_out], name=names(label))],
                              names(f"{label}_slow"), [], [helper.make_tensor_value_info(slow_out, et, None)])
     kept = helper.make_graph(fast, names(f"{label}_fast"), [],
                              [helper.make_tensor_value_info(fast[-1].output[0], et, None)])
     return [
-        helper.make_node("ReduceSum", [x], [total], name=names(f"{label}_Check"), keepdims=0),
-        helper.make_node("Sub", [total, total], [spread], name=names(f"{label}_Spread")),
+        *check,
         helper.make_node("IsNaN", [spread], [bad], name=names(f"{label}_NotFinite")),
         helper.make_node("If", [bad], [out], name=names(f"{label}_If"), then_branch=slow, else_branch=kept),
     ]

@@ -162,8 +162,10 @@ def test_where_with_a_zero_becomes_a_mask_multiply(elem: int, zero_first: bool) 
     new = rewrite_for_onnxruntime(model)
     onnx.checker.check_model(new, full_check=True)
     ops = [n.op_type for n in new.graph.node]
-    assert "Where" not in ops and ops[-4:] == ["ReduceSum", "Sub", "IsNaN", "If"], ops
-    assert new.graph.node[-4].input[0] == "dy"  # the check reads the masked operand, not the product
+    # the check reads the masked operand (float16: its product by 0, whose sum cannot overflow)
+    check = ["Mul", "ReduceSum"] if elem == TensorProto.FLOAT16 else ["ReduceSum", "Sub"]
+    assert "Where" not in ops and ops[-4:] == [*check, "IsNaN", "If"], ops
+    assert new.graph.node[-4].input[0] == "dy"
     fast = branch_ops(new.graph.node[-1], "else_branch")
     assert fast == ["Not", "Cast", "Mul"] if zero_first else ["Cast", "Mul"], fast
     rng = np.random.default_rng(3)
@@ -180,6 +182,25 @@ def test_where_with_a_zero_becomes_a_mask_multiply(elem: int, zero_first: bool) 
     ]
     np.testing.assert_array_equal(got, want)  # -0 where a negative dy is masked: equal to +0
     _same_non_finite_values(model, new, feeds, "dy", x > 0 if not zero_first else x > 0)
+
+
+@pytest.mark.parametrize("elem", [TensorProto.FLOAT, TensorProto.FLOAT16])
+def test_the_where_check_tells_finite_from_not(elem: int) -> None:
+    """The If's condition is false for finite values (for float16, 131,075 ones, whose float16 sum
+    overflows: the fast form stays) and true for one inf or NaN among them."""
+    new = rewrite_for_onnxruntime(where_model(elem))
+    bad = next(n.output[0] for n in new.graph.node if n.op_type == "IsNaN")
+    new.graph.output.append(helper.make_tensor_value_info(bad, TensorProto.BOOL, []))
+    np_t = helper.tensor_dtype_to_np_dtype(elem)
+    x = np.ones((26215, 5), np_t)
+    sess = ort.InferenceSession(new.SerializeToString(), providers=["CPUExecutionProvider"])
+    for value, want in ((None, False), (np.inf, True), (np.nan, True)):
+        dy = np.ones((26215, 5), np_t)
+        if value is not None:
+            dy[7, 3] = value
+        dx, flag = sess.run(None, {"x": x, "dy": dy})
+        assert bool(flag) == want, (value, flag)
+        np.testing.assert_array_equal(dx, dy)  # every x > 0: dy itself
 
 
 def branch_ops(node: onnx.NodeProto, branch: str) -> list[str]:
@@ -284,7 +305,8 @@ def test_where_with_an_infinite_fill_becomes_an_add(elem: int, fill: float, fill
     model = causal_model(elem, fill, fill_first)
     new = rewrite_for_onnxruntime(model)
     onnx.checker.check_model(new, full_check=True)
-    assert [n.op_type for n in new.graph.node][-4:] == ["ReduceSum", "Sub", "IsNaN", "If"]
+    check = ["Mul", "ReduceSum"] if elem == TensorProto.FLOAT16 else ["ReduceSum", "Sub"]
+    assert [n.op_type for n in new.graph.node][-4:] == [*check, "IsNaN", "If"]
     assert branch_ops(new.graph.node[-1], "else_branch") == ["Where", "Add"]
     read = {i for n in new.graph.node for i in node_reads(n)}  # the fast branch reads the zero
     assert [t.name for t in new.graph.initializer if t.name not in read] == []
