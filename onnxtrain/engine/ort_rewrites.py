@@ -19,7 +19,8 @@ Indices that nothing reads are simply dropped, whatever the windows.
 broadcasting loop, about 4 ns a value: LeNet's first ReLU gradient, 301,056 values, 1,192 µs. It becomes
 ``Mul(x, Cast(mask))`` (98 µs for the Greater, Cast and Mul together). Where a masked ``x`` is not finite
 the product holds a NaN (0·inf, 0·NaN) where Where gives 0, so the product is taken only when every value
-of ``x`` is finite (its sum ``s`` has ``s − s`` not NaN), through an ``If`` whose branches are the product
+of ``x`` is finite (its sum ``s`` has ``s − s`` not NaN; in float16, whose sums overflow early, the sum of
+``x · 0`` is not NaN), through an ``If`` whose branches are the product
 and the Where itself (one ReduceSum, two scalar nodes and the If; a guarded ``Where(x > 0, Log(x), 0)``,
 the ReLU gradient of an infinite upstream gradient and LAMB's guard of a 0/0 direction took the Where).
 The values are the same but where a masked ``x`` is negative (−0 instead of +0). A constant non-finite
