@@ -81,6 +81,7 @@ class Peer:
     variant: str = ""  # "LABEL:NAME=VALUE,...": extra environment of an onnxtrain peer (A/B runs)
     proc: subprocess.Popen | None = None
     error: str = ""
+    packages: dict = field(default_factory=dict)  # versions of the packages the worker loaded
     number: int = 1
     samples: list[float] = field(default_factory=list)
     update_samples: list[float] = field(default_factory=list)  # on-device peers: Optimizer.step per step
@@ -159,6 +160,25 @@ def wait_ready(peer: Peer) -> None:
         peer.error = msg["error"].strip().splitlines()[-1] if msg["error"].strip() else "worker failed"
         peer.proc.kill()
         peer.proc = None
+        return
+    peer.packages = msg.get("packages", {})
+    PACKAGES.setdefault(peer.name, peer.packages)
+
+
+# peer name → the package versions its worker loaded (first case seen): one note of the run
+PACKAGES: dict[str, dict] = {}
+
+
+def packages_note() -> str:
+    """The package versions each peer loaded, peers of the same versions together ("" when none reported)."""
+    by: dict[tuple, list[str]] = {}
+    for name, pk in PACKAGES.items():
+        if pk:
+            by.setdefault(tuple(pk.items()), []).append(name)
+    if not by:
+        return ""
+    return "packages loaded (peak RSS depends on their versions): " + "; ".join(
+        f"{', '.join(names)}: " + ", ".join(f"{k} {v}" for k, v in pk) for pk, names in by.items())
 
 
 def set_blas(env: dict[str, str], setting: str) -> None:
@@ -530,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
         peaks[s]["gflops_end"] = again
     peak_end = max(v["gflops_end"] for v in peaks.values())
     peak = max(peak, peak_end)  # a peak: the best figure the machine gave
+    if packages_note():
+        notes.append(packages_note())
     load1 = os.getloadavg()
     print()
     for n in notes:

@@ -210,6 +210,15 @@ def ort_peer(folder: str):
 
 
 PEERS = {"legacy": legacy_peer, "api": api_peer, "torch": torch_peer, "ort": ort_peer}
+# packages whose versions move a peer's figures (ml_dtypes, which onnx imports: 0.7.0 holds 5 MiB more
+# than 0.5.4 in every process), reported when the peer has loaded them
+REPORTED = ("numpy", "onnx", "ml_dtypes", "onnxruntime", "torch")
+
+
+def loaded_versions() -> dict[str, str]:
+    """Version of each package of :data:`REPORTED` this process has imported."""
+    return {name: str(getattr(sys.modules[name], "__version__", "?")) for name in REPORTED
+            if name in sys.modules}
 
 
 def main(argv: list[str]) -> int:
@@ -225,7 +234,7 @@ def main(argv: list[str]) -> int:
         proto.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
         return 1
     batches = _batches(folder)
-    proto.write(json.dumps({"ready": True, "numpy": np.__version__}) + "\n")
+    proto.write(json.dumps({"ready": True, "numpy": np.__version__, "packages": loaded_versions()}) + "\n")
     i = 0
     loss = None
     update = getattr(step, "update_seconds", None)  # on-device peers: time in Optimizer.step
