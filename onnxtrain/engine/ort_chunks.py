@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import onnx
 
+from onnxtrain.ir.graphs import drop_value_info
 from onnxtrain.ir.types import value_info_shape
 
 # ops whose output element i reads input elements i only (after broadcasting a scalar operand)
@@ -268,7 +269,5 @@ def split_models(model: onnx.ModelProto,
         shape = vi.type.tensor_type.shape
         shape.ClearField("dim")
         shape.dim.add().dim_param = f"onnxtrain_piece_{k}"
-    kept = [vi for vi in main.graph.value_info if vi.name not in layout.values]
-    main.graph.ClearField("value_info")
-    main.graph.value_info.extend(kept)
+    drop_value_info(main.graph, layout.values)
     return prefix, main

@@ -338,7 +338,7 @@ def _unless_not_finite(x: str, fast: list[onnx.NodeProto], where: onnx.NodeProto
     checking the fast form's own result instead needed an Identity copying it out of the branch (the MLP's
     ReLU gradients at batch 256, 131,072 values: 130 → 85 µs a mask with the check, 70 without)."""
     label = where.name or "Where"
-    total, spread, bad = (names(f"{where.output[0]}/{k}") for k in ("check", "spread", "not_finite"))
+    spread, bad = names(f"{where.output[0]}/spread"), names(f"{where.output[0]}/not_finite")
     out = where.output[0]
     if et == TensorProto.FLOAT16:
         zero, zeroed = names(f"{where.output[0]}/zero"), names(f"{where.output[0]}/zeroed")
@@ -347,6 +347,7 @@ def _unless_not_finite(x: str, fast: list[onnx.NodeProto], where: onnx.NodeProto
                  helper.make_node("Mul", [x, zero], [zeroed], name=names(f"{label}_Zeroed")),
                  helper.make_node("ReduceSum", [zeroed], [spread], name=names(f"{label}_Check"), keepdims=0)]
     else:
+        total = names(f"{where.output[0]}/check")
         check = [helper.make_node("ReduceSum", [x], [total], name=names(f"{label}_Check"), keepdims=0),
                  helper.make_node("Sub", [total, total], [spread], name=names(f"{label}_Spread"))]
     slow_out = names(f"{out}/where")

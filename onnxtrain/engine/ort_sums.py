@@ -42,7 +42,13 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.ir.builder import NameGen, model_opset, symbolic_shape, value_types, with_nodes_replaced
-from onnxtrain.ir.graphs import DEFAULT_DOMAINS, constant_arrays, drop_unread, fed_initializers
+from onnxtrain.ir.graphs import (
+    DEFAULT_DOMAINS,
+    constant_arrays,
+    drop_unread,
+    drop_value_info,
+    fed_initializers,
+)
 
 MIN_ROWS = 8  # static leading values: fewer leave most of the sum to the ReduceSum
 MIN_COLUMNS = 64  # fewer trailing values make a poor product (a bias of a 10-class head stays a ReduceSum)
@@ -73,11 +79,7 @@ def leading_sums(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.Mode
     drop_unread(out.graph, {g.node[k].input[1] for k in plans})  # the axes only the sums read
     # a declared shape of a value whose rows are counted at run time goes: onnxruntime would fold the count
     # from it, and it may be stale (the plan trusts only inferred types)
-    counted = {g.node[k].input[0] for k, p in plans.items() if _static_rows(p[1]) < MIN_ROWS}
-    kept = [vi for vi in out.graph.value_info if vi.name not in counted]
-    if len(kept) < len(out.graph.value_info):
-        out.graph.ClearField("value_info")
-        out.graph.value_info.extend(kept)
+    drop_value_info(out.graph, {g.node[k].input[0] for k, p in plans.items() if _rows_at_run_time(p[1])})
     return out
 
 
@@ -101,10 +103,15 @@ def _plan(node: onnx.NodeProto, axes: dict[str, np.ndarray], types: dict, runtim
     leading, trailing = shape[:len(lead)], shape[len(lead):]
     if not all(isinstance(d, int) for d in trailing) or int(np.prod(trailing)) < MIN_COLUMNS:
         return None
-    if _static_rows(leading) < MIN_ROWS and (not runtime_ones or all(isinstance(d, int) for d in leading)):
+    if _rows_at_run_time(leading) and (not runtime_ones or all(isinstance(d, int) for d in leading)):
         return None
     keep = next((x.i for x in node.attribute if x.name == "keepdims"), 1)
     return tp.tensor_type.elem_type, leading, [int(d) for d in trailing], bool(keep)
+
+
+def _rows_at_run_time(leading: list) -> bool:
+    """Whether a sum over ``leading`` dims takes its row of ones made at run time (too few static rows)."""
+    return _static_rows(leading) < MIN_ROWS
 
 
 def _static_rows(leading: list) -> int:
@@ -135,17 +142,16 @@ def _as_product(node: onnx.NodeProto, elem: int, leading: list, trailing: list[i
         return consts[-1].name
 
     rows, columns = _static_rows(leading), int(np.prod(trailing))
-    if rows < MIN_ROWS:  # every row's one made at run time
+    shape = [1] * len(leading) + trailing if keep else trailing
+    if _rows_at_run_time(leading):  # every row's one made at run time: (R,) @ (R, C) is already (C)
         matrix = x if len(leading) == 1 and len(trailing) == 1 else make(
             "Reshape", [x, const("rows", np.array([-1, columns], np.int64))])
         count = make("Shape", [matrix], start=0, end=1)
         one = numpy_helper.from_array(np.ones(1, _FLOATS[elem]), "value")
         ones = make("ConstantOfShape", [count], value=one)
-        shape = [1] * len(leading) + trailing if keep else trailing
-        if shape == [columns]:
-            make("MatMul", [ones, matrix], out)
-        else:
-            make("Reshape", [make("MatMul", [ones, matrix]), const("shape", np.array(shape, np.int64))], out)
+        summed = make("MatMul", [ones, matrix], out if shape == [columns] else None)
+        if shape != [columns]:
+            make("Reshape", [summed, const("shape", np.array(shape, np.int64))], out)
         return nodes, consts
     ones = const("ones", np.ones((1, rows), _FLOATS[elem]))
     everything = all(isinstance(d, int) for d in leading)
@@ -154,7 +160,6 @@ def _as_product(node: onnx.NodeProto, elem: int, leading: list, trailing: list[i
     want = [rows, columns] if everything else [-1, rows, columns]
     matrix = x if fits else make("Reshape", [x, const("rows", np.array(want, np.int64))])
     summed = make("MatMul", [ones, matrix])  # (1, C) or (M, 1, C)
-    shape = [1] * len(leading) + trailing if keep else trailing
     if not everything:
         flat = len(trailing) == 1 and not keep
         summed = make("ReduceSum", [summed, const("axes", np.array([0, 1], np.int64))],

@@ -617,6 +617,14 @@ def constant_arrays(graph: onnx.GraphProto, wanted: Collection[str],
     return out
 
 
+def drop_value_info(graph: onnx.GraphProto, names: Collection[str]) -> None:
+    """Remove from ``graph`` (in place) the declared ``value_info`` of the values named in ``names``."""
+    kept = [vi for vi in graph.value_info if vi.name not in names]
+    if len(kept) < len(graph.value_info):
+        graph.ClearField("value_info")
+        graph.value_info.extend(kept)
+
+
 def drop_unread(graph: onnx.GraphProto, names: Collection[str], ops: Collection[str] = ("Constant",)) -> None:
     """Remove from ``graph`` (in place) the initializers named in ``names`` and the nodes of ``ops`` making
     them that nothing reads any more, then likewise what those nodes read: the constants, shape arithmetic
