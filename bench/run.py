@@ -550,8 +550,9 @@ def main(argv: list[str] | None = None) -> int:
         peaks[s]["gflops_end"] = again
     peak_end = max(v["gflops_end"] for v in peaks.values())
     peak = max(peak, peak_end)  # a peak: the best figure the machine gave
-    if packages_note():
-        notes.append(packages_note())
+    packages = packages_note()
+    if packages:
+        notes.append(packages)
     load1 = os.getloadavg()
     print()
     for n in notes:

@@ -234,7 +234,7 @@ def main(argv: list[str]) -> int:
         proto.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
         return 1
     batches = _batches(folder)
-    proto.write(json.dumps({"ready": True, "numpy": np.__version__, "packages": loaded_versions()}) + "\n")
+    proto.write(json.dumps({"ready": True, "packages": loaded_versions()}) + "\n")
     i = 0
     loss = None
     update = getattr(step, "update_seconds", None)  # on-device peers: time in Optimizer.step
