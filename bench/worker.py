@@ -69,14 +69,24 @@ def _ort_spin(so) -> None:
 
 
 def _backend_options():
-    """onnxtrain SessionOptions naming the backend in ``$ONNXTRAIN_BENCH_BACKEND`` (None: the default, numpy);
-    e.g. ``--variant ortbackend:ONNXTRAIN_BENCH_BACKEND=onnxruntime``."""
+    """onnxtrain SessionOptions naming the backend in ``$ONNXTRAIN_BENCH_BACKEND`` (None: the default, numpy,
+    with no config entries), with the config entries ``key=value`` of ``$ONNXTRAIN_BENCH_CONFIG`` (separated
+    by ``;``); e.g. ``--variant ortbackend:ONNXTRAIN_BENCH_BACKEND=onnxruntime`` or ``--variant
+    perweight:ONNXTRAIN_BENCH_CONFIG=onnxtrain.flat_update=0``."""
     backend = os.environ.get("ONNXTRAIN_BENCH_BACKEND", "")
-    if not backend:
+    entries = [e.partition("=") for e in os.environ.get("ONNXTRAIN_BENCH_CONFIG", "").split(";") if e.strip()]
+    if any(not sep or not key.strip() for key, sep, _ in entries):
+        raise ValueError("ONNXTRAIN_BENCH_CONFIG takes key=value entries separated by ';', got "
+                         f"{os.environ['ONNXTRAIN_BENCH_CONFIG']!r}")
+    if not backend and not entries:
         return None
     from onnxtrain import SessionOptions
 
     so = SessionOptions()
+    for key, _, value in entries:
+        so.add_session_config_entry(key.strip(), value.strip())
+    if not backend:
+        return so
     so.add_session_config_entry("onnxtrain.backend", backend)
     _ort_spin(so)
     # a training step runs one shape: onnxruntime's memory pattern (a block planned for all of a run's

@@ -639,9 +639,10 @@ def build_step_graphs(
         specs = opt.state(slots)
     initial = dict(state)
     for sp in specs:
-        # the spec's array becomes the state's own (a copy would keep a second one alive: 5 MiB of the MLP's
-        # peak RSS), so that afterwards only a spec's shape and dtype say anything
-        initial[sp.name] = sp.initial
+        # the state's own array (a moment's initial value is a broadcast zero, StateSpec); afterwards only a
+        # spec's shape and dtype say anything
+        initial[sp.name] = sp.initial if sp.initial.flags.writeable else np.zeros(sp.initial.shape,
+                                                                                   sp.initial.dtype)
     buffers = [accumulation.buffer_name(g) for g in grads.values()] if steps > 1 else []
     for b, wt in zip(buffers, trainable):
         initial[b] = np.zeros_like(state[wt])

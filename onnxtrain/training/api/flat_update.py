@@ -25,25 +25,13 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnxtrain.engine.backends import session_config_entry
 from onnxtrain.engine.interface import GraphInterface
+from onnxtrain.flat_settings import SINGLE_MIN
 from onnxtrain.ir.builder import model_opset
 from onnxtrain.training.api.checkpoint_state import _Param, data_unheld
 from onnxtrain.training.onnxblock.model_accessor import BlockError
 
-CONFIG_KEY = "onnxtrain.flat_update"
-# a parameter of this many values or more keeps its own arrays (a single group): gathering its gradient would
-# cost about what its own dozen ufunc calls do (0.1 ns a value against 15-20 µs a parameter)
-SINGLE_MIN = 1 << 17
 _META_ALGORITHM, _META_HYPER = "onnxtrain.optimizer", "onnxtrain.hyperparameters"
-
-
-def flat_update_enabled(session_options: Any) -> bool:
-    """The session options' ``onnxtrain.flat_update`` entry: "1" (the default) or "0" (off)."""
-    value = session_config_entry(session_options, CONFIG_KEY) or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"session config entry {CONFIG_KEY!r} must be '0' or '1', got {value!r}")
-    return value == "1"
 
 
 def _block_of(model: onnx.ModelProto) -> Any:

@@ -34,6 +34,7 @@ import numpy as np
 
 from onnxtrain import parallel
 from onnxtrain.errors import raises_as_onnxruntime
+from onnxtrain.flat_settings import flat_update_enabled
 from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import pausing_gc
 from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
@@ -44,7 +45,7 @@ from onnxtrain.training.api.checkpoint_state import (
     _OptimizerState,
     replace_grads,
 )
-from onnxtrain.training.api.flat_update import FlatUpdate, flat_update_enabled
+from onnxtrain.training.api.flat_update import FlatUpdate
 from onnxtrain.training.api.module import Module, _compile, loss_scaling
 from onnxtrain.training.ort_artifacts import translate_optimizer_model
 

@@ -1,0 +1,173 @@
+"""The legacy session's update over flat buffers on the onnxruntime backend (``onnxtrain/session_flat.py``):
+the same bits as the per-weight update graph (``onnxtrain.flat_update = "0"``) step by step, losses and
+state, with the numpy engine (which runs the single step graph) as the independent reference; the steps
+whose step counts differ, a state loaded between steps, and the settings that keep the per-weight graph."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import onnxtrain
+from onnxtrain import session_flat
+from tests.session.helpers import mlp_model, params
+
+pytest.importorskip("onnxruntime")
+
+
+def _session(backend: str, opt: str, flat: str = "1", maps: dict | None = None,
+             **kw) -> onnxtrain.TrainingSession:
+    so = onnxtrain.SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", backend)
+    so.add_session_config_entry("onnxtrain.flat_update", flat)
+    p = params(opt, enable_grad_norm_clip=False, **kw)
+    for attr, value in (maps or {}).items():
+        setattr(p, attr, value)
+    model = mlp_model(din=12, dh=20, dout=5)  # W1 240 values, b1 20, W2 100, b2 5
+    return onnxtrain.TrainingSession(model.SerializeToString(), p, so)
+
+
+def _train(sess: onnxtrain.TrainingSession, steps: int, seed: int = 5) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        feeds = {"x": rng.standard_normal((6, 12)).astype(np.float32),
+                 "y": rng.integers(0, 5, 6).astype(np.int64),
+                 "Learning_Rate": np.array([0.05], np.float32)}
+        out.append(sess.run(["loss", "logits"], feeds))
+    return out
+
+
+def _same(a: onnxtrain.TrainingSession, b: onnxtrain.TrainingSession, got: list, want: list) -> None:
+    for x, y in zip(got, want):
+        for u, v in zip(x, y):
+            np.testing.assert_array_equal(u, v)
+    sa, sb = a.get_state(), b.get_state()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        np.testing.assert_array_equal(sa[k], sb[k], err_msg=k)
+
+
+def _close_to_numpy(sess: onnxtrain.TrainingSession, got: list, opt: str, maps: dict | None = None,
+                    **kw) -> None:
+    ref = _session("numpy", opt, maps=maps, **kw)
+    want = _train(ref, len(got))
+    for x, y in zip(got, want):
+        for u, v in zip(x, y):
+            np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
+    sa, sr = sess.get_state(), ref.get_state()
+    for k in sr:
+        np.testing.assert_allclose(sa[k], sr[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+ADAM_MAPS = {  # the weights fall into two attribute sets: W1 and b1, W2 and b2
+    "AdamOptimizer": {
+        "optimizer_attributes_map": {"W1": {"lambda": 0.01}, "b1": {"lambda": 0.01},
+                                     "W2": {"alpha": 0.8}, "b2": {"alpha": 0.8}},
+        "optimizer_int_attributes_map": {w: {"weight_decay_mode": 1} for w in ("W1", "b1", "W2", "b2")},
+    },
+}
+
+
+@pytest.mark.parametrize("opt,maps,kw,groups", [
+    ("AdamOptimizer", None, {}, [4]),
+    ("AdamOptimizer", ADAM_MAPS["AdamOptimizer"], {}, [2, 2]),
+    ("AdamOptimizer", {"optimizer_int_attributes_map": {w: {"do_bias_correction": 0}
+                                                        for w in ("W1", "b1", "W2", "b2")}}, {}, [4]),
+    ("AdamOptimizer", None, {"use_fp16_moments": True}, [4]),
+    ("SGDOptimizer", None, {}, [4]),
+], ids=["adam", "adam-two-attribute-sets", "adam-no-bias-correction", "adam-fp16-moments", "sgd"])
+def test_the_flat_update_steps_as_the_per_weight_graph(opt: str, maps: dict | None, kw: dict,
+                                                       groups: list[int]) -> None:
+    flat = _session("onnxruntime", opt, maps=maps, **kw)
+    assert flat._flat is not None and [len(g.weights) for g in flat._flat.groups] == groups
+    perw = _session("onnxruntime", opt, flat="0", maps=maps, **kw)
+    assert perw._halves and perw._flat is None
+    got = _train(flat, 6)
+    _same(flat, perw, got, _train(perw, 6))
+    assert "update" not in flat._plans  # the per-weight graph was never needed
+    _close_to_numpy(flat, got, opt, maps, **kw)
+    assert got[-1][0] != got[0][0]  # it trained
+
+
+def test_a_large_weight_keeps_its_own_arrays(monkeypatch) -> None:
+    monkeypatch.setattr(session_flat, "SINGLE_MIN", 200)  # W1 (240 values) is "large"
+    flat = _session("onnxruntime", "AdamOptimizer")
+    assert [(sorted(g.weights), g.merged) for g in flat._flat.groups] == [(["W1"], False),
+                                                                           (["W2", "b1", "b2"], True)]
+    perw = _session("onnxruntime", "AdamOptimizer", flat="0")
+    got = _train(flat, 4)
+    _same(flat, perw, got, _train(perw, 4))
+    # the merged weights and moments are views of the group's buffers; the large weight is not
+    store = flat._store
+    merged = flat._flat.groups[1]
+    assert all(np.shares_memory(store[w], merged.flat) for w in merged.weights)
+    assert all(np.shares_memory(store[f"Moment_2_{w}"], merged.buffers["Moment_2"]) for w in merged.weights)
+    assert not any(np.shares_memory(store["W1"], g.flat) for g in flat._flat.groups if g.merged)
+
+
+def test_a_step_whose_counts_differ_runs_the_per_weight_graph() -> None:
+    flat = _session("onnxruntime", "AdamOptimizer")
+    perw = _session("onnxruntime", "AdamOptimizer", flat="0")
+    got, want = _train(flat, 2), _train(perw, 2)
+    state = perw.get_state()
+    state["Update_Count_b2"] = np.array([7], np.int64)  # one small weight's count apart from the others'
+    for s in (flat, perw):
+        s.load_state(state)
+    assert not flat._flat.applies(flat._store)
+    got += _train(flat, 3, seed=6)
+    assert "update" in flat._plans
+    want += _train(perw, 3, seed=6)
+    _same(flat, perw, got, want)
+    assert flat.get_state()["Update_Count_b2"][0] == 10 and flat.get_state()["Update_Count_W1"][0] == 6
+
+
+def test_a_state_loaded_between_steps_is_copied_into_the_buffers() -> None:
+    flat = _session("onnxruntime", "AdamOptimizer")
+    perw = _session("onnxruntime", "AdamOptimizer", flat="0")
+    _train(flat, 2)
+    _train(perw, 3, seed=9)
+    state = perw.get_state()  # another run's weights, moments and counts
+    flat.load_state(state)
+    assert flat._flat.applies(flat._store)
+    got, want = _train(flat, 3, seed=7), _train(perw, 3, seed=7)
+    _same(flat, perw, got, want)
+    # get_state hands out copies: changing them leaves the session's buffers alone
+    copy = flat.get_state()
+    copy["b1"][:] = 123.0
+    assert not np.any(flat.get_state()["b1"] == 123.0)
+
+
+@pytest.mark.parametrize("opt,kw", [
+    ("AdamOptimizer", {"enable_grad_norm_clip": True}),
+    ("AdamOptimizer", {"use_mixed_precision": True}),
+    ("AdamOptimizer", {"gradient_accumulation_steps": 2}),
+    ("LambOptimizer", {}),
+], ids=["clipped", "mixed-precision", "accumulating", "lamb"])
+@pytest.mark.filterwarnings("ignore:the onnxruntime backend")
+def test_steps_the_flat_update_does_not_take(opt: str, kw: dict) -> None:
+    so = onnxtrain.SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    p = params(opt, **{"enable_grad_norm_clip": False, **kw})
+    sess = onnxtrain.TrainingSession(mlp_model(din=12, dh=20, dout=5).SerializeToString(), p, so)
+    assert sess._halves and sess._flat is None
+
+
+def test_the_numpy_engine_keeps_its_single_step_graph() -> None:
+    sess = _session("numpy", "AdamOptimizer")
+    assert not sess._halves and sess._flat is None
+
+
+def test_a_bad_flat_update_entry_is_named() -> None:
+    with pytest.raises(ValueError, match="onnxtrain.flat_update"):
+        _session("onnxruntime", "AdamOptimizer", flat="yes")
+
+
+def test_the_flat_update_graph_is_valid_onnx() -> None:
+    sess = _session("onnxruntime", "AdamOptimizer", maps=ADAM_MAPS["AdamOptimizer"])
+    model = sess._flat.model
+    assert sorted(v.name for v in model.graph.input if v.name.startswith("onnxtrain_flat_")) == [
+        "onnxtrain_flat_float32_0", "onnxtrain_flat_float32_0_grad",
+        "onnxtrain_flat_float32_1", "onnxtrain_flat_float32_1_grad"]
+    onnx.checker.check_model(model, full_check=True)
