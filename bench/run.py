@@ -26,7 +26,9 @@ engine's peak live bytes (``Plan.peak_bytes``, the largest over its plans). FLOP
 
 ``--variant LABEL:NAME=VALUE,...`` adds onnxtrain peers run with extra environment, interleaved with the rest
 (A/B): ``nofuse:ONNXTRAIN_FUSION=0`` (engine fusions off), ``1thread:OPENBLAS_NUM_THREADS=1``,
-``ortbackend:ONNXTRAIN_BENCH_BACKEND=onnxruntime`` (onnxtrain's onnxruntime backend).
+``ortbackend:ONNXTRAIN_BENCH_BACKEND=onnxruntime`` (onnxtrain's onnxruntime backend);
+``ONNXTRAIN_BENCH_CONFIG=key=value;...`` gives the onnxtrain sessions config entries, e.g.
+``perweight:ONNXTRAIN_BENCH_BACKEND=onnxruntime,ONNXTRAIN_BENCH_CONFIG=onnxtrain.flat_update=0``.
 
 onnxruntime runs with its default threading (idle intra-op threads spin a while before they sleep), in the
 onnxruntime-training peer and in onnxtrain's onnxruntime backend alike; ``--ort-spin off`` sets
