@@ -171,3 +171,27 @@ def test_the_flat_update_graph_is_valid_onnx() -> None:
         "onnxtrain_flat_float32_0", "onnxtrain_flat_float32_0_grad",
         "onnxtrain_flat_float32_1", "onnxtrain_flat_float32_1_grad"]
     onnx.checker.check_model(model, full_check=True)
+
+
+def test_fetched_gradients_are_the_steps_own() -> None:
+    """With ``set_gradients_as_graph_outputs`` a run fetches the gradients the flat update read (copies: the
+    group's gradient buffer is written again by the next step)."""
+    kw = {"set_gradients_as_graph_outputs": True}
+    flat = _session("onnxruntime", "AdamOptimizer", **kw)
+    perw = _session("onnxruntime", "AdamOptimizer", flat="0", **kw)
+    assert flat._flat is not None
+    rng = np.random.default_rng(3)
+    fetch = ["loss", "W1_grad", "b1_grad", "W2_grad", "b2_grad"]
+    first: list | None = None
+    for _ in range(3):
+        feeds = {"x": rng.standard_normal((6, 12)).astype(np.float32),
+                 "y": rng.integers(0, 5, 6).astype(np.int64),
+                 "Learning_Rate": np.array([0.05], np.float32)}
+        got, want = flat.run(fetch, feeds), perw.run(fetch, feeds)
+        for name, a, b in zip(fetch, got, want):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        if first is None:
+            first, kept = got, [a.copy() for a in got]
+    for a, b in zip(first, kept):  # later steps left the first step's fetched arrays alone
+        np.testing.assert_array_equal(a, b)
+    _same(flat, perw, [], [])
