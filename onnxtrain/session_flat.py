@@ -10,8 +10,9 @@ attributes, laid end to end, update as one "weight" with the same bits, provided
 live in one array each, the session's state holding views of it, so the gradients graph reads them in place
 and the update writes them in place; the group's gradients are gathered into one buffer (or written there
 directly by the onnxruntime backend). Weights of :data:`SINGLE_MIN` values or more keep their own arrays and
-nodes. Only a plain step qualifies: one process, no gradient clipping, no mixed precision, no gradient
-accumulation (their global norms and flags sum in another order). Session config entry
+nodes. A clipped update computes the global norm from the weights' own gradients (views of the group's
+buffer), with the per-weight graph's nodes: the same bits. One process only, without mixed precision or
+gradient accumulation (whose flags and sums the per-weight graph handles); session config entry
 ``onnxtrain.flat_update = "0"`` turns it off (as for the on-device ``Optimizer``).
 """
 
@@ -22,9 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from onnxtrain.flat_settings import SINGLE_MIN, flat_update_enabled
+from onnxtrain.graph_transforms.clipping import global_norm
+from onnxtrain.ir.builder import NameGen, NodeWriter
 from onnxtrain.optim.base import WeightSlot, fattr, iattr
 from onnxtrain.training_graph import build_update_graph
 
@@ -70,16 +73,21 @@ class FlatLegacyUpdate:
         self.elementwise = elementwise  # state keys holding a value per element (the moments)
         self.counts = counts  # state keys of one value per weight (Update_Count)
         self.lr = lr
+        graph_inputs = {v.name for v in model.graph.input}
+        # a clipped update's norm reads every weight's gradient: the merged ones are fed as views too
+        self.per_weight_grads = any(f"{w}_grad" in graph_inputs for grp in groups if grp.merged
+                                    for w in grp.weights)
 
     @classmethod
     def build(cls, session: TrainingSession) -> FlatLegacyUpdate | None:
         """The flat update of the session's step, or None when the step does not qualify (module
         docstring) or merging would change nothing."""
         p, opt, g = session._params, session._opt, session._graphs
-        if (opt is None or opt.name not in FLAT_OPTIMIZERS or session._dp is not None or session._clips
+        if (opt is None or opt.name not in FLAT_OPTIMIZERS or session._dp is not None
                 or g.mixed_precision is not None or p.gradient_accumulation_steps != 1
                 or not flat_update_enabled(session._sess_options)):
             return None
+        clip = session._clips
         types = {v.name: v.type.tensor_type.elem_type for v in g.full.graph.input}
         store = session._store
         by_key: dict[tuple, _Group] = {}
@@ -87,8 +95,8 @@ class FlatLegacyUpdate:
         for w in g.trainable:
             arr = store[w]
             slot = _slot(p, w, f"{w}_grad", arr.shape, types.get(w, TensorProto.FLOAT))
-            key = (arr.dtype, slot.elem_type,
-                   tuple(fattr(slot, opt, k) for k in sorted(opt.FLOAT_ATTRS) if k != "max_norm_clip"),
+            floats = [k for k in sorted(opt.FLOAT_ATTRS) if clip or k != "max_norm_clip"]
+            key = (arr.dtype, slot.elem_type, tuple(fattr(slot, opt, k) for k in floats),
                    tuple(iattr(slot, opt, k) for k in sorted(opt.INT_ATTRS)))
             grp = None if arr.size >= SINGLE_MIN else by_key.get(key)
             if grp is None:
@@ -111,9 +119,14 @@ class FlatLegacyUpdate:
             shape = (grp.size,) if grp.merged else grp.shapes[0]
             slots.append(_slot(p, first, f"{grp.name}_grad", shape, types.get(first, TensorProto.FLOAT)))
             slots[-1].name = grp.name
-        model, upd, extras, flat_specs = build_update_graph(g.update_graph, slots, p, opt, clip=False)
+        norm = _free_name("onnxtrain_flat_global_norm", taken) if clip else None
+        model, upd, extras, flat_specs = build_update_graph(g.update_graph, slots, p, opt, clip=clip,
+                                                            norm_input=norm)
         if extras:
-            return None  # (no clipping: no norm to output)
+            return None  # (the norm is an input: nothing else to output)
+        if norm is not None:
+            model = _with_norm(model, norm, [(w, types.get(w, TensorProto.FLOAT), store[w].shape)
+                                             for w in g.trainable])
         elementwise, counts = set(), set()
         for sp in flat_specs:
             grp = next(x for x in groups if x.name == sp.weight)
@@ -168,6 +181,8 @@ class FlatLegacyUpdate:
                 parts = [grads[f"{w}_grad"] for w in grp.weights]
                 if any(a is not grp.views[f"{w}_grad"] for a, w in zip(parts, grp.weights)):
                     np.concatenate(parts, axis=None, out=grp.grad)
+                if self.per_weight_grads:  # (the norm's: read as the per-weight graph reads them)
+                    feeds.update((f"{w}_grad", grp.views[f"{w}_grad"]) for w in grp.weights)
                 feeds[grp.name] = grp.flat
                 feeds[f"{grp.name}_grad"] = grp.grad
                 for key, names in grp.state.items():
@@ -246,3 +261,35 @@ def _free_name(base: str, taken: set[str]) -> str:
         name = f"{base}_{k}"
     taken.add(name)
     return name
+
+
+def _with_norm(model: onnx.ModelProto, norm: str,
+               grads: list[tuple[str, int, tuple[int, ...]]]) -> onnx.ModelProto:
+    """``model`` with its input ``norm`` computed instead, as the per-weight update graph computes the
+    global gradient norm: over the gradients ``<w>_grad`` of ``grads`` (weight, type, shape), one by one in
+    that order (the same nodes, so the same bits), each an input of the model."""
+    have = {v.name for v in model.graph.input}
+    inputs = [v for v in model.graph.input if v.name != norm]
+    if not any(norm in n.input for n in model.graph.node):  # (an update that does not clip: SGD's)
+        return _with_inputs(model, [], inputs)
+    nodes: list[onnx.NodeProto] = []
+    names = NameGen.for_model(model)
+    names.taken.discard(norm)
+    names.taken.update(f"{wt}_grad" for wt, _, _ in grads)
+    w = NodeWriter(names, nodes, prefix="")
+    made = global_norm(w, [f"{wt}_grad" for wt, _, _ in grads], out_name=norm,
+                       grad_types=[et for _, et, _ in grads])
+    if made != norm:
+        raise AssertionError(f"flat update: the norm was named {made!r}, not {norm!r}")
+    inputs += [helper.make_tensor_value_info(f"{wt}_grad", et, list(shape)) for wt, et, shape in grads
+               if f"{wt}_grad" not in have]
+    return _with_inputs(model, nodes, inputs)
+
+
+def _with_inputs(model: onnx.ModelProto, first: list[onnx.NodeProto],
+                 inputs: list[onnx.ValueInfoProto]) -> onnx.ModelProto:
+    """``model`` with the nodes ``first`` before its own and the graph inputs ``inputs``."""
+    graph = helper.make_graph([*first, *model.graph.node], model.graph.name, inputs, list(model.graph.output),
+                              initializer=list(model.graph.initializer))
+    return helper.make_model(graph, opset_imports=list(model.opset_import), producer_name=model.producer_name,
+                             ir_version=model.ir_version)

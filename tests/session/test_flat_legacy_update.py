@@ -21,7 +21,7 @@ def _session(backend: str, opt: str, flat: str = "1", maps: dict | None = None,
     so = onnxtrain.SessionOptions()
     so.add_session_config_entry("onnxtrain.backend", backend)
     so.add_session_config_entry("onnxtrain.flat_update", flat)
-    p = params(opt, enable_grad_norm_clip=False, **kw)
+    p = params(opt, **{"enable_grad_norm_clip": False, **kw})
     for attr, value in (maps or {}).items():
         setattr(p, attr, value)
     model = mlp_model(din=12, dh=20, dout=5)  # W1 240 values, b1 20, W2 100, b2 5
@@ -77,7 +77,14 @@ ADAM_MAPS = {  # the weights fall into two attribute sets: W1 and b1, W2 and b2
                                                         for w in ("W1", "b1", "W2", "b2")}}, {}, [4]),
     ("AdamOptimizer", None, {"use_fp16_moments": True}, [4]),
     ("SGDOptimizer", None, {}, [4]),
-], ids=["adam", "adam-two-attribute-sets", "adam-no-bias-correction", "adam-fp16-moments", "sgd"])
+    ("AdamOptimizer", None, {"enable_grad_norm_clip": True}, [4]),
+    ("AdamOptimizer", {"optimizer_attributes_map": {"W1": {"max_norm_clip": 0.5},
+                                                    "b1": {"max_norm_clip": 0.5}, "W2": {}, "b2": {}}},
+     {"enable_grad_norm_clip": True}, [2, 2]),
+    ("AdamOptimizer", None, {"enable_grad_norm_clip": True, "legacy_cpu_adam": True}, [4]),
+    ("SGDOptimizer", None, {"enable_grad_norm_clip": True}, [4]),
+], ids=["adam", "adam-two-attribute-sets", "adam-no-bias-correction", "adam-fp16-moments", "sgd",
+        "adam-clipped", "adam-clipped-two-max-norms", "adam-clipped-cpu-kernel", "sgd-clip-flag"])
 def test_the_flat_update_steps_as_the_per_weight_graph(opt: str, maps: dict | None, kw: dict,
                                                        groups: list[int]) -> None:
     flat = _session("onnxruntime", opt, maps=maps, **kw)
@@ -140,11 +147,10 @@ def test_a_state_loaded_between_steps_is_copied_into_the_buffers() -> None:
 
 
 @pytest.mark.parametrize("opt,kw", [
-    ("AdamOptimizer", {"enable_grad_norm_clip": True}),
     ("AdamOptimizer", {"use_mixed_precision": True}),
     ("AdamOptimizer", {"gradient_accumulation_steps": 2}),
     ("LambOptimizer", {}),
-], ids=["clipped", "mixed-precision", "accumulating", "lamb"])
+], ids=["mixed-precision", "accumulating", "lamb"])
 @pytest.mark.filterwarnings("ignore:the onnxruntime backend")
 def test_steps_the_flat_update_does_not_take(opt: str, kw: dict) -> None:
     so = onnxtrain.SessionOptions()
@@ -194,4 +200,23 @@ def test_fetched_gradients_are_the_steps_own() -> None:
             first, kept = got, [a.copy() for a in got]
     for a, b in zip(first, kept):  # later steps left the first step's fetched arrays alone
         np.testing.assert_array_equal(a, b)
+    _same(flat, perw, [], [])
+
+
+def test_a_run_fetching_the_norm_runs_the_per_weight_graph() -> None:
+    """The global norm is an output of the per-weight update graph only: a run that fetches it takes that
+    graph, and the next steps go back to the flat one, on the same state."""
+    flat = _session("onnxruntime", "AdamOptimizer", enable_grad_norm_clip=True)
+    perw = _session("onnxruntime", "AdamOptimizer", flat="0", enable_grad_norm_clip=True)
+    assert flat._flat is not None and flat._flat.per_weight_grads
+    rng = np.random.default_rng(11)
+    for step in range(4):
+        fetch = ["loss", "global_gradient_norm"] if step == 1 else ["loss"]
+        feeds = {"x": rng.standard_normal((6, 12)).astype(np.float32),
+                 "y": rng.integers(0, 5, 6).astype(np.int64),
+                 "Learning_Rate": np.array([0.05], np.float32)}
+        got, want = flat.run(fetch, feeds), perw.run(fetch, feeds)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+    assert "update" in flat._plans
     _same(flat, perw, [], [])
