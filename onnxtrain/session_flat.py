@@ -11,9 +11,10 @@ live in one array each, the session's state holding views of it, so the gradient
 and the update writes them in place; the group's gradients are gathered into one buffer (or written there
 directly by the onnxruntime backend). Weights of :data:`SINGLE_MIN` values or more keep their own arrays and
 nodes. A clipped update computes the global norm from the weights' own gradients (views of the group's
-buffer), with the per-weight graph's nodes: the same bits. One process only, without mixed precision or
-gradient accumulation (whose flags and sums the per-weight graph handles); session config entry
-``onnxtrain.flat_update = "0"`` turns it off (as for the on-device ``Optimizer``).
+buffer), with the per-weight graph's nodes: the same bits. Under gradient accumulation the step that
+updates reads the averaged sums, gathered. One process only, without mixed precision (whose finite check and
+skipped steps the per-weight graph handles); session config entry ``onnxtrain.flat_update = "0"`` turns it
+off (as for the on-device ``Optimizer``).
 """
 
 from __future__ import annotations
@@ -84,8 +85,7 @@ class FlatLegacyUpdate:
         docstring) or merging would change nothing."""
         p, opt, g = session._params, session._opt, session._graphs
         if (opt is None or opt.name not in FLAT_OPTIMIZERS or session._dp is not None
-                or g.mixed_precision is not None or p.gradient_accumulation_steps != 1
-                or not flat_update_enabled(session._sess_options)):
+                or g.mixed_precision is not None or not flat_update_enabled(session._sess_options)):
             return None
         clip = session._clips
         types = {v.name: v.type.tensor_type.elem_type for v in g.full.graph.input}

@@ -119,7 +119,7 @@ class HalfSteps:
                 np.multiply(a, a.dtype.type(1.0 / steps), out=a)
         got.update((n, a.copy()) for n, a in zip(grad_names, grads) if n in names)  # the next step's arrays
         if up is None:
-            flat.step(store, dict(zip(grad_names, grads)), feeds[flat.lr])
+            flat.step(store, {f"{w}_grad": a for w, a in zip(g.trainable, grads)}, feeds[flat.lr])
             return self._after_update(got, names, grad_names, grads)
         # the learning rate and a mixed-precision update's loss scale from the caller's feeds
         ufeeds = self._feeds_of(up, feeds, {f"{w}_grad": a for w, a in zip(g.trainable, grads)})
@@ -129,13 +129,14 @@ class HalfSteps:
         got.update(zip(extra, out))
         for (state, _), v in zip(uitems, out[len(extra):]):
             store[state] = v
-        for b in g.buffers:
-            store[b] = np.zeros_like(store[b])
         return self._after_update(got, names, grad_names, grads)
 
     def _after_update(self, got: dict[str, Any], names: list[str], grad_names: list[str],
                       grads: list[np.ndarray]) -> list[np.ndarray]:
-        """A two-graph step's end: the gradients' arrays kept for the next step, the outputs ``names``."""
+        """A two-graph step's end: the accumulation buffers zeroed, the gradients' arrays kept for the next
+        step, the outputs ``names``."""
+        for b in self._graphs.buffers:
+            self._store[b] = np.zeros_like(self._store[b])
         self._micro_step = 0
         if self._params.gradient_accumulation_steps == 1:
             self._grad_arrays = dict(zip(grad_names, grads))

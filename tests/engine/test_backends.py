@@ -805,7 +805,8 @@ def test_only_training_plans_keep_their_binding(mlp_artifacts):
     sess = TrainingSession(mlp_model(), _sgd_params(), options("onnxruntime"))
     sess.run(["loss"], {"x": np.ones((4, 8), np.float32), "y": np.zeros(4, np.int64),
                         "Learning_Rate": np.array([0.1], np.float32)})
-    assert sess._halves and sess._plans["gradients"]._keep_binding and sess._plans["update"]._keep_binding
+    update = "update" if sess._flat is None else "flat_update"  # (session_flat.py)
+    assert sess._halves and sess._plans["gradients"]._keep_binding and sess._plans[update]._keep_binding
     state = CheckpointState.load_checkpoint(os.path.join(mlp_artifacts, "checkpoint"))
     module = Module(os.path.join(mlp_artifacts, "training_model.onnx"), state,
                     os.path.join(mlp_artifacts, "eval_model.onnx"), session_options=options("onnxruntime"))
