@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 
 from onnxtrain.flat_settings import SINGLE_MIN, flat_update_enabled
 from onnxtrain.graph_transforms.clipping import global_norm
@@ -88,13 +88,13 @@ class FlatLegacyUpdate:
                 or g.mixed_precision is not None or not flat_update_enabled(session._sess_options)):
             return None
         clip = session._clips
-        types = {v.name: v.type.tensor_type.elem_type for v in g.full.graph.input}
         store = session._store
+        types = {w: helper.np_dtype_to_tensor_dtype(store[w].dtype) for w in g.trainable}
         by_key: dict[tuple, _Group] = {}
         groups: list[_Group] = []
         for w in g.trainable:
             arr = store[w]
-            slot = _slot(p, w, f"{w}_grad", arr.shape, types.get(w, TensorProto.FLOAT))
+            slot = _slot(p, w, f"{w}_grad", arr.shape, types[w])
             floats = [k for k in sorted(opt.FLOAT_ATTRS) if clip or k != "max_norm_clip"]
             key = (arr.dtype, slot.elem_type, tuple(fattr(slot, opt, k) for k in floats),
                    tuple(iattr(slot, opt, k) for k in sorted(opt.INT_ATTRS)))
@@ -117,7 +117,7 @@ class FlatLegacyUpdate:
                 grp.name = _free_name(f"onnxtrain_flat_{grp.dtype.name}_{i}", taken)
             first = grp.weights[0]
             shape = (grp.size,) if grp.merged else grp.shapes[0]
-            slots.append(_slot(p, first, f"{grp.name}_grad", shape, types.get(first, TensorProto.FLOAT)))
+            slots.append(_slot(p, first, f"{grp.name}_grad", shape, types[first]))
             slots[-1].name = grp.name
         norm = _free_name("onnxtrain_flat_global_norm", taken) if clip else None
         model, upd, extras, flat_specs = build_update_graph(g.update_graph, slots, p, opt, clip=clip,
@@ -125,8 +125,7 @@ class FlatLegacyUpdate:
         if extras:
             return None  # (the norm is an input: nothing else to output)
         if norm is not None:
-            model = _with_norm(model, norm, [(w, types.get(w, TensorProto.FLOAT), store[w].shape)
-                                             for w in g.trainable])
+            model = _with_norm(model, norm, [(w, types[w], store[w].shape) for w in g.trainable])
         elementwise, counts = set(), set()
         for sp in flat_specs:
             grp = next(x for x in groups if x.name == sp.weight)

@@ -223,3 +223,46 @@ def test_a_run_fetching_the_norm_runs_the_per_weight_graph() -> None:
             np.testing.assert_array_equal(a, b)
     assert "update" in flat._plans
     _same(flat, perw, [], [])
+
+
+def _two_dtype_model() -> onnx.ModelProto:
+    """float32 weights W32, b32 before a Cast, float64 weights W64, b64 after it; loss = Σ h²."""
+    from onnx import TensorProto as T
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(2)
+    inits = [numpy_helper.from_array(rng.standard_normal((3, 2)).astype(np.float32), "W32"),
+             numpy_helper.from_array(rng.standard_normal(2).astype(np.float32), "b32"),
+             numpy_helper.from_array(rng.standard_normal(2), "W64"),
+             numpy_helper.from_array(rng.standard_normal(2), "b64")]
+    nodes = [helper.make_node("MatMul", ["x", "W32"], ["h"]), helper.make_node("Add", ["h", "b32"], ["h2"]),
+             helper.make_node("Cast", ["h2"], ["hd"], to=T.DOUBLE),
+             helper.make_node("Mul", ["hd", "W64"], ["h3"]), helper.make_node("Add", ["h3", "b64"], ["h4"]),
+             helper.make_node("ReduceSumSquare", ["h4"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "two_dtypes", [helper.make_tensor_value_info("x", T.FLOAT, [4, 3])],
+                          [helper.make_tensor_value_info("loss", T.DOUBLE, [])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_weights_of_two_dtypes_make_two_groups(clip: bool) -> None:
+    sessions = {}
+    for backend, flat in (("onnxruntime", "1"), ("onnxruntime", "0"), ("numpy", "1")):
+        so = onnxtrain.SessionOptions()
+        so.add_session_config_entry("onnxtrain.backend", backend)
+        so.add_session_config_entry("onnxtrain.flat_update", flat)
+        p = params("AdamOptimizer", enable_grad_norm_clip=clip)
+        sessions[backend, flat] = onnxtrain.TrainingSession(_two_dtype_model().SerializeToString(), p, so)
+    flat, perw, ref = sessions.values()
+    assert [(sorted(g.weights), g.dtype.name) for g in flat._flat.groups] == [(["W32", "b32"], "float32"),
+                                                                              (["W64", "b64"], "float64")]
+    rng = np.random.default_rng(4)
+    for _ in range(4):
+        feeds = {"x": rng.standard_normal((4, 3)).astype(np.float32),
+                 "Learning_Rate": np.array([0.1], np.float32)}
+        got, want, close = flat.run(["loss"], feeds), perw.run(["loss"], feeds), ref.run(["loss"], feeds)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_allclose(got[0], close[0], rtol=1e-6)
+    _same(flat, perw, [], [])
+    state = flat.get_state()
+    assert state["W64"].dtype == np.float64 and state["Moment_1_W64"].dtype == np.float64
