@@ -628,7 +628,7 @@ def test_legacy_accumulation_plan_threads_stop_spinning_after_their_run(monkeypa
     assert sess._halves != one_graph
     first = sess._plans["full" if one_graph else "gradients"]
     assert _entry(first, SPIN_KEY) is None and _entry(first, STOP_KEY) is None
-    followers = ["accumulate"] + ([] if one_graph else ["update"])
+    followers = ["accumulate"] + ([] if one_graph else ["update" if sess._flat is None else "flat_update"])
     for plan in (sess._plans[k] for k in followers):
         assert _entry(plan, SPIN_KEY) is None and _entry(plan, STOP_KEY) == "1"
 
