@@ -39,8 +39,6 @@ class HalfSteps:
         self._flat = None
         if self._backend == "numpy" or self._dp is not None or self._opt is None or ort_chunks.pieces_off():
             return False
-        self._graphs.split()  # first: the halves' temporaries then fit in memory the plans reuse (4.6 MiB
-        # of peak RSS for the MLP at batch 64 when made after the flat update's plan)
         self._flat = FlatLegacyUpdate.build(self)
         if self._flat is not None:
             self._plans["flat_update"] = self._flat.plan  # (profiled and measured with the others)
