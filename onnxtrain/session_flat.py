@@ -29,6 +29,7 @@ from onnx import helper
 from onnxtrain.flat_settings import SINGLE_MIN, flat_update_enabled
 from onnxtrain.graph_transforms.clipping import global_norm
 from onnxtrain.ir.builder import NameGen, NodeWriter
+from onnxtrain.ir.types import onnx_elem_type
 from onnxtrain.optim.base import WeightSlot, fattr, iattr
 from onnxtrain.training_graph import build_update_graph
 
@@ -89,13 +90,13 @@ class FlatLegacyUpdate:
             return None
         clip = session._clips
         store = session._store
-        types = {w: helper.np_dtype_to_tensor_dtype(store[w].dtype) for w in g.trainable}
+        types = {w: onnx_elem_type(store[w].dtype) for w in g.trainable}
+        floats = [k for k in sorted(opt.FLOAT_ATTRS) if clip or k != "max_norm_clip"]  # a group shares these
         by_key: dict[tuple, _Group] = {}
         groups: list[_Group] = []
         for w in g.trainable:
             arr = store[w]
             slot = _slot(p, w, f"{w}_grad", arr.shape, types[w])
-            floats = [k for k in sorted(opt.FLOAT_ATTRS) if clip or k != "max_norm_clip"]
             key = (arr.dtype, slot.elem_type, tuple(fattr(slot, opt, k) for k in floats),
                    tuple(iattr(slot, opt, k) for k in sorted(opt.INT_ATTRS)))
             grp = None if arr.size >= SINGLE_MIN else by_key.get(key)
@@ -108,24 +109,25 @@ class FlatLegacyUpdate:
             grp.shapes.append(tuple(arr.shape))
         if all(len(grp.weights) == 1 for grp in groups):
             return None
-        taken = {v.name for v in g.full.graph.input} | {o for n in g.full.graph.node for o in n.output}
+        full = g.full.graph
+        names = NameGen({v.name for v in full.input} | {o for n in full.node for o in n.output})
         specs = {(sp.weight, sp.key): sp for sp in session._specs}
         slots = []
         for i, grp in enumerate(groups):
             grp.merged = len(grp.weights) > 1
             if grp.merged:
-                grp.name = _free_name(f"onnxtrain_flat_{grp.dtype.name}_{i}", taken)
+                grp.name = names(f"onnxtrain_flat_{grp.dtype.name}_{i}")
             first = grp.weights[0]
             shape = (grp.size,) if grp.merged else grp.shapes[0]
             slots.append(_slot(p, first, f"{grp.name}_grad", shape, types[first]))
             slots[-1].name = grp.name
-        norm = _free_name("onnxtrain_flat_global_norm", taken) if clip else None
+        norm = names("onnxtrain_flat_global_norm") if clip else None
         model, upd, extras, flat_specs = build_update_graph(g.update_graph, slots, p, opt, clip=clip,
                                                             norm_input=norm)
         if extras:
             return None  # (the norm is an input: nothing else to output)
         if norm is not None:
-            model = _with_norm(model, norm, [(w, types[w], store[w].shape) for w in g.trainable])
+            _with_norm(model, norm, [(w, types[w], store[w].shape) for w in g.trainable])
         elementwise, counts = set(), set()
         for sp in flat_specs:
             grp = next(x for x in groups if x.name == sp.weight)
@@ -253,24 +255,27 @@ def _slot(p: Any, w: str, grad: str, shape: tuple[int, ...], elem_type: int) -> 
                       dict(p.optimizer_int_attributes_map.get(w, {})))
 
 
-def _free_name(base: str, taken: set[str]) -> str:
-    name, k = base, 0
-    while name in taken:
-        k += 1
-        name = f"{base}_{k}"
-    taken.add(name)
-    return name
+def _with_norm(model: onnx.ModelProto, norm: str, grads: list[tuple[str, int, tuple[int, ...]]]) -> None:
+    """Make ``model``'s input ``norm`` (in place) computed as the per-weight update graph computes the global
+    gradient norm: over the gradients ``<w>_grad`` of ``grads`` (weight, type, shape), one by one in that
+    order (the same nodes, so the same bits), each an input of the model."""
+    g = model.graph
+    have = {v.name for v in g.input}
+    inputs = [v for v in g.input if v.name != norm]
+    if any(norm in n.input for n in g.node):  # (else an update that does not clip: SGD's)
+        nodes = _norm_nodes(model, norm, grads)
+        inputs += [helper.make_tensor_value_info(f"{wt}_grad", et, list(shape)) for wt, et, shape in grads
+                   if f"{wt}_grad" not in have]
+        rest = list(g.node)
+        g.ClearField("node")
+        g.node.extend([*nodes, *rest])
+    g.ClearField("input")
+    g.input.extend(inputs)
 
 
-def _with_norm(model: onnx.ModelProto, norm: str,
-               grads: list[tuple[str, int, tuple[int, ...]]]) -> onnx.ModelProto:
-    """``model`` with its input ``norm`` computed instead, as the per-weight update graph computes the
-    global gradient norm: over the gradients ``<w>_grad`` of ``grads`` (weight, type, shape), one by one in
-    that order (the same nodes, so the same bits), each an input of the model."""
-    have = {v.name for v in model.graph.input}
-    inputs = [v for v in model.graph.input if v.name != norm]
-    if not any(norm in n.input for n in model.graph.node):  # (an update that does not clip: SGD's)
-        return _with_inputs(model, [], inputs)
+def _norm_nodes(model: onnx.ModelProto, norm: str,
+                grads: list[tuple[str, int, tuple[int, ...]]]) -> list[onnx.NodeProto]:
+    """The nodes computing the global norm named ``norm`` over the gradients of ``grads``."""
     nodes: list[onnx.NodeProto] = []
     names = NameGen.for_model(model)
     names.taken.discard(norm)
@@ -280,15 +285,4 @@ def _with_norm(model: onnx.ModelProto, norm: str,
                        grad_types=[et for _, et, _ in grads])
     if made != norm:
         raise AssertionError(f"flat update: the norm was named {made!r}, not {norm!r}")
-    inputs += [helper.make_tensor_value_info(f"{wt}_grad", et, list(shape)) for wt, et, shape in grads
-               if f"{wt}_grad" not in have]
-    return _with_inputs(model, nodes, inputs)
-
-
-def _with_inputs(model: onnx.ModelProto, first: list[onnx.NodeProto],
-                 inputs: list[onnx.ValueInfoProto]) -> onnx.ModelProto:
-    """``model`` with the nodes ``first`` before its own and the graph inputs ``inputs``."""
-    graph = helper.make_graph([*first, *model.graph.node], model.graph.name, inputs, list(model.graph.output),
-                              initializer=list(model.graph.initializer))
-    return helper.make_model(graph, opset_imports=list(model.opset_import), producer_name=model.producer_name,
-                             ir_version=model.ir_version)
+    return nodes

@@ -116,11 +116,12 @@ class HalfSteps:
             for a in grads:
                 np.multiply(a, a.dtype.type(1.0 / steps), out=a)
         got.update((n, a.copy()) for n, a in zip(grad_names, grads) if n in names)  # the next step's arrays
+        by_weight = {f"{w}_grad": a for w, a in zip(g.trainable, grads)}  # the update's gradient inputs
         if up is None:
-            flat.step(store, {f"{w}_grad": a for w, a in zip(g.trainable, grads)}, feeds[flat.lr])
+            flat.step(store, by_weight, feeds[flat.lr])
             return self._after_update(got, names, grad_names, grads)
         # the learning rate and a mixed-precision update's loss scale from the caller's feeds
-        ufeeds = self._feeds_of(up, feeds, {f"{w}_grad": a for w, a in zip(g.trainable, grads)})
+        ufeeds = self._feeds_of(up, feeds, by_weight)
         uitems = list(g.updates["update"].items())
         extra = [n for n in names if n in up.output_info and n not in got]
         out = up.run(ufeeds, extra + [o for _, o in uitems], donate=[s for s, _ in uitems if s in ufeeds])

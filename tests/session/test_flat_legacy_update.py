@@ -173,12 +173,17 @@ def test_a_bad_flat_update_entry_is_named() -> None:
         _session("onnxruntime", "AdamOptimizer", flat="yes")
 
 
-def test_the_flat_update_graph_is_valid_onnx() -> None:
-    sess = _session("onnxruntime", "AdamOptimizer", maps=ADAM_MAPS["AdamOptimizer"])
+@pytest.mark.parametrize("clip", [False, True])
+def test_the_flat_update_graph_is_valid_onnx(clip: bool) -> None:
+    sess = _session("onnxruntime", "AdamOptimizer", maps=ADAM_MAPS["AdamOptimizer"],
+                    enable_grad_norm_clip=clip)
     model = sess._flat.model
-    assert sorted(v.name for v in model.graph.input if v.name.startswith("onnxtrain_flat_")) == [
+    inputs = [v.name for v in model.graph.input]
+    assert sorted(n for n in inputs if n.startswith("onnxtrain_flat_")) == [
         "onnxtrain_flat_float32_0", "onnxtrain_flat_float32_0_grad",
         "onnxtrain_flat_float32_1", "onnxtrain_flat_float32_1_grad"]
+    # clipped: the norm is computed from every weight's own gradient, each an input of the graph
+    assert all((f"{w}_grad" in inputs) == clip for w in ("W1", "b1", "W2", "b2"))
     onnx.checker.check_model(model, full_check=True)
 
 
