@@ -20,9 +20,11 @@ setup(
     python_requires=">=3.10",
     # typing_extensions >= 4.16: older ones import asyncio (and ssl) for onnx.helper's deprecated functions;
     # onnx >= 1.18: its float4 type (1.16-1.17 fail at import); protobuf 6.31 with onnx 1.18 trained the main
-    # job, 5.29 failed in a session; matplotlib 3.7 is built for numpy 1 (the plot failed)
+    # job, 5.29 failed in a session; matplotlib 3.7 is built for numpy 1 (the plot failed);
+    # ml_dtypes (imported by onnx) 0.7.0 takes 7.8 MiB of RSS and 0.55 s to import against 0.6.0's 2.7 MiB and
+    # 5 ms: every onnxtrain process pays it (bench/HISTORY.md, 2026-12-05 18:25 UTC)
     install_requires=["numpy>=2", "onnx>=1.18", "protobuf>=6.31", "PyYAML>=6", "tqdm>=4", "matplotlib>=3.8.4",
-                      "typing_extensions>=4.16"],
+                      "typing_extensions>=4.16", "ml_dtypes!=0.7.0"],
     extras_require={"mpi": MPI, "test": TEST, "all": MPI + TEST},
     entry_points={"console_scripts": ["onnxtrain=onnxtrain.cli:main"]},
 )
