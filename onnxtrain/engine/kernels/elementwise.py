@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto, helper
 
-from onnxtrain.engine.kernels import buffering
+from onnxtrain.engine.kernels import buffering, half_cast
 from onnxtrain.engine.kernels.clamp import clip_ufunc
 from onnxtrain.engine.kernels.half import F32, is_half
 from onnxtrain.engine.kernels.spread import spread, spread_shape
@@ -685,6 +685,10 @@ def cast_to(x: np.ndarray, to: int, saturate: bool = True, round_mode: str = "up
     if x.dtype.kind == "f" and dt.kind in "iub":
         with np.errstate(invalid="ignore"):  # NaN and out-of-range values are undefined in ONNX
             return x.astype(dt)
+    if x.dtype == half_cast.SINGLE and dt == half_cast.HALF:
+        return half_cast.narrow(x)
+    if x.dtype == half_cast.HALF and dt == half_cast.SINGLE:
+        return half_cast.widen(x)
     return x.astype(dt)
 
 

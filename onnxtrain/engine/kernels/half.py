@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from onnxtrain.engine.kernels.half_cast import from_single, to_single
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs
 
 F32 = np.dtype(np.float32)
@@ -29,5 +30,5 @@ def in_float32(run: Callable[[Inputs, Attrs], Outputs], inputs: Inputs, attrs: A
     """Kernel ``run`` on the float16/bfloat16 ``inputs`` taken to float32 (other inputs as they are), its
     float32 outputs rounded once to the first input's type."""
     dt = inputs[0].dtype
-    ys = run([v.astype(F32) if v is not None and is_half(v.dtype) else v for v in inputs], attrs)
-    return tuple(y.astype(dt) if isinstance(y, np.ndarray) and y.dtype == F32 else y for y in ys)
+    ys = run([to_single(v) if v is not None and is_half(v.dtype) else v for v in inputs], attrs)
+    return tuple(from_single(y, dt) if isinstance(y, np.ndarray) and y.dtype == F32 else y for y in ys)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from onnxtrain.engine.kernels.half_cast import from_single, to_single
 from onnxtrain.engine.parallel import for_ranges_with_own_blas, width
 from onnxtrain.engine.registry import Attrs, Inputs, NodeCache, Outputs, kernel
 
@@ -41,7 +42,7 @@ def matmul(inputs: Inputs, attrs: Attrs) -> Outputs:
     a, b = inputs[0], inputs[1]
     dt = a.dtype
     if _low_precision(dt):
-        return (np.matmul(a.astype(_F32), b.astype(_F32)).astype(dt),)
+        return (from_single(np.matmul(to_single(a), to_single(b)), dt),)
     if a.ndim > 2 and b.ndim >= 2 and a.size and b.shape[:-2] == (1,) * (b.ndim - 2):
         # (..., K) @ (K, N) as one 2-D GEMM: faster than numpy's loop of small GEMMs over the batch, even
         # when ``a`` is a strided view (attention's transposes) that the reshape must copy. A B of batch
@@ -120,8 +121,8 @@ def gemm(inputs: Inputs, attrs: Attrs) -> Outputs:
     dt = a.dtype
     low = _low_precision(dt)
     if low:
-        a, b = a.astype(_F32), b.astype(_F32)
-        c = None if c is None else c.astype(_F32)
+        a, b = to_single(a), to_single(b)
+        c = None if c is None else to_single(c)
         transposed_b = False
     alpha, beta = attrs["alpha"], attrs["beta"]
     y = _product(a, b, transposed_b)
@@ -140,7 +141,7 @@ def gemm(inputs: Inputs, attrs: Attrs) -> Outputs:
             y += c  # C broadcasts one way onto (M, N); y is a fresh array
         else:
             y += beta * c
-    return (y.astype(dt) if low else y,)
+    return (from_single(y, dt) if low else y,)
 
 
 class _Contraction:

@@ -1,0 +1,141 @@
+"""float32 ↔ float16 conversions by integer passes (engine/kernels/half_cast.py) against numpy's own casts,
+bit for bit: every float16, every rounding tie between float16 neighbours, the subnormal range, random
+values; the inputs that fall back to numpy (infinities, NaNs, overflow, small arrays) and the kernels that
+take the routes (Cast, Gemm and MatMul on float16 operands) against onnx.reference."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
+
+from onnxtrain.engine.kernels import half_cast
+from onnxtrain.inference import InferenceSession
+
+
+def _bits16(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a).view(np.uint16)
+
+
+def _narrow_matches(x: np.ndarray) -> None:
+    with np.errstate(all="ignore"):
+        expected = x.astype(np.float16)
+    ours = half_cast.narrow(x)
+    assert ours.shape == x.shape and ours.dtype == np.float16
+    np.testing.assert_array_equal(_bits16(ours), _bits16(expected))
+
+
+def _all_halves() -> np.ndarray:
+    return np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+
+
+def test_widen_every_float16() -> None:
+    h = _all_halves()
+    for part in (h, h[np.isfinite(h)]):  # the second takes the fast route (no inf or NaN)
+        ours = half_cast.widen(part).view(np.uint32)
+        np.testing.assert_array_equal(ours, part.astype(np.float32).view(np.uint32))
+
+
+def test_narrow_every_float16_value_and_the_ties_between_neighbours() -> None:
+    h = _all_halves()
+    finite = h[np.isfinite(h)].astype(np.float64)
+    pos = np.unique(np.abs(finite))
+    mids = (pos[:-1] + pos[1:]) / 2  # exactly representable in float32: 12 significant bits at most
+    m32 = mids.astype(np.float32)
+    assert np.array_equal(m32.astype(np.float64), mids)
+    edges = [65504, 65519.996, 2.0**-14, 2.0**-24, 2.0**-25, 2.0**-25 * 1.0000001, 2.0**-26, 1e-40, 0]
+    below, above = np.nextafter(m32, np.float32(0)), np.nextafter(m32, np.float32(1e9))
+    cases = [pos.astype(np.float32), m32, below, above, np.float32(edges)]
+    x = np.concatenate(cases)
+    _narrow_matches(np.concatenate([x, -x]))
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 1e-5, 1e-7, 3e3])
+def test_narrow_random_values(scale: float) -> None:
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((300, 401)) * scale).astype(np.float32)
+    _narrow_matches(x)
+    _narrow_matches(x[:, ::3])  # a strided view
+    _narrow_matches(x.T)
+
+
+def test_narrow_random_bit_patterns() -> None:
+    bits = np.random.default_rng(3).integers(0, 1 << 32, size=1 << 20, dtype=np.uint64).astype(np.uint32)
+    x = bits.view(np.float32)
+    x = x[np.abs(x) < 65520]  # NaN and infinities out: this array takes the fast route
+    _narrow_matches(x)
+
+
+@pytest.mark.parametrize("special", [np.inf, -np.inf, np.nan, 65520.0, 1e6])
+def test_arrays_with_specials_take_numpys_cast(special: float) -> None:
+    x = np.linspace(-3, 3, 50_000, dtype=np.float32)
+    x[12_345] = special
+    x[40_000] = -np.float32(special)
+    _narrow_matches(x)
+    nan_payload = np.array([0x7F800001, 0x7FC00123, 0xFFA00000], np.uint32).view(np.float32)
+    _narrow_matches(np.concatenate([x, nan_payload]))
+    with np.errstate(over="ignore"):
+        h = x.astype(np.float16)  # infinities or NaNs: widen takes numpy's cast too
+    np.testing.assert_array_equal(half_cast.widen(h).view(np.uint32), h.astype(np.float32).view(np.uint32))
+
+
+def test_overflow_warns_as_numpy_does() -> None:
+    x = np.full(50_000, 1.0, np.float32)
+    x[7] = 1e6
+    with np.errstate(over="warn"), pytest.warns(RuntimeWarning, match="overflow"):
+        y = half_cast.narrow(x)
+    assert np.isinf(y[7]) and y[0] == 1
+    with np.errstate(over="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        half_cast.narrow(x)
+
+
+@pytest.mark.parametrize("n", [0, 1, 100, half_cast.NARROW_MIN - 1, half_cast.NARROW_MIN, half_cast.WIDEN_MIN,
+                               half_cast.BLOCK + 5])
+def test_every_size(n: int) -> None:
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32) * np.float32(1e-4)
+    _narrow_matches(x)
+    h = x.astype(np.float16)
+    np.testing.assert_array_equal(half_cast.widen(h).view(np.uint32), h.astype(np.float32).view(np.uint32))
+
+
+def _run_both(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple[list, list]:
+    onnx.checker.check_model(model, full_check=True)
+    ours = InferenceSession(model.SerializeToString()).run(None, feeds)
+    return ours, ReferenceEvaluator(model).run(None, feeds)
+
+
+def test_cast_kernel_both_ways_against_onnx_reference() -> None:
+    x = (np.random.default_rng(0).standard_normal((256, 300)) * 1e-4).astype(np.float32)
+    nodes = [helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16),
+             helper.make_node("Cast", ["h"], ["y"], to=TensorProto.FLOAT)]
+    g = helper.make_graph(nodes, "casts", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 300])],
+                          [helper.make_tensor_value_info("h", TensorProto.FLOAT16, [256, 300]),
+                           helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, 300])])
+    ours, ref = _run_both(helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)]), {"x": x})
+    for a, b in zip(ours, ref):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("op", ["Gemm", "MatMul"])
+def test_half_products_against_onnx_reference(op: str) -> None:
+    rng = np.random.default_rng(1)
+    a = (rng.standard_normal((64, 300)) * 0.05).astype(np.float16)
+    b = (rng.standard_normal((300, 200)) * 0.05).astype(np.float16)
+    h = TensorProto.FLOAT16
+    g = helper.make_graph([helper.make_node(op, ["a", "b"], ["y"])], "product",
+                          [helper.make_tensor_value_info("a", h, [64, 300]),
+                           helper.make_tensor_value_info("b", h, [300, 200])],
+                          [helper.make_tensor_value_info("y", h, [64, 200])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+    (ours,), (ref,) = _run_both(model, {"a": a, "b": b})
+    assert ours.dtype == np.float16
+    # the reference multiplies float16 in numpy's own loops: sums rounded at every step, not once
+    np.testing.assert_allclose(ours.astype(np.float32), ref.astype(np.float32), rtol=2e-2, atol=2e-3)
+    exact = np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(np.float16)
+    np.testing.assert_array_equal(_bits16(ours), _bits16(exact))
