@@ -139,3 +139,17 @@ def test_half_products_against_onnx_reference(op: str) -> None:
     np.testing.assert_allclose(ours.astype(np.float32), ref.astype(np.float32), rtol=2e-2, atol=2e-3)
     exact = np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(np.float16)
     np.testing.assert_array_equal(_bits16(ours), _bits16(exact))
+
+
+def test_half_reduce_sum_accumulates_in_float32() -> None:
+    # 32 K values: the fast widen
+    x = (np.random.default_rng(2).standard_normal((64, 512)) * 1e-3).astype(np.float16)
+    g = helper.make_graph([helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0)], "bias_grad",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [64, 512])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [512])],
+                          [helper.make_tensor("axes", TensorProto.INT64, [1], [0])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    (ours,), (ref,) = _run_both(model, {"x": x})
+    in_single = x.astype(np.float32).sum(axis=0).astype(np.float16)
+    np.testing.assert_array_equal(_bits16(ours), _bits16(in_single))
+    np.testing.assert_allclose(ours.astype(np.float32), ref.astype(np.float32), rtol=1e-2, atol=1e-4)

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxtrain.engine.kernels.half_cast import to_single
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 _NOOP = "noop"
@@ -53,7 +54,7 @@ def _checked_axes(axes: tuple[int, ...], nd: int) -> tuple[int, ...]:
 
 def _work(x: np.ndarray) -> np.ndarray:
     """float16/bfloat16 accumulate in float32."""
-    return x.astype(_F32) if x.dtype.kind in "fV" and x.dtype.itemsize < 4 else x
+    return to_single(x) if x.dtype.kind in "fV" and x.dtype.itemsize < 4 else x
 
 
 def _fill(x: np.ndarray, axes: tuple[int, ...] | None, keepdims: bool, value: Any) -> np.ndarray:
