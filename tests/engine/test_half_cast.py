@@ -153,3 +153,16 @@ def test_half_reduce_sum_accumulates_in_float32() -> None:
     in_single = x.astype(np.float32).sum(axis=0).astype(np.float16)
     np.testing.assert_array_equal(_bits16(ours), _bits16(in_single))
     np.testing.assert_allclose(ours.astype(np.float32), ref.astype(np.float32), rtol=1e-2, atol=1e-4)
+
+
+def test_half_erf_rounds_the_float32_erf_once() -> None:
+    import math
+
+    from onnxtrain.engine.kernels.elementwise import _erf32, erf
+
+    x = np.random.default_rng(4).uniform(-4, 4, 40_000).astype(np.float16)  # the fast routes both ways
+    got = erf(x)
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(_bits16(got), _bits16(_erf32(x.astype(np.float32)).astype(np.float16)))
+    want = np.array([math.erf(v) for v in x[:2000].astype(np.float64)])
+    np.testing.assert_allclose(got[:2000].astype(np.float64), want, atol=1e-3)

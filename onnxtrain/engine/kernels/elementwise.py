@@ -482,8 +482,8 @@ def erf(x: np.ndarray) -> np.ndarray:
     if x.dtype == np.float32:
         return _erf32(x)
     table = _ERF_T.get(x.dtype)
-    if table is None:
-        return _erf32(x.astype(np.float32)).astype(x.dtype)
+    if table is None:  # float16 by the integer-pass casts (numpy's bits, half_cast.py)
+        return half_cast.from_single(_erf32(half_cast.to_single(x)), x.dtype)
     k = _ERF_K[x.dtype]
     if x.ndim == 0:
         return _erf_block(x.reshape(1), table, *k).reshape(())
