@@ -166,3 +166,43 @@ def test_half_erf_rounds_the_float32_erf_once() -> None:
     np.testing.assert_array_equal(_bits16(got), _bits16(_erf32(x.astype(np.float32)).astype(np.float16)))
     want = np.array([math.erf(v) for v in x[:2000].astype(np.float64)])
     np.testing.assert_allclose(got[:2000].astype(np.float64), want, atol=1e-3)
+
+
+def _half_chain_model(n: int, with_nan_input: bool = False) -> onnx.ModelProto:
+    """A float16 chain the engine fuses into one cluster: ((x / c + y) * x - y) / sqrt(x * x + c)."""
+    h = TensorProto.FLOAT16
+    nodes = [helper.make_node("Div", ["x", "c"], ["a"]), helper.make_node("Add", ["a", "y"], ["b"]),
+             helper.make_node("Mul", ["b", "x"], ["d"]), helper.make_node("Sub", ["d", "y"], ["e"]),
+             helper.make_node("Mul", ["x", "x"], ["f"]), helper.make_node("Add", ["f", "c"], ["g"]),
+             helper.make_node("Sqrt", ["g"], ["r"]), helper.make_node("Div", ["e", "r"], ["z"])]
+    c = helper.make_tensor("c", h, [], np.array(1.3, np.float16).view(np.uint16).tolist(), raw=False)
+    g = helper.make_graph(nodes, "half_chain", [helper.make_tensor_value_info("x", h, [n]),
+                                               helper.make_tensor_value_info("y", h, [n])],
+                          [helper.make_tensor_value_info("z", h, [n])], [c])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+
+
+@pytest.mark.parametrize("n", [300, 40_000, 3_000_000])  # small: numpy's loops; large: blocked, threaded
+def test_half_cluster_has_numpys_float16_bits(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    original = half_cast.ViaSingle.__call__
+
+    def counted(self, *args, out=None):
+        calls.append(max(a.size for a in args))
+        return original(self, *args, out=out)
+
+    monkeypatch.setattr(half_cast.ViaSingle, "__call__", counted)
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 3).astype(np.float16)
+    y = (rng.standard_normal(n) * 1e-3).astype(np.float16)  # subnormal sums and products too
+    model = _half_chain_model(n)
+    sess = InferenceSession(model.SerializeToString())
+    for _ in range(2):  # the first run traces the cluster, the second runs its program
+        (ours,) = sess.run(None, {"x": x, "y": y})
+    (ref,) = ReferenceEvaluator(model).run(None, {"x": x, "y": y})  # numpy's float16 loops, op by op
+    np.testing.assert_array_equal(_bits16(ours), _bits16(ref))
+    assert any(size >= half_cast.VIA_SINGLE_MIN for size in calls) == (n >= half_cast.VIA_SINGLE_MIN)
+    x[5], y[7] = np.inf, np.nan  # numpy's loops for the ops that meet them: the same bits again
+    (ours,) = sess.run(None, {"x": x, "y": y})
+    (ref,) = ReferenceEvaluator(model).run(None, {"x": x, "y": y})
+    np.testing.assert_array_equal(_bits16(ours), _bits16(ref))

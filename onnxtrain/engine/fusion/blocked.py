@@ -14,6 +14,7 @@ import numpy as np
 
 from onnxtrain.engine.fusion.ufuncs import UFUNCS, compile_program
 from onnxtrain.engine.kernels.elementwise import erf_into
+from onnxtrain.engine.kernels.half_cast import via_single
 from onnxtrain.engine.parallel import parallel_for, width
 
 if TYPE_CHECKING:
@@ -265,6 +266,7 @@ class Blocked:
                 ins = [local[s] for s in st.inputs]
                 if fast[k]:
                     ufunc, extra = UFUNCS[st.node.op_type]
+                    ufunc = via_single(ufunc, [env[s].dtype for s in st.inputs], env[st.outputs[0]].dtype)
                     out.append((1, ufunc, ins, local[st.outputs[0]], None, extra))
                 else:
                     out.append((2, st.fn, ins, [local[s] for s in st.outputs], None, st.attrs))
@@ -523,6 +525,7 @@ class Segment:
         for k in blocked_ops:
             st = members[k]
             ufunc, extra = UFUNCS[st.node.op_type]
+            ufunc = via_single(ufunc, [env[s].dtype for s in st.inputs], env[st.outputs[0]].dtype)
             ins = [slot(s) for s in st.inputs]
             if extra is not None:
                 consts.append((n_slots + len(consts), extra))

@@ -21,6 +21,7 @@ from onnxtrain.engine.fusion.shapes import is_memoized
 from onnxtrain.engine.fusion.ufuncs import OWN_KERNEL_OPS, UFUNCS, compile_program, runs_as_ufunc
 from onnxtrain.engine.kernels.buffering import UnbufferedUfunc, broadcast_size
 from onnxtrain.engine.kernels.half import is_half
+from onnxtrain.engine.kernels.half_cast import via_single
 from onnxtrain.engine.kernels.spread import spread, spread_shape
 from onnxtrain.engine.registry import Attrs, find_kernel
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
@@ -489,6 +490,7 @@ class Cluster:
             else:
                 ufunc, extra = UFUNCS[st.node.op_type]
                 out = st.outputs[0]
+                ufunc = via_single(ufunc, [env[s].dtype for s in st.inputs], env[out].dtype)
                 in_shapes = [env[s].shape for s in st.inputs]
                 for j, s in enumerate(st.inputs):  # broadcast over small planes: copied out once (spread.py)
                     shape = spread_shape(env[s].shape, env[out].shape) if len(st.inputs) > 1 else None

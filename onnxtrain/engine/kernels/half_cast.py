@@ -12,6 +12,8 @@ payloads), as do small arrays (:data:`NARROW_MIN`, :data:`WIDEN_MIN`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 HALF = np.dtype(np.float16)
@@ -118,3 +120,50 @@ def to_single(v: np.ndarray) -> np.ndarray:
 def from_single(y: np.ndarray, dt: np.dtype) -> np.ndarray:
     """``y.astype(dt)``, float32 to float16 by :func:`narrow`."""
     return narrow(y) if dt == HALF and y.dtype == SINGLE else y.astype(dt)
+
+
+# numpy's float16 loops of these compute each value in float32 and round it once to float16: whole float32
+# arrays give the same bits, at the routes' cost instead of a scalar conversion per operand and result
+ROUNDED_ONCE = frozenset({np.add, np.subtract, np.multiply, np.divide, np.sqrt})
+VIA_SINGLE_MIN = 1 << 13  # values of the result: smaller ones stay in numpy's float16 loop
+
+
+class ViaSingle:
+    """A :data:`ROUNDED_ONCE` ufunc on float16 arrays, run on their float32 values and rounded once (numpy's
+    float16 bits); small results and operands holding infinities or NaNs take numpy's own loop."""
+
+    __slots__ = ("ufunc",)
+
+    def __init__(self, ufunc: np.ufunc) -> None:
+        self.ufunc = ufunc
+
+    def __call__(self, *args: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        if max(a.size for a in args) < VIA_SINGLE_MIN:
+            return self.ufunc(*args, out=out)
+        wide = [_finite_single(a) for a in args]
+        if any(w is None for w in wide):  # which NaN comes out is numpy's loop's own
+            return self.ufunc(*args, out=out)
+        y = narrow(self.ufunc(*wide))
+        if out is None:
+            return y
+        np.copyto(out, y)
+        return out
+
+
+def via_single(ufunc: Any, operands: list[np.dtype], result: np.dtype) -> Any:
+    """``ufunc`` as a cluster runs it on ``operands`` of these dtypes giving ``result``: :class:`ViaSingle`
+    where all are float16 and the ufunc is :data:`ROUNDED_ONCE`, else ``ufunc`` itself."""
+    if ufunc in ROUNDED_ONCE and result == HALF and all(dt == HALF for dt in operands):
+        return ViaSingle(ufunc)
+    return ufunc
+
+
+def _finite_single(h: np.ndarray) -> np.ndarray | None:
+    """float16 ``h`` in float32; None when it holds an infinity or a NaN."""
+    if h.size < WIDEN_MIN:
+        w = h.astype(SINGLE)
+        return w if np.isfinite(w).all() else None
+    src = np.ascontiguousarray(h).reshape(-1).view(np.uint16)
+    if np.maximum.reduce(np.bitwise_and(src, _HALF_ABS)) >= _HALF_INF:
+        return None
+    return widen(h)
