@@ -206,3 +206,32 @@ def test_half_cluster_has_numpys_float16_bits(n: int, monkeypatch: pytest.Monkey
     (ours,) = sess.run(None, {"x": x, "y": y})
     (ref,) = ReferenceEvaluator(model).run(None, {"x": x, "y": y})
     np.testing.assert_array_equal(_bits16(ours), _bits16(ref))
+
+
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul", "Div"])
+def test_half_binary_kernels_have_numpys_float16_bits(op: str) -> None:
+    rng = np.random.default_rng(5)
+    a = (rng.standard_normal((64, 512)) * 3).astype(np.float16)
+    b = (rng.standard_normal((1, 512)) * 1e-2).astype(np.float16)  # broadcast, subnormal results too
+    b[0, 3] = 0  # Div: quotients ±inf, which the route back hands to numpy's cast
+    h = TensorProto.FLOAT16
+    g = helper.make_graph([helper.make_node(op, ["a", "b"], ["y"])], "binary",
+                          [helper.make_tensor_value_info("a", h, [64, 512]),
+                           helper.make_tensor_value_info("b", h, [1, 512])],
+                          [helper.make_tensor_value_info("y", h, [64, 512])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+    for bb in (b, np.where(b == 0, np.float16(0.5), b)):
+        (ours,), (ref,) = _run_both(model, {"a": a, "b": bb})
+        np.testing.assert_array_equal(_bits16(ours), _bits16(ref))
+
+
+def test_half_dropout_scales_in_float32_once() -> None:
+    from onnxtrain.engine.kernels.loss import dropout
+    from onnxtrain.engine.registry import Attrs
+
+    x = np.random.default_rng(6).standard_normal((64, 512)).astype(np.float16)
+    attrs = Attrs({"seed": 3}, op="Dropout", opset=19, n_outputs=2, output_used=(True, True))
+    y, mask = dropout([x, np.array(0.1, np.float32), np.array(True)], attrs)
+    want = (x.astype(np.float32) * np.float32(1 / 0.9) * mask).astype(np.float16)
+    assert 0.05 < 1 - mask.mean() < 0.15
+    np.testing.assert_array_equal(_bits16(y), _bits16(want))

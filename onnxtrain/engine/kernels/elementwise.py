@@ -71,6 +71,12 @@ _UNARY_QUIET: list[tuple[str, int, Callable[..., Any]]] = [
 ]
 
 
+def _both_half(a: Any, b: Any) -> bool:
+    """Two float16 arrays: a :data:`~onnxtrain.engine.kernels.half_cast.ROUNDED_ONCE` op takes them through
+    float32 (:class:`~onnxtrain.engine.kernels.half_cast.ViaSingle`)."""
+    return type(a) is np.ndarray and type(b) is np.ndarray and a.dtype == half_cast.HALF == b.dtype
+
+
 def spread_operands(a: Any, b: Any) -> tuple[Any, Any]:
     """``a`` and ``b``, the one broadcast over small planes of the other copied out over them
     (:mod:`onnxtrain.engine.kernels.spread`; the same values)."""
@@ -85,7 +91,11 @@ def spread_operands(a: Any, b: Any) -> tuple[Any, Any]:
 
 
 def _binary(fn: Callable[..., Any]) -> Callable[[Inputs, Attrs], Outputs]:
+    half = half_cast.ViaSingle(fn) if fn in half_cast.ROUNDED_ONCE else None
+
     def run(inputs: Inputs, attrs: Attrs) -> Outputs:
+        if half is not None and _both_half(inputs[0], inputs[1]):
+            return (half(inputs[0], inputs[1]),)
         a, b = spread_operands(inputs[0], inputs[1])
         # (a broadcast along runs numpy would copy through its buffer: buffering.py)
         r = buffering.call_with_buffer(buffering.binary_size(a, b), fn, a, b)
@@ -144,11 +154,16 @@ for _op, _since, _fn in _UNARY_QUIET:
 
 # --- arithmetic with ONNX-specific rules -----------------------------------------------------------
 
+_HALF_DIVIDE = half_cast.ViaSingle(np.divide)
+
+
 @kernel("Div", since=7)
 def div(inputs: Inputs, attrs: Attrs) -> Outputs:
     a, b = inputs
     if a.dtype.kind not in "iu":
         with np.errstate(divide="ignore", invalid="ignore"):
+            if _both_half(a, b):
+                return (_HALF_DIVIDE(a, b),)
             return (_arr(buffering.call_with_buffer(buffering.binary_size(a, b), np.divide, a, b)),)
     _nonzero_divisor(b, "division")
     with np.errstate(divide="ignore", over="ignore"):

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain.engine.kernels.buffering import call_with_buffer, run_size
+from onnxtrain.engine.kernels.half_cast import from_single, to_single
 from onnxtrain.engine.kernels.indexing import in_range, row_starts
 from onnxtrain.engine.kernels.normalization import log_softmax_along, row_sum
 from onnxtrain.engine.kernels.random import node_generator
@@ -195,7 +196,7 @@ def _dropout(x: np.ndarray, ratio: float, training: bool, attrs: Attrs, mask_dty
         y *= mask
     else:  # float16, bfloat16: scaled in float32 and rounded once (the scale itself is not rounded to the
         # half type first, which biased every kept float16 element by +0.02 % at ratio 0.1)
-        y = (x.astype(np.float32) * np.float32(1.0 / (1.0 - ratio)) * mask).astype(x.dtype)
+        y = from_single(to_single(x) * np.float32(1.0 / (1.0 - ratio)) * mask, x.dtype)
     return (y, mask.astype(mask_dtype, copy=False)) if want_mask else (y,)
 
 
