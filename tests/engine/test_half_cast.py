@@ -103,6 +103,15 @@ def test_every_size(n: int) -> None:
     np.testing.assert_array_equal(half_cast.widen(h).view(np.uint32), h.astype(np.float32).view(np.uint32))
 
 
+def _half_op(op: str, a: list[int], b: list[int], y: list[int]) -> onnx.ModelProto:
+    """A one-node float16 model ``y = op(a, b)`` of these shapes."""
+    h = TensorProto.FLOAT16
+    g = helper.make_graph([helper.make_node(op, ["a", "b"], ["y"])], op.lower(),
+                          [helper.make_tensor_value_info(name, h, shape) for name, shape in (("a", a), ("b", b))],
+                          [helper.make_tensor_value_info("y", h, y)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+
+
 def _run_both(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple[list, list]:
     onnx.checker.check_model(model, full_check=True)
     ours = InferenceSession(model.SerializeToString()).run(None, feeds)
@@ -127,13 +136,7 @@ def test_half_products_against_onnx_reference(op: str) -> None:
     rng = np.random.default_rng(1)
     a = (rng.standard_normal((64, 300)) * 0.05).astype(np.float16)
     b = (rng.standard_normal((300, 200)) * 0.05).astype(np.float16)
-    h = TensorProto.FLOAT16
-    g = helper.make_graph([helper.make_node(op, ["a", "b"], ["y"])], "product",
-                          [helper.make_tensor_value_info("a", h, [64, 300]),
-                           helper.make_tensor_value_info("b", h, [300, 200])],
-                          [helper.make_tensor_value_info("y", h, [64, 200])])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
-    (ours,), (ref,) = _run_both(model, {"a": a, "b": b})
+    (ours,), (ref,) = _run_both(_half_op(op, [64, 300], [300, 200], [64, 200]), {"a": a, "b": b})
     assert ours.dtype == np.float16
     # the reference multiplies float16 in numpy's own loops: sums rounded at every step, not once
     np.testing.assert_allclose(ours.astype(np.float32), ref.astype(np.float32), rtol=2e-2, atol=2e-3)
@@ -214,12 +217,7 @@ def test_half_binary_kernels_have_numpys_float16_bits(op: str) -> None:
     a = (rng.standard_normal((64, 512)) * 3).astype(np.float16)
     b = (rng.standard_normal((1, 512)) * 1e-2).astype(np.float16)  # broadcast, subnormal results too
     b[0, 3] = 0  # Div: quotients ±inf, which the route back hands to numpy's cast
-    h = TensorProto.FLOAT16
-    g = helper.make_graph([helper.make_node(op, ["a", "b"], ["y"])], "binary",
-                          [helper.make_tensor_value_info("a", h, [64, 512]),
-                           helper.make_tensor_value_info("b", h, [1, 512])],
-                          [helper.make_tensor_value_info("y", h, [64, 512])])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+    model = _half_op(op, [64, 512], [1, 512], [64, 512])
     for bb in (b, np.where(b == 0, np.float16(0.5), b)):
         (ours,), (ref,) = _run_both(model, {"a": a, "b": bb})
         np.testing.assert_array_equal(_bits16(ours), _bits16(ref))
