@@ -107,7 +107,7 @@ def _half_op(op: str, a: list[int], b: list[int], y: list[int]) -> onnx.ModelPro
     """A one-node float16 model ``y = op(a, b)`` of these shapes."""
     h = TensorProto.FLOAT16
     g = helper.make_graph([helper.make_node(op, ["a", "b"], ["y"])], op.lower(),
-                          [helper.make_tensor_value_info(name, h, shape) for name, shape in (("a", a), ("b", b))],
+                          [helper.make_tensor_value_info(n, h, shape) for n, shape in (("a", a), ("b", b))],
                           [helper.make_tensor_value_info("y", h, y)])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
 
