@@ -1,13 +1,17 @@
-"""float32 ↔ float16 conversions as a few whole-block integer passes, with numpy's bits.
+"""float16 work through float32 arrays, with numpy's bits: conversions by integer passes, and the float16
+ufuncs that numpy itself computes in float32.
 
 numpy converts between float16 and float32 one value at a time (on the bench's AMD EPYC 2.4 ns a value to
-float16, 5.8 where the results are subnormal, 1.7 back); mixed-precision training casts every weight and
-every weight gradient each step. These routes take the same values through vectorised integer and float
-passes over blocks that stay in cache: rounding to nearest even by integer carry (normal results) or by a
-float32 addition that aligns the bits (subnormal results). They give numpy's bits for every finite value
-that stays finite (``tools/check_half_cast.py`` compares all 2³² float32 and all 2¹⁶ float16 inputs); arrays
-holding infinities, NaNs or values that overflow float16 take numpy's own cast (its overflow warning, its NaN
-payloads), as do small arrays (:data:`NARROW_MIN`, :data:`WIDEN_MIN`).
+float16, 5.8 where the results are subnormal, 1.7 back), and its float16 arithmetic converts each operand and
+result the same way (a multiply 6.4 ns a value against 0.1 in float32); mixed-precision training casts every
+weight and weight gradient each step and runs its activations' arithmetic in float16. :func:`narrow` and
+:func:`widen` take the values through vectorised integer and float passes over blocks of scratch: rounding to
+nearest even by integer carry (normal results) or by a float32 addition that aligns the bits (subnormal
+results). They give numpy's bits for every finite value that stays finite (``tools/check_half_cast.py``
+compares all 2³² float32 and all 2¹⁶ float16 inputs); arrays holding infinities, NaNs or values that
+overflow float16 take numpy's own cast (its overflow warning, its NaN payloads), as do small arrays
+(:data:`NARROW_MIN`, :data:`WIDEN_MIN`). :class:`ViaSingle` runs add, subtract, multiply, divide and sqrt of
+float16 arrays on their float32 values, rounding once, as numpy's float16 loops do value by value.
 """
 
 from __future__ import annotations
@@ -70,17 +74,11 @@ def narrow(x: np.ndarray) -> np.ndarray:
         return x.astype(HALF)
     src = np.ascontiguousarray(x).reshape(-1).view(np.uint32)
     out = np.empty(src.size, np.uint16)
-
-    def piece(lo: int, hi: int) -> bool:
-        a, b = np.empty(min(BLOCK, hi - lo), np.uint32), np.empty(min(BLOCK, hi - lo), np.uint32)
-        for at in range(lo, hi, BLOCK):
-            k = min(BLOCK, hi - at)
-            if not _narrow_block(src[at:at + k], out[at:at + k], a[:k], b[:k]):
-                return False
-        return True
-
-    if not piece(0, src.size):
-        return x.astype(HALF)  # inf, NaN or overflow: numpy's payloads and warning
+    a, b = np.empty(min(BLOCK, src.size), np.uint32), np.empty(min(BLOCK, src.size), np.uint32)
+    for at in range(0, src.size, BLOCK):
+        k = min(BLOCK, src.size - at)
+        if not _narrow_block(src[at:at + k], out[at:at + k], a[:k], b[:k]):
+            return x.astype(HALF)  # inf, NaN or overflow: numpy's payloads and warning
     return out.view(HALF).reshape(x.shape)
 
 
@@ -88,27 +86,27 @@ def widen(h: np.ndarray) -> np.ndarray:
     """``h.astype(np.float32)`` of a float16 array, bit for bit."""
     if h.size < WIDEN_MIN or h.dtype != HALF:
         return h.astype(SINGLE)
+    y = _widened(h)
+    return h.astype(SINGLE) if y is None else y  # inf or NaN: numpy's payloads
+
+
+def _widened(h: np.ndarray) -> np.ndarray | None:
+    """float16 ``h`` in float32 by the integer passes; None when it holds an infinity or a NaN."""
     src = np.ascontiguousarray(h).reshape(-1).view(np.uint16)
     out = np.empty(src.size, np.float32)
     bits = out.view(np.uint32)
-
-    def piece(lo: int, hi: int) -> bool:
-        t, s = np.empty(min(BLOCK, hi - lo), np.uint16), np.empty(min(BLOCK, hi - lo), np.uint32)
-        for at in range(lo, hi, BLOCK):
-            k = min(BLOCK, hi - at)
-            tk, sk, ok, hk = t[:k], s[:k], bits[at:at + k], src[at:at + k]
-            np.bitwise_and(hk, _HALF_ABS, out=tk)
-            if np.maximum.reduce(tk) >= _HALF_INF:
-                return False
-            np.left_shift(tk, 13, out=ok, dtype=np.uint32)
-            np.multiply(ok.view(np.float32), _SCALE, out=ok.view(np.float32))
-            np.bitwise_and(hk, _SIGN, out=tk)
-            np.left_shift(tk, 16, out=sk, dtype=np.uint32)
-            np.bitwise_or(ok, sk, out=ok)
-        return True
-
-    if not piece(0, src.size):
-        return h.astype(SINGLE)  # inf or NaN: numpy's payloads
+    t, s = np.empty(min(BLOCK, src.size), np.uint16), np.empty(min(BLOCK, src.size), np.uint32)
+    for at in range(0, src.size, BLOCK):
+        k = min(BLOCK, src.size - at)
+        tk, sk, ok, hk = t[:k], s[:k], bits[at:at + k], src[at:at + k]
+        np.bitwise_and(hk, _HALF_ABS, out=tk)
+        if np.maximum.reduce(tk) >= _HALF_INF:
+            return None
+        np.left_shift(tk, 13, out=ok, dtype=np.uint32)
+        np.multiply(ok.view(np.float32), _SCALE, out=ok.view(np.float32))
+        np.bitwise_and(hk, _SIGN, out=tk)
+        np.left_shift(tk, 16, out=sk, dtype=np.uint32)
+        np.bitwise_or(ok, sk, out=ok)
     return out.reshape(h.shape)
 
 
@@ -160,10 +158,7 @@ def via_single(ufunc: Any, operands: list[np.dtype], result: np.dtype) -> Any:
 
 def _finite_single(h: np.ndarray) -> np.ndarray | None:
     """float16 ``h`` in float32; None when it holds an infinity or a NaN."""
-    if h.size < WIDEN_MIN:
-        w = h.astype(SINGLE)
-        return w if np.isfinite(w).all() else None
-    src = np.ascontiguousarray(h).reshape(-1).view(np.uint16)
-    if np.maximum.reduce(np.bitwise_and(src, _HALF_ABS)) >= _HALF_INF:
-        return None
-    return widen(h)
+    if h.size >= WIDEN_MIN:
+        return _widened(h)
+    w = h.astype(SINGLE)
+    return w if np.isfinite(w).all() else None
