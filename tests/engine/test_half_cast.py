@@ -1,7 +1,7 @@
-"""float32 ↔ float16 conversions by integer passes (engine/kernels/half_cast.py) against numpy's own casts,
-bit for bit: every float16, every rounding tie between float16 neighbours, the subnormal range, random
-values; the inputs that fall back to numpy (infinities, NaNs, overflow, small arrays) and the kernels that
-take the routes (Cast, Gemm and MatMul on float16 operands) against onnx.reference."""
+"""float16 work through float32 (engine/kernels/half_cast.py) against numpy's own float16 casts and loops, bit
+for bit: every float16, every rounding tie between float16 neighbours, the subnormal range, random values;
+the inputs that fall back to numpy (infinities, NaNs, overflow, small arrays); the kernels and fused clusters
+that take the routes, the float16 ReLU table and comparisons, against onnx.reference."""
 
 from __future__ import annotations
 
@@ -233,3 +233,28 @@ def test_half_dropout_scales_in_float32_once() -> None:
     want = (x.astype(np.float32) * np.float32(1 / 0.9) * mask).astype(np.float16)
     assert 0.05 < 1 - mask.mean() < 0.15
     np.testing.assert_array_equal(_bits16(y), _bits16(want))
+
+
+def test_half_relu_table_gives_clips_bits_for_every_float16() -> None:
+    from onnxtrain.engine.kernels.clamp import clip_ufunc, relu_into
+
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)  # NaNs of both signs, -0.0, subnormals
+    with np.errstate(all="ignore"):
+        want = clip_ufunc(every, np.float16(0), np.float16(np.inf))
+    np.testing.assert_array_equal(_bits16(relu_into(every)), _bits16(want))
+    x = every.reshape(256, 256).copy()
+    assert relu_into(x, out=x) is x  # in place, as the fused ReLU calls it
+    np.testing.assert_array_equal(_bits16(x).reshape(-1), _bits16(want))
+
+
+@pytest.mark.parametrize("op", ["Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual"])
+def test_half_comparisons_against_onnx_reference(op: str) -> None:
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(256, 256)  # inf, NaN, ±0 too
+    h, b = TensorProto.FLOAT16, np.float16([[0.0], [-0.0], [np.inf], [np.nan], [1.5]] * 51 + [[3]])
+    g = helper.make_graph([helper.make_node(op, ["a", "b"], ["y"])], "compare",
+                          [helper.make_tensor_value_info("a", h, [256, 256]),
+                           helper.make_tensor_value_info("b", h, [256, 1])],
+                          [helper.make_tensor_value_info("y", TensorProto.BOOL, [256, 256])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+    (ours,), (ref,) = _run_both(model, {"a": every, "b": b})
+    np.testing.assert_array_equal(ours, ref)
