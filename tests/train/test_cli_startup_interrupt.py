@@ -57,11 +57,21 @@ def test_ctrl_c_while_the_modules_load_exits_130_with_one_line(tmp_path):
     delays = [0.0, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.07, 0.09, 0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5]
     bad = []
     for i, delay in enumerate(delays):
-        code, err = _interrupt_after(delay, str(tmp_path / f"run{i}"))
+        for attempt in range(3):
+            code, err = _interrupt_after(delay, str(tmp_path / f"run{i}_{attempt}"))
+            if not _in_the_entry_script(err):
+                break
         lines = err.strip().splitlines()
         if code != 130 or len(lines) != 1 or "interrupted" not in lines[0]:
             bad.append((delay, code, err.strip()[-300:]))
     assert not bad, bad
+
+
+def _in_the_entry_script(err: str) -> bool:
+    """The SIGINT landed in this test's entry script, after its "ready" line and before ``main()`` began
+    (a few bytecodes, hit once at delay 0 in a full run): the harness's lines, not onnxtrain's; sent again."""
+    frames = re.findall(r'File "([^"]+)"', err)
+    return err.rstrip().endswith("KeyboardInterrupt") and frames == ["<string>"]
 
 
 # ---- the progress bar on a stderr that is not a terminal ----
