@@ -819,7 +819,7 @@ def test_where_that_is_not_a_softmax_mask_is_left_alone() -> None:
 
 # ---- Sum of padded pieces --------------------------------------------------------------------------------
 def padded_sum_model(order: tuple[int, ...] = (0, 1, 2), axis: int = 0,
-                     fed_pads: bool = False) -> onnx.ModelProto:
+                     fed_pads: bool = False, elem: int = F) -> onnx.ModelProto:
     """out = Sum(Pad(p_i, pads_i)) over pieces p0, p1, p2 of shape (1, 4, 5) moved to the axis; the pads put
     piece i at index i of ``axis`` (length 3) unless fed at run time (inputs pads0..pads2)."""
     nodes, ins = [], []
@@ -832,8 +832,8 @@ def padded_sum_model(order: tuple[int, ...] = (0, 1, 2), axis: int = 0,
             ins.append(helper.make_tensor_value_info(f"pads{i}", TensorProto.INT64, [6]))
         nodes.append(helper.make_node("Pad", [f"p{i}", f"pads{i}"], [f"padded{i}"]))
     nodes.append(helper.make_node("Sum", [f"padded{i}" for i in order], ["out"]))
-    inputs = [helper.make_tensor_value_info(f"p{i}", F, None) for i in range(3)] + ins
-    g = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("out", F, None)])
+    inputs = [helper.make_tensor_value_info(f"p{i}", elem, None) for i in range(3)] + ins
+    g = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("out", elem, None)])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
@@ -860,6 +860,29 @@ def test_sum_of_pads_tiling_an_axis_is_one_step_with_the_same_bits(axis: int, or
     got = fused.run(feeds)[0]
     assert_same_bits(got, plain.run(feeds)[0])
     assert not np.signbit(got[got == 0]).any()
+
+
+def test_float16_sum_of_pads_has_the_sums_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float16 pieces (the Sum adds in float32 and rounds once) written by a lookup in numpy's x + 0."""
+    from onnxtrain.engine.kernels import half_cast
+
+    looked_up = []
+    by_table = half_cast.by_table
+
+    def counted(fn, x, out=None):
+        looked_up.append(x.size)
+        return by_table(fn, x, out)
+
+    monkeypatch.setattr(half_cast, "by_table", counted)
+    m = padded_sum_model(elem=TensorProto.FLOAT16)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert ops(fused) == ["PadsConcat"]
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)  # -0.0, NaN payloads, inf, subnormals
+    feeds = {f"p{i}": np.roll(every, 999 * i)[: 64 * 256].reshape(1, 64, 256) for i in range(3)}
+    got, want = fused.run(feeds)[0], plain.run(feeds)[0]
+    assert got.dtype == want.dtype == np.float16 and got.shape == (3, 64, 256)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert looked_up == [64 * 256] * 3  # the fused step's route, not the original Pads and Sum
 
 
 def test_sum_of_pads_that_do_not_tile_runs_the_original_steps() -> None:

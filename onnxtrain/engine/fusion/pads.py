@@ -5,7 +5,9 @@ gradient padded with zeros back to the data's shape, and a tensor gathered at ev
 the Sum of those padded tensors: three Pads writing mostly zeros, then two additions over the whole
 tensor. When the pads, read at run time, place the pieces side by side along one axis with nothing
 left over, the fused step writes each piece plus 0 into its place instead (adding 0 turns -0.0 into +0.0,
-as the additions of zeros did): the same bits, one pass instead of five.
+as the additions of zeros did): the same bits, one pass instead of five. float16 pieces (whose Sum adds in
+float32 and rounds once: the piece plus 0 again) are looked up in the results of numpy's float16 ``x + 0``
+for every float16 (half_cast.by_table).
 
 Anything else (pads on several axes, gaps or overlaps, a non-zero or non-constant padding, other dtypes)
 runs the original Pad and Sum steps.
@@ -26,6 +28,7 @@ from onnxtrain.engine.fusion.common import (
     producers,
     protected_slots,
 )
+from onnxtrain.engine.kernels import half_cast
 from onnxtrain.engine.registry import Attrs
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 
@@ -74,7 +77,7 @@ def _tiles(xs: Sequence[np.ndarray], pads: Sequence[Any]) -> tuple[list[np.ndarr
     """The pieces in axis order and the axis, when ``pads`` place the float arrays ``xs`` side by side along
     one axis, covering it with no gap or overlap, and pad no other axis; else None."""
     x0 = xs[0]
-    if type(x0) is not np.ndarray or x0.dtype not in FLOATS or x0.ndim == 0:
+    if type(x0) is not np.ndarray or (x0.dtype not in FLOATS and x0.dtype != half_cast.HALF) or x0.ndim == 0:
         return None
     r = x0.ndim
     placed: list[tuple[int, np.ndarray]] = []
@@ -111,6 +114,11 @@ def _tiles(xs: Sequence[np.ndarray], pads: Sequence[Any]) -> tuple[list[np.ndarr
     return [x for _, x in placed], axis  # type: ignore[return-value]
 
 
+def _plus_zero(x: np.ndarray) -> np.ndarray:
+    """``x + 0``: -0.0 made +0.0, as the Sum's additions of the zero padding make it."""
+    return np.add(x, 0.0)
+
+
 def _pads_concat(plan: Plan, members: list[Step], total: Step) -> Callable:
     """The fused step's kernel: inputs are (x0, pads0, x1, pads1, ...)."""
 
@@ -123,9 +131,14 @@ def _pads_concat(plan: Plan, members: list[Step], total: Step) -> Callable:
             shape[axis] = sum(x.shape[axis] for x in pieces)
             y = np.empty(shape, pieces[0].dtype)
             at = 0
+            half = y.dtype == half_cast.HALF and y.size >= half_cast.TABLE_MIN
             for x in pieces:  # each piece + 0 into its place: -0.0 + 0.0 = +0.0, as the Sum's additions give
                 n = x.shape[axis]
-                np.add(x, 0.0, out=y[(slice(None),) * axis + (slice(at, at + n),)])
+                place = y[(slice(None),) * axis + (slice(at, at + n),)]
+                if half:  # numpy's float16 add converts every value: a lookup in its results instead
+                    half_cast.by_table(_plus_zero, x, out=place)
+                else:
+                    np.add(x, 0.0, out=place)
                 at += n
             return (y,)
         padded = [plan._call(st, [x, p, *(None,) * (len(st.inputs) - 2)])[0]

@@ -16,6 +16,8 @@ float16 arrays on their float32 values, rounding once, as numpy's float16 loops 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -162,3 +164,26 @@ def _finite_single(h: np.ndarray) -> np.ndarray | None:
         return _widened(h)
     w = h.astype(SINGLE)
     return w if np.isfinite(w).all() else None
+
+
+TABLE_MIN = 1 << 12  # values from which a float16 op of one operand is a lookup (:func:`by_table`)
+
+
+@functools.cache
+def _table(fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """``fn``'s float16 results for all 65,536 float16 bit patterns, as their bits."""
+    every = np.arange(1 << 16, dtype=np.uint16).view(HALF)
+    with np.errstate(all="ignore"):
+        return np.asarray(fn(every), HALF).view(np.uint16)
+
+
+def by_table(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray,
+             out: np.ndarray | None = None) -> np.ndarray:
+    """``fn(x)`` of a float16 array by a lookup in the results ``fn`` itself gave for every float16 (the same
+    bits, NaN payloads and -0.0 included), into ``out`` when given (it may be ``x``); ``fn``: a module-level
+    function of one float16 array, whose table is made once."""
+    y = np.take(_table(fn), np.ascontiguousarray(x).view(np.uint16)).view(HALF)
+    if out is None:
+        return y
+    np.copyto(out, y)
+    return out
