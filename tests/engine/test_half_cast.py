@@ -144,6 +144,22 @@ def test_half_products_against_onnx_reference(op: str) -> None:
     np.testing.assert_array_equal(_bits16(ours), _bits16(exact))
 
 
+def test_half_einsum_rounds_the_float32_product_once() -> None:
+    rng = np.random.default_rng(8)
+    a = (rng.standard_normal((64, 300)) * 0.05).astype(np.float16)  # the fast routes both ways
+    b = (rng.standard_normal((300, 200)) * 0.05).astype(np.float16)
+    h = TensorProto.FLOAT16
+    g = helper.make_graph([helper.make_node("Einsum", ["a", "b"], ["y"], equation="ij,jk->ik")], "einsum",
+                          [helper.make_tensor_value_info(n, h, shape) for n, shape in (("a", [64, 300]),
+                                                                                    ("b", [300, 200]))],
+                          [helper.make_tensor_value_info("y", h, [64, 200])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+    (ours,), (ref,) = _run_both(model, {"a": a, "b": b})
+    exact = np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(np.float16)
+    np.testing.assert_array_equal(_bits16(ours), _bits16(exact))
+    np.testing.assert_allclose(ours.astype(np.float32), ref.astype(np.float32), rtol=2e-2, atol=2e-3)
+
+
 def test_half_reduce_sum_accumulates_in_float32() -> None:
     # 32 K values: the fast widen
     x = (np.random.default_rng(2).standard_normal((64, 512)) * 1e-3).astype(np.float16)

@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from onnxtrain.engine.fusion.ufuncs import UFUNCS, compile_program
+from onnxtrain.engine.fusion.ufuncs import compile_program, member_ufunc
 from onnxtrain.engine.kernels.elementwise import erf_into
-from onnxtrain.engine.kernels.half_cast import via_single
 from onnxtrain.engine.parallel import parallel_for, width
 
 if TYPE_CHECKING:
@@ -265,8 +264,7 @@ class Blocked:
                     continue
                 ins = [local[s] for s in st.inputs]
                 if fast[k]:
-                    ufunc, extra = UFUNCS[st.node.op_type]
-                    ufunc = via_single(ufunc, [env[s].dtype for s in st.inputs], env[st.outputs[0]].dtype)
+                    ufunc, extra = member_ufunc(st, env)
                     out.append((1, ufunc, ins, local[st.outputs[0]], None, extra))
                 else:
                     out.append((2, st.fn, ins, [local[s] for s in st.outputs], None, st.attrs))
@@ -524,8 +522,7 @@ class Segment:
         ops: list[tuple] = []
         for k in blocked_ops:
             st = members[k]
-            ufunc, extra = UFUNCS[st.node.op_type]
-            ufunc = via_single(ufunc, [env[s].dtype for s in st.inputs], env[st.outputs[0]].dtype)
+            ufunc, extra = member_ufunc(st, env)
             ins = [slot(s) for s in st.inputs]
             if extra is not None:
                 consts.append((n_slots + len(consts), extra))

@@ -18,10 +18,15 @@ from onnxtrain.engine.fusion.blocked import Blocked, ScratchPool, release_ended,
 from onnxtrain.engine.fusion.common import consumers, make_step, producers, protected_slots, run_steps
 from onnxtrain.engine.fusion.gemm import matmul_product_side
 from onnxtrain.engine.fusion.shapes import is_memoized
-from onnxtrain.engine.fusion.ufuncs import OWN_KERNEL_OPS, UFUNCS, compile_program, runs_as_ufunc
+from onnxtrain.engine.fusion.ufuncs import (
+    OWN_KERNEL_OPS,
+    UFUNCS,
+    compile_program,
+    member_ufunc,
+    runs_as_ufunc,
+)
 from onnxtrain.engine.kernels.buffering import UnbufferedUfunc, broadcast_size
 from onnxtrain.engine.kernels.half import is_half
-from onnxtrain.engine.kernels.half_cast import via_single
 from onnxtrain.engine.kernels.spread import spread, spread_shape
 from onnxtrain.engine.registry import Attrs, find_kernel
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
@@ -488,9 +493,8 @@ class Cluster:
             if not fast[k]:
                 ops.append((2, st.fn, ins, [local[s] for s in st.outputs], None, st.attrs))
             else:
-                ufunc, extra = UFUNCS[st.node.op_type]
+                ufunc, extra = member_ufunc(st, env)
                 out = st.outputs[0]
-                ufunc = via_single(ufunc, [env[s].dtype for s in st.inputs], env[out].dtype)
                 in_shapes = [env[s].shape for s in st.inputs]
                 for j, s in enumerate(st.inputs):  # broadcast over small planes: copied out once (spread.py)
                     shape = spread_shape(env[s].shape, env[out].shape) if len(st.inputs) > 1 else None

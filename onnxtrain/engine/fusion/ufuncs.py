@@ -9,6 +9,7 @@ import numpy as np
 
 from onnxtrain.engine.kernels.clamp import relu_into
 from onnxtrain.engine.kernels.elementwise import erf_into, reciprocal
+from onnxtrain.engine.kernels.half_cast import via_single
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Step
@@ -31,6 +32,13 @@ UFUNCS: dict[str, tuple[np.ufunc, Any]] = {
 }
 # elementwise ops that may join a cluster but run through their own kernel (outputs are never pooled)
 OWN_KERNEL_OPS = {"Identity", "Cast", "Pow"}
+
+
+def member_ufunc(st: Step, env: dict[int, Any]) -> tuple[Any, Any]:
+    """(ufunc, constant second operand) a cluster runs member ``st`` as, for the traced values ``env``: its
+    :data:`UFUNCS` entry, float16 arithmetic through float32 arrays (``half_cast.via_single``)."""
+    ufunc, extra = UFUNCS[st.node.op_type]
+    return via_single(ufunc, [env[s].dtype for s in st.inputs], env[st.outputs[0]].dtype), extra
 
 
 def compile_program(ops: list[tuple]) -> Callable[[list[Any]], None]:

@@ -77,8 +77,8 @@ _COMPARISONS = frozenset({np.equal, np.greater, np.less, np.greater_equal, np.le
 
 
 def _both_half(a: Any, b: Any) -> bool:
-    """Two float16 arrays: a :data:`~onnxtrain.engine.kernels.half_cast.ROUNDED_ONCE` op takes them through
-    float32 (:class:`~onnxtrain.engine.kernels.half_cast.ViaSingle`)."""
+    """Two float16 arrays: a :data:`~onnxtrain.engine.kernels.half_cast.ROUNDED_ONCE` op or a comparison takes
+    them through float32."""
     return type(a) is np.ndarray and type(b) is np.ndarray and a.dtype == half_cast.HALF == b.dtype
 
 

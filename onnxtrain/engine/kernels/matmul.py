@@ -230,14 +230,14 @@ def einsum(inputs: Inputs, attrs: Attrs) -> Outputs:
         raise ValueError(f"Einsum: an empty equation takes one scalar operand, got shapes "
                          f"{[list(x.shape) for x in inputs]}")
     dt = inputs[0].dtype
-    ops = [x.astype(_F32) for x in inputs] if _low_precision(dt) else inputs
+    ops = [to_single(x) for x in inputs] if _low_precision(dt) else inputs
     paths = cache.get("paths")
     if paths is None:
         paths = cache["paths"] = NodeCache()  # a plan per operand shapes, bounded as the node's memo
     plan = _einsum_plan(eq, ops, paths)
     y = plan(*ops) if isinstance(plan, _Contraction) else np.einsum(eq, *ops, optimize=plan)
     if not isinstance(y, np.ndarray) or y.dtype != dt:
-        y = np.asarray(y).astype(dt, copy=False)
+        y = from_single(np.asarray(y), dt) if y.dtype == _F32 else np.asarray(y).astype(dt, copy=False)
     return (y,)
 
 

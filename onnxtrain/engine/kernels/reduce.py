@@ -18,7 +18,6 @@ from onnxtrain.engine.kernels.half_cast import to_single
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
 _NOOP = "noop"
-_F32 = np.dtype(np.float32)
 
 
 def _attr_axes(attrs: Attrs) -> tuple[int, ...] | None | str:
