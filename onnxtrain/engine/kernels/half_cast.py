@@ -40,7 +40,12 @@ _ALIGN = _ALIGN_BITS.view(np.float32)
 _HALF_ABS = np.uint16(0x7FFF)
 _HALF_INF = np.uint16(0x7C00)
 _SIGN = np.uint16(0x8000)
-_SCALE = np.float32(2.0**112)  # float16 bits << 13 read as float32, times 2¹¹², is the float16's value
+# float16 magnitude bits << 13, plus 113 << 23, read as float32: g = 2·v for a normal float16 v, 2⁻¹⁴ + v
+# for a subnormal one (or zero); so v = min(g / 2, g − 2⁻¹⁴) for every finite float16, with no float32
+# subnormal operand (each costs a microcode assist on Intel CPUs: 5x slower on all-subnormal gradients)
+_WIDE_BIAS = np.uint32(113 << 23)
+_HALVE = np.float32(0.5)
+_SMALLEST_HALF_NORMAL = np.float32(2.0**-14)
 
 
 def _narrow_block(x: np.ndarray, out: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
@@ -105,7 +110,11 @@ def _widened(h: np.ndarray) -> np.ndarray | None:
         if np.maximum.reduce(tk) >= _HALF_INF:
             return None
         np.left_shift(tk, 13, out=ok, dtype=np.uint32)
-        np.multiply(ok.view(np.float32), _SCALE, out=ok.view(np.float32))
+        np.add(ok, _WIDE_BIAS, out=ok)
+        g, half_g = ok.view(np.float32), sk.view(np.float32)
+        np.multiply(g, _HALVE, out=half_g)
+        np.subtract(g, _SMALLEST_HALF_NORMAL, out=g)
+        np.minimum(g, half_g, out=g)
         np.bitwise_and(hk, _SIGN, out=tk)
         np.left_shift(tk, 16, out=sk, dtype=np.uint32)
         np.bitwise_or(ok, sk, out=ok)
