@@ -465,3 +465,47 @@ def test_pointwise_conv_transpose_as_one_batched_product(case, monkeypatch) -> N
                                atol=1e-5 if dtype == np.float32 else 1e-12)
     if dtype == np.float32:
         _close(y, _ort("ConvTranspose", dy, w, attrs))
+
+
+# stride-1 2-D ConvTransposes by col2im over flattened rows (``_conv_transpose_flat``): with few input
+# channels each image of X laid on its canvas's positions (one add per kernel offset for every image),
+# otherwise per image; (dY shape, W shape, attributes)
+FLAT = [
+    ((64, 16, 10, 10), (16, 6, 5, 5), {}),  # LeNet's conv2 input gradient
+    ((3, 8, 7, 9), (8, 5, 3, 4), {"pads": [1, 0, 2, 1]}),
+    ((2, 12, 6, 8), (12, 3, 3, 5), {"dilations": [2, 1], "pads": [1, 2, 0, 1]}),
+    ((2, 6, 5, 4), (6, 4, 2, 3), {"dilations": [2, 2], "output_padding": [1, 0]}),
+    ((2, 40, 5, 6), (40, 6, 5, 5), {"pads": [2, 1, 2, 1]}),  # more channels: per image
+]
+
+
+@pytest.mark.parametrize("case", FLAT, ids=str)
+def test_flat_conv_transpose_layouts(case, monkeypatch) -> None:
+    """Both layouts of the flattened-rows col2im give torch's input gradient of the Conv in float64, and the
+    same bits as each other in float32 (the same products and adds in the same order; zeros added past an
+    image's canvas change nothing)."""
+    ys, ws, attrs = case
+    seen = _spy(monkeypatch, conv_kernels, "_conv_transpose_flat", small=False)
+    rng = np.random.default_rng(11)
+    dy, w = rng.standard_normal(ys), rng.standard_normal(ws)
+    y64 = _ours("ConvTranspose", dy, w, attrs)
+    assert len(seen) == 1
+    p = attrs.get("pads", [0, 0, 0, 0])
+    op = attrs.get("output_padding", [0, 0])
+    dil = attrs.get("dilations", [1, 1])
+    x_shape = (ys[0], ws[1]) + tuple(ys[2 + i] + (ws[2 + i] - 1) * dil[i] - p[i] - p[2 + i] + op[i]
+                                     for i in range(2))
+    xt = torch.zeros(x_shape, dtype=torch.float64, requires_grad=True)
+    out = F.conv2d(F.pad(xt, [p[1], p[3], p[0], p[2]]), torch.tensor(w), dilation=dil)
+    # output_padding: rows and columns past dY that no window reaches, whose gradients are zero
+    (want,) = torch.autograd.grad(out, xt, F.pad(torch.tensor(dy), [0, op[1], 0, op[0]]))
+    assert y64.shape == x_shape
+    np.testing.assert_allclose(y64, want.numpy(), rtol=1e-12, atol=1e-12)
+    d32, w32 = dy.astype(np.float32), w.astype(np.float32)
+    layouts = []
+    for cap in (0, 1 << 10):  # every image per image, then every one on its canvas's positions
+        monkeypatch.setattr(conv_kernels, "PITCHED_MAX_CHANNELS", cap)
+        layouts.append(_ours("ConvTranspose", d32, w32, attrs))
+    np.testing.assert_array_equal(layouts[0].view(np.uint32), layouts[1].view(np.uint32))
+    if not any(op):  # (onnxruntime refuses an output_padding not under the stride)
+        _close(layouts[1], _ort("ConvTranspose", d32, w32, attrs))

@@ -537,6 +537,15 @@ def _conv_transpose_as_conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any],
     return None
 
 
+# Input channels up to which _conv_transpose_flat lays each image of X on as many positions as its canvas, so
+# that one add per kernel offset and output channel covers every image: the GEMM then multiplies the zero rows
+# below each image too, which costs more than the per-image adds save when it is deep. 2 cores, ms, per-image
+# → canvas-sized (medians of 5, the same bits): 16 channels 64 × 10² by 5×5 to 6 (LeNet) 1.36 → 1.05, 8 × 32²
+# by 5×5 to 8 1.57 → 0.92, 32 × 16² by 3×3 to 16 1.46 → 1.06; 32 at 8² to 64 even, 48 at 12² 0.74 → 0.89,
+# 64 at 8² 0.49 → 0.54, 128 1.46 → 1.65
+PITCHED_MAX_CHANNELS = 32
+
+
 def _conv_transpose_flat(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
     """Stride-1 2-D ConvTranspose with col2im over flattened rows.
 
@@ -545,23 +554,33 @@ def _conv_transpose_flat(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.
     K * N * M * H adds of short rows (LeNet's conv2 input gradient: 1.19 -> 0.74 ms). The padded columns
     carry zeros, so the parts of a run that wrap past a row's end add nothing. Channels lead (X as
     [C, N, ...], the canvas as [M, N, ...]): the contributions are one GEMM for the whole batch, whose rows
-    (offset, output channel) make each offset's block contiguous (0.74 -> 0.58 ms).
+    (offset, output channel) make each offset's block contiguous (0.74 -> 0.58 ms). With few input channels
+    (:data:`PITCHED_MAX_CHANNELS`) each image of X also takes as many positions as its canvas (zero rows
+    below it), so that an offset's run covers every image at once; what it carries past an image's canvas
+    is zeros.
     """
     n, c, ih, iw = x.shape
     kw, (dh, dw), m, k = g["k"][1], g["dil"], g["m"], g["K"]
     hf, wf = g["full"]
-    xp = np.zeros((c, n, ih, wf), x.dtype)
-    xp[..., :iw] = x.transpose(1, 0, 2, 3)
+    pitch = hf * wf + (kw - 1) * dw  # an image's canvas and the slack its last offset's run reaches into
     run = ih * wf
+    pitched = c <= PITCHED_MAX_CHANNELS
+    per = pitch if pitched else run  # X's positions per image
+    xp = np.zeros((c, n, per), x.dtype)
+    xp[:, :, :run].reshape(c, n, ih, wf)[..., :iw] = x.transpose(1, 0, 2, 3)
     wk = w.reshape(c, m, k).transpose(2, 1, 0).reshape(k * m, c)  # rows: (kernel offset, output channel)
-    cols = np.matmul(wk, xp.reshape(c, n * run)).reshape(k, m, n, run)
-    canvas = np.zeros((m, n, hf * wf + (kw - 1) * dw), x.dtype)
-    for j in range(k):
-        ki, kj = divmod(j, kw)
-        off = ki * dh * wf + kj * dw
-        canvas[:, :, off:off + run] += cols[j]
+    cols = np.matmul(wk, xp.reshape(c, n * per)).reshape(k, m, n * per)
+    offsets = [ki * dh * wf + kj * dw for ki, kj in (divmod(j, kw) for j in range(k))]
+    span = n * pitch
+    canvas = np.zeros((m, span + offsets[-1]), x.dtype)
+    grid = canvas[:, :span].reshape(m, n, pitch)
+    for j, off in enumerate(offsets):
+        if pitched:
+            canvas[:, off:off + span] += cols[j]
+        else:
+            grid[:, :, off:off + run] += cols[j].reshape(m, n, run)
     (p0, p1), (o0, o1) = g["pb"], g["out"]
-    y = canvas[:, :, :hf * wf].reshape(m, n, hf, wf)[:, :, p0:p0 + o0, p1:p1 + o1]
+    y = grid[:, :, :hf * wf].reshape(m, n, hf, wf)[:, :, p0:p0 + o0, p1:p1 + o1]
     return np.ascontiguousarray(y.transpose(1, 0, 2, 3))
 
 
