@@ -274,3 +274,59 @@ def test_half_comparisons_against_onnx_reference(op: str) -> None:
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
     (ours,), (ref,) = _run_both(model, {"a": every, "b": b})
     np.testing.assert_array_equal(ours, ref)
+
+
+_ONE_VALUES = [0.0, -0.0, 1.0, 0.5, 1.4142, -3.0, 65504.0, 6e-8, np.inf, -np.inf, np.nan]
+
+
+@pytest.mark.parametrize("ufunc", [np.add, np.subtract, np.multiply, np.divide], ids=lambda u: u.__name__)
+def test_one_value_operand_by_table_has_numpys_float16_bits(ufunc: np.ufunc) -> None:
+    """A float16 op with a single-value operand (either side, of shape (), (1,) or (1, 1)) is a lookup in
+    numpy's own float16 results: every float16 pattern, infinities and NaNs (their payloads) either side."""
+    every = np.tile(np.arange(1 << 16, dtype=np.uint16), 2).view(np.float16)  # over SCALAR_TABLE_MIN
+    assert every.size >= half_cast.SCALAR_TABLE_MIN
+    op = half_cast.ViaSingle(ufunc)
+    for v in _ONE_VALUES:
+        for shape in [(), (1,), (1, 1)]:
+            value = np.full(shape, v, np.float16)
+            for args in [(every, value), (value, every)]:
+                with np.errstate(all="ignore"):
+                    want = ufunc(*args)
+                got = op(*args)
+                assert got.shape == want.shape and got.dtype == np.float16
+                np.testing.assert_array_equal(_bits16(got), _bits16(want))
+    out = every.copy()  # into an operand's own memory
+    with np.errstate(all="ignore"):
+        want = ufunc(every, np.float16(0.5))
+    assert op(out, np.array(0.5, np.float16), out=out) is out
+    np.testing.assert_array_equal(_bits16(out), _bits16(want))
+
+
+def test_one_value_tables_are_made_only_for_large_operations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new single value below SCALAR_TABLE_MIN values takes the float32 route (no table made), once made its
+    table serves smaller operations too; the tables kept are bounded."""
+    monkeypatch.setattr(half_cast, "_scalar_tables", {})
+    op = half_cast.ViaSingle(np.multiply)
+    x = np.random.default_rng(5).standard_normal(20_000).astype(np.float16)
+    value = np.array(0.3, np.float16)
+    np.testing.assert_array_equal(_bits16(op(x, value)), _bits16(x * value))
+    assert not half_cast._scalar_tables
+    big = np.resize(x, half_cast.SCALAR_TABLE_MIN)
+    np.testing.assert_array_equal(_bits16(op(big, value)), _bits16(big * value))
+    assert len(half_cast._scalar_tables) == 1
+    np.testing.assert_array_equal(_bits16(op(x, value)), _bits16(x * value))
+    for k in range(half_cast.SCALAR_TABLES + 1):
+        v = np.array(k + 2, np.float16)
+        np.testing.assert_array_equal(_bits16(op(big, v)), _bits16(big * v))
+    assert len(half_cast._scalar_tables) <= half_cast.SCALAR_TABLES
+
+
+def test_half_sqrt_and_erf_by_table_for_every_float16() -> None:
+    """float16 Sqrt (numpy's loop) and Erf (the float32 erf rounded once), every pattern, by their tables."""
+    from onnxtrain.engine.kernels.elementwise import _erf_through_single, erf
+
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    with np.errstate(all="ignore"):
+        want = np.sqrt(every)
+    np.testing.assert_array_equal(_bits16(half_cast.ViaSingle(np.sqrt)(every)), _bits16(want))
+    np.testing.assert_array_equal(_bits16(erf(every)), _bits16(_erf_through_single(every)))

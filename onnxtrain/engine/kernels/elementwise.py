@@ -501,14 +501,21 @@ def _erf_block(x: np.ndarray, table: np.ndarray, cap: np.ndarray, top: np.ndarra
     return np.copysign(y, x, out=y)
 
 
+def _erf_through_single(x: np.ndarray) -> np.ndarray:
+    """erf of a half-precision array computed in float32 and rounded once (the casts: half_cast.py)."""
+    return half_cast.from_single(_erf32(half_cast.to_single(x)), x.dtype)
+
+
 def erf(x: np.ndarray) -> np.ndarray:
     """Vectorised erf for float arrays; float16 and bfloat16 are computed in float32."""
     x = np.asarray(x)
     if x.dtype == np.float32:
         return _erf32(x)
     table = _ERF_T.get(x.dtype)
-    if table is None:  # float16 by the integer-pass casts (numpy's bits, half_cast.py)
-        return half_cast.from_single(_erf32(half_cast.to_single(x)), x.dtype)
+    if table is None:  # float16 (and bfloat16) through float32; float16 arrays by a lookup in those results
+        if x.dtype == half_cast.HALF and x.size >= half_cast.TABLE_MIN:
+            return half_cast.by_table(_erf_through_single, x)
+        return _erf_through_single(x)
     k = _ERF_K[x.dtype]
     if x.ndim == 0:
         return _erf_block(x.reshape(1), table, *k).reshape(())

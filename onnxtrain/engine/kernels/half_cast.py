@@ -138,8 +138,10 @@ VIA_SINGLE_MIN = 1 << 13  # values of the result: smaller ones stay in numpy's f
 
 
 class ViaSingle:
-    """A :data:`ROUNDED_ONCE` ufunc on float16 arrays, run on their float32 values and rounded once (numpy's
-    float16 bits); small results and operands holding infinities or NaNs take numpy's own loop."""
+    """A :data:`ROUNDED_ONCE` ufunc on float16 arrays with numpy's float16 bits: of one operand (square root),
+    or of two where one holds a single value (``x * 0.5``), a lookup in numpy's own results for every float16
+    (:func:`by_table`, :func:`_scalar_table`); else run on the operands' float32 values and rounded once.
+    Small results, and operands holding infinities or NaNs on the float32 route, take numpy's own loop."""
 
     __slots__ = ("ufunc",)
 
@@ -147,8 +149,17 @@ class ViaSingle:
         self.ufunc = ufunc
 
     def __call__(self, *args: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        if max(a.size for a in args) < VIA_SINGLE_MIN:
+        size = max(a.size for a in args)
+        if size < VIA_SINGLE_MIN:
             return self.ufunc(*args, out=out)
+        if len(args) == 1:
+            return by_table(self.ufunc, args[0], out)
+        y = _one_value_op(self.ufunc, args[0], args[1], size)
+        if y is not None:
+            if out is None:
+                return y
+            np.copyto(out, y)
+            return out
         wide = [_finite_single(a) for a in args]
         if any(w is None for w in wide):  # which NaN comes out is numpy's loop's own
             return self.ufunc(*args, out=out)
@@ -184,6 +195,46 @@ def _table(fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     every = np.arange(1 << 16, dtype=np.uint16).view(HALF)
     with np.errstate(all="ignore"):
         return np.asarray(fn(every), HALF).view(np.uint16)
+
+
+# tables of binary float16 ops with a one-value operand kept at once (128 KiB each); the first use of a new
+# one-value operand makes its table (65,536 values through numpy's float16 loop, 0.3-0.5 ms) only for an
+# operation of at least SCALAR_TABLE_MIN values, which the lookup then saves more than that on
+SCALAR_TABLES = 64
+SCALAR_TABLE_MIN = 1 << 16
+_scalar_tables: dict[tuple[Any, int, bool], np.ndarray] = {}
+
+
+def _scalar_table(ufunc: np.ufunc, bits: int, value_first: bool, make: bool) -> np.ndarray | None:
+    """numpy's float16 ``ufunc`` of every float16 bit pattern and the float16 of bits ``bits`` (as the first
+    operand when ``value_first``), as the results' bits; a new one only with ``make`` (else None)."""
+    key = (ufunc, bits, value_first)
+    table = _scalar_tables.get(key)
+    if table is None and make:
+        every = np.arange(1 << 16, dtype=np.uint16).view(HALF)
+        value = np.array(bits, np.uint16).view(HALF)
+        with np.errstate(all="ignore"):
+            y = ufunc(value, every) if value_first else ufunc(every, value)
+        table = np.asarray(y, HALF).view(np.uint16)
+        if len(_scalar_tables) >= SCALAR_TABLES:
+            _scalar_tables.clear()  # (a model's one-value operands come back every step)
+        _scalar_tables[key] = table
+    return table
+
+
+def _one_value_op(ufunc: np.ufunc, a: np.ndarray, b: np.ndarray, size: int) -> np.ndarray | None:
+    """``ufunc(a, b)`` of float16 arrays where exactly one of them holds a single value, by a lookup in
+    :func:`_scalar_table` (numpy's bits for every input, infinities and NaNs included); None otherwise, or
+    when that operand's table is new and the operation too small to make it."""
+    if (a.size == 1) == (b.size == 1):
+        return None
+    x, value = (b, a) if a.size == 1 else (a, b)
+    bits = int(np.ascontiguousarray(value).reshape(()).view(np.uint16))
+    table = _scalar_table(ufunc, bits, a.size == 1, size >= SCALAR_TABLE_MIN)
+    if table is None:
+        return None
+    y = np.take(table, np.ascontiguousarray(x).reshape(-1).view(np.uint16))
+    return y.view(HALF).reshape(np.broadcast_shapes(a.shape, b.shape))
 
 
 def by_table(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray,
