@@ -160,7 +160,8 @@ class ViaSingle:
                 return y
             np.copyto(out, y)
             return out
-        wide = [_finite_single(a) for a in args]
+        wide = [_finite_single(a) for a in args[:1]]
+        wide.append(wide[0] if args[1] is args[0] else _finite_single(args[1]))  # x · x: widened once
         if any(w is None for w in wide):  # which NaN comes out is numpy's loop's own
             return self.ufunc(*args, out=out)
         y = narrow(self.ufunc(*wide))
