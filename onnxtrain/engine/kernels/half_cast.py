@@ -156,19 +156,20 @@ class ViaSingle:
             return by_table(self.ufunc, args[0], out)
         y = _one_value_op(self.ufunc, args[0], args[1], size)
         if y is not None:
-            if out is None:
-                return y
-            np.copyto(out, y)
-            return out
+            return _into(y, out)
         wide = [_finite_single(a) for a in args[:1]]
         wide.append(wide[0] if args[1] is args[0] else _finite_single(args[1]))  # x · x: widened once
         if any(w is None for w in wide):  # which NaN comes out is numpy's loop's own
             return self.ufunc(*args, out=out)
-        y = narrow(self.ufunc(*wide))
-        if out is None:
-            return y
-        np.copyto(out, y)
-        return out
+        return _into(narrow(self.ufunc(*wide)), out)
+
+
+def _into(y: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """``y``, or ``out`` with ``y`` copied in when given (a ufunc's ``out=``)."""
+    if out is None:
+        return y
+    np.copyto(out, y)
+    return out
 
 
 def via_single(ufunc: Any, operands: list[np.dtype], result: np.dtype) -> Any:
@@ -190,12 +191,14 @@ def _finite_single(h: np.ndarray) -> np.ndarray | None:
 TABLE_MIN = 1 << 12  # values from which a float16 op of one operand is a lookup (:func:`by_table`)
 
 
-@functools.cache
-def _table(fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+def _results(fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """``fn``'s float16 results for all 65,536 float16 bit patterns, as their bits."""
     every = np.arange(1 << 16, dtype=np.uint16).view(HALF)
     with np.errstate(all="ignore"):
         return np.asarray(fn(every), HALF).view(np.uint16)
+
+
+_table = functools.cache(_results)  # a module-level function's table, made once
 
 
 # tables of binary float16 ops with a one-value operand kept at once (128 KiB each); the first use of a new
@@ -212,11 +215,8 @@ def _scalar_table(ufunc: np.ufunc, bits: int, value_first: bool, make: bool) -> 
     key = (ufunc, bits, value_first)
     table = _scalar_tables.get(key)
     if table is None and make:
-        every = np.arange(1 << 16, dtype=np.uint16).view(HALF)
         value = np.array(bits, np.uint16).view(HALF)
-        with np.errstate(all="ignore"):
-            y = ufunc(value, every) if value_first else ufunc(every, value)
-        table = np.asarray(y, HALF).view(np.uint16)
+        table = _results(lambda every: ufunc(value, every) if value_first else ufunc(every, value))
         if len(_scalar_tables) >= SCALAR_TABLES:
             _scalar_tables.clear()  # (a model's one-value operands come back every step)
         _scalar_tables[key] = table
@@ -243,8 +243,4 @@ def by_table(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray,
     """``fn(x)`` of a float16 array by a lookup in the results ``fn`` itself gave for every float16 (the same
     bits, NaN payloads and -0.0 included), into ``out`` when given (it may be ``x``); ``fn``: a module-level
     function of one float16 array, whose table is made once."""
-    y = np.take(_table(fn), np.ascontiguousarray(x).view(np.uint16)).view(HALF)
-    if out is None:
-        return y
-    np.copyto(out, y)
-    return out
+    return _into(np.take(_table(fn), np.ascontiguousarray(x).view(np.uint16)).view(HALF), out)
