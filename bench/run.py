@@ -22,7 +22,9 @@ peers the time their ``Optimizer.step`` takes per step (the update, timed inside
 steal of the samples with each peer's ratio again over the rounds that had none (:mod:`bench.steal`).
 Memory: peak RSS of the peer's process (VmHWM: interpreter, imports, model, training) and, for onnxtrain, the
 engine's peak live bytes (``Plan.peak_bytes``, the largest over its plans). FLOPs: bench/flops.py;
-"% peak" is step FLOPs / step time / the best numpy float32 GEMM figure measured in this run.
+"% peak" is step FLOPs / step time / the best numpy float32 GEMM figure measured in this run; as the machine's
+speed changes over a run, a GEMM probe (``bench/gemm.py --serve``) is also sampled first in every round, and
+the notes give each peer's step against the rate of its own round (medians over the rounds).
 
 ``--variant LABEL:NAME=VALUE,...`` adds onnxtrain peers run with extra environment, interleaved with the rest
 (A/B): ``nofuse:ONNXTRAIN_FUSION=0`` (engine fusions off), ``1thread:OPENBLAS_NUM_THREADS=1``,
@@ -52,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 if __package__ in (None, ""):  # run as a script: make the checkout importable
@@ -193,6 +196,45 @@ def set_blas(env: dict[str, str], setting: str) -> None:
         env["OPENBLAS_CORETYPE"] = setting
 
 
+class GemmProbe:
+    """``bench/gemm.py --serve`` under one BLAS setting, sampled once a round (:func:`measure`): the machine's
+    speed changes over a run (a peak measured at 436 GFLOP/s at a run's start and 210 at its end), so each
+    peer's step is also set against the GEMM rate of its own round."""
+
+    def __init__(self, coretype: str, quick: bool):
+        env = dict(os.environ)
+        set_blas(env, coretype)
+        n, repeats = ("512", "2") if quick else ("2048", "3")
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "gemm.py"), "--serve", "--n", n, "--repeats", repeats],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+
+    def sample(self) -> float:
+        """GFLOP/s of the best of a few n×n products now."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"bench/gemm.py --serve exited with code {self.proc.wait()}")
+        return float(json.loads(reply)["gflops"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+
+def round_peak_shares(flops: float, samples: list[float], round_peaks: list[float]) -> float:
+    """Median over the rounds of step FLOPs / step time / the GEMM rate measured in the same round."""
+    if len(samples) != len(round_peaks) or not samples:
+        raise ValueError(f"need one GEMM rate per round, got {len(round_peaks)} for {len(samples)} rounds")
+    return statistics.median(flops / s / 1e9 / g for s, g in zip(samples, round_peaks))
+
+
 def gemm_peak(coretype: str, quick: bool) -> dict:
     env = dict(os.environ)
     set_blas(env, coretype)
@@ -218,13 +260,20 @@ def calibrate(p: Peer, min_time: float) -> int:
     return calls_per_sample(lambda n: p.send(f"run {n}")["seconds"], min_time)
 
 
-def measure(peers: list[Peer], repeats: int, warmup: int, min_time: float) -> None:
+def measure(peers: list[Peer], repeats: int, warmup: int, min_time: float,
+            probes: Sequence[GemmProbe] = ()) -> list[float]:
+    """Interleaved rounds of the peers' samples; returns the best GEMM rate of ``probes`` in each round
+    (sampled first in the round), or nothing without probes."""
     live = [p for p in peers if p.proc is not None]
     for p in live:
         p.send(f"run {warmup}")
     for p in live:
         p.number = calibrate(p, min_time)
+    round_peaks = []
     for r in range(repeats):
+        if probes:
+            time.sleep(SETTLE_S)
+            round_peaks.append(max(probe.sample() for probe in probes))
         k = r % len(live) if live else 0
         for p in live[k:] + live[:k]:
             time.sleep(SETTLE_S)
@@ -241,6 +290,7 @@ def measure(peers: list[Peer], repeats: int, warmup: int, min_time: float) -> No
         p.proc.stdin.write("quit\n")
         p.proc.stdin.flush()
         p.proc.wait(timeout=30)
+    return round_peaks
 
 
 @dataclass
@@ -272,7 +322,7 @@ def round_ratios(reference: list[float], samples: list[float]) -> tuple[float, f
 
 
 def run_case(
-    case, folder: str, peers_wanted: list[tuple[str, str, str]], args
+    case, folder: str, peers_wanted: list[tuple[str, str, str]], args, probes: Sequence[GemmProbe] = ()
 ) -> tuple[list[Row], list[str]]:
     import numpy as np
     import onnx
@@ -289,7 +339,7 @@ def run_case(
     for p in peers:
         wait_ready(p)
     notes = [f"{case.title}: {p.name} skipped: {p.error}" for p in peers if p.error]
-    measure(peers, args.repeats, args.warmup, args.min_time)
+    round_peaks = measure(peers, args.repeats, args.warmup, args.min_time, probes)
     rows = []
     for p in peers:
         if not p.samples:
@@ -329,6 +379,15 @@ def run_case(
         head = f"{case.title}: × ORT-T round by round, the middle half of the rounds: "
         notes.append(head + "; ".join(spreads))
     notes += steal_notes(case.title, [p for p in peers if p.samples], ort_peer)
+    measured = [p for p in peers if p.samples]
+    if round_peaks and measured:
+        notes.append(
+            f"{case.title}: % of the GEMM rate measured in the same round (step FLOPs / step time / that "
+            f"round's n² GEMM, medians over the rounds; the rounds' GEMM rates "
+            f"{min(round_peaks):.0f}–{max(round_peaks):.0f} GFLOP/s): "
+            + "; ".join(f"{p.name}: {100 * round_peak_shares(flops, p.samples, round_peaks):.0f} %"
+                        for p in measured)
+        )
     updates = update_split(peers)
     if updates:
         notes.append(f"{case.title}: {updates}")
@@ -538,14 +597,19 @@ def main(argv: list[str] | None = None) -> int:
     peak = max(v["gflops"] for v in peaks.values())
     rows: list[Row] = []
     notes: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="onnxtrain-bench-") as tmp:
-        for case in cases:
-            r, n = run_case(case, os.path.join(tmp, case.key), wanted, a)
-            rows += r
-            notes += n
-            print()
-            print(table(r, markdown=False, peak=peak))
-            sys.stdout.flush()
+    probes = [GemmProbe(s, a.quick) for s in peaks]
+    try:
+        with tempfile.TemporaryDirectory(prefix="onnxtrain-bench-") as tmp:
+            for case in cases:
+                r, n = run_case(case, os.path.join(tmp, case.key), wanted, a, probes)
+                rows += r
+                notes += n
+                print()
+                print(table(r, markdown=False, peak=peak))
+                sys.stdout.flush()
+    finally:
+        for probe in probes:
+            probe.close()
     # a second GEMM measurement: the machine may have been busier at the start
     for s in peaks:
         again = gemm_peak(s, a.quick)["gflops"]
