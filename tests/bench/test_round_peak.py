@@ -16,7 +16,7 @@ def test_share_of_the_rounds_own_rate() -> None:
     shares = run.round_peak_shares(2e9, [0.02, 0.01, 0.02], [200.0, 400.0, 100.0])
     assert shares == pytest.approx(0.5)  # rounds give 100/200, 200/400, 100/100: median 0.5
     # against the run's best rate alone, the slow rounds would read as 25 %
-    assert 2e9 / 0.02 / 1e9 / 400.0 == pytest.approx(0.25)
+    assert pytest.approx(0.25) == 2e9 / 0.02 / 1e9 / 400.0
     with pytest.raises(ValueError, match="2 for 3 rounds"):
         run.round_peak_shares(1e9, [0.1, 0.1, 0.1], [100.0, 100.0])
 
@@ -67,5 +67,6 @@ def test_measure_samples_the_probes_first_in_each_round(monkeypatch) -> None:
     peaks = run.measure(peers, 3, 0, 0.0, probes)
     assert peaks == [200.0, 300.0, 60.0]  # the best probe of each round
     rounds = [log[i:i + 4] for i in range(2, len(log), 4)]  # after the two warm-ups
-    assert rounds == [["probe", "probe", "a", "b"], ["probe", "probe", "b", "a"], ["probe", "probe", "a", "b"]]
+    first = ["probe", "probe"]
+    assert rounds == [[*first, "a", "b"], [*first, "b", "a"], [*first, "a", "b"]]
     assert run.measure(peers, 1, 0, 0.0) == []  # no probes, no rates

@@ -35,6 +35,9 @@ r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph it
 * **NaN selects** (:mod:`~onnxtrain.engine.fusion.nan_select`): ``Where(IsNaN(x), a, b)`` (torch's export of
   masked ``scaled_dot_product_attention``, and its gradient) returns ``b`` itself when ``x.max()`` is not
   NaN, without the boolean mask or the select's copy;
+* **ReLU gradients under a max pool** (:mod:`~onnxtrain.engine.fusion.pooled_relu_grad`):
+  ``Where(R > c, MaxUnpool(dP, I), 0)`` below a ``MaxPool(R)`` of disjoint windows masks ``dP`` by the pooled
+  values and unpools it, without the activation-sized mask and select; the same bits;
 * **lazy selects** (:mod:`~onnxtrain.engine.fusion.select`): ``Where(c, x, a + b)`` with a one-element ``c``
   runs the Add (Sub, Mul, Div) only when ``c`` picks it and otherwise returns ``x`` itself: the on-device
   gradient accumulator ``Where(reset, g, buffer + g)`` costs nothing on a step that resets;
@@ -82,6 +85,7 @@ from onnxtrain.engine.fusion.inplace import fuse_inplace_activations
 from onnxtrain.engine.fusion.masked_softmax import fuse_masked_softmax
 from onnxtrain.engine.fusion.nan_select import fuse_nan_selects
 from onnxtrain.engine.fusion.pads import fuse_pad_sums
+from onnxtrain.engine.fusion.pooled_relu_grad import fuse_pooled_relu_grads
 from onnxtrain.engine.fusion.products import fuse_channel_dots
 from onnxtrain.engine.fusion.select import fuse_lazy_selects
 from onnxtrain.engine.fusion.shapes import memoize_shape_steps
@@ -112,6 +116,7 @@ def fuse(plan: Plan) -> None:
         steps = fuse_channel_dots(plan, steps)
         steps = fuse_masked_softmax(plan, steps)
         steps = fuse_nan_selects(plan, steps)
+        steps = fuse_pooled_relu_grads(plan, steps)
         steps = fuse_lazy_selects(plan, steps)
         steps = fuse_concat_products(plan, steps)
         steps = fuse_elementwise(plan, steps)

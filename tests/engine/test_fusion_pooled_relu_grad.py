@@ -1,0 +1,185 @@
+"""The ReLU gradient under a max pool on the pooled positions (engine/fusion/pooled_relu_grad.py): the same
+bits as the unfused steps, gradients against torch autograd in float64, and the pools it must leave alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.autodiff.builder import build_gradient_model
+from onnxtrain.engine import fusion
+from onnxtrain.engine.plan import Plan
+
+F = TensorProto.FLOAT
+
+
+def ops(plan: Plan) -> list[str]:
+    return [st.node.op_type for st in plan.steps]
+
+
+def relu_pool_grad(shape: tuple[int, ...], dtype: int = F, *, mask_out: bool = False,
+                   unpool_shape: bool = False, **pool: object) -> onnx.ModelProto:
+    """g = Where(Relu(x) > 0, MaxUnpool(d, I), 0) with (p, I) = MaxPool(Relu(x)): the gradient the
+    builder writes for a ReLU under a max pool, with the pooled gradient ``d`` an input."""
+    np_dt = helper.tensor_dtype_to_np_dtype(dtype)
+    unpool_in = ["d", "i"] + (["rshape"] if unpool_shape else [])
+    nodes = [
+        helper.make_node("Constant", [], ["zero"],
+                         value=numpy_helper.from_array(np.zeros((), np_dt), "zero")),
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("MaxPool", ["r"], ["p", "i"], **pool),
+        *([helper.make_node("Shape", ["r"], ["rshape"])] if unpool_shape else []),
+        helper.make_node("MaxUnpool", unpool_in, ["u"], kernel_shape=pool["kernel_shape"],
+                         strides=pool.get("strides", [1] * len(pool["kernel_shape"]))),
+        helper.make_node("Greater", ["r", "zero"], ["m"]),
+        helper.make_node("Where", ["m", "u", "zero"], ["g"]),
+    ]
+    probe = helper.make_model(helper.make_graph(
+        nodes[:3], "p", [helper.make_tensor_value_info("x", dtype, list(shape))],
+        [helper.make_tensor_value_info("p", dtype, [])]), opset_imports=[helper.make_opsetid("", 17)])
+    pooled = Plan(probe).run({"x": np.zeros(shape, np_dt)})[0].shape
+    outs = [helper.make_tensor_value_info("g", dtype, list(shape)),
+            helper.make_tensor_value_info("p", dtype, list(pooled))]
+    if mask_out:
+        outs.append(helper.make_tensor_value_info("m", TensorProto.BOOL, list(shape)))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", dtype, list(shape)),
+                                       helper.make_tensor_value_info("d", dtype, list(pooled))], outs)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def edge_feeds(model: onnx.ModelProto, np_dt, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """x with ties at zero (after the ReLU), exact ties among positives, -0.0, NaN and inf; d with -0.0,
+    inf and NaN."""
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    x = rng.standard_normal(shape).astype(np_dt)
+    flat = x.reshape(-1)
+    flat[::7] = 1.5  # exact ties among positive values
+    flat[3::11] = -0.0
+    flat[5] = np.nan
+    flat[17] = np.inf
+    flat[29] = -np.inf
+    dshape = [d.dim_value for d in model.graph.input[1].type.tensor_type.shape.dim]
+    d = rng.standard_normal(dshape).astype(np_dt)
+    dflat = d.reshape(-1)
+    dflat[::5] = -0.0
+    dflat[1] = np.inf
+    dflat[2] = np.nan
+    return {"x": x, "d": d}
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    it = {2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize]
+    np.testing.assert_array_equal(a.view(it), b.view(it))
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT16, F, TensorProto.DOUBLE])
+@pytest.mark.parametrize("shape,pool", [
+    ((2, 3, 8, 8), {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    ((2, 2, 9, 11), {"kernel_shape": [3, 3], "strides": [3, 4]}),  # strides beyond the kernel: gaps
+    ((3, 2, 10), {"kernel_shape": [2], "strides": [2]}),  # 1-D
+    ((1, 2, 4, 6, 6), {"kernel_shape": [2, 3, 3], "strides": [2, 3, 3]}),  # 3-D
+])
+def test_fused_step_has_the_unfused_bits(dtype: int, shape: tuple[int, ...], pool: dict) -> None:
+    np_dt = helper.tensor_dtype_to_np_dtype(dtype)
+    model = relu_pool_grad(shape, dtype, **pool)
+    onnx.checker.check_model(model, full_check=True)
+    fused, plain = Plan(model), Plan(model, fuse=False)
+    assert ops(fused).count("PooledReluGrad") == 1
+    assert "MaxUnpool" not in ops(fused) and "Where" not in ops(fused)
+    f = edge_feeds(model, np_dt, np.random.default_rng(len(shape) * dtype))
+    with np.errstate(invalid="ignore"):
+        pooled = plain.run(f)[1]
+        live = np.flatnonzero(pooled > 0)
+        f["d"].reshape(-1)[live[:2]] = [np.nan, -np.inf]  # in windows the select keeps
+        (got, p), want = fused.run(f), plain.run(f)[0]
+    same_bits(got, want)
+    same_bits(p, pooled)
+    r = np.maximum(f["x"], 0)
+    assert (got[~(r > 0)] == 0).all()  # zero where R ≤ 0 or is NaN
+    assert np.isnan(got).sum() == 1 and np.isneginf(got).sum() == 1  # d's values in kept windows
+    assert (got != 0).sum() <= pooled.size  # at most one value a window
+
+
+@pytest.mark.parametrize("pool,why", [
+    ({"kernel_shape": [3, 3], "strides": [2, 2]}, "overlapping windows"),
+    ({"kernel_shape": [2, 2], "strides": [2, 2], "pads": [1, 1, 1, 1]}, "padding"),
+    ({"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1}, "ceil mode"),
+    ({"kernel_shape": [2, 2], "strides": [2, 2], "dilations": [2, 2]}, "dilations"),
+])
+def test_pools_it_leaves_alone(pool: dict, why: str) -> None:
+    model = relu_pool_grad((2, 3, 9, 9), **pool)
+    assert "PooledReluGrad" not in ops(Plan(model)), why
+
+
+def test_a_mask_read_elsewhere_is_not_fused() -> None:
+    model = relu_pool_grad((2, 3, 8, 8), mask_out=True, kernel_shape=[2, 2], strides=[2, 2])
+    fused = Plan(model)
+    assert "PooledReluGrad" not in ops(fused)
+    f = edge_feeds(model, np.float32, np.random.default_rng(3))
+    with np.errstate(invalid="ignore"):
+        for a, b in zip(fused.run(f), Plan(model, fuse=False).run(f)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_an_odd_size_the_unpool_does_not_restore_runs_the_original_steps() -> None:
+    """A 9 × 9 activation pooled 2 × 2 unpools to 8 × 8: the original select cannot broadcast the two and
+    fails; the fused step sees the shapes differ and runs the original steps, which fail the same way. Given
+    the activation's shape, the unpool restores it and the fused step answers."""
+    model = relu_pool_grad((2, 3, 9, 9), kernel_shape=[2, 2], strides=[2, 2])
+    f = edge_feeds(model, np.float32, np.random.default_rng(4))
+    assert "PooledReluGrad" in ops(Plan(model))
+    with np.errstate(invalid="ignore"):
+        for plan in (Plan(model), Plan(model, fuse=False)):
+            with pytest.raises(Exception, match="broadcast|shape"):
+                plan.run(f)
+        model = relu_pool_grad((2, 3, 9, 9), unpool_shape=True, kernel_shape=[2, 2], strides=[2, 2])
+        fused = Plan(model)
+        assert "PooledReluGrad" in ops(fused)
+        got, want = fused.run(f)[0], Plan(model, fuse=False).run(f)[0]
+    assert got.shape == (2, 3, 9, 9)
+    same_bits(got, want)
+
+
+torch = pytest.importorskip("torch")
+
+
+def test_relu_pool_block_gradient_against_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """loss = Σ w · MaxPool(Relu(Conv(x))) in float32 with static shapes (the builder's MaxUnpool form): the
+    gradient graph run fused, against torch autograd in float64 on the same values."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((4, 2, 12, 12)).astype(np.float32)
+    wc = rng.standard_normal((3, 2, 3, 3)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 5, 5)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "wc"], ["c"]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Mul", ["p", "w"], ["pw"]),
+             helper.make_node("ReduceSum", ["pw"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", F, list(x.shape))],
+                          [helper.make_tensor_value_info("loss", F, [])],
+                          [numpy_helper.from_array(wc, "wc"), numpy_helper.from_array(w, "w")])
+    model = build_gradient_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]),
+                                 "loss", ["x", "wc"])
+    onnx.checker.check_model(model, full_check=True)
+    plan = Plan(model)
+    assert "PooledReluGrad" in ops(plan) and "MaxUnpool" not in ops(plan)
+    names = [o.name for o in model.graph.output]
+    out = dict(zip(names, plan.run({"x": x})))
+    tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    twc = torch.tensor(wc, dtype=torch.float64, requires_grad=True)
+    loss = (torch.nn.functional.max_pool2d(torch.relu(torch.nn.functional.conv2d(tx, twc)), 2)
+            * torch.tensor(w, dtype=torch.float64)).sum()
+    loss.backward()
+    np.testing.assert_allclose(out["loss"], loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(out["x_grad"], tx.grad.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out["wc_grad"], twc.grad.numpy(), rtol=1e-5, atol=1e-4)
+    # the same plan without this one pass (the others reorder the weight gradient's sums)
+    monkeypatch.setattr(fusion, "fuse_pooled_relu_grads", lambda plan, steps: steps)
+    without = Plan(model)
+    assert "MaxUnpool" in ops(without) and "PooledReluGrad" not in ops(without)
+    plain = dict(zip(names, without.run({"x": x})))
+    for k in ("x_grad", "wc_grad"):
+        same_bits(out[k], plain[k])
