@@ -143,6 +143,98 @@ def test_an_odd_size_the_unpool_does_not_restore_runs_the_original_steps() -> No
     same_bits(got, want)
 
 
+def relu_pool_loss(shape: tuple[int, ...], dtype: int, **pool: object) -> onnx.ModelProto:
+    """loss = Σ w · MaxPool(Relu(x)) with its gradient graph for x, as the builder writes it."""
+    np_dt = helper.tensor_dtype_to_np_dtype(dtype)
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["p"], **pool),
+             helper.make_node("Mul", ["p", "w"], ["pw"]),
+             helper.make_node("ReduceSum", ["pw"], ["loss"], keepdims=0)]
+    first = helper.make_graph(nodes[:2], "p", [helper.make_tensor_value_info("x", dtype, list(shape))],
+                              [helper.make_tensor_value_info("p", dtype, [])])
+    pooled = Plan(helper.make_model(first, opset_imports=[helper.make_opsetid("", 17)])).run(
+        {"x": np.zeros(shape, np_dt)})[0].shape
+    w = np.random.default_rng(7).standard_normal(pooled).astype(np_dt)
+    g = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", dtype, list(shape))],
+                          [helper.make_tensor_value_info("loss", dtype, [])],
+                          [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return build_gradient_model(model, "loss", ["x"])
+
+
+def without_this_pass(model: onnx.ModelProto, monkeypatch: pytest.MonkeyPatch) -> Plan:
+    """The model's plan with every fusion but this one."""
+    with monkeypatch.context() as m:
+        m.setattr(fusion, "fuse_pooled_relu_grads", lambda plan, steps: steps)
+        return Plan(model)
+
+
+@pytest.mark.parametrize("dtype,pool", [
+    (F, {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),  # ResNet's stem: overlapping
+    (F, {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}),
+    (F, {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [2, 2, 2, 2]}),  # windows wholly in the padding
+    (TensorProto.DOUBLE, {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    (TensorProto.FLOAT16, {"kernel_shape": [3, 3], "strides": [1, 1]}),
+])
+def test_scatter_form_has_the_unfused_bits(dtype: int, pool: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pools the builder takes back by a scatter-add (overlapping or padded windows, types other than
+    float32): the same fusion, the same bits as the plan without it, edge values included."""
+    np_dt = helper.tensor_dtype_to_np_dtype(dtype)
+    model = relu_pool_loss((2, 3, 9, 9), dtype, **pool)
+    onnx.checker.check_model(model, full_check=True)
+    fused = Plan(model)
+    assert "PooledReluGrad" in ops(fused) and "ScatterElements" not in ops(fused)
+    plain = without_this_pass(model, monkeypatch)
+    assert "ScatterElements" in ops(plain) and "PooledReluGrad" not in ops(plain)
+    x = np.random.default_rng(dtype).standard_normal((2, 3, 9, 9)).astype(np_dt)
+    flat = x.reshape(-1)
+    flat[::7] = 1.5  # ties among positive values (overlapping windows share their maxima)
+    flat[3::11] = -0.0
+    flat[17] = np.inf
+    flat[29] = -np.inf
+    for feed in (x, np.where(np.arange(x.size).reshape(x.shape) == 40, np.nan, x).astype(np_dt)):
+        with np.errstate(invalid="ignore", over="ignore"):
+            got, want = fused.run({"x": feed})[1], plain.run({"x": feed})[1]
+        same_bits(got, want)
+        assert (got[~(np.maximum(feed, 0) > 0)] == 0).all()
+
+
+def test_a_scatter_at_index_minus_one_runs_the_original_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hand-written scatter of the pooled gradient without the builder's zeroing of the windows wholly in
+    the padding (index -1: the last element): the value sent there is masked by R's last element, not by the
+    window's -inf, so the fused step must run the original steps."""
+    nodes = [
+        helper.make_node("Constant", [], ["zero"],
+                         value=numpy_helper.from_array(np.zeros((), np.float32), "z")),
+        helper.make_node("Constant", [], ["flat"], value=numpy_helper.from_array(np.array([-1]), "f")),
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("MaxPool", ["r"], ["p", "i"], kernel_shape=[2, 2], strides=[2, 2],
+                         pads=[2, 2, 2, 2]),
+        helper.make_node("Shape", ["r"], ["rshape"]),
+        helper.make_node("Size", ["r"], ["n"]),
+        helper.make_node("Reshape", ["n", "flat"], ["n1"]),
+        helper.make_node("ConstantOfShape", ["n1"], ["zeros"]),
+        helper.make_node("Reshape", ["i", "flat"], ["fi"]),
+        helper.make_node("Reshape", ["d", "flat"], ["fd"]),
+        helper.make_node("ScatterElements", ["zeros", "fi", "fd"], ["s"], axis=0, reduction="add"),
+        helper.make_node("Reshape", ["s", "rshape"], ["u"]),
+        helper.make_node("Greater", ["r", "zero"], ["m"]),
+        helper.make_node("Where", ["m", "u", "zero"], ["g"]),
+    ]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [1, 1, 4, 4]),
+                                       helper.make_tensor_value_info("d", F, [1, 1, 4, 4])],
+                          [helper.make_tensor_value_info("g", F, [1, 1, 4, 4])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    fused, plain = Plan(model), without_this_pass(model, monkeypatch)
+    assert "PooledReluGrad" in ops(fused)
+    x = np.arange(1, 17, dtype=np.float32).reshape(1, 1, 4, 4)  # every R > 0, the last one too
+    got, want = fused.run({"x": x, "d": np.ones((1, 1, 4, 4), np.float32)})[0], plain.run(
+        {"x": x, "d": np.ones((1, 1, 4, 4), np.float32)})[0]
+    same_bits(got, want)
+    assert got[0, 0, -1, -1] > 1  # the windows in the padding sent their 1s to the last element
+
+
 torch = pytest.importorskip("torch")
 
 
@@ -183,3 +275,20 @@ def test_relu_pool_block_gradient_against_torch(monkeypatch: pytest.MonkeyPatch)
     plain = dict(zip(names, without.run({"x": x})))
     for k in ("x_grad", "wc_grad"):
         same_bits(out[k], plain[k])
+
+
+def test_overlapping_pool_gradient_against_torch() -> None:
+    """ResNet's stem pool (3×3, stride 2, pad 1) after a ReLU, fused in its scatter form: the gradient
+    against torch autograd in float64 (distinct values: no ties to break differently)."""
+    model = relu_pool_loss((2, 4, 11, 11), TensorProto.DOUBLE, kernel_shape=[3, 3], strides=[2, 2],
+                           pads=[1, 1, 1, 1])
+    plan = Plan(model)
+    assert "PooledReluGrad" in ops(plan)
+    x = np.random.default_rng(12).standard_normal((2, 4, 11, 11))
+    loss, grad = plan.run({"x": x})
+    w = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w"))
+    tx = torch.tensor(x, requires_grad=True)
+    want = (torch.nn.functional.max_pool2d(torch.relu(tx), 3, 2, 1) * torch.tensor(w)).sum()
+    want.backward()
+    np.testing.assert_allclose(loss, want.item(), rtol=1e-12)
+    np.testing.assert_allclose(grad, tx.grad.numpy(), rtol=1e-12, atol=1e-14)

@@ -36,8 +36,9 @@ r"""Execution-time rewrites of a plan's steps: fewer, faster steps; the graph it
   masked ``scaled_dot_product_attention``, and its gradient) returns ``b`` itself when ``x.max()`` is not
   NaN, without the boolean mask or the select's copy;
 * **ReLU gradients under a max pool** (:mod:`~onnxtrain.engine.fusion.pooled_relu_grad`):
-  ``Where(R > c, MaxUnpool(dP, I), 0)`` below a ``MaxPool(R)`` of disjoint windows masks ``dP`` by the pooled
-  values and unpools it, without the activation-sized mask and select; the same bits;
+  ``Where(R > c, MaxUnpool(dP, I), 0)`` below a ``MaxPool(R)`` of disjoint windows, or the scatter-add the
+  builder writes for other pools, masks ``dP`` by the pooled values and puts that back, without the
+  activation-sized mask and select; the same bits;
 * **lazy selects** (:mod:`~onnxtrain.engine.fusion.select`): ``Where(c, x, a + b)`` with a one-element ``c``
   runs the Add (Sub, Mul, Div) only when ``c`` picks it and otherwise returns ``x`` itself: the on-device
   gradient accumulator ``Where(reset, g, buffer + g)`` costs nothing on a step that resets;
