@@ -355,3 +355,23 @@ def test_layer_normalization_over_no_element_is_refused_naming_the_axis_as_onnxr
     empty_batch = [np.zeros((0, 3), np.float32), np.ones(3, np.float32)]
     (y,), (want,) = _run_both("LayerNormalization", empty_batch, 18)
     assert y.shape == want.shape == (0, 3)
+
+
+@pytest.mark.parametrize("rows", [8, 64, 512])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_bias_gradient_sum_by_rows(rows: int, dtype) -> None:
+    """A sum over the leading axis (a bias's gradient): BLAS's product with ones from BLAS_SUM_MIN values,
+    numpy's own sum below (np.sum's bits, without its wrapper); both as accurate as float64 allows."""
+    from onnxtrain.engine.kernels import reduce
+
+    for width in (640, 10):
+        x = np.random.default_rng(rows).standard_normal((rows, width)).astype(dtype)
+        for keep in (0, 1):
+            (y,) = _ours("ReduceSum", [x, np.array([0], np.int64)], 18, keepdims=keep)
+            exact = x.astype(np.float64).sum(axis=0, keepdims=bool(keep))
+            assert y.dtype == dtype and y.shape == exact.shape
+            np.testing.assert_allclose(y, exact, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
+            if x.size >= reduce.BLAS_SUM_MIN:
+                assert np.array_equal(y.reshape(-1), np.ones(rows, dtype) @ x)
+            else:
+                assert np.array_equal(y, np.sum(x, axis=0, keepdims=bool(keep)))
