@@ -3,7 +3,6 @@
     python bench/gemm.py [--n 2048] [--repeats 7]     # prints one JSON line
     python bench/gemm.py --serve [--n 2048] [--repeats 3]   # one JSON line per "run" read from stdin
 
-
 Square ``n×n`` float32 matmuls into a preallocated output; the figure is the best of the repeats (a peak,
 not a typical value: the machine may be shared). Set ``OPENBLAS_CORETYPE`` before starting Python to
 pick OpenBLAS's kernels; the line names the kernels and threads in use (threadpoolctl, when installed).

@@ -19,6 +19,15 @@ def ops(plan: Plan) -> list[str]:
     return [st.node.op_type for st in plan.steps]
 
 
+def pooled_shape(shape: tuple[int, ...], dtype: int, pool: dict) -> tuple[int, ...]:
+    """The shape of MaxPool(Relu(x)) for an x of ``shape``, by running it."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("MaxPool", ["r"], ["p"], **pool)]
+    g = helper.make_graph(nodes, "p", [helper.make_tensor_value_info("x", dtype, list(shape))],
+                          [helper.make_tensor_value_info("p", dtype, [])])
+    probe = Plan(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    return probe.run({"x": np.zeros(shape, helper.tensor_dtype_to_np_dtype(dtype))})[0].shape
+
+
 def relu_pool_grad(shape: tuple[int, ...], dtype: int = F, *, mask_out: bool = False,
                    unpool_shape: bool = False, **pool: object) -> onnx.ModelProto:
     """g = Where(Relu(x) > 0, MaxUnpool(d, I), 0) with (p, I) = MaxPool(Relu(x)): the gradient the
@@ -36,10 +45,7 @@ def relu_pool_grad(shape: tuple[int, ...], dtype: int = F, *, mask_out: bool = F
         helper.make_node("Greater", ["r", "zero"], ["m"]),
         helper.make_node("Where", ["m", "u", "zero"], ["g"]),
     ]
-    probe = helper.make_model(helper.make_graph(
-        nodes[:3], "p", [helper.make_tensor_value_info("x", dtype, list(shape))],
-        [helper.make_tensor_value_info("p", dtype, [])]), opset_imports=[helper.make_opsetid("", 17)])
-    pooled = Plan(probe).run({"x": np.zeros(shape, np_dt)})[0].shape
+    pooled = pooled_shape(shape, dtype, pool)
     outs = [helper.make_tensor_value_info("g", dtype, list(shape)),
             helper.make_tensor_value_info("p", dtype, list(pooled))]
     if mask_out:
@@ -150,11 +156,7 @@ def relu_pool_loss(shape: tuple[int, ...], dtype: int, **pool: object) -> onnx.M
              helper.make_node("MaxPool", ["r"], ["p"], **pool),
              helper.make_node("Mul", ["p", "w"], ["pw"]),
              helper.make_node("ReduceSum", ["pw"], ["loss"], keepdims=0)]
-    first = helper.make_graph(nodes[:2], "p", [helper.make_tensor_value_info("x", dtype, list(shape))],
-                              [helper.make_tensor_value_info("p", dtype, [])])
-    pooled = Plan(helper.make_model(first, opset_imports=[helper.make_opsetid("", 17)])).run(
-        {"x": np.zeros(shape, np_dt)})[0].shape
-    w = np.random.default_rng(7).standard_normal(pooled).astype(np_dt)
+    w = np.random.default_rng(7).standard_normal(pooled_shape(shape, dtype, pool)).astype(np_dt)
     g = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", dtype, list(shape))],
                           [helper.make_tensor_value_info("loss", dtype, [])],
                           [numpy_helper.from_array(w, "w")])
@@ -269,8 +271,7 @@ def test_relu_pool_block_gradient_against_torch(monkeypatch: pytest.MonkeyPatch)
     np.testing.assert_allclose(out["x_grad"], tx.grad.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out["wc_grad"], twc.grad.numpy(), rtol=1e-5, atol=1e-4)
     # the same plan without this one pass (the others reorder the weight gradient's sums)
-    monkeypatch.setattr(fusion, "fuse_pooled_relu_grads", lambda plan, steps: steps)
-    without = Plan(model)
+    without = without_this_pass(model, monkeypatch)
     assert "MaxUnpool" in ops(without) and "PooledReluGrad" not in ops(without)
     plain = dict(zip(names, without.run({"x": x})))
     for k in ("x_grad", "wc_grad"):

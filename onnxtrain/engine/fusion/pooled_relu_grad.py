@@ -70,7 +70,7 @@ def fuse_pooled_relu_grads(plan: Plan, steps: list[Step]) -> list[Step]:
         replace[k] = make_step(plan, "PooledReluGrad", [greater, *members, where], ins, where.outputs,
                                _pooled_relu_grad(plan, greater, members, where, _padded(pool.attrs)))
         drop.add(g)
-        drop.update(steps.index(m) for m in members)
+        drop.update(prod[m.outputs[0]] for m in members)
     return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
 
 
@@ -125,16 +125,13 @@ def _zeros(plan: Plan, steps: list[Step], prod: dict[int, int], s: int) -> bool:
     """True when slot ``s`` holds +0.0 everywhere: a folded constant of zero bits, or a ConstantOfShape of
     a +0.0 value."""
     v = constant_of(plan, s)
-    if v is not None:
-        return v.dtype.kind == "f" and not v.reshape(-1).view(np.uint8).any()
-    m = prod.get(s)
-    if m is None or steps[m].node.op_type != "ConstantOfShape":
-        return False
-    value = steps[m].attrs.get("value")
-    if value is None:  # (ConstantOfShape's default: float32 zeros)
-        return True
-    arr = np.asarray(value)
-    return arr.dtype.kind == "f" and not arr.reshape(-1).view(np.uint8).any()
+    if v is None:
+        m = prod.get(s)
+        if m is None or steps[m].node.op_type != "ConstantOfShape":
+            return False
+        value = steps[m].attrs.get("value")
+        v = np.zeros(1, np.float32) if value is None else np.asarray(value)  # (its default: float32 zeros)
+    return v.dtype.kind == "f" and not v.reshape(-1).view(np.uint8).any()
 
 
 def _disjoint_windows(attrs: Attrs) -> bool:
