@@ -22,6 +22,8 @@ from onnxtrain.engine.fusion.common import (
     swapped_conv,
     transposes_by,
 )
+from onnxtrain.engine.kernels.half_cast import HALF
+from onnxtrain.engine.kernels.matmul import half_product_plus
 from onnxtrain.engine.parallel import for_ranges_with_own_blas
 from onnxtrain.engine.registry import Attrs
 
@@ -523,6 +525,10 @@ def _matmul_add(plan: Plan, members: list[Step]) -> Callable:
 
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         a, b, bias = inputs
+        if type(a) is type(b) is type(bias) is np.ndarray and a.dtype == HALF:
+            y = half_product_plus(a, b, bias)  # float16: the bias added before the product leaves float32
+            if y is not None:
+                return (y,)
         y = plan._call(mm, [a, b])[0]
         if (
             type(y) is np.ndarray

@@ -121,6 +121,47 @@ def _widened(h: np.ndarray) -> np.ndarray | None:
     return out.reshape(h.shape)
 
 
+# Rounding to float16 without leaving float32 (:func:`round_to_half`): a float32 x of exponent E (at least
+# -14, float16's smallest normal one) plus C = 1.5·2^(E+13) lands in C's binade, whose spacing 2^(E-10) is
+# float16's in x's binade (or its subnormal spacing 2^-24), so the addition rounds x to float16's precision
+# (to nearest, ties to even: C's significand is even there) and subtracting C gives that value exactly.
+_EXPONENT = np.uint32(0x7F800000)
+_SIGN_BIT = np.uint32(0x80000000)
+_LOWEST_EXPONENT = np.uint32(113 << 23)  # 2⁻¹⁴: below it, the spacing stays float16's subnormal one, 2⁻²⁴
+_TO_MAGIC = np.uint32((13 << 23) | (1 << 22))  # exponent bits of x → C's bits: 2^(E+13), times 1.5
+_FIRST_UNSAFE = np.uint32(142 << 23)  # 2¹⁵: from here a rounding may reach 65520 (inf), or x is inf/NaN
+ROUND_BLOCK = 1 << 16  # values per block: the block and its two scratch arrays stay in a 2 MiB cache
+
+
+def round_to_half(x: np.ndarray) -> bool:
+    """Round the C-contiguous float32 array ``x`` in place to the float16 values ``x.astype(np.float16)``
+    gives (to nearest even, subnormals and signed zeros alike), staying in float32: the bits of
+    ``x.astype(np.float16).astype(np.float32)``. False where some |x| is 2¹⁵ or more, infinite or NaN (whose
+    rounding may overflow, or carries a payload): ``x`` is then rounded in part, which narrowing it to
+    float16, as the caller does then, cannot tell from ``x`` itself (each value narrows to the same bits)."""
+    flat = x.reshape(-1)
+    bits = flat.view(np.uint32)
+    n = min(flat.size, ROUND_BLOCK)
+    e, s = np.empty(n, np.uint32), np.empty(n, np.uint32)
+    for at in range(0, flat.size, ROUND_BLOCK):
+        k = min(ROUND_BLOCK, flat.size - at)
+        xb, xf, ek = bits[at:at + k], flat[at:at + k], e[:k]
+        np.bitwise_and(xb, _EXPONENT, out=ek)
+        if np.maximum.reduce(ek) >= _FIRST_UNSAFE:
+            return False
+        tiny = np.minimum.reduce(ek) < _LOWEST_EXPONENT  # a value below 2⁻¹⁴ (zero, subnormal in float16)
+        if tiny:
+            np.maximum(ek, _LOWEST_EXPONENT, out=ek)
+            np.bitwise_and(xb, _SIGN_BIT, out=s[:k])
+        np.add(ek, _TO_MAGIC, out=ek)
+        c = ek.view(np.float32)
+        np.add(xf, c, out=xf)
+        np.subtract(xf, c, out=xf)
+        if tiny:  # a value rounded to zero keeps its sign (only one under 2⁻¹⁴ can be)
+            np.bitwise_or(xb, s[:k], out=xb)
+    return True
+
+
 def to_single(v: np.ndarray) -> np.ndarray:
     """``v.astype(np.float32)``, float16 by :func:`widen`."""
     return widen(v) if v.dtype == HALF else v.astype(SINGLE)

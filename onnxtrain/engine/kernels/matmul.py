@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnxtrain.engine.kernels.half_cast import from_single, to_single
+from onnxtrain.engine.kernels.half_cast import HALF, from_single, narrow, round_to_half, to_single
 from onnxtrain.engine.parallel import for_ranges_with_own_blas, width
 from onnxtrain.engine.registry import Attrs, Inputs, NodeCache, Outputs, kernel
 
@@ -37,12 +37,28 @@ def _low_precision(dt: np.dtype) -> bool:
     return dt.kind == "V" or dt.name.startswith(("bfloat", "float8"))
 
 
+def half_product_plus(a: np.ndarray, b: np.ndarray, bias: np.ndarray) -> np.ndarray | None:
+    """``Add(MatMul(a, b), bias)`` of float16 arrays with the two nodes' bits, the product rounded to float16
+    while it stays in float32 (:func:`round_to_half`) and the bias added there, narrowed once: numpy's
+    float16 add rounds the float32 sum of its operands once, as this does. None where the operands are
+    not all float16 or the bias would grow the product's shape."""
+    if not (a.dtype == b.dtype == bias.dtype == HALF) or a.ndim < 1 or b.ndim < 1:
+        return None
+    y = np.matmul(to_single(a), to_single(b))
+    if np.broadcast_shapes(y.shape, bias.shape) != y.shape:
+        return None
+    if not round_to_half(y):  # a value of 2¹⁵ or more (it may overflow), infinite or NaN: numpy's own add
+        return np.add(narrow(y), bias)
+    np.add(y, to_single(bias), out=y)
+    return narrow(y)
+
+
 @kernel("MatMul", since=1)
 def matmul(inputs: Inputs, attrs: Attrs) -> Outputs:
     a, b = inputs[0], inputs[1]
     dt = a.dtype
     if _low_precision(dt):
-        return (from_single(np.matmul(to_single(a), to_single(b)), dt),)
+        return (from_single(np.matmul(to_single(a), to_single(b)), dt),)  # half_product_plus's product
     if a.ndim > 2 and b.ndim >= 2 and a.size and b.shape[:-2] == (1,) * (b.ndim - 2):
         # (..., K) @ (K, N) as one 2-D GEMM: faster than numpy's loop of small GEMMs over the batch, even
         # when ``a`` is a strided view (attention's transposes) that the reshape must copy. A B of batch
