@@ -190,6 +190,19 @@ def test_a_mean_over_every_axis_but_the_channels_is_handed_over(keepdims, axes, 
         np.testing.assert_array_equal(a, b)  # of five axes: the dropped steps run
 
 
+def test_a_variance_about_a_mean_without_its_axes_is_left_to_its_steps(monkeypatch) -> None:
+    # keepdims=0: Sub(x, mean) with a (C,) mean subtracts along the last axis (here as long as C), which is
+    # not the forward's per-channel centering: the mean is handed over, the variance computed by its steps
+    fused, without = plans(mean_after_bn(0, [0, 2, 3], True), monkeypatch)
+    assert "ReduceMean" not in ops(fused) and "ChannelDot" in ops(fused)
+    x = feeds((6, 4, 5, 4), np.float32)["x"]
+    got, want = fused.run({"x": x}), without.run({"x": x})
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    d = x.astype(np.float64) - x.astype(np.float64).mean(axis=(0, 2, 3))  # broadcast along the last axis
+    np.testing.assert_allclose(got[2], (d * d).mean(axis=(0, 2, 3)), rtol=1e-5)
+
+
 @pytest.mark.parametrize("axes", [[0, 1, 2], [2, 3], [0, 3, 4]], ids=str)
 def test_other_means_are_left_alone(axes, monkeypatch) -> None:
     fused, without = plans(mean_after_bn(1, axes, False), monkeypatch)

@@ -90,7 +90,10 @@ def _variance_of(plan: Plan, steps: list[Step], cons: dict[int, list[int]], kept
                  mean: Step, axes: list[int], drop: set[int]) -> tuple[int, int, int] | None:
     """(Sub, Mul, ReduceMean) step indices of ``ReduceMean(D·D)`` with ``D = Sub(x, mean)``, over the same
     axes and fusable as a per-channel dot product (:func:`onnxtrain.engine.fusion.products.fuse_channel_dots`
-    would take it: the Mul read by the reduction alone), or None."""
+    would take it: the Mul read by the reduction alone), or None. The mean must keep its axes: one of shape
+    (C,) is subtracted along X's last axis, not per channel, so that variance is not the forward's."""
+    if not keeps_dims(mean):
+        return None
     for s in cons.get(mean.outputs[0], ()):
         sub = steps[s]
         if (sub.node.op_type != "Sub" or sub.node.domain not in DEFAULT_DOMAINS
