@@ -121,6 +121,39 @@ def test_sum_of_a_product_over_all_but_the_channels_is_one_step(reduce: str, ops
         np.testing.assert_array_equal(plan.run(feeds)[0], plain.run(feeds)[0])
 
 
+def test_a_sum_that_overflows_in_the_fused_order_is_made_by_the_original_steps() -> None:
+    # every product is ±1.5e38 (finite); summed in another order than the unfused plan's, a partial sum
+    # can pass float32's largest value: the fused step gave inf where the unfused plan gives 3e38
+    m = channel_dot_model("ReduceSum", 18, 0)
+    plan, plain = Plan(m), Plan(m, fuse=False)
+    assert "ChannelDot" in ops(plan)
+    signs = np.array([-1, -1, -1, 1, 1, 1, 1, -1, 1, 1, -1, 1, 1, -1, 1, -1], np.float32)
+    feeds = {"a": (signs * np.float32(1.5e19)).reshape(1, 1, 1, 16),
+             "b": np.full((1, 1, 1, 16), 1e19, np.float32)}
+    got = plan.run(feeds)[0]
+    np.testing.assert_array_equal(got, plain.run(feeds)[0])
+    assert np.isfinite(got).all()
+    exact = (feeds["a"].astype(np.float64) * feeds["b"]).sum(axis=(0, 2, 3))
+    np.testing.assert_allclose(got, exact, rtol=1e-6)
+    feeds["a"][0, 0, 0, 3] = np.nan  # a NaN sum: the unfused plan's own
+    np.testing.assert_array_equal(plan.run(feeds)[0], plain.run(feeds)[0])
+
+
+@pytest.mark.parametrize("axes", [[4, 2, 3], [0, 2, 7], [-5, 2, 3]])
+def test_axes_out_of_range_fail_as_in_the_unfused_plan(axes: list[int]) -> None:
+    nodes = [helper.make_node("Mul", ["a", "b"], ["p"]),
+             helper.make_node("ReduceSum", ["p"], ["s"], axes=axes)]
+    m = model(nodes, ["a", "b"], ["s"])
+    m.opset_import[0].version = 11
+    errors = []
+    for plan in (Plan(m), Plan(m, fuse=False)):
+        a = np.ones((4, 3, 5, 6), np.float32)
+        with pytest.raises(Exception, match="out of range") as e:
+            plan.run({"a": a, "b": a})
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
+
+
 def test_a_product_read_elsewhere_is_not_fused() -> None:
     plan = Plan(channel_dot_model("ReduceSum", 18, 1, product_read_elsewhere=True))
     assert "ChannelDot" not in ops(plan)

@@ -50,6 +50,23 @@ def test_concat_product_is_one_step_with_the_same_bits() -> None:
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("concat_first", [True, False])
+def test_concat_product_keeps_the_muls_operand_order_for_nans(concat_first: bool) -> None:
+    # where both factors are NaN the product is the first operand's NaN (its sign and payload, on x86)
+    nodes = [helper.make_node("Concat", ["p0", "p1"], ["cat"], axis=1),
+             helper.make_node("Mul", ["cat", "c"] if concat_first else ["c", "cat"], ["y"])]
+    m = model(nodes, ["p0", "p1", "c"], ["y"])
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert _ops(fused) == ["ConcatProduct"]
+    nan = np.array([0x7FC00000], np.uint32).view(np.float32)[0]
+    feeds = {"p0": np.full((2, 3), nan, np.float32), "p1": np.full((2, 3), nan, np.float32),
+             "c": -np.full((2, 6), nan, np.float32)}
+    feeds["p1"][0, 0] = 2.0
+    got, want = fused.run(feeds)[0], plain.run(feeds)[0]
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.signbit(got[1, 0]) == (not concat_first)
+
+
 def test_a_concat_made_from_shapes_alone_is_not_written_into() -> None:
     """A Concat whose pieces come from shapes alone is kept from the first run, read-only; the fused product
     multiplied into it ("output array is read-only": the gradient of a GRU's output.sum()). onnxruntime the

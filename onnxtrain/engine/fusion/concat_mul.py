@@ -67,7 +67,8 @@ def _concat_product(plan: Plan, cat: Step, mul: Step, side: int) -> Callable:
         # unless the Concat's value is kept from a run before (read-only: made from shapes alone)
         if type(joined) is np.ndarray and type(c) is np.ndarray and joined.shape == c.shape and (
                 joined.dtype == c.dtype and joined.dtype in _FLOATS) and joined.flags.writeable:
-            np.multiply(joined, c, out=joined)
+            # the Mul's operand order: where both are NaN, the product is the first one's NaN (sign, payload)
+            np.multiply(*((joined, c) if side == 0 else (c, joined)), out=joined)
             return (joined,)
         return plan._call(mul, [joined, c] if side == 0 else [c, joined])
 

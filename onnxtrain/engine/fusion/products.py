@@ -2,7 +2,9 @@
 whose product nothing else reads, becomes one step that sums a·b per channel by BLAS dot products
 (:func:`onnxtrain.engine.kernels.reduce.channel_axes_sum`) without writing the product: BatchNorm's gradient
 takes Σ dY·(X − mean) and Σ (X − mean)² that way, each a pass and an activation-sized array fewer. The sums
-differ from the unfused ones by rounding only (each product is no longer rounded before it is added)."""
+differ from the unfused ones by rounding only (each product is no longer rounded before it is added); a sum
+that comes out infinite or NaN is made again by the original steps, whose order of the same terms may not
+overflow (and whose NaN is the unfused plan's)."""
 
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def channel_dot_kernel(plan: Plan, members: list[Step], ins: Sequence[int], axes
         if (type(a) is np.ndarray and type(b) is np.ndarray and a.shape == b.shape and a.dtype == b.dtype
                 and a.size):
             y = channel_axes_sum(a, axes, keepdims, other=b)
-            if y is not None:
+            if y is not None and np.isfinite(y).all():  # (C values: a check of microseconds)
                 if mean:
                     y /= a.size // a.shape[1]
                 return (y,)

@@ -169,7 +169,8 @@ def channel_axes_sum(w: np.ndarray, axes: Any, keepdims: bool,
                      other: np.ndarray | None = None) -> np.ndarray | None:
     """:func:`channel_sum` (of ``w`` or of ``w·other``) when ``axes`` are every axis but 1 (BatchNorm's
     statistics and their gradients), shaped as the reduction's result; None otherwise."""
-    if axes is None or sorted(a % w.ndim for a in axes) != [0, *range(2, w.ndim)]:
+    if (axes is None or not all(-w.ndim <= a < w.ndim for a in axes)  # (out of range: the caller's error)
+            or sorted(a % w.ndim for a in axes) != [0, *range(2, w.ndim)]):
         return None
     y = channel_sum(w, other)
     return y if y is None or not keepdims else y.reshape((1, w.shape[1]) + (1,) * (w.ndim - 2))
