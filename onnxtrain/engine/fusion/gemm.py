@@ -93,6 +93,8 @@ def _matmul_weight_grad(plan: Plan, members: list[Step], nd: int) -> Callable:
             and a.shape[:-1] == b.shape[:-1]
             and a.dtype == b.dtype
             and a.dtype in FLOATS
+            and a.size
+            and b.size  # (an empty last axis: reshape(-1, 0) names no row count; the steps make the zeros)
         ):
             return (np.matmul(a.reshape(-1, a.shape[-1]).T, b.reshape(-1, b.shape[-1])),)
         env = {tr.inputs[0]: a, mm.inputs[1]: b, red.inputs[1]: axes}
@@ -155,6 +157,8 @@ def _conv_weight_grad(plan: Plan, members: list[Step], crop: dict[int, int] | No
             and x.shape[0] == dy.shape[0]
             and x.dtype == dy.dtype
             and x.dtype in FLOATS
+            and x.size
+            and dy.size  # (an empty batch or no channels: the steps' zeros, which the routes do not make)
             and len(strides) == nd
             and len(dil) == nd
             and len(pads) == 2 * nd

@@ -44,7 +44,7 @@ def half_product_plus(a: np.ndarray, b: np.ndarray, bias: np.ndarray) -> np.ndar
     not all float16 or the bias would grow the product's shape."""
     if not (a.dtype == b.dtype == bias.dtype == HALF) or a.ndim < 1 or b.ndim < 1:
         return None
-    y = np.matmul(to_single(a), to_single(b))
+    y = np.asarray(np.matmul(to_single(a), to_single(b)))  # (1-D by 1-D: a scalar, made a 0-d array)
     if np.broadcast_shapes(y.shape, bias.shape) != y.shape:
         return None
     if not round_to_half(y):  # a value of 2¹⁵ or more (it may overflow), infinite or NaN: numpy's own add
