@@ -231,3 +231,41 @@ def test_uniform_column_is_tested_by_its_bits() -> None:
     assert uniform(nan).shape == ()
     one = np.ones((1, 1), np.float32)
     assert uniform(one) is one
+
+
+def _nan(bits: int) -> np.float32:
+    return np.array(bits, np.uint32).view(np.float32).reshape(())[()]
+
+
+def test_an_in_place_product_keeps_the_muls_operand_order_for_nans() -> None:
+    # Mul(c, ScatterElements(...)) written into the scatter: where both factors are NaN the product is the
+    # first operand's NaN (sign and payload, on x86), so the order must stay c·s
+    nodes = [helper.make_node("ScatterElements", ["data", "idx", "upd"], ["s"], axis=1),
+             helper.make_node("Mul", ["c", "s"], ["y"])]
+    m = model(nodes, ["data", "idx", "upd", "c"], ["y"])
+    m.graph.input[1].type.tensor_type.elem_type = onnx.TensorProto.INT64
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert "InplaceMul" in ops(fused)
+    f = {"data": np.full((2, 3), _nan(0x7FC00001), np.float32), "idx": np.array([[0], [1]], np.int64),
+         "upd": np.array([[1], [2]], np.float32), "c": np.full((2, 3), _nan(0xFFC00002), np.float32)}
+    got, want = fused.run(f)[0], plain.run({k: v.copy() for k, v in f.items()})[0]
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert (got.view(np.uint32) == 0xFFC00002).all()
+
+
+@pytest.mark.parametrize("bias_first", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_bias_added_into_a_product_keeps_the_adds_operand_order_for_nans(bias_first: bool, dtype) -> None:
+    et = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    nodes = [helper.make_node("MatMul", ["a", "b"], ["p"]),
+             helper.make_node("Add", ["bias", "p"] if bias_first else ["p", "bias"], ["y"])]
+    ins = [helper.make_tensor_value_info(n, et, None) for n in ("a", "b", "bias")]
+    g = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info("y", et, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert ops(fused) == ["FusedMatMulAdd"]
+    f = {"a": np.full((2, 3), np.nan, dtype), "b": np.ones((3, 4), dtype), "bias": -np.full(4, np.nan, dtype)}
+    f["a"][1] = 1  # a row of finite products too
+    got, want = fused.run(f)[0], plain.run(f)[0]
+    it = np.uint32 if dtype == np.float32 else np.uint16
+    np.testing.assert_array_equal(got.view(it), want.view(it))

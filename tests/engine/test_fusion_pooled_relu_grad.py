@@ -7,6 +7,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
 
 from onnxtrain.autodiff.builder import build_gradient_model
 from onnxtrain.engine import fusion
@@ -293,3 +294,34 @@ def test_overlapping_pool_gradient_against_torch() -> None:
     want.backward()
     np.testing.assert_allclose(loss, want.item(), rtol=1e-12)
     np.testing.assert_allclose(grad, tx.grad.numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_a_scatter_into_rows_of_several_values_is_left_to_its_steps() -> None:
+    # the scatter form with a 2-D target: along axis 0 of (M, K) the j-th value goes to flat position
+    # I[j]·K, not I[j], so masking it by its own window's pooled value is wrong; the original steps run
+    f = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Constant", [], ["zeros"],
+                         value=numpy_helper.from_array(np.zeros((4, 2), np.float32))),
+        helper.make_node("Constant", [], ["zero"], value=numpy_helper.from_array(np.zeros((), np.float32))),
+        helper.make_node("Constant", [], ["s21"], value=numpy_helper.from_array(np.array([2, 1], np.int64))),
+        helper.make_node("MaxPool", ["x"], ["p", "i"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Reshape", ["i", "s21"], ["fi"]),
+        helper.make_node("ScatterElements", ["zeros", "fi", "d"], ["s"], axis=0, reduction="add"),
+        helper.make_node("Shape", ["x"], ["xshape"]),
+        helper.make_node("Reshape", ["s", "xshape"], ["u"]),
+        helper.make_node("Greater", ["x", "zero"], ["m"]),
+        helper.make_node("Where", ["m", "u", "zero"], ["g"]),
+    ]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, [1, 1, 2, 4]),
+                                       helper.make_tensor_value_info("d", f, [2, 1])],
+                          [helper.make_tensor_value_info("g", f, [1, 1, 2, 4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(m, full_check=True)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert "PooledReluGrad" in ops(fused)
+    feeds = {"x": np.array([[[[0, 5, -1, 7], [0, 0, 0, 0]]]], np.float32),
+             "d": np.array([[10], [20]], np.float32)}
+    got, want = fused.run(feeds)[0], plain.run(feeds)[0]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, ReferenceEvaluator(m).run(None, feeds)[0])

@@ -482,8 +482,9 @@ def _weight_grad_gemm(dy: np.ndarray, view: np.ndarray) -> np.ndarray:
 def fuse_matmul_bias(plan: Plan, steps: list[Step]) -> list[Step]:
     """Add(MatMul(A, B), bias) → the product with the bias added in place (no second output array).
 
-    Runs after the elementwise clusters, so only Adds no cluster took are rewritten. Addition commutes
-    exactly in IEEE arithmetic, so the result is bit-identical whichever side the product was on.
+    Runs after the elementwise clusters, so only Adds no cluster took are rewritten. The bias is added on
+    the side the graph's Add has it: the sums commute, but where both operands are NaN the result is the
+    first one's (its sign and payload).
     """
     cons, prod, kept = consumers(steps), producers(steps), protected_slots(plan)
     drop: set[int] = set()
@@ -501,7 +502,7 @@ def fuse_matmul_bias(plan: Plan, steps: list[Step]) -> list[Step]:
             members,
             (*mm.inputs, add.inputs[1 - side]),
             add.outputs,
-            _matmul_add(plan, members),
+            _matmul_add(plan, members, side),
         )
         drop.add(m)
     return [replace.get(k, st) for k, st in enumerate(steps) if k not in drop]
@@ -524,13 +525,15 @@ def matmul_product_side(
     return None
 
 
-def _matmul_add(plan: Plan, members: list[Step]) -> Callable:
+def _matmul_add(plan: Plan, members: list[Step], side: int) -> Callable:
+    """The fused step's kernel; ``side``: the product's place in the Add (0 first, 1 second)."""
     mm, add = members
+    first = side == 1  # the bias is the Add's first operand
 
     def run(inputs: Sequence[Any], attrs: Attrs) -> Sequence[Any]:
         a, b, bias = inputs
         if type(a) is type(b) is type(bias) is np.ndarray and a.dtype == HALF:
-            y = half_product_plus(a, b, bias)  # float16: the bias added before the product leaves float32
+            y = half_product_plus(a, b, bias, first)  # float16: the bias added while the product is float32
             if y is not None:
                 return (y,)
         y = plan._call(mm, [a, b])[0]
@@ -544,8 +547,8 @@ def _matmul_add(plan: Plan, members: list[Step]) -> Callable:
             and not np.may_share_memory(y, b)
             and not np.may_share_memory(y, bias)
         ):
-            np.add(y, bias, out=y)  # the product is ours: add the bias into it
+            np.add(*((bias, y) if first else (y, bias)), out=y)  # the product is ours: the bias added into it
             return (y,)
-        return plan._call(add, [y, bias])
+        return plan._call(add, [bias, y] if first else [y, bias])
 
     return run

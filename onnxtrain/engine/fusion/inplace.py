@@ -140,7 +140,9 @@ def _scale_over(plan: Plan, st: Step, pos: int) -> Callable:
             and all(k in (1, n) for k, n in zip(c.shape[::-1], d.shape[::-1]))
             and not np.may_share_memory(c, d)
         ):
-            return (np.multiply(d, uniform(c) if d.size >= UNIFORM_MIN else c, out=d),)
+            cc = uniform(c) if d.size >= UNIFORM_MIN else c
+            # the Mul's operand order: where both are NaN, the product is the first one's NaN (sign, payload)
+            return (np.multiply(*((d, cc) if pos == 0 else (cc, d)), out=d),)
         return plan._call(st, list(inputs))
 
     return run

@@ -179,6 +179,7 @@ def _pooled_relu_grad(plan: Plan, greater: Step, members: list[Step], where: Ste
             and zero.ndim <= grad.ndim
             and np.ndim(c) <= pooled.ndim
             and not (scatter and padded and _below_zero(rest[1]))
+            and not (scatter and _not_flat(rest[0]))
         ):
             kept = plan._call(greater, [pooled, c])[0]
             it = BITS_INT.get(grad.dtype.itemsize)
@@ -193,6 +194,13 @@ def _pooled_relu_grad(plan: Plan, greater: Step, members: list[Step], where: Ste
         return plan._call(where, [plan._call(greater, [r, c])[0], put_back(grad, rest), zero])
 
     return run
+
+
+def _not_flat(zeros: Any) -> bool:
+    """True when the scatter's target is not one value per flat index (an array of shape (M,) or (M, 1, ...)):
+    along axis 0 of (M, K) the j-th value goes to flat position I[j]·K + column, not I[j], so it is not masked
+    by its own window's pooled value."""
+    return type(zeros) is not np.ndarray or any(n != 1 for n in zeros.shape[1:])
 
 
 def _below_zero(idx: Any) -> bool:

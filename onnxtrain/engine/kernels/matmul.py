@@ -37,19 +37,23 @@ def _low_precision(dt: np.dtype) -> bool:
     return dt.kind == "V" or dt.name.startswith(("bfloat", "float8"))
 
 
-def half_product_plus(a: np.ndarray, b: np.ndarray, bias: np.ndarray) -> np.ndarray | None:
-    """``Add(MatMul(a, b), bias)`` of float16 arrays with the two nodes' bits, the product rounded to float16
-    while it stays in float32 (:func:`round_to_half`) and the bias added there, narrowed once: numpy's
-    float16 add rounds the float32 sum of its operands once, as this does. None where the operands are
-    not all float16 or the bias would grow the product's shape."""
+def half_product_plus(a: np.ndarray, b: np.ndarray, bias: np.ndarray, bias_first: bool = False
+                      ) -> np.ndarray | None:
+    """``Add(MatMul(a, b), bias)`` (``Add(bias, MatMul(a, b))`` with ``bias_first``) of float16 arrays with
+    the two nodes' bits, the product rounded to float16 while it stays in float32 (:func:`round_to_half`)
+    and the bias added there, narrowed once: numpy's float16 add rounds the float32 sum of its operands
+    once, as this does. None where the operands are not all float16 or the bias would grow the product's
+    shape."""
     if not (a.dtype == b.dtype == bias.dtype == HALF) or a.ndim < 1 or b.ndim < 1:
         return None
     y = np.asarray(np.matmul(to_single(a), to_single(b)))  # (1-D by 1-D: a scalar, made a 0-d array)
     if np.broadcast_shapes(y.shape, bias.shape) != y.shape:
         return None
     if not round_to_half(y):  # a value of 2¹⁵ or more (it may overflow), infinite or NaN: numpy's own add
-        return np.add(narrow(y), bias)
-    np.add(y, to_single(bias), out=y)
+        p = narrow(y)
+        return np.add(bias, p) if bias_first else np.add(p, bias)
+    w = to_single(bias)
+    np.add(*((w, y) if bias_first else (y, w)), out=y)
     return narrow(y)
 
 
