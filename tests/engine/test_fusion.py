@@ -933,3 +933,26 @@ def test_torch_attention_training_is_bit_identical_with_and_without_fusion(name:
     sa, sb = fused.get_state(), plain.get_state()
     for k in sa:
         np.testing.assert_array_equal(sa[k], sb[k], err_msg=k)
+
+
+def test_shape_steps_reading_an_initializer_the_caller_handed_in_are_not_memoized() -> None:
+    # the caller's array may be rewritten between runs (it is not the model's own read-only copy)
+    from onnx import numpy_helper
+
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+             helper.make_node("Unsqueeze", ["n", "zero1"], ["n1"]),
+             helper.make_node("Concat", ["n1", "tail"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["x", "shape"], ["y"])]
+    inits = [numpy_helper.from_array(np.array(0, np.int64), "zero"),
+             numpy_helper.from_array(np.array([0], np.int64), "zero1"),
+             numpy_helper.from_array(np.array([2, 3], np.int64), "tail")]
+    m = model(nodes, ["x"], ["y"], inits)
+    tail = np.array([2, 3], np.int64)
+    fused, plain = Plan(m, initializers={"tail": tail}), Plan(m, fuse=False, initializers={"tail": tail})
+    x = np.arange(12, dtype=np.float32).reshape(2, 6)
+    assert fused.run({"x": x})[0].shape == plain.run({"x": x})[0].shape == (2, 2, 3)
+    tail[:] = [3, 2]
+    assert fused.run({"x": x})[0].shape == plain.run({"x": x})[0].shape == (2, 3, 2)
+    assert tail.flags.writeable
+    assert Plan(m).run({"x": x})[0].shape == (2, 2, 3)  # the model's own initializer: memoized as before

@@ -108,10 +108,11 @@ def memoize_shape_steps(plan: Plan, steps: list[Step]) -> list[Step]:
     :class:`FromShapes`."""
     consts = dict(plan._const_values)
     # small int initializers a run cannot change (one that is also a graph input may be fed, and a feed's
-    # array may be rewritten between runs: its results are not memoized by identity)
+    # array may be rewritten between runs: its results are not memoized by identity; nor those of an array
+    # the caller handed in for an initializer and may still write, which the model's own never are)
     fed = set(plan.all_input_names)
     fixed = {plan.slot[n] for n, v in plan.initializers.items()
-             if v.dtype.kind in "iub" and v.size <= 64 and n not in fed}
+             if v.dtype.kind in "iub" and v.size <= 64 and n not in fed and not v.flags.writeable}
     derived: set[int] = set()  # slots whose value depends only on shapes read by a SOURCES step
     kept = protected_slots(plan)
     out: list[Step] = []
