@@ -62,6 +62,14 @@ from onnxtrain.ir.graphs import DEFAULT_DOMAINS, RANDOM_OPS, added_later, first_
 from onnxtrain.ir.types import TENSOR_TYPE_STRINGS
 
 
+def _plain(v: Any) -> Any:
+    """An ndarray subclass's value as a plain ndarray (no copy), anything else as it is: kernels and fused
+    steps key their work on ``type(v) is np.ndarray`` (a cluster's program is chosen by its inputs' shapes
+    and dtypes, which a subclass's would not be part of), and ONNX has no subclass semantics (np.matrix's
+    ``*``)."""
+    return np.asarray(v) if type(v) is not np.ndarray and isinstance(v, np.ndarray) else v
+
+
 def _quiet() -> np.errstate:
     """numpy's floating-point warnings off for a run: the kernels give IEEE results (an overflow's inf, a
     NaN from inf - inf) silently, as other ONNX runtimes do, instead of numpy's RuntimeWarnings (mixed
@@ -203,7 +211,7 @@ class Plan(GraphInterface):
         self.profile: list[ProfileEvent] = []
         self._output_slots = [slot[n] for n in self.output_names]
         self._input_slots = [slot[n] for n in self.all_input_names]
-        self._init_values = [(slot[n], v) for n, v in self.initializers.items()]
+        self._init_values = [(slot[n], _plain(v)) for n, v in self.initializers.items()]
         self._base_bytes = sum(v.nbytes for v in self.initializers.values())
         self._const_values: list[tuple[int, np.ndarray]] = []
         if fold_constants:
@@ -328,11 +336,11 @@ class Plan(GraphInterface):
                 raise EngineError(f"unknown feed {name!r}; graph inputs: {self.all_input_names}")
             if vals[s] is not None and name in self.initializers:
                 live -= vals[s].nbytes
-            vals[s] = v
+            vals[s] = v = _plain(v)
             live += nbytes(v)
         if overrides:
             for name, v in overrides.items():
-                vals[slot[name]] = v
+                vals[slot[name]] = _plain(v)
         reuse = None
         if donate:  # only a donated array the run really reads (an override may have replaced it)
             given = donated_slots(self, feeds, donate)

@@ -956,3 +956,24 @@ def test_shape_steps_reading_an_initializer_the_caller_handed_in_are_not_memoize
     assert fused.run({"x": x})[0].shape == plain.run({"x": x})[0].shape == (2, 3, 2)
     assert tail.flags.writeable
     assert Plan(m).run({"x": x})[0].shape == (2, 2, 3)  # the model's own initializer: memoized as before
+
+
+def test_a_cluster_fed_ndarray_subclasses_runs_on_their_shapes_and_dtypes(tmp_path) -> None:
+    # a cluster keys its compiled programs on its inputs' shapes and dtypes: a subclass (np.memmap, a data
+    # set read from disk) fed straight to a plan must not reuse the program of another shape or dtype
+    nodes = [helper.make_node("Mul", ["x", "y"], ["a"]), helper.make_node("Add", ["a", "x"], ["b"]),
+             helper.make_node("Tanh", ["b"], ["c"]), helper.make_node("Sub", ["c", "y"], ["o"])]
+    m = model(nodes, ["x", "y"], ["o"])
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert ops(fused) == ["FusedElementwise"]
+    rng = np.random.default_rng(0)
+    for i, (shape, dt) in enumerate([((30, 40), np.float32), ((1, 40), np.float32), ((30, 40), np.float64),
+                                     ((50, 60), np.float32), ((300, 1000), np.float32)]):
+        feeds = {}
+        for name in ("x", "y"):
+            mm = np.memmap(tmp_path / f"{name}{i}.bin", dtype=dt, mode="w+", shape=shape)
+            mm[:] = rng.standard_normal(shape)
+            feeds[name] = mm
+        got, want = fused.run(feeds)[0], plain.run({k: np.array(v) for k, v in feeds.items()})[0]
+        assert type(got) is np.ndarray and got.shape == shape and got.dtype == dt
+        np.testing.assert_array_equal(got, want)
