@@ -789,6 +789,20 @@ def test_masked_softmax_with_unsafe_scores_or_another_axis_runs_the_original_ste
             np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("axis", [-5, 4, 7])
+def test_masked_softmax_over_an_axis_out_of_range_fails_as_unfused(axis: int) -> None:
+    m = masked_softmax_model(-np.inf, axis=axis)
+    fused, plain = Plan(m), Plan(m, fuse=False)
+    assert ops(fused) == ["MaskedSoftmax"]
+    feeds = {"c": causal(4, 1), "x": np.arange(96, dtype=np.float32).reshape(2, 3, 4, 4) / 10}
+    errors = []
+    for plan in (fused, plain):
+        with pytest.raises(Exception, match="out of range") as e:
+            plan.run(feeds)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
+
+
 def test_masked_softmax_per_sample_masks_and_split_rows_are_bit_identical_to_unfused() -> None:
     """A mask per sample (B, 1, S, S), a fully masked row (NaN, as unfused), and rows split over threads."""
     from onnxtrain.engine.parallel import running_with

@@ -82,6 +82,7 @@ def _masked_softmax(
         if (
             type(x) is np.ndarray and type(c) is np.ndarray and c.dtype == np.bool_
             and x.dtype == dtype and x.ndim >= max(fill_rank, 1) and x.flags.c_contiguous and x.size
+            and -x.ndim <= soft.attrs["axis"] < x.ndim  # (out of range: the Softmax kernel's error)
             and soft.attrs["axis"] % x.ndim == x.ndim - 1
             and broadcasts_onto(c.shape, x.shape)
         ):
