@@ -54,3 +54,39 @@ def test_outputs_of_a_parameter_are_not_views_of_it(tmp_path) -> None:
     np.testing.assert_array_equal(eval_flat, before.reshape(-1))
     rows[:] = 0
     assert state.parameters["P"].data[1:].any()
+
+
+def _passthrough_model() -> onnx.ModelProto:
+    """logits = Flatten(x)·Pᵀ; outputs also flat = Flatten(x) (a view of the caller's input) and flat_id =
+    Identity(flat) (the same array again)."""
+    p = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
+    nodes = [helper.make_node("Flatten", ["x"], ["flat"], axis=1),
+             helper.make_node("Identity", ["flat"], ["flat_id"]),
+             helper.make_node("Gemm", ["flat", "P"], ["logits"], transB=1)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["N", 4, 1])],
+                          [helper.make_tensor_value_info("logits", F, ["N", 3]),
+                           helper.make_tensor_value_info("flat", F, ["N", 4]),
+                           helper.make_tensor_value_info("flat_id", F, ["N", 4])],
+                          [numpy_helper.from_array(p, "P")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_outputs_are_apart_from_the_callers_inputs_and_from_each_other(tmp_path) -> None:
+    artifacts.generate_artifacts(_passthrough_model(), requires_grad=["P"], loss=artifacts.LossType.MSELoss,
+                                 loss_input_names=["logits"], additional_output_names=["flat", "flat_id"],
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    buf = np.arange(8, dtype=np.float32).reshape(2, 4, 1)  # one input buffer, refilled every batch
+    y = np.zeros((2, 3), np.float32)
+    for mode in ("train", "eval"):
+        getattr(module, mode)()
+        buf[...] = np.arange(8, dtype=np.float32).reshape(2, 4, 1)
+        _, flat, flat_id = module(buf, y)
+        kept = flat.copy()
+        assert not np.shares_memory(flat, buf) and not np.shares_memory(flat, flat_id)
+        buf[...] = -1  # the next batch
+        np.testing.assert_array_equal(flat, kept)
+        flat[...] = 7  # the caller's output: its other output and the input stay
+        np.testing.assert_array_equal(flat_id, kept)
+        assert (buf == -1).all()

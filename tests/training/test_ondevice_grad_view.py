@@ -162,3 +162,43 @@ def test_unheld_gradients_are_not_copied(ort_reference):
         np.copyto = real
     assert copies == [(8, 4)]  # only the one held here
     assert grad is state.parameters["fc1.weight"].grad
+
+
+def test_a_view_of_a_gradient_the_plan_gave_as_a_view_stays_live(tmp_path) -> None:
+    # a parameter used through a Reshape: its gradient comes out of the plan as a view (a Reshape of a sum);
+    # a caller's view of .grad must still see the next calls' gradients and carry edits to the optimizer
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxtrain.training import artifacts
+
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Reshape", ["scale", "shape"], ["scale2"]),
+             helper.make_node("Mul", ["x", "scale2"], ["out"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, ["N", 3])],
+                          [helper.make_tensor_value_info("out", f, ["N", 3])],
+                          [numpy_helper.from_array(np.array([1, 2, 3], np.float32), "scale"),
+                           numpy_helper.from_array(np.array([1, 3], np.int64), "shape")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    artifacts.generate_artifacts(model, requires_grad=["scale"], loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    module = Module(str(tmp_path / "training_model.onnx"), state)
+    opt = Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
+    rng = np.random.default_rng(0)
+    batches = [tuple(rng.standard_normal((4, 3)).astype(np.float32) for _ in range(2)) for _ in range(3)]
+
+    def grad_of(x: np.ndarray, y: np.ndarray, scale: np.ndarray) -> np.ndarray:  # d mean((x·s − y)²) / ds
+        return (2 * (x * scale - y) * x).sum(axis=0) / x.size
+
+    module(*batches[0])
+    view = state.parameters["scale"].grad[:]  # only a view is kept
+    scale = state.parameters["scale"].data.copy()
+    module(*batches[1])  # accumulates
+    np.testing.assert_allclose(view, grad_of(*batches[0], scale) + grad_of(*batches[1], scale), rtol=1e-5)
+    np.testing.assert_array_equal(view, state.parameters["scale"].grad)
+    view[...] = 0  # an edit through the view reaches the optimizer: a step of a zero gradient
+    opt.step()
+    np.testing.assert_array_equal(state.parameters["scale"].data, scale)
+    module.lazy_reset_grad()
+    module(*batches[2])
+    np.testing.assert_allclose(view, grad_of(*batches[2], scale), rtol=1e-5)

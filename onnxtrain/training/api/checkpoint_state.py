@@ -257,7 +257,16 @@ class Parameter:
 
     @property
     def grad(self) -> np.ndarray | None:
-        return self._state._param(self._name).grad
+        """The gradient buffer (a view the next training call updates, as onnxruntime's). One that the plan
+        gave as a view of another array (a Reshape of a sum) is first made an array of its own: a caller's
+        view of it then counts as holding it (its base is this array), so that :func:`replace_grads` writes
+        the next gradients into it instead of dropping it."""
+        p = self._state._param(self._name)
+        if p.grad is not None and p.grad.base is not None:
+            with self._state._lock:  # (a training call in another thread replaces it)
+                if p.grad is not None and p.grad.base is not None:
+                    p.grad = p.grad.copy()
+        return p.grad
 
     def __repr__(self) -> str:
         return f"Parameter(name={self._name}, requires_grad={self.requires_grad})"

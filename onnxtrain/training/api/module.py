@@ -32,6 +32,7 @@ from onnxtrain.engine.interface import GraphInterface, UnsupportedOpError
 from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
+from onnxtrain.inference import outputs_apart, own_outputs
 from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import NameGen, pausing_gc
 from onnxtrain.ir.graphs import last_statistics
@@ -126,6 +127,13 @@ def _ortvalue_class(values: Sequence[Any]) -> Any:
     if issubclass(cls, np.ndarray) or not callable(getattr(cls, "numpy", None)):
         return None
     return cls if callable(getattr(cls, "ortvalue_from_numpy", None)) else None
+
+
+def _own(outs: list[Any], user_feeds: dict[str, Any]) -> list[Any]:
+    """``outs`` as the caller's own arrays, as onnxruntime-training gives them: none shares memory with the
+    caller's inputs (a Flatten of an input) or with another output (an Identity of an output), each is
+    writable and row-major (:func:`onnxtrain.inference.own_outputs` and ``outputs_apart``)."""
+    return outputs_apart(own_outputs(outs, user_feeds))
 
 
 def _unshared(outs: list[Any], params: Iterable[Any]) -> list[Any]:
@@ -481,6 +489,7 @@ class Module:
 
     def _train_step(self, user_inputs: Sequence[Any]) -> list[np.ndarray]:
         feeds = check_user_inputs(self._train_inputs, user_inputs, "the training model")
+        user_feeds = dict(feeds)  # (the outputs must not share memory with them)
         empty_batch = empty_run(feeds)  # BatchNorm's running statistics are left as they were
         feeds.update(self._param_feeds(self._param_order, "Cannot perform TrainStep with a nominal state."))
         params = self._state._params
@@ -529,7 +538,7 @@ class Module:
             if not empty_batch:
                 np.copyto(params[stat].data, new)  # in place: held .data arrays see the new statistics
         self._accumulate = True
-        return _unshared(results[:n], params.values())
+        return _own(_unshared(results[:n], params.values()), user_feeds)
 
     def _loss_scale_feed(self) -> np.ndarray:
         """The scaler's value on a call that starts an accumulation, else the scale already in use."""
@@ -553,11 +562,12 @@ class Module:
             raise RuntimeError("Evaluation session not initialized: this Module was created without an eval "
                                "model (Module(train_model, state, eval_model)); switch back with train()")
         feeds = check_user_inputs(self._eval_inputs, user_inputs, "the eval model")
+        user_feeds = dict(feeds)
         feeds.update(self._param_feeds(self._eval_params, "Cannot perform EvalStep with a nominal state."))
         plan = self._eval_plan
         outs = _checked_run(lambda: plan.run(feeds, self._eval_outputs), self._eval_inputs, feeds,
                             "the eval model")
-        return _unshared(outs, self._state._params.values())
+        return _own(_unshared(outs, self._state._params.values()), user_feeds)
 
     def lazy_reset_grad(self) -> None:
         """Make the next training call overwrite the gradients instead of adding to them (§3.3)."""
