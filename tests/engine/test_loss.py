@@ -143,6 +143,29 @@ def test_softmax_cross_entropy_matches_torch(reduction: str, weighted: bool) -> 
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_ignored_rows_with_infinite_scores_add_nothing(op: str, reduction: str, weighted: bool) -> None:
+    # padding positions whose logits are all masked to -inf, and ignored: their loss is 0, not -inf · 0
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 5)).astype(np.float32)
+    x[0, :] = -np.inf
+    x[3, 3] = np.nan
+    t = np.array([3, 1, 2, 3], np.int64)
+    w = rng.uniform(0.5, 2, 5).astype(np.float32) if weighted else None
+    inputs = [x, t] if w is None else [x, t, w]
+    (ours,) = compile_model(_loss_model(op, inputs, reduction=reduction, ignore_index=3)).run(
+        {f"x{i}": v for i, v in enumerate(inputs)})
+    xt = torch.from_numpy(x).double()
+    lp = torch.log_softmax(xt, 1) if op.startswith("Softmax") else xt
+    theirs = torch.nn.functional.nll_loss(lp, torch.from_numpy(t), reduction=reduction, ignore_index=3,
+                                          weight=None if w is None else torch.from_numpy(w).double()).numpy()
+    assert np.isfinite(ours).all()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
 def test_target_out_of_range_is_an_error() -> None:
     x = np.zeros((2, 3), np.float32)
     t = np.array([0, 3], np.int64)

@@ -63,6 +63,9 @@ def _nll(logp: np.ndarray, target: np.ndarray, weight: np.ndarray | None, attrs:
         w = np.logical_not(ignored).astype(loss.dtype)
     if w is not None:
         loss *= w
+    if ignored is not None:
+        loss[ignored] = 0  # an ignored row adds nothing, also where its log-probability is ±inf or NaN
+        # (padding positions whose logits are all masked to -inf: -inf · 0 would make the mean NaN)
     reduction = attrs["reduction"]
     if reduction == "none":
         return loss
