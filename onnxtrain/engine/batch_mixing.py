@@ -264,7 +264,8 @@ def _mixes(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: dict[str, int],
     b, r = axis.get(x), rank.get(x)
     if b is None:
         return None
-    if op == "BatchNormalization" and attrs.get("training_mode"):
+    if op == "BatchNormalization" and (attrs.get("training_mode") or (opset < 14 and len(node.output) > 1)):
+        # (before opset 14 a node with more than one output is in training mode, named or not)
         return "normalises with the batch's statistics (training mode)"
     if op in _REDUCE:
         if len(node.input) > 1 and node.input[1] and node.input[1] not in consts:
@@ -679,9 +680,16 @@ def _shape_entries(node: onnx.NodeProto, attrs: Mapping[str, Any], axis: Mapping
         if starts is None or ends is None or (axes is not None and list(axes.reshape(-1)) != [0]):
             return None
         step = 1 if steps is None else int(steps.reshape(-1)[0])
+        if step == 0:
+            return None
         n = len(got[0])
-        lo, hi = (max(-n - 1, min(n, int(v.reshape(-1)[0]))) for v in (starts, ends))
-        return got[0][slice(lo, hi, step)], False
+        lo, hi = (int(v.reshape(-1)[0]) for v in (starts, ends))
+        lo, hi = (v + n if v < 0 else v for v in (lo, hi))
+        if step > 0:  # ONNX's clamping (a Python slice clamps a negative step's bounds otherwise)
+            lo, hi = min(max(lo, 0), n), min(max(hi, 0), n)
+        else:
+            lo, hi = min(max(lo, 0), n - 1), min(max(hi, -1), n - 1)
+        return [got[0][i] for i in range(lo, hi, step)], False
     if op == "Concat":
         out: list[Entry] = []
         for i in ins:

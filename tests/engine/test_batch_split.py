@@ -403,6 +403,24 @@ SCREEN_CASES = {
     "after_a_reshape": ([helper.make_node("Reshape", ["x", "shape"], ["r"]),
                          helper.make_node("ReduceSum", ["r"], ["y"], axes=[0])],
                         [numpy_helper.from_array(np.array([-1, 4], np.int64), "shape")], 17, "ReduceSum"),
+    # before opset 14 a BatchNormalization with more outputs than Y trains, their names empty or not
+    "bn12_empty_optional_outputs": (
+        [helper.make_node("BatchNormalization", ["x", "sc", "b0", "rm", "rv"], ["y", "", "", "", ""])],
+        [numpy_helper.from_array(np.ones(3, np.float32), n) for n in ("sc", "rv")]
+        + [numpy_helper.from_array(np.zeros(3, np.float32), n) for n in ("b0", "rm")],
+        12, "BatchNormalization"),
+    "bn12_inference": (
+        [helper.make_node("BatchNormalization", ["x", "sc", "b0", "rm", "rv"], ["y"])],
+        [numpy_helper.from_array(np.ones(3, np.float32), n) for n in ("sc", "rv")]
+        + [numpy_helper.from_array(np.zeros(3, np.float32), n) for n in ("b0", "rm")], 12, None),
+    # the batch size read by a Slice of the Shape with a negative step from a start below -rank (ONNX
+    # clamps it to the last entry and counts down: [batch]), then used as a value
+    "batch_size_by_a_reversed_slice": (
+        [helper.make_node("Shape", ["x"], ["s"]),
+         helper.make_node("Slice", ["s", "st", "en", "ax", "stp"], ["b"]),
+         helper.make_node("Cast", ["b"], ["bf"], to=F), helper.make_node("Mul", ["x", "bf"], ["y"])],
+        [numpy_helper.from_array(np.array(v, np.int64), n)
+         for n, v in (("st", [-4]), ("en", [-100]), ("ax", [0]), ("stp", [-1]))], 17, "Mul"),
 }
 
 
