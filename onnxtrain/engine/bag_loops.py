@@ -22,6 +22,10 @@ from onnxtrain.engine.kernels.reduce import BLAS_SUM_MIN
 from onnxtrain.ir.bag_loops import BagLoop
 
 MAX_ROWS = 256  # a bag larger than this: the loop runs as written (one numpy call per row position here)
+# a bag of one-value rows (an embedding of dimension 1): the loop's ReduceSum/ReduceMean adds along a
+# contiguous axis, which numpy sums in eight partial sums from this many values on, not one row after
+# another as the pooling adds; such bags run the loop, for its bits
+PAIRWISE_MIN = 8
 
 
 def _bounds(v: np.ndarray, m: int, n: int) -> np.ndarray:
@@ -68,6 +72,8 @@ class BagPooling:
         row = table.shape[1:]
         if longest > MAX_ROWS or bag.reduce == "sum" and longest * int(np.prod(row)) >= BLAS_SUM_MIN:
             return None
+        if bag.reduce != "max" and int(np.prod(row)) == 1 and longest >= PAIRWISE_MIN:
+            return None  # (see PAIRWISE_MIN)
         rows = np.take(table, ids[s[0]:e[-1]], axis=0)  # out-of-range ids fail as the loop's Gather does
         self.last_bytes = rows.nbytes
         at = s - s[0]

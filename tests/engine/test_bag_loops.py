@@ -18,9 +18,9 @@ from tests import models
 IDS = np.array([1, 2, 4, 5, 4, 3, 2, 9], np.int64)
 
 
-def bag_model(mode: str, dtype=torch.float32) -> onnx.ModelProto:
+def bag_model(mode: str, dtype=torch.float32, dim: int = 3) -> onnx.ModelProto:
     torch.manual_seed(0)
-    bag = nn.EmbeddingBag(10, 3, mode=mode).to(dtype)
+    bag = nn.EmbeddingBag(10, dim, mode=mode).to(dtype)
     return models.export_torchscript(bag, (torch.from_numpy(IDS), torch.tensor([0, 4])), ["ids", "offsets"],
                                      ["y"], {"ids": {0: "n"}, "offsets": {0: "b"}})
 
@@ -66,6 +66,20 @@ def test_pooled_bags_equal_the_loop_bit_for_bit(mode, dtype, offsets, fast, pool
             bag = nn.EmbeddingBag(10, 3, mode=mode).to(dtype)
             t = bag(torch.from_numpy(IDS), torch.tensor(offsets)).numpy()
         np.testing.assert_allclose(got, t, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("longest", [7, 8, 9, 20])
+def test_bags_of_one_value_rows_keep_the_loops_bits(mode: str, longest: int, pooled) -> None:
+    # an embedding of dimension 1: the loop sums each bag along a contiguous axis, by eight partial sums
+    # from 8 values on
+    model = bag_model(mode, dim=1)
+    ids = np.random.default_rng(3).integers(0, 10, 2 * longest)
+    feeds = {"ids": ids, "offsets": np.array([0, longest], np.int64)}
+    (want,) = Plan(model, fuse=False).run(feeds)
+    (got,) = Plan(model).run(feeds)
+    assert pooled == [mode == "max" or longest < engine_bags.PAIRWISE_MIN]
+    np.testing.assert_array_equal(got, want)
 
 
 def test_loop_runs_as_written_for_large_bags_and_without_fusion(pooled, monkeypatch) -> None:
