@@ -80,3 +80,44 @@ def test_the_backend_trains_a_dilated_same_conv_as_torch() -> None:
         opt.step()
         np.testing.assert_allclose(loss, ref.item(), rtol=1e-5)
         np.testing.assert_allclose(sess.get_state()["W"], wt.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _pool(op: str, auto_pad: str, k: int, stride: int, dil: int, hw: tuple | None) -> onnx.ModelProto:
+    dims = ["H", "W"] if hw is None else list(hw)
+    node = helper.make_node(op, ["x"], ["y"], kernel_shape=[k, k], auto_pad=auto_pad, dilations=[dil, dil],
+                            strides=[stride, stride])
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, *dims])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)])
+
+
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER"])
+@pytest.mark.parametrize("case", CASES[:3])
+def test_a_dilated_same_pool_keeps_its_shape_and_values_on_the_backend(op: str, auto_pad: str, case) -> None:
+    # onnxruntime computes a dilated pool's SAME pads as if undilated: a 3×3 pool dilated by 2 shrank 7×8 to
+    # 5×6
+    from onnxtrain.engine.backends import make_plan
+
+    torch = pytest.importorskip("torch")
+    k, stride, dil, hw = case
+    model = _pool(op, auto_pad, k, stride, dil, hw)
+    x = np.random.default_rng(k).standard_normal((1, 2, *(hw or (7, 8)))).astype(np.float32)
+    got = make_plan(model, "onnxruntime").run({"x": x})[0]
+    want = make_plan(model, "numpy").run({"x": x})[0]
+    assert got.shape == want.shape == (1, 2, *(-(-n // stride) for n in x.shape[2:]))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    if op == "MaxPool":  # torch on the input padded as SAME says (the odd pad at the end for SAME_UPPER)
+        total = [(-(-n // stride) - 1) * stride + (k - 1) * dil + 1 - n for n in x.shape[2:]]
+        pads = [(t // 2, t - t // 2) if auto_pad == "SAME_UPPER" else (t - t // 2, t // 2) for t in total]
+        xp = torch.nn.functional.pad(torch.tensor(x), [*pads[1], *pads[0]], value=-np.inf)
+        want = torch.nn.functional.max_pool2d(xp, k, stride, 0, dilation=dil).numpy()
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("case, why", [((3, 2, 2, None), "sizes"), ((2, 3, 3, (10, 11)), "kernel's size")])
+def test_a_dilated_same_pool_onnxruntime_cannot_run_is_refused(case: tuple, why: str) -> None:
+    # a stride over unknown sizes (no pads to give), or pads as wide as the kernel (onnxruntime refuses them)
+    model = _pool("MaxPool", "SAME_UPPER", *case)
+    with pytest.raises(ValueError, match=f"dilated pool.*{why}.*numpy engine"):
+        dilated_same_pads(model, lambda: value_types(model))
