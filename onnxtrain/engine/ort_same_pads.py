@@ -73,8 +73,8 @@ def _check_pool_pads(node: onnx.NodeProto, pads: list[int] | None) -> None:
     if why is not None:
         name = node.name or node.output[0]
         raise ValueError(f"node {name!r} ({node.op_type}): onnxruntime computes the SAME padding of a "
-                         f"dilated pool as if it were not dilated, and {why}: run it on the numpy engine (the "
-                         "default backend)")
+                         f"dilated pool as if it were not dilated, and {why}: run it on the numpy engine "
+                         "(the default backend)")
 
 
 def _candidate(node: onnx.NodeProto) -> bool:
