@@ -1,4 +1,5 @@
-"""ConvTransposes whose ``output_padding`` reaches their stride rewritten for onnxruntime (it refuses them).
+"""ConvTransposes whose ``output_padding`` reaches their stride, or whose ``auto_pad`` SAME_* pads are
+negative, rewritten for onnxruntime (it refuses the first and clamps the second).
 
 ONNX (and torch) allow an ``output_padding`` below max(stride, dilation); onnxruntime 1.32 fails at run time
 on one at or above the stride ("output_padding may be too large for stride"). The output is the full
@@ -7,15 +8,25 @@ pads: rows [begin, full + output_padding − end). On such an axis the node take
 end pad less it, and where the end pad is smaller than the output_padding, a ``Pad`` appends the rows of
 zeros the pad did not crop. The same values. Only nodes with explicit pads (no ``auto_pad`` SAME_*, no
 ``output_shape``) are rewritten; the others stay as they are.
+
+Under ``auto_pad`` SAME_* (no ``output_shape``) Y has S·s rows, so the pads total output_padding + k_eff − s
+whatever S is (:func:`onnxtrain.ir.conv_shapes.conv_transpose_geometry`, the numpy engine's formula); a
+kernel narrower than the stride makes that negative, which onnxruntime clamps to 0 (a 1×1 kernel at stride
+2: 9 rows where ONNX says 10). :func:`same_conv_transposes` gives such nodes (and those whose
+output_padding reaches their stride, for the rewrite above) explicit pads, the negative ones as rows of
+zeros a ``Pad`` adds on their side.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxtrain.ir.builder import NameGen, model_opset
+from onnxtrain.ir.builder import NameGen, model_opset, static_shape
+from onnxtrain.ir.conv_shapes import conv_transpose_geometry
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, walk_graphs
 
 
@@ -93,5 +104,86 @@ def _append_zeros(node: onnx.NodeProto, zeros: list[int], names: NameGen, opset:
         return [helper.make_node("Pad", [inner], [y], name=label, pads=spec)]
     amounts = names(f"{y}_pads")
     const = helper.make_node("Constant", [], [amounts], name=names(f"{label}_pads"),
+                             value=numpy_helper.from_array(np.array(spec, np.int64), amounts))
+    return [const, helper.make_node("Pad", [inner, amounts], [y], name=label)]
+
+
+def same_conv_transposes(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
+    """``model`` with each ConvTranspose (bodies' too) under ``auto_pad`` SAME_* whose pads onnxruntime would
+    get wrong or refuse given explicit pads (module docstring); a copy, or ``model`` itself when there is
+    none. ``typed``: a getter of the value types (a kernel size the node does not state comes from W's)."""
+    if not any(_same_kind(n) for g in walk_graphs(model.graph) for n in g.node):
+        return model
+    types = typed()
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    names = NameGen.for_model(out)
+    opset = model_opset(out)
+    changed = False
+    for g in walk_graphs(out.graph):
+        nodes: list[onnx.NodeProto] = []
+        for n in g.node:
+            plan = _same_pads(n, types) if _same_kind(n) else None
+            nodes.append(n)
+            if plan is None:
+                continue
+            pads, before, after = plan
+            attrs = [a for a in n.attribute if a.name not in ("auto_pad", "pads")]
+            del n.attribute[:]
+            n.attribute.extend(attrs)
+            n.attribute.append(helper.make_attribute("pads", pads))
+            if any(before) or any(after):
+                nodes.extend(_zero_rows(n, before, after, names, opset))
+            changed = True
+        del g.node[:]
+        g.node.extend(nodes)
+    return out if changed else model
+
+
+def _same_kind(node: onnx.NodeProto) -> bool:
+    if node.op_type != "ConvTranspose" or node.domain not in DEFAULT_DOMAINS:
+        return False
+    a = {x.name: x for x in node.attribute}
+    return "auto_pad" in a and a["auto_pad"].s in (b"SAME_UPPER", b"SAME_LOWER") and "output_shape" not in a
+
+
+def _same_pads(node: onnx.NodeProto, types: dict) -> tuple[list[int], list[int], list[int]] | None:
+    """(explicit pads, rows of zeros to add before, after, per spatial axis) for a SAME ConvTranspose whose
+    pads are negative somewhere or whose output_padding reaches its stride; None when it needs neither (or
+    its kernel size is unknown)."""
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    kernel = list(a.get("kernel_shape") or [])
+    if not kernel:
+        w = static_shape(types, node.input[1]) if len(node.input) > 1 else None
+        kernel = list(w[2:]) if w is not None else []
+    nd = len(kernel)
+    if not nd or any(not isinstance(k, int) for k in kernel):
+        return None
+    strides = list(a.get("strides") or [1] * nd)
+    dil = list(a.get("dilations") or [1] * nd)
+    op = list(a.get("output_padding") or [0] * nd)
+    if not len(strides) == len(dil) == len(op) == nd:
+        return None  # (the node's own error, on the numpy engine as on onnxruntime)
+    geo = conv_transpose_geometry([None] * nd, kernel, strides, dil, op, a["auto_pad"])
+    begin, end = list(geo.pad_begin), list(geo.pad_end)
+    if min(begin + end) >= 0 and all(p < s for p, s in zip(op, strides, strict=True)):
+        return None
+    before, after = [max(0, -b) for b in begin], [max(0, -e) for e in end]
+    return [max(0, b) for b in begin] + [max(0, e) for e in end], before, after
+
+
+def _zero_rows(node: onnx.NodeProto, before: list[int], after: list[int], names: NameGen,
+               opset: int) -> list[onnx.NodeProto]:
+    """Nodes that rename ``node``'s output and add ``before`` and ``after`` rows of zeros on each spatial
+    axis under its old name."""
+    y = node.output[0]
+    inner = names(f"{y}_unpadded")
+    node.output[0] = inner
+    spec = [0, 0, *before, 0, 0, *after]
+    label = names(f"{node.name or y}_same_pads")
+    if opset < 11:
+        return [helper.make_node("Pad", [inner], [y], name=label, pads=spec)]
+    amounts = names(f"{y}_pads")
+    const = helper.make_node("Constant", [], [amounts], name=names(f"{label}_amounts"),
                              value=numpy_helper.from_array(np.array(spec, np.int64), amounts))
     return [const, helper.make_node("Pad", [inner, amounts], [y], name=label)]

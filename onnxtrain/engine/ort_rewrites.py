@@ -83,7 +83,7 @@ from onnxtrain.engine.ort_bernoulli import bernoulli_complements
 from onnxtrain.engine.ort_conv_grads import conv_weight_grads
 from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
 from onnxtrain.engine.ort_losses import softmax_cross_entropy_losses
-from onnxtrain.engine.ort_output_padding import large_output_paddings
+from onnxtrain.engine.ort_output_padding import large_output_paddings, same_conv_transposes
 from onnxtrain.engine.ort_pads import pads_as_concat
 from onnxtrain.engine.ort_same_pads import dilated_same_pads
 from onnxtrain.engine.ort_sums import leading_sums
@@ -127,8 +127,8 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
                             types: dict | None = None) -> onnx.ModelProto:
     """``model`` with the rewrites above but the labels' check applied (a copy), or ``model`` itself when none
     applies; without ``optimise`` (onnxruntime's optimisations turned off) only those onnxruntime needs to
-    load or run the graph: the BatchNormalization outputs', float16 scatters', dilated SAME Convs' pads and
-    ConvTransposes' large output_paddings.
+    load or run the graph: the BatchNormalization outputs', float16 scatters', dilated SAME Convs' and pools'
+    pads, SAME ConvTransposes' pads and ConvTransposes' large output_paddings.
     ``types``: value types of ``model`` already inferred (empty: inferred when a rewrite needs them)."""
     # inferred once, when a rewrite needs them (the rewrites keep the types of the values they read)
     types = {} if types is None else types
@@ -139,7 +139,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
         model = softmax_cross_entropy_losses(model, typed)
         model = leading_sums(model, typed)
         model = pads_as_concat(model, typed)
-    model = large_output_paddings(dilated_same_pads(model, typed))
+    model = large_output_paddings(same_conv_transposes(dilated_same_pads(model, typed), typed))
     return inference_batch_norms(half_scatters_in_float32(model, typed))
 
 

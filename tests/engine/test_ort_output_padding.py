@@ -131,3 +131,33 @@ def test_the_backend_trains_it_as_torch() -> None:
         opt.step()
         np.testing.assert_allclose(loss, ref.item(), rtol=1e-5)
         np.testing.assert_allclose(sess.get_state()["W"], wt.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+# SAME ConvTransposes: Y has S·s rows, the pads total output_padding + k_eff − s (negative with a kernel
+# narrower than the stride: rows of zeros; onnxruntime clamped them to 0 and gave one row fewer)
+SAME_CASES: dict[str, tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]] = {
+    "kernel-1-stride-2": ((1, 2, 5, 6), (2, 3, 1, 1), {"strides": [2, 2]}),
+    "kernel-2-stride-3": ((1, 2, 4, 3), (2, 3, 2, 2), {"strides": [3, 3]}),
+    "mixed-axes": ((2, 2, 4, 5), (2, 3, 1, 3), {"strides": [3, 2]}),
+    "output-padding-at-stride": ((1, 2, 5, 4), (2, 3, 3, 3), {"dilations": [2, 2], "output_padding": [1, 1]}),
+}
+
+
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER"])
+@pytest.mark.parametrize("case", sorted(SAME_CASES))
+def test_a_same_conv_transpose_has_its_shape_and_values_on_the_backend(case: str, auto_pad: str) -> None:
+    from onnx.reference import ReferenceEvaluator
+
+    from onnxtrain.engine.backends import make_plan
+
+    xs, ws, attrs = SAME_CASES[case]
+    model = _model(xs, ws, {**attrs, "auto_pad": auto_pad})
+    rng = np.random.default_rng(7)
+    feeds = {"x": rng.standard_normal(xs).astype(np.float32), "w": rng.standard_normal(ws).astype(np.float32)}
+    got = make_plan(model, "onnxruntime").run(feeds)[0]
+    want = make_plan(model, "numpy").run(feeds)[0]
+    strides = attrs.get("strides", [1, 1])
+    assert got.shape == want.shape == (xs[0], ws[1], *(n * s for n, s in zip(xs[2:], strides)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    if "output_padding" not in attrs:  # (onnx.reference rejects an output_padding at the stride)
+        np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
