@@ -18,6 +18,7 @@ import onnx
 
 from onnxtrain.capi.feeds import empty_run
 from onnxtrain.capi.options import RunOptions, SessionOptions
+from onnxtrain.capi.outputs import own_outputs
 from onnxtrain.engine.allocator import release_free_memory
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
@@ -37,7 +38,6 @@ from onnxtrain.inference import (
     node_arg,
     optimized_model_path,
     options_snapshot,
-    own_outputs,
     profile_session_start,
 )
 from onnxtrain.interrupts import sigint_deferred

@@ -279,7 +279,7 @@ class Plan(GraphInterface):
     def _fold_constants(self) -> None:
         """Evaluate Constant nodes once, at compile time (initializers stay feedable). The values are
         read-only, as the initializers the engine reads: every run shares them, so an output passing one
-        through is the caller's copy (:func:`~onnxtrain.inference.own_outputs`)."""
+        through is the caller's copy (:func:`~onnxtrain.capi.outputs.own_outputs`)."""
         kept: list[Step] = []
         folded: list[tuple[int, np.ndarray]] = []
         for st in self.steps:

@@ -26,13 +26,13 @@ import numpy as np
 import onnx
 
 from onnxtrain.capi.feeds import empty_run
+from onnxtrain.capi.outputs import outputs_apart, own_outputs
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.feed_sizes import shared_dim_mismatch
 from onnxtrain.engine.interface import GraphInterface, UnsupportedOpError
 from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
 from onnxtrain.graph_transforms.mixed_precision import mixed_precision_info
-from onnxtrain.inference import outputs_apart, own_outputs
 from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import NameGen, pausing_gc
 from onnxtrain.ir.graphs import last_statistics
@@ -132,7 +132,7 @@ def _ortvalue_class(values: Sequence[Any]) -> Any:
 def _own(outs: list[Any], user_feeds: dict[str, Any]) -> list[Any]:
     """``outs`` as the caller's own arrays, as onnxruntime-training gives them: none shares memory with the
     caller's inputs (a Flatten of an input) or with another output (an Identity of an output), each is
-    writable and row-major (:func:`onnxtrain.inference.own_outputs` and ``outputs_apart``)."""
+    writable and row-major (:mod:`onnxtrain.capi.outputs`)."""
     return outputs_apart(own_outputs(outs, user_feeds))
 
 
