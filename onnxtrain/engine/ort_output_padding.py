@@ -95,17 +95,7 @@ def _split(node: onnx.NodeProto) -> tuple[list[int], list[int], list[int]] | Non
 def _append_zeros(node: onnx.NodeProto, zeros: list[int], names: NameGen, opset: int) -> list[onnx.NodeProto]:
     """Nodes that rename ``node``'s output and append ``zeros`` rows of zeros at the end of each spatial axis
     under its old name."""
-    y = node.output[0]
-    inner = names(f"{y}_unpadded")
-    node.output[0] = inner
-    spec = [0] * (2 + len(zeros)) + [0, 0] + list(zeros)
-    label = names(f"{node.name or y}_output_padding")
-    if opset < 11:
-        return [helper.make_node("Pad", [inner], [y], name=label, pads=spec)]
-    amounts = names(f"{y}_pads")
-    const = helper.make_node("Constant", [], [amounts], name=names(f"{label}_pads"),
-                             value=numpy_helper.from_array(np.array(spec, np.int64), amounts))
-    return [const, helper.make_node("Pad", [inner, amounts], [y], name=label)]
+    return _zero_rows(node, [0] * len(zeros), zeros, names, opset, "output_padding")
 
 
 def same_conv_transposes(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
@@ -172,18 +162,18 @@ def _same_pads(node: onnx.NodeProto, types: dict) -> tuple[list[int], list[int],
     return [max(0, b) for b in begin] + [max(0, e) for e in end], before, after
 
 
-def _zero_rows(node: onnx.NodeProto, before: list[int], after: list[int], names: NameGen,
-               opset: int) -> list[onnx.NodeProto]:
+def _zero_rows(node: onnx.NodeProto, before: list[int], after: list[int], names: NameGen, opset: int,
+               what: str = "same_pads") -> list[onnx.NodeProto]:
     """Nodes that rename ``node``'s output and add ``before`` and ``after`` rows of zeros on each spatial
-    axis under its old name."""
+    axis under its old name (the Pad named after the node and ``what``)."""
     y = node.output[0]
     inner = names(f"{y}_unpadded")
     node.output[0] = inner
     spec = [0, 0, *before, 0, 0, *after]
-    label = names(f"{node.name or y}_same_pads")
+    label = names(f"{node.name or y}_{what}")
     if opset < 11:
         return [helper.make_node("Pad", [inner], [y], name=label, pads=spec)]
     amounts = names(f"{y}_pads")
-    const = helper.make_node("Constant", [], [amounts], name=names(f"{label}_amounts"),
+    const = helper.make_node("Constant", [], [amounts], name=names(f"{label}_pads"),
                              value=numpy_helper.from_array(np.array(spec, np.int64), amounts))
     return [const, helper.make_node("Pad", [inner, amounts], [y], name=label)]
