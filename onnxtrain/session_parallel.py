@@ -99,6 +99,7 @@ class DataParallelSteps:
         up = self._get_plan("update")
         items = list(g.updates["update"].items())
         if dp.mode == "allreduce":
+            self._check_same_update_feeds(feeds)
             eff = self._reducer.reduce(grads, self._grad_scale)
         else:  # adasum: the optimizer runs on the local (accumulation-averaged) gradients
             n = self._params.gradient_accumulation_steps
@@ -115,6 +116,26 @@ class DataParallelSteps:
         if dp.mode == "adasum":
             new = self._adasum_combine(new, got, local_flag)
         store.update(new)
+
+    def _check_same_update_feeds(self, feeds: dict[str, Any]) -> None:
+        """ValueError on every rank when the ranks fed different learning rates (or loss scales) to an
+        allreduce step: each rank updates its own replica with the averaged gradients and its own feeds, so
+        the replicas would drift apart without a word (ZeRO's owners and Adasum's shared delta keep them
+        together). One allgather of two values a step."""
+        dp = self._dp
+        wanted = (self._params.lr_params_feed_name, self.loss_scale_input_name)
+        names = [n for n in wanted if n and n in feeds]
+        if not names:
+            return
+        every = np.zeros((dp.size, len(names)), np.float64)  # row r: rank r's values
+        every[dp.rank] = [np.asarray(feeds[n], np.float64).reshape(-1)[0] for n in names]
+        dp.comm.allgather_(every.reshape(-1), "checking the ranks' learning rates")
+        for k, n in enumerate(names):
+            values = every[:, k]
+            if not (values == values[0]).all() and not np.isnan(values).all():
+                raise ValueError(f"input {n!r}: the ranks fed different values ({values.tolist()} by "
+                                 "rank); data-parallel ranks must update with the same ones, or their "
+                                 "weights part")
 
     def _adasum_combine(self, new: dict[str, np.ndarray], got: dict[str, np.ndarray],
                         mixed_precision: bool) -> dict[str, np.ndarray]:

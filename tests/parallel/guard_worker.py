@@ -13,7 +13,9 @@
   optimizer attributes (refused) in data-parallel, pipeline and horizontal sessions;
 * ``feeds OUT.json`` — a wrong-shaped feed and a zero loss scale to pipeline and horizontal sessions (every
   rank's error), and the warnings of options without effect;
-* ``norm OUT.json`` — ``global_gradient_norm`` of pipeline and horizontal sessions.
+* ``norm OUT.json`` — ``global_gradient_norm`` of pipeline and horizontal sessions;
+* ``rates OUT.json`` — allreduce steps whose ranks feed different learning rates or loss scales (every rank's
+  error), then the same (each rank's weights after).
 """
 
 from __future__ import annotations
@@ -128,6 +130,30 @@ def feed_errors() -> dict[str, str]:
     return out
 
 
+def rate_errors() -> dict[str, str]:
+    """Allreduce steps where rank 1 feeds another learning rate (or loss scale) than rank 0, then the same."""
+    (x, y), _ = data()
+    halves = {"x": split_batch(x), "y": split_batch(y)}
+    out = {}
+    rank = world().rank
+    for case, kw in (("lr", {}), ("loss_scale", {"use_mixed_precision": True})):
+        s = TrainingSession(model_bytes(), params(**kw))
+        feeds = {**halves, "Learning_Rate": LR * np.float32(1 + (case == "lr") * rank)}
+        if s.loss_scale_input_name:
+            feeds[s.loss_scale_input_name] = np.array([1024.0 * (1 + rank)], np.float32)
+        try:
+            s.run(["loss"], feeds)
+            out[case] = "accepted"
+        except Exception as e:  # noqa: BLE001 - the test reads its type and message
+            out[case] = f"{type(e).__name__}: {e}"
+        same = {**halves, "Learning_Rate": LR}
+        if s.loss_scale_input_name:
+            same[s.loss_scale_input_name] = np.array([1024.0], np.float32)
+        s.run(["loss"], same)  # then the same values: the step goes through
+        out[f"{case}/weights"] = [s.get_state()[w].tolist() for w in WEIGHTS]
+    return out
+
+
 def norms() -> dict[str, object]:
     (x, y), (x2, y2) = data()
     out: dict[str, object] = {}
@@ -191,7 +217,7 @@ def main() -> None:
         print(f"rank {w.rank} built its session", flush=True)
         return
     result = {"pathnorm": path_norms, "setup": setup_cases, "feeds": feed_errors, "norm": norms,
-              "zero_resume": zero_resume}[what]()
+              "zero_resume": zero_resume, "rates": rate_errors}[what]()
     everyone = get_communicator().allgather_object(result, "gathering the results")
     if w.rank == 0:
         with open(out_path, "w") as f:

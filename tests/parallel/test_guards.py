@@ -236,3 +236,15 @@ def test_zero_ranks_resume_from_their_own_optimizer_state_parts(tmp_path) -> Non
     which resume bit for bit)."""
     for rank, got in enumerate(guarded("zero_resume", tmp_path)):
         assert got["same"], rank
+
+
+@pytest.mark.mpi
+def test_ranks_feeding_different_learning_rates_are_stopped(tmp_path) -> None:
+    """Under allreduce each rank updates its own replica with its own feeds: rank 1 feeding twice rank 0's
+    learning rate (a rank-local schedule) made the weights part without a word (0.15 apart after 3 steps).
+    Every rank now raises before updating; with the same values the step goes through, the replicas equal."""
+    got = guarded("rates", tmp_path)
+    for case, name in (("lr", "Learning_Rate"), ("loss_scale", "loss_scale")):
+        for rank in got:
+            assert rank[case].startswith(f"ValueError: input '{name}': the ranks fed different values"), rank
+        assert got[0][f"{case}/weights"] == got[1][f"{case}/weights"]
