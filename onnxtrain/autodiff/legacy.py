@@ -9,8 +9,9 @@ from typing import Any
 import onnx
 
 from onnxtrain.autodiff.builder import GradientError, build_gradient_model
+from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
 from onnxtrain.errors import FailValueError, program_hint, raises_as_onnxruntime
-from onnxtrain.ir.builder import loadable_model
+from onnxtrain.ir.builder import loadable_model, value_types
 from onnxtrain.ir.graphs import graph_values
 
 
@@ -93,7 +94,10 @@ class GradientGraphBuilder:
         )
         # as onnxruntime's builder: a loss that was no output of the model stays none
         outputs_in_model_order(built, self._model, self._xs, keep_others=False)
-        self._built = built
+        # float16 scatters that add (a Gather's, a MaxPool's, a cross-entropy's gradient) in float32, Casts
+        # around them: onnxruntime's CPU provider has no float16 kernel for them, so the graph would not run
+        # there (standard ops either way; repeated indices are then summed in float32 and rounded once)
+        self._built = half_scatters_in_float32(built, lambda: value_types(built))
         self._model = None  # (its weights are in the result too: the builder held them twice)
 
     def _result(self) -> onnx.ModelProto:
