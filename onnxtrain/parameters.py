@@ -233,6 +233,15 @@ class TrainingParameters:
     def optimizer_initial_state(self) -> dict[str, dict[str, np.ndarray]]:
         return self._initial_state
 
+    def snapshot(self) -> TrainingParameters:
+        """A copy a session keeps: later changes to this object reach neither (the legacy constructor read
+        its parameters once). The optimizer's initial state, read by the constructor alone, is shared."""
+        copied = TrainingParameters.__new__(TrainingParameters)
+        object.__setattr__(copied, "_values", copy.deepcopy(self._values))
+        object.__setattr__(copied, "_initial_state", self._initial_state)
+        object.__setattr__(copied, "_assigned", set(self.__dict__.get("_assigned", ())))
+        return copied
+
     def pipeline_only_options(self) -> list[str]:
         """Pipeline options set away from their defaults (they act only with more than one stage)."""
         return [k for k, d in PIPELINE.items() if k != "pipeline_parallel_size" and self._values[k] != d]

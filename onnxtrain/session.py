@@ -178,7 +178,9 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         if parameters.allow_layer_norm_mod_precision:
             warn("TrainingParameters.allow_layer_norm_mod_precision: LayerNormalization keeps float32 "
                  "statistics (stash_type=1) under mixed precision in onnxtrain; the option changes nothing")
-        self._params = parameters
+        # a copy: the legacy constructor read its parameters once, and steps read them on every run (an
+        # object changed afterwards, to build another session, made a running one use another accumulation)
+        self._params = parameters = parameters.snapshot()
         fork_safe_rlock(self, "_run_lock")  # runs and state reads/writes one at a time (see serialized)
         self._sess_options = options_snapshot(sess_options)
         self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend

@@ -322,3 +322,30 @@ def test_perform_fp16_allreduce_is_taken_and_says_what_onnxtrain_sums() -> None:
     p = params("SGDOptimizer", use_mixed_precision=True, perform_fp16_allreduce=True)
     with pytest.warns(UserWarning, match="perform_fp16_allreduce has no effect: onnxtrain sums the float32"):
         TrainingSession(mlp_model().SerializeToString(), p)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
+def test_a_session_keeps_the_parameters_it_was_built_with(backend: str) -> None:
+    """The legacy constructor read its parameters once: changing the object afterwards (to build another
+    session from it) must not reach a session already built (its steps read them on every run: on the
+    backend a KeyError for an accumulation buffer it never made, with "auto" accumulation no update where
+    one was due)."""
+    from tests.session.helpers import backend_options
+
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    opts = backend_options(backend)
+    model = mlp_model().SerializeToString()
+    data = batches(4, 16)
+    p = params("SGDOptimizer", gradient_accumulation_steps=2, gradient_accumulation_mode="auto")
+    sess = TrainingSession(model, p, opts)
+    p.gradient_accumulation_steps = 4
+    p.lr_params_feed_name = "lr"
+    ref = TrainingSession(model, params("SGDOptimizer", gradient_accumulation_steps=2,
+                                        gradient_accumulation_mode="auto"), opts)
+    for x, y in data:
+        feeds = {"x": x, "y": y, "Learning_Rate": LR}
+        np.testing.assert_array_equal(sess.run(["loss"], feeds)[0], ref.run(["loss"], feeds)[0])
+    for name, value in ref.get_state().items():
+        np.testing.assert_array_equal(sess.get_state()[name], value)
+    assert p.gradient_accumulation_steps == 4  # (the caller's object keeps its own values)
