@@ -218,6 +218,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
             )
         self._start_ns = time.time_ns()
         model = load_with_options(path_or_bytes, self._sess_options)
+        self._ir_version = model.ir_version  # the user's, before any upgrade
         model = loadable_model(model)
         self._loaded_ns = time.perf_counter_ns()
         check_graph_links(model)  # before the gradient is built: a broken link is not a gradient problem
@@ -266,9 +267,10 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         if self.loss_scale_input_name:
             feed_names.add(self.loss_scale_input_name)
         self._inputs = [node_arg(v) for v in g.full.graph.input if v.name in feed_names]
-        # a frozen weight that the model also declares as a graph input (below IR 4 exporters listed every
-        # initializer there) may be fed, as onnxruntime's sessions let a feed override such an initializer
-        inits = {t.name for t in g.full.graph.initializer}
+        # a frozen weight that the model also declares as a graph input may be fed, as onnxruntime's sessions
+        # let a feed override such an initializer from IR version 4 on; below it (where exporters listed
+        # every initializer as an input) they are constants there, as in InferenceSession: not overridable
+        inits = {t.name for t in g.full.graph.initializer} if self._ir_version >= 4 else set()
         frozen = [node_arg(v) for v in g.full.graph.input if v.name in inits and v.name not in self._store]
         self._overridable = [*frozen, *([NodeArg(TRAINING_MODE, "tensor(bool)", [])]
                                         if g.has_training_mode else [])]

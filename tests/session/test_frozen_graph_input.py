@@ -1,6 +1,7 @@
-"""A frozen weight (weights_not_to_train) that the model also lists as a graph input, as exporters below IR
-version 4 listed every initializer: a run may feed it, as onnxruntime lets a feed override such an
-initializer, and runs without the feed use the initializer. Oracle: the step by hand in numpy."""
+"""A frozen weight (weights_not_to_train) that the model also lists as a graph input: from IR version 4 a run
+may feed it, as onnxruntime lets a feed override such an initializer, and runs without the feed use the
+initializer; below IR 4 (where exporters listed every initializer as an input) it is a constant, as in
+onnxruntime and InferenceSession. Oracle: the step by hand in numpy."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ W0 = np.array([[1.0, 0.5], [-1.0, 2.0]], np.float32)
 LR = np.array([0.1], np.float32)
 
 
-def _model() -> onnx.ModelProto:
+def _model(ir_version: int = 8) -> onnx.ModelProto:
     """loss = Σ(x·W + B)²; W both an initializer and a graph input."""
     inits = [numpy_helper.from_array(W0, "W"),
              numpy_helper.from_array(np.array([0.5, -0.5], np.float32), "B")]
@@ -30,7 +31,7 @@ def _model() -> onnx.ModelProto:
                           [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
                            helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 2])], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
+    m.ir_version = ir_version
     return m
 
 
@@ -72,3 +73,19 @@ def test_a_fed_frozen_weight_is_checked_as_an_input() -> None:
         sess.run(["loss"], {"x": X, "W": W0.astype(np.float64), "Learning_Rate": LR})
     with pytest.raises(ValueError, match="'W'.*dimension 1 must be 2, got 3"):
         sess.run(["loss"], {"x": X, "W": np.ones((2, 3), np.float32), "Learning_Rate": LR})
+
+
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
+def test_below_ir_4_a_frozen_weight_that_is_a_graph_input_is_a_constant(backend: str) -> None:
+    # onnxruntime takes such initializers as constants at IR 3 (its overridable initializers: none) and
+    # refused the feed inside a run; the session listed W as overridable on both backends
+    p = params("SGDOptimizer")
+    p.weights_not_to_train = {"W"}
+    m = _model(ir_version=3)
+    m.graph.input.append(helper.make_tensor_value_info("B", TensorProto.FLOAT, [2]))  # (IR 3: every one)
+    sess = onnxtrain.TrainingSession(m.SerializeToString(), p, backend_options(backend))
+    assert sess.get_overridable_initializers() == []
+    with pytest.raises(onnxtrain.errors.InvalidFeed, match="unknown input 'W'"):
+        sess.run(["loss"], {"x": X, "Learning_Rate": LR, "W": 2 * W0})
+    z = X @ W0 + np.array([0.5, -0.5], np.float32)
+    np.testing.assert_allclose(sess.run(["loss"], {"x": X, "Learning_Rate": LR})[0], (z * z).sum(), rtol=1e-6)
