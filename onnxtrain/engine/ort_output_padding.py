@@ -47,11 +47,7 @@ def large_output_paddings(model: onnx.ModelProto) -> onnx.ModelProto:
                 nodes.append(n)
                 continue
             op, pads, zeros = split
-            attrs = [a for a in n.attribute if a.name not in ("output_padding", "pads")]
-            del n.attribute[:]
-            n.attribute.extend(attrs)
-            n.attribute.append(helper.make_attribute("output_padding", op))
-            n.attribute.append(helper.make_attribute("pads", pads))
+            _set_attributes(n, output_padding=op, pads=pads)
             nodes.append(n)
             if any(zeros):
                 nodes.extend(_append_zeros(n, zeros, names, opset))
@@ -92,6 +88,14 @@ def _split(node: onnx.NodeProto) -> tuple[list[int], list[int], list[int]] | Non
     return new_op, pads[:nd] + ends, zeros
 
 
+def _set_attributes(node: onnx.NodeProto, drop: tuple[str, ...] = (), **values: list[int]) -> None:
+    """``node`` (in place) without the attributes ``drop``, with ``values`` set (replacing those names)."""
+    kept = [a for a in node.attribute if a.name not in drop and a.name not in values]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    node.attribute.extend(helper.make_attribute(k, v) for k, v in values.items())
+
+
 def _append_zeros(node: onnx.NodeProto, zeros: list[int], names: NameGen, opset: int) -> list[onnx.NodeProto]:
     """Nodes that rename ``node``'s output and append ``zeros`` rows of zeros at the end of each spatial axis
     under its old name."""
@@ -118,10 +122,7 @@ def same_conv_transposes(model: onnx.ModelProto, typed: Callable[[], dict]) -> o
             if plan is None:
                 continue
             pads, before, after = plan
-            attrs = [a for a in n.attribute if a.name not in ("auto_pad", "pads")]
-            del n.attribute[:]
-            n.attribute.extend(attrs)
-            n.attribute.append(helper.make_attribute("pads", pads))
+            _set_attributes(n, ("auto_pad",), pads=pads)
             if any(before) or any(after):
                 nodes.extend(_zero_rows(n, before, after, names, opset))
             changed = True
