@@ -695,7 +695,8 @@ def supplied_arrays(model: onnx.ModelProto, options: Any) -> dict[str, np.ndarra
     for name, value in getattr(options, "_initializers", {}).items():
         if name in names:
             array = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
-            out[name] = np.ascontiguousarray(array)
+            # (np.ascontiguousarray would make a 0-d array [1])
+            out[name] = array if array.flags.c_contiguous else np.array(array, order="C")
     return out
 
 

@@ -157,3 +157,19 @@ def test_the_numpy_plans_share_the_added_initializers_arrays() -> None:
     so2.add_initializer("w", strided)
     sess2 = onnxtrain.InferenceSession(_two_output_model(), so2)
     np.testing.assert_array_equal(sess2.run(["m"], {"x": np.ones((1, 2), np.float32)}, ro)[0], [[9.0, 8.0]])
+
+
+@pytest.mark.parametrize("lib", [ort, onnxtrain], ids=["onnxruntime", "onnxtrain"])
+def test_a_scalar_initializer_can_be_added(lib) -> None:
+    """A 0-d add_initializer value stays 0-d (it became [1], which the model's [] refused)."""
+    g = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+                          [numpy_helper.from_array(np.array(1, np.float32), "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 9
+    so = lib.SessionOptions()
+    kept = lib.OrtValue.ortvalue_from_numpy(np.array(5, np.float32))
+    so.add_initializer("w", kept)
+    sess = lib.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(sess.run(None, {"x": np.array([0, 1], np.float32)})[0], [5, 6])
