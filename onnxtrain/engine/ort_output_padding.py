@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxtrain.ir.builder import NameGen, model_opset, static_shape
+from onnxtrain.ir.builder import NameGen, model_opset, replace_attributes, static_kernel
 from onnxtrain.ir.conv_shapes import conv_transpose_geometry
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, walk_graphs
 
@@ -47,7 +47,7 @@ def large_output_paddings(model: onnx.ModelProto) -> onnx.ModelProto:
                 nodes.append(n)
                 continue
             op, pads, zeros = split
-            _set_attributes(n, output_padding=op, pads=pads)
+            replace_attributes(n, output_padding=op, pads=pads)
             nodes.append(n)
             if any(zeros):
                 nodes.extend(_append_zeros(n, zeros, names, opset))
@@ -88,14 +88,6 @@ def _split(node: onnx.NodeProto) -> tuple[list[int], list[int], list[int]] | Non
     return new_op, pads[:nd] + ends, zeros
 
 
-def _set_attributes(node: onnx.NodeProto, drop: tuple[str, ...] = (), **values: list[int]) -> None:
-    """``node`` (in place) without the attributes ``drop``, with ``values`` set (replacing those names)."""
-    kept = [a for a in node.attribute if a.name not in drop and a.name not in values]
-    del node.attribute[:]
-    node.attribute.extend(kept)
-    node.attribute.extend(helper.make_attribute(k, v) for k, v in values.items())
-
-
 def _append_zeros(node: onnx.NodeProto, zeros: list[int], names: NameGen, opset: int) -> list[onnx.NodeProto]:
     """Nodes that rename ``node``'s output and append ``zeros`` rows of zeros at the end of each spatial axis
     under its old name."""
@@ -122,7 +114,7 @@ def same_conv_transposes(model: onnx.ModelProto, typed: Callable[[], dict]) -> o
             if plan is None:
                 continue
             pads, before, after = plan
-            _set_attributes(n, ("auto_pad",), pads=pads)
+            replace_attributes(n, ("auto_pad",), pads=pads)
             if any(before) or any(after):
                 nodes.extend(_zero_rows(n, before, after, names, opset))
             changed = True
@@ -143,13 +135,10 @@ def _same_pads(node: onnx.NodeProto, types: dict) -> tuple[list[int], list[int],
     pads are negative somewhere or whose output_padding reaches its stride; None when it needs neither (or
     its kernel size is unknown)."""
     a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
-    kernel = list(a.get("kernel_shape") or [])
+    kernel = static_kernel(node, types)
     if not kernel:
-        w = static_shape(types, node.input[1]) if len(node.input) > 1 else None
-        kernel = list(w[2:]) if w is not None else []
-    nd = len(kernel)
-    if not nd or any(not isinstance(k, int) for k in kernel):
         return None
+    nd = len(kernel)
     strides = list(a.get("strides") or [1] * nd)
     dil = list(a.get("dilations") or [1] * nd)
     op = list(a.get("output_padding") or [0] * nd)

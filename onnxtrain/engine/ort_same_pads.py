@@ -19,9 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import onnx
-from onnx import helper
 
-from onnxtrain.ir.builder import static_shape
+from onnxtrain.ir.builder import replace_attributes, static_kernel, static_shape
 from onnxtrain.ir.conv_shapes import same_pads
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, walk_graphs
 
@@ -45,10 +44,7 @@ def dilated_same_pads(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx
                 _check_pool_pads(n, pads)
             if pads is None:
                 continue
-            kept = [a for a in n.attribute if a.name not in ("auto_pad", "pads")]
-            del n.attribute[:]
-            n.attribute.extend(kept)
-            n.attribute.append(helper.make_attribute("pads", pads))
+            replace_attributes(n, ("auto_pad",), pads=pads)
             changed = True
     return out if changed else model
 
@@ -89,11 +85,8 @@ def _explicit_pads(node: onnx.NodeProto, types: dict) -> list[int] | None:
     """The begin and end pads of every spatial axis, or None when a size they need is unknown."""
     a = _attrs(node)
     dil = list(a["dilations"].ints)
-    kernel = list(a["kernel_shape"].ints) if "kernel_shape" in a else None
-    if kernel is None:
-        w = static_shape(types, node.input[1])
-        kernel = w[2:] if w is not None else None
-    if kernel is None or len(kernel) != len(dil) or any(k is None for k in kernel):
+    kernel = static_kernel(node, types)
+    if kernel is None or len(kernel) != len(dil):
         return None
     strides = list(a["strides"].ints) if "strides" in a else [1] * len(dil)
     sizes: list[int | None] = [None] * len(dil)

@@ -531,6 +531,27 @@ def static_shape(types: dict[str, onnx.TypeProto], name: str) -> list[int | None
     return [d.dim_value if d.HasField("dim_value") else None for d in tp.tensor_type.shape.dim]
 
 
+def static_kernel(node: onnx.NodeProto, types: dict[str, onnx.TypeProto]) -> list[int] | None:
+    """A Conv's, ConvTranspose's or pool's kernel sizes: its ``kernel_shape``, else its weight's (input 1)
+    spatial dims in ``types``; None when one of them is not known."""
+    stated = next((list(a.ints) for a in node.attribute if a.name == "kernel_shape"), None)
+    if stated is not None:
+        return stated
+    w = static_shape(types, node.input[1]) if len(node.input) > 1 else None
+    kernel = w[2:] if w is not None else None
+    return kernel if kernel and all(isinstance(k, int) for k in kernel) else None
+
+
+def replace_attributes(node: onnx.NodeProto, drop: Iterable[str] = (), **values: Any) -> None:
+    """``node`` (in place) without the attributes named in ``drop``, with ``values`` set (replacing any of
+    those names), appended in their order."""
+    gone = {*drop, *values}
+    kept = [a for a in node.attribute if a.name not in gone]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    node.attribute.extend(helper.make_attribute(k, v) for k, v in values.items())
+
+
 def make_model(graph: onnx.GraphProto, opset: int, **kw: Any) -> onnx.ModelProto:
     """A model at default-domain ``opset`` with the lowest IR version that opset allows.
 
