@@ -14,29 +14,40 @@ from onnxtrain.training.api import CheckpointState, Module, Optimizer
 F = TensorProto.FLOAT
 
 
-def _model() -> onnx.ModelProto:
-    """logits = x·Pᵀ; flat = Reshape(P, [-1]); rows = P[1:]."""
-    p = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
-    nodes = [helper.make_node("Gemm", ["x", "P"], ["logits"], transB=1),
-             helper.make_node("Reshape", ["P", "minus_one"], ["flat"]),
-             helper.make_node("Slice", ["P", "one", "three"], ["rows"])]
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["N", 4])],
-                          [helper.make_tensor_value_info("logits", F, ["N", 3]),
-                           helper.make_tensor_value_info("flat", F, [12]),
-                           helper.make_tensor_value_info("rows", F, [2, 4])],
-                          [numpy_helper.from_array(p, "P"),
-                           numpy_helper.from_array(np.array([-1], np.int64), "minus_one"),
-                           numpy_helper.from_array(np.array([1], np.int64), "one"),
-                           numpy_helper.from_array(np.array([3], np.int64), "three")])
+P = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
+
+
+def _model_of(nodes: list, x_dims: list, outputs: dict[str, list], inits: tuple = ()) -> onnx.ModelProto:
+    """A model of ``nodes`` with input x of ``x_dims``, float outputs ``{name: dims}`` (logits first) and the
+    weight P (3 × 4) with ``inits``."""
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, x_dims)],
+                          [helper.make_tensor_value_info(n, F, dims) for n, dims in outputs.items()],
+                          [numpy_helper.from_array(P, "P"), *inits])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def _module(model: onnx.ModelProto, folder, extra: list[str]) -> tuple[CheckpointState, Module]:
+    """The state and Module of ``model``'s artifacts in ``folder``: P trained by SGD on the MSE of logits,
+    ``extra`` its additional outputs."""
+    artifacts.generate_artifacts(model, requires_grad=["P"], loss=artifacts.LossType.MSELoss,
+                                 loss_input_names=["logits"], additional_output_names=extra,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=folder)
+    state = CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+    return state, Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"))
+
+
+def _model() -> onnx.ModelProto:
+    """logits = x·Pᵀ; flat = Reshape(P, [-1]); rows = P[1:]."""
+    nodes = [helper.make_node("Gemm", ["x", "P"], ["logits"], transB=1),
+             helper.make_node("Reshape", ["P", "minus_one"], ["flat"]),
+             helper.make_node("Slice", ["P", "one", "three"], ["rows"])]
+    inits = [numpy_helper.from_array(np.array([v], np.int64), n)
+             for n, v in (("minus_one", -1), ("one", 1), ("three", 3))]
+    return _model_of(nodes, ["N", 4], {"logits": ["N", 3], "flat": [12], "rows": [2, 4]}, tuple(inits))
+
+
 def test_outputs_of_a_parameter_are_not_views_of_it(tmp_path) -> None:
-    artifacts.generate_artifacts(_model(), requires_grad=["P"], loss=artifacts.LossType.MSELoss,
-                                 loss_input_names=["logits"], additional_output_names=["flat", "rows"],
-                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
-    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
-    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    state, module = _module(_model(), tmp_path, ["flat", "rows"])
     opt = Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
     opt.set_learning_rate(0.5)
     x, y = np.ones((2, 4), np.float32), np.zeros((2, 3), np.float32)
@@ -59,24 +70,14 @@ def test_outputs_of_a_parameter_are_not_views_of_it(tmp_path) -> None:
 def _passthrough_model() -> onnx.ModelProto:
     """logits = Flatten(x)·Pᵀ; outputs also flat = Flatten(x) (a view of the caller's input) and flat_id =
     Identity(flat) (the same array again)."""
-    p = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
     nodes = [helper.make_node("Flatten", ["x"], ["flat"], axis=1),
              helper.make_node("Identity", ["flat"], ["flat_id"]),
              helper.make_node("Gemm", ["flat", "P"], ["logits"], transB=1)]
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["N", 4, 1])],
-                          [helper.make_tensor_value_info("logits", F, ["N", 3]),
-                           helper.make_tensor_value_info("flat", F, ["N", 4]),
-                           helper.make_tensor_value_info("flat_id", F, ["N", 4])],
-                          [numpy_helper.from_array(p, "P")])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return _model_of(nodes, ["N", 4, 1], {"logits": ["N", 3], "flat": ["N", 4], "flat_id": ["N", 4]})
 
 
 def test_outputs_are_apart_from_the_callers_inputs_and_from_each_other(tmp_path) -> None:
-    artifacts.generate_artifacts(_passthrough_model(), requires_grad=["P"], loss=artifacts.LossType.MSELoss,
-                                 loss_input_names=["logits"], additional_output_names=["flat", "flat_id"],
-                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
-    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
-    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    _, module = _module(_passthrough_model(), tmp_path, ["flat", "flat_id"])
     buf = np.arange(8, dtype=np.float32).reshape(2, 4, 1)  # one input buffer, refilled every batch
     y = np.zeros((2, 3), np.float32)
     for mode in ("train", "eval"):
