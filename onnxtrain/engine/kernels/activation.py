@@ -133,12 +133,10 @@ def _gelu(x: np.ndarray, attrs: Attrs) -> np.ndarray:
 @_float_op("LeakyRelu", since=6)
 def _leaky_relu(x: np.ndarray, attrs: Attrs) -> np.ndarray:
     alpha = attrs["alpha"]
-    if 0.0 <= alpha <= 1.0:
+    if 0.0 < alpha <= 1.0:  # alpha·x ≥ x exactly where x < 0 (alpha = 0 would turn +inf into max(inf, NaN))
         return np.maximum(x, x * alpha)
-    y = negative_part(x)
-    y *= alpha
-    y += relu_into(x)
-    return y
+    # the spec's select, by bit masks: −0.0 (not < 0) stays −0.0, +inf stays +inf whatever alpha is
+    return select(np.less(x, 0), x * alpha, x)
 
 
 @kernel("PRelu", since=7)
