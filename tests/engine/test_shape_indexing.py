@@ -185,3 +185,27 @@ def test_range_with_a_zero_delta_or_a_bound_not_finite_is_refused_by_name(values
         ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
     with pytest.raises(Exception, match=f"Range: .*{match}"):
         compile_model(model).run(feeds)
+
+
+@pytest.mark.parametrize("reduction", ["none", "add", "mul", "max", "min"])
+@pytest.mark.parametrize("n_updates", [1, 3])
+def test_scatter_nd_with_empty_index_tuples_matches_onnxruntime(reduction: str, n_updates: int) -> None:
+    """indices of shape (m, 0): each update is a whole tensor written over (or reduced into) the data; the
+    data came back unchanged (no rows were found for empty tuples)."""
+    if reduction == "none" and n_updates > 1:
+        pytest.skip("duplicate writes without a reduction have no defined result")
+    x = np.arange(1, 7, dtype=np.int64).reshape(2, 3)
+    upd = (np.arange(n_updates * 6, dtype=np.int64).reshape(n_updates, 2, 3) % 5) - 2
+    ours, theirs = _run_both("ScatterND", [x, np.zeros((n_updates, 0), np.int64), upd], 18,
+                             reduction=reduction)
+    np.testing.assert_array_equal(ours[0], theirs[0])
+
+
+@pytest.mark.parametrize("x_shape, idx_shape, batch_dims", [((2, 3), (2, 0), 0), ((2, 3), (0,), 0),
+                                                              ((2, 3, 1), (2, 4, 0), 1)])
+def test_gather_nd_with_empty_index_tuples_matches_onnxruntime(x_shape, idx_shape, batch_dims) -> None:
+    """Empty index tuples take each whole (per-batch) slice, as onnxruntime does (a reshape error before)."""
+    x = np.arange(np.prod(x_shape), dtype=np.float32).reshape(x_shape)
+    ours, theirs = _run_both("GatherND", [x, np.zeros(idx_shape, np.int64)], 13, batch_dims=batch_dims)
+    assert ours[0].shape == theirs[0].shape
+    np.testing.assert_array_equal(ours[0], theirs[0])

@@ -228,7 +228,9 @@ def _nd_rows(dshape: tuple[int, ...], idx: np.ndarray, what: str) -> np.ndarray:
     dims = np.asarray(dshape[:k], dtype=np.int64)
     idx = _normalize(idx, dims, what)
     strides = np.cumprod(np.concatenate([dims[1:], [1]])[::-1])[::-1].astype(np.int64)
-    return idx.reshape(-1, k) @ strides if k else np.zeros(idx.size, dtype=np.int64)
+    if not k:  # empty tuples: each one picks the whole data, row 0 (idx.size is 0, not their number)
+        return np.zeros(int(np.prod(idx.shape[:-1], dtype=np.int64)), dtype=np.int64)
+    return idx.reshape(-1, k) @ strides
 
 
 @kernel("ScatterND", since=11)
