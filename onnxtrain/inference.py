@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 
 from onnxtrain.capi.feeds import feed_array, map_feed
+from onnxtrain.capi.node_args import inferred_output_types
 from onnxtrain.capi.options import RunOptions, SessionOptions, resolve_providers
 from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
 from onnxtrain.capi.outputs import outputs_apart, own_outputs
@@ -96,6 +97,16 @@ def node_arg(v: onnx.ValueInfoProto) -> NodeArg:
     # onnxruntime gives them
     dims = [] if shape is None else [None if isinstance(d, int) and d < 0 else d for d in shape]
     return NodeArg(v.name, type_string(v.type, "unknown"), dims)
+
+
+def _typed(v: onnx.ValueInfoProto, tp: onnx.TypeProto | None) -> onnx.ValueInfoProto:
+    """``v`` with type ``tp`` (``v`` itself when None)."""
+    if tp is None:
+        return v
+    out = onnx.ValueInfoProto()
+    out.CopyFrom(v)
+    out.type.CopyFrom(tp)
+    return out
 
 
 class FeedChecker:
@@ -299,6 +310,9 @@ class InferenceSession:
         self._overridable = [] if constants else [node_arg(v) for v in g.input if v.name in inits]
         self._outputs = [node_arg(v) for v in g.output]
         self._output_names = [o.name for o in self._outputs]
+        # what get_outputs() shows: the declarations merged with shape inference, as onnxruntime shows them;
+        # (a declared rank or size that inference contradicts forgotten, as there); inferred at the first call
+        self._shown_outputs: list[NodeArg] | None = None
         self._check = FeedChecker(self._plan, [a.name for a in self._overridable])
         # outputs of path-only runs → the inputs on their path and its plan (see _path_plan)
         self._path_plans: dict[tuple[str, ...], tuple[list[str] | None, GraphInterface | None]] = {}
@@ -451,7 +465,14 @@ class InferenceSession:
         return list(self._inputs)
 
     def get_outputs(self) -> list[NodeArg]:
-        return list(self._outputs)
+        """The outputs' names, types and shapes: those the model declares, completed by shape inference (a
+        declared symbolic or unknown dim that inference knows takes its size), as onnxruntime gives them."""
+        shown = getattr(self, "_shown_outputs", self._outputs)  # (a training session: its own list)
+        if shown is None:
+            types = inferred_output_types(self._model)
+            shown = [node_arg(_typed(v, types.get(v.name))) for v in self._model.graph.output]
+            self._shown_outputs = shown
+        return list(shown)
 
     def get_overridable_initializers(self) -> list[NodeArg]:
         return list(self._overridable)

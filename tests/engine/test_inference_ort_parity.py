@@ -1,0 +1,123 @@
+"""InferenceSession against onnxruntime's own InferenceSession on the same models: the outputs' NodeArgs,
+which feeds are taken or refused (and with which exception class), and runs that fetch only some outputs."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as T
+from onnx import helper as h
+
+import onnxtrain
+
+ort = pytest.importorskip("onnxruntime")
+
+E = h.make_empty_tensor_value_info
+X = h.make_tensor_value_info("x", T.FLOAT, ["N", 3])
+
+
+def _model(nodes, inputs, outputs, inits=(), ir=9, opset=17) -> bytes:
+    g = h.make_graph(nodes, "g", inputs, outputs, list(inits))
+    return h.make_model(g, opset_imports=[h.make_opsetid("", opset)], ir_version=ir).SerializeToString()
+
+
+def _args(args) -> list[tuple]:
+    return [(a.name, a.type, a.shape) for a in args]
+
+
+def _i64(name: str, values: list[int], dims: list[int] | None = None) -> onnx.TensorProto:
+    return h.make_tensor(name, T.INT64, [len(values)] if dims is None else dims, values)
+
+
+_RELU = [h.make_node("Relu", ["x"], ["y"])]
+_THREE = [h.make_node("Relu", ["x"], ["y"]), h.make_node("Shape", ["y"], ["s"]),
+          h.make_node("ReduceSum", ["x"], ["r"], keepdims=0)]
+_BRANCHES = {
+    "then_branch": h.make_graph([h.make_node("Relu", ["x"], ["t"])], "t", [], [E("t")]),
+    "else_branch": h.make_graph([h.make_node("Concat", ["x", "x"], ["e"], axis=0)], "e", [], [E("e")]),
+}
+_COND = h.make_tensor_value_info("c", T.BOOL, [])
+
+NODE_ARG_MODELS = {
+    "no type": _model(_THREE, [X],
+                      [E("y"), onnx.ValueInfoProto(name="s"), h.make_value_info("r", onnx.TypeProto())]),
+    "type only": _model(_THREE, [X], [h.make_tensor_value_info("y", T.FLOAT, None),
+                                      h.make_tensor_value_info("s", T.INT64, None),
+                                      h.make_tensor_value_info("r", T.FLOAT, None)]),
+    "dims merged": _model(_THREE, [X], [h.make_tensor_value_info("y", T.FLOAT, [None, None]),
+                                        h.make_tensor_value_info("s", T.INT64, ["k"]),
+                                        h.make_tensor_value_info("r", T.FLOAT, [])]),
+    "declared symbol kept": _model(_RELU, [X], [h.make_tensor_value_info("y", T.FLOAT, ["M", None])]),
+    "declared size kept": _model(_RELU, [X], [h.make_tensor_value_info("y", T.FLOAT, [5, 3])]),
+    "rank contradicted": _model(_RELU, [X], [h.make_tensor_value_info("y", T.FLOAT, [5, 3, 1])]),
+    "size contradicted": _model(_RELU, [h.make_tensor_value_info("x", T.FLOAT, [2, 3])],
+                                [h.make_tensor_value_info("y", T.FLOAT, [5, 4])]),
+    "input of no shape": _model(_RELU, [h.make_tensor_value_info("x", T.FLOAT, None)], [E("y")]),
+    "reshape by shape": _model([h.make_node("Shape", ["x"], ["s"]),
+                                h.make_node("Reshape", ["x", "s"], ["y"])], [X], [E("y")]),
+    "reshape by constant": _model([h.make_node("Reshape", ["x", "c"], ["y"])], [X], [E("y")],
+                                  [_i64("c", [3, -1])]),
+    "nonzero": _model([h.make_node("NonZero", ["x"], ["y"])], [X], [E("y")]),
+    "matmul": _model([h.make_node("MatMul", ["x", "w"], ["y"]), h.make_node("Add", ["y", "y"], ["z"])],
+                     [X, h.make_tensor_value_info("w", T.FLOAT, [3, "K"])], [E("z")]),
+    "concat": _model([h.make_node("Concat", ["x", "x"], ["y"], axis=0)], [X], [E("y")]),
+    "cast": _model([h.make_node("Cast", ["x"], ["y"], to=T.INT64)], [X], [E("y")]),
+    "gather a scalar": _model([h.make_node("Gather", ["x", "i"], ["y"], axis=1)], [X], [E("y")],
+                              [_i64("i", [1], [])]),
+    "ir 3": _model([h.make_node("Add", ["x", "b"], ["y"])], [X, h.make_tensor_value_info("b", T.FLOAT, [3])],
+                   [E("y")], [h.make_tensor("b", T.FLOAT, [3], [1, 2, 3])], ir=3, opset=9),
+    "overridable": _model([h.make_node("Add", ["x", "b"], ["y"])],
+                          [X, h.make_tensor_value_info("b", T.FLOAT, None)], [E("y")],
+                          [h.make_tensor("b", T.FLOAT, [3], [1, 2, 3])]),
+    "initializer and input as outputs": _model(_RELU, [X], [E("y"), E("b"), E("x")],
+                                               [h.make_tensor("b", T.FLOAT, [3], [1, 2, 3])]),
+    "sequence": _model([h.make_node("SequenceConstruct", ["x", "x"], ["y"])], [X], [E("y")]),
+    "if": _model([h.make_node("If", ["c"], ["y"], **_BRANCHES)], [X, _COND], [E("y")]),
+    "large weight": _model([h.make_node("MatMul", ["x", "w"], ["y"])], [X], [E("y")],
+                           [h.make_tensor("w", T.FLOAT, [3, 5000], np.ones(15000, np.float32))]),
+}
+
+
+@pytest.mark.parametrize("case", list(NODE_ARG_MODELS))
+def test_node_args_are_onnxruntimes(case: str) -> None:
+    """Outputs declared without a type or with unknown or symbolic dims show what shape inference finds,
+    merged with the declaration as onnxruntime merges them (a contradicted rank or size forgotten)."""
+    model = NODE_ARG_MODELS[case]
+    ours = onnxtrain.InferenceSession(model)
+    theirs = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    for get in ("get_outputs", "get_inputs", "get_overridable_initializers"):
+        assert _args(getattr(ours, get)()) == _args(getattr(theirs, get)()), get
+
+
+def test_node_args_of_a_torch_export_are_onnxruntimes_before_its_graph_rewrites() -> None:
+    """A dynamic-batch torch export whose outputs declare nothing: the shapes onnxruntime's loader infers
+    (with graph optimizations on, its Reshape fusion names more dims; onnxtrain does not rewrite the
+    graph)."""
+    torch = pytest.importorskip("torch")
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.conv = torch.nn.Linear(12, 4), torch.nn.Conv2d(3, 4, 3)
+
+        def forward(self, x, img):
+            y = self.lin(x.reshape(x.shape[0], -1))
+            return y.softmax(-1), self.conv(img).flatten(1), torch.nonzero(y > 0), y.argmax(1)
+
+    f = io.BytesIO()
+    torch.onnx.export(Net(), (torch.randn(2, 3, 4), torch.randn(2, 3, 8, 8)), f, dynamo=False,
+                      input_names=["x", "img"], output_names=["p", "z", "nz", "am"],
+                      dynamic_axes={"x": {0: "batch"}, "img": {0: "batch", 2: "H", 3: "W"}})
+    m = onnx.load_from_string(f.getvalue())
+    for o in m.graph.output:
+        o.ClearField("type")
+    model = m.SerializeToString()
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    theirs = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    ours = onnxtrain.InferenceSession(model)
+    assert _args(ours.get_outputs()) == _args(theirs.get_outputs())
+    assert _args(ours.get_outputs())[1] == ("z", "tensor(float)", ["batch", None])
