@@ -207,3 +207,63 @@ def test_depthwise_gradients_in_float32_match_onnxruntime_and_torch(stride: int)
         scale = np.abs(ref).max()
         np.testing.assert_allclose(ours[name], ref, rtol=0, atol=2e-6 * scale, err_msg=name)
         np.testing.assert_allclose(ours[name], theirs[name], rtol=0, atol=2e-6 * scale, err_msg=name)
+
+
+# x shape (an empty batch), W shape, group, pads: a few-outputs grouped Conv, depthwise 2-D and 3-D
+EMPTY_BATCH = [
+    ((0, 32, 15, 18), (4, 8, 15, 16), 4, (0, 1, 0, 2)),
+    ((0, 32, 9, 6, 4), (64, 1, 7, 2, 7), 32, (2, 1, 1, 2, 0, 2)),
+    ((0, 16, 20, 20), (16, 1, 3, 3), 16, (1, 1, 1, 1)),
+    ((0, 8, 12, 11), (8, 2, 10, 9), 4, (1, 1, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("small", [False, True])
+@pytest.mark.parametrize("case", EMPTY_BATCH, ids=str)
+def test_grouped_conv_of_an_empty_batch_is_empty(case, small, monkeypatch) -> None:
+    """A batch of no images through the grouped routes (as they are, and with every size threshold at its
+    least) gives torch's empty output; the few-outputs route made a strided view past its empty buffer."""
+    xs, ws, group, p = case
+    if small:
+        _small(monkeypatch)
+    rng = np.random.default_rng(5)
+    nd = len(xs) - 2
+    x, w = rng.standard_normal(xs), rng.standard_normal(ws)
+    y = _both_widths("Conv", [x, w], {"group": group, "pads": list(p)})
+    x_t = F.pad(torch.tensor(x), [v for i in reversed(range(nd)) for v in (p[i], p[nd + i])])
+    ref = _conv_fn(nd)(x_t, torch.tensor(w), groups=group)
+    assert y.shape == tuple(ref.shape) and y.dtype == x.dtype
+
+
+# op, x shape, W shape, group, strides, pads: the routes whose products include zero taps (banded rows,
+# the few-outputs dot products, the rows weight gradient, a stride-1 depthwise ConvTranspose by banded rows)
+NON_FINITE = [
+    ("Conv", (8, 64, 16, 16), (64, 1, 3, 3), 64, (1, 1), (1, 1, 1, 1)),
+    ("Conv", (8, 64, 32, 32), (64, 1, 3, 3), 64, (2, 2), (1, 1, 1, 1)),
+    ("Conv", (2, 8, 12, 11), (8, 2, 10, 9), 4, (1, 1), (1, 1, 1, 1)),
+    ("Conv", (1, 8, 12, 11), (8, 2, 10, 9), 4, (1, 1), (1, 1, 1, 1)),
+    ("Conv", (1, 8, 12, 11), (4, 2, 3, 3), 4, (1, 1), (1, 1, 1, 1)),
+    ("ConvTranspose", (8, 64, 16, 16), (64, 1, 3, 3), 64, (1, 1), (1, 1, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("case", NON_FINITE, ids=str)
+def test_grouped_routes_keep_non_finite_inputs_in_their_windows(case) -> None:
+    """An inf or NaN of X reaches only the outputs whose windows hold it, as in torch: the routes that
+    multiply zero taps with X (inf · 0 = NaN) made NaNs of outputs far from it."""
+    op, xs, ws, group, s, p = case
+    rng = np.random.default_rng(6)
+    nd = len(xs) - 2
+    x, w = rng.standard_normal(xs), rng.standard_normal(ws)
+    x.reshape(-1)[rng.integers(0, x.size, 4)] = [np.inf, -np.inf, np.nan, np.inf]
+    attrs = {"group": group, "strides": list(s), "pads": list(p)}
+    with np.errstate(invalid="ignore"):
+        y = _both_widths(op, [x, w], attrs)
+    if op == "Conv":
+        ref = _conv_fn(nd)(torch.tensor(x), torch.tensor(w), stride=s, padding=list(p[:nd]), groups=group)
+    else:
+        full = _conv_fn(nd, True)(torch.tensor(x), torch.tensor(w), stride=s, groups=group)
+        ref = full[(Ellipsis,) + tuple(slice(p[i], full.shape[2 + i] - p[nd + i]) for i in range(nd))]
+    ref = ref.numpy()
+    assert np.isnan(ref).sum() < np.isinf(ref).sum()  # the case is what it says: infs, few NaNs
+    np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-12)

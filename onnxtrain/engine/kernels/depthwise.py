@@ -199,15 +199,17 @@ def _shifted(planes: int, sizes: Sequence[int], stride: Sequence[int],
 
 def conv(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray | None:
     """A grouped Conv that has few outputs or is depthwise (``g``: Conv's geometry), if big enough to
-    gain; else None."""
-    if _rows_grad_fit(g) and x.size > 0:
-        return _rows_weight_grad(x, w, g)
+    gain; else None (also for an empty X, which im2col takes)."""
+    if x.size == 0:
+        return None
+    if _rows_grad_fit(g):
+        return _finite_or_none(_rows_weight_grad(x, w, g))
     if _few_fit(g):
-        return _few_outputs(x, w, g)
+        return _finite_or_none(_few_outputs(x, w, g))
     if g["cg"] == 1 and _channels_last_fits(x, g):
         return _depthwise_channels_last(x, w, g)
     if g["cg"] == 1 and _rows_fit(g):
-        return _depthwise_rows(x, w, g)
+        return _finite_or_none(_depthwise_rows(x, w, g))
     if g["cg"] == 1 and x.shape[0] * g["m"] * g["L"] > MIN_DEPTHWISE:
         return _depthwise(x, w, g)
     return None
@@ -412,10 +414,21 @@ def weight_grad_planes(xs: np.ndarray, wv: np.ndarray, g: dict[str, Any]) -> np.
     if xs.dtype not in FAST_DTYPES or xs.size == 0 or wv.size == 0:
         return None
     if _rows_grad_fit(g):
-        return _rows_weight_grad_planes(xs, wv, g)
+        return _finite_or_none(_rows_weight_grad_planes(xs, wv, g))
     if _few_fit(g):
-        return _few_outputs_planes(xs, wv, g)
+        return _finite_or_none(_few_outputs_planes(xs, wv, g))
     return None
+
+
+def _finite_or_none(y: np.ndarray) -> np.ndarray | None:
+    """``y`` if all its values are finite, else None. The banded rows, the few-outputs dot products and the
+    rows weight gradient multiply X by zero taps outside each output's window, so that an inf or NaN in X
+    turns outputs far from it into NaN (inf · 0); the caller's im2col then computes such an X. The test is
+    one dot product (3 % of a banded depthwise Conv); a sum of squares that overflows from finite values
+    only sends the Conv to im2col too."""
+    v = y.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return y if np.isfinite(np.dot(v, v)) else None
 
 
 def _rows_weight_grad(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:
