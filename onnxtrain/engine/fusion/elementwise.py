@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
 from onnx import helper
 
 from onnxtrain.engine.donation import donated_now
@@ -30,7 +29,6 @@ from onnxtrain.engine.kernels.half import is_half
 from onnxtrain.engine.kernels.spread import spread, spread_shape
 from onnxtrain.engine.registry import Attrs, find_kernel
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
-from onnxtrain.ir.types import np_dtype_of
 
 if TYPE_CHECKING:
     from onnxtrain.engine.plan import Plan, Step
@@ -91,32 +89,49 @@ def expand_sums(plan: Plan, steps: list[Step]) -> list[Step]:
 
 
 def _sum_dtypes(plan: Plan, sums: Sequence[Step]) -> list[np.dtype | None]:
-    """The element type T of each Sum in ``sums`` (that of its inputs and output), from the graph's inputs,
-    outputs and value infos, its initializers and folded constants, else from ONNX type inference, run once
-    and only then; None where still unknown."""
-    known: dict[str, np.dtype] = {}
+    """The element type T of each Sum in ``sums`` as a run gives it: from the graph's typed inputs (sessions
+    check their feeds), its initializers and Constants, carried through the nodes before the Sum by their
+    schemas (:class:`~onnxtrain.engine.node_checks.NodeChecker` without the graph's declarations); None
+    where that does not tell. A type the graph declares of any other value (value_info, graph outputs) is
+    not read: nothing checks it where its sources' types are unknown (a SequenceAt's, an If's with untyped
+    branches, an untyped graph input's), and a stale float32 declaration of a float16 Sum expanded it into
+    float16 Adds."""
+    from onnxtrain.engine.node_checks import NodeChecker, _bind, _output_types, checked_opsets
+    from onnxtrain.ir.types import TENSOR_TYPE_STRINGS, type_string
 
-    def read(graph: onnx.GraphProto) -> None:
-        for vi in (*graph.input, *graph.output, *graph.value_info):
-            dt = np_dtype_of(vi.type)
-            if dt is not None:
-                known.setdefault(vi.name, dt)
-
-    def of(st: Step) -> np.dtype | None:
-        return next((known[n] for n in (*st.node.output, *st.node.input) if n in known), None)
-
-    read(plan.model.graph)
-    known.update((n, v.dtype) for n, v in plan.initializers.items())
+    g = plan.model.graph
+    known = {v.name: t for v in g.input if (t := type_string(v.type)) is not None}
+    known.update((t.name, TENSOR_TYPE_STRINGS[t.data_type]) for t in g.initializer
+                 if t.data_type in TENSOR_TYPE_STRINGS)
     name_of = {v: k for k, v in plan.slot.items()}
-    known.update((name_of[s], v.dtype) for s, v in plan._const_values if s in name_of)
-    found = [of(st) for st in sums]
-    if None in found:
-        try:
-            read(onnx.shape_inference.infer_shapes(plan.model, strict_mode=False).graph)
-        except Exception:  # noqa: BLE001 - a model inference cannot read: those Sums stay as they are
-            return found
-        found = [of(st) for st in sums]
+    known.update((name_of[s], t) for s, v in plan._const_values
+                 if s in name_of and (t := _tensor_type(v.dtype)) is not None)
+    checker = NodeChecker(checked_opsets(plan.model), None, known)
+    types = checker.types
+    wanted = {n for st in sums for n in st.node.input if n}
+    last = max((k for k, node in enumerate(g.node) if wanted.intersection(node.output)), default=-1)
+    for node in g.node[:last + 1]:  # (the plan has checked the nodes: only their output types are wanted)
+        form = checker.form(node)
+        if form is not None:
+            bound = _bind(form, node.input, types)
+            if not isinstance(bound, str):
+                outs = node.output
+                types.update((outs[j], t) for j, t in _output_types(node, form, outs, bound, types))
+    found: list[np.dtype | None] = []
+    for st in sums:
+        seen = {types.get(n) for n in st.node.input}
+        found.append(_SUM_TYPES.get(seen.pop()) if len(seen) == 1 else None)
     return found
+
+
+# a Sum's type string → its element type (Sum takes float types only)
+_SUM_TYPES = {"tensor(float16)": np.dtype(np.float16), "tensor(float)": np.dtype(np.float32),
+              "tensor(double)": np.dtype(np.float64)}
+
+
+def _tensor_type(dt: np.dtype) -> str | None:
+    """The type string of a tensor of numpy dtype ``dt`` when it is one of :data:`_SUM_TYPES`', else None."""
+    return next((t for t, d in _SUM_TYPES.items() if d == dt), None)
 
 
 def fuse_elementwise(plan: Plan, steps: list[Step]) -> list[Step]:
