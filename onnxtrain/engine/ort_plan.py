@@ -31,7 +31,7 @@ from onnxtrain.engine.interface import (
 )
 from onnxtrain.engine.ort_chunks import layout_for_pieces, piece_count, split_models
 from onnxtrain.engine.ort_inplace import safe_updates
-from onnxtrain.engine.ort_rewrites import for_onnxruntime
+from onnxtrain.engine.ort_rewrites import for_onnxruntime, label_range_error, label_range_messages
 from onnxtrain.engine.ort_sums import two_level_sum_squares
 from onnxtrain.engine.parallel import default_width, local_ranks
 from onnxtrain.ir.types import np_dtype, np_dtype_of, onnx_elem_type, value_info_shape
@@ -138,6 +138,8 @@ class OrtPlan(GraphInterface):
         # onnxtrain's own rewrites (onnxtrain/engine/ort_rewrites.py): the label losses' check, and those
         # that speed it up unless optimisations are off
         self.onnxruntime_model = for_onnxruntime(model, optimise=not _optimizations_off(options))
+        # the labels' range checks: the node that fails → the loss and the error raised then
+        self._label_checks = label_range_messages(self.onnxruntime_model)
         # a large elementwise graph (an optimizer's update) runs piece by piece (see ort_chunks)
         self._chunks = (layout_for_pieces(self.onnxruntime_model, scalar_inputs)
                         if scalar_inputs is not None and self._tensor_io and self._device == "cpu" else None)
@@ -366,6 +368,11 @@ class OrtPlan(GraphInterface):
                                  f"onnxruntime stopped running graph {self.model.graph.name!r}") from None
             shapes = ", ".join(f"{n}: {getattr(v, 'dtype', type(v).__name__)}{list(np.shape(v))}"
                                for n, v in arrays.items() if not isinstance(v, (list, tuple)))
+            refused = label_range_error(self._label_checks, str(e))
+            if refused is not None:  # a label out of range: the numpy engine's error
+                loss, why = refused
+                raise EngineError(f"{loss} failed in graph {self.model.graph.name!r} on inputs [{shapes}]: "
+                                  f"ValueError: {why}") from None
             raise EngineError(f"onnxruntime failed running graph {self.model.graph.name!r} on [{shapes}]: "
                               f"{type(e).__name__}: {e}") from e
         finally:

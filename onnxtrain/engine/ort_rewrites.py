@@ -58,6 +58,13 @@ does not check either (:func:`for_onnxruntime`: the check, then the other rewrit
 shapes are mostly not known before the run, the check is written unless they are and agree; its constants
 (opsets before 15) are Constant nodes of the body.
 
+The same labels then go through a Reshape that fails when one of them is outside [0, C) and not the loss's
+``ignore_index`` (C: the scores' axis 1): onnxruntime's GatherElements takes −1 (down to −C) as a class
+counted from the end, so a label −1 trained on the last class where the numpy engine, as torch, refuses it.
+The check is a ReduceMin and a ReduceMax over the labels (ignored ones first replaced by 0) and a few scalar
+nodes; the failing Reshape carries the numpy engine's message in its ``doc_string``, which the plan raises
+(:func:`label_range_messages`). It is written for every label loss, its labels' shape known or not.
+
 A dilated Conv with ``auto_pad`` SAME_*, which onnxruntime refuses, takes explicit pads
 (:mod:`onnxtrain.engine.ort_same_pads`), even with onnxruntime's optimisations off.
 
@@ -73,7 +80,8 @@ Training_mode = False"), while the numpy engine ignores them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+import re
+from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 import onnx
@@ -87,7 +95,14 @@ from onnxtrain.engine.ort_output_padding import large_output_paddings, same_conv
 from onnxtrain.engine.ort_pads import pads_as_concat
 from onnxtrain.engine.ort_same_pads import dilated_same_pads
 from onnxtrain.engine.ort_sums import leading_sums
-from onnxtrain.ir.builder import NameGen, model_opset, static_shape, value_types, with_nodes_replaced
+from onnxtrain.ir.builder import (
+    NameGen,
+    elem_type,
+    model_opset,
+    static_shape,
+    value_types,
+    with_nodes_replaced,
+)
 from onnxtrain.ir.graphs import (
     DEFAULT_DOMAINS,
     drop_unread,
@@ -149,21 +164,43 @@ _INT64_MAX = np.iinfo(np.int64).max
 
 def checked_labels(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
     """``model`` with each label-reading loss's labels reshaped to the shape its scores give them (module
-    docstring), read so by the loss and the nodes after it in its graph, the main graph's and those of the
-    control-flow bodies (nested ones too); ``model`` itself without such a loss, or where the labels' and the
-    scores' dims are all static and agree (in ``typed()``: a body's values are mostly not there, and their
-    losses are checked). The new values take the labels' type in ``typed()`` (the loss rewrite after this
-    one reads it)."""
+    docstring; not where the labels' and the scores' dims are all static and agree in ``typed()``: a body's
+    values are mostly not there, and their losses are checked) and checked to be classes in range or ignored,
+    read so by the loss and the nodes after it in its graph, the main graph's and those of the control-flow
+    bodies (nested ones too); ``model`` itself without such a loss. The new values take the labels' type in
+    ``typed()`` (the loss rewrite after this one reads it)."""
     losses = [n for g in walk_graphs(model.graph) for n in g.node if _is_label_loss(n)]
     if not losses:
         return model
     types = typed()
-    if not any(_needs_check(types, n) for n in losses):
-        return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
     _check_graph(out.graph, types, model_opset(model), NameGen.for_model(out), body=False)
     return out
+
+
+def label_range_messages(model: onnx.ModelProto) -> dict[str, str]:
+    """The labels' range checks of ``model`` (its bodies' too) written by :func:`checked_labels`: the name of
+    the node that fails → the loss node's label and the numpy engine's error, a line each."""
+    return {n.name: n.doc_string for g in walk_graphs(model.graph) for n in g.node
+            if n.op_type == "Reshape" and _RANGE_CHECK in n.name and n.doc_string.startswith("node ")}
+
+
+_RESHAPED = re.compile(r"Input shape:\{(\d+)[,}].*?requested shape:\{(\d+)[,}]")
+
+
+def label_range_error(checks: Mapping[str, str], text: str) -> tuple[str, str] | None:
+    """The loss node and the numpy engine's error for the label range check of ``checks``
+    (:func:`label_range_messages`) that onnxruntime's error ``text`` names; None when it names none. A class
+    count known only at run time is read from the failed Reshape's shapes (C + 1 apart on the first axis)."""
+    for name, why in checks.items():
+        if f"Name:'{name}'" in text:
+            loss, _, error = why.partition("\n")
+            shapes = _RESHAPED.search(text)
+            if "[0, C)" in error and shapes is not None:
+                error = error.replace("[0, C)", f"[0, {int(shapes[2]) - int(shapes[1]) - 1})")
+            return loss, error
+    return None
 
 
 def _is_label_loss(node: onnx.NodeProto) -> bool:
@@ -177,15 +214,20 @@ def _check_graph(g: onnx.GraphProto, types: dict, opset: int, names: NameGen, bo
     checked: dict[str, str] = {}  # labels → their checked copy, for the nodes after the loss
     nodes: list[onnx.NodeProto] = []
     changed = False
-    for n in g.node:
+    for k, n in enumerate(g.node):
         for i, x in enumerate(n.input):
             if x in checked:
                 n.input[i] = checked[x]
         for sub in subgraphs(n):  # before ``n`` is copied into the new node list below
             _check_graph(sub, types, opset, names, body=True)
-        if _is_label_loss(n) and _needs_check(types, n):
-            labels = n.input[1]
-            new, inits, name = _labels_check(n, static_shape(types, n.input[0]), opset, names)
+        if _is_label_loss(n):
+            labels = name = n.input[1]
+            scores = static_shape(types, n.input[0])
+            new, inits = [], []
+            if _needs_check(types, n):
+                new, inits, name = _labels_check(n, scores, opset, names)
+            more, consts, name = _range_check(n, k, name, elem_type(types, labels), scores, opset, names)
+            new, inits = new + more, inits + consts
             if body:
                 nodes.extend(helper.make_node("Constant", [], [t.name], name=names(f"{t.name}/Constant"),
                                               value=t) for t in inits)
@@ -260,6 +302,74 @@ def _labels_check(node: onnx.NodeProto, scores_shape: list | None, opset: int,
               helper.make_node("Max", [own, same_rank], [hi], name=name("Max")),
               helper.make_node("Reshape", [labels, hi], [wide], name=name("Reshape"), **extra),
               helper.make_node("Reshape", [wide, same_rank], [out], name=name("Reshape"), **extra)]
+    return nodes, inits, out
+
+
+_RANGE_CHECK = "/labels_range_check"
+_INDEX_TYPES = {TensorProto.INT32: np.int32, TensorProto.INT64: np.int64}
+
+
+def _range_check(node: onnx.NodeProto, k: int, labels: str, label_type: int, scores_shape: list | None,
+                 opset: int, names: NameGen) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], str]:
+    """The nodes that pass ``labels`` of loss ``node`` (index ``k`` in its graph) on through a Reshape that
+    fails unless each is in [0, C) or the loss's ignore_index, the constants they read, and the checked
+    labels' name. Labels of a type not known here are compared as int64."""
+    base = node.output[0] or node.input[0]
+
+    def name(what: str) -> str:
+        return names(f"{base}/labels_range_{what}")
+
+    nodes: list[onnx.NodeProto] = []
+    inits: list[onnx.TensorProto] = []
+
+    def make(op: str, ins: list[str], **kw: object) -> str:
+        out = name(op)
+        nodes.append(helper.make_node(op, ins, [out], name=name(op), **kw))
+        return out
+
+    def const(what: str, value: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(value, name(what)))
+        return inits[-1].name
+
+    work = labels
+    if label_type not in _INDEX_TYPES:
+        label_type = TensorProto.INT64
+        work = make("Cast", [labels], to=TensorProto.INT64)
+    dtype = _INDEX_TYPES[label_type]
+    zero = const("zero", np.array(0, dtype))
+    ignore = next((a.i for a in node.attribute if a.name == "ignore_index"), None)
+    if ignore is not None and np.iinfo(dtype).min <= ignore <= np.iinfo(dtype).max:
+        ignored = make("Equal", [work, const("ignore_index", np.array(ignore, dtype))])
+        work = make("Where", [ignored, zero, work])
+    lo, hi = make("ReduceMin", [work], keepdims=0), make("ReduceMax", [work], keepdims=0)
+    classes = scores_shape[1] if scores_shape is not None and len(scores_shape) > 1 else None
+    if classes is not None:
+        count = const("classes", np.array(classes, dtype))
+    else:  # the scores' axis 1 at run time ([1])
+        if opset >= 15:
+            count = make("Shape", [node.input[0]], start=1, end=2)
+        else:
+            count = make("Slice", [make("Shape", [node.input[0]]), const("one", np.array([1], np.int64)),
+                                   const("two", np.array([2], np.int64))])
+        if label_type != TensorProto.INT64:
+            count = make("Cast", [count], to=label_type)
+    bad = make("Cast", [make("Or", [make("Less", [lo, zero]), make("GreaterOrEqual", [hi, count])])],
+               to=TensorProto.INT64)
+    if classes is None:  # C + 1 more, which the error's shapes then tell (label_range_error)
+        if label_type != TensorProto.INT64:
+            count = make("Cast", [count], to=TensorProto.INT64)
+        bad = make("Mul", [bad, make("Add", [count, const("step", np.array([1], np.int64))])])
+    # every dim of the labels' shape larger when a label is out of range: a Reshape that cannot be (the
+    # labels are then not empty), else the labels themselves
+    wanted = make("Add", [make("Shape", [labels]), bad])
+    out = names(f"{labels}/in_range")
+    label = repr(node.name) if node.name else f"#{k} (unnamed)"
+    limit = classes if classes is not None else "C"
+    # the failing node and the error, a line each (see label_range_messages)
+    why = (f"node {label} ({node.op_type})\n"
+           f"target holds class indices outside [0, {limit}) that are not ignore_index")
+    nodes.append(helper.make_node("Reshape", [labels, wanted], [out], name=names(f"{base}{_RANGE_CHECK}"),
+                                  doc_string=why))
     return nodes, inits, out
 
 
