@@ -209,3 +209,16 @@ def test_gather_nd_with_empty_index_tuples_matches_onnxruntime(x_shape, idx_shap
     ours, theirs = _run_both("GatherND", [x, np.zeros(idx_shape, np.int64)], 13, batch_dims=batch_dims)
     assert ours[0].shape == theirs[0].shape
     np.testing.assert_array_equal(ours[0], theirs[0])
+
+
+@pytest.mark.parametrize("idx_shape", [(1, 0), (0, 3, 0)])
+def test_scatter_elements_indices_of_another_rank_are_refused_as_onnxruntime_does(idx_shape) -> None:
+    """Empty indices of another rank than the data's passed as no update; onnxruntime refuses them."""
+    ort = pytest.importorskip("onnxruntime")
+    x, idx = np.ones((3,), np.float32), np.zeros(idx_shape, np.int64)
+    model = _model("ScatterElements", [x, idx, np.zeros(idx_shape, np.float32)], 18).SerializeToString()
+    feeds = {"x0": x, "x1": idx, "x2": np.zeros(idx_shape, np.float32)}
+    with pytest.raises(Exception, match="rank"):
+        ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    with pytest.raises(Exception, match="ScatterElements: indices rank"):
+        compile_model(onnx.load_from_string(model)).run(feeds)

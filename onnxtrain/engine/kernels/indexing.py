@@ -160,6 +160,8 @@ def scatter_elements_into(inputs: Inputs, attrs: Attrs, inplace: bool) -> Output
     axis = _axis(attrs["axis"], x.ndim)
     if idx.shape != upd.shape:
         raise ValueError(f"ScatterElements: indices shape {idx.shape} != updates shape {upd.shape}")
+    if idx.ndim != x.ndim:  # (empty indices of another rank were taken as no update)
+        raise ValueError(f"ScatterElements: indices rank {idx.ndim} != data rank {x.ndim}")
     reduction = attrs.get("reduction") or "none"
     if x.ndim == 2 and axis == 1 and idx.shape == (x.shape[0], 1) and x.size and upd.dtype == x.dtype:
         out = _one_per_row(x, idx.reshape(-1), upd.reshape(-1), reduction, inplace)
