@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.converter_fixes import (
+    cast_old_dropout_masks,
     drop_idle_pad_values,
     drop_idle_spatial,
     flatten_old_hardmax,
@@ -275,6 +276,7 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
              "computed in the graph: the gradient graph's copy rounds positions down on every axis, where "
              "Resize-10 rounds up on an axis it downsamples; give the scales as a constant to keep that")
     match_clip_bounds(out, model_opset(model))
+    cast_old_dropout_masks(out, model_opset(model))
     unique_body_names(out)
     added = {v.name for v in extra}
     kept = [i for i in out.graph.input if i.name not in added]

@@ -17,6 +17,9 @@
 * Hardmax before opset 13 takes the maximum over all dims from ``axis`` on (the input read as a matrix);
   the converter keeps the node and its axis, which at 13 means one dim: :func:`flatten_old_hardmax`
   rewrites each as Flatten, a Hardmax over the matrix's rows, and a Reshape back, before the conversion.
+* Dropout before opset 10 outputs its mask in the input's float type; the converter keeps the node's mask
+  output, bool from Dropout-10 on, under the model's float declaration and float reads (onnx.checker and
+  onnxruntime refused the gradient graph): :func:`cast_old_dropout_masks` casts it back with a CastLike.
 * The converter names the constants it adds (``_v_<n>``, e.g. ReduceSum's axes) per graph, so a body may
   define a name its outer graph defines too (not SSA: onnx.checker refuses the gradient graph):
   :func:`unique_body_names` renames the body's copies.
@@ -186,6 +189,35 @@ def match_clip_bounds(model: onnx.ModelProto, opset: int) -> None:
                 if value is not None and value.t.data_type != et:
                     arr = numpy_helper.to_array(value.t).astype(helper.tensor_dtype_to_np_dtype(et))
                     value.t.CopyFrom(numpy_helper.from_array(arr, value.t.name))
+
+
+def cast_old_dropout_masks(model: onnx.ModelProto, opset: int) -> None:
+    """Give the mask output of the Dropout nodes of ``model``, converted from default-domain ``opset`` < 10,
+    the type of the node's input again (in place): the node writes a bool mask under a new name, which a
+    CastLike to the input's type turns into the old name."""
+    if opset >= 10:
+        return
+    names = None
+    for g in walk_graphs(model.graph):
+        if not any(_has_mask(n) for n in g.node):
+            continue
+        names = names or NameGen.for_model(model)
+        nodes: list[onnx.NodeProto] = []
+        for n in g.node:
+            nodes.append(n)
+            if not _has_mask(n):
+                continue
+            mask = n.output[1]
+            n.output[1] = names(f"{mask}_bool")
+            nodes.append(helper.make_node("CastLike", [n.output[1], n.input[0]], [mask],
+                                          name=names(f"{n.name or 'Dropout'}_mask_CastLike")))
+        del g.node[:]
+        g.node.extend(nodes)
+
+
+def _has_mask(n: onnx.NodeProto) -> bool:
+    """Whether ``n`` is a default-domain Dropout that outputs its mask."""
+    return n.op_type == "Dropout" and n.domain in DEFAULT_DOMAINS and len(n.output) > 1 and bool(n.output[1])
 
 
 def _defines(g: onnx.GraphProto) -> set[str]:

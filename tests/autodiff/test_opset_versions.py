@@ -1,0 +1,130 @@
+"""Ops across the opset versions where their schema changed (attributes become inputs, 2-D coercion gives way
+to one axis, outputs change type): one-node models at each version, the engine's forward against
+onnxruntime's, and the gradient graph (built by GradientGraphBuilder, which lifts an old model to opset 17)
+checked with onnx.checker's full check, run by onnxruntime, and compared with float64 central differences
+of onnxruntime's (or onnx.reference's) forward of the model as given."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.autodiff.legacy import GradientGraphBuilder
+from onnxtrain.engine import compile_model
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((2, 3, 4))
+
+
+def _i64(*v: int) -> np.ndarray:
+    return np.array(v, np.int64)
+
+
+def _ort(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return lambda feeds: s.run(None, feeds)
+
+
+def _reference(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+    from onnx.reference import ReferenceEvaluator
+
+    r = ReferenceEvaluator(model)
+    return lambda feeds: r.run(None, feeds)
+
+
+def _model(op: str, opset: int, attrs: dict, inputs: list[tuple[str, np.ndarray | None, bool]],
+           outputs: list[tuple[np.dtype, tuple[int, ...]]], dtype: type = np.float64,
+           loss_of: list[int] | None = None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """One ``op`` node (inputs: name, value, whether a constant initializer; a float value in ``dtype``)
+    and, for ``loss_of``, ``loss = Σ_k ReduceSum(y_k · u_k)`` with fixed random u_k."""
+    feeds, inits, g_in = {}, [], []
+    for name, value, const in inputs:
+        if not name:
+            continue
+        a = np.asarray(value)
+        a = a.astype(dtype) if a.dtype.kind == "f" else a
+        if const:
+            inits.append(numpy_helper.from_array(a, name))
+        else:
+            feeds[name] = a
+            et = helper.np_dtype_to_tensor_dtype(a.dtype)
+            g_in.append(helper.make_tensor_value_info(name, et, a.shape))
+    ys = [f"y{k}" for k in range(len(outputs))]
+    nodes = [helper.make_node(op, [n for n, _, _ in inputs], ys, name=f"{op}_{opset}", **attrs)]
+    g_out = [helper.make_tensor_value_info(y, helper.np_dtype_to_tensor_dtype(np.dtype(dtype if t.kind == "f"
+                                                                                         else t)), shape)
+             for y, (t, shape) in zip(ys, outputs)]
+    if loss_of is not None:
+        terms = []
+        for k in loss_of:
+            u = numpy_helper.from_array(RNG.uniform(0.5, 1.5, outputs[k][1]).astype(dtype), f"u{k}")
+            inits.append(u)
+            nodes += [helper.make_node("Mul", [ys[k], u.name], [f"yu{k}"]),
+                      helper.make_node("ReduceSum", [f"yu{k}"], [f"l{k}"], keepdims=0)]
+            terms.append(f"l{k}")
+        nodes.append(helper.make_node("Sum", terms, ["loss"]))
+        g_out = [helper.make_tensor_value_info("loss", helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), [])]
+    graph = helper.make_graph(nodes, f"{op}_{opset}", g_in, g_out, inits)
+    ir = helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=max(ir, 7))
+    return model, feeds
+
+
+def _gradient_checked(model: onnx.ModelProto, feeds: dict[str, np.ndarray], wrt: list[str],
+                      forward: Callable[[onnx.ModelProto], Callable]) -> None:
+    """The gradient model of ``loss`` passes the full check, runs in onnxruntime and on the engine to the
+    same values, and matches central differences of ``forward`` (onnxruntime or onnx.reference)."""
+    b = GradientGraphBuilder(model, {"loss"}, wrt, "loss")
+    b.build()
+    gm = onnx.load_from_string(b.get_model())
+    onnx.checker.check_model(gm, full_check=True)
+    names = [o.name for o in gm.graph.output]
+    ours = dict(zip(names, compile_model(gm).run(dict(feeds))))
+    theirs = dict(zip(names, _ort(gm)(feeds)))
+    loss = forward(model)
+    eps = 1e-6
+    for w in wrt:
+        np.testing.assert_allclose(ours[f"{w}_grad"], theirs[f"{w}_grad"], rtol=1e-9, atol=1e-9, err_msg=w)
+        x, fd = feeds[w], np.zeros_like(feeds[w])
+        for idx in np.ndindex(x.shape):
+            plus, minus = x.copy(), x.copy()
+            plus[idx] += eps
+            minus[idx] -= eps
+            fd[idx] = (loss({**feeds, w: plus})[0] - loss({**feeds, w: minus})[0]) / (2 * eps)
+        np.testing.assert_allclose(ours[f"{w}_grad"], fd, rtol=1e-5, atol=1e-6, err_msg=w)
+
+
+@pytest.mark.parametrize("opset", [7, 9])
+def test_old_dropout_mask_keeps_the_input_type_in_the_gradient_graph(opset: int) -> None:
+    """Dropout before opset 10 outputs its mask in the input's float type (bool since Dropout-10); the
+    converter lifting the model to opset 17 left the mask bool under the model's float declaration and
+    float reads, so onnx.checker refused the gradient graph (and the engine a Mul reading the mask)."""
+    nodes = [helper.make_node("Dropout", ["x"], ["y", "mask"], name="drop", ratio=0.3),
+             helper.make_node("Neg", ["mask"], ["neg_mask"]),
+             helper.make_node("Mul", ["y", "u"], ["yu"]),
+             helper.make_node("ReduceSum", ["yu"], ["loss"], keepdims=0)]
+    u = numpy_helper.from_array(RNG.uniform(0.5, 1.5, X.shape), "u")
+    masks = [helper.make_tensor_value_info(n, TensorProto.DOUBLE, X.shape) for n in ("mask", "neg_mask")]
+    outputs = [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, []), *masks]
+    x = helper.make_tensor_value_info("x", TensorProto.DOUBLE, X.shape)
+    graph = helper.make_graph(nodes, "drop", [x], outputs, [u])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=7)
+    _gradient_checked(model, {"x": X}, ["x"], _ort)
+    b = GradientGraphBuilder(model, {"loss"}, ["x"], "loss")
+    b.build()
+    gm = onnx.load_from_string(b.get_model())
+    got = dict(zip([o.name for o in gm.graph.output], compile_model(gm).run({"x": X})))
+    # onnx.reference: inference mode keeps every value (it gives the mask as bool; the schema says T)
+    alone = helper.make_graph(nodes[:1], "alone", [x], [helper.make_empty_tensor_value_info("mask")])
+    want = _reference(helper.make_model(alone, opset_imports=model.opset_import))({"x": X})[0]
+    want = want.astype(np.float64)
+    assert got["mask"].dtype == np.float64 and got["neg_mask"].dtype == np.float64
+    np.testing.assert_array_equal(got["mask"], want)
+    np.testing.assert_array_equal(got["neg_mask"], -want)
