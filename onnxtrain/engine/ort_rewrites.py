@@ -142,8 +142,8 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
                             types: dict | None = None) -> onnx.ModelProto:
     """``model`` with the rewrites above but the labels' check applied (a copy), or ``model`` itself when none
     applies; without ``optimise`` (onnxruntime's optimisations turned off) only those onnxruntime needs to
-    load or run the graph: the BatchNormalization outputs', float16 scatters', dilated SAME Convs' and pools'
-    pads, SAME ConvTransposes' pads and ConvTransposes' large output_paddings.
+    load or run the graph: the BatchNormalization outputs', half-precision scatters', dilated SAME Convs' and
+    pools' pads, SAME ConvTransposes' pads and ConvTransposes' large output_paddings.
     ``types``: value types of ``model`` already inferred (empty: inferred when a rewrite needs them)."""
     # inferred once, when a rewrite needs them (the rewrites keep the types of the values they read)
     types = {} if types is None else types
