@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxtrain.capi.feeds import feed_array, map_feed
+from onnxtrain.capi.feeds import check_onnxruntime_feed, feed_array, map_feed
 from onnxtrain.capi.node_args import inferred_output_types
 from onnxtrain.capi.options import RunOptions, SessionOptions, resolve_providers
 from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
@@ -112,7 +112,11 @@ def _typed(v: onnx.ValueInfoProto, tp: onnx.TypeProto | None) -> onnx.ValueInfoP
 class FeedChecker:
     """Checks a feed dict against the graph inputs once per call: names, dtypes, ranks and fixed dims."""
 
-    def __init__(self, plan: GraphInterface, overridable: Sequence[str]):
+    def __init__(self, plan: GraphInterface, overridable: Sequence[str], arrays_only: bool = False):
+        # arrays_only: a tensor feed must be a numpy array, a list or an OrtValue, as onnxruntime's
+        # InferenceSession.run takes them (the training sessions also take Python and numpy scalars and
+        # tuples)
+        self.arrays_only = arrays_only
         self.allowed = set(plan.input_names) | set(overridable)
         self.specs = {n: (plan.input_dtypes.get(n), plan.input_shapes.get(n)) for n in plan.all_input_names}
         # sequence- and optional-typed inputs: name → "seq" or "optional"; fed as lists (or None) as they are
@@ -151,6 +155,9 @@ class FeedChecker:
             if name not in self.allowed:
                 raise InvalidFeed(f"unknown input {name!r}; the model's inputs are {self.required}")
             kind = self.containers.get(name)
+            tensor = kind is None and name not in self.maps or name in self.optional_tensors
+            if self.arrays_only and tensor and not isinstance(v, OrtValue):
+                check_onnxruntime_feed(name, v)
             if kind is None and name in self.maps:  # a dict, its keys and values checked
                 out[name] = map_feed(name, v, *self.maps[name])
             elif kind is None:
@@ -313,7 +320,7 @@ class InferenceSession:
         # what get_outputs() shows: the declarations merged with shape inference, as onnxruntime shows them;
         # (a declared rank or size that inference contradicts forgotten, as there); inferred at the first call
         self._shown_outputs: list[NodeArg] | None = None
-        self._check = FeedChecker(self._plan, [a.name for a in self._overridable])
+        self._check = FeedChecker(self._plan, [a.name for a in self._overridable], arrays_only=True)
         # outputs of path-only runs → the inputs on their path and its plan (see _path_plan)
         self._path_plans: dict[tuple[str, ...], tuple[list[str] | None, GraphInterface | None]] = {}
         self._fallback = True

@@ -15,9 +15,11 @@ from onnxtrain.errors import InvalidFeedType, NoneFed
 
 def feed_array(name: str, v: Any, dtype: np.dtype | None) -> np.ndarray:
     """``v`` fed to tensor input ``name`` of ``dtype`` (None when not declared) as an array, its dtype not yet
-    checked: a list, a tuple or a Python number takes the input's type, as in onnxruntime; an array or an
-    object that carries its own dtype (a numpy scalar, a torch tensor, anything with ``__array__``) keeps it.
-    None, and str or bytes for a numeric input, are refused (numpy would read them as NaN and as numbers)."""
+    checked: a list, a tuple or a Python number takes the input's type (onnxruntime's InferenceSession takes
+    only lists: see :func:`check_onnxruntime_feed`); a list for a string input holds objects (each later
+    its ``str()``, as onnxruntime converts them); an array or an object that carries its own dtype (a numpy
+    scalar, a torch tensor, anything with ``__array__``) keeps it. None, and str or bytes for a numeric
+    input, are refused (numpy would read them as NaN and as numbers)."""
     if isinstance(v, np.ndarray):  # a subclass (np.matrix, a masked array) as its plain data, as onnxruntime
         return _row_major(v if type(v) is np.ndarray else np.asarray(v))
     if v is None:
@@ -26,12 +28,31 @@ def feed_array(name: str, v: Any, dtype: np.dtype | None) -> np.ndarray:
     if numeric and isinstance(v, (str, bytes)):
         raise InvalidFeedType(f"input {name!r}: a {type(v).__name__} was fed to a tensor of {dtype}")
     takes_type = numeric and not isinstance(v, np.generic) and isinstance(v, (list, tuple, bool, int, float))
+    # a list for a string input: its items as objects (str() of each later, as onnxruntime converts them)
+    as_objects = dtype == np.dtype(object) and isinstance(v, list)
     try:
+        if as_objects:
+            return np.array(v, dtype=object)
         return _row_major(np.asarray(v, dtype=dtype) if takes_type else np.asarray(v))
     except (OverflowError, ValueError, TypeError) as e:  # a RuntimeError, as onnxruntime's
         kind = "" if dtype is None else f" of {dtype}"
         raise InvalidFeedType(f"input {name!r}: could not create a tensor{kind} from the value given: "
                               f"{e}") from None
+
+
+def check_onnxruntime_feed(name: str, v: Any) -> None:
+    """Refuse what onnxruntime's ``InferenceSession.run`` refuses for a tensor input ``name``: anything but a
+    numpy array or a list (the caller takes OrtValues): a Python or numpy scalar, a tuple, a str, a torch
+    tensor, an object with ``__array__``, with onnxruntime's message (a ``RuntimeError`` there; here also the
+    ``InvalidArgument``/``TypeError`` of other bad feeds). None is left to the usual check."""
+    if v is None or isinstance(v, (np.ndarray, list)):
+        return
+    if hasattr(v, "__iter__"):
+        raise InvalidFeedType(f"Input must be a list of dictionaries or a single numpy array for input "
+                              f"{name!r} (got {type(v).__name__}; onnxruntime's run takes no other "
+                              "sequence: pass np.asarray(value))")
+    raise InvalidFeedType(f"Unable to handle object of type {type(v)} fed to input {name!r} (onnxruntime's "
+                          "run takes a numpy array, a list or an OrtValue: pass np.asarray(value))")
 
 
 def _row_major(a: np.ndarray) -> np.ndarray:
@@ -75,7 +96,7 @@ def map_feed(name: str, v: Any, string_keys: bool, value_dtype: np.dtype | None,
 
 _VALUES = {"f": "real numbers", "i": "integers", "O": "str"}
 
-__all__ = ["feed_array", "map_feed"]
+__all__ = ["check_onnxruntime_feed", "feed_array", "map_feed"]
 
 
 def empty_run(feeds: Mapping[str, Any]) -> bool:

@@ -121,3 +121,90 @@ def test_node_args_of_a_torch_export_are_onnxruntimes_before_its_graph_rewrites(
     ours = onnxtrain.InferenceSession(model)
     assert _args(ours.get_outputs()) == _args(theirs.get_outputs())
     assert _args(ours.get_outputs())[1] == ("z", "tensor(float)", ["batch", None])
+
+
+class _WithArray:
+    """An object numpy converts (``__array__``) that is no array."""
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.array([1.5, 2.0], np.float32)
+
+
+FEEDS = {
+    "python float": 1.5, "python int": 2, "python bool": True, "str": "a", "bytes": b"a",
+    "float list": [1.5, 2.0], "int list": [1, 2], "mixed list": [1, 2.5], "bool list": [True, False],
+    "str list": ["a", "b"], "empty list": [], "nested list": [[1.0], [2.0]],
+    "ragged list": [[1.0], [2.0, 3.0]],
+    "tuple": (1.5, 2.0), "set": {1.0}, "numpy float32": np.float32(1.5), "numpy float64": np.float64(1.5),
+    "numpy int64": np.int64(2), "numpy bool": np.bool_(True), "numpy str": np.str_("a"),
+    "0-d float32": np.array(1.5, np.float32), "0-d int64": np.array(2), "0-d str": np.array("a"),
+    "0-d object": np.array("a", object), "float32 array": np.array([1.5, 2.0], np.float32),
+    "matrix": np.matrix([[1.5, 2.0]], np.float32), "with __array__": _WithArray(),
+}
+
+
+def _identity(elem: int, shape: list | None) -> bytes:
+    return _model([h.make_node("Identity", ["x"], ["y"])], [h.make_tensor_value_info("x", elem, shape)],
+                  [h.make_tensor_value_info("y", elem, None)])
+
+
+def _outcome(sess, feed):
+    try:
+        return sess.run(None, {"x": feed})[0], None
+    except Exception as e:  # noqa: BLE001 - compared below
+        return None, e
+
+
+@pytest.mark.parametrize("shape", [[], None, [2]], ids=["scalar", "no shape", "[2]"])
+@pytest.mark.parametrize("elem", [T.FLOAT, T.INT64, T.STRING, T.BOOL],
+                         ids=["float", "int64", "string", "bool"])
+def test_feeds_are_taken_or_refused_as_onnxruntime_takes_them(elem: int, shape: list | None) -> None:
+    """A numpy array, a list or an OrtValue is taken (a list converted to the input's type; for a string input
+    each item as its str()); a Python or numpy scalar, a tuple, a set, a str or bytes, and an object that is
+    only convertible (``__array__``) are refused with onnxruntime's exception class (a RuntimeError)."""
+    import onnxtrain.capi.onnxruntime_pybind11_state as ours_c
+
+    model = _identity(elem, shape)
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    theirs = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    ours = onnxtrain.InferenceSession(model)
+    for what, feed in FEEDS.items():
+        (want, their_error), (got, our_error) = _outcome(theirs, feed), _outcome(ours, feed)
+        if their_error is None:
+            assert our_error is None, (what, our_error)
+            assert got.dtype == want.dtype and got.shape == want.shape, what
+            assert got.tolist() == want.tolist(), what
+        else:
+            assert our_error is not None, (what, their_error)
+            cls = type(their_error)
+            if cls.__module__.startswith("onnxruntime"):  # its binding's classes, as onnxtrain names them
+                cls = getattr(ours_c, cls.__name__)
+            assert isinstance(our_error, cls), (what, their_error, our_error)
+            assert "'x'" in str(our_error) or "x" in str(our_error), what
+
+
+def test_torch_tensors_are_refused_as_onnxruntime_refuses_them() -> None:
+    torch = pytest.importorskip("torch")
+    model = _identity(T.FLOAT, [2])
+    theirs = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    with pytest.raises(RuntimeError, match="numpy array"):
+        theirs.run(None, {"x": torch.tensor([0.5, -2.0])})
+    with pytest.raises(RuntimeError, match="numpy array"):
+        onnxtrain.InferenceSession(model).run(None, {"x": torch.tensor([0.5, -2.0])})
+
+
+def test_the_training_session_still_takes_tuples_and_python_numbers() -> None:
+    """The legacy TrainingSession (a separate API) keeps converting tuples of Python numbers (here the labels
+    and the learning rate) to its inputs' types."""
+    from tests.session.helpers import mlp_model, params
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 8)).astype(np.float32), rng.integers(0, 4, 4)
+    lr_name = params().lr_params_feed_name
+    weights = []
+    for labels, lr in ((y, np.array([0.1], np.float32)), (tuple(int(k) for k in y), (0.1,))):
+        sess = onnxtrain.TrainingSession(mlp_model().SerializeToString(), params())
+        sess.run(["loss"], {"x": x, "y": labels, lr_name: lr})
+        weights.append(sess.get_state()["W1"])
+    np.testing.assert_array_equal(weights[1], weights[0])

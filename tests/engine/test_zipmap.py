@@ -53,7 +53,7 @@ def test_scores_of_a_fitted_classifier_keep_their_float32_values() -> None:
 @pytest.mark.parametrize(("labels", "strings", "x", "match"), [
     ([0, 1], False, X[:, :3], "3 scores per row for 2 class labels"),
     ([0, 1, 2], False, X[:, :3].reshape(2, 2, 3), r"must be \[N, C\] or \[C\], got shape \[2, 2, 3\]"),
-    ([0, 1, 2], False, X[0, 0], r"must be \[N, C\] or \[C\], got shape \[\]"),
+    ([0, 1, 2], False, np.asarray(X[0, 0]), r"must be \[N, C\] or \[C\], got shape \[\]"),
 ])
 def test_bad_input_is_refused_naming_the_node(labels: list, strings: bool, x: np.ndarray, match: str) -> None:
     sess = onnxtrain.InferenceSession(_model(labels, strings, list(x.shape)).SerializeToString())
