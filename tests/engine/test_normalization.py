@@ -88,6 +88,15 @@ def test_mean_variance_normalization_matches_onnxruntime(axes: list[int]) -> Non
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("axes", [[-1, 2, 3], [1, -3], [0, -4, 2]])
+def test_mean_variance_normalization_with_an_axis_given_twice_matches_onnxruntime(axes: list[int]) -> None:
+    """An axis named twice (-1 and 3) is normalised over once, as onnxruntime's ReduceMeans take it (numpy
+    refused the repeated axis)."""
+    x = _rng.uniform(-2, 2, (2, 3, 2, 4)).astype(np.float32)
+    (ours,), (theirs,) = _run_both("MeanVarianceNormalization", [x], 13, axes=axes)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
 def test_layer_normalization_optional_outputs() -> None:
     x = _rng.uniform(-2, 2, (3, 5)).astype(np.float32)
     w, b = np.full(5, 2.0, np.float32), np.ones(5, np.float32)

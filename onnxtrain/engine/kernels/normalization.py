@@ -438,7 +438,8 @@ def lp_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
 @kernel("MeanVarianceNormalization", since=9)
 def mean_variance_normalization(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
-    axes = tuple(mvn_axes(attrs["axes"], x.ndim))  # (onnxtrain.ir.attrs)
+    # (onnxtrain.ir.attrs) an axis named twice (-1 and 3) once, as onnxruntime's ReduceMean takes it
+    axes = tuple(dict.fromkeys(a + x.ndim if a < 0 else a for a in mvn_axes(attrs["axes"], x.ndim)))
     w = _work(x)
     d = np.subtract(w, np.mean(w, axis=axes, keepdims=True))
     std = np.sqrt(np.mean(np.multiply(d, d), axis=axes, keepdims=True))
