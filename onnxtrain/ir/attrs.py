@@ -35,6 +35,8 @@ _DEFAULTS: dict[tuple[str, int, str], tuple[tuple[str, AttributeProto | None], .
 
 
 def _default(d: AttributeProto) -> AttributeProto | None:
+    if d.type == AttributeProto.STRING and d.s == b"foward":  # GRU-1's direction default, misspelled by ONNX
+        return onnx.helper.make_attribute(d.name, "forward")
     return d if d.type != AttributeProto.UNDEFINED and d.name else None
 
 

@@ -128,3 +128,15 @@ def test_old_dropout_mask_keeps_the_input_type_in_the_gradient_graph(opset: int)
     assert got["mask"].dtype == np.float64 and got["neg_mask"].dtype == np.float64
     np.testing.assert_array_equal(got["mask"], want)
     np.testing.assert_array_equal(got["neg_mask"], -want)
+
+
+def test_gru1_runs_forward_by_its_misspelled_default_direction() -> None:
+    """GRU-1's schema gives its direction the default "foward" (sic), which the engine refused ("unknown
+    direction"); it means forward: the values of onnxruntime's GRU-7 with direction="forward"."""
+    x, w, r = RNG.standard_normal((3, 2, 2)), RNG.standard_normal((1, 6, 2)), RNG.standard_normal((1, 6, 2))
+    ins = [("x", x, False), ("w", w, True), ("r", r, True)]
+    outs = [(np.dtype(np.float32), (3, 1, 2, 2)), (np.dtype(np.float32), (1, 2, 2))]
+    old, feeds = _model("GRU", 1, dict(hidden_size=2), ins, outs, np.float32)
+    new, _ = _model("GRU", 7, dict(hidden_size=2, direction="forward"), ins, outs, np.float32)
+    for got, want in zip(compile_model(old).run(dict(feeds)), _ort(new)(feeds), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
