@@ -877,16 +877,23 @@ def _layer_norms_from_output(bw: _Backward, rules: dict[int, Any], on_path: list
 def _vi(bw: _Backward, name: str, given: onnx.ValueInfoProto | None = None) -> onnx.ValueInfoProto:
     """A value info for output ``name``: the model's own when it has a type, else the inferred one. A given
     tensor type without a shape (which onnx.checker refuses on a graph output), or of a rank its producer
-    contradicts (an exporter's mistake), takes the inferred shape."""
+    contradicts (an exporter's mistake), takes the inferred shape; one of an element type its producer
+    contradicts, the inferred element type."""
     tp = bw.types.get(name)
     if given is not None and given.type.HasField("tensor_type") and given.type.tensor_type.elem_type:
         tt = given.type.tensor_type
         known = tp is not None and tp.tensor_type.HasField("shape")
-        if not known or (tt.HasField("shape") and len(tt.shape.dim) == len(tp.tensor_type.shape.dim)):
+        reshape = known and not (tt.HasField("shape") and len(tt.shape.dim) == len(tp.tensor_type.shape.dim))
+        elem = tp.tensor_type.elem_type if tp is not None and tp.HasField("tensor_type") else 0
+        retype = bool(elem) and elem != tt.elem_type
+        if not reshape and not retype:
             return given
         out = onnx.ValueInfoProto()
         out.CopyFrom(given)
-        out.type.tensor_type.shape.CopyFrom(tp.tensor_type.shape)
+        if reshape:
+            out.type.tensor_type.shape.CopyFrom(tp.tensor_type.shape)
+        if retype:
+            out.type.tensor_type.elem_type = elem
         return out
     return helper.make_value_info(name, tp) if tp is not None else helper.make_empty_tensor_value_info(name)
 

@@ -436,8 +436,8 @@ def _inferred_types(model: onnx.ModelProto, skeleton: onnx.ModelProto,
 
 def _reconciled(skeleton: onnx.ModelProto) -> onnx.ModelProto:
     """``skeleton`` with its declared types of intermediate values and outputs (``value_info``, which may
-    be stale) reconciled with those inference gives from the graph's inputs alone: a declared rank or
-    static dim that contradicts the computed one takes the computed type or dim (with a warning naming
+    be stale) reconciled with those inference gives from the graph's inputs alone: a declared element type,
+    rank or static dim that contradicts the computed one takes the computed type or dim (with a warning naming
     them: lenient inference keeps such an exporter's mistake, which onnx.checker refuses), and a static dim
     where the computed one is symbolic takes the symbol (a declaration recorded at one batch size is no
     other's); a declaration is kept where inference knows nothing. A gradient built on a stale dim (a mean's
@@ -448,15 +448,16 @@ def _reconciled(skeleton: onnx.ModelProto) -> onnx.ModelProto:
     bare = onnx.ModelProto()
     bare.CopyFrom(skeleton)  # (small: a skeleton holds no large values)
     del bare.graph.value_info[:]
-    for o in bare.graph.output:  # inference fills a graph output's shape anew
+    for o in bare.graph.output:  # inference fills a graph output's type and shape anew
         if o.type.HasField("tensor_type"):
             o.type.tensor_type.ClearField("shape")
+            o.type.tensor_type.elem_type = 0
     try:
         computed = onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=True).graph
     except Exception:
         return skeleton
     fresh = {v.name: v.type for v in (*computed.value_info, *computed.output)
-             if _shape_of(v.type) is not None}
+             if _shape_of(v.type) is not None or _elem_of(v.type)}
     symbols = {d.dim_param for v in g.input if (sh := _shape_of(v.type)) is not None for d in sh.dim
                if d.HasField("dim_param")}  # (inference names the dims it does not know unk__<k>)
     # ONNX's inference has some ConvTranspose outputs wrong (see ir.conv_shapes, whose rounds correct them
@@ -468,9 +469,9 @@ def _reconciled(skeleton: onnx.ModelProto) -> onnx.ModelProto:
     for k, o in enumerate(g.output):
         bare.graph.output[k].CopyFrom(_reconcile(o, fresh.get(o.name), symbols, wrong))
     if wrong and not _QUIET.get():
-        warn(f"the model declares value(s) with a rank or dims their producers do not compute: {wrong}; the "
-             "computed types are used (an exporter's mistake: onnx.checker.check_model(full_check=True) "
-             "refuses the model)")
+        warn(f"the model declares value(s) with a rank or dims (or element type) their producers do not "
+             f"compute: {wrong}; the computed types are used (an exporter's mistake: "
+             "onnx.checker.check_model(full_check=True) refuses the model)")
     return bare
 
 
@@ -483,6 +484,11 @@ def _after_conv_transposes(g: onnx.GraphProto) -> set[str]:
     return after
 
 
+def _elem_of(tp: onnx.TypeProto) -> int:
+    """A tensor type's element type; 0 (UNDEFINED) for another type or none."""
+    return tp.tensor_type.elem_type if tp.HasField("tensor_type") else 0
+
+
 def _shape_of(tp: onnx.TypeProto) -> onnx.TensorShapeProto | None:
     if tp.HasField("tensor_type") and tp.tensor_type.HasField("shape"):
         return tp.tensor_type.shape
@@ -491,14 +497,26 @@ def _shape_of(tp: onnx.TypeProto) -> onnx.TensorShapeProto | None:
 
 def _reconcile(v: onnx.ValueInfoProto, computed: onnx.TypeProto | None, symbols: Collection[str],
                wrong: list[str]) -> onnx.ValueInfoProto:
-    """``v`` with the computed rank or dims where its declared ones are contradicted or less general (see
-    :func:`_reconciled`; ``symbols``: the graph inputs' dim names); contradictions are added to ``wrong``."""
-    declared = _shape_of(v.type)
-    if computed is None or declared is None:
+    """``v`` with the computed element type, rank or dims where its declared ones are contradicted or less
+    general (see :func:`_reconciled`; ``symbols``: the graph inputs' dim names); contradictions are added to
+    ``wrong``."""
+    if computed is None:
         return v
-    dims, got = declared.dim, computed.tensor_type.shape.dim
-    out = onnx.ValueInfoProto()
-    out.CopyFrom(v)
+    out = v
+    elem, made = _elem_of(v.type), _elem_of(computed)
+    if elem and made and elem != made:  # (a wrong type made the gradient's constants of that type)
+        name_of = TensorProto.DataType.Name
+        wrong.append(f"{v.name} ({name_of(elem).lower()}, computed {name_of(made).lower()})")
+        out = onnx.ValueInfoProto()
+        out.CopyFrom(v)
+        out.type.tensor_type.elem_type = made
+    declared, shape = _shape_of(v.type), _shape_of(computed)
+    if declared is None or shape is None:
+        return out
+    dims, got = declared.dim, shape.dim
+    if out is v:
+        out = onnx.ValueInfoProto()
+        out.CopyFrom(v)
     if len(dims) != len(got):
         wrong.append(f"{v.name} (rank {len(dims)}, computed {len(got)})")
         out.type.tensor_type.shape.CopyFrom(computed.tensor_type.shape)

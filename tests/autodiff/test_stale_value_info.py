@@ -159,3 +159,66 @@ def test_a_conv_transpose_declaration_inference_gets_wrong_is_kept_without_a_war
             run = ort.InferenceSession(model(moved), providers=["CPUExecutionProvider"]).run(None, {"X": x})
             fd[i] += sign * float(run[0]) / 2e-2
     np.testing.assert_allclose(grad, fd, rtol=1e-3, atol=1e-3)
+
+
+def _tanh_model(dtype: int, declared: int, loss_declared: int | None = None) -> onnx.ModelProto:
+    """loss = mean(tanh(x @ W + B)) in ``dtype``, the value_info of z and t of element type ``declared``, the
+    loss output declared of element type ``loss_declared`` (default ``dtype``)."""
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"]), helper.make_node("Add", ["y", "B"], ["z"]),
+         helper.make_node("Tanh", ["z"], ["t"]), helper.make_node("ReduceMean", ["t"], ["loss"], keepdims=0)],
+        "g", [helper.make_tensor_value_info("x", dtype, [4, 3])],
+        [helper.make_tensor_value_info("loss", loss_declared or dtype, [])],
+        [numpy_helper.from_array(_W.astype(helper.tensor_dtype_to_np_dtype(dtype)), "W"),
+         numpy_helper.from_array(_B.astype(helper.tensor_dtype_to_np_dtype(dtype)), "B")],
+        value_info=[helper.make_tensor_value_info(n, declared, [4, 2]) for n in ("z", "t")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(("dtype", "declared"), [(TensorProto.FLOAT, TensorProto.FLOAT16),
+                                                 (TensorProto.FLOAT, TensorProto.DOUBLE),
+                                                 (TensorProto.DOUBLE, TensorProto.FLOAT)])
+def test_a_declared_element_type_the_nodes_do_not_compute_is_replaced(dtype, declared) -> None:
+    """value_info declaring float16 (or float64) values of a float32 graph: the gradient's constants were
+    made of the declared type, and the built graph was refused naming the builder's own nodes
+    ('Tanh_Grad/Sub': a float16 constant beside float32 values). The computed type is taken, with a warning
+    naming the values, as for declared dims; the gradient matches torch's (float64)."""
+    import torch
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        builder = onnxtrain.GradientGraphBuilder(_tanh_model(dtype, declared).SerializeToString(), {"loss"},
+                                                 {"W", "B"}, "loss")
+        builder.build()
+    said = [str(w.message) for w in seen if "do not compute" in str(w.message)]
+    assert said and "z (" in said[0] and "t (" in said[0], said
+    np_type = helper.tensor_dtype_to_np_dtype(dtype)
+    sess = onnxtrain.InferenceSession(builder.get_model())
+    dw, db = sess.run(["W_grad", "B_grad"], {"x": _X.astype(np_type)})
+    assert dw.dtype == db.dtype == np_type
+    w = torch.tensor(_W, dtype=torch.float64, requires_grad=True)
+    b = torch.tensor(_B, dtype=torch.float64, requires_grad=True)
+    torch.tanh(torch.tensor(_X, dtype=torch.float64) @ w + b).mean().backward()
+    np.testing.assert_allclose(dw, w.grad.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(db, b.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_loss_output_declared_of_another_element_type_is_written_with_the_computed_one() -> None:
+    """A float32 loss declared float16: the builder warned it used the computed type but wrote the declared
+    one into the gradient graph, which was then refused ('loss' is tensor(float) by ReduceMean-13, but the
+    graph declares it tensor(float16)). The graph declares float32 now; the loss is onnxruntime's."""
+    import onnxruntime as ort
+
+    model = _tanh_model(TensorProto.FLOAT, TensorProto.FLOAT, loss_declared=TensorProto.FLOAT16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        builder = onnxtrain.GradientGraphBuilder(model.SerializeToString(), {"loss"}, {"W", "B"}, "loss")
+        builder.build()
+    built = onnx.load_from_string(builder.get_model())
+    assert built.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    loss, _ = onnxtrain.InferenceSession(built.SerializeToString()).run(["loss", "W_grad"], {"x": _X})
+    plain = _tanh_model(TensorProto.FLOAT, TensorProto.FLOAT)
+    want = ort.InferenceSession(plain.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": _X})[0]
+    assert loss.dtype == np.float32
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
