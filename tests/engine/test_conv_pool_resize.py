@@ -557,3 +557,27 @@ def test_resize_pytorch_half_pixel_to_one_element_samples_position_zero(mode: st
     got = onnxtrain.InferenceSession(m).run(None, {"X": x})[0]
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert got.ravel()[0] == x.ravel()[0]
+
+
+@pytest.mark.parametrize("attrs,scales", [
+    ({"mode": "linear"}, [1, 1, 2, 2]),
+    ({"mode": "cubic"}, [1, 1, 2, 1.5]),
+    ({"mode": "linear", "coordinate_transformation_mode": "align_corners"}, [1, 1, 2, 0.5]),
+    ({"mode": "cubic", "antialias": 1}, [1, 1, 0.6, 0.5]),
+], ids=["linear", "cubic", "align-corners", "antialias"])
+@pytest.mark.parametrize("dense", [True, False], ids=["matrix", "taps"])
+def test_resize_keeps_non_finite_values_to_their_taps(attrs: dict[str, Any], scales: list, dense: bool,
+                                                       monkeypatch) -> None:
+    """An inf and a NaN in an image reach only the outputs whose taps read them, as in onnxruntime: the
+    dense (out, in) matrix multiplied them by its zeros, and one inf made NaN of most of the image (the
+    taps of large axes, by the antialias filter's taps past its support)."""
+    if not dense:
+        from onnxtrain.engine.kernels import resize as resize_kernels
+        monkeypatch.setattr(resize_kernels, "_DENSE_LIMIT", 0)
+    x = np.random.default_rng(10).standard_normal((2, 2, 9, 10)).astype(np.float32)
+    x[0, 1, 4, 3], x[1, 0, 2, 7] = np.inf, np.nan
+    s = np.array(scales, np.float32)
+    (ours,) = _ours("Resize", [x, None, s], opset=19, **attrs)
+    (want,) = _ort("Resize", [x, None, s], opset=19, **attrs)
+    assert np.isfinite(want).mean() > 0.6  # the case is what it says
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5)

@@ -97,8 +97,11 @@ def _cubic(d: np.ndarray, a: float) -> np.ndarray:
 
 
 def _taps(x: np.ndarray, in_len: int, scale: float, attrs: Attrs, mode: str
-          ) -> tuple[np.ndarray, np.ndarray]:
-    """(indices, weights), both (out, n): the input taps of each output position, clamped to the edge."""
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(indices, weights, reads), all (out, n): the input taps of each output position, clamped to the edge,
+    and which of them the filter reads (None: all). An antialias filter stretched over a downsampled axis
+    has taps past its support, and exclude_outside drops the taps off the image: both weigh 0, and an inf or
+    NaN there must not reach the output."""
     antialias = bool(attrs.get("antialias") or 0)
     s = min(scale, 1.0) if antialias else 1.0  # antialias stretches the filter when downsampling
     radius = 1 if mode == "linear" else 2
@@ -106,13 +109,16 @@ def _taps(x: np.ndarray, in_len: int, scale: float, attrs: Attrs, mode: str
     j = np.floor(x)[:, None] + (1 - n // 2) + np.arange(n)[None, :]
     d = (j - x[:, None]) * s
     w = np.clip(1 - np.abs(d), 0, 1) if mode == "linear" else _cubic(d, float(attrs.get("cubic_coeff_a")))
+    reads = np.abs(d) < radius if s < 1 else None
     if antialias:
         w = w / w.sum(axis=1, keepdims=True)
     if attrs.get("exclude_outside"):
-        w = np.where((j < 0) | (j >= in_len), 0.0, w)
+        inside = (j >= 0) & (j < in_len)
+        reads = inside if reads is None else reads & inside
+        w = np.where(inside, w, 0.0)
         tot = w.sum(axis=1, keepdims=True)
         w = w / np.where(tot == 0, 1.0, tot)
-    return np.clip(j, 0, in_len - 1).astype(np.intp), w
+    return np.clip(j, 0, in_len - 1).astype(np.intp), w, reads
 
 
 def _axis_plan(attrs: Attrs, mode: str, in_len: int, out_len: int, scale: float,
@@ -125,12 +131,14 @@ def _axis_plan(attrs: Attrs, mode: str, in_len: int, out_len: int, scale: float,
         return ("take", _nearest_index(x, nearest, in_len), outside)
     if mode not in ("linear", "cubic"):
         raise ValueError(f"unknown Resize mode {mode!r}")
-    idx, w = _taps(x, in_len, scale, attrs, mode)
+    idx, w, reads = _taps(x, in_len, scale, attrs, mode)
     wdt = dtype if dtype.kind == "f" else np.dtype(np.float32)
+    wt = w.astype(wdt)
     if out_len * in_len <= _DENSE_LIMIT:
         mat = _tap_matrix(idx, w, in_len)
-        return ("dense", mat.astype(wdt), np.ascontiguousarray(mat.T).astype(wdt), outside)
-    return ("taps", idx, w.astype(wdt), outside)
+        # the taps too: an X with an inf or NaN is resampled by them (see _apply)
+        return ("dense", mat.astype(wdt), np.ascontiguousarray(mat.T).astype(wdt), idx, wt, reads, outside)
+    return ("taps", idx, wt, reads, outside)
 
 
 def _tap_matrix(idx: np.ndarray, w: np.ndarray, in_len: int) -> np.ndarray:
@@ -139,6 +147,29 @@ def _tap_matrix(idx: np.ndarray, w: np.ndarray, in_len: int) -> np.ndarray:
     mat = np.zeros((idx.shape[0], in_len))
     np.add.at(mat, (np.repeat(np.arange(idx.shape[0]), idx.shape[1]), idx.ravel()), w.ravel())
     return mat
+
+
+def _finite(y: np.ndarray) -> bool:
+    """True when every value of ``y`` is finite (one dot product; False too where a sum of squares of finite
+    values overflows, whose callers then take their slower way to the same values)."""
+    v = y.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.dot(v, v)))
+
+
+def _by_taps(x3: np.ndarray, idx: np.ndarray, w: np.ndarray, reads: np.ndarray | None) -> np.ndarray:
+    """X laid (pre, in, post) resampled along axis 1 by the taps ``idx`` of weights ``w``, (out, n) each; with
+    ``reads``, the taps it marks False add nothing (not even an inf or NaN times their zero weight)."""
+    def tap(t: int) -> np.ndarray:
+        part = np.take(x3, idx[:, t], axis=1) * w[:, t, None]
+        if reads is not None:
+            part[:, ~reads[:, t]] = 0
+        return part
+
+    y = tap(0)
+    for t in range(1, idx.shape[1]):
+        y += tap(t)
+    return y
 
 
 def _apply(x: np.ndarray, axis: int, plan: tuple[Any, ...], extrapolation: float) -> np.ndarray:
@@ -152,15 +183,18 @@ def _apply(x: np.ndarray, axis: int, plan: tuple[Any, ...], extrapolation: float
         pre = int(np.prod(x.shape[:axis]))
         post = int(np.prod(x.shape[axis + 1:]))
         xf = x if x.dtype.kind == "f" else x.astype(np.float32)
+        idx, w, reads = plan[-4], plan[-3], plan[-2]
+        x3 = xf.reshape(pre, -1, post)
         if kind == "dense":
             mat, mat_t = plan[1], plan[2]
-            y = xf.reshape(pre, -1) @ mat_t if post == 1 else np.matmul(mat, xf.reshape(pre, -1, post))
+            y = xf.reshape(pre, -1) @ mat_t if post == 1 else np.matmul(mat, x3)
+            if not _finite(y):
+                # the matrix's zeros times an inf or NaN of X made NaN of outputs whose taps do not read it
+                y = _by_taps(x3, idx, w, reads)
         else:
-            idx, w = plan[1], plan[2]
-            x3 = xf.reshape(pre, -1, post)
-            y = np.take(x3, idx[:, 0], axis=1) * w[:, 0, None]
-            for t in range(1, idx.shape[1]):
-                y += np.take(x3, idx[:, t], axis=1) * w[:, t, None]
+            y = _by_taps(x3, idx, w, None)
+            if reads is not None and not _finite(y):
+                y = _by_taps(x3, idx, w, reads)
         y = y.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 1:])
     outside = plan[-1]
     if outside is not None and outside.any():
