@@ -15,6 +15,15 @@ kernel narrower than the stride makes that negative, which onnxruntime clamps to
 2: 9 rows where ONNX says 10). :func:`same_conv_transposes` gives such nodes (and those whose
 output_padding reaches their stride, for the rewrite above) explicit pads, the negative ones as rows of
 zeros a ``Pad`` adds on their side.
+
+With an ``output_shape`` the pads total s·(S − 1) + output_padding + k_eff − output_shape, split as under
+SAME (the odd one at the end for SAME_UPPER, at the beginning otherwise); onnxruntime 1.32 refuses such a
+node whose output_padding reaches its stride ("Explicit output_shape is inconsistent", whatever the
+output_shape), and one whose total is below zero (an output larger than the full one, whose extra rows
+ONNX's formula makes zeros). :func:`output_shape_conv_transposes` gives both explicit pads instead, where
+X's spatial sizes are in the model (the negative ones as rows of zeros a ``Pad`` adds), and the rewrite
+above then takes the output_padding; where they are not, the first kind is refused when the session is made,
+naming the node, and the second left to onnxruntime's error.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxtrain.ir.builder import NameGen, model_opset, replace_attributes, static_kernel
+from onnxtrain.ir.builder import NameGen, model_opset, replace_attributes, static_kernel, static_shape
 from onnxtrain.ir.conv_shapes import conv_transpose_geometry
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, walk_graphs
 
@@ -147,6 +156,74 @@ def _same_pads(node: onnx.NodeProto, types: dict) -> tuple[list[int], list[int],
     geo = conv_transpose_geometry([None] * nd, kernel, strides, dil, op, a["auto_pad"])
     begin, end = list(geo.pad_begin), list(geo.pad_end)
     if min(begin + end) >= 0 and all(p < s for p, s in zip(op, strides, strict=True)):
+        return None
+    before, after = [max(0, -b) for b in begin], [max(0, -e) for e in end]
+    return [max(0, b) for b in begin] + [max(0, e) for e in end], before, after
+
+
+def output_shape_conv_transposes(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
+    """``model`` with each ConvTranspose (bodies' too) with an ``output_shape`` that onnxruntime refuses
+    given explicit pads and rows of zeros (module docstring); a copy, or ``model`` itself when there is
+    none. ValueError naming the node for one whose output_padding reaches its stride over spatial sizes the
+    model does not give."""
+    if not any(_shape_kind(n) for g in walk_graphs(model.graph) for n in g.node):
+        return model
+    types = typed()
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    names = NameGen.for_model(out)
+    opset = model_opset(out)
+    changed = False
+    for g in walk_graphs(out.graph):
+        nodes: list[onnx.NodeProto] = []
+        for n in g.node:
+            plan = _shape_pads(n, types) if _shape_kind(n) else None
+            nodes.append(n)
+            if plan is None:
+                continue
+            pads, before, after = plan
+            replace_attributes(n, ("auto_pad", "output_shape"), pads=pads)
+            if any(before) or any(after):
+                nodes.extend(_zero_rows(n, before, after, names, opset, "output_shape"))
+            changed = True
+        del g.node[:]
+        g.node.extend(nodes)
+    return out if changed else model
+
+
+def _shape_kind(node: onnx.NodeProto) -> bool:
+    return (node.op_type == "ConvTranspose" and node.domain in DEFAULT_DOMAINS
+            and any(a.name == "output_shape" for a in node.attribute))
+
+
+def _shape_pads(node: onnx.NodeProto, types: dict) -> tuple[list[int], list[int], list[int]] | None:
+    """(explicit pads, rows of zeros to add before, after, per spatial axis) for a ConvTranspose with an
+    output_shape whose output_padding reaches its stride or whose pads are negative somewhere; None when it
+    has neither or its sizes are unknown and its output_padding is below its stride (ValueError when not)."""
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    kernel = static_kernel(node, types)
+    shape = static_shape(types, node.input[0])
+    nd = (len(kernel) if kernel else len(shape) - 2 if shape and len(shape) > 2
+          else len(a.get("strides") or a.get("output_padding") or []))
+    strides = list(a.get("strides") or [1] * nd)
+    dil = list(a.get("dilations") or [1] * nd)
+    op = list(a.get("output_padding") or [0] * nd)
+    if not nd or not len(strides) == len(dil) == len(op) == nd:
+        return None  # (the node's own error, on the numpy engine as on onnxruntime)
+    large = any(p >= s for p, s in zip(op, strides, strict=True))
+    sizes = shape[2:] if shape is not None and len(shape) == nd + 2 else None
+    if not kernel or sizes is None or None in sizes:
+        if large:
+            name = node.name or node.output[0]
+            raise ValueError(f"node {name!r} (ConvTranspose): onnxruntime refuses an output_shape with an "
+                             f"output_padding {op} at or above the strides {strides}, and its pads need X's "
+                             "spatial sizes, which the model leaves unknown: declare them, or run it on the "
+                             "numpy engine (the default backend)")
+        return None
+    geo = conv_transpose_geometry(sizes, kernel, strides, dil, op, a.get("auto_pad", "NOTSET"),
+                                  output_shape=list(a["output_shape"]))
+    begin, end = list(geo.pad_begin), list(geo.pad_end)
+    if not large and min(begin + end) >= 0:
         return None
     before, after = [max(0, -b) for b in begin], [max(0, -e) for e in end]
     return [max(0, b) for b in begin] + [max(0, e) for e in end], before, after

@@ -70,7 +70,8 @@ A dilated Conv with ``auto_pad`` SAME_*, which onnxruntime refuses, takes explic
 
 A ConvTranspose whose ``output_padding`` reaches its stride (the spec allows it below the dilation), which
 onnxruntime refuses too, takes no output_padding on that axis, a smaller end pad and where needed a Pad of
-zeros after it (:mod:`onnxtrain.engine.ort_output_padding`), even with onnxruntime's optimisations off.
+zeros after it (:mod:`onnxtrain.engine.ort_output_padding`), even with onnxruntime's optimisations off;
+one with an ``output_shape`` first takes the explicit pads that shape gives (where X's sizes are known).
 
 A BatchNormalization in inference mode that names running-statistics outputs nothing reads (the eval model
 onnxruntime-training's artifact generator writes for a model exported in training mode) loses them, even
@@ -91,7 +92,11 @@ from onnxtrain.engine.ort_bernoulli import bernoulli_complements
 from onnxtrain.engine.ort_conv_grads import conv_weight_grads
 from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
 from onnxtrain.engine.ort_losses import softmax_cross_entropy_losses
-from onnxtrain.engine.ort_output_padding import large_output_paddings, same_conv_transposes
+from onnxtrain.engine.ort_output_padding import (
+    large_output_paddings,
+    output_shape_conv_transposes,
+    same_conv_transposes,
+)
 from onnxtrain.engine.ort_pads import pads_as_concat
 from onnxtrain.engine.ort_same_pads import dilated_same_pads
 from onnxtrain.engine.ort_sums import leading_sums
@@ -154,7 +159,8 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
         model = softmax_cross_entropy_losses(model, typed)
         model = leading_sums(model, typed)
         model = pads_as_concat(model, typed)
-    model = large_output_paddings(same_conv_transposes(dilated_same_pads(model, typed), typed))
+    model = same_conv_transposes(dilated_same_pads(model, typed), typed)
+    model = large_output_paddings(output_shape_conv_transposes(model, typed))
     return inference_batch_norms(half_scatters_in_float32(model, typed))
 
 

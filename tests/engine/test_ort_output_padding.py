@@ -166,3 +166,97 @@ def test_a_same_conv_transpose_has_its_shape_and_values_on_the_backend(case: str
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     if "output_padding" not in attrs:  # (onnx.reference rejects an output_padding at the stride)
         np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+# ConvTransposes with an output_shape and an output_padding at or above the stride (valid: below the
+# dilation). ONNX: the pads total s·(S − 1) + output_padding + k_eff − output_shape, split as under SAME
+# (SAME_UPPER: the odd one at the end; NOTSET and SAME_LOWER: at the beginning); onnxruntime 1.32 refuses
+# every such node ("Explicit output_shape is inconsistent"). A total below zero adds rows of zeros.
+SHAPE_CASES: dict[str, tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]] = {
+    "cropped": ((1, 2, 4, 5), (2, 3, 3, 3), {"dilations": [2, 2], "output_padding": [1, 1],
+                                             "output_shape": [8, 9]}),
+    "exact": ((2, 2, 4, 4), (2, 2, 3, 2), {"strides": [2, 1], "dilations": [3, 2], "output_padding": [2, 1],
+                                           "output_shape": [15, 7]}),
+    "grown": ((1, 2, 4, 3), (2, 2, 3, 3), {"strides": [2, 1], "dilations": [3, 2], "output_padding": [2, 1],
+                                           "output_shape": [18, 10]}),
+    "full-output-shape": ((1, 2, 3, 3), (2, 2, 3, 3), {"dilations": [2, 2], "output_padding": [1, 0],
+                                                       "output_shape": [1, 2, 7, 6]}),
+}
+
+
+def _torch_with_output_shape(x: Any, w: Any, attrs: dict[str, Any], auto_pad: str) -> Any:
+    """torch's full transposed convolution (with its output_padding rows), then ONNX's window of it."""
+    nd = x.ndim - 2
+    full = _torch(x, w, {k: v for k, v in attrs.items() if k != "output_shape"})
+    want = list(attrs["output_shape"])[-nd:]
+    for i in range(nd):
+        total = full.shape[2 + i] - want[i]
+        begin = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
+        if begin < 0:  # rows of zeros before
+            shape = list(full.shape)
+            shape[2 + i] = -begin
+            full = torch.cat([torch.zeros(shape, dtype=full.dtype), full], 2 + i)
+            begin = 0
+        short = begin + want[i] - full.shape[2 + i]
+        if short > 0:  # and after
+            shape = list(full.shape)
+            shape[2 + i] = short
+            full = torch.cat([full, torch.zeros(shape, dtype=full.dtype)], 2 + i)
+        full = full.narrow(2 + i, begin, want[i])
+    return full
+
+
+@pytest.mark.parametrize("auto_pad", ["NOTSET", "SAME_UPPER", "SAME_LOWER"])
+@pytest.mark.parametrize("case", sorted(SHAPE_CASES))
+def test_an_output_shape_with_a_large_output_padding_runs_on_the_backend(case: str, auto_pad: str) -> None:
+    """Forward values against torch's transposed convolution cropped or grown to the output_shape by the
+    spec's pads, on both backends (it failed on the onnxruntime backend)."""
+    from onnxtrain.engine.backends import make_plan
+
+    xs, ws, attrs = SHAPE_CASES[case]
+    model = _model(xs, ws, {**attrs, "auto_pad": auto_pad})
+    rng = np.random.default_rng(11)
+    feeds = {"x": rng.standard_normal(xs).astype(np.float32), "w": rng.standard_normal(ws).astype(np.float32)}
+    want = _torch_with_output_shape(torch.tensor(feeds["x"], dtype=torch.float64),
+                                    torch.tensor(feeds["w"], dtype=torch.float64), attrs, auto_pad).numpy()
+    for backend in ("onnxruntime", "numpy"):
+        got = make_plan(model, backend).run(feeds)[0]
+        assert got.shape == want.shape, backend
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=backend)
+
+
+def test_an_output_shape_with_a_large_output_padding_trains_on_the_backend_as_torch() -> None:
+    xs, ws, attrs = SHAPE_CASES["grown"]
+    rng = np.random.default_rng(3)
+    w0 = (rng.standard_normal(ws) * 0.3).astype(np.float32)
+    nodes = [helper.make_node("ConvTranspose", ["x", "W"], ["y"], name="up", **attrs),
+             helper.make_node("Mul", ["y", "y"], ["y2"]),
+             helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, xs)],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                          [numpy_helper.from_array(w0, "W")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    sess = onnxtrain.TrainingSession(model.SerializeToString(), params("SGDOptimizer"),
+                                     backend_options("onnxruntime"))
+    wt = torch.tensor(w0, requires_grad=True)
+    opt = torch.optim.SGD([wt], lr=1e-3)
+    for _ in range(2):
+        x = rng.standard_normal(xs).astype(np.float32)
+        loss = sess.run(["loss"], {"x": x, "Learning_Rate": np.array([1e-3], np.float32)})[0]
+        opt.zero_grad()
+        ref = _torch_with_output_shape(torch.tensor(x), wt, attrs, "NOTSET").pow(2).sum()
+        ref.backward()
+        opt.step()
+        np.testing.assert_allclose(loss, ref.item(), rtol=1e-5)
+        np.testing.assert_allclose(sess.get_state()["W"], wt.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_an_output_shape_with_a_large_output_padding_over_unknown_sizes_is_refused_by_name() -> None:
+    """X's spatial sizes known only at run time: the pads cannot be written before the run, and onnxruntime
+    refuses the node; the session is refused when it is made, naming the node."""
+    from onnxtrain.engine.backends import make_plan
+
+    _, ws, attrs = SHAPE_CASES["cropped"]
+    model = _model((1, 2, "H", "W"), ws, attrs)
+    with pytest.raises(ValueError, match=r"node 'up' \(ConvTranspose\).*output_shape"):
+        make_plan(model, "onnxruntime")
