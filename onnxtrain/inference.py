@@ -282,8 +282,22 @@ class InferenceSession:
         begin = time.perf_counter_ns()
         self._sess_options = options_snapshot(sess_options)
         self._backend = backend_of(self._sess_options)  # config entry onnxtrain.backend
-        self._providers, self._provider_options = backend_providers(self._backend, providers,
-                                                                    provider_options)
+        # onnxruntime's enable_fallback keyword: a providers argument it cannot use (an unknown name, options
+        # of another length) falls back to the CPU once, with its "EP Error" banner, instead of failing
+        self._enable_fallback = int(kwargs.get("enable_fallback", 1)) == 1
+        try:
+            self._providers, self._provider_options = backend_providers(self._backend, providers,
+                                                                        provider_options)
+        except (ValueError, RuntimeError) as e:
+            if not self._enable_fallback:
+                raise
+            print("*************** EP Error ***************")
+            print(f"EP Error {e} when using {providers}")
+            print("Falling back to ['CPUExecutionProvider'] and retrying.")
+            print("****************************************")
+            self._providers, self._provider_options = backend_providers(self._backend,
+                                                                        ["CPUExecutionProvider"])
+            self._enable_fallback = False  # (once, as onnxruntime)
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         model = load_with_options(path_or_bytes, self._sess_options)
         model = loadable_model(model, text_names=False)  # (the plans take bytes names as they are)
@@ -323,7 +337,6 @@ class InferenceSession:
         self._check = FeedChecker(self._plan, [a.name for a in self._overridable], arrays_only=True)
         # outputs of path-only runs → the inputs on their path and its plan (see _path_plan)
         self._path_plans: dict[tuple[str, ...], tuple[list[str] | None, GraphInterface | None]] = {}
-        self._fallback = True
         # the numpy engine may run the two halves of a batch at once (onnxtrain/engine/batch_split.py)
         split = batch_split_mode(self._sess_options)
         self._splitter = None
@@ -497,7 +510,10 @@ class InferenceSession:
         self._providers, self._provider_options = resolve_providers(providers, provider_options)
 
     def get_provider_options(self) -> dict[str, dict[str, str]]:
-        return {p: dict(o) for p, o in zip(self._providers, self._provider_options)}
+        """Each provider's options, as onnxruntime reports them: none for its CPU provider, which keeps none
+        of those given."""
+        return {p: {} if p == "CPUExecutionProvider" else dict(o)
+                for p, o in zip(self._providers, self._provider_options)}
 
     def get_session_options(self) -> SessionOptions:
         """A copy of the options the session was made with: changing it changes nothing in the session
@@ -505,10 +521,10 @@ class InferenceSession:
         return options_snapshot(self._sess_options)
 
     def disable_fallback(self) -> None:
-        self._fallback = False
+        self._enable_fallback = False
 
     def enable_fallback(self) -> None:
-        self._fallback = True
+        self._enable_fallback = True
 
     # onnxruntime's Python ``Session`` kept these lists as attributes, and its training frontends
     # (``ort_trainer.py``, ``onnxruntime.training._utils``) searched them for the special outputs' names

@@ -313,6 +313,8 @@ def resolve_providers(
     given = list(provider_options) if provider_options else []
     if given and len(given) != len(providers):
         raise ValueError("providers and provider_options must have the same length")
+    if given and not all(isinstance(p, str) for p in providers):  # (onnxruntime's check)
+        raise ValueError("providers must be names when provider_options is given (not (name, options) pairs)")
     for k, p in enumerate(providers):
         name, o = (p[0], dict(p[1])) if isinstance(p, (tuple, list)) else (p, dict(given[k]) if given else {})
         if name not in KNOWN_PROVIDERS:

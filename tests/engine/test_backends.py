@@ -955,12 +955,13 @@ def test_bfloat16_mixed_precision_on_onnxruntime_names_the_way_out():
 
 
 def test_unknown_provider_is_a_value_error_on_both_backends():
-    """A provider name onnxruntime does not know is a ValueError on either backend (the onnxruntime backend
-    warned and ran on the CPU); a known one that is not available falls back to the CPU with a warning."""
+    """A provider name onnxruntime does not know is a ValueError on either backend when the constructor's
+    fallback is off (enable_fallback=0; with it, the session falls back to the CPU, as onnxruntime's); a known
+    one that is not available falls back to the CPU with a warning."""
     for backend in ("numpy", "onnxruntime"):
         with pytest.raises(ValueError, match="unknown provider 'FooExecutionProvider'"):
             InferenceSession(mlp_model().SerializeToString(), options(backend),
-                             providers=["FooExecutionProvider"])
+                             providers=["FooExecutionProvider"], enable_fallback=0)
     absent = next((p for p in ort.get_all_providers() if p not in ort.get_available_providers()), None)
     if absent is not None:
         with pytest.warns(UserWarning, match="falling back to CPUExecutionProvider"):

@@ -208,3 +208,55 @@ def test_the_training_session_still_takes_tuples_and_python_numbers() -> None:
         sess.run(["loss"], {"x": x, "y": labels, lr_name: lr})
         weights.append(sess.get_state()["W1"])
     np.testing.assert_array_equal(weights[1], weights[0])
+
+
+_RELU_MODEL = _model(_RELU, [h.make_tensor_value_info("x", T.FLOAT, [2])],
+                     [h.make_tensor_value_info("y", T.FLOAT, [2])])
+
+
+@pytest.mark.parametrize("providers,options", [
+    (["FooExecutionProvider"], None),
+    (["CPUExecutionProvider"], [{}, {}]),
+    ([("CPUExecutionProvider", {"a": 1})], [{}]),
+], ids=["unknown name", "options of another length", "options twice"])
+def test_a_bad_providers_argument_falls_back_to_the_cpu_as_in_onnxruntime(providers, options, capsys) -> None:
+    """onnxruntime's constructor falls back to the CPU once (its "EP Error" banner on stdout, fallback then
+    disabled); with enable_fallback=0 it raises (a RuntimeError or a ValueError)."""
+    import warnings
+
+    x = np.array([-1.0, 2.0], np.float32)
+    sessions, printed = [], []
+    for lib in (ort, onnxtrain):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sessions.append(lib.InferenceSession(_RELU_MODEL, providers=providers, provider_options=options))
+        printed.append(capsys.readouterr().out)
+    assert all("EP Error" in out and "Falling back to ['CPUExecutionProvider']" in out for out in printed)
+    theirs, ours = sessions
+    assert ours.get_providers() == theirs.get_providers() == ["CPUExecutionProvider"]
+    assert ours._enable_fallback is theirs._enable_fallback is False
+    np.testing.assert_array_equal(ours.run(None, {"x": x})[0], theirs.run(None, {"x": x})[0])
+    for lib in (ort, onnxtrain):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises((RuntimeError, ValueError)) as e:
+                lib.InferenceSession(_RELU_MODEL, providers=providers, provider_options=options,
+                                     enable_fallback=0)
+        if lib is ort:
+            want = type(e.value)
+        else:
+            assert isinstance(e.value, want)
+
+
+def test_provider_options_and_fallback_switches_are_onnxruntimes() -> None:
+    for providers in (["CPUExecutionProvider"], [("CPUExecutionProvider", {"arena_extend_strategy": "1"})]):
+        ours = onnxtrain.InferenceSession(_RELU_MODEL, providers=providers)
+        theirs = ort.InferenceSession(_RELU_MODEL, providers=providers)
+        assert ours.get_provider_options() == theirs.get_provider_options()
+        assert ours._enable_fallback is theirs._enable_fallback is True
+        for s in (ours, theirs):
+            s.disable_fallback()
+        assert ours._enable_fallback is theirs._enable_fallback is False
+        for s in (ours, theirs):
+            s.enable_fallback()
+        assert ours._enable_fallback is theirs._enable_fallback is True

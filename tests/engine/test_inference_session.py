@@ -141,8 +141,9 @@ def test_unavailable_provider_falls_back_with_warning(model_bytes: bytes) -> Non
 
 
 def test_unknown_provider_lists_valid_names(model_bytes: bytes) -> None:
+    """(without enable_fallback=0 the constructor falls back to the CPU, as onnxruntime's)"""
     with pytest.raises(ValueError, match="Bogus.*CPUExecutionProvider.*CUDAExecutionProvider"):
-        onnxtrain.InferenceSession(model_bytes, providers=["BogusExecutionProvider"])
+        onnxtrain.InferenceSession(model_bytes, providers=["BogusExecutionProvider"], enable_fallback=0)
     s = onnxtrain.InferenceSession(model_bytes)
     with pytest.raises(ValueError, match="valid names"):
         s.set_providers(["Nope"])
@@ -150,9 +151,11 @@ def test_unknown_provider_lists_valid_names(model_bytes: bytes) -> None:
 
 def test_provider_options(model_bytes: bytes) -> None:
     s = onnxtrain.InferenceSession(model_bytes, providers=[("CPUExecutionProvider", {"arena": 1})])
-    assert s.get_provider_options() == {"CPUExecutionProvider": {"arena": "1"}}
+    assert s.get_provider_options() == {"CPUExecutionProvider": {}}  # (onnxruntime's CPU provider keeps none)
+    assert s._provider_options == [{"arena": "1"}]  # (what the onnxruntime backend passes on)
     with pytest.raises(ValueError, match="same length"):
-        onnxtrain.InferenceSession(model_bytes, providers=["CPUExecutionProvider"], provider_options=[{}, {}])
+        onnxtrain.InferenceSession(model_bytes, providers=["CPUExecutionProvider"], provider_options=[{}, {}],
+                                   enable_fallback=0)
 
 
 # ---- OrtValue --------------------------------------------------------------------------------------------
