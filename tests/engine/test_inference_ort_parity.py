@@ -260,3 +260,30 @@ def test_provider_options_and_fallback_switches_are_onnxruntimes() -> None:
         for s in (ours, theirs):
             s.enable_fallback()
         assert ours._enable_fallback is theirs._enable_fallback is True
+
+
+def test_only_execute_path_to_fetches_needs_only_the_inputs_on_the_path() -> None:
+    """onnxruntime 1.32's inference package still needs every input with the option (its run refuses a missing
+    one); onnxtrain, as onnxruntime-training's builds, needs only those on the fetches' path, and gives the
+    same values as onnxruntime fed everything."""
+    vi = h.make_tensor_value_info
+    model = _model([h.make_node("Relu", ["a"], ["ya"]), h.make_node("Neg", ["b"], ["yb"])],
+                   [vi("a", T.FLOAT, [2]), vi("b", T.FLOAT, [2])], [vi("ya", T.FLOAT, [2]), vi("yb", T.FLOAT, [2])])
+    a = np.array([-1.0, 2.0], np.float32)
+    theirs = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    ours = onnxtrain.InferenceSession(model)
+    want = theirs.run(["ya"], {"a": a, "b": a})[0]
+    ro, their_ro = onnxtrain.RunOptions(), ort.RunOptions()
+    ro.only_execute_path_to_fetches = their_ro.only_execute_path_to_fetches = True
+    with pytest.raises(ValueError, match="b"):
+        theirs.run(["ya"], {"a": a}, their_ro)
+    np.testing.assert_array_equal(ours.run(["ya"], {"a": a}, ro)[0], want)
+    got = ours.run_with_ort_values(["ya"], {"a": onnxtrain.OrtValue.ortvalue_from_numpy(a)}, ro)[0]
+    np.testing.assert_array_equal(got.numpy(), want)
+    io = ours.io_binding()
+    io.bind_cpu_input("a", a)
+    io.bind_output("ya")
+    ours.run_with_iobinding(io, ro)
+    np.testing.assert_array_equal(io.copy_outputs_to_cpu()[0], want)
+    with pytest.raises(ValueError, match="'b'"):  # without the option every input is needed, as there
+        ours.run(["ya"], {"a": a})
