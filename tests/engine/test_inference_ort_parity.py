@@ -268,7 +268,8 @@ def test_only_execute_path_to_fetches_needs_only_the_inputs_on_the_path() -> Non
     same values as onnxruntime fed everything."""
     vi = h.make_tensor_value_info
     model = _model([h.make_node("Relu", ["a"], ["ya"]), h.make_node("Neg", ["b"], ["yb"])],
-                   [vi("a", T.FLOAT, [2]), vi("b", T.FLOAT, [2])], [vi("ya", T.FLOAT, [2]), vi("yb", T.FLOAT, [2])])
+                   [vi("a", T.FLOAT, [2]), vi("b", T.FLOAT, [2])],
+                   [vi("ya", T.FLOAT, [2]), vi("yb", T.FLOAT, [2])])
     a = np.array([-1.0, 2.0], np.float32)
     theirs = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     ours = onnxtrain.InferenceSession(model)
