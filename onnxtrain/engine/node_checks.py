@@ -313,13 +313,18 @@ def _output_types(node: onnx.NodeProto, form: _Form, outs: Sequence[str], bound:
     return out
 
 
-_RELATED = frozenset({"If", "SequenceInsert"})  # ops whose types relate in ways no type constraint says
+# ops whose types relate in ways no type constraint says
+_RELATED = frozenset({"If", "SequenceInsert", "Loop", "Scan"})
 
 
 def _relation_problem(node: onnx.NodeProto, types: Mapping[str, str]) -> str | None:
     """What ONNX's type inference refuses and the schemas' type constraints do not say, as a message: an
     If whose branches declare an output of two types, a SequenceInsert of a tensor of another type than the
-    sequence's elements; None otherwise (or when the types are unknown)."""
+    sequence's elements, a Loop's or Scan's input of another type than the body declares for the body input
+    it is handed to (whose plan would run on that declaration); None otherwise (or when the types are
+    unknown)."""
+    if node.op_type in ("Loop", "Scan"):
+        return _body_input_problem(node, types)
     if node.op_type == "If":
         graphs = {a.name: a.g for a in node.attribute if a.type == AttributeProto.GRAPH}
         then, other = graphs.get("then_branch"), graphs.get("else_branch")
@@ -334,6 +339,26 @@ def _relation_problem(node: onnx.NodeProto, types: Mapping[str, str]) -> str | N
         seq, item = types.get(node.input[0]), types.get(node.input[1])
         if seq is not None and item is not None and seq.startswith("seq(") and seq[4:-1] != item:
             return f"input 1 {node.input[1]!r} is {item}, but sequence {node.input[0]!r} holds {seq[4:-1]}"
+    return None
+
+
+def _body_input_problem(node: onnx.NodeProto, types: Mapping[str, str]) -> str | None:
+    """A Loop's carried value, or a Scan's state or scan input, of another type than the body declares for
+    the body input it is handed to (a scan input's slice: the same element type), as a message."""
+    body = next((a.g for a in node.attribute if a.name == "body" and a.type == AttributeProto.GRAPH), None)
+    if body is None:
+        return None
+    # node input k is body input k - shift: a Loop's from its carried values (input 2) on, a Scan's from its
+    # first (Scan-8: after its sequence_lens)
+    first, shift = (2, 0) if node.op_type == "Loop" else (0, max(0, len(node.input) - len(body.input)))
+    for k in range(first + shift, min(len(node.input), len(body.input) + shift)):
+        name = node.input[k]
+        given = types.get(name) if name else None
+        formal = body.input[k - shift]
+        declared = type_string(formal.type)
+        if given is not None and declared is not None and given != declared:
+            return (f"input {k} {name!r} is {given}, but the body declares its input {k - shift} "
+                    f"{formal.name!r} {declared}")
     return None
 
 
