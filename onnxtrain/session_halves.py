@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxtrain.capi.feeds import empty_run
 from onnxtrain.engine import ort_chunks
 from onnxtrain.graph_transforms.accumulation import buffer_name
 from onnxtrain.session_flat import FlatLegacyUpdate
@@ -97,6 +98,8 @@ class HalfSteps:
         # the gradients the update reads: this run's, or the sums over the accumulation's micro-steps
         grad_names = [gupd[buffer_name(f"{w}_grad")] if steps > 1 else f"{w}_grad" for w in g.trainable]
         gitems = [(s, o) for s, o in gupd.items() if s in g.bn_stats]  # training-mode BatchNorm statistics
+        # a batch of no sample leaves them as they were (its batch statistics are 0/0), as in the single graph
+        empty = empty_run(feeds)
         local = [n for n in names if n in gp.output_info and n not in grad_names]
         gfeeds = self._feeds_of(gp, feeds)
         # the step's gradients go into the step before's arrays (zeros before the first), so that the arena
@@ -107,11 +110,12 @@ class HalfSteps:
             if self._flat is not None and not self._grad_arrays:  # straight into the flat gradients
                 reuse.update(self._flat.grad_targets())
         res = gp.run(gfeeds, local + grad_names + [o for _, o in gitems],
-                     donate=[s for s, _ in gitems if s in gfeeds], reuse=reuse)
+                     donate=[s for s, _ in gitems if s in gfeeds and not empty], reuse=reuse)
         got = dict(zip(local, res))
         grads = res[len(local):len(local) + len(grad_names)]
         for (stat, _), v in zip(gitems, res[len(local) + len(grad_names):]):
-            store[stat] = v
+            if not empty:
+                store[stat] = v
         if steps > 1:  # their mean, as the single graph's Mul by 1/N (the sums are this run's own arrays)
             for a in grads:
                 np.multiply(a, a.dtype.type(1.0 / steps), out=a)
