@@ -37,6 +37,7 @@ from onnxtrain.errors import (
     FailValueError,
     InvalidFeed,
     InvalidFeedType,
+    NoneFed,
     raises_as_onnxruntime,
 )
 from onnxtrain.ir.builder import loadable_model
@@ -166,6 +167,9 @@ class FeedChecker:
                 a = v._array if isinstance(v, OrtValue) and v._array is None else v
                 out[name] = None if a is None else _tensor_feed(name, a, *self.optional_tensors[name])
             else:
+                if self.arrays_only and kind == "seq" and isinstance(v, tuple):  # (onnxruntime's refusal)
+                    raise InvalidFeedType(f"Iterable of {type(v[0]) if v else object} should be given as "
+                                          f"array for input {name!r}: feed a sequence as a list, not a tuple")
                 out[name] = _container_feed(name, kind, v, self.elements.get(name))
         missing = [n for n in (self.required if required is None else required) if n not in out]
         if missing:
@@ -237,7 +241,8 @@ def _container_feed(name: str, kind: str, v: Any, element: np.dtype | None = Non
     if v is None:
         if kind == "optional":
             return None
-        raise InvalidFeedType(f"input {name!r}: expected a sequence (a list of arrays), got None")
+        # (onnxruntime's Fail, as None fed to a tensor input)
+        raise NoneFed(f"input {name!r}: None was fed; expected a sequence (a list of arrays)")
     if isinstance(v, (list, tuple)):
         items = [x.numpy() if isinstance(x, OrtValue) else np.asarray(x) for x in v]
         if element == np.dtype(object):  # strings, as a string input takes them

@@ -288,3 +288,35 @@ def test_only_execute_path_to_fetches_needs_only_the_inputs_on_the_path() -> Non
     np.testing.assert_array_equal(io.copy_outputs_to_cpu()[0], want)
     with pytest.raises(ValueError, match="'b'"):  # without the option every input is needed, as there
         ours.run(["ya"], {"a": a})
+
+
+_FLOATS = h.make_tensor_type_proto(T.FLOAT, None)
+_SEQ_MODEL = _model([h.make_node("SequenceLength", ["x"], ["y"])],
+                    [h.make_value_info("x", h.make_sequence_type_proto(_FLOATS))],
+                    [h.make_tensor_value_info("y", T.INT64, [])])
+_OPTIONAL_MODEL = _model([h.make_node("OptionalHasElement", ["x"], ["y"])],
+                         [h.make_value_info("x", h.make_optional_type_proto(_FLOATS))],
+                         [h.make_tensor_value_info("y", T.BOOL, [])], opset=18)
+_ONES = np.ones(2, np.float32)
+
+
+@pytest.mark.parametrize("model", [_SEQ_MODEL, _OPTIONAL_MODEL], ids=["sequence", "optional tensor"])
+@pytest.mark.parametrize("feed", [[_ONES, _ONES], (_ONES, _ONES), [], [1.0, 2.0], 1.5, np.float32(1.5),
+                                  _ONES, None],
+                         ids=["list", "tuple", "empty list", "list of floats", "python float", "numpy scalar",
+                              "array", "None"])
+def test_sequence_and_optional_feeds_are_taken_or_refused_as_in_onnxruntime(model: bytes, feed) -> None:
+    """A sequence input takes a list of arrays, not a tuple of them; None fed to it is onnxruntime's Fail."""
+    import onnxtrain.capi.onnxruntime_pybind11_state as ours_c
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    (want, their_error) = _outcome(ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]), feed)
+    (got, our_error) = _outcome(onnxtrain.InferenceSession(model), feed)
+    if their_error is None:
+        assert our_error is None, our_error
+        assert got.tolist() == want.tolist() and got.dtype == want.dtype
+    else:
+        cls = type(their_error)
+        cls = getattr(ours_c, cls.__name__) if cls.__module__.startswith("onnxruntime") else cls
+        assert isinstance(our_error, cls), (their_error, our_error)
