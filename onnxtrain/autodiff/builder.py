@@ -157,21 +157,72 @@ class GradientError(Fail, ValueError):
 # operators onnxruntime runs in the default domain before ONNX adopted them (the same signature): the opset
 # that adopted each. The version converter has no adapter for them; they keep their form through it.
 EARLY_OPS = {"LayerNormalization": 17}
+# operators the converter has no adapter for below an opset, whose older versions are the newer form but
+# for an attribute the newer one dropped: the opset, and that attribute (the recurrent ops' output_sequence,
+# dropped in opset 7, where Y became optional)
+_UNADAPTED = {op: (7, "output_sequence") for op in ("LSTM", "GRU", "RNN")}
 _HELD = "onnxtrain.held"
 
 
 def _hold_early_ops(m: onnx.ModelProto) -> bool:
-    """Move ``m``'s nodes of :data:`EARLY_OPS` below their ONNX opset into a private domain (in place), so
-    that the converter leaves them alone; whether there were any."""
+    """Move ``m``'s nodes of :data:`EARLY_OPS` below their ONNX opset, and of ``_UNADAPTED`` below theirs
+    (without the attribute dropped), into a private domain (in place), so that the converter leaves them
+    alone; whether there were any."""
     opset = model_opset(m)
     held = False
+    if any(opset < _UNADAPTED.get(n.op_type, (0, ""))[0] for g in walk_graphs(m.graph) for n in g.node
+           if n.domain in DEFAULT_DOMAINS):
+        _declare_recurrent_outputs(m)
     for g in walk_graphs(m.graph):
         for n in g.node:
-            if n.domain in DEFAULT_DOMAINS and opset < EARLY_OPS.get(n.op_type, 0):
+            if n.domain not in DEFAULT_DOMAINS:
+                continue
+            if opset < EARLY_OPS.get(n.op_type, 0):
+                n.domain, held = _HELD, True
+            elif opset < _UNADAPTED.get(n.op_type, (0, ""))[0]:
+                kept = [a for a in n.attribute if a.name != _UNADAPTED[n.op_type][1]]
+                del n.attribute[:]
+                n.attribute.extend(kept)
                 n.domain, held = _HELD, True
     if held:
         m.opset_import.append(helper.make_opsetid(_HELD, 1))
     return held
+
+
+def _declare_recurrent_outputs(m: onnx.ModelProto) -> None:
+    """Declare (in place) the type and shape of the outputs of the main graph's recurrent nodes that
+    ``_UNADAPTED`` holds (onnx infers none for their old versions; the adapters of the nodes that read them
+    need their shapes): Y [seq, directions, batch, hidden], Y_h and Y_c [directions, batch, hidden]."""
+    g = m.graph
+    inferred = onnx.shape_inference.infer_shapes(m, strict_mode=False).graph
+    types = {v.name: v.type for v in (*inferred.input, *inferred.value_info, *inferred.output)}
+    declared = {v.name: v for v in (*g.input, *g.output, *g.value_info)}
+    for n in g.node:
+        if n.op_type not in _UNADAPTED or n.domain not in DEFAULT_DOMAINS:
+            continue
+        x = types.get(n.input[0])
+        if x is None or not x.tensor_type.HasField("shape") or len(x.tensor_type.shape.dim) != 3:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        both = attrs.get("direction") == b"bidirectional"
+        dirs = onnx.TensorShapeProto.Dimension(dim_value=2 if both else 1)
+        hidden = onnx.TensorShapeProto.Dimension()
+        if "hidden_size" in attrs:
+            hidden.dim_value = attrs["hidden_size"]
+        seq, batch = x.tensor_type.shape.dim[:2]
+        for k, name in enumerate(n.output):
+            if not name:
+                continue
+            dims = [seq, dirs, batch, hidden] if k == 0 else [dirs, batch, hidden]
+            v = declared.get(name)
+            if v is None:
+                v = g.value_info.add()
+                v.name = name
+            if v.type.tensor_type.HasField("shape") and v.type.tensor_type.shape.dim:
+                continue
+            v.type.tensor_type.elem_type = x.tensor_type.elem_type
+            v.type.tensor_type.shape.ClearField("dim")
+            v.type.tensor_type.shape.dim.extend(dims)
 
 
 def _drop_saved_statistics(m: onnx.ModelProto) -> set[str]:

@@ -64,7 +64,8 @@ def _model(op: str, opset: int, attrs: dict, inputs: list[tuple[str, np.ndarray 
     if loss_of is not None:
         terms = []
         for k in loss_of:
-            u = numpy_helper.from_array(RNG.uniform(0.5, 1.5, outputs[k][1]).astype(dtype), f"u{k}")
+            weights = np.random.default_rng(k).uniform(0.5, 1.5, outputs[k][1])  # the same in each model
+            u = numpy_helper.from_array(weights.astype(dtype), f"u{k}")
             inits.append(u)
             nodes += [helper.make_node("Mul", [ys[k], u.name], [f"yu{k}"]),
                       helper.make_node("ReduceSum", [f"yu{k}"], [f"l{k}"], keepdims=0)]
@@ -72,8 +73,8 @@ def _model(op: str, opset: int, attrs: dict, inputs: list[tuple[str, np.ndarray 
         nodes.append(helper.make_node("Sum", terms, ["loss"]))
         g_out = [helper.make_tensor_value_info("loss", helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), [])]
     graph = helper.make_graph(nodes, f"{op}_{opset}", g_in, g_out, inits)
-    ir = helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=max(ir, 7))
+    ir = 7 if opset < 15 else helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir)
     return model, feeds
 
 
@@ -140,3 +141,63 @@ def test_gru1_runs_forward_by_its_misspelled_default_direction() -> None:
     new, _ = _model("GRU", 7, dict(hidden_size=2, direction="forward"), ins, outs, np.float32)
     for got, want in zip(compile_model(old).run(dict(feeds)), _ort(new)(feeds), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+RECURRENT = {  # op → (opset, attributes, gates): the first version of each, as the oldest models have it
+    "LSTM": (1, dict(hidden_size=2, output_sequence=0), 4),
+    "GRU": (3, dict(hidden_size=2, linear_before_reset=1, direction="reverse"), 3),
+    "RNN": (1, dict(hidden_size=2, direction="bidirectional"), 1),
+}
+
+
+def _gradients(model: onnx.ModelProto, feeds: dict[str, np.ndarray], wrt: list[str],
+               run: Callable[[onnx.ModelProto], Callable]) -> dict[str, np.ndarray]:
+    """The gradients of ``loss`` w.r.t. ``wrt`` by GradientGraphBuilder's graph (which passes the full
+    check), run by ``run``."""
+    b = GradientGraphBuilder(model, {"loss"}, wrt, "loss")
+    b.build()
+    gm = onnx.load_from_string(b.get_model())
+    onnx.checker.check_model(gm, full_check=True)
+    got = dict(zip([o.name for o in gm.graph.output], run(gm)(feeds)))
+    return {w: got[f"{w}_grad"] for w in wrt}
+
+
+def _engine(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+    plan = compile_model(model)
+    return lambda feeds: plan.run(dict(feeds))
+
+
+@pytest.mark.parametrize("op", sorted(RECURRENT))
+def test_recurrent_nodes_before_opset_7_get_gradients(op: str) -> None:
+    """onnx's version converter has no adapter to lift LSTM, GRU and RNN nodes below opset 7 (GradientError
+    "could not upgrade the model"), though their form differs from the newer ones' only by the attribute
+    ``output_sequence`` (dropped in 7, Y is optional since). onnxruntime runs neither these versions nor
+    recurrent ops in float64: the float32 gradient graph runs in onnxruntime to the engine's values, the
+    engine's forward equals onnxruntime's of the same node at opset 7, and the float64 gradients match
+    central differences of that forward."""
+    opset, attrs, gates = RECURRENT[op]
+    dirs = 2 if attrs.get("direction") == "bidirectional" else 1
+    w, r = RNG.standard_normal((dirs, gates * 2, 3)), RNG.standard_normal((dirs, gates * 2, 2))
+    b = RNG.standard_normal((dirs, gates * 4))
+    ins = [("x", RNG.standard_normal((4, 2, 3)), False), ("w", w, False), ("r", r, False), ("b", b, False)]
+    wrt = ["x", "w", "r", "b"]
+    new_attrs = {k: v for k, v in attrs.items() if k != "output_sequence"}
+    for dtype in (np.float32, np.float64):
+        outs = [(np.dtype(dtype), (4, dirs, 2, 2)), (np.dtype(dtype), (dirs, 2, 2))]
+        model, feeds = _model(op, opset, attrs, ins, outs, dtype, loss_of=[0, 1])
+        if dtype == np.float32:
+            at7, _ = _model(op, 7, new_attrs, ins, outs, dtype, loss_of=[0, 1])
+            np.testing.assert_allclose(_engine(model)(feeds)[0], _ort(at7)(feeds)[0], rtol=1e-5)
+            ours, theirs = _gradients(model, feeds, wrt, _engine), _gradients(model, feeds, wrt, _ort)
+            for n in wrt:
+                np.testing.assert_allclose(ours[n], theirs[n], rtol=1e-4, atol=1e-5, err_msg=n)
+            continue
+        loss, eps = _engine(model), 1e-6
+        for n, grad in _gradients(model, feeds, wrt, _engine).items():
+            fd = np.zeros_like(grad)
+            for idx in np.ndindex(fd.shape):
+                plus, minus = feeds[n].copy(), feeds[n].copy()
+                plus[idx] += eps
+                minus[idx] -= eps
+                fd[idx] = (loss({**feeds, n: plus})[0] - loss({**feeds, n: minus})[0]) / (2 * eps)
+            np.testing.assert_allclose(grad, fd, rtol=1e-5, atol=1e-7, err_msg=n)
