@@ -95,7 +95,7 @@ from __future__ import annotations
 import enum
 import inspect
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -520,6 +520,26 @@ def _unknown_loss_input(name: str, model_outputs: list[str]) -> UnknownLossInput
                             f"outputs: {model_outputs}")
 
 
+def _declare_as_computed(g: onnx.GraphProto, types: Mapping[str, onnx.TypeProto]) -> None:
+    """Rewrite, in place, the value_info entries of ``g`` whose element type, rank or a static dim the
+    computed ``types`` (:func:`~onnxtrain.ir.builder.value_types`, which warned naming them) contradict, with
+    the computed type: the eval and training models carry the graph's declarations, and onnx.checker's full
+    check refuses contradicted ones."""
+    for v in g.value_info:
+        t = types.get(v.name)
+        if t is None or not t.HasField("tensor_type") or not v.type.HasField("tensor_type"):
+            continue
+        have, got = v.type.tensor_type, t.tensor_type
+        wrong = bool(got.elem_type) and have.elem_type != got.elem_type
+        if have.HasField("shape") and got.HasField("shape"):
+            dims, computed = have.shape.dim, got.shape.dim
+            wrong = wrong or len(dims) != len(computed) or any(
+                d.HasField("dim_value") and c.HasField("dim_value") and d.dim_value != c.dim_value
+                for d, c in zip(dims, computed))
+        if wrong:
+            v.type.CopyFrom(t)
+
+
 def build_training_models(
     base: onnx.ModelProto,
     trainable: list[str],
@@ -576,6 +596,7 @@ def build_training_models(
                 f"graph outputs would repeat {dup}: additional_output_names must not repeat the loss outputs"
             )
         types = acc.types()
+    _declare_as_computed(g, types)
     input_grads = _input_gradients(base, g, inits, trainable)  # (loss inputs such as target count too)
     if isinstance(loss, onnxblock.blocks.PassThrough):
         _warn_non_scalar_output(outs[0], types)

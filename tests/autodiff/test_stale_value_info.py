@@ -222,3 +222,33 @@ def test_a_loss_output_declared_of_another_element_type_is_written_with_the_comp
         None, {"x": _X})[0]
     assert loss.dtype == np.float32
     np.testing.assert_allclose(loss, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["contradicted dims", "contradicted rank", "contradicted element type"])
+def test_artifacts_of_a_model_with_contradicted_declarations_train_with_the_computed_types(tmp_path,
+                                                                                          case) -> None:
+    """The training model was built on the computed types (with the warning), but the eval model kept the
+    model's contradicted value_info and generate_artifacts failed on it ("the generated eval model fails
+    onnx.checker"). Both models carry the computed types now; a step matches the float64 formulas."""
+    from onnxtrain.training import api, artifacts
+
+    declared = {"contradicted dims": {"sq": ([5, 7], TensorProto.FLOAT)},
+                "contradicted rank": {"z": ([1, 4, 2], TensorProto.FLOAT)},
+                "contradicted element type": {"z": ([4, 2], TensorProto.FLOAT16)}}[case]
+    model = _model(4, {})
+    model.graph.value_info.extend(helper.make_tensor_value_info(n, t, d) for n, (d, t) in declared.items())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        artifacts.generate_artifacts(model, requires_grad=["W", "B"], loss=None,
+                                     optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    for name in ("training_model.onnx", "eval_model.onnx"):
+        onnx.checker.check_model(onnx.load(str(tmp_path / name)), full_check=True)
+    state = api.CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    module = api.Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    opt = api.Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
+    opt.set_learning_rate(0.1)
+    module(_X)
+    opt.step()
+    want_w, want_b = _exact(_X)
+    np.testing.assert_allclose(state.parameters["W"].data, _W - 0.1 * want_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.parameters["B"].data, _B - 0.1 * want_b, rtol=1e-5, atol=1e-6)
