@@ -451,7 +451,11 @@ class InferenceSession:
 
     def _output_list(self, output_names: Sequence[str] | None) -> list[str]:
         """The outputs asked for (all of the session's when None); InvalidFeed naming an unknown one,
-        InvalidFeedType one that is not a string."""
+        InvalidFeedType one that is not a string; a TypeError for one string in place of the list (as
+        onnxruntime's binding refuses it)."""
+        if isinstance(output_names, (str, bytes)):
+            raise TypeError("output_names must be a list of names or None, got "
+                            f"{type(output_names).__name__} {output_names!r}")
         names = list(output_names) if output_names else list(self._output_names)
         for n in names:
             if not isinstance(n, str):  # (a nested list: onnxruntime's binding refuses the argument's type)

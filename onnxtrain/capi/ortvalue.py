@@ -58,6 +58,10 @@ def _check_device(device_type: str | Any) -> None:
         raise FailValueError(f"device {name!r} is not available: onnxtrain runs on the CPU only")
 
 
+# the device names onnxruntime's binding knows (others: "Unsupported device type")
+_DEVICE_NAMES = ("cpu", "cuda", "gpu", "dml", "cann", "npu", "webgpu")
+
+
 def _np_type(element_type: Any) -> np.dtype:
     """A numpy dtype from a numpy type or dtype, or from an ONNX type number (``TensorProto.FLOAT``)."""
     if isinstance(element_type, int) and not isinstance(element_type, bool):
@@ -331,7 +335,10 @@ class IOBinding:
     ) -> None:
         """Bind output ``name``; with ``buffer_ptr`` the result is written into that buffer."""
         name = self._output(name)
-        _check_device(device_type)
+        if buffer_ptr is not None or device_type not in _DEVICE_NAMES:
+            _check_device(device_type)
+        # (bound by name to a device onnxruntime knows, the output is made on the CPU, as onnxruntime's CPU
+        # package makes it)
         self._made.pop(name, None)  # bound anew: the next run makes a value of its own, as onnxruntime's
         self._bound.pop(name, None)
         if buffer_ptr is not None:

@@ -320,3 +320,35 @@ def test_sequence_and_optional_feeds_are_taken_or_refused_as_in_onnxruntime(mode
         cls = type(their_error)
         cls = getattr(ours_c, cls.__name__) if cls.__module__.startswith("onnxruntime") else cls
         assert isinstance(our_error, cls), (their_error, our_error)
+
+
+@pytest.mark.parametrize("device", ["cuda", "gpu", "dml"])
+def test_an_output_bound_by_name_to_another_known_device_is_made_on_the_cpu(device: str) -> None:
+    """onnxruntime's CPU package makes an output bound by name to a device it knows (without a buffer) on
+    the CPU; binding an input there, or to a device name it does not know, fails in both."""
+    x = np.array([-1.0, 2.0], np.float32)
+    results = []
+    for lib in (ort, onnxtrain):
+        sess = lib.InferenceSession(_RELU_MODEL, providers=["CPUExecutionProvider"])
+        io = sess.io_binding()
+        io.bind_cpu_input("x", x)
+        io.bind_output("y", device)
+        sess.run_with_iobinding(io)
+        assert io.get_outputs()[0].device_name() == "cpu"
+        results.append(io.copy_outputs_to_cpu()[0])
+        with pytest.raises(Exception, match="mps"):
+            io.bind_output("y", "mps")
+        with pytest.raises(RuntimeError):
+            io.bind_input("x", device, 0, np.float32, [2], x.ctypes.data)
+            sess.run_with_iobinding(io)
+    np.testing.assert_array_equal(results[1], results[0])
+
+
+def test_one_output_name_in_place_of_the_list_is_a_type_error() -> None:
+    x = np.array([-1.0, 2.0], np.float32)
+    for lib in (ort, onnxtrain):
+        sess = lib.InferenceSession(_RELU_MODEL, providers=["CPUExecutionProvider"])
+        with pytest.raises(TypeError):
+            sess.run("y", {"x": x})
+        with pytest.raises(TypeError):
+            sess.run_with_ort_values("y", {"x": lib.OrtValue.ortvalue_from_numpy(x)})
