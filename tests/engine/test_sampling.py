@@ -241,3 +241,19 @@ def test_grid_sample_non_finite_coordinates(padding: str) -> None:
     keep = np.ones(got.shape, bool)
     keep[0, :, 1, 2] = keep[1, :, 3, 0] = False
     np.testing.assert_allclose(got[keep], torch_gs(grid)[keep], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode, opset, rank", [("nearest", 16, 2), ("bicubic", 16, 2), ("linear", 20, 3),
+                                               ("nearest", 20, 3)])
+def test_grid_sample_zeros_padding_keeps_non_finite_pixels_to_their_taps(mode: str, opset: int,
+                                                                         rank: int) -> None:
+    """With zeros padding a tap outside the image adds nothing: it read the image's first pixel with weight
+    0, so that an inf or NaN there made NaN of every point sampled outside (onnxruntime: 0 there)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3) + (5, 6, 4)[:rank]).astype(np.float32)  # (GridSample-16 in onnxruntime)
+    x[0, 1].reshape(-1)[0], x[1, 2].reshape(-1)[0] = np.inf, np.nan
+    grid = rng.uniform(-1.6, 1.6, (2, 4, 5, rank) if rank == 2 else (2, 3, 2, 4, rank)).astype(np.float32)
+    got = _ours("GridSample", [x, grid], opset, mode=mode, padding_mode="zeros")
+    want = _ort("GridSample", [x, grid], opset, mode=mode, padding_mode="zeros")
+    assert np.isfinite(want).mean() > 0.9  # the case is what it says
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

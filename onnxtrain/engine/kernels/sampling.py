@@ -95,10 +95,11 @@ def _polyval(coeffs: list[float], d: np.ndarray) -> np.ndarray:
     return acc
 
 
-def _axis_taps(ua: np.ndarray, size: int, mode: str, padding: str,
-               align_corners: bool) -> list[tuple[np.ndarray, np.ndarray | None]]:
-    """(index, weight) of each tap of one axis for coordinates ``ua`` (B, P); indices are padded
-    (zeros: an outside tap gets index 0 and weight 0; border: clamped; reflection: reflected)."""
+def _axis_taps(ua: np.ndarray, size: int, mode: str, padding: str, align_corners: bool
+               ) -> list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]:
+    """(index, weight, inside) of each tap of one axis for coordinates ``ua`` (B, P); indices are padded
+    (zeros: an outside tap gets index 0 and weight 0, and ``inside`` marks the others; border: clamped;
+    reflection: reflected; ``inside`` None)."""
     if mode == "nearest":
         taps: list[tuple[np.ndarray, np.ndarray | None]] = [(np.rint(ua), None)]  # ties to the even index
     else:
@@ -109,6 +110,7 @@ def _axis_taps(ua: np.ndarray, size: int, mode: str, padding: str,
                 for j, (o, s) in enumerate(zip(offs, sgn, strict=True))]
     out = []
     for idx, w in taps:
+        valid = None
         if padding == "zeros":
             valid = (idx >= 0) & (idx <= size - 1)
             idx = np.where(valid, idx, 0)
@@ -118,7 +120,7 @@ def _axis_taps(ua: np.ndarray, size: int, mode: str, padding: str,
             idx = np.clip(reflect(idx, lo, hi), 0, size - 1)
         else:
             idx = np.clip(idx, 0, size - 1)
-        out.append((idx.astype(np.int64), w))
+        out.append((idx.astype(np.int64), w, valid))
     return out
 
 
@@ -253,6 +255,20 @@ def sample(x: np.ndarray, u: np.ndarray, mode: str, padding: str, align_corners:
         return y
     if mode == "linear" and x.ndim == 4 and x.dtype.kind == "f" and _bilinear_pads(padding, align_corners):
         return _bilinear(x, u, padding)
+    y = _gather(x, u, mode, padding, align_corners, False)
+    if padding == "zeros" and y.dtype.kind == "f":
+        v = y.reshape(-1)
+        with np.errstate(over="ignore", invalid="ignore"):
+            if not np.isfinite(np.dot(v, v)):
+                # a tap outside the image reads pixel 0 with weight 0: an inf or NaN there spreads
+                y = _gather(x, u, mode, padding, align_corners, True)
+    return y
+
+
+def _gather(x: np.ndarray, u: np.ndarray, mode: str, padding: str, align_corners: bool,
+            exact: bool) -> np.ndarray:
+    """:func:`sample` by its taps; ``exact``: the taps outside the image (zeros padding) add exact zeros
+    rather than their (first pixel's) value times weight 0."""
     b, c = x.shape[:2]
     sp = x.shape[2:]
     r = len(sp)
@@ -272,17 +288,21 @@ def sample(x: np.ndarray, u: np.ndarray, mode: str, padding: str, align_corners:
     y = None
     for combo in itertools.product(*axes):
         flat = first + combo[0][0] * strides[0]
-        weight = combo[0][1]
+        weight, inside = combo[0][1], combo[0][2]
         for a in range(1, r):
             flat += combo[a][0] * strides[a]
             w = combo[a][1]
             weight = w if weight is None else weight if w is None else weight * w
+            if exact and inside is not None:
+                inside = inside & combo[a][2]
         v = rows.take(flat, axis=0)  # (B, P, C), a new array: safe to scale in place
         if weight is not None:
             if v.dtype.kind == "f":
                 v *= weight[:, :, None]
             else:
                 v = v * weight[:, :, None]
+        if exact and inside is not None:
+            v[~inside] = 0
         if y is None:
             y = v
         else:
