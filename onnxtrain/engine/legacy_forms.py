@@ -5,7 +5,8 @@ The kernels follow the newer versions of their operators (and the older forms th
 and would give wrong values or a numpy error: the elementwise ops' ``broadcast=1`` with an ``axis``
 (opsets 1 to 6, NumPy-style broadcasting from opset 7), Pad-1's ``paddings``, Reshape-1's ``shape``
 attribute, Cast-1's string ``to``, Concat-1 without an ``axis``, BatchNormalization's ``spatial=0``
-(opsets 7 and 8) and PRelu's per-channel 1-D slope (before opset 7). Such nodes are refused by name
+(opsets 7 and 8), PRelu's per-channel 1-D slope (before opset 7) and Tile-1's ``tiles`` and ``axis``
+inputs. Such nodes are refused by name
 (onnxruntime has no kernel for most of them), with the way to convert the model.
 """
 
@@ -65,6 +66,13 @@ def _channel_slope(node: onnx.NodeProto, rank: Callable[[str], int | None]) -> s
     return None
 
 
+def _tiles_axis(node: onnx.NodeProto, _: Callable[[str], int | None]) -> str | None:
+    if len(node.input) < 3:  # (the schema requires all three: the check of the node's inputs says so)
+        return None
+    return ("inputs 'tiles' and 'axis' (Tile-1 repeats along one axis; one 'repeats' per dimension since "
+            "Tile-6)")
+
+
 # op → (the opsets where the form exists, what makes a node that form)
 _FORMS: dict[str, tuple[range, Callable[[onnx.NodeProto, Callable[[str], int | None]], str | None]]] = {
     **{op: (range(1, 7), _axis_broadcast) for op in _BROADCASTING},
@@ -74,9 +82,12 @@ _FORMS: dict[str, tuple[range, Callable[[onnx.NodeProto, Callable[[str], int | N
     "Concat": (range(1, 4), _no_axis),
     "BatchNormalization": (range(1, 9), _spatial),
     "PRelu": (range(1, 7), _channel_slope),
+    "Tile": (range(1, 6), _tiles_axis),
 }
 # the way out where converting the opset is none (onnx's converter keeps PRelu's [C] slope as it is)
-_ADVICE = {"PRelu": "give the slope the shape [C, 1, ..., 1] (one 1 per spatial axis of X)"}
+_ADVICE = {"PRelu": "give the slope the shape [C, 1, ..., 1] (one 1 per spatial axis of X)",
+           # (nor has it an adapter for Tile-1)
+           "Tile": "write it as a Tile of opset 6 or later, with a 'repeats' input (the count per dimension)"}
 
 
 def legacy_form(node: onnx.NodeProto, opset: int, rank: Callable[[str], int | None]) -> str | None:

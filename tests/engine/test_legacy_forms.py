@@ -48,6 +48,11 @@ CASES = {
     # broadcasting error before; onnx's converter keeps the slope [C], so the advice is to reshape it
     "prelu6_channel_slope": (_model("PRelu", {}, {"x": X3, "s": np.array([0.1, 0.2, 0.3], np.float32)}, 6,
                                     [2, 3, 4]), "a 1-D slope, applied per channel"),
+    # Tile before opset 6 repeats along one axis given as an input (no converter adapter, no onnxruntime or
+    # onnx.reference kernel): the engine read 'tiles' as Tile-6's repeats, "one per input dimension"
+    "tile1_tiles_axis": (_model("Tile", {}, {"x": x34, "t": np.array(2, np.float32),
+                                             "ax": np.array(1, np.float32)}, 1, [3, 8]),
+                         "inputs 'tiles' and 'axis'"),
 }
 
 
@@ -61,6 +66,8 @@ def test_old_forms_no_kernel_runs_are_refused_by_name(case: str) -> None:
     way_out = "onnx.version_converter.convert_version"
     if case.startswith("prelu"):
         way_out = "the shape [C, 1, ..., 1]"
+    elif case.startswith("tile"):
+        way_out = "a 'repeats' input"
     assert piece in str(e.value) and way_out in str(e.value)
 
 
