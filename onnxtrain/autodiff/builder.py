@@ -21,6 +21,7 @@ from onnxtrain.autodiff.converter_fixes import (
     drop_idle_spatial,
     flatten_old_hardmax,
     match_clip_bounds,
+    prepare_old_upsamples,
     restore_legacy_resizes,
     unique_body_names,
 )
@@ -303,6 +304,7 @@ def upgrade_opset(model: onnx.ModelProto, target: int = MIN_OPSET) -> onnx.Model
     training_bns = _drop_saved_statistics(m)
     drop_idle_pad_values(m, model_opset(model))
     drop_idle_spatial(m, model_opset(model))
+    prepare_old_upsamples(m, model_opset(model))
     refused = flatten_old_hardmax(m, model_opset(model))
     if refused:
         raise GradientError(f"Hardmax node(s) {refused} of opset {model_opset(model)}: gradients need "

@@ -20,12 +20,17 @@
 * Dropout before opset 10 outputs its mask in the input's float type; the converter keeps the node's mask
   output, bool from Dropout-10 on, under the model's float declaration and float reads (onnx.checker and
   onnxruntime refused the gradient graph): :func:`cast_old_dropout_masks` casts it back with a CastLike.
+* Upsample-1 (experimental) names its linear mode 'bilinear', which the converter keeps (no later Upsample
+  or Resize knows it), and onnx infers no shape for it (the converter's adapters of the nodes reading it
+  need one): :func:`prepare_old_upsamples` renames the mode and declares the output's shape.
 * The converter names the constants it adds (``_v_<n>``, e.g. ReduceSum's axes) per graph, so a body may
   define a name its outer graph defines too (not SSA: onnx.checker refuses the gradient graph):
   :func:`unique_body_names` renames the body's copies.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import onnx
@@ -168,6 +173,50 @@ def flatten_old_hardmax(model: onnx.ModelProto, opset: int) -> list[str]:
         del g.node[:]
         g.node.extend(nodes)
     return refused
+
+
+def prepare_old_upsamples(model: onnx.ModelProto, opset: int) -> None:
+    """Before the conversion of ``model`` from default-domain ``opset`` < 7, in place: its Upsample nodes'
+    mode 'bilinear' becomes 'linear', and the main graph's Upsample outputs get their type and shape
+    declared (the input's, the last two dims scaled by height_scale and width_scale) where the input's are
+    known."""
+    if opset >= 7:
+        return
+    ups = [n for g in walk_graphs(model.graph) for n in g.node
+           if n.op_type == "Upsample" and n.domain in DEFAULT_DOMAINS]
+    if not ups:
+        return
+    for n in ups:
+        for a in n.attribute:
+            if a.name == "mode" and a.s == b"bilinear":
+                a.s = b"linear"
+    g = model.graph
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+    types = {v.name: v.type for v in (*inferred.input, *inferred.value_info, *inferred.output)}
+    declared = {v.name: v for v in (*g.input, *g.output, *g.value_info)}
+    for n in g.node:
+        if n.op_type != "Upsample" or n.domain not in DEFAULT_DOMAINS:
+            continue
+        x = types.get(n.input[0])
+        scale = {a.name: a.f for a in n.attribute if a.name in ("height_scale", "width_scale")}
+        if x is None or len(scale) < 2 or not x.tensor_type.HasField("shape"):
+            continue
+        rank = len(x.tensor_type.shape.dim)
+        if rank < 2:
+            continue
+        factors = [1.0] * (rank - 2) + [scale["height_scale"], scale["width_scale"]]
+        dims = [onnx.TensorShapeProto.Dimension() for _ in range(rank)]
+        for d, out, factor in zip(x.tensor_type.shape.dim, dims, factors):
+            if d.HasField("dim_value"):
+                out.dim_value = int(math.floor(d.dim_value * factor))
+        v = declared.get(n.output[0])
+        if v is None:
+            v = g.value_info.add()
+            v.name = n.output[0]
+        elif v.type.tensor_type.HasField("shape"):
+            continue
+        v.type.tensor_type.elem_type = x.tensor_type.elem_type
+        v.type.tensor_type.shape.dim.extend(dims)
 
 
 def match_clip_bounds(model: onnx.ModelProto, opset: int) -> None:

@@ -79,16 +79,17 @@ def _model(op: str, opset: int, attrs: dict, inputs: list[tuple[str, np.ndarray 
 
 
 def _gradient_checked(model: onnx.ModelProto, feeds: dict[str, np.ndarray], wrt: list[str],
-                      forward: Callable[[onnx.ModelProto], Callable]) -> None:
-    """The gradient model of ``loss`` passes the full check, runs in onnxruntime and on the engine to the
-    same values, and matches central differences of ``forward`` (onnxruntime or onnx.reference)."""
+                      forward: Callable[[onnx.ModelProto], Callable], onnxruntime: bool = True) -> None:
+    """The gradient model of ``loss`` passes the full check, runs in onnxruntime (unless not
+    ``onnxruntime``) and on the engine to the same values, and matches central differences of ``forward``
+    (onnxruntime's, onnx.reference's or the engine's)."""
     b = GradientGraphBuilder(model, {"loss"}, wrt, "loss")
     b.build()
     gm = onnx.load_from_string(b.get_model())
     onnx.checker.check_model(gm, full_check=True)
     names = [o.name for o in gm.graph.output]
     ours = dict(zip(names, compile_model(gm).run(dict(feeds))))
-    theirs = dict(zip(names, _ort(gm)(feeds)))
+    theirs = dict(zip(names, _ort(gm)(feeds))) if onnxruntime else ours
     loss = forward(model)
     eps = 1e-6
     for w in wrt:
@@ -201,3 +202,25 @@ def test_recurrent_nodes_before_opset_7_get_gradients(op: str) -> None:
                 minus[idx] -= eps
                 fd[idx] = (loss({**feeds, n: plus})[0] - loss({**feeds, n: minus})[0]) / (2 * eps)
             np.testing.assert_allclose(grad, fd, rtol=1e-5, atol=1e-7, err_msg=n)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear"])
+def test_upsample1_scales_the_last_two_axes(mode: str) -> None:
+    """Upsample-1 (experimental) scales the last two axes by its height_scale and width_scale attributes,
+    its 'bilinear' mode Upsample-7's 'linear': the engine failed ("Upsample needs scales"), and the version
+    converter keeps 'bilinear', which no later Upsample or Resize knows (the gradient graph failed). Oracle:
+    onnxruntime's Upsample-7 with scales [1, 1, h, w] (it runs no Upsample-1); the float32 gradient graph
+    runs in onnxruntime to the engine's values; float64 gradients match central differences of that
+    forward on the engine."""
+    x = RNG.standard_normal((1, 2, 3, 2))
+    attrs = dict(height_scale=2.0, width_scale=3.0, mode=mode)
+    new = dict(scales=[1.0, 1.0, 2.0, 3.0], mode="linear" if mode == "bilinear" else mode)
+    outs = [(np.dtype(np.float32), (1, 2, 6, 6))]
+    old, feeds = _model("Upsample", 6, attrs, [("x", x, False)], outs, np.float32)
+    at7, _ = _model("Upsample", 7, new, [("x", x, False)], outs, np.float32)
+    np.testing.assert_allclose(compile_model(old).run(dict(feeds))[0], _ort(at7)(feeds)[0], rtol=1e-6)
+    old, feeds = _model("Upsample", 6, attrs, [("x", x, False)], outs, np.float32, loss_of=[0])
+    ours, theirs = _gradients(old, feeds, ["x"], _engine), _gradients(old, feeds, ["x"], _ort)
+    np.testing.assert_allclose(ours["x"], theirs["x"], rtol=1e-5, atol=1e-6)
+    old, feeds = _model("Upsample", 6, attrs, [("x", x, False)], outs, np.float64, loss_of=[0])
+    _gradient_checked(old, feeds, ["x"], _engine, onnxruntime=False)

@@ -316,7 +316,9 @@ def _legacy_attrs(attrs: Attrs) -> Attrs:
     that is downsampled (onnxruntime's "simple" mode, and ONNX's opset-10 test data)."""
     la = attrs.cache.get("legacy")
     if la is None:
-        la = Attrs({"mode": attrs.get("mode") or "nearest", "coordinate_transformation_mode": "asymmetric",
+        mode = attrs.get("mode") or "nearest"
+        mode = "linear" if mode == "bilinear" else mode  # (Upsample-1's name for it)
+        la = Attrs({"mode": mode, "coordinate_transformation_mode": "asymmetric",
                     "nearest_mode": "simple", "cubic_coeff_a": -0.75, "exclude_outside": 0,
                     "extrapolation_value": 0.0, "antialias": 0})
         attrs.cache["legacy"] = la
@@ -335,6 +337,17 @@ def resize(inputs: Inputs, attrs: Attrs) -> Outputs:
     scales = inputs[2] if len(inputs) > 2 else None
     sizes = inputs[3] if len(inputs) > 3 else None
     return (_resize(attrs, x, roi, scales, sizes),)
+
+
+@kernel("Upsample", since=1)
+def upsample_1(inputs: Inputs, attrs: Attrs) -> Outputs:
+    """Upsample-1 (experimental): the last two axes scaled by ``height_scale`` and ``width_scale``."""
+    x = inputs[0]
+    h, w = attrs.get("height_scale"), attrs.get("width_scale")
+    if h is None or w is None or x.ndim < 2:
+        raise ValueError("Upsample-1 needs height_scale, width_scale and an input of rank 2 or more")
+    scales = np.array([1.0] * (x.ndim - 2) + [h, w], np.float32)
+    return (_resize(_legacy_attrs(attrs), x, None, scales, None),)
 
 
 @kernel("Upsample", since=7)
