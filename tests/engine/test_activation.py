@@ -298,3 +298,24 @@ def test_leaky_relu_has_onnxruntimes_bits_at_inf_and_signed_zeros(dtype, alpha) 
     # give +0.0 for 0·(−3), its float32 one (and the spec's product) −0.0
     kept = ~(x < 0)
     np.testing.assert_array_equal(np.signbit(got[kept]), np.signbit(want[kept]))
+
+
+@pytest.mark.parametrize("lambd, bias", [(0.3, 0.1), (0.30001, 0.123456), (0.5, 0.0001)])
+def test_shrink_of_float16_compares_and_adds_with_float32_attributes(lambd, bias) -> None:
+    """lambd and bias are float32 attributes: float16 X is compared and shifted in float32 and rounded once,
+    as onnxruntime and onnx.reference do (numpy rounded both to float16 first: X = -0.30005 against lambd 0.3
+    shrank to 0, not to -0.2)."""
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+
+    from onnxtrain.inference import InferenceSession
+
+    x = (np.arange(-2000, 2000, dtype=np.float64) * 0.0003).astype(np.float16)
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT16, [x.size]) for n in ("x", "y")]
+    node = helper.make_node("Shrink", ["x"], ["y"], lambd=lambd, bias=bias)
+    model = helper.make_model(helper.make_graph([node], "g", io[:1], io[1:]),
+                              opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+    want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = InferenceSession(model).run(None, {"x": x})[0]
+    assert got.dtype == want.dtype == np.float16
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))

@@ -217,6 +217,10 @@ def _thresholded_relu(x: np.ndarray, attrs: Attrs) -> np.ndarray:
 @kernel("Shrink", since=9)
 def shrink(inputs: Inputs, attrs: Attrs) -> Outputs:
     x = inputs[0]
+    if x.dtype.itemsize < 4 and x.dtype.kind in "fV":  # float16/bfloat16: compared and shifted in float32, as
+        # the float32 attributes ask (numpy would round lambd and bias to float16 first), rounded once
+        (y,) = shrink([x.astype(np.float32)], attrs)
+        return (y.astype(x.dtype),)
     lambd, bias = attrs["lambd"], attrs["bias"]
     lo, hi = np.less(x, -lambd), np.greater(x, lambd)  # (NaN compares False: it shrinks to 0)
     up, down = np.add(x, bias), np.subtract(x, bias)
