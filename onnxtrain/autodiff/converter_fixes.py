@@ -19,7 +19,7 @@
   rewrites each as Flatten, a Hardmax over the matrix's rows, and a Reshape back, before the conversion.
 * Dropout before opset 10 outputs its mask in the input's float type; the converter keeps the node's mask
   output, bool from Dropout-10 on, under the model's float declaration and float reads (onnx.checker and
-  onnxruntime refused the gradient graph): :func:`cast_old_dropout_masks` casts it back with a CastLike.
+  onnxruntime refused the gradient graph): :func:`cast_old_dropout_masks` casts it back.
 * Upsample-1 (experimental) names its linear mode 'bilinear', which the converter keeps (no later Upsample
   or Resize knows it), and onnx infers no shape for it (the converter's adapters of the nodes reading it
   need one): :func:`prepare_old_upsamples` renames the mode and declares the output's shape.
@@ -243,23 +243,33 @@ def match_clip_bounds(model: onnx.ModelProto, opset: int) -> None:
 def cast_old_dropout_masks(model: onnx.ModelProto, opset: int) -> None:
     """Give the mask output of the Dropout nodes of ``model``, converted from default-domain ``opset`` < 10,
     the type of the node's input again (in place): the node writes a bool mask under a new name, which a
-    CastLike to the input's type turns into the old name."""
+    Cast to the input's type (a CastLike where that type is not known, from opset 15) turns into the old
+    name."""
     if opset >= 10:
         return
-    names = None
+    target = next((o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS), opset)
+    names = types = None
     for g in walk_graphs(model.graph):
         if not any(_has_mask(n) for n in g.node):
             continue
-        names = names or NameGen.for_model(model)
+        if types is None:
+            names = NameGen.for_model(model)
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+            types = {v.name: v.type.tensor_type.elem_type for gi in walk_graphs(inferred.graph)
+                     for v in (*gi.input, *gi.value_info, *gi.output)}
         nodes: list[onnx.NodeProto] = []
         for n in g.node:
             nodes.append(n)
-            if not _has_mask(n):
+            if not _has_mask(n) or not (types.get(n.input[0]) or target >= 15):
                 continue
             mask = n.output[1]
             n.output[1] = names(f"{mask}_bool")
-            nodes.append(helper.make_node("CastLike", [n.output[1], n.input[0]], [mask],
-                                          name=names(f"{n.name or 'Dropout'}_mask_CastLike")))
+            label = names(f"{n.name or 'Dropout'}_mask_Cast")
+            et = types.get(n.input[0])
+            if et:
+                nodes.append(helper.make_node("Cast", [n.output[1]], [mask], name=label, to=et))
+            else:
+                nodes.append(helper.make_node("CastLike", [n.output[1], n.input[0]], [mask], name=label))
         del g.node[:]
         g.node.extend(nodes)
 

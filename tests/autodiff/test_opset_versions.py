@@ -224,3 +224,23 @@ def test_upsample1_scales_the_last_two_axes(mode: str) -> None:
     np.testing.assert_allclose(ours["x"], theirs["x"], rtol=1e-5, atol=1e-6)
     old, feeds = _model("Upsample", 6, attrs, [("x", x, False)], outs, np.float64, loss_of=[0])
     _gradient_checked(old, feeds, ["x"], _engine, onnxruntime=False)
+
+
+def test_old_dropout_mask_cast_below_opset_15() -> None:
+    """The mask's cast holds at a target opset before CastLike (15): upgrade_opset to 13, as the translation
+    of onnxruntime-training models does, gives a model onnx.checker passes and onnxruntime runs to the
+    values of the model as given (its mask the input's float type)."""
+    from onnxtrain.autodiff.builder import upgrade_opset
+
+    nodes = [helper.make_node("Dropout", ["x"], ["y", "mask"], name="drop", ratio=0.3),
+             helper.make_node("Neg", ["mask"], ["neg_mask"])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, X.shape)
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, X.shape) for n in ("y", "neg_mask")]
+    model = helper.make_model(helper.make_graph(nodes, "drop", [x], outputs),
+                              opset_imports=[helper.make_opsetid("", 9)], ir_version=7)
+    lifted = upgrade_opset(model, 13)
+    onnx.checker.check_model(lifted, full_check=True)
+    feeds = {"x": X.astype(np.float32)}
+    got = _ort(lifted)(feeds)
+    np.testing.assert_array_equal(got[0], feeds["x"])
+    np.testing.assert_array_equal(got[1], -np.ones(X.shape, np.float32))  # every value kept, as the mask says
