@@ -338,6 +338,16 @@ def _batch_norm_train(x, scale, bias, eps) -> tuple[np.ndarray, np.ndarray, np.n
     return _back(d.reshape(x.shape), x.dtype), mean, var
 
 
+def _running(stat: np.ndarray, batch: np.ndarray, momentum: float) -> np.ndarray:
+    """stat·momentum + batch·(1 − momentum), computed in the wider of the two types (float32 for float16
+    statistics: in float16, with momentum rounded to it, a third of them came out 1 ulp off) and rounded once
+    to ``stat``'s type."""
+    wd = np.promote_types(stat.dtype, batch.dtype)
+    r = stat.astype(wd, copy=False) * momentum
+    r += batch.astype(wd, copy=False) * (1 - momentum)
+    return r.astype(stat.dtype, copy=False)
+
+
 @kernel("BatchNormalization", since=9)
 def batch_normalization_9(inputs: Inputs, attrs: Attrs) -> Outputs:
     """Opsets 9-13: training mode when the optional outputs are requested."""
@@ -346,8 +356,7 @@ def batch_normalization_9(inputs: Inputs, attrs: Attrs) -> Outputs:
         return (_batch_norm_infer(x, scale, bias, mean, var, attrs["epsilon"]),)
     m = attrs["momentum"]
     y, bm, bv = _batch_norm_train(x, scale, bias, attrs["epsilon"])
-    run_mean = (mean * m + bm * (1 - m)).astype(mean.dtype, copy=False)
-    run_var = (var * m + bv * (1 - m)).astype(var.dtype, copy=False)
+    run_mean, run_var = _running(mean, bm, m), _running(var, bv, m)
     outs = [y, run_mean, run_var, bm.astype(mean.dtype, copy=False), bv.astype(var.dtype, copy=False)]
     return outs[: attrs.n_outputs]
 
@@ -363,9 +372,9 @@ def batch_norm_training(inputs: Inputs,
     used = attrs.output_used
     outs: list[np.ndarray | None] = [y]
     if attrs.n_outputs > 1:  # running_mean = input_mean * momentum + batch_mean * (1 - momentum)
-        outs.append((mean * m + bm * (1 - m)).astype(mean.dtype, copy=False) if used[1] else None)
+        outs.append(_running(mean, bm, m) if used[1] else None)
     if attrs.n_outputs > 2:
-        outs.append((var * m + bv * (1 - m)).astype(var.dtype, copy=False) if used[2] else None)
+        outs.append(_running(var, bv, m) if used[2] else None)
     return outs, bm, bv
 
 
