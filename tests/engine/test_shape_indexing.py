@@ -222,3 +222,25 @@ def test_scatter_elements_indices_of_another_rank_are_refused_as_onnxruntime_doe
         ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
     with pytest.raises(Exception, match="ScatterElements: indices rank"):
         compile_model(onnx.load_from_string(model)).run(feeds)
+
+
+@pytest.mark.parametrize("lens", [[5, 1, 1], [-1, 1, 1], [1, 1], [1, 1, 1, 1]])
+def test_reverse_sequence_refuses_lengths_out_of_range_or_of_another_batch_as_onnxruntime(lens) -> None:
+    """A negative length passed as no reversal, and one past the time axis or a sequence_lens of another
+    batch size failed on numpy's IndexError or reshape; onnxruntime refuses each, as the kernel now does by
+    name."""
+    ort = pytest.importorskip("onnxruntime")
+    x, seq = np.arange(12, dtype=np.float32).reshape(4, 3), np.array(lens, np.int64)
+    model = _model("ReverseSequence", [x, seq], 13, batch_axis=1, time_axis=0)
+    with pytest.raises(Exception, match="sequence"):
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"x0": x, "x1": seq})
+    with pytest.raises(Exception, match="ReverseSequence: sequence_lens"):
+        compile_model(model).run({"x0": x, "x1": seq})
+
+
+def test_reverse_sequence_of_lengths_zero_to_full_matches_onnxruntime() -> None:
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    ours, theirs = _run_both("ReverseSequence", [x, np.array([0, 4, 2], np.int64)], 13, batch_axis=1,
+                             time_axis=0)
+    np.testing.assert_array_equal(ours[0], theirs[0])

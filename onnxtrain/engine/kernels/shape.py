@@ -373,7 +373,14 @@ def space_to_depth(inputs: Inputs, attrs: Attrs) -> Outputs:
 def reverse_sequence(inputs: Inputs, attrs: Attrs) -> Outputs:
     x, lens = inputs[0], np.asarray(inputs[1], dtype=np.int64)
     b_ax, t_ax = attrs["batch_axis"], attrs["time_axis"]
-    t = np.arange(x.shape[t_ax], dtype=np.int64)
+    n, steps = x.shape[b_ax], x.shape[t_ax]
+    if lens.shape != (n,):
+        raise ValueError(f"ReverseSequence: sequence_lens has shape {list(lens.shape)}, expected [{n}] (the "
+                         f"batch axis {b_ax} of the input of shape {list(x.shape)})")
+    if lens.size and (lens.min() < 0 or lens.max() > steps):
+        raise ValueError(f"ReverseSequence: sequence_lens {lens.tolist()} must lie in [0, {steps}] (the time "
+                         f"axis {t_ax})")
+    t = np.arange(steps, dtype=np.int64)
     # src[b, t] = lens[b] - 1 - t for t < lens[b], else t
     src = np.where(t[None, :] < lens[:, None], lens[:, None] - 1 - t[None, :], t[None, :])
     if b_ax > t_ax:
