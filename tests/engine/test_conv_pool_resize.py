@@ -581,3 +581,26 @@ def test_resize_keeps_non_finite_values_to_their_taps(attrs: dict[str, Any], sca
     (want,) = _ort("Resize", [x, None, s], opset=19, **attrs)
     assert np.isfinite(want).mean() > 0.6  # the case is what it says
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op, shape, attrs", [
+    ("MaxPool", (1, 2, 4, 3, 7), {"kernel_shape": [3, 3, 1], "dilations": [2, 1, 1]}),
+    ("MaxPool", (3, 2, 1), {"kernel_shape": [2]}),
+    ("AveragePool", (1, 1, 1, 2, 9), {"kernel_shape": [2, 1, 2], "auto_pad": "VALID",
+                                      "count_include_pad": 1}),
+    ("LpPool", (3, 2, 1, 9), {"kernel_shape": [2, 2], "strides": [1, 2], "p": 3}),
+    ("AveragePool", (2, 1, 1, 5), {"kernel_shape": [2, 2], "pads": [0, 1, 0, 0], "ceil_mode": 1}),
+], ids=["max-dilated", "max-1d", "avg-valid", "lp", "avg-ceil"])
+def test_pool_with_a_window_longer_than_its_axis_is_empty(op: str, shape: tuple,
+                                                           attrs: dict[str, Any]) -> None:
+    """An axis whose padded length is one short of the window has no output position: an empty output,
+    as onnxruntime gives (the kernels refused it)."""
+    x = np.random.default_rng(11).standard_normal(shape).astype(np.float32)
+    (want,) = _ort(op, [x], opset=19, **attrs)
+    (ours,) = _ours(op, [x], opset=19, **attrs)
+    assert 0 in want.shape
+    assert ours.shape == want.shape and ours.dtype == want.dtype
+    if op == "MaxPool":
+        ours_y, ours_i = _ours(op, [x], opset=19, n_outputs=2, **attrs)
+        want_y, want_i = _ort(op, [x], opset=19, n_outputs=2, **attrs)
+        assert ours_y.shape == want_y.shape and ours_i.shape == want_i.shape and ours_i.dtype == want_i.dtype

@@ -36,7 +36,7 @@ def _pool_geometry(attrs: Attrs, xs: tuple[int, ...]) -> dict[str, Any]:
         if ceil_mode and (o - 1) * strides[i] >= in_sp[i] + pb[i]:
             o -= 1  # the last window must start inside the input or the begin padding
         out.append(o)
-    if min(out) < 1:
+    if min(out) < 0:  # (0: the window is one longer than the padded axis, an empty output as onnxruntime)
         raise ValueError(f"pool output would be empty: input {xs}, kernel {k}, pads {pb + pe}")
     sizes = [max((out[i] - 1) * strides[i] + k_eff[i], pb[i]) for i in range(nd)]
     # one (kernel index, slices into the padded input) per kernel offset
