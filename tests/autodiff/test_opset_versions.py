@@ -42,14 +42,14 @@ def _reference(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list
 def _model(op: str, opset: int, attrs: dict, inputs: list[tuple[str, np.ndarray | None, bool]],
            outputs: list[tuple[np.dtype, tuple[int, ...]]], dtype: type = np.float64,
            loss_of: list[int] | None = None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """One ``op`` node (inputs: name, value, whether a constant initializer; a float value in ``dtype``)
+    """One ``op`` node (inputs: name, value, whether a constant initializer; a float64 value in ``dtype``)
     and, for ``loss_of``, ``loss = Σ_k ReduceSum(y_k · u_k)`` with fixed random u_k."""
     feeds, inits, g_in = {}, [], []
     for name, value, const in inputs:
         if not name:
             continue
         a = np.asarray(value)
-        a = a.astype(dtype) if a.dtype.kind == "f" else a
+        a = a.astype(dtype) if a.dtype == np.float64 else a
         if const:
             inits.append(numpy_helper.from_array(a, name))
         else:
@@ -188,7 +188,7 @@ def test_recurrent_nodes_before_opset_7_get_gradients(op: str) -> None:
         model, feeds = _model(op, opset, attrs, ins, outs, dtype, loss_of=[0, 1])
         if dtype == np.float32:
             at7, _ = _model(op, 7, new_attrs, ins, outs, dtype, loss_of=[0, 1])
-            np.testing.assert_allclose(_engine(model)(feeds)[0], _ort(at7)(feeds)[0], rtol=1e-5)
+            np.testing.assert_allclose(_engine(model)(feeds)[0], _ort(at7)(feeds)[0], rtol=1e-5, atol=1e-5)
             ours, theirs = _gradients(model, feeds, wrt, _engine), _gradients(model, feeds, wrt, _ort)
             for n in wrt:
                 np.testing.assert_allclose(ours[n], theirs[n], rtol=1e-4, atol=1e-5, err_msg=n)
@@ -218,7 +218,8 @@ def test_upsample1_scales_the_last_two_axes(mode: str) -> None:
     outs = [(np.dtype(np.float32), (1, 2, 6, 6))]
     old, feeds = _model("Upsample", 6, attrs, [("x", x, False)], outs, np.float32)
     at7, _ = _model("Upsample", 7, new, [("x", x, False)], outs, np.float32)
-    np.testing.assert_allclose(compile_model(old).run(dict(feeds))[0], _ort(at7)(feeds)[0], rtol=1e-6)
+    got = compile_model(old).run(dict(feeds))[0]
+    np.testing.assert_allclose(got, _ort(at7)(feeds)[0], rtol=1e-6, atol=1e-6)
     old, feeds = _model("Upsample", 6, attrs, [("x", x, False)], outs, np.float32, loss_of=[0])
     ours, theirs = _gradients(old, feeds, ["x"], _engine), _gradients(old, feeds, ["x"], _ort)
     np.testing.assert_allclose(ours["x"], theirs["x"], rtol=1e-5, atol=1e-6)
@@ -244,3 +245,132 @@ def test_old_dropout_mask_cast_below_opset_15() -> None:
     got = _ort(lifted)(feeds)
     np.testing.assert_array_equal(got[0], feeds["x"])
     np.testing.assert_array_equal(got[1], -np.ones(X.shape, np.float32))  # every value kept, as the mask says
+
+
+def _x() -> tuple[str, np.ndarray, bool]:
+    return ("x", X, False)
+
+
+def _c(name: str, value: np.ndarray) -> tuple[str, np.ndarray, bool]:
+    return (name, value, True)
+
+
+F32 = np.dtype(np.float32)
+I64 = np.dtype(np.int64)
+SCATTER = _i64(0, 2, 1, 0, 0, 2, 1, 0, 1, 1, 1, 1, 0, 0, 0, 0).reshape(2, 2, 4)  # repeated positions
+
+
+def _form(op: str, opset: int, attrs: dict, inputs: list, outputs: list, loss_of: tuple[int, ...] = (0,),
+          fd: str = "ort", compared: int | None = None) -> tuple:
+    return op, opset, attrs, inputs, outputs, list(loss_of), fd, compared
+
+
+def _w(name: str, *shape: int) -> tuple[str, np.ndarray, bool]:
+    """A float input ``name`` of random values."""
+    return (name, RNG.standard_normal(shape), False)
+
+
+X234 = [(F32, (2, 3, 4))]
+TOP2 = [(F32, (2, 2, 4)), (I64, (2, 2, 4))]
+BN_IN = [_x(), _w("s", 3), _w("b", 3), _c("m", RNG.standard_normal(3)), _c("v", RNG.uniform(0.5, 1.5, 3))]
+# id → _form(op, opset, attributes, inputs, output (dtype, shape)s, the outputs the loss reads, the float64
+# forward the finite differences take: onnxruntime's, or the engine's where onnxruntime has no float64 kernel
+# (the float32 forwards are compared either way: with onnx.reference's where onnxruntime has no kernel), how
+# many outputs the forwards compare (all by default))
+FORMS: dict[str, tuple] = {
+    "split2_attribute": _form("Split", 2, dict(axis=2, split=[1, 3]), [_x()],
+                              [(F32, (2, 3, 1)), (F32, (2, 3, 3))], (0, 1), "engine"),
+    "split11_equal": _form("Split", 11, dict(axis=1), [_w("x", 2, 4, 3)], [(F32, (2, 2, 3))] * 2, (0, 1)),
+    "split13_input": _form("Split", 13, dict(axis=2), [_x(), _c("sp", _i64(3, 1))],
+                           [(F32, (2, 3, 3)), (F32, (2, 3, 1))], (0, 1)),
+    "split18_num_outputs": _form("Split", 18, dict(axis=2, num_outputs=2), [_x()], [(F32, (2, 3, 2))] * 2,
+                                 (0, 1)),
+    "reducesum11_attribute": _form("ReduceSum", 11, dict(axes=[0, -1], keepdims=0), [_x()], [(F32, (3,))]),
+    "reducesum13_input": _form("ReduceSum", 13, dict(keepdims=0), [_x(), _c("ax", _i64(0, -1))],
+                               [(F32, (3,))]),
+    "reducemean13_attribute": _form("ReduceMean", 13, dict(axes=[1]), [_x()], [(F32, (2, 1, 4))]),
+    "reducemean18_input": _form("ReduceMean", 18, dict(keepdims=0), [_x(), _c("ax", _i64(-2))],
+                                [(F32, (2, 4))]),
+    "reducemax18_no_axes_noop": _form("ReduceMax", 18, dict(noop_with_empty_axes=1),
+                                      [_x(), _c("ax", np.zeros(0, np.int64))], X234),
+    "reducel2_11_attribute": _form("ReduceL2", 11, dict(axes=[2]), [_x()], [(F32, (2, 3, 1))]),
+    "squeeze11_attribute": _form("Squeeze", 11, dict(axes=[-2]), [_w("x", 2, 1, 3)], [(F32, (2, 3))]),
+    "squeeze13_input": _form("Squeeze", 13, {}, [_w("x", 2, 1, 3), _c("ax", _i64(1))], [(F32, (2, 3))]),
+    "unsqueeze11_attribute": _form("Unsqueeze", 11, dict(axes=[0, -1]), [_x()], [(F32, (1, 2, 3, 4, 1))]),
+    "clip6_attributes": _form("Clip", 6, dict(min=-0.5, max=0.3), [_x()], X234, fd="engine"),
+    "clip11_inputs": _form("Clip", 11, {}, [_x(), _c("lo", np.array(-0.5)), _c("hi", np.array(0.3))], X234,
+                           fd="engine"),
+    "clip13_max_only": _form("Clip", 13, {}, [_x(), ("", None, False), _c("hi", np.array(0.2))], X234),
+    "pad2_attributes": _form("Pad", 2, dict(pads=[0, 1, 0, 0, 2, 1], value=1.5), [_x()], [(F32, (2, 6, 5))],
+                             fd="engine"),
+    "pad11_reflect": _form("Pad", 11, dict(mode="reflect"), [_x(), _c("p", _i64(0, 1, 1, 0, 1, 2))],
+                           [(F32, (2, 5, 7))]),
+    "pad18_axes": _form("Pad", 18, {}, [_x(), _c("p", _i64(1, 2, 0, 1)), _c("cv", np.array(0.5)),
+                                        _c("ax", _i64(2, 0))], [(F32, (5, 3, 5))]),
+    "slice1_attributes": _form("Slice", 1, dict(starts=[1, -3], ends=[1000, -1], axes=[1, 2]), [_x()],
+                               [(F32, (2, 2, 2))], fd="engine"),
+    "slice10_inputs": _form("Slice", 10, {}, [_x(), _c("s", _i64(0, -1)), _c("e", _i64(2, -4)),
+                                              _c("a", _i64(1, 2)), _c("st", _i64(1, -1))],
+                            [(F32, (2, 2, 3))]),
+    "softmax1_coerced": _form("Softmax", 1, dict(axis=1), [_x()], X234, fd="engine"),
+    "logsoftmax11_default_axis": _form("LogSoftmax", 11, {}, [_x()], X234),
+    "softmax13_axis": _form("Softmax", 13, dict(axis=1), [_x()], X234),
+    "gemm6_broadcast": _form("Gemm", 6, dict(broadcast=1, transA=1, alpha=0.3, beta=0.7),
+                             [_w("a", 4, 3), _w("b", 4, 5), _w("c", 5)], [(F32, (3, 5))], fd="engine"),
+    "gemm11_no_c": _form("Gemm", 11, dict(transB=1), [_w("a", 3, 4), _w("b", 5, 4)], [(F32, (3, 5))]),
+    "topk1_attribute": _form("TopK", 1, dict(k=2, axis=1), [_x()], TOP2, fd="engine"),
+    "topk10_input": _form("TopK", 10, {}, [_x(), _c("k", _i64(2))], [(F32, (2, 3, 2)), (I64, (2, 3, 2))]),
+    "topk11_smallest": _form("TopK", 11, dict(axis=1, largest=0), [_x(), _c("k", _i64(2))], TOP2),
+    # (saved_var: onnxruntime writes the inverse standard deviation there, onnx.reference the variance)
+    "batchnorm9_training": _form("BatchNormalization", 9, dict(epsilon=1e-3), BN_IN,
+                                 [(F32, (2, 3, 4))] + [(F32, (3,))] * 4, fd="engine", compared=4),
+    "batchnorm14_training": _form("BatchNormalization", 14, dict(epsilon=1e-3, training_mode=1), BN_IN,
+                                  [(F32, (2, 3, 4)), (F32, (3,)), (F32, (3,))], fd="engine"),
+    "max6_same_shapes": _form("Max", 6, {}, [("a", X, False), _w("b", 2, 3, 4)], X234, fd="engine"),
+    "mean13_broadcast": _form("Mean", 13, {}, [("a", X, False), _w("b", 3, 1), _w("c", 4)], X234,
+                              fd="engine"),
+    "upsample7_attribute": _form("Upsample", 7, dict(scales=[1.0, 1.0, 2.0, 1.5], mode="linear"),
+                                 [_w("x", 1, 2, 3, 2)], [(F32, (1, 2, 6, 3))], fd="engine"),
+    "upsample9_input": _form("Upsample", 9, dict(mode="nearest"),
+                             [_w("x", 1, 2, 3, 2), _c("sc", np.array([1, 1, 2, 3], np.float32))],
+                             [(F32, (1, 2, 6, 6))], fd="engine"),
+    "resize10_downsample": _form("Resize", 10, dict(mode="linear"),
+                                 [_w("x", 1, 2, 3, 4), _c("sc", np.array([1, 1, 2, 0.5], np.float32))],
+                                 [(F32, (1, 2, 6, 2))], fd="engine"),
+    "groupnorm21_per_channel": _form("GroupNormalization", 21, dict(num_groups=2),
+                                     [_w("x", 2, 4, 3), _w("s", 4), _w("b", 4)], [(F32, (2, 4, 3))],
+                                     fd="engine"),
+    "scatterelements16_add": _form("ScatterElements", 16, dict(axis=1, reduction="add"),
+                                   [_x(), _c("i", SCATTER), _w("u", 2, 2, 4)], X234),
+    "scatterelements18_max": _form("ScatterElements", 18, dict(axis=1, reduction="max"),
+                                   [_x(), _c("i", SCATTER), _w("u", 2, 2, 4)], X234),
+    "cumsum11_exclusive_reverse": _form("CumSum", 11, dict(exclusive=1, reverse=1),
+                                        [_x(), _c("ax", np.array(1))], X234),
+    "gathernd12_batch_dims": _form("GatherND", 12, dict(batch_dims=1),
+                                   [_x(), _c("i", _i64(1, 0, 2, 1).reshape(2, 2, 1))], [(F32, (2, 2, 4))]),
+    "dropout12_ratio_input": _form("Dropout", 12, {}, [_x(), _c("r", np.array(0.3, np.float32))],
+                                   [(F32, (2, 3, 4)), (np.dtype(bool), (2, 3, 4))]),
+}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_forms_across_opsets_forward_and_gradient(form: str) -> None:
+    """Each form: the engine's forward equals onnxruntime's; the float32 gradient graph (GradientGraphBuilder:
+    lifted to opset 17 when older) passes the full check and runs in onnxruntime to the engine's values; the
+    float64 gradients match central differences of the forward (see FORMS)."""
+    op, opset, attrs, inputs, outputs, loss_of, fd, compared = FORMS[form]
+    wrt = [n for n, v, const in inputs if n and not const and np.asarray(v).dtype.kind == "f"]
+    model, feeds = _model(op, opset, attrs, inputs, outputs, np.float32)
+    try:
+        forward = _ort(model)
+    except ort.capi.onnxruntime_pybind11_state.NotImplemented:  # (no kernel of that version)
+        forward = _reference(model)
+    pairs = list(zip(compile_model(model).run(dict(feeds)), forward(feeds), strict=True))
+    for k, (ours, theirs) in enumerate(pairs[:compared]):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6, err_msg=f"output {k}")
+    model, feeds = _model(op, opset, attrs, inputs, outputs, np.float32, loss_of=loss_of)
+    ours, theirs = _gradients(model, feeds, wrt, _engine), _gradients(model, feeds, wrt, _ort)
+    for n in wrt:
+        np.testing.assert_allclose(ours[n], theirs[n], rtol=1e-4, atol=1e-5, err_msg=n)
+    model, feeds = _model(op, opset, attrs, inputs, outputs, np.float64, loss_of=loss_of)
+    _gradient_checked(model, feeds, wrt, _ort if fd == "ort" else _engine, onnxruntime=False)
