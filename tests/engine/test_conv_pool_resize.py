@@ -604,3 +604,33 @@ def test_pool_with_a_window_longer_than_its_axis_is_empty(op: str, shape: tuple,
         ours_y, ours_i = _ours(op, [x], opset=19, n_outputs=2, **attrs)
         want_y, want_i = _ort(op, [x], opset=19, n_outputs=2, **attrs)
         assert ours_y.shape == want_y.shape and ours_i.shape == want_i.shape and ours_i.dtype == want_i.dtype
+
+
+# x shape, W shape, attributes: a stride-1 ConvTranspose as a Conv by shifted GEMMs, as a depthwise Conv by
+# banded rows, the depthwise canvas, the strided shifted GEMMs (conv_transpose_shifts.py), the flat col2im
+CONV_TRANSPOSE_ROUTES = [
+    ((2, 16, 8, 8), (16, 16, 3, 3), {"pads": [1, 1, 1, 1]}),
+    ((8, 64, 16, 16), (64, 1, 3, 3), {"pads": [1, 1, 1, 1], "group": 64}),
+    ((4, 32, 15, 19), (32, 1, 5, 2), {"strides": [1, 3], "pads": [0, 0, 0, 0], "output_padding": [0, 1],
+                                       "group": 32}),
+    ((4, 16, 8, 8), (16, 32, 4, 4), {"strides": [2, 2], "pads": [0, 0, 0, 0]}),
+    ((2, 3, 6, 7), (3, 4, 3, 3), {"pads": [1, 0, 2, 1]}),
+]
+
+
+@pytest.mark.parametrize("xs, ws, attrs", CONV_TRANSPOSE_ROUTES,
+                         ids=["as-conv", "as-depthwise-conv", "depthwise-canvas", "shifts", "flat"])
+def test_conv_transpose_keeps_non_finite_weights_to_their_products(xs, ws, attrs) -> None:
+    """An inf or NaN in W reaches only the outputs its products land on, as in torch: the routes that
+    multiply W by padding (the flipped Conv's, the canvases', the padded rows') made NaN of the others."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(12)
+    x, w = rng.standard_normal(xs), rng.standard_normal(ws)
+    w[0, 0, 1, 1], w[-1, -1, 0, -1] = np.inf, np.nan
+    y = _ours("ConvTranspose", [x, w], **attrs)[0]
+    s, p, group = attrs.get("strides", [1, 1]), attrs["pads"], attrs.get("group", 1)
+    full = torch.nn.functional.conv_transpose2d(torch.tensor(x), torch.tensor(w), stride=s, groups=group,
+                                                output_padding=attrs.get("output_padding", 0))
+    want = full[:, :, p[0]:full.shape[2] - p[2], p[1]:full.shape[3] - p[3]].numpy()
+    assert np.isfinite(want).mean() > 0.5  # the case is what it says
+    np.testing.assert_allclose(y, want, rtol=1e-10, atol=1e-10)

@@ -25,6 +25,7 @@ from numpy.lib.stride_tricks import as_strided
 from onnxtrain.engine.cblas import gemm
 from onnxtrain.engine.kernels import conv_transpose_shifts as shifts
 from onnxtrain.engine.kernels import depthwise
+from onnxtrain.engine.kernels.finite import all_finite
 from onnxtrain.engine.kernels.half import F32, in_float32, is_half
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 from onnxtrain.ir.conv_shapes import conv_transpose_geometry, same_pads
@@ -645,8 +646,14 @@ def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
         y = depthwise.conv_transpose(x, w, g)
     if y is None and shifts.fits(x, g):
         y = shifts.conv_transpose(x, w, g)
+    if y is None and g["flat"]:
+        y = _conv_transpose_flat(x, w, g)
+    if y is not None and not all_finite(y):
+        # these routes multiply W by zeros (the flipped Conv's padding, a canvas's or padded rows' slack):
+        # an inf or NaN in W made NaN of outputs none of its products reach; col2im forms only those
+        y = None
     if y is None:
-        y = _conv_transpose_flat(x, w, g) if g["flat"] else _col2im_conv_transpose(x, w, g)
+        y = _col2im_conv_transpose(x, w, g)
     if b is not None:
         y += b.reshape((g["m"],) + (1,) * g["nd"])
     return (y,)

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain.engine.blas import can_pin_blas_threads, single_threaded_blas
+from onnxtrain.engine.kernels.finite import all_finite
 from onnxtrain.engine.parallel import parallel_for, row_ranges
 
 # output elements of a block of planes, one numpy call per kernel offset each: fewer, longer calls measured
@@ -423,12 +424,8 @@ def weight_grad_planes(xs: np.ndarray, wv: np.ndarray, g: dict[str, Any]) -> np.
 def _finite_or_none(y: np.ndarray) -> np.ndarray | None:
     """``y`` if all its values are finite, else None. The banded rows, the few-outputs dot products and the
     rows weight gradient multiply X by zero taps outside each output's window, so that an inf or NaN in X
-    turns outputs far from it into NaN (inf · 0); the caller's im2col then computes such an X. The test is
-    one dot product (3 % of a banded depthwise Conv); a sum of squares that overflows from finite values
-    only sends the Conv to im2col too."""
-    v = y.reshape(-1)
-    with np.errstate(over="ignore", invalid="ignore"):
-        return y if np.isfinite(np.dot(v, v)) else None
+    turns outputs far from it into NaN (inf · 0); the caller's im2col then computes such an X."""
+    return y if all_finite(y) else None
 
 
 def _rows_weight_grad(x: np.ndarray, w: np.ndarray, g: dict[str, Any]) -> np.ndarray:

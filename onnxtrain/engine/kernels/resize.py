@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxtrain.engine.kernels.finite import all_finite
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 from onnxtrain.user_warning import warn
 
@@ -149,14 +150,6 @@ def _tap_matrix(idx: np.ndarray, w: np.ndarray, in_len: int) -> np.ndarray:
     return mat
 
 
-def _finite(y: np.ndarray) -> bool:
-    """True when every value of ``y`` is finite (one dot product; False too where a sum of squares of finite
-    values overflows, whose callers then take their slower way to the same values)."""
-    v = y.reshape(-1)
-    with np.errstate(over="ignore", invalid="ignore"):
-        return bool(np.isfinite(np.dot(v, v)))
-
-
 def _by_taps(x3: np.ndarray, idx: np.ndarray, w: np.ndarray, reads: np.ndarray | None) -> np.ndarray:
     """X laid (pre, in, post) resampled along axis 1 by the taps ``idx`` of weights ``w``, (out, n) each; with
     ``reads``, the taps it marks False add nothing (not even an inf or NaN times their zero weight)."""
@@ -188,12 +181,12 @@ def _apply(x: np.ndarray, axis: int, plan: tuple[Any, ...], extrapolation: float
         if kind == "dense":
             mat, mat_t = plan[1], plan[2]
             y = xf.reshape(pre, -1) @ mat_t if post == 1 else np.matmul(mat, x3)
-            if not _finite(y):
+            if not all_finite(y):
                 # the matrix's zeros times an inf or NaN of X made NaN of outputs whose taps do not read it
                 y = _by_taps(x3, idx, w, reads)
         else:
             y = _by_taps(x3, idx, w, None)
-            if reads is not None and not _finite(y):
+            if reads is not None and not all_finite(y):
                 y = _by_taps(x3, idx, w, reads)
         y = y.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 1:])
     outside = plan[-1]

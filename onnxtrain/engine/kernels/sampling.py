@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxtrain.engine.kernels.finite import all_finite
 from onnxtrain.engine.parallel import parallel_for, split, width
 from onnxtrain.engine.registry import Attrs, Inputs, Outputs, kernel
 
@@ -256,12 +257,9 @@ def sample(x: np.ndarray, u: np.ndarray, mode: str, padding: str, align_corners:
     if mode == "linear" and x.ndim == 4 and x.dtype.kind == "f" and _bilinear_pads(padding, align_corners):
         return _bilinear(x, u, padding)
     y = _gather(x, u, mode, padding, align_corners, False)
-    if padding == "zeros" and y.dtype.kind == "f":
-        v = y.reshape(-1)
-        with np.errstate(over="ignore", invalid="ignore"):
-            if not np.isfinite(np.dot(v, v)):
-                # a tap outside the image reads pixel 0 with weight 0: an inf or NaN there spreads
-                y = _gather(x, u, mode, padding, align_corners, True)
+    if padding == "zeros" and y.dtype.kind == "f" and not all_finite(y):
+        # a tap outside the image reads pixel 0 with weight 0: an inf or NaN there spreads
+        y = _gather(x, u, mode, padding, align_corners, True)
     return y
 
 
