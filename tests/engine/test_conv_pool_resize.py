@@ -634,3 +634,19 @@ def test_conv_transpose_keeps_non_finite_weights_to_their_products(xs, ws, attrs
     want = full[:, :, p[0]:full.shape[2] - p[2], p[1]:full.shape[3] - p[3]].numpy()
     assert np.isfinite(want).mean() > 0.5  # the case is what it says
     np.testing.assert_allclose(y, want, rtol=1e-10, atol=1e-10)
+
+
+def test_resize_of_large_float16_values_keeps_its_weight_matrix(monkeypatch) -> None:
+    """The finiteness check after the matrix product must not take float16 values above 256 (whose squares
+    overflow) for non-finite ones: such an image stays on the matrix path, with onnxruntime's values."""
+    from onnxtrain.engine.kernels import resize as resize_kernels
+
+    calls: list[int] = []
+    by_taps = resize_kernels._by_taps
+    monkeypatch.setattr(resize_kernels, "_by_taps", lambda *a: calls.append(1) or by_taps(*a))
+    x = np.random.default_rng(13).uniform(300, 2000, (1, 2, 6, 7)).astype(np.float16)
+    s = np.array([1, 1, 2, 1.5], np.float32)
+    (ours,) = _ours("Resize", [x, None, s], opset=19, mode="linear")
+    (want,) = _ort("Resize", [x, None, s], opset=19, mode="linear")
+    assert not calls
+    np.testing.assert_allclose(ours.astype(np.float32), want.astype(np.float32), rtol=2e-3)
