@@ -14,8 +14,8 @@ def all_finite(y: np.ndarray) -> bool:
     that call it), False too where a sum of squares of finite values overflows (from about 1e19 / √size in
     float32), which only costs the caller its slower path to the same values; other dtypes (float16's
     squares overflow from 256) test each value."""
-    if y.dtype not in _BLAS_DTYPES:
-        return bool(np.isfinite(y).all())
-    v = y.reshape(-1)
+    if y.dtype not in _BLAS_DTYPES or not (y.flags.c_contiguous or y.flags.f_contiguous):
+        return bool(np.isfinite(y).all())  # (without the copy a reshape would make of a strided y)
+    v = (y if y.flags.c_contiguous else y.T).reshape(-1)
     with np.errstate(over="ignore", invalid="ignore"):
         return bool(np.isfinite(np.dot(v, v)))

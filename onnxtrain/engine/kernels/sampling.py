@@ -257,7 +257,7 @@ def sample(x: np.ndarray, u: np.ndarray, mode: str, padding: str, align_corners:
     if mode == "linear" and x.ndim == 4 and x.dtype.kind == "f" and _bilinear_pads(padding, align_corners):
         return _bilinear(x, u, padding)
     y = _gather(x, u, mode, padding, align_corners, False)
-    if padding == "zeros" and y.dtype.kind == "f" and not all_finite(y):
+    if padding == "zeros" and y.dtype.kind == "f" and not all_finite(y.transpose(0, 2, 1)):  # (laid out so)
         # a tap outside the image reads pixel 0 with weight 0: an inf or NaN there spreads
         y = _gather(x, u, mode, padding, align_corners, True)
     return y
