@@ -4,7 +4,9 @@
 its external data, a checkpoint and its ``.data`` file, a set of training artifacts): every file goes to
 its temporary first, and only when all are written are they renamed onto their targets. A failure
 while writing leaves every old file as it was; a failure among the renames puts the old files back
-(kept meanwhile as hard links). Temporaries are named ``<target name>.<random>.tmp``.
+(kept meanwhile as hard links). Temporaries are named ``<target name>.<random>.onnxtrain.tmp`` and stay
+locked while in flight; one that a killed write left (unlocked) is deleted by the next commit into its
+folder, of any file where the file system enforces the locks, else of its own target.
 
 A process killed between two renames cannot put anything back itself. So before renaming several files, a
 commit writes a journal beside them, ``<first target name>.<hex>.journal.tmp`` (flushed to disk with its
@@ -260,9 +262,12 @@ class StagedFiles:
         for path in self._remove:
             if path not in self.targets and os.path.isfile(path):
                 _unlink_quietly(path)  # (another writer's commit may have removed it since)
+        enforced = [f for f in folders if _locks_enforced(self._locks, staged, f)]  # (while still locked)
         self._unlock()
         for path in self.targets:
             _remove_leftover_temporaries(path)
+        for folder in enforced:
+            _remove_killed_temporaries(folder)
         for folder in sorted({os.path.dirname(os.path.abspath(p)) for p in self.targets + self._remove}):
             _fsync_dir(folder)
 
@@ -282,6 +287,42 @@ def _remove_leftover_temporaries(path: str) -> None:
                 with contextlib.suppress(OSError):
                     if time.time() - os.stat(os.path.join(folder, f)).st_mtime > _FRESH_MAX_AGE:
                         remove_unless_held(os.path.join(folder, f))
+
+
+_ANY_TMP = re.compile(r"^.+\.[a-z0-9_]{8}" + re.escape(TMP_SUFFIX) + "$")
+_JOURNAL_TMP = re.compile(r"\.[0-9a-f]{8,}\.journal\.tmp\.[a-z0-9_]{8}" + re.escape(TMP_SUFFIX) + "$")
+
+
+def _locks_enforced(locks: list[int], staged: list[tuple[str, str]], folder: str) -> bool:
+    """Whether ``folder``'s file system refuses a lock of a file another descriptor holds locked: tried on
+    the first target committed there, whose temporary's descriptor (in ``locks``, in the order of
+    ``staged``) still holds its lock. False where locks are not enforced, or cannot be told."""
+    if not HAS_LOCKS:
+        return False
+    for fd, (_, path) in zip(locks, staged):
+        if os.path.dirname(os.path.abspath(path)) != folder:
+            continue
+        try:
+            probe = os.open(path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            return not try_lock(probe) and os.path.samestat(os.fstat(probe), os.fstat(fd))
+        finally:
+            os.close(probe)
+    return False
+
+
+def _remove_killed_temporaries(folder: str) -> None:
+    """Delete the temporaries in ``folder`` that killed writes of any file left (``<name>.<8
+    random>.onnxtrain.tmp``, unlocked), so that they do not pile up where each save writes a new name
+    (``epoch_<n>.ckpt``). Only where locks are enforced (:func:`_locks_enforced`): a live writer's
+    temporary is locked there, so it is never taken for a killed one. Journals' own temporaries are left
+    to :func:`recover_commits`."""
+    with contextlib.suppress(OSError):
+        for f in os.listdir(folder):
+            if _ANY_TMP.match(f) and not _JOURNAL_TMP.search(f):
+                remove_unless_held(os.path.join(folder, f))
 
 
 def remove_unless_held(path: str) -> bool:

@@ -543,7 +543,8 @@ def test_saving_onto_a_symbolic_link_writes_through_it(tmp_path, external):
 def test_a_save_removes_the_temporaries_a_killed_save_of_that_file_left(tmp_path):
     """A save killed after writing its temporary, before its rename, left ``ckpt.<random>.tmp`` for good
     (hundreds of MB for a big model: a one-file save has no journal to name it); the next save of that
-    checkpoint removes them, and only the temporaries of its own files."""
+    checkpoint removes them, and those a killed save of another file in the folder left (unlocked), but no
+    user's file."""
     path = str(tmp_path / "ckpt")
     save_checkpoint(_ckpt(1), path)
 
@@ -560,8 +561,8 @@ def test_a_save_removes_the_temporaries_a_killed_save_of_that_file_left(tmp_path
     assert len(young) == 1
     (tmp_path / "ckpt.oldoldol.onnxtrain.new").write_bytes(b"x")
     os.utime(tmp_path / "ckpt.oldoldol.onnxtrain.new", (1e9, 1e9))
-    others = ["other.abcd1234.onnxtrain.tmp", "ckpt.notes.tmp", "ckpt.20240101.tmp"]  # (a user's files)
-    for f in others:
+    others = ["ckpt.notes.tmp", "ckpt.20240101.tmp", "other.tmp"]  # (a user's files)
+    for f in [*others, "other.abcd1234.onnxtrain.tmp"]:  # (and a killed save's of another file)
         (tmp_path / f).write_bytes(b"x")
     assert _same(load_checkpoint(path), _ckpt(1))
     save_checkpoint(_ckpt(3), path)
