@@ -25,10 +25,13 @@ class OnnxtrainRep(BackendRep):
         if isinstance(inputs, dict):
             feeds = dict(inputs)
         else:
-            if isinstance(inputs, np.ndarray):
+            if isinstance(inputs, (np.ndarray, np.generic)):
                 inputs = [inputs]
             feeds = dict(zip([i.name for i in self.session.get_inputs()], inputs))
-        return self.session.run(None, feeds)
+        # a numpy scalar (onnx's node cases feed zero points as np.uint8) becomes a 0-d array, as
+        # onnxruntime's backend makes it: its session.run, like ours, takes arrays only
+        return self.session.run(None, {n: np.asarray(v) if isinstance(v, np.generic) else v
+                                       for n, v in feeds.items()})
 
 
 class OnnxtrainBackend(Backend):
