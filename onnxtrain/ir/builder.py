@@ -54,26 +54,63 @@ def gc_paused() -> Iterator[None]:
     last build under way ends: a build allocates containers by the hundred thousand and keeps nearly all of
     them, and each full collection walked them all again (nine of them, ~1 s of a 4 s build of a 34k-node
     training graph). Its cyclic garbage is collected as it ends, by one collection of the youngest objects
-    (all that the build made and kept: no collection moved them on)."""
-    global _gc_was_enabled
+    (all that the build made and kept: no collection moved them on).
+
+    Ctrl-C (or any exception a signal handler raises) at any point leaves the collector as the caller had it:
+    the count is set back to what it was before (not decremented), and setting it back is retried when a
+    signal cuts it, the exception raised afterwards. A cut there left the collector off for good."""
     me = threading.get_ident()
-    with _GC_LOCK:
-        if not _gc_builds:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_builds[me] = _gc_builds.get(me, 0) + 1
+    depth = _gc_builds.get(me, 0)  # this thread's builds under way around this one
     try:
+        _pause_gc(me, depth)
         yield
     finally:
-        with _GC_LOCK:
-            _gc_builds[me] -= 1
-            if not _gc_builds[me]:
-                del _gc_builds[me]
-            resume = not _gc_builds and _gc_was_enabled
-            if resume:
-                gc.enable()
-        if resume:
-            gc.collect(0)
+        pending: BaseException | None = None
+        tries = 0
+        while True:  # (no call before the try: a signal's exception can only land inside it)
+            try:
+                if _resume_gc(me, depth):
+                    gc.collect(0)
+                break
+            except BaseException as e:  # a signal handler's: the count is set again, then it is raised
+                pending = e
+                tries += 1
+                if tries > 100:
+                    raise
+        if pending is not None:
+            raise pending
+
+
+def _pause_gc(me: int, depth: int) -> None:
+    """Record one more build on thread ``me`` (``depth`` before it) and turn the collector off if it is the
+    first build under way. The record and the collector's state before it are stored with no call in
+    between (where a signal handler could run)."""
+    global _gc_was_enabled
+    enabled = gc.isenabled()
+    with _GC_LOCK:
+        first = not _gc_builds
+        if first:
+            _gc_was_enabled = enabled
+        _gc_builds[me] = depth + 1
+    if first:
+        gc.disable()
+
+
+def _resume_gc(me: int, depth: int) -> bool:
+    """Set thread ``me``'s count of builds back to ``depth``; when that ends the last build under way, turn
+    the collector on again if it was on before the first. True when it was turned on (once: a second call
+    finds the count set back and does nothing)."""
+    with _GC_LOCK:
+        if _gc_builds.get(me, 0) <= depth:  # set back already (or never recorded)
+            return False
+        if depth:
+            _gc_builds[me] = depth
+        else:
+            del _gc_builds[me]
+        if _gc_builds or not _gc_was_enabled:
+            return False
+        gc.enable()
+    return True
 
 
 def _gc_after_fork_in_child() -> None:
