@@ -46,6 +46,7 @@ from onnxtrain.ir.graphs import (
 )
 from onnxtrain.ir.types import np_dtype, shown_dims
 from onnxtrain.optim import Optimizer, StateSpec, WeightSlot
+from onnxtrain.optim.base import compute_type
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.user_warning import warn
 
@@ -745,7 +746,7 @@ def _emit_update(
         mnc = {s.name: _max_norm_clip(s, opt) for s in slots}
     if mp is None and mnc is not None:
         for s in slots:
-            s.divisor = clip_divisor(w, norm, mnc[s.name], norm_et=norm_et, out_et=s.elem_type)
+            s.divisor = clip_divisor(w, norm, mnc[s.name], norm_et=norm_et, out_et=compute_type(s.elem_type))
     specs = _state_inputs(opt, slots, inputs)
     state = {sp.name: sp.name for sp in specs}
     if mp is None:

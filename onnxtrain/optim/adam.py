@@ -7,7 +7,7 @@ from onnx import TensorProto
 
 from onnxtrain.ir.builder import NodeWriter
 from onnxtrain.ir.types import held
-from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, fattr, iattr, scalar
+from onnxtrain.optim.base import Optimizer, StateSpec, WeightSlot, compute_type, fattr, iattr, scalar
 
 
 def bias_corrections(w: NodeWriter, t: str, alpha: float, beta: float, on: bool, et: int) -> tuple[str, str]:
@@ -118,7 +118,7 @@ class Adam(Optimizer):
         corrections: dict[str, tuple[str, str, str | None]] = {}
         groups: dict[int, list[WeightSlot]] = {}  # by type, each sharing one vector of step sizes
         for s in slots:
-            groups.setdefault(s.elem_type, []).append(s)
+            groups.setdefault(compute_type(s.elem_type), []).append(s)
         for et, group in groups.items():
             items = [
                 (state[f"Update_Count_{s.name}"], fattr(s, self, "alpha"), fattr(s, self, "beta"),
@@ -128,7 +128,7 @@ class Adam(Optimizer):
             lr_et = lr if et == TensorProto.FLOAT else w.one("Cast", lr, to=et)
             corrections.update(zip((s.name for s in group), shared_bias_corrections(w, items, et, lr_et)))
         for s in slots:
-            et = s.elem_type
+            weight, g, et = self.operands(w, s)
             a, b = fattr(s, self, "alpha"), fattr(s, self, "beta")
             lam, eps = fattr(s, self, "lambda"), fattr(s, self, "epsilon")
             mode = iattr(s, self, "weight_decay_mode")
@@ -140,7 +140,6 @@ class Adam(Optimizer):
             m1, m2 = state[f"Moment_1_{s.name}"], state[f"Moment_2_{s.name}"]
             m1v, m2v = self.load_moment(w, m1, et), self.load_moment(w, m2, et)
             lr_t = lr if et == TensorProto.FLOAT else w.one("Cast", lr, to=et)
-            g = s.grad if s.divisor is None else w.one("Div", s.grad, s.divisor)
             c1, c2, shared_step = corrections[s.name]
             m1n, m2n = moments(w, g, m1v, m2v, a, b, et)
             step = shared_step or step_size(w, lr_t, c1, c2)
@@ -153,12 +152,14 @@ class Adam(Optimizer):
             eps_t = scalar(w, eps, et) if mode == 1 else w.one("Mul", w.one("Sqrt", c2), scalar(w, eps, et))
             u = w.one("Mul", step, w.one("Div", m1n, w.one("Add", w.one("Sqrt", m2n), eps_t)))
             if mode == 0:
-                wn = w.one("Sub", s.name if keep is None else w.one("Mul", s.name, keep), u)
+                wn = w.one("Sub", weight if keep is None else w.one("Mul", weight, keep), u)
             else:
-                wn = w.one("Sub", s.name, u)
+                wn = w.one("Sub", weight, u)
                 if keep is not None:
                     wn = w.one("Mul", wn, keep)
-            new_w[s.name] = w.emit("Identity", [wn], [w.names(f"{s.name}_Adam_out")])[0]
+            out = w.names(f"{s.name}_Adam_out")
+            new_w[s.name] = (w.emit("Identity", [wn], [out]) if et == s.elem_type
+                             else w.emit("Cast", [wn], [out], to=s.elem_type))[0]
             new_s[m1] = self.store_moment(w, m1n, w.names(f"Moment_1_{s.name}_Out"), et)
             new_s[m2] = self.store_moment(w, m2n, w.names(f"Moment_2_{s.name}_Out"), et, second=True)
         stepped = next_counts(w, counts, [w.names(f"{s.grad}_Step_Out") for s in slots])

@@ -56,8 +56,8 @@ class Optimizer:
 
     def __init__(self, moment_dtype: Any = np.float32) -> None:
         """``moment_dtype``: the dtype its moments are kept in (float16 with ``use_fp16_moments``; the
-        update's arithmetic stays in the weight's type, with casts on load and store, spec §8.5). A
-        float64 weight's moments are float64 unless float16 is asked for."""
+        update's arithmetic stays in the weight's type, float32 for half weights, with casts on load and
+        store, spec §8.5). A float64 weight's moments are float64 unless float16 is asked for."""
         self.moment_dtype = np.dtype(moment_dtype)
         if self.moment_dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
             raise ValueError(f"optimizer moments are kept in float32 or float16, not {self.moment_dtype}")
@@ -67,6 +67,18 @@ class Optimizer:
         if elem_type == TensorProto.DOUBLE and self.moment_dtype == np.float32:
             return np.dtype(np.float64)
         return self.moment_dtype
+
+    def operands(self, w: NodeWriter, s: WeightSlot) -> tuple[str, str, int]:
+        """(weight, gradient over its divisor, compute type) of ``s`` as its update reads them: a float16
+        or bfloat16 weight steps in float32 (onnxruntime's Adam and Lamb kernels take half weights with
+        float moments and compute in float; in float16, Adam's ε = 1e-8 is 0 and (1 − β)·g² underflows for
+        |g| < 2.5e-3, which made a step m1 / 0)."""
+        ct = compute_type(s.elem_type)
+        if ct == s.elem_type:
+            weight, g = s.name, s.grad
+        else:
+            weight, g = w.one("Cast", s.name, to=ct), w.one("Cast", s.grad, to=ct)
+        return weight, (g if s.divisor is None else w.one("Div", g, s.divisor)), ct
 
     def load_moment(self, w: NodeWriter, name: str, elem_type: int) -> str:
         """A kept moment as a value of the weight's type ``elem_type`` (a Cast when stored narrower)."""
@@ -142,6 +154,15 @@ def fattr(slot: WeightSlot, opt: Optimizer, key: str) -> float:
 
 def iattr(slot: WeightSlot, opt: Optimizer, key: str) -> int:
     return int(slot.int_attrs.get(key, opt.INT_ATTRS[key]))
+
+
+HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+def compute_type(elem_type: int) -> int:
+    """The type the update of a weight of ``elem_type`` computes in: float32 for half weights, else
+    the weight's own (see :meth:`Optimizer.operands`)."""
+    return TensorProto.FLOAT if elem_type in HALF_TYPES else elem_type
 
 
 def scalar(w: NodeWriter, value: float, elem_type: int = TensorProto.FLOAT) -> str:

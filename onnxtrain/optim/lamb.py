@@ -64,13 +64,12 @@ class Lamb(Optimizer):
         rmin, rmax = float(self._global(slots, "ratio_min")), float(self._global(slots, "ratio_max"))
         bias = bool(self._global(slots, "do_bias_correction"))
         for s in slots:
-            et = s.elem_type
+            weight, g, et = self.operands(w, s)
             a, b = fattr(s, self, "alpha"), fattr(s, self, "beta")
             lam, eps = fattr(s, self, "lambda"), fattr(s, self, "epsilon")
             m1, m2 = state[f"Moment_1_{s.name}"], state[f"Moment_2_{s.name}"]
             m1v, m2v = self.load_moment(w, m1, et), self.load_moment(w, m2, et)
             lr_t = lr if et == TensorProto.FLOAT else w.one("Cast", lr, to=et)
-            g = s.grad if s.divisor is None else w.one("Div", s.grad, s.divisor)
             c1, c2 = bias_corrections(w, t, a, b, bias, et)
             m1n, m2n = moments(w, g, m1v, m2v, a, b, et)
             # d = λ·w + (m1/c1) / (sqrt(m2/c2) + ε); where d is not finite: d = 0 and the moments stay
@@ -80,7 +79,7 @@ class Lamb(Optimizer):
                 w.one("Add", w.one("Sqrt", w.one("Div", m2n, c2)), scalar(w, eps, et)),
             )
             if lam:
-                d = w.one("Add", d, w.one("Mul", s.name, scalar(w, lam, et)))
+                d = w.one("Add", d, w.one("Mul", weight, scalar(w, lam, et)))
             bad = not_finite(w, d)
             zero = scalar(w, 0.0, et)
             d = w.one("Where", bad, zero, d)
@@ -88,7 +87,7 @@ class Lamb(Optimizer):
             m2n = w.one("Where", bad, m2v, m2n)
             # η = lr·max(ratio_min, min(ratio_max, ‖w‖/‖d‖)) when both norms are nonzero, else lr: in
             # onnxruntime's order, so ratio_min wins when it exceeds ratio_max (ONNX's Clip gives ratio_max)
-            wn2 = w.one("ReduceL2", s.name, keepdims=0)
+            wn2 = w.one("ReduceL2", weight, keepdims=0)
             dn2 = w.one("ReduceL2", d, keepdims=0)
             ratio = w.one("Div", wn2, dn2)
             if rmax != float("inf"):
@@ -97,7 +96,9 @@ class Lamb(Optimizer):
                 ratio = w.one("Max", ratio, scalar(w, max(rmin, -3.0e38), et))
             both = w.one("And", w.one("Greater", wn2, zero), w.one("Greater", dn2, zero))
             eta = w.one("Mul", lr_t, w.one("Where", both, ratio, scalar(w, 1.0, et)))
-            cand = w.one("Sub", s.name, w.one("Mul", eta, d))
+            cand = w.one("Sub", weight, w.one("Mul", eta, d))
+            if et != s.elem_type:  # a half weight: finite in float32 may round to inf in its own type
+                cand = w.one("Cast", cand, to=s.elem_type)
             keep = not_finite(w, cand)
             new_w[s.name] = w.emit("Where", [keep, s.name, cand], [w.names(f"{s.name}_Lamb_out")])[0]
             new_s[m1] = self.store_moment(w, m1n, w.names(f"Moment_1_{s.name}_Out"), et)
