@@ -22,7 +22,7 @@ import onnx
 from onnxtrain.engine.affinity import caller_cpu, placed
 from onnxtrain.engine.allocator import tune_allocator
 from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow
-from onnxtrain.engine.donation import donated_slots, donating, reusable_inputs
+from onnxtrain.engine.donation import donated_now, donated_slots, donating, reusable_inputs
 from onnxtrain.engine.interface import (  # noqa: F401  (the engine's errors, imported from here elsewhere)
     RUN_OPTIONS,
     EngineError,
@@ -351,6 +351,9 @@ class Plan(GraphInterface):
                 # (the update of a weight, a moment): past it a stop would leave the state half updated
                 with donating(reuse):
                     peak = self._run_steps(vals, live, min(self._reuse_at[s] for s in reuse))
+            elif donated_now():  # another plan's slots, left by a donating run an exception cut as it ended
+                with donating(frozenset()):  # (a signal handler's): never this run's inputs
+                    peak = self._run_steps(vals, live)
             else:
                 peak = self._run_steps(vals, live)
         self.peak_bytes = peak + self.scratch.nbytes
