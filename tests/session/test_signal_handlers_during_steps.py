@@ -1,8 +1,8 @@
-"""A Python signal handler that raises (SIGTERM turned into SystemExit to save a checkpoint before a
-preemption, a SIGALRM timeout) runs after a training step, as onnxruntime's C++ run returns before Python
-sees any signal: the state is the whole step's. Run part way, it left the first weight updated in place and
-the moments, the other weights and the step counts not (found by a loop of steps under random SIGALRMs), and a
-checkpoint saved in a ``finally`` then held that mix."""
+"""A Python handler of a job's stop notice that raises (SIGTERM turned into SystemExit to save a checkpoint
+before a preemption) runs after a training step, as onnxruntime's C++ run returns before Python sees any
+signal: the state is the whole step's. Run part way, it left the first weight updated in place and the
+moments, the other weights and the step counts not (found by a loop of steps under random signals whose
+handler raised), and a checkpoint saved in a ``finally`` then held that mix."""
 
 from __future__ import annotations
 
@@ -18,21 +18,21 @@ from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState, Module, Optimizer
 from tests.session.helpers import batches, mlp_model, params
 
-pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGALRM"), reason="POSIX signals")
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
 
 
-class Timeout(Exception):
+class Preempted(Exception):
     pass
 
 
 @pytest.fixture
-def alarm_in_runs(monkeypatch):
-    """A SIGALRM handler that raises Timeout, and every numpy plan's run sends SIGALRM (once armed) as it
+def notice_in_runs(monkeypatch):
+    """A SIGTERM handler that raises Preempted, and every numpy plan's run sends SIGTERM (once armed) as it
     returns, before the step stores its results."""
     def handler(signum, frame):
-        raise Timeout
+        raise Preempted
 
-    previous = signal.signal(signal.SIGALRM, handler)
+    previous = signal.signal(signal.SIGTERM, handler)
     arm = [False]
     real = Plan.run
 
@@ -40,12 +40,12 @@ def alarm_in_runs(monkeypatch):
         out = real(self, *args, **kwargs)
         if arm[0]:
             arm[0] = False
-            signal.raise_signal(signal.SIGALRM)
+            signal.raise_signal(signal.SIGTERM)
         return out
 
     monkeypatch.setattr(Plan, "run", run)
     yield arm
-    signal.signal(signal.SIGALRM, previous)
+    signal.signal(signal.SIGTERM, previous)
 
 
 def _same(a: dict, b: dict) -> None:
@@ -54,20 +54,20 @@ def _same(a: dict, b: dict) -> None:
         np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
 
 
-def test_legacy_step_is_whole_when_a_handler_raises(alarm_in_runs) -> None:
+def test_legacy_step_is_whole_when_a_handler_raises(notice_in_runs) -> None:
     x, y = batches(1, 16)[0]
     feeds = {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)}
     hit = TrainingSession(mlp_model().SerializeToString(), params("AdamOptimizer"))
     calm = TrainingSession(mlp_model().SerializeToString(), params("AdamOptimizer"))
     calm.run(["loss"], feeds)
-    alarm_in_runs[0] = True
-    with pytest.raises(Timeout):
+    notice_in_runs[0] = True
+    with pytest.raises(Preempted):
         hit.run(["loss"], feeds)
     _same(hit.get_state(), calm.get_state())
     _same(dict(enumerate(hit.run(["loss"], feeds))), dict(enumerate(calm.run(["loss"], feeds))))
 
 
-def test_ondevice_step_is_whole_when_a_handler_raises(tmp_path, alarm_in_runs) -> None:
+def test_ondevice_step_is_whole_when_a_handler_raises(tmp_path, notice_in_runs) -> None:
     artifacts.generate_artifacts(mlp_model(), requires_grad=["W1", "b1", "W2", "b2"], loss=None,
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=str(tmp_path))
     x, y = batches(1, 16)[0]
@@ -89,24 +89,30 @@ def test_ondevice_step_is_whole_when_a_handler_raises(tmp_path, alarm_in_runs) -
     calm[1](x, y)
     calm[2].step()
     hit = make()
-    alarm_in_runs[0] = True
-    with pytest.raises(Timeout):
+    notice_in_runs[0] = True
+    with pytest.raises(Preempted):
         hit[1](x, y)
-    alarm_in_runs[0] = True
-    with pytest.raises(Timeout):
+    notice_in_runs[0] = True
+    with pytest.raises(Preempted):
         hit[2].step()
     _same(snapshot(hit[0], hit[2]), snapshot(calm[0], calm[2]))
 
 
 def test_a_handler_set_to_default_or_ignore_is_left_alone() -> None:
-    """Only Python handlers are held back: one set to SIG_IGN stays in place through a step."""
+    """Only Python handlers are held back: one set to SIG_IGN stays in place through a step, and a
+    timeout's (SIGALRM) runs at once."""
     from onnxtrain.interrupts import sigint_deferred
 
-    previous = signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    seen: list[int] = []
+    before = signal.signal(signal.SIGALRM, lambda signum, frame: seen.append(signum))
     try:
         with sigint_deferred():
-            assert signal.getsignal(signal.SIGALRM) == signal.SIG_IGN
-            signal.raise_signal(signal.SIGALRM)  # ignored, as without the block
-        assert signal.getsignal(signal.SIGALRM) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+            signal.raise_signal(signal.SIGUSR1)  # ignored, as without the block
+            signal.raise_signal(signal.SIGALRM)
+            assert seen == [signal.SIGALRM]
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
     finally:
-        signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGUSR1, previous)
+        signal.signal(signal.SIGALRM, before)
