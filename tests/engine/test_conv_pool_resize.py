@@ -636,6 +636,27 @@ def test_conv_transpose_keeps_non_finite_weights_to_their_products(xs, ws, attrs
     np.testing.assert_allclose(y, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("xs, ws, attrs", CONV_TRANSPOSE_ROUTES,
+                         ids=["as-conv", "as-depthwise-conv", "depthwise-canvas", "shifts", "flat"])
+def test_conv_transpose_routes_keep_non_finite_inputs_to_their_products(xs, ws, attrs, monkeypatch) -> None:
+    """The fast routes are checked on W only (X meets none of their zeros): an inf or NaN in X reaches the
+    outputs of its products there, as in torch, with no col2im fallback taken."""
+    torch = pytest.importorskip("torch")
+    from onnxtrain.engine.kernels import conv as conv_kernels
+
+    monkeypatch.setattr(conv_kernels, "_col2im_conv_transpose", None)  # (a fallback would fail)
+    rng = np.random.default_rng(14)
+    x, w = rng.standard_normal(xs), rng.standard_normal(ws)
+    x[0, 0, 1, 1], x[-1, -1, 0, -1], x[0, -1, -1, 2] = np.inf, np.nan, -np.inf
+    y = _ours("ConvTranspose", [x, w], **attrs)[0]
+    s, p, group = attrs.get("strides", [1, 1]), attrs["pads"], attrs.get("group", 1)
+    full = torch.nn.functional.conv_transpose2d(torch.tensor(x), torch.tensor(w), stride=s, groups=group,
+                                                output_padding=attrs.get("output_padding", 0))
+    want = full[:, :, p[0]:full.shape[2] - p[2], p[1]:full.shape[3] - p[3]].numpy()
+    assert 0.5 < np.isfinite(want).mean() < 1  # the case is what it says
+    np.testing.assert_allclose(y, want, rtol=1e-10, atol=1e-10)
+
+
 def test_resize_of_large_float16_values_keeps_its_weight_matrix(monkeypatch) -> None:
     """The finiteness check after the matrix product must not take float16 values above 256 (whose squares
     overflow) for non-finite ones: such an image stays on the matrix path, with onnxruntime's values."""

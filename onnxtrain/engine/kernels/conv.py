@@ -648,9 +648,10 @@ def conv_transpose(inputs: Inputs, attrs: Attrs) -> Outputs:
         y = shifts.conv_transpose(x, w, g)
     if y is None and g["flat"]:
         y = _conv_transpose_flat(x, w, g)
-    if y is not None and not all_finite(y):
+    if y is not None and not all_finite(w):
         # these routes multiply W by zeros (the flipped Conv's padding, a canvas's or padded rows' slack):
-        # an inf or NaN in W made NaN of outputs none of its products reach; col2im forms only those
+        # an inf or NaN in W made NaN of outputs none of its products reach; col2im forms only those.
+        # (X meets no such zeros there: its inf or NaN reaches the outputs of its products only)
         y = None
     if y is None:
         y = _col2im_conv_transpose(x, w, g)
