@@ -1,6 +1,9 @@
 """Ctrl-C during a training step in one process: the step completes and KeyboardInterrupt follows it, so
 the state is all the step's (a SIGINT between the graph's run and the storing of its results left weights
-updated and their moments or counters not), and the next step is the one an uninterrupted run takes."""
+updated and their moments or counters not), and the next step is the one an uninterrupted run takes. The
+same for a Python handler of a job's stop notice that raises (SIGTERM turned into an exception to save a
+checkpoint before a preemption): it runs after the step, as after onnxruntime's C++ run (run part way, it
+left the first weight updated in place and the rest not, and a checkpoint saved in a ``finally`` that mix)."""
 
 from __future__ import annotations
 
@@ -17,20 +20,39 @@ from onnxtrain.training.api import CheckpointState, Module, Optimizer
 from tests.session.helpers import batches, mlp_model, params
 
 
-@pytest.fixture
-def sigint_after_runs(monkeypatch):
-    """Every numpy plan's run sends this process SIGINT as it returns (when armed: ``arm[0] = True``)."""
+class Preempted(Exception):
+    """What a job's stop-notice handler raises (SIGTERM turned into an exception to save a checkpoint)."""
+
+
+def _raise_preempted(signum: int, frame: object) -> None:
+    raise Preempted
+
+
+# (signal, the Python handler put in place for it or None for Python's own, what the step then raises):
+# Ctrl-C, and a SIGTERM whose handler raises (a preemption notice), both held back until the step ends
+SIGNALS = [(signal.SIGINT, None, KeyboardInterrupt), (signal.SIGTERM, _raise_preempted, Preempted)]
+
+
+@pytest.fixture(params=SIGNALS, ids=["SIGINT", "SIGTERM"])
+def signal_after_runs(request, monkeypatch):
+    """``(arm, raised)``: once armed (``arm[0] = True``), the next numpy plan run sends this process the
+    signal as it returns, before the step stores its results; ``raised`` is the exception expected."""
+    signum, handler, raised = request.param
+    previous = signal.signal(signum, handler) if handler is not None else None
     arm = [False]
     real = Plan.run
 
     def run(self, *args, **kwargs):
         out = real(self, *args, **kwargs)
         if arm[0]:
-            signal.raise_signal(signal.SIGINT)
+            arm[0] = False
+            signal.raise_signal(signum)
         return out
 
     monkeypatch.setattr(Plan, "run", run)
-    return arm
+    yield arm, raised
+    if handler is not None:
+        signal.signal(signum, previous)
 
 
 def _same(a: dict, b: dict) -> None:
@@ -39,21 +61,22 @@ def _same(a: dict, b: dict) -> None:
         np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
 
 
-def test_legacy_step_is_whole_when_interrupted(sigint_after_runs) -> None:
+def test_legacy_step_is_whole_when_interrupted(signal_after_runs) -> None:
+    arm, raised = signal_after_runs
     x, y = batches(1, 16)[0]
     feeds = {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)}
     hit = TrainingSession(mlp_model().SerializeToString(), params("AdamOptimizer"))
     calm = TrainingSession(mlp_model().SerializeToString(), params("AdamOptimizer"))
     calm.run(["loss"], feeds)
-    sigint_after_runs[0] = True
-    with pytest.raises(KeyboardInterrupt):
+    arm[0] = True
+    with pytest.raises(raised):
         hit.run(["loss"], feeds)
-    sigint_after_runs[0] = False
     _same(hit.get_state(), calm.get_state())
     _same(dict(enumerate(hit.run(["loss"], feeds))), dict(enumerate(calm.run(["loss"], feeds))))
 
 
-def test_ondevice_step_is_whole_when_interrupted(tmp_path, sigint_after_runs) -> None:
+def test_ondevice_step_is_whole_when_interrupted(tmp_path, signal_after_runs) -> None:
+    arm, raised = signal_after_runs
     artifacts.generate_artifacts(mlp_model(), requires_grad=["W1", "b1", "W2", "b2"], loss=None,
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=str(tmp_path))
     x, y = batches(1, 16)[0]
@@ -75,12 +98,12 @@ def test_ondevice_step_is_whole_when_interrupted(tmp_path, sigint_after_runs) ->
     calm[1](x, y)
     calm[2].step()
     hit = make()
-    sigint_after_runs[0] = True
-    with pytest.raises(KeyboardInterrupt):
+    arm[0] = True
+    with pytest.raises(raised):
         hit[1](x, y)
-    with pytest.raises(KeyboardInterrupt):
+    arm[0] = True
+    with pytest.raises(raised):
         hit[2].step()
-    sigint_after_runs[0] = False
     _same(snapshot(hit[0], hit[2]), snapshot(calm[0], calm[2]))
 
 
@@ -106,3 +129,24 @@ def test_the_handler_in_place_gets_every_signal() -> None:
             assert len(seen) == 4
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
+def test_a_handler_set_to_default_or_ignore_is_left_alone() -> None:
+    """Only Python handlers are held back: one set to SIG_IGN stays in place through a step, and a
+    timeout's (SIGALRM) runs at once."""
+    from onnxtrain.interrupts import sigint_deferred
+
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    seen: list[int] = []
+    before = signal.signal(signal.SIGALRM, lambda signum, frame: seen.append(signum))
+    try:
+        with sigint_deferred():
+            assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+            signal.raise_signal(signal.SIGUSR1)  # ignored, as without the block
+            signal.raise_signal(signal.SIGALRM)
+            assert seen == [signal.SIGALRM]
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        signal.signal(signal.SIGALRM, before)
