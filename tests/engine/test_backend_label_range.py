@@ -14,25 +14,16 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from onnxtrain import InferenceSession, SessionOptions
-from onnxtrain.engine.backends import CONFIG_KEY
+from onnxtrain import InferenceSession
 from onnxtrain.engine.plan import EngineError
 from onnxtrain.session import TrainingSession
-from tests.session.helpers import mlp_model, params
+from tests.session.helpers import backend_options, mlp_model, params
 
 onnxruntime = pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")
 
 C = 3
 MESSAGE = f"target holds class indices outside [0, {C}) that are not ignore_index"
-
-
-def options(backend: str, level: int | None = None) -> SessionOptions:
-    so = SessionOptions()
-    so.add_session_config_entry(CONFIG_KEY, backend)
-    if level is not None:
-        so.graph_optimization_level = level
-    return so
 
 
 def loss_model(op: str, spatial: bool, opset: int, labels: int = TensorProto.INT64,
@@ -99,7 +90,7 @@ def test_labels_out_of_range_are_refused_as_on_numpy(op, spatial, opset, level):
     s = rng.standard_normal((4, C, *extra)).astype(np.float32)
     for ignore in (None, -100):
         model = loss_model(op, spatial, opset, ignore=ignore).SerializeToString()
-        sessions = [InferenceSession(model, options("onnxruntime", level)), InferenceSession(model)]
+        sessions = [InferenceSession(model, backend_options("onnxruntime", level)), InferenceSession(model)]
         for bad in (-1, -C, C, 1000):
             y = rng.integers(0, C, (4, *extra))
             y.reshape(-1)[1] = bad
@@ -125,7 +116,7 @@ def test_label_types_symbolic_classes_and_bodies(op, in_if, static_classes, labe
     dtype = helper.tensor_dtype_to_np_dtype(labels)
     for ignore in (2, -1):
         model = loss_model(op, False, 17, labels, ignore, "sum", static_classes, in_if).SerializeToString()
-        sess = InferenceSession(model, options("onnxruntime"))
+        sess = InferenceSession(model, backend_options("onnxruntime"))
         y = np.array([0, 1, 2, -1, 1], dtype)
         if ignore == 2:
             assert_refused(sess, feeds(s, y, in_if))
@@ -149,7 +140,7 @@ def test_an_empty_batch_runs_as_torch(op):
         model = loss_model(op, False, 17, ignore=-100, reduction=reduction).SerializeToString()
         want = torch_loss(op, s, y, None, reduction)
         for backend in ("onnxruntime", "numpy"):
-            got = InferenceSession(model, options(backend)).run(None, {"s": s, "y": y})[0]
+            got = InferenceSession(model, backend_options(backend)).run(None, {"s": s, "y": y})[0]
             assert got.shape == want.shape
             np.testing.assert_allclose(got, want)
 
@@ -164,7 +155,7 @@ def test_training_step_with_a_label_of_minus_one_is_refused(level):
     x = rng.standard_normal((6, 8)).astype(np.float32)
     y = rng.integers(0, 4, 6)
     y[2] = -1
-    sessions = {b: TrainingSession(model, params(), options(b, level if b == "onnxruntime" else None))
+    sessions = {b: TrainingSession(model, params(), backend_options(b, level if b == "onnxruntime" else None))
                 for b in ("numpy", "onnxruntime")}
     for sess in sessions.values():
         before = {k: v.copy() for k, v in sess.get_state().items()}

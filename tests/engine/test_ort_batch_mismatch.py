@@ -19,28 +19,19 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from onnxtrain import InferenceSession, RunOptions, SessionOptions
-from onnxtrain.engine.backends import CONFIG_KEY
+from onnxtrain import InferenceSession, RunOptions
 from onnxtrain.engine.ort_rewrites import for_onnxruntime
 from onnxtrain.engine.plan import EngineError
 from onnxtrain.ir.builder import NameGen
 from onnxtrain.ir.graphs import walk_graphs
 from onnxtrain.session import TrainingSession
-from tests.session.helpers import mlp_model, params
+from tests.session.helpers import backend_options, mlp_model, params
 
 onnxruntime = pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")
 
 TOL = 1e-5
 LR = 0.1
-
-
-def options(backend: str, level: int | None = None) -> SessionOptions:
-    so = SessionOptions()
-    so.add_session_config_entry(CONFIG_KEY, backend)
-    if level is not None:
-        so.graph_optimization_level = level
-    return so
 
 
 def assert_names(msg: str, a: str, b: str, dim: str, sizes: tuple[int, int] = (5, 4)) -> None:
@@ -87,7 +78,7 @@ def module(folder: str, backend: str):
 
     state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
     m = Module(os.path.join(folder, "training_model.onnx"), state, os.path.join(folder, "eval_model.onnx"),
-               session_options=options(backend))
+               session_options=backend_options(backend))
     opt = Optimizer(os.path.join(folder, "optimizer_model.onnx"), m)
     opt.set_learning_rate(LR)
     return m, opt
@@ -169,7 +160,7 @@ def test_legacy_batch_mismatch_is_a_named_value_error(loss, level):
     """A training step and a forward-only run on 5 inputs and 4 labels: a ValueError naming x, y, the
     dimension N and the sizes, which is also an EngineError (the numpy engine's kind); before, the
     cross-entropy trained on 4 rows and the MSE's failure named neither the inputs nor the dimension."""
-    sess = TrainingSession(mlp_model(loss=loss), params(), options("onnxruntime", level))
+    sess = TrainingSession(mlp_model(loss=loss), params(), backend_options("onnxruntime", level))
     feeds = legacy_feeds(loss, 5, 4)
     before = {k: v.copy() for k, v in sess.get_state().items()}
     with pytest.raises(ValueError) as e:
@@ -197,7 +188,7 @@ def test_legacy_matching_batches_train_as_torch_and_numpy(loss):
     w = {t.name: torch.tensor(onnx.numpy_helper.to_array(t).copy(), requires_grad=True)
          for t in model.graph.initializer}
     sgd = torch.optim.SGD(list(w.values()), lr=LR)
-    sessions = {b: TrainingSession(model, params(), options(b)) for b in ("numpy", "onnxruntime")}
+    sessions = {b: TrainingSession(model, params(), backend_options(b)) for b in ("numpy", "onnxruntime")}
     for step in range(5):
         feeds = legacy_feeds(loss, 6, 6, seed=10 + step)
         x = torch.tensor(feeds["x"])
@@ -238,7 +229,7 @@ def test_label_losses_refuse_a_short_batch(op, spatial, opset):
     rng = np.random.default_rng(3)
     extra = (2,) if spatial else ()
     s = rng.standard_normal((5, 3, *extra)).astype(np.float32)
-    sess = InferenceSession(model, options("onnxruntime"))
+    sess = InferenceSession(model, backend_options("onnxruntime"))
     with pytest.raises(ValueError) as e:
         sess.run(["loss"], {"s": s, "y": rng.integers(0, 3, (4, *extra))})
     assert_names(str(e.value), "s", "y", "N")
@@ -267,7 +258,7 @@ def test_label_losses_refuse_labels_of_another_shape_with_as_many_values(case, o
     feeds = {"s": rng.standard_normal(s).astype(np.float32), "y": rng.integers(0, 3, y)}
     for backend in ("numpy", "onnxruntime"):
         with pytest.raises(Exception) as e:  # noqa: PT011 (onnxruntime may refuse it at load or at run)
-            InferenceSession(model.SerializeToString(), options(backend)).run(["loss"], feeds)
+            InferenceSession(model.SerializeToString(), backend_options(backend)).run(["loss"], feeds)
         assert isinstance(e.value, (EngineError, ValueError, RuntimeError)), (backend, e.value)
 
 
@@ -280,7 +271,8 @@ def test_inference_session_names_the_inputs_of_a_failed_run(backend):
     vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 4]) for n in ("x", "y", "z")]
     g = helper.make_graph([helper.make_node("Add", ["x", "y"], ["z"])], "add", vi[:2], vi[2:])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    sess = InferenceSession(model.SerializeToString(), options(backend), providers=["CPUExecutionProvider"])
+    sess = InferenceSession(model.SerializeToString(), backend_options(backend),
+                            providers=["CPUExecutionProvider"])
     x, y = np.ones((5, 4), np.float32), np.ones((4, 4), np.float32)
     with pytest.raises(ValueError) as e:
         sess.run(None, {"x": x, "y": y})
@@ -390,7 +382,7 @@ def test_label_losses_in_bodies_refuse_a_short_batch(case, op, opset):
     made = [n.name for g in walk_graphs(rewritten.graph) for n in g.node if n.name not in taken]
     assert made and len(made) == len(set(made)), made
     rng = np.random.default_rng(5)
-    sess = InferenceSession(model.SerializeToString(), options("onnxruntime"))
+    sess = InferenceSession(model.SerializeToString(), backend_options("onnxruntime"))
     short = control_flow_feeds(case, 4, rng)
     plain = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     plain.run(["loss"], short)  # what the check is for: onnxruntime alone takes 4 of the 5 rows

@@ -62,9 +62,9 @@ def params(opt: str = "SGDOptimizer", **kw) -> TrainingParameters:
     return p
 
 
-def backend_options(backend: str):
+def backend_options(backend: str, level: int | None = None):
     """SessionOptions of sessions on ``backend`` ("numpy" or "onnxruntime": config entry onnxtrain.backend;
-    skips the calling test without onnxruntime)."""
+    skips the calling test without onnxruntime), with graph optimization ``level`` if given."""
     import pytest
 
     from onnxtrain import SessionOptions
@@ -73,6 +73,8 @@ def backend_options(backend: str):
     if backend == "onnxruntime":
         pytest.importorskip("onnxruntime")
         so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
+    if level is not None:
+        so.graph_optimization_level = level
     return so
 
 
