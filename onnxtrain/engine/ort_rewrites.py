@@ -75,7 +75,8 @@ one with an ``output_shape`` first takes the explicit pads that shape gives (whe
 
 float64 activations and pools that onnxruntime has no double kernel for (LeakyRelu, Elu, Softplus, PRelu,
 GlobalAveragePool, ...) become standard ops that have one (:mod:`onnxtrain.engine.ort_float64`), even with
-onnxruntime's optimisations off.
+onnxruntime's optimisations off. So do float16 MeanVarianceNormalization and GlobalLpPool from opset 22,
+which onnxruntime cannot load (:mod:`onnxtrain.engine.ort_half_ops`).
 
 A BatchNormalization in inference mode that names running-statistics outputs nothing reads (the eval model
 onnxruntime-training's artifact generator writes for a model exported in training mode) loses them, even
@@ -95,6 +96,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.engine.ort_bernoulli import bernoulli_complements
 from onnxtrain.engine.ort_conv_grads import conv_weight_grads
 from onnxtrain.engine.ort_float64 import float64_ops
+from onnxtrain.engine.ort_half_ops import half_ops
 from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
 from onnxtrain.engine.ort_losses import softmax_cross_entropy_losses
 from onnxtrain.engine.ort_output_padding import (
@@ -153,8 +155,8 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
     """``model`` with the rewrites above but the labels' check applied (a copy), or ``model`` itself when none
     applies; without ``optimise`` (onnxruntime's optimisations turned off) only those onnxruntime needs to
     load or run the graph: the BatchNormalization outputs', half-precision scatters', dilated SAME Convs' and
-    pools' pads, SAME ConvTransposes' pads, ConvTransposes' large output_paddings and float64 ops without a
-    float64 kernel.
+    pools' pads, SAME ConvTransposes' pads, ConvTransposes' large output_paddings, float64 ops without a
+    float64 kernel and the float16 ops and GlobalLpPool onnxruntime cannot load.
     ``types``: value types of ``model`` already inferred (empty: inferred when a rewrite needs them)."""
     # inferred once, when a rewrite needs them (the rewrites keep the types of the values they read)
     types = {} if types is None else types
@@ -167,7 +169,8 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
         model = pads_as_concat(model, typed)
     model = same_conv_transposes(dilated_same_pads(model, typed), typed)
     model = large_output_paddings(output_shape_conv_transposes(model, typed))
-    return float64_ops(inference_batch_norms(half_scatters_in_float32(model, typed)), typed)
+    model = float64_ops(inference_batch_norms(half_scatters_in_float32(model, typed)), typed)
+    return half_ops(model, typed)
 
 
 _LABEL_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
