@@ -22,13 +22,17 @@ node whose output_padding reaches its stride ("Explicit output_shape is inconsis
 output_shape), and one whose total is below zero (an output larger than the full one, whose extra rows
 ONNX's formula makes zeros). :func:`output_shape_conv_transposes` gives both explicit pads instead, where
 X's spatial sizes are in the model (the negative ones as rows of zeros a ``Pad`` adds), and the rewrite
-above then takes the output_padding; where they are not, the first kind is refused when the session is made,
-naming the node, and the second left to onnxruntime's error.
+above then takes the output_padding. Where they are not, the first kind (from opset 12) runs without pads,
+output_shape and output_padding, giving the s·(S − 1) + k_eff rows of the full output, and the pads come
+from that output's Shape at run time: its rows [begin, begin + output_shape) with zeros outside them, a
+``Pad`` by the rows that window overhangs and a ``Slice`` of it (:func:`_run_time_window`); the second kind
+is left to onnxruntime's error.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -37,6 +41,8 @@ from onnx import helper, numpy_helper
 from onnxtrain.ir.builder import NameGen, model_opset, replace_attributes, static_kernel, static_shape
 from onnxtrain.ir.conv_shapes import conv_transpose_geometry
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, walk_graphs
+
+_WINDOW_OPSET = 12  # Max of int64 values, for the pads taken at run time
 
 
 def large_output_paddings(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -177,9 +183,14 @@ def output_shape_conv_transposes(model: onnx.ModelProto, typed: Callable[[], dic
     for g in walk_graphs(out.graph):
         nodes: list[onnx.NodeProto] = []
         for n in g.node:
-            plan = _shape_pads(n, types) if _shape_kind(n) else None
+            plan = _shape_pads(n, types, opset) if _shape_kind(n) else None
             nodes.append(n)
             if plan is None:
+                continue
+            if isinstance(plan, _Window):
+                replace_attributes(n, ("auto_pad", "output_shape", "pads", "output_padding"))
+                nodes.extend(_run_time_window(n, plan, names))
+                changed = True
                 continue
             pads, before, after = plan
             replace_attributes(n, ("auto_pad", "output_shape"), pads=pads)
@@ -196,10 +207,21 @@ def _shape_kind(node: onnx.NodeProto) -> bool:
             and any(a.name == "output_shape" for a in node.attribute))
 
 
-def _shape_pads(node: onnx.NodeProto, types: dict) -> tuple[list[int], list[int], list[int]] | None:
+class _Window(NamedTuple):
+    """The rows of a ConvTranspose's output_shape taken at run time from its full output."""
+
+    output_padding: list[int]
+    want: list[int]  # output_shape's spatial sizes
+    upper: bool  # SAME_UPPER: the odd pad at the end
+
+
+def _shape_pads(node: onnx.NodeProto, types: dict,
+                opset: int) -> tuple[list[int], list[int], list[int]] | _Window | None:
     """(explicit pads, rows of zeros to add before, after, per spatial axis) for a ConvTranspose with an
-    output_shape whose output_padding reaches its stride or whose pads are negative somewhere; None when it
-    has neither or its sizes are unknown and its output_padding is below its stride (ValueError when not)."""
+    output_shape whose output_padding reaches its stride or whose pads are negative somewhere; a
+    :class:`_Window` for the first kind over unknown sizes (ValueError naming the node below opset 12, or
+    for an output_shape of fewer entries than spatial axes); None when it has neither, or its sizes are
+    unknown and its output_padding is below its stride."""
     a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
     kernel = static_kernel(node, types)
     shape = static_shape(types, node.input[0])
@@ -213,13 +235,18 @@ def _shape_pads(node: onnx.NodeProto, types: dict) -> tuple[list[int], list[int]
     large = any(p >= s for p, s in zip(op, strides, strict=True))
     sizes = shape[2:] if shape is not None and len(shape) == nd + 2 else None
     if not kernel or sizes is None or None in sizes:
-        if large:
-            name = node.name or node.output[0]
-            raise ValueError(f"node {name!r} (ConvTranspose): onnxruntime refuses an output_shape with an "
-                             f"output_padding {op} at or above the strides {strides}, and its pads need X's "
-                             "spatial sizes, which the model leaves unknown: declare them, or run it on the "
-                             "numpy engine (the default backend)")
-        return None
+        if not large:
+            return None
+        want = [int(v) for v in a["output_shape"]][-nd:]
+        auto_pad = a.get("auto_pad", b"NOTSET")
+        if opset >= _WINDOW_OPSET and len(want) == nd:
+            return _Window(op, want, auto_pad in (b"SAME_UPPER", "SAME_UPPER"))
+        name = node.name or node.output[0]
+        raise ValueError(f"node {name!r} (ConvTranspose): onnxruntime refuses an output_shape with an "
+                         f"output_padding {op} at or above the strides {strides}, and its pads need X's "
+                         f"spatial sizes, which the model leaves unknown (taken at run time from opset "
+                         f"{_WINDOW_OPSET}, the model's is {opset}): declare them, or run it on the numpy "
+                         "engine (the default backend)")
     geo = conv_transpose_geometry(sizes, kernel, strides, dil, op, a.get("auto_pad", "NOTSET"),
                                   output_shape=list(a["output_shape"]))
     begin, end = list(geo.pad_begin), list(geo.pad_end)
@@ -244,3 +271,42 @@ def _zero_rows(node: onnx.NodeProto, before: list[int], after: list[int], names:
     const = helper.make_node("Constant", [], [amounts], name=names(f"{label}_pads"),
                              value=numpy_helper.from_array(np.array(spec, np.int64), amounts))
     return [const, helper.make_node("Pad", [inner, amounts], [y], name=label)]
+
+
+def _run_time_window(node: onnx.NodeProto, window: _Window, names: NameGen) -> list[onnx.NodeProto]:
+    """Nodes that rename ``node``'s output (its full output, without output_padding) and take the rows
+    ``window`` asks for under its old name, the pads from the full output's Shape: ONNX's total
+    s·(S − 1) + output_padding + k_eff − output_shape split with the odd one at the end (SAME_UPPER) or at the
+    beginning (else), floor halves as the numpy engine's geometry, rows outside the full output zeros."""
+    y = node.output[0]
+    full = names(f"{y}_full")
+    node.output[0] = full
+    label = node.name or y
+    nd = len(window.want)
+    out: list[onnx.NodeProto] = []
+
+    def make(op: str, ins: list[str], dest: str | None = None, **kw: object) -> str:
+        dest = dest or names(f"{y}_{op}")
+        out.append(helper.make_node(op, ins, [dest], name=names(f"{label}_output_shape/{op}"), **kw))
+        return dest
+
+    def const(values: list[int]) -> str:
+        dest = names(f"{y}_const")
+        out.append(helper.make_node("Constant", [], [dest], name=names(f"{label}_output_shape/Constant"),
+                                    value=numpy_helper.from_array(np.array(values, np.int64), dest)))
+        return dest
+
+    sizes = make("Slice", [make("Shape", [full]), const([2]), const([2 + nd])])
+    excess = [p - w for p, w in zip(window.output_padding, window.want, strict=True)]
+    total = make("Add", [sizes, const(excess)])
+    two, zero = const([2] * nd), const([0] * nd)
+    half = make("Div", [make("Sub", [total, make("Mod", [total, two], fmod=0)]), two])  # floor(total / 2)
+    begin = half if window.upper else make("Sub", [total, half])
+    start = make("Max", [begin, zero])
+    end = make("Add", [start, const(window.want)])
+    before = make("Max", [make("Neg", [begin]), zero])
+    after = make("Max", [make("Sub", [make("Add", [begin, const(window.want)]), sizes]), zero])
+    amounts = make("Concat", [const([0, 0]), before, const([0, 0]), after], axis=0)
+    padded = make("Pad", [full, amounts])
+    make("Slice", [padded, start, end, const(list(range(2, 2 + nd)))], y)
+    return out
