@@ -277,3 +277,16 @@ def test_sklearn_exports_match_onnxruntime(name: str) -> None:
     want, got = _both(model, x)
     post = "LOGISTIC" if name.startswith("gradient_boosting") else "NONE"
     _same(got, want, post)
+
+
+@pytest.mark.parametrize("classes", [2, 3])
+@pytest.mark.parametrize("strings", [False, True])
+def test_an_empty_batch_gives_no_labels(classes: int, strings: bool) -> None:
+    """A [0, C] input gives [0] labels and [0, classes] scores, as onnxruntime does."""
+    rng = np.random.default_rng([classes, strings])
+    attrs = {**_class_attrs(rng, classes, True), "post_transform": "LOGISTIC"}
+    attrs["classlabels_strings" if strings else "classlabels_int64s"] = (
+        [f"c{i}" for i in range(classes)] if strings else list(range(classes)))
+    want, got = _both(classifier(attrs, 5, strings), np.zeros((0, 5), np.float32))
+    assert got[0].shape == want[0].shape == (0,) and got[0].dtype == want[0].dtype
+    assert got[1].shape == want[1].shape == (0, classes) and got[1].dtype == want[1].dtype

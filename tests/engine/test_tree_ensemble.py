@@ -317,3 +317,16 @@ def test_rows_walked_in_blocks(aggregate: str) -> None:
     a = random_forest(rng, n_trees=8, depth=5, n_features=4, n_targets=1)
     ours, theirs = both(regressor({**a, "aggregate_function": aggregate}, 4, 1), features(rng, 9000, 4))
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=0 if aggregate == "MIN" else 2e-6)
+
+
+def test_an_empty_batch_gives_empty_scores() -> None:
+    """A [0, C] input (an empty batch) gives [0, targets] scores, as onnxruntime does, for both versions."""
+    rng = np.random.default_rng(21)
+    a = random_forest(rng, n_trees=3, depth=3, n_features=4, n_targets=2)
+    for post in ("NONE", "SOFTMAX"):
+        ours, theirs = both(regressor({**a, "post_transform": post, "base_values": [0.5, 1.0]}, 4, 2),
+                            np.zeros((0, 4), np.float32))
+        assert ours.dtype == theirs.dtype == np.float32 and ours.shape == theirs.shape == (0, 2)
+    attrs = random_v5(rng, n_trees=3, depth=3, n_features=4, n_targets=2)
+    ours, theirs = both(v5_model(attrs, 4, 2), np.zeros((0, 4), np.float32))
+    assert ours.dtype == theirs.dtype == np.float32 and ours.shape == theirs.shape == (0, 2)

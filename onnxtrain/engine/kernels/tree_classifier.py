@@ -46,6 +46,7 @@ from onnxtrain.engine.kernels.trees import (
     _logistic,
     _predict,
     _regressor_forest,
+    _rows,
     _tensor_or_list,
     _text,
     _transformed,
@@ -101,7 +102,7 @@ def _binary_kind(attrs: Attrs) -> tuple[bool, bool]:
 def _binary(forest: _Forest, x: np.ndarray, base: np.ndarray | None, post: str, op: str, one_class: bool,
             positive: bool, labels: list[Any], strings: bool) -> Outputs:
     """A two-class forest's labels and scores as onnxruntime gives them (see the module docstring)."""
-    x2 = x.reshape(1, -1) if x.ndim == 1 else x.reshape(len(x), -1)
+    x2 = _rows(x)
     dt = np.float64 if x2.dtype == np.float64 or forest.threshold.dtype == np.float64 else np.float32
     hit = np.zeros((len(x2), 2), bool)
     s = _predict(forest, x2, "SUM", None, "NONE", dt, scored=hit)  # in the trees' type, base values apart

@@ -83,7 +83,7 @@ class _Forest:
     def leaves(self, x: np.ndarray) -> np.ndarray:
         """The leaf each sample (row of ``x``) reaches in each tree: (samples, trees). A step is a handful of
         gathers over the (samples, trees) node indices: a leaf's two children are itself, so it stays."""
-        rows, width = x.reshape(len(x), -1).shape
+        rows, width = _rows(x).shape
         at = np.broadcast_to(self.roots, (rows, len(self.roots))).copy()
         if not at.size:
             return at
@@ -296,14 +296,19 @@ def _v5_forest(attrs: Attrs) -> _Forest:
     return _Forest(op, mode, feature, threshold, missing_true, true, false, roots, weights, scores, members)
 
 
+def _rows(x: np.ndarray) -> np.ndarray:
+    """``x`` as (rows, features): a vector is one row; an empty batch keeps its width."""
+    if x.ndim == 1:
+        return x.reshape(1, -1)
+    return x.reshape(len(x), int(np.prod(x.shape[1:], dtype=np.int64)))
+
+
 def _predict(forest: _Forest, x: np.ndarray, how: str, base: np.ndarray | None, post: str,
              out: Any = np.float32, scored: np.ndarray | None = None) -> np.ndarray:
     """The forest's aggregated, shifted and transformed scores of the rows of ``x``, of dtype ``out``; with
     ``scored`` (rows, targets) booleans, also whether a leaf each row reaches scores each target (the same
     walk)."""
-    if x.ndim == 1:
-        x = x.reshape(1, -1)
-    x = x.reshape(len(x), -1)
+    x = _rows(x)
     compare = np.float64 if x.dtype == np.float64 or forest.threshold.dtype == np.float64 else np.float32
     x = x.astype(compare, copy=False)
     if x.shape[1] <= forest.last_feature:
