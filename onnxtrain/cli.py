@@ -439,6 +439,20 @@ def _loss_inputs(a: argparse.Namespace, loss: object, outputs: list[str],
     return names or None
 
 
+def _folders_to_make(path: str) -> list[str]:
+    """The folders that do not exist yet on the way to the output folder ``path``, deepest first; UsageError
+    (naming -o/--output) when the nearest one that exists is a file or cannot be written in."""
+    missing, up = [], os.path.abspath(path)
+    while not os.path.lexists(up):
+        missing.append(up)
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):
+        raise UsageError(f"-o/--output: cannot make the folder {path}: {up} is a file, not a folder")
+    if missing and not os.access(up, os.W_OK | os.X_OK):
+        raise UsageError(f"-o/--output: cannot make the folder {path}: no permission to write in {up}")
+    return missing
+
+
 def _artifacts(a: argparse.Namespace) -> int:
     from onnxtrain.training import artifacts
     from onnxtrain.training_graph import discover_trainable
@@ -447,6 +461,10 @@ def _artifacts(a: argparse.Namespace) -> int:
         raise UsageError("-o/--output: an empty path; give the artifact folder")
     if os.path.exists(a.output) and not os.path.isdir(a.output):
         raise UsageError(f"-o/--output: {a.output} is a file; give the artifact folder")
+    if any(sep and sep in a.prefix for sep in (os.sep, os.altsep)):
+        raise UsageError(f"--prefix: {a.prefix!r} names a folder; it is put before the file names in the "
+                         "-o/--output folder (give the folder with -o)")
+    to_make = _folders_to_make(a.output)
     written = [os.path.join(a.output, a.prefix + f) for f in artifacts.ARTIFACT_FILES]
     _refuse_overwriting_inputs(written, [("the model", a.model)])
     model = _load(a.model)
@@ -482,8 +500,10 @@ def _artifacts(a: argparse.Namespace) -> int:
         if not requires:
             raise UsageError(f"no float initializer of {a.model} reaches the loss (all frozen or none): name "
                              "the values to train with --requires-grad")
-    made = not os.path.exists(a.output)
-    os.makedirs(a.output, exist_ok=True)
+    try:
+        os.makedirs(a.output, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"-o/--output: cannot make the folder {a.output}: {e.strerror}") from None
     try:
         artifacts.generate_artifacts(  # the path: it loads its own copy (a ModelProto is copied)
             a.model, requires_grad=requires, frozen_params=frozen, loss=loss,
@@ -492,8 +512,9 @@ def _artifacts(a: argparse.Namespace) -> int:
             nominal_checkpoint=a.nominal_checkpoint, loss_input_names=loss_inputs,
             mixed_precision=a.mixed_precision, recompute=_recompute_flags(a))
     except BaseException:
-        if made and not os.listdir(a.output):  # a failed run leaves no empty folder behind
-            os.rmdir(a.output)
+        for folder in to_make:  # a failed run leaves none of the folders it made behind, if empty
+            if os.path.isdir(folder) and not os.listdir(folder):
+                os.rmdir(folder)
         raise
     print(f"wrote the training artifacts of {a.model} to {a.output} "
           f"({_plural(len(requires), 'trainable parameter')})")
@@ -572,7 +593,8 @@ def _parser() -> argparse.ArgumentParser:
                          "(generate_artifacts' loss_input_names; default: every model output); with no "
                          "--loss the first is the loss")
     ar.add_argument("--optimizer", choices=["AdamW", "SGD"], help="write an optimizer model too")
-    ar.add_argument("--prefix", default="", help="prefix of the artifact file names")
+    ar.add_argument("--prefix", default="", help="prefix of the artifact file names (no folder: they go in "
+                                                 "-o's)")
     ar.add_argument("--additional-outputs", help="comma-separated extra outputs of the training/eval models")
     ar.add_argument("--nominal-checkpoint", action="store_true", help="also write a nominal checkpoint")
     ar.add_argument("--mixed-precision", choices=["float16", "bfloat16"],

@@ -222,3 +222,46 @@ def test_info_counts_the_rules_of_the_upgraded_model(tmp_path, capsys):
     assert main(["info", path]) == 0
     assert "ops without a gradient rule: none" in capsys.readouterr().out
     assert main(["gradient-graph", path, "--loss", "loss", "--wrt", "w", "-o", str(tmp_path / "g.onnx")]) == 0
+
+
+# ---- where artifacts go: -o and --prefix ----
+
+def _tree(root) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, dirs, files in os.walk(root)
+                  for f in [*dirs, *files])
+
+
+def test_artifacts_output_folder_under_a_file_is_a_usage_error(two_outputs, tmp_path, capsys):
+    (tmp_path / "afile").write_text("not a folder")
+    before = _tree(tmp_path)
+    code, line = _error_line(capsys, ["artifacts", two_outputs, "-o", str(tmp_path / "afile" / "art")])
+    assert code == 2, line
+    assert line.startswith("onnxtrain artifacts: -o/--output:") and "is a file" in line, line
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("prefix", ["sub/", "../out_", os.path.join("a", "b_")])
+def test_artifacts_prefix_with_a_folder_is_refused(two_outputs, tmp_path, capsys, prefix):
+    """--prefix is put before the file names in -o's folder: one naming another folder wrote the files
+    elsewhere (../ outside -o) and left -o made and empty."""
+    work = tmp_path / "work"
+    work.mkdir()
+    before = _tree(tmp_path)
+    code, line = _error_line(capsys, ["artifacts", two_outputs, "-o", str(work / "art"), "--prefix", prefix])
+    assert code == 2 and "--prefix:" in line, line
+    assert _tree(tmp_path) == before
+
+
+def test_artifacts_failing_to_write_leaves_no_folders_it_made(two_outputs, tmp_path, capsys, monkeypatch):
+    """A write that fails (the disk full) removes every folder of -o that the command made, not only the
+    last one."""
+    from onnxtrain.ir import io
+
+    def full(self, path, write):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(io.StagedFiles, "write", full)
+    before = _tree(tmp_path)
+    code, line = _error_line(capsys, ["artifacts", two_outputs, "-o", str(tmp_path / "new" / "a" / "b")])
+    assert code == 1 and "No space left on device" in line, line
+    assert _tree(tmp_path) == before
