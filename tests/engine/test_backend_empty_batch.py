@@ -67,3 +67,46 @@ def test_an_empty_batch_leaves_the_running_statistics_as_torch(backend: str) -> 
     before = sess.get_state()["var"].copy()
     sess.run(["loss"], {"x": np.zeros((0, 4), np.float32), "Learning_Rate": np.array([LR], np.float32)})
     np.testing.assert_array_equal(sess.get_state()["var"], before)
+
+
+def _loss_model(kind: str, w: np.ndarray) -> bytes:
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["s"])]
+    ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])]
+    if kind == "mse":
+        nodes += [helper.make_node("Sub", ["s", "t"], ["d"]), helper.make_node("Mul", ["d", "d"], ["d2"]),
+                  helper.make_node("ReduceMean", ["d2"], ["loss"], keepdims=0)]
+        ins.append(helper.make_tensor_value_info("t", TensorProto.FLOAT, ["N", 3]))
+    else:
+        nodes.append(helper.make_node(kind, ["s", "t"], ["loss"], reduction="mean"))
+        ins.append(helper.make_tensor_value_info("t", TensorProto.INT64, ["N"]))
+    g = helper.make_graph(nodes, "loss", ins, [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                          [numpy_helper.from_array(w, "W")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+
+
+@pytest.mark.parametrize("kind", ["mse", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
+def test_a_mean_loss_over_an_empty_batch_leaves_the_weights_as_torch(backend: str, kind: str) -> None:
+    """The mean of no rows: NaN on the numpy engine, as torch's losses give; on the backend what plain
+    onnxruntime gives for the model (its ReduceMean of nothing is 0; README: matching the numpy engine would
+    take a count on every step). Either way no weight moves (the gradient is over no rows)."""
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((4, 3)) * 0.5).astype(np.float32)
+    sess = TrainingSession(_loss_model(kind, w), params("SGDOptimizer"), backend_options(backend))
+    x = torch.zeros((0, 4))
+    if kind == "mse":
+        t = np.zeros((0, 3), np.float32)
+        ref = torch.nn.functional.mse_loss(x @ torch.tensor(w), torch.tensor(t))
+    else:
+        t = np.zeros((0,), np.int64)
+        fn = torch.nn.functional.cross_entropy if kind.startswith("Softmax") else torch.nn.functional.nll_loss
+        ref = fn(x @ torch.tensor(w), torch.tensor(t))
+    loss = sess.run(["loss"], {"x": x.numpy(), "t": t, "Learning_Rate": np.array([LR], np.float32)})[0]
+    assert np.isnan(ref.item())
+    if backend == "numpy":
+        assert np.isnan(loss)
+    elif kind != "SoftmaxCrossEntropyLoss":  # (plain onnxruntime's function body fails on no rows)
+        ort = pytest.importorskip("onnxruntime")
+        plain = ort.InferenceSession(_loss_model(kind, w), providers=["CPUExecutionProvider"])
+        assert loss == plain.run(None, {"x": x.numpy(), "t": t})[0]
+    np.testing.assert_array_equal(sess.get_state()["W"], w)
