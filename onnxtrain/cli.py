@@ -338,9 +338,10 @@ def _train(a: argparse.Namespace) -> int:
     scores = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
     print(f"trained {cfg.name} for {result.global_step} steps: {scores}")
     plotted = cfg.output.plot and os.path.exists(os.path.join(result.output_dir, "metrics.png"))
-    files = ["metrics.jsonl", *(["metrics.png"] if plotted else []), result.checkpoint,
-             *([result.exported] if result.exported else [])]
-    print(f"outputs in {result.output_dir}: {', '.join(f for f in files if f)}")
+    inside = [result.checkpoint, *([result.exported] if result.exported else [])]  # (paths in the folder)
+    files = ["metrics.jsonl", "config.yaml", *(["metrics.png"] if plotted else []),
+             *(os.path.relpath(f, result.output_dir) for f in inside if f)]
+    print(f"outputs in {result.output_dir}: {', '.join(files)}")
     diverged = [k for k, v in result.metrics.items() if isinstance(v, float) and not math.isfinite(v)]
     if diverged:  # the run ended, but its model is no use: a failure to scripts and CI
         print(f"onnxtrain: error: training diverged: the final {', '.join(diverged)} is not a finite number",

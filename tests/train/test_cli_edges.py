@@ -150,3 +150,17 @@ def test_integer_inputs_take_numbers_that_fit(tmp_path, capsys):
     assert main(argv) == 2
     err = _err(capsys)
     assert "data.feeds.y" in err and "takes int64 numbers" in err and "holds 1e+30" in err, err
+
+
+def test_the_summary_names_files_inside_the_output_folder(tmp_path, monkeypatch, capsys):
+    """`outputs in DIR: ...` listed metrics.jsonl by name but the checkpoint and model with DIR in front
+    again (a relative DIR read as DIR/DIR/checkpoints/...); every name is now relative to DIR."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", config_path("digits_mlp"), *SHORT, "--output-dir", "run"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("outputs in "))
+    folder, names = line[len("outputs in "):].split(": ", 1)
+    assert folder == "run"
+    names = names.split(", ")
+    assert {"metrics.jsonl", "config.yaml", "model.onnx", "checkpoints/step_00000002.ckpt"} <= set(names)
+    for name in names:
+        assert os.path.isfile(os.path.join(folder, name)), (name, line)
