@@ -1,11 +1,12 @@
-"""float16 MeanVarianceNormalization and GlobalLpPool from opset 22, which onnxruntime 1.32 cannot load,
-written as standard ops it can.
+"""float16 MeanVarianceNormalization, GlobalLpPool from opset 22 and float64 GlobalLpPool, which onnxruntime
+1.32 cannot load, written as standard ops it can.
 
 A sweep of one-node float16 models of every op of onnxtrain's registry through the onnxruntime backend (at
 opsets 9 to 23) left these refused at load, where the numpy engine runs them:
 
     MeanVarianceNormalization (float16)  onnxruntime's function body at opsets 9, 10, 13 and 18 mixes types
     GlobalLpPool (opset 22 on)           onnxruntime has no kernel of that version, float32 included
+    GlobalLpPool (float64)               no float64 kernel at any opset
 
 Each becomes what the numpy engine computes: the normalization the same node on x cast to float32 (the
 engine's statistics are float32 too) and cast back, GlobalLpPool ``ReduceL2`` (p = 2) or
@@ -33,22 +34,19 @@ _LP_FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16)
 _GLOBAL_LP_SINCE = 22  # onnxruntime 1.32 registers GlobalLpPool up to version 21
 
 
-def _candidate(node: onnx.NodeProto, opset: int) -> bool:
-    if node.domain not in DEFAULT_DOMAINS or not node.input:
-        return False
-    if node.op_type == "GlobalLpPool":
-        return opset >= _GLOBAL_LP_SINCE
-    return node.op_type == "MeanVarianceNormalization"
+def _candidate(node: onnx.NodeProto) -> bool:
+    return (node.op_type in ("GlobalLpPool", "MeanVarianceNormalization") and node.domain in DEFAULT_DOMAINS
+            and len(node.input) > 0)
 
 
 def half_ops(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
     """``model`` with each node above (main graph) written as ops onnxruntime loads (a copy), or ``model``
     itself when there is none."""
     opset = model_opset(model)
-    if not any(_candidate(n, opset) for n in model.graph.node):
+    if not any(_candidate(n) for n in model.graph.node):
         return model
     types = typed()
-    found = [k for k, n in enumerate(model.graph.node) if _candidate(n, opset) and _supported(n, types)]
+    found = [k for k, n in enumerate(model.graph.node) if _candidate(n) and _supported(n, types, opset)]
     if not found:
         return model
 
@@ -58,11 +56,12 @@ def half_ops(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelPro
     return with_nodes_replaced(model, found, replace)
 
 
-def _supported(node: onnx.NodeProto, types: dict) -> bool:
+def _supported(node: onnx.NodeProto, types: dict, opset: int) -> bool:
     t = elem_type(types, node.input[0])
     if node.op_type == "GlobalLpPool":
         shape = static_shape(types, node.input[0])
-        return t in _LP_FLOATS and shape is not None and len(shape) > 2
+        wanted = opset >= _GLOBAL_LP_SINCE or t == TensorProto.DOUBLE
+        return wanted and t in _LP_FLOATS and shape is not None and len(shape) > 2
     return t == TensorProto.FLOAT16
 
 
@@ -89,17 +88,24 @@ def _rewrite(node: onnx.NodeProto, names: NameGen, model: onnx.ModelProto, opset
         p = float(parse_attributes(node, opset).get("p") or 2)
         src = make("Cast", [x], to=TensorProto.FLOAT) if half else x
         dtype = np.float64 if elem_type(types, x) == TensorProto.DOUBLE else np.float32
-        axes = names(f"{y}/axes")
-        model.graph.initializer.append(
-            numpy_helper.from_array(np.arange(2, len(static_shape(types, x) or []), dtype=np.int64), axes))
+        axes = list(range(2, len(static_shape(types, x) or [])))
+        axes_name = names(f"{y}/axes")
+        model.graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), axes_name))
+
+        def reduce(op: str, value: str, dest: str | None) -> str:
+            # axes an input from opset 18 (ReduceSum: 13), an attribute before
+            if opset >= (13 if op == "ReduceSum" else 18):
+                return make(op, [value, axes_name], dest, keepdims=1)
+            return make(op, [value], dest, axes=axes, keepdims=1)
+
         final = None if half else y
         if p == 2:
-            s = make("ReduceL2", [src, axes], final, keepdims=1)
+            s = reduce("ReduceL2", src, final)
         else:
             exponent, root = names(f"{y}/p"), names(f"{y}/root")
             model.graph.initializer.extend([numpy_helper.from_array(np.array(p, dtype), exponent),
                                             numpy_helper.from_array(np.array(1.0 / p, dtype), root)])
-            total = make("ReduceSum", [make("Pow", [make("Abs", [src]), exponent]), axes], keepdims=1)
+            total = reduce("ReduceSum", make("Pow", [make("Abs", [src]), exponent]), None)
             s = make("Pow", [total, root], final)
         if half:
             make("Cast", [s], y, to=TensorProto.FLOAT16)

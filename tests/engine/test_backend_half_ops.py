@@ -83,6 +83,18 @@ def test_global_lp_pool_of_opset_22_runs_on_the_backend_as_torch(p: int, elem: i
             np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=b)
 
 
+@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.parametrize("opset", [11, 13, 17, 21])
+def test_float64_global_lp_pool_runs_on_the_backend_as_torch(p: int, opset: int) -> None:
+    # onnxruntime has no float64 GlobalLpPool kernel at any opset
+    model = _model("GlobalLpPool", {"p": p}, opset, TensorProto.DOUBLE, ["N", 3, 4, 5])
+    x = np.random.default_rng(5).standard_normal((2, 3, 4, 5))
+    want = torch.from_numpy(x).abs().pow(p).sum((2, 3), keepdim=True).pow(1 / p).numpy()
+    for b in ("onnxruntime", "numpy"):
+        got = InferenceSession(model, options(b)).run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, want, rtol=1e-13, err_msg=b)
+
+
 def test_a_global_lp_pool_of_opset_22_trains_on_the_backend_as_torch() -> None:
     rng = np.random.default_rng(4)
     w = rng.uniform(0.5, 1.5, (3, 1, 1)).astype(np.float32)
