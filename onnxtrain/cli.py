@@ -454,6 +454,35 @@ def _folders_to_make(path: str) -> list[str]:
     return missing
 
 
+def _refuse_non_float_loss(a: argparse.Namespace, model: onnx.ModelProto, loss_inputs: list[str] | None,
+                           outputs: list[str]) -> None:
+    """UsageError when the value differentiated (the loss without --loss, else the prediction the loss
+    reads) is known not to be floating-point, naming the option that chose it."""
+    import onnx
+
+    from onnxtrain.ir.builder import FLOAT_TYPES
+
+    if loss_inputs:
+        name = loss_inputs[0]
+        option = "--loss-output" if a.loss_output is not None else "--loss-input-names"
+        where = f"{option}: {name!r}"
+    elif outputs and a.loss is not None:
+        name = outputs[0]
+        where = f"--loss {a.loss}: the model's output {name!r}, which it reads,"
+    elif outputs:
+        name = outputs[0]
+        where = f"the model's first output {name!r}, the loss without --loss or --loss-output,"
+    else:
+        return
+    elem = _value_types(model, [name]).get(name)
+    if elem is None or elem in FLOAT_TYPES:
+        return
+    hint = "" if a.loss is not None or len(outputs) < 2 else (
+        f"; say which output is the loss with --loss-output (the outputs: {', '.join(outputs)})")
+    raise UsageError(f"{where} is of type {onnx.TensorProto.DataType.Name(elem)}; only a floating-point "
+                     f"value can be differentiated{hint}")
+
+
 def _artifacts(a: argparse.Namespace) -> int:
     from onnxtrain.training import artifacts
     from onnxtrain.training_graph import discover_trainable
@@ -491,6 +520,7 @@ def _artifacts(a: argparse.Namespace) -> int:
     if unknown:
         raise UsageError(f"--additional-outputs: {unknown[0]!r} is not a value of {a.model}")
     loss_inputs = _loss_inputs(a, loss, outputs, values)
+    _refuse_non_float_loss(a, model, loss_inputs, outputs)
     if not requires:  # the float initializers that reach the loss (or the values it reads), but --frozen
         if loss_inputs:
             reads = loss_inputs[:1] if loss is None else loss_inputs

@@ -153,7 +153,7 @@ def test_zero_trainables_is_an_error(tmp_path, capsys):
                                       "-o", str(tmp_path / "g.onnx")])
     assert code == 2 and "--loss: 'j' is of type INT64" in line, line
     code, line = _error_line(capsys, ["artifacts", path, "-o", str(tmp_path / "art")])
-    assert code == 2 and "no float initializer" in line, line
+    assert code == 2 and "output 'j'" in line and "is of type INT64" in line, line  # the loss itself
 
 
 def test_info_looks_ops_up_with_their_domain(tmp_path, capsys):
@@ -265,3 +265,30 @@ def test_artifacts_failing_to_write_leaves_no_folders_it_made(two_outputs, tmp_p
     code, line = _error_line(capsys, ["artifacts", two_outputs, "-o", str(tmp_path / "new" / "a" / "b")])
     assert code == 1 and "No space left on device" in line, line
     assert _tree(tmp_path) == before
+
+
+def _int_output_first() -> onnx.ModelProto:
+    """y = x @ w; outputs cls = argmax(y) (int64, first) and loss = sum(y)."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]),
+             helper.make_node("ArgMax", ["y"], ["cls"], axis=1),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, [2, 3])],
+                          [helper.make_tensor_value_info("cls", TensorProto.INT64, [2, 1]),
+                           helper.make_tensor_value_info("loss", f, [])],
+                          [numpy_helper.from_array(np.ones((3, 4), np.float32), "w")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("options, option", [
+    ([], "--loss-output"), (["--requires-grad", "w"], "--loss-output"),
+    (["--loss-input-names", "cls"], "--loss-input-names"),
+    (["--loss", "MSELoss", "--loss-input-names", "cls", "--requires-grad", "w"], "--loss-input-names")])
+def test_artifacts_refuse_a_loss_that_is_not_a_float(tmp_path, capsys, options, option):
+    """The model's first output (the loss without --loss) is an int: it was refused as 'no float initializer
+    reaches the loss', or with --requires-grad failed (exit 1) in the gradient builder, never naming it."""
+    model = _save(tmp_path, _int_output_first())
+    code, line = _error_line(capsys, ["artifacts", model, "-o", str(tmp_path / "art"), *options])
+    assert code == 2 and "'cls'" in line and "INT64" in line and option in line, line
+    assert not os.path.exists(tmp_path / "art")
+    assert main(["artifacts", model, "-o", str(tmp_path / "art"), "--loss-output", "loss"]) == 0
