@@ -461,6 +461,8 @@ class _Backward:
         self.graph_outputs = {o.name for o in model.graph.output}
         self._readers: dict[str, list[onnx.NodeProto]] | None = None  # built on first use
         self.requires: set[str] = set()  # the values that depend on a differentiated input
+        self._slots: dict[str, list[str]] | None = None  # (one_size's, built on first use)
+        self._source_map: dict[str, frozenset[str]] | None = None
 
     def readers(self, name: str) -> list[onnx.NodeProto]:
         """The forward nodes that read ``name`` as an input."""
@@ -554,10 +556,14 @@ class _Backward:
             if d == 1:
                 if dy != 1:
                     axes.append(lead + j)
-            elif (not isinstance(d, int) and (d is None or d != dy)
-                  and not self._kept_by_others(g, x, lead + j, grad_rank, d)):
-                # a dim we cannot see may or may not be broadcast: decide at run time
-                return self._unbroadcast_dynamic(g, grad, x)
+            elif isinstance(d, int):
+                continue
+            elif d is not None and d == dy and self.one_size(g.node, d):
+                continue  # x's named dim is the output's, and no feed can make one of them 1
+            elif not self._kept_by_others(g, x, lead + j, grad_rank, d):
+                # a dim we cannot see may or may not be broadcast (or two inputs share its name, so one may be
+                # fed a 1 where the other is not): decide at run time
+                return self._unbroadcast_dynamic(g, grad, x, same_rank=lead == 0)
         if not axes:
             return grad
         if axes == list(range(lead)):
@@ -575,12 +581,10 @@ class _Backward:
             return False
         if op == "MatMul" and axis >= rank - 2:
             return True
-        seen_x = False
+        if d is not None and not self.one_size(g.node, d):
+            d = None  # the name alone proves nothing: another input's dim of that name may be fed otherwise
         for name in g.node.input:
-            if not name:
-                continue
-            if name == x and not seen_x:
-                seen_x = True
+            if not name or name == x:  # (x read twice: the same size on both)
                 continue
             other = symbolic_shape(self.types, name)
             if other is None or (op == "MatMul" and len(other) < 2):
@@ -592,10 +596,55 @@ class _Backward:
                 return False
         return True
 
-    def _unbroadcast_dynamic(self, g: GradCtx, grad: str, x: str) -> str:
-        # axes where Shape(x), left-padded with ones to the gradient's rank, differs from Shape(grad)
+    def one_size(self, node: onnx.NodeProto, d: str) -> bool:
+        """Whether every dim named ``d`` among ``node``'s inputs has one size at run time: the graph inputs
+        these inputs come from hold ``d`` on at most one axis, so each such dim goes back to that one fed
+        size (or to none: a name only value infos give). Two graph inputs declared ``[N, 3]`` may be fed 4
+        and 1 rows (broadcast), so a name they share is no proof."""
+        slots = self._dim_slots().get(d)
+        if not slots or len(slots) == 1:
+            return True
+        sources: set[str] = set()
+        for name in node.input:
+            if name:
+                sources |= self._sources(name)
+        return sum(1 for inp in slots if inp in sources) <= 1
+
+    def _dim_slots(self) -> dict[str, list[str]]:
+        """Symbolic dim name → the graph input of each axis declaring it (an input once per such axis)."""
+        if self._slots is None:
+            self._slots = {}
+            for v in self.model.graph.input:
+                for d in symbolic_shape(self.types, v.name) or ():
+                    if isinstance(d, str) and d:
+                        self._slots.setdefault(d, []).append(v.name)
+        return self._slots
+
+    def _sources(self, name: str) -> frozenset[str]:
+        """The graph inputs ``name`` is computed from (all of them past a node with a subgraph, which may
+        read any outer value)."""
+        if self._source_map is None:
+            everything = frozenset(self._graph_inputs)
+            found: dict[str, frozenset[str]] = {n: frozenset((n,)) for n in self._graph_inputs}
+            bodies = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+            for n in self.fwd_nodes:
+                if any(a.type in bodies for a in n.attribute):
+                    srcs = everything
+                else:
+                    srcs = frozenset().union(*(found.get(i, frozenset()) for i in n.input if i))
+                for o in n.output:
+                    if o:
+                        found[o] = srcs
+            self._source_map = found
+        return self._source_map.get(name, frozenset())
+
+    def _unbroadcast_dynamic(self, g: GradCtx, grad: str, x: str, same_rank: bool = False) -> str:
         sg = g.emit("Shape", grad)
         sx = self.shape_of(x)
+        if same_rank:  # (x's rank is the gradient's) the axes where their sizes differ, summed keeping them
+            axes = g.emit("Reshape", g.emit("NonZero", g.emit("Not", g.emit("Equal", sx, sg))), g.ints([-1]))
+            return g.emit("ReduceSum", grad, axes, keepdims=1, noop_with_empty_axes=1)
+        # axes where Shape(x), left-padded with ones to the gradient's rank, differs from Shape(grad)
         diff = g.emit("Sub", g.emit("Size", sg), g.emit("Size", sx))
         one = numpy_helper.from_array(_np_int64_1())
         pad = g.emit("ConstantOfShape", g.emit("Reshape", diff, g.ints([1])), value=one)
