@@ -28,7 +28,7 @@ def feature_vectorizer(inputs: Inputs, attrs: Attrs) -> Outputs:
         if a.dtype.kind not in "fi" or a.ndim == 0:
             raise ValueError(f"{op}: input {k} must be a numeric tensor of rank 1 or more, got "
                              f"{a.dtype}{list(a.shape)}")
-        rows.append(a.reshape(1, -1) if a.ndim == 1 else a.reshape(len(a), -1))
+        rows.append(a.reshape(1, -1) if a.ndim == 1 else a.reshape(len(a), int(np.prod(a.shape[1:]))))
     n = len(rows[0]) if rows else 0
     if any(len(r) != n for r in rows):
         raise ValueError(f"{op}: the inputs have {[len(r) for r in rows]} rows; they must have as many")
