@@ -437,7 +437,10 @@ def builder_signature(name: str) -> dict[str, tuple[Any, Any]]:
 def _resolve(cfg: Config, rel: str, key: str, exts: tuple[str, ...]) -> str:
     path = os.path.normpath(os.path.join(cfg.base_dir, os.path.expanduser(rel)))
     if not os.path.isfile(path):
-        raise ConfigError(key, f"file not found: {path}")
+        here = os.path.abspath(os.path.expanduser(rel))
+        hint = (f" (paths are relative to the config's folder, in --set too; for the file in the working "
+                f"folder give {here})" if here != os.path.abspath(path) and os.path.isfile(here) else "")
+        raise ConfigError(key, f"file not found: {path}{hint}")
     if exts and not path.lower().endswith(exts):
         raise ConfigError(key, f"expected a {' or '.join(exts)} file, got {rel!r}")
     return path

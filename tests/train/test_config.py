@@ -180,3 +180,22 @@ def test_info_names_ops_run_as_their_function_body(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "ops without a kernel: none" in out and "ops without a gradient rule: none" in out
     assert "ops run and differentiated as their ONNX function body: RMSNormalization" in out
+
+
+def test_a_path_found_only_in_the_working_folder_says_where_paths_start(tmp_path, monkeypatch, capsys):
+    """model.path is relative to the config's folder, --set's too: a file named as the user sees it in the
+    working folder was 'not found' under the config's folder with no word on why."""
+    import onnx
+
+    from onnxtrain import zoo
+
+    (tmp_path / "cfg").mkdir()
+    cfg = tmp_path / "cfg" / "c.yaml"
+    cfg.write_text("model: {path: m.onnx}\ntraining: {steps: 1}\n")
+    monkeypatch.chdir(tmp_path)
+    onnx.save(zoo.mlp([64, 10]), str(tmp_path / "here.onnx"))
+    code = main(["train", str(cfg), "--set", "model.path=here.onnx", "-q"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "model.path: file not found: " + str(tmp_path / "cfg" / "here.onnx") in err
+    assert "relative to the config's folder" in err and str(tmp_path / "here.onnx") in err, err
