@@ -3,9 +3,11 @@
 A pattern is translated to Python's syntax with RE2's meaning (Unicode mode, whose case-insensitive
 matching folds like RE2's but for the Turkish dotted and dotless i): ``\\d``, ``\\w``, ``\\s``, ``\\b`` and
 the POSIX classes ``[[:alpha:]]`` are ASCII, ``$`` matches at the end of the text only, ``a{,3}`` is
-literal, and ``\\z``, ``\\x{...}``, ``\\Q...\\E`` and ``(?<name>...)`` are read. What Python cannot run
-(``\\p{L}`` classes, ``\\C``), and what RE2 refuses but Python would run (backreferences, lookaround, atomic
-groups, possessive quantifiers), is refused with an error naming the pattern.
+literal, and ``\\z``, ``\\x{...}``, ``\\Q...\\E``, ``(?<name>...)``, octal escapes (``\\12``, ``\\141``),
+repeated anchors (``^*``) and the ungreedy flag ``U`` (which changes no full match, so it is dropped) are
+read. What Python cannot run (``\\p{L}`` classes, ``\\C``), and what RE2 refuses but Python would run
+(backreferences, lookaround, atomic groups, possessive quantifiers), is refused with an error naming the
+pattern.
 """
 
 from __future__ import annotations
@@ -27,6 +29,23 @@ _BOUNDARY = {"b": f"(?-i:(?<={_W})(?!{_W})|(?<!{_W})(?={_W}))",
 # what Python's re runs and RE2 refuses (onnxruntime's RegexFullMatch fails on such a pattern)
 _NOT_RE2 = ("(?=", "(?!", "(?<=", "(?<!", "(?P=", "(?>")
 _REPEAT_END = re.compile(r"\{\d+(,\d*)?\}$")  # a pattern so far ending in a counted repetition
+_REPEAT = re.compile(r"[*+?]|\{\d+(,\d*)?\}")  # a quantifier
+_FLAGS = re.compile(r"\(\?([a-zA-Z]*)(?:-([a-zA-Z]*))?([:)])")  # a flag group: (?flags) or (?flags:
+_OCTAL = re.compile(r"[0-7]{1,3}")
+
+
+def _anchor(token: str, p: str, end: int) -> str:
+    """An anchor's translation, grouped when a quantifier follows it at ``p[end]`` (RE2 repeats an anchor,
+    Python's re refuses to)."""
+    return f"(?:{token})" if _REPEAT.match(p, end) else token
+
+
+def _without_ungreedy(m: re.Match[str]) -> str:
+    """A flag group without RE2's U (ungreedy) flag, or "" when nothing is left of it."""
+    on, off = m.group(1).replace("U", ""), (m.group(2) or "").replace("U", "")
+    if m.group(3) == ")" and not on and not off:
+        return ""
+    return f"(?{on}{'-' + off if off else ''}{m.group(3)}"
 
 
 class _Unsupported(Exception):
@@ -110,8 +129,8 @@ def _translate_re2(p: str) -> str:
                 out.append(f"[{'^' if e.isupper() else ''}{_PERL[e.lower()]}]")
             elif e in "bB":
                 out.append(_BOUNDARY[e])
-            elif e == "z":
-                out.append("\\Z")
+            elif e in "zA":
+                out.append(_anchor("\\Z" if e == "z" else "\\A", p, i + 2))
             elif e == "x" and p.startswith("{", i + 2):
                 esc, i = _hex_escape(p, i + 1)
                 out.append(esc)
@@ -124,6 +143,11 @@ def _translate_re2(p: str) -> str:
                 continue
             elif e in "pPCZ":
                 raise _Unsupported(f"\\{e}")
+            elif e in "01234567" and (e == "0" or p[i + 2 : i + 3] in tuple("01234567")):
+                digits = _OCTAL.match(p, i + 1).group()  # RE2's octal escape: up to three digits
+                out.append(re.escape(chr(int(digits, 8))))
+                i += 1 + len(digits)
+                continue
             elif e in "123456789":  # RE2 has no backreferences (Python would run one)
                 raise _Unsupported(f"\\{e}: a backreference, which RE2 refuses")
             else:
@@ -132,9 +156,12 @@ def _translate_re2(p: str) -> str:
         elif c == "[":
             cls, i = _class(p, i)
             out.append(cls)
-        elif c == "$" and not multiline:
-            out.append("\\Z")
+        elif c in "^$":
+            out.append(_anchor("\\Z" if c == "$" and not multiline else c, p, i + 1))
             i += 1
+        elif c == "(" and (flags := _FLAGS.match(p, i)) is not None and "U" in flags.group(0):
+            out.append(_without_ungreedy(flags))
+            i = flags.end()
         elif c == "{" and not re.match(r"\{\d+(,\d*)?\}", p[i:]):
             out.append("\\{")
             i += 1

@@ -189,6 +189,18 @@ def test_regex_full_match_reads_re2_semantics(pattern: str) -> None:
     _check("RegexFullMatch", [_RE2_TEXTS], {"pattern": pattern})
 
 
+@pytest.mark.parametrize("pattern", [
+    r"\141", r"\12", r"a\1410", r"\0", r"[\141-\143]+", r"^*a", r"a$+", r"\A?a", r"a\z{2}", r"(?m)^*a",
+    r"(?m)a$*", r"a^{1,2}", r"(?U)a+b*?", r"(?iU)K+", r"(?U:a*)b", r"(?-U)a",
+], ids=str)
+def test_regex_full_match_runs_what_re2_runs(pattern: str) -> None:
+    """RE2 reads a backslash and two or three octal digits as a character (\\12 is a newline, \\141 an
+    "a"), lets an anchor be repeated (^*, $+, \\A?, \\z{2}) and has an ungreedy flag U (which changes
+    no full match); Python's re refused all three."""
+    _check("RegexFullMatch", [_s("a", "\n", "aa0", "\x07a", "abc", "aab", "Kk", "\u212a", "b", "", "a\n")],
+           {"pattern": pattern})
+
+
 @pytest.mark.parametrize("pattern", [r"(a", r"\p{L}+", r"[\pL]", r"a\Z", r"\C"])
 def test_regex_full_match_refuses_what_python_cannot_compile(pattern: str) -> None:
     x = _s("abc")
