@@ -614,7 +614,9 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Confi
     """Read, override, check and resolve the configuration at ``path``."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        raise ConfigError("", f"{path} is a folder; give the config's .yaml file")
+        saved = os.path.join(path, "config.yaml")
+        hint = f" (a run folder: its own config is {saved})" if os.path.isfile(saved) else ""
+        raise ConfigError("", f"{path} is a folder; give the config's .yaml file{hint}")
     if not os.path.isfile(path):
         hint = ""
         if not os.path.isabs(path) and os.path.normpath(path).split(os.sep)[0] == "configs":
@@ -625,7 +627,9 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Confi
         try:
             raw = parse_yaml(f.read())
         except UnicodeDecodeError as e:
-            raise ConfigError("", f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
+            raise ConfigError("", f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}); give the "
+                                  "YAML config here (a model goes in its model.path, a checkpoint after "
+                                  "--checkpoint)") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""

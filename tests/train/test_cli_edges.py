@@ -164,3 +164,20 @@ def test_the_summary_names_files_inside_the_output_folder(tmp_path, monkeypatch,
     assert {"metrics.jsonl", "config.yaml", "model.onnx", "checkpoints/step_00000002.ckpt"} <= set(names)
     for name in names:
         assert os.path.isfile(os.path.join(folder, name)), (name, line)
+
+
+def test_a_run_folder_or_a_model_given_as_the_config_says_what_to_give(tmp_path, capsys):
+    """The run folder, or the checkpoint or model given where the YAML config goes (eval's arguments in the
+    other order): the error said only 'a folder' or 'not a UTF-8 text file'."""
+    out = tmp_path / "run"
+    assert main(["train", config_path("digits_mlp"), *SHORT, "--output-dir", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(out), "--checkpoint", str(out)]) == 2
+    assert f"its own config is {out / 'config.yaml'}" in _err(capsys)
+    assert main(["eval", str(out / "config.yaml"), "--checkpoint", str(out)]) == 0
+    capsys.readouterr()
+    ckpt = out / "checkpoints" / "step_00000002.ckpt"
+    for wrong in (ckpt, out / "model.onnx"):
+        assert main(["eval", str(wrong), "--checkpoint", str(out)]) == 2
+        err = _err(capsys)
+        assert f"{wrong}: not a UTF-8 text file" in err and "the YAML config" in err, err
