@@ -336,7 +336,7 @@ def _train(a: argparse.Namespace) -> int:
     if not is_main_process():
         return 0
     scores = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
-    print(f"trained {cfg.name} for {result.global_step} steps: {scores}")
+    print(f"trained {cfg.name} for {_plural(result.global_step, 'step')}: {scores}")
     plotted = cfg.output.plot and os.path.exists(os.path.join(result.output_dir, "metrics.png"))
     inside = [result.checkpoint, *([result.exported] if result.exported else [])]  # (paths in the folder)
     files = ["metrics.jsonl", "config.yaml", *(["metrics.png"] if plotted else []),

@@ -181,3 +181,11 @@ def test_a_run_folder_or_a_model_given_as_the_config_says_what_to_give(tmp_path,
         assert main(["eval", str(wrong), "--checkpoint", str(out)]) == 2
         err = _err(capsys)
         assert f"{wrong}: not a UTF-8 text file" in err and "the YAML config" in err, err
+
+
+def test_the_summary_of_a_one_step_run_says_step(tmp_path, capsys):
+    argv = ["train", config_path("digits_mlp"), "-q", "--output-dir", str(tmp_path / "run"),
+            "--set", "training.steps=1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "trained digits_mlp for 1 step: eval_loss " in out, out
