@@ -18,6 +18,7 @@ from onnxtrain.autodiff.builder import GradientError, blocked_by, fake_quant_inp
 from onnxtrain.autodiff.exporter_checks import export_hint, warn_folded_constants
 from onnxtrain.autodiff.registry import find_rule, has_no_gradient
 from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
+from onnxtrain.engine.feed_sizes import same_size_dims
 from onnxtrain.engine.interface import holds_values, without_values
 from onnxtrain.graph_transforms import accumulation
 from onnxtrain.graph_transforms.clipping import clip_divisor, global_norm, norm_type
@@ -77,6 +78,8 @@ class StepGraphs:
     user_outputs: list[str] = field(default_factory=list)
     extra_outputs: list[str] = field(default_factory=list)  # global_gradient_norm, <x>_grad, ...
     has_training_mode: bool = False
+    # dims the gradient takes for one size: name → the (input, axis) pairs a run must feed one size of it
+    same_size_dims: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     training_mode_default: bool = True  # Dropout's mode when a run feeds none (:func:`dropout_mode`)
     mixed_precision: MixedPrecisionInfo | None = None  # the pass's record when use_mixed_precision
     # builds the step's two halves (see split); the halves, once built
@@ -504,7 +507,7 @@ def build_step_graphs(
     try:  # a weight the loss does not depend on: an error, as in onnxruntime (not a zero gradient)
         grad = build_gradient_model(
             fwd_model, gloss, trainable, outputs=user_outputs, extra_outputs=list(bn.values()),
-            memory_efficient=p.use_memory_efficient_gradient, zero_unreachable=False,
+            memory_efficient=p.use_memory_efficient_gradient, zero_unreachable=False, feeds_checked=True,
         )
     except GradientError as e:
         if "does not reach" in str(e):
@@ -516,6 +519,7 @@ def build_step_graphs(
                                  "flows back from it") from None
             raise ValueError(f"weights_to_train: {e}" if p.weights_to_train else str(e)) from None
         raise
+    same_size = same_size_dims(grad)  # (the session checks them: feeds_checked)
     grad = _legacy_recompute(grad, gloss, p, [*trainable, *bn], renamed)
     grads = {w: f"{w}_grad" for w in trainable}
     types = {v.name: v for v in grad.graph.input}
@@ -680,6 +684,7 @@ def build_step_graphs(
         has_training_mode=has_tm,
         training_mode_default=tm_default,
         mixed_precision=mp,
+        same_size_dims=same_size,
     )
 
 

@@ -31,6 +31,7 @@ from onnxtrain.autodiff.registry import find_rule, find_variant, has_no_gradient
 from onnxtrain.autodiff.rules.normalization import FROM_OUTPUT
 from onnxtrain.autodiff.rules.quantize import find_fake_quants
 from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
+from onnxtrain.engine.feed_sizes import SAME_SIZE_KEY
 from onnxtrain.errors import Fail, program_hint
 from onnxtrain.ir.attrs import attribute_value, parse_attributes
 from onnxtrain.ir.builder import (
@@ -461,8 +462,10 @@ class _Backward:
         self.graph_outputs = {o.name for o in model.graph.output}
         self._readers: dict[str, list[onnx.NodeProto]] | None = None  # built on first use
         self.requires: set[str] = set()  # the values that depend on a differentiated input
-        self._slots: dict[str, list[str]] | None = None  # (one_size's, built on first use)
+        self._slots: dict[str, list[tuple[str, int]]] | None = None  # (one_size's, built on first use)
         self._source_map: dict[str, frozenset[str]] | None = None
+        self.feeds_checked = False  # (build_gradient_model's option)
+        self.assumed: dict[str, set[tuple[str, int]]] = {}  # dims taken for one size (as feeds_checked lets)
 
     def readers(self, name: str) -> list[onnx.NodeProto]:
         """The forward nodes that read ``name`` as an input."""
@@ -558,9 +561,13 @@ class _Backward:
                     axes.append(lead + j)
             elif isinstance(d, int):
                 continue
-            elif d is not None and d == dy and self.one_size(g.node, d):
+            elif d is not None and d == dy and self.one_size(g.node, d, record=False):
                 continue  # x's named dim is the output's, and no feed can make one of them 1
-            elif not self._kept_by_others(g, x, lead + j, grad_rank, d):
+            elif self._kept_by_others(g, x, lead + j, grad_rank, d):
+                continue
+            elif d is not None and d == dy and self.one_size(g.node, d):
+                continue  # (the same, the caller checking the feeds: feeds_checked)
+            else:
                 # a dim we cannot see may or may not be broadcast (or two inputs share its name, so one may be
                 # fed a 1 where the other is not): decide at run time
                 return self._unbroadcast_dynamic(g, grad, x, same_rank=lead == 0)
@@ -581,8 +588,16 @@ class _Backward:
             return False
         if op == "MatMul" and axis >= rank - 2:
             return True
-        if d is not None and not self.one_size(g.node, d):
-            d = None  # the name alone proves nothing: another input's dim of that name may be fed otherwise
+        if d is None or self.one_size(g.node, d, record=False):
+            return self._others_keep(g, x, axis, rank, d)
+        # the name alone proves nothing: another input's dim of that name may be fed otherwise
+        if self._others_keep(g, x, axis, rank, None):
+            return True
+        return self.feeds_checked and self._others_keep(g, x, axis, rank, d) and self.one_size(g.node, d)
+
+    def _others_keep(self, g: GradCtx, x: str, axis: int, rank: int, d: str | None) -> bool:
+        """:meth:`_kept_by_others` for a broadcasting op, the other inputs' dims ``d`` taken for x's."""
+        op = g.node.op_type
         for name in g.node.input:
             if not name or name == x:  # (x read twice: the same size on both)
                 continue
@@ -596,11 +611,12 @@ class _Backward:
                 return False
         return True
 
-    def one_size(self, node: onnx.NodeProto, d: str) -> bool:
+    def one_size(self, node: onnx.NodeProto, d: str, record: bool = True) -> bool:
         """Whether every dim named ``d`` among ``node``'s inputs has one size at run time: the graph inputs
         these inputs come from hold ``d`` on at most one axis, so each such dim goes back to that one fed
         size (or to none: a name only value infos give). Two graph inputs declared ``[N, 3]`` may be fed 4
-        and 1 rows (broadcast), so a name they share is no proof."""
+        and 1 rows (broadcast), so a name they share is no proof, unless ``feeds_checked``: the dim is then
+        taken for one size, and noted in :attr:`assumed` when ``record``."""
         slots = self._dim_slots().get(d)
         if not slots or len(slots) == 1:
             return True
@@ -608,16 +624,22 @@ class _Backward:
         for name in node.input:
             if name:
                 sources |= self._sources(name)
-        return sum(1 for inp in slots if inp in sources) <= 1
+        mine = [s for s in slots if s[0] in sources]
+        if len(mine) <= 1:
+            return True
+        if not (self.feeds_checked and record):
+            return False
+        self.assumed.setdefault(d, set()).update(mine)  # (the caller refuses feeds of different sizes)
+        return True
 
-    def _dim_slots(self) -> dict[str, list[str]]:
-        """Symbolic dim name → the graph input of each axis declaring it (an input once per such axis)."""
+    def _dim_slots(self) -> dict[str, list[tuple[str, int]]]:
+        """Symbolic dim name → the (graph input, axis) pairs declaring it."""
         if self._slots is None:
             self._slots = {}
             for v in self.model.graph.input:
-                for d in symbolic_shape(self.types, v.name) or ():
+                for a, d in enumerate(symbolic_shape(self.types, v.name) or ()):
                     if isinstance(d, str) and d:
-                        self._slots.setdefault(d, []).append(v.name)
+                        self._slots.setdefault(d, []).append((v.name, a))
         return self._slots
 
     def _sources(self, name: str) -> frozenset[str]:
@@ -700,6 +722,7 @@ def build_gradient_model(
     memory_efficient: bool = False,
     seed_loss: bool = True,
     drop_non_differentiable_ys: bool = False,
+    feeds_checked: bool = False,
 ) -> onnx.ModelProto:
     """Append the backward pass of ``loss`` with respect to ``wrt`` to ``model``.
 
@@ -713,6 +736,11 @@ def build_gradient_model(
     ``seed_loss=False`` the loss too takes its incoming gradient ``<loss>_grad`` as a graph input
     instead of ones. With ``drop_non_differentiable_ys`` (onnxruntime's GradientGraphBuilder), other ys
     that are inputs, initializers, non-float or out of the x's reach are left out with a warning.
+    Where two graph inputs declare one symbolic dim name and their values meet in a broadcasting op, the
+    gradient sums along that dim at run time (one may be fed a 1); with ``feeds_checked`` it takes the name
+    for one size instead, and lists those dims in the result's metadata ``onnxtrain.same_size_dims`` (JSON:
+    dim → [[input, axis], ...]) for the caller to check each run's feeds against
+    (:func:`onnxtrain.engine.feed_sizes.same_size_error`).
     Example::
 
         m = build_gradient_model(onnx.load("mlp_loss.onnx"), "loss", ["fc1.weight", "fc1.bias"])
@@ -734,6 +762,7 @@ def build_gradient_model(
     # bfloat16 zeros and seeds (ConstantOfShape) are valid from opset 20, as mixed precision upgrades too
     model = expand_for_gradient(upgrade_opset(model, BF16_OPSET if _has_bfloat16(model) else MIN_OPSET))
     bw = _Backward(model)
+    bw.feeds_checked = feeds_checked
     g = model.graph
     known = {v.name for v in g.input} | {t.name for t in g.initializer} | set(bw.producer)
     for name, what in [(loss, "loss"), *((x, "x (wrt)") for x in wrt), *((y, "y") for y in other_ys)]:
@@ -939,7 +968,13 @@ def build_gradient_model(
     )
     result.graph.initializer.extend(g.initializer)  # (once: make_graph and make_model copy what they take)
     result.functions.extend(model.functions)
+    if bw.assumed:
+        import json
+
+        helper.set_model_props(result, {SAME_SIZE_KEY: json.dumps(
+            {d: sorted(map(list, slots)) for d, slots in sorted(bw.assumed.items())})})
     return result
+
 
 
 _SINGLE_OR_HALF = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)

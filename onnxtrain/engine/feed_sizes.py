@@ -8,12 +8,16 @@ seldom where the mistake is.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from onnxtrain.engine.interface import EngineError
+
+if TYPE_CHECKING:
+    import onnx
 
 
 class Declared(Protocol):
@@ -55,4 +59,36 @@ def shared_dim_mismatch(inputs: Iterable[Declared], feeds: Mapping[str, Any], wh
                 return (f"{what}: inputs {other!r} and {name!r} share dimension {d!r} (index {at} of "
                         f"{other!r}, {i} of {name!r}) but have sizes {size} and {shape[i]} (shapes "
                         f"{list(other_shape)} and {list(shape)})")
+    return None
+
+
+SAME_SIZE_KEY = "onnxtrain.same_size_dims"
+
+
+def same_size_dims(model: onnx.ModelProto) -> dict[str, list[tuple[str, int]]]:
+    """The dims a gradient graph built with ``feeds_checked`` (``build_gradient_model``) takes for one
+    size: dim name → the (input, axis) pairs that must be fed one size of it (empty for other models)."""
+    for p in model.metadata_props:
+        if p.key == SAME_SIZE_KEY:
+            return {d: [(str(i), int(a)) for i, a in slots] for d, slots in json.loads(p.value).items()}
+    return {}
+
+
+def same_size_error(dims: dict[str, list[tuple[str, int]]], feeds: Any, what: str) -> str | None:
+    """A message beginning with ``what`` when ``feeds`` give two of the (input, axis) pairs of one of
+    ``dims`` (:func:`same_size_dims`) different sizes; None when they agree (or an input is not fed)."""
+    for d, slots in dims.items():
+        first = None
+        for name, axis in slots:
+            shape = getattr(feeds.get(name), "shape", None)
+            if shape is None or len(shape) <= axis:
+                continue
+            if first is None:
+                first = (name, axis, shape[axis])
+            elif shape[axis] != first[2]:
+                return (f"{what}: inputs {first[0]!r} and {name!r} share dimension {d!r} (index {first[1]} "
+                        f"of {first[0]!r}, {axis} of {name!r}) but have sizes {first[2]} and {shape[axis]}; "
+                        "the training graph takes them for one size where their values meet in a broadcast "
+                        "(a 1 would not get its gradient summed): feed one size, or declare the dims apart "
+                        "(other names, or 1 for a broadcast one)")
     return None

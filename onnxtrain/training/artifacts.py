@@ -105,6 +105,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.builder import GradientError, build_gradient_model, upgrade_opset
 from onnxtrain.autodiff.exporter_checks import export_hint
 from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
+from onnxtrain.engine.feed_sizes import SAME_SIZE_KEY
 from onnxtrain.errors import program_hint
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute_or_warn
@@ -641,6 +642,7 @@ def build_training_models(
         add_metadata(training, RECOMPUTE_KEY, recompute)
     training = finish_model(training, "training")
     own = {LOSS_SCALING_KEY, mp_pass.METADATA_KEY} if mixed_precision is not None else set()
+    own.add(SAME_SIZE_KEY)  # (the dims the Module checks the feeds of: build_gradient_model's feeds_checked)
     _carry_model_info(base, training, own | ({RECOMPUTE_KEY} if recompute is not None else set()))
     _carry_model_info(base, evaluation, set())
     return training, evaluation, ckpt
@@ -752,12 +754,14 @@ def _gradient_model(
     if not unreachable:
         try:
             if mixed_precision is None:
-                grad = build_gradient_model(m, loss, trainable, outputs=outputs[1:], zero_unreachable=False)
+                grad = build_gradient_model(m, loss, trainable, outputs=outputs[1:], zero_unreachable=False,
+                                            feeds_checked=True)
                 diff = loss
             else:
                 fwd = mp_pass.mixed_precision(m, loss, mixed_precision)
                 diff = mp_pass.mixed_precision_info(fwd).scaled_loss  # backward of loss · loss_scale
-                grad = build_gradient_model(fwd, diff, trainable, outputs=outputs, zero_unreachable=False)
+                grad = build_gradient_model(fwd, diff, trainable, outputs=outputs, zero_unreachable=False,
+                                            feeds_checked=True)
                 if mp_pass.mixed_precision_info(grad) is None:  # keep the pass's record
                     grad.metadata_props.extend(p for p in fwd.metadata_props if p.key == mp_pass.METADATA_KEY)
             if recompute is not None:

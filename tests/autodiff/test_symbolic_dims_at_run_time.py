@@ -200,9 +200,10 @@ def test_one_input_own_dims_prove_equal_sizes():
 _W = np.array([0.5, -1.25, 2.0], np.float32)
 
 
-def _centered_model() -> onnx.ModelProto:
-    """loss = Σ (x + (y − mean₀ y) + tanh y)², y = u·W: u's rows meet x's only at the Add, and the batch
-    mean makes the step wrong when u's gradient is not summed back to its one row there."""
+def _centered_model(u_dims: tuple = ("N", 3)) -> onnx.ModelProto:
+    """loss = Σ (x + (y − mean₀ y) + tanh y)², y = u·W, x declared [N, 3] and u ``u_dims``: u's rows meet
+    x's only at the Add, and the batch mean makes the step wrong when u's gradient is not summed back to its
+    one row there."""
     nodes = [helper.make_node("Mul", ["u", "W"], ["y"]),
              helper.make_node("ReduceMean", ["y"], ["m"], axes=[0], keepdims=1),
              helper.make_node("Sub", ["y", "m"], ["c"]), helper.make_node("Tanh", ["y"], ["t"]),
@@ -210,15 +211,15 @@ def _centered_model() -> onnx.ModelProto:
              helper.make_node("Mul", ["z", "z"], ["z2"]),
              helper.make_node("ReduceSum", ["z2"], ["loss"], keepdims=0)]
     f32 = TensorProto.FLOAT
-    g = helper.make_graph(nodes, "g", [_vi("x", ["N", 3], f32), _vi("u", ["N", 3], f32)],
+    g = helper.make_graph(nodes, "g", [_vi("x", ["N", 3], f32), _vi("u", list(u_dims), f32)],
                           [_vi("loss", [], f32)], [onnx.numpy_helper.from_array(_W, "W")])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def _step_feeds() -> dict[str, np.ndarray]:
+def _step_feeds(u_rows: int = 1) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(5)
     return {"x": rng.standard_normal((4, 3)).astype(np.float32),
-            "u": rng.standard_normal((1, 3)).astype(np.float32)}
+            "u": rng.standard_normal((u_rows, 3)).astype(np.float32)}
 
 
 def _torch_w_grad(feeds: dict[str, np.ndarray]) -> np.ndarray:
@@ -230,26 +231,64 @@ def _torch_w_grad(feeds: dict[str, np.ndarray]) -> np.ndarray:
     return w.grad.numpy()
 
 
-def test_legacy_training_session_step():
+def _legacy_step(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
     from onnxtrain import TrainingParameters, TrainingSession
 
     p = TrainingParameters()
     p.loss_output_name = "loss"
     p.training_optimizer_name = "SGDOptimizer"
-    sess = TrainingSession(_centered_model().SerializeToString(), p)
-    feeds = _step_feeds()
+    sess = TrainingSession(model.SerializeToString(), p)
     sess.run(["loss"], {**feeds, "Learning_Rate": np.array([0.1], np.float32)})
-    np.testing.assert_allclose(sess.get_state()["W"], _W - 0.1 * _torch_w_grad(feeds), rtol=1e-5)
+    return sess.get_state()["W"]
 
 
-def test_module_training_step(tmp_path):
+@pytest.mark.parametrize("u_dims", [("M", 3), (1, 3), (None, 3)])
+def test_legacy_training_session_step_with_a_broadcast_input(u_dims):
+    """u declared apart from x (another name, a 1, no name) and fed one row: the step sums its gradient."""
+    feeds = _step_feeds()
+    got = _legacy_step(_centered_model(u_dims), feeds)
+    np.testing.assert_allclose(got, _W - 0.1 * _torch_w_grad(feeds), rtol=1e-5)
+
+
+def test_legacy_training_session_refuses_a_broadcast_of_a_shared_dim():
+    """x and u both declared [N, 3]: the session's graph takes N for one size (no run-time sums, as for a
+    batch of inputs and labels); one row of u against four of x is refused, naming both and N, and equal
+    sizes train as torch does."""
+    from onnxtrain.engine.feed_sizes import FeedSizeMismatch
+
+    with pytest.raises(FeedSizeMismatch, match=r"inputs 'x' and 'u' share dimension 'N'.* sizes 4 and 1"):
+        _legacy_step(_centered_model(), _step_feeds())
+    feeds = _step_feeds(4)
+    np.testing.assert_allclose(_legacy_step(_centered_model(), feeds), _W - 0.1 * _torch_w_grad(feeds),
+                               rtol=1e-5)
+
+
+def _module(model: onnx.ModelProto, folder):
     from onnxtrain.training import api, artifacts
 
-    artifacts.generate_artifacts(_centered_model(), requires_grad=["W"], loss=None,
-                                 artifact_directory=tmp_path)
-    state = api.CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
-    module = api.Module(str(tmp_path / "training_model.onnx"), state)
+    artifacts.generate_artifacts(model, requires_grad=["W"], loss=None, artifact_directory=folder)
+    state = api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+    return api.Module(str(folder / "training_model.onnx"), state), state
+
+
+def test_module_training_step_with_a_broadcast_input(tmp_path):
+    """u declared [M, 3], fed one row against x's four: the gradient is summed back."""
+    module, state = _module(_centered_model(("M", 3)), tmp_path)
     feeds = _step_feeds()
-    with pytest.warns(UserWarning, match="share dimension 'N'"):  # (the Module's note; the run goes through)
+    module(feeds["x"], feeds["u"])
+    np.testing.assert_allclose(state.parameters["W"].grad, _torch_w_grad(feeds), rtol=1e-5)
+
+
+def test_module_refuses_a_broadcast_of_a_shared_dim(tmp_path):
+    """x and u both [N, 3]: the artifacts take N for one size (listed in the training model's metadata);
+    the Module refuses one row of u against four of x, naming both and N, and trains on equal sizes."""
+    from onnxtrain.engine.feed_sizes import same_size_dims
+
+    module, state = _module(_centered_model(), tmp_path)
+    assert same_size_dims(onnx.load(str(tmp_path / "training_model.onnx"))) == {"N": [("u", 0), ("x", 0)]}
+    feeds = _step_feeds()
+    with pytest.raises(ValueError, match=r"inputs 'u' and 'x' share dimension 'N'.* sizes 1 and 4"):
         module(feeds["x"], feeds["u"])
+    feeds = _step_feeds(4)
+    module(feeds["x"], feeds["u"])
     np.testing.assert_allclose(state.parameters["W"].grad, _torch_w_grad(feeds), rtol=1e-5)

@@ -28,7 +28,7 @@ import onnx
 from onnxtrain.capi.feeds import empty_run
 from onnxtrain.capi.outputs import outputs_apart, own_outputs
 from onnxtrain.engine.backends import backend_of, make_plan
-from onnxtrain.engine.feed_sizes import shared_dim_mismatch
+from onnxtrain.engine.feed_sizes import same_size_dims, same_size_error, shared_dim_mismatch
 from onnxtrain.engine.interface import GraphInterface, UnsupportedOpError
 from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
@@ -260,6 +260,8 @@ class Module:
         # BatchNormalization running statistics the training step updates (frozen parameter -> output)
         self._train_model, self._running_stats, self._added_outputs = _expose_running_stats(
             self._train_model, state)
+        # dims the gradient takes for one size (our artifacts'; a step refuses feeds that break it)
+        self._same_size = same_size_dims(self._train_model)
         self._eval_model: onnx.ModelProto | None = None
         self._eval_plan: GraphInterface | None = None
         if eval_model_uri is not None:
@@ -489,6 +491,10 @@ class Module:
 
     def _train_step(self, user_inputs: Sequence[Any]) -> list[np.ndarray]:
         feeds = check_user_inputs(self._train_inputs, user_inputs, "the training model")
+        if self._same_size:
+            why = same_size_error(self._same_size, feeds, "the training model")
+            if why is not None:
+                raise ValueError(why)
         user_feeds = dict(feeds)  # (the outputs must not share memory with them)
         empty_batch = empty_run(feeds)  # BatchNorm's running statistics are left as they were
         feeds.update(self._param_feeds(self._param_order, "Cannot perform TrainStep with a nominal state."))
