@@ -121,6 +121,30 @@ def _refuse_non_float(model: onnx.ModelProto, names: dict[str, str]) -> None:
                              "only floating-point values have gradients")
 
 
+def _warn_non_scalar_loss(model: onnx.ModelProto, loss: str) -> None:
+    """Warn when the value --loss names is known to hold more than one element (the logits given for the
+    loss, say): its gradients are those of the sum of its elements."""
+    import onnx
+
+    def declared(g: onnx.GraphProto) -> onnx.ValueInfoProto | None:
+        return next((v for v in [*g.input, *g.value_info, *g.output] if v.name == loss
+                     and v.type.tensor_type.HasField("shape")), None)
+
+    info = declared(model.graph)
+    if info is None:
+        try:
+            info = declared(onnx.shape_inference.infer_shapes(model).graph)
+        except Exception:  # noqa: BLE001 - inference is a help here, not a requirement
+            return
+    if info is None:
+        return
+    dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
+            for d in info.type.tensor_type.shape.dim]
+    if any(d != 1 for d in dims):
+        warnings.warn(f"--loss: {loss!r} has shape {dims}, not a scalar: the gradients written are those of "
+                      "the sum of its elements", stacklevel=2)
+
+
 def _check_output_file(path: str) -> None:
     """-o/--output must name a file in a folder that exists (as ``export``'s)."""
     if not path.strip():
@@ -243,6 +267,7 @@ def _gradient_graph(a: argparse.Namespace) -> int:
             raise UsageError(f"--wrt: {what}; its float inputs and initializers are: {shown or 'none'} "
                              "(any intermediate value of the graph works too)")
     _refuse_non_float(model, {a.loss: "--loss", **{w: "--wrt" for w in wrt}})
+    _warn_non_scalar_loss(model, a.loss)
     try:  # a --wrt the loss does not depend on is an error, as GradientGraphBuilder's
         out = build_gradient_model(model, a.loss, wrt, memory_efficient=a.memory_efficient,
                                    zero_unreachable=False)

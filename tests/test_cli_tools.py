@@ -292,3 +292,15 @@ def test_artifacts_refuse_a_loss_that_is_not_a_float(tmp_path, capsys, options, 
     assert code == 2 and "'cls'" in line and "INT64" in line and option in line, line
     assert not os.path.exists(tmp_path / "art")
     assert main(["artifacts", model, "-o", str(tmp_path / "art"), "--loss-output", "loss"]) == 0
+
+
+def test_gradient_graph_warns_of_a_loss_that_is_not_a_scalar(tmp_path, capsys):
+    """--loss naming the logits (not the loss) wrote the gradients of their sum without a word."""
+    model = _save(tmp_path, zoo.mlp([4, 3]))
+    out = str(tmp_path / "g.onnx")
+    assert main(["gradient-graph", model, "--loss", "logits", "--all-initializers", "-o", out]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("onnxtrain: warning: --loss: 'logits'"), err
+    assert "not a scalar" in err[0] and "sum" in err[0], err
+    assert main(["gradient-graph", model, "--loss", "loss", "--all-initializers", "-o", out]) == 0
+    assert capsys.readouterr().err == ""
