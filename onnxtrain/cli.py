@@ -290,11 +290,15 @@ def _info(a: argparse.Namespace) -> int:
     from onnxtrain.autodiff.registry import find_rule, has_no_gradient
     from onnxtrain.engine.registry import has_kernel
     from onnxtrain.inference import node_arg
-    from onnxtrain.ir.builder import FLOAT_TYPES, model_opset
+    from onnxtrain.ir.builder import FLOAT_TYPES, model_opset, unknown_versions
     from onnxtrain.ir.functions import has_function
     from onnxtrain.ir.graphs import walk_graphs
 
     model = _load(a.model)
+    too_new = unknown_versions(model)
+    if too_new:  # described all the same, but no session or gradient builder takes it
+        warnings.warn(f"{a.model}: {too_new}: onnxtrain cannot run or train this model (the kernel and "
+                      "gradient lines go by op name only)", stacklevel=2)
     g = model.graph
     inits = {t.name for t in g.initializer}
     opset = model_opset(model)

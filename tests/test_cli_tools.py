@@ -11,6 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+import onnxtrain
 from onnxtrain import zoo
 from onnxtrain.cli import main
 
@@ -304,3 +305,24 @@ def test_gradient_graph_warns_of_a_loss_that_is_not_a_scalar(tmp_path, capsys):
     assert "not a scalar" in err[0] and "sum" in err[0], err
     assert main(["gradient-graph", model, "--loss", "loss", "--all-initializers", "-o", out]) == 0
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("field, value, words", [("opset", 30, "opset 30 is newer"),
+                                                 ("ir_version", 99, "IR version 99")])
+def test_info_says_when_the_model_is_too_new_to_run(tmp_path, capsys, field, value, words):
+    """A model of an opset or IR version onnx does not know: info listed no op without a kernel, though every
+    session and the gradient builder refuse it."""
+    model = zoo.mlp([4, 3])
+    if field == "opset":
+        model.opset_import[0].version = value
+    else:
+        model.ir_version = value
+    path = _save(tmp_path, model)
+    assert main(["info", path]) == 0
+    captured = capsys.readouterr()
+    assert "ops without a kernel" in captured.out
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("onnxtrain: warning: ") and words in err[0], err
+    assert "cannot run or train" in err[0], err
+    with pytest.raises(Exception, match=words.split(" is")[0]):
+        onnxtrain.InferenceSession(path)
