@@ -587,7 +587,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train a model from a YAML config",
                         description="Train the model a YAML config describes; writes metrics.jsonl, "
-                                    "checkpoints, metrics.png and model.onnx to the output folder. Ctrl-C "
+                                    "config.yaml (the config as resolved), checkpoints, metrics.png and "
+                                    "model.onnx to the output folder. Ctrl-C "
                                     "stops between steps (exit 130); --resume continues from the last "
                                     "checkpoint.")
     _add_config_args(tr)

@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import onnx
+import pytest
 
 from onnxtrain import zoo
 from onnxtrain.cli import main
@@ -189,3 +190,15 @@ def test_the_summary_of_a_one_step_run_says_step(tmp_path, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "trained digits_mlp for 1 step: eval_loss " in out, out
+
+
+def test_train_help_names_every_file_a_run_writes(tmp_path, capsys):
+    """train --help listed the run's files without config.yaml, which every run writes."""
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert main(["train", config_path("digits_mlp"), *SHORT, "--output-dir", str(tmp_path / "run")]) == 0
+    written = sorted(os.listdir(tmp_path / "run"))
+    assert written == ["checkpoints", "config.yaml", "metrics.jsonl", "metrics.png", "model.onnx"]
+    for name in written:
+        assert name in text, name
