@@ -152,6 +152,9 @@ def _check_output_file(path: str) -> None:
     if os.path.isdir(path):
         raise UsageError(f"-o/--output: {path} is a folder; give the .onnx file to write, e.g. "
                          f"{os.path.join(path, 'model.onnx')}")
+    if path.endswith(tuple(s for s in (os.sep, os.altsep) if s)):
+        raise UsageError(f"-o/--output: {path} names a folder (it ends with a separator); give the .onnx "
+                         f"file to write, e.g. {os.path.join(path, 'model.onnx')}")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise UsageError(f"-o/--output: the folder {parent} does not exist")

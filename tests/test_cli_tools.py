@@ -326,3 +326,12 @@ def test_info_says_when_the_model_is_too_new_to_run(tmp_path, capsys, field, val
     assert "cannot run or train" in err[0], err
     with pytest.raises(Exception, match=words.split(" is")[0]):
         onnxtrain.InferenceSession(path)
+
+
+def test_gradient_graph_output_with_a_trailing_separator_is_a_usage_error(tmp_path, capsys):
+    model = _save(tmp_path, zoo.mlp([4, 3]))
+    target = str(tmp_path / "new") + os.sep
+    code, line = _error_line(capsys, ["gradient-graph", model, "--loss", "loss", "--all-initializers",
+                                      "-o", target])
+    assert code == 2 and line.startswith("onnxtrain gradient-graph: -o/--output: "), line
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx"]

@@ -282,15 +282,18 @@ def test_eval_and_export_refuse_a_checkpoint_that_does_not_fit(tmp_path, capsys)
                  "model.args.sizes=[64,32,10]"]) == 0
 
 
-@pytest.mark.parametrize("where", ["folder", "empty", "no_parent"])
+@pytest.mark.parametrize("where", ["folder", "empty", "no_parent", "trailing_separator"])
 def test_export_to_an_unusable_path_is_a_usage_error(where, tmp_path, capsys):
-    """-o naming a folder, nothing, or a file in a missing folder: exit 2 naming -o, before any work and
-    without a temporary left behind."""
-    target = {"folder": str(tmp_path), "empty": "", "no_parent": str(tmp_path / "nope" / "m.onnx")}[where]
+    """-o naming a folder, nothing, a file in a missing folder or a folder that does not exist (a trailing
+    separator: it failed with exit 1 and 'Not a directory'): exit 2 naming -o, before any work and without a
+    temporary left behind."""
+    target = {"folder": str(tmp_path), "empty": "", "no_parent": str(tmp_path / "nope" / "m.onnx"),
+              "trailing_separator": str(tmp_path / "new") + os.sep}[where]
     code, line = _error_line(capsys, ["export", config_path("digits_mlp"), "--checkpoint", str(tmp_path),
                                       "-o", target])
     assert code == 2 and "-o/--output: " in line, line
-    assert {"folder": "is a folder", "empty": "an empty path", "no_parent": "does not exist"}[where] in line
+    assert {"folder": "is a folder", "empty": "an empty path", "no_parent": "does not exist",
+            "trailing_separator": "names a folder"}[where] in line
     assert os.listdir(tmp_path) == []
 
 
