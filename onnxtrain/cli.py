@@ -15,6 +15,7 @@ with its message, so that no rank waits for ever on it.
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import importlib
 import json
@@ -676,9 +677,20 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``onnxtrain`` with the arguments ``argv`` (default: the command line); the exit code."""
     try:
-        return _main(argv)
+        code = _main(argv)
     except KeyboardInterrupt:  # a Ctrl-C in the instants before SIGINT is held (the command not yet known)
-        return _interrupted(None)
+        code = _interrupted(None)
+    if argv is None:  # the command line's process: a Ctrl-C while it exits no longer changes the outcome
+        atexit.register(_ignore_sigint)
+    return code
+
+
+def _ignore_sigint() -> None:
+    """Ignore SIGINT from now on (at exit, first of the exit-time callbacks: the command is done). Python's
+    teardown would otherwise raise it in other callbacks or, once it has put back the default action, die
+    of it with the command's work finished."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _main(argv: list[str] | None) -> int:

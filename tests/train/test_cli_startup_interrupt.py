@@ -127,3 +127,40 @@ def test_ctrl_c_just_before_sigint_is_held_is_one_line_too(monkeypatch, capsys):
     monkeypatch.setattr(cli._SigintHeld, "__init__", interrupted)
     assert cli.main(["info", "x.onnx"]) == cli.EXIT_INTERRUPTED
     assert capsys.readouterr().err.strip() == "onnxtrain: interrupted"
+
+
+# the console script with an exit-time callback registered before main() runs, as the modules it imports
+# register theirs: it stands for the interpreter's teardown after the command is done (about 0.1 s of it)
+_TEARDOWN_ENTRY = r"""
+import atexit, sys, time
+atexit.register(lambda: (print("teardown", flush=True), time.sleep(1)))
+from onnxtrain.cli import main
+sys.argv[0] = "onnxtrain"
+sys.exit(main())
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="POSIX signals")
+def test_ctrl_c_once_the_command_is_done_keeps_its_exit_code(tmp_path):
+    """A Ctrl-C after the run's summary, while Python tears the interpreter down: it raised in exit-time
+    code (a traceback) or, once Python had put SIGINT's default action back, killed the finished run (exit
+    status -2 instead of 0)."""
+    argv = [sys.executable, "-c", _TEARDOWN_ENTRY, "train", config_path("digits_mlp"), "-q", "--output-dir",
+            str(tmp_path / "run"), "--set", "training.steps=2"]
+    proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line == "teardown\n":
+                proc.send_signal(signal.SIGINT)
+                break
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert lines[-1] == "teardown\n" and lines[0].startswith("trained digits_mlp for 2 steps"), lines
+    assert proc.returncode == 0 and err == "", (proc.returncode, err)
+    assert os.path.isfile(tmp_path / "run" / "model.onnx")
