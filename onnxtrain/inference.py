@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
 from onnxtrain.capi.outputs import outputs_apart, own_outputs
 from onnxtrain.engine.backends import backend_of, batch_split_mode, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
-from onnxtrain.engine.feed_sizes import FeedSizeMismatch, shared_dim_mismatch
+from onnxtrain.engine.feed_sizes import FeedSizeMismatch, same_size_dims, same_size_error, shared_dim_mismatch
 from onnxtrain.engine.interface import (
     RUN_OPTIONS,
     EngineError,
@@ -268,6 +269,9 @@ class InferenceSession:
     """
 
     _changes_state = False  # a run changes state the session keeps (a training session's weights)
+    # dims a gradient graph takes for one size (its metadata): each run's feeds are checked against them
+    # (a training session checks its own step's feeds instead)
+    _same_size: Mapping[str, list[tuple[str, int]]] = MappingProxyType({})
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Sessions are not picklable, as onnxruntime's (a ``spawn`` worker builds its own): one TypeError
@@ -306,6 +310,7 @@ class InferenceSession:
         self._model_path = path_or_bytes if isinstance(path_or_bytes, (str, os.PathLike)) else None
         model = load_with_options(path_or_bytes, self._sess_options)
         model = loadable_model(model, text_names=False)  # (the plans take bytes names as they are)
+        self._same_size = same_size_dims(model)
         loaded = time.perf_counter_ns()
         arrays = supplied_arrays(model, self._sess_options)
         self._model = model
@@ -370,6 +375,10 @@ class InferenceSession:
         if getattr(ro, "terminate", False):
             raise Fail("Exiting due to terminate flag being set to true (RunOptions.terminate).")
         # given run options are watched during the run: terminate set from another thread stops it
+        if self._same_size and isinstance(input_feed, Mapping):
+            why = same_size_error(self._same_size, input_feed, "InferenceSession.run")
+            if why is not None:
+                raise FeedSizeMismatch(why)
         token = RUN_OPTIONS.set(run_options) if run_options is not None else None
         begin = time.perf_counter_ns() if self._session_events is not None else 0
         try:

@@ -722,7 +722,7 @@ def build_gradient_model(
     memory_efficient: bool = False,
     seed_loss: bool = True,
     drop_non_differentiable_ys: bool = False,
-    feeds_checked: bool = False,
+    feeds_checked: bool = True,
 ) -> onnx.ModelProto:
     """Append the backward pass of ``loss`` with respect to ``wrt`` to ``model``.
 
@@ -737,10 +737,11 @@ def build_gradient_model(
     instead of ones. With ``drop_non_differentiable_ys`` (onnxruntime's GradientGraphBuilder), other ys
     that are inputs, initializers, non-float or out of the x's reach are left out with a warning.
     Where two graph inputs declare one symbolic dim name and their values meet in a broadcasting op, the
-    gradient sums along that dim at run time (one may be fed a 1); with ``feeds_checked`` it takes the name
-    for one size instead, and lists those dims in the result's metadata ``onnxtrain.same_size_dims`` (JSON:
-    dim → [[input, axis], ...]) for the caller to check each run's feeds against
-    (:func:`onnxtrain.engine.feed_sizes.same_size_error`).
+    name is taken for one size, as ONNX means it (``feeds_checked``, the default), and those dims are listed
+    in the result's metadata ``onnxtrain.same_size_dims`` (JSON: dim → [[input, axis], ...]) for a runner to
+    check each run's feeds against (:func:`onnxtrain.engine.feed_sizes.same_size_error`; onnxtrain's
+    sessions do); with ``feeds_checked=False`` the gradient sums along such a dim at run time instead, so
+    that one input may be fed a 1 there (a broadcast) on any runtime.
     Example::
 
         m = build_gradient_model(onnx.load("mlp_loss.onnx"), "loss", ["fc1.weight", "fc1.bias"])

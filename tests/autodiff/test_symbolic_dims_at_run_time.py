@@ -1,7 +1,9 @@
 """Inputs that share a symbolic dim name but are fed different sizes of it (one of them 1, broadcast).
 
-A name is a label, not a constraint: two inputs declared ``[N, 3]`` may be fed ``[4, 3]`` and ``[1, 3]``, and
-the gradient of the second must then be summed back to ``[1, 3]``. Oracles: torch autograd on the same
+ONNX takes one name for one size, and so does ``build_gradient_model`` by default (as onnxruntime-training's
+builder did): the dims are listed in the graph's metadata and onnxtrain's sessions refuse feeds that break
+them. With ``feeds_checked=False`` two inputs declared ``[N, 3]`` may be fed ``[4, 3]`` and ``[1, 3]``, and
+the gradient of the second is summed back to ``[1, 3]`` at run time. Oracles: torch autograd on the same
 broadcast, float64 finite differences, onnxruntime running the gradient graph.
 """
 
@@ -15,6 +17,7 @@ from onnx import TensorProto, helper
 from onnxtrain import InferenceSession
 from onnxtrain.autodiff.builder import build_gradient_model
 from onnxtrain.autodiff.legacy import GradientGraphBuilder
+from onnxtrain.engine.feed_sizes import FeedSizeMismatch, same_size_dims
 
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
@@ -97,7 +100,7 @@ def test_binary_op_inputs_sharing_a_dim_name(op, rows):
     g = helper.make_graph(nodes, "g", [_vi("a", ["N", 3], elem), _vi("b", ["N", 3], elem)],
                           [_vi("loss", [], elem)])
     gm = build_gradient_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), "loss",
-                              ["a", "b"])
+                              ["a", "b"], feeds_checked=False)
     rng = np.random.default_rng(0)
     feeds = {"a": rng.uniform(0.5, 2.0, (rows[0], 3)).astype(dtype),
              "b": rng.uniform(-1.5, 1.5, (rows[1], 3)).astype(dtype)}
@@ -113,7 +116,7 @@ def test_where_with_three_inputs_sharing_a_dim_name():
     nodes = [helper.make_node("Where", ["c", "a", "b"], ["y"]), helper.make_node("Mul", ["y", "y"], ["y2"]),
              helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0)]
     m = _model(nodes, [_vi("c", ["N", 3], TensorProto.BOOL), _vi("a", ["N", 3]), _vi("b", ["N", 3])])
-    gm = build_gradient_model(m, "loss", ["a", "b"])
+    gm = build_gradient_model(m, "loss", ["a", "b"], feeds_checked=False)
     rng = np.random.default_rng(1)
     feeds = {"c": rng.random((4, 3)) < 0.5, "a": rng.standard_normal((1, 3)),
              "b": rng.standard_normal((4, 3))}
@@ -128,7 +131,7 @@ def test_matmul_batch_axes_sharing_a_dim_name(batches):
     nodes = [helper.make_node("MatMul", ["a", "b"], ["c"]), helper.make_node("Mul", ["c", "c"], ["c2"]),
              helper.make_node("ReduceSum", ["c2"], ["loss"], keepdims=0)]
     m = _model(nodes, [_vi("a", ["B", 2, 3]), _vi("b", ["B", 3, 5])])
-    gm = build_gradient_model(m, "loss", ["a", "b"])
+    gm = build_gradient_model(m, "loss", ["a", "b"], feeds_checked=False)
     rng = np.random.default_rng(2)
     feeds = {"a": rng.standard_normal((batches[0], 2, 3)), "b": rng.standard_normal((batches[1], 3, 5))}
     want = _torch_grads(lambda t: ((t["a"] @ t["b"]) ** 2).sum(), feeds, ["a", "b"])
@@ -143,7 +146,7 @@ def test_expand_to_the_shape_of_another_input_of_that_dim_name():
              helper.make_node("Mul", ["e", "y"], ["p"]), helper.make_node("Mul", ["p", "p"], ["p2"]),
              helper.make_node("ReduceSum", ["p2"], ["loss"], keepdims=0)]
     m = _model(nodes, [_vi("x", ["N", 3]), _vi("y", ["N", 3])])
-    gm = build_gradient_model(m, "loss", ["x"])
+    gm = build_gradient_model(m, "loss", ["x"], feeds_checked=False)
     rng = np.random.default_rng(3)
     feeds = {"x": rng.standard_normal((1, 3)), "y": rng.standard_normal((4, 3))}
     want = _torch_grads(lambda t: ((t["x"].expand(4, 3) * t["y"]) ** 2).sum(), feeds, ["x"])
@@ -151,17 +154,21 @@ def test_expand_to_the_shape_of_another_input_of_that_dim_name():
         np.testing.assert_allclose(got["x_grad"], want["x"], rtol=1e-12)
 
 
-def test_gradient_graph_builder_against_finite_differences():
-    """onnxruntime's legacy API: a deeper chain (Tanh of a product, then a sum with the other input)."""
+def _chain_model() -> onnx.ModelProto:
+    """A deeper chain over x, y both declared [N, 3]: Tanh of their product, then a sum with y."""
     nodes = [helper.make_node("Mul", ["x", "y"], ["p"]), helper.make_node("Tanh", ["p"], ["t"]),
              helper.make_node("Add", ["t", "y"], ["u"]), helper.make_node("Mul", ["u", "u"], ["u2"]),
              helper.make_node("ReduceSum", ["u2"], ["loss"], keepdims=0)]
-    m = _model(nodes, [_vi("x", ["N", 3]), _vi("y", ["N", 3])])
-    b = GradientGraphBuilder(m.SerializeToString(), {"loss"}, ["x", "y"], "loss")
-    b.build()
-    gm = onnx.load_from_string(b.get_model())
+    return _model(nodes, [_vi("x", ["N", 3]), _vi("y", ["N", 3])])
+
+
+@pytest.mark.parametrize("y_rows", [1, 4])
+def test_run_time_sums_against_finite_differences(y_rows):
+    """feeds_checked=False: y fed one row (a broadcast) or as many as x, on both runtimes."""
+    m = _chain_model()
+    gm = build_gradient_model(m, "loss", ["x", "y"], feeds_checked=False)
     rng = np.random.default_rng(4)
-    feeds = {"x": rng.standard_normal((4, 3)), "y": rng.standard_normal((1, 3))}
+    feeds = {"x": rng.standard_normal((4, 3)), "y": rng.standard_normal((y_rows, 3))}
     ref = InferenceSession(m.SerializeToString())
 
     def loss(f: dict[str, np.ndarray]) -> float:
@@ -179,6 +186,28 @@ def test_gradient_graph_builder_against_finite_differences():
             np.testing.assert_allclose(got[f"{k}_grad"], fd, rtol=1e-6, atol=1e-8)
 
 
+def test_gradient_graph_builder_takes_a_shared_name_for_one_size():
+    """onnxruntime's legacy API (and build_gradient_model's default): N is one size, as ONNX means it and
+    onnxruntime-training's builder took it: no run-time sums, the dims listed in the graph's metadata, and
+    onnxtrain's InferenceSession refuses feeds that give x and y different sizes of it (naming them); fed
+    one size, the gradients are torch's."""
+    b = GradientGraphBuilder(_chain_model().SerializeToString(), {"loss"}, ["x", "y"], "loss")
+    b.build()
+    gm = onnx.load_from_string(b.get_model())
+    assert _nonzero_count(gm) == 0
+    assert same_size_dims(gm) == {"N": [("x", 0), ("y", 0)]}
+    rng = np.random.default_rng(5)
+    x, y = rng.standard_normal((4, 3)), rng.standard_normal((4, 3))
+    sess = InferenceSession(gm.SerializeToString())
+    with pytest.raises(FeedSizeMismatch, match="'x' and 'y' share dimension 'N'"):
+        sess.run(None, {"x": x, "y": y[:1]})
+    want = _torch_grads(lambda t: ((torch.tanh(t["x"] * t["y"]) + t["y"]) ** 2).sum(), {"x": x, "y": y},
+                        ["x", "y"])
+    for got in _run_both(gm, {"x": x, "y": y}):
+        for k in ("x", "y"):
+            np.testing.assert_allclose(got[f"{k}_grad"], want[k], rtol=1e-10)
+
+
 def _nonzero_count(gm: onnx.ModelProto) -> int:
     return sum(n.op_type == "NonZero" for n in gm.graph.node)
 
@@ -192,7 +221,8 @@ def test_one_input_own_dims_prove_equal_sizes():
     g = helper.make_graph(nodes, "g", [_vi("x", ["N", 3]), _vi("labels", ["N"], TensorProto.INT64)],
                           [_vi("loss", [])], [w])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    assert _nonzero_count(build_gradient_model(m, "loss", ["x", "w"])) == 0  # labels' N reaches none of them
+    # (run-time sums asked for: labels' N reaches none of these values)
+    assert _nonzero_count(build_gradient_model(m, "loss", ["x", "w"], feeds_checked=False)) == 0
 
 
 # ---- a training step: x [N, 3] fed 4 rows, u [N, 3] fed 1 (broadcast) -------------------------------------
