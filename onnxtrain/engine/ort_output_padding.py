@@ -113,7 +113,25 @@ def same_conv_transposes(model: onnx.ModelProto, typed: Callable[[], dict]) -> o
     """``model`` with each ConvTranspose (bodies' too) under ``auto_pad`` SAME_* whose pads onnxruntime would
     get wrong or refuse given explicit pads (module docstring); a copy, or ``model`` itself when there is
     none. ``typed``: a getter of the value types (a kernel size the node does not state comes from W's)."""
-    if not any(_same_kind(n) for g in walk_graphs(model.graph) for n in g.node):
+
+    def rewrite(n: onnx.NodeProto, types: dict, names: NameGen, opset: int) -> list[onnx.NodeProto] | None:
+        plan = _same_pads(n, types)
+        if plan is None:
+            return None
+        pads, before, after = plan
+        replace_attributes(n, ("auto_pad",), pads=pads)
+        return _zero_rows(n, before, after, names, opset) if any(before) or any(after) else []
+
+    return _each_node(model, _same_kind, typed, rewrite)
+
+
+def _each_node(model: onnx.ModelProto, kind: Callable[[onnx.NodeProto], bool], typed: Callable[[], dict],
+               rewrite: Callable[[onnx.NodeProto, dict, NameGen, int], list[onnx.NodeProto] | None]
+               ) -> onnx.ModelProto:
+    """``model`` with ``rewrite(node, types, names, opset)`` applied to each node (bodies' too) of ``kind``:
+    it changes the node in place and returns the nodes to put after it, or None for a node it leaves as it
+    is; a copy, or ``model`` itself when no node changed."""
+    if not any(kind(n) for g in walk_graphs(model.graph) for n in g.node):
         return model
     types = typed()
     out = onnx.ModelProto()
@@ -124,15 +142,11 @@ def same_conv_transposes(model: onnx.ModelProto, typed: Callable[[], dict]) -> o
     for g in walk_graphs(out.graph):
         nodes: list[onnx.NodeProto] = []
         for n in g.node:
-            plan = _same_pads(n, types) if _same_kind(n) else None
+            added = rewrite(n, types, names, opset) if kind(n) else None
             nodes.append(n)
-            if plan is None:
-                continue
-            pads, before, after = plan
-            replace_attributes(n, ("auto_pad",), pads=pads)
-            if any(before) or any(after):
-                nodes.extend(_zero_rows(n, before, after, names, opset))
-            changed = True
+            if added is not None:
+                nodes.extend(added)
+                changed = True
         del g.node[:]
         g.node.extend(nodes)
     return out if changed else model
@@ -172,34 +186,19 @@ def output_shape_conv_transposes(model: onnx.ModelProto, typed: Callable[[], dic
     given explicit pads and rows of zeros (module docstring); a copy, or ``model`` itself when there is
     none. ValueError naming the node for one whose output_padding reaches its stride over spatial sizes the
     model does not give."""
-    if not any(_shape_kind(n) for g in walk_graphs(model.graph) for n in g.node):
-        return model
-    types = typed()
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    names = NameGen.for_model(out)
-    opset = model_opset(out)
-    changed = False
-    for g in walk_graphs(out.graph):
-        nodes: list[onnx.NodeProto] = []
-        for n in g.node:
-            plan = _shape_pads(n, types, opset) if _shape_kind(n) else None
-            nodes.append(n)
-            if plan is None:
-                continue
-            if isinstance(plan, _Window):
-                replace_attributes(n, ("auto_pad", "output_shape", "pads", "output_padding"))
-                nodes.extend(_run_time_window(n, plan, names))
-                changed = True
-                continue
-            pads, before, after = plan
-            replace_attributes(n, ("auto_pad", "output_shape"), pads=pads)
-            if any(before) or any(after):
-                nodes.extend(_zero_rows(n, before, after, names, opset, "output_shape"))
-            changed = True
-        del g.node[:]
-        g.node.extend(nodes)
-    return out if changed else model
+
+    def rewrite(n: onnx.NodeProto, types: dict, names: NameGen, opset: int) -> list[onnx.NodeProto] | None:
+        plan = _shape_pads(n, types, opset)
+        if plan is None:
+            return None
+        if isinstance(plan, _Window):
+            replace_attributes(n, ("auto_pad", "output_shape", "pads", "output_padding"))
+            return _run_time_window(n, plan, names)
+        pads, before, after = plan
+        replace_attributes(n, ("auto_pad", "output_shape"), pads=pads)
+        return _zero_rows(n, before, after, names, opset, "output_shape") if any(before) or any(after) else []
+
+    return _each_node(model, _shape_kind, typed, rewrite)
 
 
 def _shape_kind(node: onnx.NodeProto) -> bool:

@@ -4,6 +4,7 @@ conv_transpose with the original attributes (forward values, and a training step
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -107,11 +108,13 @@ def test_a_body_node_is_rewritten() -> None:
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_backend_trains_it_as_torch() -> None:
-    xs, ws, attrs = CASES["end-pad-below"]
-    rng = np.random.default_rng(0)
+def _trains_as_torch(xs: tuple, ws: tuple, attrs: dict[str, Any], seed: int,
+                     reference: Callable[[Any, Any], Any]) -> None:
+    """Two SGD steps of loss = Σ ConvTranspose(x, W)² on the backend's legacy session against torch's
+    ``reference(x, W)`` (the same layer) and autograd."""
+    rng = np.random.default_rng(seed)
     w0 = (rng.standard_normal(ws) * 0.3).astype(np.float32)
-    nodes = [helper.make_node("ConvTranspose", ["x", "W"], ["y"], **attrs),
+    nodes = [helper.make_node("ConvTranspose", ["x", "W"], ["y"], name="up", **attrs),
              helper.make_node("Mul", ["y", "y"], ["y2"]),
              helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0)]
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, xs)],
@@ -126,11 +129,16 @@ def test_the_backend_trains_it_as_torch() -> None:
         x = rng.standard_normal(xs).astype(np.float32)
         loss = sess.run(["loss"], {"x": x, "Learning_Rate": np.array([1e-3], np.float32)})[0]
         opt.zero_grad()
-        ref = _torch(torch.tensor(x), wt, attrs).pow(2).sum()
+        ref = reference(torch.tensor(x), wt).pow(2).sum()
         ref.backward()
         opt.step()
         np.testing.assert_allclose(loss, ref.item(), rtol=1e-5)
         np.testing.assert_allclose(sess.get_state()["W"], wt.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_backend_trains_it_as_torch() -> None:
+    xs, ws, attrs = CASES["end-pad-below"]
+    _trains_as_torch(xs, ws, attrs, 0, lambda x, w: _torch(x, w, attrs))
 
 
 # SAME ConvTransposes: Y has S·s rows, the pads total output_padding + k_eff − s (negative with a kernel
@@ -227,28 +235,7 @@ def test_an_output_shape_with_a_large_output_padding_runs_on_the_backend(case: s
 
 def test_an_output_shape_with_a_large_output_padding_trains_on_the_backend_as_torch() -> None:
     xs, ws, attrs = SHAPE_CASES["grown"]
-    rng = np.random.default_rng(3)
-    w0 = (rng.standard_normal(ws) * 0.3).astype(np.float32)
-    nodes = [helper.make_node("ConvTranspose", ["x", "W"], ["y"], name="up", **attrs),
-             helper.make_node("Mul", ["y", "y"], ["y2"]),
-             helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0)]
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, xs)],
-                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-                          [numpy_helper.from_array(w0, "W")])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    sess = onnxtrain.TrainingSession(model.SerializeToString(), params("SGDOptimizer"),
-                                     backend_options("onnxruntime"))
-    wt = torch.tensor(w0, requires_grad=True)
-    opt = torch.optim.SGD([wt], lr=1e-3)
-    for _ in range(2):
-        x = rng.standard_normal(xs).astype(np.float32)
-        loss = sess.run(["loss"], {"x": x, "Learning_Rate": np.array([1e-3], np.float32)})[0]
-        opt.zero_grad()
-        ref = _torch_with_output_shape(torch.tensor(x), wt, attrs, "NOTSET").pow(2).sum()
-        ref.backward()
-        opt.step()
-        np.testing.assert_allclose(loss, ref.item(), rtol=1e-5)
-        np.testing.assert_allclose(sess.get_state()["W"], wt.detach().numpy(), rtol=1e-5, atol=1e-6)
+    _trains_as_torch(xs, ws, attrs, 3, lambda x, w: _torch_with_output_shape(x, w, attrs, "NOTSET"))
 
 
 @pytest.mark.parametrize("auto_pad", ["NOTSET", "SAME_UPPER", "SAME_LOWER"])
