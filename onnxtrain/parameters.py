@@ -260,7 +260,8 @@ class TrainingParameters:
             idle.append(f"use_fp16_moments has no effect with {opt or 'no optimizer'} (no moments)")
         if v["loss_scale"] != _DEFAULTS["loss_scale"]:
             idle.append("loss_scale has no effect, as in onnxruntime's legacy session: under mixed precision "
-                        "the loss scale is the loss_scale input fed to each run")
+                        "the loss scale is the loss_scale input fed to each run (in `onnxtrain train`, the "
+                        "value its dynamic loss scaler feeds)")
         if self.is_set("perform_fp16_allreduce") and v["perform_fp16_allreduce"] and v["use_mixed_precision"]:
             idle.append("perform_fp16_allreduce has no effect: onnxtrain sums the float32 master gradients "
                         "across ranks (as onnxruntime did with False)")
