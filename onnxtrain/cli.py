@@ -480,6 +480,9 @@ def _folders_to_make(path: str) -> list[str]:
     while not os.path.lexists(up):
         missing.append(up)
         up = os.path.dirname(up)
+    if os.path.islink(up) and not os.path.exists(up):
+        raise UsageError(f"-o/--output: cannot make the folder {path}: {up} is a broken symbolic link (to "
+                         f"{os.readlink(up)}, which does not exist)")
     if not os.path.isdir(up):
         raise UsageError(f"-o/--output: cannot make the folder {path}: {up} is a file, not a folder")
     if missing and not os.access(up, os.W_OK | os.X_OK):

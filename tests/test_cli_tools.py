@@ -241,6 +241,16 @@ def test_artifacts_output_folder_under_a_file_is_a_usage_error(two_outputs, tmp_
     assert _tree(tmp_path) == before
 
 
+def test_artifacts_output_at_a_broken_link_says_so(two_outputs, tmp_path, capsys):
+    """-o naming a symbolic link to nothing: the error says that (it said 'is a file'), nothing written."""
+    os.symlink(tmp_path / "gone", tmp_path / "art")
+    before = _tree(tmp_path)
+    code, line = _error_line(capsys, ["artifacts", two_outputs, "-o", str(tmp_path / "art")])
+    assert code == 2, line
+    assert "-o/--output:" in line and "broken symbolic link" in line and "gone" in line, line
+    assert _tree(tmp_path) == before
+
+
 @pytest.mark.parametrize("prefix", ["sub/", "../out_", os.path.join("a", "b_")])
 def test_artifacts_prefix_with_a_folder_is_refused(two_outputs, tmp_path, capsys, prefix):
     """--prefix is put before the file names in -o's folder: one naming another folder wrote the files
