@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -176,7 +177,7 @@ class Optimizer(Block):
         t = acc.node("Squeeze", [step], "step")[0]
         shared: dict[int, dict[str, str]] = {}
         for k, (p, g) in enumerate(zip(params, grads)):
-            et = acc.float_type_of(p)
+            et = self.compute_type(acc.float_type_of(p))
             if et not in shared:
                 shared[et] = self.prepare(acc, lr, t, et)
             new.update(self.update(acc, shared[et], p, g, {key: states[key][k] for key in self.state_names}))
@@ -209,8 +210,12 @@ class Optimizer(Block):
             out.append(acc.node("Div", [g, divs[t]], "unscaled_gradient")[0])
         return out, flag, scales
 
+    def compute_type(self, elem_type: int) -> int:
+        """The type the update of a parameter of ``elem_type`` computes in (its own)."""
+        return elem_type
+
     def prepare(self, acc: ModelBase, lr: str, t: str, et: int) -> dict[str, str]:
-        """Scalars shared by all parameters of element type ``et``."""
+        """Scalars shared by all parameters whose update computes in ``et`` (:meth:`compute_type`)."""
         return {"lr": _as_type(acc, lr, TensorProto.FLOAT, et)}
 
     def update(
@@ -267,7 +272,8 @@ class AdamW(Optimizer):
         p ← p − lr_t·m/(sqrt(v) + eps)   (eps on the uncorrected sqrt(v))
         p ← p − lr·weight_decay·p        (decoupled, after the update)
 
-    ``t`` is the ``step`` input. The bias corrections are computed in float64.
+    ``t`` is the ``step`` input. The bias corrections are computed in float64. A float16/bfloat16
+    parameter's update computes in float32 (:meth:`compute_type`); its moments stay in its type.
     """
 
     name = "AdamW"
@@ -328,23 +334,42 @@ class AdamW(Optimizer):
             out["keep"] = acc.node("Sub", [acc.scalar(1.0, et), decay], "sub_output")[0]
         return out
 
+    def compute_type(self, elem_type: int) -> int:
+        """float32 for float16/bfloat16 parameters, as onnxruntime's optimizer kernels (its CPU AdamWOptimizer
+        takes float only; the legacy session's Adam, ``onnxtrain.optim.base.compute_type``): in float16 eps
+        1e-8 is 0 and (1 − β2)·g² underflows for |g| < 7.7e-3. Else the parameter's own type."""
+        return TensorProto.FLOAT if elem_type in HALF_TYPES else elem_type
+
     def update(
         self, acc: ModelBase, shared: dict[str, str], p: str, g: str, states: dict[str, str]
     ) -> dict[str, str]:
-        et = acc.float_type_of(p)
+        pt = acc.float_type_of(p)
+        et = self.compute_type(pt)
         b1, b2 = self.betas
         m, v = states["momentum0"], states["momentum1"]
-        m_new = _moving_average(acc, m, g, b1, et, "momentum0")
-        v_new = _moving_average(acc, v, g, b2, et, "momentum1", squared=True)
+        # a half parameter: parameter, gradient and moments (kept in its type) cast to float32, the new
+        # values cast back (below); float32/float64 parameters: the nodes as they were
+        pc, gc, mc, vc = (x if et == pt else _as_type(acc, x, pt, et) for x in (p, g, m, v))
+        m_new = _moving_average(acc, mc, gc, b1, et, "momentum0")
+        v_new = _moving_average(acc, vc, gc, b2, et, "momentum1", squared=True)
         denom = acc.node(
             "Add", [acc.node("Sqrt", [v_new], "sqrt_output")[0], acc.scalar(self.eps, et)], "add_output"
         )[0]
         upd = acc.node(
             "Mul", [shared["lr_t"], acc.node("Div", [m_new, denom], "div_output")[0]], "mul_output"
         )[0]
-        p_new = acc.node("Sub", [p, upd], "sub_output" if self.weight_decay else "updated_param")[0]
+        p_new = acc.node("Sub", [pc, upd], "sub_output" if self.weight_decay else "updated_param")[0]
         if self.weight_decay:
             p_new = acc.node("Mul", [p_new, shared["keep"]], "updated_param")[0]
+        if et != pt:
+            if pt == TensorProto.FLOAT16:
+                # a second moment at least float16's smallest positive value, as the legacy session keeps
+                # one (``Optimizer.store_moment``): one that rounded to 0 while the first moment did not
+                # would make the next step m / (√0 + ε), up to a million times too large
+                tiny = float(np.finfo(np.float16).smallest_subnormal)
+                v_new = acc.node("Max", [v_new, acc.scalar(tiny, et)], "max_output")[0]
+            p_new, m_new, v_new = (acc.node("Cast", [x], token, to=pt)[0] for x, token in
+                                   ((p_new, "updated_param"), (m_new, "momentum0"), (v_new, "momentum1")))
         return {p: p_new, m: m_new, v: v_new}
 
 
