@@ -49,16 +49,20 @@ _CASES = {  # name: (input batch dim, declared value infos, batch run, warns)
 }
 
 
-def _built(case: str) -> tuple[onnx.ModelProto, np.ndarray]:
-    batch, declared, run, warns = _CASES[case]
+def _build_warned(model: onnx.ModelProto) -> tuple[bytes, list[str]]:
+    """GradientGraphBuilder's graph of d loss / d W, B (serialized) and its stale-declaration warnings."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        builder = onnxtrain.GradientGraphBuilder(_model(batch, declared).SerializeToString(), {"loss"},
-                                                 {"W", "B"}, "loss")
+        builder = onnxtrain.GradientGraphBuilder(model.SerializeToString(), {"loss"}, {"W", "B"}, "loss")
         builder.build()
-    said = [str(w.message) for w in seen if "do not compute" in str(w.message)]
+    return builder.get_model(), [str(w.message) for w in seen if "do not compute" in str(w.message)]
+
+
+def _built(case: str) -> tuple[onnx.ModelProto, np.ndarray]:
+    batch, declared, run, warns = _CASES[case]
+    built, said = _build_warned(_model(batch, declared))
     assert bool(said) == warns, said
-    return onnx.load_from_string(builder.get_model()), _X[:run]
+    return onnx.load_from_string(built), _X[:run]
 
 
 @pytest.mark.parametrize("case", list(_CASES))
@@ -185,15 +189,10 @@ def test_a_declared_element_type_the_nodes_do_not_compute_is_replaced(dtype, dec
     naming the values, as for declared dims; the gradient matches torch's (float64)."""
     import torch
 
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        builder = onnxtrain.GradientGraphBuilder(_tanh_model(dtype, declared).SerializeToString(), {"loss"},
-                                                 {"W", "B"}, "loss")
-        builder.build()
-    said = [str(w.message) for w in seen if "do not compute" in str(w.message)]
+    built, said = _build_warned(_tanh_model(dtype, declared))
     assert said and "z (" in said[0] and "t (" in said[0], said
     np_type = helper.tensor_dtype_to_np_dtype(dtype)
-    sess = onnxtrain.InferenceSession(builder.get_model())
+    sess = onnxtrain.InferenceSession(built)
     dw, db = sess.run(["W_grad", "B_grad"], {"x": _X.astype(np_type)})
     assert dw.dtype == db.dtype == np_type
     w = torch.tensor(_W, dtype=torch.float64, requires_grad=True)
