@@ -7,6 +7,7 @@ onnxruntime's legacy class of that name.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -970,12 +971,9 @@ def build_gradient_model(
     result.graph.initializer.extend(g.initializer)  # (once: make_graph and make_model copy what they take)
     result.functions.extend(model.functions)
     if bw.assumed:
-        import json
-
         helper.set_model_props(result, {SAME_SIZE_KEY: json.dumps(
             {d: sorted(map(list, slots)) for d, slots in sorted(bw.assumed.items())})})
     return result
-
 
 
 _SINGLE_OR_HALF = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
