@@ -22,7 +22,12 @@ from onnxtrain.capi.ortvalue import IOBinding, OrtValue, _type_name
 from onnxtrain.capi.outputs import outputs_apart, own_outputs
 from onnxtrain.engine.backends import backend_of, batch_split_mode, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
-from onnxtrain.engine.feed_sizes import FeedSizeMismatch, same_size_dims, same_size_error, shared_dim_mismatch
+from onnxtrain.engine.feed_sizes import (
+    FeedSizeMismatch,
+    check_same_sizes,
+    same_size_dims,
+    shared_dim_mismatch,
+)
 from onnxtrain.engine.interface import (
     RUN_OPTIONS,
     EngineError,
@@ -376,9 +381,7 @@ class InferenceSession:
             raise Fail("Exiting due to terminate flag being set to true (RunOptions.terminate).")
         # given run options are watched during the run: terminate set from another thread stops it
         if self._same_size and isinstance(input_feed, Mapping):
-            why = same_size_error(self._same_size, input_feed, "InferenceSession.run")
-            if why is not None:
-                raise FeedSizeMismatch(why)
+            check_same_sizes(self._same_size, input_feed, "InferenceSession.run")
         token = RUN_OPTIONS.set(run_options) if run_options is not None else None
         begin = time.perf_counter_ns() if self._session_events is not None else 0
         try:

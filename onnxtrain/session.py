@@ -445,7 +445,9 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                 required.append(self.loss_scale_input_name)
         feeds = self._check(input_feed, required)
         if self._graphs.same_size_dims and kind != "forward":
-            _check_same_sizes(self._graphs.same_size_dims, feeds)
+            from onnxtrain.engine.feed_sizes import check_same_sizes
+
+            check_same_sizes(self._graphs.same_size_dims, feeds, "TrainingSession.run")
         self._check_loss_scale(feeds)
         if self._graphs.has_training_mode and TRAINING_MODE not in feeds:
             # (the model's own Dropout mode, as onnxruntime's shared initializer copied it, unless the run
@@ -717,13 +719,3 @@ def _check_user_nodes(model: onnx.ModelProto) -> None:
     from onnxtrain.engine.node_checks import check_nodes  # (onnxruntime sessions load it only here)
 
     check_nodes(model)
-
-
-def _check_same_sizes(dims: dict[str, list[tuple[str, int]]], feeds: Mapping[str, Any]) -> None:
-    """Refuse feeds that give inputs sharing a dim the gradient takes for one size different sizes of it
-    (a FeedSizeMismatch naming them): the graph would not sum a broadcast input's gradient back."""
-    from onnxtrain.engine.feed_sizes import FeedSizeMismatch, same_size_error
-
-    why = same_size_error(dims, feeds, "TrainingSession.run")
-    if why is not None:
-        raise FeedSizeMismatch(why)

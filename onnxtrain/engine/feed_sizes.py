@@ -92,3 +92,12 @@ def same_size_error(dims: dict[str, list[tuple[str, int]]], feeds: Any, what: st
                         "(a 1 would not get its gradient summed): feed one size, or declare the dims apart "
                         "(other names, or 1 for a broadcast one)")
     return None
+
+
+def check_same_sizes(dims: dict[str, list[tuple[str, int]]], feeds: Any, what: str) -> None:
+    """Raise a :class:`FeedSizeMismatch` (:func:`same_size_error`'s message, beginning with ``what``) when
+    ``feeds`` give inputs sharing one of ``dims`` different sizes of it: the gradient graph takes them for one
+    size and would not sum a broadcast input's gradient back."""
+    why = same_size_error(dims, feeds, what)
+    if why is not None:
+        raise FeedSizeMismatch(why)

@@ -28,7 +28,7 @@ import onnx
 from onnxtrain.capi.feeds import empty_run
 from onnxtrain.capi.outputs import outputs_apart, own_outputs
 from onnxtrain.engine.backends import backend_of, make_plan
-from onnxtrain.engine.feed_sizes import same_size_dims, same_size_error, shared_dim_mismatch
+from onnxtrain.engine.feed_sizes import check_same_sizes, same_size_dims, shared_dim_mismatch
 from onnxtrain.engine.interface import GraphInterface, UnsupportedOpError
 from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler, LossScaler
@@ -492,9 +492,7 @@ class Module:
     def _train_step(self, user_inputs: Sequence[Any]) -> list[np.ndarray]:
         feeds = check_user_inputs(self._train_inputs, user_inputs, "the training model")
         if self._same_size:
-            why = same_size_error(self._same_size, feeds, "the training model")
-            if why is not None:
-                raise ValueError(why)
+            check_same_sizes(self._same_size, feeds, "the training model")
         user_feeds = dict(feeds)  # (the outputs must not share memory with them)
         empty_batch = empty_run(feeds)  # BatchNorm's running statistics are left as they were
         feeds.update(self._param_feeds(self._param_order, "Cannot perform TrainStep with a nominal state."))
