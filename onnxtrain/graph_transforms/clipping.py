@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from onnx import TensorProto
 
-from onnxtrain.ir.builder import NodeWriter
+from onnxtrain.ir.builder import HALF_TYPES, NodeWriter
 
 _FLOAT, _DOUBLE = TensorProto.FLOAT, TensorProto.DOUBLE
 
@@ -23,7 +23,6 @@ def norm_dtype(weights: Iterable[np.ndarray]) -> np.dtype:
     return np.dtype(np.float64 if any(w.dtype == np.float64 for w in weights) else np.float32)
 
 
-HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
 def global_norm(w: NodeWriter, grads: Sequence[str], out_name: str = "global_gradient_norm",

@@ -34,6 +34,7 @@ from onnxtrain.ir.types import symbolic_shape as symbolic_shape  # re-exported f
 from onnxtrain.user_warning import warn
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
+HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)  # the 16-bit floats
 # the float8 and float4 types: floats whose values torch's autograd differentiates through (x.to(float8)),
 # though ONNX defines only casts, copies and reshapes on them (no arithmetic)
 LOW_FLOAT_TYPES = frozenset(
@@ -617,3 +618,9 @@ def make_model(graph: onnx.GraphProto, opset: int, **kw: Any) -> onnx.ModelProto
     return helper.make_model(
         graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets), **kw
     )
+
+
+def half_widened(elem_type: int) -> int:
+    """float32 for a 16-bit float type, else ``elem_type``: the type an optimizer's update computes in (in
+    float16 Adam's ε = 1e-8 is 0 and (1 − β)·g² underflows, as onnxruntime's kernels avoid)."""
+    return TensorProto.FLOAT if elem_type in HALF_TYPES else elem_type

@@ -16,6 +16,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from onnxtrain.ir.builder import NodeWriter
+from onnxtrain.ir.builder import half_widened as compute_type  # (the type a weight's update computes in)
 from onnxtrain.user_warning import warn
 
 
@@ -154,15 +155,6 @@ def fattr(slot: WeightSlot, opt: Optimizer, key: str) -> float:
 
 def iattr(slot: WeightSlot, opt: Optimizer, key: str) -> int:
     return int(slot.int_attrs.get(key, opt.INT_ATTRS[key]))
-
-
-HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
-
-
-def compute_type(elem_type: int) -> int:
-    """The type the update of a weight of ``elem_type`` computes in: float32 for half weights, else
-    the weight's own (see :meth:`Optimizer.operands`)."""
-    return TensorProto.FLOAT if elem_type in HALF_TYPES else elem_type
 
 
 def scalar(w: NodeWriter, value: float, elem_type: int = TensorProto.FLOAT) -> str:

@@ -25,6 +25,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from onnxtrain.graph_transforms.clipping import HALF_TYPES, norm_type
+from onnxtrain.ir.builder import half_widened
 from onnxtrain.ir.types import held
 from onnxtrain.training.onnxblock.blocks import Block, _acc
 from onnxtrain.training.onnxblock.model_accessor import BlockError, ModelBase, detached
@@ -336,9 +337,9 @@ class AdamW(Optimizer):
 
     def compute_type(self, elem_type: int) -> int:
         """float32 for float16/bfloat16 parameters, as onnxruntime's optimizer kernels (its CPU AdamWOptimizer
-        takes float only; the legacy session's Adam, ``onnxtrain.optim.base.compute_type``): in float16 eps
+        takes float only; the legacy session's Adam: ``onnxtrain.ir.builder.half_widened``): in float16 eps
         1e-8 is 0 and (1 − β2)·g² underflows for |g| < 7.7e-3. Else the parameter's own type."""
-        return TensorProto.FLOAT if elem_type in HALF_TYPES else elem_type
+        return half_widened(elem_type)
 
     def update(
         self, acc: ModelBase, shared: dict[str, str], p: str, g: str, states: dict[str, str]
