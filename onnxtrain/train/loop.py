@@ -24,9 +24,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import yaml
@@ -66,6 +67,7 @@ from onnxtrain.train.state import (
     trainable_names,
 )
 
+_T = TypeVar("_T")
 EXIT_INTERRUPTED = 130
 ADASUM_RANKS = "adasum_ranks"  # checkpoint property: the number of ranks whose optimizer states it holds
 _ADASUM_TAG = 7301  # message tag of the ranks' optimizer states sent to rank 0
@@ -290,6 +292,17 @@ class Trainer:
         return [mine, *(self.comm.recv_object(r, _ADASUM_TAG, "gathering the Adasum optimizer states")
                         for r in range(1, self.ranks))]
 
+    def _log_window(self, saved: str) -> tuple[float, int]:
+        """This rank's (loss sum, count) of a checkpoint's ``log_windows`` property (JSON text)."""
+        windows = json.loads(saved)
+        if not windows:
+            return 0.0, 0
+        if len(windows) == self.ranks:  # written by the same number of ranks: each takes its own back
+            return float(windows[self.rank][0]), int(windows[self.rank][1])
+        # by another number: each rank takes their mean (the logged loss averages the ranks' means over
+        # equal shares, so the window's steps count as they would have)
+        return sum(float(w[0]) for w in windows) / len(windows), int(windows[0][1])
+
     def _log_windows(self, st: RunState) -> str:
         """Every rank's partial log window as JSON (floats written exactly), for the checkpoint."""
         mine = [st.window_loss, st.window_n]
@@ -301,7 +314,8 @@ class Trainer:
         saved = ckpt.properties.get("config")
         diff: list[str] = []
         if isinstance(saved, str):
-            diff = [k for k in changed_keys(saved, self.cfg) if not _cannot_change_weights(k)]
+            diff = _run_property(path, "config", lambda: [k for k in changed_keys(saved, self.cfg)
+                                                          if not _cannot_change_weights(k)])
         own = self.adasum and ckpt.properties.get(ADASUM_RANKS) == self.ranks
         if self.adasum and not own and self.main:
             written = ckpt.properties.get(ADASUM_RANKS)
@@ -320,16 +334,16 @@ class Trainer:
             changed = f"; config keys changed since it was written: {', '.join(diff)}" if diff else ""
             raise ConfigError("--resume", f"the checkpoint {path or ''} does not fit this config's model "
                                           f"({e}){changed}") from None
-        st = RunState.from_properties(ckpt.properties, _saved_batch_size(saved, self.cfg.training.batch_size))
+        batch_size = _saved_batch_size(saved, self.cfg.training.batch_size)
+        try:
+            st = RunState.from_properties(ckpt.properties, batch_size)
+        except ValueError as e:
+            raise ValueError(f"Cannot resume from checkpoint {path!r}: {e}") from None
+        _run_property(path, "data_order_rng", lambda: data_mod.rng_from_str(st.epoch_rng))  # (run() reads it)
         windows = ckpt.properties.get("log_windows")
-        if isinstance(windows, str):  # written by the same number of ranks: each takes its own back
-            windows = json.loads(windows)
-            if len(windows) == self.ranks:
-                st.window_loss, st.window_n = float(windows[self.rank][0]), int(windows[self.rank][1])
-            elif windows:  # by another number: each rank takes their mean (the logged loss averages the
-                # ranks' means over equal shares, so the window's steps count as they would have)
-                st.window_loss = sum(float(w[0]) for w in windows) / len(windows)
-                st.window_n = int(windows[0][1])
+        if isinstance(windows, str):
+            window = _run_property(path, "log_windows", lambda: self._log_window(windows))
+            st.window_loss, st.window_n = window
         if diff and self.main:
             print(f"onnxtrain: warning: resuming with a changed config ({', '.join(diff)}); the run will "
                   "not match an uninterrupted one", file=sys.stderr)
@@ -594,6 +608,19 @@ WEIGHT_NEUTRAL_KEYS = frozenset({"training.keep_checkpoints", "training.checkpoi
 
 def _cannot_change_weights(key: str) -> bool:
     return key in WEIGHT_NEUTRAL_KEYS or key.startswith("output.")
+
+
+_UNREADABLE = (ValueError, TypeError, KeyError, IndexError, AttributeError)
+
+
+def _run_property(path: str, name: str, read: Callable[[], _T]) -> _T:
+    """``read()`` of the run property ``name`` of the checkpoint at ``path``; a ValueError naming the file
+    and the property when its text is damaged (the file format has no checksum to tell)."""
+    try:
+        return read()
+    except _UNREADABLE as e:
+        raise ValueError(f"Cannot resume from checkpoint {path!r}: the file is damaged, its run property "
+                         f"{name!r} cannot be read ({type(e).__name__}: {e})") from None
 
 
 def _saved_batch_size(saved: Any, default: int) -> int:
