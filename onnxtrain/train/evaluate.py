@@ -113,7 +113,14 @@ def _warn_split_changes(cfg: Config, saved: object, path: str) -> None:
         return
     import sys
 
-    keys = [k for k in changed_keys(saved, cfg) if k.startswith("data.") or k == "training.seed"]
+    try:
+        keys = [k for k in changed_keys(saved, cfg) if k.startswith("data.") or k == "training.seed"]
+    except (ValueError, AttributeError, TypeError) as e:  # JSON cut short, or not an object
+        if parallel.world().rank == 0:
+            print(f"onnxtrain: warning: the config saved in {path} cannot be read (the file is damaged: "
+                  f"{type(e).__name__}: {e}), so whether its data split is this config's is not checked",
+                  file=sys.stderr)
+        return
     if keys and parallel.world().rank == 0:
         verb = "differs" if len(keys) == 1 else "differ"
         print(f"onnxtrain: warning: {', '.join(keys)} {verb} from the run that wrote {path}: the eval data "

@@ -77,3 +77,23 @@ def test_resume_from_the_undamaged_copy_still_works(trained, tmp_path, capsys):
     code, line = _resume(out, capsys)
     assert code == 0, line
     assert list_checkpoints(out)[-1][0] == 4
+
+
+@pytest.mark.parametrize("damage", [_cut_json, lambda t: "[1, 2]"], ids=["cut", "list"])
+@pytest.mark.parametrize("command", ["eval", "export"])
+def test_eval_and_export_use_the_weights_despite_a_damaged_config(trained, tmp_path, capsys, damage, command):
+    """The saved config only serves eval's warning that the data keys changed since the run (export reads
+    it not): the weights are still used, eval warning that the file's config cannot be read."""
+    out = str(tmp_path / "run")
+    shutil.copytree(trained, out)
+    path = list_checkpoints(out)[-1][1]
+    ckpt = load_checkpoint(path)
+    ckpt.properties["config"] = damage(ckpt.properties["config"])
+    save_checkpoint(ckpt, path)
+    capsys.readouterr()
+    extra = ["-o", str(tmp_path / "m.onnx")] if command == "export" else []
+    code = main([command, config_path("digits_mlp"), "--checkpoint", path, *SETS[2:], *extra])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    if command == "eval":
+        assert path in err and "config" in err and "damaged" in err, err
