@@ -43,6 +43,13 @@ def _check_sizes(low: int = 1, **sizes: int | Sequence[int]) -> None:
                                             f"got {values[0] if single else values}")
 
 
+def _check_image(image: Sequence[int]) -> None:
+    """A BuilderArgumentError naming ``image`` unless it holds three sizes, [channels, height, width]."""
+    if len(image) != 3:
+        raise BuilderArgumentError("image", "expected three sizes [channels, height, width], got "
+                                            f"{list(image)}")
+
+
 class _Graph:
     """Nodes and initializers of a model under construction, with unique value names."""
 
@@ -143,6 +150,7 @@ def cnn(channels: Sequence[int] = (8, 16), classes: int = 10, image: Sequence[in
     Each block is Conv 3×3 (pad 1) → [BatchNormalization in training mode] → Relu → MaxPool 2×2;
     then GlobalAveragePool (``global_pool``) or Flatten, and a Gemm to ``classes`` logits.
     """
+    _check_image(image)
     _check_sizes(channels=channels, classes=classes, image=image)
     g = _Graph(seed)
     _conv_classifier(g, "x", channels, classes, image, batch_norm, global_pool)
@@ -189,6 +197,7 @@ def spatial_transformer(channels: Sequence[int] = (8, 16), classes: int = 10,
     """A spatial transformer network: a small localisation net (Gemm → Relu → Gemm) predicts an affine
     transform per image, starting at the identity; the image is resampled along the transformed grid
     (``GridSample``, bilinear) and classified by :func:`cnn`'s blocks. Input ``x`` [N, C, H, W]."""
+    _check_image(image)
     _check_sizes(channels=channels, classes=classes, image=image, hidden=hidden)
     c, hgt, wid = (int(v) for v in image)
     g = _Graph(seed)

@@ -518,6 +518,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("training.keep_checkpoints", f"expected an int >= 0, got {t.keep_checkpoints}")
     if t.epochs is None and t.steps is None:
         raise ConfigError("training.epochs", "give training.epochs or training.steps")
+    if cfg.output.dir is not None and not cfg.output.dir.strip():  # as --output-dir '' is refused
+        raise ConfigError("output.dir", "an empty path (leave it out, or null, for runs/<config name>)")
     _check_parameters(cfg)
     return cfg
 
@@ -665,7 +667,10 @@ def changed_keys(saved: str, cfg: Config) -> list[str]:
     """The keys ("section.key") whose values differ between a config saved as JSON (a checkpoint's) and
     ``cfg``, sorted."""
     old, new = flatten_keys(json.loads(saved)), flatten_keys(cfg.to_dict())
-    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    keys = {k for k in old.keys() | new.keys() if old.get(k) != new.get(k)}
+    # an empty mapping on one side (flatten_keys keeps it as a value) whose keys the other side holds:
+    # those keys say what changed, the mapping itself did not
+    return sorted(k for k in keys if not any(other.startswith(k + ".") for other in keys))
 
 
 def flatten_keys(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,0 +1,48 @@
+"""Values of single config keys that were taken silently or refused naming another key than theirs."""
+
+from __future__ import annotations
+
+import pytest
+
+from onnxtrain.cli import main
+from onnxtrain.train import Trainer, load_config
+from onnxtrain.train.config import ConfigError
+from tests.train.conftest import config_path
+
+
+@pytest.mark.parametrize("builder", ["digits_cnn", "digits_stn"])
+@pytest.mark.parametrize("image", ["[1, 8]", "[1, 8, 8, 8]"])
+def test_an_image_shape_of_another_length_names_model_args_image(tmp_path, capsys, builder, image):
+    code = main(["train", config_path(builder), "--output-dir", str(tmp_path / "out"), "-q",
+                 "--set", "training.steps=1", "--set", f"model.args.image={image}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert ": model.args.image: " in err[0] and "[channels, height, width]" in err[0], err[0]
+    assert "unpack" not in err[0], err[0]
+
+
+@pytest.mark.parametrize("value", ["''", "' '"])
+def test_an_empty_output_dir_is_refused_as_the_option_is(value):
+    """--output-dir '' is a usage error; output.dir: '' went to runs/<config name> as if it were unset."""
+    with pytest.raises(ConfigError, match=r"^output.dir: an empty path"):
+        load_config(config_path("digits_mlp"), [f"output.dir={value}"])
+
+
+def test_a_changed_training_parameter_is_named_alone(tmp_path, capsys):
+    """The keys a --resume names as changed are the leaves that changed, not also their section (the
+    training.parameters mapping was listed beside its one new key)."""
+    out = str(tmp_path)
+    sets = ["training.steps=4", "training.checkpoint_every=2", "output.plot=false", "output.export=false"]
+    first = Trainer(load_config(config_path("digits_mlp"), sets), out, progress=False)
+    first.run()
+    capsys.readouterr()
+    more = [*sets, "training.steps=6", "training.parameters.use_fp16_moments=true"]
+    with pytest.raises(ConfigError) as e:  # the checkpoint's float32 moments do not fit
+        Trainer(load_config(config_path("digits_mlp"), more), out, progress=False).run(resume=True)
+    changed = "training.parameters.use_fp16_moments, training.steps"
+    assert str(e.value).endswith(f"config keys changed since it was written: {changed}"), str(e.value)
+    Trainer(load_config(config_path("digits_mlp"), [*sets, "training.steps=6",
+                                                    "training.parameters.use_mixed_precision=false"]),
+            out, progress=False).run(resume=True)
+    err = capsys.readouterr().err
+    assert "warning: resuming with a changed config (training.steps);" in err, err
