@@ -270,9 +270,10 @@ def _sum_square(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
 
 
 def _l2(x: np.ndarray, axes: Any, keepdims: bool) -> Any:
+    if x.dtype.kind in "iu":  # squares summed in float64, as onnxruntime's (int32 ones overflow from 46,341)
+        w = x.astype(np.float64)
+        return np.sqrt(np.sum(np.multiply(w, w, out=w), axis=axes, keepdims=keepdims))
     s = np.asarray(_sum_square(x, axes, keepdims))
-    if s.dtype.kind in "iu":
-        return np.sqrt(s)
     return np.sqrt(s, out=s) if s.ndim else np.sqrt(s)
 
 
