@@ -10,6 +10,7 @@ The decoder checks every offset against the buffer and raises :class:`FlatBuffer
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -17,11 +18,11 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "Bytes", "FlatBufferError", "Scalar", "Scalars", "Str", "Table", "TableView", "Tables",
+    "MAX_SIZE", "Bytes", "FlatBufferError", "Scalar", "Scalars", "Str", "Table", "TableView", "Tables",
     "encode", "root_table",
 ]
 
-_MAX_SIZE = 2**31 - 1  # FlatBuffers offsets are 32 bit; C++ readers cap buffers below 2 GiB
+MAX_SIZE = 2**31 - 1  # FlatBuffers offsets are 32 bit; C++ readers cap buffers below 2 GiB
 
 
 class FlatBufferError(ValueError):
@@ -87,6 +88,14 @@ class Tables:
 Field = Scalar | Str | Bytes | Scalars | Table | Tables
 
 
+def _is_default(f: Scalar) -> bool:
+    """Whether ``f`` holds its default, so may be left out: -0.0 is not the default 0.0 (its sign would be
+    lost), though the two compare equal."""
+    if f.value != f.default:
+        return False
+    return not isinstance(f.value, float) or math.copysign(1.0, f.value) == math.copysign(1.0, f.default)
+
+
 # ---------------------------------------------------------------- encoder
 
 class _Writer:
@@ -99,7 +108,7 @@ class _Writer:
 
     def table(self, t: Table) -> int:
         present = [(i, f) for i, f in enumerate(t.fields)
-                   if f is not None and not (isinstance(f, Scalar) and f.value == f.default)]
+                   if f is not None and not (isinstance(f, Scalar) and _is_default(f))]
         n_slots = present[-1][0] + 1 if present else 0
         self.pad(2)
         vt_pos = len(self.buf)
@@ -167,7 +176,7 @@ def encode(root: Table, identifier: bytes) -> bytearray:
     w.buf.extend(bytes(4) + identifier)
     w.patch(0, w.table(root))
     w.pad(8)
-    if len(w.buf) > _MAX_SIZE:
+    if len(w.buf) > MAX_SIZE:
         raise ValueError(f"FlatBuffer of {len(w.buf)} bytes exceeds the 2 GiB limit of 32-bit offsets")
     return w.buf
 

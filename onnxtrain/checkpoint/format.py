@@ -38,6 +38,7 @@ from typing import IO
 
 import numpy as np
 
+from onnxtrain.checkpoint import flatbuf
 from onnxtrain.checkpoint.flatbuf import (
     Bytes,
     FlatBufferError,
@@ -101,7 +102,11 @@ class Checkpoint:
 # ---------------------------------------------------------------- public API
 
 def checkpoint_to_bytes(ckpt: Checkpoint) -> bytes:
-    """Serialize ``ckpt`` as one buffer, all tensor data inline."""
+    """Serialize ``ckpt`` as one buffer, all tensor data inline (refused above FlatBuffers' 2 GiB)."""
+    size = 0 if ckpt.nominal else _data_bytes(ckpt)
+    if size > flatbuf.MAX_SIZE:  # (refused before a buffer of that size is built)
+        raise ValueError(f"the checkpoint's tensors hold {size} bytes, more than one FlatBuffer can (2 GiB); "
+                         "save_checkpoint writes them to a file of their own beside the checkpoint")
     return bytes(_encode(ckpt, external=False)[0])
 
 
@@ -122,8 +127,9 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike,
     generator writes them, the model's initializer order, and its ``onnxblock.save_checkpoint`` the
     order of the lists it is given).
 
-    When the tensors hold more than ``external_threshold`` bytes, their data goes to
-    ``<path>.data`` and ``path`` keeps only metadata; otherwise a stale ``<path>.data`` is removed.
+    When the tensors hold more than ``external_threshold`` bytes, or more than one FlatBuffer can (2 GiB
+    with the metadata), their data goes to ``<path>.data`` and ``path`` keeps only metadata; otherwise a
+    stale ``<path>.data`` is removed.
     Both files are written to temporaries first and renamed together (see ``StagedFiles``).
     """
     with StagedFiles() as files:
@@ -140,7 +146,9 @@ def stage_checkpoint(files: StagedFiles, ckpt: Checkpoint, path: str | os.PathLi
         raise IsADirectoryError(errno.EISDIR, "Cannot save checkpoint, the path is a directory", path)
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise FileNotFoundError(errno.ENOENT, "Cannot save checkpoint, its directory does not exist", path)
-    external = not ckpt.nominal and _data_bytes(ckpt) > external_threshold
+    size = 0 if ckpt.nominal else _data_bytes(ckpt)
+    external = size > external_threshold or (size > flatbuf.MAX_SIZE // 2
+                                             and not _fits_inline(ckpt, size, sort_parameters))
     if external:
         token = os.urandom(16)
         ckpt = dataclasses.replace(ckpt, properties={**ckpt.properties, DATA_TOKEN: token.hex()})
@@ -274,33 +282,57 @@ def _data_bytes(ckpt: Checkpoint) -> int:
     return sum(np.asarray(t).nbytes for t in tensors)
 
 
+def _fits_inline(ckpt: Checkpoint, size: int, sort_parameters: bool) -> bool:
+    """Whether ``ckpt``, whose tensors hold ``size`` bytes, fits in one FlatBuffer: its metadata (as written
+    with external data) plus the bytes, with each tensor's length and alignment padding."""
+    main, arrays = _encode(ckpt, True, sort_parameters)
+    return len(main) + size + 20 * len(arrays) <= flatbuf.MAX_SIZE
+
+
+def _text(value: object, kind: str, label: str) -> Str:
+    """``value`` as a FlatBuffers string: a TypeError saying ``kind`` must be str, a ValueError naming
+    ``label`` and the value for a str without a UTF-8 form (a lone surrogate, from ``os.fsdecode``)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{kind} must be str, got {type(value).__name__}")
+    try:
+        return Str(value)
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{label} {value!r} is not valid UTF-8 text ({e.reason} at index {e.start}); "
+                         "checkpoints store strings as UTF-8") from None
+
+
+def _check_names(names: object, kind: str) -> None:
+    """A TypeError unless every name in ``names`` is a str (before they are sorted)."""
+    for name in names:  # type: ignore[attr-defined]
+        if not isinstance(name, str):
+            raise TypeError(f"{kind} must be str, got {type(name).__name__} {name!r}")
+
+
 def _tensor(name: str, value: object, nominal: bool, place: Callable[[np.ndarray], int] | None,
             what: str) -> Table:
-    if not isinstance(name, str):
-        raise TypeError(f"{what}: names must be str, got {type(name).__name__}")
+    text = _text(name, f"{what}: names", what)
     arr = _as_array(value, f"{what} {name!r}")
     elem = onnx_elem_type(arr.dtype)
     if nominal:  # name and type only, as onnxruntime writes them
-        return Table(Str(name), None, Scalars("q", []), Scalar("i", elem), Bytes(b""))
+        return Table(text, None, Scalars("q", []), Scalar("i", elem), Bytes(b""))
     dims = Scalars("q", arr.shape)
     if place is not None:
-        return Table(Str(name), None, dims, Scalar("i", elem), None, None, Scalar("q", place(arr), -1))
-    return Table(Str(name), None, dims, Scalar("i", elem), Bytes(arr.reshape(-1).view(np.uint8)))
+        return Table(text, None, dims, Scalar("i", elem), None, None, Scalar("q", place(arr), -1))
+    return Table(text, None, dims, Scalar("i", elem), Bytes(arr.reshape(-1).view(np.uint8)))
 
 
 def _property(name: str, value: object) -> tuple[int, Table]:
     """(0 int / 1 float / 2 string, table) for one property."""
-    if not isinstance(name, str):
-        raise TypeError(f"property names must be str, got {type(name).__name__}")
+    text = _text(name, "property names", "property")
     if isinstance(value, (bool, np.bool_, int, np.integer)):
         v = int(value)
         if not -(2**63) <= v < 2**63:
             raise ValueError(f"property {name!r}: {v} does not fit in int64")
-        return 0, Table(Str(name), Scalar("q", v))
+        return 0, Table(text, Scalar("q", v))
     if isinstance(value, (float, np.floating)):
-        return 1, Table(Str(name), Scalar("f", float(np.float32(value)), 0.0))
+        return 1, Table(text, Scalar("f", float(np.float32(value)), 0.0))
     if isinstance(value, str):
-        return 2, Table(Str(name), Str(value))
+        return 2, Table(text, _text(value, "property values", f"property {name!r}: the value"))
     raise TypeError(f"property {name!r}: type {type(value).__name__} is not int, float or str")
 
 
@@ -320,6 +352,9 @@ def _encode(ckpt: Checkpoint, external: bool, sort_parameters: bool = True
         return at
 
     where = place if external else None
+    _check_names(ckpt.trainable, "trainable parameter: names")
+    _check_names(ckpt.frozen, "frozen parameter: names")
+    _check_names(ckpt.properties, "property names")
     dup = set(ckpt.trainable) & set(ckpt.frozen)
     if dup:
         raise ValueError(f"parameters both trainable and frozen: {sorted(dup)}")
@@ -335,13 +370,20 @@ def _encode(ckpt: Checkpoint, external: bool, sort_parameters: bool = True
     names = [g.name for g in ckpt.optimizer_groups]
     if len(set(names)) != len(names):
         raise ValueError(f"optimizer group names repeat: {names}")
+    _check_names(names, "optimizer group names")
     for g in sorted(ckpt.optimizer_groups, key=lambda g: g.name):
+        kind = f"parameter names of optimizer group {g.name!r}"
+        _check_names(g.states, kind)
         states = []
         for p in sorted(g.states):
+            _check_names(g.states[p], f"optimizer state of {p!r}: names")
             moments = [_tensor(m, g.states[p][m], False, where, f"optimizer state of {p!r}")
                        for m in sorted(g.states[p])]
-            states.append(Table(Str(p), Tables(moments)))
-        groups.append(Table(Str(g.name), Scalar("q", int(g.step)),
+            states.append(Table(_text(p, kind, f"optimizer group {g.name!r}: parameter"), Tables(moments)))
+        step = int(g.step)
+        if not -(2**63) <= step < 2**63:
+            raise ValueError(f"optimizer group {g.name!r}: step {step} does not fit in int64")
+        groups.append(Table(_text(g.name, "optimizer group names", "optimizer group"), Scalar("q", step),
                             Scalar("f", float(np.float32(g.initial_lr)), 0.0), Tables(states)))
 
     bag = None
