@@ -1046,3 +1046,29 @@ def test_an_upgraded_model_keeps_its_names_unique() -> None:
     model = _model(nodes, [vi("x", [2]), vi("xs", [3])], {}, opset=11)
     rng = np.random.default_rng(9)
     check_case(model, {"x": rng.standard_normal(2), "xs": rng.standard_normal(3)}, ["x", "xs"])
+
+
+@pytest.mark.parametrize("axis", [1, -1])
+def test_scan_ranks_from_its_body(axis: int) -> None:
+    """A Scan along axis 1 over a value whose rank ONNX's shape inference does not find (a Loop's carried
+    value, the Loop's body leaving its shapes out; in the random-body fuzz, one whose body reads outer
+    values), the Scan's body declaring its inputs' and outputs' shapes: the ranks the gradient needs are
+    those plus one. Before, building the gradient failed ("the ranks of the scan inputs and outputs must
+    be known")."""
+    loop_body = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c2"]), helper.make_node("Tanh", ["h"], ["h2"])],
+        "loop_body", [vi("i", [], I64), vi("c", [], BOOL), vi("h", None)],
+        [vi("c2", [], BOOL), vi("h2", None)])
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["s", "e"], ["p"]), helper.make_node("Tanh", ["p"], ["s2"]),
+         helper.make_node("Sin", ["p"], ["y"])],
+        "body", [vi("s", [2]), vi("e", [2])], [vi("s2", [2]), vi("y", [2])])
+    nodes = [helper.make_node("Loop", ["one", "", "x"], ["xs"], body=loop_body),
+             helper.make_node("Scan", ["s0", "xs"], ["s_end", "ys"], body=body, num_scan_inputs=1,
+                              scan_input_axes=[axis], scan_output_axes=[axis]),
+             helper.make_node("ReduceSum", ["ys"], ["ly"], keepdims=0),
+             helper.make_node("ReduceSum", ["s_end"], ["ls"], keepdims=0),
+             helper.make_node("Add", ["ly", "ls"], ["loss"])]
+    model = _model(nodes, [vi("s0", [2]), vi("x", [2, 3])], {"one": np.array(1)})
+    rng = np.random.default_rng(10)
+    check_case(model, {"s0": rng.standard_normal(2), "x": rng.standard_normal((2, 3))}, ["s0", "x"])

@@ -317,8 +317,14 @@ def scan_grad(g: GradCtx) -> None:
     if not g.body_wrt and not sliced and not any(g.needs_dx(j) for j in floats):
         return
     ranks = [g.rank(node.input[n + q]) for q in range(m)]
-    if any(r is None for r in ranks) or any(g.rank(o, output=True) is None for o in range(n, n + k)):
-        raise RuleError("the ranks of the scan inputs and outputs must be known")
+    out_ranks = [g.rank(o, output=True) for o in range(n, n + k)]
+    if None in ranks or None in out_ranks:  # those the body declares, one axis more
+        ranks = [r if r is not None else _declared_rank(body.input[n + q]) for q, r in enumerate(ranks)]
+        out_ranks = [r if r is not None else _declared_rank(body.output[n + o])
+                     for o, r in enumerate(out_ranks)]
+    if None in ranks or None in out_ranks:
+        raise RuleError("the ranks of the scan inputs and outputs must be known (from the graph's shapes or "
+                        "the shapes the body declares for its scanned inputs and scan outputs)")
     label = node.name or "Scan"
     draws = find_draws(g, body, f"Scan {label!r}")
     forward = onnx.GraphProto()
@@ -343,9 +349,8 @@ def scan_grad(g: GradCtx) -> None:
     for o in range(k):
         if g.dy(n + o) is not None:
             pos = back.idx if not out_dirs[o] else back.mirror
-            rank = g.rank(n + o, output=True)
             dy = _for_body(g, g.dy(n + o))
-            back.incoming(forward.output[n + o].name, back.gather(dy, pos, out_axes[o] % rank))
+            back.incoming(forward.output[n + o].name, back.gather(dy, pos, out_axes[o] % out_ranks[o]))
     # a body may leave its formal inputs untyped (ONNX's LinearAttention body): the state's type, and the
     # scan input's without its scan axis; a declared type stays
     typed = {formal[j]: state_types[j] for j in range(n)}
@@ -627,6 +632,14 @@ def _stash(
         stashed.append(g.node.output[-1])
     bw.names.taken.update(o.name for o in body.output)
     return stashed
+
+
+def _declared_rank(v: onnx.ValueInfoProto) -> int | None:
+    """The rank of a Scan's scan input or output whose body value ``v`` declares a shape: one more."""
+    tp = v.type
+    if tp.HasField("tensor_type") and tp.tensor_type.HasField("shape"):
+        return len(tp.tensor_type.shape.dim) + 1
+    return None
 
 
 def _carried_type(g: GradCtx, body: onnx.GraphProto, i: int, start: str) -> onnx.TypeProto:
