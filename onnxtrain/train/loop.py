@@ -30,11 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
+import onnx
 import yaml
 
 from onnxtrain import parallel
 from onnxtrain.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from onnxtrain.engine.seeds import set_random_seed
+from onnxtrain.ir.graphs import RANDOM_OPS, model_nodes
 from onnxtrain.ir.io import write_atomic
 from onnxtrain.train import data as data_mod
 from onnxtrain.train.config import Config, ConfigError, changed_keys
@@ -200,6 +202,9 @@ class Trainer:
         self.params = training_parameters(cfg, self.model)
         # whether the session exchanges updates by Adasum (parallel.exchange_mode: ZeRO stage 1 wins over it)
         self.adasum = w.size > 1 and bool(self.params.enable_adasum) and self.params.deepspeed_zero_stage != 1
+        # onnxruntime seeds its random nodes (but Dropout) when their session is built: seeded here from the
+        # config, two runs of it draw the same values there too (each step's reseed comes later)
+        self.reseed(0)
         self.sess = make_session(cfg, self.model, self.params)
         self.trained = trainable_names(self.sess)
         self.layout = optimizer_layout(self.sess, self.comm)
@@ -344,6 +349,14 @@ class Trainer:
         if isinstance(windows, str):
             window = _run_property(path, "log_windows", lambda: self._log_window(windows))
             st.window_loss, st.window_n = window
+        redrawn = _unrepeatable_random_nodes(self.model, self.cfg.training.backend)
+        if redrawn and self.main:
+            shown = ", ".join(redrawn[:3]) + (f" and {len(redrawn) - 3} more" if len(redrawn) > 3 else "")
+            nodes = "node" if len(redrawn) == 1 else "nodes"
+            print(f"onnxtrain: warning: the random {nodes} {shown} cannot draw after --resume what an "
+                  "uninterrupted run draws (a seed attribute restarts its generator; on the onnxruntime "
+                  "backend random ops but Dropout draw from generators seeded when the session is built): "
+                  "the run will not match an uninterrupted one", file=sys.stderr)
         if diff and self.main:
             print(f"onnxtrain: warning: resuming with a changed config ({', '.join(diff)}); the run will "
                   "not match an uninterrupted one", file=sys.stderr)
@@ -621,6 +634,19 @@ def _run_property(path: str, name: str, read: Callable[[], _T]) -> _T:
     except _UNREADABLE as e:
         raise ValueError(f"Cannot resume from checkpoint {path!r}: the file is damaged, its run property "
                          f"{name!r} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def _unrepeatable_random_nodes(model: onnx.ModelProto, backend: str) -> list[str]:
+    """The model's random nodes (as "'name' (op)") whose draws a resumed run cannot repeat: those with a
+    ``seed`` attribute (their generator restarts from it), and on the onnxruntime backend every one but
+    Dropout (onnxruntime seeds them once, when it builds the session; the trainer reseeds Dropout at each
+    step)."""
+    def unrepeatable(n: onnx.NodeProto) -> bool:
+        seeded = any(a.name == "seed" for a in n.attribute)
+        return seeded or (backend == "onnxruntime" and n.op_type != "Dropout")
+
+    return [f"{n.name or '(unnamed)'!r} ({n.op_type})" for n in model_nodes(model)
+            if n.op_type in RANDOM_OPS and unrepeatable(n)]
 
 
 def _saved_batch_size(saved: Any, default: int) -> int:
