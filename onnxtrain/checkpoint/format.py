@@ -308,6 +308,15 @@ def _check_names(names: object, kind: str) -> None:
             raise TypeError(f"{kind} must be str, got {type(name).__name__} {name!r}")
 
 
+def _check_parameter_names(ckpt: Checkpoint) -> None:
+    """Parameter names are str and not empty (onnxruntime-training refuses a file with an empty one)."""
+    for params, kind in ((ckpt.trainable, "trainable parameter"), (ckpt.frozen, "frozen parameter")):
+        _check_names(params, f"{kind}: names")
+        if "" in params:
+            raise ValueError(f"a {kind} has an empty name, which onnxruntime-training refuses to load "
+                             "('Parameter must have a non-empty name')")
+
+
 def _tensor(name: str, value: object, nominal: bool, place: Callable[[np.ndarray], int] | None,
             what: str) -> Table:
     text = _text(name, f"{what}: names", what)
@@ -352,8 +361,7 @@ def _encode(ckpt: Checkpoint, external: bool, sort_parameters: bool = True
         return at
 
     where = place if external else None
-    _check_names(ckpt.trainable, "trainable parameter: names")
-    _check_names(ckpt.frozen, "frozen parameter: names")
+    _check_parameter_names(ckpt)
     _check_names(ckpt.properties, "property names")
     dup = set(ckpt.trainable) & set(ckpt.frozen)
     if dup:
