@@ -49,6 +49,7 @@ class Body:
         self.opsets, self.ir_version = list(model.opset_import), model.ir_version
         self._inferred: tuple[Any, dict[str, list[int | None]]] = (None, {})
         self._declared: dict[str, list[int | None]] | None = None  # see _declared_inference
+        self._outer: tuple[Any, dict[str, list[int | None]]] = (None, {})  # see _outer_inference
         self.peak_extra = 0  # bytes: see run
 
     def take(self, captured: dict[str, Any]) -> list[Any]:
@@ -88,7 +89,8 @@ class Body:
     def empty_output(self, k: int, given: Sequence[Any] = (), captured: Sequence[Any] = ()) -> np.ndarray:
         """An empty stack of body output ``k`` (a scan output of a loop that ran no iteration): its dims are
         the body's declared ones (when it declares no shape, those shape inference finds from the body's own
-        declarations, as onnxruntime's load-time inference does; else rank 1, as onnxruntime defaults), those
+        declarations and the shapes of the outer values it reads, as onnxruntime's load-time inference does
+        from the outer graph's; else rank 1, as onnxruntime defaults), those
         it leaves open as ONNX shape inference finds them from the body's inputs ``given`` (arrays, or shapes
         as tuples) and its ``captured`` values when it can (see :meth:`inferred_dims`), 0 otherwise."""
         tp = self.outputs[k].type
@@ -96,6 +98,8 @@ class Body:
         dims = value_info_shape(tp)
         if dims is None:  # no shape declared: the rank the body's declarations give (onnxruntime's), if any
             dims = self._declared_inference().get(self.outputs[k].name)
+        if dims is None and captured:  # nor those: with the outer values' shapes too
+            dims = self._outer_inference(captured).get(self.outputs[k].name)
         if dims is not None and not all(isinstance(d, int) and d >= 0 for d in dims) and given:
             found = self.inferred_dims(given, captured).get(self.outputs[k].name)
             if found is not None and len(found) == len(dims):
@@ -121,6 +125,24 @@ class Body:
         if self._declared is None:
             self._declared = self._output_dims(self.graph, data_prop=False)
         return self._declared
+
+    def _outer_inference(self, captured: Sequence[Any]) -> dict[str, list[int | None]]:
+        """The body's output dims (None where unknown) by ONNX shape inference on the body's declared inputs
+        and the values it captures typed as ``captured`` (arrays; others left untyped): what onnxruntime's
+        load-time inference finds from the outer graph's types. The last result is kept for the same
+        shapes."""
+        key = tuple((np.shape(v), str(v.dtype)) if type(v) is np.ndarray else None for v in captured)
+        if self._outer[0] != key:
+            body = onnx.GraphProto()
+            body.CopyFrom(self.graph)
+            for name, v in zip(self.captures, captured):
+                if type(v) is np.ndarray:
+                    body.input.append(helper.make_tensor_value_info(
+                        name, helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)))
+            for o in body.output:
+                o.type.tensor_type.ClearField("shape")
+            self._outer = (key, self._output_dims(body, data_prop=False))
+        return self._outer[1]
 
     def _infer(self, given: Sequence[Any], captured: Sequence[Any]) -> dict[str, list[int | None]]:
         body = onnx.GraphProto()
