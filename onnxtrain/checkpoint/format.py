@@ -209,7 +209,10 @@ def load_checkpoint(path: str | os.PathLike, *, optimizer_state: bool = True) ->
             if attempt == _TORN_RETRIES or not _replaced(path, data):
                 raise
             time.sleep(_TORN_WAIT)
-        except (FlatBufferError, ValueError) as e:
+        except FlatBufferError as e:
+            raise ValueError(f"Cannot load checkpoint {given!r}: the file is damaged, or is not an "
+                             f"onnxruntime training checkpoint ({e})") from None
+        except ValueError as e:
             raise ValueError(f"Cannot load checkpoint {given!r}: {e}") from None
         finally:
             main.close()
@@ -434,17 +437,17 @@ class _DataFile:
             token = self.token()  # before any offset is read: a shorter .data of another save is not "cut"
             if self.expected is not None and token is not None and token.hex() != self.expected:
                 raise _TornRead(f"its .data file is not the one saved with it (another save over the path "
-                                f"ran while it was read, or {self.path} was replaced): save under a new name "
-                                "when something may be reading")
+                                f"ran while it was read, or {self.path} was replaced or is damaged): save "
+                                "under a new name when something may be reading")
         nbytes = math.prod(shape) * dtype.itemsize
         if offset + nbytes > self.size:
-            raise ValueError(f"{self.path} ends before the {nbytes} bytes of tensor {name!r} at "
-                             f"offset {offset}")
+            raise ValueError(f"{self.path} is damaged: it ends before the {nbytes} bytes of tensor "
+                             f"{name!r} at offset {offset}")
         arr = np.empty(shape, dtype)
         self.file.seek(offset)
         if self.file.readinto(memoryview(arr.reshape(-1).view(np.uint8))) != arr.nbytes:
-            raise ValueError(f"{self.path} ends before the {arr.nbytes} bytes of tensor {name!r} at "
-                             f"offset {offset}")
+            raise ValueError(f"{self.path} is damaged: it ends before the {arr.nbytes} bytes of tensor "
+                             f"{name!r} at offset {offset}")
         return arr
 
     def token(self) -> bytes | None:
@@ -469,7 +472,7 @@ def _read_tensor(t: TableView, nominal: bool, data: _DataFile, let_go: Callable[
                  ) -> tuple[str, np.ndarray]:
     name = t.string(0)
     if name is None:
-        raise ValueError("a tensor has no name")
+        raise FlatBufferError("a tensor has no name")
     elem = t.scalar(3, "i", 0)
     if elem not in _SUPPORTED:
         raise ValueError(f"tensor {name!r} has unsupported data type {elem}")
@@ -479,16 +482,18 @@ def _read_tensor(t: TableView, nominal: bool, data: _DataFile, let_go: Callable[
     dims = t.scalars(2, "<i8")
     shape = () if dims is None else tuple(int(d) for d in dims)
     if any(d < 0 for d in shape):
-        raise ValueError(f"tensor {name!r} has negative dims {shape}")
+        raise FlatBufferError(f"tensor {name!r} has negative dims {shape}")
+    if len(shape) > 64 or math.prod(d or 1 for d in shape) * dtype.itemsize >= 2**63:  # (numpy's limits)
+        raise FlatBufferError(f"tensor {name!r} has dims {shape} that no array can have")
     count = math.prod(shape)
     offset = t.scalar(6, "q", -1)
     if offset >= 0:
         return name, data.read(offset, dtype, shape, name)
     raw = t.bytes(4)
     if raw is None:
-        raise ValueError(f"tensor {name!r} has neither raw data nor an external data offset")
+        raise FlatBufferError(f"tensor {name!r} has neither raw data nor an external data offset")
     if len(raw) != count * dtype.itemsize:
-        raise ValueError(f"tensor {name!r} of shape {shape} and type {dtype} has {len(raw)} data bytes, "
+        raise FlatBufferError(f"tensor {name!r} of shape {shape} and type {dtype} has {len(raw)} data bytes, "
                          f"expected {count * dtype.itemsize}")
     arr = np.frombuffer(raw, dtype, count).reshape(shape).copy()
     let_go(*t.span(4))
@@ -500,7 +505,7 @@ def _read_tensors(tables: list[TableView] | None, nominal: bool, data: _DataFile
     for t in tables or []:
         name, arr = _read_tensor(t, nominal, data, let_go)
         if name in into:
-            raise ValueError(f"{what} {name!r} appears twice")
+            raise FlatBufferError(f"{what} {name!r} appears twice")
         into[name] = arr
 
 
@@ -524,7 +529,7 @@ def _decode(buf: bytes | mmap.mmap, data_path: str | None, optimizer_state: bool
             for p in bag.tables(kind) or []:
                 name = p.string(0)
                 if name is None:
-                    raise ValueError("a property has no name")
+                    raise FlatBufferError("a property has no name")
                 props[name] = convert(p)
         expected = props.pop(DATA_TOKEN, None)
         ckpt.properties = {n: props[n] for n in sorted(props)}
@@ -537,18 +542,18 @@ def _decode(buf: bytes | mmap.mmap, data_path: str | None, optimizer_state: bool
             _read_tensors(module.tables(1), ckpt.nominal, data, ckpt.frozen, "parameter", let_go)
             both = set(ckpt.trainable) & set(ckpt.frozen)
             if both:
-                raise ValueError(f"parameters both trainable and frozen: {sorted(both)}")
+                raise FlatBufferError(f"parameters both trainable and frozen: {sorted(both)}")
         for g in (root.tables(2) or []) if optimizer_state else []:
             name = g.string(0)
             if name is None:
-                raise ValueError("an optimizer group has no name")
+                raise FlatBufferError("an optimizer group has no name")
             group = OptimizerGroup(name, int(g.scalar(1, "q", 0)), float(g.scalar(2, "f", 0.0)))
             if any(group.name == other.name for other in ckpt.optimizer_groups):
-                raise ValueError(f"optimizer group {group.name!r} appears twice")
+                raise FlatBufferError(f"optimizer group {group.name!r} appears twice")
             for s in g.tables(3) or []:
                 param = s.string(0)
                 if param is None:
-                    raise ValueError(f"an optimizer state of group {group.name!r} has no parameter name")
+                    raise FlatBufferError(f"an optimizer state of group {group.name!r} has no parameter name")
                 moments: dict[str, np.ndarray] = {}
                 _read_tensors(s.tables(1), False, data, moments, f"optimizer state of {param!r}", let_go)
                 group.states[param] = moments

@@ -1,9 +1,9 @@
 """Damaged checkpoint files: every truncation point and thousands of seeded byte changes.
 
-Each load of a damaged file either raises a ValueError that names the file, or, where the damage cannot be
-told (a changed tensor value, a cut in the zero padding that ends the buffer or in the save's trailer after
-the .data tensors), gives a checkpoint. Never another exception, a hang or a large allocation from a
-corrupt length.
+Each load of a damaged file either raises a ValueError that names the file and says it is damaged, or,
+where the damage cannot be told (a changed tensor value, a cut in the zero padding that ends the buffer or
+in the save's trailer after the .data tensors), gives a checkpoint. Never another exception, a hang or a
+large allocation from a corrupt length.
 """
 
 from __future__ import annotations
@@ -57,12 +57,14 @@ def _write(path: str, main: bytes, data: bytes | None) -> None:
 
 
 def _load(path: str) -> Checkpoint | None:
-    """The checkpoint, or None after checking the error names the file."""
+    """The checkpoint, or None after checking the error names the file and says it is damaged (or, for a
+    version or data type code changed to one this reader does not know, that it is not supported)."""
     start = time.monotonic()
     try:
         return load_checkpoint(path)
     except ValueError as e:
         assert path in str(e), str(e)
+        assert "damaged" in str(e) or "not supported" in str(e) or "unsupported data type" in str(e), str(e)
         return None
     finally:
         assert time.monotonic() - start < 5, "a load of a damaged file took over 5 s"
