@@ -212,12 +212,33 @@ def pow_(inputs: Inputs, attrs: Attrs) -> Outputs:
                 r = np.power(a.astype(np.float64), b.astype(np.float64, copy=False))
             else:
                 r = np.power(a, b)  # a float16 base with a float32 exponent is computed in float32
-        elif b.dtype.kind == "f" or (b.dtype.kind == "i" and (b < 0).any()):
-            r = np.power(a.astype(np.float64), b)  # integer base, negative or fractional exponent
+        elif b.dtype.kind == "f":
+            r = np.power(a.astype(np.float64), b)  # integer base, fractional exponent
         else:
-            r = np.power(a, b)
+            r = _int_power(a, b)
         r = _arr(r)
         return (r if r.dtype == dt else r.astype(dt),)  # (float32 from float64: overflow to inf, quietly)
+
+
+_TOP_BIT = np.uint64(1 << 63)
+_LOW_62 = np.uint64((1 << 62) - 1)
+_BIT_62 = np.uint64(1 << 62)
+
+
+def _int_power(a: np.ndarray, b: np.ndarray) -> Any:
+    """``a ** b`` for an integer base and exponent, wrapping as integer products do; a negative exponent
+    gives C's pow truncated toward zero (as onnxruntime: 0 for |a| >= 2), computed in float64 for those
+    elements only."""
+    if b.dtype == np.uint64 and a.dtype.kind == "i":
+        # numpy takes int ** uint64 to float64: as int64 exponents instead, the same powers modulo 2^64
+        # (for b >= 2^63, b mod 2^62 + 2^62: a^(2^62) is 1 for an odd a modulo 2^64, an even a's power is 0)
+        big = b >= _TOP_BIT
+        b = (np.where(big, (b & _LOW_62) | _BIT_62, b) if big.any() else b).astype(np.int64)
+    if b.dtype.kind != "i" or not (b < 0).any():
+        return np.power(a, b)
+    neg = b < 0
+    whole = np.power(a, np.where(neg, 0, b))
+    return np.where(neg, np.power(a.astype(np.float64), b).astype(whole.dtype), whole)
 
 
 def _pow_scalar(a: np.ndarray, e: float) -> np.ndarray | None:
