@@ -6,7 +6,9 @@ on one at or above the stride ("output_padding may be too large for stride"). Th
 transposed convolution (s·(S − 1) + k_eff rows) followed by ``output_padding`` rows of zeros, cropped by the
 pads: rows [begin, full + output_padding − end). On such an axis the node takes no output_padding and the
 end pad less it, and where the end pad is smaller than the output_padding, a ``Pad`` appends the rows of
-zeros the pad did not crop. The same values. Only nodes with explicit pads (no ``auto_pad`` SAME_*, no
+zeros the pad did not crop. The same values. A bias belongs on every row, those added too: a rewritten node
+that adds rows hands its bias to an ``Add`` after them (it left the added rows at zero, without the bias).
+Only nodes with explicit pads (no ``auto_pad`` SAME_*, no
 ``output_shape``) are rewritten; the others stay as they are.
 
 Under ``auto_pad`` SAME_* (no ``output_shape``) Y has S·s rows, so the pads total output_padding + k_eff − s
@@ -262,14 +264,42 @@ def _zero_rows(node: onnx.NodeProto, before: list[int], after: list[int], names:
     y = node.output[0]
     inner = names(f"{y}_unpadded")
     node.output[0] = inner
+    bias = _detach_bias(node)
+    padded = y if bias is None else names(f"{y}_padded")
     spec = [0, 0, *before, 0, 0, *after]
     label = names(f"{node.name or y}_{what}")
     if opset < 11:
-        return [helper.make_node("Pad", [inner], [y], name=label, pads=spec)]
-    amounts = names(f"{y}_pads")
-    const = helper.make_node("Constant", [], [amounts], name=names(f"{label}_pads"),
-                             value=numpy_helper.from_array(np.array(spec, np.int64), amounts))
-    return [const, helper.make_node("Pad", [inner, amounts], [y], name=label)]
+        out = [helper.make_node("Pad", [inner], [padded], name=label, pads=spec)]
+    else:
+        amounts = names(f"{y}_pads")
+        const = helper.make_node("Constant", [], [amounts], name=names(f"{label}_pads"),
+                                 value=numpy_helper.from_array(np.array(spec, np.int64), amounts))
+        out = [const, helper.make_node("Pad", [inner, amounts], [padded], name=label)]
+    if bias is not None:
+        out += _add_bias(bias, padded, y, len(before), label, names, opset)
+    return out
+
+
+def _detach_bias(node: onnx.NodeProto) -> str | None:
+    """``node``'s bias input, taken off it (the rows a rewrite adds need the bias too), or None."""
+    if len(node.input) < 3 or not node.input[2]:
+        return None
+    bias = node.input[2]
+    del node.input[2:]
+    return bias
+
+
+def _add_bias(bias: str, x: str, y: str, nd: int, label: str, names: NameGen,
+              opset: int) -> list[onnx.NodeProto]:
+    """Nodes writing ``y`` = ``x`` plus the per-channel ``bias`` on every row of its ``nd`` spatial axes."""
+    if opset < 7:  # (Add's legacy broadcast over axis 1)
+        return [helper.make_node("Add", [x, bias], [y], name=names(f"{label}_bias"), broadcast=1, axis=1)]
+    shape = names(f"{y}_bias_shape")
+    column = names(f"{y}_bias_column")
+    return [helper.make_node("Constant", [], [shape], name=names(f"{label}_bias_shape"),
+                             value=numpy_helper.from_array(np.array([-1] + [1] * nd, np.int64), shape)),
+            helper.make_node("Reshape", [bias, shape], [column], name=names(f"{label}_bias_column")),
+            helper.make_node("Add", [x, column], [y], name=names(f"{label}_bias"))]
 
 
 def _run_time_window(node: onnx.NodeProto, window: _Window, names: NameGen) -> list[onnx.NodeProto]:
@@ -280,6 +310,7 @@ def _run_time_window(node: onnx.NodeProto, window: _Window, names: NameGen) -> l
     y = node.output[0]
     full = names(f"{y}_full")
     node.output[0] = full
+    bias = _detach_bias(node)
     label = node.name or y
     nd = len(window.want)
     out: list[onnx.NodeProto] = []
@@ -307,5 +338,8 @@ def _run_time_window(node: onnx.NodeProto, window: _Window, names: NameGen) -> l
     after = make("Max", [make("Sub", [make("Add", [begin, const(window.want)]), sizes]), zero])
     amounts = make("Concat", [const([0, 0]), before, const([0, 0]), after], axis=0)
     padded = make("Pad", [full, amounts])
-    make("Slice", [padded, start, end, const(list(range(2, 2 + nd)))], y)
+    window_rows = make("Slice", [padded, start, end, const(list(range(2, 2 + nd)))],
+                       y if bias is None else None)
+    if bias is not None:
+        out += _add_bias(bias, window_rows, y, nd, label, names, _WINDOW_OPSET)
     return out
