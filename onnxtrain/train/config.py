@@ -499,6 +499,10 @@ def validate(cfg: Config) -> Config:
         for k in ("betas", "eps", "weight_decay", "clip_grad_norm"):
             if getattr(o, k) is not None:
                 raise ConfigError(f"optimizer.{k}", "not supported by sgd (use adam or lamb)")
+    if o.name == "adam" and o.eps == 0:  # (Lamb sets a step that is not finite to 0)
+        raise ConfigError("optimizer.eps", "expected a number > 0 with adam: a weight whose gradient is 0 (a "
+                                           "dead ReLU, an input that is always 0) would step by 0/0 and turn "
+                                           "NaN; leave it out for adam's 1e-8")
     s = cfg.schedule
     if s.warmup_steps < 0:
         raise ConfigError("schedule.warmup_steps", f"expected an int >= 0, got {s.warmup_steps}")

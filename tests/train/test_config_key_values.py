@@ -9,6 +9,8 @@ from onnxtrain.train import Trainer, load_config
 from onnxtrain.train.config import ConfigError
 from tests.train.conftest import config_path
 
+torch = pytest.importorskip("torch")
+
 
 @pytest.mark.parametrize("builder", ["digits_cnn", "digits_stn"])
 @pytest.mark.parametrize("image", ["[1, 8]", "[1, 8, 8, 8]"])
@@ -46,3 +48,18 @@ def test_a_changed_training_parameter_is_named_alone(tmp_path, capsys):
             out, progress=False).run(resume=True)
     err = capsys.readouterr().err
     assert "warning: resuming with a changed config (training.steps);" in err, err
+
+
+def test_adam_refuses_eps_0_naming_it():
+    """Adam's step is m / (sqrt(v) + eps): with eps 0 a weight whose gradient is 0 (a digit pixel that is
+    always 0) steps by 0/0, as torch's Adam does, and the run ended 'diverged' blaming the learning rate.
+    Lamb replaces a step that is not finite by 0, so eps 0 stays allowed there."""
+    w = torch.zeros(3, requires_grad=True)
+    opt = torch.optim.Adam([w], lr=0.1, eps=0.0)
+    w.grad = torch.zeros(3)
+    opt.step()
+    assert torch.isnan(w).all()  # what eps 0 does to a weight that gets no gradient
+    with pytest.raises(ConfigError, match=r"^optimizer.eps: expected a number > 0 with adam"):
+        load_config(config_path("digits_mlp"), ["optimizer.eps=0"])
+    lamb = load_config(config_path("digits_mlp"), ["optimizer.eps=0", "optimizer.name=lamb"])
+    assert lamb.optimizer.eps == 0
