@@ -103,6 +103,7 @@ class Checkpoint:
 
 def checkpoint_to_bytes(ckpt: Checkpoint) -> bytes:
     """Serialize ``ckpt`` as one buffer, all tensor data inline (refused above FlatBuffers' 2 GiB)."""
+    _check_reserved(ckpt)
     size = 0 if ckpt.nominal else _data_bytes(ckpt)
     if size > flatbuf.MAX_SIZE:  # (refused before a buffer of that size is built)
         raise ValueError(f"the checkpoint's tensors hold {size} bytes, more than one FlatBuffer can (2 GiB); "
@@ -146,6 +147,7 @@ def stage_checkpoint(files: StagedFiles, ckpt: Checkpoint, path: str | os.PathLi
         raise IsADirectoryError(errno.EISDIR, "Cannot save checkpoint, the path is a directory", path)
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise FileNotFoundError(errno.ENOENT, "Cannot save checkpoint, its directory does not exist", path)
+    _check_reserved(ckpt)
     size = 0 if ckpt.nominal else _data_bytes(ckpt)
     external = size > external_threshold or (size > flatbuf.MAX_SIZE // 2
                                              and not _fits_inline(ckpt, size, sort_parameters))
@@ -283,6 +285,13 @@ def _data_bytes(ckpt: Checkpoint) -> int:
     for g in ckpt.optimizer_groups:
         tensors += [m for moments in g.states.values() for m in moments.values()]
     return sum(np.asarray(t).nbytes for t in tensors)
+
+
+def _check_reserved(ckpt: Checkpoint) -> None:
+    """A ValueError for a user property named :data:`DATA_TOKEN` (every load takes it out)."""
+    if DATA_TOKEN in ckpt.properties:
+        raise ValueError(f"property {DATA_TOKEN!r} is reserved: a save with external data writes it, and "
+                         "loads take it out; give the property another name")
 
 
 def _fits_inline(ckpt: Checkpoint, size: int, sort_parameters: bool) -> bool:

@@ -155,3 +155,17 @@ def test_an_empty_parameter_name_is_refused(ckpt, tmp_path):
     with pytest.raises(ValueError, match="parameter.*empty name"):
         save_checkpoint(ckpt, tmp_path / "c")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("threshold", [10**9, 0], ids=["inline", "external"])
+def test_the_reserved_data_token_property_is_refused(tmp_path, threshold):
+    """A user property named as the save's .data token was dropped by every load (inline), or replaced by
+    the token (external): it never came back."""
+    from onnxtrain.checkpoint.format import DATA_TOKEN
+
+    ckpt = Checkpoint(trainable={"w": np.ones(2, np.float32)}, properties={DATA_TOKEN: "mine", "k": 1})
+    with pytest.raises(ValueError, match=f"property {DATA_TOKEN!r}.*reserved"):
+        save_checkpoint(ckpt, tmp_path / "c", external_threshold=threshold)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match=f"property {DATA_TOKEN!r}.*reserved"):
+        checkpoint_to_bytes(ckpt)
