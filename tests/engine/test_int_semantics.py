@@ -406,3 +406,27 @@ def test_integer_powers_stay_exact_beside_negative_exponents(dt: type) -> None:
     _assert_same(got, _exact_powers(a, b), f"Pow {np.dtype(dt).name}")
     neg = b < 0
     assert np.array_equal(got[neg], _ort_run(model, {"a": a, "b": b})[0][neg])
+
+
+# ------------------------------------------------------------------------------ the zero of a string tensor
+
+
+def test_trilu_and_center_crop_pad_of_strings_fill_with_empty_strings() -> None:
+    """Trilu's "set to zero" and CenterCropPad's padding (a Pad in its function body, whose default for
+    strings is the empty string) give "" in a string tensor. Both filled with the integer 0 (numpy's zero
+    of an object array, as onnx.reference does; onnxruntime has neither op for strings), a tensor no string
+    op downstream could read: StringConcat of the result failed."""
+    x = np.array([["a", "b", "c"], ["d", "é", "f"]], dtype=object)
+    concat = h.make_node("StringConcat", ["y", "y"], ["z"])
+    for node, want in (
+        (h.make_node("Trilu", ["x"], ["y"]), [["a", "b", "c"], ["", "é", "f"]]),
+        (h.make_node("Trilu", ["x", "k"], ["y"], upper=0), [["a", "b", ""], ["d", "é", "f"]]),
+        (h.make_node("CenterCropPad", ["x", "s"], ["y"]), [["a", "b", "c", ""], ["d", "é", "f", ""],
+                                                           ["", "", "", ""]]),
+    ):
+        feeds = {"x": x, "k": np.array(1, np.int64)} if "k" in node.input else {"x": x}
+        if node.op_type == "CenterCropPad":
+            feeds["s"] = np.array([3, 4], np.int64)
+        got, doubled = _ours(_model([node, concat], feeds, ["y", "z"]), feeds)
+        assert got.tolist() == want, node.op_type
+        assert doubled.tolist() == [[s + s for s in row] for row in want], node.op_type

@@ -411,6 +411,9 @@ def trilu(inputs: Inputs, attrs: Attrs) -> Outputs:
     # int64's ends overflows)
     reach = x.shape[-2] + x.shape[-1]
     k = max(-reach, min(reach, k))
+    if x.dtype.kind in "OSU":  # a string's zero is "" (numpy's zero of an object array is the integer 0)
+        keep = (np.triu if attrs["upper"] else np.tril)(np.ones(x.shape[-2:], bool), k)
+        return (np.where(keep, x, "").astype(object, copy=False),)
     return ((np.triu if attrs["upper"] else np.tril)(x, k),)
 
 
@@ -446,6 +449,7 @@ def center_crop_pad(inputs: Inputs, attrs: Attrs) -> Outputs:
     out, src, dst = _memo(attrs, (x.shape, _key(inputs[1])),
                           lambda: _center_crop_pad_plan(x.shape, _ints(inputs[1]),
                                                         None if axes is None else list(axes)))
-    y = np.zeros(out, dtype=x.dtype)
+    # padded with Pad's zero: "" for strings (numpy's zero of an object array is the integer 0)
+    y = np.full(out, "", dtype=x.dtype) if x.dtype.kind in "OSU" else np.zeros(out, dtype=x.dtype)
     y[dst] = x[src]
     return (y,)
