@@ -40,12 +40,14 @@ class Dataset:
         return len(next(iter(self.eval.values())))
 
 
-def _same_length(arrays: dict[str, np.ndarray], what: str) -> None:
+def _same_length(arrays: dict[str, np.ndarray], what: str, key: str = "data.feeds") -> None:
+    """A ConfigError naming ``key`` unless ``arrays`` (the ``what`` split) hold the same number of rows, and
+    some."""
     lengths = {k: len(v) for k, v in arrays.items()}
     if len(set(lengths.values())) > 1:
-        raise ConfigError("data.feeds", f"{what} arrays differ in length: {lengths}")
+        raise ConfigError(key, f"{what} arrays differ in length: {lengths}")
     if not lengths or not next(iter(lengths.values())):
-        raise ConfigError("data.feeds", f"{what} arrays are empty")
+        raise ConfigError(key, f"{what} arrays are empty")
 
 
 def sequence_task(task: str, vocab: int, length: int, n: int,
@@ -161,7 +163,7 @@ def _load_files(d: FilesData, seed: int) -> Dataset:
         if missing:
             raise ConfigError("data.eval_path", f"feeds {missing} are .npy files; give an .npz for them or "
                                                 "drop eval_path to hold out a split")
-        _same_length(ev, "eval")
+        _same_length(ev, "eval", "data.eval_path")
         return Dataset(train, ev)
     n = len(next(iter(train.values())))
     n_eval = int(round(n * d.eval_fraction))

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
+import onnx
 import pytest
 
+from onnxtrain import zoo
 from onnxtrain.cli import main
 from onnxtrain.train import Trainer, load_config
 from onnxtrain.train.config import ConfigError
+from onnxtrain.train.data import load_data
 from tests.train.conftest import config_path
 
 torch = pytest.importorskip("torch")
@@ -63,3 +67,22 @@ def test_adam_refuses_eps_0_naming_it():
         load_config(config_path("digits_mlp"), ["optimizer.eps=0"])
     lamb = load_config(config_path("digits_mlp"), ["optimizer.eps=0", "optimizer.name=lamb"])
     assert lamb.optimizer.eps == 0
+
+
+@pytest.mark.parametrize("arrays, words", [
+    ({"feat": np.zeros((0, 4)), "lab": np.zeros(0, np.int64)}, "eval arrays are empty"),
+    ({"feat": np.zeros((5, 4)), "lab": np.zeros(4, np.int64)}, "eval arrays differ in length"),
+])
+def test_an_eval_file_with_no_or_uneven_rows_names_data_eval_path(tmp_path, write_config, arrays, words):
+    """An eval file whose arrays are empty or differ in length was reported as data.feeds, the key of the
+    training arrays' names, not as the file at fault."""
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "train.npz", feat=rng.standard_normal((40, 4)), lab=rng.integers(0, 3, 40))
+    np.savez(tmp_path / "eval.npz", **arrays)
+    onnx.save(zoo.mlp([4, 3], loss=False), tmp_path / "net.onnx")
+    cfg = load_config(write_config({"model": {"path": "net.onnx", "add_loss": "cross_entropy"},
+                                    "data": {"source": "files", "path": "train.npz", "eval_path": "eval.npz",
+                                             "feeds": {"x": "feat", "y": "lab"}},
+                                    "training": {"steps": 1, "batch_size": 8}}))
+    with pytest.raises(ConfigError, match=rf"^data.eval_path: {words}"):
+        load_data(cfg)
