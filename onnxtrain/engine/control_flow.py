@@ -381,7 +381,9 @@ class Scan8(Scan):
         results: list[Any] = [np.stack([r[k] for r in per_entry]) for k in range(n)]
         for k in range(n, n + k_out):
             first = next((r[k] for r in per_entry if r[k].shape[0]), per_entry[0][k])
-            out = np.zeros((b, longest, *first.shape[1:]), first.dtype)
+            shape, dt = (b, longest, *first.shape[1:]), first.dtype
+            # padded with zeros, "" for strings (as onnxruntime; numpy's zero of an object array is the int 0)
+            out = np.full(shape, "", dt) if dt.kind in "OSU" else np.zeros(shape, dt)
             for i, r in enumerate(per_entry):
                 out[i, :r[k].shape[0]] = r[k]
             results.append(out)

@@ -430,3 +430,22 @@ def test_trilu_and_center_crop_pad_of_strings_fill_with_empty_strings() -> None:
         got, doubled = _ours(_model([node, concat], feeds, ["y", "z"]), feeds)
         assert got.tolist() == want, node.op_type
         assert doubled.tolist() == [[s + s for s in row] for row in want], node.op_type
+
+
+def test_opset8_scan_pads_string_outputs_with_empty_strings() -> None:
+    """Scan before opset 9 pads each batch entry's scan outputs past its sequence length: with "" for a
+    string output, as onnxruntime does (the integer 0 before, as for the number types)."""
+    s = h.make_tensor_value_info
+    copies = [h.make_node("Identity", ["x_in"], ["s_out"]), h.make_node("Identity", ["x_in"], ["y_out"])]
+    body = h.make_graph(copies, "body", [s("s_in", T.STRING, []), s("x_in", T.STRING, [])],
+                        [s("s_out", T.STRING, []), s("y_out", T.STRING, [])])
+    node = h.make_node("Scan", ["lens", "s", "x"], ["s_end", "ys"], body=body, num_scan_inputs=1)
+    g = h.make_graph([node], "g", [s("lens", T.INT64, [2]), s("s", T.STRING, [2]), s("x", T.STRING, [2, 3])],
+                     [s("s_end", T.STRING, [2]), s("ys", T.STRING, [2, 3])])
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 8)], ir_version=7).SerializeToString()
+    feeds = {"lens": np.array([3, 1], np.int64), "s": np.array(["p", "q"], dtype=object),
+             "x": np.array([["a", "b", "c"], ["d", "e", "f"]], dtype=object)}
+    got = _ours(model, feeds)
+    assert got[1].tolist() == [["a", "b", "c"], ["d", "", ""]]
+    for mine, theirs in zip(got, _ort_run(model, feeds), strict=True):
+        _assert_same(mine, theirs, "Scan-8")
