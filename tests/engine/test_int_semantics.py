@@ -10,8 +10,11 @@ Where onnxruntime departs from the ONNX spec the spec is kept (onnx.reference or
 oracle there): Cast to FLOAT8E5M2 with saturate=0 of a value that rounds past 57344 is ±inf (onnxruntime:
 NaN), a float8 -0 cast to bool is False (onnxruntime: True), NonZero of a scalar has shape (0, N)
 (onnxruntime: (1, N)), StringSplit without a delimiter splits at every whitespace character (onnxruntime:
-only at U+0020). Where the spec leaves the result open (integer overflow in Pow and the reductions, float to
-integer out of range, float to 4-bit integer) the sample stays within range.
+only at U+0020). Where the spec leaves the result open (integer overflow in the reductions, float to
+integer out of range, float to 4-bit integer) the sample stays within range; integer powers are checked
+against Python's exact ones (wrapping as integer products do), ReduceL2 of integers against the exact
+integer square root, and the zero a string tensor is filled with (Trilu, CenterCropPad, opset-8 Scan's
+padding) is the empty string.
 """
 
 from __future__ import annotations
