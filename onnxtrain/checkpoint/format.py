@@ -230,7 +230,7 @@ class _MainFile:
             try:
                 self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except (OSError, ValueError):
-                self.data: bytes | mmap.mmap = f.read()
+                self.data: bytes | mmap.mmap = _read_stream(f, path)
             else:
                 self.data = self.map
 
@@ -246,6 +246,23 @@ class _MainFile:
         if self.map is not None:
             with contextlib.suppress(BufferError):  # a view still held (an error's traceback): unmapped
                 self.map.close()  # when collected
+
+
+def _read_stream(f: IO[bytes], path: str) -> bytes:
+    """The bytes of a file that cannot be mapped (a pipe, a device), or its first 8 alone when they are not a
+    checkpoint's (the decoder says so): an endless device such as /dev/zero is not read on. A ValueError
+    past the 2 GiB a FlatBuffer can hold."""
+    head = f.read(8)
+    if len(head) < 8 or head[4:] != IDENTIFIER:
+        return head
+    chunks, size = [head], len(head)
+    while chunk := f.read(1 << 20):
+        size += len(chunk)
+        if size > flatbuf.MAX_SIZE:
+            raise ValueError(f"Cannot load checkpoint {path!r}: it holds more than the {flatbuf.MAX_SIZE} "
+                             "bytes a FlatBuffer can")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _replaced(path: str, data: bytes | mmap.mmap) -> bool:

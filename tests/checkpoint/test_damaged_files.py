@@ -8,6 +8,7 @@ large allocation from a corrupt length.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import tracemalloc
@@ -163,3 +164,46 @@ def test_checkpoint_state_and_onnxblock_name_the_damaged_file(tmp_path):
         CheckpointState.load_checkpoint(path)
     with pytest.raises(ValueError, match=path):
         onnxblock.load_checkpoint_to_model(path, zoo.mlp([4, 3, 2]))
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom"])
+def test_an_endless_device_is_refused_without_reading_it_all(device):
+    """A file that cannot be mapped is read whole: /dev/zero was read until memory ran out."""
+    if not os.path.exists(device):
+        pytest.skip(f"no {device}")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=device):
+            load_checkpoint(device)
+        assert tracemalloc.get_traced_memory()[1] < 2**20
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("limit", [None, 1024], ids=["whole", "over-the-limit"])
+def test_a_checkpoint_read_from_a_pipe(tmp_path, monkeypatch, limit):
+    """Read whole, unless it passes the 2 GiB a FlatBuffer holds (here a stand-in limit)."""
+    import threading
+
+    from onnxtrain.checkpoint import flatbuf
+
+    path, main, _, whole = _saved(tmp_path, "inline")
+    assert len(main) > 1024
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+
+    def feed() -> None:
+        with open(fifo, "wb") as f, contextlib.suppress(BrokenPipeError):
+            f.write(main)
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    try:
+        if limit is None:
+            _assert_equal(load_checkpoint(fifo), whole)
+        else:
+            monkeypatch.setattr(flatbuf, "MAX_SIZE", limit)
+            with pytest.raises(ValueError, match=f"{fifo}.*more than the 1024 bytes"):
+                load_checkpoint(fifo)
+    finally:
+        writer.join()
