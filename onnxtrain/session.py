@@ -359,9 +359,11 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
     def _path_plan(self, names: list[str], extra: Sequence[str] = ()) -> GraphInterface:
         """The plan of only what the step computes on the way to ``names``: no update; the gradient
         accumulation buffers are written when the path runs through their accumulation (the global norm
-        and the finiteness flag of a micro-step do, as onnxruntime's in-place accumulators wrote theirs),
-        their new values being extra outputs of the plan (:meth:`_path_updates`). ``extra``: values of the
-        step graph returned after ``names`` (not outputs of the step)."""
+        and the finiteness flag of a micro-step do, as onnxruntime's in-place accumulators wrote theirs), and
+        the BatchNormalization running statistics when it runs their training-mode forward (gradients, their
+        norm: onnxruntime's BatchNormInternal wrote them in place), their new values being extra outputs of
+        the plan (:meth:`_path_updates`). ``extra``: values of the step graph returned after ``names`` (not
+        outputs of the step)."""
         key = "path:" + "\0".join(sorted(names)) + ("\1" + "\0".join(extra) if extra else "")
         if key not in self._plans:
             full = self._graphs.full
@@ -371,8 +373,8 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
             computed = {o for n in model.graph.node for o in n.output}
             buffers = {v.name: v for v in model.graph.input}
             updates = {}
-            for b, o in self._graphs.updates.get("accumulate", {}).items():
-                if o in computed:  # the accumulated value: typed as its buffer
+            for b, o in self._path_state().items():
+                if o in computed:  # the accumulated value or new statistic: typed as its state
                     out = model.graph.output.add()
                     out.CopyFrom(buffers[b])
                     out.name = o
@@ -393,10 +395,15 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
                 self._plans[key] = self._new_plan(cut, None, False)
         return self._plans[key]
 
+    def _path_state(self) -> dict[str, str]:
+        """State → output of the state a path plan writes when it computes the output: the running statistics
+        and, under gradient accumulation, the buffers (whose micro-step graph writes both)."""
+        return {**self._graphs.bn_stats, **self._graphs.updates.get("accumulate", {})}
+
     def _path_updates(self, plan: GraphInterface) -> list[tuple[str, str]]:
-        """(buffer, output) of the accumulation buffers a path plan writes (see :meth:`_path_plan`)."""
-        acc = self._graphs.updates.get("accumulate", {})
-        return [(b, o) for b, o in acc.items() if o in plan.output_info]
+        """(state, output) of the accumulation buffers and running statistics a path plan writes (see
+        :meth:`_path_plan`)."""
+        return [(b, o) for b, o in self._path_state().items() if o in plan.output_info]
 
     def _new_plan(self, model: onnx.ModelProto, updates: Mapping[str, str] | None, keep_binding: bool,
                   follower: bool = False, scalar_inputs: Collection[str] | None = None) -> GraphInterface:
