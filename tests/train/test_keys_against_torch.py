@@ -145,6 +145,12 @@ CASES = {
     "training.gradient_accumulation_steps": {"training": {"gradient_accumulation_steps": 3,
                                                           "batch_size": 40}},  # 11 steps an epoch
     "training.seed": {"training": {"seed": 7}},
+    "clipping the accumulated gradients": {"optimizer": {"clip_grad_norm": 0.2},
+                                           "training": {"gradient_accumulation_steps": 2, "batch_size": 40}},
+    "lamb, decay, accumulation, cosine warm-up": {
+        "optimizer": {"name": "lamb", "weight_decay": 0.1, "betas": [0.8, 0.99]},
+        "schedule": {"kind": "cosine", "warmup_steps": 3, "final_lr_ratio": 0.1},
+        "training": {"gradient_accumulation_steps": 2, "batch_size": 64}},
 }
 
 
