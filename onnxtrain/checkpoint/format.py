@@ -503,9 +503,12 @@ def _read_tensor(t: TableView, nominal: bool, data: _DataFile, let_go: Callable[
     if elem not in _SUPPORTED:
         raise ValueError(f"tensor {name!r} has unsupported data type {elem}")
     dtype = np_dtype(elem)
-    if nominal:
-        return name, np.empty(0, dtype)
     dims = t.scalars(2, "<i8")
+    if nominal:  # names and types only (no dims, or a 0-d or empty tensor): more is a full checkpoint's
+        if dims is not None and math.prod(int(d) for d in dims) > 1:
+            raise FlatBufferError(f"tensor {name!r} has dims {tuple(int(d) for d in dims)} in a nominal "
+                                  "checkpoint, which holds no values (its is_nominal_state flag is wrong)")
+        return name, np.empty(0, dtype)
     shape = () if dims is None else tuple(int(d) for d in dims)
     if any(d < 0 for d in shape):
         raise FlatBufferError(f"tensor {name!r} has negative dims {shape}")

@@ -207,3 +207,32 @@ def test_a_checkpoint_read_from_a_pipe(tmp_path, monkeypatch, limit):
                 load_checkpoint(fifo)
     finally:
         writer.join()
+
+
+def _module_file(path: str, nominal: bool, tensors: list[tuple[str, tuple[int, ...], bytes]]) -> None:
+    """A checkpoint file with the given trainable tensors (float32) and is_nominal_state flag."""
+    from onnxtrain.checkpoint.flatbuf import Bytes, Scalar, Scalars, Str, Table, Tables, encode
+
+    tables = [Table(Str(n), None, Scalars("q", shape), Scalar("i", 1), Bytes(raw))
+              for n, shape, raw in tensors]
+    module = Table(Tables(tables), Tables([]), Scalar("?", nominal, False))
+    with open(path, "wb") as f:
+        f.write(encode(Table(Scalar("i", 2), module), b"ODTC"))
+
+
+def test_a_full_checkpoint_flagged_nominal_is_refused(tmp_path):
+    """One bit, the is_nominal_state flag, turned a checkpoint's weights into names only, silently: a nominal
+    file holds no values (onnxtrain and onnxruntime-training write no dims; the latter's re-save of a nominal
+    state writes 0-d tensors), so a tensor of shape (2, 3) under the flag is damage."""
+    w = np.arange(6, dtype=np.float32)
+    path = str(tmp_path / "c")
+    _module_file(path, False, [("w", (2, 3), w.tobytes())])
+    np.testing.assert_array_equal(load_checkpoint(path).trainable["w"], w.reshape(2, 3))
+    _module_file(path, True, [("w", (2, 3), w.tobytes())])
+    with pytest.raises(ValueError, match=f"{path}.*damaged.*'w'.*nominal"):
+        load_checkpoint(path)
+    # as onnxtrain, onnxruntime-training's re-save and test_checkpoint's oracle-built file write them
+    for shape, raw in (((), b""), ((), np.float32(0).tobytes()), ((0,), b"")):
+        _module_file(path, True, [("w", shape, raw)])
+        got = load_checkpoint(path)
+        assert got.nominal and got.trainable["w"].dtype == np.float32 and got.trainable["w"].size == 0
