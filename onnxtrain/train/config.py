@@ -477,6 +477,9 @@ def validate(cfg: Config) -> Config:
             elif d.path is None:
                 raise ConfigError(f"data.feeds.{k}",
                                   f"{v!r} is an array name but data.path (an .npz) is not set")
+        if d.path is not None and all(v.lower().endswith(".npy") for v in d.feeds.values()):
+            raise ConfigError("data.path", "no feed reads it (every feed is a .npy file); leave it out, or "
+                                           "name its arrays in data.feeds")
         if d.eval_path is not None:
             d.eval_path = _resolve(cfg, d.eval_path, "data.eval_path", (".npz",))
         if not 0.0 < d.eval_fraction < 1.0 and d.eval_path is None:

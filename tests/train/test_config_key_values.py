@@ -86,3 +86,19 @@ def test_an_eval_file_with_no_or_uneven_rows_names_data_eval_path(tmp_path, writ
                                     "training": {"steps": 1, "batch_size": 8}}))
     with pytest.raises(ConfigError, match=rf"^data.eval_path: {words}"):
         load_data(cfg)
+
+
+def test_a_data_path_that_no_feed_reads_is_refused(tmp_path, write_config):
+    """data.path with every feed a .npy file was silently not read (the arrays came from the .npy files)."""
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "x.npy", rng.standard_normal((40, 4)))
+    np.save(tmp_path / "y.npy", rng.integers(0, 3, 40))
+    np.savez(tmp_path / "other.npz", x=np.zeros((40, 4)), y=np.zeros(40, np.int64))
+    onnx.save(zoo.mlp([4, 3], loss=False), tmp_path / "net.onnx")
+    raw = {"model": {"path": "net.onnx", "add_loss": "cross_entropy"},
+           "data": {"source": "files", "path": "other.npz", "feeds": {"x": "x.npy", "y": "y.npy"}},
+           "training": {"steps": 1, "batch_size": 8}}
+    with pytest.raises(ConfigError, match=r"^data.path: no feed reads it \(every feed is a .npy file\)"):
+        load_config(write_config(raw))
+    raw["data"]["feeds"]["y"] = "y"  # one array from the .npz: read
+    assert load_config(write_config(raw)).data.path.endswith("other.npz")
