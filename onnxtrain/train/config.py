@@ -609,6 +609,10 @@ def _check_parameters(cfg: Config) -> None:
         del t.parameters["use_mixed_precision"]
     if t.mixed_precision is None:
         t.mixed_precision = False
+    clip = cfg.optimizer.clip_grad_norm
+    if probe.legacy_cpu_adam and clip is not None:
+        why = f"true makes adam ignore clipping, so optimizer.clip_grad_norm ({clip}) would have no effect"
+        raise ConfigError("training.parameters.legacy_cpu_adam", f"{why}; give only one of them")
     if probe.mixed_precision_dtype not in HALF_TYPES:
         raise ConfigError("training.parameters.mixed_precision_dtype",
                           f"expected one of {', '.join(map(repr, HALF_TYPES))}, "

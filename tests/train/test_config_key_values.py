@@ -102,3 +102,13 @@ def test_a_data_path_that_no_feed_reads_is_refused(tmp_path, write_config):
         load_config(write_config(raw))
     raw["data"]["feeds"]["y"] = "y"  # one array from the .npz: read
     assert load_config(write_config(raw)).data.path.endswith("other.npz")
+
+
+def test_legacy_cpu_adam_with_clip_grad_norm_is_refused_naming_both():
+    """training.parameters.legacy_cpu_adam makes Adam ignore clipping (as onnxruntime's CPU kernel did): with
+    optimizer.clip_grad_norm set the run trained unclipped, bit for bit as without that key, silently."""
+    key = "training.parameters.legacy_cpu_adam"
+    with pytest.raises(ConfigError, match=rf"^{key}: .* optimizer.clip_grad_norm \(0.01\) would have no"):
+        load_config(config_path("digits_mlp"), ["optimizer.clip_grad_norm=0.01",
+                                                "training.parameters.legacy_cpu_adam=true"])
+    load_config(config_path("digits_mlp"), ["training.parameters.legacy_cpu_adam=true"])  # alone: allowed
