@@ -42,7 +42,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.registry import find_rule
 from onnxtrain.ir.attrs import attribute_value
 from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, elem_type, model_opset, value_types
-from onnxtrain.ir.graphs import RANDOM_OPS, path_from
+from onnxtrain.ir.graphs import RANDOM_OPS, is_training_batch_norm, path_from
 from onnxtrain.user_warning import warn
 
 GELU_OPS = frozenset({"Erf", "Tanh"})
@@ -285,6 +285,8 @@ def _clone(fa: _Forward, k: int, marked: set[str], clone_of: dict[str, str],
         if i in clone_of:
             c.input[j] = clone_of[i]
     optional = _optional_outputs(n, fa.opset)
+    if is_training_batch_norm(n):  # ONNX wants all three outputs in training mode (onnxruntime refuses fewer)
+        optional -= {1, 2}
     for j, o in enumerate(n.output):
         if not o:
             continue

@@ -284,6 +284,12 @@ class Reference:
         return out
 
 
+def trained_of(model: onnx.ModelProto) -> list[str]:
+    """The float initializers the session trains by default: all but BatchNormalization running statistics."""
+    stats = {n.input[i] for n in model.graph.node if n.op_type == "BatchNormalization" for i in (3, 4)}
+    return sorted(t.name for t in model.graph.initializer if t.data_type == T.FLOAT and t.name not in stats)
+
+
 def params(opt: str, **kw) -> TrainingParameters:
     p = TrainingParameters()
     p.loss_output_name = "loss"
@@ -345,7 +351,7 @@ def _maps(trained: list[str], f: dict, i: dict) -> dict:
             "optimizer_int_attributes_map": {w: dict(i) for w in trained}}
 
 
-@pytest.mark.parametrize("kind", ["mlp", "ln", "emb"])
+@pytest.mark.parametrize("kind", ["mlp", "bn", "ln", "emb"])
 @pytest.mark.parametrize("opt,f,i", OPT_CASES)
 # (the session counts auto mode's micro-steps alike on both backends)
 @pytest.mark.parametrize("backend,mode", [("numpy", "legacy"), ("numpy", "auto"), ("onnxruntime", "legacy")])
@@ -353,7 +359,7 @@ def test_accumulation_clipping_lr_schedule(backend, kind, opt, f, i, mode):
     """Optimizer attributes × 3 accumulation steps (legacy protocol and auto) × clipping (a small
     max_norm_clip, so it clips) × a learning rate changed every update."""
     model = MODELS[kind]()
-    trained = sorted(t.name for t in model.graph.initializer if t.data_type == T.FLOAT)
+    trained = trained_of(model)
     sess = session(model,
                    params(opt, gradient_accumulation_steps=3, gradient_accumulation_mode=mode,
                           **_maps(trained, f, i)), backend)
@@ -378,7 +384,7 @@ def _mp_step_loop(kind, opt, f, i, steps, clip, scales, backend, lr_scale=1.0):
     """Train under float16 mixed precision with the loss scales ``scales`` (one per micro-step; a scale of
     1e30 overflows float16), against the reference; returns (session, reference, model)."""
     model = MODELS[kind]()
-    trained = sorted(t.name for t in model.graph.initializer if t.data_type == T.FLOAT)
+    trained = trained_of(model)
     sess = session(model,
                    params(opt, use_mixed_precision=True, gradient_accumulation_steps=steps,
                           enable_grad_norm_clip=clip, **_maps(trained, f, i)), backend)
@@ -416,7 +422,7 @@ MP_OPT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["mlp", "ln", "emb"])
+@pytest.mark.parametrize("kind", ["bn", "ln", "emb"])
 @pytest.mark.parametrize("opt,f,i", MP_OPT_CASES)
 @pytest.mark.parametrize("backend,steps,clip", [("numpy", 1, True), ("numpy", 2, True), ("numpy", 2, False),
                                                 ("onnxruntime", 2, True)])
@@ -444,7 +450,7 @@ def test_mixed_precision_dynamic_scale_state_round_trip_after_skip(backend, tmp_
     kind, opt = "mlp", "AdamOptimizer"
     f, i = {"lambda": 0.01, "max_norm_clip": 0.5}, {"weight_decay_mode": 0}
     model = MODELS[kind]()
-    trained = sorted(t.name for t in model.graph.initializer)
+    trained = trained_of(model)
     p = params(opt, use_mixed_precision=True, gradient_accumulation_steps=2, **_maps(trained, f, i))
     sess = session(model, p, backend)
     ref = Reference(kind, model, opt, trained, steps=2, fattrs={w: f for w in trained},
@@ -501,7 +507,7 @@ def test_state_load_and_evaluation_mid_accumulation(backend, mode, opt):
     gradients at the loaded weights and steps from the loaded weights and moments."""
     kind = "emb"
     model = MODELS[kind]()
-    trained = sorted(t.name for t in model.graph.initializer if t.data_type == T.FLOAT)
+    trained = trained_of(model)
     f = {"max_norm_clip": 0.2, "lambda": 0.01}
     sess = session(model,
                    params(opt, gradient_accumulation_steps=3, gradient_accumulation_mode=mode,
@@ -553,7 +559,7 @@ def test_gradient_outputs_with_accumulation(backend, mp):
     not the accumulated sum; the updates are the reference's."""
     kind, opt = "ln", "AdamOptimizer"
     model = MODELS[kind]()
-    trained = sorted(t.name for t in model.graph.initializer)
+    trained = trained_of(model)
     sess = session(model,
                    params(opt, gradient_accumulation_steps=2, set_gradients_as_graph_outputs=True,
                           use_mixed_precision=mp), backend)
@@ -624,7 +630,7 @@ def test_recompute_with_accumulation_and_clipping(backend, recompute):
     """Recompute options × Adam × accumulation × clipping: the same steps as the reference."""
     kind, opt = "ln", "AdamOptimizer"
     model = MODELS[kind]()
-    trained = sorted(t.name for t in model.graph.initializer)
+    trained = trained_of(model)
     f = {"max_norm_clip": 0.05, "lambda": 0.01}
     mp = recompute.get("use_mixed_precision", False)
     bf16 = recompute.get("mixed_precision_dtype") == "bfloat16"
@@ -700,7 +706,7 @@ def test_auto_accumulation_mixed_precision_fp16_moments_overflow(backend, opt):
     session that continues the same."""
     kind = "mlp"
     model = MODELS[kind]()
-    trained = sorted(t.name for t in model.graph.initializer)
+    trained = trained_of(model)
     f = {"max_norm_clip": 0.2}
     p = params(opt, gradient_accumulation_steps=3, gradient_accumulation_mode="auto",
                use_mixed_precision=True, use_fp16_moments=True, **_maps(trained, f, {}))
@@ -741,7 +747,7 @@ def test_adam_loaded_counts_that_differ_then_agree(backend, steps):
     again, steps each weight from its own count, as the reference does."""
     kind, opt = "emb", "AdamOptimizer"
     model = MODELS[kind]()
-    trained = sorted(t.name for t in model.graph.initializer if t.data_type == T.FLOAT)
+    trained = trained_of(model)
     f, i = {"lambda": 0.01, "max_norm_clip": 0.1}, {"weight_decay_mode": 1}
     sess = session(model, params(opt, gradient_accumulation_steps=steps, lr_params_feed_name="lr",
                                  **_maps(trained, f, i)), backend)
@@ -771,7 +777,7 @@ def test_accumulation_protocol_ignored_updates_every_run_by_mean(backend, opt):
     updates with its own gradient divided by 3 (spec §4.3), the buffers emptied each time."""
     kind = "mlp"
     model = MODELS[kind]()
-    trained = sorted(t.name for t in model.graph.initializer)
+    trained = trained_of(model)
     sess = session(model, params(opt, gradient_accumulation_steps=3, enable_grad_norm_clip=False), backend)
     ref = Reference(kind, model, opt, trained, steps=3, clip=False)
     for k, feed in enumerate(batches(kind, 4)):
@@ -820,3 +826,32 @@ def test_batch_norm_statistics_on_path_runs(backend, steps, fetch):
             sess.run(["loss"], {**feed, "Learning_Rate": lr_of(k)})
             ref.update(float(lr_of(k)[0]))
         assert_state(sess, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("recompute", [{"recompute_checkpoints": ["h"]},
+                                       {"recompute_checkpoints": ["h"], "use_mixed_precision": True}])
+@pytest.mark.parametrize("steps", [1, 2])
+def test_recompute_through_batch_norm(backend, recompute, steps):
+    """recompute_checkpoints that make the backward pass rebuild a training-mode BatchNormalization × Adam ×
+    accumulation (× mixed precision): the session builds on both backends (the rebuilt node keeps the running
+    statistics outputs ONNX requires in training mode, unused) and trains as the reference, the running
+    statistics moving once per forward."""
+    kind, opt = "bn", "AdamOptimizer"
+    model = MODELS[kind]()
+    trained = trained_of(model)
+    mp = recompute.get("use_mixed_precision", False)
+    sess = session(model, params(opt, gradient_accumulation_steps=steps, **recompute), backend)
+    ref = Reference(kind, model, opt, trained, steps=steps)
+    ro = RunOptions()
+    ro.only_execute_path_to_fetches = True
+    scale = 128.0 if mp else 1.0
+    extra = {sess.loss_scale_input_name: np.array([scale], np.float32)} if mp else {}
+    for k, feed in enumerate(batches(kind, 3 * steps)):
+        ref.accumulate(feed, scale)
+        if (k + 1) % steps:
+            sess.run(["loss", GROUP], {**feed, **extra}, ro)
+        else:
+            sess.run(["loss"], {**feed, **extra, "Learning_Rate": lr_of(k)})
+            ref.update(float(lr_of(k)[0]), scale)
+        assert_state(sess, ref, rtol=2e-2 if mp else 1e-4, atol=3e-3 if mp else 1e-5)
