@@ -9,6 +9,7 @@ from onnxtrain import parallel
 from onnxtrain.autodiff.stable_rewrites import stable_log_sigmoids
 from onnxtrain.checkpoint import load_checkpoint
 from onnxtrain.engine.backends import make_plan
+from onnxtrain.engine.seeds import set_random_seed
 from onnxtrain.train import data as data_mod
 from onnxtrain.train.config import Config, ConfigError, changed_keys
 from onnxtrain.train.model import build_model, inference_model
@@ -32,6 +33,9 @@ def any_batch(model: onnx.ModelProto, weights: list[str]) -> onnx.ModelProto:
     return model
 
 
+_EVAL_STREAM = 0xE7A1  # seed-sequence tag of the evals' random draws
+
+
 class Evaluator:
     """Loss and accuracy over the eval set, on an inference-mode copy of the model fed the current weights.
 
@@ -45,12 +49,20 @@ class Evaluator:
         self.names = [cfg.model.loss, cfg.model.logits]
         # the loss as training computes it (the exporters' log σ terms in stable form)
         scored = stable_log_sigmoids(inference_model(model, self.names, as_inputs=weight_names))
+        self._seed()  # (onnxruntime seeds a plan's random nodes when it builds it)
         self.plan = make_plan(any_batch(scored, weight_names), cfg.training.backend)
         # the weights the inference-mode model still reads (a Dropout's training_mode initializer goes)
         taken = {v.name for v in scored.graph.input}
         self.weight_names = [n for n in weight_names if n in taken]
 
+    def _seed(self) -> None:
+        """Seed the random nodes that eval mode keeps (RandomNormal, ...; Dropout is off) from training.seed
+        (and the rank), so that every eval, in a run or of its checkpoint, draws the same values."""
+        key = [self.cfg.training.seed, _EVAL_STREAM, *([self.comm.rank] if self.comm is not None else [])]
+        set_random_seed(int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0]))
+
     def __call__(self, arrays: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> dict[str, float]:
+        self._seed()
         w = {n: weights[n] for n in self.weight_names}
         labels_name = self.cfg.model.labels
         if self.comm is not None:

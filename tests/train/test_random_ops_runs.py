@@ -4,6 +4,8 @@ values on either backend, and a --resume that cannot redraw them (onnxruntime's 
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -87,3 +89,28 @@ def test_resume_says_when_random_nodes_cannot_draw_as_before(tmp_path, write_con
     else:
         assert "warning" not in err, err
         assert same
+
+
+@pytest.mark.parametrize("backend", ["numpy", "onnxruntime"])
+def test_eval_of_a_model_that_draws_at_inference_repeats(tmp_path, write_config, backend):
+    """Random ops that eval mode keeps (here Gaussian noise; torch exports Dropout2d so) drew from fresh
+    entropy in `onnxtrain eval`: two evals of one checkpoint differed (eval loss 2.40 and 2.37), and neither
+    was the run's own final eval. Evals now draw from training.seed: `onnxtrain eval` repeats, and on the
+    numpy engine it equals the run's last eval."""
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    _noisy_mlp(str(tmp_path / "noisy.onnx"))
+    cfg = _config(write_config, backend)
+    out = str(tmp_path / "run")
+    Trainer(load_config(cfg), out, progress=False).run()
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        last = [r for r in map(json.loads, f) if "eval_loss" in r][-1]
+    scores = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-m", "onnxtrain", "eval", cfg, "--checkpoint", out, "--json"],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        scores.append(json.loads(done.stdout))
+    assert scores[0] == scores[1]
+    if backend == "numpy":
+        assert scores[0] == {k: v for k, v in last.items() if k.startswith("eval_")}
