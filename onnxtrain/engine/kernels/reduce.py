@@ -3,7 +3,8 @@
 Axes are an attribute before opset 18 (ReduceSum: before 13) and an optional second input after.
 Empty ``axes`` reduce over everything unless ``noop_with_empty_axes`` is set, in which case the input
 passes through. A reduction over an empty set gives the op's identity (0 for sums, 1 for products,
--inf for ReduceMax and the log-sums, +inf for ReduceMin).
+-inf for ReduceMax and the log-sums, +inf for ReduceMin). A scalar input is reduced (its one element)
+whatever axes are given, as onnxruntime does.
 """
 
 from __future__ import annotations
@@ -88,8 +89,10 @@ def _register(op: str, attr_until: int, fn: Reducer, empty: Any = None, plain: b
             if plain:
                 return (x,)
             axes = ()
-        elif axes is not None and x.ndim:
-            axes = _checked_axes(axes, x.ndim)
+        elif axes is not None:
+            # a scalar has its one element reduced whatever the axes, as onnxruntime reduces it (a Squeeze of
+            # a batch of one, then a reduction over the batch axis)
+            axes = _checked_axes(axes, x.ndim) if x.ndim else None
         if x.size == 0 and empty is not None:
             return (_fill(x, axes, keepdims, empty(x.dtype) if callable(empty) else empty),)
         return (_finish(fn(x, axes, keepdims), x.dtype),)
