@@ -77,3 +77,34 @@ def test_a_loop_of_no_iteration_stacks_an_outer_value_at_its_shape() -> None:
     for a, b in zip(run_engine(model, feeds), want):
         assert a.shape == b.shape
         np.testing.assert_array_equal(a, b)
+
+
+# ---- where onnxruntime 1.32 departs from the spec (the engine follows it) ----------------------------------
+def test_a_loop_reading_an_empty_expanded_value() -> None:
+    """A Loop body reading e = Expand(Unsqueeze(x), Shape(y)) of shape [1, 0, 2] (the shape of the
+    gradient fuzz's backward loops over a value with an empty dim): onnxruntime 1.32, its graph
+    optimizations on, refuses to load the model ("Can't merge shape info ... Inferred=1 Declared=0" for the
+    Unsqueeze's output; off, it runs it); it is valid (onnx.checker, strict shape inference), and the
+    engine runs it: h + e[0] of [0, 2]."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c2"]), helper.make_node("Gather", ["e", "i"], ["g"]),
+         helper.make_node("Add", ["h", "g"], ["h2"])],
+        "body", [_vi("i", [], TensorProto.INT64), _vi("c", [], TensorProto.BOOL), _vi("h", [0, 2])],
+        [_vi("c2", [], TensorProto.BOOL), _vi("h2", [0, 2])])
+    nodes = [helper.make_node("Constant", [], ["ax"], value=onnx.numpy_helper.from_array(np.array([0, 1]))),
+             helper.make_node("Unsqueeze", ["x", "ax"], ["u"]), helper.make_node("Shape", ["y"], ["s"]),
+             helper.make_node("Expand", ["u", "s"], ["e"]),
+             helper.make_node("Loop", ["n", "", "h0"], ["hf"], body=body)]
+    graph = helper.make_graph(nodes, "g", [_vi("x", [2]), _vi("y", [1, 0, 2]), _vi("h0", [0, 2])],
+                              [_vi("hf", [0, 2])], [onnx.numpy_helper.from_array(np.array(1), "n")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    feeds = {"x": np.ones(2, np.float32), "y": np.ones((1, 0, 2), np.float32),
+             "h0": np.ones((0, 2), np.float32)}
+    with pytest.raises(Exception, match="merge shape info"):  # onnxruntime's Fail
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = run_engine(model, feeds)
+    (want,) = _ort(model, feeds)
+    assert got.shape == want.shape == (0, 2) and got.dtype == want.dtype
