@@ -45,6 +45,7 @@ from onnxtrain.ir.conv_shapes import conv_transpose_geometry
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, walk_graphs
 
 _WINDOW_OPSET = 12  # Max of int64 values, for the pads taken at run time
+_BIAS_OPSET = 7  # the first Add onnxruntime runs, for a bias moved after added rows
 
 
 def large_output_paddings(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -262,6 +263,12 @@ def _zero_rows(node: onnx.NodeProto, before: list[int], after: list[int], names:
     """Nodes that rename ``node``'s output and add ``before`` and ``after`` rows of zeros on each spatial
     axis under its old name (the Pad named after the node and ``what``)."""
     y = node.output[0]
+    if opset < _BIAS_OPSET and len(node.input) > 2 and node.input[2]:
+        raise ValueError(f"node {node.name or y!r} (ConvTranspose): on the onnxruntime backend its bias goes "
+                         "to an Add after the rows of zeros it needs (onnxruntime refuses its pads), and "
+                         f"onnxruntime has no Add below opset {_BIAS_OPSET} (the model's is {opset}): "
+                         "convert the model to a newer opset (onnx.version_converter.convert_version), or "
+                         "run it on the numpy engine (the default backend)")
     inner = names(f"{y}_unpadded")
     node.output[0] = inner
     bias = _detach_bias(node)
@@ -276,7 +283,7 @@ def _zero_rows(node: onnx.NodeProto, before: list[int], after: list[int], names:
                                  value=numpy_helper.from_array(np.array(spec, np.int64), amounts))
         out = [const, helper.make_node("Pad", [inner, amounts], [padded], name=label)]
     if bias is not None:
-        out += _add_bias(bias, padded, y, len(before), label, names, opset)
+        out += _add_bias(bias, padded, y, len(before), label, names)
     return out
 
 
@@ -289,11 +296,9 @@ def _detach_bias(node: onnx.NodeProto) -> str | None:
     return bias
 
 
-def _add_bias(bias: str, x: str, y: str, nd: int, label: str, names: NameGen,
-              opset: int) -> list[onnx.NodeProto]:
-    """Nodes writing ``y`` = ``x`` plus the per-channel ``bias`` on every row of its ``nd`` spatial axes."""
-    if opset < 7:  # (Add's legacy broadcast over axis 1)
-        return [helper.make_node("Add", [x, bias], [y], name=names(f"{label}_bias"), broadcast=1, axis=1)]
+def _add_bias(bias: str, x: str, y: str, nd: int, label: str, names: NameGen) -> list[onnx.NodeProto]:
+    """Nodes writing ``y`` = ``x`` plus the per-channel ``bias`` on every row of its ``nd`` spatial axes
+    (opset 7 on: numpy broadcasting)."""
     shape = names(f"{y}_bias_shape")
     column = names(f"{y}_bias_column")
     return [helper.make_node("Constant", [], [shape], name=names(f"{label}_bias_shape"),
@@ -341,5 +346,5 @@ def _run_time_window(node: onnx.NodeProto, window: _Window, names: NameGen) -> l
     window_rows = make("Slice", [padded, start, end, const(list(range(2, 2 + nd)))],
                        y if bias is None else None)
     if bias is not None:
-        out += _add_bias(bias, window_rows, y, nd, label, names, _WINDOW_OPSET)
+        out += _add_bias(bias, window_rows, y, nd, label, names)
     return out
