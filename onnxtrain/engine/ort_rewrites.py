@@ -94,6 +94,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.engine.ort_bernoulli import bernoulli_complements
+from onnxtrain.engine.ort_ceil_pools import ceil_mode_pools
 from onnxtrain.engine.ort_conv_grads import conv_weight_grads
 from onnxtrain.engine.ort_float64 import float64_ops
 from onnxtrain.engine.ort_half_ops import half_ops
@@ -144,8 +145,11 @@ def for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> onnx.Model
     ``optimise`` says: it keeps the graph's meaning), then :func:`rewrite_for_onnxruntime`'s rewrites, which
     reuse the value types the check inferred, and Bernoulli's probabilities complemented
     (:func:`~onnxtrain.engine.ort_bernoulli.bernoulli_complements`, whatever ``optimise`` says: onnxruntime's
-    kernel inverts them). ``model`` itself when nothing applies."""
+    kernel inverts them). ``model`` itself when nothing applies. Pools whose ceil_mode window count ONNX's
+    inference gets wrong take the pads that make it right first (:mod:`onnxtrain.engine.ort_ceil_pools`), so
+    that the value types every rewrite reads, and onnxruntime's plan, have the run's dims."""
     types: dict = {}
+    model = ceil_mode_pools(model)
     checked = checked_labels(model, _lazy_types(lambda: model, types))
     return bernoulli_complements(rewrite_for_onnxruntime(checked, optimise, types))
 
