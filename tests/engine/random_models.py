@@ -62,6 +62,7 @@ class _Builder:
         self.count = 0
         self.notes: list[str] = []
         self.no_train: set[str] = set()
+        self.inference_off = False  # ONNX's shape inference miscounts a pool's windows (ceil_mode)
 
     def fresh(self, prefix: str) -> str:
         self.count += 1
@@ -137,18 +138,6 @@ class _Builder:
         return self.op("Add", [y, self.weight((dout,), 0.1)]) if bias else y
 
 
-def _inferred_dims(b: _Builder, x: str, shape_in: tuple[int, ...], opset: int) -> list[int]:
-    """The dims ONNX's shape inference gives ``x`` (the batch as 1) in the graph built so far."""
-    probe = helper.make_node("Identity", [x], ["probe"])
-    g = helper.make_graph([*b.nodes, probe], "so_far",
-                          [helper.make_tensor_value_info("x", b.elem, [1, *shape_in])],
-                          [helper.make_tensor_value_info("probe", b.elem, None)], b.inits)
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
-    m = onnx.shape_inference.infer_shapes(model, strict_mode=True)
-    info = {v.name: v for v in m.graph.value_info}[x]
-    return [d.dim_value for d in info.type.tensor_type.shape.dim]
-
-
 def _conv_out(size: int, k: int, s: int, d: int, pb: int, pe: int) -> int:
     return (size + pb + pe - d * (k - 1) - 1) // s + 1
 
@@ -220,8 +209,9 @@ def _cnn(b: _Builder, opset: int) -> tuple[list[onnx.ValueInfoProto], str, int, 
                 ceil = int(rng.random() < 0.3)
             rnd = np.ceil if ceil else np.floor
             pout = [int(rnd((size[i] + 2 * pp[i] - pk[i]) / ps[i])) + 1 for i in range(2)]
-            # (a last window that starts in the end pad is dropped under ceil_mode)
-            pout = [o - 1 if ceil and (o - 1) * ps[i] >= size[i] + pp[i] else o for i, o in enumerate(pout)]
+            # a last window that starts in the end pad is dropped under ceil_mode (ONNX's inference counts it)
+            dropped = [ceil and (o - 1) * ps[i] >= size[i] + pp[i] for i, o in enumerate(pout)]
+            pout = [o - d for o, d in zip(pout, dropped, strict=True)]
             if min(pout) >= 1 and max(pk) > 1:
                 if kind == "max":
                     x = b.op("MaxPool", [x], 2, kernel_shape=pk, strides=ps, pads=pp, ceil_mode=ceil)[0]
@@ -232,7 +222,7 @@ def _cnn(b: _Builder, opset: int) -> tuple[list[onnx.ValueInfoProto], str, int, 
                              ceil_mode=ceil)
                     b.notes.append(f"avgpool(k{pk}s{ps}p{pp}cip{cip}c{ceil})")
                 size = pout
-    size = _inferred_dims(b, x, shape_in, opset)[2:]  # (ONNX's sizes: ceil_mode drops some windows)
+                b.inference_off |= any(dropped)
     if rng.random() < 0.35:  # a ConvTranspose
         k = [int(rng.integers(1, 4)) for _ in range(2)]
         s = [int(rng.integers(1, 3)) for _ in range(2)]
@@ -250,7 +240,6 @@ def _cnn(b: _Builder, opset: int) -> tuple[list[onnx.ValueInfoProto], str, int, 
             b.notes.append(f"convT(k{k}s{s}d{d}p{pads}op{op}g{groups}{'+b' if bias else ''})")
             c, size = cout, out
             x = b.act(x, allow_relu=False, opset=opset)
-    size = _inferred_dims(b, x, shape_in, opset)[2:]
     head = str(rng.choice(["flatten", "gap", "gmp", "reshape"]))
     if head == "gap" or head == "gmp":
         x = b.op("GlobalAveragePool" if head == "gap" else "GlobalMaxPool", [x])
@@ -403,7 +392,7 @@ def make_case(seed: int, family: str | None = None, loss: str | None = None, dty
     with_loss = helper.make_model(helper.make_graph(b.nodes, "with_loss", inputs + y_info,
                                                     [loss_info, logits_info], b.inits),
                                   opset_imports=opsets, ir_version=8)
-    onnx.checker.check_model(with_loss, full_check=True)
+    onnx.checker.check_model(with_loss, full_check=not b.inference_off)
     if batch_sizes is None:
         if rng.random() < 0.3:  # a batch size that changes between steps
             batch_sizes = [int(n) for n in rng.choice([1, 3, 5, 7], STEPS)]
