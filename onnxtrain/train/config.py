@@ -617,6 +617,10 @@ def _check_parameters(cfg: Config) -> None:
         raise ConfigError("training.parameters.mixed_precision_dtype",
                           f"expected one of {', '.join(map(repr, HALF_TYPES))}, "
                           f"got {_show(probe.mixed_precision_dtype)}")
+    if probe.set_gradients_as_graph_outputs:
+        raise ConfigError("training.parameters.set_gradients_as_graph_outputs",
+                          "the main job fetches no gradients, so the outputs would only cost memory; they "
+                          "are for scripts using the TrainingSession API (see the README)")
     if probe.pipeline_parallel_size != 1:
         raise ConfigError("training.parameters.pipeline_parallel_size",
                           "the main job splits batches over its ranks for data parallelism only; pipeline "

@@ -97,6 +97,9 @@ def test_cross_key_checks(write_config):
     stages = {"pipeline_parallel_size": 2, "pipeline_cut_info_string": "h"}
     with pytest.raises(ConfigError, match=r"^training.parameters.pipeline_parallel_size: the main job"):
         load_config(write_config({**MLP, "training": {"epochs": 1, "parameters": stages}}))
+    grads = {"set_gradients_as_graph_outputs": True}
+    with pytest.raises(ConfigError, match=r"^training.parameters.set_gradients_as_graph_outputs: the main job"):
+        load_config(write_config({**MLP, "training": {"epochs": 1, "parameters": grads}}))
 
 
 def test_set_overrides_with_type_checking(write_config):
