@@ -710,6 +710,11 @@ def compare(got: Any, want: np.ndarray, dtype: Any, what: str, exact: np.ndarray
         return None if np.array_equal(got, want) else f"{what}: values differ"
     rtol, atol = tolerance(dtype)
     g, w = got.astype(np.float64), want.astype(np.float64)
+    if dtype is np.float16:  # a float16 value at the edge of its range rounds to inf one way, not the other
+        edge = np.float64(np.finfo(np.float16).max) * (1 - rtol)
+        for a, b in ((g, w), (w, g)):
+            near = np.isinf(a) & np.isfinite(b) & (np.abs(b) >= edge) & (np.sign(a) == np.sign(b))
+            b[near] = a[near]
     finite = np.isfinite(w)
     same_places = np.array_equal(finite, np.isfinite(g))
     if not same_places or not np.array_equal(g[~finite], w[~finite], equal_nan=True):
@@ -729,6 +734,17 @@ def compare(got: Any, want: np.ndarray, dtype: Any, what: str, exact: np.ndarray
     if bad.any():
         return f"{what}: max abs error {err.max():.3g} (scale {scale:.3g}) at {int(bad.sum())} of {err.size}"
     return None
+
+
+def _no_further(got: Any, other: Any, exact: Any) -> bool:
+    """True when ``got`` is at most 1.5 times as far from ``exact`` as ``other`` is (finite entries)."""
+    if exact is None or np.shape(got) != np.shape(exact) or np.shape(other) != np.shape(exact):
+        return False
+    g, o, x = (np.asarray(a, np.float64) for a in (got, other, exact))
+    fin = np.isfinite(g) & np.isfinite(o) & np.isfinite(x)
+    if not fin.any() or not np.array_equal(np.isfinite(g), np.isfinite(o)):
+        return False
+    return float(np.abs(g[fin] - x[fin]).max()) <= 1.5 * float(np.abs(o[fin] - x[fin]).max())
 
 
 def laid_out(feeds: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
@@ -789,8 +805,21 @@ def check_graph(rg: RandomGraph, ort_session: Any, runners: dict[str, Any], exac
             if len(got) != len(want):
                 problems.append(f"{rname} run {k}: {len(got)} outputs, onnxruntime {len(want)}")
                 continue
-            for n, g, w, x in zip(names, got, want, exact):
+            plain = None
+            for i, (n, g, w, x) in enumerate(zip(names, got, want, exact)):
                 why = compare(g, w, rg.tolerance_dtype, f"{rname} run {k} output {n!r}", x)
+                if why and rg.tolerance_dtype is np.float16:
+                    # float16 op by op, rounded as the graph says: an ill-conditioned graph (a LayerNorm
+                    # chain over values of small variance) amplifies each rounding; no further from float64's
+                    # than that is fine
+                    if plain is None:
+                        plain = [None] * len(want)
+                        with contextlib.suppress(Exception):  # (onnx.reference refuses it: no second say)
+                            plain = Reference(rg.model).run(None, feeds)
+                    p = plain[i]
+                    if p is not None and (compare(g, p, rg.tolerance_dtype, why) is None
+                                          or _no_further(g, p, x)):
+                        why = None
                 if why:
                     problems.append(why)
             kept.append((k, list(got), [np.array(g, copy=True) for g in got]))
@@ -801,9 +830,11 @@ def check_graph(rg: RandomGraph, ort_session: Any, runners: dict[str, Any], exac
     return problems
 
 
-class Float64Reference:
+class Reference:
     """``onnx.reference`` on a model, with Erf and Gelu computed from ``math.erf`` (its own are accurate to
-    float32 only: 3e-8 off in float64); for the float64 graphs onnxruntime has no kernel for (Erf)."""
+    float32 only: 3e-8 off in float64): for the float64 graphs onnxruntime has no kernel for (Erf), and for
+    float16 graphs op by op (onnxruntime's CPU runs float16 ops without a float16 kernel in float32 and keeps
+    the values float32 between them)."""
 
     def __init__(self, model: onnx.ModelProto):
         import math
@@ -840,11 +871,13 @@ class Float64Reference:
 def oracles(rg: RandomGraph) -> tuple[Any, Any] | None:
     """(onnxruntime's session of the graph, a float64 reference of it), or None when onnxruntime refuses
     the graph or a run of it (a float64 graph with an op it has no double kernel for is run by
-    :class:`Float64Reference` instead)."""
+    :class:`Reference` instead)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 4
+    # op by op, as the graph says: onnxruntime's fusions compute a float16 LayerNorm chain in float32
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
         main = ort.InferenceSession(rg.model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         for f in rg.feeds:
@@ -852,10 +885,10 @@ def oracles(rg: RandomGraph) -> tuple[Any, Any] | None:
     except Exception as e:  # noqa: BLE001
         if rg.dtype is not np.float64 or "NOT_IMPLEMENTED" not in str(e):
             return None
-        main = Float64Reference(rg.model)
+        main = Reference(rg.model)
     wide = as_float64(rg.model)
     try:
         exact: Any = ort.InferenceSession(wide.SerializeToString(), so, providers=["CPUExecutionProvider"])
     except Exception:  # noqa: BLE001
-        exact = Float64Reference(wide)
+        exact = Reference(wide)
     return main, exact
