@@ -126,10 +126,14 @@ def load_model(model: onnx.ModelProto | str | bytes | os.PathLike,
 
 def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` as kernels and gradient rules take it: its local functions inlined and its sparse tensors
-    dense (as onnxruntime loads a model); itself when it has neither."""
+    dense (as onnxruntime loads a model), and its ceil_mode pools whose window count ONNX's shape inference
+    gets wrong given the end pads that make the same windows with a count it agrees with
+    (:mod:`onnxtrain.ir.ceil_pools`), so that the static shapes read from inference are the run's; itself
+    when none of these applies."""
+    from onnxtrain.ir.ceil_pools import ceil_mode_pools
     from onnxtrain.ir.sparse import dense_sparse_tensors
 
-    return inline_local_functions(dense_sparse_tensors(model))
+    return ceil_mode_pools(inline_local_functions(dense_sparse_tensors(model)))
 
 
 def check_model_structure(model: onnx.ModelProto, path: str | os.PathLike | None = None) -> None:

@@ -94,7 +94,6 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.engine.ort_bernoulli import bernoulli_complements
-from onnxtrain.engine.ort_ceil_pools import ceil_mode_pools
 from onnxtrain.engine.ort_conv_grads import conv_weight_grads
 from onnxtrain.engine.ort_float64 import float64_ops
 from onnxtrain.engine.ort_half_ops import half_ops
@@ -116,6 +115,7 @@ from onnxtrain.ir.builder import (
     value_types,
     with_nodes_replaced,
 )
+from onnxtrain.ir.ceil_pools import ceil_mode_pools
 from onnxtrain.ir.graphs import (
     DEFAULT_DOMAINS,
     drop_unread,
@@ -146,8 +146,9 @@ def for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> onnx.Model
     reuse the value types the check inferred, and Bernoulli's probabilities complemented
     (:func:`~onnxtrain.engine.ort_bernoulli.bernoulli_complements`, whatever ``optimise`` says: onnxruntime's
     kernel inverts them). ``model`` itself when nothing applies. Pools whose ceil_mode window count ONNX's
-    inference gets wrong take the pads that make it right first (:mod:`onnxtrain.engine.ort_ceil_pools`), so
-    that the value types every rewrite reads, and onnxruntime's plan, have the run's dims."""
+    inference gets wrong take the pads that make it right first (:mod:`onnxtrain.ir.ceil_pools`; a model
+    read through :func:`~onnxtrain.engine.interface.standard_model` has them already), so that the value
+    types every rewrite reads, and onnxruntime's plan, have the run's dims."""
     types: dict = {}
     model = ceil_mode_pools(model)
     checked = checked_labels(model, _lazy_types(lambda: model, types))

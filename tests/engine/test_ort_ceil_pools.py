@@ -13,7 +13,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import onnxtrain
-from onnxtrain.engine.ort_ceil_pools import ceil_mode_pools
+from onnxtrain.ir.ceil_pools import ceil_mode_pools
 from tests.session.helpers import backend_options, params
 
 pytest.importorskip("onnxruntime")
