@@ -98,7 +98,8 @@ def test_cross_key_checks(write_config):
     with pytest.raises(ConfigError, match=r"^training.parameters.pipeline_parallel_size: the main job"):
         load_config(write_config({**MLP, "training": {"epochs": 1, "parameters": stages}}))
     grads = {"set_gradients_as_graph_outputs": True}
-    with pytest.raises(ConfigError, match=r"^training.parameters.set_gradients_as_graph_outputs: the main job"):
+    said = r"^training.parameters.set_gradients_as_graph_outputs: the main job"
+    with pytest.raises(ConfigError, match=said):
         load_config(write_config({**MLP, "training": {"epochs": 1, "parameters": grads}}))
 
 
