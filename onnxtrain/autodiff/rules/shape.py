@@ -170,11 +170,13 @@ def slice_grad(g: GradCtx) -> None:
     s = _clamp_index(g, as_int64(g, g.x(1)), dims, neg_dims)
     e = g.emit("Max", _clamp_index(g, as_int64(g, g.x(2)), dims, neg_dims), s)
     begin, end = s, g.emit("Sub", dims, e)
-    if g.opset >= 18:  # Pad takes the axes as an input
+    rank = g.rank(0)
+    if g.opset >= 18 and rank is None:  # Pad takes the axes as an input
         g.set_dx(0, g.emit("Pad", dy, g.emit("Concat", begin, end, axis=0), None, ax))
         return
-    # opset 17: spread the per-axis pads over all axes (ScatterElements accepts negative axes)
-    rank = g.rank(0)
+    # spread the per-axis pads over all axes (ScatterElements accepts negative axes): opset 17 has no
+    # Pad axes, and onnxruntime 1.32's transpose optimizer permutes the pads of a Pad with axes as if they
+    # covered every axis (the graph then fails in a Gather it inserts), so a known rank takes this too
     zr = g.ints([0] * rank) if rank is not None else zeros(g, g.emit("Shape", sh), elem=I64)
     full_b = g.emit("ScatterElements", zr, ax, begin, axis=0)
     full_e = g.emit("ScatterElements", zr, ax, end, axis=0)
