@@ -565,13 +565,16 @@ OPS = [
 ]
 
 
-def random_graph(seed: int, n_runs: int = 3) -> RandomGraph:
-    """A random graph of 5 to 25 nodes, its feeds for ``n_runs`` runs; the same seed, the same graph."""
+def random_graph(seed: int, n_runs: int = 3, big: bool | None = None) -> RandomGraph:
+    """A random graph of 5 to 25 nodes, its feeds for ``n_runs`` runs; the same seed, the same graph.
+    ``big``: values of up to ~300,000 elements (True), small ones (False), either (None: 15% big)."""
     rng = np.random.default_rng(seed)
     r = rng.random()
     dtype = np.float16 if r < 0.1 else np.float64 if r < 0.2 else np.float32
     b = _Builder(rng, dtype)
     b.big = rng.random() < 0.15
+    if big is not None:
+        b.big = big
     b.poly = rng.random() < 0.3
     ops = [(o, w) for o, w in OPS if not (b.poly and o in FIXED_SHAPE_OPS)]
     names = [o for o, _ in ops]
