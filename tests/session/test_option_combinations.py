@@ -19,6 +19,7 @@ from onnx import helper, numpy_helper
 
 from onnxtrain import RunOptions, TrainingParameters, TrainingSession
 from onnxtrain.ir.builder import make_model
+from tests.session.helpers import params
 
 torch = pytest.importorskip("torch")
 
@@ -288,15 +289,6 @@ def trained_of(model: onnx.ModelProto) -> list[str]:
     """The float initializers the session trains by default: all but BatchNormalization running statistics."""
     stats = {n.input[i] for n in model.graph.node if n.op_type == "BatchNormalization" for i in (3, 4)}
     return sorted(t.name for t in model.graph.initializer if t.data_type == T.FLOAT and t.name not in stats)
-
-
-def params(opt: str, **kw) -> TrainingParameters:
-    p = TrainingParameters()
-    p.loss_output_name = "loss"
-    p.training_optimizer_name = opt
-    for k, v in kw.items():
-        setattr(p, k, v)
-    return p
 
 
 def lr_of(step: int) -> np.ndarray:
