@@ -31,28 +31,12 @@ from onnxtrain.engine.interface import (
 )
 from onnxtrain.engine.ort_chunks import layout_for_pieces, piece_count, split_models
 from onnxtrain.engine.ort_inplace import safe_updates
+from onnxtrain.engine.ort_optimizers import DISABLED_OPTIMIZERS, disabled_optimizers
 from onnxtrain.engine.ort_rewrites import for_onnxruntime, label_range_error, label_range_messages
 from onnxtrain.engine.ort_sums import two_level_sum_squares
 from onnxtrain.engine.parallel import default_width, local_ranks
 from onnxtrain.ir.types import np_dtype, np_dtype_of, onnx_elem_type, value_info_shape
 
-# onnxruntime's ConstantSharing merges equal initializers into one buffer; a training-mode
-# BatchNormalization then writes its running statistics into the shared buffer, corrupting the
-# initializers it was merged with (scale/bias) from the second run on. Its EliminateDropout deletes a
-# Dropout whose training_mode is a constant true (a forward or inference graph of a model exported in
-# training mode then ran without dropout, where the numpy engine drops). Both are always disabled.
-DISABLED_OPTIMIZERS = ("ConstantSharing", "EliminateDropout")
-
-
-def disabled_optimizers(model: onnx.ModelProto) -> list[str]:
-    """:data:`DISABLED_OPTIMIZERS`, and GemmSumFusion for a graph where a Gemm or MatMul reads a node's third
-    or later output (a Split's v, LayerNormalization's InvStdDev): that fusion then fails an assertion
-    (gemm_sum_fusion.cc, src_arg_index < 2) when the product feeds a Sum, as a weight's gradient summed over
-    its uses does, and the session does not load."""
-    index = {o: k for n in model.graph.node for k, o in enumerate(n.output) if o}
-    late = any(index.get(i, 0) >= 2 for n in model.graph.node if n.op_type in ("Gemm", "MatMul")
-               for i in n.input)
-    return [*DISABLED_OPTIMIZERS, *(["GemmSumFusion"] if late else [])]
 SPIN_KEY = "session.intra_op.allow_spinning"
 ENV_ALLOCATORS_KEY = "session.use_env_allocators"
 STOP_KEY = "session.force_spinning_stop"  # "1": the threads stop spinning as soon as a run ends

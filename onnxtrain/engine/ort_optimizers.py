@@ -1,0 +1,107 @@
+"""The onnxruntime graph optimizers the backend turns off for a model, each for a graph it gets wrong."""
+
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto
+
+from onnxtrain.ir.graphs import walk_graphs
+
+# onnxruntime's ConstantSharing merges equal initializers into one buffer; a training-mode
+# BatchNormalization then writes its running statistics into the shared buffer, corrupting the
+# initializers it was merged with (scale/bias) from the second run on. Its EliminateDropout deletes a
+# Dropout whose training_mode is a constant true (a forward or inference graph of a model exported in
+# training mode then ran without dropout, where the numpy engine drops). Both are always disabled.
+DISABLED_OPTIMIZERS = ("ConstantSharing", "EliminateDropout")
+
+
+def disabled_optimizers(model: onnx.ModelProto) -> list[str]:
+    """:data:`DISABLED_OPTIMIZERS`, and those of onnxruntime's optimizers that would load ``model`` wrong:
+    GemmSumFusion (:func:`_late_products`), MatmulTransposeFusion (:func:`_transposed_by_vectors`) and
+    FuseReluClip (:func:`_clips_of_other_types`)."""
+    return [*DISABLED_OPTIMIZERS,
+            *(["GemmSumFusion"] if _late_products(model) else []),
+            *(["MatmulTransposeFusion"] if _transposed_by_vectors(model) else []),
+            *(["FuseReluClip"] if _clips_of_other_types(model) else [])]
+
+
+def _late_products(model: onnx.ModelProto) -> bool:
+    """Whether a Gemm or MatMul reads a node's third or later output (a Split's v, LayerNormalization's
+    InvStdDev): GemmSumFusion then fails an assertion (gemm_sum_fusion.cc, src_arg_index < 2) when the
+    product feeds a Sum, as a weight's gradient summed over its uses does, and the session does not load."""
+    index = {o: k for n in model.graph.node for k, o in enumerate(n.output) if o}
+    return any(index.get(i, 0) >= 2 for n in model.graph.node if n.op_type in ("Gemm", "MatMul")
+               for i in n.input)
+
+
+def _swaps_last_two(node: onnx.NodeProto) -> bool:
+    perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+    if perm is None or len(perm) < 2:
+        return perm is None  # no perm: reversed axes, the last two swapped when the rank is 2
+    rank = len(perm)
+    return perm[:-2] == list(range(rank - 2)) and perm[-2:] == [rank - 1, rank - 2]
+
+
+def _transposed_by_vectors(model: onnx.ModelProto) -> bool:
+    """Whether a MatMul reads a Transpose of its first operand's last two axes and a second operand not
+    known to have two axes or more: MatmulTransposeFusion makes that a FusedMatMul with transA, whose CPU
+    kernel gives wrong values for a 1-D second operand (onnxruntime 1.32: Xᵀ·v of a (3, 4) X off by 3.5),
+    the weight gradient of a vector weight (MatMul(X, w), w 1-D) among them."""
+    suspects: list[tuple[str, onnx.GraphProto]] = []
+    for g in walk_graphs(model.graph):
+        outputs = {o.name for o in g.output}
+        transposed = {n.output[0] for n in g.node if n.op_type == "Transpose" and n.domain in ("", "ai.onnx")
+                      and n.output and n.output[0] not in outputs and _swaps_last_two(n)}
+        suspects += [(n.input[1], g) for n in g.node if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")
+                     and len(n.input) == 2 and n.input[0] in transposed]
+    if not suspects:
+        return False
+    ranks = _declared_ranks(model)
+    unknown = [name for name, _ in suspects if name not in ranks]
+    if unknown and any(g is model.graph for name, g in suspects if name in unknown):
+        ranks.update(_inferred_ranks(model))
+    return any(ranks.get(name, 1) < 2 for name, _ in suspects)
+
+
+def _declared_ranks(model: onnx.ModelProto) -> dict[str, int]:
+    """Ranks of the values of ``model``'s graphs whose shape the model states (initializers, Constants,
+    declared inputs, outputs and value_info)."""
+    ranks: dict[str, int] = {}
+    for g in walk_graphs(model.graph):
+        for vi in (*g.input, *g.output, *g.value_info):
+            if vi.type.tensor_type.HasField("shape"):
+                ranks[vi.name] = len(vi.type.tensor_type.shape.dim)
+        ranks.update((t.name, len(t.dims)) for t in g.initializer)
+        for n in g.node:
+            if n.op_type == "Constant" and n.output:
+                value = next((a.t for a in n.attribute if a.name == "value"), None)
+                if value is not None:
+                    ranks[n.output[0]] = len(value.dims)
+    return ranks
+
+
+def _inferred_ranks(model: onnx.ModelProto) -> dict[str, int]:
+    """Ranks of the main graph's values ONNX's shape inference finds (none when it refuses the model)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - a model inference refuses: its ranks stay unknown
+        return {}
+    return {vi.name: len(vi.type.tensor_type.shape.dim) for vi in inferred.graph.value_info
+            if vi.type.tensor_type.HasField("shape")}
+
+
+def _clips_of_other_types(model: onnx.ModelProto) -> bool:
+    """Whether a Relu feeds a Clip whose lower bound is a constant of a type other than float and float16:
+    FuseReluClip, which folds the Relu into that bound, refuses the type ('Unexpected data type for Clip
+    'min' input'), and the session does not load (a float64 model's Relu then Clip, say)."""
+    for g in walk_graphs(model.graph):
+        constants = {t.name: t.data_type for t in g.initializer}
+        constants.update((n.output[0], a.t.data_type) for n in g.node if n.op_type == "Constant" and n.output
+                         for a in n.attribute if a.name == "value")
+        relus = {n.output[0] for n in g.node if n.op_type == "Relu" and n.output}
+        for n in g.node:
+            if (n.op_type == "Clip" and len(n.input) > 1 and n.input[0] in relus
+                    and constants.get(n.input[1], TensorProto.FLOAT) not in (TensorProto.FLOAT,
+                                                                             TensorProto.FLOAT16)):
+                return True
+    return False
