@@ -91,17 +91,46 @@ def _inferred_ranks(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def _clips_of_other_types(model: onnx.ModelProto) -> bool:
-    """Whether a Relu feeds a Clip whose lower bound is a constant of a type other than float and float16:
-    FuseReluClip, which folds the Relu into that bound, refuses the type ('Unexpected data type for Clip
-    'min' input'), and the session does not load (a float64 model's Relu then Clip, say)."""
+    """Whether a Relu feeds a Clip whose lower bound is, or may fold into, a constant of a type other than
+    float and float16: FuseReluClip, which folds the Relu into that bound, refuses the type ('Unexpected
+    data type for Clip 'min' input'), and the session does not load (a float64 model's Relu then Clip, say,
+    its bound an initializer or an Expand, Identity or Cast of one that constant folding makes constant)."""
+    fine = (TensorProto.FLOAT, TensorProto.FLOAT16)
+    types: dict[str, int] | None = None
     for g in walk_graphs(model.graph):
         constants = {t.name: t.data_type for t in g.initializer}
         constants.update((n.output[0], a.t.data_type) for n in g.node if n.op_type == "Constant" and n.output
                          for a in n.attribute if a.name == "value")
-        relus = {n.output[0] for n in g.node if n.op_type == "Relu" and n.output}
+        relus = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Relu" and n.output and n.input}
         for n in g.node:
-            if (n.op_type == "Clip" and len(n.input) > 1 and n.input[0] in relus
-                    and constants.get(n.input[1], TensorProto.FLOAT) not in (TensorProto.FLOAT,
-                                                                             TensorProto.FLOAT16)):
+            if n.op_type != "Clip" or len(n.input) < 2 or not n.input[1] or n.input[0] not in relus:
+                continue
+            if n.input[1] in constants:
+                if constants[n.input[1]] not in fine:
+                    return True
+                continue
+            # a computed bound: Clip's inputs share one type, that of the Relu's input
+            if types is None:
+                types = _element_types(model)
+            known = [types[v] for v in (n.input[1], n.input[0], relus[n.input[0]]) if v in types]
+            if not known or known[0] not in fine:
                 return True
     return False
+
+
+def _element_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element types of ``model``'s values as its graphs declare them, and, for the main graph, as ONNX's
+    type inference finds them (none when it refuses the model)."""
+    types: dict[str, int] = {}
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model).graph.value_info
+    except Exception:  # noqa: BLE001 - a model inference refuses: only the declared types are known
+        inferred = []
+    for g in walk_graphs(model.graph):
+        types.update((t.name, t.data_type) for t in g.initializer)
+        for vi in (*g.input, *g.output, *g.value_info):
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+                types[vi.name] = vi.type.tensor_type.elem_type
+    types.update((vi.name, vi.type.tensor_type.elem_type) for vi in inferred
+                 if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type)
+    return types
