@@ -3,7 +3,7 @@
 onnxruntime 1.32's transpose optimizer, pushing a Transpose through a Pad that has an ``axes`` input,
 permutes the pads as if they covered every axis: a Slice gradient written as ``Pad(dY, pads, axes)`` between
 two Transposes failed to run there ("indices element out of data bounds" in a Gather it inserted). The
-gradient now pads every axis where the rank is known.
+gradient now pads every axis (an unknown rank too: tests/autodiff/test_pad_axes_rules.py).
 """
 
 from __future__ import annotations

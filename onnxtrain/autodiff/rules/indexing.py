@@ -14,7 +14,7 @@ import onnx
 
 from onnxtrain.autodiff.context import GradCtx, RuleError
 from onnxtrain.autodiff.registry import gradient, no_gradient
-from onnxtrain.autodiff.rules.shape import I64, as_int64, route_back, zeros
+from onnxtrain.autodiff.rules.shape import I64, as_int64, route_back, trim, zeros
 from onnxtrain.ir.builder import NodeWriter
 
 
@@ -229,24 +229,40 @@ def cumprod_grad(g: GradCtx) -> None:
     # nodes on arrays of X's size (O(n log n) work, O(n) memory along the axis). Nothing is divided, so
     # zeros in X are exact, where dY·Y/X is not. When the axis length is unknown as the graph is built,
     # a Loop runs the steps.
+    # Unrolled, the Pads name every axis rather than take Pad's axes input: onnxruntime 1.32's transpose
+    # optimizer permutes the pads of a Pad with axes as if they covered every axis (the gradient of a
+    # transposed value failed in a Gather it inserts). The Loop's Pads (and those feeding it) stay
+    # out of its reach: it moves no Transpose into or across a Loop.
     x, dy, rev = g.x(0), g.dy(0), g.attr("reverse")
     from_end = not rev  # S_i reads S_{i+1}
     axes = g.emit("Reshape", as_int64(g, g.x(1)), g.ints([1]))
     zero, end, one = g.ints([0]), g.ints([_END]), g.const(1)
-    far = _halves(zero, g.ints([1]), g.ints([-1]), end, from_end)[1]
-    pads = g.ints([0, 1] if from_end else [1, 0])
-    a = g.emit("Pad", g.emit("Slice", x, *far, axes), pads, one, axes)  # x_{i±1}; the last one is never read
-    b = g.emit("Pad", g.emit("Slice", dy, *far, axes), pads, None, axes) if g.attr("exclusive") else dy
     axis, shape = g.constant_value(1), g.static_shape(0)
     n = shape[int(axis) % len(shape)] if axis is not None and shape else None
+    pad_axes: str | None = axes if n is None else None
+
+    def shift(d: int) -> str:
+        """Pads moving a slice ``d`` places back into place along the axis."""
+        if n is None:
+            return g.ints([0, d] if from_end else [d, 0])
+        rank = len(shape)
+        full = [0] * (2 * rank)
+        full[int(axis) % rank + (rank if from_end else 0)] = d
+        return g.ints(full)
+
+    far = _halves(zero, g.ints([1]), g.ints([-1]), end, from_end)[1]
+    # x_{i±1}; the last one is never read
+    a = g.emit("Pad", *trim(g.emit("Slice", x, *far, axes), shift(1), one, pad_axes))
+    b = dy
+    if g.attr("exclusive"):
+        b = g.emit("Pad", *trim(g.emit("Slice", dy, *far, axes), shift(1), None, pad_axes))
     if n is None:
         s = _doubling_loop(g, a, b, axes, from_end)
     else:
         s, d = b, 1
         while d < n:
             near, far = _halves(zero, g.ints([d]), g.ints([-d]), end, from_end)
-            pads = g.ints([0, d] if from_end else [d, 0])
-            a, s = _doubling_step(g.emit, a, s, axes, near, far, pads, one, last=2 * d >= n)
+            a, s = _doubling_step(g.emit, a, s, axes, near, far, shift(d), one, 2 * d >= n, pad_axes=None)
             d *= 2
     e = g.emit("CumProd", x, g.x(1), exclusive=1, reverse=rev)
     g.set_dx(0, g.emit("Mul", e, s))
@@ -260,14 +276,15 @@ def _halves(zero: str, d: str, neg_d: str, end: str, from_end: bool
 
 
 def _doubling_step(emit: Any, a: str, b: str, axes: str, near: tuple[str, str], far: tuple[str, str],
-                   pads: str, one: str, last: bool) -> tuple[str, str]:
+                   pads: str, one: str, last: bool, pad_axes: str | None) -> tuple[str, str]:
     """One step of recursive doubling for s_i = b_i + a_i·s_partner: element i's map s ↦ b + a·s composed with
     its partner's, (a, b) ← (a·a', b + a·b'); elements without a partner keep theirs. ``pads`` puts the
-    partners' slice back in place; ``last``: a is not needed afterwards."""
-    b = emit("Add", b, emit("Pad", emit("Mul", emit("Slice", a, *near, axes), emit("Slice", b, *far, axes)),
-                            pads, None, axes))
+    partners' slice back in place (along ``pad_axes``, or over every axis when None); ``last``: a is not
+    needed afterwards."""
+    prod = emit("Mul", emit("Slice", a, *near, axes), emit("Slice", b, *far, axes))
+    b = emit("Add", b, emit("Pad", *trim(prod, pads, None, pad_axes)))
     if not last:
-        a = emit("Mul", a, emit("Pad", emit("Slice", a, *far, axes), pads, one, axes))
+        a = emit("Mul", a, emit("Pad", *trim(emit("Slice", a, *far, axes), pads, one, pad_axes)))
     return a, b
 
 
@@ -283,7 +300,7 @@ def _doubling_loop(g: GradCtx, a: str, b: str, axes: str, from_end: bool) -> str
     w = NodeWriter(names, nodes, prefix=pre)
     near, far = _halves(zero, d, w.one("Neg", d), end, from_end)
     pads = w.one("Concat", *((zero, d) if from_end else (d, zero)), axis=0)
-    a_out, b_out = _doubling_step(w.one, a_in, b_in, axes, near, far, pads, one, last=False)
+    a_out, b_out = _doubling_step(w.one, a_in, b_in, axes, near, far, pads, one, last=False, pad_axes=axes)
     d_out = w.one("Mul", d, two)
     more = w.one("Squeeze", w.one("Less", d_out, n))
     vi = onnx.helper.make_tensor_value_info

@@ -170,13 +170,11 @@ def slice_grad(g: GradCtx) -> None:
     s = _clamp_index(g, as_int64(g, g.x(1)), dims, neg_dims)
     e = g.emit("Max", _clamp_index(g, as_int64(g, g.x(2)), dims, neg_dims), s)
     begin, end = s, g.emit("Sub", dims, e)
+    # spread the per-axis pads over all axes (ScatterElements accepts negative axes), never Pad's axes
+    # input (opset >= 18): onnxruntime 1.32's transpose optimizer permutes the pads of a Pad with axes as
+    # if they covered every axis (the graph then fails in a Gather it inserts), and it knows the rank from
+    # a Transpose's perm even where the graph declares none
     rank = g.rank(0)
-    if g.opset >= 18 and rank is None:  # Pad takes the axes as an input
-        g.set_dx(0, g.emit("Pad", dy, g.emit("Concat", begin, end, axis=0), None, ax))
-        return
-    # spread the per-axis pads over all axes (ScatterElements accepts negative axes): opset 17 has no
-    # Pad axes, and onnxruntime 1.32's transpose optimizer permutes the pads of a Pad with axes as if they
-    # covered every axis (the graph then fails in a Gather it inserts), so a known rank takes this too
     zr = g.ints([0] * rank) if rank is not None else zeros(g, g.emit("Shape", sh), elem=I64)
     full_b = g.emit("ScatterElements", zr, ax, begin, axis=0)
     full_e = g.emit("ScatterElements", zr, ax, end, axis=0)
