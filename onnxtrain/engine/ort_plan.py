@@ -519,7 +519,7 @@ class OrtPlan(GraphInterface):
                         v.view(f"u{v.itemsize}"), onnx_elem_type(v.dtype)))
                 else:
                     io.bind_cpu_input(name, v)
-                held_in[name] = (v, v.shape, v.dtype)
+                held_in[name] = (v, v.shape, v.dtype, v.ctypes.data)
         for n in names:
             v = into.get(n)
             if v is None:
@@ -532,7 +532,11 @@ class OrtPlan(GraphInterface):
         self._session.run_with_iobinding(io, ro)
         if len(into) == len(names):  # every output written into a donated array (an optimizer's update)
             return [into[n] for n in names]
-        return [into[n] if n in into else _numpy_of(o, self.output_dtypes.get(n))
+        # an output onnxruntime passes through from an input (the input itself, an Identity or Reshape of
+        # it) is a view of the bound array, which may be a copy the caller never sees, freed after the run
+        # (a feed made row-major): such outputs are copied
+        fed = {h[3] for h in held_in.values()}
+        return [into[n] if n in into else _own(_numpy_of(o, self.output_dtypes.get(n)), o, fed)
                 for n, o in zip(names, io.get_outputs())]
 
     def _run_pieces(self, arrays: Mapping[str, np.ndarray], names: list[str], into: Mapping[str, np.ndarray],
@@ -608,6 +612,11 @@ def _numpy_of(value: Any, dtype: np.dtype | None) -> np.ndarray:
 _WHOLE_BYTES = ("BFLOAT16", "FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2", "FLOAT8E5M2FNUZ", "FLOAT8E8M0")
 _WHOLE_BYTE_DTYPES = frozenset(np_dtype(getattr(onnx.TensorProto, name)) for name in _WHOLE_BYTES
                                if hasattr(onnx.TensorProto, name))
+
+
+def _own(array: np.ndarray, value: Any, fed: set[int]) -> np.ndarray:
+    """``array`` (of OrtValue ``value``), copied when its memory is that of a bound input (at ``fed``)."""
+    return array.copy() if array.size and value.data_ptr() in fed else array
 
 
 def _still_bound(held: tuple | None, v: np.ndarray) -> bool:
