@@ -17,12 +17,17 @@ DISABLED_OPTIMIZERS = ("ConstantSharing", "EliminateDropout")
 
 def disabled_optimizers(model: onnx.ModelProto) -> list[str]:
     """:data:`DISABLED_OPTIMIZERS`, and those of onnxruntime's optimizers that would load ``model`` wrong:
-    GemmSumFusion (:func:`_late_products`), MatmulTransposeFusion (:func:`_transposed_by_vectors`) and
-    FuseReluClip (:func:`_clips_of_other_types`)."""
+    GemmSumFusion (:func:`_late_products`), MatmulTransposeFusion (:func:`_transposed_by_vectors`),
+    FuseReluClip (:func:`_clips_of_other_types`) and the transpose optimizer (:func:`_pads_of_some_axes`)."""
     return [*DISABLED_OPTIMIZERS,
             *(["GemmSumFusion"] if _late_products(model) else []),
             *(["MatmulTransposeFusion"] if _transposed_by_vectors(model) else []),
-            *(["FuseReluClip"] if _clips_of_other_types(model) else [])]
+            *(["FuseReluClip"] if _clips_of_other_types(model) else []),
+            *(TRANSPOSE_OPTIMIZERS if _pads_of_some_axes(model) else ())]
+
+
+# the transpose optimizer's two registrations (level 1, and again for the CPU provider's layout)
+TRANSPOSE_OPTIMIZERS = ("TransposeOptimizer", "TransposeOptimizer_CPUExecutionProvider")
 
 
 def _late_products(model: onnx.ModelProto) -> bool:
@@ -134,3 +139,18 @@ def _element_types(model: onnx.ModelProto) -> dict[str, int]:
     types.update((vi.name, vi.type.tensor_type.elem_type) for vi in inferred
                  if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type)
     return types
+
+
+def _pads_of_some_axes(model: onnx.ModelProto) -> bool:
+    """Whether a graph of ``model`` has a Pad with an axes input, and the model a Transpose: onnxruntime's
+    transpose optimizer, moving a Transpose through that Pad, permutes its pads as if they named every axis
+    (a Gather of out-of-range indices that fails at run time, at every optimization level)."""
+    padded = transposed = False
+    for g in walk_graphs(model.graph):
+        for n in g.node:
+            if n.domain in ("", "ai.onnx"):
+                transposed = transposed or n.op_type == "Transpose"
+                padded = padded or (n.op_type == "Pad" and len(n.input) > 3 and bool(n.input[3]))
+        if padded and transposed:
+            return True
+    return False

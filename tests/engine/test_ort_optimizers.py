@@ -109,3 +109,47 @@ def test_a_float64_relu_then_clip_loads(opset: int) -> None:
     lo32 = helper.make_tensor("lo32", T.FLOAT, [], [-1.0])
     floats = make_model(helper.make_graph(floats, "g", [x], [y32], [lo32]), opset)
     assert "FuseReluClip" not in disabled_optimizers(floats)
+
+
+def _pad_between_transposes(opset: int, fed: bool) -> onnx.ModelProto:
+    """Transpose → Pad over two of its axes (an axes input) → Transpose back."""
+    x = helper.make_tensor_value_info("x", T.FLOAT, [2, 3, 4, 5])
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 3, 1]),
+             helper.make_node("Pad", ["t", "pads", "", "axes"], ["p"]),
+             helper.make_node("Transpose", ["p"], ["y"], perm=[0, 3, 1, 2])]
+    pads = helper.make_tensor("pads", T.INT64, [4], [1, 2, 0, 3])
+    axes = helper.make_tensor("axes", T.INT64, [2], [1, 3])
+    inputs = [x, helper.make_tensor_value_info("pads", T.INT64, [4])] if fed else [x]
+    y = helper.make_tensor_value_info("y", T.FLOAT, None)
+    return make_model(helper.make_graph(nodes, "g", inputs, [y], [axes] if fed else [pads, axes]), opset)
+
+
+@pytest.mark.parametrize("opset", [18, 21])
+@pytest.mark.parametrize("fed", [False, True])
+def test_a_pad_over_some_axes_between_transposes_runs(opset: int, fed: bool) -> None:
+    """onnxruntime 1.32's transpose optimizer, moving a Transpose through a Pad that has an axes input,
+    permutes the pads as if they covered every axis: the Gather it inserts failed at run time ('indices
+    element out of data bounds') at every optimization level, on the backend too. The backend turns it
+    off for graphs with such a Pad and a Transpose; the values are onnxruntime's with its optimizations
+    off."""
+    model = _pad_between_transposes(opset, fed)
+    x = np.random.default_rng(2).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    feed = {"x": x, **({"pads": np.array([1, 2, 0, 3], np.int64)} if fed else {})}
+    y = InferenceSession(model.SerializeToString(), _options("onnxruntime")).run(None, feed)[0]
+    plain = ort.SessionOptions()
+    plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    oracle = ort.InferenceSession(model.SerializeToString(), plain, providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(y, oracle.run(None, feed)[0])
+    # no Transpose, or a Pad of every axis: the optimizer stays on
+    untransposed = onnx.ModelProto()
+    untransposed.CopyFrom(model)
+    for n in untransposed.graph.node:
+        if n.op_type == "Transpose":
+            n.op_type = "Identity"
+            del n.attribute[:]
+    assert "TransposeOptimizer" in disabled_optimizers(model)
+    assert "TransposeOptimizer" not in disabled_optimizers(untransposed)
+    whole = onnx.ModelProto()
+    whole.CopyFrom(model)
+    del whole.graph.node[1].input[2:]
+    assert "TransposeOptimizer" not in disabled_optimizers(whole)
