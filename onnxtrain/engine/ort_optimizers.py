@@ -18,8 +18,10 @@ DISABLED_OPTIMIZERS = ("ConstantSharing", "EliminateDropout")
 def disabled_optimizers(model: onnx.ModelProto) -> list[str]:
     """:data:`DISABLED_OPTIMIZERS`, and those of onnxruntime's optimizers that would load ``model`` wrong:
     GemmSumFusion (:func:`_late_products`), MatmulTransposeFusion (:func:`_transposed_by_vectors`),
-    FuseReluClip (:func:`_clips_of_other_types`) and the transpose optimizer (:func:`_pads_of_some_axes`)."""
+    FuseReluClip (:func:`_clips_of_other_types`), the transpose optimizer (:func:`_pads_of_some_axes`) and
+    ConstantFolding (:func:`_body_ifs_of_constants`)."""
     return [*DISABLED_OPTIMIZERS,
+            *(["ConstantFolding"] if _body_ifs_of_constants(model) else []),
             *(["GemmSumFusion"] if _late_products(model) else []),
             *(["MatmulTransposeFusion"] if _transposed_by_vectors(model) else []),
             *(["FuseReluClip"] if _clips_of_other_types(model) else []),
@@ -152,5 +154,35 @@ def _pads_of_some_axes(model: onnx.ModelProto) -> bool:
                 transposed = transposed or n.op_type == "Transpose"
                 padded = padded or (n.op_type == "Pad" and len(n.input) > 3 and bool(n.input[3]))
         if padded and transposed:
+            return True
+    return False
+
+
+_UNFOLDED = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                       "Multinomial", "Bernoulli", "Dropout", "If", "Loop", "Scan", "SequenceMap"})
+
+
+def _body_ifs_of_constants(model: onnx.ModelProto) -> bool:
+    """Whether an If inside a body (of a Loop, Scan or If) has a condition computed from constants alone
+    (initializers, Constants, values of the enclosing graphs computed from them): ConstantFolding inlines
+    such an If, and in the backward Loop of a gradient graph (a recomputed If and its gradient If on one
+    such condition) the inlined If's used output went missing ("Missing Input" at run time, onnxruntime
+    1.32)."""
+    fed = {i.name for i in model.graph.input}
+    constants = {t.name for t in model.graph.initializer if t.name not in fed}
+    return _constant_ifs(model.graph, constants, nested=False)
+
+
+def _constant_ifs(graph: onnx.GraphProto, outer: set[str], nested: bool) -> bool:
+    constants = set(outer) | {t.name for t in graph.initializer}
+    constants -= {i.name for i in graph.input}
+    for n in graph.node:
+        if n.op_type == "If" and nested and n.input and n.input[0] in constants:
+            return True
+        if n.op_type == "Constant" or (n.input and n.op_type not in _UNFOLDED
+                                       and all(not i or i in constants for i in n.input)):
+            constants.update(o for o in n.output if o)
+        if any(_constant_ifs(g, constants, True) for a in n.attribute if a.type == onnx.AttributeProto.GRAPH
+               for g in [a.g]):
             return True
     return False

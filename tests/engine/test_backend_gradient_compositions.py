@@ -64,3 +64,69 @@ def test_relu_then_clip_by_a_folded_float64_bound(bound: str) -> None:
     got = _run(build_gradient_model(model, "loss", ["w"]), {"x": x})
     np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-12)
     np.testing.assert_allclose(got["w_grad"], w.grad.numpy(), rtol=1e-12, atol=1e-15)
+
+
+# ---- ConstantFolding: an If of a constant condition inside a body -----------------------------------------
+def test_a_body_if_of_a_constant_condition() -> None:
+    """onnxruntime's ConstantFolding inlines an If whose condition it computes from initializers; in the
+    backward Loop of the control-flow fuzz's seed 542 (a recomputed If and its gradient If on
+    ReduceSum(w) > 0, w an initializer) the recomputed If's used output then went missing and the run
+    failed ("Missing Input: Loop_Grad/if_134"). The gradient graph on the backend, against onnxruntime
+    with its optimizations off."""
+    from tests.engine.control_flow_gen import random_case
+
+    case = random_case(542, grad=True)
+    gmodel = build_gradient_model(case.oracle, "loss", case.wrt)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(gmodel.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
+        None, case.feeds)
+    got = _run(gmodel, case.feeds)
+    for o, w in zip(gmodel.graph.output, want):
+        np.testing.assert_allclose(got[o.name], w, rtol=1e-12, atol=1e-14, err_msg=o.name)
+
+
+def _if_model(in_body: bool, fed_w: bool) -> onnx.ModelProto:
+    """y = x · If(ReduceSum(w) > 0, Identity, Sin)(x), in a Loop's body or in the main graph; w an
+    initializer, or also a graph input (its value then unknown until fed)."""
+    d = T.DOUBLE
+    branch = [helper.make_graph([helper.make_node(op, ["v"], [f"o{op}"])], op, [],
+                                [helper.make_tensor_value_info(f"o{op}", d, None)])
+              for op in ("Identity", "Sin")]
+    nodes = [helper.make_node("ReduceSum", ["w"], ["s"], keepdims=0),
+             helper.make_node("Constant", [], ["zero"], value=numpy_helper.from_array(np.array(0.0))),
+             helper.make_node("Greater", ["s", "zero"], ["cond"]),
+             helper.make_node("If", ["cond"], ["f"], then_branch=branch[0], else_branch=branch[1]),
+             helper.make_node("Mul", ["v", "f"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", d, [3]), helper.make_tensor_value_info("n", T.INT64, [])]
+    inputs += [helper.make_tensor_value_info("w", d, [2])] if fed_w else []
+    if in_body:
+        body = helper.make_graph([helper.make_node("Identity", ["c"], ["c_out"])] + nodes, "body",
+                                 [helper.make_tensor_value_info("i", T.INT64, []),
+                                  helper.make_tensor_value_info("c", T.BOOL, []),
+                                  helper.make_tensor_value_info("v", d, [3])],
+                                 [helper.make_tensor_value_info("c_out", T.BOOL, []),
+                                  helper.make_tensor_value_info("y", d, [3])])
+        nodes = [helper.make_node("Loop", ["n", "", "x"], ["out"], body=body)]
+    else:
+        nodes = [helper.make_node("Identity", ["x"], ["v"]), *nodes,
+                 helper.make_node("Identity", ["y"], ["out"])]
+    graph = helper.make_graph(nodes, "ifs", inputs, [helper.make_tensor_value_info("out", d, [3])],
+                              [numpy_helper.from_array(np.array([0.5, -0.2]), "w")])
+    return make_model(graph, 17)
+
+
+@pytest.mark.parametrize("in_body, fed_w", [(True, False), (True, True), (False, False)])
+def test_constant_folding_is_kept_where_no_body_if_folds(in_body: bool, fed_w: bool) -> None:
+    """ConstantFolding goes only for an If in a body whose condition folds (not for one in the main graph,
+    nor for one whose initializer may be fed); the values, on the backend, equal onnxruntime's unoptimized."""
+    from onnxtrain.engine.ort_optimizers import disabled_optimizers
+
+    model = _if_model(in_body, fed_w)
+    assert ("ConstantFolding" in disabled_optimizers(model)) == (in_body and not fed_w)
+    feeds = {"x": np.array([0.1, -0.4, 0.7]), "n": np.array(3, np.int64)}
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    plain = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    want = plain.run(None, feeds)
+    np.testing.assert_allclose(_run(model, feeds)["out"], want[0], rtol=1e-14)
