@@ -96,7 +96,8 @@ def test_random_compositions_on_the_backend(wide: bool) -> None:
         if pair is None or not isinstance(pair[0], ort.InferenceSession):  # (no float64 Erf in onnxruntime)
             continue
         sess = _backend(rg.model)
-        problems += [f"seed {seed}: {p}" for p in check_graph(rg, pair[0], {"backend": lambda f, s=sess: s.run(None, f)}, pair[1])]
+        runners = {"backend": lambda f, s=sess: s.run(None, f)}
+        problems += [f"seed {seed}: {p}" for p in check_graph(rg, pair[0], runners, pair[1])]
         checked += 1
     assert checked >= len(SEEDS) // 2
     assert not problems, "\n".join(problems[:10])
