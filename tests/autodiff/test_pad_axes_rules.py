@@ -55,6 +55,8 @@ def _check(model: onnx.ModelProto, feeds: dict[str, np.ndarray], loss: torch.Ten
            xt: torch.Tensor) -> None:
     (want,) = torch.autograd.grad(loss, xt)
     grad = build_gradient_model(model, "loss", ["x"])
+    if all(i.type.tensor_type.HasField("shape") for i in model.graph.input):  # the checker wants them
+        onnx.checker.check_model(grad, full_check=True)
     for run in (_run_ort, _run_backend, _run_numpy):
         got = run(grad, feeds)
         np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-12)
@@ -98,8 +100,10 @@ def test_cumprod_grad_between_transposes(exclusive: int, reverse: int, dynamic: 
 
 
 @pytest.mark.parametrize("opset", [18, 21])
-def test_slice_grad_with_fed_starts_and_undeclared_rank(opset: int) -> None:
-    # 33f0a24 padded every axis when the rank is known; x declared without a shape kept Pad's axes input
+@pytest.mark.parametrize("declared", [True, False])
+def test_slice_grad_with_fed_starts(opset: int, declared: bool) -> None:
+    # a Slice whose starts are fed: its gradient was Pad(dY, pads, axes); 33f0a24 padded every axis when
+    # the rank is known, 1301f90 also when x is declared without a shape
     nodes = [
         helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2, 3]),
         helper.make_node("Slice", ["t", "starts", "ends", "axes"], ["s"]),
@@ -107,8 +111,9 @@ def test_slice_grad_with_fed_starts_and_undeclared_rank(opset: int) -> None:
         helper.make_node("Mul", ["y", "u"], ["yu"]),
         helper.make_node("ReduceSum", ["yu"], ["loss"], keepdims=0),
     ]
+    shapes = ([4, 3, 3, 2], [4, 3, 2, 2]) if declared else (None, None)
     graph = helper.make_graph(
-        nodes, "slice_unranked", [vi("x", D, None), vi("starts", I64, [1]), vi("u", D, None)],
+        nodes, "slice_pad_axes", [vi("x", D, shapes[0]), vi("starts", I64, [1]), vi("u", D, shapes[1])],
         [vi("loss", D, [])],
         [helper.make_tensor("ends", I64, [1], [3]), helper.make_tensor("axes", I64, [1], [-2])],
     )

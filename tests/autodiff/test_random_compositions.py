@@ -3,7 +3,7 @@
 A seeded sample of the graphs ``tests/autodiff/random_compositions.py`` draws. The full sweep
 (``python -m tests.autodiff.random_compositions START COUNT``) ran 21000 seeds of the generator as it is
 (0-5999 and 21000-35999; 15000 more while it was written); its one finding, a Slice gradient that optimized
-onnxruntime could not run, is tests/autodiff/test_slice_grad_pad_axes.py. For each graph the gradient
+onnxruntime could not run, is tests/autodiff/test_pad_axes_rules.py. For each graph the gradient
 graph passes the full ``onnx.checker`` check, and its gradients as onnxruntime (optimized and not) and
 onnxtrain's engine compute them equal torch autograd's on the same computation; a few smooth graphs are also
 checked against float64 central differences computed by onnxruntime on the forward model.
