@@ -12,9 +12,8 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-import onnxtrain
 from onnxtrain.ir.ceil_pools import ceil_mode_pools
-from tests.session.helpers import backend_options, params
+from tests.session.helpers import sgd_matches_torch
 
 pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")
@@ -80,22 +79,9 @@ def test_a_ceil_mode_pool_trains_on_the_backend_as_torch(case: str) -> None:
     rng = np.random.default_rng(1)
     w0 = rng.standard_normal((1, 3, 1, 1)).astype(np.float32)
     model = _model(op, attrs, h, w, w0).SerializeToString()
-    sessions = {b: onnxtrain.TrainingSession(model, params("SGDOptimizer"), backend_options(b))
-                for b in ("onnxruntime", "numpy")}
-    wt = torch.tensor(w0.astype(np.float64), requires_grad=True)
-    opt = torch.optim.SGD([wt], lr=0.05)
-    for n in (2, 1, 3):
-        x = rng.standard_normal((n, 3, h, w)).astype(np.float32)
-        losses = {b: s.run(["loss"], {"x": x, "Learning_Rate": np.array([0.05], np.float32)})[0]
-                  for b, s in sessions.items()}
-        opt.zero_grad()
-        ref = _torch_pool(op, torch.sigmoid(torch.tensor(x, dtype=torch.float64) * wt), attrs).pow(2).sum()
-        ref.backward()
-        opt.step()
-        for b, s in sessions.items():
-            np.testing.assert_allclose(losses[b], ref.item(), rtol=1e-5, err_msg=b)
-            np.testing.assert_allclose(s.get_state()["W"], wt.detach().numpy(), rtol=1e-5, atol=1e-6,
-                                       err_msg=b)
+    feeds = [rng.standard_normal((n, 3, h, w)).astype(np.float32) for n in (2, 1, 3)]
+    sgd_matches_torch(model, w0, feeds,
+                      lambda x, wt: _torch_pool(op, torch.sigmoid(x * wt), attrs).pow(2).sum(), 0.05)
 
 
 def test_pools_that_drop_no_window_or_have_unknown_sizes_are_left_alone() -> None:

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
 from onnxtrain.engine.ort_output_padding import large_output_paddings
-from tests.session.helpers import backend_options, params
+from tests.session.helpers import backend_options, params, sgd_matches_torch
 
 ort = pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")
@@ -276,23 +276,10 @@ def test_an_output_shape_with_a_large_output_padding_over_unknown_sizes_trains_a
                           [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
                           [numpy_helper.from_array(w0, "W")])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
-    sessions = {b: onnxtrain.TrainingSession(model, params("SGDOptimizer"), backend_options(b))
-                for b in ("onnxruntime", "numpy")}
-    wt = torch.tensor(w0.astype(np.float64), requires_grad=True)
-    opt = torch.optim.SGD([wt], lr=1e-3)
-    for n, h, w in ((1, 4, 5), (2, 3, 6), (1, 5, 4)):
-        x = rng.standard_normal((n, xs[1], h, w)).astype(np.float32)
-        losses = {b: s.run(["loss"], {"x": x, "Learning_Rate": np.array([1e-3], np.float32)})[0]
-                  for b, s in sessions.items()}
-        opt.zero_grad()
-        ref = _torch_with_output_shape(torch.tensor(x, dtype=torch.float64), wt, attrs, "SAME_UPPER")
-        ref = ref.pow(2).sum()
-        ref.backward()
-        opt.step()
-        for b, s in sessions.items():
-            np.testing.assert_allclose(losses[b], ref.item(), rtol=1e-5, err_msg=b)
-            np.testing.assert_allclose(s.get_state()["W"], wt.detach().numpy(), rtol=1e-5, atol=1e-6,
-                                       err_msg=b)
+    sizes = ((1, 4, 5), (2, 3, 6), (1, 5, 4))
+    feeds = [rng.standard_normal((n, xs[1], h, w)).astype(np.float32) for n, h, w in sizes]
+    sgd_matches_torch(model, w0, feeds,
+                      lambda x, wt: _torch_with_output_shape(x, wt, attrs, "SAME_UPPER").pow(2).sum(), 1e-3)
 
 
 def test_such_a_node_over_unknown_sizes_below_opset_12_is_refused_by_name() -> None:

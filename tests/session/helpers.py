@@ -78,6 +78,30 @@ def backend_options(backend: str, level: int | None = None):
     return so
 
 
+def sgd_matches_torch(model: bytes, w0: np.ndarray, feeds: list, torch_loss, lr: float) -> None:
+    """Legacy SGD steps on both backends against torch's SGD: the model's one weight ``W`` (initial value
+    ``w0``) and loss ``loss``; ``feeds`` the batches (``x`` each); ``torch_loss(x, w)`` the float64 loss."""
+    import torch
+
+    from onnxtrain import TrainingSession
+
+    sessions = {b: TrainingSession(model, params("SGDOptimizer"), backend_options(b))
+                for b in ("onnxruntime", "numpy")}
+    wt = torch.tensor(w0.astype(np.float64), requires_grad=True)
+    opt = torch.optim.SGD([wt], lr=lr)
+    for x in feeds:
+        losses = {b: s.run(["loss"], {"x": x, "Learning_Rate": np.array([lr], np.float32)})[0]
+                  for b, s in sessions.items()}
+        opt.zero_grad()
+        ref = torch_loss(torch.tensor(x, dtype=torch.float64), wt)
+        ref.backward()
+        opt.step()
+        for b, s in sessions.items():
+            np.testing.assert_allclose(losses[b], ref.item(), rtol=1e-5, err_msg=b)
+            np.testing.assert_allclose(s.get_state()["W"], wt.detach().numpy(), rtol=1e-5, atol=1e-6,
+                                       err_msg=b)
+
+
 def batches(n: int, size: int, din: int = 8, dout: int = 4, seed: int = 1, loss: str = "sce"):
     rng = np.random.default_rng(seed)
     out = []
