@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import onnx
 from onnx import TensorProto
 
@@ -20,12 +22,53 @@ def disabled_optimizers(model: onnx.ModelProto) -> list[str]:
     GemmSumFusion (:func:`_late_products`), MatmulTransposeFusion (:func:`_transposed_by_vectors`),
     FuseReluClip (:func:`_clips_of_other_types`), the transpose optimizer (:func:`_pads_of_some_axes`) and
     ConstantFolding (:func:`_body_ifs_of_constants`)."""
+    known = _Known(model)
     return [*DISABLED_OPTIMIZERS,
             *(["ConstantFolding"] if _body_ifs_of_constants(model) else []),
             *(["GemmSumFusion"] if _late_products(model) else []),
-            *(["MatmulTransposeFusion"] if _transposed_by_vectors(model) else []),
-            *(["FuseReluClip"] if _clips_of_other_types(model) else []),
+            *(["MatmulTransposeFusion"] if _transposed_by_vectors(model, known) else []),
+            *(["FuseReluClip"] if _clips_of_other_types(model, known) else []),
             *(TRANSPOSE_OPTIMIZERS if _pads_of_some_axes(model) else ())]
+
+
+class _Known:
+    """Element types (0: unknown) and ranks (None: unknown) of a model's values: those its graphs state
+    (value_info, inputs, outputs, then initializers and Constants), and, once :meth:`infer` is called,
+    those ONNX's shape inference finds for the main graph (none when it refuses the model)."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.values: dict[str, tuple[int, int | None]] = {}
+        self._inferred = False
+        for g in walk_graphs(model.graph):
+            self._add((*g.input, *g.output, *g.value_info))
+            self.values.update((t.name, (t.data_type, len(t.dims))) for t in g.initializer)
+            self.values.update((n.output[0], (a.t.data_type, len(a.t.dims))) for n in g.node
+                               if n.op_type == "Constant" and n.output
+                               for a in n.attribute if a.name == "value")
+
+    def _add(self, infos: Iterable[onnx.ValueInfoProto]) -> None:
+        for vi in infos:
+            if vi.type.HasField("tensor_type"):
+                t = vi.type.tensor_type
+                self.values[vi.name] = (t.elem_type, len(t.shape.dim) if t.HasField("shape") else None)
+
+    def infer(self) -> None:
+        """Add what ONNX's shape inference finds for the main graph (once)."""
+        if self._inferred:
+            return
+        self._inferred = True
+        try:
+            inferred = onnx.shape_inference.infer_shapes(self.model)
+        except Exception:  # noqa: BLE001 - a model inference refuses: only the stated types are known
+            return
+        self._add(inferred.graph.value_info)
+
+    def rank(self, name: str) -> int | None:
+        return self.values.get(name, (0, None))[1]
+
+    def elem_type(self, name: str) -> int:
+        return self.values.get(name, (0, None))[0]
 
 
 # the transpose optimizer's two registrations (level 1, and again for the CPU provider's layout)
@@ -49,7 +92,7 @@ def _swaps_last_two(node: onnx.NodeProto) -> bool:
     return perm[:-2] == list(range(rank - 2)) and perm[-2:] == [rank - 1, rank - 2]
 
 
-def _transposed_by_vectors(model: onnx.ModelProto) -> bool:
+def _transposed_by_vectors(model: onnx.ModelProto, known: _Known) -> bool:
     """Whether a MatMul reads a Transpose of its first operand's last two axes and a second operand not
     known to have two axes or more: MatmulTransposeFusion makes that a FusedMatMul with transA, whose CPU
     kernel gives wrong values for a 1-D second operand (onnxruntime 1.32: Xᵀ·v of a (3, 4) X off by 3.5),
@@ -61,49 +104,17 @@ def _transposed_by_vectors(model: onnx.ModelProto) -> bool:
                       and n.output and n.output[0] not in outputs and _swaps_last_two(n)}
         suspects += [(n.input[1], g) for n in g.node if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")
                      and len(n.input) == 2 and n.input[0] in transposed]
-    if not suspects:
-        return False
-    ranks = _declared_ranks(model)
-    unknown = [name for name, _ in suspects if name not in ranks]
-    if unknown and any(g is model.graph for name, g in suspects if name in unknown):
-        ranks.update(_inferred_ranks(model))
-    return any(ranks.get(name, 1) < 2 for name, _ in suspects)
+    if any(g is model.graph and known.rank(name) is None for name, g in suspects):
+        known.infer()
+    return any((known.rank(name) or 1) < 2 for name, _ in suspects)
 
 
-def _declared_ranks(model: onnx.ModelProto) -> dict[str, int]:
-    """Ranks of the values of ``model``'s graphs whose shape the model states (initializers, Constants,
-    declared inputs, outputs and value_info)."""
-    ranks: dict[str, int] = {}
-    for g in walk_graphs(model.graph):
-        for vi in (*g.input, *g.output, *g.value_info):
-            if vi.type.tensor_type.HasField("shape"):
-                ranks[vi.name] = len(vi.type.tensor_type.shape.dim)
-        ranks.update((t.name, len(t.dims)) for t in g.initializer)
-        for n in g.node:
-            if n.op_type == "Constant" and n.output:
-                value = next((a.t for a in n.attribute if a.name == "value"), None)
-                if value is not None:
-                    ranks[n.output[0]] = len(value.dims)
-    return ranks
-
-
-def _inferred_ranks(model: onnx.ModelProto) -> dict[str, int]:
-    """Ranks of the main graph's values ONNX's shape inference finds (none when it refuses the model)."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # noqa: BLE001 - a model inference refuses: its ranks stay unknown
-        return {}
-    return {vi.name: len(vi.type.tensor_type.shape.dim) for vi in inferred.graph.value_info
-            if vi.type.tensor_type.HasField("shape")}
-
-
-def _clips_of_other_types(model: onnx.ModelProto) -> bool:
+def _clips_of_other_types(model: onnx.ModelProto, known: _Known) -> bool:
     """Whether a Relu feeds a Clip whose lower bound is, or may fold into, a constant of a type other than
     float and float16: FuseReluClip, which folds the Relu into that bound, refuses the type ('Unexpected
     data type for Clip 'min' input'), and the session does not load (a float64 model's Relu then Clip, say,
     its bound an initializer or an Expand, Identity or Cast of one that constant folding makes constant)."""
     fine = (TensorProto.FLOAT, TensorProto.FLOAT16)
-    types: dict[str, int] | None = None
     for g in walk_graphs(model.graph):
         constants = {t.name: t.data_type for t in g.initializer}
         constants.update((n.output[0], a.t.data_type) for n in g.node if n.op_type == "Constant" and n.output
@@ -117,30 +128,12 @@ def _clips_of_other_types(model: onnx.ModelProto) -> bool:
                     return True
                 continue
             # a computed bound: Clip's inputs share one type, that of the Relu's input
-            if types is None:
-                types = _element_types(model)
-            known = [types[v] for v in (n.input[1], n.input[0], relus[n.input[0]]) if v in types]
-            if not known or known[0] not in fine:
+            known.infer()
+            types = [known.elem_type(v) for v in (n.input[1], n.input[0], relus[n.input[0]])]
+            found = [t for t in types if t]
+            if not found or found[0] not in fine:
                 return True
     return False
-
-
-def _element_types(model: onnx.ModelProto) -> dict[str, int]:
-    """Element types of ``model``'s values as its graphs declare them, and, for the main graph, as ONNX's
-    type inference finds them (none when it refuses the model)."""
-    types: dict[str, int] = {}
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model).graph.value_info
-    except Exception:  # noqa: BLE001 - a model inference refuses: only the declared types are known
-        inferred = []
-    for g in walk_graphs(model.graph):
-        types.update((t.name, t.data_type) for t in g.initializer)
-        for vi in (*g.input, *g.output, *g.value_info):
-            if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-                types[vi.name] = vi.type.tensor_type.elem_type
-    types.update((vi.name, vi.type.tensor_type.elem_type) for vi in inferred
-                 if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type)
-    return types
 
 
 def _pads_of_some_axes(model: onnx.ModelProto) -> bool:
