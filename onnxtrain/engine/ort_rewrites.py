@@ -46,6 +46,10 @@ tensor laid out as a matrix (:mod:`onnxtrain.engine.ort_sums`): 40–46 → 18�
 A ``Sum`` of zero ``Pad``s that lay pieces side by side along one axis (the gradient of q, k and v taken from
 one projection) becomes one ``Concat`` (:mod:`onnxtrain.engine.ort_pads`).
 
+An elementwise node broadcasting an operand of lower rank onto an output whose last axis is 1 (a 1×1
+convolution's weight times the learning rate) gets that operand at the output's rank: onnxruntime's kernels
+take such a broadcast one value at a time, 50–300× slower (:mod:`onnxtrain.engine.ort_broadcast_ranks`).
+
 The labels of a ``SoftmaxCrossEntropyLoss`` or ``NegativeLogLikelihoodLoss`` (of the main graph or of an
 ``If``, ``Loop`` or ``Scan`` body, nested ones too) go through Reshapes that fail unless they have the shape
 the scores say they have (``(N, d1, ...)`` of scores ``(N, C, d1, ...)``), and the nodes after the loss in
@@ -94,6 +98,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.engine.ort_bernoulli import bernoulli_complements
+from onnxtrain.engine.ort_broadcast_ranks import equal_rank_operands
 from onnxtrain.engine.ort_conv_grads import conv_weight_grads
 from onnxtrain.engine.ort_float64 import float64_ops
 from onnxtrain.engine.ort_half_ops import half_ops
@@ -171,7 +176,7 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
         model = conv_weight_grads(model, typed)
         model = softmax_cross_entropy_losses(model, typed)
         model = leading_sums(model, typed)
-        model = pads_as_concat(model, typed)
+        model = equal_rank_operands(pads_as_concat(model, typed), typed)
     model = same_conv_transposes(dilated_same_pads(model, typed), typed)
     model = large_output_paddings(output_shape_conv_transposes(model, typed))
     model = float64_ops(inference_batch_norms(half_scatters_in_float32(model, typed)), typed)

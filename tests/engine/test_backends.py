@@ -196,6 +196,35 @@ def test_legacy_lenet_bn_20_steps_match_numpy(opt):
                          weights_not_to_train=frozen)
 
 
+def pointwise_conv_model(channels: int = 48, large: int = 2752) -> bytes:
+    """Two 1×1 Convs (weights ending in axes of 1, of 132,096 values each: each keeps its own update nodes in
+    the legacy session's flat update) and a mean-squared loss."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    w1 = numpy_helper.from_array((rng.standard_normal((large, channels, 1, 1)) / 7).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array((rng.standard_normal((channels, large, 1, 1)) / 50).astype(np.float32), "w2")
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Conv", ["r", "w2"], ["out"]), helper.make_node("Sub", ["out", "y"], ["d"]),
+             helper.make_node("Mul", ["d", "d"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0)]
+    f = TensorProto.FLOAT
+    g = helper.make_graph(nodes, "pointwise", [helper.make_tensor_value_info("x", f, ["N", channels, 3, 3]),
+                                               helper.make_tensor_value_info("y", f, ["N", channels, 3, 3])],
+                          [helper.make_tensor_value_info("loss", f, [])], [w1, w2])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("opt", ["SGDOptimizer", "AdamOptimizer"])
+def test_legacy_pointwise_convs_20_steps_match_numpy(opt):
+    """1×1 Convs: their weight gradients as one product per offset over the whole batch, and the updates'
+    scalar operands given the weights' rank (onnxruntime's slow broadcast onto a last axis of 1)."""
+    rng = np.random.default_rng(4)
+    feeds = [{"x": rng.standard_normal((6, 48, 3, 3)).astype(np.float32),
+              "y": rng.standard_normal((6, 48, 3, 3)).astype(np.float32)} for _ in range(STEPS)]
+    assert_same_training(pointwise_conv_model(), opt, feeds)
+
+
 def test_legacy_gpt_block_20_steps_match_numpy():
     """A causal-attention block (its mask a Where with -inf, which the backend runs as an Add of the masked
     fill) and a tanh-GELU MLP: the same losses and weights on both backends."""
