@@ -110,6 +110,9 @@ class RunState:
     samples: int = 0
     loss_scale: float = 0.0  # mixed precision: the dynamic loss scaler's state (0: no scaler)
     loss_scale_stable_steps: int = 0
+    # of the global steps, those mixed precision skipped (gradients not finite): the schedule reads the steps
+    # that updated, global_step - skipped_steps, as onnxruntime-training's ORTTrainer read optimization_step
+    skipped_steps: int = 0
     # this rank's losses since the last metrics.jsonl entry (their sum and count): saved with the
     # checkpoint so that the first entry after --resume averages the same steps as without a stop
     window_loss: float = 0.0
@@ -124,7 +127,8 @@ class RunState:
             "data_order_rng": self.epoch_rng, "samples_seen": self.samples, "learning_rate": lr,
             "config": json.dumps(cfg.to_dict(), sort_keys=True)}
         if self.loss_scale:  # powers of two: exact in the checkpoint's float32
-            props.update(loss_scale=self.loss_scale, loss_scale_stable_steps=self.loss_scale_stable_steps)
+            props.update(loss_scale=self.loss_scale, loss_scale_stable_steps=self.loss_scale_stable_steps,
+                         skipped_steps=self.skipped_steps)
         return props
 
     @classmethod
@@ -136,7 +140,8 @@ class RunState:
             pos = int(pos) if pos is not None else int(props["epoch_position"]) * batch_size
             return cls(int(props["global_step"]), int(props["epoch"]), pos,
                        str(props["data_order_rng"]), int(props.get("samples_seen", 0)),
-                       float(props.get("loss_scale", 0.0)), int(props.get("loss_scale_stable_steps", 0)))
+                       float(props.get("loss_scale", 0.0)), int(props.get("loss_scale_stable_steps", 0)),
+                       skipped_steps=int(props.get("skipped_steps", 0)))
         except KeyError as e:
             raise ValueError(f"the checkpoint has no run property {e}; was it written by onnxtrain train?"
                              ) from None
@@ -268,7 +273,8 @@ class Trainer:
         path = checkpoint_path(self.out, st.global_step)
         if not self.main:
             return path
-        props = {**st.properties(self.lr(max(st.global_step - 1, 0)), self.cfg), "log_windows": windows}
+        last = max(st.global_step - st.skipped_steps - 1, 0)  # the rate of the last update that applied
+        props = {**st.properties(self.lr(last), self.cfg), "log_windows": windows}
         if peers:
             props[ADASUM_RANKS] = self.ranks
         ckpt = session_to_checkpoint(self.sess, self.model, self.cfg.optimizer.lr, st.global_step,
@@ -510,7 +516,7 @@ class Trainer:
                     if self._stop_requested(stop.hit):
                         status = "interrupted"
                         break
-                    lr = self.lr(st.global_step)
+                    lr = self.lr(st.global_step - st.skipped_steps)  # a skipped update does not advance it
                     lr_feed[0] = lr
                     self.reseed(st.global_step)
                     for micro in range(self.micro):
@@ -531,6 +537,7 @@ class Trainer:
                                 fetch = [self.cfg.model.loss, "all_gradients_finite"]
                                 loss, finite = self.sess.run(fetch, feeds)
                                 scaler.update_loss_scale(bool(finite))  # a skipped update halves the scale
+                                st.skipped_steps += not bool(finite)
                                 st.loss_scale = scaler.loss_scale
                                 st.loss_scale_stable_steps = scaler.stable_steps
                         st.window_loss += check_loss_value(loss, self.cfg.model.loss)

@@ -9,6 +9,7 @@ import os
 import numpy as np
 
 from onnxtrain.cli import main
+from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler
 
 
 def _run(tmp_path, *extra: str) -> int:
@@ -43,3 +44,70 @@ def test_digits_mlp_in_float16(tmp_path) -> None:
     ckpts = sorted(os.listdir(tmp_path / "checkpoints"))
     props = load_checkpoint(str(tmp_path / "checkpoints" / ckpts[-1])).properties
     assert props["loss_scale"] >= 1.0 and "loss_scale_stable_steps" in props
+
+
+def _lrs_and_flags(tmp_path, monkeypatch, name: str, sets: list[str], resume: bool = False
+                   ) -> tuple[list[float], list[bool]]:
+    """Run the digits MLP under mixed precision with a dynamic scaler starting at 2^30 (its first updates
+    overflow float16 and are skipped); returns the learning rate fed to each update and their finite flags."""
+    from onnxtrain.graph_transforms import loss_scaler
+    from onnxtrain.session import TrainingSession
+    from onnxtrain.train import Trainer, load_config
+    from tests.train.conftest import config_path
+
+    class HighStart(DynamicLossScaler):
+        def __init__(self) -> None:
+            super().__init__(loss_scale=2.0**30)
+
+    lrs: list[float] = []
+    flags: list[bool] = []
+    real_run = TrainingSession.run
+
+    def run(self, outputs, feeds, *a, **k):
+        res = real_run(self, outputs, feeds, *a, **k)
+        if "all_gradients_finite" in outputs:
+            lrs.append(float(feeds["Learning_Rate"][0]))
+            flags.append(bool(np.asarray(res[outputs.index("all_gradients_finite")]).reshape(-1)[0]))
+        return res
+
+    with monkeypatch.context() as mp:
+        mp.setattr(loss_scaler, "DynamicLossScaler", HighStart)
+        mp.setattr(TrainingSession, "run", run)
+        Trainer(load_config(config_path("digits_mlp"), sets), str(tmp_path / name), progress=False).run(
+            resume=resume)
+    return lrs, flags
+
+
+def test_skipped_updates_do_not_advance_the_schedule(tmp_path, monkeypatch) -> None:
+    """A skipped update (its gradients overflowed float16) changes no weight, and, as onnxruntime-training's
+    ORTTrainer counted its schedule's steps (``optimization_step``, advanced only by updates that applied),
+    leaves the learning rate where it was: the warm-up starts with the first update that applies. The count
+    of skipped updates survives --resume."""
+    import signal
+
+    from onnxtrain.train import Trainer
+
+    base, warm = 2.0e-3, 20
+    sets = ["training.steps=40", "training.checkpoint_every=10", "training.eval_every=1000",
+            "training.mixed_precision=true", "schedule.kind=constant", f"schedule.warmup_steps={warm}",
+            f"optimizer.lr={base}"]
+    lrs, flags = _lrs_and_flags(tmp_path, monkeypatch, "whole", sets)
+    skipped = flags.index(True)
+    assert 5 <= skipped <= 20 and all(flags[skipped:]), flags
+    applied = np.cumsum([0] + flags[:-1])  # updates applied before each one
+    want = [base * min(a + 1, warm) / warm for a in applied]
+    np.testing.assert_allclose(lrs, want, rtol=1e-6)
+    # interrupted after the first checkpoint (step 10, within the skipped updates), then resumed
+    real_save = Trainer.save
+
+    def save_then_interrupt(self, st):
+        path = real_save(self, st)
+        signal.raise_signal(signal.SIGINT)
+        return path
+
+    monkeypatch.setattr(Trainer, "save", save_then_interrupt)
+    first, _ = _lrs_and_flags(tmp_path, monkeypatch, "halves", sets)
+    monkeypatch.undo()
+    rest, _ = _lrs_and_flags(tmp_path, monkeypatch, "halves", sets, resume=True)
+    assert len(first) == 10
+    np.testing.assert_allclose(first + rest, lrs, rtol=1e-6)
