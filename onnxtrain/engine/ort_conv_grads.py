@@ -7,15 +7,22 @@ with as many columns as the few output positions (the kernel's offsets): 11–24
 ResNet's 3×3 layers at batch 32. Here, for each offset p, the window of the padded input it sees (a
 strided Slice of X laid channels-last) times dY:
 
-    Xt      = Transpose(Pad(X), [0, 2, 3, 1])                                 (N, Hp, Wp, C)
+    Xt      = Transpose(Pad(X), [0, 2, 3, 1])                            (N, Hp, Wp, C)
+    part_p  = MatMul(Reshape(dY, [N, O, Q]), Reshape(Slice(Xt, p), [N, Q, C]))      (N, O, C)
+    R       = Transpose(Reshape(ReduceSum(Concat(part_p …), 0), [O, C, k…]), [1, 0, 2, 3])
+
+the same values to rounding. The sum over the batch costs onnxruntime about 3 ns a value of the N·O·C·P
+products (a ReduceSum over a leading axis), so where the gradient's values per sample (C·P) outnumber the
+output positions Q by :data:`FOLD_RATIO` (deep, small layers) the batch goes inside the products instead,
+at the cost of one transposing copy of dY (N·O·Q values):
+
     dYt     = Reshape(Transpose(Reshape(dY, [N, O, Q]), [1, 0, 2]), [O, N·Q])
     part_p  = MatMul(dYt, Reshape(Slice(Xt, p), [N·Q, C]))                           (O, C)
     R       = Transpose(Reshape(Concat(part_p …), [O, C, k…]), [1, 0, 2, 3])
 
-the same values to rounding. The batch is part of each product's inner dimension: an earlier form took
-(N, O, C) products per sample and summed them over the batch with a ReduceSum, which onnxruntime runs at
-about 3 ns a value over a leading axis (a 512 → 512 1×1 Conv at batch 8: 7 ms of ReduceSum and 1.3 ms of
-Concat copying, against one 0.3 ms product now).
+A 512 → 512 1×1 Conv at batch 8 over 4 × 4: the gradient graph 10.6 → 1.0 ms (7 ms had been the ReduceSum,
+1.3 ms the Concat's copy). Whole gradient graphs of one Conv, the folded form over the per-sample one:
+C·P/Q of 0.14–1.1 took 1.07–1.39× as long, 2.0 1.16×, 2.25 0.94×, 4–9 0.75–0.90×, 32 0.45×.
 
 Each window dies at its MatMul; the Pad waits for dY (a dependency on its first value), or onnxruntime
 would cut every layer's windows during the forward and hold them all. A
@@ -44,6 +51,7 @@ from onnxtrain.ir.builder import NameGen, model_opset, static_shape, with_nodes_
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, constant_arrays, drop_unread
 
 MAX_POSITIONS = 16
+FOLD_RATIO = 3  # the batch goes inside the products from C·P ≥ FOLD_RATIO·Q (measured break-even: 2–2.5)
 MAX_SAMPLE_BYTES = 2 << 20  # of all the windows of one sample: 64 MiB at batch 32
 _FLOATS = {TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64}
 _SWAP = [1, 0, 2, 3]
@@ -170,15 +178,23 @@ def _replacement(node: onnx.NodeProto, p: dict, names: NameGen,
     last = value("channels_last")
     nodes.append(make("Transpose", [held], last, perm=[0, 2, 3, 1]))  # (N, Hp, Wp, C)
     full = [p["in"][0] + pt + pb, p["in"][1] + pl + pr]
-    new_axis = const("new_axis", [2]) if k != [1, 1] else ""
+    positions = k[0] * k[1]
+    # the batch inside each product where the gradient's C·P values per sample outweigh the Q positions
+    # (module docstring): dY as (O, N·Q), the window as (N·Q, C), a product (O, C); else (N, O, C) products
+    # summed over the batch
+    fold = c * positions >= FOLD_RATIO * q
+    lift_axis = 2 if fold else 3
+    new_axis = const("new_axis", [lift_axis]) if positions > 1 or not fold else ""
     slicing: list[str] = []  # the Slices' axes and steps, made when a window needs them
-    # dY as (O, N·Q): the batch joins the positions in each product's inner dimension, so that a product
-    # is one GEMM straight to the (O, C) gradient of its offset, with nothing left to sum over the batch
-    dy3, dy_t, dy2 = value("dy_samples"), value("dy_channels_first"), value("dy")
-    nodes += [make("Reshape", [p["dy"], const("dy_shape", [-1, o, q])], dy3),
-              make("Transpose", [dy3], dy_t, perm=[1, 0, 2]),
-              make("Reshape", [dy_t, const("dy_rows", [o, -1])], dy2)]
-    rows_shape = const("rows_shape", [-1, c])
+    dy2 = value("dy")
+    if fold:
+        dy3, dy_t = value("dy_samples"), value("dy_channels_first")
+        nodes += [make("Reshape", [p["dy"], const("dy_shape", [-1, o, q])], dy3),
+                  make("Transpose", [dy3], dy_t, perm=[1, 0, 2]),
+                  make("Reshape", [dy_t, const("dy_rows", [o, -1])], dy2)]
+    else:
+        nodes.append(make("Reshape", [p["dy"], const("dy_shape", [-1, o, q])], dy2))
+    rows_shape = const("rows_shape", [-1, c] if fold else [-1, q, c])
     products = []
     for i in range(k[0]):
         for j in range(k[1]):  # each position's window, product and the window's end, in turn
@@ -192,20 +208,27 @@ def _replacement(node: onnx.NodeProto, p: dict, names: NameGen,
                 slicing = slicing or [const("axes", [1, 2]), const("steps", delta)]
                 bounds = [const("start", first), const("stop", stop)]
                 nodes.append(make("Slice", [last, *bounds, *slicing], window))  # (N, Ho, Wo, C)
-            nodes += [make("Reshape", [window, rows_shape], rows),  # (N·Q, C)
-                      make("MatMul", [dy2, rows], product)]  # (O, C)
-            if k != [1, 1]:
+            nodes += [make("Reshape", [window, rows_shape], rows),  # (N·Q, C) or (N, Q, C)
+                      make("MatMul", [dy2, rows], product)]  # (O, C) or (N, O, C)
+            if new_axis:
                 nodes.append(make("Unsqueeze", [product, new_axis], lifted))
                 product = lifted
             products.append(product)
-    v = {s: value(s) for s in ("each", "grid")}
-    # the product's left operand is a Reshape of the transposed dY, not a Transpose: one feeding a MatMul
-    # would become one of onnxruntime's fused MatMuls, a node it adds at the graph's end and runs there
-    joined = [make("Concat", products, v["each"], axis=2)] if len(products) > 1 else []  # (O, C, P)
+    v = {s: value(s) for s in ("each", "sum", "grid")}
+    # dY on the left, a Reshape (of dY, or of its Transpose): a Transpose feeding a MatMul would become one
+    # of onnxruntime's fused MatMuls, a node it adds at the graph's end and runs there
+    joined = products[0]
+    tail = []
+    if len(products) > 1:
+        tail.append(make("Concat", products, v["each"], axis=lift_axis))  # (O, C, P) or (N, O, C, P)
+        joined = v["each"]
+    if not fold:
+        tail.append(make("ReduceSum", [joined, const("batch_axis", [0])], v["sum"], keepdims=0))
+        joined = v["sum"]
     return [
         *nodes,
-        *joined,
-        make("Reshape", [v["each"] if joined else products[0], const("grid_shape", [o, c, *k])], v["grid"]),
+        *tail,
+        make("Reshape", [joined, const("grid_shape", [o, c, *k])], v["grid"]),
         helper.make_node("Transpose", [v["grid"]], list(node.output), name=names(f"{base}/Transpose"),
                          perm=[1, 0, 2, 3]),
     ]

@@ -36,16 +36,19 @@ def run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     return sess.run(None, feeds)
 
 
-CASES = [  # channels in, out, image, kernel, Conv attributes
-    (4, 6, (9, 8), (3, 3), {"pads": [1, 1, 1, 1]}),
-    (3, 5, (11, 10), (3, 3), {"pads": [1, 0, 2, 1], "strides": [2, 2]}),
-    (4, 4, (12, 12), (3, 2), {"dilations": [2, 1], "strides": [1, 2]}),
-    (2, 3, (7, 9), (1, 1), {}),  # a 1×1 Conv: one position
+CASES = [  # channels in, out, image, kernel, Conv attributes, the batch inside the products (FOLD_RATIO)
+    (4, 6, (9, 8), (3, 3), {"pads": [1, 1, 1, 1]}, False),
+    (3, 5, (11, 10), (3, 3), {"pads": [1, 0, 2, 1], "strides": [2, 2]}, False),
+    (4, 4, (12, 12), (3, 2), {"dilations": [2, 1], "strides": [1, 2]}, False),
+    (2, 3, (7, 9), (1, 1), {}, False),  # a 1×1 Conv: one position
+    (40, 6, (3, 4), (1, 1), {}, True),  # C·P = 40 against Q = 12
+    (12, 5, (4, 4), (3, 3), {"pads": [1, 1, 1, 1]}, True),  # 108 against 16
+    (24, 4, (7, 6), (3, 3), {"pads": [1, 0, 1, 1], "strides": [2, 2]}, True),  # a longer kernel, cut after
 ]
 
 
-@pytest.mark.parametrize("c, o, hw, k, attrs", CASES, ids=str)
-def test_rewritten_weight_gradient_matches_torch(c, o, hw, k, attrs) -> None:
+@pytest.mark.parametrize("c, o, hw, k, attrs, folded", CASES, ids=str)
+def test_rewritten_weight_gradient_matches_torch(c, o, hw, k, attrs, folded) -> None:
     """float32 (onnxruntime has no float64 Conv)."""
     dtype = TensorProto.FLOAT
     model, w = conv_loss_model(c, o, hw, k, dtype=dtype, **attrs)
@@ -61,13 +64,14 @@ def test_rewritten_weight_gradient_matches_torch(c, o, hw, k, attrs) -> None:
     assert [t.name for t in new.graph.initializer if t.name not in read] == []  # onnxruntime would warn
     rng = np.random.default_rng(1)
     npt = helper.tensor_dtype_to_np_dtype(dtype)
-    # the batch is summed inside each offset's product: no (N, O, C) products summed over the batch after
-    # (onnxruntime's ReduceSum over a leading axis took 7 ms of a 1×1 Conv's 10.6 ms gradient at batch 8)
+    # folded: the batch summed inside each offset's product, dY as (O, N·Q) made once, no (N, O, C) products
+    # summed over the batch after (onnxruntime's ReduceSum over a leading axis: 7 ms of a 1×1 Conv's 10.6 ms
+    # gradient at batch 8); else per-sample products and that sum
     products = [n for n in new.graph.node if n.op_type == "MatMul" and "/product_" in n.output[0]]
-    assert products and len({n.input[0] for n in products}) == 1  # dY as (O, N·Q), made once
-    assert made_by[made_by[products[0].input[0]].input[0]].op_type == "Transpose"
+    assert products and len({n.input[0] for n in products}) == 1
+    assert (made_by[made_by[products[0].input[0]].input[0]].op_type == "Transpose") == folded
     summed = {made_by[n.input[0]].op_type for n in new.graph.node if n.op_type == "ReduceSum"}
-    assert not summed & {"MatMul", "Concat", "Unsqueeze"}
+    assert bool(summed & {"MatMul", "Concat", "Unsqueeze"}) != folded
     for batch in (3, 1, 0):  # one graph, several batch sizes (an empty batch: a zero gradient)
         x = rng.standard_normal((batch, c, *hw)).astype(npt)
         wt = torch.from_numpy(w).double().requires_grad_()
