@@ -21,7 +21,7 @@ from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler
 from onnxtrain.training import artifacts, onnxblock
 from onnxtrain.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 
-HALF_MAX = 65504.0
+HALF_MAX = {"float16": 65504.0, "bfloat16": float(np.finfo(np.float32).max)}
 MAX_NORM, WD, LR0, EPS = 0.5, 0.01, 0.05, 1e-6
 MICRO = 2
 NAMES = ["W1", "W2", "b"]
@@ -42,18 +42,20 @@ def _model() -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def _batch(k: int, big: bool) -> tuple[np.ndarray, np.ndarray]:
+def _batch(k: int, big: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """Batch ``k``; ``big`` (1e5: inf once cast to float16; inf for bfloat16) in one feature if given."""
     rng = np.random.default_rng(200 + k)
     x = rng.standard_normal((8, 4)).astype(np.float32)
-    if big:
-        x[3, 0] = 1e5  # inf once cast to float16
+    if big is not None:
+        x[3, 0] = big
     return x, rng.integers(0, 3, 8)
 
 
 class Reference:
-    """The on-device step in float64 (AdamW mode 1 with ClipGradNorm, loss scaling, skipped steps)."""
+    """The on-device step in float64 (AdamW mode 1 or SGD, with ClipGradNorm, loss scaling, skipped steps)."""
 
-    def __init__(self) -> None:
+    def __init__(self, opt: str, dtype: str) -> None:
+        self.opt, self.limit = opt, HALF_MAX[dtype]
         self.w = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in _model().graph.initializer}
         self.m = {k: np.zeros_like(v) for k, v in self.w.items()}
         self.v = {k: np.zeros_like(v) for k, v in self.w.items()}
@@ -63,6 +65,10 @@ class Reference:
         self.scale, self.stable = 2.0**9, 0  # onnxruntime's DynamicLossScaler(2^9, window 2, max 2^10)
 
     def forward_backward(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
+        with np.errstate(invalid="ignore", over="ignore"):  # (an inf input: NaN, as the module's)
+            return self._forward_backward(x, y, scale)
+
+    def _forward_backward(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
         w, n = self.w, len(y)
         x = x.astype(np.float64)
         a = np.tanh(x @ w["W1"])
@@ -77,8 +83,8 @@ class Reference:
         dh = da * (1 - a * a)
         g = {"b": d.sum(0), "W2": a.T @ d, "W1": x.T @ dh}
         biggest = max(float(np.abs(t).max()) for t in [x, logits, d, da, dh, *g.values()])
-        assert abs(np.log2(biggest / HALF_MAX)) > np.log2(1.02)  # no decision within rounding of the limit
-        self.overflowed |= biggest > HALF_MAX
+        assert abs(np.log2(biggest / self.limit)) > np.log2(1.02)  # no decision within rounding of the limit
+        self.overflowed |= not biggest <= self.limit
         for k in g:
             self.grad[k] += g[k]
         return loss
@@ -98,11 +104,14 @@ class Reference:
             lr_t = lr * np.sqrt(1 - 0.999**t) / (1 - 0.9**t)
             for k in self.w:
                 g = self.grad[k] / scale * coef
+                self.grad[k] = g * scale  # the buffers hold the clipped gradients, loss-scaled
+                if self.opt == "SGD":
+                    self.w[k] = self.w[k] - lr * g
+                    continue
                 self.m[k] = 0.9 * self.m[k] + 0.1 * g
                 self.v[k] = 0.999 * self.v[k] + 0.001 * g * g
                 self.w[k] = self.w[k] - lr_t * self.m[k] / (np.sqrt(self.v[k]) + EPS)
                 self.w[k] = self.w[k] - lr * WD * self.w[k]
-                self.grad[k] = g * scale  # the buffers hold the clipped gradients, loss-scaled
             self.steps += 1
             self.stable += 1
             if self.stable >= 2:
@@ -113,14 +122,16 @@ class Reference:
         return finite
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
-    d = str(tmp_path_factory.mktemp("ondevice_amp"))
-    opt = onnxblock.optim.AdamW(weight_decay=WD, eps=EPS, clip_grad=onnxblock.optim.ClipGradNorm(MAX_NORM))
+def _folder(tmp_path, opt: str, dtype: str) -> str:
+    d = str(tmp_path / f"{opt}_{dtype}")
+    os.makedirs(d)
+    clip = onnxblock.optim.ClipGradNorm(MAX_NORM)
+    block = (onnxblock.optim.AdamW(weight_decay=WD, eps=EPS, clip_grad=clip) if opt == "AdamW"
+             else onnxblock.optim.SGD(clip_grad=clip))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        artifacts.generate_artifacts(_model(), requires_grad=NAMES, loss=None, optimizer=opt,
-                                     artifact_directory=d, mixed_precision="float16")
+        artifacts.generate_artifacts(_model(), requires_grad=NAMES, loss=None, optimizer=block,
+                                     artifact_directory=d, mixed_precision=dtype)
     return d
 
 
@@ -134,23 +145,29 @@ def _open(folder: str, checkpoint: str) -> tuple[CheckpointState, Module, Optimi
 
 
 def _compare(state: CheckpointState, opt: Optimizer, ref: Reference, where: str) -> None:
+    atol = 2e-3 if ref.limit == HALF_MAX["float16"] else 6e-3  # bfloat16 keeps 8 bits of a gradient
     for k in NAMES:
         p = state.parameters[k]
-        np.testing.assert_allclose(p.data, ref.w[k], rtol=2e-2, atol=2e-3, err_msg=f"{k} {where}")
+        np.testing.assert_allclose(p.data, ref.w[k], rtol=2e-2, atol=atol, err_msg=f"{k} {where}")
         np.testing.assert_allclose(p.grad, ref.grad[k], rtol=2e-2, atol=2e-3 * ref.scale,
                                    err_msg=f"{k}.grad {where}")
     assert opt.step_count == ref.steps, where
 
 
-def test_sequence_with_overflows_and_resume(folder, tmp_path) -> None:
-    forced = {(2, 1), (5, 0), (6, 0)}  # (step, micro-batch) holding a value beyond float16's range
-    ref = Reference()
+@pytest.mark.parametrize("opt,dtype", [("AdamW", "float16"), ("SGD", "float16"), ("AdamW", "bfloat16")])
+def test_sequence_with_overflows_and_resume(opt: str, dtype: str, tmp_path) -> None:
+    """Ten steps of two micro-batches, three with a micro-batch holding a value beyond the half type's range;
+    a checkpoint after the second skipped step resumes beside the first run."""
+    folder = _folder(tmp_path, opt, dtype)
+    big = 1e5 if dtype == "float16" else np.inf
+    forced = {(2, 1), (5, 0), (6, 0)}  # (step, micro-batch)
+    ref = Reference(opt, dtype)
     state, module, opt, sched = _open(folder, os.path.join(folder, "checkpoint"))
     runs = [(state, module, opt, sched)]
     flags = []
     for step in range(10):
         for micro in range(MICRO):
-            x, y = _batch(10 * step + micro, (step, micro) in forced)
+            x, y = _batch(10 * step + micro, big if (step, micro) in forced else None)
             want = ref.forward_backward(x, y, ref.scale)
             for _, m, _, _ in runs:
                 assert m.loss_scaler.loss_scale == ref.scale
