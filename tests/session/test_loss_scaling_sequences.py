@@ -397,3 +397,23 @@ def test_step_graphs_are_valid_onnx_and_run_in_onnxruntime(dtype: str, opt: str,
                 b = b.astype(np.float64)
                 tol = 1e-2 * max(1.0, float(np.abs(b).max())) if b.size else 0.0
                 np.testing.assert_allclose(a.astype(np.float64), b, rtol=1e-2, atol=tol, err_msg=n)
+
+
+def test_onnxruntime_backend_warns_that_half_inputs_do_not_overflow(monkeypatch) -> None:
+    """onnxruntime's CPU provider drops the cast of a float32 input to float16 in front of its float32
+    products, so an input beyond ±65504 trains there (the numpy engine, as a GPU, sees inf and skips the
+    update): the backend's warning says so, beside the loss scale that cannot overflow."""
+    from onnxtrain.engine import backends
+
+    monkeypatch.setattr(backends, "_warned_float16", [])
+    p = params("AdamOptimizer", use_mixed_precision=True)
+    with pytest.warns(UserWarning, match="no float16 MatMul") as seen:
+        ort_sess = TrainingSession(tanh_model().SerializeToString(), p, backend_options("onnxruntime"))
+    text = " ".join(str(w.message) for w in seen)
+    assert "input" in text and "65504" in text, text
+    feeds = {**batch(0, big=True), "Learning_Rate": np.array([0.01], np.float32),
+             ort_sess.loss_scale_input_name: np.array([1.0], np.float32)}
+    numpy_sess = make_session("AdamOptimizer", "float16")
+    (on_ort,) = ort_sess.run(["all_gradients_finite"], feeds)
+    (on_numpy,) = numpy_sess.run(["all_gradients_finite"], feeds)
+    assert bool(on_ort[0]) and not bool(on_numpy[0])
