@@ -482,7 +482,8 @@ class CheckpointState:
         if arr.shape != p.data.shape:
             raise ValueError(f"Parameter {name!r}: data shape mismatch. Expected: {p.data.shape}, "
                              f"Got: {arr.shape}")
-        np.copyto(p.data, arr)
+        with self._lock:  # between whole steps (a step in another thread writes the arrays in place)
+            np.copyto(p.data, arr)
 
     def _loss_scaler_state(self) -> tuple[float, int] | None:
         """(scale, clean steps) of the bound dynamic loss scaler, else as loaded (None: no scaler state)."""
