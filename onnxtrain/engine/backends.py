@@ -207,8 +207,8 @@ def _warn_float16_products(model: onnx.ModelProto) -> None:
     warn("the onnxruntime backend (CPU) has no float16 MatMul, Gemm or Conv kernels: onnxruntime computes "
          "them in float32 (it casts around them), so float16 mixed precision there gives float32 products, "
          "and a loss scale that would overflow float16 does not (no step is skipped), nor does an input "
-         "value beyond float16's ±65504 that such a product reads (its cast to float16 is dropped); the "
-         "numpy engine computes them in float16")
+         "value beyond float16's ±65504 (onnxruntime drops its cast to float16 in front of the ops it "
+         "computes in float32, such as these and Add/Sub); the numpy engine computes them in float16")
 
 
 _SEED_STRIDE = 1_000_003  # between the seeds of one node's copies in a session's onnxruntime graphs
