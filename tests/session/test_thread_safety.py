@@ -274,3 +274,58 @@ def test_setting_a_parameter_waits_for_a_running_step() -> None:
         setter.join()
     assert done.is_set()
     np.testing.assert_array_equal(state.parameters["w"].data, np.zeros(3, np.float32))
+
+
+def _torch_grads(model, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+    """The gradients of mlp_model's mean cross-entropy on one batch, by torch autograd."""
+    import torch
+
+    from tests.session.helpers import weights_of
+
+    w = {k: torch.tensor(v, requires_grad=True) for k, v in weights_of(model).items()}
+    h = torch.relu(torch.tensor(x) @ w["W1"].T + w["b1"])
+    torch.nn.functional.cross_entropy(h @ w["W2"].T + w["b2"], torch.tensor(y)).backward()
+    return {k: v.grad.numpy() for k, v in w.items()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lazy_reset_grad_during_a_training_call_applies_to_the_next(tmp_path, backend: str) -> None:
+    # lazy_reset_grad() from another thread while a training call ran was undone when that call ended (it
+    # set the accumulate flag back): the next call added its gradients to the two before instead of
+    # replacing them (W1's gradient off by the sum of two batches' gradients)
+    pytest.importorskip("torch")
+    model = mlp_model(din=8, dh=32)
+    artifacts.generate_artifacts(model, requires_grad=["W1", "b1", "W2", "b2"], loss=None,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=str(tmp_path))
+    state = CheckpointState.load_checkpoint(os.path.join(tmp_path, "checkpoint"))
+    module = Module(os.path.join(tmp_path, "training_model.onnx"), state,
+                    session_options=backend_options(backend))
+    data = batches(3, 16)
+    module(*data[0])
+    plan = module._train_plan  # the accumulating plan the second call runs
+    inside, go = threading.Event(), threading.Event()
+    run = plan.run
+
+    def held_run(*args, **kwargs):
+        inside.set()
+        go.wait(10)
+        return run(*args, **kwargs)
+
+    plan.run = held_run
+    try:
+        call = threading.Thread(target=module, args=data[1])
+        call.start()
+        assert inside.wait(10)
+        reset = threading.Thread(target=module.lazy_reset_grad)
+        reset.start()
+        reset.join(0.2)
+        go.set()
+        call.join(30)
+        reset.join(30)
+    finally:
+        plan.run = run
+    module(*data[2])  # after the reset: this batch's gradients alone
+    want = _torch_grads(model, *data[2])
+    for name in ("W1", "b1", "W2", "b2"):
+        np.testing.assert_allclose(state.parameters[name].grad, want[name], rtol=1e-4, atol=1e-6,
+                                   err_msg=name)

@@ -575,7 +575,8 @@ class Module:
 
     def lazy_reset_grad(self) -> None:
         """Make the next training call overwrite the gradients instead of adding to them (§3.3)."""
-        self._accumulate = False
+        with self._state._lock:  # a call running in another thread sets the flag back as it ends: after it
+            self._accumulate = False
 
     # ---------------------------------------------------------------- contiguous parameters
     def _selected(self, trainable_only: bool) -> list[str]:
