@@ -273,15 +273,15 @@ class Trainer:
         path = checkpoint_path(self.out, st.global_step)
         if not self.main:
             return path
-        last = max(st.global_step - st.skipped_steps - 1, 0)  # the rate of the last update that applied
-        props = {**st.properties(self.lr(last), self.cfg), "log_windows": windows}
+        applied = st.global_step - st.skipped_steps  # updates done (SGD's step: it keeps no counter)
+        props = {**st.properties(self.lr(max(applied - 1, 0)), self.cfg), "log_windows": windows}
         if peers:
             props[ADASUM_RANKS] = self.ranks
-        ckpt = session_to_checkpoint(self.sess, self.model, self.cfg.optimizer.lr, st.global_step,
+        ckpt = session_to_checkpoint(self.sess, self.model, self.cfg.optimizer.lr, applied,
                                      props, state, self.layout)
         for rank, moments in enumerate(peers[1:], 1):  # each further rank's state as a group of its own
             ckpt.optimizer_groups.append(optimizer_group({**state, **moments}, self.layout,
-                                                         self.cfg.optimizer.lr, st.global_step,
+                                                         self.cfg.optimizer.lr, applied,
                                                          rank_group_name(rank)))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save_checkpoint(ckpt, path)

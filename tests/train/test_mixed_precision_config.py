@@ -111,3 +111,18 @@ def test_skipped_updates_do_not_advance_the_schedule(tmp_path, monkeypatch) -> N
     rest, _ = _lrs_and_flags(tmp_path, monkeypatch, "halves", sets, resume=True)
     assert len(first) == 10
     np.testing.assert_allclose(first + rest, lrs, rtol=1e-6)
+
+
+def test_checkpoint_step_counts_applied_updates_for_sgd(tmp_path, monkeypatch) -> None:
+    """The checkpoint's optimizer step is the number of updates that applied: Adam's comes from its
+    Update_Count (which a skipped update leaves), and SGD's, which keeps no counter, now from the loop's count
+    less the skipped updates (it was the count of optimizer runs)."""
+    from onnxtrain.checkpoint import load_checkpoint
+
+    sets = ["training.steps=30", "training.checkpoint_every=30", "training.eval_every=1000",
+            "training.mixed_precision=true", "optimizer.name=sgd", "optimizer.lr=0.05"]
+    _, flags = _lrs_and_flags(tmp_path, monkeypatch, "sgd", sets)
+    assert 5 <= flags.count(False) < 30
+    ckpt = load_checkpoint(str(tmp_path / "sgd" / "checkpoints" / "step_00000030.ckpt"))
+    assert ckpt.optimizer_groups[0].step == flags.count(True)
+    assert ckpt.properties["skipped_steps"] == flags.count(False)
