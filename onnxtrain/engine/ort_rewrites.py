@@ -100,6 +100,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.engine.ort_bernoulli import bernoulli_complements
 from onnxtrain.engine.ort_broadcast_ranks import equal_rank_operands
 from onnxtrain.engine.ort_conv_grads import conv_weight_grads
+from onnxtrain.engine.ort_dropout_rebuilds import dropout_rebuilds
 from onnxtrain.engine.ort_float64 import float64_ops
 from onnxtrain.engine.ort_half_ops import half_ops
 from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
@@ -150,14 +151,16 @@ def for_onnxruntime(model: onnx.ModelProto, optimise: bool = True) -> onnx.Model
     ``optimise`` says: it keeps the graph's meaning), then :func:`rewrite_for_onnxruntime`'s rewrites, which
     reuse the value types the check inferred, and Bernoulli's probabilities complemented
     (:func:`~onnxtrain.engine.ort_bernoulli.bernoulli_complements`, whatever ``optimise`` says: onnxruntime's
-    kernel inverts them). ``model`` itself when nothing applies. Pools whose ceil_mode window count ONNX's
-    inference gets wrong take the pads that make it right first (:mod:`onnxtrain.ir.ceil_pools`; a model
-    read through :func:`~onnxtrain.engine.interface.standard_model` has them already), so that the value
-    types every rewrite reads, and onnxruntime's plan, have the run's dims."""
+    kernel inverts them), and recompute's Dropout rebuilds dividing as onnxruntime's Dropout does
+    (:func:`~onnxtrain.engine.ort_dropout_rebuilds.dropout_rebuilds`, whatever ``optimise`` says: they then
+    give the forward Dropout's values). ``model`` itself when nothing applies. Pools whose ceil_mode window
+    count ONNX's inference gets wrong take the pads that make it right first (:mod:`onnxtrain.ir.ceil_pools`;
+    a model read through :func:`~onnxtrain.engine.interface.standard_model` has them already), so that the
+    value types every rewrite reads, and onnxruntime's plan, have the run's dims."""
     types: dict = {}
     model = ceil_mode_pools(model)
     checked = checked_labels(model, _lazy_types(lambda: model, types))
-    return bernoulli_complements(rewrite_for_onnxruntime(checked, optimise, types))
+    return dropout_rebuilds(bernoulli_complements(rewrite_for_onnxruntime(checked, optimise, types)))
 
 
 def rewrite_for_onnxruntime(model: onnx.ModelProto, optimise: bool = True,
