@@ -28,6 +28,7 @@ class LossScaler:
         if not loss_scale > 0:
             raise ValueError(f"loss_scale must be positive, got {loss_scale}")
         self.loss_scale = float(loss_scale)
+        self.initial_loss_scale = float(loss_scale)
         self.input_name = input_name
 
     def feed(self) -> np.ndarray:
@@ -45,7 +46,8 @@ class LossScaler:
         self.update(bool(is_all_finite))
 
     def reset(self) -> None:
-        """Back to the initial state."""
+        """Back to the initial state: the scale given at construction."""
+        self.loss_scale = self.initial_loss_scale
 
 
 class DynamicLossScaler(LossScaler):
@@ -68,7 +70,6 @@ class DynamicLossScaler(LossScaler):
             raise ValueError(f"need 0 < min_loss_scale <= max_loss_scale, got {min_loss_scale}, "
                              f"{max_loss_scale}")
         self.automatic_update = bool(automatic_update)
-        self.initial_loss_scale = float(loss_scale)
         self.up_scale_window = int(up_scale_window)
         self.min_loss_scale = float(min_loss_scale)
         self.max_loss_scale = float(max_loss_scale)
@@ -98,7 +99,7 @@ class DynamicLossScaler(LossScaler):
         return self.loss_scale
 
     def reset(self) -> None:
-        self.loss_scale = self.initial_loss_scale
+        super().reset()
         self.stable_steps = 0
 
     def __repr__(self) -> str:

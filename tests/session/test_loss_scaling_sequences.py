@@ -417,3 +417,36 @@ def test_onnxruntime_backend_warns_that_half_inputs_do_not_overflow(monkeypatch)
     (on_ort,) = ort_sess.run(["all_gradients_finite"], feeds)
     (on_numpy,) = numpy_sess.run(["all_gradients_finite"], feeds)
     assert bool(on_ort[0]) and not bool(on_numpy[0])
+
+
+def test_static_scaler_reset_restores_its_initial_scale() -> None:
+    """``LossScaler.reset()`` puts back the scale it was made with, as onnxruntime-training 1.19.2's base
+    ``LossScaler.reset`` does (it kept a scale set since)."""
+    import json
+    import types
+
+    from onnxtrain.graph_transforms.loss_scaler import LossScaler
+    from tests.ortt import run_script
+
+    script = (
+        "import json, sys, types\n"
+        "sys.modules['onnxruntime.training.optim'] = types.ModuleType('onnxruntime.training.optim')\n"
+        "from onnxruntime.training import amp\n"
+        "s = amp.LossScaler(8.0)\n"
+        "s.loss_scale = 32.0\n"
+        "s.reset()\n"
+        "d = amp.DynamicLossScaler(loss_scale=8.0, up_scale_window=1)\n"
+        "d.update(types.SimpleNamespace(all_finite=True))\n"
+        "d.loss_scale = 2.0\n"
+        "d.reset()\n"
+        "print(json.dumps([s.loss_scale, d.loss_scale]))\n"
+    )
+    want = run_script(script)
+    s = LossScaler(8.0)
+    s.loss_scale = 32.0
+    s.reset()
+    d = DynamicLossScaler(loss_scale=8.0, up_scale_window=1)
+    d.update(types.SimpleNamespace(all_finite=True))
+    d.loss_scale = 2.0
+    d.reset()
+    assert [s.loss_scale, d.loss_scale] == want == json.loads("[8.0, 8.0]")
