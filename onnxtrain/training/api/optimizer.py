@@ -176,7 +176,8 @@ class Optimizer:
                                   scalar_inputs=scalars)
         self.algorithm = next((p.value for p in model.metadata_props if p.key == "onnxtrain.optimizer"),
                               "AdamW" if "momentum1" in self._moment_keys else "SGD")
-        self._opt = self._bind_state()
+        with self._state._lock:  # a save in another thread writes the moments made here: all or none
+            self._opt = self._bind_state()
         #: whether the last step's gradients were all finite (None before the first step;
         #: always True without loss scaling)
         self.last_step_finite: bool | None = None
