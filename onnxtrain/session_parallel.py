@@ -20,7 +20,7 @@ from onnxtrain.graph_transforms.flags import flag_array
 from onnxtrain.graph_transforms.mixed_precision import ALL_FINITE
 from onnxtrain.parallel import BucketReducer
 from onnxtrain.parallel.adasum import ALL_DELTAS_FINITE, adasum_step, every_rank_finite
-from onnxtrain.parallel.fingerprint import array_digest, canonical, digest
+from onnxtrain.parallel.fingerprint import array_digest, canonical, check_same_scalars, digest
 from onnxtrain.parallel.zero import gather_zero_state, zero_update_slots
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.training_graph import StepGraphs, build_update_graph
@@ -80,7 +80,7 @@ class DataParallelSteps:
         if dp.mode == "zero1":
             scale = self.loss_scale_input_name
             lr = feeds[self._params.lr_params_feed_name]
-            got.update(self._zero_step(grads, lr, feeds[scale] if scale else None))
+            got.update(self._zero_step(grads, feeds, lr, feeds[scale] if scale else None))
         else:
             self._exchange_and_update(grads, feeds, [n for n in names if n not in got], got)
         for b in g.buffers:
@@ -119,23 +119,14 @@ class DataParallelSteps:
 
     def _check_same_update_feeds(self, feeds: dict[str, Any]) -> None:
         """ValueError on every rank when the ranks fed different learning rates (or loss scales) to an
-        allreduce step: each rank updates its own replica with the averaged gradients and its own feeds, so
-        the replicas would drift apart without a word (ZeRO's owners and Adasum's shared delta keep them
-        together). One allgather of two values a step."""
-        dp = self._dp
+        allreduce or ZeRO step: under allreduce each rank updates its own replica with the averaged
+        gradients and its own feeds, so the replicas would drift apart without a word; under ZeRO each rank
+        updates its share of the weights with its own, and gradients of different loss scales are summed.
+        (Adasum's ranks may differ: their deltas are combined.) One allgather of two values a step."""
         wanted = (self._params.lr_params_feed_name, self.loss_scale_input_name)
-        names = [n for n in wanted if n and n in feeds]
-        if not names:
-            return
-        every = np.zeros((dp.size, len(names)), np.float64)  # row r: rank r's values
-        every[dp.rank] = [np.asarray(feeds[n], np.float64).reshape(-1)[0] for n in names]
-        dp.comm.allgather_(every.reshape(-1), "checking the ranks' learning rates")
-        for k, n in enumerate(names):
-            values = every[:, k]
-            if not (values == values[0]).all() and not np.isnan(values).all():
-                raise ValueError(f"input {n!r}: the ranks fed different values ({values.tolist()} by "
-                                 "rank); data-parallel ranks must update with the same ones, or their "
-                                 "weights part")
+        values = {f"input {n!r}": np.asarray(feeds[n], np.float64).reshape(-1)[0]
+                  for n in wanted if n and n in feeds}
+        check_same_scalars(self._dp.comm, values, "checking the ranks' learning rates")
 
     def _adasum_combine(self, new: dict[str, np.ndarray], got: dict[str, np.ndarray],
                         mixed_precision: bool) -> dict[str, np.ndarray]:
@@ -158,16 +149,18 @@ class DataParallelSteps:
         new.update(zip(g.trainable, weights))
         return new
 
-    def _zero_step(self, grads: list[np.ndarray], lr: np.ndarray,
+    def _zero_step(self, grads: list[np.ndarray], feeds: dict[str, Any], lr: np.ndarray,
                    loss_scale: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """ZeRO stage 1: reduce-scatter, norm over owned pieces summed across ranks, update, allgather.
-        Under mixed precision every rank finds the same norm, so all skip or apply their pieces alike."""
+        Under mixed precision every rank finds the same norm, so all skip or apply their pieces alike.
+        ``feeds``: the step's, whose learning rate and loss scale every rank must have fed alike."""
         g, store, z, comm = self._graphs, self._store, self._zero, self._dp.comm
         got: dict[str, np.ndarray] = {}
         z.flatten_into(dict(zip(g.trainable, grads)), self._zgrad, self._grad_scale)
         own = comm.reduce_scatter_(
             self._zgrad, self._zown, f"ZeRO gradient reduce-scatter ({self._zgrad.nbytes} bytes)"
         )
+        self._check_same_update_feeds(feeds)  # each owner updates its share with its own feeds
         own64 = own.astype(np.float64)
         norm = np.asarray(
             np.sqrt(comm.allreduce_scalar(float(np.dot(own64, own64)), "ZeRO gradient norm")), own.dtype

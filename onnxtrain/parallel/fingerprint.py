@@ -77,3 +77,21 @@ def check_same_on_all_ranks(comm: Communicator, fingerprint: Mapping[str, Any], 
             problems.append(_difference(k, ref.get(k), fp.get(k), r))
     if problems:
         raise RuntimeError(f"the ranks do not hold the same {what}: " + " | ".join(problems))
+
+
+def check_same_scalars(comm: Communicator, values: Mapping[str, float], what: str) -> None:
+    """ValueError on every rank when the ranks' ``values`` (label → number, the same labels on every rank)
+    differ: the update settings each rank applies to its replica or its share (learning rate, loss scale).
+    One allgather of ``len(values)`` doubles; ``what`` names the collective in a timeout's message."""
+    if comm.size == 1 or not values:
+        return
+    labels = list(values)
+    every = np.zeros((comm.size, len(labels)), np.float64)  # row r: rank r's values
+    every[comm.rank] = [float(values[k]) for k in labels]
+    comm.allgather_(every.reshape(-1), what)
+    for k, label in enumerate(labels):
+        column = every[:, k]
+        if not (column == column[0]).all() and not np.isnan(column).all():
+            raise ValueError(f"{label}: the ranks fed different values ({column.tolist()} by rank); "
+                             "data-parallel ranks must update with the same ones, or their weights part "
+                             "(replicas) or mix (ZeRO's shares)")

@@ -225,6 +225,8 @@ def main() -> None:
         resume_legacy(Case.parse(sys.argv[5]), sys.argv[3], sys.argv[4], w.rank, saved)
     elif what == "resume_ondevice":
         resume_ondevice(Case.parse(sys.argv[6]), sys.argv[3], sys.argv[4], sys.argv[5], w.rank, saved)
+    elif what == "rates":
+        saved.update(different_rates(sys.argv[3], w.rank))
     elif what == "badfeed":
         bad_feed(sys.argv[3], w.rank, *sys.argv[4:5])
     else:
@@ -315,6 +317,51 @@ def ondevice_steps(module, opt, case: Case, rank: int | None, first: int, last: 
         if (i + 1) % case.accum == 0:
             opt.step()
             module.lazy_reset_grad()
+
+
+def different_rates(root: str, rank: int) -> dict[str, np.ndarray]:
+    """Every rank's outcome (the error's text, or ``ok``) of two updates where rank 1 uses twice rank 0's
+    learning rate or loss scale: legacy ZeRO-1 (fed), on-device allreduce (``set_learning_rate``, a loss
+    scaler of its own); then, for each, two updates with the same values on every rank."""
+    from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler
+    from onnxtrain.parallel import get_communicator
+    from onnxtrain.training.api import CheckpointState, Module, Optimizer
+
+    mine: dict[str, str] = {}
+    for case, what in (("zero-a1-clip-mp-adam-numpy-even-all", "lr"),
+                       ("zero-a1-clip-mp-adam-numpy-even-all", "scale"),
+                       ("allreduce-a1-noclip-fp32-adamw-numpy-even-all", "lr"),
+                       ("allreduce-a1-noclip-mp-adamw-numpy-even-all", "scale")):
+        c = Case.parse(case)
+        key = f"{c.mode}/{what}"
+        for differ in (True, False):
+            f = 2.0 if differ and rank == 1 else 1.0
+            lr, scale = LR * (f if what == "lr" else 1.0), LOSS_SCALE * (f if what == "scale" else 1.0)
+            try:
+                if c.opt == "adamw":
+                    folder = os.path.join(root, artifacts_kind(c))
+                    state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+                    module = Module(os.path.join(folder, "training_model.onnx"), state,
+                                    loss_scaler=DynamicLossScaler(loss_scale=scale) if c.mp else None)
+                    opt = Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
+                    opt.set_learning_rate(float(lr[0]))
+                    for b in micro_batches(1, steps=2):
+                        module(*part(b, c.split, rank))
+                        opt.step()
+                        module.lazy_reset_grad()
+                else:
+                    sess = legacy_session(c)
+                    for b in micro_batches(1, steps=2):
+                        x, y = part(b, c.split, rank)
+                        sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr,
+                                            sess.loss_scale_input_name: np.array([scale], np.float32)})
+                mine[f"{key}/{differ}"] = "ok"
+            except ValueError as e:
+                mine[f"{key}/{differ}"] = f"ValueError: {e}"
+    out: dict[str, np.ndarray] = {}
+    for r, d in enumerate(get_communicator().allgather_object(mine)):
+        out.update({f"{r}/{k}": np.array(v) for k, v in d.items()})
+    return out
 
 
 def bad_feed(kind: str, rank: int, folder: str = "") -> None:

@@ -341,3 +341,26 @@ def test_rank_fed_a_bad_batch_ends_every_rank(tmp_path, artifacts_root: str, kin
     assert took < 45, f"the job took {took:.1f} s to end"
     assert "[rank 1/2]" in r.stderr and "aborting all ranks" in r.stderr, r.stderr[-3000:]
     assert "'x'" in r.stderr or '"x"' in r.stderr, r.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def rates(tmp_path_factory: pytest.TempPathFactory, artifacts_root: str) -> dict[str, np.ndarray]:
+    """Every rank's outcome of updates where rank 1 uses twice rank 0's learning rate or loss scale, then
+    the same (``combo_worker.different_rates``)."""
+    return _run_worker(tmp_path_factory.mktemp("rates"), "rates", ["-"], artifacts_root, timeout=120)
+
+
+def _stopped(got: dict[str, np.ndarray], checks: tuple[tuple[str, str], ...]) -> None:
+    for key, name in checks:
+        for r in range(2):
+            text = str(got[f"{r}/{key}/True"])
+            assert text.startswith(f"ValueError: {name}") and "the ranks fed different values" in text, \
+                (r, key, text)
+            assert str(got[f"{r}/{key}/False"]) == "ok", (r, key, str(got[f"{r}/{key}/False"]))
+
+
+def test_zero_ranks_updating_with_different_rates_are_stopped(rates: dict[str, np.ndarray]) -> None:
+    """ZeRO-1: rank 1 feeding twice rank 0's learning rate or loss scale raises on every rank before
+    updating, as under allreduce (each rank updated its share of the weights with its own rate, or summed
+    gradients of different loss scales, without a word); with equal values the updates go through."""
+    _stopped(rates, (("zero/lr", "input 'Learning_Rate'"), ("zero/scale", "input 'loss_scale")))
