@@ -364,3 +364,10 @@ def test_zero_ranks_updating_with_different_rates_are_stopped(rates: dict[str, n
     updating, as under allreduce (each rank updated its share of the weights with its own rate, or summed
     gradients of different loss scales, without a word); with equal values the updates go through."""
     _stopped(rates, (("zero/lr", "input 'Learning_Rate'"), ("zero/scale", "input 'loss_scale")))
+
+
+def test_ondevice_ranks_updating_with_different_rates_are_stopped(rates: dict[str, np.ndarray]) -> None:
+    """The on-device Optimizer: rank 1 with twice rank 0's learning rate (``set_learning_rate``) or loss
+    scale (its Module's scaler) raises on every rank before updating; with equal values the updates go
+    through. Before, each rank updated its replica at its own rate and the replicas parted silently."""
+    _stopped(rates, (("allreduce/lr", "the learning rate"), ("allreduce/scale", "the loss scale")))

@@ -12,7 +12,8 @@ Under ``mpiexec -n N`` each step first averages the gradients over the ranks
 (``onnxtrain.parallel.allreduce_gradients``) and updates with the average, so N ranks that each run
 the module on an equal share of a batch (``parallel.split_batch``) step as one process on the whole
 batch would. Constructing the Optimizer is then a collective: the ranks check that they hold the
-same models, trainable parameters and values.
+same models, trainable parameters and values; so is each step, which checks that they use the same
+learning rate and loss scale.
 
 Mixed-precision artifacts (onnxtrain extension): the optimizer model also takes ``loss_scale`` (the
 scale of the module's gradients) and outputs ``all_gradients_finite``. A step whose gradients are
@@ -37,7 +38,7 @@ from onnxtrain.errors import raises_as_onnxruntime
 from onnxtrain.flat_settings import flat_update_enabled
 from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import pausing_gc
-from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, digest
+from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, check_same_scalars, digest
 from onnxtrain.training.api._graph import ModelLike, load_model
 from onnxtrain.training.api.checkpoint_state import (
     LOAD_HINT,
@@ -322,12 +323,23 @@ class Optimizer:
         with self._state._lock, sigint_deferred(not self._data_parallel):
             self._step()
 
+    def _check_same_rates(self) -> None:
+        """ValueError on every rank when the ranks' learning rates or loss scales differ: each rank updates
+        its own replica with its own, so the replicas would part without a word. One allgather a step."""
+        rates = {"the learning rate (set_learning_rate, a scheduler)": float(self._opt.lr)}
+        if self._loss_scale_input is not None:
+            scale = self._module._grad_loss_scale_for_step()
+            rates["the loss scale (the Module's loss scaler)"] = float(np.asarray(scale).reshape(-1)[0])
+        check_same_scalars(parallel.get_communicator(), rates, "Optimizer.step: checking the ranks' rates")
+
     def _step(self) -> None:
         opt = self._opt
         params = self._state._params
         self._allocate_moments(opt)
         feeds: dict[str, Any] = {LR_INPUT: np.array([opt.lr], self._lr_dtype),
                                  STEP_INPUT: np.array([opt.step + 1], np.int64)}
+        if self._data_parallel:
+            self._check_same_rates()
         for p in self._params:
             if params[p].data is None:
                 raise NominalStateError("The optimizer state cannot be constructed from a nominal state. "
