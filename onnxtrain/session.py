@@ -23,6 +23,7 @@ from onnxtrain.engine.allocator import release_free_memory
 from onnxtrain.engine.backends import backend_of, make_plan
 from onnxtrain.engine.backends import resolve_providers as backend_providers
 from onnxtrain.engine.interface import GraphInterface, InvalidNodeError, check_graph_links, graph_interface
+from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
 from onnxtrain.errors import InvalidFeed, program_hint, raises_as_onnxruntime
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.flags import FLAG_SHAPE
@@ -41,7 +42,7 @@ from onnxtrain.inference import (
     profile_session_start,
 )
 from onnxtrain.interrupts import sigint_deferred
-from onnxtrain.ir.builder import gc_paused, loadable_model
+from onnxtrain.ir.builder import gc_paused, loadable_model, value_types
 from onnxtrain.ir.graphs import model_for_outputs, with_input_values
 from onnxtrain.ir.io import save_dump
 from onnxtrain.locks import fork_safe_rlock
@@ -54,7 +55,7 @@ from onnxtrain.parallel.zero import ZeroLayout
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session_halves import HalfSteps
 from onnxtrain.session_parallel import DataParallelSteps, fingerprint, with_value_outputs
-from onnxtrain.training_graph import TRAINING_MODE, build_step_graphs, update_clips
+from onnxtrain.training_graph import TRAINING_MODE, StepGraphs, build_step_graphs, update_clips
 from onnxtrain.user_warning import warn
 
 # plans run right after another of the same session, whose onnxruntime threads therefore stop spinning when
@@ -124,6 +125,17 @@ def requested_dumps(p: TrainingParameters, options: SessionOptions) -> list[tupl
         ("model_with_training_graph_path", "training"))]
     asked.append(("SessionOptions.optimized_model_filepath", optimized_model_path(options), "training"))
     return [(where, path, kind) for where, path, kind in asked if path]
+
+
+def dumped_graph(model: onnx.ModelProto, store: Mapping[str, np.ndarray], g: StepGraphs) -> onnx.ModelProto:
+    """``model`` as a session writes it to a dump, a graph that runs on its own in any ONNX runtime: the
+    state's values and the shared ``training_mode`` (the model's Dropout mode) as initializers, as
+    onnxruntime's dumps held them (its inputs stay, so a run may feed them), and float16 or bfloat16 scatters
+    that add computed in float32, as in the GradientGraphBuilder's model (onnxruntime's CPU provider has no
+    half kernel for them)."""
+    values = {**store, TRAINING_MODE: np.asarray(g.training_mode_default)} if g.has_training_mode else store
+    model = with_input_values(model, values)
+    return half_scatters_in_float32(model, lambda: value_types(model))
 
 
 class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
@@ -246,8 +258,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
         graphs = {"transformed": g.transformed, "gradient": g.gradient, "training": g.full}
         for where, path, kind in requested_dumps(p, self._sess_options):
-            # with the state's values, as onnxruntime's dumps held them: each graph runs on its own
-            save_dump(with_input_values(graphs[kind], self._store), path, where)
+            save_dump(dumped_graph(graphs[kind], self._store, g), path, where)
         self._model = g.full
         self._plans: dict[str, GraphInterface] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}  # random nodes' generators, shared by the plans
