@@ -650,8 +650,9 @@ def test_onnxtrain_artifacts_in_onnxruntime_training(ort_runs, seed):
 @pytest.fixture(scope="module")
 def crossed_checkpoints(ort_runs) -> dict[int, tuple[str, dict]]:
     """For each seed, onnxruntime-training's artifacts continued from a checkpoint the other side saved
-    (with the optimizer state) after the setup's calls: ``ort_from_ot`` continues onnxtrain's in
-    onnxruntime-training, ``ort_from_ort`` its own; ``ot_from_ort`` is left to the test."""
+    (with the optimizer state) after the setup's calls: ``ort_from_ot`` continues onnxtrain's (saved
+    training onnxruntime-training's artifacts), ``ort_from_ot_own`` onnxtrain's saved training its own
+    artifacts, ``ort_from_ort`` its own; ``ot_from_ort`` is left to the test."""
     python = ensure_ortt()
     api = _onnxtrain_api()
     jobs = []
@@ -660,12 +661,15 @@ def crossed_checkpoints(ort_runs) -> dict[int, tuple[str, dict]]:
             continue
         s = make_setup(seed)
         data = dict(np.load(os.path.join(folder, "data.npz")))
-        saved = os.path.join(folder, "ot_saved")
-        os.makedirs(saved)
-        _NS["train"](api, s, os.path.join(folder, "theirs"), data, saved)
+        saved = {}
+        for artifacts in ("theirs", "ours"):
+            saved[artifacts] = os.path.join(folder, f"ot_saved_{artifacts}")
+            os.makedirs(saved[artifacts])
+            _NS["train"](api, s, os.path.join(folder, artifacts), data, saved[artifacts])
         common = {"setup": s, "data": os.path.join(folder, "data.npz"),
                   "folder": os.path.join(folder, "theirs"), "optimizer": True}
-        for out, ckpt in (("ort_from_ot", saved), ("ort_from_ort", os.path.join(folder, "ort_on_theirs"))):
+        for out, ckpt in (("ort_from_ot", saved["theirs"]), ("ort_from_ot_own", saved["ours"]),
+                          ("ort_from_ort", os.path.join(folder, "ort_on_theirs"))):
             os.makedirs(os.path.join(folder, out))
             jobs.append({**common, "out": os.path.join(folder, out),
                          "checkpoint": os.path.join(ckpt, "final_checkpoint")})
@@ -680,20 +684,22 @@ def crossed_checkpoints(ort_runs) -> dict[int, tuple[str, dict]]:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_checkpoints_continue_on_the_other_side(crossed_checkpoints, seed):
     """A checkpoint with optimizer state saved by either side continues alike on both: onnxruntime-training
-    from onnxtrain's checkpoint, onnxtrain from onnxruntime-training's, and onnxruntime-training from its
-    own (onnxruntime-training's artifacts throughout)."""
+    (on its artifacts) from onnxtrain's checkpoints (saved training either side's artifacts), onnxtrain
+    (on either side's artifacts) from onnxruntime-training's, as onnxruntime-training from its own."""
     folder, errors = crossed_checkpoints[seed]
     s = make_setup(seed)
     data = dict(np.load(os.path.join(folder, "data.npz")))
     runs = {}
-    for out in ("ort_from_ot", "ort_from_ort"):
+    for out in ("ort_from_ot", "ort_from_ot_own", "ort_from_ort"):
         assert errors.get(os.path.join(folder, out), "not run") is None, errors.get(os.path.join(folder, out))
         runs[out] = dict(np.load(os.path.join(folder, out, "record.npz")))
-    ours = os.path.join(folder, "ot_from_ort")
-    os.makedirs(ours)
-    runs["ot_from_ort"] = _NS["train"](_onnxtrain_api(), s, os.path.join(folder, "theirs"), data, ours,
-                                       checkpoint=os.path.join(folder, "ort_on_theirs", "final_checkpoint"))
-    for a, b in (("ot_from_ort", "ort_from_ort"), ("ort_from_ot", "ort_from_ort")):
+    for out, artifacts in (("ot_from_ort", "theirs"), ("ot_own_from_ort", "ours")):
+        os.makedirs(os.path.join(folder, out))
+        runs[out] = _NS["train"](_onnxtrain_api(), s, os.path.join(folder, artifacts), data,
+                                 os.path.join(folder, out),
+                                 checkpoint=os.path.join(folder, "ort_on_theirs", "final_checkpoint"))
+    for a in ("ot_from_ort", "ot_own_from_ort", "ort_from_ot", "ort_from_ot_own"):
+        b = "ort_from_ort"
         what = f"seed {seed} ({a} vs {b})"
         _compare_records(runs[a], runs[b], what)
         _compare_saved(os.path.join(folder, a), os.path.join(folder, b), s, data, what)
