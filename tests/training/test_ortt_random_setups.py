@@ -1,7 +1,8 @@
 """Seeded random on-device training setups, run both ways against onnxruntime-training 1.19.2.
 
-Each seed draws a small model (MatMul or Gemm layers, optionally a BatchNormalization, in training mode or
-not, and a Dropout of ratio 0; initializers named short, torch-like or path-like, in a shuffled order), a
+Each seed draws a small model (an optional embedding Gather of int64 indices, MatMul or Gemm layers,
+optionally a BatchNormalization, in training mode or not, and a Dropout of ratio 0; initializers named
+short, torch-like or path-like, in a shuffled order), a
 loss (the four built-in ones through LossType or onnxblock blocks with other reductions, ignore_index,
 BCE weights; a built-in loss picked by loss_input_names; two custom onnxblock losses; a loss the model
 computes itself, loss=None), which initializers train, stay frozen or stay constants, an optimizer (AdamW
@@ -51,6 +52,7 @@ from tests.tiers import extended
 DEFAULT_SEEDS = [0, 1, 2]
 SEEDS = DEFAULT_SEEDS + [extended(s, id=str(s)) for s in range(3, 40)]
 ATOL, RTOL = 2e-5, 1e-4
+VOCAB = 6  # rows of the embedding table
 
 
 # ---------------------------------------------------------------- the random setup
@@ -61,6 +63,7 @@ def make_setup(seed: int) -> dict:
     s: dict = {"seed": seed, "F": int(rng.integers(3, 6)), "H": int(rng.integers(3, 7)),
                "C": int(rng.integers(2, 5)), "N": int(rng.integers(3, 7))}
     s["gemm"] = bool(rng.random() < 0.4)
+    s["embed"] = bool(rng.random() < 0.25)  # x: int64 indices into an embedding table E (Gather)
     s["bn"] = bool(rng.random() < 0.4)
     # a training-mode BatchNormalization (running statistics as outputs): onnxruntime-training 1.19.2 fails to
     # load the eval model its generator writes for it, so its artifacts run without (it loads onnxtrain's)
@@ -86,7 +89,7 @@ def make_setup(seed: int) -> dict:
     s["block"] = bool(s["reduction"] != "mean" or s["ignore_index"] is not None or s["bce_weights"]
                       or rng.random() < 0.3)
     # no bias before a BatchNormalization: its gradient is zero but for rounding, which AdamW scales up
-    floats = ["W1", "W2", "b2"] + (["gamma", "beta"] if s["bn"] else ["b1"])
+    floats = ["W1", "W2", "b2"] + (["gamma", "beta"] if s["bn"] else ["b1"]) + (["E"] if s["embed"] else [])
     stats = ["mean", "var"] if s["bn"] else []
     order = floats + stats
     rng.shuffle(order)
@@ -98,7 +101,7 @@ def make_setup(seed: int) -> dict:
     style = pick(["short", "torch", "path"])
     torch_names = {"W1": "fc1.weight", "b1": "fc1.bias", "W2": "fc2.weight", "b2": "fc2.bias",
                    "gamma": "bn.weight", "beta": "bn.bias", "mean": "bn.running_mean",
-                   "var": "bn.running_var"}
+                   "var": "bn.running_var", "E": "emb.weight"}
     s["names"] = {n: {"short": n, "torch": torch_names[n], "path": f"/enc/{n}:0"}[style] for n in order}
     s["order"] = [s["names"][n] for n in order]
     s["trainable"] = [s["names"][n] for n in order if n in trainable]
@@ -186,19 +189,23 @@ def base_model(s: dict) -> onnx.ModelProto:
     rng = np.random.default_rng(s["seed"] + 1000)
     F, H, C = s["F"], s["H"], s["C"]
     shapes = {"W1": (H, F) if s["gemm"] else (F, H), "b1": (H,), "W2": (H, C), "b2": (C,),
-              "gamma": (H,), "beta": (H,), "mean": (H,), "var": (H,)}
+              "gamma": (H,), "beta": (H,), "mean": (H,), "var": (H,), "E": (VOCAB, F)}
     values = {n: rng.standard_normal(shapes[n]).astype(np.float32) * 0.7 for n in shapes}
     values["var"] = rng.uniform(0.5, 2.0, H).astype(np.float32)
     values["gamma"] = rng.uniform(0.5, 1.5, H).astype(np.float32)
     nodes = []
     bias = [] if s["bn"] else ["b1"]
+    x = "x"
+    if s["embed"]:
+        nodes.append(helper.make_node("Gather", ["E", "x"], ["xe"], name="embed"))
+        x = "xe"
     if s["gemm"]:
-        nodes.append(helper.make_node("Gemm", ["x", "W1", *bias], ["h1"], transB=1, name="fc1"))
+        nodes.append(helper.make_node("Gemm", [x, "W1", *bias], ["h1"], transB=1, name="fc1"))
     elif bias:
-        nodes += [helper.make_node("MatMul", ["x", "W1"], ["xw"], name="mm1"),
+        nodes += [helper.make_node("MatMul", [x, "W1"], ["xw"], name="mm1"),
                   helper.make_node("Add", ["xw", "b1"], ["h1"], name="add1")]
     else:
-        nodes.append(helper.make_node("MatMul", ["x", "W1"], ["h1"], name="mm1"))
+        nodes.append(helper.make_node("MatMul", [x, "W1"], ["h1"], name="mm1"))
     pre = "h1"
     if s["bn"]:
         outs = ["bn", "bn_mean", "bn_var"] if s["bn_training"] else ["bn"]
@@ -223,7 +230,8 @@ def base_model(s: dict) -> onnx.ModelProto:
     infos = {"output": helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", C]),
              "hidden": helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["N", H]),
              "loss": helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])}
-    ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", F])]
+    ins = [helper.make_tensor_value_info("x", TensorProto.INT64, ["N"]) if s["embed"]
+           else helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", F])]
     if s["loss"] == "model":  # the mean squared error to y
         ins.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", C]))
         nodes += [helper.make_node("Sub", ["output", "y"], ["diff"], name="sub"),
@@ -236,13 +244,20 @@ def base_model(s: dict) -> onnx.ModelProto:
     return model
 
 
+def _inputs(rng: np.random.Generator, s: dict, n: int) -> np.ndarray:
+    """A batch of ``n`` model inputs: features, or indices into the embedding (repeats likely)."""
+    if s["embed"]:
+        return rng.integers(0, VOCAB, n).astype(np.int64)
+    return rng.standard_normal((n, s["F"])).astype(np.float32)
+
+
 def make_data(s: dict) -> dict[str, np.ndarray]:
     """Four batches of inputs and labels (``x{i}``, ``y{i}``, ``z{i}``), copy noise and an export batch."""
     rng = np.random.default_rng(s["seed"] + 2000)
-    F, H, C = s["F"], s["H"], s["C"]
+    H, C = s["H"], s["C"]
     data = {}
     for i, N in enumerate(s["batch_sizes"]):
-        data[f"x{i}"] = rng.standard_normal((N, F)).astype(np.float32)
+        data[f"x{i}"] = _inputs(rng, s, N)
         if s["loss"] == "CrossEntropyLoss":
             y = rng.integers(0, C, N).astype(np.int64)
             if s["ignore_index"] is not None:
@@ -258,7 +273,7 @@ def make_data(s: dict) -> dict[str, np.ndarray]:
     for op in s["plan"]:
         if op[0] in ("copy", "set"):
             data[f"noise{op[2]}"] = np.random.default_rng(op[2]).uniform(-1, 1, 200).astype(np.float32)
-    data["export_x"] = rng.standard_normal((s["N"] + 1, F)).astype(np.float32)
+    data["export_x"] = _inputs(rng, s, s["N"] + 1)
     data["export_y"] = rng.standard_normal((s["N"] + 1, C)).astype(np.float32)
     return data
 
