@@ -22,6 +22,8 @@ from onnxtrain.training.ort_artifacts.common import (
 from onnxtrain.training.ort_artifacts.fused import BY_HAND, MIN_OPSET, batch_norm_internal
 from onnxtrain.training.ort_artifacts.gradients import GRADS, grad_by_rule
 
+RULES_OPSET = 16  # the opset the translation of a GRADS operator or BatchNormInternal moves a model to
+
 
 def translate_training_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` (an onnxruntime-training training or eval model) with every onnxruntime-only node
@@ -34,6 +36,12 @@ def translate_training_model(model: onnx.ModelProto) -> onnx.ModelProto:
     # onnxruntime's own LayerNormalization (its fusion's) before opset 17: standard from 17 on
     early = {n.op_type for n in model.graph.node if n.domain in DEFAULT_DOMAINS and n.op_type in EARLY_OPS}
     needed = max([needed, *(EARLY_OPS[op] for op in early if opset < EARLY_OPS[op])])
+    # onnxtrain's gradient rules, which translate GRADS, are written for its gradient builder's opset 17 (the
+    # ScatterND/ScatterElements that add of the Gather, MaxPool and cross-entropy gradients need 16, a
+    # training-mode BatchNormalization 14): the model moves to 16 first, which defines every operator of
+    # opset 17 but the ones 17 brought (LayerNormalization: EARLY_OPS)
+    if foreign & (GRADS.keys() | {"BatchNormInternal"}):
+        needed = max(needed, RULES_OPSET)
     if opset < needed:  # e.g. GatherNDGrad's ScatterND that adds: the standard nodes move to that opset first
         model = upgrade_opset(model, needed)
         opset = needed
