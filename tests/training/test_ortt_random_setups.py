@@ -50,10 +50,10 @@ from tests.ortt import PREAMBLE, ensure_ortt, run_script
 from tests.tiers import extended
 
 DEFAULT_SEEDS = [0, 1, 2]
-# seeds drawn again at a lower opset ("seed@opset"): embedding, cross-entropy and BatchNorm, whose gradients
-# in onnxruntime-training's artifacts (GatherGrad, SoftmaxCrossEntropyLossGrad, BatchNormInternal) have
-# standard forms of later opsets (ScatterND/ScatterElements that add: 16; training_mode: 14)
-OPSET_CASES = ["4@13", "283@15"]
+# seeds drawn again at a lower opset ("seed@opset"): embedding, cross-entropy, BatchNorm and MaxPool, whose
+# gradients in onnxruntime-training's artifacts (GatherGrad, SoftmaxCrossEntropyLossGrad, BatchNormInternal,
+# MaxPoolGrad) have standard forms of later opsets (ScatterND/ScatterElements that add: 16; training_mode: 14)
+OPSET_CASES = ["4@13", "283@15", "16@13"]
 SEEDS = DEFAULT_SEEDS + OPSET_CASES + [extended(s, id=str(s)) for s in range(3, 40)]
 ATOL, RTOL = 2e-5, 1e-4
 VOCAB = 6  # rows of the embedding table
@@ -79,6 +79,8 @@ def make_setup(seed: int) -> dict:
     s["gemm"] = bool(rng.random() < 0.4)
     s["embed"] = bool(rng.random() < 0.25)  # x: int64 indices into an embedding table E (Gather)
     s["opset"] = pick([13, 15, 17, 17, 18, 19, 21])
+    # x: images [N, 1, 6, 6] through Conv (W1, b1), the activation, MaxPool 2x2 and Flatten: hidden [N, 4H]
+    s["conv"] = bool(not s["embed"] and rng.random() < 0.25)
     s["bn"] = bool(rng.random() < 0.4)
     # a training-mode BatchNormalization (running statistics as outputs): onnxruntime-training 1.19.2 fails to
     # load the eval model its generator writes for it, so its artifacts run without (it loads onnxtrain's)
@@ -200,21 +202,26 @@ def _plan(rng: np.random.Generator, s: dict) -> list:
 
 
 def base_model(s: dict) -> onnx.ModelProto:
-    """The forward model of setup ``s``: input ``x`` [N, F] → ``output`` [N, C] (and ``hidden`` [N, H])."""
+    """The forward model of setup ``s``: input ``x`` → ``output`` [N, C] (and ``hidden`` [N, H or 4H])."""
     rng = np.random.default_rng(s["seed"] + 1000)
     F, H, C = s["F"], s["H"], s["C"]
-    shapes = {"W1": (H, F) if s["gemm"] else (F, H), "b1": (H,), "W2": (H, C), "b2": (C,),
+    w1 = (H, 1, 3, 3) if s["conv"] else (H, F) if s["gemm"] else (F, H)
+    shapes = {"W1": w1, "b1": (H,), "W2": (hidden_size(s), C), "b2": (C,),
               "gamma": (H,), "beta": (H,), "mean": (H,), "var": (H,), "E": (VOCAB, F)}
     values = {n: rng.standard_normal(shapes[n]).astype(np.float32) * 0.7 for n in shapes}
     values["var"] = rng.uniform(0.5, 2.0, H).astype(np.float32)
     values["gamma"] = rng.uniform(0.5, 1.5, H).astype(np.float32)
+    if s["loss"] == "BCEWithLogitsLoss":  # moderate logits: onnxruntime-training's float32 BCE loses digits
+        values["W2"] *= 0.2                # past |x| ~ 10 (1e-3 at 15; onnxtrain's form keeps them)
     nodes = []
     bias = [] if s["bn"] else ["b1"]
     x = "x"
     if s["embed"]:
         nodes.append(helper.make_node("Gather", ["E", "x"], ["xe"], name="embed"))
         x = "xe"
-    if s["gemm"]:
+    if s["conv"]:
+        nodes.append(helper.make_node("Conv", [x, "W1", *bias], ["h1"], kernel_shape=[3, 3], name="conv"))
+    elif s["gemm"]:
         nodes.append(helper.make_node("Gemm", [x, "W1", *bias], ["h1"], transB=1, name="fc1"))
     elif bias:
         nodes += [helper.make_node("MatMul", [x, "W1"], ["xw"], name="mm1"),
@@ -229,7 +236,13 @@ def base_model(s: dict) -> onnx.ModelProto:
         if s["bn_training"]:
             nodes[-1].attribute.append(helper.make_attribute("training_mode", 1))
         pre = "bn"
-    nodes.append(helper.make_node(s["act"], [pre], ["hidden"], name="act"))
+    if s["conv"]:
+        nodes += [helper.make_node(s["act"], [pre], ["activated"], name="act"),
+                  helper.make_node("MaxPool", ["activated"], ["pooled"], kernel_shape=[2, 2], strides=[2, 2],
+                                   name="pool"),
+                  helper.make_node("Flatten", ["pooled"], ["hidden"], name="flatten")]
+    else:
+        nodes.append(helper.make_node(s["act"], [pre], ["hidden"], name="act"))
     cur = "hidden"
     if s["dropout"]:
         const = numpy_helper.from_array
@@ -244,10 +257,11 @@ def base_model(s: dict) -> onnx.ModelProto:
     for node in nodes:  # the initializers' names
         node.input[:] = [s["names"].get(i, i) for i in node.input]
     infos = {"output": helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", C]),
-             "hidden": helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["N", H]),
+             "hidden": helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["N", hidden_size(s)]),
              "loss": helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])}
+    shape = ["N", 1, 6, 6] if s["conv"] else ["N", F]
     ins = [helper.make_tensor_value_info("x", TensorProto.INT64, ["N"]) if s["embed"]
-           else helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", F])]
+           else helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)]
     if s["loss"] == "model":  # the mean squared error to y
         ins.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", C]))
         nodes += [helper.make_node("Sub", ["output", "y"], ["diff"], name="sub"),
@@ -260,17 +274,23 @@ def base_model(s: dict) -> onnx.ModelProto:
     return model
 
 
+def hidden_size(s: dict) -> int:
+    """The features of ``hidden``: H, or 4H after the convolution's 2x2 pooled maps."""
+    return 4 * s["H"] if s["conv"] else s["H"]
+
+
 def _inputs(rng: np.random.Generator, s: dict, n: int) -> np.ndarray:
     """A batch of ``n`` model inputs: features, or indices into the embedding (repeats likely)."""
     if s["embed"]:
         return rng.integers(0, VOCAB, n).astype(np.int64)
-    return rng.standard_normal((n, s["F"])).astype(np.float32)
+    shape = (n, 1, 6, 6) if s["conv"] else (n, s["F"])
+    return rng.standard_normal(shape).astype(np.float32)
 
 
 def make_data(s: dict) -> dict[str, np.ndarray]:
     """Four batches of inputs and labels (``x{i}``, ``y{i}``, ``z{i}``), copy noise and an export batch."""
     rng = np.random.default_rng(s["seed"] + 2000)
-    H, C = s["H"], s["C"]
+    H, C = hidden_size(s), s["C"]
     data = {}
     for i, N in enumerate(s["batch_sizes"]):
         data[f"x{i}"] = _inputs(rng, s, N)

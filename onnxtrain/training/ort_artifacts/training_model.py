@@ -43,7 +43,7 @@ def translate_training_model(model: onnx.ModelProto) -> onnx.ModelProto:
     if foreign & (GRADS.keys() | {"BatchNormInternal"}):
         needed = max(needed, RULES_OPSET)
     if opset < needed:  # e.g. GatherNDGrad's ScatterND that adds: the standard nodes move to that opset first
-        model = upgrade_opset(model, needed)
+        model = upgrade_opset(_own_ops_apart(model), needed)
         opset = needed
     g = model.graph
     ctx = Context(
@@ -97,6 +97,23 @@ def translate_training_model(model: onnx.ModelProto) -> onnx.ModelProto:
     result.opset_import.extend(keep)
     del result.graph.value_info[:]
     return result
+
+
+def _own_ops_apart(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with onnxruntime's own operators of the default domain (``MaxPoolGrad``...) in its
+    com.microsoft domain, where ONNX's version converter leaves them (it fails on an operator it has no
+    schema of); the translation reads them there alike."""
+    moved = [n for n in model.graph.node if is_foreign(n) and n.domain != MS]
+    if not moved:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for n in out.graph.node:
+        if is_foreign(n) and n.domain != MS:
+            n.domain = MS
+    if not any(o.domain == MS for o in out.opset_import):
+        out.opset_import.append(helper.make_opsetid(MS, 1))
+    return out
 
 
 def _translated() -> list[str]:
