@@ -37,7 +37,7 @@ def translate_training_model(model: onnx.ModelProto) -> onnx.ModelProto:
     early = {n.op_type for n in model.graph.node if n.domain in DEFAULT_DOMAINS and n.op_type in EARLY_OPS}
     needed = max([needed, *(EARLY_OPS[op] for op in early if opset < EARLY_OPS[op])])
     # onnxtrain's gradient rules, which translate GRADS, are written for its gradient builder's opset 17 (the
-    # ScatterND/ScatterElements that add of the Gather, MaxPool and cross-entropy gradients need 16, a
+    # ScatterND/ScatterElements that add of the Gather and cross-entropy gradients need 16, a
     # training-mode BatchNormalization 14): the model moves to 16 first, which defines every operator of
     # opset 17 but the ones 17 brought (LayerNormalization: EARLY_OPS)
     if foreign & (GRADS.keys() | {"BatchNormInternal"}):
