@@ -373,22 +373,17 @@ class Trainer:
         return st
 
     # ---- metrics ----
-    def _start_metrics(self, resume_step: int | None) -> list[dict[str, Any]]:
-        records: list[dict[str, Any]] = []
-        if resume_step is not None and os.path.isfile(self.metrics_path):
-            with open(self.metrics_path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        r = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a line cut short by a crash
-                    if r.get("step", 0) <= resume_step:
-                        records.append(r)
+    def _start_metrics(self, resume_step: int | None) -> _Logged:
+        """``metrics.jsonl`` anew, or on resume cut to the records up to ``resume_step``."""
+        records = _read_records(self.metrics_path, resume_step) if resume_step is not None else []
         text = "".join(json_line(r) for r in records)
         write_atomic(self.metrics_path, lambda f: f.write(text.encode()))
-        return records
+        logged = _Logged()
+        for r in records:
+            logged.append(r)
+        return logged
 
-    def _log(self, records: list[dict[str, Any]], fh: Any, record: dict[str, Any]) -> None:
+    def _log(self, records: _Logged, fh: Any, record: dict[str, Any]) -> None:
         records.append(record)
         bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
         if bad and not getattr(self, "_diverged", False):
@@ -483,7 +478,7 @@ class Trainer:
             for name in RUN_OUTPUTS:
                 if os.path.isfile(os.path.join(self.out, name)):
                     os.unlink(os.path.join(self.out, name))
-        records: list[dict[str, Any]] = []
+        records = _Logged()
         if main:
             records = self._start_metrics(st.global_step if resume else None)
             text = self.resolved_config()
@@ -586,19 +581,21 @@ class Trainer:
                   "first", file=sys.stderr)
         return RunResult(self.out, status, st.global_step, last_eval, last_ckpt, exported)
 
-    def _finish(self, st: RunState, records: list[dict[str, Any]], last_eval: dict[str, float]
+    def _finish(self, st: RunState, records: _Logged, last_eval: dict[str, float]
                 ) -> tuple[dict[str, float], str | None]:
         """The final eval (unless the last step had one), the plot and the export; returns the last eval's
         metrics and the exported model's path."""
         main = self.main
         # rank 0 decides: only it reads old metrics on resume
-        if self.agree(not any(r.get("step") == st.global_step and "eval_loss" in r for r in records)):
+        evaluated = records.last_eval is not None and records.last_eval.get("step") == st.global_step
+        if self.agree(not evaluated):
             last_eval = self.evaluate(self.data.eval, self.eval_weights())
             with (open(self.metrics_path, "a", encoding="utf-8") if main else nullcontext()) as fh:
                 self._log(records, fh, {"step": st.global_step, "epoch": st.epoch, **last_eval})
         # (metrics.jsonl holds null for a number that was not finite: NaN again here)
-        last_eval = next(({k: math.nan if v is None else v for k, v in r.items() if k.startswith("eval_")}
-                          for r in reversed(records) if "eval_loss" in r), last_eval)
+        r = records.last_eval
+        if r is not None:
+            last_eval = {k: math.nan if v is None else v for k, v in r.items() if k.startswith("eval_")}
         exported = None
         if self.cfg.output.export:  # (before the plot, which needs matplotlib)
             exported = os.path.join(self.out, "model.onnx")
@@ -606,11 +603,43 @@ class Trainer:
                 export_model(self.model, self.cfg, self.weights(), exported)
         if self.cfg.output.plot and main:
             try:
-                plot_metrics(records, os.path.join(self.out, "metrics.png"), self.cfg.name)
+                plot_metrics(_read_records(self.metrics_path), os.path.join(self.out, "metrics.png"),
+                             self.cfg.name)
             except ImportError as e:  # the run and its outputs stand; only the picture is missing
                 print(f"onnxtrain: warning: no plot (metrics.png): matplotlib cannot be imported ({e}); "
                       "pip install matplotlib, or set output.plot=false", file=sys.stderr)
         return last_eval, exported
+
+
+class _Logged:
+    """What a run keeps of the records it logged: the last one with eval metrics. The records themselves
+    are in ``metrics.jsonl`` only (a list of them grew with every logged step for the whole run)."""
+
+    __slots__ = ("last_eval",)
+
+    def __init__(self) -> None:
+        self.last_eval: dict[str, Any] | None = None
+
+    def append(self, record: dict[str, Any]) -> None:
+        if "eval_loss" in record:
+            self.last_eval = record
+
+
+def _read_records(path: str, up_to: int | None = None) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl`` at ``path`` (those of steps up to ``up_to`` when given); a line cut
+    short by a crash is skipped, a missing file has none."""
+    records: list[dict[str, Any]] = []
+    if not os.path.isfile(path):
+        return records
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if up_to is None or r.get("step", 0) <= up_to:
+                records.append(r)
+    return records
 
 
 def _end_epoch(st: RunState, rng: np.random.Generator) -> None:
