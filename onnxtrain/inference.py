@@ -29,6 +29,7 @@ from onnxtrain.engine.feed_sizes import (
     shared_dim_mismatch,
 )
 from onnxtrain.engine.interface import (
+    MAX_PROFILE_EVENTS,
     RUN_OPTIONS,
     EngineError,
     GraphInterface,
@@ -386,7 +387,7 @@ class InferenceSession:
         begin = time.perf_counter_ns() if self._session_events is not None else 0
         try:
             out = outputs_apart(own_outputs(self._run(output_names, input_feed, ro), input_feed))
-            if begin and self._session_events is not None:
+            if begin and self._session_events is not None and len(self._session_events) < MAX_PROFILE_EVENTS:
                 took = time.perf_counter_ns() - begin
                 self._session_events.append(ProfileEvent("model_run", "", begin, took, cat="Session"))
             return out

@@ -75,6 +75,11 @@ class InvalidNodeError(EngineError, InvalidGraph):
     opset and what is wrong."""
 
 
+# node events a plan's profile holds at most (onnxruntime's profiler records up to 1,000,000 a session): a
+# run profiled for hours keeps no growing list
+MAX_PROFILE_EVENTS = 1_000_000
+
+
 @dataclass
 class ProfileEvent:
     """One span of a profile: a node's kernel (its inputs' and outputs' types and shapes as onnxruntime

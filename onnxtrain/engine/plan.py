@@ -24,6 +24,7 @@ from onnxtrain.engine.allocator import tune_allocator
 from onnxtrain.engine.control_flow import ControlFlow, compile_control_flow
 from onnxtrain.engine.donation import donated_now, donated_slots, donating, reusable_inputs
 from onnxtrain.engine.interface import (  # noqa: F401  (the engine's errors, imported from here elsewhere)
+    MAX_PROFILE_EVENTS,
     RUN_OPTIONS,
     EngineError,
     GraphInterface,
@@ -400,6 +401,8 @@ class Plan(GraphInterface):
         """Run every step on the slots ``vals``, freeing values after their last use; returns the peak of
         live bytes. ``RunOptions.terminate`` is read before each step up to step ``until`` (all: None)."""
         stop = RUN_OPTIONS.get()
+        if self.profiling and len(self.profile) >= MAX_PROFILE_EVENTS:
+            self._end_full_profile()
         if self.profiling or self._bodies or (stop is not None and until is not None):
             peak = self._run_watched(vals, live, stop, until)
         else:
@@ -523,6 +526,16 @@ class Plan(GraphInterface):
                     live -= nbytes(vals[s])
                     vals[s] = None
         return peak
+
+    def _end_full_profile(self) -> None:
+        """Stop tracing this plan's runs once its profile holds :data:`MAX_PROFILE_EVENTS` events (a warning
+        says so), as onnxruntime's profiler stops recording at that many."""
+        self.profiling = False
+        from onnxtrain.user_warning import warn
+
+        warn(f"SessionOptions.enable_profiling: a graph's profile reached {MAX_PROFILE_EVENTS:,} events; its "
+             "later runs are not traced (onnxruntime's profiler stops recording there too); end_profiling() "
+             "writes the trace")
 
     def _constant_slots(self) -> frozenset[int]:
         """Slots of the values no run can feed (initializers that are no graph input, folded constants):
