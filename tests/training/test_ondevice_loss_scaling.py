@@ -13,33 +13,17 @@ import os
 import warnings
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import numpy_helper
 
 from onnxtrain.graph_transforms.loss_scaler import DynamicLossScaler
 from onnxtrain.training import artifacts, onnxblock
 from onnxtrain.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
+from tests.session.test_loss_scaling_sequences import HALF_MAX, tanh_model
 
-HALF_MAX = {"float16": 65504.0, "bfloat16": float(np.finfo(np.float32).max)}
 MAX_NORM, WD, LR0, EPS = 0.5, 0.01, 0.05, 1e-6
 MICRO = 2
 NAMES = ["W1", "W2", "b"]
-
-
-def _model() -> onnx.ModelProto:
-    """x[N,4] → MatMul W1 → Tanh → MatMul W2 → Add b → SoftmaxCrossEntropyLoss(y)."""
-    rng = np.random.default_rng(5)
-    inits = {"W1": rng.standard_normal((4, 6)) * 0.5, "W2": rng.standard_normal((6, 3)) * 0.5,
-             "b": rng.standard_normal(3) * 0.1}
-    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Tanh", ["h"], ["a"]),
-             helper.make_node("MatMul", ["a", "W2"], ["z"]), helper.make_node("Add", ["z", "b"], ["logits"]),
-             helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"])]
-    g = helper.make_graph(nodes, "tanh_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
-                                              helper.make_tensor_value_info("y", TensorProto.INT64, ["N"])],
-                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-                          [numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def _batch(k: int, big: float | None) -> tuple[np.ndarray, np.ndarray]:
@@ -56,7 +40,7 @@ class Reference:
 
     def __init__(self, opt: str, dtype: str) -> None:
         self.opt, self.limit = opt, HALF_MAX[dtype]
-        self.w = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in _model().graph.initializer}
+        self.w = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in tanh_model().graph.initializer}
         self.m = {k: np.zeros_like(v) for k, v in self.w.items()}
         self.v = {k: np.zeros_like(v) for k, v in self.w.items()}
         self.grad = {k: np.zeros_like(v) for k, v in self.w.items()}
@@ -130,7 +114,7 @@ def _folder(tmp_path, opt: str, dtype: str) -> str:
              else onnxblock.optim.SGD(clip_grad=clip))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        artifacts.generate_artifacts(_model(), requires_grad=NAMES, loss=None, optimizer=block,
+        artifacts.generate_artifacts(tanh_model(), requires_grad=NAMES, loss=None, optimizer=block,
                                      artifact_directory=d, mixed_precision=dtype)
     return d
 
