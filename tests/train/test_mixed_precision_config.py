@@ -83,9 +83,8 @@ def test_skipped_updates_do_not_advance_the_schedule(tmp_path, monkeypatch) -> N
     ORTTrainer counted its schedule's steps (``optimization_step``, advanced only by updates that applied),
     leaves the learning rate where it was: the warm-up starts with the first update that applies. The count
     of skipped updates survives --resume."""
-    import signal
 
-    from onnxtrain.train import Trainer
+    from tests.train.test_resume import _interrupt_after_first_save
 
     base, warm = 2.0e-3, 20
     sets = ["training.steps=40", "training.checkpoint_every=10", "training.eval_every=1000",
@@ -98,14 +97,7 @@ def test_skipped_updates_do_not_advance_the_schedule(tmp_path, monkeypatch) -> N
     want = [base * min(a + 1, warm) / warm for a in applied]
     np.testing.assert_allclose(lrs, want, rtol=1e-6)
     # interrupted after the first checkpoint (step 10, within the skipped updates), then resumed
-    real_save = Trainer.save
-
-    def save_then_interrupt(self, st):
-        path = real_save(self, st)
-        signal.raise_signal(signal.SIGINT)
-        return path
-
-    monkeypatch.setattr(Trainer, "save", save_then_interrupt)
+    _interrupt_after_first_save(monkeypatch)
     first, _ = _lrs_and_flags(tmp_path, monkeypatch, "halves", sets)
     monkeypatch.undo()
     rest, _ = _lrs_and_flags(tmp_path, monkeypatch, "halves", sets, resume=True)
