@@ -55,7 +55,7 @@ from onnxtrain.parallel.zero import ZeroLayout
 from onnxtrain.parameters import TrainingParameters
 from onnxtrain.session_halves import HalfSteps
 from onnxtrain.session_parallel import DataParallelSteps, fingerprint, with_value_outputs
-from onnxtrain.training_graph import TRAINING_MODE, StepGraphs, build_step_graphs, update_clips
+from onnxtrain.training_graph import TRAINING_MODE, build_step_graphs, update_clips
 from onnxtrain.user_warning import warn
 
 # plans run right after another of the same session, whose onnxruntime threads therefore stop spinning when
@@ -127,14 +127,14 @@ def requested_dumps(p: TrainingParameters, options: SessionOptions) -> list[tupl
     return [(where, path, kind) for where, path, kind in asked if path]
 
 
-def dumped_graph(model: onnx.ModelProto, store: Mapping[str, np.ndarray], g: StepGraphs) -> onnx.ModelProto:
+def dumped_graph(model: onnx.ModelProto, store: Mapping[str, np.ndarray],
+                 dropout_default: bool) -> onnx.ModelProto:
     """``model`` as a session writes it to a dump, a graph that runs on its own in any ONNX runtime: the
-    state's values and the shared ``training_mode`` (the model's Dropout mode) as initializers, as
-    onnxruntime's dumps held them (its inputs stay, so a run may feed them), and float16 or bfloat16 scatters
-    that add computed in float32, as in the GradientGraphBuilder's model (onnxruntime's CPU provider has no
-    half kernel for them)."""
-    values = {**store, TRAINING_MODE: np.asarray(g.training_mode_default)} if g.has_training_mode else store
-    model = with_input_values(model, values)
+    state's values and a shared ``training_mode`` input (``dropout_default``: the model's Dropout mode) as
+    initializers, as onnxruntime's dumps held them (its inputs stay, so a run may feed them), and float16 or
+    bfloat16 scatters that add computed in float32, as in the GradientGraphBuilder's model (onnxruntime's CPU
+    provider has no half kernel for them)."""
+    model = with_input_values(model, {**store, TRAINING_MODE: np.asarray(dropout_default)})
     return half_scatters_in_float32(model, lambda: value_types(model))
 
 
@@ -258,7 +258,7 @@ class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):
         self._apply_initial_optimizer_state(p.optimizer_initial_state())
         graphs = {"transformed": g.transformed, "gradient": g.gradient, "training": g.full}
         for where, path, kind in requested_dumps(p, self._sess_options):
-            save_dump(dumped_graph(graphs[kind], self._store, g), path, where)
+            save_dump(dumped_graph(graphs[kind], self._store, g.training_mode_default), path, where)
         self._model = g.full
         self._plans: dict[str, GraphInterface] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}  # random nodes' generators, shared by the plans

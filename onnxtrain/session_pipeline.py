@@ -45,7 +45,6 @@ from onnxtrain.graph_transforms.mixed_precision import (
     mixed_precision,
     mixed_precision_info,
 )
-from onnxtrain.ir.graphs import with_input_values
 from onnxtrain.ir.io import save_dump
 from onnxtrain.optim import get_optimizer
 from onnxtrain.parallel import exchange_mode, get_communicator
@@ -53,7 +52,7 @@ from onnxtrain.parallel.fingerprint import check_same_on_all_ranks
 from onnxtrain.parallel.pipeline import parse_cut_info, partition
 from onnxtrain.parallel.stage_graphs import NORM, build_stage_graphs
 from onnxtrain.parallel.zero import gather_zero_state
-from onnxtrain.session import all_or_nothing, requested_dumps, serialized
+from onnxtrain.session import all_or_nothing, dumped_graph, requested_dumps, serialized
 from onnxtrain.session_cut import (
     SHARED_OPTIONS,
     CutModelSession,
@@ -69,7 +68,7 @@ from onnxtrain.session_stages import (
     sum_tied_gradients,
     tied_weights,
 )
-from onnxtrain.training_graph import select_trainable
+from onnxtrain.training_graph import dropout_mode, select_trainable
 
 # options a pipelined session cannot honour yet: name → its default
 _REFUSED = {"horizontal_parallel_size": 1}
@@ -138,7 +137,8 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         stage_graph = {"transformed": "stage", "gradient": "backward", "training": "backward"}
         for where, path, kind in requested_dumps(p, self._sess_options):
             root, ext = os.path.splitext(path)
-            dump = with_input_values(sg.graphs[stage_graph[kind]], self._store)  # the stage's state
+            # the stage's state, its Dropouts' shared training_mode and half scatters as the session's dumps
+            dump = dumped_graph(sg.graphs[stage_graph[kind]], self._store, dropout_mode(model))
             save_dump(dump, f"{root}.stage{self._stage}{ext or '.onnx'}", where)
         self._plans: dict[str, Any] = {}
         self._random_state: dict[Any, dict[Any, Any]] = {}

@@ -684,6 +684,9 @@ def main(out: str, cases: list[str]) -> None:
             inits = {t.name for t in written.graph.initializer}
             state = [i.name for i in written.graph.input if i.name in sess._store]
             assert set(state) <= inits, (case, sorted(set(state) - inits))
+            # the Dropouts' shared training_mode too (the model's mode), so that no run has to feed it
+            shared = [i.name for i in written.graph.input if i.name == "training_mode"]
+            assert set(shared) <= inits, case
         graphs = (
             [g for sg in sess._pieces.values() for g in sg.graphs.values()]
             + [g for g in (sess._update_graph, sess._zero_graph) if g is not None]
