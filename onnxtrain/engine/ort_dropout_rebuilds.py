@@ -20,17 +20,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxtrain.ir.builder import NameGen
-
-
-def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """Values of the main graph's Constant nodes (a ``value`` attribute) and initializers (not inputs)."""
-    inputs = {i.name for i in model.graph.input}
-    out = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name not in inputs}
-    for n in model.graph.node:
-        if n.op_type == "Constant" and len(n.attribute) == 1 and n.attribute[0].name == "value":
-            out[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
-    return out
+from onnxtrain.ir.builder import NameGen, with_nodes_replaced
+from onnxtrain.ir.graphs import constant_arrays
 
 
 def _ratio(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> float | None:
@@ -47,7 +38,8 @@ def dropout_rebuilds(model: onnx.ModelProto) -> onnx.ModelProto:
     g = model.graph
     if not any(n.op_type == "Dropout" and len(n.output) > 1 and n.output[1] for n in g.node):
         return model
-    consts = _constants(model)
+    # the main graph's initializers (those also declared inputs may be fed: not constants) and Constants
+    consts = constant_arrays(g, {i for n in g.node for i in n.input}, {i.name for i in g.input})
     producer = {o: n for n in g.node for o in n.output if o}
     ratios: dict[str, float] = {}  # mask output → ratio
     for n in g.node:
@@ -72,22 +64,16 @@ def dropout_rebuilds(model: onnx.ModelProto) -> onnx.ModelProto:
             found[index[id(scaled)]] = (slot, r)
     if not found:
         return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    names = NameGen.for_model(out)
-    nodes: list[onnx.NodeProto] = []
-    for k, n in enumerate(out.graph.node):
-        if k not in found:
-            nodes.append(n)
-            continue
+
+    def divided(k: int, n: onnx.NodeProto, names: NameGen, _: onnx.ModelProto) -> list[onnx.NodeProto]:
         slot, r = found[k]
         scale = n.input[slot]
         dtype = consts[scale].dtype if scale in consts else consts[producer[scale].input[1]].dtype
         # onnxruntime: 1 − ratio in float32, the division in X's type (float32 for half types: the rebuild's)
         keep = np.asarray(np.float32(1.0) - np.float32(r)).astype(dtype)
         keep_name = names(f"{scale}_keep")
-        nodes.append(helper.make_node("Constant", [], [keep_name], name=names(f"{n.name or 'Mul'}_keep"),
-                                      value=numpy_helper.from_array(keep, keep_name)))
+        nodes = [helper.make_node("Constant", [], [keep_name], name=names(f"{n.name or 'Mul'}_keep"),
+                                  value=numpy_helper.from_array(keep, keep_name))]
         if scale not in consts:  # Where(training_mode, scale, 1): the training flag picks 1 − ratio or 1
             where = producer[scale]
             picked = names(f"{scale}_keep_picked")
@@ -96,9 +82,9 @@ def dropout_rebuilds(model: onnx.ModelProto) -> onnx.ModelProto:
             keep_name = picked
         x = n.input[1 - slot]
         nodes.append(helper.make_node("Div", [x, keep_name], list(n.output), name=n.name))
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
+        return nodes
+
+    return with_nodes_replaced(model, found, divided)
 
 
 def _scale_slot(mul: onnx.NodeProto, producer: dict[str, onnx.NodeProto], consts: dict[str, np.ndarray],
