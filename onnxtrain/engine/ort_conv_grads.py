@@ -184,7 +184,7 @@ def _replacement(node: onnx.NodeProto, p: dict, names: NameGen,
     # summed over the batch
     fold = c * positions >= FOLD_RATIO * q
     lift_axis = 2 if fold else 3
-    new_axis = const("new_axis", [lift_axis]) if positions > 1 or not fold else ""
+    new_axis = const("new_axis", [lift_axis]) if positions > 1 else ""  # one offset: the Reshape lifts it
     slicing: list[str] = []  # the Slices' axes and steps, made when a window needs them
     dy2 = value("dy")
     if fold:
