@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import numpy as np
 import onnx
 from onnx import TensorProto as T
@@ -152,3 +155,24 @@ def lamb_ref(
     eta = lr * max(rmin, min(rmax, wn / dn)) if wn > 0 and dn > 0 else lr  # the kernel's order
     cand = w - eta * d
     return np.where(np.isfinite(cand), cand, w), m1n, m2n
+
+
+def in_threads(n: int, work: Callable[[int], None], timeout: float = 300) -> list[str]:
+    """Run ``work(i)`` on ``n`` threads started together (each joined within ``timeout`` seconds); the errors
+    they raised, as text."""
+    errors: list[str] = []
+    start = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        try:
+            start.wait()
+            work(i)
+        except Exception as e:  # noqa: BLE001 - collected for the assertion
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return errors

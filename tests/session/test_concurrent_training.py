@@ -4,31 +4,13 @@ counts (they run one at a time; two threads training one session at once lost up
 from __future__ import annotations
 
 import os
-import threading
 
 import numpy as np
 
 from onnxtrain import TrainingSession
 from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState, Module, Optimizer
-from tests.session.helpers import batches, mlp_model, params
-
-
-def _in_threads(work, n: int = 2) -> list[str]:
-    errors: list[str] = []
-
-    def run(i: int) -> None:
-        try:
-            work(i)
-        except Exception as e:  # noqa: BLE001 - collected for the assertion
-            errors.append(repr(e))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return errors
+from tests.session.helpers import batches, in_threads, mlp_model, params
 
 
 def test_legacy_runs_from_two_threads_all_update() -> None:
@@ -40,7 +22,7 @@ def test_legacy_runs_from_two_threads_all_update() -> None:
         for _ in range(20):
             sess.run(["loss"], {"x": data[i][0], "y": data[i][1], "Learning_Rate": lr})
 
-    assert _in_threads(work) == []
+    assert in_threads(2, work, timeout=120) == []
     assert int(np.asarray(sess.get_state()["Update_Count_W1"]).ravel()[0]) == 41  # from 1: 40 updates
 
 
@@ -60,7 +42,7 @@ def test_module_calls_and_steps_from_two_threads(tmp_path) -> None:
             module(x, y)
     serial = state.parameters["W1"].grad.copy()
     state, module, opt = make()
-    assert _in_threads(lambda i: [module(*data[i]) for _ in range(15)]) == []
+    assert in_threads(2, lambda i: [module(*data[i]) for _ in range(15)], timeout=120) == []
     np.testing.assert_allclose(state.parameters["W1"].grad, serial, rtol=1e-4, atol=1e-6)
-    assert _in_threads(lambda i: [opt.step() for _ in range(20)]) == []
+    assert in_threads(2, lambda i: [opt.step() for _ in range(20)], timeout=120) == []
     assert opt.step_count == 40

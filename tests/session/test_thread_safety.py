@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -18,29 +17,9 @@ from onnx import helper
 import onnxtrain
 from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState, Module, Optimizer
-from tests.session.helpers import backend_options, batches, mlp_model, params
+from tests.session.helpers import backend_options, batches, in_threads, mlp_model, params
 
 BACKENDS = ["numpy", "onnxruntime"]
-
-
-def _in_threads(n: int, work: Callable[[int], None]) -> list[str]:
-    """Run ``work(i)`` on ``n`` threads started together; the errors they raised, as text."""
-    errors: list[str] = []
-    start = threading.Barrier(n)
-
-    def run(i: int) -> None:
-        try:
-            start.wait()
-            work(i)
-        except Exception as e:  # noqa: BLE001 - collected for the assertion
-            errors.append(repr(e))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return errors
 
 
 def _session(model: bytes, backend: str) -> onnxtrain.InferenceSession:
@@ -129,7 +108,7 @@ def test_shared_inference_session_runs_from_threads_match_onnxruntime(backend: s
                        for g, w in zip(got, want[k])):
                 wrong.append((i, int(k)))
 
-    assert _in_threads(4, work) == []
+    assert in_threads(4, work) == []
     assert wrong == []
 
 
@@ -178,7 +157,7 @@ def test_training_in_one_thread_leaves_inference_and_settings_of_others_alone(ba
     watcher = threading.Thread(target=work, args=(2,))
     watcher.start()
     try:
-        assert _in_threads(2, work) == []
+        assert in_threads(2, work) == []
     finally:
         stop.set()
         watcher.join()
@@ -207,7 +186,7 @@ def test_sessions_of_two_models_in_two_threads() -> None:
             if not all(np.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want)):
                 wrong.append(i)
 
-    assert _in_threads(2, work) == []
+    assert in_threads(2, work) == []
     assert wrong == []
 
 
@@ -243,7 +222,7 @@ def test_a_parameter_set_during_optimizer_steps_lands_between_whole_steps(tmp_pa
                 else:
                     state.parameters["W1"] = zero
 
-        assert _in_threads(2, work) == []
+        assert in_threads(2, work) == []
         w = state.parameters["W1"].data
         torn += not any(np.array_equal(w, s) for s in whole_steps)
     assert torn == 0
