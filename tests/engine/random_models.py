@@ -450,9 +450,11 @@ class Result:
     trained: list[str]
 
 
-def run_legacy(case: Case, backend: str, opt: str = "SGDOptimizer", lr: float = 0.05, accumulate: int = 1,
-               **params: Any) -> Result:
-    """20 steps (20 updates; ``accumulate`` micro-steps each) through the legacy TrainingSession."""
+def legacy_session(case: Case, backend: str, opt: str = "SGDOptimizer", accumulate: int = 1,
+                   mode: str = "auto", options: Any = None, **params: Any) -> Any:
+    """The legacy TrainingSession of ``case`` on ``backend``: loss ``loss``, ``opt``, the case's frozen
+    weights, ``accumulate`` micro-steps an update in ``mode``, other TrainingParameters from ``params``;
+    ``options``: SessionOptions of the caller's (the backend's own by default)."""
     from onnxtrain import TrainingParameters
     from onnxtrain.session import TrainingSession
 
@@ -463,10 +465,17 @@ def run_legacy(case: Case, backend: str, opt: str = "SGDOptimizer", lr: float = 
         p.weights_not_to_train = set(case.no_train)
     if accumulate > 1:
         p.gradient_accumulation_steps = accumulate
-        p.gradient_accumulation_mode = "auto"
+        p.gradient_accumulation_mode = mode
     for key, value in params.items():
         setattr(p, key, value)
-    sess = TrainingSession(case.with_loss.SerializeToString(), p, _options(backend))
+    so = _options(backend) if options is None else options
+    return TrainingSession(case.with_loss.SerializeToString(), p, so)
+
+
+def run_legacy(case: Case, backend: str, opt: str = "SGDOptimizer", lr: float = 0.05, accumulate: int = 1,
+               **params: Any) -> Result:
+    """20 steps (20 updates; ``accumulate`` micro-steps each) through the legacy TrainingSession."""
+    sess = legacy_session(case, backend, opt, accumulate, **params)
     rate = np.array([lr], np.float32)
     losses = []
     for feed in case.feeds:

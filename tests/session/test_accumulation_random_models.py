@@ -19,9 +19,9 @@ import warnings
 import numpy as np
 import pytest
 
-from onnxtrain import RunOptions, TrainingParameters
+from onnxtrain import RunOptions
 from onnxtrain.session import TrainingSession
-from tests.engine.random_models import _options, make_case, rel
+from tests.engine.random_models import legacy_session, make_case, rel
 from tests.engine.random_stacks import make_stack
 
 UPDATES = 3
@@ -29,17 +29,9 @@ TOL = {"SGDOptimizer": 1e-6, "AdamOptimizer": 1e-5, "LambOptimizer": 1e-5}
 
 
 def _session(case, backend: str, opt: str, steps: int, mode: str = "auto") -> TrainingSession:
-    p = TrainingParameters()
-    p.loss_output_name = "loss"
-    p.training_optimizer_name = opt
-    if case.no_train:
-        p.weights_not_to_train = set(case.no_train)
-    if steps > 1:
-        p.gradient_accumulation_steps = steps
-        p.gradient_accumulation_mode = mode
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return TrainingSession(case.with_loss.SerializeToString(), p, _options(backend))
+        return legacy_session(case, backend, opt, steps, mode)
 
 
 def _named(sess: TrainingSession, outs: list) -> dict:

@@ -18,9 +18,8 @@ import onnx
 import pytest
 from onnx import TensorProto
 
-from onnxtrain import GradientGraphBuilder, InferenceSession, TrainingParameters
-from onnxtrain.session import TrainingSession
-from tests.engine.random_models import _options, make_case, rel
+from onnxtrain import GradientGraphBuilder, InferenceSession
+from tests.engine.random_models import _options, legacy_session, make_case, rel
 from tests.engine.random_stacks import make_stack
 
 ort = pytest.importorskip("onnxruntime")
@@ -95,21 +94,12 @@ def test_session_dumps_run_in_onnxruntime(kind: str, seed: int, tmp_path) -> Non
     case = _case(kind, seed)
     feed = {**case.feeds[0], "Learning_Rate": np.array([0.01], np.float32)}
     for label, (opt, params) in CONFIGS.items():
-        p = TrainingParameters()
-        p.loss_output_name = "loss"
-        p.training_optimizer_name = opt
-        if case.no_train:
-            p.weights_not_to_train = set(case.no_train)
-        for k, v in params.items():
-            setattr(p, k, v)
         paths = {d: str(tmp_path / f"{label}_{d}.onnx") for d in DUMPS}
-        for d in DUMPS[:3]:
-            setattr(p, d, paths[d])
         so = _options("numpy")
         so.optimized_model_filepath = paths[DUMPS[3]]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # recompute options that select nothing
-            TrainingSession(case.with_loss.SerializeToString(), p, so)
+            legacy_session(case, "numpy", opt, options=so, **params, **{d: paths[d] for d in DUMPS[:3]})
         for d, path in paths.items():
             assert os.path.exists(path), (label, d)
             check_portable(onnx.load(path), feed, _tol(case), f"{case.describe()} {label} {d}")
