@@ -144,7 +144,7 @@ class GraphIndex:
         )
 
     def product(self, k: int) -> tuple[str, int] | None:
-        return product_weight(self.nodes[k], self.weight, self.made_by)
+        return product_weight(self.nodes[k], self.weight, self.made_by, self.readers)
 
     def products_by_input(self, taken: Iterable[int] = ()) -> dict[str, list[int]]:
         """The products by trained weights not in ``taken``, grouped by the value they read (graph order)."""
@@ -404,16 +404,23 @@ def join_shares(shares: Sequence[np.ndarray], axis: int, segments: Sequence[int]
     return np.concatenate([p[j] for j in range(len(segments)) for p in pieces], axis=axis)
 
 
-def product_weight(n: onnx.NodeProto, weight, made_by: dict[str, onnx.NodeProto]) -> tuple[str, int] | None:
+def product_weight(
+    n: onnx.NodeProto,
+    weight: Callable[[str, int], bool],
+    made_by: dict[str, onnx.NodeProto],
+    readers: dict[str, list[int]] | None = None,
+) -> tuple[str, int] | None:
     """(weight, its output-feature axis) of a product by a trained 2-D weight: ``MatMul(x, W)``,
-    ``MatMul(x, Transpose(W))`` (torch's export of ``nn.Linear``) or a plain ``Gemm(x, W[, C])`` (no
-    transposed x, unit alpha and beta)."""
+    ``MatMul(x, Transpose(W))`` (torch's export of ``nn.Linear``; with ``readers``, a Transpose this product
+    alone reads) or a plain ``Gemm(x, W[, C])`` (no transposed x, unit alpha and beta)."""
     if n.op_type == "MatMul" and len(n.input) == 2:
         if weight(n.input[1], 2):
             return n.input[1], 1
         t = made_by.get(n.input[1])
         perm = [list(a.ints) for a in t.attribute if a.name == "perm"] if t is not None else []
         if t is not None and t.op_type == "Transpose" and perm in ([], [[1, 0]]) and weight(t.input[0], 2):
+            if readers is not None and len(readers.get(n.input[1], [])) != 1:
+                return None  # the transposed weight feeds other nodes too: it cannot be cut for this one
             return t.input[0], 0
         return None
     if n.op_type == "Gemm" and weight(n.input[1], 2):
