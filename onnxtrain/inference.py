@@ -540,7 +540,8 @@ class InferenceSession:
     def get_session_options(self) -> SessionOptions:
         """A copy of the options the session was made with: changing it changes nothing in the session
         (as in onnxruntime); another library's options object as it was given."""
-        return options_snapshot(self._sess_options)
+        options = self._sess_options
+        return options.snapshot() if isinstance(options, SessionOptions) else options
 
     def disable_fallback(self) -> None:
         self._enable_fallback = False
@@ -695,6 +696,9 @@ def options_snapshot(options: Any) -> Any:
                                else ""))
         return options
     check_severity(options.log_severity_level, "SessionOptions")
+    if options.use_per_session_threads is False:
+        warn("SessionOptions.use_per_session_threads = False has no effect: every onnxtrain session has its "
+             "own threads (onnxruntime refuses it unless its environment has global thread pools)")
     return options.snapshot()
 
 

@@ -193,6 +193,11 @@ class OrtPlan(GraphInterface):
         severity = getattr(options, "log_severity_level", None)
         if isinstance(severity, int):
             so.log_severity_level = severity
+        verbosity, logid = getattr(options, "log_verbosity_level", 0), getattr(options, "logid", "")
+        if isinstance(verbosity, int) and verbosity:
+            so.log_verbosity_level = verbosity
+        if isinstance(logid, str) and logid:
+            so.logid = logid
         if self._ort_profiling:  # onnxruntime's own file, read and removed by drained_profile
             so.enable_profiling = True
             prefix = getattr(options, "profile_file_prefix", None) or "onnxruntime_profile_"

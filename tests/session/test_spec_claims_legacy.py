@@ -1,0 +1,288 @@
+"""Claims of the legacy spec (../shared/spec/legacy-training-session.md) that no other test showed.
+
+§6: every ``TrainingParameters`` property set away from its default either acts (the state, the session's
+inputs/outputs, the training graph or a written file differ from a default session's) or is refused or
+warned about by name; so is every ``SessionOptions`` and ``RunOptions`` field a training session takes.
+§5: the layouts of the state APIs. §3: the gradient outputs are the raw gradients of the micro-step.
+§14: container properties are copies. §16.1: one SGD step is −lr·∂loss/∂w. Oracles: torch autograd and
+float64 closed forms written here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+
+from onnxtrain import RunOptions, SessionOptions, TrainingParameters, TrainingSession
+from onnxtrain.parameters import _DEFAULTS
+from tests.session.helpers import backend_options, batches, mlp_model, params
+
+WEIGHTS = ("W1", "b1", "W2", "b2")
+LR = np.array([0.1], np.float32)
+
+# property -> (a value other than its default, what a session does with it on one process: "acts",
+# "warns" (naming the property) or "refused" (an error naming it)); the MLP trained by Adam
+PROPERTIES: dict[str, tuple[Any, str]] = {
+    "loss_output_name": ("logits", "warns"),  # not one value: the sum's gradients, said so
+    "weights_to_train": ({"W2"}, "acts"),
+    "weights_not_to_train": ({"W1"}, "acts"),
+    "immutable_weights": ({"Div": [(1, 8.0)]}, "warns"),  # no such scalar in the MLP
+    "training_optimizer_name": ("LambOptimizer", "acts"),
+    "lr_params_feed_name": ("lr", "acts"),
+    "optimizer_attributes_map": ({w: {"alpha": 0.5} for w in WEIGHTS}, "acts"),
+    "optimizer_int_attributes_map": ({w: {"do_bias_correction": 0} for w in WEIGHTS}, "acts"),
+    "loss_scale": (4.0, "warns"),  # unused, as in onnxruntime (spec D1)
+    "world_rank": (1, "refused"),  # not started by mpiexec
+    "world_size": (2, "refused"),
+    "data_parallel_size": (2, "refused"),
+    "enable_adasum": (True, "warns"),  # one data-parallel rank
+    "deepspeed_zero_stage": (1, "warns"),
+    "gradient_accumulation_steps": (2, "acts"),
+    "enable_grad_norm_clip": (False, "acts"),
+    "use_fp16_moments": (True, "acts"),
+    "use_memory_efficient_gradient": (True, "warns"),  # no LayerNormalization
+    "set_gradients_as_graph_outputs": (True, "acts"),
+    "propagate_cast_ops_level": (2, "warns"),
+    "propagate_cast_ops_allow": (["Relu"], "warns"),
+    "model_after_graph_transforms_path": ("after.onnx", "acts"),
+    "model_with_gradient_graph_path": ("gradient.onnx", "acts"),
+    "model_with_training_graph_path": ("training.onnx", "acts"),
+    "legacy_cpu_adam": (True, "acts"),
+    # README: the session counts N micro-steps and updates on the N-th; with N = 1, every run, as in "legacy"
+    "gradient_accumulation_mode": ("auto", "documented no-op"),
+    "use_mixed_precision": (True, "acts"),
+    "allow_layer_norm_mod_precision": (True, "warns"),
+    "mixed_precision_dtype": ("bfloat16", "warns"),  # without use_mixed_precision
+    "attn_dropout_recompute": (True, "warns"),  # nothing the option selects
+    "gelu_recompute": (True, "warns"),
+    "transformer_layer_recompute": (True, "warns"),
+    "number_recompute_layers": (2, "warns"),
+    "recompute_checkpoints": (["h"], "acts"),
+    "horizontal_parallel_size": (2, "refused"),
+    # onnxtrain sums float32 gradients, which is what False asked for; without mixed precision either
+    # value means the same
+    "perform_fp16_allreduce": (False, "documented no-op"),
+    "pipeline_parallel_size": (2, "refused"),
+    "num_pipeline_micro_batches": (2, "warns"),
+    "pipeline_cut_info_string": ("h", "warns"),
+    "sliced_schema": ({"x": [4, 8]}, "warns"),
+    "sliced_axes": ({"x": 0}, "warns"),
+    "sliced_tensor_names": (["x"], "warns"),
+    # README ("Data parallelism over MPI"): accepted and changes nothing (onnxruntime's NCCL switch, spec D4)
+    "allreduce_post_accumulation": (True, "documented no-op"),
+}
+
+
+def _mentions(text: str, name: str) -> bool:
+    return re.search(rf"\b{re.escape(name)}\b", text) is not None
+
+
+def _observe(p: TrainingParameters, so: SessionOptions | None = None, steps: int = 2) -> dict[str, Any]:
+    """What a session of ``p`` shows: its state after ``steps`` Adam runs on large inputs (so that clipping
+    acts), inputs, outputs and training graph; or the error it raised. Warnings are recorded."""
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        try:
+            sess = TrainingSession(mlp_model().SerializeToString(), p, so)
+            lr_name = p.lr_params_feed_name
+            for x, y in batches(steps, 8):
+                feeds = {"x": x * 30, "y": y, lr_name: LR}
+                if sess.loss_scale_input_name:
+                    feeds[sess.loss_scale_input_name] = np.array([8.0], np.float32)
+                sess.run(None, feeds)
+            out: dict[str, Any] = {
+                "state": sess.get_state(), "inputs": [i.name for i in sess.get_inputs()],
+                "outputs": [o.name for o in sess.get_outputs()],
+                "graph": [n.op_type for n in sess._graphs.full.graph.node], "session": sess,
+            }
+        except Exception as e:  # noqa: BLE001 - the error is what is observed
+            out = {"error": e}
+    out["warnings"] = [str(w.message) for w in got]
+    return out
+
+
+def _same_state(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def default_session() -> dict[str, Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a default session warns about nothing
+        return _observe(params("AdamOptimizer"))
+
+
+def test_the_sweep_covers_every_property() -> None:
+    assert set(PROPERTIES) == set(_DEFAULTS)
+    for name, (value, _) in PROPERTIES.items():
+        assert value != _DEFAULTS[name], name
+
+
+@pytest.mark.parametrize("name", sorted(PROPERTIES))
+def test_a_property_away_from_its_default_acts_or_says_so(name: str, default_session, tmp_path,
+                                                         monkeypatch) -> None:
+    """Spec §6: no property set by a script is silently ignored."""
+    monkeypatch.chdir(tmp_path)
+    value, expected = PROPERTIES[name]
+    got = _observe(params("AdamOptimizer", **{name: value}))
+    named = [w for w in got["warnings"] if _mentions(w, name)]
+    if expected == "refused":
+        assert "error" in got and _mentions(str(got["error"]), name), got
+        return
+    assert "error" not in got, got["error"]
+    if expected == "warns":
+        assert named, f"no warning names {name}: {got['warnings']}"
+        return
+    assert not named, named
+    base = default_session
+    changed = (not _same_state(got["state"], base["state"]) or got["inputs"] != base["inputs"]
+               or got["outputs"] != base["outputs"] or got["graph"] != base["graph"])
+    if name.endswith("_path"):
+        changed = os.path.exists(value) and onnx.load(value).graph.node  # the dump was written
+    if expected == "acts":
+        assert changed, f"{name}={value!r} changed nothing and said nothing"
+    else:  # documented to change nothing: it does not, and the session takes it quietly
+        assert not changed and not got["warnings"], got["warnings"]
+
+
+def test_gradient_accumulation_mode_auto_acts_with_accumulation_steps() -> None:
+    """With gradient_accumulation_steps > 1, ``auto`` is taken quietly and counts the micro-steps."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sess = TrainingSession(mlp_model().SerializeToString(),
+                               params("SGDOptimizer", gradient_accumulation_mode="auto",
+                                      gradient_accumulation_steps=2))
+    assert sess.next_run_updates is False
+
+
+# ---- SessionOptions and RunOptions fields ----------------------------------------------------------------
+
+def _fields(obj: Any) -> set[str]:
+    return {k for k in vars(obj) if not k.startswith("_")}
+
+
+def test_use_per_session_threads_false_is_said_to_change_nothing() -> None:
+    """onnxruntime refuses ``use_per_session_threads = False`` unless its environment has global thread
+    pools; every onnxtrain session has its own threads, and the session says so rather than ignore it."""
+    import onnxruntime
+
+    model = mlp_model().SerializeToString()
+    theirs = onnxruntime.SessionOptions()
+    theirs.use_per_session_threads = False
+    with pytest.raises(Exception, match="per session threadpools"):  # noqa: B017 - onnxruntime's Fail
+        onnxruntime.InferenceSession(model, theirs, providers=["CPUExecutionProvider"])
+    for backend in ("numpy", "onnxruntime"):
+        so = backend_options(backend)
+        so.use_per_session_threads = False
+        with pytest.warns(UserWarning, match="use_per_session_threads"):
+            TrainingSession(model, params("SGDOptimizer"), so)
+
+
+# SessionOptions field -> (a value other than its default, what a training session on the numpy engine does)
+SESSION_FIELDS: dict[str, tuple[Any, str]] = {
+    "enable_profiling": (True, "acts"),  # end_profiling() writes the trace
+    "profile_file_prefix": ("mine_", "acts with enable_profiling"),
+    "optimized_model_filepath": ("optimized.onnx", "acts"),
+    "graph_optimization_level": (0, "acts"),  # no plan-time fusions (tests/engine)
+    "intra_op_num_threads": (1, "acts"),  # (tests/engine/test_batch_split.py and others)
+    "execution_mode": (1, "warns"),
+    "execution_order": ("PRIORITY_BASED", "warns"),
+    "inter_op_num_threads": (2, "warns"),
+    "enable_mem_pattern": (False, "warns"),
+    "enable_mem_reuse": (False, "warns"),
+    "enable_cpu_mem_arena": (False, "warns"),
+    "use_per_session_threads": (False, "warns"),
+    # the numpy engine gives the same bits run after run: what the option asks for
+    "use_deterministic_compute": (True, "acts"),
+    # README: the numpy engine has no logger (onnxtrain's messages are Python warnings); on the onnxruntime
+    # backend they reach onnxruntime's session (test_log_fields_reach_onnxruntime)
+    "log_severity_level": (0, "documented no-op"),
+    "log_verbosity_level": (1, "documented no-op"),
+    "logid": ("mine", "documented no-op"),
+}
+
+
+def test_the_session_options_sweep_covers_every_field() -> None:
+    assert set(SESSION_FIELDS) == _fields(SessionOptions())
+
+
+@pytest.mark.parametrize("name", sorted(k for k, (_, e) in SESSION_FIELDS.items() if e == "warns"))
+def test_session_options_without_effect_on_the_numpy_engine_say_so(name: str) -> None:
+    so = SessionOptions()
+    setattr(so, name, SESSION_FIELDS[name][0])
+    got = _observe(params("AdamOptimizer"), so, steps=1)
+    assert "error" not in got, got["error"]
+    assert any(_mentions(w, name) for w in got["warnings"]), got["warnings"]
+
+
+def test_profiling_options_write_the_named_trace(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    so = SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = "mine_"
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    got = _observe(params("AdamOptimizer"), so, steps=1)
+    path = got["session"].end_profiling()
+    assert os.path.basename(path).startswith("mine_") and os.path.getsize(path) > 0
+    onnx.checker.check_model(onnx.load(so.optimized_model_filepath))
+
+
+def test_deterministic_compute_gives_the_same_bits_twice() -> None:
+    so = SessionOptions()
+    so.use_deterministic_compute = True
+    a, b = (_observe(params("AdamOptimizer"), so, steps=3) for _ in range(2))
+    assert _same_state(a["state"], b["state"])
+
+
+def test_log_fields_reach_onnxruntime(capfd) -> None:
+    """On the onnxruntime backend the session's ``logid`` and ``log_severity_level`` are onnxruntime's."""
+    so = backend_options("onnxruntime")
+    so.log_severity_level = 0
+    so.log_verbosity_level = 1
+    so.logid = "spec-claims-logid"
+    capfd.readouterr()
+    TrainingSession(mlp_model().SerializeToString(), params("SGDOptimizer"), so)
+    err = capfd.readouterr().err
+    assert "onnxruntime:spec-claims-logid" in err, err[-2000:]
+
+
+# RunOptions field -> (a value other than its default, what a training run does)
+RUN_FIELDS: dict[str, tuple[Any, str]] = {
+    "only_execute_path_to_fetches": (True, "acts"),  # no update (test_run_options_act)
+    "training_mode": (False, "acts"),  # Dropout off (tests/session/test_dropout_mode_inputs.py)
+    "terminate": (True, "acts"),  # the run is refused
+    # README ("Inference"): the numpy engine has no logger; on the onnxruntime backend they reach its run
+    "log_severity_level": (0, "documented no-op"),
+    "log_verbosity_level": (1, "documented no-op"),
+    "logid": ("mine", "documented no-op"),
+    "run_tag": ("mine", "documented no-op"),
+}
+
+
+def test_the_run_options_sweep_covers_every_field() -> None:
+    assert set(RUN_FIELDS) == _fields(RunOptions())
+
+
+def test_run_options_act() -> None:
+    from onnxtrain.capi.onnxruntime_pybind11_state import Fail
+
+    sess = TrainingSession(mlp_model().SerializeToString(), params("SGDOptimizer"))
+    x, y = batches(1, 8)[0]
+    feeds = {"x": x, "y": y, "Learning_Rate": LR}
+    before = sess.get_state()
+    ro = RunOptions()
+    ro.only_execute_path_to_fetches = True
+    sess.run(["loss"], feeds, ro)
+    assert _same_state(sess.get_state(), before)
+    ro = RunOptions()
+    ro.terminate = True
+    with pytest.raises(Fail, match="terminate"):
+        sess.run(["loss"], feeds, ro)
+    assert _same_state(sess.get_state(), before)
