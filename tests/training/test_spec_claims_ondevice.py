@@ -1,0 +1,295 @@
+"""Claims of the on-device spec (``../shared/spec/on-device-training.md``) that no other test showed.
+
+Each is checked against an oracle outside onnxtrain:
+
+* §1.1–1.5 and §8.1–2: the file names, graph inputs and outputs, embedded constants, checkpoint contents,
+  nominal checkpoint and the Module's names and sizes of the artifacts of the torch MLP for several
+  choices of trainable and frozen parameters, losses, optimizers, additional outputs and a prefix, as
+  onnxruntime-training 1.19.2's generator and Module give them (the loss output's generated name aside);
+* §4.2: LinearLRScheduler's learning rates at the edges (warm-up 0, total equal to warm-up, both 0,
+  steps past the total, negative or inconsistent counts), as onnxruntime-training 1.19.2 computes them
+  (its Python wrapper takes the counts swapped: called here with the swap undone);
+* §5: the C# facade's scheduler (the rate is the initial rate until the first scheduler step), against
+  the spec's float32 formula;
+* §6.2: an empty batch gives a NaN mean loss (0 for a sum) and zero gradients, as torch's autograd does;
+* §2.4: float properties are kept as float32 and int properties as int64.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from onnxtrain.training import artifacts, onnxblock
+from onnxtrain.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer, TrainingSession
+from tests.ortt import PREAMBLE, run_script
+from tests.training.torch_mlp import export_mlp
+
+torch = pytest.importorskip("torch")
+
+# the same source runs in this process (onnxtrain) and in onnxruntime-training's venv
+_DRIVER = r'''
+import json, os, tempfile
+import numpy as np
+import onnx
+
+
+def interfaces(artifacts, CheckpointState, Module, model_path, cases):
+    """What each case's generated artifacts hold and what a Module over them reports."""
+    model = onnx.load(model_path)
+    base_inits = {t.name for t in model.graph.initializer}
+    out = []
+    for case in cases:
+        case = dict(case)
+        pre = case.get("prefix", "")
+        loss = getattr(artifacts.LossType, case.pop("loss"))
+        opt = case.pop("optimizer", None)
+        opt = None if opt is None else getattr(artifacts.OptimType, opt)
+        d = tempfile.mkdtemp()
+        artifacts.generate_artifacts(model, loss=loss, optimizer=opt, artifact_directory=d,
+                                     nominal_checkpoint=True, **case)
+        path = lambda name: os.path.join(d, pre + name)  # noqa: E731
+        tr, ev = onnx.load(path("training_model.onnx")), onnx.load(path("eval_model.onnx"))
+        r = {"files": sorted(os.listdir(d)),
+             "train_inputs": [v.name for v in tr.graph.input],
+             "train_input_types": [v.type.tensor_type.elem_type for v in tr.graph.input],
+             "train_outputs": [v.name for v in tr.graph.output][1:],  # the loss's name is generated
+             "train_outputs_count": len(tr.graph.output),
+             "eval_inputs": [v.name for v in ev.graph.input],
+             "eval_outputs": [v.name for v in ev.graph.output][1:],
+             "train_constants": sorted(t.name for t in tr.graph.initializer if t.name in base_inits),
+             "eval_constants": sorted(t.name for t in ev.graph.initializer if t.name in base_inits)}
+        if opt is not None:
+            optimizer_model = onnx.load(path("optimizer_model.onnx"))
+            r["optimizer_leading_inputs"] = [v.name for v in optimizer_model.graph.input][:2]
+        state = CheckpointState.load_checkpoint(path("checkpoint"))
+        r["state"] = [[n, bool(p.requires_grad), np.asarray(p.data).tolist()] for n, p in state.parameters]
+        nominal = CheckpointState.load_checkpoint(path("nominal_checkpoint"))
+        r["nominal_count"] = len(nominal.parameters)
+        m = Module(path("training_model.onnx"), state, path("eval_model.onnx"))
+        r["train_names"] = [m.input_names(), len(m.output_names())]
+        r["sizes"] = [m.get_parameters_size(True), m.get_parameters_size(False)]
+        r["contiguous"] = np.asarray(m.get_contiguous_parameters(False).numpy()).tolist()
+        m.eval()
+        r["eval_names"] = [m.input_names(), len(m.output_names())]
+        out.append(r)
+    return out
+
+
+def schedules(artifacts, CheckpointState, Module, Optimizer, scheduler, model_path, cases, steps):
+    """The learning rate after construction and after each of ``steps`` updates, per (warmup, total)."""
+    model = onnx.load(model_path)
+    d = tempfile.mkdtemp()
+    artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer],
+                                 loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=d)
+    x, y = np.ones((2, 4), np.float32), np.zeros((2, 3), np.float32)
+    out = []
+    for warmup, total in cases:
+        state = CheckpointState.load_checkpoint(os.path.join(d, "checkpoint"))
+        m = Module(os.path.join(d, "training_model.onnx"), state)
+        o = Optimizer(os.path.join(d, "optimizer_model.onnx"), m)
+        s = scheduler(o, warmup, total, 0.1)
+        rates = [o.get_learning_rate()]
+        for _ in range(steps):
+            m(x, y)
+            o.step()
+            m.lazy_reset_grad()
+            s.step()
+            rates.append(o.get_learning_rate())
+        out.append(rates)
+    return out
+'''
+
+_NS: dict = {}
+exec(compile(_DRIVER, "<driver>", "exec"), _NS)  # noqa: S102 - the same source onnxruntime-training runs
+
+_ORT_SCRIPT = PREAMBLE + _DRIVER + r'''
+from onnxruntime.training import artifacts
+from onnxruntime.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
+
+job = json.loads(sys.argv[1])
+enums = {"LossType": {e.name: e.value for e in artifacts.LossType},
+         "OptimType": {e.name: e.value for e in artifacts.OptimType}}
+# its Python wrapper hands (warmup, total) to a binding that takes (total, warmup): swapped back here
+swapped = lambda o, warmup, total, lr: LinearLRScheduler(o, total, warmup, lr)  # noqa: E731
+print(json.dumps({
+    "enums": enums,
+    "interfaces": interfaces(artifacts, CheckpointState, Module, job["model"], job["interfaces"]),
+    "schedules": schedules(artifacts, CheckpointState, Module, Optimizer, swapped, job["model"],
+                           job["schedules"], job["steps"]),
+}))
+'''
+
+INTERFACE_CASES = [
+    # the spec's observation: only fc2.weight trains, the rest stay constants of both models
+    {"loss": "MSELoss", "requires_grad": ["fc2.weight"]},
+    # listed out of order, a frozen parameter between trainable ones
+    {"loss": "MSELoss", "requires_grad": ["fc2.bias", "fc1.weight"], "frozen_params": ["fc2.weight"],
+     "optimizer": "AdamW"},
+    {"loss": "CrossEntropyLoss", "requires_grad": ["fc2.weight", "fc2.bias"],
+     "frozen_params": ["fc1.bias", "fc1.weight"], "optimizer": "SGD",
+     "additional_output_names": ["output", "/relu/Relu_output_0"]},
+    {"loss": "L1Loss", "requires_grad": ["fc1.bias"], "frozen_params": ["fc2.bias"], "prefix": "my_"},
+    {"loss": "BCEWithLogitsLoss", "requires_grad": ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"],
+     "optimizer": "AdamW", "prefix": "p_"},
+]
+# (warmup, total): warm-up 0, total equal to warm-up, both 0, a one-step total, negative and inconsistent
+# counts; 9 updates go past every total
+SCHEDULE_CASES = [[0, 5], [5, 5], [3, 3], [0, 0], [0, 1], [1, 1], [-1, 4], [-3, 2], [5, 2], [4, 0], [2, -3],
+                  [8, 8]]
+STEPS = 9
+
+
+@pytest.fixture(scope="module")
+def mlp_path(tmp_path_factory) -> str:
+    path, _, _ = export_mlp(tmp_path_factory.mktemp("mlp"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(mlp_path):
+    """onnxruntime-training 1.19.2's answers for every case (one run of its venv)."""
+    job = {"model": mlp_path, "interfaces": INTERFACE_CASES, "schedules": SCHEDULE_CASES, "steps": STEPS}
+    return run_script(_ORT_SCRIPT, json.dumps(job))
+
+
+def _ours_scheduler(o, warmup, total, lr):
+    return LinearLRScheduler(o, warmup, total, lr)
+
+
+def test_enum_values_are_onnxruntime_trainings(reference):
+    """§1.1: scripts that build the enums from their values (LossType(1)) port."""
+    assert {e.name: e.value for e in artifacts.LossType} == reference["enums"]["LossType"]
+    assert {e.name: e.value for e in artifacts.OptimType} == reference["enums"]["OptimType"]
+
+
+@pytest.mark.parametrize("i", range(len(INTERFACE_CASES)),
+                         ids=[f"{c['loss']}-{'+'.join(c['requires_grad'])}" for c in INTERFACE_CASES])
+def test_artifact_interfaces_are_onnxruntime_trainings(mlp_path, reference, i):
+    """§1.2–1.5, §3.4, §3.6: the same files, graph inputs (parameters in initializer order, gradient buffers,
+    the reset flag) and outputs, constants, checkpoint (values too), nominal checkpoint, Module names,
+    sizes and contiguous buffer as onnxruntime-training's generator and Module."""
+    ours = _NS["interfaces"](artifacts, CheckpointState, Module, mlp_path, [INTERFACE_CASES[i]])[0]
+    theirs = reference["interfaces"][i]
+    for key in ("state", "contiguous"):
+        np.testing.assert_equal(len(ours[key]), len(theirs[key]), err_msg=key)
+    for mine, ref in zip(ours.pop("state"), theirs.pop("state")):
+        assert mine[:2] == ref[:2]  # name, trainable
+        np.testing.assert_array_equal(np.asarray(mine[2], np.float32), np.asarray(ref[2], np.float32))
+    np.testing.assert_array_equal(np.asarray(ours.pop("contiguous"), np.float32),
+                                  np.asarray(theirs.pop("contiguous"), np.float32))
+    assert ours == theirs
+
+
+def test_linear_lr_scheduler_edges_are_onnxruntime_trainings(mlp_path, reference):
+    """§4.2: warm-up 0 starts at the full rate, total equal to warm-up drops to 0 at the end of the warm-up,
+    steps past the total stay at 0, negative and inconsistent counts are taken as onnxruntime-training's
+    C++ formula takes them: the same float32 rates (bit for bit) after construction and every update."""
+    ours = _NS["schedules"](artifacts, CheckpointState, Module, Optimizer, _ours_scheduler, mlp_path,
+                            SCHEDULE_CASES, STEPS)
+    for case, got, want in zip(SCHEDULE_CASES, ours, reference["schedules"]):
+        assert got == want, f"(warmup, total) = {case}"
+
+
+def _factor(step: int, warmup: int, total: int) -> np.float32:
+    """The spec's §4.2 formula, in float32 as onnxruntime's C++ computes it."""
+    f32 = np.float32
+    if step < warmup:
+        return f32(step) / f32(max(1, warmup))
+    return max(f32(0), f32(total - step) / f32(max(1, total - warmup)))
+
+
+@pytest.mark.parametrize("warmup,total", [[0, 5], [5, 5], [0, 0], [2, 4]])
+def test_training_session_scheduler_edges_follow_the_c_api(mlp_path, tmp_path, warmup, total):
+    """§5: after register_linear_lr_scheduler the rate is the initial rate until the first scheduler step,
+    then initial_lr · factor(completed steps), also past the total."""
+    model = onnx.load(mlp_path)
+    artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer],
+                                 loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    sess = TrainingSession(state, str(tmp_path / "training_model.onnx"), str(tmp_path / "eval_model.onnx"),
+                           str(tmp_path / "optimizer_model.onnx"))
+    sess.register_linear_lr_scheduler(warmup, total, 0.1)
+    assert sess.get_learning_rate() == float(np.float32(0.1))
+    x, y = np.ones((2, 4), np.float32), np.zeros((2, 3), np.float32)
+    for step in range(total + 3):
+        sess.scheduler_step()
+        assert sess.get_learning_rate() == float(np.float32(0.1) * _factor(step, warmup, total)), step
+        sess.train_step([x, y])
+        sess.optimizer_step()
+        sess.lazy_reset_grad()
+
+
+def _loss_block(kind: str, reduction: str):
+    return getattr(onnxblock.loss, kind)(reduction=reduction)
+
+
+def _torch_loss(kind: str, reduction: str, out, target):
+    f = torch.nn.functional
+    if kind == "MSELoss":
+        return f.mse_loss(out, target, reduction=reduction)
+    if kind == "L1Loss":
+        return f.l1_loss(out, target, reduction=reduction)
+    if kind == "BCEWithLogitsLoss":
+        return f.binary_cross_entropy_with_logits(out, target, reduction=reduction)
+    return f.cross_entropy(out, target, reduction=reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("kind", ["MSELoss", "L1Loss", "BCEWithLogitsLoss", "CrossEntropyLoss"])
+def test_an_empty_batch_gives_torchs_loss_and_zero_gradients(tmp_path, kind, reduction):
+    """§6.2: onnxruntime-training fails inside its MSE gradient ("Scale value must not be 0"); here a
+    batch of 0 rows gives torch's loss (NaN for a mean, 0 for a sum) in training and eval mode, torch's
+    (zero) gradients, and an update with them leaves the parameters as they were."""
+    path, model, net = export_mlp(tmp_path)
+    artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer],
+                                 loss=_loss_block(kind, reduction), optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    opt = Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
+    opt.set_learning_rate(0.1)
+    x = np.zeros((0, 4), np.float32)
+    target = np.zeros(0, np.int64) if kind == "CrossEntropyLoss" else np.zeros((0, 3), np.float32)
+
+    net.zero_grad()
+    want = _torch_loss(kind, reduction, net(torch.from_numpy(x)), torch.from_numpy(target))
+    want.backward()
+    want_grads = {n: p.grad.numpy() for n, p in net.named_parameters()}
+
+    before = {n: p.data.copy() for n, p in state.parameters}
+    loss = module(x, target)
+    np.testing.assert_array_equal(loss, want.detach().numpy())  # NaN equals NaN here
+    for name, grad in want_grads.items():
+        np.testing.assert_array_equal(state.parameters[name].grad, grad)
+    opt.step()
+    for name, value in before.items():
+        np.testing.assert_array_equal(state.parameters[name].data, value)
+    module.eval()
+    np.testing.assert_array_equal(module(x, target), want.detach().numpy())
+
+
+def test_property_numbers_keep_float32_and_int64(tmp_path, mlp_path):
+    """§2.4: a float property is a float32 (1e300 becomes inf, pi its float32 value), an int one an int64
+    (2**63 does not fit and is refused naming the property), through a save and load."""
+    model = onnx.load(mlp_path)
+    artifacts.generate_artifacts(model, requires_grad=["fc2.bias"], loss=artifacts.LossType.MSELoss,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    values = {"huge": 1e300, "pi": np.pi, "tiny": 1e-50, "low": -(2**63), "high": 2**63 - 1}
+    for name, value in values.items():
+        state.properties[name] = value
+    with pytest.raises(ValueError, match="'too_big'"):
+        state.properties["too_big"] = 2**63
+    assert "too_big" not in state.properties
+    CheckpointState.save_checkpoint(state, tmp_path / "props")
+    again = CheckpointState.load_checkpoint(tmp_path / "props").properties
+    with np.errstate(over="ignore"):
+        for name in ("huge", "pi", "tiny"):
+            assert again[name] == float(np.float32(values[name])), name
+    assert again["low"] == -(2**63) and again["high"] == 2**63 - 1
