@@ -18,10 +18,13 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
 
 from onnxtrain import RunOptions, SessionOptions, TrainingParameters, TrainingSession
+from onnxtrain.ir.builder import make_model
 from onnxtrain.parameters import _DEFAULTS
-from tests.session.helpers import backend_options, batches, mlp_model, params
+from tests.session.helpers import backend_options, batches, mlp_model, params, weights_of
 
 WEIGHTS = ("W1", "b1", "W2", "b2")
 LR = np.array([0.1], np.float32)
@@ -286,3 +289,213 @@ def test_run_options_act() -> None:
     with pytest.raises(Fail, match="terminate"):
         sess.run(["loss"], feeds, ro)
     assert _same_state(sess.get_state(), before)
+
+
+# ---- §5 state APIs ----------------------------------------------------------------------------------------
+
+STATE_NAMES = {  # spec §5.1 / §3.3: the state's names for each optimizer, sorted
+    "SGDOptimizer": list(WEIGHTS),
+    "AdamOptimizer": [*WEIGHTS,
+                      *(f"{k}_{w}" for k in ("Moment_1", "Moment_2", "Update_Count") for w in WEIGHTS)],
+    "LambOptimizer": [*WEIGHTS, *(f"{k}_{w}" for k in ("Moment_1", "Moment_2") for w in WEIGHTS), "Step"],
+}
+
+
+def _run(sess: TrainingSession, steps: int = 1, scale: float = 8.0) -> None:
+    for x, y in batches(steps, 8):
+        feeds = {"x": x, "y": y, "Learning_Rate": LR}
+        if sess.loss_scale_input_name:
+            feeds[sess.loss_scale_input_name] = np.array([scale], np.float32)
+        sess.run(["loss"], feeds)
+
+
+@pytest.mark.parametrize("opt", sorted(STATE_NAMES))
+def test_state_and_optimizer_state_layouts(opt: str) -> None:
+    """§5.1: get_state is sorted by name and holds the trained weights and the optimizer's state only;
+    §5.4: get_optimizer_state's layout, counters int64 [1] from 1; §5.6: nothing partitioned."""
+    sess = TrainingSession(mlp_model().SerializeToString(), params(opt, weights_not_to_train={"b1"}))
+    state = sess.get_state()
+    want = sorted(n for n in STATE_NAMES[opt] if not n.endswith("b1"))
+    assert list(state) == want
+    shapes = {k: v.shape for k, v in weights_of(mlp_model()).items()}
+    layout = sess.get_optimizer_state()
+    if opt == "SGDOptimizer":
+        assert layout == {}
+    else:
+        per_weight = {k: v for k, v in layout.items() if k != "shared_optimizer_state"}
+        assert sorted(per_weight) == ["W1", "W2", "b2"]
+        keys = ["Moment_1", "Moment_2"] + (["Update_Count"] if opt == "AdamOptimizer" else [])
+        for w, d in per_weight.items():
+            assert sorted(d) == keys, (w, d.keys())
+            for k in ("Moment_1", "Moment_2"):
+                assert d[k].shape == shapes[w] and d[k].dtype == np.float32 and not d[k].any()
+        counters = ([d["Update_Count"] for d in per_weight.values()] if opt == "AdamOptimizer"
+                    else [layout["shared_optimizer_state"]["Step"]])
+        if opt == "LambOptimizer":
+            assert list(layout["shared_optimizer_state"]) == ["Step"]  # not "step" (spec D6)
+        for c in counters:
+            assert c.dtype == np.int64 and c.shape == (1,) and c[0] == 1
+        _run(sess, 2)
+        layout = sess.get_optimizer_state()
+        counters = ([d["Update_Count"] for k, d in layout.items() if k != "shared_optimizer_state"]
+                    if opt == "AdamOptimizer" else [layout["shared_optimizer_state"]["Step"]])
+        assert all(c[0] == 3 for c in counters)
+    assert sess.get_partition_info_map() == {}
+
+
+def test_model_state_with_the_mixed_precision_weights() -> None:
+    """§5.3: ``mixed_precision`` is empty without mixed precision, else the float16 casts of the masters."""
+    plain = TrainingSession(mlp_model().SerializeToString(), params("AdamOptimizer"))
+    got = plain.get_model_state(include_mixed_precision_weights=True)
+    assert sorted(got) == ["full_precision", "mixed_precision"] and got["mixed_precision"] == {}
+    assert list(plain.get_model_state()) == ["full_precision"]
+    mp = TrainingSession(mlp_model().SerializeToString(), params("AdamOptimizer", use_mixed_precision=True))
+    _run(mp, 2)
+    got = mp.get_model_state(include_mixed_precision_weights=True)
+    assert sorted(got["full_precision"]) == sorted(got["mixed_precision"]) == sorted(WEIGHTS)
+    for w, master in got["full_precision"].items():
+        half = got["mixed_precision"][w]
+        assert master.dtype == np.float32 and half.dtype == np.float16
+        np.testing.assert_array_equal(half, master.astype(np.float16), err_msg=w)
+        np.testing.assert_array_equal(mp.get_state()[f"{w}_fp16"], half, err_msg=w)
+
+
+def test_initial_optimizer_state_checks_and_defaults() -> None:
+    """§5.5: counters int64 [1], moments of the weight's shape (an error naming the state otherwise);
+    what is left out starts at zero moments and count 1."""
+    model = mlp_model().SerializeToString()
+    bad = [("Update_Count", np.array([3], np.int32), TypeError),
+           ("Update_Count", np.array(3, np.int64), ValueError),
+           ("Moment_1", np.ones((8, 16), np.float32), ValueError)]
+    for key, value, error in bad:
+        p = params("AdamOptimizer")
+        p.set_optimizer_initial_state({"W1": {key: value}})
+        with pytest.raises(error, match=f"{key}_W1"):
+            TrainingSession(model, p)
+    p = params("AdamOptimizer")
+    m1 = np.full((16, 8), 0.25, np.float32)
+    p.set_optimizer_initial_state({"W1": {"Moment_1": m1, "Update_Count": np.array([7], np.int64)}})
+    got = TrainingSession(model, p).get_optimizer_state()
+    np.testing.assert_array_equal(got["W1"]["Moment_1"], m1)
+    assert got["W1"]["Update_Count"][0] == 7 and not got["W1"]["Moment_2"].any()
+    assert got["W2"]["Update_Count"][0] == 1 and not got["W2"]["Moment_1"].any()
+    # README: a narrower float type is widened exactly (onnxruntime wanted the moment's own); a wider one
+    # would round and is refused
+    half = (np.arange(128, dtype=np.float32) / 7).astype(np.float16).reshape(16, 8)
+    p = params("AdamOptimizer")
+    p.set_optimizer_initial_state({"W1": {"Moment_2": half}})
+    got = TrainingSession(model, p).get_optimizer_state()["W1"]["Moment_2"]
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, half.astype(np.float32))
+    p = params("AdamOptimizer", use_fp16_moments=True)
+    p.set_optimizer_initial_state({"W1": {"Moment_2": half.astype(np.float32)}})
+    with pytest.raises(TypeError, match="Moment_2_W1"):
+        TrainingSession(model, p)
+
+
+def test_is_output_fp32_node() -> None:
+    """§5.7: true for a float32 node output, false for another type, an error naming the value for a graph
+    input, an initializer or an unknown name. Under mixed precision an intermediate value computed in
+    float16 is not, while the model's float32 outputs stay float32 (README: onnxruntime's answered false
+    for those outside the loss's subgraph)."""
+    from onnxtrain.capi.onnxruntime_pybind11_state import InvalidArgument
+
+    model = mlp_model()
+    model.graph.node.append(helper.make_node("ArgMax", ["logits"], ["label"], axis=1, keepdims=0))
+    model.graph.output.append(helper.make_tensor_value_info("label", T.INT64, ["N"]))
+    for kw in ({}, {"use_mixed_precision": True}):
+        sess = TrainingSession(model.SerializeToString(), params("SGDOptimizer", **kw))
+        assert sess.is_output_fp32_node("loss") and sess.is_output_fp32_node("logits")
+        assert sess.is_output_fp32_node("h") == (not kw)  # the first Gemm's: float16 under mixed precision
+        assert not sess.is_output_fp32_node("label")
+        for name in ("x", "W1", "nope"):
+            with pytest.raises(InvalidArgument, match=repr(name)):
+                sess.is_output_fp32_node(name)
+
+
+# ---- §3 the gradient outputs ------------------------------------------------------------------------------
+
+def _torch_gradients(model: onnx.ModelProto, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+    """The MLP's loss gradients by torch autograd in float64."""
+    torch = pytest.importorskip("torch")
+    w = {k: torch.tensor(v.astype(np.float64), requires_grad=True) for k, v in weights_of(model).items()}
+    h = torch.relu(torch.from_numpy(x.astype(np.float64)) @ w["W1"].T + w["b1"])
+    logits = h @ w["W2"].T + w["b2"]
+    torch.nn.functional.cross_entropy(logits, torch.from_numpy(y)).backward()
+    return {k: v.grad.numpy() for k, v in w.items()}
+
+
+@pytest.mark.parametrize("mp", [False, True], ids=["float32", "mixed-precision"])
+def test_gradient_outputs_are_the_micro_steps_own(mp: bool) -> None:
+    """§3.2: ``<w>_grad`` is the raw gradient of the run's micro-batch: not accumulated over the micro-steps,
+    loss-scaled under mixed precision (and then ``<w>_fp16_grad`` too, its float16 cast). The weights are
+    those the gradients were taken at: SGD at learning rate 0 leaves them."""
+    model = mlp_model()
+    sess = TrainingSession(model.SerializeToString(),
+                           params("SGDOptimizer", gradient_accumulation_steps=2, use_mixed_precision=mp,
+                                  set_gradients_as_graph_outputs=True))
+    scale = 64.0 if mp else 1.0
+    ro = RunOptions()
+    ro.only_execute_path_to_fetches = True
+    names = [f"{w}_grad" for w in WEIGHTS] + ([f"{w}_fp16_grad" for w in WEIGHTS] if mp else [])
+    for step, (x, y) in enumerate(batches(2, 8)):
+        feeds = {"x": x, "y": y, "Learning_Rate": np.zeros(1, np.float32)}
+        if mp:
+            feeds[sess.loss_scale_input_name] = np.array([scale], np.float32)
+        micro = step == 0  # the legacy protocol: accumulate only, then the full run
+        got = sess.run([*names, "Group_Accumulated_Gradients"] if micro else names, feeds,
+                       ro if micro else None)
+        got = dict(zip(names, got))
+        want = _torch_gradients(model, x, y)
+        for w in WEIGHTS:
+            tol = 2e-2 if mp else 1e-5
+            np.testing.assert_allclose(got[f"{w}_grad"], scale * want[w], rtol=tol, atol=tol * scale * 1e-2,
+                                       err_msg=f"step {step} {w}")
+            if mp:
+                np.testing.assert_array_equal(got[f"{w}_fp16_grad"], got[f"{w}_grad"].astype(np.float16))
+
+
+# ---- §14 pitfalls, §16 checklist --------------------------------------------------------------------------
+
+def test_container_properties_are_copies() -> None:
+    """§14.5: in-place changes of a property's container are lost, as the binding's converted copies;
+    assigning the whole container takes."""
+    p = TrainingParameters()
+    p.weights_to_train.add("W1")
+    p.optimizer_attributes_map["W1"] = {"alpha": 0.5}
+    p.immutable_weights["Div"] = [(1, 8.0)]
+    p.propagate_cast_ops_allow.append("Relu")
+    assert p.weights_to_train == set() and p.optimizer_attributes_map == {}
+    assert p.immutable_weights == {} and p.propagate_cast_ops_allow == []
+    p.weights_to_train = {"W1"}
+    assert p.weights_to_train == {"W1"}
+
+
+def test_one_sgd_step_on_linear_regression_is_minus_lr_times_the_gradient() -> None:
+    """§16.1: MatMul + Add + Sub + Mul + ReduceSum, SGD: one run moves ``coefs`` by −lr·2·Xᵀ(X·c + b − y)
+    (float64 closed form)."""
+    rng = np.random.default_rng(3)
+    c0 = rng.standard_normal((3, 1)).astype(np.float32)
+    b0 = np.array([0.5], np.float32)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["X", "coefs"], ["p"]),
+         helper.make_node("Add", ["p", "intercept"], ["q"]),
+         helper.make_node("Sub", ["q", "label"], ["r"]), helper.make_node("Mul", ["r", "r"], ["r2"]),
+         helper.make_node("ReduceSum", ["r2"], ["loss"], keepdims=0)],
+        "linreg", [helper.make_tensor_value_info("X", T.FLOAT, ["N", 3]),
+                   helper.make_tensor_value_info("label", T.FLOAT, ["N", 1])],
+        [helper.make_tensor_value_info("loss", T.FLOAT, []),
+         helper.make_tensor_value_info("q", T.FLOAT, ["N", 1])],
+        [numpy_helper.from_array(c0, "coefs"), numpy_helper.from_array(b0, "intercept")])
+    sess = TrainingSession(make_model(g, 17).SerializeToString(), params("SGDOptimizer"))
+    assert [i.name for i in sess.get_inputs()] == ["X", "label", "Learning_Rate"]  # §16.2
+    assert [o.name for o in sess.get_outputs()] == ["loss", "q", "global_gradient_norm"]
+    x = rng.standard_normal((10, 3)).astype(np.float32)
+    y = rng.standard_normal((10, 1)).astype(np.float32)
+    lr = 0.01
+    sess.run(["loss"], {"X": x, "label": y, "Learning_Rate": np.array([lr], np.float32)})
+    x64, c64 = x.astype(np.float64), c0.astype(np.float64)
+    r = x64 @ c64 + b0.astype(np.float64) - y
+    state = sess.get_state()
+    np.testing.assert_allclose(state["coefs"], c64 - lr * 2 * x64.T @ r, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(state["intercept"], b0 - lr * 2 * r.sum(0), rtol=1e-6, atol=1e-7)
