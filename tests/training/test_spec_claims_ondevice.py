@@ -37,6 +37,11 @@ import numpy as np
 import onnx
 
 
+def _dims(value):
+    """A graph input's dims: sizes, or the names of symbolic ones."""
+    return [d.dim_param if d.HasField("dim_param") else d.dim_value for d in value.type.tensor_type.shape.dim]
+
+
 def interfaces(artifacts, CheckpointState, Module, model_path, cases):
     """What each case's generated artifacts hold and what a Module over them reports."""
     model = onnx.load(model_path)
@@ -55,7 +60,8 @@ def interfaces(artifacts, CheckpointState, Module, model_path, cases):
         tr, ev = onnx.load(path("training_model.onnx")), onnx.load(path("eval_model.onnx"))
         r = {"files": sorted(os.listdir(d)),
              "train_inputs": [v.name for v in tr.graph.input],
-             "train_input_types": [v.type.tensor_type.elem_type for v in tr.graph.input],
+             "train_input_types": [[v.type.tensor_type.elem_type, _dims(v)] for v in tr.graph.input],
+             "eval_input_types": [[v.type.tensor_type.elem_type, _dims(v)] for v in ev.graph.input],
              "train_outputs": [v.name for v in tr.graph.output][1:],  # the loss's name is generated
              "train_outputs_count": len(tr.graph.output),
              "eval_inputs": [v.name for v in ev.graph.input],
@@ -293,3 +299,40 @@ def test_property_numbers_keep_float32_and_int64(tmp_path, mlp_path):
         for name in ("huge", "pi", "tiny"):
             assert again[name] == float(np.float32(values[name])), name
     assert again["low"] == -(2**63) and again["high"] == 2**63 - 1
+
+
+def test_training_session_takes_the_c_sharp_three_argument_form(tmp_path, mlp_path):
+    """§5: C#'s ``new TrainingSession(state, trainModel, optimizerModel)`` ported as
+    ``TrainingSession(state, train, optimizer)``: the third model is the optimizer (no eval model). Before,
+    it became the eval model (a warning about parameters the checkpoint lacks) and optimizer_step failed.
+    The step is SGD's ``p − lr·g`` with torch autograd's gradient."""
+    model = onnx.load(mlp_path)
+    artifacts.generate_artifacts(model, requires_grad=["fc2.weight", "fc2.bias"],
+                                 loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    train, opt = str(tmp_path / "training_model.onnx"), str(tmp_path / "optimizer_model.onnx")
+    sess = TrainingSession(state, train, opt)
+    assert sess.optimizer is not None and sess.input_names(False) == [] and sess.output_names(False) == []
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((5, 4)).astype(np.float32), rng.standard_normal((5, 3)).astype(np.float32)
+    weights = {t.name: torch.tensor(onnx.numpy_helper.to_array(t), requires_grad=True)
+               for t in model.graph.initializer}
+    hidden = torch.relu(torch.from_numpy(x) @ weights["fc1.weight"].T + weights["fc1.bias"])
+    out = hidden @ weights["fc2.weight"].T + weights["fc2.bias"]
+    loss = torch.nn.functional.mse_loss(out, torch.from_numpy(y))
+    loss.backward()
+    sess.set_learning_rate(0.5)
+    got, = sess.train_step([x, y])
+    np.testing.assert_allclose(got, loss.item(), rtol=1e-6)
+    sess.optimizer_step()
+    for name in ("fc2.weight", "fc2.bias"):
+        want = weights[name].detach().double().numpy() - 0.5 * weights[name].grad.double().numpy()
+        np.testing.assert_allclose(state.parameters[name].data, want, rtol=1e-5, atol=1e-6)
+    # the four-argument form with an optimizer model in the eval place is a mistake: refused naming it
+    with pytest.raises(ValueError, match="eval_model.*optimizer model"):
+        TrainingSession(state, train, opt, opt)
+    with pytest.raises(ValueError, match="eval_model_uri.*optimizer model"):
+        Module(train, state, opt)
+    with pytest.raises(TypeError, match="session_options="):  # C#'s SessionOptions-first form
+        TrainingSession(object(), state, train, None, opt)

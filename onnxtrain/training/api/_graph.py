@@ -26,6 +26,18 @@ def load_model(uri: ModelLike, what: str) -> tuple[onnx.ModelProto, str | None]:
     return loadable_model(model, f"the {what} model{f' {path}' if path else ''}: "), path
 
 
+# onnxruntime-training's optimizer operators (an optimizer model of its generator holds one)
+_ORT_OPTIMIZER_OPS = frozenset({"AdamWOptimizer", "SGDOptimizerV2"})
+
+
+def is_optimizer_model(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` is an optimizer model: onnxtrain's (its ``onnxtrain.optimizer`` metadata) or
+    onnxruntime-training's (an AdamWOptimizer or SGDOptimizerV2 node)."""
+    if any(p.key == "onnxtrain.optimizer" for p in model.metadata_props):
+        return True
+    return any(n.op_type in _ORT_OPTIMIZER_OPS and n.domain == "com.microsoft" for n in model.graph.node)
+
+
 def _read(uri: ModelLike, what: str) -> tuple[onnx.ModelProto, str | None]:
     if isinstance(uri, onnx.ModelProto):
         return uri, None

@@ -48,6 +48,7 @@ from onnxtrain.training.api._graph import (
     ModelLike,
     check_device,
     check_user_inputs,
+    is_optimizer_model,
     load_model,
 )
 from onnxtrain.training.api.checkpoint_state import (
@@ -265,7 +266,12 @@ class Module:
         self._eval_model: onnx.ModelProto | None = None
         self._eval_plan: GraphInterface | None = None
         if eval_model_uri is not None:
-            self._eval_model = translate_training_model(load_model(eval_model_uri, "eval")[0])
+            eval_model, eval_path = load_model(eval_model_uri, "eval")
+            if is_optimizer_model(eval_model):
+                shown = f" {eval_path}" if eval_path else ""
+                raise ValueError(f"eval_model_uri{shown} is an optimizer model, not an eval model: pass it "
+                                 "to Optimizer(optimizer_model, module)")
+            self._eval_model = translate_training_model(eval_model)
             self._eval_plan = _compile(self._eval_model, "eval", session_options)
         self._classify_training_graph()
         if self._eval_model is not None:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain.errors import raises_as_onnxruntime
-from onnxtrain.training.api._graph import ModelLike
+from onnxtrain.training.api._graph import ModelLike, is_optimizer_model, load_model
 from onnxtrain.training.api.checkpoint_state import CheckpointState
 from onnxtrain.training.api.lr_scheduler import LinearLRScheduler
 from onnxtrain.training.api.module import Module
@@ -22,6 +22,9 @@ from onnxtrain.training.api.optimizer import Optimizer, learning_rate_value
 
 class TrainingSession:
     """One Module (with its eval model) and optionally one Optimizer over a :class:`CheckpointState`.
+
+    As in C#, ``TrainingSession(state, train_model, optimizer_model)`` (an optimizer model third) makes
+    the session without an eval model.
 
     Example::
 
@@ -35,9 +38,20 @@ class TrainingSession:
         eval_loss, = session.eval_step([x, y])
     """
 
+    @raises_as_onnxruntime
     def __init__(self, state: CheckpointState, train_model: ModelLike, eval_model: ModelLike | None = None,
                  optimizer_model: ModelLike | None = None, device: str = "cpu",
                  session_options: Any = None) -> None:
+        if not isinstance(state, CheckpointState):
+            hint = (": C#'s TrainingSession(options, state, ...) is TrainingSession(state, ..., "
+                    "session_options=options) here" if isinstance(train_model, CheckpointState) else "")
+            raise TypeError(f"state must be a CheckpointState, got {type(state).__name__}{hint}")
+        if eval_model is not None and optimizer_model is None:
+            # C#'s TrainingSession(state, trainModel, optimizerModel): a third model that is an optimizer
+            # model is the optimizer's (parsed once, for both the check and the Module or Optimizer)
+            eval_model = load_model(eval_model, "eval")[0]
+            if is_optimizer_model(eval_model):
+                eval_model, optimizer_model = None, eval_model
         self._state = state
         self._module = Module(train_model, state, eval_model, device=device, session_options=session_options)
         self._optimizer = Optimizer(optimizer_model, self._module) if optimizer_model is not None else None
