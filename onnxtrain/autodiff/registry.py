@@ -45,11 +45,16 @@ class Rule:
     uncomputed: frozenset[int] = frozenset()  # stopped slots whose gradient is not zero (not computed)
 
     def stopped(self, node: onnx.NodeProto) -> frozenset[int]:
-        """The input slots of ``node`` that get no gradient."""
-        return self.stop if self.stop_if is None or self.stop_if(node) else frozenset()
+        """The input slots of ``node`` that get no gradient (the rule's, and those registered with
+        :func:`register_custom_stop_gradient_edges`)."""
+        stop = self.stop if self.stop_if is None or self.stop_if(node) else frozenset()
+        custom = _CUSTOM_STOPS.get(self.op)
+        return stop | custom if custom else stop
 
 
 _RULES: dict[str, list[Rule]] = {}
+# op → input slots the user stopped (onnxruntime's register_custom_stop_gradient_edges)
+_CUSTOM_STOPS: dict[str, frozenset[int]] = {}
 _VARIANTS: dict[tuple[str, str], Rule] = {}  # (op, variant) → a rule the builder picks on request
 _NO_GRADIENT: set[str] = set()
 # op → the modules that registered something for it (checked against rules.MODULES by the tests)
@@ -82,6 +87,27 @@ def gradient(op: str, since: int = 1, uses: Iterable[str] = (), stop: Iterable[i
         return fn
 
     return register
+
+
+def register_custom_stop_gradient_edges(key: str, indices: Iterable[int]) -> None:
+    """Stop the gradient at input slots ``indices`` of every node of op ``key`` ("domain::op_type", the
+    domain empty or ``ai.onnx``), as onnxruntime's training binding did; added to the op's own stopped
+    slots, for the gradient builders and the legacy session's choice of trained weights."""
+    where = "register_custom_stop_gradient_edges"
+    if not isinstance(key, str) or key.count("::") < 1:
+        raise TypeError(f"{where}: the key must be 'domain::op_type' (e.g. '::Mul'), got {key!r}")
+    if isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable):
+        raise TypeError(f"{where}: the input slots must be a set of ints, got {type(indices).__name__}")
+    slots = list(indices)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in slots):
+        raise TypeError(f"{where}: the input slots must be ints >= 0, got {slots!r}")
+    domain, op = key.split("::")[:2]
+    if domain not in DEFAULT_DOMAINS:
+        import warnings
+
+        warnings.warn(f"{where}({key!r}): only ops of ONNX's own domain have gradient rules here; the edges "
+                      f"of an op of domain {domain!r} change nothing", UserWarning, stacklevel=2)
+    _CUSTOM_STOPS[op] = _CUSTOM_STOPS.get(op, frozenset()) | frozenset(slots)
 
 
 def no_gradient(*ops: str) -> None:

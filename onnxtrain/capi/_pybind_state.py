@@ -1,6 +1,7 @@
 """The names onnxruntime exposed in ``onnxruntime.capi._pybind_state``."""
 
 from onnxtrain.autodiff.legacy import GradientGraphBuilder
+from onnxtrain.autodiff.registry import register_custom_stop_gradient_edges
 from onnxtrain.capi.allocators import (
     OrtAllocatorType,
     OrtArenaCfg,
@@ -68,6 +69,7 @@ __all__ = [
     "get_mpi_context_world_size",
     "get_version_string",
     "has_collective_ops",
+    "register_custom_stop_gradient_edges",
     "set_default_logger_severity",
     "set_default_logger_verbosity",
     "set_seed",

@@ -499,3 +499,60 @@ def test_one_sgd_step_on_linear_regression_is_minus_lr_times_the_gradient() -> N
     state = sess.get_state()
     np.testing.assert_allclose(state["coefs"], c64 - lr * 2 * x64.T @ r, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(state["intercept"], b0 - lr * 2 * r.sum(0), rtol=1e-6, atol=1e-7)
+
+
+# ---- §12.3 custom stop-gradient edges ---------------------------------------------------------------------
+
+@pytest.fixture
+def custom_stops():
+    """register_custom_stop_gradient_edges, with the registrations undone after the test."""
+    from onnxtrain.autodiff import registry
+    from onnxtrain.capi._pybind_state import register_custom_stop_gradient_edges
+
+    saved = dict(registry._CUSTOM_STOPS)
+    yield register_custom_stop_gradient_edges
+    registry._CUSTOM_STOPS.clear()
+    registry._CUSTOM_STOPS.update(saved)
+
+
+def _product_model() -> onnx.ModelProto:
+    """loss = ReduceSum(Mul(x, W) + Mul(x, V)): W and V initializers."""
+    rng = np.random.default_rng(5)
+    g = helper.make_graph(
+        [helper.make_node("Mul", ["x", "W"], ["a"]), helper.make_node("Mul", ["V", "x"], ["b"]),
+         helper.make_node("Add", ["a", "b"], ["c"]),
+         helper.make_node("ReduceSum", ["c"], ["loss"], keepdims=0)],
+        "product", [helper.make_tensor_value_info("x", T.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("loss", T.FLOAT, [])],
+        [numpy_helper.from_array(rng.standard_normal((2, 3)).astype(np.float32), "W"),
+         numpy_helper.from_array(rng.standard_normal((2, 3)).astype(np.float32), "V")])
+    return make_model(g, 17)
+
+
+def test_custom_stop_gradient_edges(custom_stops) -> None:
+    """§12.3: ``register_custom_stop_gradient_edges("domain::op", slots)`` (onnxruntime's binding): those
+    input slots get no gradient, in the GradientGraphBuilder and in the legacy session's weight discovery."""
+    from onnxtrain import GradientGraphBuilder
+    from onnxtrain.autodiff.builder import GradientError
+
+    model = _product_model().SerializeToString()
+    custom_stops("::Mul", {1})  # Mul's second input: W in x·W, but x in V·x
+    b = GradientGraphBuilder(model, {"loss"}, ["x", "V"], "loss")
+    b.build()
+    built = onnx.load_from_string(b.get_model())
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    import onnxruntime
+
+    got = onnxruntime.InferenceSession(built.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        ["x_grad", "V_grad"], {"x": x})
+    w = weights_of(_product_model())
+    np.testing.assert_allclose(got[0], w["W"], rtol=1e-6)  # d/dx through x·W only (V·x's x is stopped)
+    np.testing.assert_allclose(got[1], x, rtol=1e-6)
+    with pytest.raises(GradientError, match="'W'"):
+        GradientGraphBuilder(model, {"loss"}, ["W"], "loss").build()
+    sess = TrainingSession(model, params("SGDOptimizer"))
+    assert sorted(sess.get_state()) == ["V"]
+    with pytest.raises(TypeError, match="register_custom_stop_gradient_edges"):
+        custom_stops("::Mul", 1)
+    with pytest.warns(UserWarning, match="'com.microsoft' change nothing"):
+        custom_stops("com.microsoft::FusedMatMul", {1})
