@@ -116,9 +116,10 @@ class HalfSteps:
         for (stat, _), v in zip(gitems, res[len(local) + len(grad_names):]):
             if not empty:
                 store[stat] = v
-        if steps > 1:  # their mean, as the single graph's Mul by 1/N (the sums are this run's own arrays)
-            for a in grads:
+        if steps > 1:  # their mean, as the single graph's Mul by 1/N (the sums are this run's own arrays),
+            for a in grads:  # then in the weight's type (the sums of half gradients are float32)
                 np.multiply(a, a.dtype.type(1.0 / steps), out=a)
+            grads = [a.astype(store[w].dtype, copy=False) for a, w in zip(grads, g.trainable)]
         got.update((n, a.copy()) for n, a in zip(grad_names, grads) if n in names)  # the next step's arrays
         by_weight = {f"{w}_grad": a for w, a in zip(g.trainable, grads)}  # the update's gradient inputs
         if up is None:

@@ -74,6 +74,8 @@ class DataParallelSteps:
         res = gp.run(self._feeds_of(gp, feeds), local_names + self._grad_outputs + [o for _, o in bn_items])
         got = dict(zip(local_names, res))
         grads = res[len(local_names) : len(local_names) + len(self._grad_outputs)]
+        # the sums of half gradients are float32: the exchange and the update take the weight's type
+        grads = [a.astype(store[w].dtype, copy=False) for a, w in zip(grads, g.trainable)]
         for (stat, _), v in zip(bn_items, res[len(local_names) + len(grads) :]):
             if not empty_run(feeds):  # this rank's part of the batch is empty: its statistics stay
                 store[stat] = v

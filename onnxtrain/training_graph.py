@@ -531,6 +531,13 @@ def build_step_graphs(
                 return helper.make_value_info(name, src.type)
         return helper.make_tensor_value_info(name, elem if elem is not None else TensorProto.FLOAT, shape)
 
+    def buffer_info(name: str, weight: str) -> onnx.ValueInfoProto:
+        """A sum of ``weight``'s gradients: its shape, in its buffer type (float32 for halves)."""
+        info = vi(name, weight)
+        tt = info.type.tensor_type
+        tt.elem_type = accumulation.buffer_type(tt.elem_type)
+        return info
+
     steps = p.gradient_accumulation_steps
     if steps < 1:
         raise ValueError(f"gradient_accumulation_steps must be >= 1, got {steps}")
@@ -593,14 +600,15 @@ def build_step_graphs(
             accs = []
             for wt, g in grads.items():
                 buf = accumulation.buffer_name(g)
-                inputs.append(vi(buf, wt))
-                acc = accumulation.accumulate(w, g)
+                inputs.append(buffer_info(buf, wt))
+                acc = accumulation.accumulate(w, g, _elem(types, wt))
                 accs.append(acc)
                 eff[wt] = acc
                 if not update or opt is None:
-                    outputs.append(vi(acc, wt))
+                    outputs.append(buffer_info(acc, wt))
                     upd[buf] = acc
-            barrier = accumulation.group_barrier(w, accs, _elem(types, next(iter(grads))) if grads else 1)
+            first = _elem(types, next(iter(grads))) if grads else TensorProto.FLOAT
+            barrier = accumulation.group_barrier(w, accs, accumulation.buffer_type(first))
             outputs.append(helper.make_tensor_value_info(barrier, TensorProto.BOOL, FLAG_SHAPE))
             extras.append(barrier)
         if p.set_gradients_as_graph_outputs:
@@ -650,7 +658,7 @@ def build_step_graphs(
                                                                                    sp.initial.dtype)
     buffers = [accumulation.buffer_name(g) for g in grads.values()] if steps > 1 else []
     for b, wt in zip(buffers, trainable):
-        initial[b] = np.zeros_like(state[wt])
+        initial[b] = np.zeros(state[wt].shape, np_dtype(accumulation.buffer_type(_elem(types, wt))))
     # evaluation: the (transformed) forward alone, without the loss scaling
     fwd_outputs = [o for o in grad.graph.output if o.name in user_outputs]
     fwd_inputs = [

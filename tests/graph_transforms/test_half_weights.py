@@ -166,3 +166,46 @@ def test_mixed_precision_keeps_training_float64_weights() -> None:
         assert sess.get_state()["s"].dtype == np.float64
         losses.append(float(loss))
     assert losses[0] == pytest.approx(losses[1], rel=1e-2)
+
+
+
+@pytest.mark.parametrize(("et", "backend"), [(TensorProto.FLOAT16, "numpy"), (TensorProto.BFLOAT16, "numpy"),
+                                             (TensorProto.FLOAT16, "onnxruntime")])  # (no bfloat16 Mul there)
+def test_accumulation_of_half_gradients_sums_in_float32(et: int, backend: str) -> None:
+    """onnxruntime-training's accumulation buffers are float32 whatever the gradient's type (spec §8.3): each
+    micro-step's half gradient is added to a float32 sum, and the sum times 1/N is cast back to the half type
+    for the update. Oracle: numpy's float32 sum of the micro-steps' own gradients (fetched as outputs) and
+    SGD's rule on its mean. The last micro-step's gradients cancel the first's, and the middle one's are
+    2^-8 of theirs: a sum kept in the half type loses up to a tenth of what remains."""
+    from onnxtrain import SessionOptions
+
+    m, ws = linear_model(et)
+    rng = np.random.default_rng(4)
+    half = NP[et]
+    x1, x2 = (rng.standard_normal((4, 4)).astype(np.float32).astype(half) for _ in range(2))
+    y1, y2 = ((rng.standard_normal((4, 3)) * s).astype(np.float32).astype(half) for s in (1.0, 1 / 256))
+    xs, ys = [x1, x2, x1], [y1, y2, -y1]  # the first and last gradients cancel
+    lr = np.array([100.0], np.float32)  # the mean is about 1e-3: a step the weights' rounding keeps
+    p = params("SGDOptimizer", gradient_accumulation_steps=3, gradient_accumulation_mode="auto",
+               set_gradients_as_graph_outputs=True)
+    so = SessionOptions()
+    so.add_session_config_entry("onnxtrain.backend", backend)
+    sess = TrainingSession(m.SerializeToString(), p, so)
+    sums = {k: np.zeros(v.shape, np.float32) for k, v in ws.items()}
+    for x, y in zip(xs, ys):
+        grads = dict(zip(ws, sess.run(["W_grad", "b_grad"], {"x": x, "y": y, "Learning_Rate": lr})))
+        for k in ws:
+            assert grads[k].dtype == half
+            sums[k] += grads[k].astype(np.float32)
+    state = sess.get_state()
+    for k, w in ws.items():
+        mean = (sums[k] * np.float32(1 / 3)).astype(half)
+        want = w - lr.astype(half)[0] * mean  # SGD on a half weight: each op rounded to its type
+        if backend == "numpy":
+            np.testing.assert_array_equal(state[k].astype(np.float32), want.astype(np.float32), err_msg=k)
+        else:  # onnxruntime computes half ops in float32 and drops casts between them: the gradients it
+            # sums are not rounded to float16 (those it returns are): one ulp of the weight and of the step
+            step = np.abs(lr[0] * mean.astype(np.float32))
+            bound = np.spacing(np.abs(want)).astype(np.float32) + step * 2.0**-10
+            np.testing.assert_array_less(np.abs(state[k].astype(np.float32) - want.astype(np.float32)),
+                                         bound * 1.01, err_msg=k)

@@ -1,5 +1,6 @@
 """A model of bfloat16 weights trains under ``mpiexec -n 2`` in every data-parallel mode (MPI has no bfloat16
-datatype: sums go through float32, copies move the bytes); it crashed in each. Oracles, computed in this
+datatype: sums go through float32, copies move the bytes); it crashed in each. Also with two
+micro-steps of gradient accumulation a rank (their sums are float32 there). Oracles, computed in this
 process: one process on the whole batch (allreduce, ZeRO stage 1), and for Adasum each half's SGD step
 combined by the float64 ``adasum_reference``."""
 
@@ -27,10 +28,12 @@ from tests.parallel.test_bfloat16_mpi import batch, model, session
 rank = MPI.COMM_WORLD.rank
 out = {{}}
 for mode in ("allreduce", "zero", "adasum"):
-    sess = session(mode)
-    x = batch()[4 * rank:4 * rank + 4]
-    sess.run(["loss"], {{"x": x, "Learning_Rate": np.array([{lr}], np.float32)}})
-    out[mode] = sess.get_state()["W"].astype(np.float32)
+    for steps in (1, 2):  # with 2, two micro-steps of two rows each (float32 sums, spec 8.3)
+        sess = session(mode, steps)
+        x = batch()[4 * rank:4 * rank + 4]
+        for part in np.split(x, steps):
+            sess.run(["loss"], {{"x": part, "Learning_Rate": np.array([{lr}], np.float32)}})
+        out[f"{{mode}}{{steps}}"] = sess.get_state()["W"].astype(np.float32)
 np.savez({folder!r} + f"/rank{{rank}}.npz", **out)
 """
 
@@ -52,10 +55,12 @@ def batch() -> np.ndarray:
     return np.random.default_rng(1).standard_normal((8, 3)).astype(BF16)
 
 
-def session(mode: str):
+def session(mode: str, steps: int = 1):
     from onnxtrain import TrainingParameters, TrainingSession
 
     p = TrainingParameters()
+    p.gradient_accumulation_steps = steps
+    p.gradient_accumulation_mode = "auto"
     p.loss_output_name = "loss"
     p.training_optimizer_name = "SGDOptimizer"
     p.deepspeed_zero_stage = int(mode == "zero")
@@ -85,6 +90,8 @@ def test_bfloat16_weights_train_in_every_data_parallel_mode(tmp_path) -> None:
     combined = w0 + adasum_reference([[h - w0] for h in halves])[0]
     ulp = 2.0 ** -7  # bfloat16's relative spacing
     for mode, want in (("allreduce", whole), ("zero", whole), ("adasum", combined)):
-        for r in range(2):
-            np.testing.assert_allclose(got[r][mode], want, rtol=ulp, atol=ulp / 8, err_msg=f"{mode} rank {r}")
-        np.testing.assert_array_equal(got[0][mode], got[1][mode])
+        for key in (f"{mode}1", f"{mode}2"):
+            for r in range(2):
+                np.testing.assert_allclose(got[r][key], want, rtol=ulp, atol=ulp / 8,
+                                           err_msg=f"{key} rank {r}")
+            np.testing.assert_array_equal(got[0][key], got[1][key])
