@@ -556,3 +556,80 @@ def test_custom_stop_gradient_edges(custom_stops) -> None:
         custom_stops("::Mul", 1)
     with pytest.warns(UserWarning, match="'com.microsoft' change nothing"):
         custom_stops("com.microsoft::FusedMatMul", {1})
+
+
+# ---- §3.1/§3.2 the inputs and outputs the session adds ----------------------------------------------
+
+@pytest.mark.parametrize("opt", ["", "SGDOptimizer", "AdamOptimizer"])
+@pytest.mark.parametrize("clip", [True, False])
+@pytest.mark.parametrize("mp", [False, True])
+@pytest.mark.parametrize("steps", [1, 2])
+def test_added_inputs_and_outputs(opt: str, clip: bool, mp: bool, steps: int) -> None:
+    """Spec §3: after the model's own, ``loss_scale`` (mixed precision) then the learning rate (an optimizer),
+    float32 [1] each; ``Group_Accumulated_Gradients`` (optimizer and N > 1), ``global_gradient_norm``
+    (optimizer with clipping or mixed precision: the optimizer graph computes it), ``all_gradients_finite``
+    (optimizer and mixed precision); the flags bool [1], the norm a float32 scalar."""
+    if not opt and steps > 1:
+        pytest.skip("accumulation needs an optimizer (test_accumulation_without_an_optimizer_is_refused)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (no optimizer: it says so)
+        sess = TrainingSession(mlp_model().SerializeToString(),
+                               params(opt, enable_grad_norm_clip=clip, use_mixed_precision=mp,
+                                      gradient_accumulation_steps=steps))
+    inputs = [(i.name, i.type, i.shape) for i in sess.get_inputs()]
+    want = [("x", "tensor(float)", ["N", 8]), ("y", "tensor(int64)", ["N"])]
+    want += [("loss_scale", "tensor(float)", [1])] if mp else []
+    want += [("Learning_Rate", "tensor(float)", [1])] if opt else []
+    assert inputs == want
+    assert sess.loss_scale_input_name == ("loss_scale" if mp else None)
+    outputs = {o.name: (o.type, o.shape) for o in sess.get_outputs()}
+    assert list(outputs)[:2] == ["loss", "logits"]
+    extra = {}
+    if opt and steps > 1:
+        extra["Group_Accumulated_Gradients"] = ("tensor(bool)", [1])
+    if opt and (clip or mp):
+        extra["global_gradient_norm"] = ("tensor(float)", [])
+    if opt and mp:
+        extra["all_gradients_finite"] = ("tensor(bool)", [1])
+    assert {k: v for k, v in outputs.items() if k not in ("loss", "logits")} == extra
+    x, y = batches(1, 8)[0]
+    feeds = {"x": x, "y": y, "Learning_Rate": LR, "loss_scale": np.array([4.0], np.float32)}
+    got = sess.run(list(extra), {i.name: feeds[i.name] for i in sess.get_inputs()})
+    for (name, (_, shape)), value in zip(extra.items(), got):
+        assert list(value.shape) == shape
+        assert value.dtype == (np.float32 if name.startswith("global") else bool)
+
+
+def test_training_mode_is_an_overridable_initializer() -> None:
+    """Spec U1/§4.5: a model with a 3-input Dropout gets the shared ``training_mode``, listed among the
+    overridable initializers, not the inputs; fed False, the Dropout passes its input as onnxruntime's
+    inference of the model in eval mode does."""
+    import onnxruntime
+
+    model = mlp_model()
+    for n in model.graph.node:
+        if n.op_type == "Relu":
+            n.output[0] = "hr0"
+    model.graph.node.insert(2, helper.make_node("Dropout", ["hr0", "ratio", "mode"], ["hr"], seed=3))
+    model.graph.initializer.extend([numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
+                                    numpy_helper.from_array(np.array(True), "mode")])
+    sess = TrainingSession(model.SerializeToString(), params("SGDOptimizer"))
+    assert [i.name for i in sess.get_inputs()] == ["x", "y", "Learning_Rate"]
+    overridable = [(i.name, i.type) for i in sess.get_overridable_initializers()]
+    assert overridable == [("training_mode", "tensor(bool)")]
+    x, y = batches(1, 8)[0]
+    before = sess.get_state()
+    got = sess.run(["loss", "logits"], {"x": x, "y": y, "Learning_Rate": np.zeros(1, np.float32),
+                                        "training_mode": np.array(False)})
+    eval_model = onnx.ModelProto()
+    eval_model.CopyFrom(model)
+    next(t for t in eval_model.graph.initializer if t.name == "mode").CopyFrom(
+        numpy_helper.from_array(np.array(False), "mode"))
+    ort = onnxruntime.InferenceSession(eval_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = ort.run(["loss", "logits"], {"x": x, "y": y})
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert _same_state(sess.get_state(), before)  # SGD at learning rate 0
+    # without the feed, the model's own mode (True): the Dropout drops
+    trained = sess.run(["logits"], {"x": x, "y": y, "Learning_Rate": np.zeros(1, np.float32)})[0]
+    assert not np.allclose(trained, want[1], rtol=1e-3)
