@@ -336,3 +336,39 @@ def test_training_session_takes_the_c_sharp_three_argument_form(tmp_path, mlp_pa
         Module(train, state, opt)
     with pytest.raises(TypeError, match="session_options="):  # C#'s SessionOptions-first form
         TrainingSession(object(), state, train, None, opt)
+
+
+def test_module_applies_its_session_options_on_the_numpy_engine(tmp_path, mlp_path):
+    """§3.1 ``Module(..., session_options)``: ``intra_op_num_threads`` and ``graph_optimization_level =
+    ORT_DISABLE_ALL`` reach the numpy plans of the training, eval and optimizer models, as they reach an
+    InferenceSession's (before, the Module dropped every option but the backend's without a word); the
+    options it does not apply there (profiling, ``optimized_model_filepath``) are named in a warning."""
+    import onnxtrain
+
+    model = onnx.load(mlp_path)
+    artifacts.generate_artifacts(model, requires_grad=["fc2.weight", "fc2.bias"],
+                                 loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=tmp_path)
+    paths = [str(tmp_path / f"{k}_model.onnx") for k in ("training", "eval", "optimizer")]
+    so = onnxtrain.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.graph_optimization_level = onnxtrain.GraphOptimizationLevel.ORT_DISABLE_ALL
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(paths[0], state, paths[1], session_options=so)
+    opt = Optimizer(paths[2], module)
+    x, y = np.ones((2, 4), np.float32), np.zeros((2, 3), np.float32)
+    module(x, y)
+    opt.step()
+    module(x, y)  # accumulating: the training model's other plan
+    plans = [module._overwrite_plan, module._full_plan, module._eval_plan, opt._plan]
+    assert [(p.threads, p.fused) for p in plans] == [(1, False)] * len(plans)
+    from onnxtrain.engine import fusion
+    from onnxtrain.engine.parallel import default_width
+
+    default = Module(paths[0], state, paths[1], session_options=onnxtrain.SessionOptions())._eval_plan
+    assert (default.threads, default.fused) == (default_width(), fusion.enabled())  # unset: the defaults
+    profiled = onnxtrain.SessionOptions()
+    profiled.enable_profiling = True
+    profiled.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    with pytest.warns(UserWarning, match="enable_profiling.*optimized_model_filepath"):
+        Module(paths[0], state, paths[1], session_options=profiled)

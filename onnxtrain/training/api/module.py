@@ -27,7 +27,13 @@ import onnx
 
 from onnxtrain.capi.feeds import empty_run
 from onnxtrain.capi.outputs import outputs_apart, own_outputs
-from onnxtrain.engine.backends import backend_of, make_plan
+from onnxtrain.engine.backends import (
+    _intra_op_threads,
+    _numpy_fuse,
+    _optimizations_off,
+    backend_of,
+    make_plan,
+)
 from onnxtrain.engine.feed_sizes import check_same_sizes, same_size_dims, shared_dim_mismatch
 from onnxtrain.engine.interface import GraphInterface, UnsupportedOpError
 from onnxtrain.errors import raises_as_onnxruntime
@@ -219,13 +225,30 @@ def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, fol
                              scalar_inputs=scalar_inputs)
         from onnxtrain.engine.plan import compile_model  # here: onnxruntime sessions never load it
 
-        return compile_model(model, random_state=random_state)
+        # an InferenceSession's options for the numpy plan: its thread count, and no fusion without
+        # graph optimisations (the defaults when the options leave them unset)
+        return compile_model(model, random_state=random_state, threads=_intra_op_threads(session_options),
+                             fuse=False if _optimizations_off(session_options) else None)
     except UnsupportedOpError as e:
         foreign = sorted({n.domain for n in model.graph.node if n.domain not in ("", "ai.onnx")})
         # (onnxruntime-training's com.microsoft operators never get here: Module translates them on load)
         hint = (f" The model uses operators of domain(s) {foreign}, which onnxtrain has no kernels for."
                 if foreign else "")
         raise UnsupportedOpError(f"cannot run the {what} model: {e}.{hint}") from None
+
+
+def _warn_unapplied_options(options: Any) -> None:
+    """Name the SessionOptions a Module on the numpy engine does not apply (once per Module, not per plan):
+    those the numpy engine has no use for, and the profile and optimized-model dump, which only the
+    InferenceSession and legacy TrainingSession write."""
+    if options is None or backend_of(options) != "numpy":
+        return
+    _numpy_fuse(options)  # (its warnings; its fusion choice is _compile's)
+    unapplied = [k for k in ("enable_profiling", "optimized_model_filepath") if getattr(options, k, None)]
+    if unapplied:
+        warn(f"SessionOptions.{' and '.join(unapplied)} have no effect on the on-device Module on the numpy "
+             "engine: it writes no profile or optimized model (the onnxruntime backend, config entry "
+             "onnxtrain.backend = onnxruntime, passes them to onnxruntime)")
 
 
 class Module:
@@ -252,6 +275,7 @@ class Module:
         if not isinstance(state, CheckpointState):
             raise TypeError(f"state must be a CheckpointState, got {type(state).__name__}")
         check_device(device)
+        _warn_unapplied_options(session_options)
         self._state = state
         self._session_options = session_options
         self.training = True
