@@ -633,3 +633,65 @@ def test_training_mode_is_an_overridable_initializer() -> None:
     # without the feed, the model's own mode (True): the Dropout drops
     trained = sess.run(["logits"], {"x": x, "y": y, "Learning_Rate": np.zeros(1, np.float32)})[0]
     assert not np.allclose(trained, want[1], rtol=1e-3)
+
+
+@pytest.mark.parametrize("opt", ["SGDOptimizer", "AdamOptimizer", "LambOptimizer"])
+def test_a_skipped_accumulated_step_discards_the_sums(opt: str) -> None:
+    """Spec §4.3/§16.8: under mixed precision, an accumulation whose gradients are not finite skips the update
+    (weights as the model's, counters at 1) and still resets the buffers: the next accumulation updates as
+    a session that never saw the skipped one."""
+    model = mlp_model().SerializeToString()
+
+    def session() -> TrainingSession:
+        return TrainingSession(model, params(opt, use_mixed_precision=True, gradient_accumulation_steps=2))
+
+    ro = RunOptions()
+    ro.only_execute_path_to_fetches = True
+    data = batches(4, 8)
+
+    def feeds(x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+        return {"x": x, "y": y, "Learning_Rate": np.array([0.01], np.float32),
+                "loss_scale": np.array([1024.0], np.float32)}
+
+    skipped, fresh = session(), session()
+    x0, y0 = data[0]
+    skipped.run(["loss", "Group_Accumulated_Gradients"], feeds(x0 * np.float32(1e30), y0), ro)
+    assert not skipped.run(["all_gradients_finite"], feeds(*data[1]))[0][0]
+    state = skipped.get_state()
+    initial = weights_of(mlp_model())
+    for w in WEIGHTS:
+        np.testing.assert_array_equal(state[w], initial[w], err_msg=w)
+    counters = [v for k, v in state.items() if k.startswith(("Update_Count_", "Step"))]
+    assert all(c[0] == 1 for c in counters)
+    for sess in (skipped, fresh):
+        sess.run(["loss", "Group_Accumulated_Gradients"], feeds(*data[2]), ro)
+        assert sess.run(["all_gradients_finite"], feeds(*data[3]))[0][0]
+    assert _same_state(skipped.get_state(), fresh.get_state())
+
+
+# ---- §1 the public surface ---------------------------------------------------------------------------------
+
+def test_constructor_takes_a_path_or_bytes_and_refuses_other_kinds(tmp_path) -> None:
+    """§1.2: a str path or the serialized model (a PathLike too); anything else a TypeError naming the
+    argument. §1.1: the four names where onnxruntime-training had them."""
+    import onnxtrain
+    from onnxtrain.capi._pybind_state import PropagateCastOpsStrategy
+    from onnxtrain.training import GradientGraphBuilder
+    from onnxtrain.training import TrainingParameters as TP
+
+    assert GradientGraphBuilder is onnxtrain.GradientGraphBuilder and TP is TrainingParameters
+    assert PropagateCastOpsStrategy is onnxtrain.PropagateCastOpsStrategy
+    model = mlp_model()
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path)
+    x, y = batches(1, 8)[0]
+    losses = []
+    for given in (str(path), path, model.SerializeToString()):
+        sess = TrainingSession(given, params("SGDOptimizer"))
+        losses.append(sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": LR})[0])
+    assert losses[0] == losses[1] == losses[2]
+    for bad in (3, None, [1, 2]):
+        with pytest.raises(TypeError, match="path_or_bytes"):
+            TrainingSession(bad, params("SGDOptimizer"))
+    with pytest.raises(TypeError, match="parameters must be a TrainingParameters"):
+        TrainingSession(model.SerializeToString(), {"loss_output_name": "loss"})
