@@ -372,3 +372,24 @@ def test_module_applies_its_session_options_on_the_numpy_engine(tmp_path, mlp_pa
     profiled.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     with pytest.warns(UserWarning, match="enable_profiling.*optimized_model_filepath"):
         Module(paths[0], state, paths[1], session_options=profiled)
+
+
+@pytest.mark.parametrize("value", ["0", "yes"])
+def test_module_refuses_prepacking_as_onnxruntime_training(tmp_path, mlp_path, value):
+    """§3.1: a ``session.disable_prepacking`` entry other than "1" is refused, naming it, as
+    onnxruntime-training 1.19.2's Module refuses it ("Prepacking is not supported for training
+    scenarios"); "1" (and no entry) is accepted. Before, any value was taken without a word."""
+    import onnxtrain
+
+    model = onnx.load(mlp_path)
+    artifacts.generate_artifacts(model, requires_grad=["fc2.bias"], loss=artifacts.LossType.MSELoss,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    so = onnxtrain.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", value)
+    refusal = "Prepacking is not supported for training scenarios.*disable_prepacking"
+    with pytest.raises(RuntimeError, match=refusal):
+        Module(str(tmp_path / "training_model.onnx"), state, session_options=so)
+    so = onnxtrain.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    Module(str(tmp_path / "training_model.onnx"), state, session_options=so)

@@ -33,6 +33,7 @@ from onnxtrain.engine.backends import (
     _optimizations_off,
     backend_of,
     make_plan,
+    session_config_entry,
 )
 from onnxtrain.engine.feed_sizes import check_same_sizes, same_size_dims, shared_dim_mismatch
 from onnxtrain.engine.interface import GraphInterface, UnsupportedOpError
@@ -237,11 +238,18 @@ def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, fol
         raise UnsupportedOpError(f"cannot run the {what} model: {e}.{hint}") from None
 
 
-def _warn_unapplied_options(options: Any) -> None:
-    """Name the SessionOptions a Module on the numpy engine does not apply (once per Module, not per plan):
-    those the numpy engine has no use for, and the profile and optimized-model dump, which only the
-    InferenceSession and legacy TrainingSession write."""
-    if options is None or backend_of(options) != "numpy":
+def _check_session_options(options: Any) -> None:
+    """Refuse weight prepacking, as onnxruntime-training's Module does; name the SessionOptions a Module on
+    the numpy engine does not apply (once per Module, not per plan): those the numpy engine has no use for,
+    and the profile and optimized-model dump, which only the InferenceSession and legacy TrainingSession
+    write."""
+    if options is None:
+        return
+    prepacking = session_config_entry(options, "session.disable_prepacking")
+    if prepacking not in ("", "1"):
+        raise ValueError(f"Prepacking is not supported for training scenarios: the session config entry "
+                         f"session.disable_prepacking must be '1' (or unset), got {prepacking!r}")
+    if backend_of(options) != "numpy":
         return
     _numpy_fuse(options)  # (its warnings; its fusion choice is _compile's)
     unapplied = [k for k in ("enable_profiling", "optimized_model_filepath") if getattr(options, k, None)]
@@ -275,7 +283,7 @@ class Module:
         if not isinstance(state, CheckpointState):
             raise TypeError(f"state must be a CheckpointState, got {type(state).__name__}")
         check_device(device)
-        _warn_unapplied_options(session_options)
+        _check_session_options(session_options)
         self._state = state
         self._session_options = session_options
         self.training = True
