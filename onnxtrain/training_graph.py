@@ -443,10 +443,11 @@ def build_step_graphs(
         raise ValueError("TrainingParameters.loss_output_name is empty: name the loss tensor of the model")
     values = {v.name for v in m.graph.output} | {o for n in m.graph.node for o in n.output}
     if loss not in values:
-        raise ValueError(
-            f"loss_output_name {loss!r} is not a value of the model; outputs: "
-            f"{[o.name for o in m.graph.output]}"
-        )
+        kind = ("an initializer" if any(t.name == loss for t in m.graph.initializer)
+                else "a graph input" if any(v.name == loss for v in m.graph.input) else None)
+        what = (f"is {kind} of the model, not a value its nodes compute" if kind
+                else "is not a value of the model")
+        raise ValueError(f"loss_output_name {loss!r} {what}; outputs: {[o.name for o in m.graph.output]}")
     declared = next((v for v in [*m.graph.output, *m.graph.value_info] if v.name == loss), None)
     dims = declared.type.tensor_type.shape.dim if declared is not None else []
     if any(not d.HasField("dim_value") or d.dim_value != 1 for d in dims):

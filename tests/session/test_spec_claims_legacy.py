@@ -695,3 +695,19 @@ def test_constructor_takes_a_path_or_bytes_and_refuses_other_kinds(tmp_path) -> 
             TrainingSession(bad, params("SGDOptimizer"))
     with pytest.raises(TypeError, match="parameters must be a TrainingParameters"):
         TrainingSession(model.SerializeToString(), {"loss_output_name": "loss"})
+
+
+@pytest.mark.parametrize("name, message", [("", "loss_output_name is empty"),
+                                           ("nope", "'nope' is not a value of the model"),
+                                           ("x", "'x' is a graph input of the model, not a value"),
+                                           ("W1", "'W1' is an initializer of the model, not a value")])
+def test_a_loss_name_the_model_does_not_compute_is_refused_saying_why(name: str, message: str) -> None:
+    """§6: loss_output_name names a tensor the model computes; an empty, unknown, input or initializer name
+    fails at construction, naming the property and what the name is."""
+    from onnxtrain.capi.onnxruntime_pybind11_state import Fail
+
+    p = params("SGDOptimizer")
+    p.loss_output_name = name
+    with pytest.raises(Fail, match=re.escape(message)) as e:
+        TrainingSession(mlp_model().SerializeToString(), p)
+    assert "loss_output_name" in str(e.value)
