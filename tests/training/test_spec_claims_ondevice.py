@@ -393,3 +393,48 @@ def test_module_refuses_prepacking_as_onnxruntime_training(tmp_path, mlp_path, v
     so = onnxtrain.SessionOptions()
     so.add_session_config_entry("session.disable_prepacking", "1")
     Module(str(tmp_path / "training_model.onnx"), state, session_options=so)
+
+
+def _torch_mlp_grads(model: onnx.ModelProto, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+    """torch autograd's MSE gradients of the MLP's parameters at the model's initial values."""
+    w = {t.name: torch.tensor(onnx.numpy_helper.to_array(t), requires_grad=True)
+         for t in model.graph.initializer}
+    hidden = torch.relu(torch.from_numpy(x) @ w["fc1.weight"].T + w["fc1.bias"])
+    out = hidden @ w["fc2.weight"].T + w["fc2.bias"]
+    torch.nn.functional.mse_loss(out, torch.from_numpy(y)).backward()
+    return {n: t.grad.numpy() for n, t in w.items()}
+
+
+def test_eval_calls_and_optimizer_steps_leave_the_reset_flag(tmp_path, mlp_path):
+    """§3.3: only a training call and lazy_reset_grad() move the accumulate flag. After a reset, an eval call
+    does not make the next training call accumulate (it overwrites: that batch's gradient alone); without a
+    reset, an optimizer step does not make it overwrite (it adds). SGD at learning rate 0 keeps the weights,
+    so every gradient is torch autograd's at the initial values."""
+    model = onnx.load(mlp_path)
+    names = [t.name for t in model.graph.initializer]
+    artifacts.generate_artifacts(model, requires_grad=names, loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    opt = Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
+    opt.set_learning_rate(0.0)
+    rng = np.random.default_rng(3)
+    batches = [(rng.standard_normal((4, 4)).astype(np.float32),
+                rng.standard_normal((4, 3)).astype(np.float32)) for _ in range(3)]
+    g = [_torch_mlp_grads(model, *b) for b in batches]
+
+    def grads_are(want: dict[str, np.ndarray]) -> None:
+        for n in names:
+            np.testing.assert_allclose(state.parameters[n].grad, want[n], rtol=1e-5, atol=1e-6, err_msg=n)
+
+    module.train()(*batches[0])
+    module.lazy_reset_grad()
+    module.eval()(*batches[1])
+    module.train()(*batches[2])
+    grads_are(g[2])  # overwritten despite the eval call between
+    opt.step()
+    module(*batches[0])
+    grads_are({n: g[2][n] + g[0][n] for n in names})  # added despite the step between
+    module.eval()(*batches[1])
+    module.train()(*batches[1])
+    grads_are({n: g[2][n] + g[0][n] + g[1][n] for n in names})
