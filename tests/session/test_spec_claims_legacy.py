@@ -711,3 +711,39 @@ def test_a_loss_name_the_model_does_not_compute_is_refused_saying_why(name: str,
     with pytest.raises(Fail, match=re.escape(message)) as e:
         TrainingSession(mlp_model().SerializeToString(), p)
     assert "loss_output_name" in str(e.value)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_lamb_keeps_elements_whose_step_is_not_finite(clip: bool) -> None:
+    """§7.4/§16.5: an infinite gradient element gives a non-finite step there: Lamb steps it by 0 and keeps
+    its moments, the other elements step as the float64 reference of the spec's formulas (the trust ratio
+    over the finite ones); with clipping, the infinite global norm divides every gradient to 0 or NaN."""
+    from tests.session.helpers import lamb_ref
+
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal((2, 3)).astype(np.float32)
+    g = helper.make_graph(
+        [helper.make_node("Mul", ["x", "W"], ["p"]),
+         helper.make_node("ReduceSum", ["p"], ["loss"], keepdims=0)],
+        "g", [helper.make_tensor_value_info("x", T.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("loss", T.FLOAT, [])], [numpy_helper.from_array(w0, "W")])
+    p = params("LambOptimizer", enable_grad_norm_clip=clip)
+    sess = TrainingSession(make_model(g, 17).SerializeToString(), p)
+    w, m1, m2 = w0.astype(np.float64), np.zeros((2, 3)), np.zeros((2, 3))
+    for t in range(1, 4):
+        x = rng.standard_normal((2, 3)).astype(np.float32)
+        if t == 2:
+            x[0, 1] = np.inf  # d loss / d W = x
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            sess.run(["loss"], {"x": x, "Learning_Rate": LR})
+            grad = x.astype(np.float64)
+            norm = np.sqrt((grad**2).sum())
+            if clip and norm > 1:
+                grad = grad / norm
+            w, m1, m2 = lamb_ref(w, grad, m1, m2, t, float(LR[0]))
+        state, opt = sess.get_state(), sess.get_optimizer_state()["W"]
+        assert np.isfinite(state["W"]).all()
+        np.testing.assert_allclose(state["W"], w, rtol=1e-6, atol=1e-7, err_msg=f"step {t}")
+        np.testing.assert_allclose(opt["Moment_1"], m1, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(opt["Moment_2"], m2, rtol=1e-6, atol=1e-9)
