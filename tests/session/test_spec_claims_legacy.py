@@ -747,3 +747,27 @@ def test_lamb_keeps_elements_whose_step_is_not_finite(clip: bool) -> None:
         np.testing.assert_allclose(state["W"], w, rtol=1e-6, atol=1e-7, err_msg=f"step {t}")
         np.testing.assert_allclose(opt["Moment_1"], m1, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(opt["Moment_2"], m2, rtol=1e-6, atol=1e-9)
+
+
+def test_gradient_graph_builder_differentiates_an_intermediate_value() -> None:
+    """§12.1: an x may be a value a node computes (here the first Gemm's output ``h``); its gradient output
+    equals the closed form, computed in float64, as onnxruntime runs the built model."""
+    import onnxruntime
+
+    from onnxtrain import GradientGraphBuilder
+
+    model = mlp_model(loss="mse")
+    b = GradientGraphBuilder(model.SerializeToString(), {"loss"}, ["h", "W2"], "loss")
+    b.build()
+    built = onnx.load_from_string(b.get_model())
+    assert [o.name for o in built.graph.output] == ["loss", "logits", "h_grad", "W2_grad"]
+    x, y = batches(1, 4, loss="mse")[0]
+    ort = onnxruntime.InferenceSession(built.SerializeToString(), providers=["CPUExecutionProvider"])
+    dh, dw2 = ort.run(["h_grad", "W2_grad"], {"x": x, "y": y})
+    w = {k: v.astype(np.float64) for k, v in weights_of(model).items()}
+    h = x.astype(np.float64) @ w["W1"].T + w["b1"]
+    hr = np.maximum(h, 0)
+    d = hr @ w["W2"].T + w["b2"] - y
+    dout = 2 * d / d.size  # of the mean of squares
+    np.testing.assert_allclose(dh, (dout @ w["W2"]) * (h > 0), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dw2, dout.T @ hr, rtol=1e-5, atol=1e-7)
