@@ -18,6 +18,7 @@ Each is checked against an oracle outside onnxtrain:
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import onnx
@@ -85,6 +86,29 @@ def interfaces(artifacts, CheckpointState, Module, model_path, cases):
     return out
 
 
+def exports(artifacts, CheckpointState, Module, model_path, folder, lists):
+    """Inference models exported after generation (fc2.weight and fc1.bias trained, fc1.weight frozen,
+    MSE) for each list of output names ("LOSS": the loss output, whatever its generated name) into folder:
+    each one's inputs, outputs and parameter initializers."""
+    model = onnx.load(model_path)
+    artifacts.generate_artifacts(model, requires_grad=["fc2.weight", "fc1.bias"],
+                                 frozen_params=["fc1.weight"], loss=artifacts.LossType.MSELoss,
+                                 artifact_directory=folder)
+    state = CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    m = Module(os.path.join(folder, "training_model.onnx"), state, os.path.join(folder, "eval_model.onnx"))
+    loss = m.output_names()[0]
+    out = []
+    for i, names in enumerate(lists):
+        path = os.path.join(folder, f"exported{i}.onnx")
+        m.export_model_for_inferencing(path, [loss if n == "LOSS" else n for n in names])
+        e = onnx.load(path)
+        out.append({"inputs": [v.name for v in e.graph.input],
+                    "outputs": ["LOSS" if v.name == loss else v.name for v in e.graph.output],
+                    "parameters": sorted(t.name for t in e.graph.initializer
+                                         if not t.name.startswith("onnx::"))})
+    return out
+
+
 def schedules(artifacts, CheckpointState, Module, Optimizer, scheduler, model_path, cases, steps):
     """The learning rate after construction and after each of ``steps`` updates, per (warmup, total)."""
     model = onnx.load(model_path)
@@ -127,6 +151,7 @@ print(json.dumps({
     "interfaces": interfaces(artifacts, CheckpointState, Module, job["model"], job["interfaces"]),
     "schedules": schedules(artifacts, CheckpointState, Module, Optimizer, swapped, job["model"],
                            job["schedules"], job["steps"]),
+    "exports": exports(artifacts, CheckpointState, Module, job["model"], job["folder"], job["exports"]),
 }))
 '''
 
@@ -148,6 +173,9 @@ INTERFACE_CASES = [
 SCHEDULE_CASES = [[0, 5], [5, 5], [3, 3], [0, 0], [0, 1], [1, 1], [-1, 4], [-3, 2], [5, 2], [4, 0], [2, -3],
                   [8, 8]]
 STEPS = 9
+# output names to export: the model output, intermediates, the loss (its inputs then include the labels)
+EXPORT_CASES = [["output"], ["/relu/Relu_output_0"], ["/fc1/Gemm_output_0", "output"], ["LOSS", "output"],
+                ["LOSS"], ["output", "/relu/Relu_output_0"]]
 
 
 @pytest.fixture(scope="module")
@@ -157,10 +185,13 @@ def mlp_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(mlp_path):
-    """onnxruntime-training 1.19.2's answers for every case (one run of its venv)."""
-    job = {"model": mlp_path, "interfaces": INTERFACE_CASES, "schedules": SCHEDULE_CASES, "steps": STEPS}
-    return run_script(_ORT_SCRIPT, json.dumps(job))
+def reference(mlp_path, tmp_path_factory):
+    """onnxruntime-training 1.19.2's answers for every case (one run of its venv); its exported models are
+    in ``reference["folder"]``."""
+    folder = str(tmp_path_factory.mktemp("ortt_exports"))
+    job = {"model": mlp_path, "interfaces": INTERFACE_CASES, "schedules": SCHEDULE_CASES, "steps": STEPS,
+           "exports": EXPORT_CASES, "folder": folder}
+    return {**run_script(_ORT_SCRIPT, json.dumps(job)), "folder": folder}
 
 
 def _ours_scheduler(o, warmup, total, lr):
@@ -199,6 +230,27 @@ def test_linear_lr_scheduler_edges_are_onnxruntime_trainings(mlp_path, reference
                             SCHEDULE_CASES, STEPS)
     for case, got, want in zip(SCHEDULE_CASES, ours, reference["schedules"]):
         assert got == want, f"(warmup, total) = {case}"
+
+
+def test_exported_models_are_onnxruntime_trainings(mlp_path, reference, tmp_path):
+    """§3.5: for each list of output names (intermediates, the loss), the exported model has the inputs,
+    outputs and parameter initializers of onnxruntime-training's export, and plain onnxruntime computes the
+    same values from both."""
+    import onnxruntime as ort
+
+    ours = _NS["exports"](artifacts, CheckpointState, Module, mlp_path, str(tmp_path), EXPORT_CASES)
+    assert ours == reference["exports"]
+    rng = np.random.default_rng(1)
+    feeds = {"input": rng.standard_normal((5, 4)).astype(np.float32),
+             "target": rng.standard_normal((5, 3)).astype(np.float32)}
+    for i in range(len(EXPORT_CASES)):
+        results = []
+        for folder in (str(tmp_path), reference["folder"]):
+            sess = ort.InferenceSession(os.path.join(folder, f"exported{i}.onnx"),
+                                        providers=["CPUExecutionProvider"])
+            results.append(sess.run(None, {v.name: feeds[v.name] for v in sess.get_inputs()}))
+        for got, want in zip(*results):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def _factor(step: int, warmup: int, total: int) -> np.float32:
