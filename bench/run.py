@@ -11,8 +11,9 @@ the graph) and its on-device ``Module`` + ``Optimizer``, onnxruntime-training 1.
 the virtual environment at ``$ORTT_PYTHON``, default /tmp/ortt/bin/python) and torch eager; numpy peers
 and torch run with the inherited ``OPENBLAS_CORETYPE`` and, where the environment pins it, also with it and
 ``OPENBLAS_L2_SIZE`` unset ("native": OpenBLAS picks the kernels for this CPU, shown on the GEMM line).
-Every peer trains with Adam(W), lr 1e-3, weight decay 0.01, eps 1e-8, no clipping. A peer that cannot start is
-skipped with its error.
+Every peer trains with AdamW, lr 1e-3, weight decay 0.01, eps 1e-8, no clipping (onnxruntime-training's and
+onnxtrain's peers in the Hugging Face form that ``generate_artifacts`` writes, torch eager in torch's: see
+bench/worker.py). A peer that cannot start is skipped with its error.
 
 Timing: after a warm-up, every round runs each peer in turn (the order rotates every round) for enough
 steps to last ``--min-time``; a peer's figure is the median over ``--repeats`` rounds. The notes also give,
@@ -704,8 +705,9 @@ def write_results(
         f"Made by `{cmd}` on {time.strftime('%Y-%m-%d %H:%M %Z')} ({seconds / 60:.0f} min), "
         f"{cpu_name()}, {os.cpu_count()} CPUs; {versions()}.",
         "",
-        "Training step = forward + backward + Adam(W) update, lr 1e-3, weight decay 0.01, eps 1e-8, "
-        "no clipping. "
+        "Training step = forward + backward + AdamW update, lr 1e-3, weight decay 0.01, eps 1e-8, "
+        "no clipping (onnxruntime-training and onnxtrain: the Hugging Face form of `generate_artifacts`; "
+        "torch eager: torch's `AdamW`). "
         "Each peer runs in its own process; figures are medians of interleaved rounds after warm-up. "
         "`× ORT-T`: samples/s relative to onnxruntime-training 1.19.2's on-device API; `× torch`: relative "
         "to "

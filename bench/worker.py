@@ -3,17 +3,25 @@
     python bench/worker.py PEER FOLDER          # PEER: legacy | api | torch | ort
 
 The worker loads the model files that ``bench/models.prepare`` wrote in FOLDER, builds its trainer
-(AdamW-style Adam, lr 1e-3, weight decay 0.01, eps 1e-8, no clipping — the same for every peer) and
-answers one JSON line per command line:
+(AdamW, lr 1e-3, betas 0.9 / 0.999, weight decay 0.01, eps 1e-8, bias correction, no clipping: the same
+settings for every peer) and answers one JSON line per command line:
 
     run N   → {"seconds": wall time of N training steps, "loss": last loss}
     stats   → {"rss_peak": bytes (VmHWM), "rss_base": bytes after imports, "plan_peak": bytes or null}
     quit
 
 A training step is forward + backward + optimizer update (+ clearing the gradients), on the next of the
-cached batches. This file imports only the standard library, numpy and the peer's own package (onnxtrain,
-torch or onnxruntime-training), so each process's memory is its peer's alone; the ``ort`` peer runs in the
-onnxruntime-training virtual environment (numpy<2, no torch, no onnxtrain).
+cached batches. The AdamW of onnxruntime-training's ``generate_artifacts`` is the Hugging Face form
+(``adam_mode`` 1: eps added to the root of the uncorrected second moment, the decay applied to the updated
+weight); onnxtrain's on-device peer runs the same and its legacy session its equal (``weight_decay_mode`` 1),
+torch eager its own ``AdamW`` (eps added after the bias correction, the decay applied first). The two differ
+in value only where a gradient is below about eps / sqrt(1 - 0.999^t) (3e-7 at the first step) and make the
+same passes over the weights; tests/bench/test_peer_optimizers.py holds each peer to its form.
+
+This file imports only the standard library, numpy and the peer's own package (onnxtrain, torch or
+onnxruntime-training), so each process's memory is its peer's; every peer also loads onnx (onnxtrain and
+onnxruntime-training's generator need it, the torch peer gets it with the models' module: about 7 MiB). The
+``ort`` peer runs in the onnxruntime-training virtual environment (numpy<2, no torch, no onnxtrain).
 """
 
 from __future__ import annotations
@@ -119,6 +127,7 @@ def legacy_peer(folder: str):
     def step(x, y):
         return sess.run(["loss"], {x_name: x, "labels": y, "Learning_Rate": lr})[0]
 
+    step.weights = lambda: {n.removeprefix("model."): v for n, v in sess.get_state().items() if n in names}
     return step, lambda: max(getattr(pl, "peak_bytes", 0) for pl in sess._plans.values()) or None
 
 
@@ -127,7 +136,7 @@ def _on_device_step(artifacts, api, onnxblock, model, folder: str, subdir: str, 
     generator's defaults of 0 and 1e-6) in ``folder/subdir``, then a Module + Optimizer of ``api``: the same
     calls for onnxtrain and onnxruntime-training, whose on-device APIs share their names. Returns
     (step(x, y) -> loss, module, optimizer); ``step.update_seconds[0]`` adds up the time in
-    ``Optimizer.step``."""
+    ``Optimizer.step``; ``step.weights()`` reads the trained parameters (every peer's step has it)."""
     out = os.path.join(folder, subdir)
     os.makedirs(out, exist_ok=True)
     artifacts.generate_artifacts(
@@ -153,6 +162,8 @@ def _on_device_step(artifacts, api, onnxblock, model, folder: str, subdir: str, 
         return loss
 
     step.update_seconds = spent
+    params = _params(folder, "model")
+    step.weights = lambda: {n: state.parameters[n].data.copy() for n in params}
     return step, module, opt
 
 
@@ -184,7 +195,8 @@ def torch_peer(folder: str):
     module = case.build()
     module.load_state_dict(torch.load(os.path.join(folder, "model.pt")))
     module.train()
-    opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+    # eps given, not left to torch's default: that it equals EPS was a coincidence a change of EPS would break
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS, foreach=True)
     ce = torch.nn.CrossEntropyLoss()
 
     def step(x, y):
@@ -194,6 +206,7 @@ def torch_peer(folder: str):
         opt.step()
         return loss.detach()
 
+    step.weights = lambda: {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
     return step, lambda: None
 
 
