@@ -3,8 +3,11 @@
 Only MatMul, Gemm and Conv are counted (2 FLOPs per multiply-add; everything else is a rounding error on
 these models). Forward: each product once. Backward: one product of the same size per operand that needs
 a gradient — the weight operand always, the activation operand only when it depends on a trained
-parameter (a model's first layer needs no input gradient, which is 30 % of the MLP's work). Shapes come
-from running the forward graph once with onnxtrain's engine.
+parameter: a model's first layer needs no input gradient (the MLP's is 30 % of a 2× forward backward, so
+its step is 20 % below 3× forward), attention's batched products need both, the GPT's vocabulary head
+its weight's and its input's. Shapes come from running the forward graph once with onnxtrain's engine.
+tests/bench/test_flop_counts.py checks every bench model against torch's ``FlopCounterMode`` over the
+torch module's forward and backward (equal to the FLOP), and the MLP against a hand count.
 """
 
 from __future__ import annotations
