@@ -11,6 +11,7 @@ pick OpenBLAS's kernels; the line names the kernels and threads in use (threadpo
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -22,10 +23,12 @@ import numpy as np
 
 
 def blas() -> dict[str, object]:
+    """The BLAS numpy uses: name and version, the kernels (OpenBLAS's core type) and its thread count, from
+    threadpoolctl or, without it, from the OpenBLAS library loaded in this process; {} when neither tells."""
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
-        return {}
+        return _openblas_info()
     for i in threadpool_info():
         if i.get("user_api") == "blas":
             return {
@@ -33,6 +36,33 @@ def blas() -> dict[str, object]:
                 "kernels": i.get("architecture"),
                 "threads": i.get("num_threads"),
             }
+    return {}
+
+
+def _openblas_info() -> dict[str, object]:
+    """What threadpoolctl would say of an OpenBLAS that numpy loaded, asked through its C functions (their
+    names carry scipy-openblas's prefix and suffix in numpy's wheels)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line})
+    except OSError:
+        return {}
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix, suffix in (("scipy_openblas_", "64_"), ("scipy_openblas_", ""), ("openblas_", "")):
+            if not hasattr(lib, f"{prefix}get_num_threads{suffix}"):
+                continue
+            threads = getattr(lib, f"{prefix}get_num_threads{suffix}")
+            threads.restype = ctypes.c_int
+            core = getattr(lib, f"{prefix}get_corename{suffix}")
+            core.restype = ctypes.c_char_p
+            config = getattr(lib, f"{prefix}get_config{suffix}")
+            config.restype = ctypes.c_char_p
+            words = config().decode().split()
+            return {"blas": " ".join(words[:2]), "kernels": core().decode(), "threads": threads()}
     return {}
 
 
