@@ -22,7 +22,12 @@ round, under nearly the same load): how far a ratio moves with the machine's loa
 peers the time their ``Optimizer.step`` takes per step (the update, timed inside the step), and the CPU
 steal of the samples with each peer's ratio again over the rounds that had none (:mod:`bench.steal`).
 Memory: peak RSS of the peer's process (VmHWM: interpreter, imports, model, training) and, for onnxtrain, the
-engine's peak live bytes (``Plan.peak_bytes``, the largest over its plans). FLOPs: bench/flops.py;
+engine's peak live bytes (``Plan.peak_bytes``, the largest over its plans). That counts what the plan holds:
+a feed is dropped from it after its last use even when the caller keeps it, and state it is not fed does not
+appear. So the legacy session's one graph (weights, gradients, moments and update in it) and the ``Module``'s
+training plan (the moments outside it, the weights let go after their last use) are not like for like: the
+GPT decoder 43.1 against 35.6 MiB, while the two processes' numpy peaks in a step (tracemalloc) were 62.7
+and 61.8 MiB. Peak RSS is the figure to compare across peers. FLOPs: bench/flops.py;
 "% peak" is step FLOPs / step time / the best numpy float32 GEMM figure measured in this run; as the machine's
 speed changes over a run, a GEMM probe (``bench/gemm.py --serve``) is also sampled first in every round, and
 the notes give each peer's step against the rate of its own round (medians over the rounds).
@@ -714,7 +719,10 @@ def write_results(
         "torch eager under the same BLAS setting; `% GEMM peak`: step FLOPs (bench/flops.py) / step time / "
         f"{peak:.0f} GFLOP/s (the best numpy GEMM rate of the run: at its start, in its rounds, at its end). "
         "Peak RSS is the whole process (interpreter, imports, model, training); plan "
-        "peak is onnxtrain's `Plan.peak_bytes`. onnxruntime's idle threads "
+        "peak is onnxtrain's `Plan.peak_bytes` of its largest plan: what that plan holds, without the state "
+        "kept outside it (a `Module`'s moments, its weights after their last use), so it is not comparable "
+        "between the legacy session (one graph with the update) and the `Module` (bench/run.py's docstring). "
+        "onnxruntime's idle threads "
         + ("spin before they sleep (its default)" if os.environ.get(ORT_SPIN_ENV, "1") != "0"
            else "do not spin (`--ort-spin off`)")
         + ", in onnxruntime-training and in onnxtrain's onnxruntime backend alike.",
