@@ -112,6 +112,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         self._stage = stage
         self._opt = get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
         trainable = select_trainable(model, p)
+        self._model_trained = list(trainable)
         self._shared = tied_weights(model, self._part.runs, trainable)
         self._shapes = {t.name: tuple(t.dims) for t in model.graph.initializer if t.name in self._shared}
         self._build_stage(model, trainable)
@@ -162,6 +163,11 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
     def stage(self) -> int:
         """This rank's pipeline stage (0 = the first)."""
         return self._stage
+
+    def model_trained_weights(self) -> list[str]:
+        """The trained weights of the whole model, every stage's (``get_model_state()`` holds this stage's):
+        the names a checkpoint of ``gather_state()`` trains (``onnxtrain.train.state``)."""
+        return list(self._model_trained)
 
     # ---- running ------------------------------------------------------------------------
     def _forward_only(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:

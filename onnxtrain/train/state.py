@@ -34,7 +34,10 @@ OptimizerLayout = dict[str, list[str]]
 
 
 def trainable_names(sess: TrainingSession) -> list[str]:
-    return list(sess.get_model_state()["full_precision"])
+    """The trained weights of the whole model: a pipeline stage's session names every stage's (its
+    ``get_model_state()`` holds its own)."""
+    whole = getattr(sess, "model_trained_weights", None)
+    return whole() if whole is not None else list(sess.get_model_state()["full_precision"])
 
 
 def optimizer_layout(sess: TrainingSession, comm: Communicator | None = None) -> OptimizerLayout:
@@ -53,6 +56,10 @@ def optimizer_layout(sess: TrainingSession, comm: Communicator | None = None) ->
 def half_twins(sess: TrainingSession) -> set[str]:
     """Names of the session's half twins of trained weights under mixed precision (``<w>_fp16``): state
     that ``get_state`` derives from the float32 masters and ``load_state`` skips."""
+    whole = getattr(sess, "model_trained_weights", None)
+    if whole is not None:  # a pipeline stage: every stage's twins, as its gathered state holds them
+        mp = sess._mixed_precision()
+        return set() if mp is None else {mp.twins[w] for w in whole() if w in mp.twins}
     return set(getattr(sess, "_twin_masters", dict)())  # the session's own record of its twins
 
 
