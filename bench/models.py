@@ -80,6 +80,20 @@ def _spread_batch_norms(module: nn.Module) -> None:
                 m.running_var.uniform_(0.8, 1.2)
 
 
+def _untie_equal_parameters(module: nn.Module) -> None:
+    """Move each parameter whose values equal an earlier one's (LayerNorm scales left at ones, biases left at
+    zeros) off them by a seeded draw of up to ±0.05: torch's exporter merges equal initializers into one, so
+    the ONNX peers would train one tensor shared by all those places where torch trains each apart (the
+    2-layer transformer lost 9 of its 28 parameters that way, the GPT decoder 8 of 29)."""
+    seen: list[torch.Tensor] = []
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for p in module.parameters():
+            if any(q.shape == p.shape and torch.equal(q, p) for q in seen):
+                p.add_(torch.empty(p.shape).uniform_(-0.05, 0.05, generator=gen))
+            seen.append(p.detach().clone())
+
+
 class InvertedResidual(nn.Module):
     """MobileNetV2's block: 1×1 expansion, 3×3 depthwise (stride 1 or 2), 1×1 projection, each with
     BatchNorm; ReLU6 after the first two; a residual when the shape is kept."""
@@ -204,6 +218,12 @@ class Case:
     batch: int
 
     def build(self) -> nn.Module:
+        """The case's torch module with the bench's seeded weights, no two parameters equal."""
+        module = self._build()
+        _untie_equal_parameters(module)
+        return module
+
+    def _build(self) -> nn.Module:
         torch.manual_seed(SEED)
         if self.key.startswith("mlp"):
             return MLP()
