@@ -220,11 +220,14 @@ def _whole_name(local: str, split: dict) -> tuple[str, str | None]:
 
 
 def _without_key_bias(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The GPT's fused QKV biases with their key part (the middle third, of a share too) zeroed: its gradient
-    is rounding noise (softmax ignores a shift along the keys), which Adam turns into steps of its own."""
+    """The attention key biases zeroed (their optimizer state too; the key part of the GPT's fused QKV bias,
+    the middle third, of a share as well): their gradient is rounding noise (softmax ignores a shift along
+    the keys), which Adam and LAMB turn into steps of their own."""
     out = dict(state)
     for k, v in state.items():
-        if "attn.qkv.bias" in k and v.ndim == 1:
+        if "attn.k.bias" in k:
+            out[k] = np.zeros_like(v)
+        elif "attn.qkv.bias" in k and v.ndim == 1:
             out[k] = v.copy()
             out[k][v.size // 3 : 2 * v.size // 3] = 0
     return out
@@ -236,6 +239,8 @@ def check_case(name: str, got: dict[str, np.ndarray], want: dict) -> list[str]:
     tol, split = tolerance(case), want["split"]
     state_tol, masters_tol = state_tolerance(case)
     bad = []
+    if case.model.startswith(("attn", "gpt")) and not any(".attn." in w for w in split):
+        bad.append(f"its attention does not split: {sorted(split)}")
     ref = _without_key_bias({k[6:]: v for k, v in want.items() if k.startswith("state/")})
     for r in (0, 1):
         mine = {k[len(f"{name}/{r}/") :]: v for k, v in got.items() if k.startswith(f"{name}/{r}/")}
