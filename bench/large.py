@@ -159,6 +159,9 @@ def _run_peer(peer: str, args: argparse.Namespace, folder: str) -> dict:
     env = {**os.environ, "ONNXTRAIN_ALLOCATOR": "system"}
     if peer == "onnxruntime-training":  # its environment has no onnxtrain: this file alone
         env.pop("PYTHONPATH", None)
+    else:  # this checkout's onnxtrain, as bench/run.py's workers: not whichever one is installed (if any)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [python, os.path.abspath(__file__), "--child", peer, "--size", str(args.size), "--layers",
            str(args.layers), "--steps", str(args.steps), "--folder", os.path.join(folder, peer)]
     os.makedirs(os.path.join(folder, peer), exist_ok=True)
