@@ -6,8 +6,9 @@ legacy ``TrainingSession`` cut into two stages (one a rank) and rank 0 saves wha
 ``get_state()`` and the ``gather_state()`` to ``OUT``; ``resume`` moves a stage's state to and from one
 process, ``badfeed`` feeds one rank a bad batch. The single-process references live in the test.
 
-A case name spells its options, e.g. ``skip-m4-a2-clip-mp-adam-ort-w1``: the model and its cut
-(:data:`MODELS`), micro-batches a run, runs an update (gradient accumulation), clipping, float16 mixed
+A case name spells its options, e.g. ``skip-m4-a2L-clip-mp-adam-ort-w1``: the model and its cut
+(:data:`MODELS`), micro-batches a run, runs an update (gradient accumulation; ``L``: onnxruntime's protocol,
+the runs that do not update fetching ``Group_Accumulated_Gradients``), clipping, float16 mixed
 precision, optimizer, backend, frozen weights (``all`` train; ``w1``: ``W1`` of the first stage frozen;
 ``s0``: every weight of the first stage frozen).
 """
@@ -172,23 +173,29 @@ class Case:
     opt: str
     backend: str  # numpy, ort
     frozen: str  # all, w1, s0
+    protocol: str = "auto"  # gradient_accumulation_mode; "legacy": micro-steps fetch the accumulated group
+
+    @property
+    def accum_token(self) -> str:
+        return f"a{self.accum}" + ("L" if self.protocol == "legacy" else "")
 
     @property
     def name(self) -> str:
-        return "-".join([self.model, f"m{self.micro}", f"a{self.accum}", "clip" if self.clip else "noclip",
+        return "-".join([self.model, f"m{self.micro}", self.accum_token, "clip" if self.clip else "noclip",
                          "mp" if self.mp else "fp32", self.opt, self.backend, self.frozen])
 
     @staticmethod
     def parse(name: str) -> Case:
         model, m, a, clip, mp, opt, backend, frozen = name.split("-")
-        return Case(model, int(m[1:]), int(a[1:]), clip == "clip", mp == "mp", opt, backend, frozen)
+        return Case(model, int(m[1:]), int(a[1:].rstrip("L")), clip == "clip", mp == "mp", opt, backend,
+                    frozen, "legacy" if a.endswith("L") else "auto")
 
     @property
     def runs(self) -> int:
         return STEPS * self.accum
 
 
-FIELDS = ("model", "micro", "accum", "clip", "mp", "opt", "backend", "frozen")
+FIELDS = ("model", "micro", "accum_token", "clip", "mp", "opt", "backend", "frozen")
 
 
 def cases() -> list[Case]:
@@ -196,9 +203,10 @@ def cases() -> list[Case]:
     on the onnxruntime backend drawing more than one mask an update (there one process's micro-step and
     update graphs each hold a copy of the node seeded apart, README "Gradient accumulation", so its masks
     are not the pipeline's; the numpy engine keeps one generator a node, as the pipeline does)."""
-    every = [Case(*v) for v in itertools.product(
-        tuple(MODELS), (1, 2, 4), (1, 2), (False, True), (False, True), tuple(OPTIMIZERS), ("numpy", "ort"),
-        ("all", "w1", "s0"))]
+    every = [Case(model, micro, int(a.rstrip("L")), *rest, "legacy" if a.endswith("L") else "auto")
+             for model, micro, a, *rest in itertools.product(
+                 tuple(MODELS), (1, 2, 4), ("1", "2", "2L"), (False, True), (False, True), tuple(OPTIMIZERS),
+                 ("numpy", "ort"), ("all", "w1", "s0"))]
     return [c for c in every if not (c.model == "drop" and c.backend == "ort" and c.micro * c.accum > 1)]
 
 
@@ -227,7 +235,7 @@ def frozen_weights(case: Case) -> set[str]:
 
 def parameters(case: Case, pipelined: bool):
     """The options of ``case``: two stages (``pipelined``), or one process accumulating the same
-    micro-batches (``micro × accum`` runs an update, counted by the session)."""
+    micro-batches (``micro × accum`` runs an update, counted by the session or marked by the caller)."""
     from onnxtrain import TrainingParameters
 
     model = model_of(case)
@@ -240,7 +248,7 @@ def parameters(case: Case, pipelined: bool):
         p.optimizer_attributes_map = {w: {"max_norm_clip": CLIP} for w in trained}
     p.use_mixed_precision = case.mp
     p.weights_not_to_train = frozen_weights(case)
-    p.gradient_accumulation_mode = "auto"
+    p.gradient_accumulation_mode = case.protocol
     if pipelined:
         p.pipeline_parallel_size = 2
         p.pipeline_cut_info_string = MODELS[case.model][1]
@@ -292,6 +300,24 @@ def norm_output(sess) -> str | None:
     return next((o.name for o in sess.get_outputs() if o.name.startswith("global_gradient_norm")), None)
 
 
+def train_run(sess, case: Case, feeds: dict[str, np.ndarray], update: bool) -> list[np.ndarray]:
+    """One training run: ``loss``, ``logits`` and on an update the global norm (when the session has one).
+    Under ``gradient_accumulation_mode = "legacy"`` a run that does not update is marked by fetching
+    ``Group_Accumulated_Gradients`` on the fetches' path alone, as onnxruntime's frontends did."""
+    from onnxtrain import RunOptions
+    from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
+
+    ro = RunOptions()
+    fetch = ["loss", "logits"]
+    norm = norm_output(sess)
+    if update and norm:
+        fetch.append(norm)
+    if not update and case.protocol == "legacy":
+        ro.only_execute_path_to_fetches = True
+        return sess.run([*fetch, GROUP_OUTPUT], {**feeds, **extra_feeds(sess)}, ro)[:2]
+    return sess.run(fetch, {**feeds, **extra_feeds(sess)}, ro)
+
+
 def eval_run(sess) -> list[np.ndarray]:
     """``logits`` and ``loss`` of the eval batch, forward only with Dropout off."""
     from onnxtrain import RunOptions
@@ -310,13 +336,10 @@ def train_pipeline(case: Case, sess=None, first: int = 0, last: int | None = Non
     when accumulating) and after the last; the rank's own state and the gathered one."""
     sess = session(case, True) if sess is None else sess
     last = case.runs if last is None else last
-    norm = norm_output(sess)
     losses, logits, norms = [], [], []
     out: dict[str, np.ndarray] = {}
     for i, feeds in enumerate(run_batches(case.runs)[first:last], start=first):
-        update = (i + 1) % case.accum == 0
-        fetch = ["loss", "logits", *([norm] if update and norm else [])]
-        got = sess.run(fetch, {**feeds, **extra_feeds(sess)})
+        got = train_run(sess, case, feeds, (i + 1) % case.accum == 0)
         losses.append(got[0])
         logits.append(got[1])
         if len(got) > 2:

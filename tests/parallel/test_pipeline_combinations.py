@@ -1,18 +1,19 @@
 """Pipeline parallelism in combination on ``mpiexec -n 2`` (two stages), against one process.
 
-Micro-batches a run (1, 2, 4) × gradient accumulation over runs (1, 2) × clipping × float16 mixed precision ×
+Micro-batches a run (1, 2, 4) × gradient accumulation over runs (1, 2, and 2 under onnxruntime's protocol:
+the runs that do not update fetch ``Group_Accumulated_Gradients``) × clipping × float16 mixed precision ×
 SGD / Adam / LAMB × numpy engine / onnxruntime backend × the cut (after a MatMul, after an activation, a cut
 tensor read by two later nodes, a skip connection crossing the cut, a BatchNormalization or a seeded Dropout
 in each stage) × frozen weights (one weight of the first stage, or all of them). The default suite runs a
 pairwise selection (every pair of option values in some case) in one ``mpiexec``; ``ONNXTRAIN_FULL_TESTS=1``
-runs every combination (2592).
+runs every combination (3600; about 20 minutes on 2 shared cores).
 
 Oracle: one session on the uncut model, in one process, with ``gradient_accumulation_steps = micro ×
-accum`` fed the same micro-batches one run each (the README and the spec, §4.3 and §11.7: the update takes
-the mean of the micro-batches' gradients). Every rank must return the loss and logits of each run's last
-micro-batch and the update's global norm, as that process's last micro-step does; the eval runs (forward
-only, training mode off, mid-accumulation and at the end) its logits and loss on the whole batch; the
-gathered state its state, and each rank's ``get_state()`` its stage's part of it.
+accum`` (and the same protocol) fed the same micro-batches, one run each (README "Pipeline parallelism";
+spec §4.3: the update takes the mean of the micro-batches' gradients). Every rank must return the loss and
+logits of each run's last micro-batch and the update's global norm, as that process's last micro-step
+does; the eval runs (forward only, training mode off, mid-accumulation and at the end) its logits and loss
+on the whole batch; the gathered state its state, and each rank's ``get_state()`` its stage's part of it.
 
 Tolerance 1e-5 relative per tensor in float32: the stages sum the global norm's squares in float64 and
 the weights' gradients in another float32 order than one graph does (≈1e-7 relative a step; LAMB's trust
@@ -23,7 +24,7 @@ of the global one) moves the weights by 1e-2 or more. Under float16 mixed precis
 backend under mixed precision 3e-3: onnxruntime computes MatMul and Gemm in float32 and drops the casts to
 float16 in front of them (the backend's warning), so one process's graph may skip the float16 rounding of
 the cut tensor that the first stage sends as float16: one half-ulp (5e-4) of an activation, up to 8.4e-4
-in a second moment over the 2412 combinations.
+in a second moment over the combinations.
 """
 
 from __future__ import annotations
@@ -68,15 +69,12 @@ def one_process(case: pw.Case, sess=None, first: int = 0, last: int | None = Non
     micro-batches, one ``run()`` each."""
     sess = pw.session(case, False) if sess is None else sess
     last = case.runs if last is None else last
-    norm = pw.norm_output(sess)
     losses, logits, norms = [], [], []
     out: dict[str, np.ndarray] = {}
     for i, feeds in enumerate(pw.run_batches(case.runs)[first:last], start=first):
         parts = [{n: np.split(v, case.micro)[k] for n, v in feeds.items()} for k in range(case.micro)]
         for k, part in enumerate(parts):
-            update = k == case.micro - 1 and (i + 1) % case.accum == 0
-            fetch = ["loss", "logits", *([norm] if update and norm else [])]
-            got = sess.run(fetch, {**part, **pw.extra_feeds(sess)})
+            got = pw.train_run(sess, case, part, k == case.micro - 1 and (i + 1) % case.accum == 0)
         losses.append(got[0])
         logits.append(got[1])
         if len(got) > 2:
