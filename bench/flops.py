@@ -7,7 +7,7 @@ parameter: a model's first layer needs no input gradient (the MLP's is 30 % of a
 its step is 20 % below 3× forward), attention's batched products need both, the GPT's vocabulary head
 its weight's and its input's. Shapes come from running the forward graph once with onnxtrain's engine.
 tests/bench/test_flop_counts.py checks every bench model against torch's ``FlopCounterMode`` over the
-torch module's forward and backward (equal to the FLOP), and the MLP against a hand count.
+torch module's forward and backward (they agree exactly), and the MLP against a hand count.
 """
 
 from __future__ import annotations
