@@ -408,6 +408,13 @@ def train(case: Case) -> dict[str, np.ndarray]:
     out["losses"], out["norms"] = np.asarray(losses), np.asarray(norms, np.float64)
     info = sess.get_partition_info_map()
     out["split"] = np.array(sorted(info), dtype=str)
+    out["info"] = np.array(  # weight:original dims:megatron_row_partition
+        sorted(
+            f"{w}:{','.join(map(str, d['original_dim']))}:{d['megatron_row_partition'][0]}"
+            for w, d in info.items()
+        ),
+        dtype=str,
+    )
     out["seeds"] = np.array(dropout_seeds(sess), np.int64)
     return out
 

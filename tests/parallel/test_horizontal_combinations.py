@@ -102,16 +102,33 @@ def test_a_weight_read_through_a_shared_transpose_stays_whole() -> None:
 
 
 # ---- the references --------------------------------------------------------------------------------------
-def _split_weights(model: onnx.ModelProto, case: hw.Case) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """The weights the two-way split cuts: name → (axis, the axis's segments)."""
+def _shards(model: onnx.ModelProto, case: hw.Case) -> dict:
+    """The weights the two-way split cuts (name → SplitWeight)."""
     from onnxtrain.training_graph import select_trainable
 
     trainable = select_trainable(model, hw.params(case, model, split=False))
     mlp = find_mlp_blocks(model, trainable, 2)
     taken = {k for b in mlp for k in (*b.entries, b.second)}
     blocks = sorted([*mlp, *find_attention_blocks(model, trainable, 2, taken)], key=lambda b: min(b.entries))
-    _, _, split = shard_blocks(model, blocks, 0, 2)
-    return {w: (sw.axis, sw.segments) for w, sw in split.items()}
+    return shard_blocks(model, blocks, 0, 2)[2]
+
+
+def _split_weights(model: onnx.ModelProto, case: hw.Case) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """The weights the two-way split cuts: name → (axis, the axis's segments)."""
+    return {w: (sw.axis, sw.segments) for w, sw in _shards(model, case).items()}
+
+
+ROWS = ("W2", "W4", "attn.out.weight", "fc2.weight", "attn.proj.weight", "fc_out.weight")  # second products
+
+
+def partition_info(case: hw.Case) -> list[str]:
+    """``get_partition_info_map()`` as the worker writes it (``weight:original dims:row partition``): each
+    split weight's whole shape, 1 for the second products' weights (split by rows), else 0 (by columns)."""
+    model = hw.model_of(case.model)
+    dims = {t.name: list(t.dims) for t in model.graph.initializer}
+    return sorted(
+        f"{w}:{','.join(map(str, dims[w]))}:{int(w.endswith(ROWS))}" for w in _split_weights(model, case)
+    )
 
 
 def _share(full: np.ndarray, axis: int, segments: tuple[int, ...], r: int) -> np.ndarray:
@@ -255,6 +272,8 @@ def check_case(name: str, got: dict[str, np.ndarray], want: dict) -> list[str]:
                 bad.append(f"rank {r} {what}: relative error {rel_err(mine[what], want[what]):.3g}")
         if sorted(mine["split"]) != sorted(split):
             bad.append(f"rank {r}: split {sorted(mine['split'])} != {sorted(split)}")
+        if list(mine["info"]) != partition_info(case):
+            bad.append(f"rank {r}: partition info {list(mine['info'])} != {partition_info(case)}")
         gathered = {k[6:]: v for k, v in mine.items() if k.startswith("state/")}
         if sorted(gathered) != sorted(ref):
             bad.append(f"rank {r}: gathered names {sorted(set(gathered) ^ set(ref))} differ")
