@@ -6,7 +6,7 @@ SGD / Adam / LAMB × numpy engine / onnxruntime backend × the cut (after a MatM
 tensor read by two later nodes, a skip connection crossing the cut, a BatchNormalization or a seeded Dropout
 in each stage) × frozen weights (one weight of the first stage, or all of them). The default suite runs a
 pairwise selection (every pair of option values in some case) in one ``mpiexec``; ``ONNXTRAIN_FULL_TESTS=1``
-runs every combination (3600; about 20 minutes on 2 shared cores).
+runs every combination (3600; 25 minutes on 2 shared cores).
 
 Oracle: one session on the uncut model, in one process, with ``gradient_accumulation_steps = micro ×
 accum`` (and the same protocol) fed the same micro-batches, one run each (README "Pipeline parallelism";
