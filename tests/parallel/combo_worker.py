@@ -89,16 +89,18 @@ def ondevice_cases() -> list[Case]:
     return _product(("allreduce",), ("sgd", "adamw"), ("1", "3"))
 
 
-def pairwise(cases: list[Case]) -> list[Case]:
-    """A few cases that, between them, hold every pair of option values ``cases`` holds (greedy)."""
-    fields = ("mode", "accum_token", "clip", "mp", "opt", "backend", "split", "frozen")
+FIELDS = ("mode", "accum_token", "clip", "mp", "opt", "backend", "split", "frozen")
 
-    def pairs(c: Case) -> set[tuple]:
+
+def pairwise(cases: list, fields: tuple[str, ...] = FIELDS) -> list:
+    """A few of ``cases`` that, between them, hold every pair of values of their ``fields`` (greedy)."""
+
+    def pairs(c) -> set[tuple]:
         v = [getattr(c, f) for f in fields]
         return {(i, v[i], j, v[j]) for i in range(len(v)) for j in range(i + 1, len(v))}
 
     todo = set().union(*(pairs(c) for c in cases))
-    chosen: list[Case] = []
+    chosen: list = []
     while todo:
         best = max(cases, key=lambda c: len(pairs(c) & todo))
         chosen.append(best)

@@ -30,6 +30,9 @@ import onnx  # noqa: E402
 from onnx import TensorProto as T  # noqa: E402
 from onnx import helper, numpy_helper  # noqa: E402
 
+from tests.parallel import combo_worker as combos  # noqa: E402
+from tests.parallel.combo_worker import session_options  # noqa: E402
+
 LR = np.array([0.05], np.float32)
 STEPS = 3
 BATCH = 8  # rows of a micro-batch
@@ -273,19 +276,7 @@ def all_cases() -> list[Case]:
 
 def pairwise(cases: list[Case]) -> list[Case]:
     """A few cases that, between them, hold every pair of option values (greedy)."""
-    fields = ("model", "accum_token", "clip", "mp", "opt", "backend", "frozen")
-
-    def pairs(c: Case) -> set[tuple]:
-        v = [getattr(c, f) for f in fields]
-        return {(i, v[i], j, v[j]) for i in range(len(v)) for j in range(i + 1, len(v))}
-
-    todo = set().union(*(pairs(c) for c in cases))
-    chosen: list[Case] = []
-    while todo:
-        best = max(cases, key=lambda c: len(pairs(c) & todo))
-        chosen.append(best)
-        todo -= pairs(best)
-    return chosen
+    return combos.pairwise(cases, ("model", "accum_token", "clip", "mp", "opt", "backend", "frozen"))
 
 
 def not_trained(case: Case) -> set[str]:
@@ -318,13 +309,6 @@ def model_of(name: str) -> onnx.ModelProto:
     return (MODELS | UNSPLIT)[name]()
 
 
-def session_options(backend: str):
-    from onnxtrain import SessionOptions
-
-    so = SessionOptions()
-    if backend == "ort":
-        so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
-    return so
 
 
 def session(case: Case, model: onnx.ModelProto | None = None, split: bool = True):

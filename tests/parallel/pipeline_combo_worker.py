@@ -27,6 +27,9 @@ import onnx  # noqa: E402
 from onnx import TensorProto as T  # noqa: E402
 from onnx import helper, numpy_helper  # noqa: E402
 
+from tests.parallel import combo_worker as combos  # noqa: E402
+from tests.parallel.combo_worker import session_options  # noqa: E402
+
 LR = np.array([0.05], np.float32)
 STEPS = 2  # updates a case trains
 # rows a run: 4 micro-batches of 4 at most (a BatchNormalization of 2 rows maps them to ±1, its input's
@@ -212,17 +215,7 @@ def cases() -> list[Case]:
 
 def pairwise(pool: list[Case]) -> list[Case]:
     """A few cases of ``pool`` that, between them, hold every pair of option values (greedy)."""
-    def pairs(c: Case) -> set[tuple]:
-        v = [getattr(c, f) for f in FIELDS]
-        return {(i, v[i], j, v[j]) for i in range(len(v)) for j in range(i + 1, len(v))}
-
-    todo = set().union(*(pairs(c) for c in pool))
-    chosen: list[Case] = []
-    while todo:
-        best = max(pool, key=lambda c: len(pairs(c) & todo))
-        chosen.append(best)
-        todo -= pairs(best)
-    return chosen
+    return combos.pairwise(pool, FIELDS)
 
 
 def model_of(case: Case) -> onnx.ModelProto:
@@ -259,15 +252,6 @@ def parameters(case: Case, pipelined: bool):
     return p
 
 
-def session_options(backend: str):
-    """Session options naming ``backend`` (None: the numpy engine)."""
-    if backend == "numpy":
-        return None
-    from onnxtrain import SessionOptions
-
-    so = SessionOptions()
-    so.add_session_config_entry("onnxtrain.backend", "onnxruntime")
-    return so
 
 
 def session(case: Case, pipelined: bool):
