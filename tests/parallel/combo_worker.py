@@ -202,7 +202,8 @@ def train_legacy_rank(case: Case, rank: int) -> dict[str, np.ndarray]:
     return out
 
 
-def _save_everyone(comm, rank: int, mine: dict[str, np.ndarray], prefix: str, saved: dict) -> None:
+def save_everyone(comm, rank: int, mine: dict[str, np.ndarray], prefix: str, saved: dict) -> None:
+    """Every rank's ``mine`` into rank 0's ``saved``, under ``prefix/<rank>/<name>``."""
     for r, d in enumerate(comm.allgather_object(mine)):
         if rank == 0:
             saved.update({f"{prefix}/{r}/{k}": v for k, v in d.items()})
@@ -217,11 +218,11 @@ def main() -> None:
     if what == "legacy":
         comm = get_communicator()
         for name in sys.argv[3].split(","):
-            _save_everyone(comm, w.rank, train_legacy_rank(Case.parse(name), w.rank), name, saved)
+            save_everyone(comm, w.rank, train_legacy_rank(Case.parse(name), w.rank), name, saved)
     elif what == "ondevice":
         comm = get_communicator()
         for name in sys.argv[4].split(","):
-            _save_everyone(comm, w.rank, train_ondevice_rank(Case.parse(name), sys.argv[3], w.rank), name,
+            save_everyone(comm, w.rank, train_ondevice_rank(Case.parse(name), sys.argv[3], w.rank), name,
                            saved)
     elif what == "resume":
         resume_legacy(Case.parse(sys.argv[5]), sys.argv[3], sys.argv[4], w.rank, saved)
@@ -288,7 +289,7 @@ def resume_legacy(case: Case, saved_here: str, saved_alone: str, rank: int, save
     load_legacy_checkpoint(resumed, saved_alone, comm)
     legacy_steps(resumed, case, rank, k, 2 * k)
     mine.update({f"resumed/{n}": v for n, v in resumed.gather_state().items()})
-    _save_everyone(comm, rank, mine, case.name, saved)
+    save_everyone(comm, rank, mine, case.name, saved)
 
 
 def resume_ondevice(case: Case, root: str, saved_here: str, saved_alone: str, rank: int, saved: dict) -> None:
@@ -308,7 +309,7 @@ def resume_ondevice(case: Case, root: str, saved_here: str, saved_alone: str, ra
     state2, module2, opt2 = open_ondevice(folder, case.backend, saved_alone)
     ondevice_steps(module2, opt2, case, rank, k, 2 * k)
     mine.update({f"resumed/{n}": v for n, v in ondevice_state(state2).items()})
-    _save_everyone(comm, rank, mine, case.name, saved)
+    save_everyone(comm, rank, mine, case.name, saved)
 
 
 def ondevice_steps(module, opt, case: Case, rank: int | None, first: int, last: int) -> None:

@@ -31,7 +31,7 @@ from onnx import TensorProto as T  # noqa: E402
 from onnx import helper, numpy_helper  # noqa: E402
 
 from tests.parallel import combo_worker as combos  # noqa: E402
-from tests.parallel.combo_worker import session_options  # noqa: E402
+from tests.parallel.combo_worker import save_everyone, session_options  # noqa: E402
 
 LR = np.array([0.05], np.float32)
 STEPS = 3
@@ -403,12 +403,6 @@ def train(case: Case) -> dict[str, np.ndarray]:
     return out
 
 
-def _save_everyone(comm, rank: int, mine: dict[str, np.ndarray], prefix: str, saved: dict) -> None:
-    for r, d in enumerate(comm.allgather_object(mine)):
-        if rank == 0:
-            saved.update({f"{prefix}/{r}/{k}": v for k, v in d.items()})
-
-
 def resume(case: Case, folder: str) -> dict[str, np.ndarray]:
     """K updates; the rank's own and the gathered state; K more. Then K more from each of: the gathered
     state, the rank's own state, and the whole state one process read from its checkpoint after K updates
@@ -450,10 +444,10 @@ def main() -> None:
     saved: dict[str, np.ndarray] = {}
     if what == "train":
         for name in sys.argv[3].split(","):
-            _save_everyone(comm, rank, train(Case.parse(name)), name, saved)
+            save_everyone(comm, rank, train(Case.parse(name)), name, saved)
     elif what == "resume":
         for name in sys.argv[4].split(","):
-            _save_everyone(comm, rank, resume(Case.parse(name), sys.argv[3]), name, saved)
+            save_everyone(comm, rank, resume(Case.parse(name), sys.argv[3]), name, saved)
     elif what == "badfeed":
         bad_feed(Case.parse(sys.argv[3]), rank)
     else:

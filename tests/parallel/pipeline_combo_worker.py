@@ -28,7 +28,7 @@ from onnx import TensorProto as T  # noqa: E402
 from onnx import helper, numpy_helper  # noqa: E402
 
 from tests.parallel import combo_worker as combos  # noqa: E402
-from tests.parallel.combo_worker import session_options  # noqa: E402
+from tests.parallel.combo_worker import save_everyone, session_options  # noqa: E402
 
 LR = np.array([0.05], np.float32)
 STEPS = 2  # updates a case trains
@@ -338,12 +338,6 @@ def train_pipeline(case: Case, sess=None, first: int = 0, last: int | None = Non
     return out
 
 
-def _save_everyone(comm, rank: int, mine: dict[str, np.ndarray], prefix: str, saved: dict) -> None:
-    for r, d in enumerate(comm.allgather_object(mine)):
-        if rank == 0:
-            saved.update({f"{prefix}/{r}/{k}": v for k, v in d.items()})
-
-
 def checkpoint_of(sess, case: Case, state: dict[str, np.ndarray], comm=None):
     """The checkpoint (``onnxtrain.checkpoint``) of ``case``'s session after ``STEPS // 2`` updates, from
     its whole ``state`` (a stage's: ``gather_state()``, with ``comm``)."""
@@ -386,7 +380,7 @@ def resume(case: Case, out_dir: str, rank: int, saved: dict) -> None:
     from_ckpt = session(case, True)
     load_checkpoint_into(from_ckpt, os.path.join(out_dir, "alone.ckpt"), comm)
     mine.update({f"checkpoint/{k}": v for k, v in train_pipeline(case, from_ckpt, half).items()})
-    _save_everyone(comm, rank, mine, case.name, saved)
+    save_everyone(comm, rank, mine, case.name, saved)
 
 
 def bad_feed(case: Case, kind: str, rank: int) -> None:
@@ -415,7 +409,7 @@ def main() -> None:
     if what == "train":
         comm = get_communicator()
         for name in sys.argv[3].split(","):
-            _save_everyone(comm, w.rank, train_pipeline(Case.parse(name)), name, saved)
+            save_everyone(comm, w.rank, train_pipeline(Case.parse(name)), name, saved)
     elif what == "resume":
         resume(Case.parse(sys.argv[4]), sys.argv[3], w.rank, saved)
     elif what == "badfeed":
