@@ -177,7 +177,7 @@ def make_plan(model: onnx.ModelProto | str | bytes, backend: str = "numpy",
     if check_backend(backend) == "numpy":
         from onnxtrain.engine.plan import Plan  # here: onnxruntime sessions never load the numpy engine
 
-        return Plan(model, fuse=_numpy_fuse(options), threads=_intra_op_threads(options),
+        return Plan(model, fuse=numpy_fuse(options), threads=intra_op_threads(options),
                     random_state=random_state, initializers=initializers)
     from onnxtrain.engine.ort_plan import OrtPlan  # here: numpy sessions never load it
 
@@ -248,7 +248,7 @@ def _distinct_seeds(model: onnx.ModelProto, random_state: dict[Any, dict[Any, An
     return out
 
 
-def _intra_op_threads(options: Any) -> int | None:
+def intra_op_threads(options: Any) -> int | None:
     """``options.intra_op_num_threads`` when set above 0 (None: the plan's default, also for a negative count,
     which onnxruntime takes as its default too)."""
     n = getattr(options, "intra_op_num_threads", 0)
@@ -257,7 +257,7 @@ def _intra_op_threads(options: Any) -> int | None:
     return n if n > 0 else None
 
 
-def _numpy_fuse(options: Any) -> bool | None:
+def numpy_fuse(options: Any) -> bool | None:
     """The numpy plan's ``fuse`` for these SessionOptions (None: the default); warns about
     ``inter_op_num_threads`` and onnxruntime's memory options, which the numpy engine has no use for."""
     inter = getattr(options, "inter_op_num_threads", 0)
@@ -289,10 +289,10 @@ def _numpy_fuse(options: Any) -> bool | None:
         )
     if getattr(options, "enable_profiling", False):
         return False
-    return False if _optimizations_off(options) else None
+    return False if optimizations_off(options) else None
 
 
-def _optimizations_off(options: Any) -> bool:
+def optimizations_off(options: Any) -> bool:
     """True when the options' ``graph_optimization_level`` is ``ORT_DISABLE_ALL`` (0)."""
     level = getattr(options, "graph_optimization_level", None)
     return level is not None and int(level) == 0

@@ -15,7 +15,7 @@ import onnx
 from onnx import numpy_helper
 
 from onnxtrain.engine.allocator import release_free_memory
-from onnxtrain.engine.backends import _optimizations_off, import_onnxruntime, resolve_providers
+from onnxtrain.engine.backends import import_onnxruntime, optimizations_off, resolve_providers
 from onnxtrain.engine.donation import check_fed, donatable
 from onnxtrain.engine.interface import (
     RUN_OPTIONS,
@@ -121,7 +121,7 @@ class OrtPlan(GraphInterface):
         self._tensor_io = all(v.type.HasField("tensor_type") for v in (*g.input, *g.output))
         # onnxtrain's own rewrites (onnxtrain/engine/ort_rewrites.py): the label losses' check, and those
         # that speed it up unless optimisations are off
-        self.onnxruntime_model = for_onnxruntime(model, optimise=not _optimizations_off(options))
+        self.onnxruntime_model = for_onnxruntime(model, optimise=not optimizations_off(options))
         # the labels' range checks: the node that fails → the loss and the error raised then
         self._label_checks = label_range_messages(self.onnxruntime_model)
         # a large elementwise graph (an optimizer's update) runs piece by piece (see ort_chunks)
@@ -129,7 +129,7 @@ class OrtPlan(GraphInterface):
                         if scalar_inputs is not None and self._tensor_io and self._device == "cpu" else None)
         self._prefix = None  # (its session, its inputs) when the pieces read reduced scalars
         # sums of squares over large tensors (a clipped update's norm) in two levels, for their rounding
-        squares = (lambda m: m) if _optimizations_off(options) else two_level_sum_squares
+        squares = (lambda m: m) if optimizations_off(options) else two_level_sum_squares
         if self._chunks is not None:
             prefix, main = split_models(self.onnxruntime_model, self._chunks)
             if prefix is not None:

@@ -28,11 +28,11 @@ import onnx
 from onnxtrain.capi.feeds import empty_run
 from onnxtrain.capi.outputs import outputs_apart, own_outputs
 from onnxtrain.engine.backends import (
-    _intra_op_threads,
-    _numpy_fuse,
-    _optimizations_off,
     backend_of,
+    intra_op_threads,
     make_plan,
+    numpy_fuse,
+    optimizations_off,
     session_config_entry,
 )
 from onnxtrain.engine.feed_sizes import check_same_sizes, same_size_dims, shared_dim_mismatch
@@ -228,8 +228,8 @@ def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, fol
 
         # an InferenceSession's options for the numpy plan: its thread count, and no fusion without
         # graph optimisations (the defaults when the options leave them unset)
-        return compile_model(model, random_state=random_state, threads=_intra_op_threads(session_options),
-                             fuse=False if _optimizations_off(session_options) else None)
+        return compile_model(model, random_state=random_state, threads=intra_op_threads(session_options),
+                             fuse=False if optimizations_off(session_options) else None)
     except UnsupportedOpError as e:
         foreign = sorted({n.domain for n in model.graph.node if n.domain not in ("", "ai.onnx")})
         # (onnxruntime-training's com.microsoft operators never get here: Module translates them on load)
@@ -251,7 +251,7 @@ def _check_session_options(options: Any) -> None:
                          f"session.disable_prepacking must be '1' (or unset), got {prepacking!r}")
     if backend_of(options) != "numpy":
         return
-    _numpy_fuse(options)  # (its warnings; its fusion choice is _compile's)
+    numpy_fuse(options)  # (its warnings; its fusion choice is _compile's)
     unapplied = [k for k in ("enable_profiling", "optimized_model_filepath") if getattr(options, k, None)]
     if unapplied:
         warn(f"SessionOptions.{' and '.join(unapplied)} have no effect on the on-device Module on the numpy "
