@@ -15,6 +15,7 @@ from onnxtrain.capi.ortvalue import OrtValue
 from onnxtrain.errors import InvalidFeed, InvalidFeedType
 from onnxtrain.ir.builder import loadable_model
 from onnxtrain.ir.types import np_dtype_of, value_info_shape
+from onnxtrain.training.ort_artifacts.common import MS, OPTIMIZER_OPS
 
 ModelLike = str | os.PathLike | bytes | onnx.ModelProto
 
@@ -26,16 +27,12 @@ def load_model(uri: ModelLike, what: str) -> tuple[onnx.ModelProto, str | None]:
     return loadable_model(model, f"the {what} model{f' {path}' if path else ''}: "), path
 
 
-# onnxruntime-training's optimizer operators (an optimizer model of its generator holds one)
-_ORT_OPTIMIZER_OPS = frozenset({"AdamWOptimizer", "SGDOptimizerV2"})
-
-
 def is_optimizer_model(model: onnx.ModelProto) -> bool:
     """Whether ``model`` is an optimizer model: onnxtrain's (its ``onnxtrain.optimizer`` metadata) or
     onnxruntime-training's (an AdamWOptimizer or SGDOptimizerV2 node)."""
     if any(p.key == "onnxtrain.optimizer" for p in model.metadata_props):
         return True
-    return any(n.op_type in _ORT_OPTIMIZER_OPS and n.domain == "com.microsoft" for n in model.graph.node)
+    return any(n.op_type in OPTIMIZER_OPS and n.domain == MS for n in model.graph.node)
 
 
 def _read(uri: ModelLike, what: str) -> tuple[onnx.ModelProto, str | None]:

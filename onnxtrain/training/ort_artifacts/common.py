@@ -15,6 +15,8 @@ from onnxtrain.ir.builder import elem_type, static_shape
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 
 MS = "com.microsoft"
+# onnxruntime-training's optimizer operators (its optimizer models hold one)
+OPTIMIZER_OPS = frozenset({"AdamWOptimizer", "SGDOptimizerV2"})
 ACCUMULATED_SUFFIX = "_grad.accumulation.out"
 BUFFER_SUFFIX = "_grad.accumulation.buffer"
 

@@ -9,12 +9,11 @@ from onnxtrain.ir.graphs import DEFAULT_DOMAINS
 from onnxtrain.training.ort_artifacts.common import (
     BUFFER_SUFFIX,
     MS,
+    OPTIMIZER_OPS,
     TranslationError,
     is_onnxruntime_training_model,
     node_label,
 )
-
-_OPTIMIZER_OPS = ("AdamWOptimizer", "SGDOptimizerV2")
 
 
 def _trainable(training_model: onnx.ModelProto) -> list[tuple[str, onnx.TypeProto]]:
@@ -39,7 +38,7 @@ def translate_optimizer_model(model: onnx.ModelProto, training_model: onnx.Model
 
     if not is_onnxruntime_training_model(model):
         return model
-    if not any(n.op_type in _OPTIMIZER_OPS for n in model.graph.node):
+    if not any(n.op_type in OPTIMIZER_OPS for n in model.graph.node):
         raise TranslationError(
             "not an optimizer model: it has no AdamWOptimizer or SGDOptimizerV2 node (a training or eval "
             "model given as the optimizer model?)"
