@@ -103,10 +103,10 @@ def register_custom_stop_gradient_edges(key: str, indices: Iterable[int]) -> Non
         raise TypeError(f"{where}: the input slots must be ints >= 0, got {slots!r}")
     domain, op = key.split("::")[:2]
     if domain not in DEFAULT_DOMAINS:
-        import warnings
+        from onnxtrain.user_warning import warn
 
-        warnings.warn(f"{where}({key!r}): only ops of ONNX's own domain have gradient rules here; the edges "
-                      f"of an op of domain {domain!r} change nothing", UserWarning, stacklevel=2)
+        warn(f"{where}({key!r}): only ops of ONNX's own domain have gradient rules here; the edges of an op "
+             f"of domain {domain!r} change nothing")
     _CUSTOM_STOPS[op] = _CUSTOM_STOPS.get(op, frozenset()) | frozenset(slots)
 
 
