@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain.autodiff.builder import upgrade_opset
 from onnxtrain.capi.feeds import empty_run
 from onnxtrain.capi.options import RunOptions
+from onnxtrain.engine.kernels.half import is_half
 from onnxtrain.errors import InvalidFeed, InvalidFeedType
 from onnxtrain.graph_transforms.accumulation import GROUP_OUTPUT
 from onnxtrain.graph_transforms.clipping import norm_dtype
@@ -266,7 +267,7 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         if self._params.gradient_accumulation_steps > 1:
             self._outputs.append(NodeArg(GROUP_OUTPUT, "tensor(bool)", FLAG_SHAPE))
             self._output_names.append(GROUP_OUTPUT)
-        self._summed: dict[str, np.ndarray] = {}
+        self._summed = GradientSums()
         self._micro_step = 0
 
     def _is_micro_step(self, names: Sequence[str], ro: RunOptions) -> bool:
@@ -283,13 +284,13 @@ class CutModelSession(ReplicaExchange, TrainingSession):
 
     def _add_gradient(self, name: str, g: np.ndarray) -> None:
         """Add ``g`` to the running sum of ``name``'s gradient, in the order one process's buffer adds."""
-        add_into(self._summed, name, g)
+        self._summed.add(name, g)
 
     def _take_means(self, count: int) -> dict[str, np.ndarray]:
         """The means of the accumulation that ends, over the ``count`` gradients its sums hold; the next one
         starts from nothing."""
-        sums, self._summed, self._micro_step = self._summed, {}, 0
-        return means(sums, count)
+        sums, self._summed, self._micro_step = self._summed, GradientSums(), 0
+        return sums.means(count)
 
     def _run_update(self, plan: Any, outputs: Mapping[str, str], given: Mapping[str, Any]) -> None:
         """Run an update graph on this rank's state and ``given`` (gradients, learning rate, norm); the new
@@ -401,17 +402,39 @@ class CutModelSession(ReplicaExchange, TrainingSession):
         return max((getattr(pl, "peak_bytes", 0) for pl in self._plans.values()), default=0)
 
 
-def add_into(sums: dict[str, np.ndarray], name: str, g: np.ndarray) -> None:
-    """Add ``g`` to ``sums[name]`` in place (a copy of ``g`` when it is the first)."""
-    if name in sums:
-        np.add(sums[name], g, out=sums[name])
-    else:
-        sums[name] = np.array(g, copy=True)
+class GradientSums:
+    """Running sums of gradients by name, as one process's accumulation buffers keep them: float16 and
+    bfloat16 gradients are summed in float32 (spec §8.3) and their means cast back to the gradient's type."""
 
+    __slots__ = ("_sums", "_types")
 
-def means(sums: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
-    """``sums`` over ``count`` terms as means: times 1/count, as one process's graph scales its buffers."""
-    return {g: s * s.dtype.type(1.0 / count) for g, s in sums.items()} if count > 1 else sums
+    def __init__(self) -> None:
+        self._sums: dict[str, np.ndarray] = {}
+        self._types: dict[str, np.dtype] = {}  # the gradient's own type, where the sum is wider
+
+    def __bool__(self) -> bool:
+        return bool(self._sums)
+
+    def add(self, name: str, g: np.ndarray) -> None:
+        """Add ``g`` to the sum of ``name`` in place (the first: a copy of ``g``, widened if half)."""
+        total = self._sums.get(name)
+        if total is not None:
+            np.add(total, g, out=total)
+        elif is_half(g.dtype):
+            self._types[name] = g.dtype
+            self._sums[name] = g.astype(np.float32)
+        else:
+            self._sums[name] = np.array(g, copy=True)
+
+    def means(self, count: int) -> dict[str, np.ndarray]:
+        """The sums over ``count`` terms as means, times 1/count as one process's graph scales its buffers, in
+        each gradient's own type."""
+        out = {}
+        for name, total in self._sums.items():
+            mean = total * total.dtype.type(1.0 / count) if count > 1 else total
+            half = self._types.get(name)
+            out[name] = mean if half is None else mean.astype(half)
+        return out
 
 
 def squared_sum(arrays: Iterable[np.ndarray]) -> float:

@@ -66,8 +66,7 @@ from onnxtrain.session import all_or_nothing, serialized
 from onnxtrain.session_cut import (
     SHARED_OPTIONS,
     CutModelSession,
-    add_into,
-    means,
+    GradientSums,
     model_fingerprint,
     squared_sum,
 )
@@ -406,7 +405,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         micro = self._micro_feeds(feeds, m)
         pending: list = []
         kept = [self._forward(micro[k], dropout, "forward_train", 2 * k, pending) for k in range(m)]
-        own: dict[str, np.ndarray] = {}  # the run's gradients over its micro-batches, when they are outputs
+        own = GradientSums()  # the run's gradients over its micro-batches, when they are outputs
         for k, (values, saved) in enumerate(kept):
             grads = self._backward(values, saved, dropout, 2 * k + 1, pending)
             kept[k] = (values, {})  # the micro-batch's activations are freed
@@ -414,12 +413,12 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
                 if accumulate:
                     self._add_gradient(w, g)
                 if self._grad_outputs and m > 1:
-                    add_into(own, w, g)
+                    own.add(w, g)
         for r in pending:
             r.wait()
         values = kept[-1][0]  # the outputs of the run's last micro-batch
         if self._grad_outputs:  # the run's own gradients: their mean over its micro-batches
-            values.update(self._whole_gradients(means(own, m) if m > 1 else grads))
+            values.update(self._whole_gradients(own.means(m) if m > 1 else grads))
         if not accumulate:
             return values
         if summed:

@@ -56,8 +56,7 @@ from onnxtrain.session import all_or_nothing, dumped_graph, requested_dumps, ser
 from onnxtrain.session_cut import (
     SHARED_OPTIONS,
     CutModelSession,
-    add_into,
-    means,
+    GradientSums,
     model_fingerprint,
     squared_sum,
 )
@@ -226,7 +225,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
         pending: list = []
         kept: list[dict[str, np.ndarray]] = []  # per micro-batch: the tensors received, and outputs
         outputs: dict[str, np.ndarray] = {}
-        mine: dict[str, np.ndarray] = {}  # the run's own gradients, when they are outputs
+        mine = GradientSums()  # the run's own gradients, when they are outputs
         grads = [f"{w}_grad" for w in self._sg.trainable]
         rgrads = [f"{r}_grad" for r in self._sg.diff_received]
         if not last:
@@ -255,7 +254,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
                 if accumulate:
                     self._add_gradient(gname, res[gname])
                 if gname in self._grad_outputs:  # and over this run's micro-batches alone, to return
-                    add_into(mine, gname, res[gname])
+                    mine.add(gname, res[gname])
             if s > 0:
                 back = {r: res[f"{r}_grad"] for r in self._sg.diff_received}
                 for t in self._sg.sends:  # passed through this stage: its gradient goes on back
@@ -269,7 +268,7 @@ class PipelineTrainingSession(MicroBatching, CutModelSession):
             )
         for r in pending:
             r.wait()
-        outputs.update(means(mine, m))
+        outputs.update(mine.means(m))
         if not accumulate:
             return outputs
         self._micro_step += 1
