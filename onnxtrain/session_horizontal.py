@@ -118,6 +118,7 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
         self._split_groups(world_comm, rank % h, rank // h % replicas, rank // (h * replicas), stages)
         self._opt = get_optimizer(p.training_optimizer_name, p.use_fp16_moments)
         trainable = select_trainable(model, p)
+        self._model_trained = list(trainable)
         blocks: list = find_mlp_blocks(model, trainable, h)
         taken = {k for b in blocks for k in (*b.entries, b.second)}
         blocks = sorted(
@@ -300,6 +301,11 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
     def stage(self) -> int:
         """This rank's pipeline stage (0 = the first; 0 without pipeline stages)."""
         return self._stage
+
+    def model_trained_weights(self) -> list[str]:
+        """The trained weights of the whole model under one process's names, every stage's
+        (``get_model_state()`` holds this rank's shares): those a checkpoint of ``gather_state()`` trains."""
+        return list(self._model_trained)
 
     # ---- running -------------------------------------------------------------------------
     def _forward_only(self, feeds: dict[str, np.ndarray], dropout: bool) -> dict[str, np.ndarray]:

@@ -9,7 +9,8 @@
 * the trainer's run state (step, epoch, data position, data-order RNG state, …) → ``properties``.
 
 Both directions work on the *unpartitioned* state (``TrainingSession.gather_state()``), so a
-checkpoint written under ZeRO stage 1 holds the whole optimizer state and loads anywhere.
+checkpoint written under ZeRO stage 1, by a pipeline stage or by a horizontally split rank holds the whole
+model's weights and optimizer state, under one process's names, and loads anywhere.
 """
 
 from __future__ import annotations
@@ -34,16 +35,19 @@ OptimizerLayout = dict[str, list[str]]
 
 
 def trainable_names(sess: TrainingSession) -> list[str]:
-    """The trained weights of the whole model: a pipeline stage's session names every stage's (its
-    ``get_model_state()`` holds its own)."""
+    """The trained weights of the whole model: a pipeline stage's or a horizontally split rank's session names
+    every stage's whole weights (its ``get_model_state()`` holds its own, a split rank's under its shares'
+    names)."""
     whole = getattr(sess, "model_trained_weights", None)
     return whole() if whole is not None else list(sess.get_model_state()["full_precision"])
 
 
 def optimizer_layout(sess: TrainingSession, comm: Communicator | None = None) -> OptimizerLayout:
     """Which optimizer state each weight has. Under ZeRO stage 1 a rank holds the state of its own
-    weights only: with ``comm`` (a collective: every rank calls it) the ranks' parts are merged."""
-    mine = {w: sorted(d) for w, d in sess.get_optimizer_state().items()}
+    weights only: with ``comm`` (a collective: every rank calls it) the ranks' parts are merged. Weights go
+    by the whole model's names (a horizontally split rank's shares by their weights')."""
+    model_name = getattr(sess, "_original", None)  # a horizontally split rank: share → its weight
+    mine = {model_name(w) if model_name else w: sorted(d) for w, d in sess.get_optimizer_state().items()}
     if comm is None or comm.size == 1:
         return mine
     merged: OptimizerLayout = {}
@@ -57,9 +61,9 @@ def half_twins(sess: TrainingSession) -> set[str]:
     """Names of the session's half twins of trained weights under mixed precision (``<w>_fp16``): state
     that ``get_state`` derives from the float32 masters and ``load_state`` skips."""
     whole = getattr(sess, "model_trained_weights", None)
-    if whole is not None:  # a pipeline stage: every stage's twins, as its gathered state holds them
-        mp = sess._mixed_precision()
-        return set() if mp is None else {mp.twins[w] for w in whole() if w in mp.twins}
+    if whole is not None:  # a stage or a split rank: every stage's whole twins, as gather_state() has them
+        twins = (sess._twin_of(w) for w in whole())
+        return {t for t in twins if t is not None}
     return set(getattr(sess, "_twin_masters", dict)())  # the session's own record of its twins
 
 

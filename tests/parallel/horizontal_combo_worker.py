@@ -6,7 +6,9 @@
 fetched global norms and losses, the split weights and the Dropout seeds the ranks agreed on.
 ``resume OUT FOLDER CASE,...``: K updates, the state, K more; then new sessions resumed from the gathered
 state, from the rank's own state and from the state one process read from its checkpoint (in FOLDER), K
-more each. ``badfeed OUT CASE``: rank 1 feeds a batch of the wrong width.
+more each. ``checkpoint OUT FOLDER CASE,...``: K updates, a checkpoint of the gathered state (written to
+FOLDER by rank 0); new sessions load it, and one process's checkpoint from FOLDER, and train K more each.
+``badfeed OUT CASE``: rank 1 feeds a batch of the wrong width.
 
 A case name spells its options: ``mlp-a2-clip-mp-lamb-ort-frozen`` is the model (:data:`MODELS`),
 gradient accumulation steps (``a2L``: onnxruntime's protocol, micro-steps fetching the accumulated
@@ -425,6 +427,47 @@ def resume(case: Case, folder: str) -> dict[str, np.ndarray]:
     return mine
 
 
+def _checkpoint_arrays(ckpt) -> dict[str, np.ndarray]:
+    """A checkpoint's contents as named arrays: ``trainable/<w>``, ``frozen/<name>``, ``moment/<w>/<key>`` of
+    its first optimizer group and that group's ``step``."""
+    out = {f"trainable/{k}": v for k, v in ckpt.trainable.items()}
+    out.update({f"frozen/{k}": v for k, v in ckpt.frozen.items()})
+    group = ckpt.optimizer_groups[0]
+    out.update({f"moment/{w}/{k}": v for w, d in group.states.items() for k, v in d.items()})
+    out["step"] = np.array(group.step, np.int64)
+    return out
+
+
+def checkpoint(case: Case, folder: str, comm) -> dict[str, np.ndarray]:
+    """K updates; a checkpoint of the gathered state (``onnxtrain.train.state.session_to_checkpoint``), which
+    rank 0 writes to ``<folder>/<case>.split.ckpt``. Then new split sessions load that checkpoint, and the one
+    one process wrote after K updates (``<folder>/<case>.alone.ckpt``), by ``checkpoint_to_state``, and train
+    K more each: their losses and gathered states."""
+    from onnxtrain.checkpoint import load_checkpoint, save_checkpoint
+    from onnxtrain.train.state import checkpoint_to_state, optimizer_layout, session_to_checkpoint
+
+    k = RESUME_STEPS
+    model = model_of(case.model)
+    sess = session(case, model)
+    steps(sess, case, 0, k)
+    ckpt = session_to_checkpoint(sess, model, float(LR[0]), k, {}, state=sess.gather_state(),
+                                 layout=optimizer_layout(sess, comm))
+    path = os.path.join(folder, f"{case.name}.split.ckpt")
+    if comm.rank == 0:
+        save_checkpoint(ckpt, path)
+    comm.barrier()
+    mine = {f"ckpt/{n}": v for n, v in _checkpoint_arrays(ckpt).items()}
+    for what in ("split", "alone"):
+        again = session(case, model)
+        state = checkpoint_to_state(load_checkpoint(os.path.join(folder, f"{case.name}.{what}.ckpt")), again,
+                                    again.gather_state(), optimizer_layout(again, comm))
+        again.load_state(state, strict=True)
+        losses, _ = steps(again, case, k, 2 * k)
+        mine[f"from_{what}/losses"] = np.asarray(losses)
+        mine.update({f"from_{what}/state/{n}": v for n, v in again.gather_state().items()})
+    return mine
+
+
 def bad_feed(case: Case, rank: int) -> None:
     """Rank 1 feeds x of twice the width at the second update, while rank 0 waits in the first block's sum."""
     sess = session(case)
@@ -448,6 +491,9 @@ def main() -> None:
     elif what == "resume":
         for name in sys.argv[4].split(","):
             save_everyone(comm, rank, resume(Case.parse(name), sys.argv[3]), name, saved)
+    elif what == "checkpoint":
+        for name in sys.argv[4].split(","):
+            save_everyone(comm, rank, checkpoint(Case.parse(name), sys.argv[3], comm), name, saved)
     elif what == "badfeed":
         bad_feed(Case.parse(sys.argv[3]), rank)
     else:

@@ -424,9 +424,8 @@ def test_state_and_checkpoints_resume_on_the_same_trajectory(tmp_path, monkeypat
     """After K updates on 2 ranks: the gathered state is one process's and each rank's own state its shares;
     a new split session resumed from the gathered state or from the rank's own state continues bit for bit
     as the uninterrupted session, and one resumed from a checkpoint one process wrote on one process's
-    trajectory; the gathered state, written to a checkpoint and read back in one process, too.
-    (``onnxtrain.train.state``'s checkpoint helpers take a one-process session: given a split session they
-    fail on its share names, and the train command offers no horizontal parallelism.)"""
+    trajectory; the gathered state, written to a checkpoint and read back in one process, too (the split
+    session's own checkpoints: ``test_checkpoints_of_a_split_session``)."""
     pytest.importorskip("onnxruntime")
     monkeypatch.setenv(hw.GPT2_ENV, gpt2_path)
     k = hw.RESUME_STEPS
@@ -475,6 +474,56 @@ def test_state_and_checkpoints_resume_on_the_same_trajectory(tmp_path, monkeypat
         )
         hw.steps(one, case, k, 2 * k)
         bad += _close(one.get_state(), final, tol, f"{name}: one process resumed from the ranks' checkpoint")
+    assert not bad, "\n".join(bad)
+
+
+CHECKPOINTED = RESUMED
+
+
+@pytest.mark.mpi
+def test_checkpoints_of_a_split_session(tmp_path, monkeypatch, gpt2_path: str) -> None:
+    """After K updates on 2 ranks, ``onnxtrain.train.state.session_to_checkpoint`` of ``gather_state()`` (with
+    the layout merged over the ranks) holds the whole model's trained weights, frozen parameters and moments,
+    as one process's checkpoint after the same K updates. Loaded by ``checkpoint_to_state`` into a new split
+    session, and one process's checkpoint too, and the ranks' checkpoint into one process: K more updates
+    give the losses and the state of one process that never stopped. (Before, ``session_to_checkpoint`` of a
+    split session failed with a KeyError on a share's name.)"""
+    pytest.importorskip("onnxruntime")
+    from onnxtrain.checkpoint import load_checkpoint, save_checkpoint
+    from onnxtrain.train.state import checkpoint_to_state, session_to_checkpoint
+
+    monkeypatch.setenv(hw.GPT2_ENV, gpt2_path)
+    k = hw.RESUME_STEPS
+    refs = {}
+    for name in CHECKPOINTED:
+        case = hw.Case.parse(name)
+        model = hw.model_of(case.model)
+        one = hw.session(case, model, split=False)
+        hw.steps(one, case, 0, k)
+        ckpt = session_to_checkpoint(one, model, float(hw.LR[0]), k, {})
+        save_checkpoint(ckpt, str(tmp_path / f"{name}.alone.ckpt"))
+        losses, _ = hw.steps(one, case, k, 2 * k)
+        refs[name] = (hw._checkpoint_arrays(ckpt), np.asarray(losses), one.get_state())
+    got = _run_worker(tmp_path, gpt2_path, "checkpoint", str(tmp_path), ",".join(CHECKPOINTED), timeout=240)
+    bad = []
+    for name in CHECKPOINTED:
+        case = hw.Case.parse(name)
+        tol, (want, losses, final) = state_tolerance(case)[0], refs[name]
+        for r in (0, 1):
+            mine = f"{name}/{r}/"
+            bad += _close(_of(got, mine + "ckpt/"), want, tol, f"{name} rank {r} checkpoint after {k}")
+            for what in ("split", "alone"):
+                again = _of(got, f"{mine}from_{what}/")
+                if rel_err(again["losses"], losses) > tolerance(case):
+                    bad.append(f"{name} rank {r} from the {what} checkpoint: losses {again['losses']}")
+                bad += _close(_of(again, "state/"), final, tol, f"{name} rank {r} from the {what} checkpoint")
+        one = hw.session(case, hw.model_of(case.model), split=False)
+        ranks = load_checkpoint(str(tmp_path / f"{name}.split.ckpt"))
+        one.load_state(checkpoint_to_state(ranks, one), strict=True)
+        again, _ = hw.steps(one, case, k, 2 * k)
+        if rel_err(np.asarray(again), losses) > tolerance(case):
+            bad.append(f"{name}: one process from the ranks' checkpoint: losses {again} != {losses}")
+        bad += _close(one.get_state(), final, tol, f"{name}: one process from the ranks' checkpoint")
     assert not bad, "\n".join(bad)
 
 
