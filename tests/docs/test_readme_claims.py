@@ -42,6 +42,35 @@ def test_conformance_expected_failures_count() -> None:
     assert m and int(m.group(2)) - int(m.group(1)) == len(EXPECTED_FAILURES)
 
 
+def test_conformance_counts_per_tier() -> None:
+    """Each ``python -m onnxtrain.conformance`` line's "N of M" (and the tiers 1 and 2 note): M is the count
+    of onnx's cases of those tiers' ops in the suite's case index, N that less the expected failures among
+    them."""
+    import json
+
+    import onnx
+
+    from onnxtrain.conformance import EXPECTED_FAILURES, TIERS
+
+    index = json.loads((ROOT / "tests" / "engine" / "conformance_index.json").read_text(encoding="utf-8"))
+    if index["onnx"] != onnx.__version__:
+        pytest.skip(f"the case index is for onnx {index['onnx']}, not {onnx.__version__}")
+
+    def counts(tiers: list[str]) -> tuple[int, int]:
+        ops = {op for t in tiers for op in TIERS[t]}
+        cases = [c for c, (op, _) in index["cases"].items() if op in ops]
+        return len(cases) - sum(c in EXPECTED_FAILURES for c in cases), len(cases)
+
+    lines = re.findall(r"^python -m onnxtrain\.conformance(.*?)# (\d+) of (\d+)", README, flags=re.M)
+    assert len(lines) == 3, lines
+    for args, passed, total in lines:
+        m = re.search(r"--tier (\S+)", args)
+        tiers = m.group(1).split(",") if m else sorted(TIERS)
+        assert counts(tiers) == (int(passed), int(total)), (args, counts(tiers))
+    m = re.search(r"\(tiers 1 and 2: (\d+) of (\d+)\)", README)
+    assert m and counts(["1", "2"]) == (int(m.group(1)), int(m.group(2)))
+
+
 def test_speed_table_equals_bench_results() -> None:
     """The README's table: the legacy session's row of each model in bench/RESULTS.md's first table, with
     onnxruntime-training's peak RSS."""

@@ -145,3 +145,121 @@ def test_batch_split_process_example(tmp_path, monkeypatch) -> None:
     for _ in range(2):  # the first run of a batch size checks the halves against the whole run
         (got,) = env["sess"].run(None, {"x": x})
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_sklearn_zipmap_example(tmp_path, monkeypatch) -> None:
+    """The ai.onnx.ml block on a skl2onnx classifier with its default ZipMap (a fixture): the labels and the
+    list of per-row dicts onnxruntime gives."""
+    import shutil
+
+    import onnxtrain
+
+    ort = pytest.importorskip("onnxruntime")
+    fixture = README.parent / "tests" / "data" / "sklearn_pipelines" / "gaussian_nb_3c.onnx"
+    shutil.copy(fixture, tmp_path / "rf.onnx")
+    monkeypatch.chdir(tmp_path)
+    x = np.load(fixture.with_suffix(".npz"))["in_X"][:5]
+    env = run_example('onnxtrain.InferenceSession("rf.onnx")', onnxtrain=onnxtrain, x=x)
+    want_label, want_proba = ort.InferenceSession(str(fixture), providers=["CPUExecutionProvider"]).run(
+        None, {"X": x})
+    np.testing.assert_array_equal(env["label"], want_label)
+    assert isinstance(env["proba"], list) and len(env["proba"]) == len(x)
+    for got, want in zip(env["proba"], want_proba):
+        assert list(got) == list(want)  # class labels, ascending
+        np.testing.assert_allclose([got[k] for k in got], [want[k] for k in want], rtol=1e-5, atol=1e-7)
+
+
+def bash_lines(marker: str) -> list[str]:
+    """The commands of the README's ```bash block holding ``marker``, comments dropped."""
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
+    found = [b for b in blocks if marker in b]
+    assert len(found) == 1, f"{len(found)} README bash blocks contain {marker!r}"
+    lines = [line.split("#", 1)[0].strip() for line in found[0].splitlines()]
+    return [line for line in lines if line]
+
+
+def test_main_job_commands(tmp_path, monkeypatch, capsys) -> None:
+    """Every command of "The main job" block as written (the configs read from the repository), in a scratch
+    folder: each exits 0, the accuracies its comments give hold, --resume of a finished run changes no
+    metric, and export writes an inference model that onnxruntime scores as eval does."""
+    import json
+    import shlex
+
+    from onnxtrain.cli import main
+    from onnxtrain.data import load_digits
+
+    ort = pytest.importorskip("onnxruntime")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").symlink_to(README.parent / "configs")
+    lines = bash_lines("onnxtrain train configs/digits_mlp.yaml --resume")
+    assert len(lines) == 8, lines
+
+    def final(run: str) -> dict:
+        with open(f"runs/{run}/metrics.jsonl", encoding="utf-8") as f:
+            return [r for r in map(json.loads, f) if "eval_accuracy" in r][-1]
+
+    finals = {}
+    for line in lines:
+        argv = shlex.split(line)
+        assert argv[0] == "onnxtrain", line
+        assert main([*argv[1:], "-q"] if argv[1] == "train" else argv[1:]) == 0, line
+        if argv[1] == "train":
+            run = os.path.splitext(os.path.basename(argv[2]))[0]
+            if "--resume" in argv:
+                assert final(run) == finals[run]  # nothing left to train: the same metrics
+            finals[run] = final(run)
+    assert finals["digits_mlp"]["eval_accuracy"] >= 0.965  # "≈ 97 %"
+    assert finals["digits_stn"]["eval_accuracy"] >= 0.955  # "≈ 97 %"
+    assert finals["tiny_transformer"]["eval_accuracy"] == 1.0  # "100 % tokens"
+    assert os.path.exists("runs/digits_mlp/checkpoints/step_00000660.ckpt")  # the README's example name
+    _, test = load_digits()
+    sess = ort.InferenceSession("digits.onnx", providers=["CPUExecutionProvider"])
+    accuracy = float(np.mean(sess.run(None, {"x": test.x})[0].argmax(1) == test.y))
+    assert accuracy == finals["digits_mlp"]["eval_accuracy"]
+    assert "eval_accuracy" in capsys.readouterr().out
+
+
+def readme_batch(case: str) -> tuple[np.ndarray, np.ndarray]:
+    """The global batch the MPI examples feed on every rank."""
+    rng = np.random.default_rng(7)
+    if case == "pipeline":
+        return rng.standard_normal((8, 8)).astype(np.float32), rng.integers(0, 4, 8).astype(np.int64)
+    tokens = rng.integers(0, 10, (4, 8)).astype(np.int64)
+    return tokens, tokens[:, ::-1].copy()
+
+
+def staged_split_model() -> onnx.ModelProto:
+    """A two-layer transformer whose first layer's output is ``layer0.res2``, without Dropout."""
+    from tests.parallel.pipeline_worker import transformer_model
+
+    return transformer_model(2, dropout=False)
+
+
+@pytest.mark.parametrize("case, ranks, model, micro", [
+    ("pipeline", 2, lambda: mlp_model(), 4),
+    ("staged_split", 4, staged_split_model, 2),
+])
+def test_mpi_examples(case, ranks, model, micro, tmp_path) -> None:
+    """The pipeline block and the block of stages whose blocks are split, run as the README says (every rank
+    the same script and feeds): the session is a pipeline on every rank, and the first run returns, on every
+    rank, the last micro-batch's loss before any update, which onnxruntime computes from the model."""
+    from tests.parallel.conftest import mpi_missing, run_mpi
+
+    if mpi_missing():
+        pytest.skip(mpi_missing())
+    ort = pytest.importorskip("onnxruntime")
+    worker = str(Path(__file__).with_name("readme_mpi_worker.py"))
+    out = str(tmp_path / case)
+    r = run_mpi(case, out, n=ranks, worker=worker, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    x, y = readme_batch(case)
+    rows = len(x) // micro
+    sess = ort.InferenceSession(model().SerializeToString(), providers=["CPUExecutionProvider"])
+    want = sess.run(["loss"], {"x": x[-rows:], "y": y[-rows:]})[0]
+    stages = []
+    for rank in range(ranks):
+        got = np.load(f"{out}.rank{rank}.npz")
+        assert str(got["kind"]) != "TrainingSession", str(got["kind"])
+        stages.append(int(got["stage"]))
+        np.testing.assert_allclose(got["loss"], want, rtol=1e-5, err_msg=f"rank {rank}")
+    assert sorted(set(stages)) == [0, 1]
