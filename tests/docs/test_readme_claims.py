@@ -189,3 +189,33 @@ def test_the_config_table_lists_every_key() -> None:
     for key, value in defaults:
         assert f"`{key}` ({value}" in rows["training"]
         assert getattr(c.TrainingConfig(), key) == value
+    # the other defaults the rows state, as written there
+    stated = (("model", c.ModelConfig, "logits", "`logits` (`logits`)", "logits"),
+              ("model", c.ModelConfig, "loss", "`loss` (`loss`)", "loss"),
+              ("model", c.ModelConfig, "labels", "`labels` (`y`)", "y"),
+              ("model", c.ModelConfig, "add_loss", "`mse`; `none`)", "none"),
+              ("data", c.DATA_SOURCES["files"], "eval_fraction", "`eval_fraction` (0.1)", 0.1),
+              ("data", c.DATA_SOURCES["sequence"], "task", "`task` (`reverse`,", "reverse"),
+              ("data", c.DATA_SOURCES["sequence"], "vocab", "`vocab` (10)", 10),
+              ("data", c.DATA_SOURCES["sequence"], "length", "`length` (8)", 8),
+              ("data", c.DATA_SOURCES["sequence"], "train_size", "`train_size` (20000)", 20000),
+              ("data", c.DATA_SOURCES["sequence"], "eval_size", "`eval_size` (1000)", 1000),
+              ("optimizer", c.OptimizerConfig, "name", "`lamb`; `adam`)", "adam"),
+              ("optimizer", c.OptimizerConfig, "lr", "`lr` (1e-3)", 1e-3),
+              ("optimizer", c.OptimizerConfig, "clip_grad_norm", "`clip_grad_norm` (null: off)", None),
+              ("schedule", c.ScheduleConfig, "kind", "`cosine`; `constant`)", "constant"),
+              ("schedule", c.ScheduleConfig, "warmup_steps", "`warmup_steps` (0)", 0),
+              ("schedule", c.ScheduleConfig, "final_lr_ratio", "`final_lr_ratio` (0)", 0),
+              ("training", c.TrainingConfig, "seed", "`seed` (0)", 0),
+              ("training", c.TrainingConfig, "backend", "`onnxruntime`; `numpy`)", "numpy"),
+              ("training", c.TrainingConfig, "gradient_accumulation_steps",
+               "`gradient_accumulation_steps` (1)", 1),
+              ("training", c.TrainingConfig, "data_parallel_size", "`data_parallel_size` (1)", 1),
+              ("output", c.OutputConfig, "plot", "`plot` (true)", True),
+              ("output", c.OutputConfig, "export", "`export` (true)", True))
+    for name, kind, key, text, value in stated:
+        assert text in rows[name], (name, text)
+        field = next(f for f in dataclasses.fields(kind) if f.name == key)
+        assert field.default == value, (name, key, field.default)
+    minimal = {"model": {"builder": "mlp", "args": {"sizes": [64, 8, 10]}}, "training": {"steps": 1}}
+    assert c.config_from_dict(minimal).data.source == "digits"
