@@ -624,7 +624,7 @@ def optimized_model_path(options: SessionOptions) -> str:
     return path
 
 
-def _trace_path(prefix: str) -> str:
+def claim_trace_path(prefix: str) -> str:
     """``<prefix>_<date>_<time>_<milliseconds>.json``, as onnxruntime names its traces, claimed (created
     empty) so that another session ending its profile in the same millisecond takes the next name
     (``…_2.json``) instead of overwriting it."""
@@ -641,10 +641,12 @@ def _trace_path(prefix: str) -> str:
 
 
 def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str,
-                       session_events: Sequence[ProfileEvent] = (), origin: int | None = None) -> str:
+                       session_events: Sequence[ProfileEvent] = (), origin: int | None = None,
+                       path: str | None = None) -> str:
     """Write the profile events of ``plans``' runs (their ``profile``, and those their backend kept) and
     the session's own (``session_events``: its loading, initialization and runs), in time order, as a
-    chrome-trace file named ``<prefix><timestamp>.json``; returns the path. Times count from ``origin``
+    chrome-trace file named ``<prefix><timestamp>.json`` (or into ``path``, a name
+    :func:`claim_trace_path` gave earlier); returns the path. Times count from ``origin``
     (``perf_counter_ns``; default the first event's start). The plans' events are handed over: the next
     trace holds the runs after this one."""
     profile = list(session_events)
@@ -653,7 +655,7 @@ def write_chrome_trace(plans: Sequence[GraphInterface], prefix: str,
         plan.profile.clear()
         profile += plan.drained_profile()
     profile.sort(key=lambda e: e.start_ns)
-    path = _trace_path(prefix)
+    path = path or claim_trace_path(prefix)
     t0 = origin if origin is not None else profile[0].start_ns if profile else 0
     pid = os.getpid()
     events = [

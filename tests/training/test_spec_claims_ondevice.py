@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import numpy as np
 import onnx
@@ -393,8 +394,9 @@ def test_training_session_takes_the_c_sharp_three_argument_form(tmp_path, mlp_pa
 def test_module_applies_its_session_options_on_the_numpy_engine(tmp_path, mlp_path):
     """§3.1 ``Module(..., session_options)``: ``intra_op_num_threads`` and ``graph_optimization_level =
     ORT_DISABLE_ALL`` reach the numpy plans of the training, eval and optimizer models, as they reach an
-    InferenceSession's (before, the Module dropped every option but the backend's without a word); the
-    options it does not apply there (profiling, ``optimized_model_filepath``) are named in a warning."""
+    InferenceSession's (before, the Module dropped every option but the backend's without a word);
+    profiling and ``optimized_model_filepath`` are applied too (test_module_profiling.py), with no warning
+    that they are not."""
     import onnxtrain
 
     model = onnx.load(mlp_path)
@@ -421,8 +423,10 @@ def test_module_applies_its_session_options_on_the_numpy_engine(tmp_path, mlp_pa
     assert (default.threads, default.fused) == (default_width(), fusion.enabled())  # unset: the defaults
     profiled = onnxtrain.SessionOptions()
     profiled.enable_profiling = True
+    profiled.profile_file_prefix = str(tmp_path / "profile")
     profiled.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    with pytest.warns(UserWarning, match="enable_profiling.*optimized_model_filepath"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         Module(paths[0], state, paths[1], session_options=profiled)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -57,6 +58,12 @@ from onnxtrain.training.api._graph import (
     check_user_inputs,
     is_optimizer_model,
     load_model,
+)
+from onnxtrain.training.api._profile import (
+    SessionProfile,
+    numpy_engine_option,
+    profiles_written_at_collection,
+    write_optimized_model,
 )
 from onnxtrain.training.api.checkpoint_state import (
     LOAD_HINT,
@@ -227,9 +234,12 @@ def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, fol
         from onnxtrain.engine.plan import compile_model  # here: onnxruntime sessions never load it
 
         # an InferenceSession's options for the numpy plan: its thread count, and no fusion without
-        # graph optimisations (the defaults when the options leave them unset)
+        # graph optimisations or when profiling (one event per node of the model) (the defaults when the
+        # options leave them unset)
+        profiled = numpy_engine_option(session_options, "enable_profiling")
+        unfused = optimizations_off(session_options) or profiled
         return compile_model(model, random_state=random_state, threads=intra_op_threads(session_options),
-                             fuse=False if optimizations_off(session_options) else None)
+                             fuse=False if unfused else None)
     except UnsupportedOpError as e:
         foreign = sorted({n.domain for n in model.graph.node if n.domain not in ("", "ai.onnx")})
         # (onnxruntime-training's com.microsoft operators never get here: Module translates them on load)
@@ -240,9 +250,8 @@ def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, fol
 
 def _check_session_options(options: Any) -> None:
     """Refuse weight prepacking, as onnxruntime-training's Module does; name the SessionOptions a Module on
-    the numpy engine does not apply (once per Module, not per plan): those the numpy engine has no use for,
-    and the profile and optimized-model dump, which only the InferenceSession and legacy TrainingSession
-    write."""
+    the numpy engine does not apply (once per Module, not per plan): those the numpy engine has no use
+    for."""
     if options is None:
         return
     prepacking = session_config_entry(options, "session.disable_prepacking")
@@ -252,11 +261,6 @@ def _check_session_options(options: Any) -> None:
     if backend_of(options) != "numpy":
         return
     numpy_fuse(options)  # (its warnings; its fusion choice is _compile's)
-    unapplied = [k for k in ("enable_profiling", "optimized_model_filepath") if getattr(options, k, None)]
-    if unapplied:
-        warn(f"SessionOptions.{' and '.join(unapplied)} have no effect on the on-device Module on the numpy "
-             "engine: it writes no profile or optimized model (the onnxruntime backend, config entry "
-             "onnxtrain.backend = onnxruntime, passes them to onnxruntime)")
 
 
 class Module:
@@ -288,8 +292,15 @@ class Module:
         self._session_options = session_options
         self.training = True
         self._accumulate = False  # §3.3: the first train call after construction or a reset overwrites
+        # SessionOptions.enable_profiling: the traces of the training and eval models (None: not profiled)
+        self._train_profile: SessionProfile | None = None
+        times: dict[str, tuple[int, int]] = {}  # the loading and initialization spans of the traces
+        begin = time.perf_counter_ns()
         # artifacts of onnxruntime-training: their private operators rewritten as standard ONNX
-        self._train_model = translate_training_model(load_model(train_model_uri, "training")[0])
+        train_model, train_path = load_model(train_model_uri, "training")
+        self._train_model = translate_training_model(train_model)
+        del train_model
+        times["training loading"] = (begin, time.perf_counter_ns())
         # BatchNormalization running statistics the training step updates (frozen parameter -> output)
         self._train_model, self._running_stats, self._added_outputs = _expose_running_stats(
             self._train_model, state)
@@ -297,14 +308,18 @@ class Module:
         self._same_size = same_size_dims(self._train_model)
         self._eval_model: onnx.ModelProto | None = None
         self._eval_plan: GraphInterface | None = None
+        eval_path = None
         if eval_model_uri is not None:
+            begin = time.perf_counter_ns()
             eval_model, eval_path = load_model(eval_model_uri, "eval")
             if is_optimizer_model(eval_model):
                 shown = f" {eval_path}" if eval_path else ""
                 raise ValueError(f"eval_model_uri{shown} is an optimizer model, not an eval model: pass it "
                                  "to Optimizer(optimizer_model, module)")
             self._eval_model = translate_training_model(eval_model)
+            times["eval loading"] = (begin, time.perf_counter_ns())
             self._eval_plan = _compile(self._eval_model, "eval", session_options)
+            times["eval initialization"] = (times["eval loading"][1], time.perf_counter_ns())
         self._classify_training_graph()
         if self._eval_model is not None:
             self._classify_eval_graph()
@@ -341,12 +356,44 @@ class Module:
         # the two forms of the training model are one model to the user: a seeded Dropout's draws go on from
         # one to the other (each plan's own generator restarted from the seed: steps repeated masks)
         self._random_state: dict[Any, dict[Any, Any]] = {}
+        begin = time.perf_counter_ns()
         if variant is not None:
             self._overwrite_plan = _compile(variant, "training", session_options,
                                             random_state=self._random_state)
         else:
             self._full_plan = _compile(self._train_model, "training", session_options,
                                        random_state=self._random_state)
+        times["training initialization"] = (begin, time.perf_counter_ns())
+        # onnxruntime-training's training session, then its eval session, write their optimized models to the
+        # one path: the eval model's is left there (the training model's without one)
+        write_optimized_model(session_options, self._eval_model if self._eval_model is not None
+                              else self._train_model)
+        if numpy_engine_option(session_options, "enable_profiling"):
+            self._start_profiles(times, train_path is not None, eval_path is not None)
+
+    def _start_profiles(self, times: dict[str, tuple[int, int]], train_file: bool, eval_file: bool) -> None:
+        """Profile the training and eval models' plans, each model in a trace of its own written when this
+        Module is collected (as onnxruntime-training's sessions write theirs when destroyed)."""
+        options = self._session_options
+        profiles = []
+        self._train_profile = SessionProfile(options, "training", train_file, times["training loading"])
+        profiles.append(self._train_profile)
+        try:
+            init: tuple[int, int] | None = times["training initialization"]
+            for attr in ("_overwrite_plan", "_full_plan"):
+                plan = getattr(self, attr)
+                if plan is not None:
+                    setattr(self, attr, self._train_profile.watch(plan, init))
+                    init = None
+            if self._eval_plan is not None:
+                eval_profile = SessionProfile(options, "eval", eval_file, times["eval loading"])
+                profiles.append(eval_profile)
+                self._eval_plan = eval_profile.watch(self._eval_plan, times["eval initialization"])
+        except BaseException:
+            for p in profiles:
+                p.discard()
+            raise
+        profiles_written_at_collection(self, profiles)
 
     @property
     def _step_plan(self) -> GraphInterface:
@@ -360,8 +407,9 @@ class Module:
     def _train_plan(self) -> GraphInterface:
         """The training model's plan (with the gradient accumulators), compiled when first needed."""
         if self._full_plan is None:
-            self._full_plan = _compile(self._train_model, "training", self._session_options,
-                                       random_state=self._random_state)
+            plan = _compile(self._train_model, "training", self._session_options,
+                            random_state=self._random_state)
+            self._full_plan = plan if self._train_profile is None else self._train_profile.watch(plan)
         return self._full_plan
 
     def _release_bindings(self) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import time
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,12 @@ from onnxtrain.interrupts import sigint_deferred
 from onnxtrain.ir.builder import pausing_gc
 from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks, check_same_scalars, digest
 from onnxtrain.training.api._graph import ModelLike, load_model
+from onnxtrain.training.api._profile import (
+    SessionProfile,
+    numpy_engine_option,
+    profiles_written_at_collection,
+    write_optimized_model,
+)
 from onnxtrain.training.api.checkpoint_state import (
     LOAD_HINT,
     NominalStateError,
@@ -159,8 +166,10 @@ class Optimizer:
             raise TypeError(f"module must be a Module, got {type(module).__name__}")
         self._module = module
         self._state = module.state
-        model, _ = load_model(optimizer_uri, "optimizer")
+        begin = time.perf_counter_ns()
+        model, path = load_model(optimizer_uri, "optimizer")
         model = translate_optimizer_model(model, module._train_model)  # onnxruntime-training's, if it is
+        loaded = time.perf_counter_ns()
         self._classify(model)
         # the module's backend; on onnxruntime, its threads stop spinning when its run ends (the training
         # model's run next), and a weight's or moment's update may be written into the old array (the numpy
@@ -175,6 +184,7 @@ class Optimizer:
         else:
             self._plan = _compile(model, "optimizer", module._session_options, follower=True, updates=updates,
                                   scalar_inputs=scalars)
+        compiled = time.perf_counter_ns()
         self.algorithm = next((p.value for p in model.metadata_props if p.key == "onnxtrain.optimizer"),
                               "AdamW" if "momentum1" in self._moment_keys else "SGD")
         with self._state._lock:  # a save in another thread writes the moments made here: all or none
@@ -186,6 +196,22 @@ class Optimizer:
         if self._data_parallel:
             check_same_on_all_ranks(parallel.get_communicator(), self._fingerprint(model),
                                     "on-device training setup")
+        self._apply_session_options(model, path is not None, (begin, loaded), (loaded, compiled))
+
+    def _apply_session_options(self, model: Any, from_file: bool, loading: tuple[int, int],
+                               initialization: tuple[int, int]) -> None:
+        """The module's ``optimized_model_filepath`` and ``enable_profiling`` on the numpy engine, as
+        onnxruntime-training's optimizer session applies them: the (translated) optimizer model written over
+        the path, and a trace of the update's runs written when this Optimizer is collected."""
+        options = self._module._session_options
+        write_optimized_model(options, model)
+        if not numpy_engine_option(options, "enable_profiling"):
+            return
+        profile = SessionProfile(options, "optimizer", from_file, loading)
+        self._plan = profile.watch(self._plan, initialization)
+        if self._flat is not None:
+            self._flat.plan = self._plan
+        profiles_written_at_collection(self, [profile])
 
     # ---------------------------------------------------------------- interface
     def _classify(self, model: Any) -> None:

@@ -1,0 +1,129 @@
+"""``SessionOptions.enable_profiling`` and ``optimized_model_filepath`` for the on-device API on the numpy
+engine, as onnxruntime-training 1.19.2 applies them.
+
+There, the ``Module`` makes one onnxruntime ``InferenceSession`` for the training model and one for the eval
+model, and the ``Optimizer`` one for the optimizer model, all with the user's options. Each session names
+its trace when it is made (``<prefix>_<date>_<time>.json``, created empty) and writes it when it is
+destroyed (the ``Module`` or ``Optimizer`` collected); each writes its optimized model to the one
+``optimized_model_filepath`` while it is made, so the file holds the last session's: the eval model (the
+training model without one) after the ``Module``, the optimizer model after the ``Optimizer``.
+
+Here each such session is a :class:`SessionProfile`: its trace name is claimed when the object is made
+(with milliseconds and a ``_2``… suffix, as the ``InferenceSession``'s, so that sessions made in the same
+second do not overwrite each other's traces as onnxruntime-training's do) and the trace is written by a
+finalizer of its owner. Its plans' runs are timed by :class:`ProfiledPlan`, which only profiled sessions
+use: a step without profiling runs the plain plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import onnx
+
+from onnxtrain.engine.backends import backend_of
+from onnxtrain.engine.interface import MAX_PROFILE_EVENTS, GraphInterface, ProfileEvent
+from onnxtrain.inference import claim_trace_path, optimized_model_path, write_chrome_trace
+from onnxtrain.user_warning import warn
+
+OPTION = "SessionOptions.optimized_model_filepath"
+
+
+def numpy_engine_option(options: Any, name: str) -> Any:
+    """The value of option ``name`` when ``options`` run on the numpy engine (its own business there: on the
+    onnxruntime backend onnxruntime applies it), else None."""
+    if options is None or backend_of(options) != "numpy":
+        return None
+    return getattr(options, name, None) or None
+
+
+def write_optimized_model(options: Any, model: onnx.ModelProto) -> None:
+    """Write ``model`` to the options' ``optimized_model_filepath`` when set (numpy engine), as a session of
+    onnxruntime-training writes its optimized graph while it is made."""
+    if numpy_engine_option(options, "optimized_model_filepath"):
+        from onnxtrain.ir.io import save_dump
+
+        save_dump(model, optimized_model_path(options), OPTION)
+
+
+class ProfiledPlan:
+    """A plan whose runs add a ``model_run`` event to a session's profile; everything else is the plan's."""
+
+    __slots__ = ("plan", "_events")
+
+    def __init__(self, plan: GraphInterface, events: list[ProfileEvent]) -> None:
+        self.plan = plan
+        self._events = events
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """The plan's run, timed as onnxruntime's ``model_run``."""
+        begin = time.perf_counter_ns()
+        out = self.plan.run(*args, **kwargs)
+        if len(self._events) < MAX_PROFILE_EVENTS:
+            self._events.append(ProfileEvent("model_run", "", begin, time.perf_counter_ns() - begin,
+                                             cat="Session"))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.plan, name)
+
+
+class SessionProfile:
+    """The trace of one session of the on-device API (``what``: training, eval or optimizer): its loading
+    and initialization, its runs and its plans' node events."""
+
+    def __init__(self, options: Any, what: str, from_file: bool, loading: tuple[int, int]) -> None:
+        self.what = what
+        self.path = claim_trace_path(options.profile_file_prefix)
+        self.origin = loading[0]
+        self.events = [ProfileEvent("model_loading_uri" if from_file else "model_loading_array", "",
+                                    loading[0], loading[1] - loading[0], cat="Session")]
+        self.plans: list[GraphInterface] = []
+        self.ended = False
+
+    def watch(self, plan: GraphInterface, initialization: tuple[int, int] | None = None) -> ProfiledPlan:
+        """Profile ``plan``'s runs in this trace (``initialization``: when it was compiled, the session's
+        ``session_initialization`` span)."""
+        if initialization is not None:
+            self.events.append(ProfileEvent("session_initialization", "", initialization[0],
+                                            initialization[1] - initialization[0], cat="Session"))
+        plan.profiling = not self.ended
+        self.plans.append(plan)
+        return ProfiledPlan(plan, self.events)
+
+    def end(self) -> str:
+        """Write the trace (once; '' afterwards) and stop profiling the plans; returns its path. A write that
+        fails warns, naming the file: this runs as the owner is collected, where nothing could catch it."""
+        if self.ended:
+            return ""
+        self.ended = True
+        for plan in self.plans:
+            plan.profiling = False
+        try:
+            return write_chrome_trace(self.plans, "", self.events, self.origin, path=self.path)
+        except OSError as e:
+            warn(f"SessionOptions.enable_profiling: the {self.what} model's profile {self.path!r} could not "
+                 f"be written: {e}")
+            return ""
+
+    def discard(self) -> None:
+        """Give up the claimed name (its owner failed to be made)."""
+        self.ended = True
+        with contextlib.suppress(OSError):
+            os.remove(self.path)
+
+
+def profiles_written_at_collection(owner: object, profiles: list[SessionProfile]) -> Callable[[], None]:
+    """Write ``profiles`` when ``owner`` is collected or the interpreter exits, whichever comes first, as
+    onnxruntime-training's sessions write theirs when they are destroyed; returns the finalizer."""
+
+    def end_all() -> None:
+        for p in profiles:
+            p.end()
+
+    return weakref.finalize(owner, end_all)
