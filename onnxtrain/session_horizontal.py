@@ -589,13 +589,15 @@ class HorizontalTrainingSession(MicroBatching, CutModelSession):
                 raise KeyError(f"load_state(strict=True): missing state tensor(s) {missing}")
 
     def get_partition_info_map(self) -> dict[str, dict[str, list[int]]]:
-        """For each split weight of this rank's stage: its full shape and ``megatron_row_partition`` (0
-        columns, 1 rows); under ZeRO, each weight's pieces as well (under this rank's names)."""
+        """For each split weight of this rank's stage, trained or frozen: its full shape and
+        ``megatron_row_partition`` (0 columns, 1 rows); under ZeRO, each weight's pieces as well (under this
+        rank's names)."""
         inits = {t.name: t for t in self._model.graph.initializer}
+        held = {t.name for sg in self._pieces.values() for t in sg.graphs["stage"].graph.initializer}
         out = {
             w: {"original_dim": list(inits[w].dims), "megatron_row_partition": [sw.row]}
             for w, sw in self._split.items()
-            if sw.share in self._store
+            if sw.share in held
         }
         if self._zero is not None:
             for w, d in self._zero.partition_info.items():

@@ -1,15 +1,16 @@
 """Horizontal (Megatron) parallelism: an MLP block's two products split over the ranks.
 
 A block is ``x → first product (+ b1) → an elementwise activation → second product (+ b2)``, the two products
-``MatMul`` or ``Gemm`` nodes with trained weights W1 (d → f) and W2 (f → d), the activation made of
-elementwise nodes whose other inputs are scalar constants (ReLU, the exported GELU's Div/Erf/Add/Mul chain,
-Tanh, ...), read by nothing else. With H ranks, rank r keeps columns ``[r·f/H, (r+1)·f/H)`` of W1 and b1
-(``<w>_column_rank_<r>``) and the same rows of W2 (``<w>_row_rank_<r>``): its second product is then one
-addend of the block's output, which the ranks sum (onnxruntime's ``MegatronG``); the gradient reaching the
-block's input is summed the same way (``MegatronF``). Blocks whose hidden size does not divide by H, or
-whose weights are read elsewhere, stay whole on every rank, as other layers do. A gated MLP (SwiGLU: several
-first products of x, of one width, meeting through elementwise nodes in the second product) splits the same
-way, each first product by its columns.
+``MatMul`` or ``Gemm`` nodes with weights W1 (d → f) and W2 (f → d), trained or frozen (a frozen share is
+cut as a trained one is and gets no update), the activation made of elementwise nodes whose other inputs
+are scalar constants (ReLU, the exported GELU's Div/Erf/Add/Mul chain, Tanh, ...), read by nothing else.
+With H ranks, rank r keeps columns ``[r·f/H, (r+1)·f/H)`` of W1 and b1 (``<w>_column_rank_<r>``) and the
+same rows of W2 (``<w>_row_rank_<r>``): its second product is then one addend of the block's output, which
+the ranks sum (onnxruntime's ``MegatronG``); the gradient reaching the block's input is summed the same
+way (``MegatronF``). Blocks whose hidden size does not divide by H, or whose weights are read elsewhere,
+stay whole on every rank, as other layers do. A gated MLP (SwiGLU: several first products of x, of one
+width, meeting through elementwise nodes in the second product) splits the same way, each first product
+by its columns.
 
 :func:`shard_blocks` returns the rank's model and the cuts around each block: an ``Identity`` of the block's
 input (F), the second product's output (G). :mod:`onnxtrain.session_horizontal` runs the pieces between.
@@ -26,6 +27,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxtrain.ir.attrs import attribute_value
+from onnxtrain.ir.builder import FLOAT_TYPES
 from onnxtrain.ir.graphs import node_reads
 from onnxtrain.parallel.pipeline import CutEdge
 
@@ -120,6 +122,10 @@ class GraphIndex:
             for i in dict.fromkeys(x for x in node_reads(n) if x):
                 self.readers.setdefault(i, []).append(k)
         self.wanted = set(trainable)
+        # a block's weights may be frozen: a frozen share is cut as a trained one is and gets no update
+        self.frozen = {
+            t.name for t in g.initializer if t.name not in self.wanted and t.data_type in FLOAT_TYPES
+        }
         # constants an activation may read: one value, not trained (a trained one would need its gradient
         # summed)
         self.scalars = {
@@ -135,9 +141,9 @@ class GraphIndex:
         self.made_by = {o: n for n in self.nodes for o in n.output if o}
 
     def weight(self, name: str, rank: int) -> bool:
-        """``name`` is a trained weight of ``rank`` dimensions read by one node."""
+        """``name`` is a weight (trained or frozen) of ``rank`` dimensions read by one node."""
         return (
-            name in self.wanted
+            (name in self.wanted or name in self.frozen)
             and name in self.inits
             and len(self.inits[name].dims) == rank
             and len(self.readers.get(name, [])) == 1
@@ -147,7 +153,7 @@ class GraphIndex:
         return product_weight(self.nodes[k], self.weight, self.made_by, self.readers)
 
     def products_by_input(self, taken: Iterable[int] = ()) -> dict[str, list[int]]:
-        """The products by trained weights not in ``taken``, grouped by the value they read (graph order)."""
+        """The products by weights not in ``taken``, grouped by the value they read (graph order)."""
         skip = set(taken)
         groups: dict[str, list[int]] = {}
         for k, n in enumerate(self.nodes):
@@ -160,7 +166,7 @@ class GraphIndex:
         product has a bias that cannot split with it."""
         n = self.nodes[k]
         start, bias = n.output[0], gemm_bias(n, f, self.weight, self.inits)
-        if bias == "?":  # a Gemm bias that is not a trained [f] vector read here alone
+        if bias == "?":  # a Gemm bias that is not an [f] weight vector read here alone
             return None
         reads = self.readers.get(start, [])
         # a product the graph also outputs stays the start (the block then stays whole: its value must be)
@@ -410,7 +416,7 @@ def product_weight(
     made_by: dict[str, onnx.NodeProto],
     readers: dict[str, list[int]] | None = None,
 ) -> tuple[str, int] | None:
-    """(weight, its output-feature axis) of a product by a trained 2-D weight: ``MatMul(x, W)``,
+    """(weight, its output-feature axis) of a product by a 2-D weight: ``MatMul(x, W)``,
     ``MatMul(x, Transpose(W))`` (torch's export of ``nn.Linear``; with ``readers``, a Transpose this product
     alone reads) or a plain ``Gemm(x, W[, C])`` (no transposed x, unit alpha and beta)."""
     if n.op_type == "MatMul" and len(n.input) == 2:

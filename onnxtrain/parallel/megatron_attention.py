@@ -1,6 +1,6 @@
 """Horizontal (Megatron) parallelism of self-attention: the heads split over the ranks.
 
-An attention block reads its input x through products by trained weights (Q, K and V, or one fused QKV
+An attention block reads its input x through products by weights (Q, K and V, or one fused QKV
 product whose output a ``Split`` cuts in three), reshapes them into heads, and ends in one output
 projection. With H ranks, rank r keeps the columns of each projection (of each of a fused product's three
 parts) that make its heads ``[r·heads/H, (r+1)·heads/H)``, and the same rows of the output projection: its
@@ -68,7 +68,7 @@ def find_attention_blocks(
 
 
 def _is_exit(ix: GraphIndex, r: int, v: str) -> bool:
-    """Node ``r`` is a product of ``v`` by a trained weight: where an attention block ends."""
+    """Node ``r`` is a product of ``v`` by a weight: where an attention block ends."""
     n = ix.nodes[r]
     return n.op_type in ("MatMul", "Gemm") and n.input[0] == v and ix.product(r) is not None
 

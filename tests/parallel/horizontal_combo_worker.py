@@ -196,14 +196,15 @@ MODELS = {
     "gpt2": gpt2_model,
 }
 UNSPLIT = {"odd": odd_model}  # models no block of which splits (not in the sweep)
-# frozen weights per model: b1 keeps the mlp's first block whole (its bias is not trained); the others are
-# replicated weights
+# frozen weights per model: inside the split blocks (the mlp's first bias and second block's second weight,
+# an attention's value projection and its MLP's first bias, the GPT's fused QKV bias and its second MLP's
+# second weight: frozen shares) and replicated weights
 FROZEN = {
-    "mlp": {"b1", "ln2.scale"},
+    "mlp": {"b1", "W4", "ln2.scale"},
     "drop": {"b2"},
-    "attn2": {"layer0.ln1.weight", "head.bias"},
-    "attn4": {"layer0.ln1.weight", "head.bias"},
-    "gpt2": {"model.tok.weight"},
+    "attn2": {"layer0.ln1.weight", "head.bias", "layer0.attn.v.weight", "layer0.fc1.bias"},
+    "attn4": {"layer0.ln1.weight", "head.bias", "layer0.attn.v.weight", "layer0.fc1.bias"},
+    "gpt2": {"model.tok.weight", "model.blocks.0.attn.qkv.bias", "model.blocks.1.fc_out.weight"},
     "odd": {"b1"},
 }
 
@@ -301,7 +302,10 @@ def params(case: Case, model: onnx.ModelProto, split: bool = True):
         p.optimizer_attributes_map = {
             t.name: {"max_norm_clip": CLIP} for t in model.graph.initializer if t.dims
         }
-    p.weights_not_to_train = not_trained(case)
+    frozen = not_trained(case)  # (with the shares the LAMB reference stores a frozen split weight as)
+    p.weights_not_to_train = frozen | {
+        t.name for t in model.graph.initializer if t.name.split("__share")[0] in frozen
+    }
     if split:
         p.horizontal_parallel_size = 2
     return p

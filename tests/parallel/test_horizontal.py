@@ -301,7 +301,8 @@ def test_a_product_belongs_to_one_block() -> None:
 def test_which_blocks_do_not_split() -> None:
     weights = ["W1", "b1", "W2", "b2"]
     assert find_mlp_blocks(mlp_model(), weights, 3) == []  # 16 hidden units over 3 ranks
-    assert find_mlp_blocks(mlp_model(), ["W1", "b1", "b2"], 2) == []  # W2 not trained
+    # W2 not trained: the block splits all the same (its frozen share gets no update)
+    assert [(b.w1, b.w2) for b in find_mlp_blocks(mlp_model(), ["W1", "b1", "b2"], 2)] == [("W1", "W2")]
     assert find_mlp_blocks(tied_model(), ["E", "b"], 2) == []  # E is read twice
     two = find_mlp_blocks(gelu_blocks_model(), ["W1", "b1", "W2", "b2", "W3", "W4", "b4"], 2)
     assert [(b.w1, b.b1, b.w2) for b in two] == [("W1", "b1", "W2"), ("W3", None, "W4")]

@@ -357,11 +357,49 @@ def test_split_options_in_combination(tmp_path, monkeypatch, gpt2_path: str, swe
     assert not bad, "\n".join(bad)
 
 
+# each model's blocks: the weights a two-way split cuts (an MLP's two products and first bias; an attention's
+# Q, K, V projections and their biases, or the fused QKV, and its output projection)
+SPLIT_BY_MODEL = {
+    "mlp": {"W1", "b1", "W2", "W3", "W4"},
+    "attn2": {
+        f"layer0.{w}"
+        for w in (
+            *(f"attn.{p}.{k}" for p in "qkv" for k in ("weight", "bias")),
+            "attn.out.weight",
+            "fc1.weight",
+            "fc1.bias",
+            "fc2.weight",
+        )
+    },
+    "gpt2": {
+        f"model.blocks.{i}.{w}"
+        for i in (0, 1)
+        for w in (
+            "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "fc.weight", "fc.bias", "fc_out.weight"
+        )
+    },
+}
+
+
+@pytest.mark.parametrize("model", sorted(SPLIT_BY_MODEL))
+@pytest.mark.parametrize("frozen", [False, True])
+def test_blocks_with_frozen_weights_split(model: str, frozen: bool, gpt2_path: str, monkeypatch) -> None:
+    """A block splits whether its weights are trained or frozen (:data:`hw.FROZEN` freezes a bias or a
+    weight inside each model's blocks): a frozen share is cut as a trained one is and gets no update
+    (``test_split_options_in_combination``'s frozen cases train such blocks on 2 ranks against one process).
+    Before, a frozen weight kept its whole block unsplit, without a word."""
+    monkeypatch.setenv(hw.GPT2_ENV, gpt2_path)
+    case = hw.Case(model, 1, False, False, "adam", "numpy", frozen)
+    inside = hw.not_trained(case) & SPLIT_BY_MODEL[model]
+    assert inside or not frozen  # the case freezes weights inside the blocks
+    assert set(_split_weights(hw.model_of(model), case)) == SPLIT_BY_MODEL[model]
+
+
 @pytest.mark.mpi
 def test_models_that_do_not_split_train_whole(tmp_path, gpt2_path: str) -> None:
     """A block of 7 hidden units, a block whose first weight is read through a Transpose applied again after
-    it, and (frozen) a block whose bias is not trained: no block splits, every rank computes the whole model
-    (a warning says so) and trains as one process."""
+    it (also with the first block's bias frozen): no block splits, every rank computes the whole model (a
+    warning says so) and trains as one process."""
     cases = [
         hw.Case.parse(n) for n in ("odd-a1-clip-fp32-adam-numpy-all", "odd-a2-noclip-fp32-lamb-ort-frozen")
     ]
