@@ -15,7 +15,7 @@ direction. Bodies sometimes output one of their inputs, or an outer value, as it
 
 ``grad=False`` adds what only the forward fuzz can check: float32, loop-carried values that grow.
 
-Where onnxruntime 1.32 departs from the ONNX spec (README, "Known differences"), :func:`spec_equivalent`
+Where onnxruntime 1.32 departs from the ONNX spec (README, "Limits"), :func:`spec_equivalent`
 rewrites the model into one that means the same under the spec and that onnxruntime computes right; that
 model is the oracle's.
 """

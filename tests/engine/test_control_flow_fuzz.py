@@ -8,7 +8,7 @@ condition or both (none, a condition that turns false part way, a trip count of 
 cuts short), lists appended to, carried values that grow, scan outputs of several shapes and an integer
 one; Scans along any axes, in any direction; sometimes a dim of size 0 throughout. The model passes
 ``onnx.checker`` (full check); onnxruntime runs its spec-equivalent rewrite (``spec_equivalent``: where
-onnxruntime 1.32 departs from the spec, README "Known differences"), with its graph optimizations off.
+onnxruntime 1.32 departs from the spec, README "Limits"), with its graph optimizations off.
 
 The default suite runs the first ``DEFAULT`` seeds, ``ONNXTRAIN_FULL_TESTS=1`` all ``SEEDS``. After the fuzz:
 a test per defect it found, on a small model.
