@@ -59,8 +59,16 @@ def generated(tmp_path):
     return str(folder)
 
 
-def _options(out: str, profile: bool = True, optimized: bool = True) -> onnxtrain.SessionOptions:
+BACKENDS = ["numpy", "onnxruntime"]
+
+
+def _options(out: str, profile: bool = True, optimized: bool = True,
+             backend: str = "numpy") -> onnxtrain.SessionOptions:
     so = onnxtrain.SessionOptions()
+    if backend != "numpy":
+        so.add_session_config_entry("onnxtrain.backend", backend)
+        # onnxruntime's trace then names the model's nodes too, not the fusions that replace them
+        so.graph_optimization_level = onnxtrain.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.enable_profiling = profile
     so.profile_file_prefix = os.path.join(out, "trace")
     if optimized:
@@ -174,20 +182,23 @@ def _node_events(path: str) -> tuple[list[str], list[list[str]]]:
     return session, runs
 
 
-def test_traces_hold_each_model_run_and_its_nodes(tmp_path, generated):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_traces_hold_each_model_run_and_its_nodes(tmp_path, generated, backend):
     """One trace per model: the training trace one ``model_run`` per step with an event for each node of
     the training model that the step ran (all but its Constant nodes when it accumulates), the eval trace
     one per evaluation with every node of the eval model, in the graph's order, the optimizer trace one
-    per update; each begins with onnxruntime's loading and initialization events."""
+    per update; each begins with onnxruntime's loading and initialization events. On the onnxruntime
+    backend (which wrote its own files, four, named after its graphs, and left them) the node events are
+    those of onnxruntime's traces, whose files are removed."""
     out = str(tmp_path)
     train_model = onnx.load(os.path.join(generated, "training_model.onnx"))
     eval_model = onnx.load(os.path.join(generated, "eval_model.onnx"))
     state = CheckpointState.load_checkpoint(os.path.join(generated, "checkpoint"))
     module = Module(os.path.join(generated, "training_model.onnx"), state,
                     os.path.join(generated, "eval_model.onnx"),
-                    session_options=_options(out, optimized=False))
+                    session_options=_options(out, optimized=False, backend=backend))
     opt = Optimizer(os.path.join(generated, "optimizer_model.onnx"), module)
-    traces = sorted(f for f in os.listdir(out) if f.endswith(".json"))
+    traces = sorted(f for f in os.listdir(out) if f.startswith("trace_"))  # (not onnxruntime's own)
     assert len(traces) == 3 and all(os.path.getsize(os.path.join(out, f)) == 0 for f in traces)
     x, y = _feeds()
     for _ in range(2):
@@ -200,6 +211,7 @@ def test_traces_hold_each_model_run_and_its_nodes(tmp_path, generated):
         module(x, y)
     del module, opt
     gc.collect()
+    assert sorted(set(os.listdir(out)) - {"art"}) == traces
     runs = []
     for f in traces:  # (claimed in this order: the training, eval and optimizer sessions')
         session, node_runs = _node_events(os.path.join(out, f))
@@ -215,15 +227,19 @@ def test_traces_hold_each_model_run_and_its_nodes(tmp_path, generated):
         assert any("_Grad/" in n for n in run)
     # the accumulating step runs the whole training model (its Constant nodes are values, as in onnxruntime)
     assert set(train_runs[1]) == {n.name for n in train_model.graph.node if n.op_type != "Constant"}
-    assert eval_runs == [[n.name for n in eval_model.graph.node]] * 2
+    eval_nodes = sorted(n.name for n in eval_model.graph.node)
+    assert [sorted(run) for run in eval_runs] == [eval_nodes] * 2
+    if backend == "numpy":  # (in the graph's order)
+        assert eval_runs == [[n.name for n in eval_model.graph.node]] * 2
     assert all(opt_runs)
 
 
-def test_optimized_models_run_in_onnxruntime(tmp_path, generated):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_optimized_models_run_in_onnxruntime(tmp_path, generated, backend):
     """The optimized model's path gets the eval model with the Module, the training model without an eval
     model, the optimizer model once an Optimizer is made: each passes onnx's full check, and onnxruntime
     running it gives the Module's evaluation, the training step's loss and gradients and the Optimizer's
-    updated weights and moments."""
+    updated weights and moments. On the onnxruntime backend nothing was written."""
     out = str(tmp_path)
     path = os.path.join(out, "optimized.onnx")
     x, y = _feeds()
@@ -236,14 +252,15 @@ def test_optimized_models_run_in_onnxruntime(tmp_path, generated):
     state = CheckpointState.load_checkpoint(os.path.join(generated, "checkpoint"))
     weights = {p: state.parameters[p].data.copy() for p in params}
     module = Module(os.path.join(generated, "training_model.onnx"), state,
-                    os.path.join(generated, "eval_model.onnx"), session_options=_options(out, profile=False))
+                    os.path.join(generated, "eval_model.onnx"),
+                    session_options=_options(out, profile=False, backend=backend))
     sess = checked()
     (got,) = sess.run(None, {"x": x, "target": y, **weights})
     np.testing.assert_allclose(module.eval()(x, y), got, rtol=1e-6)
 
     os.remove(path)
     module = Module(os.path.join(generated, "training_model.onnx"), state,
-                    session_options=_options(out, profile=False))
+                    session_options=_options(out, profile=False, backend=backend))
     sess = checked()
     feeds = {"x": x, "target": y, **weights, "lazy_reset_grad": np.array([True])}
     feeds.update({f"{p}_grad.accumulation.buffer": np.zeros_like(weights[p]) for p in params})
@@ -272,7 +289,8 @@ def test_optimized_models_run_in_onnxruntime(tmp_path, generated):
         np.testing.assert_allclose(state.parameters[p].data, expected[f"{p}.out"], rtol=1e-6, atol=1e-7)
 
 
-def test_without_the_options_nothing_is_written_and_the_plans_are_plain(tmp_path, generated):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_the_options_nothing_is_written_and_the_plans_are_plain(tmp_path, generated, backend):
     """Without the options no file is made and the Module's and Optimizer's plans are the engine's own
     (a step pays nothing for profiling)."""
     from onnxtrain.training.api._profile import ProfiledPlan
@@ -280,7 +298,8 @@ def test_without_the_options_nothing_is_written_and_the_plans_are_plain(tmp_path
     out = str(tmp_path)
     state = CheckpointState.load_checkpoint(os.path.join(generated, "checkpoint"))
     module = Module(os.path.join(generated, "training_model.onnx"), state,
-                    os.path.join(generated, "eval_model.onnx"), session_options=onnxtrain.SessionOptions())
+                    os.path.join(generated, "eval_model.onnx"),
+                    session_options=_options(out, profile=False, optimized=False, backend=backend))
     opt = Optimizer(os.path.join(generated, "optimizer_model.onnx"), module)
     x, y = _feeds()
     module(x, y)

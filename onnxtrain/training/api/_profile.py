@@ -1,5 +1,5 @@
-"""``SessionOptions.enable_profiling`` and ``optimized_model_filepath`` for the on-device API on the numpy
-engine, as onnxruntime-training 1.19.2 applies them.
+"""``SessionOptions.enable_profiling`` and ``optimized_model_filepath`` for the on-device API, as
+onnxruntime-training 1.19.2 applies them.
 
 There, the ``Module`` makes one onnxruntime ``InferenceSession`` for the training model and one for the eval
 model, and the ``Optimizer`` one for the optimizer model, all with the user's options. Each session names
@@ -12,7 +12,8 @@ Here each such session is a :class:`SessionProfile`: its trace name is claimed w
 (with milliseconds and a ``_2``… suffix, as the ``InferenceSession``'s, so that sessions made in the same
 second do not overwrite each other's traces as onnxruntime-training's do) and the trace is written by a
 finalizer of its owner. Its plans' runs are timed by :class:`ProfiledPlan`, which only profiled sessions
-use: a step without profiling runs the plain plan.
+use: a step without profiling runs the plain plan. On the onnxruntime backend the trace takes the node
+events of onnxruntime's own traces (whose files it removes), as an ``InferenceSession``'s does.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from typing import Any
 
 import onnx
 
-from onnxtrain.engine.backends import backend_of
 from onnxtrain.engine.interface import MAX_PROFILE_EVENTS, GraphInterface, ProfileEvent
 from onnxtrain.inference import claim_trace_path, optimized_model_path, write_chrome_trace
 from onnxtrain.user_warning import warn
@@ -34,18 +34,15 @@ from onnxtrain.user_warning import warn
 OPTION = "SessionOptions.optimized_model_filepath"
 
 
-def numpy_engine_option(options: Any, name: str) -> Any:
-    """The value of option ``name`` when ``options`` run on the numpy engine (its own business there: on the
-    onnxruntime backend onnxruntime applies it), else None."""
-    if options is None or backend_of(options) != "numpy":
-        return None
-    return getattr(options, name, None) or None
+def session_option(options: Any, name: str) -> Any:
+    """The value of option ``name`` of ``options`` (None when unset, or there are no options)."""
+    return None if options is None else getattr(options, name, None) or None
 
 
 def write_optimized_model(options: Any, model: onnx.ModelProto) -> None:
-    """Write ``model`` to the options' ``optimized_model_filepath`` when set (numpy engine), as a session of
+    """Write ``model`` to the options' ``optimized_model_filepath`` when set, as a session of
     onnxruntime-training writes its optimized graph while it is made."""
-    if numpy_engine_option(options, "optimized_model_filepath"):
+    if session_option(options, "optimized_model_filepath"):
         from onnxtrain.ir.io import save_dump
 
         save_dump(model, optimized_model_path(options), OPTION)

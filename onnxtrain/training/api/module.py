@@ -61,8 +61,8 @@ from onnxtrain.training.api._graph import (
 )
 from onnxtrain.training.api._profile import (
     SessionProfile,
-    numpy_engine_option,
     profiles_written_at_collection,
+    session_option,
     write_optimized_model,
 )
 from onnxtrain.training.api.checkpoint_state import (
@@ -236,7 +236,7 @@ def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, fol
         # an InferenceSession's options for the numpy plan: its thread count, and no fusion without
         # graph optimisations or when profiling (one event per node of the model) (the defaults when the
         # options leave them unset)
-        profiled = numpy_engine_option(session_options, "enable_profiling")
+        profiled = session_option(session_options, "enable_profiling")
         unfused = optimizations_off(session_options) or profiled
         return compile_model(model, random_state=random_state, threads=intra_op_threads(session_options),
                              fuse=False if unfused else None)
@@ -368,7 +368,7 @@ class Module:
         # one path: the eval model's is left there (the training model's without one)
         write_optimized_model(session_options, self._eval_model if self._eval_model is not None
                               else self._train_model)
-        if numpy_engine_option(session_options, "enable_profiling"):
+        if session_option(session_options, "enable_profiling"):
             self._start_profiles(times, train_path is not None, eval_path is not None)
 
     def _start_profiles(self, times: dict[str, tuple[int, int]], train_file: bool, eval_file: bool) -> None:

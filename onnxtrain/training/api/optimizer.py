@@ -43,8 +43,8 @@ from onnxtrain.parallel.fingerprint import array_digest, check_same_on_all_ranks
 from onnxtrain.training.api._graph import ModelLike, load_model
 from onnxtrain.training.api._profile import (
     SessionProfile,
-    numpy_engine_option,
     profiles_written_at_collection,
+    session_option,
     write_optimized_model,
 )
 from onnxtrain.training.api.checkpoint_state import (
@@ -205,7 +205,7 @@ class Optimizer:
         the path, and a trace of the update's runs written when this Optimizer is collected."""
         options = self._module._session_options
         write_optimized_model(options, model)
-        if not numpy_engine_option(options, "enable_profiling"):
+        if not session_option(options, "enable_profiling"):
             return
         profile = SessionProfile(options, "optimizer", from_file, loading)
         self._plan = profile.watch(self._plan, initialization)
