@@ -219,3 +219,21 @@ def test_the_config_table_lists_every_key() -> None:
         assert field.default == value, (name, key, field.default)
     minimal = {"model": {"builder": "mlp", "args": {"sizes": [64, 8, 10]}}, "training": {"steps": 1}}
     assert c.config_from_dict(minimal).data.source == "digits"
+
+
+def test_sweep_sizes() -> None:
+    """The breadth sweeps' sizes the README gives: the default suite's share of the dynamic dynamo layer
+    audit and of the control-flow fuzzes, and their full sizes."""
+    from tests.autodiff import test_control_flow_fuzz as grad_fuzz
+    from tests.autodiff.torch_layer_sizes import DEFAULT_DYNAMO, SIZES
+    from tests.engine import test_control_flow_fuzz as forward_fuzz
+
+    text = " ".join(README.split())
+    assert f"{len(DEFAULT_DYNAMO)} of the {len(SIZES)} layers of the dynamic-shape dynamo audit" in text
+    total = sum(len(s) for s in grad_fuzz.SEEDS.values())
+    assert all(grad_fuzz.DEFAULT_SEEDS[f] == len(s) // 3 for f, s in grad_fuzz.SEEDS.items())
+    assert f"{total} float64 models over opsets 9–21, a third of them in the default test suite" in text
+    random_bodies = f"{grad_fuzz.RANDOM_SEEDS} float64 models go through the same checks"
+    assert (f"{random_bodies} ({grad_fuzz.RANDOM_DEFAULT} by default), and {forward_fuzz.SEEDS} float32/float64 "
+            "ones") in text
+    assert f"(`tests/engine/test_control_flow_fuzz.py`, {forward_fuzz.DEFAULT} by default)" in text
