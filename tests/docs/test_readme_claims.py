@@ -233,7 +233,6 @@ def test_sweep_sizes() -> None:
     total = sum(len(s) for s in grad_fuzz.SEEDS.values())
     assert all(grad_fuzz.DEFAULT_SEEDS[f] == len(s) // 3 for f, s in grad_fuzz.SEEDS.items())
     assert f"{total} float64 models over opsets 9–21, a third of them in the default test suite" in text
-    random_bodies = f"{grad_fuzz.RANDOM_SEEDS} float64 models go through the same checks"
-    assert (f"{random_bodies} ({grad_fuzz.RANDOM_DEFAULT} by default), and {forward_fuzz.SEEDS} float32/float64 "
-            "ones") in text
+    bodies = f"{grad_fuzz.RANDOM_SEEDS} float64 models go through the same checks ({grad_fuzz.RANDOM_DEFAULT}"
+    assert f"{bodies} by default), and {forward_fuzz.SEEDS} float32/float64 ones" in text
     assert f"(`tests/engine/test_control_flow_fuzz.py`, {forward_fuzz.DEFAULT} by default)" in text
