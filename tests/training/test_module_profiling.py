@@ -310,3 +310,22 @@ def test_without_the_options_nothing_is_written_and_the_plans_are_plain(tmp_path
     del module, opt
     gc.collect()
     assert os.listdir(out) == ["art"]
+
+
+def test_a_trace_in_a_missing_folder_warns_and_training_goes_on(tmp_path, generated):
+    """A ``profile_file_prefix`` in a folder that does not exist: onnxruntime-training 1.19.2 makes the
+    Module, trains and writes nothing, without a word; onnxtrain's Module raised FileNotFoundError when it
+    was made (the trace's name is claimed then). Now it warns, naming the option, and trains unprofiled."""
+    so = _options(str(tmp_path / "missing" / "folder"), optimized=False)
+    state = CheckpointState.load_checkpoint(os.path.join(generated, "checkpoint"))
+    with pytest.warns(UserWarning, match="profile_file_prefix.*not profiled"):
+        module = Module(os.path.join(generated, "training_model.onnx"), state,
+                        os.path.join(generated, "eval_model.onnx"), session_options=so)
+    x, y = _feeds()
+    loss = module(x, y)
+    reference = Module(os.path.join(generated, "training_model.onnx"),
+                       CheckpointState.load_checkpoint(os.path.join(generated, "checkpoint")))
+    np.testing.assert_array_equal(loss, reference(x, y))
+    del module
+    gc.collect()
+    assert sorted(os.listdir(tmp_path)) == ["art"]

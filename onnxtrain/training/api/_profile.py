@@ -76,20 +76,29 @@ class SessionProfile:
 
     def __init__(self, options: Any, what: str, from_file: bool, loading: tuple[int, int]) -> None:
         self.what = what
-        self.path = claim_trace_path(options.profile_file_prefix)
+        self.ended = False
+        try:
+            self.path = claim_trace_path(options.profile_file_prefix)
+        except OSError as e:  # (onnxruntime-training goes on without a word, and writes no trace)
+            warn(f"SessionOptions.profile_file_prefix {options.profile_file_prefix!r}: the {what} model's "
+                 f"trace cannot be created ({e}); it is not profiled")
+            self.path = ""
+            self.ended = True
         self.origin = loading[0]
         self.events = [ProfileEvent("model_loading_uri" if from_file else "model_loading_array", "",
                                     loading[0], loading[1] - loading[0], cat="Session")]
         self.plans: list[GraphInterface] = []
-        self.ended = False
 
-    def watch(self, plan: GraphInterface, initialization: tuple[int, int] | None = None) -> ProfiledPlan:
+    def watch(self, plan: GraphInterface, initialization: tuple[int, int] | None = None
+              ) -> GraphInterface | ProfiledPlan:
         """Profile ``plan``'s runs in this trace (``initialization``: when it was compiled, the session's
-        ``session_initialization`` span)."""
+        ``session_initialization`` span); ``plan`` itself when the trace has ended."""
+        if self.ended:
+            return plan
         if initialization is not None:
             self.events.append(ProfileEvent("session_initialization", "", initialization[0],
                                             initialization[1] - initialization[0], cat="Session"))
-        plan.profiling = not self.ended
+        plan.profiling = True
         self.plans.append(plan)
         return ProfiledPlan(plan, self.events)
 
@@ -110,6 +119,8 @@ class SessionProfile:
 
     def discard(self) -> None:
         """Give up the claimed name (its owner failed to be made)."""
+        if self.ended:
+            return
         self.ended = True
         with contextlib.suppress(OSError):
             os.remove(self.path)
