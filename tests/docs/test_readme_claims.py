@@ -25,6 +25,19 @@ def test_named_paths_exist() -> None:
     assert names and not missing, missing
 
 
+def test_file_names_given_without_their_folder_exist() -> None:
+    """A file the README names by its name alone or a partial path (`ml.py`, `fusion/gemm.py`,
+    `tiny_transformer.yaml`) is a file of the repository."""
+    known = ("onnxtrain/", "tests/", "bench/", "tools/", "configs/", "examples/", "../")
+    names = {n for n in re.findall(r"`([\w./-]+\.(?:py|yaml|json|md))`", README) if not n.startswith(known)}
+    names.discard("config.yaml")  # what a run writes, not a file of the repository
+    folders = [ROOT / d for d in ("onnxtrain", "tests", "bench", "tools", "configs", "examples")]
+    files = [p.relative_to(ROOT).as_posix() for d in folders for p in d.rglob("*") if p.is_file()]
+    files += [p.name for p in ROOT.iterdir() if p.is_file()]
+    missing = sorted(n for n in names if not any(f == n or f.endswith("/" + n) for f in files))
+    assert names and not missing, missing
+
+
 def test_environment_variables_are_read() -> None:
     code = "\n".join(p.read_text(encoding="utf-8") for d in ("onnxtrain", "bench", "tests")
                      for p in (ROOT / d).rglob("*.py"))
