@@ -103,9 +103,9 @@ def check_emitted(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], label
                   floor: float = 1e-3) -> None:
     """Full check, then onnxruntime's outputs against the numpy engine's (:func:`float_error` within
     ``tol``; bool and integer outputs equal; outputs named in ``skip`` not compared). ``step``: an output
-    that is an optimizer's updated weight (``*_out*``, not a moment) may also differ by up to ``step`` per
-    element (twice the learning rate: Adam and Lamb move a weight whose gradient is rounding noise by about
-    the learning rate, either way)."""
+    that is an optimizer's updated weight (``*_out*``, not a moment or gradient) may also differ by up to
+    ``step`` per element (Adam and Lamb move a weight whose gradient is rounding noise around zero by a step
+    of the learning rate's size, of either sign)."""
     try:
         onnx.checker.check_model(model, full_check=True)
     except Exception as e:

@@ -1,0 +1,318 @@
+"""Every kind of model onnxtrain writes passes onnx.checker's full check and runs in onnxruntime's inference
+package to the numpy engine's values on the same file (tests/graphs/emitted.py): generate_artifacts' training,
+eval and optimizer models (every built-in loss, custom loss blocks, no loss, AdamW and SGD, requires_grad
+subsets with and without frozen parameters, float16 mixed precision, recompute) and the Module's exported
+inference model; the GradientGraphBuilder's saved model, the legacy TrainingSession's four dumps (Adam, Lamb,
+SGD; mixed precision, fp16 moments, accumulation, memory-efficient gradients, gradients as outputs) and the
+InferenceSession's optimized_model_filepath; over the torch zoo (tests/models.py) exported at opsets 13 to 20
+and by torch's dynamo exporter, If/Loop/Scan models, float16 models and transformer stacks.
+
+Half precision is compared within 5 %: onnxruntime's CPU provider runs a float16 op it has no kernel for in
+float32 and drops the Casts between two such ops, so a chain of them (a BatchNormalization's backward into a
+Conv's) rounds once where the numpy engine rounds after each op as the graph says (LeNet's first Conv weight
+gradient under mixed precision: 3 % from float32 in both when the chain's values are graph outputs, 0.04 % in
+onnxruntime when they are not).
+
+Documented exceptions: bfloat16 graphs pass the checker but onnxruntime's CPU package has no bfloat16 Gemm or
+Add (README, "Mixed precision"); a graph with a training-mode BatchNormalization runs with onnxruntime's
+ConstantSharing off, as the README advises. The default suite runs a part of each sweep;
+ONNXTRAIN_FULL_TESTS=1 runs all of it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tests.graphs.emitted import check_emitted, feeds_for
+from tests.tiers import extended
+
+ort = pytest.importorskip("onnxruntime")
+torch = pytest.importorskip("torch")
+tm = pytest.importorskip("tests.models")
+
+from onnxtrain import GradientGraphBuilder, InferenceSession, TrainingParameters  # noqa: E402
+from onnxtrain.session import TrainingSession  # noqa: E402
+from onnxtrain.training import artifacts, onnxblock  # noqa: E402
+from onnxtrain.training.api import CheckpointState, Module  # noqa: E402
+from tests.engine.random_models import _options, make_case  # noqa: E402
+
+L, OPT = artifacts.LossType, artifacts.OptimType
+LR = np.array([0.01], np.float32)
+HALF_TOL = 5e-2  # float16 graphs (see the module docstring)
+# how far an Adam or Lamb step may move one weight: lr·(1 − β1)/√(1 − β2) ≈ 3.2·lr on a first step without
+# bias correction; twice that between two runs whose gradient for the weight is rounding noise of either sign
+STEP = 2 * float(LR[0]) * 0.1 / np.sqrt(0.001)
+NOT_TRAINED = ("running_", "mask", "scale", "zero_point")  # statistics, buffers, quantizer parameters
+
+
+def _params(m: onnx.ModelProto) -> list[str]:
+    return [t.name for t in m.graph.initializer if t.data_type in (1, 10, 11, 16) and t.dims
+            and not any(w in t.name for w in NOT_TRAINED)]
+
+
+class TwoTargets(onnxblock.Block):
+    """A custom loss block: MSE against one target plus L1 against another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mse, self.l1 = onnxblock.loss.MSELoss(), onnxblock.loss.L1Loss()
+        self.add = onnxblock.blocks.Add()
+
+    def build(self, out: str) -> str:
+        return self.add(self.mse(out, "target1"), self.l1(out, "target2"))
+
+
+LOSSES = {"ce": lambda: L.CrossEntropyLoss, "mse": lambda: L.MSELoss, "l1": lambda: L.L1Loss,
+          "bce": lambda: L.BCEWithLogitsLoss, "custom": TwoTargets, "none": lambda: None,
+          "ce_last": lambda: onnxblock.loss.CrossEntropyLoss(class_axis=-1)}
+
+# (zoo model, loss, optimizer, options); options: sel ("all", "half": the rest constants, "frozen": the rest
+# frozen), mp (mixed precision), recompute
+ARTIFACT_CASES = [
+    ("mlp", "ce", "AdamW", {}),
+    ("lenet_bn", "l1", "SGD", {"sel": "frozen"}),
+    ("resnet_block", "mse", "SGD", {"sel": "half"}),
+    ("transformer_encoder", "custom", "SGD", {"sel": "half"}),
+    ("gpt_block", "ce_last", "AdamW",
+     {"mp": "float16", "recompute": {"transformer_layer": True, "gelu": True}}),
+    ("recommender", "bce", "SGD", {"mp": "float16", "sel": "frozen"}),
+    ("lstm_cls", "none", "AdamW", {}),
+    *(extended(n, loss, opt, kw)
+      for n in ("mlp", "lenet_bn", "transformer_encoder", "resnet_block", "lstm_cls", "gru_cls",
+                "rnn_relu_cls", "spatial_transformer", "fake_quant_mlp", "spectrogram_cls")
+      for loss, opt, kw in (("ce", "AdamW", {}), ("mse", "SGD", {"sel": "half"}),
+                            ("l1", "AdamW", {"sel": "frozen"}), ("ce", "AdamW", {"mp": "float16"}),
+                            ("ce", "AdamW", {"recompute": {"transformer_layer": True, "gelu": True}}),
+                            ("custom", "SGD", {}), ("none", "SGD", {}))),
+    extended("gpt_block", "ce_last", "SGD", {"sel": "frozen"}),
+    extended("gpt_block", "none", "AdamW", {"recompute": {"attn_dropout": True}}),
+    extended("recommender", "bce", "AdamW", {}),
+]
+
+
+@pytest.mark.parametrize(("name", "loss", "opt", "kw"), ARTIFACT_CASES)
+def test_artifacts_and_exported_model(name: str, loss: str, opt: str, kw: dict, tmp_path) -> None:
+    no_loss = loss == "none"
+    model, feeds, _ = tm.export(name, training=True, with_loss=no_loss, dropout=0.0)
+    ps = _params(model)
+    req, frozen = ps, None
+    if kw.get("sel") == "half":
+        req = ps[: len(ps) // 2]
+    elif kw.get("sel") == "frozen":
+        req, frozen = ps[: len(ps) // 2], ps[len(ps) // 2:]
+    extra = {k: kw[k] for k in ("recompute",) if k in kw}
+    if "mp" in kw:
+        extra["mixed_precision"] = kw["mp"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a recompute option that finds nothing
+        artifacts.generate_artifacts(onnx.ModelProto.FromString(model.SerializeToString()),
+                                     requires_grad=req, frozen_params=frozen, loss=LOSSES[loss](),
+                                     optimizer=getattr(OPT, opt),
+                                     artifact_directory=str(tmp_path), **extra)
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    known = {**feeds, **{k: p.data for k, p in state.parameters}}
+    if not no_loss:
+        known["labels"] = tm.example_inputs(name, 4, with_loss=True)["labels"]
+    half = "mp" in kw
+    tol, floor = (HALF_TOL, 1e-2) if half else (1e-4, 1e-3)
+    for f in ("training_model", "eval_model", "optimizer_model"):
+        m = onnx.load(str(tmp_path / f"{f}.onnx"))
+        check_emitted(m, feeds_for(m, known), f"{name} {loss} {opt} {kw} {f}", tol=tol, floor=floor)
+    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    path = str(tmp_path / "inference.onnx")
+    module.export_model_for_inferencing(path, [o.name for o in model.graph.output])
+    exported = onnx.load(path)
+    check_emitted(exported, feeds_for(exported, feeds), f"{name} exported", tol=tol, floor=floor)
+
+
+def test_bfloat16_artifacts_pass_the_checker_and_onnxruntime_refuses_them_as_documented(tmp_path) -> None:
+    model, _, _ = tm.export("mlp", training=True, dropout=0.0)
+    artifacts.generate_artifacts(onnx.ModelProto.FromString(model.SerializeToString()),
+                                 requires_grad=_params(model),
+                                 loss=L.CrossEntropyLoss, optimizer=OPT.AdamW,
+                                 artifact_directory=str(tmp_path),
+                                 mixed_precision="bfloat16")
+    training = onnx.load(str(tmp_path / "training_model.onnx"))
+    onnx.checker.check_model(training, full_check=True)
+    with pytest.raises(Exception, match="NOT_IMPLEMENTED"):  # no bfloat16 Gemm in onnxruntime's CPU package
+        ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
+    for f in ("eval_model", "optimizer_model"):
+        onnx.checker.check_model(onnx.load(str(tmp_path / f"{f}.onnx")), full_check=True)
+
+
+DUMPS = ("model_after_graph_transforms_path", "model_with_gradient_graph_path",
+         "model_with_training_graph_path")
+LEGACY = {
+    "adam_mp": ("AdamOptimizer", {"use_mixed_precision": True}),
+    "lamb_mp_accumulate": ("LambOptimizer", {"use_mixed_precision": True, "gradient_accumulation_steps": 2}),
+    "adam_mp_fp16_moments": ("AdamOptimizer", {"use_mixed_precision": True, "use_fp16_moments": True,
+                                               "transformer_layer_recompute": True}),
+    "adam_grads_out": ("AdamOptimizer", {"use_memory_efficient_gradient": True,
+                                         "set_gradients_as_graph_outputs": True}),
+}
+LEGACY_CASES = [("transformer_encoder", "adam_mp"), ("lenet_bn", "adam_grads_out"),
+                ("gpt_block", "lamb_mp_accumulate"),
+                *(extended(n, c) for n in ("mlp", "lenet_bn", "transformer_encoder", "gpt_block",
+                                           "resnet_block", "spatial_transformer", "recommender", "gru_cls",
+                                           "lstm_cls")
+                  for c in LEGACY)]
+
+
+@pytest.mark.parametrize(("name", "config"), LEGACY_CASES)
+def test_legacy_session_dumps(name: str, config: str, tmp_path) -> None:
+    model, feeds, _ = tm.export(name, training=True, with_loss=True, dropout=0.0)
+    opt, params = LEGACY[config]
+    p = TrainingParameters()
+    p.loss_output_name, p.training_optimizer_name = "loss", opt
+    for k, v in params.items():
+        setattr(p, k, v)
+    paths = {k: str(tmp_path / f"{k}.onnx") for k in (*DUMPS, "optimized")}
+    for k in DUMPS:
+        setattr(p, k, paths[k])
+    so = _options("numpy")
+    so.optimized_model_filepath = paths["optimized"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # recompute options that select nothing
+        TrainingSession(model.SerializeToString(), p, so)
+    half = params.get("use_mixed_precision", False)
+    for k, path in paths.items():
+        m = onnx.load(path)
+        check_emitted(m, feeds_for(m, {**feeds, "Learning_Rate": LR}), f"{name} {config} {k}",
+                      tol=HALF_TOL if half else 1e-4, floor=1e-2 if half else 1e-3, step=STEP)
+
+
+def _zoo_at(name: str, opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """Zoo model ``name`` with its loss, exported by the TorchScript exporter at ``opset``."""
+    module = tm.build(name, 0.0, with_loss=True)
+    old, tm.OPSET = tm.OPSET, opset
+    try:
+        m = tm.export_module(module, tm.example_inputs(name, 2, with_loss=True), "loss", True,
+                             batch_output=False)
+    finally:
+        tm.OPSET = old
+    return m, tm.example_inputs(name, 4, with_loss=True)
+
+
+def _dynamo(name: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """Zoo model ``name`` with its loss from torch's dynamo exporter (its default opset, batch 2 fixed)."""
+    m, _ = tm.export_dynamo(name)
+    values = tm.example_inputs(name, 2, with_loss=True).values()
+    names = [i.name for i in m.graph.input]
+    return onnx.ModelProto.FromString(m.SerializeToString()), dict(zip(names, values))
+
+
+def _scan_model() -> onnx.ModelProto:
+    """A running product-sum over a scan axis (its length symbolic); loss = sum(outputs) + sum(state)."""
+    from tests.engine.graphs import scan_over_pairs
+
+    d = TensorProto.DOUBLE
+    node = scan_over_pairs([helper.make_node("Mul", ["s_in", "scale"], ["ss"]),
+                            helper.make_node("Add", ["ss", "x_t"], ["s_out"]),
+                            helper.make_node("Mul", ["s_out", "v"], ["y_t"])], d, name="the_scan")
+    nodes = [node, helper.make_node("ReduceSum", ["ys"], ["l1"], keepdims=0),
+             helper.make_node("ReduceSum", ["s"], ["l2"], keepdims=0),
+             helper.make_node("Add", ["l1", "l2"], ["loss"])]
+    inits = [numpy_helper.from_array(np.array([0.9, -1.1]), "scale"),
+             numpy_helper.from_array(np.array([1.5, 0.5]), "v")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("s0", d, [2]),
+                                       helper.make_tensor_value_info("xs", d, ["T", 2])],
+                          [helper.make_tensor_value_info("loss", d, [])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def _control_flow(kind: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    from tests.autodiff.test_control_flow_grad import loop_model, nested_model
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(3)
+    if kind.startswith("if"):
+        return nested_model(), {"x": x, "c1": np.array(kind[2] == "t"), "c2": np.array(kind[3] == "t")}
+    if kind.startswith("loop"):
+        return loop_model(kind == "loop"), {"x": x, "n": np.array(4), "c0": np.array(True)}
+    return _scan_model(), {"s0": rng.standard_normal(2), "xs": rng.standard_normal((4, 2))}
+
+
+def _half(seed: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """A float16 random model (tests/engine/random_models.py) with its own float16 weights."""
+    case = make_case(seed, dtype=np.float16)
+    return case.with_loss, case.feeds[0]
+
+
+SOURCES = [
+    ("zoo", ("mlp", 13)), ("zoo", ("lenet_bn", 13)), ("zoo", ("gpt_block", 20)), ("control", "iftt"),
+    ("control", "loop"), ("control", "scan"), ("half", 22), ("half", 40),
+    *(extended("zoo", (n, o)) for o in (13, 15, 18, 20)
+      for n in ("mlp", "lenet_bn", "transformer_encoder", "gpt_block", "lstm_cls", "spatial_transformer")
+      if not (o < 16 and n == "spatial_transformer") and not (o < 14 and n == "transformer_encoder")),
+    *(extended("dynamo", n) for n in ("mlp", "gpt_block", "lenet_bn", "lstm_cls", "transformer_encoder")),
+    *(extended("control", k) for k in ("ifft", "iftf", "loop_nocond")),
+    *(extended("half", s) for s in (3, 17, 31)),
+]
+
+
+@pytest.mark.parametrize(("source", "which"), SOURCES)
+def test_builder_dumps_artifacts_and_inference_dump(source: str, which, tmp_path) -> None:
+    """The GradientGraphBuilder's saved model, the legacy dumps (Adam), the InferenceSession's
+    optimized_model_filepath and the artifacts (no loss block, AdamW) of one model."""
+    model, feeds = {"zoo": lambda: _zoo_at(*which), "dynamo": lambda: _dynamo(which),
+                    "control": lambda: _control_flow(which), "half": lambda: _half(which)}[source]()
+    ps = [p for p in _params(model) if not p.startswith("bn_")]
+    if source == "control":  # (every weight of these; "limit" is a scalar bound)
+        ps = [t.name for t in model.graph.initializer if t.dims]
+    if source == "half":
+        ps = [p for p in ps if p not in make_case(which, dtype=np.float16).no_train]
+    loss = model.graph.output[0].name
+    tol, floor = (HALF_TOL, 1e-2) if source == "half" else (1e-4, 1e-3)
+    known = {**feeds, "Learning_Rate": LR}
+
+    def check(label: str, path: str, values: dict[str, np.ndarray]) -> None:
+        m = onnx.load(path)
+        check_emitted(m, feeds_for(m, values), f"{source} {which} {label}", tol=tol, floor=floor,
+                      step=STEP)
+
+    b = GradientGraphBuilder(model.SerializeToString(), {loss}, set(ps), loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dynamo's BatchNormalizations written for inference: said, expected
+        b.build()
+    b.save(str(tmp_path / "builder.onnx"))
+    check("GradientGraphBuilder.save", str(tmp_path / "builder.onnx"), known)
+
+    p = TrainingParameters()
+    p.loss_output_name, p.training_optimizer_name, p.weights_to_train = loss, "AdamOptimizer", set(ps)
+    paths = {k: str(tmp_path / f"{k}.onnx") for k in (*DUMPS, "optimized")}
+    for k in DUMPS:
+        setattr(p, k, paths[k])
+    so = _options("numpy")
+    so.optimized_model_filepath = paths["optimized"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        TrainingSession(model.SerializeToString(), p, so)
+    for k, path in paths.items():
+        check(k, path, known)
+
+    so = _options("numpy")
+    so.optimized_model_filepath = str(tmp_path / "inference.onnx")
+    InferenceSession(model.SerializeToString(), so)
+    check("InferenceSession optimized_model_filepath", so.optimized_model_filepath, known)
+
+    art = tmp_path / "artifacts"
+    os.makedirs(art)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        artifacts.generate_artifacts(model, requires_grad=ps, loss=None, optimizer=OPT.AdamW,
+                                     artifact_directory=str(art))
+    state = CheckpointState.load_checkpoint(str(art / "checkpoint"))
+    with_state = {**known, **{k: v.data for k, v in state.parameters}}
+    for f in ("training_model", "eval_model", "optimizer_model"):
+        check(f, str(art / f"{f}.onnx"), with_state)
+    module = Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"))
+    module.export_model_for_inferencing(str(art / "inference.onnx"), [o.name for o in model.graph.output])
+    check("export_model_for_inferencing", str(art / "inference.onnx"), feeds)
