@@ -5,7 +5,8 @@ subsets with and without frozen parameters, float16 mixed precision, recompute) 
 inference model; the GradientGraphBuilder's saved model, the legacy TrainingSession's four dumps (Adam, Lamb,
 SGD; mixed precision, fp16 moments, accumulation, memory-efficient gradients, gradients as outputs) and the
 InferenceSession's optimized_model_filepath; over the torch zoo (tests/models.py) exported at opsets 13 to 20
-and by torch's dynamo exporter, If/Loop/Scan models, float16 models and transformer stacks.
+(converted to 21-23 too) and by torch's dynamo exporter, If/Loop/Scan models and float16 models. Also the
+graphs a pipeline stage dumps, and the model `onnxtrain train` and `onnxtrain export` write.
 
 Half precision is compared within 5 %: onnxruntime's CPU provider runs a float16 op it has no kernel for in
 float32 and drops the Casts between two such ops, so a chain of them (a BatchNormalization's backward into a
@@ -240,6 +241,16 @@ def _control_flow(kind: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     return _scan_model(), {"s0": rng.standard_normal(2), "xs": rng.standard_normal((4, 2))}
 
 
+def _converted(name: str, opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """Zoo model ``name`` exported at opset 20, then converted by ONNX's version converter to ``opset``."""
+    from onnx import version_converter
+
+    m, feeds = _zoo_at(name, 20)
+    m = version_converter.convert_version(m, opset)
+    m.ir_version = max(m.ir_version, 10 if opset >= 23 else 8)
+    return m, feeds
+
+
 def _half(seed: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """A float16 random model (tests/engine/random_models.py) with its own float16 weights."""
     case = make_case(seed, dtype=np.float16)
@@ -252,6 +263,9 @@ SOURCES = [
     *(extended("zoo", (n, o)) for o in (13, 15, 18, 20)
       for n in ("mlp", "lenet_bn", "transformer_encoder", "gpt_block", "lstm_cls", "spatial_transformer")
       if not (o < 16 and n == "spatial_transformer") and not (o < 14 and n == "transformer_encoder")),
+    ("converted", ("gpt_block", 23)),
+    *(extended("converted", (n, o)) for o in (21, 22, 23)
+      for n in ("mlp", "lenet_bn", "transformer_encoder", "gpt_block", "lstm_cls", "spatial_transformer")),
     *(extended("dynamo", n) for n in ("mlp", "gpt_block", "lenet_bn", "lstm_cls", "transformer_encoder")),
     *(extended("control", k) for k in ("ifft", "iftf", "loop_nocond")),
     *(extended("half", s) for s in (3, 17, 31)),
@@ -263,6 +277,7 @@ def test_builder_dumps_artifacts_and_inference_dump(source: str, which, tmp_path
     """The GradientGraphBuilder's saved model, the legacy dumps (Adam), the InferenceSession's
     optimized_model_filepath and the artifacts (no loss block, AdamW) of one model."""
     model, feeds = {"zoo": lambda: _zoo_at(*which), "dynamo": lambda: _dynamo(which),
+                    "converted": lambda: _converted(*which),
                     "control": lambda: _control_flow(which), "half": lambda: _half(which)}[source]()
     ps = [p for p in _params(model) if not p.startswith("bn_")]
     if source == "control":  # (every weight of these; "limit" is a scalar bound)
@@ -316,3 +331,89 @@ def test_builder_dumps_artifacts_and_inference_dump(source: str, which, tmp_path
     module = Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"))
     module.export_model_for_inferencing(str(art / "inference.onnx"), [o.name for o in model.graph.output])
     check("export_model_for_inferencing", str(art / "inference.onnx"), feeds)
+
+
+PIPELINE_CASES = [("mlp", "AdamOptimizer"), ("gpt_block", "LambOptimizer"),
+                  *(extended(n, o) for n, o in (("lenet_bn", "SGDOptimizer"),
+                                                ("transformer_encoder", "AdamOptimizer"),
+                                                ("resnet_block", "AdamOptimizer"),
+                                                ("lstm_cls", "SGDOptimizer")))]
+
+
+@pytest.mark.parametrize(("name", "opt"), PIPELINE_CASES)
+def test_pipeline_stage_dumps(name: str, opt: str) -> None:
+    """The graphs a pipeline stage dumps (its forward, forward_train, stage and backward graphs, with its
+    state as the session's dumps hold it), for a two-stage cut of a zoo model: fed the values the whole
+    model computes (the received activations, random incoming gradients) and the stage's own saved values."""
+    from onnxtrain.engine import compile_model
+    from onnxtrain.optim import get_optimizer
+    from onnxtrain.parallel.pipeline import parse_cut_info, partition
+    from onnxtrain.parallel.stage_graphs import build_stage_graphs
+    from onnxtrain.session import dumped_graph
+    from onnxtrain.training_graph import select_trainable
+
+    model, feeds, _ = tm.export(name, training=True, with_loss=True, dropout=0.0)
+    nodes = list(model.graph.node)
+    kinds = ("Relu", "Add", "Gemm", "MatMul", "Mul", "Transpose", "Reshape")
+    cuts = [n.output[0] for n in nodes[len(nodes) // 3: 2 * len(nodes) // 3] if n.op_type in kinds]
+    for cut in cuts:  # the first value of the middle third that cuts the model in two
+        try:
+            part = partition(model, parse_cut_info(cut, 2), "loss")
+            break
+        except Exception:  # noqa: BLE001, S112 - a value that does not cut the model: try the next
+            continue
+    else:
+        pytest.fail(f"{name}: no cut among {cuts}")
+    consts = {t.name for t in model.graph.initializer} | {i.name for i in model.graph.input}
+    names = sorted({o for n in nodes for o in n.output if o} - consts)
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.extend(onnx.ValueInfoProto(name=r) for r in names)
+    values = dict(zip(names, compile_model(probe).run(feeds)[1:]))
+    rng = np.random.default_rng(0)
+    values.update({f"{k}_grad": (0.01 * rng.standard_normal(np.shape(v))).astype(v.dtype)
+                   for k, v in list(values.items()) if isinstance(v, np.ndarray) and v.dtype.kind == "f"})
+    p = TrainingParameters()
+    p.loss_output_name, p.training_optimizer_name = "loss", opt
+    trainable = select_trainable(model, p)
+    for s in (0, 1):
+        sg = build_stage_graphs(model, part, s, trainable, p, get_optimizer(opt, False))
+        saved: dict[str, np.ndarray] = {}
+        if "forward_train" in sg.graphs:  # the values the stage's backward reads from its forward
+            ft = dumped_graph(sg.graphs["forward_train"], dict(sg.initial), True)
+            sess = InferenceSession(ft.SerializeToString(), _options("numpy"))
+            wanted = {i.name for i in sess.get_inputs()}
+            run = sess.run(None, {k: v for k, v in feeds_for(ft, {**values, **feeds}).items() if k in wanted})
+            saved = dict(zip([o.name for o in ft.graph.output], run))
+        for kind in ("forward", "forward_train", "stage", "backward"):
+            if kind in sg.graphs:
+                dump = dumped_graph(sg.graphs[kind], dict(sg.initial), True)
+                known = {**values, **saved, **feeds, "Learning_Rate": LR}
+                check_emitted(dump, feeds_for(dump, known), f"{name} cut {cut} stage {s} {kind}", step=STEP)
+
+
+TRAIN_CONFIGS = [("digits_cnn", False), extended("digits_mlp", False), extended("digits_stn", False),
+                 extended("tiny_transformer", False), extended("digits_cnn", True),
+                 extended("tiny_transformer", True)]
+
+
+@pytest.mark.parametrize(("config", "mixed"), TRAIN_CONFIGS)
+def test_train_and_export_commands(config: str, mixed: bool, tmp_path) -> None:
+    """The inference model `onnxtrain train` writes at the end of a (short) run, and `onnxtrain export`'s
+    from its checkpoint (with training.mixed_precision too)."""
+    from onnxtrain.cli import main
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "configs", f"{config}.yaml")
+    sets = ["--set", "training.steps=12", "--set", "training.epochs=null", "--set", "output.plot=false"]
+    if config == "tiny_transformer":
+        sets += ["--set", "data.train_size=200", "--set", "data.eval_size=50"]
+    if mixed:
+        sets += ["--set", "training.mixed_precision=true"]
+    out = str(tmp_path / "run")
+    assert main(["train", path, "--output-dir", out, "--quiet", *sets]) == 0
+    exported = str(tmp_path / "exported.onnx")
+    assert main(["export", path, "--checkpoint", out, "-o", exported, *sets]) == 0
+    for f in (os.path.join(out, "model.onnx"), exported):
+        m = onnx.load(f)
+        check_emitted(m, feeds_for(m, {}), f"{config} {f}")
