@@ -5,8 +5,10 @@ subsets with and without frozen parameters, float16 mixed precision, recompute) 
 inference model; the GradientGraphBuilder's saved model, the legacy TrainingSession's four dumps (Adam, Lamb,
 SGD; mixed precision, fp16 moments, accumulation, memory-efficient gradients, gradients as outputs) and the
 InferenceSession's optimized_model_filepath; over the torch zoo (tests/models.py) exported at opsets 13 to 20
-(converted to 21-23 too) and by torch's dynamo exporter, If/Loop/Scan models and float16 models. Also the
-graphs a pipeline stage dumps, and the model `onnxtrain train` and `onnxtrain export` write.
+(converted to 21-23 too) and by torch's dynamo exporter, the benchmark's exports (bench/models.py),
+If/Loop/Scan models and float16 models; optimizer models of onnxblock's AdamW and SGD with their options.
+Also the graphs a pipeline stage dumps, and the model `onnxtrain train` and `onnxtrain export` write. (A
+horizontally split session writes no graph: it warns, README.)
 
 Half precision is compared within 5 %: onnxruntime's CPU provider runs a float16 op it has no kernel for in
 float32 and drops the Casts between two such ops, so a chain of them (a BatchNormalization's backward into a
@@ -251,6 +253,16 @@ def _converted(name: str, opset: int) -> tuple[onnx.ModelProto, dict[str, np.nda
     return m, feeds
 
 
+def _bench(key: str, folder: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The benchmark's torch export of case ``key`` with its loss (bench/models.py, batch 2)."""
+    from bench.models import ALL_CASES, prepare
+
+    case = next(c for c in ALL_CASES if c.key == key)
+    model = onnx.load(prepare(case, folder)["loss_model"])
+    batch = case.batches(1, batch=2)
+    return model, {case.input_name: batch["x0"], "labels": batch["y0"]}
+
+
 def _half(seed: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """A float16 random model (tests/engine/random_models.py) with its own float16 weights."""
     case = make_case(seed, dtype=np.float16)
@@ -263,7 +275,8 @@ SOURCES = [
     *(extended("zoo", (n, o)) for o in (13, 15, 18, 20)
       for n in ("mlp", "lenet_bn", "transformer_encoder", "gpt_block", "lstm_cls", "spatial_transformer")
       if not (o < 16 and n == "spatial_transformer") and not (o < 14 and n == "transformer_encoder")),
-    ("converted", ("gpt_block", 23)),
+    ("converted", ("gpt_block", 23)), ("bench", "cnn64"),
+    *(extended("bench", k) for k in ("mlp64", "transformer32", "gpt16", "mobilenet16", "resnet32")),
     *(extended("converted", (n, o)) for o in (21, 22, 23)
       for n in ("mlp", "lenet_bn", "transformer_encoder", "gpt_block", "lstm_cls", "spatial_transformer")),
     *(extended("dynamo", n) for n in ("mlp", "gpt_block", "lenet_bn", "lstm_cls", "transformer_encoder")),
@@ -278,8 +291,14 @@ def test_builder_dumps_artifacts_and_inference_dump(source: str, which, tmp_path
     optimized_model_filepath and the artifacts (no loss block, AdamW) of one model."""
     model, feeds = {"zoo": lambda: _zoo_at(*which), "dynamo": lambda: _dynamo(which),
                     "converted": lambda: _converted(*which),
+                    "bench": lambda: _bench(which, str(tmp_path / "bench")),
                     "control": lambda: _control_flow(which), "half": lambda: _half(which)}[source]()
     ps = [p for p in _params(model) if not p.startswith("bn_")]
+    if source == "bench":  # the module's parameters (a causal mask is an initializer too)
+        import json
+
+        with open(tmp_path / "bench" / "params.json") as f:
+            ps = json.load(f)["loss_model"]
     if source == "control":  # (every weight of these; "limit" is a scalar bound)
         ps = [t.name for t in model.graph.initializer if t.dims]
     if source == "half":
@@ -417,3 +436,40 @@ def test_train_and_export_commands(config: str, mixed: bool, tmp_path) -> None:
     for f in (os.path.join(out, "model.onnx"), exported):
         m = onnx.load(f)
         check_emitted(m, feeds_for(m, {}), f"{config} {f}")
+
+
+OB = onnxblock.optim
+OPTIMIZER_BLOCKS = {
+    "adamw_clip_decay": lambda: OB.AdamW(weight_decay=0.01, clip_grad=OB.ClipGradNorm(0.5)),
+    "adamw_no_bias_correction": lambda: OB.AdamW(bias_correction=False, betas=(0.8, 0.99), eps=1e-8),
+    "sgd_clip": lambda: OB.SGD(clip_grad=OB.ClipGradNorm(1.0)),
+}
+OPTIMIZER_CASES = [("mixed", "adamw_clip_decay"), ("half", "sgd_clip"),
+                   *(extended(m, o) for m in ("float32", "mixed", "half", "float64")
+                     for o in OPTIMIZER_BLOCKS)]
+
+
+@pytest.mark.parametrize(("kind", "block"), OPTIMIZER_CASES)
+def test_optimizer_blocks(kind: str, block: str, tmp_path) -> None:
+    """The optimizer model of onnxblock's AdamW and SGD with their options, for float32 parameters (and
+    float16 mixed precision), a float16 model's own parameters and a float64 model's."""
+    from tests.autodiff.test_control_flow_grad import nested_model
+
+    mp = {"mixed_precision": "float16"} if kind == "mixed" else {}
+    if kind in ("float32", "mixed"):
+        model, loss = tm.export("mlp", dropout=0.0)[0], L.CrossEntropyLoss
+        ps = _params(model)
+    elif kind == "half":
+        case = make_case(22, dtype=np.float16)
+        model, loss = case.with_loss, None
+        ps = [p for p in _params(model) if not p.startswith("bn_") and p not in case.no_train]
+    else:
+        model, loss = nested_model(), None
+        ps = ["w", "u", "v"]
+    artifacts.generate_artifacts(onnx.ModelProto.FromString(model.SerializeToString()), requires_grad=ps,
+                                 loss=loss, optimizer=OPTIMIZER_BLOCKS[block](),
+                                 artifact_directory=str(tmp_path), **mp)
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    m = onnx.load(str(tmp_path / "optimizer_model.onnx"))
+    check_emitted(m, feeds_for(m, {k: p.data for k, p in state.parameters}), f"{kind} {block}",
+                  tol=1e-3 if kind == "half" else 1e-5)
