@@ -6,9 +6,9 @@ inference model; the GradientGraphBuilder's saved model, the legacy TrainingSess
 SGD; mixed precision, fp16 moments, accumulation, memory-efficient gradients, gradients as outputs) and the
 InferenceSession's optimized_model_filepath; over the torch zoo (tests/models.py) exported at opsets 13 to 20
 (converted to 21-23 too) and by torch's dynamo exporter, the benchmark's exports (bench/models.py),
-If/Loop/Scan models and float16 models; optimizer models of onnxblock's AdamW and SGD with their options.
-Also the graphs a pipeline stage dumps, and the models `onnxtrain train`, `export`, `gradient-graph` and
-`artifacts` write. (A horizontally split session writes no graph: it warns, README.)
+onnxtrain.zoo's models, If/Loop/Scan models and float16 models; optimizer models of onnxblock's AdamW and
+SGD with their options. Also the graphs a pipeline stage dumps, and the models `onnxtrain train`, `export`,
+`gradient-graph` and `artifacts` write. (A horizontally split session writes no graph: it warns, README.)
 
 Half precision is compared within 5 %: onnxruntime's CPU provider runs a float16 op it has no kernel for in
 float32 and drops the Casts between two such ops, so a chain of them (a BatchNormalization's backward into a
@@ -272,6 +272,20 @@ def _bench(key: str, folder: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray
     return model, {case.input_name: batch["x0"], "labels": batch["y0"]}
 
 
+def _package_zoo(name: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """A model of onnxtrain.zoo (what `onnxtrain train`'s builders make), with its loss first."""
+    from onnxtrain import zoo
+
+    rng = np.random.default_rng(0)
+    model = {"mlp": lambda: zoo.mlp([16, 8, 4]), "cnn": lambda: zoo.cnn(batch_norm=True),
+             "stn": zoo.spatial_transformer, "transformer": zoo.transformer}[name]()
+    x = {"mlp": lambda: rng.standard_normal((3, 16)).astype(np.float32),
+         "transformer": lambda: rng.integers(0, 10, (3, 8))}.get(
+        name, lambda: rng.standard_normal((3, 1, 8, 8)).astype(np.float32))()
+    y = rng.integers(0, 10, (3, 8) if name == "transformer" else 3) % (4 if name == "mlp" else 10)
+    return model, dict(zip([i.name for i in model.graph.input], (x, y)))
+
+
 def _half(seed: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """A float16 random model (tests/engine/random_models.py) with its own float16 weights."""
     case = make_case(seed, dtype=np.float16)
@@ -284,7 +298,8 @@ SOURCES = [
     *(extended("zoo", (n, o)) for o in (13, 15, 18, 20)
       for n in ("mlp", "lenet_bn", "transformer_encoder", "gpt_block", "lstm_cls", "spatial_transformer")
       if not (o < 16 and n == "spatial_transformer") and not (o < 14 and n == "transformer_encoder")),
-    ("converted", ("gpt_block", 23)), ("bench", "cnn64"),
+    ("converted", ("gpt_block", 23)), ("bench", "cnn64"), ("package_zoo", "transformer"),
+    *(extended("package_zoo", n) for n in ("mlp", "cnn", "stn")),
     *(extended("bench", k) for k in ("mlp64", "transformer32", "gpt16", "mobilenet16", "resnet32")),
     *(extended("converted", (n, o)) for o in (21, 22, 23)
       for n in ("mlp", "lenet_bn", "transformer_encoder", "gpt_block", "lstm_cls", "spatial_transformer")),
@@ -301,6 +316,7 @@ def test_builder_dumps_artifacts_and_inference_dump(source: str, which, tmp_path
     model, feeds = {"zoo": lambda: _zoo_at(*which), "dynamo": lambda: _dynamo(which),
                     "converted": lambda: _converted(*which),
                     "bench": lambda: _bench(which, str(tmp_path / "bench")),
+                    "package_zoo": lambda: _package_zoo(which),
                     "control": lambda: _control_flow(which), "half": lambda: _half(which)}[source]()
     ps = [p for p in _params(model) if not p.startswith("bn_")]
     if source == "bench":  # the module's parameters (a causal mask is an initializer too)
