@@ -194,7 +194,11 @@ def _property_value(name: str, value: Any) -> int | float | str:
         _check_utf8(value, f"Property {name!r}: the value")
         return value
     if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8")
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:  # (onnxruntime-training stored them, then failed on every read)
+            raise TypeError(f"Property {name!r}: the value is not valid UTF-8 text ({e.reason} at index "
+                            f"{e.start}); checkpoints store strings as UTF-8") from None
     raise TypeError(f"Property {name!r}: a value of type {type(value).__name__} cannot be stored; "
                     "properties are int, float or str")
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain.errors import raises_as_onnxruntime
+from onnxtrain.ir.types import np_dtype_of, value_info_shape
 from onnxtrain.training.api._graph import ModelLike, is_optimizer_model, load_model
 from onnxtrain.training.api.checkpoint_state import CheckpointState
 from onnxtrain.training.api.lr_scheduler import LinearLRScheduler
@@ -72,19 +73,55 @@ class TrainingSession:
                             f"{type(inputs).__name__}")
         return list(inputs)
 
+    def _declared_outputs(self, training: bool) -> dict[str, tuple[np.dtype | None, list | None]]:
+        """Output name → (dtype, dims) the training (``True``) or eval model declares (None: not declared)."""
+        m = self._module
+        model = m._train_model if training else m._eval_model
+        if model is None:
+            return {}
+        return {v.name: (np_dtype_of(v.type), value_info_shape(v.type)) for v in model.graph.output}
+
+    def _check_buffers(self, outputs: Sequence[Any] | None, training: bool) -> None:
+        """Refuse, before the step runs, pre-allocated ``outputs`` the step's results cannot be written into
+        exactly (another count, not a writable array, another declared dtype, rank or fixed dim), so that a
+        refused train step accumulates no gradient; symbolic dims are checked after the step."""
+        if outputs is None:
+            return
+        names = self.output_names(training)
+        if isinstance(outputs, (np.ndarray, str, bytes)) or not isinstance(outputs, Sequence):
+            raise TypeError(f"outputs must be a list of arrays, one per output {names}, got "
+                            f"{type(outputs).__name__}")
+        if len(outputs) != len(names):
+            raise ValueError(f"{len(outputs)} output buffer(s) given, the model has {len(names)} output(s) "
+                             f"{names}")
+        declared = self._declared_outputs(training)
+        for name, buf in zip(names, outputs):
+            if not isinstance(buf, np.ndarray):
+                raise TypeError(f"output buffer for {name!r} must be a numpy array, got {type(buf).__name__}")
+            dtype, dims = declared.get(name, (None, None))
+            if dtype is not None and buf.dtype != dtype:
+                raise TypeError(f"output buffer for {name!r} must be of dtype {dtype} (the output's type), "
+                                f"got {buf.dtype}")
+            if not buf.flags.writeable:
+                raise ValueError(f"output buffer for {name!r} is read-only")
+            if dims is not None and (buf.ndim != len(dims) or any(
+                    isinstance(d, int) and d >= 0 and d != n for d, n in zip(dims, buf.shape))):
+                raise ValueError(f"output buffer for {name!r} must be an array of shape {dims}, got "
+                                 f"{buf.shape}")
+
     @staticmethod
     def _deliver(results: list[np.ndarray], outputs: Sequence[np.ndarray] | None,
                  names: list[str]) -> list[np.ndarray]:
+        """The step's ``results``, or ``outputs`` (checked by :meth:`_check_buffers`) filled with them."""
         if outputs is None:
             return results
-        if len(outputs) != len(results):
-            raise ValueError(f"{len(outputs)} output buffer(s) given, the model has {len(results)} output(s) "
-                             f"{names}")
         for name, buf, res in zip(names, outputs, results):
-            if not isinstance(buf, np.ndarray) or buf.shape != res.shape:
+            if buf.shape != res.shape:
                 raise ValueError(f"output buffer for {name!r} must be an array of shape {res.shape}, got "
-                                 f"{getattr(buf, 'shape', type(buf).__name__)}")
-            np.copyto(buf, res, casting="same_kind")
+                                 f"{buf.shape}")
+            if buf.dtype != res.dtype:  # (an output the model declares no type for)
+                raise TypeError(f"output buffer for {name!r} must be of dtype {res.dtype}, got {buf.dtype}")
+            np.copyto(buf, res)
         return list(outputs)
 
     @raises_as_onnxruntime
@@ -95,6 +132,7 @@ class TrainingSession:
         ``inputs``: arrays in :meth:`input_names` order (training) or a dict by name. Returns the
         training model's outputs (loss first), or fills and returns the pre-allocated ``outputs``.
         """
+        self._check_buffers(outputs, True)
         results = self._module._run_step(self._feeds(inputs, True), training=True)
         return self._deliver(results, outputs, self.output_names(True))
 
@@ -102,6 +140,7 @@ class TrainingSession:
     def eval_step(self, inputs: Sequence[Any] | Mapping[str, Any],
                   outputs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         """Run the eval model on one batch (gradients untouched)."""
+        self._check_buffers(outputs, False)
         results = self._module._run_step(self._feeds(inputs, False), training=False)
         return self._deliver(results, outputs, self.output_names(False))
 
