@@ -107,4 +107,5 @@ def test_cut_sessions_sum_half_gradients_in_float32(tmp_path) -> None:
         for mode, micro in (("pipeline", MICRO), ("horizontal", 1)):
             want = one_process(kind, micro)
             for w in ("W1", "W2"):
-                np.testing.assert_array_equal(got[f"{kind}.{mode}.{w}"], want[w], err_msg=f"{kind} {mode} {w}")
+                key = f"{kind}.{mode}.{w}"
+                np.testing.assert_array_equal(got[key], want[w], err_msg=key)
