@@ -28,7 +28,6 @@ from typing import Any
 import onnx
 
 from onnxtrain.engine.interface import MAX_PROFILE_EVENTS, GraphInterface, ProfileEvent
-from onnxtrain.inference import claim_trace_path, optimized_model_path, write_chrome_trace
 from onnxtrain.user_warning import warn
 
 OPTION = "SessionOptions.optimized_model_filepath"
@@ -43,6 +42,7 @@ def write_optimized_model(options: Any, model: onnx.ModelProto) -> None:
     """Write ``model`` to the options' ``optimized_model_filepath`` when set, as a session of
     onnxruntime-training writes its optimized graph while it is made."""
     if session_option(options, "optimized_model_filepath"):
+        from onnxtrain.inference import optimized_model_path
         from onnxtrain.ir.io import save_dump
 
         save_dump(model, optimized_model_path(options), OPTION)
@@ -75,6 +75,8 @@ class SessionProfile:
     and initialization, its runs and its plans' node events."""
 
     def __init__(self, options: Any, what: str, from_file: bool, loading: tuple[int, int]) -> None:
+        from onnxtrain.inference import claim_trace_path  # (only profiled sessions load the module)
+
         self.what = what
         self.ended = False
         try:
@@ -110,6 +112,8 @@ class SessionProfile:
         self.ended = True
         for plan in self.plans:
             plan.profiling = False
+        from onnxtrain.inference import write_chrome_trace
+
         try:
             return write_chrome_trace(self.plans, "", self.events, self.origin, path=self.path)
         except OSError as e:
