@@ -13,6 +13,9 @@ the batch size stays the config's, so N ranks train as one process would); gradi
 by the session. Rank 0 alone prints the progress bar and writes metrics, plots, checkpoints and the
 export; eval is sharded over the ranks; on ``--resume`` every rank reads rank 0's latest checkpoint
 (under Adasum, where each rank's optimizer state is its own, the checkpoint holds every rank's).
+With ``training.parameters.horizontal_parallel_size = H`` the H ranks of one split take the same batches
+(the data is split over the N / H replicas only); eval, checkpoints and the export read the whole model's
+state, which the ranks gather from their shares.
 """
 
 from __future__ import annotations
@@ -198,13 +201,28 @@ class Trainer:
         if self.main and s.kind == "constant" and s.final_lr_ratio:
             print(f"onnxtrain: warning: schedule.final_lr_ratio ({s.final_lr_ratio}) has no effect with "
                   "schedule.kind constant (the rate stays optimizer.lr after the warm-up)", file=sys.stderr)
-        if t.batch_size % w.size:
-            raise ConfigError("training.batch_size", f"{t.batch_size} does not split evenly over the "
-                                                     f"{w.size} ranks mpiexec started (each rank takes an "
-                                                     "equal part of every batch)")
+        # horizontal parallelism: the H ranks of one split (rank = replica · H + share) take the same batches,
+        # so the data is split over the replicas only
+        self.split = int(t.parameters.get("horizontal_parallel_size", 1))
+        if self.split > 1 and w.size % self.split:
+            how = "without mpiexec there is one" if w.size == 1 else f"mpiexec started {w.size}"
+            raise ConfigError("training.parameters.horizontal_parallel_size",
+                              f"{self.split} needs a multiple of {self.split} ranks (the ranks of one split, "
+                              f"times the data-parallel replicas), but {how}; run mpiexec -n {self.split} "
+                              "onnxtrain train ...")
+        self.replicas = w.size // self.split
+        self.replica = w.rank // self.split
+        if t.batch_size % self.replicas:
+            over = (f"{w.size} ranks mpiexec started (each rank takes" if self.split == 1 else
+                    f"{self.replicas} data-parallel replicas of the {w.size} ranks mpiexec started (each "
+                    "replica takes")
+            raise ConfigError("training.batch_size", f"{t.batch_size} does not split evenly over the {over} "
+                                                     "an equal part of every batch)")
         self.model = build_model(cfg)
         self.data = feed_names(cfg, self.model, data_mod.load_data(cfg))
         self.params = training_parameters(cfg, self.model)
+        if self.split > 1 and t.data_parallel_size == 1:  # the default: the world's replicas, unwarned
+            self.params.data_parallel_size = self.replicas
         # whether the session exchanges updates by Adasum (parallel.exchange_mode: ZeRO stage 1 wins over it)
         self.adasum = w.size > 1 and bool(self.params.enable_adasum) and self.params.deepspeed_zero_stage != 1
         # onnxruntime seeds its random nodes (but Dropout) when their session is built: seeded here from the
@@ -215,7 +233,7 @@ class Trainer:
         self.layout = optimizer_layout(self.sess, self.comm)
         # (the statistics an exporter merged are held apart, under their layers' names)
         inits = {i.name for i in with_own_statistics(self.model).graph.initializer}
-        self.weight_names = [n for n in self.sess.get_state() if n in inits]
+        self.weight_names = [n for n in self.whole_state() if n in inits]
         self.evaluate = Evaluator(cfg, self.model, self.weight_names, self.comm)
         self.micro = t.gradient_accumulation_steps
         self.steps_per_epoch = self.data.n_train // (t.batch_size * self.micro)
@@ -243,11 +261,17 @@ class Trainer:
         """Seed the random nodes without a ``seed`` attribute (Dropout, RandomNormal, ...) for optimizer step
         ``step`` from (training.seed, step): a resumed run draws what an uninterrupted one draws. Under
         mpiexec each rank draws its own values (the rank is part of the seed)."""
-        key = [self.cfg.training.seed, step, *([self.rank] if self.ranks > 1 else [])]
+        key = [self.cfg.training.seed, step, *([self.replica] if self.replicas > 1 else [])]
         set_random_seed(int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0]))
 
+    def whole_state(self) -> dict[str, np.ndarray]:
+        """The session's state under the model's names: a horizontally split rank's gathered from every
+        share (then a collective: every rank calls it)."""
+        return self.sess.gather_state() if self.split > 1 else self.sess.get_state()
+
     def weights(self) -> dict[str, np.ndarray]:
-        state = self.sess.get_state()
+        """The model's weights as trained so far (a collective under horizontal parallelism)."""
+        state = self.whole_state()
         return {n: state[n] for n in self.weight_names}
 
     def eval_weights(self) -> dict[str, np.ndarray]:
@@ -519,7 +543,8 @@ class Trainer:
                             st.epoch_rng = data_mod.rng_state_to_str(rng)
                             perm = rng.permutation(n)
                         idx = perm[st.epoch_pos:st.epoch_pos + t.batch_size]
-                        mine = parallel.split_batch(idx, size=self.ranks) if self.ranks > 1 else idx
+                        mine = (parallel.split_batch(idx, rank=self.replica, size=self.replicas)
+                                if self.replicas > 1 else idx)
                         feeds = {k: v[mine] for k, v in self.data.train.items()}
                         feeds[name] = lr_feed
                         if scaler is None:
@@ -599,8 +624,9 @@ class Trainer:
         exported = None
         if self.cfg.output.export:  # (before the plot, which needs matplotlib)
             exported = os.path.join(self.out, "model.onnx")
+            weights = self.weights() if main or self.split > 1 else {}  # (split: gathered on every rank)
             if main:
-                export_model(self.model, self.cfg, self.weights(), exported)
+                export_model(self.model, self.cfg, weights, exported)
         if self.cfg.output.plot and main:
             try:
                 plot_metrics(_read_records(self.metrics_path), os.path.join(self.out, "metrics.png"),
