@@ -187,3 +187,16 @@ def test_split_run_with_options_is_one_process_run(extra: list[str], tol: float,
                 assert g[k] == pytest.approx(w[k], rel=tol), (g, w)
         if "eval_accuracy" in w:
             assert g["eval_accuracy"] == w["eval_accuracy"], (g, w)
+
+
+def test_split_run_resumes_one_process_checkpoint(reference: str, tmp_path) -> None:
+    """One process trains 10 steps; the 2 split ranks resume its checkpoint (cutting its whole weights into
+    shares) and end as one process's uninterrupted run; the changed key is named in the warning."""
+    from onnxtrain.cli import main
+
+    out = str(tmp_path / "run")
+    assert main(["train", CONFIG, *SETS, "--set", "training.steps=10", "--output-dir", out, "-q"]) == 0
+    r = mpiexec(["-n", "2", *train_cmd(*SPLIT, "--output-dir", out, "--resume", "-q")], timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "training.parameters.horizontal_parallel_size" in r.stderr, r.stderr
+    assert_same_run(out, reference)
