@@ -176,14 +176,8 @@ LEGACY_CASES = [("transformer_encoder", "adam_mp"), ("lenet_bn", "adam_grads_out
                   for c in LEGACY)]
 
 
-@pytest.mark.parametrize(("name", "config"), LEGACY_CASES)
-def test_legacy_session_dumps(name: str, config: str, tmp_path) -> None:
-    model, feeds, _ = tm.export(name, training=True, with_loss=True, dropout=0.0)
-    opt, params = LEGACY[config]
-    p = TrainingParameters()
-    p.loss_output_name, p.training_optimizer_name = "loss", opt
-    for k, v in params.items():
-        setattr(p, k, v)
+def _write_dumps(model: onnx.ModelProto, p: TrainingParameters, tmp_path) -> dict[str, str]:
+    """Build a legacy session of ``model`` asked for every dump and the optimized model; the paths by kind."""
     paths = {k: str(tmp_path / f"{k}.onnx") for k in (*DUMPS, "optimized")}
     for k in DUMPS:
         setattr(p, k, paths[k])
@@ -192,6 +186,18 @@ def test_legacy_session_dumps(name: str, config: str, tmp_path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # recompute options that select nothing
         TrainingSession(model.SerializeToString(), p, so)
+    return paths
+
+
+@pytest.mark.parametrize(("name", "config"), LEGACY_CASES)
+def test_legacy_session_dumps(name: str, config: str, tmp_path) -> None:
+    model, feeds, _ = tm.export(name, training=True, with_loss=True, dropout=0.0)
+    opt, params = LEGACY[config]
+    p = TrainingParameters()
+    p.loss_output_name, p.training_optimizer_name = "loss", opt
+    for k, v in params.items():
+        setattr(p, k, v)
+    paths = _write_dumps(model, p, tmp_path)
     half = params.get("use_mixed_precision", False)
     for k, path in paths.items():
         m = onnx.load(path)
@@ -346,14 +352,7 @@ def test_builder_dumps_artifacts_and_inference_dump(source: str, which, tmp_path
 
     p = TrainingParameters()
     p.loss_output_name, p.training_optimizer_name, p.weights_to_train = loss, "AdamOptimizer", set(ps)
-    paths = {k: str(tmp_path / f"{k}.onnx") for k in (*DUMPS, "optimized")}
-    for k in DUMPS:
-        setattr(p, k, paths[k])
-    so = _options("numpy")
-    so.optimized_model_filepath = paths["optimized"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        TrainingSession(model.SerializeToString(), p, so)
+    paths = _write_dumps(model, p, tmp_path)
     for k, path in paths.items():
         check(k, path, known)
 
