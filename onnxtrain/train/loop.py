@@ -681,8 +681,13 @@ WEIGHT_NEUTRAL_KEYS = frozenset({"training.keep_checkpoints", "training.checkpoi
                                  "training.log_every", "training.eval_every", "training.eval_batch_size"})
 
 
+# how the ranks share the work: a resumed run with another value goes on as an uninterrupted one (within
+# float32 rounding, as with another number of ranks), so a change is not warned about
+LAYOUT_KEYS = frozenset({"training.parameters.horizontal_parallel_size"})
+
+
 def _cannot_change_weights(key: str) -> bool:
-    return key in WEIGHT_NEUTRAL_KEYS or key.startswith("output.")
+    return key in WEIGHT_NEUTRAL_KEYS or key in LAYOUT_KEYS or key.startswith("output.")
 
 
 _UNREADABLE = (ValueError, TypeError, KeyError, IndexError, AttributeError)
