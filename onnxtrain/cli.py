@@ -244,7 +244,6 @@ def _gradient_graph(a: argparse.Namespace) -> int:
     from onnxtrain.autodiff import build_gradient_model
     from onnxtrain.autodiff.legacy import outputs_in_model_order
     from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
-    from onnxtrain.ir.builder import value_types
     from onnxtrain.ir.io import save_model_sized
     from onnxtrain.ir.large import check_model_full
     from onnxtrain.training_graph import discover_trainable
@@ -284,7 +283,7 @@ def _gradient_graph(a: argparse.Namespace) -> int:
     outputs_in_model_order(out, model, wrt, keep_others=True)  # a loss that was no output of the model first
     # float16/bfloat16 scatters that add in float32, as the GradientGraphBuilder writes them (onnxruntime's
     # CPU provider has no half kernel for them)
-    out = half_scatters_in_float32(out, lambda: value_types(out))
+    out = half_scatters_in_float32(out)
     check_model_full(out)
     save_model_sized(out, a.output)
     print(f"wrote {a.output}: {_plural(len(out.graph.node), 'node')}, gradients of {a.loss!r} "

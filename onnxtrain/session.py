@@ -42,7 +42,7 @@ from onnxtrain.inference import (
     profile_session_start,
 )
 from onnxtrain.interrupts import sigint_deferred
-from onnxtrain.ir.builder import gc_paused, loadable_model, value_types
+from onnxtrain.ir.builder import gc_paused, loadable_model
 from onnxtrain.ir.graphs import model_for_outputs, with_input_values
 from onnxtrain.ir.io import save_dump
 from onnxtrain.locks import fork_safe_rlock
@@ -135,7 +135,7 @@ def dumped_graph(model: onnx.ModelProto, store: Mapping[str, np.ndarray],
     bfloat16 scatters that add computed in float32, as in the GradientGraphBuilder's model (onnxruntime's CPU
     provider has no half kernel for them)."""
     model = with_input_values(model, {**store, TRAINING_MODE: np.asarray(dropout_default)})
-    return half_scatters_in_float32(model, lambda: value_types(model))
+    return half_scatters_in_float32(model)
 
 
 class TrainingSession(DataParallelSteps, HalfSteps, InferenceSession):

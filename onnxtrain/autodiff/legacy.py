@@ -11,7 +11,7 @@ import onnx
 from onnxtrain.autodiff.builder import GradientError, build_gradient_model
 from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
 from onnxtrain.errors import FailValueError, program_hint, raises_as_onnxruntime
-from onnxtrain.ir.builder import loadable_model, value_types
+from onnxtrain.ir.builder import loadable_model
 from onnxtrain.ir.graphs import graph_values
 
 
@@ -97,7 +97,7 @@ class GradientGraphBuilder:
         # float16 scatters that add (a Gather's, a MaxPool's, a cross-entropy's gradient) in float32, Casts
         # around them: onnxruntime's CPU provider has no float16 kernel for them, so the graph would not run
         # there (standard ops either way; repeated indices are then summed in float32 and rounded once)
-        self._built = half_scatters_in_float32(built, lambda: value_types(built))
+        self._built = half_scatters_in_float32(built)
         self._model = None  # (its weights are in the result too: the builder held them twice)
 
     def _result(self) -> onnx.ModelProto:

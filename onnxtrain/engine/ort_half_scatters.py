@@ -20,7 +20,7 @@ from collections.abc import Callable
 import onnx
 from onnx import TensorProto, helper
 
-from onnxtrain.ir.builder import NameGen
+from onnxtrain.ir.builder import NameGen, value_types
 from onnxtrain.ir.graphs import DEFAULT_DOMAINS, walk_graphs
 
 _SCATTERS = ("ScatterElements", "ScatterND")
@@ -47,14 +47,17 @@ def _body_types(model: onnx.ModelProto) -> dict[str, int]:
     return out
 
 
-def half_scatters_in_float32(model: onnx.ModelProto, typed: Callable[[], dict]) -> onnx.ModelProto:
+def half_scatters_in_float32(
+    model: onnx.ModelProto, typed: Callable[[], dict] | None = None
+) -> onnx.ModelProto:
     """``model`` with each combining scatter of float16 or bfloat16 data computed in float32 (a copy), or
-    ``model`` itself."""
+    ``model`` itself. ``typed()``: the model's value types (default: inferred from ``model``)."""
     graphs = list(walk_graphs(model.graph))
     where = [k for k, g in enumerate(graphs) if any(_combines(n) for n in g.node)]
     if not where:
         return model
-    types = {name: tp.tensor_type.elem_type for name, tp in typed().items() if tp.HasField("tensor_type")}
+    known = typed() if typed is not None else value_types(model)
+    types = {name: tp.tensor_type.elem_type for name, tp in known.items() if tp.HasField("tensor_type")}
     if where != [0]:  # a body's values are not in ``typed()``
         types = {**_body_types(model), **types}
 

@@ -110,7 +110,7 @@ from onnxtrain.engine.ort_half_scatters import half_scatters_in_float32
 from onnxtrain.errors import program_hint
 from onnxtrain.graph_transforms import mixed_precision as mp_pass
 from onnxtrain.graph_transforms.recompute import recompute_or_warn
-from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset, pausing_gc, value_types
+from onnxtrain.ir.builder import FLOAT_TYPES, NameGen, model_opset, pausing_gc
 from onnxtrain.ir.graphs import (
     chain_shared_batch_norms,
     in_topological_order,
@@ -634,7 +634,7 @@ def build_training_models(
                            recompute=recompute, weights=params)
     # float16/bfloat16 scatters that add in float32, as the GradientGraphBuilder writes them: onnxruntime's
     # CPU provider has no half kernel for them, so the training model would not run there
-    grad = half_scatters_in_float32(grad, lambda: value_types(grad))
+    grad = half_scatters_in_float32(grad)
     training = _with_accumulation(grad, wrt)
     _repeat_outputs(training, all_outs)
     if mixed_precision is not None:
