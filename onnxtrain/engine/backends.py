@@ -287,9 +287,13 @@ def numpy_fuse(options: Any) -> bool | None:
             f"SessionOptions.execution_order = {name} has no effect on the numpy engine, which runs the "
             "nodes in the graph's order"
         )
-    if getattr(options, "enable_profiling", False):
-        return False
-    return False if optimizations_off(options) else None
+    return fusion_choice(options)
+
+
+def fusion_choice(options: Any) -> bool | None:
+    """The numpy plan's ``fuse`` for these SessionOptions, without :func:`numpy_fuse`'s warnings: off when
+    profiling (one event per node of the model) or with graph optimisations off, else None (the default)."""
+    return False if getattr(options, "enable_profiling", False) or optimizations_off(options) else None
 
 
 def optimizations_off(options: Any) -> bool:

@@ -30,10 +30,10 @@ from onnxtrain.capi.feeds import empty_run
 from onnxtrain.capi.outputs import outputs_apart, own_outputs
 from onnxtrain.engine.backends import (
     backend_of,
+    fusion_choice,
     intra_op_threads,
     make_plan,
     numpy_fuse,
-    optimizations_off,
     session_config_entry,
 )
 from onnxtrain.engine.feed_sizes import check_same_sizes, same_size_dims, shared_dim_mismatch
@@ -233,13 +233,10 @@ def _compile(model: onnx.ModelProto, what: str, session_options: Any = None, fol
                              scalar_inputs=scalar_inputs)
         from onnxtrain.engine.plan import compile_model  # here: onnxruntime sessions never load it
 
-        # an InferenceSession's options for the numpy plan: its thread count, and no fusion without
-        # graph optimisations or when profiling (one event per node of the model) (the defaults when the
-        # options leave them unset)
-        profiled = session_option(session_options, "enable_profiling")
-        unfused = optimizations_off(session_options) or profiled
+        # an InferenceSession's options for the numpy plan: its thread count and fusion (the defaults when
+        # the options leave them unset; _check_session_options gave numpy_fuse's warnings once)
         return compile_model(model, random_state=random_state, threads=intra_op_threads(session_options),
-                             fuse=False if unfused else None)
+                             fuse=fusion_choice(session_options))
     except UnsupportedOpError as e:
         foreign = sorted({n.domain for n in model.graph.node if n.domain not in ("", "ai.onnx")})
         # (onnxruntime-training's com.microsoft operators never get here: Module translates them on load)
