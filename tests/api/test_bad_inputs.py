@@ -21,6 +21,7 @@ import onnxtrain
 from onnxtrain.capi import _pybind_state
 from onnxtrain.training import artifacts
 from onnxtrain.training.api import CheckpointState, LinearLRScheduler, Module, Optimizer, TrainingSession
+from tests.session.helpers import params
 
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
@@ -124,15 +125,6 @@ def test_inference_run_bad_output_names_and_feed_containers():
 
 
 # ---------------------------------------------------------------- legacy TrainingSession
-def _params(**options) -> onnxtrain.TrainingParameters:
-    p = onnxtrain.TrainingParameters()
-    p.loss_output_name = "loss"
-    p.training_optimizer_name = "SGDOptimizer"
-    for k, v in options.items():
-        setattr(p, k, v)
-    return p
-
-
 @pytest.mark.parametrize("options, error, named", [
     ({"training_optimizer_name": "Foo"}, ValueError, "Foo"),
     ({"loss_output_name": "nope"}, ValueError, "nope"),
@@ -164,7 +156,7 @@ def test_training_session_construction_names_the_bad_option(tmp_path, options, e
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(error, match=named) as e:
-            onnxtrain.TrainingSession(path, _params(**options))
+            onnxtrain.TrainingSession(path, params(**options))
     assert isinstance(e.value, RuntimeError)  # onnxruntime's binding raised RuntimeErrors (Fail)
 
 
@@ -185,7 +177,7 @@ def test_training_parameters_refuse_values_of_another_type_naming_the_option(nam
 def test_training_session_run_refuses_bad_feeds_and_trains_nothing():
     """Each bad feed (drawn as for InferenceSession, plus the learning rate's) is refused naming the input,
     and the weights stay as they were: the next good run is one SGD step from the initial weights."""
-    sess = onnxtrain.TrainingSession(_linear(loss=True).SerializeToString(), _params())
+    sess = onnxtrain.TrainingSession(_linear(loss=True).SerializeToString(), params())
     w0, b0 = (sess.get_state()[k].copy() for k in ("W", "B"))
     lr = np.array([0.1], np.float32)
     cases = [(label, {**feeds, "Learning_Rate": lr}) for label, feeds in

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxtrain
 from onnxtrain.errors import Fail
 from onnxtrain.training import artifacts
+from tests.session.helpers import params
 
 ort = pytest.importorskip("onnxruntime")
 RNG = np.random.default_rng(11)
@@ -36,15 +37,6 @@ def _mlp() -> onnx.ModelProto:
          helper.make_tensor_value_info("probability", TensorProto.FLOAT, ["N", 3])],
         [numpy_helper.from_array(W0, "W"), numpy_helper.from_array(np.zeros(3, np.float32), "B")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-
-
-def _params(**fields) -> onnxtrain.TrainingParameters:
-    p = onnxtrain.TrainingParameters()
-    p.loss_output_name = "loss"
-    p.training_optimizer_name = "SGDOptimizer"
-    for k, v in fields.items():
-        setattr(p, k, v)
-    return p
 
 
 def _twice_written() -> onnx.ModelProto:
@@ -79,7 +71,7 @@ def test_a_name_defined_twice_is_refused_as_onnxruntime_refuses_it(make, name: s
     with pytest.raises(Exception, match="(?i)duplicate definition"):
         ort.InferenceSession(data, providers=["CPUExecutionProvider"])
     for build in (lambda: onnxtrain.InferenceSession(data),
-                  lambda: onnxtrain.TrainingSession(data, _params()),
+                  lambda: onnxtrain.TrainingSession(data, params()),
                   lambda: onnxtrain.GradientGraphBuilder(data, {"loss"}, {"W", "B"}, "loss")):
         with pytest.raises(Fail, match=f"'{name}'"):
             build()
@@ -120,7 +112,7 @@ def test_nodes_out_of_order_are_sorted_as_onnxruntime_sorts_them(tmp_path) -> No
     lr = np.array([0.1], np.float32)
     runs = []
     for model in (ordered, backwards):
-        sess = onnxtrain.TrainingSession(model, _params())
+        sess = onnxtrain.TrainingSession(model, params())
         runs.append([sess.run(["loss"], {"x": x, "y": y, "Learning_Rate": lr})[0] for _ in range(3)])
     np.testing.assert_array_equal(runs[0], runs[1])
     for folder, model in (("a", _mlp()), ("b", _reversed(_mlp()))):
@@ -151,7 +143,7 @@ def test_a_weight_that_reaches_the_loss_only_through_ops_without_a_gradient_is_n
     data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
     with pytest.raises(Fail, match="no trainable weight reaches the loss: 'W' does not reach 'loss' through "
                                    "a differentiable path \\(it passes through 'rounding' \\(Round\\)"):
-        onnxtrain.TrainingSession(data, _params())
+        onnxtrain.TrainingSession(data, params())
 
 
 @pytest.mark.parametrize("name, why", [("loss", "node 'mean' \\(ReduceMean\\) computes it"),
@@ -161,7 +153,7 @@ def test_a_weight_that_reaches_the_loss_only_through_ops_without_a_gradient_is_n
 def test_learning_rate_feed_named_like_a_value_of_the_model_is_refused(name: str, why: str) -> None:
     # 'loss' stepped with the computed loss as its learning rate (27.5 times the fed rate), silently
     with pytest.raises(ValueError, match=why):
-        onnxtrain.TrainingSession(_mlp().SerializeToString(), _params(lr_params_feed_name=name))
+        onnxtrain.TrainingSession(_mlp().SerializeToString(), params(lr_params_feed_name=name))
 
 
 @pytest.mark.parametrize("value", ["logits", "W"])
@@ -174,7 +166,7 @@ def test_a_model_value_named_like_the_accumulation_output_is_refused_by_name(val
         n.output[:] = ["Group_Accumulated_Gradients" if x == value else x for x in n.output]
     for t in m.graph.initializer:
         t.name = "Group_Accumulated_Gradients" if t.name == value else t.name
-    p = _params(gradient_accumulation_steps=2)
+    p = params(gradient_accumulation_steps=2)
     if value == "W":
         p.weights_to_train = {"B"}
     with pytest.raises(ValueError, match="a value named 'Group_Accumulated_Gradients'.*rename it"):
@@ -185,7 +177,7 @@ def test_a_model_value_named_like_the_accumulation_output_is_refused_by_name(val
 def test_learning_rate_feed_may_be_a_one_value_float_input() -> None:
     m = _mlp()
     m.graph.input.append(helper.make_tensor_value_info("rate", TensorProto.FLOAT, [1]))
-    s = onnxtrain.TrainingSession(m.SerializeToString(), _params(lr_params_feed_name="rate"))
+    s = onnxtrain.TrainingSession(m.SerializeToString(), params(lr_params_feed_name="rate"))
     x, y = RNG.standard_normal((5, 4)).astype(np.float32), RNG.standard_normal((5, 3)).astype(np.float32)
     s.run(["loss"], {"x": x, "y": y, "rate": np.array([0.1], np.float32)})
     d = x @ W0 - y  # B starts at zero
@@ -204,7 +196,7 @@ def test_path_only_evaluation_needs_only_the_inputs_on_the_path() -> None:
     x = RNG.standard_normal((6, 4)).astype(np.float32)
     logits = x.astype(np.float64) @ W0  # B starts at zero
     want = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-    s = onnxtrain.TrainingSession(data, _params())
+    s = onnxtrain.TrainingSession(data, params())
     before = s.get_state()
     got = s.run(["probability"], {"x": x}, _path_only())[0]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
@@ -224,7 +216,7 @@ def test_an_empty_model_file_is_refused_by_name(tmp_path) -> None:
     with pytest.raises(Exception, match="No graph was found"):
         ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for build in (lambda: onnxtrain.InferenceSession(str(path)),
-                  lambda: onnxtrain.TrainingSession(str(path), _params())):
+                  lambda: onnxtrain.TrainingSession(str(path), params())):
         with pytest.raises(RuntimeError, match="empty.onnx .0 bytes. holds no graph"):
             build()
 
@@ -236,7 +228,7 @@ def test_an_initializer_whose_data_does_not_fill_its_shape_is_refused_by_name() 
     with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail, match="Incompatible dimensions"):
         ort.InferenceSession(data, providers=["CPUExecutionProvider"])
     for build in (lambda: onnxtrain.InferenceSession(data),
-                  lambda: onnxtrain.TrainingSession(data, _params())):
+                  lambda: onnxtrain.TrainingSession(data, params())):
         with pytest.raises(Fail, match="initializer 'W' of shape \\[4, 4\\] holds 48 bytes"):
             build()
 
@@ -247,7 +239,7 @@ def test_an_integer_loss_is_named() -> None:
     m.graph.output.append(helper.make_tensor_value_info("iloss", TensorProto.INT64, []))
     with pytest.raises(ValueError, match="loss_output_name 'iloss' is a tensor of int64"):  # it blamed
         onnxtrain.TrainingSession(m.SerializeToString(),  # weights_to_train
-                                  _params(loss_output_name="iloss"))
+                                  params(loss_output_name="iloss"))
 
 
 def test_a_loss_of_many_values_trains_on_their_sum_with_a_warning() -> None:
@@ -255,7 +247,7 @@ def test_a_loss_of_many_values_trains_on_their_sum_with_a_warning() -> None:
     m.graph.node.append(helper.make_node("Mul", ["d", "d"], ["per_value"], name="sq2"))
     m.graph.output.append(helper.make_tensor_value_info("per_value", TensorProto.FLOAT, ["N", 3]))
     with pytest.warns(UserWarning, match="'per_value' is declared of shape \\['N', 3\\].*sum of its values"):
-        s = onnxtrain.TrainingSession(m.SerializeToString(), _params(loss_output_name="per_value"))
+        s = onnxtrain.TrainingSession(m.SerializeToString(), params(loss_output_name="per_value"))
     x, y = RNG.standard_normal((5, 4)).astype(np.float32), RNG.standard_normal((5, 3)).astype(np.float32)
     s.run(["per_value"], {"x": x, "y": y, "Learning_Rate": np.array([0.01], np.float32)})
     d = x.astype(np.float64) @ W0 - y
@@ -268,7 +260,7 @@ def test_an_integer_weight_asked_for_is_left_out_with_a_warning() -> None:
     m.graph.node.append(helper.make_node("Tile", ["probability", "reps"], ["tiled"], name="tile"))
     m.graph.output.append(helper.make_tensor_value_info("tiled", TensorProto.FLOAT, None))
     with pytest.warns(UserWarning, match="\\['reps'\\] are not of a float type and are not trained"):
-        s = onnxtrain.TrainingSession(m.SerializeToString(), _params(weights_to_train={"W", "reps"}))
+        s = onnxtrain.TrainingSession(m.SerializeToString(), params(weights_to_train={"W", "reps"}))
     assert "reps" not in s.get_state() or s.get_state()["reps"].dtype == np.int64
 
 
@@ -276,7 +268,7 @@ def test_a_micro_step_without_the_loss_scale_is_refused_as_a_missing_input() -> 
     # it failed inside the graph (a TypeError about None at node 'LossScale_Mul')
     from onnxtrain import zoo
 
-    p = _params(training_optimizer_name="AdamOptimizer", use_mixed_precision=True,
+    p = params(training_optimizer_name="AdamOptimizer", use_mixed_precision=True,
                 gradient_accumulation_steps=4, gradient_accumulation_mode="auto")
     s = onnxtrain.TrainingSession(zoo.mlp([16, 8, 10]).SerializeToString(), p)
     x, y = RNG.standard_normal((8, 16)).astype(np.float32), RNG.integers(0, 10, 8)
@@ -294,7 +286,7 @@ def test_weights_also_declared_as_inputs_train() -> None:
     m.opset_import[0].version = 9
     m.graph.node[-1].ClearField("attribute")  # ReduceMean-9 takes keepdims as an attribute; mean of all
     m.graph.node[-1].attribute.append(helper.make_attribute("keepdims", 0))
-    s = onnxtrain.TrainingSession(m.SerializeToString(), _params())
+    s = onnxtrain.TrainingSession(m.SerializeToString(), params())
     x, y = RNG.standard_normal((5, 4)).astype(np.float32), RNG.standard_normal((5, 3)).astype(np.float32)
     s.run(["loss"], {"x": x, "y": y, "Learning_Rate": np.array([0.1], np.float32)})
     d = x.astype(np.float64) @ W0 - y
