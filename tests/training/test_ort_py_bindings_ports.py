@@ -393,3 +393,22 @@ def test_nominal_state_trains_as_the_complete_one_once_loaded(simple_net, tmp_pa
     np.testing.assert_array_equal(stepped, complete.get_contiguous_parameters().numpy())
     np.testing.assert_allclose(stepped, _flat(_torch_step(net, "AdamW", x, labels, PARAMS), PARAMS),
                                rtol=1e-5, atol=1e-6)  # 0.1 % of an AdamW step of lr
+
+
+def test_learning_rates_given_as_numpy_arrays_of_one_value(simple_net, tmp_path) -> None:
+    """The rate ``set_learning_rate`` and ``LinearLRScheduler`` take may be a 0-d or one-element numpy array
+    (a scalar output's ``.numpy()``), as onnxruntime-training 1.19.2's float arguments take them (checked:
+    ``np.array([0.3], np.float32)`` gives 0.3 as float32 there); it was a TypeError. Arrays of several values,
+    of booleans or of text stay refused, naming the learning rate."""
+    model, _ = simple_net
+    art = _generate(tmp_path, model, "SGD")
+    opt = Optimizer(art.optimizer, Module(art.training, CheckpointState.load_checkpoint(art.checkpoint)))
+    for value in (np.array([0.3], np.float32), np.array(0.3), np.array([[0.3]]), np.array([3], np.int64)):
+        opt.set_learning_rate(value)
+        assert opt.get_learning_rate() == float(np.float32(value.item()))
+        assert type(opt.get_learning_rate()) is float
+    LinearLRScheduler(opt, 0, 4, np.array([0.2], np.float32))
+    assert opt.get_learning_rate() == float(np.float32(0.2))
+    for bad in (np.array([0.1, 0.2]), np.array([], np.float32), np.array(True), np.array(["0.1"])):
+        with pytest.raises(TypeError, match="learning rate"):
+            opt.set_learning_rate(bad)

@@ -77,7 +77,10 @@ def _into(current: np.ndarray, value: np.ndarray) -> np.ndarray:
 
 
 def learning_rate_value(lr: Any) -> float:
-    """``lr`` as the float32 value the optimizer stores; TypeError for non-numbers."""
+    """``lr`` as the float32 value the optimizer stores; TypeError for non-numbers. A numpy array of one
+    int or float value counts as that value (onnxruntime-training's float arguments take one)."""
+    if isinstance(lr, np.ndarray) and lr.size == 1 and lr.dtype.kind in "iuf":
+        lr = lr.reshape(()).item()
     if isinstance(lr, (bool, np.bool_)) or not isinstance(lr, numbers.Real):
         raise TypeError(f"the learning rate must be a float, got {type(lr).__name__}")
     return float(np.float32(lr))
