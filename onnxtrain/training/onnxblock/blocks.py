@@ -382,13 +382,13 @@ class LabelEncoder(Block):
 
     def build(self, label_encoder_input_name: str) -> str:
         acc = _acc()
+        if not acc.has_value(label_encoder_input_name):  # (onnx's shape inference crashes on the node)
+            raise BlockError(f"LabelEncoder: its input {label_encoder_input_name!r} is not a value of the "
+                             "model")
         if not any(o.domain == "ai.onnx.ml" for o in acc.model.opset_import):
             acc.model.opset_import.append(onnx.helper.make_opsetid("ai.onnx.ml", 2))
-        out = acc.fresh("label_encoder.output")
-        acc.graph.node.append(onnx.helper.make_node("LabelEncoder", [label_encoder_input_name], [out],
-                                                    name=acc.names("LabelEncoder"), domain="ai.onnx.ml",
-                                                    **self.attrs))
-        return out
+        return acc.node("LabelEncoder", [label_encoder_input_name], "label_encoder.output",
+                        domain="ai.onnx.ml", **self.attrs)[0]
 
 
 __all__ = [

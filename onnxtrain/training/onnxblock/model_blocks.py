@@ -133,17 +133,18 @@ class TrainingBlock(Block):
 
         class _Build(Block):  # the user's build, run by the artifact pipeline on its copy of the base
             def build(self, *_names: str) -> Any:
+                outer.base = self.base  # the model being built: what the user's build edits through self.base
                 result.append(outer.build(*args, **kwargs))
                 return result[0]
 
         with detached() as acc:
-            self.base = acc.model
             base = onnx.ModelProto()
             base.CopyFrom(acc.model)
             names = [a for a in args if isinstance(a, str) and acc.has_value(a)]
             training, evaluation, (trainable, frozen) = build_training_models(
                 base, list(self._requires_grad), list(self._frozen), _Build(), [], names)
             acc.replace(training)
+        self.base = acc.model
         _output_names(result[0], self)
         self._parameters = ([onnx.numpy_helper.from_array(v, n) for n, v in trainable.items()],
                             [onnx.numpy_helper.from_array(v, n) for n, v in frozen.items()])
