@@ -412,3 +412,19 @@ def test_learning_rates_given_as_numpy_arrays_of_one_value(simple_net, tmp_path)
     for bad in (np.array([0.1, 0.2]), np.array([], np.float32), np.array(True), np.array(["0.1"])):
         with pytest.raises(TypeError, match="learning rate"):
             opt.set_learning_rate(bad)
+
+
+def test_a_nominal_state_refuses_any_value_as_nominal(simple_net, tmp_path) -> None:
+    """test_model_construction_with_nominal_checkpoint assigns to a parameter of a nominal state: the
+    refusal says to load all the parameter states first whatever the value, as onnxruntime-training 1.19.2
+    says for a float64 or int64 array too (checked); onnxtrain said "data type mismatch" for those, sending
+    the user to fix a dtype only to be refused again."""
+    model, _ = simple_net
+    art = _generate(tmp_path, model, nominal=True)
+    state = CheckpointState.load_checkpoint(art.nominal)
+    for value in (np.ones((10, 10), np.float32), np.ones((10, 10)), np.ones((IN, HIDDEN), np.int64),
+                  np.ones((HIDDEN, IN), np.float64)):
+        with pytest.raises(RuntimeError, match="Please load all the parameter states first"):
+            state.parameters["fc1.weight"] = value
+    with pytest.raises(KeyError, match="Parameter nope not found"):
+        state.parameters["nope"] = np.ones(3, np.float32)

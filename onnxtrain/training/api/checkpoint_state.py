@@ -476,13 +476,13 @@ class CheckpointState:
     @raises_as_onnxruntime
     def _set_param(self, name: str, value: Any) -> None:
         p = self._param(name)
+        if p.data is None:  # whatever the value, as onnxruntime-training
+            raise NominalStateError(f"Cannot copy parameter {name!r} to a nominal state. Please load all the "
+                                    f"parameter states first. {LOAD_HINT}")
         arr = value.numpy() if hasattr(value, "numpy") and not isinstance(value, np.ndarray) else value
         arr = np.asarray(arr)
         if arr.dtype != p.dtype:
             raise TypeError(f"Parameter {name!r}: data type mismatch. Expected: {p.dtype}, Got: {arr.dtype}")
-        if p.data is None:
-            raise NominalStateError(f"Cannot copy parameter {name!r} to a nominal state. Please load all the "
-                                    f"parameter states first. {LOAD_HINT}")
         if arr.shape != p.data.shape:
             raise ValueError(f"Parameter {name!r}: data shape mismatch. Expected: {p.data.shape}, "
                              f"Got: {arr.shape}")
