@@ -935,6 +935,9 @@ def build_gradient_model(
         _refuse_uncomputed(bw.fwd_nodes, x, uncomputed, only=d is None)
         if d is None:
             if not zero_unreachable:
+                if not _is_float(bw, x):  # (token ids, labels: they may well reach the loss, as indices)
+                    raise GradientError(f"{x!r} is {_type_name(elem_type(bw.types, x))}, not a float: it has "
+                                        "no gradient; leave it out of the values to differentiate")
                 why = blocked_by(bw.fwd_nodes, x, loss, bw.types, bw.opset)
                 raise GradientError(f"{x!r} does not reach {loss!r}{why}: no gradient flows back to it")
             _refuse_low_float_constant(bw, x, f"its gradient (zeros: it does not reach {loss!r})", zeros=True)
